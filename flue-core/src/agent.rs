@@ -1,0 +1,412 @@
+//! Agents: the [`Agent`] trait `#[agent]` implements, its statics, and the values a render
+//! passes to and receives from the agent function.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::data::SchemaSource;
+use crate::lifecycle::ThreadHook;
+use crate::render::RenderKind;
+
+/// An agent: durable identity and statics, plus the synchronous function rendered before every
+/// model call. `#[agent]` implements it for the value it generates; [`FnAgent`] implements it
+/// for a closure.
+pub trait Agent: Send + Sync + 'static {
+    /// Identity and statics, read without rendering.
+    fn definition(&self) -> &AgentDefinition;
+
+    /// Runs the agent function body once. Called by [`crate::render`] inside a render frame;
+    /// calling it directly panics at its first hook (no frame).
+    fn render_body(&self, props: AgentProps<'_>) -> Instruction;
+}
+
+/// An agent's identity and statics.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct AgentDefinition {
+    /// Durable identity: `^[a-z][a-z0-9_]*$`. Part of every stream path; never change it for
+    /// an agent with live instances.
+    pub name: Cow<'static, str>,
+    /// What the agent does (catalog, and its tool description when exposed as a tool).
+    pub description: Option<Cow<'static, str>>,
+    /// The schema of the creation data, validated when an instance is created.
+    pub initial_data: Option<InitialDataSpec>,
+    /// Attempt budget and wall-clock limit of one submission.
+    pub durability: Durability,
+    /// Cap on model steps per response.
+    pub max_steps: Option<u32>,
+    /// Agent-level lifecycle hooks: used when the render's `use_hooks` selection is empty, and
+    /// for at-rest operations.
+    pub hooks: Cow<'static, [ThreadHook]>,
+    /// Whether other agents may use this agent as a delegate (and it may declare parent hooks).
+    pub expose_as_tool: bool,
+    /// Lifecycle hooks this agent requires on any parent that delegates to it.
+    pub parent_hooks: Cow<'static, [ParentHookRequirement]>,
+}
+
+impl AgentDefinition {
+    /// A definition named `name` with every static at its default.
+    ///
+    /// Panics when `name` is not a valid identity (`^[a-z][a-z0-9_]*$`); `#[agent]` checks
+    /// this at compile time.
+    #[track_caller]
+    pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
+        let name = name.into();
+        if !is_identity(&name) {
+            panic!(
+                "[flue] Agent name \"{name}\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$."
+            );
+        }
+        Self::from_checked(name)
+    }
+
+    /// `new` without the identity check, for names checked at compile time.
+    #[doc(hidden)]
+    pub const fn from_checked(name: Cow<'static, str>) -> Self {
+        Self {
+            name,
+            description: None,
+            initial_data: None,
+            durability: Durability::DEFAULT,
+            max_steps: None,
+            hooks: Cow::Borrowed(&[]),
+            expose_as_tool: false,
+            parent_hooks: Cow::Borrowed(&[]),
+        }
+    }
+
+    /// Sets the description.
+    pub fn description(mut self, description: impl Into<Cow<'static, str>>) -> Self {
+        self.description = Some(description.into());
+        self
+    }
+
+    /// Declares the creation-data type.
+    pub fn initial_data<T>(mut self) -> Self
+    where
+        T: serde::de::DeserializeOwned + schemars::JsonSchema + 'static,
+    {
+        self.initial_data = Some(InitialDataSpec::of::<T>());
+        self
+    }
+
+    /// Sets the durability budget.
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// Caps model steps per response.
+    pub fn max_steps(mut self, max_steps: u32) -> Self {
+        self.max_steps = Some(max_steps);
+        self
+    }
+
+    /// Sets the agent-level lifecycle hooks.
+    pub fn hooks(mut self, hooks: impl Into<Cow<'static, [ThreadHook]>>) -> Self {
+        self.hooks = hooks.into();
+        self
+    }
+
+    /// Exposes the agent as a delegate.
+    pub fn expose_as_tool(mut self) -> Self {
+        self.expose_as_tool = true;
+        self
+    }
+
+    /// Sets the parent-hook requirements.
+    pub fn parent_hooks(
+        mut self,
+        requirements: impl Into<Cow<'static, [ParentHookRequirement]>>,
+    ) -> Self {
+        self.parent_hooks = requirements.into();
+        self
+    }
+}
+
+/// `^[a-z][a-z0-9_]*$`: the identity rule of agent names and lifecycle-hook ids.
+pub fn is_identity(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    matches!(bytes.next(), Some(b'a'..=b'z'))
+        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+}
+
+/// The creation-data type of an agent: its schema and a validating parser.
+#[derive(Clone)]
+pub struct InitialDataSpec {
+    /// The JSON Schema (for the catalog and for clients).
+    pub schema: SchemaSource,
+    /// Parses creation data, returning the normalized value or what is wrong.
+    pub parse: fn(&Value) -> Result<Value, String>,
+}
+
+impl InitialDataSpec {
+    /// The spec of type `T`.
+    pub fn of<T>() -> Self
+    where
+        T: serde::de::DeserializeOwned + schemars::JsonSchema + 'static,
+    {
+        fn parse<T: serde::de::DeserializeOwned>(value: &Value) -> Result<Value, String> {
+            T::deserialize(value)
+                .map(|_| value.clone())
+                .map_err(|error| error.to_string())
+        }
+        Self {
+            schema: SchemaSource::of::<T>(),
+            parse: parse::<T>,
+        }
+    }
+}
+
+impl fmt::Debug for InitialDataSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InitialDataSpec").finish_non_exhaustive()
+    }
+}
+
+/// Attempt budget and wall-clock limit of one submission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Durability {
+    /// Attempts before a repeatedly interrupted submission fails (default 10).
+    pub max_attempts: u32,
+    /// Wall-clock limit from the first input application (default one hour).
+    pub timeout: Duration,
+}
+
+impl Durability {
+    /// The reference defaults: 10 attempts, one hour.
+    pub const DEFAULT: Durability = Durability {
+        max_attempts: 10,
+        timeout: Duration::from_secs(3600),
+    };
+}
+
+impl Default for Durability {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// When a required parent hook runs relative to the parent's own hooks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HookStage {
+    /// Before the parent's hooks.
+    BeforeParent,
+    /// After the parent's hooks (the default).
+    #[default]
+    AfterParent,
+}
+
+/// A lifecycle hook an exposed agent requires on its direct parent.
+#[derive(Clone, Copy, Debug)]
+pub struct ParentHookRequirement {
+    /// The hook.
+    pub hook: ThreadHook,
+    /// When it runs.
+    pub stage: HookStage,
+    /// Why, shown to whoever composes this agent (non-blank).
+    pub reason: &'static str,
+}
+
+/// What the agent function receives.
+#[derive(Clone, Copy, Debug)]
+pub struct AgentProps<'a> {
+    id: Option<&'a str>,
+    kind: RenderKind,
+}
+
+impl<'a> AgentProps<'a> {
+    pub(crate) fn new(id: Option<&'a str>, kind: RenderKind) -> Self {
+        Self { id, kind }
+    }
+
+    /// The instance id.
+    ///
+    /// Panics on a render with no instance behind it (bare renders and subagent renders).
+    #[track_caller]
+    pub fn id(&self) -> &'a str {
+        match (self.id, self.kind) {
+            (Some(id), _) => id,
+            (None, RenderKind::Subagent) => panic!(
+                "[flue] A subagent render has no agent instance behind it, so `props.id()` is unavailable. Pass what the delegate needs through the task prompt."
+            ),
+            (None, RenderKind::Root) => panic!(
+                "[flue] This render has no agent instance behind it, so `props.id()` is unavailable. Pass an instance id in the render state to back it in tests and tooling."
+            ),
+        }
+    }
+
+    /// The instance id, or `None` when nothing backs it.
+    pub fn try_id(&self) -> Option<&'a str> {
+        self.id
+    }
+
+    /// Root or subagent render.
+    pub fn kind(&self) -> RenderKind {
+        self.kind
+    }
+}
+
+/// What an agent function returns: its instruction text, or nothing.
+///
+/// Converts from `&'static str`, `String`, `Cow<'static, str>`, `Option<String>` and `()`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Instruction(Option<Cow<'static, str>>);
+
+impl Instruction {
+    /// No instruction.
+    pub const NONE: Instruction = Instruction(None);
+
+    /// The text, if any.
+    pub fn as_str(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+
+    pub(crate) fn into_inner(self) -> Option<Cow<'static, str>> {
+        self.0
+    }
+}
+
+impl From<&'static str> for Instruction {
+    fn from(text: &'static str) -> Self {
+        Self(Some(Cow::Borrowed(text)))
+    }
+}
+
+impl From<String> for Instruction {
+    fn from(text: String) -> Self {
+        Self(Some(Cow::Owned(text)))
+    }
+}
+
+impl From<Cow<'static, str>> for Instruction {
+    fn from(text: Cow<'static, str>) -> Self {
+        Self(Some(text))
+    }
+}
+
+impl From<Option<String>> for Instruction {
+    fn from(text: Option<String>) -> Self {
+        Self(text.map(Cow::Owned))
+    }
+}
+
+impl From<Option<&'static str>> for Instruction {
+    fn from(text: Option<&'static str>) -> Self {
+        Self(text.map(Cow::Borrowed))
+    }
+}
+
+impl From<()> for Instruction {
+    fn from((): ()) -> Self {
+        Self(None)
+    }
+}
+
+/// A shared reference to an agent: `&'static` for zero-sized agents (what `#[agent]`
+/// generates), reference-counted otherwise.
+#[derive(Clone)]
+pub struct AgentRef(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Static(&'static dyn Agent),
+    Shared(Arc<dyn Agent>),
+}
+
+impl AgentRef {
+    /// Shares `agent`. Zero-sized agents are promoted to `&'static` without allocating.
+    pub fn new<A: Agent>(agent: A) -> Self {
+        if std::mem::size_of::<A>() == 0 {
+            // Boxing a zero-sized value does not allocate; leaking it yields a `'static` ref.
+            Self(Repr::Static(Box::leak(Box::new(agent))))
+        } else {
+            Self(Repr::Shared(Arc::new(agent)))
+        }
+    }
+
+    /// Wraps an already shared agent.
+    pub fn from_arc(agent: Arc<dyn Agent>) -> Self {
+        Self(Repr::Shared(agent))
+    }
+
+    /// The agent.
+    pub fn get(&self) -> &dyn Agent {
+        match &self.0 {
+            Repr::Static(agent) => *agent,
+            Repr::Shared(agent) => agent.as_ref(),
+        }
+    }
+
+    /// The agent's identity.
+    pub fn name(&self) -> &str {
+        &self.get().definition().name
+    }
+}
+
+impl<A: Agent> From<A> for AgentRef {
+    fn from(agent: A) -> Self {
+        Self::new(agent)
+    }
+}
+
+impl fmt::Debug for AgentRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("AgentRef").field(&self.name()).finish()
+    }
+}
+
+/// An agent from a closure: the definition plus a `Fn(AgentProps) -> impl Into<Instruction>`.
+///
+/// ```
+/// use flue_core::prelude::*;
+///
+/// let greeter = FnAgent::new(AgentDefinition::new("greeter"), |_props| {
+///     use_model("openai/gpt-4o-mini");
+///     "Greet the user."
+/// });
+/// let rendered = flue_core::render_bare(&greeter).unwrap();
+/// assert_eq!(rendered.instruction.as_deref(), Some("Greet the user."));
+/// ```
+pub struct FnAgent<F> {
+    definition: AgentDefinition,
+    body: F,
+}
+
+impl<F, I> FnAgent<F>
+where
+    F: Fn(AgentProps<'_>) -> I + Send + Sync + 'static,
+    I: Into<Instruction>,
+{
+    /// An agent with `definition` whose function is `body`.
+    pub fn new(definition: AgentDefinition, body: F) -> Self {
+        Self { definition, body }
+    }
+}
+
+impl<F, I> Agent for FnAgent<F>
+where
+    F: Fn(AgentProps<'_>) -> I + Send + Sync + 'static,
+    I: Into<Instruction>,
+{
+    fn definition(&self) -> &AgentDefinition {
+        &self.definition
+    }
+
+    fn render_body(&self, props: AgentProps<'_>) -> Instruction {
+        (self.body)(props).into()
+    }
+}
+
+impl<F> fmt::Debug for FnAgent<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FnAgent")
+            .field("definition", &self.definition)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,159 @@
+//! JSON Schemas for typed values: tool arguments and data parts.
+//!
+//! Schemas come from schemars and are generated once per type and cached, so the render path
+//! only ever copies a function pointer.
+
+use std::any::TypeId;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, OnceLock, RwLock};
+
+use schemars::JsonSchema;
+use serde_json::Value;
+
+/// A compiled JSON Schema: the document plus its validator. Cheap to clone.
+#[derive(Clone)]
+pub struct DataSchema {
+    json: Arc<Value>,
+    validator: Arc<jsonschema::Validator>,
+}
+
+impl DataSchema {
+    /// Compiles `json` (draft 2020-12 unless it says otherwise).
+    pub fn new(json: Value) -> Result<Self, SchemaError> {
+        let validator =
+            jsonschema::validator_for(&json).map_err(|error| SchemaError(error.to_string()))?;
+        Ok(Self {
+            json: Arc::new(json),
+            validator: Arc::new(validator),
+        })
+    }
+
+    /// The schema document.
+    pub fn json(&self) -> &Value {
+        &self.json
+    }
+
+    /// Validates `instance`; on failure returns every issue as `"<path>: <message>"` (`root`
+    /// for the top level), in document order.
+    pub fn validate(&self, instance: &Value) -> Result<(), Vec<String>> {
+        let issues: Vec<String> = self
+            .validator
+            .iter_errors(instance)
+            .map(|error| {
+                let path = error.instance_path().to_string();
+                let path = if path.is_empty() {
+                    "root".to_owned()
+                } else {
+                    path
+                };
+                format!("{path}: {error}")
+            })
+            .collect();
+        if issues.is_empty() {
+            Ok(())
+        } else {
+            Err(issues)
+        }
+    }
+}
+
+impl fmt::Debug for DataSchema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("DataSchema").field(&self.json).finish()
+    }
+}
+
+/// A schema document that does not compile.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid JSON Schema: {0}")]
+pub struct SchemaError(String);
+
+/// Where a declaration's schema comes from: a type (generated lazily, cached) or a document.
+#[derive(Clone)]
+pub enum SchemaSource {
+    /// Generated from a Rust type on first use.
+    Typed(fn() -> DataSchema),
+    /// Given as a compiled document.
+    Given(DataSchema),
+}
+
+impl SchemaSource {
+    /// The schema of `T`.
+    pub fn of<T: JsonSchema + 'static>() -> Self {
+        Self::Typed(schema_of::<T>)
+    }
+
+    /// Resolves the schema (generating it on first use for typed sources).
+    pub fn get(&self) -> DataSchema {
+        match self {
+            Self::Typed(generate) => generate(),
+            Self::Given(schema) => schema.clone(),
+        }
+    }
+}
+
+impl fmt::Debug for SchemaSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Typed(_) => f.write_str("SchemaSource::Typed"),
+            Self::Given(schema) => f.debug_tuple("SchemaSource::Given").field(schema).finish(),
+        }
+    }
+}
+
+type Cache = RwLock<HashMap<(TypeId, Purpose), DataSchema>>;
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Purpose {
+    Data,
+    ToolInput,
+}
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(Cache::default)
+}
+
+fn cached<T: JsonSchema + 'static>(purpose: Purpose, build: impl FnOnce() -> Value) -> DataSchema {
+    let key = (TypeId::of::<T>(), purpose);
+    if let Some(schema) = cache().read().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return schema.clone();
+    }
+    let json = build();
+    let schema = match DataSchema::new(json) {
+        Ok(schema) => schema,
+        // schemars output always compiles; keep the document so the failure is visible.
+        Err(error) => panic!(
+            "[flue] schemars produced a schema that does not compile for {}: {error}",
+            T::schema_name()
+        ),
+    };
+    cache()
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key)
+        .or_insert(schema)
+        .clone()
+}
+
+/// The JSON Schema of `T` as schemars generates it (draft 2020-12), compiled and cached.
+pub fn schema_of<T: JsonSchema + 'static>() -> DataSchema {
+    cached::<T>(Purpose::Data, || schemars::schema_for!(T).to_value())
+}
+
+/// The JSON Schema of a tool's argument type `T`, in the shape providers expect: draft
+/// 2020-12, no top-level `title` (nor `$schema`), compiled and cached.
+///
+/// Whether the root is an object is checked where tools are defined
+/// ([`crate::tool::ToolDefinition::validate_input_schema`]).
+pub fn tool_input_schema_of<T: JsonSchema + 'static>() -> DataSchema {
+    cached::<T>(Purpose::ToolInput, || {
+        let mut json = schemars::schema_for!(T).to_value();
+        if let Value::Object(map) = &mut json {
+            map.remove("title");
+            map.remove("$schema");
+        }
+        json
+    })
+}

@@ -1,0 +1,26 @@
+use super::hook;
+use crate::lifecycle::ThreadHook;
+
+/// Selects lifecycle hooks for this render (the Standard Agents "prompt hooks").
+///
+/// When the render's selection is non-empty it replaces the agent's `hooks`; when it is empty
+/// the agent's `hooks` apply. Hooks of one kind run in listed order. Several calls (from
+/// custom hooks) append. Panics when one hook is selected twice in one render.
+///
+/// Only thread hooks are accepted: a user-scope hook is a different type and does not compile.
+#[track_caller]
+pub fn use_hooks(hooks: impl IntoIterator<Item = ThreadHook>) {
+    hook("use_hooks", |frame| {
+        let mut rec = frame.rec.borrow_mut();
+        for selected in hooks {
+            if rec.hooks.contains(&selected) {
+                return Err(format!(
+                    "[flue] use_hooks() selected the lifecycle hook \"{}\" twice in one render. Select each hook once; hooks of one kind run in listed order.",
+                    selected.id()
+                ));
+            }
+            rec.hooks.push(selected);
+        }
+        Ok(())
+    });
+}

@@ -1,0 +1,98 @@
+//! # flue-core
+//!
+//! The render model of [flue-rs]: agents are synchronous functions whose body calls *hooks*
+//! (`use_model`, `use_tool`, `use_persistent_state`, …). The runtime renders the agent before
+//! every model call; each hook records onto a thread-local render frame, and the render returns
+//! a [`Rendered`] declaration. This crate holds the frame, every hook, the rules of hooks with
+//! the reference's messages, and the definitions the runtime consumes. It does no I/O.
+//!
+//! ```
+//! use flue_core::prelude::*;
+//!
+//! let support = FnAgent::new(AgentDefinition::new("support"), |_props| {
+//!     use_model("anthropic/claude-sonnet-4-5");
+//!     let (tier, _set_tier) = use_persistent_state("tier", "free".to_owned());
+//!     use_instruction(format!("The customer is on the {tier} plan."));
+//!     "You answer support questions."
+//! });
+//!
+//! let rendered = flue_core::render_bare(&support).unwrap();
+//! assert_eq!(rendered.model.unwrap().spec, "anthropic/claude-sonnet-4-5");
+//! assert_eq!(
+//!     rendered.instruction.as_deref(),
+//!     Some("You answer support questions.\n\nThe customer is on the free plan."),
+//! );
+//! ```
+//!
+//! ## The rules of hooks
+//!
+//! - Hooks run only while an agent function renders; anywhere else they panic with
+//!   `[flue] <hook>() was called outside an agent function. …`.
+//! - Renders never nest; an agent function that calls another agent's render panics.
+//! - `use_model` and `use_sandbox` at most once per render; names are unique per render
+//!   (tools, skills, subagents, state, data parts, MCP servers).
+//! - Writers (state setters, data writers, the dispatcher) panic during a render.
+//! - Data-writer names are identical on every render of a response.
+//! - Instance-scoped and client-facing hooks panic in a subagent render.
+//!
+//! Every hook is `#[track_caller]`: a misuse panics at the user's line.
+//!
+//! [flue-rs]: https://example.invalid/flue-rs
+
+pub mod abort;
+pub mod agent;
+pub mod binding;
+pub mod data;
+mod error;
+pub mod event_hooks;
+pub mod hooks;
+pub mod lifecycle;
+pub mod log;
+pub mod mcp;
+pub mod message;
+pub mod metadata;
+pub mod model;
+pub mod render;
+pub mod sandbox;
+pub mod skill;
+pub mod state;
+pub mod subagent;
+pub mod testing;
+pub mod tool;
+pub mod usage;
+
+use std::future::Future;
+use std::pin::Pin;
+
+pub use agent::{Agent, AgentDefinition, AgentProps, AgentRef, FnAgent, Instruction};
+pub use error::{RenderError, ToolNameConflict, ToolNameConflictError};
+pub use render::{
+    RenderKind, RenderState, Rendered, is_rendering, render, render_bare, try_render,
+};
+pub use tool::{Tool, ToolContext, ToolError, ToolOutput};
+
+/// A boxed, `Send` future: what the runtime-facing traits return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Everything an agent author needs: the hooks and the types they take and return.
+pub mod prelude {
+    pub use crate::abort::AbortSignal;
+    pub use crate::agent::{
+        Agent, AgentDefinition, AgentProps, AgentRef, Durability, FnAgent, HookStage, Instruction,
+    };
+    pub use crate::data::DataSchema;
+    pub use crate::event_hooks::{
+        AgentFinishContext, AgentStartContext, ResponseFinishContext, ResponseStartContext,
+    };
+    pub use crate::hooks::*;
+    pub use crate::lifecycle::{ThreadHook, ThreadState, UserHook, UserState};
+    pub use crate::mcp::McpConnection;
+    pub use crate::message::{DeliveredMessage, Signal};
+    pub use crate::metadata::Metadata;
+    pub use crate::model::{Compaction, CompactionConfig, ModelOptions, ThinkingLevel};
+    pub use crate::render::{RenderState, Rendered};
+    pub use crate::sandbox::{SandboxFactory, SandboxOptions};
+    pub use crate::skill::Skill;
+    pub use crate::subagent::Subagent;
+    pub use crate::tool::{Secret, Tool, ToolContext, ToolError, ToolOutput};
+}

@@ -1,0 +1,204 @@
+//! Standard Agents lifecycle hooks: the 17 kinds, the values they see, and the references an
+//! agent uses to select them (`use_hooks`, `#[agent(hooks = [..])]`).
+//!
+//! Thread hooks ([`ThreadHook`]) and user-scope hooks ([`UserHook`]) are different types, so
+//! selecting a user-scope hook where thread hooks are expected does not compile.
+
+mod kind;
+mod types;
+
+use std::fmt;
+
+pub use kind::HookKind;
+pub use types::{
+    ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates,
+    ThreadIdentity, ThreadState, ThreadStateApi, ToolCall, ToolCallFunction, ToolResult,
+    ToolStatus, UserState, UserStateApi,
+};
+
+use crate::BoxFuture;
+
+/// The outcome of one hook call.
+pub type HookFuture<'a, T> = BoxFuture<'a, Result<T, HookError>>;
+
+/// The typed entry point of a thread hook, one variant per kind.
+#[derive(Clone, Copy)]
+#[allow(missing_docs)] // each variant is its kind; see `HookKind`.
+pub enum ThreadHookHandler {
+    AfterThreadCreated(for<'a> fn(&'a ThreadState) -> HookFuture<'a, ()>),
+    AfterSubagentCreated(for<'a> fn(&'a ThreadState, &'a ThreadState) -> HookFuture<'a, ()>),
+    AfterSystemMessage(for<'a> fn(&'a ThreadState, String) -> HookFuture<'a, Option<String>>),
+    FilterMessages(for<'a> fn(&'a ThreadState, Vec<Message>) -> HookFuture<'a, Vec<Message>>),
+    PrefilterLlmHistory(
+        for<'a> fn(&'a ThreadState, Vec<LlmMessage>) -> HookFuture<'a, Vec<LlmMessage>>,
+    ),
+    BeforeCreateMessage(for<'a> fn(&'a ThreadState, Message) -> HookFuture<'a, Message>),
+    AfterCreateMessage(for<'a> fn(&'a ThreadState, &'a Message) -> HookFuture<'a, ()>),
+    BeforeUpdateMessage(
+        for<'a> fn(&'a ThreadState, &'a str, MessageUpdates) -> HookFuture<'a, MessageUpdates>,
+    ),
+    AfterUpdateMessage(for<'a> fn(&'a ThreadState, &'a Message) -> HookFuture<'a, ()>),
+    BeforeStoreToolResult(
+        for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, ToolResult>,
+    ),
+    AfterToolCallSuccess(
+        for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, Option<ToolResult>>,
+    ),
+    AfterToolCallFailure(
+        for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, Option<ToolResult>>,
+    ),
+    ToolCallStarted(
+        for<'a> fn(&'a ThreadState, &'a ToolCall, Option<&'a str>) -> HookFuture<'a, ()>,
+    ),
+    ToolCallDone(for<'a> fn(&'a ThreadState, &'a ToolCall, &'a ToolResult) -> HookFuture<'a, ()>),
+}
+
+impl ThreadHookHandler {
+    /// The kind this handler implements.
+    pub fn kind(&self) -> HookKind {
+        match self {
+            Self::AfterThreadCreated(_) => HookKind::AfterThreadCreated,
+            Self::AfterSubagentCreated(_) => HookKind::AfterSubagentCreated,
+            Self::AfterSystemMessage(_) => HookKind::AfterSystemMessage,
+            Self::FilterMessages(_) => HookKind::FilterMessages,
+            Self::PrefilterLlmHistory(_) => HookKind::PrefilterLlmHistory,
+            Self::BeforeCreateMessage(_) => HookKind::BeforeCreateMessage,
+            Self::AfterCreateMessage(_) => HookKind::AfterCreateMessage,
+            Self::BeforeUpdateMessage(_) => HookKind::BeforeUpdateMessage,
+            Self::AfterUpdateMessage(_) => HookKind::AfterUpdateMessage,
+            Self::BeforeStoreToolResult(_) => HookKind::BeforeStoreToolResult,
+            Self::AfterToolCallSuccess(_) => HookKind::AfterToolCallSuccess,
+            Self::AfterToolCallFailure(_) => HookKind::AfterToolCallFailure,
+            Self::ToolCallStarted(_) => HookKind::ToolCallStarted,
+            Self::ToolCallDone(_) => HookKind::ToolCallDone,
+        }
+    }
+}
+
+/// The typed entry point of a user-scope hook.
+#[derive(Clone, Copy)]
+#[allow(missing_docs)] // each variant is its kind; see `HookKind`.
+pub enum UserHookHandler {
+    UserClientAttached(for<'a> fn(&'a UserState, &'a ClientInfo) -> HookFuture<'a, ()>),
+    UserClientDetached(for<'a> fn(&'a UserState, &'a ClientInfo) -> HookFuture<'a, ()>),
+    UserValueChanged(for<'a> fn(&'a UserState, &'a str) -> HookFuture<'a, ()>),
+}
+
+impl UserHookHandler {
+    /// The kind this handler implements.
+    pub fn kind(&self) -> HookKind {
+        match self {
+            Self::UserClientAttached(_) => HookKind::UserClientAttached,
+            Self::UserClientDetached(_) => HookKind::UserClientDetached,
+            Self::UserValueChanged(_) => HookKind::UserValueChanged,
+        }
+    }
+}
+
+/// The static definition of a thread hook: id plus typed handler.
+#[derive(Debug)]
+pub struct ThreadHookDefinition {
+    /// Snake-case id, unique across the application.
+    pub id: &'static str,
+    /// The handler (its variant is the kind).
+    pub handler: ThreadHookHandler,
+}
+
+/// The static definition of a user-scope hook.
+#[derive(Debug)]
+pub struct UserHookDefinition {
+    /// Snake-case id, unique across the application.
+    pub id: &'static str,
+    /// The handler.
+    pub handler: UserHookHandler,
+}
+
+/// A reference to a thread hook: what `#[hook]` defines for a thread kind, and what
+/// `use_hooks` and `#[agent(hooks = [..])]` accept. `Copy`, one pointer wide.
+#[derive(Clone, Copy)]
+pub struct ThreadHook(&'static ThreadHookDefinition);
+
+impl ThreadHook {
+    /// Wraps a static definition.
+    pub const fn new(definition: &'static ThreadHookDefinition) -> Self {
+        Self(definition)
+    }
+
+    /// The hook's id.
+    pub fn id(&self) -> &'static str {
+        self.0.id
+    }
+
+    /// The hook's kind.
+    pub fn kind(&self) -> HookKind {
+        self.0.handler.kind()
+    }
+
+    /// The typed handler.
+    pub fn handler(&self) -> ThreadHookHandler {
+        self.0.handler
+    }
+
+    /// The definition.
+    pub fn definition(&self) -> &'static ThreadHookDefinition {
+        self.0
+    }
+}
+
+impl PartialEq for ThreadHook {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self.0, other.0)
+    }
+}
+
+impl Eq for ThreadHook {}
+
+/// A reference to a user-scope hook. Not accepted by `use_hooks` (a different type).
+#[derive(Clone, Copy)]
+pub struct UserHook(&'static UserHookDefinition);
+
+impl UserHook {
+    /// Wraps a static definition.
+    pub const fn new(definition: &'static UserHookDefinition) -> Self {
+        Self(definition)
+    }
+
+    /// The hook's id.
+    pub fn id(&self) -> &'static str {
+        self.0.id
+    }
+
+    /// The hook's kind.
+    pub fn kind(&self) -> HookKind {
+        self.0.handler.kind()
+    }
+
+    /// The typed handler.
+    pub fn handler(&self) -> UserHookHandler {
+        self.0.handler
+    }
+}
+
+impl fmt::Debug for ThreadHookHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ThreadHookHandler({})", self.kind())
+    }
+}
+
+impl fmt::Debug for UserHookHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "UserHookHandler({})", self.kind())
+    }
+}
+
+impl fmt::Debug for ThreadHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ThreadHook({} {})", self.kind(), self.id())
+    }
+}
+
+impl fmt::Debug for UserHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "UserHook({} {})", self.kind(), self.id())
+    }
+}

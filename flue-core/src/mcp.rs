@@ -1,0 +1,140 @@
+//! Remote MCP servers declared with `use_mcp_connection`.
+
+use std::time::Duration;
+
+use crate::tool::Secret;
+
+/// How the runtime talks to an MCP server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum McpTransport {
+    /// Streamable HTTP (the default).
+    #[default]
+    StreamableHttp,
+    /// Server-sent events.
+    Sse,
+}
+
+/// A remote MCP server whose tools the agent mounts as `mcp__<server>__<tool>`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct McpConnection {
+    /// Server name (the middle segment of its tool names).
+    pub name: String,
+    /// Absolute endpoint URL.
+    pub url: String,
+    /// Transport.
+    pub transport: McpTransport,
+    /// Bearer token sent with every request.
+    pub auth: Option<Secret>,
+    /// Static request headers.
+    pub headers: Vec<(String, String)>,
+    /// Request timeout.
+    pub timeout: Option<Duration>,
+    /// Only these of the server's tools (its own names); all when `None`.
+    pub tools: Option<Vec<String>>,
+    /// Degrade to no tools (plus a narration signal) when the server is unreachable.
+    pub optional: bool,
+}
+
+impl McpConnection {
+    /// A connection to `url` named `name`.
+    pub fn new(name: impl Into<String>, url: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            url: url.into(),
+            transport: McpTransport::default(),
+            auth: None,
+            headers: Vec::new(),
+            timeout: None,
+            tools: None,
+            optional: false,
+        }
+    }
+
+    /// Sets the transport.
+    pub fn transport(mut self, transport: McpTransport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// Sets the bearer token.
+    pub fn auth(mut self, token: Secret) -> Self {
+        self.auth = Some(token);
+        self
+    }
+
+    /// Adds a static header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the request timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Mounts only these tools.
+    pub fn tools<I, S>(mut self, tools: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.tools = Some(tools.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Marks the server optional.
+    pub fn optional(mut self) -> Self {
+        self.optional = true;
+        self
+    }
+
+    /// Checks the definition rules; `source` labels the message.
+    pub(crate) fn check(&self, source: &str) -> Result<(), String> {
+        let name = &self.name;
+        if name.trim().is_empty() {
+            return Err(format!("[flue] {source} name must be a non-empty string."));
+        }
+        if !is_absolute_url(&self.url) {
+            return Err(format!(
+                "[flue] {source} \"{name}\" url {:?} is not a valid absolute URL.",
+                self.url
+            ));
+        }
+        if self.timeout.is_some_and(|timeout| timeout.is_zero()) {
+            return Err(format!(
+                "[flue] {source} \"{name}\" timeout must be positive."
+            ));
+        }
+        if let Some(tools) = &self.tools
+            && tools.iter().any(String::is_empty)
+        {
+            return Err(format!(
+                "[flue] {source} \"{name}\" tools must be a list of tool names (the server's own names)."
+            ));
+        }
+        if self
+            .auth
+            .as_ref()
+            .is_some_and(|token| token.expose().is_empty())
+        {
+            return Err(format!(
+                "[flue] {source} \"{name}\" auth must be a bearer token."
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `scheme://host…` with an RFC 3986 scheme and a non-empty authority.
+fn is_absolute_url(url: &str) -> bool {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return false;
+    };
+    let mut chars = scheme.chars();
+    let scheme_ok = matches!(chars.next(), Some(c) if c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    scheme_ok && !authority.is_empty() && !url.chars().any(char::is_whitespace)
+}

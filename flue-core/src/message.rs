@@ -1,0 +1,224 @@
+//! Delivered messages: what reaches an agent instance (user messages and signals), with the
+//! validation every delivery and append surface shares.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Signal types the framework uses for its own narration and recovery; rejected on every
+/// delivery and append surface.
+pub const RESERVED_SIGNAL_TYPES: [&str; 9] = [
+    "resources",
+    "instructions",
+    "environment",
+    "stream_interrupted",
+    "stream_continued",
+    "submission_aborted",
+    "submission_interrupted",
+    "compaction",
+    "memory",
+];
+
+/// Largest base64 image payload accepted in one attachment, in characters.
+pub const MAX_IMAGE_DATA_LENGTH: usize = 14 * 1024 * 1024;
+
+/// A message delivered to an agent instance: the validated shape every transport admits.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum DeliveredMessage {
+    /// A user's message.
+    User(UserMessage),
+    /// A structured signal (an event for the model, rendered as a tagged user-role block).
+    Signal(Signal),
+}
+
+/// A user message.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+pub struct UserMessage {
+    /// The text.
+    pub body: String,
+    /// Image attachments.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attachments: Vec<Attachment>,
+}
+
+/// A signal message.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+pub struct Signal {
+    /// Application-specific signal type (non-empty, not framework-reserved).
+    #[serde(rename = "type")]
+    pub signal_type: String,
+    /// The body text.
+    pub body: String,
+    /// String attributes rendered on the tag.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attributes: BTreeMap<String, String>,
+    /// The XML tag name (default `signal`).
+    #[serde(default, rename = "tagName", skip_serializing_if = "Option::is_none")]
+    pub tag_name: Option<String>,
+}
+
+impl Signal {
+    /// A signal of `signal_type` with `body`.
+    pub fn new(signal_type: impl Into<String>, body: impl Into<String>) -> Self {
+        Self {
+            signal_type: signal_type.into(),
+            body: body.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Adds an attribute.
+    pub fn attribute(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.attributes.insert(key.into(), value.into());
+        self
+    }
+
+    /// Sets the tag name.
+    pub fn tag_name(mut self, tag_name: impl Into<String>) -> Self {
+        self.tag_name = Some(tag_name.into());
+        self
+    }
+
+    /// Checks the signal rules: non-empty type, not reserved, XML-name tag.
+    pub fn validate(&self) -> Result<(), MessageError> {
+        if self.signal_type.trim().is_empty() {
+            return Err(MessageError::EmptySignalType);
+        }
+        if RESERVED_SIGNAL_TYPES.contains(&self.signal_type.as_str()) {
+            return Err(MessageError::ReservedSignalType(self.signal_type.clone()));
+        }
+        if let Some(tag) = &self.tag_name
+            && !is_xml_name(tag)
+        {
+            return Err(MessageError::InvalidTagName(tag.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// An image attachment of a user message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Attachment {
+    /// A base64-encoded image.
+    Image {
+        /// Base64 data (at most [`MAX_IMAGE_DATA_LENGTH`] characters).
+        data: String,
+        /// MIME type, e.g. `image/png`.
+        #[serde(rename = "mimeType")]
+        mime_type: String,
+        /// Optional file name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        filename: Option<String>,
+    },
+}
+
+impl DeliveredMessage {
+    /// A user message with `body`.
+    pub fn user(body: impl Into<String>) -> Self {
+        Self::User(UserMessage {
+            body: body.into(),
+            attachments: Vec::new(),
+        })
+    }
+
+    /// A signal.
+    pub fn signal(signal_type: impl Into<String>, body: impl Into<String>) -> Self {
+        Self::Signal(Signal::new(signal_type, body))
+    }
+
+    /// The message text.
+    pub fn body(&self) -> &str {
+        match self {
+            Self::User(user) => &user.body,
+            Self::Signal(signal) => &signal.body,
+        }
+    }
+
+    /// Checks every rule the delivery surfaces share.
+    pub fn validate(&self) -> Result<(), MessageError> {
+        match self {
+            Self::User(user) => {
+                for attachment in &user.attachments {
+                    let Attachment::Image { data, .. } = attachment;
+                    if data.len() > MAX_IMAGE_DATA_LENGTH {
+                        return Err(MessageError::ImageTooLarge);
+                    }
+                }
+                Ok(())
+            }
+            Self::Signal(signal) => signal.validate(),
+        }
+    }
+}
+
+impl From<&str> for DeliveredMessage {
+    fn from(body: &str) -> Self {
+        Self::user(body)
+    }
+}
+
+impl From<String> for DeliveredMessage {
+    fn from(body: String) -> Self {
+        Self::user(body)
+    }
+}
+
+impl From<Signal> for DeliveredMessage {
+    fn from(signal: Signal) -> Self {
+        Self::Signal(signal)
+    }
+}
+
+/// A delivered message that breaks a rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MessageError {
+    /// A signal type that is blank.
+    #[error("Signal type must be a non-empty string.")]
+    EmptySignalType,
+    /// A framework-reserved signal type.
+    #[error(
+        "Signal type \"{0}\" is framework-reserved vocabulary (the runtime's own narration and recovery signals) — use an application-specific type."
+    )]
+    ReservedSignalType(String),
+    /// A tag name that is not an XML name.
+    #[error("Signal tagName \"{0}\" must match ^[A-Za-z_][A-Za-z0-9_.-]*$.")]
+    InvalidTagName(String),
+    /// An image over the size limit.
+    #[error("Image data exceeds the 14680064 character limit.")]
+    ImageTooLarge,
+}
+
+/// `^[A-Za-z_][A-Za-z0-9_.-]*$`
+fn is_xml_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+}
+
+/// What admission returns for a dispatched message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DispatchReceipt {
+    /// The durable submission id.
+    pub submission_id: String,
+    /// When the submission was accepted (RFC 3339).
+    pub accepted_at: String,
+    /// The instance incarnation the message was admitted to.
+    pub uid: String,
+    /// Whether an idempotency-keyed replay converged on an earlier admission.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deduplicated: bool,
+}
+
+impl fmt::Display for DeliveredMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::User(user) => write!(f, "user: {}", user.body),
+            Self::Signal(signal) => write!(f, "signal {}: {}", signal.signal_type, signal.body),
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! Skills: progressive-disclosure instructions mounted with `use_skill`.
+//!
+//! A mounted skill costs one catalog line (name and description) in the system prompt; the
+//! model pulls the full instructions with the framework's `activate_skill` tool.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+/// A validated skill. Cheap to clone.
+#[derive(Clone, PartialEq)]
+pub struct Skill {
+    inner: Arc<SkillDefinition>,
+}
+
+/// The fields of a skill definition (the Agent Skills `SKILL.md` front matter and body).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SkillDefinition {
+    /// Lowercase letters, digits and single hyphens; at most 64 characters.
+    pub name: String,
+    /// When to use the skill; at most 1024 characters.
+    pub description: String,
+    /// The full instructions returned by `activate_skill`.
+    pub instructions: String,
+    /// Licence text or identifier.
+    pub license: Option<String>,
+    /// Environment requirements; at most 500 characters.
+    pub compatibility: Option<String>,
+    /// Extra string metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// Tools the skill expects (informational).
+    pub allowed_tools: Option<String>,
+    /// Supporting files by safe relative path (never `SKILL.md`).
+    pub files: BTreeMap<String, Vec<u8>>,
+}
+
+impl Skill {
+    /// Validates `definition` (trimming its text fields) into a skill.
+    pub fn define(definition: SkillDefinition) -> Result<Self, SkillDefinitionError> {
+        let definition = normalize(definition)?;
+        Ok(Self {
+            inner: Arc::new(definition),
+        })
+    }
+
+    /// A skill with just a name, description and instructions.
+    pub fn new(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        instructions: impl Into<String>,
+    ) -> Result<Self, SkillDefinitionError> {
+        Self::define(SkillDefinition {
+            name: name.into(),
+            description: description.into(),
+            instructions: instructions.into(),
+            ..SkillDefinition::default()
+        })
+    }
+
+    /// The skill's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The catalog description.
+    pub fn description(&self) -> &str {
+        &self.inner.description
+    }
+
+    /// The whole definition.
+    pub fn definition(&self) -> &SkillDefinition {
+        &self.inner
+    }
+}
+
+impl fmt::Debug for Skill {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Skill")
+            .field("name", &self.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl From<&Skill> for Skill {
+    fn from(skill: &Skill) -> Self {
+        skill.clone()
+    }
+}
+
+/// One problem with a skill definition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidationIssue {
+    /// The field path, e.g. `["files", "../x"]`.
+    pub path: Vec<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// `SkillDefinitionValidationError` (type `skill_definition_validation`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("Skill definition is invalid: {}", describe(.issues))]
+pub struct SkillDefinitionError {
+    /// Every problem found.
+    pub issues: Vec<ValidationIssue>,
+}
+
+fn describe(issues: &[ValidationIssue]) -> String {
+    issues
+        .iter()
+        .map(|issue| format!("{}: {}", issue.path.join("."), issue.message))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn issue(path: &[&str], message: &str) -> ValidationIssue {
+    ValidationIssue {
+        path: path.iter().map(|segment| (*segment).to_owned()).collect(),
+        message: message.to_owned(),
+    }
+}
+
+fn normalize(mut definition: SkillDefinition) -> Result<SkillDefinition, SkillDefinitionError> {
+    let mut issues = Vec::new();
+    for (field, value) in [
+        ("name", &mut definition.name),
+        ("description", &mut definition.description),
+        ("instructions", &mut definition.instructions),
+    ] {
+        *value = value.trim().to_owned();
+        if value.is_empty() {
+            issues.push(issue(&[field], "Must be a non-empty string."));
+        }
+    }
+    let name = &definition.name;
+    if name.chars().count() > 64 {
+        issues.push(issue(&["name"], "Must be at most 64 characters."));
+    }
+    if !name.is_empty() && !is_skill_name(name) {
+        issues.push(issue(
+            &["name"],
+            "Must contain only lowercase ASCII letters, numbers, and single hyphens.",
+        ));
+    }
+    if definition.description.chars().count() > 1024 {
+        issues.push(issue(&["description"], "Must be at most 1024 characters."));
+    }
+    for optional in [
+        &mut definition.license,
+        &mut definition.compatibility,
+        &mut definition.allowed_tools,
+    ] {
+        if let Some(text) = optional.take() {
+            let trimmed = text.trim();
+            *optional = (!trimmed.is_empty()).then(|| trimmed.to_owned());
+        }
+    }
+    if definition
+        .compatibility
+        .as_ref()
+        .is_some_and(|text| text.chars().count() > 500)
+    {
+        issues.push(issue(&["compatibility"], "Must be at most 500 characters."));
+    }
+    for path in definition.files.keys() {
+        if !is_safe_relative_path(path) {
+            issues.push(issue(
+                &["files", path],
+                "Must be a safe relative path and must not be SKILL.md.",
+            ));
+        }
+    }
+    if issues.is_empty() {
+        Ok(definition)
+    } else {
+        Err(SkillDefinitionError { issues })
+    }
+}
+
+/// `^[a-z0-9]+(?:-[a-z0-9]+)*$`
+fn is_skill_name(name: &str) -> bool {
+    name.split('-').all(|part| {
+        !part.is_empty()
+            && part
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    })
+}
+
+fn is_safe_relative_path(path: &str) -> bool {
+    !(path.is_empty()
+        || path == "SKILL.md"
+        || path.starts_with('/')
+        || path.ends_with('/')
+        || path.contains('\\')
+        || path.contains('\0')
+        || path
+            .split('/')
+            .any(|segment| segment.is_empty() || segment == "." || segment == ".."))
+}

@@ -1,0 +1,148 @@
+//! Persistent state values: the committed snapshot and an attempt's write buffer.
+//!
+//! The runtime folds the snapshot from `state_write` records (the last write of a name wins)
+//! and gives every attempt a [`StateBuffer`] over it. Setters write into the buffer; the buffer
+//! drops no-op writes, overlays its writes for later reads (re-renders see the attempt's own
+//! uncommitted writes) and is drained into the same append batch as the tool batch or seam
+//! that made the writes.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+
+use crate::render::StateView;
+
+/// Committed persistent state of one instance: name → last written value.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StateSnapshot {
+    values: HashMap<String, Value>,
+}
+
+impl StateSnapshot {
+    /// An empty snapshot.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The value of `name`, if it was ever written.
+    pub fn get(&self, name: &str) -> Option<&Value> {
+        self.values.get(name)
+    }
+
+    /// Records a committed write (folding: the last write wins).
+    pub fn apply(&mut self, name: impl Into<String>, value: Value) {
+        self.values.insert(name.into(), value);
+    }
+
+    /// Number of names with a value.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Whether no name has a value.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+}
+
+impl FromIterator<(String, Value)> for StateSnapshot {
+    fn from_iter<I: IntoIterator<Item = (String, Value)>>(iter: I) -> Self {
+        Self {
+            values: iter.into_iter().collect(),
+        }
+    }
+}
+
+impl StateView for StateSnapshot {
+    fn visit(&self, name: &str, visit: &mut dyn FnMut(Option<&Value>)) {
+        visit(self.values.get(name));
+    }
+}
+
+/// One state write, as drained for appending.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateWrite {
+    /// The state name.
+    pub name: String,
+    /// The normalized JSON value.
+    pub value: Value,
+}
+
+/// One attempt's state writes over the committed snapshot.
+#[derive(Clone, Debug, Default)]
+pub struct StateBuffer {
+    snapshot: Arc<StateSnapshot>,
+    /// Values drained (handed to an append batch) during this attempt.
+    drained: HashMap<String, Value>,
+    /// Values written since the last drain.
+    overlay: HashMap<String, Value>,
+    pending: Vec<StateWrite>,
+}
+
+impl StateBuffer {
+    /// A buffer over `snapshot` with no writes.
+    pub fn new(snapshot: Arc<StateSnapshot>) -> Self {
+        Self {
+            snapshot,
+            drained: HashMap::new(),
+            overlay: HashMap::new(),
+            pending: Vec::new(),
+        }
+    }
+
+    /// The current value of `name`: this attempt's latest write, else the snapshot's value.
+    pub fn current(&self, name: &str) -> Option<&Value> {
+        self.overlay
+            .get(name)
+            .or_else(|| self.drained.get(name))
+            .or_else(|| self.snapshot.get(name))
+    }
+
+    /// Buffers a write. Returns `false` (and records nothing) when `value` equals the current
+    /// value: one actual change, one record.
+    pub fn write(&mut self, name: &str, value: Value) -> bool {
+        if self.current(name) == Some(&value) {
+            return false;
+        }
+        self.overlay.insert(name.to_owned(), value.clone());
+        self.pending.push(StateWrite {
+            name: name.to_owned(),
+            value,
+        });
+        true
+    }
+
+    /// Writes not yet drained, in call order.
+    pub fn pending(&self) -> &[StateWrite] {
+        &self.pending
+    }
+
+    /// Takes the writes made since the last drain, in call order, for one append batch.
+    ///
+    /// The overlay is kept: later reads in the same attempt still see the drained values.
+    pub fn drain(&mut self) -> Vec<StateWrite> {
+        self.drained.extend(self.overlay.drain());
+        std::mem::take(&mut self.pending)
+    }
+
+    /// Forgets every undrained write (a tool batch that did not commit), restoring reads to
+    /// what was drained before.
+    pub fn discard_pending(&mut self) {
+        self.overlay.clear();
+        self.pending.clear();
+    }
+}
+
+impl StateView for StateBuffer {
+    fn visit(&self, name: &str, visit: &mut dyn FnMut(Option<&Value>)) {
+        visit(self.current(name));
+    }
+}
+
+impl StateView for Mutex<StateBuffer> {
+    fn visit(&self, name: &str, visit: &mut dyn FnMut(Option<&Value>)) {
+        let buffer = self.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        visit(buffer.current(name));
+    }
+}

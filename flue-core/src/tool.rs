@@ -1,0 +1,700 @@
+//! Model-callable tools: definitions, the handler trait `#[tool]` implements, the inline
+//! builder, the context a tool runs with, and what it returns.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::BoxFuture;
+use crate::abort::AbortSignal;
+use crate::data::{DataSchema, SchemaSource, tool_input_schema_of};
+use crate::error::ToolNameConflictError;
+use crate::log::Logger;
+
+/// Tool names the framework reserves for its own tools.
+pub const RESERVED_TOOL_NAMES: [&str; 5] = [
+    "task",
+    "activate_skill",
+    "read_skill_resource",
+    "finish",
+    "give_up",
+];
+
+/// A tool's identity and model-facing description.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ToolDefinition {
+    /// `^[A-Za-z0-9_-]{1,64}$`, not reserved.
+    pub name: Cow<'static, str>,
+    /// What the tool does, shown to the model.
+    pub description: Cow<'static, str>,
+    /// JSON Schema of the arguments (an object at the root).
+    pub input_schema: SchemaSource,
+    /// The string argument whose completed value is reported as `tool_call_started` progress.
+    pub progress_argument: Option<Cow<'static, str>>,
+    /// Declared secrets: the only environment variables the tool can read, through its context.
+    pub secrets: Cow<'static, [&'static str]>,
+    /// Whether a batch made only of terminating tools ends the turn.
+    pub terminate: bool,
+}
+
+impl ToolDefinition {
+    /// A definition whose rules were checked at compile time by `#[tool]`.
+    #[doc(hidden)]
+    pub const fn from_checked(
+        name: &'static str,
+        description: &'static str,
+        input_schema: SchemaSource,
+        progress_argument: Option<&'static str>,
+        secrets: &'static [&'static str],
+        terminate: bool,
+    ) -> Self {
+        Self {
+            name: Cow::Borrowed(name),
+            description: Cow::Borrowed(description),
+            input_schema,
+            progress_argument: match progress_argument {
+                Some(argument) => Some(Cow::Borrowed(argument)),
+                None => None,
+            },
+            secrets: Cow::Borrowed(secrets),
+            terminate,
+        }
+    }
+
+    /// Checks every definition rule; `source` labels the message (e.g. `Tool::new()`).
+    pub fn validate(&self, source: &str) -> Result<(), String> {
+        check_tool_name(&self.name, source)?;
+        if self.description.trim().is_empty() {
+            return Err(format!(
+                "[flue] {source} \"{}\" description must be a non-empty string.",
+                self.name
+            ));
+        }
+        self.validate_input_schema(source)
+    }
+
+    /// Checks that the argument schema has an object root and that the progress argument
+    /// names one of its string properties.
+    pub fn validate_input_schema(&self, source: &str) -> Result<(), String> {
+        let schema = self.input_schema.get();
+        let json = schema.json();
+        let is_object = json.get("type").and_then(Value::as_str) == Some("object");
+        if !is_object {
+            return Err(format!(
+                "[flue] {source} \"{}\" input must be a top-level object schema.",
+                self.name
+            ));
+        }
+        if let Some(argument) = &self.progress_argument {
+            let property = json
+                .get("properties")
+                .and_then(|properties| properties.get(argument.as_ref()));
+            match property {
+                None => {
+                    return Err(format!(
+                        "[flue] {source} \"{}\" progress_argument \"{argument}\" is not one of its arguments.",
+                        self.name
+                    ));
+                }
+                Some(property)
+                    if property.get("type").and_then(Value::as_str) != Some("string") =>
+                {
+                    return Err(format!(
+                        "[flue] {source} \"{}\" progress_argument \"{argument}\" must be a string argument.",
+                        self.name
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a tool name: non-empty, `^[A-Za-z0-9_-]{1,64}$`, not reserved.
+pub fn check_tool_name(name: &str, source: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err(format!("[flue] {source} name must be a non-empty string."));
+    }
+    if name.len() > 64
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        return Err(format!(
+            "[flue] {source} name \"{name}\" must match ^[A-Za-z0-9_-]{{1,64}}$ (what every provider accepts)."
+        ));
+    }
+    if RESERVED_TOOL_NAMES.contains(&name) {
+        return Err(format!(
+            "[flue] {source} {}",
+            ToolNameConflictError::reserved(name)
+        ));
+    }
+    Ok(())
+}
+
+/// The behaviour of a tool: what `#[tool]` and [`Tool::new`] implement.
+pub trait ToolHandler: Send + Sync + 'static {
+    /// Identity, description, schema.
+    fn definition(&self) -> &ToolDefinition;
+
+    /// Runs the tool with schema-validated JSON arguments.
+    fn call(&self, ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput>;
+}
+
+/// A mountable tool. Cheap to clone: `&'static` for zero-sized handlers (what `#[tool]`
+/// generates), reference-counted otherwise.
+#[derive(Clone)]
+pub struct Tool(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Static(&'static dyn ToolHandler),
+    Shared(Arc<dyn ToolHandler>),
+}
+
+impl Tool {
+    /// Starts an inline tool definition (for closures over render values).
+    ///
+    /// ```
+    /// use flue_core::prelude::*;
+    /// use schemars::JsonSchema;
+    /// use serde::Deserialize;
+    ///
+    /// #[derive(Deserialize, JsonSchema)]
+    /// struct Credit { amount: u32 }
+    ///
+    /// let tool = Tool::new("offer_credit")
+    ///     .description("Offer the customer a credit.")
+    ///     .run(|_ctx, args: Credit| async move { format!("Offered {}.", args.amount) });
+    /// assert_eq!(tool.name(), "offer_credit");
+    /// ```
+    pub fn new(name: impl Into<Cow<'static, str>>) -> ToolBuilder {
+        ToolBuilder {
+            name: name.into(),
+            description: Cow::Borrowed(""),
+            progress_argument: None,
+            secrets: Vec::new(),
+            terminate: false,
+        }
+    }
+
+    /// Wraps a handler. Zero-sized handlers are promoted to `&'static` without allocating.
+    pub fn from_handler<H: ToolHandler>(handler: H) -> Self {
+        if std::mem::size_of::<H>() == 0 {
+            // Boxing a zero-sized value does not allocate; leaking it yields a `'static` ref.
+            Self(Repr::Static(Box::leak(Box::new(handler))))
+        } else {
+            Self(Repr::Shared(Arc::new(handler)))
+        }
+    }
+
+    fn handler(&self) -> &dyn ToolHandler {
+        match &self.0 {
+            Repr::Static(handler) => *handler,
+            Repr::Shared(handler) => handler.as_ref(),
+        }
+    }
+
+    /// The tool's name.
+    pub fn name(&self) -> &str {
+        &self.handler().definition().name
+    }
+
+    /// The tool's definition.
+    pub fn definition(&self) -> &ToolDefinition {
+        self.handler().definition()
+    }
+
+    /// The argument schema.
+    pub fn input_schema(&self) -> DataSchema {
+        self.definition().input_schema.get()
+    }
+
+    /// Runs the tool. The runtime validates `args` against the schema first; this does not.
+    pub fn call(&self, ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
+        self.handler().call(ctx, args)
+    }
+}
+
+impl fmt::Debug for Tool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Tool").field(&self.name()).finish()
+    }
+}
+
+/// Converts a value into a mountable [`Tool`]: implemented for `Tool`, `&Tool` and every
+/// [`ToolHandler`] (so `use_tool(get_github_issue)` works for a `#[tool]` item).
+pub trait IntoTool {
+    /// The tool.
+    fn into_tool(self) -> Tool;
+}
+
+impl IntoTool for Tool {
+    fn into_tool(self) -> Tool {
+        self
+    }
+}
+
+impl IntoTool for &Tool {
+    fn into_tool(self) -> Tool {
+        self.clone()
+    }
+}
+
+impl<H: ToolHandler> IntoTool for H {
+    fn into_tool(self) -> Tool {
+        Tool::from_handler(self)
+    }
+}
+
+/// Builder returned by [`Tool::new`].
+#[derive(Debug)]
+#[must_use = "a tool is defined only when `.run(..)` is called"]
+pub struct ToolBuilder {
+    name: Cow<'static, str>,
+    description: Cow<'static, str>,
+    progress_argument: Option<Cow<'static, str>>,
+    secrets: Vec<&'static str>,
+    terminate: bool,
+}
+
+impl ToolBuilder {
+    /// What the tool does (required).
+    pub fn description(mut self, description: impl Into<Cow<'static, str>>) -> Self {
+        self.description = description.into();
+        self
+    }
+
+    /// The string argument reported as progress by `tool_call_started`.
+    pub fn progress_argument(mut self, argument: impl Into<Cow<'static, str>>) -> Self {
+        self.progress_argument = Some(argument.into());
+        self
+    }
+
+    /// Declares a secret the tool may read through [`ToolContext::secret`].
+    pub fn secret(mut self, name: &'static str) -> Self {
+        self.secrets.push(name);
+        self
+    }
+
+    /// Marks the tool terminating.
+    pub fn terminate(mut self) -> Self {
+        self.terminate = true;
+        self
+    }
+
+    /// Finishes the tool with its run function.
+    ///
+    /// Panics with a `[flue] Tool::new() …` message when the definition breaks a rule
+    /// (name, reserved name, description, object argument schema, progress argument).
+    #[track_caller]
+    pub fn run<A, F, Fut>(self, run: F) -> Tool
+    where
+        A: DeserializeOwned + JsonSchema + Send + 'static,
+        F: Fn(ToolContext, A) -> Fut + Send + Sync + 'static,
+        Fut: Future + Send + 'static,
+        Fut::Output: IntoToolOutput,
+    {
+        let definition = ToolDefinition {
+            name: self.name,
+            description: self.description,
+            input_schema: SchemaSource::Typed(tool_input_schema_of::<A>),
+            progress_argument: self.progress_argument,
+            secrets: Cow::Owned(self.secrets),
+            terminate: self.terminate,
+        };
+        if let Err(message) = definition.validate("Tool::new()") {
+            panic!("{message}");
+        }
+        Tool(Repr::Shared(Arc::new(FnTool {
+            definition,
+            run,
+            _args: std::marker::PhantomData,
+        })))
+    }
+}
+
+struct FnTool<A, F> {
+    definition: ToolDefinition,
+    run: F,
+    _args: std::marker::PhantomData<fn() -> A>,
+}
+
+impl<A, F, Fut> ToolHandler for FnTool<A, F>
+where
+    A: DeserializeOwned + Send + 'static,
+    F: Fn(ToolContext, A) -> Fut + Send + Sync + 'static,
+    Fut: Future + Send + 'static,
+    Fut::Output: IntoToolOutput,
+{
+    fn definition(&self) -> &ToolDefinition {
+        &self.definition
+    }
+
+    fn call(&self, ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
+        match parse_arguments::<A>(args) {
+            Ok(args) => {
+                let future = (self.run)(ctx, args);
+                Box::pin(async move { future.await.into_tool_output() })
+            }
+            Err(output) => Box::pin(std::future::ready(output)),
+        }
+    }
+}
+
+/// Deserializes tool arguments, or the error result the model sees when they do not fit.
+pub fn parse_arguments<A: DeserializeOwned>(args: Value) -> Result<A, ToolOutput> {
+    serde_json::from_value(args).map_err(|error| {
+        ToolOutput::error(format!("Tool argument validation failed: [root] {error}"))
+    })
+}
+
+/// What a tool produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolOutput {
+    /// The result.
+    pub content: ToolContent,
+    /// Whether it is an error result (the model sees it; the submission continues).
+    pub is_error: bool,
+    /// Whether this result asks to end the turn (a batch ends only when every result does).
+    pub terminate: bool,
+}
+
+/// The body of a tool result.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolContent {
+    /// Text.
+    Text(String),
+    /// A JSON value (rendered to the model as pretty-printed JSON).
+    Json(Value),
+}
+
+impl ToolOutput {
+    /// A text result.
+    pub fn text(text: impl Into<String>) -> Self {
+        Self {
+            content: ToolContent::Text(text.into()),
+            is_error: false,
+            terminate: false,
+        }
+    }
+
+    /// A JSON result.
+    pub fn json(value: Value) -> Self {
+        Self {
+            content: ToolContent::Json(value),
+            is_error: false,
+            terminate: false,
+        }
+    }
+
+    /// An error result.
+    pub fn error(message: impl Into<String>) -> Self {
+        Self {
+            content: ToolContent::Text(message.into()),
+            is_error: true,
+            terminate: false,
+        }
+    }
+
+    /// Marks the result terminating.
+    pub fn terminating(mut self) -> Self {
+        self.terminate = true;
+        self
+    }
+
+    /// The text the model reads.
+    pub fn to_text(&self) -> String {
+        match &self.content {
+            ToolContent::Text(text) => text.clone(),
+            ToolContent::Json(value) => {
+                serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
+            }
+        }
+    }
+}
+
+/// What a tool function may return: text, JSON, `()`, a [`ToolOutput`], or a `Result` of any
+/// of these with a [`ToolError`] (an `Err` becomes an error result).
+pub trait IntoToolOutput {
+    /// Converts into a result.
+    fn into_tool_output(self) -> ToolOutput;
+}
+
+impl IntoToolOutput for ToolOutput {
+    fn into_tool_output(self) -> ToolOutput {
+        self
+    }
+}
+
+impl IntoToolOutput for String {
+    fn into_tool_output(self) -> ToolOutput {
+        ToolOutput::text(self)
+    }
+}
+
+impl IntoToolOutput for &'static str {
+    fn into_tool_output(self) -> ToolOutput {
+        ToolOutput::text(self)
+    }
+}
+
+impl IntoToolOutput for Value {
+    fn into_tool_output(self) -> ToolOutput {
+        ToolOutput::json(self)
+    }
+}
+
+impl IntoToolOutput for () {
+    fn into_tool_output(self) -> ToolOutput {
+        ToolOutput::text("")
+    }
+}
+
+impl<T: IntoToolOutput, E: Into<ToolError>> IntoToolOutput for Result<T, E> {
+    fn into_tool_output(self) -> ToolOutput {
+        match self {
+            Ok(output) => output.into_tool_output(),
+            Err(error) => ToolOutput::error(error.into().message),
+        }
+    }
+}
+
+/// A tool failure the model should see. `?` converts any `std::error::Error` into it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolError {
+    message: String,
+}
+
+impl ToolError {
+    /// A failure with `message`.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for ToolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for ToolError {
+    fn from(error: E) -> Self {
+        Self::new(error.to_string())
+    }
+}
+
+/// Where a tool's declared secrets come from; the runtime's is the process environment.
+pub trait SecretSource: Send + Sync {
+    /// The value of `name`, if set.
+    fn get(&self, name: &str) -> Option<String>;
+}
+
+/// Reads secrets from the process environment.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EnvSecrets;
+
+impl SecretSource for EnvSecrets {
+    fn get(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+/// A secret value. Its `Debug` and `Display` print `[redacted]`, so formatting it into a log
+/// line or a result never leaks it; read it with [`Secret::expose`] where it is sent.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The value, for the one place that sends it (an `Authorization` header, say).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret([redacted])")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+/// A secret that could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SecretError {
+    /// The tool did not declare it.
+    #[error(
+        "[flue] Tool \"{tool}\" read the secret \"{name}\" without declaring it. Declare it with `secrets = [\"{name}\"]`."
+    )]
+    NotDeclared {
+        /// The tool.
+        tool: String,
+        /// The secret.
+        name: String,
+    },
+    /// Declared but not set.
+    #[error("[flue] Tool \"{tool}\" needs the secret \"{name}\", which is not set.")]
+    Missing {
+        /// The tool.
+        tool: String,
+        /// The secret.
+        name: String,
+    },
+}
+
+/// What a tool runs with: its call's identity, the abort signal, a logger and its secrets.
+#[derive(Clone)]
+pub struct ToolContext {
+    inner: Arc<ContextInner>,
+}
+
+struct ContextInner {
+    tool_name: String,
+    tool_call_id: String,
+    instance_id: Option<String>,
+    secrets_declared: Cow<'static, [&'static str]>,
+    secrets: Arc<dyn SecretSource>,
+    signal: AbortSignal,
+    log: Logger,
+}
+
+impl ToolContext {
+    /// A context for one call of `tool` (environment secrets, a fresh abort signal, a
+    /// discarding logger); adjust it with the `with_*` methods.
+    pub fn new(tool: &Tool, tool_call_id: impl Into<String>) -> Self {
+        Self {
+            inner: Arc::new(ContextInner {
+                tool_name: tool.name().to_owned(),
+                tool_call_id: tool_call_id.into(),
+                instance_id: None,
+                secrets_declared: tool.definition().secrets.clone(),
+                secrets: Arc::new(EnvSecrets),
+                signal: AbortSignal::new(),
+                log: Logger::discard(),
+            }),
+        }
+    }
+
+    fn edit(mut self, edit: impl FnOnce(&mut ContextInner)) -> Self {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => edit(inner),
+            None => {
+                let inner = &*self.inner;
+                let mut copy = ContextInner {
+                    tool_name: inner.tool_name.clone(),
+                    tool_call_id: inner.tool_call_id.clone(),
+                    instance_id: inner.instance_id.clone(),
+                    secrets_declared: inner.secrets_declared.clone(),
+                    secrets: inner.secrets.clone(),
+                    signal: inner.signal.clone(),
+                    log: inner.log.clone(),
+                };
+                edit(&mut copy);
+                self.inner = Arc::new(copy);
+            }
+        }
+        self
+    }
+
+    /// Sets the instance the call runs in.
+    pub fn with_instance_id(self, instance_id: impl Into<String>) -> Self {
+        let instance_id = instance_id.into();
+        self.edit(|inner| inner.instance_id = Some(instance_id))
+    }
+
+    /// Sets the secret source.
+    pub fn with_secrets(self, secrets: Arc<dyn SecretSource>) -> Self {
+        self.edit(|inner| inner.secrets = secrets)
+    }
+
+    /// Sets the abort signal.
+    pub fn with_signal(self, signal: AbortSignal) -> Self {
+        self.edit(|inner| inner.signal = signal)
+    }
+
+    /// Sets the logger.
+    pub fn with_logger(self, log: Logger) -> Self {
+        self.edit(|inner| inner.log = log)
+    }
+
+    /// The tool's name.
+    pub fn tool_name(&self) -> &str {
+        &self.inner.tool_name
+    }
+
+    /// This call's id.
+    pub fn tool_call_id(&self) -> &str {
+        &self.inner.tool_call_id
+    }
+
+    /// The instance the call runs in (`None` for standalone runs).
+    pub fn instance_id(&self) -> Option<&str> {
+        self.inner.instance_id.as_deref()
+    }
+
+    /// The abort signal: fires when the submission is aborted.
+    pub fn signal(&self) -> &AbortSignal {
+        &self.inner.signal
+    }
+
+    /// Progress lines into the conversation stream.
+    pub fn log(&self) -> &Logger {
+        &self.inner.log
+    }
+
+    /// Reads a declared secret.
+    pub fn secret(&self, name: &str) -> Result<Secret, SecretError> {
+        let inner = &self.inner;
+        if !inner.secrets_declared.contains(&name) {
+            return Err(SecretError::NotDeclared {
+                tool: inner.tool_name.clone(),
+                name: name.to_owned(),
+            });
+        }
+        inner
+            .secrets
+            .get(name)
+            .map(Secret)
+            .ok_or_else(|| SecretError::Missing {
+                tool: inner.tool_name.clone(),
+                name: name.to_owned(),
+            })
+    }
+}
+
+impl fmt::Debug for ToolContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolContext")
+            .field("tool_name", &self.inner.tool_name)
+            .field("tool_call_id", &self.inner.tool_call_id)
+            .field("instance_id", &self.inner.instance_id)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,32 @@
+//! # flue-runtime
+//!
+//! The crate a flue-rs application depends on. It re-exports the render model
+//! ([`flue_core`]) so a user crate needs no other flue dependency:
+//!
+//! ```
+//! use flue_runtime::prelude::*;
+//!
+//! let agent = FnAgent::new(AgentDefinition::new("hello"), |_| {
+//!     use_model("openai/gpt-4o-mini");
+//!     "Say hello."
+//! });
+//! let rendered = flue_runtime::render_bare(&agent).unwrap();
+//! assert_eq!(rendered.instruction.as_deref(), Some("Say hello."));
+//! ```
+
+pub use flue_core::*;
+
+/// Everything an application author needs.
+pub mod prelude {
+    pub use flue_core::prelude::*;
+}
+
+/// What generated code reaches dependencies through, so a user crate that depends on
+/// `flue-runtime` alone compiles. Not a public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use flue_core;
+    pub use schemars;
+    pub use serde;
+    pub use serde_json;
+}

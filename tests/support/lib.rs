@@ -1,0 +1,1 @@
+//! Support code shared by the workspace-level tests and the examples.
