@@ -361,9 +361,48 @@ type ResponseStartFn =
 type ResponseFinishFn =
     dyn Fn(&ResponseFinishContext) -> Result<Option<Metadata>, MetadataError> + Send + Sync;
 
+/// Shares a callback: `&'static` when the closure is zero-sized (boxing a zero-sized value
+/// does not allocate, so leaking it is free), reference-counted otherwise. Renders re-declare
+/// every callback before every model call, so this keeps the common case allocation-free.
+enum Shared<F: ?Sized + 'static> {
+    Static(&'static F),
+    Counted(Arc<F>),
+}
+
+impl<F: ?Sized> Clone for Shared<F> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Static(f) => Self::Static(f),
+            Self::Counted(f) => Self::Counted(Arc::clone(f)),
+        }
+    }
+}
+
+impl<F: ?Sized> std::ops::Deref for Shared<F> {
+    type Target = F;
+
+    fn deref(&self) -> &F {
+        match self {
+            Self::Static(f) => f,
+            Self::Counted(f) => f,
+        }
+    }
+}
+
+macro_rules! share {
+    ($closure:expr) => {{
+        let closure = $closure;
+        if std::mem::size_of_val(&closure) == 0 {
+            Shared::Static(Box::leak(Box::new(closure)))
+        } else {
+            Shared::Counted(Arc::new(closure))
+        }
+    }};
+}
+
 /// A `use_agent_start` callback.
 #[derive(Clone)]
-pub struct AgentStartHook(Arc<AgentStartFn>);
+pub struct AgentStartHook(Shared<AgentStartFn>);
 
 impl AgentStartHook {
     /// Wraps an async callback.
@@ -373,7 +412,10 @@ impl AgentStartHook {
         Fut: Future + Send + 'static,
         Fut::Output: IntoCallbackResult,
     {
-        Self(Arc::new(move |ctx| {
+        Self(share!(move |ctx| -> BoxFuture<
+            'static,
+            Result<(), CallbackError>,
+        > {
             let future = run(ctx);
             Box::pin(async move { future.await.into_callback_result() })
         }))
@@ -387,7 +429,7 @@ impl AgentStartHook {
 
 /// A `use_agent_finish` callback.
 #[derive(Clone)]
-pub struct AgentFinishHook(Arc<AgentFinishFn>);
+pub struct AgentFinishHook(Shared<AgentFinishFn>);
 
 impl AgentFinishHook {
     /// Wraps an async callback.
@@ -397,7 +439,10 @@ impl AgentFinishHook {
         Fut: Future + Send + 'static,
         Fut::Output: IntoCallbackResult,
     {
-        Self(Arc::new(move |ctx| {
+        Self(share!(move |ctx| -> BoxFuture<
+            'static,
+            Result<(), CallbackError>,
+        > {
             let future = run(ctx);
             Box::pin(async move { future.await.into_callback_result() })
         }))
@@ -411,7 +456,7 @@ impl AgentFinishHook {
 
 /// A `use_response_start` callback.
 #[derive(Clone)]
-pub struct ResponseStartHook(Arc<ResponseStartFn>);
+pub struct ResponseStartHook(Shared<ResponseStartFn>);
 
 impl ResponseStartHook {
     /// Wraps a synchronous callback.
@@ -420,7 +465,7 @@ impl ResponseStartHook {
         F: Fn(&ResponseStartContext) -> M + Send + Sync + 'static,
         M: IntoMetadata,
     {
-        Self(Arc::new(move |ctx| run(ctx).into_metadata()))
+        Self(share!(move |ctx: &_| run(ctx).into_metadata()))
     }
 
     /// Runs the callback.
@@ -431,7 +476,7 @@ impl ResponseStartHook {
 
 /// A `use_response_finish` callback.
 #[derive(Clone)]
-pub struct ResponseFinishHook(Arc<ResponseFinishFn>);
+pub struct ResponseFinishHook(Shared<ResponseFinishFn>);
 
 impl ResponseFinishHook {
     /// Wraps a synchronous callback.
@@ -440,7 +485,7 @@ impl ResponseFinishHook {
         F: Fn(&ResponseFinishContext) -> M + Send + Sync + 'static,
         M: IntoMetadata,
     {
-        Self(Arc::new(move |ctx| run(ctx).into_metadata()))
+        Self(share!(move |ctx: &_| run(ctx).into_metadata()))
     }
 
     /// Runs the callback.

@@ -67,7 +67,7 @@ use std::pin::Pin;
 pub use agent::{Agent, AgentDefinition, AgentProps, AgentRef, FnAgent, Instruction};
 pub use error::{RenderError, ToolNameConflict, ToolNameConflictError};
 pub use render::{
-    RenderKind, RenderState, Rendered, is_rendering, render, render_bare, try_render,
+    RenderKind, RenderState, Rendered, is_rendering, render, render_bare, render_into, try_render,
 };
 pub use tool::{Tool, ToolContext, ToolError, ToolOutput};
 

@@ -7,16 +7,43 @@
 //! that made the writes.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
 use crate::render::StateView;
 
+/// FNV-1a: state names are short, author-chosen keys read on every render, where SipHash's
+/// DoS resistance buys nothing and costs most of the lookup.
+#[derive(Default, Clone, Copy)]
+struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        let mut hash = if self.0 == 0 {
+            0xcbf2_9ce4_8422_2325
+        } else {
+            self.0
+        };
+        for byte in bytes {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        self.0 = hash;
+    }
+}
+
+type NameMap<V> = HashMap<String, V, BuildHasherDefault<Fnv>>;
+
 /// Committed persistent state of one instance: name → last written value.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StateSnapshot {
-    values: HashMap<String, Value>,
+    values: NameMap<Value>,
 }
 
 impl StateSnapshot {
@@ -74,9 +101,9 @@ pub struct StateWrite {
 pub struct StateBuffer {
     snapshot: Arc<StateSnapshot>,
     /// Values drained (handed to an append batch) during this attempt.
-    drained: HashMap<String, Value>,
+    drained: NameMap<Value>,
     /// Values written since the last drain.
-    overlay: HashMap<String, Value>,
+    overlay: NameMap<Value>,
     pending: Vec<StateWrite>,
 }
 
@@ -85,8 +112,8 @@ impl StateBuffer {
     pub fn new(snapshot: Arc<StateSnapshot>) -> Self {
         Self {
             snapshot,
-            drained: HashMap::new(),
-            overlay: HashMap::new(),
+            drained: NameMap::default(),
+            overlay: NameMap::default(),
             pending: Vec::new(),
         }
     }

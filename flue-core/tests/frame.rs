@@ -184,7 +184,7 @@ fn a_rules_violation_names_the_users_line() {
     else {
         panic!("expected a located violation");
     };
-    let expected_line = line!() - 6;
+    let expected_line = line!() - 9;
     assert_eq!(location, format!("{}:{expected_line}:9", file!()));
 }
 

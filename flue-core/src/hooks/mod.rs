@@ -72,6 +72,7 @@ pub(crate) fn hook<R>(name: &str, body: impl FnOnce(&Frame<'_>) -> Result<R, Str
 }
 
 /// The rejection of a root-only hook in a subagent render.
+#[inline]
 pub(crate) fn root_only(frame: &Frame<'_>, message: &str) -> Result<(), String> {
     if frame.state.kind() == RenderKind::Subagent {
         Err(message.to_owned())

@@ -18,7 +18,7 @@ thread_local! {
 /// One render in progress: what the runtime supplied, and what the hooks recorded so far.
 pub(crate) struct Frame<'a> {
     pub(crate) state: &'a RenderState<'a>,
-    pub(crate) rec: RefCell<Rendered>,
+    pub(crate) rec: RefCell<&'a mut Rendered>,
 }
 
 /// Whether a render is in progress on this thread.

@@ -38,22 +38,37 @@ pub fn render<A: Agent + ?Sized>(
     agent: &A,
     state: &RenderState<'_>,
 ) -> Result<Rendered, RenderError> {
+    let mut rendered = Rendered::with_capacity_hint(state.capacity_hint());
+    render_into(agent, state, &mut rendered)?;
+    Ok(rendered)
+}
+
+/// [`render`] into an existing [`Rendered`] (cleared first), reusing its buffers in place: a
+/// runtime that renders the same agent turn after turn allocates and copies nothing for the
+/// recording itself. On error, `into` holds whatever the render recorded.
+#[track_caller]
+pub fn render_into<A: Agent + ?Sized>(
+    agent: &A,
+    state: &RenderState<'_>,
+    into: &mut Rendered,
+) -> Result<(), RenderError> {
+    into.reset();
     let frame = Frame {
         state,
-        rec: RefCell::new(Rendered::with_capacity_hint(state.capacity_hint())),
+        rec: RefCell::new(into),
     };
     let props = AgentProps::new(state.instance_id(), state.kind());
     let returned = {
         let _guard = frame::FrameGuard::enter(&frame);
         agent.render_body(props)
     };
-    let mut rendered = frame.rec.into_inner();
+    let rendered = frame.rec.into_inner();
     rendered.compose_instruction(returned.into_inner());
-    check_unique_tool_names(&rendered)?;
+    check_unique_tool_names(rendered)?;
     if let Some(previous) = state.previous_data_writers() {
         check_data_writer_identity(previous, &rendered.data_writers)?;
     }
-    Ok(rendered)
+    Ok(())
 }
 
 /// Renders `agent` with no runtime behind it: the form for unit tests and tooling.
@@ -98,11 +113,32 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 fn check_unique_tool_names(rendered: &Rendered) -> Result<(), ToolNameConflictError> {
-    let tools = &rendered.tools;
-    for (index, tool) in tools.iter().enumerate() {
+    // A handful of names: a quadratic scan over names collected once (each `name()` is a
+    // virtual call) beats hashing them. Spills to the heap past 32 tools.
+    const INLINE: usize = 32;
+    let mut inline = [""; INLINE];
+    let mut spilled: Vec<&str> = Vec::new();
+    for (index, tool) in rendered.tools.iter().enumerate() {
         let name = tool.name();
-        if tools[..index].iter().any(|earlier| earlier.name() == name) {
+        let earlier = if index <= INLINE {
+            &inline[..index]
+        } else {
+            &spilled[..]
+        };
+        if earlier.iter().any(|other| {
+            other.len() == name.len()
+                && other.as_bytes().first() == name.as_bytes().first()
+                && *other == name
+        }) {
             return Err(ToolNameConflictError::duplicate(name));
+        }
+        if index < INLINE {
+            inline[index] = name;
+        } else {
+            if spilled.is_empty() {
+                spilled.extend_from_slice(&inline);
+            }
+            spilled.push(name);
         }
     }
     Ok(())

@@ -110,6 +110,25 @@ impl Rendered {
         }
     }
 
+    /// Empties every declaration, keeping the buffers' capacity.
+    pub(crate) fn reset(&mut self) {
+        self.model = None;
+        self.sandbox = None;
+        self.tools.clear();
+        self.skills.clear();
+        self.subagents.clear();
+        self.instruction = None;
+        self.hooks.clear();
+        self.state_names.clear();
+        self.data_writers.clear();
+        self.agent_starts.clear();
+        self.agent_finishes.clear();
+        self.response_starts.clear();
+        self.response_finishes.clear();
+        self.mcp_connections.clear();
+        self.instruction_parts.clear();
+    }
+
     /// How many declarations this render recorded; pass it to
     /// [`crate::RenderState::with_capacity_hint`] for the next render of the same agent.
     pub fn declaration_count(&self) -> usize {
