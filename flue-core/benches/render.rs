@@ -1,6 +1,7 @@
 //! One render of a representative agent: a model, 8 tools, 2 state values, 1 data writer and
 //! 4 event hooks, rendered the way the runtime renders it (state view, binding, delivery,
 //! previous data-writer names, capacity hint).
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use std::sync::Arc;
 

@@ -19,7 +19,7 @@ pub trait Agent: Send + Sync + 'static {
     /// Identity and statics, read without rendering.
     fn definition(&self) -> &AgentDefinition;
 
-    /// Runs the agent function body once. Called by [`crate::render`] inside a render frame;
+    /// Runs the agent function body once. Called by [`crate::render()`] inside a render frame;
     /// calling it directly panics at its first hook (no frame).
     fn render_body(&self, props: AgentProps<'_>) -> Instruction;
 }

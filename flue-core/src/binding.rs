@@ -11,6 +11,10 @@ use serde_json::Value;
 use crate::BoxFuture;
 use crate::message::{DeliveredMessage, DispatchReceipt, MessageError};
 
+/// The read-modify-write step of [`RuntimeBinding::modify_state`]: given the current value,
+/// the value to write (or `None` for no change).
+pub type StateModify<'a> = dyn FnMut(Option<&Value>) -> Result<Option<Value>, StateWriteError> + 'a;
+
 /// What a render's writers call into. Implemented by the runtime (and by
 /// [`crate::testing::TestBinding`] for tests).
 pub trait RuntimeBinding: Send + Sync + 'static {
@@ -20,11 +24,8 @@ pub trait RuntimeBinding: Send + Sync + 'static {
     /// snapshot; `None` before the first write ever) and returns the value to write, or `None`
     /// for no change. The binding runs it under the buffer's lock, so concurrent updaters
     /// compose instead of dropping each other's writes.
-    fn modify_state(
-        &self,
-        name: &str,
-        modify: &mut dyn FnMut(Option<&Value>) -> Result<Option<Value>, StateWriteError>,
-    ) -> Result<(), StateWriteError>;
+    fn modify_state(&self, name: &str, modify: &mut StateModify<'_>)
+    -> Result<(), StateWriteError>;
 
     /// Appends one write of the data part `name` to the current response and streams it.
     fn write_data(&self, name: &str, data: Value) -> Result<(), DataWriteError>;

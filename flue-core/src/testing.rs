@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde_json::Value;
 
 use crate::BoxFuture;
-use crate::binding::{DataWriteError, DispatchError, RuntimeBinding, StateWriteError};
+use crate::binding::{DataWriteError, DispatchError, RuntimeBinding, StateModify, StateWriteError};
 use crate::message::{DeliveredMessage, DispatchReceipt};
 use crate::render::StateView;
 use crate::state::{StateBuffer, StateSnapshot};
@@ -104,7 +104,7 @@ impl RuntimeBinding for TestBinding {
     fn modify_state(
         &self,
         name: &str,
-        modify: &mut dyn FnMut(Option<&Value>) -> Result<Option<Value>, StateWriteError>,
+        modify: &mut StateModify<'_>,
     ) -> Result<(), StateWriteError> {
         if !self.responding() {
             return Err(StateWriteError::NotResponding {

@@ -176,6 +176,7 @@ impl Tool {
     ///     .run(|_ctx, args: Credit| async move { format!("Offered {}.", args.amount) });
     /// assert_eq!(tool.name(), "offer_credit");
     /// ```
+    #[allow(clippy::new_ret_no_self)] // `Tool::new(..)….run(..)` reads as defining a tool.
     pub fn new(name: impl Into<Cow<'static, str>>) -> ToolBuilder {
         ToolBuilder {
             name: name.into(),

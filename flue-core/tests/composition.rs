@@ -1,4 +1,5 @@
 //! Custom hooks and conditional resources across renders.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod common;
 

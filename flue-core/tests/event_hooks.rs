@@ -1,4 +1,5 @@
 //! The four event hooks: declarations, the append window, metadata returns and deep merge.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod common;
 

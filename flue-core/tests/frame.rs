@@ -1,4 +1,5 @@
 //! The render frame: outside-render detection, re-entrancy, cleanup on panic, bare renders.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod common;
 
@@ -16,7 +17,8 @@ fn outside(hook: &str) -> String {
 
 #[test]
 fn every_hook_panics_outside_an_agent_function_with_the_reference_message() {
-    let cases: Vec<(&str, Box<dyn Fn()>)> = vec![
+    type Case = (&'static str, Box<dyn Fn()>);
+    let cases: Vec<Case> = vec![
         ("use_model", Box::new(|| use_model("openai/gpt-4o"))),
         (
             "use_model",

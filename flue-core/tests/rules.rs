@@ -1,4 +1,5 @@
 //! The rules of hooks of reference §2.4–§2.6, one test per rule.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod common;
 
@@ -407,7 +408,8 @@ fn use_hooks_rejects_selecting_one_hook_twice() {
 
 #[test]
 fn instance_scoped_and_client_facing_hooks_panic_in_a_subagent_render() {
-    let cases: Vec<(&str, Box<dyn Fn() + Send + Sync>)> = vec![
+    type Case = (&'static str, Box<dyn Fn() + Send + Sync>);
+    let cases: Vec<Case> = vec![
         (
             "[flue] use_model() is not available in a subagent render. A delegate declares its model on its use_subagent() definition.",
             Box::new(|| use_model("openai/gpt-4o")),

@@ -1,5 +1,6 @@
 //! Writers: state setters, data writers and the dispatcher — during render, on bare renders,
 //! through a runtime binding.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod common;
 

@@ -150,7 +150,7 @@ fn check_data_writer_identity(
 ) -> Result<(), RenderError> {
     let added: Vec<String> = next
         .iter()
-        .filter(|declared| !previous.iter().any(|name| *name == declared.name))
+        .filter(|declared| !previous.contains(&declared.name))
         .map(|declared| declared.name.to_string())
         .collect();
     let removed: Vec<String> = previous

@@ -1,4 +1,5 @@
 //! Helpers shared by the flue-core tests.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
 #![allow(dead_code)]
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
