@@ -106,8 +106,10 @@ fn render(c: &mut Criterion) {
     let mut spare = flue_core::render_bare(&agent).expect("renders");
     c.bench_function("render/model+8tools+2state+1writer+4hooks/into", |b| {
         b.iter(|| {
+            // As the runtime does at a turn boundary: hold the attempt's buffer for the render.
+            let buffer = binding.state();
             let state = RenderState::root("inst-1")
-                .with_state(&*binding)
+                .with_state(&*buffer)
                 .with_binding(&runtime)
                 .with_delivery(&delivery)
                 .with_previous_data_writers(&previous);
