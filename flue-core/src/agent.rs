@@ -308,6 +308,25 @@ impl From<()> for Instruction {
     }
 }
 
+/// What `#[agent]` converts an agent function's return value with. Implemented for everything
+/// `Into<Instruction>`; the diagnostic says what an agent may return.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "an agent function returns its instruction (`&'static str`, `String`, `Option<String>` or `()`), not `{Self}`",
+    label = "not an instruction",
+    note = "everything else (model, tools, state) is composed with hooks in the body"
+)]
+pub trait IntoInstruction {
+    /// Converts into the instruction.
+    fn into_instruction(self) -> Instruction;
+}
+
+impl<T: Into<Instruction>> IntoInstruction for T {
+    fn into_instruction(self) -> Instruction {
+        self.into()
+    }
+}
+
 /// A shared reference to an agent: `&'static` for zero-sized agents (what `#[agent]`
 /// generates), reference-counted otherwise.
 #[derive(Clone)]

@@ -15,10 +15,12 @@
 //! ```
 
 pub use flue_core::*;
+pub use flue_macros::agent;
 
 /// Everything an application author needs.
 pub mod prelude {
     pub use flue_core::prelude::*;
+    pub use flue_macros::agent;
 }
 
 /// What generated code reaches dependencies through, so a user crate that depends on

@@ -1,0 +1,146 @@
+//! Code generation for `#[agent]`.
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{Attribute, FnArg, ReturnType};
+
+use super::model::AgentModel;
+
+pub(crate) fn agent(model: &AgentModel) -> TokenStream {
+    let function = &model.function;
+    let krate = &model.krate;
+    let ident = &model.ident;
+    let vis = &function.vis;
+    let (docs, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) = function
+        .attrs
+        .iter()
+        .partition(|attr| attr.path().is_ident("doc"));
+    let name = &model.name.0;
+    let inputs = &function.sig.inputs;
+    let output = &function.sig.output;
+    let block = &function.block;
+
+    let call = match (inputs.len(), inputs.first()) {
+        (0, _) => Some(quote!({
+            let _ = props;
+            __flue_agent_body()
+        })),
+        (1, Some(FnArg::Typed(param))) => {
+            Some(quote_spanned!(param.ty.span()=> __flue_agent_body(props)))
+        }
+        // A shape error was reported; keep the item compiling without piling on errors.
+        _ => None,
+    };
+    let convert = match (call, output) {
+        (Some(call), ReturnType::Type(_, ty)) => {
+            quote_spanned!(ty.span()=> <#ty as __flue::agent::IntoInstruction>::into_instruction(#call))
+        }
+        (Some(call), ReturnType::Default) => quote!({
+            #call;
+            __flue::Instruction::NONE
+        }),
+        (None, _) => quote!({
+            let _ = props;
+            __flue::Instruction::NONE
+        }),
+    };
+
+    let mut statics = Vec::new();
+    let description = model
+        .description()
+        .map(syn::LitStr::value)
+        .or_else(|| doc_text(&docs));
+    if let Some(description) = description {
+        statics.push(quote!(definition = definition.description(#description);));
+    }
+    if let Some(ty) = &model.options.initial_data {
+        statics.push(quote_spanned!(ty.span()=> definition = definition.initial_data::<#ty>();));
+    }
+    if model.options.max_attempts.is_some() || model.timeout_ms.is_some() {
+        let attempts = match &model.options.max_attempts {
+            Some(attempts) => quote!(#attempts),
+            None => quote!(__flue::agent::Durability::DEFAULT.max_attempts),
+        };
+        let timeout = match model.timeout_ms {
+            Some(ms) => quote!(::core::time::Duration::from_millis(#ms)),
+            None => quote!(__flue::agent::Durability::DEFAULT.timeout),
+        };
+        statics.push(quote!(definition = definition.durability(__flue::agent::Durability { max_attempts: #attempts, timeout: #timeout });));
+    }
+    if let Some(steps) = &model.options.max_steps {
+        statics.push(quote!(definition = definition.max_steps(#steps);));
+    }
+    if let Some(hooks) = &model.options.hooks {
+        let hooks = hooks.iter().map(|hook| quote_spanned!(hook.span()=> { let hook: __flue::lifecycle::ThreadHook = #hook; hook }));
+        statics.push(quote!(definition = definition.hooks(::std::vec![#(#hooks),*]);));
+    }
+    if model.options.expose_as_tool.is_some() {
+        statics.push(quote!(definition = definition.expose_as_tool();));
+    }
+    if !model.parent_hooks().is_empty() {
+        let requirements = model.parent_hooks().iter().map(|requirement| {
+            let hook = &requirement.hook;
+            let reason = &requirement.reason;
+            let stage = if requirement.stage == "before_parent" {
+                quote!(__flue::agent::HookStage::BeforeParent)
+            } else {
+                quote!(__flue::agent::HookStage::AfterParent)
+            };
+            quote_spanned!(hook.span()=> __flue::agent::ParentHookRequirement { hook: #hook, stage: #stage, reason: #reason })
+        });
+        statics
+            .push(quote!(definition = definition.parent_hooks(::std::vec![#(#requirements),*]);));
+    }
+
+    quote! {
+        #(#docs)*
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Copy, Debug, Default)]
+        #vis struct #ident;
+
+        const _: () = {
+            use #krate::__private::flue_core as __flue;
+
+            #[automatically_derived]
+            impl __flue::Agent for #ident {
+                fn definition(&self) -> &__flue::AgentDefinition {
+                    static DEFINITION: ::std::sync::OnceLock<__flue::AgentDefinition> = ::std::sync::OnceLock::new();
+                    DEFINITION.get_or_init(|| {
+                        #[allow(unused_mut)]
+                        let mut definition = __flue::AgentDefinition::from_checked(::std::borrow::Cow::Borrowed(#name));
+                        #(#statics)*
+                        definition
+                    })
+                }
+
+                fn render_body(&self, props: __flue::AgentProps<'_>) -> __flue::Instruction {
+                    #(#other_attrs)*
+                    #[allow(dead_code, unused_variables)]
+                    fn __flue_agent_body(#inputs) #output #block
+                    #convert
+                }
+            }
+        };
+    }
+}
+
+/// The doc comment's text, lines trimmed and joined, when there is one.
+fn doc_text(docs: &[&Attribute]) -> Option<String> {
+    let lines: Vec<String> = docs
+        .iter()
+        .filter_map(|attr| match &attr.meta {
+            syn::Meta::NameValue(syn::MetaNameValue {
+                value:
+                    syn::Expr::Lit(syn::ExprLit {
+                        lit: syn::Lit::Str(text),
+                        ..
+                    }),
+                ..
+            }) => Some(text.value().trim().to_owned()),
+            _ => None,
+        })
+        .collect();
+    let text = lines.join("\n").trim().to_owned();
+    (!text.is_empty()).then_some(text)
+}

@@ -1,0 +1,192 @@
+//! Parsing the attribute's options. Unknown keys list the valid ones; duplicates are errors.
+
+use proc_macro2::{Span, TokenStream};
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::{Expr, LitInt, LitStr, Token, Type};
+
+use crate::errors::Errors;
+
+pub(crate) const OPTIONS: &[&str] = &[
+    "name",
+    "description",
+    "initial_data",
+    "durability",
+    "max_steps",
+    "hooks",
+    "expose_as_tool",
+    "parent_hooks",
+    "crate",
+];
+
+/// The options as written, before validation.
+#[derive(Default)]
+pub(crate) struct Options {
+    pub(crate) name: Option<LitStr>,
+    pub(crate) description: Option<LitStr>,
+    pub(crate) initial_data: Option<Type>,
+    pub(crate) max_attempts: Option<LitInt>,
+    pub(crate) timeout: Option<LitStr>,
+    pub(crate) max_steps: Option<LitInt>,
+    pub(crate) hooks: Option<Vec<Expr>>,
+    pub(crate) expose_as_tool: Option<Span>,
+    pub(crate) parent_hooks: Option<Vec<ParentHook>>,
+    pub(crate) krate: Option<syn::Path>,
+}
+
+pub(crate) struct ParentHook {
+    pub(crate) hook: Expr,
+    pub(crate) stage: syn::Ident,
+    pub(crate) reason: LitStr,
+}
+
+fn set<T>(slot: &mut Option<T>, value: T, key: &syn::Path, errors: &Errors) {
+    if slot.is_some() {
+        errors.spanned(
+            key,
+            format!(
+                "duplicate #[agent] option `{}`",
+                key.get_ident().map(ToString::to_string).unwrap_or_default()
+            ),
+        );
+    } else {
+        *slot = Some(value);
+    }
+}
+
+pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
+    let mut options = Options::default();
+    let parser = syn::meta::parser(|meta| {
+        let key = meta.path.clone();
+        let name = key.get_ident().map(ToString::to_string).unwrap_or_default();
+        match name.as_str() {
+            "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
+            "description" => set(
+                &mut options.description,
+                meta.value()?.parse()?,
+                &key,
+                errors,
+            ),
+            "initial_data" => set(
+                &mut options.initial_data,
+                meta.value()?.parse()?,
+                &key,
+                errors,
+            ),
+            "max_steps" => set(&mut options.max_steps, meta.value()?.parse()?, &key, errors),
+            "expose_as_tool" => set(&mut options.expose_as_tool, Span::call_site(), &key, errors),
+            "crate" => {
+                let path: LitStr = meta.value()?.parse()?;
+                match path.parse::<syn::Path>() {
+                    Ok(parsed) => set(&mut options.krate, parsed, &key, errors),
+                    Err(_) => {
+                        errors.spanned(&path, "`crate` must name a path, like \"flue_runtime\"")
+                    }
+                }
+            }
+            "hooks" => {
+                let list: syn::ExprArray = meta.value()?.parse()?;
+                set(
+                    &mut options.hooks,
+                    list.elems.into_iter().collect(),
+                    &key,
+                    errors,
+                );
+            }
+            "durability" => meta.parse_nested_meta(|inner| {
+                let inner_key = inner.path.clone();
+                match inner_key.get_ident().map(ToString::to_string).as_deref() {
+                    Some("max_attempts") => set(
+                        &mut options.max_attempts,
+                        inner.value()?.parse()?,
+                        &inner_key,
+                        errors,
+                    ),
+                    Some("timeout") => set(
+                        &mut options.timeout,
+                        inner.value()?.parse()?,
+                        &inner_key,
+                        errors,
+                    ),
+                    _ => errors.spanned(
+                        &inner_key,
+                        "unknown durability option; expected one of: `max_attempts`, `timeout`",
+                    ),
+                }
+                Ok(())
+            })?,
+            "parent_hooks" => {
+                let list: syn::ExprArray = meta.value()?.parse()?;
+                let mut requirements = Vec::new();
+                for element in list.elems {
+                    match parent_hook(element) {
+                        Ok(requirement) => requirements.push(requirement),
+                        Err(error) => errors.push(error),
+                    }
+                }
+                set(&mut options.parent_hooks, requirements, &key, errors);
+            }
+            _ => {
+                if meta.input.peek(Token![=]) {
+                    let _: Expr = meta.value()?.parse()?;
+                }
+                errors.spanned(
+                    &key,
+                    format!(
+                        "unknown #[agent] option `{name}`; expected one of: {}",
+                        OPTIONS
+                            .iter()
+                            .map(|option| format!("`{option}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
+            }
+        }
+        Ok(())
+    });
+    if let Err(error) = parser.parse2(args) {
+        errors.push(error);
+    }
+    options
+}
+
+fn parent_hook(element: Expr) -> syn::Result<ParentHook> {
+    let shape = "each parent hook is `(hook, stage, \"reason\")`, with stage `before_parent` or `after_parent`";
+    let Expr::Tuple(tuple) = element else {
+        return Err(syn::Error::new_spanned(element, shape));
+    };
+    let parts: Punctuated<Expr, Token![,]> = tuple.elems.clone();
+    if parts.len() != 3 {
+        return Err(syn::Error::new_spanned(tuple, shape));
+    }
+    let mut parts = parts.into_iter();
+    let (Some(hook), Some(stage), Some(reason)) = (parts.next(), parts.next(), parts.next()) else {
+        return Err(syn::Error::new_spanned(tuple, shape));
+    };
+    let stage = match stage {
+        Expr::Path(path) if path.path.get_ident().is_some() => path
+            .path
+            .get_ident()
+            .cloned()
+            .ok_or_else(|| syn::Error::new_spanned(&path, shape))?,
+        other => return Err(syn::Error::new_spanned(other, shape)),
+    };
+    let reason = match reason {
+        Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Str(reason),
+            ..
+        }) => reason,
+        other => {
+            return Err(syn::Error::new_spanned(
+                other,
+                "the reason of a parent hook is a string literal",
+            ));
+        }
+    };
+    Ok(ParentHook {
+        hook,
+        stage,
+        reason,
+    })
+}

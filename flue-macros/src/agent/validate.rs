@@ -1,0 +1,95 @@
+//! The compile-time rules of `#[agent]`.
+
+use quote::ToTokens;
+use syn::{FnArg, ReturnType};
+
+use super::model::AgentModel;
+use crate::errors::Errors;
+
+pub(crate) fn check(model: &AgentModel, errors: &Errors) {
+    let sig = &model.function.sig;
+    if let Some(asyncness) = &sig.asyncness {
+        errors.spanned(
+            asyncness,
+            "an agent function must be synchronous: it is rendered before every model call. Move async work into tools or use_agent_start callbacks",
+        );
+    }
+    if !sig.generics.params.is_empty() {
+        errors.spanned(&sig.generics, "an agent function cannot be generic");
+    }
+    let mut inputs = sig.inputs.iter();
+    if let Some(first) = inputs.next()
+        && let FnArg::Receiver(receiver) = first
+    {
+        errors.spanned(receiver, "an agent is a free function, not a method");
+    }
+    for extra in inputs {
+        errors.spanned(
+            extra,
+            "an agent function takes no parameters or one `AgentProps`",
+        );
+    }
+    if let ReturnType::Type(_, ty) = &sig.output
+        && let syn::Type::ImplTrait(_) = ty.as_ref()
+    {
+        // `impl Into<Instruction>` is fine; anything else is checked by the type system at
+        // the return type's span.
+    }
+    let (name, span) = &model.name;
+    if !is_identity(name) {
+        errors.push(syn::Error::new(
+            *span,
+            format!("agent name \"{name}\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$"),
+        ));
+    }
+    if let Some(steps) = &model.options.max_steps
+        && steps.base10_parse::<u32>().map_or(true, |steps| steps == 0)
+    {
+        errors.spanned(steps, "max_steps must be a positive integer");
+    }
+    if let Some(attempts) = &model.options.max_attempts
+        && attempts
+            .base10_parse::<u32>()
+            .map_or(true, |attempts| attempts == 0)
+    {
+        errors.spanned(attempts, "max_attempts must be a positive integer");
+    }
+    let requirements = model.parent_hooks();
+    if !requirements.is_empty() && model.options.expose_as_tool.is_none() {
+        errors.spanned(
+            &requirements[0].hook,
+            "only an agent with `expose_as_tool` can declare parent_hooks: add `expose_as_tool` to #[agent(..)]",
+        );
+    }
+    for (index, requirement) in requirements.iter().enumerate() {
+        let hook = requirement.hook.to_token_stream().to_string();
+        if requirements[..index]
+            .iter()
+            .any(|earlier| earlier.hook.to_token_stream().to_string() == hook)
+        {
+            errors.spanned(
+                &requirement.hook,
+                format!("parent_hooks names the hook `{hook}` twice; require each hook once"),
+            );
+        }
+        if requirement.reason.value().trim().is_empty() {
+            errors.spanned(
+                &requirement.reason,
+                "a parent hook needs a non-blank reason, shown to whoever composes this agent",
+            );
+        }
+        let stage = requirement.stage.to_string();
+        if stage != "before_parent" && stage != "after_parent" {
+            errors.spanned(
+                &requirement.stage,
+                format!("unknown stage `{stage}`; expected `before_parent` or `after_parent`"),
+            );
+        }
+    }
+}
+
+fn is_identity(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    matches!(bytes.next(), Some(b'a'..=b'z'))
+        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+}

@@ -1,0 +1,108 @@
+//! `#[agent]` pass cases: the generated value implements `Agent` with the declared statics.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use flue_runtime::agent::HookStage;
+use flue_runtime::prelude::*;
+
+/// Checks whether a GitHub issue duplicates an older open issue.
+#[agent(max_steps = 6)]
+fn duplicate_finder() -> &'static str {
+    use_model("openrouter/anthropic/claude-sonnet-4.5");
+    "You check whether a GitHub issue duplicates an older open issue."
+}
+
+#[agent(
+    name = "mail_agent",
+    description = "Reads and summarizes the mailbox.",
+    expose_as_tool,
+    durability(max_attempts = 3, timeout = "90s")
+)]
+fn mail(props: AgentProps) -> String {
+    format!("You read the mailbox of {}.", props.id())
+}
+
+#[agent]
+fn silent() {
+    use_model("openai/gpt-4o-mini");
+}
+
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+struct Customer {
+    #[allow(dead_code)]
+    plan: String,
+}
+
+#[agent(initial_data = Customer)]
+fn onboarding() -> &'static str {
+    use_model("openai/gpt-4o-mini");
+    "Welcome the customer."
+}
+
+#[test]
+fn agent_generates_a_value_with_the_functions_name_and_its_statics() {
+    let definition = duplicate_finder.definition();
+    assert_eq!(definition.name, "duplicate_finder");
+    assert_eq!(definition.max_steps, Some(6));
+    assert_eq!(
+        definition.description.as_deref(),
+        Some("Checks whether a GitHub issue duplicates an older open issue.")
+    );
+    assert!(!definition.expose_as_tool);
+    let rendered = flue_runtime::render_bare(&duplicate_finder).unwrap();
+    assert_eq!(
+        rendered.model.unwrap().spec,
+        "openrouter/anthropic/claude-sonnet-4.5"
+    );
+}
+
+#[test]
+fn agent_options_set_identity_description_exposure_and_durability() {
+    let definition = mail.definition();
+    assert_eq!(definition.name, "mail_agent");
+    assert_eq!(
+        definition.description.as_deref(),
+        Some("Reads and summarizes the mailbox.")
+    );
+    assert!(definition.expose_as_tool);
+    assert_eq!(definition.durability.max_attempts, 3);
+    assert_eq!(
+        definition.durability.timeout,
+        std::time::Duration::from_secs(90)
+    );
+    let rendered = flue_runtime::render(&mail, &RenderState::root("inbox-1")).unwrap();
+    assert_eq!(
+        rendered.instruction.as_deref(),
+        Some("You read the mailbox of inbox-1.")
+    );
+    assert_eq!(HookStage::default(), HookStage::AfterParent);
+}
+
+#[test]
+fn an_agent_returning_unit_has_no_instruction() {
+    let rendered = flue_runtime::render_bare(&silent).unwrap();
+    assert_eq!(rendered.instruction, None);
+    assert!(rendered.model.is_some());
+}
+
+#[test]
+fn initial_data_declares_a_validating_parser() {
+    let spec = onboarding.definition().initial_data.clone().unwrap();
+    assert!((spec.parse)(&serde_json::json!({"plan": "pro"})).is_ok());
+    assert!(
+        (spec.parse)(&serde_json::json!({"tier": "pro"}))
+            .unwrap_err()
+            .contains("missing field `plan`")
+    );
+}
+
+#[test]
+fn an_agent_value_is_a_delegate() {
+    let delegate = Subagent::new("mail", "Reads mail.", mail);
+    assert_eq!(delegate.agent().name(), "mail_agent");
+}
+
+#[test]
+fn ui() {
+    let cases = trybuild::TestCases::new();
+    cases.compile_fail("tests/ui/agent/*.rs");
+}
