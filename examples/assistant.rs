@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use flue_runtime::prelude::*;
 use flue_runtime::state::StateSnapshot;
-use flue_runtime::testing::TestBinding;
+use flue_runtime::testing::{TestBinding, poll_ready};
 use serde::{Deserialize, Serialize};
 
 #[derive(Deserialize, schemars::JsonSchema)]
@@ -80,17 +80,6 @@ fn assistant() -> impl Agent {
     )
 }
 
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    match future
-        .as_mut()
-        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-    {
-        std::task::Poll::Ready(output) => output,
-        std::task::Poll::Pending => unreachable!("the example's tools complete immediately"),
-    }
-}
-
 fn main() {
     println!(
         "flue-rs example `assistant` (offline: renders the agent; the runtime that calls models is not built yet)\n"
@@ -144,7 +133,7 @@ fn main() {
     );
 
     let tool = rendered.tool("lookup_order").expect("mounted").clone();
-    let output = block_on(tool.call(
+    let output = poll_ready(tool.call(
         ToolContext::new(&tool, "call_1"),
         serde_json::json!({"order": "A-1001"}),
     ));

@@ -35,6 +35,24 @@ use crate::message::{DeliveredMessage, DispatchReceipt};
 use crate::render::StateView;
 use crate::state::{StateBuffer, StateSnapshot};
 
+/// Drives a future that completes without waiting (a tool over in-memory state, a dispatch
+/// through [`TestBinding`]) to its output, without an async runtime.
+///
+/// Panics if the future is not ready on its first poll: anything that really waits needs an
+/// executor.
+pub fn poll_ready<F: std::future::Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    match future
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+    {
+        std::task::Poll::Ready(output) => output,
+        std::task::Poll::Pending => {
+            panic!("poll_ready: the future is waiting on something; drive it with an async runtime")
+        }
+    }
+}
+
 /// An in-memory [`RuntimeBinding`].
 #[derive(Debug)]
 pub struct TestBinding {

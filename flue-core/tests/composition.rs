@@ -139,16 +139,7 @@ fn inline_tools_close_over_render_values_and_run_with_their_context() {
     let rendered = flue_core::render_bare(&agent).unwrap();
     let tool = rendered.tool("describe_tier").unwrap().clone();
     let ctx = ToolContext::new(&tool, "call_1");
-    let output = {
-        let mut future = std::pin::pin!(tool.call(ctx, serde_json::json!({})));
-        match future
-            .as_mut()
-            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-        {
-            std::task::Poll::Ready(output) => output,
-            std::task::Poll::Pending => panic!("not ready"),
-        }
-    };
+    let output = flue_core::testing::poll_ready(tool.call(ctx, serde_json::json!({})));
     assert_eq!(
         output.to_text(),
         "gold / [flue] Tool \"describe_tier\" read the secret \"OTHER\" without declaring it. Declare it with `secrets = [\"OTHER\"]`."

@@ -13,6 +13,7 @@ use flue_core::event_hooks::{
 use flue_core::log::Logger;
 use flue_core::metadata::merge_metadata;
 use flue_core::prelude::*;
+use flue_core::testing::poll_ready;
 use serde_json::json;
 
 #[derive(Default)]
@@ -21,17 +22,6 @@ struct Channel(Mutex<Vec<Signal>>);
 impl SeamChannel for Channel {
     fn append(&self, signal: Signal) {
         self.0.lock().unwrap().push(signal);
-    }
-}
-
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    match future
-        .as_mut()
-        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-    {
-        std::task::Poll::Ready(output) => output,
-        std::task::Poll::Pending => panic!("future was not ready"),
     }
 }
 
@@ -85,7 +75,7 @@ fn event_hook_callbacks_are_recorded_in_declaration_order_through_custom_hooks()
             Logger::discard(),
             delivery.clone(),
         );
-        block_on(start.call(ctx)).unwrap();
+        poll_ready(start.call(ctx)).unwrap();
     }
     assert_eq!(*log.lock().unwrap(), ["body start", "audit start"]);
 }
@@ -170,7 +160,7 @@ fn a_failing_async_callback_reports_its_error() {
         Arc::new(ResponseSummary::default()),
     );
     assert_eq!(
-        block_on(hook.call(ctx)).unwrap_err().to_string(),
+        poll_ready(hook.call(ctx)).unwrap_err().to_string(),
         "not done"
     );
 }

@@ -12,7 +12,7 @@ use flue_core::binding::{DataWriteError, DispatchError, StateWriteError};
 use flue_core::message::MessageError;
 use flue_core::prelude::*;
 use flue_core::state::{StateSnapshot, StateWrite};
-use flue_core::testing::TestBinding;
+use flue_core::testing::{TestBinding, poll_ready};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -37,19 +37,6 @@ fn counter_agent(slot: Arc<Mutex<Option<StateSetter<u32>>>>) -> impl Agent {
         *slot.lock().unwrap() = Some(set_count);
         format!("count={count}")
     })
-}
-
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    // The futures here are ready immediately; poll once with a no-op waker.
-    let mut future = std::pin::pin!(future);
-    let waker = std::task::Waker::noop();
-    match future
-        .as_mut()
-        .poll(&mut std::task::Context::from_waker(waker))
-    {
-        std::task::Poll::Ready(output) => output,
-        std::task::Poll::Pending => panic!("future was not ready"),
-    }
 }
 
 // ---- state ------------------------------------------------------------------------------
@@ -452,7 +439,7 @@ fn the_dispatcher_from_a_bare_render_has_no_durable_runtime() {
     });
     flue_core::render_bare(&agent).unwrap();
     let dispatcher: Dispatcher = slot.lock().unwrap().take().unwrap();
-    let error = block_on(dispatcher.dispatch("hello")).unwrap_err();
+    let error = poll_ready(dispatcher.dispatch("hello")).unwrap_err();
     assert_eq!(error, DispatchError::NoRuntime);
     assert_eq!(
         error.to_string(),
@@ -470,14 +457,15 @@ fn the_dispatcher_admits_valid_messages_and_refuses_reserved_signals() {
     let binding = TestBinding::new();
     render_with(&agent, &binding);
     let dispatcher: Dispatcher = slot.lock().unwrap().take().unwrap();
-    let receipt = block_on(dispatcher.dispatch("follow up")).unwrap();
+    let receipt = poll_ready(dispatcher.dispatch("follow up")).unwrap();
     assert_eq!(receipt.submission_id, "sub_test_1");
-    let error = block_on(dispatcher.dispatch(Signal::new("resources", "x"))).unwrap_err();
+    let error = poll_ready(dispatcher.dispatch(Signal::new("resources", "x"))).unwrap_err();
     assert_eq!(
         error,
         DispatchError::InvalidMessage(MessageError::ReservedSignalType("resources".into()))
     );
-    let error = block_on(dispatcher.dispatch(Signal::new("ci", "x").tag_name("1bad"))).unwrap_err();
+    let error =
+        poll_ready(dispatcher.dispatch(Signal::new("ci", "x").tag_name("1bad"))).unwrap_err();
     assert_eq!(
         error,
         DispatchError::InvalidMessage(MessageError::InvalidTagName("1bad".into()))
