@@ -94,5 +94,7 @@ pub mod prelude {
     pub use crate::sandbox::{SandboxFactory, SandboxOptions};
     pub use crate::skill::Skill;
     pub use crate::subagent::Subagent;
-    pub use crate::tool::{Secret, Tool, ToolContext, ToolError, ToolOutput};
+    pub use crate::tool::{
+        IntoTool, Secret, Tool, ToolContext, ToolError, ToolHandler, ToolOutput,
+    };
 }

@@ -351,6 +351,33 @@ where
     }
 }
 
+/// The bound on a tool's argument type. Implemented for every `DeserializeOwned + JsonSchema`
+/// type; `#[tool]` asserts it at the argument type so a missing derive reads as a fix-it.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a tool's arguments",
+    label = "needs `#[derive(Deserialize, JsonSchema)]`",
+    note = "a tool's arguments are parsed with serde and described to the model with schemars: derive both"
+)]
+pub trait ToolArguments: DeserializeOwned + JsonSchema + Send + 'static {}
+
+impl<T: DeserializeOwned + JsonSchema + Send + 'static> ToolArguments for T {}
+
+/// The bound on a tool function's return value, asserted by `#[tool]` at the return type.
+#[diagnostic::on_unimplemented(
+    message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",
+    label = "not a tool result",
+    note = "return `String`, `serde_json::Value`, `ToolOutput`, or `Result<_, ToolError>`"
+)]
+pub trait ToolReturn: IntoToolOutput {}
+
+impl<T: IntoToolOutput> ToolReturn for T {}
+
+/// Converts a tool function's return value, asserting [`ToolReturn`] where `#[tool]` spans it.
+#[doc(hidden)]
+pub fn tool_return<T: ToolReturn>(value: T) -> ToolOutput {
+    value.into_tool_output()
+}
+
 /// Deserializes tool arguments, or the error result the model sees when they do not fit.
 pub fn parse_arguments<A: DeserializeOwned>(args: Value) -> Result<A, ToolOutput> {
     serde_json::from_value(args).map_err(|error| {

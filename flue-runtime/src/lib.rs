@@ -15,12 +15,16 @@
 //! ```
 
 pub use flue_core::*;
-pub use flue_macros::agent;
+pub use flue_macros::{agent, hook, tool};
 
 /// Everything an application author needs.
 pub mod prelude {
+    pub use flue_core::lifecycle::{
+        ClientInfo, HookError, LlmMessage, Message, MessageUpdates, ToolCall, ToolResult,
+        ToolStatus,
+    };
     pub use flue_core::prelude::*;
-    pub use flue_macros::agent;
+    pub use flue_macros::{agent, hook, tool};
 }
 
 /// What generated code reaches dependencies through, so a user crate that depends on

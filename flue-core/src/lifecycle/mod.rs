@@ -21,6 +21,45 @@ use crate::BoxFuture;
 /// The outcome of one hook call.
 pub type HookFuture<'a, T> = BoxFuture<'a, Result<T, HookError>>;
 
+/// What a lifecycle hook function may return for a kind whose result is `T`: `T` itself or
+/// `Result<T, E>` with `E` convertible into a [`HookError`]. `#[hook]` asserts it at the
+/// function's return type.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not what this lifecycle hook returns",
+    label = "this hook kind returns `{T}` (or `Result<{T}, E>`)",
+    note = "see the kind's signature in the `#[hook]` documentation"
+)]
+pub trait HookReturn<T> {
+    /// Converts into the hook's outcome.
+    fn into_hook_result(self) -> Result<T, HookError>;
+}
+
+impl<T> HookReturn<T> for T {
+    fn into_hook_result(self) -> Result<T, HookError> {
+        Ok(self)
+    }
+}
+
+impl<T, E: Into<HookError>> HookReturn<T> for Result<T, E> {
+    fn into_hook_result(self) -> Result<T, HookError> {
+        self.map_err(Into::into)
+    }
+}
+
+/// `after_system_message` may return the new message directly.
+impl HookReturn<Option<String>> for String {
+    fn into_hook_result(self) -> Result<Option<String>, HookError> {
+        Ok(Some(self))
+    }
+}
+
+/// `after_tool_call_*` may return the replacement result directly.
+impl HookReturn<Option<ToolResult>> for ToolResult {
+    fn into_hook_result(self) -> Result<Option<ToolResult>, HookError> {
+        Ok(Some(self))
+    }
+}
+
 /// The typed entry point of a thread hook, one variant per kind.
 #[derive(Clone, Copy)]
 #[allow(missing_docs)] // each variant is its kind; see `HookKind`.

@@ -1,0 +1,108 @@
+//! Code generation for `#[hook]`.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{FnArg, ReturnType};
+
+use super::model::HookModel;
+
+pub(crate) fn hook(model: &HookModel) -> TokenStream {
+    let function = &model.function;
+    let krate = &model.krate;
+    let kind = model.kind;
+    let vis = &function.vis;
+    let ident = &function.sig.ident;
+    let id = &model.id.0;
+    let (docs, other_attrs): (Vec<_>, Vec<_>) = function
+        .attrs
+        .iter()
+        .partition(|attr| attr.path().is_ident("doc"));
+    let variant = format_ident!("{}", kind.variant);
+    let (reference, handler, definition) = if kind.user_scope {
+        (
+            quote!(UserHook),
+            quote!(UserHookHandler),
+            quote!(UserHookDefinition),
+        )
+    } else {
+        (
+            quote!(ThreadHook),
+            quote!(ThreadHookHandler),
+            quote!(ThreadHookDefinition),
+        )
+    };
+
+    let mut body = function.clone();
+    body.sig.ident = format_ident!("__flue_hook_body");
+    body.attrs = other_attrs.into_iter().cloned().collect();
+    body.vis = syn::Visibility::Inherited;
+
+    let args: Vec<_> = (0..kind.params.len())
+        .map(|index| format_ident!("__flue_arg{index}"))
+        .collect();
+    let call_args = function
+        .sig
+        .inputs
+        .iter()
+        .zip(&args)
+        .map(|(input, arg)| match input {
+            FnArg::Typed(param) => quote_spanned!(param.ty.span()=> #arg),
+            FnArg::Receiver(_) => quote!(#arg),
+        });
+    let well_formed = function.sig.inputs.len() == args.len();
+    let call = if well_formed {
+        let await_ = function.sig.asyncness.map(|_| quote!(.await));
+        quote!(__flue_hook_body(#(#call_args),*) #await_)
+    } else {
+        // The arity error is already reported; keep the item compiling quietly.
+        quote!(::core::unreachable!())
+    };
+    let expected: syn::Type =
+        syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
+    let expected = qualify(&expected);
+    let result = match &function.sig.output {
+        ReturnType::Type(_, ty) if well_formed => quote_spanned!(ty.span()=>
+            <#ty as __flue::lifecycle::HookReturn<#expected>>::into_hook_result(#call)),
+        _ => quote!(<_ as __flue::lifecycle::HookReturn<#expected>>::into_hook_result(#call)),
+    };
+
+    quote! {
+        #(#docs)*
+        #[allow(non_upper_case_globals)]
+        #vis const #ident: #krate::__private::flue_core::lifecycle::#reference = {
+            use #krate::__private::flue_core as __flue;
+            #[allow(dead_code, unused_variables)]
+            #body
+            static DEFINITION: __flue::lifecycle::#definition = __flue::lifecycle::#definition {
+                id: #id,
+                handler: __flue::lifecycle::#handler::#variant(|#(#args),*| {
+                    ::std::boxed::Box::pin(async move { #result })
+                }),
+            };
+            __flue::lifecycle::#reference::new(&DEFINITION)
+        };
+    }
+}
+
+/// Prefixes the lifecycle types of a kind's return type with the hidden path.
+fn qualify(ty: &syn::Type) -> TokenStream {
+    let text = quote!(#ty).to_string();
+    let qualified = ["Message", "LlmMessage", "MessageUpdates", "ToolResult"]
+        .iter()
+        .fold(text, |text, name| {
+            text.split(' ')
+                .map(|token| {
+                    if token == *name {
+                        format!("__flue::lifecycle::{name}")
+                    } else {
+                        token.to_owned()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        });
+    qualified
+        .parse()
+        .unwrap_or_else(|_| quote::quote_spanned!(Span::call_site()=> ()))
+}

@@ -1,0 +1,60 @@
+//! The hook as the expansion sees it.
+
+use proc_macro2::Span;
+use syn::{Ident, ItemFn};
+
+use super::kinds::{self, Kind};
+use super::parse::Options;
+use crate::errors::Errors;
+
+pub(crate) struct HookModel {
+    pub(crate) function: ItemFn,
+    pub(crate) kind: &'static Kind,
+    pub(crate) id: (String, Span),
+    pub(crate) krate: syn::Path,
+}
+
+impl HookModel {
+    /// `None` when the kind is missing or unknown (nothing sensible to expand).
+    pub(crate) fn build(function: ItemFn, options: Options, errors: &Errors) -> Option<Self> {
+        let kind = match &options.kind {
+            None => {
+                errors.push(syn::Error::new(
+                    Span::call_site(),
+                    format!(
+                        "#[hook] needs a kind, like #[hook(filter_messages)]; one of: {}",
+                        kinds::all_names()
+                    ),
+                ));
+                None
+            }
+            Some(kind) => match kinds::find(&kind.to_string()) {
+                Some(found) => Some(found),
+                None => {
+                    errors.spanned(
+                        kind,
+                        format!(
+                            "unknown hook kind `{kind}`; expected one of: {}",
+                            kinds::all_names()
+                        ),
+                    );
+                    None
+                }
+            },
+        };
+        let ident: &Ident = &function.sig.ident;
+        let id = match &options.id {
+            Some(id) => (id.value(), id.span()),
+            None => (ident.to_string(), ident.span()),
+        };
+        let krate = options
+            .krate
+            .unwrap_or_else(|| syn::parse_quote!(::flue_runtime));
+        Some(Self {
+            kind: kind?,
+            function,
+            id,
+            krate,
+        })
+    }
+}

@@ -1,0 +1,67 @@
+//! Parsing `#[hook(kind, id = "…", crate = "…")]`.
+
+use proc_macro2::TokenStream;
+use syn::parse::{Parse, ParseStream, Parser};
+use syn::punctuated::Punctuated;
+use syn::{Ident, LitStr, Token};
+
+use crate::errors::Errors;
+
+pub(crate) struct Options {
+    pub(crate) kind: Option<Ident>,
+    pub(crate) id: Option<LitStr>,
+    pub(crate) krate: Option<syn::Path>,
+}
+
+enum Arg {
+    Kind(Ident),
+    KeyValue(Ident, LitStr),
+}
+
+impl Parse for Arg {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let key: Ident = input.call(syn::ext::IdentExt::parse_any)?;
+        if input.peek(Token![=]) {
+            input.parse::<Token![=]>()?;
+            Ok(Arg::KeyValue(key, input.parse()?))
+        } else {
+            Ok(Arg::Kind(key))
+        }
+    }
+}
+
+pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
+    let mut options = Options {
+        kind: None,
+        id: None,
+        krate: None,
+    };
+    let parsed = match Punctuated::<Arg, Token![,]>::parse_terminated.parse2(args) {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            errors.push(error);
+            return options;
+        }
+    };
+    for arg in parsed {
+        match arg {
+            Arg::Kind(kind) if options.kind.is_none() => options.kind = Some(kind),
+            Arg::Kind(kind) => errors.spanned(&kind, "a hook has one kind; remove the second"),
+            Arg::KeyValue(key, value) => match key.to_string().as_str() {
+                "id" if options.id.is_none() => options.id = Some(value),
+                "crate" if options.krate.is_none() => match value.parse::<syn::Path>() {
+                    Ok(path) => options.krate = Some(path),
+                    Err(_) => {
+                        errors.spanned(&value, "`crate` must name a path, like \"flue_runtime\"")
+                    }
+                },
+                "id" | "crate" => errors.spanned(&key, format!("duplicate #[hook] option `{key}`")),
+                _ => errors.spanned(
+                    &key,
+                    format!("unknown #[hook] option `{key}`; expected one of: `id`, `crate`"),
+                ),
+            },
+        }
+    }
+    options
+}

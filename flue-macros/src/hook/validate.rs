@@ -1,0 +1,50 @@
+//! The compile-time rules of `#[hook]`.
+
+use syn::{FnArg, ReturnType};
+
+use super::model::HookModel;
+use crate::errors::Errors;
+
+pub(crate) fn check(model: &HookModel, errors: &Errors) {
+    let (id, span) = &model.id;
+    if !is_identity(id) {
+        errors.push(syn::Error::new(
+            *span,
+            format!("hook id \"{id}\" must be snake_case: lowercase letters, digits and underscores, starting with a letter"),
+        ));
+    }
+    let sig = &model.function.sig;
+    let kind = model.kind;
+    if !sig.generics.params.is_empty() {
+        errors.spanned(&sig.generics, "a lifecycle hook cannot be generic");
+    }
+    if let Some(FnArg::Receiver(receiver)) = sig.inputs.first() {
+        errors.spanned(
+            receiver,
+            "a lifecycle hook is a free function, not a method",
+        );
+        return;
+    }
+    if sig.inputs.len() != kind.params.len() {
+        let blame = sig.inputs.iter().nth(kind.params.len()).map_or_else(
+            || syn::Error::new_spanned(&sig.ident, ""),
+            |extra| syn::Error::new_spanned(extra, ""),
+        );
+        errors.push(syn::Error::new(
+            blame.span(),
+            format!("a `{}` hook {}", kind.name, kind.signature()),
+        ));
+    }
+    if kind.is_transform() && matches!(sig.output, ReturnType::Default) {
+        errors.spanned(
+            &sig.ident,
+            format!("a `{}` hook {}", kind.name, kind.signature()),
+        );
+    }
+}
+
+fn is_identity(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    matches!(bytes.next(), Some(b'a'..=b'z'))
+        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+}

@@ -1,0 +1,182 @@
+//! Code generation for `#[tool]`.
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{ReturnType, Type};
+
+use super::model::{Arguments, ToolModel};
+
+pub(crate) fn tool(model: &ToolModel) -> TokenStream {
+    let function = &model.function;
+    let krate = &model.krate;
+    let ident = &function.sig.ident;
+    let vis = &function.vis;
+    let name = &model.name.0;
+    let description = model.description.clone().unwrap_or_default();
+    let (docs, other_attrs): (Vec<_>, Vec<_>) = function
+        .attrs
+        .iter()
+        .partition(|attr| attr.path().is_ident("doc"));
+    let (impl_generics, ty_generics, where_clause) = function.sig.generics.split_for_impl();
+    let generic = !function.sig.generics.params.is_empty();
+
+    let mut body = function.clone();
+    body.sig.ident = format_ident!("__flue_tool_body");
+    body.attrs = other_attrs.into_iter().cloned().collect();
+    body.vis = syn::Visibility::Inherited;
+
+    let krate_text = quote!(#krate).to_string();
+    let serde_path = format!("{krate_text}::__private::serde");
+    let schemars_path = format!("{krate_text}::__private::schemars");
+    let args_ident = format_ident!("__FlueToolArgs_{}", ident);
+    let (args_struct, args_ty, call_args): (TokenStream, Type, Vec<TokenStream>) = match &model
+        .arguments
+    {
+        Arguments::Struct(ty) => (quote!(), ty.clone(), vec![quote!(args)]),
+        Arguments::Plain(fields) => {
+            let declared = fields.iter().map(|field| {
+                let (field_ident, ty, docs) = (&field.ident, &field.ty, &field.docs);
+                quote!(#(#docs)* #field_ident: #ty)
+            });
+            let moved = fields.iter().map(|field| {
+                let field_ident = &field.ident;
+                quote!(args.#field_ident)
+            });
+            (
+                quote! {
+                    #[derive(#krate::__private::serde::Deserialize, #krate::__private::schemars::JsonSchema)]
+                    #[serde(crate = #serde_path)]
+                    #[schemars(crate = #schemars_path)]
+                    #[allow(non_camel_case_types)]
+                    struct #args_ident { #(#declared),* }
+                },
+                syn::parse_quote!(#args_ident),
+                moved.collect(),
+            )
+        }
+    };
+    let context = model.has_context.then(|| quote!(&ctx,));
+    let turbofish = ty_generics.as_turbofish();
+    let awaited = quote!(__flue_tool_body #turbofish (#context #(#call_args),*).await);
+    let output = match &function.sig.output {
+        ReturnType::Type(_, ty) => {
+            quote_spanned!(ty.span()=> __flue::tool::tool_return::<#ty>(#awaited))
+        }
+        ReturnType::Default => quote!({ #awaited; __flue::ToolOutput::text("") }),
+    };
+    let assert_args = quote_spanned!(args_ty.span()=> {
+        fn assert_tool_arguments<T: __flue::tool::ToolArguments>() {}
+        assert_tool_arguments::<#args_ty>();
+    });
+    let progress_check = match (&model.options.progress_argument, &model.arguments) {
+        (Some(progress), Arguments::Struct(ty)) => {
+            match syn::parse_str::<syn::Ident>(&progress.value()) {
+                Ok(field) => {
+                    let field = syn::Ident::new(&field.to_string(), progress.span());
+                    quote_spanned!(progress.span()=> { fn progress_argument_is_a_field(args: &#ty) { let _ = &args.#field; } })
+                }
+                Err(_) => {
+                    quote_spanned!(progress.span()=> ::core::compile_error!("progress_argument must name a field");)
+                }
+            }
+        }
+        _ => quote!(),
+    };
+    let progress = match &model.options.progress_argument {
+        Some(progress) => quote!(::core::option::Option::Some(#progress)),
+        None => quote!(::core::option::Option::None),
+    };
+    let secrets = model.options.secrets.iter().flatten();
+    let terminate = model.options.terminate.is_some();
+    let definition_expr = quote!(__flue::tool::ToolDefinition::from_checked(
+        #name,
+        #description,
+        __flue::data::SchemaSource::Typed(__flue::data::tool_input_schema_of::<#args_ty>),
+        #progress,
+        &[#(#secrets),*],
+        #terminate,
+    ));
+
+    let (item, definition_fn, constructor) = if generic {
+        let params = function
+            .sig
+            .generics
+            .type_params()
+            .map(|param| &param.ident);
+        (
+            quote! {
+                #(#docs)*
+                #[allow(non_camel_case_types)]
+                #vis struct #ident #impl_generics #where_clause {
+                    definition: #krate::__private::flue_core::tool::ToolDefinition,
+                    _types: ::core::marker::PhantomData<fn() -> (#(#params,)*)>,
+                }
+            },
+            quote!(&self.definition),
+            quote! {
+                impl #impl_generics #ident #ty_generics #where_clause {
+                    /// The tool, ready for `use_tool`.
+                    #vis fn new() -> Self {
+                        #assert_args
+                        Self { definition: #definition_expr, _types: ::core::marker::PhantomData }
+                    }
+                }
+            },
+        )
+    } else {
+        (
+            quote! {
+                #(#docs)*
+                #[allow(non_camel_case_types)]
+                #[derive(Clone, Copy, Debug, Default)]
+                #vis struct #ident;
+            },
+            quote! {
+                #assert_args
+                static DEFINITION: __flue::tool::ToolDefinition = #definition_expr;
+                &DEFINITION
+            },
+            quote!(),
+        )
+    };
+
+    quote! {
+        #item
+
+        const _: () = {
+            use #krate::__private::flue_core as __flue;
+
+            #args_struct
+
+            #[allow(dead_code, unused_variables)]
+            #body
+
+            #progress_check
+
+            #constructor
+
+            #[automatically_derived]
+            impl #impl_generics __flue::tool::ToolHandler for #ident #ty_generics #where_clause {
+                fn definition(&self) -> &__flue::tool::ToolDefinition {
+                    #definition_fn
+                }
+
+                fn call(
+                    &self,
+                    ctx: __flue::ToolContext,
+                    args: #krate::__private::serde_json::Value,
+                ) -> __flue::BoxFuture<'_, __flue::ToolOutput> {
+                    ::std::boxed::Box::pin(async move {
+                        let args: #args_ty = match __flue::tool::parse_arguments(args) {
+                            ::core::result::Result::Ok(args) => args,
+                            ::core::result::Result::Err(output) => return output,
+                        };
+                        let _ = &ctx;
+                        #output
+                    })
+                }
+            }
+        };
+    }
+}

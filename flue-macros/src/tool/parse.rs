@@ -1,0 +1,92 @@
+//! Parsing `#[tool(name = "…", progress_argument = "…", secrets = [..], terminate, crate = "…")]`.
+
+use proc_macro2::{Span, TokenStream};
+use syn::parse::Parser;
+use syn::{Expr, LitStr, Token};
+
+use crate::errors::Errors;
+
+const OPTIONS: &[&str] = &["name", "progress_argument", "secrets", "terminate", "crate"];
+
+#[derive(Default)]
+pub(crate) struct Options {
+    pub(crate) name: Option<LitStr>,
+    pub(crate) progress_argument: Option<LitStr>,
+    pub(crate) secrets: Option<Vec<LitStr>>,
+    pub(crate) terminate: Option<Span>,
+    pub(crate) krate: Option<syn::Path>,
+}
+
+fn set<T>(slot: &mut Option<T>, value: T, key: &syn::Path, errors: &Errors) {
+    if slot.is_some() {
+        let name = key.get_ident().map(ToString::to_string).unwrap_or_default();
+        errors.spanned(key, format!("duplicate #[tool] option `{name}`"));
+    } else {
+        *slot = Some(value);
+    }
+}
+
+pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
+    let mut options = Options::default();
+    let parser = syn::meta::parser(|meta| {
+        let key = meta.path.clone();
+        let name = key.get_ident().map(ToString::to_string).unwrap_or_default();
+        match name.as_str() {
+            "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
+            "progress_argument" => set(
+                &mut options.progress_argument,
+                meta.value()?.parse()?,
+                &key,
+                errors,
+            ),
+            "terminate" => set(&mut options.terminate, Span::call_site(), &key, errors),
+            "secrets" => {
+                let list: syn::ExprArray = meta.value()?.parse()?;
+                let mut secrets = Vec::new();
+                for element in list.elems {
+                    match element {
+                        Expr::Lit(syn::ExprLit {
+                            lit: syn::Lit::Str(secret),
+                            ..
+                        }) => secrets.push(secret),
+                        other => errors.spanned(
+                            other,
+                            "secrets are environment variable names as string literals",
+                        ),
+                    }
+                }
+                set(&mut options.secrets, secrets, &key, errors);
+            }
+            "crate" => {
+                let path: LitStr = meta.value()?.parse()?;
+                match path.parse::<syn::Path>() {
+                    Ok(parsed) => set(&mut options.krate, parsed, &key, errors),
+                    Err(_) => {
+                        errors.spanned(&path, "`crate` must name a path, like \"flue_runtime\"")
+                    }
+                }
+            }
+            _ => {
+                if meta.input.peek(Token![=]) {
+                    let _: Expr = meta.value()?.parse()?;
+                }
+                errors.spanned(
+                    &key,
+                    format!(
+                        "unknown #[tool] option `{name}`; expected one of: {}",
+                        OPTIONS
+                            .iter()
+                            .map(|option| format!("`{option}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
+            }
+        }
+        Ok(())
+    });
+    if let Err(error) = parser.parse2(args) {
+        errors.push(error);
+    }
+    options
+}

@@ -1,0 +1,67 @@
+//! The compile-time rules of `#[tool]`.
+
+use super::model::{Arguments, ToolModel};
+use crate::errors::Errors;
+
+const RESERVED: [&str; 5] = [
+    "task",
+    "activate_skill",
+    "read_skill_resource",
+    "finish",
+    "give_up",
+];
+
+pub(crate) fn check(model: &ToolModel, errors: &Errors) {
+    let sig = &model.function.sig;
+    if sig.asyncness.is_none() {
+        errors.spanned(sig.fn_token, "a tool function must be `async`: tools run while the agent responds and may wait on I/O");
+    }
+    if model.description.is_none() {
+        errors.spanned(
+            &sig.ident,
+            "a tool needs a description: add a doc comment (`/// …`) saying what it does — the model reads it to decide when to call the tool",
+        );
+    }
+    let (name, span) = &model.name;
+    if name.is_empty()
+        || name.len() > 64
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        errors.push(syn::Error::new(*span, format!("tool name \"{name}\" must match ^[A-Za-z0-9_-]{{1,64}}$ (what every provider accepts)")));
+    } else if RESERVED.contains(&name.as_str()) {
+        errors.push(syn::Error::new(
+            *span,
+            format!("tool name \"{name}\" is reserved by the framework ({}); choose another name, or set `name = \"…\"`", RESERVED.join(", ")),
+        ));
+    }
+    if !sig.generics.params.is_empty() && matches!(model.arguments, Arguments::Plain(_)) {
+        errors.spanned(
+            &sig.generics,
+            "a generic tool takes its arguments as one `args: T` parameter",
+        );
+    }
+    if let (Some(progress), Arguments::Plain(fields)) =
+        (&model.options.progress_argument, &model.arguments)
+        && !fields.iter().any(|field| field.ident == progress.value())
+    {
+        let known = fields
+            .iter()
+            .map(|field| format!("`{}`", field.ident))
+            .collect::<Vec<_>>()
+            .join(", ");
+        errors.spanned(
+            progress,
+            format!(
+                "progress_argument \"{}\" is not one of the tool's arguments ({known})",
+                progress.value()
+            ),
+        );
+    }
+    for secret in model.options.secrets.iter().flatten() {
+        if secret.value().trim().is_empty() {
+            errors.spanned(secret, "a secret is a non-empty environment variable name");
+        }
+    }
+}
