@@ -7,6 +7,7 @@
 
 mod agent;
 mod errors;
+mod krate;
 mod hook;
 mod tool;
 

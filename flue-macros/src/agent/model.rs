@@ -24,10 +24,7 @@ impl AgentModel {
             Some(name) => (name.value(), name.span()),
             None => (ident.to_string(), ident.span()),
         };
-        let krate = options
-            .krate
-            .take()
-            .unwrap_or_else(|| syn::parse_quote!(::flue_runtime));
+        let krate = crate::krate::runtime_path(options.krate.take());
         let timeout_ms = options.timeout.as_ref().and_then(|timeout| match parse_duration(&timeout.value()) {
             Some(ms) => Some(ms),
             None => {

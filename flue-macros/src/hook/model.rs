@@ -47,9 +47,7 @@ impl HookModel {
             Some(id) => (id.value(), id.span()),
             None => (ident.to_string(), ident.span()),
         };
-        let krate = options
-            .krate
-            .unwrap_or_else(|| syn::parse_quote!(::flue_runtime));
+        let krate = crate::krate::runtime_path(options.krate);
         Some(Self {
             kind: kind?,
             function,

@@ -37,10 +37,7 @@ impl ToolModel {
             None => (ident.to_string(), ident.span()),
         };
         let description = doc_text(&function.attrs);
-        let krate = options
-            .krate
-            .take()
-            .unwrap_or_else(|| syn::parse_quote!(::flue_runtime));
+        let krate = crate::krate::runtime_path(options.krate.take());
         let mut params: Vec<&mut syn::PatType> = Vec::new();
         for input in &mut function.sig.inputs {
             match input {
