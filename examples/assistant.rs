@@ -45,11 +45,7 @@ fn use_order_tools(progress: DataWriter<Progress>, set_lookups: StateSetter<u32>
         Tool::new("escalate")
             .description("Hand the conversation to a human agent.")
             .terminate()
-            .run(
-                |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
-                    "Escalated to a human."
-                },
-            ),
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "Escalated to a human." }),
     );
     use_instruction("Use lookup_order before answering questions about an order.");
 }
@@ -60,22 +56,16 @@ fn assistant() -> impl Agent {
             .description("Answers order questions.")
             .max_steps(6),
         |_props| {
-            use_model_with(
-                "openai/gpt-4o-mini",
-                ModelOptions::thinking(ThinkingLevel::Low),
-            );
+            use_model_with("openai/gpt-4o-mini", ModelOptions::thinking(ThinkingLevel::Low));
             let (lookups, set_lookups) = use_persistent_state("lookups", 0u32);
             let progress = use_data_writer::<Progress>("progress");
             use_order_tools(progress, set_lookups);
             use_agent_start(|ctx| async move {
-                ctx.log()
-                    .info(format!("starting on: {}", ctx.delivery().body()));
+                ctx.log().info(format!("starting on: {}", ctx.delivery().body()));
             });
             use_agent_finish(|_ctx| async {});
             use_response_start(|_ctx| serde_json::json!({"channel": "example"}));
-            format!(
-                "You are a friendly support assistant. You have looked up {lookups} orders so far."
-            )
+            format!("You are a friendly support assistant. You have looked up {lookups} orders so far.")
         },
     )
 }
@@ -85,10 +75,7 @@ fn main() {
         "flue-rs example `assistant` (offline: renders the agent; the runtime that calls models is not built yet)\n"
     );
     let agent = assistant();
-    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([(
-        "lookups".to_owned(),
-        serde_json::json!(2),
-    )]));
+    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([("lookups".to_owned(), serde_json::json!(2))]));
     let runtime = binding.as_binding();
     let delivery = Arc::new(DeliveredMessage::user("Where is order A-1001?"));
     let state = RenderState::root("customer-42")
@@ -103,9 +90,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let model = rendered
-        .require_model()
-        .expect("the assistant declares a model");
+    let model = rendered.require_model().expect("the assistant declares a model");
     println!(
         "model:        {} (thinking: {:?})",
         model.spec, model.options.thinking_level
@@ -125,11 +110,7 @@ fn main() {
     );
     println!(
         "instruction:\n  {}\n",
-        rendered
-            .instruction
-            .as_deref()
-            .unwrap_or("")
-            .replace('\n', "\n  ")
+        rendered.instruction.as_deref().unwrap_or("").replace('\n', "\n  ")
     );
 
     let tool = rendered.tool("lookup_order").expect("mounted").clone();
@@ -141,11 +122,8 @@ fn main() {
     println!("data writes  -> {:?}", binding.data_writes());
     println!("state writes -> {:?}", binding.state().pending());
 
-    let rerendered = flue_runtime::render(
-        &agent,
-        &state.with_previous_data_writers(&rendered.data_writer_names()),
-    )
-    .expect("re-render");
+    let rerendered = flue_runtime::render(&agent, &state.with_previous_data_writers(&rendered.data_writer_names()))
+        .expect("re-render");
     println!(
         "\nre-render sees the uncommitted write:\n  {}",
         rerendered.instruction.as_deref().unwrap_or("")

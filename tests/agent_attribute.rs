@@ -49,10 +49,7 @@ fn agent_generates_a_value_with_the_functions_name_and_its_statics() {
     );
     assert!(!definition.expose_as_tool);
     let rendered = flue_runtime::render_bare(&duplicate_finder).unwrap();
-    assert_eq!(
-        rendered.model.unwrap().spec,
-        "openrouter/anthropic/claude-sonnet-4.5"
-    );
+    assert_eq!(rendered.model.unwrap().spec, "openrouter/anthropic/claude-sonnet-4.5");
 }
 
 #[test]
@@ -65,10 +62,7 @@ fn agent_options_set_identity_description_exposure_and_durability() {
     );
     assert!(definition.expose_as_tool);
     assert_eq!(definition.durability.max_attempts, 3);
-    assert_eq!(
-        definition.durability.timeout,
-        std::time::Duration::from_secs(90)
-    );
+    assert_eq!(definition.durability.timeout, std::time::Duration::from_secs(90));
     let rendered = flue_runtime::render(&mail, &RenderState::root("inbox-1")).unwrap();
     assert_eq!(
         rendered.instruction.as_deref(),
@@ -99,10 +93,4 @@ fn initial_data_declares_a_validating_parser() {
 fn an_agent_value_is_a_delegate() {
     let delegate = Subagent::new("mail", "Reads mail.", mail);
     assert_eq!(delegate.agent().name(), "mail_agent");
-}
-
-#[test]
-fn ui() {
-    let cases = trybuild::TestCases::new();
-    cases.compile_fail("tests/ui/agent/*.rs");
 }

@@ -4,9 +4,7 @@
 
 use std::sync::Arc;
 
-use flue_runtime::lifecycle::{
-    HookKind, ThreadHookHandler, ThreadIdentity, ThreadState, ThreadStateApi,
-};
+use flue_runtime::lifecycle::{HookKind, ThreadHookHandler, ThreadIdentity, ThreadState, ThreadStateApi};
 use flue_runtime::prelude::*;
 use flue_runtime::testing::poll_ready;
 use serde::Deserialize;
@@ -122,14 +120,7 @@ fn mail_agent() -> &'static str {
 #[agent]
 fn coordinator() -> &'static str {
     use_model(CONVERSATIONAL);
-    use_subagent(
-        Subagent::new(
-            "mail_agent",
-            "Reads and summarizes the mailbox.",
-            mail_agent,
-        )
-        .max_instances(1),
-    );
+    use_subagent(Subagent::new("mail_agent", "Reads and summarizes the mailbox.", mail_agent).max_instances(1));
     "You coordinate the user's day."
 }
 
@@ -157,11 +148,7 @@ async fn log_tool_start(_state: &ThreadState, call: &ToolCall, progress: Option<
 }
 
 #[hook(tool_call_done)]
-async fn log_tool_done(
-    _state: &ThreadState,
-    call: &ToolCall,
-    result: &ToolResult,
-) -> Result<(), HookError> {
+async fn log_tool_done(_state: &ThreadState, call: &ToolCall, result: &ToolResult) -> Result<(), HookError> {
     let _ = format!("Finished {}: {:?}", call.function.name, result.status);
     Ok(())
 }
@@ -202,9 +189,7 @@ fn use_retention(active: impl Fn() -> bool + Send + Sync + 'static) {
                 }
             }),
     );
-    use_instruction(
-        "Only while the customer is weighing cancellation: you may offer retention incentives.",
-    );
+    use_instruction("Only while the customer is weighing cancellation: you may offer retention incentives.");
 }
 
 #[agent]
@@ -259,11 +244,7 @@ fn duplicate_finder_declares_its_three_tools_redact_emails_and_at_most_six_steps
     let tools: Vec<&str> = rendered.tools.iter().map(Tool::name).collect();
     assert_eq!(
         tools,
-        [
-            "get_github_issue",
-            "search_github_issues",
-            "close_as_duplicate"
-        ]
+        ["get_github_issue", "search_github_issues", "close_as_duplicate"]
     );
     assert_eq!(
         rendered
@@ -279,10 +260,7 @@ fn duplicate_finder_declares_its_three_tools_redact_emails_and_at_most_six_steps
         "Search the open issues in a public GitHub repository."
     );
     assert_eq!(search.progress_argument.as_deref(), Some("query"));
-    assert_eq!(
-        close_as_duplicate.definition().secrets.as_ref(),
-        ["GITHUB_TOKEN"]
-    );
+    assert_eq!(close_as_duplicate.definition().secrets.as_ref(), ["GITHUB_TOKEN"]);
 }
 
 #[test]
@@ -360,14 +338,8 @@ fn mail_agent_requires_mail_context_before_the_parent_and_the_coordinator_delega
     assert!(definition.expose_as_tool);
     let requirement = &definition.parent_hooks[0];
     assert_eq!(requirement.hook.id(), "mail_context");
-    assert_eq!(
-        requirement.stage,
-        flue_runtime::agent::HookStage::BeforeParent
-    );
-    assert_eq!(
-        requirement.reason,
-        "Shows newly synchronized mail to the coordinator."
-    );
+    assert_eq!(requirement.stage, flue_runtime::agent::HookStage::BeforeParent);
+    assert_eq!(requirement.reason, "Shows newly synchronized mail to the coordinator.");
     let rendered = flue_runtime::render_bare(&coordinator).unwrap();
     assert_eq!(rendered.subagents[0].agent().name(), "mail_agent");
     assert_eq!(rendered.subagents[0].max_instances_limit(), Some(1));
@@ -375,9 +347,7 @@ fn mail_agent_requires_mail_context_before_the_parent_and_the_coordinator_delega
         panic!("wrong kind")
     };
     assert_eq!(
-        poll_ready(run(&thread(), "Base.".into()))
-            .unwrap()
-            .as_deref(),
+        poll_ready(run(&thread(), "Base.".into())).unwrap().as_deref(),
         Some("Base.\n\nMailbox: 3 new messages")
     );
 }
@@ -402,9 +372,7 @@ fn two_filter_messages_hooks_keep_their_ids_and_listed_order() {
         panic!("wrong kind")
     };
     use flue_runtime::lifecycle::MessageRole;
-    let mut rows: Vec<Message> = (0..25)
-        .map(|i| message(&format!("m{i}"), MessageRole::User))
-        .collect();
+    let mut rows: Vec<Message> = (0..25).map(|i| message(&format!("m{i}"), MessageRole::User)).collect();
     rows.push(message("sys", MessageRole::System));
     let state = thread();
     let limited = poll_ready(limit(&state, rows)).unwrap();

@@ -85,8 +85,7 @@ fn agent() -> impl Agent {
 
 fn render(c: &mut Criterion) {
     let agent = agent();
-    let binding =
-        TestBinding::with_snapshot(StateSnapshot::from_iter([("phase".to_owned(), json!(0))]));
+    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([("phase".to_owned(), json!(0))]));
     let runtime = binding.as_binding();
     let delivery = Arc::new(DeliveredMessage::user("Where is my order?"));
     let warm = flue_core::render_bare(&agent).expect("renders");

@@ -34,8 +34,7 @@ impl AbortSignal {
             return;
         }
         self.inner.aborted.store(true, Ordering::Release);
-        let wakers =
-            std::mem::take(&mut *self.inner.wakers.lock().unwrap_or_else(|e| e.into_inner()));
+        let wakers = std::mem::take(&mut *self.inner.wakers.lock().unwrap_or_else(|e| e.into_inner()));
         for waker in wakers {
             waker.wake();
         }
@@ -57,17 +56,13 @@ impl AbortSignal {
 
     /// A future that resolves when the signal fires.
     pub fn aborted(&self) -> Aborted {
-        Aborted {
-            signal: self.clone(),
-        }
+        Aborted { signal: self.clone() }
     }
 }
 
 impl std::fmt::Debug for AbortSignal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AbortSignal")
-            .field("reason", &self.reason())
-            .finish()
+        f.debug_struct("AbortSignal").field("reason", &self.reason()).finish()
     }
 }
 
@@ -84,12 +79,7 @@ impl Future for Aborted {
         if self.signal.is_aborted() {
             return Poll::Ready(());
         }
-        let mut wakers = self
-            .signal
-            .inner
-            .wakers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut wakers = self.signal.inner.wakers.lock().unwrap_or_else(|e| e.into_inner());
         // Re-check under the lock: `abort` takes the wakers under the same lock.
         if self.signal.is_aborted() {
             return Poll::Ready(());

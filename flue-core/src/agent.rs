@@ -57,9 +57,7 @@ impl AgentDefinition {
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
         let name = name.into();
         if !is_identity(&name) {
-            panic!(
-                "[flue] Agent name \"{name}\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$."
-            );
+            panic!("[flue] Agent name \"{name}\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$.");
         }
         Self::from_checked(name)
     }
@@ -119,10 +117,7 @@ impl AgentDefinition {
     }
 
     /// Sets the parent-hook requirements.
-    pub fn parent_hooks(
-        mut self,
-        requirements: impl Into<Cow<'static, [ParentHookRequirement]>>,
-    ) -> Self {
+    pub fn parent_hooks(mut self, requirements: impl Into<Cow<'static, [ParentHookRequirement]>>) -> Self {
         self.parent_hooks = requirements.into();
         self
     }
@@ -131,8 +126,7 @@ impl AgentDefinition {
 /// `^[a-z][a-z0-9_]*$`: the identity rule of agent names and lifecycle-hook ids.
 pub fn is_identity(name: &str) -> bool {
     let mut bytes = name.bytes();
-    matches!(bytes.next(), Some(b'a'..=b'z'))
-        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+    matches!(bytes.next(), Some(b'a'..=b'z')) && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
 }
 
 /// The creation-data type of an agent: its schema and a validating parser.

@@ -24,17 +24,13 @@ pub trait RuntimeBinding: Send + Sync + 'static {
     /// snapshot; `None` before the first write ever) and returns the value to write, or `None`
     /// for no change. The binding runs it under the buffer's lock, so concurrent updaters
     /// compose instead of dropping each other's writes.
-    fn modify_state(&self, name: &str, modify: &mut StateModify<'_>)
-    -> Result<(), StateWriteError>;
+    fn modify_state(&self, name: &str, modify: &mut StateModify<'_>) -> Result<(), StateWriteError>;
 
     /// Appends one write of the data part `name` to the current response and streams it.
     fn write_data(&self, name: &str, data: Value) -> Result<(), DataWriteError>;
 
     /// Admits `message` to this instance's queue (the same admission as every transport).
-    fn dispatch(
-        &self,
-        message: DeliveredMessage,
-    ) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>>;
+    fn dispatch(&self, message: DeliveredMessage) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>>;
 }
 
 /// A state write that could not happen.
@@ -42,9 +38,7 @@ pub trait RuntimeBinding: Send + Sync + 'static {
 #[non_exhaustive]
 pub enum StateWriteError {
     /// The render had no runtime behind it (a bare render).
-    #[error(
-        "[flue] State \"{name}\" has no durable runtime behind this render, so writes are unavailable."
-    )]
+    #[error("[flue] State \"{name}\" has no durable runtime behind this render, so writes are unavailable.")]
     NoRuntime {
         /// The state name.
         name: String,
@@ -66,9 +60,7 @@ pub enum StateWriteError {
         reason: String,
     },
     /// The stored value does not deserialize as the type the setter was declared with.
-    #[error(
-        "[flue] State \"{name}\" holds a value that does not match its declared type: {reason}."
-    )]
+    #[error("[flue] State \"{name}\" holds a value that does not match its declared type: {reason}.")]
     TypeMismatch {
         /// The state name.
         name: String,
@@ -82,9 +74,7 @@ pub enum StateWriteError {
 #[non_exhaustive]
 pub enum DataWriteError {
     /// The render had no runtime behind it (a bare render).
-    #[error(
-        "[flue] Message data \"{name}\" has no durable runtime behind this render, so writes are unavailable."
-    )]
+    #[error("[flue] Message data \"{name}\" has no durable runtime behind this render, so writes are unavailable.")]
     NoRuntime {
         /// The part name.
         name: String,
@@ -125,9 +115,7 @@ pub enum DispatchError {
     )]
     NoRuntime,
     /// The runtime behind the render has shut down or is not accepting admissions.
-    #[error(
-        "[flue] The use_dispatch_message() dispatcher was called while the Flue runtime is not running: {reason}."
-    )]
+    #[error("[flue] The use_dispatch_message() dispatcher was called while the Flue runtime is not running: {reason}.")]
     RuntimeUnavailable {
         /// Why.
         reason: String,

@@ -21,8 +21,7 @@ pub struct DataSchema {
 impl DataSchema {
     /// Compiles `json` (draft 2020-12 unless it says otherwise).
     pub fn new(json: Value) -> Result<Self, SchemaError> {
-        let validator =
-            jsonschema::validator_for(&json).map_err(|error| SchemaError(error.to_string()))?;
+        let validator = jsonschema::validator_for(&json).map_err(|error| SchemaError(error.to_string()))?;
         Ok(Self {
             json: Arc::new(json),
             validator: Arc::new(validator),
@@ -42,19 +41,11 @@ impl DataSchema {
             .iter_errors(instance)
             .map(|error| {
                 let path = error.instance_path().to_string();
-                let path = if path.is_empty() {
-                    "root".to_owned()
-                } else {
-                    path
-                };
+                let path = if path.is_empty() { "root".to_owned() } else { path };
                 format!("{path}: {error}")
             })
             .collect();
-        if issues.is_empty() {
-            Ok(())
-        } else {
-            Err(issues)
-        }
+        if issues.is_empty() { Ok(()) } else { Err(issues) }
     }
 }
 

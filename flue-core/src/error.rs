@@ -10,9 +10,7 @@ pub enum RenderError {
     #[error(transparent)]
     ToolNameConflict(#[from] ToolNameConflictError),
     /// A root render declared no model. Raised where the runtime needs one (submission start).
-    #[error(
-        "[flue] The agent requires a model. Call use_model(\"provider-id/model-id\") in the agent function."
-    )]
+    #[error("[flue] The agent requires a model. Call use_model(\"provider-id/model-id\") in the agent function.")]
     MissingModel,
     /// The set of `use_data_writer` names differs from the previous render of the same response.
     #[error("{}", identity_changed_message(.added, .removed))]

@@ -293,6 +293,11 @@ pub struct ResponseFinishContext {
 
 /// What a response-metadata callback may return: nothing (`()`, `None`) or a JSON object
 /// (`Map`, `Some(map)`, or a `Value` that is an object or `null`), optionally in a `Result`.
+#[diagnostic::on_unimplemented(
+    message = "a response metadata callback returns a JSON object of metadata or nothing, not `{Self}`",
+    label = "not metadata",
+    note = "use_response_start and use_response_finish callbacks are synchronous; async work belongs in use_agent_start or use_agent_finish"
+)]
 pub trait IntoMetadata {
     /// Converts into a metadata contribution.
     fn into_metadata(self) -> Result<Option<Metadata>, MetadataError>;
@@ -343,23 +348,17 @@ impl<M: IntoMetadata, E: Into<CallbackError>> IntoMetadata for Result<M, E> {
 #[non_exhaustive]
 pub enum MetadataError {
     /// It returned a JSON value that is not an object.
-    #[error(
-        "[flue] A response metadata callback must return a plain object of metadata (or nothing) — got {0}."
-    )]
+    #[error("[flue] A response metadata callback must return a plain object of metadata (or nothing) — got {0}.")]
     NotAnObject(&'static str),
     /// It returned an error.
     #[error("{0}")]
     Failed(String),
 }
 
-type AgentStartFn =
-    dyn Fn(AgentStartContext) -> BoxFuture<'static, Result<(), CallbackError>> + Send + Sync;
-type AgentFinishFn =
-    dyn Fn(AgentFinishContext) -> BoxFuture<'static, Result<(), CallbackError>> + Send + Sync;
-type ResponseStartFn =
-    dyn Fn(&ResponseStartContext) -> Result<Option<Metadata>, MetadataError> + Send + Sync;
-type ResponseFinishFn =
-    dyn Fn(&ResponseFinishContext) -> Result<Option<Metadata>, MetadataError> + Send + Sync;
+type AgentStartFn = dyn Fn(AgentStartContext) -> BoxFuture<'static, Result<(), CallbackError>> + Send + Sync;
+type AgentFinishFn = dyn Fn(AgentFinishContext) -> BoxFuture<'static, Result<(), CallbackError>> + Send + Sync;
+type ResponseStartFn = dyn Fn(&ResponseStartContext) -> Result<Option<Metadata>, MetadataError> + Send + Sync;
+type ResponseFinishFn = dyn Fn(&ResponseFinishContext) -> Result<Option<Metadata>, MetadataError> + Send + Sync;
 
 /// Shares a callback: `&'static` when the closure is zero-sized (boxing a zero-sized value
 /// does not allocate, so leaking it is free), reference-counted otherwise. Renders re-declare
@@ -412,10 +411,7 @@ impl AgentStartHook {
         Fut: Future + Send + 'static,
         Fut::Output: IntoCallbackResult,
     {
-        Self(share!(move |ctx| -> BoxFuture<
-            'static,
-            Result<(), CallbackError>,
-        > {
+        Self(share!(move |ctx| -> BoxFuture<'static, Result<(), CallbackError>> {
             let future = run(ctx);
             Box::pin(async move { future.await.into_callback_result() })
         }))
@@ -439,10 +435,7 @@ impl AgentFinishHook {
         Fut: Future + Send + 'static,
         Fut::Output: IntoCallbackResult,
     {
-        Self(share!(move |ctx| -> BoxFuture<
-            'static,
-            Result<(), CallbackError>,
-        > {
+        Self(share!(move |ctx| -> BoxFuture<'static, Result<(), CallbackError>> {
             let future = run(ctx);
             Box::pin(async move { future.await.into_callback_result() })
         }))
@@ -503,9 +496,4 @@ macro_rules! opaque_debug {
         }
     )*};
 }
-opaque_debug!(
-    AgentStartHook,
-    AgentFinishHook,
-    ResponseStartHook,
-    ResponseFinishHook
-);
+opaque_debug!(AgentStartHook, AgentFinishHook, ResponseStartHook, ResponseFinishHook);

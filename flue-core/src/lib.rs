@@ -66,9 +66,7 @@ use std::pin::Pin;
 
 pub use agent::{Agent, AgentDefinition, AgentProps, AgentRef, FnAgent, Instruction};
 pub use error::{RenderError, ToolNameConflict, ToolNameConflictError};
-pub use render::{
-    RenderKind, RenderState, Rendered, is_rendering, render, render_bare, render_into, try_render,
-};
+pub use render::{RenderKind, RenderState, Rendered, is_rendering, render, render_bare, render_into, try_render};
 pub use tool::{Tool, ToolContext, ToolError, ToolOutput};
 
 /// A boxed, `Send` future: what the runtime-facing traits return.
@@ -77,13 +75,9 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// Everything an agent author needs: the hooks and the types they take and return.
 pub mod prelude {
     pub use crate::abort::AbortSignal;
-    pub use crate::agent::{
-        Agent, AgentDefinition, AgentProps, AgentRef, Durability, FnAgent, HookStage, Instruction,
-    };
+    pub use crate::agent::{Agent, AgentDefinition, AgentProps, AgentRef, Durability, FnAgent, HookStage, Instruction};
     pub use crate::data::DataSchema;
-    pub use crate::event_hooks::{
-        AgentFinishContext, AgentStartContext, ResponseFinishContext, ResponseStartContext,
-    };
+    pub use crate::event_hooks::{AgentFinishContext, AgentStartContext, ResponseFinishContext, ResponseStartContext};
     pub use crate::hooks::*;
     pub use crate::lifecycle::{ThreadHook, ThreadState, UserHook, UserState};
     pub use crate::mcp::McpConnection;
@@ -94,7 +88,5 @@ pub mod prelude {
     pub use crate::sandbox::{SandboxFactory, SandboxOptions};
     pub use crate::skill::Skill;
     pub use crate::subagent::Subagent;
-    pub use crate::tool::{
-        IntoTool, Secret, Tool, ToolContext, ToolError, ToolHandler, ToolOutput,
-    };
+    pub use crate::tool::{IntoTool, Secret, Tool, ToolContext, ToolError, ToolHandler, ToolOutput};
 }

@@ -103,9 +103,7 @@ impl McpConnection {
             ));
         }
         if self.timeout.is_some_and(|timeout| timeout.is_zero()) {
-            return Err(format!(
-                "[flue] {source} \"{name}\" timeout must be positive."
-            ));
+            return Err(format!("[flue] {source} \"{name}\" timeout must be positive."));
         }
         if let Some(tools) = &self.tools
             && tools.iter().any(String::is_empty)
@@ -114,14 +112,8 @@ impl McpConnection {
                 "[flue] {source} \"{name}\" tools must be a list of tool names (the server's own names)."
             ));
         }
-        if self
-            .auth
-            .as_ref()
-            .is_some_and(|token| token.expose().is_empty())
-        {
-            return Err(format!(
-                "[flue] {source} \"{name}\" auth must be a bearer token."
-            ));
+        if self.auth.as_ref().is_some_and(|token| token.expose().is_empty()) {
+            return Err(format!("[flue] {source} \"{name}\" auth must be a bearer token."));
         }
         Ok(())
     }

@@ -21,9 +21,7 @@ pub fn merge_metadata(base: &mut Metadata, patch: Metadata) {
             continue;
         }
         match (base.get_mut(&key), value) {
-            (Some(Value::Object(existing)), Value::Object(incoming)) => {
-                merge_metadata(existing, incoming)
-            }
+            (Some(Value::Object(existing)), Value::Object(incoming)) => merge_metadata(existing, incoming),
             (_, value) => {
                 base.insert(key, sanitize(value));
             }

@@ -151,9 +151,7 @@ impl ModelOptions {
 
     /// Checks the rules the type system does not: a compaction model must be non-empty.
     pub fn validate(&self) -> Result<(), ModelOptionsError> {
-        if let Compaction::Threshold(CompactionConfig {
-            model: Some(model), ..
-        }) = &self.compaction
+        if let Compaction::Threshold(CompactionConfig { model: Some(model), .. }) = &self.compaction
             && model.trim().is_empty()
         {
             return Err(ModelOptionsError::CompactionModel);
@@ -173,20 +171,14 @@ fn parse_compaction(value: &Value) -> Result<Compaction, ModelOptionsError> {
         let tokens = || field.as_u64().and_then(|n| u32::try_from(n).ok());
         match key.as_str() {
             "reserveTokens" => {
-                config.reserve_tokens =
-                    Some(tokens().ok_or(ModelOptionsError::CompactionTokens("reserveTokens"))?);
+                config.reserve_tokens = Some(tokens().ok_or(ModelOptionsError::CompactionTokens("reserveTokens"))?);
             }
             "keepRecentTokens" => {
                 config.keep_recent_tokens =
                     Some(tokens().ok_or(ModelOptionsError::CompactionTokens("keepRecentTokens"))?);
             }
             "model" => {
-                config.model = Some(
-                    field
-                        .as_str()
-                        .ok_or(ModelOptionsError::CompactionModel)?
-                        .to_owned(),
-                );
+                config.model = Some(field.as_str().ok_or(ModelOptionsError::CompactionModel)?.to_owned());
             }
             other => return Err(ModelOptionsError::CompactionUnknownField(other.to_owned())),
         }
@@ -205,9 +197,7 @@ pub enum ModelOptionsError {
     #[error("[flue] use_model() options received unknown field \"{0}\".")]
     UnknownField(String),
     /// A thinking level that is not one of the seven.
-    #[error(
-        "[flue] use_model() options thinking_level must be one of: off, minimal, low, medium, high, xhigh, max."
-    )]
+    #[error("[flue] use_model() options thinking_level must be one of: off, minimal, low, medium, high, xhigh, max.")]
     ThinkingLevel,
     /// Compaction that is neither a configuration nor `false`.
     #[error("[flue] use_model() options compaction must be a configuration object or `false`.")]

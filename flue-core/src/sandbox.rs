@@ -14,10 +14,7 @@ use crate::tool::Tool;
 /// Builds the environment for one submission.
 pub trait SandboxFactory: Send + Sync + 'static {
     /// Creates (or reconnects to) the environment of `instance_id`.
-    fn create_sandbox(
-        &self,
-        instance_id: &str,
-    ) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>>;
+    fn create_sandbox(&self, instance_id: &str) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>>;
 
     /// Replaces the framework's default model-facing tool set when it returns `Some`.
     fn tools(&self) -> Option<Vec<Tool>> {
@@ -101,9 +98,7 @@ pub struct SandboxOptions {
 impl SandboxOptions {
     /// Options with a working directory.
     pub fn cwd(cwd: impl Into<String>) -> Self {
-        Self {
-            cwd: Some(cwd.into()),
-        }
+        Self { cwd: Some(cwd.into()) }
     }
 }
 

@@ -178,12 +178,8 @@ fn normalize(mut definition: SkillDefinition) -> Result<SkillDefinition, SkillDe
 
 /// `^[a-z0-9]+(?:-[a-z0-9]+)*$`
 fn is_skill_name(name: &str) -> bool {
-    name.split('-').all(|part| {
-        !part.is_empty()
-            && part
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-    })
+    name.split('-')
+        .all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()))
 }
 
 fn is_safe_relative_path(path: &str) -> bool {

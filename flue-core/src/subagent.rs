@@ -25,11 +25,7 @@ pub struct Subagent {
 impl Subagent {
     /// A delegate `name`, described by `description` (the catalog line the model uses to
     /// decide when to delegate), rendered from `agent` at delegation time.
-    pub fn new(
-        name: impl Into<String>,
-        description: impl Into<String>,
-        agent: impl Into<AgentRef>,
-    ) -> Self {
+    pub fn new(name: impl Into<String>, description: impl Into<String>, agent: impl Into<AgentRef>) -> Self {
         Self {
             name: name.into(),
             description: description.into(),
@@ -131,12 +127,7 @@ impl Subagent {
         match &self.optional {
             None => true,
             Some(flag) => env(flag)
-                .map(|value| {
-                    matches!(
-                        value.trim().to_ascii_lowercase().as_str(),
-                        "true" | "1" | "yes"
-                    )
-                })
+                .map(|value| matches!(value.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
                 .unwrap_or(false),
         }
     }
@@ -152,11 +143,7 @@ impl Subagent {
                 self.name
             ));
         }
-        if self
-            .model
-            .as_ref()
-            .is_some_and(|model| model.trim().is_empty())
-        {
+        if self.model.as_ref().is_some_and(|model| model.trim().is_empty()) {
             return Err(format!(
                 "[flue] {source} \"{}\" model must be a non-empty string.",
                 self.name

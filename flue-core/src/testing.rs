@@ -92,9 +92,7 @@ impl TestBinding {
 
     /// The attempt's write buffer.
     pub fn state(&self) -> MutexGuard<'_, StateBuffer> {
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Every data write so far, in order.
@@ -119,15 +117,9 @@ impl TestBinding {
 }
 
 impl RuntimeBinding for TestBinding {
-    fn modify_state(
-        &self,
-        name: &str,
-        modify: &mut StateModify<'_>,
-    ) -> Result<(), StateWriteError> {
+    fn modify_state(&self, name: &str, modify: &mut StateModify<'_>) -> Result<(), StateWriteError> {
         if !self.responding() {
-            return Err(StateWriteError::NotResponding {
-                name: name.to_owned(),
-            });
+            return Err(StateWriteError::NotResponding { name: name.to_owned() });
         }
         let mut buffer = self.state();
         if let Some(next) = modify(buffer.current(name))? {
@@ -138,9 +130,7 @@ impl RuntimeBinding for TestBinding {
 
     fn write_data(&self, name: &str, data: Value) -> Result<(), DataWriteError> {
         if !self.responding() {
-            return Err(DataWriteError::NotResponding {
-                name: name.to_owned(),
-            });
+            return Err(DataWriteError::NotResponding { name: name.to_owned() });
         }
         self.data
             .lock()
@@ -149,10 +139,7 @@ impl RuntimeBinding for TestBinding {
         Ok(())
     }
 
-    fn dispatch(
-        &self,
-        message: DeliveredMessage,
-    ) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>> {
+    fn dispatch(&self, message: DeliveredMessage) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>> {
         let number = self.next_submission.fetch_add(1, Ordering::Relaxed);
         self.dispatched
             .lock()

@@ -17,13 +17,7 @@ use crate::error::ToolNameConflictError;
 use crate::log::Logger;
 
 /// Tool names the framework reserves for its own tools.
-pub const RESERVED_TOOL_NAMES: [&str; 5] = [
-    "task",
-    "activate_skill",
-    "read_skill_resource",
-    "finish",
-    "give_up",
-];
+pub const RESERVED_TOOL_NAMES: [&str; 5] = ["task", "activate_skill", "read_skill_resource", "finish", "give_up"];
 
 /// A tool's identity and model-facing description.
 #[derive(Clone, Debug)]
@@ -102,9 +96,7 @@ impl ToolDefinition {
                         self.name
                     ));
                 }
-                Some(property)
-                    if property.get("type").and_then(Value::as_str) != Some("string") =>
-                {
+                Some(property) if property.get("type").and_then(Value::as_str) != Some("string") => {
                     return Err(format!(
                         "[flue] {source} \"{}\" progress_argument \"{argument}\" must be a string argument.",
                         self.name
@@ -132,10 +124,7 @@ pub fn check_tool_name(name: &str, source: &str) -> Result<(), String> {
         ));
     }
     if RESERVED_TOOL_NAMES.contains(&name) {
-        return Err(format!(
-            "[flue] {source} {}",
-            ToolNameConflictError::reserved(name)
-        ));
+        return Err(format!("[flue] {source} {}", ToolNameConflictError::reserved(name)));
     }
     Ok(())
 }
@@ -233,6 +222,11 @@ impl fmt::Debug for Tool {
 
 /// Converts a value into a mountable [`Tool`]: implemented for `Tool`, `&Tool` and every
 /// [`ToolHandler`] (so `use_tool(get_github_issue)` works for a `#[tool]` item).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a tool",
+    label = "not a tool",
+    note = "define tools with `#[tool]` on an async fn, or inline with `Tool::new(\"name\").description(..).run(..)`"
+)]
 pub trait IntoTool {
     /// The tool.
     fn into_tool(self) -> Tool;
@@ -380,9 +374,8 @@ pub fn tool_return<T: ToolReturn>(value: T) -> ToolOutput {
 
 /// Deserializes tool arguments, or the error result the model sees when they do not fit.
 pub fn parse_arguments<A: DeserializeOwned>(args: Value) -> Result<A, ToolOutput> {
-    serde_json::from_value(args).map_err(|error| {
-        ToolOutput::error(format!("Tool argument validation failed: [root] {error}"))
-    })
+    serde_json::from_value(args)
+        .map_err(|error| ToolOutput::error(format!("Tool argument validation failed: [root] {error}")))
 }
 
 /// What a tool produced.
@@ -443,9 +436,7 @@ impl ToolOutput {
     pub fn to_text(&self) -> String {
         match &self.content {
             ToolContent::Text(text) => text.clone(),
-            ToolContent::Json(value) => {
-                serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
-            }
+            ToolContent::Json(value) => serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string()),
         }
     }
 }
@@ -706,14 +697,10 @@ impl ToolContext {
                 name: name.to_owned(),
             });
         }
-        inner
-            .secrets
-            .get(name)
-            .map(Secret)
-            .ok_or_else(|| SecretError::Missing {
-                tool: inner.tool_name.clone(),
-                name: name.to_owned(),
-            })
+        inner.secrets.get(name).map(Secret).ok_or_else(|| SecretError::Missing {
+            tool: inner.tool_name.clone(),
+            name: name.to_owned(),
+        })
     }
 }
 

@@ -12,9 +12,7 @@ use flue_core::prelude::*;
 fn use_retention(active: bool) {
     use_tool(echo_tool("offer_credit"));
     if active {
-        use_instruction(
-            "Only while the customer is weighing cancellation: you may offer retention incentives.",
-        );
+        use_instruction("Only while the customer is weighing cancellation: you may offer retention incentives.");
     }
 }
 
@@ -84,22 +82,12 @@ fn tools_skills_subagents_and_state_may_be_conditional_across_renders() {
         }
     });
     let first = flue_core::render_bare(&agent).unwrap();
-    assert_eq!(
-        first.tools.iter().map(Tool::name).collect::<Vec<_>>(),
-        ["gather_facts"]
-    );
+    assert_eq!(first.tools.iter().map(Tool::name).collect::<Vec<_>>(), ["gather_facts"]);
     assert!(first.skills.is_empty() && first.subagents.is_empty() && first.state_names.is_empty());
     phase.store(true, Ordering::SeqCst);
     let previous = first.data_writer_names();
-    let second = flue_core::render(
-        &agent,
-        &RenderState::bare().with_previous_data_writers(&previous),
-    )
-    .unwrap();
-    assert_eq!(
-        second.tools.iter().map(Tool::name).collect::<Vec<_>>(),
-        ["draft_reply"]
-    );
+    let second = flue_core::render(&agent, &RenderState::bare().with_previous_data_writers(&previous)).unwrap();
+    assert_eq!(second.tools.iter().map(Tool::name).collect::<Vec<_>>(), ["draft_reply"]);
     assert_eq!((second.skills.len(), second.subagents.len()), (1, 1));
     assert_eq!(second.state_names, ["draft"]);
 }
@@ -150,9 +138,6 @@ fn inline_tools_close_over_render_values_and_run_with_their_context() {
 #[test]
 fn a_secret_never_prints_its_value() {
     let secret = Secret::new("ghp_supersecret");
-    assert_eq!(
-        format!("{secret} {secret:?}"),
-        "[redacted] Secret([redacted])"
-    );
+    assert_eq!(format!("{secret} {secret:?}"), "[redacted] Secret([redacted])");
     assert_eq!(secret.expose(), "ghp_supersecret");
 }

@@ -7,9 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use common::agent;
 use flue_core::abort::AbortSignal;
-use flue_core::event_hooks::{
-    AppendError, AppendWindow, MetadataError, ResponseSummary, SeamChannel,
-};
+use flue_core::event_hooks::{AppendError, AppendWindow, MetadataError, ResponseSummary, SeamChannel};
 use flue_core::log::Logger;
 use flue_core::metadata::merge_metadata;
 use flue_core::prelude::*;
@@ -54,15 +52,9 @@ fn event_hook_callbacks_are_recorded_in_declaration_order_through_custom_hooks()
         }
     });
     let rendered = flue_core::render_bare(&agent).unwrap();
+    assert_eq!((rendered.agent_starts.len(), rendered.agent_finishes.len()), (2, 1));
     assert_eq!(
-        (rendered.agent_starts.len(), rendered.agent_finishes.len()),
-        (2, 1)
-    );
-    assert_eq!(
-        (
-            rendered.response_starts.len(),
-            rendered.response_finishes.len()
-        ),
+        (rendered.response_starts.len(), rendered.response_finishes.len()),
         (1, 1)
     );
     let channel: Arc<dyn SeamChannel> = Arc::new(Channel::default());
@@ -95,9 +87,7 @@ fn append_works_inside_the_window_and_fails_after_the_callback_settled() {
         .unwrap();
     window.close();
     assert_eq!(
-        ctx.append(Signal::new("inbox", "late"))
-            .unwrap_err()
-            .to_string(),
+        ctx.append(Signal::new("inbox", "late")).unwrap_err().to_string(),
         "[flue] append() was called after its use_agent_start callback settled. The append window is the callback itself — to send input at any other time, use the dispatcher from use_dispatch_message()."
     );
     assert_eq!(channel.0.lock().unwrap().len(), 1);
@@ -131,9 +121,7 @@ fn append_rejects_reserved_signal_types_and_invalid_signals() {
         Arc::new(DeliveredMessage::user("hi")),
     );
     assert_eq!(
-        ctx.append(Signal::new("compaction", "x"))
-            .unwrap_err()
-            .to_string(),
+        ctx.append(Signal::new("compaction", "x")).unwrap_err().to_string(),
         "[flue] append() signal type \"compaction\" is framework-reserved vocabulary (the runtime's own narration and recovery signals) — use an application-specific type."
     );
     assert_eq!(
@@ -149,9 +137,8 @@ fn append_rejects_reserved_signal_types_and_invalid_signals() {
 
 #[test]
 fn a_failing_async_callback_reports_its_error() {
-    let hook = flue_core::event_hooks::AgentFinishHook::new(|_ctx| async {
-        Err::<(), _>(std::io::Error::other("not done"))
-    });
+    let hook =
+        flue_core::event_hooks::AgentFinishHook::new(|_ctx| async { Err::<(), _>(std::io::Error::other("not done")) });
     let ctx = AgentFinishContext::new(
         Arc::new(Channel::default()),
         AppendWindow::open(),
@@ -159,10 +146,7 @@ fn a_failing_async_callback_reports_its_error() {
         Logger::discard(),
         Arc::new(ResponseSummary::default()),
     );
-    assert_eq!(
-        poll_ready(hook.call(ctx)).unwrap_err().to_string(),
-        "not done"
-    );
+    assert_eq!(poll_ready(hook.call(ctx)).unwrap_err().to_string(), "not done");
 }
 
 #[test]
@@ -179,10 +163,7 @@ fn response_metadata_callbacks_return_objects_or_nothing_and_reject_other_values
     let nothing = flue_core::event_hooks::ResponseStartHook::new(|_| ());
     assert_eq!(nothing.call(&ctx).unwrap(), None);
     let array = flue_core::event_hooks::ResponseStartHook::new(|_| json!([1]));
-    assert_eq!(
-        array.call(&ctx).unwrap_err(),
-        MetadataError::NotAnObject("an array")
-    );
+    assert_eq!(array.call(&ctx).unwrap_err(), MetadataError::NotAnObject("an array"));
     assert_eq!(
         array.call(&ctx).unwrap_err().to_string(),
         "[flue] A response metadata callback must return a plain object of metadata (or nothing) — got an array."
@@ -201,10 +182,7 @@ fn response_metadata_callbacks_return_objects_or_nothing_and_reject_other_values
 
 #[test]
 fn metadata_deep_merge_later_keys_win_and_objects_merge_recursively() {
-    let mut base = json!({"a": 1, "nested": {"x": 1, "y": 1}})
-        .as_object()
-        .unwrap()
-        .clone();
+    let mut base = json!({"a": 1, "nested": {"x": 1, "y": 1}}).as_object().unwrap().clone();
     merge_metadata(
         &mut base,
         json!({"a": 2, "nested": {"y": 2, "z": 3}, "b": [1]})
@@ -224,9 +202,7 @@ fn metadata_deep_merge_skips_absent_values() {
         .as_object()
         .unwrap()
         .clone();
-    let patch: Metadata =
-        serde_json::from_value(json!({"keep": null, "nested": {"keep": null, "new": null}}))
-            .unwrap();
+    let patch: Metadata = serde_json::from_value(json!({"keep": null, "nested": {"keep": null, "new": null}})).unwrap();
     merge_metadata(&mut base, patch);
     assert_eq!(
         serde_json::Value::Object(base),
@@ -244,23 +220,14 @@ fn metadata_deep_merge_drops_prototype_polluting_keys_at_every_depth() {
         "ok": {"prototype": 3, "inner": {"__proto__": 4, "fine": 5}}
     });
     merge_metadata(&mut base, patch.as_object().unwrap().clone());
-    assert_eq!(
-        serde_json::Value::Object(base),
-        json!({"ok": {"inner": {"fine": 5}}})
-    );
+    assert_eq!(serde_json::Value::Object(base), json!({"ok": {"inner": {"fine": 5}}}));
 }
 
 #[test]
 fn metadata_deep_merge_replaces_a_non_object_with_an_object_and_vice_versa() {
     let mut base = json!({"a": 1, "b": {"c": 1}}).as_object().unwrap().clone();
-    merge_metadata(
-        &mut base,
-        json!({"a": {"x": 1}, "b": 2}).as_object().unwrap().clone(),
-    );
-    assert_eq!(
-        serde_json::Value::Object(base),
-        json!({"a": {"x": 1}, "b": 2})
-    );
+    merge_metadata(&mut base, json!({"a": {"x": 1}, "b": 2}).as_object().unwrap().clone());
+    assert_eq!(serde_json::Value::Object(base), json!({"a": {"x": 1}, "b": 2}));
 }
 
 #[test]

@@ -30,48 +30,21 @@ fn every_hook_panics_outside_an_agent_function_with_the_reference_message() {
             "use_skill",
             Box::new(|| use_skill(Skill::new("triage", "Triage issues.", "Steps.").unwrap())),
         ),
-        (
-            "use_subagent",
-            Box::new(|| use_subagent(Subagent::general())),
-        ),
+        ("use_subagent", Box::new(|| use_subagent(Subagent::general()))),
         ("use_instruction", Box::new(|| use_instruction("text"))),
-        (
-            "use_persistent_state",
-            Box::new(|| drop(use_persistent_state("n", 0))),
-        ),
+        ("use_persistent_state", Box::new(|| drop(use_persistent_state("n", 0)))),
         (
             "use_persistent_state",
             Box::new(|| drop(use_persistent_state_opt::<u8>("n"))),
         ),
-        (
-            "use_initial_data",
-            Box::new(|| _ = use_initial_data::<u8>()),
-        ),
+        ("use_initial_data", Box::new(|| _ = use_initial_data::<u8>())),
         ("use_delivery", Box::new(|| drop(use_delivery()))),
-        (
-            "use_dispatch_message",
-            Box::new(|| drop(use_dispatch_message())),
-        ),
-        (
-            "use_data_writer",
-            Box::new(|| drop(use_data_writer::<u8>("d"))),
-        ),
-        (
-            "use_agent_start",
-            Box::new(|| use_agent_start(|_| async {})),
-        ),
-        (
-            "use_agent_finish",
-            Box::new(|| use_agent_finish(|_| async {})),
-        ),
-        (
-            "use_response_start",
-            Box::new(|| use_response_start(|_| ())),
-        ),
-        (
-            "use_response_finish",
-            Box::new(|| use_response_finish(|_| ())),
-        ),
+        ("use_dispatch_message", Box::new(|| drop(use_dispatch_message()))),
+        ("use_data_writer", Box::new(|| drop(use_data_writer::<u8>("d")))),
+        ("use_agent_start", Box::new(|| use_agent_start(|_| async {}))),
+        ("use_agent_finish", Box::new(|| use_agent_finish(|_| async {}))),
+        ("use_response_start", Box::new(|| use_response_start(|_| ()))),
+        ("use_response_finish", Box::new(|| use_response_finish(|_| ()))),
         (
             "use_mcp_connection",
             Box::new(|| use_mcp_connection(McpConnection::new("s", "https://mcp.example.com"))),
@@ -89,10 +62,7 @@ fn a_custom_hook_called_outside_a_render_panics_at_its_first_inner_hook() {
         use_instruction("Be kind.");
         use_model("openai/gpt-4o");
     }
-    assert_eq!(
-        panic_message_of(use_support_basics),
-        outside("use_instruction")
-    );
+    assert_eq!(panic_message_of(use_support_basics), outside("use_instruction"));
 }
 
 #[test]
@@ -137,27 +107,18 @@ fn a_panicking_agent_body_leaves_no_frame_behind_and_the_next_render_works() {
     match flue_core::try_render(&broken, &RenderState::bare()) {
         Err(RenderError::Panicked { message, location }) => {
             assert_eq!(message, "boom in the agent body");
-            assert_eq!(
-                location, None,
-                "a plain panic is not a rules-of-hooks violation"
-            );
+            assert_eq!(location, None, "a plain panic is not a rules-of-hooks violation");
         }
         other => panic!("unexpected {other:?}"),
     }
     assert!(!is_rendering());
-    assert_eq!(
-        panic_message_of(|| use_model("openai/gpt-4o")),
-        outside("use_model")
-    );
+    assert_eq!(panic_message_of(|| use_model("openai/gpt-4o")), outside("use_model"));
     let healthy = agent(|_| {
         use_model("openai/gpt-4o");
         "fine"
     });
     assert_eq!(
-        flue_core::render_bare(&healthy)
-            .unwrap()
-            .instruction
-            .as_deref(),
+        flue_core::render_bare(&healthy).unwrap().instruction.as_deref(),
         Some("fine")
     );
 }
@@ -250,7 +211,6 @@ fn use_delivery_panics_on_a_bare_render_and_reads_the_cursor_otherwise() {
         "[flue] use_delivery() found no delivered message behind this render. Every agent run in the runtime is triggered by one; a direct render outside the runtime (tests, tooling) must supply a `delivery` in its render state."
     );
     let delivery = Arc::new(DeliveredMessage::user("hello there"));
-    let rendered =
-        flue_core::render(&agent, &RenderState::root("i").with_delivery(&delivery)).unwrap();
+    let rendered = flue_core::render(&agent, &RenderState::root("i").with_delivery(&delivery)).unwrap();
     assert_eq!(rendered.instruction.as_deref(), Some("hello there"));
 }

@@ -36,10 +36,7 @@ fn an_empty_returned_instruction_is_skipped_in_composition() {
         ""
     });
     assert_eq!(
-        flue_core::render_bare(&agent)
-            .unwrap()
-            .instruction
-            .as_deref(),
+        flue_core::render_bare(&agent).unwrap().instruction.as_deref(),
         Some("Only part.")
     );
 }
@@ -113,10 +110,7 @@ fn use_model_rejects_a_blank_specifier() {
 fn a_render_without_use_model_cannot_start() {
     let agent = agent(|_| "no model");
     let rendered = flue_core::render_bare(&agent).unwrap();
-    assert_eq!(
-        rendered.require_model().unwrap_err(),
-        RenderError::MissingModel
-    );
+    assert_eq!(rendered.require_model().unwrap_err(), RenderError::MissingModel);
     assert_eq!(
         RenderError::MissingModel.to_string(),
         "[flue] The agent requires a model. Call use_model(\"provider-id/model-id\") in the agent function."
@@ -128,21 +122,17 @@ fn use_model_records_the_specifier_thinking_level_and_compaction() {
     let agent = agent(|_| {
         use_model_with(
             "anthropic/claude-sonnet-4-5",
-            ModelOptions::thinking(ThinkingLevel::Xhigh).with_compaction(Compaction::Threshold(
-                CompactionConfig {
-                    reserve_tokens: Some(16_000),
-                    keep_recent_tokens: None,
-                    model: Some("openai/gpt-4o-mini".into()),
-                },
-            )),
+            ModelOptions::thinking(ThinkingLevel::Xhigh).with_compaction(Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(16_000),
+                keep_recent_tokens: None,
+                model: Some("openai/gpt-4o-mini".into()),
+            })),
         );
     });
     let model = flue_core::render_bare(&agent).unwrap().model.unwrap();
     assert_eq!(model.spec, "anthropic/claude-sonnet-4-5");
     assert_eq!(model.options.thinking_level, Some(ThinkingLevel::Xhigh));
-    assert!(
-        matches!(model.options.compaction, Compaction::Threshold(ref c) if c.reserve_tokens == Some(16_000))
-    );
+    assert!(matches!(model.options.compaction, Compaction::Threshold(ref c) if c.reserve_tokens == Some(16_000)));
 }
 
 #[test]
@@ -164,14 +154,8 @@ fn use_model_rejects_a_blank_compaction_model() {
 
 #[test]
 fn thinking_levels_parse_including_max_and_reject_unknown_values() {
-    let names: Vec<&str> = ThinkingLevel::ALL
-        .iter()
-        .map(|level| level.as_str())
-        .collect();
-    assert_eq!(
-        names,
-        ["off", "minimal", "low", "medium", "high", "xhigh", "max"]
-    );
+    let names: Vec<&str> = ThinkingLevel::ALL.iter().map(|level| level.as_str()).collect();
+    assert_eq!(names, ["off", "minimal", "low", "medium", "high", "xhigh", "max"]);
     for level in ThinkingLevel::ALL {
         assert_eq!(level.as_str().parse::<ThinkingLevel>().unwrap(), level);
     }
@@ -185,10 +169,7 @@ fn thinking_levels_parse_including_max_and_reject_unknown_values() {
 fn model_options_from_configuration_reject_unknown_fields_with_the_reference_messages() {
     use serde_json::json;
     let parse = |value| ModelOptions::from_json(&value);
-    assert_eq!(
-        parse(json!([])).unwrap_err(),
-        ModelOptionsError::NotAnObject
-    );
+    assert_eq!(parse(json!([])).unwrap_err(), ModelOptionsError::NotAnObject);
     assert_eq!(
         parse(json!({"temperature": 1})).unwrap_err().to_string(),
         "[flue] use_model() options received unknown field \"temperature\"."
@@ -198,9 +179,7 @@ fn model_options_from_configuration_reject_unknown_fields_with_the_reference_mes
         "[flue] use_model() options compaction must be a configuration object or `false`."
     );
     assert_eq!(
-        parse(json!({"compaction": {"reserve": 1}}))
-            .unwrap_err()
-            .to_string(),
+        parse(json!({"compaction": {"reserve": 1}})).unwrap_err().to_string(),
         "[flue] use_model() options compaction received unknown field \"reserve\"."
     );
     assert_eq!(
@@ -213,7 +192,8 @@ fn model_options_from_configuration_reject_unknown_fields_with_the_reference_mes
         parse(json!({"compaction": false})).unwrap().compaction,
         Compaction::Disabled
     );
-    let options = parse(json!({"thinkingLevel": "max", "compaction": {"reserveTokens": 0, "keepRecentTokens": 8000}})).unwrap();
+    let options =
+        parse(json!({"thinkingLevel": "max", "compaction": {"reserveTokens": 0, "keepRecentTokens": 8000}})).unwrap();
     assert_eq!(options.thinking_level, Some(ThinkingLevel::Max));
     assert_eq!(
         options.compaction,
@@ -348,19 +328,12 @@ fn blank_state_and_data_part_names_are_rejected() {
 
 #[test]
 fn invalid_subagent_and_mcp_definitions_are_rejected_at_the_mount_site() {
-    let nameless =
-        agent(|_| use_subagent(Subagent::new(" ", "d", Subagent::general().agent().clone())));
+    let nameless = agent(|_| use_subagent(Subagent::new(" ", "d", Subagent::general().agent().clone())));
     assert_eq!(
         render_panic(&nameless),
         "[flue] use_subagent() name must be a non-empty string."
     );
-    let undescribed = agent(|_| {
-        use_subagent(Subagent::new(
-            "helper",
-            "",
-            Subagent::general().agent().clone(),
-        ))
-    });
+    let undescribed = agent(|_| use_subagent(Subagent::new("helper", "", Subagent::general().agent().clone())));
     assert_eq!(
         render_panic(&undescribed),
         "[flue] use_subagent() \"helper\" needs a non-empty description — it is the catalog line the model uses to decide when to delegate."
@@ -382,9 +355,7 @@ fn use_hooks_rejects_selecting_one_hook_twice() {
     use flue_core::lifecycle::{ThreadHook, ThreadHookDefinition, ThreadHookHandler};
     static REDACT: ThreadHookDefinition = ThreadHookDefinition {
         id: "redact_emails",
-        handler: ThreadHookHandler::BeforeStoreToolResult(|_, _, result| {
-            Box::pin(async move { Ok(result) })
-        }),
+        handler: ThreadHookHandler::BeforeStoreToolResult(|_, _, result| Box::pin(async move { Ok(result) })),
     };
     let hook = ThreadHook::new(&REDACT);
     let twice = agent(move |_| use_hooks([hook, hook]));
@@ -395,11 +366,7 @@ fn use_hooks_rejects_selecting_one_hook_twice() {
     let once = agent(move |_| use_hooks([hook]));
     let rendered = flue_core::render_bare(&once).unwrap();
     assert_eq!(
-        rendered
-            .hooks
-            .iter()
-            .map(ThreadHook::id)
-            .collect::<Vec<_>>(),
+        rendered.hooks.iter().map(ThreadHook::id).collect::<Vec<_>>(),
         ["redact_emails"]
     );
 }
@@ -468,10 +435,7 @@ fn use_initial_data_degrades_to_none_and_use_delivery_reads_the_task_prompt_in_a
     let initial = serde_json::json!({"plan": "pro"});
     let state = RenderState::subagent(&prompt).with_initial_data(&initial);
     let rendered = flue_core::render(&delegate, &state).unwrap();
-    assert_eq!(
-        rendered.instruction.as_deref(),
-        Some("None / Summarise the mailbox.")
-    );
+    assert_eq!(rendered.instruction.as_deref(), Some("None / Summarise the mailbox."));
 }
 
 #[test]
@@ -488,10 +452,7 @@ fn tools_skills_instructions_and_nested_subagents_compose_in_a_subagent_render()
     assert_eq!(rendered.tools.len(), 1);
     assert_eq!(rendered.skills.len(), 1);
     assert_eq!(rendered.subagents.len(), 1);
-    assert_eq!(
-        rendered.instruction.as_deref(),
-        Some("You read mail.\n\nBe brief.")
-    );
+    assert_eq!(rendered.instruction.as_deref(), Some("You read mail.\n\nBe brief."));
     assert!(rendered.model.is_none());
 }
 
@@ -522,11 +483,7 @@ fn data_writer_names_must_be_identical_on_consecutive_renders() {
     let first = flue_core::render_bare(&agent).unwrap();
     let previous = first.data_writer_names();
     flag.store(1, std::sync::atomic::Ordering::SeqCst);
-    let error = flue_core::render(
-        &agent,
-        &RenderState::bare().with_previous_data_writers(&previous),
-    )
-    .unwrap_err();
+    let error = flue_core::render(&agent, &RenderState::bare().with_previous_data_writers(&previous)).unwrap_err();
     assert_eq!(
         error,
         RenderError::IdentityChanged {
@@ -539,13 +496,7 @@ fn data_writer_names_must_be_identical_on_consecutive_renders() {
         "[flue] The agent's render changed identity between turns: message data added summary, citations; removed status. Message data must be declared unconditionally on every render — the named parts are the response's client-facing identity. Resources (tools, skills, subagents), persisted state, event hooks, and the sandbox may all be conditional."
     );
     flag.store(2, std::sync::atomic::Ordering::SeqCst);
-    assert!(
-        flue_core::render(
-            &agent,
-            &RenderState::bare().with_previous_data_writers(&previous)
-        )
-        .is_ok()
-    );
+    assert!(flue_core::render(&agent, &RenderState::bare().with_previous_data_writers(&previous)).is_ok());
 }
 
 #[test]
@@ -565,13 +516,7 @@ fn data_writer_identity_compares_sets_so_reordering_is_allowed() {
     };
     let previous = flue_core::render_bare(&agent).unwrap().data_writer_names();
     flip.store(true, std::sync::atomic::Ordering::SeqCst);
-    assert!(
-        flue_core::render(
-            &agent,
-            &RenderState::bare().with_previous_data_writers(&previous)
-        )
-        .is_ok()
-    );
+    assert!(flue_core::render(&agent, &RenderState::bare().with_previous_data_writers(&previous)).is_ok());
 }
 
 // ---- tool definitions ---------------------------------------------------------------------
@@ -588,9 +533,8 @@ fn inline_tools_reject_reserved_and_invalid_names_and_non_object_arguments() {
         invalid,
         "[flue] Tool::new() name \"has space\" must match ^[A-Za-z0-9_-]{1,64}$ (what every provider accepts)."
     );
-    let undescribed = common::panic_message_of(|| {
-        Tool::new("x").run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async {})
-    });
+    let undescribed =
+        common::panic_message_of(|| Tool::new("x").run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async {}));
     assert_eq!(
         undescribed,
         "[flue] Tool::new() \"x\" description must be a non-empty string."

@@ -50,8 +50,7 @@ fn a_state_setter_called_during_render_panics() {
     });
     let binding = TestBinding::new();
     let runtime = binding.as_binding();
-    let error =
-        flue_core::try_render(&agent, &RenderState::root("i").with_binding(&runtime)).unwrap_err();
+    let error = flue_core::try_render(&agent, &RenderState::root("i").with_binding(&runtime)).unwrap_err();
     assert_eq!(
         error.to_string(),
         "[flue] State \"phase\" was written during render. Renders are pure reads of the record stream — write from tool run functions or other runtime callbacks, and use the default value for the initial value."
@@ -64,12 +63,7 @@ fn a_state_setter_from_a_bare_render_has_no_durable_runtime() {
     flue_core::render_bare(&counter_agent(Arc::clone(&slot))).unwrap();
     let setter = slot.lock().unwrap().take().unwrap();
     let error = setter.set(3).unwrap_err();
-    assert_eq!(
-        error,
-        StateWriteError::NoRuntime {
-            name: "count".into()
-        }
-    );
+    assert_eq!(error, StateWriteError::NoRuntime { name: "count".into() });
     assert_eq!(
         error.to_string(),
         "[flue] State \"count\" has no durable runtime behind this render, so writes are unavailable."
@@ -82,10 +76,7 @@ fn the_value_form_writes_and_the_next_render_reads_the_uncommitted_write() {
     let slot = Arc::default();
     let agent = counter_agent(Arc::clone(&slot));
     let binding = TestBinding::new();
-    assert_eq!(
-        render_with(&agent, &binding).instruction.as_deref(),
-        Some("count=0")
-    );
+    assert_eq!(render_with(&agent, &binding).instruction.as_deref(), Some("count=0"));
     slot.lock().unwrap().as_ref().unwrap().set(5).unwrap();
     assert_eq!(
         binding.state().pending(),
@@ -94,22 +85,15 @@ fn the_value_form_writes_and_the_next_render_reads_the_uncommitted_write() {
             value: json!(5)
         }]
     );
-    assert_eq!(
-        render_with(&agent, &binding).instruction.as_deref(),
-        Some("count=5")
-    );
+    assert_eq!(render_with(&agent, &binding).instruction.as_deref(), Some("count=5"));
 }
 
 #[test]
 fn the_updater_form_resolves_previous_at_call_time_not_from_the_render_snapshot() {
     let slot = Arc::default();
     let agent = counter_agent(Arc::clone(&slot));
-    let binding =
-        TestBinding::with_snapshot(StateSnapshot::from_iter([("count".to_owned(), json!(10))]));
-    assert_eq!(
-        render_with(&agent, &binding).instruction.as_deref(),
-        Some("count=10")
-    );
+    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([("count".to_owned(), json!(10))]));
+    assert_eq!(render_with(&agent, &binding).instruction.as_deref(), Some("count=10"));
     let first = slot.lock().unwrap().clone().unwrap();
     let second = first.clone();
     // Two callbacks composing with updaters, both born from the same render snapshot (10).
@@ -140,16 +124,12 @@ fn the_updater_starts_from_the_default_before_the_first_write() {
 fn writing_a_value_equal_to_the_current_one_is_a_no_op() {
     let slot = Arc::default();
     let agent = counter_agent(Arc::clone(&slot));
-    let binding =
-        TestBinding::with_snapshot(StateSnapshot::from_iter([("count".to_owned(), json!(7))]));
+    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([("count".to_owned(), json!(7))]));
     render_with(&agent, &binding);
     let setter = slot.lock().unwrap().take().unwrap();
     setter.set(7).unwrap();
     setter.update(|n| n).unwrap();
-    assert!(
-        binding.state().pending().is_empty(),
-        "no record for an unchanged value"
-    );
+    assert!(binding.state().pending().is_empty(), "no record for an unchanged value");
     setter.set(8).unwrap();
     setter.set(8).unwrap();
     assert_eq!(binding.state().pending().len(), 1);
@@ -203,16 +183,11 @@ fn a_stored_value_of_another_type_fails_the_render_with_a_clear_message() {
         let (count, _) = use_persistent_state("count", 0u32);
         format!("{count}")
     });
-    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([(
-        "count".to_owned(),
-        json!("many"),
-    )]));
+    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([("count".to_owned(), json!("many"))]));
     let runtime = binding.as_binding();
     let error = flue_core::try_render(
         &agent,
-        &RenderState::root("i")
-            .with_state(&*binding)
-            .with_binding(&runtime),
+        &RenderState::root("i").with_state(&*binding).with_binding(&runtime),
     )
     .unwrap_err();
     assert_eq!(
@@ -229,13 +204,7 @@ fn state_writes_fail_while_the_instance_is_not_responding() {
     render_with(&agent, &binding);
     binding.set_responding(false);
     assert_eq!(
-        slot.lock()
-            .unwrap()
-            .as_ref()
-            .unwrap()
-            .set(1)
-            .unwrap_err()
-            .to_string(),
+        slot.lock().unwrap().as_ref().unwrap().set(1).unwrap_err().to_string(),
         "[flue] State \"count\" can only be written while the agent is responding — write from tool run functions (and other callbacks that run during a submission)."
     );
 }
@@ -272,15 +241,9 @@ fn state_names_are_recorded_and_may_be_conditional_across_renders() {
             let _ = use_persistent_state("phase", 0u8);
         }
     });
-    assert_eq!(
-        flue_core::render_bare(&agent).unwrap().state_names,
-        ["draft", "phase"]
-    );
+    assert_eq!(flue_core::render_bare(&agent).unwrap().state_names, ["draft", "phase"]);
     toggle.store(false, std::sync::atomic::Ordering::SeqCst);
-    assert_eq!(
-        flue_core::render_bare(&agent).unwrap().state_names,
-        ["phase"]
-    );
+    assert_eq!(flue_core::render_bare(&agent).unwrap().state_names, ["phase"]);
 }
 
 // ---- data writers -----------------------------------------------------------------------
@@ -360,19 +323,15 @@ fn data_writes_are_checked_against_the_schema_of_their_type() {
     );
     assert_eq!(
         binding.data_writes(),
-        [(
-            "progress".to_owned(),
-            json!({"percent": 40, "step": "fetch"})
-        )]
+        [("progress".to_owned(), json!({"percent": 40, "step": "fetch"}))]
     );
 }
 
 #[test]
 fn an_untyped_data_writer_checks_writes_against_an_explicit_schema() {
-    let schema = DataSchema::new(
-        json!({"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}),
-    )
-    .unwrap();
+    let schema =
+        DataSchema::new(json!({"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}))
+            .unwrap();
     let slot: Arc<Mutex<Option<DataWriter<serde_json::Value>>>> = Arc::default();
     let agent = agent({
         let slot = Arc::clone(&slot);
@@ -381,9 +340,7 @@ fn an_untyped_data_writer_checks_writes_against_an_explicit_schema() {
     let binding = TestBinding::new();
     render_with(&agent, &binding);
     let writer = slot.lock().unwrap().take().unwrap();
-    writer
-        .write(&json!({"url": "https://example.com"}))
-        .unwrap();
+    writer.write(&json!({"url": "https://example.com"})).unwrap();
     let error = writer.write(&json!({"href": "x"})).unwrap_err();
     assert_eq!(
         error.to_string(),
@@ -464,8 +421,7 @@ fn the_dispatcher_admits_valid_messages_and_refuses_reserved_signals() {
         error,
         DispatchError::InvalidMessage(MessageError::ReservedSignalType("resources".into()))
     );
-    let error =
-        poll_ready(dispatcher.dispatch(Signal::new("ci", "x").tag_name("1bad"))).unwrap_err();
+    let error = poll_ready(dispatcher.dispatch(Signal::new("ci", "x").tag_name("1bad"))).unwrap_err();
     assert_eq!(
         error,
         DispatchError::InvalidMessage(MessageError::InvalidTagName("1bad".into()))

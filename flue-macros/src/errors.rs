@@ -31,10 +31,7 @@ impl Errors {
     /// Consumes the collected errors as `compile_error!` tokens (empty when there are none).
     pub(crate) fn finish(self) -> TokenStream {
         let errors = self.errors.borrow_mut().take().unwrap_or_default();
-        errors
-            .into_iter()
-            .map(|error| error.to_compile_error())
-            .collect()
+        errors.into_iter().map(|error| error.to_compile_error()).collect()
     }
 }
 

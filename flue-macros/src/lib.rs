@@ -7,8 +7,8 @@
 
 mod agent;
 mod errors;
-mod krate;
 mod hook;
+mod krate;
 mod tool;
 
 use proc_macro::TokenStream;

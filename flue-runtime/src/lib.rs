@@ -20,8 +20,7 @@ pub use flue_macros::{agent, hook, tool};
 /// Everything an application author needs.
 pub mod prelude {
     pub use flue_core::lifecycle::{
-        ClientInfo, HookError, LlmMessage, Message, MessageUpdates, ToolCall, ToolResult,
-        ToolStatus,
+        ClientInfo, HookError, LlmMessage, Message, MessageUpdates, ToolCall, ToolResult, ToolStatus,
     };
     pub use flue_core::prelude::*;
     pub use flue_macros::{agent, hook, tool};

@@ -28,10 +28,7 @@ where
 
 /// [`use_data_writer`] for untyped JSON checked against an explicit schema.
 #[track_caller]
-pub fn use_data_writer_with_schema(
-    name: impl Into<Cow<'static, str>>,
-    schema: &DataSchema,
-) -> DataWriter<Value> {
+pub fn use_data_writer_with_schema(name: impl Into<Cow<'static, str>>, schema: &DataSchema) -> DataWriter<Value> {
     declare(name.into(), SchemaSource::Given(schema.clone()))
 }
 
@@ -43,14 +40,13 @@ fn declare<T>(name: Cow<'static, str>, schema: SchemaSource) -> DataWriter<T> {
             "[flue] use_data_writer() is not available in a subagent render. Data parts stream to the agent's public conversation; delegates run detached tasks with no client-facing output. Return what the delegate produced as its task result instead.",
         )?;
         if name.is_empty() {
-            return Err("[flue] use_data_writer(name) takes the data part name as its first argument — a non-empty string.".to_owned());
+            return Err(
+                "[flue] use_data_writer(name) takes the data part name as its first argument — a non-empty string."
+                    .to_owned(),
+            );
         }
         let mut rec = frame.rec.borrow_mut();
-        if rec
-            .data_writers
-            .iter()
-            .any(|declared| declared.name == name)
-        {
+        if rec.data_writers.iter().any(|declared| declared.name == name) {
             return Err(format!(
                 "[flue] Duplicate use_data_writer name \"{name}\" in one render. Data part names identify a part within the response and must be unique."
             ));

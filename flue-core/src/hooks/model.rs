@@ -38,7 +38,9 @@ pub fn use_model_with(spec: impl Into<Cow<'static, str>>, options: ModelOptions)
             return Err("[flue] use_model() was called twice in one render. An agent has one model; call use_model() exactly once (compute the specifier before the call if it depends on state).".to_owned());
         }
         if spec.trim().is_empty() {
-            return Err("[flue] use_model() requires a model specifier string, like 'anthropic/claude-sonnet-4-6'.".to_owned());
+            return Err(
+                "[flue] use_model() requires a model specifier string, like 'anthropic/claude-sonnet-4-6'.".to_owned(),
+            );
         }
         options.validate().map_err(|error| error.to_string())?;
         rec.model = Some(ModelDeclaration { spec, options });

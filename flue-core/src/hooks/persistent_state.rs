@@ -38,10 +38,7 @@ thread_local! {
 /// assert_eq!(rendered.instruction.as_deref(), Some("You have been called 0 times."));
 /// ```
 #[track_caller]
-pub fn use_persistent_state<T>(
-    name: impl Into<Cow<'static, str>>,
-    default: T,
-) -> (T, StateSetter<T>)
+pub fn use_persistent_state<T>(name: impl Into<Cow<'static, str>>, default: T) -> (T, StateSetter<T>)
 where
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
 {
@@ -65,8 +62,7 @@ where
         let mut stored: Option<Result<T, String>> = None;
         if let Some(view) = frame.state.state() {
             view.visit(&name, &mut |value| {
-                stored =
-                    value.map(|value| T::deserialize(value).map_err(|error| error.to_string()));
+                stored = value.map(|value| T::deserialize(value).map_err(|error| error.to_string()));
             });
         }
         let value = match stored {
@@ -89,9 +85,7 @@ where
 
 /// [`use_persistent_state`] without a default: `None` until the first write.
 #[track_caller]
-pub fn use_persistent_state_opt<T>(
-    name: impl Into<Cow<'static, str>>,
-) -> (Option<T>, StateSetter<Option<T>>)
+pub fn use_persistent_state_opt<T>(name: impl Into<Cow<'static, str>>) -> (Option<T>, StateSetter<Option<T>>)
 where
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
 {
@@ -141,12 +135,10 @@ where
         let mut update = Some(update);
         binding.modify_state(&self.name, &mut |current| {
             let previous = match current {
-                Some(value) => {
-                    T::deserialize(value).map_err(|error| StateWriteError::TypeMismatch {
-                        name: self.name.to_string(),
-                        reason: error.to_string(),
-                    })?
-                }
+                Some(value) => T::deserialize(value).map_err(|error| StateWriteError::TypeMismatch {
+                    name: self.name.to_string(),
+                    reason: error.to_string(),
+                })?,
                 None => self.default.clone(),
             };
             let Some(update) = update.take() else {
@@ -177,11 +169,9 @@ where
                 self.name
             ));
         }
-        self.binding
-            .as_ref()
-            .ok_or_else(|| StateWriteError::NoRuntime {
-                name: self.name.to_string(),
-            })
+        self.binding.as_ref().ok_or_else(|| StateWriteError::NoRuntime {
+            name: self.name.to_string(),
+        })
     }
 
     fn normalize(&self, value: &T) -> Result<Value, StateWriteError> {

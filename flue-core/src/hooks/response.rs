@@ -1,7 +1,6 @@
 use super::{hook, root_only};
 use crate::event_hooks::{
-    IntoMetadata, ResponseFinishContext, ResponseFinishHook, ResponseStartContext,
-    ResponseStartHook,
+    IntoMetadata, ResponseFinishContext, ResponseFinishHook, ResponseStartContext, ResponseStartHook,
 };
 
 /// Observes the response's true start (once per response, before the first model call and

@@ -10,11 +10,7 @@ pub fn use_skill(skill: impl Into<Skill>) {
     let skill = skill.into();
     hook("use_skill", |frame| {
         let mut rec = frame.rec.borrow_mut();
-        if rec
-            .skills
-            .iter()
-            .any(|mounted| mounted.name() == skill.name())
-        {
+        if rec.skills.iter().any(|mounted| mounted.name() == skill.name()) {
             return Err(format!(
                 "[flue] use_skill() mounted the skill name \"{}\" twice in one render. Each skill mounts once; share it from a single custom hook.",
                 skill.name()

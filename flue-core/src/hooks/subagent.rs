@@ -11,11 +11,7 @@ pub fn use_subagent(subagent: Subagent) {
     hook("use_subagent", |frame| {
         subagent.check("use_subagent()")?;
         let mut rec = frame.rec.borrow_mut();
-        if rec
-            .subagents
-            .iter()
-            .any(|declared| declared.name == subagent.name)
-        {
+        if rec.subagents.iter().any(|declared| declared.name == subagent.name) {
             return Err(format!(
                 "[flue] use_subagent() declared the subagent name \"{}\" twice in one render. Each delegate declares once; share it from a single custom hook.",
                 subagent.name

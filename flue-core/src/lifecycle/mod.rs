@@ -11,9 +11,8 @@ use std::fmt;
 
 pub use kind::HookKind;
 pub use types::{
-    ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates,
-    ThreadIdentity, ThreadState, ThreadStateApi, ToolCall, ToolCallFunction, ToolResult,
-    ToolStatus, UserState, UserStateApi,
+    ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates, ThreadIdentity,
+    ThreadState, ThreadStateApi, ToolCall, ToolCallFunction, ToolResult, ToolStatus, UserState, UserStateApi,
 };
 
 use crate::BoxFuture;
@@ -68,27 +67,15 @@ pub enum ThreadHookHandler {
     AfterSubagentCreated(for<'a> fn(&'a ThreadState, &'a ThreadState) -> HookFuture<'a, ()>),
     AfterSystemMessage(for<'a> fn(&'a ThreadState, String) -> HookFuture<'a, Option<String>>),
     FilterMessages(for<'a> fn(&'a ThreadState, Vec<Message>) -> HookFuture<'a, Vec<Message>>),
-    PrefilterLlmHistory(
-        for<'a> fn(&'a ThreadState, Vec<LlmMessage>) -> HookFuture<'a, Vec<LlmMessage>>,
-    ),
+    PrefilterLlmHistory(for<'a> fn(&'a ThreadState, Vec<LlmMessage>) -> HookFuture<'a, Vec<LlmMessage>>),
     BeforeCreateMessage(for<'a> fn(&'a ThreadState, Message) -> HookFuture<'a, Message>),
     AfterCreateMessage(for<'a> fn(&'a ThreadState, &'a Message) -> HookFuture<'a, ()>),
-    BeforeUpdateMessage(
-        for<'a> fn(&'a ThreadState, &'a str, MessageUpdates) -> HookFuture<'a, MessageUpdates>,
-    ),
+    BeforeUpdateMessage(for<'a> fn(&'a ThreadState, &'a str, MessageUpdates) -> HookFuture<'a, MessageUpdates>),
     AfterUpdateMessage(for<'a> fn(&'a ThreadState, &'a Message) -> HookFuture<'a, ()>),
-    BeforeStoreToolResult(
-        for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, ToolResult>,
-    ),
-    AfterToolCallSuccess(
-        for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, Option<ToolResult>>,
-    ),
-    AfterToolCallFailure(
-        for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, Option<ToolResult>>,
-    ),
-    ToolCallStarted(
-        for<'a> fn(&'a ThreadState, &'a ToolCall, Option<&'a str>) -> HookFuture<'a, ()>,
-    ),
+    BeforeStoreToolResult(for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, ToolResult>),
+    AfterToolCallSuccess(for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, Option<ToolResult>>),
+    AfterToolCallFailure(for<'a> fn(&'a ThreadState, &'a ToolCall, ToolResult) -> HookFuture<'a, Option<ToolResult>>),
+    ToolCallStarted(for<'a> fn(&'a ThreadState, &'a ToolCall, Option<&'a str>) -> HookFuture<'a, ()>),
     ToolCallDone(for<'a> fn(&'a ThreadState, &'a ToolCall, &'a ToolResult) -> HookFuture<'a, ()>),
 }
 

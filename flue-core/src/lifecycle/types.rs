@@ -111,11 +111,7 @@ pub struct ToolCall {
 
 impl ToolCall {
     /// A function call.
-    pub fn new(
-        id: impl Into<String>,
-        name: impl Into<String>,
-        arguments: impl Into<String>,
-    ) -> Self {
+    pub fn new(id: impl Into<String>, name: impl Into<String>, arguments: impl Into<String>) -> Self {
         Self {
             id: id.into(),
             call_type: "function".to_owned(),
@@ -295,9 +291,7 @@ impl ThreadState {
 
 impl fmt::Debug for ThreadState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("ThreadState")
-            .field(self.api.identity())
-            .finish()
+        f.debug_tuple("ThreadState").field(self.api.identity()).finish()
     }
 }
 

@@ -34,10 +34,7 @@ use crate::error::{RenderError, ToolNameConflictError};
 /// names ([`RenderError::ToolNameConflict`]), then data-writer identity against
 /// [`RenderState::previous_data_writers`] ([`RenderError::IdentityChanged`]).
 #[track_caller]
-pub fn render<A: Agent + ?Sized>(
-    agent: &A,
-    state: &RenderState<'_>,
-) -> Result<Rendered, RenderError> {
+pub fn render<A: Agent + ?Sized>(agent: &A, state: &RenderState<'_>) -> Result<Rendered, RenderError> {
     let mut rendered = Rendered::with_capacity_hint(state.capacity_hint());
     render_into(agent, state, &mut rendered)?;
     Ok(rendered)
@@ -87,10 +84,7 @@ pub fn render_bare<A: Agent + ?Sized>(agent: &A) -> Result<Rendered, RenderError
 ///
 /// This is how the runtime renders: a panicking render fails its submission, never a worker.
 /// The frame is cleared before this returns, so the next render on this thread works.
-pub fn try_render<A: Agent + ?Sized>(
-    agent: &A,
-    state: &RenderState<'_>,
-) -> Result<Rendered, RenderError> {
+pub fn try_render<A: Agent + ?Sized>(agent: &A, state: &RenderState<'_>) -> Result<Rendered, RenderError> {
     crate::hooks::take_violation_location();
     match catch_unwind(AssertUnwindSafe(|| render(agent, state))) {
         Ok(result) => result,
@@ -126,9 +120,7 @@ fn check_unique_tool_names(rendered: &Rendered) -> Result<(), ToolNameConflictEr
             &spilled[..]
         };
         if earlier.iter().any(|other| {
-            other.len() == name.len()
-                && other.as_bytes().first() == name.as_bytes().first()
-                && *other == name
+            other.len() == name.len() && other.as_bytes().first() == name.as_bytes().first() && *other == name
         }) {
             return Err(ToolNameConflictError::duplicate(name));
         }

@@ -143,10 +143,7 @@ impl Rendered {
     /// The declared data-writer names, in call order: the value to pass as
     /// [`crate::RenderState::with_previous_data_writers`] to the next render.
     pub fn data_writer_names(&self) -> Vec<Cow<'static, str>> {
-        self.data_writers
-            .iter()
-            .map(|declared| declared.name.clone())
-            .collect()
+        self.data_writers.iter().map(|declared| declared.name.clone()).collect()
     }
 
     /// Looks up a mounted tool by name.
@@ -179,27 +176,14 @@ impl fmt::Debug for Rendered {
         f.debug_struct("Rendered")
             .field("model", &self.model)
             .field("sandbox", &self.sandbox)
-            .field(
-                "tools",
-                &self.tools.iter().map(Tool::name).collect::<Vec<_>>(),
-            )
-            .field(
-                "skills",
-                &self.skills.iter().map(Skill::name).collect::<Vec<_>>(),
-            )
+            .field("tools", &self.tools.iter().map(Tool::name).collect::<Vec<_>>())
+            .field("skills", &self.skills.iter().map(Skill::name).collect::<Vec<_>>())
             .field(
                 "subagents",
-                &self
-                    .subagents
-                    .iter()
-                    .map(Subagent::name)
-                    .collect::<Vec<_>>(),
+                &self.subagents.iter().map(Subagent::name).collect::<Vec<_>>(),
             )
             .field("instruction", &self.instruction)
-            .field(
-                "hooks",
-                &self.hooks.iter().map(ThreadHook::id).collect::<Vec<_>>(),
-            )
+            .field("hooks", &self.hooks.iter().map(ThreadHook::id).collect::<Vec<_>>())
             .field("state_names", &self.state_names)
             .field("data_writers", &self.data_writers)
             .field("agent_starts", &self.agent_starts.len())

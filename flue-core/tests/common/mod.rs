@@ -57,9 +57,7 @@ impl SandboxFactory for NoSandbox {
 
 /// A tool named `name` that echoes its input.
 pub fn echo_tool(name: &'static str) -> Tool {
-    Tool::new(name).description("Echo the input.").run(
-        |_ctx, args: serde_json::Map<String, serde_json::Value>| async move {
-            serde_json::Value::Object(args)
-        },
-    )
+    Tool::new(name)
+        .description("Echo the input.")
+        .run(|_ctx, args: serde_json::Map<String, serde_json::Value>| async move { serde_json::Value::Object(args) })
 }

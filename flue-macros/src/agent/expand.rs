@@ -12,10 +12,8 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let krate = &model.krate;
     let ident = &model.ident;
     let vis = &function.vis;
-    let (docs, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) = function
-        .attrs
-        .iter()
-        .partition(|attr| attr.path().is_ident("doc"));
+    let (docs, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) =
+        function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
     let name = &model.name.0;
     let inputs = &function.sig.inputs;
     let output = &function.sig.output;
@@ -26,9 +24,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             let _ = props;
             __flue_agent_body()
         })),
-        (1, Some(FnArg::Typed(param))) => {
-            Some(quote_spanned!(param.ty.span()=> __flue_agent_body(props)))
-        }
+        (1, Some(FnArg::Typed(param))) => Some(quote_spanned!(param.ty.span()=> __flue_agent_body(props))),
         // A shape error was reported; keep the item compiling without piling on errors.
         _ => None,
     };
@@ -47,10 +43,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     };
 
     let mut statics = Vec::new();
-    let description = model
-        .description()
-        .map(syn::LitStr::value)
-        .or_else(|| doc_text(&docs));
+    let description = model.description().map(syn::LitStr::value).or_else(|| doc_text(&docs));
     if let Some(description) = description {
         statics.push(quote!(definition = definition.description(#description);));
     }
@@ -72,7 +65,9 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         statics.push(quote!(definition = definition.max_steps(#steps);));
     }
     if let Some(hooks) = &model.options.hooks {
-        let hooks = hooks.iter().map(|hook| quote_spanned!(hook.span()=> { let hook: __flue::lifecycle::ThreadHook = #hook; hook }));
+        let hooks = hooks
+            .iter()
+            .map(|hook| quote_spanned!(hook.span()=> { let hook: __flue::lifecycle::ThreadHook = #hook; hook }));
         statics.push(quote!(definition = definition.hooks(::std::vec![#(#hooks),*]);));
     }
     if model.options.expose_as_tool.is_some() {
@@ -89,8 +84,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             };
             quote_spanned!(hook.span()=> __flue::agent::ParentHookRequirement { hook: #hook, stage: #stage, reason: #reason })
         });
-        statics
-            .push(quote!(definition = definition.parent_hooks(::std::vec![#(#requirements),*]);));
+        statics.push(quote!(definition = definition.parent_hooks(::std::vec![#(#requirements),*]);));
     }
 
     quote! {

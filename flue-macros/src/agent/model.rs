@@ -25,13 +25,19 @@ impl AgentModel {
             None => (ident.to_string(), ident.span()),
         };
         let krate = crate::krate::runtime_path(options.krate.take());
-        let timeout_ms = options.timeout.as_ref().and_then(|timeout| match parse_duration(&timeout.value()) {
-            Some(ms) => Some(ms),
-            None => {
-                errors.spanned(timeout, "timeout must be a positive duration like \"500ms\", \"90s\", \"5m\" or \"1h\"");
-                None
-            }
-        });
+        let timeout_ms = options
+            .timeout
+            .as_ref()
+            .and_then(|timeout| match parse_duration(&timeout.value()) {
+                Some(ms) => Some(ms),
+                None => {
+                    errors.spanned(
+                        timeout,
+                        "timeout must be a positive duration like \"500ms\", \"90s\", \"5m\" or \"1h\"",
+                    );
+                    None
+                }
+            });
         Self {
             function,
             ident,

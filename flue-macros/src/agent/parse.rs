@@ -61,57 +61,35 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
         let name = key.get_ident().map(ToString::to_string).unwrap_or_default();
         match name.as_str() {
             "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
-            "description" => set(
-                &mut options.description,
-                meta.value()?.parse()?,
-                &key,
-                errors,
-            ),
-            "initial_data" => set(
-                &mut options.initial_data,
-                meta.value()?.parse()?,
-                &key,
-                errors,
-            ),
+            "description" => set(&mut options.description, meta.value()?.parse()?, &key, errors),
+            "initial_data" => set(&mut options.initial_data, meta.value()?.parse()?, &key, errors),
             "max_steps" => set(&mut options.max_steps, meta.value()?.parse()?, &key, errors),
             "expose_as_tool" => set(&mut options.expose_as_tool, Span::call_site(), &key, errors),
             "crate" => {
                 let path: LitStr = meta.value()?.parse()?;
                 match path.parse::<syn::Path>() {
                     Ok(parsed) => set(&mut options.krate, parsed, &key, errors),
-                    Err(_) => {
-                        errors.spanned(&path, "`crate` must name a path, like \"flue_runtime\"")
-                    }
+                    Err(_) => errors.spanned(&path, "`crate` must name a path, like \"flue_runtime\""),
                 }
             }
             "hooks" => {
                 let list: syn::ExprArray = meta.value()?.parse()?;
-                set(
-                    &mut options.hooks,
-                    list.elems.into_iter().collect(),
-                    &key,
-                    errors,
-                );
+                set(&mut options.hooks, list.elems.into_iter().collect(), &key, errors);
             }
             "durability" => meta.parse_nested_meta(|inner| {
                 let inner_key = inner.path.clone();
                 match inner_key.get_ident().map(ToString::to_string).as_deref() {
-                    Some("max_attempts") => set(
-                        &mut options.max_attempts,
-                        inner.value()?.parse()?,
-                        &inner_key,
-                        errors,
-                    ),
-                    Some("timeout") => set(
-                        &mut options.timeout,
-                        inner.value()?.parse()?,
-                        &inner_key,
-                        errors,
-                    ),
-                    _ => errors.spanned(
-                        &inner_key,
-                        "unknown durability option; expected one of: `max_attempts`, `timeout`",
-                    ),
+                    Some("max_attempts") => set(&mut options.max_attempts, inner.value()?.parse()?, &inner_key, errors),
+                    Some("timeout") => set(&mut options.timeout, inner.value()?.parse()?, &inner_key, errors),
+                    _ => {
+                        if inner.input.peek(Token![=]) {
+                            let _: Expr = inner.value()?.parse()?;
+                        }
+                        errors.spanned(
+                            &inner_key,
+                            "unknown durability option; expected one of: `max_attempts`, `timeout`",
+                        );
+                    }
                 }
                 Ok(())
             })?,
@@ -184,9 +162,5 @@ fn parent_hook(element: Expr) -> syn::Result<ParentHook> {
             ));
         }
     };
-    Ok(ParentHook {
-        hook,
-        stage,
-        reason,
-    })
+    Ok(ParentHook { hook, stage, reason })
 }

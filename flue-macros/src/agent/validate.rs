@@ -24,10 +24,7 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
         errors.spanned(receiver, "an agent is a free function, not a method");
     }
     for extra in inputs {
-        errors.spanned(
-            extra,
-            "an agent function takes no parameters or one `AgentProps`",
-        );
+        errors.spanned(extra, "an agent function takes no parameters or one `AgentProps`");
     }
     if let ReturnType::Type(_, ty) = &sig.output
         && let syn::Type::ImplTrait(_) = ty.as_ref()
@@ -48,9 +45,7 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
         errors.spanned(steps, "max_steps must be a positive integer");
     }
     if let Some(attempts) = &model.options.max_attempts
-        && attempts
-            .base10_parse::<u32>()
-            .map_or(true, |attempts| attempts == 0)
+        && attempts.base10_parse::<u32>().map_or(true, |attempts| attempts == 0)
     {
         errors.spanned(attempts, "max_attempts must be a positive integer");
     }
@@ -90,6 +85,5 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
 
 fn is_identity(name: &str) -> bool {
     let mut bytes = name.bytes();
-    matches!(bytes.next(), Some(b'a'..=b'z'))
-        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+    matches!(bytes.next(), Some(b'a'..=b'z')) && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
 }

@@ -14,17 +14,10 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let vis = &function.vis;
     let ident = &function.sig.ident;
     let id = &model.id.0;
-    let (docs, other_attrs): (Vec<_>, Vec<_>) = function
-        .attrs
-        .iter()
-        .partition(|attr| attr.path().is_ident("doc"));
+    let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
     let variant = format_ident!("{}", kind.variant);
     let (reference, handler, definition) = if kind.user_scope {
-        (
-            quote!(UserHook),
-            quote!(UserHookHandler),
-            quote!(UserHookDefinition),
-        )
+        (quote!(UserHook), quote!(UserHookHandler), quote!(UserHookDefinition))
     } else {
         (
             quote!(ThreadHook),
@@ -41,30 +34,29 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let args: Vec<_> = (0..kind.params.len())
         .map(|index| format_ident!("__flue_arg{index}"))
         .collect();
-    let call_args = function
-        .sig
-        .inputs
-        .iter()
-        .zip(&args)
-        .map(|(input, arg)| match input {
-            FnArg::Typed(param) => quote_spanned!(param.ty.span()=> #arg),
-            FnArg::Receiver(_) => quote!(#arg),
-        });
-    let well_formed = function.sig.inputs.len() == args.len();
-    let call = if well_formed {
-        let await_ = function.sig.asyncness.map(|_| quote!(.await));
-        quote!(__flue_hook_body(#(#call_args),*) #await_)
-    } else {
-        // The arity error is already reported; keep the item compiling quietly.
-        quote!(::core::unreachable!())
-    };
-    let expected: syn::Type =
-        syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
+    // Each argument carries its parameter's span, so a type mismatch points at the parameter.
+    let call_args = function.sig.inputs.iter().zip(&args).map(|(input, arg)| match input {
+        FnArg::Typed(param) => {
+            let arg = syn::Ident::new(&arg.to_string(), param.ty.span());
+            quote!(#arg)
+        }
+        FnArg::Receiver(_) => quote!(#arg),
+    });
+    let await_ = function.sig.asyncness.map(|_| quote!(.await));
+    let call = quote!(__flue_hook_body(#(#call_args),*) #await_);
+    let expected: syn::Type = syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
     let expected = qualify(&expected);
+    let well_formed = function.sig.inputs.len() == args.len();
     let result = match &function.sig.output {
         ReturnType::Type(_, ty) if well_formed => quote_spanned!(ty.span()=>
             <#ty as __flue::lifecycle::HookReturn<#expected>>::into_hook_result(#call)),
-        _ => quote!(<_ as __flue::lifecycle::HookReturn<#expected>>::into_hook_result(#call)),
+        ReturnType::Default if well_formed && !kind.is_transform() => {
+            quote!(<() as __flue::lifecycle::HookReturn<()>>::into_hook_result(#call))
+        }
+        // The signature error is already reported; keep the item compiling without piling on.
+        _ => quote!(::core::result::Result::Err(__flue::lifecycle::HookError::new(
+            "ill-formed hook"
+        ))),
     };
 
     quote! {

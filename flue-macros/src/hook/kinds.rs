@@ -24,10 +24,7 @@ impl Kind {
         } else {
             String::new()
         };
-        format!(
-            "takes `({})`{returns}, sync or async",
-            self.params.join(", ")
-        )
+        format!("takes `({})`{returns}, sync or async", self.params.join(", "))
     }
 }
 
@@ -85,11 +82,7 @@ pub(crate) const KINDS: [Kind; 17] = [
         name: "before_update_message",
         variant: "BeforeUpdateMessage",
         user_scope: false,
-        params: &[
-            "state: &ThreadState",
-            "message_id: &str",
-            "updates: MessageUpdates",
-        ],
+        params: &["state: &ThreadState", "message_id: &str", "updates: MessageUpdates"],
         returns: "MessageUpdates",
     },
     Kind {
@@ -103,55 +96,35 @@ pub(crate) const KINDS: [Kind; 17] = [
         name: "before_store_tool_result",
         variant: "BeforeStoreToolResult",
         user_scope: false,
-        params: &[
-            "state: &ThreadState",
-            "call: &ToolCall",
-            "result: ToolResult",
-        ],
+        params: &["state: &ThreadState", "call: &ToolCall", "result: ToolResult"],
         returns: "ToolResult",
     },
     Kind {
         name: "after_tool_call_success",
         variant: "AfterToolCallSuccess",
         user_scope: false,
-        params: &[
-            "state: &ThreadState",
-            "call: &ToolCall",
-            "result: ToolResult",
-        ],
+        params: &["state: &ThreadState", "call: &ToolCall", "result: ToolResult"],
         returns: "Option<ToolResult>",
     },
     Kind {
         name: "after_tool_call_failure",
         variant: "AfterToolCallFailure",
         user_scope: false,
-        params: &[
-            "state: &ThreadState",
-            "call: &ToolCall",
-            "result: ToolResult",
-        ],
+        params: &["state: &ThreadState", "call: &ToolCall", "result: ToolResult"],
         returns: "Option<ToolResult>",
     },
     Kind {
         name: "tool_call_started",
         variant: "ToolCallStarted",
         user_scope: false,
-        params: &[
-            "state: &ThreadState",
-            "call: &ToolCall",
-            "progress: Option<&str>",
-        ],
+        params: &["state: &ThreadState", "call: &ToolCall", "progress: Option<&str>"],
         returns: "()",
     },
     Kind {
         name: "tool_call_done",
         variant: "ToolCallDone",
         user_scope: false,
-        params: &[
-            "state: &ThreadState",
-            "call: &ToolCall",
-            "result: &ToolResult",
-        ],
+        params: &["state: &ThreadState", "call: &ToolCall", "result: &ToolResult"],
         returns: "()",
     },
     Kind {

@@ -33,10 +33,7 @@ impl HookModel {
                 None => {
                     errors.spanned(
                         kind,
-                        format!(
-                            "unknown hook kind `{kind}`; expected one of: {}",
-                            kinds::all_names()
-                        ),
+                        format!("unknown hook kind `{kind}`; expected one of: {}", kinds::all_names()),
                     );
                     None
                 }

@@ -51,9 +51,7 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                 "id" if options.id.is_none() => options.id = Some(value),
                 "crate" if options.krate.is_none() => match value.parse::<syn::Path>() {
                     Ok(path) => options.krate = Some(path),
-                    Err(_) => {
-                        errors.spanned(&value, "`crate` must name a path, like \"flue_runtime\"")
-                    }
+                    Err(_) => errors.spanned(&value, "`crate` must name a path, like \"flue_runtime\""),
                 },
                 "id" | "crate" => errors.spanned(&key, format!("duplicate #[hook] option `{key}`")),
                 _ => errors.spanned(

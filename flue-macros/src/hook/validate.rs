@@ -10,7 +10,9 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
     if !is_identity(id) {
         errors.push(syn::Error::new(
             *span,
-            format!("hook id \"{id}\" must be snake_case: lowercase letters, digits and underscores, starting with a letter"),
+            format!(
+                "hook id \"{id}\" must be snake_case: lowercase letters, digits and underscores, starting with a letter"
+            ),
         ));
     }
     let sig = &model.function.sig;
@@ -19,10 +21,7 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
         errors.spanned(&sig.generics, "a lifecycle hook cannot be generic");
     }
     if let Some(FnArg::Receiver(receiver)) = sig.inputs.first() {
-        errors.spanned(
-            receiver,
-            "a lifecycle hook is a free function, not a method",
-        );
+        errors.spanned(receiver, "a lifecycle hook is a free function, not a method");
         return;
     }
     if sig.inputs.len() != kind.params.len() {
@@ -36,15 +35,11 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
         ));
     }
     if kind.is_transform() && matches!(sig.output, ReturnType::Default) {
-        errors.spanned(
-            &sig.ident,
-            format!("a `{}` hook {}", kind.name, kind.signature()),
-        );
+        errors.spanned(&sig.ident, format!("a `{}` hook {}", kind.name, kind.signature()));
     }
 }
 
 fn is_identity(name: &str) -> bool {
     let mut bytes = name.bytes();
-    matches!(bytes.next(), Some(b'a'..=b'z'))
-        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+    matches!(bytes.next(), Some(b'a'..=b'z')) && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
 }

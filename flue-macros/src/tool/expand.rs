@@ -14,10 +14,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let vis = &function.vis;
     let name = &model.name.0;
     let description = model.description.clone().unwrap_or_default();
-    let (docs, other_attrs): (Vec<_>, Vec<_>) = function
-        .attrs
-        .iter()
-        .partition(|attr| attr.path().is_ident("doc"));
+    let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
     let (impl_generics, ty_generics, where_clause) = function.sig.generics.split_for_impl();
     let generic = !function.sig.generics.params.is_empty();
 
@@ -30,9 +27,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let serde_path = format!("{krate_text}::__private::serde");
     let schemars_path = format!("{krate_text}::__private::schemars");
     let args_ident = format_ident!("__FlueToolArgs_{}", ident);
-    let (args_struct, args_ty, call_args): (TokenStream, Type, Vec<TokenStream>) = match &model
-        .arguments
-    {
+    let (args_struct, args_ty, call_args): (TokenStream, Type, Vec<TokenStream>) = match &model.arguments {
         Arguments::Struct(ty) => (quote!(), ty.clone(), vec![quote!(args)]),
         Arguments::Plain(fields) => {
             let declared = fields.iter().map(|field| {
@@ -58,7 +53,9 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     };
     let context = model.has_context.then(|| quote!(&ctx,));
     let turbofish = ty_generics.as_turbofish();
-    let awaited = quote!(__flue_tool_body #turbofish (#context #(#call_args),*).await);
+    // A sync tool is reported as an error; do not pile an await error on top of it.
+    let await_ = function.sig.asyncness.map(|_| quote!(.await));
+    let awaited = quote!(__flue_tool_body #turbofish (#context #(#call_args),*) #await_);
     let output = match &function.sig.output {
         ReturnType::Type(_, ty) => {
             quote_spanned!(ty.span()=> __flue::tool::tool_return::<#ty>(#awaited))
@@ -70,17 +67,15 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         assert_tool_arguments::<#args_ty>();
     });
     let progress_check = match (&model.options.progress_argument, &model.arguments) {
-        (Some(progress), Arguments::Struct(ty)) => {
-            match syn::parse_str::<syn::Ident>(&progress.value()) {
-                Ok(field) => {
-                    let field = syn::Ident::new(&field.to_string(), progress.span());
-                    quote_spanned!(progress.span()=> { fn progress_argument_is_a_field(args: &#ty) { let _ = &args.#field; } })
-                }
-                Err(_) => {
-                    quote_spanned!(progress.span()=> ::core::compile_error!("progress_argument must name a field");)
-                }
+        (Some(progress), Arguments::Struct(ty)) => match syn::parse_str::<syn::Ident>(&progress.value()) {
+            Ok(field) => {
+                let field = syn::Ident::new(&field.to_string(), progress.span());
+                quote_spanned!(progress.span()=> { fn progress_argument_is_a_field(args: &#ty) { let _ = &args.#field; } })
             }
-        }
+            Err(_) => {
+                quote_spanned!(progress.span()=> ::core::compile_error!("progress_argument must name a field");)
+            }
+        },
         _ => quote!(),
     };
     let progress = match &model.options.progress_argument {
@@ -99,11 +94,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     ));
 
     let (item, definition_fn, constructor) = if generic {
-        let params = function
-            .sig
-            .generics
-            .type_params()
-            .map(|param| &param.ident);
+        let params = function.sig.generics.type_params().map(|param| &param.ident);
         (
             quote! {
                 #(#docs)*

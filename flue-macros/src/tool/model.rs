@@ -42,17 +42,11 @@ impl ToolModel {
         for input in &mut function.sig.inputs {
             match input {
                 FnArg::Typed(param) => params.push(param),
-                FnArg::Receiver(receiver) => {
-                    errors.spanned(receiver, "a tool is a free function, not a method")
-                }
+                FnArg::Receiver(receiver) => errors.spanned(receiver, "a tool is a free function, not a method"),
             }
         }
         let has_context = params.first().is_some_and(|param| is_context(&param.ty));
-        let rest = if has_context {
-            &mut params[1..]
-        } else {
-            &mut params[..]
-        };
+        let rest = if has_context { &mut params[1..] } else { &mut params[..] };
         let arguments = match rest {
             [single] if is_args_pattern(&single.pat) => Arguments::Struct((*single.ty).clone()),
             rest => Arguments::Plain(
@@ -64,9 +58,16 @@ impl ToolModel {
                             param.attrs.drain(..).partition(|attr| attr.path().is_ident("doc"));
                         param.attrs = others;
                         match param.pat.as_ref() {
-                            Pat::Ident(pat) => Some(Field { ident: pat.ident.clone(), ty: (*param.ty).clone(), docs }),
+                            Pat::Ident(pat) => Some(Field {
+                                ident: pat.ident.clone(),
+                                ty: (*param.ty).clone(),
+                                docs,
+                            }),
                             other => {
-                                errors.spanned(other, "tool parameters are plain names (`query: String`), so they can be argument fields");
+                                errors.spanned(
+                                    other,
+                                    "tool parameters are plain names (`query: String`), so they can be argument fields",
+                                );
                                 None
                             }
                         }

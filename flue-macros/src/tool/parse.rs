@@ -33,12 +33,7 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
         let name = key.get_ident().map(ToString::to_string).unwrap_or_default();
         match name.as_str() {
             "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
-            "progress_argument" => set(
-                &mut options.progress_argument,
-                meta.value()?.parse()?,
-                &key,
-                errors,
-            ),
+            "progress_argument" => set(&mut options.progress_argument, meta.value()?.parse()?, &key, errors),
             "terminate" => set(&mut options.terminate, Span::call_site(), &key, errors),
             "secrets" => {
                 let list: syn::ExprArray = meta.value()?.parse()?;
@@ -49,10 +44,7 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                             lit: syn::Lit::Str(secret),
                             ..
                         }) => secrets.push(secret),
-                        other => errors.spanned(
-                            other,
-                            "secrets are environment variable names as string literals",
-                        ),
+                        other => errors.spanned(other, "secrets are environment variable names as string literals"),
                     }
                 }
                 set(&mut options.secrets, secrets, &key, errors);
@@ -61,9 +53,7 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                 let path: LitStr = meta.value()?.parse()?;
                 match path.parse::<syn::Path>() {
                     Ok(parsed) => set(&mut options.krate, parsed, &key, errors),
-                    Err(_) => {
-                        errors.spanned(&path, "`crate` must name a path, like \"flue_runtime\"")
-                    }
+                    Err(_) => errors.spanned(&path, "`crate` must name a path, like \"flue_runtime\""),
                 }
             }
             _ => {

@@ -3,18 +3,15 @@
 use super::model::{Arguments, ToolModel};
 use crate::errors::Errors;
 
-const RESERVED: [&str; 5] = [
-    "task",
-    "activate_skill",
-    "read_skill_resource",
-    "finish",
-    "give_up",
-];
+const RESERVED: [&str; 5] = ["task", "activate_skill", "read_skill_resource", "finish", "give_up"];
 
 pub(crate) fn check(model: &ToolModel, errors: &Errors) {
     let sig = &model.function.sig;
     if sig.asyncness.is_none() {
-        errors.spanned(sig.fn_token, "a tool function must be `async`: tools run while the agent responds and may wait on I/O");
+        errors.spanned(
+            sig.fn_token,
+            "a tool function must be `async`: tools run while the agent responds and may wait on I/O",
+        );
     }
     if model.description.is_none() {
         errors.spanned(
@@ -29,11 +26,17 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
     {
-        errors.push(syn::Error::new(*span, format!("tool name \"{name}\" must match ^[A-Za-z0-9_-]{{1,64}}$ (what every provider accepts)")));
+        errors.push(syn::Error::new(
+            *span,
+            format!("tool name \"{name}\" must match ^[A-Za-z0-9_-]{{1,64}}$ (what every provider accepts)"),
+        ));
     } else if RESERVED.contains(&name.as_str()) {
         errors.push(syn::Error::new(
             *span,
-            format!("tool name \"{name}\" is reserved by the framework ({}); choose another name, or set `name = \"…\"`", RESERVED.join(", ")),
+            format!(
+                "tool name \"{name}\" is reserved by the framework ({}); choose another name, or set `name = \"…\"`",
+                RESERVED.join(", ")
+            ),
         ));
     }
     if !sig.generics.params.is_empty() && matches!(model.arguments, Arguments::Plain(_)) {
@@ -42,8 +45,7 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             "a generic tool takes its arguments as one `args: T` parameter",
         );
     }
-    if let (Some(progress), Arguments::Plain(fields)) =
-        (&model.options.progress_argument, &model.arguments)
+    if let (Some(progress), Arguments::Plain(fields)) = (&model.options.progress_argument, &model.arguments)
         && !fields.iter().any(|field| field.ident == progress.value())
     {
         let known = fields
