@@ -366,6 +366,26 @@ pub trait ToolReturn: IntoToolOutput {}
 
 impl<T: IntoToolOutput> ToolReturn for T {}
 
+/// The two things a `#[tool]` expansion does with its argument type, behind one bounded
+/// function: a missing derive is then one diagnostic (rustc merges identical ones), with the
+/// [`ToolArguments`] message, at the argument type.
+#[doc(hidden)]
+pub struct ArgumentFns<T> {
+    /// The argument schema.
+    pub schema: fn() -> DataSchema,
+    /// Parses the arguments, or the error result the model sees.
+    pub parse: fn(Value) -> Result<T, ToolOutput>,
+}
+
+/// See [`ArgumentFns`].
+#[doc(hidden)]
+pub const fn arguments<T: ToolArguments>() -> ArgumentFns<T> {
+    ArgumentFns {
+        schema: tool_input_schema_of::<T>,
+        parse: parse_arguments::<T>,
+    }
+}
+
 /// Converts a tool function's return value, asserting [`ToolReturn`] where `#[tool]` spans it.
 #[doc(hidden)]
 pub fn tool_return<T: ToolReturn>(value: T) -> ToolOutput {

@@ -16,12 +16,36 @@ use proc_macro::TokenStream;
 /// Turns a synchronous function into an agent: a value of the same name implementing
 /// `flue_runtime::Agent`.
 ///
-/// ```ignore
+/// ```
+/// use flue_runtime::prelude::*;
+///
+/// /// Checks whether a GitHub issue duplicates an older open issue.
 /// #[agent(max_steps = 6)]
 /// fn duplicate_finder() -> &'static str {
 ///     use_model("openrouter/anthropic/claude-sonnet-4.5");
 ///     "You check whether a GitHub issue duplicates an older open issue."
 /// }
+///
+/// let definition = duplicate_finder.definition();
+/// assert_eq!(definition.name, "duplicate_finder");
+/// assert_eq!(definition.max_steps, Some(6));
+/// let rendered = flue_runtime::render_bare(&duplicate_finder).unwrap();
+/// assert_eq!(rendered.model.unwrap().spec, "openrouter/anthropic/claude-sonnet-4.5");
+/// ```
+///
+/// With props, identity and durability:
+///
+/// ```
+/// use flue_runtime::prelude::*;
+///
+/// #[agent(name = "mail_agent", expose_as_tool, durability(max_attempts = 3, timeout = "90s"))]
+/// fn mail(props: AgentProps) -> String {
+///     format!("You read the mailbox of {}.", props.id())
+/// }
+///
+/// assert!(mail.definition().expose_as_tool);
+/// let rendered = flue_runtime::render(&mail, &RenderState::root("inbox-1")).unwrap();
+/// assert_eq!(rendered.instruction.as_deref(), Some("You read the mailbox of inbox-1."));
 /// ```
 ///
 /// | option | meaning |
@@ -42,7 +66,8 @@ use proc_macro::TokenStream;
 /// **What it expands to**: the function body moves into a hidden inner function; the name
 /// becomes a zero-sized `struct` (so it is a value, passable to `Subagent::new` or a runtime)
 /// with an `impl Agent` whose `definition()` holds the statics and whose `render_body` calls
-/// the inner function.
+/// the inner function. The full expansion of an example is committed in
+/// `flue-macros/tests/expand/agent.expanded.rs`.
 #[proc_macro_attribute]
 pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
     agent::expand(args.into(), item.into()).into()
@@ -52,11 +77,31 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// (or `UserHook` for the three user-scope kinds), that agents select with `use_hooks([..])`
 /// or `#[agent(hooks = [..])]`.
 ///
-/// ```ignore
+/// ```
+/// use flue_runtime::prelude::*;
+///
 /// #[hook(before_store_tool_result)]
 /// async fn redact_emails(_state: &ThreadState, _call: &ToolCall, result: ToolResult) -> ToolResult {
-///     ToolResult { result: result.result.map(|text| redact(&text)), ..result }
+///     ToolResult { result: result.result.map(|text| text.replace("dev@example.com", "[email redacted]")), ..result }
 /// }
+///
+/// #[hook(filter_messages, id = "limit_to_20_messages")]
+/// fn limit(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+///     let skip = messages.len().saturating_sub(20);
+///     messages.into_iter().skip(skip).collect()
+/// }
+///
+/// #[agent(hooks = [limit])]
+/// fn support() -> &'static str {
+///     use_model("openai/gpt-4o-mini");
+///     use_hooks([redact_emails]);
+///     "You answer support questions."
+/// }
+///
+/// assert_eq!(redact_emails.id(), "redact_emails");
+/// assert_eq!(limit.id(), "limit_to_20_messages");
+/// let rendered = flue_runtime::render_bare(&support).unwrap();
+/// assert_eq!(rendered.hooks[0].id(), "redact_emails");
 /// ```
 ///
 /// | option | meaning |
@@ -90,7 +135,8 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// **What it expands to**: the function moves into a hidden body; the name becomes a `const`
 /// holding a reference to a `static` definition (id plus a typed handler that calls the body).
 /// Thread hooks and user-scope hooks are different types, so a user-scope hook passed to
-/// `use_hooks` does not compile.
+/// `use_hooks` does not compile. An example's full expansion is committed in
+/// `flue-macros/tests/expand/hook.expanded.rs`.
 #[proc_macro_attribute]
 pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
     hook::expand(args.into(), item.into()).into()
@@ -99,10 +145,24 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// Turns an async function into a model-callable tool: a value of the same name implementing
 /// `ToolHandler`, mounted with `use_tool(name)`.
 ///
-/// ```ignore
+/// ```
+/// use flue_runtime::prelude::*;
+///
+/// #[derive(serde::Deserialize, schemars::JsonSchema)]
+/// struct IssueRef {
+///     /// Repository owner
+///     owner: String,
+///     /// Repository name
+///     repo: String,
+///     /// Issue number
+///     number: u64,
+/// }
+///
 /// /// Read a public GitHub issue.
 /// #[tool]
-/// async fn get_github_issue(ctx: &ToolContext, args: IssueRef) -> Result<String, ToolError> { … }
+/// async fn get_github_issue(_ctx: &ToolContext, args: IssueRef) -> Result<String, ToolError> {
+///     Ok(format!("{}/{}#{}", args.owner, args.repo, args.number))
+/// }
 ///
 /// /// Search the open issues of a repository.
 /// #[tool(progress_argument = "query")]
@@ -113,7 +173,18 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 ///     repo: String,
 ///     /// Words from the issue title or text
 ///     query: String,
-/// ) -> Result<String, ToolError> { … }
+/// ) -> Result<String, ToolError> {
+///     Ok(format!("searched {owner}/{repo} for {query}"))
+/// }
+///
+/// let tool = search_github_issues.into_tool();
+/// assert_eq!(tool.definition().description, "Search the open issues of a repository.");
+/// assert_eq!(tool.input_schema().json()["properties"]["query"]["description"], "Words from the issue title or text");
+/// let output = flue_runtime::testing::poll_ready(
+///     tool.call(ToolContext::new(&tool, "call_1"), serde_json::json!({"owner": "o", "repo": "r", "query": "crash"})),
+/// );
+/// assert_eq!(output.to_text(), "searched o/r for crash");
+/// # let _ = get_github_issue;
 /// ```
 ///
 /// The doc comment is the tool's description (required). Arguments come either as one
@@ -136,8 +207,78 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// zero-sized `struct` (generic tools: a struct built with `name::<T>::new()`) with an
 /// `impl ToolHandler` whose definition is a `static` (name, description, the argument schema
 /// generated by schemars on first use) and whose `call` deserializes the arguments and awaits
-/// the body.
+/// the body. An example's full expansion is committed in
+/// `flue-macros/tests/expand/tool.expanded.rs`.
 #[proc_macro_attribute]
 pub fn tool(args: TokenStream, item: TokenStream) -> TokenStream {
     tool::expand(args.into(), item.into()).into()
+}
+
+#[cfg(test)]
+mod expansion_snapshots {
+    //! "What it expands to", committed under `tests/expand/`. Regenerate with
+    //! `FLUE_BLESS=1 cargo test -p flue-macros` and review the diff.
+
+    use proc_macro2::TokenStream;
+    use quote::quote;
+
+    fn check(name: &str, expanded: TokenStream) {
+        let file = syn::parse2::<syn::File>(expanded).expect("the expansion parses as a file");
+        let pretty = prettyplease::unparse(&file);
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/expand/{name}.expanded.rs"));
+        if std::env::var_os("FLUE_BLESS").is_some() {
+            std::fs::write(&path, &pretty).expect("writes the snapshot");
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert_eq!(pretty, committed, "{name}: expansion differs from {}", path.display());
+    }
+
+    #[test]
+    fn agent_expansion() {
+        let expanded = crate::agent::expand(
+            quote!(max_steps = 6, hooks = [redact_emails]),
+            quote! {
+                /// Finds duplicate GitHub issues.
+                fn duplicate_finder() -> &'static str {
+                    use_model("openrouter/anthropic/claude-sonnet-4.5");
+                    use_tool(get_github_issue);
+                    "You check whether a GitHub issue duplicates an older open issue."
+                }
+            },
+        );
+        check("agent", expanded);
+    }
+
+    #[test]
+    fn tool_expansion() {
+        let expanded = crate::tool::expand(
+            quote!(progress_argument = "query", secrets = ["GITHUB_TOKEN"]),
+            quote! {
+                /// Search the open issues in a public GitHub repository.
+                async fn search_github_issues(
+                    ctx: &ToolContext,
+                    /// Repository owner
+                    owner: String,
+                    /// Words from the issue title or text
+                    query: String,
+                ) -> Result<String, ToolError> {
+                    Ok(format!("{owner}: {query}"))
+                }
+            },
+        );
+        check("tool", expanded);
+    }
+
+    #[test]
+    fn hook_expansion() {
+        let expanded = crate::hook::expand(
+            quote!(before_store_tool_result),
+            quote! {
+                async fn redact_emails(_state: &ThreadState, _call: &ToolCall, result: ToolResult) -> ToolResult {
+                    result
+                }
+            },
+        );
+        check("hook", expanded);
+    }
 }

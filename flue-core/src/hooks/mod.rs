@@ -34,7 +34,7 @@ pub use instruction::use_instruction;
 pub use lifecycle::use_hooks;
 pub use mcp::use_mcp_connection;
 pub use model::{use_model, use_model_with};
-pub use persistent_state::{StateSetter, use_persistent_state, use_persistent_state_opt};
+pub use persistent_state::{StateSetter, StateValue, use_persistent_state, use_persistent_state_opt};
 pub use response::{use_response_finish, use_response_start};
 pub use sandbox::{use_sandbox, use_sandbox_with};
 pub use skill::use_skill;

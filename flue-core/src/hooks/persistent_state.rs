@@ -11,6 +11,17 @@ use super::{hook, root_only, violation};
 use crate::binding::{RuntimeBinding, StateWriteError};
 use crate::render::is_rendering;
 
+/// What a persistent state value must be: JSON in and out (serde both ways), cloneable for
+/// the default, and shareable with the tools and callbacks that hold its setter.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be persistent state",
+    label = "state values are JSON: needs `#[derive(Serialize, Deserialize, Clone)]`",
+    note = "persistent state is stored as JSON in the instance's record stream and read back on every render"
+)]
+pub trait StateValue: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {}
+
+impl<T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> StateValue for T {}
+
 thread_local! {
     static IN_UPDATER: Cell<bool> = const { Cell::new(false) };
 }
@@ -40,7 +51,7 @@ thread_local! {
 #[track_caller]
 pub fn use_persistent_state<T>(name: impl Into<Cow<'static, str>>, default: T) -> (T, StateSetter<T>)
 where
-    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    T: StateValue,
 {
     let name = name.into();
     hook("use_persistent_state", |frame| {
@@ -87,7 +98,7 @@ where
 #[track_caller]
 pub fn use_persistent_state_opt<T>(name: impl Into<Cow<'static, str>>) -> (Option<T>, StateSetter<Option<T>>)
 where
-    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    T: StateValue,
 {
     use_persistent_state(name, None)
 }
@@ -103,7 +114,7 @@ pub struct StateSetter<T> {
 
 impl<T> StateSetter<T>
 where
-    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    T: StateValue,
 {
     /// The state name.
     pub fn name(&self) -> &str {

@@ -23,7 +23,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     body.attrs = other_attrs.into_iter().cloned().collect();
     body.vis = syn::Visibility::Inherited;
 
-    let krate_text = quote!(#krate).to_string();
+    let krate_text = quote!(#krate).to_string().replace(' ', "");
     let serde_path = format!("{krate_text}::__private::serde");
     let schemars_path = format!("{krate_text}::__private::schemars");
     let args_ident = format_ident!("__FlueToolArgs_{}", ident);
@@ -62,10 +62,10 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         }
         ReturnType::Default => quote!({ #awaited; __flue::ToolOutput::text("") }),
     };
-    let assert_args = quote_spanned!(args_ty.span()=> {
-        fn assert_tool_arguments<T: __flue::tool::ToolArguments>() {}
-        assert_tool_arguments::<#args_ty>();
-    });
+    // Every use of the argument type is bounded by ToolArguments and spanned at the type, so a
+    // missing derive produces one diagnostic (rustc merges identical ones), at the type.
+    let schema_fn = quote_spanned!(args_ty.span()=> __flue::tool::arguments::<#args_ty>().schema);
+    let parse_fn = quote_spanned!(args_ty.span()=> (__flue::tool::arguments::<#args_ty>().parse));
     let progress_check = match (&model.options.progress_argument, &model.arguments) {
         (Some(progress), Arguments::Struct(ty)) => match syn::parse_str::<syn::Ident>(&progress.value()) {
             Ok(field) => {
@@ -87,7 +87,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let definition_expr = quote!(__flue::tool::ToolDefinition::from_checked(
         #name,
         #description,
-        __flue::data::SchemaSource::Typed(__flue::data::tool_input_schema_of::<#args_ty>),
+        __flue::data::SchemaSource::Typed(#schema_fn),
         #progress,
         &[#(#secrets),*],
         #terminate,
@@ -109,7 +109,6 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
                 impl #impl_generics #ident #ty_generics #where_clause {
                     /// The tool, ready for `use_tool`.
                     #vis fn new() -> Self {
-                        #assert_args
                         Self { definition: #definition_expr, _types: ::core::marker::PhantomData }
                     }
                 }
@@ -124,7 +123,6 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
                 #vis struct #ident;
             },
             quote! {
-                #assert_args
                 static DEFINITION: __flue::tool::ToolDefinition = #definition_expr;
                 &DEFINITION
             },
@@ -159,7 +157,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
                     args: #krate::__private::serde_json::Value,
                 ) -> __flue::BoxFuture<'_, __flue::ToolOutput> {
                     ::std::boxed::Box::pin(async move {
-                        let args: #args_ty = match __flue::tool::parse_arguments(args) {
+                        let args: #args_ty = match #parse_fn(args) {
                             ::core::result::Result::Ok(args) => args,
                             ::core::result::Result::Err(output) => return output,
                         };

@@ -1,14 +1,14 @@
 use flue_runtime::prelude::*;
 
-#[derive(Clone)]
+#[derive(Clone, serde::Deserialize)]
 struct Session {
-    started: std::time::Instant,
+    started: String,
 }
 
 #[agent]
 fn assistant() -> &'static str {
     use_model("openai/gpt-4o");
-    let (_session, _set) = use_persistent_state("session", Session { started: std::time::Instant::now() });
+    let (_session, _set) = use_persistent_state("session", Session { started: "now".into() });
     "Help."
 }
 

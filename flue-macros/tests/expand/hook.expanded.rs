@@ -1,0 +1,29 @@
+#[allow(non_upper_case_globals)]
+const redact_emails: ::flue_runtime::__private::flue_core::lifecycle::ThreadHook = {
+    use ::flue_runtime::__private::flue_core as __flue;
+    #[allow(dead_code, unused_variables)]
+    async fn __flue_hook_body(
+        _state: &ThreadState,
+        _call: &ToolCall,
+        result: ToolResult,
+    ) -> ToolResult {
+        result
+    }
+    static DEFINITION: __flue::lifecycle::ThreadHookDefinition = __flue::lifecycle::ThreadHookDefinition {
+        id: "redact_emails",
+        handler: __flue::lifecycle::ThreadHookHandler::BeforeStoreToolResult(|
+            __flue_arg0,
+            __flue_arg1,
+            __flue_arg2|
+        {
+            ::std::boxed::Box::pin(async move {
+                <ToolResult as __flue::lifecycle::HookReturn<
+                    __flue::lifecycle::ToolResult,
+                >>::into_hook_result(
+                    __flue_hook_body(__flue_arg0, __flue_arg1, __flue_arg2).await,
+                )
+            })
+        }),
+    };
+    __flue::lifecycle::ThreadHook::new(&DEFINITION)
+};

@@ -1,0 +1,92 @@
+//! `#[tool]` beyond the seeds: generics and where-clauses, terminate, names, unit returns.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use flue_runtime::prelude::*;
+use flue_runtime::testing::poll_ready;
+use serde::Deserialize;
+use serde_json::json;
+
+/// Where a generic tool looks things up.
+trait Catalog: Send + Sync + 'static {
+    fn price(item: &str) -> u32;
+}
+
+struct Fixed;
+
+impl Catalog for Fixed {
+    fn price(item: &str) -> u32 {
+        item.len() as u32 * 100
+    }
+}
+
+#[derive(Deserialize, schemars::JsonSchema)]
+struct PriceQuery {
+    /// The item to price
+    item: String,
+}
+
+/// Price an item in the catalog.
+#[tool(name = "price_item")]
+async fn price<C>(_ctx: &ToolContext, args: PriceQuery) -> String
+where
+    C: Catalog,
+{
+    format!("{} costs {} cents", args.item, C::price(&args.item))
+}
+
+/// Hand the conversation to a person.
+#[tool(terminate)]
+async fn escalate(
+    /// Why a person is needed
+    reason: String,
+) -> ToolOutput {
+    ToolOutput::text(format!("Escalated: {reason}"))
+}
+
+/// Record that the customer was greeted.
+#[tool]
+async fn mark_greeted() {}
+
+#[test]
+fn a_generic_tool_carries_its_generics_and_where_clause() {
+    let tool = price::<Fixed>::new().into_tool();
+    assert_eq!(tool.name(), "price_item");
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"item": "lamp"})));
+    assert_eq!(output.to_text(), "lamp costs 400 cents");
+    assert_eq!(
+        tool.input_schema().json()["properties"]["item"]["description"],
+        "The item to price"
+    );
+}
+
+#[test]
+fn terminate_marks_the_definition_and_plain_parameters_become_required_fields() {
+    let tool = escalate.into_tool();
+    assert!(tool.definition().terminate);
+    assert_eq!(tool.input_schema().json()["required"], json!(["reason"]));
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"reason": "refund over limit"})));
+    assert_eq!(output.to_text(), "Escalated: refund over limit");
+}
+
+#[test]
+fn a_tool_without_parameters_takes_an_empty_object_and_returns_empty_text() {
+    let tool = mark_greeted.into_tool();
+    assert_eq!(tool.input_schema().json()["type"], "object");
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({})));
+    assert_eq!(output, ToolOutput::text(""));
+}
+
+#[test]
+fn a_tool_item_is_zero_sized_and_mounts_without_allocating_a_handle() {
+    assert_eq!(std::mem::size_of_val(&escalate), 0);
+    let agent = FnAgent::new(AgentDefinition::new("desk"), |_| {
+        use_model("openai/gpt-4o-mini");
+        use_tool(escalate);
+        use_tool(price::<Fixed>::new());
+    });
+    let rendered = flue_runtime::render_bare(&agent).unwrap();
+    assert_eq!(
+        rendered.tools.iter().map(Tool::name).collect::<Vec<_>>(),
+        ["escalate", "price_item"]
+    );
+}
