@@ -15,6 +15,9 @@
 //! ```
 
 pub use flue_core::*;
+
+pub mod provider;
+pub mod testing;
 pub use flue_macros::{agent, hook, tool};
 
 /// Everything an application author needs.

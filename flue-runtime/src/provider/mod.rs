@@ -1,0 +1,13 @@
+//! Model providers: the provider-neutral call ([`ModelRequest`] → [`ModelStream`]), the
+//! built-in providers over reqwest (`openai`, `anthropic`, `openrouter`, and any
+//! OpenAI-compatible server), and the registry that resolves `provider/model` specifiers.
+
+mod types;
+
+pub mod anthropic;
+mod http;
+pub mod openai;
+pub mod registry;
+
+pub use registry::ProviderRegistry;
+pub use types::*;

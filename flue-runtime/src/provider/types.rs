@@ -1,0 +1,219 @@
+//! The provider-neutral model call: what the turn loop sends and what a provider streams back.
+
+use std::fmt;
+use std::pin::Pin;
+use std::time::Duration;
+
+use flue_core::model::ThinkingLevel;
+use flue_core::usage::Usage;
+use futures_util::Stream;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// One model call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelRequest {
+    /// The provider's own model id (the part of the specifier after the first `/`).
+    pub model: String,
+    /// The composed system prompt.
+    pub system: Option<String>,
+    /// The conversation, oldest first.
+    pub messages: Vec<ModelMessage>,
+    /// The tools the model may call.
+    pub tools: Vec<ToolSpec>,
+    /// Reasoning effort (already defaulted; providers map it to their own knobs).
+    pub thinking_level: ThinkingLevel,
+    /// Cap on output tokens, when the caller sets one.
+    pub max_output_tokens: Option<u32>,
+}
+
+/// A tool as the model sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// Name.
+    pub name: String,
+    /// Description.
+    pub description: String,
+    /// JSON Schema of the arguments (object root).
+    pub parameters: Value,
+}
+
+/// One message of the conversation sent to the model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "lowercase")]
+pub enum ModelMessage {
+    /// User-role text (user messages and rendered signals).
+    User {
+        /// The text.
+        content: String,
+    },
+    /// A model step: its text and the tool calls it made.
+    Assistant {
+        /// The text.
+        text: String,
+        /// Tool calls, in order.
+        tool_calls: Vec<ModelToolCall>,
+    },
+    /// A tool result answering one call.
+    Tool {
+        /// The call it answers.
+        tool_call_id: String,
+        /// The tool's name.
+        name: String,
+        /// The result text.
+        content: String,
+        /// Whether the result is an error.
+        is_error: bool,
+    },
+}
+
+/// A tool call made by the model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelToolCall {
+    /// The call id.
+    pub id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+/// Why a model call ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The model finished its answer.
+    Stop,
+    /// The model wants tool results.
+    ToolUse,
+    /// The output-token limit cut the answer.
+    Length,
+    /// The provider filtered the output.
+    ContentFilter,
+}
+
+/// The complete result of one model call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelResponse {
+    /// Answer text.
+    pub text: String,
+    /// Reasoning text, when the provider streams it.
+    pub reasoning: String,
+    /// Tool calls, in order.
+    pub tool_calls: Vec<ModelToolCall>,
+    /// Why the call ended.
+    pub stop_reason: StopReason,
+    /// Token usage.
+    pub usage: Usage,
+}
+
+/// One event of a streamed model call. A stream ends with exactly one `Completed` (or an
+/// error).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StreamEvent {
+    /// Answer text.
+    TextDelta(String),
+    /// Reasoning text.
+    ReasoningDelta(String),
+    /// A tool call began (its name is known).
+    ToolCallStarted {
+        /// Position among this response's tool calls.
+        index: usize,
+        /// The call id.
+        id: String,
+        /// The tool's name.
+        name: String,
+    },
+    /// More of a tool call's argument text.
+    ToolCallArguments {
+        /// Position among this response's tool calls.
+        index: usize,
+        /// The next fragment.
+        delta: String,
+    },
+    /// The call finished.
+    Completed(ModelResponse),
+}
+
+/// A streamed model call.
+pub type ModelStream = Pin<Box<dyn Stream<Item = Result<StreamEvent, ProviderError>> + Send>>;
+
+/// A model provider: turns a [`ModelRequest`] into a stream of [`StreamEvent`]s.
+///
+/// Implementations retry transient failures that happen before the first event themselves
+/// (at most 3 retries, honouring `Retry-After`); a failure after events were streamed is
+/// returned as an error for the caller to handle.
+pub trait ModelProvider: Send + Sync + 'static {
+    /// The provider id: the part of a model specifier before the first `/`.
+    fn id(&self) -> &str;
+
+    /// Starts one call.
+    fn stream(&self, request: ModelRequest) -> ModelStream;
+}
+
+/// What went wrong calling a model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderErrorKind {
+    /// No API key in the environment.
+    MissingKey,
+    /// 401/403: the key was refused.
+    Unauthorized,
+    /// The model id is unknown to the provider.
+    UnknownModel,
+    /// 429.
+    RateLimited,
+    /// 5xx.
+    Server,
+    /// The request does not fit the model's context window.
+    ContextOverflow,
+    /// No response (or no first byte) in time.
+    Timeout,
+    /// Connection-level failure.
+    Network,
+    /// The provider sent something we cannot parse.
+    InvalidResponse,
+    /// Any other 4xx.
+    BadRequest,
+}
+
+/// A failed model call.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ProviderError {
+    /// The category.
+    pub kind: ProviderErrorKind,
+    /// What happened, for people (never contains the API key).
+    pub message: String,
+    /// HTTP status, when there was one.
+    pub status: Option<u16>,
+    /// What the provider asked us to wait before retrying.
+    #[serde(skip)]
+    pub retry_after: Option<Duration>,
+}
+
+impl ProviderError {
+    /// An error of `kind`.
+    pub fn new(kind: ProviderErrorKind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into(), status: None, retry_after: None }
+    }
+
+    /// Whether a retry may succeed (rate limits, server errors, timeouts, network failures).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self.kind,
+            ProviderErrorKind::RateLimited | ProviderErrorKind::Server | ProviderErrorKind::Timeout | ProviderErrorKind::Network
+        )
+    }
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Stop => "stop",
+            Self::ToolUse => "tool_use",
+            Self::Length => "length",
+            Self::ContentFilter => "content_filter",
+        })
+    }
+}
