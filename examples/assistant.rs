@@ -1,131 +1,120 @@
-//! The main example: a support assistant written with the Agent Hooks API.
+//! The main example: a support assistant, run end to end by the runtime.
 //!
-//! Until the runtime lands, this example renders the agent the way the runtime will before
-//! every model call, prints what the render declared, and runs one of its tools against an
-//! in-memory binding — so you can see the render model work end to end, offline.
+//! ```sh
+//! cargo run --example assistant
+//! ```
 //!
-//! Run it with `cargo run --example assistant`.
+//! With `OPENAI_API_KEY`, `ANTHROPIC_API_KEY` or `OPENROUTER_API_KEY` set it talks to that
+//! provider; otherwise it uses the scripted model (offline) and says so. The agent has a
+//! model, two tools, persistent state, a data writer, and start/finish hooks.
 
-use std::sync::Arc;
+use std::sync::OnceLock;
 
 use flue_runtime::prelude::*;
-use flue_runtime::state::StateSnapshot;
-use flue_runtime::testing::{TestBinding, poll_ready};
-use serde::{Deserialize, Serialize};
+use flue_runtime::provider::ProviderRegistry;
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeError};
+use serde::Serialize;
+use serde_json::json;
 
-#[derive(Deserialize, schemars::JsonSchema)]
-struct OrderLookup {
-    /// The order number, e.g. "A-1001".
-    order: String,
-}
+/// The model specifier, chosen once at startup from the environment.
+static MODEL: OnceLock<&'static str> = OnceLock::new();
 
 #[derive(Serialize, schemars::JsonSchema)]
 struct Progress {
     step: String,
 }
 
-/// A custom hook: the order tools and their instruction, reusable across agents.
-fn use_order_tools(progress: DataWriter<Progress>, set_lookups: StateSetter<u32>) {
-    use_tool(
-        Tool::new("lookup_order")
-            .description("Look up the status of an order by its number.")
-            .run(move |_ctx, args: OrderLookup| {
-                let progress = progress.clone();
-                let set_lookups = set_lookups.clone();
-                async move {
-                    progress.write(&Progress {
-                        step: format!("looking up {}", args.order),
-                    })?;
-                    set_lookups.update(|n| n + 1)?;
-                    Ok::<_, ToolError>(format!("Order {} shipped yesterday.", args.order))
-                }
-            }),
-    );
-    use_tool(
-        Tool::new("escalate")
-            .description("Hand the conversation to a human agent.")
-            .terminate()
-            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "Escalated to a human." }),
-    );
-    use_instruction("Use lookup_order before answering questions about an order.");
+/// Look up the status of an order by its number.
+#[tool(progress_argument = "order")]
+async fn lookup_order(
+    /// The order number, e.g. "A-1001"
+    order: String,
+) -> Result<String, ToolError> {
+    if order.trim().is_empty() {
+        return Err(ToolError::new("An order number is required."));
+    }
+    Ok(format!("Order {order} shipped yesterday and arrives Thursday."))
 }
 
-fn assistant() -> impl Agent {
-    FnAgent::new(
-        AgentDefinition::new("assistant")
-            .description("Answers order questions.")
-            .max_steps(6),
-        |_props| {
-            use_model_with("openai/gpt-4o-mini", ModelOptions::thinking(ThinkingLevel::Low));
-            let (lookups, set_lookups) = use_persistent_state("lookups", 0u32);
-            let progress = use_data_writer::<Progress>("progress");
-            use_order_tools(progress, set_lookups);
-            use_agent_start(|ctx| async move {
-                ctx.log().info(format!("starting on: {}", ctx.delivery().body()));
-            });
-            use_agent_finish(|_ctx| async {});
-            use_response_start(|_ctx| serde_json::json!({"channel": "example"}));
-            format!("You are a friendly support assistant. You have looked up {lookups} orders so far.")
-        },
+/// Hand the conversation to a human agent.
+#[tool(terminate)]
+async fn escalate(
+    /// Why a person is needed
+    reason: String,
+) -> String {
+    format!("Escalated to a human: {reason}")
+}
+
+/// Answers questions about orders.
+#[agent(max_steps = 6)]
+fn assistant() -> String {
+    use_model(*MODEL.get().unwrap_or(&"scripted/assistant"));
+    let (lookups, set_lookups) = use_persistent_state("lookups", 0u32);
+    let progress = use_data_writer::<Progress>("progress");
+    use_tool(lookup_order);
+    use_tool(escalate);
+    use_agent_start(move |ctx| {
+        let progress = progress.clone();
+        async move {
+            progress.write(&Progress { step: format!("reading: {}", ctx.delivery().body()) })?;
+            Ok::<_, flue_runtime::binding::DataWriteError>(())
+        }
+    });
+    use_agent_finish(move |ctx| {
+        let set_lookups = set_lookups.clone();
+        async move {
+            let looked_up = ctx.response().tool_calls.iter().filter(|call| call.tool == "lookup_order").count() as u32;
+            set_lookups.update(|n| n + looked_up)?;
+            Ok::<_, flue_runtime::binding::StateWriteError>(())
+        }
+    });
+    use_response_start(|_| json!({"channel": "example"}));
+    format!(
+        "You are a friendly support assistant. Use lookup_order before answering questions about an order; \
+         escalate when the customer asks for a person. You have looked up {lookups} orders for this customer so far."
     )
 }
 
-fn main() {
-    println!(
-        "flue-rs example `assistant` (offline: renders the agent; the runtime that calls models is not built yet)\n"
-    );
-    let agent = assistant();
-    let binding = TestBinding::with_snapshot(StateSnapshot::from_iter([("lookups".to_owned(), serde_json::json!(2))]));
-    let runtime = binding.as_binding();
-    let delivery = Arc::new(DeliveredMessage::user("Where is order A-1001?"));
-    let state = RenderState::root("customer-42")
-        .with_state(&*binding)
-        .with_binding(&runtime)
-        .with_delivery(&delivery);
+fn choose_model(providers: &mut ProviderRegistry) -> &'static str {
+    let has = |name: &str| std::env::var(name).is_ok_and(|value| !value.is_empty());
+    if has("OPENAI_API_KEY") {
+        println!("model: openai/gpt-4o-mini (OPENAI_API_KEY is set)");
+        "openai/gpt-4o-mini"
+    } else if has("ANTHROPIC_API_KEY") {
+        println!("model: anthropic/claude-sonnet-4-5 (ANTHROPIC_API_KEY is set)");
+        "anthropic/claude-sonnet-4-5"
+    } else if has("OPENROUTER_API_KEY") {
+        println!("model: openrouter/openai/gpt-4o-mini (OPENROUTER_API_KEY is set)");
+        "openrouter/openai/gpt-4o-mini"
+    } else {
+        println!("model: scripted (offline: no OPENAI_API_KEY, ANTHROPIC_API_KEY or OPENROUTER_API_KEY is set)");
+        let scripted = ScriptedModel::new([
+            ScriptedReply::tool_call("lookup_order", json!({"order": "A-1001"})),
+            ScriptedReply::text("Your order A-1001 shipped yesterday and arrives Thursday."),
+        ])
+        .with_id("scripted");
+        // After the script: echo, so any further message still gets an answer.
+        scripted.push(ScriptedReply::text("Happy to help with anything else."));
+        providers.register(scripted);
+        "scripted/assistant"
+    }
+}
 
-    let rendered = match flue_runtime::try_render(&agent, &state) {
-        Ok(rendered) => rendered,
-        Err(error) => {
-            eprintln!("render failed: {error}");
-            std::process::exit(1);
-        }
-    };
-    let model = rendered.require_model().expect("the assistant declares a model");
-    println!(
-        "model:        {} (thinking: {:?})",
-        model.spec, model.options.thinking_level
-    );
-    println!(
-        "tools:        {:?}",
-        rendered.tools.iter().map(Tool::name).collect::<Vec<_>>()
-    );
-    println!("state:        {:?}", rendered.state_names);
-    println!("data parts:   {:?}", rendered.data_writer_names());
-    println!(
-        "event hooks:  {} start, {} finish, {} response start, {} response finish",
-        rendered.agent_starts.len(),
-        rendered.agent_finishes.len(),
-        rendered.response_starts.len(),
-        rendered.response_finishes.len()
-    );
-    println!(
-        "instruction:\n  {}\n",
-        rendered.instruction.as_deref().unwrap_or("").replace('\n', "\n  ")
-    );
+#[tokio::main]
+async fn main() -> Result<(), RuntimeError> {
+    let mut providers = ProviderRegistry::with_defaults();
+    let model = choose_model(&mut providers);
+    let _ = MODEL.set(model);
+    let runtime = Runtime::builder().agent(assistant).providers(providers).build()?;
+    let customer = runtime.init(&assistant, "customer-42");
 
-    let tool = rendered.tool("lookup_order").expect("mounted").clone();
-    let output = poll_ready(tool.call(
-        ToolContext::new(&tool, "call_1"),
-        serde_json::json!({"order": "A-1001"}),
-    ));
-    println!("lookup_order -> {}", output.to_text());
-    println!("data writes  -> {:?}", binding.data_writes());
-    println!("state writes -> {:?}", binding.state().pending());
-
-    let rerendered = flue_runtime::render(&agent, &state.with_previous_data_writers(&rendered.data_writer_names()))
-        .expect("re-render");
-    println!(
-        "\nre-render sees the uncommitted write:\n  {}",
-        rerendered.instruction.as_deref().unwrap_or("")
-    );
+    for message in ["Where is my order A-1001?", "Thanks!"] {
+        println!("\nuser:      {message}");
+        let reply = customer.send(message).await?;
+        println!("assistant: {}", reply.text);
+        println!("data:      {}", serde_json::Value::Object(reply.data));
+        println!("metadata:  {}", serde_json::Value::Object(reply.metadata));
+    }
+    Ok(())
 }

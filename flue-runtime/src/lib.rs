@@ -16,8 +16,17 @@
 
 pub use flue_core::*;
 
+pub mod events;
 pub mod provider;
+pub mod record;
+mod runtime;
+mod session;
+pub mod store;
 pub mod testing;
+mod tools;
+
+pub use runtime::{AgentHandle, AgentReply, Runtime, RuntimeBuilder, RuntimeError, RuntimeOptions, SendRequest};
+pub use session::MAX_AGENT_FINISH_CYCLES;
 pub use flue_macros::{agent, hook, tool};
 
 /// Everything an application author needs.

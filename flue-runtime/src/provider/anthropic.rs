@@ -1,1 +1,558 @@
-//! (being written)
+//! The Anthropic Messages provider.
+//!
+//! Calls `POST {base_url}/messages` with `stream: true` (headers `x-api-key` and
+//! `anthropic-version: 2023-06-01`) and maps the streamed events to [`StreamEvent`]s.
+//!
+//! How [`ModelRequest`] maps to the request body:
+//!
+//! - `system` → the top-level `system` field;
+//! - messages → content blocks: user text → `text`, assistant tool calls → `tool_use` blocks
+//!   (arguments parsed into `input`), [`ModelMessage::Tool`] → a user message of `tool_result`
+//!   blocks (`tool_use_id`, `content`, `is_error`). Consecutive messages of the same role are
+//!   merged (so consecutive tool results form one user message, results first); empty text is
+//!   dropped, as the API refuses empty text blocks;
+//! - `tools` → `{"name", "description", "input_schema"}`;
+//! - `max_output_tokens` → `max_tokens` (required by the API: 8192 when unset);
+//! - `thinking_level` → `thinking: {"type": "enabled", "budget_tokens"}` with budgets
+//!   minimal 1024, low 2048, medium 8192, high 16384, xhigh 24576, max 32768 (`off` sends
+//!   nothing). `max_tokens` must exceed the budget: when unset it becomes budget + 8192; when
+//!   set too low, the budget shrinks to half of it (at least 1024) or thinking is dropped.
+//!
+//! Thinking is also dropped while the conversation is inside a tool-use loop (an assistant tool
+//! call after the last user message): the API then requires the previous step's signed
+//! thinking blocks, which the provider-neutral [`ModelMessage`] does not carry.
+//!
+//! Usage: `input_tokens` is the whole prompt (Anthropic's `input_tokens` plus cache reads and
+//! cache writes), so it means the same as OpenAI's `prompt_tokens`.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use eventsource_stream::Event;
+use flue_core::model::ThinkingLevel;
+use flue_core::usage::Usage;
+use reqwest::header::{ACCEPT, HeaderMap, HeaderName, HeaderValue};
+use serde_json::{Map, Value, json};
+
+pub use super::http::RetryPolicy;
+use super::http::{
+    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, endpoint, ended_early,
+    error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
+};
+use super::types::{
+    ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
+    ProviderErrorKind, StopReason, StreamEvent,
+};
+
+/// The API version sent as `anthropic-version`.
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+/// `max_tokens` when the request sets no cap (and the room left for the answer beside a
+/// thinking budget).
+pub const DEFAULT_MAX_TOKENS: u32 = 8192;
+/// The smallest thinking budget the API accepts.
+const MIN_THINKING_BUDGET: u32 = 1024;
+
+/// A provider speaking the Anthropic Messages API.
+///
+/// The API key is read from `ANTHROPIC_API_KEY` at call time; [`with_api_key`](Self::with_api_key)
+/// gives one in code instead. When there is none the call's stream yields one
+/// [`ProviderErrorKind::MissingKey`] error and no request is made.
+///
+/// ```
+/// use std::time::Duration;
+/// use flue_runtime::provider::ModelProvider;
+/// use flue_runtime::provider::anthropic::AnthropicProvider;
+///
+/// let provider = AnthropicProvider::anthropic().with_timeout(Duration::from_secs(90));
+/// assert_eq!(provider.id(), "anthropic");
+/// ```
+#[derive(Clone, Debug)]
+pub struct AnthropicProvider {
+    id: String,
+    base_url: String,
+    key: KeySource,
+    transport: Transport,
+    client: SharedClient,
+}
+
+impl AnthropicProvider {
+    /// Anthropic: id `anthropic`, base URL `https://api.anthropic.com/v1`, key in
+    /// `ANTHROPIC_API_KEY`.
+    pub fn anthropic() -> Self {
+        Self {
+            id: "anthropic".to_owned(),
+            base_url: "https://api.anthropic.com/v1".to_owned(),
+            key: KeySource::env("ANTHROPIC_API_KEY"),
+            transport: Transport::default(),
+            client: SharedClient::default(),
+        }
+    }
+
+    /// Registers the provider under another id (a second Anthropic account, a proxy).
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = id.into();
+        self
+    }
+
+    /// Replaces the base URL (the part before `/messages`).
+    pub fn with_base_url(mut self, base_url: impl Into<String>) -> Self {
+        self.base_url = base_url.into();
+        self
+    }
+
+    /// Reads the API key from another environment variable.
+    pub fn with_key_env(mut self, key_env: impl Into<String>) -> Self {
+        self.key.env = key_env.into();
+        self
+    }
+
+    /// Sets how long an attempt may wait for the response to start (default 60 s). A timeout
+    /// is retried like a server error.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.transport.timeout = timeout;
+        self
+    }
+
+    /// Sets how long the streamed body may stay silent between two chunks (default 120 s).
+    /// When it does, the stream fails with [`ProviderErrorKind::Timeout`].
+    pub fn with_idle_timeout(mut self, idle: Duration) -> Self {
+        self.transport.idle_timeout = idle;
+        self
+    }
+
+    /// Sets the retry policy for failures before the response starts (default: 3 retries from
+    /// 500 ms).
+    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.transport.retry = policy;
+        self
+    }
+
+    /// Uses `key` instead of reading the environment variable (tests, keys from a secret
+    /// store). Error messages still name the environment variable and never show the key; an
+    /// empty `key` restores reading the environment.
+    pub fn with_api_key(mut self, key: impl Into<String>) -> Self {
+        self.key.set_explicit(key);
+        self
+    }
+
+    /// The base URL.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    /// The environment variable the API key is read from.
+    pub fn key_env(&self) -> &str {
+        &self.key.env
+    }
+
+    /// The JSON body of a call.
+    fn body(&self, request: &ModelRequest) -> Value {
+        let mut body = Map::new();
+        body.insert("model".into(), request.model.clone().into());
+        let budget = thinking_budget(request.thinking_level).filter(|_| !in_tool_loop(&request.messages));
+        let (max_tokens, budget) = match (request.max_output_tokens, budget) {
+            (None, None) => (DEFAULT_MAX_TOKENS, None),
+            (None, Some(budget)) => (budget + DEFAULT_MAX_TOKENS, Some(budget)),
+            (Some(max), None) => (max, None),
+            (Some(max), Some(budget)) if max > budget => (max, Some(budget)),
+            (Some(max), Some(_)) if max > MIN_THINKING_BUDGET => (max, Some((max / 2).max(MIN_THINKING_BUDGET))),
+            (Some(max), Some(_)) => (max, None),
+        };
+        body.insert("max_tokens".into(), max_tokens.into());
+        body.insert("stream".into(), true.into());
+        if let Some(system) = request.system.as_deref().filter(|s| !s.is_empty()) {
+            body.insert("system".into(), system.into());
+        }
+        body.insert("messages".into(), Value::Array(messages(&request.messages)));
+        if !request.tools.is_empty() {
+            let tools = request
+                .tools
+                .iter()
+                .map(|tool| json!({"name": tool.name, "description": tool.description, "input_schema": tool.parameters}))
+                .collect();
+            body.insert("tools".into(), Value::Array(tools));
+        }
+        if let Some(budget) = budget {
+            body.insert("thinking".into(), json!({"type": "enabled", "budget_tokens": budget}));
+        }
+        Value::Object(body)
+    }
+}
+
+/// The thinking budget of a level (`None` for `Off`).
+fn thinking_budget(level: ThinkingLevel) -> Option<u32> {
+    match level {
+        ThinkingLevel::Off => None,
+        ThinkingLevel::Minimal => Some(1024),
+        ThinkingLevel::Low => Some(2048),
+        ThinkingLevel::Medium => Some(8192),
+        ThinkingLevel::High => Some(16384),
+        ThinkingLevel::Xhigh => Some(24576),
+        ThinkingLevel::Max => Some(32768),
+    }
+}
+
+/// Whether an assistant tool call follows the last user message (the model is mid tool loop).
+fn in_tool_loop(messages: &[ModelMessage]) -> bool {
+    messages
+        .iter()
+        .rev()
+        .take_while(|m| !matches!(m, ModelMessage::User { .. }))
+        .any(|m| matches!(m, ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty()))
+}
+
+/// The conversation as Anthropic messages: content blocks, same-role runs merged.
+fn messages(conversation: &[ModelMessage]) -> Vec<Value> {
+    let mut merged: Vec<(&'static str, Vec<Value>)> = Vec::new();
+    for message in conversation {
+        let (role, blocks) = match message {
+            ModelMessage::User { content } => ("user", text_block(content).into_iter().collect()),
+            ModelMessage::Assistant { text, tool_calls } => {
+                let mut blocks: Vec<Value> = text_block(text).into_iter().collect();
+                blocks.extend(tool_calls.iter().map(|call| {
+                    json!({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call)})
+                }));
+                ("assistant", blocks)
+            }
+            ModelMessage::Tool { tool_call_id, content, is_error, .. } => (
+                "user",
+                vec![json!({"type": "tool_result", "tool_use_id": tool_call_id, "content": content, "is_error": is_error})],
+            ),
+        };
+        if blocks.is_empty() {
+            continue;
+        }
+        match merged.last_mut() {
+            Some((last_role, last_blocks)) if *last_role == role => last_blocks.extend(blocks),
+            _ => merged.push((role, blocks)),
+        }
+    }
+    merged
+        .into_iter()
+        .map(|(role, mut blocks)| {
+            if role == "user" {
+                // The API wants tool results before any text of the same message.
+                blocks.sort_by_key(|block| block.get("type").and_then(Value::as_str) != Some("tool_result"));
+            }
+            json!({"role": role, "content": blocks})
+        })
+        .collect()
+}
+
+fn text_block(text: &str) -> Option<Value> {
+    (!text.trim().is_empty()).then(|| json!({"type": "text", "text": text}))
+}
+
+/// A tool call's arguments as the `input` object (`{}` when they are empty or not an object).
+fn tool_input(call: &ModelToolCall) -> Value {
+    match serde_json::from_str::<Value>(&call.arguments) {
+        Ok(value @ Value::Object(_)) => value,
+        _ => {
+            if !call.arguments.trim().is_empty() {
+                tracing::warn!(tool = %call.name, id = %call.id, "tool call arguments are not a JSON object; sending {{}}");
+            }
+            Value::Object(Map::new())
+        }
+    }
+}
+
+impl ModelProvider for AnthropicProvider {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn stream(&self, request: ModelRequest) -> ModelStream {
+        let key = match self.key.resolve(&self.id) {
+            Ok(key) => key,
+            Err(error) => return error_stream(error),
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
+        headers.insert(HeaderName::from_static("anthropic-version"), HeaderValue::from_static(ANTHROPIC_VERSION));
+        if let Some(key) = &key {
+            match secret_header(key.expose(), &self.id, &self.key.env) {
+                Ok(value) => headers.insert(HeaderName::from_static("x-api-key"), value),
+                Err(error) => return error_stream(error),
+            };
+        }
+        let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
+        let body = self.body(&request);
+        let url = endpoint(&self.base_url, "messages");
+        let transport = self.transport;
+        let client = self.client.clone();
+        let connect_ctx = ctx.clone();
+        let connect = async move {
+            let client = client.get()?;
+            send_with_retries(&client, &url, &headers, &body, &transport, &connect_ctx).await
+        };
+        sse_stream(connect, MessagesDecoder::new(ctx.clone()), transport.idle_timeout, ctx)
+    }
+}
+
+/// A tool call being assembled.
+#[derive(Debug)]
+struct PartialCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// Decodes Messages API stream events.
+struct MessagesDecoder {
+    ctx: CallContext,
+    text: String,
+    reasoning: String,
+    calls: Vec<PartialCall>,
+    /// Content block index → position in `calls`.
+    blocks: HashMap<u64, usize>,
+    stop: Option<StopReason>,
+    /// Anthropic's own counts (input excludes cache reads/writes).
+    input_tokens: u64,
+    cache_read_tokens: u64,
+    cache_write_tokens: u64,
+    output_tokens: u64,
+}
+
+impl MessagesDecoder {
+    fn new(ctx: CallContext) -> Self {
+        Self {
+            ctx,
+            text: String::new(),
+            reasoning: String::new(),
+            calls: Vec::new(),
+            blocks: HashMap::new(),
+            stop: None,
+            input_tokens: 0,
+            cache_read_tokens: 0,
+            cache_write_tokens: 0,
+            output_tokens: 0,
+        }
+    }
+
+    fn usage(&mut self, usage: &Value) {
+        let number = |key: &str| usage.get(key).and_then(Value::as_u64);
+        if let Some(n) = number("input_tokens") {
+            self.input_tokens = n;
+        }
+        if let Some(n) = number("cache_read_input_tokens") {
+            self.cache_read_tokens = n;
+        }
+        if let Some(n) = number("cache_creation_input_tokens") {
+            self.cache_write_tokens = n;
+        }
+        if let Some(n) = number("output_tokens") {
+            self.output_tokens = n;
+        }
+    }
+
+    fn invalid(&self, what: &str) -> ProviderError {
+        ProviderError::new(
+            ProviderErrorKind::InvalidResponse,
+            format!("[flue] Provider \"{}\" sent an invalid stream event: {what}.", self.ctx.provider),
+        )
+    }
+
+    fn block_start(&mut self, data: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+        let index = data.get("index").and_then(Value::as_u64).ok_or_else(|| self.invalid("a block without index"))?;
+        let block = data.get("content_block").ok_or_else(|| self.invalid("a block start without content_block"))?;
+        let text = |key: &str| block.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()).map(str::to_owned);
+        match block.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                if let Some(text) = text("text") {
+                    self.text.push_str(&text);
+                    out.push_back(StreamEvent::TextDelta(text));
+                }
+            }
+            Some("thinking") => {
+                if let Some(thinking) = text("thinking") {
+                    self.reasoning.push_str(&thinking);
+                    out.push_back(StreamEvent::ReasoningDelta(thinking));
+                }
+            }
+            Some("tool_use") => {
+                let id = text("id").ok_or_else(|| self.invalid("a tool_use block without id"))?;
+                let name = text("name").ok_or_else(|| self.invalid("a tool_use block without name"))?;
+                let slot = self.calls.len();
+                out.push_back(StreamEvent::ToolCallStarted { index: slot, id: id.clone(), name: name.clone() });
+                // Inputs normally stream as `input_json_delta`; a complete input may come here.
+                let arguments = match block.get("input") {
+                    Some(Value::Object(input)) if !input.is_empty() => {
+                        let arguments = Value::Object(input.clone()).to_string();
+                        out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: arguments.clone() });
+                        arguments
+                    }
+                    _ => String::new(),
+                };
+                self.calls.push(PartialCall { id, name, arguments });
+                self.blocks.insert(index, slot);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn block_delta(&mut self, data: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+        let Some(delta) = data.get("delta") else { return Ok(()) };
+        let text = |key: &str| delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()).map(str::to_owned);
+        match delta.get("type").and_then(Value::as_str) {
+            Some("text_delta") => {
+                if let Some(text) = text("text") {
+                    self.text.push_str(&text);
+                    out.push_back(StreamEvent::TextDelta(text));
+                }
+            }
+            Some("thinking_delta") => {
+                if let Some(thinking) = text("thinking") {
+                    self.reasoning.push_str(&thinking);
+                    out.push_back(StreamEvent::ReasoningDelta(thinking));
+                }
+            }
+            Some("input_json_delta") => {
+                let index = data.get("index").and_then(Value::as_u64);
+                let slot = index
+                    .and_then(|index| self.blocks.get(&index).copied())
+                    .ok_or_else(|| self.invalid("input_json_delta for a block that is not a tool_use"))?;
+                if let Some(fragment) = text("partial_json") {
+                    self.calls[slot].arguments.push_str(&fragment);
+                    out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: fragment });
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn complete(&mut self, out: &mut VecDeque<StreamEvent>) {
+        let tool_calls: Vec<ModelToolCall> = std::mem::take(&mut self.calls)
+            .into_iter()
+            .map(|call| ModelToolCall {
+                id: call.id,
+                name: call.name,
+                arguments: if call.arguments.trim().is_empty() { "{}".to_owned() } else { call.arguments },
+            })
+            .collect();
+        let stop_reason = self.stop.unwrap_or(if tool_calls.is_empty() { StopReason::Stop } else { StopReason::ToolUse });
+        let usage = Usage {
+            input_tokens: self.input_tokens + self.cache_read_tokens + self.cache_write_tokens,
+            output_tokens: self.output_tokens,
+            cache_read_tokens: self.cache_read_tokens,
+            cache_write_tokens: self.cache_write_tokens,
+            reasoning_tokens: 0,
+        };
+        out.push_back(StreamEvent::Completed(ModelResponse {
+            text: std::mem::take(&mut self.text),
+            reasoning: std::mem::take(&mut self.reasoning),
+            tool_calls,
+            stop_reason,
+            usage,
+        }));
+    }
+}
+
+impl SseDecoder for MessagesDecoder {
+    fn event(&mut self, event: &Event, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
+        let data = event.data.trim();
+        if data.is_empty() {
+            return Ok(Flow::Continue);
+        }
+        let data = parse_event_json(&self.ctx, data)?;
+        let kind = data.get("type").and_then(Value::as_str).unwrap_or(event.event.as_str());
+        match kind {
+            "message_start" => {
+                if let Some(usage) = data.get("message").and_then(|m| m.get("usage")) {
+                    self.usage(usage);
+                }
+            }
+            "content_block_start" => self.block_start(&data, out)?,
+            "content_block_delta" => self.block_delta(&data, out)?,
+            "message_delta" => {
+                if let Some(reason) = data.get("delta").and_then(|d| d.get("stop_reason")).and_then(Value::as_str) {
+                    self.stop = Some(match reason {
+                        "tool_use" => StopReason::ToolUse,
+                        "max_tokens" | "model_context_window_exceeded" => StopReason::Length,
+                        "refusal" => StopReason::ContentFilter,
+                        _ => StopReason::Stop,
+                    });
+                }
+                if let Some(usage) = data.get("usage") {
+                    self.usage(usage);
+                }
+            }
+            "message_stop" => {
+                self.complete(out);
+                return Ok(Flow::Done);
+            }
+            "error" => {
+                let error = data.get("error").unwrap_or(&data);
+                return Err(map_error(&self.ctx, None, None, &ErrorDetails::from_value(error), &error.to_string()));
+            }
+            _ => {}
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn end(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+        // Without `message_stop`, a stop reason still means the answer is whole.
+        if self.stop.is_some() {
+            self.complete(out);
+            Ok(())
+        } else {
+            Err(ended_early(&self.ctx))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(messages: Vec<ModelMessage>, level: ThinkingLevel, max: Option<u32>) -> ModelRequest {
+        ModelRequest {
+            model: "claude".to_owned(),
+            system: None,
+            messages,
+            tools: Vec::new(),
+            thinking_level: level,
+            max_output_tokens: max,
+        }
+    }
+
+    fn user(text: &str) -> ModelMessage {
+        ModelMessage::User { content: text.to_owned() }
+    }
+
+    #[test]
+    fn max_tokens_always_exceeds_the_thinking_budget() {
+        let provider = AnthropicProvider::anthropic();
+        let cases = [
+            (ThinkingLevel::Off, None, 8192, None),
+            (ThinkingLevel::Medium, None, 16384, Some(8192)),
+            (ThinkingLevel::Max, None, 40960, Some(32768)),
+            (ThinkingLevel::High, Some(4000), 4000, Some(2000)),
+            (ThinkingLevel::Low, Some(1500), 1500, Some(1024)),
+            (ThinkingLevel::Low, Some(1000), 1000, None),
+            (ThinkingLevel::Minimal, Some(50_000), 50_000, Some(1024)),
+        ];
+        for (level, max, want_max, want_budget) in cases {
+            let body = provider.body(&request(vec![user("hi")], level, max));
+            assert_eq!(body["max_tokens"], want_max, "{level:?} {max:?}");
+            assert_eq!(body.get("thinking").map(|t| t["budget_tokens"].clone()), want_budget.map(Value::from));
+        }
+    }
+
+    #[test]
+    fn thinking_is_dropped_inside_a_tool_loop_only() {
+        let provider = AnthropicProvider::anthropic();
+        let call = ModelToolCall { id: "t1".to_owned(), name: "f".to_owned(), arguments: "{}".to_owned() };
+        let looping = vec![
+            user("go"),
+            ModelMessage::Assistant { text: String::new(), tool_calls: vec![call.clone()] },
+            ModelMessage::Tool { tool_call_id: "t1".into(), name: "f".into(), content: "ok".into(), is_error: false },
+        ];
+        assert!(provider.body(&request(looping.clone(), ThinkingLevel::High, None)).get("thinking").is_none());
+        let mut next_turn = looping;
+        next_turn.push(ModelMessage::Assistant { text: "done".into(), tool_calls: Vec::new() });
+        next_turn.push(user("again"));
+        assert!(provider.body(&request(next_turn, ThinkingLevel::High, None)).get("thinking").is_some());
+    }
+}

@@ -1,1 +1,845 @@
-//! (being written)
+//! HTTP plumbing shared by the built-in providers ([`super::openai`] and [`super::anthropic`]).
+//!
+//! - [`SharedClient`]: one lazily built `reqwest::Client` per provider value (connect timeout 10 s),
+//!   shared by its clones.
+//! - [`send_with_retries`]: POSTs a JSON body and retries failures that happen before the body starts
+//!   streaming (429, 5xx, connect errors, first-byte timeouts) with exponential backoff and jitter,
+//!   honouring `Retry-After` (capped at 30 s).
+//! - [`map_error`]: turns an HTTP status and an error body (OpenAI, OpenRouter or Anthropic shape) into
+//!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted.
+//! - [`sse_stream`]: turns a response into a [`ModelStream`] through a provider-specific [`SseDecoder`],
+//!   with an idle timeout between body chunks.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use eventsource_stream::{Event, EventStreamError, Eventsource};
+use futures_util::{Stream, StreamExt};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use serde_json::Value;
+use tokio::time::Sleep;
+
+use super::types::{ModelStream, ProviderError, ProviderErrorKind, StreamEvent};
+
+/// Default time allowed for a response to start (status line and headers).
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default time allowed between two chunks of a streaming body.
+pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Time allowed to open the TCP/TLS connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a retry waits, whatever the provider asks for.
+const MAX_RETRY_WAIT: Duration = Duration::from_secs(30);
+/// How much of a non-JSON error body is quoted in an error message.
+const BODY_SNIPPET_CHARS: usize = 300;
+
+/// How a provider retries a call that failed before its response started streaming.
+///
+/// Rate limits (429), server errors (5xx), connection failures and first-byte timeouts are
+/// retried at most `max_retries` times. The `n`-th retry (from 0) waits `base_delay · 2ⁿ` plus up
+/// to 25 % of random jitter, unless the provider sent `Retry-After`, which is honoured instead.
+/// No wait exceeds 30 s. Failures after the response began streaming are never retried.
+///
+/// ```
+/// use std::time::Duration;
+/// use flue_runtime::provider::openai::{OpenAiProvider, RetryPolicy};
+///
+/// let provider = OpenAiProvider::openai().with_retry_policy(RetryPolicy::new(1, Duration::from_millis(200)));
+/// assert_eq!(RetryPolicy::default(), RetryPolicy::new(3, Duration::from_millis(500)));
+/// # drop(provider);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Retries after the first attempt (so at most `max_retries + 1` requests).
+    pub max_retries: u32,
+    /// The wait before the first retry; it doubles for each further retry.
+    pub base_delay: Duration,
+}
+
+impl RetryPolicy {
+    /// A policy of `max_retries` retries starting at `base_delay`.
+    pub const fn new(max_retries: u32, base_delay: Duration) -> Self {
+        Self { max_retries, base_delay }
+    }
+
+    /// A policy that never retries.
+    pub const fn none() -> Self {
+        Self { max_retries: 0, base_delay: Duration::ZERO }
+    }
+
+    /// The wait before retry number `retry` (counted from 0) when the provider gave no
+    /// `Retry-After`.
+    pub(crate) fn backoff(&self, retry: u32) -> Duration {
+        let factor = 1u32.checked_shl(retry).unwrap_or(u32::MAX);
+        let nominal = self.base_delay.saturating_mul(factor).min(MAX_RETRY_WAIT);
+        (nominal + nominal.mul_f64(0.25 * jitter_fraction())).min(MAX_RETRY_WAIT)
+    }
+}
+
+impl Default for RetryPolicy {
+    /// 3 retries, starting at 500 ms.
+    fn default() -> Self {
+        Self::new(3, Duration::from_millis(500))
+    }
+}
+
+/// A random number in `[0, 1)`, from the standard library's per-instance random hash keys.
+fn jitter_fraction() -> f64 {
+    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let random = RandomState::new().hash_one(nanos);
+    (random % 10_000) as f64 / 10_000.0
+}
+
+/// Timeouts and retries of one provider.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Transport {
+    /// Time allowed for a response to start (per attempt).
+    pub timeout: Duration,
+    /// Time allowed between two body chunks.
+    pub idle_timeout: Duration,
+    /// Retries before the response starts.
+    pub retry: RetryPolicy,
+}
+
+impl Default for Transport {
+    fn default() -> Self {
+        Self { timeout: DEFAULT_TIMEOUT, idle_timeout: DEFAULT_IDLE_TIMEOUT, retry: RetryPolicy::default() }
+    }
+}
+
+/// A `reqwest::Client` built on first use and shared by the clones of one provider.
+///
+/// Per provider rather than process-wide: a pooled connection belongs to the tokio runtime that
+/// opened it, and separate runtimes (tests, embedded uses) must not share a pool.
+#[derive(Clone, Default)]
+pub(crate) struct SharedClient(Arc<OnceLock<Result<reqwest::Client, String>>>);
+
+impl SharedClient {
+    /// The client, building it on first use.
+    pub fn get(&self) -> Result<reqwest::Client, ProviderError> {
+        self.0
+            .get_or_init(|| {
+                reqwest::Client::builder().connect_timeout(CONNECT_TIMEOUT).build().map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|e| ProviderError::new(ProviderErrorKind::Network, format!("[flue] Could not build the HTTP client: {e}")))
+    }
+}
+
+impl fmt::Debug for SharedClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SharedClient")
+    }
+}
+
+/// An API key. Its `Debug` output is redacted.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct ApiKey(String);
+
+impl ApiKey {
+    /// The key text (only for building the request header).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
+}
+
+/// Where a provider's API key comes from.
+#[derive(Clone, Debug)]
+pub(crate) struct KeySource {
+    /// The environment variable read at call time.
+    pub env: String,
+    /// A key given in code, which takes precedence over the environment.
+    pub explicit: Option<ApiKey>,
+    /// Whether a call may go out without a key (local OpenAI-compatible servers).
+    pub optional: bool,
+}
+
+impl KeySource {
+    /// A key read from `env`, required.
+    pub fn env(env: impl Into<String>) -> Self {
+        Self { env: env.into(), explicit: None, optional: false }
+    }
+
+    /// Sets an explicit key (an empty string clears it).
+    pub fn set_explicit(&mut self, key: impl Into<String>) {
+        let key = key.into();
+        self.explicit = (!key.is_empty()).then_some(ApiKey(key));
+    }
+
+    /// The key for a call now: the explicit one, else the environment variable's (non-empty)
+    /// value. `Ok(None)` when there is none and the key is optional.
+    pub fn resolve(&self, provider_id: &str) -> Result<Option<ApiKey>, ProviderError> {
+        if let Some(key) = &self.explicit {
+            return Ok(Some(key.clone()));
+        }
+        match std::env::var(&self.env) {
+            Ok(value) if !value.trim().is_empty() => Ok(Some(ApiKey(value.trim().to_owned()))),
+            _ if self.optional => Ok(None),
+            _ => Err(ProviderError::new(
+                ProviderErrorKind::MissingKey,
+                format!("[flue] Provider \"{provider_id}\" needs an API key: set {}.", self.env),
+            )),
+        }
+    }
+}
+
+/// What error messages may say about one call (and the key they must never say).
+#[derive(Clone, Debug)]
+pub(crate) struct CallContext {
+    /// Provider id.
+    pub provider: String,
+    /// The environment variable that holds the key.
+    pub key_env: String,
+    /// The provider's model id.
+    pub model: String,
+    /// The key used, only to redact it from provider texts.
+    key: Option<ApiKey>,
+}
+
+impl CallContext {
+    /// The context of a call of `model` on `provider` with `key`.
+    pub fn new(provider: &str, key_env: &str, model: &str, key: Option<ApiKey>) -> Self {
+        Self { provider: provider.to_owned(), key_env: key_env.to_owned(), model: model.to_owned(), key }
+    }
+
+    /// `text` with every occurrence of the API key replaced.
+    pub fn redact(&self, text: &str) -> String {
+        match &self.key {
+            Some(key) if key.0.len() >= 4 => text.replace(key.expose(), "[redacted]"),
+            _ => text.to_owned(),
+        }
+    }
+}
+
+/// A header value holding a secret (excluded from reqwest's debug output).
+pub(crate) fn secret_header(value: &str, ctx_provider: &str, key_env: &str) -> Result<HeaderValue, ProviderError> {
+    let mut header = HeaderValue::from_str(value).map_err(|_| {
+        ProviderError::new(
+            ProviderErrorKind::Unauthorized,
+            format!(
+                "[flue] The API key of provider \"{ctx_provider}\" ({key_env}) is not a valid HTTP header value: \
+                 check it for stray characters."
+            ),
+        )
+    })?;
+    header.set_sensitive(true);
+    Ok(header)
+}
+
+/// `{base_url}/{path}` with exactly one `/` between them.
+pub(crate) fn endpoint(base_url: &str, path: &str) -> String {
+    format!("{}/{}", base_url.trim_end_matches('/'), path.trim_start_matches('/'))
+}
+
+/// A stream that fails once with `error`.
+pub(crate) fn error_stream(error: ProviderError) -> ModelStream {
+    Box::pin(futures_util::stream::once(async move { Err(error) }))
+}
+
+/// POSTs `body` to `url` and returns the response once it started successfully (2xx).
+///
+/// Failures before the body streams are retried per `transport.retry`: 429 and 5xx answers,
+/// connection failures and first-byte timeouts. Everything else fails at once.
+pub(crate) async fn send_with_retries(
+    client: &reqwest::Client,
+    url: &str,
+    headers: &HeaderMap,
+    body: &Value,
+    transport: &Transport,
+    ctx: &CallContext,
+) -> Result<reqwest::Response, ProviderError> {
+    let payload = Bytes::from(serde_json::to_vec(body).map_err(|e| {
+        ProviderError::new(ProviderErrorKind::BadRequest, format!("[flue] Could not encode the request: {e}"))
+    })?);
+    let mut retry = 0u32;
+    loop {
+        let attempt = client
+            .post(url)
+            .headers(headers.clone())
+            .header(CONTENT_TYPE, "application/json")
+            .body(payload.clone())
+            .send();
+        let error = match tokio::time::timeout(transport.timeout, attempt).await {
+            Ok(Ok(response)) if response.status().is_success() => return Ok(response),
+            Ok(Ok(response)) => error_from_response(response, transport.timeout, ctx).await,
+            Ok(Err(error)) => transport_error(&error, ctx),
+            Err(_) => ProviderError::new(
+                ProviderErrorKind::Timeout,
+                format!(
+                    "[flue] Provider \"{}\" did not start answering within {}.",
+                    ctx.provider,
+                    humantime::format_duration(transport.timeout)
+                ),
+            ),
+        };
+        if !error.is_retryable() || retry >= transport.retry.max_retries {
+            return Err(error);
+        }
+        let wait = match error.retry_after {
+            Some(asked) => asked.min(MAX_RETRY_WAIT),
+            None => transport.retry.backoff(retry),
+        };
+        tracing::debug!(
+            provider = %ctx.provider,
+            model = %ctx.model,
+            retry = retry + 1,
+            wait_ms = wait.as_millis() as u64,
+            kind = ?error.kind,
+            status = ?error.status,
+            "retrying model call"
+        );
+        tokio::time::sleep(wait).await;
+        retry += 1;
+    }
+}
+
+/// A reqwest failure before any response: connection problems (retryable) or a request that
+/// could not be built (not retryable).
+fn transport_error(error: &reqwest::Error, ctx: &CallContext) -> ProviderError {
+    let detail = ctx.redact(&error_chain(error));
+    if error.is_builder() {
+        return ProviderError::new(
+            ProviderErrorKind::BadRequest,
+            format!("[flue] Could not build the request to provider \"{}\": {detail}", ctx.provider),
+        );
+    }
+    let kind = if error.is_timeout() { ProviderErrorKind::Timeout } else { ProviderErrorKind::Network };
+    ProviderError::new(kind, format!("[flue] Could not reach provider \"{}\": {detail}", ctx.provider))
+}
+
+/// An error and its sources, joined with `: `.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The error of a non-2xx response (its body is read, within `timeout`).
+async fn error_from_response(response: reqwest::Response, timeout: Duration, ctx: &CallContext) -> ProviderError {
+    let status = response.status().as_u16();
+    let retry_after = retry_after(response.headers());
+    let body = match tokio::time::timeout(timeout, response.text()).await {
+        Ok(Ok(text)) => text,
+        _ => String::new(),
+    };
+    let details = ErrorDetails::from_body(&body);
+    map_error(ctx, Some(status), retry_after, &details, &body)
+}
+
+/// The wait a response asks for: `retry-after-ms` (OpenAI), else `Retry-After` as integer
+/// seconds or an HTTP date.
+pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let text = |name: &HeaderName| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+    if let Some(ms) = text(&HeaderName::from_static("retry-after-ms")).and_then(|v| v.parse::<f64>().ok()) {
+        if ms.is_finite() && ms >= 0.0 {
+            return Some(Duration::from_secs_f64(ms / 1000.0).min(MAX_RETRY_WAIT));
+        }
+    }
+    text(&RETRY_AFTER).and_then(parse_retry_after)
+}
+
+/// Parses a `Retry-After` value: integer (or decimal) seconds, or an HTTP date. Capped at 30 s.
+pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds).min(MAX_RETRY_WAIT));
+    }
+    if let Ok(seconds) = value.parse::<f64>() {
+        return (seconds.is_finite() && seconds >= 0.0)
+            .then(|| Duration::from_secs_f64(seconds.min(MAX_RETRY_WAIT.as_secs_f64())));
+    }
+    let when = httpdate::parse_http_date(value).ok()?;
+    Some(when.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO).min(MAX_RETRY_WAIT))
+}
+
+/// What an error body says, whatever the provider's shape:
+/// OpenAI `{"error":{"message","type","code"}}`, OpenRouter `{"error":{"message","code":429}}`,
+/// Anthropic `{"type":"error","error":{"type","message"}}`, or a bare `{"message"}` / string.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ErrorDetails {
+    /// The human message.
+    pub message: Option<String>,
+    /// A string error code (`context_length_exceeded`, `model_not_found`, …).
+    pub code: Option<String>,
+    /// The error type (`invalid_request_error`, `overloaded_error`, …).
+    pub kind: Option<String>,
+    /// A numeric code (OpenRouter puts the HTTP status there).
+    pub status: Option<u16>,
+}
+
+impl ErrorDetails {
+    /// Details from a response body (empty when it is not JSON).
+    pub fn from_body(body: &str) -> Self {
+        match serde_json::from_str::<Value>(body) {
+            Ok(value) => Self::from_value(value.get("error").unwrap_or(&value)),
+            Err(_) => Self::default(),
+        }
+    }
+
+    /// Details from an error object (the value of an `error` field) or an error string.
+    pub fn from_value(error: &Value) -> Self {
+        if let Some(text) = error.as_str() {
+            return Self { message: Some(text.to_owned()), ..Self::default() };
+        }
+        let string = |key: &str| error.get(key).and_then(Value::as_str).map(str::to_owned);
+        let code = error.get("code");
+        Self {
+            message: string("message").or_else(|| string("detail")),
+            code: code.and_then(Value::as_str).map(str::to_owned),
+            kind: string("type"),
+            status: code.and_then(Value::as_u64).and_then(|c| u16::try_from(c).ok()),
+        }
+    }
+
+    fn is(&self, words: &[&str]) -> bool {
+        let matches = |field: &Option<String>| field.as_deref().is_some_and(|v| words.iter().any(|w| v.contains(w)));
+        matches(&self.code) || matches(&self.kind)
+    }
+
+    fn message_lower(&self) -> String {
+        self.message.as_deref().unwrap_or_default().to_lowercase()
+    }
+
+    fn is_context_overflow(&self) -> bool {
+        let message = self.message_lower();
+        self.is(&["context_length_exceeded", "context_window_exceeded"])
+            || ["maximum context length", "context_length_exceeded", "prompt is too long", "context window"]
+                .iter()
+                .any(|needle| message.contains(needle))
+    }
+
+    fn is_unknown_model(&self) -> bool {
+        let message = self.message_lower();
+        self.is(&["model_not_found", "not_found_error"])
+            || (message.contains("model")
+                && ["does not exist", "not found", "unknown model", "no such model", "nonexistent", "invalid model"]
+                    .iter()
+                    .any(|needle| message.contains(needle)))
+    }
+}
+
+/// Maps a failed call to a [`ProviderError`]. `status` is `None` for errors reported inside an
+/// event stream; the error's type or code decides then.
+pub(crate) fn map_error(
+    ctx: &CallContext,
+    status: Option<u16>,
+    retry_after: Option<Duration>,
+    details: &ErrorDetails,
+    raw_body: &str,
+) -> ProviderError {
+    use ProviderErrorKind as K;
+    let said = match &details.message {
+        Some(message) if !message.trim().is_empty() => ctx.redact(message.trim()),
+        _ => {
+            let snippet: String = raw_body.trim().chars().take(BODY_SNIPPET_CHARS).collect();
+            if snippet.is_empty() { "no details given".to_owned() } else { ctx.redact(&snippet) }
+        }
+    };
+    let provider = &ctx.provider;
+    let http = status.map(|s| format!(" (HTTP {s})")).unwrap_or_default();
+    let effective = status.or(details.status);
+    let kind = match effective {
+        Some(401 | 403) => K::Unauthorized,
+        Some(413) => K::ContextOverflow,
+        _ if details.is_context_overflow() => K::ContextOverflow,
+        Some(404) => K::UnknownModel,
+        Some(400 | 422) if details.is_unknown_model() => K::UnknownModel,
+        Some(429) => K::RateLimited,
+        Some(500..=599) => K::Server,
+        Some(400..=499) => K::BadRequest,
+        Some(_) => K::InvalidResponse,
+        None if details.is(&["authentication", "permission", "invalid_api_key", "unauthorized"]) => K::Unauthorized,
+        None if details.is_unknown_model() => K::UnknownModel,
+        None if details.is(&["rate_limit"]) => K::RateLimited,
+        None if details.is(&["invalid_request"]) => K::BadRequest,
+        None => K::Server,
+    };
+    let message = match kind {
+        K::Unauthorized => format!(
+            "[flue] Provider \"{provider}\" refused the API key{http}: check {}. The provider said: {said}",
+            ctx.key_env
+        ),
+        K::ContextOverflow => format!(
+            "[flue] The request does not fit the context window of \"{provider}/{}\"{http}: {said}",
+            ctx.model
+        ),
+        K::UnknownModel => {
+            format!("[flue] Provider \"{provider}\" does not know the model \"{}\"{http}: {said}", ctx.model)
+        }
+        K::RateLimited => format!("[flue] Provider \"{provider}\" rate-limited the request{http}: {said}"),
+        K::Server => format!("[flue] Provider \"{provider}\" failed with a server error{http}: {said}"),
+        K::BadRequest => format!("[flue] Provider \"{provider}\" rejected the request{http}: {said}"),
+        _ => format!("[flue] Provider \"{provider}\" answered with an unexpected status{http}: {said}"),
+    };
+    ProviderError { kind, message, status, retry_after }
+}
+
+/// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`.
+pub(crate) fn parse_event_json(ctx: &CallContext, data: &str) -> Result<Value, ProviderError> {
+    serde_json::from_str(data).map_err(|error| {
+        let snippet: String = data.chars().take(120).collect();
+        ProviderError::new(
+            ProviderErrorKind::InvalidResponse,
+            format!(
+                "[flue] Provider \"{}\" sent a malformed stream event ({error}): {}",
+                ctx.provider,
+                ctx.redact(&snippet)
+            ),
+        )
+    })
+}
+
+/// The error of a stream that ended before the response completed.
+pub(crate) fn ended_early(ctx: &CallContext) -> ProviderError {
+    ProviderError::new(
+        ProviderErrorKind::Network,
+        format!("[flue] Provider \"{}\": the stream ended before the response completed.", ctx.provider),
+    )
+}
+
+/// What a decoder wants after one event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Flow {
+    /// Read on.
+    Continue,
+    /// The response is complete (the decoder pushed `Completed`); stop reading.
+    Done,
+}
+
+/// Turns a provider's server-sent events into [`StreamEvent`]s.
+pub(crate) trait SseDecoder: Send + 'static {
+    /// Handles one event, pushing what it yields onto `out`.
+    fn event(&mut self, event: &Event, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError>;
+
+    /// The body ended without a terminal event: push `Completed` if the response is complete
+    /// anyway, else fail.
+    fn end(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError>;
+}
+
+/// A failure reading the response body.
+#[derive(Debug)]
+enum BodyError {
+    /// The connection failed.
+    Transport(reqwest::Error),
+    /// Nothing arrived for the idle timeout.
+    Idle(Duration),
+}
+
+impl fmt::Display for BodyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Transport(error) => write!(f, "{}", error_chain(error)),
+            Self::Idle(idle) => write!(f, "no data for {}", humantime::format_duration(*idle)),
+        }
+    }
+}
+
+type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
+type SseEvents = Pin<Box<dyn Stream<Item = Result<Event, EventStreamError<BodyError>>> + Send>>;
+type Connect = Pin<Box<dyn Future<Output = Result<reqwest::Response, ProviderError>> + Send>>;
+
+/// A body stream that fails when no chunk arrives for `idle`.
+struct IdleTimeout {
+    inner: BodyStream,
+    sleep: Pin<Box<Sleep>>,
+    idle: Duration,
+    finished: bool,
+}
+
+impl Stream for IdleTimeout {
+    type Item = Result<Bytes, BodyError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        match this.inner.as_mut().poll_next(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                let deadline = tokio::time::Instant::now() + this.idle;
+                this.sleep.as_mut().reset(deadline);
+                Poll::Ready(Some(Ok(chunk)))
+            }
+            Poll::Ready(Some(Err(error))) => {
+                this.finished = true;
+                Poll::Ready(Some(Err(BodyError::Transport(error))))
+            }
+            Poll::Ready(None) => {
+                this.finished = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => match this.sleep.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.finished = true;
+                    Poll::Ready(Some(Err(BodyError::Idle(this.idle))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+enum Phase {
+    Connecting(Connect),
+    Reading(SseEvents),
+    Finished,
+}
+
+/// The state of one streamed call.
+struct Driver<D> {
+    phase: Phase,
+    decoder: D,
+    out: VecDeque<StreamEvent>,
+    failure: Option<ProviderError>,
+    idle: Duration,
+    ctx: CallContext,
+}
+
+impl<D: SseDecoder> Driver<D> {
+    async fn next(&mut self) -> Option<Result<StreamEvent, ProviderError>> {
+        loop {
+            if let Some(event) = self.out.pop_front() {
+                return Some(Ok(event));
+            }
+            if let Some(error) = self.failure.take() {
+                return Some(Err(error));
+            }
+            match &mut self.phase {
+                Phase::Finished => return None,
+                Phase::Connecting(connect) => match connect.await {
+                    Ok(response) => self.phase = self.start_reading(response).await,
+                    Err(error) => self.fail(error),
+                },
+                Phase::Reading(events) => match events.next().await {
+                    Some(Ok(event)) => match self.decoder.event(&event, &mut self.out) {
+                        Ok(Flow::Continue) => {}
+                        Ok(Flow::Done) => self.phase = Phase::Finished,
+                        Err(error) => self.fail(error),
+                    },
+                    Some(Err(error)) => {
+                        let error = self.body_error(error);
+                        self.fail(error);
+                    }
+                    None => {
+                        if let Err(error) = self.decoder.end(&mut self.out) {
+                            self.failure = Some(error);
+                        }
+                        self.phase = Phase::Finished;
+                    }
+                },
+            }
+        }
+    }
+
+    fn fail(&mut self, error: ProviderError) {
+        self.failure = Some(error);
+        self.phase = Phase::Finished;
+    }
+
+    /// Starts reading an event stream, or fails when the server answered with JSON (an error
+    /// reported with a 2xx status, or a server that ignored `stream: true`).
+    async fn start_reading(&mut self, response: reqwest::Response) -> Phase {
+        let content_type = response.headers().get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        if content_type.starts_with("application/json") {
+            let status = response.status().as_u16();
+            let body = match tokio::time::timeout(self.idle, response.text()).await {
+                Ok(Ok(body)) => body,
+                _ => String::new(),
+            };
+            let error = match serde_json::from_str::<Value>(&body) {
+                Ok(value) if value.get("error").is_some_and(|e| !e.is_null()) => {
+                    map_error(&self.ctx, None, None, &ErrorDetails::from_body(&body), &body)
+                }
+                _ => ProviderError {
+                    status: Some(status),
+                    ..ProviderError::new(
+                        ProviderErrorKind::InvalidResponse,
+                        format!(
+                            "[flue] Provider \"{}\" answered with JSON instead of an event stream.",
+                            self.ctx.provider
+                        ),
+                    )
+                },
+            };
+            self.failure = Some(error);
+            return Phase::Finished;
+        }
+        let body: BodyStream = Box::pin(response.bytes_stream());
+        let guarded = IdleTimeout {
+            inner: body,
+            sleep: Box::pin(tokio::time::sleep(self.idle)),
+            idle: self.idle,
+            finished: false,
+        };
+        Phase::Reading(Box::pin(guarded.eventsource()))
+    }
+
+    fn body_error(&self, error: EventStreamError<BodyError>) -> ProviderError {
+        let provider = &self.ctx.provider;
+        match error {
+            EventStreamError::Transport(BodyError::Idle(idle)) => ProviderError::new(
+                ProviderErrorKind::Timeout,
+                format!(
+                    "[flue] Provider \"{provider}\" sent nothing for {} while streaming the response.",
+                    humantime::format_duration(idle)
+                ),
+            ),
+            EventStreamError::Transport(error) => ProviderError::new(
+                ProviderErrorKind::Network,
+                format!(
+                    "[flue] The connection to provider \"{provider}\" failed while streaming the response: {}",
+                    self.ctx.redact(&error.to_string())
+                ),
+            ),
+            EventStreamError::Utf8(error) => ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!("[flue] Provider \"{provider}\" sent an event stream that is not UTF-8: {error}"),
+            ),
+            EventStreamError::Parser(error) => ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!("[flue] Provider \"{provider}\" sent a malformed event stream: {error:?}"),
+            ),
+        }
+    }
+}
+
+/// The [`ModelStream`] of one call: awaits `connect` (the retried request), then decodes the
+/// event stream with `decoder`. Nothing happens until the stream is first polled.
+pub(crate) fn sse_stream<D, F>(connect: F, decoder: D, idle: Duration, ctx: CallContext) -> ModelStream
+where
+    D: SseDecoder,
+    F: Future<Output = Result<reqwest::Response, ProviderError>> + Send + 'static,
+{
+    let driver = Driver {
+        phase: Phase::Connecting(Box::pin(connect)),
+        decoder,
+        out: VecDeque::new(),
+        failure: None,
+        idle,
+        ctx,
+    };
+    Box::pin(futures_util::stream::unfold(driver, |mut driver| async move {
+        let item = driver.next().await?;
+        Some((item, driver))
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> CallContext {
+        CallContext::new("openai", "OPENAI_API_KEY", "gpt-x", Some(ApiKey("sk-very-secret".to_owned())))
+    }
+
+    fn map(status: Option<u16>, body: &str) -> ProviderError {
+        map_error(&ctx(), status, None, &ErrorDetails::from_body(body), body)
+    }
+
+    #[test]
+    fn retry_after_accepts_seconds_and_http_dates_and_caps_at_thirty_seconds() {
+        assert_eq!(parse_retry_after("0"), Some(Duration::ZERO));
+        assert_eq!(parse_retry_after(" 2 "), Some(Duration::from_secs(2)));
+        assert_eq!(parse_retry_after("1.5"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_retry_after("3600"), Some(MAX_RETRY_WAIT));
+        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT"), Some(Duration::ZERO));
+        let soon = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(10));
+        let wait = parse_retry_after(&soon).unwrap_or_default();
+        assert!(wait > Duration::from_secs(8) && wait <= Duration::from_secs(10), "{wait:?}");
+        let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(600));
+        assert_eq!(parse_retry_after(&later), Some(MAX_RETRY_WAIT));
+        assert_eq!(parse_retry_after("soon"), None);
+        assert_eq!(parse_retry_after("-1"), None);
+    }
+
+    #[test]
+    fn backoff_doubles_from_the_base_with_bounded_jitter_and_a_cap() {
+        let policy = RetryPolicy::default();
+        for retry in 0..3 {
+            let nominal = Duration::from_millis(500) * 2u32.pow(retry);
+            let wait = policy.backoff(retry);
+            assert!(wait >= nominal && wait <= nominal + nominal / 4, "retry {retry}: {wait:?}");
+        }
+        assert_eq!(policy.backoff(40), MAX_RETRY_WAIT);
+        assert_eq!(RetryPolicy::none().backoff(2), Duration::ZERO);
+    }
+
+    #[test]
+    fn statuses_and_bodies_map_to_kinds() {
+        use ProviderErrorKind as K;
+        assert_eq!(map(Some(401), "{}").kind, K::Unauthorized);
+        assert_eq!(map(Some(403), "").kind, K::Unauthorized);
+        assert_eq!(map(Some(404), "{}").kind, K::UnknownModel);
+        let unknown = r#"{"error":{"message":"The model `gpt-x` does not exist","code":"model_not_found"}}"#;
+        assert_eq!(map(Some(400), unknown).kind, K::UnknownModel);
+        assert_eq!(map(Some(429), "").kind, K::RateLimited);
+        assert_eq!(map(Some(500), "").kind, K::Server);
+        assert_eq!(map(Some(529), r#"{"type":"error","error":{"type":"overloaded_error"}}"#).kind, K::Server);
+        assert_eq!(map(Some(413), "").kind, K::ContextOverflow);
+        let openai = r#"{"error":{"message":"too long","code":"context_length_exceeded"}}"#;
+        assert_eq!(map(Some(400), openai).kind, K::ContextOverflow);
+        let openai_text = r#"{"error":{"message":"This model's maximum context length is 8192 tokens"}}"#;
+        assert_eq!(map(Some(400), openai_text).kind, K::ContextOverflow);
+        let anthropic = r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
+        assert_eq!(map(Some(400), anthropic).kind, K::ContextOverflow);
+        let bad = map(Some(400), r#"{"error":{"message":"tools[0].name is invalid"}}"#);
+        assert_eq!((bad.kind, bad.status), (K::BadRequest, Some(400)));
+        assert!(bad.message.contains("tools[0].name is invalid"), "{}", bad.message);
+        assert_eq!(map(None, r#"{"error":{"type":"overloaded_error","message":"Overloaded"}}"#).kind, K::Server);
+        assert_eq!(map(None, r#"{"error":{"message":"slow down","code":429}}"#).kind, K::RateLimited);
+        assert_eq!(map(None, r#"{"error":{"type":"rate_limit_error","message":"x"}}"#).kind, K::RateLimited);
+        assert_eq!(map(None, r#"{"error":{"type":"authentication_error","message":"x"}}"#).kind, K::Unauthorized);
+    }
+
+    #[test]
+    fn error_messages_never_contain_the_key() {
+        let body = r#"{"error":{"message":"Incorrect API key provided: sk-very-secret."}}"#;
+        let error = map(Some(401), body);
+        assert!(error.message.contains("OPENAI_API_KEY"), "{}", error.message);
+        assert!(!error.message.contains("sk-very-secret"), "{}", error.message);
+        let raw = map(Some(500), "upstream failed for key sk-very-secret");
+        assert!(!raw.message.contains("sk-very-secret"), "{}", raw.message);
+        assert_eq!(format!("{:?}", ApiKey("sk-very-secret".to_owned())), "ApiKey(<redacted>)");
+    }
+
+    #[test]
+    fn missing_key_names_the_environment_variable() {
+        let source = KeySource::env("FLUE_HTTP_UNIT_TEST_SURELY_UNSET_KEY");
+        let error = source.resolve("openai").err().map(|e| (e.kind, e.message));
+        assert_eq!(
+            error,
+            Some((
+                ProviderErrorKind::MissingKey,
+                "[flue] Provider \"openai\" needs an API key: set FLUE_HTTP_UNIT_TEST_SURELY_UNSET_KEY.".to_owned()
+            ))
+        );
+        let optional = KeySource { optional: true, ..source };
+        assert_eq!(optional.resolve("local").ok(), Some(None));
+    }
+
+    #[test]
+    fn endpoints_join_with_one_slash() {
+        assert_eq!(endpoint("http://h/v1/", "/messages"), "http://h/v1/messages");
+        assert_eq!(endpoint("http://h/v1", "chat/completions"), "http://h/v1/chat/completions");
+    }
+}

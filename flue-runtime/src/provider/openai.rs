@@ -1,1 +1,530 @@
-//! (being written)
+//! The OpenAI Chat Completions provider, also used for OpenRouter and any OpenAI-compatible
+//! server (vLLM, Ollama, LM Studio, the testing kit's [fixture server](crate::testing::fixture_server)).
+//!
+//! Calls `POST {base_url}/chat/completions` with `stream: true` and
+//! `stream_options.include_usage`, and maps the streamed chunks to [`StreamEvent`]s.
+//!
+//! How [`ModelRequest`] maps to the request body:
+//!
+//! | request | body |
+//! |---|---|
+//! | `system` | a leading `{"role": "system"}` message |
+//! | [`ModelMessage::User`] | `{"role": "user", "content"}` |
+//! | [`ModelMessage::Assistant`] | `{"role": "assistant", "content": text or null, "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]}` |
+//! | [`ModelMessage::Tool`] | `{"role": "tool", "tool_call_id", "content"}` |
+//! | `tools` | `[{"type": "function", "function": {"name", "description", "parameters"}}]` |
+//! | `max_output_tokens` | `max_completion_tokens` |
+//! | `thinking_level` | `reasoning_effort` (`minimal`/`low`/`medium`/`high`; `xhigh` and `max` send `high`; `off` sends nothing) |
+//!
+//! The thinking level is sent per flavour:
+//! - `openai`: `reasoning_effort`, except for the model families that reject it (`gpt-4*`,
+//!   `gpt-3.5*`, `chatgpt-*`), which get no reasoning parameter;
+//! - `openrouter`: OpenRouter's unified `reasoning: {"effort"}` object only (OpenRouter translates
+//!   it for every upstream, including non-OpenAI ones);
+//! - compatible servers: `reasoning_effort`.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use eventsource_stream::Event;
+use flue_core::model::ThinkingLevel;
+use flue_core::usage::Usage;
+use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderValue};
+use serde_json::{Map, Value, json};
+
+pub use super::http::RetryPolicy;
+use super::http::{
+    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, endpoint, ended_early,
+    error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
+};
+use super::types::{
+    ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
+    ProviderErrorKind, StopReason, StreamEvent,
+};
+
+/// Which server an [`OpenAiProvider`] talks to (decides the reasoning parameter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flavor {
+    OpenAi,
+    OpenRouter,
+    Compatible,
+}
+
+/// A provider speaking the OpenAI Chat Completions API.
+///
+/// The API key is read from the provider's environment variable at call time (so it can be set
+/// after the provider is built); [`with_api_key`](Self::with_api_key) gives one in code instead.
+/// When there is no key the call's stream yields one [`ProviderErrorKind::MissingKey`] error and
+/// no request is made.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use flue_runtime::provider::openai::{OpenAiProvider, RetryPolicy};
+///
+/// let openai = OpenAiProvider::openai();
+/// let local = OpenAiProvider::compatible("local", "http://127.0.0.1:11434/v1", "OLLAMA_API_KEY")
+///     .with_optional_key()
+///     .with_timeout(Duration::from_secs(120))
+///     .with_retry_policy(RetryPolicy::none());
+/// ```
+#[derive(Clone, Debug)]
+pub struct OpenAiProvider {
+    id: String,
+    base_url: String,
+    flavor: Flavor,
+    key: KeySource,
+    transport: Transport,
+    client: SharedClient,
+}
+
+impl OpenAiProvider {
+    fn new(id: impl Into<String>, base_url: impl Into<String>, key_env: impl Into<String>, flavor: Flavor) -> Self {
+        Self {
+            id: id.into(),
+            base_url: base_url.into(),
+            flavor,
+            key: KeySource::env(key_env),
+            transport: Transport::default(),
+            client: SharedClient::default(),
+        }
+    }
+
+    /// OpenAI: id `openai`, base URL `https://api.openai.com/v1`, key in `OPENAI_API_KEY`.
+    pub fn openai() -> Self {
+        Self::new("openai", "https://api.openai.com/v1", "OPENAI_API_KEY", Flavor::OpenAi)
+    }
+
+    /// OpenRouter: id `openrouter`, base URL `https://openrouter.ai/api/v1`, key in
+    /// `OPENROUTER_API_KEY`. Model ids are OpenRouter's (`anthropic/claude-sonnet-4.5`).
+    pub fn openrouter() -> Self {
+        Self::new("openrouter", "https://openrouter.ai/api/v1", "OPENROUTER_API_KEY", Flavor::OpenRouter)
+    }
+
+    /// Any OpenAI-compatible server: registered as `id`, calling `{base_url}/chat/completions`,
+    /// with the key read from the environment variable `key_env`.
+    pub fn compatible(id: impl Into<String>, base_url: impl Into<String>, key_env: impl Into<String>) -> Self {
+        Self::new(id, base_url, key_env, Flavor::Compatible)
+    }
+
+    /// Replaces the base URL (the part before `/chat/completions`).
+    pub fn with_base_url(mut self, base_url: impl Into<String>) -> Self {
+        self.base_url = base_url.into();
+        self
+    }
+
+    /// Sets how long an attempt may wait for the response to start (default 60 s). A timeout
+    /// is retried like a server error.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.transport.timeout = timeout;
+        self
+    }
+
+    /// Sets how long the streamed body may stay silent between two chunks (default 120 s).
+    /// When it does, the stream fails with [`ProviderErrorKind::Timeout`].
+    pub fn with_idle_timeout(mut self, idle: Duration) -> Self {
+        self.transport.idle_timeout = idle;
+        self
+    }
+
+    /// Sets the retry policy for failures before the response starts (default: 3 retries from
+    /// 500 ms).
+    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.transport.retry = policy;
+        self
+    }
+
+    /// Uses `key` instead of reading the environment variable (tests, keys from a secret
+    /// store). Error messages still name the environment variable and never show the key; an
+    /// empty `key` restores reading the environment.
+    pub fn with_api_key(mut self, key: impl Into<String>) -> Self {
+        self.key.set_explicit(key);
+        self
+    }
+
+    /// Lets calls go out without a key when the environment variable is unset (local servers
+    /// that need none); no `Authorization` header is sent then.
+    pub fn with_optional_key(mut self) -> Self {
+        self.key.optional = true;
+        self
+    }
+
+    /// The base URL.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    /// The environment variable the API key is read from.
+    pub fn key_env(&self) -> &str {
+        &self.key.env
+    }
+
+    /// The JSON body of a call.
+    fn body(&self, request: &ModelRequest) -> Value {
+        let mut messages = Vec::with_capacity(request.messages.len() + 1);
+        if let Some(system) = request.system.as_deref().filter(|s| !s.is_empty()) {
+            messages.push(json!({"role": "system", "content": system}));
+        }
+        for message in &request.messages {
+            messages.push(match message {
+                ModelMessage::User { content } => json!({"role": "user", "content": content}),
+                ModelMessage::Assistant { text, tool_calls } => {
+                    let mut entry = Map::new();
+                    entry.insert("role".into(), "assistant".into());
+                    let content = match (text.is_empty(), tool_calls.is_empty()) {
+                        (true, false) => Value::Null,
+                        _ => Value::String(text.clone()),
+                    };
+                    entry.insert("content".into(), content);
+                    if !tool_calls.is_empty() {
+                        let calls = tool_calls
+                            .iter()
+                            .map(|call| {
+                                json!({
+                                    "id": call.id,
+                                    "type": "function",
+                                    "function": {"name": call.name, "arguments": call.arguments},
+                                })
+                            })
+                            .collect();
+                        entry.insert("tool_calls".into(), Value::Array(calls));
+                    }
+                    Value::Object(entry)
+                }
+                ModelMessage::Tool { tool_call_id, content, .. } => {
+                    json!({"role": "tool", "tool_call_id": tool_call_id, "content": content})
+                }
+            });
+        }
+        let mut body = Map::new();
+        body.insert("model".into(), request.model.clone().into());
+        body.insert("messages".into(), Value::Array(messages));
+        body.insert("stream".into(), true.into());
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+        if !request.tools.is_empty() {
+            let tools = request
+                .tools
+                .iter()
+                .map(|tool| {
+                    json!({
+                        "type": "function",
+                        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+                    })
+                })
+                .collect();
+            body.insert("tools".into(), Value::Array(tools));
+        }
+        if let Some(effort) = reasoning_effort(request.thinking_level) {
+            match self.flavor {
+                Flavor::OpenRouter => {
+                    body.insert("reasoning".into(), json!({"effort": effort}));
+                }
+                Flavor::OpenAi if !accepts_reasoning_effort(&request.model) => {}
+                Flavor::OpenAi | Flavor::Compatible => {
+                    body.insert("reasoning_effort".into(), effort.into());
+                }
+            }
+        }
+        if let Some(max) = request.max_output_tokens {
+            body.insert("max_completion_tokens".into(), max.into());
+        }
+        Value::Object(body)
+    }
+}
+
+/// The `reasoning_effort` of a thinking level (`None` for `Off`).
+fn reasoning_effort(level: ThinkingLevel) -> Option<&'static str> {
+    match level {
+        ThinkingLevel::Off => None,
+        ThinkingLevel::Minimal => Some("minimal"),
+        ThinkingLevel::Low => Some("low"),
+        ThinkingLevel::Medium => Some("medium"),
+        ThinkingLevel::High | ThinkingLevel::Xhigh | ThinkingLevel::Max => Some("high"),
+    }
+}
+
+/// Whether an OpenAI model takes `reasoning_effort` (the non-reasoning families reject it).
+fn accepts_reasoning_effort(model: &str) -> bool {
+    let model = model.to_ascii_lowercase();
+    !["gpt-4", "gpt-3.5", "chatgpt-"].iter().any(|prefix| model.starts_with(prefix))
+}
+
+impl ModelProvider for OpenAiProvider {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn stream(&self, request: ModelRequest) -> ModelStream {
+        let key = match self.key.resolve(&self.id) {
+            Ok(key) => key,
+            Err(error) => return error_stream(error),
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
+        if let Some(key) = &key {
+            match secret_header(&format!("Bearer {}", key.expose()), &self.id, &self.key.env) {
+                Ok(value) => headers.insert(AUTHORIZATION, value),
+                Err(error) => return error_stream(error),
+            };
+        }
+        let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
+        let body = self.body(&request);
+        let url = endpoint(&self.base_url, "chat/completions");
+        let transport = self.transport;
+        let client = self.client.clone();
+        let connect_ctx = ctx.clone();
+        let connect = async move {
+            let client = client.get()?;
+            send_with_retries(&client, &url, &headers, &body, &transport, &connect_ctx).await
+        };
+        sse_stream(connect, ChatDecoder::new(ctx.clone()), transport.idle_timeout, ctx)
+    }
+}
+
+/// A tool call being assembled from its chunks.
+#[derive(Debug, Default)]
+struct PartialCall {
+    id: String,
+    name: String,
+    arguments: String,
+    started: bool,
+}
+
+/// Decodes `chat.completion.chunk` events.
+struct ChatDecoder {
+    ctx: CallContext,
+    text: String,
+    reasoning: String,
+    calls: Vec<PartialCall>,
+    /// Provider `tool_calls[].index` → position in `calls`.
+    slots: HashMap<u64, usize>,
+    stop: Option<StopReason>,
+    usage: Usage,
+}
+
+impl ChatDecoder {
+    fn new(ctx: CallContext) -> Self {
+        Self {
+            ctx,
+            text: String::new(),
+            reasoning: String::new(),
+            calls: Vec::new(),
+            slots: HashMap::new(),
+            stop: None,
+            usage: Usage::default(),
+        }
+    }
+
+    fn chunk(&mut self, chunk: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+        if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
+            return Err(map_error(&self.ctx, None, None, &ErrorDetails::from_value(error), &error.to_string()));
+        }
+        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+            self.usage = parse_usage(usage);
+        }
+        let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
+            return Ok(());
+        };
+        let first = choices.iter().find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0);
+        let Some(choice) = first else { return Ok(()) };
+        if let Some(delta) = choice.get("delta").filter(|d| d.is_object()) {
+            if let Some(text) = delta.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+                self.text.push_str(text);
+                out.push_back(StreamEvent::TextDelta(text.to_owned()));
+            }
+            let reasoning = ["reasoning", "reasoning_content"]
+                .iter()
+                .find_map(|key| delta.get(*key).and_then(Value::as_str).filter(|t| !t.is_empty()));
+            if let Some(reasoning) = reasoning {
+                self.reasoning.push_str(reasoning);
+                out.push_back(StreamEvent::ReasoningDelta(reasoning.to_owned()));
+            }
+            if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
+                for call in calls {
+                    self.tool_call(call, out);
+                }
+            }
+        }
+        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.stop = Some(match reason {
+                "tool_calls" | "function_call" => StopReason::ToolUse,
+                "length" => StopReason::Length,
+                "content_filter" => StopReason::ContentFilter,
+                _ => StopReason::Stop,
+            });
+        }
+        Ok(())
+    }
+
+    fn tool_call(&mut self, call: &Value, out: &mut VecDeque<StreamEvent>) {
+        let id = call.get("id").and_then(Value::as_str).filter(|id| !id.is_empty());
+        let function = call.get("function");
+        let name = function.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| !n.is_empty());
+        let fragment = match function.and_then(|f| f.get("arguments")) {
+            Some(Value::String(text)) => text.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(other) => other.to_string(),
+        };
+        let slot = match call.get("index").and_then(Value::as_u64) {
+            Some(index) => match self.slots.get(&index) {
+                // A known index, unless a new id reuses it (servers that number every call 0).
+                Some(&slot) if id.is_none_or(|id| self.calls[slot].id.is_empty() || self.calls[slot].id == id) => slot,
+                _ => {
+                    let slot = self.new_call();
+                    self.slots.insert(index, slot);
+                    slot
+                }
+            },
+            None => match id.and_then(|id| self.calls.iter().position(|c| c.id == id)) {
+                Some(slot) => slot,
+                None if id.is_none() && !self.calls.is_empty() => self.calls.len() - 1,
+                None => self.new_call(),
+            },
+        };
+        let entry = &mut self.calls[slot];
+        if let Some(id) = id.filter(|_| entry.id.is_empty()) {
+            entry.id = id.to_owned();
+        }
+        if let Some(name) = name.filter(|_| entry.name.is_empty()) {
+            entry.name = name.to_owned();
+        }
+        entry.arguments.push_str(&fragment);
+        if entry.started {
+            if !fragment.is_empty() {
+                out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: fragment });
+            }
+        } else if !entry.name.is_empty() {
+            if entry.id.is_empty() {
+                entry.id = format!("call_{}", ulid::Ulid::new());
+            }
+            entry.started = true;
+            out.push_back(StreamEvent::ToolCallStarted { index: slot, id: entry.id.clone(), name: entry.name.clone() });
+            if !entry.arguments.is_empty() {
+                out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: entry.arguments.clone() });
+            }
+        }
+    }
+
+    fn new_call(&mut self) -> usize {
+        self.calls.push(PartialCall::default());
+        self.calls.len() - 1
+    }
+
+    fn complete(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+        if let Some(index) = self.calls.iter().position(|c| !c.started) {
+            return Err(ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!("[flue] Provider \"{}\" streamed tool call {index} without a name.", self.ctx.provider),
+            ));
+        }
+        let tool_calls: Vec<ModelToolCall> = std::mem::take(&mut self.calls)
+            .into_iter()
+            .map(|call| ModelToolCall {
+                id: call.id,
+                name: call.name,
+                arguments: if call.arguments.trim().is_empty() { "{}".to_owned() } else { call.arguments },
+            })
+            .collect();
+        let stop_reason = match self.stop {
+            // Some compatible servers say `stop` after tool calls.
+            Some(StopReason::Stop) | None if !tool_calls.is_empty() => StopReason::ToolUse,
+            Some(reason) => reason,
+            None => StopReason::Stop,
+        };
+        out.push_back(StreamEvent::Completed(ModelResponse {
+            text: std::mem::take(&mut self.text),
+            reasoning: std::mem::take(&mut self.reasoning),
+            tool_calls,
+            stop_reason,
+            usage: self.usage,
+        }));
+        Ok(())
+    }
+}
+
+fn parse_usage(usage: &Value) -> Usage {
+    let number = |path: &[&str]| {
+        path.iter().try_fold(usage, |value, key| value.get(*key)).and_then(Value::as_u64).unwrap_or(0)
+    };
+    Usage {
+        input_tokens: number(&["prompt_tokens"]),
+        output_tokens: number(&["completion_tokens"]),
+        cache_read_tokens: number(&["prompt_tokens_details", "cached_tokens"]),
+        cache_write_tokens: number(&["prompt_tokens_details", "cache_write_tokens"]),
+        reasoning_tokens: number(&["completion_tokens_details", "reasoning_tokens"]),
+    }
+}
+
+impl SseDecoder for ChatDecoder {
+    fn event(&mut self, event: &Event, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
+        let data = event.data.trim();
+        if data == "[DONE]" {
+            self.complete(out)?;
+            return Ok(Flow::Done);
+        }
+        if data.is_empty() {
+            return Ok(Flow::Continue);
+        }
+        let chunk = parse_event_json(&self.ctx, data)?;
+        self.chunk(&chunk, out)?;
+        Ok(Flow::Continue)
+    }
+
+    fn end(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+        // Without `[DONE]`, a finish reason still means the answer is whole.
+        if self.stop.is_some() { self.complete(out) } else { Err(ended_early(&self.ctx)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::types::ToolSpec;
+
+    fn request(model: &str, level: ThinkingLevel) -> ModelRequest {
+        ModelRequest {
+            model: model.to_owned(),
+            system: None,
+            messages: vec![ModelMessage::User { content: "hi".to_owned() }],
+            tools: vec![ToolSpec {
+                name: "t".to_owned(),
+                description: "d".to_owned(),
+                parameters: json!({"type": "object"}),
+            }],
+            thinking_level: level,
+            max_output_tokens: None,
+        }
+    }
+
+    #[test]
+    fn reasoning_parameters_follow_the_flavour_and_level() {
+        let openai = OpenAiProvider::openai();
+        let body = openai.body(&request("o4-mini", ThinkingLevel::Max));
+        assert_eq!(body["reasoning_effort"], "high");
+        let body = openai.body(&request("gpt-4o-mini", ThinkingLevel::High));
+        assert!(body.get("reasoning_effort").is_none());
+        let body = openai.body(&request("gpt-5", ThinkingLevel::Off));
+        assert!(body.get("reasoning_effort").is_none());
+        let router = OpenAiProvider::openrouter();
+        let body = router.body(&request("anthropic/claude-sonnet-4.5", ThinkingLevel::Minimal));
+        assert_eq!(body["reasoning"], json!({"effort": "minimal"}));
+        assert!(body.get("reasoning_effort").is_none());
+    }
+
+    #[test]
+    fn a_tool_call_index_reused_with_a_new_id_is_a_new_call() {
+        let mut decoder =
+            ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None));
+        let mut out = VecDeque::new();
+        for (id, name, args) in [("a", "one", "{}"), ("b", "two", "{\"x\":1}")] {
+            let chunk = json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": 0, "id": id, "function": {"name": name, "arguments": args}}
+            ]}}]});
+            assert!(decoder.chunk(&chunk, &mut out).is_ok());
+        }
+        assert!(decoder.complete(&mut out).is_ok());
+        let Some(StreamEvent::Completed(response)) = out.pop_back() else { panic!("no completion: {out:?}") };
+        let calls: Vec<_> = response.tool_calls.iter().map(|c| (c.id.as_str(), c.arguments.as_str())).collect();
+        assert_eq!(calls, [("a", "{}"), ("b", "{\"x\":1}")]);
+        assert_eq!(response.stop_reason, StopReason::ToolUse);
+    }
+}

@@ -6,5 +6,7 @@
 //! - Re-exports flue-core's in-memory binding and `poll_ready`.
 
 pub mod fixture_server;
+mod scripted;
 
 pub use flue_core::testing::*;
+pub use scripted::{ScriptedModel, ScriptedReply};

@@ -1,0 +1,108 @@
+//! Live events: what `Runtime::observe` delivers while agents run. Live only, no replay.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::record::{Outcome, SettlementError};
+use crate::store::SubmissionKind;
+
+/// One observation: an [`Event`] with its correlation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Observation {
+    /// The agent's name.
+    pub agent: String,
+    /// The instance id.
+    pub instance_id: String,
+    /// The submission, when the event belongs to one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submission_id: Option<String>,
+    /// Monotonic per runtime.
+    pub event_index: u64,
+    /// RFC 3339.
+    pub timestamp: String,
+    /// What happened.
+    pub event: Event,
+}
+
+/// What happened.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// A message was admitted.
+    SubmissionQueued {
+        /// How it arrived.
+        kind: SubmissionKind,
+    },
+    /// An attempt started processing a submission.
+    SubmissionRunning {
+        /// Attempts so far, this one included.
+        attempt_count: u32,
+        /// The budget.
+        max_attempts: u32,
+    },
+    /// A model call started.
+    TurnStart {
+        /// 1-based step within the response.
+        step: u32,
+    },
+    /// Streamed answer text.
+    TextDelta {
+        /// The fragment.
+        delta: String,
+    },
+    /// Streamed reasoning text.
+    ReasoningDelta {
+        /// The fragment.
+        delta: String,
+    },
+    /// A model call ended.
+    Turn {
+        /// 1-based step.
+        step: u32,
+        /// Why it ended.
+        stop_reason: String,
+        /// How long it took.
+        duration_ms: u64,
+    },
+    /// A tool started running.
+    ToolStart {
+        /// Tool name.
+        tool_name: String,
+        /// Call id.
+        tool_call_id: String,
+    },
+    /// A tool's result, published when its batch committed.
+    Tool {
+        /// Tool name.
+        tool_name: String,
+        /// Call id.
+        tool_call_id: String,
+        /// Whether it failed.
+        is_error: bool,
+        /// How long it ran.
+        duration_ms: u64,
+    },
+    /// A data part was written.
+    DataPart {
+        /// Part name.
+        name: String,
+        /// The data.
+        data: Value,
+    },
+    /// A progress line from a tool or callback.
+    Log {
+        /// Level.
+        level: String,
+        /// The line.
+        message: String,
+    },
+    /// A submission settled.
+    SubmissionSettled {
+        /// How.
+        outcome: Outcome,
+        /// Why it failed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<SettlementError>,
+    },
+}

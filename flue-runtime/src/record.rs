@@ -1,0 +1,195 @@
+//! Conversation records: the append-only stream of an instance, the only truth about what the
+//! model saw, what tools returned, which state was written and how submissions settled.
+
+use std::collections::BTreeMap;
+
+use flue_core::metadata::Metadata;
+use flue_core::usage::Usage;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::provider::StopReason;
+
+/// One record of an instance's stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// Unique id (`record_…`).
+    pub id: String,
+    /// The submission the record belongs to, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submission_id: Option<String>,
+    /// The attempt that wrote it, when written by an attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt_id: Option<String>,
+    /// When it was written (RFC 3339).
+    pub timestamp: String,
+    /// What it says.
+    #[serde(flatten)]
+    pub body: RecordBody,
+}
+
+/// How a submission ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The response completed.
+    Completed,
+    /// The response failed.
+    Failed,
+    /// The submission was aborted.
+    Aborted,
+}
+
+/// The error of a failed or aborted settlement, as serialized on records and the wire.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettlementError {
+    /// Stable snake-case type.
+    #[serde(rename = "type")]
+    pub error_type: String,
+    /// One caller-safe sentence.
+    pub message: String,
+}
+
+/// The kinds of records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RecordBody {
+    /// The instance's birth record, written at admission.
+    ConversationCreated {
+        /// The incarnation id.
+        uid: String,
+        /// Creation data.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        initial_data: Option<Value>,
+    },
+    /// A user message delivered to the instance.
+    UserMessage {
+        /// Message id.
+        message_id: String,
+        /// Text.
+        body: String,
+    },
+    /// A signal delivered, appended by a callback, or narrated by the framework.
+    Signal {
+        /// Message id.
+        message_id: String,
+        /// Signal type.
+        signal_type: String,
+        /// Body.
+        body: String,
+        /// Attributes.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        attributes: BTreeMap<String, String>,
+        /// Tag name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tag_name: Option<String>,
+    },
+    /// A model step began.
+    AssistantMessageStarted {
+        /// The step's message id.
+        message_id: String,
+        /// The model specifier.
+        model: String,
+        /// `use_response_start` metadata (first step of a response only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        response_metadata: Option<Metadata>,
+    },
+    /// A tool call the step made.
+    AssistantToolCall {
+        /// The step's message id.
+        message_id: String,
+        /// Call id.
+        tool_call_id: String,
+        /// Tool name.
+        name: String,
+        /// Argument JSON text.
+        arguments: String,
+    },
+    /// A model step completed.
+    AssistantMessageCompleted {
+        /// The step's message id.
+        message_id: String,
+        /// The step's text.
+        text: String,
+        /// Why it ended.
+        stop_reason: StopReason,
+        /// Usage.
+        usage: Usage,
+    },
+    /// One tool's outcome (real only once its batch commits).
+    ToolOutcome {
+        /// The step that called it.
+        assistant_message_id: String,
+        /// Call id.
+        tool_call_id: String,
+        /// Tool name.
+        tool_name: String,
+        /// Whether it failed.
+        is_error: bool,
+        /// The result text the model reads.
+        content: String,
+        /// Whether it asked to end the turn.
+        #[serde(default)]
+        terminate: bool,
+        /// How long it ran.
+        duration_ms: u64,
+    },
+    /// The commit marker of a tool batch (same append as the batch's state writes).
+    ToolResultsCommitted {
+        /// The step whose calls the batch answers.
+        assistant_message_id: String,
+    },
+    /// A persistent state write.
+    StateWrite {
+        /// Name.
+        name: String,
+        /// Value.
+        value: Value,
+    },
+    /// A delivery's start seam completed.
+    AgentStartRun,
+    /// A continued finish cycle.
+    AgentFinishCycle,
+    /// A data-part write.
+    MessageDataWrite {
+        /// Part name.
+        name: String,
+        /// Data.
+        data: Value,
+    },
+    /// `use_response_finish` metadata.
+    MessageMetadata {
+        /// Metadata.
+        metadata: Metadata,
+    },
+    /// A submission settled.
+    SubmissionSettled {
+        /// How.
+        outcome: Outcome,
+        /// Why it failed or was aborted.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<SettlementError>,
+    },
+}
+
+/// A batch of records appended atomically, with its offset in the stream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Position of the batch in the stream (0-based).
+    pub offset: u64,
+    /// The records, in order.
+    pub records: Vec<Record>,
+}
+
+/// Formats an offset as the protocol does: `0000000000000000_<16-digit sequence>`.
+pub fn format_offset(offset: u64) -> String {
+    format!("0000000000000000_{offset:016}")
+}
+
+pub(crate) fn now() -> String {
+    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
+}
+
+pub(crate) fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", ulid::Ulid::new())
+}

@@ -1,0 +1,500 @@
+//! The runtime: agents, providers and a store, and the handles that send to agent instances.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flue_core::agent::AgentRef;
+use flue_core::message::{DeliveredMessage, DispatchReceipt, MessageError};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tokio::sync::{Notify, broadcast};
+
+use crate::events::{Event, Observation};
+use crate::provider::ProviderRegistry;
+use crate::record::{Outcome, SettlementError, new_id, now};
+use crate::session::{self, InstanceSlot};
+use crate::store::{Admission, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, SubmissionKind, UidCondition};
+
+/// Everything that can go wrong talking to the runtime.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RuntimeError {
+    /// The agent is not registered with this runtime.
+    #[error("[flue] dispatch() target agent \"{0}\" is not registered.")]
+    UnknownAgent(String),
+    /// A request breaks an input rule.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The message breaks a delivery rule.
+    #[error("{0}")]
+    InvalidMessage(#[from] MessageError),
+    /// `uid` named an incarnation that does not exist.
+    #[error("Agent instance \"{0}\" was not found.")]
+    InstanceNotFound(String),
+    /// Create-only send to an existing instance.
+    #[error("Agent instance \"{id}\" already exists.")]
+    InstanceExists {
+        /// The instance id.
+        id: String,
+        /// Its incarnation.
+        uid: String,
+    },
+    /// An idempotency key reused with another message.
+    #[error("Submission \"{0}\" was already admitted with a different message.")]
+    SubmissionConflict(String),
+    /// The submission failed or was aborted.
+    #[error("The submission {submission_id} {outcome}: {message}")]
+    Run {
+        /// The submission.
+        submission_id: String,
+        /// `failed` or `aborted`.
+        outcome: &'static str,
+        /// Stable error type.
+        error_type: String,
+        /// What happened.
+        message: String,
+    },
+    /// The store failed.
+    #[error("{0}")]
+    Store(String),
+    /// The runtime could not be built.
+    #[error("{0}")]
+    Build(String),
+}
+
+impl From<StoreError> for RuntimeError {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::InstanceNotFound(id) => Self::InstanceNotFound(id),
+            StoreError::InstanceExists { id, uid } => Self::InstanceExists { id, uid },
+            StoreError::SubmissionConflict(id) => Self::SubmissionConflict(id),
+            other => Self::Store(other.to_string()),
+        }
+    }
+}
+
+/// Tuning of the turn loop.
+#[derive(Clone, Debug)]
+pub struct RuntimeOptions {
+    /// How many tool calls of one response run at once.
+    pub tool_concurrency: usize,
+    /// Model-call retries after a transient failure mid-stream (the provider already
+    /// retries failures before the first byte).
+    pub model_retries: u32,
+    /// Base delay of those retries.
+    pub model_retry_delay: Duration,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        Self { tool_concurrency: 8, model_retries: 3, model_retry_delay: Duration::from_millis(2000) }
+    }
+}
+
+/// Builds a [`Runtime`].
+pub struct RuntimeBuilder {
+    agents: Vec<AgentRef>,
+    providers: ProviderRegistry,
+    store: Option<Arc<dyn Store>>,
+    options: RuntimeOptions,
+}
+
+impl RuntimeBuilder {
+    /// Registers an agent.
+    pub fn agent(mut self, agent: impl Into<AgentRef>) -> Self {
+        self.agents.push(agent.into());
+        self
+    }
+
+    /// Uses `providers` to resolve model specifiers (default: openai, anthropic, openrouter).
+    pub fn providers(mut self, providers: ProviderRegistry) -> Self {
+        self.providers = providers;
+        self
+    }
+
+    /// Uses `store` (default: an in-memory store).
+    pub fn store(mut self, store: impl Store) -> Self {
+        self.store = Some(Arc::new(store));
+        self
+    }
+
+    /// Sets the turn-loop options.
+    pub fn options(mut self, options: RuntimeOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Builds the runtime. Fails when two agents share a name, or when two different
+    /// lifecycle hooks share an id (naming both).
+    pub fn build(self) -> Result<Runtime, RuntimeError> {
+        let mut agents = HashMap::new();
+        let mut hook_ids: HashMap<&'static str, flue_core::lifecycle::ThreadHook> = HashMap::new();
+        for agent in &self.agents {
+            let definition = agent.get().definition();
+            let name = definition.name.to_string();
+            if agents.insert(name.clone(), agent.clone()).is_some() {
+                return Err(RuntimeError::Build(format!("[flue] Two agents are registered under the name \"{name}\".")));
+            }
+            let hooks = definition.hooks.iter().chain(definition.parent_hooks.iter().map(|requirement| &requirement.hook));
+            for hook in hooks {
+                if let Some(existing) = hook_ids.insert(hook.id(), *hook)
+                    && existing != *hook
+                {
+                    return Err(RuntimeError::Build(format!(
+                        "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
+                        hook.id(),
+                        existing.kind(),
+                        hook.kind()
+                    )));
+                }
+            }
+        }
+        let (events, _) = broadcast::channel(4096);
+        let inner = Arc::new(RuntimeInner {
+            agents,
+            providers: self.providers,
+            store: self.store.unwrap_or_else(|| Arc::new(MemoryStore::new())),
+            options: self.options,
+            instances: Mutex::default(),
+            events,
+            event_index: AtomicU64::new(0),
+            settled: Notify::new(),
+            shutting_down: AtomicBool::new(false),
+        });
+        Ok(Runtime { inner })
+    }
+}
+
+pub(crate) struct RuntimeInner {
+    pub(crate) agents: HashMap<String, AgentRef>,
+    pub(crate) providers: ProviderRegistry,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) options: RuntimeOptions,
+    pub(crate) instances: Mutex<HashMap<InstanceKey, Arc<InstanceSlot>>>,
+    events: broadcast::Sender<Observation>,
+    event_index: AtomicU64,
+    pub(crate) settled: Notify,
+    shutting_down: AtomicBool,
+}
+
+impl RuntimeInner {
+    pub(crate) fn emit(&self, key: &InstanceKey, submission_id: Option<&str>, event: Event) {
+        if self.events.receiver_count() == 0 {
+            return;
+        }
+        let observation = Observation {
+            agent: key.agent.clone(),
+            instance_id: key.id.clone(),
+            submission_id: submission_id.map(str::to_owned),
+            event_index: self.event_index.fetch_add(1, Ordering::Relaxed),
+            timestamp: now(),
+            event,
+        };
+        let _ = self.events.send(observation);
+    }
+
+    pub(crate) fn slot(self: &Arc<Self>, key: &InstanceKey) -> Arc<InstanceSlot> {
+        let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        instances.entry(key.clone()).or_insert_with(|| Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self)))).clone()
+    }
+
+    /// Admits a message (the one admission path of every transport).
+    pub(crate) async fn admit(
+        self: &Arc<Self>,
+        agent: &str,
+        request: SendRequest,
+        kind: SubmissionKind,
+    ) -> Result<(DispatchReceipt, Option<u64>), RuntimeError> {
+        if self.shutting_down.load(Ordering::Acquire) {
+            return Err(RuntimeError::Store("the runtime is shutting down".into()));
+        }
+        let agent_ref = self.agents.get(agent).ok_or_else(|| RuntimeError::UnknownAgent(agent.to_owned()))?;
+        if request.id.trim().is_empty() {
+            return Err(RuntimeError::InvalidRequest(
+                "[flue] dispatch() requires a non-empty \"id\" target agent instance id.".into(),
+            ));
+        }
+        request.message.validate()?;
+        if matches!(request.uid, UidCondition::Existing(_)) && request.initial_data.is_some() {
+            return Err(RuntimeError::InvalidRequest(
+                "`initialData` creates an instance, so it cannot be combined with a `uid` that continues one.".into(),
+            ));
+        }
+        let key = InstanceKey::new(agent, request.id.clone());
+        let definition = agent_ref.get().definition();
+        if let (Some(data), Some(spec)) = (&request.initial_data, &definition.initial_data)
+            && self.store.instance(&key).await?.is_none()
+        {
+            (spec.parse)(data).map_err(|reason| {
+                RuntimeError::InvalidRequest(format!("initialData does not match the agent's initial_data type: {reason}"))
+            })?;
+        }
+        let (submission_id, keyed) = match &request.idempotency_key {
+            Some(idempotency_key) => {
+                if idempotency_key.is_empty() || idempotency_key.chars().count() > 256 {
+                    return Err(RuntimeError::InvalidRequest(
+                        "idempotencyKey must be a non-empty string of at most 256 characters.".into(),
+                    ));
+                }
+                (keyed_submission_id(agent, &request.id, idempotency_key), true)
+            }
+            None => (new_id("sub"), false),
+        };
+        let admitted = self
+            .store
+            .admit(Admission {
+                key: key.clone(),
+                submission_id,
+                keyed,
+                kind,
+                message: request.message,
+                initial_data: request.initial_data,
+                uid: request.uid,
+                max_attempts: definition.durability.max_attempts,
+            })
+            .await?;
+        if !admitted.deduplicated {
+            self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
+        }
+        self.slot(&key).wake();
+        let receipt = DispatchReceipt {
+            submission_id: admitted.submission.id.clone(),
+            accepted_at: admitted.submission.accepted_at.clone(),
+            uid: admitted.uid,
+            deduplicated: admitted.deduplicated,
+        };
+        Ok((receipt, admitted.offset))
+    }
+
+    /// Waits for a submission to settle and reads its reply.
+    pub(crate) async fn wait(&self, key: &InstanceKey, submission_id: &str) -> Result<AgentReply, RuntimeError> {
+        loop {
+            let notified = self.settled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let row = self.store.submission(submission_id).await?.ok_or_else(|| {
+                RuntimeError::InvalidRequest(format!("no submission \"{submission_id}\""))
+            })?;
+            if let Some(outcome) = row.outcome {
+                return match outcome {
+                    Outcome::Completed => {
+                        let batches = self.store.read(key, None).await?;
+                        let parts = session::reply_of(&batches, submission_id);
+                        Ok(AgentReply {
+                            text: parts.texts.join("\n\n"),
+                            data: parts.data,
+                            metadata: parts.metadata,
+                            submission_id: submission_id.to_owned(),
+                        })
+                    }
+                    Outcome::Failed | Outcome::Aborted => {
+                        let error = row.error.unwrap_or(SettlementError {
+                            error_type: "internal_error".into(),
+                            message: "The submission did not complete.".into(),
+                        });
+                        Err(RuntimeError::Run {
+                            submission_id: submission_id.to_owned(),
+                            outcome: if outcome == Outcome::Aborted { "was aborted" } else { "failed" },
+                            error_type: error.error_type,
+                            message: error.message,
+                        })
+                    }
+                };
+            }
+            notified.await;
+        }
+    }
+}
+
+/// `sub_ik_` + the first 32 hex digits of SHA-256 over the key's identity: replays of one
+/// idempotency key converge on one submission.
+fn keyed_submission_id(agent: &str, id: &str, key: &str) -> String {
+    let digest = Sha256::digest(format!("flue-submission-key\n{agent}\n{id}\n{key}").as_bytes());
+    let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+    format!("sub_ik_{}", &hex[..32])
+}
+
+/// A message to send, with the optional admission controls.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SendRequest {
+    /// The instance id.
+    pub id: String,
+    /// The message.
+    pub message: DeliveredMessage,
+    /// Creation data (only used when this send creates the instance).
+    pub initial_data: Option<Value>,
+    /// Conditional send.
+    pub uid: UidCondition,
+    /// Idempotency key: replays converge on one submission.
+    pub idempotency_key: Option<String>,
+}
+
+impl SendRequest {
+    /// An unconditional send of `message` to `id`.
+    pub fn new(id: impl Into<String>, message: impl Into<DeliveredMessage>) -> Self {
+        Self {
+            id: id.into(),
+            message: message.into(),
+            initial_data: None,
+            uid: UidCondition::Any,
+            idempotency_key: None,
+        }
+    }
+
+    /// Sets creation data.
+    pub fn initial_data(mut self, data: Value) -> Self {
+        self.initial_data = Some(data);
+        self
+    }
+
+    /// Sets the conditional-send rule.
+    pub fn uid(mut self, uid: UidCondition) -> Self {
+        self.uid = uid;
+        self
+    }
+
+    /// Sets an idempotency key.
+    pub fn idempotency_key(mut self, key: impl Into<String>) -> Self {
+        self.idempotency_key = Some(key.into());
+        self
+    }
+}
+
+/// What a completed submission produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AgentReply {
+    /// The response's text parts, joined with blank lines.
+    pub text: String,
+    /// The last value of each data part.
+    pub data: serde_json::Map<String, Value>,
+    /// Response metadata.
+    pub metadata: flue_core::metadata::Metadata,
+    /// The submission.
+    pub submission_id: String,
+}
+
+/// A runtime: runs registered agents.
+#[derive(Clone)]
+pub struct Runtime {
+    inner: Arc<RuntimeInner>,
+}
+
+impl Runtime {
+    /// Starts building a runtime (providers default to openai, anthropic and openrouter; the
+    /// store defaults to an in-memory store).
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder {
+            agents: Vec::new(),
+            providers: ProviderRegistry::with_defaults(),
+            store: None,
+            options: RuntimeOptions::default(),
+        }
+    }
+
+    /// Admits `message` for the instance `id` of `agent`, fire-and-forget.
+    pub async fn dispatch(
+        &self,
+        agent: &impl flue_core::Agent,
+        id: impl Into<String>,
+        message: impl Into<DeliveredMessage>,
+    ) -> Result<DispatchReceipt, RuntimeError> {
+        self.dispatch_request(&agent.definition().name, SendRequest::new(id, message)).await
+    }
+
+    /// Admits a [`SendRequest`] for the agent named `agent`.
+    pub async fn dispatch_request(&self, agent: &str, request: SendRequest) -> Result<DispatchReceipt, RuntimeError> {
+        Ok(self.inner.admit(agent, request, SubmissionKind::Dispatch).await?.0)
+    }
+
+    /// A handle on the instance `id` of `agent` (no I/O).
+    pub fn init(&self, agent: &impl flue_core::Agent, id: impl Into<String>) -> AgentHandle {
+        AgentHandle {
+            runtime: self.inner.clone(),
+            key: InstanceKey::new(agent.definition().name.to_string(), id.into()),
+            uid: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The instance, if it was ever contacted.
+    pub async fn get_agent_instance(
+        &self,
+        agent: &impl flue_core::Agent,
+        id: &str,
+    ) -> Result<Option<InstanceInfo>, RuntimeError> {
+        let key = InstanceKey::new(agent.definition().name.to_string(), id);
+        Ok(self.inner.store.instance(&key).await?)
+    }
+
+    /// Live events of every instance, in the order they happen. Live only: no replay.
+    pub fn observe(&self) -> broadcast::Receiver<Observation> {
+        self.inner.events.subscribe()
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    /// Stops admitting new messages.
+    pub fn shutdown(&self) {
+        self.inner.shutting_down.store(true, Ordering::Release);
+    }
+}
+
+/// A handle on one agent instance.
+#[derive(Clone)]
+pub struct AgentHandle {
+    runtime: Arc<RuntimeInner>,
+    key: InstanceKey,
+    uid: Arc<Mutex<Option<String>>>,
+}
+
+impl AgentHandle {
+    /// Sends `message` and waits for the reply.
+    pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<AgentReply, RuntimeError> {
+        self.send_request(SendRequest::new(self.key.id.clone(), message)).await
+    }
+
+    /// Sends a [`SendRequest`] (its `id` is replaced by this handle's) and waits for the reply.
+    pub async fn send_request(&self, mut request: SendRequest) -> Result<AgentReply, RuntimeError> {
+        request.id.clone_from(&self.key.id);
+        let (receipt, _) = self.runtime.admit(&self.key.agent, request, SubmissionKind::Direct).await?;
+        *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());
+        self.runtime.wait(&self.key, &receipt.submission_id).await
+    }
+
+    /// Admits `message` without waiting; read the reply later with [`AgentHandle::read`].
+    pub async fn dispatch(&self, message: impl Into<DeliveredMessage>) -> Result<DispatchReceipt, RuntimeError> {
+        let request = SendRequest::new(self.key.id.clone(), message);
+        Ok(self.runtime.admit(&self.key.agent, request, SubmissionKind::Dispatch).await?.0)
+    }
+
+    /// Waits for the submission to settle and returns its reply.
+    pub async fn read(&self, submission_id: &str) -> Result<AgentReply, RuntimeError> {
+        if self.runtime.store.instance(&self.key).await?.is_none() {
+            return Err(RuntimeError::InstanceNotFound(self.key.id.clone()));
+        }
+        self.runtime.wait(&self.key, submission_id).await
+    }
+
+    /// Requests an abort of every unsettled submission of the instance. Returns whether any
+    /// was affected; settlement as aborted happens asynchronously.
+    pub async fn abort(&self) -> Result<bool, RuntimeError> {
+        let affected = self.runtime.store.request_abort(&self.key).await?;
+        self.runtime.slot(&self.key).abort_running();
+        self.runtime.slot(&self.key).wake();
+        Ok(!affected.is_empty())
+    }
+
+    /// The instance this handle addresses.
+    pub fn key(&self) -> &InstanceKey {
+        &self.key
+    }
+
+    /// The incarnation seen by the last send through this handle.
+    pub fn uid(&self) -> Option<String> {
+        self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+}

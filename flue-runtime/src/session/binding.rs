@@ -1,0 +1,92 @@
+//! The runtime side of the render model's writers: setters, data writers and the dispatcher
+//! resolve the instance's current attempt when they are called.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use flue_core::BoxFuture;
+use flue_core::abort::AbortSignal;
+use flue_core::binding::{DataWriteError, DispatchError, RuntimeBinding, StateModify, StateWriteError};
+use flue_core::message::{DeliveredMessage, DispatchReceipt};
+use flue_core::state::StateBuffer;
+use serde_json::Value;
+
+use crate::events::Event;
+use crate::runtime::{RuntimeError, RuntimeInner, SendRequest};
+use crate::store::{AttemptRef, InstanceKey, SubmissionKind};
+
+/// One attempt at one submission: its write buffer, its queued data writes, its abort signal.
+pub(crate) struct Attempt {
+    pub(crate) attempt: AttemptRef,
+    pub(crate) buffer: Mutex<StateBuffer>,
+    pub(crate) data: Mutex<Vec<(String, Value)>>,
+    pub(crate) signal: AbortSignal,
+    pub(crate) responding: AtomicBool,
+}
+
+impl Attempt {
+    pub(crate) fn buffer(&self) -> MutexGuard<'_, StateBuffer> {
+        self.buffer.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn take_data(&self) -> Vec<(String, Value)> {
+        std::mem::take(&mut *self.data.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+}
+
+/// The binding every render of one instance gets.
+pub(crate) struct InstanceBinding {
+    pub(crate) key: InstanceKey,
+    pub(crate) runtime: Weak<RuntimeInner>,
+    pub(crate) current: Mutex<Option<Arc<Attempt>>>,
+}
+
+impl InstanceBinding {
+    pub(crate) fn current(&self) -> Option<Arc<Attempt>> {
+        self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
+    pub(crate) fn set_current(&self, attempt: Option<Arc<Attempt>>) {
+        *self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = attempt;
+    }
+
+    fn responding(&self) -> Option<Arc<Attempt>> {
+        self.current().filter(|attempt| attempt.responding.load(Ordering::Acquire))
+    }
+}
+
+impl RuntimeBinding for InstanceBinding {
+    fn modify_state(&self, name: &str, modify: &mut StateModify<'_>) -> Result<(), StateWriteError> {
+        let attempt = self.responding().ok_or_else(|| StateWriteError::NotResponding { name: name.to_owned() })?;
+        let mut buffer = attempt.buffer();
+        if let Some(next) = modify(buffer.current(name))? {
+            buffer.write(name, next);
+        }
+        Ok(())
+    }
+
+    fn write_data(&self, name: &str, data: Value) -> Result<(), DataWriteError> {
+        let attempt = self.responding().ok_or_else(|| DataWriteError::NotResponding { name: name.to_owned() })?;
+        attempt.data.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push((name.to_owned(), data.clone()));
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.emit(&self.key, Some(&attempt.attempt.submission_id), Event::DataPart { name: name.to_owned(), data });
+        }
+        Ok(())
+    }
+
+    fn dispatch(&self, message: DeliveredMessage) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>> {
+        let runtime = self.runtime.clone();
+        let key = self.key.clone();
+        Box::pin(async move {
+            let runtime = runtime.upgrade().ok_or_else(|| DispatchError::RuntimeUnavailable {
+                reason: "the runtime was dropped".into(),
+            })?;
+            let request = SendRequest::new(key.id.clone(), message);
+            match runtime.admit(&key.agent, request, SubmissionKind::Dispatch).await {
+                Ok((receipt, _)) => Ok(receipt),
+                Err(RuntimeError::InvalidMessage(error)) => Err(DispatchError::InvalidMessage(error)),
+                Err(error) => Err(DispatchError::Admission { reason: error.to_string() }),
+            }
+        })
+    }
+}

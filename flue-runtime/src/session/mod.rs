@@ -1,0 +1,794 @@
+//! Processing submissions: one worker per busy instance claims submissions in admission order
+//! and drives each response through the turn loop.
+//!
+//! Every durability point is one append: the input, a start seam (signals, state writes,
+//! marker), each model step, each tool batch (outcomes, the state writes its tools made, the
+//! commit marker), each continued finish cycle, the response-finish metadata, and settlement.
+
+mod binding;
+mod conversation;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+
+use flue_core::abort::AbortSignal;
+use flue_core::event_hooks::{
+    AgentFinishContext, AgentStartContext, AppendWindow, ResponseFinishContext, ResponseStartContext,
+    ResponseSummary, SeamChannel, ToolCallSummary,
+};
+use flue_core::log::{LogLevel, LogSink, Logger};
+use flue_core::message::{DeliveredMessage, Signal};
+use flue_core::metadata::{Metadata, merge_metadata};
+use flue_core::model::ThinkingLevel;
+use flue_core::render::{RenderState, Rendered};
+use flue_core::state::StateBuffer;
+use flue_core::tool::ToolContext;
+use flue_core::usage::Usage;
+use flue_core::{Agent, RenderError};
+use futures_util::StreamExt;
+
+use crate::events::Event;
+use crate::provider::{ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
+use crate::record::{Outcome, Record, RecordBody, SettlementError, new_id, now};
+use crate::runtime::RuntimeInner;
+use crate::store::{AttemptRef, InstanceKey, Submission};
+use crate::tools;
+
+pub(crate) use binding::{Attempt, InstanceBinding};
+pub(crate) use conversation::{Conversation, reply_of};
+
+/// The framework ceiling of continued finish cycles per response.
+pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
+
+/// One instance's worker state.
+pub(crate) struct InstanceSlot {
+    key: InstanceKey,
+    runtime: Weak<RuntimeInner>,
+    busy: AtomicBool,
+    wakes: AtomicU64,
+    binding: Arc<InstanceBinding>,
+    conversation: tokio::sync::Mutex<Conversation>,
+}
+
+impl InstanceSlot {
+    pub(crate) fn new(key: InstanceKey, runtime: Weak<RuntimeInner>) -> Self {
+        let binding = Arc::new(InstanceBinding { key: key.clone(), runtime: runtime.clone(), current: Mutex::new(None) });
+        Self {
+            key,
+            runtime,
+            busy: AtomicBool::new(false),
+            wakes: AtomicU64::new(0),
+            binding,
+            conversation: tokio::sync::Mutex::new(Conversation::default()),
+        }
+    }
+
+    /// Makes sure a worker runs for this instance.
+    pub(crate) fn wake(self: &Arc<Self>) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+        if !self.busy.swap(true, Ordering::SeqCst) {
+            tokio::spawn(self.clone().work());
+        }
+    }
+
+    /// Fires the running attempt's abort signal.
+    pub(crate) fn abort_running(&self) {
+        if let Some(attempt) = self.binding.current() {
+            attempt.signal.abort("Submission was aborted.");
+        }
+    }
+
+    async fn work(self: Arc<Self>) {
+        let mut seen = self.wakes.load(Ordering::SeqCst);
+        loop {
+            let Some(runtime) = self.runtime.upgrade() else { return };
+            let attempt_id = new_id("attempt");
+            match runtime.store.claim_next(&self.key, &attempt_id).await {
+                Ok(Some(submission)) => {
+                    self.process(&runtime, submission, attempt_id).await;
+                    seen = self.wakes.load(Ordering::SeqCst);
+                }
+                Ok(None) => {
+                    self.busy.store(false, Ordering::SeqCst);
+                    let now_seen = self.wakes.load(Ordering::SeqCst);
+                    if now_seen != seen && !self.busy.swap(true, Ordering::SeqCst) {
+                        seen = now_seen;
+                        continue;
+                    }
+                    return;
+                }
+                Err(error) => {
+                    tracing::error!(instance = %self.key, %error, "claiming the next submission failed");
+                    self.busy.store(false, Ordering::SeqCst);
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn process(&self, runtime: &Arc<RuntimeInner>, submission: Submission, attempt_id: String) {
+        let Some(agent) = runtime.agents.get(&self.key.agent).cloned() else { return };
+        let mut conversation = self.conversation.lock().await;
+        let attempt_ref = AttemptRef { submission_id: submission.id.clone(), attempt_id: attempt_id.clone() };
+        let refreshed = match runtime.store.read(&self.key, conversation.last_offset).await {
+            Ok(batches) => {
+                for batch in &batches {
+                    conversation.apply(batch);
+                }
+                Ok(())
+            }
+            Err(error) => Err(Failure::store(error)),
+        };
+        let attempt = Arc::new(Attempt {
+            attempt: attempt_ref.clone(),
+            buffer: Mutex::new(StateBuffer::new(Arc::new(conversation.state.clone()))),
+            data: Mutex::default(),
+            signal: AbortSignal::new(),
+            responding: AtomicBool::new(true),
+        });
+        self.binding.set_current(Some(attempt.clone()));
+        runtime.emit(
+            &self.key,
+            Some(&submission.id),
+            Event::SubmissionRunning { attempt_count: submission.attempt_count, max_attempts: submission.max_attempts },
+        );
+        let mut response = Response {
+            runtime,
+            key: &self.key,
+            agent: agent.get(),
+            binding: &self.binding,
+            attempt: &attempt,
+            conversation: &mut conversation,
+            delivery: Arc::new(submission.message.clone()),
+            submission: &submission,
+            usage: Usage::default(),
+            tool_calls: Vec::new(),
+            first_step_metadata: None,
+            data_writer_names: Vec::new(),
+            joined: Vec::new(),
+            spare: None,
+        };
+        let result = match refreshed {
+            Ok(()) if submission.abort_requested => Err(Failure::aborted()),
+            Ok(()) => response.run().await,
+            Err(failure) => Err(failure),
+        };
+        attempt.responding.store(false, Ordering::Release);
+        let joined_ids = std::mem::take(&mut response.joined);
+        let (outcome, error) = match result {
+            Ok(()) => (Outcome::Completed, None),
+            Err(failure) => {
+                attempt.buffer().discard_pending();
+                if failure.transient && submission.attempt_count < submission.max_attempts {
+                    tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "re-attempting after a store failure");
+                    self.binding.set_current(None);
+                    // Forget the cached fold: the next attempt re-reads what is durable.
+                    *conversation = Conversation::default();
+                    if let Ok(true) = runtime.store.requeue(&attempt_ref).await {
+                        return;
+                    }
+                }
+                if failure.transient {
+                    *conversation = Conversation::default();
+                    let exhausted = SettlementError {
+                        error_type: "submission_retry_exhausted".into(),
+                        message: format!(
+                            "Submission exceeded maximum recovery attempts ({}/{}).",
+                            submission.attempt_count, submission.max_attempts
+                        ),
+                    };
+                    (Outcome::Failed, Some(exhausted))
+                } else {
+                    (failure.outcome, Some(failure.error))
+                }
+            }
+        };
+        let mut records = Vec::new();
+        for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
+            records.push(Record {
+                id: format!("record_submission_settled_{id}"),
+                submission_id: Some(id.clone()),
+                attempt_id: Some(attempt_id.clone()),
+                timestamp: now(),
+                body: RecordBody::SubmissionSettled { outcome, error: error.clone() },
+            });
+        }
+        if let Err(store_error) = runtime.store.settle(&attempt_ref, outcome, error.clone(), records).await {
+            tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
+        }
+        for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
+            runtime.emit(&self.key, Some(id), Event::SubmissionSettled { outcome, error: error.clone() });
+        }
+        self.binding.set_current(None);
+        drop(conversation);
+        runtime.settled.notify_waiters();
+    }
+}
+
+/// Why a response did not complete.
+pub(crate) struct Failure {
+    outcome: Outcome,
+    error: SettlementError,
+    /// A store failure: the attempt is abandoned and the submission re-attempted (within its
+    /// budget) from what is durable, exactly as after a crash.
+    transient: bool,
+}
+
+impl Failure {
+    fn failed(error_type: &str, message: impl Into<String>) -> Self {
+        Self {
+            outcome: Outcome::Failed,
+            error: SettlementError { error_type: error_type.to_owned(), message: message.into() },
+            transient: false,
+        }
+    }
+
+    fn store(error: impl std::fmt::Display) -> Self {
+        Self { transient: true, ..Self::failed("store_failure", error.to_string()) }
+    }
+
+    fn aborted() -> Self {
+        Self {
+            outcome: Outcome::Aborted,
+            error: SettlementError { error_type: "submission_aborted".into(), message: "Submission was aborted.".into() },
+            transient: false,
+        }
+    }
+}
+
+impl From<RenderError> for Failure {
+    fn from(error: RenderError) -> Self {
+        let error_type = match &error {
+            RenderError::ToolNameConflict(_) => "tool_name_conflict",
+            RenderError::MissingModel => "model_required",
+            RenderError::IdentityChanged { .. } => "render_identity_changed",
+            RenderError::Panicked { .. } => "render_failed",
+            _ => "render_failed",
+        };
+        Self::failed(error_type, error.to_string())
+    }
+}
+
+/// Signals appended by a seam's callbacks, in arrival order.
+#[derive(Default)]
+struct Appends(Mutex<Vec<Signal>>);
+
+impl SeamChannel for Appends {
+    fn append(&self, signal: Signal) {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(signal);
+    }
+}
+
+impl Appends {
+    fn take(&self) -> Vec<Signal> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+}
+
+/// Log lines from tools and callbacks become events.
+struct EventLog {
+    runtime: Weak<RuntimeInner>,
+    key: InstanceKey,
+    submission_id: String,
+}
+
+impl LogSink for EventLog {
+    fn log(&self, level: LogLevel, message: &str) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            let level = serde_json::to_value(level).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+            runtime.emit(&self.key, Some(&self.submission_id), Event::Log { level, message: message.to_owned() });
+        }
+    }
+}
+
+/// One response in progress.
+struct Response<'a> {
+    runtime: &'a Arc<RuntimeInner>,
+    key: &'a InstanceKey,
+    agent: &'a dyn Agent,
+    binding: &'a Arc<InstanceBinding>,
+    attempt: &'a Arc<Attempt>,
+    conversation: &'a mut Conversation,
+    delivery: Arc<DeliveredMessage>,
+    submission: &'a Submission,
+    usage: Usage,
+    tool_calls: Vec<ToolCallSummary>,
+    first_step_metadata: Option<Metadata>,
+    data_writer_names: Vec<std::borrow::Cow<'static, str>>,
+    /// Deliveries joined into this response, in order.
+    joined: Vec<String>,
+    /// The previous render, reused for the next one's buffers.
+    spare: Option<Rendered>,
+}
+
+impl Response<'_> {
+    fn record(&self, body: RecordBody) -> Record {
+        Record {
+            id: new_id("record"),
+            submission_id: Some(self.submission.id.clone()),
+            attempt_id: Some(self.attempt.attempt.attempt_id.clone()),
+            timestamp: now(),
+            body,
+        }
+    }
+
+    fn logger(&self) -> Logger {
+        Logger::new(Arc::new(EventLog {
+            runtime: Arc::downgrade(self.runtime),
+            key: self.key.clone(),
+            submission_id: self.submission.id.clone(),
+        }))
+    }
+
+    /// Appends one batch (plus the attempt's pending state writes and data writes, which
+    /// become durable with it) and folds it into the conversation.
+    async fn commit(&mut self, mut records: Vec<Record>, with_state: bool) -> Result<(), Failure> {
+        let mut trailing = Vec::new();
+        if with_state {
+            let writes = self.attempt.buffer().drain();
+            let data = self.attempt.take_data();
+            // State writes go before the batch's marker (the last record), data writes with them.
+            let marker = records.pop();
+            records.extend(writes.into_iter().map(|write| self.record(RecordBody::StateWrite { name: write.name, value: write.value })));
+            records.extend(data.into_iter().map(|(name, data)| self.record(RecordBody::MessageDataWrite { name, data })));
+            trailing.extend(marker);
+        }
+        records.extend(trailing);
+        if records.is_empty() {
+            return Ok(());
+        }
+        let offset = self
+            .runtime
+            .store
+            .append(self.key, records.clone(), Some(&self.attempt.attempt))
+            .await
+            .map_err(Failure::store)?;
+        self.conversation.apply(&crate::record::Batch { offset, records });
+        Ok(())
+    }
+
+    fn render(&mut self) -> Result<Rendered, Failure> {
+        let buffer = self.attempt.buffer();
+        let initial = self.conversation.initial_data.clone().unwrap_or(serde_json::Value::Null);
+        let binding: Arc<dyn flue_core::binding::RuntimeBinding> = self.binding.clone();
+        let mut state = RenderState::root(&self.key.id)
+            .with_agent_name(&self.key.agent)
+            .with_state(&*buffer)
+            .with_binding(&binding)
+            .with_delivery(&self.delivery)
+            .with_initial_data(&initial);
+        if !self.data_writer_names.is_empty() {
+            state = state.with_previous_data_writers(&self.data_writer_names);
+        }
+        let mut rendered = self.spare.take().unwrap_or_default();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            flue_core::render_into(self.agent, &state, &mut rendered)
+        }));
+        drop(buffer);
+        match result {
+            Ok(Ok(())) => {
+                self.data_writer_names = rendered.data_writer_names();
+                Ok(rendered)
+            }
+            Ok(Err(error)) => Err(error.into()),
+            Err(payload) => Err(Failure::failed("render_failed", flue_core::render::panic_message(payload.as_ref()))),
+        }
+    }
+
+    fn check_abort(&self) -> Result<(), Failure> {
+        if self.attempt.signal.is_aborted() { Err(Failure::aborted()) } else { Ok(()) }
+    }
+
+    async fn run(&mut self) -> Result<(), Failure> {
+        let definition = self.agent.definition();
+        let deadline = Instant::now() + definition.durability.timeout;
+        // The init render: model, thinking level and compaction are submission-scoped.
+        let rendered = self.render()?;
+        let model = rendered.require_model()?.clone();
+        let (provider, model_id) = self
+            .runtime
+            .providers
+            .resolve(&model.spec)
+            .map_err(|error| Failure::failed("model_resolution", error.to_string()))?;
+        let thinking = model.options.thinking_level.unwrap_or(ThinkingLevel::Medium);
+
+        let submission_id = self.submission.id.clone();
+        // True start of the response: use_response_start metadata — skipped when a resumed
+        // response already has a durable model step.
+        let mut metadata = Metadata::new();
+        let response_starts = if self.conversation.has_stepped(&submission_id) { &[][..] } else { &rendered.response_starts[..] };
+        for callback in response_starts {
+            let ctx = ResponseStartContext { metadata: metadata.clone(), log: self.logger() };
+            match callback.call(&ctx) {
+                Ok(Some(contribution)) => merge_metadata(&mut metadata, contribution),
+                Ok(None) => {}
+                Err(error) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+            }
+        }
+        self.first_step_metadata = Some(metadata.clone());
+
+        // Input applied (once: a re-attempt finds it in the stream), then the start seam for the
+        // waking delivery (skipped when its marker committed).
+        if !self.conversation.has_input(&submission_id) {
+            let input = self.input_record(&submission_id, &self.delivery.clone());
+            self.commit(vec![input], false).await?;
+        }
+        if !self.conversation.has_started(&submission_id) {
+            self.start_seam(&rendered, self.delivery.clone(), &submission_id).await?;
+        }
+        self.spare = Some(rendered);
+
+        let max_steps = definition.max_steps.unwrap_or(u32::MAX);
+        let mut steps = 0u32;
+        let mut finish_cycles = self.conversation.finish_cycles(&submission_id);
+        loop {
+            self.check_abort()?;
+            if Instant::now() >= deadline {
+                return Err(Failure::failed("submission_timeout", "Submission exceeded the configured timeout."));
+            }
+            if steps >= max_steps {
+                break;
+            }
+            let rendered = self.render()?;
+            steps += 1;
+            let (response, message_id) =
+                self.model_step(&*provider, &model_id, &model.spec, thinking, &rendered, steps).await?;
+            if response.tool_calls.is_empty() {
+                // The would-stop point: queued deliveries join first.
+                if self.join_queued(&rendered).await? {
+                    self.spare = Some(rendered);
+                    continue;
+                }
+                let appended = self.finish_cycle(&rendered).await?;
+                if appended.is_empty() {
+                    self.commit(Vec::new(), true).await?;
+                    self.spare = Some(rendered);
+                    break;
+                }
+                finish_cycles += 1;
+                if finish_cycles > MAX_AGENT_FINISH_CYCLES {
+                    return Err(Failure::failed(
+                        "agent_finish_ceiling",
+                        format!(
+                            "[flue] use_agent_finish appended a continuation signal after {MAX_AGENT_FINISH_CYCLES} continued cycles in one response — a runaway loop. Append only while work remains, and guard with persistent state."
+                        ),
+                    ));
+                }
+                let mut records: Vec<Record> = appended.iter().map(|signal| self.signal_record(signal)).collect();
+                records.push(self.record(RecordBody::AgentFinishCycle));
+                self.commit(records, true).await?;
+                self.spare = Some(rendered);
+                continue;
+            }
+            let terminate = self.tool_batch(&rendered, &response, message_id).await?;
+            self.join_queued(&rendered).await?;
+            self.spare = Some(rendered);
+            if terminate {
+                break;
+            }
+        }
+
+        // The true end: use_response_finish with final usage and tool calls.
+        let rendered = self.spare.take().unwrap_or_default();
+        let summary = ResponseSummary { tool_calls: self.tool_calls.clone(), usage: self.usage };
+        let mut finish_metadata = Metadata::new();
+        for callback in &rendered.response_finishes {
+            let mut seen = metadata.clone();
+            merge_metadata(&mut seen, finish_metadata.clone());
+            let ctx = ResponseFinishContext { metadata: seen, response: summary.clone(), log: self.logger() };
+            match callback.call(&ctx) {
+                Ok(Some(contribution)) => merge_metadata(&mut finish_metadata, contribution),
+                Ok(None) => {}
+                Err(error) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+            }
+        }
+        let records = if finish_metadata.is_empty() {
+            Vec::new()
+        } else {
+            vec![self.record(RecordBody::MessageMetadata { metadata: finish_metadata })]
+        };
+        self.commit(records, true).await?;
+        Ok(())
+    }
+
+    fn input_record(&self, submission_id: &str, message: &DeliveredMessage) -> Record {
+        let mut record = match message {
+            DeliveredMessage::User(user) => {
+                self.record(RecordBody::UserMessage { message_id: new_id("msg"), body: user.body.clone() })
+            }
+            DeliveredMessage::Signal(signal) => self.signal_record(signal),
+        };
+        record.submission_id = Some(submission_id.to_owned());
+        record
+    }
+
+    fn signal_record(&self, signal: &Signal) -> Record {
+        self.record(RecordBody::Signal {
+            message_id: new_id("msg"),
+            signal_type: signal.signal_type.clone(),
+            body: signal.body.clone(),
+            attributes: signal.attributes.clone(),
+            tag_name: signal.tag_name.clone(),
+        })
+    }
+
+    /// Runs a delivery's `use_agent_start` callbacks concurrently and commits their appends and
+    /// state writes with the seam marker in one batch.
+    async fn start_seam(&mut self, rendered: &Rendered, delivery: Arc<DeliveredMessage>, submission_id: &str) -> Result<(), Failure> {
+        let appends = Arc::new(Appends::default());
+        let mut signals = Vec::new();
+        if !rendered.agent_starts.is_empty() {
+            let windows: Vec<AppendWindow> = rendered.agent_starts.iter().map(|_| AppendWindow::open()).collect();
+            let per_callback: Vec<Arc<Appends>> = rendered.agent_starts.iter().map(|_| Arc::new(Appends::default())).collect();
+            let runs = rendered.agent_starts.iter().zip(&windows).zip(&per_callback).map(|((callback, window), channel)| {
+                let ctx = AgentStartContext::new(
+                    channel.clone(),
+                    window.clone(),
+                    self.attempt.signal.clone(),
+                    self.logger(),
+                    delivery.clone(),
+                );
+                let run = callback.call(ctx);
+                let window = window.clone();
+                async move {
+                    let result = run.await;
+                    window.close();
+                    result
+                }
+            });
+            let results = futures_util::future::join_all(runs).await;
+            for (index, result) in results.into_iter().enumerate() {
+                if let Err(error) = result {
+                    return Err(Failure::failed(
+                        "agent_start_failed",
+                        format!("[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}", index + 1),
+                    ));
+                }
+            }
+            // Appended signals reach the conversation grouped in declaration order.
+            for channel in &per_callback {
+                signals.extend(channel.take());
+            }
+        }
+        drop(appends);
+        let mut records: Vec<Record> = signals.iter().map(|signal| self.signal_record(signal)).collect();
+        let mut marker = self.record(RecordBody::AgentStartRun);
+        marker.submission_id = Some(submission_id.to_owned());
+        records.push(marker);
+        self.commit(records, true).await
+    }
+
+    /// Runs the `use_agent_finish` callbacks sequentially; returns what they appended.
+    async fn finish_cycle(&mut self, rendered: &Rendered) -> Result<Vec<Signal>, Failure> {
+        let mut appended = Vec::new();
+        let summary = Arc::new(ResponseSummary { tool_calls: self.tool_calls.clone(), usage: self.usage });
+        for (index, callback) in rendered.agent_finishes.iter().enumerate() {
+            let channel = Arc::new(Appends::default());
+            let window = AppendWindow::open();
+            let ctx = AgentFinishContext::new(
+                channel.clone(),
+                window.clone(),
+                self.attempt.signal.clone(),
+                self.logger(),
+                summary.clone(),
+            );
+            let result = callback.call(ctx).await;
+            window.close();
+            if let Err(error) = result {
+                return Err(Failure::failed(
+                    "agent_finish_failed",
+                    format!("[flue] A use_agent_finish callback (hook #{} in declaration order) threw: {error}", index + 1),
+                ));
+            }
+            appended.extend(channel.take());
+        }
+        Ok(appended)
+    }
+
+    /// Claims queued deliveries into this response; returns whether any joined.
+    async fn join_queued(&mut self, rendered: &Rendered) -> Result<bool, Failure> {
+        let claimed = self
+            .runtime
+            .store
+            .claim_joinable(&self.attempt.attempt)
+            .await
+            .map_err(Failure::store)?;
+        if claimed.is_empty() {
+            return Ok(false);
+        }
+        for delivery in claimed {
+            let message = Arc::new(delivery.message.clone());
+            let input = self.input_record(&delivery.id, &message);
+            self.commit(vec![input], false).await?;
+            self.delivery = message.clone();
+            self.start_seam(rendered, message, &delivery.id).await?;
+            self.runtime
+                .store
+                .finalize_join(&self.attempt.attempt, &delivery.id)
+                .await
+                .map_err(Failure::store)?;
+            self.joined.push(delivery.id);
+        }
+        Ok(true)
+    }
+
+    async fn model_step(
+        &mut self,
+        provider: &dyn ModelProvider,
+        model_id: &str,
+        spec: &str,
+        thinking: ThinkingLevel,
+        rendered: &Rendered,
+        step: u32,
+    ) -> Result<(ModelResponse, String), Failure> {
+        let request = ModelRequest {
+            model: model_id.to_owned(),
+            system: rendered.instruction.as_ref().map(|text| text.to_string()),
+            messages: self.conversation.model_messages(),
+            tools: rendered
+                .tools
+                .iter()
+                .map(|tool| ToolSpec {
+                    name: tool.name().to_owned(),
+                    description: tool.definition().description.to_string(),
+                    parameters: tool.input_schema().json().clone(),
+                })
+                .collect(),
+            thinking_level: thinking,
+            max_output_tokens: None,
+        };
+        let started = Instant::now();
+        self.runtime.emit(self.key, Some(&self.submission.id), Event::TurnStart { step });
+        let mut retries = 0;
+        let response = loop {
+            match self.stream_once(provider, request.clone()).await {
+                Ok(response) => break response,
+                Err(StepError::Aborted) => return Err(Failure::aborted()),
+                Err(StepError::Provider(error)) if error.is_retryable() && retries < self.runtime.options.model_retries => {
+                    retries += 1;
+                    let delay = self.runtime.options.model_retry_delay * 2u32.pow(retries - 1);
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = self.attempt.signal.aborted() => return Err(Failure::aborted()),
+                    }
+                }
+                Err(StepError::Provider(error)) => {
+                    let error_type = match error.kind {
+                        crate::provider::ProviderErrorKind::ContextOverflow => "context_overflow",
+                        _ => "operation_failed",
+                    };
+                    return Err(Failure::failed(error_type, format!("prompt failed: {error}")));
+                }
+            }
+        };
+        self.runtime.emit(
+            self.key,
+            Some(&self.submission.id),
+            Event::Turn { step, stop_reason: response.stop_reason.to_string(), duration_ms: started.elapsed().as_millis() as u64 },
+        );
+        self.usage += response.usage;
+        let message_id = new_id("msg");
+        let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
+        let mut records = vec![self.record(RecordBody::AssistantMessageStarted {
+            message_id: message_id.clone(),
+            model: spec.to_owned(),
+            response_metadata,
+        })];
+        for call in &response.tool_calls {
+            records.push(self.record(RecordBody::AssistantToolCall {
+                message_id: message_id.clone(),
+                tool_call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            }));
+        }
+        records.push(self.record(RecordBody::AssistantMessageCompleted {
+            message_id: message_id.clone(),
+            text: response.text.clone(),
+            stop_reason: response.stop_reason,
+            usage: response.usage,
+        }));
+        self.commit(records, false).await?;
+        Ok((response, message_id))
+    }
+
+    async fn stream_once(&self, provider: &dyn ModelProvider, request: ModelRequest) -> Result<ModelResponse, StepError> {
+        let mut stream = provider.stream(request);
+        loop {
+            let next = tokio::select! {
+                next = stream.next() => next,
+                () = self.attempt.signal.aborted() => return Err(StepError::Aborted),
+            };
+            match next {
+                None => {
+                    return Err(StepError::Provider(crate::provider::ProviderError::new(
+                        crate::provider::ProviderErrorKind::Network,
+                        "the model stream ended before the response completed",
+                    )));
+                }
+                Some(Err(error)) => return Err(StepError::Provider(error)),
+                Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
+                Some(Ok(StreamEvent::TextDelta(delta))) => {
+                    self.runtime.emit(self.key, Some(&self.submission.id), Event::TextDelta { delta });
+                }
+                Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
+                    self.runtime.emit(self.key, Some(&self.submission.id), Event::ReasoningDelta { delta });
+                }
+                Some(Ok(StreamEvent::ToolCallStarted { .. } | StreamEvent::ToolCallArguments { .. })) => {}
+            }
+        }
+    }
+
+    /// Runs the step's tool calls and commits the batch; returns whether every result asked to
+    /// end the turn.
+    async fn tool_batch(
+        &mut self,
+        rendered: &Rendered,
+        response: &ModelResponse,
+        assistant_message_id: String,
+    ) -> Result<bool, Failure> {
+        let executed = {
+            let runtime = self.runtime;
+            let key = self.key;
+            let submission_id = self.submission.id.clone();
+            let logger = self.logger();
+            let signal = self.attempt.signal.clone();
+            tools::run_batch(
+                &rendered.tools,
+                response.tool_calls.clone(),
+                runtime.options.tool_concurrency,
+                &signal,
+                |tool, call: &ModelToolCall| {
+                    ToolContext::new(tool, call.id.clone())
+                        .with_instance_id(key.id.clone())
+                        .with_signal(signal.clone())
+                        .with_logger(logger.clone())
+                },
+                |call: &ModelToolCall| {
+                    runtime.emit(
+                        key,
+                        Some(&submission_id),
+                        Event::ToolStart { tool_name: call.name.clone(), tool_call_id: call.id.clone() },
+                    );
+                },
+            )
+            .await
+        };
+        self.check_abort()?;
+        let terminate = !executed.is_empty() && executed.iter().all(|run| run.output.terminate);
+        let mut records = Vec::with_capacity(executed.len() + 1);
+        for run in &executed {
+            records.push(self.record(RecordBody::ToolOutcome {
+                assistant_message_id: assistant_message_id.clone(),
+                tool_call_id: run.call.id.clone(),
+                tool_name: run.call.name.clone(),
+                is_error: run.output.is_error,
+                content: run.output.to_text(),
+                terminate: run.output.terminate,
+                duration_ms: run.duration_ms,
+            }));
+        }
+        records.push(self.record(RecordBody::ToolResultsCommitted { assistant_message_id }));
+        self.commit(records, true).await?;
+        for run in executed {
+            self.tool_calls.push(ToolCallSummary { tool: run.call.name.clone(), is_error: run.output.is_error });
+            self.runtime.emit(
+                self.key,
+                Some(&self.submission.id),
+                Event::Tool {
+                    tool_name: run.call.name,
+                    tool_call_id: run.call.id,
+                    is_error: run.output.is_error,
+                    duration_ms: run.duration_ms,
+                },
+            );
+        }
+        Ok(terminate)
+    }
+}
+
+enum StepError {
+    Aborted,
+    Provider(crate::provider::ProviderError),
+}

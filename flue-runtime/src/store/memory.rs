@@ -1,0 +1,332 @@
+//! The in-memory store: the whole [`Store`] contract in one mutex-guarded structure.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use flue_core::BoxFuture;
+
+use super::{
+    Admission, Admitted, AttemptRef, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
+    UidCondition,
+};
+use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
+
+/// A [`Store`] that keeps everything in memory. Cheap to clone (clones share the data).
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    inner: Arc<Mutex<Inner>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    sequence: u64,
+    submissions: HashMap<String, Submission>,
+    instances: BTreeMap<InstanceKey, Instance>,
+}
+
+#[derive(Default)]
+struct Instance {
+    uid: String,
+    /// Submission ids in admission order.
+    queue: Vec<String>,
+    batches: Vec<Batch>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
+    Box::pin(std::future::ready(value))
+}
+
+impl Inner {
+    fn is_unsettled(&self, id: &str) -> bool {
+        self.submissions.get(id).is_some_and(|row| row.status != SubmissionStatus::Settled)
+    }
+
+    fn owns(&self, attempt: &AttemptRef) -> bool {
+        self.submissions.get(&attempt.submission_id).is_some_and(|row| {
+            row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
+        })
+    }
+
+    fn append(&mut self, key: &InstanceKey, records: Vec<Record>) -> Result<u64, StoreError> {
+        if records.is_empty() {
+            return Err(StoreError::Other("an append batch must not be empty".into()));
+        }
+        let instance = self.instances.get_mut(key).ok_or_else(|| StoreError::Other(format!("no stream {key}")))?;
+        let offset = instance.batches.len() as u64;
+        instance.batches.push(Batch { offset, records });
+        Ok(offset)
+    }
+}
+
+impl Store for MemoryStore {
+    fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
+        let mut inner = self.lock();
+        let result = (|| {
+            if let Some(existing) = inner.submissions.get(&admission.submission_id) {
+                if existing.message == admission.message && existing.key == admission.key {
+                    let uid = inner.instances.get(&admission.key).map(|instance| instance.uid.clone()).unwrap_or_default();
+                    return Ok(Admitted { submission: existing.clone(), uid, deduplicated: true, offset: None });
+                }
+                return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
+            }
+            let existing_uid = inner.instances.get(&admission.key).map(|instance| instance.uid.clone());
+            match (&admission.uid, &existing_uid) {
+                (UidCondition::Existing(expected), Some(uid)) if expected != uid => {
+                    return Err(StoreError::InstanceNotFound(admission.key.id.clone()));
+                }
+                (UidCondition::Existing(_), None) => return Err(StoreError::InstanceNotFound(admission.key.id.clone())),
+                (UidCondition::CreateOnly, Some(uid)) => {
+                    return Err(StoreError::InstanceExists { id: admission.key.id.clone(), uid: uid.clone() });
+                }
+                _ => {}
+            }
+            let uid = match existing_uid {
+                Some(uid) => uid,
+                None => {
+                    let uid = new_id("inst");
+                    let birth = Record {
+                        id: new_id("record"),
+                        submission_id: None,
+                        attempt_id: None,
+                        timestamp: now(),
+                        body: RecordBody::ConversationCreated { uid: uid.clone(), initial_data: admission.initial_data.clone() },
+                    };
+                    let instance = Instance {
+                        uid: uid.clone(),
+                        queue: Vec::new(),
+                        batches: vec![Batch { offset: 0, records: vec![birth] }],
+                    };
+                    inner.instances.insert(admission.key.clone(), instance);
+                    uid
+                }
+            };
+            inner.sequence += 1;
+            let submission = Submission {
+                id: admission.submission_id.clone(),
+                sequence: inner.sequence,
+                key: admission.key.clone(),
+                kind: admission.kind,
+                message: admission.message,
+                status: SubmissionStatus::Queued,
+                accepted_at: now(),
+                attempt_id: None,
+                attempt_count: 0,
+                max_attempts: admission.max_attempts,
+                abort_requested: false,
+                joined_into: None,
+                outcome: None,
+                error: None,
+            };
+            inner.submissions.insert(submission.id.clone(), submission.clone());
+            let instance = inner.instances.get_mut(&admission.key).ok_or_else(|| StoreError::Other("instance vanished".into()))?;
+            instance.queue.push(submission.id.clone());
+            let offset = instance.batches.len().checked_sub(1).map(|last| last as u64);
+            Ok(Admitted { submission, uid, deduplicated: false, offset })
+        })();
+        ready(result)
+    }
+
+    fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
+        let inner = self.lock();
+        let info = inner.instances.get(key).map(|instance| InstanceInfo { id: key.id.clone(), uid: instance.uid.clone() });
+        ready(Ok(info))
+    }
+
+    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        ready(Ok(self.lock().submissions.get(id).cloned()))
+    }
+
+    fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        let mut inner = self.lock();
+        let head = inner.instances.get(key).and_then(|instance| {
+            instance.queue.iter().find(|id| inner.is_unsettled(id)).cloned()
+        });
+        let claimed = head.and_then(|id| {
+            let row = inner.submissions.get_mut(&id)?;
+            if row.status != SubmissionStatus::Queued {
+                return None;
+            }
+            row.status = SubmissionStatus::Running;
+            row.attempt_id = Some(attempt_id.to_owned());
+            row.attempt_count += 1;
+            Some(row.clone())
+        });
+        ready(Ok(claimed))
+    }
+
+    fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        let mut inner = self.lock();
+        if !inner.owns(host) {
+            return ready(Ok(Vec::new()));
+        }
+        let Some(key) = inner.submissions.get(&host.submission_id).map(|row| row.key.clone()) else {
+            return ready(Ok(Vec::new()));
+        };
+        let queued: Vec<String> = inner
+            .instances
+            .get(&key)
+            .map(|instance| {
+                instance
+                    .queue
+                    .iter()
+                    .filter(|id| inner.submissions.get(*id).is_some_and(|row| row.status == SubmissionStatus::Queued))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut claimed = Vec::new();
+        for id in queued {
+            let Some(row) = inner.submissions.get_mut(&id) else { break };
+            if row.abort_requested {
+                break;
+            }
+            row.status = SubmissionStatus::Joining;
+            row.joined_into = Some(host.submission_id.clone());
+            claimed.push(row.clone());
+        }
+        ready(Ok(claimed))
+    }
+
+    fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let mut inner = self.lock();
+        let owns = inner.owns(host);
+        let done = match inner.submissions.get_mut(submission_id) {
+            Some(row)
+                if owns
+                    && row.status == SubmissionStatus::Joining
+                    && row.joined_into.as_deref() == Some(host.submission_id.as_str()) =>
+            {
+                row.status = SubmissionStatus::Joined;
+                true
+            }
+            _ => false,
+        };
+        ready(Ok(done))
+    }
+
+    fn settle(
+        &self,
+        host: &AttemptRef,
+        outcome: Outcome,
+        error: Option<SettlementError>,
+        records: Vec<Record>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let mut inner = self.lock();
+        let result = (|| {
+            if !inner.owns(host) {
+                return Err(StoreError::Fenced(format!("attempt {} does not own {}", host.attempt_id, host.submission_id)));
+            }
+            let key = inner.submissions.get(&host.submission_id).map(|row| row.key.clone()).ok_or_else(|| {
+                StoreError::Other(format!("no submission {}", host.submission_id))
+            })?;
+            if !records.is_empty() {
+                inner.append(&key, records)?;
+            }
+            let joined: Vec<String> = inner
+                .submissions
+                .values()
+                .filter(|row| row.joined_into.as_deref() == Some(host.submission_id.as_str()))
+                .map(|row| row.id.clone())
+                .collect();
+            for id in joined {
+                if let Some(row) = inner.submissions.get_mut(&id) {
+                    match row.status {
+                        SubmissionStatus::Joined => {
+                            row.status = SubmissionStatus::Settled;
+                            row.outcome = Some(outcome);
+                            row.error = error.clone();
+                        }
+                        // A join claimed but never applied goes back to the queue: never lost.
+                        SubmissionStatus::Joining => {
+                            row.status = SubmissionStatus::Queued;
+                            row.joined_into = None;
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if let Some(row) = inner.submissions.get_mut(&host.submission_id) {
+                row.status = SubmissionStatus::Settled;
+                row.outcome = Some(outcome);
+                row.error = error;
+            }
+            Ok(())
+        })();
+        ready(result)
+    }
+
+    fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let mut inner = self.lock();
+        if !inner.owns(attempt) {
+            return ready(Ok(false));
+        }
+        for row in inner.submissions.values_mut() {
+            if row.joined_into.as_deref() == Some(attempt.submission_id.as_str()) && row.status == SubmissionStatus::Joining {
+                row.status = SubmissionStatus::Queued;
+                row.joined_into = None;
+            }
+        }
+        if let Some(row) = inner.submissions.get_mut(&attempt.submission_id) {
+            row.status = SubmissionStatus::Queued;
+            row.attempt_id = None;
+        }
+        ready(Ok(true))
+    }
+
+    fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        let mut inner = self.lock();
+        let ids: Vec<String> = inner.instances.get(key).map(|instance| instance.queue.clone()).unwrap_or_default();
+        let mut affected = Vec::new();
+        for id in ids {
+            if let Some(row) = inner.submissions.get_mut(&id)
+                && row.status != SubmissionStatus::Settled
+            {
+                row.abort_requested = true;
+                affected.push(id);
+            }
+        }
+        ready(Ok(affected))
+    }
+
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: Vec<Record>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut inner = self.lock();
+        if let Some(attempt) = authorization
+            && !inner.owns(attempt)
+        {
+            return ready(Err(StoreError::Fenced(format!(
+                "attempt {} does not own submission {}",
+                attempt.attempt_id, attempt.submission_id
+            ))));
+        }
+        ready(inner.append(key, records))
+    }
+
+    fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        let inner = self.lock();
+        let batches = inner
+            .instances
+            .get(key)
+            .map(|instance| {
+                let start = after.map_or(0, |after| after as usize + 1);
+                instance.batches.get(start..).map(<[Batch]>::to_vec).unwrap_or_default()
+            })
+            .unwrap_or_default();
+        ready(Ok(batches))
+    }
+}

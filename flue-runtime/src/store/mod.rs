@@ -1,0 +1,246 @@
+//! Durable state: the submission ledger and the per-instance record stream, behind one
+//! [`Store`] trait. [`MemoryStore`] implements it in memory (tests, examples); the SQLite and
+//! Postgres stores implement the same trait.
+
+mod memory;
+
+use std::fmt;
+
+use flue_core::BoxFuture;
+use flue_core::message::DeliveredMessage;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use memory::MemoryStore;
+
+use crate::record::{Batch, Outcome, Record, SettlementError};
+
+/// An agent instance: the agent's identity and the instance id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct InstanceKey {
+    /// The agent's name.
+    pub agent: String,
+    /// The instance id.
+    pub id: String,
+}
+
+impl InstanceKey {
+    /// The key of `id` of `agent`.
+    pub fn new(agent: impl Into<String>, id: impl Into<String>) -> Self {
+        Self { agent: agent.into(), id: id.into() }
+    }
+
+    /// The stream path: `agents/<agent>/<id>`.
+    pub fn stream_path(&self) -> String {
+        format!("agents/{}/{}", self.agent, self.id)
+    }
+}
+
+impl fmt::Display for InstanceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.agent, self.id)
+    }
+}
+
+/// How a submission was admitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SubmissionKind {
+    /// `dispatch()` or `use_dispatch_message`.
+    Dispatch,
+    /// A direct send (`send()`, HTTP `POST /:id`).
+    Direct,
+}
+
+/// Where a submission is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SubmissionStatus {
+    /// Waiting its turn.
+    Queued,
+    /// Claimed by an attempt.
+    Running,
+    /// Claimed into a live response at a turn boundary; not yet applied.
+    Joining,
+    /// Applied into a live response; settles with it.
+    Joined,
+    /// Done.
+    Settled,
+}
+
+/// A conditional send.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum UidCondition {
+    /// Unconditional: create the instance if needed.
+    #[default]
+    Any,
+    /// Continue only this incarnation (404 otherwise).
+    Existing(String),
+    /// Create only (409 when the instance exists).
+    CreateOnly,
+}
+
+/// A message to admit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Admission {
+    /// The instance.
+    pub key: InstanceKey,
+    /// The submission id (derived from an idempotency key, or fresh).
+    pub submission_id: String,
+    /// Whether the id was derived from an idempotency key (replays converge).
+    pub keyed: bool,
+    /// How it arrived.
+    pub kind: SubmissionKind,
+    /// The message.
+    pub message: DeliveredMessage,
+    /// Creation data (used only when this admission creates the instance).
+    pub initial_data: Option<Value>,
+    /// The conditional-send rule.
+    pub uid: UidCondition,
+    /// Attempt budget stamped on the row.
+    pub max_attempts: u32,
+}
+
+/// A submission row of the ledger.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Submission {
+    /// Id.
+    pub id: String,
+    /// Admission order across the store.
+    pub sequence: u64,
+    /// The instance.
+    pub key: InstanceKey,
+    /// How it arrived.
+    pub kind: SubmissionKind,
+    /// The message.
+    pub message: DeliveredMessage,
+    /// Where it is.
+    pub status: SubmissionStatus,
+    /// When it was accepted (RFC 3339).
+    pub accepted_at: String,
+    /// The current attempt.
+    pub attempt_id: Option<String>,
+    /// Attempts so far.
+    pub attempt_count: u32,
+    /// Attempt budget.
+    pub max_attempts: u32,
+    /// Whether an abort was requested.
+    pub abort_requested: bool,
+    /// The host a joined delivery settles with.
+    pub joined_into: Option<String>,
+    /// How it settled.
+    pub outcome: Option<Outcome>,
+    /// Why it failed.
+    pub error: Option<SettlementError>,
+}
+
+/// The result of an admission.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Admitted {
+    /// The submission row.
+    pub submission: Submission,
+    /// The instance incarnation.
+    pub uid: String,
+    /// Whether an idempotency-keyed replay converged on an earlier admission.
+    pub deduplicated: bool,
+    /// The stream head after admission (before the input is applied), as an offset.
+    pub offset: Option<u64>,
+}
+
+/// An instance that exists.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceInfo {
+    /// The instance id.
+    pub id: String,
+    /// Its incarnation.
+    pub uid: String,
+}
+
+/// A claim that owns a running submission.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRef {
+    /// The submission.
+    pub submission_id: String,
+    /// The attempt.
+    pub attempt_id: String,
+}
+
+/// A store operation that was refused or failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// `uid` named an incarnation that does not exist.
+    #[error("Agent instance \"{0}\" was not found.")]
+    InstanceNotFound(String),
+    /// `uid: null` (create only) but the instance exists.
+    #[error("Agent instance \"{id}\" already exists.")]
+    InstanceExists {
+        /// The instance id.
+        id: String,
+        /// Its incarnation.
+        uid: String,
+    },
+    /// The submission id is taken by another payload.
+    #[error("Submission \"{0}\" was already admitted with a different message.")]
+    SubmissionConflict(String),
+    /// The appending attempt does not own the submission any more.
+    #[error("The stream rejected the append: {0}.")]
+    Fenced(String),
+    /// Anything else.
+    #[error("store failure: {0}")]
+    Other(String),
+}
+
+/// The durable store of a runtime.
+pub trait Store: Send + Sync + 'static {
+    /// Admits a message: creates the instance (birth record) when needed, checks the
+    /// conditional-send rule, and queues the submission. Idempotent by submission id.
+    fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>>;
+
+    /// The instance, if it was ever contacted.
+    fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>>;
+
+    /// A submission row.
+    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
+
+    /// Claims the instance's runnable head (the oldest queued submission, when nothing earlier
+    /// is unsettled) for `attempt_id`.
+    fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
+
+    /// Claims the contiguous prefix of queued submissions behind a running host into its live
+    /// response (stopping at the first abort-requested row).
+    fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>>;
+
+    /// Marks a claimed join applied (`joining → joined`).
+    fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>>;
+
+    /// Settles the host (and every delivery joined into it) with `outcome`, appending
+    /// `records` (the settlement records) to the stream in the same step.
+    fn settle(
+        &self,
+        host: &AttemptRef,
+        outcome: Outcome,
+        error: Option<SettlementError>,
+        records: Vec<Record>,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Gives a running submission back to the queue for a fresh attempt (its input and every
+    /// committed batch stay in the stream; the next attempt resumes from them). Joins claimed
+    /// but not applied go back to the queue too. Only the owning attempt can requeue.
+    fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>>;
+
+    /// Stamps an abort intent on every unsettled submission of the instance; returns their ids.
+    fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
+
+    /// Appends one batch atomically. With `authorization`, the attempt must still own its
+    /// submission.
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: Vec<Record>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>>;
+
+    /// Batches strictly after `after` (all when `None`).
+    fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>>;
+}

@@ -1,0 +1,163 @@
+//! An in-process model that answers from a script: agents are testable offline, and the
+//! turn loop runs exactly as it does against a real provider.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use flue_core::usage::Usage;
+use futures_util::stream;
+
+use crate::provider::{
+    ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
+    ProviderErrorKind, StopReason, StreamEvent,
+};
+
+/// One scripted answer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ScriptedReply {
+    /// Answer with text and stop.
+    Text(String),
+    /// Call tools (`(name, arguments JSON)`), optionally with some text.
+    ToolCalls {
+        /// Text before the calls.
+        text: String,
+        /// The calls.
+        calls: Vec<(String, String)>,
+    },
+    /// Fail the call.
+    Error(ProviderError),
+}
+
+impl ScriptedReply {
+    /// A text answer.
+    pub fn text(text: impl Into<String>) -> Self {
+        Self::Text(text.into())
+    }
+
+    /// One tool call.
+    pub fn tool_call(name: impl Into<String>, arguments: serde_json::Value) -> Self {
+        Self::ToolCalls { text: String::new(), calls: vec![(name.into(), arguments.to_string())] }
+    }
+
+    /// Several tool calls in one step.
+    pub fn tool_calls<N: Into<String>>(calls: impl IntoIterator<Item = (N, serde_json::Value)>) -> Self {
+        Self::ToolCalls {
+            text: String::new(),
+            calls: calls.into_iter().map(|(name, arguments)| (name.into(), arguments.to_string())).collect(),
+        }
+    }
+}
+
+/// A [`ModelProvider`] (id `scripted` unless renamed) that answers each call with the next
+/// scripted reply and records every request it received.
+///
+/// When the script runs out it answers with a provider error naming the problem, so a test
+/// that makes more calls than it scripted fails loudly. Without a script it echoes: it
+/// answers `You said: <last user message>`, which is what the examples use offline.
+#[derive(Clone)]
+pub struct ScriptedModel {
+    id: String,
+    inner: Arc<Mutex<Inner>>,
+}
+
+struct Inner {
+    script: VecDeque<ScriptedReply>,
+    echo: bool,
+    requests: Vec<ModelRequest>,
+    calls: u64,
+}
+
+impl ScriptedModel {
+    /// A model answering with `replies`, in order.
+    pub fn new(replies: impl IntoIterator<Item = ScriptedReply>) -> Self {
+        Self {
+            id: "scripted".into(),
+            inner: Arc::new(Mutex::new(Inner { script: replies.into_iter().collect(), echo: false, requests: Vec::new(), calls: 0 })),
+        }
+    }
+
+    /// A model that echoes the last user message (after any scripted replies).
+    pub fn echo() -> Self {
+        let model = Self::new([]);
+        model.lock().echo = true;
+        model
+    }
+
+    /// Renames the provider id.
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = id.into();
+        self
+    }
+
+    /// Appends replies to the script.
+    pub fn push(&self, reply: ScriptedReply) {
+        self.lock().script.push_back(reply);
+    }
+
+    /// Every request received, in order.
+    pub fn requests(&self) -> Vec<ModelRequest> {
+        self.lock().requests.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl ModelProvider for ScriptedModel {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn stream(&self, request: ModelRequest) -> ModelStream {
+        let mut inner = self.lock();
+        inner.calls += 1;
+        let call = inner.calls;
+        let last_user = request.messages.iter().rev().find_map(|message| match message {
+            ModelMessage::User { content } => Some(content.clone()),
+            _ => None,
+        });
+        inner.requests.push(request);
+        let reply = match inner.script.pop_front() {
+            Some(reply) => reply,
+            None if inner.echo => ScriptedReply::Text(format!("You said: {}", last_user.unwrap_or_default())),
+            None => ScriptedReply::Error(ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!("the scripted model has no reply left for call {call}"),
+            )),
+        };
+        drop(inner);
+        let events: Vec<Result<StreamEvent, ProviderError>> = match reply {
+            ScriptedReply::Error(error) => vec![Err(error)],
+            ScriptedReply::Text(text) => {
+                let mut events: Vec<_> = text.split_inclusive(' ').map(|word| Ok(StreamEvent::TextDelta(word.to_owned()))).collect();
+                events.push(Ok(StreamEvent::Completed(response(text, Vec::new()))));
+                events
+            }
+            ScriptedReply::ToolCalls { text, calls } => {
+                let calls: Vec<ModelToolCall> = calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, (name, arguments))| ModelToolCall { id: format!("call_{call}_{index}"), name, arguments })
+                    .collect();
+                let mut events = Vec::new();
+                if !text.is_empty() {
+                    events.push(Ok(StreamEvent::TextDelta(text.clone())));
+                }
+                for (index, tool_call) in calls.iter().enumerate() {
+                    events.push(Ok(StreamEvent::ToolCallStarted { index, id: tool_call.id.clone(), name: tool_call.name.clone() }));
+                    events.push(Ok(StreamEvent::ToolCallArguments { index, delta: tool_call.arguments.clone() }));
+                }
+                events.push(Ok(StreamEvent::Completed(response(text, calls))));
+                events
+            }
+        };
+        Box::pin(stream::iter(events))
+    }
+}
+
+fn response(text: String, tool_calls: Vec<ModelToolCall>) -> ModelResponse {
+    let stop_reason = if tool_calls.is_empty() { StopReason::Stop } else { StopReason::ToolUse };
+    let usage = Usage { input_tokens: 10, output_tokens: (text.len() as u64 / 4).max(1), ..Usage::default() };
+    ModelResponse { text, reasoning: String::new(), tool_calls, stop_reason, usage }
+}

@@ -1,0 +1,79 @@
+//! Running a response's tool calls: arguments validated against the schema before the tool
+//! runs, errors and panics turned into error results, concurrency bounded, abort honoured.
+
+use std::panic::AssertUnwindSafe;
+use std::time::Instant;
+
+use flue_core::Tool;
+use flue_core::abort::AbortSignal;
+use flue_core::tool::{ToolContext, ToolOutput};
+use futures_util::FutureExt;
+use futures_util::stream::{self, StreamExt};
+use serde_json::Value;
+
+use crate::provider::ModelToolCall;
+
+/// One executed call.
+pub(crate) struct Executed {
+    pub(crate) call: ModelToolCall,
+    pub(crate) output: ToolOutput,
+    pub(crate) duration_ms: u64,
+}
+
+/// Runs `calls` against `tools`, at most `concurrency` at a time, returning outcomes in call
+/// order. `started` is told about each call as it starts.
+pub(crate) async fn run_batch(
+    tools: &[Tool],
+    calls: Vec<ModelToolCall>,
+    concurrency: usize,
+    signal: &AbortSignal,
+    context: impl Fn(&Tool, &ModelToolCall) -> ToolContext,
+    started: impl Fn(&ModelToolCall),
+) -> Vec<Executed> {
+    let runs = calls.into_iter().map(|call| {
+        let tool = tools.iter().find(|tool| tool.name() == call.name).cloned();
+        let ctx = tool.as_ref().map(|tool| context(tool, &call));
+        started(&call);
+        async move {
+            let begun = Instant::now();
+            let output = match (tool, ctx) {
+                (Some(tool), Some(ctx)) => run_one(&tool, ctx, &call.arguments, signal).await,
+                _ => ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
+            };
+            Executed { call, output, duration_ms: begun.elapsed().as_millis() as u64 }
+        }
+    });
+    stream::iter(runs).buffered(concurrency.max(1)).collect().await
+}
+
+async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> ToolOutput {
+    let args: Value = match serde_json::from_str(if arguments.trim().is_empty() { "{}" } else { arguments }) {
+        Ok(args) => args,
+        Err(error) => return ToolOutput::error(format!("Tool argument validation failed: [root] invalid JSON: {error}")),
+    };
+    if let Err(issues) = tool.input_schema().validate(&args) {
+        let issues: Vec<String> = issues
+            .iter()
+            .map(|issue| match issue.split_once(": ") {
+                Some((path, message)) => format!("[{path}] {message}"),
+                None => issue.clone(),
+            })
+            .collect();
+        return ToolOutput::error(format!("Tool argument validation failed: {}", issues.join("; ")));
+    }
+    if signal.is_aborted() {
+        return ToolOutput::error("Tool execution was aborted before it started.");
+    }
+    let run = AssertUnwindSafe(tool.call(ctx, args)).catch_unwind();
+    tokio::select! {
+        result = run => match result {
+            Ok(output) => output,
+            Err(payload) => ToolOutput::error(format!(
+                "Tool \"{}\" panicked: {}",
+                tool.name(),
+                flue_core::render::panic_message(payload.as_ref())
+            )),
+        },
+        () = signal.aborted() => ToolOutput::error("Tool execution was aborted."),
+    }
+}

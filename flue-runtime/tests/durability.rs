@@ -1,0 +1,217 @@
+//! Fault injection: a store that fails chosen appends once. A failed durability point abandons
+//! the attempt; the next attempt resumes from what is durable, as after a crash.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use flue_core::BoxFuture;
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{ModelMessage, ProviderRegistry};
+use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
+use flue_runtime::store::{
+    Admission, Admitted, AttemptRef, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, Submission,
+};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use serde_json::json;
+
+type Predicate = Box<dyn Fn(&[Record]) -> bool + Send>;
+
+/// A memory store whose `append` fails for batches matching a predicate: once, or always.
+#[derive(Clone, Default)]
+struct FaultyStore {
+    inner: MemoryStore,
+    fault: Arc<Mutex<Option<Predicate>>>,
+    always: Arc<std::sync::atomic::AtomicBool>,
+    failures: Arc<AtomicUsize>,
+}
+
+impl FaultyStore {
+    fn fail_once(&self, predicate: impl Fn(&[Record]) -> bool + Send + 'static) {
+        *self.fault.lock().unwrap() = Some(Box::new(predicate));
+    }
+
+    fn fail_always(&self, predicate: impl Fn(&[Record]) -> bool + Send + 'static) {
+        self.always.store(true, Ordering::SeqCst);
+        self.fail_once(predicate);
+    }
+}
+
+impl Store for FaultyStore {
+    fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
+        self.inner.admit(admission)
+    }
+    fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
+        self.inner.instance(key)
+    }
+    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.submission(id)
+    }
+    fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.claim_next(key, attempt_id)
+    }
+    fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        self.inner.claim_joinable(host)
+    }
+    fn finalize_join(&self, host: &AttemptRef, id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.finalize_join(host, id)
+    }
+    fn settle(
+        &self,
+        host: &AttemptRef,
+        outcome: Outcome,
+        error: Option<SettlementError>,
+        records: Vec<Record>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.settle(host, outcome, error, records)
+    }
+    fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.requeue(attempt)
+    }
+    fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.inner.request_abort(key)
+    }
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: Vec<Record>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut fault = self.fault.lock().unwrap();
+        if fault.as_ref().is_some_and(|matches| matches(&records)) {
+            if !self.always.load(Ordering::SeqCst) {
+                *fault = None;
+            }
+            self.failures.fetch_add(1, Ordering::SeqCst);
+            return Box::pin(std::future::ready(Err(StoreError::Other("injected append failure".into()))));
+        }
+        drop(fault);
+        self.inner.append(key, records, authorization)
+    }
+    fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        self.inner.read(key, after)
+    }
+}
+
+fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .agent(agent)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions { model_retry_delay: std::time::Duration::from_millis(1), ..RuntimeOptions::default() })
+        .build()
+        .unwrap()
+}
+
+async fn records(store: &FaultyStore, key: &InstanceKey) -> Vec<Record> {
+    store.inner.read(key, None).await.unwrap().into_iter().flat_map(|batch| batch.records).collect()
+}
+
+static CHARGES: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn billing() -> &'static str {
+    use_model("scripted/x");
+    let (_, set_charged) = use_persistent_state("charged", false);
+    use_tool(Tool::new("charge").description("Charge the card.").run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+        let set_charged = set_charged.clone();
+        async move {
+            CHARGES.fetch_add(1, Ordering::SeqCst);
+            set_charged.set(true)?;
+            Ok::<_, ToolError>("charged")
+        }
+    }));
+    "You bill customers."
+}
+
+#[tokio::test]
+async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_state_writes_absent() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| records.iter().any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. })));
+    let model = ScriptedModel::new([ScriptedReply::tool_call("charge", json!({})), ScriptedReply::text("I could not confirm the charge.")]);
+    let runtime = runtime(&store, &model, billing);
+    let reply = runtime.init(&billing, "b-1").send("charge me").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "I could not confirm the charge.");
+    let key = InstanceKey::new("billing", "b-1");
+    let all = records(&store, &key).await;
+    assert!(!all.iter().any(|record| matches!(record.body, RecordBody::StateWrite { .. })), "the interrupted batch's state write is absent");
+    assert!(!all.iter().any(|record| matches!(record.body, RecordBody::ToolOutcome { .. })));
+    // The tool ran once; the re-attempt did not re-run it but told the model its outcome is unknown.
+    assert_eq!(CHARGES.load(Ordering::SeqCst), 1);
+    let requests = model.requests();
+    let ModelMessage::Tool { content, is_error, .. } = requests[1].messages.last().unwrap() else { panic!("tool result") };
+    assert!(*is_error);
+    assert_eq!(content, "Tool execution was interrupted before completion. The outcome is unknown.");
+    // The input was applied exactly once.
+    let inputs = all.iter().filter(|record| matches!(record.body, RecordBody::UserMessage { .. })).count();
+    assert_eq!(inputs, 1);
+}
+
+static STARTS: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn onboarding() -> &'static str {
+    use_model("scripted/x");
+    let (_, set_seeded) = use_persistent_state("seeded", 0u32);
+    use_agent_start(move |ctx| {
+        let set_seeded = set_seeded.clone();
+        async move {
+            STARTS.fetch_add(1, Ordering::SeqCst);
+            set_seeded.update(|n| n + 1)?;
+            ctx.append(Signal::new("workspace", "Seeded the workspace."))?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        }
+    });
+    use_agent_start(|_ctx| async {
+        STARTS.fetch_add(1, Ordering::SeqCst);
+    });
+    "You onboard customers."
+}
+
+#[tokio::test]
+async fn a_failure_inside_a_start_seam_re_runs_every_start_callback_and_duplicates_no_durable_effect() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| records.iter().any(|record| matches!(record.body, RecordBody::AgentStartRun)));
+    let model = ScriptedModel::new([ScriptedReply::text("Welcome!")]);
+    let runtime = runtime(&store, &model, onboarding);
+    runtime.init(&onboarding, "o-1").send("hello").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(STARTS.load(Ordering::SeqCst), 4, "both callbacks ran in each of the two attempts");
+    let all = records(&store, &InstanceKey::new("onboarding", "o-1")).await;
+    let count = |predicate: fn(&RecordBody) -> bool| all.iter().filter(|record| predicate(&record.body)).count();
+    assert_eq!(count(|body| matches!(body, RecordBody::AgentStartRun)), 1);
+    assert_eq!(count(|body| matches!(body, RecordBody::Signal { signal_type, .. } if signal_type == "workspace")), 1);
+    let writes: Vec<_> = all
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::StateWrite { name, value } if name == "seeded" => Some(value.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(writes, [json!(1)], "the failed seam's write never happened");
+    let messages = &model.requests()[0].messages;
+    assert_eq!(messages.len(), 2, "one user message and one appended signal: {messages:?}");
+}
+
+#[agent(durability(max_attempts = 2))]
+fn fragile() -> &'static str {
+    use_model("scripted/x");
+    "x"
+}
+
+#[tokio::test]
+async fn repeated_store_failures_exhaust_the_attempt_budget() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::echo();
+    let runtime = runtime(&store, &model, fragile);
+    store.fail_always(|records| records.iter().any(|r| matches!(r.body, RecordBody::AssistantMessageStarted { .. })));
+    let error = runtime.init(&fragile, "f").send("hi").await.unwrap_err();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 2, "one failed step per attempt");
+    let RuntimeError::Run { error_type, message, .. } = error else { panic!("run error") };
+    assert_eq!(error_type, "submission_retry_exhausted");
+    assert_eq!(message, "Submission exceeded maximum recovery attempts (2/2).");
+}
