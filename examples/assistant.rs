@@ -57,14 +57,21 @@ fn assistant() -> String {
     use_agent_start(move |ctx| {
         let progress = progress.clone();
         async move {
-            progress.write(&Progress { step: format!("reading: {}", ctx.delivery().body()) })?;
+            progress.write(&Progress {
+                step: format!("reading: {}", ctx.delivery().body()),
+            })?;
             Ok::<_, flue_runtime::binding::DataWriteError>(())
         }
     });
     use_agent_finish(move |ctx| {
         let set_lookups = set_lookups.clone();
         async move {
-            let looked_up = ctx.response().tool_calls.iter().filter(|call| call.tool == "lookup_order").count() as u32;
+            let looked_up = ctx
+                .response()
+                .tool_calls
+                .iter()
+                .filter(|call| call.tool == "lookup_order")
+                .count() as u32;
             set_lookups.update(|n| n + looked_up)?;
             Ok::<_, flue_runtime::binding::StateWriteError>(())
         }

@@ -15,7 +15,9 @@ use crate::events::{Event, Observation};
 use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
 use crate::session::{self, InstanceSlot};
-use crate::store::{Admission, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, SubmissionKind, UidCondition};
+use crate::store::{
+    Admission, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, SubmissionKind, UidCondition,
+};
 
 /// Everything that can go wrong talking to the runtime.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -89,7 +91,11 @@ pub struct RuntimeOptions {
 
 impl Default for RuntimeOptions {
     fn default() -> Self {
-        Self { tool_concurrency: 8, model_retries: 3, model_retry_delay: Duration::from_millis(2000) }
+        Self {
+            tool_concurrency: 8,
+            model_retries: 3,
+            model_retry_delay: Duration::from_millis(2000),
+        }
     }
 }
 
@@ -135,9 +141,14 @@ impl RuntimeBuilder {
             let definition = agent.get().definition();
             let name = definition.name.to_string();
             if agents.insert(name.clone(), agent.clone()).is_some() {
-                return Err(RuntimeError::Build(format!("[flue] Two agents are registered under the name \"{name}\".")));
+                return Err(RuntimeError::Build(format!(
+                    "[flue] Two agents are registered under the name \"{name}\"."
+                )));
             }
-            let hooks = definition.hooks.iter().chain(definition.parent_hooks.iter().map(|requirement| &requirement.hook));
+            let hooks = definition
+                .hooks
+                .iter()
+                .chain(definition.parent_hooks.iter().map(|requirement| &requirement.hook));
             for hook in hooks {
                 if let Some(existing) = hook_ids.insert(hook.id(), *hook)
                     && existing != *hook
@@ -197,7 +208,10 @@ impl RuntimeInner {
 
     pub(crate) fn slot(self: &Arc<Self>, key: &InstanceKey) -> Arc<InstanceSlot> {
         let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        instances.entry(key.clone()).or_insert_with(|| Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self)))).clone()
+        instances
+            .entry(key.clone())
+            .or_insert_with(|| Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self))))
+            .clone()
     }
 
     /// Admits a message (the one admission path of every transport).
@@ -210,7 +224,10 @@ impl RuntimeInner {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(RuntimeError::Store("the runtime is shutting down".into()));
         }
-        let agent_ref = self.agents.get(agent).ok_or_else(|| RuntimeError::UnknownAgent(agent.to_owned()))?;
+        let agent_ref = self
+            .agents
+            .get(agent)
+            .ok_or_else(|| RuntimeError::UnknownAgent(agent.to_owned()))?;
         if request.id.trim().is_empty() {
             return Err(RuntimeError::InvalidRequest(
                 "[flue] dispatch() requires a non-empty \"id\" target agent instance id.".into(),
@@ -228,7 +245,9 @@ impl RuntimeInner {
             && self.store.instance(&key).await?.is_none()
         {
             (spec.parse)(data).map_err(|reason| {
-                RuntimeError::InvalidRequest(format!("initialData does not match the agent's initial_data type: {reason}"))
+                RuntimeError::InvalidRequest(format!(
+                    "initialData does not match the agent's initial_data type: {reason}"
+                ))
             })?;
         }
         let (submission_id, keyed) = match &request.idempotency_key {
@@ -274,9 +293,11 @@ impl RuntimeInner {
             let notified = self.settled.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let row = self.store.submission(submission_id).await?.ok_or_else(|| {
-                RuntimeError::InvalidRequest(format!("no submission \"{submission_id}\""))
-            })?;
+            let row = self
+                .store
+                .submission(submission_id)
+                .await?
+                .ok_or_else(|| RuntimeError::InvalidRequest(format!("no submission \"{submission_id}\"")))?;
             if let Some(outcome) = row.outcome {
                 return match outcome {
                     Outcome::Completed => {
@@ -296,7 +317,11 @@ impl RuntimeInner {
                         });
                         Err(RuntimeError::Run {
                             submission_id: submission_id.to_owned(),
-                            outcome: if outcome == Outcome::Aborted { "was aborted" } else { "failed" },
+                            outcome: if outcome == Outcome::Aborted {
+                                "was aborted"
+                            } else {
+                                "failed"
+                            },
                             error_type: error.error_type,
                             message: error.message,
                         })
@@ -400,7 +425,8 @@ impl Runtime {
         id: impl Into<String>,
         message: impl Into<DeliveredMessage>,
     ) -> Result<DispatchReceipt, RuntimeError> {
-        self.dispatch_request(&agent.definition().name, SendRequest::new(id, message)).await
+        self.dispatch_request(&agent.definition().name, SendRequest::new(id, message))
+            .await
     }
 
     /// Admits a [`SendRequest`] for the agent named `agent`.
@@ -460,7 +486,10 @@ impl AgentHandle {
     /// Sends a [`SendRequest`] (its `id` is replaced by this handle's) and waits for the reply.
     pub async fn send_request(&self, mut request: SendRequest) -> Result<AgentReply, RuntimeError> {
         request.id.clone_from(&self.key.id);
-        let (receipt, _) = self.runtime.admit(&self.key.agent, request, SubmissionKind::Direct).await?;
+        let (receipt, _) = self
+            .runtime
+            .admit(&self.key.agent, request, SubmissionKind::Direct)
+            .await?;
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());
         self.runtime.wait(&self.key, &receipt.submission_id).await
     }
@@ -468,7 +497,11 @@ impl AgentHandle {
     /// Admits `message` without waiting; read the reply later with [`AgentHandle::read`].
     pub async fn dispatch(&self, message: impl Into<DeliveredMessage>) -> Result<DispatchReceipt, RuntimeError> {
         let request = SendRequest::new(self.key.id.clone(), message);
-        Ok(self.runtime.admit(&self.key.agent, request, SubmissionKind::Dispatch).await?.0)
+        Ok(self
+            .runtime
+            .admit(&self.key.agent, request, SubmissionKind::Dispatch)
+            .await?
+            .0)
     }
 
     /// Waits for the submission to settle and returns its reply.

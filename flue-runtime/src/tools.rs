@@ -40,7 +40,11 @@ pub(crate) async fn run_batch(
                 (Some(tool), Some(ctx)) => run_one(&tool, ctx, &call.arguments, signal).await,
                 _ => ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
             };
-            Executed { call, output, duration_ms: begun.elapsed().as_millis() as u64 }
+            Executed {
+                call,
+                output,
+                duration_ms: begun.elapsed().as_millis() as u64,
+            }
         }
     });
     stream::iter(runs).buffered(concurrency.max(1)).collect().await
@@ -49,7 +53,9 @@ pub(crate) async fn run_batch(
 async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> ToolOutput {
     let args: Value = match serde_json::from_str(if arguments.trim().is_empty() { "{}" } else { arguments }) {
         Ok(args) => args,
-        Err(error) => return ToolOutput::error(format!("Tool argument validation failed: [root] invalid JSON: {error}")),
+        Err(error) => {
+            return ToolOutput::error(format!("Tool argument validation failed: [root] invalid JSON: {error}"));
+        }
     };
     if let Err(issues) = tool.input_schema().validate(&args) {
         let issues: Vec<String> = issues

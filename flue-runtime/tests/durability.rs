@@ -84,7 +84,9 @@ impl Store for FaultyStore {
                 *fault = None;
             }
             self.failures.fetch_add(1, Ordering::SeqCst);
-            return Box::pin(std::future::ready(Err(StoreError::Other("injected append failure".into()))));
+            return Box::pin(std::future::ready(Err(StoreError::Other(
+                "injected append failure".into(),
+            ))));
         }
         drop(fault);
         self.inner.append(key, records, authorization)
@@ -101,13 +103,23 @@ fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef
         .agent(agent)
         .providers(providers)
         .store(store.clone())
-        .options(RuntimeOptions { model_retry_delay: std::time::Duration::from_millis(1), ..RuntimeOptions::default() })
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
         .build()
         .unwrap()
 }
 
 async fn records(store: &FaultyStore, key: &InstanceKey) -> Vec<Record> {
-    store.inner.read(key, None).await.unwrap().into_iter().flat_map(|batch| batch.records).collect()
+    store
+        .inner
+        .read(key, None)
+        .await
+        .unwrap()
+        .into_iter()
+        .flat_map(|batch| batch.records)
+        .collect()
 }
 
 static CHARGES: AtomicUsize = AtomicUsize::new(0);
@@ -116,38 +128,62 @@ static CHARGES: AtomicUsize = AtomicUsize::new(0);
 fn billing() -> &'static str {
     use_model("scripted/x");
     let (_, set_charged) = use_persistent_state("charged", false);
-    use_tool(Tool::new("charge").description("Charge the card.").run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-        let set_charged = set_charged.clone();
-        async move {
-            CHARGES.fetch_add(1, Ordering::SeqCst);
-            set_charged.set(true)?;
-            Ok::<_, ToolError>("charged")
-        }
-    }));
+    use_tool(Tool::new("charge").description("Charge the card.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_charged = set_charged.clone();
+            async move {
+                CHARGES.fetch_add(1, Ordering::SeqCst);
+                set_charged.set(true)?;
+                Ok::<_, ToolError>("charged")
+            }
+        },
+    ));
     "You bill customers."
 }
 
 #[tokio::test]
 async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_state_writes_absent() {
     let store = FaultyStore::default();
-    store.fail_once(|records| records.iter().any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. })));
-    let model = ScriptedModel::new([ScriptedReply::tool_call("charge", json!({})), ScriptedReply::text("I could not confirm the charge.")]);
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("charge", json!({})),
+        ScriptedReply::text("I could not confirm the charge."),
+    ]);
     let runtime = runtime(&store, &model, billing);
     let reply = runtime.init(&billing, "b-1").send("charge me").await.unwrap();
     assert_eq!(store.failures.load(Ordering::SeqCst), 1);
     assert_eq!(reply.text, "I could not confirm the charge.");
     let key = InstanceKey::new("billing", "b-1");
     let all = records(&store, &key).await;
-    assert!(!all.iter().any(|record| matches!(record.body, RecordBody::StateWrite { .. })), "the interrupted batch's state write is absent");
-    assert!(!all.iter().any(|record| matches!(record.body, RecordBody::ToolOutcome { .. })));
+    assert!(
+        !all.iter()
+            .any(|record| matches!(record.body, RecordBody::StateWrite { .. })),
+        "the interrupted batch's state write is absent"
+    );
+    assert!(
+        !all.iter()
+            .any(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+    );
     // The tool ran once; the re-attempt did not re-run it but told the model its outcome is unknown.
     assert_eq!(CHARGES.load(Ordering::SeqCst), 1);
     let requests = model.requests();
-    let ModelMessage::Tool { content, is_error, .. } = requests[1].messages.last().unwrap() else { panic!("tool result") };
+    let ModelMessage::Tool { content, is_error, .. } = requests[1].messages.last().unwrap() else {
+        panic!("tool result")
+    };
     assert!(*is_error);
-    assert_eq!(content, "Tool execution was interrupted before completion. The outcome is unknown.");
+    assert_eq!(
+        content,
+        "Tool execution was interrupted before completion. The outcome is unknown."
+    );
     // The input was applied exactly once.
-    let inputs = all.iter().filter(|record| matches!(record.body, RecordBody::UserMessage { .. })).count();
+    let inputs = all
+        .iter()
+        .filter(|record| matches!(record.body, RecordBody::UserMessage { .. }))
+        .count();
     assert_eq!(inputs, 1);
 }
 
@@ -175,16 +211,27 @@ fn onboarding() -> &'static str {
 #[tokio::test]
 async fn a_failure_inside_a_start_seam_re_runs_every_start_callback_and_duplicates_no_durable_effect() {
     let store = FaultyStore::default();
-    store.fail_once(|records| records.iter().any(|record| matches!(record.body, RecordBody::AgentStartRun)));
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::AgentStartRun))
+    });
     let model = ScriptedModel::new([ScriptedReply::text("Welcome!")]);
     let runtime = runtime(&store, &model, onboarding);
     runtime.init(&onboarding, "o-1").send("hello").await.unwrap();
     assert_eq!(store.failures.load(Ordering::SeqCst), 1);
-    assert_eq!(STARTS.load(Ordering::SeqCst), 4, "both callbacks ran in each of the two attempts");
+    assert_eq!(
+        STARTS.load(Ordering::SeqCst),
+        4,
+        "both callbacks ran in each of the two attempts"
+    );
     let all = records(&store, &InstanceKey::new("onboarding", "o-1")).await;
     let count = |predicate: fn(&RecordBody) -> bool| all.iter().filter(|record| predicate(&record.body)).count();
     assert_eq!(count(|body| matches!(body, RecordBody::AgentStartRun)), 1);
-    assert_eq!(count(|body| matches!(body, RecordBody::Signal { signal_type, .. } if signal_type == "workspace")), 1);
+    assert_eq!(
+        count(|body| matches!(body, RecordBody::Signal { signal_type, .. } if signal_type == "workspace")),
+        1
+    );
     let writes: Vec<_> = all
         .iter()
         .filter_map(|record| match &record.body {
@@ -194,7 +241,11 @@ async fn a_failure_inside_a_start_seam_re_runs_every_start_callback_and_duplicat
         .collect();
     assert_eq!(writes, [json!(1)], "the failed seam's write never happened");
     let messages = &model.requests()[0].messages;
-    assert_eq!(messages.len(), 2, "one user message and one appended signal: {messages:?}");
+    assert_eq!(
+        messages.len(),
+        2,
+        "one user message and one appended signal: {messages:?}"
+    );
 }
 
 #[agent(durability(max_attempts = 2))]
@@ -208,10 +259,19 @@ async fn repeated_store_failures_exhaust_the_attempt_budget() {
     let store = FaultyStore::default();
     let model = ScriptedModel::echo();
     let runtime = runtime(&store, &model, fragile);
-    store.fail_always(|records| records.iter().any(|r| matches!(r.body, RecordBody::AssistantMessageStarted { .. })));
+    store.fail_always(|records| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::AssistantMessageStarted { .. }))
+    });
     let error = runtime.init(&fragile, "f").send("hi").await.unwrap_err();
     assert_eq!(store.failures.load(Ordering::SeqCst), 2, "one failed step per attempt");
-    let RuntimeError::Run { error_type, message, .. } = error else { panic!("run error") };
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("run error")
+    };
     assert_eq!(error_type, "submission_retry_exhausted");
     assert_eq!(message, "Submission exceeded maximum recovery attempts (2/2).");
 }

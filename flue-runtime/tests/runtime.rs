@@ -45,26 +45,44 @@ fn calculator() -> &'static str {
 
 #[tokio::test]
 async fn one_exchange_renders_calls_the_model_runs_the_tool_and_answers() {
-    let model = ScriptedModel::new([ScriptedReply::tool_call("add", json!({"a": 2, "b": 3})), ScriptedReply::text("2 + 3 = 5")]);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 2, "b": 3})),
+        ScriptedReply::text("2 + 3 = 5"),
+    ]);
     let runtime = runtime_with(&model, vec![calculator.into()]);
     let reply = runtime.init(&calculator, "c-1").send("What is 2 + 3?").await.unwrap();
     assert_eq!(reply.text, "2 + 3 = 5");
     let requests = model.requests();
     assert_eq!(requests.len(), 2);
     assert_eq!(requests[0].model, "calc-1");
-    assert_eq!(requests[0].system.as_deref(), Some("You add numbers with the add tool."));
+    assert_eq!(
+        requests[0].system.as_deref(),
+        Some("You add numbers with the add tool.")
+    );
     assert_eq!(requests[0].tools[0].name, "add");
-    assert_eq!(requests[0].messages, [ModelMessage::User { content: "What is 2 + 3?".into() }]);
-    let ModelMessage::Tool { content, is_error, .. } = &requests[1].messages[2] else { panic!("expected a tool result") };
+    assert_eq!(
+        requests[0].messages,
+        [ModelMessage::User {
+            content: "What is 2 + 3?".into()
+        }]
+    );
+    let ModelMessage::Tool { content, is_error, .. } = &requests[1].messages[2] else {
+        panic!("expected a tool result")
+    };
     assert_eq!((content.as_str(), *is_error), ("5", false));
 }
 
 #[tokio::test]
 async fn invalid_tool_arguments_go_back_to_the_model_and_the_tool_does_not_run() {
-    let model = ScriptedModel::new([ScriptedReply::tool_call("add", json!({"a": "two"})), ScriptedReply::text("Sorry.")]);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": "two"})),
+        ScriptedReply::text("Sorry."),
+    ]);
     let runtime = runtime_with(&model, vec![calculator.into()]);
     runtime.init(&calculator, "c-2").send("add").await.unwrap();
-    let ModelMessage::Tool { content, is_error, .. } = &model.requests()[1].messages[2] else { panic!("tool result") };
+    let ModelMessage::Tool { content, is_error, .. } = &model.requests()[1].messages[2] else {
+        panic!("tool result")
+    };
     assert!(*is_error);
     assert!(content.starts_with("Tool argument validation failed:"), "{content}");
 }
@@ -108,16 +126,30 @@ fn checklist() -> &'static str {
 
 #[tokio::test]
 async fn use_agent_finish_appends_continue_the_response_until_a_cycle_appends_nothing() {
-    let model = ScriptedModel::new([ScriptedReply::text("one"), ScriptedReply::text("two"), ScriptedReply::text("three")]);
+    let model = ScriptedModel::new([
+        ScriptedReply::text("one"),
+        ScriptedReply::text("two"),
+        ScriptedReply::text("three"),
+    ]);
     let runtime = runtime_with(&model, vec![checklist.into()]);
     let reply = runtime.init(&checklist, "k").send("start").await.unwrap();
     assert_eq!(model.requests().len(), 3);
     assert_eq!(reply.text, "one\n\ntwo\n\nthree");
     let last = &model.requests()[2].messages;
-    let ModelMessage::User { content } = &last[last.len() - 1] else { panic!("a signal") };
+    let ModelMessage::User { content } = &last[last.len() - 1] else {
+        panic!("a signal")
+    };
     assert!(content.starts_with("<signal type=\"todo\">"), "{content}");
-    let batches = runtime.store().read(&InstanceKey::new("checklist", "k"), None).await.unwrap();
-    let cycles = batches.iter().flat_map(|b| &b.records).filter(|r| matches!(r.body, RecordBody::AgentFinishCycle)).count();
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("checklist", "k"), None)
+        .await
+        .unwrap();
+    let cycles = batches
+        .iter()
+        .flat_map(|b| &b.records)
+        .filter(|r| matches!(r.body, RecordBody::AgentFinishCycle))
+        .count();
     assert_eq!(cycles, 2);
 }
 
@@ -133,7 +165,12 @@ async fn a_finish_hook_that_always_appends_fails_at_the_ceiling_of_32_cycles() {
     let model = ScriptedModel::new((0..40).map(|_| ScriptedReply::text("ok")));
     let runtime = runtime_with(&model, vec![runaway.into()]);
     let error = runtime.init(&runaway, "r").send("go").await.unwrap_err();
-    let RuntimeError::Run { error_type, message, .. } = error else { panic!("a run error") };
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error")
+    };
     assert_eq!(error_type, "agent_finish_ceiling");
     assert!(message.contains("after 32 continued cycles"));
     assert_eq!(model.requests().len(), 33);
@@ -149,15 +186,17 @@ fn reporter() -> &'static str {
     use_model("scripted/x");
     let progress = use_data_writer::<Progress>("progress");
     let (count, set_count) = use_persistent_state("count", 0u32);
-    use_tool(Tool::new("work").description("Do the work.").run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-        let progress = progress.clone();
-        let set_count = set_count.clone();
-        async move {
-            progress.write(&Progress { step: "working".into() })?;
-            set_count.update(|n| n + 1)?;
-            Ok::<_, ToolError>("done")
-        }
-    }));
+    use_tool(Tool::new("work").description("Do the work.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let progress = progress.clone();
+            let set_count = set_count.clone();
+            async move {
+                progress.write(&Progress { step: "working".into() })?;
+                set_count.update(|n| n + 1)?;
+                Ok::<_, ToolError>("done")
+            }
+        },
+    ));
     use_response_start(|_| json!({"channel": "test"}));
     use_response_finish(|ctx| json!({"tools": ctx.response.tool_calls.len()}));
     if count > 0 { "You worked before." } else { "First time." }
@@ -174,7 +213,10 @@ async fn state_data_parts_and_metadata_are_durable_and_reach_the_reply() {
     let handle = runtime.init(&reporter, "p");
     let reply = handle.send("work please").await.unwrap();
     assert_eq!(reply.data["progress"], json!({"step": "working"}));
-    assert_eq!(reply.metadata, json!({"channel": "test", "tools": 1}).as_object().unwrap().clone());
+    assert_eq!(
+        reply.metadata,
+        json!({"channel": "test", "tools": 1}).as_object().unwrap().clone()
+    );
     // The next submission's render reads the committed state.
     handle.send("again").await.unwrap();
     assert_eq!(model.requests()[2].system.as_deref(), Some("You worked before."));
@@ -201,7 +243,9 @@ async fn use_agent_start_appends_reach_the_model_before_its_first_turn() {
     runtime.init(&greeter, "g-1").send("hello").await.unwrap();
     let messages = &model.requests()[0].messages;
     assert_eq!(messages.len(), 2);
-    let ModelMessage::User { content } = &messages[1] else { panic!("signal") };
+    let ModelMessage::User { content } = &messages[1] else {
+        panic!("signal")
+    };
     assert!(content.contains("prefers short answers"));
     assert_eq!(model.requests()[0].system.as_deref(), Some("Instance g-1."));
 }
@@ -218,7 +262,12 @@ async fn a_panicking_render_fails_the_submission_with_its_message_and_the_runtim
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![crashing.into(), calculator.into()]);
     let error = runtime.init(&crashing, "x").send("hi").await.unwrap_err();
-    let RuntimeError::Run { error_type, message, .. } = error else { panic!("run error") };
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("run error")
+    };
     assert_eq!(error_type, "render_failed");
     assert!(message.starts_with("[flue] use_model() was called twice in one render."));
     let reply = runtime.init(&calculator, "after").send("hi").await.unwrap();
@@ -233,7 +282,11 @@ async fn submissions_of_one_instance_run_one_at_a_time_in_admission_order() {
     let first = handle.dispatch("first").await.unwrap();
     let second = handle.dispatch("second").await.unwrap();
     let third = handle.dispatch("third").await.unwrap();
-    let replies = [handle.read(&first.submission_id).await.unwrap(), handle.read(&second.submission_id).await.unwrap(), handle.read(&third.submission_id).await.unwrap()];
+    let replies = [
+        handle.read(&first.submission_id).await.unwrap(),
+        handle.read(&second.submission_id).await.unwrap(),
+        handle.read(&third.submission_id).await.unwrap(),
+    ];
     // Later deliveries may join a live response; every one is answered, in order.
     let seen: Vec<String> = model
         .requests()
@@ -244,7 +297,10 @@ async fn submissions_of_one_instance_run_one_at_a_time_in_admission_order() {
             _ => None,
         })
         .collect();
-    let order: Vec<usize> = ["first", "second", "third"].iter().map(|m| seen.iter().position(|s| s == m).unwrap()).collect();
+    let order: Vec<usize> = ["first", "second", "third"]
+        .iter()
+        .map(|m| seen.iter().position(|s| s == m).unwrap())
+        .collect();
     assert!(order.windows(2).all(|pair| pair[0] < pair[1]), "{seen:?}");
     assert!(replies.iter().all(|reply| !reply.text.is_empty()));
 }
@@ -253,31 +309,60 @@ async fn submissions_of_one_instance_run_one_at_a_time_in_admission_order() {
 async fn conditional_sends_and_idempotency_keys_follow_the_reference() {
     let model = ScriptedModel::echo();
     let runtime = runtime_with(&model, vec![calculator.into()]);
-    let created = runtime.dispatch_request("calculator", SendRequest::new("c", "hi").uid(UidCondition::CreateOnly)).await.unwrap();
-    let again = runtime.dispatch_request("calculator", SendRequest::new("c", "hi").uid(UidCondition::CreateOnly)).await.unwrap_err();
-    assert_eq!(again, RuntimeError::InstanceExists { id: "c".into(), uid: created.uid.clone() });
+    let created = runtime
+        .dispatch_request("calculator", SendRequest::new("c", "hi").uid(UidCondition::CreateOnly))
+        .await
+        .unwrap();
+    let again = runtime
+        .dispatch_request("calculator", SendRequest::new("c", "hi").uid(UidCondition::CreateOnly))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        again,
+        RuntimeError::InstanceExists {
+            id: "c".into(),
+            uid: created.uid.clone()
+        }
+    );
     let missing = runtime
-        .dispatch_request("calculator", SendRequest::new("nobody", "hi").uid(UidCondition::Existing("inst_x".into())))
+        .dispatch_request(
+            "calculator",
+            SendRequest::new("nobody", "hi").uid(UidCondition::Existing("inst_x".into())),
+        )
         .await
         .unwrap_err();
     assert_eq!(missing, RuntimeError::InstanceNotFound("nobody".into()));
-    let first = runtime.dispatch_request("calculator", SendRequest::new("c", "pay").idempotency_key("k-1")).await.unwrap();
-    let replay = runtime.dispatch_request("calculator", SendRequest::new("c", "pay").idempotency_key("k-1")).await.unwrap();
+    let first = runtime
+        .dispatch_request("calculator", SendRequest::new("c", "pay").idempotency_key("k-1"))
+        .await
+        .unwrap();
+    let replay = runtime
+        .dispatch_request("calculator", SendRequest::new("c", "pay").idempotency_key("k-1"))
+        .await
+        .unwrap();
     assert_eq!(first.submission_id, replay.submission_id);
     assert!(first.submission_id.starts_with("sub_ik_") && replay.deduplicated && !first.deduplicated);
-    let conflict = runtime.dispatch_request("calculator", SendRequest::new("c", "refund").idempotency_key("k-1")).await.unwrap_err();
+    let conflict = runtime
+        .dispatch_request("calculator", SendRequest::new("c", "refund").idempotency_key("k-1"))
+        .await
+        .unwrap_err();
     assert!(matches!(conflict, RuntimeError::SubmissionConflict(_)));
 }
 
 #[tokio::test]
 async fn abort_settles_the_running_submission_as_aborted() {
-    let model = ScriptedModel::new([ScriptedReply::tool_call("add", json!({"a": 1, "b": 1})), ScriptedReply::text("done")]);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 1})),
+        ScriptedReply::text("done"),
+    ]);
     let runtime = runtime_with(&model, vec![calculator.into()]);
     let handle = runtime.init(&calculator, "ab");
     let receipt = handle.dispatch("go").await.unwrap();
     assert!(handle.abort().await.unwrap());
     match handle.read(&receipt.submission_id).await {
-        Err(RuntimeError::Run { error_type, message, .. }) => {
+        Err(RuntimeError::Run {
+            error_type, message, ..
+        }) => {
             assert_eq!(error_type, "submission_aborted");
             assert_eq!(message, "Submission was aborted.");
         }
@@ -288,7 +373,10 @@ async fn abort_settles_the_running_submission_as_aborted() {
 
 #[tokio::test]
 async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
-    let model = ScriptedModel::new([ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})), ScriptedReply::text("3")]);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
+        ScriptedReply::text("3"),
+    ]);
     let runtime = runtime_with(&model, vec![calculator.into()]);
     let mut events = runtime.observe();
     runtime.init(&calculator, "o").send("1+2").await.unwrap();
@@ -301,11 +389,27 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
             Event::Turn { .. } => "turn",
             Event::ToolStart { .. } => "tool_start",
             Event::Tool { .. } => "tool",
-            Event::SubmissionSettled { outcome: Outcome::Completed, .. } => "settled",
+            Event::SubmissionSettled {
+                outcome: Outcome::Completed,
+                ..
+            } => "settled",
             _ => continue,
         });
     }
-    assert_eq!(kinds, ["queued", "running", "turn_start", "turn", "tool_start", "tool", "turn_start", "turn", "settled"]);
+    assert_eq!(
+        kinds,
+        [
+            "queued",
+            "running",
+            "turn_start",
+            "turn",
+            "tool_start",
+            "tool",
+            "turn_start",
+            "turn",
+            "settled"
+        ]
+    );
 }
 
 #[tokio::test]
@@ -322,10 +426,313 @@ async fn initial_data_is_validated_at_creation_only() {
     });
     let model = ScriptedModel::echo();
     let runtime = runtime_with(&model, vec![AgentRef::new(agent)]);
-    let bad = runtime.dispatch_request("onboard", SendRequest::new("o", "hi").initial_data(json!({"tier": 1}))).await.unwrap_err();
-    assert!(matches!(bad, RuntimeError::InvalidRequest(ref message) if message.contains("initial_data")), "{bad}");
-    runtime.dispatch_request("onboard", SendRequest::new("o", "hi").initial_data(json!({"tier": "pro"}))).await.unwrap();
-    let info = runtime.store().instance(&InstanceKey::new("onboard", "o")).await.unwrap().unwrap();
+    let bad = runtime
+        .dispatch_request("onboard", SendRequest::new("o", "hi").initial_data(json!({"tier": 1})))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(bad, RuntimeError::InvalidRequest(ref message) if message.contains("initial_data")),
+        "{bad}"
+    );
+    runtime
+        .dispatch_request(
+            "onboard",
+            SendRequest::new("o", "hi").initial_data(json!({"tier": "pro"})),
+        )
+        .await
+        .unwrap();
+    let info = runtime
+        .store()
+        .instance(&InstanceKey::new("onboard", "o"))
+        .await
+        .unwrap()
+        .unwrap();
     assert!(info.uid.starts_with("inst_"));
     let _ = MemoryStore::new();
+}
+
+#[agent]
+fn waiter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("wait_forever").description("Wait until aborted.").run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            ctx.signal().aborted().await;
+            "stopped"
+        },
+    ));
+    "Wait."
+}
+
+#[tokio::test]
+async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("wait_forever", json!({})),
+        ScriptedReply::text("never"),
+    ]);
+    let runtime = runtime_with(&model, vec![waiter.into()]);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&waiter, "w");
+    let receipt = handle.dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    assert!(handle.abort().await.unwrap());
+    let error = handle.read(&receipt.submission_id).await.unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("run error")
+    };
+    assert_eq!(
+        (error_type.as_str(), message.as_str()),
+        ("submission_aborted", "Submission was aborted.")
+    );
+    assert_eq!(model.requests().len(), 1, "no model call after the abort");
+}
+
+#[agent]
+fn parallel() -> &'static str {
+    use_model("scripted/x");
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+    for name in ["left", "right"] {
+        let barrier = barrier.clone();
+        use_tool(Tool::new(name).description("Meet the other tool.").run(
+            move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let barrier = barrier.clone();
+                async move {
+                    // Completes only if both calls of the batch run at the same time.
+                    barrier.wait().await;
+                    "met"
+                }
+            },
+        ));
+    }
+    "Run both."
+}
+
+#[tokio::test]
+async fn parallel_tool_calls_of_one_response_run_concurrently() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("left", json!({})), ("right", json!({}))]),
+        ScriptedReply::text("both met"),
+    ]);
+    let runtime = runtime_with(&model, vec![parallel.into()]);
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&parallel, "p").send("go"),
+    )
+    .await;
+    assert_eq!(reply.unwrap().unwrap().text, "both met");
+    let messages = &model.requests()[1].messages;
+    let results: Vec<&str> = messages
+        .iter()
+        .filter_map(|m| match m {
+            ModelMessage::Tool { content, .. } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results, ["met", "met"]);
+}
+
+#[agent]
+fn fragile_tool() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("explode").description("Panics.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            if true {
+                panic!("the tool blew up");
+            }
+            "unreachable"
+        },
+    ));
+    use_tool(Tool::new("fail").description("Fails.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            Err::<String, _>(ToolError::new("the database is down"))
+        },
+    ));
+    "Try the tools."
+}
+
+#[tokio::test]
+async fn tool_errors_and_panics_become_error_results_the_model_sees() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("explode", json!({})), ("fail", json!({})), ("missing", json!({}))]),
+        ScriptedReply::text("handled"),
+    ]);
+    let runtime = runtime_with(&model, vec![fragile_tool.into()]);
+    runtime.init(&fragile_tool, "f").send("go").await.unwrap();
+    let results: Vec<(String, bool)> = model.requests()[1]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            ("Tool \"explode\" panicked: the tool blew up".to_owned(), true),
+            ("the database is down".to_owned(), true),
+            ("Tool \"missing\" is not available.".to_owned(), true),
+        ]
+    );
+}
+
+static FOLLOW_UPS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[agent]
+fn planner() -> &'static str {
+    use_model("scripted/x");
+    let dispatch = use_dispatch_message();
+    let delivery = use_delivery();
+    FOLLOW_UPS.lock().unwrap().push(delivery.body().to_owned());
+    use_tool(
+        Tool::new("schedule_follow_up")
+            .description("Queue a follow-up message.")
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let dispatch = dispatch.clone();
+                async move {
+                    let receipt = dispatch
+                        .dispatch("follow-up: check the invoice")
+                        .await
+                        .map_err(|e| ToolError::new(e.to_string()))?;
+                    Ok::<_, ToolError>(receipt.submission_id)
+                }
+            }),
+    );
+    use_agent_start(|ctx| async move {
+        if ctx.delivery().body().starts_with("follow-up") {
+            ctx.append(Signal::new("note", "This follow-up joined the live response."))?;
+        }
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "You plan work."
+}
+
+#[tokio::test]
+async fn a_self_dispatch_joins_the_live_response_at_the_next_turn_boundary() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("schedule_follow_up", json!({})),
+        ScriptedReply::text("Planned, and the follow-up is handled."),
+    ]);
+    let runtime = runtime_with(&model, vec![planner.into()]);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&planner, "plan").send("plan my week").await.unwrap();
+    assert_eq!(
+        model.requests().len(),
+        2,
+        "the joined delivery was read in the same response"
+    );
+    let second = &model.requests()[1].messages;
+    let users: Vec<&str> = second
+        .iter()
+        .filter_map(|m| match m {
+            ModelMessage::User { content } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(users[0], "plan my week");
+    assert_eq!(users[1], "follow-up: check the invoice");
+    assert!(users[2].contains("This follow-up joined the live response."));
+    // The render before the second model call read the joined delivery through use_delivery.
+    assert_eq!(
+        FOLLOW_UPS.lock().unwrap().last().map(String::as_str),
+        Some("follow-up: check the invoice")
+    );
+    // Both submissions settled completed; the joined one answered by the host's response.
+    let mut settled = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::SubmissionSettled { outcome, .. } = observation.event {
+            settled.push((observation.submission_id.unwrap(), outcome));
+        }
+    }
+    assert_eq!(settled.len(), 2);
+    assert!(settled.iter().all(|(_, outcome)| *outcome == Outcome::Completed));
+    let joined_id = settled
+        .iter()
+        .find(|(id, _)| *id != reply.submission_id)
+        .unwrap()
+        .0
+        .clone();
+    let joined_reply = runtime.init(&planner, "plan").read(&joined_id).await.unwrap();
+    assert_eq!(joined_reply.text, reply.text);
+}
+
+static MODEL_CHOICE: Mutex<&str> = Mutex::new("scripted/first");
+
+#[agent]
+fn switcher() -> &'static str {
+    let spec = *MODEL_CHOICE.lock().unwrap();
+    use_model(spec);
+    use_tool(Tool::new("switch").description("Switch models.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            *MODEL_CHOICE.lock().unwrap() = "scripted/second";
+            "switched"
+        },
+    ));
+    "Switch."
+}
+
+#[tokio::test]
+async fn the_model_is_submission_scoped_so_a_change_takes_effect_on_the_next_submission() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("switch", json!({})),
+        ScriptedReply::text("done"),
+        ScriptedReply::text("next"),
+    ]);
+    let runtime = runtime_with(&model, vec![switcher.into()]);
+    let handle = runtime.init(&switcher, "m");
+    handle.send("one").await.unwrap();
+    handle.send("two").await.unwrap();
+    let models: Vec<String> = model.requests().iter().map(|request| request.model.clone()).collect();
+    assert_eq!(models, ["first", "first", "second"]);
+}
+
+#[tokio::test]
+async fn unknown_agents_blank_ids_and_reserved_signals_are_refused_at_admission() {
+    let model = ScriptedModel::echo();
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let unknown = runtime
+        .dispatch_request("nope", SendRequest::new("a", "hi"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        unknown.to_string(),
+        "[flue] dispatch() target agent \"nope\" is not registered."
+    );
+    let blank = runtime
+        .dispatch_request("calculator", SendRequest::new(" ", "hi"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        blank.to_string(),
+        "[flue] dispatch() requires a non-empty \"id\" target agent instance id."
+    );
+    let reserved = runtime
+        .dispatch_request("calculator", SendRequest::new("a", Signal::new("compaction", "x")))
+        .await
+        .unwrap_err();
+    assert!(reserved.to_string().contains("framework-reserved"));
+}
+
+#[tokio::test]
+async fn two_agents_with_one_name_or_two_hooks_with_one_id_do_not_build() {
+    let model = ScriptedModel::echo();
+    let mut providers = ProviderRegistry::new();
+    providers.register(model);
+    let error = Runtime::builder()
+        .agent(calculator)
+        .agent(calculator)
+        .providers(providers)
+        .build()
+        .err()
+        .unwrap();
+    assert_eq!(
+        error.to_string(),
+        "[flue] Two agents are registered under the name \"calculator\"."
+    );
 }

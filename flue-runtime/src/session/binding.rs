@@ -43,7 +43,10 @@ pub(crate) struct InstanceBinding {
 
 impl InstanceBinding {
     pub(crate) fn current(&self) -> Option<Arc<Attempt>> {
-        self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+        self.current
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
     pub(crate) fn set_current(&self, attempt: Option<Arc<Attempt>>) {
@@ -51,13 +54,16 @@ impl InstanceBinding {
     }
 
     fn responding(&self) -> Option<Arc<Attempt>> {
-        self.current().filter(|attempt| attempt.responding.load(Ordering::Acquire))
+        self.current()
+            .filter(|attempt| attempt.responding.load(Ordering::Acquire))
     }
 }
 
 impl RuntimeBinding for InstanceBinding {
     fn modify_state(&self, name: &str, modify: &mut StateModify<'_>) -> Result<(), StateWriteError> {
-        let attempt = self.responding().ok_or_else(|| StateWriteError::NotResponding { name: name.to_owned() })?;
+        let attempt = self
+            .responding()
+            .ok_or_else(|| StateWriteError::NotResponding { name: name.to_owned() })?;
         let mut buffer = attempt.buffer();
         if let Some(next) = modify(buffer.current(name))? {
             buffer.write(name, next);
@@ -66,10 +72,23 @@ impl RuntimeBinding for InstanceBinding {
     }
 
     fn write_data(&self, name: &str, data: Value) -> Result<(), DataWriteError> {
-        let attempt = self.responding().ok_or_else(|| DataWriteError::NotResponding { name: name.to_owned() })?;
-        attempt.data.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push((name.to_owned(), data.clone()));
+        let attempt = self
+            .responding()
+            .ok_or_else(|| DataWriteError::NotResponding { name: name.to_owned() })?;
+        attempt
+            .data
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push((name.to_owned(), data.clone()));
         if let Some(runtime) = self.runtime.upgrade() {
-            runtime.emit(&self.key, Some(&attempt.attempt.submission_id), Event::DataPart { name: name.to_owned(), data });
+            runtime.emit(
+                &self.key,
+                Some(&attempt.attempt.submission_id),
+                Event::DataPart {
+                    name: name.to_owned(),
+                    data,
+                },
+            );
         }
         Ok(())
     }
@@ -85,7 +104,9 @@ impl RuntimeBinding for InstanceBinding {
             match runtime.admit(&key.agent, request, SubmissionKind::Dispatch).await {
                 Ok((receipt, _)) => Ok(receipt),
                 Err(RuntimeError::InvalidMessage(error)) => Err(DispatchError::InvalidMessage(error)),
-                Err(error) => Err(DispatchError::Admission { reason: error.to_string() }),
+                Err(error) => Err(DispatchError::Admission {
+                    reason: error.to_string(),
+                }),
             }
         })
     }

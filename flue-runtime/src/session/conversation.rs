@@ -11,8 +11,7 @@ use crate::provider::{ModelMessage, ModelToolCall};
 use crate::record::{Batch, Record, RecordBody};
 
 /// The result text of a tool whose outcome never committed.
-pub(crate) const INTERRUPTED_TOOL: &str =
-    "Tool execution was interrupted before completion. The outcome is unknown.";
+pub(crate) const INTERRUPTED_TOOL: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
 
 /// An instance's conversation, folded incrementally from its batches.
 #[derive(Default)]
@@ -96,7 +95,13 @@ impl Conversation {
                 self.close_dangling_calls();
                 self.messages.push(ModelMessage::User { content: body.clone() });
             }
-            RecordBody::Signal { signal_type, body, attributes, tag_name, .. } => {
+            RecordBody::Signal {
+                signal_type,
+                body,
+                attributes,
+                tag_name,
+                ..
+            } => {
                 self.close_dangling_calls();
                 self.messages.push(ModelMessage::User {
                     content: render_signal(signal_type, body, attributes, tag_name.as_deref()),
@@ -106,7 +111,12 @@ impl Conversation {
                 self.close_dangling_calls();
                 self.open_step = Some(OpenStep { tool_calls: Vec::new() });
             }
-            RecordBody::AssistantToolCall { tool_call_id, name, arguments, .. } => {
+            RecordBody::AssistantToolCall {
+                tool_call_id,
+                name,
+                arguments,
+                ..
+            } => {
                 if let Some(step) = &mut self.open_step {
                     step.tool_calls.push(ModelToolCall {
                         id: tool_call_id.clone(),
@@ -118,10 +128,20 @@ impl Conversation {
             RecordBody::AssistantMessageCompleted { text, .. } => {
                 let tool_calls = self.open_step.take().map(|step| step.tool_calls).unwrap_or_default();
                 self.open_calls.clone_from(&tool_calls);
-                self.messages.push(ModelMessage::Assistant { text: text.clone(), tool_calls });
+                self.messages.push(ModelMessage::Assistant {
+                    text: text.clone(),
+                    tool_calls,
+                });
             }
-            RecordBody::ToolOutcome { tool_call_id, tool_name, content, is_error, .. } => {
-                self.outcomes.push((tool_call_id.clone(), tool_name.clone(), content.clone(), *is_error));
+            RecordBody::ToolOutcome {
+                tool_call_id,
+                tool_name,
+                content,
+                is_error,
+                ..
+            } => {
+                self.outcomes
+                    .push((tool_call_id.clone(), tool_name.clone(), content.clone(), *is_error));
             }
             RecordBody::ToolResultsCommitted { .. } => {
                 let outcomes = std::mem::take(&mut self.outcomes);
@@ -131,7 +151,12 @@ impl Conversation {
                         Some((_, _, content, is_error)) => (content.clone(), *is_error),
                         None => (INTERRUPTED_TOOL.to_owned(), true),
                     };
-                    self.messages.push(ModelMessage::Tool { tool_call_id: call.id, name: call.name, content, is_error });
+                    self.messages.push(ModelMessage::Tool {
+                        tool_call_id: call.id,
+                        name: call.name,
+                        content,
+                        is_error,
+                    });
                 }
             }
             RecordBody::StateWrite { name, value } => self.state.apply(name.clone(), value.clone()),
@@ -190,7 +215,10 @@ pub(crate) fn render_signal(
 }
 
 fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 /// What a response produced, read back from its records.
@@ -216,7 +244,10 @@ pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
             continue;
         }
         match &record.body {
-            RecordBody::AssistantMessageStarted { response_metadata: Some(metadata), .. } => {
+            RecordBody::AssistantMessageStarted {
+                response_metadata: Some(metadata),
+                ..
+            } => {
                 merge_metadata(&mut reply.metadata, metadata.clone());
             }
             RecordBody::AssistantMessageCompleted { text, .. } if !text.is_empty() => reply.texts.push(text.clone()),

@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use flue_core::abort::AbortSignal;
 use flue_core::event_hooks::{
-    AgentFinishContext, AgentStartContext, AppendWindow, ResponseFinishContext, ResponseStartContext,
-    ResponseSummary, SeamChannel, ToolCallSummary,
+    AgentFinishContext, AgentStartContext, AppendWindow, ResponseFinishContext, ResponseStartContext, ResponseSummary,
+    SeamChannel, ToolCallSummary,
 };
 use flue_core::log::{LogLevel, LogSink, Logger};
 use flue_core::message::{DeliveredMessage, Signal};
@@ -53,7 +53,11 @@ pub(crate) struct InstanceSlot {
 
 impl InstanceSlot {
     pub(crate) fn new(key: InstanceKey, runtime: Weak<RuntimeInner>) -> Self {
-        let binding = Arc::new(InstanceBinding { key: key.clone(), runtime: runtime.clone(), current: Mutex::new(None) });
+        let binding = Arc::new(InstanceBinding {
+            key: key.clone(),
+            runtime: runtime.clone(),
+            current: Mutex::new(None),
+        });
         Self {
             key,
             runtime,
@@ -108,9 +112,14 @@ impl InstanceSlot {
     }
 
     async fn process(&self, runtime: &Arc<RuntimeInner>, submission: Submission, attempt_id: String) {
-        let Some(agent) = runtime.agents.get(&self.key.agent).cloned() else { return };
+        let Some(agent) = runtime.agents.get(&self.key.agent).cloned() else {
+            return;
+        };
         let mut conversation = self.conversation.lock().await;
-        let attempt_ref = AttemptRef { submission_id: submission.id.clone(), attempt_id: attempt_id.clone() };
+        let attempt_ref = AttemptRef {
+            submission_id: submission.id.clone(),
+            attempt_id: attempt_id.clone(),
+        };
         let refreshed = match runtime.store.read(&self.key, conversation.last_offset).await {
             Ok(batches) => {
                 for batch in &batches {
@@ -131,7 +140,10 @@ impl InstanceSlot {
         runtime.emit(
             &self.key,
             Some(&submission.id),
-            Event::SubmissionRunning { attempt_count: submission.attempt_count, max_attempts: submission.max_attempts },
+            Event::SubmissionRunning {
+                attempt_count: submission.attempt_count,
+                max_attempts: submission.max_attempts,
+            },
         );
         let mut response = Response {
             runtime,
@@ -191,14 +203,28 @@ impl InstanceSlot {
                 submission_id: Some(id.clone()),
                 attempt_id: Some(attempt_id.clone()),
                 timestamp: now(),
-                body: RecordBody::SubmissionSettled { outcome, error: error.clone() },
+                body: RecordBody::SubmissionSettled {
+                    outcome,
+                    error: error.clone(),
+                },
             });
         }
-        if let Err(store_error) = runtime.store.settle(&attempt_ref, outcome, error.clone(), records).await {
+        if let Err(store_error) = runtime
+            .store
+            .settle(&attempt_ref, outcome, error.clone(), records)
+            .await
+        {
             tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
         }
         for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
-            runtime.emit(&self.key, Some(id), Event::SubmissionSettled { outcome, error: error.clone() });
+            runtime.emit(
+                &self.key,
+                Some(id),
+                Event::SubmissionSettled {
+                    outcome,
+                    error: error.clone(),
+                },
+            );
         }
         self.binding.set_current(None);
         drop(conversation);
@@ -219,19 +245,28 @@ impl Failure {
     fn failed(error_type: &str, message: impl Into<String>) -> Self {
         Self {
             outcome: Outcome::Failed,
-            error: SettlementError { error_type: error_type.to_owned(), message: message.into() },
+            error: SettlementError {
+                error_type: error_type.to_owned(),
+                message: message.into(),
+            },
             transient: false,
         }
     }
 
     fn store(error: impl std::fmt::Display) -> Self {
-        Self { transient: true, ..Self::failed("store_failure", error.to_string()) }
+        Self {
+            transient: true,
+            ..Self::failed("store_failure", error.to_string())
+        }
     }
 
     fn aborted() -> Self {
         Self {
             outcome: Outcome::Aborted,
-            error: SettlementError { error_type: "submission_aborted".into(), message: "Submission was aborted.".into() },
+            error: SettlementError {
+                error_type: "submission_aborted".into(),
+                message: "Submission was aborted.".into(),
+            },
             transient: false,
         }
     }
@@ -256,7 +291,10 @@ struct Appends(Mutex<Vec<Signal>>);
 
 impl SeamChannel for Appends {
     fn append(&self, signal: Signal) {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(signal);
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(signal);
     }
 }
 
@@ -276,8 +314,18 @@ struct EventLog {
 impl LogSink for EventLog {
     fn log(&self, level: LogLevel, message: &str) {
         if let Some(runtime) = self.runtime.upgrade() {
-            let level = serde_json::to_value(level).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-            runtime.emit(&self.key, Some(&self.submission_id), Event::Log { level, message: message.to_owned() });
+            let level = serde_json::to_value(level)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            runtime.emit(
+                &self.key,
+                Some(&self.submission_id),
+                Event::Log {
+                    level,
+                    message: message.to_owned(),
+                },
+            );
         }
     }
 }
@@ -330,8 +378,16 @@ impl Response<'_> {
             let data = self.attempt.take_data();
             // State writes go before the batch's marker (the last record), data writes with them.
             let marker = records.pop();
-            records.extend(writes.into_iter().map(|write| self.record(RecordBody::StateWrite { name: write.name, value: write.value })));
-            records.extend(data.into_iter().map(|(name, data)| self.record(RecordBody::MessageDataWrite { name, data })));
+            records.extend(writes.into_iter().map(|write| {
+                self.record(RecordBody::StateWrite {
+                    name: write.name,
+                    value: write.value,
+                })
+            }));
+            records.extend(
+                data.into_iter()
+                    .map(|(name, data)| self.record(RecordBody::MessageDataWrite { name, data })),
+            );
             trailing.extend(marker);
         }
         records.extend(trailing);
@@ -350,7 +406,11 @@ impl Response<'_> {
 
     fn render(&mut self) -> Result<Rendered, Failure> {
         let buffer = self.attempt.buffer();
-        let initial = self.conversation.initial_data.clone().unwrap_or(serde_json::Value::Null);
+        let initial = self
+            .conversation
+            .initial_data
+            .clone()
+            .unwrap_or(serde_json::Value::Null);
         let binding: Arc<dyn flue_core::binding::RuntimeBinding> = self.binding.clone();
         let mut state = RenderState::root(&self.key.id)
             .with_agent_name(&self.key.agent)
@@ -372,12 +432,19 @@ impl Response<'_> {
                 Ok(rendered)
             }
             Ok(Err(error)) => Err(error.into()),
-            Err(payload) => Err(Failure::failed("render_failed", flue_core::render::panic_message(payload.as_ref()))),
+            Err(payload) => Err(Failure::failed(
+                "render_failed",
+                flue_core::render::panic_message(payload.as_ref()),
+            )),
         }
     }
 
     fn check_abort(&self) -> Result<(), Failure> {
-        if self.attempt.signal.is_aborted() { Err(Failure::aborted()) } else { Ok(()) }
+        if self.attempt.signal.is_aborted() {
+            Err(Failure::aborted())
+        } else {
+            Ok(())
+        }
     }
 
     async fn run(&mut self) -> Result<(), Failure> {
@@ -397,9 +464,16 @@ impl Response<'_> {
         // True start of the response: use_response_start metadata — skipped when a resumed
         // response already has a durable model step.
         let mut metadata = Metadata::new();
-        let response_starts = if self.conversation.has_stepped(&submission_id) { &[][..] } else { &rendered.response_starts[..] };
+        let response_starts = if self.conversation.has_stepped(&submission_id) {
+            &[][..]
+        } else {
+            &rendered.response_starts[..]
+        };
         for callback in response_starts {
-            let ctx = ResponseStartContext { metadata: metadata.clone(), log: self.logger() };
+            let ctx = ResponseStartContext {
+                metadata: metadata.clone(),
+                log: self.logger(),
+            };
             match callback.call(&ctx) {
                 Ok(Some(contribution)) => merge_metadata(&mut metadata, contribution),
                 Ok(None) => {}
@@ -415,7 +489,8 @@ impl Response<'_> {
             self.commit(vec![input], false).await?;
         }
         if !self.conversation.has_started(&submission_id) {
-            self.start_seam(&rendered, self.delivery.clone(), &submission_id).await?;
+            self.start_seam(&rendered, self.delivery.clone(), &submission_id)
+                .await?;
         }
         self.spare = Some(rendered);
 
@@ -425,15 +500,19 @@ impl Response<'_> {
         loop {
             self.check_abort()?;
             if Instant::now() >= deadline {
-                return Err(Failure::failed("submission_timeout", "Submission exceeded the configured timeout."));
+                return Err(Failure::failed(
+                    "submission_timeout",
+                    "Submission exceeded the configured timeout.",
+                ));
             }
             if steps >= max_steps {
                 break;
             }
             let rendered = self.render()?;
             steps += 1;
-            let (response, message_id) =
-                self.model_step(&*provider, &model_id, &model.spec, thinking, &rendered, steps).await?;
+            let (response, message_id) = self
+                .model_step(&*provider, &model_id, &model.spec, thinking, &rendered, steps)
+                .await?;
             if response.tool_calls.is_empty() {
                 // The would-stop point: queued deliveries join first.
                 if self.join_queued(&rendered).await? {
@@ -471,12 +550,19 @@ impl Response<'_> {
 
         // The true end: use_response_finish with final usage and tool calls.
         let rendered = self.spare.take().unwrap_or_default();
-        let summary = ResponseSummary { tool_calls: self.tool_calls.clone(), usage: self.usage };
+        let summary = ResponseSummary {
+            tool_calls: self.tool_calls.clone(),
+            usage: self.usage,
+        };
         let mut finish_metadata = Metadata::new();
         for callback in &rendered.response_finishes {
             let mut seen = metadata.clone();
             merge_metadata(&mut seen, finish_metadata.clone());
-            let ctx = ResponseFinishContext { metadata: seen, response: summary.clone(), log: self.logger() };
+            let ctx = ResponseFinishContext {
+                metadata: seen,
+                response: summary.clone(),
+                log: self.logger(),
+            };
             match callback.call(&ctx) {
                 Ok(Some(contribution)) => merge_metadata(&mut finish_metadata, contribution),
                 Ok(None) => {}
@@ -486,7 +572,9 @@ impl Response<'_> {
         let records = if finish_metadata.is_empty() {
             Vec::new()
         } else {
-            vec![self.record(RecordBody::MessageMetadata { metadata: finish_metadata })]
+            vec![self.record(RecordBody::MessageMetadata {
+                metadata: finish_metadata,
+            })]
         };
         self.commit(records, true).await?;
         Ok(())
@@ -494,9 +582,10 @@ impl Response<'_> {
 
     fn input_record(&self, submission_id: &str, message: &DeliveredMessage) -> Record {
         let mut record = match message {
-            DeliveredMessage::User(user) => {
-                self.record(RecordBody::UserMessage { message_id: new_id("msg"), body: user.body.clone() })
-            }
+            DeliveredMessage::User(user) => self.record(RecordBody::UserMessage {
+                message_id: new_id("msg"),
+                body: user.body.clone(),
+            }),
             DeliveredMessage::Signal(signal) => self.signal_record(signal),
         };
         record.submission_id = Some(submission_id.to_owned());
@@ -515,34 +604,52 @@ impl Response<'_> {
 
     /// Runs a delivery's `use_agent_start` callbacks concurrently and commits their appends and
     /// state writes with the seam marker in one batch.
-    async fn start_seam(&mut self, rendered: &Rendered, delivery: Arc<DeliveredMessage>, submission_id: &str) -> Result<(), Failure> {
+    async fn start_seam(
+        &mut self,
+        rendered: &Rendered,
+        delivery: Arc<DeliveredMessage>,
+        submission_id: &str,
+    ) -> Result<(), Failure> {
         let appends = Arc::new(Appends::default());
         let mut signals = Vec::new();
         if !rendered.agent_starts.is_empty() {
             let windows: Vec<AppendWindow> = rendered.agent_starts.iter().map(|_| AppendWindow::open()).collect();
-            let per_callback: Vec<Arc<Appends>> = rendered.agent_starts.iter().map(|_| Arc::new(Appends::default())).collect();
-            let runs = rendered.agent_starts.iter().zip(&windows).zip(&per_callback).map(|((callback, window), channel)| {
-                let ctx = AgentStartContext::new(
-                    channel.clone(),
-                    window.clone(),
-                    self.attempt.signal.clone(),
-                    self.logger(),
-                    delivery.clone(),
-                );
-                let run = callback.call(ctx);
-                let window = window.clone();
-                async move {
-                    let result = run.await;
-                    window.close();
-                    result
-                }
-            });
+            let per_callback: Vec<Arc<Appends>> = rendered
+                .agent_starts
+                .iter()
+                .map(|_| Arc::new(Appends::default()))
+                .collect();
+            let runs =
+                rendered
+                    .agent_starts
+                    .iter()
+                    .zip(&windows)
+                    .zip(&per_callback)
+                    .map(|((callback, window), channel)| {
+                        let ctx = AgentStartContext::new(
+                            channel.clone(),
+                            window.clone(),
+                            self.attempt.signal.clone(),
+                            self.logger(),
+                            delivery.clone(),
+                        );
+                        let run = callback.call(ctx);
+                        let window = window.clone();
+                        async move {
+                            let result = run.await;
+                            window.close();
+                            result
+                        }
+                    });
             let results = futures_util::future::join_all(runs).await;
             for (index, result) in results.into_iter().enumerate() {
                 if let Err(error) = result {
                     return Err(Failure::failed(
                         "agent_start_failed",
-                        format!("[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}", index + 1),
+                        format!(
+                            "[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}",
+                            index + 1
+                        ),
                     ));
                 }
             }
@@ -562,7 +669,10 @@ impl Response<'_> {
     /// Runs the `use_agent_finish` callbacks sequentially; returns what they appended.
     async fn finish_cycle(&mut self, rendered: &Rendered) -> Result<Vec<Signal>, Failure> {
         let mut appended = Vec::new();
-        let summary = Arc::new(ResponseSummary { tool_calls: self.tool_calls.clone(), usage: self.usage });
+        let summary = Arc::new(ResponseSummary {
+            tool_calls: self.tool_calls.clone(),
+            usage: self.usage,
+        });
         for (index, callback) in rendered.agent_finishes.iter().enumerate() {
             let channel = Arc::new(Appends::default());
             let window = AppendWindow::open();
@@ -578,7 +688,10 @@ impl Response<'_> {
             if let Err(error) = result {
                 return Err(Failure::failed(
                     "agent_finish_failed",
-                    format!("[flue] A use_agent_finish callback (hook #{} in declaration order) threw: {error}", index + 1),
+                    format!(
+                        "[flue] A use_agent_finish callback (hook #{} in declaration order) threw: {error}",
+                        index + 1
+                    ),
                 ));
             }
             appended.extend(channel.take());
@@ -639,13 +752,16 @@ impl Response<'_> {
             max_output_tokens: None,
         };
         let started = Instant::now();
-        self.runtime.emit(self.key, Some(&self.submission.id), Event::TurnStart { step });
+        self.runtime
+            .emit(self.key, Some(&self.submission.id), Event::TurnStart { step });
         let mut retries = 0;
         let response = loop {
             match self.stream_once(provider, request.clone()).await {
                 Ok(response) => break response,
                 Err(StepError::Aborted) => return Err(Failure::aborted()),
-                Err(StepError::Provider(error)) if error.is_retryable() && retries < self.runtime.options.model_retries => {
+                Err(StepError::Provider(error))
+                    if error.is_retryable() && retries < self.runtime.options.model_retries =>
+                {
                     retries += 1;
                     let delay = self.runtime.options.model_retry_delay * 2u32.pow(retries - 1);
                     tokio::select! {
@@ -665,7 +781,11 @@ impl Response<'_> {
         self.runtime.emit(
             self.key,
             Some(&self.submission.id),
-            Event::Turn { step, stop_reason: response.stop_reason.to_string(), duration_ms: started.elapsed().as_millis() as u64 },
+            Event::Turn {
+                step,
+                stop_reason: response.stop_reason.to_string(),
+                duration_ms: started.elapsed().as_millis() as u64,
+            },
         );
         self.usage += response.usage;
         let message_id = new_id("msg");
@@ -693,7 +813,11 @@ impl Response<'_> {
         Ok((response, message_id))
     }
 
-    async fn stream_once(&self, provider: &dyn ModelProvider, request: ModelRequest) -> Result<ModelResponse, StepError> {
+    async fn stream_once(
+        &self,
+        provider: &dyn ModelProvider,
+        request: ModelRequest,
+    ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
         loop {
             let next = tokio::select! {
@@ -710,10 +834,12 @@ impl Response<'_> {
                 Some(Err(error)) => return Err(StepError::Provider(error)),
                 Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
-                    self.runtime.emit(self.key, Some(&self.submission.id), Event::TextDelta { delta });
+                    self.runtime
+                        .emit(self.key, Some(&self.submission.id), Event::TextDelta { delta });
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
-                    self.runtime.emit(self.key, Some(&self.submission.id), Event::ReasoningDelta { delta });
+                    self.runtime
+                        .emit(self.key, Some(&self.submission.id), Event::ReasoningDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { .. } | StreamEvent::ToolCallArguments { .. })) => {}
             }
@@ -749,7 +875,10 @@ impl Response<'_> {
                     runtime.emit(
                         key,
                         Some(&submission_id),
-                        Event::ToolStart { tool_name: call.name.clone(), tool_call_id: call.id.clone() },
+                        Event::ToolStart {
+                            tool_name: call.name.clone(),
+                            tool_call_id: call.id.clone(),
+                        },
                     );
                 },
             )
@@ -772,7 +901,10 @@ impl Response<'_> {
         records.push(self.record(RecordBody::ToolResultsCommitted { assistant_message_id }));
         self.commit(records, true).await?;
         for run in executed {
-            self.tool_calls.push(ToolCallSummary { tool: run.call.name.clone(), is_error: run.output.is_error });
+            self.tool_calls.push(ToolCallSummary {
+                tool: run.call.name.clone(),
+                is_error: run.output.is_error,
+            });
             self.runtime.emit(
                 self.key,
                 Some(&self.submission.id),

@@ -49,7 +49,9 @@ fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
 
 impl Inner {
     fn is_unsettled(&self, id: &str) -> bool {
-        self.submissions.get(id).is_some_and(|row| row.status != SubmissionStatus::Settled)
+        self.submissions
+            .get(id)
+            .is_some_and(|row| row.status != SubmissionStatus::Settled)
     }
 
     fn owns(&self, attempt: &AttemptRef) -> bool {
@@ -62,7 +64,10 @@ impl Inner {
         if records.is_empty() {
             return Err(StoreError::Other("an append batch must not be empty".into()));
         }
-        let instance = self.instances.get_mut(key).ok_or_else(|| StoreError::Other(format!("no stream {key}")))?;
+        let instance = self
+            .instances
+            .get_mut(key)
+            .ok_or_else(|| StoreError::Other(format!("no stream {key}")))?;
         let offset = instance.batches.len() as u64;
         instance.batches.push(Batch { offset, records });
         Ok(offset)
@@ -75,8 +80,17 @@ impl Store for MemoryStore {
         let result = (|| {
             if let Some(existing) = inner.submissions.get(&admission.submission_id) {
                 if existing.message == admission.message && existing.key == admission.key {
-                    let uid = inner.instances.get(&admission.key).map(|instance| instance.uid.clone()).unwrap_or_default();
-                    return Ok(Admitted { submission: existing.clone(), uid, deduplicated: true, offset: None });
+                    let uid = inner
+                        .instances
+                        .get(&admission.key)
+                        .map(|instance| instance.uid.clone())
+                        .unwrap_or_default();
+                    return Ok(Admitted {
+                        submission: existing.clone(),
+                        uid,
+                        deduplicated: true,
+                        offset: None,
+                    });
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
             }
@@ -85,9 +99,14 @@ impl Store for MemoryStore {
                 (UidCondition::Existing(expected), Some(uid)) if expected != uid => {
                     return Err(StoreError::InstanceNotFound(admission.key.id.clone()));
                 }
-                (UidCondition::Existing(_), None) => return Err(StoreError::InstanceNotFound(admission.key.id.clone())),
+                (UidCondition::Existing(_), None) => {
+                    return Err(StoreError::InstanceNotFound(admission.key.id.clone()));
+                }
                 (UidCondition::CreateOnly, Some(uid)) => {
-                    return Err(StoreError::InstanceExists { id: admission.key.id.clone(), uid: uid.clone() });
+                    return Err(StoreError::InstanceExists {
+                        id: admission.key.id.clone(),
+                        uid: uid.clone(),
+                    });
                 }
                 _ => {}
             }
@@ -100,12 +119,18 @@ impl Store for MemoryStore {
                         submission_id: None,
                         attempt_id: None,
                         timestamp: now(),
-                        body: RecordBody::ConversationCreated { uid: uid.clone(), initial_data: admission.initial_data.clone() },
+                        body: RecordBody::ConversationCreated {
+                            uid: uid.clone(),
+                            initial_data: admission.initial_data.clone(),
+                        },
                     };
                     let instance = Instance {
                         uid: uid.clone(),
                         queue: Vec::new(),
-                        batches: vec![Batch { offset: 0, records: vec![birth] }],
+                        batches: vec![Batch {
+                            offset: 0,
+                            records: vec![birth],
+                        }],
                     };
                     inner.instances.insert(admission.key.clone(), instance);
                     uid
@@ -129,17 +154,28 @@ impl Store for MemoryStore {
                 error: None,
             };
             inner.submissions.insert(submission.id.clone(), submission.clone());
-            let instance = inner.instances.get_mut(&admission.key).ok_or_else(|| StoreError::Other("instance vanished".into()))?;
+            let instance = inner
+                .instances
+                .get_mut(&admission.key)
+                .ok_or_else(|| StoreError::Other("instance vanished".into()))?;
             instance.queue.push(submission.id.clone());
             let offset = instance.batches.len().checked_sub(1).map(|last| last as u64);
-            Ok(Admitted { submission, uid, deduplicated: false, offset })
+            Ok(Admitted {
+                submission,
+                uid,
+                deduplicated: false,
+                offset,
+            })
         })();
         ready(result)
     }
 
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
         let inner = self.lock();
-        let info = inner.instances.get(key).map(|instance| InstanceInfo { id: key.id.clone(), uid: instance.uid.clone() });
+        let info = inner.instances.get(key).map(|instance| InstanceInfo {
+            id: key.id.clone(),
+            uid: instance.uid.clone(),
+        });
         ready(Ok(info))
     }
 
@@ -149,9 +185,10 @@ impl Store for MemoryStore {
 
     fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let mut inner = self.lock();
-        let head = inner.instances.get(key).and_then(|instance| {
-            instance.queue.iter().find(|id| inner.is_unsettled(id)).cloned()
-        });
+        let head = inner
+            .instances
+            .get(key)
+            .and_then(|instance| instance.queue.iter().find(|id| inner.is_unsettled(id)).cloned());
         let claimed = head.and_then(|id| {
             let row = inner.submissions.get_mut(&id)?;
             if row.status != SubmissionStatus::Queued {
@@ -180,14 +217,21 @@ impl Store for MemoryStore {
                 instance
                     .queue
                     .iter()
-                    .filter(|id| inner.submissions.get(*id).is_some_and(|row| row.status == SubmissionStatus::Queued))
+                    .filter(|id| {
+                        inner
+                            .submissions
+                            .get(*id)
+                            .is_some_and(|row| row.status == SubmissionStatus::Queued)
+                    })
                     .cloned()
                     .collect()
             })
             .unwrap_or_default();
         let mut claimed = Vec::new();
         for id in queued {
-            let Some(row) = inner.submissions.get_mut(&id) else { break };
+            let Some(row) = inner.submissions.get_mut(&id) else {
+                break;
+            };
             if row.abort_requested {
                 break;
             }
@@ -225,11 +269,16 @@ impl Store for MemoryStore {
         let mut inner = self.lock();
         let result = (|| {
             if !inner.owns(host) {
-                return Err(StoreError::Fenced(format!("attempt {} does not own {}", host.attempt_id, host.submission_id)));
+                return Err(StoreError::Fenced(format!(
+                    "attempt {} does not own {}",
+                    host.attempt_id, host.submission_id
+                )));
             }
-            let key = inner.submissions.get(&host.submission_id).map(|row| row.key.clone()).ok_or_else(|| {
-                StoreError::Other(format!("no submission {}", host.submission_id))
-            })?;
+            let key = inner
+                .submissions
+                .get(&host.submission_id)
+                .map(|row| row.key.clone())
+                .ok_or_else(|| StoreError::Other(format!("no submission {}", host.submission_id)))?;
             if !records.is_empty() {
                 inner.append(&key, records)?;
             }
@@ -272,7 +321,9 @@ impl Store for MemoryStore {
             return ready(Ok(false));
         }
         for row in inner.submissions.values_mut() {
-            if row.joined_into.as_deref() == Some(attempt.submission_id.as_str()) && row.status == SubmissionStatus::Joining {
+            if row.joined_into.as_deref() == Some(attempt.submission_id.as_str())
+                && row.status == SubmissionStatus::Joining
+            {
                 row.status = SubmissionStatus::Queued;
                 row.joined_into = None;
             }
@@ -286,7 +337,11 @@ impl Store for MemoryStore {
 
     fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
         let mut inner = self.lock();
-        let ids: Vec<String> = inner.instances.get(key).map(|instance| instance.queue.clone()).unwrap_or_default();
+        let ids: Vec<String> = inner
+            .instances
+            .get(key)
+            .map(|instance| instance.queue.clone())
+            .unwrap_or_default();
         let mut affected = Vec::new();
         for id in ids {
             if let Some(row) = inner.submissions.get_mut(&id)

@@ -27,7 +27,10 @@ pub struct InstanceKey {
 impl InstanceKey {
     /// The key of `id` of `agent`.
     pub fn new(agent: impl Into<String>, id: impl Into<String>) -> Self {
-        Self { agent: agent.into(), id: id.into() }
+        Self {
+            agent: agent.into(),
+            id: id.into(),
+        }
     }
 
     /// The stream path: `agents/<agent>/<id>`.

@@ -36,14 +36,20 @@ impl ScriptedReply {
 
     /// One tool call.
     pub fn tool_call(name: impl Into<String>, arguments: serde_json::Value) -> Self {
-        Self::ToolCalls { text: String::new(), calls: vec![(name.into(), arguments.to_string())] }
+        Self::ToolCalls {
+            text: String::new(),
+            calls: vec![(name.into(), arguments.to_string())],
+        }
     }
 
     /// Several tool calls in one step.
     pub fn tool_calls<N: Into<String>>(calls: impl IntoIterator<Item = (N, serde_json::Value)>) -> Self {
         Self::ToolCalls {
             text: String::new(),
-            calls: calls.into_iter().map(|(name, arguments)| (name.into(), arguments.to_string())).collect(),
+            calls: calls
+                .into_iter()
+                .map(|(name, arguments)| (name.into(), arguments.to_string()))
+                .collect(),
         }
     }
 }
@@ -72,7 +78,12 @@ impl ScriptedModel {
     pub fn new(replies: impl IntoIterator<Item = ScriptedReply>) -> Self {
         Self {
             id: "scripted".into(),
-            inner: Arc::new(Mutex::new(Inner { script: replies.into_iter().collect(), echo: false, requests: Vec::new(), calls: 0 })),
+            inner: Arc::new(Mutex::new(Inner {
+                script: replies.into_iter().collect(),
+                echo: false,
+                requests: Vec::new(),
+                calls: 0,
+            })),
         }
     }
 
@@ -130,7 +141,10 @@ impl ModelProvider for ScriptedModel {
         let events: Vec<Result<StreamEvent, ProviderError>> = match reply {
             ScriptedReply::Error(error) => vec![Err(error)],
             ScriptedReply::Text(text) => {
-                let mut events: Vec<_> = text.split_inclusive(' ').map(|word| Ok(StreamEvent::TextDelta(word.to_owned()))).collect();
+                let mut events: Vec<_> = text
+                    .split_inclusive(' ')
+                    .map(|word| Ok(StreamEvent::TextDelta(word.to_owned())))
+                    .collect();
                 events.push(Ok(StreamEvent::Completed(response(text, Vec::new()))));
                 events
             }
@@ -138,15 +152,26 @@ impl ModelProvider for ScriptedModel {
                 let calls: Vec<ModelToolCall> = calls
                     .into_iter()
                     .enumerate()
-                    .map(|(index, (name, arguments))| ModelToolCall { id: format!("call_{call}_{index}"), name, arguments })
+                    .map(|(index, (name, arguments))| ModelToolCall {
+                        id: format!("call_{call}_{index}"),
+                        name,
+                        arguments,
+                    })
                     .collect();
                 let mut events = Vec::new();
                 if !text.is_empty() {
                     events.push(Ok(StreamEvent::TextDelta(text.clone())));
                 }
                 for (index, tool_call) in calls.iter().enumerate() {
-                    events.push(Ok(StreamEvent::ToolCallStarted { index, id: tool_call.id.clone(), name: tool_call.name.clone() }));
-                    events.push(Ok(StreamEvent::ToolCallArguments { index, delta: tool_call.arguments.clone() }));
+                    events.push(Ok(StreamEvent::ToolCallStarted {
+                        index,
+                        id: tool_call.id.clone(),
+                        name: tool_call.name.clone(),
+                    }));
+                    events.push(Ok(StreamEvent::ToolCallArguments {
+                        index,
+                        delta: tool_call.arguments.clone(),
+                    }));
                 }
                 events.push(Ok(StreamEvent::Completed(response(text, calls))));
                 events
@@ -157,7 +182,21 @@ impl ModelProvider for ScriptedModel {
 }
 
 fn response(text: String, tool_calls: Vec<ModelToolCall>) -> ModelResponse {
-    let stop_reason = if tool_calls.is_empty() { StopReason::Stop } else { StopReason::ToolUse };
-    let usage = Usage { input_tokens: 10, output_tokens: (text.len() as u64 / 4).max(1), ..Usage::default() };
-    ModelResponse { text, reasoning: String::new(), tool_calls, stop_reason, usage }
+    let stop_reason = if tool_calls.is_empty() {
+        StopReason::Stop
+    } else {
+        StopReason::ToolUse
+    };
+    let usage = Usage {
+        input_tokens: 10,
+        output_tokens: (text.len() as u64 / 4).max(1),
+        ..Usage::default()
+    };
+    ModelResponse {
+        text,
+        reasoning: String::new(),
+        tool_calls,
+        stop_reason,
+        usage,
+    }
 }
