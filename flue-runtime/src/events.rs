@@ -41,6 +41,18 @@ pub enum Event {
         /// The budget.
         max_attempts: u32,
     },
+    /// The agent started working on a submission (after `submission_running`).
+    AgentStart,
+    /// A message began: the applied input (`user`) or a model step (`assistant`).
+    MessageStart {
+        /// `user` or `assistant`.
+        role: String,
+    },
+    /// A message ended.
+    MessageEnd {
+        /// `user` or `assistant`.
+        role: String,
+    },
     /// A model call started.
     TurnStart {
         /// 1-based step within the response.
@@ -97,6 +109,10 @@ pub enum Event {
         /// The line.
         message: String,
     },
+    /// The agent finished working on the submission (before it settles).
+    AgentEnd,
+    /// The instance has nothing running (after every response).
+    Idle,
     /// A submission settled.
     SubmissionSettled {
         /// How.

@@ -385,31 +385,29 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
         kinds.push(match observation.event {
             Event::SubmissionQueued { .. } => "queued",
             Event::SubmissionRunning { .. } => "running",
+            Event::AgentStart => "agent_start",
+            Event::MessageStart { role } if role == "user" => "user_start",
+            Event::MessageEnd { role } if role == "user" => "user_end",
+            Event::MessageStart { .. } => "assistant_start",
+            Event::MessageEnd { .. } => "assistant_end",
             Event::TurnStart { .. } => "turn_start",
             Event::Turn { .. } => "turn",
             Event::ToolStart { .. } => "tool_start",
             Event::Tool { .. } => "tool",
-            Event::SubmissionSettled {
-                outcome: Outcome::Completed,
-                ..
-            } => "settled",
+            Event::AgentEnd => "agent_end",
+            Event::Idle => "idle",
+            Event::SubmissionSettled { outcome: Outcome::Completed, .. } => "settled",
             _ => continue,
         });
     }
-    assert_eq!(
-        kinds,
-        [
-            "queued",
-            "running",
-            "turn_start",
-            "turn",
-            "tool_start",
-            "tool",
-            "turn_start",
-            "turn",
-            "settled"
-        ]
-    );
+    #[rustfmt::skip]
+    let expected = [
+        "queued", "running", "agent_start", "user_start", "user_end",
+        "turn_start", "assistant_start", "turn", "assistant_end", "tool_start", "tool",
+        "turn_start", "assistant_start", "turn", "assistant_end",
+        "agent_end", "idle", "settled",
+    ];
+    assert_eq!(kinds, expected);
 }
 
 #[tokio::test]

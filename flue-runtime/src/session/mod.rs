@@ -161,11 +161,14 @@ impl InstanceSlot {
             joined: Vec::new(),
             spare: None,
         };
+        runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
             Ok(()) if submission.abort_requested => Err(Failure::aborted()),
             Ok(()) => response.run().await,
             Err(failure) => Err(failure),
         };
+        runtime.emit(&self.key, Some(&submission.id), Event::AgentEnd);
+        runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         attempt.responding.store(false, Ordering::Release);
         let joined_ids = std::mem::take(&mut response.joined);
         let (outcome, error) = match result {
@@ -351,6 +354,10 @@ struct Response<'a> {
 }
 
 impl Response<'_> {
+    fn emit(&self, event: Event) {
+        self.runtime.emit(self.key, Some(&self.submission.id), event);
+    }
+
     fn record(&self, body: RecordBody) -> Record {
         Record {
             id: new_id("record"),
@@ -486,7 +493,9 @@ impl Response<'_> {
         // waking delivery (skipped when its marker committed).
         if !self.conversation.has_input(&submission_id) {
             let input = self.input_record(&submission_id, &self.delivery.clone());
+            self.emit(Event::MessageStart { role: "user".into() });
             self.commit(vec![input], false).await?;
+            self.emit(Event::MessageEnd { role: "user".into() });
         }
         if !self.conversation.has_started(&submission_id) {
             self.start_seam(&rendered, self.delivery.clone(), &submission_id)
@@ -713,7 +722,9 @@ impl Response<'_> {
         for delivery in claimed {
             let message = Arc::new(delivery.message.clone());
             let input = self.input_record(&delivery.id, &message);
+            self.emit(Event::MessageStart { role: "user".into() });
             self.commit(vec![input], false).await?;
+            self.emit(Event::MessageEnd { role: "user".into() });
             self.delivery = message.clone();
             self.start_seam(rendered, message, &delivery.id).await?;
             self.runtime
@@ -752,8 +763,8 @@ impl Response<'_> {
             max_output_tokens: None,
         };
         let started = Instant::now();
-        self.runtime
-            .emit(self.key, Some(&self.submission.id), Event::TurnStart { step });
+        self.emit(Event::TurnStart { step });
+        self.emit(Event::MessageStart { role: "assistant".into() });
         let mut retries = 0;
         let response = loop {
             match self.stream_once(provider, request.clone()).await {
@@ -810,6 +821,7 @@ impl Response<'_> {
             usage: response.usage,
         }));
         self.commit(records, false).await?;
+        self.emit(Event::MessageEnd { role: "assistant".into() });
         Ok((response, message_id))
     }
 
