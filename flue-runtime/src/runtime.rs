@@ -288,7 +288,14 @@ impl RuntimeInner {
     }
 
     /// Waits for a submission to settle and reads its reply.
-    pub(crate) async fn wait(&self, key: &InstanceKey, submission_id: &str) -> Result<AgentReply, RuntimeError> {
+    /// `after` is a stream offset known to precede the submission's records (its admission
+    /// offset), so the reply is read without rescanning the conversation.
+    pub(crate) async fn wait(
+        &self,
+        key: &InstanceKey,
+        submission_id: &str,
+        after: Option<u64>,
+    ) -> Result<AgentReply, RuntimeError> {
         loop {
             let notified = self.settled.notified();
             tokio::pin!(notified);
@@ -301,7 +308,10 @@ impl RuntimeInner {
             if let Some(outcome) = row.outcome {
                 return match outcome {
                     Outcome::Completed => {
-                        let batches = self.store.read(key, None).await?;
+                        // A joined delivery is answered by its host's response, which began
+                        // before the delivery was admitted: read from the start.
+                        let after = if row.joined_into.is_some() { None } else { after };
+                        let batches = self.store.read(key, after).await?;
                         let parts = session::reply_of(&batches, submission_id);
                         Ok(AgentReply {
                             text: parts.texts.join("\n\n"),
@@ -509,7 +519,7 @@ impl AgentHandle {
         if self.runtime.store.instance(&self.key).await?.is_none() {
             return Err(RuntimeError::InstanceNotFound(self.key.id.clone()));
         }
-        self.runtime.wait(&self.key, submission_id).await
+        self.runtime.wait(&self.key, submission_id, None).await
     }
 
     /// Requests an abort of every unsettled submission of the instance. Returns whether any
