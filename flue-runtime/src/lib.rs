@@ -25,9 +25,9 @@ pub mod store;
 pub mod testing;
 mod tools;
 
+pub use flue_macros::{agent, hook, tool};
 pub use runtime::{AgentHandle, AgentReply, Runtime, RuntimeBuilder, RuntimeError, RuntimeOptions, SendRequest};
 pub use session::MAX_AGENT_FINISH_CYCLES;
-pub use flue_macros::{agent, hook, tool};
 
 /// Everything an application author needs.
 pub mod prelude {

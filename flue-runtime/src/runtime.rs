@@ -496,7 +496,10 @@ impl AgentHandle {
     /// Sends a [`SendRequest`] (its `id` is replaced by this handle's) and waits for the reply.
     pub async fn send_request(&self, mut request: SendRequest) -> Result<AgentReply, RuntimeError> {
         request.id.clone_from(&self.key.id);
-        let (receipt, offset) = self.runtime.admit(&self.key.agent, request, SubmissionKind::Direct).await?;
+        let (receipt, offset) = self
+            .runtime
+            .admit(&self.key.agent, request, SubmissionKind::Direct)
+            .await?;
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());
         self.runtime.wait(&self.key, &receipt.submission_id, offset).await
     }

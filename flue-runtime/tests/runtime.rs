@@ -396,7 +396,10 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
             Event::Tool { .. } => "tool",
             Event::AgentEnd => "agent_end",
             Event::Idle => "idle",
-            Event::SubmissionSettled { outcome: Outcome::Completed, .. } => "settled",
+            Event::SubmissionSettled {
+                outcome: Outcome::Completed,
+                ..
+            } => "settled",
             _ => continue,
         });
     }

@@ -36,7 +36,7 @@ use serde_json::{Map, Value, json};
 
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, endpoint, ended_early,
+    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::types::{
@@ -168,7 +168,9 @@ impl AnthropicProvider {
             let tools = request
                 .tools
                 .iter()
-                .map(|tool| json!({"name": tool.name, "description": tool.description, "input_schema": tool.parameters}))
+                .map(
+                    |tool| json!({"name": tool.name, "description": tool.description, "input_schema": tool.parameters}),
+                )
                 .collect();
             body.insert("tools".into(), Value::Array(tools));
         }
@@ -209,14 +211,24 @@ fn messages(conversation: &[ModelMessage]) -> Vec<Value> {
             ModelMessage::User { content } => ("user", text_block(content).into_iter().collect()),
             ModelMessage::Assistant { text, tool_calls } => {
                 let mut blocks: Vec<Value> = text_block(text).into_iter().collect();
-                blocks.extend(tool_calls.iter().map(|call| {
-                    json!({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call)})
-                }));
+                blocks.extend(tool_calls.iter().map(
+                    |call| json!({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call)}),
+                ));
                 ("assistant", blocks)
             }
-            ModelMessage::Tool { tool_call_id, content, is_error, .. } => (
+            ModelMessage::Tool {
+                tool_call_id,
+                content,
+                is_error,
+                ..
+            } => (
                 "user",
-                vec![json!({"type": "tool_result", "tool_use_id": tool_call_id, "content": content, "is_error": is_error})],
+                vec![json!({
+                    "type": "tool_result",
+                    "tool_use_id": tool_call_id,
+                    "content": content,
+                    "is_error": is_error,
+                })],
             ),
         };
         if blocks.is_empty() {
@@ -249,7 +261,7 @@ fn tool_input(call: &ModelToolCall) -> Value {
         Ok(value @ Value::Object(_)) => value,
         _ => {
             if !call.arguments.trim().is_empty() {
-                tracing::warn!(tool = %call.name, id = %call.id, "tool call arguments are not a JSON object; sending {{}}");
+                tracing::warn!(tool = %call.name, id = %call.id, "tool arguments are not a JSON object: sent as {{}}");
             }
             Value::Object(Map::new())
         }
@@ -268,7 +280,10 @@ impl ModelProvider for AnthropicProvider {
         };
         let mut headers = HeaderMap::new();
         headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
-        headers.insert(HeaderName::from_static("anthropic-version"), HeaderValue::from_static(ANTHROPIC_VERSION));
+        headers.insert(
+            HeaderName::from_static("anthropic-version"),
+            HeaderValue::from_static(ANTHROPIC_VERSION),
+        );
         if let Some(key) = &key {
             match secret_header(key.expose(), &self.id, &self.key.env) {
                 Ok(value) => headers.insert(HeaderName::from_static("x-api-key"), value),
@@ -348,14 +363,28 @@ impl MessagesDecoder {
     fn invalid(&self, what: &str) -> ProviderError {
         ProviderError::new(
             ProviderErrorKind::InvalidResponse,
-            format!("[flue] Provider \"{}\" sent an invalid stream event: {what}.", self.ctx.provider),
+            format!(
+                "[flue] Provider \"{}\" sent an invalid stream event: {what}.",
+                self.ctx.provider
+            ),
         )
     }
 
     fn block_start(&mut self, data: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
-        let index = data.get("index").and_then(Value::as_u64).ok_or_else(|| self.invalid("a block without index"))?;
-        let block = data.get("content_block").ok_or_else(|| self.invalid("a block start without content_block"))?;
-        let text = |key: &str| block.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()).map(str::to_owned);
+        let index = data
+            .get("index")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| self.invalid("a block without index"))?;
+        let block = data
+            .get("content_block")
+            .ok_or_else(|| self.invalid("a block start without content_block"))?;
+        let text = |key: &str| {
+            block
+                .get(key)
+                .and_then(Value::as_str)
+                .filter(|t| !t.is_empty())
+                .map(str::to_owned)
+        };
         match block.get("type").and_then(Value::as_str) {
             Some("text") => {
                 if let Some(text) = text("text") {
@@ -373,12 +402,19 @@ impl MessagesDecoder {
                 let id = text("id").ok_or_else(|| self.invalid("a tool_use block without id"))?;
                 let name = text("name").ok_or_else(|| self.invalid("a tool_use block without name"))?;
                 let slot = self.calls.len();
-                out.push_back(StreamEvent::ToolCallStarted { index: slot, id: id.clone(), name: name.clone() });
+                out.push_back(StreamEvent::ToolCallStarted {
+                    index: slot,
+                    id: id.clone(),
+                    name: name.clone(),
+                });
                 // Inputs normally stream as `input_json_delta`; a complete input may come here.
                 let arguments = match block.get("input") {
                     Some(Value::Object(input)) if !input.is_empty() => {
                         let arguments = Value::Object(input.clone()).to_string();
-                        out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: arguments.clone() });
+                        out.push_back(StreamEvent::ToolCallArguments {
+                            index: slot,
+                            delta: arguments.clone(),
+                        });
                         arguments
                     }
                     _ => String::new(),
@@ -393,7 +429,13 @@ impl MessagesDecoder {
 
     fn block_delta(&mut self, data: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
         let Some(delta) = data.get("delta") else { return Ok(()) };
-        let text = |key: &str| delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()).map(str::to_owned);
+        let text = |key: &str| {
+            delta
+                .get(key)
+                .and_then(Value::as_str)
+                .filter(|t| !t.is_empty())
+                .map(str::to_owned)
+        };
         match delta.get("type").and_then(Value::as_str) {
             Some("text_delta") => {
                 if let Some(text) = text("text") {
@@ -414,7 +456,10 @@ impl MessagesDecoder {
                     .ok_or_else(|| self.invalid("input_json_delta for a block that is not a tool_use"))?;
                 if let Some(fragment) = text("partial_json") {
                     self.calls[slot].arguments.push_str(&fragment);
-                    out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: fragment });
+                    out.push_back(StreamEvent::ToolCallArguments {
+                        index: slot,
+                        delta: fragment,
+                    });
                 }
             }
             _ => {}
@@ -428,10 +473,18 @@ impl MessagesDecoder {
             .map(|call| ModelToolCall {
                 id: call.id,
                 name: call.name,
-                arguments: if call.arguments.trim().is_empty() { "{}".to_owned() } else { call.arguments },
+                arguments: if call.arguments.trim().is_empty() {
+                    "{}".to_owned()
+                } else {
+                    call.arguments
+                },
             })
             .collect();
-        let stop_reason = self.stop.unwrap_or(if tool_calls.is_empty() { StopReason::Stop } else { StopReason::ToolUse });
+        let stop_reason = self.stop.unwrap_or(if tool_calls.is_empty() {
+            StopReason::Stop
+        } else {
+            StopReason::ToolUse
+        });
         let usage = Usage {
             input_tokens: self.input_tokens + self.cache_read_tokens + self.cache_write_tokens,
             output_tokens: self.output_tokens,
@@ -466,7 +519,11 @@ impl SseDecoder for MessagesDecoder {
             "content_block_start" => self.block_start(&data, out)?,
             "content_block_delta" => self.block_delta(&data, out)?,
             "message_delta" => {
-                if let Some(reason) = data.get("delta").and_then(|d| d.get("stop_reason")).and_then(Value::as_str) {
+                if let Some(reason) = data
+                    .get("delta")
+                    .and_then(|d| d.get("stop_reason"))
+                    .and_then(Value::as_str)
+                {
                     self.stop = Some(match reason {
                         "tool_use" => StopReason::ToolUse,
                         "max_tokens" | "model_context_window_exceeded" => StopReason::Length,
@@ -484,7 +541,13 @@ impl SseDecoder for MessagesDecoder {
             }
             "error" => {
                 let error = data.get("error").unwrap_or(&data);
-                return Err(map_error(&self.ctx, None, None, &ErrorDetails::from_value(error), &error.to_string()));
+                return Err(map_error(
+                    &self.ctx,
+                    None,
+                    None,
+                    &ErrorDetails::from_value(error),
+                    &error.to_string(),
+                ));
             }
             _ => {}
         }
@@ -518,7 +581,9 @@ mod tests {
     }
 
     fn user(text: &str) -> ModelMessage {
-        ModelMessage::User { content: text.to_owned() }
+        ModelMessage::User {
+            content: text.to_owned(),
+        }
     }
 
     #[test]
@@ -536,23 +601,51 @@ mod tests {
         for (level, max, want_max, want_budget) in cases {
             let body = provider.body(&request(vec![user("hi")], level, max));
             assert_eq!(body["max_tokens"], want_max, "{level:?} {max:?}");
-            assert_eq!(body.get("thinking").map(|t| t["budget_tokens"].clone()), want_budget.map(Value::from));
+            assert_eq!(
+                body.get("thinking").map(|t| t["budget_tokens"].clone()),
+                want_budget.map(Value::from)
+            );
         }
     }
 
     #[test]
     fn thinking_is_dropped_inside_a_tool_loop_only() {
         let provider = AnthropicProvider::anthropic();
-        let call = ModelToolCall { id: "t1".to_owned(), name: "f".to_owned(), arguments: "{}".to_owned() };
+        let call = ModelToolCall {
+            id: "t1".to_owned(),
+            name: "f".to_owned(),
+            arguments: "{}".to_owned(),
+        };
         let looping = vec![
             user("go"),
-            ModelMessage::Assistant { text: String::new(), tool_calls: vec![call.clone()] },
-            ModelMessage::Tool { tool_call_id: "t1".into(), name: "f".into(), content: "ok".into(), is_error: false },
+            ModelMessage::Assistant {
+                text: String::new(),
+                tool_calls: vec![call.clone()],
+            },
+            ModelMessage::Tool {
+                tool_call_id: "t1".into(),
+                name: "f".into(),
+                content: "ok".into(),
+                is_error: false,
+            },
         ];
-        assert!(provider.body(&request(looping.clone(), ThinkingLevel::High, None)).get("thinking").is_none());
+        assert!(
+            provider
+                .body(&request(looping.clone(), ThinkingLevel::High, None))
+                .get("thinking")
+                .is_none()
+        );
         let mut next_turn = looping;
-        next_turn.push(ModelMessage::Assistant { text: "done".into(), tool_calls: Vec::new() });
+        next_turn.push(ModelMessage::Assistant {
+            text: "done".into(),
+            tool_calls: Vec::new(),
+        });
         next_turn.push(user("again"));
-        assert!(provider.body(&request(next_turn, ThinkingLevel::High, None)).get("thinking").is_some());
+        assert!(
+            provider
+                .body(&request(next_turn, ThinkingLevel::High, None))
+                .get("thinking")
+                .is_some()
+        );
     }
 }

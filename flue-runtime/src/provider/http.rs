@@ -65,12 +65,18 @@ pub struct RetryPolicy {
 impl RetryPolicy {
     /// A policy of `max_retries` retries starting at `base_delay`.
     pub const fn new(max_retries: u32, base_delay: Duration) -> Self {
-        Self { max_retries, base_delay }
+        Self {
+            max_retries,
+            base_delay,
+        }
     }
 
     /// A policy that never retries.
     pub const fn none() -> Self {
-        Self { max_retries: 0, base_delay: Duration::ZERO }
+        Self {
+            max_retries: 0,
+            base_delay: Duration::ZERO,
+        }
     }
 
     /// The wait before retry number `retry` (counted from 0) when the provider gave no
@@ -91,7 +97,10 @@ impl Default for RetryPolicy {
 
 /// A random number in `[0, 1)`, from the standard library's per-instance random hash keys.
 fn jitter_fraction() -> f64 {
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     let random = RandomState::new().hash_one(nanos);
     (random % 10_000) as f64 / 10_000.0
 }
@@ -109,7 +118,11 @@ pub(crate) struct Transport {
 
 impl Default for Transport {
     fn default() -> Self {
-        Self { timeout: DEFAULT_TIMEOUT, idle_timeout: DEFAULT_IDLE_TIMEOUT, retry: RetryPolicy::default() }
+        Self {
+            timeout: DEFAULT_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            retry: RetryPolicy::default(),
+        }
     }
 }
 
@@ -125,10 +138,18 @@ impl SharedClient {
     pub fn get(&self) -> Result<reqwest::Client, ProviderError> {
         self.0
             .get_or_init(|| {
-                reqwest::Client::builder().connect_timeout(CONNECT_TIMEOUT).build().map_err(|e| e.to_string())
+                reqwest::Client::builder()
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .build()
+                    .map_err(|e| e.to_string())
             })
             .clone()
-            .map_err(|e| ProviderError::new(ProviderErrorKind::Network, format!("[flue] Could not build the HTTP client: {e}")))
+            .map_err(|e| {
+                ProviderError::new(
+                    ProviderErrorKind::Network,
+                    format!("[flue] Could not build the HTTP client: {e}"),
+                )
+            })
     }
 }
 
@@ -169,7 +190,11 @@ pub(crate) struct KeySource {
 impl KeySource {
     /// A key read from `env`, required.
     pub fn env(env: impl Into<String>) -> Self {
-        Self { env: env.into(), explicit: None, optional: false }
+        Self {
+            env: env.into(),
+            explicit: None,
+            optional: false,
+        }
     }
 
     /// Sets an explicit key (an empty string clears it).
@@ -211,7 +236,12 @@ pub(crate) struct CallContext {
 impl CallContext {
     /// The context of a call of `model` on `provider` with `key`.
     pub fn new(provider: &str, key_env: &str, model: &str, key: Option<ApiKey>) -> Self {
-        Self { provider: provider.to_owned(), key_env: key_env.to_owned(), model: model.to_owned(), key }
+        Self {
+            provider: provider.to_owned(),
+            key_env: key_env.to_owned(),
+            model: model.to_owned(),
+            key,
+        }
     }
 
     /// `text` with every occurrence of the API key replaced.
@@ -261,7 +291,10 @@ pub(crate) async fn send_with_retries(
     ctx: &CallContext,
 ) -> Result<reqwest::Response, ProviderError> {
     let payload = Bytes::from(serde_json::to_vec(body).map_err(|e| {
-        ProviderError::new(ProviderErrorKind::BadRequest, format!("[flue] Could not encode the request: {e}"))
+        ProviderError::new(
+            ProviderErrorKind::BadRequest,
+            format!("[flue] Could not encode the request: {e}"),
+        )
     })?);
     let mut retry = 0u32;
     loop {
@@ -312,11 +345,21 @@ fn transport_error(error: &reqwest::Error, ctx: &CallContext) -> ProviderError {
     if error.is_builder() {
         return ProviderError::new(
             ProviderErrorKind::BadRequest,
-            format!("[flue] Could not build the request to provider \"{}\": {detail}", ctx.provider),
+            format!(
+                "[flue] Could not build the request to provider \"{}\": {detail}",
+                ctx.provider
+            ),
         );
     }
-    let kind = if error.is_timeout() { ProviderErrorKind::Timeout } else { ProviderErrorKind::Network };
-    ProviderError::new(kind, format!("[flue] Could not reach provider \"{}\": {detail}", ctx.provider))
+    let kind = if error.is_timeout() {
+        ProviderErrorKind::Timeout
+    } else {
+        ProviderErrorKind::Network
+    };
+    ProviderError::new(
+        kind,
+        format!("[flue] Could not reach provider \"{}\": {detail}", ctx.provider),
+    )
 }
 
 /// An error and its sources, joined with `: `.
@@ -350,10 +393,11 @@ async fn error_from_response(response: reqwest::Response, timeout: Duration, ctx
 /// seconds or an HTTP date.
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let text = |name: &HeaderName| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
-    if let Some(ms) = text(&HeaderName::from_static("retry-after-ms")).and_then(|v| v.parse::<f64>().ok()) {
-        if ms.is_finite() && ms >= 0.0 {
-            return Some(Duration::from_secs_f64(ms / 1000.0).min(MAX_RETRY_WAIT));
-        }
+    let millis = text(&HeaderName::from_static("retry-after-ms")).and_then(|v| v.parse::<f64>().ok());
+    if let Some(ms) = millis.filter(|ms| ms.is_finite() && *ms >= 0.0) {
+        return Some(Duration::from_secs_f64(
+            ms.min(MAX_RETRY_WAIT.as_secs_f64() * 1000.0) / 1000.0,
+        ));
     }
     text(&RETRY_AFTER).and_then(parse_retry_after)
 }
@@ -369,7 +413,11 @@ pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
             .then(|| Duration::from_secs_f64(seconds.min(MAX_RETRY_WAIT.as_secs_f64())));
     }
     let when = httpdate::parse_http_date(value).ok()?;
-    Some(when.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO).min(MAX_RETRY_WAIT))
+    Some(
+        when.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO)
+            .min(MAX_RETRY_WAIT),
+    )
 }
 
 /// What an error body says, whatever the provider's shape:
@@ -399,7 +447,10 @@ impl ErrorDetails {
     /// Details from an error object (the value of an `error` field) or an error string.
     pub fn from_value(error: &Value) -> Self {
         if let Some(text) = error.as_str() {
-            return Self { message: Some(text.to_owned()), ..Self::default() };
+            return Self {
+                message: Some(text.to_owned()),
+                ..Self::default()
+            };
         }
         let string = |key: &str| error.get(key).and_then(Value::as_str).map(str::to_owned);
         let code = error.get("code");
@@ -423,18 +474,30 @@ impl ErrorDetails {
     fn is_context_overflow(&self) -> bool {
         let message = self.message_lower();
         self.is(&["context_length_exceeded", "context_window_exceeded"])
-            || ["maximum context length", "context_length_exceeded", "prompt is too long", "context window"]
-                .iter()
-                .any(|needle| message.contains(needle))
+            || [
+                "maximum context length",
+                "context_length_exceeded",
+                "prompt is too long",
+                "context window",
+            ]
+            .iter()
+            .any(|needle| message.contains(needle))
     }
 
     fn is_unknown_model(&self) -> bool {
         let message = self.message_lower();
         self.is(&["model_not_found", "not_found_error"])
             || (message.contains("model")
-                && ["does not exist", "not found", "unknown model", "no such model", "nonexistent", "invalid model"]
-                    .iter()
-                    .any(|needle| message.contains(needle)))
+                && [
+                    "does not exist",
+                    "not found",
+                    "unknown model",
+                    "no such model",
+                    "nonexistent",
+                    "invalid model",
+                ]
+                .iter()
+                .any(|needle| message.contains(needle)))
     }
 }
 
@@ -452,7 +515,11 @@ pub(crate) fn map_error(
         Some(message) if !message.trim().is_empty() => ctx.redact(message.trim()),
         _ => {
             let snippet: String = raw_body.trim().chars().take(BODY_SNIPPET_CHARS).collect();
-            if snippet.is_empty() { "no details given".to_owned() } else { ctx.redact(&snippet) }
+            if snippet.is_empty() {
+                "no details given".to_owned()
+            } else {
+                ctx.redact(&snippet)
+            }
         }
     };
     let provider = &ctx.provider;
@@ -484,14 +551,22 @@ pub(crate) fn map_error(
             ctx.model
         ),
         K::UnknownModel => {
-            format!("[flue] Provider \"{provider}\" does not know the model \"{}\"{http}: {said}", ctx.model)
+            format!(
+                "[flue] Provider \"{provider}\" does not know the model \"{}\"{http}: {said}",
+                ctx.model
+            )
         }
         K::RateLimited => format!("[flue] Provider \"{provider}\" rate-limited the request{http}: {said}"),
         K::Server => format!("[flue] Provider \"{provider}\" failed with a server error{http}: {said}"),
         K::BadRequest => format!("[flue] Provider \"{provider}\" rejected the request{http}: {said}"),
         _ => format!("[flue] Provider \"{provider}\" answered with an unexpected status{http}: {said}"),
     };
-    ProviderError { kind, message, status, retry_after }
+    ProviderError {
+        kind,
+        message,
+        status,
+        retry_after,
+    }
 }
 
 /// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`.
@@ -513,7 +588,10 @@ pub(crate) fn parse_event_json(ctx: &CallContext, data: &str) -> Result<Value, P
 pub(crate) fn ended_early(ctx: &CallContext) -> ProviderError {
     ProviderError::new(
         ProviderErrorKind::Network,
-        format!("[flue] Provider \"{}\": the stream ended before the response completed.", ctx.provider),
+        format!(
+            "[flue] Provider \"{}\": the stream ended before the response completed.",
+            ctx.provider
+        ),
     )
 }
 
@@ -659,7 +737,11 @@ impl<D: SseDecoder> Driver<D> {
     /// Starts reading an event stream, or fails when the server answered with JSON (an error
     /// reported with a 2xx status, or a server that ignored `stream: true`).
     async fn start_reading(&mut self, response: reqwest::Response) -> Phase {
-        let content_type = response.headers().get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        let content_type = response
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
         if content_type.starts_with("application/json") {
             let status = response.status().as_u16();
             let body = match tokio::time::timeout(self.idle, response.text()).await {
@@ -749,7 +831,12 @@ mod tests {
     use super::*;
 
     fn ctx() -> CallContext {
-        CallContext::new("openai", "OPENAI_API_KEY", "gpt-x", Some(ApiKey("sk-very-secret".to_owned())))
+        CallContext::new(
+            "openai",
+            "OPENAI_API_KEY",
+            "gpt-x",
+            Some(ApiKey("sk-very-secret".to_owned())),
+        )
     }
 
     fn map(status: Option<u16>, body: &str) -> ProviderError {
@@ -765,7 +852,10 @@ mod tests {
         assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT"), Some(Duration::ZERO));
         let soon = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(10));
         let wait = parse_retry_after(&soon).unwrap_or_default();
-        assert!(wait > Duration::from_secs(8) && wait <= Duration::from_secs(10), "{wait:?}");
+        assert!(
+            wait > Duration::from_secs(8) && wait <= Duration::from_secs(10),
+            "{wait:?}"
+        );
         let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(600));
         assert_eq!(parse_retry_after(&later), Some(MAX_RETRY_WAIT));
         assert_eq!(parse_retry_after("soon"), None);
@@ -778,7 +868,10 @@ mod tests {
         for retry in 0..3 {
             let nominal = Duration::from_millis(500) * 2u32.pow(retry);
             let wait = policy.backoff(retry);
-            assert!(wait >= nominal && wait <= nominal + nominal / 4, "retry {retry}: {wait:?}");
+            assert!(
+                wait >= nominal && wait <= nominal + nominal / 4,
+                "retry {retry}: {wait:?}"
+            );
         }
         assert_eq!(policy.backoff(40), MAX_RETRY_WAIT);
         assert_eq!(RetryPolicy::none().backoff(2), Duration::ZERO);
@@ -794,21 +887,37 @@ mod tests {
         assert_eq!(map(Some(400), unknown).kind, K::UnknownModel);
         assert_eq!(map(Some(429), "").kind, K::RateLimited);
         assert_eq!(map(Some(500), "").kind, K::Server);
-        assert_eq!(map(Some(529), r#"{"type":"error","error":{"type":"overloaded_error"}}"#).kind, K::Server);
+        assert_eq!(
+            map(Some(529), r#"{"type":"error","error":{"type":"overloaded_error"}}"#).kind,
+            K::Server
+        );
         assert_eq!(map(Some(413), "").kind, K::ContextOverflow);
         let openai = r#"{"error":{"message":"too long","code":"context_length_exceeded"}}"#;
         assert_eq!(map(Some(400), openai).kind, K::ContextOverflow);
         let openai_text = r#"{"error":{"message":"This model's maximum context length is 8192 tokens"}}"#;
         assert_eq!(map(Some(400), openai_text).kind, K::ContextOverflow);
-        let anthropic = r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
+        let anthropic = r#"{"type":"error","error":{"type":"invalid_request_error",
+            "message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
         assert_eq!(map(Some(400), anthropic).kind, K::ContextOverflow);
         let bad = map(Some(400), r#"{"error":{"message":"tools[0].name is invalid"}}"#);
-        assert_eq!((bad.kind, bad.status), (K::BadRequest, Some(400)));
+        assert_eq!((bad.kind.clone(), bad.status), (K::BadRequest, Some(400)));
         assert!(bad.message.contains("tools[0].name is invalid"), "{}", bad.message);
-        assert_eq!(map(None, r#"{"error":{"type":"overloaded_error","message":"Overloaded"}}"#).kind, K::Server);
-        assert_eq!(map(None, r#"{"error":{"message":"slow down","code":429}}"#).kind, K::RateLimited);
-        assert_eq!(map(None, r#"{"error":{"type":"rate_limit_error","message":"x"}}"#).kind, K::RateLimited);
-        assert_eq!(map(None, r#"{"error":{"type":"authentication_error","message":"x"}}"#).kind, K::Unauthorized);
+        assert_eq!(
+            map(None, r#"{"error":{"type":"overloaded_error","message":"Overloaded"}}"#).kind,
+            K::Server
+        );
+        assert_eq!(
+            map(None, r#"{"error":{"message":"slow down","code":429}}"#).kind,
+            K::RateLimited
+        );
+        assert_eq!(
+            map(None, r#"{"error":{"type":"rate_limit_error","message":"x"}}"#).kind,
+            K::RateLimited
+        );
+        assert_eq!(
+            map(None, r#"{"error":{"type":"authentication_error","message":"x"}}"#).kind,
+            K::Unauthorized
+        );
     }
 
     #[test]
@@ -819,7 +928,10 @@ mod tests {
         assert!(!error.message.contains("sk-very-secret"), "{}", error.message);
         let raw = map(Some(500), "upstream failed for key sk-very-secret");
         assert!(!raw.message.contains("sk-very-secret"), "{}", raw.message);
-        assert_eq!(format!("{:?}", ApiKey("sk-very-secret".to_owned())), "ApiKey(<redacted>)");
+        assert_eq!(
+            format!("{:?}", ApiKey("sk-very-secret".to_owned())),
+            "ApiKey(<redacted>)"
+        );
     }
 
     #[test]
@@ -833,13 +945,19 @@ mod tests {
                 "[flue] Provider \"openai\" needs an API key: set FLUE_HTTP_UNIT_TEST_SURELY_UNSET_KEY.".to_owned()
             ))
         );
-        let optional = KeySource { optional: true, ..source };
+        let optional = KeySource {
+            optional: true,
+            ..source
+        };
         assert_eq!(optional.resolve("local").ok(), Some(None));
     }
 
     #[test]
     fn endpoints_join_with_one_slash() {
         assert_eq!(endpoint("http://h/v1/", "/messages"), "http://h/v1/messages");
-        assert_eq!(endpoint("http://h/v1", "chat/completions"), "http://h/v1/chat/completions");
+        assert_eq!(
+            endpoint("http://h/v1", "chat/completions"),
+            "http://h/v1/chat/completions"
+        );
     }
 }

@@ -9,5 +9,6 @@ mod http;
 pub mod openai;
 pub mod registry;
 
+pub use http::RetryPolicy;
 pub use registry::ProviderRegistry;
 pub use types::*;

@@ -6,15 +6,16 @@
 //!
 //! How [`ModelRequest`] maps to the request body:
 //!
-//! | request | body |
-//! |---|---|
-//! | `system` | a leading `{"role": "system"}` message |
-//! | [`ModelMessage::User`] | `{"role": "user", "content"}` |
-//! | [`ModelMessage::Assistant`] | `{"role": "assistant", "content": text or null, "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]}` |
-//! | [`ModelMessage::Tool`] | `{"role": "tool", "tool_call_id", "content"}` |
-//! | `tools` | `[{"type": "function", "function": {"name", "description", "parameters"}}]` |
-//! | `max_output_tokens` | `max_completion_tokens` |
-//! | `thinking_level` | `reasoning_effort` (`minimal`/`low`/`medium`/`high`; `xhigh` and `max` send `high`; `off` sends nothing) |
+//! - `system` → a leading `{"role": "system"}` message;
+//! - [`ModelMessage::User`] → `{"role": "user", "content"}`;
+//! - [`ModelMessage::Assistant`] → `{"role": "assistant", "content", "tool_calls": [{"id",
+//!   "type": "function", "function": {"name", "arguments"}}]}` (`content` is `null` when there
+//!   are tool calls and no text; `tool_calls` is omitted when empty);
+//! - [`ModelMessage::Tool`] → `{"role": "tool", "tool_call_id", "content"}`;
+//! - `tools` → `[{"type": "function", "function": {"name", "description", "parameters"}}]`;
+//! - `max_output_tokens` → `max_completion_tokens`;
+//! - `thinking_level` → `minimal`/`low`/`medium`/`high` (`xhigh` and `max` send `high`; `off`
+//!   sends nothing), as said below.
 //!
 //! The thinking level is sent per flavour:
 //! - `openai`: `reasoning_effort`, except for the model families that reject it (`gpt-4*`,
@@ -22,6 +23,15 @@
 //! - `openrouter`: OpenRouter's unified `reasoning: {"effort"}` object only (OpenRouter translates
 //!   it for every upstream, including non-OpenAI ones);
 //! - compatible servers: `reasoning_effort`.
+//!
+//! How the streamed chunks map to [`StreamEvent`]s: `delta.content` → `TextDelta`;
+//! `delta.reasoning` or `delta.reasoning_content` → `ReasoningDelta`; `delta.tool_calls[]` →
+//! `ToolCallStarted` once a call's name is known (with a generated id if the server sends none),
+//! then `ToolCallArguments` per fragment (calls may interleave by `index`; events carry the
+//! call's position in this response); `finish_reason` → [`StopReason`] (`stop` after tool calls
+//! counts as `ToolUse`); the usage chunk → `Usage`; `data: [DONE]` (or the body's end after a
+//! finish reason) → one `Completed`. Tool calls with empty arguments complete with `{}`. An
+//! `{"error": …}` chunk, a malformed chunk or a body that ends early fails the stream.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -34,7 +44,7 @@ use serde_json::{Map, Value, json};
 
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, endpoint, ended_early,
+    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::types::{
@@ -97,7 +107,12 @@ impl OpenAiProvider {
     /// OpenRouter: id `openrouter`, base URL `https://openrouter.ai/api/v1`, key in
     /// `OPENROUTER_API_KEY`. Model ids are OpenRouter's (`anthropic/claude-sonnet-4.5`).
     pub fn openrouter() -> Self {
-        Self::new("openrouter", "https://openrouter.ai/api/v1", "OPENROUTER_API_KEY", Flavor::OpenRouter)
+        Self::new(
+            "openrouter",
+            "https://openrouter.ai/api/v1",
+            "OPENROUTER_API_KEY",
+            Flavor::OpenRouter,
+        )
     }
 
     /// Any OpenAI-compatible server: registered as `id`, calling `{base_url}/chat/completions`,
@@ -190,7 +205,9 @@ impl OpenAiProvider {
                     }
                     Value::Object(entry)
                 }
-                ModelMessage::Tool { tool_call_id, content, .. } => {
+                ModelMessage::Tool {
+                    tool_call_id, content, ..
+                } => {
                     json!({"role": "tool", "tool_call_id": tool_call_id, "content": content})
                 }
             });
@@ -245,7 +262,9 @@ fn reasoning_effort(level: ThinkingLevel) -> Option<&'static str> {
 /// Whether an OpenAI model takes `reasoning_effort` (the non-reasoning families reject it).
 fn accepts_reasoning_effort(model: &str) -> bool {
     let model = model.to_ascii_lowercase();
-    !["gpt-4", "gpt-3.5", "chatgpt-"].iter().any(|prefix| model.starts_with(prefix))
+    !["gpt-4", "gpt-3.5", "chatgpt-"]
+        .iter()
+        .any(|prefix| model.starts_with(prefix))
 }
 
 impl ModelProvider for OpenAiProvider {
@@ -316,7 +335,13 @@ impl ChatDecoder {
 
     fn chunk(&mut self, chunk: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
         if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
-            return Err(map_error(&self.ctx, None, None, &ErrorDetails::from_value(error), &error.to_string()));
+            return Err(map_error(
+                &self.ctx,
+                None,
+                None,
+                &ErrorDetails::from_value(error),
+                &error.to_string(),
+            ));
         }
         if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
             self.usage = parse_usage(usage);
@@ -324,7 +349,9 @@ impl ChatDecoder {
         let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
             return Ok(());
         };
-        let first = choices.iter().find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0);
+        let first = choices
+            .iter()
+            .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0);
         let Some(choice) = first else { return Ok(()) };
         if let Some(delta) = choice.get("delta").filter(|d| d.is_object()) {
             if let Some(text) = delta.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
@@ -358,7 +385,10 @@ impl ChatDecoder {
     fn tool_call(&mut self, call: &Value, out: &mut VecDeque<StreamEvent>) {
         let id = call.get("id").and_then(Value::as_str).filter(|id| !id.is_empty());
         let function = call.get("function");
-        let name = function.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| !n.is_empty());
+        let name = function
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
         let fragment = match function.and_then(|f| f.get("arguments")) {
             Some(Value::String(text)) => text.clone(),
             Some(Value::Null) | None => String::new(),
@@ -390,16 +420,26 @@ impl ChatDecoder {
         entry.arguments.push_str(&fragment);
         if entry.started {
             if !fragment.is_empty() {
-                out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: fragment });
+                out.push_back(StreamEvent::ToolCallArguments {
+                    index: slot,
+                    delta: fragment,
+                });
             }
         } else if !entry.name.is_empty() {
             if entry.id.is_empty() {
                 entry.id = format!("call_{}", ulid::Ulid::new());
             }
             entry.started = true;
-            out.push_back(StreamEvent::ToolCallStarted { index: slot, id: entry.id.clone(), name: entry.name.clone() });
+            out.push_back(StreamEvent::ToolCallStarted {
+                index: slot,
+                id: entry.id.clone(),
+                name: entry.name.clone(),
+            });
             if !entry.arguments.is_empty() {
-                out.push_back(StreamEvent::ToolCallArguments { index: slot, delta: entry.arguments.clone() });
+                out.push_back(StreamEvent::ToolCallArguments {
+                    index: slot,
+                    delta: entry.arguments.clone(),
+                });
             }
         }
     }
@@ -413,7 +453,10 @@ impl ChatDecoder {
         if let Some(index) = self.calls.iter().position(|c| !c.started) {
             return Err(ProviderError::new(
                 ProviderErrorKind::InvalidResponse,
-                format!("[flue] Provider \"{}\" streamed tool call {index} without a name.", self.ctx.provider),
+                format!(
+                    "[flue] Provider \"{}\" streamed tool call {index} without a name.",
+                    self.ctx.provider
+                ),
             ));
         }
         let tool_calls: Vec<ModelToolCall> = std::mem::take(&mut self.calls)
@@ -421,7 +464,11 @@ impl ChatDecoder {
             .map(|call| ModelToolCall {
                 id: call.id,
                 name: call.name,
-                arguments: if call.arguments.trim().is_empty() { "{}".to_owned() } else { call.arguments },
+                arguments: if call.arguments.trim().is_empty() {
+                    "{}".to_owned()
+                } else {
+                    call.arguments
+                },
             })
             .collect();
         let stop_reason = match self.stop {
@@ -443,7 +490,10 @@ impl ChatDecoder {
 
 fn parse_usage(usage: &Value) -> Usage {
     let number = |path: &[&str]| {
-        path.iter().try_fold(usage, |value, key| value.get(*key)).and_then(Value::as_u64).unwrap_or(0)
+        path.iter()
+            .try_fold(usage, |value, key| value.get(*key))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
     };
     Usage {
         input_tokens: number(&["prompt_tokens"]),
@@ -471,7 +521,11 @@ impl SseDecoder for ChatDecoder {
 
     fn end(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
         // Without `[DONE]`, a finish reason still means the answer is whole.
-        if self.stop.is_some() { self.complete(out) } else { Err(ended_early(&self.ctx)) }
+        if self.stop.is_some() {
+            self.complete(out)
+        } else {
+            Err(ended_early(&self.ctx))
+        }
     }
 }
 
@@ -484,7 +538,9 @@ mod tests {
         ModelRequest {
             model: model.to_owned(),
             system: None,
-            messages: vec![ModelMessage::User { content: "hi".to_owned() }],
+            messages: vec![ModelMessage::User {
+                content: "hi".to_owned(),
+            }],
             tools: vec![ToolSpec {
                 name: "t".to_owned(),
                 description: "d".to_owned(),
@@ -512,8 +568,7 @@ mod tests {
 
     #[test]
     fn a_tool_call_index_reused_with_a_new_id_is_a_new_call() {
-        let mut decoder =
-            ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None));
+        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None));
         let mut out = VecDeque::new();
         for (id, name, args) in [("a", "one", "{}"), ("b", "two", "{\"x\":1}")] {
             let chunk = json!({"choices": [{"index": 0, "delta": {"tool_calls": [
@@ -522,8 +577,14 @@ mod tests {
             assert!(decoder.chunk(&chunk, &mut out).is_ok());
         }
         assert!(decoder.complete(&mut out).is_ok());
-        let Some(StreamEvent::Completed(response)) = out.pop_back() else { panic!("no completion: {out:?}") };
-        let calls: Vec<_> = response.tool_calls.iter().map(|c| (c.id.as_str(), c.arguments.as_str())).collect();
+        let Some(StreamEvent::Completed(response)) = out.pop_back() else {
+            panic!("no completion: {out:?}")
+        };
+        let calls: Vec<_> = response
+            .tool_calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.arguments.as_str()))
+            .collect();
         assert_eq!(calls, [("a", "{}"), ("b", "{\"x\":1}")]);
         assert_eq!(response.stop_reason, StopReason::ToolUse);
     }

@@ -195,14 +195,22 @@ pub struct ProviderError {
 impl ProviderError {
     /// An error of `kind`.
     pub fn new(kind: ProviderErrorKind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), status: None, retry_after: None }
+        Self {
+            kind,
+            message: message.into(),
+            status: None,
+            retry_after: None,
+        }
     }
 
     /// Whether a retry may succeed (rate limits, server errors, timeouts, network failures).
     pub fn is_retryable(&self) -> bool {
         matches!(
             self.kind,
-            ProviderErrorKind::RateLimited | ProviderErrorKind::Server | ProviderErrorKind::Timeout | ProviderErrorKind::Network
+            ProviderErrorKind::RateLimited
+                | ProviderErrorKind::Server
+                | ProviderErrorKind::Timeout
+                | ProviderErrorKind::Network
         )
     }
 }

@@ -764,7 +764,9 @@ impl Response<'_> {
         };
         let started = Instant::now();
         self.emit(Event::TurnStart { step });
-        self.emit(Event::MessageStart { role: "assistant".into() });
+        self.emit(Event::MessageStart {
+            role: "assistant".into(),
+        });
         let mut retries = 0;
         let response = loop {
             match self.stream_once(provider, request.clone()).await {
@@ -821,7 +823,9 @@ impl Response<'_> {
             usage: response.usage,
         }));
         self.commit(records, false).await?;
-        self.emit(Event::MessageEnd { role: "assistant".into() });
+        self.emit(Event::MessageEnd {
+            role: "assistant".into(),
+        });
         Ok((response, message_id))
     }
 

@@ -158,7 +158,10 @@ impl Drop for FixtureServer {
 
 impl std::fmt::Debug for FixtureServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FixtureServer").field("addr", &self.addr).field("pending", &self.pending()).finish()
+        f.debug_struct("FixtureServer")
+            .field("addr", &self.addr)
+            .field("pending", &self.pending())
+            .finish()
     }
 }
 
@@ -349,16 +352,29 @@ pub struct FixtureReply {
 
 impl FixtureReply {
     fn stream(frames: Vec<Frame>) -> Self {
-        Self { status: 200, headers: Vec::new(), delay: Duration::ZERO, body: ReplyBody::Stream { frames, abort: false } }
+        Self {
+            status: 200,
+            headers: Vec::new(),
+            delay: Duration::ZERO,
+            body: ReplyBody::Stream { frames, abort: false },
+        }
     }
 
     /// An HTTP `status` with `body` (sent as `application/json` when it parses as JSON, else as
     /// `text/plain`).
     pub fn status(status: u16, body: impl Into<String>) -> Self {
         let text = body.into();
-        let content_type =
-            if serde_json::from_str::<Value>(&text).is_ok() { "application/json" } else { "text/plain; charset=utf-8" };
-        Self { status, headers: Vec::new(), delay: Duration::ZERO, body: ReplyBody::Full { content_type, text } }
+        let content_type = if serde_json::from_str::<Value>(&text).is_ok() {
+            "application/json"
+        } else {
+            "text/plain; charset=utf-8"
+        };
+        Self {
+            status,
+            headers: Vec::new(),
+            delay: Duration::ZERO,
+            body: ReplyBody::Full { content_type, text },
+        }
     }
 
     /// An OpenAI-shaped error: `status` with `{"error": {"message", "type", "param": null, "code"}}`.
@@ -419,7 +435,11 @@ impl FixtureReply {
     ) -> Self {
         let mut chunks = Vec::new();
         for (index, (id, name, arguments)) in calls.into_iter().enumerate() {
-            chunks.push(OpenAiChunk::ToolCallStart { index, id: id.to_owned(), name: name.to_owned() });
+            chunks.push(OpenAiChunk::ToolCallStart {
+                index,
+                id: id.to_owned(),
+                name: name.to_owned(),
+            });
             chunks.extend(
                 split_chars(arguments, chunk_chars)
                     .into_iter()
@@ -446,8 +466,10 @@ impl FixtureReply {
                 name: (*name).to_owned(),
             })
             .collect();
-        let mut pieces: Vec<VecDeque<String>> =
-            calls.iter().map(|(_, _, arguments)| split_chars(arguments, chunk_chars).into()).collect();
+        let mut pieces: Vec<VecDeque<String>> = calls
+            .iter()
+            .map(|(_, _, arguments)| split_chars(arguments, chunk_chars).into())
+            .collect();
         while pieces.iter().any(|p| !p.is_empty()) {
             for (index, queue) in pieces.iter_mut().enumerate() {
                 if let Some(fragment) = queue.pop_front() {
@@ -484,8 +506,15 @@ impl FixtureReply {
     /// A complete Anthropic text answer: `message_start` ([`FIXTURE_USAGE`]), one text block
     /// with `text` in word-sized deltas, stop reason `end_turn`, `message_stop`.
     pub fn anthropic_text(text: &str) -> Self {
-        let mut events = vec![AnthropicEvent::MessageStart(FIXTURE_USAGE), AnthropicEvent::TextStart { index: 0 }];
-        events.extend(split_words(text).into_iter().map(|text| AnthropicEvent::TextDelta { index: 0, text }));
+        let mut events = vec![
+            AnthropicEvent::MessageStart(FIXTURE_USAGE),
+            AnthropicEvent::TextStart { index: 0 },
+        ];
+        events.extend(
+            split_words(text)
+                .into_iter()
+                .map(|text| AnthropicEvent::TextDelta { index: 0, text }),
+        );
         events.push(AnthropicEvent::BlockStop { index: 0 });
         events.extend(anthropic_ending("end_turn"));
         Self::anthropic_events(events)
@@ -505,7 +534,11 @@ impl FixtureReply {
     ) -> Self {
         let mut events = vec![AnthropicEvent::MessageStart(FIXTURE_USAGE)];
         for (index, (id, name, arguments)) in calls.into_iter().enumerate() {
-            events.push(AnthropicEvent::ToolUseStart { index, id: id.to_owned(), name: name.to_owned() });
+            events.push(AnthropicEvent::ToolUseStart {
+                index,
+                id: id.to_owned(),
+                name: name.to_owned(),
+            });
             events.extend(
                 split_chars(arguments, chunk_chars)
                     .into_iter()
@@ -551,12 +584,19 @@ impl FixtureReply {
 }
 
 fn openai_ending(finish_reason: &str) -> [OpenAiChunk; 3] {
-    [OpenAiChunk::Finish(finish_reason.to_owned()), OpenAiChunk::Usage(FIXTURE_USAGE), OpenAiChunk::Done]
+    [
+        OpenAiChunk::Finish(finish_reason.to_owned()),
+        OpenAiChunk::Usage(FIXTURE_USAGE),
+        OpenAiChunk::Done,
+    ]
 }
 
 fn anthropic_ending(stop_reason: &str) -> [AnthropicEvent; 2] {
     [
-        AnthropicEvent::MessageDelta { stop_reason: stop_reason.to_owned(), output_tokens: FIXTURE_USAGE.output_tokens },
+        AnthropicEvent::MessageDelta {
+            stop_reason: stop_reason.to_owned(),
+            output_tokens: FIXTURE_USAGE.output_tokens,
+        },
         AnthropicEvent::MessageStop,
     ]
 }
@@ -604,12 +644,15 @@ fn openai_frame(chunk: OpenAiChunk) -> Frame {
         OpenAiChunk::Text(text) => chat_chunk(json!({"content": text}), None),
         OpenAiChunk::Reasoning(text) => chat_chunk(json!({"reasoning_content": text}), None),
         OpenAiChunk::ToolCallStart { index, id, name } => chat_chunk(
-            json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+            json!({"tool_calls": [
+                {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}
+            ]}),
             None,
         ),
-        OpenAiChunk::ToolCallArguments { index, fragment } => {
-            chat_chunk(json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}), None)
-        }
+        OpenAiChunk::ToolCallArguments { index, fragment } => chat_chunk(
+            json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
+            None,
+        ),
         OpenAiChunk::Finish(reason) => chat_chunk(json!({}), Some(&reason)),
         OpenAiChunk::Usage(usage) => json!({
             "id": "chatcmpl-fixture",
@@ -621,7 +664,10 @@ fn openai_frame(chunk: OpenAiChunk) -> Frame {
                 "prompt_tokens": usage.input_tokens,
                 "completion_tokens": usage.output_tokens,
                 "total_tokens": usage.input_tokens + usage.output_tokens,
-                "prompt_tokens_details": {"cached_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens},
+                "prompt_tokens_details": {
+                    "cached_tokens": usage.cache_read_tokens,
+                    "cache_write_tokens": usage.cache_write_tokens,
+                },
                 "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             },
         }),
@@ -637,24 +683,29 @@ fn openai_frame(chunk: OpenAiChunk) -> Frame {
 
 fn anthropic_frame(event: AnthropicEvent) -> Frame {
     let (name, data) = match event {
-        AnthropicEvent::MessageStart(usage) => (
-            "message_start",
-            json!({"type": "message_start", "message": {
-                "id": "msg_fixture",
-                "type": "message",
-                "role": "assistant",
-                "model": "fixture",
-                "content": [],
-                "stop_reason": null,
-                "stop_sequence": null,
-                "usage": {
-                    "input_tokens": usage.input_tokens.saturating_sub(usage.cache_read_tokens + usage.cache_write_tokens),
-                    "cache_read_input_tokens": usage.cache_read_tokens,
-                    "cache_creation_input_tokens": usage.cache_write_tokens,
-                    "output_tokens": 1,
-                },
-            }}),
-        ),
+        AnthropicEvent::MessageStart(usage) => {
+            let uncached_input = usage
+                .input_tokens
+                .saturating_sub(usage.cache_read_tokens + usage.cache_write_tokens);
+            (
+                "message_start",
+                json!({"type": "message_start", "message": {
+                    "id": "msg_fixture",
+                    "type": "message",
+                    "role": "assistant",
+                    "model": "fixture",
+                    "content": [],
+                    "stop_reason": null,
+                    "stop_sequence": null,
+                    "usage": {
+                        "input_tokens": uncached_input,
+                        "cache_read_input_tokens": usage.cache_read_tokens,
+                        "cache_creation_input_tokens": usage.cache_write_tokens,
+                        "output_tokens": 1,
+                    },
+                }}),
+            )
+        }
         AnthropicEvent::TextStart { index } => (
             "content_block_start",
             json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
@@ -665,11 +716,13 @@ fn anthropic_frame(event: AnthropicEvent) -> Frame {
         ),
         AnthropicEvent::ThinkingStart { index } => (
             "content_block_start",
-            json!({"type": "content_block_start", "index": index, "content_block": {"type": "thinking", "thinking": ""}}),
+            json!({"type": "content_block_start", "index": index,
+                   "content_block": {"type": "thinking", "thinking": ""}}),
         ),
         AnthropicEvent::ThinkingDelta { index, thinking } => (
             "content_block_delta",
-            json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": thinking}}),
+            json!({"type": "content_block_delta", "index": index,
+                   "delta": {"type": "thinking_delta", "thinking": thinking}}),
         ),
         AnthropicEvent::ToolUseStart { index, id, name } => (
             "content_block_start",
@@ -681,19 +734,24 @@ fn anthropic_frame(event: AnthropicEvent) -> Frame {
             json!({"type": "content_block_delta", "index": index,
                    "delta": {"type": "input_json_delta", "partial_json": partial_json}}),
         ),
-        AnthropicEvent::BlockStop { index } => {
-            ("content_block_stop", json!({"type": "content_block_stop", "index": index}))
-        }
-        AnthropicEvent::MessageDelta { stop_reason, output_tokens } => (
+        AnthropicEvent::BlockStop { index } => (
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": index}),
+        ),
+        AnthropicEvent::MessageDelta {
+            stop_reason,
+            output_tokens,
+        } => (
             "message_delta",
             json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null},
                    "usage": {"output_tokens": output_tokens}}),
         ),
         AnthropicEvent::MessageStop => ("message_stop", json!({"type": "message_stop"})),
         AnthropicEvent::Ping => ("ping", json!({"type": "ping"})),
-        AnthropicEvent::Error { kind, message } => {
-            ("error", json!({"type": "error", "error": {"type": kind, "message": message}}))
-        }
+        AnthropicEvent::Error { kind, message } => (
+            "error",
+            json!({"type": "error", "error": {"type": kind, "message": message}}),
+        ),
         AnthropicEvent::Raw { event, data } => return Frame::Bytes(format!("event: {event}\ndata: {data}\n\n")),
         AnthropicEvent::Pause(pause) => return Frame::Pause(pause),
     };
@@ -726,7 +784,12 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
     }
     let method = parts.method.as_str().to_owned();
     let path = parts.uri.path().to_owned();
-    lock(&shared.requests).push(RecordedRequest { method: method.clone(), path: path.clone(), headers, body });
+    lock(&shared.requests).push(RecordedRequest {
+        method: method.clone(),
+        path: path.clone(),
+        headers,
+        body,
+    });
 
     if method != "POST" || (path != OPENAI_PATH && path != ANTHROPIC_PATH) {
         let message = format!(
@@ -741,7 +804,10 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
             "[flue fixture] The fixture script ran out: no scripted reply is left for {method} {path}. Push one \
              FixtureReply per expected request (retries included)."
         );
-        return plain(StatusCode::INTERNAL_SERVER_ERROR, error_json("fixture_script_exhausted", message));
+        return plain(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            error_json("fixture_script_exhausted", message),
+        );
     };
     if !reply.delay.is_zero() {
         tokio::time::sleep(reply.delay).await;
@@ -752,14 +818,19 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
 fn plain(status: StatusCode, body: String) -> Response {
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = status;
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }
 
 fn respond(reply: FixtureReply) -> Response {
     let Ok(status) = StatusCode::from_u16(reply.status) else {
         let message = format!("[flue fixture] Invalid scripted status {}.", reply.status);
-        return plain(StatusCode::INTERNAL_SERVER_ERROR, error_json("fixture_invalid_reply", message));
+        return plain(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            error_json("fixture_invalid_reply", message),
+        );
     };
     let (content_type, body) = match reply.body {
         ReplyBody::Full { content_type, text } => (content_type, Body::from(text)),
@@ -771,9 +842,15 @@ fn respond(reply: FixtureReply) -> Response {
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     for (name, value) in reply.headers {
-        let (Ok(name), Ok(value)) = (HeaderName::try_from(name.as_str()), HeaderValue::try_from(value.as_str())) else {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::try_from(name.as_str()),
+            HeaderValue::try_from(value.as_str()),
+        ) else {
             let message = format!("[flue fixture] Invalid scripted header {name:?}.");
-            return plain(StatusCode::INTERNAL_SERVER_ERROR, error_json("fixture_invalid_reply", message));
+            return plain(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                error_json("fixture_invalid_reply", message),
+            );
         };
         headers.append(name, value);
     }
@@ -792,6 +869,8 @@ fn frame_stream(
                 Some(Frame::Bytes(text)) => return Some((Ok(Bytes::from(text)), (frames, abort))),
                 Some(Frame::Pause(pause)) => tokio::time::sleep(pause).await,
                 None if abort => {
+                    // Let the server flush what was written, so the cut comes mid-body.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     let error = std::io::Error::other("[flue fixture] the scripted reply aborts the connection");
                     return Some((Err(error), (frames, false)));
                 }

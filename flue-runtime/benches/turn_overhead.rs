@@ -1,0 +1,270 @@
+//! Turn-loop overhead, measured the way issue 4 asks (run: `cargo bench -p flue-runtime --bench
+//! turn_overhead`). Prints figures; asserts nothing.
+//!
+//! 1. `turn_overhead`: one exchange — user message → tool call → final answer: two streamed
+//!    model calls and one tool — through the runtime against a loopback OpenAI-compatible
+//!    server, next to the same two HTTP calls made with plain reqwest. Also with the in-process
+//!    scripted model (no HTTP at all), which isolates the runtime's own cost.
+//! 2. Exchanges per second at concurrency 16 over 16 instances.
+//! 3. Exchange 200 of one long conversation next to exchange 1.
+//! 4. Resident memory with 10,000 idle instances.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Response, header};
+use axum::routing::post;
+use flue_runtime::prelude::*;
+use flue_runtime::provider::ProviderRegistry;
+use flue_runtime::provider::openai::OpenAiProvider;
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeOptions};
+use serde_json::{Value, json};
+
+/// Add two numbers.
+#[tool]
+async fn add(a: i64, b: i64) -> String {
+    (a + b).to_string()
+}
+
+#[agent]
+fn http_agent() -> &'static str {
+    use_model("bench/gpt-bench");
+    use_tool(add);
+    "You add numbers."
+}
+
+#[agent]
+fn scripted_agent() -> &'static str {
+    use_model("scripted/x");
+    use_tool(add);
+    "You add numbers."
+}
+
+const TOOL_CALL_SSE: &str = concat!(
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"add\",\"arguments\":\"\"}}]}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"a\\\":2,\"}}]}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\"b\\\":3}\"}}]}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n",
+    "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":5}}\n\n",
+    "data: [DONE]\n\n",
+);
+
+const TEXT_SSE: &str = concat!(
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"2 + 3 \"}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"= 5\"}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":30,\"completion_tokens\":4}}\n\n",
+    "data: [DONE]\n\n",
+);
+
+/// A loopback OpenAI-compatible server that calls the tool first and answers once it has the
+/// result, whatever the order requests arrive in.
+async fn start_responder() -> SocketAddr {
+    async fn chat(body: axum::body::Bytes) -> Response<Body> {
+        let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        let last_role = request["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .and_then(|m| m["role"].as_str())
+            .unwrap_or("");
+        let body = if last_role == "tool" { TEXT_SSE } else { TOOL_CALL_SSE };
+        Response::builder()
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .body(Body::from(body))
+            .unwrap_or_default()
+    }
+    let app = Router::new().route("/v1/chat/completions", post(chat));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    addr
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+fn micros(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e6
+}
+
+async fn plain_reqwest_exchange(client: &reqwest::Client, url: &str) {
+    for body in [
+        json!({"model": "gpt-bench", "stream": true, "messages": [{"role": "user", "content": "2+3?"}]}),
+        json!({"model": "gpt-bench", "stream": true, "messages": [
+            {"role": "user", "content": "2+3?"},
+            {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\":2,\"b\":3}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "5"}]}),
+    ] {
+        let response = client
+            .post(url)
+            .bearer_auth("bench")
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        let bytes = response.bytes().await.expect("body");
+        std::hint::black_box(bytes);
+    }
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmRSS:"))
+                .and_then(|line| line.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn http_runtime(base_url: &str) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(OpenAiProvider::compatible("bench", base_url, "FLUE_BENCH_KEY").with_api_key("bench"));
+    Runtime::builder()
+        .agent(http_agent)
+        .providers(providers)
+        .build()
+        .expect("runtime")
+}
+
+fn scripted_runtime(model: &ScriptedModel) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .agent(scripted_agent)
+        .providers(providers)
+        .options(RuntimeOptions::default())
+        .build()
+        .expect("runtime")
+}
+
+fn exchange_script(model: &ScriptedModel) {
+    model.push(ScriptedReply::tool_call("add", json!({"a": 2, "b": 3})));
+    model.push(ScriptedReply::text("2 + 3 = 5"));
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let addr = start_responder().await;
+    let base_url = format!("http://{addr}/v1");
+    let url = format!("{base_url}/chat/completions");
+    let client = reqwest::Client::new();
+    let rounds = 400;
+
+    // 1. turn_overhead over HTTP.
+    for _ in 0..50 {
+        plain_reqwest_exchange(&client, &url).await;
+    }
+    let mut plain = Vec::new();
+    for _ in 0..rounds {
+        let started = Instant::now();
+        plain_reqwest_exchange(&client, &url).await;
+        plain.push(started.elapsed());
+    }
+    let runtime = http_runtime(&base_url);
+    for warm in 0..50 {
+        runtime
+            .init(&http_agent, format!("warm-{warm}"))
+            .send("2+3?")
+            .await
+            .expect("exchange");
+    }
+    let mut through = Vec::new();
+    for round in 0..rounds {
+        let handle = runtime.init(&http_agent, format!("exchange-{round}"));
+        let started = Instant::now();
+        let reply = handle.send("2+3?").await.expect("exchange");
+        through.push(started.elapsed());
+        assert_eq!(reply.text, "2 + 3 = 5");
+    }
+    let (plain, through) = (median(plain), median(through));
+    println!(
+        "turn_overhead (HTTP, memory store): plain reqwest {:.0} µs, runtime {:.0} µs, overhead {:.0} µs per exchange (medians of {rounds})",
+        micros(plain),
+        micros(through),
+        micros(through.saturating_sub(plain))
+    );
+
+    // 1b. The runtime's own cost, without HTTP.
+    let model = ScriptedModel::new([]);
+    let scripted = scripted_runtime(&model);
+    let mut samples = Vec::new();
+    for round in 0..rounds + 50 {
+        exchange_script(&model);
+        let handle = scripted.init(&scripted_agent, format!("s-{round}"));
+        let started = Instant::now();
+        handle.send("2+3?").await.expect("exchange");
+        if round >= 50 {
+            samples.push(started.elapsed());
+        }
+    }
+    println!(
+        "turn_overhead (scripted model, memory store): {:.0} µs per exchange (median)",
+        micros(median(samples))
+    );
+
+    // 2. Throughput at concurrency 16 over 16 instances.
+    let total = 1600;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for worker in 0..16 {
+        let runtime = runtime.clone();
+        tasks.push(tokio::spawn(async move {
+            let handle = runtime.init(&http_agent, format!("concurrent-{worker}"));
+            for _ in 0..total / 16 {
+                handle.send("2+3?").await.expect("exchange");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("worker");
+    }
+    let elapsed = started.elapsed();
+    println!(
+        "throughput (HTTP, concurrency 16, 16 instances): {:.0} exchanges/s ({total} exchanges in {:.2} s)",
+        total as f64 / elapsed.as_secs_f64(),
+        elapsed.as_secs_f64()
+    );
+
+    // 3. Exchange 200 of one conversation next to exchange 1.
+    let long = runtime.init(&http_agent, "long-conversation");
+    let mut long_samples = Vec::new();
+    for _ in 0..200 {
+        let started = Instant::now();
+        long.send("2+3?").await.expect("exchange");
+        long_samples.push(started.elapsed());
+    }
+    let first = micros(long_samples[0]);
+    let last = long_samples[190..].iter().copied().map(micros).sum::<f64>() / 10.0;
+    println!(
+        "long conversation (HTTP): exchange 1 {first:.0} µs, exchanges 191-200 {last:.0} µs each ({:.2}x)",
+        last / first
+    );
+
+    // 4. Resident memory with 10,000 idle instances.
+    let before = rss_kib();
+    let idle_model = ScriptedModel::new([]);
+    let idle = scripted_runtime(&idle_model);
+    for instance in 0..10_000 {
+        idle_model.push(ScriptedReply::text("ok"));
+        idle.init(&scripted_agent, format!("idle-{instance}"))
+            .send("hello")
+            .await
+            .expect("exchange");
+    }
+    let after = rss_kib();
+    println!(
+        "memory: 10,000 idle instances (one exchange each) add {:.1} MiB resident ({:.1} KiB each)",
+        (after.saturating_sub(before)) as f64 / 1024.0,
+        (after.saturating_sub(before)) as f64 / 10_000.0
+    );
+}

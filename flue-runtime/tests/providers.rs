@@ -1,0 +1,995 @@
+//! The built-in providers over the real reqwest path, against the loopback fixture server.
+//!
+//! Keys are given with `with_api_key` (no environment mutation); each provider names a unique
+//! environment variable so the messages that mention it are checkable.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use flue_runtime::model::ThinkingLevel;
+use flue_runtime::provider::anthropic::AnthropicProvider;
+use flue_runtime::provider::openai::{OpenAiProvider, RetryPolicy};
+use flue_runtime::provider::registry::ResolveError;
+use flue_runtime::provider::{
+    ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, ProviderError, ProviderErrorKind,
+    ProviderRegistry, StopReason, StreamEvent, ToolSpec,
+};
+use flue_runtime::testing::fixture_server::{
+    AnthropicEvent, FIXTURE_USAGE, FixtureReply, FixtureServer, OpenAiChunk, RecordedRequest,
+};
+use flue_runtime::usage::Usage;
+use futures_util::StreamExt;
+use serde_json::json;
+
+const KEY: &str = "sk-fixture-secret-key-0123456789";
+
+/// Retries that wait only milliseconds.
+fn fast_retries() -> RetryPolicy {
+    RetryPolicy::new(3, Duration::from_millis(5))
+}
+
+fn openai(server: &FixtureServer, key_env: &str) -> OpenAiProvider {
+    OpenAiProvider::compatible("fixture", server.base_url(), key_env)
+        .with_api_key(KEY)
+        .with_retry_policy(fast_retries())
+}
+
+fn anthropic(server: &FixtureServer) -> AnthropicProvider {
+    AnthropicProvider::anthropic()
+        .with_base_url(server.base_url())
+        .with_key_env("FLUE_TEST_ANTHROPIC_KEY")
+        .with_api_key(KEY)
+        .with_retry_policy(fast_retries())
+}
+
+fn request(text: &str) -> ModelRequest {
+    ModelRequest {
+        model: "fixture-model".to_owned(),
+        system: None,
+        messages: vec![ModelMessage::User {
+            content: text.to_owned(),
+        }],
+        tools: Vec::new(),
+        thinking_level: ThinkingLevel::Off,
+        max_output_tokens: None,
+    }
+}
+
+/// Every event of a call, and the error that ended it (if any).
+async fn run(provider: &dyn ModelProvider, request: ModelRequest) -> (Vec<StreamEvent>, Option<ProviderError>) {
+    let mut stream = provider.stream(request);
+    let mut events = Vec::new();
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(event) => events.push(event),
+            Err(error) => {
+                assert!(stream.next().await.is_none(), "the stream goes on after an error");
+                return (events, Some(error));
+            }
+        }
+    }
+    (events, None)
+}
+
+/// The response of a call that must complete; checks `Completed` comes once, last.
+async fn complete(provider: &dyn ModelProvider, request: ModelRequest) -> (Vec<StreamEvent>, ModelResponse) {
+    let (mut events, error) = run(provider, request).await;
+    assert_eq!(error, None, "events so far: {events:?}");
+    let Some(StreamEvent::Completed(response)) = events.pop() else {
+        panic!("no Completed last: {events:?}")
+    };
+    assert!(
+        !events.iter().any(|e| matches!(e, StreamEvent::Completed(_))),
+        "Completed twice"
+    );
+    (events, response)
+}
+
+/// The error of a call that must fail (with no `Completed` before it).
+async fn fail(provider: &dyn ModelProvider, request: ModelRequest) -> (Vec<StreamEvent>, ProviderError) {
+    let (events, error) = run(provider, request).await;
+    assert!(
+        !events.iter().any(|e| matches!(e, StreamEvent::Completed(_))),
+        "completed: {events:?}"
+    );
+    let Some(error) = error else {
+        panic!("no error; events: {events:?}")
+    };
+    (events, error)
+}
+
+fn text_deltas(events: &[StreamEvent]) -> Vec<&str> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::TextDelta(text) => Some(text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The arguments streamed for call `index`, concatenated.
+fn streamed_arguments(events: &[StreamEvent], index: usize) -> String {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::ToolCallArguments { index: i, delta } if *i == index => Some(delta.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn started(events: &[StreamEvent]) -> Vec<(usize, &str, &str)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::ToolCallStarted { index, id, name } => Some((*index, id.as_str(), name.as_str())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn call(id: &str, name: &str, arguments: &str) -> ModelToolCall {
+    ModelToolCall {
+        id: id.to_owned(),
+        name: name.to_owned(),
+        arguments: arguments.to_owned(),
+    }
+}
+
+fn paths(requests: &[RecordedRequest]) -> Vec<&str> {
+    requests.iter().map(|r| r.path.as_str()).collect()
+}
+
+// ---- streaming ----
+
+#[tokio::test]
+async fn openai_text_streams_as_deltas_and_completes_once() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("Hello there, world"));
+    let (events, response) = complete(&openai(&server, "FLUE_TEST_KEY_TEXT"), request("hi")).await;
+    assert_eq!(text_deltas(&events), ["Hello", " there,", " world"]);
+    assert_eq!(response.text, "Hello there, world");
+    assert_eq!(response.stop_reason, StopReason::Stop);
+    assert!(response.tool_calls.is_empty());
+    assert_eq!(paths(&server.requests()), ["/v1/chat/completions"]);
+}
+
+#[tokio::test]
+async fn anthropic_text_streams_as_deltas_and_completes_once() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_text("Bonjour tout le monde"));
+    let (events, response) = complete(&anthropic(&server), request("salut")).await;
+    assert_eq!(text_deltas(&events), ["Bonjour", " tout", " le", " monde"]);
+    assert_eq!(response.text, "Bonjour tout le monde");
+    assert_eq!(response.stop_reason, StopReason::Stop);
+    assert_eq!(paths(&server.requests()), ["/v1/messages"]);
+}
+
+#[tokio::test]
+async fn reasoning_streams_separately_from_text() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Reasoning("Think".into()),
+        OpenAiChunk::Reasoning("ing.".into()),
+        OpenAiChunk::Text("Answer".into()),
+        OpenAiChunk::Finish("stop".into()),
+        OpenAiChunk::Done,
+    ]));
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::ThinkingStart { index: 0 },
+        AnthropicEvent::ThinkingDelta {
+            index: 0,
+            thinking: "Hmm.".into(),
+        },
+        AnthropicEvent::BlockStop { index: 0 },
+        AnthropicEvent::Ping,
+        AnthropicEvent::TextStart { index: 1 },
+        AnthropicEvent::TextDelta {
+            index: 1,
+            text: "Yes".into(),
+        },
+        AnthropicEvent::BlockStop { index: 1 },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "end_turn".into(),
+            output_tokens: 3,
+        },
+        AnthropicEvent::MessageStop,
+    ]));
+    let (events, response) = complete(&openai(&server, "FLUE_TEST_KEY_REASONING"), request("q")).await;
+    assert_eq!(
+        events,
+        [
+            StreamEvent::ReasoningDelta("Think".into()),
+            StreamEvent::ReasoningDelta("ing.".into()),
+            StreamEvent::TextDelta("Answer".into())
+        ]
+    );
+    assert_eq!(
+        (response.reasoning.as_str(), response.text.as_str()),
+        ("Thinking.", "Answer")
+    );
+    let (events, response) = complete(&anthropic(&server), request("q")).await;
+    assert_eq!(
+        events,
+        [
+            StreamEvent::ReasoningDelta("Hmm.".into()),
+            StreamEvent::TextDelta("Yes".into())
+        ]
+    );
+    assert_eq!((response.reasoning.as_str(), response.text.as_str()), ("Hmm.", "Yes"));
+}
+
+// ---- tool calls ----
+
+#[tokio::test]
+async fn openai_tool_call_arguments_split_into_one_character_chunks_reassemble_exactly() {
+    let arguments = r#"{"city":"Paris","units":"metric","note":"é \"quoted\" \\ ok"}"#;
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_tool_calls_split(
+        vec![("call_1", "get_weather", arguments)],
+        1,
+    ));
+    let (events, response) = complete(&openai(&server, "FLUE_TEST_KEY_SPLIT"), request("weather?")).await;
+    let fragments = events
+        .iter()
+        .filter(|e| matches!(e, StreamEvent::ToolCallArguments { .. }))
+        .count();
+    assert_eq!(fragments, arguments.chars().count(), "one event per chunk");
+    assert_eq!(started(&events), [(0, "call_1", "get_weather")]);
+    assert_eq!(streamed_arguments(&events, 0), arguments);
+    assert_eq!(response.tool_calls, [call("call_1", "get_weather", arguments)]);
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+    let parsed: serde_json::Value = serde_json::from_str(&response.tool_calls[0].arguments).unwrap();
+    assert_eq!(parsed["note"], "é \"quoted\" \\ ok");
+}
+
+#[tokio::test]
+async fn openai_two_parallel_tool_calls_interleaved_by_index_stay_apart_and_ordered() {
+    let first = r#"{"city":"Paris"}"#;
+    let second = r#"{"timezone":"Europe/Berlin"}"#;
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_tool_calls_interleaved(
+        vec![("call_a", "get_weather", first), ("call_b", "get_time", second)],
+        3,
+    ));
+    let (events, response) = complete(&openai(&server, "FLUE_TEST_KEY_PARALLEL"), request("both")).await;
+    assert_eq!(
+        started(&events),
+        [(0, "call_a", "get_weather"), (1, "call_b", "get_time")]
+    );
+    assert_eq!(streamed_arguments(&events, 0), first);
+    assert_eq!(streamed_arguments(&events, 1), second);
+    assert_eq!(
+        response.tool_calls,
+        [call("call_a", "get_weather", first), call("call_b", "get_time", second)]
+    );
+}
+
+#[tokio::test]
+async fn openai_sequential_parallel_tool_calls_complete_in_index_order() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_tool_calls(vec![
+        ("c1", "a", r#"{"n":1}"#),
+        ("c2", "b", r#"{"n":2}"#),
+    ]));
+    let (_, response) = complete(&openai(&server, "FLUE_TEST_KEY_SEQUENTIAL"), request("go")).await;
+    assert_eq!(
+        response.tool_calls,
+        [call("c1", "a", r#"{"n":1}"#), call("c2", "b", r#"{"n":2}"#)]
+    );
+}
+
+#[tokio::test]
+async fn anthropic_tool_use_blocks_reassemble_their_partial_json() {
+    let first = r#"{"path":"src/main.rs","line":42}"#;
+    let second = r#"{"query":"fn main"}"#;
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_tool_use_split(
+        vec![("toolu_1", "read", first), ("toolu_2", "grep", second)],
+        2,
+    ));
+    let (events, response) = complete(&anthropic(&server), request("look")).await;
+    assert_eq!(started(&events), [(0, "toolu_1", "read"), (1, "toolu_2", "grep")]);
+    assert_eq!(streamed_arguments(&events, 0), first);
+    assert_eq!(streamed_arguments(&events, 1), second);
+    assert_eq!(
+        response.tool_calls,
+        [call("toolu_1", "read", first), call("toolu_2", "grep", second)]
+    );
+    assert_eq!(response.stop_reason, StopReason::ToolUse);
+}
+
+#[tokio::test]
+async fn anthropic_tool_use_after_text_is_indexed_among_tool_calls_only() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::TextStart { index: 0 },
+        AnthropicEvent::TextDelta {
+            index: 0,
+            text: "Let me check.".into(),
+        },
+        AnthropicEvent::BlockStop { index: 0 },
+        AnthropicEvent::ToolUseStart {
+            index: 1,
+            id: "toolu_9".into(),
+            name: "ls".into(),
+        },
+        AnthropicEvent::BlockStop { index: 1 },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "tool_use".into(),
+            output_tokens: 9,
+        },
+        AnthropicEvent::MessageStop,
+    ]));
+    let (events, response) = complete(&anthropic(&server), request("files?")).await;
+    assert_eq!(started(&events), [(0, "toolu_9", "ls")]);
+    assert_eq!(response.text, "Let me check.");
+    assert_eq!(
+        response.tool_calls,
+        [call("toolu_9", "ls", "{}")],
+        "no input deltas means empty arguments"
+    );
+}
+
+// ---- usage ----
+
+#[tokio::test]
+async fn openai_usage_chunk_is_recorded_with_cache_and_reasoning_tokens() {
+    let usage = Usage {
+        input_tokens: 100,
+        output_tokens: 40,
+        cache_read_tokens: 64,
+        cache_write_tokens: 0,
+        reasoning_tokens: 16,
+    };
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("hi"));
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("ok".into()),
+        OpenAiChunk::Finish("length".into()),
+        OpenAiChunk::Usage(usage),
+        OpenAiChunk::Done,
+    ]));
+    let provider = openai(&server, "FLUE_TEST_KEY_USAGE");
+    let (_, response) = complete(&provider, request("a")).await;
+    assert_eq!(response.usage, FIXTURE_USAGE);
+    let (_, response) = complete(&provider, request("b")).await;
+    assert_eq!(response.usage, usage);
+    assert_eq!(response.stop_reason, StopReason::Length);
+}
+
+#[tokio::test]
+async fn anthropic_usage_counts_the_whole_prompt_and_the_final_output_tokens() {
+    let usage = Usage {
+        input_tokens: 1000,
+        output_tokens: 0,
+        cache_read_tokens: 600,
+        cache_write_tokens: 300,
+        reasoning_tokens: 0,
+    };
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(usage),
+        AnthropicEvent::TextStart { index: 0 },
+        AnthropicEvent::TextDelta {
+            index: 0,
+            text: "x".into(),
+        },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "max_tokens".into(),
+            output_tokens: 77,
+        },
+        AnthropicEvent::MessageStop,
+    ]));
+    let (_, response) = complete(&anthropic(&server), request("a")).await;
+    assert_eq!(
+        response.usage,
+        Usage {
+            output_tokens: 77,
+            ..usage
+        }
+    );
+    assert_eq!(response.stop_reason, StopReason::Length);
+}
+
+// ---- retries ----
+
+#[tokio::test]
+async fn rate_limit_with_retry_after_zero_then_success_succeeds_after_one_retry() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_error(429, "rate_limit_exceeded", "Slow down").retry_after(0));
+    server.push(FixtureReply::openai_text("made it"));
+    // A long base delay proves Retry-After (0 s) is what decides the wait.
+    let provider = openai(&server, "FLUE_TEST_KEY_429").with_retry_policy(RetryPolicy::new(3, Duration::from_secs(20)));
+    let started_at = Instant::now();
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!(response.text, "made it");
+    assert_eq!(server.requests().len(), 2);
+    assert!(
+        started_at.elapsed() < Duration::from_secs(5),
+        "waited {:?}",
+        started_at.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn retry_after_in_seconds_is_honoured_before_retrying() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_error(429, "rate_limit_error", "Too many requests").retry_after(1));
+    server.push(FixtureReply::anthropic_text("after the wait"));
+    let started_at = Instant::now();
+    let (_, response) = complete(&anthropic(&server), request("hi")).await;
+    assert_eq!(response.text, "after the wait");
+    assert!(
+        started_at.elapsed() >= Duration::from_millis(950),
+        "waited only {:?}",
+        started_at.elapsed()
+    );
+    assert_eq!(server.requests().len(), 2);
+}
+
+#[tokio::test]
+async fn server_errors_until_retries_run_out_fail_after_exactly_four_requests() {
+    let server = FixtureServer::start().await;
+    for _ in 0..4 {
+        server.push(FixtureReply::openai_error(
+            500,
+            "server_error",
+            "The server had an error",
+        ));
+    }
+    server.push(FixtureReply::openai_text("never reached"));
+    let (events, error) = fail(&openai(&server, "FLUE_TEST_KEY_500"), request("hi")).await;
+    assert!(events.is_empty());
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::Server, Some(500))
+    );
+    assert!(error.message.contains("The server had an error"), "{}", error.message);
+    assert_eq!(server.requests().len(), 4);
+    assert_eq!(server.pending(), 1, "no fifth attempt");
+}
+
+#[tokio::test]
+async fn rate_limits_until_retries_run_out_are_rate_limited_with_the_asked_wait() {
+    let server = FixtureServer::start().await;
+    for _ in 0..4 {
+        server
+            .push(FixtureReply::anthropic_error(429, "rate_limit_error", "Number of requests exceeded").retry_after(0));
+    }
+    let (_, error) = fail(&anthropic(&server), request("hi")).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::RateLimited, Some(429))
+    );
+    assert_eq!(error.retry_after, Some(Duration::ZERO));
+    assert_eq!(server.requests().len(), 4);
+}
+
+#[tokio::test]
+async fn a_slow_first_byte_is_retried_and_the_next_attempt_can_succeed() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("too late").delay(Duration::from_secs(4)));
+    server.push(FixtureReply::openai_text("on time"));
+    let provider = openai(&server, "FLUE_TEST_KEY_SLOW_RETRY").with_timeout(Duration::from_secs(1));
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!(response.text, "on time");
+    assert_eq!(server.requests().len(), 2);
+}
+
+// ---- error mapping ----
+
+#[tokio::test]
+async fn unauthorized_names_the_key_variable_and_never_shows_the_key() {
+    let server = FixtureServer::start().await;
+    // The body echoes the key, as some providers do.
+    let echo = format!("Incorrect API key provided: {KEY}. You can find your API key at the dashboard.");
+    server.push(FixtureReply::openai_error(401, "invalid_api_key", &echo));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_UNAUTHORIZED"), request("hi")).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::Unauthorized, Some(401))
+    );
+    assert!(
+        error.message.contains("FLUE_TEST_KEY_UNAUTHORIZED"),
+        "{}",
+        error.message
+    );
+    assert!(!error.message.contains(KEY), "{}", error.message);
+    assert!(!format!("{error:?}").contains(KEY));
+    assert_eq!(server.requests().len(), 1, "401 is not retried");
+    assert_eq!(
+        server.requests()[0].header("authorization"),
+        Some(format!("Bearer {KEY}").as_str())
+    );
+
+    server.push(FixtureReply::anthropic_error(
+        403,
+        "permission_error",
+        "Your key cannot use this model",
+    ));
+    let (_, error) = fail(&anthropic(&server), request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Unauthorized);
+    assert!(error.message.contains("FLUE_TEST_ANTHROPIC_KEY"), "{}", error.message);
+}
+
+#[tokio::test]
+async fn unknown_model_404_maps_to_unknown_model_naming_it() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_error(
+        404,
+        "model_not_found",
+        "The model `gpt-nope` does not exist",
+    ));
+    server.push(FixtureReply::anthropic_error(
+        404,
+        "not_found_error",
+        "model: claude-nope",
+    ));
+    let mut openai_request = request("hi");
+    openai_request.model = "gpt-nope".to_owned();
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_404"), openai_request).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::UnknownModel, Some(404))
+    );
+    assert!(error.message.contains("\"gpt-nope\""), "{}", error.message);
+    let (_, error) = fail(&anthropic(&server), request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::UnknownModel);
+    assert!(error.message.contains("claude-nope"), "{}", error.message);
+    assert_eq!(server.requests().len(), 2, "not retried");
+}
+
+#[tokio::test]
+async fn context_overflow_is_recognised_for_both_providers_and_status_413() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_context_length_exceeded());
+    server.push(FixtureReply::status(413, "Request Entity Too Large"));
+    server.push(FixtureReply::anthropic_error(
+        400,
+        "invalid_request_error",
+        "prompt is too long: 215000 tokens > 200000 maximum",
+    ));
+    let provider = openai(&server, "FLUE_TEST_KEY_OVERFLOW");
+    let (_, error) = fail(&provider, request("long")).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::ContextOverflow, Some(400))
+    );
+    assert!(error.message.contains("maximum context length"), "{}", error.message);
+    let (_, error) = fail(&provider, request("long")).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::ContextOverflow, Some(413))
+    );
+    let (_, error) = fail(&anthropic(&server), request("long")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow);
+    assert_eq!(server.requests().len(), 3);
+}
+
+#[tokio::test]
+async fn other_client_errors_are_bad_requests_with_the_provider_message() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_error(
+        400,
+        "invalid_value",
+        "Invalid 'tools[0].function.name': bad name.",
+    ));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_400"), request("hi")).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::BadRequest, Some(400))
+    );
+    assert!(
+        error.message.contains("Invalid 'tools[0].function.name': bad name."),
+        "{}",
+        error.message
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_chunk_is_an_invalid_response_after_the_good_deltas() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_malformed("Hello world"));
+    let (events, error) = fail(&openai(&server, "FLUE_TEST_KEY_MALFORMED"), request("hi")).await;
+    assert_eq!(events, [StreamEvent::TextDelta("Hello".into())]);
+    assert_eq!(error.kind, ProviderErrorKind::InvalidResponse);
+    assert_eq!(
+        server.requests().len(),
+        1,
+        "a failure after streaming began is not retried"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_that_stops_midway_is_an_error_not_a_completion() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_truncated("Half an"));
+    server.push(FixtureReply::openai_truncated("Cut off").abort());
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::TextStart { index: 0 },
+        AnthropicEvent::TextDelta {
+            index: 0,
+            text: "Par".into(),
+        },
+    ]));
+    let provider = openai(&server, "FLUE_TEST_KEY_TRUNCATED");
+    let (events, error) = fail(&provider, request("hi")).await;
+    assert_eq!(text_deltas(&events), ["Half", " an"]);
+    assert_eq!(error.kind, ProviderErrorKind::Network);
+    assert!(
+        error.message.contains("the stream ended before the response completed"),
+        "{}",
+        error.message
+    );
+    let (events, error) = fail(&provider, request("hi")).await;
+    assert_eq!(text_deltas(&events), ["Cut", " off"], "the connection broke mid-body");
+    assert_eq!(error.kind, ProviderErrorKind::Network, "{}", error.message);
+    let (_, error) = fail(&anthropic(&server), request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Network);
+    assert_eq!(server.requests().len(), 3);
+}
+
+#[tokio::test]
+async fn errors_inside_the_stream_are_mapped() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("par".into()),
+        OpenAiChunk::Error {
+            code: "rate_limit_exceeded".into(),
+            message: "Rate limit reached".into(),
+        },
+    ]));
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::Error {
+            kind: "overloaded_error".into(),
+            message: "Overloaded".into(),
+        },
+    ]));
+    let (events, error) = fail(&openai(&server, "FLUE_TEST_KEY_STREAM_ERROR"), request("hi")).await;
+    assert_eq!(text_deltas(&events), ["par"]);
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::RateLimited, None)
+    );
+    assert!(error.message.contains("Rate limit reached"), "{}", error.message);
+    let (_, error) = fail(&anthropic(&server), request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Server);
+    assert!(error.message.contains("Overloaded"), "{}", error.message);
+}
+
+// ---- timeouts ----
+
+#[tokio::test]
+async fn a_first_byte_slower_than_the_timeout_is_a_timeout() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("late").delay(Duration::from_secs(5)));
+    let provider = openai(&server, "FLUE_TEST_KEY_TIMEOUT")
+        .with_timeout(Duration::from_millis(200))
+        .with_retry_policy(RetryPolicy::none());
+    let started_at = Instant::now();
+    let (_, error) = fail(&provider, request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Timeout);
+    assert!(
+        started_at.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started_at.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_stream_silent_longer_than_the_idle_timeout_is_a_timeout() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("first".into()),
+        OpenAiChunk::Pause(Duration::from_secs(5)),
+        OpenAiChunk::Finish("stop".into()),
+        OpenAiChunk::Done,
+    ]));
+    let provider = openai(&server, "FLUE_TEST_KEY_IDLE").with_idle_timeout(Duration::from_millis(500));
+    let started_at = Instant::now();
+    let (events, error) = fail(&provider, request("hi")).await;
+    assert_eq!(text_deltas(&events), ["first"]);
+    assert_eq!(error.kind, ProviderErrorKind::Timeout);
+    assert!(
+        started_at.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started_at.elapsed()
+    );
+    assert_eq!(server.requests().len(), 1);
+}
+
+// ---- keys ----
+
+#[tokio::test]
+async fn a_missing_key_fails_with_missing_key_before_any_request() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("unused"));
+    let provider = OpenAiProvider::compatible("fixture", server.base_url(), "FLUE_TEST_KEY_NEVER_SET_4C1D");
+    let (events, error) = fail(&provider, request("hi")).await;
+    assert!(events.is_empty());
+    assert_eq!(error.kind, ProviderErrorKind::MissingKey);
+    assert_eq!(
+        error.message,
+        "[flue] Provider \"fixture\" needs an API key: set FLUE_TEST_KEY_NEVER_SET_4C1D."
+    );
+    let anthropic = AnthropicProvider::anthropic()
+        .with_base_url(server.base_url())
+        .with_key_env("FLUE_TEST_KEY_NEVER_SET_9E2B");
+    let (_, error) = fail(&anthropic, request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::MissingKey);
+    assert!(error.message.contains("FLUE_TEST_KEY_NEVER_SET_9E2B"));
+    assert!(server.requests().is_empty());
+}
+
+#[tokio::test]
+async fn an_optional_key_sends_no_authorization_header() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("local"));
+    let provider =
+        OpenAiProvider::compatible("local", server.base_url(), "FLUE_TEST_KEY_NEVER_SET_77AA").with_optional_key();
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!(response.text, "local");
+    assert_eq!(server.requests()[0].header("authorization"), None);
+}
+
+// ---- request mapping ----
+
+fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
+    ModelRequest {
+        model: "fixture-model".to_owned(),
+        system: Some("You are terse.".to_owned()),
+        messages: vec![
+            ModelMessage::User {
+                content: "Weather in Paris and Rome?".to_owned(),
+            },
+            ModelMessage::Assistant {
+                text: String::new(),
+                tool_calls: vec![
+                    call("call_1", "get_weather", r#"{"city":"Paris"}"#),
+                    call("call_2", "get_weather", r#"{"city":"Rome"}"#),
+                ],
+            },
+            ModelMessage::Tool {
+                tool_call_id: "call_1".into(),
+                name: "get_weather".into(),
+                content: "18C".into(),
+                is_error: false,
+            },
+            ModelMessage::Tool {
+                tool_call_id: "call_2".into(),
+                name: "get_weather".into(),
+                content: "timeout".into(),
+                is_error: true,
+            },
+            ModelMessage::Assistant {
+                text: "Paris is 18C.".to_owned(),
+                tool_calls: Vec::new(),
+            },
+            ModelMessage::User {
+                content: "Thanks".to_owned(),
+            },
+        ],
+        tools: vec![ToolSpec {
+            name: "get_weather".to_owned(),
+            description: "Current weather of a city.".to_owned(),
+            parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+        }],
+        thinking_level,
+        max_output_tokens: Some(20_000),
+    }
+}
+
+#[tokio::test]
+async fn openai_request_carries_system_messages_tools_reasoning_effort_and_the_key() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("ok"));
+    complete(
+        &openai(&server, "FLUE_TEST_KEY_MAPPING"),
+        full_request(ThinkingLevel::High),
+    )
+    .await;
+    let recorded = &server.requests()[0];
+    assert_eq!(
+        (recorded.method.as_str(), recorded.path.as_str()),
+        ("POST", "/v1/chat/completions")
+    );
+    assert_eq!(recorded.header("Authorization"), Some(format!("Bearer {KEY}").as_str()));
+    assert_eq!(recorded.header("content-type"), Some("application/json"));
+    let body = &recorded.body;
+    assert_eq!(body["model"], "fixture-model");
+    assert_eq!(body["stream"], true);
+    assert_eq!(body["stream_options"], json!({"include_usage": true}));
+    assert_eq!(body["reasoning_effort"], "high");
+    assert_eq!(body["max_completion_tokens"], 20_000);
+    assert_eq!(
+        body["messages"],
+        json!([
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                {"id": "call_2", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Rome\"}"}},
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "timeout"},
+            {"role": "assistant", "content": "Paris is 18C."},
+            {"role": "user", "content": "Thanks"},
+        ])
+    );
+    assert_eq!(
+        body["tools"],
+        json!([{"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }}])
+    );
+}
+
+#[tokio::test]
+async fn openai_thinking_off_sends_no_reasoning_and_openrouter_uses_its_reasoning_object() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("a"));
+    server.push(FixtureReply::openai_text("b"));
+    complete(&openai(&server, "FLUE_TEST_KEY_OFF"), full_request(ThinkingLevel::Off)).await;
+    let router = OpenAiProvider::openrouter()
+        .with_base_url(server.base_url())
+        .with_api_key(KEY)
+        .with_retry_policy(fast_retries());
+    assert_eq!(router.id(), "openrouter");
+    complete(&router, full_request(ThinkingLevel::Xhigh)).await;
+    let requests = server.requests();
+    assert!(requests[0].body.get("reasoning_effort").is_none());
+    assert!(requests[0].body.get("reasoning").is_none());
+    assert_eq!(requests[1].body["reasoning"], json!({"effort": "high"}));
+    assert!(requests[1].body.get("reasoning_effort").is_none());
+}
+
+#[tokio::test]
+async fn anthropic_request_uses_content_blocks_merged_tool_results_and_its_headers() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_text("ok"));
+    complete(&anthropic(&server), full_request(ThinkingLevel::Medium)).await;
+    let recorded = &server.requests()[0];
+    assert_eq!(recorded.path, "/v1/messages");
+    assert_eq!(recorded.header("x-api-key"), Some(KEY));
+    assert_eq!(recorded.header("anthropic-version"), Some("2023-06-01"));
+    assert_eq!(recorded.header("authorization"), None);
+    let body = &recorded.body;
+    assert_eq!(body["system"], "You are terse.");
+    assert_eq!(body["stream"], true);
+    assert_eq!(body["max_tokens"], 20_000);
+    assert_eq!(body["thinking"], json!({"type": "enabled", "budget_tokens": 8192}));
+    assert_eq!(
+        body["messages"],
+        json!([
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris and Rome?"}]},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "call_2", "name": "get_weather", "input": {"city": "Rome"}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "call_1", "content": "18C", "is_error": false},
+                {"type": "tool_result", "tool_use_id": "call_2", "content": "timeout", "is_error": true},
+            ]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Paris is 18C."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},
+        ])
+    );
+    assert_eq!(
+        body["tools"],
+        json!([{
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }])
+    );
+}
+
+#[tokio::test]
+async fn anthropic_defaults_max_tokens_above_the_thinking_budget() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_text("a"));
+    server.push(FixtureReply::anthropic_text("b"));
+    let provider = anthropic(&server);
+    complete(&provider, request("no thinking")).await;
+    let mut thinking = request("think hard");
+    thinking.thinking_level = ThinkingLevel::High;
+    complete(&provider, thinking).await;
+    let requests = server.requests();
+    assert_eq!(requests[0].body["max_tokens"], 8192);
+    assert!(requests[0].body.get("thinking").is_none());
+    assert_eq!(requests[1].body["thinking"]["budget_tokens"], 16384);
+    assert_eq!(requests[1].body["max_tokens"], 16384 + 8192);
+}
+
+// ---- fixture server ----
+
+#[tokio::test]
+async fn the_fixture_server_answers_500_saying_the_script_ran_out() {
+    let server = FixtureServer::start().await;
+    let provider = openai(&server, "FLUE_TEST_KEY_EXHAUSTED").with_retry_policy(RetryPolicy::none());
+    let (_, error) = fail(&provider, request("hi")).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::Server, Some(500))
+    );
+    assert!(error.message.contains("fixture script ran out"), "{}", error.message);
+}
+
+// ---- registry ----
+
+#[test]
+fn the_registry_resolves_at_the_first_slash() {
+    let registry = ProviderRegistry::with_defaults();
+    let (provider, model) = registry.resolve("openrouter/anthropic/claude-sonnet-4.5").unwrap();
+    assert_eq!(
+        (provider.id(), model.as_str()),
+        ("openrouter", "anthropic/claude-sonnet-4.5")
+    );
+    let (provider, model) = registry.resolve("openai/gpt-4o-mini").unwrap();
+    assert_eq!((provider.id(), model.as_str()), ("openai", "gpt-4o-mini"));
+    let (provider, _) = registry.resolve("anthropic/claude-sonnet-4-5").unwrap();
+    assert_eq!(provider.id(), "anthropic");
+    assert_eq!(registry.ids(), ["anthropic", "openai", "openrouter"]);
+}
+
+#[test]
+fn the_registry_rejects_specifiers_without_provider_and_model() {
+    let registry = ProviderRegistry::with_defaults();
+    for spec in ["gpt-4o", "/gpt-4o", "openai/", ""] {
+        let error = registry.resolve(spec).err().unwrap();
+        assert_eq!(error, ResolveError::Malformed { spec: spec.to_owned() });
+        assert_eq!(
+            error.to_string(),
+            format!("[flue] The agent model \"{spec}\" could not be resolved: use \"provider-id/model-id\".")
+        );
+    }
+}
+
+#[test]
+fn the_registry_lists_the_registered_ids_for_an_unknown_provider() {
+    let registry = ProviderRegistry::with_defaults();
+    let error = registry.resolve("mistral/large").err().unwrap();
+    assert_eq!(
+        error.to_string(),
+        "[flue] The agent model \"mistral/large\" could not be resolved: no provider \"mistral\" is registered \
+         (registered: anthropic, openai, openrouter)."
+    );
+    let empty = ProviderRegistry::default();
+    assert!(empty.ids().is_empty());
+    assert!(
+        empty
+            .resolve("openai/gpt-4o")
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("(registered: none)")
+    );
+}
+
+#[tokio::test]
+async fn registering_a_provider_replaces_the_one_with_the_same_id() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("from the fixture"));
+    let mut registry = ProviderRegistry::with_defaults();
+    registry
+        .register(OpenAiProvider::compatible("openai", server.base_url(), "FLUE_TEST_KEY_REPLACED").with_api_key(KEY));
+    assert_eq!(registry.ids().len(), 3);
+    let (provider, model) = registry.resolve("openai/gpt-4o-mini").unwrap();
+    let mut call = request("hi");
+    call.model = model;
+    let (_, response) = complete(provider.as_ref(), call).await;
+    assert_eq!(response.text, "from the fixture");
+    assert_eq!(server.requests()[0].body["model"], "gpt-4o-mini");
+    assert!(registry.get("openai").is_some() && registry.get("mistral").is_none());
+}
