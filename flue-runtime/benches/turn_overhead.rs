@@ -154,6 +154,20 @@ fn exchange_script(model: &ScriptedModel) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    if std::env::var("FLUE_BENCH_PROFILE").is_ok() {
+        // Profiling aid: only the scripted exchange, many times.
+        let model = ScriptedModel::new([]);
+        let scripted = scripted_runtime(&model);
+        for round in 0..20_000 {
+            exchange_script(&model);
+            scripted
+                .init(&scripted_agent, format!("p-{round}"))
+                .send("2+3?")
+                .await
+                .expect("exchange");
+        }
+        return;
+    }
     let addr = start_responder().await;
     let base_url = format!("http://{addr}/v1");
     let url = format!("{base_url}/chat/completions");
@@ -164,12 +178,6 @@ async fn main() {
     for _ in 0..50 {
         plain_reqwest_exchange(&client, &url).await;
     }
-    let mut plain = Vec::new();
-    for _ in 0..rounds {
-        let started = Instant::now();
-        plain_reqwest_exchange(&client, &url).await;
-        plain.push(started.elapsed());
-    }
     let runtime = http_runtime(&base_url);
     for warm in 0..50 {
         runtime
@@ -178,8 +186,13 @@ async fn main() {
             .await
             .expect("exchange");
     }
+    // Interleaved, so both see the same machine conditions.
+    let mut plain = Vec::new();
     let mut through = Vec::new();
     for round in 0..rounds {
+        let started = Instant::now();
+        plain_reqwest_exchange(&client, &url).await;
+        plain.push(started.elapsed());
         let handle = runtime.init(&http_agent, format!("exchange-{round}"));
         let started = Instant::now();
         let reply = handle.send("2+3?").await.expect("exchange");
@@ -245,9 +258,48 @@ async fn main() {
     }
     let first = micros(long_samples[0]);
     let last = long_samples[190..].iter().copied().map(micros).sum::<f64>() / 10.0;
+    // The same two calls with plain reqwest, carrying a 199-exchange history: what the
+    // request body alone costs at that length.
+    let call =
+        json!({"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\":2,\"b\":3}"}});
+    let mut history = Vec::new();
+    for _ in 0..199 {
+        history.push(json!({"role": "user", "content": "2+3?"}));
+        history.push(json!({"role": "assistant", "content": null, "tool_calls": [call.clone()]}));
+        history.push(json!({"role": "tool", "tool_call_id": "call_1", "content": "5"}));
+        history.push(json!({"role": "assistant", "content": "2 + 3 = 5"}));
+    }
+    let mut plain_long = Vec::new();
+    for _ in 0..10 {
+        let started = Instant::now();
+        for tail in [
+            vec![json!({"role": "user", "content": "2+3?"})],
+            vec![
+                json!({"role": "user", "content": "2+3?"}),
+                json!({"role": "assistant", "content": null, "tool_calls": [call.clone()]}),
+                json!({"role": "tool", "tool_call_id": "call_1", "content": "5"}),
+            ],
+        ] {
+            let mut messages = history.clone();
+            messages.extend(tail);
+            let body = json!({"model": "gpt-bench", "stream": true, "messages": messages});
+            let response = client
+                .post(&url)
+                .bearer_auth("bench")
+                .json(&body)
+                .send()
+                .await
+                .expect("send");
+            std::hint::black_box(response.bytes().await.expect("body"));
+        }
+        plain_long.push(started.elapsed());
+    }
+    let plain_last = micros(median(plain_long));
     println!(
-        "long conversation (HTTP): exchange 1 {first:.0} µs, exchanges 191-200 {last:.0} µs each ({:.2}x)",
-        last / first
+        "long conversation (HTTP): exchange 1 {first:.0} µs, exchanges 191-200 {last:.0} µs each ({:.2}x); plain reqwest \
+         carrying the same history {plain_last:.0} µs, so the runtime adds {:.0} µs at exchange 200",
+        last / first,
+        last - plain_last
     );
 
     // 4. Resident memory with 10,000 idle instances.

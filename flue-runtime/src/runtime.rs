@@ -9,7 +9,7 @@ use flue_core::agent::AgentRef;
 use flue_core::message::{DeliveredMessage, DispatchReceipt, MessageError};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use tokio::sync::{Notify, broadcast};
+use tokio::sync::{broadcast, oneshot};
 
 use crate::events::{Event, Observation};
 use crate::provider::ProviderRegistry;
@@ -171,7 +171,7 @@ impl RuntimeBuilder {
             instances: Mutex::default(),
             events,
             event_index: AtomicU64::new(0),
-            settled: Notify::new(),
+            waiters: Mutex::default(),
             shutting_down: AtomicBool::new(false),
         });
         Ok(Runtime { inner })
@@ -186,7 +186,8 @@ pub(crate) struct RuntimeInner {
     pub(crate) instances: Mutex<HashMap<InstanceKey, Arc<InstanceSlot>>>,
     events: broadcast::Sender<Observation>,
     event_index: AtomicU64,
-    pub(crate) settled: Notify,
+    /// Senders waiting for a submission to settle, by submission id.
+    waiters: Mutex<HashMap<String, Vec<oneshot::Sender<()>>>>,
     shutting_down: AtomicBool,
 }
 
@@ -277,7 +278,6 @@ impl RuntimeInner {
         if !admitted.deduplicated {
             self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         }
-        self.slot(&key).wake();
         let receipt = DispatchReceipt {
             submission_id: admitted.submission.id.clone(),
             accepted_at: admitted.submission.accepted_at.clone(),
@@ -297,15 +297,24 @@ impl RuntimeInner {
         after: Option<u64>,
     ) -> Result<AgentReply, RuntimeError> {
         loop {
-            let notified = self.settled.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            // Register before looking, so a settlement between the look and the wait is seen.
+            let (sender, settled) = oneshot::channel();
+            self.waiters
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .entry(submission_id.to_owned())
+                .or_default()
+                .push(sender);
             let row = self
                 .store
                 .submission(submission_id)
                 .await?
                 .ok_or_else(|| RuntimeError::InvalidRequest(format!("no submission \"{submission_id}\"")))?;
             if let Some(outcome) = row.outcome {
+                self.waiters
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .remove(submission_id);
                 return match outcome {
                     Outcome::Completed => {
                         // A joined delivery is answered by its host's response, which began
@@ -338,7 +347,18 @@ impl RuntimeInner {
                     }
                 };
             }
-            notified.await;
+            // A dropped sender (the runtime going away) also ends the wait; the loop re-reads.
+            let _ = settled.await;
+        }
+    }
+
+    /// Wakes everyone waiting for these submissions.
+    pub(crate) fn notify_settled<'a>(&self, ids: impl IntoIterator<Item = &'a String>) {
+        let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for id in ids {
+            for sender in waiters.remove(id).unwrap_or_default() {
+                let _ = sender.send(());
+            }
         }
     }
 }
@@ -441,7 +461,10 @@ impl Runtime {
 
     /// Admits a [`SendRequest`] for the agent named `agent`.
     pub async fn dispatch_request(&self, agent: &str, request: SendRequest) -> Result<DispatchReceipt, RuntimeError> {
-        Ok(self.inner.admit(agent, request, SubmissionKind::Dispatch).await?.0)
+        let key = InstanceKey::new(agent, request.id.clone());
+        let receipt = self.inner.admit(agent, request, SubmissionKind::Dispatch).await?.0;
+        self.inner.slot(&key).wake();
+        Ok(receipt)
     }
 
     /// A handle on the instance `id` of `agent` (no I/O).
@@ -500,6 +523,9 @@ impl AgentHandle {
             .runtime
             .admit(&self.key.agent, request, SubmissionKind::Direct)
             .await?;
+        // The sender waits for this submission anyway: when the instance is idle, drive it
+        // on this task instead of handing it to another thread and back.
+        self.runtime.slot(&self.key).drive(&receipt.submission_id).await;
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());
         self.runtime.wait(&self.key, &receipt.submission_id, offset).await
     }
@@ -507,11 +533,13 @@ impl AgentHandle {
     /// Admits `message` without waiting; read the reply later with [`AgentHandle::read`].
     pub async fn dispatch(&self, message: impl Into<DeliveredMessage>) -> Result<DispatchReceipt, RuntimeError> {
         let request = SendRequest::new(self.key.id.clone(), message);
-        Ok(self
+        let receipt = self
             .runtime
             .admit(&self.key.agent, request, SubmissionKind::Dispatch)
             .await?
-            .0)
+            .0;
+        self.runtime.slot(&self.key).wake();
+        Ok(receipt)
     }
 
     /// Waits for the submission to settle and returns its reply.

@@ -48,6 +48,9 @@ impl Store for FaultyStore {
     fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         self.inner.submission(id)
     }
+    fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.has_queued(key)
+    }
     fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         self.inner.claim_next(key, attempt_id)
     }

@@ -298,7 +298,8 @@ impl ModelProvider for AnthropicProvider {
         let connect_ctx = ctx.clone();
         let connect = async move {
             let client = client.get()?;
-            send_with_retries(&client, &url, &headers, &body, &transport, &connect_ctx).await
+            let payload = super::http::encode_body(serde_json::to_vec(&body))?;
+            send_with_retries(&client, &url, &headers, payload, &transport, &connect_ctx).await
         };
         sse_stream(connect, MessagesDecoder::new(ctx.clone()), transport.idle_timeout, ctx)
     }

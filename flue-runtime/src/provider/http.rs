@@ -278,7 +278,17 @@ pub(crate) fn error_stream(error: ProviderError) -> ModelStream {
     Box::pin(futures_util::stream::once(async move { Err(error) }))
 }
 
-/// POSTs `body` to `url` and returns the response once it started successfully (2xx).
+/// Encodes a request body, mapping a failure to the error the stream reports.
+pub(crate) fn encode_body(encoded: Result<Vec<u8>, serde_json::Error>) -> Result<Bytes, ProviderError> {
+    encoded.map(Bytes::from).map_err(|error| {
+        ProviderError::new(
+            ProviderErrorKind::BadRequest,
+            format!("[flue] Could not encode the request: {error}"),
+        )
+    })
+}
+
+/// POSTs the JSON `payload` to `url` and returns the response once it started successfully (2xx).
 ///
 /// Failures before the body streams are retried per `transport.retry`: 429 and 5xx answers,
 /// connection failures and first-byte timeouts. Everything else fails at once.
@@ -286,16 +296,10 @@ pub(crate) async fn send_with_retries(
     client: &reqwest::Client,
     url: &str,
     headers: &HeaderMap,
-    body: &Value,
+    payload: Bytes,
     transport: &Transport,
     ctx: &CallContext,
 ) -> Result<reqwest::Response, ProviderError> {
-    let payload = Bytes::from(serde_json::to_vec(body).map_err(|e| {
-        ProviderError::new(
-            ProviderErrorKind::BadRequest,
-            format!("[flue] Could not encode the request: {e}"),
-        )
-    })?);
     let mut retry = 0u32;
     loop {
         let attempt = client

@@ -40,7 +40,8 @@ use eventsource_stream::Event;
 use flue_core::model::ThinkingLevel;
 use flue_core::usage::Usage;
 use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderValue};
-use serde_json::{Map, Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 pub use super::http::RetryPolicy;
 use super::http::{
@@ -173,79 +174,153 @@ impl OpenAiProvider {
         &self.key.env
     }
 
-    /// The JSON body of a call.
-    fn body(&self, request: &ModelRequest) -> Value {
+    /// The JSON body of a call, serialized straight from the request: the conversation's
+    /// strings are borrowed, never copied into an intermediate `Value` tree (the body grows
+    /// with the conversation; its cost should be the bytes, nothing more).
+    fn body_bytes(&self, request: &ModelRequest) -> Result<Vec<u8>, serde_json::Error> {
         let mut messages = Vec::with_capacity(request.messages.len() + 1);
         if let Some(system) = request.system.as_deref().filter(|s| !s.is_empty()) {
-            messages.push(json!({"role": "system", "content": system}));
+            messages.push(ChatMessage::System { content: system });
         }
         for message in &request.messages {
             messages.push(match message {
-                ModelMessage::User { content } => json!({"role": "user", "content": content}),
-                ModelMessage::Assistant { text, tool_calls } => {
-                    let mut entry = Map::new();
-                    entry.insert("role".into(), "assistant".into());
-                    let content = match (text.is_empty(), tool_calls.is_empty()) {
-                        (true, false) => Value::Null,
-                        _ => Value::String(text.clone()),
-                    };
-                    entry.insert("content".into(), content);
-                    if !tool_calls.is_empty() {
-                        let calls = tool_calls
-                            .iter()
-                            .map(|call| {
-                                json!({
-                                    "id": call.id,
-                                    "type": "function",
-                                    "function": {"name": call.name, "arguments": call.arguments},
-                                })
-                            })
-                            .collect();
-                        entry.insert("tool_calls".into(), Value::Array(calls));
-                    }
-                    Value::Object(entry)
-                }
+                ModelMessage::User { content } => ChatMessage::User { content },
+                ModelMessage::Assistant { text, tool_calls } => ChatMessage::Assistant {
+                    content: if text.is_empty() && !tool_calls.is_empty() {
+                        None
+                    } else {
+                        Some(text)
+                    },
+                    tool_calls: tool_calls
+                        .iter()
+                        .map(|call| ChatToolCall {
+                            id: &call.id,
+                            kind: "function",
+                            function: ChatFunction {
+                                name: &call.name,
+                                arguments: &call.arguments,
+                            },
+                        })
+                        .collect(),
+                },
                 ModelMessage::Tool {
                     tool_call_id, content, ..
-                } => {
-                    json!({"role": "tool", "tool_call_id": tool_call_id, "content": content})
-                }
+                } => ChatMessage::Tool { tool_call_id, content },
             });
         }
-        let mut body = Map::new();
-        body.insert("model".into(), request.model.clone().into());
-        body.insert("messages".into(), Value::Array(messages));
-        body.insert("stream".into(), true.into());
-        body.insert("stream_options".into(), json!({"include_usage": true}));
-        if !request.tools.is_empty() {
-            let tools = request
+        let effort = reasoning_effort(request.thinking_level);
+        let (reasoning, reasoning_effort) = match (effort, self.flavor) {
+            (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
+            (Some(_), Flavor::OpenAi) if !accepts_reasoning_effort(&request.model) => (None, None),
+            (Some(effort), Flavor::OpenAi | Flavor::Compatible) => (None, Some(effort)),
+            (None, _) => (None, None),
+        };
+        let body = ChatRequest {
+            model: &request.model,
+            messages,
+            stream: true,
+            stream_options: StreamOptions { include_usage: true },
+            tools: request
                 .tools
                 .iter()
-                .map(|tool| {
-                    json!({
-                        "type": "function",
-                        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
-                    })
+                .map(|tool| ChatTool {
+                    kind: "function",
+                    function: ChatToolFunction {
+                        name: &tool.name,
+                        description: &tool.description,
+                        parameters: &tool.parameters,
+                    },
                 })
-                .collect();
-            body.insert("tools".into(), Value::Array(tools));
-        }
-        if let Some(effort) = reasoning_effort(request.thinking_level) {
-            match self.flavor {
-                Flavor::OpenRouter => {
-                    body.insert("reasoning".into(), json!({"effort": effort}));
-                }
-                Flavor::OpenAi if !accepts_reasoning_effort(&request.model) => {}
-                Flavor::OpenAi | Flavor::Compatible => {
-                    body.insert("reasoning_effort".into(), effort.into());
-                }
-            }
-        }
-        if let Some(max) = request.max_output_tokens {
-            body.insert("max_completion_tokens".into(), max.into());
-        }
-        Value::Object(body)
+                .collect(),
+            reasoning,
+            reasoning_effort,
+            max_completion_tokens: request.max_output_tokens,
+        };
+        serde_json::to_vec(&body)
     }
+
+    /// The JSON body of a call, as a value (for tests and diagnostics).
+    #[cfg(test)]
+    fn body(&self, request: &ModelRequest) -> Value {
+        self.body_bytes(request)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or(Value::Null)
+    }
+}
+
+#[derive(Serialize)]
+struct ChatRequest<'a> {
+    model: &'a str,
+    messages: Vec<ChatMessage<'a>>,
+    stream: bool,
+    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<ChatTool<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning: Option<ReasoningOption>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_effort: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_completion_tokens: Option<u32>,
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+#[derive(Serialize)]
+struct ReasoningOption {
+    effort: &'static str,
+}
+
+#[derive(Serialize)]
+#[serde(tag = "role", rename_all = "lowercase")]
+enum ChatMessage<'a> {
+    System {
+        content: &'a str,
+    },
+    User {
+        content: &'a str,
+    },
+    Assistant {
+        content: Option<&'a str>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<ChatToolCall<'a>>,
+    },
+    Tool {
+        tool_call_id: &'a str,
+        content: &'a str,
+    },
+}
+
+#[derive(Serialize)]
+struct ChatToolCall<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: ChatFunction<'a>,
+}
+
+#[derive(Serialize)]
+struct ChatFunction<'a> {
+    name: &'a str,
+    arguments: &'a str,
+}
+
+#[derive(Serialize)]
+struct ChatTool<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: ChatToolFunction<'a>,
+}
+
+#[derive(Serialize)]
+struct ChatToolFunction<'a> {
+    name: &'a str,
+    description: &'a str,
+    parameters: &'a Value,
 }
 
 /// The `reasoning_effort` of a thinking level (`None` for `Off`).
@@ -286,14 +361,14 @@ impl ModelProvider for OpenAiProvider {
             };
         }
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
-        let body = self.body(&request);
+        let body = super::http::encode_body(self.body_bytes(&request));
         let url = endpoint(&self.base_url, "chat/completions");
         let transport = self.transport;
         let client = self.client.clone();
         let connect_ctx = ctx.clone();
         let connect = async move {
             let client = client.get()?;
-            send_with_retries(&client, &url, &headers, &body, &transport, &connect_ctx).await
+            send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
         sse_stream(connect, ChatDecoder::new(ctx.clone()), transport.idle_timeout, ctx)
     }
@@ -533,6 +608,7 @@ impl SseDecoder for ChatDecoder {
 mod tests {
     use super::*;
     use crate::provider::types::ToolSpec;
+    use serde_json::json;
 
     fn request(model: &str, level: ThinkingLevel) -> ModelRequest {
         ModelRequest {

@@ -102,7 +102,10 @@ impl RuntimeBinding for InstanceBinding {
             })?;
             let request = SendRequest::new(key.id.clone(), message);
             match runtime.admit(&key.agent, request, SubmissionKind::Dispatch).await {
-                Ok((receipt, _)) => Ok(receipt),
+                Ok((receipt, _)) => {
+                    runtime.slot(&key).wake();
+                    Ok(receipt)
+                }
                 Err(RuntimeError::InvalidMessage(error)) => Err(DispatchError::InvalidMessage(error)),
                 Err(error) => Err(DispatchError::Admission {
                     reason: error.to_string(),

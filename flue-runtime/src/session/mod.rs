@@ -84,14 +84,39 @@ impl InstanceSlot {
     }
 
     async fn work(self: Arc<Self>) {
+        self.run(None).await;
+    }
+
+    /// Processes the instance's queue on the calling task until `submission_id` has been
+    /// processed (then hands any remaining work to a spawned worker). Returns at once when a
+    /// worker is already running: the caller then just waits for the settlement.
+    pub(crate) async fn drive(self: &Arc<Self>, submission_id: &str) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+        if self.busy.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.run(Some(submission_id)).await;
+    }
+
+    /// The worker loop; the caller holds `busy`.
+    async fn run(self: &Arc<Self>, until: Option<&str>) {
         let mut seen = self.wakes.load(Ordering::SeqCst);
         loop {
             let Some(runtime) = self.runtime.upgrade() else { return };
             let attempt_id = new_id("attempt");
             match runtime.store.claim_next(&self.key, &attempt_id).await {
                 Ok(Some(submission)) => {
+                    let done = until == Some(submission.id.as_str());
                     self.process(&runtime, submission, attempt_id).await;
                     seen = self.wakes.load(Ordering::SeqCst);
+                    if done {
+                        self.busy.store(false, Ordering::SeqCst);
+                        let admitted_meanwhile = self.wakes.load(Ordering::SeqCst) != seen;
+                        if admitted_meanwhile || runtime.store.has_queued(&self.key).await.unwrap_or(true) {
+                            self.wake();
+                        }
+                        return;
+                    }
                 }
                 Ok(None) => {
                     self.busy.store(false, Ordering::SeqCst);
@@ -231,7 +256,7 @@ impl InstanceSlot {
         }
         self.binding.set_current(None);
         drop(conversation);
-        runtime.settled.notify_waiters();
+        runtime.notify_settled(joined_ids.iter().chain(std::iter::once(&submission.id)));
     }
 }
 

@@ -27,8 +27,9 @@ struct Inner {
 #[derive(Default)]
 struct Instance {
     uid: String,
-    /// Submission ids in admission order.
-    queue: Vec<String>,
+    /// Unsettled submission ids, in admission order (settled ones leave, so every scan is
+    /// bounded by the instance's backlog, not its history).
+    unsettled: Vec<String>,
     batches: Vec<Batch>,
 }
 
@@ -48,12 +49,6 @@ fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
 }
 
 impl Inner {
-    fn is_unsettled(&self, id: &str) -> bool {
-        self.submissions
-            .get(id)
-            .is_some_and(|row| row.status != SubmissionStatus::Settled)
-    }
-
     fn owns(&self, attempt: &AttemptRef) -> bool {
         self.submissions.get(&attempt.submission_id).is_some_and(|row| {
             row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
@@ -126,7 +121,7 @@ impl Store for MemoryStore {
                     };
                     let instance = Instance {
                         uid: uid.clone(),
-                        queue: Vec::new(),
+                        unsettled: Vec::new(),
                         batches: vec![Batch {
                             offset: 0,
                             records: vec![birth],
@@ -158,7 +153,7 @@ impl Store for MemoryStore {
                 .instances
                 .get_mut(&admission.key)
                 .ok_or_else(|| StoreError::Other("instance vanished".into()))?;
-            instance.queue.push(submission.id.clone());
+            instance.unsettled.push(submission.id.clone());
             let offset = instance.batches.len().checked_sub(1).map(|last| last as u64);
             Ok(Admitted {
                 submission,
@@ -183,12 +178,25 @@ impl Store for MemoryStore {
         ready(Ok(self.lock().submissions.get(id).cloned()))
     }
 
+    fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let inner = self.lock();
+        let queued = inner.instances.get(key).is_some_and(|instance| {
+            instance.unsettled.iter().any(|id| {
+                inner
+                    .submissions
+                    .get(id)
+                    .is_some_and(|row| row.status == SubmissionStatus::Queued)
+            })
+        });
+        ready(Ok(queued))
+    }
+
     fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let mut inner = self.lock();
         let head = inner
             .instances
             .get(key)
-            .and_then(|instance| instance.queue.iter().find(|id| inner.is_unsettled(id)).cloned());
+            .and_then(|instance| instance.unsettled.first().cloned());
         let claimed = head.and_then(|id| {
             let row = inner.submissions.get_mut(&id)?;
             if row.status != SubmissionStatus::Queued {
@@ -215,7 +223,7 @@ impl Store for MemoryStore {
             .get(&key)
             .map(|instance| {
                 instance
-                    .queue
+                    .unsettled
                     .iter()
                     .filter(|id| {
                         inner
@@ -282,11 +290,19 @@ impl Store for MemoryStore {
             if !records.is_empty() {
                 inner.append(&key, records)?;
             }
-            let joined: Vec<String> = inner
-                .submissions
-                .values()
-                .filter(|row| row.joined_into.as_deref() == Some(host.submission_id.as_str()))
-                .map(|row| row.id.clone())
+            let unsettled = inner
+                .instances
+                .get(&key)
+                .map(|instance| instance.unsettled.clone())
+                .unwrap_or_default();
+            let joined: Vec<String> = unsettled
+                .into_iter()
+                .filter(|id| {
+                    inner
+                        .submissions
+                        .get(id)
+                        .is_some_and(|row| row.joined_into.as_deref() == Some(host.submission_id.as_str()))
+                })
                 .collect();
             for id in joined {
                 if let Some(row) = inner.submissions.get_mut(&id) {
@@ -309,6 +325,16 @@ impl Store for MemoryStore {
                 row.status = SubmissionStatus::Settled;
                 row.outcome = Some(outcome);
                 row.error = error;
+            }
+            let Inner {
+                submissions, instances, ..
+            } = &mut *inner;
+            if let Some(instance) = instances.get_mut(&key) {
+                instance.unsettled.retain(|id| {
+                    submissions
+                        .get(id)
+                        .is_some_and(|row| row.status != SubmissionStatus::Settled)
+                });
             }
             Ok(())
         })();
@@ -340,7 +366,7 @@ impl Store for MemoryStore {
         let ids: Vec<String> = inner
             .instances
             .get(key)
-            .map(|instance| instance.queue.clone())
+            .map(|instance| instance.unsettled.clone())
             .unwrap_or_default();
         let mut affected = Vec::new();
         for id in ids {

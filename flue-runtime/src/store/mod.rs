@@ -206,6 +206,9 @@ pub trait Store: Send + Sync + 'static {
     /// A submission row.
     fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
 
+    /// Whether the instance has a queued submission (a cheap look, no claim).
+    fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>>;
+
     /// Claims the instance's runnable head (the oldest queued submission, when nothing earlier
     /// is unsettled) for `attempt_id`.
     fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
