@@ -37,7 +37,12 @@ pub(crate) async fn run_batch(
         async move {
             let begun = Instant::now();
             let output = match (tool, ctx) {
-                (Some(tool), Some(ctx)) => run_one(&tool, ctx, &call.arguments, signal).await,
+                (Some(tool), Some(ctx)) => {
+                    let mut output = run_one(&tool, ctx, &call.arguments, signal).await;
+                    // A `terminate` tool's successful results ask to end the turn.
+                    output.terminate |= tool.definition().terminate && !output.is_error;
+                    output
+                }
                 _ => ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
             };
             Executed {

@@ -639,10 +639,11 @@ async fn a_self_dispatch_joins_the_live_response_at_the_next_turn_boundary() {
     assert_eq!(users[0], "plan my week");
     assert_eq!(users[1], "follow-up: check the invoice");
     assert!(users[2].contains("This follow-up joined the live response."));
-    // The render before the second model call read the joined delivery through use_delivery.
+    // The render before the second model call read the newest message in front of the model
+    // through use_delivery: the signal the joined delivery's start callback appended.
     assert_eq!(
         FOLLOW_UPS.lock().unwrap().last().map(String::as_str),
-        Some("follow-up: check the invoice")
+        Some("This follow-up joined the live response.")
     );
     // Both submissions settled completed; the joined one answered by the host's response.
     let mut settled = Vec::new();
@@ -736,4 +737,70 @@ async fn two_agents_with_one_name_or_two_hooks_with_one_id_do_not_build() {
         error.to_string(),
         "[flue] Two agents are registered under the name \"calculator\"."
     );
+}
+
+/// Hand the conversation to a person.
+#[tool(terminate)]
+async fn escalate(
+    /// Why
+    reason: String,
+) -> String {
+    format!("Escalated: {reason}")
+}
+
+#[agent]
+fn desk() -> &'static str {
+    use_model("scripted/x");
+    use_tool(escalate);
+    use_tool(add);
+    "Escalate when asked."
+}
+
+#[tokio::test]
+async fn a_batch_of_only_terminating_tools_ends_the_turn_without_another_model_call() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("escalate", json!({"reason": "asked for a person"})),
+        ScriptedReply::text("unused"),
+    ]);
+    let runtime = runtime_with(&model, vec![desk.into()]);
+    runtime.init(&desk, "d-1").send("a person please").await.unwrap();
+    assert_eq!(model.requests().len(), 1);
+    // A mixed batch does not end the turn.
+    let mixed = ScriptedModel::new([
+        ScriptedReply::tool_calls([("escalate", json!({"reason": "x"})), ("add", json!({"a": 1, "b": 1}))]),
+        ScriptedReply::text("continued"),
+    ]);
+    let runtime = runtime_with(&mixed, vec![desk.into()]);
+    let reply = runtime.init(&desk, "d-2").send("both").await.unwrap();
+    assert_eq!((mixed.requests().len(), reply.text.as_str()), (2, "continued"));
+}
+
+static CURSOR: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[agent]
+fn cursor() -> &'static str {
+    use_model("scripted/x");
+    CURSOR.lock().unwrap().push(use_delivery().body().to_owned());
+    use_agent_finish(|ctx| async move {
+        if ctx.response().usage.output_tokens < 3 {
+            ctx.append(Signal::new("nudge", "Say more."))?;
+        }
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "Talk."
+}
+
+#[tokio::test]
+async fn the_delivery_cursor_advances_to_a_signal_a_callback_appended() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text("hi"),
+        ScriptedReply::text("a much longer answer than before"),
+    ]);
+    let runtime = runtime_with(&model, vec![cursor.into()]);
+    CURSOR.lock().unwrap().clear();
+    runtime.init(&cursor, "c").send("hello").await.unwrap();
+    let seen = CURSOR.lock().unwrap().clone();
+    // Init render and first turn read the user message; the turn after the append reads the signal.
+    assert_eq!(seen.first().map(String::as_str), Some("hello"));
+    assert_eq!(seen.last().map(String::as_str), Some("Say more."));
 }

@@ -379,6 +379,14 @@ struct Response<'a> {
 }
 
 impl Response<'_> {
+    /// The delivery cursor (`use_delivery`) advances to the last signal a callback appended:
+    /// it is now the message in front of the model.
+    fn advance_delivery(&mut self, appended: &[Signal]) {
+        if let Some(last) = appended.last() {
+            self.delivery = Arc::new(DeliveredMessage::Signal(last.clone()));
+        }
+    }
+
     fn emit(&self, event: Event) {
         self.runtime.emit(self.key, Some(&self.submission.id), event);
     }
@@ -571,6 +579,7 @@ impl Response<'_> {
                 let mut records: Vec<Record> = appended.iter().map(|signal| self.signal_record(signal)).collect();
                 records.push(self.record(RecordBody::AgentFinishCycle));
                 self.commit(records, true).await?;
+                self.advance_delivery(&appended);
                 self.spare = Some(rendered);
                 continue;
             }
@@ -694,10 +703,13 @@ impl Response<'_> {
         }
         drop(appends);
         let mut records: Vec<Record> = signals.iter().map(|signal| self.signal_record(signal)).collect();
+        let appended = signals;
         let mut marker = self.record(RecordBody::AgentStartRun);
         marker.submission_id = Some(submission_id.to_owned());
         records.push(marker);
-        self.commit(records, true).await
+        self.commit(records, true).await?;
+        self.advance_delivery(&appended);
+        Ok(())
     }
 
     /// Runs the `use_agent_finish` callbacks sequentially; returns what they appended.

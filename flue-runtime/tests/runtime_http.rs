@@ -1,0 +1,100 @@
+//! The runtime over the real reqwest path: an agent served by an OpenAI-compatible provider
+//! pointed at the loopback fixture server.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use flue_runtime::prelude::*;
+use flue_runtime::provider::openai::OpenAiProvider;
+use flue_runtime::provider::{ProviderRegistry, RetryPolicy};
+use flue_runtime::testing::fixture_server::{FixtureReply, FixtureServer};
+use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+
+/// Look up the weather in a city.
+#[tool(progress_argument = "city")]
+async fn get_weather(
+    /// The city
+    city: String,
+) -> String {
+    format!("Sunny in {city}.")
+}
+
+#[agent]
+fn forecaster() -> &'static str {
+    use_model("fixture/gpt-test");
+    use_tool(get_weather);
+    "You report the weather."
+}
+
+fn runtime(server: &FixtureServer) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(
+        OpenAiProvider::compatible("fixture", server.base_url(), "FLUE_FIXTURE_KEY")
+            .with_api_key("test-key")
+            .with_retry_policy(RetryPolicy::new(3, std::time::Duration::from_millis(1))),
+    );
+    Runtime::builder()
+        .agent(forecaster)
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_exchange_with_a_tool_call_split_across_many_chunks_runs_over_http() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_tool_calls_split(
+        [("call_1", "get_weather", r#"{"city":"Paris"}"#)],
+        3,
+    ));
+    server.push(FixtureReply::openai_text("It is sunny in Paris."));
+    let runtime = runtime(&server);
+    let reply = runtime
+        .init(&forecaster, "f-1")
+        .send("Weather in Paris?")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "It is sunny in Paris.");
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2);
+    assert_eq!(requests[0].header("authorization"), Some("Bearer test-key"));
+    assert_eq!(requests[0].body["messages"][0]["content"], "You report the weather.");
+    assert_eq!(requests[0].body["tools"][0]["function"]["name"], "get_weather");
+    let messages = requests[1].body["messages"].as_array().unwrap();
+    let tool = messages.last().unwrap();
+    assert_eq!(tool["role"], "tool");
+    assert_eq!(tool["content"], "Sunny in Paris.");
+}
+
+#[tokio::test]
+async fn a_rate_limited_call_is_retried_and_the_response_completes() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::status(429, r#"{"error":{"message":"slow down"}}"#).retry_after(0));
+    server.push(FixtureReply::openai_text("Done."));
+    let runtime = runtime(&server);
+    let reply = runtime.init(&forecaster, "f-2").send("hi").await.unwrap();
+    assert_eq!(reply.text, "Done.");
+    assert_eq!(server.requests().len(), 2);
+}
+
+#[tokio::test]
+async fn an_unauthorized_key_fails_the_submission_with_a_clear_error() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::status(401, r#"{"error":{"message":"bad key"}}"#));
+    let runtime = runtime(&server);
+    let error = runtime.init(&forecaster, "f-3").send("hi").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("run error")
+    };
+    assert_eq!(error_type, "operation_failed");
+    assert!(message.contains("FLUE_FIXTURE_KEY"), "{message}");
+    assert!(
+        !message.contains("test-key"),
+        "the key never reaches an error: {message}"
+    );
+}
