@@ -87,6 +87,13 @@ pub struct RuntimeOptions {
     pub model_retries: u32,
     /// Base delay of those retries.
     pub model_retry_delay: Duration,
+    /// How long a claim holds an instance without renewal. When a node dies, another takes
+    /// its running submissions over once their leases expire.
+    pub lease: Duration,
+    /// How often this node renews its leases (well under `lease`).
+    pub heartbeat: Duration,
+    /// How often this node looks for expired leases and for queued work admitted elsewhere.
+    pub scan_interval: Duration,
 }
 
 impl Default for RuntimeOptions {
@@ -95,6 +102,9 @@ impl Default for RuntimeOptions {
             tool_concurrency: 8,
             model_retries: 3,
             model_retry_delay: Duration::from_millis(2000),
+            lease: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(10),
+            scan_interval: Duration::from_secs(15),
         }
     }
 }
@@ -173,6 +183,8 @@ impl RuntimeBuilder {
             event_index: AtomicU64::new(0),
             waiters: Mutex::default(),
             shutting_down: AtomicBool::new(false),
+            owner_id: new_id("owner"),
+            background: AtomicBool::new(false),
         });
         Ok(Runtime { inner })
     }
@@ -189,9 +201,79 @@ pub(crate) struct RuntimeInner {
     /// Senders waiting for a submission to settle, by submission id.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<()>>>>,
     shutting_down: AtomicBool,
+    /// This node's identity on claims and leases.
+    pub(crate) owner_id: String,
+    /// Whether the heartbeat and lease scan run.
+    background: AtomicBool,
 }
 
 impl RuntimeInner {
+    /// A claim by this node for a new attempt, leased for `options.lease`.
+    pub(crate) fn claim(&self) -> crate::store::Claim {
+        crate::store::Claim {
+            attempt_id: new_id("attempt"),
+            owner_id: self.owner_id.clone(),
+            lease_until_ms: crate::store::now_ms() + self.options.lease.as_millis() as u64,
+        }
+    }
+
+    /// Starts the heartbeat (lease renewal) and the scan (expired leases, queued work admitted
+    /// elsewhere), once, on the current tokio runtime.
+    pub(crate) fn ensure_background(self: &Arc<Self>) {
+        if self.background.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut since_scan = Duration::ZERO;
+            loop {
+                let Some(runtime) = weak.upgrade() else { return };
+                let heartbeat = runtime.options.heartbeat;
+                if since_scan >= runtime.options.scan_interval {
+                    since_scan = Duration::ZERO;
+                    runtime.scan().await;
+                }
+                let lease_until = crate::store::now_ms() + runtime.options.lease.as_millis() as u64;
+                if let Err(error) = runtime.store.renew_leases(&runtime.owner_id, lease_until).await {
+                    tracing::warn!(%error, "renewing leases failed");
+                }
+                drop(runtime);
+                tokio::time::sleep(heartbeat).await;
+                since_scan += heartbeat;
+            }
+        });
+    }
+
+    /// Takes over submissions whose lease expired (their node died) and wakes every instance
+    /// with queued work.
+    pub(crate) async fn scan(self: &Arc<Self>) {
+        match self.store.expired(crate::store::now_ms()).await {
+            Ok(expired) => {
+                for row in expired {
+                    let Some(stale) = row.attempt_id.clone() else { continue };
+                    let claim = self.claim();
+                    match self.store.reclaim(&row.id, &stale, &claim).await {
+                        Ok(Some(reclaimed)) => {
+                            tracing::info!(submission = %reclaimed.id, instance = %reclaimed.key, "took over an expired lease");
+                            self.slot(&reclaimed.key).resume(reclaimed, claim.attempt_id);
+                        }
+                        Ok(None) => {}
+                        Err(error) => tracing::warn!(%error, "reclaiming an expired submission failed"),
+                    }
+                }
+            }
+            Err(error) => tracing::warn!(%error, "listing expired leases failed"),
+        }
+        match self.store.instances_with_queued().await {
+            Ok(keys) => {
+                for key in keys.into_iter().filter(|key| self.agents.contains_key(&key.agent)) {
+                    self.slot(&key).wake();
+                }
+            }
+            Err(error) => tracing::warn!(%error, "listing queued work failed"),
+        }
+    }
+
     pub(crate) fn emit(&self, key: &InstanceKey, submission_id: Option<&str>, event: Event) {
         if self.events.receiver_count() == 0 {
             return;
@@ -278,6 +360,7 @@ impl RuntimeInner {
         if !admitted.deduplicated {
             self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         }
+        self.ensure_background();
         let receipt = DispatchReceipt {
             submission_id: admitted.submission.id.clone(),
             accepted_at: admitted.submission.accepted_at.clone(),
@@ -494,6 +577,15 @@ impl Runtime {
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// Starts this node's background work — lease renewal, and the scan that takes over
+    /// expired submissions and picks up queued work — and runs one scan now. Call it when a
+    /// process starts on a durable store: work left by a crashed process resumes (once its
+    /// lease expires). Admission starts the background work too.
+    pub async fn start(&self) {
+        self.inner.ensure_background();
+        self.inner.scan().await;
     }
 
     /// Stops admitting new messages.

@@ -10,7 +10,7 @@ use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
 use flue_runtime::store::{
-    Admission, Admitted, AttemptRef, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, Submission,
+    Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, Submission,
 };
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
@@ -51,8 +51,20 @@ impl Store for FaultyStore {
     fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
         self.inner.has_queued(key)
     }
-    fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.claim_next(key, attempt_id)
+    fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.claim_next(key, claim)
+    }
+    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.renew_leases(owner_id, lease_until_ms)
+    }
+    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        self.inner.expired(now_ms)
+    }
+    fn reclaim(&self, id: &str, stale: &str, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.reclaim(id, stale, claim)
+    }
+    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
+        self.inner.instances_with_queued()
     }
     fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         self.inner.claim_joinable(host)
@@ -277,4 +289,177 @@ async fn repeated_store_failures_exhaust_the_attempt_budget() {
     };
     assert_eq!(error_type, "submission_retry_exhausted");
     assert_eq!(message, "Submission exceeded maximum recovery attempts (2/2).");
+}
+
+#[agent]
+fn relay() -> &'static str {
+    use_model("scripted/x");
+    "Relay."
+}
+
+#[tokio::test]
+async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires() {
+    use flue_runtime::store::{Claim, now_ms};
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("taken over")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let options = RuntimeOptions {
+        lease: std::time::Duration::from_millis(200),
+        heartbeat: std::time::Duration::from_millis(20),
+        scan_interval: std::time::Duration::from_millis(40),
+        ..RuntimeOptions::default()
+    };
+    // Another node admitted and claimed the submission, then died: its lease runs out.
+    let key = InstanceKey::new("relay", "r-1");
+    let admitted = store
+        .admit(Admission {
+            key: key.clone(),
+            submission_id: "sub_dead_node".into(),
+            keyed: false,
+            kind: flue_runtime::store::SubmissionKind::Dispatch,
+            message: DeliveredMessage::user("hello"),
+            initial_data: None,
+            uid: flue_runtime::store::UidCondition::Any,
+            max_attempts: 10,
+        })
+        .await
+        .unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 100,
+    };
+    let claimed = store.claim_next(&key, &dead).await.unwrap().unwrap();
+    assert_eq!(claimed.id, admitted.submission.id);
+    let runtime = Runtime::builder()
+        .agent(relay)
+        .providers(providers)
+        .store(store.clone())
+        .options(options)
+        .build()
+        .unwrap();
+    runtime.start().await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&relay, "r-1").read("sub_dead_node"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(reply.text, "taken over");
+    let row = store.submission("sub_dead_node").await.unwrap().unwrap();
+    assert_eq!(row.attempt_count, 2, "the dead attempt and the takeover");
+    assert_ne!(row.owner_id.as_deref(), Some("owner_dead"));
+    assert_eq!(model.requests().len(), 1, "exactly once");
+}
+
+#[tokio::test]
+async fn a_resumed_response_that_already_answered_settles_without_calling_the_model_again() {
+    use flue_runtime::store::{Claim, now_ms};
+    let store = FaultyStore::default();
+    // First node: answers, then its settlement append fails and the node dies before retrying.
+    store.fail_always(|records| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::SubmissionSettled { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let key = InstanceKey::new("relay", "r-2");
+    let admitted = store
+        .admit(Admission {
+            key: key.clone(),
+            submission_id: "sub_answered".into(),
+            keyed: false,
+            kind: flue_runtime::store::SubmissionKind::Dispatch,
+            message: DeliveredMessage::user("question"),
+            initial_data: None,
+            uid: flue_runtime::store::UidCondition::Any,
+            max_attempts: 10,
+        })
+        .await
+        .unwrap();
+    let _ = admitted;
+    // Simulate the first node's durable progress: input and final answer committed, unsettled.
+    let first = Claim {
+        attempt_id: "attempt_one".into(),
+        owner_id: "owner_one".into(),
+        lease_until_ms: now_ms() + 50,
+    };
+    store.claim_next(&key, &first).await.unwrap().unwrap();
+    let auth = AttemptRef {
+        submission_id: "sub_answered".into(),
+        attempt_id: "attempt_one".into(),
+    };
+    let record = |body: RecordBody| Record {
+        id: format!("record_{}", ulid_like()),
+        submission_id: Some("sub_answered".into()),
+        attempt_id: Some("attempt_one".into()),
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        body,
+    };
+    store
+        .append(
+            &key,
+            vec![record(RecordBody::UserMessage {
+                message_id: "m1".into(),
+                body: "question".into(),
+            })],
+            Some(&auth),
+        )
+        .await
+        .unwrap();
+    store
+        .append(&key, vec![record(RecordBody::AgentStartRun)], Some(&auth))
+        .await
+        .unwrap();
+    store
+        .append(
+            &key,
+            vec![
+                record(RecordBody::AssistantMessageStarted {
+                    message_id: "m2".into(),
+                    model: "scripted/x".into(),
+                    response_metadata: None,
+                }),
+                record(RecordBody::AssistantMessageCompleted {
+                    message_id: "m2".into(),
+                    text: "the answer".into(),
+                    stop_reason: flue_runtime::provider::StopReason::Stop,
+                    usage: Default::default(),
+                }),
+            ],
+            Some(&auth),
+        )
+        .await
+        .unwrap();
+    *store.fault.lock().unwrap() = None;
+    let runtime = Runtime::builder()
+        .agent(relay)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            heartbeat: std::time::Duration::from_millis(20),
+            scan_interval: std::time::Duration::from_millis(20),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    runtime.start().await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&relay, "r-2").read("sub_answered"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(reply.text, "the answer");
+    assert!(model.requests().is_empty(), "completed work is never redone");
+}
+
+fn ulid_like() -> u64 {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    NEXT.fetch_add(1, Ordering::SeqCst) as u64
 }

@@ -33,6 +33,9 @@ pub(crate) struct Conversation {
     stepped: HashSet<String>,
     /// Continued finish cycles per submission.
     finish_cycles: HashMap<String, u32>,
+    /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
+    /// after it that asks for more.
+    answered: HashSet<String>,
 }
 
 struct OpenStep {
@@ -62,6 +65,12 @@ impl Conversation {
         self.stepped.contains(submission_id)
     }
 
+    /// Whether the submission's response already ended in a final answer: a resumed attempt
+    /// settles it instead of calling the model again (completed work is never redone).
+    pub(crate) fn has_final_answer(&self, submission_id: &str) -> bool {
+        self.answered.contains(submission_id)
+    }
+
     /// Continued finish cycles the submission committed.
     pub(crate) fn finish_cycles(&self, submission_id: &str) -> u32 {
         self.finish_cycles.get(submission_id).copied().unwrap_or(0)
@@ -72,6 +81,9 @@ impl Conversation {
         match &record.body {
             RecordBody::UserMessage { .. } | RecordBody::Signal { .. } => {
                 self.inputs.extend(submission.map(str::to_owned));
+                if let Some(id) = submission {
+                    self.answered.remove(id);
+                }
             }
             RecordBody::AgentStartRun => {
                 self.started.extend(submission.map(str::to_owned));
@@ -82,6 +94,23 @@ impl Conversation {
             RecordBody::AgentFinishCycle => {
                 if let Some(id) = submission {
                     *self.finish_cycles.entry(id.to_owned()).or_default() += 1;
+                    self.answered.remove(id);
+                }
+            }
+            RecordBody::AssistantMessageCompleted { stop_reason, .. } => {
+                if let Some(id) = submission {
+                    let final_answer = self.open_step.as_ref().is_some_and(|step| step.tool_calls.is_empty())
+                        && *stop_reason != crate::provider::StopReason::ToolUse;
+                    if final_answer {
+                        self.answered.insert(id.to_owned());
+                    } else {
+                        self.answered.remove(id);
+                    }
+                }
+            }
+            RecordBody::ToolResultsCommitted { .. } => {
+                if let Some(id) = submission {
+                    self.answered.remove(id);
                 }
             }
             _ => {}
@@ -232,15 +261,20 @@ pub(crate) struct ReplyParts {
 /// Collects the reply of the response that `attempt_id` produced.
 pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
     let mut reply = ReplyParts::default();
-    let mut attempt: Option<&str> = None;
+    // Every attempt that wrote for the submission (a response may span re-attempts; a joined
+    // delivery's input carries its host's attempt).
+    let attempts: HashSet<&str> = batches
+        .iter()
+        .flat_map(|batch| &batch.records)
+        .filter(|record| record.submission_id.as_deref() == Some(submission_id))
+        .filter_map(|record| record.attempt_id.as_deref())
+        .collect();
     for record in batches.iter().flat_map(|batch| &batch.records) {
-        if record.submission_id.as_deref() == Some(submission_id) {
-            attempt = record.attempt_id.as_deref().or(attempt);
-        }
-    }
-    let Some(attempt) = attempt else { return reply };
-    for record in batches.iter().flat_map(|batch| &batch.records) {
-        if record.attempt_id.as_deref() != Some(attempt) {
+        if !record
+            .attempt_id
+            .as_deref()
+            .is_some_and(|attempt| attempts.contains(attempt))
+        {
             continue;
         }
         match &record.body {

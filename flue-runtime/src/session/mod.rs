@@ -76,6 +76,22 @@ impl InstanceSlot {
         }
     }
 
+    /// Runs a submission this node took over from an expired lease (the claim is held), then
+    /// carries on with the instance's queue.
+    pub(crate) fn resume(self: &Arc<Self>, submission: Submission, attempt_id: String) {
+        let slot = self.clone();
+        tokio::spawn(async move {
+            // Wait for any local worker of this instance to finish first.
+            while slot.busy.swap(true, Ordering::SeqCst) {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            if let Some(runtime) = slot.runtime.upgrade() {
+                slot.process(&runtime, submission, attempt_id).await;
+            }
+            slot.run(None).await;
+        });
+    }
+
     /// Fires the running attempt's abort signal.
     pub(crate) fn abort_running(&self) {
         if let Some(attempt) = self.binding.current() {
@@ -103,11 +119,11 @@ impl InstanceSlot {
         let mut seen = self.wakes.load(Ordering::SeqCst);
         loop {
             let Some(runtime) = self.runtime.upgrade() else { return };
-            let attempt_id = new_id("attempt");
-            match runtime.store.claim_next(&self.key, &attempt_id).await {
+            let claim = runtime.claim();
+            match runtime.store.claim_next(&self.key, &claim).await {
                 Ok(Some(submission)) => {
                     let done = until == Some(submission.id.as_str());
-                    self.process(&runtime, submission, attempt_id).await;
+                    self.process(&runtime, submission, claim.attempt_id).await;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {
                         self.busy.store(false, Ordering::SeqCst);
@@ -189,6 +205,15 @@ impl InstanceSlot {
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
             Ok(()) if submission.abort_requested => Err(Failure::aborted()),
+            // The budget counts every attempt, the interrupted ones included.
+            Ok(()) if submission.attempt_count > submission.max_attempts => Err(Failure::failed(
+                "submission_retry_exhausted",
+                format!(
+                    "Submission exceeded maximum recovery attempts ({}/{}).",
+                    submission.attempt_count - 1,
+                    submission.max_attempts
+                ),
+            )),
             Ok(()) => response.run().await,
             Err(failure) => Err(failure),
         };
@@ -536,7 +561,13 @@ impl Response<'_> {
         }
         self.spare = Some(rendered);
 
-        let max_steps = definition.max_steps.unwrap_or(u32::MAX);
+        // A resumed response that already ended in a final answer settles as it is.
+        let already_answered = self.conversation.has_final_answer(&submission_id);
+        let max_steps = if already_answered {
+            0
+        } else {
+            definition.max_steps.unwrap_or(u32::MAX)
+        };
         let mut steps = 0u32;
         let mut finish_cycles = self.conversation.finish_cycles(&submission_id);
         loop {

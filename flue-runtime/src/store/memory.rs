@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use flue_core::BoxFuture;
 
 use super::{
-    Admission, Admitted, AttemptRef, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
+    Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
     UidCondition,
 };
 use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
@@ -141,6 +141,8 @@ impl Store for MemoryStore {
                 status: SubmissionStatus::Queued,
                 accepted_at: now(),
                 attempt_id: None,
+                owner_id: None,
+                lease_until_ms: 0,
                 attempt_count: 0,
                 max_attempts: admission.max_attempts,
                 abort_requested: false,
@@ -191,7 +193,7 @@ impl Store for MemoryStore {
         ready(Ok(queued))
     }
 
-    fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+    fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let mut inner = self.lock();
         let head = inner
             .instances
@@ -203,11 +205,79 @@ impl Store for MemoryStore {
                 return None;
             }
             row.status = SubmissionStatus::Running;
-            row.attempt_id = Some(attempt_id.to_owned());
+            row.attempt_id = Some(claim.attempt_id.clone());
+            row.owner_id = Some(claim.owner_id.clone());
+            row.lease_until_ms = claim.lease_until_ms;
             row.attempt_count += 1;
             Some(row.clone())
         });
         ready(Ok(claimed))
+    }
+
+    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut inner = self.lock();
+        let mut renewed = 0;
+        for row in inner.submissions.values_mut() {
+            if row.status == SubmissionStatus::Running && row.owner_id.as_deref() == Some(owner_id) {
+                row.lease_until_ms = lease_until_ms;
+                renewed += 1;
+            }
+        }
+        ready(Ok(renewed))
+    }
+
+    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        let inner = self.lock();
+        let mut rows: Vec<Submission> = inner
+            .instances
+            .values()
+            .flat_map(|instance| instance.unsettled.iter())
+            .filter_map(|id| inner.submissions.get(id))
+            .filter(|row| {
+                row.status == SubmissionStatus::Running && row.lease_until_ms > 0 && row.lease_until_ms < now_ms
+            })
+            .cloned()
+            .collect();
+        rows.sort_by_key(|row| row.sequence);
+        ready(Ok(rows))
+    }
+
+    fn reclaim(
+        &self,
+        submission_id: &str,
+        stale_attempt_id: &str,
+        claim: &Claim,
+    ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        let mut inner = self.lock();
+        let reclaimed = inner.submissions.get_mut(submission_id).and_then(|row| {
+            if row.status != SubmissionStatus::Running || row.attempt_id.as_deref() != Some(stale_attempt_id) {
+                return None;
+            }
+            row.attempt_id = Some(claim.attempt_id.clone());
+            row.owner_id = Some(claim.owner_id.clone());
+            row.lease_until_ms = claim.lease_until_ms;
+            row.attempt_count += 1;
+            Some(row.clone())
+        });
+        ready(Ok(reclaimed))
+    }
+
+    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
+        let inner = self.lock();
+        let keys = inner
+            .instances
+            .iter()
+            .filter(|(_, instance)| {
+                instance.unsettled.iter().any(|id| {
+                    inner
+                        .submissions
+                        .get(id)
+                        .is_some_and(|row| row.status == SubmissionStatus::Queued)
+                })
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        ready(Ok(keys))
     }
 
     fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
@@ -323,6 +393,7 @@ impl Store for MemoryStore {
             }
             if let Some(row) = inner.submissions.get_mut(&host.submission_id) {
                 row.status = SubmissionStatus::Settled;
+                row.lease_until_ms = 0;
                 row.outcome = Some(outcome);
                 row.error = error;
             }
@@ -357,6 +428,8 @@ impl Store for MemoryStore {
         if let Some(row) = inner.submissions.get_mut(&attempt.submission_id) {
             row.status = SubmissionStatus::Queued;
             row.attempt_id = None;
+            row.owner_id = None;
+            row.lease_until_ms = 0;
         }
         ready(Ok(true))
     }

@@ -123,6 +123,12 @@ pub struct Submission {
     pub accepted_at: String,
     /// The current attempt.
     pub attempt_id: Option<String>,
+    /// The node running it.
+    #[serde(default)]
+    pub owner_id: Option<String>,
+    /// When its lease runs out (ms since the epoch; 0 when not running).
+    #[serde(default)]
+    pub lease_until_ms: u64,
     /// Attempts so far.
     pub attempt_count: u32,
     /// Attempt budget.
@@ -157,6 +163,25 @@ pub struct InstanceInfo {
     pub id: String,
     /// Its incarnation.
     pub uid: String,
+}
+
+/// Who claims a submission, and until when its lease runs (milliseconds since the Unix
+/// epoch). A lease that is not renewed expires, and another node may take the submission over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claim {
+    /// The new attempt's id.
+    pub attempt_id: String,
+    /// The claiming node.
+    pub owner_id: String,
+    /// When the lease runs out.
+    pub lease_until_ms: u64,
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
 }
 
 /// A claim that owns a running submission.
@@ -210,8 +235,27 @@ pub trait Store: Send + Sync + 'static {
     fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>>;
 
     /// Claims the instance's runnable head (the oldest queued submission, when nothing earlier
-    /// is unsettled) for `attempt_id`.
-    fn claim_next(&self, key: &InstanceKey, attempt_id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
+    /// is unsettled) for `claim`.
+    fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
+
+    /// Extends the leases of every running submission `owner_id` holds to `lease_until_ms`;
+    /// returns how many it renewed.
+    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>>;
+
+    /// Running submissions whose lease expired before `now_ms` (their owner died or hung).
+    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>>;
+
+    /// Takes over an expired running submission: only while it still runs under
+    /// `stale_attempt_id`, it gets `claim`'s attempt and owner and one more attempt counted.
+    fn reclaim(
+        &self,
+        submission_id: &str,
+        stale_attempt_id: &str,
+        claim: &Claim,
+    ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
+
+    /// Instances with a queued submission (what a starting or polling node picks up).
+    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>>;
 
     /// Claims the contiguous prefix of queued submissions behind a running host into its live
     /// response (stopping at the first abort-requested row).
