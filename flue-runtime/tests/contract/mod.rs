@@ -1,0 +1,1009 @@
+//! The store contract: every behaviour the runtime relies on, as one suite run against every
+//! `Store` (memory, SQLite, Postgres). Case names follow the reference's contract checklists
+//! (§5.2 submission store, §5.3 conversation stream) for the behaviours our trait covers.
+//!
+//! A backend instantiates it with `contract::store_contract!(name, || async { store })`.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use flue_runtime::message::DeliveredMessage;
+use flue_runtime::record::{Outcome, Record, RecordBody, SettlementError};
+use flue_runtime::store::{
+    Admission, AttemptRef, Claim, InstanceKey, Store, StoreError, Submission, SubmissionKind, SubmissionStatus,
+    UidCondition, now_ms,
+};
+
+pub type Factory = Arc<dyn Store>;
+
+/// Generates one `#[tokio::test]` per contract case for a backend.
+macro_rules! store_contract {
+    ($backend:ident, $factory:expr) => {
+        mod $backend {
+            #[allow(unused_imports)]
+            use super::*;
+            contract::generate!(
+                $factory,
+                [
+                    admits_one_queued_dispatch_row_when_the_same_submission_is_replayed,
+                    returns_conflict_when_one_submission_id_is_reused_with_another_payload,
+                    creates_the_instance_with_a_birth_record_once,
+                    honours_conditional_sends,
+                    orders_direct_and_dispatched_submissions_together_within_one_session,
+                    lists_queued_dispatches_in_admission_order_and_selects_one_runnable_head_per_session,
+                    keeps_agents_with_the_same_instance_id_in_independent_sessions,
+                    claims_only_runnable_session_heads_while_allowing_separate_sessions_to_claim_independently,
+                    requeues_a_running_attempt_on_ownership_alone,
+                    reports_unsettled_visibility_until_a_claimed_dispatch_completes,
+                    ignores_stale_attempt_settlement_and_keeps_the_first_owning_terminal_state,
+                    stamps_an_abort_intent_on_a_queued_submission_without_changing_its_status,
+                    stamps_the_running_head_and_every_queued_submission_in_the_session_at_once,
+                    scopes_the_abort_to_one_agent_when_another_agent_shares_the_instance_id,
+                    leaves_settled_submissions_untouched_and_does_not_resurrect_them,
+                    returns_an_empty_array_for_a_session_with_no_unsettled_submissions,
+                    sets_attempt_count_to_1_at_claim_and_increments_it_on_reclaim,
+                    extends_lease_timestamp_for_owned_running_submissions,
+                    ignores_submissions_owned_by_a_different_coordinator,
+                    returns_running_submissions_with_expired_leases,
+                    excludes_submissions_with_future_lease_expiry,
+                    excludes_settled_submissions,
+                    returns_empty_when_no_submissions_exist,
+                    replaces_a_running_attempt_and_returns_the_updated_submission,
+                    returns_null_without_writing_when_the_attempt_no_longer_owns_the_submission,
+                    claims_the_queued_dispatch_prefix_in_admission_order_onto_a_running_host,
+                    claims_nothing_for_a_stale_attempt_or_a_host_that_is_not_running,
+                    claims_direct_deliveries_alongside_dispatches,
+                    stops_the_prefix_at_an_abort_requested_delivery,
+                    finalizes_a_claimed_join_once_and_fences_on_the_host_attempt,
+                    joined_deliveries_settle_with_a_completing_host_and_joining_stragglers_revert,
+                    joined_deliveries_share_a_failing_host_outcome,
+                    unsettled_joins_block_later_queued_work_and_clear_with_the_host,
+                    request_session_abort_stamps_joining_and_joined_deliveries,
+                    reports_no_unsettled_submissions_initially,
+                    get_submission_returns_null_for_unknown_ids,
+                    appends_one_ordered_canonical_batch,
+                    assigns_one_indivisible_offset_to_a_multi_record_batch,
+                    round_trips_a_batch_larger_than_a_backend_cell_size_cap,
+                    authorizes_a_submission_owned_append_for_the_running_claimed_attempt,
+                    rejects_a_submission_owned_append_from_a_stale_attempt,
+                    rejects_a_submission_owned_append_for_an_unknown_submission,
+                    rejects_an_empty_batch,
+                    replays_strictly_after_a_batch_offset,
+                    gives_concurrent_appends_distinct_consecutive_offsets,
+                    settles_with_its_records_in_the_same_step,
+                    lists_instances_with_queued_work,
+                ]
+            );
+        }
+    };
+}
+
+macro_rules! generate {
+    ($factory:expr, [$($case:ident),* $(,)?]) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(store) = ($factory)().await else { return };
+                contract::$case(store).await;
+            }
+        )*
+    };
+}
+
+pub(crate) use {generate, store_contract};
+
+// ---- fixtures -------------------------------------------------------------------------------
+
+fn key(agent: &str, id: &str) -> InstanceKey {
+    InstanceKey::new(agent, id)
+}
+
+fn admission(id: &str, agent: &str, instance: &str, kind: SubmissionKind, body: &str) -> Admission {
+    Admission {
+        key: key(agent, instance),
+        submission_id: id.to_owned(),
+        keyed: false,
+        kind,
+        message: DeliveredMessage::user(body),
+        initial_data: None,
+        uid: UidCondition::Any,
+        max_attempts: 10,
+    }
+}
+
+fn dispatch(id: &str) -> Admission {
+    admission(id, "assistant", "agent-1", SubmissionKind::Dispatch, "test.event")
+}
+
+fn claim(attempt: &str) -> Claim {
+    Claim {
+        attempt_id: attempt.to_owned(),
+        owner_id: "owner-a".into(),
+        lease_until_ms: now_ms() + 30_000,
+    }
+}
+
+fn attempt(submission: &str, attempt: &str) -> AttemptRef {
+    AttemptRef {
+        submission_id: submission.to_owned(),
+        attempt_id: attempt.to_owned(),
+    }
+}
+
+fn record(submission: Option<&str>, attempt: Option<&str>, body: RecordBody) -> Record {
+    Record {
+        id: format!("record_{}", ulid()),
+        submission_id: submission.map(str::to_owned),
+        attempt_id: attempt.map(str::to_owned),
+        timestamp: "2026-06-03T00:00:00.000Z".into(),
+        body,
+    }
+}
+
+fn ulid() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("{:016}", NEXT.fetch_add(1, Ordering::SeqCst))
+}
+
+fn user(body: &str) -> RecordBody {
+    RecordBody::UserMessage {
+        message_id: format!("m_{}", ulid()),
+        body: body.into(),
+    }
+}
+
+async fn admit(store: &Factory, admission: Admission) -> Submission {
+    store.admit(admission).await.unwrap().submission
+}
+
+async fn row(store: &Factory, id: &str) -> Submission {
+    store.submission(id).await.unwrap().unwrap()
+}
+
+async fn running_host(store: &Factory) -> AttemptRef {
+    admit(store, dispatch("host-1")).await;
+    let claimed = store
+        .claim_next(&key("assistant", "agent-1"), &claim("attempt-1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.id, "host-1");
+    attempt("host-1", "attempt-1")
+}
+
+async fn settle(store: &Factory, host: &AttemptRef, outcome: Outcome, error: Option<SettlementError>) {
+    let record = record(
+        Some(&host.submission_id),
+        Some(&host.attempt_id),
+        RecordBody::SubmissionSettled {
+            outcome,
+            error: error.clone(),
+        },
+    );
+    store.settle(host, outcome, error, vec![record]).await.unwrap();
+}
+
+// ---- dispatch admission ---------------------------------------------------------------------
+
+pub async fn admits_one_queued_dispatch_row_when_the_same_submission_is_replayed(store: Factory) {
+    let first = store.admit(dispatch("dispatch-1")).await.unwrap();
+    let replay = store.admit(dispatch("dispatch-1")).await.unwrap();
+    assert!(!first.deduplicated && replay.deduplicated);
+    assert_eq!(replay.submission, first.submission);
+    assert_eq!(first.submission.status, SubmissionStatus::Queued);
+    assert_eq!(first.submission.key, key("assistant", "agent-1"));
+    assert_eq!(replay.uid, first.uid);
+}
+
+pub async fn returns_conflict_when_one_submission_id_is_reused_with_another_payload(store: Factory) {
+    store.admit(dispatch("dispatch-1")).await.unwrap();
+    let mut other = dispatch("dispatch-1");
+    other.message = DeliveredMessage::user("different");
+    assert_eq!(
+        store.admit(other).await.unwrap_err(),
+        StoreError::SubmissionConflict("dispatch-1".into())
+    );
+}
+
+pub async fn creates_the_instance_with_a_birth_record_once(store: Factory) {
+    assert!(store.instance(&key("assistant", "agent-1")).await.unwrap().is_none());
+    let mut first = dispatch("dispatch-1");
+    first.initial_data = Some(serde_json::json!({"plan": "pro"}));
+    let admitted = store.admit(first).await.unwrap();
+    assert!(admitted.uid.starts_with("inst_"));
+    assert_eq!(admitted.offset, Some(0));
+    store.admit(dispatch("dispatch-2")).await.unwrap();
+    let info = store.instance(&key("assistant", "agent-1")).await.unwrap().unwrap();
+    assert_eq!(info.uid, admitted.uid);
+    let batches = store.read(&key("assistant", "agent-1"), None).await.unwrap();
+    assert_eq!(batches.len(), 1);
+    assert_eq!(
+        batches[0].records[0].body,
+        RecordBody::ConversationCreated {
+            uid: admitted.uid,
+            initial_data: Some(serde_json::json!({"plan": "pro"}))
+        }
+    );
+}
+
+pub async fn honours_conditional_sends(store: Factory) {
+    let mut create = dispatch("dispatch-1");
+    create.uid = UidCondition::CreateOnly;
+    let uid = store.admit(create).await.unwrap().uid;
+    let mut again = dispatch("dispatch-2");
+    again.uid = UidCondition::CreateOnly;
+    assert_eq!(
+        store.admit(again).await.unwrap_err(),
+        StoreError::InstanceExists {
+            id: "agent-1".into(),
+            uid: uid.clone()
+        }
+    );
+    let mut wrong = dispatch("dispatch-3");
+    wrong.uid = UidCondition::Existing("inst_other".into());
+    assert_eq!(
+        store.admit(wrong).await.unwrap_err(),
+        StoreError::InstanceNotFound("agent-1".into())
+    );
+    let mut right = dispatch("dispatch-4");
+    right.uid = UidCondition::Existing(uid);
+    store.admit(right).await.unwrap();
+    let mut missing = admission("dispatch-5", "assistant", "nobody", SubmissionKind::Dispatch, "x");
+    missing.uid = UidCondition::Existing("inst_x".into());
+    assert_eq!(
+        store.admit(missing).await.unwrap_err(),
+        StoreError::InstanceNotFound("nobody".into())
+    );
+}
+
+// ---- ordering and claims --------------------------------------------------------------------
+
+pub async fn orders_direct_and_dispatched_submissions_together_within_one_session(store: Factory) {
+    admit(
+        &store,
+        admission("direct-1", "assistant", "agent-1", SubmissionKind::Direct, "Hello"),
+    )
+    .await;
+    admit(&store, dispatch("dispatch-1")).await;
+    admit(
+        &store,
+        admission("direct-2", "assistant", "agent-2", SubmissionKind::Direct, "Hello"),
+    )
+    .await;
+    let head = store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(head.id, "direct-1");
+    assert!(
+        store
+            .claim_next(&key("assistant", "agent-1"), &claim("a2"))
+            .await
+            .unwrap()
+            .is_none(),
+        "dispatch-1 waits behind direct-1"
+    );
+    assert_eq!(
+        store
+            .claim_next(&key("assistant", "agent-2"), &claim("a3"))
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "direct-2"
+    );
+}
+
+pub async fn lists_queued_dispatches_in_admission_order_and_selects_one_runnable_head_per_session(store: Factory) {
+    for id in ["d-1", "d-2", "d-3"] {
+        admit(&store, dispatch(id)).await;
+    }
+    let rows: Vec<Submission> = [
+        row(&store, "d-1").await,
+        row(&store, "d-2").await,
+        row(&store, "d-3").await,
+    ]
+    .into();
+    assert!(rows.windows(2).all(|pair| pair[0].sequence < pair[1].sequence));
+    let mut order = Vec::new();
+    for round in 0..3 {
+        let attempt_id = format!("a{round}");
+        let head = store
+            .claim_next(&key("assistant", "agent-1"), &claim(&attempt_id))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            store
+                .claim_next(&key("assistant", "agent-1"), &claim("extra"))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        order.push(head.id.clone());
+        settle(&store, &attempt(&head.id, &attempt_id), Outcome::Completed, None).await;
+    }
+    assert_eq!(order, ["d-1", "d-2", "d-3"]);
+}
+
+pub async fn keeps_agents_with_the_same_instance_id_in_independent_sessions(store: Factory) {
+    admit(
+        &store,
+        admission("alpha-1", "alpha", "shared", SubmissionKind::Dispatch, "x"),
+    )
+    .await;
+    admit(
+        &store,
+        admission("beta-1", "beta", "shared", SubmissionKind::Dispatch, "x"),
+    )
+    .await;
+    assert_eq!(
+        store
+            .claim_next(&key("alpha", "shared"), &claim("a1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "alpha-1"
+    );
+    assert_eq!(
+        store
+            .claim_next(&key("beta", "shared"), &claim("b1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "beta-1"
+    );
+}
+
+pub async fn claims_only_runnable_session_heads_while_allowing_separate_sessions_to_claim_independently(
+    store: Factory,
+) {
+    admit(&store, dispatch("first")).await;
+    admit(&store, dispatch("second")).await;
+    admit(
+        &store,
+        admission("other", "assistant", "agent-2", SubmissionKind::Dispatch, "x"),
+    )
+    .await;
+    let first = store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let other = store
+        .claim_next(&key("assistant", "agent-2"), &claim("a2"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((first.id.as_str(), other.id.as_str()), ("first", "other"));
+    assert_eq!(first.status, SubmissionStatus::Running);
+    assert_eq!(first.owner_id.as_deref(), Some("owner-a"));
+    assert!(first.lease_until_ms > now_ms());
+    assert_eq!(row(&store, "second").await.status, SubmissionStatus::Queued);
+}
+
+// ---- lifecycle --------------------------------------------------------------------------------
+
+pub async fn requeues_a_running_attempt_on_ownership_alone(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("owner"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!store.requeue(&attempt("d-1", "imposter")).await.unwrap());
+    assert_eq!(row(&store, "d-1").await.status, SubmissionStatus::Running);
+    assert!(store.requeue(&attempt("d-1", "owner")).await.unwrap());
+    let requeued = row(&store, "d-1").await;
+    assert_eq!(
+        (requeued.status, requeued.attempt_id, requeued.lease_until_ms),
+        (SubmissionStatus::Queued, None, 0)
+    );
+    let again = store
+        .claim_next(&key("assistant", "agent-1"), &claim("next"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.attempt_count, 2, "attempts keep counting across requeues");
+}
+
+pub async fn reports_unsettled_visibility_until_a_claimed_dispatch_completes(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    assert!(store.has_queued(&key("assistant", "agent-1")).await.unwrap());
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!store.has_queued(&key("assistant", "agent-1")).await.unwrap());
+    assert_eq!(row(&store, "d-1").await.outcome, None);
+    settle(&store, &attempt("d-1", "a1"), Outcome::Completed, None).await;
+    let settled = row(&store, "d-1").await;
+    assert_eq!(
+        (settled.status, settled.outcome, settled.error),
+        (SubmissionStatus::Settled, Some(Outcome::Completed), None)
+    );
+}
+
+pub async fn ignores_stale_attempt_settlement_and_keeps_the_first_owning_terminal_state(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let stale = store
+        .settle(&attempt("d-1", "stale"), Outcome::Completed, None, Vec::new())
+        .await;
+    assert!(matches!(stale, Err(StoreError::Fenced(_))));
+    let error = SettlementError {
+        error_type: "operation_failed".into(),
+        message: "first".into(),
+    };
+    settle(&store, &attempt("d-1", "a1"), Outcome::Failed, Some(error.clone())).await;
+    let late = store
+        .settle(&attempt("d-1", "a1"), Outcome::Completed, None, Vec::new())
+        .await;
+    assert!(late.is_err());
+    let settled = row(&store, "d-1").await;
+    assert_eq!((settled.outcome, settled.error), (Some(Outcome::Failed), Some(error)));
+}
+
+// ---- abort requests ---------------------------------------------------------------------------
+
+pub async fn stamps_an_abort_intent_on_a_queued_submission_without_changing_its_status(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    assert_eq!(
+        store.request_abort(&key("assistant", "agent-1")).await.unwrap(),
+        ["d-1"]
+    );
+    let stamped = row(&store, "d-1").await;
+    assert!(stamped.abort_requested);
+    assert_eq!(stamped.status, SubmissionStatus::Queued);
+}
+
+pub async fn stamps_the_running_head_and_every_queued_submission_in_the_session_at_once(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    admit(&store, dispatch("d-2")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        store.request_abort(&key("assistant", "agent-1")).await.unwrap(),
+        ["d-1", "d-2"]
+    );
+    let (head, queued) = (row(&store, "d-1").await, row(&store, "d-2").await);
+    assert!(head.abort_requested && queued.abort_requested);
+    assert_eq!(
+        (head.status, head.attempt_id.as_deref()),
+        (SubmissionStatus::Running, Some("a1"))
+    );
+}
+
+pub async fn scopes_the_abort_to_one_agent_when_another_agent_shares_the_instance_id(store: Factory) {
+    admit(
+        &store,
+        admission("alpha-1", "alpha", "shared", SubmissionKind::Dispatch, "x"),
+    )
+    .await;
+    admit(
+        &store,
+        admission("beta-1", "beta", "shared", SubmissionKind::Dispatch, "x"),
+    )
+    .await;
+    assert_eq!(store.request_abort(&key("alpha", "shared")).await.unwrap(), ["alpha-1"]);
+    assert!(!row(&store, "beta-1").await.abort_requested);
+}
+
+pub async fn leaves_settled_submissions_untouched_and_does_not_resurrect_them(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    settle(&store, &attempt("d-1", "a1"), Outcome::Completed, None).await;
+    assert!(
+        store
+            .request_abort(&key("assistant", "agent-1"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .claim_next(&key("assistant", "agent-1"), &claim("a2"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(store.expired(now_ms() + 60_000).await.unwrap().is_empty());
+    assert_eq!(row(&store, "d-1").await.status, SubmissionStatus::Settled);
+}
+
+pub async fn returns_an_empty_array_for_a_session_with_no_unsettled_submissions(store: Factory) {
+    assert!(
+        store
+            .request_abort(&key("assistant", "nobody"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+// ---- durability and leases --------------------------------------------------------------------
+
+pub async fn sets_attempt_count_to_1_at_claim_and_increments_it_on_reclaim(store: Factory) {
+    let admitted = admit(&store, dispatch("d-1")).await;
+    assert_eq!((admitted.attempt_count, admitted.max_attempts), (0, 10));
+    let claimed = store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.attempt_count, 1);
+    let reclaimed = store.reclaim("d-1", "a1", &claim("a2")).await.unwrap().unwrap();
+    assert_eq!(
+        (reclaimed.attempt_count, reclaimed.attempt_id.as_deref()),
+        (2, Some("a2"))
+    );
+}
+
+pub async fn extends_lease_timestamp_for_owned_running_submissions(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let later = now_ms() + 90_000;
+    assert_eq!(store.renew_leases("owner-a", later).await.unwrap(), 1);
+    assert_eq!(row(&store, "d-1").await.lease_until_ms, later);
+}
+
+pub async fn ignores_submissions_owned_by_a_different_coordinator(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let before = row(&store, "d-1").await.lease_until_ms;
+    assert_eq!(store.renew_leases("owner-b", now_ms() + 90_000).await.unwrap(), 0);
+    assert_eq!(row(&store, "d-1").await.lease_until_ms, before);
+}
+
+pub async fn returns_running_submissions_with_expired_leases(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let short = Claim {
+        attempt_id: "a1".into(),
+        owner_id: "owner-a".into(),
+        lease_until_ms: 1,
+    };
+    store
+        .claim_next(&key("assistant", "agent-1"), &short)
+        .await
+        .unwrap()
+        .unwrap();
+    let expired = store.expired(now_ms()).await.unwrap();
+    assert_eq!(expired.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(), ["d-1"]);
+}
+
+pub async fn excludes_submissions_with_future_lease_expiry(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(store.expired(now_ms()).await.unwrap().is_empty());
+}
+
+pub async fn excludes_settled_submissions(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let short = Claim {
+        attempt_id: "a1".into(),
+        owner_id: "owner-a".into(),
+        lease_until_ms: 1,
+    };
+    store
+        .claim_next(&key("assistant", "agent-1"), &short)
+        .await
+        .unwrap()
+        .unwrap();
+    settle(&store, &attempt("d-1", "a1"), Outcome::Completed, None).await;
+    assert!(store.expired(now_ms()).await.unwrap().is_empty());
+}
+
+pub async fn returns_empty_when_no_submissions_exist(store: Factory) {
+    assert!(store.expired(now_ms()).await.unwrap().is_empty());
+}
+
+pub async fn replaces_a_running_attempt_and_returns_the_updated_submission(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let next = Claim {
+        attempt_id: "a2".into(),
+        owner_id: "owner-b".into(),
+        lease_until_ms: now_ms() + 30_000,
+    };
+    let replaced = store.reclaim("d-1", "a1", &next).await.unwrap().unwrap();
+    assert_eq!(
+        (replaced.attempt_id.as_deref(), replaced.owner_id.as_deref()),
+        (Some("a2"), Some("owner-b"))
+    );
+    assert_eq!(replaced.lease_until_ms, next.lease_until_ms);
+    assert_eq!(row(&store, "d-1").await, replaced);
+}
+
+pub async fn returns_null_without_writing_when_the_attempt_no_longer_owns_the_submission(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(store.reclaim("d-1", "stale", &claim("a2")).await.unwrap().is_none());
+    let unchanged = row(&store, "d-1").await;
+    assert_eq!(
+        (unchanged.attempt_count, unchanged.attempt_id.as_deref()),
+        (1, Some("a1"))
+    );
+}
+
+// ---- turn-boundary joins ----------------------------------------------------------------------
+
+pub async fn claims_the_queued_dispatch_prefix_in_admission_order_onto_a_running_host(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("queued-1")).await;
+    admit(&store, dispatch("queued-2")).await;
+    let claimed = store.claim_joinable(&host).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(),
+        ["queued-1", "queued-2"]
+    );
+    for id in ["queued-1", "queued-2"] {
+        let joining = row(&store, id).await;
+        assert_eq!(
+            (joining.status, joining.joined_into.as_deref()),
+            (SubmissionStatus::Joining, Some("host-1"))
+        );
+    }
+    assert!(store.claim_joinable(&host).await.unwrap().is_empty());
+}
+
+pub async fn claims_nothing_for_a_stale_attempt_or_a_host_that_is_not_running(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("queued-1")).await;
+    assert!(
+        store
+            .claim_joinable(&attempt("host-1", "stale"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    settle(&store, &host, Outcome::Completed, None).await;
+    assert!(store.claim_joinable(&host).await.unwrap().is_empty());
+    assert_eq!(row(&store, "queued-1").await.status, SubmissionStatus::Queued);
+}
+
+pub async fn claims_direct_deliveries_alongside_dispatches(store: Factory) {
+    let host = running_host(&store).await;
+    admit(
+        &store,
+        admission("direct-1", "assistant", "agent-1", SubmissionKind::Direct, "Hello"),
+    )
+    .await;
+    admit(&store, dispatch("queued-2")).await;
+    let claimed = store.claim_joinable(&host).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(),
+        ["direct-1", "queued-2"]
+    );
+}
+
+pub async fn stops_the_prefix_at_an_abort_requested_delivery(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("queued-1")).await;
+    store.request_abort(&key("assistant", "agent-1")).await.unwrap();
+    admit(&store, dispatch("queued-2")).await;
+    assert!(
+        store.claim_joinable(&host).await.unwrap().is_empty(),
+        "queued-1 is abort-flagged: the prefix stops there"
+    );
+    assert_eq!(row(&store, "queued-2").await.status, SubmissionStatus::Queued);
+}
+
+pub async fn finalizes_a_claimed_join_once_and_fences_on_the_host_attempt(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("queued-1")).await;
+    store.claim_joinable(&host).await.unwrap();
+    assert!(
+        !store
+            .finalize_join(&attempt("host-1", "stale"), "queued-1")
+            .await
+            .unwrap()
+    );
+    assert!(store.finalize_join(&host, "queued-1").await.unwrap());
+    assert_eq!(row(&store, "queued-1").await.status, SubmissionStatus::Joined);
+    assert!(!store.finalize_join(&host, "queued-1").await.unwrap());
+}
+
+pub async fn joined_deliveries_settle_with_a_completing_host_and_joining_stragglers_revert(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("joined-1")).await;
+    admit(&store, dispatch("straggler-1")).await;
+    store.claim_joinable(&host).await.unwrap();
+    store.finalize_join(&host, "joined-1").await.unwrap();
+    settle(&store, &host, Outcome::Completed, None).await;
+    let joined = row(&store, "joined-1").await;
+    assert_eq!(
+        (joined.status, joined.outcome),
+        (SubmissionStatus::Settled, Some(Outcome::Completed))
+    );
+    let straggler = row(&store, "straggler-1").await;
+    assert_eq!(
+        (straggler.status, straggler.joined_into),
+        (SubmissionStatus::Queued, None)
+    );
+    assert_eq!(
+        store
+            .claim_next(&key("assistant", "agent-1"), &claim("a9"))
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "straggler-1"
+    );
+}
+
+pub async fn joined_deliveries_share_a_failing_host_outcome(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("joined-1")).await;
+    store.claim_joinable(&host).await.unwrap();
+    store.finalize_join(&host, "joined-1").await.unwrap();
+    let error = SettlementError {
+        error_type: "operation_failed".into(),
+        message: "model down".into(),
+    };
+    settle(&store, &host, Outcome::Failed, Some(error.clone())).await;
+    let joined = row(&store, "joined-1").await;
+    assert_eq!((joined.outcome, joined.error), (Some(Outcome::Failed), Some(error)));
+}
+
+pub async fn unsettled_joins_block_later_queued_work_and_clear_with_the_host(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("joined-1")).await;
+    store.claim_joinable(&host).await.unwrap();
+    store.finalize_join(&host, "joined-1").await.unwrap();
+    admit(&store, dispatch("later-1")).await;
+    assert!(
+        store
+            .claim_next(&key("assistant", "agent-1"), &claim("x"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    settle(&store, &host, Outcome::Completed, None).await;
+    assert_eq!(
+        store
+            .claim_next(&key("assistant", "agent-1"), &claim("y"))
+            .await
+            .unwrap()
+            .unwrap()
+            .id,
+        "later-1"
+    );
+}
+
+pub async fn request_session_abort_stamps_joining_and_joined_deliveries(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("joined-1")).await;
+    admit(&store, dispatch("joining-1")).await;
+    store.claim_joinable(&host).await.unwrap();
+    store.finalize_join(&host, "joined-1").await.unwrap();
+    let stamped = store.request_abort(&key("assistant", "agent-1")).await.unwrap();
+    assert_eq!(stamped, ["host-1", "joined-1", "joining-1"]);
+}
+
+// ---- edge cases -------------------------------------------------------------------------------
+
+pub async fn reports_no_unsettled_submissions_initially(store: Factory) {
+    assert!(!store.has_queued(&key("assistant", "agent-1")).await.unwrap());
+    assert!(store.instances_with_queued().await.unwrap().is_empty());
+}
+
+pub async fn get_submission_returns_null_for_unknown_ids(store: Factory) {
+    assert!(store.submission("missing").await.unwrap().is_none());
+}
+
+// ---- conversation stream ------------------------------------------------------------------------
+
+pub async fn appends_one_ordered_canonical_batch(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    let offset = store
+        .append(
+            &stream,
+            vec![record(None, None, user("a")), record(None, None, user("b"))],
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(offset, 1, "the birth record is batch 0");
+    let batches = store.read(&stream, Some(0)).await.unwrap();
+    assert_eq!(batches.len(), 1);
+    assert_eq!(batches[0].offset, 1);
+    assert_eq!(batches[0].records.len(), 2);
+    assert_eq!(batches[0].records[1].body, user_body(&batches[0].records[1]));
+}
+
+fn user_body(record: &Record) -> RecordBody {
+    record.body.clone()
+}
+
+pub async fn assigns_one_indivisible_offset_to_a_multi_record_batch(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    let records: Vec<Record> = (0..5).map(|i| record(None, None, user(&format!("m{i}")))).collect();
+    let offset = store.append(&stream, records.clone(), None).await.unwrap();
+    assert!(store.read(&stream, Some(offset)).await.unwrap().is_empty());
+    let batch = store.read(&stream, Some(offset - 1)).await.unwrap().remove(0);
+    assert_eq!(batch.records, records);
+}
+
+pub async fn round_trips_a_batch_larger_than_a_backend_cell_size_cap(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    let big = "x".repeat(2_500_000);
+    let offset = store
+        .append(&stream, vec![record(None, None, user(&big))], None)
+        .await
+        .unwrap();
+    let next = store
+        .append(&stream, vec![record(None, None, user("after"))], None)
+        .await
+        .unwrap();
+    assert_eq!(next, offset + 1);
+    let batches = store.read(&stream, Some(offset - 1)).await.unwrap();
+    let RecordBody::UserMessage { body, .. } = &batches[0].records[0].body else {
+        panic!("user message")
+    };
+    assert_eq!(body.len(), 2_500_000);
+}
+
+pub async fn authorizes_a_submission_owned_append_for_the_running_claimed_attempt(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let owned = record(Some("d-1"), Some("a1"), user("hi"));
+    assert!(
+        store
+            .append(&key("assistant", "agent-1"), vec![owned], Some(&attempt("d-1", "a1")))
+            .await
+            .is_ok()
+    );
+}
+
+pub async fn rejects_a_submission_owned_append_from_a_stale_attempt(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let stale = record(Some("d-1"), Some("old"), user("hi"));
+    let result = store
+        .append(&key("assistant", "agent-1"), vec![stale], Some(&attempt("d-1", "old")))
+        .await;
+    assert!(matches!(result, Err(StoreError::Fenced(_))));
+    assert_eq!(
+        store.read(&key("assistant", "agent-1"), None).await.unwrap().len(),
+        1,
+        "stream unchanged"
+    );
+}
+
+pub async fn rejects_a_submission_owned_append_for_an_unknown_submission(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let unknown = record(Some("nope"), Some("a1"), user("hi"));
+    let result = store
+        .append(
+            &key("assistant", "agent-1"),
+            vec![unknown],
+            Some(&attempt("nope", "a1")),
+        )
+        .await;
+    assert!(matches!(result, Err(StoreError::Fenced(_))));
+}
+
+pub async fn rejects_an_empty_batch(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    assert!(
+        store
+            .append(&key("assistant", "agent-1"), Vec::new(), None)
+            .await
+            .is_err()
+    );
+}
+
+pub async fn replays_strictly_after_a_batch_offset(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    for i in 0..4 {
+        store
+            .append(&stream, vec![record(None, None, user(&format!("m{i}")))], None)
+            .await
+            .unwrap();
+    }
+    let after = store.read(&stream, Some(2)).await.unwrap();
+    assert_eq!(after.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [3, 4]);
+    assert_eq!(store.read(&stream, None).await.unwrap().len(), 5);
+    assert!(store.read(&key("assistant", "unknown"), None).await.unwrap().is_empty());
+}
+
+pub async fn gives_concurrent_appends_distinct_consecutive_offsets(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let store = store.clone();
+        let stream = stream.clone();
+        tasks.push(tokio::spawn(async move {
+            store
+                .append(&stream, vec![record(None, None, user(&format!("c{i}")))], None)
+                .await
+                .unwrap()
+        }));
+    }
+    let mut offsets = Vec::new();
+    for task in tasks {
+        offsets.push(task.await.unwrap());
+    }
+    offsets.sort_unstable();
+    assert_eq!(offsets, (1..=16).collect::<Vec<u64>>());
+}
+
+pub async fn settles_with_its_records_in_the_same_step(store: Factory) {
+    let host = running_host(&store).await;
+    settle(&store, &host, Outcome::Completed, None).await;
+    let batches = store.read(&key("assistant", "agent-1"), None).await.unwrap();
+    let last = batches.last().unwrap();
+    assert!(matches!(
+        last.records[0].body,
+        RecordBody::SubmissionSettled {
+            outcome: Outcome::Completed,
+            ..
+        }
+    ));
+}
+
+pub async fn lists_instances_with_queued_work(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    admit(&store, admission("o-1", "other", "x", SubmissionKind::Dispatch, "x")).await;
+    let mut keys = store.instances_with_queued().await.unwrap();
+    keys.sort();
+    assert_eq!(keys, [key("assistant", "agent-1"), key("other", "x")]);
+    store
+        .claim_next(&key("other", "x"), &claim("a"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        store.instances_with_queued().await.unwrap(),
+        [key("assistant", "agent-1")]
+    );
+}
