@@ -6,7 +6,9 @@
 //!
 //! With `OPENAI_API_KEY`, `ANTHROPIC_API_KEY` or `OPENROUTER_API_KEY` set it talks to that
 //! provider; otherwise it uses the scripted model (offline) and says so. The agent has a
-//! model, two tools, persistent state, a data writer, and start/finish hooks.
+//! model, two tools, persistent state, a data writer, and start/finish hooks. Conversations
+//! are stored in the embedded SQLite store (`.flue/flue.db`), so a second run continues the
+//! first one's conversation.
 
 use std::sync::OnceLock;
 
@@ -113,7 +115,12 @@ async fn main() -> Result<(), RuntimeError> {
     let mut providers = ProviderRegistry::with_defaults();
     let model = choose_model(&mut providers);
     let _ = MODEL.set(model);
+    // No store configured: the embedded SQLite store in .flue/flue.db, so the customer's
+    // conversation and state carry over from one run to the next.
     let runtime = Runtime::builder().agent(assistant).providers(providers).build()?;
+    println!("store: embedded SQLite at .flue/flue.db");
+    // Resume anything a previous run left unfinished.
+    runtime.start().await;
     let customer = runtime.init(&assistant, "customer-42");
 
     for message in ["Where is my order A-1001?", "Thanks!"] {

@@ -130,6 +130,7 @@ fn http_runtime(base_url: &str) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(OpenAiProvider::compatible("bench", base_url, "FLUE_BENCH_KEY").with_api_key("bench"));
     Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
         .agent(http_agent)
         .providers(providers)
         .build()
@@ -140,6 +141,7 @@ fn scripted_runtime(model: &ScriptedModel) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
     Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
         .agent(scripted_agent)
         .providers(providers)
         .options(RuntimeOptions::default())

@@ -16,7 +16,7 @@ use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
 use crate::session::{self, InstanceSlot};
 use crate::store::{
-    Admission, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, SubmissionKind, UidCondition,
+    Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, UidCondition,
 };
 
 /// Everything that can go wrong talking to the runtime.
@@ -130,7 +130,8 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Uses `store` (default: an in-memory store).
+    /// Uses `store` (default: the embedded SQLite store in `.flue/flue.db` under the working
+    /// directory; use [`crate::store::MemoryStore`] for tests).
     pub fn store(mut self, store: impl Store) -> Self {
         self.store = Some(Arc::new(store));
         self
@@ -145,6 +146,12 @@ impl RuntimeBuilder {
     /// Builds the runtime. Fails when two agents share a name, or when two different
     /// lifecycle hooks share an id (naming both).
     pub fn build(self) -> Result<Runtime, RuntimeError> {
+        let store = match self.store {
+            Some(store) => store,
+            None => Arc::new(crate::store::SqliteStore::open_default().map_err(|error| {
+                RuntimeError::Build(format!("[flue] The default store .flue/flue.db could not be opened: {error}"))
+            })?),
+        };
         let mut agents = HashMap::new();
         let mut hook_ids: HashMap<&'static str, flue_core::lifecycle::ThreadHook> = HashMap::new();
         for agent in &self.agents {
@@ -176,7 +183,7 @@ impl RuntimeBuilder {
         let inner = Arc::new(RuntimeInner {
             agents,
             providers: self.providers,
-            store: self.store.unwrap_or_else(|| Arc::new(MemoryStore::new())),
+                        store,
             options: self.options,
             instances: Mutex::default(),
             events,
@@ -521,7 +528,7 @@ pub struct Runtime {
 
 impl Runtime {
     /// Starts building a runtime (providers default to openai, anthropic and openrouter; the
-    /// store defaults to an in-memory store).
+    /// store defaults to the embedded SQLite store in `.flue/flue.db`).
     pub fn builder() -> RuntimeBuilder {
         RuntimeBuilder {
             agents: Vec::new(),

@@ -15,10 +15,13 @@ use serde_json::json;
 fn runtime_with(model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
-    let mut builder = Runtime::builder().providers(providers).options(RuntimeOptions {
-        model_retry_delay: std::time::Duration::from_millis(1),
-        ..RuntimeOptions::default()
-    });
+    let mut builder = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        });
     for agent in agents {
         builder = builder.agent(agent);
     }
@@ -727,6 +730,7 @@ async fn two_agents_with_one_name_or_two_hooks_with_one_id_do_not_build() {
     let mut providers = ProviderRegistry::new();
     providers.register(model);
     let error = Runtime::builder()
+        .store(MemoryStore::new())
         .agent(calculator)
         .agent(calculator)
         .providers(providers)

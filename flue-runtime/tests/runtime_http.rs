@@ -32,6 +32,7 @@ fn runtime(server: &FixtureServer) -> Runtime {
             .with_retry_policy(RetryPolicy::new(3, std::time::Duration::from_millis(1))),
     );
     Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
         .agent(forecaster)
         .providers(providers)
         .options(RuntimeOptions {

@@ -3,6 +3,7 @@
 //! Postgres stores implement the same trait.
 
 mod memory;
+mod sqlite;
 
 use std::fmt;
 
@@ -12,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use memory::MemoryStore;
+pub use sqlite::{FORMAT_VERSION, SqliteStore};
 
 use crate::record::{Batch, Outcome, Record, SettlementError};
 
@@ -214,6 +216,13 @@ pub enum StoreError {
     /// The appending attempt does not own the submission any more.
     #[error("The stream rejected the append: {0}.")]
     Fenced(String),
+    /// The database was written by another persisted format (`PersistedFormatVersionError`);
+    /// nothing was changed.
+    #[error("persisted_format_version_unsupported: stored format version \"{stored}\" is not supported (supported: 1)")]
+    FormatVersion {
+        /// The stored stamp (`unversioned` when flue tables exist without one).
+        stored: String,
+    },
     /// Anything else.
     #[error("store failure: {0}")]
     Other(String),
