@@ -127,10 +127,14 @@ fn rss_kib() -> u64 {
 }
 
 fn http_runtime(base_url: &str) -> Runtime {
+    http_runtime_on(base_url, flue_runtime::store::MemoryStore::new())
+}
+
+fn http_runtime_on(base_url: &str, store: impl flue_runtime::store::Store) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(OpenAiProvider::compatible("bench", base_url, "FLUE_BENCH_KEY").with_api_key("bench"));
     Runtime::builder()
-        .store(flue_runtime::store::MemoryStore::new())
+        .store(store)
         .agent(http_agent)
         .providers(providers)
         .build()
@@ -208,6 +212,32 @@ async fn main() {
         micros(through),
         micros(through.saturating_sub(plain))
     );
+
+    // 1a. The same on the embedded SQLite store (a file in a temporary directory).
+    let db = std::env::temp_dir().join(format!("flue-bench-{}", std::process::id())).join("flue.db");
+    let sqlite = http_runtime_on(&base_url, flue_runtime::store::SqliteStore::open(&db).expect("sqlite"));
+    for warm in 0..50 {
+        sqlite.init(&http_agent, format!("warm-{warm}")).send("2+3?").await.expect("exchange");
+    }
+    let mut plain_sqlite = Vec::new();
+    let mut through_sqlite = Vec::new();
+    for round in 0..rounds {
+        let started = Instant::now();
+        plain_reqwest_exchange(&client, &url).await;
+        plain_sqlite.push(started.elapsed());
+        let handle = sqlite.init(&http_agent, format!("exchange-{round}"));
+        let started = Instant::now();
+        handle.send("2+3?").await.expect("exchange");
+        through_sqlite.push(started.elapsed());
+    }
+    let (plain_sqlite, through_sqlite) = (median(plain_sqlite), median(through_sqlite));
+    println!(
+        "turn_overhead (HTTP, SQLite store, WAL + synchronous=NORMAL): plain reqwest {:.0} µs, runtime {:.0} µs, overhead {:.0} µs per exchange",
+        micros(plain_sqlite),
+        micros(through_sqlite),
+        micros(through_sqlite.saturating_sub(plain_sqlite))
+    );
+    store_throughput(&db).await;
 
     // 1b. The runtime's own cost, without HTTP.
     let model = ScriptedModel::new([]);
@@ -321,4 +351,50 @@ async fn main() {
         (after.saturating_sub(before)) as f64 / 1024.0,
         (after.saturating_sub(before)) as f64 / 10_000.0
     );
+}
+
+/// Record batches appended per second and admissions per second, memory and SQLite.
+async fn store_throughput(sqlite_path: &std::path::Path) {
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{Admission, InstanceKey, MemoryStore, SqliteStore, Store, SubmissionKind, UidCondition};
+    let stores: Vec<(&str, Box<dyn Store>)> = vec![
+        ("memory", Box::new(MemoryStore::new())),
+        ("sqlite", Box::new(SqliteStore::open(sqlite_path.with_file_name("throughput.db")).expect("sqlite"))),
+    ];
+    for (name, store) in stores {
+        let count = 5_000;
+        let started = Instant::now();
+        for i in 0..count {
+            store
+                .admit(Admission {
+                    key: InstanceKey::new("bench", format!("i-{}", i % 100)),
+                    submission_id: format!("sub-{i}"),
+                    keyed: false,
+                    kind: SubmissionKind::Dispatch,
+                    message: DeliveredMessage::user("hello"),
+                    initial_data: None,
+                    uid: UidCondition::Any,
+                    max_attempts: 10,
+                })
+                .await
+                .expect("admit");
+        }
+        let admissions = count as f64 / started.elapsed().as_secs_f64();
+        let key = InstanceKey::new("bench", "i-0");
+        let started = Instant::now();
+        for i in 0..count {
+            let records = (0..3)
+                .map(|j| Record {
+                    id: format!("r-{i}-{j}"),
+                    submission_id: None,
+                    attempt_id: None,
+                    timestamp: "2026-11-30T00:00:00.000Z".into(),
+                    body: RecordBody::StateWrite { name: "n".into(), value: json!(i) },
+                })
+                .collect();
+            store.append(&key, records, None).await.expect("append");
+        }
+        let appends = count as f64 / started.elapsed().as_secs_f64();
+        println!("store {name}: {admissions:.0} admissions/s, {appends:.0} batches of 3 records appended/s");
+    }
 }
