@@ -117,8 +117,24 @@ impl SqliteStore {
 
     /// Runs `f` in one `BEGIN IMMEDIATE` transaction, committing when it succeeds.
     fn transaction<T>(&self, f: impl FnOnce(&rusqlite::Transaction<'_>) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        self.run(TransactionBehavior::Immediate, f)
+    }
+
+    /// Runs a read-only `f` in a deferred transaction (a consistent snapshot, no write lock).
+    fn read_transaction<T>(
+        &self,
+        f: impl FnOnce(&rusqlite::Transaction<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.run(TransactionBehavior::Deferred, f)
+    }
+
+    fn run<T>(
+        &self,
+        behavior: TransactionBehavior,
+        f: impl FnOnce(&rusqlite::Transaction<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         let mut connection = self.lock();
-        let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate).map_err(sql)?;
+        let transaction = connection.transaction_with_behavior(behavior).map_err(sql)?;
         let value = f(&transaction)?;
         transaction.commit().map_err(sql)?;
         Ok(value)
@@ -322,17 +338,17 @@ impl Store for SqliteStore {
     }
 
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
-        ready(self.transaction(|tx| {
+        ready(self.read_transaction(|tx| {
             Ok(instance_uid(tx, key)?.map(|(uid, _)| InstanceInfo { id: key.id.clone(), uid }))
         }))
     }
 
     fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        ready(self.transaction(|tx| read_submission(tx, id)))
+        ready(self.read_transaction(|tx| read_submission(tx, id)))
     }
 
     fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
-        ready(self.transaction(|tx| {
+        ready(self.read_transaction(|tx| {
             tx.prepare_cached(
                 "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status = 'queued')",
             )
@@ -378,7 +394,7 @@ impl Store for SqliteStore {
     }
 
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        ready(self.transaction(|tx| {
+        ready(self.read_transaction(|tx| {
             let mut statement = tx
                 .prepare_cached(
                     "SELECT data FROM flue_submissions WHERE status = 'running' AND lease_until_ms > 0 AND lease_until_ms < ?1 ORDER BY sequence",
@@ -410,7 +426,7 @@ impl Store for SqliteStore {
     }
 
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
-        ready(self.transaction(|tx| {
+        ready(self.read_transaction(|tx| {
             let mut statement = tx
                 .prepare_cached("SELECT DISTINCT agent, instance_id FROM flue_submissions WHERE status = 'queued' ORDER BY agent, instance_id")
                 .map_err(sql)?;
@@ -551,7 +567,7 @@ impl Store for SqliteStore {
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
-        ready(self.transaction(|tx| {
+        ready(self.read_transaction(|tx| {
             let start = after.map_or(0, |after| after as i64 + 1);
             let mut statement = tx
                 .prepare_cached(
