@@ -42,3 +42,26 @@ impl Drop for Errors {
         }
     }
 }
+
+/// The shape every attribute shares: parse the function (on failure, report and re-emit the
+/// item untouched), let `build` parse, model, validate and expand it, and emit the errors
+/// beside the expansion so the rest of the crate keeps type-checking.
+pub(crate) fn expand_function(
+    item: TokenStream,
+    build: impl FnOnce(syn::ItemFn, &Errors) -> TokenStream,
+) -> TokenStream {
+    let errors = Errors::new();
+    let function: syn::ItemFn = match syn::parse2(item.clone()) {
+        Ok(function) => function,
+        Err(error) => {
+            errors.push(error);
+            let mut output = errors.finish();
+            output.extend(item);
+            return output;
+        }
+    };
+    let expanded = build(function, &errors);
+    let mut output = errors.finish();
+    output.extend(expanded);
+    output
+}

@@ -214,10 +214,16 @@ async fn main() {
     );
 
     // 1a. The same on the embedded SQLite store (a file in a temporary directory).
-    let db = std::env::temp_dir().join(format!("flue-bench-{}", std::process::id())).join("flue.db");
+    let db = std::env::temp_dir()
+        .join(format!("flue-bench-{}", std::process::id()))
+        .join("flue.db");
     let sqlite = http_runtime_on(&base_url, flue_runtime::store::SqliteStore::open(&db).expect("sqlite"));
     for warm in 0..50 {
-        sqlite.init(&http_agent, format!("warm-{warm}")).send("2+3?").await.expect("exchange");
+        sqlite
+            .init(&http_agent, format!("warm-{warm}"))
+            .send("2+3?")
+            .await
+            .expect("exchange");
     }
     let mut plain_sqlite = Vec::new();
     let mut through_sqlite = Vec::new();
@@ -359,7 +365,10 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
     use flue_runtime::store::{Admission, InstanceKey, MemoryStore, SqliteStore, Store, SubmissionKind, UidCondition};
     let stores: Vec<(&str, Box<dyn Store>)> = vec![
         ("memory", Box::new(MemoryStore::new())),
-        ("sqlite", Box::new(SqliteStore::open(sqlite_path.with_file_name("throughput.db")).expect("sqlite"))),
+        (
+            "sqlite",
+            Box::new(SqliteStore::open(sqlite_path.with_file_name("throughput.db")).expect("sqlite")),
+        ),
     ];
     for (name, store) in stores {
         let count = 5_000;
@@ -389,7 +398,10 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
                     submission_id: None,
                     attempt_id: None,
                     timestamp: "2026-11-30T00:00:00.000Z".into(),
-                    body: RecordBody::StateWrite { name: "n".into(), value: json!(i) },
+                    body: RecordBody::StateWrite {
+                        name: "n".into(),
+                        value: json!(i),
+                    },
                 })
                 .collect();
             store.append(&key, records, None).await.expect("append");

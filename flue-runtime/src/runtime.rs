@@ -15,9 +15,7 @@ use crate::events::{Event, Observation};
 use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
 use crate::session::{self, InstanceSlot};
-use crate::store::{
-    Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, UidCondition,
-};
+use crate::store::{Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, UidCondition};
 
 /// Everything that can go wrong talking to the runtime.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -149,7 +147,9 @@ impl RuntimeBuilder {
         let store = match self.store {
             Some(store) => store,
             None => Arc::new(crate::store::SqliteStore::open_default().map_err(|error| {
-                RuntimeError::Build(format!("[flue] The default store .flue/flue.db could not be opened: {error}"))
+                RuntimeError::Build(format!(
+                    "[flue] The default store .flue/flue.db could not be opened: {error}"
+                ))
             })?),
         };
         let mut agents = HashMap::new();
@@ -183,7 +183,7 @@ impl RuntimeBuilder {
         let inner = Arc::new(RuntimeInner {
             agents,
             providers: self.providers,
-                        store,
+            store,
             options: self.options,
             instances: Mutex::default(),
             events,

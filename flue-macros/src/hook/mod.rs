@@ -8,27 +8,16 @@ mod validate;
 
 use proc_macro2::TokenStream;
 
-use crate::errors::Errors;
-
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
-    let errors = Errors::new();
-    let function: syn::ItemFn = match syn::parse2(item.clone()) {
-        Ok(function) => function,
-        Err(error) => {
-            errors.push(error);
-            let mut output = errors.finish();
-            output.extend(item);
-            return output;
+    crate::errors::expand_function(item, |function, errors| {
+        let options = parse::options(args, errors);
+        // An unknown or missing kind leaves nothing sensible to expand.
+        match model::HookModel::build(function, options, errors) {
+            Some(model) => {
+                validate::check(&model, errors);
+                expand::hook(&model)
+            }
+            None => TokenStream::new(),
         }
-    };
-    let options = parse::options(args, &errors);
-    let model = model::HookModel::build(function, options, &errors);
-    if let Some(model) = &model {
-        validate::check(model, &errors);
-    }
-    let mut output = errors.finish();
-    if let Some(model) = model {
-        output.extend(expand::hook(&model));
-    }
-    output
+    })
 }

@@ -7,9 +7,8 @@ use flue_core::BoxFuture;
 
 use super::{
     Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
-    UidCondition,
 };
-use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
+use crate::record::{Batch, Outcome, Record, SettlementError, new_id};
 
 /// A [`Store`] that keeps everything in memory. Cheap to clone (clones share the data).
 #[derive(Clone, Default)]
@@ -90,35 +89,12 @@ impl Store for MemoryStore {
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
             }
             let existing_uid = inner.instances.get(&admission.key).map(|instance| instance.uid.clone());
-            match (&admission.uid, &existing_uid) {
-                (UidCondition::Existing(expected), Some(uid)) if expected != uid => {
-                    return Err(StoreError::InstanceNotFound(admission.key.id.clone()));
-                }
-                (UidCondition::Existing(_), None) => {
-                    return Err(StoreError::InstanceNotFound(admission.key.id.clone()));
-                }
-                (UidCondition::CreateOnly, Some(uid)) => {
-                    return Err(StoreError::InstanceExists {
-                        id: admission.key.id.clone(),
-                        uid: uid.clone(),
-                    });
-                }
-                _ => {}
-            }
+            super::check_uid(&admission, existing_uid.as_deref())?;
             let uid = match existing_uid {
                 Some(uid) => uid,
                 None => {
                     let uid = new_id("inst");
-                    let birth = Record {
-                        id: new_id("record"),
-                        submission_id: None,
-                        attempt_id: None,
-                        timestamp: now(),
-                        body: RecordBody::ConversationCreated {
-                            uid: uid.clone(),
-                            initial_data: admission.initial_data.clone(),
-                        },
-                    };
+                    let birth = super::birth_record(&uid, admission.initial_data.clone());
                     let instance = Instance {
                         uid: uid.clone(),
                         unsettled: Vec::new(),
@@ -132,28 +108,12 @@ impl Store for MemoryStore {
                 }
             };
             inner.sequence += 1;
-            let submission = Submission {
-                id: admission.submission_id.clone(),
-                sequence: inner.sequence,
-                key: admission.key.clone(),
-                kind: admission.kind,
-                message: admission.message,
-                status: SubmissionStatus::Queued,
-                accepted_at: now(),
-                attempt_id: None,
-                owner_id: None,
-                lease_until_ms: 0,
-                attempt_count: 0,
-                max_attempts: admission.max_attempts,
-                abort_requested: false,
-                joined_into: None,
-                outcome: None,
-                error: None,
-            };
+            let key = admission.key.clone();
+            let submission = super::queued_submission(admission, inner.sequence);
             inner.submissions.insert(submission.id.clone(), submission.clone());
             let instance = inner
                 .instances
-                .get_mut(&admission.key)
+                .get_mut(&key)
                 .ok_or_else(|| StoreError::Other("instance vanished".into()))?;
             instance.unsettled.push(submission.id.clone());
             let offset = instance.batches.len().checked_sub(1).map(|last| last as u64);

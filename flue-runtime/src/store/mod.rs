@@ -186,6 +186,53 @@ pub fn now_ms() -> u64 {
         .map_or(0, |since| since.as_millis() as u64)
 }
 
+/// Applies the conditional-send rule of `admission` to the instance's current incarnation.
+pub(crate) fn check_uid(admission: &Admission, existing_uid: Option<&str>) -> Result<(), StoreError> {
+    match (&admission.uid, existing_uid) {
+        (UidCondition::Existing(expected), Some(uid)) if expected != uid => {
+            Err(StoreError::InstanceNotFound(admission.key.id.clone()))
+        }
+        (UidCondition::Existing(_), None) => Err(StoreError::InstanceNotFound(admission.key.id.clone())),
+        (UidCondition::CreateOnly, Some(uid)) => {
+            Err(StoreError::InstanceExists { id: admission.key.id.clone(), uid: uid.to_owned() })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The birth record of a new instance: the first batch of its stream.
+pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
+    Record {
+        id: crate::record::new_id("record"),
+        submission_id: None,
+        attempt_id: None,
+        timestamp: crate::record::now(),
+        body: crate::record::RecordBody::ConversationCreated { uid: uid.to_owned(), initial_data },
+    }
+}
+
+/// The queued row an admission creates.
+pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submission {
+    Submission {
+        id: admission.submission_id,
+        sequence,
+        key: admission.key,
+        kind: admission.kind,
+        message: admission.message,
+        status: SubmissionStatus::Queued,
+        accepted_at: crate::record::now(),
+        attempt_id: None,
+        owner_id: None,
+        lease_until_ms: 0,
+        attempt_count: 0,
+        max_attempts: admission.max_attempts,
+        abort_requested: false,
+        joined_into: None,
+        outcome: None,
+        error: None,
+    }
+}
+
 /// A claim that owns a running submission.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AttemptRef {

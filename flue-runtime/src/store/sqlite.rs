@@ -17,9 +17,8 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
     Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
-    UidCondition,
 };
-use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
+use crate::record::{Batch, Outcome, Record, SettlementError, new_id};
 
 /// The persisted format this build reads and writes.
 pub const FORMAT_VERSION: &str = "1";
@@ -108,7 +107,9 @@ impl SqliteStore {
             .map_err(sql)?;
         connection.set_prepared_statement_cache_capacity(64);
         migrate(&mut connection)?;
-        Ok(Self { connection: Mutex::new(connection) })
+        Ok(Self {
+            connection: Mutex::new(connection),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Connection> {
@@ -116,7 +117,10 @@ impl SqliteStore {
     }
 
     /// Runs `f` in one `BEGIN IMMEDIATE` transaction, committing when it succeeds.
-    fn transaction<T>(&self, f: impl FnOnce(&rusqlite::Transaction<'_>) -> Result<T, StoreError>) -> Result<T, StoreError> {
+    fn transaction<T>(
+        &self,
+        f: impl FnOnce(&rusqlite::Transaction<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         self.run(TransactionBehavior::Immediate, f)
     }
 
@@ -145,7 +149,9 @@ impl SqliteStore {
 /// legacy `schema_version = 8` stamp is relabelled in place; anything else is refused without
 /// changing anything.
 fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
-    let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate).map_err(sql)?;
+    let transaction = connection
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(sql)?;
     let tables: Vec<String> = {
         let mut statement = transaction
             .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'flue\\_%' ESCAPE '\\'")
@@ -154,9 +160,14 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
         rows.collect::<Result<_, _>>().map_err(sql)?
     };
     if tables.is_empty() {
-        transaction.execute_batch("CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);").map_err(sql)?;
         transaction
-            .execute("INSERT INTO flue_meta (key, value) VALUES ('format_version', ?1)", params![FORMAT_VERSION])
+            .execute_batch("CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);")
+            .map_err(sql)?;
+        transaction
+            .execute(
+                "INSERT INTO flue_meta (key, value) VALUES ('format_version', ?1)",
+                params![FORMAT_VERSION],
+            )
             .map_err(sql)?;
         transaction.execute_batch(SCHEMA).map_err(sql)?;
         return transaction.commit().map_err(sql);
@@ -166,7 +177,9 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
             return Ok(None);
         }
         transaction
-            .query_row("SELECT value FROM flue_meta WHERE key = ?1", params![key], |row| row.get(0))
+            .query_row("SELECT value FROM flue_meta WHERE key = ?1", params![key], |row| {
+                row.get(0)
+            })
             .optional()
             .map_err(sql)
     };
@@ -174,14 +187,17 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
         (Some(version), _) if version == FORMAT_VERSION => Ok(()),
         (None, Some(legacy)) if legacy == "8" => {
             transaction
-                .execute("UPDATE flue_meta SET key = 'format_version', value = ?1 WHERE key = 'schema_version'", params![
-                    FORMAT_VERSION
-                ])
+                .execute(
+                    "UPDATE flue_meta SET key = 'format_version', value = ?1 WHERE key = 'schema_version'",
+                    params![FORMAT_VERSION],
+                )
                 .map_err(sql)?;
             transaction.commit().map_err(sql)
         }
         (Some(version), _) | (None, Some(version)) => Err(StoreError::FormatVersion { stored: version }),
-        (None, None) => Err(StoreError::FormatVersion { stored: "unversioned".into() }),
+        (None, None) => Err(StoreError::FormatVersion {
+            stored: "unversioned".into(),
+        }),
     }
 }
 
@@ -192,7 +208,8 @@ fn read_submission(transaction: &rusqlite::Transaction<'_>, id: &str) -> Result<
         .query_row(params![id], |row| row.get(0))
         .optional()
         .map_err(sql)?;
-    data.map(|data| serde_json::from_str(&data).map_err(json_error)).transpose()
+    data.map(|data| serde_json::from_str(&data).map_err(json_error))
+        .transpose()
 }
 
 fn write_submission(transaction: &rusqlite::Transaction<'_>, row: &Submission) -> Result<(), StoreError> {
@@ -226,8 +243,11 @@ fn unsettled(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey) -> Resu
             "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence",
         )
         .map_err(sql)?;
-    let rows = statement.query_map(params![key.agent, key.id], |row| row.get::<_, String>(0)).map_err(sql)?;
-    rows.map(|data| serde_json::from_str(&data.map_err(sql)?).map_err(json_error)).collect()
+    let rows = statement
+        .query_map(params![key.agent, key.id], |row| row.get::<_, String>(0))
+        .map_err(sql)?;
+    rows.map(|data| serde_json::from_str(&data.map_err(sql)?).map_err(json_error))
+        .collect()
 }
 
 fn owns(transaction: &rusqlite::Transaction<'_>, attempt: &AttemptRef) -> Result<Option<Submission>, StoreError> {
@@ -236,7 +256,11 @@ fn owns(transaction: &rusqlite::Transaction<'_>, attempt: &AttemptRef) -> Result
     }))
 }
 
-fn append_batch(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey, records: &[Record]) -> Result<u64, StoreError> {
+fn append_batch(
+    transaction: &rusqlite::Transaction<'_>,
+    key: &InstanceKey,
+    records: &[Record],
+) -> Result<u64, StoreError> {
     if records.is_empty() {
         return Err(StoreError::Other("an append batch must not be empty".into()));
     }
@@ -261,11 +285,16 @@ fn append_batch(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey, reco
     Ok(offset as u64)
 }
 
-fn instance_uid(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey) -> Result<Option<(String, u64)>, StoreError> {
+fn instance_uid(
+    transaction: &rusqlite::Transaction<'_>,
+    key: &InstanceKey,
+) -> Result<Option<(String, u64)>, StoreError> {
     transaction
         .prepare_cached("SELECT uid, next_offset FROM flue_instances WHERE agent = ?1 AND id = ?2")
         .map_err(sql)?
-        .query_row(params![key.agent, key.id], |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)? as u64)))
+        .query_row(params![key.agent, key.id], |row| {
+            Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)? as u64))
+        })
         .optional()
         .map_err(sql)
 }
@@ -275,71 +304,61 @@ impl Store for SqliteStore {
         ready(self.transaction(|tx| {
             if let Some(existing) = read_submission(tx, &admission.submission_id)? {
                 if existing.message == admission.message && existing.key == admission.key {
-                    let uid = instance_uid(tx, &admission.key)?.map(|(uid, _)| uid).unwrap_or_default();
-                    return Ok(Admitted { submission: existing, uid, deduplicated: true, offset: None });
+                    let uid = instance_uid(tx, &admission.key)?
+                        .map(|(uid, _)| uid)
+                        .unwrap_or_default();
+                    return Ok(Admitted {
+                        submission: existing,
+                        uid,
+                        deduplicated: true,
+                        offset: None,
+                    });
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
             }
             let existing_uid = instance_uid(tx, &admission.key)?.map(|(uid, _)| uid);
-            match (&admission.uid, &existing_uid) {
-                (UidCondition::Existing(expected), Some(uid)) if expected != uid => {
-                    return Err(StoreError::InstanceNotFound(admission.key.id.clone()));
-                }
-                (UidCondition::Existing(_), None) => return Err(StoreError::InstanceNotFound(admission.key.id.clone())),
-                (UidCondition::CreateOnly, Some(uid)) => {
-                    return Err(StoreError::InstanceExists { id: admission.key.id.clone(), uid: uid.clone() });
-                }
-                _ => {}
-            }
+            super::check_uid(&admission, existing_uid.as_deref())?;
             let uid = match existing_uid {
                 Some(uid) => uid,
                 None => {
                     let uid = new_id("inst");
-                    tx.prepare_cached("INSERT INTO flue_instances (agent, id, uid, next_offset) VALUES (?1, ?2, ?3, 0)")
-                        .map_err(sql)?
-                        .execute(params![admission.key.agent, admission.key.id, uid])
-                        .map_err(sql)?;
-                    let birth = Record {
-                        id: new_id("record"),
-                        submission_id: None,
-                        attempt_id: None,
-                        timestamp: now(),
-                        body: RecordBody::ConversationCreated { uid: uid.clone(), initial_data: admission.initial_data.clone() },
-                    };
+                    tx.prepare_cached(
+                        "INSERT INTO flue_instances (agent, id, uid, next_offset) VALUES (?1, ?2, ?3, 0)",
+                    )
+                    .map_err(sql)?
+                    .execute(params![admission.key.agent, admission.key.id, uid])
+                    .map_err(sql)?;
+                    let birth = super::birth_record(&uid, admission.initial_data.clone());
                     append_batch(tx, &admission.key, &[birth])?;
                     uid
                 }
             };
             let sequence: i64 = tx
-                .query_row("SELECT COALESCE(MAX(sequence), 0) + 1 FROM flue_submissions", [], |row| row.get(0))
+                .query_row(
+                    "SELECT COALESCE(MAX(sequence), 0) + 1 FROM flue_submissions",
+                    [],
+                    |row| row.get(0),
+                )
                 .map_err(sql)?;
-            let submission = Submission {
-                id: admission.submission_id.clone(),
-                sequence: sequence as u64,
-                key: admission.key.clone(),
-                kind: admission.kind,
-                message: admission.message,
-                status: SubmissionStatus::Queued,
-                accepted_at: now(),
-                attempt_id: None,
-                owner_id: None,
-                lease_until_ms: 0,
-                attempt_count: 0,
-                max_attempts: admission.max_attempts,
-                abort_requested: false,
-                joined_into: None,
-                outcome: None,
-                error: None,
-            };
+            let key = admission.key.clone();
+            let submission = super::queued_submission(admission, sequence as u64);
             write_submission(tx, &submission)?;
-            let offset = instance_uid(tx, &admission.key)?.and_then(|(_, next)| next.checked_sub(1));
-            Ok(Admitted { submission, uid, deduplicated: false, offset })
+            let offset = instance_uid(tx, &key)?.and_then(|(_, next)| next.checked_sub(1));
+            Ok(Admitted {
+                submission,
+                uid,
+                deduplicated: false,
+                offset,
+            })
         }))
     }
 
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
         ready(self.read_transaction(|tx| {
-            Ok(instance_uid(tx, key)?.map(|(uid, _)| InstanceInfo { id: key.id.clone(), uid }))
+            Ok(instance_uid(tx, key)?.map(|(uid, _)| InstanceInfo {
+                id: key.id.clone(),
+                uid,
+            }))
         }))
     }
 
@@ -360,7 +379,9 @@ impl Store for SqliteStore {
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         ready(self.transaction(|tx| {
-            let Some(mut head) = unsettled(tx, key)?.into_iter().next() else { return Ok(None) };
+            let Some(mut head) = unsettled(tx, key)?.into_iter().next() else {
+                return Ok(None);
+            };
             if head.status != SubmissionStatus::Queued {
                 return Ok(None);
             }
@@ -412,7 +433,9 @@ impl Store for SqliteStore {
         claim: &Claim,
     ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         ready(self.transaction(|tx| {
-            let Some(mut row) = read_submission(tx, submission_id)? else { return Ok(None) };
+            let Some(mut row) = read_submission(tx, submission_id)? else {
+                return Ok(None);
+            };
             if row.status != SubmissionStatus::Running || row.attempt_id.as_deref() != Some(stale_attempt_id) {
                 return Ok(None);
             }
@@ -439,9 +462,14 @@ impl Store for SqliteStore {
 
     fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         ready(self.transaction(|tx| {
-            let Some(host_row) = owns(tx, host)? else { return Ok(Vec::new()) };
+            let Some(host_row) = owns(tx, host)? else {
+                return Ok(Vec::new());
+            };
             let mut claimed = Vec::new();
-            for mut row in unsettled(tx, &host_row.key)?.into_iter().filter(|row| row.status == SubmissionStatus::Queued) {
+            for mut row in unsettled(tx, &host_row.key)?
+                .into_iter()
+                .filter(|row| row.status == SubmissionStatus::Queued)
+            {
                 if row.abort_requested {
                     break;
                 }
@@ -482,7 +510,10 @@ impl Store for SqliteStore {
     ) -> BoxFuture<'_, Result<(), StoreError>> {
         ready(self.transaction(|tx| {
             let Some(mut host_row) = owns(tx, host)? else {
-                return Err(StoreError::Fenced(format!("attempt {} does not own {}", host.attempt_id, host.submission_id)));
+                return Err(StoreError::Fenced(format!(
+                    "attempt {} does not own {}",
+                    host.attempt_id, host.submission_id
+                )));
             };
             if !records.is_empty() {
                 append_batch(tx, &host_row.key, &records)?;
@@ -516,7 +547,9 @@ impl Store for SqliteStore {
 
     fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
         ready(self.transaction(|tx| {
-            let Some(mut row) = owns(tx, attempt)? else { return Ok(false) };
+            let Some(mut row) = owns(tx, attempt)? else {
+                return Ok(false);
+            };
             for mut joining in unsettled(tx, &row.key)? {
                 if joining.joined_into.as_deref() == Some(attempt.submission_id.as_str())
                     && joining.status == SubmissionStatus::Joining
