@@ -160,10 +160,22 @@ fn exchange_script(model: &ScriptedModel) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    if std::env::var("FLUE_BENCH_PROFILE").is_ok() {
-        // Profiling aid: only the scripted exchange, many times.
+    if let Ok(target) = std::env::var("FLUE_BENCH_PROFILE") {
+        // Profiling aid: only the scripted exchange, many times (on SQLite when asked).
         let model = ScriptedModel::new([]);
-        let scripted = scripted_runtime(&model);
+        let scripted = if target == "sqlite" {
+            let db = std::env::temp_dir().join(format!("flue-profile-{}", std::process::id())).join("flue.db");
+            let mut providers = ProviderRegistry::new();
+            providers.register(model.clone());
+            Runtime::builder()
+                .store(flue_runtime::store::SqliteStore::open(&db).expect("sqlite"))
+                .agent(scripted_agent)
+                .providers(providers)
+                .build()
+                .expect("runtime")
+        } else {
+            scripted_runtime(&model)
+        };
         for round in 0..20_000 {
             exchange_script(&model);
             scripted

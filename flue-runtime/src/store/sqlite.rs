@@ -47,6 +47,8 @@ CREATE TABLE flue_submissions (
     data TEXT NOT NULL
 );
 CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence) WHERE status <> 'settled';
+CREATE INDEX flue_submissions_by_status ON flue_submissions (status, agent, instance_id);
+CREATE INDEX flue_submissions_by_owner ON flue_submissions (owner_id, status);
 CREATE TABLE flue_batches (
     agent TEXT NOT NULL,
     instance_id TEXT NOT NULL,
