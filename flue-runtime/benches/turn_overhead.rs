@@ -164,7 +164,9 @@ async fn main() {
         // Profiling aid: only the scripted exchange, many times (on SQLite when asked).
         let model = ScriptedModel::new([]);
         let scripted = if target == "sqlite" {
-            let db = std::env::temp_dir().join(format!("flue-profile-{}", std::process::id())).join("flue.db");
+            let db = std::env::temp_dir()
+                .join(format!("flue-profile-{}", std::process::id()))
+                .join("flue.db");
             let mut providers = ProviderRegistry::new();
             providers.register(model.clone());
             Runtime::builder()

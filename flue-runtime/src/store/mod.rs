@@ -3,6 +3,8 @@
 //! Postgres stores implement the same trait.
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod sqlite;
 
 use std::fmt;
@@ -13,6 +15,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::PostgresStore;
 pub use sqlite::{FORMAT_VERSION, SqliteStore};
 
 use crate::record::{Batch, Outcome, Record, SettlementError};
@@ -193,9 +197,10 @@ pub(crate) fn check_uid(admission: &Admission, existing_uid: Option<&str>) -> Re
             Err(StoreError::InstanceNotFound(admission.key.id.clone()))
         }
         (UidCondition::Existing(_), None) => Err(StoreError::InstanceNotFound(admission.key.id.clone())),
-        (UidCondition::CreateOnly, Some(uid)) => {
-            Err(StoreError::InstanceExists { id: admission.key.id.clone(), uid: uid.to_owned() })
-        }
+        (UidCondition::CreateOnly, Some(uid)) => Err(StoreError::InstanceExists {
+            id: admission.key.id.clone(),
+            uid: uid.to_owned(),
+        }),
         _ => Ok(()),
     }
 }
@@ -207,7 +212,10 @@ pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
         submission_id: None,
         attempt_id: None,
         timestamp: crate::record::now(),
-        body: crate::record::RecordBody::ConversationCreated { uid: uid.to_owned(), initial_data },
+        body: crate::record::RecordBody::ConversationCreated {
+            uid: uid.to_owned(),
+            initial_data,
+        },
     }
 }
 

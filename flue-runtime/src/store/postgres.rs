@@ -1,0 +1,1570 @@
+//! The Postgres store: the whole [`Store`] contract in a Postgres database that several runtime
+//! processes share.
+//!
+//! Layout (all in one schema, the connection's current schema):
+//! - `flue_meta(key, value)`: the format stamp (`format_version = "1"`).
+//! - `flue_instances`: one row per instance: its incarnation (`uid`) and `next_offset`, the
+//!   number of batches in its stream.
+//! - `flue_batches`: one row per appended batch, keyed by `(agent, instance_id, batch_offset)`;
+//!   `records` holds the batch's records as JSON text.
+//! - `flue_submissions`: the ledger; `admission_seq` is a global `BIGSERIAL`.
+//!
+//! Concurrency: every operation that changes more than one row, or that checks a row before
+//! changing another, runs in one transaction that first locks the instance row
+//! (`FOR NO KEY UPDATE`). So per instance, admissions, claims, joins, settlements, requeues,
+//! aborts and appends are serialized across every process sharing the database: two nodes
+//! cannot both claim a head, a fenced attempt cannot slip an append past a reclaim, and two
+//! writers get distinct consecutive offsets. Transactions that Postgres aborts as deadlock or
+//! serialization victims are retried.
+
+use std::fmt;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction};
+use flue_core::BoxFuture;
+use flue_core::message::DeliveredMessage;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{NoTls, Row};
+
+use super::{
+    Admission, Admitted, AttemptRef, Claim, FORMAT_VERSION, InstanceInfo, InstanceKey, Store, StoreError, Submission,
+    SubmissionKind, SubmissionStatus, UidCondition,
+};
+use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
+
+/// The legacy stamp that is adopted in place as format 1.
+const LEGACY_SCHEMA_VERSION: &str = "8";
+/// First key of the advisory lock that serializes concurrent format checks of one schema.
+const MIGRATION_LOCK: i32 = 0x666c_7565; // "flue"
+/// Connections per store (per process).
+const POOL_SIZE: usize = 16;
+/// How long to wait for a new connection, or for a free one.
+const POOL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a transaction Postgres aborted as a deadlock or serialization victim is rerun.
+const MAX_TRIES: u32 = 8;
+
+/// The `flue_meta` table: created, and stamped, before any other table.
+const CREATE_META: &str = "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)";
+
+/// The other tables, by name, with their indexes.
+const TABLES: [(&str, &str); 3] = [
+    (
+        "flue_instances",
+        "CREATE TABLE flue_instances (
+            agent TEXT NOT NULL,
+            instance_id TEXT NOT NULL,
+            uid TEXT NOT NULL,
+            next_offset BIGINT NOT NULL DEFAULT 0,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (agent, instance_id)
+        )",
+    ),
+    (
+        "flue_batches",
+        "CREATE TABLE flue_batches (
+            agent TEXT NOT NULL,
+            instance_id TEXT NOT NULL,
+            batch_offset BIGINT NOT NULL,
+            records TEXT NOT NULL,
+            PRIMARY KEY (agent, instance_id, batch_offset),
+            FOREIGN KEY (agent, instance_id) REFERENCES flue_instances (agent, instance_id)
+        )",
+    ),
+    (
+        "flue_submissions",
+        "CREATE TABLE flue_submissions (
+            id TEXT PRIMARY KEY,
+            admission_seq BIGSERIAL NOT NULL UNIQUE,
+            agent TEXT NOT NULL,
+            instance_id TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('dispatch', 'direct')),
+            message TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('queued', 'running', 'joining', 'joined', 'settled')),
+            accepted_at TEXT NOT NULL,
+            attempt_id TEXT,
+            owner_id TEXT,
+            lease_until_ms NUMERIC(20, 0) NOT NULL DEFAULT 0,
+            attempt_count BIGINT NOT NULL DEFAULT 0,
+            max_attempts BIGINT NOT NULL,
+            abort_requested BOOLEAN NOT NULL DEFAULT FALSE,
+            joined_into TEXT,
+            outcome TEXT CHECK (outcome IN ('completed', 'failed', 'aborted')),
+            error TEXT,
+            FOREIGN KEY (agent, instance_id) REFERENCES flue_instances (agent, instance_id)
+        );
+        CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, admission_seq)
+            WHERE status <> 'settled';
+        CREATE INDEX flue_submissions_queued ON flue_submissions (agent, instance_id) WHERE status = 'queued';
+        CREATE INDEX flue_submissions_running ON flue_submissions (owner_id) WHERE status = 'running'",
+    ),
+];
+
+/// The columns [`submission_from_row`] decodes, in its order.
+macro_rules! submission_columns {
+    () => {
+        "id, admission_seq, agent, instance_id, kind, message, status, accepted_at, attempt_id, owner_id, \
+         lease_until_ms::TEXT, attempt_count, max_attempts, abort_requested, joined_into, outcome, error"
+    };
+}
+
+const SELECT_SUBMISSION: &str = concat!("SELECT ", submission_columns!(), " FROM flue_submissions WHERE id = $1");
+const SELECT_UID: &str = "SELECT uid FROM flue_instances WHERE agent = $1 AND instance_id = $2";
+const LOCK_INSTANCE: &str =
+    "SELECT uid, next_offset FROM flue_instances WHERE agent = $1 AND instance_id = $2 FOR NO KEY UPDATE";
+const LOCK_INSTANCE_OF: &str = "SELECT i.agent, i.instance_id FROM flue_submissions s \
+     JOIN flue_instances i ON i.agent = s.agent AND i.instance_id = s.instance_id \
+     WHERE s.id = $1 FOR NO KEY UPDATE OF i";
+const OWNS: &str = "SELECT 1 FROM flue_submissions WHERE id = $1 AND status = 'running' AND attempt_id = $2";
+const OWNS_SHARED: &str =
+    "SELECT 1 FROM flue_submissions WHERE id = $1 AND status = 'running' AND attempt_id = $2 FOR SHARE";
+const INSERT_INSTANCE: &str = "INSERT INTO flue_instances (agent, instance_id, uid, next_offset, created_at) \
+     VALUES ($1, $2, $3, 0, $4) ON CONFLICT DO NOTHING RETURNING uid";
+const INSERT_SUBMISSION: &str = concat!(
+    "INSERT INTO flue_submissions (id, agent, instance_id, kind, message, status, accepted_at, max_attempts) \
+     VALUES ($1, $2, $3, $4, $5, 'queued', $6, $7) ON CONFLICT (id) DO NOTHING RETURNING ",
+    submission_columns!()
+);
+const BUMP_OFFSET: &str = "UPDATE flue_instances SET next_offset = next_offset + 1 \
+     WHERE agent = $1 AND instance_id = $2 RETURNING next_offset - 1";
+const INSERT_BATCH: &str =
+    "INSERT INTO flue_batches (agent, instance_id, batch_offset, records) VALUES ($1, $2, $3, $4)";
+const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
+     WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
+const HAS_QUEUED: &str =
+    "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = $1 AND instance_id = $2 AND status = 'queued')";
+const HEAD: &str = "SELECT id, status FROM flue_submissions \
+     WHERE agent = $1 AND instance_id = $2 AND status <> 'settled' ORDER BY admission_seq LIMIT 1";
+const CLAIM: &str = concat!(
+    "UPDATE flue_submissions SET status = 'running', attempt_id = $2, owner_id = $3, \
+     lease_until_ms = $4::TEXT::NUMERIC, attempt_count = attempt_count + 1 \
+     WHERE id = $1 AND status = 'queued' RETURNING ",
+    submission_columns!()
+);
+const RENEW: &str = "UPDATE flue_submissions SET lease_until_ms = $2::TEXT::NUMERIC \
+     WHERE status = 'running' AND owner_id = $1 AND id IN (\
+         SELECT id FROM flue_submissions WHERE status = 'running' AND owner_id = $1 ORDER BY id FOR UPDATE)";
+const EXPIRED: &str = concat!(
+    "SELECT ",
+    submission_columns!(),
+    " FROM flue_submissions WHERE status = 'running' AND lease_until_ms > 0 \
+     AND lease_until_ms < $1::TEXT::NUMERIC ORDER BY admission_seq"
+);
+const RECLAIM: &str = concat!(
+    "UPDATE flue_submissions SET attempt_id = $3, owner_id = $4, lease_until_ms = $5::TEXT::NUMERIC, \
+     attempt_count = attempt_count + 1 WHERE id = $1 AND status = 'running' AND attempt_id = $2 RETURNING ",
+    submission_columns!()
+);
+const INSTANCES_WITH_QUEUED: &str = "SELECT agent, instance_id FROM flue_submissions WHERE status = 'queued' \
+     GROUP BY agent, instance_id ORDER BY agent COLLATE \"C\", instance_id COLLATE \"C\"";
+const QUEUED: &str = "SELECT id, abort_requested FROM flue_submissions \
+     WHERE agent = $1 AND instance_id = $2 AND status = 'queued' ORDER BY admission_seq";
+const JOIN: &str = concat!(
+    "UPDATE flue_submissions SET status = 'joining', joined_into = $2 WHERE id = ANY($1) AND status = 'queued' \
+     RETURNING ",
+    submission_columns!()
+);
+const FINALIZE_JOIN: &str = "UPDATE flue_submissions SET status = 'joined' \
+     WHERE id = $1 AND status = 'joining' AND joined_into = $2";
+const SETTLE_JOINED: &str = "UPDATE flue_submissions SET status = 'settled', outcome = $4, error = $5 \
+     WHERE agent = $1 AND instance_id = $2 AND joined_into = $3 AND status = 'joined'";
+const REVERT_JOINING: &str = "UPDATE flue_submissions SET status = 'queued', joined_into = NULL \
+     WHERE agent = $1 AND instance_id = $2 AND joined_into = $3 AND status = 'joining'";
+const SETTLE_HOST: &str = "UPDATE flue_submissions SET status = 'settled', lease_until_ms = 0, outcome = $2, \
+     error = $3 WHERE id = $1";
+const REQUEUE_HOST: &str = "UPDATE flue_submissions SET status = 'queued', attempt_id = NULL, owner_id = NULL, \
+     lease_until_ms = 0 WHERE id = $1";
+const REQUEST_ABORT: &str = "UPDATE flue_submissions SET abort_requested = TRUE \
+     WHERE agent = $1 AND instance_id = $2 AND status <> 'settled' RETURNING id, admission_seq";
+
+/// A [`Store`] in a Postgres database, safe for several runtime processes sharing it.
+///
+/// Cheap to clone (clones share one connection pool of up to 16 connections). Connections use
+/// no TLS: reach the database over loopback or a trusted network.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self.pool.status();
+        f.debug_struct("PostgresStore")
+            .field("connections", &status.size)
+            .field("max_connections", &status.max_size)
+            .finish()
+    }
+}
+
+/// Why a step of a store operation failed.
+enum Failure {
+    /// A refusal or failure to report as is.
+    Store(StoreError),
+    /// The database failed.
+    Db(tokio_postgres::Error),
+    /// A concurrent admission committed what this one was about to write: rerun it.
+    Restart,
+}
+
+impl From<tokio_postgres::Error> for Failure {
+    fn from(error: tokio_postgres::Error) -> Self {
+        Self::Db(error)
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(error: StoreError) -> Self {
+        Self::Store(error)
+    }
+}
+
+impl Failure {
+    /// Whether the transaction was rolled back and may simply be rerun.
+    fn is_transient(&self) -> bool {
+        match self {
+            Self::Restart => true,
+            Self::Db(error) => matches!(
+                error.code(),
+                Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED
+            ),
+            Self::Store(_) => false,
+        }
+    }
+
+    fn into_store_error(self) -> StoreError {
+        match self {
+            Self::Store(error) => error,
+            Self::Db(error) => db_error(&error),
+            Self::Restart => StoreError::Other("postgres: the operation kept racing concurrent writers".into()),
+        }
+    }
+}
+
+/// A database error as a store error, with its cause chain (the top-level message alone is
+/// often just "db error").
+fn db_error(error: &tokio_postgres::Error) -> StoreError {
+    if let Some(db) = error.as_db_error() {
+        return StoreError::Other(format!("postgres: {} (SQLSTATE {})", db.message(), db.code().code()));
+    }
+    StoreError::Other(format!("postgres: {}", chain(error)))
+}
+
+/// An error and its sources, joined with `: `.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn unsupported(version: &str) -> StoreError {
+    StoreError::FormatVersion {
+        stored: version.to_owned(),
+    }
+}
+
+fn corrupt(what: impl fmt::Display) -> StoreError {
+    StoreError::Other(format!("postgres: unreadable row: {what}"))
+}
+
+/// Runs `$body` (an expression using the transaction `$tx`, yielding `Result<T, Failure>`) in a
+/// transaction of a pooled connection and commits it; reruns it when Postgres rolled it back as
+/// a deadlock or serialization victim.
+macro_rules! in_transaction {
+    ($store:expr, |$tx:ident| $body:expr) => {{
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            let result: Result<_, Failure> = async {
+                let mut client = $store.client().await?;
+                let $tx = client.transaction().await?;
+                let value = $body?;
+                $tx.commit().await?;
+                Ok(value)
+            }
+            .await;
+            match result {
+                Err(failure) if failure.is_transient() && tries < MAX_TRIES => continue,
+                other => break other.map_err(Failure::into_store_error),
+            }
+        }
+    }};
+}
+
+impl PostgresStore {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/database`, or a
+    /// `key=value` connection string) and uses its current schema (the first existing schema of
+    /// the role's `search_path`, usually `public`).
+    ///
+    /// On first use it stamps the schema with format version 1 and creates the store's tables
+    /// (`flue_meta`, `flue_instances`, `flue_batches`, `flue_submissions`). A schema stamped
+    /// with the legacy `schema_version = "8"` is adopted in place; any other stamp, or `flue_*`
+    /// tables without a stamp, is refused without changing anything
+    /// ([`StoreError::FormatVersion`]).
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::open(url, None).await
+    }
+
+    /// Like [`PostgresStore::connect`], but keeps everything in `schema`: creates the schema if
+    /// it is missing and sets it as the `search_path` of every pooled connection. Tests use it
+    /// to give each store a fresh, isolated schema of one database.
+    pub async fn connect_with_schema(url: &str, schema: &str) -> Result<Self, StoreError> {
+        if schema.is_empty() {
+            return Err(StoreError::Other("postgres: the schema name must not be empty".into()));
+        }
+        Self::open(url, Some(schema)).await
+    }
+
+    async fn open(url: &str, schema: Option<&str>) -> Result<Self, StoreError> {
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|error: tokio_postgres::Error| StoreError::Other(format!("postgres: invalid URL: {error}")))?;
+        if let Some(schema) = schema {
+            let search_path = format!("-c search_path={}", escape_option(&quote_identifier(schema)));
+            let options = match config.get_options() {
+                Some(existing) if !existing.trim().is_empty() => format!("{existing} {search_path}"),
+                _ => search_path,
+            };
+            config.options(options);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("flue-runtime");
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(POOL_TIMEOUT);
+        }
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(POOL_SIZE)
+            .runtime(Runtime::Tokio1)
+            .create_timeout(Some(POOL_TIMEOUT))
+            .wait_timeout(Some(POOL_TIMEOUT))
+            .build()
+            .map_err(|error| StoreError::Other(format!("postgres: cannot build the connection pool: {error}")))?;
+        let store = Self { pool };
+        if let Some(schema) = schema {
+            store.create_schema(schema).await?;
+        }
+        in_transaction!(store, |tx| prepare_format(&tx).await)?;
+        Ok(store)
+    }
+
+    async fn create_schema(&self, schema: &str) -> Result<(), StoreError> {
+        let client = self.client().await.map_err(Failure::into_store_error)?;
+        let statement = format!("CREATE SCHEMA IF NOT EXISTS {}", quote_identifier(schema));
+        match client.batch_execute(&statement).await {
+            Ok(()) => Ok(()),
+            // Another process created it at the same moment.
+            Err(error)
+                if matches!(error.code(), Some(code) if *code == SqlState::UNIQUE_VIOLATION
+                    || *code == SqlState::DUPLICATE_SCHEMA) =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(db_error(&error)),
+        }
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Client, Failure> {
+        self.pool.get().await.map_err(|error| {
+            Failure::Store(StoreError::Other(format!(
+                "postgres: no database connection: {}",
+                chain(&error)
+            )))
+        })
+    }
+
+    /// Runs one read-only statement on a pooled connection.
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let client = self.client().await.map_err(Failure::into_store_error)?;
+        let statement = client.prepare_cached(sql).await.map_err(|error| db_error(&error))?;
+        client.query(&statement, params).await.map_err(|error| db_error(&error))
+    }
+}
+
+/// `name` as a quoted SQL identifier.
+fn quote_identifier(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// `value` escaped for the `options` startup parameter (split at whitespace, `\` escapes).
+fn escape_option(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for character in value.chars() {
+        if character == '\\' || character.is_whitespace() {
+            escaped.push('\\');
+        }
+        escaped.push(character);
+    }
+    escaped
+}
+
+/// Checks the format stamp of the current schema; stamps and creates a fresh one.
+async fn prepare_format(tx: &Transaction<'_>) -> Result<(), Failure> {
+    // Two processes opening one schema at once: the second waits, then sees the first's tables.
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')))",
+        &[&MIGRATION_LOCK],
+    )
+    .await?;
+    let tables: Vec<String> = tx
+        .query(
+            "SELECT tablename::TEXT FROM pg_catalog.pg_tables \
+             WHERE schemaname = current_schema() AND tablename LIKE 'flue\\_%'",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<Result<_, _>>()?;
+    if tables.is_empty() {
+        // The stamp comes first, before any other table.
+        tx.batch_execute(CREATE_META).await?;
+        tx.execute(
+            "INSERT INTO flue_meta (key, value) VALUES ('format_version', $1)",
+            &[&FORMAT_VERSION],
+        )
+        .await?;
+        for (_, ddl) in TABLES {
+            tx.batch_execute(ddl).await?;
+        }
+        return Ok(());
+    }
+    if !tables.iter().any(|table| table == "flue_meta") {
+        return Err(unsupported("unversioned").into());
+    }
+    let mut format_version = None;
+    let mut schema_version = None;
+    for row in tx
+        .query(
+            "SELECT key, value FROM flue_meta WHERE key IN ('format_version', 'schema_version')",
+            &[],
+        )
+        .await?
+    {
+        let key: String = row.try_get(0)?;
+        let value: String = row.try_get(1)?;
+        if key == "format_version" {
+            format_version = Some(value);
+        } else {
+            schema_version = Some(value);
+        }
+    }
+    match (format_version, schema_version) {
+        (Some(version), _) if version == FORMAT_VERSION => {}
+        (Some(version), _) => return Err(unsupported(&version).into()),
+        (None, Some(version)) if version == LEGACY_SCHEMA_VERSION => {
+            tx.execute(
+                "UPDATE flue_meta SET key = 'format_version', value = $1 WHERE key = 'schema_version'",
+                &[&FORMAT_VERSION],
+            )
+            .await?;
+        }
+        (None, Some(version)) => return Err(unsupported(&version).into()),
+        (None, None) => return Err(unsupported("unversioned").into()),
+    }
+    for (name, ddl) in TABLES {
+        if !tables.iter().any(|table| table == name) {
+            tx.batch_execute(ddl).await?;
+        }
+    }
+    Ok(())
+}
+
+fn kind_text(kind: SubmissionKind) -> &'static str {
+    match kind {
+        SubmissionKind::Dispatch => "dispatch",
+        SubmissionKind::Direct => "direct",
+    }
+}
+
+fn parse_kind(text: &str) -> Result<SubmissionKind, StoreError> {
+    match text {
+        "dispatch" => Ok(SubmissionKind::Dispatch),
+        "direct" => Ok(SubmissionKind::Direct),
+        other => Err(corrupt(format_args!("submission kind {other:?}"))),
+    }
+}
+
+fn parse_status(text: &str) -> Result<SubmissionStatus, StoreError> {
+    match text {
+        "queued" => Ok(SubmissionStatus::Queued),
+        "running" => Ok(SubmissionStatus::Running),
+        "joining" => Ok(SubmissionStatus::Joining),
+        "joined" => Ok(SubmissionStatus::Joined),
+        "settled" => Ok(SubmissionStatus::Settled),
+        other => Err(corrupt(format_args!("submission status {other:?}"))),
+    }
+}
+
+fn outcome_text(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Completed => "completed",
+        Outcome::Failed => "failed",
+        Outcome::Aborted => "aborted",
+    }
+}
+
+fn parse_outcome(text: &str) -> Result<Outcome, StoreError> {
+    match text {
+        "completed" => Ok(Outcome::Completed),
+        "failed" => Ok(Outcome::Failed),
+        "aborted" => Ok(Outcome::Aborted),
+        other => Err(corrupt(format_args!("outcome {other:?}"))),
+    }
+}
+
+fn to_json<T: serde::Serialize + ?Sized>(value: &T, what: &str) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|error| StoreError::Other(format!("cannot serialize the {what}: {error}")))
+}
+
+/// Decodes the columns of [`submission_columns!`].
+fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
+    let sequence: i64 = row.try_get(1)?;
+    let message: String = row.try_get(5)?;
+    let lease: String = row.try_get(10)?;
+    let attempt_count: i64 = row.try_get(11)?;
+    let max_attempts: i64 = row.try_get(12)?;
+    let outcome: Option<String> = row.try_get(15)?;
+    let error: Option<String> = row.try_get(16)?;
+    Ok(Submission {
+        id: row.try_get(0)?,
+        sequence: u64::try_from(sequence).map_err(|_| corrupt(format_args!("admission sequence {sequence}")))?,
+        key: InstanceKey::new(row.try_get::<_, String>(2)?, row.try_get::<_, String>(3)?),
+        kind: parse_kind(row.try_get(4)?)?,
+        message: serde_json::from_str::<DeliveredMessage>(&message)
+            .map_err(|error| corrupt(format_args!("message: {error}")))?,
+        status: parse_status(row.try_get(6)?)?,
+        accepted_at: row.try_get(7)?,
+        attempt_id: row.try_get(8)?,
+        owner_id: row.try_get(9)?,
+        lease_until_ms: lease.parse().map_err(|_| corrupt(format_args!("lease {lease:?}")))?,
+        attempt_count: u32::try_from(attempt_count)
+            .map_err(|_| corrupt(format_args!("attempt count {attempt_count}")))?,
+        max_attempts: u32::try_from(max_attempts).map_err(|_| corrupt(format_args!("max attempts {max_attempts}")))?,
+        abort_requested: row.try_get(13)?,
+        joined_into: row.try_get(14)?,
+        outcome: outcome.as_deref().map(parse_outcome).transpose()?,
+        error: error
+            .as_deref()
+            .map(serde_json::from_str::<SettlementError>)
+            .transpose()
+            .map_err(|error| corrupt(format_args!("settlement error: {error}")))?,
+    })
+}
+
+fn batch_from_row(row: &Row) -> Result<Batch, StoreError> {
+    let offset: i64 = row.try_get(0).map_err(|error| db_error(&error))?;
+    let records: String = row.try_get(1).map_err(|error| db_error(&error))?;
+    Ok(Batch {
+        offset: u64::try_from(offset).map_err(|_| corrupt(format_args!("batch offset {offset}")))?,
+        records: serde_json::from_str(&records).map_err(|error| corrupt(format_args!("batch {offset}: {error}")))?,
+    })
+}
+
+/// Locks the instance row; its incarnation and batch count, when it exists.
+async fn lock_instance(tx: &Transaction<'_>, key: &InstanceKey) -> Result<Option<(String, i64)>, Failure> {
+    let statement = tx.prepare_cached(LOCK_INSTANCE).await?;
+    match tx.query_opt(&statement, &[&key.agent, &key.id]).await? {
+        Some(row) => Ok(Some((row.try_get(0)?, row.try_get(1)?))),
+        None => Ok(None),
+    }
+}
+
+/// Locks the instance row of a submission; the instance, when the submission exists.
+async fn lock_instance_of(tx: &Transaction<'_>, submission_id: &str) -> Result<Option<InstanceKey>, Failure> {
+    let statement = tx.prepare_cached(LOCK_INSTANCE_OF).await?;
+    match tx.query_opt(&statement, &[&submission_id]).await? {
+        Some(row) => Ok(Some(InstanceKey::new(
+            row.try_get::<_, String>(0)?,
+            row.try_get::<_, String>(1)?,
+        ))),
+        None => Ok(None),
+    }
+}
+
+/// Whether `attempt` owns its submission (running under that attempt).
+async fn owns(tx: &Transaction<'_>, attempt: &AttemptRef, sql: &str) -> Result<bool, Failure> {
+    let statement = tx.prepare_cached(sql).await?;
+    Ok(tx
+        .query_opt(&statement, &[&attempt.submission_id, &attempt.attempt_id])
+        .await?
+        .is_some())
+}
+
+/// Appends a batch to a stream whose instance row this transaction has locked.
+async fn append_locked(tx: &Transaction<'_>, key: &InstanceKey, records: &[Record]) -> Result<u64, Failure> {
+    if records.is_empty() {
+        return Err(StoreError::Other("an append batch must not be empty".into()).into());
+    }
+    let json = to_json(records, "records")?;
+    let statement = tx.prepare_cached(BUMP_OFFSET).await?;
+    let Some(row) = tx.query_opt(&statement, &[&key.agent, &key.id]).await? else {
+        return Err(StoreError::Other(format!("no stream {key}")).into());
+    };
+    let offset: i64 = row.try_get(0)?;
+    let statement = tx.prepare_cached(INSERT_BATCH).await?;
+    tx.execute(&statement, &[&key.agent, &key.id, &offset, &json]).await?;
+    u64::try_from(offset).map_err(|_| corrupt(format_args!("batch offset {offset}")).into())
+}
+
+async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitted, Failure> {
+    let key = &admission.key;
+    let statement = tx.prepare_cached(SELECT_SUBMISSION).await?;
+    if let Some(row) = tx.query_opt(&statement, &[&admission.submission_id]).await? {
+        let existing = submission_from_row(&row)?;
+        if existing.message == admission.message && existing.key == admission.key {
+            let statement = tx.prepare_cached(SELECT_UID).await?;
+            let uid = match tx.query_opt(&statement, &[&key.agent, &key.id]).await? {
+                Some(row) => row.try_get(0)?,
+                None => String::new(),
+            };
+            return Ok(Admitted {
+                submission: existing,
+                uid,
+                deduplicated: true,
+                offset: None,
+            });
+        }
+        return Err(StoreError::SubmissionConflict(admission.submission_id.clone()).into());
+    }
+    let existing = lock_instance(tx, key).await?;
+    match (&admission.uid, &existing) {
+        (UidCondition::Existing(expected), Some((uid, _))) if expected != uid => {
+            return Err(StoreError::InstanceNotFound(key.id.clone()).into());
+        }
+        (UidCondition::Existing(_), None) => return Err(StoreError::InstanceNotFound(key.id.clone()).into()),
+        (UidCondition::CreateOnly, Some((uid, _))) => {
+            return Err(StoreError::InstanceExists {
+                id: key.id.clone(),
+                uid: uid.clone(),
+            }
+            .into());
+        }
+        _ => {}
+    }
+    let (uid, batches) = match existing {
+        Some(found) => found,
+        None => {
+            let uid = new_id("inst");
+            let statement = tx.prepare_cached(INSERT_INSTANCE).await?;
+            if tx
+                .query_opt(&statement, &[&key.agent, &key.id, &uid, &now()])
+                .await?
+                .is_none()
+            {
+                // Another process created the instance meanwhile: rerun against its row.
+                return Err(Failure::Restart);
+            }
+            let birth = Record {
+                id: new_id("record"),
+                submission_id: None,
+                attempt_id: None,
+                timestamp: now(),
+                body: RecordBody::ConversationCreated {
+                    uid: uid.clone(),
+                    initial_data: admission.initial_data.clone(),
+                },
+            };
+            append_locked(tx, key, &[birth]).await?;
+            (uid, 1)
+        }
+    };
+    let message = to_json(&admission.message, "message")?;
+    let max_attempts = i64::from(admission.max_attempts);
+    let statement = tx.prepare_cached(INSERT_SUBMISSION).await?;
+    let Some(row) = tx
+        .query_opt(
+            &statement,
+            &[
+                &admission.submission_id,
+                &key.agent,
+                &key.id,
+                &kind_text(admission.kind),
+                &message,
+                &now(),
+                &max_attempts,
+            ],
+        )
+        .await?
+    else {
+        // The same submission id was admitted meanwhile (for another instance): rerun to
+        // deduplicate or report the conflict.
+        return Err(Failure::Restart);
+    };
+    Ok(Admitted {
+        submission: submission_from_row(&row)?,
+        uid,
+        deduplicated: false,
+        offset: u64::try_from(batches - 1).ok(),
+    })
+}
+
+async fn claim_next_tx(tx: &Transaction<'_>, key: &InstanceKey, claim: &Claim) -> Result<Option<Submission>, Failure> {
+    if lock_instance(tx, key).await?.is_none() {
+        return Ok(None);
+    }
+    let statement = tx.prepare_cached(HEAD).await?;
+    let Some(head) = tx.query_opt(&statement, &[&key.agent, &key.id]).await? else {
+        return Ok(None);
+    };
+    let id: String = head.try_get(0)?;
+    let status: String = head.try_get(1)?;
+    if status != "queued" {
+        return Ok(None);
+    }
+    let statement = tx.prepare_cached(CLAIM).await?;
+    let lease = claim.lease_until_ms.to_string();
+    match tx
+        .query_opt(&statement, &[&id, &claim.attempt_id, &claim.owner_id, &lease])
+        .await?
+    {
+        Some(row) => Ok(Some(submission_from_row(&row)?)),
+        None => Ok(None),
+    }
+}
+
+async fn reclaim_tx(
+    tx: &Transaction<'_>,
+    submission_id: &str,
+    stale_attempt_id: &str,
+    claim: &Claim,
+) -> Result<Option<Submission>, Failure> {
+    if lock_instance_of(tx, submission_id).await?.is_none() {
+        return Ok(None);
+    }
+    let statement = tx.prepare_cached(RECLAIM).await?;
+    let lease = claim.lease_until_ms.to_string();
+    match tx
+        .query_opt(
+            &statement,
+            &[
+                &submission_id,
+                &stale_attempt_id,
+                &claim.attempt_id,
+                &claim.owner_id,
+                &lease,
+            ],
+        )
+        .await?
+    {
+        Some(row) => Ok(Some(submission_from_row(&row)?)),
+        None => Ok(None),
+    }
+}
+
+async fn claim_joinable_tx(tx: &Transaction<'_>, host: &AttemptRef) -> Result<Vec<Submission>, Failure> {
+    let Some(key) = lock_instance_of(tx, &host.submission_id).await? else {
+        return Ok(Vec::new());
+    };
+    if !owns(tx, host, OWNS).await? {
+        return Ok(Vec::new());
+    }
+    let statement = tx.prepare_cached(QUEUED).await?;
+    let mut ids = Vec::new();
+    for row in tx.query(&statement, &[&key.agent, &key.id]).await? {
+        let abort_requested: bool = row.try_get(1)?;
+        if abort_requested {
+            break;
+        }
+        ids.push(row.try_get::<_, String>(0)?);
+    }
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let statement = tx.prepare_cached(JOIN).await?;
+    let mut claimed = tx
+        .query(&statement, &[&ids, &host.submission_id])
+        .await?
+        .iter()
+        .map(submission_from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+    claimed.sort_by_key(|row| row.sequence);
+    Ok(claimed)
+}
+
+async fn finalize_join_tx(tx: &Transaction<'_>, host: &AttemptRef, submission_id: &str) -> Result<bool, Failure> {
+    if lock_instance_of(tx, &host.submission_id).await?.is_none() || !owns(tx, host, OWNS).await? {
+        return Ok(false);
+    }
+    let statement = tx.prepare_cached(FINALIZE_JOIN).await?;
+    Ok(tx.execute(&statement, &[&submission_id, &host.submission_id]).await? > 0)
+}
+
+async fn settle_tx(
+    tx: &Transaction<'_>,
+    host: &AttemptRef,
+    outcome: Outcome,
+    error: Option<&SettlementError>,
+    records: &[Record],
+) -> Result<(), Failure> {
+    let Some(key) = lock_instance_of(tx, &host.submission_id).await? else {
+        return Err(fenced_settle(host));
+    };
+    if !owns(tx, host, OWNS).await? {
+        return Err(fenced_settle(host));
+    }
+    if !records.is_empty() {
+        append_locked(tx, &key, records).await?;
+    }
+    let outcome = outcome_text(outcome);
+    let error = error.map(|error| to_json(error, "settlement error")).transpose()?;
+    let statement = tx.prepare_cached(SETTLE_JOINED).await?;
+    tx.execute(
+        &statement,
+        &[&key.agent, &key.id, &host.submission_id, &outcome, &error],
+    )
+    .await?;
+    // A join claimed but never applied goes back to the queue: never lost.
+    let statement = tx.prepare_cached(REVERT_JOINING).await?;
+    tx.execute(&statement, &[&key.agent, &key.id, &host.submission_id])
+        .await?;
+    let statement = tx.prepare_cached(SETTLE_HOST).await?;
+    tx.execute(&statement, &[&host.submission_id, &outcome, &error]).await?;
+    Ok(())
+}
+
+fn fenced_settle(host: &AttemptRef) -> Failure {
+    StoreError::Fenced(format!(
+        "attempt {} does not own {}",
+        host.attempt_id, host.submission_id
+    ))
+    .into()
+}
+
+async fn requeue_tx(tx: &Transaction<'_>, attempt: &AttemptRef) -> Result<bool, Failure> {
+    let Some(key) = lock_instance_of(tx, &attempt.submission_id).await? else {
+        return Ok(false);
+    };
+    if !owns(tx, attempt, OWNS).await? {
+        return Ok(false);
+    }
+    let statement = tx.prepare_cached(REVERT_JOINING).await?;
+    tx.execute(&statement, &[&key.agent, &key.id, &attempt.submission_id])
+        .await?;
+    let statement = tx.prepare_cached(REQUEUE_HOST).await?;
+    tx.execute(&statement, &[&attempt.submission_id]).await?;
+    Ok(true)
+}
+
+async fn request_abort_tx(tx: &Transaction<'_>, key: &InstanceKey) -> Result<Vec<String>, Failure> {
+    if lock_instance(tx, key).await?.is_none() {
+        return Ok(Vec::new());
+    }
+    let statement = tx.prepare_cached(REQUEST_ABORT).await?;
+    let mut stamped = tx
+        .query(&statement, &[&key.agent, &key.id])
+        .await?
+        .iter()
+        .map(|row| Ok((row.try_get::<_, i64>(1)?, row.try_get::<_, String>(0)?)))
+        .collect::<Result<Vec<_>, Failure>>()?;
+    stamped.sort();
+    Ok(stamped.into_iter().map(|(_, id)| id).collect())
+}
+
+async fn append_tx(
+    tx: &Transaction<'_>,
+    key: &InstanceKey,
+    records: &[Record],
+    authorization: Option<&AttemptRef>,
+) -> Result<u64, Failure> {
+    // The instance lock first (the order every writer takes), then the owner check, which also
+    // holds the submission row until commit: no reclaim or settlement slips in between.
+    let stream = lock_instance(tx, key).await?;
+    if let Some(attempt) = authorization
+        && !owns(tx, attempt, OWNS_SHARED).await?
+    {
+        return Err(StoreError::Fenced(format!(
+            "attempt {} does not own submission {}",
+            attempt.attempt_id, attempt.submission_id
+        ))
+        .into());
+    }
+    if records.is_empty() {
+        return Err(StoreError::Other("an append batch must not be empty".into()).into());
+    }
+    if stream.is_none() {
+        return Err(StoreError::Other(format!("no stream {key}")).into());
+    }
+    append_locked(tx, key, records).await
+}
+
+impl Store for PostgresStore {
+    fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
+        Box::pin(async move { in_transaction!(self, |tx| admit_tx(&tx, &admission).await) })
+    }
+
+    fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
+        let key = key.clone();
+        Box::pin(async move {
+            let rows = self.query(SELECT_UID, &[&key.agent, &key.id]).await?;
+            rows.first()
+                .map(|row| {
+                    Ok(InstanceInfo {
+                        id: key.id.clone(),
+                        uid: row.try_get(0).map_err(|error| db_error(&error))?,
+                    })
+                })
+                .transpose()
+        })
+    }
+
+    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        let id = id.to_owned();
+        Box::pin(async move {
+            let rows = self.query(SELECT_SUBMISSION, &[&id]).await?;
+            rows.first()
+                .map(|row| submission_from_row(row).map_err(Failure::into_store_error))
+                .transpose()
+        })
+    }
+
+    fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let key = key.clone();
+        Box::pin(async move {
+            let rows = self.query(HAS_QUEUED, &[&key.agent, &key.id]).await?;
+            match rows.first() {
+                Some(row) => row.try_get(0).map_err(|error| db_error(&error)),
+                None => Ok(false),
+            }
+        })
+    }
+
+    fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        let key = key.clone();
+        let claim = claim.clone();
+        Box::pin(async move { in_transaction!(self, |tx| claim_next_tx(&tx, &key, &claim).await) })
+    }
+
+    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let owner_id = owner_id.to_owned();
+        Box::pin(async move {
+            let lease = lease_until_ms.to_string();
+            in_transaction!(self, |tx| async {
+                let statement = tx.prepare_cached(RENEW).await?;
+                Ok::<_, Failure>(tx.execute(&statement, &[&owner_id, &lease]).await?)
+            }
+            .await)
+        })
+    }
+
+    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        Box::pin(async move {
+            let now = now_ms.to_string();
+            self.query(EXPIRED, &[&now])
+                .await?
+                .iter()
+                .map(|row| submission_from_row(row).map_err(Failure::into_store_error))
+                .collect()
+        })
+    }
+
+    fn reclaim(
+        &self,
+        submission_id: &str,
+        stale_attempt_id: &str,
+        claim: &Claim,
+    ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        let submission_id = submission_id.to_owned();
+        let stale_attempt_id = stale_attempt_id.to_owned();
+        let claim = claim.clone();
+        Box::pin(async move {
+            in_transaction!(self, |tx| reclaim_tx(&tx, &submission_id, &stale_attempt_id, &claim)
+                .await)
+        })
+    }
+
+    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
+        Box::pin(async move {
+            self.query(INSTANCES_WITH_QUEUED, &[])
+                .await?
+                .iter()
+                .map(|row| {
+                    Ok(InstanceKey::new(
+                        row.try_get::<_, String>(0).map_err(|error| db_error(&error))?,
+                        row.try_get::<_, String>(1).map_err(|error| db_error(&error))?,
+                    ))
+                })
+                .collect()
+        })
+    }
+
+    fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        let host = host.clone();
+        Box::pin(async move { in_transaction!(self, |tx| claim_joinable_tx(&tx, &host).await) })
+    }
+
+    fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let host = host.clone();
+        let submission_id = submission_id.to_owned();
+        Box::pin(async move { in_transaction!(self, |tx| finalize_join_tx(&tx, &host, &submission_id).await) })
+    }
+
+    fn settle(
+        &self,
+        host: &AttemptRef,
+        outcome: Outcome,
+        error: Option<SettlementError>,
+        records: Vec<Record>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let host = host.clone();
+        Box::pin(async move {
+            in_transaction!(self, |tx| settle_tx(&tx, &host, outcome, error.as_ref(), &records)
+                .await)
+        })
+    }
+
+    fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let attempt = attempt.clone();
+        Box::pin(async move { in_transaction!(self, |tx| requeue_tx(&tx, &attempt).await) })
+    }
+
+    fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        let key = key.clone();
+        Box::pin(async move { in_transaction!(self, |tx| request_abort_tx(&tx, &key).await) })
+    }
+
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: Vec<Record>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let key = key.clone();
+        let authorization = authorization.cloned();
+        Box::pin(
+            async move { in_transaction!(self, |tx| append_tx(&tx, &key, &records, authorization.as_ref()).await) },
+        )
+    }
+
+    fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        let key = key.clone();
+        Box::pin(async move {
+            let after = match after {
+                None => -1,
+                Some(after) => match i64::try_from(after) {
+                    Ok(after) => after,
+                    // No stream reaches that far.
+                    Err(_) => return Ok(Vec::new()),
+                },
+            };
+            self.query(SELECT_BATCHES, &[&key.agent, &key.id, &after])
+                .await?
+                .iter()
+                .map(batch_from_row)
+                .collect()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Postgres-specific behaviour: the format stamp, several nodes sharing one schema, values
+    //! that only a database could get wrong. The shared contract lives in
+    //! `tests/store_contract_postgres.rs`.
+    #![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    /// The test database, or `None` (outside CI) when none is configured.
+    fn test_url() -> Option<String> {
+        let url = std::env::var("FLUE_TEST_POSTGRES_URL")
+            .ok()
+            .filter(|url| !url.is_empty());
+        if url.is_none() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "FLUE_TEST_POSTGRES_URL is not set: under CI the Postgres store tests must run (use .ci/test)"
+            );
+            eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping a Postgres store test (run .ci/test)");
+        }
+        url
+    }
+
+    fn fresh_schema() -> String {
+        format!("flue_test_{}", ulid::Ulid::new().to_string().to_lowercase())
+    }
+
+    /// A plain connection whose search path is `schema`.
+    async fn raw(url: &str, schema: &str) -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::connect(url, NoTls).await.unwrap();
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema}",
+                schema = quote_identifier(schema)
+            ))
+            .await
+            .unwrap();
+        client
+    }
+
+    async fn meta(client: &tokio_postgres::Client) -> Vec<(String, String)> {
+        client
+            .query("SELECT key, value FROM flue_meta ORDER BY key", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect()
+    }
+
+    async fn tables(client: &tokio_postgres::Client) -> Vec<String> {
+        client
+            .query(
+                "SELECT tablename::TEXT FROM pg_catalog.pg_tables WHERE schemaname = current_schema() \
+                 ORDER BY tablename",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect()
+    }
+
+    fn stamp(key: &str, value: &str) -> Vec<(String, String)> {
+        vec![(key.to_owned(), value.to_owned())]
+    }
+
+    fn admission(id: &str, agent: &str, instance: &str) -> Admission {
+        Admission {
+            key: InstanceKey::new(agent, instance),
+            submission_id: id.to_owned(),
+            keyed: false,
+            kind: SubmissionKind::Dispatch,
+            message: DeliveredMessage::user(format!("message {id}")),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 10,
+        }
+    }
+
+    fn claim(attempt: &str, owner: &str) -> Claim {
+        Claim {
+            attempt_id: attempt.to_owned(),
+            owner_id: owner.to_owned(),
+            lease_until_ms: super::super::now_ms() + 30_000,
+        }
+    }
+
+    fn user_record(body: &str) -> Record {
+        Record {
+            id: new_id("record"),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: now(),
+            body: RecordBody::UserMessage {
+                message_id: new_id("msg"),
+                body: body.to_owned(),
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn stamps_a_fresh_schema_and_reopens_it_with_its_data() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let first = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let client = raw(&url, &schema).await;
+        assert_eq!(meta(&client).await, stamp("format_version", "1"));
+        assert_eq!(
+            tables(&client).await,
+            ["flue_batches", "flue_instances", "flue_meta", "flue_submissions"]
+        );
+        let admitted = first.admit(admission("d-1", "assistant", "kept")).await.unwrap();
+        drop(first);
+        let reopened = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        assert_eq!(meta(&client).await, stamp("format_version", "1"));
+        assert_eq!(reopened.submission("d-1").await.unwrap(), Some(admitted.submission));
+        let batches = reopened
+            .read(&InstanceKey::new("assistant", "kept"), None)
+            .await
+            .unwrap();
+        assert_eq!(batches.len(), 1);
+        assert_eq!(batches[0].offset, 0);
+    }
+
+    #[tokio::test]
+    async fn adopts_a_schema_stamped_schema_version_8_in_place() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute("UPDATE flue_meta SET key = 'schema_version', value = '8'")
+            .await
+            .unwrap();
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        assert_eq!(meta(&client).await, stamp("format_version", "1"));
+    }
+
+    #[tokio::test]
+    async fn adopting_a_bare_legacy_stamp_creates_the_missing_tables() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute(
+                "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL); \
+                 INSERT INTO flue_meta VALUES ('schema_version', '8')",
+            )
+            .await
+            .unwrap();
+        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        assert_eq!(meta(&client).await, stamp("format_version", "1"));
+        store.admit(admission("d-1", "assistant", "legacy")).await.unwrap();
+        assert_eq!(
+            store
+                .read(&InstanceKey::new("assistant", "legacy"), None)
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
+    }
+
+    #[tokio::test]
+    async fn rejects_a_schema_stamped_schema_version_7_without_adopting_it() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute("UPDATE flue_meta SET key = 'schema_version', value = '7'")
+            .await
+            .unwrap();
+        let error = PostgresStore::connect_with_schema(&url, &schema).await.unwrap_err();
+        assert_eq!(error, StoreError::FormatVersion { stored: "7".into() });
+        assert_eq!(
+            error.to_string(),
+            "persisted_format_version_unsupported: stored format version \"7\" is not supported (supported: 1)"
+        );
+        assert_eq!(meta(&client).await, stamp("schema_version", "7"), "nothing changed");
+    }
+
+    #[tokio::test]
+    async fn rejects_another_format_version() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute("UPDATE flue_meta SET value = '2' WHERE key = 'format_version'")
+            .await
+            .unwrap();
+        assert_eq!(
+            PostgresStore::connect_with_schema(&url, &schema).await.unwrap_err(),
+            StoreError::FormatVersion { stored: "2".into() }
+        );
+        assert_eq!(meta(&client).await, stamp("format_version", "2"));
+    }
+
+    #[tokio::test]
+    async fn rejects_unstamped_flue_tables_without_stamping_them() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute("CREATE TABLE flue_legacy (x INTEGER)")
+            .await
+            .unwrap();
+        let error = PostgresStore::connect_with_schema(&url, &schema).await.unwrap_err();
+        assert_eq!(
+            error,
+            StoreError::FormatVersion {
+                stored: "unversioned".into()
+            }
+        );
+        assert_eq!(tables(&client).await, ["flue_legacy"], "nothing created");
+        // An empty stamp table is unversioned too.
+        client
+            .batch_execute("CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            .await
+            .unwrap();
+        assert_eq!(
+            PostgresStore::connect_with_schema(&url, &schema).await.unwrap_err(),
+            StoreError::FormatVersion {
+                stored: "unversioned".into()
+            }
+        );
+        assert_eq!(tables(&client).await, ["flue_legacy", "flue_meta"]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nodes_opening_a_fresh_schema_at_once_agree_on_one_stamp() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let opens: Vec<_> = (0..4)
+            .map(|_| {
+                let (url, schema) = (url.clone(), schema.clone());
+                tokio::spawn(async move { PostgresStore::connect_with_schema(&url, &schema).await })
+            })
+            .collect();
+        for open in opens {
+            open.await.unwrap().unwrap();
+        }
+        assert_eq!(meta(&raw(&url, &schema).await).await, stamp("format_version", "1"));
+    }
+
+    /// Two stores on one schema: two runtime processes sharing the database.
+    async fn two_nodes() -> Option<(PostgresStore, PostgresStore)> {
+        let url = test_url()?;
+        let schema = fresh_schema();
+        let a = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let b = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        Some((a, b))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_nodes_never_claim_the_same_head() {
+        let Some((a, b)) = two_nodes().await else { return };
+        for instance in ["i-1", "i-2", "i-3"] {
+            a.admit(admission(&format!("{instance}-first"), "assistant", instance))
+                .await
+                .unwrap();
+            b.admit(admission(&format!("{instance}-second"), "assistant", instance))
+                .await
+                .unwrap();
+        }
+        let mut tasks = Vec::new();
+        for attempt in 0..24 {
+            let node = if attempt % 2 == 0 { a.clone() } else { b.clone() };
+            tasks.push(tokio::spawn(async move {
+                let instance = format!("i-{}", attempt % 3 + 1);
+                node.claim_next(
+                    &InstanceKey::new("assistant", instance),
+                    &claim(&format!("attempt-{attempt}"), &format!("node-{}", attempt % 2)),
+                )
+                .await
+                .unwrap()
+            }));
+        }
+        let mut claimed = Vec::new();
+        for task in tasks {
+            if let Some(row) = task.await.unwrap() {
+                claimed.push(row.id);
+            }
+        }
+        claimed.sort();
+        assert_eq!(
+            claimed,
+            ["i-1-first", "i-2-first", "i-3-first"],
+            "one head per instance, once"
+        );
+        for instance in ["i-1", "i-2", "i-3"] {
+            assert_eq!(
+                a.submission(&format!("{instance}-second"))
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .status,
+                SubmissionStatus::Queued
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn racing_first_admissions_create_one_instance_and_one_birth_record() {
+        let Some((a, b)) = two_nodes().await else { return };
+        let mut tasks = Vec::new();
+        for n in 0..12 {
+            let node = if n % 2 == 0 { a.clone() } else { b.clone() };
+            tasks.push(tokio::spawn(async move {
+                node.admit(admission(&format!("d-{n}"), "assistant", "raced"))
+                    .await
+                    .unwrap()
+            }));
+        }
+        // The same keyed submission from both nodes at once: admitted once.
+        let mut replays = Vec::new();
+        for n in 0..6 {
+            let node = if n % 2 == 0 { a.clone() } else { b.clone() };
+            replays.push(tokio::spawn(async move {
+                node.admit(admission("keyed", "assistant", "raced")).await.unwrap()
+            }));
+        }
+        let mut uids = BTreeSet::new();
+        let mut sequences = BTreeSet::new();
+        for task in tasks {
+            let admitted = task.await.unwrap();
+            assert!(!admitted.deduplicated);
+            assert_eq!(admitted.offset, Some(0));
+            uids.insert(admitted.uid);
+            sequences.insert(admitted.submission.sequence);
+        }
+        let mut fresh = 0;
+        for replay in replays {
+            let admitted = replay.await.unwrap();
+            fresh += usize::from(!admitted.deduplicated);
+            uids.insert(admitted.uid);
+            sequences.insert(admitted.submission.sequence);
+        }
+        assert_eq!(fresh, 1, "exactly one admission of the keyed submission");
+        assert_eq!(uids.len(), 1, "one incarnation");
+        assert_eq!(sequences.len(), 13, "distinct sequences");
+        let batches = a.read(&InstanceKey::new("assistant", "raced"), None).await.unwrap();
+        assert_eq!(batches.len(), 1, "one birth record");
+        assert!(matches!(
+            &batches[0].records[0].body,
+            RecordBody::ConversationCreated { uid, .. } if uids.contains(uid)
+        ));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn appends_from_two_nodes_get_distinct_consecutive_offsets() {
+        let Some((a, b)) = two_nodes().await else { return };
+        let stream = InstanceKey::new("assistant", "busy");
+        a.admit(admission("d-1", "assistant", "busy")).await.unwrap();
+        let mut tasks = Vec::new();
+        for n in 0..40 {
+            let node = if n % 2 == 0 { a.clone() } else { b.clone() };
+            let stream = stream.clone();
+            tasks.push(tokio::spawn(async move {
+                node.append(&stream, vec![user_record(&format!("{n}"))], None)
+                    .await
+                    .unwrap()
+            }));
+        }
+        let mut offsets = Vec::new();
+        for task in tasks {
+            offsets.push(task.await.unwrap());
+        }
+        offsets.sort_unstable();
+        assert_eq!(offsets, (1..=40).collect::<Vec<u64>>());
+        let batches = b.read(&stream, None).await.unwrap();
+        assert_eq!(
+            batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(),
+            (0..=40).collect::<Vec<u64>>()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reclaim_by_another_node_fences_the_stale_attempt() {
+        let Some((a, b)) = two_nodes().await else { return };
+        let stream = InstanceKey::new("assistant", "taken-over");
+        a.admit(admission("d-1", "assistant", "taken-over")).await.unwrap();
+        a.claim_next(&stream, &claim("attempt-a", "node-a"))
+            .await
+            .unwrap()
+            .unwrap();
+        let stale = AttemptRef {
+            submission_id: "d-1".into(),
+            attempt_id: "attempt-a".into(),
+        };
+        a.append(&stream, vec![user_record("before")], Some(&stale))
+            .await
+            .unwrap();
+        let taken = b
+            .reclaim("d-1", "attempt-a", &claim("attempt-b", "node-b"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((taken.attempt_count, taken.owner_id.as_deref()), (2, Some("node-b")));
+        assert!(matches!(
+            a.append(&stream, vec![user_record("after")], Some(&stale)).await,
+            Err(StoreError::Fenced(_))
+        ));
+        assert!(matches!(
+            a.settle(&stale, Outcome::Completed, None, vec![user_record("settled")])
+                .await,
+            Err(StoreError::Fenced(_))
+        ));
+        assert!(!a.requeue(&stale).await.unwrap());
+        assert_eq!(
+            a.read(&stream, None).await.unwrap().len(),
+            2,
+            "birth and the first append only"
+        );
+    }
+
+    #[tokio::test]
+    async fn keeps_leases_and_offsets_beyond_the_signed_range_exact() {
+        let Some((store, _)) = two_nodes().await else { return };
+        let stream = InstanceKey::new("assistant", "forever");
+        store.admit(admission("d-1", "assistant", "forever")).await.unwrap();
+        store
+            .claim_next(&stream, &claim("attempt-1", "node"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(store.renew_leases("node", u64::MAX).await.unwrap(), 1);
+        assert_eq!(store.submission("d-1").await.unwrap().unwrap().lease_until_ms, u64::MAX);
+        assert!(store.expired(u64::MAX).await.unwrap().is_empty());
+        assert!(store.read(&stream, Some(u64::MAX)).await.unwrap().is_empty());
+        assert_eq!(store.read(&stream, Some(0)).await.unwrap().len(), 0);
+        assert_eq!(store.read(&stream, None).await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn lists_instances_with_queued_work_in_byte_order() {
+        let Some((store, _)) = two_nodes().await else { return };
+        for (n, agent) in ["b", "B", "a", "é"].into_iter().enumerate() {
+            store.admit(admission(&format!("d-{n}"), agent, "x")).await.unwrap();
+        }
+        let agents: Vec<String> = store
+            .instances_with_queued()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|key| key.agent)
+            .collect();
+        assert_eq!(agents, ["B", "a", "b", "é"], "the memory store's (byte) order");
+    }
+
+    #[tokio::test]
+    async fn works_in_a_schema_whose_name_needs_quoting() {
+        let Some(url) = test_url() else { return };
+        let schema = format!("Flue \"test\" {}", ulid::Ulid::new());
+        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        store.admit(admission("d-1", "assistant", "quoted")).await.unwrap();
+        let client = raw(&url, &schema).await;
+        assert_eq!(meta(&client).await, stamp("format_version", "1"));
+        let submissions: i64 = client
+            .query_one("SELECT count(*) FROM flue_submissions", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(submissions, 1);
+    }
+
+    #[tokio::test]
+    async fn reports_bad_urls_and_unreachable_servers_as_errors() {
+        let Err(StoreError::Other(message)) = PostgresStore::connect("postgres://[bad").await else {
+            panic!("a malformed URL is an error");
+        };
+        assert!(message.starts_with("postgres: invalid URL"), "{message}");
+        // Nothing listens on port 1 of loopback.
+        let Err(StoreError::Other(message)) =
+            PostgresStore::connect("postgres://nobody@127.0.0.1:1/none?connect_timeout=5").await
+        else {
+            panic!("an unreachable server is an error");
+        };
+        assert!(message.starts_with("postgres: no database connection"), "{message}");
+    }
+
+    #[test]
+    fn escapes_identifiers_and_startup_options() {
+        assert_eq!(quote_identifier("plain"), "\"plain\"");
+        assert_eq!(quote_identifier("a\"b"), "\"a\"\"b\"");
+        assert_eq!(escape_option("\"a b\\c\""), "\"a\\ b\\\\c\"");
+    }
+}

@@ -1,0 +1,468 @@
+//! Crash recovery: the runtime runs in a child process (this test binary, re-invoked), is
+//! SIGKILLed at a chosen point, and a fresh process on the same database recovers.
+//!
+//! Kill points are reached deterministically: the child's store pauses before the chosen
+//! durability point, prints `READY`, and the parent kills it there.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use flue_core::BoxFuture;
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{ModelProvider, ModelRequest, ModelStream, ProviderRegistry, StreamEvent};
+use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
+use flue_runtime::store::{
+    Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, SqliteStore, Store, StoreError, Submission,
+};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use serde_json::json;
+
+const CHILD: &str = "FLUE_RECOVERY_CHILD";
+
+// ---- the child process ------------------------------------------------------------------------
+
+/// Where the child pauses (and is killed).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Point {
+    ModelStream,
+    ToolBatchCommit,
+    StartSeam,
+    Settlement,
+    Never,
+}
+
+impl Point {
+    fn parse(text: &str) -> Self {
+        match text {
+            "model_stream" => Self::ModelStream,
+            "tool_batch_commit" => Self::ToolBatchCommit,
+            "start_seam" => Self::StartSeam,
+            "settlement" => Self::Settlement,
+            _ => Self::Never,
+        }
+    }
+}
+
+fn pause_forever() -> ! {
+    // On its own line: libtest may have printed "test … " without a newline.
+    println!("\nREADY");
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// SQLite, pausing before the chosen durability point.
+struct PausingStore {
+    inner: SqliteStore,
+    point: Point,
+}
+
+impl Store for PausingStore {
+    fn admit(&self, a: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
+        self.inner.admit(a)
+    }
+    fn instance(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
+        self.inner.instance(k)
+    }
+    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.submission(id)
+    }
+    fn has_queued(&self, k: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.has_queued(k)
+    }
+    fn claim_next(&self, k: &InstanceKey, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.claim_next(k, c)
+    }
+    fn renew_leases(&self, o: &str, l: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.renew_leases(o, l)
+    }
+    fn expired(&self, n: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        self.inner.expired(n)
+    }
+    fn reclaim(&self, id: &str, s: &str, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.reclaim(id, s, c)
+    }
+    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
+        self.inner.instances_with_queued()
+    }
+    fn claim_joinable(&self, h: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        self.inner.claim_joinable(h)
+    }
+    fn finalize_join(&self, h: &AttemptRef, id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.finalize_join(h, id)
+    }
+    fn settle(
+        &self,
+        h: &AttemptRef,
+        o: Outcome,
+        e: Option<SettlementError>,
+        r: Vec<Record>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        if self.point == Point::Settlement {
+            pause_forever();
+        }
+        self.inner.settle(h, o, e, r)
+    }
+    fn requeue(&self, a: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.requeue(a)
+    }
+    fn request_abort(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.inner.request_abort(k)
+    }
+    fn append(
+        &self,
+        k: &InstanceKey,
+        r: Vec<Record>,
+        a: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let pause = match self.point {
+            Point::ToolBatchCommit => r
+                .iter()
+                .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. })),
+            Point::StartSeam => r.iter().any(|record| matches!(record.body, RecordBody::AgentStartRun)),
+            _ => false,
+        };
+        if pause {
+            pause_forever();
+        }
+        self.inner.append(k, r, a)
+    }
+    fn read(&self, k: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        self.inner.read(k, after)
+    }
+}
+
+/// A model that streams a little and then hangs (to be killed mid-stream).
+struct HangingModel;
+
+impl ModelProvider for HangingModel {
+    fn id(&self) -> &str {
+        "scripted"
+    }
+    fn stream(&self, _request: ModelRequest) -> ModelStream {
+        Box::pin(futures_util::stream::unfold(0, |step| async move {
+            if step == 0 {
+                return Some((Ok(StreamEvent::TextDelta("partial ".into())), 1));
+            }
+            pause_forever()
+        }))
+    }
+}
+
+fn side_effects(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("charges"))
+        .map(|text| text.lines().count())
+        .unwrap_or(0)
+}
+
+#[agent(durability(max_attempts = 3))]
+fn billing() -> &'static str {
+    use_model("scripted/x");
+    let (_, set_charged) = use_persistent_state("charged", false);
+    let dir = std::env::var("FLUE_RECOVERY_DIR").unwrap_or_default();
+    use_tool(Tool::new("charge").description("Charge the card once.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_charged = set_charged.clone();
+            let dir = dir.clone();
+            async move {
+                // An external side effect, visible to the parent.
+                use std::io::Write;
+                let mut file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(Path::new(&dir).join("charges"))?;
+                writeln!(file, "charged")?;
+                set_charged.set(true)?;
+                Ok::<_, ToolError>("charged")
+            }
+        },
+    ));
+    use_agent_start(|ctx| async move {
+        ctx.append(Signal::new("account", "The account is in good standing."))?;
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "You bill customers."
+}
+
+/// The child: `mode` is `crash:<point>` (send and get killed) or `recover` (resume and
+/// report). Prints one JSON line with the outcome when it finishes.
+async fn child(mode: &str, dir: &Path) {
+    let db = dir.join("flue.db");
+    // `crash:<point>`: send, pause there. `crash-resume`: resume the interrupted submission and
+    // pause at the tool-batch commit again. `recover`: resume and report.
+    let (point, resume) = match mode.strip_prefix("crash:") {
+        Some(point) => (Point::parse(point), false),
+        None if mode == "crash-resume" => (Point::ToolBatchCommit, true),
+        None => (Point::Never, true),
+    };
+    let mut providers = ProviderRegistry::new();
+    if point == Point::ModelStream {
+        providers.register(HangingModel);
+    } else if resume && point == Point::Never {
+        // The recovering process's model answers from what it reads (an outcome-unknown tool
+        // result, say); it never asks for the tool again, so a second charge would be recovery's.
+        providers.register(ScriptedModel::new([ScriptedReply::text(
+            "Recovered: please confirm the charge.",
+        )]));
+    } else {
+        providers.register(ScriptedModel::new([
+            ScriptedReply::tool_call("charge", json!({})),
+            ScriptedReply::text("All set."),
+        ]));
+    }
+    let store = PausingStore {
+        inner: SqliteStore::open(&db).unwrap(),
+        point,
+    };
+    let options = RuntimeOptions {
+        lease: Duration::from_millis(400),
+        heartbeat: Duration::from_millis(50),
+        scan_interval: Duration::from_millis(100),
+        ..RuntimeOptions::default()
+    };
+    let runtime = Runtime::builder()
+        .agent(billing)
+        .providers(providers)
+        .store(store)
+        .options(options)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&billing, "customer");
+    if resume && point != Point::Never {
+        runtime.start().await;
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    if resume {
+        runtime.start().await;
+        let id = std::fs::read_to_string(dir.join("submission")).unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(20), handle.read(id.trim()))
+            .await
+            .unwrap();
+        let report = match result {
+            Ok(reply) => json!({"outcome": "completed", "text": reply.text}),
+            Err(RuntimeError::Run {
+                error_type, message, ..
+            }) => json!({"outcome": "failed", "type": error_type, "message": message}),
+            Err(other) => json!({"outcome": "error", "message": other.to_string()}),
+        };
+        println!("\nREPORT {report}");
+        return;
+    }
+    let receipt = handle.dispatch("Charge my card.").await.unwrap();
+    std::fs::write(dir.join("submission"), &receipt.submission_id).unwrap();
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+}
+
+#[tokio::test]
+async fn recovery_child_entry() {
+    // Runs only when re-invoked by a recovery test.
+    let (Ok(mode), Ok(dir)) = (std::env::var(CHILD), std::env::var("FLUE_RECOVERY_DIR")) else {
+        return;
+    };
+    child(&mode, Path::new(&dir)).await;
+}
+
+// ---- the parent ------------------------------------------------------------------------------
+
+fn spawn(mode: &str, dir: &Path, extra: &[(&str, &str)]) -> Child {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", "recovery_child_entry", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, mode)
+        .env("FLUE_RECOVERY_DIR", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (key, value) in extra {
+        command.env(key, value);
+    }
+    command.spawn().unwrap()
+}
+
+/// Runs a child until it prints `READY` (or a JSON report), returning that line.
+fn wait_for_line(child: &mut Child, wanted: impl Fn(&str) -> bool) -> String {
+    let stdout = child.stdout.take().unwrap();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if sender.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    loop {
+        let line = receiver
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the child answered in time");
+        if wanted(&line) {
+            return line;
+        }
+    }
+}
+
+fn scratch() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("flue-recovery-{}", ulid::Ulid::new()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Crashes a child at `point`, then recovers in a fresh process; returns the recovery report
+/// and the records left in the database.
+fn crash_and_recover(point: &str, before_kill: impl Fn(&Path)) -> (serde_json::Value, Vec<Record>, PathBuf) {
+    let dir = scratch();
+    let mut crashing = spawn(&format!("crash:{point}"), &dir, &[]);
+    wait_for_line(&mut crashing, |line| line == "READY");
+    before_kill(&dir);
+    crashing.kill().unwrap(); // SIGKILL
+    crashing.wait().unwrap();
+    let mut recovering = spawn("recover", &dir, &[]);
+    let report = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
+    recovering.wait().unwrap();
+    let records = records(&dir);
+    (serde_json::from_str(&report["REPORT ".len()..]).unwrap(), records, dir)
+}
+
+fn records(dir: &Path) -> Vec<Record> {
+    let store = SqliteStore::open(dir.join("flue.db")).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    runtime
+        .block_on(store.read(&InstanceKey::new("billing", "customer"), None))
+        .unwrap()
+        .into_iter()
+        .flat_map(|batch| batch.records)
+        .collect()
+}
+
+fn count(records: &[Record], predicate: impl Fn(&RecordBody) -> bool) -> usize {
+    records.iter().filter(|record| predicate(&record.body)).count()
+}
+
+#[test]
+fn a_crash_during_a_model_stream_loses_no_input_and_the_response_completes() {
+    let (report, records, _) = crash_and_recover("model_stream", |_| {});
+    assert_eq!(report["outcome"], "completed", "{report}");
+    assert_eq!(
+        count(&records, |body| matches!(body, RecordBody::UserMessage { .. })),
+        1,
+        "the input was applied once"
+    );
+    assert_eq!(
+        count(&records, |body| matches!(body, RecordBody::AgentStartRun)),
+        1,
+        "the start seam is not repeated"
+    );
+    assert_eq!(
+        count(&records, |body| matches!(
+            body,
+            RecordBody::SubmissionSettled {
+                outcome: Outcome::Completed,
+                ..
+            }
+        )),
+        1
+    );
+}
+
+#[test]
+fn a_crash_between_a_tool_outcome_and_its_batch_commit_is_repaired_without_its_state_writes() {
+    let (report, records, dir) = crash_and_recover("tool_batch_commit", |_| {});
+    assert_eq!(report["outcome"], "completed", "{report}");
+    assert_eq!(side_effects(&dir), 1, "the tool ran once; recovery did not re-run it");
+    assert_eq!(
+        count(&records, |body| matches!(body, RecordBody::StateWrite { .. })),
+        0,
+        "the interrupted batch's write is absent"
+    );
+    assert_eq!(
+        count(&records, |body| matches!(body, RecordBody::ToolOutcome { .. })),
+        0
+    );
+    assert_eq!(
+        count(&records, |body| matches!(body, RecordBody::UserMessage { .. })),
+        1
+    );
+}
+
+#[test]
+fn a_crash_inside_a_start_seam_reruns_it_without_duplicating_its_durable_effects() {
+    let (report, records, _) = crash_and_recover("start_seam", |_| {});
+    assert_eq!(report["outcome"], "completed", "{report}");
+    assert_eq!(count(&records, |body| matches!(body, RecordBody::AgentStartRun)), 1);
+    assert_eq!(
+        count(
+            &records,
+            |body| matches!(body, RecordBody::Signal { signal_type, .. } if signal_type == "account")
+        ),
+        1
+    );
+}
+
+#[test]
+fn a_crash_during_settlement_settles_once_without_redoing_completed_work() {
+    let (report, records, dir) = crash_and_recover("settlement", |_| {});
+    assert_eq!(report["outcome"], "completed", "{report}");
+    assert_eq!(
+        report["text"], "All set.",
+        "the recovered reply is the completed response's"
+    );
+    assert_eq!(side_effects(&dir), 1, "completed work is never redone");
+    assert_eq!(
+        count(&records, |body| matches!(body, RecordBody::SubmissionSettled { .. })),
+        1
+    );
+}
+
+#[test]
+fn an_abort_requested_before_the_crash_settles_as_aborted() {
+    // The abort is requested (durably) while the attempt is stuck; then the process dies.
+    let (report, records, _) = crash_and_recover("tool_batch_commit", |dir| {
+        let store = SqliteStore::open(dir.join("flue.db")).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let stamped = runtime
+            .block_on(store.request_abort(&InstanceKey::new("billing", "customer")))
+            .unwrap();
+        assert_eq!(stamped.len(), 1);
+    });
+    assert_eq!(report["outcome"], "failed", "{report}");
+    assert_eq!(report["type"], "submission_aborted");
+    assert_eq!(
+        count(&records, |body| matches!(
+            body,
+            RecordBody::SubmissionSettled {
+                outcome: Outcome::Aborted,
+                ..
+            }
+        )),
+        1
+    );
+}
+
+#[test]
+fn max_attempts_bounds_the_retries_of_a_submission_that_keeps_crashing() {
+    let dir = scratch();
+    // Three crashes at the tool-batch commit exhaust max_attempts = 3; the fourth process
+    // settles the submission as failed instead of running it again.
+    for round in 0..3 {
+        let mode = if round == 0 {
+            "crash:tool_batch_commit"
+        } else {
+            "crash-resume"
+        };
+        let mut crashing = spawn(mode, &dir, &[]);
+        wait_for_line(&mut crashing, |line| line == "READY");
+        crashing.kill().unwrap();
+        crashing.wait().unwrap();
+    }
+    let mut recovering = spawn("recover", &dir, &[]);
+    let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
+    let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
+    recovering.wait().unwrap();
+    assert_eq!(report["type"], "submission_retry_exhausted", "{report}");
+    assert_eq!(
+        report["message"],
+        "Submission exceeded maximum recovery attempts (3/3)."
+    );
+}
