@@ -377,15 +377,24 @@ async fn main() {
 async fn store_throughput(sqlite_path: &std::path::Path) {
     use flue_runtime::record::{Record, RecordBody};
     use flue_runtime::store::{Admission, InstanceKey, MemoryStore, SqliteStore, Store, SubmissionKind, UidCondition};
-    let stores: Vec<(&str, Box<dyn Store>)> = vec![
+    #[allow(unused_mut)]
+    let mut stores: Vec<(&str, Box<dyn Store>)> = vec![
         ("memory", Box::new(MemoryStore::new())),
         (
             "sqlite",
             Box::new(SqliteStore::open(sqlite_path.with_file_name("throughput.db")).expect("sqlite")),
         ),
     ];
+    #[cfg(feature = "postgres")]
+    if let Ok(url) = std::env::var("FLUE_TEST_POSTGRES_URL") {
+        let schema = format!("flue_bench_{}", std::process::id());
+        let store = flue_runtime::store::PostgresStore::connect_with_schema(&url, &schema)
+            .await
+            .expect("postgres");
+        stores.push(("postgres", Box::new(store)));
+    }
     for (name, store) in stores {
-        let count = 5_000;
+        let count = if name == "postgres" { 2_000 } else { 5_000 };
         let started = Instant::now();
         for i in 0..count {
             store

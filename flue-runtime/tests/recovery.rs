@@ -55,10 +55,26 @@ fn pause_forever() -> ! {
     }
 }
 
-/// SQLite, pausing before the chosen durability point.
+/// The backend under test (SQLite file, or a Postgres schema), pausing before the chosen
+/// durability point.
 struct PausingStore {
-    inner: SqliteStore,
+    inner: Box<dyn Store>,
     point: Point,
+}
+
+/// The backend: a Postgres schema when `FLUE_RECOVERY_PG` is `url|schema`, else SQLite in `dir`.
+async fn open_backend(dir: &Path) -> Box<dyn Store> {
+    #[cfg(feature = "postgres")]
+    if let Ok(target) = std::env::var("FLUE_RECOVERY_PG")
+        && let Some((url, schema)) = target.split_once('|')
+    {
+        return Box::new(
+            flue_runtime::store::PostgresStore::connect_with_schema(url, schema)
+                .await
+                .unwrap(),
+        );
+    }
+    Box::new(SqliteStore::open(dir.join("flue.db")).unwrap())
 }
 
 impl Store for PausingStore {
@@ -197,11 +213,15 @@ async fn child(mode: &str, dir: &Path) {
     let (point, resume) = match mode.strip_prefix("crash:") {
         Some(point) => (Point::parse(point), false),
         None if mode == "crash-resume" => (Point::ToolBatchCommit, true),
+        None if mode == "standby" => (Point::Never, true),
         None => (Point::Never, true),
     };
     let mut providers = ProviderRegistry::new();
     if point == Point::ModelStream {
         providers.register(HangingModel);
+    } else if mode == "standby" {
+        // The surviving node answers every message it gets.
+        providers.register(ScriptedModel::echo());
     } else if resume && point == Point::Never {
         // The recovering process's model answers from what it reads (an outcome-unknown tool
         // result, say); it never asks for the tool again, so a second charge would be recovery's.
@@ -214,8 +234,9 @@ async fn child(mode: &str, dir: &Path) {
             ScriptedReply::text("All set."),
         ]));
     }
+    let _ = db;
     let store = PausingStore {
-        inner: SqliteStore::open(&db).unwrap(),
+        inner: open_backend(dir).await,
         point,
     };
     let options = RuntimeOptions {
@@ -235,6 +256,29 @@ async fn child(mode: &str, dir: &Path) {
     if resume && point != Point::Never {
         runtime.start().await;
         tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    if mode == "standby" {
+        // A second node: takes over whatever the first leaves behind, then reports every
+        // submission listed in `submissions` once all settled.
+        runtime.start().await;
+        println!("\nSTANDBY");
+        let ids = loop {
+            if let Ok(text) = std::fs::read_to_string(dir.join("submissions"))
+                && text.ends_with('\n')
+            {
+                break text;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let mut outcomes = Vec::new();
+        for id in ids.lines() {
+            let result = tokio::time::timeout(Duration::from_secs(30), handle.read(id))
+                .await
+                .unwrap();
+            outcomes.push(json!({"id": id, "ok": result.is_ok()}));
+        }
+        println!("\nREPORT {}", json!(outcomes));
+        return;
     }
     if resume {
         runtime.start().await;
@@ -270,6 +314,9 @@ async fn recovery_child_entry() {
 
 fn spawn(mode: &str, dir: &Path, extra: &[(&str, &str)]) -> Child {
     let mut command = Command::new(std::env::current_exe().unwrap());
+    if let Ok(backend) = std::fs::read_to_string(dir.join("backend")) {
+        command.env("FLUE_RECOVERY_PG", backend);
+    }
     command
         .args(["--exact", "recovery_child_entry", "--nocapture", "--test-threads", "1"])
         .env(CHILD, mode)
@@ -303,16 +350,37 @@ fn wait_for_line(child: &mut Child, wanted: impl Fn(&str) -> bool) -> String {
     }
 }
 
-fn scratch() -> PathBuf {
+/// A fresh scratch directory; with `postgres`, also a fresh schema of the test database
+/// (named in the directory's `backend` file, which the children read). `None` when Postgres is
+/// asked for but not configured outside CI.
+fn scratch(postgres: bool) -> Option<PathBuf> {
     let dir = std::env::temp_dir().join(format!("flue-recovery-{}", ulid::Ulid::new()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    if postgres {
+        let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
+            .ok()
+            .filter(|url| !url.is_empty())
+        else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "FLUE_TEST_POSTGRES_URL is not set: under CI Postgres recovery must run"
+            );
+            eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping a Postgres recovery test (run .ci/test)");
+            return None;
+        };
+        let schema = format!("flue_recovery_{}", ulid::Ulid::new().to_string().to_lowercase());
+        std::fs::write(dir.join("backend"), format!("{url}|{schema}")).unwrap();
+    }
+    Some(dir)
 }
 
 /// Crashes a child at `point`, then recovers in a fresh process; returns the recovery report
 /// and the records left in the database.
-fn crash_and_recover(point: &str, before_kill: impl Fn(&Path)) -> (serde_json::Value, Vec<Record>, PathBuf) {
-    let dir = scratch();
+fn crash_and_recover(
+    dir: PathBuf,
+    point: &str,
+    before_kill: impl Fn(&Path),
+) -> (serde_json::Value, Vec<Record>, PathBuf) {
     let mut crashing = spawn(&format!("crash:{point}"), &dir, &[]);
     wait_for_line(&mut crashing, |line| line == "READY");
     before_kill(&dir);
@@ -325,9 +393,32 @@ fn crash_and_recover(point: &str, before_kill: impl Fn(&Path)) -> (serde_json::V
     (serde_json::from_str(&report["REPORT ".len()..]).unwrap(), records, dir)
 }
 
+fn backend(dir: &Path) -> Box<dyn Store> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        #[cfg(feature = "postgres")]
+        if let Ok(target) = std::fs::read_to_string(dir.join("backend"))
+            && let Some((url, schema)) = target.split_once('|')
+        {
+            return Box::new(
+                flue_runtime::store::PostgresStore::connect_with_schema(url, schema)
+                    .await
+                    .unwrap(),
+            ) as Box<dyn Store>;
+        }
+        Box::new(SqliteStore::open(dir.join("flue.db")).unwrap()) as Box<dyn Store>
+    })
+}
+
 fn records(dir: &Path) -> Vec<Record> {
-    let store = SqliteStore::open(dir.join("flue.db")).unwrap();
-    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let store = backend(dir);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     runtime
         .block_on(store.read(&InstanceKey::new("billing", "customer"), None))
         .unwrap()
@@ -340,129 +431,168 @@ fn count(records: &[Record], predicate: impl Fn(&RecordBody) -> bool) -> usize {
     records.iter().filter(|record| predicate(&record.body)).count()
 }
 
-#[test]
-fn a_crash_during_a_model_stream_loses_no_input_and_the_response_completes() {
-    let (report, records, _) = crash_and_recover("model_stream", |_| {});
-    assert_eq!(report["outcome"], "completed", "{report}");
-    assert_eq!(
-        count(&records, |body| matches!(body, RecordBody::UserMessage { .. })),
-        1,
-        "the input was applied once"
-    );
-    assert_eq!(
-        count(&records, |body| matches!(body, RecordBody::AgentStartRun)),
-        1,
-        "the start seam is not repeated"
-    );
-    assert_eq!(
-        count(&records, |body| matches!(
-            body,
-            RecordBody::SubmissionSettled {
-                outcome: Outcome::Completed,
-                ..
+macro_rules! recovery_suite {
+    ($backend:ident, $postgres:expr) => {
+        mod $backend {
+            use super::*;
+
+            #[test]
+            fn a_crash_during_a_model_stream_loses_no_input_and_the_response_completes() {
+                let Some(dir) = scratch($postgres) else { return };
+                let (report, records, _) = crash_and_recover(dir, "model_stream", |_| {});
+                assert_eq!(report["outcome"], "completed", "{report}");
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::UserMessage { .. })), 1, "input applied once");
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::AgentStartRun)), 1, "seam not repeated");
+                assert_eq!(
+                    count(&records, |body| matches!(body, RecordBody::SubmissionSettled { outcome: Outcome::Completed, .. })),
+                    1
+                );
             }
-        )),
-        1
-    );
+
+            #[test]
+            fn a_crash_between_a_tool_outcome_and_its_batch_commit_is_repaired_without_its_state_writes() {
+                let Some(dir) = scratch($postgres) else { return };
+                let (report, records, dir) = crash_and_recover(dir, "tool_batch_commit", |_| {});
+                assert_eq!(report["outcome"], "completed", "{report}");
+                assert_eq!(side_effects(&dir), 1, "the tool ran once; recovery did not re-run it");
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::StateWrite { .. })), 0, "the write is absent");
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::ToolOutcome { .. })), 0);
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::UserMessage { .. })), 1);
+            }
+
+            #[test]
+            fn a_crash_inside_a_start_seam_reruns_it_without_duplicating_its_durable_effects() {
+                let Some(dir) = scratch($postgres) else { return };
+                let (report, records, _) = crash_and_recover(dir, "start_seam", |_| {});
+                assert_eq!(report["outcome"], "completed", "{report}");
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::AgentStartRun)), 1);
+                assert_eq!(
+                    count(&records, |body| matches!(body, RecordBody::Signal { signal_type, .. } if signal_type == "account")),
+                    1
+                );
+            }
+
+            #[test]
+            fn a_crash_during_settlement_settles_once_without_redoing_completed_work() {
+                let Some(dir) = scratch($postgres) else { return };
+                let (report, records, dir) = crash_and_recover(dir, "settlement", |_| {});
+                assert_eq!(report["outcome"], "completed", "{report}");
+                assert_eq!(report["text"], "All set.", "the recovered reply is the completed response's");
+                assert_eq!(side_effects(&dir), 1, "completed work is never redone");
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::SubmissionSettled { .. })), 1);
+            }
+
+            #[test]
+            fn an_abort_requested_before_the_crash_settles_as_aborted() {
+                let Some(dir) = scratch($postgres) else { return };
+                // The abort is requested (durably) while the attempt is stuck; then the process dies.
+                let (report, records, _) = crash_and_recover(dir, "tool_batch_commit", |dir| {
+                    let store = backend(dir);
+                    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                    let stamped = runtime.block_on(store.request_abort(&InstanceKey::new("billing", "customer"))).unwrap();
+                    assert_eq!(stamped.len(), 1);
+                });
+                assert_eq!(report["outcome"], "failed", "{report}");
+                assert_eq!(report["type"], "submission_aborted");
+                assert_eq!(
+                    count(&records, |body| matches!(body, RecordBody::SubmissionSettled { outcome: Outcome::Aborted, .. })),
+                    1
+                );
+            }
+
+            #[test]
+            fn max_attempts_bounds_the_retries_of_a_submission_that_keeps_crashing() {
+                let Some(dir) = scratch($postgres) else { return };
+                // Three crashes at the tool-batch commit use max_attempts = 3; the fourth process
+                // settles the submission as failed instead of running it again.
+                for round in 0..3 {
+                    let mode = if round == 0 { "crash:tool_batch_commit" } else { "crash-resume" };
+                    let mut crashing = spawn(mode, &dir, &[]);
+                    wait_for_line(&mut crashing, |line| line == "READY");
+                    crashing.kill().unwrap();
+                    crashing.wait().unwrap();
+                }
+                let mut recovering = spawn("recover", &dir, &[]);
+                let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
+                let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
+                recovering.wait().unwrap();
+                assert_eq!(report["type"], "submission_retry_exhausted", "{report}");
+                assert_eq!(report["message"], "Submission exceeded maximum recovery attempts (3/3).");
+            }
+        }
+    };
 }
 
-#[test]
-fn a_crash_between_a_tool_outcome_and_its_batch_commit_is_repaired_without_its_state_writes() {
-    let (report, records, dir) = crash_and_recover("tool_batch_commit", |_| {});
-    assert_eq!(report["outcome"], "completed", "{report}");
-    assert_eq!(side_effects(&dir), 1, "the tool ran once; recovery did not re-run it");
-    assert_eq!(
-        count(&records, |body| matches!(body, RecordBody::StateWrite { .. })),
-        0,
-        "the interrupted batch's write is absent"
-    );
-    assert_eq!(
-        count(&records, |body| matches!(body, RecordBody::ToolOutcome { .. })),
-        0
-    );
-    assert_eq!(
-        count(&records, |body| matches!(body, RecordBody::UserMessage { .. })),
-        1
-    );
-}
+recovery_suite!(sqlite, false);
+#[cfg(feature = "postgres")]
+recovery_suite!(postgres, true);
 
+/// Two nodes on one Postgres: the owner of a busy instance is killed; the other takes the
+/// instance over once the lease expires, completes the submission exactly once, and processes
+/// the messages admitted during the failover in order.
+#[cfg(feature = "postgres")]
 #[test]
-fn a_crash_inside_a_start_seam_reruns_it_without_duplicating_its_durable_effects() {
-    let (report, records, _) = crash_and_recover("start_seam", |_| {});
-    assert_eq!(report["outcome"], "completed", "{report}");
-    assert_eq!(count(&records, |body| matches!(body, RecordBody::AgentStartRun)), 1);
-    assert_eq!(
-        count(
-            &records,
-            |body| matches!(body, RecordBody::Signal { signal_type, .. } if signal_type == "account")
-        ),
-        1
-    );
-}
-
-#[test]
-fn a_crash_during_settlement_settles_once_without_redoing_completed_work() {
-    let (report, records, dir) = crash_and_recover("settlement", |_| {});
-    assert_eq!(report["outcome"], "completed", "{report}");
-    assert_eq!(
-        report["text"], "All set.",
-        "the recovered reply is the completed response's"
-    );
-    assert_eq!(side_effects(&dir), 1, "completed work is never redone");
-    assert_eq!(
-        count(&records, |body| matches!(body, RecordBody::SubmissionSettled { .. })),
-        1
-    );
-}
-
-#[test]
-fn an_abort_requested_before_the_crash_settles_as_aborted() {
-    // The abort is requested (durably) while the attempt is stuck; then the process dies.
-    let (report, records, _) = crash_and_recover("tool_batch_commit", |dir| {
-        let store = SqliteStore::open(dir.join("flue.db")).unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        let stamped = runtime
-            .block_on(store.request_abort(&InstanceKey::new("billing", "customer")))
+fn failover_to_a_second_node_completes_the_submission_once_and_keeps_admission_order() {
+    use flue_runtime::message::DeliveredMessage;
+    use flue_runtime::store::{Admission, SubmissionKind, UidCondition};
+    let Some(dir) = scratch(true) else { return };
+    let mut standby = spawn("standby", &dir, &[]);
+    // Node A takes the first message and dies holding it.
+    let mut owner = spawn("crash:tool_batch_commit", &dir, &[]);
+    wait_for_line(&mut owner, |line| line == "READY");
+    // Messages admitted while A holds the instance: they queue behind its submission.
+    let store = backend(&dir);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let first = std::fs::read_to_string(dir.join("submission")).unwrap();
+    let mut ids = vec![first.trim().to_owned()];
+    for (index, body) in ["second", "third"].iter().enumerate() {
+        let id = format!("sub_failover_{index}");
+        runtime
+            .block_on(store.admit(Admission {
+                key: InstanceKey::new("billing", "customer"),
+                submission_id: id.clone(),
+                keyed: false,
+                kind: SubmissionKind::Dispatch,
+                message: DeliveredMessage::user(*body),
+                initial_data: None,
+                uid: UidCondition::Any,
+                max_attempts: 10,
+            }))
             .unwrap();
-        assert_eq!(stamped.len(), 1);
-    });
-    assert_eq!(report["outcome"], "failed", "{report}");
-    assert_eq!(report["type"], "submission_aborted");
-    assert_eq!(
-        count(&records, |body| matches!(
-            body,
-            RecordBody::SubmissionSettled {
-                outcome: Outcome::Aborted,
-                ..
-            }
-        )),
-        1
-    );
-}
-
-#[test]
-fn max_attempts_bounds_the_retries_of_a_submission_that_keeps_crashing() {
-    let dir = scratch();
-    // Three crashes at the tool-batch commit exhaust max_attempts = 3; the fourth process
-    // settles the submission as failed instead of running it again.
-    for round in 0..3 {
-        let mode = if round == 0 {
-            "crash:tool_batch_commit"
-        } else {
-            "crash-resume"
-        };
-        let mut crashing = spawn(mode, &dir, &[]);
-        wait_for_line(&mut crashing, |line| line == "READY");
-        crashing.kill().unwrap();
-        crashing.wait().unwrap();
+        ids.push(id);
     }
-    let mut recovering = spawn("recover", &dir, &[]);
-    let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
-    let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
-    recovering.wait().unwrap();
-    assert_eq!(report["type"], "submission_retry_exhausted", "{report}");
-    assert_eq!(
-        report["message"],
-        "Submission exceeded maximum recovery attempts (3/3)."
+    std::fs::write(
+        dir.join("submissions"),
+        ids.iter().map(|id| format!("{id}\n")).collect::<String>(),
+    )
+    .unwrap();
+    owner.kill().unwrap(); // SIGKILL: its lease now runs out
+    owner.wait().unwrap();
+    let report = wait_for_line(&mut standby, |line| line.starts_with("REPORT "));
+    standby.wait().unwrap();
+    let outcomes: serde_json::Value = serde_json::from_str(&report["REPORT ".len()..]).unwrap();
+    assert!(
+        outcomes.as_array().unwrap().iter().all(|outcome| outcome["ok"] == true),
+        "{outcomes}"
     );
+    let records = records(&dir);
+    for id in &ids {
+        let settled = records
+            .iter()
+            .filter(|record| record.submission_id.as_deref() == Some(id.as_str()))
+            .filter(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+            .count();
+        assert_eq!(settled, 1, "{id} settled exactly once");
+    }
+    let users: Vec<String> = records
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::UserMessage { body, .. } => Some(body.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(users, ["Charge my card.", "second", "third"], "admission order");
 }
