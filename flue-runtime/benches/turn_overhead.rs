@@ -407,6 +407,7 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
                     initial_data: None,
                     uid: UidCondition::Any,
                     max_attempts: 10,
+                    timeout_ms: 3_600_000,
                 })
                 .await
                 .expect("admit");

@@ -362,6 +362,7 @@ impl RuntimeInner {
                 initial_data: request.initial_data,
                 uid: request.uid,
                 max_attempts: definition.durability.max_attempts,
+                timeout_ms: definition.durability.timeout.as_millis() as u64,
             })
             .await?;
         if !admitted.deduplicated {

@@ -322,6 +322,7 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
             initial_data: None,
             uid: flue_runtime::store::UidCondition::Any,
             max_attempts: 10,
+            timeout_ms: 3_600_000,
         })
         .await
         .unwrap();
@@ -378,6 +379,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
             initial_data: None,
             uid: flue_runtime::store::UidCondition::Any,
             max_attempts: 10,
+            timeout_ms: 3_600_000,
         })
         .await
         .unwrap();

@@ -177,6 +177,17 @@ fn side_effects(dir: &Path) -> usize {
 
 #[agent(durability(max_attempts = 3))]
 fn billing() -> &'static str {
+    billing_body()
+}
+
+/// `billing` with a two-second budget across all attempts.
+#[agent(durability(max_attempts = 3, timeout = "2s"))]
+fn billing_on_a_budget() -> &'static str {
+    billing_body()
+}
+
+/// The billing agents' hooks: a helper an agent calls records onto its render like the agent.
+fn billing_body() -> &'static str {
     use_model("scripted/x");
     let (_, set_charged) = use_persistent_state("charged", false);
     let dir = std::env::var("FLUE_RECOVERY_DIR").unwrap_or_default();
@@ -247,12 +258,17 @@ async fn child(mode: &str, dir: &Path) {
     };
     let runtime = Runtime::builder()
         .agent(billing)
+        .agent(billing_on_a_budget)
         .providers(providers)
         .store(store)
         .options(options)
         .build()
         .unwrap();
-    let handle = runtime.init(&billing, "customer");
+    let handle = if std::env::var_os("FLUE_RECOVERY_ON_A_BUDGET").is_some() {
+        runtime.init(&billing_on_a_budget, "customer")
+    } else {
+        runtime.init(&billing, "customer")
+    };
     if resume && point != Point::Never {
         runtime.start().await;
         tokio::time::sleep(Duration::from_secs(3600)).await;
@@ -519,6 +535,27 @@ macro_rules! recovery_suite {
                 assert_eq!(report["type"], "submission_retry_exhausted", "{report}");
                 assert_eq!(report["message"], "Submission exceeded maximum recovery attempts (3/3).");
             }
+
+            #[test]
+            fn the_timeout_spans_attempts_so_a_recovery_after_the_budget_fails_the_submission() {
+                let Some(dir) = scratch($postgres) else { return };
+                let budget = [("FLUE_RECOVERY_ON_A_BUDGET", "1")];
+                let mut crashing = spawn("crash:tool_batch_commit", &dir, &budget);
+                wait_for_line(&mut crashing, |line| line == "READY");
+                crashing.kill().unwrap();
+                crashing.wait().unwrap();
+                // The two-second budget started at the first claim; a fresh attempt does not
+                // restart it.
+                std::thread::sleep(Duration::from_millis(2_500));
+                let mut recovering = spawn("recover", &dir, &budget);
+                let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
+                let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
+                recovering.wait().unwrap();
+                assert_eq!(report["type"], "submission_timeout", "{report}");
+                assert_eq!(report["message"], "Submission exceeded the configured timeout.");
+                // The interrupted tool ran once and was not run again.
+                assert_eq!(side_effects(&dir), 1);
+            }
         }
     };
 }
@@ -560,6 +597,7 @@ fn failover_to_a_second_node_completes_the_submission_once_and_keeps_admission_o
                 initial_data: None,
                 uid: UidCondition::Any,
                 max_attempts: 10,
+                timeout_ms: 3_600_000,
             }))
             .unwrap();
         ids.push(id);

@@ -122,6 +122,7 @@ async fn a_conversation_survives_reopening_the_database() {
                 initial_data: None,
                 uid: UidCondition::Any,
                 max_attempts: 10,
+                timeout_ms: 3_600_000,
             })
             .await
             .unwrap();

@@ -10,7 +10,7 @@ mod conversation;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use flue_core::abort::AbortSignal;
 use flue_core::event_hooks::{
@@ -514,7 +514,15 @@ impl Response<'_> {
 
     async fn run(&mut self) -> Result<(), Failure> {
         let definition = self.agent.definition();
-        let deadline = Instant::now() + definition.durability.timeout;
+        // The budget runs from the first claim across every attempt: a re-attempt after a crash
+        // inherits what is left of it.
+        let deadline = match self.submission.timeout_at_ms {
+            0 => Instant::now() + definition.durability.timeout,
+            at => Instant::now() + Duration::from_millis(at.saturating_sub(crate::store::now_ms())),
+        };
+        if Instant::now() >= deadline {
+            return Err(timed_out());
+        }
         // The init render: model, thinking level and compaction are submission-scoped.
         let rendered = self.render()?;
         let model = rendered.require_model()?.clone();
@@ -573,10 +581,7 @@ impl Response<'_> {
         loop {
             self.check_abort()?;
             if Instant::now() >= deadline {
-                return Err(Failure::failed(
-                    "submission_timeout",
-                    "Submission exceeded the configured timeout.",
-                ));
+                return Err(timed_out());
             }
             if steps >= max_steps {
                 break;
@@ -1007,4 +1012,9 @@ impl Response<'_> {
 enum StepError {
     Aborted,
     Provider(crate::provider::ProviderError),
+}
+
+/// The failure of a submission whose budget ran out.
+fn timed_out() -> Failure {
+    Failure::failed("submission_timeout", "Submission exceeded the configured timeout.")
 }

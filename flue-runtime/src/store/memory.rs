@@ -169,6 +169,9 @@ impl Store for MemoryStore {
             row.owner_id = Some(claim.owner_id.clone());
             row.lease_until_ms = claim.lease_until_ms;
             row.attempt_count += 1;
+            if row.timeout_at_ms == 0 {
+                row.timeout_at_ms = super::now_ms() + row.timeout_ms;
+            }
             Some(row.clone())
         });
         ready(Ok(claimed))

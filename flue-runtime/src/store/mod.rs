@@ -108,6 +108,8 @@ pub struct Admission {
     pub uid: UidCondition,
     /// Attempt budget stamped on the row.
     pub max_attempts: u32,
+    /// Wall-clock budget of the submission, from its first claim, in milliseconds.
+    pub timeout_ms: u64,
 }
 
 /// A submission row of the ledger.
@@ -139,6 +141,14 @@ pub struct Submission {
     pub attempt_count: u32,
     /// Attempt budget.
     pub max_attempts: u32,
+    /// Wall-clock budget, in milliseconds (rows written before it was stored get the default
+    /// one hour).
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// When the budget runs out (ms since the epoch), stamped at the first claim and kept
+    /// across re-attempts; 0 before that.
+    #[serde(default)]
+    pub timeout_at_ms: u64,
     /// Whether an abort was requested.
     pub abort_requested: bool,
     /// The host a joined delivery settles with.
@@ -220,6 +230,11 @@ pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
 }
 
 /// The queued row an admission creates.
+/// The submission budget of rows written before the budget was stored: the default one hour.
+fn default_timeout_ms() -> u64 {
+    3_600_000
+}
+
 pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submission {
     Submission {
         id: admission.submission_id,
@@ -234,6 +249,8 @@ pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submissi
         lease_until_ms: 0,
         attempt_count: 0,
         max_attempts: admission.max_attempts,
+        timeout_ms: admission.timeout_ms,
+        timeout_at_ms: 0,
         abort_requested: false,
         joined_into: None,
         outcome: None,

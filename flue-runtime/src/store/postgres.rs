@@ -86,6 +86,8 @@ const TABLES: [(&str, &str); 3] = [
             lease_until_ms NUMERIC(20, 0) NOT NULL DEFAULT 0,
             attempt_count BIGINT NOT NULL DEFAULT 0,
             max_attempts BIGINT NOT NULL,
+            timeout_ms NUMERIC(20, 0) NOT NULL,
+            timeout_at_ms NUMERIC(20, 0) NOT NULL DEFAULT 0,
             abort_requested BOOLEAN NOT NULL DEFAULT FALSE,
             joined_into TEXT,
             outcome TEXT CHECK (outcome IN ('completed', 'failed', 'aborted')),
@@ -99,11 +101,17 @@ const TABLES: [(&str, &str); 3] = [
     ),
 ];
 
+/// Adds the timeout columns to a `flue_submissions` table created before they existed.
+const ADD_TIMEOUT_COLUMNS: &str = "ALTER TABLE flue_submissions \
+     ADD COLUMN IF NOT EXISTS timeout_ms NUMERIC(20, 0) NOT NULL DEFAULT 3600000, \
+     ADD COLUMN IF NOT EXISTS timeout_at_ms NUMERIC(20, 0) NOT NULL DEFAULT 0";
+
 /// The columns [`submission_from_row`] decodes, in its order.
 macro_rules! submission_columns {
     () => {
         "id, admission_seq, agent, instance_id, kind, message, status, accepted_at, attempt_id, owner_id, \
-         lease_until_ms::TEXT, attempt_count, max_attempts, abort_requested, joined_into, outcome, error"
+         lease_until_ms::TEXT, attempt_count, max_attempts, abort_requested, joined_into, outcome, error, \
+         timeout_ms::TEXT, timeout_at_ms::TEXT"
     };
 }
 
@@ -120,8 +128,8 @@ const OWNS_SHARED: &str =
 const INSERT_INSTANCE: &str = "INSERT INTO flue_instances (agent, instance_id, uid, next_offset, created_at) \
      VALUES ($1, $2, $3, 0, $4) ON CONFLICT DO NOTHING RETURNING uid";
 const INSERT_SUBMISSION: &str = concat!(
-    "INSERT INTO flue_submissions (id, agent, instance_id, kind, message, status, accepted_at, max_attempts) \
-     VALUES ($1, $2, $3, $4, $5, 'queued', $6, $7) ON CONFLICT (id) DO NOTHING RETURNING ",
+    "INSERT INTO flue_submissions (id, agent, instance_id, kind, message, status, accepted_at, max_attempts, \
+     timeout_ms) VALUES ($1, $2, $3, $4, $5, 'queued', $6, $7, $8::TEXT::NUMERIC) ON CONFLICT (id) DO NOTHING RETURNING ",
     submission_columns!()
 );
 const BUMP_OFFSET: &str = "UPDATE flue_instances SET next_offset = next_offset + 1 \
@@ -136,7 +144,8 @@ const HEAD: &str = "SELECT id, status FROM flue_submissions \
      WHERE agent = $1 AND instance_id = $2 AND status <> 'settled' ORDER BY admission_seq LIMIT 1";
 const CLAIM: &str = concat!(
     "UPDATE flue_submissions SET status = 'running', attempt_id = $2, owner_id = $3, \
-     lease_until_ms = $4::TEXT::NUMERIC, attempt_count = attempt_count + 1 \
+     lease_until_ms = $4::TEXT::NUMERIC, attempt_count = attempt_count + 1, \
+     timeout_at_ms = CASE WHEN timeout_at_ms = 0 THEN $5::TEXT::NUMERIC + timeout_ms ELSE timeout_at_ms END \
      WHERE id = $1 AND status = 'queued' RETURNING ",
     submission_columns!()
 );
@@ -484,6 +493,11 @@ async fn prepare_format(tx: &Transaction<'_>) -> Result<(), Failure> {
             tx.batch_execute(ddl).await?;
         }
     }
+    if tables.iter().any(|table| table == "flue_submissions") {
+        // Format-1 schemas from before the submission timeout was stored gain its columns, with
+        // the default one-hour budget.
+        tx.batch_execute(ADD_TIMEOUT_COLUMNS).await?;
+    }
     Ok(())
 }
 
@@ -543,6 +557,8 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
     let max_attempts: i64 = row.try_get(12)?;
     let outcome: Option<String> = row.try_get(15)?;
     let error: Option<String> = row.try_get(16)?;
+    let timeout: String = row.try_get(17)?;
+    let timeout_at: String = row.try_get(18)?;
     Ok(Submission {
         id: row.try_get(0)?,
         sequence: u64::try_from(sequence).map_err(|_| corrupt(format_args!("admission sequence {sequence}")))?,
@@ -558,6 +574,12 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
         attempt_count: u32::try_from(attempt_count)
             .map_err(|_| corrupt(format_args!("attempt count {attempt_count}")))?,
         max_attempts: u32::try_from(max_attempts).map_err(|_| corrupt(format_args!("max attempts {max_attempts}")))?,
+        timeout_ms: timeout
+            .parse()
+            .map_err(|_| corrupt(format_args!("timeout {timeout:?}")))?,
+        timeout_at_ms: timeout_at
+            .parse()
+            .map_err(|_| corrupt(format_args!("timeout deadline {timeout_at:?}")))?,
         abort_requested: row.try_get(13)?,
         joined_into: row.try_get(14)?,
         outcome: outcome.as_deref().map(parse_outcome).transpose()?,
@@ -688,6 +710,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     };
     let message = to_json(&admission.message, "message")?;
     let max_attempts = i64::from(admission.max_attempts);
+    let timeout = admission.timeout_ms.to_string();
     let statement = tx.prepare_cached(INSERT_SUBMISSION).await?;
     let Some(row) = tx
         .query_opt(
@@ -700,6 +723,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
                 &message,
                 &now(),
                 &max_attempts,
+                &timeout,
             ],
         )
         .await?
@@ -731,8 +755,9 @@ async fn claim_next_tx(tx: &Transaction<'_>, key: &InstanceKey, claim: &Claim) -
     }
     let statement = tx.prepare_cached(CLAIM).await?;
     let lease = claim.lease_until_ms.to_string();
+    let now = super::now_ms().to_string();
     match tx
-        .query_opt(&statement, &[&id, &claim.attempt_id, &claim.owner_id, &lease])
+        .query_opt(&statement, &[&id, &claim.attempt_id, &claim.owner_id, &lease, &now])
         .await?
     {
         Some(row) => Ok(Some(submission_from_row(&row)?)),
@@ -1155,6 +1180,7 @@ mod tests {
             initial_data: None,
             uid: UidCondition::Any,
             max_attempts: 10,
+            timeout_ms: 3_600_000,
         }
     }
 
@@ -1215,6 +1241,23 @@ mod tests {
             .unwrap();
         PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
         assert_eq!(meta(&client).await, stamp("format_version", "1"));
+    }
+
+    #[tokio::test]
+    async fn a_submissions_table_without_the_timeout_columns_gains_them_with_the_default_budget() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        store.admit(admission("d-1", "assistant", "older")).await.unwrap();
+        drop(store);
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute("ALTER TABLE flue_submissions DROP COLUMN timeout_ms, DROP COLUMN timeout_at_ms")
+            .await
+            .unwrap();
+        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let row = store.submission("d-1").await.unwrap().unwrap();
+        assert_eq!((row.timeout_ms, row.timeout_at_ms), (3_600_000, 0));
     }
 
     #[tokio::test]

@@ -392,6 +392,9 @@ impl Store for SqliteStore {
             head.owner_id = Some(claim.owner_id.clone());
             head.lease_until_ms = claim.lease_until_ms;
             head.attempt_count += 1;
+            if head.timeout_at_ms == 0 {
+                head.timeout_at_ms = super::now_ms() + head.timeout_ms;
+            }
             write_submission(tx, &head)?;
             Ok(Some(head))
         }))

@@ -72,6 +72,7 @@ macro_rules! store_contract {
                     gives_concurrent_appends_distinct_consecutive_offsets,
                     settles_with_its_records_in_the_same_step,
                     lists_instances_with_queued_work,
+                    stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts,
                 ]
             );
         }
@@ -108,6 +109,7 @@ fn admission(id: &str, agent: &str, instance: &str, kind: SubmissionKind, body: 
         initial_data: None,
         uid: UidCondition::Any,
         max_attempts: 10,
+        timeout_ms: 3_600_000,
     }
 }
 
@@ -1006,4 +1008,30 @@ pub async fn lists_instances_with_queued_work(store: Factory) {
         store.instances_with_queued().await.unwrap(),
         [key("assistant", "agent-1")]
     );
+}
+
+pub async fn stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts(store: Factory) {
+    let admitted = admit(&store, dispatch("d-1")).await;
+    assert_eq!((admitted.timeout_ms, admitted.timeout_at_ms), (3_600_000, 0));
+    let before = now_ms();
+    let claimed = store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let deadline = claimed.timeout_at_ms;
+    assert!(
+        (before + 3_600_000..=now_ms() + 3_600_000).contains(&deadline),
+        "the deadline is the first claim plus the budget: {deadline}"
+    );
+    let reclaimed = store.reclaim("d-1", "a1", &claim("a2")).await.unwrap().unwrap();
+    assert_eq!(reclaimed.timeout_at_ms, deadline, "a reclaim keeps the deadline");
+    assert!(store.requeue(&attempt("d-1", "a2")).await.unwrap());
+    assert_eq!(row(&store, "d-1").await.timeout_at_ms, deadline, "a requeue keeps it");
+    let again = store
+        .claim_next(&key("assistant", "agent-1"), &claim("a3"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.timeout_at_ms, deadline, "a later claim keeps it");
 }
