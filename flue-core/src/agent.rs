@@ -167,7 +167,8 @@ impl fmt::Debug for InitialDataSpec {
 pub struct Durability {
     /// Attempts before a repeatedly interrupted submission fails (default 10).
     pub max_attempts: u32,
-    /// Wall-clock limit from the first input application (default one hour).
+    /// Wall-clock budget from the first claim, across every attempt (default one hour): a live
+    /// attempt is aborted at its end, and a re-attempt after it fails with `submission_timeout`.
     pub timeout: Duration,
 }
 

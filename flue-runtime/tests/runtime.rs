@@ -497,6 +497,45 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
     assert_eq!(model.requests().len(), 1, "no model call after the abort");
 }
 
+#[agent(durability(timeout = "300ms"))]
+fn impatient_waiter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("wait_forever").description("Wait until aborted.").run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            ctx.signal().aborted().await;
+            "stopped"
+        },
+    ));
+    "Wait."
+}
+
+#[tokio::test]
+async fn the_timeout_aborts_a_live_attempt_wherever_it_waits_and_settles_it_as_timed_out() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("wait_forever", json!({})),
+        ScriptedReply::text("never"),
+    ]);
+    let runtime = runtime_with(&model, vec![impatient_waiter.into()]);
+    let handle = runtime.init(&impatient_waiter, "t");
+    let receipt = handle.dispatch("go").await.unwrap();
+    // Nothing but the 300 ms budget ends the tool: it waits for an abort that nobody requests.
+    let error = tokio::time::timeout(std::time::Duration::from_secs(20), handle.read(&receipt.submission_id))
+        .await
+        .expect("the deadline ended the attempt")
+        .unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("run error")
+    };
+    assert_eq!(
+        (error_type.as_str(), message.as_str()),
+        ("submission_timeout", "Submission exceeded the configured timeout.")
+    );
+    assert_eq!(model.requests().len(), 1, "no model call after the deadline");
+}
+
 #[agent]
 fn parallel() -> &'static str {
     use_model("scripted/x");

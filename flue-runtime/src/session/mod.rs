@@ -178,6 +178,16 @@ impl InstanceSlot {
             responding: AtomicBool::new(true),
         });
         self.binding.set_current(Some(attempt.clone()));
+        // The live deadline: at the budget's end the attempt is aborted wherever it waits (a
+        // model stream, a tool, a retry delay) and settles as timed out.
+        let deadline = deadline_of(&submission, agent.get().definition().durability.timeout);
+        let watchdog = tokio::spawn({
+            let signal = attempt.signal.clone();
+            async move {
+                tokio::time::sleep_until(deadline.into()).await;
+                signal.abort(TIMEOUT_MESSAGE);
+            }
+        });
         runtime.emit(
             &self.key,
             Some(&submission.id),
@@ -216,6 +226,14 @@ impl InstanceSlot {
             )),
             Ok(()) => response.run().await,
             Err(failure) => Err(failure),
+        };
+        watchdog.abort();
+        // An abort the watchdog fired (the first reason wins) is the timeout.
+        let result = match result {
+            Err(failure) if failure.outcome == Outcome::Aborted && attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => {
+                Err(timed_out())
+            }
+            other => other,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentEnd);
         runtime.emit(&self.key, Some(&submission.id), Event::Idle);
@@ -514,12 +532,7 @@ impl Response<'_> {
 
     async fn run(&mut self) -> Result<(), Failure> {
         let definition = self.agent.definition();
-        // The budget runs from the first claim across every attempt: a re-attempt after a crash
-        // inherits what is left of it.
-        let deadline = match self.submission.timeout_at_ms {
-            0 => Instant::now() + definition.durability.timeout,
-            at => Instant::now() + Duration::from_millis(at.saturating_sub(crate::store::now_ms())),
-        };
+        let deadline = deadline_of(self.submission, definition.durability.timeout);
         if Instant::now() >= deadline {
             return Err(timed_out());
         }
@@ -1016,5 +1029,16 @@ enum StepError {
 
 /// The failure of a submission whose budget ran out.
 fn timed_out() -> Failure {
-    Failure::failed("submission_timeout", "Submission exceeded the configured timeout.")
+    Failure::failed("submission_timeout", TIMEOUT_MESSAGE)
+}
+
+const TIMEOUT_MESSAGE: &str = "Submission exceeded the configured timeout.";
+
+/// When the submission's budget runs out. The budget runs from the first claim across every
+/// attempt: a re-attempt after a crash inherits what is left of it.
+fn deadline_of(submission: &Submission, timeout: Duration) -> Instant {
+    match submission.timeout_at_ms {
+        0 => Instant::now() + timeout,
+        at => Instant::now() + Duration::from_millis(at.saturating_sub(crate::store::now_ms())),
+    }
 }
