@@ -457,6 +457,11 @@ async fn initial_data_is_validated_at_creation_only() {
 
 #[agent]
 fn waiter() -> &'static str {
+    waiting_body()
+}
+
+/// A model and one tool that waits until the attempt is aborted.
+fn waiting_body() -> &'static str {
     use_model("scripted/x");
     use_tool(Tool::new("wait_forever").description("Wait until aborted.").run(
         |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
@@ -499,14 +504,7 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
 
 #[agent(durability(timeout = "300ms"))]
 fn impatient_waiter() -> &'static str {
-    use_model("scripted/x");
-    use_tool(Tool::new("wait_forever").description("Wait until aborted.").run(
-        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
-            ctx.signal().aborted().await;
-            "stopped"
-        },
-    ));
-    "Wait."
+    waiting_body()
 }
 
 #[tokio::test]

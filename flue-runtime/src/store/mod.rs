@@ -229,12 +229,12 @@ pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
     }
 }
 
-/// The queued row an admission creates.
 /// The submission budget of rows written before the budget was stored: the default one hour.
 fn default_timeout_ms() -> u64 {
-    3_600_000
+    flue_core::agent::Durability::DEFAULT.timeout.as_millis() as u64
 }
 
+/// The queued row an admission creates.
 pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submission {
     Submission {
         id: admission.submission_id,
