@@ -8,6 +8,9 @@
 //! 2. Exchanges per second at concurrency 16 over 16 instances.
 //! 3. Exchange 200 of one long conversation next to exchange 1.
 //! 4. Resident memory with 10,000 idle instances.
+//!
+//! Under a profiler, `FLUE_BENCH_PROFILE=http|sqlite|scripted` runs just 20,000 exchanges of
+//! one kind (HTTP on the memory store, scripted on SQLite, scripted on the memory store).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -161,6 +164,19 @@ fn exchange_script(model: &ScriptedModel) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     if let Ok(target) = std::env::var("FLUE_BENCH_PROFILE") {
+        if target == "http" {
+            // Profiling aid: the HTTP exchange on the memory store, many times.
+            let addr = start_responder().await;
+            let runtime = http_runtime(&format!("http://{addr}/v1"));
+            for round in 0..20_000 {
+                runtime
+                    .init(&http_agent, format!("p-{round}"))
+                    .send("2+3?")
+                    .await
+                    .expect("exchange");
+            }
+            return;
+        }
         // Profiling aid: only the scripted exchange, many times (on SQLite when asked).
         let model = ScriptedModel::new([]);
         let scripted = if target == "sqlite" {
