@@ -499,6 +499,28 @@ macro_rules! recovery_suite {
             }
 
             #[test]
+            fn a_durable_final_answer_settles_completed_even_past_the_budget_and_after_an_abort_request() {
+                let Some(dir) = scratch($postgres) else { return };
+                let budget = [("FLUE_RECOVERY_ON_A_BUDGET", "1")];
+                let mut crashing = spawn("crash:settlement", &dir, &budget);
+                wait_for_line(&mut crashing, |line| line == "READY");
+                let store = backend(&dir);
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                let key = InstanceKey::new("billing_on_a_budget", "customer");
+                assert_eq!(runtime.block_on(store.request_abort(&key)).unwrap().len(), 1);
+                crashing.kill().unwrap();
+                crashing.wait().unwrap();
+                std::thread::sleep(Duration::from_millis(2_500));
+                let mut recovering = spawn("recover", &dir, &budget);
+                let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
+                let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
+                recovering.wait().unwrap();
+                assert_eq!(report["outcome"], "completed", "{report}");
+                assert_eq!(report["text"], "All set.");
+                assert_eq!(side_effects(&dir), 1);
+            }
+
+            #[test]
             fn an_abort_requested_before_the_crash_settles_as_aborted() {
                 let Some(dir) = scratch($postgres) else { return };
                 // The abort is requested (durably) while the attempt is stuck; then the process dies.

@@ -178,15 +178,18 @@ impl InstanceSlot {
             responding: AtomicBool::new(true),
         });
         self.binding.set_current(Some(attempt.clone()));
+        // A response whose final answer is durable (an attempt died before settling it) settles
+        // as completed: even past its budget, after an abort request or with its attempts used.
+        let answered = refreshed.is_ok() && conversation.has_final_answer(&submission.id);
         // The live deadline: at the budget's end the attempt is aborted wherever it waits (a
         // model stream, a tool, a retry delay) and settles as timed out.
         let deadline = deadline_of(&submission, agent.get().definition().durability.timeout);
-        let watchdog = tokio::spawn({
+        let watchdog = (!answered).then(|| {
             let signal = attempt.signal.clone();
-            async move {
+            tokio::spawn(async move {
                 tokio::time::sleep_until(deadline.into()).await;
                 signal.abort(TIMEOUT_MESSAGE);
-            }
+            })
         });
         runtime.emit(
             &self.key,
@@ -214,6 +217,7 @@ impl InstanceSlot {
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
+            Ok(()) if answered => response.run().await,
             Ok(()) if submission.abort_requested => Err(Failure::aborted()),
             // The budget counts every attempt, the interrupted ones included.
             Ok(()) if submission.attempt_count > submission.max_attempts => Err(Failure::failed(
@@ -227,7 +231,9 @@ impl InstanceSlot {
             Ok(()) => response.run().await,
             Err(failure) => Err(failure),
         };
-        watchdog.abort();
+        if let Some(watchdog) = watchdog {
+            watchdog.abort();
+        }
         // An abort the watchdog fired (the first reason wins) is the timeout.
         let result = match result {
             Err(failure) if failure.outcome == Outcome::Aborted && attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => {
@@ -533,7 +539,9 @@ impl Response<'_> {
     async fn run(&mut self) -> Result<(), Failure> {
         let definition = self.agent.definition();
         let deadline = deadline_of(self.submission, definition.durability.timeout);
-        if Instant::now() >= deadline {
+        // A resumed response that already ended in a final answer settles as it is.
+        let already_answered = self.conversation.has_final_answer(&self.submission.id);
+        if !already_answered && Instant::now() >= deadline {
             return Err(timed_out());
         }
         // The init render: model, thinking level and compaction are submission-scoped.
@@ -582,16 +590,13 @@ impl Response<'_> {
         }
         self.spare = Some(rendered);
 
-        // A resumed response that already ended in a final answer settles as it is.
-        let already_answered = self.conversation.has_final_answer(&submission_id);
-        let max_steps = if already_answered {
-            0
-        } else {
-            definition.max_steps.unwrap_or(u32::MAX)
-        };
+        let max_steps = definition.max_steps.unwrap_or(u32::MAX);
         let mut steps = 0u32;
         let mut finish_cycles = self.conversation.finish_cycles(&submission_id);
         loop {
+            if already_answered {
+                break;
+            }
             self.check_abort()?;
             if Instant::now() >= deadline {
                 return Err(timed_out());
