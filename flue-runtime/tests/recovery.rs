@@ -397,16 +397,40 @@ fn crash_and_recover(
     point: &str,
     before_kill: impl Fn(&Path),
 ) -> (serde_json::Value, Vec<Record>, PathBuf) {
-    let mut crashing = spawn(&format!("crash:{point}"), &dir, &[]);
+    crash(&format!("crash:{point}"), &dir, &[], before_kill);
+    let report = recover(&dir, &[]);
+    let records = records(&dir);
+    (report, records, dir)
+}
+
+/// Runs a child in `mode` until it pauses (`READY`), calls `before_kill`, then SIGKILLs it.
+fn crash(mode: &str, dir: &Path, env: &[(&str, &str)], before_kill: impl Fn(&Path)) {
+    let mut crashing = spawn(mode, dir, env);
     wait_for_line(&mut crashing, |line| line == "READY");
-    before_kill(&dir);
+    before_kill(dir);
     crashing.kill().unwrap(); // SIGKILL
     crashing.wait().unwrap();
-    let mut recovering = spawn("recover", &dir, &[]);
-    let report = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
+}
+
+/// Runs a recovering child to its report.
+fn recover(dir: &Path, env: &[(&str, &str)]) -> serde_json::Value {
+    let mut recovering = spawn("recover", dir, env);
+    let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
     recovering.wait().unwrap();
-    let records = records(&dir);
-    (serde_json::from_str(&report["REPORT ".len()..]).unwrap(), records, dir)
+    serde_json::from_str(&line["REPORT ".len()..]).unwrap()
+}
+
+/// Requests an abort of the instance's submissions, durably, as another process would.
+fn request_abort(dir: &Path, agent: &str) -> usize {
+    let store = backend(dir);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime
+        .block_on(store.request_abort(&InstanceKey::new(agent, "customer")))
+        .unwrap()
+        .len()
 }
 
 fn backend(dir: &Path) -> Box<dyn Store> {
@@ -502,19 +526,11 @@ macro_rules! recovery_suite {
             fn a_durable_final_answer_settles_completed_even_past_the_budget_and_after_an_abort_request() {
                 let Some(dir) = scratch($postgres) else { return };
                 let budget = [("FLUE_RECOVERY_ON_A_BUDGET", "1")];
-                let mut crashing = spawn("crash:settlement", &dir, &budget);
-                wait_for_line(&mut crashing, |line| line == "READY");
-                let store = backend(&dir);
-                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-                let key = InstanceKey::new("billing_on_a_budget", "customer");
-                assert_eq!(runtime.block_on(store.request_abort(&key)).unwrap().len(), 1);
-                crashing.kill().unwrap();
-                crashing.wait().unwrap();
+                crash("crash:settlement", &dir, &budget, |dir| {
+                    assert_eq!(request_abort(dir, "billing_on_a_budget"), 1);
+                });
                 std::thread::sleep(Duration::from_millis(2_500));
-                let mut recovering = spawn("recover", &dir, &budget);
-                let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
-                let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
-                recovering.wait().unwrap();
+                let report = recover(&dir, &budget);
                 assert_eq!(report["outcome"], "completed", "{report}");
                 assert_eq!(report["text"], "All set.");
                 assert_eq!(side_effects(&dir), 1);
@@ -525,10 +541,7 @@ macro_rules! recovery_suite {
                 let Some(dir) = scratch($postgres) else { return };
                 // The abort is requested (durably) while the attempt is stuck; then the process dies.
                 let (report, records, _) = crash_and_recover(dir, "tool_batch_commit", |dir| {
-                    let store = backend(dir);
-                    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-                    let stamped = runtime.block_on(store.request_abort(&InstanceKey::new("billing", "customer"))).unwrap();
-                    assert_eq!(stamped.len(), 1);
+                    assert_eq!(request_abort(dir, "billing"), 1);
                 });
                 assert_eq!(report["outcome"], "failed", "{report}");
                 assert_eq!(report["type"], "submission_aborted");
@@ -545,15 +558,9 @@ macro_rules! recovery_suite {
                 // settles the submission as failed instead of running it again.
                 for round in 0..3 {
                     let mode = if round == 0 { "crash:tool_batch_commit" } else { "crash-resume" };
-                    let mut crashing = spawn(mode, &dir, &[]);
-                    wait_for_line(&mut crashing, |line| line == "READY");
-                    crashing.kill().unwrap();
-                    crashing.wait().unwrap();
+                    crash(mode, &dir, &[], |_| {});
                 }
-                let mut recovering = spawn("recover", &dir, &[]);
-                let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
-                let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
-                recovering.wait().unwrap();
+                let report = recover(&dir, &[]);
                 assert_eq!(report["type"], "submission_retry_exhausted", "{report}");
                 assert_eq!(report["message"], "Submission exceeded maximum recovery attempts (3/3).");
             }
@@ -562,17 +569,11 @@ macro_rules! recovery_suite {
             fn the_timeout_spans_attempts_so_a_recovery_after_the_budget_fails_the_submission() {
                 let Some(dir) = scratch($postgres) else { return };
                 let budget = [("FLUE_RECOVERY_ON_A_BUDGET", "1")];
-                let mut crashing = spawn("crash:tool_batch_commit", &dir, &budget);
-                wait_for_line(&mut crashing, |line| line == "READY");
-                crashing.kill().unwrap();
-                crashing.wait().unwrap();
+                crash("crash:tool_batch_commit", &dir, &budget, |_| {});
                 // The two-second budget started at the first claim; a fresh attempt does not
                 // restart it.
                 std::thread::sleep(Duration::from_millis(2_500));
-                let mut recovering = spawn("recover", &dir, &budget);
-                let line = wait_for_line(&mut recovering, |line| line.starts_with("REPORT "));
-                let report: serde_json::Value = serde_json::from_str(&line["REPORT ".len()..]).unwrap();
-                recovering.wait().unwrap();
+                let report = recover(&dir, &budget);
                 assert_eq!(report["type"], "submission_timeout", "{report}");
                 assert_eq!(report["message"], "Submission exceeded the configured timeout.");
                 // The interrupted tool ran once and was not run again.
@@ -595,10 +596,12 @@ fn failover_to_a_second_node_completes_the_submission_once_and_keeps_admission_o
     use flue_runtime::message::DeliveredMessage;
     use flue_runtime::store::{Admission, SubmissionKind, UidCondition};
     let Some(dir) = scratch(true) else { return };
-    let mut standby = spawn("standby", &dir, &[]);
     // Node A takes the first message and dies holding it.
     let mut owner = spawn("crash:tool_batch_commit", &dir, &[]);
     wait_for_line(&mut owner, |line| line == "READY");
+    // Node B starts only now: started earlier, its scan could claim the first message before A
+    // does, and A would never reach its crash point.
+    let mut standby = spawn("standby", &dir, &[]);
     // Messages admitted while A holds the instance: they queue behind its submission.
     let store = backend(&dir);
     let runtime = tokio::runtime::Builder::new_current_thread()
