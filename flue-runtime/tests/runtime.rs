@@ -28,6 +28,16 @@ fn runtime_with(model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
     builder.build().unwrap()
 }
 
+/// The type and message of a failed run; panics on any other error.
+fn run_error(error: RuntimeError) -> (String, String) {
+    match error {
+        RuntimeError::Run {
+            error_type, message, ..
+        } => (error_type, message),
+        other => panic!("expected a run error, got {other}"),
+    }
+}
+
 /// Add two numbers.
 #[tool]
 async fn add(
@@ -168,12 +178,7 @@ async fn a_finish_hook_that_always_appends_fails_at_the_ceiling_of_32_cycles() {
     let model = ScriptedModel::new((0..40).map(|_| ScriptedReply::text("ok")));
     let runtime = runtime_with(&model, vec![runaway.into()]);
     let error = runtime.init(&runaway, "r").send("go").await.unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("a run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(error_type, "agent_finish_ceiling");
     assert!(message.contains("after 32 continued cycles"));
     assert_eq!(model.requests().len(), 33);
@@ -265,12 +270,7 @@ async fn a_panicking_render_fails_the_submission_with_its_message_and_the_runtim
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![crashing.into(), calculator.into()]);
     let error = runtime.init(&crashing, "x").send("hi").await.unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(error_type, "render_failed");
     assert!(message.starts_with("[flue] use_model() was called twice in one render."));
     let reply = runtime.init(&calculator, "after").send("hi").await.unwrap();
@@ -489,12 +489,7 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
     }
     assert!(handle.abort().await.unwrap());
     let error = handle.read(&receipt.submission_id).await.unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(
         (error_type.as_str(), message.as_str()),
         ("submission_aborted", "Submission was aborted.")
@@ -521,12 +516,7 @@ async fn the_timeout_aborts_a_live_attempt_wherever_it_waits_and_settles_it_as_t
         .await
         .expect("the deadline ended the attempt")
         .unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(
         (error_type.as_str(), message.as_str()),
         ("submission_timeout", "Submission exceeded the configured timeout.")
