@@ -7,6 +7,7 @@
 
 mod binding;
 mod conversation;
+mod deadline;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -34,6 +35,7 @@ use crate::record::{Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
 use crate::store::{AttemptRef, InstanceKey, Submission};
 use crate::tools;
+use deadline::Deadline;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
 pub(crate) use conversation::{Conversation, reply_of};
@@ -184,13 +186,6 @@ impl InstanceSlot {
         // The live deadline: at the budget's end the attempt is aborted wherever it waits (a
         // model stream, a tool, a retry delay) and settles as timed out.
         let deadline = deadline_of(&submission, agent.get().definition().durability.timeout);
-        let watchdog = (!answered).then(|| {
-            let signal = attempt.signal.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep_until(deadline.into()).await;
-                signal.abort(TIMEOUT_MESSAGE);
-            })
-        });
         runtime.emit(
             &self.key,
             Some(&submission.id),
@@ -228,13 +223,10 @@ impl InstanceSlot {
                     submission.max_attempts
                 ),
             )),
-            Ok(()) => response.run().await,
+            Ok(()) => Deadline::new(response.run(), deadline, attempt.signal.clone(), TIMEOUT_MESSAGE).await,
             Err(failure) => Err(failure),
         };
-        if let Some(watchdog) = watchdog {
-            watchdog.abort();
-        }
-        // An abort the watchdog fired (the first reason wins) is the timeout.
+        // An abort the deadline fired (the first reason wins) is the timeout.
         let result = match result {
             Err(failure) if failure.outcome == Outcome::Aborted && attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => {
                 Err(timed_out())
