@@ -263,6 +263,68 @@ async fn a_failure_inside_a_start_seam_re_runs_every_start_callback_and_duplicat
     );
 }
 
+/// The batches of an instance's stream, each as the kinds of its records.
+async fn batch_kinds(store: &FaultyStore, key: &InstanceKey) -> Vec<Vec<&'static str>> {
+    let kind = |body: &RecordBody| match body {
+        RecordBody::UserMessage { .. } => "user",
+        RecordBody::AgentStartRun => "seam",
+        RecordBody::Signal { .. } => "signal",
+        RecordBody::StateWrite { .. } => "state",
+        _ => "other",
+    };
+    store
+        .inner
+        .read(key, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|batch| batch.records.iter().map(|record| kind(&record.body)).collect())
+        .collect()
+}
+
+#[tokio::test]
+async fn without_start_callbacks_the_seam_marker_commits_in_the_inputs_batch() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("Relayed.")]);
+    let runtime = runtime(&store, &model, relay);
+    runtime.init(&relay, "r-batch").send("hello").await.unwrap();
+    let batches = batch_kinds(&store, &InstanceKey::new("relay", "r-batch")).await;
+    assert!(
+        batches.contains(&vec!["user", "seam"]),
+        "input and seam marker share one batch: {batches:?}"
+    );
+}
+
+#[agent]
+fn greeter() -> &'static str {
+    use_model("scripted/x");
+    let (_, set_greeted) = use_persistent_state("greeted", false);
+    use_agent_start(move |ctx| {
+        let set_greeted = set_greeted.clone();
+        async move {
+            set_greeted.set(true)?;
+            ctx.append(Signal::new("welcome", "A new visitor."))?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        }
+    });
+    "You greet visitors."
+}
+
+#[tokio::test]
+async fn with_start_callbacks_the_input_is_durable_before_the_seam_runs() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("Welcome!")]);
+    let runtime = runtime(&store, &model, greeter);
+    runtime.init(&greeter, "g-batch").send("hello").await.unwrap();
+    let batches = batch_kinds(&store, &InstanceKey::new("greeter", "g-batch")).await;
+    let input = batches.iter().position(|batch| batch == &["user"]);
+    let seam = batches.iter().position(|batch| batch == &["signal", "state", "seam"]);
+    assert!(
+        matches!((input, seam), (Some(input), Some(seam)) if input < seam),
+        "the input commits alone, then the seam's appends, writes and marker: {batches:?}"
+    );
+}
+
 #[agent(durability(max_attempts = 2))]
 fn fragile() -> &'static str {
     use_model("scripted/x");

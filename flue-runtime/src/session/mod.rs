@@ -570,16 +570,8 @@ impl Response<'_> {
 
         // Input applied (once: a re-attempt finds it in the stream), then the start seam for the
         // waking delivery (skipped when its marker committed).
-        if !self.conversation.has_input(&submission_id) {
-            let input = self.input_record(&submission_id, &self.delivery.clone());
-            self.emit(Event::MessageStart { role: "user".into() });
-            self.commit(vec![input], false).await?;
-            self.emit(Event::MessageEnd { role: "user".into() });
-        }
-        if !self.conversation.has_started(&submission_id) {
-            self.start_seam(&rendered, self.delivery.clone(), &submission_id)
-                .await?;
-        }
+        self.apply_input(&rendered, self.delivery.clone(), &submission_id)
+            .await?;
         self.spare = Some(rendered);
 
         let max_steps = definition.max_steps.unwrap_or(u32::MAX);
@@ -669,6 +661,41 @@ impl Response<'_> {
         Ok(())
     }
 
+    /// Applies a delivery's input, then runs its start seam — each once: a re-attempt finds
+    /// them in the stream. Without `use_agent_start` callbacks the seam has nothing to run and
+    /// its marker commits in the input's batch (one durability point instead of two).
+    async fn apply_input(
+        &mut self,
+        rendered: &Rendered,
+        delivery: Arc<DeliveredMessage>,
+        submission_id: &str,
+    ) -> Result<(), Failure> {
+        let needs_input = !self.conversation.has_input(submission_id);
+        let needs_seam = !self.conversation.has_started(submission_id);
+        if needs_input {
+            let input = self.input_record(submission_id, &delivery);
+            self.emit(Event::MessageStart { role: "user".into() });
+            if needs_seam && rendered.agent_starts.is_empty() {
+                let marker = self.seam_marker(submission_id);
+                self.commit(vec![input, marker], true).await?;
+                self.emit(Event::MessageEnd { role: "user".into() });
+                return Ok(());
+            }
+            self.commit(vec![input], false).await?;
+            self.emit(Event::MessageEnd { role: "user".into() });
+        }
+        if needs_seam {
+            self.start_seam(rendered, delivery, submission_id).await?;
+        }
+        Ok(())
+    }
+
+    fn seam_marker(&self, submission_id: &str) -> Record {
+        let mut marker = self.record(RecordBody::AgentStartRun);
+        marker.submission_id = Some(submission_id.to_owned());
+        marker
+    }
+
     fn input_record(&self, submission_id: &str, message: &DeliveredMessage) -> Record {
         let mut record = match message {
             DeliveredMessage::User(user) => self.record(RecordBody::UserMessage {
@@ -750,9 +777,7 @@ impl Response<'_> {
         drop(appends);
         let mut records: Vec<Record> = signals.iter().map(|signal| self.signal_record(signal)).collect();
         let appended = signals;
-        let mut marker = self.record(RecordBody::AgentStartRun);
-        marker.submission_id = Some(submission_id.to_owned());
-        records.push(marker);
+        records.push(self.seam_marker(submission_id));
         self.commit(records, true).await?;
         self.advance_delivery(&appended);
         Ok(())
@@ -804,12 +829,8 @@ impl Response<'_> {
         }
         for delivery in claimed {
             let message = Arc::new(delivery.message.clone());
-            let input = self.input_record(&delivery.id, &message);
-            self.emit(Event::MessageStart { role: "user".into() });
-            self.commit(vec![input], false).await?;
-            self.emit(Event::MessageEnd { role: "user".into() });
             self.delivery = message.clone();
-            self.start_seam(rendered, message, &delivery.id).await?;
+            self.apply_input(rendered, message, &delivery.id).await?;
             self.runtime
                 .store
                 .finalize_join(&self.attempt.attempt, &delivery.id)
