@@ -134,3 +134,106 @@ async fn a_conversation_survives_reopening_the_database() {
     );
     assert_eq!(reopened.read(&key, None).await.unwrap().len(), 1);
 }
+
+#[tokio::test]
+async fn reopening_a_store_of_an_earlier_build_drops_its_extra_indexes_and_continues_its_offsets() {
+    use flue_runtime::message::DeliveredMessage;
+    use flue_runtime::store::{Admission, InstanceKey, SubmissionKind, UidCondition};
+    let path = scratch_db();
+    let key = InstanceKey::new("assistant", "upgraded");
+    let admission = |id: &str| Admission {
+        key: key.clone(),
+        submission_id: id.into(),
+        keyed: false,
+        kind: SubmissionKind::Dispatch,
+        message: DeliveredMessage::user("hello"),
+        initial_data: None,
+        uid: UidCondition::Any,
+        max_attempts: 10,
+        timeout_ms: 3_600_000,
+    };
+    {
+        let store = SqliteStore::open(&path).unwrap();
+        store.admit(admission("u-1")).await.unwrap();
+    }
+    // What an earlier build of format 1 left: two more indexes and a maintained counter.
+    let connection = rusqlite::Connection::open(&path).unwrap();
+    connection
+        .execute_batch(
+            "CREATE INDEX flue_submissions_by_status ON flue_submissions (status, agent, instance_id);
+             CREATE INDEX flue_submissions_by_owner ON flue_submissions (owner_id, status);
+             UPDATE flue_instances SET next_offset = 7;",
+        )
+        .unwrap();
+    drop(connection);
+    let reopened = SqliteStore::open(&path).unwrap();
+    let connection = rusqlite::Connection::open(&path).unwrap();
+    let indexes: Vec<String> = connection
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+        .unwrap()
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(indexes, ["flue_submissions_unsettled"]);
+    let admitted = reopened.admit(admission("u-2")).await.unwrap();
+    assert_eq!(admitted.offset, Some(0), "the birth batch is still the last one");
+    let record = flue_runtime::record::Record {
+        id: "r-1".into(),
+        submission_id: None,
+        attempt_id: None,
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        body: flue_runtime::record::RecordBody::AgentStartRun,
+    };
+    let offset = reopened.append(&key, vec![record], None).await.unwrap();
+    assert_eq!(offset, 1, "offsets follow the batches, not the stale counter");
+    let batches = reopened.read(&key, None).await.unwrap();
+    assert_eq!(batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [0, 1]);
+}
+
+#[tokio::test]
+async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
+    use flue_runtime::message::DeliveredMessage;
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{Admission, InstanceKey, SubmissionKind, UidCondition};
+    let path = scratch_db();
+    let key = InstanceKey::new("assistant", "busy");
+    let store = SqliteStore::open(&path).unwrap();
+    store
+        .admit(Admission {
+            key: key.clone(),
+            submission_id: "b-1".into(),
+            keyed: false,
+            kind: SubmissionKind::Dispatch,
+            message: DeliveredMessage::user("hello"),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 10,
+            timeout_ms: 3_600_000,
+        })
+        .await
+        .unwrap();
+    let commits = 8_000;
+    for i in 0..commits {
+        let record = Record {
+            id: format!("r-{i}"),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-11-30T00:00:00.000Z".into(),
+            body: RecordBody::StateWrite {
+                name: "n".into(),
+                value: serde_json::json!(i),
+            },
+        };
+        store.append(&key, vec![record], None).await.unwrap();
+    }
+    // Each commit adds at least one 4 KiB page frame; without checkpoints the WAL would hold
+    // them all. Checkpointed every few hundred commits, it is reused from its start instead.
+    let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
+    let unbounded = commits * 4096;
+    assert!(
+        wal < unbounded / 2,
+        "the WAL is {wal} bytes after {commits} commits"
+    );
+    assert_eq!(store.read(&key, None).await.unwrap().len(), commits as usize + 1);
+}

@@ -3,7 +3,9 @@
 //! Durability setting: WAL journal with `synchronous = NORMAL`. Every durability point is one
 //! transaction; a committed transaction survives a crash of the process (the WAL is written
 //! before the commit returns), while a power loss may lose the last transactions before the
-//! next checkpoint. Statements are prepared once per connection (rusqlite's statement cache).
+//! next checkpoint. Only checkpoints fsync (the WAL, then the database file), and they run on
+//! a checkpointer thread with its own connection, so no commit waits for a disk flush.
+//! Statements are prepared once per connection (rusqlite's statement cache).
 //!
 //! Submission rows keep their full state as JSON beside the columns that queries filter on,
 //! so every transition is the same read-modify-write the memory store performs, inside one
@@ -26,8 +28,72 @@ pub const FORMAT_VERSION: &str = "1";
 /// A [`Store`] in one SQLite file.
 pub struct SqliteStore {
     connection: Mutex<Connection>,
+    /// Nudges the checkpointer thread (file databases only); dropping it stops the thread.
+    checkpointer: Option<Checkpointer>,
 }
 
+/// Commits between checkpoint requests: about 200 pages of WAL at a typical exchange's size.
+const COMMITS_PER_CHECKPOINT: u32 = 300;
+
+/// The writing connection's own automatic checkpoint, in WAL frames (pages): a safety net.
+const INLINE_CHECKPOINT_FRAMES: u32 = 2000;
+
+/// Copies the WAL back into the database file off the committing thread.
+///
+/// Every [`COMMITS_PER_CHECKPOINT`] commits the writing connection asks this thread for a
+/// passive checkpoint, which never blocks a writer and does the copying and the fsyncs. SQLite
+/// reuses the WAL from its start only after a checkpoint that caught up with its end, which a
+/// background checkpoint under steady writes may never do; the writing connection's own
+/// automatic checkpoint, raised to [`INLINE_CHECKPOINT_FRAMES`], then finishes the few frames
+/// left on its thread (where no other commit can interleave), so the WAL stays bounded.
+struct Checkpointer {
+    requests: std::sync::mpsc::SyncSender<()>,
+    commits: std::sync::atomic::AtomicU32,
+}
+
+impl Checkpointer {
+    fn start(path: &Path) -> Result<Self, StoreError> {
+        let connection = Connection::open(path).map_err(sql)?;
+        connection.busy_timeout(std::time::Duration::from_secs(5)).map_err(sql)?;
+        let (requests, pending) = std::sync::mpsc::sync_channel::<()>(1);
+        std::thread::Builder::new()
+            .name("flue-sqlite-checkpoint".into())
+            .spawn(move || {
+                // Ends when the store (the sender) is dropped, after a last checkpoint.
+                while pending.recv().is_ok() {
+                    checkpoint(&connection);
+                }
+                checkpoint(&connection);
+            })
+            .map_err(|error| StoreError::Other(format!("sqlite: cannot start the checkpointer: {error}")))?;
+        Ok(Self {
+            requests,
+            commits: std::sync::atomic::AtomicU32::new(0),
+        })
+    }
+
+    fn committed(&self) {
+        let commits = self.commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if commits.is_multiple_of(COMMITS_PER_CHECKPOINT) {
+            // Full means a request is already pending: that checkpoint covers this one too.
+            let _ = self.requests.try_send(());
+        }
+    }
+}
+
+fn checkpoint(connection: &Connection) {
+    if let Err(error) = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+        tracing::warn!(%error, "sqlite checkpoint failed; the next one retries");
+    }
+}
+
+/// The tables of format version 1.
+///
+/// Every B-tree a commit touches costs a WAL frame, so the layout keeps them few: settled
+/// submissions leave the one partial index (the ledger's queries — an instance's queue, the
+/// node-wide scans for queued work and expired leases — all read unsettled rows only), and an
+/// instance's next offset is read from its last batch instead of being kept in a counter row
+/// rewritten by every append (`flue_instances.next_offset` is no longer maintained).
 const SCHEMA: &str = "
 CREATE TABLE flue_instances (
     agent TEXT NOT NULL,
@@ -47,8 +113,6 @@ CREATE TABLE flue_submissions (
     data TEXT NOT NULL
 );
 CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence) WHERE status <> 'settled';
-CREATE INDEX flue_submissions_by_status ON flue_submissions (status, agent, instance_id);
-CREATE INDEX flue_submissions_by_owner ON flue_submissions (owner_id, status);
 CREATE TABLE flue_batches (
     agent TEXT NOT NULL,
     instance_id TEXT NOT NULL,
@@ -90,7 +154,13 @@ impl SqliteStore {
                 .map_err(|error| StoreError::Other(format!("cannot create {}: {error}", parent.display())))?;
         }
         let connection = Connection::open(path).map_err(sql)?;
-        Self::with_connection(connection)
+        let mut store = Self::with_connection(connection)?;
+        store
+            .lock()
+            .pragma_update(None, "wal_autocheckpoint", INLINE_CHECKPOINT_FRAMES)
+            .map_err(sql)?;
+        store.checkpointer = Some(Checkpointer::start(path)?);
+        Ok(store)
     }
 
     /// The default store of a runtime: `.flue/flue.db` under the working directory.
@@ -111,6 +181,7 @@ impl SqliteStore {
         migrate(&mut connection)?;
         Ok(Self {
             connection: Mutex::new(connection),
+            checkpointer: None,
         })
     }
 
@@ -143,6 +214,11 @@ impl SqliteStore {
         let transaction = connection.transaction_with_behavior(behavior).map_err(sql)?;
         let value = f(&transaction)?;
         transaction.commit().map_err(sql)?;
+        if matches!(behavior, TransactionBehavior::Immediate)
+            && let Some(checkpointer) = &self.checkpointer
+        {
+            checkpointer.committed();
+        }
         Ok(value)
     }
 }
@@ -186,7 +262,15 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
             .map_err(sql)
     };
     match (stamp("format_version")?, stamp("schema_version")?) {
-        (Some(version), _) if version == FORMAT_VERSION => Ok(()),
+        (Some(version), _) if version == FORMAT_VERSION => {
+            // Indexes of earlier builds of this format, which only slowed every write.
+            transaction
+                .execute_batch(
+                    "DROP INDEX IF EXISTS flue_submissions_by_status; DROP INDEX IF EXISTS flue_submissions_by_owner;",
+                )
+                .map_err(sql)?;
+            transaction.commit().map_err(sql)
+        }
         (None, Some(legacy)) if legacy == "8" => {
             transaction
                 .execute(
@@ -266,37 +350,34 @@ fn append_batch(
     if records.is_empty() {
         return Err(StoreError::Other("an append batch must not be empty".into()));
     }
-    let offset: Option<i64> = transaction
-        .prepare_cached("SELECT next_offset FROM flue_instances WHERE agent = ?1 AND id = ?2")
-        .map_err(sql)?
-        .query_row(params![key.agent, key.id], |row| row.get(0))
-        .optional()
-        .map_err(sql)?;
-    let offset = offset.ok_or_else(|| StoreError::Other(format!("no stream {key}")))?;
+    if instance_uid(transaction, key)?.is_none() {
+        return Err(StoreError::Other(format!("no stream {key}")));
+    }
+    let offset = next_offset(transaction, key)?;
     let data = serde_json::to_string(records).map_err(json_error)?;
     transaction
         .prepare_cached("INSERT INTO flue_batches (agent, instance_id, offset, records) VALUES (?1, ?2, ?3, ?4)")
         .map_err(sql)?
-        .execute(params![key.agent, key.id, offset, data])
+        .execute(params![key.agent, key.id, offset as i64, data])
         .map_err(sql)?;
-    transaction
-        .prepare_cached("UPDATE flue_instances SET next_offset = next_offset + 1 WHERE agent = ?1 AND id = ?2")
-        .map_err(sql)?
-        .execute(params![key.agent, key.id])
-        .map_err(sql)?;
-    Ok(offset as u64)
+    Ok(offset)
 }
 
-fn instance_uid(
-    transaction: &rusqlite::Transaction<'_>,
-    key: &InstanceKey,
-) -> Result<Option<(String, u64)>, StoreError> {
+/// The offset the instance's next batch takes: one past its last batch.
+fn next_offset(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey) -> Result<u64, StoreError> {
     transaction
-        .prepare_cached("SELECT uid, next_offset FROM flue_instances WHERE agent = ?1 AND id = ?2")
+        .prepare_cached("SELECT COALESCE(MAX(offset) + 1, 0) FROM flue_batches WHERE agent = ?1 AND instance_id = ?2")
         .map_err(sql)?
-        .query_row(params![key.agent, key.id], |row| {
-            Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)? as u64))
-        })
+        .query_row(params![key.agent, key.id], |row| row.get::<_, i64>(0))
+        .map(|offset| offset as u64)
+        .map_err(sql)
+}
+
+fn instance_uid(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey) -> Result<Option<String>, StoreError> {
+    transaction
+        .prepare_cached("SELECT uid FROM flue_instances WHERE agent = ?1 AND id = ?2")
+        .map_err(sql)?
+        .query_row(params![key.agent, key.id], |row| row.get::<_, String>(0))
         .optional()
         .map_err(sql)
 }
@@ -306,9 +387,7 @@ impl Store for SqliteStore {
         ready(self.transaction(|tx| {
             if let Some(existing) = read_submission(tx, &admission.submission_id)? {
                 if existing.message == admission.message && existing.key == admission.key {
-                    let uid = instance_uid(tx, &admission.key)?
-                        .map(|(uid, _)| uid)
-                        .unwrap_or_default();
+                    let uid = instance_uid(tx, &admission.key)?.unwrap_or_default();
                     return Ok(Admitted {
                         submission: existing,
                         uid,
@@ -318,7 +397,7 @@ impl Store for SqliteStore {
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
             }
-            let existing_uid = instance_uid(tx, &admission.key)?.map(|(uid, _)| uid);
+            let existing_uid = instance_uid(tx, &admission.key)?;
             super::check_uid(&admission, existing_uid.as_deref())?;
             let uid = match existing_uid {
                 Some(uid) => uid,
@@ -345,7 +424,7 @@ impl Store for SqliteStore {
             let key = admission.key.clone();
             let submission = super::queued_submission(admission, sequence as u64);
             write_submission(tx, &submission)?;
-            let offset = instance_uid(tx, &key)?.and_then(|(_, next)| next.checked_sub(1));
+            let offset = next_offset(tx, &key)?.checked_sub(1);
             Ok(Admitted {
                 submission,
                 uid,
@@ -357,7 +436,7 @@ impl Store for SqliteStore {
 
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
         ready(self.read_transaction(|tx| {
-            Ok(instance_uid(tx, key)?.map(|(uid, _)| InstanceInfo {
+            Ok(instance_uid(tx, key)?.map(|uid| InstanceInfo {
                 id: key.id.clone(),
                 uid,
             }))
@@ -371,7 +450,7 @@ impl Store for SqliteStore {
     fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
         ready(self.read_transaction(|tx| {
             tx.prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status = 'queued')",
+                "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND status = 'queued')",
             )
             .map_err(sql)?
             .query_row(params![key.agent, key.id], |row| row.get(0))
@@ -404,7 +483,7 @@ impl Store for SqliteStore {
         ready(self.transaction(|tx| {
             let ids: Vec<String> = {
                 let mut statement = tx
-                    .prepare_cached("SELECT id FROM flue_submissions WHERE status = 'running' AND owner_id = ?1")
+                    .prepare_cached("SELECT id FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND owner_id = ?1")
                     .map_err(sql)?;
                 let rows = statement.query_map(params![owner_id], |row| row.get(0)).map_err(sql)?;
                 rows.collect::<Result<_, _>>().map_err(sql)?
@@ -423,7 +502,7 @@ impl Store for SqliteStore {
         ready(self.read_transaction(|tx| {
             let mut statement = tx
                 .prepare_cached(
-                    "SELECT data FROM flue_submissions WHERE status = 'running' AND lease_until_ms > 0 AND lease_until_ms < ?1 ORDER BY sequence",
+                    "SELECT data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND lease_until_ms > 0 AND lease_until_ms < ?1 ORDER BY sequence",
                 )
                 .map_err(sql)?;
             let rows = statement.query_map(params![now_ms as i64], |row| row.get::<_, String>(0)).map_err(sql)?;
@@ -456,7 +535,7 @@ impl Store for SqliteStore {
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
         ready(self.read_transaction(|tx| {
             let mut statement = tx
-                .prepare_cached("SELECT DISTINCT agent, instance_id FROM flue_submissions WHERE status = 'queued' ORDER BY agent, instance_id")
+                .prepare_cached("SELECT DISTINCT agent, instance_id FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'queued' ORDER BY agent, instance_id")
                 .map_err(sql)?;
             let rows = statement
                 .query_map([], |row| Ok(InstanceKey::new(row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
@@ -466,6 +545,24 @@ impl Store for SqliteStore {
     }
 
     fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        // Asked at every turn boundary and nearly always empty: look before taking the write
+        // lock. A delivery admitted just after the look joins at the next boundary, or runs as
+        // the next submission.
+        let queued = self.read_transaction(|tx| {
+            tx.prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h
+                     ON h.id = ?1 AND s.agent = h.agent AND s.instance_id = h.instance_id
+                     WHERE s.status <> 'settled' AND s.status = 'queued')",
+            )
+            .map_err(sql)?
+            .query_row(params![host.submission_id], |row| row.get::<_, bool>(0))
+            .map_err(sql)
+        });
+        match queued {
+            Ok(false) => return ready(Ok(Vec::new())),
+            Ok(true) => {}
+            Err(error) => return ready(Err(error)),
+        }
         ready(self.transaction(|tx| {
             let Some(host_row) = owns(tx, host)? else {
                 return Ok(Vec::new());
