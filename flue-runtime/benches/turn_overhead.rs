@@ -3,8 +3,11 @@
 //!
 //! 1. `turn_overhead`: one exchange — user message → tool call → final answer: two streamed
 //!    model calls and one tool — through the runtime against a loopback OpenAI-compatible
-//!    server, next to the same two HTTP calls made with plain reqwest. Also with the in-process
-//!    scripted model (no HTTP at all), which isolates the runtime's own cost.
+//!    server, next to the same two HTTP calls made with plain reqwest (the very request bodies
+//!    the runtime sent, recorded by the server, with the same headers). Measured on the
+//!    multi-thread scheduler a server runs (two workers) and again on a current-thread one,
+//!    where no wake-up crosses threads. Also with the in-process scripted model (no HTTP at
+//!    all), which isolates the runtime's own cost.
 //! 2. Exchanges per second at concurrency 16 over 16 instances.
 //! 3. Exchange 200 of one long conversation next to exchange 1.
 //! 4. Resident memory with 10,000 idle instances.
@@ -63,6 +66,10 @@ const TEXT_SSE: &str = concat!(
     "data: [DONE]\n\n",
 );
 
+/// The last request body the responder saw for each of the exchange's two calls: what the
+/// plain-reqwest baseline replays.
+static RECORDED: std::sync::Mutex<[Option<axum::body::Bytes>; 2]> = std::sync::Mutex::new([None, None]);
+
 /// A loopback OpenAI-compatible server that calls the tool first and answers once it has the
 /// result, whatever the order requests arrive in.
 async fn start_responder() -> SocketAddr {
@@ -73,7 +80,9 @@ async fn start_responder() -> SocketAddr {
             .and_then(|m| m.last())
             .and_then(|m| m["role"].as_str())
             .unwrap_or("");
-        let body = if last_role == "tool" { TEXT_SSE } else { TOOL_CALL_SSE };
+        let call = usize::from(last_role == "tool");
+        RECORDED.lock().unwrap_or_else(|e| e.into_inner())[call] = Some(body);
+        let body = if call == 1 { TEXT_SSE } else { TOOL_CALL_SSE };
         Response::builder()
             .header(header::CONTENT_TYPE, "text/event-stream")
             .body(Body::from(body))
@@ -97,18 +106,23 @@ fn micros(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1e6
 }
 
-async fn plain_reqwest_exchange(client: &reqwest::Client, url: &str) {
-    for body in [
-        json!({"model": "gpt-bench", "stream": true, "messages": [{"role": "user", "content": "2+3?"}]}),
-        json!({"model": "gpt-bench", "stream": true, "messages": [
-            {"role": "user", "content": "2+3?"},
-            {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\":2,\"b\":3}"}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "5"}]}),
-    ] {
+/// The exchange's two calls as the runtime last made them (run one exchange first).
+fn recorded_bodies() -> [axum::body::Bytes; 2] {
+    RECORDED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+        .map(|body| body.expect("a runtime exchange ran first"))
+}
+
+async fn plain_reqwest_exchange(client: &reqwest::Client, url: &str, bodies: &[axum::body::Bytes; 2]) {
+    for body in bodies {
         let response = client
             .post(url)
             .bearer_auth("bench")
-            .json(&body)
+            .header(header::ACCEPT, "text/event-stream")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.clone())
             .send()
             .await
             .expect("send");
@@ -161,8 +175,93 @@ fn exchange_script(model: &ScriptedModel) {
     model.push(ScriptedReply::text("2 + 3 = 5"));
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+/// The exchange through the runtime (memory store, then SQLite) next to plain reqwest making
+/// the same two calls, interleaved so both see the same machine conditions. Returns the SQLite
+/// file and the loopback server's addresses and client, for the later sections.
+async fn http_overhead(scheduler: &str, rounds: usize) -> (std::path::PathBuf, String, reqwest::Client, String) {
+    let addr = start_responder().await;
+    let base_url = format!("http://{addr}/v1");
+    let url = format!("{base_url}/chat/completions");
+    let client = reqwest::Client::new();
+    let db = std::env::temp_dir()
+        .join(format!(
+            "flue-bench-{}-{}",
+            std::process::id(),
+            scheduler_tag(scheduler)
+        ))
+        .join("flue.db");
+    let stores: [(&str, Runtime); 2] = [
+        ("memory store", http_runtime(&base_url)),
+        (
+            "SQLite store, WAL + synchronous=NORMAL",
+            http_runtime_on(&base_url, flue_runtime::store::SqliteStore::open(&db).expect("sqlite")),
+        ),
+    ];
+    for (store, runtime) in stores {
+        for warm in 0..50 {
+            runtime
+                .init(&http_agent, format!("warm-{warm}"))
+                .send("2+3?")
+                .await
+                .expect("exchange");
+        }
+        let bodies = recorded_bodies();
+        for _ in 0..50 {
+            plain_reqwest_exchange(&client, &url, &bodies).await;
+        }
+        let mut plain = Vec::new();
+        let mut through = Vec::new();
+        for round in 0..rounds {
+            let started = Instant::now();
+            plain_reqwest_exchange(&client, &url, &bodies).await;
+            plain.push(started.elapsed());
+            let handle = runtime.init(&http_agent, format!("exchange-{round}"));
+            let started = Instant::now();
+            let reply = handle.send("2+3?").await.expect("exchange");
+            through.push(started.elapsed());
+            assert_eq!(reply.text, "2 + 3 = 5");
+        }
+        let (plain, through) = (median(plain), median(through));
+        println!(
+            "turn_overhead (HTTP, {store}, {scheduler}): plain reqwest {:.0} µs, runtime {:.0} µs, overhead {:.0} µs per exchange (medians of {rounds})",
+            micros(plain),
+            micros(through),
+            micros(through.saturating_sub(plain))
+        );
+    }
+    (db, base_url, client, url)
+}
+
+fn scheduler_tag(scheduler: &str) -> &'static str {
+    if scheduler.starts_with("current") {
+        "current"
+    } else {
+        "multi"
+    }
+}
+
+fn main() {
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let profiling = std::env::var("FLUE_BENCH_PROFILE").is_ok();
+    multi.block_on(bench());
+    drop(multi);
+    if !profiling {
+        // 1c. The same exchange where no wake-up crosses threads: what the work costs.
+        let current = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        current.block_on(async {
+            http_overhead("current-thread scheduler", 400).await;
+        });
+    }
+}
+
+async fn bench() {
     if let Ok(target) = std::env::var("FLUE_BENCH_PROFILE") {
         if target == "http" {
             // Profiling aid: the HTTP exchange on the memory store, many times.
@@ -204,76 +303,11 @@ async fn main() {
         }
         return;
     }
-    let addr = start_responder().await;
-    let base_url = format!("http://{addr}/v1");
-    let url = format!("{base_url}/chat/completions");
-    let client = reqwest::Client::new();
     let rounds = 400;
-
-    // 1. turn_overhead over HTTP.
-    for _ in 0..50 {
-        plain_reqwest_exchange(&client, &url).await;
-    }
-    let runtime = http_runtime(&base_url);
-    for warm in 0..50 {
-        runtime
-            .init(&http_agent, format!("warm-{warm}"))
-            .send("2+3?")
-            .await
-            .expect("exchange");
-    }
-    // Interleaved, so both see the same machine conditions.
-    let mut plain = Vec::new();
-    let mut through = Vec::new();
-    for round in 0..rounds {
-        let started = Instant::now();
-        plain_reqwest_exchange(&client, &url).await;
-        plain.push(started.elapsed());
-        let handle = runtime.init(&http_agent, format!("exchange-{round}"));
-        let started = Instant::now();
-        let reply = handle.send("2+3?").await.expect("exchange");
-        through.push(started.elapsed());
-        assert_eq!(reply.text, "2 + 3 = 5");
-    }
-    let (plain, through) = (median(plain), median(through));
-    println!(
-        "turn_overhead (HTTP, memory store): plain reqwest {:.0} µs, runtime {:.0} µs, overhead {:.0} µs per exchange (medians of {rounds})",
-        micros(plain),
-        micros(through),
-        micros(through.saturating_sub(plain))
-    );
-
-    // 1a. The same on the embedded SQLite store (a file in a temporary directory).
-    let db = std::env::temp_dir()
-        .join(format!("flue-bench-{}", std::process::id()))
-        .join("flue.db");
-    let sqlite = http_runtime_on(&base_url, flue_runtime::store::SqliteStore::open(&db).expect("sqlite"));
-    for warm in 0..50 {
-        sqlite
-            .init(&http_agent, format!("warm-{warm}"))
-            .send("2+3?")
-            .await
-            .expect("exchange");
-    }
-    let mut plain_sqlite = Vec::new();
-    let mut through_sqlite = Vec::new();
-    for round in 0..rounds {
-        let started = Instant::now();
-        plain_reqwest_exchange(&client, &url).await;
-        plain_sqlite.push(started.elapsed());
-        let handle = sqlite.init(&http_agent, format!("exchange-{round}"));
-        let started = Instant::now();
-        handle.send("2+3?").await.expect("exchange");
-        through_sqlite.push(started.elapsed());
-    }
-    let (plain_sqlite, through_sqlite) = (median(plain_sqlite), median(through_sqlite));
-    println!(
-        "turn_overhead (HTTP, SQLite store, WAL + synchronous=NORMAL): plain reqwest {:.0} µs, runtime {:.0} µs, overhead {:.0} µs per exchange",
-        micros(plain_sqlite),
-        micros(through_sqlite),
-        micros(through_sqlite.saturating_sub(plain_sqlite))
-    );
+    // 1. turn_overhead over HTTP, on this (multi-thread) scheduler.
+    let (db, base_url, client, url) = http_overhead("multi-thread scheduler, 2 workers", rounds).await;
     store_throughput(&db).await;
+    let runtime = http_runtime(&base_url);
 
     // 1b. The runtime's own cost, without HTTP.
     let model = ScriptedModel::new([]);
