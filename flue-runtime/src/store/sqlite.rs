@@ -54,7 +54,9 @@ struct Checkpointer {
 impl Checkpointer {
     fn start(path: &Path) -> Result<Self, StoreError> {
         let connection = Connection::open(path).map_err(sql)?;
-        connection.busy_timeout(std::time::Duration::from_secs(5)).map_err(sql)?;
+        connection
+            .busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(sql)?;
         let (requests, pending) = std::sync::mpsc::sync_channel::<()>(1);
         std::thread::Builder::new()
             .name("flue-sqlite-checkpoint".into())
