@@ -24,6 +24,36 @@ fn ulid_like() -> String {
     format!("{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::SeqCst))
 }
 
+/// A plain dispatch of `text` to `key`.
+fn admission(key: &flue_runtime::store::InstanceKey, id: &str, text: &str) -> flue_runtime::store::Admission {
+    use flue_runtime::store::{Admission, SubmissionKind, UidCondition};
+    Admission {
+        key: key.clone(),
+        submission_id: id.into(),
+        keyed: false,
+        kind: SubmissionKind::Dispatch,
+        message: flue_runtime::message::DeliveredMessage::user(text),
+        initial_data: None,
+        uid: UidCondition::Any,
+        max_attempts: 10,
+        timeout_ms: 3_600_000,
+    }
+}
+
+/// A record that carries nothing in particular.
+fn state_record(i: usize) -> flue_runtime::record::Record {
+    flue_runtime::record::Record {
+        id: format!("r-{i}"),
+        submission_id: None,
+        attempt_id: None,
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        body: flue_runtime::record::RecordBody::StateWrite {
+            name: "n".into(),
+            value: serde_json::json!(i),
+        },
+    }
+}
+
 fn scratch_db() -> std::path::PathBuf {
     std::env::temp_dir()
         .join(format!("flue-format-{}", ulid_like()))
@@ -107,25 +137,12 @@ fn rejects_unstamped_flue_tables() {
 #[tokio::test]
 async fn a_conversation_survives_reopening_the_database() {
     use flue_runtime::message::DeliveredMessage;
-    use flue_runtime::store::{Admission, InstanceKey, SubmissionKind, UidCondition};
+    use flue_runtime::store::InstanceKey;
     let path = scratch_db();
     let key = InstanceKey::new("assistant", "durable");
     {
         let store = SqliteStore::open(&path).unwrap();
-        store
-            .admit(Admission {
-                key: key.clone(),
-                submission_id: "d-1".into(),
-                keyed: false,
-                kind: SubmissionKind::Dispatch,
-                message: DeliveredMessage::user("kept"),
-                initial_data: None,
-                uid: UidCondition::Any,
-                max_attempts: 10,
-                timeout_ms: 3_600_000,
-            })
-            .await
-            .unwrap();
+        store.admit(admission(&key, "d-1", "kept")).await.unwrap();
     }
     let reopened = SqliteStore::open(&path).unwrap();
     assert_eq!(
@@ -137,24 +154,12 @@ async fn a_conversation_survives_reopening_the_database() {
 
 #[tokio::test]
 async fn reopening_a_store_of_an_earlier_build_drops_its_extra_indexes_and_continues_its_offsets() {
-    use flue_runtime::message::DeliveredMessage;
-    use flue_runtime::store::{Admission, InstanceKey, SubmissionKind, UidCondition};
+    use flue_runtime::store::InstanceKey;
     let path = scratch_db();
     let key = InstanceKey::new("assistant", "upgraded");
-    let admission = |id: &str| Admission {
-        key: key.clone(),
-        submission_id: id.into(),
-        keyed: false,
-        kind: SubmissionKind::Dispatch,
-        message: DeliveredMessage::user("hello"),
-        initial_data: None,
-        uid: UidCondition::Any,
-        max_attempts: 10,
-        timeout_ms: 3_600_000,
-    };
     {
         let store = SqliteStore::open(&path).unwrap();
-        store.admit(admission("u-1")).await.unwrap();
+        store.admit(admission(&key, "u-1", "hello")).await.unwrap();
     }
     // What an earlier build of format 1 left: two more indexes and a maintained counter.
     let connection = rusqlite::Connection::open(&path).unwrap();
@@ -176,16 +181,9 @@ async fn reopening_a_store_of_an_earlier_build_drops_its_extra_indexes_and_conti
         .map(Result::unwrap)
         .collect();
     assert_eq!(indexes, ["flue_submissions_unsettled"]);
-    let admitted = reopened.admit(admission("u-2")).await.unwrap();
+    let admitted = reopened.admit(admission(&key, "u-2", "hello")).await.unwrap();
     assert_eq!(admitted.offset, Some(0), "the birth batch is still the last one");
-    let record = flue_runtime::record::Record {
-        id: "r-1".into(),
-        submission_id: None,
-        attempt_id: None,
-        timestamp: "2026-11-30T00:00:00.000Z".into(),
-        body: flue_runtime::record::RecordBody::AgentStartRun,
-    };
-    let offset = reopened.append(&key, vec![record], None).await.unwrap();
+    let offset = reopened.append(&key, vec![state_record(1)], None).await.unwrap();
     assert_eq!(offset, 1, "offsets follow the batches, not the stale counter");
     let batches = reopened.read(&key, None).await.unwrap();
     assert_eq!(batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [0, 1]);
@@ -193,44 +191,19 @@ async fn reopening_a_store_of_an_earlier_build_drops_its_extra_indexes_and_conti
 
 #[tokio::test]
 async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
-    use flue_runtime::message::DeliveredMessage;
-    use flue_runtime::record::{Record, RecordBody};
-    use flue_runtime::store::{Admission, InstanceKey, SubmissionKind, UidCondition};
+    use flue_runtime::store::InstanceKey;
     let path = scratch_db();
     let key = InstanceKey::new("assistant", "busy");
     let store = SqliteStore::open(&path).unwrap();
-    store
-        .admit(Admission {
-            key: key.clone(),
-            submission_id: "b-1".into(),
-            keyed: false,
-            kind: SubmissionKind::Dispatch,
-            message: DeliveredMessage::user("hello"),
-            initial_data: None,
-            uid: UidCondition::Any,
-            max_attempts: 10,
-            timeout_ms: 3_600_000,
-        })
-        .await
-        .unwrap();
+    store.admit(admission(&key, "b-1", "hello")).await.unwrap();
     let commits = 8_000;
     for i in 0..commits {
-        let record = Record {
-            id: format!("r-{i}"),
-            submission_id: None,
-            attempt_id: None,
-            timestamp: "2026-11-30T00:00:00.000Z".into(),
-            body: RecordBody::StateWrite {
-                name: "n".into(),
-                value: serde_json::json!(i),
-            },
-        };
-        store.append(&key, vec![record], None).await.unwrap();
+        store.append(&key, vec![state_record(i)], None).await.unwrap();
     }
     // Each commit adds at least one 4 KiB page frame; without checkpoints the WAL would hold
     // them all. Checkpointed every few hundred commits, it is reused from its start instead.
     let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
-    let unbounded = commits * 4096;
+    let unbounded = commits as u64 * 4096;
     assert!(wal < unbounded / 2, "the WAL is {wal} bytes after {commits} commits");
-    assert_eq!(store.read(&key, None).await.unwrap().len(), commits as usize + 1);
+    assert_eq!(store.read(&key, None).await.unwrap().len(), commits + 1);
 }

@@ -3,9 +3,10 @@
 //! Durability setting: WAL journal with `synchronous = NORMAL`. Every durability point is one
 //! transaction; a committed transaction survives a crash of the process (the WAL is written
 //! before the commit returns), while a power loss may lose the last transactions before the
-//! next checkpoint. Only checkpoints fsync (the WAL, then the database file), and they run on
-//! a checkpointer thread with its own connection, so no commit waits for a disk flush.
-//! Statements are prepared once per connection (rusqlite's statement cache).
+//! next checkpoint. Only checkpoints fsync (the WAL, then the database file); they run on a
+//! checkpointer thread with its own connection, so a commit waits for a disk flush only in the
+//! rare safety-net checkpoint the writer runs itself (see [`Checkpointer`]). Statements are
+//! prepared once per connection (rusqlite's statement cache).
 //!
 //! Submission rows keep their full state as JSON beside the columns that queries filter on,
 //! so every transition is the same read-modify-write the memory store performs, inside one
@@ -32,7 +33,8 @@ pub struct SqliteStore {
     checkpointer: Option<Checkpointer>,
 }
 
-/// Commits between checkpoint requests: about 200 pages of WAL at a typical exchange's size.
+/// Commits between checkpoint requests: roughly 600–900 WAL frames at two or three dirtied
+/// pages per commit.
 const COMMITS_PER_CHECKPOINT: u32 = 300;
 
 /// The writing connection's own automatic checkpoint, in WAL frames (pages): a safety net.
