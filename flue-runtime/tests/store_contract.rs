@@ -153,7 +153,7 @@ async fn a_conversation_survives_reopening_the_database() {
 }
 
 #[tokio::test]
-async fn reopening_a_store_of_an_earlier_build_drops_its_extra_indexes_and_continues_its_offsets() {
+async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_every_row() {
     use flue_runtime::store::InstanceKey;
     let path = scratch_db();
     let key = InstanceKey::new("assistant", "upgraded");
@@ -161,32 +161,77 @@ async fn reopening_a_store_of_an_earlier_build_drops_its_extra_indexes_and_conti
         let store = SqliteStore::open(&path).unwrap();
         store.admit(admission(&key, "u-1", "hello")).await.unwrap();
     }
-    // What an earlier build of format 1 left: two more indexes and a maintained counter.
+    // Turn the file into what an earlier build of format 1 wrote: rowid tables beside their
+    // keys, two more indexes, and an offset counter it maintained (stale here on purpose).
     let connection = rusqlite::Connection::open(&path).unwrap();
     connection
         .execute_batch(
-            "CREATE INDEX flue_submissions_by_status ON flue_submissions (status, agent, instance_id);
-             CREATE INDEX flue_submissions_by_owner ON flue_submissions (owner_id, status);
-             UPDATE flue_instances SET next_offset = 7;",
+            "CREATE TABLE old_instances (agent TEXT NOT NULL, id TEXT NOT NULL, uid TEXT NOT NULL,
+                 next_offset INTEGER NOT NULL, PRIMARY KEY (agent, id));
+             INSERT INTO old_instances SELECT agent, id, uid, 7 FROM flue_instances;
+             CREATE TABLE old_submissions (id TEXT PRIMARY KEY, sequence INTEGER NOT NULL UNIQUE,
+                 agent TEXT NOT NULL, instance_id TEXT NOT NULL, status TEXT NOT NULL, owner_id TEXT,
+                 lease_until_ms INTEGER NOT NULL DEFAULT 0, data TEXT NOT NULL);
+             INSERT INTO old_submissions SELECT id, sequence, agent, instance_id, status, owner_id,
+                 lease_until_ms, data FROM flue_submissions;
+             CREATE TABLE old_batches (agent TEXT NOT NULL, instance_id TEXT NOT NULL,
+                 offset INTEGER NOT NULL, records TEXT NOT NULL, PRIMARY KEY (agent, instance_id, offset));
+             INSERT INTO old_batches SELECT agent, instance_id, offset, records FROM flue_batches;
+             DROP TABLE flue_instances; DROP TABLE flue_submissions; DROP TABLE flue_batches;
+             ALTER TABLE old_instances RENAME TO flue_instances;
+             ALTER TABLE old_submissions RENAME TO flue_submissions;
+             ALTER TABLE old_batches RENAME TO flue_batches;
+             CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence)
+                 WHERE status <> 'settled';
+             CREATE INDEX flue_submissions_by_status ON flue_submissions (status, agent, instance_id);
+             CREATE INDEX flue_submissions_by_owner ON flue_submissions (owner_id, status);",
         )
         .unwrap();
     drop(connection);
+
     let reopened = SqliteStore::open(&path).unwrap();
     let connection = rusqlite::Connection::open(&path).unwrap();
-    let indexes: Vec<String> = connection
-        .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+    let names = |kind: &str| -> Vec<String> {
+        connection
+            .prepare("SELECT name FROM sqlite_master WHERE type = ?1 AND name NOT LIKE 'sqlite_%' ORDER BY name")
+            .unwrap()
+            .query_map([kind], |row| row.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    };
+    assert_eq!(names("index"), ["flue_submissions_unsettled"]);
+    assert_eq!(
+        names("table"),
+        ["flue_batches", "flue_instances", "flue_meta", "flue_submissions"]
+    );
+    let clustered: Vec<String> = connection
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%WITHOUT ROWID%' ORDER BY name")
         .unwrap()
         .query_map([], |row| row.get(0))
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert_eq!(indexes, ["flue_submissions_unsettled"]);
-    let admitted = reopened.admit(admission(&key, "u-2", "hello")).await.unwrap();
+    assert_eq!(clustered, ["flue_instances"]);
+    assert_eq!(meta(&path), [("format_version".to_owned(), "1".to_owned())]);
+
+    // Every row survived, and the ledger and the stream carry on from them.
+    let kept = reopened.submission("u-1").await.unwrap().unwrap();
+    assert_eq!(kept.message, flue_runtime::message::DeliveredMessage::user("hello"));
+    let admitted = reopened.admit(admission(&key, "u-2", "again")).await.unwrap();
     assert_eq!(admitted.offset, Some(0), "the birth batch is still the last one");
+    assert!(
+        admitted.submission.sequence > kept.sequence,
+        "admission order continues"
+    );
     let offset = reopened.append(&key, vec![state_record(1)], None).await.unwrap();
     assert_eq!(offset, 1, "offsets follow the batches, not the stale counter");
     let batches = reopened.read(&key, None).await.unwrap();
     assert_eq!(batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [0, 1]);
+    // A second open finds the current layout and changes nothing.
+    drop(reopened);
+    SqliteStore::open(&path).unwrap();
+    assert_eq!(names("index"), ["flue_submissions_unsettled"]);
 }
 
 #[tokio::test]

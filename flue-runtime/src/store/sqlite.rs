@@ -91,24 +91,30 @@ fn checkpoint(connection: &Connection) {
     }
 }
 
-/// The tables of format version 1.
+/// The instance and submission tables of format version 1 (`suffix` names them apart while
+/// an older layout is rebuilt); with [`BATCHES_TABLE`] and [`UNSETTLED_INDEX`], the schema.
 ///
-/// Every B-tree a commit touches costs a WAL frame, so the layout keeps them few: settled
+/// Every B-tree a commit touches costs a WAL frame (two writes), so the layout keeps them
+/// few. Instances are a `WITHOUT ROWID` table clustered on their key (one B-tree, not a table
+/// plus a key index); batches keep a rowid, since their large rows would crowd a clustered
+/// key's pages (measured slower). A submission's admission order is its rowid. Settled
 /// submissions leave the one partial index (the ledger's queries — an instance's queue, the
-/// node-wide scans for queued work and expired leases — all read unsettled rows only), and an
-/// instance's next offset is read from its last batch instead of being kept in a counter row
-/// rewritten by every append (`flue_instances.next_offset` is no longer maintained).
-const SCHEMA: &str = "
-CREATE TABLE flue_instances (
+/// node-wide scans for queued work and expired leases — read unsettled rows only). An
+/// instance's next offset is one past its last batch rather than a counter every append
+/// rewrites (`flue_instances.next_offset` is kept for the layout but no longer maintained).
+fn ledger_tables(suffix: &str) -> String {
+    format!(
+        "
+CREATE TABLE flue_instances{suffix} (
     agent TEXT NOT NULL,
     id TEXT NOT NULL,
     uid TEXT NOT NULL,
     next_offset INTEGER NOT NULL,
     PRIMARY KEY (agent, id)
-);
-CREATE TABLE flue_submissions (
-    id TEXT PRIMARY KEY,
-    sequence INTEGER NOT NULL UNIQUE,
+) WITHOUT ROWID;
+CREATE TABLE flue_submissions{suffix} (
+    sequence INTEGER PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
     agent TEXT NOT NULL,
     instance_id TEXT NOT NULL,
     status TEXT NOT NULL,
@@ -116,7 +122,12 @@ CREATE TABLE flue_submissions (
     lease_until_ms INTEGER NOT NULL DEFAULT 0,
     data TEXT NOT NULL
 );
-CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence) WHERE status <> 'settled';
+"
+    )
+}
+
+/// The record stream: one row per batch.
+const BATCHES_TABLE: &str = "
 CREATE TABLE flue_batches (
     agent TEXT NOT NULL,
     instance_id TEXT NOT NULL,
@@ -125,6 +136,44 @@ CREATE TABLE flue_batches (
     PRIMARY KEY (agent, instance_id, offset)
 );
 ";
+
+/// The ledger's one index (created once its table has its final name).
+const UNSETTLED_INDEX: &str = "CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence) WHERE status <> 'settled';";
+
+/// Brings a format-1 database of an earlier build to the current layout, in place: drops the
+/// indexes that only slowed writes and rebuilds the instances and submissions tables (the
+/// batches table is unchanged). The rows are copied unchanged.
+fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
+    transaction
+        .execute_batch(
+            "DROP INDEX IF EXISTS flue_submissions_by_status; DROP INDEX IF EXISTS flue_submissions_by_owner;",
+        )
+        .map_err(sql)?;
+    let instances_sql: String = transaction
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'flue_instances'",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(sql)?;
+    if instances_sql.contains("WITHOUT ROWID") {
+        return Ok(());
+    }
+    transaction.execute_batch(&ledger_tables("_rebuilt")).map_err(sql)?;
+    transaction
+        .execute_batch(
+            "INSERT INTO flue_instances_rebuilt (agent, id, uid, next_offset)
+                 SELECT agent, id, uid, next_offset FROM flue_instances;
+             INSERT INTO flue_submissions_rebuilt (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data)
+                 SELECT sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data FROM flue_submissions;
+             DROP TABLE flue_instances;
+             DROP TABLE flue_submissions;
+             ALTER TABLE flue_instances_rebuilt RENAME TO flue_instances;
+             ALTER TABLE flue_submissions_rebuilt RENAME TO flue_submissions;",
+        )
+        .map_err(sql)?;
+    transaction.execute_batch(UNSETTLED_INDEX).map_err(sql)
+}
 
 fn sql(error: rusqlite::Error) -> StoreError {
     StoreError::Other(format!("sqlite: {error}"))
@@ -251,7 +300,9 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
                 params![FORMAT_VERSION],
             )
             .map_err(sql)?;
-        transaction.execute_batch(SCHEMA).map_err(sql)?;
+        transaction.execute_batch(&ledger_tables("")).map_err(sql)?;
+        transaction.execute_batch(BATCHES_TABLE).map_err(sql)?;
+        transaction.execute_batch(UNSETTLED_INDEX).map_err(sql)?;
         return transaction.commit().map_err(sql);
     }
     let stamp = |key: &str| -> Result<Option<String>, StoreError> {
@@ -267,12 +318,7 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
     };
     match (stamp("format_version")?, stamp("schema_version")?) {
         (Some(version), _) if version == FORMAT_VERSION => {
-            // Indexes of earlier builds of this format, which only slowed every write.
-            transaction
-                .execute_batch(
-                    "DROP INDEX IF EXISTS flue_submissions_by_status; DROP INDEX IF EXISTS flue_submissions_by_owner;",
-                )
-                .map_err(sql)?;
+            upgrade_layout(&transaction)?;
             transaction.commit().map_err(sql)
         }
         (None, Some(legacy)) if legacy == "8" => {
@@ -282,6 +328,7 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
                     params![FORMAT_VERSION],
                 )
                 .map_err(sql)?;
+            upgrade_layout(&transaction)?;
             transaction.commit().map_err(sql)
         }
         (Some(version), _) | (None, Some(version)) => Err(StoreError::FormatVersion { stored: version }),
@@ -302,27 +349,44 @@ fn read_submission(transaction: &rusqlite::Transaction<'_>, id: &str) -> Result<
         .transpose()
 }
 
+/// Writes a submission row: an update of the row its sequence (the rowid) names, or the
+/// admission's insert.
 fn write_submission(transaction: &rusqlite::Transaction<'_>, row: &Submission) -> Result<(), StoreError> {
     let data = serde_json::to_string(row).map_err(json_error)?;
-    transaction
+    let updated = transaction
         .prepare_cached(
-            "INSERT INTO flue_submissions (id, sequence, agent, instance_id, status, owner_id, lease_until_ms, data)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
-             ON CONFLICT (id) DO UPDATE SET status = excluded.status, owner_id = excluded.owner_id,
-                 lease_until_ms = excluded.lease_until_ms, data = excluded.data",
+            "UPDATE flue_submissions SET status = ?2, owner_id = ?3, lease_until_ms = ?4, data = ?5
+             WHERE sequence = ?1 AND id = ?6",
         )
         .map_err(sql)?
         .execute(params![
-            row.id,
             row.sequence as i64,
-            row.key.agent,
-            row.key.id,
             status_name(row.status),
             row.owner_id,
             row.lease_until_ms as i64,
-            data
+            data,
+            row.id
         ])
         .map_err(sql)?;
+    if updated == 0 {
+        transaction
+            .prepare_cached(
+                "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )
+            .map_err(sql)?
+            .execute(params![
+                row.sequence as i64,
+                row.id,
+                row.key.agent,
+                row.key.id,
+                status_name(row.status),
+                row.owner_id,
+                row.lease_until_ms as i64,
+                data
+            ])
+            .map_err(sql)?;
+    }
     Ok(())
 }
 
