@@ -13,19 +13,25 @@ use std::task::{Context, Poll};
 use flue_core::abort::AbortSignal;
 use tokio::time::{Instant, Sleep};
 
-/// `inner`, with `signal` aborted for `reason` once `at` passes.
-pub(crate) struct Deadline<F> {
-    inner: Pin<Box<F>>,
-    timer: Option<Pin<Box<Sleep>>>,
-    signal: AbortSignal,
-    reason: &'static str,
+pin_project_lite::pin_project! {
+    /// `inner`, with `signal` aborted for `reason` once `at` passes.
+    pub(crate) struct Deadline<F> {
+        #[pin]
+        inner: F,
+        #[pin]
+        timer: Sleep,
+        fired: bool,
+        signal: AbortSignal,
+        reason: &'static str,
+    }
 }
 
 impl<F: Future> Deadline<F> {
     pub(crate) fn new(inner: F, at: std::time::Instant, signal: AbortSignal, reason: &'static str) -> Self {
         Self {
-            inner: Box::pin(inner),
-            timer: Some(Box::pin(tokio::time::sleep_until(Instant::from_std(at)))),
+            inner,
+            timer: tokio::time::sleep_until(Instant::from_std(at)),
+            fired: false,
             signal,
             reason,
         }
@@ -36,15 +42,13 @@ impl<F: Future> Future for Deadline<F> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let this = self.get_mut();
-        if let Some(timer) = &mut this.timer
-            && timer.as_mut().poll(cx).is_ready()
-        {
-            this.timer = None;
+        let this = self.project();
+        if !*this.fired && this.timer.poll(cx).is_ready() {
+            *this.fired = true;
             // The first reason wins: an abort requested earlier stays the reason.
-            this.signal.abort(this.reason);
+            this.signal.abort(*this.reason);
         }
-        this.inner.as_mut().poll(cx)
+        this.inner.poll(cx)
     }
 }
 
