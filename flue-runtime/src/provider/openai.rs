@@ -33,6 +33,8 @@
 //! finish reason) → one `Completed`. Tool calls with empty arguments complete with `{}`. An
 //! `{"error": …}` chunk, a malformed chunk or a body that ends early fails the stream.
 
+mod chunk;
+
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -48,6 +50,8 @@ use super::http::{
     CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
+use chunk::{CallView, ChunkView, Text, UsageView};
+
 use super::types::{
     ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
     ProviderErrorKind, StopReason, StreamEvent,
@@ -408,68 +412,50 @@ impl ChatDecoder {
         }
     }
 
-    fn chunk(&mut self, chunk: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
-        if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
-            return Err(map_error(
-                &self.ctx,
-                None,
-                None,
-                &ErrorDetails::from_value(error),
-                &error.to_string(),
-            ));
+    fn chunk(&mut self, chunk: ChunkView<'_>, out: &mut VecDeque<StreamEvent>) {
+        if let Some(usage) = chunk.usage {
+            self.usage = usage_of(&usage);
         }
-        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
-            self.usage = parse_usage(usage);
-        }
-        let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
-            return Ok(());
+        let Some(choices) = chunk.choices else { return };
+        let Some(choice) = choices.into_iter().find(|c| c.index.unwrap_or(0) == 0) else {
+            return;
         };
-        let first = choices
-            .iter()
-            .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0);
-        let Some(choice) = first else { return Ok(()) };
-        if let Some(delta) = choice.get("delta").filter(|d| d.is_object()) {
-            if let Some(text) = delta.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+        if let Some(delta) = choice.delta {
+            if let Some(text) = delta.content.as_ref().map(Text::as_str).filter(|t| !t.is_empty()) {
                 self.text.push_str(text);
                 out.push_back(StreamEvent::TextDelta(text.to_owned()));
             }
-            let reasoning = ["reasoning", "reasoning_content"]
-                .iter()
-                .find_map(|key| delta.get(*key).and_then(Value::as_str).filter(|t| !t.is_empty()));
+            let reasoning = [&delta.reasoning, &delta.reasoning_content]
+                .into_iter()
+                .find_map(|text| text.as_ref().map(Text::as_str).filter(|t| !t.is_empty()));
             if let Some(reasoning) = reasoning {
                 self.reasoning.push_str(reasoning);
                 out.push_back(StreamEvent::ReasoningDelta(reasoning.to_owned()));
             }
-            if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
-                for call in calls {
-                    self.tool_call(call, out);
-                }
+            for call in delta.tool_calls.into_iter().flatten() {
+                self.tool_call(call, out);
             }
         }
-        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
-            self.stop = Some(match reason {
+        if let Some(reason) = choice.finish_reason {
+            self.stop = Some(match reason.as_str() {
                 "tool_calls" | "function_call" => StopReason::ToolUse,
                 "length" => StopReason::Length,
                 "content_filter" => StopReason::ContentFilter,
                 _ => StopReason::Stop,
             });
         }
-        Ok(())
     }
 
-    fn tool_call(&mut self, call: &Value, out: &mut VecDeque<StreamEvent>) {
-        let id = call.get("id").and_then(Value::as_str).filter(|id| !id.is_empty());
-        let function = call.get("function");
-        let name = function
-            .and_then(|f| f.get("name"))
-            .and_then(Value::as_str)
-            .filter(|n| !n.is_empty());
-        let fragment = match function.and_then(|f| f.get("arguments")) {
-            Some(Value::String(text)) => text.clone(),
-            Some(Value::Null) | None => String::new(),
-            Some(other) => other.to_string(),
+    fn tool_call(&mut self, call: CallView<'_>, out: &mut VecDeque<StreamEvent>) {
+        let id = call.id.as_ref().map(Text::as_str).filter(|id| !id.is_empty());
+        let (name, fragment) = match &call.function {
+            Some(function) => (
+                function.name.as_ref().map(Text::as_str).filter(|n| !n.is_empty()),
+                function.arguments.as_ref().map_or("", Text::as_str),
+            ),
+            None => (None, ""),
         };
-        let slot = match call.get("index").and_then(Value::as_u64) {
+        let slot = match call.index {
             Some(index) => match self.slots.get(&index) {
                 // A known index, unless a new id reuses it (servers that number every call 0).
                 Some(&slot) if id.is_none_or(|id| self.calls[slot].id.is_empty() || self.calls[slot].id == id) => slot,
@@ -492,12 +478,12 @@ impl ChatDecoder {
         if let Some(name) = name.filter(|_| entry.name.is_empty()) {
             entry.name = name.to_owned();
         }
-        entry.arguments.push_str(&fragment);
+        entry.arguments.push_str(fragment);
         if entry.started {
             if !fragment.is_empty() {
                 out.push_back(StreamEvent::ToolCallArguments {
                     index: slot,
-                    delta: fragment,
+                    delta: fragment.to_owned(),
                 });
             }
         } else if !entry.name.is_empty() {
@@ -563,19 +549,18 @@ impl ChatDecoder {
     }
 }
 
-fn parse_usage(usage: &Value) -> Usage {
-    let number = |path: &[&str]| {
-        path.iter()
-            .try_fold(usage, |value, key| value.get(*key))
-            .and_then(Value::as_u64)
-            .unwrap_or(0)
-    };
+fn usage_of(usage: &UsageView) -> Usage {
+    let prompt = usage.prompt_tokens_details.as_ref();
     Usage {
-        input_tokens: number(&["prompt_tokens"]),
-        output_tokens: number(&["completion_tokens"]),
-        cache_read_tokens: number(&["prompt_tokens_details", "cached_tokens"]),
-        cache_write_tokens: number(&["prompt_tokens_details", "cache_write_tokens"]),
-        reasoning_tokens: number(&["completion_tokens_details", "reasoning_tokens"]),
+        input_tokens: usage.prompt_tokens.unwrap_or(0),
+        output_tokens: usage.completion_tokens.unwrap_or(0),
+        cache_read_tokens: prompt.and_then(|d| d.cached_tokens).unwrap_or(0),
+        cache_write_tokens: prompt.and_then(|d| d.cache_write_tokens).unwrap_or(0),
+        reasoning_tokens: usage
+            .completion_tokens_details
+            .as_ref()
+            .and_then(|d| d.reasoning_tokens)
+            .unwrap_or(0),
     }
 }
 
@@ -589,8 +574,21 @@ impl SseDecoder for ChatDecoder {
         if data.is_empty() {
             return Ok(Flow::Continue);
         }
+        if let Some(chunk) = ChunkView::parse(data) {
+            self.chunk(chunk, out);
+            return Ok(Flow::Continue);
+        }
         let chunk = parse_event_json(&self.ctx, data)?;
-        self.chunk(&chunk, out)?;
+        if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
+            return Err(map_error(
+                &self.ctx,
+                None,
+                None,
+                &ErrorDetails::from_value(error),
+                &error.to_string(),
+            ));
+        }
+        self.chunk(ChunkView::from_value(&chunk), out);
         Ok(Flow::Continue)
     }
 
@@ -650,7 +648,11 @@ mod tests {
             let chunk = json!({"choices": [{"index": 0, "delta": {"tool_calls": [
                 {"index": 0, "id": id, "function": {"name": name, "arguments": args}}
             ]}}]});
-            assert!(decoder.chunk(&chunk, &mut out).is_ok());
+            let event = Event {
+                data: chunk.to_string(),
+                ..Event::default()
+            };
+            assert_eq!(decoder.event(&event, &mut out).ok(), Some(Flow::Continue));
         }
         assert!(decoder.complete(&mut out).is_ok());
         let Some(StreamEvent::Completed(response)) = out.pop_back() else {

@@ -1,0 +1,258 @@
+//! A typed view of one `chat.completion.chunk`.
+//!
+//! Streams carry hundreds of chunks per response, so the common shape is deserialized straight
+//! into these structs, borrowing every string that needs no unescaping, instead of through a
+//! `serde_json::Value` tree. A chunk the typed view cannot take (a field of an unexpected
+//! type, or an `error`) is read as a `Value` and mapped leniently by [`ChunkView::from_value`]:
+//! both routes give the decoder the same view.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer, IgnoredAny, Visitor};
+use serde_json::Value;
+
+/// A string field: borrowed from the event's text when it has no escapes.
+#[derive(Debug, PartialEq)]
+pub(super) struct Text<'a>(pub(super) Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TextVisitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for TextVisitor<'a> {
+            type Value = Text<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, text: &'de str) -> Result<Self::Value, E> {
+                Ok(Text(Cow::Borrowed(text)))
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
+                Ok(Text(Cow::Owned(text.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, text: String) -> Result<Self::Value, E> {
+                Ok(Text(Cow::Owned(text)))
+            }
+        }
+        deserializer.deserialize_str(TextVisitor(std::marker::PhantomData))
+    }
+}
+
+impl Text<'_> {
+    pub(super) fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+fn borrowed(text: &str) -> Text<'_> {
+    Text(Cow::Borrowed(text))
+}
+
+/// One chunk.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct ChunkView<'a> {
+    #[serde(default, borrow)]
+    pub(super) choices: Option<Vec<ChoiceView<'a>>>,
+    #[serde(default)]
+    pub(super) usage: Option<UsageView>,
+    /// Present (not null) on an error chunk, which the `Value` route maps.
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+}
+
+#[derive(Debug, Default, PartialEq, Deserialize)]
+pub(super) struct ChoiceView<'a> {
+    #[serde(default)]
+    pub(super) index: Option<u64>,
+    #[serde(default, borrow)]
+    pub(super) delta: Option<DeltaView<'a>>,
+    #[serde(default, borrow)]
+    pub(super) finish_reason: Option<Text<'a>>,
+}
+
+#[derive(Debug, Default, PartialEq, Deserialize)]
+pub(super) struct DeltaView<'a> {
+    #[serde(default, borrow)]
+    pub(super) content: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    pub(super) reasoning: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    pub(super) reasoning_content: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    pub(super) tool_calls: Option<Vec<CallView<'a>>>,
+}
+
+#[derive(Debug, Default, PartialEq, Deserialize)]
+pub(super) struct CallView<'a> {
+    #[serde(default)]
+    pub(super) index: Option<u64>,
+    #[serde(default, borrow)]
+    pub(super) id: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    pub(super) function: Option<FunctionView<'a>>,
+}
+
+#[derive(Debug, Default, PartialEq, Deserialize)]
+pub(super) struct FunctionView<'a> {
+    #[serde(default, borrow)]
+    pub(super) name: Option<Text<'a>>,
+    /// The arguments fragment (a server that sends a JSON value instead of its text is read
+    /// through the `Value` route, which serializes it).
+    #[serde(default, borrow)]
+    pub(super) arguments: Option<Text<'a>>,
+}
+
+#[derive(Debug, Default, PartialEq, Deserialize)]
+pub(super) struct UsageView {
+    #[serde(default)]
+    pub(super) prompt_tokens: Option<u64>,
+    #[serde(default)]
+    pub(super) completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub(super) prompt_tokens_details: Option<PromptDetails>,
+    #[serde(default)]
+    pub(super) completion_tokens_details: Option<CompletionDetails>,
+}
+
+#[derive(Debug, Default, PartialEq, Deserialize)]
+pub(super) struct PromptDetails {
+    #[serde(default)]
+    pub(super) cached_tokens: Option<u64>,
+    #[serde(default)]
+    pub(super) cache_write_tokens: Option<u64>,
+}
+
+#[derive(Debug, Default, PartialEq, Deserialize)]
+pub(super) struct CompletionDetails {
+    #[serde(default)]
+    pub(super) reasoning_tokens: Option<u64>,
+}
+
+impl<'a> ChunkView<'a> {
+    /// The typed view of `data`, or `None` when the chunk needs the `Value` route (an error
+    /// chunk, an unexpected field type, or text that is not JSON at all).
+    pub(super) fn parse(data: &'a str) -> Option<Self> {
+        serde_json::from_str::<Self>(data)
+            .ok()
+            .filter(|chunk| chunk.error.is_none())
+    }
+
+    /// The view of a chunk read as a `Value`: fields of an unexpected type are absent (usage
+    /// counts of another type count as zero), and arguments sent as a JSON value count as that
+    /// value's text.
+    pub(super) fn from_value(chunk: &'a Value) -> Self {
+        let text = |value: Option<&'a Value>| value.and_then(Value::as_str).map(borrowed);
+        let choices = chunk.get("choices").and_then(Value::as_array).map(|choices| {
+            choices
+                .iter()
+                .map(|choice| ChoiceView {
+                    index: choice.get("index").and_then(Value::as_u64),
+                    delta: choice.get("delta").filter(|d| d.is_object()).map(|delta| DeltaView {
+                        content: text(delta.get("content")),
+                        reasoning: text(delta.get("reasoning")),
+                        reasoning_content: text(delta.get("reasoning_content")),
+                        tool_calls: delta.get("tool_calls").and_then(Value::as_array).map(|calls| {
+                            calls
+                                .iter()
+                                .map(|call| CallView {
+                                    index: call.get("index").and_then(Value::as_u64),
+                                    id: text(call.get("id")),
+                                    function: call.get("function").map(|function| FunctionView {
+                                        name: text(function.get("name")),
+                                        arguments: match function.get("arguments") {
+                                            Some(Value::String(arguments)) => Some(borrowed(arguments)),
+                                            Some(Value::Null) | None => None,
+                                            Some(other) => Some(Text(Cow::Owned(other.to_string()))),
+                                        },
+                                    }),
+                                })
+                                .collect()
+                        }),
+                    }),
+                    finish_reason: text(choice.get("finish_reason")),
+                })
+                .collect()
+        });
+        let usage = chunk.get("usage").filter(|u| u.is_object()).map(|usage| {
+            let number = |path: &[&str]| {
+                path.iter()
+                    .try_fold(usage, |value, key| value.get(*key))
+                    .and_then(Value::as_u64)
+            };
+            UsageView {
+                prompt_tokens: number(&["prompt_tokens"]),
+                completion_tokens: number(&["completion_tokens"]),
+                prompt_tokens_details: Some(PromptDetails {
+                    cached_tokens: number(&["prompt_tokens_details", "cached_tokens"]),
+                    cache_write_tokens: number(&["prompt_tokens_details", "cache_write_tokens"]),
+                }),
+                completion_tokens_details: Some(CompletionDetails {
+                    reasoning_tokens: number(&["completion_tokens_details", "reasoning_tokens"]),
+                }),
+            }
+        });
+        Self {
+            choices,
+            usage,
+            error: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+    use super::*;
+
+    #[test]
+    fn unescaped_strings_are_borrowed_and_escaped_ones_decoded() {
+        let data = r#"{"choices":[{"index":0,"delta":{"content":"plain"}}]}"#;
+        let chunk = ChunkView::parse(data).unwrap();
+        let choices = chunk.choices.unwrap();
+        let content = &choices[0].delta.as_ref().unwrap().content;
+        assert!(matches!(content, Some(Text(Cow::Borrowed("plain")))));
+        let data = r#"{"choices":[{"index":0,"delta":{"content":"a\nb \"q\" \u00e9"}}]}"#;
+        let chunk = ChunkView::parse(data).unwrap();
+        let choices = chunk.choices.unwrap();
+        let content = &choices[0].delta.as_ref().unwrap().content;
+        assert_eq!(content.as_ref().map(Text::as_str), Some("a\nb \"q\" é"));
+    }
+
+    #[test]
+    fn odd_shapes_and_errors_take_the_value_route() {
+        for data in [
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":{"a":1}}}]}}]}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":"12"}}"#,
+            r#"{"choices":"none"}"#,
+            r#"{"error":{"message":"overloaded"}}"#,
+            "not json",
+        ] {
+            assert!(ChunkView::parse(data).is_none(), "{data}");
+        }
+        assert!(ChunkView::parse(r#"{"choices":[],"error":null}"#).is_some());
+    }
+
+    #[test]
+    fn the_value_route_gives_the_typed_view_of_the_same_chunk() {
+        let data = r#"{"choices":[{"index":0,"delta":{"content":"hi","reasoning_content":"r","tool_calls":[{"index":1,"id":"call_1","function":{"name":"add","arguments":"{\"a\":"}}]},"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":3,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":1},"completion_tokens_details":{"reasoning_tokens":2}}}"#;
+        let typed = ChunkView::parse(data).unwrap();
+        let value: Value = serde_json::from_str(data).unwrap();
+        let lenient = ChunkView::from_value(&value);
+        assert_eq!(typed.choices, lenient.choices);
+        assert_eq!(typed.usage, lenient.usage);
+    }
+
+    #[test]
+    fn arguments_sent_as_a_json_value_count_as_its_text() {
+        let value: Value =
+            serde_json::from_str(r#"{"choices":[{"delta":{"tool_calls":[{"function":{"arguments":{"a":1}}}]}}]}"#)
+                .unwrap();
+        let chunk = ChunkView::from_value(&value);
+        let choices = chunk.choices.unwrap();
+        let call = &choices[0].delta.as_ref().unwrap().tool_calls.as_ref().unwrap()[0];
+        let arguments = call.function.as_ref().unwrap().arguments.as_ref().unwrap();
+        assert_eq!(arguments.as_str(), r#"{"a":1}"#);
+    }
+}
