@@ -458,6 +458,7 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
                     uid: UidCondition::Any,
                     max_attempts: 10,
                     timeout_ms: 3_600_000,
+                    claim: None,
                 })
                 .await
                 .expect("admit");

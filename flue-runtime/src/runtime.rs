@@ -311,6 +311,19 @@ impl RuntimeInner {
         request: SendRequest,
         kind: SubmissionKind,
     ) -> Result<(DispatchReceipt, Option<u64>), RuntimeError> {
+        let (receipt, offset, _) = self.admit_claiming(agent, request, kind, None).await?;
+        Ok((receipt, offset))
+    }
+
+    /// [`RuntimeInner::admit`], claiming the instance's head in the same store transaction
+    /// when `claim` is given (the caller holds the instance's worker role and runs it next).
+    pub(crate) async fn admit_claiming(
+        self: &Arc<Self>,
+        agent: &str,
+        request: SendRequest,
+        kind: SubmissionKind,
+        claim: Option<crate::store::Claim>,
+    ) -> Result<(DispatchReceipt, Option<u64>, Option<crate::store::Submission>), RuntimeError> {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(RuntimeError::Store("the runtime is shutting down".into()));
         }
@@ -363,6 +376,7 @@ impl RuntimeInner {
                 uid: request.uid,
                 max_attempts: definition.durability.max_attempts,
                 timeout_ms: definition.durability.timeout.as_millis() as u64,
+                claim,
             })
             .await?;
         if !admitted.deduplicated {
@@ -375,7 +389,7 @@ impl RuntimeInner {
             uid: admitted.uid,
             deduplicated: admitted.deduplicated,
         };
-        Ok((receipt, admitted.offset))
+        Ok((receipt, admitted.offset, admitted.claimed))
     }
 
     /// Waits for a submission to settle and reads its reply.
@@ -619,13 +633,28 @@ impl AgentHandle {
     /// Sends a [`SendRequest`] (its `id` is replaced by this handle's) and waits for the reply.
     pub async fn send_request(&self, mut request: SendRequest) -> Result<AgentReply, RuntimeError> {
         request.id.clone_from(&self.key.id);
-        let (receipt, offset) = self
+        // The sender waits for this submission anyway: when the instance is idle, run it on
+        // this task instead of handing it to another thread and back, claiming it in the
+        // admission's own transaction.
+        let slot = self.runtime.slot(&self.key);
+        let role = slot.acquire();
+        let claim = role.map(|_| self.runtime.claim());
+        let admitted = self
             .runtime
-            .admit(&self.key.agent, request, SubmissionKind::Direct)
-            .await?;
-        // The sender waits for this submission anyway: when the instance is idle, drive it
-        // on this task instead of handing it to another thread and back.
-        self.runtime.slot(&self.key).drive(&receipt.submission_id).await;
+            .admit_claiming(&self.key.agent, request, SubmissionKind::Direct, claim)
+            .await;
+        let (receipt, offset, claimed) = match (admitted, role) {
+            (Ok(admitted), _) => admitted,
+            (Err(error), Some(seen)) => {
+                slot.release(seen);
+                return Err(error);
+            }
+            (Err(error), None) => return Err(error),
+        };
+        match role {
+            Some(_) => slot.drive_claimed(claimed, &receipt.submission_id).await,
+            None => slot.drive(&receipt.submission_id).await,
+        }
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());
         self.runtime.wait(&self.key, &receipt.submission_id, offset).await
     }

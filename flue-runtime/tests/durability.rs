@@ -385,6 +385,7 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
             uid: flue_runtime::store::UidCondition::Any,
             max_attempts: 10,
             timeout_ms: 3_600_000,
+            claim: None,
         })
         .await
         .unwrap();
@@ -442,6 +443,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
             uid: flue_runtime::store::UidCondition::Any,
             max_attempts: 10,
             timeout_ms: 3_600_000,
+            claim: None,
         })
         .await
         .unwrap();

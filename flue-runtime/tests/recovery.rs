@@ -623,6 +623,7 @@ fn failover_to_a_second_node_completes_the_submission_once_and_keeps_admission_o
                 uid: UidCondition::Any,
                 max_attempts: 10,
                 timeout_ms: 3_600_000,
+                claim: None,
             }))
             .unwrap();
         ids.push(id);

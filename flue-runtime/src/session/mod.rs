@@ -90,7 +90,7 @@ impl InstanceSlot {
             if let Some(runtime) = slot.runtime.upgrade() {
                 slot.process(&runtime, submission, attempt_id).await;
             }
-            slot.run(None).await;
+            slot.run(None, None).await;
         });
     }
 
@@ -102,30 +102,61 @@ impl InstanceSlot {
     }
 
     async fn work(self: Arc<Self>) {
-        self.run(None).await;
+        self.run(None, None).await;
     }
 
     /// Processes the instance's queue on the calling task until `submission_id` has been
     /// processed (then hands any remaining work to a spawned worker). Returns at once when a
-    /// worker is already running: the caller then just waits for the settlement.
+    /// worker is already running: the caller then just waits for the settlement. Call it once
+    /// the submission is admitted (a running worker re-checks the queue when woken after that).
     pub(crate) async fn drive(self: &Arc<Self>, submission_id: &str) {
         self.wakes.fetch_add(1, Ordering::SeqCst);
         if self.busy.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.run(Some(submission_id)).await;
+        self.run(None, Some(submission_id)).await;
     }
 
-    /// The worker loop; the caller holds `busy`.
-    async fn run(self: &Arc<Self>, until: Option<&str>) {
+    /// Takes the instance's worker role before an admission, when no worker runs: the caller
+    /// then admits with a claim and continues with [`InstanceSlot::drive_claimed`], or gives the
+    /// role back with [`InstanceSlot::release`]. Returns the wake count to release against.
+    pub(crate) fn acquire(&self) -> Option<u64> {
+        let seen = self.wakes.load(Ordering::SeqCst);
+        (!self.busy.swap(true, Ordering::SeqCst)).then_some(seen)
+    }
+
+    /// Gives back a worker role taken by [`InstanceSlot::acquire`] without running: work
+    /// admitted meanwhile (whose senders left it to this role) gets a worker.
+    pub(crate) fn release(self: &Arc<Self>, seen: u64) {
+        self.busy.store(false, Ordering::SeqCst);
+        if self.wakes.load(Ordering::SeqCst) != seen {
+            self.wake();
+        }
+    }
+
+    /// [`InstanceSlot::drive`] for a caller holding the worker role, starting with what its
+    /// admission claimed (if anything).
+    pub(crate) async fn drive_claimed(self: &Arc<Self>, claimed: Option<Submission>, submission_id: &str) {
+        self.run(claimed, Some(submission_id)).await;
+    }
+
+    /// The worker loop; the caller holds `busy`. `first` is a submission already claimed.
+    async fn run(self: &Arc<Self>, mut first: Option<Submission>, until: Option<&str>) {
         let mut seen = self.wakes.load(Ordering::SeqCst);
         loop {
             let Some(runtime) = self.runtime.upgrade() else { return };
-            let claim = runtime.claim();
-            match runtime.store.claim_next(&self.key, &claim).await {
-                Ok(Some(submission)) => {
+            let next = match first.take() {
+                Some(claimed) => Ok(claimed.attempt_id.clone().map(|attempt_id| (claimed, attempt_id))),
+                None => {
+                    let claim = runtime.claim();
+                    let claimed = runtime.store.claim_next(&self.key, &claim).await;
+                    claimed.map(|claimed| claimed.map(|submission| (submission, claim.attempt_id)))
+                }
+            };
+            match next {
+                Ok(Some((submission, attempt_id))) => {
                     let done = until == Some(submission.id.as_str());
-                    self.process(&runtime, submission, claim.attempt_id).await;
+                    self.process(&runtime, submission, attempt_id).await;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {
                         self.busy.store(false, Ordering::SeqCst);

@@ -48,6 +48,17 @@ fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
 }
 
 impl Inner {
+    /// Starts an attempt of the instance's head, when it is queued.
+    fn claim_head(&mut self, key: &InstanceKey, claim: &Claim) -> Option<Submission> {
+        let id = self.instances.get(key)?.unsettled.first()?;
+        let row = self.submissions.get_mut(id)?;
+        if row.status != SubmissionStatus::Queued {
+            return None;
+        }
+        super::start_attempt(row, claim);
+        Some(row.clone())
+    }
+
     fn owns(&self, attempt: &AttemptRef) -> bool {
         self.submissions.get(&attempt.submission_id).is_some_and(|row| {
             row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
@@ -84,6 +95,7 @@ impl Store for MemoryStore {
                         uid,
                         deduplicated: true,
                         offset: None,
+                        claimed: None,
                     });
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
@@ -109,6 +121,7 @@ impl Store for MemoryStore {
             };
             inner.sequence += 1;
             let key = admission.key.clone();
+            let claim = admission.claim.clone();
             let submission = super::queued_submission(admission, inner.sequence);
             inner.submissions.insert(submission.id.clone(), submission.clone());
             let instance = inner
@@ -117,11 +130,13 @@ impl Store for MemoryStore {
                 .ok_or_else(|| StoreError::Other("instance vanished".into()))?;
             instance.unsettled.push(submission.id.clone());
             let offset = instance.batches.len().checked_sub(1).map(|last| last as u64);
+            let claimed = claim.and_then(|claim| inner.claim_head(&key, &claim));
             Ok(Admitted {
                 submission,
                 uid,
                 deduplicated: false,
                 offset,
+                claimed,
             })
         })();
         ready(result)
@@ -154,27 +169,7 @@ impl Store for MemoryStore {
     }
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        let mut inner = self.lock();
-        let head = inner
-            .instances
-            .get(key)
-            .and_then(|instance| instance.unsettled.first().cloned());
-        let claimed = head.and_then(|id| {
-            let row = inner.submissions.get_mut(&id)?;
-            if row.status != SubmissionStatus::Queued {
-                return None;
-            }
-            row.status = SubmissionStatus::Running;
-            row.attempt_id = Some(claim.attempt_id.clone());
-            row.owner_id = Some(claim.owner_id.clone());
-            row.lease_until_ms = claim.lease_until_ms;
-            row.attempt_count += 1;
-            if row.timeout_at_ms == 0 {
-                row.timeout_at_ms = super::now_ms() + row.timeout_ms;
-            }
-            Some(row.clone())
-        });
-        ready(Ok(claimed))
+        ready(Ok(self.lock().claim_head(key, claim)))
     }
 
     fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {

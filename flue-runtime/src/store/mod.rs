@@ -110,6 +110,10 @@ pub struct Admission {
     pub max_attempts: u32,
     /// Wall-clock budget of the submission, from its first claim, in milliseconds.
     pub timeout_ms: u64,
+    /// Also claim the instance's head in the admission's transaction (exactly as
+    /// [`Store::claim_next`] would right after it), for a caller that runs the instance's
+    /// queue at once: one transaction instead of two. Not done for a deduplicated replay.
+    pub claim: Option<Claim>,
 }
 
 /// A submission row of the ledger.
@@ -170,6 +174,9 @@ pub struct Admitted {
     pub deduplicated: bool,
     /// The stream head after admission (before the input is applied), as an offset.
     pub offset: Option<u64>,
+    /// What the admission's claim took (see [`Admission::claim`]): the instance's head, when
+    /// it was queued — this submission, or an earlier one.
+    pub claimed: Option<Submission>,
 }
 
 /// An instance that exists.
@@ -235,6 +242,19 @@ fn default_timeout_ms() -> u64 {
 }
 
 /// The queued row an admission creates.
+/// Starts an attempt of a queued row under `claim` (every store's claim, in its transaction).
+/// The budget's clock starts at the first claim and is kept across attempts.
+pub(crate) fn start_attempt(row: &mut Submission, claim: &Claim) {
+    row.status = SubmissionStatus::Running;
+    row.attempt_id = Some(claim.attempt_id.clone());
+    row.owner_id = Some(claim.owner_id.clone());
+    row.lease_until_ms = claim.lease_until_ms;
+    row.attempt_count += 1;
+    if row.timeout_at_ms == 0 {
+        row.timeout_at_ms = now_ms() + row.timeout_ms;
+    }
+}
+
 pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submission {
     Submission {
         id: admission.submission_id,

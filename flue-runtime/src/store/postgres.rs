@@ -662,6 +662,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
                 uid,
                 deduplicated: true,
                 offset: None,
+                claimed: None,
             });
         }
         return Err(StoreError::SubmissionConflict(admission.submission_id.clone()).into());
@@ -732,11 +733,17 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
         // deduplicate or report the conflict.
         return Err(Failure::Restart);
     };
+    let submission = submission_from_row(&row)?;
+    let claimed = match &admission.claim {
+        Some(claim) => claim_next_tx(tx, key, claim).await?,
+        None => None,
+    };
     Ok(Admitted {
-        submission: submission_from_row(&row)?,
+        submission,
         uid,
         deduplicated: false,
         offset: u64::try_from(batches - 1).ok(),
+        claimed,
     })
 }
 
@@ -1181,6 +1188,7 @@ mod tests {
             uid: UidCondition::Any,
             max_attempts: 10,
             timeout_ms: 3_600_000,
+            claim: None,
         }
     }
 

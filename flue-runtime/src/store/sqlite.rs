@@ -404,6 +404,23 @@ fn unsettled(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey) -> Resu
         .collect()
 }
 
+/// Starts an attempt of the instance's head, when it is queued.
+fn claim_head(
+    transaction: &rusqlite::Transaction<'_>,
+    key: &InstanceKey,
+    claim: &Claim,
+) -> Result<Option<Submission>, StoreError> {
+    let Some(mut head) = unsettled(transaction, key)?.into_iter().next() else {
+        return Ok(None);
+    };
+    if head.status != SubmissionStatus::Queued {
+        return Ok(None);
+    }
+    super::start_attempt(&mut head, claim);
+    write_submission(transaction, &head)?;
+    Ok(Some(head))
+}
+
 fn owns(transaction: &rusqlite::Transaction<'_>, attempt: &AttemptRef) -> Result<Option<Submission>, StoreError> {
     Ok(read_submission(transaction, &attempt.submission_id)?.filter(|row| {
         row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
@@ -461,6 +478,7 @@ impl Store for SqliteStore {
                         uid,
                         deduplicated: true,
                         offset: None,
+                        claimed: None,
                     });
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
@@ -490,14 +508,17 @@ impl Store for SqliteStore {
                 )
                 .map_err(sql)?;
             let key = admission.key.clone();
+            let claim = admission.claim.clone();
             let submission = super::queued_submission(admission, sequence as u64);
             write_submission(tx, &submission)?;
             let offset = next_offset(tx, &key)?.checked_sub(1);
+            let claimed = claim.map(|claim| claim_head(tx, &key, &claim)).transpose()?.flatten();
             Ok(Admitted {
                 submission,
                 uid,
                 deduplicated: false,
                 offset,
+                claimed,
             })
         }))
     }
@@ -527,24 +548,7 @@ impl Store for SqliteStore {
     }
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        ready(self.transaction(|tx| {
-            let Some(mut head) = unsettled(tx, key)?.into_iter().next() else {
-                return Ok(None);
-            };
-            if head.status != SubmissionStatus::Queued {
-                return Ok(None);
-            }
-            head.status = SubmissionStatus::Running;
-            head.attempt_id = Some(claim.attempt_id.clone());
-            head.owner_id = Some(claim.owner_id.clone());
-            head.lease_until_ms = claim.lease_until_ms;
-            head.attempt_count += 1;
-            if head.timeout_at_ms == 0 {
-                head.timeout_at_ms = super::now_ms() + head.timeout_ms;
-            }
-            write_submission(tx, &head)?;
-            Ok(Some(head))
-        }))
+        ready(self.transaction(|tx| claim_head(tx, key, claim)))
     }
 
     fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {

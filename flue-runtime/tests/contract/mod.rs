@@ -73,6 +73,8 @@ macro_rules! store_contract {
                     settles_with_its_records_in_the_same_step,
                     lists_instances_with_queued_work,
                     stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts,
+                    an_admission_with_a_claim_claims_the_idle_instances_head_in_the_same_step,
+                    an_admission_with_a_claim_takes_an_earlier_queued_head_and_nothing_behind_a_running_one,
                 ]
             );
         }
@@ -110,6 +112,7 @@ fn admission(id: &str, agent: &str, instance: &str, kind: SubmissionKind, body: 
         uid: UidCondition::Any,
         max_attempts: 10,
         timeout_ms: 3_600_000,
+        claim: None,
     }
 }
 
@@ -1034,4 +1037,70 @@ pub async fn stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_
         .unwrap()
         .unwrap();
     assert_eq!(again.timeout_at_ms, deadline, "a later claim keeps it");
+}
+
+// ---- claiming at admission --------------------------------------------------------------------
+
+/// `dispatch(id)` asking to claim the instance's head in the same step.
+fn claiming(id: &str, attempt_id: &str) -> Admission {
+    Admission {
+        claim: Some(claim(attempt_id)),
+        ..dispatch(id)
+    }
+}
+
+pub async fn an_admission_with_a_claim_claims_the_idle_instances_head_in_the_same_step(store: Factory) {
+    let before = now_ms();
+    let admitted = store.admit(claiming("d-1", "a1")).await.unwrap();
+    let claimed = admitted.claimed.expect("the idle instance's head is claimed");
+    assert_eq!(claimed.id, "d-1");
+    assert_eq!(claimed.status, SubmissionStatus::Running);
+    assert_eq!(claimed.attempt_id.as_deref(), Some("a1"));
+    assert_eq!(claimed.owner_id.as_deref(), Some("owner-a"));
+    assert_eq!(claimed.attempt_count, 1);
+    assert!(claimed.lease_until_ms > now_ms());
+    assert!(
+        claimed.timeout_at_ms >= before + 3_600_000,
+        "the budget starts at this claim"
+    );
+    assert_eq!(
+        row(&store, "d-1").await,
+        claimed,
+        "the claim is durable with the admission"
+    );
+    assert_eq!(
+        store
+            .claim_next(&key("assistant", "agent-1"), &claim("a2"))
+            .await
+            .unwrap(),
+        None,
+        "nothing is left to claim"
+    );
+    // The claimed attempt owns the submission like any other.
+    store
+        .append(
+            &key("assistant", "agent-1"),
+            vec![record(Some("d-1"), Some("a1"), user("hi"))],
+            Some(&attempt("d-1", "a1")),
+        )
+        .await
+        .unwrap();
+}
+
+pub async fn an_admission_with_a_claim_takes_an_earlier_queued_head_and_nothing_behind_a_running_one(store: Factory) {
+    admit(&store, dispatch("first")).await;
+    let second = store.admit(claiming("second", "a1")).await.unwrap();
+    assert_eq!(
+        second.claimed.map(|row| row.id).as_deref(),
+        Some("first"),
+        "admission order holds"
+    );
+    assert_eq!(row(&store, "second").await.status, SubmissionStatus::Queued);
+    let third = store.admit(claiming("third", "a2")).await.unwrap();
+    assert_eq!(third.claimed, None, "the head is running");
+    assert_eq!(row(&store, "third").await.status, SubmissionStatus::Queued);
+    let replay = store.admit(claiming("second", "a3")).await.unwrap();
+    assert!(replay.deduplicated);
+    assert_eq!(replay.claimed, None, "a replay claims nothing");
+    assert_eq!(row(&store, "first").await.attempt_id.as_deref(), Some("a1"));
 }
