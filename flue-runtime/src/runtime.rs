@@ -638,21 +638,13 @@ impl AgentHandle {
         // admission's own transaction.
         let slot = self.runtime.slot(&self.key);
         let role = slot.acquire();
-        let claim = role.map(|_| self.runtime.claim());
-        let admitted = self
+        let claim = role.as_ref().map(|_| self.runtime.claim());
+        let (receipt, offset, claimed) = self
             .runtime
             .admit_claiming(&self.key.agent, request, SubmissionKind::Direct, claim)
-            .await;
-        let (receipt, offset, claimed) = match (admitted, role) {
-            (Ok(admitted), _) => admitted,
-            (Err(error), Some(seen)) => {
-                slot.release(seen);
-                return Err(error);
-            }
-            (Err(error), None) => return Err(error),
-        };
+            .await?;
         match role {
-            Some(_) => slot.drive_claimed(claimed, &receipt.submission_id).await,
+            Some(role) => role.drive(claimed, &receipt.submission_id).await,
             None => slot.drive(&receipt.submission_id).await,
         }
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());

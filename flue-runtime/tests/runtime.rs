@@ -835,3 +835,39 @@ async fn the_delivery_cursor_advances_to_a_signal_a_callback_appended() {
     assert_eq!(seen.first().map(String::as_str), Some("hello"));
     assert_eq!(seen.last().map(String::as_str), Some("Say more."));
 }
+
+#[tokio::test]
+async fn a_send_dropped_while_it_drives_the_instance_hands_its_submission_to_a_worker() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("wait_forever", json!({})),
+        ScriptedReply::text("recovered"),
+        ScriptedReply::text("second"),
+    ]);
+    let runtime = runtime_with(&model, vec![waiter.into()]);
+    let handle = runtime.init(&waiter, "dropped");
+    // The send runs the idle instance on this task and waits in the tool: it is dropped there.
+    let dropped = tokio::time::timeout(std::time::Duration::from_millis(200), handle.send("first")).await;
+    assert!(dropped.is_err(), "the tool waits until aborted");
+    // The abandoned attempt is requeued and run again by a worker; the next send follows it.
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("again"))
+        .await
+        .expect("the instance is not left without a worker")
+        .unwrap();
+    // Admitted while the first ran again, it may have joined that response at its turn
+    // boundary (its reply is then the whole response's text).
+    assert!(reply.text.ends_with("second"), "{}", reply.text);
+    let requests = model.requests();
+    assert_eq!(
+        requests.len(),
+        3,
+        "the first submission ran again after its driver was dropped"
+    );
+    // Its second attempt resumes from what is durable: the input and the tool call, whose
+    // interrupted batch is repaired with an error result, as after a crash.
+    let resumed = &requests[1].messages;
+    assert_eq!(resumed.len(), 3, "{resumed:?}");
+    assert!(
+        matches!(&resumed[2], ModelMessage::Tool { is_error: true, .. }),
+        "{resumed:?}"
+    );
+}

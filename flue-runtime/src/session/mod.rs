@@ -53,6 +53,65 @@ pub(crate) struct InstanceSlot {
     conversation: tokio::sync::Mutex<Conversation>,
 }
 
+/// The worker role of an instance, taken before admitting (see [`InstanceSlot::acquire`]).
+pub(crate) struct Role {
+    slot: Arc<InstanceSlot>,
+    /// The wake count when taken: senders that found the role taken meanwhile left their
+    /// work to it.
+    seen: u64,
+    held: bool,
+}
+
+impl Role {
+    /// Runs the instance's queue until `submission_id` is processed, starting with what the
+    /// admission claimed (if anything).
+    pub(crate) async fn drive(mut self, claimed: Option<Submission>, submission_id: &str) {
+        self.held = false;
+        self.slot.run(claimed, Some(submission_id)).await;
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        if self.held {
+            self.slot.busy.store(false, Ordering::SeqCst);
+            if self.slot.wakes.load(Ordering::SeqCst) != self.seen {
+                self.slot.wake();
+            }
+        }
+    }
+}
+
+/// Hands an instance's queue on when the task running it is dropped mid-way.
+struct Abandoned {
+    slot: Arc<InstanceSlot>,
+    /// The attempt in progress.
+    attempt: Option<AttemptRef>,
+    armed: bool,
+}
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.slot.binding.set_current(None);
+        self.slot.busy.store(false, Ordering::SeqCst);
+        let (slot, attempt) = (self.slot.clone(), self.attempt.take());
+        // Without a tokio runtime (it is shutting down) the lease lapses with the process.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let (Some(attempt), Some(runtime)) = (attempt, slot.runtime.upgrade())
+                    && let Err(error) = runtime.store.requeue(&attempt).await
+                {
+                    tracing::warn!(instance = %slot.key, %error, "requeueing an abandoned attempt failed");
+                }
+                slot.wake();
+            });
+        }
+    }
+}
+
 impl InstanceSlot {
     pub(crate) fn new(key: InstanceKey, runtime: Weak<RuntimeInner>) -> Self {
         let binding = Arc::new(InstanceBinding {
@@ -118,30 +177,38 @@ impl InstanceSlot {
     }
 
     /// Takes the instance's worker role before an admission, when no worker runs: the caller
-    /// then admits with a claim and continues with [`InstanceSlot::drive_claimed`], or gives the
-    /// role back with [`InstanceSlot::release`]. Returns the wake count to release against.
-    pub(crate) fn acquire(&self) -> Option<u64> {
+    /// then admits with a claim and continues with [`Role::drive`]. Dropping the role unused
+    /// (a failed admission, a cancelled send) gives it back.
+    pub(crate) fn acquire(self: &Arc<Self>) -> Option<Role> {
         let seen = self.wakes.load(Ordering::SeqCst);
-        (!self.busy.swap(true, Ordering::SeqCst)).then_some(seen)
-    }
-
-    /// Gives back a worker role taken by [`InstanceSlot::acquire`] without running: work
-    /// admitted meanwhile (whose senders left it to this role) gets a worker.
-    pub(crate) fn release(self: &Arc<Self>, seen: u64) {
-        self.busy.store(false, Ordering::SeqCst);
-        if self.wakes.load(Ordering::SeqCst) != seen {
-            self.wake();
-        }
-    }
-
-    /// [`InstanceSlot::drive`] for a caller holding the worker role, starting with what its
-    /// admission claimed (if anything).
-    pub(crate) async fn drive_claimed(self: &Arc<Self>, claimed: Option<Submission>, submission_id: &str) {
-        self.run(claimed, Some(submission_id)).await;
+        (!self.busy.swap(true, Ordering::SeqCst)).then(|| Role {
+            slot: self.clone(),
+            seen,
+            held: true,
+        })
     }
 
     /// The worker loop; the caller holds `busy`. `first` is a submission already claimed.
-    async fn run(self: &Arc<Self>, mut first: Option<Submission>, until: Option<&str>) {
+    ///
+    /// Cancellation-safe: when the task running it is dropped (a cancelled send that was
+    /// driving the instance), the attempt in progress is requeued, as if its process had died,
+    /// and a spawned worker takes the queue over.
+    async fn run(self: &Arc<Self>, first: Option<Submission>, until: Option<&str>) {
+        let mut guard = Abandoned {
+            slot: self.clone(),
+            attempt: None,
+            armed: true,
+        };
+        self.run_loop(&mut guard.attempt, first, until).await;
+        guard.armed = false;
+    }
+
+    async fn run_loop(
+        self: &Arc<Self>,
+        running: &mut Option<AttemptRef>,
+        mut first: Option<Submission>,
+        until: Option<&str>,
+    ) {
         let mut seen = self.wakes.load(Ordering::SeqCst);
         loop {
             let Some(runtime) = self.runtime.upgrade() else { return };
@@ -156,7 +223,12 @@ impl InstanceSlot {
             match next {
                 Ok(Some((submission, attempt_id))) => {
                     let done = until == Some(submission.id.as_str());
+                    *running = Some(AttemptRef {
+                        submission_id: submission.id.clone(),
+                        attempt_id: attempt_id.clone(),
+                    });
                     self.process(&runtime, submission, attempt_id).await;
+                    *running = None;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {
                         self.busy.store(false, Ordering::SeqCst);
