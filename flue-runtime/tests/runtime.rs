@@ -871,3 +871,54 @@ async fn a_send_dropped_while_it_drives_the_instance_hands_its_submission_to_a_w
         "{resumed:?}"
     );
 }
+
+fn boom(message: &str) {
+    panic!("{message}")
+}
+
+#[agent]
+fn panicky(props: AgentProps) -> &'static str {
+    use_model("scripted/x");
+    // Which seam panics is chosen by the instance id.
+    match props.id() {
+        "start" => use_agent_start(|_ctx| async { boom("the start seam broke") }),
+        "finish" => use_agent_finish(|_ctx| async { boom("the finish seam broke") }),
+        "response" => use_response_start(|_| -> serde_json::Value { panic!("no metadata today") }),
+        _ => {}
+    }
+    "You panic on cue."
+}
+
+#[tokio::test]
+async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instance_keeps_working() {
+    let model = ScriptedModel::new([ScriptedReply::text("fine"), ScriptedReply::text("fine")]);
+    let runtime = runtime_with(&model, vec![panicky.into()]);
+    for (id, error_type, message) in [
+        (
+            "start",
+            "agent_start_failed",
+            "[flue] A use_agent_start callback (hook #1 in declaration order) panicked: the start seam broke",
+        ),
+        (
+            "finish",
+            "agent_finish_failed",
+            "[flue] A use_agent_finish callback (hook #1 in declaration order) panicked: the finish seam broke",
+        ),
+        (
+            "response",
+            "response_hook_failed",
+            "[flue] A use_response_start callback panicked: no metadata today",
+        ),
+    ] {
+        let error = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            runtime.init(&panicky, id).send("hi"),
+        )
+        .await
+        .expect("the submission settles")
+        .unwrap_err();
+        assert_eq!(run_error(error), (error_type.to_owned(), message.to_owned()), "{id}");
+    }
+    let reply = runtime.init(&panicky, "calm").send("hi").await.unwrap();
+    assert_eq!(reply.text, "fine");
+}

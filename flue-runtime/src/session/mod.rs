@@ -27,7 +27,7 @@ use flue_core::state::StateBuffer;
 use flue_core::tool::ToolContext;
 use flue_core::usage::Usage;
 use flue_core::{Agent, RenderError};
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 
 use crate::events::Event;
 use crate::provider::{ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
@@ -663,10 +663,18 @@ impl Response<'_> {
                 metadata: metadata.clone(),
                 log: self.logger(),
             };
-            match callback.call(&ctx) {
-                Ok(Some(contribution)) => merge_metadata(&mut metadata, contribution),
-                Ok(None) => {}
-                Err(error) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(&ctx))) {
+                Ok(Ok(Some(contribution))) => merge_metadata(&mut metadata, contribution),
+                Ok(Ok(None)) => {}
+                Ok(Err(error)) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+                Err(payload) => {
+                    return Err(callback_panicked(
+                        "response_hook_failed",
+                        "use_response_start",
+                        None,
+                        payload.as_ref(),
+                    ));
+                }
             }
         }
         self.first_step_metadata = Some(metadata.clone());
@@ -747,10 +755,18 @@ impl Response<'_> {
                 response: summary.clone(),
                 log: self.logger(),
             };
-            match callback.call(&ctx) {
-                Ok(Some(contribution)) => merge_metadata(&mut finish_metadata, contribution),
-                Ok(None) => {}
-                Err(error) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(&ctx))) {
+                Ok(Ok(Some(contribution))) => merge_metadata(&mut finish_metadata, contribution),
+                Ok(Ok(None)) => {}
+                Ok(Err(error)) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+                Err(payload) => {
+                    return Err(callback_panicked(
+                        "response_hook_failed",
+                        "use_response_finish",
+                        None,
+                        payload.as_ref(),
+                    ));
+                }
             }
         }
         let records = if finish_metadata.is_empty() {
@@ -852,24 +868,40 @@ impl Response<'_> {
                             self.logger(),
                             delivery.clone(),
                         );
-                        let run = callback.call(ctx);
+                        // A callback that panics while building its future, or while it runs,
+                        // fails the seam like one that returns an error.
+                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(ctx)));
                         let window = window.clone();
                         async move {
-                            let result = run.await;
+                            let result = match run {
+                                Ok(run) => std::panic::AssertUnwindSafe(run).catch_unwind().await,
+                                Err(payload) => Err(payload),
+                            };
                             window.close();
                             result
                         }
                     });
             let results = futures_util::future::join_all(runs).await;
             for (index, result) in results.into_iter().enumerate() {
-                if let Err(error) = result {
-                    return Err(Failure::failed(
-                        "agent_start_failed",
-                        format!(
-                            "[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}",
-                            index + 1
-                        ),
-                    ));
+                match result {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => {
+                        return Err(Failure::failed(
+                            "agent_start_failed",
+                            format!(
+                                "[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}",
+                                index + 1
+                            ),
+                        ));
+                    }
+                    Err(payload) => {
+                        return Err(callback_panicked(
+                            "agent_start_failed",
+                            "use_agent_start",
+                            Some(index),
+                            payload.as_ref(),
+                        ));
+                    }
                 }
             }
             // Appended signals reach the conversation grouped in declaration order.
@@ -903,8 +935,22 @@ impl Response<'_> {
                 self.logger(),
                 summary.clone(),
             );
-            let result = callback.call(ctx).await;
+            let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(ctx))) {
+                Ok(run) => std::panic::AssertUnwindSafe(run).catch_unwind().await,
+                Err(payload) => Err(payload),
+            };
             window.close();
+            let result = match result {
+                Ok(result) => result,
+                Err(payload) => {
+                    return Err(callback_panicked(
+                        "agent_finish_failed",
+                        "use_agent_finish",
+                        Some(index),
+                        payload.as_ref(),
+                    ));
+                }
+            };
             if let Err(error) = result {
                 return Err(Failure::failed(
                     "agent_finish_failed",
@@ -1146,6 +1192,25 @@ impl Response<'_> {
 enum StepError {
     Aborted,
     Provider(crate::provider::ProviderError),
+}
+
+/// The failure of a submission whose `hook` callback (`index` in declaration order, for the
+/// seams that number them) panicked: the failure (`error_type`) its error would be.
+fn callback_panicked(
+    error_type: &str,
+    hook: &str,
+    index: Option<usize>,
+    payload: &(dyn std::any::Any + Send),
+) -> Failure {
+    let which = index.map(|index| format!(" (hook #{} in declaration order)", index + 1));
+    Failure::failed(
+        error_type,
+        format!(
+            "[flue] A {hook} callback{} panicked: {}",
+            which.unwrap_or_default(),
+            flue_core::render::panic_message(payload)
+        ),
+    )
 }
 
 /// The failure of a submission whose budget ran out.
