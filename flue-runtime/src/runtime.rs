@@ -364,6 +364,16 @@ impl RuntimeInner {
             }
             None => (new_id("sub"), false),
         };
+        // Dropped during the admission (a cancelled send), a claim that committed would hold its
+        // submission under a lease this node keeps renewing: hand it back to the queue.
+        let pending = claim.as_ref().map(|claim| PendingClaim {
+            runtime: self.clone(),
+            key: key.clone(),
+            attempt: Some(crate::store::AttemptRef {
+                submission_id: submission_id.clone(),
+                attempt_id: claim.attempt_id.clone(),
+            }),
+        });
         let admitted = self
             .store
             .admit(Admission {
@@ -378,7 +388,11 @@ impl RuntimeInner {
                 timeout_ms: definition.durability.timeout.as_millis() as u64,
                 claim,
             })
-            .await?;
+            .await;
+        if let Some(mut pending) = pending {
+            pending.attempt = None;
+        }
+        let admitted = admitted?;
         if !admitted.deduplicated {
             self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         }
@@ -613,6 +627,30 @@ impl Runtime {
     /// Stops admitting new messages.
     pub fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::Release);
+    }
+}
+
+/// A claim requested with an admission that was dropped before it answered (see
+/// [`RuntimeInner::admit_claiming`]): requeues the attempt, if the claim committed, and wakes a
+/// worker for the instance.
+struct PendingClaim {
+    runtime: Arc<RuntimeInner>,
+    key: InstanceKey,
+    attempt: Option<crate::store::AttemptRef>,
+}
+
+impl Drop for PendingClaim {
+    fn drop(&mut self) {
+        let Some(attempt) = self.attempt.take() else { return };
+        let (runtime, key) = (self.runtime.clone(), self.key.clone());
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(error) = runtime.store.requeue(&attempt).await {
+                    tracing::warn!(instance = %key, %error, "requeueing the claim of a dropped admission failed");
+                }
+                runtime.slot(&key).wake();
+            });
+        }
     }
 }
 

@@ -18,13 +18,16 @@ use serde_json::json;
 
 type Predicate = Box<dyn Fn(&[Record]) -> bool + Send>;
 
-/// A memory store whose `append` fails for batches matching a predicate: once, or always.
+/// A memory store whose `append` fails for batches matching a predicate: once, or always;
+/// and whose next admission, once asked, commits and then never answers (a caller dropped
+/// between a remote store's commit and its reply).
 #[derive(Clone, Default)]
 struct FaultyStore {
     inner: MemoryStore,
     fault: Arc<Mutex<Option<Predicate>>>,
     always: Arc<std::sync::atomic::AtomicBool>,
     failures: Arc<AtomicUsize>,
+    hang_after_admit: Arc<Mutex<Option<String>>>,
 }
 
 impl FaultyStore {
@@ -40,7 +43,21 @@ impl FaultyStore {
 
 impl Store for FaultyStore {
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
-        self.inner.admit(admission)
+        Box::pin(async move {
+            let admitted = self.inner.admit(admission).await?;
+            let hang = {
+                let mut hang = self.hang_after_admit.lock().unwrap();
+                let armed = hang.as_deref() == Some("armed");
+                if armed {
+                    *hang = Some(admitted.submission.id.clone());
+                }
+                armed
+            };
+            if hang {
+                std::future::pending::<()>().await;
+            }
+            Ok(admitted)
+        })
     }
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
         self.inner.instance(key)
@@ -528,4 +545,22 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
 fn ulid_like() -> u64 {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     NEXT.fetch_add(1, Ordering::SeqCst) as u64
+}
+
+#[tokio::test]
+async fn a_send_dropped_after_its_admission_committed_a_claim_leaves_the_submission_to_a_worker() {
+    let store = FaultyStore::default();
+    *store.hang_after_admit.lock().unwrap() = Some("armed".into());
+    let model = ScriptedModel::new([ScriptedReply::text("Relayed.")]);
+    let runtime = runtime(&store, &model, relay);
+    let handle = runtime.init(&relay, "r-dropped");
+    // The admission (with the sender's claim) commits; the sender is dropped before its reply.
+    let dropped = tokio::time::timeout(std::time::Duration::from_millis(200), handle.send("hello")).await;
+    assert!(dropped.is_err());
+    let submission_id = store.hang_after_admit.lock().unwrap().clone().unwrap();
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&submission_id))
+        .await
+        .expect("a worker ran the submission the dropped sender had claimed")
+        .unwrap();
+    assert_eq!(reply.text, "Relayed.");
 }

@@ -48,9 +48,12 @@ fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
 }
 
 impl Inner {
-    /// Starts an attempt of the instance's head, when it is queued.
-    fn claim_head(&mut self, key: &InstanceKey, claim: &Claim) -> Option<Submission> {
+    /// Starts an attempt of the instance's head, when it is queued (and is `only`, if given).
+    fn claim_head(&mut self, key: &InstanceKey, claim: &Claim, only: Option<&str>) -> Option<Submission> {
         let id = self.instances.get(key)?.unsettled.first()?;
+        if only.is_some_and(|only| only != id) {
+            return None;
+        }
         let row = self.submissions.get_mut(id)?;
         if row.status != SubmissionStatus::Queued {
             return None;
@@ -130,7 +133,7 @@ impl Store for MemoryStore {
                 .ok_or_else(|| StoreError::Other("instance vanished".into()))?;
             instance.unsettled.push(submission.id.clone());
             let offset = instance.batches.len().checked_sub(1).map(|last| last as u64);
-            let claimed = claim.and_then(|claim| inner.claim_head(&key, &claim));
+            let claimed = claim.and_then(|claim| inner.claim_head(&key, &claim, Some(&submission.id)));
             Ok(Admitted {
                 submission,
                 uid,
@@ -169,7 +172,7 @@ impl Store for MemoryStore {
     }
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        ready(Ok(self.lock().claim_head(key, claim)))
+        ready(Ok(self.lock().claim_head(key, claim, None)))
     }
 
     fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {

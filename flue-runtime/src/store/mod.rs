@@ -110,9 +110,10 @@ pub struct Admission {
     pub max_attempts: u32,
     /// Wall-clock budget of the submission, from its first claim, in milliseconds.
     pub timeout_ms: u64,
-    /// Also claim the instance's head in the admission's transaction (exactly as
-    /// [`Store::claim_next`] would right after it), for a caller that runs the instance's
-    /// queue at once: one transaction instead of two. Not done for a deduplicated replay.
+    /// Also claim this submission in the admission's transaction when it is the instance's
+    /// head (exactly as [`Store::claim_next`] would right after it), for a caller that runs the
+    /// instance's queue at once: one transaction instead of two. Nothing is claimed when
+    /// earlier work is unsettled, or for a deduplicated replay.
     pub claim: Option<Claim>,
 }
 
@@ -174,8 +175,7 @@ pub struct Admitted {
     pub deduplicated: bool,
     /// The stream head after admission (before the input is applied), as an offset.
     pub offset: Option<u64>,
-    /// What the admission's claim took (see [`Admission::claim`]): the instance's head, when
-    /// it was queued — this submission, or an earlier one.
+    /// This submission, running under the admission's claim (see [`Admission::claim`]).
     pub claimed: Option<Submission>,
 }
 

@@ -735,7 +735,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     };
     let submission = submission_from_row(&row)?;
     let claimed = match &admission.claim {
-        Some(claim) => claim_next_tx(tx, key, claim).await?,
+        Some(claim) => claim_next_tx(tx, key, claim, Some(&submission.id)).await?,
         None => None,
     };
     Ok(Admitted {
@@ -747,7 +747,13 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     })
 }
 
-async fn claim_next_tx(tx: &Transaction<'_>, key: &InstanceKey, claim: &Claim) -> Result<Option<Submission>, Failure> {
+/// Starts an attempt of the instance's head, when it is queued (and is `only`, if given).
+async fn claim_next_tx(
+    tx: &Transaction<'_>,
+    key: &InstanceKey,
+    claim: &Claim,
+    only: Option<&str>,
+) -> Result<Option<Submission>, Failure> {
     if lock_instance(tx, key).await?.is_none() {
         return Ok(None);
     }
@@ -757,7 +763,7 @@ async fn claim_next_tx(tx: &Transaction<'_>, key: &InstanceKey, claim: &Claim) -
     };
     let id: String = head.try_get(0)?;
     let status: String = head.try_get(1)?;
-    if status != "queued" {
+    if status != "queued" || only.is_some_and(|only| only != id) {
         return Ok(None);
     }
     let statement = tx.prepare_cached(CLAIM).await?;
@@ -981,7 +987,7 @@ impl Store for PostgresStore {
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let key = key.clone();
         let claim = claim.clone();
-        Box::pin(async move { in_transaction!(self, |tx| claim_next_tx(&tx, &key, &claim).await) })
+        Box::pin(async move { in_transaction!(self, |tx| claim_next_tx(&tx, &key, &claim, None).await) })
     }
 
     fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {

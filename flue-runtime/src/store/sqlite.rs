@@ -404,16 +404,17 @@ fn unsettled(transaction: &rusqlite::Transaction<'_>, key: &InstanceKey) -> Resu
         .collect()
 }
 
-/// Starts an attempt of the instance's head, when it is queued.
+/// Starts an attempt of the instance's head, when it is queued (and is `only`, if given).
 fn claim_head(
     transaction: &rusqlite::Transaction<'_>,
     key: &InstanceKey,
     claim: &Claim,
+    only: Option<&str>,
 ) -> Result<Option<Submission>, StoreError> {
     let Some(mut head) = unsettled(transaction, key)?.into_iter().next() else {
         return Ok(None);
     };
-    if head.status != SubmissionStatus::Queued {
+    if head.status != SubmissionStatus::Queued || only.is_some_and(|only| only != head.id) {
         return Ok(None);
     }
     super::start_attempt(&mut head, claim);
@@ -512,7 +513,10 @@ impl Store for SqliteStore {
             let submission = super::queued_submission(admission, sequence as u64);
             write_submission(tx, &submission)?;
             let offset = next_offset(tx, &key)?.checked_sub(1);
-            let claimed = claim.map(|claim| claim_head(tx, &key, &claim)).transpose()?.flatten();
+            let claimed = claim
+                .map(|claim| claim_head(tx, &key, &claim, Some(&submission.id)))
+                .transpose()?
+                .flatten();
             Ok(Admitted {
                 submission,
                 uid,
@@ -548,7 +552,7 @@ impl Store for SqliteStore {
     }
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        ready(self.transaction(|tx| claim_head(tx, key, claim)))
+        ready(self.transaction(|tx| claim_head(tx, key, claim, None)))
     }
 
     fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {

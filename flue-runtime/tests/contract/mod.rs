@@ -74,7 +74,7 @@ macro_rules! store_contract {
                     lists_instances_with_queued_work,
                     stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts,
                     an_admission_with_a_claim_claims_the_idle_instances_head_in_the_same_step,
-                    an_admission_with_a_claim_takes_an_earlier_queued_head_and_nothing_behind_a_running_one,
+                    an_admission_with_a_claim_claims_nothing_behind_earlier_unsettled_work,
                 ]
             );
         }
@@ -1087,20 +1087,22 @@ pub async fn an_admission_with_a_claim_claims_the_idle_instances_head_in_the_sam
         .unwrap();
 }
 
-pub async fn an_admission_with_a_claim_takes_an_earlier_queued_head_and_nothing_behind_a_running_one(store: Factory) {
+pub async fn an_admission_with_a_claim_claims_nothing_behind_earlier_unsettled_work(store: Factory) {
     admit(&store, dispatch("first")).await;
     let second = store.admit(claiming("second", "a1")).await.unwrap();
-    assert_eq!(
-        second.claimed.map(|row| row.id).as_deref(),
-        Some("first"),
-        "admission order holds"
-    );
+    assert_eq!(second.claimed, None, "an earlier submission is queued");
+    assert_eq!(row(&store, "first").await.status, SubmissionStatus::Queued);
     assert_eq!(row(&store, "second").await.status, SubmissionStatus::Queued);
-    let third = store.admit(claiming("third", "a2")).await.unwrap();
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a2"))
+        .await
+        .unwrap()
+        .unwrap();
+    let third = store.admit(claiming("third", "a3")).await.unwrap();
     assert_eq!(third.claimed, None, "the head is running");
     assert_eq!(row(&store, "third").await.status, SubmissionStatus::Queued);
-    let replay = store.admit(claiming("second", "a3")).await.unwrap();
+    let replay = store.admit(claiming("second", "a4")).await.unwrap();
     assert!(replay.deduplicated);
     assert_eq!(replay.claimed, None, "a replay claims nothing");
-    assert_eq!(row(&store, "first").await.attempt_id.as_deref(), Some("a1"));
+    assert_eq!(row(&store, "second").await.status, SubmissionStatus::Queued);
 }
