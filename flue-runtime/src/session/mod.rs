@@ -139,17 +139,15 @@ impl InstanceSlot {
 
     /// Runs a submission this node took over from an expired lease (the claim is held), then
     /// carries on with the instance's queue.
-    pub(crate) fn resume(self: &Arc<Self>, submission: Submission, attempt_id: String) {
+    pub(crate) fn resume(self: &Arc<Self>, mut submission: Submission, attempt_id: String) {
         let slot = self.clone();
+        submission.attempt_id = Some(attempt_id);
         tokio::spawn(async move {
             // Wait for any local worker of this instance to finish first.
             while slot.busy.swap(true, Ordering::SeqCst) {
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
-            if let Some(runtime) = slot.runtime.upgrade() {
-                slot.process(&runtime, submission, attempt_id).await;
-            }
-            slot.run(None, None).await;
+            slot.run(Some(submission), None).await;
         });
     }
 
