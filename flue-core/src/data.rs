@@ -33,6 +33,11 @@ impl DataSchema {
         &self.json
     }
 
+    /// The schema as JSON, shared (a reference count, not a copy).
+    pub fn shared_json(&self) -> Arc<Value> {
+        self.json.clone()
+    }
+
     /// Validates `instance`; on failure returns every issue as `"<path>: <message>"` (`root`
     /// for the top level), in document order.
     pub fn validate(&self, instance: &Value) -> Result<(), Vec<String>> {

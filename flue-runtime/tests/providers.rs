@@ -779,7 +779,9 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
         tools: vec![ToolSpec {
             name: "get_weather".to_owned(),
             description: "Current weather of a city.".to_owned(),
-            parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+            parameters: std::sync::Arc::new(
+                json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+            ),
         }],
         thinking_level,
         max_output_tokens: Some(20_000),

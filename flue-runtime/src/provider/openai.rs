@@ -36,6 +36,7 @@
 mod chunk;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use eventsource_stream::Event;
@@ -324,7 +325,7 @@ struct ChatTool<'a> {
 struct ChatToolFunction<'a> {
     name: &'a str,
     description: &'a str,
-    parameters: &'a Value,
+    parameters: &'a Arc<Value>,
 }
 
 /// The `reasoning_effort` of a thinking level (`None` for `Off`).
@@ -618,7 +619,7 @@ mod tests {
             tools: vec![ToolSpec {
                 name: "t".to_owned(),
                 description: "d".to_owned(),
-                parameters: json!({"type": "object"}),
+                parameters: Arc::new(json!({"type": "object"})),
             }],
             thinking_level: level,
             max_output_tokens: None,

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use flue_core::model::ThinkingLevel;
@@ -35,7 +36,8 @@ pub struct ToolSpec {
     /// Description.
     pub description: String,
     /// JSON Schema of the arguments (object root).
-    pub parameters: Value,
+    /// Shared with the tool's definition: a model call does not copy it.
+    pub parameters: Arc<Value>,
 }
 
 /// One message of the conversation sent to the model.

@@ -1007,7 +1007,7 @@ impl Response<'_> {
                 .map(|tool| ToolSpec {
                     name: tool.name().to_owned(),
                     description: tool.definition().description.to_string(),
-                    parameters: tool.input_schema().json().clone(),
+                    parameters: tool.input_schema().shared_json(),
                 })
                 .collect(),
             thinking_level: thinking,
