@@ -37,17 +37,19 @@ pub struct SqliteStore {
 /// pages per commit.
 const COMMITS_PER_CHECKPOINT: u32 = 300;
 
-/// The writing connection's own automatic checkpoint, in WAL frames (pages): a safety net.
-const INLINE_CHECKPOINT_FRAMES: u32 = 2000;
+/// WAL frames (pages) at which a commit restarts the WAL itself: the bound on its size.
+const RESTART_FRAMES: std::ffi::c_int = 2000;
 
 /// Copies the WAL back into the database file off the committing thread.
 ///
 /// Every [`COMMITS_PER_CHECKPOINT`] commits the writing connection asks this thread for a
 /// passive checkpoint, which never blocks a writer and does the copying and the fsyncs. SQLite
 /// reuses the WAL from its start only after a checkpoint that caught up with its end, which a
-/// background checkpoint under steady writes may never do; the writing connection's own
-/// automatic checkpoint, raised to [`INLINE_CHECKPOINT_FRAMES`], then finishes the few frames
-/// left on its thread (where no other commit can interleave), so the WAL stays bounded.
+/// background checkpoint under steady writes may never do. So when a commit finds the WAL at
+/// [`RESTART_FRAMES`], the writing connection runs a restart checkpoint itself
+/// ([`restart_when_full`]): it waits out a background checkpoint in progress, copies the few
+/// frames left and makes the next commit start the WAL over. The WAL stays under that size
+/// whatever the threads' timing.
 struct Checkpointer {
     requests: std::sync::mpsc::SyncSender<()>,
     commits: std::sync::atomic::AtomicU32,
@@ -83,6 +85,17 @@ impl Checkpointer {
             let _ = self.requests.try_send(());
         }
     }
+}
+
+/// The writing connection's WAL hook (after each commit): the restart that bounds the WAL.
+fn restart_when_full(wal: &rusqlite::hooks::Wal, frames: std::ffi::c_int) -> rusqlite::Result<()> {
+    if frames >= RESTART_FRAMES
+        && let Err(error) = wal.checkpoint_v2(rusqlite::hooks::CheckpointMode::RESTART)
+    {
+        // The commit itself succeeded; the next one retries.
+        tracing::warn!(%error, frames, "sqlite restart checkpoint failed");
+    }
+    Ok(())
 }
 
 fn checkpoint(connection: &Connection) {
@@ -208,10 +221,8 @@ impl SqliteStore {
         }
         let connection = Connection::open(path).map_err(sql)?;
         let mut store = Self::with_connection(connection)?;
-        store
-            .lock()
-            .pragma_update(None, "wal_autocheckpoint", INLINE_CHECKPOINT_FRAMES)
-            .map_err(sql)?;
+        // Replaces SQLite's own automatic checkpoint (itself a WAL hook).
+        store.lock().wal_hook(Some(restart_when_full));
         store.checkpointer = Some(Checkpointer::start(path)?);
         Ok(store)
     }
