@@ -32,6 +32,7 @@ use eventsource_stream::Event;
 use flue_core::model::ThinkingLevel;
 use flue_core::usage::Usage;
 use reqwest::header::{ACCEPT, HeaderMap, HeaderName, HeaderValue};
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 pub use super::http::RetryPolicy;
@@ -39,6 +40,7 @@ use super::http::{
     CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
+use super::text::{Text, borrowed};
 use super::types::{
     ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
     ProviderErrorKind, StopReason, StreamEvent,
@@ -428,38 +430,34 @@ impl MessagesDecoder {
         Ok(())
     }
 
-    fn block_delta(&mut self, data: &Value, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
-        let Some(delta) = data.get("delta") else { return Ok(()) };
-        let text = |key: &str| {
-            delta
-                .get(key)
-                .and_then(Value::as_str)
-                .filter(|t| !t.is_empty())
-                .map(str::to_owned)
-        };
-        match delta.get("type").and_then(Value::as_str) {
+    fn block_delta(
+        &mut self,
+        index: Option<u64>,
+        delta: &BlockDelta<'_>,
+        out: &mut VecDeque<StreamEvent>,
+    ) -> Result<(), ProviderError> {
+        match delta.kind.as_ref().map(Text::as_str) {
             Some("text_delta") => {
-                if let Some(text) = text("text") {
-                    self.text.push_str(&text);
-                    out.push_back(StreamEvent::TextDelta(text));
+                if let Some(text) = non_empty(&delta.text) {
+                    self.text.push_str(text);
+                    out.push_back(StreamEvent::TextDelta(text.to_owned()));
                 }
             }
             Some("thinking_delta") => {
-                if let Some(thinking) = text("thinking") {
-                    self.reasoning.push_str(&thinking);
-                    out.push_back(StreamEvent::ReasoningDelta(thinking));
+                if let Some(thinking) = non_empty(&delta.thinking) {
+                    self.reasoning.push_str(thinking);
+                    out.push_back(StreamEvent::ReasoningDelta(thinking.to_owned()));
                 }
             }
             Some("input_json_delta") => {
-                let index = data.get("index").and_then(Value::as_u64);
                 let slot = index
                     .and_then(|index| self.blocks.get(&index).copied())
                     .ok_or_else(|| self.invalid("input_json_delta for a block that is not a tool_use"))?;
-                if let Some(fragment) = text("partial_json") {
-                    self.calls[slot].arguments.push_str(&fragment);
+                if let Some(fragment) = non_empty(&delta.partial_json) {
+                    self.calls[slot].arguments.push_str(fragment);
                     out.push_back(StreamEvent::ToolCallArguments {
                         index: slot,
-                        delta: fragment,
+                        delta: fragment.to_owned(),
                     });
                 }
             }
@@ -503,10 +501,48 @@ impl MessagesDecoder {
     }
 }
 
+/// A field's text, unless absent or empty.
+fn non_empty<'t>(field: &'t Option<Text<'_>>) -> Option<&'t str> {
+    field.as_ref().map(Text::as_str).filter(|text| !text.is_empty())
+}
+
+/// A `content_block_delta` event, typed.
+#[derive(Deserialize)]
+struct DeltaEvent<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Text<'a>,
+    #[serde(default)]
+    index: Option<u64>,
+    #[serde(borrow)]
+    delta: BlockDelta<'a>,
+}
+
+/// The `delta` of a `content_block_delta` event (other fields, such as a thinking block's
+/// signature, are not used).
+#[derive(Default, Deserialize)]
+struct BlockDelta<'a> {
+    #[serde(rename = "type", default, borrow)]
+    kind: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    text: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    thinking: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    partial_json: Option<Text<'a>>,
+}
+
 impl SseDecoder for MessagesDecoder {
     fn event(&mut self, event: &Event, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
         let data = event.data.trim();
         if data.is_empty() {
+            return Ok(Flow::Continue);
+        }
+        // The hot event (one per streamed fragment) is decoded without a `Value` tree.
+        if event.event == "content_block_delta"
+            && let Ok(delta) = serde_json::from_str::<DeltaEvent<'_>>(data)
+            && delta.kind.as_str() == "content_block_delta"
+        {
+            self.block_delta(delta.index, &delta.delta, out)?;
             return Ok(Flow::Continue);
         }
         let data = parse_event_json(&self.ctx, data)?;
@@ -518,7 +554,18 @@ impl SseDecoder for MessagesDecoder {
                 }
             }
             "content_block_start" => self.block_start(&data, out)?,
-            "content_block_delta" => self.block_delta(&data, out)?,
+            "content_block_delta" => {
+                if let Some(delta) = data.get("delta") {
+                    let text = |key: &str| delta.get(key).and_then(Value::as_str).map(borrowed);
+                    let view = BlockDelta {
+                        kind: text("type"),
+                        text: text("text"),
+                        thinking: text("thinking"),
+                        partial_json: text("partial_json"),
+                    };
+                    self.block_delta(data.get("index").and_then(Value::as_u64), &view, out)?;
+                }
+            }
             "message_delta" => {
                 if let Some(reason) = data
                     .get("delta")
@@ -568,6 +615,8 @@ impl SseDecoder for MessagesDecoder {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
     use super::*;
 
     fn request(messages: Vec<ModelMessage>, level: ThinkingLevel, max: Option<u32>) -> ModelRequest {
@@ -648,5 +697,39 @@ mod tests {
                 .get("thinking")
                 .is_some()
         );
+    }
+
+    fn event(name: &str, data: serde_json::Value) -> Event {
+        Event {
+            event: name.to_owned(),
+            data: data.to_string(),
+            ..Event::default()
+        }
+    }
+
+    #[test]
+    fn deltas_decode_the_same_on_the_typed_route_and_the_value_route() {
+        let mut decoder = MessagesDecoder::new(CallContext::new("anthropic", "KEY", "m", None));
+        let mut out = VecDeque::new();
+        let start = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
+        decoder.event(&event("content_block_start", start), &mut out).unwrap();
+        let escaped =
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a \"b\"\n"}});
+        // Named as Anthropic names it (typed), then unnamed (through a Value): same result.
+        decoder
+            .event(&event("content_block_delta", escaped.clone()), &mut out)
+            .unwrap();
+        decoder.event(&event("", escaped), &mut out).unwrap();
+        // An odd shape is skipped as before, not an error.
+        let odd = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": 5}});
+        decoder.event(&event("content_block_delta", odd), &mut out).unwrap();
+        let deltas: Vec<_> = out
+            .iter()
+            .map(|event| match event {
+                StreamEvent::TextDelta(text) => text.as_str(),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(deltas, ["a \"b\"\n", "a \"b\"\n"]);
     }
 }

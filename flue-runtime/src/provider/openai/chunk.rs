@@ -7,47 +7,13 @@
 //! both routes give the decoder the same view.
 
 use std::borrow::Cow;
-use std::fmt;
 
 use serde::Deserialize;
-use serde::de::{self, Deserializer, IgnoredAny, Visitor};
+use serde::de::IgnoredAny;
 use serde_json::Value;
 
-/// A string field: borrowed from the event's text when it has no escapes.
-#[derive(Debug, PartialEq)]
-pub(super) struct Text<'a>(pub(super) Cow<'a, str>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct TextVisitor<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> Visitor<'de> for TextVisitor<'a> {
-            type Value = Text<'a>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, text: &'de str) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Borrowed(text)))
-            }
-            fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Owned(text.to_owned())))
-            }
-            fn visit_string<E: de::Error>(self, text: String) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Owned(text)))
-            }
-        }
-        deserializer.deserialize_str(TextVisitor(std::marker::PhantomData))
-    }
-}
-
-impl Text<'_> {
-    pub(super) fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-fn borrowed(text: &str) -> Text<'_> {
-    Text(Cow::Borrowed(text))
-}
+pub(super) use crate::provider::text::Text;
+use crate::provider::text::borrowed;
 
 /// One chunk.
 #[derive(Debug, Default, Deserialize)]
