@@ -10,7 +10,8 @@
 //!    all), which isolates the runtime's own cost.
 //! 2. Exchanges per second at concurrency 16 over 16 instances.
 //! 3. Exchange 200 of one long conversation next to exchange 1.
-//! 4. Resident memory with 10,000 idle instances.
+//! 4. Resident memory with 10,000 idle instances, all of their conversations cached and with
+//!    the default cache (each in a fresh process).
 //!
 //! Under a profiler, `FLUE_BENCH_PROFILE=http|sqlite|scripted` runs just 20,000 exchanges of
 //! one kind (HTTP on the memory store, scripted on SQLite, scripted on the memory store).
@@ -246,7 +247,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let profiling = std::env::var("FLUE_BENCH_PROFILE").is_ok();
+    let profiling = std::env::var("FLUE_BENCH_PROFILE").is_ok() || std::env::var("FLUE_BENCH_MEMORY").is_ok();
     multi.block_on(bench());
     drop(multi);
     if !profiling {
@@ -262,6 +263,10 @@ fn main() {
 }
 
 async fn bench() {
+    if let Some(cached) = std::env::var("FLUE_BENCH_MEMORY").ok().and_then(|v| v.parse().ok()) {
+        idle_memory(cached).await;
+        return;
+    }
     if let Ok(target) = std::env::var("FLUE_BENCH_PROFILE") {
         if target == "http" {
             // Profiling aid: the HTTP exchange on the memory store, many times.
@@ -404,12 +409,57 @@ async fn bench() {
         last - plain_last
     );
 
-    // 4. Resident memory with 10,000 idle instances.
+    // 4. Resident memory with 10,000 idle instances, each measured in a fresh process (a heap
+    // that earlier sections grew and freed would hide the growth).
+    let bench = std::env::current_exe().expect("this bench's path");
+    for cached in [10_000, RuntimeOptions::default().cached_instances] {
+        let output = std::process::Command::new(&bench)
+            .env("FLUE_BENCH_MEMORY", cached.to_string())
+            .output()
+            .expect("run the memory measurement");
+        print!("{}", String::from_utf8_lossy(&output.stdout));
+    }
+}
+
+/// A model that answers "ok" and keeps nothing: the memory measurement must not count a
+/// recording of every request, as the testing kit's scripted model keeps.
+struct AnswersOk;
+
+impl flue_runtime::provider::ModelProvider for AnswersOk {
+    fn id(&self) -> &str {
+        "scripted"
+    }
+
+    fn stream(&self, _request: flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+        let response = ModelResponse {
+            text: "ok".into(),
+            reasoning: String::new(),
+            tool_calls: Vec::new(),
+            stop_reason: StopReason::Stop,
+            usage: Default::default(),
+        };
+        Box::pin(futures_util::stream::iter([Ok(StreamEvent::Completed(response))]))
+    }
+}
+
+/// Resident memory added by 10,000 idle instances (one exchange each) on the memory store
+/// (which holds their records too), with at most `cached` conversations cached.
+async fn idle_memory(cached: usize) {
     let before = rss_kib();
-    let idle_model = ScriptedModel::new([]);
-    let idle = scripted_runtime(&idle_model);
+    let mut providers = ProviderRegistry::new();
+    providers.register(AnswersOk);
+    let idle = Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .agent(scripted_agent)
+        .providers(providers)
+        .options(RuntimeOptions {
+            cached_instances: cached,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .expect("runtime");
     for instance in 0..10_000 {
-        idle_model.push(ScriptedReply::text("ok"));
         idle.init(&scripted_agent, format!("idle-{instance}"))
             .send("hello")
             .await
@@ -417,7 +467,8 @@ async fn bench() {
     }
     let after = rss_kib();
     println!(
-        "memory: 10,000 idle instances (one exchange each) add {:.1} MiB resident ({:.1} KiB each)",
+        "memory: 10,000 idle instances (one exchange each, {} conversations cached) add {:.1} MiB resident ({:.1} KiB each)",
+        idle.cached_instance_count(),
         (after.saturating_sub(before)) as f64 / 1024.0,
         (after.saturating_sub(before)) as f64 / 10_000.0
     );

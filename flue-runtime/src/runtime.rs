@@ -92,6 +92,10 @@ pub struct RuntimeOptions {
     pub heartbeat: Duration,
     /// How often this node looks for expired leases and for queued work admitted elsewhere.
     pub scan_interval: Duration,
+    /// How many instances keep their folded conversation in memory between submissions. Past
+    /// it, the least recently used idle instances are dropped (a quarter of the limit at a
+    /// time); an evicted instance re-reads its stream from the store at its next submission.
+    pub cached_instances: usize,
 }
 
 impl Default for RuntimeOptions {
@@ -103,6 +107,7 @@ impl Default for RuntimeOptions {
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(10),
             scan_interval: Duration::from_secs(15),
+            cached_instances: 1024,
         }
     }
 }
@@ -186,6 +191,7 @@ impl RuntimeBuilder {
             store,
             options: self.options,
             instances: Mutex::default(),
+            slot_uses: AtomicU64::new(0),
             events,
             event_index: AtomicU64::new(0),
             waiters: Mutex::default(),
@@ -203,6 +209,8 @@ pub(crate) struct RuntimeInner {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) options: RuntimeOptions,
     pub(crate) instances: Mutex<HashMap<InstanceKey, Arc<InstanceSlot>>>,
+    /// A clock of slot uses: which cached instance was used least recently.
+    slot_uses: AtomicU64,
     events: broadcast::Sender<Observation>,
     event_index: AtomicU64,
     /// Senders waiting for a submission to settle, by submission id.
@@ -297,11 +305,22 @@ impl RuntimeInner {
     }
 
     pub(crate) fn slot(self: &Arc<Self>, key: &InstanceKey) -> Arc<InstanceSlot> {
+        let used = self.slot_uses.fetch_add(1, Ordering::Relaxed);
         let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        instances
-            .entry(key.clone())
-            .or_insert_with(|| Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self))))
-            .clone()
+        let slot = match instances.get(key) {
+            Some(slot) => slot.clone(),
+            None => {
+                let slot = Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self)));
+                instances.insert(key.clone(), slot.clone());
+                let limit = self.options.cached_instances;
+                if instances.len() > limit {
+                    evict_idle(&mut instances, limit - limit / 4);
+                }
+                slot
+            }
+        };
+        slot.touch(used);
+        slot
     }
 
     /// Admits a message (the one admission path of every transport).
@@ -586,6 +605,16 @@ impl Runtime {
         Ok(receipt)
     }
 
+    /// How many instances hold a folded conversation in memory (at most about
+    /// [`RuntimeOptions::cached_instances`], plus those running).
+    pub fn cached_instance_count(&self) -> usize {
+        self.inner
+            .instances
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .len()
+    }
+
     /// A handle on the instance `id` of `agent` (no I/O).
     pub fn init(&self, agent: &impl flue_core::Agent, id: impl Into<String>) -> AgentHandle {
         AgentHandle {
@@ -627,6 +656,22 @@ impl Runtime {
     /// Stops admitting new messages.
     pub fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::Release);
+    }
+}
+
+/// Drops the least recently used idle instances until `target` remain (or no idle one is
+/// left). Idle: no worker runs it and nothing else holds it (every user takes it from this
+/// map, under the same lock, so none can appear meanwhile).
+fn evict_idle(instances: &mut HashMap<InstanceKey, Arc<InstanceSlot>>, target: usize) {
+    let mut idle: Vec<(u64, InstanceKey)> = instances
+        .iter()
+        .filter(|(_, slot)| Arc::strong_count(slot) == 1 && slot.is_idle())
+        .map(|(key, slot)| (slot.last_used(), key.clone()))
+        .collect();
+    idle.sort_unstable_by_key(|(used, _)| *used);
+    let excess = instances.len().saturating_sub(target);
+    for (_, key) in idle.into_iter().take(excess) {
+        instances.remove(&key);
     }
 }
 

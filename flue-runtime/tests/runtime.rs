@@ -922,3 +922,45 @@ async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instan
     let reply = runtime.init(&panicky, "calm").send("hi").await.unwrap();
     assert_eq!(reply.text, "fine");
 }
+
+#[tokio::test]
+async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carries_on_from_the_store() {
+    let model = ScriptedModel::new((0..11).map(|i| ScriptedReply::text(format!("answer {i}"))));
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(calculator)
+        .options(RuntimeOptions {
+            cached_instances: 4,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    for i in 0..10 {
+        runtime.init(&calculator, format!("c-{i}")).send("hi").await.unwrap();
+    }
+    assert!(
+        runtime.cached_instance_count() <= 4,
+        "{} instances cached",
+        runtime.cached_instance_count()
+    );
+    // The first instance was evicted long ago: its next submission folds its stream again.
+    let reply = runtime.init(&calculator, "c-0").send("again").await.unwrap();
+    assert_eq!(reply.text, "answer 10");
+    let history = &model.requests()[10].messages;
+    assert_eq!(
+        history,
+        &[
+            ModelMessage::User { content: "hi".into() },
+            ModelMessage::Assistant {
+                text: "answer 0".into(),
+                tool_calls: Vec::new()
+            },
+            ModelMessage::User {
+                content: "again".into()
+            },
+        ]
+    );
+}

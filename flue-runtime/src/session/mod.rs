@@ -49,6 +49,8 @@ pub(crate) struct InstanceSlot {
     runtime: Weak<RuntimeInner>,
     busy: AtomicBool,
     wakes: AtomicU64,
+    /// When the runtime last handed this slot out (its use clock): for evicting idle ones.
+    last_used: AtomicU64,
     binding: Arc<InstanceBinding>,
     conversation: tokio::sync::Mutex<Conversation>,
 }
@@ -124,9 +126,23 @@ impl InstanceSlot {
             runtime,
             busy: AtomicBool::new(false),
             wakes: AtomicU64::new(0),
+            last_used: AtomicU64::new(0),
             binding,
             conversation: tokio::sync::Mutex::new(Conversation::default()),
         }
+    }
+
+    pub(crate) fn touch(&self, used: u64) {
+        self.last_used.fetch_max(used, Ordering::Relaxed);
+    }
+
+    pub(crate) fn last_used(&self) -> u64 {
+        self.last_used.load(Ordering::Relaxed)
+    }
+
+    /// Whether no worker runs this instance.
+    pub(crate) fn is_idle(&self) -> bool {
+        !self.busy.load(Ordering::SeqCst)
     }
 
     /// Makes sure a worker runs for this instance.
