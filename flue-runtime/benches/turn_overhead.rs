@@ -184,13 +184,7 @@ async fn http_overhead(scheduler: &str, rounds: usize) -> (std::path::PathBuf, S
     let base_url = format!("http://{addr}/v1");
     let url = format!("{base_url}/chat/completions");
     let client = reqwest::Client::new();
-    let db = std::env::temp_dir()
-        .join(format!(
-            "flue-bench-{}-{}",
-            std::process::id(),
-            scheduler_tag(scheduler)
-        ))
-        .join("flue.db");
+    let db = scratch_dir().join(scheduler_tag(scheduler)).join("flue.db");
     let stores: [(&str, Runtime); 2] = [
         ("memory store", http_runtime(&base_url)),
         (
@@ -241,6 +235,11 @@ fn scheduler_tag(scheduler: &str) -> &'static str {
     }
 }
 
+/// Where this run's SQLite files go (removed when it ends).
+fn scratch_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("flue-bench-{}", std::process::id()))
+}
+
 fn main() {
     let multi = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -260,6 +259,7 @@ fn main() {
             http_overhead("current-thread scheduler", 400).await;
         });
     }
+    let _ = std::fs::remove_dir_all(scratch_dir());
 }
 
 async fn bench() {
@@ -284,9 +284,7 @@ async fn bench() {
         // Profiling aid: only the scripted exchange, many times (on SQLite when asked).
         let model = ScriptedModel::new([]);
         let scripted = if target == "sqlite" {
-            let db = std::env::temp_dir()
-                .join(format!("flue-profile-{}", std::process::id()))
-                .join("flue.db");
+            let db = scratch_dir().join("profile").join("flue.db");
             let mut providers = ProviderRegistry::new();
             providers.register(model.clone());
             Runtime::builder()

@@ -5,6 +5,8 @@
 //! durability point, prints `READY`, and the parent kills it there.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
+mod scratch;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -370,8 +372,7 @@ fn wait_for_line(child: &mut Child, wanted: impl Fn(&str) -> bool) -> String {
 /// (named in the directory's `backend` file, which the children read). `None` when Postgres is
 /// asked for but not configured outside CI.
 fn scratch(postgres: bool) -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("flue-recovery-{}", ulid::Ulid::new()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch::dir("recovery");
     if postgres {
         let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
             .ok()

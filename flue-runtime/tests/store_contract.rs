@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod contract;
+mod scratch;
 
 use std::sync::Arc;
 
@@ -14,15 +15,9 @@ contract::store_contract!(memory, || async {
 
 contract::store_contract!(sqlite, || async {
     // A real file (WAL needs one): each test its own database.
-    let dir = std::env::temp_dir().join(format!("flue-contract-{}", ulid_like()));
+    let dir = scratch::dir("contract");
     Some(Arc::new(SqliteStore::open(dir.join("flue.db")).unwrap()) as Arc<dyn Store>)
 });
-
-fn ulid_like() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    format!("{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::SeqCst))
-}
 
 /// A plain dispatch of `text` to `key`.
 fn admission(key: &flue_runtime::store::InstanceKey, id: &str, text: &str) -> flue_runtime::store::Admission {
@@ -56,9 +51,7 @@ fn state_record(i: usize) -> flue_runtime::record::Record {
 }
 
 fn scratch_db() -> std::path::PathBuf {
-    std::env::temp_dir()
-        .join(format!("flue-format-{}", ulid_like()))
-        .join("flue.db")
+    scratch::dir("format").join("flue.db")
 }
 
 fn meta(path: &std::path::Path) -> Vec<(String, String)> {
