@@ -334,8 +334,9 @@ impl RuntimeInner {
         Ok((receipt, offset))
     }
 
-    /// [`RuntimeInner::admit`], claiming the instance's head in the same store transaction
-    /// when `claim` is given (the caller holds the instance's worker role and runs it next).
+    /// [`RuntimeInner::admit`], also claiming the admitted submission in the same store
+    /// transaction when `claim` is given and it is the instance's head (the caller holds the
+    /// instance's worker role and runs it next).
     pub(crate) async fn admit_claiming(
         self: &Arc<Self>,
         agent: &str,

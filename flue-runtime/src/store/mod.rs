@@ -241,7 +241,6 @@ fn default_timeout_ms() -> u64 {
     flue_core::agent::Durability::DEFAULT.timeout.as_millis() as u64
 }
 
-/// The queued row an admission creates.
 /// Starts an attempt of a queued row under `claim` (every store's claim, in its transaction).
 /// The budget's clock starts at the first claim and is kept across attempts.
 pub(crate) fn start_attempt(row: &mut Submission, claim: &Claim) {
@@ -255,6 +254,7 @@ pub(crate) fn start_attempt(row: &mut Submission, claim: &Claim) {
     }
 }
 
+/// The queued row an admission creates.
 pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submission {
     Submission {
         id: admission.submission_id,
