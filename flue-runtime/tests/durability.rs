@@ -126,6 +126,20 @@ impl Store for FaultyStore {
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         self.inner.read(key, after)
     }
+    fn put_attachment(
+        &self,
+        key: &InstanceKey,
+        attachment: flue_runtime::store::AttachmentPut,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.put_attachment(key, attachment)
+    }
+    fn attachment(
+        &self,
+        key: &InstanceKey,
+        id: &str,
+    ) -> BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, StoreError>> {
+        self.inner.attachment(key, id)
+    }
 }
 
 fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {

@@ -152,6 +152,20 @@ impl Store for PausingStore {
     fn read(&self, k: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         self.inner.read(k, after)
     }
+    fn put_attachment(
+        &self,
+        k: &InstanceKey,
+        a: flue_runtime::store::AttachmentPut,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.put_attachment(k, a)
+    }
+    fn attachment(
+        &self,
+        k: &InstanceKey,
+        id: &str,
+    ) -> BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, StoreError>> {
+        self.inner.attachment(k, id)
+    }
 }
 
 /// A model that streams a little and then hangs (to be killed mid-stream).

@@ -197,7 +197,15 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
     assert_eq!(names("index"), ["flue_submissions_unsettled"]);
     assert_eq!(
         names("table"),
-        ["flue_batches", "flue_instances", "flue_meta", "flue_submissions"]
+        [
+            "flue_attachment_chunks",
+            "flue_attachments",
+            "flue_batches",
+            "flue_instances",
+            "flue_meta",
+            "flue_submissions"
+        ],
+        "the attachment tables are added too"
     );
     let clustered: Vec<String> = connection
         .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%WITHOUT ROWID%' ORDER BY name")
@@ -206,7 +214,7 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert_eq!(clustered, ["flue_instances"]);
+    assert_eq!(clustered, ["flue_attachments", "flue_instances"]);
     assert_eq!(meta(&path), [("format_version".to_owned(), "1".to_owned())]);
 
     // Every row survived, and the ledger and the stream carry on from them.

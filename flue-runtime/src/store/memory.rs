@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use flue_core::BoxFuture;
 
+use super::attachments::{AttachmentPut, StoredAttachment, conflict};
 use super::{
     Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
 };
@@ -21,6 +22,8 @@ struct Inner {
     sequence: u64,
     submissions: HashMap<String, Submission>,
     instances: BTreeMap<InstanceKey, Instance>,
+    /// Attachments by id, with the instance that owns each.
+    attachments: HashMap<String, (InstanceKey, StoredAttachment)>,
 }
 
 #[derive(Default)]
@@ -443,5 +446,43 @@ impl Store for MemoryStore {
             })
             .unwrap_or_default();
         ready(Ok(batches))
+    }
+
+    fn put_attachment(&self, key: &InstanceKey, attachment: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>> {
+        if let Err(error) = attachment.verify() {
+            return ready(Err(error));
+        }
+        let mut inner = self.lock();
+        let result = match inner.attachments.get(&attachment.id) {
+            Some((owner, stored)) => {
+                if attachment.is_stored_as(key, owner, &stored.media_type, stored.size, &stored.digest) {
+                    Ok(())
+                } else {
+                    Err(conflict(&attachment.id))
+                }
+            }
+            None => {
+                let stored = StoredAttachment {
+                    id: attachment.id.clone(),
+                    media_type: attachment.media_type,
+                    size: attachment.size,
+                    digest: attachment.digest,
+                    bytes: attachment.bytes,
+                };
+                inner.attachments.insert(attachment.id, (key.clone(), stored));
+                Ok(())
+            }
+        };
+        ready(result)
+    }
+
+    fn attachment(&self, key: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>> {
+        let inner = self.lock();
+        let found = inner
+            .attachments
+            .get(id)
+            .filter(|(owner, _)| owner == key)
+            .map(|(_, stored)| stored.clone());
+        ready(Ok(found))
     }
 }

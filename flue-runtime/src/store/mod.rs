@@ -2,6 +2,7 @@
 //! [`Store`] trait. [`MemoryStore`] implements it in memory (tests, examples); the SQLite and
 //! Postgres stores implement the same trait.
 
+mod attachments;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -14,6 +15,7 @@ use flue_core::message::DeliveredMessage;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use attachments::{ATTACHMENT_CHUNK_BYTES, AttachmentPut, StoredAttachment, sha256_hex};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresStore;
@@ -315,6 +317,14 @@ pub enum StoreError {
         /// The stored stamp (`unversioned` when flue tables exist without one).
         stored: String,
     },
+    /// An attachment id is taken by other bytes, or by another instance
+    /// (`AttachmentConflictError`).
+    #[error("Attachment \"{0}\" already exists with different content or for another conversation.")]
+    AttachmentConflict(String),
+    /// An attachment's declared size or digest does not match its bytes
+    /// (`AttachmentIntegrityError`).
+    #[error("Attachment integrity check failed: {0}.")]
+    AttachmentIntegrity(String),
     /// Anything else.
     #[error("store failure: {0}")]
     Other(String),
@@ -394,4 +404,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Batches strictly after `after` (all when `None`).
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>>;
+
+    /// Stores an attachment of the instance `key` after checking its declared size and digest.
+    /// Putting the same attachment again (same id, bytes and instance) succeeds, also
+    /// concurrently; the id with other bytes or another instance is a conflict.
+    fn put_attachment(&self, key: &InstanceKey, attachment: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// The attachment `id` of the instance `key`; `None` when absent or another instance's.
+    fn attachment(&self, key: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>>;
 }

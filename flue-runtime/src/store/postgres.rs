@@ -26,9 +26,10 @@ use flue_core::message::DeliveredMessage;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{NoTls, Row};
 
+use super::attachments::conflict;
 use super::{
-    Admission, Admitted, AttemptRef, Claim, FORMAT_VERSION, InstanceInfo, InstanceKey, Store, StoreError, Submission,
-    SubmissionKind, SubmissionStatus, UidCondition,
+    ATTACHMENT_CHUNK_BYTES, Admission, Admitted, AttachmentPut, AttemptRef, Claim, FORMAT_VERSION, InstanceInfo,
+    InstanceKey, Store, StoreError, StoredAttachment, Submission, SubmissionKind, SubmissionStatus, UidCondition,
 };
 use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
 
@@ -47,7 +48,7 @@ const MAX_TRIES: u32 = 8;
 const CREATE_META: &str = "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)";
 
 /// The other tables, by name, with their indexes.
-const TABLES: [(&str, &str); 3] = [
+const TABLES: [(&str, &str); 4] = [
     (
         "flue_instances",
         "CREATE TABLE flue_instances (
@@ -98,6 +99,23 @@ const TABLES: [(&str, &str); 3] = [
             WHERE status <> 'settled';
         CREATE INDEX flue_submissions_queued ON flue_submissions (agent, instance_id) WHERE status = 'queued';
         CREATE INDEX flue_submissions_running ON flue_submissions (owner_id) WHERE status = 'running'",
+    ),
+    (
+        "flue_attachments",
+        "CREATE TABLE flue_attachments (
+            id TEXT PRIMARY KEY,
+            agent TEXT NOT NULL,
+            instance_id TEXT NOT NULL,
+            media_type TEXT NOT NULL,
+            size BIGINT NOT NULL,
+            digest TEXT NOT NULL
+        );
+        CREATE TABLE flue_attachment_chunks (
+            id TEXT NOT NULL REFERENCES flue_attachments (id),
+            chunk INTEGER NOT NULL,
+            bytes BYTEA NOT NULL,
+            PRIMARY KEY (id, chunk)
+        )",
     ),
 ];
 
@@ -312,7 +330,8 @@ impl PostgresStore {
     /// the role's `search_path`, usually `public`).
     ///
     /// On first use it stamps the schema with format version 1 and creates the store's tables
-    /// (`flue_meta`, `flue_instances`, `flue_batches`, `flue_submissions`). A schema stamped
+    /// (`flue_meta`, `flue_instances`, `flue_batches`, `flue_submissions`, `flue_attachments`,
+    /// `flue_attachment_chunks`; a table added to format 1 later is created when missing). A schema stamped
     /// with the legacy `schema_version = "8"` is adopted in place; any other stamp, or `flue_*`
     /// tables without a stamp, is refused without changing anything
     /// ([`StoreError::FormatVersion`]).
@@ -1109,6 +1128,99 @@ impl Store for PostgresStore {
                 .collect()
         })
     }
+
+    fn put_attachment(&self, key: &InstanceKey, attachment: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>> {
+        let key = key.clone();
+        Box::pin(async move {
+            attachment.verify()?;
+            in_transaction!(self, |tx| put_attachment_tx(&tx, &key, &attachment).await)
+        })
+    }
+
+    fn attachment(&self, key: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>> {
+        let key = key.clone();
+        let id = id.to_owned();
+        Box::pin(async move {
+            in_transaction!(self, |tx| {
+                async {
+                let statement = tx
+                    .prepare_cached(
+                        "SELECT media_type, size, digest FROM flue_attachments WHERE id = $1 AND agent = $2 AND instance_id = $3",
+                    )
+                    .await?;
+                let Some(row) = tx.query_opt(&statement, &[&id, &key.agent, &key.id]).await? else {
+                    return Ok::<_, Failure>(None);
+                };
+                let (media_type, size, digest): (String, i64, String) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+                let statement = tx
+                    .prepare_cached("SELECT bytes FROM flue_attachment_chunks WHERE id = $1 ORDER BY chunk")
+                    .await?;
+                let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+                for row in tx.query(&statement, &[&id]).await? {
+                    bytes.extend_from_slice(row.try_get::<_, &[u8]>(0)?);
+                }
+                Ok(Some(StoredAttachment {
+                    id: id.clone(),
+                    media_type,
+                    size: u64::try_from(size).map_err(|_| corrupt(format_args!("attachment size {size}")))?,
+                    digest,
+                    bytes,
+                }))
+            }
+            .await
+            })
+        })
+    }
+}
+
+async fn put_attachment_tx(tx: &Transaction<'_>, key: &InstanceKey, attachment: &AttachmentPut) -> Result<(), Failure> {
+    let statement = tx
+        .prepare_cached("SELECT agent, instance_id, media_type, size, digest FROM flue_attachments WHERE id = $1")
+        .await?;
+    if let Some(row) = tx.query_opt(&statement, &[&attachment.id]).await? {
+        let owner = InstanceKey::new(row.try_get::<_, String>(0)?, row.try_get::<_, String>(1)?);
+        let (media_type, size, digest): (String, i64, String) = (row.try_get(2)?, row.try_get(3)?, row.try_get(4)?);
+        let size = u64::try_from(size).map_err(|_| corrupt(format_args!("attachment size {size}")))?;
+        return if attachment.is_stored_as(key, &owner, &media_type, size, &digest) {
+            Ok(())
+        } else {
+            Err(conflict(&attachment.id).into())
+        };
+    }
+    let size =
+        i64::try_from(attachment.size).map_err(|_| corrupt(format_args!("attachment size {}", attachment.size)))?;
+    let statement = tx
+        .prepare_cached(
+            "INSERT INTO flue_attachments (id, agent, instance_id, media_type, size, digest)
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING RETURNING id",
+        )
+        .await?;
+    if tx
+        .query_opt(
+            &statement,
+            &[
+                &attachment.id,
+                &key.agent,
+                &key.id,
+                &attachment.media_type,
+                &size,
+                &attachment.digest,
+            ],
+        )
+        .await?
+        .is_none()
+    {
+        // A concurrent put of the same id committed first: rerun to compare with it.
+        return Err(Failure::Restart);
+    }
+    let statement = tx
+        .prepare_cached("INSERT INTO flue_attachment_chunks (id, chunk, bytes) VALUES ($1, $2, $3)")
+        .await?;
+    for (chunk, bytes) in attachment.bytes.chunks(ATTACHMENT_CHUNK_BYTES).enumerate() {
+        let chunk = i32::try_from(chunk).map_err(|_| corrupt(format_args!("attachment chunk {chunk}")))?;
+        tx.execute(&statement, &[&attachment.id, &chunk, &bytes]).await?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1228,7 +1340,14 @@ mod tests {
         assert_eq!(meta(&client).await, stamp("format_version", "1"));
         assert_eq!(
             tables(&client).await,
-            ["flue_batches", "flue_instances", "flue_meta", "flue_submissions"]
+            [
+                "flue_attachment_chunks",
+                "flue_attachments",
+                "flue_batches",
+                "flue_instances",
+                "flue_meta",
+                "flue_submissions"
+            ]
         );
         let admitted = first.admit(admission("d-1", "assistant", "kept")).await.unwrap();
         drop(first);

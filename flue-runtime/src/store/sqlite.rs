@@ -18,8 +18,10 @@ use std::sync::{Mutex, MutexGuard};
 use flue_core::BoxFuture;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
+use super::attachments::conflict;
 use super::{
-    Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
+    ATTACHMENT_CHUNK_BYTES, Admission, Admitted, AttachmentPut, AttemptRef, Claim, InstanceInfo, InstanceKey, Store,
+    StoreError, StoredAttachment, Submission, SubmissionStatus,
 };
 use crate::record::{Batch, Outcome, Record, SettlementError, new_id};
 
@@ -150,6 +152,25 @@ CREATE TABLE flue_batches (
 );
 ";
 
+/// Attachments: what identifies each, and its bytes in chunks of at most
+/// [`ATTACHMENT_CHUNK_BYTES`]. Added to format 1 without changing it (created when missing).
+const ATTACHMENT_TABLES: &str = "
+CREATE TABLE IF NOT EXISTS flue_attachments (
+    id TEXT PRIMARY KEY,
+    agent TEXT NOT NULL,
+    instance_id TEXT NOT NULL,
+    media_type TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    digest TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS flue_attachment_chunks (
+    id TEXT NOT NULL,
+    chunk INTEGER NOT NULL,
+    bytes BLOB NOT NULL,
+    PRIMARY KEY (id, chunk)
+);
+";
+
 /// The ledger's one index (created once its table has its final name).
 const UNSETTLED_INDEX: &str = "CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence) WHERE status <> 'settled';";
 
@@ -162,6 +183,7 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
             "DROP INDEX IF EXISTS flue_submissions_by_status; DROP INDEX IF EXISTS flue_submissions_by_owner;",
         )
         .map_err(sql)?;
+    transaction.execute_batch(ATTACHMENT_TABLES).map_err(sql)?;
     let instances_sql: String = transaction
         .query_row(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'flue_instances'",
@@ -313,6 +335,7 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
             .map_err(sql)?;
         transaction.execute_batch(&ledger_tables("")).map_err(sql)?;
         transaction.execute_batch(BATCHES_TABLE).map_err(sql)?;
+        transaction.execute_batch(ATTACHMENT_TABLES).map_err(sql)?;
         transaction.execute_batch(UNSETTLED_INDEX).map_err(sql)?;
         return transaction.commit().map_err(sql);
     }
@@ -804,6 +827,92 @@ impl Store for SqliteStore {
                 Ok(Batch { offset: offset as u64, records: serde_json::from_str(&records).map_err(json_error)? })
             })
             .collect()
+        }))
+    }
+
+    fn put_attachment(&self, key: &InstanceKey, attachment: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>> {
+        if let Err(error) = attachment.verify() {
+            return ready(Err(error));
+        }
+        ready(self.transaction(|tx| {
+            let stored = tx
+                .prepare_cached(
+                    "SELECT agent, instance_id, media_type, size, digest FROM flue_attachments WHERE id = ?1",
+                )
+                .map_err(sql)?
+                .query_row(params![attachment.id], |row| {
+                    Ok((
+                        InstanceKey::new(row.get::<_, String>(0)?, row.get::<_, String>(1)?),
+                        row.get::<_, String>(2)?,
+                        row.get::<_, i64>(3)? as u64,
+                        row.get::<_, String>(4)?,
+                    ))
+                })
+                .optional()
+                .map_err(sql)?;
+            if let Some((owner, media_type, size, digest)) = stored {
+                return if attachment.is_stored_as(key, &owner, &media_type, size, &digest) {
+                    Ok(())
+                } else {
+                    Err(conflict(&attachment.id))
+                };
+            }
+            tx.prepare_cached(
+                "INSERT INTO flue_attachments (id, agent, instance_id, media_type, size, digest)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )
+            .map_err(sql)?
+            .execute(params![
+                attachment.id,
+                key.agent,
+                key.id,
+                attachment.media_type,
+                attachment.size as i64,
+                attachment.digest
+            ])
+            .map_err(sql)?;
+            let mut insert = tx
+                .prepare_cached("INSERT INTO flue_attachment_chunks (id, chunk, bytes) VALUES (?1, ?2, ?3)")
+                .map_err(sql)?;
+            for (chunk, bytes) in attachment.bytes.chunks(ATTACHMENT_CHUNK_BYTES).enumerate() {
+                insert
+                    .execute(params![attachment.id, chunk as i64, bytes])
+                    .map_err(sql)?;
+            }
+            Ok(())
+        }))
+    }
+
+    fn attachment(&self, key: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>> {
+        ready(self.read_transaction(|tx| {
+            let meta = tx
+                .prepare_cached(
+                    "SELECT media_type, size, digest FROM flue_attachments WHERE id = ?1 AND agent = ?2 AND instance_id = ?3",
+                )
+                .map_err(sql)?
+                .query_row(params![id, key.agent, key.id], |row| {
+                    Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)? as u64, row.get::<_, String>(2)?))
+                })
+                .optional()
+                .map_err(sql)?;
+            let Some((media_type, size, digest)) = meta else {
+                return Ok(None);
+            };
+            let mut bytes = Vec::with_capacity(size as usize);
+            let mut statement = tx
+                .prepare_cached("SELECT bytes FROM flue_attachment_chunks WHERE id = ?1 ORDER BY chunk")
+                .map_err(sql)?;
+            let mut rows = statement.query(params![id]).map_err(sql)?;
+            while let Some(row) = rows.next().map_err(sql)? {
+                bytes.extend_from_slice(row.get_ref(0).map_err(sql)?.as_blob().map_err(|e| sql(e.into()))?);
+            }
+            Ok(Some(StoredAttachment {
+                id: id.to_owned(),
+                media_type,
+                size,
+                digest,
+                bytes,
+            }))
         }))
     }
 }

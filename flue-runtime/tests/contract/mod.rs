@@ -1,6 +1,7 @@
 //! The store contract: every behaviour the runtime relies on, as one suite run against every
 //! `Store` (memory, SQLite, Postgres). Case names follow the reference's contract checklists
-//! (§5.2 submission store, §5.3 conversation stream) for the behaviours our trait covers.
+//! (§5.2 submission store, §5.3 conversation stream, §5.4 attachments) for the behaviours our
+//! trait covers.
 //!
 //! A backend instantiates it with `contract::store_contract!(name, || async { store })`.
 #![allow(dead_code, clippy::unwrap_used)]
@@ -10,8 +11,8 @@ use std::sync::Arc;
 use flue_runtime::message::DeliveredMessage;
 use flue_runtime::record::{Outcome, Record, RecordBody, SettlementError};
 use flue_runtime::store::{
-    Admission, AttemptRef, Claim, InstanceKey, Store, StoreError, Submission, SubmissionKind, SubmissionStatus,
-    UidCondition, now_ms,
+    ATTACHMENT_CHUNK_BYTES, Admission, AttachmentPut, AttemptRef, Claim, InstanceKey, Store, StoreError, Submission,
+    SubmissionKind, SubmissionStatus, UidCondition, now_ms,
 };
 
 pub type Factory = Arc<dyn Store>;
@@ -75,6 +76,16 @@ macro_rules! store_contract {
                     stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts,
                     an_admission_with_a_claim_claims_the_idle_instances_head_in_the_same_step,
                     an_admission_with_a_claim_claims_nothing_behind_earlier_unsettled_work,
+                    returns_the_original_bytes_when_an_exact_conversation_attachment_is_put,
+                    returns_the_original_bytes_when_the_payload_exceeds_one_persisted_chunk,
+                    accepts_an_exact_retry_when_the_first_put_acknowledgement_is_uncertain,
+                    accepts_concurrent_exact_puts_when_one_attachment_identity_has_one_winner,
+                    throws_attachment_conflict_when_one_id_is_reused_with_different_bytes,
+                    throws_attachment_conflict_when_one_id_is_reused_for_a_different_conversation,
+                    throws_attachment_integrity_when_declared_size_differs_from_decoded_bytes,
+                    throws_attachment_integrity_when_declared_digest_differs_from_decoded_bytes,
+                    returns_null_when_a_different_conversation_requests_an_existing_attachment,
+                    returns_an_independent_byte_copy_when_stored_or_returned_arrays_are_mutated,
                 ]
             );
         }
@@ -1105,4 +1116,134 @@ pub async fn an_admission_with_a_claim_claims_nothing_behind_earlier_unsettled_w
     assert!(replay.deduplicated);
     assert_eq!(replay.claimed, None, "a replay claims nothing");
     assert_eq!(row(&store, "second").await.status, SubmissionStatus::Queued);
+}
+
+// ---- attachments (reference §5.4) -------------------------------------------------------------
+
+fn image(id: &str, bytes: Vec<u8>) -> AttachmentPut {
+    AttachmentPut::new(id, "image/png", bytes)
+}
+
+fn conversation() -> InstanceKey {
+    key("assistant", "agent-1")
+}
+
+pub async fn returns_the_original_bytes_when_an_exact_conversation_attachment_is_put(store: Factory) {
+    let put = image("att-1", vec![137, 80, 78, 71, 0, 255]);
+    store.put_attachment(&conversation(), put.clone()).await.unwrap();
+    let stored = store.attachment(&conversation(), "att-1").await.unwrap().unwrap();
+    assert_eq!(stored.bytes, put.bytes);
+    assert_eq!((stored.media_type.as_str(), stored.size), ("image/png", 6));
+    assert_eq!(stored.digest, put.digest);
+}
+
+pub async fn returns_the_original_bytes_when_the_payload_exceeds_one_persisted_chunk(store: Factory) {
+    let bytes: Vec<u8> = (0..ATTACHMENT_CHUNK_BYTES + 1).map(|i| (i % 251) as u8).collect();
+    store
+        .put_attachment(&conversation(), image("att-big", bytes.clone()))
+        .await
+        .unwrap();
+    let stored = store.attachment(&conversation(), "att-big").await.unwrap().unwrap();
+    assert_eq!(stored.bytes.len(), bytes.len());
+    assert!(stored.bytes == bytes, "the chunks come back whole and in order");
+}
+
+pub async fn accepts_an_exact_retry_when_the_first_put_acknowledgement_is_uncertain(store: Factory) {
+    let put = image("att-1", vec![1, 2, 3]);
+    store.put_attachment(&conversation(), put.clone()).await.unwrap();
+    store.put_attachment(&conversation(), put.clone()).await.unwrap();
+    assert_eq!(
+        store.attachment(&conversation(), "att-1").await.unwrap().unwrap().bytes,
+        put.bytes
+    );
+}
+
+pub async fn accepts_concurrent_exact_puts_when_one_attachment_identity_has_one_winner(store: Factory) {
+    let put = image("att-1", vec![9; 1024]);
+    let puts = (0..4).map(|_| {
+        let (store, put) = (store.clone(), put.clone());
+        tokio::spawn(async move { store.put_attachment(&conversation(), put).await })
+    });
+    for put in futures_util::future::join_all(puts).await {
+        put.unwrap().unwrap();
+    }
+    assert_eq!(
+        store.attachment(&conversation(), "att-1").await.unwrap().unwrap().bytes,
+        put.bytes
+    );
+}
+
+pub async fn throws_attachment_conflict_when_one_id_is_reused_with_different_bytes(store: Factory) {
+    store
+        .put_attachment(&conversation(), image("att-1", vec![1, 2, 3]))
+        .await
+        .unwrap();
+    let error = store
+        .put_attachment(&conversation(), image("att-1", vec![3, 2, 1]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, StoreError::AttachmentConflict(ref id) if id == "att-1"),
+        "{error}"
+    );
+    assert_eq!(
+        store.attachment(&conversation(), "att-1").await.unwrap().unwrap().bytes,
+        [1, 2, 3],
+        "the first bytes stay"
+    );
+}
+
+pub async fn throws_attachment_conflict_when_one_id_is_reused_for_a_different_conversation(store: Factory) {
+    let put = image("att-1", vec![1, 2, 3]);
+    store.put_attachment(&conversation(), put.clone()).await.unwrap();
+    let error = store
+        .put_attachment(&key("assistant", "agent-2"), put)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, StoreError::AttachmentConflict(_)), "{error}");
+}
+
+pub async fn throws_attachment_integrity_when_declared_size_differs_from_decoded_bytes(store: Factory) {
+    let put = AttachmentPut {
+        size: 4,
+        ..image("att-1", vec![1, 2, 3])
+    };
+    let error = store.put_attachment(&conversation(), put).await.unwrap_err();
+    assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{error}");
+    assert_eq!(store.attachment(&conversation(), "att-1").await.unwrap(), None);
+}
+
+pub async fn throws_attachment_integrity_when_declared_digest_differs_from_decoded_bytes(store: Factory) {
+    let put = AttachmentPut {
+        digest: flue_runtime::store::sha256_hex(b"other"),
+        ..image("att-1", vec![1, 2, 3])
+    };
+    let error = store.put_attachment(&conversation(), put).await.unwrap_err();
+    assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{error}");
+    assert_eq!(store.attachment(&conversation(), "att-1").await.unwrap(), None);
+}
+
+pub async fn returns_null_when_a_different_conversation_requests_an_existing_attachment(store: Factory) {
+    store
+        .put_attachment(&conversation(), image("att-1", vec![1, 2, 3]))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.attachment(&key("assistant", "agent-2"), "att-1").await.unwrap(),
+        None
+    );
+    assert_eq!(store.attachment(&key("other", "agent-1"), "att-1").await.unwrap(), None);
+}
+
+pub async fn returns_an_independent_byte_copy_when_stored_or_returned_arrays_are_mutated(store: Factory) {
+    let mut bytes = vec![1, 2, 3];
+    store
+        .put_attachment(&conversation(), image("att-1", bytes.clone()))
+        .await
+        .unwrap();
+    bytes[0] = 42;
+    let mut first = store.attachment(&conversation(), "att-1").await.unwrap().unwrap();
+    first.bytes[1] = 42;
+    let second = store.attachment(&conversation(), "att-1").await.unwrap().unwrap();
+    assert_eq!(second.bytes, [1, 2, 3]);
 }
