@@ -115,6 +115,32 @@ pub enum Attachment {
     },
 }
 
+impl Attachment {
+    /// The decoded bytes (standard base64, padded or not).
+    pub fn bytes(&self) -> Result<Vec<u8>, MessageError> {
+        use base64::Engine as _;
+        let Self::Image { data, .. } = self;
+        let engine = base64::engine::GeneralPurpose::new(
+            &base64::alphabet::STANDARD,
+            base64::engine::GeneralPurposeConfig::new()
+                .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+        );
+        engine.decode(data.trim()).map_err(|_| MessageError::InvalidImageData)
+    }
+
+    /// The MIME type.
+    pub fn mime_type(&self) -> &str {
+        let Self::Image { mime_type, .. } = self;
+        mime_type
+    }
+
+    /// The file name, when given.
+    pub fn filename(&self) -> Option<&str> {
+        let Self::Image { filename, .. } = self;
+        filename.as_deref()
+    }
+}
+
 impl DeliveredMessage {
     /// A user message with `body`.
     pub fn user(body: impl Into<String>) -> Self {
@@ -146,6 +172,7 @@ impl DeliveredMessage {
                     if data.len() > MAX_IMAGE_DATA_LENGTH {
                         return Err(MessageError::ImageTooLarge);
                     }
+                    attachment.bytes()?;
                 }
                 Ok(())
             }
@@ -190,6 +217,9 @@ pub enum MessageError {
     /// An image over the size limit.
     #[error("Image data exceeds the 14680064 character limit.")]
     ImageTooLarge,
+    /// Image data that is not base64.
+    #[error("Image data must be base64-encoded.")]
+    InvalidImageData,
 }
 
 /// `^[A-Za-z_][A-Za-z0-9_.-]*$`

@@ -68,6 +68,9 @@ pub enum RecordBody {
         message_id: String,
         /// Text.
         body: String,
+        /// Its images, kept in the attachment store.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        attachments: Vec<AttachmentRef>,
     },
     /// A signal delivered, appended by a callback, or narrated by the framework.
     Signal {
@@ -184,6 +187,21 @@ pub struct Batch {
 /// Formats an offset as the protocol does: `0000000000000000_<16-digit sequence>`.
 pub fn format_offset(offset: u64) -> String {
     format!("0000000000000000_{offset:016}")
+}
+
+/// An attachment of a user message, as its record names it (the bytes are in the store's
+/// attachment store under `id`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachmentRef {
+    /// The attachment id.
+    pub id: String,
+    /// Its media type.
+    pub media_type: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its file name, when the sender gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filename: Option<String>,
 }
 
 pub(crate) fn now() -> String {

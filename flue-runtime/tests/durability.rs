@@ -503,6 +503,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
             vec![record(RecordBody::UserMessage {
                 message_id: "m1".into(),
                 body: "question".into(),
+                attachments: Vec::new(),
             })],
             Some(&auth),
         )

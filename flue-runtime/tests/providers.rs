@@ -47,9 +47,7 @@ fn request(text: &str) -> ModelRequest {
     ModelRequest {
         model: "fixture-model".to_owned(),
         system: None,
-        messages: vec![ModelMessage::User {
-            content: text.to_owned(),
-        }],
+        messages: vec![ModelMessage::user(text)],
         tools: Vec::new(),
         thinking_level: ThinkingLevel::Off,
         max_output_tokens: None,
@@ -746,9 +744,7 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
         model: "fixture-model".to_owned(),
         system: Some("You are terse.".to_owned()),
         messages: vec![
-            ModelMessage::User {
-                content: "Weather in Paris and Rome?".to_owned(),
-            },
+            ModelMessage::user("Weather in Paris and Rome?"),
             ModelMessage::Assistant {
                 text: String::new(),
                 tool_calls: vec![
@@ -772,9 +768,7 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
                 text: "Paris is 18C.".to_owned(),
                 tool_calls: Vec::new(),
             },
-            ModelMessage::User {
-                content: "Thanks".to_owned(),
-            },
+            ModelMessage::user("Thanks"),
         ],
         tools: vec![ToolSpec {
             name: "get_weather".to_owned(),

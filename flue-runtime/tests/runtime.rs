@@ -73,12 +73,7 @@ async fn one_exchange_renders_calls_the_model_runs_the_tool_and_answers() {
         Some("You add numbers with the add tool.")
     );
     assert_eq!(requests[0].tools[0].name, "add");
-    assert_eq!(
-        requests[0].messages,
-        [ModelMessage::User {
-            content: "What is 2 + 3?".into()
-        }]
-    );
+    assert_eq!(requests[0].messages, [ModelMessage::user("What is 2 + 3?")]);
     let ModelMessage::Tool { content, is_error, .. } = &requests[1].messages[2] else {
         panic!("expected a tool result")
     };
@@ -149,7 +144,7 @@ async fn use_agent_finish_appends_continue_the_response_until_a_cycle_appends_no
     assert_eq!(model.requests().len(), 3);
     assert_eq!(reply.text, "one\n\ntwo\n\nthree");
     let last = &model.requests()[2].messages;
-    let ModelMessage::User { content } = &last[last.len() - 1] else {
+    let ModelMessage::User { content, .. } = &last[last.len() - 1] else {
         panic!("a signal")
     };
     assert!(content.starts_with("<signal type=\"todo\">"), "{content}");
@@ -251,7 +246,7 @@ async fn use_agent_start_appends_reach_the_model_before_its_first_turn() {
     runtime.init(&greeter, "g-1").send("hello").await.unwrap();
     let messages = &model.requests()[0].messages;
     assert_eq!(messages.len(), 2);
-    let ModelMessage::User { content } = &messages[1] else {
+    let ModelMessage::User { content, .. } = &messages[1] else {
         panic!("signal")
     };
     assert!(content.contains("prefers short answers"));
@@ -296,7 +291,7 @@ async fn submissions_of_one_instance_run_one_at_a_time_in_admission_order() {
         .iter()
         .flat_map(|request| request.messages.iter())
         .filter_map(|message| match message {
-            ModelMessage::User { content } => Some(content.clone()),
+            ModelMessage::User { content, .. } => Some(content.clone()),
             _ => None,
         })
         .collect();
@@ -662,7 +657,7 @@ async fn a_self_dispatch_joins_the_live_response_at_the_next_turn_boundary() {
     let users: Vec<&str> = second
         .iter()
         .filter_map(|m| match m {
-            ModelMessage::User { content } => Some(content.as_str()),
+            ModelMessage::User { content, .. } => Some(content.as_str()),
             _ => None,
         })
         .collect();
@@ -953,14 +948,111 @@ async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carr
     assert_eq!(
         history,
         &[
-            ModelMessage::User { content: "hi".into() },
+            ModelMessage::user("hi"),
             ModelMessage::Assistant {
                 text: "answer 0".into(),
                 tool_calls: Vec::new()
             },
-            ModelMessage::User {
-                content: "again".into()
-            },
+            ModelMessage::user("again"),
         ]
     );
+}
+
+/// A user message with one image (`bytes`, base64-encoded as clients send it).
+fn with_image(body: &str, bytes: &[u8]) -> DeliveredMessage {
+    use base64::Engine as _;
+    DeliveredMessage::User(flue_runtime::message::UserMessage {
+        body: body.into(),
+        attachments: vec![flue_runtime::message::Attachment::Image {
+            data: base64::engine::general_purpose::STANDARD.encode(bytes),
+            mime_type: "image/png".into(),
+            filename: Some("chart.png".into()),
+        }],
+    })
+}
+
+#[tokio::test]
+async fn images_reach_the_model_are_kept_in_the_attachment_store_and_survive_eviction() {
+    let model = ScriptedModel::new((0..4).map(|i| ScriptedReply::text(format!("answer {i}"))));
+    let store = MemoryStore::new();
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .providers(providers)
+        .agent(calculator)
+        .options(RuntimeOptions {
+            cached_instances: 0,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let png = [137u8, 80, 78, 71, 13, 10, 26, 10, 0, 1, 2, 3];
+    let expected = flue_runtime::provider::ModelImage {
+        media_type: "image/png".into(),
+        data: "iVBORw0KGgoAAQID".into(),
+    };
+    let handle = runtime.init(&calculator, "eyes");
+    handle.send(with_image("What is in this chart?", &png)).await.unwrap();
+    let first = &model.requests()[0].messages[0];
+    assert!(
+        matches!(first, ModelMessage::User { content, images } if content == "What is in this chart?" && images == std::slice::from_ref(&expected)),
+        "{first:?}"
+    );
+    // The record names the attachment; the bytes are in the store.
+    let key = InstanceKey::new("calculator", "eyes");
+    let batches = flue_runtime::store::Store::read(&store, &key, None).await.unwrap();
+    let attachment = batches
+        .iter()
+        .flat_map(|batch| &batch.records)
+        .find_map(|record| match &record.body {
+            RecordBody::UserMessage { attachments, .. } => attachments.first().cloned(),
+            _ => None,
+        })
+        .expect("the input record names its attachment");
+    assert_eq!(
+        (attachment.size, attachment.filename.as_deref()),
+        (12, Some("chart.png"))
+    );
+    let stored = flue_runtime::store::Store::attachment(&store, &key, &attachment.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.bytes, png);
+    // With no cache the instance is folded again for the next message: the image is loaded
+    // from the store and sent again with its message.
+    for other in 0..2 {
+        runtime
+            .init(&calculator, format!("other-{other}"))
+            .send("hi")
+            .await
+            .unwrap();
+    }
+    assert_eq!(runtime.cached_instance_count(), 1, "only the last instance is cached");
+    handle.send("And now?").await.unwrap();
+    let history = &model.requests()[3].messages;
+    assert!(
+        matches!(&history[0], ModelMessage::User { images, .. } if images == std::slice::from_ref(&expected)),
+        "{history:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_image_that_is_not_base64_is_refused_at_admission() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let message = DeliveredMessage::User(flue_runtime::message::UserMessage {
+        body: "look".into(),
+        attachments: vec![flue_runtime::message::Attachment::Image {
+            data: "not base64!".into(),
+            mime_type: "image/png".into(),
+            filename: None,
+        }],
+    });
+    let error = runtime.init(&calculator, "bad-image").send(message).await.unwrap_err();
+    assert!(
+        error.to_string().contains("Image data must be base64-encoded."),
+        "{error}"
+    );
+    assert!(model.requests().is_empty());
 }

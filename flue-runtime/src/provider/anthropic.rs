@@ -6,7 +6,8 @@
 //! How [`ModelRequest`] maps to the request body:
 //!
 //! - `system` → the top-level `system` field;
-//! - messages → content blocks: user text → `text`, assistant tool calls → `tool_use` blocks
+//! - messages → content blocks: user images → `image` blocks (`source: {"type": "base64"}`)
+//!   before the user's `text`, assistant tool calls → `tool_use` blocks
 //!   (arguments parsed into `input`), [`ModelMessage::Tool`] → a user message of `tool_result`
 //!   blocks (`tool_use_id`, `content`, `is_error`). Consecutive messages of the same role are
 //!   merged (so consecutive tool results form one user message, results first); empty text is
@@ -210,7 +211,17 @@ fn messages(conversation: &[ModelMessage]) -> Vec<Value> {
     let mut merged: Vec<(&'static str, Vec<Value>)> = Vec::new();
     for message in conversation {
         let (role, blocks) = match message {
-            ModelMessage::User { content } => ("user", text_block(content).into_iter().collect()),
+            ModelMessage::User { content, images } => {
+                // Images first, as Anthropic recommends, then the text.
+                let mut blocks: Vec<Value> = images
+                    .iter()
+                    .map(|image| {
+                        json!({"type": "image", "source": {"type": "base64", "media_type": image.media_type, "data": &*image.data}})
+                    })
+                    .collect();
+                blocks.extend(text_block(content));
+                ("user", blocks)
+            }
             ModelMessage::Assistant { text, tool_calls } => {
                 let mut blocks: Vec<Value> = text_block(text).into_iter().collect();
                 blocks.extend(tool_calls.iter().map(
@@ -631,9 +642,7 @@ mod tests {
     }
 
     fn user(text: &str) -> ModelMessage {
-        ModelMessage::User {
-            content: text.to_owned(),
-        }
+        ModelMessage::user(text)
     }
 
     #[test]
@@ -696,6 +705,24 @@ mod tests {
                 .body(&request(next_turn, ThinkingLevel::High, None))
                 .get("thinking")
                 .is_some()
+        );
+    }
+
+    #[test]
+    fn a_user_message_with_images_sends_image_blocks_before_its_text() {
+        let message = ModelMessage::User {
+            content: "What is this?".into(),
+            images: vec![crate::provider::ModelImage {
+                media_type: "image/jpeg".into(),
+                data: "/9j/4AAQ".into(),
+            }],
+        };
+        assert_eq!(
+            messages(&[message]),
+            [json!({"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/4AAQ"}},
+                {"type": "text", "text": "What is this?"},
+            ]})]
         );
     }
 

@@ -7,7 +7,8 @@
 //! How [`ModelRequest`] maps to the request body:
 //!
 //! - `system` → a leading `{"role": "system"}` message;
-//! - [`ModelMessage::User`] → `{"role": "user", "content"}`;
+//! - [`ModelMessage::User`] → `{"role": "user", "content"}`; with images, `content` is parts:
+//!   the text, then `{"type": "image_url", "image_url": {"url": "data:<type>;base64,…"}}` each;
 //! - [`ModelMessage::Assistant`] → `{"role": "assistant", "content", "tool_calls": [{"id",
 //!   "type": "function", "function": {"name", "arguments"}}]}` (`content` is `null` when there
 //!   are tool calls and no text; `tool_calls` is omitted when empty);
@@ -189,7 +190,20 @@ impl OpenAiProvider {
         }
         for message in &request.messages {
             messages.push(match message {
-                ModelMessage::User { content } => ChatMessage::User { content },
+                ModelMessage::User { content, images } if images.is_empty() => ChatMessage::User {
+                    content: UserContent::Text(content),
+                },
+                ModelMessage::User { content, images } => ChatMessage::User {
+                    content: UserContent::Parts(
+                        std::iter::once(UserPart::Text { text: content })
+                            .chain(images.iter().map(|image| UserPart::ImageUrl {
+                                image_url: ImageUrl {
+                                    url: format!("data:{};base64,{}", image.media_type, image.data),
+                                },
+                            }))
+                            .collect(),
+                    ),
+                },
                 ModelMessage::Assistant { text, tool_calls } => ChatMessage::Assistant {
                     content: if text.is_empty() && !tool_calls.is_empty() {
                         None
@@ -287,7 +301,7 @@ enum ChatMessage<'a> {
         content: &'a str,
     },
     User {
-        content: &'a str,
+        content: UserContent<'a>,
     },
     Assistant {
         content: Option<&'a str>,
@@ -298,6 +312,27 @@ enum ChatMessage<'a> {
         tool_call_id: &'a str,
         content: &'a str,
     },
+}
+
+/// A user message's content: its text, or, with images, content parts.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum UserContent<'a> {
+    Text(&'a str),
+    Parts(Vec<UserPart<'a>>),
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum UserPart<'a> {
+    Text { text: &'a str },
+    ImageUrl { image_url: ImageUrl },
+}
+
+#[derive(Serialize)]
+struct ImageUrl {
+    /// A `data:` URL.
+    url: String,
 }
 
 #[derive(Serialize)]
@@ -613,9 +648,7 @@ mod tests {
         ModelRequest {
             model: model.to_owned(),
             system: None,
-            messages: vec![ModelMessage::User {
-                content: "hi".to_owned(),
-            }],
+            messages: vec![ModelMessage::user("hi")],
             tools: vec![ToolSpec {
                 name: "t".to_owned(),
                 description: "d".to_owned(),
@@ -639,6 +672,28 @@ mod tests {
         let body = router.body(&request("anthropic/claude-sonnet-4.5", ThinkingLevel::Minimal));
         assert_eq!(body["reasoning"], json!({"effort": "minimal"}));
         assert!(body.get("reasoning_effort").is_none());
+    }
+
+    #[test]
+    fn a_user_message_with_images_is_sent_as_content_parts() {
+        let mut with_image = request("gpt-5", ThinkingLevel::Off);
+        with_image.messages = vec![ModelMessage::User {
+            content: "What is this?".into(),
+            images: vec![crate::provider::ModelImage {
+                media_type: "image/png".into(),
+                data: "iVBORw0K".into(),
+            }],
+        }];
+        let body = OpenAiProvider::openai().body(&with_image);
+        assert_eq!(
+            body["messages"][0],
+            json!({"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}},
+            ]})
+        );
+        let plain = OpenAiProvider::openai().body(&request("gpt-5", ThinkingLevel::Off));
+        assert_eq!(plain["messages"][0], json!({"role": "user", "content": "hi"}));
     }
 
     #[test]

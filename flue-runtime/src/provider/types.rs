@@ -44,10 +44,13 @@ pub struct ToolSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "lowercase")]
 pub enum ModelMessage {
-    /// User-role text (user messages and rendered signals).
+    /// User-role text (user messages and rendered signals), with a user message's images.
     User {
         /// The text.
         content: String,
+        /// Images, in the order they were attached.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        images: Vec<ModelImage>,
     },
     /// A model step: its text and the tool calls it made.
     Assistant {
@@ -67,6 +70,25 @@ pub enum ModelMessage {
         /// Whether the result is an error.
         is_error: bool,
     },
+}
+
+/// An image sent to the model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelImage {
+    /// Its media type (`image/png`, …).
+    pub media_type: String,
+    /// The bytes, base64-encoded (shared: a conversation resends its images on every call).
+    pub data: Arc<str>,
+}
+
+impl ModelMessage {
+    /// A user message of `content` alone.
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::User {
+            content: content.into(),
+            images: Vec::new(),
+        }
+    }
 }
 
 /// A tool call made by the model.

@@ -7,8 +7,8 @@ use flue_core::metadata::{Metadata, merge_metadata};
 use flue_core::state::StateSnapshot;
 use serde_json::Value;
 
-use crate::provider::{ModelMessage, ModelToolCall};
-use crate::record::{Batch, Record, RecordBody};
+use crate::provider::{ModelImage, ModelMessage, ModelToolCall};
+use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 
 /// The result text of a tool whose outcome never committed.
 pub(crate) const INTERRUPTED_TOOL: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
@@ -36,6 +36,10 @@ pub(crate) struct Conversation {
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
     /// after it that asks for more.
     answered: HashSet<String>,
+    /// User messages with images: their position in `messages` and their attachments.
+    image_refs: Vec<(usize, Vec<AttachmentRef>)>,
+    /// Images loaded from the attachment store (or kept when stored), by attachment id.
+    images: HashMap<String, ModelImage>,
 }
 
 struct OpenStep {
@@ -120,9 +124,12 @@ impl Conversation {
                 self.uid.clone_from(uid);
                 self.initial_data.clone_from(initial_data);
             }
-            RecordBody::UserMessage { body, .. } => {
+            RecordBody::UserMessage { body, attachments, .. } => {
                 self.close_dangling_calls();
-                self.messages.push(ModelMessage::User { content: body.clone() });
+                self.messages.push(ModelMessage::user(body.clone()));
+                if !attachments.is_empty() {
+                    self.image_refs.push((self.messages.len() - 1, attachments.clone()));
+                }
             }
             RecordBody::Signal {
                 signal_type,
@@ -132,9 +139,12 @@ impl Conversation {
                 ..
             } => {
                 self.close_dangling_calls();
-                self.messages.push(ModelMessage::User {
-                    content: render_signal(signal_type, body, attributes, tag_name.as_deref()),
-                });
+                self.messages.push(ModelMessage::user(render_signal(
+                    signal_type,
+                    body,
+                    attributes,
+                    tag_name.as_deref(),
+                )));
             }
             RecordBody::AssistantMessageStarted { .. } => {
                 self.close_dangling_calls();
@@ -213,8 +223,32 @@ impl Conversation {
 
     /// The history to send: the folded messages plus outcome-unknown results for calls of an
     /// interrupted batch.
+    /// Keeps an image for the message that attaches it (stored, or loaded from the store).
+    pub(crate) fn keep_image(&mut self, id: String, image: ModelImage) {
+        self.images.insert(id, image);
+    }
+
+    /// Attachments the history names whose images are not loaded.
+    pub(crate) fn missing_images(&self) -> Vec<AttachmentRef> {
+        self.image_refs
+            .iter()
+            .flat_map(|(_, refs)| refs)
+            .filter(|attachment| !self.images.contains_key(&attachment.id))
+            .cloned()
+            .collect()
+    }
+
+    /// The history as the next model call sends it (images included once loaded).
     pub(crate) fn model_messages(&self) -> Vec<ModelMessage> {
         let mut messages = self.messages.clone();
+        for (index, refs) in &self.image_refs {
+            if let Some(ModelMessage::User { images, .. }) = messages.get_mut(*index) {
+                images.extend(
+                    refs.iter()
+                        .filter_map(|attachment| self.images.get(&attachment.id).cloned()),
+                );
+            }
+        }
         for call in &self.open_calls {
             messages.push(ModelMessage::Tool {
                 tool_call_id: call.id.clone(),

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use flue_core::abort::AbortSignal;
 use flue_core::event_hooks::{
     AgentFinishContext, AgentStartContext, AppendWindow, ResponseFinishContext, ResponseStartContext, ResponseSummary,
@@ -30,9 +32,10 @@ use flue_core::{Agent, RenderError};
 use futures_util::{FutureExt, StreamExt};
 
 use crate::events::Event;
-use crate::provider::{ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
-use crate::record::{Outcome, Record, RecordBody, SettlementError, new_id, now};
+use crate::provider::{ModelImage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
+use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
+use crate::store::AttachmentPut;
 use crate::store::{AttemptRef, InstanceKey, Submission};
 use crate::tools;
 use deadline::Deadline;
@@ -806,7 +809,7 @@ impl Response<'_> {
         let needs_input = !self.conversation.has_input(submission_id);
         let needs_seam = !self.conversation.has_started(submission_id);
         if needs_input {
-            let input = self.input_record(submission_id, &delivery);
+            let input = self.input_record(submission_id, &delivery).await?;
             self.emit(Event::MessageStart { role: "user".into() });
             if needs_seam && rendered.agent_starts.is_empty() {
                 let marker = self.seam_marker(submission_id);
@@ -829,16 +832,83 @@ impl Response<'_> {
         marker
     }
 
-    fn input_record(&self, submission_id: &str, message: &DeliveredMessage) -> Record {
+    async fn input_record(&mut self, submission_id: &str, message: &DeliveredMessage) -> Result<Record, Failure> {
         let mut record = match message {
-            DeliveredMessage::User(user) => self.record(RecordBody::UserMessage {
-                message_id: new_id("msg"),
-                body: user.body.clone(),
-            }),
+            DeliveredMessage::User(user) => {
+                let attachments = self.store_attachments(submission_id, &user.attachments).await?;
+                self.record(RecordBody::UserMessage {
+                    message_id: new_id("msg"),
+                    body: user.body.clone(),
+                    attachments,
+                })
+            }
             DeliveredMessage::Signal(signal) => self.signal_record(signal),
         };
         record.submission_id = Some(submission_id.to_owned());
-        record
+        Ok(record)
+    }
+
+    /// Puts a user message's images into the attachment store (before its input record names
+    /// them; ids derive from the submission, so a re-attempt's put is an exact retry) and keeps
+    /// them for the model calls of this conversation.
+    async fn store_attachments(
+        &mut self,
+        submission_id: &str,
+        attachments: &[flue_core::message::Attachment],
+    ) -> Result<Vec<AttachmentRef>, Failure> {
+        let mut refs = Vec::with_capacity(attachments.len());
+        for (index, attachment) in attachments.iter().enumerate() {
+            let bytes = attachment
+                .bytes()
+                .map_err(|error| Failure::failed("invalid_request", error.to_string()))?;
+            let image = ModelImage {
+                media_type: attachment.mime_type().to_owned(),
+                data: Arc::from(BASE64.encode(&bytes)),
+            };
+            let put = AttachmentPut::new(format!("att_{submission_id}_{index}"), attachment.mime_type(), bytes);
+            let reference = AttachmentRef {
+                id: put.id.clone(),
+                media_type: put.media_type.clone(),
+                size: put.size,
+                filename: attachment.filename().map(str::to_owned),
+            };
+            self.runtime
+                .store
+                .put_attachment(self.key, put)
+                .await
+                .map_err(Failure::store)?;
+            self.conversation.keep_image(reference.id.clone(), image);
+            refs.push(reference);
+        }
+        Ok(refs)
+    }
+
+    /// Loads the images of the history that are not in memory (an instance folded again from
+    /// its stream) from the attachment store.
+    async fn load_images(&mut self) -> Result<(), Failure> {
+        for attachment in self.conversation.missing_images() {
+            let Some(stored) = self
+                .runtime
+                .store
+                .attachment(self.key, &attachment.id)
+                .await
+                .map_err(Failure::store)?
+            else {
+                return Err(Failure::failed(
+                    "attachment_not_found",
+                    format!(
+                        "The attachment \"{}\" of this conversation is not in the store.",
+                        attachment.id
+                    ),
+                ));
+            };
+            let image = ModelImage {
+                media_type: stored.media_type,
+                data: Arc::from(BASE64.encode(&stored.bytes)),
+            };
+            self.conversation.keep_image(attachment.id, image);
+        }
+        Ok(())
     }
 
     fn signal_record(&self, signal: &Signal) -> Record {
@@ -1013,6 +1083,7 @@ impl Response<'_> {
         rendered: &Rendered,
         step: u32,
     ) -> Result<(ModelResponse, String), Failure> {
+        self.load_images().await?;
         let request = ModelRequest {
             model: model_id.to_owned(),
             system: rendered.instruction.as_ref().map(|text| text.to_string()),

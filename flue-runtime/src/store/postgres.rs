@@ -1327,6 +1327,7 @@ mod tests {
             body: RecordBody::UserMessage {
                 message_id: new_id("msg"),
                 body: body.to_owned(),
+                attachments: Vec::new(),
             },
         }
     }

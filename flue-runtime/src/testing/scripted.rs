@@ -125,7 +125,7 @@ impl ModelProvider for ScriptedModel {
         inner.calls += 1;
         let call = inner.calls;
         let last_user = request.messages.iter().rev().find_map(|message| match message {
-            ModelMessage::User { content } => Some(content.clone()),
+            ModelMessage::User { content, .. } => Some(content.clone()),
             _ => None,
         });
         inner.requests.push(request);

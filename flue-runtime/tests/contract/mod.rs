@@ -166,6 +166,7 @@ fn user(body: &str) -> RecordBody {
     RecordBody::UserMessage {
         message_id: format!("m_{}", ulid()),
         body: body.into(),
+        attachments: Vec::new(),
     }
 }
 
