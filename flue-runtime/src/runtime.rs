@@ -249,7 +249,13 @@ impl RuntimeInner {
                     runtime.scan().await;
                 }
                 let lease_until = crate::store::now_ms() + runtime.options.lease.as_millis() as u64;
-                if let Err(error) = runtime.store.renew_leases(&runtime.owner_id, lease_until).await {
+                let running = runtime.running_attempts();
+                if !running.is_empty()
+                    && let Err(error) = runtime
+                        .store
+                        .renew_leases(&runtime.owner_id, &running, lease_until)
+                        .await
+                {
                     tracing::warn!(%error, "renewing leases failed");
                 }
                 drop(runtime);
@@ -302,6 +308,16 @@ impl RuntimeInner {
             event,
         };
         let _ = self.events.send(observation);
+    }
+
+    /// The attempts this node is running: the leases its heartbeat renews.
+    fn running_attempts(&self) -> Vec<String> {
+        self.instances
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .values()
+            .filter_map(|slot| slot.running_attempt())
+            .collect()
     }
 
     pub(crate) fn slot(self: &Arc<Self>, key: &InstanceKey) -> Arc<InstanceSlot> {

@@ -71,8 +71,13 @@ impl Store for FaultyStore {
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         self.inner.claim_next(key, claim)
     }
-    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
-        self.inner.renew_leases(owner_id, lease_until_ms)
+    fn renew_leases(
+        &self,
+        owner_id: &str,
+        attempt_ids: &[String],
+        lease_until_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.renew_leases(owner_id, attempt_ids, lease_until_ms)
     }
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         self.inner.expired(now_ms)

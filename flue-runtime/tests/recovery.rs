@@ -95,8 +95,8 @@ impl Store for PausingStore {
     fn claim_next(&self, k: &InstanceKey, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         self.inner.claim_next(k, c)
     }
-    fn renew_leases(&self, o: &str, l: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
-        self.inner.renew_leases(o, l)
+    fn renew_leases(&self, o: &str, a: &[String], l: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.renew_leases(o, a, l)
     }
     fn expired(&self, n: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         self.inner.expired(n)

@@ -143,6 +143,11 @@ impl InstanceSlot {
         self.last_used.load(Ordering::Relaxed)
     }
 
+    /// The attempt running on this instance, if one is.
+    pub(crate) fn running_attempt(&self) -> Option<String> {
+        self.binding.current().map(|attempt| attempt.attempt.attempt_id.clone())
+    }
+
     /// Whether no worker runs this instance.
     pub(crate) fn is_idle(&self) -> bool {
         !self.busy.load(Ordering::SeqCst)

@@ -178,11 +178,22 @@ impl Store for MemoryStore {
         ready(Ok(self.lock().claim_head(key, claim, None)))
     }
 
-    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+    fn renew_leases(
+        &self,
+        owner_id: &str,
+        attempt_ids: &[String],
+        lease_until_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
         let mut renewed = 0;
         for row in inner.submissions.values_mut() {
-            if row.status == SubmissionStatus::Running && row.owner_id.as_deref() == Some(owner_id) {
+            if row.status == SubmissionStatus::Running
+                && row.owner_id.as_deref() == Some(owner_id)
+                && row
+                    .attempt_id
+                    .as_ref()
+                    .is_some_and(|attempt| attempt_ids.contains(attempt))
+            {
                 row.lease_until_ms = lease_until_ms;
                 renewed += 1;
             }

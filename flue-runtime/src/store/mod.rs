@@ -349,9 +349,16 @@ pub trait Store: Send + Sync + 'static {
     /// is unsettled) for `claim`.
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
 
-    /// Extends the leases of every running submission `owner_id` holds to `lease_until_ms`;
-    /// returns how many it renewed.
-    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// Extends to `lease_until_ms` the leases of the running submissions `owner_id` holds under
+    /// one of `attempt_ids` (the attempts the node is running); returns how many it renewed.
+    /// A submission the node claimed but no longer runs keeps its lease, which then expires
+    /// and lets any node take it over.
+    fn renew_leases(
+        &self,
+        owner_id: &str,
+        attempt_ids: &[String],
+        lease_until_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, StoreError>>;
 
     /// Running submissions whose lease expired before `now_ms` (their owner died or hung).
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>>;

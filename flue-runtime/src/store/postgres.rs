@@ -168,8 +168,9 @@ const CLAIM: &str = concat!(
     submission_columns!()
 );
 const RENEW: &str = "UPDATE flue_submissions SET lease_until_ms = $2::TEXT::NUMERIC \
-     WHERE status = 'running' AND owner_id = $1 AND id IN (\
-         SELECT id FROM flue_submissions WHERE status = 'running' AND owner_id = $1 ORDER BY id FOR UPDATE)";
+     WHERE status = 'running' AND owner_id = $1 AND attempt_id = ANY($3) AND id IN (\
+         SELECT id FROM flue_submissions WHERE status = 'running' AND owner_id = $1 AND attempt_id = ANY($3) \
+         ORDER BY id FOR UPDATE)";
 const EXPIRED: &str = concat!(
     "SELECT ",
     submission_columns!(),
@@ -1009,13 +1010,19 @@ impl Store for PostgresStore {
         Box::pin(async move { in_transaction!(self, |tx| claim_next_tx(&tx, &key, &claim, None).await) })
     }
 
-    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+    fn renew_leases(
+        &self,
+        owner_id: &str,
+        attempt_ids: &[String],
+        lease_until_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let owner_id = owner_id.to_owned();
+        let attempt_ids = attempt_ids.to_vec();
         Box::pin(async move {
             let lease = lease_until_ms.to_string();
             in_transaction!(self, |tx| async {
                 let statement = tx.prepare_cached(RENEW).await?;
-                Ok::<_, Failure>(tx.execute(&statement, &[&owner_id, &lease]).await?)
+                Ok::<_, Failure>(tx.execute(&statement, &[&owner_id, &lease, &attempt_ids]).await?)
             }
             .await)
         })
@@ -1683,7 +1690,13 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(store.renew_leases("node", u64::MAX).await.unwrap(), 1);
+        assert_eq!(
+            store
+                .renew_leases("node", &["attempt-1".to_owned()], u64::MAX)
+                .await
+                .unwrap(),
+            1
+        );
         assert_eq!(store.submission("d-1").await.unwrap().unwrap().lease_until_ms, u64::MAX);
         assert!(store.expired(u64::MAX).await.unwrap().is_empty());
         assert!(store.read(&stream, Some(u64::MAX)).await.unwrap().is_empty());

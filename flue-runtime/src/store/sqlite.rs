@@ -589,7 +589,12 @@ impl Store for SqliteStore {
         ready(self.transaction(|tx| claim_head(tx, key, claim, None)))
     }
 
-    fn renew_leases(&self, owner_id: &str, lease_until_ms: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+    fn renew_leases(
+        &self,
+        owner_id: &str,
+        attempt_ids: &[String],
+        lease_until_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
         ready(self.transaction(|tx| {
             let ids: Vec<String> = {
                 let mut statement = tx
@@ -598,13 +603,17 @@ impl Store for SqliteStore {
                 let rows = statement.query_map(params![owner_id], |row| row.get(0)).map_err(sql)?;
                 rows.collect::<Result<_, _>>().map_err(sql)?
             };
+            let mut renewed = 0;
             for id in &ids {
-                if let Some(mut row) = read_submission(tx, id)? {
+                if let Some(mut row) = read_submission(tx, id)?
+                    && row.attempt_id.as_ref().is_some_and(|attempt| attempt_ids.contains(attempt))
+                {
                     row.lease_until_ms = lease_until_ms;
                     write_submission(tx, &row)?;
+                    renewed += 1;
                 }
             }
-            Ok(ids.len() as u64)
+            Ok(renewed)
         }))
     }
 

@@ -45,6 +45,7 @@ macro_rules! store_contract {
                     sets_attempt_count_to_1_at_claim_and_increments_it_on_reclaim,
                     extends_lease_timestamp_for_owned_running_submissions,
                     ignores_submissions_owned_by_a_different_coordinator,
+                    leaves_the_lease_of_an_attempt_the_owner_no_longer_runs_to_expire,
                     returns_running_submissions_with_expired_leases,
                     excludes_submissions_with_future_lease_expiry,
                     excludes_settled_submissions,
@@ -580,7 +581,10 @@ pub async fn extends_lease_timestamp_for_owned_running_submissions(store: Factor
         .unwrap()
         .unwrap();
     let later = now_ms() + 90_000;
-    assert_eq!(store.renew_leases("owner-a", later).await.unwrap(), 1);
+    assert_eq!(
+        store.renew_leases("owner-a", &["a1".to_owned()], later).await.unwrap(),
+        1
+    );
     assert_eq!(row(&store, "d-1").await.lease_until_ms, later);
 }
 
@@ -592,8 +596,42 @@ pub async fn ignores_submissions_owned_by_a_different_coordinator(store: Factory
         .unwrap()
         .unwrap();
     let before = row(&store, "d-1").await.lease_until_ms;
-    assert_eq!(store.renew_leases("owner-b", now_ms() + 90_000).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .renew_leases("owner-b", &["a1".to_owned()], now_ms() + 90_000)
+            .await
+            .unwrap(),
+        0
+    );
     assert_eq!(row(&store, "d-1").await.lease_until_ms, before);
+}
+
+pub async fn leaves_the_lease_of_an_attempt_the_owner_no_longer_runs_to_expire(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    admit(
+        &store,
+        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "x"),
+    )
+    .await;
+    for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
+        store
+            .claim_next(&key("assistant", instance), &claim(attempt))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let before = row(&store, "d-2").await.lease_until_ms;
+    let later = now_ms() + 90_000;
+    assert_eq!(
+        store.renew_leases("owner-a", &["a1".to_owned()], later).await.unwrap(),
+        1
+    );
+    assert_eq!(row(&store, "d-1").await.lease_until_ms, later);
+    assert_eq!(
+        row(&store, "d-2").await.lease_until_ms,
+        before,
+        "a2 is not running any more"
+    );
 }
 
 pub async fn returns_running_submissions_with_expired_leases(store: Factory) {
