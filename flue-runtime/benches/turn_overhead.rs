@@ -312,23 +312,15 @@ async fn bench() {
     store_throughput(&db).await;
     let runtime = http_runtime(&base_url);
 
-    // 1b. The runtime's own cost, without HTTP.
-    let model = ScriptedModel::new([]);
-    let scripted = scripted_runtime(&model);
-    let mut samples = Vec::new();
-    for round in 0..rounds + 50 {
-        exchange_script(&model);
-        let handle = scripted.init(&scripted_agent, format!("s-{round}"));
-        let started = Instant::now();
-        handle.send("2+3?").await.expect("exchange");
-        if round >= 50 {
-            samples.push(started.elapsed());
-        }
-    }
-    println!(
-        "turn_overhead (scripted model, memory store): {:.0} µs per exchange (median)",
-        micros(median(samples))
-    );
+    // 1b. The runtime's own cost, without HTTP: on the memory store, then on SQLite.
+    scripted_exchange("memory store", flue_runtime::store::MemoryStore::new(), rounds).await;
+    let db = scratch_dir().join("scripted").join("flue.db");
+    scripted_exchange(
+        "SQLite store",
+        flue_runtime::store::SqliteStore::open(db).expect("sqlite"),
+        rounds,
+    )
+    .await;
 
     // 2. Throughput at concurrency 16 over 16 instances.
     let total = 1600;
@@ -417,6 +409,33 @@ async fn bench() {
             .expect("run the memory measurement");
         print!("{}", String::from_utf8_lossy(&output.stdout));
     }
+}
+
+/// The scripted exchange (no HTTP) on `store`: the runtime's own cost, median of `rounds`.
+async fn scripted_exchange(name: &str, store: impl flue_runtime::store::Store, rounds: usize) {
+    let model = ScriptedModel::new([]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(store)
+        .agent(scripted_agent)
+        .providers(providers)
+        .build()
+        .expect("runtime");
+    let mut samples = Vec::new();
+    for round in 0..rounds + 50 {
+        exchange_script(&model);
+        let handle = runtime.init(&scripted_agent, format!("s-{round}"));
+        let started = Instant::now();
+        handle.send("2+3?").await.expect("exchange");
+        if round >= 50 {
+            samples.push(started.elapsed());
+        }
+    }
+    println!(
+        "turn_overhead (scripted model, {name}): {:.0} µs per exchange (median)",
+        micros(median(samples))
+    );
 }
 
 /// A model that answers "ok" and keeps nothing: the memory measurement must not count a
