@@ -221,8 +221,6 @@ impl Conversation {
         }
     }
 
-    /// The history to send: the folded messages plus outcome-unknown results for calls of an
-    /// interrupted batch.
     /// Keeps an image for the message that attaches it (stored, or loaded from the store).
     pub(crate) fn keep_image(&mut self, id: String, image: ModelImage) {
         self.images.insert(id, image);
@@ -238,7 +236,8 @@ impl Conversation {
             .collect()
     }
 
-    /// The history as the next model call sends it (images included once loaded).
+    /// The history to send: the folded messages (with their images, once loaded) plus
+    /// outcome-unknown results for calls of an interrupted batch.
     pub(crate) fn model_messages(&self) -> Vec<ModelMessage> {
         let mut messages = self.messages.clone();
         for (index, refs) in &self.image_refs {
