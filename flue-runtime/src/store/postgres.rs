@@ -156,6 +156,9 @@ const INSERT_BATCH: &str =
     "INSERT INTO flue_batches (agent, instance_id, batch_offset, records) VALUES ($1, $2, $3, $4)";
 const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
      WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
+/// Whether the host submission's instance has queued work (one round trip, no locks).
+const JOINABLE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h \
+     ON h.id = $1 AND s.agent = h.agent AND s.instance_id = h.instance_id WHERE s.status = 'queued')";
 const HAS_QUEUED: &str =
     "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = $1 AND instance_id = $2 AND status = 'queued')";
 const HEAD: &str = "SELECT id, status FROM flue_submissions \
@@ -1071,7 +1074,19 @@ impl Store for PostgresStore {
 
     fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         let host = host.clone();
-        Box::pin(async move { in_transaction!(self, |tx| claim_joinable_tx(&tx, &host).await) })
+        Box::pin(async move {
+            // Asked at every turn boundary and nearly always empty: look before locking. A
+            // delivery admitted just after the look joins at the next boundary, or runs as the
+            // next submission.
+            let queued: bool = match self.query(JOINABLE_EXISTS, &[&host.submission_id]).await?.first() {
+                Some(row) => row.try_get(0).map_err(|error| db_error(&error))?,
+                None => false,
+            };
+            if !queued {
+                return Ok(Vec::new());
+            }
+            in_transaction!(self, |tx| claim_joinable_tx(&tx, &host).await)
+        })
     }
 
     fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
