@@ -81,6 +81,17 @@ pub struct ModelImage {
     pub data: Arc<str>,
 }
 
+impl ModelImage {
+    /// An image of `bytes` (encoded here in standard, padded base64).
+    pub fn from_bytes(media_type: &str, bytes: &[u8]) -> Self {
+        use base64::Engine as _;
+        Self {
+            media_type: media_type.to_owned(),
+            data: Arc::from(base64::engine::general_purpose::STANDARD.encode(bytes)),
+        }
+    }
+}
+
 impl ModelMessage {
     /// A user message of `content` alone.
     pub fn user(content: impl Into<String>) -> Self {

@@ -13,8 +13,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as BASE64;
 use flue_core::abort::AbortSignal;
 use flue_core::event_hooks::{
     AgentFinishContext, AgentStartContext, AppendWindow, ResponseFinishContext, ResponseStartContext, ResponseSummary,
@@ -866,10 +864,7 @@ impl Response<'_> {
             let bytes = attachment
                 .bytes()
                 .map_err(|error| Failure::failed("invalid_request", error.to_string()))?;
-            let image = ModelImage {
-                media_type: attachment.mime_type().to_owned(),
-                data: Arc::from(BASE64.encode(&bytes)),
-            };
+            let image = ModelImage::from_bytes(attachment.mime_type(), &bytes);
             let put = AttachmentPut::new(format!("att_{submission_id}_{index}"), attachment.mime_type(), bytes);
             let reference = AttachmentRef {
                 id: put.id.clone(),
@@ -907,10 +902,7 @@ impl Response<'_> {
                     ),
                 ));
             };
-            let image = ModelImage {
-                media_type: stored.media_type,
-                data: Arc::from(BASE64.encode(&stored.bytes)),
-            };
+            let image = ModelImage::from_bytes(&stored.media_type, &stored.bytes);
             self.conversation.keep_image(attachment.id, image);
         }
         Ok(())
