@@ -67,6 +67,39 @@ const TEXT_SSE: &str = concat!(
     "data: [DONE]\n\n",
 );
 
+/// The system allocator, counting allocations (reallocations included) so the bench can
+/// report how many an exchange makes: in a path this short, each is a measurable share.
+struct CountingAllocator;
+
+static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's pointer, layout and size.
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The last request body the responder saw for each of the exchange's two calls: what the
 /// plain-reqwest baseline replays.
 static RECORDED: std::sync::Mutex<[Option<axum::body::Bytes>; 2]> = std::sync::Mutex::new([None, None]);
@@ -241,11 +274,16 @@ fn scratch_dir() -> std::path::PathBuf {
 }
 
 fn main() {
-    let multi = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let current_thread_profile = std::env::var("FLUE_BENCH_PROFILE").is_ok_and(|target| target.ends_with("-current"));
+    let multi = if current_thread_profile {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+    }
+    .expect("tokio runtime");
     let profiling = std::env::var("FLUE_BENCH_PROFILE").is_ok() || std::env::var("FLUE_BENCH_MEMORY").is_ok();
     multi.block_on(bench());
     drop(multi);
@@ -268,11 +306,34 @@ async fn bench() {
         return;
     }
     if let Ok(target) = std::env::var("FLUE_BENCH_PROFILE") {
-        if target == "http" {
+        if target.starts_with("plain") {
+            // Profiling aid: the baseline (plain reqwest replaying the exchange's two calls).
+            let addr = start_responder().await;
+            let base_url = format!("http://{addr}/v1");
+            http_runtime(&base_url)
+                .init(&http_agent, "p")
+                .send("2+3?")
+                .await
+                .expect("exchange");
+            let (client, url, bodies) = (
+                reqwest::Client::new(),
+                format!("{base_url}/chat/completions"),
+                recorded_bodies(),
+            );
+            for _ in 0..profile_rounds() {
+                plain_reqwest_exchange(&client, &url, &bodies).await;
+            }
+            return;
+        }
+        if target.starts_with("provider") {
+            provider_path().await;
+            return;
+        }
+        if target.starts_with("http") {
             // Profiling aid: the HTTP exchange on the memory store, many times.
             let addr = start_responder().await;
             let runtime = http_runtime(&format!("http://{addr}/v1"));
-            for round in 0..20_000 {
+            for round in 0..profile_rounds() {
                 runtime
                     .init(&http_agent, format!("p-{round}"))
                     .send("2+3?")
@@ -296,7 +357,7 @@ async fn bench() {
         } else {
             scripted_runtime(&model)
         };
-        for round in 0..20_000 {
+        for round in 0..profile_rounds() {
             exchange_script(&model);
             scripted
                 .init(&scripted_agent, format!("p-{round}"))
@@ -438,6 +499,90 @@ async fn scripted_exchange(name: &str, store: impl flue_runtime::store::Store, r
     );
 }
 
+/// Records the requests the runtime makes and passes them on.
+struct Recorder {
+    inner: std::sync::Arc<dyn flue_runtime::provider::ModelProvider>,
+    requests: std::sync::Mutex<Vec<flue_runtime::provider::ModelRequest>>,
+}
+
+impl flue_runtime::provider::ModelProvider for Recorder {
+    fn id(&self) -> &str {
+        "bench"
+    }
+
+    fn stream(&self, request: flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        self.requests.lock().unwrap().push(request.clone());
+        self.inner.stream(request)
+    }
+}
+
+/// Profiling aid: the provider path alone (the exchange's two model requests streamed through
+/// the OpenAI provider) next to plain reqwest making the same calls.
+async fn provider_path() {
+    use futures_util::StreamExt;
+    let addr = start_responder().await;
+    let base_url = format!("http://{addr}/v1");
+    let provider: std::sync::Arc<dyn flue_runtime::provider::ModelProvider> =
+        std::sync::Arc::new(OpenAiProvider::compatible("bench", &base_url, "FLUE_BENCH_KEY").with_api_key("bench"));
+    let recorder = std::sync::Arc::new(Recorder {
+        inner: provider.clone(),
+        requests: Default::default(),
+    });
+    let mut providers = ProviderRegistry::new();
+    providers.register_arc(recorder.clone());
+    let runtime = Runtime::builder()
+        .agent(http_agent)
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .build()
+        .expect("runtime");
+    runtime.init(&http_agent, "p").send("2+3?").await.expect("exchange");
+    let requests = recorder.requests.lock().unwrap().clone();
+    let (client, url, bodies) = (
+        reqwest::Client::new(),
+        format!("{base_url}/chat/completions"),
+        recorded_bodies(),
+    );
+    let (mut plain, mut through) = (Vec::new(), Vec::new());
+    for _ in 0..profile_rounds() {
+        let started = Instant::now();
+        plain_reqwest_exchange(&client, &url, &bodies).await;
+        plain.push(started.elapsed());
+        let started = Instant::now();
+        for request in &requests {
+            let mut stream = provider.stream(request.clone());
+            while let Some(event) = stream.next().await {
+                std::hint::black_box(event.expect("event"));
+            }
+        }
+        through.push(started.elapsed());
+    }
+    let before = allocations();
+    plain_reqwest_exchange(&client, &url, &bodies).await;
+    let plain_allocs = allocations() - before;
+    let before = allocations();
+    for request in &requests {
+        let mut stream = provider.stream(request.clone());
+        while let Some(event) = stream.next().await {
+            std::hint::black_box(event.expect("event"));
+        }
+    }
+    let provider_allocs = allocations() - before;
+    let before = allocations();
+    runtime.init(&http_agent, "q").send("2+3?").await.expect("exchange");
+    let runtime_allocs = allocations() - before;
+    println!(
+        "allocations (incl. the loopback server's): plain {plain_allocs}, provider {provider_allocs}, runtime {runtime_allocs}"
+    );
+    let (plain, through) = (median(plain), median(through));
+    println!(
+        "provider path: plain reqwest {:.1} µs, provider {:.1} µs, overhead {:.1} µs per exchange",
+        micros(plain),
+        micros(through),
+        micros(through.saturating_sub(plain))
+    );
+}
+
 /// A model that answers "ok" and keeps nothing: the memory measurement must not count a
 /// recording of every request, as the testing kit's scripted model keeps.
 struct AnswersOk;
@@ -552,4 +697,12 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
         let appends = count as f64 / started.elapsed().as_secs_f64();
         println!("store {name}: {admissions:.0} admissions/s, {appends:.0} batches of 3 records appended/s");
     }
+}
+
+/// How many exchanges a profiling run makes (`FLUE_BENCH_ROUNDS`, default 20,000).
+fn profile_rounds() -> usize {
+    std::env::var("FLUE_BENCH_ROUNDS")
+        .ok()
+        .and_then(|rounds| rounds.parse().ok())
+        .unwrap_or(20_000)
 }

@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, oneshot};
 use crate::events::{Event, Observation};
 use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
-use crate::session::{self, InstanceSlot};
+use crate::session::{self, InstanceSlot, ReplyParts, Settled};
 use crate::store::{Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, UidCondition};
 
 /// Everything that can go wrong talking to the runtime.
@@ -470,37 +470,24 @@ impl RuntimeInner {
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner())
                     .remove(submission_id);
-                return match outcome {
+                let parts = match outcome {
                     Outcome::Completed => {
                         // A joined delivery is answered by its host's response, which began
                         // before the delivery was admitted: read from the start.
                         let after = if row.joined_into.is_some() { None } else { after };
                         let batches = self.store.read(key, after).await?;
-                        let parts = session::reply_of(&batches, submission_id);
-                        Ok(AgentReply {
-                            text: parts.texts.join("\n\n"),
-                            data: parts.data,
-                            metadata: parts.metadata,
-                            submission_id: submission_id.to_owned(),
-                        })
+                        session::reply_of(&batches, submission_id)
                     }
-                    Outcome::Failed | Outcome::Aborted => {
-                        let error = row.error.unwrap_or(SettlementError {
-                            error_type: "internal_error".into(),
-                            message: "The submission did not complete.".into(),
-                        });
-                        Err(RuntimeError::Run {
-                            submission_id: submission_id.to_owned(),
-                            outcome: if outcome == Outcome::Aborted {
-                                "was aborted"
-                            } else {
-                                "failed"
-                            },
-                            error_type: error.error_type,
-                            message: error.message,
-                        })
-                    }
+                    Outcome::Failed | Outcome::Aborted => ReplyParts::default(),
                 };
+                return reply_from(
+                    submission_id,
+                    Settled {
+                        outcome,
+                        error: row.error,
+                        reply: parts,
+                    },
+                );
             }
             // A dropped sender (the runtime going away) also ends the wait; the loop re-reads.
             let _ = settled.await;
@@ -514,6 +501,35 @@ impl RuntimeInner {
             for sender in waiters.remove(id).unwrap_or_default() {
                 let _ = sender.send(());
             }
+        }
+    }
+}
+
+/// The sender's answer to a settlement: the reply of a completed submission, the error of
+/// another.
+fn reply_from(submission_id: &str, settled: Settled) -> Result<AgentReply, RuntimeError> {
+    match settled.outcome {
+        Outcome::Completed => Ok(AgentReply {
+            text: settled.reply.texts.join("\n\n"),
+            data: settled.reply.data,
+            metadata: settled.reply.metadata,
+            submission_id: submission_id.to_owned(),
+        }),
+        Outcome::Failed | Outcome::Aborted => {
+            let error = settled.error.unwrap_or(SettlementError {
+                error_type: "internal_error".into(),
+                message: "The submission did not complete.".into(),
+            });
+            Err(RuntimeError::Run {
+                submission_id: submission_id.to_owned(),
+                outcome: if settled.outcome == Outcome::Aborted {
+                    "was aborted"
+                } else {
+                    "failed"
+                },
+                error_type: error.error_type,
+                message: error.message,
+            })
         }
     }
 }
@@ -743,12 +759,16 @@ impl AgentHandle {
             .runtime
             .admit_claiming(&self.key.agent, request, SubmissionKind::Direct, claim)
             .await?;
-        match role {
+        let settled = match role {
             Some(role) => role.drive(claimed, &receipt.submission_id).await,
             None => slot.drive(&receipt.submission_id).await,
-        }
+        };
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());
-        self.runtime.wait(&self.key, &receipt.submission_id, offset).await
+        match settled {
+            // Settled on this task: its reply is at hand.
+            Some(settled) => reply_from(&receipt.submission_id, settled),
+            None => self.runtime.wait(&self.key, &receipt.submission_id, offset).await,
+        }
     }
 
     /// Admits `message` without waiting; read the reply later with [`AgentHandle::read`].

@@ -220,6 +220,8 @@ async fn state_data_parts_and_metadata_are_durable_and_reach_the_reply() {
         reply.metadata,
         json!({"channel": "test", "tools": 1}).as_object().unwrap().clone()
     );
+    // The sender's reply (built from what its own task committed) is the one read back.
+    assert_eq!(handle.read(&reply.submission_id).await.unwrap(), reply);
     // The next submission's render reads the committed state.
     handle.send("again").await.unwrap();
     assert_eq!(model.requests()[2].system.as_deref(), Some("You worked before."));
@@ -687,6 +689,11 @@ async fn a_self_dispatch_joins_the_live_response_at_the_next_turn_boundary() {
         .clone();
     let joined_reply = runtime.init(&planner, "plan").read(&joined_id).await.unwrap();
     assert_eq!(joined_reply.text, reply.text);
+    assert_eq!(
+        runtime.init(&planner, "plan").read(&reply.submission_id).await.unwrap(),
+        reply,
+        "the host's reply, read back, is the one its sender got"
+    );
 }
 
 static MODEL_CHOICE: Mutex<&str> = Mutex::new("scripted/first");

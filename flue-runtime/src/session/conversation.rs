@@ -291,7 +291,25 @@ pub(crate) struct ReplyParts {
     pub(crate) metadata: Metadata,
 }
 
-/// Collects the reply of the response that `attempt_id` produced.
+impl ReplyParts {
+    /// Takes in what `record` adds to the reply (the caller knows it belongs to the response).
+    pub(crate) fn add(&mut self, record: &Record) {
+        match &record.body {
+            RecordBody::AssistantMessageStarted {
+                response_metadata: Some(metadata),
+                ..
+            } => merge_metadata(&mut self.metadata, metadata.clone()),
+            RecordBody::AssistantMessageCompleted { text, .. } if !text.is_empty() => self.texts.push(text.clone()),
+            RecordBody::MessageDataWrite { name, data } => {
+                self.data.insert(name.clone(), data.clone());
+            }
+            RecordBody::MessageMetadata { metadata } => merge_metadata(&mut self.metadata, metadata.clone()),
+            _ => {}
+        }
+    }
+}
+
+/// Collects the reply of `submission_id`'s response from the stream.
 pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
     let mut reply = ReplyParts::default();
     // Every attempt that wrote for the submission (a response may span re-attempts; a joined
@@ -303,26 +321,12 @@ pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
         .filter_map(|record| record.attempt_id.as_deref())
         .collect();
     for record in batches.iter().flat_map(|batch| &batch.records) {
-        if !record
+        if record
             .attempt_id
             .as_deref()
             .is_some_and(|attempt| attempts.contains(attempt))
         {
-            continue;
-        }
-        match &record.body {
-            RecordBody::AssistantMessageStarted {
-                response_metadata: Some(metadata),
-                ..
-            } => {
-                merge_metadata(&mut reply.metadata, metadata.clone());
-            }
-            RecordBody::AssistantMessageCompleted { text, .. } if !text.is_empty() => reply.texts.push(text.clone()),
-            RecordBody::MessageDataWrite { name, data } => {
-                reply.data.insert(name.clone(), data.clone());
-            }
-            RecordBody::MessageMetadata { metadata } => merge_metadata(&mut reply.metadata, metadata.clone()),
-            _ => {}
+            reply.add(record);
         }
     }
     reply

@@ -39,7 +39,7 @@ use crate::tools;
 use deadline::Deadline;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
-pub(crate) use conversation::{Conversation, reply_of};
+pub(crate) use conversation::{Conversation, ReplyParts, reply_of};
 
 /// The framework ceiling of continued finish cycles per response.
 pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
@@ -68,9 +68,10 @@ pub(crate) struct Role {
 impl Role {
     /// Runs the instance's queue until `submission_id` is processed, starting with what the
     /// admission claimed (if anything).
-    pub(crate) async fn drive(mut self, claimed: Option<Submission>, submission_id: &str) {
+    /// Returns the submission's settlement when this call made it and knows its reply whole.
+    pub(crate) async fn drive(mut self, claimed: Option<Submission>, submission_id: &str) -> Option<Settled> {
         self.held = false;
-        self.slot.run(claimed, Some(submission_id)).await;
+        self.slot.run(claimed, Some(submission_id)).await
     }
 }
 
@@ -188,12 +189,12 @@ impl InstanceSlot {
     /// processed (then hands any remaining work to a spawned worker). Returns at once when a
     /// worker is already running: the caller then just waits for the settlement. Call it once
     /// the submission is admitted (a running worker re-checks the queue when woken after that).
-    pub(crate) async fn drive(self: &Arc<Self>, submission_id: &str) {
+    pub(crate) async fn drive(self: &Arc<Self>, submission_id: &str) -> Option<Settled> {
         self.wakes.fetch_add(1, Ordering::SeqCst);
         if self.busy.swap(true, Ordering::SeqCst) {
-            return;
+            return None;
         }
-        self.run(None, Some(submission_id)).await;
+        self.run(None, Some(submission_id)).await
     }
 
     /// Takes the instance's worker role before an admission, when no worker runs: the caller
@@ -213,14 +214,17 @@ impl InstanceSlot {
     /// Cancellation-safe: when the task running it is dropped (a cancelled send that was
     /// driving the instance), the attempt in progress is requeued, as if its process had died,
     /// and a spawned worker takes the queue over.
-    async fn run(self: &Arc<Self>, first: Option<Submission>, until: Option<&str>) {
+    ///
+    /// Returns `until`'s settlement when this loop made it and knows its reply whole.
+    async fn run(self: &Arc<Self>, first: Option<Submission>, until: Option<&str>) -> Option<Settled> {
         let mut guard = Abandoned {
             slot: self.clone(),
             attempt: None,
             armed: true,
         };
-        self.run_loop(&mut guard.attempt, first, until).await;
+        let settled = self.run_loop(&mut guard.attempt, first, until).await;
         guard.armed = false;
+        settled
     }
 
     async fn run_loop(
@@ -228,10 +232,10 @@ impl InstanceSlot {
         running: &mut Option<AttemptRef>,
         mut first: Option<Submission>,
         until: Option<&str>,
-    ) {
+    ) -> Option<Settled> {
         let mut seen = self.wakes.load(Ordering::SeqCst);
         loop {
-            let Some(runtime) = self.runtime.upgrade() else { return };
+            let runtime = self.runtime.upgrade()?;
             let next = match first.take() {
                 Some(claimed) => Ok(claimed.attempt_id.clone().map(|attempt_id| (claimed, attempt_id))),
                 None => {
@@ -247,7 +251,7 @@ impl InstanceSlot {
                         submission_id: submission.id.clone(),
                         attempt_id: attempt_id.clone(),
                     });
-                    self.process(&runtime, submission, attempt_id).await;
+                    let settled = self.process(&runtime, submission, attempt_id).await;
                     *running = None;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {
@@ -256,7 +260,7 @@ impl InstanceSlot {
                         if admitted_meanwhile || runtime.store.has_queued(&self.key).await.unwrap_or(true) {
                             self.wake();
                         }
-                        return;
+                        return settled;
                     }
                 }
                 Ok(None) => {
@@ -266,20 +270,28 @@ impl InstanceSlot {
                         seen = now_seen;
                         continue;
                     }
-                    return;
+                    return None;
                 }
                 Err(error) => {
                     tracing::error!(instance = %self.key, %error, "claiming the next submission failed");
                     self.busy.store(false, Ordering::SeqCst);
-                    return;
+                    return None;
                 }
             }
         }
     }
 
-    async fn process(&self, runtime: &Arc<RuntimeInner>, submission: Submission, attempt_id: String) {
+    /// Runs one claimed submission to its settlement. Returns the settlement when this call
+    /// made it durable and the reply is complete in what this attempt committed (its first
+    /// attempt): the sender then needs no read of the store.
+    async fn process(
+        &self,
+        runtime: &Arc<RuntimeInner>,
+        submission: Submission,
+        attempt_id: String,
+    ) -> Option<Settled> {
         let Some(agent) = runtime.agents.get(&self.key.agent).cloned() else {
-            return;
+            return None;
         };
         let mut conversation = self.conversation.lock().await;
         let attempt_ref = AttemptRef {
@@ -332,6 +344,7 @@ impl InstanceSlot {
             data_writer_names: Vec::new(),
             joined: Vec::new(),
             spare: None,
+            reply: ReplyParts::default(),
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -360,6 +373,7 @@ impl InstanceSlot {
         runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         attempt.responding.store(false, Ordering::Release);
         let joined_ids = std::mem::take(&mut response.joined);
+        let reply = std::mem::take(&mut response.reply);
         let (outcome, error) = match result {
             Ok(()) => (Outcome::Completed, None),
             Err(failure) => {
@@ -370,7 +384,7 @@ impl InstanceSlot {
                     // Forget the cached fold: the next attempt re-reads what is durable.
                     *conversation = Conversation::default();
                     if let Ok(true) = runtime.store.requeue(&attempt_ref).await {
-                        return;
+                        return None;
                     }
                 }
                 if failure.transient {
@@ -401,13 +415,17 @@ impl InstanceSlot {
                 },
             });
         }
-        if let Err(store_error) = runtime
+        let settled = match runtime
             .store
             .settle(&attempt_ref, outcome, error.clone(), records)
             .await
         {
-            tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
-        }
+            Ok(()) => true,
+            Err(store_error) => {
+                tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
+                false
+            }
+        };
         for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
             runtime.emit(
                 &self.key,
@@ -421,7 +439,16 @@ impl InstanceSlot {
         self.binding.set_current(None);
         drop(conversation);
         runtime.notify_settled(joined_ids.iter().chain(std::iter::once(&submission.id)));
+        (settled && submission.attempt_count == 1).then(|| Settled { outcome, error, reply })
     }
+}
+
+/// A settlement as the task that made it durable knows it.
+pub(crate) struct Settled {
+    pub(crate) outcome: Outcome,
+    pub(crate) error: Option<SettlementError>,
+    /// The reply (meaningful when completed).
+    pub(crate) reply: ReplyParts,
 }
 
 /// Why a response did not complete.
@@ -540,6 +567,8 @@ struct Response<'a> {
     joined: Vec<String>,
     /// The previous render, reused for the next one's buffers.
     spare: Option<Rendered>,
+    /// What the records this attempt committed add to the reply.
+    reply: ReplyParts,
 }
 
 impl Response<'_> {
@@ -604,6 +633,9 @@ impl Response<'_> {
             .append(self.key, records.clone(), Some(&self.attempt.attempt))
             .await
             .map_err(Failure::store)?;
+        for record in &records {
+            self.reply.add(record);
+        }
         self.conversation.apply(&crate::record::Batch { offset, records });
         Ok(())
     }
