@@ -290,9 +290,7 @@ impl InstanceSlot {
         submission: Submission,
         attempt_id: String,
     ) -> Option<Settled> {
-        let Some(agent) = runtime.agents.get(&self.key.agent).cloned() else {
-            return None;
-        };
+        let agent = runtime.agents.get(&self.key.agent).cloned()?;
         let mut conversation = self.conversation.lock().await;
         let attempt_ref = AttemptRef {
             submission_id: submission.id.clone(),
