@@ -437,7 +437,7 @@ impl InstanceSlot {
         self.binding.set_current(None);
         drop(conversation);
         runtime.notify_settled(joined_ids.iter().chain(std::iter::once(&submission.id)));
-        (settled && submission.attempt_count == 1).then(|| Settled { outcome, error, reply })
+        (settled && submission.attempt_count == 1).then_some(Settled { outcome, error, reply })
     }
 }
 
