@@ -511,7 +511,10 @@ impl flue_runtime::provider::ModelProvider for Recorder {
     }
 
     fn stream(&self, request: flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
-        self.requests.lock().unwrap().push(request.clone());
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(request.clone());
         self.inner.stream(request)
     }
 }
@@ -537,7 +540,7 @@ async fn provider_path() {
         .build()
         .expect("runtime");
     runtime.init(&http_agent, "p").send("2+3?").await.expect("exchange");
-    let requests = recorder.requests.lock().unwrap().clone();
+    let requests = recorder.requests.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let (client, url, bodies) = (
         reqwest::Client::new(),
         format!("{base_url}/chat/completions"),
