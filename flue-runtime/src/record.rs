@@ -2,6 +2,7 @@
 //! model saw, what tools returned, which state was written and how submissions settled.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use flue_core::metadata::Metadata;
 use flue_core::usage::Usage;
@@ -180,8 +181,9 @@ pub enum RecordBody {
 pub struct Batch {
     /// Position of the batch in the stream (0-based).
     pub offset: u64,
-    /// The records, in order.
-    pub records: Vec<Record>,
+    /// The records, in order (shared: a batch read from the memory store, the runtime's fold
+    /// and the store's copy are one allocation).
+    pub records: Arc<[Record]>,
 }
 
 /// Formats an offset as the protocol does: `0000000000000000_<16-digit sequence>`.

@@ -112,7 +112,7 @@ impl Store for FaultyStore {
     fn append(
         &self,
         key: &InstanceKey,
-        records: Vec<Record>,
+        records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut fault = self.fault.lock().unwrap();
@@ -169,7 +169,7 @@ async fn records(store: &FaultyStore, key: &InstanceKey) -> Vec<Record> {
         .await
         .unwrap()
         .into_iter()
-        .flat_map(|batch| batch.records)
+        .flat_map(|batch| batch.records.to_vec())
         .collect()
 }
 
@@ -509,13 +509,14 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
                 message_id: "m1".into(),
                 body: "question".into(),
                 attachments: Vec::new(),
-            })],
+            })]
+            .into(),
             Some(&auth),
         )
         .await
         .unwrap();
     store
-        .append(&key, vec![record(RecordBody::AgentStartRun)], Some(&auth))
+        .append(&key, vec![record(RecordBody::AgentStartRun)].into(), Some(&auth))
         .await
         .unwrap();
     store
@@ -533,7 +534,8 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
                     stop_reason: flue_runtime::provider::StopReason::Stop,
                     usage: Default::default(),
                 }),
-            ],
+            ]
+            .into(),
             Some(&auth),
         )
         .await

@@ -134,7 +134,7 @@ impl Store for PausingStore {
     fn append(
         &self,
         k: &InstanceKey,
-        r: Vec<Record>,
+        r: std::sync::Arc<[Record]>,
         a: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let pause = match self.point {
@@ -478,7 +478,7 @@ fn records(dir: &Path) -> Vec<Record> {
         .block_on(store.read(&InstanceKey::new("billing", "customer"), None))
         .unwrap()
         .into_iter()
-        .flat_map(|batch| batch.records)
+        .flat_map(|batch| batch.records.to_vec())
         .collect()
 }
 

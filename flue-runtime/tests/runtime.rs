@@ -155,7 +155,7 @@ async fn use_agent_finish_appends_continue_the_response_until_a_cycle_appends_no
         .unwrap();
     let cycles = batches
         .iter()
-        .flat_map(|b| &b.records)
+        .flat_map(|b| b.records.iter())
         .filter(|r| matches!(r.body, RecordBody::AgentFinishCycle))
         .count();
     assert_eq!(cycles, 2);
@@ -1011,7 +1011,7 @@ async fn images_reach_the_model_are_kept_in_the_attachment_store_and_survive_evi
     let batches = flue_runtime::store::Store::read(&store, &key, None).await.unwrap();
     let attachment = batches
         .iter()
-        .flat_map(|batch| &batch.records)
+        .flat_map(|batch| batch.records.iter())
         .find_map(|record| match &record.body {
             RecordBody::UserMessage { attachments, .. } => attachments.first().cloned(),
             _ => None,

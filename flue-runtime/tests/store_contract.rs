@@ -226,7 +226,7 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
         admitted.submission.sequence > kept.sequence,
         "admission order continues"
     );
-    let offset = reopened.append(&key, vec![state_record(1)], None).await.unwrap();
+    let offset = reopened.append(&key, vec![state_record(1)].into(), None).await.unwrap();
     assert_eq!(offset, 1, "offsets follow the batches, not the stale counter");
     let batches = reopened.read(&key, None).await.unwrap();
     assert_eq!(batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [0, 1]);
@@ -245,7 +245,7 @@ async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
     store.admit(admission(&key, "b-1", "hello")).await.unwrap();
     let commits = 8_000;
     for i in 0..commits {
-        store.append(&key, vec![state_record(i)], None).await.unwrap();
+        store.append(&key, vec![state_record(i)].into(), None).await.unwrap();
     }
     // Each commit adds at least one 4 KiB page frame; without checkpoints the WAL would hold
     // them all. Checkpointed every few hundred commits, it is reused from its start instead.

@@ -48,7 +48,7 @@ struct OpenStep {
 
 impl Conversation {
     pub(crate) fn apply(&mut self, batch: &Batch) {
-        for record in &batch.records {
+        for record in batch.records.iter() {
             self.apply_record(record);
         }
         self.last_offset = Some(batch.offset);
@@ -316,11 +316,11 @@ pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
     // delivery's input carries its host's attempt).
     let attempts: HashSet<&str> = batches
         .iter()
-        .flat_map(|batch| &batch.records)
+        .flat_map(|batch| batch.records.iter())
         .filter(|record| record.submission_id.as_deref() == Some(submission_id))
         .filter_map(|record| record.attempt_id.as_deref())
         .collect();
-    for record in batches.iter().flat_map(|batch| &batch.records) {
+    for record in batches.iter().flat_map(|batch| batch.records.iter()) {
         if record
             .attempt_id
             .as_deref()

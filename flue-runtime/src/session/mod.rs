@@ -625,13 +625,14 @@ impl Response<'_> {
         if records.is_empty() {
             return Ok(());
         }
+        let records: Arc<[Record]> = records.into();
         let offset = self
             .runtime
             .store
             .append(self.key, records.clone(), Some(&self.attempt.attempt))
             .await
             .map_err(Failure::store)?;
-        for record in &records {
+        for record in records.iter() {
             self.reply.add(record);
         }
         self.conversation.apply(&crate::record::Batch { offset, records });

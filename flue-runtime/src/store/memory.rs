@@ -71,7 +71,7 @@ impl Inner {
         })
     }
 
-    fn append(&mut self, key: &InstanceKey, records: Vec<Record>) -> Result<u64, StoreError> {
+    fn append(&mut self, key: &InstanceKey, records: Arc<[Record]>) -> Result<u64, StoreError> {
         if records.is_empty() {
             return Err(StoreError::Other("an append batch must not be empty".into()));
         }
@@ -118,7 +118,7 @@ impl Store for MemoryStore {
                         unsettled: Vec::new(),
                         batches: vec![Batch {
                             offset: 0,
-                            records: vec![birth],
+                            records: Arc::new([birth]),
                         }],
                     };
                     inner.instances.insert(admission.key.clone(), instance);
@@ -333,7 +333,7 @@ impl Store for MemoryStore {
                 .map(|row| row.key.clone())
                 .ok_or_else(|| StoreError::Other(format!("no submission {}", host.submission_id)))?;
             if !records.is_empty() {
-                inner.append(&key, records)?;
+                inner.append(&key, records.into())?;
             }
             let unsettled = inner
                 .instances
@@ -431,7 +431,7 @@ impl Store for MemoryStore {
     fn append(
         &self,
         key: &InstanceKey,
-        records: Vec<Record>,
+        records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();

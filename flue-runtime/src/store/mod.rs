@@ -9,6 +9,7 @@ mod postgres;
 mod sqlite;
 
 use std::fmt;
+use std::sync::Arc;
 
 use flue_core::BoxFuture;
 use flue_core::message::DeliveredMessage;
@@ -405,7 +406,7 @@ pub trait Store: Send + Sync + 'static {
     fn append(
         &self,
         key: &InstanceKey,
-        records: Vec<Record>,
+        records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>>;
 

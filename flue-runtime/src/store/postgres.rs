@@ -18,6 +18,7 @@
 //! serialization victims are retried.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction};
@@ -1122,7 +1123,7 @@ impl Store for PostgresStore {
     fn append(
         &self,
         key: &InstanceKey,
-        records: Vec<Record>,
+        records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let key = key.clone();
@@ -1638,7 +1639,7 @@ mod tests {
             let node = if n % 2 == 0 { a.clone() } else { b.clone() };
             let stream = stream.clone();
             tasks.push(tokio::spawn(async move {
-                node.append(&stream, vec![user_record(&format!("{n}"))], None)
+                node.append(&stream, vec![user_record(&format!("{n}"))].into(), None)
                     .await
                     .unwrap()
             }));
@@ -1669,7 +1670,7 @@ mod tests {
             submission_id: "d-1".into(),
             attempt_id: "attempt-a".into(),
         };
-        a.append(&stream, vec![user_record("before")], Some(&stale))
+        a.append(&stream, vec![user_record("before")].into(), Some(&stale))
             .await
             .unwrap();
         let taken = b
@@ -1679,7 +1680,7 @@ mod tests {
             .unwrap();
         assert_eq!((taken.attempt_count, taken.owner_id.as_deref()), (2, Some("node-b")));
         assert!(matches!(
-            a.append(&stream, vec![user_record("after")], Some(&stale)).await,
+            a.append(&stream, vec![user_record("after")].into(), Some(&stale)).await,
             Err(StoreError::Fenced(_))
         ));
         assert!(matches!(

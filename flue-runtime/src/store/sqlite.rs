@@ -13,6 +13,7 @@
 //! `BEGIN IMMEDIATE` transaction.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard};
 
 use flue_core::BoxFuture;
@@ -804,7 +805,7 @@ impl Store for SqliteStore {
     fn append(
         &self,
         key: &InstanceKey,
-        records: Vec<Record>,
+        records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         ready(self.transaction(|tx| {
@@ -833,7 +834,7 @@ impl Store for SqliteStore {
                 .map_err(sql)?;
             rows.map(|row| {
                 let (offset, records) = row.map_err(sql)?;
-                Ok(Batch { offset: offset as u64, records: serde_json::from_str(&records).map_err(json_error)? })
+                Ok(Batch { offset: offset as u64, records: serde_json::from_str::<Vec<Record>>(&records).map_err(json_error)?.into() })
             })
             .collect()
         }))

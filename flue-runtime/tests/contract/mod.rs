@@ -890,7 +890,7 @@ pub async fn appends_one_ordered_canonical_batch(store: Factory) {
     let offset = store
         .append(
             &stream,
-            vec![record(None, None, user("a")), record(None, None, user("b"))],
+            vec![record(None, None, user("a")), record(None, None, user("b"))].into(),
             None,
         )
         .await
@@ -911,10 +911,10 @@ pub async fn assigns_one_indivisible_offset_to_a_multi_record_batch(store: Facto
     admit(&store, dispatch("d-1")).await;
     let stream = key("assistant", "agent-1");
     let records: Vec<Record> = (0..5).map(|i| record(None, None, user(&format!("m{i}")))).collect();
-    let offset = store.append(&stream, records.clone(), None).await.unwrap();
+    let offset = store.append(&stream, records.clone().into(), None).await.unwrap();
     assert!(store.read(&stream, Some(offset)).await.unwrap().is_empty());
     let batch = store.read(&stream, Some(offset - 1)).await.unwrap().remove(0);
-    assert_eq!(batch.records, records);
+    assert_eq!(*batch.records, *records);
 }
 
 pub async fn round_trips_a_batch_larger_than_a_backend_cell_size_cap(store: Factory) {
@@ -922,11 +922,11 @@ pub async fn round_trips_a_batch_larger_than_a_backend_cell_size_cap(store: Fact
     let stream = key("assistant", "agent-1");
     let big = "x".repeat(2_500_000);
     let offset = store
-        .append(&stream, vec![record(None, None, user(&big))], None)
+        .append(&stream, vec![record(None, None, user(&big))].into(), None)
         .await
         .unwrap();
     let next = store
-        .append(&stream, vec![record(None, None, user("after"))], None)
+        .append(&stream, vec![record(None, None, user("after"))].into(), None)
         .await
         .unwrap();
     assert_eq!(next, offset + 1);
@@ -947,7 +947,11 @@ pub async fn authorizes_a_submission_owned_append_for_the_running_claimed_attemp
     let owned = record(Some("d-1"), Some("a1"), user("hi"));
     assert!(
         store
-            .append(&key("assistant", "agent-1"), vec![owned], Some(&attempt("d-1", "a1")))
+            .append(
+                &key("assistant", "agent-1"),
+                vec![owned].into(),
+                Some(&attempt("d-1", "a1"))
+            )
             .await
             .is_ok()
     );
@@ -962,7 +966,11 @@ pub async fn rejects_a_submission_owned_append_from_a_stale_attempt(store: Facto
         .unwrap();
     let stale = record(Some("d-1"), Some("old"), user("hi"));
     let result = store
-        .append(&key("assistant", "agent-1"), vec![stale], Some(&attempt("d-1", "old")))
+        .append(
+            &key("assistant", "agent-1"),
+            vec![stale].into(),
+            Some(&attempt("d-1", "old")),
+        )
         .await;
     assert!(matches!(result, Err(StoreError::Fenced(_))));
     assert_eq!(
@@ -978,7 +986,7 @@ pub async fn rejects_a_submission_owned_append_for_an_unknown_submission(store: 
     let result = store
         .append(
             &key("assistant", "agent-1"),
-            vec![unknown],
+            vec![unknown].into(),
             Some(&attempt("nope", "a1")),
         )
         .await;
@@ -989,7 +997,7 @@ pub async fn rejects_an_empty_batch(store: Factory) {
     admit(&store, dispatch("d-1")).await;
     assert!(
         store
-            .append(&key("assistant", "agent-1"), Vec::new(), None)
+            .append(&key("assistant", "agent-1"), Vec::new().into(), None)
             .await
             .is_err()
     );
@@ -1000,7 +1008,7 @@ pub async fn replays_strictly_after_a_batch_offset(store: Factory) {
     let stream = key("assistant", "agent-1");
     for i in 0..4 {
         store
-            .append(&stream, vec![record(None, None, user(&format!("m{i}")))], None)
+            .append(&stream, vec![record(None, None, user(&format!("m{i}")))].into(), None)
             .await
             .unwrap();
     }
@@ -1019,7 +1027,7 @@ pub async fn gives_concurrent_appends_distinct_consecutive_offsets(store: Factor
         let stream = stream.clone();
         tasks.push(tokio::spawn(async move {
             store
-                .append(&stream, vec![record(None, None, user(&format!("c{i}")))], None)
+                .append(&stream, vec![record(None, None, user(&format!("c{i}")))].into(), None)
                 .await
                 .unwrap()
         }));
@@ -1130,7 +1138,7 @@ pub async fn an_admission_with_a_claim_claims_the_idle_instances_head_in_the_sam
     store
         .append(
             &key("assistant", "agent-1"),
-            vec![record(Some("d-1"), Some("a1"), user("hi"))],
+            vec![record(Some("d-1"), Some("a1"), user("hi"))].into(),
             Some(&attempt("d-1", "a1")),
         )
         .await
