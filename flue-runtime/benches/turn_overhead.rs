@@ -344,7 +344,7 @@ async fn bench() {
         }
         // Profiling aid: only the scripted exchange, many times (on SQLite when asked).
         let model = ScriptedModel::new([]);
-        let scripted = if target == "sqlite" {
+        let scripted = if target.starts_with("sqlite") {
             let db = scratch_dir().join("profile").join("flue.db");
             let mut providers = ProviderRegistry::new();
             providers.register(model.clone());
