@@ -18,12 +18,12 @@ pub struct Record {
     pub id: String,
     /// The submission the record belongs to, when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub submission_id: Option<String>,
+    pub submission_id: Option<Arc<str>>,
     /// The attempt that wrote it, when written by an attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempt_id: Option<String>,
-    /// When it was written (RFC 3339).
-    pub timestamp: String,
+    pub attempt_id: Option<Arc<str>>,
+    /// When it was written (RFC 3339, milliseconds).
+    pub timestamp: Arc<str>,
     /// What it says.
     #[serde(flatten)]
     pub body: RecordBody,
@@ -206,10 +206,49 @@ pub struct AttachmentRef {
     pub filename: Option<String>,
 }
 
-pub(crate) fn now() -> String {
-    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
+/// The current time as a record timestamp (RFC 3339, milliseconds). Records written within
+/// one millisecond on a thread share one string.
+pub(crate) fn now() -> Arc<str> {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(u128, Arc<str>)>> = const { std::cell::RefCell::new(None) };
+    }
+    let time = std::time::SystemTime::now();
+    let millis = time
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis());
+    LAST.with_borrow_mut(|last| match last {
+        Some((at, text)) if *at == millis => text.clone(),
+        _ => {
+            let text: Arc<str> = humantime::format_rfc3339_millis(time).to_string().into();
+            *last = Some((millis, text.clone()));
+            text
+        }
+    })
 }
 
 pub(crate) fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", ulid::Ulid::new())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_milliseconds_in_order_and_shared_within_a_millisecond() {
+        let mut last = humantime::parse_rfc3339("1970-01-01T00:00:00Z").unwrap();
+        let mut shared = false;
+        for _ in 0..10_000 {
+            let (first, second) = (now(), now());
+            assert_eq!(first.len(), "2026-11-30T12:00:00.000Z".len(), "{first}");
+            let at = humantime::parse_rfc3339(&first).unwrap();
+            assert!(at >= last, "{first} went back in time");
+            last = at;
+            if first == second {
+                assert!(Arc::ptr_eq(&first, &second), "one millisecond, one allocation");
+                shared = true;
+            }
+        }
+        assert!(shared, "two calls within one millisecond share one string");
+    }
 }

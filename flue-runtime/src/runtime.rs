@@ -304,7 +304,7 @@ impl RuntimeInner {
             instance_id: key.id.clone(),
             submission_id: submission_id.map(str::to_owned),
             event_index: self.event_index.fetch_add(1, Ordering::Relaxed),
-            timestamp: now(),
+            timestamp: now().to_string(),
             event,
         };
         let _ = self.events.send(observation);

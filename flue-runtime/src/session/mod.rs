@@ -343,6 +343,7 @@ impl InstanceSlot {
             joined: Vec::new(),
             spare: None,
             reply: ReplyParts::default(),
+            record_ids: (submission.id.as_str().into(), attempt_id.as_str().into()),
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -404,8 +405,8 @@ impl InstanceSlot {
         for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
             records.push(Record {
                 id: format!("record_submission_settled_{id}"),
-                submission_id: Some(id.clone()),
-                attempt_id: Some(attempt_id.clone()),
+                submission_id: Some(id.as_str().into()),
+                attempt_id: Some(attempt_id.as_str().into()),
                 timestamp: now(),
                 body: RecordBody::SubmissionSettled {
                     outcome,
@@ -567,6 +568,8 @@ struct Response<'a> {
     spare: Option<Rendered>,
     /// What the records this attempt committed add to the reply.
     reply: ReplyParts,
+    /// The submission and attempt ids its records carry (shared by all of them).
+    record_ids: (Arc<str>, Arc<str>),
 }
 
 impl Response<'_> {
@@ -585,8 +588,8 @@ impl Response<'_> {
     fn record(&self, body: RecordBody) -> Record {
         Record {
             id: new_id("record"),
-            submission_id: Some(self.submission.id.clone()),
-            attempt_id: Some(self.attempt.attempt.attempt_id.clone()),
+            submission_id: Some(self.record_ids.0.clone()),
+            attempt_id: Some(self.record_ids.1.clone()),
             timestamp: now(),
             body,
         }
@@ -862,7 +865,7 @@ impl Response<'_> {
 
     fn seam_marker(&self, submission_id: &str) -> Record {
         let mut marker = self.record(RecordBody::AgentStartRun);
-        marker.submission_id = Some(submission_id.to_owned());
+        marker.submission_id = Some(submission_id.into());
         marker
     }
 
@@ -878,7 +881,7 @@ impl Response<'_> {
             }
             DeliveredMessage::Signal(signal) => self.signal_record(signal),
         };
-        record.submission_id = Some(submission_id.to_owned());
+        record.submission_id = Some(submission_id.into());
         Ok(record)
     }
 

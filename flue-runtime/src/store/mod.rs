@@ -266,7 +266,7 @@ pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submissi
         kind: admission.kind,
         message: admission.message,
         status: SubmissionStatus::Queued,
-        accepted_at: crate::record::now(),
+        accepted_at: crate::record::now().to_string(),
         attempt_id: None,
         owner_id: None,
         lease_until_ms: 0,

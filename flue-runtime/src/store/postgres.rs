@@ -712,7 +712,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
             let uid = new_id("inst");
             let statement = tx.prepare_cached(INSERT_INSTANCE).await?;
             if tx
-                .query_opt(&statement, &[&key.agent, &key.id, &uid, &now()])
+                .query_opt(&statement, &[&key.agent, &key.id, &uid, &now().to_string()])
                 .await?
                 .is_none()
             {
@@ -746,7 +746,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
                 &key.id,
                 &kind_text(admission.kind),
                 &message,
-                &now(),
+                &now().to_string(),
                 &max_attempts,
                 &timeout,
             ],

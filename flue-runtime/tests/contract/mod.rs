@@ -150,8 +150,8 @@ fn attempt(submission: &str, attempt: &str) -> AttemptRef {
 fn record(submission: Option<&str>, attempt: Option<&str>, body: RecordBody) -> Record {
     Record {
         id: format!("record_{}", ulid()),
-        submission_id: submission.map(str::to_owned),
-        attempt_id: attempt.map(str::to_owned),
+        submission_id: submission.map(Into::into),
+        attempt_id: attempt.map(Into::into),
         timestamp: "2026-06-03T00:00:00.000Z".into(),
         body,
     }
