@@ -29,7 +29,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use eventsource_stream::Event;
 use flue_core::model::ThinkingLevel;
 use flue_core::usage::Usage;
 use reqwest::header::{ACCEPT, HeaderMap, HeaderName, HeaderValue};
@@ -41,6 +40,7 @@ use super::http::{
     CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
+use super::sse::Event;
 use super::text::{Text, borrowed};
 use super::types::{
     ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
@@ -543,7 +543,7 @@ struct BlockDelta<'a> {
 }
 
 impl SseDecoder for MessagesDecoder {
-    fn event(&mut self, event: &Event, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
+    fn event(&mut self, event: &Event<'_>, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
         let data = event.data.trim();
         if data.is_empty() {
             return Ok(Flow::Continue);
@@ -557,7 +557,7 @@ impl SseDecoder for MessagesDecoder {
             return Ok(Flow::Continue);
         }
         let data = parse_event_json(&self.ctx, data)?;
-        let kind = data.get("type").and_then(Value::as_str).unwrap_or(event.event.as_str());
+        let kind = data.get("type").and_then(Value::as_str).unwrap_or(event.event);
         match kind {
             "message_start" => {
                 if let Some(usage) = data.get("message").and_then(|m| m.get("usage")) {
@@ -726,12 +726,20 @@ mod tests {
         );
     }
 
-    fn event(name: &str, data: serde_json::Value) -> Event {
-        Event {
-            event: name.to_owned(),
-            data: data.to_string(),
-            ..Event::default()
-        }
+    fn feed(
+        decoder: &mut MessagesDecoder,
+        out: &mut VecDeque<StreamEvent>,
+        name: &str,
+        data: serde_json::Value,
+    ) -> Result<Flow, ProviderError> {
+        let data = data.to_string();
+        decoder.event(
+            &Event {
+                event: name,
+                data: &data,
+            },
+            out,
+        )
     }
 
     #[test]
@@ -739,17 +747,15 @@ mod tests {
         let mut decoder = MessagesDecoder::new(CallContext::new("anthropic", "KEY", "m", None));
         let mut out = VecDeque::new();
         let start = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
-        decoder.event(&event("content_block_start", start), &mut out).unwrap();
+        feed(&mut decoder, &mut out, "content_block_start", start).unwrap();
         let escaped =
             json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a \"b\"\n"}});
         // Named as Anthropic names it (typed), then unnamed (through a Value): same result.
-        decoder
-            .event(&event("content_block_delta", escaped.clone()), &mut out)
-            .unwrap();
-        decoder.event(&event("", escaped), &mut out).unwrap();
+        feed(&mut decoder, &mut out, "content_block_delta", escaped.clone()).unwrap();
+        feed(&mut decoder, &mut out, "", escaped).unwrap();
         // An odd shape is skipped as before, not an error.
         let odd = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": 5}});
-        decoder.event(&event("content_block_delta", odd), &mut out).unwrap();
+        feed(&mut decoder, &mut out, "content_block_delta", odd).unwrap();
         let deltas: Vec<_> = out
             .iter()
             .map(|event| match event {

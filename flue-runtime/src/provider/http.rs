@@ -19,8 +19,8 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
+use super::sse::{Event, SseError, SseParser};
 use bytes::Bytes;
-use eventsource_stream::{Event, EventStreamError, Eventsource};
 use futures_util::{Stream, StreamExt};
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::Value;
@@ -220,9 +220,14 @@ impl KeySource {
     }
 }
 
-/// What error messages may say about one call (and the key they must never say).
+/// What error messages may say about one call (and the key they must never say). Cloned
+/// into every stage of the call's stream, so it is shared.
 #[derive(Clone, Debug)]
-pub(crate) struct CallContext {
+pub(crate) struct CallContext(Arc<CallInfo>);
+
+/// The fields of a [`CallContext`].
+#[derive(Debug)]
+pub(crate) struct CallInfo {
     /// Provider id.
     pub provider: String,
     /// The environment variable that holds the key.
@@ -233,15 +238,23 @@ pub(crate) struct CallContext {
     key: Option<ApiKey>,
 }
 
+impl std::ops::Deref for CallContext {
+    type Target = CallInfo;
+
+    fn deref(&self) -> &CallInfo {
+        &self.0
+    }
+}
+
 impl CallContext {
     /// The context of a call of `model` on `provider` with `key`.
     pub fn new(provider: &str, key_env: &str, model: &str, key: Option<ApiKey>) -> Self {
-        Self {
+        Self(Arc::new(CallInfo {
             provider: provider.to_owned(),
             key_env: key_env.to_owned(),
             model: model.to_owned(),
             key,
-        }
+        }))
     }
 
     /// `text` with every occurrence of the API key replaced.
@@ -611,7 +624,7 @@ pub(crate) enum Flow {
 /// Turns a provider's server-sent events into [`StreamEvent`]s.
 pub(crate) trait SseDecoder: Send + 'static {
     /// Handles one event, pushing what it yields onto `out`.
-    fn event(&mut self, event: &Event, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError>;
+    fn event(&mut self, event: &Event<'_>, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError>;
 
     /// The body ended without a terminal event: push `Completed` if the response is complete
     /// anyway, else fail.
@@ -637,7 +650,6 @@ impl fmt::Display for BodyError {
 }
 
 type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
-type SseEvents = Pin<Box<dyn Stream<Item = Result<Event, EventStreamError<BodyError>>> + Send>>;
 type Connect = Pin<Box<dyn Future<Output = Result<reqwest::Response, ProviderError>> + Send>>;
 
 /// A body stream that fails when no chunk arrives for `idle`.
@@ -683,7 +695,8 @@ impl Stream for IdleTimeout {
 
 enum Phase {
     Connecting(Connect),
-    Reading(SseEvents),
+    /// The body, parsed by the driver's `parser`.
+    Reading(Pin<Box<IdleTimeout>>),
     Finished,
 }
 
@@ -695,6 +708,7 @@ struct Driver<D> {
     failure: Option<ProviderError>,
     idle: Duration,
     ctx: CallContext,
+    parser: SseParser,
 }
 
 impl<D: SseDecoder> Driver<D> {
@@ -712,21 +726,29 @@ impl<D: SseDecoder> Driver<D> {
                     Ok(response) => self.phase = self.start_reading(response).await,
                     Err(error) => self.fail(error),
                 },
-                Phase::Reading(events) => match events.next().await {
-                    Some(Ok(event)) => match self.decoder.event(&event, &mut self.out) {
+                Phase::Reading(body) => match self.parser.next_event() {
+                    Ok(Some(event)) => match self.decoder.event(&event, &mut self.out) {
                         Ok(Flow::Continue) => {}
                         Ok(Flow::Done) => self.phase = Phase::Finished,
                         Err(error) => self.fail(error),
                     },
-                    Some(Err(error)) => {
-                        let error = self.body_error(error);
-                        self.fail(error);
-                    }
-                    None => {
-                        if let Err(error) = self.decoder.end(&mut self.out) {
-                            self.failure = Some(error);
+                    Ok(None) => match body.next().await {
+                        Some(Ok(chunk)) => self.parser.push(&chunk),
+                        Some(Err(error)) => {
+                            let error = self.body_error(&error);
+                            self.fail(error);
                         }
-                        self.phase = Phase::Finished;
+                        // An unterminated last event is discarded, as the standard says.
+                        None => {
+                            if let Err(error) = self.decoder.end(&mut self.out) {
+                                self.failure = Some(error);
+                            }
+                            self.phase = Phase::Finished;
+                        }
+                    },
+                    Err(error) => {
+                        let error = self.stream_error(&error);
+                        self.fail(error);
                     }
                 },
             }
@@ -777,33 +799,39 @@ impl<D: SseDecoder> Driver<D> {
             idle: self.idle,
             finished: false,
         };
-        Phase::Reading(Box::pin(guarded.eventsource()))
+        Phase::Reading(Box::pin(guarded))
     }
 
-    fn body_error(&self, error: EventStreamError<BodyError>) -> ProviderError {
+    fn stream_error(&self, error: &SseError) -> ProviderError {
         let provider = &self.ctx.provider;
         match error {
-            EventStreamError::Transport(BodyError::Idle(idle)) => ProviderError::new(
+            SseError::Utf8 => ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!("[flue] Provider \"{provider}\" sent an event stream that is not UTF-8."),
+            ),
+            SseError::TooLarge => ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!("[flue] Provider \"{provider}\" sent a malformed event stream: {error}."),
+            ),
+        }
+    }
+
+    fn body_error(&self, error: &BodyError) -> ProviderError {
+        let provider = &self.ctx.provider;
+        match error {
+            BodyError::Idle(idle) => ProviderError::new(
                 ProviderErrorKind::Timeout,
                 format!(
                     "[flue] Provider \"{provider}\" sent nothing for {} while streaming the response.",
-                    humantime::format_duration(idle)
+                    humantime::format_duration(*idle)
                 ),
             ),
-            EventStreamError::Transport(error) => ProviderError::new(
+            BodyError::Transport(error) => ProviderError::new(
                 ProviderErrorKind::Network,
                 format!(
                     "[flue] The connection to provider \"{provider}\" failed while streaming the response: {}",
-                    self.ctx.redact(&error.to_string())
+                    self.ctx.redact(&error_chain(error))
                 ),
-            ),
-            EventStreamError::Utf8(error) => ProviderError::new(
-                ProviderErrorKind::InvalidResponse,
-                format!("[flue] Provider \"{provider}\" sent an event stream that is not UTF-8: {error}"),
-            ),
-            EventStreamError::Parser(error) => ProviderError::new(
-                ProviderErrorKind::InvalidResponse,
-                format!("[flue] Provider \"{provider}\" sent a malformed event stream: {error:?}"),
             ),
         }
     }
@@ -823,6 +851,7 @@ where
         failure: None,
         idle,
         ctx,
+        parser: SseParser::default(),
     };
     Box::pin(futures_util::stream::unfold(driver, |mut driver| async move {
         let item = driver.next().await?;

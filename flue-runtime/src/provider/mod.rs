@@ -8,6 +8,7 @@ pub mod anthropic;
 mod http;
 pub mod openai;
 pub mod registry;
+mod sse;
 mod text;
 
 pub use http::RetryPolicy;

@@ -40,7 +40,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use eventsource_stream::Event;
 use flue_core::model::ThinkingLevel;
 use flue_core::usage::Usage;
 use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderValue};
@@ -52,6 +51,7 @@ use super::http::{
     CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
+use super::sse::Event;
 use chunk::{CallView, ChunkView, Text, UsageView};
 
 use super::types::{
@@ -601,7 +601,7 @@ fn usage_of(usage: &UsageView) -> Usage {
 }
 
 impl SseDecoder for ChatDecoder {
-    fn event(&mut self, event: &Event, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
+    fn event(&mut self, event: &Event<'_>, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
         let data = event.data.trim();
         if data == "[DONE]" {
             self.complete(out)?;
@@ -704,8 +704,9 @@ mod tests {
             let chunk = json!({"choices": [{"index": 0, "delta": {"tool_calls": [
                 {"index": 0, "id": id, "function": {"name": name, "arguments": args}}
             ]}}]});
+            let data = chunk.to_string();
             let event = Event {
-                data: chunk.to_string(),
+                data: &data,
                 ..Event::default()
             };
             assert_eq!(decoder.event(&event, &mut out).ok(), Some(Flow::Continue));
