@@ -287,7 +287,7 @@ impl RuntimeInner {
         }
         match self.store.instances_with_queued().await {
             Ok(keys) => {
-                for key in keys.into_iter().filter(|key| self.agents.contains_key(&key.agent)) {
+                for key in keys.into_iter().filter(|key| self.agents.contains_key(&*key.agent)) {
                     self.slot(&key).wake();
                 }
             }
@@ -300,8 +300,8 @@ impl RuntimeInner {
             return;
         }
         let observation = Observation {
-            agent: key.agent.clone(),
-            instance_id: key.id.clone(),
+            agent: key.agent.to_string(),
+            instance_id: key.id.to_string(),
             submission_id: submission_id.map(str::to_owned),
             event_index: self.event_index.fetch_add(1, Ordering::Relaxed),
             timestamp: now().to_string(),
@@ -743,12 +743,15 @@ pub struct AgentHandle {
 impl AgentHandle {
     /// Sends `message` and waits for the reply.
     pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<AgentReply, RuntimeError> {
-        self.send_request(SendRequest::new(self.key.id.clone(), message)).await
+        self.send_request(SendRequest::new(self.key.id.to_string(), message))
+            .await
     }
 
     /// Sends a [`SendRequest`] (its `id` is replaced by this handle's) and waits for the reply.
     pub async fn send_request(&self, mut request: SendRequest) -> Result<AgentReply, RuntimeError> {
-        request.id.clone_from(&self.key.id);
+        if *request.id != *self.key.id {
+            request.id = self.key.id.to_string();
+        }
         // The sender waits for this submission anyway: when the instance is idle, run it on
         // this task instead of handing it to another thread and back, claiming it in the
         // admission's own transaction.
@@ -773,7 +776,7 @@ impl AgentHandle {
 
     /// Admits `message` without waiting; read the reply later with [`AgentHandle::read`].
     pub async fn dispatch(&self, message: impl Into<DeliveredMessage>) -> Result<DispatchReceipt, RuntimeError> {
-        let request = SendRequest::new(self.key.id.clone(), message);
+        let request = SendRequest::new(self.key.id.to_string(), message);
         let receipt = self
             .runtime
             .admit(&self.key.agent, request, SubmissionKind::Dispatch)
@@ -786,7 +789,7 @@ impl AgentHandle {
     /// Waits for the submission to settle and returns its reply.
     pub async fn read(&self, submission_id: &str) -> Result<AgentReply, RuntimeError> {
         if self.runtime.store.instance(&self.key).await?.is_none() {
-            return Err(RuntimeError::InstanceNotFound(self.key.id.clone()));
+            return Err(RuntimeError::InstanceNotFound(self.key.id.to_string()));
         }
         self.runtime.wait(&self.key, submission_id, None).await
     }

@@ -100,7 +100,7 @@ impl RuntimeBinding for InstanceBinding {
             let runtime = runtime.upgrade().ok_or_else(|| DispatchError::RuntimeUnavailable {
                 reason: "the runtime was dropped".into(),
             })?;
-            let request = SendRequest::new(key.id.clone(), message);
+            let request = SendRequest::new(key.id.to_string(), message);
             match runtime.admit(&key.agent, request, SubmissionKind::Dispatch).await {
                 Ok((receipt, _)) => {
                     runtime.slot(&key).wake();

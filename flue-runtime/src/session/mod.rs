@@ -290,7 +290,7 @@ impl InstanceSlot {
         submission: Submission,
         attempt_id: String,
     ) -> Option<Settled> {
-        let agent = runtime.agents.get(&self.key.agent).cloned()?;
+        let agent = runtime.agents.get(&*self.key.agent).cloned()?;
         let mut conversation = self.conversation.lock().await;
         let attempt_ref = AttemptRef {
             submission_id: submission.id.clone(),
@@ -1252,7 +1252,7 @@ impl Response<'_> {
                 &signal,
                 |tool, call: &ModelToolCall| {
                     ToolContext::new(tool, call.id.clone())
-                        .with_instance_id(key.id.clone())
+                        .with_instance_id(key.id.to_string())
                         .with_signal(signal.clone())
                         .with_logger(logger.clone())
                 },

@@ -151,7 +151,7 @@ impl Store for MemoryStore {
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
         let inner = self.lock();
         let info = inner.instances.get(key).map(|instance| InstanceInfo {
-            id: key.id.clone(),
+            id: key.id.to_string(),
             uid: instance.uid.clone(),
         });
         ready(Ok(info))

@@ -24,18 +24,19 @@ pub use sqlite::{FORMAT_VERSION, SqliteStore};
 
 use crate::record::{Batch, Outcome, Record, SettlementError};
 
-/// An agent instance: the agent's identity and the instance id.
+/// An agent instance: the agent's identity and the instance id. Cheap to clone (the names are
+/// shared): the runtime, its stores and every submission carry one.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct InstanceKey {
     /// The agent's name.
-    pub agent: String,
+    pub agent: Arc<str>,
     /// The instance id.
-    pub id: String,
+    pub id: Arc<str>,
 }
 
 impl InstanceKey {
     /// The key of `id` of `agent`.
-    pub fn new(agent: impl Into<String>, id: impl Into<String>) -> Self {
+    pub fn new(agent: impl Into<Arc<str>>, id: impl Into<Arc<str>>) -> Self {
         Self {
             agent: agent.into(),
             id: id.into(),
@@ -214,11 +215,11 @@ pub fn now_ms() -> u64 {
 pub(crate) fn check_uid(admission: &Admission, existing_uid: Option<&str>) -> Result<(), StoreError> {
     match (&admission.uid, existing_uid) {
         (UidCondition::Existing(expected), Some(uid)) if expected != uid => {
-            Err(StoreError::InstanceNotFound(admission.key.id.clone()))
+            Err(StoreError::InstanceNotFound(admission.key.id.to_string()))
         }
-        (UidCondition::Existing(_), None) => Err(StoreError::InstanceNotFound(admission.key.id.clone())),
+        (UidCondition::Existing(_), None) => Err(StoreError::InstanceNotFound(admission.key.id.to_string())),
         (UidCondition::CreateOnly, Some(uid)) => Err(StoreError::InstanceExists {
-            id: admission.key.id.clone(),
+            id: admission.key.id.to_string(),
             uid: uid.to_owned(),
         }),
         _ => Ok(()),

@@ -627,7 +627,7 @@ fn batch_from_row(row: &Row) -> Result<Batch, StoreError> {
 /// Locks the instance row; its incarnation and batch count, when it exists.
 async fn lock_instance(tx: &Transaction<'_>, key: &InstanceKey) -> Result<Option<(String, i64)>, Failure> {
     let statement = tx.prepare_cached(LOCK_INSTANCE).await?;
-    match tx.query_opt(&statement, &[&key.agent, &key.id]).await? {
+    match tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? {
         Some(row) => Ok(Some((row.try_get(0)?, row.try_get(1)?))),
         None => Ok(None),
     }
@@ -661,12 +661,13 @@ async fn append_locked(tx: &Transaction<'_>, key: &InstanceKey, records: &[Recor
     }
     let json = to_json(records, "records")?;
     let statement = tx.prepare_cached(BUMP_OFFSET).await?;
-    let Some(row) = tx.query_opt(&statement, &[&key.agent, &key.id]).await? else {
+    let Some(row) = tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? else {
         return Err(StoreError::Other(format!("no stream {key}")).into());
     };
     let offset: i64 = row.try_get(0)?;
     let statement = tx.prepare_cached(INSERT_BATCH).await?;
-    tx.execute(&statement, &[&key.agent, &key.id, &offset, &json]).await?;
+    tx.execute(&statement, &[&&*key.agent, &&*key.id, &offset, &json])
+        .await?;
     u64::try_from(offset).map_err(|_| corrupt(format_args!("batch offset {offset}")).into())
 }
 
@@ -677,7 +678,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
         let existing = submission_from_row(&row)?;
         if existing.message == admission.message && existing.key == admission.key {
             let statement = tx.prepare_cached(SELECT_UID).await?;
-            let uid = match tx.query_opt(&statement, &[&key.agent, &key.id]).await? {
+            let uid = match tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? {
                 Some(row) => row.try_get(0)?,
                 None => String::new(),
             };
@@ -694,12 +695,12 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     let existing = lock_instance(tx, key).await?;
     match (&admission.uid, &existing) {
         (UidCondition::Existing(expected), Some((uid, _))) if expected != uid => {
-            return Err(StoreError::InstanceNotFound(key.id.clone()).into());
+            return Err(StoreError::InstanceNotFound(key.id.to_string()).into());
         }
-        (UidCondition::Existing(_), None) => return Err(StoreError::InstanceNotFound(key.id.clone()).into()),
+        (UidCondition::Existing(_), None) => return Err(StoreError::InstanceNotFound(key.id.to_string()).into()),
         (UidCondition::CreateOnly, Some((uid, _))) => {
             return Err(StoreError::InstanceExists {
-                id: key.id.clone(),
+                id: key.id.to_string(),
                 uid: uid.clone(),
             }
             .into());
@@ -712,7 +713,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
             let uid = new_id("inst");
             let statement = tx.prepare_cached(INSERT_INSTANCE).await?;
             if tx
-                .query_opt(&statement, &[&key.agent, &key.id, &uid, &now().to_string()])
+                .query_opt(&statement, &[&&*key.agent, &&*key.id, &uid, &now().to_string()])
                 .await?
                 .is_none()
             {
@@ -742,8 +743,8 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
             &statement,
             &[
                 &admission.submission_id,
-                &key.agent,
-                &key.id,
+                &&*key.agent,
+                &&*key.id,
                 &kind_text(admission.kind),
                 &message,
                 &now().to_string(),
@@ -782,7 +783,7 @@ async fn claim_next_tx(
         return Ok(None);
     }
     let statement = tx.prepare_cached(HEAD).await?;
-    let Some(head) = tx.query_opt(&statement, &[&key.agent, &key.id]).await? else {
+    let Some(head) = tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? else {
         return Ok(None);
     };
     let id: String = head.try_get(0)?;
@@ -840,7 +841,7 @@ async fn claim_joinable_tx(tx: &Transaction<'_>, host: &AttemptRef) -> Result<Ve
     }
     let statement = tx.prepare_cached(QUEUED).await?;
     let mut ids = Vec::new();
-    for row in tx.query(&statement, &[&key.agent, &key.id]).await? {
+    for row in tx.query(&statement, &[&&*key.agent, &&*key.id]).await? {
         let abort_requested: bool = row.try_get(1)?;
         if abort_requested {
             break;
@@ -890,12 +891,12 @@ async fn settle_tx(
     let statement = tx.prepare_cached(SETTLE_JOINED).await?;
     tx.execute(
         &statement,
-        &[&key.agent, &key.id, &host.submission_id, &outcome, &error],
+        &[&&*key.agent, &&*key.id, &host.submission_id, &outcome, &error],
     )
     .await?;
     // A join claimed but never applied goes back to the queue: never lost.
     let statement = tx.prepare_cached(REVERT_JOINING).await?;
-    tx.execute(&statement, &[&key.agent, &key.id, &host.submission_id])
+    tx.execute(&statement, &[&&*key.agent, &&*key.id, &host.submission_id])
         .await?;
     let statement = tx.prepare_cached(SETTLE_HOST).await?;
     tx.execute(&statement, &[&host.submission_id, &outcome, &error]).await?;
@@ -918,7 +919,7 @@ async fn requeue_tx(tx: &Transaction<'_>, attempt: &AttemptRef) -> Result<bool, 
         return Ok(false);
     }
     let statement = tx.prepare_cached(REVERT_JOINING).await?;
-    tx.execute(&statement, &[&key.agent, &key.id, &attempt.submission_id])
+    tx.execute(&statement, &[&&*key.agent, &&*key.id, &attempt.submission_id])
         .await?;
     let statement = tx.prepare_cached(REQUEUE_HOST).await?;
     tx.execute(&statement, &[&attempt.submission_id]).await?;
@@ -931,7 +932,7 @@ async fn request_abort_tx(tx: &Transaction<'_>, key: &InstanceKey) -> Result<Vec
     }
     let statement = tx.prepare_cached(REQUEST_ABORT).await?;
     let mut stamped = tx
-        .query(&statement, &[&key.agent, &key.id])
+        .query(&statement, &[&&*key.agent, &&*key.id])
         .await?
         .iter()
         .map(|row| Ok((row.try_get::<_, i64>(1)?, row.try_get::<_, String>(0)?)))
@@ -975,11 +976,11 @@ impl Store for PostgresStore {
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
         let key = key.clone();
         Box::pin(async move {
-            let rows = self.query(SELECT_UID, &[&key.agent, &key.id]).await?;
+            let rows = self.query(SELECT_UID, &[&&*key.agent, &&*key.id]).await?;
             rows.first()
                 .map(|row| {
                     Ok(InstanceInfo {
-                        id: key.id.clone(),
+                        id: key.id.to_string(),
                         uid: row.try_get(0).map_err(|error| db_error(&error))?,
                     })
                 })
@@ -1000,7 +1001,7 @@ impl Store for PostgresStore {
     fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
         let key = key.clone();
         Box::pin(async move {
-            let rows = self.query(HAS_QUEUED, &[&key.agent, &key.id]).await?;
+            let rows = self.query(HAS_QUEUED, &[&&*key.agent, &&*key.id]).await?;
             match rows.first() {
                 Some(row) => row.try_get(0).map_err(|error| db_error(&error)),
                 None => Ok(false),
@@ -1144,7 +1145,7 @@ impl Store for PostgresStore {
                     Err(_) => return Ok(Vec::new()),
                 },
             };
-            self.query(SELECT_BATCHES, &[&key.agent, &key.id, &after])
+            self.query(SELECT_BATCHES, &[&&*key.agent, &&*key.id, &after])
                 .await?
                 .iter()
                 .map(batch_from_row)
@@ -1171,7 +1172,7 @@ impl Store for PostgresStore {
                         "SELECT media_type, size, digest FROM flue_attachments WHERE id = $1 AND agent = $2 AND instance_id = $3",
                     )
                     .await?;
-                let Some(row) = tx.query_opt(&statement, &[&id, &key.agent, &key.id]).await? else {
+                let Some(row) = tx.query_opt(&statement, &[&id, &&*key.agent, &&*key.id]).await? else {
                     return Ok::<_, Failure>(None);
                 };
                 let (media_type, size, digest): (String, i64, String) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
@@ -1223,8 +1224,8 @@ async fn put_attachment_tx(tx: &Transaction<'_>, key: &InstanceKey, attachment: 
             &statement,
             &[
                 &attachment.id,
-                &key.agent,
-                &key.id,
+                &&*key.agent,
+                &&*key.id,
                 &attachment.media_type,
                 &size,
                 &attachment.digest,
@@ -1731,7 +1732,7 @@ mod tests {
             .await
             .unwrap()
             .into_iter()
-            .map(|key| key.agent)
+            .map(|key| key.agent.to_string())
             .collect();
         assert_eq!(agents, ["B", "a", "b", "é"], "the memory store's (byte) order");
     }

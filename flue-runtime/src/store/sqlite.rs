@@ -565,7 +565,7 @@ impl Store for SqliteStore {
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
         ready(self.read_transaction(|tx| {
             Ok(instance_uid(tx, key)?.map(|uid| InstanceInfo {
-                id: key.id.clone(),
+                id: key.id.to_string(),
                 uid,
             }))
         }))
