@@ -226,13 +226,31 @@ pub(crate) fn now() -> Arc<str> {
     })
 }
 
+/// `<prefix>_<ULID>`, in one allocation of its exact size.
 pub(crate) fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", ulid::Ulid::new())
+    let mut buffer = [0; ulid::ULID_LEN];
+    let ulid = ulid::Ulid::new();
+    let ulid = ulid.array_to_str(&mut buffer);
+    let mut id = String::with_capacity(prefix.len() + 1 + ulid.len());
+    id.push_str(prefix);
+    id.push('_');
+    id.push_str(ulid);
+    id
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_are_the_prefix_and_a_ulid() {
+        let id = new_id("record");
+        let (prefix, ulid) = id.split_once('_').expect("a separator");
+        assert_eq!(prefix, "record");
+        assert!(ulid::Ulid::from_string(ulid).is_ok(), "{id}");
+        assert_eq!(id.capacity(), id.len(), "one allocation of the exact size");
+        assert_ne!(new_id("record"), id);
+    }
 
     #[test]
     fn timestamps_are_rfc3339_milliseconds_in_order_and_shared_within_a_millisecond() {
