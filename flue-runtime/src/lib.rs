@@ -17,6 +17,7 @@
 pub use flue_core::*;
 
 pub mod events;
+pub mod http;
 pub mod provider;
 pub mod record;
 mod runtime;

@@ -62,6 +62,9 @@ pub enum RuntimeError {
     /// The runtime could not be built.
     #[error("{0}")]
     Build(String),
+    /// The runtime is shutting down and admits nothing new.
+    #[error("[flue] The runtime is shutting down: it admits no new messages.")]
+    ShuttingDown,
 }
 
 impl From<StoreError> for RuntimeError {
@@ -361,7 +364,7 @@ impl RuntimeInner {
         claim: Option<crate::store::Claim>,
     ) -> Result<(DispatchReceipt, Option<u64>, Option<crate::store::Submission>), RuntimeError> {
         if self.shutting_down.load(Ordering::Acquire) {
-            return Err(RuntimeError::Store("the runtime is shutting down".into()));
+            return Err(RuntimeError::ShuttingDown);
         }
         let agent_ref = self
             .agents
@@ -430,6 +433,8 @@ impl RuntimeInner {
         }
         let admitted = admitted?;
         if !admitted.deduplicated {
+            // A new instance's birth record is on its stream.
+            self.slot(&key).appended().notify_waiters();
             self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         }
         self.ensure_background();
@@ -684,6 +689,11 @@ impl Runtime {
     pub async fn start(&self) {
         self.inner.ensure_background();
         self.inner.scan().await;
+    }
+
+    /// The shared state (for the crate's HTTP routes).
+    pub(crate) fn inner(&self) -> &Arc<RuntimeInner> {
+        &self.inner
     }
 
     /// Stops admitting new messages.

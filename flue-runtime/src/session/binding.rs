@@ -38,6 +38,8 @@ impl Attempt {
 pub(crate) struct InstanceBinding {
     pub(crate) key: InstanceKey,
     pub(crate) runtime: Weak<RuntimeInner>,
+    /// Woken after every batch this node appends to the instance's stream (live readers).
+    pub(crate) appended: tokio::sync::Notify,
     pub(crate) current: Mutex<Option<Arc<Attempt>>>,
 }
 

@@ -121,6 +121,7 @@ impl InstanceSlot {
         let binding = Arc::new(InstanceBinding {
             key: key.clone(),
             runtime: runtime.clone(),
+            appended: tokio::sync::Notify::new(),
             current: Mutex::new(None),
         });
         Self {
@@ -150,6 +151,11 @@ impl InstanceSlot {
     /// Whether no worker runs this instance.
     pub(crate) fn is_idle(&self) -> bool {
         !self.busy.load(Ordering::SeqCst)
+    }
+
+    /// Woken after every batch this node appends to the instance's stream.
+    pub(crate) fn appended(&self) -> &tokio::sync::Notify {
+        &self.binding.appended
     }
 
     /// Makes sure a worker runs for this instance.
@@ -419,7 +425,10 @@ impl InstanceSlot {
             .settle(&attempt_ref, outcome, error.clone(), records)
             .await
         {
-            Ok(()) => true,
+            Ok(()) => {
+                self.binding.appended.notify_waiters();
+                true
+            }
             Err(store_error) => {
                 tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
                 false
@@ -635,6 +644,7 @@ impl Response<'_> {
             .append(self.key, records.clone(), Some(&self.attempt.attempt))
             .await
             .map_err(Failure::store)?;
+        self.binding.appended.notify_waiters();
         for record in records.iter() {
             self.reply.add(record);
         }

@@ -421,4 +421,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// The attachment `id` of the instance `key`; `None` when absent or another instance's.
     fn attachment(&self, key: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>>;
+
+    /// Whether other processes may append to this store's streams (several runtime nodes on
+    /// one database). Live readers then also poll, since only this node's appends wake them.
+    fn shared(&self) -> bool {
+        false
+    }
 }

@@ -969,6 +969,10 @@ async fn append_tx(
 }
 
 impl Store for PostgresStore {
+    fn shared(&self) -> bool {
+        true
+    }
+
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         Box::pin(async move { in_transaction!(self, |tx| admit_tx(&tx, &admission).await) })
     }

@@ -1,0 +1,253 @@
+//! The error envelope: every failed request answers
+//! `{"error":{"type","message","details","meta"?,"ref"?}}` with the type's status and headers.
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use crate::runtime::RuntimeError;
+
+/// A request that cannot be answered as asked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError(Box<Envelope>);
+
+#[derive(Clone, Debug, PartialEq)]
+struct Envelope {
+    status: StatusCode,
+    error_type: &'static str,
+    message: String,
+    details: String,
+    meta: Option<Value>,
+    allow: Option<&'static str>,
+    /// The id under which the server logged an internal error (`err_<ULID>`).
+    reference: Option<String>,
+}
+
+impl ApiError {
+    fn new(
+        status: StatusCode,
+        error_type: &'static str,
+        message: impl Into<String>,
+        details: impl Into<String>,
+    ) -> Self {
+        Self(Box::new(Envelope {
+            status,
+            error_type,
+            message: message.into(),
+            details: details.into(),
+            meta: None,
+            allow: None,
+            reference: None,
+        }))
+    }
+
+    fn with_meta(mut self, meta: Value) -> Self {
+        self.0.meta = Some(meta);
+        self
+    }
+
+    /// 400 `invalid_request`: the URL, the query or the message breaks a rule (`details` says
+    /// which).
+    pub fn invalid_request(details: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "The request is invalid.",
+            details,
+        )
+    }
+
+    /// 400 `invalid_json`: a body that is not JSON.
+    pub fn invalid_json(details: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            "The request body is not valid JSON.",
+            details,
+        )
+    }
+
+    /// 415 `unsupported_media_type`: a body without a JSON content type.
+    pub fn unsupported_media_type(content_type: Option<&str>) -> Self {
+        let details = match content_type {
+            Some(content_type) => format!("Send the body as application/json, not {content_type}."),
+            None => "Send the body as application/json (no content-type was given).".to_owned(),
+        };
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "The request body must be JSON.",
+            details,
+        )
+    }
+
+    /// 405 `method_not_allowed`, with the `Allow` header.
+    pub fn method_not_allowed(method: &str, allow: &'static str) -> Self {
+        let mut error = Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("Method {method} is not allowed here."),
+            format!("Allowed: {allow}."),
+        );
+        error.0.allow = Some(allow);
+        error
+    }
+
+    /// 404 `route_not_found`.
+    pub fn route_not_found(path: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "route_not_found",
+            "No route matches this request.",
+            format!("Nothing is served at {path}."),
+        )
+    }
+
+    /// 404 `stream_not_found`: the instance was never contacted.
+    pub fn stream_not_found(path: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "stream_not_found",
+            format!("Event stream \"{path}\" was not found."),
+            "The agent instance has no conversation yet: send it a message first.",
+        )
+    }
+
+    /// 404 `attachment_not_found`.
+    pub fn attachment_not_found(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "attachment_not_found",
+            format!("Attachment \"{id}\" was not found."),
+            "No attachment with this id belongs to this conversation.",
+        )
+    }
+
+    /// 416 `stream_offset_gone`: a read from beyond the stream's head.
+    pub fn stream_offset_gone(offset: &str, next_offset: &str) -> Self {
+        Self::new(
+            StatusCode::RANGE_NOT_SATISFIABLE,
+            "stream_offset_gone",
+            "The requested offset is beyond the end of the stream.",
+            format!("Read from {next_offset} or earlier."),
+        )
+        .with_meta(json!({"offset": offset, "nextOffset": next_offset}))
+    }
+
+    /// 503 `runtime_unavailable` (with `Retry-After: 1`).
+    pub fn runtime_unavailable(state: &str) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "runtime_unavailable",
+            "The runtime is not accepting messages.",
+            format!("The runtime is {state}; retry shortly."),
+        )
+        .with_meta(json!({"state": state}))
+    }
+
+    /// 500 `internal_error`: logged under a reference that the response carries; the cause
+    /// never reaches the client.
+    pub fn internal(cause: &dyn std::fmt::Display) -> Self {
+        let reference = crate::record::new_id("err");
+        tracing::error!(error_ref = %reference, error = %cause, "[flue] request failed");
+        let mut error = Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "An internal error occurred.",
+            "",
+        );
+        error.0.reference = Some(reference);
+        error
+    }
+
+    /// The status.
+    pub fn status(&self) -> StatusCode {
+        self.0.status
+    }
+
+    /// The stable type.
+    pub fn error_type(&self) -> &'static str {
+        self.0.error_type
+    }
+
+    /// The headers of this error's response (a `HEAD` error sends them without a body).
+    fn headers(&self) -> HeaderMap {
+        let envelope = &self.0;
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(allow) = envelope.allow {
+            headers.insert(header::ALLOW, HeaderValue::from_static(allow));
+        }
+        if envelope.status == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let Some(reference) = envelope
+            .reference
+            .as_deref()
+            .and_then(|r| HeaderValue::from_str(r).ok())
+        {
+            headers.insert("flue-error-ref", reference);
+        }
+        headers
+    }
+
+    /// The envelope.
+    pub fn body(&self) -> Value {
+        let envelope = &self.0;
+        let mut error = json!({
+            "type": envelope.error_type,
+            "message": envelope.message,
+            "details": envelope.details,
+        });
+        if let Some(meta) = &envelope.meta {
+            error["meta"] = meta.clone();
+        }
+        if let Some(reference) = &envelope.reference {
+            error["ref"] = json!(reference);
+        }
+        json!({ "error": error })
+    }
+
+    /// The response without a body (for `HEAD`).
+    pub fn without_body(self) -> Response {
+        (self.0.status, self.headers()).into_response()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body().to_string();
+        (self.0.status, self.headers(), body).into_response()
+    }
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(error: RuntimeError) -> Self {
+        match error {
+            RuntimeError::InvalidRequest(details) => Self::invalid_request(details),
+            RuntimeError::InvalidMessage(error) => Self::invalid_request(error.to_string()),
+            RuntimeError::InstanceNotFound(id) => Self::new(
+                StatusCode::NOT_FOUND,
+                "agent_instance_not_found",
+                format!("Agent instance \"{id}\" was not found."),
+                "The uid names no incarnation of this instance; send without a uid to create it.",
+            ),
+            RuntimeError::InstanceExists { id, uid } => Self::new(
+                StatusCode::CONFLICT,
+                "agent_instance_exists",
+                format!("Agent instance \"{id}\" already exists."),
+                "A null uid only creates; send the instance's uid to continue it.",
+            )
+            .with_meta(json!({"uid": uid})),
+            RuntimeError::SubmissionConflict(submission_id) => Self::new(
+                StatusCode::CONFLICT,
+                "submission_conflict",
+                format!("Submission \"{submission_id}\" was already admitted with a different message."),
+                "An idempotency key names one message: use a new key for a new message.",
+            )
+            .with_meta(json!({"submissionId": submission_id})),
+            RuntimeError::ShuttingDown => Self::runtime_unavailable("draining"),
+            other => Self::internal(&other),
+        }
+    }
+}

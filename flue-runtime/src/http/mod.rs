@@ -1,0 +1,257 @@
+//! Serving agents over HTTP: the streaming protocol of the reference system, so that a client
+//! written for it works unchanged.
+//!
+//! [`router`] mounts every agent of a runtime under `/agents/<name>`; [`agent_router`] serves
+//! one agent at the router's root. Per instance:
+//!
+//! | Route | What |
+//! |---|---|
+//! | `POST /:id` | Admits a message (202 with `{streamUrl, offset, submissionId, uid}`). |
+//! | `GET /:id` | The history snapshot (`view=history`, the default). |
+//! | `GET /:id?view=updates&offset=…` | Chunks after `offset`, as JSON; `live=long-poll` waits for them, `live=sse` streams them. |
+//! | `HEAD /:id` | The stream's head offset. |
+//! | `POST /:id/abort` | Requests an abort of the instance's unsettled submissions. |
+//! | `GET /:id/attachments/:attachmentId` | An attachment's bytes. |
+//!
+//! Every failure answers the error envelope `{"error":{"type","message","details",…}}` with
+//! its type's status ([`ApiError`]); every response carries `X-Content-Type-Options: nosniff`
+//! and `Cross-Origin-Resource-Policy: cross-origin`.
+//!
+//! ```no_run
+//! # async fn serve(runtime: flue_runtime::Runtime) -> std::io::Result<()> {
+//! let app = flue_runtime::http::router(&runtime);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3583").await?;
+//! axum::serve(listener, app).await
+//! # }
+//! ```
+
+mod admission;
+mod error;
+mod projection;
+mod reads;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{DefaultBodyLimit, OriginalUri, Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodRouter, get, post};
+use serde_json::json;
+
+pub use error::ApiError;
+
+use crate::Runtime;
+use crate::record::format_offset;
+use crate::runtime::RuntimeInner;
+use crate::store::{InstanceKey, SubmissionKind};
+
+/// The largest request body, in bytes: room for a message with an image at the protocol's
+/// limit (14,680,064 base64 characters).
+pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+
+/// Timing of live reads.
+#[derive(Clone, Debug)]
+pub struct HttpOptions {
+    /// How long a long-poll read waits for new batches (the reference: 30 s).
+    pub long_poll_timeout: Duration,
+    /// How long an up-to-date SSE stream waits before it reads again anyway (30 s).
+    pub sse_wait: Duration,
+    /// The interval of SSE heartbeat comments while a stream is idle (15 s).
+    pub heartbeat: Duration,
+    /// How often live readers read a shared store (one other nodes append to) again, since
+    /// only this node's appends wake them (250 ms).
+    pub shared_store_poll: Duration,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        Self {
+            long_poll_timeout: Duration::from_secs(30),
+            sse_wait: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(15),
+            shared_store_poll: Duration::from_millis(250),
+        }
+    }
+}
+
+/// What every handler of one agent's routes shares.
+#[derive(Clone)]
+struct Routes {
+    runtime: Arc<RuntimeInner>,
+    agent: Arc<str>,
+    options: Arc<HttpOptions>,
+}
+
+impl Routes {
+    /// The instance `id` names, refusing a blank id.
+    fn key(&self, id: Result<Path<String>, PathRejection>) -> Result<InstanceKey, ApiError> {
+        let Path(id) = id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+        if id.trim().is_empty() {
+            return Err(ApiError::invalid_request(
+                "Agent conversation URLs must end with a non-empty conversation id segment.",
+            ));
+        }
+        Ok(InstanceKey::new(self.agent.clone(), id))
+    }
+}
+
+/// Every agent of `runtime` under `/agents/<name>`, with default [`HttpOptions`].
+pub fn router(runtime: &Runtime) -> Router {
+    router_with(runtime, HttpOptions::default())
+}
+
+/// [`router`] with `options`.
+pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
+    let options = Arc::new(options);
+    let mut names: Vec<&String> = runtime.inner().agents.keys().collect();
+    names.sort();
+    let mut app = Router::new();
+    for name in names {
+        app = app
+            .nest(
+                &format!("/agents/{name}"),
+                routes(runtime.inner().clone(), name, options.clone()),
+            )
+            .route(&format!("/agents/{name}/"), MethodRouter::new().fallback(blank_id));
+    }
+    finish(app)
+}
+
+/// One agent's routes at the router's root (`/:id`, …); `None` when `runtime` has no agent
+/// named `agent`.
+pub fn agent_router(runtime: &Runtime, agent: &str, options: HttpOptions) -> Option<Router> {
+    runtime
+        .inner()
+        .agents
+        .contains_key(agent)
+        .then(|| finish(routes(runtime.inner().clone(), agent, Arc::new(options))))
+}
+
+fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) -> Router {
+    let state = Routes {
+        runtime,
+        agent: agent.into(),
+        options,
+    };
+    Router::new()
+        .route(
+            "/{id}",
+            get(reads::get_stream)
+                .head(reads::head_stream)
+                .post(post_message)
+                .fallback(not_allowed("GET, HEAD, POST")),
+        )
+        .route("/{id}/abort", post(post_abort).fallback(not_allowed("POST")))
+        .route(
+            "/{id}/attachments/{attachment_id}",
+            get(reads::get_attachment).fallback(not_allowed("GET")),
+        )
+        .route("/", MethodRouter::new().fallback(blank_id))
+        .with_state(state)
+}
+
+async fn blank_id() -> ApiError {
+    ApiError::invalid_request("Agent conversation URLs must end with a non-empty conversation id segment.")
+}
+
+/// The router-wide parts: unmatched routes, the body limit, the security headers.
+fn finish(app: Router) -> Router {
+    app.fallback(|uri: OriginalUri| async move { ApiError::route_not_found(uri.path()) })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::map_response(security_headers))
+}
+
+async fn security_headers(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert("cross-origin-resource-policy", HeaderValue::from_static("cross-origin"));
+    response
+}
+
+fn not_allowed(allow: &'static str) -> MethodRouter<Routes> {
+    MethodRouter::new()
+        .fallback(move |method: Method| async move { ApiError::method_not_allowed(method.as_str(), allow) })
+}
+
+/// `POST /:id`: admission only (the response is not awaited).
+async fn post_message(
+    State(routes): State<Routes>,
+    id: Result<Path<String>, PathRejection>,
+    OriginalUri(uri): OriginalUri,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let key = routes.key(id)?;
+    if reads::pairs(query.as_deref()).any(|(name, _)| name == "wait") {
+        return Err(ApiError::invalid_request(
+            "The `wait` parameter is not supported: admission is fire-and-forget. Read the reply from the stream.",
+        ));
+    }
+    let body = body.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    let request = admission::parse(&key.id, &headers, &body)?;
+    let (receipt, offset) = routes
+        .runtime
+        .admit(&routes.agent, request, SubmissionKind::Dispatch)
+        .await?;
+    routes.runtime.slot(&key).wake();
+    let offset = match offset {
+        Some(offset) if !receipt.deduplicated => format_offset(offset),
+        _ => "-1".to_owned(),
+    };
+    let stream_url = stream_url(&headers, uri.path());
+    let mut body = json!({
+        "streamUrl": stream_url,
+        "offset": offset,
+        "submissionId": receipt.submission_id,
+        "uid": receipt.uid,
+    });
+    if receipt.deduplicated {
+        body["deduplicated"] = json!(true);
+    }
+    let mut response = (StatusCode::ACCEPTED, axum::Json(body)).into_response();
+    let headers = response.headers_mut();
+    if let Ok(location) = HeaderValue::from_str(&stream_url) {
+        headers.insert(header::LOCATION, location);
+    }
+    if let Ok(offset) = HeaderValue::from_str(&offset) {
+        headers.insert("stream-next-offset", offset);
+    }
+    Ok(response)
+}
+
+/// The request's URL without its query: absolute when the request named its host.
+fn stream_url(headers: &HeaderMap, path: &str) -> String {
+    let host = headers.get(header::HOST).and_then(|host| host.to_str().ok());
+    let scheme = headers
+        .get("x-forwarded-proto")
+        .and_then(|proto| proto.to_str().ok())
+        .filter(|proto| matches!(*proto, "http" | "https"))
+        .unwrap_or("http");
+    match host {
+        Some(host) => format!("{scheme}://{host}{path}"),
+        None => path.to_owned(),
+    }
+}
+
+/// `POST /:id/abort`: requests an abort of every unsettled submission of the instance.
+async fn post_abort(
+    State(routes): State<Routes>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let key = routes.key(id)?;
+    let affected = routes
+        .runtime
+        .store
+        .request_abort(&key)
+        .await
+        .map_err(|error| ApiError::internal(&error))?;
+    let slot = routes.runtime.slot(&key);
+    slot.abort_running();
+    slot.wake();
+    Ok(axum::Json(json!({"aborted": !affected.is_empty()})).into_response())
+}

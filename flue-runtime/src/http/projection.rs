@@ -1,0 +1,451 @@
+//! What clients see of a conversation: the record stream folded into messages (the history
+//! snapshot) and each batch projected into chunks (the updates), as the streaming protocol
+//! shapes them.
+//!
+//! - One assistant message per response: every model step of a submission folds into the
+//!   submission's first step's message id; a step's text part comes before its tool parts.
+//! - Tool outputs appear only when their batch commits (`tool_results_committed`), never from
+//!   an outcome alone.
+//! - A batch holding the instance's birth record projects to one `conversation-reset`.
+//! - Chunks carry the conversation id and their position: the batch's offset and their index
+//!   within that batch's projection.
+
+use std::collections::HashMap;
+
+use serde_json::{Map, Value, json};
+
+use crate::record::{Batch, Record, RecordBody, format_offset};
+
+/// The wire-only first element of every updates read.
+pub(crate) fn checkpoint(incarnation: &str) -> Value {
+    json!({"type": "stream-checkpoint", "incarnation": incarnation})
+}
+
+/// A tool outcome waiting for its batch's commit.
+struct PendingOutcome {
+    is_error: bool,
+    content: String,
+    duration_ms: u64,
+    timestamp: String,
+}
+
+/// The fold of one conversation's records.
+#[derive(Default)]
+pub(crate) struct Projection {
+    conversation_id: String,
+    incarnation: String,
+    messages: Vec<Value>,
+    /// Message id → index in `messages`.
+    index: HashMap<String, usize>,
+    settlements: Vec<Value>,
+    /// Submission → its response's message id (its first step's).
+    responses: HashMap<String, String>,
+    /// Step message id → the response message it folds into.
+    steps: HashMap<String, String>,
+    /// Step message id → the index of its first part in the response message.
+    step_parts: HashMap<String, usize>,
+    /// Step message id → its tool call ids, in call order.
+    step_calls: HashMap<String, Vec<String>>,
+    /// Tool call id → the response message holding its part.
+    calls: HashMap<String, String>,
+    outcomes: HashMap<String, PendingOutcome>,
+    offset: Option<u64>,
+}
+
+impl Projection {
+    /// An empty fold of the conversation `conversation_id`.
+    pub(crate) fn new(conversation_id: &str) -> Self {
+        Self {
+            conversation_id: conversation_id.to_owned(),
+            ..Self::default()
+        }
+    }
+
+    /// The offset of the last batch folded, in wire format (`-1` before the first).
+    pub(crate) fn offset(&self) -> String {
+        self.offset.map_or_else(|| "-1".to_owned(), format_offset)
+    }
+
+    /// The history snapshot.
+    pub(crate) fn snapshot(&self) -> Value {
+        json!({
+            "v": 1,
+            "conversationId": self.conversation_id,
+            "offset": self.offset(),
+            "incarnation": self.incarnation,
+            "messages": self.messages,
+            "settlements": self.settlements,
+        })
+    }
+
+    /// Folds `batch` in, appending its chunks to `chunks` when given.
+    pub(crate) fn apply(&mut self, batch: &Batch, chunks: Option<&mut Vec<Value>>) {
+        let resets = batch
+            .records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ConversationCreated { .. }));
+        let mut out = Vec::new();
+        // A step's text streams right after its start when both are in this batch.
+        let mut texts: HashMap<&str, &str> = HashMap::new();
+        // A joined delivery settles under its host's attempt, in the host's settlement batch.
+        let mut hosts: HashMap<&str, &str> = HashMap::new();
+        for record in batch.records.iter() {
+            match &record.body {
+                RecordBody::AssistantMessageCompleted { message_id, text, .. } if !text.is_empty() => {
+                    texts.insert(message_id, text);
+                }
+                RecordBody::SubmissionSettled { .. } => {
+                    if let (Some(attempt), Some(submission)) = (&record.attempt_id, &record.submission_id) {
+                        hosts.insert(attempt, submission);
+                    }
+                }
+                _ => {}
+            }
+        }
+        for record in batch.records.iter() {
+            self.record(record, &texts, &hosts, &mut out);
+        }
+        self.offset = Some(batch.offset);
+        let Some(chunks) = chunks else { return };
+        if resets {
+            out = vec![json!({"type": "conversation-reset", "snapshot": self.snapshot()})];
+        }
+        for (index, mut chunk) in out.into_iter().enumerate() {
+            if let Value::Object(fields) = &mut chunk {
+                fields.insert("conversationId".into(), json!(self.conversation_id));
+                fields.insert("position".into(), json!({"batch": batch.offset, "index": index}));
+            }
+            chunks.push(chunk);
+        }
+    }
+
+    fn record(
+        &mut self,
+        record: &Record,
+        texts: &HashMap<&str, &str>,
+        hosts: &HashMap<&str, &str>,
+        out: &mut Vec<Value>,
+    ) {
+        let submission = record.submission_id.as_deref();
+        let timestamp = &*record.timestamp;
+        match &record.body {
+            RecordBody::ConversationCreated { uid, .. } => {
+                let conversation_id = std::mem::take(&mut self.conversation_id);
+                *self = Self::new(&conversation_id);
+                self.incarnation.clone_from(uid);
+            }
+            RecordBody::UserMessage {
+                message_id,
+                body,
+                attachments,
+            } => {
+                let mut parts = vec![json!({"type": "text", "text": body, "state": "done"})];
+                parts.extend(attachments.iter().map(|attachment| {
+                    let mut part = json!({
+                        "type": "file",
+                        "mediaType": attachment.media_type,
+                        "id": attachment.id,
+                        "size": attachment.size,
+                    });
+                    if let Some(filename) = &attachment.filename {
+                        part["filename"] = json!(filename);
+                    }
+                    part
+                }));
+                let mut message = json!({
+                    "id": message_id,
+                    "role": "user",
+                    "purpose": "user",
+                    "display": "visible",
+                    "parts": parts,
+                });
+                if let Some(submission) = submission {
+                    message["submissionId"] = json!(submission);
+                }
+                self.append_message(message, out);
+            }
+            RecordBody::Signal {
+                message_id,
+                signal_type,
+                body,
+                attributes,
+                tag_name,
+            } => {
+                let (role, purpose, display, settlement) = match signal_type.as_str() {
+                    "stream_interrupted" | "stream_continued" => ("system", "advisory", "hidden", None),
+                    "submission_aborted" => ("system", "advisory", "diagnostic", Some("aborted")),
+                    "submission_interrupted" => ("system", "advisory", "diagnostic", Some("failed")),
+                    "resources" | "instructions" | "environment" => ("system", "advisory", "diagnostic", None),
+                    _ => ("user", "dispatch", "diagnostic", None),
+                };
+                let mut signal = json!({"type": signal_type});
+                if let Some(tag_name) = tag_name {
+                    signal["tagName"] = json!(tag_name);
+                }
+                if !attributes.is_empty() {
+                    signal["attributes"] = json!(attributes);
+                }
+                let mut message = json!({
+                    "id": message_id,
+                    "role": role,
+                    "purpose": purpose,
+                    "display": display,
+                    "signal": signal,
+                    "parts": [{"type": "text", "text": body, "state": "done"}],
+                });
+                if let Some(submission) = submission {
+                    message["submissionId"] = json!(submission);
+                }
+                if let Some(outcome) = settlement {
+                    message["settlement"] = json!({"outcome": outcome});
+                }
+                self.append_message(message, out);
+            }
+            RecordBody::AssistantMessageStarted {
+                message_id,
+                response_metadata,
+                ..
+            } => {
+                let response_id = match submission.and_then(|s| self.responses.get(s)) {
+                    Some(response_id) => response_id.clone(),
+                    None => {
+                        let mut message = json!({
+                            "id": message_id,
+                            "role": "assistant",
+                            "purpose": "assistant",
+                            "display": "visible",
+                            "turnId": message_id,
+                            "parts": [],
+                        });
+                        if let Some(submission) = submission {
+                            message["submissionId"] = json!(submission);
+                            self.responses.insert(submission.to_owned(), message_id.clone());
+                        }
+                        self.index.insert(message_id.clone(), self.messages.len());
+                        self.messages.push(message);
+                        message_id.clone()
+                    }
+                };
+                self.steps.insert(message_id.clone(), response_id.clone());
+                let parts = self.parts_len(&response_id);
+                self.step_parts.insert(message_id.clone(), parts);
+                let mut chunk = json!({
+                    "type": "message-started",
+                    "messageId": response_id,
+                    "turnId": message_id,
+                    "timestamp": timestamp,
+                });
+                if let Some(submission) = submission {
+                    chunk["submissionId"] = json!(submission);
+                }
+                if let Some(metadata) = response_metadata.as_ref().filter(|m| !m.is_empty()) {
+                    self.merge_metadata(&response_id, metadata);
+                    chunk["metadata"] = json!(metadata);
+                }
+                out.push(chunk);
+                if let Some(text) = texts.get(message_id.as_str()) {
+                    out.push(json!({"type": "message-delta", "messageId": response_id, "kind": "text", "delta": text}));
+                }
+            }
+            RecordBody::AssistantToolCall {
+                message_id,
+                tool_call_id,
+                name,
+                arguments,
+            } => {
+                let Some(response_id) = self.steps.get(message_id).cloned() else {
+                    return;
+                };
+                let input = serde_json::from_str::<Value>(arguments).unwrap_or_else(|_| json!(arguments));
+                self.push_part(
+                    &response_id,
+                    json!({
+                        "type": "dynamic-tool",
+                        "toolCallId": tool_call_id,
+                        "toolName": name,
+                        "state": "input-available",
+                        "input": input,
+                    }),
+                );
+                self.calls.insert(tool_call_id.clone(), response_id.clone());
+                self.step_calls
+                    .entry(message_id.clone())
+                    .or_default()
+                    .push(tool_call_id.clone());
+                out.push(json!({
+                    "type": "tool-input",
+                    "messageId": response_id,
+                    "toolCallId": tool_call_id,
+                    "toolName": name,
+                    "input": input,
+                    "timestamp": timestamp,
+                }));
+            }
+            RecordBody::AssistantMessageCompleted { message_id, text, .. } => {
+                let Some(response_id) = self.steps.get(message_id).cloned() else {
+                    return;
+                };
+                if !text.is_empty() {
+                    let at = self.step_parts.get(message_id).copied().unwrap_or(0);
+                    self.insert_part(&response_id, at, json!({"type": "text", "text": text, "state": "done"}));
+                    if !texts.contains_key(message_id.as_str()) {
+                        out.push(
+                            json!({"type": "message-delta", "messageId": response_id, "kind": "text", "delta": text}),
+                        );
+                    }
+                }
+                out.push(json!({"type": "message-completed", "messageId": response_id, "timestamp": timestamp}));
+            }
+            RecordBody::ToolOutcome {
+                tool_call_id,
+                is_error,
+                content,
+                duration_ms,
+                ..
+            } => {
+                self.outcomes.insert(
+                    tool_call_id.clone(),
+                    PendingOutcome {
+                        is_error: *is_error,
+                        content: content.clone(),
+                        duration_ms: *duration_ms,
+                        timestamp: timestamp.to_owned(),
+                    },
+                );
+            }
+            RecordBody::ToolResultsCommitted { assistant_message_id } => {
+                let calls = self.step_calls.get(assistant_message_id).cloned().unwrap_or_default();
+                for call in calls {
+                    let Some(outcome) = self.outcomes.remove(&call) else {
+                        continue;
+                    };
+                    let chunk = if outcome.is_error {
+                        json!({
+                            "type": "tool-output-error",
+                            "toolCallId": call,
+                            "errorText": outcome.content,
+                            "durationMs": outcome.duration_ms,
+                            "timestamp": outcome.timestamp,
+                        })
+                    } else {
+                        json!({
+                            "type": "tool-output",
+                            "toolCallId": call,
+                            "output": outcome.content,
+                            "durationMs": outcome.duration_ms,
+                            "timestamp": outcome.timestamp,
+                        })
+                    };
+                    self.settle_tool_part(&call, &outcome);
+                    out.push(chunk);
+                }
+            }
+            RecordBody::MessageDataWrite { name, data } => {
+                let Some(response_id) = submission.and_then(|s| self.responses.get(s)).cloned() else {
+                    return;
+                };
+                self.set_data_part(&response_id, name, data);
+                out.push(json!({"type": "data-part", "messageId": response_id, "name": name, "data": data}));
+            }
+            RecordBody::MessageMetadata { metadata } => {
+                let Some(response_id) = submission.and_then(|s| self.responses.get(s)).cloned() else {
+                    return;
+                };
+                self.merge_metadata(&response_id, metadata);
+                out.push(json!({"type": "message-metadata", "messageId": response_id, "metadata": metadata}));
+            }
+            RecordBody::SubmissionSettled { outcome, error } => {
+                let Some(submission) = submission else { return };
+                let mut settlement = json!({"submissionId": submission, "outcome": outcome});
+                if let Some(error) = error {
+                    settlement["error"] = json!(error);
+                }
+                if let Some(host) = record.attempt_id.as_deref().and_then(|attempt| hosts.get(attempt))
+                    && *host != submission
+                {
+                    settlement["answeredBySubmissionId"] = json!(host);
+                }
+                let mut chunk = settlement.clone();
+                if let Value::Object(fields) = &mut chunk {
+                    fields.insert("type".into(), json!("submission-settled"));
+                    fields.insert("timestamp".into(), json!(timestamp));
+                }
+                self.settlements.push(settlement);
+                out.push(chunk);
+            }
+            RecordBody::StateWrite { .. } | RecordBody::AgentStartRun | RecordBody::AgentFinishCycle => {}
+        }
+    }
+
+    fn append_message(&mut self, message: Value, out: &mut Vec<Value>) {
+        if let Some(id) = message["id"].as_str() {
+            self.index.insert(id.to_owned(), self.messages.len());
+        }
+        out.push(json!({"type": "message-appended", "message": message}));
+        self.messages.push(message);
+    }
+
+    fn message_mut(&mut self, id: &str) -> Option<&mut Map<String, Value>> {
+        let index = *self.index.get(id)?;
+        self.messages.get_mut(index)?.as_object_mut()
+    }
+
+    fn parts_mut(&mut self, id: &str) -> Option<&mut Vec<Value>> {
+        self.message_mut(id)?.get_mut("parts")?.as_array_mut()
+    }
+
+    fn parts_len(&mut self, id: &str) -> usize {
+        self.parts_mut(id).map_or(0, |parts| parts.len())
+    }
+
+    fn push_part(&mut self, id: &str, part: Value) {
+        if let Some(parts) = self.parts_mut(id) {
+            parts.push(part);
+        }
+    }
+
+    fn insert_part(&mut self, id: &str, at: usize, part: Value) {
+        if let Some(parts) = self.parts_mut(id) {
+            parts.insert(at.min(parts.len()), part);
+        }
+    }
+
+    fn settle_tool_part(&mut self, call: &str, outcome: &PendingOutcome) {
+        let Some(response_id) = self.calls.get(call).cloned() else {
+            return;
+        };
+        let Some(parts) = self.parts_mut(&response_id) else {
+            return;
+        };
+        let Some(part) = parts.iter_mut().find(|part| part["toolCallId"] == call) else {
+            return;
+        };
+        if outcome.is_error {
+            part["state"] = json!("output-error");
+            part["errorText"] = json!(outcome.content);
+        } else {
+            part["state"] = json!("output-available");
+            part["output"] = json!(outcome.content);
+        }
+        part["durationMs"] = json!(outcome.duration_ms);
+    }
+
+    fn set_data_part(&mut self, id: &str, name: &str, data: &Value) {
+        let part_type = format!("data-{name}");
+        let Some(parts) = self.parts_mut(id) else { return };
+        match parts.iter_mut().find(|part| part["type"] == part_type.as_str()) {
+            Some(part) => part["data"] = data.clone(),
+            None => parts.push(json!({"type": part_type, "data": data})),
+        }
+    }
+
+    fn merge_metadata(&mut self, id: &str, metadata: &flue_core::metadata::Metadata) {
+        let Some(message) = self.message_mut(id) else { return };
+        let target = message.entry("metadata").or_insert_with(|| json!({}));
+        if let Value::Object(target) = target {
+            let mut merged = std::mem::take(target);
+            flue_core::metadata::merge_metadata(&mut merged, metadata.clone());
+            *target = merged;
+        }
+    }
+}

@@ -1,0 +1,464 @@
+//! The read side of the protocol: the history snapshot, updates as JSON, long-poll and SSE,
+//! `HEAD`, and attachments.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::error::ApiError;
+use super::projection::{Projection, checkpoint};
+use super::{HttpOptions, Routes};
+use crate::record::{Batch, format_offset};
+use crate::runtime::RuntimeInner;
+use crate::session::InstanceSlot;
+use crate::store::InstanceKey;
+
+/// The most batches one updates response covers.
+const BATCHES_PER_READ: usize = 100;
+
+/// The query's pairs, decoded, in order.
+pub(super) fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String)> + '_ {
+    form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+        .map(|(name, value)| (name.into_owned(), value.into_owned()))
+}
+
+/// `-1` (before the first batch) or `<digits>_<digits>` (compared by its second part).
+fn parse_offset(text: &str) -> Option<Option<u64>> {
+    if text == "-1" {
+        return Some(None);
+    }
+    let (epoch, sequence) = text.split_once('_')?;
+    let digits = |part: &str| !part.is_empty() && part.bytes().all(|byte| byte.is_ascii_digit());
+    if !digits(epoch) || !digits(sequence) {
+        return None;
+    }
+    sequence.parse().ok().map(Some)
+}
+
+/// How a `GET /:id` reads.
+enum Read {
+    History,
+    Updates { after: Option<u64>, live: Live },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Live {
+    No,
+    LongPoll,
+    Sse,
+}
+
+/// The query rules of `GET /:id`, in the protocol's order.
+fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
+    let (mut view, mut offsets, mut live, mut tail) = (None, Vec::new(), None, false);
+    for (name, value) in pairs(query) {
+        match name.as_str() {
+            "view" => view = Some(value),
+            "offset" => offsets.push(value),
+            "live" => live = Some(value),
+            "tail" => tail = true,
+            _ => {}
+        }
+    }
+    match view.as_deref().unwrap_or("history") {
+        "history" => {
+            if !offsets.is_empty() || live.is_some() || tail {
+                return Err(ApiError::invalid_request(
+                    "view=history takes no offset, tail or live parameter; read updates with view=updates.",
+                ));
+            }
+            Ok(Read::History)
+        }
+        "updates" => {
+            if tail {
+                return Err(ApiError::invalid_request("The `tail` parameter is not supported."));
+            }
+            let [offset] = offsets.as_slice() else {
+                return Err(ApiError::invalid_request(
+                    "view=updates needs exactly one `offset` parameter (-1 to read from the start).",
+                ));
+            };
+            let after = parse_offset(offset).ok_or_else(|| {
+                ApiError::invalid_request(format!(
+                    "Offset \"{offset}\" is malformed: use -1 or an offset the stream returned."
+                ))
+            })?;
+            let live = match live.as_deref() {
+                None => Live::No,
+                Some("long-poll") => Live::LongPoll,
+                Some("sse") => Live::Sse,
+                Some(other) => {
+                    return Err(ApiError::invalid_request(format!(
+                        "live=\"{other}\" is not supported: use long-poll or sse."
+                    )));
+                }
+            };
+            Ok(Read::Updates { after, live })
+        }
+        other => Err(ApiError::invalid_request(format!(
+            "view=\"{other}\" is not supported: use history or updates."
+        ))),
+    }
+}
+
+/// The instance's whole stream; 404 when it was never created.
+async fn stream(runtime: &RuntimeInner, key: &InstanceKey) -> Result<Vec<Batch>, ApiError> {
+    let batches = runtime
+        .store
+        .read(key, None)
+        .await
+        .map_err(|error| ApiError::internal(&error))?;
+    if batches.is_empty() {
+        return Err(ApiError::stream_not_found(&key.stream_path()));
+    }
+    Ok(batches)
+}
+
+fn no_store(mut response: Response, next_offset: &str, up_to_date: bool) -> Response {
+    let headers = response.headers_mut();
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if let Ok(offset) = HeaderValue::from_str(next_offset) {
+        headers.insert("stream-next-offset", offset);
+    }
+    if up_to_date {
+        headers.insert("stream-up-to-date", HeaderValue::from_static("true"));
+    }
+    response
+}
+
+/// `GET /:id`.
+pub(super) async fn get_stream(
+    State(routes): State<Routes>,
+    id: Result<Path<String>, PathRejection>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, ApiError> {
+    let key = routes.key(id)?;
+    match read_of(query.as_deref())? {
+        Read::History => {
+            let mut projection = Projection::new(&key.stream_path());
+            for batch in &stream(&routes.runtime, &key).await? {
+                projection.apply(batch, None);
+            }
+            let offset = projection.offset();
+            Ok(no_store(
+                axum::Json(projection.snapshot()).into_response(),
+                &offset,
+                true,
+            ))
+        }
+        Read::Updates { after, live } => {
+            let batches = stream(&routes.runtime, &key).await?;
+            let incarnation = routes
+                .runtime
+                .store
+                .instance(&key)
+                .await
+                .map_err(|error| ApiError::internal(&error))?
+                .map(|instance| instance.uid)
+                .unwrap_or_default();
+            let head = batches.last().map(|batch| batch.offset);
+            if after.is_some() && after > head {
+                let requested = after.map_or_else(|| "-1".to_owned(), format_offset);
+                let next = head.map_or_else(|| "-1".to_owned(), format_offset);
+                return Err(ApiError::stream_offset_gone(&requested, &next));
+            }
+            match live {
+                Live::Sse => Ok(sse(routes, key, incarnation, batches, after)),
+                Live::No | Live::LongPoll => Ok(updates(
+                    &routes.runtime,
+                    &routes.options,
+                    &key,
+                    &incarnation,
+                    batches,
+                    after,
+                    live == Live::LongPoll,
+                )
+                .await),
+            }
+        }
+    }
+}
+
+/// Folds the batches up to `after` and projects up to [`BATCHES_PER_READ`] after it: the
+/// chunks, the next offset and whether the read reached the head.
+fn project(projection: &mut Projection, batches: &[Batch], after: Option<u64>) -> (Vec<Value>, Option<u64>, bool) {
+    let mut chunks = vec![];
+    let mut next = after;
+    let mut projected = 0;
+    let mut up_to_date = true;
+    for batch in batches {
+        if after.is_some_and(|after| batch.offset <= after) {
+            projection.apply(batch, None);
+            continue;
+        }
+        if projected == BATCHES_PER_READ {
+            up_to_date = false;
+            break;
+        }
+        projection.apply(batch, Some(&mut chunks));
+        next = Some(batch.offset);
+        projected += 1;
+    }
+    (chunks, next, up_to_date)
+}
+
+fn wire_offset(offset: Option<u64>) -> String {
+    offset.map_or_else(|| "-1".to_owned(), format_offset)
+}
+
+/// Updates as a JSON array (checkpoint first); with `long_poll`, an empty read waits for new
+/// batches first.
+async fn updates(
+    runtime: &Arc<RuntimeInner>,
+    options: &HttpOptions,
+    key: &InstanceKey,
+    incarnation: &str,
+    mut batches: Vec<Batch>,
+    after: Option<u64>,
+    long_poll: bool,
+) -> Response {
+    let deadline = Instant::now() + options.long_poll_timeout;
+    let slot = runtime.slot(key);
+    loop {
+        let mut projection = Projection::new(&key.stream_path());
+        let (chunks, next, up_to_date) = project(&mut projection, &batches, after);
+        if !chunks.is_empty() || !long_poll || Instant::now() >= deadline {
+            let mut body = Vec::with_capacity(chunks.len() + 1);
+            body.push(checkpoint(incarnation));
+            body.extend(chunks);
+            return no_store(axum::Json(body).into_response(), &wire_offset(next), up_to_date);
+        }
+        batches = match wait_for_batches(runtime, &slot, key, after, deadline, options).await {
+            Ok(batches) => batches,
+            Err(error) => return error.into_response(),
+        };
+    }
+}
+
+/// Waits until the stream has batches after `after` (or `deadline`), then reads it whole.
+async fn wait_for_batches(
+    runtime: &RuntimeInner,
+    slot: &InstanceSlot,
+    key: &InstanceKey,
+    after: Option<u64>,
+    deadline: Instant,
+    options: &HttpOptions,
+) -> Result<Vec<Batch>, ApiError> {
+    loop {
+        // Registered before reading, so an append between the read and the wait wakes it.
+        let appended = slot.appended().notified();
+        tokio::pin!(appended);
+        appended.as_mut().enable();
+        let batches = stream(runtime, key).await?;
+        let head = batches.last().map(|batch| batch.offset);
+        if head > after || Instant::now() >= deadline {
+            return Ok(batches);
+        }
+        let wait = if runtime.store.shared() {
+            options.shared_store_poll.min(deadline - Instant::now())
+        } else {
+            deadline - Instant::now()
+        };
+        let _ = tokio::time::timeout(wait, appended).await;
+    }
+}
+
+/// One SSE frame.
+fn frame(event: &str, data: &str) -> String {
+    format!("event: {event}\ndata:{data}\n\n")
+}
+
+/// The state of one SSE response.
+struct SseStream {
+    runtime: Arc<RuntimeInner>,
+    options: Arc<HttpOptions>,
+    key: InstanceKey,
+    slot: Arc<InstanceSlot>,
+    projection: Projection,
+    incarnation: String,
+    /// Batches read but not yet sent.
+    pending: Vec<Batch>,
+    offset: Option<u64>,
+    started: bool,
+    /// Up to date: wait for an append (or `sse_wait`) before reading again.
+    idle: bool,
+}
+
+impl SseStream {
+    /// The next frames to send; `None` ends the response (the store failed: the client
+    /// reconnects from its last offset).
+    async fn next(&mut self) -> Option<String> {
+        if !self.started {
+            self.started = true;
+            return Some(frame("data", &json!([checkpoint(&self.incarnation)]).to_string()));
+        }
+        if self.idle && self.pending.is_empty() {
+            match self.wait().await {
+                Some(batches) => self.pending = batches,
+                None => return Some(": heartbeat\n\n".to_owned()),
+            }
+        }
+        if self.pending.is_empty() {
+            self.pending = self.runtime.store.read(&self.key, self.offset).await.ok()?;
+        }
+        let take = self.pending.len().min(BATCHES_PER_READ);
+        let batches: Vec<Batch> = self.pending.drain(..take).collect();
+        let mut chunks = Vec::new();
+        for batch in &batches {
+            self.projection.apply(batch, Some(&mut chunks));
+            self.offset = Some(batch.offset);
+        }
+        let up_to_date = self.pending.is_empty();
+        self.idle = up_to_date;
+        let mut frames = String::new();
+        if !chunks.is_empty() {
+            frames.push_str(&frame("data", &Value::Array(chunks).to_string()));
+        }
+        let mut control = json!({"streamNextOffset": wire_offset(self.offset)});
+        if up_to_date {
+            control["upToDate"] = json!(true);
+        }
+        frames.push_str(&frame("control", &control.to_string()));
+        Some(frames)
+    }
+
+    /// Waits for new batches: `Some` with them (possibly none, after `sse_wait`), `None` when
+    /// a heartbeat is due first.
+    async fn wait(&mut self) -> Option<Vec<Batch>> {
+        let until = Instant::now() + self.options.sse_wait;
+        let heartbeat = Instant::now() + self.options.heartbeat;
+        loop {
+            let appended = self.slot.appended().notified();
+            tokio::pin!(appended);
+            appended.as_mut().enable();
+            let batches = self
+                .runtime
+                .store
+                .read(&self.key, self.offset)
+                .await
+                .unwrap_or_default();
+            if !batches.is_empty() || Instant::now() >= until {
+                return Some(batches);
+            }
+            if Instant::now() >= heartbeat {
+                return None;
+            }
+            let mut wake = until.min(heartbeat);
+            if self.runtime.store.shared() {
+                wake = wake.min(Instant::now() + self.options.shared_store_poll);
+            }
+            let _ = tokio::time::timeout_at(wake, appended).await;
+        }
+    }
+}
+
+/// `live=sse`: checkpoint, then data and control frames for ever.
+fn sse(routes: Routes, key: InstanceKey, incarnation: String, batches: Vec<Batch>, after: Option<u64>) -> Response {
+    let mut projection = Projection::new(&key.stream_path());
+    let mut pending = Vec::new();
+    for batch in batches {
+        if after.is_some_and(|after| batch.offset <= after) {
+            projection.apply(&batch, None);
+        } else {
+            pending.push(batch);
+        }
+    }
+    let state = SseStream {
+        slot: routes.runtime.slot(&key),
+        runtime: routes.runtime,
+        options: routes.options,
+        key,
+        projection,
+        incarnation,
+        pending,
+        offset: after,
+        started: false,
+        idle: false,
+    };
+    let body = futures_util::stream::unfold(state, |mut state| async move {
+        let frames = state.next().await?;
+        Some((Ok::<_, Infallible>(Bytes::from(frames)), state))
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+/// `HEAD /:id`: the head offset; errors without a body.
+pub(super) async fn head_stream(State(routes): State<Routes>, id: Result<Path<String>, PathRejection>) -> Response {
+    let result = async {
+        let key = routes.key(id)?;
+        stream(&routes.runtime, &key).await
+    }
+    .await;
+    match result {
+        Ok(batches) => {
+            let head = wire_offset(batches.last().map(|batch| batch.offset));
+            let mut response = StatusCode::OK.into_response();
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            no_store(response, &head, true)
+        }
+        Err(error) => error.without_body(),
+    }
+}
+
+/// `GET /:id/attachments/:attachmentId`.
+pub(super) async fn get_attachment(
+    State(routes): State<Routes>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path((id, attachment_id)) = path.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    let key = InstanceKey::new(routes.agent.clone(), id);
+    let store = &routes.runtime.store;
+    if store
+        .instance(&key)
+        .await
+        .map_err(|error| ApiError::internal(&error))?
+        .is_none()
+    {
+        return Err(ApiError::stream_not_found(&key.stream_path()));
+    }
+    let attachment = store
+        .attachment(&key, &attachment_id)
+        .await
+        .map_err(|error| ApiError::internal(&error))?
+        .ok_or_else(|| ApiError::attachment_not_found(&attachment_id))?;
+    let media_type = HeaderValue::from_str(&attachment.media_type)
+        .unwrap_or_else(|_| HeaderValue::from_static("application/octet-stream"));
+    let mut headers = HeaderMap::new();
+    headers.insert(header::CONTENT_TYPE, media_type);
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(attachment.bytes.len()));
+    headers.insert(header::CONTENT_DISPOSITION, HeaderValue::from_static("inline"));
+    headers.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("private, max-age=31536000, immutable"),
+    );
+    headers.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static("sandbox"));
+    Ok((StatusCode::OK, headers, attachment.bytes).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_parse_as_the_protocol_writes_them_and_nothing_else() {
+        assert_eq!(parse_offset("-1"), Some(None));
+        assert_eq!(parse_offset("0000000000000000_0000000000000007"), Some(Some(7)));
+        assert_eq!(parse_offset("0_12"), Some(Some(12)), "no fixed width is required");
+        for malformed in ["", "7", "_7", "7_", "a_1", "1_b", "-2", "1_2_3", "now"] {
+            assert_eq!(parse_offset(malformed), None, "{malformed:?}");
+        }
+    }
+}

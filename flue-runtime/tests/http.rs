@@ -1,0 +1,891 @@
+//! The streaming protocol over real HTTP on loopback (reference §4): admission, the history
+//! snapshot, updates as JSON, long-poll and SSE, HEAD, abort, attachments, and a clear 4xx
+//! for every kind of bad input.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use flue_runtime::http::HttpOptions;
+use flue_runtime::prelude::*;
+use flue_runtime::provider::ProviderRegistry;
+use flue_runtime::store::MemoryStore;
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeOptions};
+use futures_util::StreamExt;
+use reqwest::header::HeaderMap;
+use serde_json::{Value, json};
+
+/// Add two numbers.
+#[tool]
+async fn add(
+    /// First addend
+    a: i64,
+    /// Second addend
+    b: i64,
+) -> String {
+    (a + b).to_string()
+}
+
+#[agent(max_steps = 4)]
+fn calculator() -> &'static str {
+    use_model("scripted/calc-1");
+    use_tool(add);
+    "You add numbers with the add tool."
+}
+
+struct Server {
+    base: String,
+    client: reqwest::Client,
+    model: ScriptedModel,
+}
+
+impl Server {
+    async fn start() -> Self {
+        Self::start_with(HttpOptions::default()).await
+    }
+
+    async fn start_with(options: HttpOptions) -> Self {
+        let model = ScriptedModel::new([]);
+        let mut providers = ProviderRegistry::new();
+        providers.register(model.clone());
+        let runtime = Runtime::builder()
+            .store(MemoryStore::new())
+            .providers(providers)
+            .agent(calculator)
+            .options(RuntimeOptions {
+                model_retry_delay: Duration::from_millis(1),
+                ..RuntimeOptions::default()
+            })
+            .build()
+            .unwrap();
+        let app = flue_runtime::http::router_with(&runtime, options);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr: SocketAddr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Self {
+            base: format!("http://{addr}/agents/calculator"),
+            client: reqwest::Client::new(),
+            model,
+        }
+    }
+
+    fn url(&self, tail: &str) -> String {
+        format!("{}{tail}", self.base)
+    }
+
+    /// Scripts one exchange: a tool call, then the answer.
+    fn script_exchange(&self, answer: &str) {
+        self.model
+            .push(ScriptedReply::tool_call("add", json!({"a": 2, "b": 3})));
+        self.model.push(ScriptedReply::text(answer));
+    }
+
+    async fn post(&self, id: &str, body: Value) -> reqwest::Response {
+        self.client
+            .post(self.url(&format!("/{id}")))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn get_json(&self, tail: &str) -> (u16, HeaderMap, Value) {
+        let response = self.client.get(self.url(tail)).send().await.unwrap();
+        let (status, headers) = (response.status().as_u16(), response.headers().clone());
+        (status, headers, response.json().await.unwrap_or(Value::Null))
+    }
+
+    /// The history snapshot once `count` submissions have settled.
+    async fn settled(&self, id: &str, count: usize) -> Value {
+        for _ in 0..500 {
+            let (status, _, snapshot) = self.get_json(&format!("/{id}")).await;
+            if status == 200 && snapshot["settlements"].as_array().map_or(0, Vec::len) >= count {
+                return snapshot;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{count} submissions of {id} did not settle");
+    }
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+    headers.get(name).map_or("", |value| value.to_str().unwrap())
+}
+
+fn assert_security_headers(headers: &HeaderMap) {
+    assert_eq!(header(headers, "x-content-type-options"), "nosniff");
+    assert_eq!(header(headers, "cross-origin-resource-policy"), "cross-origin");
+}
+
+/// Asserts `response` is the error envelope of `error_type` with `status`; returns its error.
+async fn assert_error(response: reqwest::Response, status: u16, error_type: &str) -> Value {
+    let (actual, headers) = (response.status().as_u16(), response.headers().clone());
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        (actual, body["error"]["type"].as_str()),
+        (status, Some(error_type)),
+        "{body}"
+    );
+    assert_eq!(header(&headers, "content-type"), "application/json");
+    assert_security_headers(&headers);
+    let error = body["error"].clone();
+    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    assert!(error["details"].is_string(), "{body}");
+    error
+}
+
+fn types(chunks: &[Value]) -> Vec<&str> {
+    chunks.iter().map(|chunk| chunk["type"].as_str().unwrap()).collect()
+}
+
+#[tokio::test]
+async fn admission_answers_202_with_the_receipt_location_and_next_offset() {
+    let server = Server::start().await;
+    server.script_exchange("2 + 3 = 5");
+    let response = server.post("c1", json!({"kind": "user", "body": "2+3?"})).await;
+    assert_eq!(response.status().as_u16(), 202);
+    let headers = response.headers().clone();
+    let receipt: Value = response.json().await.unwrap();
+    assert_eq!(receipt["streamUrl"], json!(server.url("/c1")));
+    assert_eq!(header(&headers, "location"), server.url("/c1"));
+    assert_eq!(
+        receipt["offset"], "0000000000000000_0000000000000000",
+        "the head after the birth record"
+    );
+    assert_eq!(
+        header(&headers, "stream-next-offset"),
+        receipt["offset"].as_str().unwrap()
+    );
+    assert!(receipt["submissionId"].as_str().unwrap().starts_with("sub_"));
+    assert!(receipt["uid"].as_str().is_some_and(|uid| !uid.is_empty()));
+    assert!(receipt.get("deduplicated").is_none());
+    assert_security_headers(&headers);
+
+    // The same idempotency key again: the same submission, deduplicated, offset -1.
+    server.script_exchange("again");
+    let keyed = json!({"kind": "user", "body": "once", "idempotencyKey": "k-1"});
+    let first: Value = server.post("c1", keyed.clone()).await.json().await.unwrap();
+    let replay: Value = server.post("c1", keyed).await.json().await.unwrap();
+    assert_eq!(replay["submissionId"], first["submissionId"]);
+    assert_eq!(
+        (replay["deduplicated"].clone(), replay["offset"].clone()),
+        (json!(true), json!("-1"))
+    );
+}
+
+#[tokio::test]
+async fn the_history_snapshot_folds_each_response_into_one_assistant_message() {
+    let server = Server::start().await;
+    server.script_exchange("2 + 3 = 5");
+    let receipt: Value = server
+        .post("c1", json!({"kind": "user", "body": "2+3?"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let snapshot = server.settled("c1", 1).await;
+    let (status, headers, _) = server.get_json("/c1").await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&headers, "cache-control"), "no-store");
+    assert_eq!(header(&headers, "stream-up-to-date"), "true");
+    assert_eq!(
+        header(&headers, "stream-next-offset"),
+        snapshot["offset"].as_str().unwrap()
+    );
+    assert_security_headers(&headers);
+
+    assert_eq!(snapshot["v"], 1);
+    assert_eq!(snapshot["conversationId"], "agents/calculator/c1");
+    assert_eq!(snapshot["incarnation"], receipt["uid"]);
+    let messages = snapshot["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 2, "{snapshot}");
+    let (user, assistant) = (&messages[0], &messages[1]);
+    assert_eq!(
+        (user["role"].as_str(), user["purpose"].as_str()),
+        (Some("user"), Some("user"))
+    );
+    assert_eq!(
+        user["parts"],
+        json!([{"type": "text", "text": "2+3?", "state": "done"}])
+    );
+    assert_eq!(user["submissionId"], receipt["submissionId"]);
+    assert_eq!(assistant["role"], "assistant");
+    let parts = assistant["parts"].as_array().unwrap();
+    assert_eq!(parts.len(), 2, "both steps in one message: {assistant}");
+    assert_eq!(parts[0]["type"], "dynamic-tool");
+    assert_eq!(parts[0]["toolName"], "add");
+    assert_eq!(parts[0]["input"], json!({"a": 2, "b": 3}));
+    assert_eq!(
+        (parts[0]["state"].as_str(), parts[0]["output"].as_str()),
+        (Some("output-available"), Some("5"))
+    );
+    assert_eq!(parts[1], json!({"type": "text", "text": "2 + 3 = 5", "state": "done"}));
+    assert_eq!(
+        snapshot["settlements"],
+        json!([{"submissionId": receipt["submissionId"], "outcome": "completed"}])
+    );
+}
+
+#[tokio::test]
+async fn updates_start_with_a_checkpoint_and_project_chunks_in_stream_order() {
+    let server = Server::start().await;
+    server.script_exchange("2 + 3 = 5");
+    let receipt: Value = server
+        .post("c1", json!({"kind": "user", "body": "2+3?"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let snapshot = server.settled("c1", 1).await;
+
+    let (status, headers, body) = server.get_json("/c1?view=updates&offset=-1").await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&headers, "cache-control"), "no-store");
+    assert_eq!(header(&headers, "stream-up-to-date"), "true");
+    assert_eq!(
+        header(&headers, "stream-next-offset"),
+        snapshot["offset"].as_str().unwrap()
+    );
+    let chunks = body.as_array().unwrap();
+    assert_eq!(
+        chunks[0],
+        json!({"type": "stream-checkpoint", "incarnation": receipt["uid"]})
+    );
+    let chunks = &chunks[1..];
+    assert_eq!(
+        types(chunks),
+        [
+            "conversation-reset",
+            "message-appended",
+            "message-started",
+            "tool-input",
+            "message-completed",
+            "tool-output",
+            "message-started",
+            "message-delta",
+            "message-completed",
+            "submission-settled",
+        ]
+    );
+    assert_eq!(
+        chunks[0]["snapshot"]["messages"],
+        json!([]),
+        "the birth batch resets to an empty conversation"
+    );
+    // One assistant message per response: both steps carry the first step's id.
+    let ids: Vec<&Value> = chunks
+        .iter()
+        .filter(|chunk| chunk["type"].as_str().unwrap().starts_with("message-") && chunk["type"] != "message-appended")
+        .map(|chunk| &chunk["messageId"])
+        .collect();
+    assert!(ids.windows(2).all(|pair| pair[0] == pair[1]), "{ids:?}");
+    assert_eq!(chunks[5]["output"], "5");
+    assert_eq!(chunks[7]["delta"], "2 + 3 = 5");
+    assert_eq!(chunks[9]["outcome"], "completed");
+    // Positions: batch offsets ascend; indexes count within a batch.
+    let positions: Vec<(u64, u64)> = chunks
+        .iter()
+        .map(|chunk| {
+            assert_eq!(chunk["conversationId"], "agents/calculator/c1");
+            (
+                chunk["position"]["batch"].as_u64().unwrap(),
+                chunk["position"]["index"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(positions.windows(2).all(|pair| pair[0] < pair[1]), "{positions:?}");
+
+    // From the head: the checkpoint alone, the same offset.
+    let head = snapshot["offset"].as_str().unwrap();
+    let (_, headers, body) = server.get_json(&format!("/c1?view=updates&offset={head}")).await;
+    assert_eq!(body.as_array().unwrap().len(), 1);
+    assert_eq!(header(&headers, "stream-next-offset"), head);
+}
+
+#[tokio::test]
+async fn a_long_poll_waits_for_the_next_batch_and_times_out_with_the_checkpoint_alone() {
+    let server = Server::start_with(HttpOptions {
+        long_poll_timeout: Duration::from_millis(300),
+        ..HttpOptions::default()
+    })
+    .await;
+    server.script_exchange("first");
+    server.post("c1", json!({"kind": "user", "body": "one"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+
+    // Nothing new: after the timeout, the checkpoint alone, the same offset, up to date.
+    let (status, headers, body) = server
+        .get_json(&format!("/c1?view=updates&offset={head}&live=long-poll"))
+        .await;
+    assert_eq!((status, body.as_array().unwrap().len()), (200, 1));
+    assert_eq!(header(&headers, "stream-next-offset"), head);
+    assert_eq!(header(&headers, "stream-up-to-date"), "true");
+
+    // A message admitted while the poll waits ends the wait with its chunks.
+    let server = std::sync::Arc::new(server);
+    let poll = {
+        let server = server.clone();
+        let head = head.clone();
+        tokio::spawn(async move {
+            server
+                .get_json(&format!("/c1?view=updates&offset={head}&live=long-poll"))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.script_exchange("second");
+    server.post("c1", json!({"kind": "user", "body": "two"})).await;
+    let (_, headers, body) = poll.await.unwrap();
+    let chunks = &body.as_array().unwrap()[1..];
+    assert!(!chunks.is_empty());
+    assert_eq!(chunks[0]["type"], "message-appended");
+    assert_eq!(chunks[0]["message"]["parts"][0]["text"], "two");
+    assert_ne!(header(&headers, "stream-next-offset"), head);
+}
+
+/// Reads SSE frames (event name or comment, data) until `until` holds for the frames read.
+async fn sse_frames(response: reqwest::Response, until: impl Fn(&[(String, String)]) -> bool) -> Vec<(String, String)> {
+    let mut body = response.bytes_stream();
+    let (mut buffer, mut frames) = (String::new(), Vec::new());
+    while !until(&frames) {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), body.next())
+            .await
+            .expect("a frame within 10 s")
+            .expect("the stream stays open")
+            .unwrap();
+        buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        while let Some(end) = buffer.find("\n\n") {
+            let frame: String = buffer.drain(..end + 2).collect();
+            let (mut event, mut data) = (String::new(), String::new());
+            for line in frame.lines() {
+                if let Some(name) = line.strip_prefix("event: ") {
+                    event = name.to_owned();
+                } else if let Some(payload) = line.strip_prefix("data:") {
+                    data = payload.to_owned();
+                } else if line.starts_with(':') {
+                    event = line.to_owned();
+                }
+            }
+            frames.push((event, data));
+        }
+    }
+    frames
+}
+
+#[tokio::test]
+async fn sse_sends_the_checkpoint_then_data_and_control_frames_then_heartbeats_and_new_batches() {
+    let server = Server::start_with(HttpOptions {
+        heartbeat: Duration::from_millis(100),
+        ..HttpOptions::default()
+    })
+    .await;
+    server.script_exchange("first");
+    let receipt: Value = server
+        .post("c1", json!({"kind": "user", "body": "one"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    server.settled("c1", 1).await;
+
+    let response = server
+        .client
+        .get(server.url("/c1?view=updates&offset=-1&live=sse"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(header(response.headers(), "content-type"), "text/event-stream");
+    assert_eq!(header(response.headers(), "cache-control"), "no-cache");
+    assert_security_headers(response.headers());
+    let frames = sse_frames(response, |frames| {
+        frames.iter().any(|(event, _)| event == ": heartbeat")
+    })
+    .await;
+    assert_eq!(frames[0].0, "data");
+    let checkpoint: Value = serde_json::from_str(&frames[0].1).unwrap();
+    assert_eq!(
+        checkpoint,
+        json!([{"type": "stream-checkpoint", "incarnation": receipt["uid"]}])
+    );
+    assert_eq!(frames[1].0, "data");
+    let chunks: Vec<Value> = serde_json::from_str(&frames[1].1).unwrap();
+    assert_eq!(chunks[0]["type"], "conversation-reset");
+    assert_eq!(chunks.last().unwrap()["type"], "submission-settled");
+    assert_eq!(frames[2].0, "control");
+    let control: Value = serde_json::from_str(&frames[2].1).unwrap();
+    assert_eq!(control["upToDate"], true);
+    assert!(control["streamNextOffset"].as_str().unwrap().ends_with(&format!(
+        "{:016}",
+        chunks.last().unwrap()["position"]["batch"].as_u64().unwrap()
+    )));
+    assert!(
+        frames[3..].iter().all(|(event, _)| event == ": heartbeat"),
+        "{frames:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_sse_reader_receives_batches_appended_while_it_waits() {
+    let server = Server::start().await;
+    server.script_exchange("first");
+    server.post("c1", json!({"kind": "user", "body": "one"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+    let response = server
+        .client
+        .get(server.url(&format!("/c1?view=updates&offset={head}&live=sse")))
+        .send()
+        .await
+        .unwrap();
+    let reader = tokio::spawn(sse_frames(response, |frames| {
+        frames
+            .iter()
+            .any(|(event, data)| event == "data" && data.contains("submission-settled"))
+    }));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.script_exchange("second");
+    server.post("c1", json!({"kind": "user", "body": "two"})).await;
+    let frames = reader.await.unwrap();
+    let chunks: Vec<Value> = frames
+        .iter()
+        .filter(|(event, data)| event == "data" && !data.contains("stream-checkpoint"))
+        .flat_map(|(_, data)| serde_json::from_str::<Vec<Value>>(data).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["type"], "message-appended");
+    assert_eq!(chunks[0]["message"]["parts"][0]["text"], "two");
+    assert_eq!(chunks.last().unwrap()["type"], "submission-settled");
+}
+
+#[tokio::test]
+async fn head_answers_the_head_offset_and_a_missing_stream_with_headers_only() {
+    let server = Server::start().await;
+    server.script_exchange("first");
+    server.post("c1", json!({"kind": "user", "body": "one"})).await;
+    let snapshot = server.settled("c1", 1).await;
+    let response = server.client.head(server.url("/c1")).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let headers = response.headers();
+    assert_eq!(
+        header(headers, "stream-next-offset"),
+        snapshot["offset"].as_str().unwrap()
+    );
+    assert_eq!(header(headers, "stream-up-to-date"), "true");
+    assert_eq!(header(headers, "cache-control"), "no-store");
+    assert_eq!(header(headers, "content-type"), "application/json");
+    assert_security_headers(headers);
+
+    let response = server.client.head(server.url("/never")).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 404);
+    assert_security_headers(response.headers());
+    assert!(response.bytes().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn abort_answers_whether_anything_was_unsettled() {
+    let server = Server::start().await;
+    let response = server.client.post(server.url("/idle/abort")).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert_security_headers(response.headers());
+    assert_eq!(response.json::<Value>().await.unwrap(), json!({"aborted": false}));
+    let response = server.client.get(server.url("/idle/abort")).send().await.unwrap();
+    assert_eq!(header(response.headers(), "allow"), "POST");
+    assert_error(response, 405, "method_not_allowed").await;
+}
+
+#[tokio::test]
+async fn attachments_are_served_with_their_type_and_immutable_caching() {
+    use base64::Engine as _;
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("A red dot."));
+    let png = b"\x89PNG\r\n\x1a\nnot really a png".to_vec();
+    let data = base64::engine::general_purpose::STANDARD.encode(&png);
+    server
+        .post(
+            "pics",
+            json!({"kind": "user", "body": "What is this?",
+                   "attachments": [{"type": "image", "data": data, "mimeType": "image/png", "filename": "dot.png"}]}),
+        )
+        .await;
+    let snapshot = server.settled("pics", 1).await;
+    let file = &snapshot["messages"][0]["parts"][1];
+    assert_eq!(file["type"], "file");
+    assert_eq!(file["mediaType"], "image/png");
+    assert_eq!(
+        (file["size"].as_u64(), file["filename"].as_str()),
+        (Some(png.len() as u64), Some("dot.png"))
+    );
+    assert!(file.get("url").is_none());
+
+    let id = file["id"].as_str().unwrap();
+    let response = server
+        .client
+        .get(server.url(&format!("/pics/attachments/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let headers = response.headers().clone();
+    assert_eq!(header(&headers, "content-type"), "image/png");
+    assert_eq!(header(&headers, "content-length"), png.len().to_string());
+    assert_eq!(header(&headers, "content-disposition"), "inline");
+    assert_eq!(
+        header(&headers, "cache-control"),
+        "private, max-age=31536000, immutable"
+    );
+    assert_eq!(header(&headers, "content-security-policy"), "sandbox");
+    assert_security_headers(&headers);
+    assert_eq!(response.bytes().await.unwrap().as_ref(), png.as_slice());
+
+    let missing = server
+        .client
+        .get(server.url("/pics/attachments/att_nope"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(missing, 404, "attachment_not_found").await;
+    let no_stream = server
+        .client
+        .get(server.url(&format!("/never/attachments/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_error(no_stream, 404, "stream_not_found").await;
+    let wrong_method = server
+        .client
+        .delete(server.url(&format!("/pics/attachments/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(wrong_method.headers(), "allow"), "GET");
+    assert_error(wrong_method, 405, "method_not_allowed").await;
+}
+
+#[tokio::test]
+async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
+    let server = Server::start().await;
+    let url = server.url("/c1");
+    let client = &server.client;
+    let raw = |content_type: Option<&'static str>, body: &'static str| {
+        let mut request = client.post(&url).body(body);
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        request
+    };
+
+    assert_error(
+        raw(Some("text/plain"), "hello").send().await.unwrap(),
+        415,
+        "unsupported_media_type",
+    )
+    .await;
+    let error = assert_error(
+        raw(Some("application/json"), "{\"kind\":").send().await.unwrap(),
+        400,
+        "invalid_json",
+    )
+    .await;
+    assert!(error["details"].as_str().unwrap().contains("EOF"), "{error}");
+    assert_error(
+        raw(Some("application/json"), "\"hi\"").send().await.unwrap(),
+        400,
+        "invalid_request",
+    )
+    .await;
+    assert_error(raw(None, "").send().await.unwrap(), 400, "invalid_request").await;
+    assert_error(
+        raw(Some("application/json"), "   ").send().await.unwrap(),
+        400,
+        "invalid_request",
+    )
+    .await;
+    let wait = client
+        .post(format!("{url}?wait=true"))
+        .json(&json!({"kind": "user", "body": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        assert_error(wait, 400, "invalid_request").await["details"]
+            .as_str()
+            .unwrap()
+            .contains("wait")
+    );
+
+    let cases = [
+        (
+            json!({"kind": "signal", "type": "resources", "body": "x"}),
+            "framework-reserved",
+        ),
+        (
+            json!({"kind": "signal", "type": "note", "body": "x", "tagName": "1bad"}),
+            "tagName",
+        ),
+        (json!({"kind": "signal", "type": "", "body": "x"}), "non-empty"),
+        (
+            json!({"kind": "user", "body": "hi", "uid": "u", "initialData": {}}),
+            "initialData",
+        ),
+        (json!({"kind": "user", "body": "hi", "uid": 7}), "`uid`"),
+        (
+            json!({"kind": "user", "body": "hi", "idempotencyKey": ""}),
+            "idempotencyKey",
+        ),
+        (
+            json!({"kind": "user", "body": "hi", "idempotencyKey": "k".repeat(257)}),
+            "idempotencyKey",
+        ),
+        (json!({"kind": "robot", "body": "hi"}), "message object"),
+        (json!({"body": "hi"}), "message object"),
+        (json!({"kind": "user", "body": 5}), "message object"),
+        (
+            json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "!!", "mimeType": "image/png"}]}),
+            "base64",
+        ),
+    ];
+    for (body, says) in cases {
+        let error = assert_error(server.post("c1", body.clone()).await, 400, "invalid_request").await;
+        assert!(error["details"].as_str().unwrap().contains(says), "{body} → {error}");
+    }
+    // An image over the limit (14,680,064 characters of base64).
+    let oversized = json!({"kind": "user", "body": "hi",
+        "attachments": [{"type": "image", "data": "A".repeat(14_680_068), "mimeType": "image/png"}]});
+    let error = assert_error(server.post("c1", oversized).await, 400, "invalid_request").await;
+    assert_eq!(error["details"], "Image data exceeds the 14680064 character limit.");
+    assert!(server.model.requests().is_empty(), "no bad input reached the model");
+}
+
+#[tokio::test]
+async fn conditional_sends_answer_404_and_409_with_their_meta() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    let receipt: Value = server
+        .post("c1", json!({"kind": "user", "body": "hi"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let wrong_uid = server
+        .post("c1", json!({"kind": "user", "body": "hi", "uid": "inc_other"}))
+        .await;
+    assert_error(wrong_uid, 404, "agent_instance_not_found").await;
+    let missing = server
+        .post("c2", json!({"kind": "user", "body": "hi", "uid": "inc_other"}))
+        .await;
+    assert_error(missing, 404, "agent_instance_not_found").await;
+    let exists = server
+        .post("c1", json!({"kind": "user", "body": "hi", "uid": null}))
+        .await;
+    let error = assert_error(exists, 409, "agent_instance_exists").await;
+    assert_eq!(error["meta"]["uid"], receipt["uid"]);
+    server.model.push(ScriptedReply::text("one"));
+    server
+        .post("c1", json!({"kind": "user", "body": "one", "idempotencyKey": "k"}))
+        .await;
+    let conflict = server
+        .post("c1", json!({"kind": "user", "body": "another", "idempotencyKey": "k"}))
+        .await;
+    let error = assert_error(conflict, 409, "submission_conflict").await;
+    assert!(error["meta"]["submissionId"].as_str().unwrap().starts_with("sub_"));
+}
+
+#[tokio::test]
+async fn bad_reads_get_the_protocols_4xx_with_the_error_envelope() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+    let get = |tail: String| {
+        let request = server.client.get(server.url(&tail));
+        async move { request.send().await.unwrap() }
+    };
+    for (tail, says) in [
+        ("/c1?view=updates", "offset"),
+        ("/c1?view=updates&offset=abc", "malformed"),
+        ("/c1?view=updates&offset=-1&offset=-1", "exactly one"),
+        ("/c1?view=updates&offset=-1&live=stream", "live"),
+        ("/c1?view=updates&offset=-1&tail=5", "tail"),
+        ("/c1?view=everything", "view"),
+        ("/c1?view=history&offset=-1", "history"),
+        ("/c1?live=sse", "history"),
+    ] {
+        let error = assert_error(get(tail.to_owned()).await, 400, "invalid_request").await;
+        assert!(error["details"].as_str().unwrap().contains(says), "{tail} → {error}");
+    }
+    let past = format!("0000000000000000_{:016}", 99);
+    let error = assert_error(
+        get(format!("/c1?view=updates&offset={past}")).await,
+        416,
+        "stream_offset_gone",
+    )
+    .await;
+    assert_eq!(error["meta"], json!({"offset": past, "nextOffset": head}));
+    assert_error(get("/never".to_owned()).await, 404, "stream_not_found").await;
+    assert_error(
+        get("/never?view=updates&offset=-1".to_owned()).await,
+        404,
+        "stream_not_found",
+    )
+    .await;
+    let error = assert_error(get("/%20".to_owned()).await, 400, "invalid_request").await;
+    assert_eq!(
+        error["details"],
+        "Agent conversation URLs must end with a non-empty conversation id segment."
+    );
+    assert_error(get("/".to_owned()).await, 400, "invalid_request").await;
+    let unknown = server
+        .client
+        .get(format!("{}/nowhere/at/all", server.url("")))
+        .send()
+        .await
+        .unwrap();
+    assert_error(unknown, 404, "route_not_found").await;
+    let other_agent = server
+        .client
+        .get(server.url("/c1").replace("calculator", "nobody"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(other_agent, 404, "route_not_found").await;
+    let put = server.client.put(server.url("/c1")).send().await.unwrap();
+    assert_eq!(header(put.headers(), "allow"), "GET, HEAD, POST");
+    assert_error(put, 405, "method_not_allowed").await;
+}
+
+mod random_input {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+
+    use super::*;
+
+    /// Bodies of every shape: JSON values near the message shape, arbitrary bytes, text.
+    fn bodies() -> impl Strategy<Value = (Option<&'static str>, Vec<u8>)> {
+        let key = prop::sample::select(vec![
+            "kind",
+            "body",
+            "type",
+            "uid",
+            "initialData",
+            "idempotencyKey",
+            "attachments",
+            "tagName",
+            "attributes",
+        ]);
+        let scalar = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[a-z_ ]{0,12}".prop_map(Value::from),
+            prop::sample::select(vec!["user", "signal", "resources", "image"]).prop_map(Value::from),
+        ];
+        let value = scalar.prop_recursive(3, 24, 4, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                prop::collection::btree_map(key.clone().prop_map(str::to_owned), inner, 0..5)
+                    .prop_map(|map| Value::Object(map.into_iter().collect())),
+            ]
+        });
+        let content_type = prop::sample::select(vec![
+            Some("application/json"),
+            Some("text/plain"),
+            Some("application/json; charset=utf-8"),
+            None,
+        ]);
+        prop_oneof![
+            (
+                content_type.clone(),
+                value.prop_map(|value| value.to_string().into_bytes())
+            ),
+            (content_type, prop::collection::vec(any::<u8>(), 0..64)),
+        ]
+    }
+
+    /// Query strings from the protocol's words and noise.
+    fn queries() -> impl Strategy<Value = String> {
+        let name = prop::sample::select(vec!["view", "offset", "live", "tail", "wait", "x"]);
+        let value = prop_oneof![
+            prop::sample::select(vec![
+                "history",
+                "updates",
+                "-1",
+                "0_0",
+                "0000000000000000_0000000000000002",
+                "9_99999999999999999999",
+                "long-poll",
+                "sse",
+                "",
+                "%ZZ",
+                "now",
+            ])
+            .prop_map(str::to_owned),
+            "[ -~]{0,10}",
+        ];
+        prop::collection::vec((name, value), 0..4).prop_map(|pairs| {
+            pairs
+                .into_iter()
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect::<Vec<_>>()
+                .join("&")
+        })
+    }
+
+    #[test]
+    fn random_bodies_and_queries_on_every_route_never_get_a_5xx_and_errors_are_enveloped() {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let server = runtime.block_on(async {
+            let server = Server::start_with(HttpOptions {
+                long_poll_timeout: Duration::from_millis(20),
+                ..HttpOptions::default()
+            })
+            .await;
+            server.model.push(ScriptedReply::text("hi"));
+            server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+            server.settled("c1", 1).await;
+            server
+        });
+        let methods = prop::sample::select(vec!["GET", "POST", "HEAD", "PUT", "DELETE", "PATCH"]);
+        let paths = prop::sample::select(vec!["/c1", "/c2", "/c1/abort", "/c1/attachments/att_x", "/%20", "/"]);
+        let mut runner = TestRunner::new(Config {
+            cases: 256,
+            ..Config::default()
+        });
+        runner
+            .run(
+                &(methods, paths, queries(), bodies()),
+                |(method, path, query, (content_type, body))| {
+                    let (status, content_type_back, envelope) = runtime.block_on(async {
+                        // Long-poll and SSE reads on the head would wait: keep those out.
+                        let query = query.replace("live=", "live_=");
+                        let mut request = server
+                            .client
+                            .request(method.parse().unwrap(), format!("{}{path}?{query}", server.url("")))
+                            .body(body);
+                        if let Some(content_type) = content_type {
+                            request = request.header("content-type", content_type);
+                        }
+                        let response = request.send().await.unwrap();
+                        let status = response.status().as_u16();
+                        let content_type = header(response.headers(), "content-type").to_owned();
+                        assert_security_headers(response.headers());
+                        let bytes = response.bytes().await.unwrap();
+                        (status, content_type, serde_json::from_slice::<Value>(&bytes).ok())
+                    });
+                    prop_assert!(status < 500, "{method} {path}?{query} answered {status}");
+                    if status >= 400 && method != "HEAD" {
+                        prop_assert_eq!(content_type_back.as_str(), "application/json");
+                        let envelope = envelope.unwrap_or_default();
+                        prop_assert!(
+                            envelope["error"]["type"].is_string(),
+                            "{} {}: {}",
+                            method,
+                            path,
+                            envelope
+                        );
+                    }
+                    Ok(())
+                },
+            )
+            .unwrap();
+    }
+}
