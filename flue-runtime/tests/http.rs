@@ -34,7 +34,25 @@ fn calculator() -> &'static str {
     "You add numbers with the add tool."
 }
 
+#[hook(after_system_message, id = "mail_context")]
+fn mail_context(_state: &ThreadState, message: String) -> String {
+    message
+}
+
+#[hook(filter_messages)]
+fn keep_recent(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    messages
+}
+
+/// Reads the mailbox.
+#[agent(expose_as_tool, hooks = [keep_recent], parent_hooks = [(mail_context, before_parent, "Shows new mail to the coordinator.")])]
+fn mail_agent() -> &'static str {
+    use_model("scripted/mail-1");
+    "Read mail."
+}
+
 struct Server {
+    root: String,
     base: String,
     client: reqwest::Client,
     model: ScriptedModel,
@@ -53,6 +71,7 @@ impl Server {
             .store(MemoryStore::new())
             .providers(providers)
             .agent(calculator)
+            .agent(mail_agent)
             .options(RuntimeOptions {
                 model_retry_delay: Duration::from_millis(1),
                 ..RuntimeOptions::default()
@@ -64,6 +83,7 @@ impl Server {
         let addr: SocketAddr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         Self {
+            root: format!("http://{addr}"),
             base: format!("http://{addr}/agents/calculator"),
             client: reqwest::Client::new(),
             model,
@@ -887,5 +907,299 @@ mod random_input {
                 },
             )
             .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn the_catalog_lists_agents_with_tool_schemas_hooks_and_parent_hook_requirements() {
+    let server = Server::start().await;
+    let (status, headers, catalog) = {
+        let response = server
+            .client
+            .get(format!("{}/agents", server.root))
+            .send()
+            .await
+            .unwrap();
+        let (status, headers) = (response.status().as_u16(), response.headers().clone());
+        (status, headers, response.json::<Value>().await.unwrap())
+    };
+    assert_eq!(status, 200);
+    assert_security_headers(&headers);
+    let agents = catalog["agents"].as_array().unwrap();
+    let names: Vec<&str> = agents.iter().map(|agent| agent["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["calculator", "mail_agent"]);
+    let calc = &agents[0];
+    assert_eq!(calc["maxSteps"], 4);
+    assert_eq!(calc["model"], "scripted/calc-1");
+    let tool = &calc["tools"][0];
+    assert_eq!(
+        (tool["name"].as_str(), tool["description"].as_str()),
+        (Some("add"), Some("Add two numbers."))
+    );
+    assert_eq!(tool["inputSchema"]["type"], "object");
+    assert_eq!(tool["inputSchema"]["properties"]["a"]["description"], "First addend");
+    let mail = &agents[1];
+    assert_eq!(mail["description"], "Reads the mailbox.");
+    assert_eq!(mail["exposeAsTool"], true);
+    assert_eq!(mail["hooks"], json!([{"id": "keep_recent", "kind": "filter_messages"}]));
+    assert_eq!(
+        mail["parentHooks"],
+        json!([{"hook": "mail_context", "kind": "after_system_message", "stage": "before_parent",
+                "reason": "Shows new mail to the coordinator."}])
+    );
+}
+
+mod access_control {
+    use flue_runtime::http::{Access, BearerTokens};
+
+    use super::*;
+
+    async fn authorized_server() -> Server {
+        let tokens = BearerTokens::new()
+            .allow("token-alice", Access::IdPrefix("alice:".into()))
+            .allow("token-bob", Access::instances("calculator", ["bob:1"]))
+            .allow("token-admin", Access::All);
+        Server::start_with(HttpOptions::default().authorized_by(tokens)).await
+    }
+
+    async fn as_user(
+        server: &Server,
+        token: Option<&str>,
+        method: reqwest::Method,
+        tail: &str,
+        body: Option<Value>,
+    ) -> reqwest::Response {
+        let mut request = server.client.request(method, server.url(tail));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        request.send().await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn one_user_cannot_read_or_write_another_users_instance() {
+        use reqwest::Method;
+        let server = authorized_server().await;
+        server.model.push(ScriptedReply::text("hello alice"));
+        let message = json!({"kind": "user", "body": "hi"});
+        let admitted = as_user(
+            &server,
+            Some("token-alice"),
+            Method::POST,
+            "/alice:1",
+            Some(message.clone()),
+        )
+        .await;
+        assert_eq!(admitted.status().as_u16(), 202);
+        for _ in 0..500 {
+            let response = as_user(&server, Some("token-alice"), Method::GET, "/alice:1", None).await;
+            let snapshot: Value = response.json().await.unwrap();
+            if !snapshot["settlements"].as_array().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        // Bob reaches neither Alice's history, updates, head, abort nor attachments, and cannot write.
+        for (method, tail, body) in [
+            (Method::GET, "/alice:1", None),
+            (Method::GET, "/alice:1?view=updates&offset=-1", None),
+            (Method::HEAD, "/alice:1", None),
+            (Method::POST, "/alice:1", Some(message.clone())),
+            (Method::POST, "/alice:1/abort", None),
+            (Method::GET, "/alice:1/attachments/att_x", None),
+        ] {
+            let response = as_user(&server, Some("token-bob"), method.clone(), tail, body).await;
+            if method == Method::HEAD {
+                assert_eq!(response.status().as_u16(), 403, "{tail}");
+            } else {
+                assert_error(response, 403, "forbidden").await;
+            }
+        }
+        // Without a token, or with an unknown one: 401 with the challenge.
+        for token in [None, Some("token-mallory")] {
+            let response = as_user(&server, token, Method::GET, "/alice:1", None).await;
+            assert_eq!(header(response.headers(), "www-authenticate"), "Bearer");
+            assert_error(response, 401, "unauthorized").await;
+        }
+        let basic = server
+            .client
+            .get(server.url("/alice:1"))
+            .basic_auth("alice", Some("secret"))
+            .send()
+            .await
+            .unwrap();
+        assert_error(basic, 401, "unauthorized").await;
+
+        // Bob's own instance works; Alice's token does not reach it; the admin's reaches both.
+        server.model.push(ScriptedReply::text("hello bob"));
+        let own = as_user(
+            &server,
+            Some("token-bob"),
+            Method::POST,
+            "/bob:1",
+            Some(message.clone()),
+        )
+        .await;
+        assert_eq!(own.status().as_u16(), 202);
+        let other = as_user(&server, Some("token-alice"), Method::GET, "/bob:1", None).await;
+        assert_error(other, 403, "forbidden").await;
+        let admin = as_user(&server, Some("token-admin"), Method::GET, "/alice:1", None).await;
+        assert_eq!(admin.status().as_u16(), 200);
+        // Any valid token reads the catalog.
+        let catalog = server
+            .client
+            .get(format!("{}/agents", server.root))
+            .bearer_auth("token-bob")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(catalog.status().as_u16(), 200);
+        let anonymous = server
+            .client
+            .get(format!("{}/agents", server.root))
+            .send()
+            .await
+            .unwrap();
+        assert_error(anonymous, 401, "unauthorized").await;
+        // Nothing Bob or a stranger sent reached the model.
+        assert_eq!(server.model.requests().len(), 2);
+    }
+}
+
+mod client {
+    use flue_runtime::client::{Client, ClientError};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn prompt_returns_the_reply_the_runtime_produced() {
+        let server = Server::start().await;
+        server.script_exchange("2 + 3 = 5");
+        let client = Client::new(&server.root).unwrap();
+        let calc = client.instance("calculator", "c1");
+        let reply = calc.prompt("2+3?").await.unwrap();
+        assert_eq!(reply.text, "2 + 3 = 5");
+        let history = calc.history().await.unwrap();
+        assert_eq!(history["settlements"][0]["submissionId"], json!(reply.submission_id));
+        // A second prompt reads only its own reply.
+        server.model.push(ScriptedReply::text("Again: 5."));
+        assert_eq!(calc.prompt("once more").await.unwrap().text, "Again: 5.");
+        assert!(!calc.abort().await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_failed_submission_and_a_refused_request_are_errors_with_their_types() {
+        let server = Server::start().await;
+        // No scripted reply: the model call fails and the submission settles failed.
+        let client = Client::new(&server.root).unwrap();
+        let calc = client.instance("calculator", "c1");
+        match calc.prompt("2+3?").await {
+            Err(ClientError::Settled { outcome, .. }) => assert_eq!(outcome, "failed"),
+            other => panic!("expected a failed settlement, got {other:?}"),
+        }
+        match calc.send(flue_runtime::prelude::Signal::new("resources", "x")).await {
+            Err(ClientError::Api { status, error_type, .. }) => {
+                assert_eq!((status, error_type.as_str()), (400, "invalid_request"))
+            }
+            other => panic!("expected the envelope, got {other:?}"),
+        }
+        let missing = client.instance("calculator", "never").history().await;
+        assert!(
+            matches!(missing, Err(ClientError::Api { status: 404, .. })),
+            "{missing:?}"
+        );
+    }
+
+    /// A loopback proxy to `upstream` that cuts its first `cut` connections after `after` bytes
+    /// from the server.
+    async fn flaky_proxy(
+        upstream: String,
+        cut: usize,
+        after: usize,
+    ) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut inbound, _) = listener.accept().await.unwrap();
+                let connections = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                let limit = (connections <= cut).then_some(after);
+                let upstream = upstream.clone();
+                tokio::spawn(async move {
+                    let mut outbound = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                    let (mut in_read, mut in_write) = inbound.split();
+                    let (mut out_read, mut out_write) = outbound.split();
+                    let to_server = tokio::io::copy(&mut in_read, &mut out_write);
+                    let to_client = async {
+                        let mut sent = 0usize;
+                        let mut buffer = vec![0u8; 512];
+                        loop {
+                            let n = out_read.read(&mut buffer).await.unwrap_or(0);
+                            if n == 0 {
+                                return;
+                            }
+                            let n = limit.map_or(n, |limit| n.min(limit.saturating_sub(sent)));
+                            if in_write.write_all(&buffer[..n]).await.is_err() {
+                                return;
+                            }
+                            sent += n;
+                            if limit.is_some_and(|limit| sent >= limit) {
+                                return;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = to_server => {}
+                        () = to_client => {}
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}"), accepted)
+    }
+
+    #[tokio::test]
+    async fn following_resumes_after_a_dropped_connection_and_delivers_each_chunk_once_in_order() {
+        let server = Server::start().await;
+        for answer in ["one", "two", "three"] {
+            server.script_exchange(answer);
+            server.post("c1", json!({"kind": "user", "body": answer})).await;
+            server
+                .settled(
+                    "c1",
+                    ["one", "two", "three"].iter().position(|a| *a == answer).unwrap() + 1,
+                )
+                .await;
+        }
+        let (_, _, all) = server.get_json("/c1?view=updates&offset=-1").await;
+        let expected: Vec<Value> = all.as_array().unwrap()[1..].to_vec();
+
+        // Every connection of the first three is cut mid-frame (after 700 bytes of the response).
+        let upstream = server.root.trim_start_matches("http://").to_owned();
+        let (proxy, connections) = flaky_proxy(upstream, 3, 700).await;
+        let client = Client::new(&proxy).unwrap();
+        let mut chunks = client.instance("calculator", "c1").follow("-1");
+        let mut received = Vec::new();
+        while received.len() < expected.len() {
+            let chunk = tokio::time::timeout(Duration::from_secs(20), chunks.next())
+                .await
+                .expect("chunks keep coming")
+                .unwrap()
+                .unwrap();
+            received.push(chunk);
+        }
+        assert_eq!(received, expected, "each chunk once, in order");
+        assert!(
+            connections.load(std::sync::atomic::Ordering::SeqCst) >= 4,
+            "three connections were cut and resumed"
+        );
     }
 }

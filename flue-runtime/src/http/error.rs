@@ -93,6 +93,26 @@ impl ApiError {
         error
     }
 
+    /// 401 `unauthorized` (with `WWW-Authenticate: Bearer`): no acceptable credentials.
+    pub fn unauthorized(details: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "The request needs credentials.",
+            details,
+        )
+    }
+
+    /// 403 `forbidden`: the credentials do not reach what the request addresses.
+    pub fn forbidden(details: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "The request is not allowed for these credentials.",
+            details,
+        )
+    }
+
     /// 404 `route_not_found`.
     pub fn route_not_found(path: &str) -> Self {
         Self::new(
@@ -177,6 +197,9 @@ impl ApiError {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         if let Some(allow) = envelope.allow {
             headers.insert(header::ALLOW, HeaderValue::from_static(allow));
+        }
+        if envelope.status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         if envelope.status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));

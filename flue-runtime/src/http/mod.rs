@@ -26,6 +26,8 @@
 //! ```
 
 mod admission;
+pub mod auth;
+mod catalog;
 mod error;
 mod projection;
 mod reads;
@@ -36,12 +38,14 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, OriginalUri, Path, RawQuery, State};
+use axum::extract::{DefaultBodyLimit, OriginalUri, Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use serde_json::json;
 
+pub use auth::{Access, AccessRequest, Authorize, BearerTokens, Denied};
 pub use error::ApiError;
 
 use crate::Runtime;
@@ -53,9 +57,12 @@ use crate::store::{InstanceKey, SubmissionKind};
 /// limit (14,680,064 base64 characters).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
 
-/// Timing of live reads.
-#[derive(Clone, Debug)]
+/// Access control and the timing of live reads.
+#[derive(Clone)]
 pub struct HttpOptions {
+    /// Asked before every request is handled (401/403 when it refuses); `None` serves
+    /// everyone, as the reference protocol does.
+    pub authorization: Option<Arc<dyn Authorize>>,
     /// How long a long-poll read waits for new batches (the reference: 30 s).
     pub long_poll_timeout: Duration,
     /// How long an up-to-date SSE stream waits before it reads again anyway (30 s).
@@ -67,9 +74,30 @@ pub struct HttpOptions {
     pub shared_store_poll: Duration,
 }
 
+impl std::fmt::Debug for HttpOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpOptions")
+            .field("authorization", &self.authorization.is_some())
+            .field("long_poll_timeout", &self.long_poll_timeout)
+            .field("sse_wait", &self.sse_wait)
+            .field("heartbeat", &self.heartbeat)
+            .field("shared_store_poll", &self.shared_store_poll)
+            .finish()
+    }
+}
+
+impl HttpOptions {
+    /// These options, with every request asked of `authorization` first.
+    pub fn authorized_by(mut self, authorization: impl Authorize) -> Self {
+        self.authorization = Some(Arc::new(authorization));
+        self
+    }
+}
+
 impl Default for HttpOptions {
     fn default() -> Self {
         Self {
+            authorization: None,
             long_poll_timeout: Duration::from_secs(30),
             sse_wait: Duration::from_secs(30),
             heartbeat: Duration::from_secs(15),
@@ -109,7 +137,20 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
     let options = Arc::new(options);
     let mut names: Vec<&String> = runtime.inner().agents.keys().collect();
     names.sort();
-    let mut app = Router::new();
+    let inner = runtime.inner().clone();
+    let guard_options = options.clone();
+    let mut app = Router::new().route(
+        "/agents",
+        get(move || {
+            let inner = inner.clone();
+            async move { axum::Json(catalog::catalog(&inner)) }
+        })
+        .fallback(not_allowed("GET, HEAD"))
+        .route_layer(axum::middleware::from_fn(move |request: Request, next: Next| {
+            let options = guard_options.clone();
+            async move { guard(&options, None, None, request, next).await }
+        })),
+    );
     for name in names {
         app = app
             .nest(
@@ -151,7 +192,44 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) ->
             get(reads::get_attachment).fallback(not_allowed("GET")),
         )
         .route("/", MethodRouter::new().fallback(blank_id))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard_instance))
         .with_state(state)
+}
+
+/// Asks the authorization callback (when there is one) before the handler runs.
+async fn guard_instance(
+    State(routes): State<Routes>,
+    params: Result<Path<std::collections::HashMap<String, String>>, PathRejection>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let id = params.ok().and_then(|Path(mut params)| params.remove("id"));
+    let agent = routes.agent.clone();
+    guard(&routes.options, Some(&agent), id.as_deref(), request, next).await
+}
+
+async fn guard(
+    options: &HttpOptions,
+    agent: Option<&str>,
+    instance_id: Option<&str>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(authorization) = &options.authorization {
+        let access = AccessRequest {
+            method: request.method(),
+            path: request.uri().path(),
+            headers: request.headers(),
+            agent,
+            instance_id,
+        };
+        match authorization.authorize(access).await {
+            Ok(()) => {}
+            Err(Denied::Unauthenticated(details)) => return ApiError::unauthorized(details).into_response(),
+            Err(Denied::Forbidden(details)) => return ApiError::forbidden(details).into_response(),
+        }
+    }
+    next.run(request).await
 }
 
 async fn blank_id() -> ApiError {
@@ -172,7 +250,7 @@ async fn security_headers(mut response: Response) -> Response {
     response
 }
 
-fn not_allowed(allow: &'static str) -> MethodRouter<Routes> {
+fn not_allowed<S: Clone + Send + Sync + 'static>(allow: &'static str) -> MethodRouter<S> {
     MethodRouter::new()
         .fallback(move |method: Method| async move { ApiError::method_not_allowed(method.as_str(), allow) })
 }

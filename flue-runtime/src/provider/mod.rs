@@ -8,7 +8,7 @@ pub mod anthropic;
 mod http;
 pub mod openai;
 pub mod registry;
-mod sse;
+pub(crate) mod sse;
 mod text;
 
 pub use http::RetryPolicy;

@@ -1,0 +1,449 @@
+//! A Rust client of the streaming protocol ([`crate::http`]): send a message, read its reply,
+//! follow an instance's updates live over SSE.
+//!
+//! Following survives dropped connections: the client reconnects from the last offset the
+//! server confirmed and skips chunks it already delivered (each chunk has a position: its
+//! batch and its index in that batch), so every chunk arrives once, in order.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), flue_runtime::client::ClientError> {
+//! use flue_runtime::client::Client;
+//!
+//! let client = Client::new("http://127.0.0.1:3583")?;
+//! let customer = client.instance("assistant", "customer-42");
+//! let reply = customer.prompt("Where is my order?").await?;
+//! println!("{}", reply.text);
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::time::Duration;
+
+use flue_core::message::DeliveredMessage;
+use futures_util::{Stream, StreamExt};
+use serde_json::{Map, Value, json};
+
+use crate::provider::sse::SseParser;
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with the error envelope.
+    #[error("{status} {error_type}: {message} {details}")]
+    Api {
+        /// HTTP status.
+        status: u16,
+        /// The envelope's stable type (`invalid_request`, `stream_not_found`, …).
+        error_type: String,
+        /// Its message.
+        message: String,
+        /// Its details.
+        details: String,
+        /// Its structured meta, when it has one.
+        meta: Option<Value>,
+    },
+    /// The submission failed or was aborted.
+    #[error("submission {submission_id} {outcome}: {message}")]
+    Settled {
+        /// The submission.
+        submission_id: String,
+        /// `failed` or `aborted`.
+        outcome: String,
+        /// The settlement error's type.
+        error_type: String,
+        /// Its message.
+        message: String,
+    },
+    /// The server could not be reached, or answered something that is not the protocol.
+    #[error("{0}")]
+    Transport(String),
+}
+
+impl From<reqwest::Error> for ClientError {
+    fn from(error: reqwest::Error) -> Self {
+        Self::Transport(error.to_string())
+    }
+}
+
+/// A connection to a server of the protocol.
+#[derive(Clone, Debug)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+impl Client {
+    /// A client of the server at `base_url` (its root: agents are under `/agents/<name>`).
+    pub fn new(base_url: impl Into<String>) -> Result<Self, ClientError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .build()?;
+        Ok(Self {
+            http,
+            base: base_url.into().trim_end_matches('/').to_owned(),
+            token: None,
+        })
+    }
+
+    /// Sends `token` as a bearer token with every request.
+    pub fn with_bearer_token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// The instance `id` of the agent `agent`.
+    pub fn instance(&self, agent: &str, id: &str) -> Instance {
+        Instance {
+            client: self.clone(),
+            url: format!("{}/agents/{}/{}", self.base, encode(agent), encode(id)),
+        }
+    }
+
+    /// The agents the server serves (`GET /agents`).
+    pub async fn catalog(&self) -> Result<Value, ClientError> {
+        let response = self
+            .request(reqwest::Method::GET, &format!("{}/agents", self.base))
+            .send()
+            .await?;
+        json_of(response).await
+    }
+
+    fn request(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+        let request = self.http.request(method, url);
+        match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    }
+}
+
+/// One segment of a URL path, percent-encoded.
+fn encode(segment: &str) -> String {
+    form_urlencoded::byte_serialize(segment.as_bytes())
+        .collect::<String>()
+        .replace('+', "%20")
+}
+
+/// The body of a success, or the error of the envelope.
+async fn json_of(response: reqwest::Response) -> Result<Value, ClientError> {
+    let status = response.status().as_u16();
+    let body: Value = response
+        .json()
+        .await
+        .map_err(|error| ClientError::Transport(format!("the server answered {status} with no JSON: {error}")))?;
+    if status >= 400 {
+        let error = &body["error"];
+        let text = |field: &str| error[field].as_str().unwrap_or_default().to_owned();
+        return Err(ClientError::Api {
+            status,
+            error_type: text("type"),
+            message: text("message"),
+            details: text("details"),
+            meta: error.get("meta").cloned(),
+        });
+    }
+    Ok(body)
+}
+
+/// What admission answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Receipt {
+    /// The admitted submission.
+    pub submission_id: String,
+    /// The stream offset before the submission's records: read its reply from here.
+    pub offset: String,
+    /// The instance's incarnation.
+    pub uid: String,
+    /// Whether an idempotency key replayed an earlier admission.
+    pub deduplicated: bool,
+}
+
+/// What a completed submission's response produced, read from the stream.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Reply {
+    /// The submission.
+    pub submission_id: String,
+    /// Its steps' texts, joined with blank lines.
+    pub text: String,
+    /// The last value of each data part.
+    pub data: Map<String, Value>,
+    /// Response metadata.
+    pub metadata: Map<String, Value>,
+}
+
+/// One instance on the server.
+#[derive(Clone, Debug)]
+pub struct Instance {
+    client: Client,
+    url: String,
+}
+
+/// Chunks of an instance's stream, in order, each once.
+pub type Chunks = Pin<Box<dyn Stream<Item = Result<Value, ClientError>> + Send>>;
+
+impl Instance {
+    /// Admits `message` (`POST /:id`).
+    pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<Receipt, ClientError> {
+        let body = serde_json::to_value(message.into()).map_err(|error| ClientError::Transport(error.to_string()))?;
+        self.send_json(body).await
+    }
+
+    /// Admits a raw admission body (a message with `uid`, `initialData` or `idempotencyKey`
+    /// beside it).
+    pub async fn send_json(&self, body: Value) -> Result<Receipt, ClientError> {
+        let response = self
+            .client
+            .request(reqwest::Method::POST, &self.url)
+            .json(&body)
+            .send()
+            .await?;
+        let receipt = json_of(response).await?;
+        let text = |field: &str| receipt[field].as_str().unwrap_or_default().to_owned();
+        Ok(Receipt {
+            submission_id: text("submissionId"),
+            offset: text("offset"),
+            uid: text("uid"),
+            deduplicated: receipt["deduplicated"] == json!(true),
+        })
+    }
+
+    /// Sends `message` and waits for its reply.
+    pub async fn prompt(&self, message: impl Into<DeliveredMessage>) -> Result<Reply, ClientError> {
+        let receipt = self.send(message).await?;
+        self.reply(&receipt).await
+    }
+
+    /// Waits for the submission of `receipt` to settle and returns its reply.
+    pub async fn reply(&self, receipt: &Receipt) -> Result<Reply, ClientError> {
+        // A replayed admission has no offset of its own: read the whole stream.
+        let from = if receipt.deduplicated { "-1" } else { &receipt.offset };
+        let mut chunks = self.follow(from);
+        let mut replies = ReplyFold::default();
+        while let Some(chunk) = chunks.next().await {
+            if let Some(result) = replies.apply(&chunk?, &receipt.submission_id) {
+                return result;
+            }
+        }
+        Err(ClientError::Transport(
+            "the stream ended before the submission settled".into(),
+        ))
+    }
+
+    /// The history snapshot (`GET /:id`).
+    pub async fn history(&self) -> Result<Value, ClientError> {
+        let response = self.client.request(reqwest::Method::GET, &self.url).send().await?;
+        json_of(response).await
+    }
+
+    /// Requests an abort of the instance's unsettled submissions; whether any was.
+    pub async fn abort(&self) -> Result<bool, ClientError> {
+        let response = self
+            .client
+            .request(reqwest::Method::POST, &format!("{}/abort", self.url))
+            .send()
+            .await?;
+        Ok(json_of(response).await?["aborted"] == json!(true))
+    }
+
+    /// Every chunk after `offset` (`-1`: from the start), live, for as long as the stream is
+    /// read. A dropped connection is resumed from the last offset the server confirmed;
+    /// chunks seen before are skipped by position. Errors the server answers (404, 416, …)
+    /// end the stream.
+    pub fn follow(&self, offset: &str) -> Chunks {
+        let state = Follow {
+            instance: self.clone(),
+            offset: offset.to_owned(),
+            last: None,
+            body: None,
+            parser: SseParser::default(),
+            ready: VecDeque::new(),
+            failures: 0,
+        };
+        Box::pin(futures_util::stream::unfold(state, |mut state| async move {
+            let item = state.next().await?;
+            Some((item, state))
+        }))
+    }
+}
+
+type Body = Pin<Box<dyn Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+
+/// The state of a followed stream.
+struct Follow {
+    instance: Instance,
+    /// Where a reconnection reads from: the last offset a control frame confirmed.
+    offset: String,
+    /// The position of the last chunk delivered.
+    last: Option<(u64, u64)>,
+    body: Option<Body>,
+    parser: SseParser,
+    ready: VecDeque<Value>,
+    /// Consecutive failed connections (the backoff grows with them).
+    failures: u32,
+}
+
+impl Follow {
+    async fn next(&mut self) -> Option<Result<Value, ClientError>> {
+        loop {
+            if let Some(chunk) = self.ready.pop_front() {
+                return Some(Ok(chunk));
+            }
+            let Some(body) = &mut self.body else {
+                if self.failures > 0 {
+                    let backoff = Duration::from_millis(100 * 2u64.pow(self.failures.min(5)));
+                    tokio::time::sleep(backoff).await;
+                }
+                match connect(&self.instance, &self.offset).await {
+                    Ok(body) => self.body = Some(body),
+                    // What the server refuses (404, 416, …) stays refused; it retries the rest.
+                    Err(error @ ClientError::Api { status: ..500, .. }) => return Some(Err(error)),
+                    Err(_) => self.failures += 1,
+                }
+                continue;
+            };
+            match body.next().await {
+                Some(Ok(bytes)) => {
+                    self.failures = 0;
+                    self.parser.push(&bytes);
+                    if self.take_events().is_err() {
+                        self.reconnect();
+                    }
+                }
+                // The connection dropped (or the server closed it): resume.
+                Some(Err(_)) | None => self.reconnect(),
+            }
+        }
+    }
+
+    fn reconnect(&mut self) {
+        self.body = None;
+        self.parser = SseParser::default();
+        self.failures += 1;
+    }
+
+    /// Moves the complete events out of the parser: chunks not seen before into `ready`, the
+    /// confirmed offset from control frames.
+    fn take_events(&mut self) -> Result<(), ()> {
+        while let Some(event) = self.parser.next_event().map_err(|_| ())? {
+            let payload: Value = serde_json::from_str(event.data).map_err(|_| ())?;
+            match event.event {
+                "data" => {
+                    for chunk in payload.as_array().into_iter().flatten() {
+                        let position = (chunk["position"]["batch"].as_u64(), chunk["position"]["index"].as_u64());
+                        // The checkpoint has no position; the rest are delivered once.
+                        let (Some(batch), Some(index)) = position else { continue };
+                        if self.last.is_some_and(|last| (batch, index) <= last) {
+                            continue;
+                        }
+                        self.last = Some((batch, index));
+                        self.ready.push_back(chunk.clone());
+                    }
+                }
+                "control" => {
+                    if let Some(offset) = payload["streamNextOffset"].as_str() {
+                        offset.clone_into(&mut self.offset);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Opens the instance's SSE stream after `offset`.
+async fn connect(instance: &Instance, offset: &str) -> Result<Body, ClientError> {
+    let url = format!("{}?view=updates&offset={}&live=sse", instance.url, encode(offset));
+    let response = instance.client.request(reqwest::Method::GET, &url).send().await?;
+    if !response.status().is_success() {
+        return Err(json_of(response)
+            .await
+            .err()
+            .unwrap_or_else(|| ClientError::Transport("the server refused the stream without an error".into())));
+    }
+    Ok(Box::pin(response.bytes_stream()))
+}
+
+/// Builds replies from chunks.
+#[derive(Default)]
+struct ReplyFold {
+    /// Submission → its response's message id.
+    responses: std::collections::HashMap<String, String>,
+    /// Response message id → the reply so far, and the step text being streamed.
+    replies: std::collections::HashMap<String, (Vec<String>, String, Reply)>,
+}
+
+impl ReplyFold {
+    /// Takes in `chunk`; the result once `submission_id` settled.
+    fn apply(&mut self, chunk: &Value, submission_id: &str) -> Option<Result<Reply, ClientError>> {
+        let message_id = chunk["messageId"].as_str().unwrap_or_default().to_owned();
+        match chunk["type"].as_str()? {
+            "conversation-reset" => *self = Self::default(),
+            "message-started" => {
+                if let Some(submission) = chunk["submissionId"].as_str() {
+                    self.responses
+                        .entry(submission.to_owned())
+                        .or_insert(message_id.clone());
+                }
+                let (_, step, reply) = self.replies.entry(message_id).or_default();
+                step.clear();
+                if let Some(metadata) = chunk["metadata"].as_object() {
+                    flue_core::metadata::merge_metadata(&mut reply.metadata, metadata.clone());
+                }
+            }
+            "message-delta" if chunk["kind"] == "text" => {
+                let (_, step, _) = self.replies.entry(message_id).or_default();
+                step.push_str(chunk["delta"].as_str().unwrap_or_default());
+            }
+            "message-completed" => {
+                let (texts, step, _) = self.replies.entry(message_id).or_default();
+                if !step.is_empty() {
+                    texts.push(std::mem::take(step));
+                }
+            }
+            "data-part" => {
+                let (_, _, reply) = self.replies.entry(message_id).or_default();
+                if let Some(name) = chunk["name"].as_str() {
+                    reply.data.insert(name.to_owned(), chunk["data"].clone());
+                }
+            }
+            "message-metadata" => {
+                let (_, _, reply) = self.replies.entry(message_id).or_default();
+                if let Some(metadata) = chunk["metadata"].as_object() {
+                    flue_core::metadata::merge_metadata(&mut reply.metadata, metadata.clone());
+                }
+            }
+            "submission-settled" if chunk["submissionId"] == submission_id => {
+                if chunk["outcome"] != "completed" {
+                    let error = &chunk["error"];
+                    return Some(Err(ClientError::Settled {
+                        submission_id: submission_id.to_owned(),
+                        outcome: chunk["outcome"].as_str().unwrap_or_default().to_owned(),
+                        error_type: error["type"].as_str().unwrap_or_default().to_owned(),
+                        message: error["message"].as_str().unwrap_or_default().to_owned(),
+                    }));
+                }
+                // A joined delivery is answered by its host's response.
+                let answered_by = chunk["answeredBySubmissionId"].as_str().unwrap_or(submission_id);
+                let reply = self
+                    .responses
+                    .get(answered_by)
+                    .and_then(|message_id| self.replies.get(message_id))
+                    .map(|(texts, _, reply)| Reply {
+                        text: texts.join("\n\n"),
+                        ..reply.clone()
+                    })
+                    .unwrap_or_default();
+                return Some(Ok(Reply {
+                    submission_id: submission_id.to_owned(),
+                    ..reply
+                }));
+            }
+            _ => {}
+        }
+        None
+    }
+}

@@ -1,0 +1,149 @@
+//! Access control: an authorization callback that sees every request with the agent and
+//! instance it addresses, and a ready bearer-token implementation of it.
+//!
+//! The protocol itself has no authentication; a router built with
+//! [`HttpOptions::authorization`](super::HttpOptions::authorization) asks the callback before
+//! any handler runs, and answers 401 `unauthorized` (with `WWW-Authenticate: Bearer`) or 403
+//! `forbidden` when it refuses.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+
+use axum::http::{HeaderMap, Method, header};
+use flue_core::BoxFuture;
+use sha2::{Digest, Sha256};
+
+/// What a request asks for, as the authorization callback sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct AccessRequest<'a> {
+    /// The method.
+    pub method: &'a Method,
+    /// The path (without the query).
+    pub path: &'a str,
+    /// The headers (the credentials are here).
+    pub headers: &'a HeaderMap,
+    /// The agent addressed; `None` for the catalog.
+    pub agent: Option<&'a str>,
+    /// The instance addressed; `None` for the catalog.
+    pub instance_id: Option<&'a str>,
+}
+
+/// Why a request is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Denied {
+    /// No acceptable credentials: 401.
+    Unauthenticated(String),
+    /// Credentials that do not reach this agent or instance: 403.
+    Forbidden(String),
+}
+
+/// Decides whether a request may proceed. Implemented for closures
+/// `Fn(&AccessRequest) -> Result<(), Denied>`; implement it directly for a check that awaits
+/// (a token service, a database).
+pub trait Authorize: Send + Sync + 'static {
+    /// `Ok` lets the request through.
+    fn authorize<'a>(&'a self, request: AccessRequest<'a>) -> BoxFuture<'a, Result<(), Denied>>;
+}
+
+impl<F> Authorize for F
+where
+    F: Fn(&AccessRequest<'_>) -> Result<(), Denied> + Send + Sync + 'static,
+{
+    fn authorize<'a>(&'a self, request: AccessRequest<'a>) -> BoxFuture<'a, Result<(), Denied>> {
+        let result = self(&request);
+        Box::pin(async move { result })
+    }
+}
+
+/// What a bearer token may reach.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Every agent and instance, and the catalog.
+    All,
+    /// These instances (agent name, instance id) and the catalog.
+    Instances(HashSet<(String, String)>),
+    /// Instances of any agent whose id starts with this prefix (a user's namespace, e.g.
+    /// `user-42:`), and the catalog.
+    IdPrefix(String),
+}
+
+impl Access {
+    /// The instances `ids` of `agent`.
+    pub fn instances<I: Into<String>>(agent: &str, ids: impl IntoIterator<Item = I>) -> Self {
+        Self::Instances(ids.into_iter().map(|id| (agent.to_owned(), id.into())).collect())
+    }
+
+    fn reaches(&self, agent: Option<&str>, instance_id: Option<&str>) -> bool {
+        let (Some(agent), Some(id)) = (agent, instance_id) else {
+            // The catalog: any valid token.
+            return true;
+        };
+        match self {
+            Self::All => true,
+            Self::Instances(instances) => instances.contains(&(agent.to_owned(), id.to_owned())),
+            Self::IdPrefix(prefix) => id.starts_with(prefix.as_str()),
+        }
+    }
+}
+
+/// Bearer tokens, each with what it may reach. Tokens are kept only as SHA-256 digests, and
+/// a presented token is looked up by its digest (no comparison that leaks a prefix's
+/// correctness through timing).
+#[derive(Clone, Default)]
+pub struct BearerTokens {
+    tokens: HashMap<[u8; 32], Access>,
+}
+
+impl fmt::Debug for BearerTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BearerTokens")
+            .field("tokens", &self.tokens.len())
+            .finish()
+    }
+}
+
+impl BearerTokens {
+    /// No token is accepted yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Accepts `token` with `access`.
+    pub fn allow(mut self, token: impl AsRef<str>, access: Access) -> Self {
+        self.tokens.insert(digest(token.as_ref()), access);
+        self
+    }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+impl Authorize for BearerTokens {
+    fn authorize<'a>(&'a self, request: AccessRequest<'a>) -> BoxFuture<'a, Result<(), Denied>> {
+        let result = (|| {
+            let token = request
+                .headers
+                .get(header::AUTHORIZATION)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| {
+                    let (scheme, token) = value.split_once(' ')?;
+                    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+                })
+                .filter(|token| !token.is_empty())
+                .ok_or_else(|| Denied::Unauthenticated("Send a bearer token in the Authorization header.".into()))?;
+            let access = self
+                .tokens
+                .get(&digest(token))
+                .ok_or_else(|| Denied::Unauthenticated("The bearer token is not valid.".into()))?;
+            if access.reaches(request.agent, request.instance_id) {
+                Ok(())
+            } else {
+                Err(Denied::Forbidden(
+                    "This token does not give access to this agent instance.".into(),
+                ))
+            }
+        })();
+        Box::pin(async move { result })
+    }
+}
