@@ -1,7 +1,10 @@
 //! The main example: a support assistant, run end to end by the runtime.
 //!
 //! ```sh
-//! cargo run --example assistant
+//! cargo run --example assistant                  # a short conversation, printed
+//! cargo run --example assistant -- serve         # serve it over HTTP on 127.0.0.1:3583
+//! cargo run --example assistant -- run assistant --id customer-7 "Where is order A-1001?"
+//! cargo run --example assistant -- catalog       # its tools, hooks and schemas as JSON
 //! ```
 //!
 //! With `OPENAI_API_KEY`, `ANTHROPIC_API_KEY` or `OPENROUTER_API_KEY` set it talks to that
@@ -85,40 +88,56 @@ fn assistant() -> String {
     )
 }
 
-fn choose_model(providers: &mut ProviderRegistry) -> &'static str {
+/// The model to use, and a line saying which and why.
+fn choose_model(providers: &mut ProviderRegistry) -> (&'static str, &'static str) {
     let has = |name: &str| std::env::var(name).is_ok_and(|value| !value.is_empty());
     if has("OPENAI_API_KEY") {
-        println!("model: openai/gpt-4o-mini (OPENAI_API_KEY is set)");
-        "openai/gpt-4o-mini"
+        (
+            "openai/gpt-4o-mini",
+            "model: openai/gpt-4o-mini (OPENAI_API_KEY is set)",
+        )
     } else if has("ANTHROPIC_API_KEY") {
-        println!("model: anthropic/claude-sonnet-4-5 (ANTHROPIC_API_KEY is set)");
-        "anthropic/claude-sonnet-4-5"
+        (
+            "anthropic/claude-sonnet-4-5",
+            "model: anthropic/claude-sonnet-4-5 (ANTHROPIC_API_KEY is set)",
+        )
     } else if has("OPENROUTER_API_KEY") {
-        println!("model: openrouter/openai/gpt-4o-mini (OPENROUTER_API_KEY is set)");
-        "openrouter/openai/gpt-4o-mini"
+        (
+            "openrouter/openai/gpt-4o-mini",
+            "model: openrouter/openai/gpt-4o-mini (OPENROUTER_API_KEY is set)",
+        )
     } else {
-        println!("model: scripted (offline: no OPENAI_API_KEY, ANTHROPIC_API_KEY or OPENROUTER_API_KEY is set)");
-        let scripted = ScriptedModel::new([
-            ScriptedReply::tool_call("lookup_order", json!({"order": "A-1001"})),
-            ScriptedReply::text("Your order A-1001 shipped yesterday and arrives Thursday."),
-        ])
-        .with_id("scripted");
-        // After the script: echo, so any further message still gets an answer.
+        // The script first; after it, the model echoes, so any further message (a served
+        // conversation) still gets an answer.
+        let scripted = ScriptedModel::echo().with_id("scripted");
+        scripted.push(ScriptedReply::tool_call("lookup_order", json!({"order": "A-1001"})));
+        scripted.push(ScriptedReply::text(
+            "Your order A-1001 shipped yesterday and arrives Thursday.",
+        ));
         scripted.push(ScriptedReply::text("Happy to help with anything else."));
         providers.register(scripted);
-        "scripted/assistant"
+        (
+            "scripted/assistant",
+            "model: scripted (offline: no OPENAI_API_KEY, ANTHROPIC_API_KEY or OPENROUTER_API_KEY is set)",
+        )
     }
 }
 
 #[tokio::main]
 async fn main() -> Result<(), RuntimeError> {
+    let command = flue_runtime::cli::Cli::from_env().command;
     let mut providers = ProviderRegistry::with_defaults();
-    let model = choose_model(&mut providers);
+    let (model, notice) = choose_model(&mut providers);
     let _ = MODEL.set(model);
     // No store configured: the embedded SQLite store in .flue/flue.db, so the customer's
     // conversation and state carry over from one run to the next.
     let runtime = Runtime::builder().agent(assistant).providers(providers).build()?;
-    println!("store: embedded SQLite at .flue/flue.db");
+    if let Some(command) = command {
+        // A command's output is stdout (JSON for `catalog` and `run --json`): notes go to stderr.
+        eprintln!("{notice}\nstore: embedded SQLite at .flue/flue.db");
+        std::process::exit(flue_runtime::cli::run(&runtime, command).await);
+    }
+    println!("{notice}\nstore: embedded SQLite at .flue/flue.db");
     // Resume anything a previous run left unfinished.
     runtime.start().await;
     let customer = runtime.init(&assistant, "customer-42");
@@ -130,5 +149,6 @@ async fn main() -> Result<(), RuntimeError> {
         println!("data:      {}", serde_json::Value::Object(reply.data));
         println!("metadata:  {}", serde_json::Value::Object(reply.metadata));
     }
+    println!("\nServe it over HTTP with: cargo run --example assistant -- serve");
     Ok(())
 }

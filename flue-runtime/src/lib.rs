@@ -16,6 +16,7 @@
 
 pub use flue_core::*;
 
+pub mod cli;
 pub mod client;
 pub mod events;
 pub mod http;

@@ -662,6 +662,26 @@ impl Runtime {
         }
     }
 
+    /// A handle on the instance `id` of the agent registered as `agent` (no I/O): for callers
+    /// that know agents by name (a command line, a router).
+    pub fn handle(&self, agent: &str, id: impl Into<String>) -> Result<AgentHandle, RuntimeError> {
+        if !self.inner.agents.contains_key(agent) {
+            return Err(RuntimeError::UnknownAgent(agent.to_owned()));
+        }
+        Ok(AgentHandle {
+            runtime: self.inner.clone(),
+            key: InstanceKey::new(agent, id.into()),
+            uid: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// The names of the registered agents, sorted.
+    pub fn agent_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.inner.agents.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
     /// The instance, if it was ever contacted.
     pub async fn get_agent_instance(
         &self,

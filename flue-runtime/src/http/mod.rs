@@ -127,6 +127,12 @@ impl Routes {
     }
 }
 
+/// The catalog `GET /agents` answers: every agent, its tools with their schemas, its
+/// lifecycle hooks and the hooks it requires on a parent.
+pub fn catalog_of(runtime: &Runtime) -> serde_json::Value {
+    catalog::catalog(runtime.inner())
+}
+
 /// Every agent of `runtime` under `/agents/<name>`, with default [`HttpOptions`].
 pub fn router(runtime: &Runtime) -> Router {
     router_with(runtime, HttpOptions::default())

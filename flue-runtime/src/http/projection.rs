@@ -49,6 +49,9 @@ pub(crate) struct Projection {
     /// Tool call id → the response message holding its part.
     calls: HashMap<String, String>,
     outcomes: HashMap<String, PendingOutcome>,
+    /// Data parts written before their response's first step (a start callback's writes),
+    /// by submission: they join the response message when it starts.
+    early_data: HashMap<String, Vec<(String, Value)>>,
     offset: Option<u64>,
 }
 
@@ -243,6 +246,10 @@ impl Projection {
                     chunk["metadata"] = json!(metadata);
                 }
                 out.push(chunk);
+                for (name, data) in submission.and_then(|s| self.early_data.remove(s)).unwrap_or_default() {
+                    self.set_data_part(&response_id, &name, &data);
+                    out.push(json!({"type": "data-part", "messageId": response_id, "name": name, "data": data}));
+                }
                 if let Some(text) = texts.get(message_id.as_str()) {
                     out.push(json!({"type": "message-delta", "messageId": response_id, "kind": "text", "delta": text}));
                 }
@@ -341,7 +348,12 @@ impl Projection {
                 }
             }
             RecordBody::MessageDataWrite { name, data } => {
-                let Some(response_id) = submission.and_then(|s| self.responses.get(s)).cloned() else {
+                let Some(submission) = submission else { return };
+                let Some(response_id) = self.responses.get(submission).cloned() else {
+                    self.early_data
+                        .entry(submission.to_owned())
+                        .or_default()
+                        .push((name.clone(), data.clone()));
                     return;
                 };
                 self.set_data_part(&response_id, name, data);

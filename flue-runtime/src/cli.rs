@@ -1,0 +1,178 @@
+//! The command line of a user's binary: `serve`, `run` and `catalog` over a built [`Runtime`].
+//!
+//! ```no_run
+//! use flue_runtime::cli::Cli;
+//! # async fn demo(runtime: flue_runtime::Runtime) {
+//! // `my-agents serve --addr 0.0.0.0:3583`, `my-agents run assistant --id c1 "Hello"`,
+//! // `my-agents catalog`
+//! if let Some(command) = Cli::from_env().command {
+//!     std::process::exit(flue_runtime::cli::run(&runtime, command).await);
+//! }
+//! # }
+//! ```
+
+use std::io::Write;
+use std::net::SocketAddr;
+
+use clap::{Parser, Subcommand};
+use serde_json::json;
+
+use crate::Runtime;
+
+/// The command line.
+#[derive(Clone, Debug, Parser)]
+#[command(about = "Serve and run flue-rs agents.")]
+pub struct Cli {
+    /// What to do; none lets the binary do its own default.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+impl Cli {
+    /// Parses the process's arguments (printing help or an error and exiting on bad ones).
+    pub fn from_env() -> Self {
+        Self::parse()
+    }
+
+    /// Parses `args` (the first is the program name).
+    pub fn try_from_args<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        Self::try_parse_from(args)
+    }
+}
+
+/// A command.
+#[derive(Clone, Debug, Subcommand)]
+pub enum Command {
+    /// Serve every agent over HTTP (the streaming protocol) until Ctrl-C.
+    Serve {
+        /// The address to listen on.
+        #[arg(long, default_value = "127.0.0.1:3583")]
+        addr: SocketAddr,
+    },
+    /// Send one message to an agent instance and print its reply.
+    Run {
+        /// The agent's name.
+        agent: String,
+        /// The instance id.
+        #[arg(long, default_value = "cli")]
+        id: String,
+        /// The message.
+        message: String,
+        /// Print the whole reply (text, data, metadata, submission id) as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the agents, their tools, hooks and parent-hook requirements as JSON.
+    Catalog,
+}
+
+/// Runs `command`, printing to stdout (errors to stderr); the process exit code.
+pub async fn run(runtime: &Runtime, command: Command) -> i32 {
+    let mut stdout = std::io::stdout();
+    match execute(runtime, command, &mut stdout).await {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!("error: {error}");
+            1
+        }
+    }
+}
+
+/// Runs `command`, writing its output to `out`.
+pub async fn execute(runtime: &Runtime, command: Command, out: &mut (dyn Write + Send)) -> Result<(), CliError> {
+    match command {
+        Command::Serve { addr } => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|error| CliError::Io(format!("cannot listen on {addr}: {error}")))?;
+            let local = listener.local_addr().map_err(|error| CliError::Io(error.to_string()))?;
+            // Work a previous process left unfinished resumes now.
+            runtime.start().await;
+            writeln!(
+                out,
+                "serving {} on http://{local} (agents: {})",
+                plural(runtime.agent_names().len(), "agent"),
+                runtime.agent_names().join(", ")
+            )?;
+            out.flush()?;
+            let app = crate::http::router(runtime);
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = tokio::signal::ctrl_c().await;
+                })
+                .await
+                .map_err(|error| CliError::Io(error.to_string()))?;
+            runtime.shutdown();
+            Ok(())
+        }
+        Command::Run {
+            agent,
+            id,
+            message,
+            json,
+        } => {
+            let names = runtime.agent_names();
+            if !names.contains(&agent.as_str()) {
+                return Err(CliError::UnknownAgent {
+                    agent,
+                    known: names.join(", "),
+                });
+            }
+            runtime.start().await;
+            let reply = runtime.handle(&agent, id)?.send(message).await?;
+            if json {
+                let reply = json!({
+                    "text": reply.text,
+                    "data": reply.data,
+                    "metadata": reply.metadata,
+                    "submissionId": reply.submission_id,
+                });
+                writeln!(out, "{reply:#}")?;
+            } else {
+                writeln!(out, "{}", reply.text)?;
+            }
+            Ok(())
+        }
+        Command::Catalog => {
+            writeln!(out, "{:#}", crate::http::catalog_of(runtime))?;
+            Ok(())
+        }
+    }
+}
+
+fn plural(count: usize, noun: &str) -> String {
+    if count == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{count} {noun}s")
+    }
+}
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The runtime refused or the submission did not complete.
+    #[error(transparent)]
+    Runtime(#[from] crate::RuntimeError),
+    /// `run` named an agent the runtime does not have.
+    #[error("no agent is named \"{agent}\" (agents: {known})")]
+    UnknownAgent {
+        /// The name given.
+        agent: String,
+        /// The registered names.
+        known: String,
+    },
+    /// Listening or writing failed.
+    #[error("{0}")]
+    Io(String),
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(error: std::io::Error) -> Self {
+        Self::Io(error.to_string())
+    }
+}

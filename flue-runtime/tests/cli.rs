@@ -1,0 +1,136 @@
+//! The command-line helper: `run`, `catalog` and `serve` over a built runtime.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flue_runtime::Runtime;
+use flue_runtime::cli::{Cli, CliError, Command, execute};
+use flue_runtime::prelude::*;
+use flue_runtime::provider::ProviderRegistry;
+use flue_runtime::store::MemoryStore;
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use serde_json::{Value, json};
+
+/// Greets.
+#[agent]
+fn greeter() -> &'static str {
+    use_model("scripted/g");
+    let progress = use_data_writer::<String>("mood");
+    use_agent_start(move |_| {
+        let progress = progress.clone();
+        async move { progress.write(&"cheerful".to_owned()) }
+    });
+    "Greet."
+}
+
+fn runtime(model: &ScriptedModel) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(greeter)
+        .build()
+        .unwrap()
+}
+
+fn command(args: &[&str]) -> Command {
+    Cli::try_from_args(std::iter::once("agents").chain(args.iter().copied()))
+        .unwrap()
+        .command
+        .unwrap()
+}
+
+async fn output(runtime: &Runtime, args: &[&str]) -> Result<String, CliError> {
+    let mut out = Vec::new();
+    execute(runtime, command(args), &mut out).await?;
+    Ok(String::from_utf8(out).unwrap())
+}
+
+#[tokio::test]
+async fn run_prints_the_reply_text_and_with_json_the_whole_reply() {
+    let model = ScriptedModel::new([ScriptedReply::text("Hello!"), ScriptedReply::text("Hello again!")]);
+    let runtime = runtime(&model);
+    assert_eq!(output(&runtime, &["run", "greeter", "hi"]).await.unwrap(), "Hello!\n");
+    let reply: Value =
+        serde_json::from_str(&output(&runtime, &["run", "greeter", "--json", "hi"]).await.unwrap()).unwrap();
+    assert_eq!(reply["text"], "Hello again!");
+    assert_eq!(reply["data"], json!({"mood": "cheerful"}));
+    assert!(reply["submissionId"].as_str().unwrap().starts_with("sub_"));
+    // Both went to the default instance id, one conversation.
+    assert_eq!(model.requests()[1].messages.len(), 3);
+}
+
+#[tokio::test]
+async fn run_with_an_unknown_agent_names_the_known_ones() {
+    let runtime = runtime(&ScriptedModel::new([]));
+    let error = output(&runtime, &["run", "nobody", "hi"]).await.unwrap_err();
+    assert_eq!(error.to_string(), "no agent is named \"nobody\" (agents: greeter)");
+}
+
+#[tokio::test]
+async fn catalog_prints_the_agents_as_json() {
+    let runtime = runtime(&ScriptedModel::new([]));
+    let catalog: Value = serde_json::from_str(&output(&runtime, &["catalog"]).await.unwrap()).unwrap();
+    assert_eq!(catalog["agents"][0]["name"], "greeter");
+    assert_eq!(catalog["agents"][0]["model"], "scripted/g");
+}
+
+#[test]
+fn bad_arguments_are_refused_as_errors() {
+    for args in [
+        &["run"][..],
+        &["run", "greeter"],
+        &["serve", "--addr", "not-an-address"],
+        &["launch"],
+    ] {
+        let error = Cli::try_from_args(std::iter::once("agents").chain(args.iter().copied())).unwrap_err();
+        assert!(error.use_stderr(), "{args:?} is refused as an error: {error}");
+    }
+    assert!(
+        Cli::try_from_args(["agents"]).unwrap().command.is_none(),
+        "no command: the binary's default"
+    );
+}
+
+/// A `Write` the test can read while `serve` runs.
+#[derive(Clone, Default)]
+struct Shared(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Shared {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn serve_listens_and_serves_the_protocol() {
+    let runtime = runtime(&ScriptedModel::new([ScriptedReply::text("Hello over HTTP!")]));
+    let out = Shared::default();
+    let server = {
+        let (runtime, mut out) = (runtime.clone(), out.clone());
+        tokio::spawn(async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut out).await })
+    };
+    let mut address = None;
+    for _ in 0..500 {
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        if let Some(rest) = text.strip_prefix("serving 1 agent on ") {
+            address = rest.split_whitespace().next().map(str::to_owned);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let base = address.expect("serve announced its address");
+    let client = flue_runtime::client::Client::new(&base).unwrap();
+    let reply = client.instance("greeter", "web").prompt("hi").await.unwrap();
+    assert_eq!(reply.text, "Hello over HTTP!");
+    assert_eq!(reply.data["mood"], "cheerful");
+    server.abort();
+}
