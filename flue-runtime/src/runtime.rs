@@ -298,6 +298,11 @@ impl RuntimeInner {
         }
     }
 
+    /// Live events of every instance (see [`Runtime::observe`]).
+    pub(crate) fn observe(&self) -> broadcast::Receiver<Observation> {
+        self.events.subscribe()
+    }
+
     pub(crate) fn emit(&self, key: &InstanceKey, submission_id: Option<&str>, event: Event) {
         if self.events.receiver_count() == 0 {
             return;

@@ -1203,3 +1203,37 @@ mod client {
         );
     }
 }
+
+#[tokio::test]
+async fn the_thread_event_stream_carries_tool_call_started_and_done_for_its_instance_only() {
+    let server = Server::start().await;
+    let response = server.client.get(server.url("/c1/events")).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(header(response.headers(), "content-type"), "text/event-stream");
+    assert_security_headers(response.headers());
+    let reader = tokio::spawn(sse_frames(response, |frames| {
+        frames.iter().any(|(_, data)| data.contains("tool_call_done"))
+    }));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Another instance's tools do not reach this stream.
+    server.script_exchange("elsewhere");
+    server.post("other", json!({"kind": "user", "body": "2+3?"})).await;
+    server.settled("other", 1).await;
+    server.script_exchange("2 + 3 = 5");
+    server.post("c1", json!({"kind": "user", "body": "2+3?"})).await;
+    let frames = reader.await.unwrap();
+    let events: Vec<Value> = frames
+        .iter()
+        .filter(|(event, _)| event == "event")
+        .map(|(_, data)| serde_json::from_str(data).unwrap())
+        .collect();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["type"], "event");
+    assert_eq!(events[0]["eventType"], "tool_call_started");
+    assert_eq!(events[0]["data"]["name"], "add");
+    assert_eq!(events[0]["data"]["progress"], Value::Null);
+    assert_eq!(events[1]["eventType"], "tool_call_done");
+    assert_eq!(events[1]["data"]["status"], "success");
+    assert_eq!(events[0]["data"]["id"], events[1]["data"]["id"]);
+    assert!(events[1]["timestamp"].is_string());
+}

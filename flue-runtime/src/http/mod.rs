@@ -12,6 +12,8 @@
 //! | `HEAD /:id` | The stream's head offset. |
 //! | `POST /:id/abort` | Requests an abort of the instance's unsettled submissions. |
 //! | `GET /:id/attachments/:attachmentId` | An attachment's bytes. |
+//! | `GET /:id/events` | Live thread events over SSE (`tool_call_started`, `tool_call_done`). |
+//! | `GET /agents` | The catalog ([`router`] only). |
 //!
 //! Every failure answers the error envelope `{"error":{"type","message","details",…}}` with
 //! its type's status ([`ApiError`]); every response carries `X-Content-Type-Options: nosniff`
@@ -31,6 +33,7 @@ mod catalog;
 mod error;
 mod projection;
 mod reads;
+mod thread_events;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -193,6 +196,10 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) ->
                 .fallback(not_allowed("GET, HEAD, POST")),
         )
         .route("/{id}/abort", post(post_abort).fallback(not_allowed("POST")))
+        .route(
+            "/{id}/events",
+            get(thread_events::get_events).fallback(not_allowed("GET, HEAD")),
+        )
         .route(
             "/{id}/attachments/{attachment_id}",
             get(reads::get_attachment).fallback(not_allowed("GET")),
