@@ -675,6 +675,7 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
                     max_attempts: 10,
                     timeout_ms: 3_600_000,
                     claim: None,
+                    trace: None,
                 })
                 .await
                 .expect("admit");

@@ -15,7 +15,9 @@ use crate::events::{Event, Observation};
 use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
 use crate::session::{self, InstanceSlot, ReplyParts, Settled};
-use crate::store::{Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, UidCondition};
+use crate::store::{
+    Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, TraceContext, UidCondition,
+};
 
 /// Everything that can go wrong talking to the runtime.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -431,6 +433,7 @@ impl RuntimeInner {
                 max_attempts: definition.durability.max_attempts,
                 timeout_ms: definition.durability.timeout.as_millis() as u64,
                 claim,
+                trace: request.trace,
             })
             .await;
         if let Some(mut pending) = pending {
@@ -565,6 +568,8 @@ pub struct SendRequest {
     pub uid: UidCondition,
     /// Idempotency key: replays converge on one submission.
     pub idempotency_key: Option<String>,
+    /// The caller's trace context, carried on the submission.
+    pub trace: Option<TraceContext>,
 }
 
 impl SendRequest {
@@ -576,6 +581,7 @@ impl SendRequest {
             initial_data: None,
             uid: UidCondition::Any,
             idempotency_key: None,
+            trace: None,
         }
     }
 
@@ -594,6 +600,12 @@ impl SendRequest {
     /// Sets an idempotency key.
     pub fn idempotency_key(mut self, key: impl Into<String>) -> Self {
         self.idempotency_key = Some(key.into());
+        self
+    }
+
+    /// Sets the caller's trace context.
+    pub fn trace(mut self, trace: TraceContext) -> Self {
+        self.trace = Some(trace);
         self
     }
 }

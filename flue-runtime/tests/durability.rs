@@ -422,6 +422,7 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
             max_attempts: 10,
             timeout_ms: 3_600_000,
             claim: None,
+            trace: None,
         })
         .await
         .unwrap();
@@ -480,6 +481,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
             max_attempts: 10,
             timeout_ms: 3_600_000,
             claim: None,
+            trace: None,
         })
         .await
         .unwrap();

@@ -52,6 +52,7 @@ fn mail_agent() -> &'static str {
 }
 
 struct Server {
+    runtime: Runtime,
     root: String,
     base: String,
     client: reqwest::Client,
@@ -79,10 +80,12 @@ impl Server {
             .build()
             .unwrap();
         let app = flue_runtime::http::router_with(&runtime, options);
+        let runtime = runtime.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr: SocketAddr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         Self {
+            runtime,
             root: format!("http://{addr}"),
             base: format!("http://{addr}/agents/calculator"),
             client: reqwest::Client::new(),
@@ -1236,4 +1239,55 @@ async fn the_thread_event_stream_carries_tool_call_started_and_done_for_its_inst
     assert_eq!(events[1]["data"]["status"], "success");
     assert_eq!(events[0]["data"]["id"], events[1]["data"]["id"]);
     assert!(events[1]["timestamp"].is_string());
+}
+
+#[tokio::test]
+async fn the_trace_headers_of_an_admission_are_carried_on_its_submission() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("traced"));
+    server.model.push(ScriptedReply::text("untraced"));
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let traced: Value = server
+        .client
+        .post(server.url("/c1"))
+        .header("traceparent", parent)
+        .header("tracestate", "vendor=1")
+        .json(&json!({"kind": "user", "body": "hi"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let row = server
+        .runtime
+        .store()
+        .submission(traced["submissionId"].as_str().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let trace = row.trace.unwrap();
+    assert_eq!(
+        (trace.traceparent.as_str(), trace.tracestate.as_deref()),
+        (parent, Some("vendor=1"))
+    );
+    // A malformed traceparent is ignored, not refused.
+    let untraced = server
+        .client
+        .post(server.url("/c1"))
+        .header("traceparent", "not-a-trace")
+        .json(&json!({"kind": "user", "body": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(untraced.status().as_u16(), 202);
+    let untraced: Value = untraced.json().await.unwrap();
+    let row = server
+        .runtime
+        .store()
+        .submission(untraced["submissionId"].as_str().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.trace, None);
 }

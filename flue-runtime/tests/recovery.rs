@@ -639,6 +639,7 @@ fn failover_to_a_second_node_completes_the_submission_once_and_keeps_admission_o
                 max_attempts: 10,
                 timeout_ms: 3_600_000,
                 claim: None,
+                trace: None,
             }))
             .unwrap();
         ids.push(id);

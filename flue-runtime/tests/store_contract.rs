@@ -33,6 +33,7 @@ fn admission(key: &flue_runtime::store::InstanceKey, id: &str, text: &str) -> fl
         max_attempts: 10,
         timeout_ms: 3_600_000,
         claim: None,
+        trace: None,
     }
 }
 

@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use crate::runtime::SendRequest;
-use crate::store::UidCondition;
+use crate::store::{TraceContext, UidCondition};
 
 /// The longest idempotency key, in characters.
 const MAX_IDEMPOTENCY_KEY_CHARS: usize = 256;
@@ -63,6 +63,8 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     request.initial_data = initial_data;
     request.uid = uid;
     request.idempotency_key = idempotency_key;
+    let header = |name: &str| headers.get(name).and_then(|value| value.to_str().ok());
+    request.trace = header("traceparent").and_then(|parent| TraceContext::parse(parent, header("tracestate")));
     Ok(request)
 }
 

@@ -28,6 +28,7 @@ use flue_core::tool::ToolContext;
 use flue_core::usage::Usage;
 use flue_core::{Agent, RenderError};
 use futures_util::{FutureExt, StreamExt};
+use tracing::Instrument;
 
 use crate::events::Event;
 use crate::provider::{ModelImage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
@@ -257,7 +258,15 @@ impl InstanceSlot {
                         submission_id: submission.id.clone(),
                         attempt_id: attempt_id.clone(),
                     });
-                    let settled = self.process(&runtime, submission, attempt_id).await;
+                    let span = tracing::info_span!(
+                        "flue.submission",
+                        submission = %submission.id,
+                        instance = %self.key,
+                        attempt = %attempt_id,
+                        traceparent = submission.trace.as_ref().map(|trace| trace.traceparent.as_str()),
+                        tracestate = submission.trace.as_ref().and_then(|trace| trace.tracestate.as_deref()),
+                    );
+                    let settled = self.process(&runtime, submission, attempt_id).instrument(span).await;
                     *running = None;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {

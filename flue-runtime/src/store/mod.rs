@@ -93,6 +93,82 @@ pub enum UidCondition {
     CreateOnly,
 }
 
+/// The W3C trace context of the request that admitted a submission (`traceparent`, with its
+/// `tracestate`), carried on the submission so its processing joins the caller's trace.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceContext {
+    /// `version-traceid-parentid-flags`, lowercase hex.
+    pub traceparent: String,
+    /// Vendor state, when the caller sent one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
+}
+
+impl TraceContext {
+    /// The context of a `traceparent` value (and `tracestate`), or `None` when `traceparent`
+    /// is not a valid W3C trace parent: as the W3C rules say, an invalid one is ignored, not
+    /// an error. A `tracestate` longer than 512 characters is dropped.
+    pub fn parse(traceparent: &str, tracestate: Option<&str>) -> Option<Self> {
+        let traceparent = traceparent.trim();
+        let parts: Vec<&str> = traceparent.split('-').collect();
+        let hex = |part: &str, len: usize| {
+            part.len() == len
+                && part
+                    .bytes()
+                    .all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte))
+        };
+        let valid = matches!(parts.as_slice(), [version, trace, parent, flags, ..]
+            if hex(version, 2) && *version != "ff" && hex(trace, 32) && hex(parent, 16) && hex(flags, 2)
+                && trace.bytes().any(|byte| byte != b'0') && parent.bytes().any(|byte| byte != b'0')
+                && (parts.len() == 4 || *version != "00"));
+        valid.then(|| Self {
+            traceparent: traceparent.to_owned(),
+            tracestate: tracestate
+                .map(str::trim)
+                .filter(|state| !state.is_empty() && state.len() <= 512)
+                .map(str::to_owned),
+        })
+    }
+}
+
+#[cfg(test)]
+mod trace_tests {
+    use super::TraceContext;
+
+    #[test]
+    fn a_valid_w3c_traceparent_is_kept_with_its_state_and_an_invalid_one_ignored() {
+        let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let trace = TraceContext::parse(parent, Some(" rojo=00f067aa0ba902b7 "));
+        assert_eq!(
+            trace,
+            Some(TraceContext {
+                traceparent: parent.to_owned(),
+                tracestate: Some("rojo=00f067aa0ba902b7".to_owned()),
+            })
+        );
+        assert_eq!(
+            TraceContext::parse(parent, Some(&"x".repeat(513))).map(|trace| trace.tracestate),
+            Some(None),
+            "an oversized tracestate is dropped, the parent kept"
+        );
+        // A later version may carry more fields.
+        assert!(TraceContext::parse("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-ab", None).is_some());
+        for invalid in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "zz-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(TraceContext::parse(invalid, Some("a=b")), None, "{invalid:?}");
+        }
+    }
+}
+
 /// A message to admit.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Admission {
@@ -119,6 +195,8 @@ pub struct Admission {
     /// instance's queue at once: one transaction instead of two. Nothing is claimed when
     /// earlier work is unsettled, or for a deduplicated replay.
     pub claim: Option<Claim>,
+    /// The admitting request's trace context.
+    pub trace: Option<TraceContext>,
 }
 
 /// A submission row of the ledger.
@@ -166,6 +244,9 @@ pub struct Submission {
     pub outcome: Option<Outcome>,
     /// Why it failed.
     pub error: Option<SettlementError>,
+    /// The admitting request's trace context.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceContext>,
 }
 
 /// The result of an admission.
@@ -279,6 +360,7 @@ pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submissi
         joined_into: None,
         outcome: None,
         error: None,
+        trace: admission.trace,
     }
 }
 

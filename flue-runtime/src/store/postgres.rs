@@ -30,7 +30,8 @@ use tokio_postgres::{NoTls, Row};
 use super::attachments::conflict;
 use super::{
     ATTACHMENT_CHUNK_BYTES, Admission, Admitted, AttachmentPut, AttemptRef, Claim, FORMAT_VERSION, InstanceInfo,
-    InstanceKey, Store, StoreError, StoredAttachment, Submission, SubmissionKind, SubmissionStatus, UidCondition,
+    InstanceKey, Store, StoreError, StoredAttachment, Submission, SubmissionKind, SubmissionStatus, TraceContext,
+    UidCondition,
 };
 use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
 
@@ -94,6 +95,7 @@ const TABLES: [(&str, &str); 4] = [
             joined_into TEXT,
             outcome TEXT CHECK (outcome IN ('completed', 'failed', 'aborted')),
             error TEXT,
+            trace TEXT,
             FOREIGN KEY (agent, instance_id) REFERENCES flue_instances (agent, instance_id)
         );
         CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, admission_seq)
@@ -120,17 +122,19 @@ const TABLES: [(&str, &str); 4] = [
     ),
 ];
 
-/// Adds the timeout columns to a `flue_submissions` table created before they existed.
+/// Adds the columns a `flue_submissions` table created by an earlier build lacks (the
+/// timeouts, the trace context).
 const ADD_TIMEOUT_COLUMNS: &str = "ALTER TABLE flue_submissions \
      ADD COLUMN IF NOT EXISTS timeout_ms NUMERIC(20, 0) NOT NULL DEFAULT 3600000, \
-     ADD COLUMN IF NOT EXISTS timeout_at_ms NUMERIC(20, 0) NOT NULL DEFAULT 0";
+     ADD COLUMN IF NOT EXISTS timeout_at_ms NUMERIC(20, 0) NOT NULL DEFAULT 0, \
+     ADD COLUMN IF NOT EXISTS trace TEXT";
 
 /// The columns [`submission_from_row`] decodes, in its order.
 macro_rules! submission_columns {
     () => {
         "id, admission_seq, agent, instance_id, kind, message, status, accepted_at, attempt_id, owner_id, \
          lease_until_ms::TEXT, attempt_count, max_attempts, abort_requested, joined_into, outcome, error, \
-         timeout_ms::TEXT, timeout_at_ms::TEXT"
+         timeout_ms::TEXT, timeout_at_ms::TEXT, trace"
     };
 }
 
@@ -148,7 +152,8 @@ const INSERT_INSTANCE: &str = "INSERT INTO flue_instances (agent, instance_id, u
      VALUES ($1, $2, $3, 0, $4) ON CONFLICT DO NOTHING RETURNING uid";
 const INSERT_SUBMISSION: &str = concat!(
     "INSERT INTO flue_submissions (id, agent, instance_id, kind, message, status, accepted_at, max_attempts, \
-     timeout_ms) VALUES ($1, $2, $3, $4, $5, 'queued', $6, $7, $8::TEXT::NUMERIC) ON CONFLICT (id) DO NOTHING RETURNING ",
+     timeout_ms, trace) VALUES ($1, $2, $3, $4, $5, 'queued', $6, $7, $8::TEXT::NUMERIC, $9) \
+     ON CONFLICT (id) DO NOTHING RETURNING ",
     submission_columns!()
 );
 const BUMP_OFFSET: &str = "UPDATE flue_instances SET next_offset = next_offset + 1 \
@@ -583,6 +588,7 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
     let error: Option<String> = row.try_get(16)?;
     let timeout: String = row.try_get(17)?;
     let timeout_at: String = row.try_get(18)?;
+    let trace: Option<String> = row.try_get(19)?;
     Ok(Submission {
         id: row.try_get(0)?,
         sequence: u64::try_from(sequence).map_err(|_| corrupt(format_args!("admission sequence {sequence}")))?,
@@ -612,6 +618,11 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
             .map(serde_json::from_str::<SettlementError>)
             .transpose()
             .map_err(|error| corrupt(format_args!("settlement error: {error}")))?,
+        trace: trace
+            .as_deref()
+            .map(serde_json::from_str::<TraceContext>)
+            .transpose()
+            .map_err(|error| corrupt(format_args!("trace context: {error}")))?,
     })
 }
 
@@ -737,6 +748,11 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     let message = to_json(&admission.message, "message")?;
     let max_attempts = i64::from(admission.max_attempts);
     let timeout = admission.timeout_ms.to_string();
+    let trace = admission
+        .trace
+        .as_ref()
+        .map(|trace| to_json(trace, "trace context"))
+        .transpose()?;
     let statement = tx.prepare_cached(INSERT_SUBMISSION).await?;
     let Some(row) = tx
         .query_opt(
@@ -750,6 +766,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
                 &now().to_string(),
                 &max_attempts,
                 &timeout,
+                &trace,
             ],
         )
         .await?
@@ -1335,6 +1352,7 @@ mod tests {
             max_attempts: 10,
             timeout_ms: 3_600_000,
             claim: None,
+            trace: None,
         }
     }
 

@@ -12,7 +12,7 @@ use flue_runtime::message::DeliveredMessage;
 use flue_runtime::record::{Outcome, Record, RecordBody, SettlementError};
 use flue_runtime::store::{
     ATTACHMENT_CHUNK_BYTES, Admission, AttachmentPut, AttemptRef, Claim, InstanceKey, Store, StoreError, Submission,
-    SubmissionKind, SubmissionStatus, UidCondition, now_ms,
+    SubmissionKind, SubmissionStatus, TraceContext, UidCondition, now_ms,
 };
 
 pub type Factory = Arc<dyn Store>;
@@ -29,6 +29,7 @@ macro_rules! store_contract {
                     admits_one_queued_dispatch_row_when_the_same_submission_is_replayed,
                     returns_conflict_when_one_submission_id_is_reused_with_another_payload,
                     creates_the_instance_with_a_birth_record_once,
+                    keeps_the_admitting_requests_trace_context_on_the_submission,
                     honours_conditional_sends,
                     orders_direct_and_dispatched_submissions_together_within_one_session,
                     lists_queued_dispatches_in_admission_order_and_selects_one_runnable_head_per_session,
@@ -125,6 +126,7 @@ fn admission(id: &str, agent: &str, instance: &str, kind: SubmissionKind, body: 
         max_attempts: 10,
         timeout_ms: 3_600_000,
         claim: None,
+        trace: None,
     }
 }
 
@@ -222,6 +224,20 @@ pub async fn returns_conflict_when_one_submission_id_is_reused_with_another_payl
         store.admit(other).await.unwrap_err(),
         StoreError::SubmissionConflict("dispatch-1".into())
     );
+}
+
+pub async fn keeps_the_admitting_requests_trace_context_on_the_submission(store: Factory) {
+    let trace = TraceContext::parse(
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        Some("vendor=opaque"),
+    );
+    assert!(trace.is_some());
+    let mut traced = dispatch("dispatch-1");
+    traced.trace = trace.clone();
+    assert_eq!(store.admit(traced).await.unwrap().submission.trace, trace);
+    assert_eq!(row(&store, "dispatch-1").await.trace, trace);
+    store.admit(dispatch("dispatch-2")).await.unwrap();
+    assert_eq!(row(&store, "dispatch-2").await.trace, None);
 }
 
 pub async fn creates_the_instance_with_a_birth_record_once(store: Factory) {
