@@ -1291,3 +1291,47 @@ async fn the_trace_headers_of_an_admission_are_carried_on_its_submission() {
         .unwrap();
     assert_eq!(row.trace, None);
 }
+
+#[tokio::test]
+async fn an_updates_read_covers_at_most_100_batches_and_is_up_to_date_only_at_the_head() {
+    let server = Server::start().await;
+    // Each text exchange appends its input, its step and its settlement: 34 exchanges and the
+    // birth record make 103 batches.
+    for n in 0..34 {
+        server.model.push(ScriptedReply::text(format!("answer {n}")));
+        server
+            .post("long", json!({"kind": "user", "body": format!("question {n}")}))
+            .await;
+        server.settled("long", n + 1).await;
+    }
+    let (_, headers, body) = server.get_json("/long?view=updates&offset=-1").await;
+    let chunks = &body.as_array().unwrap()[1..];
+    let batches: std::collections::BTreeSet<u64> = chunks
+        .iter()
+        .map(|chunk| chunk["position"]["batch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(batches.len(), 100, "one read covers 100 batches");
+    assert!(
+        headers.get("stream-up-to-date").is_none(),
+        "not at the head: the header is absent, never false"
+    );
+    let next = header(&headers, "stream-next-offset").to_owned();
+    assert_eq!(next, format!("0000000000000000_{:016}", batches.last().unwrap()));
+    let (_, headers, body) = server.get_json(&format!("/long?view=updates&offset={next}")).await;
+    assert_eq!(header(&headers, "stream-up-to-date"), "true");
+    let rest: std::collections::BTreeSet<u64> = body.as_array().unwrap()[1..]
+        .iter()
+        .map(|chunk| chunk["position"]["batch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(rest.len(), 3, "the rest, up to the head");
+}
+
+#[tokio::test]
+async fn a_runtime_that_is_shutting_down_answers_503_with_retry_after() {
+    let server = Server::start().await;
+    server.runtime.shutdown();
+    let response = server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    assert_eq!(header(response.headers(), "retry-after"), "1");
+    let error = assert_error(response, 503, "runtime_unavailable").await;
+    assert_eq!(error["meta"], json!({"state": "draining"}));
+}
