@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use std::net::SocketAddr;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use flue_runtime::http::HttpOptions;
@@ -1334,4 +1335,81 @@ async fn a_runtime_that_is_shutting_down_answers_503_with_retry_after() {
     assert_eq!(header(response.headers(), "retry-after"), "1");
     let error = assert_error(response, 503, "runtime_unavailable").await;
     assert_eq!(error["meta"], json!({"state": "draining"}));
+}
+
+#[tokio::test]
+async fn sse_readers_joining_at_any_offset_while_the_instance_works_see_exactly_the_canonical_chunks() {
+    let server = std::sync::Arc::new(
+        Server::start_with(HttpOptions {
+            heartbeat: Duration::from_millis(50),
+            ..HttpOptions::default()
+        })
+        .await,
+    );
+    server.script_exchange("warm");
+    server.post("busy", json!({"kind": "user", "body": "warm"})).await;
+    server.settled("busy", 1).await;
+    let exchanges = 6;
+    // Set once every exchange settled: each reader reads until its stream reaches it.
+    let final_head: std::sync::Arc<Mutex<Option<String>>> = std::sync::Arc::default();
+    // Readers from the start, from the head, and from offsets in between, joining while the
+    // instance answers more messages: the shared feed serves those that caught up.
+    let mut readers = Vec::new();
+    for n in 0..12 {
+        let (_, _, head) = server.get_json("/busy?view=updates&offset=-1").await;
+        let chunks = head.as_array().unwrap();
+        let batch = |chunk: &Value| chunk["position"]["batch"].as_u64().unwrap();
+        let offset = match n % 3 {
+            0 => "-1".to_owned(),
+            1 => format!("0000000000000000_{:016}", batch(chunks.last().unwrap())),
+            _ => format!("0000000000000000_{:016}", batch(&chunks[chunks.len() / 2])),
+        };
+        let response = server
+            .client
+            .get(server.url(&format!("/busy?view=updates&offset={offset}&live=sse")))
+            .send()
+            .await
+            .unwrap();
+        let final_head = final_head.clone();
+        readers.push((
+            offset,
+            tokio::spawn(sse_frames(response, move |frames| {
+                let Some(head) = final_head.lock().unwrap().clone() else {
+                    return false;
+                };
+                frames
+                    .iter()
+                    .any(|(event, data)| event == "control" && data.contains(&format!("\"{head}\"")))
+            })),
+        ));
+        if n % 2 == 1 {
+            let k = n / 2;
+            server.script_exchange(&format!("a{k}"));
+            server
+                .post("busy", json!({"kind": "user", "body": format!("q{k}")}))
+                .await;
+        }
+    }
+    let head = server.settled("busy", exchanges + 1).await["offset"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    *final_head.lock().unwrap() = Some(head);
+    for (offset, reader) in readers {
+        let frames = tokio::time::timeout(Duration::from_secs(20), reader)
+            .await
+            .unwrap()
+            .unwrap();
+        let received: Vec<Value> = frames
+            .iter()
+            .filter(|(event, data)| event == "data" && !data.contains("stream-checkpoint"))
+            .flat_map(|(_, data)| serde_json::from_str::<Vec<Value>>(data).unwrap())
+            .collect();
+        let (_, _, canonical) = server.get_json(&format!("/busy?view=updates&offset={offset}")).await;
+        assert_eq!(
+            received,
+            canonical.as_array().unwrap()[1..].to_vec(),
+            "reader from {offset}"
+        );
+    }
 }

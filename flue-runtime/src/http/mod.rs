@@ -31,6 +31,7 @@ mod admission;
 pub mod auth;
 mod catalog;
 mod error;
+mod feed;
 mod projection;
 mod reads;
 mod thread_events;
@@ -115,6 +116,8 @@ struct Routes {
     runtime: Arc<RuntimeInner>,
     agent: Arc<str>,
     options: Arc<HttpOptions>,
+    /// The live feeds of this agent's instances followed over SSE.
+    feeds: Arc<feed::Feeds>,
 }
 
 impl Routes {
@@ -186,6 +189,7 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) ->
         runtime,
         agent: agent.into(),
         options,
+        feeds: Arc::default(),
     };
     Router::new()
         .route(

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::error::ApiError;
+use super::feed::{Delivery, Feed, data_frame};
 use super::projection::{Projection, checkpoint};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
@@ -281,14 +282,17 @@ struct SseStream {
     options: Arc<HttpOptions>,
     key: InstanceKey,
     slot: Arc<InstanceSlot>,
-    projection: Projection,
+    /// The instance's shared feed, which serves this reader once it has caught up.
+    feed: Arc<Feed>,
+    /// This reader's own fold, while it catches up (dropped once the feed serves it).
+    own: Option<Projection>,
     incarnation: String,
-    /// Batches read but not yet sent.
+    /// Batches read but not yet sent (catching up).
     pending: Vec<Batch>,
     offset: Option<u64>,
     started: bool,
-    /// Up to date: wait for an append (or `sse_wait`) before reading again.
-    idle: bool,
+    /// When the last frames were sent (heartbeats and keep-alive controls count from it).
+    last_sent: Instant,
 }
 
 impl SseStream {
@@ -297,65 +301,89 @@ impl SseStream {
     async fn next(&mut self) -> Option<String> {
         if !self.started {
             self.started = true;
+            self.last_sent = Instant::now();
             return Some(frame("data", &json!([checkpoint(&self.incarnation)]).to_string()));
         }
-        if self.idle && self.pending.is_empty() {
-            match self.wait().await {
-                Some(batches) => self.pending = batches,
-                None => return Some(": heartbeat\n\n".to_owned()),
+        loop {
+            if !self.pending.is_empty() {
+                return Some(self.catch_up());
+            }
+            // Registered before looking, so an append after the look wakes the wait.
+            let appended = self.slot.appended().notified();
+            tokio::pin!(appended);
+            appended.as_mut().enable();
+            match self.feed.after(&self.runtime, self.offset).await.ok()? {
+                Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
+                    self.own = None;
+                    self.offset = offset;
+                    let mut out = String::new();
+                    for frame in &frames {
+                        out.push_str(std::str::from_utf8(frame).unwrap_or_default());
+                    }
+                    out.push_str(&self.control(true));
+                    self.last_sent = Instant::now();
+                    return Some(out);
+                }
+                Delivery::Frames(..) => {
+                    // Served by the feed from here on.
+                    self.own = None;
+                    let heartbeat = self.last_sent + self.options.heartbeat;
+                    let keep_alive = self.last_sent + self.options.sse_wait;
+                    let mut wake = heartbeat.min(keep_alive);
+                    if self.runtime.store.shared() {
+                        wake = wake.min(Instant::now() + self.options.shared_store_poll);
+                    }
+                    if tokio::time::timeout_at(wake, appended).await.is_err() {
+                        let now = Instant::now();
+                        if now >= keep_alive {
+                            self.last_sent = now;
+                            return Some(self.control(true));
+                        }
+                        if now >= heartbeat {
+                            self.last_sent = now;
+                            return Some(": heartbeat\n\n".to_owned());
+                        }
+                    }
+                }
+                Delivery::Behind => {
+                    if self.own.is_none() {
+                        // Far behind the feed: fold the stream up to this reader's offset again.
+                        let mut own = Projection::new(&self.key.stream_path());
+                        for batch in self.runtime.store.read(&self.key, None).await.ok()? {
+                            if self.offset.is_some_and(|offset| batch.offset <= offset) {
+                                own.apply(&batch, None);
+                            }
+                        }
+                        self.own = Some(own);
+                    }
+                    self.pending = self.runtime.store.read(&self.key, self.offset).await.ok()?;
+                }
             }
         }
-        if self.pending.is_empty() {
-            self.pending = self.runtime.store.read(&self.key, self.offset).await.ok()?;
-        }
+    }
+
+    /// Sends the next batches this reader reads itself, with its own fold.
+    fn catch_up(&mut self) -> String {
         let take = self.pending.len().min(BATCHES_PER_READ);
         let batches: Vec<Batch> = self.pending.drain(..take).collect();
+        let own = self.own.get_or_insert_with(|| Projection::new(&self.key.stream_path()));
         let mut chunks = Vec::new();
         for batch in &batches {
-            self.projection.apply(batch, Some(&mut chunks));
+            own.apply(batch, Some(&mut chunks));
             self.offset = Some(batch.offset);
         }
-        let up_to_date = self.pending.is_empty();
-        self.idle = up_to_date;
-        let mut frames = String::new();
-        if !chunks.is_empty() {
-            frames.push_str(&frame("data", &Value::Array(chunks).to_string()));
-        }
+        let mut frames = data_frame(chunks).unwrap_or_default();
+        frames.push_str(&self.control(self.pending.is_empty()));
+        self.last_sent = Instant::now();
+        frames
+    }
+
+    fn control(&self, up_to_date: bool) -> String {
         let mut control = json!({"streamNextOffset": wire_offset(self.offset)});
         if up_to_date {
             control["upToDate"] = json!(true);
         }
-        frames.push_str(&frame("control", &control.to_string()));
-        Some(frames)
-    }
-
-    /// Waits for new batches: `Some` with them (possibly none, after `sse_wait`), `None` when
-    /// a heartbeat is due first.
-    async fn wait(&mut self) -> Option<Vec<Batch>> {
-        let until = Instant::now() + self.options.sse_wait;
-        let heartbeat = Instant::now() + self.options.heartbeat;
-        loop {
-            let appended = self.slot.appended().notified();
-            tokio::pin!(appended);
-            appended.as_mut().enable();
-            let batches = self
-                .runtime
-                .store
-                .read(&self.key, self.offset)
-                .await
-                .unwrap_or_default();
-            if !batches.is_empty() || Instant::now() >= until {
-                return Some(batches);
-            }
-            if Instant::now() >= heartbeat {
-                return None;
-            }
-            let mut wake = until.min(heartbeat);
-            if self.runtime.store.shared() {
-                wake = wake.min(Instant::now() + self.options.shared_store_poll);
-            }
-            let _ = tokio::time::timeout_at(wake, appended).await;
-        }
+        frame("control", &control.to_string())
     }
 }
 
@@ -372,15 +400,16 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, batches: Vec<Batch
     }
     let state = SseStream {
         slot: routes.runtime.slot(&key),
+        feed: routes.feeds.of(&key),
         runtime: routes.runtime,
         options: routes.options,
         key,
-        projection,
+        own: Some(projection),
         incarnation,
         pending,
         offset: after,
         started: false,
-        idle: false,
+        last_sent: Instant::now(),
     };
     let body = futures_util::stream::unfold(state, |mut state| async move {
         let frames = state.next().await?;

@@ -1,0 +1,138 @@
+//! The live feed of one instance: its newest batches projected and serialized once, shared by
+//! every SSE reader that has caught up with the stream. A thousand readers of a busy instance
+//! cost one store read and one projection per batch, not a thousand.
+//!
+//! A reader behind the feed's window (it connected from an old offset, or it fell far behind)
+//! projects for itself until it reaches the window.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+
+use axum::body::Bytes;
+use serde_json::Value;
+
+use super::projection::Projection;
+use crate::record::Batch;
+use crate::runtime::RuntimeInner;
+use crate::store::InstanceKey;
+
+/// How many of the newest batches' frames a feed keeps.
+const WINDOW: usize = 1024;
+
+/// One SSE data frame of `chunks` (none when the batch projects to nothing).
+pub(super) fn data_frame(chunks: Vec<Value>) -> Option<String> {
+    (!chunks.is_empty()).then(|| format!("event: data\ndata:{}\n\n", Value::Array(chunks)))
+}
+
+/// What the feed holds: the fold of the stream through `offset`, and the frames of the
+/// newest batches.
+struct State {
+    projection: Projection,
+    /// The last batch folded; `None` before the first read.
+    offset: Option<u64>,
+    started: bool,
+    /// `(batch offset, its data frame)`, oldest first; empty frames for batches that project
+    /// to nothing.
+    frames: VecDeque<(u64, Bytes)>,
+}
+
+/// One instance's feed.
+pub(super) struct Feed {
+    key: InstanceKey,
+    state: tokio::sync::Mutex<State>,
+}
+
+/// Frames for a reader.
+pub(super) enum Delivery {
+    /// The frames after the reader's offset, and the offset they reach.
+    Frames(Vec<Bytes>, Option<u64>),
+    /// The reader is behind the window: it must project for itself.
+    Behind,
+}
+
+impl Feed {
+    /// The frames of every batch after `after`, reading and projecting what the store has
+    /// beyond the feed first. `Err` when the store fails.
+    pub(super) async fn after(
+        &self,
+        runtime: &RuntimeInner,
+        after: Option<u64>,
+    ) -> Result<Delivery, crate::store::StoreError> {
+        let mut state = self.state.lock().await;
+        if !state.started {
+            // Fold everything there is now; frames start with the batches after it.
+            let batches = runtime.store.read(&self.key, None).await?;
+            for batch in &batches {
+                state.projection.apply(batch, None);
+                state.offset = Some(batch.offset);
+            }
+            state.started = true;
+        } else {
+            let batches = runtime.store.read(&self.key, state.offset).await?;
+            state.push(&batches);
+        }
+        if after >= state.offset {
+            return Ok(Delivery::Frames(Vec::new(), after));
+        }
+        // Covered when the window starts right after `after` (or earlier).
+        let first = state.frames.front().map(|(offset, _)| *offset);
+        let covered = first.is_some_and(|first| after.map_or(first == 0, |after| first <= after + 1));
+        if !covered {
+            return Ok(Delivery::Behind);
+        }
+        let frames = state
+            .frames
+            .iter()
+            .filter(|(offset, _)| after.is_none_or(|after| *offset > after))
+            .map(|(_, frame)| frame.clone())
+            .filter(|frame| !frame.is_empty())
+            .collect();
+        Ok(Delivery::Frames(frames, state.offset))
+    }
+}
+
+impl State {
+    fn push(&mut self, batches: &[Batch]) {
+        for batch in batches {
+            let mut chunks = Vec::new();
+            self.projection.apply(batch, Some(&mut chunks));
+            self.offset = Some(batch.offset);
+            let frame = data_frame(chunks).map(Bytes::from).unwrap_or_default();
+            self.frames.push_back((batch.offset, frame));
+            if self.frames.len() > WINDOW {
+                self.frames.pop_front();
+            }
+        }
+    }
+}
+
+/// The feeds of one router's instances, alive while a reader holds them.
+#[derive(Default)]
+pub(super) struct Feeds {
+    feeds: Mutex<HashMap<InstanceKey, Weak<Feed>>>,
+}
+
+impl Feeds {
+    /// The feed of `key`, created when no reader holds one.
+    pub(super) fn of(&self, key: &InstanceKey) -> Arc<Feed> {
+        let mut feeds = self.feeds.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(feed) = feeds.get(key).and_then(Weak::upgrade) {
+            return feed;
+        }
+        let feed = Arc::new(Feed {
+            key: key.clone(),
+            state: tokio::sync::Mutex::new(State {
+                projection: Projection::new(&key.stream_path()),
+                offset: None,
+                started: false,
+                frames: VecDeque::new(),
+            }),
+        });
+        // Forget the feeds no reader holds any more, as the map grows.
+        if feeds.len() >= 64 && feeds.len().is_power_of_two() {
+            feeds.retain(|_, feed| feed.strong_count() > 0);
+        }
+        feeds.insert(key.clone(), Arc::downgrade(&feed));
+        feed
+    }
+}
