@@ -442,7 +442,7 @@ impl RuntimeInner {
         let admitted = admitted?;
         if !admitted.deduplicated {
             // A new instance's birth record is on its stream.
-            self.slot(&key).appended().notify_waiters();
+            self.slot(&key).note_append();
             self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         }
         self.ensure_background();

@@ -31,6 +31,9 @@ struct State {
     /// The last batch folded; `None` before the first read.
     offset: Option<u64>,
     started: bool,
+    /// The instance's append count when the feed last read the store: while it has not
+    /// moved, there is nothing new to read (unless other nodes append too).
+    seen_appends: u64,
     /// `(batch offset, its data frame)`, oldest first; empty frames for batches that project
     /// to nothing.
     frames: VecDeque<(u64, Bytes)>,
@@ -53,13 +56,19 @@ pub(super) enum Delivery {
 impl Feed {
     /// The frames of every batch after `after`, reading and projecting what the store has
     /// beyond the feed first. `Err` when the store fails.
+    /// `appends` is the instance's append count, read before this call.
     pub(super) async fn after(
         &self,
         runtime: &RuntimeInner,
         after: Option<u64>,
+        appends: u64,
     ) -> Result<Delivery, crate::store::StoreError> {
         let mut state = self.state.lock().await;
-        if !state.started {
+        let unchanged = state.started && appends == state.seen_appends && !runtime.store.shared();
+        state.seen_appends = appends;
+        if unchanged {
+            // Another reader already read what this wake-up announced.
+        } else if !state.started {
             // Fold everything there is now; frames start with the batches after it.
             let batches = runtime.store.read(&self.key, None).await?;
             for batch in &batches {
@@ -125,6 +134,7 @@ impl Feeds {
                 projection: Projection::new(&key.stream_path()),
                 offset: None,
                 started: false,
+                seen_appends: 0,
                 frames: VecDeque::new(),
             }),
         });

@@ -312,7 +312,8 @@ impl SseStream {
             let appended = self.slot.appended().notified();
             tokio::pin!(appended);
             appended.as_mut().enable();
-            match self.feed.after(&self.runtime, self.offset).await.ok()? {
+            let appends = self.slot.appends();
+            match self.feed.after(&self.runtime, self.offset, appends).await.ok()? {
                 Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
                     self.own = None;
                     self.offset = offset;

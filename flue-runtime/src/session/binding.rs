@@ -24,6 +24,14 @@ pub(crate) struct Attempt {
     pub(crate) responding: AtomicBool,
 }
 
+impl InstanceBinding {
+    /// Counts a batch appended to the stream and wakes its live readers.
+    pub(crate) fn appended(&self) {
+        self.appends.fetch_add(1, Ordering::AcqRel);
+        self.appended.notify_waiters();
+    }
+}
+
 impl Attempt {
     pub(crate) fn buffer(&self) -> MutexGuard<'_, StateBuffer> {
         self.buffer.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -40,6 +48,8 @@ pub(crate) struct InstanceBinding {
     pub(crate) runtime: Weak<RuntimeInner>,
     /// Woken after every batch this node appends to the instance's stream (live readers).
     pub(crate) appended: tokio::sync::Notify,
+    /// Batches this node appended to the stream: a reader that saw this count has seen them.
+    pub(crate) appends: std::sync::atomic::AtomicU64,
     pub(crate) current: Mutex<Option<Arc<Attempt>>>,
 }
 

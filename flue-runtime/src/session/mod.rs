@@ -123,6 +123,7 @@ impl InstanceSlot {
             key: key.clone(),
             runtime: runtime.clone(),
             appended: tokio::sync::Notify::new(),
+            appends: AtomicU64::new(0),
             current: Mutex::new(None),
         });
         Self {
@@ -157,6 +158,18 @@ impl InstanceSlot {
     /// Woken after every batch this node appends to the instance's stream.
     pub(crate) fn appended(&self) -> &tokio::sync::Notify {
         &self.binding.appended
+    }
+
+    /// How many batches this node appended to the instance's stream (counted before the
+    /// [`appended`](Self::appended) wake-up).
+    pub(crate) fn appends(&self) -> u64 {
+        self.binding.appends.load(Ordering::Acquire)
+    }
+
+    /// Counts an append made outside a response (an admission's birth record) and wakes the
+    /// live readers.
+    pub(crate) fn note_append(&self) {
+        self.binding.appended();
     }
 
     /// Makes sure a worker runs for this instance.
@@ -435,7 +448,7 @@ impl InstanceSlot {
             .await
         {
             Ok(()) => {
-                self.binding.appended.notify_waiters();
+                self.binding.appended();
                 true
             }
             Err(store_error) => {
@@ -653,7 +666,7 @@ impl Response<'_> {
             .append(self.key, records.clone(), Some(&self.attempt.attempt))
             .await
             .map_err(Failure::store)?;
-        self.binding.appended.notify_waiters();
+        self.binding.appended();
         for record in records.iter() {
             self.reply.add(record);
         }
