@@ -37,7 +37,7 @@ use serde_json::{Map, Value, json};
 
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
+    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
@@ -73,6 +73,7 @@ const MIN_THINKING_BUDGET: u32 = 1024;
 pub struct AnthropicProvider {
     id: String,
     base_url: String,
+    endpoint: Endpoint,
     key: KeySource,
     transport: Transport,
     client: SharedClient,
@@ -85,6 +86,7 @@ impl AnthropicProvider {
         Self {
             id: "anthropic".to_owned(),
             base_url: "https://api.anthropic.com/v1".to_owned(),
+            endpoint: Endpoint::default(),
             key: KeySource::env("ANTHROPIC_API_KEY"),
             transport: Transport::default(),
             client: SharedClient::default(),
@@ -100,6 +102,7 @@ impl AnthropicProvider {
     /// Replaces the base URL (the part before `/messages`).
     pub fn with_base_url(mut self, base_url: impl Into<String>) -> Self {
         self.base_url = base_url.into();
+        self.endpoint = Endpoint::default();
         self
     }
 
@@ -305,7 +308,7 @@ impl ModelProvider for AnthropicProvider {
         }
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
         let body = self.body(&request);
-        let url = endpoint(&self.base_url, "messages");
+        let url = self.endpoint.url(&self.base_url, "messages");
         let transport = self.transport;
         let client = self.client.clone();
         let connect_ctx = ctx.clone();

@@ -286,6 +286,26 @@ pub(crate) fn endpoint(base_url: &str, path: &str) -> String {
     format!("{}/{}", base_url.trim_end_matches('/'), path.trim_start_matches('/'))
 }
 
+/// A provider's endpoint, parsed once (not on every call). Reset it when the base URL changes.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Endpoint(OnceLock<Result<reqwest::Url, String>>);
+
+impl Endpoint {
+    /// The URL of `path` under `base_url`: parsed, or the text that does not parse (reqwest
+    /// then reports it as it would have).
+    pub(crate) fn url(&self, base_url: &str, path: &str) -> Result<reqwest::Url, String> {
+        self.0
+            .get_or_init(|| {
+                let text = endpoint(base_url, path);
+                reqwest::Url::parse(&text).map_err(|_| text)
+            })
+            .clone()
+    }
+}
+
+/// A URL given to [`send_with_retries`].
+pub(crate) type Target = Result<reqwest::Url, String>;
+
 /// A stream that fails once with `error`.
 pub(crate) fn error_stream(error: ProviderError) -> ModelStream {
     Box::pin(futures_util::stream::once(async move { Err(error) }))
@@ -307,7 +327,7 @@ pub(crate) fn encode_body(encoded: Result<Vec<u8>, serde_json::Error>) -> Result
 /// connection failures and first-byte timeouts. Everything else fails at once.
 pub(crate) async fn send_with_retries(
     client: &reqwest::Client,
-    url: &str,
+    url: &Target,
     headers: &HeaderMap,
     payload: Bytes,
     transport: &Transport,
@@ -315,8 +335,11 @@ pub(crate) async fn send_with_retries(
 ) -> Result<reqwest::Response, ProviderError> {
     let mut retry = 0u32;
     loop {
-        let attempt = client
-            .post(url)
+        let request = match url {
+            Ok(url) => client.post(url.clone()),
+            Err(text) => client.post(text.as_str()),
+        };
+        let attempt = request
             .headers(headers.clone())
             .header(CONTENT_TYPE, "application/json")
             .body(payload.clone())
@@ -983,6 +1006,22 @@ mod tests {
             ..source
         };
         assert_eq!(optional.resolve("local").ok(), Some(None));
+    }
+
+    #[test]
+    fn an_endpoint_is_parsed_once_and_an_unparsable_one_kept_as_text() {
+        let endpoint = Endpoint::default();
+        let url = endpoint.url("http://127.0.0.1:9/v1/", "/chat/completions");
+        assert_eq!(
+            url.as_ref().map(reqwest::Url::as_str),
+            Ok("http://127.0.0.1:9/v1/chat/completions")
+        );
+        // Parsed once: a later base URL does not change it (providers reset it on change).
+        assert_eq!(endpoint.url("http://elsewhere", "x"), url);
+        assert_eq!(
+            Endpoint::default().url("not a url", "messages"),
+            Err("not a url/messages".to_owned())
+        );
     }
 
     #[test]

@@ -48,7 +48,7 @@ use serde_json::Value;
 
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early, endpoint,
+    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
@@ -88,6 +88,7 @@ enum Flavor {
 pub struct OpenAiProvider {
     id: String,
     base_url: String,
+    endpoint: Endpoint,
     flavor: Flavor,
     key: KeySource,
     transport: Transport,
@@ -99,6 +100,7 @@ impl OpenAiProvider {
         Self {
             id: id.into(),
             base_url: base_url.into(),
+            endpoint: Endpoint::default(),
             flavor,
             key: KeySource::env(key_env),
             transport: Transport::default(),
@@ -131,6 +133,7 @@ impl OpenAiProvider {
     /// Replaces the base URL (the part before `/chat/completions`).
     pub fn with_base_url(mut self, base_url: impl Into<String>) -> Self {
         self.base_url = base_url.into();
+        self.endpoint = Endpoint::default();
         self
     }
 
@@ -402,7 +405,7 @@ impl ModelProvider for OpenAiProvider {
         }
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
         let body = super::http::encode_body(self.body_bytes(&request));
-        let url = endpoint(&self.base_url, "chat/completions");
+        let url = self.endpoint.url(&self.base_url, "chat/completions");
         let transport = self.transport;
         let client = self.client.clone();
         let connect_ctx = ctx.clone();
