@@ -696,6 +696,25 @@ async fn a_self_dispatch_joins_the_live_response_at_the_next_turn_boundary() {
     );
 }
 
+#[tokio::test]
+async fn a_dispatch_admitted_after_an_empty_boundary_still_joins_at_the_next_one() {
+    let model = ScriptedModel::new([
+        // Step 1: a call that does nothing (an unknown tool): its boundary finds nothing to join.
+        ScriptedReply::tool_call("no_such_tool", json!({})),
+        // Step 2: the dispatch, admitted after that empty look.
+        ScriptedReply::tool_call("schedule_follow_up", json!({})),
+        ScriptedReply::text("Done, follow-up included."),
+    ]);
+    let runtime = runtime_with(&model, vec![planner.into()]);
+    runtime.init(&planner, "boundaries").send("plan").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(requests.len(), 3, "the follow-up joined instead of running on its own");
+    let joined = requests[2].messages.iter().any(
+        |message| matches!(message, ModelMessage::User { content, .. } if content == "follow-up: check the invoice"),
+    );
+    assert!(joined, "the third model call reads the joined follow-up");
+}
+
 static MODEL_CHOICE: Mutex<&str> = Mutex::new("scripted/first");
 
 #[agent]

@@ -372,6 +372,8 @@ impl InstanceSlot {
             spare: None,
             reply: ReplyParts::default(),
             record_ids: (submission.id.as_str().into(), attempt_id.as_str().into()),
+            admissions: &self.wakes,
+            joins_checked: None,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -601,6 +603,11 @@ struct Response<'a> {
     reply: ReplyParts,
     /// The submission and attempt ids its records carry (shared by all of them).
     record_ids: (Arc<str>, Arc<str>),
+    /// The instance's wake count: every admission on this node bumps it after it commits.
+    admissions: &'a AtomicU64,
+    /// The wake count when the store last had nothing to join: while it has not moved (and no
+    /// other node writes to the store), nothing can have been queued since.
+    joins_checked: Option<u64>,
 }
 
 impl Response<'_> {
@@ -1114,6 +1121,12 @@ impl Response<'_> {
 
     /// Claims queued deliveries into this response; returns whether any joined.
     async fn join_queued(&mut self, rendered: &Rendered) -> Result<bool, Failure> {
+        // Loaded before the store is asked: an admission committed after the question bumps
+        // the count after it, so the next boundary asks again.
+        let admissions = self.admissions.load(Ordering::SeqCst);
+        if self.joins_checked == Some(admissions) && !self.runtime.store.shared() {
+            return Ok(false);
+        }
         let claimed = self
             .runtime
             .store
@@ -1121,8 +1134,10 @@ impl Response<'_> {
             .await
             .map_err(Failure::store)?;
         if claimed.is_empty() {
+            self.joins_checked = Some(admissions);
             return Ok(false);
         }
+        self.joins_checked = None;
         for delivery in claimed {
             let message = Arc::new(delivery.message.clone());
             self.delivery = message.clone();
