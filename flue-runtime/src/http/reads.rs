@@ -257,10 +257,14 @@ async fn wait_for_batches(
         let appended = slot.appended().notified();
         tokio::pin!(appended);
         appended.as_mut().enable();
-        let batches = stream(runtime, key).await?;
-        let head = batches.last().map(|batch| batch.offset);
-        if head > after || Instant::now() >= deadline {
-            return Ok(batches);
+        // Only what is new is read to look; the whole stream once there is something.
+        let newer = runtime
+            .store
+            .read(key, after)
+            .await
+            .map_err(|error| ApiError::internal(&error))?;
+        if !newer.is_empty() || Instant::now() >= deadline {
+            return stream(runtime, key).await;
         }
         let wait = if runtime.store.shared() {
             options.shared_store_poll.min(deadline - Instant::now())
