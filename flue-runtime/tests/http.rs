@@ -1096,6 +1096,39 @@ mod client {
     }
 
     #[tokio::test]
+    async fn the_client_reads_the_catalog_and_sends_its_bearer_token() {
+        use flue_runtime::http::{Access, BearerTokens};
+        let tokens = BearerTokens::new().allow("secret", Access::IdPrefix("mine-".into()));
+        let server = Server::start_with(HttpOptions::default().authorized_by(tokens)).await;
+        server.model.push(ScriptedReply::text("authorized"));
+        let anonymous = Client::new(&server.root).unwrap();
+        assert!(matches!(
+            anonymous.catalog().await,
+            Err(ClientError::Api { status: 401, .. })
+        ));
+        let client = Client::new(&server.root).unwrap().with_bearer_token("secret");
+        let catalog = client.catalog().await.unwrap();
+        assert_eq!(catalog["agents"][0]["name"], "calculator");
+        assert_eq!(
+            client.instance("calculator", "mine-1").prompt("hi").await.unwrap().text,
+            "authorized"
+        );
+        let refused = client.instance("calculator", "theirs").send("hi").await;
+        assert!(
+            matches!(refused, Err(ClientError::Api { status: 403, .. })),
+            "{refused:?}"
+        );
+        // Instance ids are path segments: any text round-trips.
+        server.model.push(ScriptedReply::text("odd id"));
+        let odd = client.instance("calculator", "mine-a b/c?d");
+        assert_eq!(odd.prompt("hi").await.unwrap().text, "odd id");
+        assert_eq!(
+            odd.history().await.unwrap()["conversationId"],
+            "agents/calculator/mine-a b/c?d"
+        );
+    }
+
+    #[tokio::test]
     async fn a_failed_submission_and_a_refused_request_are_errors_with_their_types() {
         let server = Server::start().await;
         // No scripted reply: the model call fails and the submission settles failed.
