@@ -77,6 +77,26 @@ pub enum Event {
         /// How long it took.
         duration_ms: u64,
     },
+    /// A tool call appeared in the model's stream (`tool_call_started`: once per call, before
+    /// the tool runs; with a progress argument, once that argument's string has streamed).
+    ToolCallStarted {
+        /// Call id.
+        tool_call_id: String,
+        /// Tool name.
+        tool_name: String,
+        /// The progress argument's value, for a tool that declares one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        progress: Option<String>,
+    },
+    /// A tool call finished running (`tool_call_done`), before its batch commits.
+    ToolCallDone {
+        /// Call id.
+        tool_call_id: String,
+        /// Tool name.
+        tool_name: String,
+        /// `success` or `error`.
+        status: String,
+    },
     /// A tool started running.
     ToolStart {
         /// Tool name.

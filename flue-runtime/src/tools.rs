@@ -21,7 +21,7 @@ pub(crate) struct Executed {
 }
 
 /// Runs `calls` against `tools`, at most `concurrency` at a time, returning outcomes in call
-/// order. `started` is told about each call as it starts.
+/// order. `started` is told about each call as it starts, `done` as it ends.
 pub(crate) async fn run_batch(
     tools: &[Tool],
     calls: Vec<ModelToolCall>,
@@ -29,7 +29,9 @@ pub(crate) async fn run_batch(
     signal: &AbortSignal,
     context: impl Fn(&Tool, &ModelToolCall) -> ToolContext,
     started: impl Fn(&ModelToolCall),
+    done: impl Fn(&Executed) + Sync,
 ) -> Vec<Executed> {
+    let done = &done;
     let runs = calls.into_iter().map(|call| {
         let tool = tools.iter().find(|tool| tool.name() == call.name).cloned();
         let ctx = tool.as_ref().map(|tool| context(tool, &call));
@@ -45,11 +47,13 @@ pub(crate) async fn run_batch(
                 }
                 _ => ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
             };
-            Executed {
+            let executed = Executed {
                 call,
                 output,
                 duration_ms: begun.elapsed().as_millis() as u64,
-            }
+            };
+            done(&executed);
+            executed
         }
     });
     stream::iter(runs).buffered(concurrency.max(1)).collect().await

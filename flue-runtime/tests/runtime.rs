@@ -1082,3 +1082,56 @@ async fn an_image_that_is_not_base64_is_refused_at_admission() {
     );
     assert!(model.requests().is_empty());
 }
+
+/// Look up an order.
+#[tool(progress_argument = "order")]
+async fn lookup_order(
+    /// The order number
+    order: String,
+) -> String {
+    format!("{order} shipped")
+}
+
+#[agent]
+fn orders() -> &'static str {
+    use_model("scripted/x");
+    use_tool(lookup_order);
+    use_tool(add);
+    "You look up orders."
+}
+
+#[tokio::test]
+async fn tool_call_started_fires_once_per_call_before_the_tool_runs_with_its_progress_argument() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            ("lookup_order", json!({"order": "A-1001"})),
+            ("add", json!({"a": 1, "b": 2})),
+        ]),
+        ScriptedReply::text("Shipped."),
+    ]);
+    let runtime = runtime_with(&model, vec![orders.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&orders, "o").send("where is A-1001?").await.unwrap();
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::ToolCallStarted {
+                tool_name, progress, ..
+            } => seen.push(format!("started {tool_name} {progress:?}")),
+            Event::ToolStart { tool_name, .. } => seen.push(format!("runs {tool_name}")),
+            Event::ToolCallDone { tool_name, status, .. } => seen.push(format!("done {tool_name} {status}")),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "started lookup_order Some(\"A-1001\")",
+            "started add None",
+            "runs lookup_order",
+            "runs add",
+            "done lookup_order success",
+            "done add success",
+        ]
+    );
+}

@@ -1,7 +1,9 @@
 //! `GET /:id/events`: the instance's live thread events over SSE — frames
 //! `{"type":"event","eventType","data","timestamp"}` for `tool_call_started {id, name,
-//! progress}` and `tool_call_done {id, name, status}`, sent whether or not any lifecycle hook
-//! is selected. Live only, at most once: a reader that falls behind skips what it missed.
+//! progress}` (while the response streams, at the moment the reference gives: see
+//! `session/observation.rs`) and `tool_call_done {id, name, status}` (when the tool has run),
+//! sent whether or not any lifecycle hook is selected. Live only, at most once: a reader that
+//! falls behind skips what it missed.
 
 use std::convert::Infallible;
 
@@ -21,21 +23,21 @@ use crate::events::{Event, Observation};
 /// The thread event an observation is, if it is one.
 fn thread_event(observation: &Observation) -> Option<Value> {
     let (event_type, data) = match &observation.event {
-        Event::ToolStart {
-            tool_name,
+        Event::ToolCallStarted {
             tool_call_id,
+            tool_name,
+            progress,
         } => (
             "tool_call_started",
-            json!({"id": tool_call_id, "name": tool_name, "progress": null}),
+            json!({"id": tool_call_id, "name": tool_name, "progress": progress}),
         ),
-        Event::Tool {
-            tool_name,
+        Event::ToolCallDone {
             tool_call_id,
-            is_error,
-            ..
+            tool_name,
+            status,
         } => (
             "tool_call_done",
-            json!({"id": tool_call_id, "name": tool_name, "status": if *is_error { "error" } else { "success" }}),
+            json!({"id": tool_call_id, "name": tool_name, "status": status}),
         ),
         _ => return None,
     };

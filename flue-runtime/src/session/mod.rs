@@ -8,6 +8,7 @@
 mod binding;
 mod conversation;
 mod deadline;
+mod observation;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -1185,7 +1186,7 @@ impl Response<'_> {
         });
         let mut retries = 0;
         let response = loop {
-            match self.stream_once(provider, request.clone()).await {
+            match self.stream_once(provider, request.clone(), &rendered.tools).await {
                 Ok(response) => break response,
                 Err(StepError::Aborted) => return Err(Failure::aborted()),
                 Err(StepError::Provider(error))
@@ -1249,8 +1250,10 @@ impl Response<'_> {
         &self,
         provider: &dyn ModelProvider,
         request: ModelRequest,
+        tools: &[flue_core::Tool],
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
+        let mut observer = observation::ToolCallObserver::new(tools);
         loop {
             let next = tokio::select! {
                 next = stream.next() => next,
@@ -1264,7 +1267,12 @@ impl Response<'_> {
                     )));
                 }
                 Some(Err(error)) => return Err(StepError::Provider(error)),
-                Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
+                Some(Ok(StreamEvent::Completed(response))) => {
+                    for started in observer.finish(&response) {
+                        self.tool_call_started(started);
+                    }
+                    return Ok(response);
+                }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
                     self.runtime
                         .emit(self.key, Some(&self.submission.id), Event::TextDelta { delta });
@@ -1273,9 +1281,26 @@ impl Response<'_> {
                     self.runtime
                         .emit(self.key, Some(&self.submission.id), Event::ReasoningDelta { delta });
                 }
-                Some(Ok(StreamEvent::ToolCallStarted { .. } | StreamEvent::ToolCallArguments { .. })) => {}
+                Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
+                    if let Some(started) = observer.started(index, &id, &name) {
+                        self.tool_call_started(started);
+                    }
+                }
+                Some(Ok(StreamEvent::ToolCallArguments { index, delta })) => {
+                    if let Some(started) = observer.arguments(index, &delta) {
+                        self.tool_call_started(started);
+                    }
+                }
             }
         }
+    }
+
+    fn tool_call_started(&self, started: observation::Started) {
+        self.emit(Event::ToolCallStarted {
+            tool_call_id: started.id,
+            tool_name: started.name,
+            progress: started.progress,
+        });
     }
 
     /// Runs the step's tool calls and commits the batch; returns whether every result asked to
@@ -1310,6 +1335,17 @@ impl Response<'_> {
                         Event::ToolStart {
                             tool_name: call.name.clone(),
                             tool_call_id: call.id.clone(),
+                        },
+                    );
+                },
+                |run: &tools::Executed| {
+                    runtime.emit(
+                        key,
+                        Some(&submission_id),
+                        Event::ToolCallDone {
+                            tool_call_id: run.call.id.clone(),
+                            tool_name: run.call.name.clone(),
+                            status: if run.output.is_error { "error" } else { "success" }.to_owned(),
                         },
                     );
                 },
