@@ -34,6 +34,8 @@ struct State {
     /// The instance's append count when the feed last read the store: while it has not
     /// moved, there is nothing new to read (unless other nodes append too).
     seen_appends: u64,
+    /// When the feed last read the store.
+    last_read: tokio::time::Instant,
     /// `(batch offset, its data frame)`, oldest first; empty frames for batches that project
     /// to nothing.
     frames: VecDeque<(u64, Bytes)>,
@@ -56,16 +58,25 @@ pub(super) enum Delivery {
 impl Feed {
     /// The frames of every batch after `after`, reading and projecting what the store has
     /// beyond the feed first. `Err` when the store fails.
-    /// `appends` is the instance's append count, read before this call.
+    ///
+    /// `appends` is the instance's append count, read before this call: while it has not
+    /// moved since the feed's last read, nothing was appended on this node. On a shared store
+    /// (other nodes append too) the feed reads again once `poll` has passed since its last
+    /// read, however many readers ask meanwhile.
     pub(super) async fn after(
         &self,
         runtime: &RuntimeInner,
         after: Option<u64>,
         appends: u64,
+        poll: std::time::Duration,
     ) -> Result<Delivery, crate::store::StoreError> {
         let mut state = self.state.lock().await;
-        let unchanged = state.started && appends == state.seen_appends && !runtime.store.shared();
+        let polled_recently = !runtime.store.shared() || state.last_read.elapsed() < poll;
+        let unchanged = state.started && appends == state.seen_appends && polled_recently;
         state.seen_appends = appends;
+        if !unchanged {
+            state.last_read = tokio::time::Instant::now();
+        }
         if unchanged {
             // Another reader already read what this wake-up announced.
         } else if !state.started {
@@ -135,6 +146,7 @@ impl Feeds {
                 offset: None,
                 started: false,
                 seen_appends: 0,
+                last_read: tokio::time::Instant::now(),
                 frames: VecDeque::new(),
             }),
         });

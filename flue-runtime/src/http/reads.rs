@@ -317,7 +317,8 @@ impl SseStream {
             tokio::pin!(appended);
             appended.as_mut().enable();
             let appends = self.slot.appends();
-            match self.feed.after(&self.runtime, self.offset, appends).await.ok()? {
+            let poll = self.options.shared_store_poll;
+            match self.feed.after(&self.runtime, self.offset, appends, poll).await.ok()? {
                 Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
                     self.own = None;
                     self.offset = offset;
