@@ -1446,3 +1446,87 @@ async fn sse_readers_joining_at_any_offset_while_the_instance_works_see_exactly_
         );
     }
 }
+
+/// Two nodes on one Postgres database: an SSE reader of node A sees what node B appends (no
+/// local wake-up reaches A: its shared feed polls the store).
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn an_sse_reader_on_one_node_sees_batches_another_node_appends() {
+    use flue_runtime::store::PostgresStore;
+    let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+    else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "under CI the Postgres tests must run (use .ci/test)"
+        );
+        return;
+    };
+    let schema = format!("flue_test_{}", ulid::Ulid::new().to_string().to_lowercase());
+    let node = |model: &ScriptedModel| {
+        let (url, schema, model) = (url.clone(), schema.clone(), model.clone());
+        async move {
+            let mut providers = ProviderRegistry::new();
+            providers.register(model);
+            Runtime::builder()
+                .store(PostgresStore::connect_with_schema(&url, &schema).await.unwrap())
+                .providers(providers)
+                .agent(calculator)
+                .build()
+                .unwrap()
+        }
+    };
+    let (model_a, model_b) = (ScriptedModel::new([]), ScriptedModel::new([]));
+    let (a, b) = (node(&model_a).await, node(&model_b).await);
+    let app = flue_runtime::http::router_with(
+        &a,
+        HttpOptions {
+            shared_store_poll: Duration::from_millis(50),
+            ..HttpOptions::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    model_b.push(ScriptedReply::text("one"));
+    let on_b = b.init(&calculator, "shared");
+    on_b.send("first").await.unwrap();
+    let client = reqwest::Client::new();
+    let head = client
+        .head(format!("http://{addr}/agents/calculator/shared"))
+        .send()
+        .await
+        .unwrap()
+        .headers()["stream-next-offset"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let response = client
+        .get(format!(
+            "http://{addr}/agents/calculator/shared?view=updates&offset={head}&live=sse"
+        ))
+        .send()
+        .await
+        .unwrap();
+    let reader = tokio::spawn(sse_frames(response, |frames| {
+        frames
+            .iter()
+            .any(|(event, data)| event == "data" && data.contains("submission-settled"))
+    }));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    model_b.push(ScriptedReply::text("two"));
+    on_b.send("second").await.unwrap();
+    let frames = tokio::time::timeout(Duration::from_secs(20), reader)
+        .await
+        .unwrap()
+        .unwrap();
+    let chunks: Vec<Value> = frames
+        .iter()
+        .filter(|(event, data)| event == "data" && !data.contains("stream-checkpoint"))
+        .flat_map(|(_, data)| serde_json::from_str::<Vec<Value>>(data).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["message"]["parts"][0]["text"], "second");
+    assert!(model_a.requests().is_empty(), "node A only served the stream");
+}
