@@ -1530,3 +1530,39 @@ async fn an_sse_reader_on_one_node_sees_batches_another_node_appends() {
     assert_eq!(chunks[0]["message"]["parts"][0]["text"], "second");
     assert!(model_a.requests().is_empty(), "node A only served the stream");
 }
+
+#[tokio::test]
+async fn a_body_without_a_declared_length_or_type_is_no_message_and_binary_text_is_unsupported() {
+    let server = Server::start().await;
+    // Streamed (chunked) without a content type: nothing declares a body, so there is no message.
+    let stream = futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from_static(
+        b"{\"kind\":\"user\"}",
+    ))]);
+    let chunked = server
+        .client
+        .post(server.url("/c1"))
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .unwrap();
+    assert_error(chunked, 400, "invalid_request").await;
+    // Bytes that are not UTF-8, sent as text: the type is refused before the bytes are read.
+    let binary = server
+        .client
+        .post(server.url("/c1"))
+        .header("content-type", "application/octet-stream")
+        .body(vec![0xff, 0xfe, 0x00, 0x01])
+        .send()
+        .await
+        .unwrap();
+    assert_error(binary, 415, "unsupported_media_type").await;
+    let invalid = server
+        .client
+        .post(server.url("/c1"))
+        .header("content-type", "application/json")
+        .body(vec![0xff, 0xfe])
+        .send()
+        .await
+        .unwrap();
+    assert_error(invalid, 400, "invalid_json").await;
+}

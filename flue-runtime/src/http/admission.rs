@@ -19,18 +19,18 @@ const MESSAGE_SHAPE: &str = "The body must be a message object: {\"kind\":\"user
 pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRequest, ApiError> {
     let content_length = headers.get(header::CONTENT_LENGTH);
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|value| value.to_str().ok());
+    // No body at all (declared empty, or nothing declares one) or a blank one is no message:
+    // the message rules refuse it below.
     let declared_empty = content_length.is_some_and(|length| length.as_bytes() == b"0");
     let undeclared = content_length.is_none() && headers.get(header::CONTENT_TYPE).is_none();
-    let text = std::str::from_utf8(body).map_err(|_| ApiError::invalid_json("The body is not UTF-8 text."))?;
-    // An empty body is no message at all: the message rules refuse it below.
-    let empty = declared_empty || (undeclared && body.is_empty()) || text.trim().is_empty();
-    let value = if empty {
+    let blank = body.iter().all(u8::is_ascii_whitespace);
+    let value = if declared_empty || undeclared || blank {
         Value::Null
     } else {
         if !content_type.is_some_and(|content_type| content_type.to_ascii_lowercase().contains("application/json")) {
             return Err(ApiError::unsupported_media_type(content_type));
         }
-        serde_json::from_str::<Value>(text).map_err(|error| ApiError::invalid_json(error.to_string()))?
+        serde_json::from_slice::<Value>(body).map_err(|error| ApiError::invalid_json(error.to_string()))?
     };
     let Value::Object(mut fields) = value else {
         return Err(ApiError::invalid_request(MESSAGE_SHAPE));
