@@ -45,6 +45,33 @@ fn keep_recent(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
     messages
 }
 
+#[agent]
+fn planner() -> &'static str {
+    use_model("scripted/plan-1");
+    let dispatch = use_dispatch_message();
+    use_tool(
+        Tool::new("schedule_follow_up")
+            .description("Queue a follow-up message.")
+            .run(move |_ctx, _: serde_json::Map<String, Value>| {
+                let dispatch = dispatch.clone();
+                async move {
+                    let receipt = dispatch
+                        .dispatch(Signal::new("follow_up", "check the invoice").tag_name("follow-up"))
+                        .await
+                        .map_err(|e| ToolError::new(e.to_string()))?;
+                    Ok::<_, ToolError>(receipt.submission_id)
+                }
+            }),
+    );
+    use_agent_start(|ctx| async move {
+        if ctx.delivery().body() == "check the invoice" {
+            ctx.append(Signal::new("note", "The follow-up joined."))?;
+        }
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "You plan work."
+}
+
 /// Reads the mailbox.
 #[agent(expose_as_tool, hooks = [keep_recent], parent_hooks = [(mail_context, before_parent, "Shows new mail to the coordinator.")])]
 fn mail_agent() -> &'static str {
@@ -74,6 +101,7 @@ impl Server {
             .providers(providers)
             .agent(calculator)
             .agent(mail_agent)
+            .agent(planner)
             .options(RuntimeOptions {
                 model_retry_delay: Duration::from_millis(1),
                 ..RuntimeOptions::default()
@@ -931,7 +959,7 @@ async fn the_catalog_lists_agents_with_tool_schemas_hooks_and_parent_hook_requir
     assert_security_headers(&headers);
     let agents = catalog["agents"].as_array().unwrap();
     let names: Vec<&str> = agents.iter().map(|agent| agent["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["calculator", "mail_agent"]);
+    assert_eq!(names, ["calculator", "mail_agent", "planner"]);
     let calc = &agents[0];
     assert_eq!(calc["maxSteps"], 4);
     assert_eq!(calc["model"], "scripted/calc-1");
@@ -1565,4 +1593,96 @@ async fn a_body_without_a_declared_length_or_type_is_no_message_and_binary_text_
         .await
         .unwrap();
     assert_error(invalid, 400, "invalid_json").await;
+}
+
+#[tokio::test]
+async fn joined_deliveries_signals_and_failures_project_as_the_protocol_says() {
+    let server = Server::start().await;
+    let planner_url = server.url("/p1").replace("calculator", "planner");
+    server
+        .model
+        .push(ScriptedReply::tool_call("schedule_follow_up", json!({})));
+    server.model.push(ScriptedReply::text("Planned, follow-up handled."));
+    let receipt: Value = server
+        .client
+        .post(&planner_url)
+        .json(&json!({"kind": "user", "body": "plan my week"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut snapshot = Value::Null;
+    for _ in 0..500 {
+        snapshot = server
+            .client
+            .get(&planner_url)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if snapshot["settlements"].as_array().map_or(0, Vec::len) >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let settlements = snapshot["settlements"].as_array().unwrap();
+    assert_eq!(settlements.len(), 2, "{snapshot}");
+    // The joined delivery settles first, answered by its host's response.
+    let host = receipt["submissionId"].as_str().unwrap();
+    assert_ne!(settlements[0]["submissionId"], host);
+    assert_eq!(settlements[0]["answeredBySubmissionId"], host);
+    assert_eq!(settlements[1]["submissionId"], host);
+    assert!(settlements[1].get("answeredBySubmissionId").is_none());
+    // The delivered signal and the one its start callback appended: dispatch messages, shown
+    // as diagnostics, with their signal attributes.
+    let signals: Vec<&Value> = snapshot["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|message| message.get("signal").is_some())
+        .collect();
+    assert_eq!(signals.len(), 2, "{snapshot}");
+    assert_eq!(
+        signals[0]["signal"],
+        json!({"type": "follow_up", "tagName": "follow-up"})
+    );
+    assert_eq!(
+        (signals[0]["purpose"].as_str(), signals[0]["display"].as_str()),
+        (Some("dispatch"), Some("diagnostic"))
+    );
+    assert_eq!(signals[0]["parts"][0]["text"], "check the invoice");
+    assert_eq!(signals[1]["signal"]["type"], "note");
+    // Still one assistant message for the whole response.
+    let assistants = snapshot["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|message| message["role"] == "assistant")
+        .count();
+    assert_eq!(assistants, 1);
+
+    // A failed submission's settlement carries its error, on the wire and in the snapshot.
+    let failing = server
+        .post("f1", json!({"kind": "user", "body": "no reply scripted"}))
+        .await;
+    assert_eq!(failing.status().as_u16(), 202);
+    let snapshot = server.settled("f1", 1).await;
+    let settlement = &snapshot["settlements"][0];
+    assert_eq!(settlement["outcome"], "failed");
+    assert!(
+        settlement["error"]["type"].is_string() && settlement["error"]["message"].is_string(),
+        "{settlement}"
+    );
+    let (_, _, updates) = server.get_json("/f1?view=updates&offset=-1").await;
+    let settled = updates
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|chunk| chunk["type"] == "submission-settled")
+        .unwrap();
+    assert_eq!(settled["error"], settlement["error"]);
 }
