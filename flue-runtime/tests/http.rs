@@ -133,6 +133,13 @@ impl Server {
         self.model.push(ScriptedReply::text(answer));
     }
 
+    /// Admits a user message `body` to `id`; the receipt.
+    async fn admit(&self, id: &str, body: &str) -> Value {
+        let response = self.post(id, json!({"kind": "user", "body": body})).await;
+        assert_eq!(response.status().as_u16(), 202);
+        response.json().await.unwrap()
+    }
+
     async fn post(&self, id: &str, body: Value) -> reqwest::Response {
         self.client
             .post(self.url(&format!("/{id}")))
@@ -230,12 +237,7 @@ async fn admission_answers_202_with_the_receipt_location_and_next_offset() {
 async fn the_history_snapshot_folds_each_response_into_one_assistant_message() {
     let server = Server::start().await;
     server.script_exchange("2 + 3 = 5");
-    let receipt: Value = server
-        .post("c1", json!({"kind": "user", "body": "2+3?"}))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let receipt = server.admit("c1", "2+3?").await;
     let snapshot = server.settled("c1", 1).await;
     let (status, headers, _) = server.get_json("/c1").await;
     assert_eq!(status, 200);
@@ -283,12 +285,7 @@ async fn the_history_snapshot_folds_each_response_into_one_assistant_message() {
 async fn updates_start_with_a_checkpoint_and_project_chunks_in_stream_order() {
     let server = Server::start().await;
     server.script_exchange("2 + 3 = 5");
-    let receipt: Value = server
-        .post("c1", json!({"kind": "user", "body": "2+3?"}))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let receipt = server.admit("c1", "2+3?").await;
     let snapshot = server.settled("c1", 1).await;
 
     let (status, headers, body) = server.get_json("/c1?view=updates&offset=-1").await;
@@ -433,12 +430,7 @@ async fn sse_sends_the_checkpoint_then_data_and_control_frames_then_heartbeats_a
     })
     .await;
     server.script_exchange("first");
-    let receipt: Value = server
-        .post("c1", json!({"kind": "user", "body": "one"}))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let receipt = server.admit("c1", "one").await;
     server.settled("c1", 1).await;
 
     let response = server
@@ -712,12 +704,7 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
 async fn conditional_sends_answer_404_and_409_with_their_meta() {
     let server = Server::start().await;
     server.model.push(ScriptedReply::text("hi"));
-    let receipt: Value = server
-        .post("c1", json!({"kind": "user", "body": "hi"}))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let receipt = server.admit("c1", "hi").await;
     let wrong_uid = server
         .post("c1", json!({"kind": "user", "body": "hi", "uid": "inc_other"}))
         .await;
