@@ -32,6 +32,22 @@ pub use flue_macros::{agent, hook, tool};
 pub use runtime::{AgentHandle, AgentReply, Runtime, RuntimeBuilder, RuntimeError, RuntimeOptions, SendRequest};
 pub use session::MAX_AGENT_FINISH_CYCLES;
 
+/// An error and its sources, joined with `: ` (a source already quoted by its parent is not
+/// repeated).
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 /// Everything an application author needs.
 pub mod prelude {
     pub use flue_core::lifecycle::{

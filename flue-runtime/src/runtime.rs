@@ -300,6 +300,13 @@ impl RuntimeInner {
         }
     }
 
+    /// The names of the registered agents, sorted.
+    pub(crate) fn agent_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.agents.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
     /// Live events of every instance (see [`Runtime::observe`]).
     pub(crate) fn observe(&self) -> broadcast::Receiver<Observation> {
         self.events.subscribe()
@@ -441,7 +448,8 @@ impl RuntimeInner {
         }
         let admitted = admitted?;
         if !admitted.deduplicated {
-            // A new instance's birth record is on its stream.
+            // A new instance's birth record is on its stream (the store does not say whether
+            // this admission created it: an over-count only costs live readers one look).
             self.slot(&key).note_append();
             self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         }
@@ -672,9 +680,13 @@ impl Runtime {
 
     /// A handle on the instance `id` of `agent` (no I/O).
     pub fn init(&self, agent: &impl flue_core::Agent, id: impl Into<String>) -> AgentHandle {
+        self.handle_of(InstanceKey::new(agent.definition().name.to_string(), id.into()))
+    }
+
+    fn handle_of(&self, key: InstanceKey) -> AgentHandle {
         AgentHandle {
             runtime: self.inner.clone(),
-            key: InstanceKey::new(agent.definition().name.to_string(), id.into()),
+            key,
             uid: Arc::new(Mutex::new(None)),
         }
     }
@@ -685,18 +697,12 @@ impl Runtime {
         if !self.inner.agents.contains_key(agent) {
             return Err(RuntimeError::UnknownAgent(agent.to_owned()));
         }
-        Ok(AgentHandle {
-            runtime: self.inner.clone(),
-            key: InstanceKey::new(agent, id.into()),
-            uid: Arc::new(Mutex::new(None)),
-        })
+        Ok(self.handle_of(InstanceKey::new(agent, id.into())))
     }
 
     /// The names of the registered agents, sorted.
     pub fn agent_names(&self) -> Vec<&str> {
-        let mut names: Vec<&str> = self.inner.agents.keys().map(String::as_str).collect();
-        names.sort_unstable();
-        names
+        self.inner.agent_names()
     }
 
     /// The instance, if it was ever contacted.

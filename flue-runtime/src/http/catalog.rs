@@ -10,9 +10,8 @@ use crate::runtime::RuntimeInner;
 
 /// The catalog of every agent of `runtime`, by name.
 pub(crate) fn catalog(runtime: &RuntimeInner) -> Value {
-    let mut names: Vec<&String> = runtime.agents.keys().collect();
-    names.sort();
-    let agents: Vec<Value> = names
+    let agents: Vec<Value> = runtime
+        .agent_names()
         .into_iter()
         .filter_map(|name| runtime.agents.get(name))
         .map(|agent| entry(agent.get()))

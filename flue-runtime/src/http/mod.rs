@@ -69,7 +69,8 @@ pub struct HttpOptions {
     pub authorization: Option<Arc<dyn Authorize>>,
     /// How long a long-poll read waits for new batches (the reference: 30 s).
     pub long_poll_timeout: Duration,
-    /// How long an up-to-date SSE stream waits before it reads again anyway (30 s).
+    /// How long an up-to-date SSE stream stays silent before it sends a control frame again,
+    /// which keeps intermediaries from closing an idle stream (30 s).
     pub sse_wait: Duration,
     /// The interval of SSE heartbeat comments while a stream is idle (15 s).
     pub heartbeat: Duration,
@@ -147,8 +148,6 @@ pub fn router(runtime: &Runtime) -> Router {
 /// [`router`] with `options`.
 pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
     let options = Arc::new(options);
-    let mut names: Vec<&String> = runtime.inner().agents.keys().collect();
-    names.sort();
     let inner = runtime.inner().clone();
     let guard_options = options.clone();
     let mut app = Router::new().route(
@@ -163,7 +162,7 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
             async move { guard(&options, None, None, request, next).await }
         })),
     );
-    for name in names {
+    for name in runtime.agent_names() {
         app = app
             .nest(
                 &format!("/agents/{name}"),

@@ -20,6 +20,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use super::sse::{Event, SseError, SseParser};
+use crate::error_chain;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
@@ -400,21 +401,6 @@ fn transport_error(error: &reqwest::Error, ctx: &CallContext) -> ProviderError {
         kind,
         format!("[flue] Could not reach provider \"{}\": {detail}", ctx.provider),
     )
-}
-
-/// An error and its sources, joined with `: `.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 /// The error of a non-2xx response (its body is read, within `timeout`).

@@ -26,7 +26,7 @@ pub(crate) struct Attempt {
 
 impl InstanceBinding {
     /// Counts a batch appended to the stream and wakes its live readers.
-    pub(crate) fn appended(&self) {
+    pub(crate) fn note_append(&self) {
         self.appends.fetch_add(1, Ordering::AcqRel);
         self.appended.notify_waiters();
     }

@@ -170,7 +170,7 @@ impl InstanceSlot {
     /// Counts an append made outside a response (an admission's birth record) and wakes the
     /// live readers.
     pub(crate) fn note_append(&self) {
-        self.binding.appended();
+        self.binding.note_append();
     }
 
     /// Makes sure a worker runs for this instance.
@@ -451,7 +451,7 @@ impl InstanceSlot {
             .await
         {
             Ok(()) => {
-                self.binding.appended();
+                self.binding.note_append();
                 true
             }
             Err(store_error) => {
@@ -674,7 +674,7 @@ impl Response<'_> {
             .append(self.key, records.clone(), Some(&self.attempt.attempt))
             .await
             .map_err(Failure::store)?;
-        self.binding.appended();
+        self.binding.note_append();
         for record in records.iter() {
             self.reply.add(record);
         }

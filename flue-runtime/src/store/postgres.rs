@@ -33,6 +33,7 @@ use super::{
     InstanceKey, Store, StoreError, StoredAttachment, Submission, SubmissionKind, SubmissionStatus, TraceContext,
     UidCondition,
 };
+use crate::error_chain;
 use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
 
 /// The legacy stamp that is adopted in place as format 1.
@@ -282,22 +283,7 @@ fn db_error(error: &tokio_postgres::Error) -> StoreError {
     if let Some(db) = error.as_db_error() {
         return StoreError::Other(format!("postgres: {} (SQLSTATE {})", db.message(), db.code().code()));
     }
-    StoreError::Other(format!("postgres: {}", chain(error)))
-}
-
-/// An error and its sources, joined with `: `.
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
+    StoreError::Other(format!("postgres: {}", error_chain(error)))
 }
 
 fn unsupported(version: &str) -> StoreError {
@@ -419,7 +405,7 @@ impl PostgresStore {
         self.pool.get().await.map_err(|error| {
             Failure::Store(StoreError::Other(format!(
                 "postgres: no database connection: {}",
-                chain(&error)
+                error_chain(&error)
             )))
         })
     }
