@@ -622,6 +622,7 @@ struct ContextInner {
     secrets: Arc<dyn SecretSource>,
     signal: AbortSignal,
     log: Logger,
+    thread: Option<crate::lifecycle::ThreadState>,
 }
 
 impl ToolContext {
@@ -637,6 +638,7 @@ impl ToolContext {
                 secrets: Arc::new(EnvSecrets),
                 signal: AbortSignal::new(),
                 log: Logger::discard(),
+                thread: None,
             }),
         }
     }
@@ -654,6 +656,7 @@ impl ToolContext {
                     secrets: inner.secrets.clone(),
                     signal: inner.signal.clone(),
                     log: inner.log.clone(),
+                    thread: inner.thread.clone(),
                 };
                 edit(&mut copy);
                 self.inner = Arc::new(copy);
@@ -681,6 +684,17 @@ impl ToolContext {
     /// Sets the logger.
     pub fn with_logger(self, log: Logger) -> Self {
         self.edit(|inner| inner.log = log)
+    }
+
+    /// Sets the thread the call runs in.
+    pub fn with_thread(self, thread: crate::lifecycle::ThreadState) -> Self {
+        self.edit(|inner| inner.thread = Some(thread))
+    }
+
+    /// The thread the call runs in (`None` for standalone runs): its rows, durable values,
+    /// execution context and live events.
+    pub fn thread(&self) -> Option<&crate::lifecycle::ThreadState> {
+        self.inner.thread.as_ref()
     }
 
     /// The tool's name.

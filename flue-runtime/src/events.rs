@@ -88,6 +88,14 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         progress: Option<String>,
     },
+    /// An event a hook or tool sent with `ThreadState::emit` (or the runtime's `kv_changed`
+    /// after `set_value`), for the thread's connected clients.
+    ThreadEvent {
+        /// The event's name.
+        event_type: String,
+        /// Its data.
+        data: serde_json::Value,
+    },
     /// A tool call finished running (`tool_call_done`), before its batch commits.
     ToolCallDone {
         /// Call id.

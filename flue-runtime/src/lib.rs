@@ -20,6 +20,7 @@ pub mod cli;
 pub mod client;
 pub mod events;
 pub mod http;
+pub mod lifecycle;
 pub mod provider;
 pub mod record;
 mod runtime;

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use flue_core::lifecycle::MessageRole;
 use flue_core::metadata::Metadata;
 use flue_core::usage::Usage;
 use serde::{Deserialize, Serialize};
@@ -166,6 +167,44 @@ pub enum RecordBody {
         /// Metadata.
         metadata: Metadata,
     },
+    /// A message row written through `ThreadState::inject_message` (no execution started).
+    MessageInjected {
+        /// Row id.
+        message_id: String,
+        /// Author (`user`, `assistant` or `system`).
+        role: MessageRole,
+        /// Text.
+        content: String,
+        /// Hidden from clients unless they ask for silent rows.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        silent: bool,
+        /// Free-form metadata.
+        #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+        metadata: serde_json::Map<String, Value>,
+    },
+    /// Field updates of a message row (`ThreadState::update_message`, or fields a
+    /// `before_create_message` hook set beyond the content, in the creating batch).
+    MessageUpdated {
+        /// Row id.
+        message_id: String,
+        /// `content`, `silent`, `metadata`, `name` and `status`.
+        updates: serde_json::Map<String, Value>,
+    },
+    /// A message row deleted from the history (`ThreadState::delete_message`).
+    MessageDeleted {
+        /// Row id.
+        message_id: String,
+    },
+    /// A durable thread value (`ThreadState::set_value`); null deletes it.
+    ThreadValueSet {
+        /// Key.
+        key: String,
+        /// Value.
+        value: Value,
+    },
+    /// The `after_thread_created` hooks ran (the thread's first execution; written with its
+    /// first input, so a re-attempt does not run them again).
+    ThreadCreatedHooksRan,
     /// A submission settled.
     SubmissionSettled {
         /// How.

@@ -59,7 +59,7 @@ pub(crate) async fn run_batch(
     stream::iter(runs).buffered(concurrency.max(1)).collect().await
 }
 
-async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> ToolOutput {
+pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> ToolOutput {
     let args: Value = match serde_json::from_str(if arguments.trim().is_empty() { "{}" } else { arguments }) {
         Ok(args) => args,
         Err(error) => {

@@ -5,14 +5,19 @@
 //! selecting a user-scope hook where thread hooks are expected does not compile.
 
 mod kind;
+mod thread;
 mod types;
 
 use std::fmt;
 
 pub use kind::HookKind;
+pub use thread::{
+    ExecutionState, InjectMessage, MessageOrder, MessagePage, MessagesQuery, ThreadContext, ThreadError,
+    ThreadIdentity, ThreadState, ThreadStateApi,
+};
 pub use types::{
-    ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates, ThreadIdentity,
-    ThreadState, ThreadStateApi, ToolCall, ToolCallFunction, ToolResult, ToolStatus, UserState, UserStateApi,
+    ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates, ToolCall, ToolCallFunction,
+    ToolResult, ToolStatus, UserState, UserStateApi,
 };
 
 use crate::BoxFuture;

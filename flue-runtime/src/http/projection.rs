@@ -83,10 +83,16 @@ impl Projection {
 
     /// Folds `batch` in, appending its chunks to `chunks` when given.
     pub(crate) fn apply(&mut self, batch: &Batch, chunks: Option<&mut Vec<Value>>) {
-        let resets = batch
-            .records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::ConversationCreated { .. }));
+        // A batch that rewrites history (a row edited or deleted) projects to a reset too:
+        // the protocol has no chunk that changes a past message.
+        let resets = batch.records.iter().any(|record| {
+            matches!(
+                record.body,
+                RecordBody::ConversationCreated { .. }
+                    | RecordBody::MessageUpdated { .. }
+                    | RecordBody::MessageDeleted { .. }
+            )
+        });
         let mut out = Vec::new();
         // A step's text streams right after its start when both are in this batch.
         let mut texts: HashMap<&str, &str> = HashMap::new();
@@ -385,7 +391,81 @@ impl Projection {
                 self.settlements.push(settlement);
                 out.push(chunk);
             }
-            RecordBody::StateWrite { .. } | RecordBody::AgentStartRun | RecordBody::AgentFinishCycle => {}
+            RecordBody::MessageInjected {
+                message_id,
+                role,
+                content,
+                silent,
+                metadata,
+            } => {
+                let (role, purpose) = match role {
+                    flue_core::lifecycle::MessageRole::Assistant => ("assistant", "assistant"),
+                    flue_core::lifecycle::MessageRole::System => ("system", "advisory"),
+                    _ => ("user", "user"),
+                };
+                let mut message = json!({
+                    "id": message_id,
+                    "role": role,
+                    "purpose": purpose,
+                    "display": if *silent { "hidden" } else { "visible" },
+                    "parts": [{"type": "text", "text": content, "state": "done"}],
+                });
+                if !metadata.is_empty() {
+                    message["metadata"] = json!(metadata);
+                }
+                self.append_message(message, out);
+            }
+            RecordBody::MessageUpdated { message_id, updates } => self.update_message(message_id, updates),
+            RecordBody::MessageDeleted { message_id } => {
+                if let Some(index) = self.index.remove(message_id.as_str()) {
+                    self.messages.remove(index);
+                    for at in self.index.values_mut() {
+                        if *at > index {
+                            *at -= 1;
+                        }
+                    }
+                } else if let Some(response_id) = self.steps.get(message_id).cloned() {
+                    // A model step folded into its response message: its text part goes.
+                    let at = self.step_parts.get(message_id).copied();
+                    if let (Some(at), Some(parts)) = (at, self.parts_mut(&response_id))
+                        && parts.get(at).is_some_and(|part| part["type"] == "text")
+                    {
+                        parts.remove(at);
+                    }
+                }
+            }
+            RecordBody::StateWrite { .. }
+            | RecordBody::AgentStartRun
+            | RecordBody::AgentFinishCycle
+            | RecordBody::ThreadValueSet { .. }
+            | RecordBody::ThreadCreatedHooksRan => {}
+        }
+    }
+
+    /// Applies a row's field updates to the message that shows it: content to its text part,
+    /// `silent` to its display, metadata merged.
+    fn update_message(&mut self, id: &str, updates: &Map<String, Value>) {
+        let (message_id, text_at) = match self.steps.get(id) {
+            Some(response_id) => (response_id.clone(), self.step_parts.get(id).copied()),
+            None => (id.to_owned(), Some(0)),
+        };
+        if let (Some(Value::String(content)), Some(at)) = (updates.get("content"), text_at)
+            && let Some(part) = self.parts_mut(&message_id).and_then(|parts| parts.get_mut(at))
+            && part["type"] == "text"
+        {
+            part["text"] = json!(content);
+        }
+        let Some(message) = self.message_mut(&message_id) else {
+            return;
+        };
+        if let Some(Value::Bool(silent)) = updates.get("silent") {
+            message.insert("display".into(), json!(if *silent { "hidden" } else { "visible" }));
+        }
+        if let Some(Value::Object(metadata)) = updates.get("metadata") {
+            let target = message.entry("metadata").or_insert_with(|| json!({}));
+            if let Value::Object(target) = target {
+                target.extend(metadata.clone());
+            }
         }
     }
 

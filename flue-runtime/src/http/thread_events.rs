@@ -2,7 +2,8 @@
 //! `{"type":"event","eventType","data","timestamp"}` for `tool_call_started {id, name,
 //! progress}` (while the response streams, at the moment the reference gives: see
 //! `session/observation.rs`) and `tool_call_done {id, name, status}` (when the tool has run),
-//! sent whether or not any lifecycle hook is selected. Live only, at most once: a reader that
+//! sent whether or not any lifecycle hook is selected, and the events hooks and tools send
+//! with `ThreadState::emit` (and `kv_changed` after `set_value`). Live only, at most once: a reader that
 //! falls behind skips what it missed.
 
 use std::convert::Infallible;
@@ -31,6 +32,7 @@ fn thread_event(observation: &Observation) -> Option<Value> {
             "tool_call_started",
             json!({"id": tool_call_id, "name": tool_name, "progress": progress}),
         ),
+        Event::ThreadEvent { event_type, data } => (event_type.as_str(), data.clone()),
         Event::ToolCallDone {
             tool_call_id,
             tool_name,

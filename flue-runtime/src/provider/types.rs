@@ -125,6 +125,9 @@ pub enum StopReason {
     Length,
     /// The provider filtered the output.
     ContentFilter,
+    /// No model call was made: a `prefilter_llm_history` hook blocked the request, and its
+    /// error text stands as the step's answer.
+    HookBlocked,
 }
 
 /// The complete result of one model call.
@@ -257,6 +260,7 @@ impl fmt::Display for StopReason {
             Self::ToolUse => "tool_use",
             Self::Length => "length",
             Self::ContentFilter => "content_filter",
+            Self::HookBlocked => "hook_blocked",
         })
     }
 }

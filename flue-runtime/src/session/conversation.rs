@@ -2,10 +2,12 @@
 //! history, the state snapshot, and each response's reply.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
+use flue_core::lifecycle::{Message, MessageRole, MessageStatus, ToolStatus};
 use flue_core::metadata::{Metadata, merge_metadata};
 use flue_core::state::StateSnapshot;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::provider::{ModelImage, ModelMessage, ModelToolCall};
 use crate::record::{AttachmentRef, Batch, Record, RecordBody};
@@ -18,13 +20,27 @@ pub(crate) const INTERRUPTED_TOOL: &str = "Tool execution was interrupted before
 pub(crate) struct Conversation {
     pub(crate) uid: String,
     pub(crate) initial_data: Option<Value>,
+    /// When the instance was born (its birth record's timestamp).
+    born: Option<Arc<str>>,
     pub(crate) state: StateSnapshot,
     pub(crate) messages: Vec<ModelMessage>,
+    /// The message rows behind `messages`, one per model message (same index).
+    rows: Vec<Row>,
     pub(crate) last_offset: Option<u64>,
+    /// Durable thread values (`ThreadState::set_value`).
+    pub(crate) values: HashMap<String, Value>,
+    /// Whether the `after_thread_created` hooks ran.
+    pub(crate) thread_created_hooks_ran: bool,
+    /// Whether rows were deleted: the history may hold calls without results (or the other
+    /// way round), which `model_messages` then drops.
+    edited: bool,
     /// Tool calls of the last completed step whose batch has not committed.
     open_calls: Vec<ModelToolCall>,
+    /// Rows injected while calls were open: they follow the calls' results (a call and its
+    /// results stay adjacent, as providers require).
+    deferred: Vec<(ModelMessage, Row)>,
     open_step: Option<OpenStep>,
-    outcomes: Vec<(String, String, String, bool)>,
+    outcomes: Vec<PendingOutcome>,
     /// Submissions whose input record is in the stream.
     inputs: HashSet<String>,
     /// Submissions whose start seam committed.
@@ -46,12 +62,144 @@ struct OpenStep {
     tool_calls: Vec<ModelToolCall>,
 }
 
+/// A tool outcome waiting for its batch's commit marker.
+struct PendingOutcome {
+    record_id: String,
+    timestamp: Arc<str>,
+    tool_call_id: String,
+    content: String,
+    is_error: bool,
+}
+
+/// What a message row holds beyond its model message.
+struct Row {
+    id: String,
+    role: MessageRole,
+    /// The record timestamp (RFC 3339), parsed only when the row is read.
+    created: Arc<str>,
+    silent: bool,
+    metadata: Map<String, Value>,
+    name: Option<String>,
+    status: Option<MessageStatus>,
+    /// Rows whose model text is a rendering of their content (signals, system rows): what
+    /// to render it from.
+    rendered: Option<Box<Rendering>>,
+}
+
+struct Rendering {
+    content: String,
+    signal_type: String,
+    attributes: BTreeMap<String, String>,
+    tag_name: Option<String>,
+}
+
+impl Rendering {
+    fn render(&self) -> String {
+        render_signal(
+            &self.signal_type,
+            &self.content,
+            &self.attributes,
+            self.tag_name.as_deref(),
+        )
+    }
+}
+
+/// How a `system` row reaches the model: as a tagged user-role message (mid-conversation
+/// system messages are not portable across providers).
+fn system_rendering(content: String) -> Box<Rendering> {
+    Box::new(Rendering {
+        content,
+        signal_type: "system".to_owned(),
+        attributes: BTreeMap::new(),
+        tag_name: Some("system-message".to_owned()),
+    })
+}
+
+impl Row {
+    fn new(id: String, role: MessageRole, created: Arc<str>) -> Self {
+        Self {
+            id,
+            role,
+            created,
+            silent: false,
+            metadata: Map::new(),
+            name: None,
+            status: Some(MessageStatus::Completed),
+            rendered: None,
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch of a record timestamp.
+pub(crate) fn micros_of(timestamp: &str) -> i64 {
+    humantime::parse_rfc3339(timestamp)
+        .ok()
+        .and_then(|time| time.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |since| i64::try_from(since.as_micros()).unwrap_or(i64::MAX))
+}
+
+/// The hooks' JSON text of an assistant row's tool calls.
+pub(crate) fn tool_calls_json(calls: &[ModelToolCall]) -> String {
+    let calls: Vec<Value> = calls
+        .iter()
+        .map(|call| {
+            serde_json::json!({
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            })
+        })
+        .collect();
+    Value::Array(calls).to_string()
+}
+
+/// Tool calls read back from a row's `tool_calls` JSON text (malformed entries are skipped).
+fn tool_calls_of(text: &str) -> Vec<ModelToolCall> {
+    let Ok(Value::Array(calls)) = serde_json::from_str::<Value>(text) else {
+        return Vec::new();
+    };
+    calls
+        .iter()
+        .filter_map(|call| {
+            Some(ModelToolCall {
+                id: call.get("id")?.as_str()?.to_owned(),
+                name: call.pointer("/function/name")?.as_str()?.to_owned(),
+                arguments: call
+                    .pointer("/function/arguments")
+                    .and_then(Value::as_str)
+                    .unwrap_or("{}")
+                    .to_owned(),
+            })
+        })
+        .collect()
+}
+
 impl Conversation {
     pub(crate) fn apply(&mut self, batch: &Batch) {
         for record in batch.records.iter() {
             self.apply_record(record);
         }
         self.last_offset = Some(batch.offset);
+    }
+
+    /// The identity hooks see: the instance, its agent, its birth time and its initial data
+    /// as the arguments (`{}` unless an object).
+    pub(crate) fn identity(&self, key: &crate::store::InstanceKey) -> flue_core::lifecycle::ThreadIdentity {
+        flue_core::lifecycle::ThreadIdentity {
+            thread_id: key.id.to_string(),
+            agent_id: key.agent.to_string(),
+            user_id: None,
+            created_at: self.born.as_deref().map_or(0, micros_of),
+            arguments: match &self.initial_data {
+                Some(Value::Object(arguments)) => arguments.clone(),
+                _ => Map::new(),
+            },
+        }
+    }
+
+    /// Whether no input was ever applied: the thread's first execution is about to start.
+    pub(crate) fn is_new(&self) -> bool {
+        self.inputs.is_empty()
     }
 
     /// Whether the submission's input was applied (its record is in the stream).
@@ -78,6 +226,11 @@ impl Conversation {
     /// Continued finish cycles the submission committed.
     pub(crate) fn finish_cycles(&self, submission_id: &str) -> u32 {
         self.finish_cycles.get(submission_id).copied().unwrap_or(0)
+    }
+
+    fn push(&mut self, message: ModelMessage, row: Row) {
+        self.messages.push(message);
+        self.rows.push(row);
     }
 
     fn apply_record(&mut self, record: &Record) {
@@ -123,28 +276,40 @@ impl Conversation {
             RecordBody::ConversationCreated { uid, initial_data } => {
                 self.uid.clone_from(uid);
                 self.initial_data.clone_from(initial_data);
+                self.born = Some(record.timestamp.clone());
             }
-            RecordBody::UserMessage { body, attachments, .. } => {
+            RecordBody::UserMessage {
+                message_id,
+                body,
+                attachments,
+            } => {
                 self.close_dangling_calls();
-                self.messages.push(ModelMessage::user(body.clone()));
+                let row = Row::new(message_id.clone(), MessageRole::User, record.timestamp.clone());
+                self.push(ModelMessage::user(body.clone()), row);
                 if !attachments.is_empty() {
                     self.image_refs.push((self.messages.len() - 1, attachments.clone()));
                 }
             }
             RecordBody::Signal {
+                message_id,
                 signal_type,
                 body,
                 attributes,
                 tag_name,
-                ..
             } => {
                 self.close_dangling_calls();
-                self.messages.push(ModelMessage::user(render_signal(
-                    signal_type,
-                    body,
-                    attributes,
-                    tag_name.as_deref(),
-                )));
+                let rendering = Rendering {
+                    content: body.clone(),
+                    signal_type: signal_type.clone(),
+                    attributes: attributes.clone(),
+                    tag_name: tag_name.clone(),
+                };
+                let mut row = Row::new(message_id.clone(), MessageRole::User, record.timestamp.clone());
+                row.metadata
+                    .insert("signal_type".to_owned(), Value::String(signal_type.clone()));
+                let message = ModelMessage::user(rendering.render());
+                row.rendered = Some(Box::new(rendering));
+                self.push(message, row);
             }
             RecordBody::AssistantMessageStarted { .. } => {
                 self.close_dangling_calls();
@@ -164,41 +329,111 @@ impl Conversation {
                     });
                 }
             }
-            RecordBody::AssistantMessageCompleted { text, .. } => {
+            RecordBody::AssistantMessageCompleted { message_id, text, .. } => {
                 let tool_calls = self.open_step.take().map(|step| step.tool_calls).unwrap_or_default();
                 self.open_calls.clone_from(&tool_calls);
-                self.messages.push(ModelMessage::Assistant {
-                    text: text.clone(),
-                    tool_calls,
-                });
+                let row = Row::new(message_id.clone(), MessageRole::Assistant, record.timestamp.clone());
+                self.push(
+                    ModelMessage::Assistant {
+                        text: text.clone(),
+                        tool_calls,
+                    },
+                    row,
+                );
             }
             RecordBody::ToolOutcome {
                 tool_call_id,
-                tool_name,
                 content,
                 is_error,
                 ..
             } => {
-                self.outcomes
-                    .push((tool_call_id.clone(), tool_name.clone(), content.clone(), *is_error));
+                self.outcomes.push(PendingOutcome {
+                    record_id: record.id.clone(),
+                    timestamp: record.timestamp.clone(),
+                    tool_call_id: tool_call_id.clone(),
+                    content: content.clone(),
+                    is_error: *is_error,
+                });
             }
             RecordBody::ToolResultsCommitted { .. } => {
                 let outcomes = std::mem::take(&mut self.outcomes);
                 for call in std::mem::take(&mut self.open_calls) {
-                    let outcome = outcomes.iter().find(|(id, ..)| *id == call.id);
-                    let (content, is_error) = match outcome {
-                        Some((_, _, content, is_error)) => (content.clone(), *is_error),
-                        None => (INTERRUPTED_TOOL.to_owned(), true),
-                    };
-                    self.messages.push(ModelMessage::Tool {
-                        tool_call_id: call.id,
-                        name: call.name,
-                        content,
-                        is_error,
-                    });
+                    match outcomes.iter().find(|outcome| outcome.tool_call_id == call.id) {
+                        Some(outcome) => {
+                            let mut row =
+                                Row::new(outcome.record_id.clone(), MessageRole::Tool, outcome.timestamp.clone());
+                            row.name = Some(call.name.clone());
+                            self.push(
+                                ModelMessage::Tool {
+                                    tool_call_id: call.id,
+                                    name: call.name,
+                                    content: outcome.content.clone(),
+                                    is_error: outcome.is_error,
+                                },
+                                row,
+                            );
+                        }
+                        None => self.push_interrupted(call, record.timestamp.clone()),
+                    }
                 }
+                self.push_deferred();
             }
             RecordBody::StateWrite { name, value } => self.state.apply(name.clone(), value.clone()),
+            RecordBody::MessageInjected {
+                message_id,
+                role,
+                content,
+                silent,
+                metadata,
+            } => {
+                let mut row = Row::new(message_id.clone(), *role, record.timestamp.clone());
+                row.silent = *silent;
+                row.metadata.clone_from(metadata);
+                let message = match role {
+                    MessageRole::Assistant => ModelMessage::Assistant {
+                        text: content.clone(),
+                        tool_calls: Vec::new(),
+                    },
+                    MessageRole::System => {
+                        let rendering = system_rendering(content.clone());
+                        let message = ModelMessage::user(rendering.render());
+                        row.rendered = Some(rendering);
+                        message
+                    }
+                    MessageRole::User | MessageRole::Tool => ModelMessage::user(content.clone()),
+                };
+                if self.open_calls.is_empty() {
+                    self.push(message, row);
+                } else {
+                    self.deferred.push((message, row));
+                }
+            }
+            RecordBody::MessageUpdated { message_id, updates } => {
+                if let Some(index) = self.row_index(message_id) {
+                    self.update_row(index, updates);
+                }
+            }
+            RecordBody::MessageDeleted { message_id } => {
+                if let Some(index) = self.row_index(message_id) {
+                    self.messages.remove(index);
+                    self.rows.remove(index);
+                    self.image_refs.retain(|(at, _)| *at != index);
+                    for (at, _) in &mut self.image_refs {
+                        if *at > index {
+                            *at -= 1;
+                        }
+                    }
+                    self.edited = true;
+                }
+            }
+            RecordBody::ThreadValueSet { key, value } => {
+                if value.is_null() {
+                    self.values.remove(key);
+                } else {
+                    self.values.insert(key.clone(), value.clone());
+                }
+            }
+            RecordBody::ThreadCreatedHooksRan => self.thread_created_hooks_ran = true,
             RecordBody::AgentStartRun
             | RecordBody::AgentFinishCycle
             | RecordBody::MessageDataWrite { .. }
@@ -207,18 +442,134 @@ impl Conversation {
         }
     }
 
-    /// Calls whose batch never committed (an interrupted attempt) get an outcome-unknown
-    /// error result, so the history stays a valid call/result pairing and nothing re-runs.
-    fn close_dangling_calls(&mut self) {
-        self.outcomes.clear();
-        for call in std::mem::take(&mut self.open_calls) {
-            self.messages.push(ModelMessage::Tool {
+    fn push_interrupted(&mut self, call: ModelToolCall, created: Arc<str>) {
+        let mut row = Row::new(format!("tool_{}", call.id), MessageRole::Tool, created);
+        row.name = Some(call.name.clone());
+        self.push(
+            ModelMessage::Tool {
                 tool_call_id: call.id,
                 name: call.name,
                 content: INTERRUPTED_TOOL.to_owned(),
                 is_error: true,
-            });
+            },
+            row,
+        );
+    }
+
+    /// Calls whose batch never committed (an interrupted attempt) get an outcome-unknown
+    /// error result, so the history stays a valid call/result pairing and nothing re-runs.
+    fn close_dangling_calls(&mut self) {
+        self.outcomes.clear();
+        let created = self
+            .rows
+            .last()
+            .map(|row| row.created.clone())
+            .unwrap_or_else(|| "".into());
+        for call in std::mem::take(&mut self.open_calls) {
+            self.push_interrupted(call, created.clone());
         }
+        self.push_deferred();
+    }
+
+    fn push_deferred(&mut self) {
+        for (message, row) in std::mem::take(&mut self.deferred) {
+            self.push(message, row);
+        }
+    }
+
+    /// The index of the row `id` (searched from the newest: updates concern recent rows).
+    fn row_index(&self, id: &str) -> Option<usize> {
+        self.rows.iter().rposition(|row| row.id == id)
+    }
+
+    /// Applies field updates to the row at `index` (unknown fields and ill-typed values were
+    /// refused before the record was written; here they are skipped).
+    fn update_row(&mut self, index: usize, updates: &Map<String, Value>) {
+        let (row, message) = (&mut self.rows[index], &mut self.messages[index]);
+        for (field, value) in updates {
+            match (field.as_str(), value) {
+                ("content", Value::String(content)) => match &mut row.rendered {
+                    Some(rendering) => {
+                        rendering.content.clone_from(content);
+                        if let ModelMessage::User { content: text, .. } = message {
+                            *text = rendering.render();
+                        }
+                    }
+                    None => match message {
+                        ModelMessage::User { content: text, .. } | ModelMessage::Tool { content: text, .. } => {
+                            text.clone_from(content);
+                        }
+                        ModelMessage::Assistant { text, .. } => text.clone_from(content),
+                    },
+                },
+                ("silent", Value::Bool(silent)) => row.silent = *silent,
+                ("metadata", Value::Object(metadata)) => row.metadata.clone_from(metadata),
+                ("metadata", Value::Null) => row.metadata.clear(),
+                ("name", Value::String(name)) => row.name = Some(name.clone()),
+                ("name", Value::Null) => row.name = None,
+                ("status", status) => {
+                    if let Ok(status) = serde_json::from_value(status.clone()) {
+                        row.status = status;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The message row at `index`.
+    fn row(&self, index: usize) -> Message {
+        let (row, message) = (&self.rows[index], &self.messages[index]);
+        let (content, tool_calls, tool_call_id, tool_status) = match message {
+            ModelMessage::User { content, .. } => (content.clone(), None, None, None),
+            ModelMessage::Assistant { text, tool_calls } => (
+                text.clone(),
+                (!tool_calls.is_empty()).then(|| tool_calls_json(tool_calls)),
+                None,
+                None,
+            ),
+            ModelMessage::Tool {
+                tool_call_id,
+                content,
+                is_error,
+                ..
+            } => (
+                content.clone(),
+                None,
+                Some(tool_call_id.clone()),
+                Some(if *is_error {
+                    ToolStatus::Error
+                } else {
+                    ToolStatus::Success
+                }),
+            ),
+        };
+        Message {
+            id: row.id.clone(),
+            role: row.role,
+            content: Some(match &row.rendered {
+                Some(rendering) => rendering.content.clone(),
+                None => content,
+            }),
+            name: row.name.clone(),
+            tool_calls,
+            tool_call_id,
+            tool_status,
+            status: row.status,
+            created_at: micros_of(&row.created),
+            silent: row.silent,
+            metadata: row.metadata.clone(),
+        }
+    }
+
+    /// Every message row, oldest first.
+    pub(crate) fn rows(&self) -> Vec<Message> {
+        (0..self.rows.len()).map(|index| self.row(index)).collect()
+    }
+
+    /// The row `id`.
+    pub(crate) fn find_row(&self, id: &str) -> Option<Message> {
+        self.row_index(id).map(|index| self.row(index))
     }
 
     /// Keeps an image for the message that attaches it (stored, or loaded from the store).
@@ -240,14 +591,27 @@ impl Conversation {
     /// outcome-unknown results for calls of an interrupted batch.
     pub(crate) fn model_messages(&self) -> Vec<ModelMessage> {
         let mut messages = self.messages.clone();
+        self.attach_images(&mut messages, Some);
+        self.close_open_calls(&mut messages);
+        if self.edited {
+            drop_orphans(&mut messages);
+        }
+        messages
+    }
+
+    fn attach_images(&self, messages: &mut [ModelMessage], position: impl Fn(usize) -> Option<usize>) {
         for (index, refs) in &self.image_refs {
-            if let Some(ModelMessage::User { images, .. }) = messages.get_mut(*index) {
+            let Some(at) = position(*index) else { continue };
+            if let Some(ModelMessage::User { images, .. }) = messages.get_mut(at) {
                 images.extend(
                     refs.iter()
                         .filter_map(|attachment| self.images.get(&attachment.id).cloned()),
                 );
             }
         }
+    }
+
+    fn close_open_calls(&self, messages: &mut Vec<ModelMessage>) {
         for call in &self.open_calls {
             messages.push(ModelMessage::Tool {
                 tool_call_id: call.id.clone(),
@@ -256,8 +620,110 @@ impl Conversation {
                 is_error: true,
             });
         }
+    }
+
+    /// The history to send for the rows `filter_messages` returned: a row that keeps a known
+    /// id is its stored message with the row's content (and images) — stored history is not
+    /// changed; a row with an unknown id is a context-only message built from its fields.
+    /// Tool calls without results and results without calls are dropped afterwards.
+    pub(crate) fn model_messages_of(&self, rows: &[Message]) -> Vec<ModelMessage> {
+        let index: HashMap<&str, usize> = self
+            .rows
+            .iter()
+            .enumerate()
+            .map(|(at, row)| (row.id.as_str(), at))
+            .collect();
+        let mut positions = HashMap::new();
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in rows {
+            match index.get(row.id.as_str()) {
+                Some(&at) => {
+                    let mut message = self.messages[at].clone();
+                    let stored = &self.rows[at];
+                    if let Some(content) = &row.content {
+                        match (&stored.rendered, &mut message) {
+                            (Some(rendering), ModelMessage::User { content: text, .. }) => {
+                                if *content != rendering.content {
+                                    *text = render_signal(
+                                        &rendering.signal_type,
+                                        content,
+                                        &rendering.attributes,
+                                        rendering.tag_name.as_deref(),
+                                    );
+                                }
+                            }
+                            (
+                                _,
+                                ModelMessage::User { content: text, .. } | ModelMessage::Tool { content: text, .. },
+                            ) => {
+                                text.clone_from(content);
+                            }
+                            (_, ModelMessage::Assistant { text, .. }) => text.clone_from(content),
+                        }
+                    }
+                    if let (Some(text), ModelMessage::Assistant { tool_calls, .. }) = (&row.tool_calls, &mut message) {
+                        *tool_calls = tool_calls_of(text);
+                    }
+                    positions.insert(at, messages.len());
+                    messages.push(message);
+                }
+                None => messages.push(synthesized(row)),
+            }
+        }
+        self.attach_images(&mut messages, |at| positions.get(&at).copied());
+        self.close_open_calls(&mut messages);
+        drop_orphans(&mut messages);
         messages
     }
+}
+
+/// The model message of a row `filter_messages` made up (context only, never stored).
+fn synthesized(row: &Message) -> ModelMessage {
+    let content = row.content.clone().unwrap_or_default();
+    match row.role {
+        MessageRole::User => ModelMessage::user(content),
+        MessageRole::System => ModelMessage::user(system_rendering(content).render()),
+        MessageRole::Assistant => ModelMessage::Assistant {
+            text: content,
+            tool_calls: row.tool_calls.as_deref().map(tool_calls_of).unwrap_or_default(),
+        },
+        MessageRole::Tool => ModelMessage::Tool {
+            tool_call_id: row.tool_call_id.clone().unwrap_or_default(),
+            name: row.name.clone().unwrap_or_default(),
+            content,
+            is_error: row.tool_status == Some(ToolStatus::Error),
+        },
+    }
+}
+
+/// Drops tool results whose call is not in the history and tool calls without a result (an
+/// assistant message left with neither text nor calls goes too), so the history stays a
+/// valid call/result pairing.
+pub(crate) fn drop_orphans(messages: &mut Vec<ModelMessage>) {
+    let calls: HashSet<String> = messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Assistant { tool_calls, .. } => Some(tool_calls.iter().map(|call| call.id.clone())),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let results: HashSet<String> = messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { tool_call_id, .. } => Some(tool_call_id.clone()),
+            _ => None,
+        })
+        .collect();
+    messages.retain_mut(|message| match message {
+        ModelMessage::Tool { tool_call_id, .. } => calls.contains(tool_call_id),
+        ModelMessage::Assistant { text, tool_calls } => {
+            let had_calls = !tool_calls.is_empty();
+            tool_calls.retain(|call| results.contains(&call.id));
+            !(had_calls && tool_calls.is_empty() && text.is_empty())
+        }
+        ModelMessage::User { .. } => true,
+    });
 }
 
 /// A signal as the model reads it: `<tag type="…" k="v">\nbody\n</tag>` (escaped).

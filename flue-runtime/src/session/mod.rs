@@ -8,6 +8,7 @@
 mod binding;
 mod conversation;
 mod deadline;
+mod lifecycle;
 mod observation;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,6 +20,7 @@ use flue_core::event_hooks::{
     AgentFinishContext, AgentStartContext, AppendWindow, ResponseFinishContext, ResponseStartContext, ResponseSummary,
     SeamChannel, ToolCallSummary,
 };
+use flue_core::lifecycle::ExecutionState;
 use flue_core::log::{LogLevel, LogSink, Logger};
 use flue_core::message::{DeliveredMessage, Signal};
 use flue_core::metadata::{Metadata, merge_metadata};
@@ -32,6 +34,8 @@ use futures_util::{FutureExt, StreamExt};
 use tracing::Instrument;
 
 use crate::events::Event;
+use crate::lifecycle::HookSet;
+use crate::lifecycle::thread::{RuntimeThread, ThreadWriter};
 use crate::provider::{ModelImage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
 use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
@@ -41,7 +45,7 @@ use crate::tools;
 use deadline::Deadline;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
-pub(crate) use conversation::{Conversation, ReplyParts, reply_of};
+pub(crate) use conversation::{Conversation, ReplyParts, micros_of, reply_of};
 
 /// The framework ceiling of continued finish cycles per response.
 pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
@@ -356,6 +360,23 @@ impl InstanceSlot {
                 max_attempts: submission.max_attempts,
             },
         );
+        let record_ids: (Arc<str>, Arc<str>) = (submission.id.as_str().into(), attempt_id.as_str().into());
+        let writer = Arc::new(ThreadWriter::new(
+            runtime,
+            &self.key,
+            &self.binding,
+            &attempt_ref,
+            record_ids.clone(),
+        ));
+        let identity = Arc::new(conversation.identity(&self.key));
+        let execution = ExecutionState::new(submission.id.clone(), attempt.signal.clone());
+        let thread = RuntimeThread::new(
+            identity.clone(),
+            writer.clone(),
+            Some(execution.clone()),
+            HookSet::default(),
+        );
+        let at_rest = RuntimeThread::new(identity, writer.clone(), None, HookSet::default());
         let mut response = Response {
             runtime,
             key: &self.key,
@@ -372,9 +393,14 @@ impl InstanceSlot {
             joined: Vec::new(),
             spare: None,
             reply: ReplyParts::default(),
-            record_ids: (submission.id.as_str().into(), attempt_id.as_str().into()),
+            record_ids,
             admissions: &self.wakes,
             joins_checked: None,
+            writer,
+            thread,
+            at_rest,
+            hooks: HookSet::default(),
+            execution,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -609,6 +635,16 @@ struct Response<'a> {
     /// The wake count when the store last had nothing to join: while it has not moved (and no
     /// other node writes to the store), nothing can have been queued since.
     joins_checked: Option<u64>,
+    /// The attempt's one writer (the response's batches and the thread operations').
+    writer: Arc<ThreadWriter>,
+    /// The `ThreadState` of the execution (hooks and tools of the running response).
+    thread: Arc<RuntimeThread>,
+    /// The at-rest `ThreadState` (the input rows' hooks, `after_thread_created`).
+    at_rest: Arc<RuntimeThread>,
+    /// The lifecycle hooks of the latest render.
+    hooks: HookSet,
+    /// The execution `thread` reports (step counts, `stop()`).
+    execution: ExecutionState,
 }
 
 impl Response<'_> {
@@ -668,18 +704,20 @@ impl Response<'_> {
             return Ok(());
         }
         let records: Arc<[Record]> = records.into();
-        let offset = self
-            .runtime
-            .store
-            .append(self.key, records.clone(), Some(&self.attempt.attempt))
-            .await
-            .map_err(Failure::store)?;
-        self.binding.note_append();
+        self.writer.append(records.clone()).await.map_err(Failure::store)?;
         for record in records.iter() {
             self.reply.add(record);
         }
-        self.conversation.apply(&crate::record::Batch { offset, records });
+        self.fold_thread_writes();
         Ok(())
+    }
+
+    /// Folds what the attempt appended and the conversation has not seen (the response's last
+    /// batch, and rows or values hooks and tools wrote through the `ThreadState`).
+    fn fold_thread_writes(&mut self) {
+        for batch in self.writer.take_unfolded() {
+            self.conversation.apply(&batch);
+        }
     }
 
     fn render(&mut self) -> Result<Rendered, Failure> {
@@ -707,6 +745,11 @@ impl Response<'_> {
         match result {
             Ok(Ok(())) => {
                 self.data_writer_names = rendered.data_writer_names();
+                self.hooks = HookSet::resolve(self.agent.definition(), &rendered.hooks, &rendered.subagents);
+                if !self.hooks.is_empty() {
+                    self.thread.set_hooks(self.hooks.clone());
+                }
+                self.thread.set_tools(&rendered.tools);
                 Ok(rendered)
             }
             Ok(Err(error)) => Err(error.into()),
@@ -773,6 +816,14 @@ impl Response<'_> {
         }
         self.first_step_metadata = Some(metadata.clone());
 
+        // At rest (the input row), the agent-level hooks run, with the required hooks of the
+        // relationships the first render declares.
+        let at_rest = HookSet::at_rest(definition, &rendered.subagents);
+        if !at_rest.is_empty() {
+            self.at_rest.set_hooks(at_rest);
+        }
+        self.thread_created().await?;
+
         // Input applied (once: a re-attempt finds it in the stream), then the start seam for the
         // waking delivery (skipped when its marker committed).
         self.apply_input(&rendered, self.delivery.clone(), &submission_id)
@@ -790,14 +841,21 @@ impl Response<'_> {
             if Instant::now() >= deadline {
                 return Err(timed_out());
             }
-            if steps >= max_steps {
+            if steps >= max_steps || self.execution.stopped() {
                 break;
             }
             let rendered = self.render()?;
             steps += 1;
+            self.execution.count_step();
             let (response, message_id) = self
                 .model_step(&*provider, &model_id, &model.spec, thinking, &rendered, steps)
                 .await?;
+            if response.stop_reason == crate::provider::StopReason::HookBlocked {
+                // `prefilter_llm_history` blocked the request: the execution stops here.
+                self.commit(Vec::new(), true).await?;
+                self.spare = Some(rendered);
+                break;
+            }
             if response.tool_calls.is_empty() {
                 // The would-stop point: queued deliveries join first.
                 if self.join_queued(&rendered).await? {
@@ -887,15 +945,26 @@ impl Response<'_> {
         let needs_seam = !self.conversation.has_started(submission_id);
         if needs_input {
             let input = self.input_record(submission_id, &delivery).await?;
+            let (mut records, created) = match self.input_row(input).await {
+                lifecycle::InputRow::Store(records, created) => (records, created),
+                lifecycle::InputRow::Prevented(failure) if submission_id == self.submission.id => return Err(failure),
+                lifecycle::InputRow::Prevented(failure) => {
+                    // A joined delivery's row was prevented: it is dropped, the response goes on.
+                    tracing::warn!(instance = %self.key, submission = submission_id, error = %failure.error.message, "a queued message was not stored: a before_create_message hook prevented it");
+                    return Ok(());
+                }
+            };
             self.emit(Event::MessageStart { role: "user".into() });
             if needs_seam && rendered.agent_starts.is_empty() {
-                let marker = self.seam_marker(submission_id);
-                self.commit(vec![input, marker], true).await?;
+                records.push(self.seam_marker(submission_id));
+                self.commit(records, true).await?;
                 self.emit(Event::MessageEnd { role: "user".into() });
+                self.input_row_created(created).await;
                 return Ok(());
             }
-            self.commit(vec![input], false).await?;
+            self.commit(records, false).await?;
             self.emit(Event::MessageEnd { role: "user".into() });
+            self.input_row_created(created).await;
         }
         if needs_seam {
             self.start_seam(rendered, delivery, submission_id).await?;
@@ -1163,10 +1232,19 @@ impl Response<'_> {
         step: u32,
     ) -> Result<(ModelResponse, String), Failure> {
         self.load_images().await?;
+        let message_id = new_id("msg");
+        let (system, messages) = match self
+            .request(rendered.instruction.as_ref().map(|text| text.to_string()))
+            .await
+        {
+            Ok(request) => request,
+            Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),
+        };
+        let mut row_updates = self.assistant_row_created(&message_id).await;
         let request = ModelRequest {
             model: model_id.to_owned(),
-            system: rendered.instruction.as_ref().map(|text| text.to_string()),
-            messages: self.conversation.model_messages(),
+            system,
+            messages,
             tools: rendered
                 .tools
                 .iter()
@@ -1218,7 +1296,10 @@ impl Response<'_> {
             },
         );
         self.usage += response.usage;
-        let message_id = new_id("msg");
+        let mut response = response;
+        response.text = self
+            .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut row_updates)
+            .await;
         let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
         let mut records = vec![self.record(RecordBody::AssistantMessageStarted {
             message_id: message_id.clone(),
@@ -1239,10 +1320,17 @@ impl Response<'_> {
             stop_reason: response.stop_reason,
             usage: response.usage,
         }));
+        if !row_updates.is_empty() {
+            records.push(self.record(RecordBody::MessageUpdated {
+                message_id: message_id.clone(),
+                updates: row_updates,
+            }));
+        }
         self.commit(records, false).await?;
         self.emit(Event::MessageEnd {
             role: "assistant".into(),
         });
+        self.assistant_row_updated(&message_id).await;
         Ok((response, message_id))
     }
 
@@ -1269,7 +1357,7 @@ impl Response<'_> {
                 Some(Err(error)) => return Err(StepError::Provider(error)),
                 Some(Ok(StreamEvent::Completed(response))) => {
                     for started in observer.finish(&response) {
-                        self.tool_call_started(started);
+                        self.tool_call_started(started).await;
                     }
                     return Ok(response);
                 }
@@ -1283,24 +1371,32 @@ impl Response<'_> {
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
                     if let Some(started) = observer.started(index, &id, &name) {
-                        self.tool_call_started(started);
+                        self.tool_call_started(started).await;
                     }
                 }
                 Some(Ok(StreamEvent::ToolCallArguments { index, delta })) => {
                     if let Some(started) = observer.arguments(index, &delta) {
-                        self.tool_call_started(started);
+                        self.tool_call_started(started).await;
                     }
                 }
             }
         }
     }
 
-    fn tool_call_started(&self, started: observation::Started) {
+    /// Publishes a `tool_call_started` (the event, always; then the selected hooks).
+    async fn tool_call_started(&self, started: observation::Started) {
         self.emit(Event::ToolCallStarted {
-            tool_call_id: started.id,
-            tool_name: started.name,
-            progress: started.progress,
+            tool_call_id: started.id.clone(),
+            tool_name: started.name.clone(),
+            progress: started.progress.clone(),
         });
+        self.tool_call_started_hooks(
+            &started.id,
+            &started.name,
+            &started.arguments,
+            started.progress.as_deref(),
+        )
+        .await;
     }
 
     /// Runs the step's tool calls and commits the batch; returns whether every result asked to
@@ -1317,6 +1413,7 @@ impl Response<'_> {
             let submission_id = self.submission.id.clone();
             let logger = self.logger();
             let signal = self.attempt.signal.clone();
+            let thread = self.thread.state();
             tools::run_batch(
                 &rendered.tools,
                 response.tool_calls.clone(),
@@ -1327,6 +1424,7 @@ impl Response<'_> {
                         .with_instance_id(key.id.to_string())
                         .with_signal(signal.clone())
                         .with_logger(logger.clone())
+                        .with_thread(thread.clone())
                 },
                 |call: &ModelToolCall| {
                     runtime.emit(
@@ -1355,23 +1453,53 @@ impl Response<'_> {
         self.check_abort()?;
         let terminate = !executed.is_empty() && executed.iter().all(|run| run.output.terminate);
         let mut records = Vec::with_capacity(executed.len() + 1);
+        let hooked = self.has_tool_hooks();
+        let mut rows = Vec::new();
+        let mut row_updates = Vec::new();
+        let mut errors = Vec::with_capacity(executed.len());
         for run in &executed {
-            records.push(self.record(RecordBody::ToolOutcome {
+            // The tool row's id is its outcome record's.
+            let row_id = hooked.then(|| new_id("record"));
+            let (content, is_error) = match &row_id {
+                Some(row_id) => {
+                    let stored = self.tool_outcome(run, row_id).await;
+                    if !stored.updates.is_empty() {
+                        row_updates.push(self.record(RecordBody::MessageUpdated {
+                            message_id: row_id.clone(),
+                            updates: stored.updates,
+                        }));
+                    }
+                    rows.push(row_id.clone());
+                    (stored.content, stored.is_error)
+                }
+                None => (run.output.to_text(), run.output.is_error),
+            };
+            errors.push(is_error);
+            let mut record = self.record(RecordBody::ToolOutcome {
                 assistant_message_id: assistant_message_id.clone(),
                 tool_call_id: run.call.id.clone(),
                 tool_name: run.call.name.clone(),
-                is_error: run.output.is_error,
-                content: run.output.to_text(),
+                is_error,
+                content,
                 terminate: run.output.terminate,
                 duration_ms: run.duration_ms,
-            }));
+            });
+            if let Some(row_id) = row_id {
+                record.id = row_id;
+            }
+            records.push(record);
         }
         records.push(self.record(RecordBody::ToolResultsCommitted { assistant_message_id }));
         self.commit(records, true).await?;
-        for run in executed {
+        if !row_updates.is_empty() {
+            // The rows exist once the batch committed; what their create hooks set follows.
+            self.commit(row_updates, false).await?;
+        }
+        self.tool_rows_created(&rows).await;
+        for (run, is_error) in executed.into_iter().zip(errors) {
             self.tool_calls.push(ToolCallSummary {
                 tool: run.call.name.clone(),
-                is_error: run.output.is_error,
+                is_error,
             });
             self.runtime.emit(
                 self.key,
@@ -1379,7 +1507,7 @@ impl Response<'_> {
                 Event::Tool {
                     tool_name: run.call.name,
                     tool_call_id: run.call.id,
-                    is_error: run.output.is_error,
+                    is_error,
                     duration_ms: run.duration_ms,
                 },
             );

@@ -23,6 +23,8 @@ pub(crate) struct Started {
     pub(crate) id: String,
     pub(crate) name: String,
     pub(crate) progress: Option<String>,
+    /// The argument text streamed so far (complete when published after the response).
+    pub(crate) arguments: String,
 }
 
 struct Call {
@@ -82,6 +84,7 @@ impl ToolCallObserver {
                 id: call.id.clone(),
                 name: call.name.clone(),
                 progress: None,
+                arguments: call.arguments.clone(),
             });
         }
         Self::check(call)
@@ -108,6 +111,7 @@ impl ToolCallObserver {
             id: call.id.clone(),
             name: call.name.clone(),
             progress: Some(progress),
+            arguments: call.arguments.clone(),
         })
     }
 
@@ -131,6 +135,7 @@ impl ToolCallObserver {
                 id: tool_call.id.clone(),
                 name: tool_call.name.clone(),
                 progress,
+                arguments: tool_call.arguments.clone(),
             });
         }
         started
@@ -282,7 +287,8 @@ mod tests {
             Some(Started {
                 id: "c1".into(),
                 name: "plain".into(),
-                progress: None
+                progress: None,
+                arguments: String::new(),
             })
         );
         assert_eq!(observer.arguments(0, "{\"x\":1}"), None);

@@ -1,0 +1,257 @@
+//! The hook chains: the hooks of one kind run in order, each transform receiving the previous
+//! one's output, with the error rules of the reference (§1.4):
+//!
+//! - pre-write hooks (`before_create_message`, `before_update_message`): an error prevents the
+//!   write, and the later hooks of that kind do not run for it ([`Prevented`] carries the error
+//!   and the last good value, which the three writes that must happen anyway use);
+//! - `prefilter_llm_history`: an error with `block` stops the step ([`Blocked`]);
+//! - every other error (and a panic, which is an error here) is logged through `tracing` as
+//!   `[Hooks] ✗ Error running <kind> hook: <message>` and the chain goes on with the last good
+//!   value; event hooks' and post-write hooks' errors change nothing.
+
+use flue_core::lifecycle::{
+    HookError, HookFuture, HookKind, LlmMessage, Message, MessageUpdates, ThreadHookHandler, ThreadState, ToolCall,
+    ToolResult, ToolStatus,
+};
+use futures_util::FutureExt;
+
+use super::HookSet;
+
+/// A pre-write hook's error: the write does not happen (unless it is one of the writes that
+/// continue with `last_good`).
+#[derive(Debug)]
+pub(crate) struct Prevented<T> {
+    pub(crate) error: HookError,
+    pub(crate) last_good: T,
+}
+
+/// A blocking `prefilter_llm_history` error.
+#[derive(Debug)]
+pub(crate) struct Blocked(pub(crate) HookError);
+
+/// Runs one hook call; a panic becomes its error.
+async fn call<'a, T>(call: impl FnOnce() -> HookFuture<'a, T>) -> Result<T, HookError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(future) => match std::panic::AssertUnwindSafe(future).catch_unwind().await {
+            Ok(result) => result,
+            Err(payload) => Err(panicked(payload.as_ref())),
+        },
+        Err(payload) => Err(panicked(payload.as_ref())),
+    }
+}
+
+fn panicked(payload: &(dyn std::any::Any + Send)) -> HookError {
+    HookError::new(format!("panicked: {}", flue_core::render::panic_message(payload)))
+}
+
+/// Logs a hook error the chain continues past.
+pub(crate) fn log_failure(kind: HookKind, id: &str, error: &HookError) {
+    tracing::error!(target: "flue::hooks", hook_id = id, "[Hooks] ✗ Error running {kind} hook: {error}");
+}
+
+/// Runs `call` for every hook of one kind (the handlers match on their variant).
+macro_rules! each {
+    ($set:expr, $kind:expr, |$id:ident, $handler:ident| $body:block) => {
+        for ($id, handler) in $set.handlers($kind) {
+            #[allow(unused_variables)]
+            let $handler = handler;
+            $body
+        }
+    };
+}
+
+/// `after_thread_created` (event).
+pub(crate) async fn after_thread_created(set: &HookSet, state: &ThreadState) {
+    each!(set, HookKind::AfterThreadCreated, |id, handler| {
+        if let ThreadHookHandler::AfterThreadCreated(run) = handler
+            && let Err(error) = call(|| run(state)).await
+        {
+            log_failure(HookKind::AfterThreadCreated, id, &error);
+        }
+    });
+}
+
+/// `after_system_message`: a returned string replaces the system message; `None` keeps it.
+pub(crate) async fn after_system_message(set: &HookSet, state: &ThreadState, mut text: String) -> String {
+    each!(set, HookKind::AfterSystemMessage, |id, handler| {
+        if let ThreadHookHandler::AfterSystemMessage(run) = handler {
+            match call(|| run(state, text.clone())).await {
+                Ok(Some(replacement)) => text = replacement,
+                Ok(None) => {}
+                Err(error) => log_failure(HookKind::AfterSystemMessage, id, &error),
+            }
+        }
+    });
+    text
+}
+
+/// `filter_messages`: the rows the model request is built from.
+pub(crate) async fn filter_messages(set: &HookSet, state: &ThreadState, mut rows: Vec<Message>) -> Vec<Message> {
+    each!(set, HookKind::FilterMessages, |id, handler| {
+        if let ThreadHookHandler::FilterMessages(run) = handler {
+            match call(|| run(state, rows.clone())).await {
+                Ok(filtered) => rows = filtered,
+                Err(error) => log_failure(HookKind::FilterMessages, id, &error),
+            }
+        }
+    });
+    rows
+}
+
+/// `prefilter_llm_history`: what is dispatched, or the blocking error.
+pub(crate) async fn prefilter_llm_history(
+    set: &HookSet,
+    state: &ThreadState,
+    mut messages: Vec<LlmMessage>,
+) -> Result<Vec<LlmMessage>, Blocked> {
+    for (id, handler) in set.handlers(HookKind::PrefilterLlmHistory) {
+        if let ThreadHookHandler::PrefilterLlmHistory(run) = handler {
+            match call(|| run(state, messages.clone())).await {
+                Ok(filtered) => messages = filtered,
+                Err(error) if error.block => return Err(Blocked(error)),
+                Err(error) => log_failure(HookKind::PrefilterLlmHistory, id, &error),
+            }
+        }
+    }
+    Ok(messages)
+}
+
+/// `before_create_message`: the row to insert (its id is kept), or the error that prevents it.
+pub(crate) async fn before_create_message(
+    set: &HookSet,
+    state: &ThreadState,
+    mut row: Message,
+) -> Result<Message, Prevented<Message>> {
+    for (id, handler) in set.handlers(HookKind::BeforeCreateMessage) {
+        if let ThreadHookHandler::BeforeCreateMessage(run) = handler {
+            match call(|| run(state, row.clone())).await {
+                Ok(mut changed) => {
+                    changed.id = std::mem::take(&mut row.id);
+                    row = changed;
+                }
+                Err(error) => {
+                    log_failure(HookKind::BeforeCreateMessage, id, &error);
+                    return Err(Prevented { error, last_good: row });
+                }
+            }
+        }
+    }
+    Ok(row)
+}
+
+/// `after_create_message` (event).
+pub(crate) async fn after_create_message(set: &HookSet, state: &ThreadState, row: &Message) {
+    each!(set, HookKind::AfterCreateMessage, |id, handler| {
+        if let ThreadHookHandler::AfterCreateMessage(run) = handler
+            && let Err(error) = call(|| run(state, row)).await
+        {
+            log_failure(HookKind::AfterCreateMessage, id, &error);
+        }
+    });
+}
+
+/// `before_update_message`: the updates to apply, or the error that prevents them.
+pub(crate) async fn before_update_message(
+    set: &HookSet,
+    state: &ThreadState,
+    message_id: &str,
+    mut updates: MessageUpdates,
+) -> Result<MessageUpdates, Prevented<MessageUpdates>> {
+    for (id, handler) in set.handlers(HookKind::BeforeUpdateMessage) {
+        if let ThreadHookHandler::BeforeUpdateMessage(run) = handler {
+            match call(|| run(state, message_id, updates.clone())).await {
+                Ok(changed) => updates = changed,
+                Err(error) => {
+                    log_failure(HookKind::BeforeUpdateMessage, id, &error);
+                    return Err(Prevented {
+                        error,
+                        last_good: updates,
+                    });
+                }
+            }
+        }
+    }
+    Ok(updates)
+}
+
+/// `after_update_message` (event, with the full updated row).
+pub(crate) async fn after_update_message(set: &HookSet, state: &ThreadState, row: &Message) {
+    each!(set, HookKind::AfterUpdateMessage, |id, handler| {
+        if let ThreadHookHandler::AfterUpdateMessage(run) = handler
+            && let Err(error) = call(|| run(state, row)).await
+        {
+            log_failure(HookKind::AfterUpdateMessage, id, &error);
+        }
+    });
+}
+
+/// `tool_call_started` (event).
+pub(crate) async fn tool_call_started(
+    set: &HookSet,
+    state: &ThreadState,
+    tool_call: &ToolCall,
+    progress: Option<&str>,
+) {
+    each!(set, HookKind::ToolCallStarted, |id, handler| {
+        if let ThreadHookHandler::ToolCallStarted(run) = handler
+            && let Err(error) = call(|| run(state, tool_call, progress)).await
+        {
+            log_failure(HookKind::ToolCallStarted, id, &error);
+        }
+    });
+}
+
+/// `tool_call_done` (event, with the raw result).
+pub(crate) async fn tool_call_done(set: &HookSet, state: &ThreadState, tool_call: &ToolCall, result: &ToolResult) {
+    each!(set, HookKind::ToolCallDone, |id, handler| {
+        if let ThreadHookHandler::ToolCallDone(run) = handler
+            && let Err(error) = call(|| run(state, tool_call, result)).await
+        {
+            log_failure(HookKind::ToolCallDone, id, &error);
+        }
+    });
+}
+
+/// `after_tool_call_success` for a success, `after_tool_call_failure` for an error: a returned
+/// result replaces the current one; `None` keeps it.
+pub(crate) async fn after_tool_call(
+    set: &HookSet,
+    state: &ThreadState,
+    tool_call: &ToolCall,
+    mut result: ToolResult,
+) -> ToolResult {
+    let kind = match result.status {
+        ToolStatus::Success => HookKind::AfterToolCallSuccess,
+        ToolStatus::Error => HookKind::AfterToolCallFailure,
+    };
+    for (id, handler) in set.handlers(kind) {
+        let run = match handler {
+            ThreadHookHandler::AfterToolCallSuccess(run) | ThreadHookHandler::AfterToolCallFailure(run) => run,
+            _ => continue,
+        };
+        match call(|| run(state, tool_call, result.clone())).await {
+            Ok(Some(replacement)) => result = replacement,
+            Ok(None) => {}
+            Err(error) => log_failure(kind, id, &error),
+        }
+    }
+    result
+}
+
+/// `before_store_tool_result`: the result that is stored and the model reads.
+pub(crate) async fn before_store_tool_result(
+    set: &HookSet,
+    state: &ThreadState,
+    tool_call: &ToolCall,
+    mut result: ToolResult,
+) -> ToolResult {
+    each!(set, HookKind::BeforeStoreToolResult, |id, handler| {
+        if let ThreadHookHandler::BeforeStoreToolResult(run) = handler {
+            match call(|| run(state, tool_call, result.clone())).await {
+                Ok(stored) => result = stored,
+                Err(error) => log_failure(HookKind::BeforeStoreToolResult, id, &error),
+            }
+        }
+    });
+    result
+}

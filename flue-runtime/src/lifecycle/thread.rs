@@ -1,0 +1,399 @@
+//! The runtime's `ThreadState`: one per attempt, in two views — the execution's (hooks and
+//! tools of the running response: `execution` set, a shared per-execution context, the
+//! render's hook set) and the at-rest one (the sent message's row and `after_thread_created`:
+//! no execution, an empty context, the agent-level hooks).
+//!
+//! Writes (`inject_message`, `update_message`, `delete_message`, `set_value`) append to the
+//! instance's stream at once, fenced by the attempt, through the same writer as the response's
+//! own batches ([`ThreadWriter`]); the response folds them into its conversation before it next
+//! reads it. Reads fold the durable stream, so they see exactly what is stored.
+
+use std::sync::{Arc, Mutex, Weak};
+
+use flue_core::BoxFuture;
+use flue_core::Tool;
+use flue_core::binding::RuntimeBinding;
+use flue_core::lifecycle::{
+    ExecutionState, InjectMessage, Message, MessagePage, MessageRole, MessageStatus, MessageUpdates, MessagesQuery,
+    ThreadContext, ThreadError, ThreadIdentity, ThreadState, ThreadStateApi, ToolResult,
+};
+use flue_core::message::DeliveredMessage;
+use flue_core::tool::ToolContext;
+use serde_json::{Value, json};
+
+use super::{HookSet, chain};
+use crate::events::Event;
+use crate::record::{Batch, Record, RecordBody, new_id, now};
+use crate::runtime::RuntimeInner;
+use crate::session::{Conversation, InstanceBinding};
+use crate::store::{AttemptRef, InstanceKey, Store, StoreError};
+
+/// The longest key `set_value` accepts.
+const MAX_KEY_LEN: usize = 512;
+
+/// The one writer of an attempt: every batch the attempt appends (the response's and the
+/// thread operations') goes through it, in order, and waits here until the response folds it.
+pub(crate) struct ThreadWriter {
+    runtime: Weak<RuntimeInner>,
+    store: Arc<dyn Store>,
+    key: InstanceKey,
+    binding: Arc<InstanceBinding>,
+    attempt: AttemptRef,
+    record_ids: (Arc<str>, Arc<str>),
+    lock: tokio::sync::Mutex<()>,
+    unfolded: Mutex<Vec<Batch>>,
+}
+
+impl ThreadWriter {
+    pub(crate) fn new(
+        runtime: &Arc<RuntimeInner>,
+        key: &InstanceKey,
+        binding: &Arc<InstanceBinding>,
+        attempt: &AttemptRef,
+        record_ids: (Arc<str>, Arc<str>),
+    ) -> Self {
+        Self {
+            runtime: Arc::downgrade(runtime),
+            store: runtime.store.clone(),
+            key: key.clone(),
+            binding: binding.clone(),
+            attempt: attempt.clone(),
+            record_ids,
+            lock: tokio::sync::Mutex::new(()),
+            unfolded: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A record of this attempt.
+    pub(crate) fn record(&self, body: RecordBody) -> Record {
+        Record {
+            id: new_id("record"),
+            submission_id: Some(self.record_ids.0.clone()),
+            attempt_id: Some(self.record_ids.1.clone()),
+            timestamp: now(),
+            body,
+        }
+    }
+
+    /// Appends one batch atomically (fenced by the attempt); returns its offset. The batch
+    /// waits in [`ThreadWriter::take_unfolded`] for the response's fold.
+    pub(crate) async fn append(&self, records: Arc<[Record]>) -> Result<u64, StoreError> {
+        let _order = self.lock.lock().await;
+        let offset = self
+            .store
+            .append(&self.key, records.clone(), Some(&self.attempt))
+            .await?;
+        self.binding.note_append();
+        self.unfolded
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(Batch { offset, records });
+        Ok(offset)
+    }
+
+    /// The batches appended since the last call, in stream order.
+    pub(crate) fn take_unfolded(&self) -> Vec<Batch> {
+        std::mem::take(&mut *self.unfolded.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
+    /// The durable conversation, folded from the whole stream.
+    async fn fold(&self) -> Result<Conversation, ThreadError> {
+        let batches = self.store.read(&self.key, None).await.map_err(store_error)?;
+        let mut conversation = Conversation::default();
+        for batch in &batches {
+            conversation.apply(batch);
+        }
+        Ok(conversation)
+    }
+}
+
+fn store_error(error: StoreError) -> ThreadError {
+    ThreadError::Store(error.to_string())
+}
+
+/// One view of the thread (see the module documentation).
+pub(crate) struct RuntimeThread {
+    me: Weak<RuntimeThread>,
+    identity: Arc<ThreadIdentity>,
+    writer: Arc<ThreadWriter>,
+    execution: Option<ExecutionState>,
+    context: ThreadContext,
+    hooks: Mutex<HookSet>,
+    tools: Mutex<Vec<Tool>>,
+}
+
+impl RuntimeThread {
+    /// A view of the thread `identity`, writing through `writer`.
+    pub(crate) fn new(
+        identity: Arc<ThreadIdentity>,
+        writer: Arc<ThreadWriter>,
+        execution: Option<ExecutionState>,
+        hooks: HookSet,
+    ) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            identity,
+            writer,
+            execution,
+            context: ThreadContext::new(),
+            hooks: Mutex::new(hooks),
+            tools: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The `ThreadState` hooks and tools receive.
+    pub(crate) fn state(&self) -> ThreadState {
+        let me: Arc<dyn ThreadStateApi> = self.me.upgrade().expect("a live thread view");
+        ThreadState::new(me)
+    }
+
+    /// The hooks its own writes run (the render's set, as the execution goes on).
+    pub(crate) fn set_hooks(&self, hooks: HookSet) {
+        *self.hooks.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = hooks;
+    }
+
+    pub(crate) fn hooks(&self) -> HookSet {
+        self.hooks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// The tools `invoke_tool` can run (the current render's).
+    pub(crate) fn set_tools(&self, tools: &[Tool]) {
+        let mut current = self.tools.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        current.clear();
+        current.extend_from_slice(tools);
+    }
+
+    async fn append(&self, records: Vec<Record>) -> Result<(), ThreadError> {
+        self.writer.append(records.into()).await.map(drop).map_err(store_error)
+    }
+
+    fn emit_event(&self, event_type: &str, data: Value) {
+        if let Some(runtime) = self.writer.runtime.upgrade() {
+            runtime.emit(
+                &self.writer.key,
+                Some(&self.writer.attempt.submission_id),
+                Event::ThreadEvent {
+                    event_type: event_type.to_owned(),
+                    data,
+                },
+            );
+        }
+    }
+}
+
+/// Checks the fields of a row update: `content` (string), `silent` (bool), `metadata`
+/// (object or null), `name` (string or null), `status` (`pending`, `completed`, `failed`).
+pub(crate) fn check_updates(updates: &MessageUpdates) -> Result<(), ThreadError> {
+    for (field, value) in updates {
+        let valid = match field.as_str() {
+            "content" => value.is_string(),
+            "silent" => value.is_boolean(),
+            "metadata" => value.is_object() || value.is_null(),
+            "name" => value.is_string() || value.is_null(),
+            "status" => serde_json::from_value::<MessageStatus>(value.clone()).is_ok(),
+            _ => {
+                return Err(ThreadError::Invalid(format!(
+                    "A message update cannot set \"{field}\": the fields are content, silent, metadata, name and status."
+                )));
+            }
+        };
+        if !valid {
+            return Err(ThreadError::Invalid(format!(
+                "A message update's \"{field}\" has the wrong type: {value}."
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl ThreadStateApi for RuntimeThread {
+    fn identity(&self) -> &ThreadIdentity {
+        &self.identity
+    }
+
+    fn execution(&self) -> Option<ExecutionState> {
+        self.execution.clone()
+    }
+
+    fn context(&self) -> ThreadContext {
+        match self.execution {
+            Some(_) => self.context.clone(),
+            None => ThreadContext::new(),
+        }
+    }
+
+    fn get_messages(&self, query: MessagesQuery) -> BoxFuture<'_, Result<MessagePage, ThreadError>> {
+        Box::pin(async move {
+            let conversation = self.writer.fold().await?;
+            Ok(MessagePage::of(conversation.rows(), &query))
+        })
+    }
+
+    fn get_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Message>, ThreadError>> {
+        Box::pin(async move { Ok(self.writer.fold().await?.find_row(id)) })
+    }
+
+    fn inject_message(&self, input: InjectMessage) -> BoxFuture<'_, Result<Message, ThreadError>> {
+        Box::pin(async move {
+            if input.role == MessageRole::Tool {
+                return Err(ThreadError::Invalid(
+                    "inject_message cannot write a tool row: a tool row answers a tool call of the model.".into(),
+                ));
+            }
+            let row = Message {
+                id: new_id("msg"),
+                role: input.role,
+                content: Some(input.content),
+                name: None,
+                tool_calls: None,
+                tool_call_id: None,
+                tool_status: None,
+                status: Some(MessageStatus::Completed),
+                created_at: crate::session::micros_of(&now()),
+                silent: input.silent,
+                metadata: input.metadata,
+            };
+            let hooks = self.hooks();
+            let state = self.state();
+            let row = chain::before_create_message(&hooks, &state, row)
+                .await
+                .map_err(|prevented| ThreadError::Hook(prevented.error))?;
+            let role = match row.role {
+                MessageRole::Tool => MessageRole::User,
+                role => role,
+            };
+            let mut records = vec![self.writer.record(RecordBody::MessageInjected {
+                message_id: row.id.clone(),
+                role,
+                content: row.content.clone().unwrap_or_default(),
+                silent: row.silent,
+                metadata: row.metadata.clone(),
+            })];
+            if let Some(name) = &row.name {
+                let mut updates = MessageUpdates::new();
+                updates.insert("name".into(), json!(name));
+                records.push(self.writer.record(RecordBody::MessageUpdated {
+                    message_id: row.id.clone(),
+                    updates,
+                }));
+            }
+            self.append(records).await?;
+            chain::after_create_message(&hooks, &state, &row).await;
+            Ok(row)
+        })
+    }
+
+    fn update_message<'a>(
+        &'a self,
+        id: &'a str,
+        updates: MessageUpdates,
+    ) -> BoxFuture<'a, Result<Message, ThreadError>> {
+        Box::pin(async move {
+            check_updates(&updates)?;
+            if self.writer.fold().await?.find_row(id).is_none() {
+                return Err(ThreadError::MessageNotFound(id.to_owned()));
+            }
+            let hooks = self.hooks();
+            let state = self.state();
+            let updates = chain::before_update_message(&hooks, &state, id, updates)
+                .await
+                .map_err(|prevented| ThreadError::Hook(prevented.error))?;
+            check_updates(&updates)?;
+            self.append(vec![self.writer.record(RecordBody::MessageUpdated {
+                message_id: id.to_owned(),
+                updates,
+            })])
+            .await?;
+            let row = self
+                .writer
+                .fold()
+                .await?
+                .find_row(id)
+                .ok_or_else(|| ThreadError::MessageNotFound(id.to_owned()))?;
+            chain::after_update_message(&hooks, &state, &row).await;
+            Ok(row)
+        })
+    }
+
+    fn delete_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, ThreadError>> {
+        Box::pin(async move {
+            if self.writer.fold().await?.find_row(id).is_none() {
+                return Ok(false);
+            }
+            self.append(vec![self.writer.record(RecordBody::MessageDeleted {
+                message_id: id.to_owned(),
+            })])
+            .await?;
+            Ok(true)
+        })
+    }
+
+    fn queue_message(&self, content: String) -> BoxFuture<'_, Result<(), ThreadError>> {
+        Box::pin(async move {
+            self.writer
+                .binding
+                .dispatch(DeliveredMessage::user(content))
+                .await
+                .map(drop)
+                .map_err(|error| ThreadError::Invalid(error.to_string()))
+        })
+    }
+
+    fn invoke_tool<'a>(&'a self, name: &'a str, args: Value) -> BoxFuture<'a, Result<ToolResult, ThreadError>> {
+        Box::pin(async move {
+            let tool = self
+                .tools
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .iter()
+                .find(|tool| tool.name() == name)
+                .cloned()
+                .ok_or_else(|| ThreadError::Invalid(format!("No tool named \"{name}\" is mounted in this render.")))?;
+            let signal = self
+                .execution
+                .as_ref()
+                .map(|execution| execution.abort_signal().clone())
+                .unwrap_or_default();
+            let ctx = ToolContext::new(&tool, new_id("invoke"))
+                .with_instance_id(self.identity.thread_id.clone())
+                .with_signal(signal.clone())
+                .with_thread(self.state());
+            let output = crate::tools::run_one(&tool, ctx, &args.to_string(), &signal).await;
+            Ok(super::tool_result_of(&output.to_text(), output.is_error))
+        })
+    }
+
+    fn emit(&self, event: &str, data: Value) {
+        self.emit_event(event, data);
+    }
+
+    fn get_value<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Value>, ThreadError>> {
+        Box::pin(async move { Ok(self.writer.fold().await?.values.get(key).cloned()) })
+    }
+
+    fn set_value<'a>(&'a self, key: &'a str, value: Option<Value>) -> BoxFuture<'a, Result<(), ThreadError>> {
+        Box::pin(async move {
+            if key.is_empty() || key.chars().count() > MAX_KEY_LEN {
+                return Err(ThreadError::Invalid(format!(
+                    "A thread value key must be 1 to {MAX_KEY_LEN} characters long."
+                )));
+            }
+            let value = value.unwrap_or(Value::Null);
+            let deleted = value.is_null();
+            let record = self.writer.record(RecordBody::ThreadValueSet {
+                key: key.to_owned(),
+                value,
+            });
+            let updated_at = record.timestamp.clone();
+            self.append(vec![record]).await?;
+            self.emit_event(
+                "kv_changed",
+                json!({"key": key, "deleted": deleted, "updated_at": &*updated_at}),
+            );
+            Ok(())
+        })
+    }
+}

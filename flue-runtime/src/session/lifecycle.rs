@@ -1,0 +1,383 @@
+//! The lifecycle-hook points of one response (DESIGN §4, reference §1.3): the thread's
+//! creation, the input row, the request (`after_system_message`, `filter_messages`,
+//! `prefilter_llm_history`), the assistant row, and each tool call's chain. Every point costs
+//! nothing when no hook of its kinds is selected.
+
+use flue_core::lifecycle::{HookKind, Message, MessageRole, MessageStatus, MessageUpdates, ToolCall, ToolStatus};
+use serde_json::{Map, Value, json};
+
+use super::{Failure, Response};
+use crate::lifecycle::chain::{self, Blocked};
+use crate::lifecycle::{HookSet, llm, outcome_of, tool_result_of};
+use crate::provider::{ModelMessage, StopReason};
+use crate::record::{Record, RecordBody, now};
+use crate::session::conversation::micros_of;
+use crate::tools::Executed;
+
+/// The longest a `tool_call_started` hook may hold up the model stream.
+const STARTED_HOOK_BUDGET: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The fields a hook changed on a row beyond its content and tool outcome (`silent`,
+/// `metadata`, `name`, `status`), as the updates that record them.
+fn changed_fields(original: &Message, changed: &Message, updates: &mut MessageUpdates) {
+    if changed.silent != original.silent {
+        updates.insert("silent".into(), json!(changed.silent));
+    }
+    if changed.metadata != original.metadata {
+        updates.insert("metadata".into(), Value::Object(changed.metadata.clone()));
+    }
+    if changed.name != original.name {
+        updates.insert("name".into(), json!(changed.name));
+    }
+    if changed.status != original.status && changed.status.is_some() {
+        updates.insert("status".into(), json!(changed.status));
+    }
+}
+
+fn row(id: String, role: MessageRole, content: String) -> Message {
+    Message {
+        id,
+        role,
+        content: Some(content),
+        name: None,
+        tool_calls: None,
+        tool_call_id: None,
+        tool_status: None,
+        status: Some(MessageStatus::Completed),
+        created_at: micros_of(&now()),
+        silent: false,
+        metadata: Map::new(),
+    }
+}
+
+fn creates_rows(hooks: &HookSet) -> bool {
+    hooks.has(HookKind::BeforeCreateMessage) || hooks.has(HookKind::AfterCreateMessage)
+}
+
+/// A stored input row, for its `after_create_message`.
+pub(super) struct CreatedRow(Option<Message>);
+
+/// What an input row's create hooks decided.
+pub(super) enum InputRow {
+    /// Store these records (the input, then fields the hooks set beyond its content).
+    Store(Vec<Record>, CreatedRow),
+    /// A `before_create_message` hook prevented the row (`message_hook_error`).
+    Prevented(Failure),
+}
+
+/// A tool call's stored outcome after its hook chain.
+pub(super) struct StoredOutcome {
+    pub(super) content: String,
+    pub(super) is_error: bool,
+    /// Fields the create hooks set beyond the content (a `MessageUpdated` after the batch's
+    /// commit marker, when the row exists).
+    pub(super) updates: MessageUpdates,
+}
+
+impl Response<'_> {
+    /// `after_thread_created`, once per thread before its first turn: with the first render's
+    /// hook set (its `use_hooks`, else the agent's) and the at-rest state (no execution). A
+    /// marker records that it ran, so a re-attempt does not run it again.
+    pub(super) async fn thread_created(&mut self) -> Result<(), Failure> {
+        if !self.conversation.is_new()
+            || self.conversation.thread_created_hooks_ran
+            || !self.hooks.has(HookKind::AfterThreadCreated)
+        {
+            return Ok(());
+        }
+        chain::after_thread_created(&self.hooks, &self.at_rest.state()).await;
+        let marker = self.record(RecordBody::ThreadCreatedHooksRan);
+        self.commit(vec![marker], false).await
+    }
+
+    /// The input row's create hooks (at rest: the agent-level hooks). The content a hook
+    /// returns is what is stored; a `before_create_message` error prevents the row.
+    pub(super) async fn input_row(&mut self, mut input: Record) -> InputRow {
+        let hooks = self.at_rest.hooks();
+        if !creates_rows(&hooks) {
+            return InputRow::Store(vec![input], CreatedRow(None));
+        }
+        let original = match &input.body {
+            RecordBody::UserMessage { message_id, body, .. } => {
+                row(message_id.clone(), MessageRole::User, body.clone())
+            }
+            RecordBody::Signal {
+                message_id,
+                signal_type,
+                body,
+                ..
+            } => {
+                let mut row = row(message_id.clone(), MessageRole::User, body.clone());
+                row.metadata.insert("signal_type".into(), json!(signal_type));
+                row
+            }
+            _ => return InputRow::Store(vec![input], CreatedRow(None)),
+        };
+        let state = self.at_rest.state();
+        let created = match chain::before_create_message(&hooks, &state, original.clone()).await {
+            Ok(created) => created,
+            Err(prevented) => {
+                return InputRow::Prevented(Failure::failed("message_hook_error", prevented.error.message));
+            }
+        };
+        let content = created.content.clone().unwrap_or_default();
+        match &mut input.body {
+            RecordBody::UserMessage { body, .. } | RecordBody::Signal { body, .. } => *body = content,
+            _ => {}
+        }
+        let mut updates = MessageUpdates::new();
+        let mut compared = created.clone();
+        // The signal type is the row's own metadata: a hook that dropped it changed nothing.
+        if original.metadata.contains_key("signal_type") {
+            compared
+                .metadata
+                .entry("signal_type")
+                .or_insert_with(|| original.metadata["signal_type"].clone());
+        }
+        changed_fields(&original, &compared, &mut updates);
+        let mut records = vec![input];
+        if !updates.is_empty() {
+            records.push(self.record(RecordBody::MessageUpdated {
+                message_id: created.id.clone(),
+                updates,
+            }));
+        }
+        InputRow::Store(records, CreatedRow(Some(created)))
+    }
+
+    /// `after_create_message` for a stored input row.
+    pub(super) async fn input_row_created(&mut self, created: CreatedRow) {
+        let Some(created) = created.0 else { return };
+        let hooks = self.at_rest.hooks();
+        if hooks.has(HookKind::AfterCreateMessage) {
+            let stored = self.conversation.find_row(&created.id).unwrap_or(created);
+            chain::after_create_message(&hooks, &self.at_rest.state(), &stored).await;
+        }
+    }
+
+    /// The request of a model step: the system message after `after_system_message`, the
+    /// history after `filter_messages` (pending rows excluded, stored rows untouched, orphan
+    /// calls and results dropped), then `prefilter_llm_history` on the provider format.
+    pub(super) async fn request(
+        &mut self,
+        system: Option<String>,
+    ) -> Result<(Option<String>, Vec<ModelMessage>), Blocked> {
+        self.fold_thread_writes();
+        if self.hooks.is_empty() {
+            return Ok((system, self.conversation.model_messages()));
+        }
+        let hooks = self.hooks.clone();
+        let state = self.thread.state();
+        let mut system = system;
+        if hooks.has(HookKind::AfterSystemMessage) {
+            let text = chain::after_system_message(&hooks, &state, system.clone().unwrap_or_default()).await;
+            system = (!text.is_empty()).then_some(text);
+            // Rows the hook injected are part of this step's snapshot.
+            self.fold_thread_writes();
+        }
+        let mut messages = if hooks.has(HookKind::FilterMessages) {
+            let rows: Vec<Message> = self
+                .conversation
+                .rows()
+                .into_iter()
+                .filter(|row| row.status != Some(MessageStatus::Pending))
+                .collect();
+            let rows = chain::filter_messages(&hooks, &state, rows).await;
+            self.conversation.model_messages_of(&rows)
+        } else {
+            self.conversation.model_messages()
+        };
+        if hooks.has(HookKind::PrefilterLlmHistory) {
+            let provider_format = llm::to_llm(system.as_deref(), &messages);
+            let dispatched = chain::prefilter_llm_history(&hooks, &state, provider_format).await?;
+            (system, messages) = llm::from_llm(dispatched, &messages);
+        }
+        Ok((system, messages))
+    }
+
+    /// The pending assistant row's create hooks, before the model is called: returns the
+    /// fields they set (recorded with the step). Their errors continue with the last good row.
+    pub(super) async fn assistant_row_created(&mut self, message_id: &str) -> MessageUpdates {
+        let mut updates = MessageUpdates::new();
+        if !creates_rows(&self.hooks) {
+            return updates;
+        }
+        let mut pending = row(message_id.to_owned(), MessageRole::Assistant, String::new());
+        pending.status = Some(MessageStatus::Pending);
+        let state = self.thread.state();
+        let created = match chain::before_create_message(&self.hooks, &state, pending.clone()).await {
+            Ok(created) => created,
+            Err(prevented) => prevented.last_good,
+        };
+        let mut compared = created.clone();
+        compared.status = pending.status;
+        changed_fields(&pending, &compared, &mut updates);
+        chain::after_create_message(&self.hooks, &state, &created).await;
+        updates
+    }
+
+    /// The step's final content and status through `before_update_message` (its errors
+    /// continue with the last good updates): returns the text to store, and adds the other
+    /// fields to `updates`.
+    pub(super) async fn assistant_row_updating(
+        &mut self,
+        message_id: &str,
+        text: String,
+        updates: &mut MessageUpdates,
+    ) -> String {
+        if !self.hooks.has(HookKind::BeforeUpdateMessage) {
+            return text;
+        }
+        let mut proposed = MessageUpdates::new();
+        proposed.insert("content".into(), json!(text));
+        proposed.insert("status".into(), json!(MessageStatus::Completed));
+        let state = self.thread.state();
+        let applied = match chain::before_update_message(&self.hooks, &state, message_id, proposed).await {
+            Ok(applied) => applied,
+            Err(prevented) => prevented.last_good,
+        };
+        if let Err(error) = crate::lifecycle::thread::check_updates(&applied) {
+            chain::log_failure(
+                HookKind::BeforeUpdateMessage,
+                "(chain)",
+                &flue_core::lifecycle::HookError::new(error.to_string()),
+            );
+            return text;
+        }
+        let mut text = text;
+        for (field, value) in applied {
+            match (field.as_str(), value) {
+                ("content", Value::String(content)) => text = content,
+                ("status", Value::String(status)) if status == "completed" => {}
+                (_, value) => {
+                    updates.insert(field, value);
+                }
+            }
+        }
+        text
+    }
+
+    /// `after_update_message` with the stored step row.
+    pub(super) async fn assistant_row_updated(&mut self, message_id: &str) {
+        if !self.hooks.has(HookKind::AfterUpdateMessage) {
+            return;
+        }
+        if let Some(stored) = self.conversation.find_row(message_id) {
+            chain::after_update_message(&self.hooks, &self.thread.state(), &stored).await;
+        }
+    }
+
+    /// The step's answer when `prefilter_llm_history` blocked the request: the hook's error
+    /// text, stored as the step's assistant message (no model call was made).
+    pub(super) async fn blocked_step(
+        &mut self,
+        spec: &str,
+        message_id: String,
+        blocked: Blocked,
+    ) -> Result<crate::provider::ModelResponse, Failure> {
+        let text = blocked.0.message;
+        let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
+        let records = vec![
+            self.record(RecordBody::AssistantMessageStarted {
+                message_id: message_id.clone(),
+                model: spec.to_owned(),
+                response_metadata,
+            }),
+            self.record(RecordBody::AssistantMessageCompleted {
+                message_id,
+                text: text.clone(),
+                stop_reason: StopReason::HookBlocked,
+                usage: Default::default(),
+            }),
+        ];
+        self.commit(records, false).await?;
+        Ok(crate::provider::ModelResponse {
+            text,
+            reasoning: String::new(),
+            tool_calls: Vec::new(),
+            stop_reason: StopReason::HookBlocked,
+            usage: Default::default(),
+        })
+    }
+
+    /// Whether any hook of a tool call's chain is selected.
+    pub(super) fn has_tool_hooks(&self) -> bool {
+        [
+            HookKind::ToolCallDone,
+            HookKind::AfterToolCallSuccess,
+            HookKind::AfterToolCallFailure,
+            HookKind::BeforeStoreToolResult,
+            HookKind::BeforeCreateMessage,
+            HookKind::AfterCreateMessage,
+        ]
+        .into_iter()
+        .any(|kind| self.hooks.has(kind))
+    }
+
+    /// One executed call's chain: `tool_call_done` (the raw result), `after_tool_call_success`
+    /// or `_failure`, `before_store_tool_result`, then the tool row's `before_create_message`
+    /// (whose errors continue with the last good row: a tool result is always stored).
+    pub(super) async fn tool_outcome(&mut self, run: &Executed, row_id: &str) -> StoredOutcome {
+        let call = ToolCall::new(run.call.id.clone(), run.call.name.clone(), run.call.arguments.clone());
+        let raw = tool_result_of(&run.output.to_text(), run.output.is_error);
+        let state = self.thread.state();
+        chain::tool_call_done(&self.hooks, &state, &call, &raw).await;
+        let result = chain::after_tool_call(&self.hooks, &state, &call, raw).await;
+        let result = chain::before_store_tool_result(&self.hooks, &state, &call, result).await;
+        let (mut content, mut is_error) = outcome_of(&result);
+        let mut updates = MessageUpdates::new();
+        if self.hooks.has(HookKind::BeforeCreateMessage) {
+            let mut original = row(row_id.to_owned(), MessageRole::Tool, content.clone());
+            original.name = Some(call.function.name.clone());
+            original.tool_call_id = Some(call.id.clone());
+            original.tool_status = Some(if is_error {
+                ToolStatus::Error
+            } else {
+                ToolStatus::Success
+            });
+            let created = match chain::before_create_message(&self.hooks, &state, original.clone()).await {
+                Ok(created) => created,
+                Err(prevented) => prevented.last_good,
+            };
+            content = created.content.clone().unwrap_or_default();
+            if let Some(status) = created.tool_status {
+                is_error = status == ToolStatus::Error;
+            }
+            let mut compared = created;
+            compared.name = original.name.clone().or(compared.name);
+            changed_fields(&original, &compared, &mut updates);
+        }
+        StoredOutcome {
+            content,
+            is_error,
+            updates,
+        }
+    }
+
+    /// `after_create_message` for the tool rows a batch stored.
+    pub(super) async fn tool_rows_created(&mut self, row_ids: &[String]) {
+        if !self.hooks.has(HookKind::AfterCreateMessage) {
+            return;
+        }
+        let state = self.thread.state();
+        for id in row_ids {
+            if let Some(stored) = self.conversation.find_row(id) {
+                chain::after_create_message(&self.hooks, &state, &stored).await;
+            }
+        }
+    }
+
+    /// `tool_call_started` hooks for a call that appeared in the stream (bounded: a hook that
+    /// takes longer than 30 s is abandoned and the stream goes on).
+    pub(super) async fn tool_call_started_hooks(&self, id: &str, name: &str, arguments: &str, progress: Option<&str>) {
+        if !self.hooks.has(HookKind::ToolCallStarted) {
+            return;
+        }
+        let call = ToolCall::new(id, name, arguments);
+        let state = self.thread.state();
+        let run = chain::tool_call_started(&self.hooks, &state, &call, progress);
+        if tokio::time::timeout(STARTED_HOOK_BUDGET, run).await.is_err() {
+            tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on without them");
+        }
+    }
+}
