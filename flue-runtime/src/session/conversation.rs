@@ -36,9 +36,9 @@ pub(crate) struct Conversation {
     edited: bool,
     /// Tool calls of the last completed step whose batch has not committed.
     open_calls: Vec<ModelToolCall>,
-    /// Rows injected while calls were open: they follow the calls' results (a call and its
-    /// results stay adjacent, as providers require).
-    deferred: Vec<(ModelMessage, Row)>,
+    /// Where those calls' results go: right after their step, before any row injected while
+    /// they ran (a call and its result stay adjacent, as providers require).
+    results_at: usize,
     open_step: Option<OpenStep>,
     outcomes: Vec<PendingOutcome>,
     /// Submissions whose input record is in the stream.
@@ -332,6 +332,7 @@ impl Conversation {
             RecordBody::AssistantMessageCompleted { message_id, text, .. } => {
                 let tool_calls = self.open_step.take().map(|step| step.tool_calls).unwrap_or_default();
                 self.open_calls.clone_from(&tool_calls);
+                self.results_at = self.messages.len() + 1;
                 let row = Row::new(message_id.clone(), MessageRole::Assistant, record.timestamp.clone());
                 self.push(
                     ModelMessage::Assistant {
@@ -363,7 +364,7 @@ impl Conversation {
                             let mut row =
                                 Row::new(outcome.record_id.clone(), MessageRole::Tool, outcome.timestamp.clone());
                             row.name = Some(call.name.clone());
-                            self.push(
+                            self.insert_result(
                                 ModelMessage::Tool {
                                     tool_call_id: call.id,
                                     name: call.name,
@@ -376,7 +377,6 @@ impl Conversation {
                         None => self.push_interrupted(call, record.timestamp.clone()),
                     }
                 }
-                self.push_deferred();
             }
             RecordBody::StateWrite { name, value } => self.state.apply(name.clone(), value.clone()),
             RecordBody::MessageInjected {
@@ -402,11 +402,7 @@ impl Conversation {
                     }
                     MessageRole::User | MessageRole::Tool => ModelMessage::user(content.clone()),
                 };
-                if self.open_calls.is_empty() {
-                    self.push(message, row);
-                } else {
-                    self.deferred.push((message, row));
-                }
+                self.push(message, row);
             }
             RecordBody::MessageUpdated { message_id, updates } => {
                 if let Some(index) = self.row_index(message_id) {
@@ -417,6 +413,9 @@ impl Conversation {
                 if let Some(index) = self.row_index(message_id) {
                     self.messages.remove(index);
                     self.rows.remove(index);
+                    if index < self.results_at {
+                        self.results_at -= 1;
+                    }
                     self.image_refs.retain(|(at, _)| *at != index);
                     for (at, _) in &mut self.image_refs {
                         if *at > index {
@@ -442,10 +441,24 @@ impl Conversation {
         }
     }
 
+    /// Puts a tool result after its step's earlier results (rows injected while the calls ran
+    /// move after it).
+    fn insert_result(&mut self, message: ModelMessage, row: Row) {
+        let at = self.results_at.min(self.messages.len());
+        self.messages.insert(at, message);
+        self.rows.insert(at, row);
+        for (index, _) in &mut self.image_refs {
+            if *index >= at {
+                *index += 1;
+            }
+        }
+        self.results_at = at + 1;
+    }
+
     fn push_interrupted(&mut self, call: ModelToolCall, created: Arc<str>) {
         let mut row = Row::new(format!("tool_{}", call.id), MessageRole::Tool, created);
         row.name = Some(call.name.clone());
-        self.push(
+        self.insert_result(
             ModelMessage::Tool {
                 tool_call_id: call.id,
                 name: call.name,
@@ -467,13 +480,6 @@ impl Conversation {
             .unwrap_or_else(|| "".into());
         for call in std::mem::take(&mut self.open_calls) {
             self.push_interrupted(call, created.clone());
-        }
-        self.push_deferred();
-    }
-
-    fn push_deferred(&mut self) {
-        for (message, row) in std::mem::take(&mut self.deferred) {
-            self.push(message, row);
         }
     }
 
@@ -592,7 +598,10 @@ impl Conversation {
     pub(crate) fn model_messages(&self) -> Vec<ModelMessage> {
         let mut messages = self.messages.clone();
         self.attach_images(&mut messages, Some);
+        let at = self.results_at.min(messages.len());
+        let mut rest = messages.split_off(at);
         self.close_open_calls(&mut messages);
+        messages.append(&mut rest);
         if self.edited {
             drop_orphans(&mut messages);
         }

@@ -1,0 +1,1144 @@
+//! Standard Agents lifecycle hooks through the runtime (reference `standard-agents.md` §6):
+//! each test names the checklist items it proves. Items left out are listed, with the reason,
+//! in `tests/CONFORMANCE.md`.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use std::sync::Mutex;
+
+use flue_runtime::lifecycle::{
+    InjectMessage, MessageOrder, MessageRole, MessageStatus, MessagesQuery, ThreadError, ToolStatus,
+};
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{ModelMessage, ProviderRegistry, StopReason};
+use flue_runtime::record::RecordBody;
+use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore, Store};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use serde_json::{Value, json};
+
+fn runtime_on(store: impl Store, model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let mut builder = Runtime::builder()
+        .store(store)
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        });
+    for agent in agents {
+        builder = builder.agent(agent);
+    }
+    builder.build().unwrap()
+}
+
+fn runtime_with(model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
+    runtime_on(MemoryStore::new(), model, agents)
+}
+
+/// A fresh database file for a test that restarts its runtime.
+fn scratch_db(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("flue-lifecycle-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("flue.db")
+}
+
+/// Every record body of an instance's stream, in order.
+async fn bodies(runtime: &Runtime, agent: &str, id: &str) -> Vec<RecordBody> {
+    runtime
+        .store()
+        .read(&InstanceKey::new(agent, id), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
+        .collect()
+}
+
+fn run_error(error: RuntimeError) -> (String, String) {
+    match error {
+        RuntimeError::Run {
+            error_type, message, ..
+        } => (error_type, message),
+        other => panic!("expected a run error, got {other}"),
+    }
+}
+
+// ---- log capture: the `[Hooks] ✗` lines ------------------------------------------------------
+
+mod logs {
+    use std::sync::{Arc, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata, Subscriber};
+
+    #[derive(Clone, Default)]
+    pub struct Capture(pub Arc<Mutex<Vec<String>>>);
+
+    struct Message(String);
+
+    impl Visit for Message {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl Subscriber for Capture {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push(message.0);
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    impl Capture {
+        /// The captured lines that start with `prefix`.
+        pub fn lines(&self, prefix: &str) -> Vec<String> {
+            self.0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|line| line.starts_with(prefix))
+                .cloned()
+                .collect()
+        }
+    }
+}
+
+/// Captures this thread's log events (the tests run on a current-thread runtime).
+fn capture_logs() -> (logs::Capture, tracing::subscriber::DefaultGuard) {
+    let capture = logs::Capture::default();
+    let guard = tracing::subscriber::set_default(capture.clone());
+    (capture, guard)
+}
+
+// ---- scoping (items 4–10, 60, 63) -------------------------------------------------------------
+
+static SCOPE_LOG: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
+#[hook(after_system_message)]
+async fn agent_level(_state: &ThreadState, system: String) -> Option<String> {
+    SCOPE_LOG.lock().unwrap().push("agent_level");
+    Some(format!("{system} +agent"))
+}
+
+#[hook(after_system_message)]
+async fn render_level(_state: &ThreadState, system: String) -> Option<String> {
+    SCOPE_LOG.lock().unwrap().push("render_level");
+    Some(format!("{system} +render"))
+}
+
+#[hook(after_system_message)]
+async fn never_selected(_state: &ThreadState, _system: String) -> Option<String> {
+    SCOPE_LOG.lock().unwrap().push("never_selected");
+    None
+}
+
+#[agent(hooks = [agent_level])]
+fn scoped_by_render() -> &'static str {
+    use_model("scripted/x");
+    use_hooks([render_level]);
+    "Base."
+}
+
+#[agent(hooks = [agent_level])]
+fn scoped_by_agent() -> &'static str {
+    use_model("scripted/x");
+    "Base."
+}
+
+#[tokio::test]
+async fn items_04_05_06_07_the_render_selection_replaces_agent_hooks_and_an_empty_one_falls_back() {
+    let model = ScriptedModel::new([ScriptedReply::text("a"), ScriptedReply::text("b")]);
+    let runtime = runtime_with(&model, vec![scoped_by_render.into(), scoped_by_agent.into()]);
+    runtime.init(&scoped_by_render, "r").send("hi").await.unwrap();
+    runtime.init(&scoped_by_agent, "a").send("hi").await.unwrap();
+    let systems: Vec<Option<String>> = model.requests().into_iter().map(|request| request.system).collect();
+    assert_eq!(
+        systems,
+        [Some("Base. +render".to_owned()), Some("Base. +agent".to_owned())]
+    );
+    let log = SCOPE_LOG.lock().unwrap().clone();
+    assert!(
+        !log.contains(&"never_selected"),
+        "item 4: an unreferenced hook never runs"
+    );
+    let _ = never_selected; // defined, referenced by nothing the runtime runs
+}
+
+static CHAIN_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(after_system_message)]
+async fn first_of_two(_state: &ThreadState, system: String) -> Option<String> {
+    CHAIN_LOG.lock().unwrap().push(format!("first saw {system:?}"));
+    Some(format!("{system} [1]"))
+}
+
+#[hook(after_system_message)]
+async fn second_of_two(_state: &ThreadState, system: String) -> Option<String> {
+    CHAIN_LOG.lock().unwrap().push(format!("second saw {system:?}"));
+    Some(format!("{system} [2]"))
+}
+
+#[hook(after_system_message)]
+async fn keeps_the_text(_state: &ThreadState, _system: String) -> Option<String> {
+    None
+}
+
+#[hook(after_system_message)]
+async fn fails_midway(_state: &ThreadState, _system: String) -> Result<Option<String>, HookError> {
+    Err(HookError::new("mail server unreachable"))
+}
+
+#[agent(hooks = [second_of_two, first_of_two])]
+fn listed_order() -> &'static str {
+    use_model("scripted/x");
+    use_hooks([first_of_two, keeps_the_text, fails_midway, second_of_two]);
+    "S"
+}
+
+#[tokio::test]
+async fn items_08_09_11_12_37_hooks_chain_in_listed_order_none_keeps_and_an_error_keeps_the_last_good_value() {
+    let (logs, _guard) = capture_logs();
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, vec![listed_order.into()]);
+    runtime.init(&listed_order, "o").send("hi").await.unwrap();
+    assert_eq!(model.requests()[0].system.as_deref(), Some("S [1] [2]"));
+    assert_eq!(
+        CHAIN_LOG.lock().unwrap().clone(),
+        ["first saw \"S\"", "second saw \"S [1]\""]
+    );
+    assert_eq!(
+        logs.lines("[Hooks]"),
+        ["[Hooks] ✗ Error running after_system_message hook: mail server unreachable"]
+    );
+}
+
+// ---- filter_messages (items 13–18) ------------------------------------------------------------
+
+static FILTER_INPUTS: Mutex<Vec<Vec<String>>> = Mutex::new(Vec::new());
+
+#[hook(after_system_message)]
+async fn inject_note(state: &ThreadState, _system: String) -> Result<Option<String>, HookError> {
+    let step = state.execution().map(|execution| execution.step_count()).unwrap_or(0);
+    if step == 1 {
+        state
+            .inject_message(InjectMessage::new(MessageRole::User, "note from after_system_message"))
+            .await
+            .map_err(|error| HookError::new(error.to_string()))?;
+    }
+    Ok(None)
+}
+
+#[hook(filter_messages)]
+async fn shout_and_add(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    FILTER_INPUTS.lock().unwrap().push(
+        messages
+            .iter()
+            .map(|row| match row.status {
+                Some(MessageStatus::Completed) => row.content.clone().unwrap_or_default(),
+                other => format!("{other:?} row"),
+            })
+            .collect(),
+    );
+    let mut out: Vec<Message> = messages
+        .into_iter()
+        .map(|mut row| {
+            if row.role == MessageRole::User {
+                row.content = row.content.map(|text| text.to_uppercase());
+            }
+            row
+        })
+        .collect();
+    let mut synthesized = out[0].clone();
+    synthesized.id = "context_only".into();
+    synthesized.content = Some("synthesized context".into());
+    out.push(synthesized);
+    out
+}
+
+#[agent(hooks = [inject_note, shout_and_add])]
+fn filtering() -> &'static str {
+    use_model("scripted/x");
+    use_tool(echo_tool);
+    "F"
+}
+
+/// Echo the text.
+#[tool]
+async fn echo_tool(
+    /// Text
+    text: String,
+) -> String {
+    text
+}
+
+#[tokio::test]
+async fn items_13_14_15_16_17_filter_messages_sees_injected_rows_once_per_request_and_never_changes_storage() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("echo_tool", json!({"text": "x"})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![filtering.into()]);
+    runtime.init(&filtering, "f").send("hello").await.unwrap();
+    let inputs = FILTER_INPUTS.lock().unwrap().clone();
+    assert_eq!(inputs.len(), 2, "item 14: once per model request");
+    assert_eq!(inputs[0], ["hello", "note from after_system_message"], "item 13");
+    // Item 16: the second snapshot has the stored (not upper-cased) rows; item 15: no pending row.
+    assert_eq!(
+        inputs[1][..2],
+        ["hello".to_owned(), "note from after_system_message".to_owned()]
+    );
+    assert_eq!(
+        inputs[1].len(),
+        4,
+        "the call step and its result, no pending row: {inputs:?}"
+    );
+    assert!(
+        inputs.iter().flatten().all(|content| !content.ends_with(" row")),
+        "{inputs:?}"
+    );
+    let requests = model.requests();
+    assert_eq!(
+        requests[0].messages,
+        [
+            ModelMessage::user("HELLO"),
+            ModelMessage::user("NOTE FROM AFTER_SYSTEM_MESSAGE"),
+            ModelMessage::user("synthesized context"),
+        ],
+        "item 17: a synthesized row reaches the request"
+    );
+    let stored = bodies(&runtime, "filtering", "f").await;
+    assert!(
+        stored
+            .iter()
+            .any(|body| matches!(body, RecordBody::UserMessage { body, .. } if body == "hello"))
+    );
+    assert!(
+        !stored.iter().any(
+            |body| matches!(body, RecordBody::MessageInjected { content, .. } if content == "synthesized context")
+        )
+    );
+}
+
+#[hook(filter_messages)]
+async fn drop_tool_results(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    messages
+        .into_iter()
+        .filter(|row| row.role != MessageRole::Tool)
+        .collect()
+}
+
+#[agent(hooks = [drop_tool_results])]
+fn forgetful() -> &'static str {
+    use_model("scripted/x");
+    use_tool(echo_tool);
+    "F"
+}
+
+#[tokio::test]
+async fn item_18_dropping_a_tool_result_drops_its_call_from_the_request() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("echo_tool", json!({"text": "x"})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![forgetful.into()]);
+    runtime.init(&forgetful, "f").send("hello").await.unwrap();
+    // The call-only step had no text: with its call dropped it goes too.
+    assert_eq!(model.requests()[1].messages, [ModelMessage::user("hello")]);
+}
+
+// ---- prefilter_llm_history (items 19–21) ------------------------------------------------------
+
+#[hook(prefilter_llm_history)]
+async fn rewrite_for_provider(_state: &ThreadState, mut messages: Vec<LlmMessage>) -> Vec<LlmMessage> {
+    assert_eq!(messages[0].role, "system", "provider format: the system prompt first");
+    messages[0].content = json!("rewritten system");
+    messages.push(LlmMessage {
+        role: "user".into(),
+        content: json!("appended by prefilter"),
+        tool_calls: None,
+        tool_call_id: None,
+        name: None,
+    });
+    messages
+}
+
+#[hook(prefilter_llm_history)]
+async fn fails_softly(_state: &ThreadState, _messages: Vec<LlmMessage>) -> Result<Vec<LlmMessage>, HookError> {
+    Err(HookError::new("quota service down"))
+}
+
+#[agent(hooks = [rewrite_for_provider, fails_softly])]
+fn prefiltered() -> &'static str {
+    use_model("scripted/x");
+    "P"
+}
+
+#[tokio::test]
+async fn items_19_21_prefilter_output_is_exactly_what_is_dispatched_and_a_plain_error_is_logged() {
+    let (logs, _guard) = capture_logs();
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, vec![prefiltered.into()]);
+    let reply = runtime.init(&prefiltered, "p").send("hi").await.unwrap();
+    assert_eq!(reply.text, "ok");
+    let request = &model.requests()[0];
+    assert_eq!(request.system.as_deref(), Some("rewritten system"));
+    assert_eq!(
+        request.messages,
+        [ModelMessage::user("hi"), ModelMessage::user("appended by prefilter")]
+    );
+    assert_eq!(
+        logs.lines("[Hooks]"),
+        ["[Hooks] ✗ Error running prefilter_llm_history hook: quota service down"]
+    );
+}
+
+#[hook(prefilter_llm_history)]
+async fn blocks(_state: &ThreadState, _messages: Vec<LlmMessage>) -> Result<Vec<LlmMessage>, HookError> {
+    Err(HookError::block("This request is over the monthly budget."))
+}
+
+#[agent(hooks = [blocks])]
+fn blocked() -> &'static str {
+    use_model("scripted/x");
+    "B"
+}
+
+#[tokio::test]
+async fn item_20_a_blocking_prefilter_stops_with_hook_blocked_and_stores_its_message() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = runtime_with(&model, vec![blocked.into()]);
+    let reply = runtime.init(&blocked, "b").send("hi").await.unwrap();
+    assert!(model.requests().is_empty(), "no provider request");
+    assert_eq!(reply.text, "This request is over the monthly budget.");
+    let stored = bodies(&runtime, "blocked", "b").await;
+    assert!(stored.iter().any(|body| matches!(
+        body,
+        RecordBody::AssistantMessageCompleted { text, stop_reason: StopReason::HookBlocked, .. }
+            if text == "This request is over the monthly budget."
+    )));
+}
+
+// ---- create and update hooks (items 22–29, 35, 36) --------------------------------------------
+
+static ROW_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(before_create_message)]
+async fn tag_rows(_state: &ThreadState, mut message: Message) -> Message {
+    ROW_LOG
+        .lock()
+        .unwrap()
+        .push(format!("before_create {:?} {:?}", message.role, message.status));
+    if message.role == MessageRole::User {
+        message.content = message.content.map(|text| format!("[user] {text}"));
+        message.metadata.insert("tagged".into(), json!(true));
+    }
+    message
+}
+
+#[hook(after_create_message)]
+async fn saw_created(_state: &ThreadState, message: &Message) -> Result<(), HookError> {
+    ROW_LOG.lock().unwrap().push(format!(
+        "after_create {:?} {}",
+        message.role,
+        message.content.clone().unwrap_or_default()
+    ));
+    assert!(!message.id.is_empty());
+    Err(HookError::new("post-write hooks cannot undo a write"))
+}
+
+#[hook(before_update_message)]
+async fn sign_answers(_state: &ThreadState, id: &str, mut updates: MessageUpdates) -> MessageUpdates {
+    ROW_LOG
+        .lock()
+        .unwrap()
+        .push(format!("before_update {}", id.starts_with("msg_")));
+    if let Some(Value::String(content)) = updates.get("content").cloned() {
+        updates.insert("content".into(), json!(format!("{content} — signed")));
+    }
+    updates
+}
+
+#[hook(after_update_message)]
+async fn saw_updated(_state: &ThreadState, message: &Message) {
+    ROW_LOG.lock().unwrap().push(format!(
+        "after_update {:?} {:?} {}",
+        message.role,
+        message.status,
+        message.content.clone().unwrap_or_default()
+    ));
+}
+
+#[agent(hooks = [tag_rows, saw_created, sign_answers, saw_updated])]
+fn row_hooks() -> &'static str {
+    use_model("scripted/x");
+    "R"
+}
+
+#[tokio::test]
+async fn items_22_23_24_25_36_create_and_update_hooks_shape_the_stored_rows() {
+    let model = ScriptedModel::new([ScriptedReply::text("answer")]);
+    let runtime = runtime_with(&model, vec![row_hooks.into()]);
+    let reply = runtime.init(&row_hooks, "r").send("question").await.unwrap();
+    assert_eq!(
+        reply.text, "answer — signed",
+        "item 24: the returned updates are applied"
+    );
+    assert_eq!(model.requests()[0].messages, [ModelMessage::user("[user] question")]);
+    assert_eq!(
+        ROW_LOG.lock().unwrap().clone(),
+        [
+            "before_create User Some(Completed)",
+            "after_create User [user] question",
+            "before_create Assistant Some(Pending)",
+            "after_create Assistant ",
+            "before_update true",
+            "after_update Assistant Some(Completed) answer — signed",
+        ]
+    );
+    let stored = bodies(&runtime, "row_hooks", "r").await;
+    // Item 22: the stored row shows the change; item 36: the post-write error kept it.
+    assert!(
+        stored
+            .iter()
+            .any(|body| matches!(body, RecordBody::UserMessage { body, .. } if body == "[user] question"))
+    );
+    assert!(stored.iter().any(|body| matches!(
+        body,
+        RecordBody::MessageUpdated { updates, .. } if updates.get("metadata") == Some(&json!({"tagged": true}))
+    )));
+}
+
+static PREVENT_LOG: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
+#[hook(before_create_message)]
+async fn refuse_user_rows(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
+    if message.role == MessageRole::User
+        && message
+            .content
+            .as_deref()
+            .is_some_and(|text| text.contains("forbidden"))
+    {
+        return Err(HookError::new("forbidden words are not stored"));
+    }
+    Ok(message)
+}
+
+#[hook(before_create_message)]
+async fn after_the_refusal(_state: &ThreadState, message: Message) -> Message {
+    PREVENT_LOG.lock().unwrap().push("later before_create ran");
+    message
+}
+
+#[agent(hooks = [refuse_user_rows, after_the_refusal])]
+fn guarded_rows() -> &'static str {
+    use_model("scripted/x");
+    "G"
+}
+
+#[tokio::test]
+async fn items_28_29_a_prevented_sent_message_is_not_stored_starts_no_turn_and_fails_with_message_hook_error() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = runtime_with(&model, vec![guarded_rows.into()]);
+    let error = runtime
+        .init(&guarded_rows, "g")
+        .send("a forbidden word")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        run_error(error),
+        (
+            "message_hook_error".to_owned(),
+            "forbidden words are not stored".to_owned()
+        )
+    );
+    assert!(model.requests().is_empty(), "no turn");
+    assert!(
+        PREVENT_LOG.lock().unwrap().is_empty(),
+        "item 28: later hooks of the kind did not run"
+    );
+    let stored = bodies(&runtime, "guarded_rows", "g").await;
+    assert!(!stored.iter().any(|body| matches!(body, RecordBody::UserMessage { .. })));
+}
+
+#[hook(before_create_message)]
+async fn rejects_tool_rows(_state: &ThreadState, mut message: Message) -> Result<Message, HookError> {
+    if message.role == MessageRole::Tool {
+        message.content = Some("never stored".into());
+        return Err(HookError::new("tool rows are read-only"));
+    }
+    Ok(message)
+}
+
+#[agent(hooks = [rejects_tool_rows])]
+fn tool_rows_continue() -> &'static str {
+    use_model("scripted/x");
+    use_tool(echo_tool);
+    "T"
+}
+
+#[tokio::test]
+async fn item_35_a_tool_result_is_stored_with_its_last_good_value_when_a_pre_write_hook_throws() {
+    let (logs, _guard) = capture_logs();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("echo_tool", json!({"text": "kept"})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![tool_rows_continue.into()]);
+    runtime.init(&tool_rows_continue, "t").send("go").await.unwrap();
+    let ModelMessage::Tool { content, .. } = &model.requests()[1].messages[2] else {
+        panic!("a tool result")
+    };
+    assert_eq!(content, "kept");
+    assert_eq!(
+        logs.lines("[Hooks]"),
+        ["[Hooks] ✗ Error running before_create_message hook: tool rows are read-only"]
+    );
+}
+
+// ---- ThreadState rows (items 26, 27, 83) ------------------------------------------------------
+
+static THREAD_RESULTS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(before_create_message)]
+async fn no_shouting(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
+    if message.content.as_deref().is_some_and(|text| text.contains('!')) {
+        return Err(HookError::new("no shouting"));
+    }
+    Ok(message)
+}
+
+#[hook(before_update_message)]
+async fn no_shouting_updates(
+    _state: &ThreadState,
+    _id: &str,
+    updates: MessageUpdates,
+) -> Result<MessageUpdates, HookError> {
+    if updates
+        .get("content")
+        .and_then(Value::as_str)
+        .is_some_and(|text| text.contains('!'))
+    {
+        return Err(HookError::new("no shouting in updates"));
+    }
+    Ok(updates)
+}
+
+/// Work with the thread's rows.
+#[tool]
+async fn edit_rows(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().expect("a thread behind the tool");
+    let mut results = THREAD_RESULTS.lock().unwrap().clone();
+    // Item 26: a prevented inject rejects with the hook's error; nothing is stored.
+    match thread
+        .inject_message(InjectMessage::new(MessageRole::User, "hey!"))
+        .await
+    {
+        Err(ThreadError::Hook(error)) => results.push(format!("inject rejected: {error}")),
+        other => results.push(format!("inject unexpected: {other:?}")),
+    }
+    let note = thread
+        .inject_message(InjectMessage::new(MessageRole::System, "calm note").silent())
+        .await
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    // Item 27: a prevented update rejects; the row is unchanged.
+    let mut loud = MessageUpdates::new();
+    loud.insert("content".into(), json!("calm note!"));
+    match thread.update_message(&note.id, loud).await {
+        Err(ThreadError::Hook(error)) => results.push(format!("update rejected: {error}")),
+        other => results.push(format!("update unexpected: {other:?}")),
+    }
+    let unchanged = thread.get_message(&note.id).await.unwrap().unwrap();
+    results.push(format!("row still: {}", unchanged.content.unwrap()));
+    let mut quiet = MessageUpdates::new();
+    quiet.insert("content".into(), json!("calmer note"));
+    let updated = thread.update_message(&note.id, quiet).await.unwrap();
+    results.push(format!("updated: {}", updated.content.unwrap()));
+    let mut unknown = MessageUpdates::new();
+    unknown.insert("role".into(), json!("assistant"));
+    results.push(format!(
+        "unknown field: {}",
+        matches!(
+            thread.update_message(&note.id, unknown).await,
+            Err(ThreadError::Invalid(_))
+        )
+    ));
+    // Item 83: newest first, with total and has_more; silent rows only when asked for.
+    let page = thread
+        .get_messages(MessagesQuery {
+            limit: Some(1),
+            order: MessageOrder::Desc,
+            include_silent: true,
+            ..MessagesQuery::default()
+        })
+        .await
+        .unwrap();
+    results.push(format!(
+        "newest: {} total {} more {}",
+        page.messages[0].content.clone().unwrap(),
+        page.total,
+        page.has_more
+    ));
+    let visible = thread.get_messages(MessagesQuery::default()).await.unwrap();
+    results.push(format!("visible: {}", visible.total));
+    *THREAD_RESULTS.lock().unwrap() = results;
+    Ok("edited".into())
+}
+
+#[agent(hooks = [no_shouting, no_shouting_updates])]
+fn row_editor() -> &'static str {
+    use_model("scripted/x");
+    use_tool(edit_rows);
+    "E"
+}
+
+#[tokio::test]
+async fn items_26_27_83_thread_rows_are_injected_updated_and_paged_through_their_hooks() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("edit_rows", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![row_editor.into()]);
+    runtime.init(&row_editor, "e").send("start").await.unwrap();
+    assert_eq!(
+        THREAD_RESULTS.lock().unwrap().clone(),
+        [
+            "inject rejected: no shouting",
+            "update rejected: no shouting in updates",
+            "row still: calm note",
+            "updated: calmer note",
+            "unknown field: true",
+            // start, the step with the call, the note (its tool result is not stored yet).
+            "newest: calmer note total 3 more true",
+            "visible: 2",
+        ]
+    );
+    // The note was injected while the call was open: it follows the call's result, so the
+    // next request keeps each call next to its result.
+    let messages = &model.requests()[1].messages;
+    assert!(matches!(messages[1], ModelMessage::Assistant { .. }));
+    assert!(matches!(messages[2], ModelMessage::Tool { .. }));
+    assert_eq!(
+        messages[3],
+        ModelMessage::user("<system-message type=\"system\">\ncalmer note\n</system-message>")
+    );
+}
+
+// ---- the tool-call chain (items 38–46) --------------------------------------------------------
+
+static TOOL_CHAIN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Succeeds or fails on demand.
+#[tool]
+async fn flaky(
+    /// Whether to fail
+    fail: bool,
+) -> Result<String, ToolError> {
+    if fail {
+        Err(ToolError::new("it broke"))
+    } else {
+        Ok("contact: jane@example.com".into())
+    }
+}
+
+/// Panics.
+#[tool]
+async fn panicky() -> String {
+    panic!("tool exploded")
+}
+
+#[hook(tool_call_done)]
+async fn chain_done(_state: &ThreadState, call: &ToolCall, result: &ToolResult) {
+    TOOL_CHAIN
+        .lock()
+        .unwrap()
+        .push(format!("done {} {:?}", call.function.name, result.status));
+}
+
+#[hook(after_tool_call_success)]
+async fn chain_success(_state: &ThreadState, call: &ToolCall, _result: ToolResult) -> Option<ToolResult> {
+    TOOL_CHAIN
+        .lock()
+        .unwrap()
+        .push(format!("success {}", call.function.name));
+    None
+}
+
+#[hook(after_tool_call_failure)]
+async fn chain_failure(_state: &ThreadState, call: &ToolCall, result: ToolResult) -> Option<ToolResult> {
+    TOOL_CHAIN.lock().unwrap().push(format!(
+        "failure {} {}",
+        call.function.name,
+        result.error.clone().unwrap_or_default()
+    ));
+    Some(ToolResult::error(format!(
+        "handled: {}",
+        result.error.unwrap_or_default()
+    )))
+}
+
+#[hook(before_store_tool_result)]
+async fn chain_redact(_state: &ThreadState, _call: &ToolCall, result: ToolResult) -> ToolResult {
+    TOOL_CHAIN.lock().unwrap().push(format!("store {:?}", result.status));
+    ToolResult {
+        result: result
+            .result
+            .map(|text| text.replace("jane@example.com", "[email redacted]")),
+        ..result
+    }
+}
+
+#[hook(before_create_message)]
+async fn chain_create(_state: &ThreadState, message: Message) -> Message {
+    if message.role == MessageRole::Tool {
+        TOOL_CHAIN
+            .lock()
+            .unwrap()
+            .push(format!("create {:?}", message.tool_status));
+    }
+    message
+}
+
+#[agent(hooks = [chain_done, chain_success, chain_failure, chain_redact, chain_create])]
+fn tool_chain() -> &'static str {
+    use_model("scripted/x");
+    use_tool(flaky);
+    use_tool(panicky);
+    "T"
+}
+
+#[tokio::test]
+async fn items_38_39_40_42_43_44_45_each_call_runs_done_then_after_then_store_then_create() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            ("flaky", json!({"fail": false})),
+            ("flaky", json!({"fail": true})),
+            ("panicky", json!({})),
+        ]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![tool_chain.into()]);
+    runtime.init(&tool_chain, "t").send("go").await.unwrap();
+    assert_eq!(
+        TOOL_CHAIN.lock().unwrap().clone(),
+        [
+            "done flaky Success",
+            "success flaky",
+            "store Success",
+            "create Some(Success)",
+            "done flaky Error",
+            "failure flaky it broke",
+            "store Error",
+            "create Some(Error)",
+            "done panicky Error",
+            "failure panicky Tool \"panicky\" panicked: tool exploded",
+            "store Error",
+            "create Some(Error)",
+        ]
+    );
+    let results: Vec<(String, bool)> = model.requests()[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            ("contact: [email redacted]".to_owned(), false),
+            ("handled: it broke".to_owned(), true),
+            ("handled: Tool \"panicky\" panicked: tool exploded".to_owned(), true),
+        ]
+    );
+}
+
+// ---- tool_call_started (items 47, 48, 51) -----------------------------------------------------
+
+static STARTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(tool_call_started)]
+async fn record_started(state: &ThreadState, call: &ToolCall, progress: Option<&str>) {
+    let ran = state.context().get("ran").is_some();
+    STARTED
+        .lock()
+        .unwrap()
+        .push(format!("{} {} {progress:?} ran={ran}", call.id, call.function.name));
+}
+
+/// Note that it ran.
+#[tool]
+async fn marks_context(ctx: &ToolContext) -> String {
+    ctx.thread().unwrap().context().set("ran", json!(true));
+    "ran".into()
+}
+
+#[agent(hooks = [record_started])]
+fn observed() -> &'static str {
+    use_model("scripted/x");
+    use_tool(marks_context);
+    "O"
+}
+
+#[tokio::test]
+async fn items_47_48_51_tool_call_started_fires_once_per_parallel_call_before_any_tool_runs() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("marks_context", json!({})), ("marks_context", json!({}))]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![observed.into()]);
+    runtime.init(&observed, "o").send("go").await.unwrap();
+    let started = STARTED.lock().unwrap().clone();
+    assert_eq!(started.len(), 2, "{started:?}");
+    assert!(
+        started
+            .iter()
+            .all(|line| line.ends_with("marks_context None ran=false")),
+        "{started:?}"
+    );
+    assert_ne!(started[0], started[1], "one per call id");
+}
+
+// ---- after_thread_created, execution, context, values (items 55, 77, 78, 79, 82) ---------------
+
+static CREATED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(after_thread_created)]
+async fn welcome(state: &ThreadState) -> Result<(), HookError> {
+    CREATED.lock().unwrap().push(format!(
+        "{} {} execution={}",
+        state.thread_id(),
+        state.agent_id(),
+        state.execution().is_some()
+    ));
+    state
+        .set_value("welcomed", Some(json!(true)))
+        .await
+        .map_err(|error| HookError::new(error.to_string()))
+}
+
+static EXECUTIONS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Reads and writes the thread's values and context.
+#[tool]
+async fn bookkeeping(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().unwrap();
+    let execution = thread.execution().expect("item 77: an execution inside a tool");
+    let seen = thread.context().get("seen");
+    thread.context().set("seen", json!("by the tool"));
+    let visits = thread
+        .get_value("visits")
+        .await
+        .unwrap()
+        .and_then(|value| value.as_u64())
+        .unwrap_or(0);
+    thread.set_value("visits", Some(json!(visits + 1))).await.unwrap();
+    thread.set_value("scratch", None).await.unwrap();
+    let echoed = thread
+        .invoke_tool("echo_tool", json!({"text": "invoked"}))
+        .await
+        .unwrap();
+    let welcomed = thread.get_value("welcomed").await.unwrap();
+    let line = format!(
+        "steps={} aborted={} seen={seen:?} visits={visits} welcomed={welcomed:?} invoked={:?}/{:?}",
+        execution.step_count(),
+        execution.abort_signal().is_aborted(),
+        echoed.status,
+        echoed.result,
+    );
+    EXECUTIONS.lock().unwrap().push(line);
+    Ok("booked".into())
+}
+
+#[hook(tool_call_done)]
+async fn context_reader(state: &ThreadState, _call: &ToolCall, _result: &ToolResult) {
+    let seen = state.context().get("seen");
+    EXECUTIONS.lock().unwrap().push(format!("hook saw {seen:?}"));
+}
+
+#[agent(hooks = [welcome, context_reader])]
+fn bookkeeper() -> &'static str {
+    use_model("scripted/x");
+    use_tool(bookkeeping);
+    use_tool(echo_tool);
+    "B"
+}
+
+#[tokio::test]
+async fn items_55_77_78_79_82_thread_state_across_executions_and_a_restart() {
+    let db = scratch_db("values");
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("bookkeeping", json!({})),
+        ScriptedReply::text("one"),
+        ScriptedReply::tool_call("bookkeeping", json!({})),
+        ScriptedReply::text("two"),
+    ]);
+    {
+        let runtime = runtime_on(SqliteStore::open(&db).unwrap(), &model, vec![bookkeeper.into()]);
+        runtime.init(&bookkeeper, "k").send("first").await.unwrap();
+        runtime.shutdown();
+    }
+    // A restart on the same store: values survive, the context does not.
+    let runtime = runtime_on(SqliteStore::open(&db).unwrap(), &model, vec![bookkeeper.into()]);
+    runtime.init(&bookkeeper, "k").send("second").await.unwrap();
+    assert_eq!(
+        CREATED.lock().unwrap().clone(),
+        ["k bookkeeper execution=false"],
+        "item 55: once"
+    );
+    assert_eq!(
+        EXECUTIONS.lock().unwrap().clone(),
+        [
+            "steps=1 aborted=false seen=None visits=0 welcomed=Some(Bool(true)) invoked=Success/Some(\"invoked\")",
+            "hook saw Some(String(\"by the tool\"))",
+            "steps=1 aborted=false seen=None visits=1 welcomed=Some(Bool(true)) invoked=Success/Some(\"invoked\")",
+            "hook saw Some(String(\"by the tool\"))",
+        ]
+    );
+    // Item 82: invoke_tool stored no tool row (only the two model calls' results are stored).
+    let stored = bodies(&runtime, "bookkeeper", "k").await;
+    let outcomes = stored
+        .iter()
+        .filter(|body| matches!(body, RecordBody::ToolOutcome { .. }))
+        .count();
+    assert_eq!(outcomes, 2);
+}
+
+// ---- emit (item 54) ---------------------------------------------------------------------------
+
+/// Reports progress to connected clients.
+#[tool]
+async fn report(ctx: &ToolContext) -> String {
+    ctx.thread().unwrap().emit("progress", json!({"percent": 50}));
+    "reported".into()
+}
+
+#[agent]
+fn reporter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(report);
+    "R"
+}
+
+#[tokio::test]
+async fn item_54_emit_reaches_the_thread_event_channel_without_any_hook() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("report", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![reporter.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&reporter, "r").send("go").await.unwrap();
+    let mut emitted = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::ThreadEvent { event_type, data } = observation.event {
+            emitted.push((event_type, data));
+        }
+    }
+    assert_eq!(emitted, [("progress".to_owned(), json!({"percent": 50}))]);
+}
+
+// ---- required parent hooks (items 60, 63, 65, 70) ---------------------------------------------
+
+static PARENT_HOOKS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(after_system_message)]
+async fn child_before(state: &ThreadState, system: String) -> Option<String> {
+    PARENT_HOOKS
+        .lock()
+        .unwrap()
+        .push(format!("child_before on {}", state.thread_id()));
+    Some(format!("{system} <before>"))
+}
+
+#[hook(after_system_message)]
+async fn child_after(state: &ThreadState, system: String) -> Option<String> {
+    PARENT_HOOKS
+        .lock()
+        .unwrap()
+        .push(format!("child_after on {}", state.thread_id()));
+    Some(format!("{system} <after>"))
+}
+
+#[hook(after_system_message)]
+async fn parent_own(_state: &ThreadState, system: String) -> Option<String> {
+    Some(format!("{system} <parent>"))
+}
+
+#[agent(expose_as_tool, description = "Syncs mail.",
+        parent_hooks = [(child_after, after_parent, "Shows what the child did last."),
+                        (child_before, before_parent, "Shows synchronized mail first.")])]
+fn mail_child() -> &'static str {
+    "You sync mail."
+}
+
+#[agent(hooks = [parent_own])]
+fn parent_agent() -> &'static str {
+    use_model("scripted/x");
+    use_subagent(Subagent::new("mail", "Syncs mail.", mail_child).hidden());
+    "P"
+}
+
+#[tokio::test]
+async fn items_60_63_65_70_required_child_hooks_surround_the_parent_hooks_on_the_parent_thread() {
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, vec![parent_agent.into()]);
+    runtime.init(&parent_agent, "parent-1").send("hi").await.unwrap();
+    assert_eq!(
+        model.requests()[0].system.as_deref(),
+        Some("P <before> <parent> <after>")
+    );
+    assert_eq!(
+        PARENT_HOOKS.lock().unwrap().clone(),
+        ["child_before on parent-1", "child_after on parent-1"]
+    );
+}
+
+// ---- stop (ExecutionState::stop) ---------------------------------------------------------------
+
+/// Ends the execution after this step.
+#[tool]
+async fn halt(ctx: &ToolContext) -> String {
+    ctx.thread().unwrap().execution().unwrap().stop();
+    "halting".into()
+}
+
+#[agent]
+fn haltable() -> &'static str {
+    use_model("scripted/x");
+    use_tool(halt);
+    "H"
+}
+
+#[tokio::test]
+async fn execution_stop_ends_the_response_without_another_model_call() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("halt", json!({})),
+        ScriptedReply::text("never"),
+    ]);
+    let runtime = runtime_with(&model, vec![haltable.into()]);
+    runtime.init(&haltable, "h").send("go").await.unwrap();
+    assert_eq!(model.requests().len(), 1);
+}
+
+#[test]
+fn tool_status_and_message_status_serialize_as_the_reference_spells_them() {
+    assert_eq!(serde_json::to_value(ToolStatus::Error).unwrap(), json!("error"));
+    assert_eq!(serde_json::to_value(MessageStatus::Pending).unwrap(), json!("pending"));
+}
