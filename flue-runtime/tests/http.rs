@@ -20,11 +20,16 @@ use serde_json::{Value, json};
 /// Add two numbers.
 #[tool]
 async fn add(
+    ctx: &ToolContext,
     /// First addend
     a: i64,
     /// Second addend
     b: i64,
 ) -> String {
+    // Connected clients of the thread-event stream see the sum as it is computed.
+    if let Some(thread) = ctx.thread() {
+        thread.emit("computed", json!({"sum": a + b}));
+    }
     (a + b).to_string()
 }
 
@@ -1257,7 +1262,7 @@ mod client {
 }
 
 #[tokio::test]
-async fn the_thread_event_stream_carries_tool_call_started_and_done_for_its_instance_only() {
+async fn the_thread_event_stream_carries_tool_call_started_emitted_events_and_done_for_its_instance_only() {
     let server = Server::start().await;
     let response = server.client.get(server.url("/c1/events")).send().await.unwrap();
     assert_eq!(response.status().as_u16(), 200);
@@ -1279,15 +1284,19 @@ async fn the_thread_event_stream_carries_tool_call_started_and_done_for_its_inst
         .filter(|(event, _)| event == "event")
         .map(|(_, data)| serde_json::from_str(data).unwrap())
         .collect();
-    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events.len(), 3, "{events:?}");
     assert_eq!(events[0]["type"], "event");
     assert_eq!(events[0]["eventType"], "tool_call_started");
     assert_eq!(events[0]["data"]["name"], "add");
     assert_eq!(events[0]["data"]["progress"], Value::Null);
-    assert_eq!(events[1]["eventType"], "tool_call_done");
-    assert_eq!(events[1]["data"]["status"], "success");
-    assert_eq!(events[0]["data"]["id"], events[1]["data"]["id"]);
-    assert!(events[1]["timestamp"].is_string());
+    // What the tool sent with ThreadState::emit, as it ran.
+    assert_eq!(events[1]["type"], "event");
+    assert_eq!(events[1]["eventType"], "computed");
+    assert_eq!(events[1]["data"], json!({"sum": 5}));
+    assert_eq!(events[2]["eventType"], "tool_call_done");
+    assert_eq!(events[2]["data"]["status"], "success");
+    assert_eq!(events[0]["data"]["id"], events[2]["data"]["id"]);
+    assert!(events[2]["timestamp"].is_string());
 }
 
 #[tokio::test]
