@@ -1142,3 +1142,63 @@ fn tool_status_and_message_status_serialize_as_the_reference_spells_them() {
     assert_eq!(serde_json::to_value(ToolStatus::Error).unwrap(), json!("error"));
     assert_eq!(serde_json::to_value(MessageStatus::Pending).unwrap(), json!("pending"));
 }
+
+// ---- queued messages (items 30, 81-adjacent: queue_message) ------------------------------------
+
+#[hook(before_create_message)]
+async fn refuse_spam(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
+    if message.content.as_deref() == Some("spam") {
+        return Err(HookError::new("spam is not stored"));
+    }
+    Ok(message)
+}
+
+/// Queues two follow-up messages.
+#[tool]
+async fn queue_two(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().unwrap();
+    for content in ["spam", "a real follow-up"] {
+        thread
+            .queue_message(content)
+            .await
+            .map_err(|error| ToolError::new(error.to_string()))?;
+    }
+    Ok("queued".into())
+}
+
+#[agent(hooks = [refuse_spam])]
+fn queueing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(queue_two);
+    "Q"
+}
+
+#[tokio::test]
+async fn item_30_a_prevented_queued_message_leaves_the_response_which_goes_on_with_the_others() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("queue_two", json!({})),
+        ScriptedReply::text("answered both"),
+    ]);
+    let runtime = runtime_with(&model, vec![queueing.into()]);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&queueing, "q").send("start").await.unwrap();
+    assert_eq!(reply.text, "answered both");
+    // The follow-up joined the response at the tool batch's boundary; the spam did not.
+    let second = &model.requests()[1].messages;
+    assert_eq!(second.last(), Some(&ModelMessage::user("a real follow-up")));
+    assert!(!second.contains(&ModelMessage::user("spam")));
+    // The spam went back to the queue and, processed on its own, failed with the hook's error.
+    let settled = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let observation = events.recv().await.unwrap();
+            if let flue_runtime::events::Event::SubmissionSettled { error: Some(error), .. } = observation.event {
+                break error;
+            }
+        }
+    })
+    .await
+    .expect("the prevented message settles");
+    assert_eq!(settled.error_type, "message_hook_error");
+    assert_eq!(settled.message, "spam is not stored");
+    assert_eq!(model.requests().len(), 2, "no turn for the prevented message");
+}

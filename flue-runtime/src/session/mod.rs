@@ -934,13 +934,15 @@ impl Response<'_> {
 
     /// Applies a delivery's input, then runs its start seam — each once: a re-attempt finds
     /// them in the stream. Without `use_agent_start` callbacks the seam has nothing to run and
-    /// its marker commits in the input's batch (one durability point instead of two).
+    /// its marker commits in the input's batch (one durability point instead of two). Returns
+    /// `false` when a `before_create_message` hook prevented a joined delivery's row (the
+    /// waking delivery's prevention fails the submission instead).
     async fn apply_input(
         &mut self,
         rendered: &Rendered,
         delivery: Arc<DeliveredMessage>,
         submission_id: &str,
-    ) -> Result<(), Failure> {
+    ) -> Result<bool, Failure> {
         let needs_input = !self.conversation.has_input(submission_id);
         let needs_seam = !self.conversation.has_started(submission_id);
         if needs_input {
@@ -949,9 +951,10 @@ impl Response<'_> {
                 lifecycle::InputRow::Store(records, created) => (records, created),
                 lifecycle::InputRow::Prevented(failure) if submission_id == self.submission.id => return Err(failure),
                 lifecycle::InputRow::Prevented(failure) => {
-                    // A joined delivery's row was prevented: it is dropped, the response goes on.
+                    // A joined delivery's row was prevented: it leaves this response, which
+                    // goes on without it.
                     tracing::warn!(instance = %self.key, submission = submission_id, error = %failure.error.message, "a queued message was not stored: a before_create_message hook prevented it");
-                    return Ok(());
+                    return Ok(false);
                 }
             };
             self.emit(Event::MessageStart { role: "user".into() });
@@ -960,7 +963,7 @@ impl Response<'_> {
                 self.commit(records, true).await?;
                 self.emit(Event::MessageEnd { role: "user".into() });
                 self.input_row_created(created).await;
-                return Ok(());
+                return Ok(true);
             }
             self.commit(records, false).await?;
             self.emit(Event::MessageEnd { role: "user".into() });
@@ -969,7 +972,7 @@ impl Response<'_> {
         if needs_seam {
             self.start_seam(rendered, delivery, submission_id).await?;
         }
-        Ok(())
+        Ok(true)
     }
 
     fn seam_marker(&self, submission_id: &str) -> Record {
@@ -1208,10 +1211,18 @@ impl Response<'_> {
             return Ok(false);
         }
         self.joins_checked = None;
+        let mut joined_any = false;
         for delivery in claimed {
             let message = Arc::new(delivery.message.clone());
-            self.delivery = message.clone();
-            self.apply_input(rendered, message, &delivery.id).await?;
+            let previous = std::mem::replace(&mut self.delivery, message.clone());
+            if !self.apply_input(rendered, message, &delivery.id).await? {
+                // Not finalized: at settlement the claim goes back to the queue, and the
+                // delivery is processed on its own — where the prevention fails it with
+                // `message_hook_error`.
+                self.delivery = previous;
+                continue;
+            }
+            joined_any = true;
             self.runtime
                 .store
                 .finalize_join(&self.attempt.attempt, &delivery.id)
@@ -1219,7 +1230,7 @@ impl Response<'_> {
                 .map_err(Failure::store)?;
             self.joined.push(delivery.id);
         }
-        Ok(true)
+        Ok(joined_any)
     }
 
     async fn model_step(
