@@ -1202,3 +1202,40 @@ async fn item_30_a_prevented_queued_message_leaves_the_response_which_goes_on_wi
     assert_eq!(settled.message, "spam is not stored");
     assert_eq!(model.requests().len(), 2, "no turn for the prevented message");
 }
+
+// ---- ids (item 3) -----------------------------------------------------------------------------
+
+#[hook(after_create_message, id = "audit")]
+async fn audit_rows(_state: &ThreadState, _message: &Message) {}
+
+#[hook(after_update_message, id = "audit")]
+async fn audit_updates(_state: &ThreadState, _message: &Message) {}
+
+#[agent(hooks = [audit_rows])]
+fn audited_rows() -> &'static str {
+    use_model("scripted/x");
+    "A"
+}
+
+#[agent(hooks = [audit_updates])]
+fn audited_updates() -> &'static str {
+    use_model("scripted/x");
+    "A"
+}
+
+#[test]
+fn item_03_two_hooks_sharing_an_id_are_refused_when_the_runtime_is_built() {
+    let error = Runtime::builder()
+        .store(MemoryStore::new())
+        .agent(audited_rows)
+        .agent(audited_updates)
+        .build()
+        .err()
+        .expect("a clash");
+    let text = error.to_string();
+    assert!(text.contains("Two lifecycle hooks share the id \"audit\""), "{text}");
+    assert!(
+        text.contains("after_create_message") && text.contains("after_update_message"),
+        "{text}"
+    );
+}
