@@ -84,6 +84,52 @@ fn mail_agent() -> &'static str {
     "Read mail."
 }
 
+/// Edits the thread's rows: a note injected, the first user row's text corrected.
+#[tool]
+async fn curate(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().unwrap();
+    let rows = thread
+        .get_messages(flue_runtime::lifecycle::MessagesQuery::default())
+        .await
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    let mut updates = MessageUpdates::new();
+    updates.insert("content".into(), json!("corrected question"));
+    thread
+        .update_message(&rows.messages[0].id, updates)
+        .await
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    let note = flue_runtime::lifecycle::InjectMessage::new(flue_runtime::lifecycle::MessageRole::Assistant, "a note");
+    let note = thread
+        .inject_message(note)
+        .await
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok(note.id)
+}
+
+/// Deletes a row.
+#[tool]
+async fn forget(
+    ctx: &ToolContext,
+    /// The row id
+    id: String,
+) -> Result<String, ToolError> {
+    let deleted = ctx
+        .thread()
+        .unwrap()
+        .delete_message(&id)
+        .await
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok(deleted.to_string())
+}
+
+#[agent]
+fn curator() -> &'static str {
+    use_model("scripted/curate-1");
+    use_tool(curate);
+    use_tool(forget);
+    "You keep the history tidy."
+}
+
 struct Server {
     runtime: Runtime,
     root: String,
@@ -107,6 +153,7 @@ impl Server {
             .agent(calculator)
             .agent(mail_agent)
             .agent(planner)
+            .agent(curator)
             .options(RuntimeOptions {
                 model_retry_delay: Duration::from_millis(1),
                 ..RuntimeOptions::default()
@@ -951,7 +998,7 @@ async fn the_catalog_lists_agents_with_tool_schemas_hooks_and_parent_hook_requir
     assert_security_headers(&headers);
     let agents = catalog["agents"].as_array().unwrap();
     let names: Vec<&str> = agents.iter().map(|agent| agent["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["calculator", "mail_agent", "planner"]);
+    assert_eq!(names, ["calculator", "curator", "mail_agent", "planner"]);
     let calc = &agents[0];
     assert_eq!(calc["maxSteps"], 4);
     assert_eq!(calc["model"], "scripted/calc-1");
@@ -962,7 +1009,7 @@ async fn the_catalog_lists_agents_with_tool_schemas_hooks_and_parent_hook_requir
     );
     assert_eq!(tool["inputSchema"]["type"], "object");
     assert_eq!(tool["inputSchema"]["properties"]["a"]["description"], "First addend");
-    let mail = &agents[1];
+    let mail = &agents[2];
     assert_eq!(mail["description"], "Reads the mailbox.");
     assert_eq!(mail["exposeAsTool"], true);
     assert_eq!(mail["hooks"], json!([{"id": "keep_recent", "kind": "filter_messages"}]));
@@ -1681,4 +1728,88 @@ async fn joined_deliveries_signals_and_failures_project_as_the_protocol_says() {
         .find(|chunk| chunk["type"] == "submission-settled")
         .unwrap();
     assert_eq!(settled["error"], settlement["error"]);
+}
+
+#[tokio::test]
+async fn rows_a_thread_state_injects_updates_and_deletes_project_into_the_snapshot_and_reset_the_updates() {
+    let server = Server::start().await;
+    let base = format!("{}/agents/curator", server.root);
+    server.model.push(ScriptedReply::tool_call("curate", json!({})));
+    server.model.push(ScriptedReply::text("tidied"));
+    let admitted = server
+        .client
+        .post(format!("{base}/t1"))
+        .json(&json!({"kind": "user", "body": "orignal qestion"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(admitted.status().as_u16(), 202);
+    let snapshot = wait_settled(&server, &base, "t1", 1).await;
+    let messages = snapshot["messages"].as_array().unwrap();
+    assert_eq!(messages[0]["role"], "user");
+    assert_eq!(messages[0]["parts"][0]["text"], "corrected question", "{snapshot}");
+    let note = messages
+        .iter()
+        .find(|message| message["parts"][0]["text"] == "a note")
+        .unwrap_or_else(|| panic!("the injected note: {snapshot}"));
+    assert_eq!(note["role"], "assistant");
+    assert_eq!(note["display"], "visible");
+    // The batch that edited a past row projects to a reset carrying the new snapshot.
+    let updates: Value = server
+        .client
+        .get(format!("{base}/t1?view=updates&offset=-1"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let resets: Vec<&Value> = updates
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|chunk| chunk["type"] == "conversation-reset")
+        .collect();
+    assert_eq!(resets.len(), 2, "the birth and the edit: {updates}");
+    assert_eq!(
+        resets[1]["snapshot"]["messages"][0]["parts"][0]["text"],
+        "corrected question"
+    );
+
+    // Deleting the note removes it from the snapshot.
+    let note_id = note["id"].as_str().unwrap().to_owned();
+    server
+        .model
+        .push(ScriptedReply::tool_call("forget", json!({"id": note_id})));
+    server.model.push(ScriptedReply::text("forgotten"));
+    server
+        .client
+        .post(format!("{base}/t1"))
+        .json(&json!({"kind": "user", "body": "forget the note"}))
+        .send()
+        .await
+        .unwrap();
+    let snapshot = wait_settled(&server, &base, "t1", 2).await;
+    assert!(
+        !snapshot["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|message| message["id"] == note_id.as_str()),
+        "{snapshot}"
+    );
+}
+
+async fn wait_settled(server: &Server, base: &str, id: &str, count: usize) -> Value {
+    for _ in 0..500 {
+        let response = server.client.get(format!("{base}/{id}")).send().await.unwrap();
+        if response.status().as_u16() == 200 {
+            let snapshot: Value = response.json().await.unwrap();
+            if snapshot["settlements"].as_array().map_or(0, Vec::len) >= count {
+                return snapshot;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{count} submissions of {id} did not settle");
 }
