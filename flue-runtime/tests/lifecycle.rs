@@ -106,24 +106,29 @@ mod logs {
     }
 
     impl Capture {
-        /// The captured lines that start with `prefix`.
-        pub fn lines(&self, prefix: &str) -> Vec<String> {
+        /// The captured `[Hooks]` lines that mention `text`.
+        pub fn lines(&self, text: &str) -> Vec<String> {
             self.0
                 .lock()
                 .unwrap()
                 .iter()
-                .filter(|line| line.starts_with(prefix))
+                .filter(|line| line.starts_with("[Hooks]") && line.contains(text))
                 .cloned()
                 .collect()
         }
     }
 }
 
-/// Captures this thread's log events (the tests run on a current-thread runtime).
-fn capture_logs() -> (logs::Capture, tracing::subscriber::DefaultGuard) {
-    let capture = logs::Capture::default();
-    let guard = tracing::subscriber::set_default(capture.clone());
-    (capture, guard)
+/// Every log line of this test binary (one global subscriber: a per-thread one races with the
+/// callsite interest cache when tests run in parallel). Tests look for lines unique to them.
+fn capture_logs() -> logs::Capture {
+    static CAPTURE: std::sync::OnceLock<logs::Capture> = std::sync::OnceLock::new();
+    let capture = CAPTURE.get_or_init(|| {
+        let capture = logs::Capture::default();
+        tracing::subscriber::set_global_default(capture.clone()).expect("the only global subscriber");
+        capture
+    });
+    capture.clone()
 }
 
 // ---- scoping (items 4–10, 60, 63) -------------------------------------------------------------
@@ -213,7 +218,7 @@ fn listed_order() -> &'static str {
 
 #[tokio::test]
 async fn items_08_09_11_12_37_hooks_chain_in_listed_order_none_keeps_and_an_error_keeps_the_last_good_value() {
-    let (logs, _guard) = capture_logs();
+    let logs = capture_logs();
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![listed_order.into()]);
     runtime.init(&listed_order, "o").send("hi").await.unwrap();
@@ -223,7 +228,7 @@ async fn items_08_09_11_12_37_hooks_chain_in_listed_order_none_keeps_and_an_erro
         ["first saw \"S\"", "second saw \"S [1]\""]
     );
     assert_eq!(
-        logs.lines("[Hooks]"),
+        logs.lines("mail server unreachable"),
         ["[Hooks] ✗ Error running after_system_message hook: mail server unreachable"]
     );
 }
@@ -391,7 +396,7 @@ fn prefiltered() -> &'static str {
 
 #[tokio::test]
 async fn items_19_21_prefilter_output_is_exactly_what_is_dispatched_and_a_plain_error_is_logged() {
-    let (logs, _guard) = capture_logs();
+    let logs = capture_logs();
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![prefiltered.into()]);
     let reply = runtime.init(&prefiltered, "p").send("hi").await.unwrap();
@@ -403,7 +408,7 @@ async fn items_19_21_prefilter_output_is_exactly_what_is_dispatched_and_a_plain_
         [ModelMessage::user("hi"), ModelMessage::user("appended by prefilter")]
     );
     assert_eq!(
-        logs.lines("[Hooks]"),
+        logs.lines("quota service down"),
         ["[Hooks] ✗ Error running prefilter_llm_history hook: quota service down"]
     );
 }
@@ -594,7 +599,7 @@ fn tool_rows_continue() -> &'static str {
 
 #[tokio::test]
 async fn item_35_a_tool_result_is_stored_with_its_last_good_value_when_a_pre_write_hook_throws() {
-    let (logs, _guard) = capture_logs();
+    let logs = capture_logs();
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("echo_tool", json!({"text": "kept"})),
         ScriptedReply::text("done"),
@@ -606,7 +611,7 @@ async fn item_35_a_tool_result_is_stored_with_its_last_good_value_when_a_pre_wri
     };
     assert_eq!(content, "kept");
     assert_eq!(
-        logs.lines("[Hooks]"),
+        logs.lines("tool rows are read-only"),
         ["[Hooks] ✗ Error running before_create_message hook: tool rows are read-only"]
     );
 }

@@ -164,7 +164,7 @@ pub struct ExecutionState {
 }
 
 struct ExecutionInner {
-    submission_id: String,
+    submission_id: Arc<str>,
     steps: AtomicU32,
     stopped: AtomicBool,
     signal: AbortSignal,
@@ -172,7 +172,7 @@ struct ExecutionInner {
 
 impl ExecutionState {
     /// A fresh execution of `submission_id`, aborted through `signal`.
-    pub fn new(submission_id: impl Into<String>, signal: AbortSignal) -> Self {
+    pub fn new(submission_id: impl Into<Arc<str>>, signal: AbortSignal) -> Self {
         Self {
             inner: Arc::new(ExecutionInner {
                 submission_id: submission_id.into(),

@@ -91,9 +91,14 @@ impl ThreadWriter {
         Ok(offset)
     }
 
-    /// The batches appended since the last call, in stream order.
-    pub(crate) fn take_unfolded(&self) -> Vec<Batch> {
-        std::mem::take(&mut *self.unfolded.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    /// Moves the batches appended since the last call into `into`, in stream order.
+    pub(crate) fn take_unfolded(&self, into: &mut Vec<Batch>) {
+        into.extend(
+            self.unfolded
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .drain(..),
+        );
     }
 
     /// The durable conversation, folded from the whole stream.

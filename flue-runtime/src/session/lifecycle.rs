@@ -85,7 +85,8 @@ impl Response<'_> {
         {
             return Ok(());
         }
-        chain::after_thread_created(&self.hooks, &self.at_rest.state()).await;
+        let state = self.at_rest_view().state();
+        chain::after_thread_created(&self.hooks, &state).await;
         let marker = self.record(RecordBody::ThreadCreatedHooksRan);
         self.commit(vec![marker], false).await
     }
@@ -93,7 +94,7 @@ impl Response<'_> {
     /// The input row's create hooks (at rest: the agent-level hooks). The content a hook
     /// returns is what is stored; a `before_create_message` error prevents the row.
     pub(super) async fn input_row(&mut self, mut input: Record) -> InputRow {
-        let hooks = self.at_rest.hooks();
+        let hooks = self.at_rest_hooks.clone();
         if !creates_rows(&hooks) {
             return InputRow::Store(vec![input], CreatedRow(None));
         }
@@ -113,7 +114,7 @@ impl Response<'_> {
             }
             _ => return InputRow::Store(vec![input], CreatedRow(None)),
         };
-        let state = self.at_rest.state();
+        let state = self.at_rest_view().state();
         let created = match chain::before_create_message(&hooks, &state, original.clone()).await {
             Ok(created) => created,
             Err(prevented) => {
@@ -148,10 +149,10 @@ impl Response<'_> {
     /// `after_create_message` for a stored input row.
     pub(super) async fn input_row_created(&mut self, created: CreatedRow) {
         let Some(created) = created.0 else { return };
-        let hooks = self.at_rest.hooks();
+        let hooks = self.at_rest_hooks.clone();
         if hooks.has(HookKind::AfterCreateMessage) {
             let stored = self.conversation.find_row(&created.id).unwrap_or(created);
-            chain::after_create_message(&hooks, &self.at_rest.state(), &stored).await;
+            chain::after_create_message(&hooks, &self.at_rest_view().state(), &stored).await;
         }
     }
 
@@ -167,7 +168,7 @@ impl Response<'_> {
             return Ok((system, self.conversation.model_messages()));
         }
         let hooks = self.hooks.clone();
-        let state = self.thread.state();
+        let state = self.thread_view().state();
         let mut system = system;
         if hooks.has(HookKind::AfterSystemMessage) {
             let text = chain::after_system_message(&hooks, &state, system.clone().unwrap_or_default()).await;
@@ -204,7 +205,7 @@ impl Response<'_> {
         }
         let mut pending = row(message_id.to_owned(), MessageRole::Assistant, String::new());
         pending.status = Some(MessageStatus::Pending);
-        let state = self.thread.state();
+        let state = self.thread_view().state();
         let created = match chain::before_create_message(&self.hooks, &state, pending.clone()).await {
             Ok(created) => created,
             Err(prevented) => prevented.last_good,
@@ -231,7 +232,7 @@ impl Response<'_> {
         let mut proposed = MessageUpdates::new();
         proposed.insert("content".into(), json!(text));
         proposed.insert("status".into(), json!(MessageStatus::Completed));
-        let state = self.thread.state();
+        let state = self.thread_view().state();
         let applied = match chain::before_update_message(&self.hooks, &state, message_id, proposed).await {
             Ok(applied) => applied,
             Err(prevented) => prevented.last_good,
@@ -263,7 +264,8 @@ impl Response<'_> {
             return;
         }
         if let Some(stored) = self.conversation.find_row(message_id) {
-            chain::after_update_message(&self.hooks, &self.thread.state(), &stored).await;
+            let state = self.thread_view().state();
+            chain::after_update_message(&self.hooks, &state, &stored).await;
         }
     }
 
@@ -320,7 +322,7 @@ impl Response<'_> {
     pub(super) async fn tool_outcome(&mut self, run: &Executed, row_id: &str) -> StoredOutcome {
         let call = ToolCall::new(run.call.id.clone(), run.call.name.clone(), run.call.arguments.clone());
         let raw = tool_result_of(&run.output.to_text(), run.output.is_error);
-        let state = self.thread.state();
+        let state = self.thread_view().state();
         chain::tool_call_done(&self.hooks, &state, &call, &raw).await;
         let result = chain::after_tool_call(&self.hooks, &state, &call, raw).await;
         let result = chain::before_store_tool_result(&self.hooks, &state, &call, result).await;
@@ -359,7 +361,7 @@ impl Response<'_> {
         if !self.hooks.has(HookKind::AfterCreateMessage) {
             return;
         }
-        let state = self.thread.state();
+        let state = self.thread_view().state();
         for id in row_ids {
             if let Some(stored) = self.conversation.find_row(id) {
                 chain::after_create_message(&self.hooks, &state, &stored).await;
@@ -373,8 +375,10 @@ impl Response<'_> {
         if !self.hooks.has(HookKind::ToolCallStarted) {
             return;
         }
+        // The view exists: a render with hooks made it.
+        let Some(view) = &self.thread else { return };
         let call = ToolCall::new(id, name, arguments);
-        let state = self.thread.state();
+        let state = view.state();
         let run = chain::tool_call_started(&self.hooks, &state, &call, progress);
         if tokio::time::timeout(STARTED_HOOK_BUDGET, run).await.is_err() {
             tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on without them");

@@ -368,15 +368,7 @@ impl InstanceSlot {
             &attempt_ref,
             record_ids.clone(),
         ));
-        let identity = Arc::new(conversation.identity(&self.key));
-        let execution = ExecutionState::new(submission.id.clone(), attempt.signal.clone());
-        let thread = RuntimeThread::new(
-            identity.clone(),
-            writer.clone(),
-            Some(execution.clone()),
-            HookSet::default(),
-        );
-        let at_rest = RuntimeThread::new(identity, writer.clone(), None, HookSet::default());
+        let execution = ExecutionState::new(record_ids.0.clone(), attempt.signal.clone());
         let mut response = Response {
             runtime,
             key: &self.key,
@@ -397,9 +389,12 @@ impl InstanceSlot {
             admissions: &self.wakes,
             joins_checked: None,
             writer,
-            thread,
-            at_rest,
+            unfolded: Vec::new(),
+            identity: None,
+            thread: None,
+            at_rest: None,
             hooks: HookSet::default(),
+            at_rest_hooks: HookSet::default(),
             execution,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
@@ -637,12 +632,21 @@ struct Response<'a> {
     joins_checked: Option<u64>,
     /// The attempt's one writer (the response's batches and the thread operations').
     writer: Arc<ThreadWriter>,
-    /// The `ThreadState` of the execution (hooks and tools of the running response).
-    thread: Arc<RuntimeThread>,
-    /// The at-rest `ThreadState` (the input rows' hooks, `after_thread_created`).
-    at_rest: Arc<RuntimeThread>,
+    /// Batches the writer appended, on their way into the conversation (kept for its capacity).
+    unfolded: Vec<crate::record::Batch>,
+    /// The thread's identity, once a `ThreadState` needed it.
+    identity: Option<Arc<flue_core::lifecycle::ThreadIdentity>>,
+    /// The `ThreadState` of the execution (hooks and tools of the running response), made
+    /// when first needed.
+    thread: Option<Arc<RuntimeThread>>,
+    /// The at-rest `ThreadState` (the input rows' hooks, `after_thread_created`), made when
+    /// first needed.
+    at_rest: Option<Arc<RuntimeThread>>,
     /// The lifecycle hooks of the latest render.
     hooks: HookSet,
+    /// The at-rest hooks (the agent's, with the required hooks of the first render's
+    /// relationships).
+    at_rest_hooks: HookSet,
     /// The execution `thread` reports (step counts, `stop()`).
     execution: ExecutionState,
 }
@@ -715,9 +719,46 @@ impl Response<'_> {
     /// Folds what the attempt appended and the conversation has not seen (the response's last
     /// batch, and rows or values hooks and tools wrote through the `ThreadState`).
     fn fold_thread_writes(&mut self) {
-        for batch in self.writer.take_unfolded() {
+        self.writer.take_unfolded(&mut self.unfolded);
+        for batch in self.unfolded.drain(..) {
             self.conversation.apply(&batch);
         }
+    }
+
+    fn identity(&mut self) -> Arc<flue_core::lifecycle::ThreadIdentity> {
+        let (conversation, key) = (&*self.conversation, self.key);
+        self.identity
+            .get_or_insert_with(|| Arc::new(conversation.identity(key)))
+            .clone()
+    }
+
+    /// The execution's `ThreadState` implementation (made on first use, then kept current with
+    /// each render's hooks and tools).
+    fn thread_view(&mut self) -> Arc<RuntimeThread> {
+        if let Some(view) = &self.thread {
+            return view.clone();
+        }
+        let view = RuntimeThread::new(
+            self.identity(),
+            self.writer.clone(),
+            Some(self.execution.clone()),
+            self.hooks.clone(),
+        );
+        if let Some(rendered) = &self.spare {
+            view.set_tools(&rendered.tools);
+        }
+        self.thread = Some(view.clone());
+        view
+    }
+
+    /// The at-rest `ThreadState` implementation (no execution, the at-rest hooks).
+    fn at_rest_view(&mut self) -> Arc<RuntimeThread> {
+        if let Some(view) = &self.at_rest {
+            return view.clone();
+        }
+        let view = RuntimeThread::new(self.identity(), self.writer.clone(), None, self.at_rest_hooks.clone());
+        self.at_rest = Some(view.clone());
+        view
     }
 
     fn render(&mut self) -> Result<Rendered, Failure> {
@@ -746,10 +787,17 @@ impl Response<'_> {
             Ok(Ok(())) => {
                 self.data_writer_names = rendered.data_writer_names();
                 self.hooks = HookSet::resolve(self.agent.definition(), &rendered.hooks, &rendered.subagents);
-                if !self.hooks.is_empty() {
-                    self.thread.set_hooks(self.hooks.clone());
+                // With hooks selected the execution's state exists from the first render on
+                // (the streaming-time `tool_call_started` hooks need it).
+                let view = match &self.thread {
+                    Some(view) => Some(view.clone()),
+                    None if !self.hooks.is_empty() => Some(self.thread_view()),
+                    None => None,
+                };
+                if let Some(view) = view {
+                    view.set_hooks(self.hooks.clone());
+                    view.set_tools(&rendered.tools);
                 }
-                self.thread.set_tools(&rendered.tools);
                 Ok(rendered)
             }
             Ok(Err(error)) => Err(error.into()),
@@ -818,10 +866,7 @@ impl Response<'_> {
 
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
         // relationships the first render declares.
-        let at_rest = HookSet::at_rest(definition, &rendered.subagents);
-        if !at_rest.is_empty() {
-            self.at_rest.set_hooks(at_rest);
-        }
+        self.at_rest_hooks = HookSet::at_rest(definition, &rendered.subagents);
         self.thread_created().await?;
 
         // Input applied (once: a re-attempt finds it in the stream), then the start seam for the
@@ -1418,13 +1463,15 @@ impl Response<'_> {
         response: &ModelResponse,
         assistant_message_id: String,
     ) -> Result<bool, Failure> {
+        let view = self.thread_view();
+        view.set_tools(&rendered.tools);
+        let thread = view.state();
         let executed = {
             let runtime = self.runtime;
             let key = self.key;
             let submission_id = self.submission.id.clone();
             let logger = self.logger();
             let signal = self.attempt.signal.clone();
-            let thread = self.thread.state();
             tools::run_batch(
                 &rendered.tools,
                 response.tool_calls.clone(),
