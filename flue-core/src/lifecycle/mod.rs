@@ -7,6 +7,7 @@
 mod kind;
 mod thread;
 mod types;
+mod user;
 
 use std::fmt;
 
@@ -17,8 +18,9 @@ pub use thread::{
 };
 pub use types::{
     ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates, ToolCall, ToolCallFunction,
-    ToolResult, ToolStatus, UserState, UserStateApi,
+    ToolResult, ToolStatus,
 };
+pub use user::{MAX_USER_KEY_LEN, UserState, UserStateApi, UserValue, UserValuePage, UserValuesQuery, check_user_key};
 
 use crate::BoxFuture;
 

@@ -1,7 +1,6 @@
 //! The values lifecycle hooks receive.
 
 use std::fmt;
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -223,39 +222,4 @@ pub struct ClientInfo {
     /// Client kind.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
-}
-
-/// What a runtime provides behind a [`UserState`].
-pub trait UserStateApi: Send + Sync {
-    /// The user's id.
-    fn user_id(&self) -> &str;
-}
-
-/// The user a user-scope hook runs against. Cheap to clone.
-#[derive(Clone)]
-pub struct UserState {
-    api: Arc<dyn UserStateApi>,
-}
-
-impl UserState {
-    /// Wraps a runtime's implementation.
-    pub fn new(api: Arc<dyn UserStateApi>) -> Self {
-        Self { api }
-    }
-
-    /// The user's id.
-    pub fn user_id(&self) -> &str {
-        self.api.user_id()
-    }
-
-    /// The runtime's implementation.
-    pub fn api(&self) -> &Arc<dyn UserStateApi> {
-        &self.api
-    }
-}
-
-impl fmt::Debug for UserState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("UserState").field(&self.user_id()).finish()
-    }
 }

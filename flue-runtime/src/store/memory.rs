@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use flue_core::BoxFuture;
+use flue_core::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 
 use super::attachments::{AttachmentPut, StoredAttachment, conflict};
 use super::{
@@ -24,6 +25,8 @@ struct Inner {
     instances: BTreeMap<InstanceKey, Instance>,
     /// Attachments by id, with the instance that owns each.
     attachments: HashMap<String, (InstanceKey, StoredAttachment)>,
+    /// User values by user, in key order.
+    user_values: HashMap<String, BTreeMap<String, (serde_json::Value, i64)>>,
 }
 
 #[derive(Default)]
@@ -495,5 +498,66 @@ impl Store for MemoryStore {
             .filter(|(owner, _)| owner == key)
             .map(|(_, stored)| stored.clone());
         ready(Ok(found))
+    }
+
+    fn user_value(&self, user_id: &str, key: &str) -> BoxFuture<'_, Result<Option<UserValue>, StoreError>> {
+        let inner = self.lock();
+        let found = inner
+            .user_values
+            .get(user_id)
+            .and_then(|values| values.get(key))
+            .map(|(value, updated_at)| UserValue {
+                key: key.to_owned(),
+                value: value.clone(),
+                updated_at: *updated_at,
+            });
+        ready(Ok(found))
+    }
+
+    fn set_user_value(
+        &self,
+        user_id: &str,
+        key: &str,
+        value: Option<serde_json::Value>,
+        updated_at: i64,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let mut inner = self.lock();
+        let values = inner.user_values.entry(user_id.to_owned()).or_default();
+        match value {
+            Some(value) => {
+                values.insert(key.to_owned(), (value, updated_at));
+            }
+            None => {
+                values.remove(key);
+            }
+        }
+        ready(Ok(()))
+    }
+
+    fn list_user_values(
+        &self,
+        user_id: &str,
+        query: &UserValuesQuery,
+    ) -> BoxFuture<'_, Result<UserValuePage, StoreError>> {
+        let inner = self.lock();
+        let matching: Vec<UserValue> = inner
+            .user_values
+            .get(user_id)
+            .into_iter()
+            .flat_map(|values| values.range(query.prefix.clone()..))
+            .take_while(|(key, _)| key.starts_with(&query.prefix))
+            .map(|(key, (value, updated_at))| UserValue {
+                key: key.clone(),
+                value: value.clone(),
+                updated_at: *updated_at,
+            })
+            .collect();
+        let total = matching.len();
+        let entries = matching
+            .into_iter()
+            .skip(query.offset)
+            .take(query.limit.unwrap_or(usize::MAX))
+            .collect();
+        ready(Ok(UserValuePage { entries, total }))
     }
 }

@@ -12,6 +12,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use flue_core::BoxFuture;
+use flue_core::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use flue_core::message::DeliveredMessage;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -503,6 +504,28 @@ pub trait Store: Send + Sync + 'static {
 
     /// The attachment `id` of the instance `key`; `None` when absent or another instance's.
     fn attachment(&self, key: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>>;
+
+    /// The user's value under `key` (`UserState::get_value`): shared by every thread of the
+    /// user, durable.
+    fn user_value(&self, user_id: &str, key: &str) -> BoxFuture<'_, Result<Option<UserValue>, StoreError>>;
+
+    /// Sets (`Some`) or deletes (`None`) the user's value under `key`, stamped `updated_at`
+    /// (milliseconds since the Unix epoch).
+    fn set_user_value(
+        &self,
+        user_id: &str,
+        key: &str,
+        value: Option<Value>,
+        updated_at: i64,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// The user's values whose keys start with `query.prefix`, in key order, paged, with the
+    /// number that match.
+    fn list_user_values(
+        &self,
+        user_id: &str,
+        query: &UserValuesQuery,
+    ) -> BoxFuture<'_, Result<UserValuePage, StoreError>>;
 
     /// Whether other processes may append to this store's streams (several runtime nodes on
     /// one database). Live readers then also poll, since only this node's appends wake them.

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction};
 use flue_core::BoxFuture;
+use flue_core::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use flue_core::message::DeliveredMessage;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{NoTls, Row};
@@ -51,7 +52,7 @@ const MAX_TRIES: u32 = 8;
 const CREATE_META: &str = "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)";
 
 /// The other tables, by name, with their indexes.
-const TABLES: [(&str, &str); 4] = [
+const TABLES: [(&str, &str); 5] = [
     (
         "flue_instances",
         "CREATE TABLE flue_instances (
@@ -119,6 +120,16 @@ const TABLES: [(&str, &str); 4] = [
             chunk INTEGER NOT NULL,
             bytes BYTEA NOT NULL,
             PRIMARY KEY (id, chunk)
+        )",
+    ),
+    (
+        "flue_user_values",
+        "CREATE TABLE flue_user_values (
+            user_id TEXT NOT NULL,
+            key TEXT COLLATE \"C\" NOT NULL,
+            value TEXT NOT NULL,
+            updated_at BIGINT NOT NULL,
+            PRIMARY KEY (user_id, key)
         )",
     ),
 ];
@@ -327,7 +338,8 @@ impl PostgresStore {
     ///
     /// On first use it stamps the schema with format version 1 and creates the store's tables
     /// (`flue_meta`, `flue_instances`, `flue_batches`, `flue_submissions`, `flue_attachments`,
-    /// `flue_attachment_chunks`; a table added to format 1 later is created when missing). A schema stamped
+    /// `flue_attachment_chunks`, `flue_user_values`; a table added to format 1 later is created
+    /// when missing). A schema stamped
     /// with the legacy `schema_version = "8"` is adopted in place; any other stamp, or `flue_*`
     /// tables without a stamp, is refused without changing anything
     /// ([`StoreError::FormatVersion`]).
@@ -1199,6 +1211,114 @@ impl Store for PostgresStore {
                 }))
             }
             .await
+            })
+        })
+    }
+
+    fn user_value(&self, user_id: &str, key: &str) -> BoxFuture<'_, Result<Option<UserValue>, StoreError>> {
+        let (user_id, key) = (user_id.to_owned(), key.to_owned());
+        Box::pin(async move {
+            in_transaction!(self, |tx| {
+                async {
+                    let statement = tx
+                        .prepare_cached(
+                            "SELECT value, updated_at FROM flue_user_values WHERE user_id = $1 AND key = $2",
+                        )
+                        .await?;
+                    let Some(row) = tx.query_opt(&statement, &[&user_id, &key]).await? else {
+                        return Ok::<_, Failure>(None);
+                    };
+                    let value: String = row.try_get(0)?;
+                    Ok(Some(UserValue {
+                        key: key.clone(),
+                        value: serde_json::from_str(&value).map_err(|_| corrupt(format_args!("user value {key:?}")))?,
+                        updated_at: row.try_get(1)?,
+                    }))
+                }
+                .await
+            })
+        })
+    }
+
+    fn set_user_value(
+        &self,
+        user_id: &str,
+        key: &str,
+        value: Option<serde_json::Value>,
+        updated_at: i64,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let (user_id, key) = (user_id.to_owned(), key.to_owned());
+        let value = value.map(|value| value.to_string());
+        Box::pin(async move {
+            in_transaction!(self, |tx| {
+                async {
+                    match &value {
+                        Some(value) => {
+                            let statement = tx
+                                .prepare_cached(
+                                    "INSERT INTO flue_user_values (user_id, key, value, updated_at) VALUES ($1, $2, $3, $4) \
+                                     ON CONFLICT (user_id, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+                                )
+                                .await?;
+                            tx.execute(&statement, &[&user_id, &key, value, &updated_at]).await?;
+                        }
+                        None => {
+                            let statement = tx
+                                .prepare_cached("DELETE FROM flue_user_values WHERE user_id = $1 AND key = $2")
+                                .await?;
+                            tx.execute(&statement, &[&user_id, &key]).await?;
+                        }
+                    }
+                    Ok::<_, Failure>(())
+                }
+                .await
+            })
+        })
+    }
+
+    fn list_user_values(
+        &self,
+        user_id: &str,
+        query: &UserValuesQuery,
+    ) -> BoxFuture<'_, Result<UserValuePage, StoreError>> {
+        let user_id = user_id.to_owned();
+        let prefix = query.prefix.clone();
+        let limit = query.limit.map(|limit| i64::try_from(limit).unwrap_or(i64::MAX));
+        let offset = i64::try_from(query.offset).unwrap_or(i64::MAX);
+        Box::pin(async move {
+            in_transaction!(self, |tx| {
+                async {
+                    // `starts_with` compares exactly (`LIKE` would treat `%` and `_` as wildcards);
+                    // keys sort bytewise (`COLLATE "C"`), as the other stores order them.
+                    let statement = tx
+                        .prepare_cached(
+                            "SELECT count(*) FROM flue_user_values WHERE user_id = $1 AND starts_with(key, $2)",
+                        )
+                        .await?;
+                    let total: i64 = tx.query_one(&statement, &[&user_id, &prefix]).await?.try_get(0)?;
+                    let statement = tx
+                        .prepare_cached(
+                            "SELECT key, value, updated_at FROM flue_user_values \
+                             WHERE user_id = $1 AND starts_with(key, $2) ORDER BY key LIMIT $3 OFFSET $4",
+                        )
+                        .await?;
+                    let mut entries = Vec::new();
+                    for row in tx.query(&statement, &[&user_id, &prefix, &limit, &offset]).await? {
+                        let key: String = row.try_get(0)?;
+                        let value: String = row.try_get(1)?;
+                        entries.push(UserValue {
+                            value: serde_json::from_str(&value)
+                                .map_err(|_| corrupt(format_args!("user value {key:?}")))?,
+                            key,
+                            updated_at: row.try_get(2)?,
+                        });
+                    }
+                    Ok::<_, Failure>(UserValuePage {
+                        entries,
+                        total: usize::try_from(total).unwrap_or(0),
+                    })
+                }
+                .await
             })
         })
     }

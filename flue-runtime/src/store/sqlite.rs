@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard};
 
 use flue_core::BoxFuture;
+use flue_core::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use serde_json::Value;
 
 use super::attachments::conflict;
 use super::{
@@ -153,8 +155,9 @@ CREATE TABLE flue_batches (
 );
 ";
 
-/// Attachments: what identifies each, and its bytes in chunks of at most
-/// [`ATTACHMENT_CHUNK_BYTES`]. Added to format 1 without changing it (created when missing).
+/// Attachments (what identifies each, and its bytes in chunks of at most
+/// [`ATTACHMENT_CHUNK_BYTES`]) and user values (by user, in key order). Added to format 1
+/// without changing it (created when missing).
 const ATTACHMENT_TABLES: &str = "
 CREATE TABLE IF NOT EXISTS flue_attachments (
     id TEXT PRIMARY KEY,
@@ -170,6 +173,13 @@ CREATE TABLE IF NOT EXISTS flue_attachment_chunks (
     bytes BLOB NOT NULL,
     PRIMARY KEY (id, chunk)
 );
+CREATE TABLE IF NOT EXISTS flue_user_values (
+    user_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (user_id, key)
+) WITHOUT ROWID;
 ";
 
 /// The ledger's one index (created once its table has its final name).
@@ -923,6 +933,102 @@ impl Store for SqliteStore {
                 digest,
                 bytes,
             }))
+        }))
+    }
+
+    fn user_value(&self, user_id: &str, key: &str) -> BoxFuture<'_, Result<Option<UserValue>, StoreError>> {
+        ready(self.read_transaction(|tx| {
+            tx.prepare_cached("SELECT value, updated_at FROM flue_user_values WHERE user_id = ?1 AND key = ?2")
+                .map_err(sql)?
+                .query_row(params![user_id, key], |row| {
+                    Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+                })
+                .optional()
+                .map_err(sql)?
+                .map(|(value, updated_at)| {
+                    Ok(UserValue {
+                        key: key.to_owned(),
+                        value: serde_json::from_str(&value).map_err(|error| StoreError::Other(error.to_string()))?,
+                        updated_at,
+                    })
+                })
+                .transpose()
+        }))
+    }
+
+    fn set_user_value(
+        &self,
+        user_id: &str,
+        key: &str,
+        value: Option<Value>,
+        updated_at: i64,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        ready(self.transaction(|tx| {
+            match value {
+                Some(value) => tx
+                    .prepare_cached(
+                        "INSERT INTO flue_user_values (user_id, key, value, updated_at) VALUES (?1, ?2, ?3, ?4) \
+                         ON CONFLICT (user_id, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+                    )
+                    .map_err(sql)?
+                    .execute(params![user_id, key, value.to_string(), updated_at])
+                    .map_err(sql)?,
+                None => tx
+                    .prepare_cached("DELETE FROM flue_user_values WHERE user_id = ?1 AND key = ?2")
+                    .map_err(sql)?
+                    .execute(params![user_id, key])
+                    .map_err(sql)?,
+            };
+            Ok(())
+        }))
+    }
+
+    fn list_user_values(
+        &self,
+        user_id: &str,
+        query: &UserValuesQuery,
+    ) -> BoxFuture<'_, Result<UserValuePage, StoreError>> {
+        let limit = query.limit.map_or(-1, |limit| i64::try_from(limit).unwrap_or(i64::MAX));
+        let offset = i64::try_from(query.offset).unwrap_or(i64::MAX);
+        let prefix = query.prefix.as_str();
+        ready(self.read_transaction(|tx| {
+            // `substr` compares characters exactly (`LIKE` would treat `%` and `_` in the prefix
+            // as wildcards and ignore case).
+            let total: i64 = tx
+                .prepare_cached(
+                    "SELECT count(*) FROM flue_user_values WHERE user_id = ?1 AND substr(key, 1, length(?2)) = ?2",
+                )
+                .map_err(sql)?
+                .query_row(params![user_id, prefix], |row| row.get(0))
+                .map_err(sql)?;
+            let mut statement = tx
+                .prepare_cached(
+                    "SELECT key, value, updated_at FROM flue_user_values \
+                     WHERE user_id = ?1 AND substr(key, 1, length(?2)) = ?2 ORDER BY key LIMIT ?3 OFFSET ?4",
+                )
+                .map_err(sql)?;
+            let rows = statement
+                .query_map(params![user_id, prefix, limit, offset], |row| {
+                    Ok((
+                        row.get::<_, String>(0)?,
+                        row.get::<_, String>(1)?,
+                        row.get::<_, i64>(2)?,
+                    ))
+                })
+                .map_err(sql)?;
+            let mut entries = Vec::new();
+            for row in rows {
+                let (key, value, updated_at) = row.map_err(sql)?;
+                entries.push(UserValue {
+                    key,
+                    value: serde_json::from_str(&value).map_err(|error| StoreError::Other(error.to_string()))?,
+                    updated_at,
+                });
+            }
+            Ok(UserValuePage {
+                entries,
+                total: usize::try_from(total).unwrap_or(0),
+            })
         }))
     }
 }

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use flue_runtime::lifecycle::UserValuesQuery;
 use flue_runtime::message::DeliveredMessage;
 use flue_runtime::record::{Outcome, Record, RecordBody, SettlementError};
 use flue_runtime::store::{
@@ -88,6 +89,9 @@ macro_rules! store_contract {
                     throws_attachment_integrity_when_declared_digest_differs_from_decoded_bytes,
                     returns_null_when_a_different_conversation_requests_an_existing_attachment,
                     returns_an_independent_byte_copy_when_stored_or_returned_arrays_are_mutated,
+                    round_trips_a_user_value_and_deletes_it,
+                    lists_user_values_by_literal_prefix_in_key_order_with_the_total,
+                    keeps_each_users_values_apart,
                 ]
             );
         }
@@ -1309,4 +1313,101 @@ pub async fn returns_an_independent_byte_copy_when_stored_or_returned_arrays_are
     first.bytes[1] = 42;
     let second = store.attachment(&conversation(), "att-1").await.unwrap().unwrap();
     assert_eq!(second.bytes, [1, 2, 3]);
+}
+
+// ---- user values (UserState; not in the reference's store checklists) --------------------------
+
+/// A user id no other case (or run sharing the database) uses.
+fn user_id(name: &str) -> String {
+    format!("{name}-{}", new_user_suffix())
+}
+
+fn new_user_suffix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{}-{}-{}",
+        std::process::id(),
+        now_ms(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub async fn round_trips_a_user_value_and_deletes_it(store: Factory) {
+    let user = user_id("ada");
+    assert_eq!(store.user_value(&user, "theme").await.unwrap(), None);
+    let value = serde_json::json!({"mode": "dark", "size": [1, 2]});
+    store
+        .set_user_value(&user, "theme", Some(value.clone()), 1_000)
+        .await
+        .unwrap();
+    let stored = store.user_value(&user, "theme").await.unwrap().unwrap();
+    assert_eq!(
+        (stored.key.as_str(), &stored.value, stored.updated_at),
+        ("theme", &value, 1_000)
+    );
+    store
+        .set_user_value(&user, "theme", Some(serde_json::json!("light")), 2_000)
+        .await
+        .unwrap();
+    let stored = store.user_value(&user, "theme").await.unwrap().unwrap();
+    assert_eq!((stored.value, stored.updated_at), (serde_json::json!("light"), 2_000));
+    store.set_user_value(&user, "theme", None, 3_000).await.unwrap();
+    assert_eq!(store.user_value(&user, "theme").await.unwrap(), None);
+    // Deleting what is absent is not an error.
+    store.set_user_value(&user, "theme", None, 4_000).await.unwrap();
+}
+
+pub async fn lists_user_values_by_literal_prefix_in_key_order_with_the_total(store: Factory) {
+    let user = user_id("grace");
+    for (at, key) in ["pref:b", "pref:a", "pref%x", "pref_y", "other", "pref:c"]
+        .into_iter()
+        .enumerate()
+    {
+        store
+            .set_user_value(&user, key, Some(serde_json::json!(at)), at as i64)
+            .await
+            .unwrap();
+    }
+    let page = |prefix: &str, limit: Option<usize>, offset: usize| UserValuesQuery {
+        prefix: prefix.to_owned(),
+        limit,
+        offset,
+    };
+    let all = store.list_user_values(&user, &page("pref:", None, 0)).await.unwrap();
+    let keys: Vec<&str> = all.entries.iter().map(|entry| entry.key.as_str()).collect();
+    assert_eq!((keys, all.total), (vec!["pref:a", "pref:b", "pref:c"], 3));
+    let second = store.list_user_values(&user, &page("pref:", Some(1), 1)).await.unwrap();
+    assert_eq!(second.entries.len(), 1);
+    assert_eq!((second.entries[0].key.as_str(), second.total), ("pref:b", 3));
+    // `%` and `_` are characters, not wildcards.
+    let literal = store.list_user_values(&user, &page("pref%", None, 0)).await.unwrap();
+    assert_eq!(
+        literal
+            .entries
+            .iter()
+            .map(|entry| entry.key.as_str())
+            .collect::<Vec<_>>(),
+        ["pref%x"]
+    );
+    let everything = store.list_user_values(&user, &page("", None, 0)).await.unwrap();
+    assert_eq!(everything.total, 6);
+    assert_eq!(
+        everything.entries.first().map(|entry| entry.key.as_str()),
+        Some("other")
+    );
+}
+
+pub async fn keeps_each_users_values_apart(store: Factory) {
+    let (first, second) = (user_id("first"), user_id("second"));
+    store
+        .set_user_value(&first, "k", Some(serde_json::json!(1)), 1)
+        .await
+        .unwrap();
+    assert_eq!(store.user_value(&second, "k").await.unwrap(), None);
+    let listed = store
+        .list_user_values(&second, &UserValuesQuery::default())
+        .await
+        .unwrap();
+    assert_eq!(listed.total, 0);
 }
