@@ -120,6 +120,7 @@ impl Default for RuntimeOptions {
 /// Builds a [`Runtime`].
 pub struct RuntimeBuilder {
     agents: Vec<AgentRef>,
+    user_hooks: Vec<flue_core::lifecycle::UserHook>,
     providers: ProviderRegistry,
     store: Option<Arc<dyn Store>>,
     options: RuntimeOptions,
@@ -129,6 +130,14 @@ impl RuntimeBuilder {
     /// Registers an agent.
     pub fn agent(mut self, agent: impl Into<AgentRef>) -> Self {
         self.agents.push(agent.into());
+        self
+    }
+
+    /// Registers a user-scope lifecycle hook (`user_value_changed`, `user_client_attached`,
+    /// `user_client_detached`): every registered hook of a kind runs for every user, in
+    /// registration order; no agent selects them.
+    pub fn user_hook(mut self, hook: flue_core::lifecycle::UserHook) -> Self {
+        self.user_hooks.push(hook);
         self
     }
 
@@ -189,7 +198,17 @@ impl RuntimeBuilder {
                 }
             }
         }
+        let user_hooks = crate::lifecycle::user::unique_user_hooks(self.user_hooks).map_err(RuntimeError::Build)?;
+        if let Some(clash) = user_hooks.iter().find(|hook| hook_ids.contains_key(hook.id())) {
+            return Err(RuntimeError::Build(format!(
+                "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
+                clash.id(),
+                hook_ids[clash.id()].kind(),
+                clash.kind()
+            )));
+        }
         let (events, _) = broadcast::channel(4096);
+        let (user_events, _) = broadcast::channel(1024);
         let inner = Arc::new(RuntimeInner {
             agents,
             providers: self.providers,
@@ -203,6 +222,9 @@ impl RuntimeBuilder {
             shutting_down: AtomicBool::new(false),
             owner_id: new_id("owner"),
             background: AtomicBool::new(false),
+            user_hooks,
+            user_chains: crate::lifecycle::user::UserChains::default(),
+            user_events,
         });
         Ok(Runtime { inner })
     }
@@ -225,6 +247,12 @@ pub(crate) struct RuntimeInner {
     pub(crate) owner_id: String,
     /// Whether the heartbeat and lease scan run.
     background: AtomicBool,
+    /// The user-scope hooks, in registration order.
+    pub(crate) user_hooks: Vec<flue_core::lifecycle::UserHook>,
+    /// Their per-user queues.
+    pub(crate) user_chains: crate::lifecycle::user::UserChains,
+    /// `UserState::emit` events, for the user event streams.
+    pub(crate) user_events: broadcast::Sender<crate::lifecycle::UserEvent>,
 }
 
 impl RuntimeInner {
@@ -643,6 +671,7 @@ impl Runtime {
     pub fn builder() -> RuntimeBuilder {
         RuntimeBuilder {
             agents: Vec::new(),
+            user_hooks: Vec::new(),
             providers: ProviderRegistry::with_defaults(),
             store: None,
             options: RuntimeOptions::default(),
@@ -718,6 +747,30 @@ impl Runtime {
     /// Live events of every instance, in the order they happen. Live only: no replay.
     pub fn observe(&self) -> broadcast::Receiver<Observation> {
         self.inner.events.subscribe()
+    }
+
+    /// The user `user_id`: values shared by every thread of the user (durable, in the store),
+    /// and `emit` to the user's connected clients. Setting a value runs the registered
+    /// `user_value_changed` hooks in the background.
+    pub fn user(&self, user_id: &str) -> flue_core::lifecycle::UserState {
+        crate::lifecycle::user::user_state(&self.inner, user_id, true)
+    }
+
+    /// Live `UserState::emit` events of every user. Live only: no replay.
+    pub fn observe_users(&self) -> broadcast::Receiver<crate::lifecycle::UserEvent> {
+        self.inner.user_events.subscribe()
+    }
+
+    /// Tells the runtime a client connected to (`attached`) or disconnected from the user's
+    /// event stream: the `user_client_attached` / `user_client_detached` hooks run in the
+    /// background. The HTTP user stream calls it; call it from your own transport.
+    pub fn user_client(&self, user_id: &str, client: flue_core::lifecycle::ClientInfo, attached: bool) {
+        let event = if attached {
+            crate::lifecycle::user::UserHookEvent::ClientAttached(client)
+        } else {
+            crate::lifecycle::user::UserHookEvent::ClientDetached(client)
+        };
+        crate::lifecycle::user::dispatch(&self.inner, user_id, event);
     }
 
     /// The store.

@@ -145,6 +145,32 @@ impl Store for FaultyStore {
     ) -> BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, StoreError>> {
         self.inner.attachment(key, id)
     }
+
+    fn user_value(
+        &self,
+        user_id: &str,
+        key: &str,
+    ) -> BoxFuture<'_, Result<Option<flue_runtime::lifecycle::UserValue>, StoreError>> {
+        self.inner.user_value(user_id, key)
+    }
+
+    fn set_user_value(
+        &self,
+        user_id: &str,
+        key: &str,
+        value: Option<serde_json::Value>,
+        updated_at: i64,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.set_user_value(user_id, key, value, updated_at)
+    }
+
+    fn list_user_values(
+        &self,
+        user_id: &str,
+        query: &flue_runtime::lifecycle::UserValuesQuery,
+    ) -> BoxFuture<'_, Result<flue_runtime::lifecycle::UserValuePage, StoreError>> {
+        self.inner.list_user_values(user_id, query)
+    }
 }
 
 fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {

@@ -130,6 +130,25 @@ fn curator() -> &'static str {
     "You keep the history tidy."
 }
 
+static CLIENTS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+#[hook(user_client_attached)]
+async fn client_attached(user: &UserState, client: &ClientInfo) {
+    CLIENTS
+        .lock()
+        .unwrap()
+        .push(format!("{} + {} {:?}", user.user_id(), client.id, client.kind));
+    user.emit("welcome", json!({"client": client.id}));
+}
+
+#[hook(user_client_detached)]
+async fn client_detached(user: &UserState, client: &ClientInfo) {
+    CLIENTS
+        .lock()
+        .unwrap()
+        .push(format!("{} - {}", user.user_id(), client.id));
+}
+
 struct Server {
     runtime: Runtime,
     root: String,
@@ -154,6 +173,8 @@ impl Server {
             .agent(mail_agent)
             .agent(planner)
             .agent(curator)
+            .user_hook(client_attached)
+            .user_hook(client_detached)
             .options(RuntimeOptions {
                 model_retry_delay: Duration::from_millis(1),
                 ..RuntimeOptions::default()
@@ -1812,4 +1833,96 @@ async fn wait_settled(server: &Server, base: &str, id: &str, count: usize) -> Va
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("{count} submissions of {id} did not settle");
+}
+
+#[tokio::test]
+async fn a_user_stream_says_ready_carries_that_users_events_and_runs_the_attach_and_detach_hooks() {
+    let server = Server::start().await;
+    let url = format!("{}/users/u-7/events?client_id=tab-1&client_kind=web", server.root);
+    let response = server.client.get(&url).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(header(response.headers(), "content-type"), "text/event-stream");
+    assert_security_headers(response.headers());
+    let runtime = server.runtime.clone();
+    let reader = tokio::spawn(sse_frames(response, |frames| {
+        frames.iter().any(|(_, data)| data.contains("\"notice\""))
+    }));
+    // The attach hook's own emit arrives, then what the application emits for this user only.
+    for _ in 0..500 {
+        if CLIENTS
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|line| line.starts_with("u-7 + tab-1"))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    runtime.user("someone-else").emit("notice", json!({"n": 0}));
+    runtime.user("u-7").emit("notice", json!({"n": 1}));
+    let frames: Vec<Value> = reader
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|(event, _)| !event.starts_with(':'))
+        .map(|(_, data)| serde_json::from_str(&data).unwrap())
+        .collect();
+    assert_eq!(
+        frames,
+        [
+            json!({"event": "stream_ready", "data": {"client_id": "tab-1"}}),
+            json!({"event": "welcome", "data": {"client": "tab-1"}}),
+            json!({"event": "notice", "data": {"n": 1}}),
+        ]
+    );
+    // The reader dropped the connection: the detach hook runs.
+    for _ in 0..500 {
+        if CLIENTS.lock().unwrap().iter().any(|line| line == "u-7 - tab-1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let clients = CLIENTS.lock().unwrap().clone();
+    assert!(clients.contains(&"u-7 + tab-1 Some(\"web\")".to_owned()), "{clients:?}");
+    assert!(clients.contains(&"u-7 - tab-1".to_owned()), "{clients:?}");
+}
+
+#[tokio::test]
+async fn a_user_token_reaches_its_own_user_stream_and_instances_and_nothing_else() {
+    use flue_runtime::http::{Access, BearerTokens};
+    let tokens = BearerTokens::new()
+        .allow("u7-token", Access::User("u-7".into()))
+        .allow("instance-token", Access::instances("calculator", ["c1"]));
+    let server = Server::start_with(HttpOptions::default().authorized_by(tokens)).await;
+    let get = |path: String, token: &'static str| {
+        let request = server.client.get(format!("{}{path}", server.root)).bearer_auth(token);
+        async move { request.send().await.unwrap() }
+    };
+    let own = get("/users/u-7/events".into(), "u7-token").await;
+    assert_eq!(own.status().as_u16(), 200);
+    drop(own);
+    assert_error(get("/users/u-8/events".into(), "u7-token").await, 403, "forbidden").await;
+    assert_error(
+        get("/users/u-7/events".into(), "instance-token").await,
+        403,
+        "forbidden",
+    )
+    .await;
+    let unauthenticated = server
+        .client
+        .get(format!("{}/users/u-7/events", server.root))
+        .send()
+        .await
+        .unwrap();
+    assert_error(unauthenticated, 401, "unauthorized").await;
+    // The user's namespace of instances: `u-7:…`.
+    let instance = get("/agents/calculator/u-7:notes".into(), "u7-token").await;
+    assert_eq!(instance.status().as_u16(), 404, "reached (not found yet), not refused");
+    assert_error(
+        get("/agents/calculator/u-8:notes".into(), "u7-token").await,
+        403,
+        "forbidden",
+    )
+    .await;
 }

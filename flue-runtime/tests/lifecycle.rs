@@ -1244,3 +1244,124 @@ fn item_03_two_hooks_sharing_an_id_are_refused_when_the_runtime_is_built() {
         "{text}"
     );
 }
+
+// ---- user scope (items 73–76) -----------------------------------------------------------------
+
+static USER_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(user_value_changed)]
+async fn mirror_theme(user: &UserState, key: &str) -> Result<(), HookError> {
+    let value = user
+        .get_value(key)
+        .await
+        .map_err(|error| HookError::new(error.to_string()))?;
+    USER_LOG
+        .lock()
+        .unwrap()
+        .push(format!("{} changed {key} to {value:?}", user.user_id()));
+    if key == "theme" {
+        // A write from the hook does not fire the hooks again.
+        user.set_value("theme_mirror", value)
+            .await
+            .map_err(|error| HookError::new(error.to_string()))?;
+    }
+    Err(HookError::new("the audit log is unreachable"))
+}
+
+#[hook(user_client_attached)]
+async fn greet_client(user: &UserState, client: &ClientInfo) {
+    USER_LOG
+        .lock()
+        .unwrap()
+        .push(format!("{} attached {} {:?}", user.user_id(), client.id, client.kind));
+}
+
+#[hook(user_client_detached)]
+async fn forget_client(user: &UserState, client: &ClientInfo) {
+    USER_LOG
+        .lock()
+        .unwrap()
+        .push(format!("{} detached {}", user.user_id(), client.id));
+}
+
+async fn user_log_reaches(count: usize) -> Vec<String> {
+    for _ in 0..500 {
+        let log = USER_LOG.lock().unwrap().clone();
+        if log.len() >= count {
+            return log;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    panic!("the user hooks did not run: {:?}", USER_LOG.lock().unwrap());
+}
+
+#[tokio::test]
+async fn items_73_74_75_76_user_hooks_run_for_every_user_without_recursion_and_their_errors_stay_in_the_log() {
+    let logs = capture_logs();
+    let model = ScriptedModel::new([]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model);
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .user_hook(mirror_theme)
+        .user_hook(greet_client)
+        .user_hook(forget_client)
+        .build()
+        .unwrap();
+    let user = runtime.user("u-1");
+    // Item 76: the hook's error does not reach the write.
+    user.set_value("theme", Some(json!("dark"))).await.unwrap();
+    // The hooks run in the background and see the key (they read the value when they run).
+    user_log_reaches(1).await;
+    assert_eq!(user.get_value("theme_mirror").await.unwrap(), Some(json!("dark")));
+    user.set_value("theme", None).await.unwrap();
+    runtime.user_client(
+        "u-1",
+        ClientInfo {
+            id: "c-9".into(),
+            kind: Some("web".into()),
+        },
+        true,
+    );
+    runtime.user_client(
+        "u-1",
+        ClientInfo {
+            id: "c-9".into(),
+            kind: None,
+        },
+        false,
+    );
+    let log = user_log_reaches(4).await;
+    assert_eq!(
+        log,
+        [
+            "u-1 changed theme to Some(String(\"dark\"))",
+            "u-1 changed theme to None",
+            "u-1 attached c-9 Some(\"web\")",
+            "u-1 detached c-9",
+        ],
+        "in order, once each: the mirror writes fired nothing"
+    );
+    assert_eq!(
+        user.get_value("theme_mirror").await.unwrap(),
+        None,
+        "mirrored, then deleted"
+    );
+    assert_eq!(
+        logs.lines("the audit log is unreachable"),
+        [
+            "[Hooks] ✗ Error running user_value_changed hook: the audit log is unreachable",
+            "[Hooks] ✗ Error running user_value_changed hook: the audit log is unreachable",
+        ]
+    );
+    let page = user
+        .list_values(flue_runtime::lifecycle::UserValuesQuery::default())
+        .await
+        .unwrap();
+    assert_eq!(page.total, 0);
+    assert!(matches!(
+        user.set_value("", Some(json!(1))).await,
+        Err(ThreadError::Invalid(_))
+    ));
+}

@@ -178,6 +178,14 @@ impl ThreadHook {
     }
 }
 
+impl PartialEq for UserHook {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self.0, other.0)
+    }
+}
+
+impl Eq for UserHook {}
+
 impl PartialEq for ThreadHook {
     fn eq(&self, other: &Self) -> bool {
         std::ptr::eq(self.0, other.0)

@@ -24,8 +24,10 @@ pub struct AccessRequest<'a> {
     pub headers: &'a HeaderMap,
     /// The agent addressed; `None` for the catalog.
     pub agent: Option<&'a str>,
-    /// The instance addressed; `None` for the catalog.
+    /// The instance addressed; `None` for the catalog and user routes.
     pub instance_id: Option<&'a str>,
+    /// The user addressed (`/users/:userId/events`); `None` elsewhere.
+    pub user_id: Option<&'a str>,
 }
 
 /// Why a request is refused.
@@ -65,6 +67,9 @@ pub enum Access {
     /// Instances of any agent whose id starts with this prefix (a user's namespace, e.g.
     /// `user-42:`), and the catalog.
     IdPrefix(String),
+    /// The user's event stream (`/users/<id>/events`) and instances whose id starts with
+    /// `<id>:`, and the catalog.
+    User(String),
 }
 
 impl Access {
@@ -73,8 +78,15 @@ impl Access {
         Self::Instances(ids.into_iter().map(|id| (agent.to_owned(), id.into())).collect())
     }
 
-    fn reaches(&self, agent: Option<&str>, instance_id: Option<&str>) -> bool {
-        let (Some(agent), Some(id)) = (agent, instance_id) else {
+    fn reaches(&self, request: &AccessRequest<'_>) -> bool {
+        if let Some(user_id) = request.user_id {
+            return match self {
+                Self::All => true,
+                Self::User(user) => user == user_id,
+                Self::Instances(_) | Self::IdPrefix(_) => false,
+            };
+        }
+        let (Some(agent), Some(id)) = (request.agent, request.instance_id) else {
             // The catalog: any valid token.
             return true;
         };
@@ -82,6 +94,7 @@ impl Access {
             Self::All => true,
             Self::Instances(instances) => instances.contains(&(agent.to_owned(), id.to_owned())),
             Self::IdPrefix(prefix) => id.starts_with(prefix.as_str()),
+            Self::User(user) => id.strip_prefix(user.as_str()).is_some_and(|rest| rest.starts_with(':')),
         }
     }
 }
@@ -136,12 +149,13 @@ impl Authorize for BearerTokens {
                 .tokens
                 .get(&digest(token))
                 .ok_or_else(|| Denied::Unauthenticated("The bearer token is not valid.".into()))?;
-            if access.reaches(request.agent, request.instance_id) {
+            if access.reaches(&request) {
                 Ok(())
             } else {
-                Err(Denied::Forbidden(
-                    "This token does not give access to this agent instance.".into(),
-                ))
+                Err(Denied::Forbidden(match request.user_id {
+                    Some(_) => "This token does not give access to this user.".into(),
+                    None => "This token does not give access to this agent instance.".into(),
+                }))
             }
         })();
         Box::pin(async move { result })

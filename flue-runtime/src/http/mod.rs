@@ -35,6 +35,7 @@ mod feed;
 mod projection;
 mod reads;
 mod thread_events;
+mod user_events;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -159,8 +160,19 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
         .fallback(not_allowed("GET, HEAD"))
         .route_layer(axum::middleware::from_fn(move |request: Request, next: Next| {
             let options = guard_options.clone();
-            async move { guard(&options, None, None, request, next).await }
+            async move { guard(&options, None, None, None, request, next).await }
         })),
+    );
+    let users = user_events::UserRoutes {
+        runtime: runtime.inner().clone(),
+        options: options.clone(),
+    };
+    app = app.route(
+        "/users/{user_id}/events",
+        get(user_events::get_user_events)
+            .fallback(not_allowed("GET, HEAD"))
+            .route_layer(axum::middleware::from_fn_with_state(users.clone(), guard_user))
+            .with_state(users),
     );
     for name in runtime.agent_names() {
         app = app
@@ -221,13 +233,28 @@ async fn guard_instance(
 ) -> Response {
     let id = params.ok().and_then(|Path(mut params)| params.remove("id"));
     let agent = routes.agent.clone();
-    guard(&routes.options, Some(&agent), id.as_deref(), request, next).await
+    guard(&routes.options, Some(&agent), id.as_deref(), None, request, next).await
+}
+
+/// Asks the authorization callback (when there is one) before a user route runs.
+async fn guard_user(
+    State(routes): State<user_events::UserRoutes>,
+    params: Result<Path<std::collections::HashMap<String, String>>, PathRejection>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let user_id = params
+        .ok()
+        .and_then(|Path(mut params)| params.remove("user_id"))
+        .unwrap_or_default();
+    guard(&routes.options, None, None, Some(&user_id), request, next).await
 }
 
 async fn guard(
     options: &HttpOptions,
     agent: Option<&str>,
     instance_id: Option<&str>,
+    user_id: Option<&str>,
     request: Request,
     next: Next,
 ) -> Response {
@@ -238,6 +265,7 @@ async fn guard(
             headers: request.headers(),
             agent,
             instance_id,
+            user_id,
         };
         match authorization.authorize(access).await {
             Ok(()) => {}

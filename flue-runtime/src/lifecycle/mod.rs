@@ -18,6 +18,9 @@
 pub(crate) mod chain;
 pub(crate) mod llm;
 pub(crate) mod thread;
+pub(crate) mod user;
+
+pub use user::UserEvent;
 
 pub use flue_core::lifecycle::*;
 

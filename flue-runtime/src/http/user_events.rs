@@ -1,0 +1,119 @@
+//! `GET /users/:userId/events`: a user's live event stream over SSE. The first frame is
+//! `{"event":"stream_ready","data":{"client_id"}}`; then every `UserState::emit` of that user
+//! as `{"event","data"}`, with heartbeat comments. Connecting runs the `user_client_attached`
+//! hooks and disconnecting the `user_client_detached` hooks, with `{id, kind}` from the
+//! `client_id` (a fresh id when absent) and `client_kind` query parameters. Live only, at most
+//! once: a reader that falls behind skips what it missed.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderValue, header};
+use axum::response::Response;
+use flue_core::lifecycle::ClientInfo;
+use serde_json::json;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::time::Instant;
+
+use super::HttpOptions;
+use super::error::ApiError;
+use crate::lifecycle::user::{UserHookEvent, dispatch};
+use crate::record::new_id;
+use crate::runtime::RuntimeInner;
+
+/// The longest client id or kind accepted.
+const MAX_CLIENT_FIELD: usize = 256;
+
+#[derive(Clone)]
+pub(super) struct UserRoutes {
+    pub(super) runtime: Arc<RuntimeInner>,
+    pub(super) options: Arc<HttpOptions>,
+}
+
+/// Runs `user_client_detached` when the response body (the connection) is dropped.
+struct Attached {
+    runtime: Arc<RuntimeInner>,
+    user_id: String,
+    client: ClientInfo,
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        let event = UserHookEvent::ClientDetached(self.client.clone());
+        dispatch(&self.runtime, &self.user_id, event);
+    }
+}
+
+fn client_field(query: &mut HashMap<String, String>, name: &str) -> Result<Option<String>, ApiError> {
+    match query.remove(name) {
+        Some(value) if value.trim().is_empty() => Ok(None),
+        Some(value) if value.chars().count() > MAX_CLIENT_FIELD || value.chars().any(char::is_control) => {
+            Err(ApiError::invalid_request(format!(
+                "The {name} parameter must be at most {MAX_CLIENT_FIELD} printable characters."
+            )))
+        }
+        other => Ok(other),
+    }
+}
+
+/// `GET /users/:userId/events`.
+pub(super) async fn get_user_events(
+    State(routes): State<UserRoutes>,
+    user_id: Result<Path<String>, PathRejection>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, ApiError> {
+    let mut query: HashMap<String, String> = super::reads::pairs(query.as_deref()).collect();
+    let Path(user_id) = user_id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    if user_id.trim().is_empty() || flue_core::lifecycle::check_user_key(&user_id).is_err() {
+        return Err(ApiError::invalid_request(
+            "User URLs need a user id of 1 to 512 characters.",
+        ));
+    }
+    let client = ClientInfo {
+        id: client_field(&mut query, "client_id")?.unwrap_or_else(|| new_id("client")),
+        kind: client_field(&mut query, "client_kind")?,
+    };
+    // Subscribed before the hooks hear of the client: nothing it emits in reply is missed.
+    let events = routes.runtime.user_events.subscribe();
+    dispatch(&routes.runtime, &user_id, UserHookEvent::ClientAttached(client.clone()));
+    let ready = json!({"event": "stream_ready", "data": {"client_id": client.id}});
+    let attached = Attached {
+        runtime: routes.runtime.clone(),
+        user_id: user_id.clone(),
+        client,
+    };
+    let heartbeat = routes.options.heartbeat;
+    let first = Bytes::from(format!("data:{ready}\n\n"));
+    let state = (events, attached, Instant::now() + heartbeat, Some(first));
+    let body = futures_util::stream::unfold(state, move |(mut events, attached, mut beat, first)| async move {
+        if let Some(first) = first {
+            return Some((Ok::<_, Infallible>(first), (events, attached, beat, None)));
+        }
+        loop {
+            let frame = match tokio::time::timeout_at(beat, events.recv()).await {
+                Err(_) => {
+                    beat = Instant::now() + heartbeat;
+                    ": heartbeat\n\n".to_owned()
+                }
+                Ok(Ok(event)) => {
+                    if *event.user_id != *attached.user_id {
+                        continue;
+                    }
+                    format!("data:{}\n\n", json!({"event": event.event, "data": event.data}))
+                }
+                Ok(Err(RecvError::Lagged(_))) => continue,
+                Ok(Err(RecvError::Closed)) => return None,
+            };
+            return Some((Ok(Bytes::from(frame)), (events, attached, beat, None)));
+        }
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    Ok(response)
+}

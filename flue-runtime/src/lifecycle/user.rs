@@ -1,0 +1,246 @@
+//! User scope: the runtime's `UserState` (values in the store, shared by every thread of the
+//! user; a live event channel) and the user-scope hooks (`user_value_changed`,
+//! `user_client_attached`, `user_client_detached`).
+//!
+//! User-scope hooks need no selection: every one registered with the runtime
+//! ([`RuntimeBuilder::user_hook`](crate::RuntimeBuilder::user_hook)) runs. They run in the
+//! background, one at a time per user in the order their events happened (a per-user queue
+//! with its own worker), and their errors are logged, never returned to the operation that
+//! caused them. A value written from inside a `user_value_changed` hook does not fire the
+//! hooks again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use flue_core::BoxFuture;
+use flue_core::lifecycle::{
+    ClientInfo, HookKind, ThreadError, UserHook, UserHookHandler, UserState, UserStateApi, UserValuePage,
+    UserValuesQuery, check_user_key,
+};
+use futures_util::FutureExt;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use super::chain::log_failure;
+use crate::runtime::RuntimeInner;
+
+/// An event sent with `UserState::emit`, for the user's connected clients.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UserEvent {
+    /// The user.
+    pub user_id: Arc<str>,
+    /// The event's name.
+    pub event: String,
+    /// Its data.
+    pub data: Value,
+}
+
+/// What starts the user-scope hooks.
+#[derive(Clone, Debug)]
+pub(crate) enum UserHookEvent {
+    /// A value was set or deleted.
+    ValueChanged(String),
+    /// A client connected to the user's event stream.
+    ClientAttached(ClientInfo),
+    /// It disconnected.
+    ClientDetached(ClientInfo),
+}
+
+impl UserHookEvent {
+    fn kind(&self) -> HookKind {
+        match self {
+            Self::ValueChanged(_) => HookKind::UserValueChanged,
+            Self::ClientAttached(_) => HookKind::UserClientAttached,
+            Self::ClientDetached(_) => HookKind::UserClientDetached,
+        }
+    }
+}
+
+/// The per-user queues of hook events, each drained by one worker while it has work.
+#[derive(Default)]
+pub(crate) struct UserChains {
+    queues: Mutex<HashMap<String, mpsc::UnboundedSender<UserHookEvent>>>,
+}
+
+/// Queues `event` for `user_id`'s hooks (nothing when no hook of its kind is registered).
+pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHookEvent) {
+    let kind = event.kind();
+    if !runtime.user_hooks.iter().any(|hook| hook.kind() == kind) {
+        return;
+    }
+    let mut queues = runtime
+        .user_chains
+        .queues
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let event = match queues.get(user_id) {
+        Some(queue) => match queue.send(event) {
+            Ok(()) => return,
+            Err(mpsc::error::SendError(event)) => event,
+        },
+        None => event,
+    };
+    let (queue, events) = mpsc::unbounded_channel();
+    let _ = queue.send(event);
+    queues.insert(user_id.to_owned(), queue);
+    drop(queues);
+    tokio::spawn(drain(Arc::downgrade(runtime), user_id.to_owned(), events));
+}
+
+/// Runs a user's queued hook events in order; ends (and forgets the queue) once it is empty.
+async fn drain(runtime: Weak<RuntimeInner>, user_id: String, mut events: mpsc::UnboundedReceiver<UserHookEvent>) {
+    loop {
+        let event = match events.try_recv() {
+            Ok(event) => event,
+            Err(_) => {
+                let Some(runtime) = runtime.upgrade() else { return };
+                let mut queues = runtime
+                    .user_chains
+                    .queues
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                // Checked under the lock senders take: nothing can arrive after this.
+                match events.try_recv() {
+                    Ok(event) => event,
+                    Err(_) => {
+                        queues.remove(&user_id);
+                        return;
+                    }
+                }
+            }
+        };
+        let Some(runtime) = runtime.upgrade() else { return };
+        run_hooks(&runtime, &user_id, &event).await;
+    }
+}
+
+async fn run_hooks(runtime: &Arc<RuntimeInner>, user_id: &str, event: &UserHookEvent) {
+    // The hooks' own writes do not dispatch again.
+    let state = user_state(runtime, user_id, false);
+    let kind = event.kind();
+    for hook in runtime.user_hooks.iter().filter(|hook| hook.kind() == kind) {
+        let run = match (hook.handler(), event) {
+            (UserHookHandler::UserValueChanged(run), UserHookEvent::ValueChanged(key)) => run(&state, key),
+            (UserHookHandler::UserClientAttached(run), UserHookEvent::ClientAttached(client))
+            | (UserHookHandler::UserClientDetached(run), UserHookEvent::ClientDetached(client)) => run(&state, client),
+            _ => continue,
+        };
+        let result = match std::panic::AssertUnwindSafe(run).catch_unwind().await {
+            Ok(result) => result,
+            Err(payload) => Err(flue_core::lifecycle::HookError::new(format!(
+                "panicked: {}",
+                flue_core::render::panic_message(payload.as_ref())
+            ))),
+        };
+        if let Err(error) = result {
+            log_failure(kind, hook.id(), &error);
+        }
+    }
+}
+
+/// The `UserState` of `user_id`; `dispatch_hooks` is off for the state user hooks receive.
+pub(crate) fn user_state(runtime: &Arc<RuntimeInner>, user_id: &str, dispatch_hooks: bool) -> UserState {
+    UserState::new(Arc::new(RuntimeUser {
+        user_id: user_id.to_owned(),
+        runtime: Arc::downgrade(runtime),
+        dispatch_hooks,
+    }))
+}
+
+struct RuntimeUser {
+    user_id: String,
+    runtime: Weak<RuntimeInner>,
+    dispatch_hooks: bool,
+}
+
+impl RuntimeUser {
+    fn runtime(&self) -> Result<Arc<RuntimeInner>, ThreadError> {
+        self.runtime
+            .upgrade()
+            .ok_or_else(|| ThreadError::Unavailable("the runtime was dropped.".into()))
+    }
+}
+
+fn store_error(error: crate::store::StoreError) -> ThreadError {
+    ThreadError::Store(error.to_string())
+}
+
+impl UserStateApi for RuntimeUser {
+    fn user_id(&self) -> &str {
+        &self.user_id
+    }
+
+    fn get_value<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Value>, ThreadError>> {
+        Box::pin(async move {
+            check_user_key(key)?;
+            let runtime = self.runtime()?;
+            let stored = runtime
+                .store
+                .user_value(&self.user_id, key)
+                .await
+                .map_err(store_error)?;
+            Ok(stored.map(|stored| stored.value))
+        })
+    }
+
+    fn set_value<'a>(&'a self, key: &'a str, value: Option<Value>) -> BoxFuture<'a, Result<(), ThreadError>> {
+        Box::pin(async move {
+            check_user_key(key)?;
+            let runtime = self.runtime()?;
+            let value = value.filter(|value| !value.is_null());
+            let now = i64::try_from(crate::store::now_ms()).unwrap_or(i64::MAX);
+            runtime
+                .store
+                .set_user_value(&self.user_id, key, value, now)
+                .await
+                .map_err(store_error)?;
+            if self.dispatch_hooks {
+                dispatch(&runtime, &self.user_id, UserHookEvent::ValueChanged(key.to_owned()));
+            }
+            Ok(())
+        })
+    }
+
+    fn list_values(&self, query: UserValuesQuery) -> BoxFuture<'_, Result<UserValuePage, ThreadError>> {
+        Box::pin(async move {
+            let runtime = self.runtime()?;
+            runtime
+                .store
+                .list_user_values(&self.user_id, &query)
+                .await
+                .map_err(store_error)
+        })
+    }
+
+    fn emit(&self, event: &str, data: Value) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            // Live only: nobody listening is not an error.
+            let _ = runtime.user_events.send(UserEvent {
+                user_id: self.user_id.as_str().into(),
+                event: event.to_owned(),
+                data,
+            });
+        }
+    }
+}
+
+/// The registered user-scope hooks without repeats; two different hooks sharing an id are
+/// refused (thread hook ids are checked against these by the builder).
+pub(crate) fn unique_user_hooks(hooks: Vec<UserHook>) -> Result<Vec<UserHook>, String> {
+    let mut unique: Vec<UserHook> = Vec::with_capacity(hooks.len());
+    for hook in hooks {
+        match unique.iter().find(|other| other.id() == hook.id()) {
+            Some(other) if *other == hook => {}
+            Some(other) => {
+                return Err(format!(
+                    "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
+                    hook.id(),
+                    other.kind(),
+                    hook.kind()
+                ));
+            }
+            None => unique.push(hook),
+        }
+    }
+    Ok(unique)
+}
