@@ -1365,3 +1365,72 @@ async fn items_73_74_75_76_user_hooks_run_for_every_user_without_recursion_and_t
         Err(ThreadError::Invalid(_))
     ));
 }
+
+// ---- queue_tool (item 81) ---------------------------------------------------------------------
+
+/// Not mounted by any render: only queued.
+#[tool]
+async fn audit_trail(
+    /// What happened
+    event: String,
+) -> String {
+    format!("audited {event}")
+}
+
+/// Queues an audit.
+#[tool]
+async fn queue_audit(ctx: &ToolContext) -> Result<String, ToolError> {
+    ctx.thread()
+        .unwrap()
+        .queue_tool(audit_trail, json!({"event": "refund"}))
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok("queued".into())
+}
+
+static AT_REST_QUEUE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(after_thread_created)]
+async fn queue_at_rest(state: &ThreadState) {
+    let outcome = state.queue_tool(audit_trail, json!({"event": "x"}));
+    AT_REST_QUEUE.lock().unwrap().push(format!("{:?}", outcome.is_err()));
+}
+
+#[agent(hooks = [queue_at_rest])]
+fn auditing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(queue_audit);
+    "A"
+}
+
+#[tokio::test]
+async fn item_81_a_queued_tool_runs_later_in_the_same_flow_even_when_not_mounted() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("queue_audit", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![auditing.into()]);
+    let reply = runtime.init(&auditing, "a").send("refund me").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2);
+    // The queued call and its result follow the batch that queued it.
+    let messages = &requests[1].messages;
+    let ModelMessage::Assistant { tool_calls, text } = &messages[3] else {
+        panic!("the queued call's step: {messages:?}")
+    };
+    assert_eq!((text.as_str(), tool_calls[0].name.as_str()), ("", "audit_trail"));
+    assert_eq!(
+        messages[4],
+        ModelMessage::Tool {
+            tool_call_id: tool_calls[0].id.clone(),
+            name: "audit_trail".into(),
+            content: "audited refund".into(),
+            is_error: false,
+        }
+    );
+    assert_eq!(
+        AT_REST_QUEUE.lock().unwrap().clone(),
+        ["true"],
+        "at rest there is nothing to queue onto"
+    );
+}

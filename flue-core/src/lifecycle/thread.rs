@@ -337,6 +337,13 @@ pub trait ThreadStateApi: Send + Sync {
         Box::pin(async { Err(unavailable("invoke_tool")) })
     }
 
+    /// Queues a call of `tool` with `args`: it runs later in the same execution (after the
+    /// current tool batch, or before the response would stop), mounted or not.
+    fn queue_tool(&self, tool: crate::Tool, args: Value) -> Result<(), ThreadError> {
+        let _ = (tool, args);
+        Err(unavailable("queue_tool"))
+    }
+
     /// Sends `{type:"event", eventType, data, timestamp}` to the thread's connected clients
     /// (live only).
     fn emit(&self, event: &str, data: Value) {
@@ -439,6 +446,13 @@ impl ThreadState {
     /// Runs a tool of the current render with `args` and returns its result; no row is stored.
     pub async fn invoke_tool(&self, name: &str, args: Value) -> Result<ToolResult, ThreadError> {
         self.api.invoke_tool(name, args).await
+    }
+
+    /// Queues a call of `tool` with `args` for later in this execution — after the current
+    /// tool batch, or before the response would stop — whether or not the render mounts the
+    /// tool. Its call and result are stored like the model's. Fails at rest (no execution).
+    pub fn queue_tool(&self, tool: impl crate::tool::IntoTool, args: Value) -> Result<(), ThreadError> {
+        self.api.queue_tool(tool.into_tool(), args)
     }
 
     /// Sends an event to the thread's connected clients.

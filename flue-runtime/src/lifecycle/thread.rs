@@ -125,6 +125,8 @@ pub(crate) struct RuntimeThread {
     context: ThreadContext,
     hooks: Mutex<HookSet>,
     tools: Mutex<Vec<Tool>>,
+    /// Calls `queue_tool` asked for, waiting for the response to run them.
+    queued_tools: Mutex<Vec<(Tool, Value)>>,
 }
 
 impl RuntimeThread {
@@ -143,6 +145,7 @@ impl RuntimeThread {
             context: ThreadContext::new(),
             hooks: Mutex::new(hooks),
             tools: Mutex::new(Vec::new()),
+            queued_tools: Mutex::new(Vec::new()),
         })
     }
 
@@ -169,6 +172,16 @@ impl RuntimeThread {
         let mut current = self.tools.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         current.clear();
         current.extend_from_slice(tools);
+    }
+
+    /// The calls queued with `queue_tool` since the last call, in order.
+    pub(crate) fn take_queued_tools(&self) -> Vec<(Tool, Value)> {
+        std::mem::take(
+            &mut *self
+                .queued_tools
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )
     }
 
     async fn append(&self, records: Vec<Record>) -> Result<(), ThreadError> {
@@ -369,6 +382,19 @@ impl ThreadStateApi for RuntimeThread {
             let output = crate::tools::run_one(&tool, ctx, &args.to_string(), &signal).await;
             Ok(super::tool_result_of(&output.to_text(), output.is_error))
         })
+    }
+
+    fn queue_tool(&self, tool: Tool, args: Value) -> Result<(), ThreadError> {
+        if self.execution.is_none() {
+            return Err(ThreadError::Unavailable(
+                "queue_tool needs a running execution; this ThreadState is at rest.".into(),
+            ));
+        }
+        self.queued_tools
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push((tool, args));
+        Ok(())
     }
 
     fn emit(&self, event: &str, data: Value) {

@@ -902,7 +902,12 @@ impl Response<'_> {
                 break;
             }
             if response.tool_calls.is_empty() {
-                // The would-stop point: queued deliveries join first.
+                // The would-stop point: calls queued with `queue_tool` run first (the model sees
+                // their results), then queued deliveries join.
+                if self.run_queued_tools(&rendered, &model.spec).await?.is_some() {
+                    self.spare = Some(rendered);
+                    continue;
+                }
                 if self.join_queued(&rendered).await? {
                     self.spare = Some(rendered);
                     continue;
@@ -929,7 +934,12 @@ impl Response<'_> {
                 self.spare = Some(rendered);
                 continue;
             }
-            let terminate = self.tool_batch(&rendered, &response, message_id).await?;
+            let mut terminate = self
+                .tool_batch(&rendered, &rendered.tools, &response, message_id)
+                .await?;
+            if let Some(queued_terminate) = self.run_queued_tools(&rendered, &model.spec).await? {
+                terminate = queued_terminate;
+            }
             self.join_queued(&rendered).await?;
             self.spare = Some(rendered);
             if terminate {
@@ -1455,11 +1465,61 @@ impl Response<'_> {
         .await;
     }
 
-    /// Runs the step's tool calls and commits the batch; returns whether every result asked to
-    /// end the turn.
+    /// Runs the calls queued with `queue_tool` as a step of their own (stored as the calls of
+    /// an assistant step without text, then a tool batch); `None` when nothing was queued, else
+    /// whether every result asked to end the turn.
+    async fn run_queued_tools(&mut self, rendered: &Rendered, spec: &str) -> Result<Option<bool>, Failure> {
+        let Some(view) = &self.thread else { return Ok(None) };
+        let queued = view.take_queued_tools();
+        if queued.is_empty() {
+            return Ok(None);
+        }
+        let message_id = new_id("msg");
+        let calls: Vec<ModelToolCall> = queued
+            .iter()
+            .map(|(tool, args)| ModelToolCall {
+                id: new_id("call"),
+                name: tool.name().to_owned(),
+                arguments: args.to_string(),
+            })
+            .collect();
+        let mut records = vec![self.record(RecordBody::AssistantMessageStarted {
+            message_id: message_id.clone(),
+            model: spec.to_owned(),
+            response_metadata: None,
+        })];
+        for call in &calls {
+            records.push(self.record(RecordBody::AssistantToolCall {
+                message_id: message_id.clone(),
+                tool_call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            }));
+        }
+        records.push(self.record(RecordBody::AssistantMessageCompleted {
+            message_id: message_id.clone(),
+            text: String::new(),
+            stop_reason: crate::provider::StopReason::ToolUse,
+            usage: Usage::default(),
+        }));
+        self.commit(records, false).await?;
+        let tools: Vec<flue_core::Tool> = queued.into_iter().map(|(tool, _)| tool).collect();
+        let response = ModelResponse {
+            text: String::new(),
+            reasoning: String::new(),
+            tool_calls: calls,
+            stop_reason: crate::provider::StopReason::ToolUse,
+            usage: Usage::default(),
+        };
+        self.tool_batch(rendered, &tools, &response, message_id).await.map(Some)
+    }
+
+    /// Runs a step's tool calls against `tools` and commits the batch; returns whether every
+    /// result asked to end the turn.
     async fn tool_batch(
         &mut self,
         rendered: &Rendered,
+        tools: &[flue_core::Tool],
         response: &ModelResponse,
         assistant_message_id: String,
     ) -> Result<bool, Failure> {
@@ -1473,7 +1533,7 @@ impl Response<'_> {
             let logger = self.logger();
             let signal = self.attempt.signal.clone();
             tools::run_batch(
-                &rendered.tools,
+                tools,
                 response.tool_calls.clone(),
                 runtime.options.tool_concurrency,
                 &signal,
