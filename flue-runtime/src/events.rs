@@ -112,6 +112,27 @@ pub enum Event {
         /// Call id.
         tool_call_id: String,
     },
+    /// A `task` started: a delegate runs the work in a child session.
+    TaskStart {
+        /// The task's id.
+        task_id: String,
+        /// The delegate.
+        agent: String,
+        /// The label the model gave the work.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        description: Option<String>,
+    },
+    /// A `task` ended.
+    Task {
+        /// The task's id.
+        task_id: String,
+        /// The delegate.
+        agent: String,
+        /// Whether it failed.
+        is_error: bool,
+        /// How long it ran.
+        duration_ms: u64,
+    },
     /// A tool's result, published when its batch committed.
     Tool {
         /// Tool name.

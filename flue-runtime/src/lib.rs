@@ -26,12 +26,14 @@ pub mod record;
 mod runtime;
 mod session;
 pub mod store;
+mod subagents;
 pub mod testing;
 mod tools;
 
 pub use flue_macros::{agent, hook, tool};
 pub use runtime::{AgentHandle, AgentReply, Runtime, RuntimeBuilder, RuntimeError, RuntimeOptions, SendRequest};
 pub use session::MAX_AGENT_FINISH_CYCLES;
+pub use subagents::MAX_DELEGATION_DEPTH;
 
 /// An error and its sources, joined with `: ` (a source already quoted by its parent is not
 /// repeated).

@@ -204,9 +204,10 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
             "flue_batches",
             "flue_instances",
             "flue_meta",
-            "flue_submissions"
+            "flue_submissions",
+            "flue_user_values"
         ],
-        "the attachment tables are added too"
+        "the attachment and user-value tables are added too"
     );
     let clustered: Vec<String> = connection
         .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%WITHOUT ROWID%' ORDER BY name")
@@ -215,7 +216,7 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    assert_eq!(clustered, ["flue_attachments", "flue_instances"]);
+    assert_eq!(clustered, ["flue_attachments", "flue_instances", "flue_user_values"]);
     assert_eq!(meta(&path), [("format_version".to_owned(), "1".to_owned())]);
 
     // Every row survived, and the ledger and the stream carry on from them.

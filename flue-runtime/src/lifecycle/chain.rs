@@ -71,6 +71,17 @@ pub(crate) async fn after_thread_created(set: &HookSet, state: &ThreadState) {
     });
 }
 
+/// `after_subagent_created` (event, on the parent, with the child's state).
+pub(crate) async fn after_subagent_created(set: &HookSet, parent: &ThreadState, child: &ThreadState) {
+    each!(set, HookKind::AfterSubagentCreated, |id, handler| {
+        if let ThreadHookHandler::AfterSubagentCreated(run) = handler
+            && let Err(error) = call(|| run(parent, child)).await
+        {
+            log_failure(HookKind::AfterSubagentCreated, id, &error);
+        }
+    });
+}
+
 /// `after_system_message`: a returned string replaces the system message; `None` keeps it.
 pub(crate) async fn after_system_message(set: &HookSet, state: &ThreadState, mut text: String) -> String {
     each!(set, HookKind::AfterSystemMessage, |id, handler| {

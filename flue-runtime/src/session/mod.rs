@@ -396,6 +396,8 @@ impl InstanceSlot {
             hooks: HookSet::default(),
             at_rest_hooks: HookSet::default(),
             execution,
+            model_spec: None,
+            roster: None,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -649,6 +651,10 @@ struct Response<'a> {
     at_rest_hooks: HookSet,
     /// The execution `thread` reports (step counts, `stop()`).
     execution: ExecutionState,
+    /// The submission's model and thinking level (what delegates inherit), once resolved.
+    model_spec: Option<(String, ThinkingLevel)>,
+    /// The latest render's "Available Agents" section, when it offers delegates.
+    roster: Option<String>,
 }
 
 impl Response<'_> {
@@ -794,6 +800,7 @@ impl Response<'_> {
                     None if !self.hooks.is_empty() => Some(self.thread_view()),
                     None => None,
                 };
+                self.mount_delegation(&mut rendered);
                 if let Some(view) = view {
                     view.set_hooks(self.hooks.clone());
                     view.set_tools(&rendered.tools);
@@ -806,6 +813,31 @@ impl Response<'_> {
                 flue_core::render::panic_message(payload.as_ref()),
             )),
         }
+    }
+
+    /// Mounts the `task` tool and sets the roster when the render offers delegates (once the
+    /// submission's model, which they inherit, is known).
+    fn mount_delegation(&mut self, rendered: &mut Rendered) {
+        let offered = crate::subagents::offered(rendered);
+        let Some((spec, thinking)) = self.model_spec.clone().filter(|_| !offered.is_empty()) else {
+            self.roster = None;
+            return;
+        };
+        self.roster = Some(crate::subagents::roster(&offered));
+        let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
+        rendered
+            .tools
+            .push(crate::subagents::task_tool(crate::subagents::Delegation::new(
+                self.runtime,
+                self.key,
+                &self.submission.id,
+                offered,
+                spec,
+                thinking,
+                0,
+                parent,
+                self.attempt.signal.clone(),
+            )));
     }
 
     fn check_abort(&self) -> Result<(), Failure> {
@@ -833,6 +865,7 @@ impl Response<'_> {
             .resolve(&model.spec)
             .map_err(|error| Failure::failed("model_resolution", error.to_string()))?;
         let thinking = model.options.thinking_level.unwrap_or(ThinkingLevel::Medium);
+        self.model_spec = Some((model.spec.to_string(), thinking));
 
         let submission_id = self.submission.id.clone();
         // True start of the response: use_response_start metadata — skipped when a resumed
@@ -1299,10 +1332,12 @@ impl Response<'_> {
     ) -> Result<(ModelResponse, String), Failure> {
         self.load_images().await?;
         let message_id = new_id("msg");
-        let (system, messages) = match self
-            .request(rendered.instruction.as_ref().map(|text| text.to_string()))
-            .await
-        {
+        let instruction = rendered.instruction.as_ref().map(|text| text.to_string());
+        let system = match &self.roster {
+            Some(roster) => Some(crate::subagents::with_roster(instruction, roster)),
+            None => instruction,
+        };
+        let (system, messages) = match self.request(system).await {
             Ok(request) => request,
             Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),
         };

@@ -1499,7 +1499,8 @@ mod tests {
                 "flue_batches",
                 "flue_instances",
                 "flue_meta",
-                "flue_submissions"
+                "flue_submissions",
+                "flue_user_values"
             ]
         );
         let admitted = first.admit(admission("d-1", "assistant", "kept")).await.unwrap();

@@ -1,0 +1,444 @@
+//! Delegation: the framework's `task` tool, the "Available Agents" roster in the system prompt,
+//! and the child sessions tasks run in.
+//!
+//! - A render that declares delegates (`use_subagent`) gets the `task` tool — one static spec
+//!   (`agent`, `prompt`, optional `description`), so the serialized tool block never changes
+//!   with the roster — and a roster section listing each offered delegate by name and
+//!   description. A render without delegates gets neither (no inert tool, no empty section).
+//! - Hidden relationships are not offered (and cannot be called); optional ones only while
+//!   their flag is on. A name outside the roster is answered with a factual miss, not an error.
+//! - A task renders its delegate fresh, in a subagent frame, with the task prompt as its
+//!   delivery, and runs it as a detached session: its own context (only the prompt), its own
+//!   tools, the parent's model and thinking level unless the relationship overrides them.
+//!   Only the child's final text returns, as the tool result.
+//! - Delegation is capped at four levels (`delegation_depth_exceeded`); `max_instances` caps
+//!   the tasks of one relationship running at once; `after_subagent_created` runs on the
+//!   parent before the child's first model call.
+//! - Child sessions are not durable: a task is part of its parent's tool batch, so a crash
+//!   before the batch commits runs it again (at least once, like every tool).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+
+use flue_core::abort::AbortSignal;
+use flue_core::data::SchemaSource;
+use flue_core::lifecycle::{ThreadIdentity, ThreadState, ThreadStateApi};
+use flue_core::message::DeliveredMessage;
+use flue_core::model::ThinkingLevel;
+use flue_core::render::{RenderState, Rendered};
+use flue_core::subagent::Subagent;
+use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
+use flue_core::{BoxFuture, Tool};
+use futures_util::StreamExt;
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use crate::events::Event;
+use crate::lifecycle::{HookSet, chain};
+use crate::provider::{ModelMessage, ModelRequest, ModelResponse, ProviderError, StreamEvent, ToolSpec};
+use crate::record::new_id;
+use crate::runtime::RuntimeInner;
+use crate::store::InstanceKey;
+
+/// How deep delegation may nest (a task's child delegating, and so on).
+pub const MAX_DELEGATION_DEPTH: u32 = 4;
+
+const TASK_DESCRIPTION: &str = "Hand a focused piece of work to one of the agents listed under \"Available Agents\" in the system prompt. \
+The agent starts with a fresh context: it sees only your prompt, so make the prompt a complete briefing. \
+Only its final answer comes back. Several tasks in one turn run in parallel.";
+
+/// The `task` tool's arguments.
+#[derive(Deserialize, JsonSchema)]
+struct TaskArgs {
+    /// Which agent runs the task: a name from "Available Agents" in the system prompt.
+    #[schemars(length(min = 1))]
+    agent: String,
+    /// The complete instructions for the agent (it sees nothing else of this conversation).
+    prompt: String,
+    /// A short label for the work, for people following along.
+    #[serde(default)]
+    description: Option<String>,
+}
+
+/// The delegates a render offers: enabled relationships that are not hidden.
+pub(crate) fn offered(rendered: &Rendered) -> Vec<Subagent> {
+    rendered
+        .subagents
+        .iter()
+        .filter(|subagent| !subagent.is_hidden() && subagent.is_enabled(|name| std::env::var(name).ok()))
+        .cloned()
+        .collect()
+}
+
+/// The "Available Agents" section of the system prompt.
+pub(crate) fn roster(offered: &[Subagent]) -> String {
+    let mut section = String::from(
+        "## Available Agents\n\nDelegate focused work to one of these agents with the `task` tool, naming the agent:\n",
+    );
+    for subagent in offered {
+        section.push_str(&format!("\n- **{}** — {}", subagent.name(), subagent.description()));
+    }
+    section
+}
+
+/// The system prompt with the roster after the instruction.
+pub(crate) fn with_roster(instruction: Option<String>, roster: &str) -> String {
+    match instruction {
+        Some(instruction) if !instruction.is_empty() => format!("{instruction}\n\n{roster}"),
+        _ => roster.to_owned(),
+    }
+}
+
+/// What a `task` tool delegates with: the parent session's side of it.
+pub(crate) struct Delegation {
+    pub(crate) runtime: Weak<RuntimeInner>,
+    /// Where events go (the root instance and submission).
+    pub(crate) key: InstanceKey,
+    pub(crate) submission_id: String,
+    pub(crate) offered: Vec<Subagent>,
+    /// The parent session's model and thinking level.
+    pub(crate) model: String,
+    pub(crate) thinking: ThinkingLevel,
+    /// The parent session's depth (the root is 0).
+    pub(crate) depth: u32,
+    /// The parent thread and its hooks, for `after_subagent_created` (root sessions only).
+    pub(crate) parent: Option<(ThreadState, HookSet)>,
+    pub(crate) signal: AbortSignal,
+    /// Tasks running, by relationship (for `max_instances`).
+    running: Mutex<HashMap<String, u32>>,
+}
+
+impl Delegation {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        runtime: &Arc<RuntimeInner>,
+        key: &InstanceKey,
+        submission_id: &str,
+        offered: Vec<Subagent>,
+        model: String,
+        thinking: ThinkingLevel,
+        depth: u32,
+        parent: Option<(ThreadState, HookSet)>,
+        signal: AbortSignal,
+    ) -> Self {
+        Self {
+            runtime: Arc::downgrade(runtime),
+            key: key.clone(),
+            submission_id: submission_id.to_owned(),
+            offered,
+            model,
+            thinking,
+            depth,
+            parent,
+            signal,
+            running: Mutex::default(),
+        }
+    }
+}
+
+/// The `task` tool delegating with `delegation`.
+pub(crate) fn task_tool(delegation: Delegation) -> Tool {
+    Tool::from_handler(TaskTool {
+        definition: ToolDefinition::from_checked(
+            "task",
+            TASK_DESCRIPTION,
+            SchemaSource::Typed(flue_core::data::tool_input_schema_of::<TaskArgs>),
+            None,
+            &[],
+            false,
+        ),
+        delegation: Arc::new(delegation),
+    })
+}
+
+struct TaskTool {
+    definition: ToolDefinition,
+    delegation: Arc<Delegation>,
+}
+
+impl ToolHandler for TaskTool {
+    fn definition(&self) -> &ToolDefinition {
+        &self.definition
+    }
+
+    fn call(&self, _ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
+        let delegation = self.delegation.clone();
+        Box::pin(async move {
+            let args: TaskArgs = match serde_json::from_value(args) {
+                Ok(args) => args,
+                Err(error) => return ToolOutput::error(format!("Tool argument validation failed: [root] {error}")),
+            };
+            run_task(&delegation, args).await
+        })
+    }
+}
+
+/// Counts a running task of one relationship; uncounts it when dropped.
+struct Running<'a> {
+    delegation: &'a Delegation,
+    name: String,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        let mut running = self
+            .delegation
+            .running
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(count) = running.get_mut(&self.name) {
+            *count = count.saturating_sub(1);
+        }
+    }
+}
+
+async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
+    let Some(subagent) = delegation.offered.iter().find(|subagent| subagent.name() == args.agent) else {
+        let names: Vec<&str> = delegation.offered.iter().map(Subagent::name).collect();
+        return ToolOutput::text(format!(
+            "No agent named \"{}\" is available for delegation. Available agents: {}.",
+            args.agent,
+            if names.is_empty() {
+                "none".to_owned()
+            } else {
+                names.join(", ")
+            }
+        ));
+    };
+    if delegation.depth >= MAX_DELEGATION_DEPTH {
+        return ToolOutput::error(format!(
+            "delegation_depth_exceeded: delegation is limited to {MAX_DELEGATION_DEPTH} nested levels."
+        ));
+    }
+    let _running = {
+        let mut running = delegation
+            .running
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let count = running.entry(subagent.name().to_owned()).or_default();
+        if let Some(limit) = subagent.max_instances_limit()
+            && *count >= limit
+        {
+            return ToolOutput::error(format!(
+                "Subagent instance limit reached: at most {limit} \"{}\" task(s) may run at once.",
+                subagent.name()
+            ));
+        }
+        *count += 1;
+        Running {
+            delegation,
+            name: subagent.name().to_owned(),
+        }
+    };
+    let Some(runtime) = delegation.runtime.upgrade() else {
+        return ToolOutput::error("The runtime was dropped.");
+    };
+    let task_id = new_id("task");
+    let emit = |event: Event| runtime.emit(&delegation.key, Some(&delegation.submission_id), event);
+    emit(Event::TaskStart {
+        task_id: task_id.clone(),
+        agent: subagent.name().to_owned(),
+        description: args.description.clone(),
+    });
+    let started = Instant::now();
+    let result = child_session(&runtime, delegation, subagent, &task_id, &args).await;
+    emit(Event::Task {
+        task_id,
+        agent: subagent.name().to_owned(),
+        is_error: result.is_err(),
+        duration_ms: started.elapsed().as_millis() as u64,
+    });
+    match result {
+        Ok(text) => ToolOutput::text(text),
+        Err(error) => ToolOutput::error(error),
+    }
+}
+
+/// The `ThreadState` of a child session (identity only: it has no stream of its own).
+struct ChildThread(ThreadIdentity);
+
+impl ThreadStateApi for ChildThread {
+    fn identity(&self) -> &ThreadIdentity {
+        &self.0
+    }
+}
+
+/// Runs one task to its final answer.
+async fn child_session(
+    runtime: &Arc<RuntimeInner>,
+    delegation: &Delegation,
+    subagent: &Subagent,
+    task_id: &str,
+    args: &TaskArgs,
+) -> Result<String, String> {
+    let delivery = Arc::new(DeliveredMessage::user(args.prompt.clone()));
+    let agent = subagent.agent().get();
+    let mut rendered = Rendered::default();
+    let state = RenderState::subagent(&delivery);
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        flue_core::render_into(agent, &state, &mut rendered)
+    })) {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => return Err(format!("The \"{}\" agent could not render: {error}", subagent.name())),
+        Err(payload) => {
+            return Err(format!(
+                "The \"{}\" agent could not render: {}",
+                subagent.name(),
+                flue_core::render::panic_message(payload.as_ref())
+            ));
+        }
+    }
+    let model = subagent.model_override().unwrap_or(&delegation.model).to_owned();
+    let thinking = subagent.thinking_level_override().unwrap_or(delegation.thinking);
+    let (provider, model_id) = runtime
+        .providers
+        .resolve(&model)
+        .map_err(|error| format!("The \"{}\" agent's model: {error}", subagent.name()))?;
+
+    if let Some((parent, hooks)) = &delegation.parent
+        && hooks.has(flue_core::lifecycle::HookKind::AfterSubagentCreated)
+    {
+        let mut arguments = Map::new();
+        arguments.insert("prompt".into(), json!(args.prompt));
+        if let Some(description) = &args.description {
+            arguments.insert("description".into(), json!(description));
+        }
+        let child = ThreadState::new(Arc::new(ChildThread(ThreadIdentity {
+            thread_id: task_id.to_owned(),
+            agent_id: subagent.name().to_owned(),
+            user_id: parent.user_id().map(str::to_owned),
+            created_at: crate::session::micros_of(&crate::record::now()),
+            arguments,
+        })));
+        chain::after_subagent_created(hooks, parent, &child).await;
+    }
+
+    // The child's own delegates, one level deeper.
+    let nested = offered(&rendered);
+    let mut system = rendered.instruction.as_ref().map(|text| text.to_string());
+    let mut tools = std::mem::take(&mut rendered.tools);
+    if !nested.is_empty() {
+        system = Some(with_roster(system, &roster(&nested)));
+        tools.push(task_tool(Delegation::new(
+            runtime,
+            &delegation.key,
+            &delegation.submission_id,
+            nested,
+            model.clone(),
+            thinking,
+            delegation.depth + 1,
+            None,
+            delegation.signal.clone(),
+        )));
+    }
+    let specs: Vec<ToolSpec> = tools
+        .iter()
+        .map(|tool| ToolSpec {
+            name: tool.name().to_owned(),
+            description: tool.definition().description.to_string(),
+            parameters: tool.input_schema().shared_json(),
+        })
+        .collect();
+    let max_steps = agent.definition().max_steps.unwrap_or(u32::MAX);
+    let mut messages = vec![ModelMessage::user(args.prompt.clone())];
+    let mut last_text = String::new();
+    for _ in 0..max_steps {
+        let request = ModelRequest {
+            model: model_id.clone(),
+            system: system.clone(),
+            messages: messages.clone(),
+            tools: specs.clone(),
+            thinking_level: thinking,
+            max_output_tokens: None,
+        };
+        let response = complete(runtime, &*provider, request, &delegation.signal).await?;
+        last_text.clone_from(&response.text);
+        messages.push(ModelMessage::Assistant {
+            text: response.text.clone(),
+            tool_calls: response.tool_calls.clone(),
+        });
+        if response.tool_calls.is_empty() {
+            return Ok(response.text);
+        }
+        let executed = crate::tools::run_batch(
+            &tools,
+            response.tool_calls,
+            runtime.options.tool_concurrency,
+            &delegation.signal,
+            |tool, call| {
+                ToolContext::new(tool, call.id.clone())
+                    .with_instance_id(delegation.key.id.to_string())
+                    .with_signal(delegation.signal.clone())
+            },
+            |_| {},
+            |_| {},
+        )
+        .await;
+        if delegation.signal.is_aborted() {
+            return Err("The task was aborted.".into());
+        }
+        for run in executed {
+            messages.push(ModelMessage::Tool {
+                tool_call_id: run.call.id,
+                name: run.call.name,
+                content: run.output.to_text(),
+                is_error: run.output.is_error,
+            });
+        }
+    }
+    // The step budget ran out: what the child last said is its answer.
+    Ok(last_text)
+}
+
+/// One model call of a child session, with the runtime's retries on retryable errors.
+async fn complete(
+    runtime: &RuntimeInner,
+    provider: &dyn crate::provider::ModelProvider,
+    request: ModelRequest,
+    signal: &AbortSignal,
+) -> Result<ModelResponse, String> {
+    let mut retries = 0;
+    loop {
+        match stream_to_end(provider, request.clone(), signal).await {
+            Ok(response) => return Ok(response),
+            Err(None) => return Err("The task was aborted.".into()),
+            Err(Some(error)) if error.is_retryable() && retries < runtime.options.model_retries => {
+                retries += 1;
+                let delay = runtime.options.model_retry_delay * 2u32.pow(retries - 1);
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = signal.aborted() => return Err("The task was aborted.".into()),
+                }
+            }
+            Err(Some(error)) => return Err(format!("The task's model call failed: {error}")),
+        }
+    }
+}
+
+/// Reads a model stream to its completed response (`Err(None)` when aborted).
+async fn stream_to_end(
+    provider: &dyn crate::provider::ModelProvider,
+    request: ModelRequest,
+    signal: &AbortSignal,
+) -> Result<ModelResponse, Option<ProviderError>> {
+    let mut stream = provider.stream(request);
+    loop {
+        let next = tokio::select! {
+            next = stream.next() => next,
+            () = signal.aborted() => return Err(None),
+        };
+        match next {
+            Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
+            Some(Ok(_)) => {}
+            Some(Err(error)) => return Err(Some(error)),
+            None => {
+                return Err(Some(ProviderError::new(
+                    crate::provider::ProviderErrorKind::Network,
+                    "the model stream ended before the response completed",
+                )));
+            }
+        }
+    }
+}
