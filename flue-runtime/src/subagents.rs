@@ -83,14 +83,6 @@ pub(crate) fn roster(offered: &[Subagent]) -> String {
     section
 }
 
-/// The system prompt with the roster after the instruction.
-pub(crate) fn with_roster(instruction: Option<String>, roster: &str) -> String {
-    match instruction {
-        Some(instruction) if !instruction.is_empty() => format!("{instruction}\n\n{roster}"),
-        _ => roster.to_owned(),
-    }
-}
-
 /// What a `task` tool delegates with: the parent session's side of it.
 pub(crate) struct Delegation {
     pub(crate) runtime: Weak<RuntimeInner>,
@@ -315,13 +307,9 @@ async fn child_session(
         chain::after_subagent_created(hooks, parent, &child).await;
     }
 
-    // The child's own delegates, one level deeper.
-    let nested = offered(&rendered);
-    let mut system = rendered.instruction.as_ref().map(|text| text.to_string());
-    let mut tools = std::mem::take(&mut rendered.tools);
-    if !nested.is_empty() {
-        system = Some(with_roster(system, &roster(&nested)));
-        tools.push(task_tool(Delegation::new(
+    // The child's own skills and delegates (one level deeper).
+    let sections = crate::framework::mount(&mut rendered, |nested| {
+        Some(Delegation::new(
             runtime,
             &delegation.key,
             &delegation.submission_id,
@@ -331,8 +319,13 @@ async fn child_session(
             delegation.depth + 1,
             None,
             delegation.signal.clone(),
-        )));
-    }
+        ))
+    });
+    let system = crate::framework::system(
+        rendered.instruction.as_ref().map(|text| text.to_string()),
+        sections.as_deref(),
+    );
+    let tools = std::mem::take(&mut rendered.tools);
     let specs: Vec<ToolSpec> = tools
         .iter()
         .map(|tool| ToolSpec {

@@ -397,7 +397,7 @@ impl InstanceSlot {
             at_rest_hooks: HookSet::default(),
             execution,
             model_spec: None,
-            roster: None,
+            framework_sections: None,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -653,8 +653,8 @@ struct Response<'a> {
     execution: ExecutionState,
     /// The submission's model and thinking level (what delegates inherit), once resolved.
     model_spec: Option<(String, ThinkingLevel)>,
-    /// The latest render's "Available Agents" section, when it offers delegates.
-    roster: Option<String>,
+    /// The system prompt sections the latest render's skills and delegates add.
+    framework_sections: Option<String>,
 }
 
 impl Response<'_> {
@@ -800,7 +800,7 @@ impl Response<'_> {
                     None if !self.hooks.is_empty() => Some(self.thread_view()),
                     None => None,
                 };
-                self.mount_delegation(&mut rendered);
+                self.mount_framework(&mut rendered);
                 if let Some(view) = view {
                     view.set_hooks(self.hooks.clone());
                     view.set_tools(&rendered.tools);
@@ -815,29 +815,27 @@ impl Response<'_> {
         }
     }
 
-    /// Mounts the `task` tool and sets the roster when the render offers delegates (once the
-    /// submission's model, which they inherit, is known).
-    fn mount_delegation(&mut self, rendered: &mut Rendered) {
-        let offered = crate::subagents::offered(rendered);
-        let Some((spec, thinking)) = self.model_spec.clone().filter(|_| !offered.is_empty()) else {
-            self.roster = None;
-            return;
-        };
-        self.roster = Some(crate::subagents::roster(&offered));
+    /// Mounts the framework tools (skills, delegation) and keeps the system prompt sections
+    /// they add. Delegation waits for the submission's model, which delegates inherit.
+    fn mount_framework(&mut self, rendered: &mut Rendered) {
+        let model = self.model_spec.clone();
         let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
-        rendered
-            .tools
-            .push(crate::subagents::task_tool(crate::subagents::Delegation::new(
-                self.runtime,
-                self.key,
-                &self.submission.id,
+        let (runtime, key, submission_id, signal) =
+            (self.runtime, self.key, &self.submission.id, self.attempt.signal.clone());
+        self.framework_sections = crate::framework::mount(rendered, |offered| {
+            let (spec, thinking) = model?;
+            Some(crate::subagents::Delegation::new(
+                runtime,
+                key,
+                submission_id,
                 offered,
                 spec,
                 thinking,
                 0,
                 parent,
-                self.attempt.signal.clone(),
-            )));
+                signal,
+            ))
+        });
     }
 
     fn check_abort(&self) -> Result<(), Failure> {
@@ -1332,11 +1330,10 @@ impl Response<'_> {
     ) -> Result<(ModelResponse, String), Failure> {
         self.load_images().await?;
         let message_id = new_id("msg");
-        let instruction = rendered.instruction.as_ref().map(|text| text.to_string());
-        let system = match &self.roster {
-            Some(roster) => Some(crate::subagents::with_roster(instruction, roster)),
-            None => instruction,
-        };
+        let system = crate::framework::system(
+            rendered.instruction.as_ref().map(|text| text.to_string()),
+            self.framework_sections.as_deref(),
+        );
         let (system, messages) = match self.request(system).await {
             Ok(request) => request,
             Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),

@@ -3,6 +3,8 @@
 //! A mounted skill costs one catalog line (name and description) in the system prompt; the
 //! model pulls the full instructions with the framework's `activate_skill` tool.
 
+mod front_matter;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
@@ -41,6 +43,47 @@ impl Skill {
         Ok(Self {
             inner: Arc::new(definition),
         })
+    }
+
+    /// A skill from the text of a `SKILL.md` (front matter: `name`, `description`, and the
+    /// optional `license`, `compatibility`, `metadata`, `allowed-tools`; the body is the
+    /// instructions), with its supporting files by relative path. With `directory`, the
+    /// skill's name must be the directory's name (the Agent Skills rule). [`skill!`](crate::skill!)
+    /// embeds a skill directory at compile time.
+    pub fn from_skill_md<'a>(
+        directory: Option<&str>,
+        skill_md: &str,
+        files: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    ) -> Result<Self, SkillDefinitionError> {
+        let parsed = front_matter::parse(skill_md).map_err(|message| SkillDefinitionError {
+            issues: vec![issue(&["SKILL.md"], &message)],
+        })?;
+        let mut fields = parsed.fields;
+        let skill = Self::define(SkillDefinition {
+            name: fields.remove("name").unwrap_or_default(),
+            description: fields.remove("description").unwrap_or_default(),
+            instructions: parsed.body,
+            license: fields.remove("license"),
+            compatibility: fields.remove("compatibility"),
+            metadata: parsed.metadata,
+            allowed_tools: fields.remove("allowed-tools"),
+            files: files
+                .into_iter()
+                .map(|(path, bytes)| (path.to_owned(), bytes.to_vec()))
+                .collect(),
+        })?;
+        if let Some(directory) = directory {
+            let directory = directory.trim_end_matches('/').rsplit('/').next().unwrap_or(directory);
+            if skill.name() != directory {
+                return Err(SkillDefinitionError {
+                    issues: vec![issue(
+                        &["name"],
+                        &format!("Must match the skill's directory name \"{directory}\"."),
+                    )],
+                });
+            }
+        }
+        Ok(skill)
     }
 
     /// A skill with just a name, description and instructions.
@@ -192,4 +235,56 @@ fn is_safe_relative_path(path: &str) -> bool {
         || path
             .split('/')
             .any(|segment| segment.is_empty() || segment == "." || segment == ".."))
+}
+
+/// Embeds a skill directory at compile time: `skill!("skills/refunds")` reads
+/// `skills/refunds/SKILL.md` (relative to the calling file, as `include_str!`), and
+/// `skill!("skills/refunds", files = ["POLICY.md"])` also embeds the listed supporting files.
+/// The skill is validated when the expression runs; an invalid one panics with the
+/// `skill_definition_validation` message (inside an agent body, that fails the submission).
+#[macro_export]
+macro_rules! skill {
+    ($directory:literal $(, files = [$($file:literal),* $(,)?])? $(,)?) => {
+        match $crate::skill::Skill::from_skill_md(
+            ::core::option::Option::Some($directory),
+            ::core::include_str!(::core::concat!($directory, "/SKILL.md")),
+            [$($(($file, &::core::include_bytes!(::core::concat!($directory, "/", $file))[..])),*)?],
+        ) {
+            ::core::result::Result::Ok(skill) => skill,
+            ::core::result::Result::Err(error) => ::core::panic!("[flue] skill!({}): {}", $directory, error),
+        }
+    };
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_skill_md_becomes_a_validated_skill_with_its_files() {
+        let skill = Skill::from_skill_md(
+            Some("skills/refunds"),
+            "---\nname: refunds\ndescription: Process refunds. Use when asked for one.\n---\nRead POLICY.md first.",
+            [("POLICY.md", &b"30 days"[..])],
+        )
+        .unwrap();
+        assert_eq!(skill.name(), "refunds");
+        assert_eq!(skill.definition().instructions, "Read POLICY.md first.");
+        assert_eq!(skill.definition().files["POLICY.md"], b"30 days");
+    }
+
+    #[test]
+    fn the_name_must_match_the_directory_and_the_rules_apply() {
+        let text = "---\nname: refunds\ndescription: d\n---\nbody";
+        let error = Skill::from_skill_md(Some("skills/returns"), text, []).unwrap_err();
+        assert_eq!(error.issues[0].path, ["name"]);
+        let error = Skill::from_skill_md(None, "---\nname: Bad--Name\n---\n", []).unwrap_err();
+        let paths: Vec<String> = error.issues.iter().map(|issue| issue.path.join(".")).collect();
+        assert_eq!(paths, ["description", "instructions", "name"]);
+        let error = Skill::from_skill_md(None, text, [("../escape", &b""[..])]).unwrap_err();
+        assert_eq!(error.issues[0].path, ["files", "../escape"]);
+        let error = Skill::from_skill_md(None, "no front matter", []).unwrap_err();
+        assert_eq!(error.issues[0].path, ["SKILL.md"]);
+    }
 }

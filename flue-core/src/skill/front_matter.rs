@@ -1,0 +1,228 @@
+//! `SKILL.md`: YAML front matter between `---` lines, then the markdown body (the
+//! instructions). The front matter is read as the Agent Skills format uses YAML: a mapping of
+//! scalar fields (plain, single- or double-quoted, or `|` / `>` block scalars) and a
+//! one-level `metadata` mapping of strings. Unknown fields are ignored; anything else YAML
+//! allows (anchors, flow collections, nested mappings) is refused with its line.
+
+use std::collections::BTreeMap;
+
+/// The parsed document: top-level scalars, the `metadata` mapping, and the body.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct SkillMarkdown {
+    pub(crate) fields: BTreeMap<String, String>,
+    pub(crate) metadata: BTreeMap<String, String>,
+    pub(crate) body: String,
+}
+
+/// Splits and parses `text`; the error says what is wrong and on which line.
+pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let mut lines = text.lines();
+    if lines.next().map(str::trim_end) != Some("---") {
+        return Err("SKILL.md must start with a front matter block opened by a `---` line.".into());
+    }
+    let mut front = Vec::new();
+    let mut closed = false;
+    for line in lines.by_ref() {
+        if line.trim_end() == "---" {
+            closed = true;
+            break;
+        }
+        front.push(line);
+    }
+    if !closed {
+        return Err("SKILL.md front matter is not closed by a `---` line.".into());
+    }
+    let body = lines.collect::<Vec<_>>().join("\n");
+    let mut document = SkillMarkdown {
+        body: body.trim().to_owned(),
+        ..SkillMarkdown::default()
+    };
+    let mut index = 0;
+    while index < front.len() {
+        let line = front[index];
+        let number = index + 2; // 1-based, after the opening `---`
+        index += 1;
+        if line.trim().is_empty() || line.trim_start().starts_with('#') {
+            continue;
+        }
+        if line.starts_with([' ', '\t']) {
+            return Err(format!("line {number}: unexpected indentation."));
+        }
+        let (key, rest) = split_key(line).ok_or_else(|| format!("line {number}: expected `key: value`."))?;
+        let rest = strip_comment(rest).trim();
+        if key == "metadata" && rest.is_empty() {
+            while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
+                let entry = front[index];
+                let number = index + 2;
+                index += 1;
+                if entry.trim().is_empty() || entry.trim_start().starts_with('#') {
+                    continue;
+                }
+                let (name, value) = split_key(entry.trim_start())
+                    .ok_or_else(|| format!("line {number}: expected `key: value` under metadata."))?;
+                let value = scalar(strip_comment(value).trim(), number)?;
+                document.metadata.insert(unquote_key(name, number)?, value);
+            }
+            continue;
+        }
+        let value = if rest == "|" || rest == ">" || rest == "|-" || rest == ">-" {
+            let mut block = Vec::new();
+            while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
+                block.push(front[index].trim());
+                index += 1;
+            }
+            let joined = if rest.starts_with('|') {
+                block.join("\n")
+            } else {
+                fold(&block)
+            };
+            joined.trim_end().to_owned()
+        } else {
+            let mut value = scalar(rest, number)?;
+            // A plain scalar may continue on indented lines (folded with spaces).
+            if !rest.starts_with(['"', '\'']) {
+                while index < front.len() && front[index].starts_with([' ', '\t']) && !front[index].trim().is_empty() {
+                    value.push(' ');
+                    value.push_str(front[index].trim());
+                    index += 1;
+                }
+            }
+            value
+        };
+        document.fields.insert(unquote_key(key, number)?, value);
+    }
+    Ok(document)
+}
+
+fn split_key(line: &str) -> Option<(&str, &str)> {
+    let (key, rest) = line.split_once(':')?;
+    (!key.trim().is_empty() && (rest.is_empty() || rest.starts_with([' ', '\t']))).then(|| (key.trim(), rest))
+}
+
+fn unquote_key(key: &str, number: usize) -> Result<String, String> {
+    if key.starts_with(['"', '\'']) {
+        scalar(key, number)
+    } else {
+        Ok(key.to_owned())
+    }
+}
+
+/// Drops a ` #` comment outside quotes.
+fn strip_comment(value: &str) -> &str {
+    let trimmed = value.trim_start();
+    if trimmed.starts_with(['"', '\'']) {
+        return value;
+    }
+    match value.find(" #") {
+        Some(at) => &value[..at],
+        None => value,
+    }
+}
+
+/// Folds block lines: single newlines become spaces, blank lines paragraph breaks.
+fn fold(lines: &[&str]) -> String {
+    let mut out = String::new();
+    for line in lines {
+        if line.is_empty() {
+            out.push('\n');
+        } else {
+            if !out.is_empty() && !out.ends_with('\n') {
+                out.push(' ');
+            }
+            out.push_str(line);
+        }
+    }
+    out
+}
+
+fn scalar(value: &str, number: usize) -> Result<String, String> {
+    if let Some(inner) = value.strip_prefix('\'') {
+        let inner = inner
+            .strip_suffix('\'')
+            .ok_or_else(|| format!("line {number}: unterminated single-quoted string."))?;
+        return Ok(inner.replace("''", "'"));
+    }
+    if let Some(inner) = value.strip_prefix('"') {
+        let inner = inner
+            .strip_suffix('"')
+            .ok_or_else(|| format!("line {number}: unterminated double-quoted string."))?;
+        let mut out = String::with_capacity(inner.len());
+        let mut chars = inner.chars();
+        while let Some(c) = chars.next() {
+            if c != '\\' {
+                out.push(c);
+                continue;
+            }
+            match chars.next() {
+                Some('n') => out.push('\n'),
+                Some('t') => out.push('\t'),
+                Some('"') => out.push('"'),
+                Some('\\') => out.push('\\'),
+                Some('/') => out.push('/'),
+                other => {
+                    return Err(format!(
+                        "line {number}: unsupported escape `\\{}` in a double-quoted string.",
+                        other.map(String::from).unwrap_or_default()
+                    ));
+                }
+            }
+        }
+        return Ok(out);
+    }
+    if value.starts_with(['[', '{', '&', '*', '!']) {
+        return Err(format!(
+            "line {number}: only plain, quoted and block strings are supported in SKILL.md front matter."
+        ));
+    }
+    Ok(value.to_owned())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_scalars_quotes_blocks_and_metadata() {
+        let parsed = parse(
+            "---\nname: refunds\ndescription: \"Process a refund: \\\"fast\\\".\"\nlicense: 'It''s MIT'\ncompatibility: >\n  Needs network\n  access.\nmetadata:\n  author: ada\n  version: \"1.0\"\nallowed-tools: Bash(git:*) Read\nunknown: kept out # a comment\n---\n\nStep one.\n\nStep two.\n",
+        )
+        .unwrap();
+        assert_eq!(parsed.fields["name"], "refunds");
+        assert_eq!(parsed.fields["description"], "Process a refund: \"fast\".");
+        assert_eq!(parsed.fields["license"], "It's MIT");
+        assert_eq!(parsed.fields["compatibility"], "Needs network access.");
+        assert_eq!(parsed.fields["allowed-tools"], "Bash(git:*) Read");
+        assert_eq!(parsed.fields["unknown"], "kept out");
+        assert_eq!(parsed.metadata["author"], "ada");
+        assert_eq!(parsed.metadata["version"], "1.0");
+        assert_eq!(parsed.body, "Step one.\n\nStep two.");
+    }
+
+    #[test]
+    fn a_literal_block_keeps_its_lines_and_a_plain_scalar_continues() {
+        let parsed = parse("---\ndescription: |\n  one\n  two\nname: long\n  name\n---\nbody").unwrap();
+        assert_eq!(parsed.fields["description"], "one\ntwo");
+        assert_eq!(parsed.fields["name"], "long name");
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_read_with_the_line() {
+        assert!(parse("name: x\n---\n").unwrap_err().contains("must start"));
+        assert!(parse("---\nname: x\n").unwrap_err().contains("not closed"));
+        assert_eq!(
+            parse("---\nname: [a, b]\n---\n").unwrap_err(),
+            "line 2: only plain, quoted and block strings are supported in SKILL.md front matter."
+        );
+        assert_eq!(
+            parse("---\nname: x\n  indented: y\nno colon here\n---\n").unwrap_err(),
+            "line 4: expected `key: value`."
+        );
+        assert!(
+            parse("---\nname: \"open\n---\n")
+                .unwrap_err()
+                .contains("line 2: unterminated")
+        );
+    }
+}
