@@ -24,6 +24,7 @@ pub mod http;
 pub mod lifecycle;
 pub mod provider;
 pub mod record;
+pub mod resources;
 mod runtime;
 mod session;
 mod skills;

@@ -202,6 +202,15 @@ pub enum RecordBody {
         /// Value.
         value: Value,
     },
+    /// The resources last narrated to the model (see `resources`); the first one also freezes
+    /// the system prompt's skill catalog and agent roster (`baseline`).
+    ResourceSnapshot {
+        /// What the model was told about.
+        snapshot: crate::resources::ResourceSet,
+        /// The frozen system prompt sections (first snapshot only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        baseline: Option<String>,
+    },
     /// The `after_thread_created` hooks ran (the thread's first execution; written with its
     /// first input, so a re-attempt does not run them again).
     ThreadCreatedHooksRan,

@@ -438,7 +438,8 @@ impl Projection {
             | RecordBody::AgentStartRun
             | RecordBody::AgentFinishCycle
             | RecordBody::ThreadValueSet { .. }
-            | RecordBody::ThreadCreatedHooksRan => {}
+            | RecordBody::ThreadCreatedHooksRan
+            | RecordBody::ResourceSnapshot { .. } => {}
         }
     }
 

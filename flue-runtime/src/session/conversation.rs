@@ -31,6 +31,10 @@ pub(crate) struct Conversation {
     pub(crate) values: HashMap<String, Value>,
     /// Whether the `after_thread_created` hooks ran.
     pub(crate) thread_created_hooks_ran: bool,
+    /// The resources last narrated to the model.
+    pub(crate) resources: Option<crate::resources::ResourceSet>,
+    /// The system prompt sections frozen by the first snapshot.
+    pub(crate) baseline_sections: Option<String>,
     /// Whether rows were deleted: the history may hold calls without results (or the other
     /// way round), which `model_messages` then drops.
     edited: bool,
@@ -433,6 +437,12 @@ impl Conversation {
                 }
             }
             RecordBody::ThreadCreatedHooksRan => self.thread_created_hooks_ran = true,
+            RecordBody::ResourceSnapshot { snapshot, baseline } => {
+                if self.resources.is_none() {
+                    self.baseline_sections.clone_from(baseline);
+                }
+                self.resources = Some(snapshot.clone());
+            }
             RecordBody::AgentStartRun
             | RecordBody::AgentFinishCycle
             | RecordBody::MessageDataWrite { .. }

@@ -279,7 +279,8 @@ impl Response<'_> {
     ) -> Result<crate::provider::ModelResponse, Failure> {
         let text = blocked.0.message;
         let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
-        let records = vec![
+        let mut records: Vec<Record> = self.first_snapshot.take().into_iter().collect();
+        records.extend([
             self.record(RecordBody::AssistantMessageStarted {
                 message_id: message_id.clone(),
                 model: spec.to_owned(),
@@ -291,7 +292,7 @@ impl Response<'_> {
                 stop_reason: StopReason::HookBlocked,
                 usage: Default::default(),
             }),
-        ];
+        ]);
         self.commit(records, false).await?;
         Ok(crate::provider::ModelResponse {
             text,

@@ -9,6 +9,7 @@ mod binding;
 mod conversation;
 mod deadline;
 mod lifecycle;
+mod narration;
 mod observation;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -398,6 +399,7 @@ impl InstanceSlot {
             execution,
             model_spec: None,
             framework_sections: None,
+            first_snapshot: None,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -655,6 +657,8 @@ struct Response<'a> {
     model_spec: Option<(String, ThinkingLevel)>,
     /// The system prompt sections the latest render's skills and delegates add.
     framework_sections: Option<String>,
+    /// The conversation's first resource snapshot, committed with the step it was taken for.
+    first_snapshot: Option<Record>,
 }
 
 impl Response<'_> {
@@ -1330,9 +1334,10 @@ impl Response<'_> {
     ) -> Result<(ModelResponse, String), Failure> {
         self.load_images().await?;
         let message_id = new_id("msg");
+        let sections = self.narrate_resources(rendered).await?;
         let system = crate::framework::system(
             rendered.instruction.as_ref().map(|text| text.to_string()),
-            self.framework_sections.as_deref(),
+            sections.as_deref(),
         );
         let (system, messages) = match self.request(system).await {
             Ok(request) => request,
@@ -1399,11 +1404,12 @@ impl Response<'_> {
             .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut row_updates)
             .await;
         let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
-        let mut records = vec![self.record(RecordBody::AssistantMessageStarted {
+        let mut records: Vec<Record> = self.first_snapshot.take().into_iter().collect();
+        records.push(self.record(RecordBody::AssistantMessageStarted {
             message_id: message_id.clone(),
             model: spec.to_owned(),
             response_metadata,
-        })];
+        }));
         for call in &response.tool_calls {
             records.push(self.record(RecordBody::AssistantToolCall {
                 message_id: message_id.clone(),

@@ -1,0 +1,306 @@
+//! Dynamic resources: tools, skills and delegates may be declared conditionally, so what the
+//! model can use changes between renders. The system prompt's skill catalog and agent roster
+//! stay frozen on a durable baseline (the first render's; no prompt rewrite, so the provider's
+//! prompt cache survives); each render's declared sets are compared with the last narrated
+//! snapshot, and changes reach the model as signals before its next call:
+//!
+//! - `resources` (attribute `resource` = `tool`, `skill` or `subagent`), one per changed kind:
+//!   added entries as catalog lines (`- **name** — description`), removals and updates as one
+//!   line each, and last the full current roster (`All available skills: a, b`);
+//! - `instructions`, body `System instructions updated.`, when the composed instruction text
+//!   changed (the live system prompt already carries it; the signal marks when).
+//!
+//! The snapshot is a record (`resource_snapshot`) committed with the narration — or, the first
+//! time, with the first model step (no extra durability point). Framework tools (`task`,
+//! `activate_skill`, `read_skill_resource`) follow their kinds and are not narrated themselves.
+//! Narration never moves the `use_delivery` cursor.
+
+use std::collections::BTreeMap;
+
+use flue_core::Tool;
+use flue_core::render::Rendered;
+use flue_core::skill::Skill;
+use flue_core::subagent::Subagent;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// A narrated snapshot: each kind's entries (name → digest of what the model reads of it) and
+/// the instruction text's digest.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceSet {
+    /// Tools the agent mounts (framework tools excluded).
+    #[serde(default)]
+    pub tools: BTreeMap<String, String>,
+    /// Mounted skills.
+    #[serde(default)]
+    pub skills: BTreeMap<String, String>,
+    /// Offered delegates.
+    #[serde(default)]
+    pub subagents: BTreeMap<String, String>,
+    /// The composed instruction's digest.
+    #[serde(default)]
+    pub instructions: String,
+}
+
+fn digest(parts: &[&str]) -> String {
+    let mut hasher = Sha256::new();
+    for part in parts {
+        hasher.update((part.len() as u64).to_le_bytes());
+        hasher.update(part.as_bytes());
+    }
+    let bytes = hasher.finalize();
+    bytes[..12].iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// What one render declares, with the descriptions narration quotes.
+pub(crate) struct Declared<'a> {
+    tools: &'a [Tool],
+    skills: &'a [Skill],
+    subagents: Vec<Subagent>,
+    instruction: &'a str,
+}
+
+impl<'a> Declared<'a> {
+    /// The render's own declarations (before the framework mounts its tools).
+    pub(crate) fn of(rendered: &'a Rendered) -> Self {
+        // The framework's tools come last (see `framework::mount`) and are not the agent's.
+        let own = rendered
+            .tools
+            .iter()
+            .position(|tool| flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()))
+            .unwrap_or(rendered.tools.len());
+        Self {
+            tools: &rendered.tools[..own],
+            skills: &rendered.skills,
+            subagents: crate::subagents::offered(rendered),
+            instruction: rendered.instruction.as_deref().unwrap_or(""),
+        }
+    }
+
+    /// The snapshot of these declarations.
+    pub(crate) fn snapshot(&self) -> ResourceSet {
+        ResourceSet {
+            tools: self
+                .tools
+                .iter()
+                .map(|tool| {
+                    let schema = tool.input_schema().shared_json().to_string();
+                    let digest = digest(&[&tool.definition().description, &schema]);
+                    (tool.name().to_owned(), digest)
+                })
+                .collect(),
+            skills: self
+                .skills
+                .iter()
+                .map(|skill| (skill.name().to_owned(), digest(&[skill.description()])))
+                .collect(),
+            subagents: self
+                .subagents
+                .iter()
+                .map(|subagent| (subagent.name().to_owned(), digest(&[subagent.description()])))
+                .collect(),
+            instructions: digest(&[self.instruction]),
+        }
+    }
+
+    fn description(&self, kind: Kind, name: &str) -> String {
+        match kind {
+            Kind::Tool => self
+                .tools
+                .iter()
+                .find(|tool| tool.name() == name)
+                .map(|tool| tool.definition().description.to_string()),
+            Kind::Skill => self
+                .skills
+                .iter()
+                .find(|skill| skill.name() == name)
+                .map(|skill| skill.description().to_owned()),
+            Kind::Subagent => self
+                .subagents
+                .iter()
+                .find(|subagent| subagent.name() == name)
+                .map(|subagent| subagent.description().to_owned()),
+        }
+        .unwrap_or_default()
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Tool,
+    Skill,
+    Subagent,
+}
+
+impl Kind {
+    fn attribute(self) -> &'static str {
+        match self {
+            Self::Tool => "tool",
+            Self::Skill => "skill",
+            Self::Subagent => "subagent",
+        }
+    }
+
+    /// The word the model reads (delegates are "agents", as in the roster).
+    fn words(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Tool => ("tool", "tools"),
+            Self::Skill => ("skill", "skills"),
+            Self::Subagent => ("agent", "agents"),
+        }
+    }
+}
+
+/// A narration signal: its type, `resource` attribute (for `resources`) and body.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Narration {
+    pub(crate) signal_type: &'static str,
+    pub(crate) resource: Option<&'static str>,
+    pub(crate) body: String,
+}
+
+/// The signals that take the model from `previous` to what `declared` declares.
+pub(crate) fn narrate(previous: &ResourceSet, current: &ResourceSet, declared: &Declared<'_>) -> Vec<Narration> {
+    let mut signals = Vec::new();
+    for (kind, before, after) in [
+        (Kind::Tool, &previous.tools, &current.tools),
+        (Kind::Skill, &previous.skills, &current.skills),
+        (Kind::Subagent, &previous.subagents, &current.subagents),
+    ] {
+        let added: Vec<&String> = after.keys().filter(|name| !before.contains_key(*name)).collect();
+        let removed: Vec<&String> = before.keys().filter(|name| !after.contains_key(*name)).collect();
+        let updated: Vec<&String> = after
+            .iter()
+            .filter(|(name, digest)| before.get(*name).is_some_and(|old| old != *digest))
+            .map(|(name, _)| name)
+            .collect();
+        if added.is_empty() && removed.is_empty() && updated.is_empty() {
+            continue;
+        }
+        let (singular, plural) = kind.words();
+        let mut lines = Vec::new();
+        if !added.is_empty() {
+            lines.push(if added.len() == 1 {
+                format!("New {singular} available:")
+            } else {
+                format!("New {plural} available:")
+            });
+            for name in &added {
+                lines.push(catalog_line(name, &declared.description(kind, name)));
+            }
+        }
+        for name in &removed {
+            lines.push(format!("The {singular} \"{name}\" was removed."));
+        }
+        for name in &updated {
+            match kind {
+                // The tools array carries a tool's new description and schema.
+                Kind::Tool => lines.push(format!("The tool \"{name}\" changed.")),
+                _ => {
+                    lines.push(format!("The {singular} \"{name}\" changed:"));
+                    lines.push(catalog_line(name, &declared.description(kind, name)));
+                }
+            }
+        }
+        let roster: Vec<&str> = after.keys().map(String::as_str).collect();
+        lines.push(format!(
+            "All available {plural}: {}",
+            if roster.is_empty() {
+                "(none)".to_owned()
+            } else {
+                roster.join(", ")
+            }
+        ));
+        signals.push(Narration {
+            signal_type: "resources",
+            resource: Some(kind.attribute()),
+            body: lines.join("\n"),
+        });
+    }
+    if previous.instructions != current.instructions {
+        signals.push(Narration {
+            signal_type: "instructions",
+            resource: None,
+            body: "System instructions updated.".to_owned(),
+        });
+    }
+    signals
+}
+
+fn catalog_line(name: &str, description: &str) -> String {
+    if description.is_empty() {
+        format!("- **{name}**")
+    } else {
+        format!("- **{name}** — {description}")
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    fn set(tools: &[(&str, &str)], skills: &[(&str, &str)]) -> ResourceSet {
+        ResourceSet {
+            tools: tools.iter().map(|(n, d)| ((*n).to_owned(), (*d).to_owned())).collect(),
+            skills: skills.iter().map(|(n, d)| ((*n).to_owned(), (*d).to_owned())).collect(),
+            subagents: BTreeMap::new(),
+            instructions: "i".into(),
+        }
+    }
+
+    #[test]
+    fn one_signal_per_changed_kind_ending_in_the_full_roster() {
+        let skills = [
+            Skill::new("faq", "Answers FAQs.", "x").unwrap(),
+            Skill::new("refunds", "Processes refunds.", "x").unwrap(),
+        ];
+        let declared = Declared {
+            tools: &[],
+            skills: &skills,
+            subagents: Vec::new(),
+            instruction: "",
+        };
+        let before = set(&[("lookup", "1"), ("search", "1")], &[("faq", "1")]);
+        let after = set(&[("search", "2")], &[("faq", "1"), ("refunds", "1")]);
+        let signals = narrate(&before, &after, &declared);
+        assert_eq!(
+            signals,
+            [
+                Narration {
+                    signal_type: "resources",
+                    resource: Some("tool"),
+                    body: "The tool \"lookup\" was removed.\nThe tool \"search\" changed.\nAll available tools: search"
+                        .into(),
+                },
+                Narration {
+                    signal_type: "resources",
+                    resource: Some("skill"),
+                    body:
+                        "New skill available:\n- **refunds** — Processes refunds.\nAll available skills: faq, refunds"
+                            .into(),
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn an_instruction_change_is_marked_and_nothing_else_says_nothing() {
+        let declared = Declared {
+            tools: &[],
+            skills: &[],
+            subagents: Vec::new(),
+            instruction: "",
+        };
+        let before = set(&[], &[]);
+        assert!(narrate(&before, &before.clone(), &declared).is_empty());
+        let mut after = before.clone();
+        after.instructions = "j".into();
+        let signals = narrate(&before, &after, &declared);
+        assert_eq!(signals.len(), 1);
+        assert_eq!(
+            (signals[0].signal_type, signals[0].body.as_str()),
+            ("instructions", "System instructions updated.")
+        );
+    }
+}

@@ -1,0 +1,140 @@
+//! Dynamic resources: conditional tools, skills and delegates are narrated to the model as
+//! `resources` signals, instruction changes as an `instructions` signal, and the system
+//! prompt's catalogs stay on the frozen baseline (issue 8, item 4).
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{ModelMessage, ProviderRegistry};
+use flue_runtime::record::RecordBody;
+use flue_runtime::store::{InstanceKey, MemoryStore};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeOptions};
+use serde_json::json;
+
+fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .agent(agent)
+        .build()
+        .unwrap()
+}
+
+/// Issue a refund.
+#[tool]
+async fn issue_refund(
+    /// The order
+    order: String,
+) -> String {
+    format!("refunded {order}")
+}
+
+#[agent]
+fn phased() -> String {
+    use_model("scripted/x");
+    let (unlocked, set_unlocked) = use_persistent_state("unlocked", false);
+    use_tool(Tool::new("unlock").description("Unlocks the refund tools.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_unlocked = set_unlocked.clone();
+            async move {
+                set_unlocked
+                    .set(true)
+                    .map_err(|error| ToolError::new(error.to_string()))?;
+                Ok::<_, ToolError>("unlocked")
+            }
+        },
+    ));
+    if unlocked {
+        use_tool(issue_refund);
+        use_skill(Skill::new("refunds", "Processes refunds.", "Check the order, then refund.").unwrap());
+        "You handle refunds now.".to_owned()
+    } else {
+        "You answer questions.".to_owned()
+    }
+}
+
+#[tokio::test]
+async fn a_flip_mid_response_is_narrated_before_the_next_call_and_the_catalog_stays_frozen() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("unlock", json!({})),
+        ScriptedReply::text("Refunds are open."),
+    ]);
+    let runtime = runtime_with(&model, phased);
+    runtime.init(&phased, "p").send("Unlock refunds.").await.unwrap();
+    let requests = model.requests();
+    // The first call: one tool, no skills, the first instruction.
+    assert_eq!(requests[0].system.as_deref(), Some("You answer questions."));
+    // The second call: the new instruction is live; the skill catalog is not in the prompt
+    // (the baseline had none) — the signals tell the model instead.
+    assert_eq!(requests[1].system.as_deref(), Some("You handle refunds now."));
+    let tools: Vec<&str> = requests[1].tools.iter().map(|tool| tool.name.as_str()).collect();
+    assert_eq!(tools, ["unlock", "issue_refund", "activate_skill"]);
+    let signals: Vec<&str> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::User { content, .. } if content.starts_with('<') => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        signals,
+        [
+            "<signal type=\"resources\" resource=\"tool\">\nNew tool available:\n- **issue_refund** — Issue a refund.\nAll available tools: issue_refund, unlock\n</signal>",
+            "<signal type=\"resources\" resource=\"skill\">\nNew skill available:\n- **refunds** — Processes refunds.\nAll available skills: refunds\n</signal>",
+            "<signal type=\"instructions\">\nSystem instructions updated.\n</signal>",
+        ]
+    );
+    // Narrated once: a third call would see no new signal (the snapshot is durable).
+    let bodies: Vec<RecordBody> = runtime
+        .store()
+        .read(&InstanceKey::new("phased", "p"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
+        .collect();
+    let snapshots = bodies
+        .iter()
+        .filter(|body| matches!(body, RecordBody::ResourceSnapshot { .. }))
+        .count();
+    assert_eq!(snapshots, 2, "the baseline, then the narrated change");
+}
+
+static DEPLOYED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[agent]
+fn redeployed() -> &'static str {
+    use_model("scripted/x");
+    // A redeploy between responses adds a tool.
+    if DEPLOYED.load(std::sync::atomic::Ordering::SeqCst) {
+        use_tool(issue_refund);
+    }
+    "You help."
+}
+
+#[tokio::test]
+async fn a_change_between_responses_is_narrated_before_the_next_responses_first_call() {
+    let model = ScriptedModel::new([ScriptedReply::text("Hello."), ScriptedReply::text("I can refund now.")]);
+    let runtime = runtime_with(&model, redeployed);
+    let handle = runtime.init(&redeployed, "r");
+    handle.send("Hi.").await.unwrap();
+    DEPLOYED.store(true, std::sync::atomic::Ordering::SeqCst);
+    handle.send("Can you refund?").await.unwrap();
+    let requests = model.requests();
+    assert!(requests[0].tools.is_empty());
+    // The second response's first call: the user message, then the narration before the call.
+    let last = requests[1].messages.last().unwrap();
+    assert_eq!(
+        last,
+        &ModelMessage::user(
+            "<signal type=\"resources\" resource=\"tool\">\nNew tool available:\n- **issue_refund** — Issue a refund.\nAll available tools: issue_refund\n</signal>"
+        )
+    );
+}
