@@ -198,6 +198,15 @@ impl Tool {
         &self.handler().definition().name
     }
 
+    /// The address of the tool's handler: equal for clones of one tool (and for every mount of
+    /// a `#[tool]` item), different for separately built tools. A cheap identity for caches.
+    pub fn identity(&self) -> usize {
+        match &self.0 {
+            Repr::Static(handler) => std::ptr::from_ref::<dyn ToolHandler>(*handler).cast::<()>() as usize,
+            Repr::Shared(handler) => Arc::as_ptr(handler).cast::<()>() as usize,
+        }
+    }
+
     /// The tool's definition.
     pub fn definition(&self) -> &ToolDefinition {
         self.handler().definition()

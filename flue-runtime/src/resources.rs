@@ -43,13 +43,49 @@ pub struct ResourceSet {
 }
 
 fn digest(parts: &[&str]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut hasher = Sha256::new();
     for part in parts {
         hasher.update((part.len() as u64).to_le_bytes());
         hasher.update(part.as_bytes());
     }
     let bytes = hasher.finalize();
-    bytes[..12].iter().map(|byte| format!("{byte:02x}")).collect()
+    let mut hex = String::with_capacity(24);
+    for byte in &bytes[..12] {
+        hex.push(char::from(HEX[usize::from(byte >> 4)]));
+        hex.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
+    hex
+}
+
+/// A cheap fingerprint of what a render declares — the identities of its tools and skills, its
+/// delegates' names and descriptions, its instruction — equal for two renders whose snapshots
+/// are equal (tools and skills are compared by identity, so rebuilt ones only cost a fresh
+/// snapshot). No allocation.
+pub(crate) fn fingerprint(rendered: &Rendered) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    // Framework tools are rebuilt each render and follow the skills and delegates hashed below.
+    for tool in rendered
+        .tools
+        .iter()
+        .filter(|tool| !flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()))
+    {
+        tool.identity().hash(&mut hasher);
+    }
+    0xff_u8.hash(&mut hasher);
+    for skill in &rendered.skills {
+        skill.identity().hash(&mut hasher);
+    }
+    0xfe_u8.hash(&mut hasher);
+    for subagent in &rendered.subagents {
+        subagent.name().hash(&mut hasher);
+        subagent.description().hash(&mut hasher);
+        subagent.is_hidden().hash(&mut hasher);
+        subagent.optional_flag().hash(&mut hasher);
+    }
+    rendered.instruction.as_deref().hash(&mut hasher);
+    hasher.finish()
 }
 
 /// What one render declares, with the descriptions narration quotes.

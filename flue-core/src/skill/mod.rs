@@ -100,6 +100,12 @@ impl Skill {
         })
     }
 
+    /// The address of the skill's definition: equal for clones of one skill. A cheap identity
+    /// for caches.
+    pub fn identity(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     /// The skill's name.
     pub fn name(&self) -> &str {
         &self.inner.name

@@ -400,6 +400,7 @@ impl InstanceSlot {
             model_spec: None,
             framework_sections: None,
             first_snapshot: None,
+            declared: None,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -659,6 +660,8 @@ struct Response<'a> {
     framework_sections: Option<String>,
     /// The conversation's first resource snapshot, committed with the step it was taken for.
     first_snapshot: Option<Record>,
+    /// The latest render's fingerprint and resource snapshot (reused while renders repeat).
+    declared: Option<(u64, crate::resources::ResourceSet)>,
 }
 
 impl Response<'_> {
@@ -1334,11 +1337,12 @@ impl Response<'_> {
     ) -> Result<(ModelResponse, String), Failure> {
         self.load_images().await?;
         let message_id = new_id("msg");
-        let sections = self.narrate_resources(rendered).await?;
-        let system = crate::framework::system(
-            rendered.instruction.as_ref().map(|text| text.to_string()),
-            sections.as_deref(),
-        );
+        let sections = if self.narrate_resources(rendered).await? {
+            self.conversation.baseline_sections.as_deref()
+        } else {
+            self.framework_sections.as_deref()
+        };
+        let system = crate::framework::system(rendered.instruction.as_ref().map(|text| text.to_string()), sections);
         let (system, messages) = match self.request(system).await {
             Ok(request) => request,
             Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),

@@ -11,42 +11,52 @@ use crate::record::{RecordBody, new_id};
 use crate::resources::{Declared, narrate};
 
 impl Response<'_> {
-    /// Narrates what changed since the last snapshot; returns the system prompt sections to
-    /// use (the frozen baseline once there is one). The first snapshot waits in
-    /// `first_snapshot` to be committed with the step.
-    pub(super) async fn narrate_resources(&mut self, rendered: &Rendered) -> Result<Option<String>, Failure> {
-        let declared = Declared::of(rendered);
-        let current = declared.snapshot();
-        let Some(previous) = self.conversation.resources.clone() else {
-            self.first_snapshot = Some(self.record(RecordBody::ResourceSnapshot {
-                snapshot: current,
-                baseline: self.framework_sections.clone(),
-            }));
-            return Ok(self.framework_sections.clone());
+    /// Narrates what changed since the last snapshot; returns whether the system prompt uses
+    /// the frozen baseline sections (else this render's, for a conversation's first snapshot,
+    /// which waits in `first_snapshot` to be committed with the step).
+    pub(super) async fn narrate_resources(&mut self, rendered: &Rendered) -> Result<bool, Failure> {
+        // A render declaring what the previous one did has its snapshot already.
+        let fingerprint = crate::resources::fingerprint(rendered);
+        let current = match self.declared.take() {
+            Some((seen, snapshot)) if seen == fingerprint => snapshot,
+            _ => Declared::of(rendered).snapshot(),
         };
-        if previous != current {
-            let mut records: Vec<_> = narrate(&previous, &current, &declared)
-                .into_iter()
-                .map(|narration| {
-                    let mut attributes = BTreeMap::new();
-                    if let Some(resource) = narration.resource {
-                        attributes.insert("resource".to_owned(), resource.to_owned());
-                    }
-                    self.record(RecordBody::Signal {
-                        message_id: new_id("msg"),
-                        signal_type: narration.signal_type.to_owned(),
-                        body: narration.body,
-                        attributes,
-                        tag_name: None,
+        let outcome = match &self.conversation.resources {
+            None => {
+                self.first_snapshot = Some(self.record(RecordBody::ResourceSnapshot {
+                    snapshot: current.clone(),
+                    baseline: self.framework_sections.clone(),
+                }));
+                false
+            }
+            Some(previous) if *previous == current => true,
+            Some(previous) => {
+                let narrations = narrate(previous, &current, &Declared::of(rendered));
+                let mut records: Vec<_> = narrations
+                    .into_iter()
+                    .map(|narration| {
+                        let mut attributes = BTreeMap::new();
+                        if let Some(resource) = narration.resource {
+                            attributes.insert("resource".to_owned(), resource.to_owned());
+                        }
+                        self.record(RecordBody::Signal {
+                            message_id: new_id("msg"),
+                            signal_type: narration.signal_type.to_owned(),
+                            body: narration.body,
+                            attributes,
+                            tag_name: None,
+                        })
                     })
-                })
-                .collect();
-            records.push(self.record(RecordBody::ResourceSnapshot {
-                snapshot: current,
-                baseline: None,
-            }));
-            self.commit(records, false).await?;
-        }
-        Ok(self.conversation.baseline_sections.clone())
+                    .collect();
+                records.push(self.record(RecordBody::ResourceSnapshot {
+                    snapshot: current.clone(),
+                    baseline: None,
+                }));
+                self.commit(records, false).await?;
+                true
+            }
+        };
+        self.declared = Some((fingerprint, current));
+        Ok(outcome)
     }
 }
