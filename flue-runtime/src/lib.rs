@@ -26,6 +26,7 @@ pub mod provider;
 pub mod record;
 pub mod resources;
 mod runtime;
+pub mod sandbox;
 mod session;
 mod skills;
 pub mod store;

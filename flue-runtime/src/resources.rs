@@ -40,6 +40,9 @@ pub struct ResourceSet {
     /// The composed instruction's digest.
     #[serde(default)]
     pub instructions: String,
+    /// The sandbox's working directory while one is attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
 }
 
 fn digest(parts: &[&str]) -> String {
@@ -62,17 +65,15 @@ fn digest(parts: &[&str]) -> String {
 /// delegates' names and descriptions, its instruction — equal for two renders whose snapshots
 /// are equal (tools and skills are compared by identity, so rebuilt ones only cost a fresh
 /// snapshot). No allocation.
-pub(crate) fn fingerprint(rendered: &Rendered) -> u64 {
+pub(crate) fn fingerprint(rendered: &Rendered, own_tools: usize, environment: Option<&str>) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    // Framework tools are rebuilt each render and follow the skills and delegates hashed below.
-    for tool in rendered
-        .tools
-        .iter()
-        .filter(|tool| !flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()))
-    {
+    // The sandbox's and the framework's tools follow the agent's; the environment and the
+    // skills and delegates hashed below decide them.
+    for tool in rendered.tools.iter().take(own_tools) {
         tool.identity().hash(&mut hasher);
     }
+    environment.hash(&mut hasher);
     0xff_u8.hash(&mut hasher);
     for skill in &rendered.skills {
         skill.identity().hash(&mut hasher);
@@ -91,25 +92,25 @@ pub(crate) fn fingerprint(rendered: &Rendered) -> u64 {
 /// What one render declares, with the descriptions narration quotes.
 pub(crate) struct Declared<'a> {
     tools: &'a [Tool],
+    /// Every tool the model gets (the sandbox's and the framework's too).
+    all_tools: &'a [Tool],
     skills: &'a [Skill],
     subagents: Vec<Subagent>,
     instruction: &'a str,
+    environment: Option<&'a str>,
 }
 
 impl<'a> Declared<'a> {
-    /// The render's own declarations (before the framework mounts its tools).
-    pub(crate) fn of(rendered: &'a Rendered) -> Self {
-        // The framework's tools come last (see `framework::mount`) and are not the agent's.
-        let own = rendered
-            .tools
-            .iter()
-            .position(|tool| flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()))
-            .unwrap_or(rendered.tools.len());
+    /// The render's declarations: its first `own_tools` tools are the agent's (the sandbox's
+    /// and the framework's follow), `environment` the sandbox's working directory if attached.
+    pub(crate) fn of(rendered: &'a Rendered, own_tools: usize, environment: Option<&'a str>) -> Self {
         Self {
-            tools: &rendered.tools[..own],
+            tools: &rendered.tools[..own_tools.min(rendered.tools.len())],
+            all_tools: &rendered.tools,
             skills: &rendered.skills,
             subagents: crate::subagents::offered(rendered),
             instruction: rendered.instruction.as_deref().unwrap_or(""),
+            environment,
         }
     }
 
@@ -136,7 +137,52 @@ impl<'a> Declared<'a> {
                 .map(|subagent| (subagent.name().to_owned(), digest(&[subagent.description()])))
                 .collect(),
             instructions: digest(&[self.instruction]),
+            environment: self.environment.map(str::to_owned),
         }
+    }
+
+    /// The `environment` signal: the whole current surface, not a delta.
+    fn environment_body(&self) -> String {
+        let mut lines = vec![match self.environment {
+            Some(cwd) => format!(
+                "The execution environment (sandbox) changed. The working directory is now `{cwd}`. Do not rely on files or command results from before without checking them again."
+            ),
+            None => "The execution environment (sandbox) was detached: there are no file or shell tools any more."
+                .to_owned(),
+        }];
+        let tools: Vec<&str> = self.all_tools.iter().map(Tool::name).collect();
+        lines.push(format!(
+            "All available tools: {}",
+            if tools.is_empty() {
+                "(none)".to_owned()
+            } else {
+                tools.join(", ")
+            }
+        ));
+        for (label, entries) in [
+            (
+                "skills",
+                self.skills
+                    .iter()
+                    .map(|skill| catalog_line(skill.name(), skill.description()))
+                    .collect::<Vec<_>>(),
+            ),
+            (
+                "agents",
+                self.subagents
+                    .iter()
+                    .map(|subagent| catalog_line(subagent.name(), subagent.description()))
+                    .collect(),
+            ),
+        ] {
+            if entries.is_empty() {
+                lines.push(format!("All available {label}: (none)"));
+            } else {
+                lines.push(format!("All available {label}:"));
+                lines.extend(entries);
+            }
+        }
+        lines.join("\n")
     }
 
     fn description(&self, kind: Kind, name: &str) -> String {
@@ -198,11 +244,22 @@ pub(crate) struct Narration {
 /// The signals that take the model from `previous` to what `declared` declares.
 pub(crate) fn narrate(previous: &ResourceSet, current: &ResourceSet, declared: &Declared<'_>) -> Vec<Narration> {
     let mut signals = Vec::new();
-    for (kind, before, after) in [
-        (Kind::Tool, &previous.tools, &current.tools),
-        (Kind::Skill, &previous.skills, &current.skills),
-        (Kind::Subagent, &previous.subagents, &current.subagents),
-    ] {
+    let deltas = if previous.environment == current.environment {
+        &[
+            (Kind::Tool, &previous.tools, &current.tools),
+            (Kind::Skill, &previous.skills, &current.skills),
+            (Kind::Subagent, &previous.subagents, &current.subagents),
+        ][..]
+    } else {
+        // A full snapshot supersedes this boundary's deltas.
+        signals.push(Narration {
+            signal_type: "environment",
+            resource: None,
+            body: declared.environment_body(),
+        });
+        &[][..]
+    };
+    for &(kind, before, after) in deltas {
         let added: Vec<&String> = after.keys().filter(|name| !before.contains_key(*name)).collect();
         let removed: Vec<&String> = before.keys().filter(|name| !after.contains_key(*name)).collect();
         let updated: Vec<&String> = after
@@ -282,6 +339,7 @@ mod tests {
             skills: skills.iter().map(|(n, d)| ((*n).to_owned(), (*d).to_owned())).collect(),
             subagents: BTreeMap::new(),
             instructions: "i".into(),
+            environment: None,
         }
     }
 
@@ -293,9 +351,11 @@ mod tests {
         ];
         let declared = Declared {
             tools: &[],
+            all_tools: &[],
             skills: &skills,
             subagents: Vec::new(),
             instruction: "",
+            environment: None,
         };
         let before = set(&[("lookup", "1"), ("search", "1")], &[("faq", "1")]);
         let after = set(&[("search", "2")], &[("faq", "1"), ("refunds", "1")]);
@@ -324,9 +384,11 @@ mod tests {
     fn an_instruction_change_is_marked_and_nothing_else_says_nothing() {
         let declared = Declared {
             tools: &[],
+            all_tools: &[],
             skills: &[],
             subagents: Vec::new(),
             instruction: "",
+            environment: None,
         };
         let before = set(&[], &[]);
         assert!(narrate(&before, &before.clone(), &declared).is_empty());

@@ -14,11 +14,6 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::Value;
 
-/// Lines a `read_skill_resource` result holds at most.
-pub(crate) const MAX_READ_LINES: usize = 2000;
-/// Bytes a `read_skill_resource` result holds at most.
-pub(crate) const MAX_READ_BYTES: usize = 50 * 1024;
-
 const ACTIVATE_DESCRIPTION: &str = "Load the full instructions of one skill from \"Available Skills\" in the system prompt, before doing work that matches its description. Its supporting files stay unread until you read them with read_skill_resource.";
 
 const READ_DESCRIPTION: &str = "Read a supporting file of a skill (the paths are listed when the skill is activated).";
@@ -187,40 +182,10 @@ fn read(skills: &[Skill], args: &ReadArgs) -> ToolOutput {
             bytes.len()
         ));
     };
-    let lines: Vec<&str> = text.lines().collect();
-    let start = args.offset.unwrap_or(1).max(1) - 1;
-    if start >= lines.len() && !lines.is_empty() {
-        return ToolOutput::error(format!(
-            "Offset {} is past the end of \"{}\" ({} lines).",
-            start + 1,
-            args.path,
-            lines.len()
-        ));
+    match crate::sandbox::tools::line_window(text, args.offset, args.limit) {
+        Ok(window) => ToolOutput::text(window),
+        Err(message) => ToolOutput::error(format!("\"{}\": {message}", args.path)),
     }
-    let wanted = args.limit.unwrap_or(MAX_READ_LINES).min(MAX_READ_LINES);
-    let mut out = String::new();
-    let mut shown = 0;
-    for line in lines.iter().skip(start).take(wanted) {
-        if out.len() + line.len() + 1 > MAX_READ_BYTES {
-            break;
-        }
-        if shown > 0 {
-            out.push('\n');
-        }
-        out.push_str(line);
-        shown += 1;
-    }
-    let next = start + shown;
-    if next < lines.len() {
-        out.push_str(&format!(
-            "\n\n[Showing lines {}-{} of {}. Continue with offset {}.]",
-            start + 1,
-            next,
-            lines.len(),
-            next + 1
-        ));
-    }
-    ToolOutput::text(out)
 }
 
 #[cfg(test)]

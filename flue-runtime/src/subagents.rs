@@ -100,6 +100,8 @@ pub(crate) struct Delegation {
     pub(crate) signal: AbortSignal,
     /// Tasks running, by relationship (for `max_instances`).
     running: Mutex<HashMap<String, u32>>,
+    /// The parent's sandbox tools: children share the environment.
+    environment: Vec<Tool>,
 }
 
 impl Delegation {
@@ -126,7 +128,14 @@ impl Delegation {
             parent,
             signal,
             running: Mutex::default(),
+            environment: Vec::new(),
         }
+    }
+
+    /// Children work in the parent's sandbox, with these tools.
+    pub(crate) fn with_environment(mut self, tools: Vec<Tool>) -> Self {
+        self.environment = tools;
+        self
     }
 }
 
@@ -307,19 +316,34 @@ async fn child_session(
         chain::after_subagent_created(hooks, parent, &child).await;
     }
 
-    // The child's own skills and delegates (one level deeper).
+    // The parent's environment, then the child's own skills and delegates (one level deeper).
+    if let Some(taken) = rendered
+        .tools
+        .iter()
+        .find(|own| delegation.environment.iter().any(|tool| tool.name() == own.name()))
+    {
+        return Err(format!(
+            "The \"{}\" agent's tool \"{}\" clashes with a sandbox tool.",
+            subagent.name(),
+            taken.name()
+        ));
+    }
+    rendered.tools.extend(delegation.environment.iter().cloned());
     let sections = crate::framework::mount(&mut rendered, |nested| {
-        Some(Delegation::new(
-            runtime,
-            &delegation.key,
-            &delegation.submission_id,
-            nested,
-            model.clone(),
-            thinking,
-            delegation.depth + 1,
-            None,
-            delegation.signal.clone(),
-        ))
+        Some(
+            Delegation::new(
+                runtime,
+                &delegation.key,
+                &delegation.submission_id,
+                nested,
+                model.clone(),
+                thinking,
+                delegation.depth + 1,
+                None,
+                delegation.signal.clone(),
+            )
+            .with_environment(delegation.environment.clone()),
+        )
     });
     let system = crate::framework::system(
         rendered.instruction.as_ref().map(|text| text.to_string()),

@@ -401,6 +401,9 @@ impl InstanceSlot {
             framework_sections: None,
             first_snapshot: None,
             declared: None,
+            sandbox: None,
+            sandbox_present: false,
+            own_tools: 0,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -662,6 +665,13 @@ struct Response<'a> {
     first_snapshot: Option<Record>,
     /// The latest render's fingerprint and resource snapshot (reused while renders repeat).
     declared: Option<(u64, crate::resources::ResourceSet)>,
+    /// The submission's sandbox and its tools, once a render attached it.
+    sandbox: Option<(Arc<crate::sandbox::SandboxSession>, Vec<flue_core::Tool>)>,
+    /// Whether the latest render attaches the sandbox.
+    sandbox_present: bool,
+    /// How many of the latest render's tools are the agent's own (the sandbox's and the
+    /// framework's follow).
+    own_tools: usize,
 }
 
 impl Response<'_> {
@@ -807,7 +817,6 @@ impl Response<'_> {
                     None if !self.hooks.is_empty() => Some(self.thread_view()),
                     None => None,
                 };
-                self.mount_framework(&mut rendered);
                 if let Some(view) = view {
                     view.set_hooks(self.hooks.clone());
                     view.set_tools(&rendered.tools);
@@ -822,26 +831,94 @@ impl Response<'_> {
         }
     }
 
+    /// Makes a render ready for a model call: the sandbox (created the first time a render of
+    /// the submission attaches one; presence re-read every time) and its tools, then the
+    /// framework's tools and prompt sections.
+    async fn prepare(&mut self, rendered: &mut Rendered) -> Result<(), Failure> {
+        self.own_tools = rendered.tools.len();
+        self.sandbox_present = false;
+        if let Some(declaration) = &rendered.sandbox {
+            if self.sandbox.is_none() {
+                let sandbox = declaration
+                    .factory
+                    .create_sandbox(&self.key.id)
+                    .await
+                    .map_err(|error| {
+                        Failure::failed(
+                            "sandbox_unavailable",
+                            format!("[flue] The sandbox could not be created: {error}"),
+                        )
+                    })?;
+                let session =
+                    crate::sandbox::SandboxSession::new(sandbox, declaration.cwd.as_deref()).map_err(|error| {
+                        Failure::failed(
+                            "sandbox_unavailable",
+                            format!("[flue] The sandbox's working directory: {error}"),
+                        )
+                    })?;
+                let session = Arc::new(session);
+                let tools = declaration
+                    .factory
+                    .tools()
+                    .unwrap_or_else(|| crate::sandbox::tools::tools(&session));
+                self.sandbox = Some((session, tools));
+            }
+            let (_, tools) = self.sandbox.as_ref().expect("created above");
+            if let Some(taken) = rendered
+                .tools
+                .iter()
+                .find(|own| tools.iter().any(|tool| tool.name() == own.name()))
+            {
+                return Err(Failure::failed(
+                    "tool_name_conflict",
+                    format!(
+                        "[flue] The tool name \"{}\" is taken by the sandbox's tools; rename the agent's tool.",
+                        taken.name()
+                    ),
+                ));
+            }
+            rendered.tools.extend(tools.iter().cloned());
+            self.sandbox_present = true;
+        }
+        self.mount_framework(rendered);
+        if let Some(view) = &self.thread {
+            view.set_tools(&rendered.tools);
+        }
+        Ok(())
+    }
+
+    /// The sandbox's tools while a render attaches it (delegates share them).
+    fn environment_tools(&self) -> Vec<flue_core::Tool> {
+        match (&self.sandbox, self.sandbox_present) {
+            (Some((_, tools)), true) => tools.clone(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Mounts the framework tools (skills, delegation) and keeps the system prompt sections
     /// they add. Delegation waits for the submission's model, which delegates inherit.
     fn mount_framework(&mut self, rendered: &mut Rendered) {
         let model = self.model_spec.clone();
+        let environment = self.environment_tools();
         let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
         let (runtime, key, submission_id, signal) =
             (self.runtime, self.key, &self.submission.id, self.attempt.signal.clone());
         self.framework_sections = crate::framework::mount(rendered, |offered| {
             let (spec, thinking) = model?;
-            Some(crate::subagents::Delegation::new(
-                runtime,
-                key,
-                submission_id,
-                offered,
-                spec,
-                thinking,
-                0,
-                parent,
-                signal,
-            ))
+            Some(
+                crate::subagents::Delegation::new(
+                    runtime,
+                    key,
+                    submission_id,
+                    offered,
+                    spec,
+                    thinking,
+                    0,
+                    parent,
+                    signal,
+                )
+                .with_environment(environment),
+            )
         });
     }
 
@@ -927,7 +1004,8 @@ impl Response<'_> {
             if steps >= max_steps || self.execution.stopped() {
                 break;
             }
-            let rendered = self.render()?;
+            let mut rendered = self.render()?;
+            self.prepare(&mut rendered).await?;
             steps += 1;
             self.execution.count_step();
             let (response, message_id) = self

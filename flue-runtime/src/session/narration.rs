@@ -16,10 +16,15 @@ impl Response<'_> {
     /// which waits in `first_snapshot` to be committed with the step).
     pub(super) async fn narrate_resources(&mut self, rendered: &Rendered) -> Result<bool, Failure> {
         // A render declaring what the previous one did has its snapshot already.
-        let fingerprint = crate::resources::fingerprint(rendered);
+        let environment = match (&self.sandbox, self.sandbox_present) {
+            (Some((session, _)), true) => Some(session.cwd.clone()),
+            _ => None,
+        };
+        let environment = environment.as_deref();
+        let fingerprint = crate::resources::fingerprint(rendered, self.own_tools, environment);
         let current = match self.declared.take() {
             Some((seen, snapshot)) if seen == fingerprint => snapshot,
-            _ => Declared::of(rendered).snapshot(),
+            _ => Declared::of(rendered, self.own_tools, environment).snapshot(),
         };
         let outcome = match &self.conversation.resources {
             None => {
@@ -31,7 +36,7 @@ impl Response<'_> {
             }
             Some(previous) if *previous == current => true,
             Some(previous) => {
-                let narrations = narrate(previous, &current, &Declared::of(rendered));
+                let narrations = narrate(previous, &current, &Declared::of(rendered, self.own_tools, environment));
                 let mut records: Vec<_> = narrations
                     .into_iter()
                     .map(|narration| {

@@ -1,0 +1,117 @@
+//! Sandboxes: the environment an agent attaches with `use_sandbox`, and the six tools the
+//! model works in it with (`read`, `write`, `edit`, `bash`, `grep`, `glob`).
+//!
+//! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the runtime's
+//!   lifetime), no commands. [`local`]: a directory on the real filesystem, commands through
+//!   `sh -c`. Paths are sandbox paths — `/` is the root — and a path that leaves the root is
+//!   refused.
+//! - The factory runs once per submission (when the render first attaches the sandbox); the
+//!   working directory (`SandboxOptions::cwd`, default `/`) is submission-scoped, and the
+//!   tools' relative paths start there. Presence is re-read at every turn boundary: a render
+//!   that drops `use_sandbox` unmounts the tools, one that adds it mounts them, and the change
+//!   reaches the model as an `environment` signal.
+//! - Limits: `read` 2000 lines / 50 KB (from the start, with a continuation marker), `bash`
+//!   2000 lines / 50 KB (the end), `grep` 100 matches of at most 500 characters per line,
+//!   `glob` 1000 paths. Writes and edits of one file run one at a time.
+//! - Delegates share the parent's sandbox and its tools.
+
+mod local;
+pub(crate) mod tools;
+mod virtual_fs;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use flue_core::sandbox::{Sandbox, SandboxError};
+
+pub use local::{DEFAULT_COMMAND_TIMEOUT, LocalSandbox, LocalSandboxFactory};
+pub use virtual_fs::{VirtualSandbox, VirtualSandboxFactory};
+
+/// The in-memory sandbox: a filesystem per instance, no commands.
+pub fn virtual_sandbox() -> VirtualSandboxFactory {
+    VirtualSandboxFactory::default()
+}
+
+/// A directory on the real filesystem (created when missing), with commands.
+pub fn local(root: impl Into<std::path::PathBuf>) -> LocalSandboxFactory {
+    LocalSandboxFactory::new(root)
+}
+
+/// A sandbox path made absolute and normal (`.` and `..` resolved); `..` past the root is
+/// refused.
+pub(crate) fn normalize(path: &str) -> Result<String, SandboxError> {
+    if path.contains('\0') {
+        return Err(SandboxError::Io("a path cannot contain a NUL byte".into()));
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                if parts.pop().is_none() {
+                    return Err(SandboxError::OutsideRoot(path.to_owned()));
+                }
+            }
+            part => parts.push(part),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+/// `path` (relative to `cwd` unless absolute) as a sandbox path.
+pub(crate) fn join(cwd: &str, path: &str) -> Result<String, SandboxError> {
+    let joined = if path.starts_with('/') {
+        normalize(path)
+    } else {
+        normalize(&format!("{}/{path}", cwd.trim_end_matches('/')))
+    };
+    // Errors name the path as the caller gave it.
+    joined.map_err(|error| match error {
+        SandboxError::OutsideRoot(_) => SandboxError::OutsideRoot(path.to_owned()),
+        other => other,
+    })
+}
+
+/// One submission's environment: the sandbox, the working directory, and the per-file locks
+/// that serialize writes and edits.
+pub(crate) struct SandboxSession {
+    pub(crate) sandbox: Arc<dyn Sandbox>,
+    pub(crate) cwd: String,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl SandboxSession {
+    pub(crate) fn new(sandbox: Arc<dyn Sandbox>, cwd: Option<&str>) -> Result<Self, SandboxError> {
+        Ok(Self {
+            sandbox,
+            cwd: normalize(cwd.unwrap_or("/"))?,
+            locks: Mutex::default(),
+        })
+    }
+
+    /// The lock of one file (by normalized path).
+    pub(crate) fn lock_of(&self, path: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.locks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .entry(path.to_owned())
+            .or_default()
+            .clone()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_normalize_and_cannot_climb_out() {
+        assert_eq!(normalize("a/./b/../c").unwrap(), "/a/c");
+        assert_eq!(normalize("/").unwrap(), "/");
+        assert_eq!(join("/work", "notes.md").unwrap(), "/work/notes.md");
+        assert_eq!(join("/work", "/etc/x").unwrap(), "/etc/x");
+        assert!(matches!(normalize("../etc/passwd"), Err(SandboxError::OutsideRoot(_))));
+        assert!(matches!(join("/a", "../../x"), Err(SandboxError::OutsideRoot(_))));
+    }
+}

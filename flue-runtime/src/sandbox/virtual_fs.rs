@@ -1,0 +1,121 @@
+//! The in-memory environment: a filesystem per instance, kept for the runtime's lifetime (so a
+//! later submission of the instance finds its files), without command execution.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use flue_core::BoxFuture;
+use flue_core::sandbox::{DirEntry, ExecOutput, ExecRequest, Sandbox, SandboxError, SandboxFactory};
+
+use super::normalize;
+
+/// The in-memory sandbox factory (`flue_runtime::sandbox::virtual_sandbox()`).
+#[derive(Clone, Default)]
+pub struct VirtualSandboxFactory {
+    instances: Arc<Mutex<HashMap<String, Arc<VirtualSandbox>>>>,
+}
+
+impl SandboxFactory for VirtualSandboxFactory {
+    fn create_sandbox(&self, instance_id: &str) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>> {
+        let sandbox = self
+            .instances
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .entry(instance_id.to_owned())
+            .or_default()
+            .clone();
+        Box::pin(async move { Ok(sandbox as Arc<dyn Sandbox>) })
+    }
+}
+
+/// One instance's in-memory filesystem: files by normalized absolute path (directories are
+/// implied by the files under them, plus those made explicit by writes).
+#[derive(Default)]
+pub struct VirtualSandbox {
+    files: Mutex<BTreeMap<String, Vec<u8>>>,
+}
+
+impl VirtualSandbox {
+    fn files(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<u8>>> {
+        self.files.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Sandbox for VirtualSandbox {
+    fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
+        let result =
+            normalize(path).and_then(|path| self.files().get(&path).cloned().ok_or(SandboxError::NotFound(path)));
+        Box::pin(std::future::ready(result))
+    }
+
+    fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+        let result = normalize(path).and_then(|path| {
+            if path == "/" {
+                return Err(SandboxError::Io("cannot write to the root directory".into()));
+            }
+            let mut files = self.files();
+            let prefix = format!("{path}/");
+            if files.keys().any(|existing| existing.starts_with(&prefix)) {
+                return Err(SandboxError::Io(format!("{path} is a directory")));
+            }
+            files.insert(path, contents);
+            Ok(())
+        });
+        Box::pin(std::future::ready(result))
+    }
+
+    fn remove(&self, path: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+        let result =
+            normalize(path).and_then(|path| self.files().remove(&path).map(drop).ok_or(SandboxError::NotFound(path)));
+        Box::pin(std::future::ready(result))
+    }
+
+    fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
+        let result = normalize(path).and_then(|path| {
+            let prefix = if path == "/" {
+                "/".to_owned()
+            } else {
+                format!("{path}/")
+            };
+            let files = self.files();
+            let mut entries: BTreeMap<String, DirEntry> = BTreeMap::new();
+            for (file, bytes) in files.range(prefix.clone()..) {
+                let Some(rest) = file.strip_prefix(&prefix) else { break };
+                match rest.split_once('/') {
+                    Some((dir, _)) => {
+                        entries.entry(dir.to_owned()).or_insert_with(|| DirEntry {
+                            name: dir.to_owned(),
+                            is_dir: true,
+                            size: 0,
+                        });
+                    }
+                    None => {
+                        entries.insert(
+                            rest.to_owned(),
+                            DirEntry {
+                                name: rest.to_owned(),
+                                is_dir: false,
+                                size: bytes.len() as u64,
+                            },
+                        );
+                    }
+                }
+            }
+            if entries.is_empty() && path != "/" {
+                return Err(if files.contains_key(&path) {
+                    SandboxError::Io(format!("{path} is not a directory"))
+                } else {
+                    SandboxError::NotFound(path)
+                });
+            }
+            Ok(entries.into_values().collect())
+        });
+        Box::pin(std::future::ready(result))
+    }
+
+    fn exec(&self, _request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+        Box::pin(std::future::ready(Err(SandboxError::Unsupported(
+            "commands (the in-memory sandbox has no shell; use sandbox::local for one)",
+        ))))
+    }
+}

@@ -1,0 +1,306 @@
+//! Sandboxes through the runtime: the in-memory and local environments, the six tools with
+//! their limits, cwd scoping, refused escapes, per-file serialization, presence flips narrated
+//! as `environment` signals, and delegates sharing the environment (issue 8, item 3).
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
+use flue_runtime::sandbox;
+use flue_runtime::store::MemoryStore;
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeOptions};
+use serde_json::json;
+
+fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .agent(agent)
+        .build()
+        .unwrap()
+}
+
+fn results(request: &ModelRequest) -> Vec<(String, bool)> {
+    request
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The results of the last batch (the tool results after the last assistant message with calls).
+fn last_results(request: &ModelRequest) -> Vec<(String, bool)> {
+    let all = results(request);
+    let calls = request
+        .messages
+        .iter()
+        .rev()
+        .find_map(|message| match message {
+            ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty() => Some(tool_calls.len()),
+            _ => None,
+        })
+        .unwrap_or(0);
+    all[all.len() - calls..].to_vec()
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("flue-sandbox-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+// ---- the in-memory environment ------------------------------------------------------------------
+
+static MEMORY: std::sync::LazyLock<sandbox::VirtualSandboxFactory> = std::sync::LazyLock::new(sandbox::virtual_sandbox);
+
+#[agent]
+fn in_memory() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(MEMORY.clone());
+    "Work with files."
+}
+
+#[tokio::test]
+async fn the_six_tools_work_in_the_in_memory_sandbox_and_keep_within_it() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            (
+                "write",
+                json!({"path": "notes/todo.md", "content": "- buy milk\n- call Ada\n"}),
+            ),
+            ("write", json!({"path": "notes/done.md", "content": "- nothing\n"})),
+        ]),
+        ScriptedReply::tool_calls([
+            (
+                "edit",
+                json!({"path": "notes/todo.md", "old_string": "milk", "new_string": "bread"}),
+            ),
+            ("read", json!({"path": "/notes/todo.md"})),
+        ]),
+        ScriptedReply::tool_calls([
+            ("read", json!({"path": "notes/todo.md"})),
+            ("grep", json!({"pattern": "ada", "ignore_case": true})),
+            ("glob", json!({"pattern": "**/*.md"})),
+            ("bash", json!({"command": "ls"})),
+            ("read", json!({"path": "../../etc/passwd"})),
+            (
+                "edit",
+                json!({"path": "notes/todo.md", "old_string": "-", "new_string": "*"}),
+            ),
+        ]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, in_memory);
+    runtime.init(&in_memory, "m").send("go").await.unwrap();
+    let requests = model.requests();
+    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| tool.name.as_str()).collect();
+    assert_eq!(tools, ["read", "write", "edit", "bash", "grep", "glob"]);
+    assert_eq!(
+        last_results(&requests[1]),
+        [
+            ("Wrote 22 bytes to /notes/todo.md.".to_owned(), false),
+            ("Wrote 10 bytes to /notes/done.md.".to_owned(), false),
+        ]
+    );
+    let third = last_results(&requests[3]);
+    assert_eq!(third[0], ("- buy bread\n- call Ada".to_owned(), false));
+    assert_eq!(third[1], ("/notes/todo.md:2: - call Ada".to_owned(), false));
+    assert_eq!(third[2], ("notes/done.md\nnotes/todo.md".to_owned(), false));
+    assert!(
+        third[3].1 && third[3].0.contains("does not support commands"),
+        "{:?}",
+        third[3]
+    );
+    assert_eq!(
+        third[4],
+        ("path \"../../etc/passwd\" is outside the sandbox root".to_owned(), true)
+    );
+    assert_eq!(
+        third[5],
+        (
+            "old_string occurs 2 times in /notes/todo.md; include more context to make it unique, or set replace_all."
+                .to_owned(),
+            true
+        )
+    );
+}
+
+#[tokio::test]
+async fn edits_of_one_file_in_one_batch_run_one_at_a_time_and_lose_nothing() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("write", json!({"path": "f.txt", "content": "alpha beta gamma"})),
+        ScriptedReply::tool_calls([
+            (
+                "edit",
+                json!({"path": "f.txt", "old_string": "alpha", "new_string": "ALPHA"}),
+            ),
+            (
+                "edit",
+                json!({"path": "f.txt", "old_string": "beta", "new_string": "BETA"}),
+            ),
+            (
+                "edit",
+                json!({"path": "f.txt", "old_string": "gamma", "new_string": "GAMMA"}),
+            ),
+        ]),
+        ScriptedReply::tool_call("read", json!({"path": "f.txt"})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, in_memory);
+    runtime.init(&in_memory, "locks").send("go").await.unwrap();
+    assert_eq!(
+        last_results(&model.requests()[3]),
+        [("ALPHA BETA GAMMA".to_owned(), false)]
+    );
+}
+
+// ---- the local environment ----------------------------------------------------------------------
+
+static LOCAL_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch("local");
+    std::fs::create_dir_all(root.join("work")).unwrap();
+    std::os::unix::fs::symlink("/etc", root.join("work/escape")).unwrap();
+    root
+});
+
+#[agent]
+fn on_disk() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox_with(sandbox::local(LOCAL_ROOT.clone()), SandboxOptions::cwd("/work"));
+    "Work on disk."
+}
+
+#[tokio::test]
+async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the_root() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            (
+                "bash",
+                json!({"command": "pwd && echo hello > greeting.txt && echo warn >&2"}),
+            ),
+            ("bash", json!({"command": "exit 3"})),
+        ]),
+        ScriptedReply::tool_calls([
+            ("read", json!({"path": "greeting.txt"})),
+            ("read", json!({"path": "escape/hostname"})),
+            ("write", json!({"path": "/../outside.txt", "content": "x"})),
+            ("glob", json!({"pattern": "*.txt"})),
+        ]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, on_disk);
+    runtime.init(&on_disk, "d").send("go").await.unwrap();
+    let requests = model.requests();
+    let first = last_results(&requests[1]);
+    let real_work = std::fs::canonicalize(LOCAL_ROOT.join("work")).unwrap();
+    assert_eq!(first[0], (format!("{}\nwarn", real_work.display()), false));
+    assert_eq!(
+        first[1],
+        ("(no output)\n\nThe command exited with code 3.".to_owned(), false)
+    );
+    let second = last_results(&requests[2]);
+    assert_eq!(second[0], ("hello".to_owned(), false));
+    assert_eq!(
+        second[1],
+        (
+            "path \"/work/escape/hostname\" is outside the sandbox root".to_owned(),
+            true
+        )
+    );
+    assert_eq!(
+        second[2],
+        ("path \"/../outside.txt\" is outside the sandbox root".to_owned(), true)
+    );
+    assert_eq!(second[3], ("greeting.txt".to_owned(), false));
+    assert!(!LOCAL_ROOT.parent().unwrap().join("outside.txt").exists());
+}
+
+// ---- presence flips and delegates ---------------------------------------------------------------
+
+static FLIP: std::sync::LazyLock<sandbox::VirtualSandboxFactory> = std::sync::LazyLock::new(sandbox::virtual_sandbox);
+
+fn helper(_: AgentProps<'_>) -> &'static str {
+    "You check files."
+}
+
+#[agent]
+fn attaches_later() -> &'static str {
+    use_model("scripted/x");
+    let (attached, set_attached) = use_persistent_state("attached", false);
+    use_tool(Tool::new("attach").description("Attaches the workspace.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_attached = set_attached.clone();
+            async move {
+                set_attached
+                    .set(true)
+                    .map_err(|error| ToolError::new(error.to_string()))?;
+                Ok::<_, ToolError>("attached")
+            }
+        },
+    ));
+    if attached {
+        use_sandbox(FLIP.clone());
+        use_subagent(Subagent::new(
+            "checker",
+            "Checks files.",
+            FnAgent::new(AgentDefinition::new("checker"), helper),
+        ));
+    }
+    "Work."
+}
+
+#[tokio::test]
+async fn attaching_mid_response_narrates_the_environment_and_delegates_share_it() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("attach", json!({})),
+        ScriptedReply::tool_call("write", json!({"path": "a.txt", "content": "from the parent"})),
+        ScriptedReply::tool_call("task", json!({"agent": "checker", "prompt": "Read a.txt."})),
+        // The child reads the parent's file through the shared sandbox.
+        ScriptedReply::tool_call("read", json!({"path": "a.txt"})),
+        ScriptedReply::text("It says: from the parent"),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, attaches_later);
+    runtime.init(&attaches_later, "f").send("go").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(requests[0].tools.len(), 1);
+    let environment: Vec<&str> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::User { content, .. } if content.starts_with("<signal type=\"environment\"") => {
+                Some(content.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(environment.len(), 1, "{:?}", requests[1].messages);
+    assert!(
+        environment[0].contains("The working directory is now `/`.")
+            && environment[0].contains("All available tools: attach, read, write, edit, bash, grep, glob, task")
+            && environment[0].contains("- **checker** — Checks files."),
+        "{}",
+        environment[0]
+    );
+    // No separate `resources` signal for what flipped with the environment.
+    assert!(
+        !requests[1].messages.iter().any(
+            |message| matches!(message, ModelMessage::User { content, .. } if content.contains("type=\"resources\""))
+        ),
+        "{:?}",
+        requests[1].messages
+    );
+    let child = &requests[3];
+    assert!(child.tools.iter().any(|tool| tool.name == "read"));
+    assert_eq!(last_results(&requests[4]), [("from the parent".to_owned(), false)]);
+}
