@@ -112,6 +112,24 @@ pub enum Event {
         /// Call id.
         tool_call_id: String,
     },
+    /// A compaction started.
+    CompactionStart {
+        /// `threshold` or `overflow`.
+        reason: String,
+        /// The history's estimated tokens.
+        estimated_tokens: u64,
+    },
+    /// A compaction ended.
+    Compaction {
+        /// Messages the model read before.
+        messages_before: u64,
+        /// Messages it reads after.
+        messages_after: u64,
+        /// How long it took.
+        duration_ms: u64,
+        /// Whether it failed.
+        is_error: bool,
+    },
     /// A `task` started: a delegate runs the work in a child session.
     TaskStart {
         /// The task's id.

@@ -18,6 +18,7 @@ pub use flue_core::*;
 
 pub mod cli;
 pub mod client;
+mod compaction;
 pub mod events;
 mod framework;
 pub mod http;

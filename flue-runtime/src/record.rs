@@ -211,6 +211,18 @@ pub enum RecordBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         baseline: Option<String>,
     },
+    /// The history before `first_kept_message_id` was summarized (compaction): the model sees
+    /// `summary` in its place from here on. The stored records stay.
+    Compaction {
+        /// The summary that replaces the older messages.
+        summary: String,
+        /// The first message kept verbatim.
+        first_kept_message_id: String,
+        /// The estimated tokens of the history before.
+        tokens_before: u64,
+        /// `threshold` or `overflow`.
+        reason: String,
+    },
     /// The `after_thread_created` hooks ran (the thread's first execution; written with its
     /// first input, so a re-attempt does not run them again).
     ThreadCreatedHooksRan,

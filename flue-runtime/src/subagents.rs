@@ -30,14 +30,13 @@ use flue_core::render::{RenderState, Rendered};
 use flue_core::subagent::Subagent;
 use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
 use flue_core::{BoxFuture, Tool};
-use futures_util::StreamExt;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::events::Event;
 use crate::lifecycle::{HookSet, chain};
-use crate::provider::{ModelMessage, ModelRequest, ModelResponse, ProviderError, StreamEvent, ToolSpec};
+use crate::provider::{ModelMessage, ModelRequest, ToolSpec};
 use crate::record::new_id;
 use crate::runtime::RuntimeInner;
 use crate::store::InstanceKey;
@@ -370,7 +369,7 @@ async fn child_session(
             thinking_level: thinking,
             max_output_tokens: None,
         };
-        let response = complete(runtime, &*provider, request, &delegation.signal).await?;
+        let response = crate::provider::complete(&runtime.options, &*provider, request, &delegation.signal).await?;
         last_text.clone_from(&response.text);
         messages.push(ModelMessage::Assistant {
             text: response.text.clone(),
@@ -407,55 +406,4 @@ async fn child_session(
     }
     // The step budget ran out: what the child last said is its answer.
     Ok(last_text)
-}
-
-/// One model call of a child session, with the runtime's retries on retryable errors.
-async fn complete(
-    runtime: &RuntimeInner,
-    provider: &dyn crate::provider::ModelProvider,
-    request: ModelRequest,
-    signal: &AbortSignal,
-) -> Result<ModelResponse, String> {
-    let mut retries = 0;
-    loop {
-        match stream_to_end(provider, request.clone(), signal).await {
-            Ok(response) => return Ok(response),
-            Err(None) => return Err("The task was aborted.".into()),
-            Err(Some(error)) if error.is_retryable() && retries < runtime.options.model_retries => {
-                retries += 1;
-                let delay = runtime.options.model_retry_delay * 2u32.pow(retries - 1);
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = signal.aborted() => return Err("The task was aborted.".into()),
-                }
-            }
-            Err(Some(error)) => return Err(format!("The task's model call failed: {error}")),
-        }
-    }
-}
-
-/// Reads a model stream to its completed response (`Err(None)` when aborted).
-async fn stream_to_end(
-    provider: &dyn crate::provider::ModelProvider,
-    request: ModelRequest,
-    signal: &AbortSignal,
-) -> Result<ModelResponse, Option<ProviderError>> {
-    let mut stream = provider.stream(request);
-    loop {
-        let next = tokio::select! {
-            next = stream.next() => next,
-            () = signal.aborted() => return Err(None),
-        };
-        match next {
-            Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
-            Some(Ok(_)) => {}
-            Some(Err(error)) => return Err(Some(error)),
-            None => {
-                return Err(Some(ProviderError::new(
-                    crate::provider::ProviderErrorKind::Network,
-                    "the model stream ended before the response completed",
-                )));
-            }
-        }
-    }
 }

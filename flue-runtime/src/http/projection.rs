@@ -91,6 +91,7 @@ impl Projection {
                 RecordBody::ConversationCreated { .. }
                     | RecordBody::MessageUpdated { .. }
                     | RecordBody::MessageDeleted { .. }
+                    | RecordBody::Compaction { .. }
             )
         });
         let mut out = Vec::new();
@@ -440,6 +441,19 @@ impl Projection {
             | RecordBody::ThreadValueSet { .. }
             | RecordBody::ThreadCreatedHooksRan
             | RecordBody::ResourceSnapshot { .. } => {}
+            RecordBody::Compaction { summary, reason, .. } => {
+                // Clients keep the whole transcript; the summary marks where the model's
+                // context now starts.
+                let message = json!({
+                    "id": record.id,
+                    "role": "system",
+                    "purpose": "advisory",
+                    "display": "diagnostic",
+                    "signal": {"type": "compaction", "attributes": {"reason": reason}},
+                    "parts": [{"type": "text", "text": summary, "state": "done"}],
+                });
+                self.append_message(message, out);
+            }
         }
     }
 

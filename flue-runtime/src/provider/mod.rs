@@ -5,12 +5,14 @@
 mod types;
 
 pub mod anthropic;
+mod complete;
 mod http;
 pub mod openai;
 pub mod registry;
 pub(crate) mod sse;
 mod text;
 
+pub(crate) use complete::complete;
 pub use http::RetryPolicy;
 pub use registry::ProviderRegistry;
 pub use types::*;

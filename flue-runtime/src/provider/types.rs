@@ -187,6 +187,32 @@ pub trait ModelProvider: Send + Sync + 'static {
 
     /// Starts one call.
     fn stream(&self, request: ModelRequest) -> ModelStream;
+
+    /// The context window of `model` in tokens, when known: threshold compaction needs it
+    /// (without it only overflow recovery compacts). Default: the well-known model families.
+    fn context_window(&self, model: &str) -> Option<u64> {
+        known_context_window(model)
+    }
+}
+
+/// The context windows of well-known model families (by the model id's last `/` segment).
+pub fn known_context_window(model: &str) -> Option<u64> {
+    let name = model.rsplit('/').next().unwrap_or(model).to_ascii_lowercase();
+    let table: [(&str, u64); 9] = [
+        ("gpt-4.1", 1_047_576),
+        ("gpt-5", 400_000),
+        ("gpt-4o", 128_000),
+        ("gpt-4-turbo", 128_000),
+        ("o1", 200_000),
+        ("o3", 200_000),
+        ("o4", 200_000),
+        ("claude", 200_000),
+        ("gemini", 1_048_576),
+    ];
+    table
+        .iter()
+        .find(|(prefix, _)| name.starts_with(prefix))
+        .map(|(_, window)| *window)
 }
 
 /// What went wrong calling a model.

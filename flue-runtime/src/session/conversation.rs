@@ -33,8 +33,11 @@ pub(crate) struct Conversation {
     pub(crate) thread_created_hooks_ran: bool,
     /// The resources last narrated to the model.
     pub(crate) resources: Option<crate::resources::ResourceSet>,
-    /// The system prompt sections frozen by the first snapshot.
+    /// The system prompt sections frozen by the first snapshot (or the first after a
+    /// compaction).
     pub(crate) baseline_sections: Option<String>,
+    /// A compaction happened: the next snapshot sets a new baseline.
+    rebaseline: bool,
     /// Whether rows were deleted: the history may hold calls without results (or the other
     /// way round), which `model_messages` then drops.
     edited: bool,
@@ -438,10 +441,40 @@ impl Conversation {
             }
             RecordBody::ThreadCreatedHooksRan => self.thread_created_hooks_ran = true,
             RecordBody::ResourceSnapshot { snapshot, baseline } => {
-                if self.resources.is_none() {
+                if self.resources.is_none() || self.rebaseline {
                     self.baseline_sections.clone_from(baseline);
+                    self.rebaseline = false;
                 }
                 self.resources = Some(snapshot.clone());
+            }
+            RecordBody::Compaction {
+                summary,
+                first_kept_message_id,
+                ..
+            } => {
+                if let Some(cut) = self.row_index(first_kept_message_id) {
+                    self.messages.drain(..cut);
+                    self.rows.drain(..cut);
+                    self.image_refs.retain(|(at, _)| *at >= cut);
+                    for (at, _) in &mut self.image_refs {
+                        *at = *at - cut + 1;
+                    }
+                    self.results_at = self.results_at.saturating_sub(cut) + 1;
+                    let rendering = Box::new(Rendering {
+                        content: summary.clone(),
+                        signal_type: "compaction".to_owned(),
+                        attributes: BTreeMap::new(),
+                        tag_name: Some("conversation-summary".to_owned()),
+                    });
+                    let mut row = Row::new(record.id.clone(), MessageRole::User, record.timestamp.clone());
+                    row.silent = true;
+                    row.metadata
+                        .insert("signal_type".to_owned(), Value::String("compaction".to_owned()));
+                    self.messages.insert(0, ModelMessage::user(rendering.render()));
+                    row.rendered = Some(rendering);
+                    self.rows.insert(0, row);
+                    self.rebaseline = true;
+                }
             }
             RecordBody::AgentStartRun
             | RecordBody::AgentFinishCycle
@@ -491,6 +524,50 @@ impl Conversation {
         for call in std::mem::take(&mut self.open_calls) {
             self.push_interrupted(call, created.clone());
         }
+    }
+
+    /// Where a compaction keeping about `keep_recent_tokens` of the newest history would cut:
+    /// the index and id of the first message kept. `None` when there is nothing older to
+    /// summarize. The cut never separates a tool result from its call, nor falls among calls
+    /// whose results are not in yet.
+    /// With `force` (overflow recovery), at least the oldest message is summarized even when
+    /// the whole history is shorter than `keep_recent_tokens`.
+    pub(crate) fn compaction_cut(&self, keep_recent_tokens: u64, force: bool) -> Option<(usize, String)> {
+        let len = self.messages.len();
+        let mut kept = 0;
+        let mut cut = len;
+        while cut > 0 && kept < keep_recent_tokens {
+            cut -= 1;
+            kept += crate::compaction::estimate_message(&self.messages[cut]);
+        }
+        let is_result = |at: usize| at < len && matches!(self.messages[at], ModelMessage::Tool { .. });
+        if cut == 0 && force {
+            // Summarize the oldest message, and the results that answer its calls.
+            cut = 1;
+            while is_result(cut) {
+                cut += 1;
+            }
+        } else {
+            // Keep a call's results with it.
+            while cut > 0 && is_result(cut) {
+                cut -= 1;
+            }
+        }
+        if !self.open_calls.is_empty() {
+            // The step whose results are not in yet stays.
+            cut = cut.min(self.results_at.saturating_sub(1));
+        }
+        (cut > 0 && cut < len).then(|| (cut, self.rows[cut].id.clone()))
+    }
+
+    /// The messages a compaction cutting at `cut` summarizes.
+    pub(crate) fn before(&self, cut: usize) -> &[ModelMessage] {
+        &self.messages[..cut.min(self.messages.len())]
+    }
+
+    /// The estimated tokens of the whole history.
+    pub(crate) fn estimated_tokens(&self) -> u64 {
+        self.messages.iter().map(crate::compaction::estimate_message).sum()
     }
 
     /// The index of the row `id` (searched from the newest: updates concern recent rows).

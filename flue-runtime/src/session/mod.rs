@@ -6,6 +6,7 @@
 //! commit marker), each continued finish cycle, the response-finish metadata, and settlement.
 
 mod binding;
+mod compaction;
 mod conversation;
 mod deadline;
 mod lifecycle;
@@ -404,6 +405,8 @@ impl InstanceSlot {
             sandbox: None,
             sandbox_present: false,
             own_tools: 0,
+            compaction: flue_core::model::Compaction::Default,
+            last_call_tokens: 0,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
@@ -672,6 +675,10 @@ struct Response<'a> {
     /// How many of the latest render's tools are the agent's own (the sandbox's and the
     /// framework's follow).
     own_tools: usize,
+    /// The submission's compaction settings.
+    compaction: flue_core::model::Compaction,
+    /// The tokens of the latest model call (its input and output), as the provider counted.
+    last_call_tokens: u64,
 }
 
 impl Response<'_> {
@@ -948,6 +955,7 @@ impl Response<'_> {
             .map_err(|error| Failure::failed("model_resolution", error.to_string()))?;
         let thinking = model.options.thinking_level.unwrap_or(ThinkingLevel::Medium);
         self.model_spec = Some((model.spec.to_string(), thinking));
+        self.compaction = model.options.compaction.clone();
 
         let submission_id = self.submission.id.clone();
         // True start of the response: use_response_start metadata — skipped when a resumed
@@ -1415,62 +1423,65 @@ impl Response<'_> {
     ) -> Result<(ModelResponse, String), Failure> {
         self.load_images().await?;
         let message_id = new_id("msg");
-        let sections = if self.narrate_resources(rendered).await? {
-            self.conversation.baseline_sections.as_deref()
-        } else {
-            self.framework_sections.as_deref()
-        };
-        let system = crate::framework::system(rendered.instruction.as_ref().map(|text| text.to_string()), sections);
-        let (system, messages) = match self.request(system).await {
-            Ok(request) => request,
-            Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),
-        };
-        let mut row_updates = self.assistant_row_created(&message_id).await;
-        let request = ModelRequest {
-            model: model_id.to_owned(),
-            system,
-            messages,
-            tools: rendered
-                .tools
-                .iter()
-                .map(|tool| ToolSpec {
-                    name: tool.name().to_owned(),
-                    description: tool.definition().description.to_string(),
-                    parameters: tool.input_schema().shared_json(),
-                })
-                .collect(),
-            thinking_level: thinking,
-            max_output_tokens: None,
-        };
-        let started = Instant::now();
-        self.emit(Event::TurnStart { step });
-        self.emit(Event::MessageStart {
-            role: "assistant".into(),
-        });
-        let mut retries = 0;
-        let response = loop {
-            match self.stream_once(provider, request.clone(), &rendered.tools).await {
-                Ok(response) => break response,
+        self.narrate_resources(rendered).await?;
+        let instruction = rendered.instruction.as_ref().map(|text| text.to_string());
+        let tools: Vec<ToolSpec> = rendered
+            .tools
+            .iter()
+            .map(|tool| ToolSpec {
+                name: tool.name().to_owned(),
+                description: tool.definition().description.to_string(),
+                parameters: tool.input_schema().shared_json(),
+            })
+            .collect();
+        let estimate = self.system_prompt(instruction.clone());
+        self.compact_if_needed(provider, model_id, estimate.as_deref()).await?;
+        let mut row_updates = None;
+        let mut compacted_for_overflow = false;
+        let (response, started) = loop {
+            let system = self.system_prompt(instruction.clone());
+            let (system, messages) = match self.request(system).await {
+                Ok(request) => request,
+                Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),
+            };
+            if row_updates.is_none() {
+                row_updates = Some(self.assistant_row_created(&message_id).await);
+            }
+            let request = ModelRequest {
+                model: model_id.to_owned(),
+                system,
+                messages,
+                tools: tools.clone(),
+                thinking_level: thinking,
+                max_output_tokens: None,
+            };
+            let started = Instant::now();
+            self.emit(Event::TurnStart { step });
+            self.emit(Event::MessageStart {
+                role: "assistant".into(),
+            });
+            match self.stream_with_retries(provider, request, &rendered.tools).await {
+                Ok(response) => break (response, started),
                 Err(StepError::Aborted) => return Err(Failure::aborted()),
                 Err(StepError::Provider(error))
-                    if error.is_retryable() && retries < self.runtime.options.model_retries =>
+                    if error.kind == crate::provider::ProviderErrorKind::ContextOverflow =>
                 {
-                    retries += 1;
-                    let delay = self.runtime.options.model_retry_delay * 2u32.pow(retries - 1);
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        () = self.attempt.signal.aborted() => return Err(Failure::aborted()),
+                    // Overflow recovery: compact and retry the call once, also with threshold
+                    // compaction off.
+                    if !compacted_for_overflow && self.compact(compaction::Reason::Overflow, provider, model_id).await?
+                    {
+                        compacted_for_overflow = true;
+                        continue;
                     }
+                    return Err(Failure::failed("context_overflow", format!("prompt failed: {error}")));
                 }
                 Err(StepError::Provider(error)) => {
-                    let error_type = match error.kind {
-                        crate::provider::ProviderErrorKind::ContextOverflow => "context_overflow",
-                        _ => "operation_failed",
-                    };
-                    return Err(Failure::failed(error_type, format!("prompt failed: {error}")));
+                    return Err(Failure::failed("operation_failed", format!("prompt failed: {error}")));
                 }
             }
         };
+        let mut row_updates = row_updates.unwrap_or_default();
+        self.last_call_tokens = response.usage.input_tokens + response.usage.output_tokens;
         self.runtime.emit(
             self.key,
             Some(&self.submission.id),
@@ -1518,6 +1529,42 @@ impl Response<'_> {
         });
         self.assistant_row_updated(&message_id).await;
         Ok((response, message_id))
+    }
+
+    /// The system prompt: the instruction, then the framework's sections — the frozen
+    /// baseline once the conversation has a resource snapshot (this render's before).
+    fn system_prompt(&self, instruction: Option<String>) -> Option<String> {
+        let sections = if self.conversation.resources.is_some() {
+            self.conversation.baseline_sections.as_deref()
+        } else {
+            self.framework_sections.as_deref()
+        };
+        crate::framework::system(instruction, sections)
+    }
+
+    /// One model call, retried with backoff on retryable errors.
+    async fn stream_with_retries(
+        &self,
+        provider: &dyn ModelProvider,
+        request: ModelRequest,
+        tools: &[flue_core::Tool],
+    ) -> Result<ModelResponse, StepError> {
+        let mut retries = 0;
+        loop {
+            match self.stream_once(provider, request.clone(), tools).await {
+                Err(StepError::Provider(error))
+                    if error.is_retryable() && retries < self.runtime.options.model_retries =>
+                {
+                    retries += 1;
+                    let delay = self.runtime.options.model_retry_delay * 2u32.pow(retries - 1);
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = self.attempt.signal.aborted() => return Err(StepError::Aborted),
+                    }
+                }
+                other => return other,
+            }
+        }
     }
 
     async fn stream_once(

@@ -11,10 +11,9 @@ use crate::record::{RecordBody, new_id};
 use crate::resources::{Declared, narrate};
 
 impl Response<'_> {
-    /// Narrates what changed since the last snapshot; returns whether the system prompt uses
-    /// the frozen baseline sections (else this render's, for a conversation's first snapshot,
-    /// which waits in `first_snapshot` to be committed with the step).
-    pub(super) async fn narrate_resources(&mut self, rendered: &Rendered) -> Result<bool, Failure> {
+    /// Narrates what changed since the last snapshot. A conversation's first snapshot waits in
+    /// `first_snapshot` to be committed with the step.
+    pub(super) async fn narrate_resources(&mut self, rendered: &Rendered) -> Result<(), Failure> {
         // A render declaring what the previous one did has its snapshot already.
         let environment = match (&self.sandbox, self.sandbox_present) {
             (Some((session, _)), true) => Some(session.cwd.clone()),
@@ -26,15 +25,14 @@ impl Response<'_> {
             Some((seen, snapshot)) if seen == fingerprint => snapshot,
             _ => Declared::of(rendered, self.own_tools, environment).snapshot(),
         };
-        let outcome = match &self.conversation.resources {
+        match &self.conversation.resources {
             None => {
                 self.first_snapshot = Some(self.record(RecordBody::ResourceSnapshot {
                     snapshot: current.clone(),
                     baseline: self.framework_sections.clone(),
                 }));
-                false
             }
-            Some(previous) if *previous == current => true,
+            Some(previous) if *previous == current => {}
             Some(previous) => {
                 let narrations = narrate(previous, &current, &Declared::of(rendered, self.own_tools, environment));
                 let mut records: Vec<_> = narrations
@@ -58,10 +56,9 @@ impl Response<'_> {
                     baseline: None,
                 }));
                 self.commit(records, false).await?;
-                true
             }
-        };
+        }
         self.declared = Some((fingerprint, current));
-        Ok(outcome)
+        Ok(())
     }
 }

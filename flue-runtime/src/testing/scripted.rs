@@ -64,6 +64,7 @@ impl ScriptedReply {
 pub struct ScriptedModel {
     id: String,
     inner: Arc<Mutex<Inner>>,
+    context_window: Option<u64>,
 }
 
 struct Inner {
@@ -78,6 +79,7 @@ impl ScriptedModel {
     pub fn new(replies: impl IntoIterator<Item = ScriptedReply>) -> Self {
         Self {
             id: "scripted".into(),
+            context_window: None,
             inner: Arc::new(Mutex::new(Inner {
                 script: replies.into_iter().collect(),
                 echo: false,
@@ -100,6 +102,12 @@ impl ScriptedModel {
         self
     }
 
+    /// Reports a context window of `tokens` (for threshold compaction; none by default).
+    pub fn with_context_window(mut self, tokens: u64) -> Self {
+        self.context_window = Some(tokens);
+        self
+    }
+
     /// Appends replies to the script.
     pub fn push(&self, reply: ScriptedReply) {
         self.lock().script.push_back(reply);
@@ -118,6 +126,10 @@ impl ScriptedModel {
 impl ModelProvider for ScriptedModel {
     fn id(&self) -> &str {
         &self.id
+    }
+
+    fn context_window(&self, _model: &str) -> Option<u64> {
+        self.context_window
     }
 
     fn stream(&self, request: ModelRequest) -> ModelStream {

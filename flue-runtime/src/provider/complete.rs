@@ -1,0 +1,59 @@
+//! A whole model call read to its response: what child sessions and compaction use (the turn
+//! loop streams its calls itself, to publish deltas as they come).
+
+use flue_core::abort::AbortSignal;
+use futures_util::StreamExt;
+
+use super::{ModelProvider, ModelRequest, ModelResponse, ProviderError, ProviderErrorKind, StreamEvent};
+use crate::runtime::RuntimeOptions;
+
+/// One model call, with the runtime's retries on retryable errors.
+pub(crate) async fn complete(
+    options: &RuntimeOptions,
+    provider: &dyn ModelProvider,
+    request: ModelRequest,
+    signal: &AbortSignal,
+) -> Result<ModelResponse, String> {
+    let mut retries = 0;
+    loop {
+        match stream_to_end(provider, request.clone(), signal).await {
+            Ok(response) => return Ok(response),
+            Err(None) => return Err("The call was aborted.".into()),
+            Err(Some(error)) if error.is_retryable() && retries < options.model_retries => {
+                retries += 1;
+                let delay = options.model_retry_delay * 2u32.pow(retries - 1);
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = signal.aborted() => return Err("The call was aborted.".into()),
+                }
+            }
+            Err(Some(error)) => return Err(format!("The model call failed: {error}")),
+        }
+    }
+}
+
+/// Reads a model stream to its completed response (`Err(None)` when aborted).
+async fn stream_to_end(
+    provider: &dyn ModelProvider,
+    request: ModelRequest,
+    signal: &AbortSignal,
+) -> Result<ModelResponse, Option<ProviderError>> {
+    let mut stream = provider.stream(request);
+    loop {
+        let next = tokio::select! {
+            next = stream.next() => next,
+            () = signal.aborted() => return Err(None),
+        };
+        match next {
+            Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
+            Some(Ok(_)) => {}
+            Some(Err(error)) => return Err(Some(error)),
+            None => {
+                return Err(Some(ProviderError::new(
+                    ProviderErrorKind::Network,
+                    "the model stream ended before the response completed",
+                )));
+            }
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Compaction in the turn loop (see `crate::compaction`).
+
+use std::time::Instant;
+
+use flue_core::model::{Compaction, CompactionConfig};
+
+use super::{Failure, Response};
+use crate::compaction::{SUMMARY_INSTRUCTIONS, transcript};
+use crate::events::Event;
+use crate::provider::{ModelMessage, ModelProvider, ModelRequest};
+use crate::record::RecordBody;
+
+/// Why a compaction runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Reason {
+    Threshold,
+    Overflow,
+}
+
+impl Reason {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Threshold => "threshold",
+            Self::Overflow => "overflow",
+        }
+    }
+}
+
+impl Response<'_> {
+    fn compaction_config(&self) -> CompactionConfig {
+        match &self.compaction {
+            Compaction::Threshold(config) => config.clone(),
+            Compaction::Default | Compaction::Disabled => CompactionConfig::default(),
+        }
+    }
+
+    /// Threshold compaction before a model call whose estimated input (`system` and the
+    /// history) exceeds the window minus the reserve.
+    pub(super) async fn compact_if_needed(
+        &mut self,
+        provider: &dyn ModelProvider,
+        model_id: &str,
+        system: Option<&str>,
+    ) -> Result<(), Failure> {
+        if self.compaction == Compaction::Disabled {
+            return Ok(());
+        }
+        let Some(window) = provider.context_window(model_id) else {
+            return Ok(());
+        };
+        let config = self.compaction_config();
+        let reserve = config.reserve_tokens.map_or(
+            (window / 4).min(u64::from(CompactionConfig::MAX_DEFAULT_RESERVE_TOKENS)),
+            u64::from,
+        );
+        let estimate = self.conversation.estimated_tokens() + system.map_or(0, |text| text.len() as u64 / 4);
+        if estimate.max(self.last_call_tokens) > window.saturating_sub(reserve) {
+            self.compact(Reason::Threshold, provider, model_id).await?;
+        }
+        Ok(())
+    }
+
+    /// Summarizes the older history; returns whether anything was compacted.
+    pub(super) async fn compact(
+        &mut self,
+        reason: Reason,
+        provider: &dyn ModelProvider,
+        model_id: &str,
+    ) -> Result<bool, Failure> {
+        let config = self.compaction_config();
+        let keep = u64::from(
+            config
+                .keep_recent_tokens
+                .unwrap_or(CompactionConfig::DEFAULT_KEEP_RECENT_TOKENS),
+        );
+        let Some((cut, first_kept)) = self.conversation.compaction_cut(keep, reason == Reason::Overflow) else {
+            return Ok(false);
+        };
+        let tokens_before = self.conversation.estimated_tokens();
+        self.emit(Event::CompactionStart {
+            reason: reason.as_str().to_owned(),
+            estimated_tokens: tokens_before,
+        });
+        let started = Instant::now();
+        let request = |model: String| ModelRequest {
+            model,
+            system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
+            messages: vec![ModelMessage::user(transcript(self.conversation.before(cut)))],
+            tools: Vec::new(),
+            thinking_level: flue_core::model::ThinkingLevel::Low,
+            max_output_tokens: Some(4_000),
+        };
+        let summary = match &config.model {
+            Some(spec) => match self.runtime.providers.resolve(spec) {
+                Ok((summarizer, summary_model)) => {
+                    crate::provider::complete(
+                        &self.runtime.options,
+                        &*summarizer,
+                        request(summary_model),
+                        &self.attempt.signal,
+                    )
+                    .await
+                }
+                Err(error) => Err(format!("The compaction model: {error}")),
+            },
+            None => {
+                crate::provider::complete(
+                    &self.runtime.options,
+                    provider,
+                    request(model_id.to_owned()),
+                    &self.attempt.signal,
+                )
+                .await
+            }
+        };
+        let summary = match summary {
+            Ok(response) if !response.text.trim().is_empty() => response.text,
+            Ok(_) => Err("the summary was empty".to_owned()).map_err(|error| self.compaction_failed(started, error))?,
+            Err(error) => return Err(self.compaction_failed(started, error)),
+        };
+        let messages_before = self.conversation.messages.len();
+        let mut records = vec![self.record(RecordBody::Compaction {
+            summary,
+            first_kept_message_id: first_kept,
+            tokens_before,
+            reason: reason.as_str().to_owned(),
+        })];
+        // A new baseline for the system prompt's catalogs: what is declared now.
+        if let Some((_, snapshot)) = &self.declared {
+            records.push(self.record(RecordBody::ResourceSnapshot {
+                snapshot: snapshot.clone(),
+                baseline: self.framework_sections.clone(),
+            }));
+            self.first_snapshot = None;
+        }
+        self.commit(records, false).await?;
+        self.last_call_tokens = 0;
+        self.emit(Event::Compaction {
+            messages_before: messages_before as u64,
+            messages_after: self.conversation.messages.len() as u64,
+            duration_ms: started.elapsed().as_millis() as u64,
+            is_error: false,
+        });
+        Ok(true)
+    }
+
+    fn compaction_failed(&self, started: Instant, error: String) -> Failure {
+        self.emit(Event::Compaction {
+            messages_before: self.conversation.messages.len() as u64,
+            messages_after: self.conversation.messages.len() as u64,
+            duration_ms: started.elapsed().as_millis() as u64,
+            is_error: true,
+        });
+        Failure::failed("compaction_failed", format!("[flue] Compaction failed: {error}"))
+    }
+}

@@ -1,0 +1,159 @@
+//! Compaction: threshold compaction before a call that would not fit, overflow recovery, and
+//! the summary the model reads in place of the older history (issue 8, item 5).
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use flue_runtime::events::Event;
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{ModelMessage, ProviderError, ProviderErrorKind, ProviderRegistry};
+use flue_runtime::record::RecordBody;
+use flue_runtime::store::{InstanceKey, MemoryStore};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeOptions};
+
+fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .agent(agent)
+        .build()
+        .unwrap()
+}
+
+fn long(word: &str) -> String {
+    // About 100 estimated tokens.
+    format!("{word} ").repeat(80)
+}
+
+#[agent]
+fn tight() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(150),
+                model: None,
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+#[tokio::test]
+async fn a_call_that_would_not_fit_is_preceded_by_a_summary_of_the_older_history() {
+    // A 600-token window with a 100-token reserve: the fourth message pushes past 500.
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        // The summarization call, then the answer.
+        ScriptedReply::text("The user said one and two; the agent echoed them."),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, tight);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&tight, "t");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let reply = handle.send(long("third")).await.unwrap();
+    assert_eq!(reply.text, "three it is");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 4);
+    let summarization = &requests[2];
+    assert!(summarization.tools.is_empty());
+    let ModelMessage::User { content, .. } = &summarization.messages[0] else {
+        panic!("a transcript")
+    };
+    assert!(content.starts_with("User: first"), "{content}");
+    // The answering call reads the summary first, then only the recent history.
+    let answered = &requests[3];
+    let ModelMessage::User { content, .. } = &answered.messages[0] else {
+        panic!("the summary")
+    };
+    assert_eq!(
+        content,
+        "<conversation-summary type=\"compaction\">\nThe user said one and two; the agent echoed them.\n</conversation-summary>"
+    );
+    assert_eq!(answered.messages.last(), Some(&ModelMessage::user(long("third"))));
+    assert!(answered.messages.len() < 6, "{} messages", answered.messages.len());
+    let stored: Vec<RecordBody> = runtime
+        .store()
+        .read(&InstanceKey::new("tight", "t"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
+        .collect();
+    assert!(
+        stored
+            .iter()
+            .any(|body| matches!(body, RecordBody::Compaction { reason, .. } if reason == "threshold"))
+    );
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::CompactionStart { reason, .. } => seen.push(format!("start {reason}")),
+            Event::Compaction { is_error, .. } => seen.push(format!("end {is_error}")),
+            _ => {}
+        }
+    }
+    assert_eq!(seen, ["start threshold", "end false"]);
+}
+
+#[agent]
+fn unbounded() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Disabled,
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+#[tokio::test]
+async fn an_overflowing_call_compacts_and_retries_even_with_threshold_compaction_off() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text("first answer"),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("Summary: a first exchange."),
+        ScriptedReply::text("second answer"),
+    ])
+    .with_context_window(100);
+    let runtime = runtime_with(&model, unbounded);
+    let handle = runtime.init(&unbounded, "o");
+    handle.send(long("hello")).await.unwrap();
+    let reply = handle.send("and again").await.unwrap();
+    assert_eq!(reply.text, "second answer");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 4, "the overflowing call, the summary, the retry");
+    let ModelMessage::User { content, .. } = &requests[3].messages[0] else {
+        panic!("the summary")
+    };
+    assert!(content.contains("Summary: a first exchange."), "{content}");
+}
+
+#[tokio::test]
+async fn an_overflow_with_nothing_older_to_summarize_fails_as_context_overflow() {
+    let model = ScriptedModel::new([ScriptedReply::Error(ProviderError::new(
+        ProviderErrorKind::ContextOverflow,
+        "prompt is too long",
+    ))]);
+    let runtime = runtime_with(&model, unbounded);
+    let error = runtime.init(&unbounded, "n").send("hi").await.unwrap_err();
+    let flue_runtime::RuntimeError::Run { error_type, .. } = error else {
+        panic!("a run error")
+    };
+    assert_eq!(error_type, "context_overflow");
+}
