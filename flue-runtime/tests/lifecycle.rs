@@ -1434,3 +1434,53 @@ async fn item_81_a_queued_tool_runs_later_in_the_same_flow_even_when_not_mounted
         "at rest there is nothing to queue onto"
     );
 }
+
+// ---- env (item 80) ----------------------------------------------------------------------------
+
+/// Calls the billing API.
+#[tool(secrets = ["FLUE_TEST_BILLING_TOKEN"])]
+async fn billing(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().unwrap();
+    let token = thread
+        .env("FLUE_TEST_BILLING_TOKEN")
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    let undeclared = thread.env("HOME").is_err();
+    let unset = thread.env("FLUE_TEST_UNSET_SECRET").is_err();
+    Ok(format!(
+        "token {} chars, printed {token}, undeclared refused {undeclared}, unset refused {unset}",
+        token.expose().len()
+    ))
+}
+
+/// Declares a secret that is not set.
+#[tool(secrets = ["FLUE_TEST_UNSET_SECRET"])]
+async fn unset_secret() -> String {
+    String::new()
+}
+
+#[agent]
+fn billed() -> &'static str {
+    use_model("scripted/x");
+    use_tool(billing);
+    use_tool(unset_secret);
+    "B"
+}
+
+#[tokio::test]
+async fn item_80_env_reads_declared_set_variables_only_and_never_prints_them() {
+    // SAFETY: this test binary's only writer of this variable.
+    unsafe { std::env::set_var("FLUE_TEST_BILLING_TOKEN", "s3cr3t-value") };
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("billing", json!({})),
+        ScriptedReply::text("ok"),
+    ]);
+    let runtime = runtime_with(&model, vec![billed.into()]);
+    runtime.init(&billed, "b").send("bill").await.unwrap();
+    let ModelMessage::Tool { content, .. } = &model.requests()[1].messages[2] else {
+        panic!("a tool result")
+    };
+    assert_eq!(
+        content,
+        "token 12 chars, printed [redacted], undeclared refused true, unset refused true"
+    );
+}

@@ -344,6 +344,13 @@ pub trait ThreadStateApi: Send + Sync {
         Err(unavailable("queue_tool"))
     }
 
+    /// The value of a declared variable: `name` must be a secret some tool of the current
+    /// render declares, and set.
+    fn env(&self, name: &str) -> Result<crate::tool::Secret, ThreadError> {
+        let _ = name;
+        Err(unavailable("env"))
+    }
+
     /// Sends `{type:"event", eventType, data, timestamp}` to the thread's connected clients
     /// (live only).
     fn emit(&self, event: &str, data: Value) {
@@ -453,6 +460,14 @@ impl ThreadState {
     /// tool. Its call and result are stored like the model's. Fails at rest (no execution).
     pub fn queue_tool(&self, tool: impl crate::tool::IntoTool, args: Value) -> Result<(), ThreadError> {
         self.api.queue_tool(tool.into_tool(), args)
+    }
+
+    /// The value of the variable `name`, which a tool of the current render must declare
+    /// (`#[tool(secrets = [..])]`) and the environment must set. Fails for anything else (the
+    /// reference's `env` throws for an undeclared or unset name). The value prints as
+    /// `[redacted]`; read it with `Secret::expose` where it is sent.
+    pub fn env(&self, name: &str) -> Result<crate::tool::Secret, ThreadError> {
+        self.api.env(name)
     }
 
     /// Sends an event to the thread's connected clients.

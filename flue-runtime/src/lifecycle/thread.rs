@@ -397,6 +397,25 @@ impl ThreadStateApi for RuntimeThread {
         Ok(())
     }
 
+    fn env(&self, name: &str) -> Result<flue_core::tool::Secret, ThreadError> {
+        let declared = self
+            .tools
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .any(|tool| tool.definition().secrets.contains(&name));
+        if !declared {
+            return Err(ThreadError::Invalid(format!(
+                "The variable \"{name}\" is not declared by any tool of this render; declare it with `secrets = [\"{name}\"]` on the tool that needs it."
+            )));
+        }
+        std::env::var(name)
+            .ok()
+            .filter(|value| !value.is_empty())
+            .map(flue_core::tool::Secret::new)
+            .ok_or_else(|| ThreadError::Invalid(format!("The variable \"{name}\" is declared but not set.")))
+    }
+
     fn emit(&self, event: &str, data: Value) {
         self.emit_event(event, data);
     }
