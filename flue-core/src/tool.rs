@@ -61,6 +61,23 @@ impl ToolDefinition {
         }
     }
 
+    /// A definition built at run time (an MCP server's tool): the caller vouches for the name.
+    #[doc(hidden)]
+    pub fn from_parts(
+        name: impl Into<Cow<'static, str>>,
+        description: impl Into<Cow<'static, str>>,
+        input_schema: SchemaSource,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            description: description.into(),
+            input_schema,
+            progress_argument: None,
+            secrets: Cow::Borrowed(&[]),
+            terminate: false,
+        }
+    }
+
     /// Checks every definition rule; `source` labels the message (e.g. `Tool::new()`).
     pub fn validate(&self, source: &str) -> Result<(), String> {
         check_tool_name(&self.name, source)?;

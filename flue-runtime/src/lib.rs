@@ -23,6 +23,7 @@ pub mod events;
 mod framework;
 pub mod http;
 pub mod lifecycle;
+pub mod mcp;
 pub mod provider;
 pub mod record;
 pub mod resources;

@@ -405,6 +405,7 @@ impl InstanceSlot {
             sandbox: None,
             sandbox_present: false,
             own_tools: 0,
+            mcp: None,
             compaction: flue_core::model::Compaction::Default,
             last_call_tokens: 0,
         };
@@ -675,6 +676,8 @@ struct Response<'a> {
     /// How many of the latest render's tools are the agent's own (the sandbox's and the
     /// framework's follow).
     own_tools: usize,
+    /// The submission's MCP servers, once connected.
+    mcp: Option<Vec<crate::mcp::McpSession>>,
     /// The submission's compaction settings.
     compaction: flue_core::model::Compaction,
     /// The tokens of the latest model call (its input and output), as the provider counted.
@@ -842,6 +845,7 @@ impl Response<'_> {
     /// the submission attaches one; presence re-read every time) and its tools, then the
     /// framework's tools and prompt sections.
     async fn prepare(&mut self, rendered: &mut Rendered) -> Result<(), Failure> {
+        self.mount_mcp(rendered).await?;
         self.own_tools = rendered.tools.len();
         self.sandbox_present = false;
         if let Some(declaration) = &rendered.sandbox {
@@ -890,6 +894,57 @@ impl Response<'_> {
         self.mount_framework(rendered);
         if let Some(view) = &self.thread {
             view.set_tools(&rendered.tools);
+        }
+        Ok(())
+    }
+
+    /// Connects the submission's MCP servers (once: the first render's declarations) and
+    /// mounts their tools; an optional server that cannot be reached is narrated instead.
+    async fn mount_mcp(&mut self, rendered: &mut Rendered) -> Result<(), Failure> {
+        if self.mcp.is_none() {
+            let mut sessions = Vec::new();
+            let mut unavailable = Vec::new();
+            for connection in &rendered.mcp_connections {
+                match crate::mcp::connect(connection).await {
+                    Ok(session) => sessions.push(session),
+                    Err(failure) if failure.optional => unavailable.push(failure),
+                    Err(failure) => {
+                        return Err(Failure::failed(
+                            "mcp_connection_failed",
+                            format!(
+                                "[flue] The MCP server \"{}\" could not be used: {}",
+                                failure.name, failure.reason
+                            ),
+                        ));
+                    }
+                }
+            }
+            if !unavailable.is_empty() {
+                let mut attributes = std::collections::BTreeMap::new();
+                attributes.insert("resource".to_owned(), "mcp".to_owned());
+                let signal = self.record(RecordBody::Signal {
+                    message_id: new_id("msg"),
+                    signal_type: "resources".to_owned(),
+                    body: crate::mcp::unavailable_body(&unavailable),
+                    attributes,
+                    tag_name: None,
+                });
+                self.commit(vec![signal], false).await?;
+            }
+            self.mcp = Some(sessions);
+        }
+        let tools = self.mcp.iter().flatten().flat_map(|session| session.tools.iter());
+        for tool in tools {
+            if rendered.tools.iter().any(|own| own.name() == tool.name()) {
+                return Err(Failure::failed(
+                    "tool_name_conflict",
+                    format!(
+                        "[flue] The tool name \"{}\" is taken by an MCP server's tool.",
+                        tool.name()
+                    ),
+                ));
+            }
+            rendered.tools.push(tool.clone());
         }
         Ok(())
     }

@@ -1,0 +1,266 @@
+//! MCP connections (`use_mcp_connection`; the definitions of [`flue_core::mcp`], re-exported):
+//! at the start of a submission the runtime connects to
+//! each declared server over streamable HTTP (rmcp), lists its tools, and mounts them as
+//! `mcp__<server>__<tool>` (characters a tool name cannot hold become `_`). A call goes to the
+//! server; its text content is the result (other content is named in brackets; structured
+//! content is used when there is no text), and an error result stays an error.
+//!
+//! A server that cannot be reached fails the submission (`mcp_connection_failed`), unless it
+//! is `optional`: then its tools are not mounted for this response and the model is told so
+//! with a `resources` signal (attribute `resource="mcp"`) before its first call. The bearer
+//! token (`auth`) goes only into the requests' `Authorization` header.
+
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use flue_core::data::{DataSchema, SchemaSource};
+use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
+use flue_core::{BoxFuture, Tool};
+use rmcp::model::{CallToolRequestParams, ContentBlock};
+use rmcp::service::RunningService;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::{RoleClient, ServiceExt};
+use serde_json::Value;
+
+pub use flue_core::mcp::*;
+
+/// How long connecting and listing may take when the connection sets no timeout.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One connected server: its client and the tools it offers.
+pub(crate) struct McpSession {
+    _client: Arc<RunningService<RoleClient, ()>>,
+    pub(crate) tools: Vec<Tool>,
+}
+
+/// Why a server could not be used.
+#[derive(Debug)]
+pub(crate) struct Unavailable {
+    pub(crate) name: String,
+    pub(crate) reason: String,
+    pub(crate) optional: bool,
+}
+
+/// The process-wide rustls provider (ring, as reqwest's): rmcp's client takes the default.
+fn install_tls_provider() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// `text` as a tool-name segment: `[A-Za-z0-9_-]`, others replaced by `_`.
+fn segment(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The mounted name of `tool` of `server` (at most 64 characters).
+pub(crate) fn tool_name(server: &str, tool: &str) -> String {
+    let mut name = format!("mcp__{}__{}", segment(server), segment(tool));
+    name.truncate(64);
+    name
+}
+
+/// Connects to `connection` and lists its tools.
+pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Unavailable> {
+    let unavailable = |reason: String| Unavailable {
+        name: connection.name.clone(),
+        reason,
+        optional: connection.optional,
+    };
+    if connection.transport == McpTransport::Sse {
+        return Err(unavailable(
+            "the legacy SSE transport is not supported; serve the MCP endpoint over streamable HTTP".into(),
+        ));
+    }
+    install_tls_provider();
+    let mut config = StreamableHttpClientTransportConfig::with_uri(connection.url.clone());
+    config.auth_header = connection.auth.as_ref().map(|token| token.expose().to_owned());
+    for (name, value) in &connection.headers {
+        let name = axum::http::HeaderName::try_from(name.as_str())
+            .map_err(|error| unavailable(format!("header {name:?}: {error}")))?;
+        let value = axum::http::HeaderValue::try_from(value.as_str())
+            .map_err(|error| unavailable(format!("header {name}: {error}")))?;
+        config.custom_headers.insert(name, value);
+    }
+    let timeout = connection.timeout.unwrap_or(DEFAULT_TIMEOUT);
+    let transport = StreamableHttpClientTransport::from_config(config);
+    let client = tokio::time::timeout(timeout, ().serve(transport))
+        .await
+        .map_err(|_| unavailable(format!("no answer within {} s", timeout.as_secs())))?
+        .map_err(|error| unavailable(readable(&error.to_string())))?;
+    let listed = tokio::time::timeout(timeout, client.list_all_tools())
+        .await
+        .map_err(|_| unavailable(format!("listing its tools took longer than {} s", timeout.as_secs())))?
+        .map_err(|error| unavailable(error.to_string()))?;
+    let client = Arc::new(client);
+    let mut tools = Vec::new();
+    for listed in listed {
+        if let Some(wanted) = &connection.tools
+            && !wanted.iter().any(|name| **name == *listed.name)
+        {
+            continue;
+        }
+        let schema = DataSchema::new(Value::Object((*listed.input_schema).clone()))
+            .map_err(|error| unavailable(format!("tool {:?} has an invalid input schema: {error}", listed.name)))?;
+        let name = tool_name(&connection.name, &listed.name);
+        let description = listed
+            .description
+            .as_deref()
+            .filter(|description| !description.trim().is_empty())
+            .map_or_else(
+                || format!("{} (MCP server {})", listed.name, connection.name),
+                str::to_owned,
+            );
+        tools.push(Tool::from_handler(McpTool {
+            definition: ToolDefinition::from_parts(name, description, SchemaSource::Given(schema)),
+            remote_name: listed.name.to_string(),
+            client: client.clone(),
+            timeout: connection.timeout,
+        }));
+    }
+    Ok(McpSession { _client: client, tools })
+}
+
+struct McpTool {
+    definition: ToolDefinition,
+    remote_name: String,
+    client: Arc<RunningService<RoleClient, ()>>,
+    timeout: Option<Duration>,
+}
+
+impl ToolHandler for McpTool {
+    fn definition(&self) -> &ToolDefinition {
+        &self.definition
+    }
+
+    fn call(&self, _ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
+        Box::pin(async move {
+            let mut params = CallToolRequestParams::new(self.remote_name.clone());
+            params.arguments = match args {
+                Value::Object(arguments) => Some(arguments),
+                Value::Null => None,
+                other => return ToolOutput::error(format!("MCP tool arguments must be an object, not {other}")),
+            };
+            let call = self.client.call_tool(params);
+            let result = match self.timeout {
+                Some(limit) => match tokio::time::timeout(limit, call).await {
+                    Ok(result) => result,
+                    Err(_) => {
+                        return ToolOutput::error(format!(
+                            "The MCP server did not answer within {} s.",
+                            limit.as_secs()
+                        ));
+                    }
+                },
+                None => call.await,
+            };
+            let result = match result {
+                Ok(result) => result,
+                Err(error) => return ToolOutput::error(format!("The MCP server failed the call: {error}")),
+            };
+            let mut parts: Vec<String> = result
+                .content
+                .iter()
+                .map(|block| match block {
+                    ContentBlock::Text(text) => text.text.clone(),
+                    other => format!("[{} content]", content_kind(other)),
+                })
+                .collect();
+            if parts.is_empty()
+                && let Some(structured) = &result.structured_content
+            {
+                parts.push(structured.to_string());
+            }
+            let text = parts.join("\n");
+            if result.is_error == Some(true) {
+                ToolOutput::error(if text.is_empty() {
+                    "The MCP tool reported an error.".to_owned()
+                } else {
+                    text
+                })
+            } else {
+                ToolOutput::text(text)
+            }
+        })
+    }
+}
+
+/// An rmcp error as a person reads it: without the transport's Rust type names.
+fn readable(error: &str) -> String {
+    let mut out = String::with_capacity(error.len());
+    let mut depth = 0usize;
+    for c in error.chars() {
+        match c {
+            '[' => depth += 1,
+            ']' if depth > 0 => depth -= 1,
+            c if depth == 0 => out.push(c),
+            _ => {}
+        }
+    }
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn content_kind(block: &ContentBlock) -> &'static str {
+    match block {
+        ContentBlock::Text(_) => "text",
+        ContentBlock::Image(_) => "image",
+        ContentBlock::Audio(_) => "audio",
+        _ => "other",
+    }
+}
+
+/// The `resources` signal body for servers unavailable to this response.
+pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
+    let reason = |text: &str| -> String {
+        let mut text = text.replace('\n', " ");
+        if text.chars().count() > 300 {
+            text = text.chars().take(300).collect::<String>() + "…";
+        }
+        text
+    };
+    match unavailable {
+        [one] => format!(
+            "The MCP server \"{}\" is unavailable for this response ({}); its tools are not mounted.",
+            one.name,
+            reason(&one.reason)
+        ),
+        many => {
+            let mut lines =
+                vec!["These MCP servers are unavailable for this response; their tools are not mounted:".to_owned()];
+            lines.extend(
+                many.iter()
+                    .map(|entry| format!("- \"{}\": {}", entry.name, reason(&entry.reason))),
+            );
+            lines.join("\n")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_read_without_type_names() {
+        assert_eq!(
+            readable("Send message error Transport [a::B<c::D>] error: Client error: refused"),
+            "Send message error Transport error: Client error: refused"
+        );
+    }
+
+    #[test]
+    fn mounted_names_keep_to_the_tool_name_alphabet_and_length() {
+        assert_eq!(tool_name("git hub", "search.issues"), "mcp__git_hub__search_issues");
+        assert_eq!(tool_name("s", &"x".repeat(100)).len(), 64);
+    }
+}

@@ -1,0 +1,229 @@
+//! MCP connections against an in-test MCP server (rmcp, streamable HTTP on loopback): tools
+//! mounted as `mcp__<server>__<tool>`, calls, error results, the tool filter, the bearer token,
+//! and an unreachable server failing the submission or, when optional, narrated (issue 8,
+//! item 6).
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use flue_runtime::mcp::McpConnection;
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
+use flue_runtime::store::MemoryStore;
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::tool::Secret;
+use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult, PaginatedRequestParams,
+    ServerCapabilities, ServerConfig, Tool as McpTool,
+};
+use rmcp::service::RequestContext;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::{ErrorData, RoleServer, ServerHandler};
+use serde_json::json;
+
+#[derive(Clone)]
+struct Docs;
+
+fn schema(value: serde_json::Value) -> Arc<serde_json::Map<String, serde_json::Value>> {
+    Arc::new(value.as_object().unwrap().clone())
+}
+
+impl ServerHandler for Docs {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(vec![
+            McpTool::new(
+                "search",
+                "Search the docs.",
+                schema(json!({"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})),
+            ),
+            McpTool::new("fail", "Always fails.", schema(json!({"type": "object"}))),
+            McpTool::new("admin.purge", "Dangerous.", schema(json!({"type": "object"}))),
+        ]))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let query = request
+            .arguments
+            .as_ref()
+            .and_then(|arguments| arguments.get("query"))
+            .and_then(|query| query.as_str())
+            .unwrap_or_default()
+            .to_owned();
+        Ok(match &*request.name {
+            "search" => CallToolResult::success(vec![
+                ContentBlock::text(format!("3 pages mention {query}")),
+                ContentBlock::text("top: /guide/start"),
+            ]),
+            _ => CallToolResult::error(vec![ContentBlock::text("the index is rebuilding")]),
+        }
+        .into())
+    }
+}
+
+/// An MCP server on loopback that requires `Authorization: Bearer t0ken`; its URL.
+async fn serve_docs() -> String {
+    let service: StreamableHttpService<Docs, LocalSessionManager> =
+        StreamableHttpService::new(|| Ok(Docs), Default::default(), StreamableHttpServerConfig::default());
+    let router = axum::Router::new()
+        .nest_service("/mcp", service)
+        .layer(axum::middleware::from_fn(
+            |request: axum::extract::Request, next: axum::middleware::Next| async move {
+                let authorized = request
+                    .headers()
+                    .get("authorization")
+                    .is_some_and(|value| value == "Bearer t0ken");
+                if authorized {
+                    next.run(request).await
+                } else {
+                    axum::response::IntoResponse::into_response(StatusCode::UNAUTHORIZED)
+                }
+            },
+        ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    format!("http://{address}/mcp")
+}
+
+static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+static TOKEN: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+#[agent]
+fn researcher() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", URL.get().unwrap().clone())
+            .auth(Secret::new(*TOKEN.get().unwrap_or(&"t0ken")))
+            .tools(["search", "fail"]),
+    );
+    "Research with the docs server."
+}
+
+#[agent]
+fn tolerant() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("docs", "http://127.0.0.1:9/mcp").optional());
+    "Work without the docs if need be."
+}
+
+#[agent]
+fn strict() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("docs", "http://127.0.0.1:9/mcp"));
+    "Needs the docs."
+}
+
+fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .agent(agent)
+        .build()
+        .unwrap()
+}
+
+fn results(request: &ModelRequest) -> Vec<(String, bool)> {
+    request
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_servers_tools_are_mounted_called_and_filtered() {
+    let url = serve_docs().await;
+    let _ = URL.set(url);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            ("mcp__docs__search", json!({"query": "sandbox"})),
+            ("mcp__docs__fail", json!({})),
+        ]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, researcher);
+    runtime.init(&researcher, "r").send("find sandbox docs").await.unwrap();
+    let requests = model.requests();
+    let tools: Vec<(&str, &str)> = requests[0]
+        .tools
+        .iter()
+        .map(|tool| (tool.name.as_str(), tool.description.as_str()))
+        .collect();
+    assert_eq!(
+        tools,
+        [
+            ("mcp__docs__search", "Search the docs."),
+            ("mcp__docs__fail", "Always fails.")
+        ],
+        "the filter leaves admin.purge out"
+    );
+    assert_eq!(requests[0].tools[0].parameters["required"], json!(["query"]));
+    assert_eq!(
+        results(&requests[1]),
+        [
+            ("3 pages mention sandbox\ntop: /guide/start".to_owned(), false),
+            ("the index is rebuilding".to_owned(), true),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, strict);
+    let error = runtime.init(&strict, "s").send("go").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error")
+    };
+    assert_eq!(error_type, "mcp_connection_failed");
+    assert!(
+        message.starts_with("[flue] The MCP server \"docs\" could not be used: "),
+        "{message}"
+    );
+
+    let model = ScriptedModel::new([ScriptedReply::text("I'll do without the docs.")]);
+    let runtime = runtime_with(&model, tolerant);
+    let reply = runtime.init(&tolerant, "t").send("go").await.unwrap();
+    assert_eq!(reply.text, "I'll do without the docs.");
+    let request = &model.requests()[0];
+    assert!(request.tools.is_empty());
+    let ModelMessage::User { content, .. } = request.messages.last().unwrap() else {
+        panic!("the narration")
+    };
+    // (Signal bodies reach the model escaped.)
+    assert!(
+        content.starts_with(
+            "<signal type=\"resources\" resource=\"mcp\">\nThe MCP server &quot;docs&quot; is unavailable for this response ("
+        ),
+        "{content}"
+    );
+    assert!(!content.contains("WorkerTransport"), "{content}");
+    assert!(content.contains("its tools are not mounted."), "{content}");
+}
