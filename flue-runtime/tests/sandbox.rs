@@ -61,12 +61,11 @@ fn scratch(name: &str) -> std::path::PathBuf {
 
 // ---- the in-memory environment ------------------------------------------------------------------
 
-static MEMORY: std::sync::LazyLock<sandbox::VirtualSandboxFactory> = std::sync::LazyLock::new(sandbox::virtual_sandbox);
-
 #[agent]
 fn in_memory() -> &'static str {
     use_model("scripted/x");
-    use_sandbox(MEMORY.clone());
+    // A fresh factory each render: the instance's files are found again.
+    use_sandbox(sandbox::virtual_sandbox());
     "Work with files."
 }
 
@@ -227,8 +226,6 @@ async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the
 
 // ---- presence flips and delegates ---------------------------------------------------------------
 
-static FLIP: std::sync::LazyLock<sandbox::VirtualSandboxFactory> = std::sync::LazyLock::new(sandbox::virtual_sandbox);
-
 fn helper(_: AgentProps<'_>) -> &'static str {
     "You check files."
 }
@@ -249,7 +246,7 @@ fn attaches_later() -> &'static str {
         },
     ));
     if attached {
-        use_sandbox(FLIP.clone());
+        use_sandbox(sandbox::virtual_sandbox());
         use_subagent(Subagent::new(
             "checker",
             "Checks files.",
@@ -303,4 +300,19 @@ async fn attaching_mid_response_narrates_the_environment_and_delegates_share_it(
     let child = &requests[3];
     assert!(child.tools.iter().any(|tool| tool.name == "read"));
     assert_eq!(last_results(&requests[4]), [("from the parent".to_owned(), false)]);
+}
+
+#[tokio::test]
+async fn an_instances_in_memory_files_outlive_its_submission() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("write", json!({"path": "memo.txt", "content": "remember me"})),
+        ScriptedReply::text("saved"),
+        ScriptedReply::tool_call("read", json!({"path": "memo.txt"})),
+        ScriptedReply::text("read it"),
+    ]);
+    let runtime = runtime_with(&model, in_memory);
+    let handle = runtime.init(&in_memory, "lasting");
+    handle.send("save a memo").await.unwrap();
+    handle.send("read the memo").await.unwrap();
+    assert_eq!(last_results(&model.requests()[3]), [("remember me".to_owned(), false)]);
 }

@@ -1,8 +1,8 @@
 //! Sandboxes: the environment an agent attaches with `use_sandbox`, and the six tools the
 //! model works in it with (`read`, `write`, `edit`, `bash`, `grep`, `glob`).
 //!
-//! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the runtime's
-//!   lifetime), no commands. [`local`]: a directory on the real filesystem, commands through
+//! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the process's
+//!   lifetime, not across restarts), no commands. [`local`]: a directory on the real filesystem, commands through
 //!   `sh -c`. Paths are sandbox paths — `/` is the root — and a path that leaves the root is
 //!   refused.
 //! - The factory runs once per submission (when the render first attaches the sandbox); the
@@ -27,9 +27,10 @@ use flue_core::sandbox::{Sandbox, SandboxError};
 pub use local::{DEFAULT_COMMAND_TIMEOUT, LocalSandbox, LocalSandboxFactory};
 pub use virtual_fs::{VirtualSandbox, VirtualSandboxFactory};
 
-/// The in-memory sandbox: a filesystem per instance, no commands.
+/// The in-memory sandbox: a filesystem per instance (kept while the process runs), no
+/// commands.
 pub fn virtual_sandbox() -> VirtualSandboxFactory {
-    VirtualSandboxFactory::default()
+    VirtualSandboxFactory
 }
 
 /// A directory on the real filesystem (created when missing), with commands.

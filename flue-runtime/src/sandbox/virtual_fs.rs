@@ -1,5 +1,7 @@
-//! The in-memory environment: a filesystem per instance, kept for the runtime's lifetime (so a
-//! later submission of the instance finds its files), without command execution.
+//! The in-memory environment: a filesystem per instance, kept for the process's lifetime (so
+//! a later submission of the instance finds its files), without command execution. Not
+//! durable: a restart starts every instance's workspace empty (use `sandbox::local` for files
+//! that last).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -9,16 +11,18 @@ use flue_core::sandbox::{DirEntry, ExecOutput, ExecRequest, Sandbox, SandboxErro
 
 use super::normalize;
 
+/// Every instance's in-memory filesystem, for the process's lifetime: a factory built afresh
+/// by each render (`use_sandbox(virtual_sandbox())`) finds the instance's files again.
+static WORKSPACES: std::sync::LazyLock<Mutex<HashMap<String, Arc<VirtualSandbox>>>> =
+    std::sync::LazyLock::new(Mutex::default);
+
 /// The in-memory sandbox factory (`flue_runtime::sandbox::virtual_sandbox()`).
-#[derive(Clone, Default)]
-pub struct VirtualSandboxFactory {
-    instances: Arc<Mutex<HashMap<String, Arc<VirtualSandbox>>>>,
-}
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VirtualSandboxFactory;
 
 impl SandboxFactory for VirtualSandboxFactory {
     fn create_sandbox(&self, instance_id: &str) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>> {
-        let sandbox = self
-            .instances
+        let sandbox = WORKSPACES
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .entry(instance_id.to_owned())
