@@ -1,18 +1,26 @@
 //! The framework's parts of every model request, after the agent's own: the system prompt's
 //! sections (the skills catalog, then the agent roster) and the framework tools (`activate_skill`
-//! and `read_skill_resource` for skills, `task` for delegates), appended after the render's
-//! tools. A render without skills or delegates gets none of them.
+//! and `read_skill_resource` for skills; `task`, always), appended after the render's tools.
 
+use std::sync::Arc;
+
+use flue_core::Tool;
+use flue_core::lifecycle::ThreadState;
 use flue_core::render::Rendered;
 
-use crate::subagents::{Delegation, offered, roster, task_tool};
+use crate::lifecycle::HookSet;
+use crate::subagents::{Delegation, offered, roster};
 
-/// Mounts the framework tools onto `rendered` and returns the system prompt sections to add
-/// (`None` when there are none). `delegation` builds the `task` tool for the delegates the
-/// render offers (it is only called when there are some).
+/// Mounts the framework tools onto `rendered` and returns the system prompt sections to add:
+/// the skills catalog and `activate_skill` (and `read_skill_resource`) when the render mounts
+/// skills; the agent roster and the session's `task` tool always (when `delegation` is given:
+/// every model-calling session), told what the render offers, with the parent's state for
+/// `after_subagent_created` and the `environment` children share.
 pub(crate) fn mount(
     rendered: &mut Rendered,
-    delegation: impl FnOnce(Vec<flue_core::subagent::Subagent>) -> Option<Delegation>,
+    delegation: Option<(&Arc<Delegation>, &Tool)>,
+    parent: Option<(ThreadState, HookSet)>,
+    environment: Vec<Tool>,
 ) -> Option<String> {
     let mut sections = Vec::new();
     if !rendered.skills.is_empty() {
@@ -20,13 +28,11 @@ pub(crate) fn mount(
         let tools = crate::skills::tools(&rendered.skills);
         rendered.tools.extend(tools);
     }
-    let delegates = offered(rendered);
-    if !delegates.is_empty() {
-        let listed = roster(&delegates);
-        if let Some(delegation) = delegation(delegates) {
-            sections.push(listed);
-            rendered.tools.push(task_tool(delegation));
-        }
+    if let Some((delegation, tool)) = delegation {
+        let delegates = offered(rendered);
+        sections.push(roster(&delegates));
+        delegation.update(delegates, parent, environment);
+        rendered.tools.push(tool.clone());
     }
     (!sections.is_empty()).then(|| sections.join("\n\n"))
 }

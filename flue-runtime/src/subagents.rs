@@ -1,10 +1,10 @@
 //! Delegation: the framework's `task` tool, the "Available Agents" roster in the system prompt,
 //! and the child sessions tasks run in.
 //!
-//! - A render that declares delegates (`use_subagent`) gets the `task` tool — one static spec
-//!   (`agent`, `prompt`, optional `description`), so the serialized tool block never changes
-//!   with the roster — and a roster section listing each offered delegate by name and
-//!   description. A render without delegates gets neither (no inert tool, no empty section).
+//! - Every session has the `task` tool — one static spec (`agent`, `prompt`, optional
+//!   `description`), always present, so the serialized tool block never changes with the
+//!   roster — and an "Available Agents" section listing each offered delegate by name and
+//!   description (or saying there is none: the tool is inert then).
 //! - Hidden relationships are not offered (and cannot be called); optional ones only while
 //!   their flag is on. A name outside the roster is answered with a factual miss, not an error.
 //! - A task renders its delegate fresh, in a subagent frame, with the task prompt as its
@@ -48,6 +48,9 @@ const TASK_DESCRIPTION: &str = "Hand a focused piece of work to one of the agent
 The agent starts with a fresh context: it sees only your prompt, so make the prompt a complete briefing. \
 Only its final answer comes back. Several tasks in one turn run in parallel.";
 
+/// The roster section while no delegate is offered (the `task` tool is there all the same).
+const NO_AGENTS: &str = "## Available Agents\n\nNone: no agent is available for delegation now, so do not call the `task` tool unless one is announced later.";
+
 /// The `task` tool's arguments.
 #[derive(Deserialize, JsonSchema)]
 struct TaskArgs {
@@ -73,6 +76,9 @@ pub(crate) fn offered(rendered: &Rendered) -> Vec<Subagent> {
 
 /// The "Available Agents" section of the system prompt.
 pub(crate) fn roster(offered: &[Subagent]) -> String {
+    if offered.is_empty() {
+        return NO_AGENTS.to_owned();
+    }
     let mut section = String::from(
         "## Available Agents\n\nDelegate focused work to one of these agents with the `task` tool, naming the agent:\n",
     );
@@ -82,64 +88,78 @@ pub(crate) fn roster(offered: &[Subagent]) -> String {
     section
 }
 
-/// What a `task` tool delegates with: the parent session's side of it.
+/// What a `task` tool delegates with: the parent session's side of it. One per session; the
+/// roster, the parent's state and its environment follow each render ([`Delegation::update`]).
 pub(crate) struct Delegation {
-    pub(crate) runtime: Weak<RuntimeInner>,
+    runtime: Weak<RuntimeInner>,
     /// Where events go (the root instance and submission).
-    pub(crate) key: InstanceKey,
-    pub(crate) submission_id: String,
-    pub(crate) offered: Vec<Subagent>,
+    key: InstanceKey,
+    submission_id: String,
     /// The parent session's model and thinking level.
-    pub(crate) model: String,
-    pub(crate) thinking: ThinkingLevel,
+    model: String,
+    thinking: ThinkingLevel,
     /// The parent session's depth (the root is 0).
-    pub(crate) depth: u32,
-    /// The parent thread and its hooks, for `after_subagent_created` (root sessions only).
-    pub(crate) parent: Option<(ThreadState, HookSet)>,
-    pub(crate) signal: AbortSignal,
+    depth: u32,
+    signal: AbortSignal,
     /// Tasks running, by relationship (for `max_instances`).
     running: Mutex<HashMap<String, u32>>,
+    live: Mutex<Live>,
+}
+
+/// What the latest render declares.
+#[derive(Default)]
+struct Live {
+    offered: Vec<Subagent>,
+    /// The parent thread and its hooks, for `after_subagent_created` (root sessions only).
+    parent: Option<(ThreadState, HookSet)>,
     /// The parent's sandbox tools: children share the environment.
     environment: Vec<Tool>,
 }
 
 impl Delegation {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         runtime: &Arc<RuntimeInner>,
         key: &InstanceKey,
         submission_id: &str,
-        offered: Vec<Subagent>,
         model: String,
         thinking: ThinkingLevel,
         depth: u32,
-        parent: Option<(ThreadState, HookSet)>,
         signal: AbortSignal,
     ) -> Self {
         Self {
             runtime: Arc::downgrade(runtime),
             key: key.clone(),
             submission_id: submission_id.to_owned(),
-            offered,
             model,
             thinking,
             depth,
-            parent,
             signal,
             running: Mutex::default(),
-            environment: Vec::new(),
+            live: Mutex::default(),
         }
     }
 
-    /// Children work in the parent's sandbox, with these tools.
-    pub(crate) fn with_environment(mut self, tools: Vec<Tool>) -> Self {
-        self.environment = tools;
-        self
+    fn live(&self) -> std::sync::MutexGuard<'_, Live> {
+        self.live.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// What the latest render offers, the parent's state, and the environment children share.
+    pub(crate) fn update(
+        &self,
+        offered: Vec<Subagent>,
+        parent: Option<(ThreadState, HookSet)>,
+        environment: Vec<Tool>,
+    ) {
+        *self.live() = Live {
+            offered,
+            parent,
+            environment,
+        };
     }
 }
 
 /// The `task` tool delegating with `delegation`.
-pub(crate) fn task_tool(delegation: Delegation) -> Tool {
+pub(crate) fn task_tool(delegation: Arc<Delegation>) -> Tool {
     Tool::from_handler(TaskTool {
         definition: ToolDefinition::from_checked(
             "task",
@@ -149,7 +169,7 @@ pub(crate) fn task_tool(delegation: Delegation) -> Tool {
             &[],
             false,
         ),
-        delegation: Arc::new(delegation),
+        delegation,
     })
 }
 
@@ -195,8 +215,22 @@ impl Drop for Running<'_> {
 }
 
 async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
-    let Some(subagent) = delegation.offered.iter().find(|subagent| subagent.name() == args.agent) else {
-        let names: Vec<&str> = delegation.offered.iter().map(Subagent::name).collect();
+    let (found, names, parent, environment) = {
+        let live = delegation.live();
+        (
+            live.offered
+                .iter()
+                .find(|subagent| subagent.name() == args.agent)
+                .cloned(),
+            live.offered
+                .iter()
+                .map(|subagent| subagent.name().to_owned())
+                .collect::<Vec<_>>(),
+            live.parent.clone(),
+            live.environment.clone(),
+        )
+    };
+    let Some(subagent) = found else {
         return ToolOutput::text(format!(
             "No agent named \"{}\" is available for delegation. Available agents: {}.",
             args.agent,
@@ -243,7 +277,7 @@ async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
         description: args.description.clone(),
     });
     let started = Instant::now();
-    let result = child_session(&runtime, delegation, subagent, &task_id, &args).await;
+    let result = child_session(&runtime, delegation, &subagent, parent, environment, &task_id, &args).await;
     emit(Event::Task {
         task_id,
         agent: subagent.name().to_owned(),
@@ -270,6 +304,8 @@ async fn child_session(
     runtime: &Arc<RuntimeInner>,
     delegation: &Delegation,
     subagent: &Subagent,
+    parent: Option<(ThreadState, HookSet)>,
+    environment: Vec<Tool>,
     task_id: &str,
     args: &TaskArgs,
 ) -> Result<String, String> {
@@ -297,7 +333,7 @@ async fn child_session(
         .resolve(&model)
         .map_err(|error| format!("The \"{}\" agent's model: {error}", subagent.name()))?;
 
-    if let Some((parent, hooks)) = &delegation.parent
+    if let Some((parent, hooks)) = &parent
         && hooks.has(flue_core::lifecycle::HookKind::AfterSubagentCreated)
     {
         let mut arguments = Map::new();
@@ -319,7 +355,7 @@ async fn child_session(
     if let Some(taken) = rendered
         .tools
         .iter()
-        .find(|own| delegation.environment.iter().any(|tool| tool.name() == own.name()))
+        .find(|own| environment.iter().any(|tool| tool.name() == own.name()))
     {
         return Err(format!(
             "The \"{}\" agent's tool \"{}\" clashes with a sandbox tool.",
@@ -327,23 +363,18 @@ async fn child_session(
             taken.name()
         ));
     }
-    rendered.tools.extend(delegation.environment.iter().cloned());
-    let sections = crate::framework::mount(&mut rendered, |nested| {
-        Some(
-            Delegation::new(
-                runtime,
-                &delegation.key,
-                &delegation.submission_id,
-                nested,
-                model.clone(),
-                thinking,
-                delegation.depth + 1,
-                None,
-                delegation.signal.clone(),
-            )
-            .with_environment(delegation.environment.clone()),
-        )
-    });
+    rendered.tools.extend(environment.iter().cloned());
+    let nested = Arc::new(Delegation::new(
+        runtime,
+        &delegation.key,
+        &delegation.submission_id,
+        model.clone(),
+        thinking,
+        delegation.depth + 1,
+        delegation.signal.clone(),
+    ));
+    let nested_tool = task_tool(nested.clone());
+    let sections = crate::framework::mount(&mut rendered, Some((&nested, &nested_tool)), None, environment);
     let system = crate::framework::system(
         rendered.instruction.as_ref().map(|text| text.to_string()),
         sections.as_deref(),

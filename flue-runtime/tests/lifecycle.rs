@@ -172,10 +172,21 @@ async fn items_04_05_06_07_the_render_selection_replaces_agent_hooks_and_an_empt
     let runtime = runtime_with(&model, vec![scoped_by_render.into(), scoped_by_agent.into()]);
     runtime.init(&scoped_by_render, "r").send("hi").await.unwrap();
     runtime.init(&scoped_by_agent, "a").send("hi").await.unwrap();
-    let systems: Vec<Option<String>> = model.requests().into_iter().map(|request| request.system).collect();
-    assert_eq!(
-        systems,
-        [Some("Base. +render".to_owned()), Some("Base. +agent".to_owned())]
+    // The hooks see the whole system message (the framework's roster included) and append.
+    let requests = model.requests();
+    let systems: Vec<&str> = requests
+        .iter()
+        .map(|request| request.system.as_deref().unwrap())
+        .collect();
+    assert!(
+        systems[0].starts_with("Base.\n\n## Available Agents") && systems[0].ends_with(" +render"),
+        "{}",
+        systems[0]
+    );
+    assert!(
+        systems[1].ends_with(" +agent") && !systems[1].contains("+render"),
+        "{}",
+        systems[1]
     );
     let log = SCOPE_LOG.lock().unwrap().clone();
     assert!(
@@ -222,10 +233,20 @@ async fn items_08_09_11_12_37_hooks_chain_in_listed_order_none_keeps_and_an_erro
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![listed_order.into()]);
     runtime.init(&listed_order, "o").send("hi").await.unwrap();
-    assert_eq!(model.requests()[0].system.as_deref(), Some("S [1] [2]"));
-    assert_eq!(
-        CHAIN_LOG.lock().unwrap().clone(),
-        ["first saw \"S\"", "second saw \"S [1]\""]
+    let system = model.requests()[0].system.clone().unwrap();
+    assert!(
+        system.starts_with("S\n\n## Available Agents") && system.ends_with(" [1] [2]"),
+        "{system}"
+    );
+    let log = CHAIN_LOG.lock().unwrap().clone();
+    assert_eq!(log.len(), 2);
+    assert!(
+        log[0].starts_with("first saw \"S\\n\\n## Available Agents") && log[0].ends_with("\""),
+        "{log:?}"
+    );
+    assert!(
+        log[1].starts_with("second saw \"S\\n\\n") && log[1].ends_with(" [1]\""),
+        "{log:?}"
     );
     assert_eq!(
         logs.lines("mail server unreachable"),
@@ -1105,10 +1126,8 @@ async fn items_60_63_65_70_required_child_hooks_surround_the_parent_hooks_on_the
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![parent_agent.into()]);
     runtime.init(&parent_agent, "parent-1").send("hi").await.unwrap();
-    assert_eq!(
-        model.requests()[0].system.as_deref(),
-        Some("P <before> <parent> <after>")
-    );
+    let system = model.requests()[0].system.clone().unwrap();
+    assert!(system.ends_with(" <before> <parent> <after>"), "{system}");
     assert_eq!(
         PARENT_HOOKS.lock().unwrap().clone(),
         ["child_before on parent-1", "child_after on parent-1"]

@@ -8,7 +8,7 @@ use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Outcome, RecordBody};
 use flue_runtime::store::{InstanceKey, MemoryStore, UidCondition};
-use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply, instructions_of};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions, SendRequest};
 use serde_json::json;
 
@@ -69,7 +69,7 @@ async fn one_exchange_renders_calls_the_model_runs_the_tool_and_answers() {
     assert_eq!(requests.len(), 2);
     assert_eq!(requests[0].model, "calc-1");
     assert_eq!(
-        requests[0].system.as_deref(),
+        instructions_of(requests[0].system.as_deref()),
         Some("You add numbers with the add tool.")
     );
     assert_eq!(requests[0].tools[0].name, "add");
@@ -224,7 +224,10 @@ async fn state_data_parts_and_metadata_are_durable_and_reach_the_reply() {
     assert_eq!(handle.read(&reply.submission_id).await.unwrap(), reply);
     // The next submission's render reads the committed state.
     handle.send("again").await.unwrap();
-    assert_eq!(model.requests()[2].system.as_deref(), Some("You worked before."));
+    assert_eq!(
+        instructions_of(model.requests()[2].system.as_deref()),
+        Some("You worked before.")
+    );
 }
 
 #[agent]
@@ -252,7 +255,10 @@ async fn use_agent_start_appends_reach_the_model_before_its_first_turn() {
         panic!("signal")
     };
     assert!(content.contains("prefers short answers"));
-    assert_eq!(model.requests()[0].system.as_deref(), Some("Instance g-1."));
+    assert_eq!(
+        instructions_of(model.requests()[0].system.as_deref()),
+        Some("Instance g-1.")
+    );
 }
 
 #[agent]

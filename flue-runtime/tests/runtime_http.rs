@@ -61,7 +61,11 @@ async fn an_exchange_with_a_tool_call_split_across_many_chunks_runs_over_http() 
     let requests = server.requests();
     assert_eq!(requests.len(), 2);
     assert_eq!(requests[0].header("authorization"), Some("Bearer test-key"));
-    assert_eq!(requests[0].body["messages"][0]["content"], "You report the weather.");
+    let system = requests[0].body["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.starts_with("You report the weather.\n\n## Available Agents"),
+        "{system}"
+    );
     assert_eq!(requests[0].body["tools"][0]["function"]["name"], "get_weather");
     let messages = requests[1].body["messages"].as_array().unwrap();
     let tool = messages.last().unwrap();

@@ -8,7 +8,7 @@ use flue_runtime::events::Event;
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
 use flue_runtime::store::MemoryStore;
-use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply, instructions_of};
 use flue_runtime::{MAX_DELEGATION_DEPTH, Runtime, RuntimeOptions};
 use serde_json::json;
 
@@ -130,7 +130,7 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
     let child = &requests[1];
     assert_eq!(child.model, "parent-model");
     assert_eq!(
-        child.system.as_deref(),
+        instructions_of(child.system.as_deref()),
         Some("You summarize support cases in three sentences.")
     );
     assert_eq!(
@@ -139,7 +139,8 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
     );
     assert_eq!(
         child.tools.iter().map(|tool| tool.name.as_str()).collect::<Vec<_>>(),
-        ["count_words"]
+        ["count_words", "task"],
+        "the child has its own tools and an inert task tool"
     );
     assert_eq!(tool_result(&requests[2]), ("5".to_owned(), false));
 
@@ -160,13 +161,28 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
 }
 
 #[tokio::test]
-async fn a_render_without_delegates_gets_no_task_tool_and_no_roster() {
-    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
+async fn without_delegates_the_task_tool_stays_in_the_tool_block_and_the_roster_says_none() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "anyone", "prompt": "help"})),
+        ScriptedReply::text("hi"),
+    ]);
     let runtime = runtime_with(&model, vec![plain_agent.into()]);
     runtime.init(&plain_agent, "p").send("hello").await.unwrap();
-    let request = &model.requests()[0];
-    assert!(request.tools.is_empty());
-    assert_eq!(request.system.as_deref(), Some("No delegates."));
+    let requests = model.requests();
+    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| tool.name.as_str()).collect();
+    assert_eq!(tools, ["task"], "the same tool block as an agent with delegates");
+    let system = requests[0].system.as_deref().unwrap();
+    assert!(
+        system.starts_with("No delegates.\n\n## Available Agents\n\nNone:"),
+        "{system}"
+    );
+    assert_eq!(
+        tool_result(&requests[1]),
+        (
+            "No agent named \"anyone\" is available for delegation. Available agents: none.".to_owned(),
+            false
+        )
+    );
 }
 
 #[tokio::test]
@@ -222,8 +238,12 @@ async fn a_model_override_applies_to_the_child_and_a_failing_render_is_an_error_
     runtime.init(&overriding, "o").send("go").await.unwrap();
     let requests = model.requests();
     let general = requests.iter().find(|request| request.model == "small-model").unwrap();
-    assert_eq!(general.system, None, "the general delegate has no instructions");
-    assert!(general.tools.is_empty());
+    assert_eq!(
+        instructions_of(general.system.as_deref()),
+        None,
+        "the general delegate has no instructions"
+    );
+    assert_eq!(general.tools.len(), 1, "only its inert task tool");
     let results: Vec<(String, bool)> = requests
         .last()
         .unwrap()

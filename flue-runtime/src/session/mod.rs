@@ -405,6 +405,7 @@ impl InstanceSlot {
             sandbox: None,
             sandbox_present: false,
             own_tools: 0,
+            delegation: None,
             mcp: None,
             compaction: flue_core::model::Compaction::Default,
             last_call_tokens: 0,
@@ -676,6 +677,8 @@ struct Response<'a> {
     /// How many of the latest render's tools are the agent's own (the sandbox's and the
     /// framework's follow).
     own_tools: usize,
+    /// The session's delegation and its `task` tool, once the model is known.
+    delegation: Option<(Arc<crate::subagents::Delegation>, flue_core::Tool)>,
     /// The submission's MCP servers, once connected.
     mcp: Option<Vec<crate::mcp::McpSession>>,
     /// The submission's compaction settings.
@@ -957,31 +960,29 @@ impl Response<'_> {
         }
     }
 
-    /// Mounts the framework tools (skills, delegation) and keeps the system prompt sections
-    /// they add. Delegation waits for the submission's model, which delegates inherit.
+    /// Mounts the framework tools (skills, the `task` tool) and keeps the system prompt
+    /// sections they add. The `task` tool waits for the submission's model, which delegates
+    /// inherit (the init render, which calls no model, gets none).
     fn mount_framework(&mut self, rendered: &mut Rendered) {
-        let model = self.model_spec.clone();
+        if self.delegation.is_none()
+            && let Some((spec, thinking)) = self.model_spec.clone()
+        {
+            let delegation = Arc::new(crate::subagents::Delegation::new(
+                self.runtime,
+                self.key,
+                &self.submission.id,
+                spec,
+                thinking,
+                0,
+                self.attempt.signal.clone(),
+            ));
+            let tool = crate::subagents::task_tool(delegation.clone());
+            self.delegation = Some((delegation, tool));
+        }
         let environment = self.environment_tools();
         let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
-        let (runtime, key, submission_id, signal) =
-            (self.runtime, self.key, &self.submission.id, self.attempt.signal.clone());
-        self.framework_sections = crate::framework::mount(rendered, |offered| {
-            let (spec, thinking) = model?;
-            Some(
-                crate::subagents::Delegation::new(
-                    runtime,
-                    key,
-                    submission_id,
-                    offered,
-                    spec,
-                    thinking,
-                    0,
-                    parent,
-                    signal,
-                )
-                .with_environment(environment),
-            )
-        });
+        let delegation = self.delegation.as_ref().map(|(delegation, tool)| (delegation, tool));
+        self.framework_sections = crate::framework::mount(rendered, delegation, parent, environment);
     }
 
     fn check_abort(&self) -> Result<(), Failure> {
