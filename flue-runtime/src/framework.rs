@@ -21,20 +21,61 @@ pub(crate) fn mount(
     delegation: Option<(&Arc<Delegation>, &Tool)>,
     parent: Option<(ThreadState, HookSet)>,
     environment: Vec<Tool>,
-) -> Option<String> {
-    let mut sections = Vec::new();
+    sections: &mut Sections,
+) {
+    let delegates = offered(rendered);
+    let key = sections_key(rendered, &delegates, delegation.is_some());
+    let fresh = sections.key != Some(key);
+    let mut text = Vec::new();
     if !rendered.skills.is_empty() {
-        sections.push(crate::skills::catalog(&rendered.skills));
+        if fresh {
+            text.push(crate::skills::catalog(&rendered.skills));
+        }
         let tools = crate::skills::tools(&rendered.skills);
         rendered.tools.extend(tools);
     }
     if let Some((delegation, tool)) = delegation {
-        let delegates = offered(rendered);
-        sections.push(roster(&delegates));
+        if fresh {
+            text.push(roster(&delegates));
+        }
         delegation.update(delegates, parent, environment);
         rendered.tools.push(tool.clone());
     }
-    (!sections.is_empty()).then(|| sections.join("\n\n"))
+    if fresh {
+        sections.key = Some(key);
+        sections.text = (!text.is_empty()).then(|| text.join("\n\n"));
+    }
+}
+
+/// The system prompt sections of the latest render, kept while what they list repeats.
+#[derive(Default)]
+pub(crate) struct Sections {
+    key: Option<u64>,
+    text: Option<String>,
+}
+
+impl Sections {
+    /// The sections' text (`None` when there are none).
+    pub(crate) fn text(&self) -> Option<&str> {
+        self.text.as_deref()
+    }
+}
+
+/// What the sections depend on: the skills (by identity), the offered delegates' names and
+/// descriptions, and whether the roster is shown.
+fn sections_key(rendered: &Rendered, delegates: &[flue_core::subagent::Subagent], roster: bool) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for skill in &rendered.skills {
+        skill.identity().hash(&mut hasher);
+    }
+    0xff_u8.hash(&mut hasher);
+    for delegate in delegates {
+        delegate.name().hash(&mut hasher);
+        delegate.description().hash(&mut hasher);
+    }
+    roster.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The system prompt: the instruction, then the framework's sections.

@@ -374,10 +374,17 @@ async fn child_session(
         delegation.signal.clone(),
     ));
     let nested_tool = task_tool(nested.clone());
-    let sections = crate::framework::mount(&mut rendered, Some((&nested, &nested_tool)), None, environment);
+    let mut sections = crate::framework::Sections::default();
+    crate::framework::mount(
+        &mut rendered,
+        Some((&nested, &nested_tool)),
+        None,
+        environment,
+        &mut sections,
+    );
     let system = crate::framework::system(
         rendered.instruction.as_ref().map(|text| text.to_string()),
-        sections.as_deref(),
+        sections.text(),
     );
     let tools = std::mem::take(&mut rendered.tools);
     let specs: Vec<ToolSpec> = tools

@@ -129,7 +129,7 @@ impl Response<'_> {
         if let Some((_, snapshot)) = &self.declared {
             records.push(self.record(RecordBody::ResourceSnapshot {
                 snapshot: snapshot.clone(),
-                baseline: self.framework_sections.clone(),
+                baseline: self.framework_sections.text().map(str::to_owned),
             }));
             self.first_snapshot = None;
         }

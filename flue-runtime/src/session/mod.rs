@@ -399,7 +399,7 @@ impl InstanceSlot {
             at_rest_hooks: HookSet::default(),
             execution,
             model_spec: None,
-            framework_sections: None,
+            framework_sections: crate::framework::Sections::default(),
             first_snapshot: None,
             declared: None,
             sandbox: None,
@@ -665,7 +665,7 @@ struct Response<'a> {
     /// The submission's model and thinking level (what delegates inherit), once resolved.
     model_spec: Option<(String, ThinkingLevel)>,
     /// The system prompt sections the latest render's skills and delegates add.
-    framework_sections: Option<String>,
+    framework_sections: crate::framework::Sections,
     /// The conversation's first resource snapshot, committed with the step it was taken for.
     first_snapshot: Option<Record>,
     /// The latest render's fingerprint and resource snapshot (reused while renders repeat).
@@ -982,7 +982,7 @@ impl Response<'_> {
         let environment = self.environment_tools();
         let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
         let delegation = self.delegation.as_ref().map(|(delegation, tool)| (delegation, tool));
-        self.framework_sections = crate::framework::mount(rendered, delegation, parent, environment);
+        crate::framework::mount(rendered, delegation, parent, environment, &mut self.framework_sections);
     }
 
     fn check_abort(&self) -> Result<(), Failure> {
@@ -1593,7 +1593,7 @@ impl Response<'_> {
         let sections = if self.conversation.resources.is_some() {
             self.conversation.baseline_sections.as_deref()
         } else {
-            self.framework_sections.as_deref()
+            self.framework_sections.text()
         };
         crate::framework::system(instruction, sections)
     }

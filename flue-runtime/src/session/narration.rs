@@ -29,7 +29,7 @@ impl Response<'_> {
             None => {
                 self.first_snapshot = Some(self.record(RecordBody::ResourceSnapshot {
                     snapshot: current.clone(),
-                    baseline: self.framework_sections.clone(),
+                    baseline: self.framework_sections.text().map(str::to_owned),
                 }));
             }
             Some(previous) if *previous == current => {}
