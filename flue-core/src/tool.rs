@@ -215,6 +215,12 @@ impl Tool {
         &self.handler().definition().name
     }
 
+    /// Whether the tool's handler lives for the whole process (a `#[tool]` item, or any
+    /// zero-sized handler): its [`Tool::identity`] then never names another tool.
+    pub fn is_static(&self) -> bool {
+        matches!(self.0, Repr::Static(_))
+    }
+
     /// The address of the tool's handler: equal for clones of one tool (and for every mount of
     /// a `#[tool]` item), different for separately built tools. A cheap identity for caches.
     pub fn identity(&self) -> usize {

@@ -78,11 +78,29 @@ fn sections_key(rendered: &Rendered, delegates: &[flue_core::subagent::Subagent]
     hasher.finish()
 }
 
-/// The system prompt: the instruction, then the framework's sections.
-pub(crate) fn system(instruction: Option<String>, sections: Option<&str>) -> Option<String> {
+/// The system prompt: the instruction, then the framework's sections (one allocation of the
+/// exact size).
+pub(crate) fn system(instruction: Option<&str>, sections: Option<&str>) -> Option<String> {
+    let instruction = instruction.filter(|text| !text.is_empty());
     match (instruction, sections) {
-        (Some(instruction), Some(sections)) if !instruction.is_empty() => Some(format!("{instruction}\n\n{sections}")),
-        (_, Some(sections)) => Some(sections.to_owned()),
-        (instruction, None) => instruction,
+        (Some(instruction), Some(sections)) => {
+            let mut text = String::with_capacity(instruction.len() + 2 + sections.len());
+            text.push_str(instruction);
+            text.push_str("\n\n");
+            text.push_str(sections);
+            Some(text)
+        }
+        (None, Some(sections)) => Some(sections.to_owned()),
+        (instruction, None) => instruction.map(str::to_owned),
+    }
+}
+
+/// The length of [`system`]'s result, without building it.
+pub(crate) fn system_len(instruction: Option<&str>, sections: Option<&str>) -> usize {
+    let instruction = instruction.map_or(0, str::len);
+    match sections {
+        Some(sections) if instruction > 0 => instruction + 2 + sections.len(),
+        Some(sections) => sections.len(),
+        None => instruction,
     }
 }

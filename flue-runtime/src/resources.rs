@@ -61,6 +61,22 @@ fn digest(parts: &[&str]) -> String {
     hex
 }
 
+/// A tool's digest (its description and input schema). A static tool's never changes, so it
+/// is computed once per process.
+fn tool_digest(tool: &Tool) -> String {
+    static STATIC_TOOLS: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<usize, String>>> =
+        std::sync::LazyLock::new(Default::default);
+    let compute = || {
+        let schema = tool.input_schema().shared_json().to_string();
+        digest(&[&tool.definition().description, &schema])
+    };
+    if !tool.is_static() {
+        return compute();
+    }
+    let mut cache = STATIC_TOOLS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    cache.entry(tool.identity()).or_insert_with(compute).clone()
+}
+
 /// A cheap fingerprint of what a render declares — the identities of its tools and skills, its
 /// delegates' names and descriptions, its instruction — equal for two renders whose snapshots
 /// are equal (tools and skills are compared by identity, so rebuilt ones only cost a fresh
@@ -120,11 +136,7 @@ impl<'a> Declared<'a> {
             tools: self
                 .tools
                 .iter()
-                .map(|tool| {
-                    let schema = tool.input_schema().shared_json().to_string();
-                    let digest = digest(&[&tool.definition().description, &schema]);
-                    (tool.name().to_owned(), digest)
-                })
+                .map(|tool| (tool.name().to_owned(), tool_digest(tool)))
                 .collect(),
             skills: self
                 .skills

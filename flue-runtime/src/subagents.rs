@@ -382,16 +382,13 @@ async fn child_session(
         environment,
         &mut sections,
     );
-    let system = crate::framework::system(
-        rendered.instruction.as_ref().map(|text| text.to_string()),
-        sections.text(),
-    );
+    let system = crate::framework::system(rendered.instruction.as_deref(), sections.text());
     let tools = std::mem::take(&mut rendered.tools);
     let specs: Vec<ToolSpec> = tools
         .iter()
         .map(|tool| ToolSpec {
-            name: tool.name().to_owned(),
-            description: tool.definition().description.to_string(),
+            name: tool.definition().name.clone(),
+            description: tool.definition().description.clone(),
             parameters: tool.input_schema().shared_json(),
         })
         .collect();

@@ -172,7 +172,7 @@ async fn a_servers_tools_are_mounted_called_and_filtered() {
         .tools
         .iter()
         .filter(|tool| !flue_runtime::testing::is_framework_tool(&tool.name))
-        .map(|tool| (tool.name.as_str(), tool.description.as_str()))
+        .map(|tool| (&*tool.name, &*tool.description))
         .collect();
     assert_eq!(
         tools,

@@ -771,8 +771,8 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
             ModelMessage::user("Thanks"),
         ],
         tools: vec![ToolSpec {
-            name: "get_weather".to_owned(),
-            description: "Current weather of a city.".to_owned(),
+            name: "get_weather".into(),
+            description: "Current weather of a city.".into(),
             parameters: std::sync::Arc::new(
                 json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
             ),

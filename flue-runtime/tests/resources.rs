@@ -80,7 +80,7 @@ async fn a_flip_mid_response_is_narrated_before_the_next_call_and_the_catalog_st
         Some("You handle refunds now.")
     );
     assert!(!requests[1].system.as_deref().unwrap().contains("Available Skills"));
-    let tools: Vec<&str> = requests[1].tools.iter().map(|tool| tool.name.as_str()).collect();
+    let tools: Vec<&str> = requests[1].tools.iter().map(|tool| &*tool.name).collect();
     assert_eq!(tools, ["unlock", "issue_refund", "activate_skill", "task"]);
     let signals: Vec<&str> = requests[1]
         .messages

@@ -102,7 +102,7 @@ async fn the_six_tools_work_in_the_in_memory_sandbox_and_keep_within_it() {
     let runtime = runtime_with(&model, in_memory);
     runtime.init(&in_memory, "m").send("go").await.unwrap();
     let requests = model.requests();
-    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| tool.name.as_str()).collect();
+    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| &*tool.name).collect();
     assert_eq!(tools, ["read", "write", "edit", "bash", "grep", "glob", "task"]);
     assert_eq!(
         last_results(&requests[1]),
@@ -270,7 +270,7 @@ async fn attaching_mid_response_narrates_the_environment_and_delegates_share_it(
     let runtime = runtime_with(&model, attaches_later);
     runtime.init(&attaches_later, "f").send("go").await.unwrap();
     let requests = model.requests();
-    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| tool.name.as_str()).collect();
+    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| &*tool.name).collect();
     assert_eq!(tools, ["attach", "task"]);
     let environment: Vec<&str> = requests[1]
         .messages

@@ -83,7 +83,7 @@ async fn skills_are_cataloged_activated_as_tool_results_and_their_files_read_on_
         "{system}"
     );
     assert!(!system.contains("Follow this procedure"), "{system}");
-    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| tool.name.as_str()).collect();
+    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| &*tool.name).collect();
     assert_eq!(tools, ["activate_skill", "read_skill_resource", "task"]);
 
     let activated = results(&requests[1]);
@@ -127,7 +127,11 @@ async fn read_skill_resource_is_mounted_only_when_a_skill_has_files() {
     let model = ScriptedModel::new([ScriptedReply::text("hello")]);
     let runtime = runtime_with(&model, no_files);
     runtime.init(&no_files, "n").send("hi").await.unwrap();
-    let tools: Vec<String> = model.requests()[0].tools.iter().map(|tool| tool.name.clone()).collect();
+    let tools: Vec<String> = model.requests()[0]
+        .tools
+        .iter()
+        .map(|tool| tool.name.to_string())
+        .collect();
     assert_eq!(tools, ["activate_skill", "task"]);
 }
 

@@ -138,7 +138,7 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
         [ModelMessage::user("Summarize case 42: the printer is on fire.")]
     );
     assert_eq!(
-        child.tools.iter().map(|tool| tool.name.as_str()).collect::<Vec<_>>(),
+        child.tools.iter().map(|tool| &*tool.name).collect::<Vec<_>>(),
         ["count_words", "task"],
         "the child has its own tools and an inert task tool"
     );
@@ -169,7 +169,7 @@ async fn without_delegates_the_task_tool_stays_in_the_tool_block_and_the_roster_
     let runtime = runtime_with(&model, vec![plain_agent.into()]);
     runtime.init(&plain_agent, "p").send("hello").await.unwrap();
     let requests = model.requests();
-    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| tool.name.as_str()).collect();
+    let tools: Vec<&str> = requests[0].tools.iter().map(|tool| &*tool.name).collect();
     assert_eq!(tools, ["task"], "the same tool block as an agent with delegates");
     let system = requests[0].system.as_deref().unwrap();
     assert!(

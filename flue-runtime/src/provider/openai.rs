@@ -653,8 +653,8 @@ mod tests {
             system: None,
             messages: vec![ModelMessage::user("hi")],
             tools: vec![ToolSpec {
-                name: "t".to_owned(),
-                description: "d".to_owned(),
+                name: "t".into(),
+                description: "d".into(),
                 parameters: Arc::new(json!({"type": "object"})),
             }],
             thinking_level: level,

@@ -1,5 +1,6 @@
 //! The provider-neutral model call: what the turn loop sends and what a provider streams back.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -31,10 +32,10 @@ pub struct ModelRequest {
 /// A tool as the model sees it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolSpec {
-    /// Name.
-    pub name: String,
-    /// Description.
-    pub description: String,
+    /// Name (borrowed from a static tool definition: a model call does not copy it).
+    pub name: Cow<'static, str>,
+    /// Description (likewise).
+    pub description: Cow<'static, str>,
     /// JSON Schema of the arguments (object root).
     /// Shared with the tool's definition: a model call does not copy it.
     pub parameters: Arc<Value>,

@@ -34,13 +34,13 @@ impl Response<'_> {
         }
     }
 
-    /// Threshold compaction before a model call whose estimated input (`system` and the
-    /// history) exceeds the window minus the reserve.
+    /// Threshold compaction before a model call whose estimated input (a system prompt of
+    /// `system_len` bytes and the history) exceeds the window minus the reserve.
     pub(super) async fn compact_if_needed(
         &mut self,
         provider: &dyn ModelProvider,
         model_id: &str,
-        system: Option<&str>,
+        system_len: usize,
     ) -> Result<(), Failure> {
         if self.compaction == Compaction::Disabled {
             return Ok(());
@@ -53,7 +53,7 @@ impl Response<'_> {
             (window / 4).min(u64::from(CompactionConfig::MAX_DEFAULT_RESERVE_TOKENS)),
             u64::from,
         );
-        let estimate = self.conversation.estimated_tokens() + system.map_or(0, |text| text.len() as u64 / 4);
+        let estimate = self.conversation.estimated_tokens() + system_len as u64 / 4;
         if estimate.max(self.last_call_tokens) > window.saturating_sub(reserve) {
             self.compact(Reason::Threshold, provider, model_id).await?;
         }

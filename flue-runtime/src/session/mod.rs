@@ -1480,22 +1480,22 @@ impl Response<'_> {
         self.load_images().await?;
         let message_id = new_id("msg");
         self.narrate_resources(rendered).await?;
-        let instruction = rendered.instruction.as_ref().map(|text| text.to_string());
+        let instruction = rendered.instruction.as_deref();
         let tools: Vec<ToolSpec> = rendered
             .tools
             .iter()
             .map(|tool| ToolSpec {
-                name: tool.name().to_owned(),
-                description: tool.definition().description.to_string(),
+                name: tool.definition().name.clone(),
+                description: tool.definition().description.clone(),
                 parameters: tool.input_schema().shared_json(),
             })
             .collect();
-        let estimate = self.system_prompt(instruction.clone());
-        self.compact_if_needed(provider, model_id, estimate.as_deref()).await?;
+        let system_len = crate::framework::system_len(instruction, self.sections());
+        self.compact_if_needed(provider, model_id, system_len).await?;
         let mut row_updates = None;
         let mut compacted_for_overflow = false;
         let (response, started) = loop {
-            let system = self.system_prompt(instruction.clone());
+            let system = crate::framework::system(instruction, self.sections());
             let (system, messages) = match self.request(system).await {
                 Ok(request) => request,
                 Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),
@@ -1587,15 +1587,14 @@ impl Response<'_> {
         Ok((response, message_id))
     }
 
-    /// The system prompt: the instruction, then the framework's sections — the frozen
-    /// baseline once the conversation has a resource snapshot (this render's before).
-    fn system_prompt(&self, instruction: Option<String>) -> Option<String> {
-        let sections = if self.conversation.resources.is_some() {
+    /// The framework's sections of the system prompt: the frozen baseline once the
+    /// conversation has a resource snapshot (this render's before).
+    fn sections(&self) -> Option<&str> {
+        if self.conversation.resources.is_some() {
             self.conversation.baseline_sections.as_deref()
         } else {
             self.framework_sections.text()
-        };
-        crate::framework::system(instruction, sections)
+        }
     }
 
     /// One model call, retried with backoff on retryable errors.
