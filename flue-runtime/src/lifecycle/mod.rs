@@ -1,7 +1,7 @@
 //! Standard Agents lifecycle hooks (the types of [`flue_core::lifecycle`], re-exported) and
-//! how they run: which hooks run at a point ([`HookSet`]), the
-//! chains that run them with the reference's error rules ([`chain`]), the provider-format view
-//! `prefilter_llm_history` edits ([`llm`]), and the runtime's `ThreadState` ([`thread`]).
+//! how they run: which hooks run at a point (`HookSet`), the
+//! chains that run them with the reference's error rules (`chain`), the provider-format view
+//! `prefilter_llm_history` edits (`llm`), and the runtime's `ThreadState` (`thread`).
 //!
 //! Selection (reference §4): required `before_parent` hooks of the enabled direct subagent
 //! relationships first, then the render's `use_hooks` list when it is non-empty (the agent's
