@@ -181,6 +181,8 @@ fn on_disk() -> &'static str {
 
 #[tokio::test]
 async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the_root() {
+    // SAFETY: this test binary's only writer of this variable.
+    unsafe { std::env::set_var("FLUE_TEST_SANDBOX_SECRET", "sk-do-not-leak") };
     let model = ScriptedModel::new([
         ScriptedReply::tool_calls([
             (
@@ -188,6 +190,7 @@ async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the
                 json!({"command": "pwd && echo hello > greeting.txt && echo warn >&2"}),
             ),
             ("bash", json!({"command": "exit 3"})),
+            ("bash", json!({"command": "echo \"key=[$FLUE_TEST_SANDBOX_SECRET]\""})),
         ]),
         ScriptedReply::tool_calls([
             ("read", json!({"path": "greeting.txt"})),
@@ -206,6 +209,11 @@ async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the
     assert_eq!(
         first[1],
         ("(no output)\n\nThe command exited with code 3.".to_owned(), false)
+    );
+    assert_eq!(
+        first[2],
+        ("key=[]".to_owned(), false),
+        "the process's secrets stay out of commands"
     );
     let second = last_results(&requests[2]);
     assert_eq!(second[0], ("hello".to_owned(), false));

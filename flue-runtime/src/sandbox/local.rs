@@ -148,10 +148,19 @@ impl Sandbox for LocalSandbox {
         Box::pin(async move {
             let cwd = cwd?;
             let mut command = tokio::process::Command::new("sh");
+            // The process's environment holds provider keys and other secrets: a command the
+            // model writes gets none of it, only what a shell needs.
             command
                 .arg("-c")
                 .arg(&request.command)
                 .current_dir(&cwd)
+                .env_clear()
+                .env(
+                    "PATH",
+                    std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into()),
+                )
+                .env("HOME", &cwd)
+                .env("LANG", "C.UTF-8")
                 .stdin(std::process::Stdio::null())
                 .kill_on_drop(true);
             let limit = request.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);

@@ -2,9 +2,10 @@
 //! model works in it with (`read`, `write`, `edit`, `bash`, `grep`, `glob`).
 //!
 //! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the process's
-//!   lifetime, not across restarts), no commands. [`local`]: a directory on the real filesystem, commands through
-//!   `sh -c`. Paths are sandbox paths — `/` is the root — and a path that leaves the root is
-//!   refused.
+//!   lifetime, not across restarts), no commands. [`local`]: a directory on the real
+//!   filesystem, commands through `sh -c` with a cleared environment (only `PATH`, `HOME` = the
+//!   working directory, `LANG`): the process's secrets never reach a command the model wrote.
+//!   Paths are sandbox paths — `/` is the root — and a path that leaves the root is refused.
 //! - The factory runs once per submission (when the render first attaches the sandbox); the
 //!   working directory (`SandboxOptions::cwd`, default `/`) is submission-scoped, and the
 //!   tools' relative paths start there. Presence is re-read at every turn boundary: a render
