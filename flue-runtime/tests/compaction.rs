@@ -4,26 +4,13 @@
 
 use flue_runtime::events::Event;
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ProviderError, ProviderErrorKind, ProviderRegistry};
+use flue_runtime::provider::{ModelMessage, ProviderError, ProviderErrorKind};
 use flue_runtime::record::RecordBody;
-use flue_runtime::store::{InstanceKey, MemoryStore};
+use flue_runtime::store::InstanceKey;
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
-use flue_runtime::{Runtime, RuntimeOptions};
 
-fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        })
-        .agent(agent)
-        .build()
-        .unwrap()
-}
+mod harness;
+use harness::runtime_with;
 
 fn long(word: &str) -> String {
     // About 100 estimated tokens.
@@ -57,7 +44,7 @@ async fn a_call_that_would_not_fit_is_preceded_by_a_summary_of_the_older_history
         ScriptedReply::text("three it is"),
     ])
     .with_context_window(600);
-    let runtime = runtime_with(&model, tight);
+    let runtime = runtime_with(&model, [tight.into()]);
     let mut events = runtime.observe();
     let handle = runtime.init(&tight, "t");
     handle.send(long("first")).await.unwrap();
@@ -131,7 +118,7 @@ async fn an_overflowing_call_compacts_and_retries_even_with_threshold_compaction
         ScriptedReply::text("second answer"),
     ])
     .with_context_window(100);
-    let runtime = runtime_with(&model, unbounded);
+    let runtime = runtime_with(&model, [unbounded.into()]);
     let handle = runtime.init(&unbounded, "o");
     handle.send(long("hello")).await.unwrap();
     let reply = handle.send("and again").await.unwrap();
@@ -150,7 +137,7 @@ async fn an_overflow_with_nothing_older_to_summarize_fails_as_context_overflow()
         ProviderErrorKind::ContextOverflow,
         "prompt is too long",
     ))]);
-    let runtime = runtime_with(&model, unbounded);
+    let runtime = runtime_with(&model, [unbounded.into()]);
     let error = runtime.init(&unbounded, "n").send("hi").await.unwrap_err();
     let flue_runtime::RuntimeError::Run { error_type, .. } = error else {
         panic!("a run error")

@@ -11,37 +11,18 @@ use flue_runtime::lifecycle::{
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry, StopReason};
 use flue_runtime::record::RecordBody;
-use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore, Store};
+use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
-use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use flue_runtime::{Runtime, RuntimeError};
 use serde_json::{Value, json};
 
-fn runtime_on(store: impl Store, model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let mut builder = Runtime::builder()
-        .store(store)
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        });
-    for agent in agents {
-        builder = builder.agent(agent);
-    }
-    builder.build().unwrap()
-}
-
-fn runtime_with(model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
-    runtime_on(MemoryStore::new(), model, agents)
-}
+mod harness;
+mod scratch;
+use harness::{runtime_on, runtime_with};
 
 /// A fresh database file for a test that restarts its runtime.
 fn scratch_db(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("flue-lifecycle-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join("flue.db")
+    scratch::dir(name).join("flue.db")
 }
 
 /// Every record body of an instance's stream, in order.

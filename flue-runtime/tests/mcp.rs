@@ -7,13 +7,12 @@
 use std::sync::Arc;
 
 use axum::http::StatusCode;
+use flue_runtime::RuntimeError;
 use flue_runtime::mcp::McpConnection;
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
-use flue_runtime::store::MemoryStore;
+use flue_runtime::provider::ModelMessage;
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::tool::Secret;
-use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult, PaginatedRequestParams,
     ServerCapabilities, ServerConfig, Tool as McpTool,
@@ -23,6 +22,9 @@ use rmcp::transport::streamable_http_server::session::local::LocalSessionManager
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ErrorData, RoleServer, ServerHandler};
 use serde_json::json;
+
+mod harness;
+use harness::{runtime_with, tool_results};
 
 #[derive(Clone)]
 struct Docs;
@@ -128,32 +130,6 @@ fn strict() -> &'static str {
     "Needs the docs."
 }
 
-fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        })
-        .agent(agent)
-        .build()
-        .unwrap()
-}
-
-fn results(request: &ModelRequest) -> Vec<(String, bool)> {
-    request
-        .messages
-        .iter()
-        .filter_map(|message| match message {
-            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
-            _ => None,
-        })
-        .collect()
-}
-
 #[tokio::test]
 async fn a_servers_tools_are_mounted_called_and_filtered() {
     let url = serve_docs().await;
@@ -165,7 +141,7 @@ async fn a_servers_tools_are_mounted_called_and_filtered() {
         ]),
         ScriptedReply::text("done"),
     ]);
-    let runtime = runtime_with(&model, researcher);
+    let runtime = runtime_with(&model, [researcher.into()]);
     runtime.init(&researcher, "r").send("find sandbox docs").await.unwrap();
     let requests = model.requests();
     let tools: Vec<(&str, &str)> = requests[0]
@@ -184,7 +160,7 @@ async fn a_servers_tools_are_mounted_called_and_filtered() {
     );
     assert_eq!(requests[0].tools[0].parameters["required"], json!(["query"]));
     assert_eq!(
-        results(&requests[1]),
+        tool_results(&requests[1]),
         [
             ("3 pages mention sandbox\ntop: /guide/start".to_owned(), false),
             ("the index is rebuilding".to_owned(), true),
@@ -195,7 +171,7 @@ async fn a_servers_tools_are_mounted_called_and_filtered() {
 #[tokio::test]
 async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
     let model = ScriptedModel::new([]);
-    let runtime = runtime_with(&model, strict);
+    let runtime = runtime_with(&model, [strict.into()]);
     let error = runtime.init(&strict, "s").send("go").await.unwrap_err();
     let RuntimeError::Run {
         error_type, message, ..
@@ -210,7 +186,7 @@ async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
     );
 
     let model = ScriptedModel::new([ScriptedReply::text("I'll do without the docs.")]);
-    let runtime = runtime_with(&model, tolerant);
+    let runtime = runtime_with(&model, [tolerant.into()]);
     let reply = runtime.init(&tolerant, "t").send("go").await.unwrap();
     assert_eq!(reply.text, "I'll do without the docs.");
     let request = &model.requests()[0];

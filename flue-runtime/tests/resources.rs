@@ -4,27 +4,14 @@
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ProviderRegistry};
+use flue_runtime::provider::ModelMessage;
 use flue_runtime::record::RecordBody;
-use flue_runtime::store::{InstanceKey, MemoryStore};
+use flue_runtime::store::InstanceKey;
 use flue_runtime::testing::{ScriptedModel, ScriptedReply, instructions_of, is_framework_tool};
-use flue_runtime::{Runtime, RuntimeOptions};
 use serde_json::json;
 
-fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        })
-        .agent(agent)
-        .build()
-        .unwrap()
-}
+mod harness;
+use harness::runtime_with;
 
 /// Issue a refund.
 #[tool]
@@ -65,7 +52,7 @@ async fn a_flip_mid_response_is_narrated_before_the_next_call_and_the_catalog_st
         ScriptedReply::tool_call("unlock", json!({})),
         ScriptedReply::text("Refunds are open."),
     ]);
-    let runtime = runtime_with(&model, phased);
+    let runtime = runtime_with(&model, [phased.into()]);
     runtime.init(&phased, "p").send("Unlock refunds.").await.unwrap();
     let requests = model.requests();
     // The first call: one tool, no skills, the first instruction.
@@ -129,7 +116,7 @@ fn redeployed() -> &'static str {
 #[tokio::test]
 async fn a_change_between_responses_is_narrated_before_the_next_responses_first_call() {
     let model = ScriptedModel::new([ScriptedReply::text("Hello."), ScriptedReply::text("I can refund now.")]);
-    let runtime = runtime_with(&model, redeployed);
+    let runtime = runtime_with(&model, [redeployed.into()]);
     let handle = runtime.init(&redeployed, "r");
     handle.send("Hi.").await.unwrap();
     DEPLOYED.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -12,21 +12,8 @@ use flue_runtime::testing::{ScriptedModel, ScriptedReply, instructions_of};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions, SendRequest};
 use serde_json::json;
 
-fn runtime_with(model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let mut builder = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        });
-    for agent in agents {
-        builder = builder.agent(agent);
-    }
-    builder.build().unwrap()
-}
+mod harness;
+use harness::runtime_with;
 
 /// The type and message of a failed run; panics on any other error.
 fn run_error(error: RuntimeError) -> (String, String) {

@@ -4,60 +4,14 @@
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
+use flue_runtime::provider::ModelMessage;
 use flue_runtime::sandbox;
-use flue_runtime::store::MemoryStore;
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
-use flue_runtime::{Runtime, RuntimeOptions};
 use serde_json::json;
 
-fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        })
-        .agent(agent)
-        .build()
-        .unwrap()
-}
-
-fn results(request: &ModelRequest) -> Vec<(String, bool)> {
-    request
-        .messages
-        .iter()
-        .filter_map(|message| match message {
-            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
-            _ => None,
-        })
-        .collect()
-}
-
-/// The results of the last batch (the tool results after the last assistant message with calls).
-fn last_results(request: &ModelRequest) -> Vec<(String, bool)> {
-    let all = results(request);
-    let calls = request
-        .messages
-        .iter()
-        .rev()
-        .find_map(|message| match message {
-            ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty() => Some(tool_calls.len()),
-            _ => None,
-        })
-        .unwrap_or(0);
-    all[all.len() - calls..].to_vec()
-}
-
-fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("flue-sandbox-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+mod harness;
+mod scratch;
+use harness::{last_batch_results, runtime_with};
 
 // ---- the in-memory environment ------------------------------------------------------------------
 
@@ -99,19 +53,19 @@ async fn the_six_tools_work_in_the_in_memory_sandbox_and_keep_within_it() {
         ]),
         ScriptedReply::text("done"),
     ]);
-    let runtime = runtime_with(&model, in_memory);
+    let runtime = runtime_with(&model, [in_memory.into()]);
     runtime.init(&in_memory, "m").send("go").await.unwrap();
     let requests = model.requests();
     let tools: Vec<&str> = requests[0].tools.iter().map(|tool| &*tool.name).collect();
     assert_eq!(tools, ["read", "write", "edit", "bash", "grep", "glob", "task"]);
     assert_eq!(
-        last_results(&requests[1]),
+        last_batch_results(&requests[1]),
         [
             ("Wrote 22 bytes to /notes/todo.md.".to_owned(), false),
             ("Wrote 10 bytes to /notes/done.md.".to_owned(), false),
         ]
     );
-    let third = last_results(&requests[3]);
+    let third = last_batch_results(&requests[3]);
     assert_eq!(third[0], ("- buy bread\n- call Ada".to_owned(), false));
     assert_eq!(third[1], ("/notes/todo.md:2: - call Ada".to_owned(), false));
     assert_eq!(third[2], ("notes/done.md\nnotes/todo.md".to_owned(), false));
@@ -155,10 +109,10 @@ async fn edits_of_one_file_in_one_batch_run_one_at_a_time_and_lose_nothing() {
         ScriptedReply::tool_call("read", json!({"path": "f.txt"})),
         ScriptedReply::text("done"),
     ]);
-    let runtime = runtime_with(&model, in_memory);
+    let runtime = runtime_with(&model, [in_memory.into()]);
     runtime.init(&in_memory, "locks").send("go").await.unwrap();
     assert_eq!(
-        last_results(&model.requests()[3]),
+        last_batch_results(&model.requests()[3]),
         [("ALPHA BETA GAMMA".to_owned(), false)]
     );
 }
@@ -166,7 +120,7 @@ async fn edits_of_one_file_in_one_batch_run_one_at_a_time_and_lose_nothing() {
 // ---- the local environment ----------------------------------------------------------------------
 
 static LOCAL_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
-    let root = scratch("local");
+    let root = scratch::dir("local");
     std::fs::create_dir_all(root.join("work")).unwrap();
     std::os::unix::fs::symlink("/etc", root.join("work/escape")).unwrap();
     root
@@ -200,10 +154,10 @@ async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the
         ]),
         ScriptedReply::text("done"),
     ]);
-    let runtime = runtime_with(&model, on_disk);
+    let runtime = runtime_with(&model, [on_disk.into()]);
     runtime.init(&on_disk, "d").send("go").await.unwrap();
     let requests = model.requests();
-    let first = last_results(&requests[1]);
+    let first = last_batch_results(&requests[1]);
     let real_work = std::fs::canonicalize(LOCAL_ROOT.join("work")).unwrap();
     assert_eq!(first[0], (format!("{}\nwarn", real_work.display()), false));
     assert_eq!(
@@ -215,7 +169,7 @@ async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the
         ("key=[]".to_owned(), false),
         "the process's secrets stay out of commands"
     );
-    let second = last_results(&requests[2]);
+    let second = last_batch_results(&requests[2]);
     assert_eq!(second[0], ("hello".to_owned(), false));
     assert_eq!(
         second[1],
@@ -275,7 +229,7 @@ async fn attaching_mid_response_narrates_the_environment_and_delegates_share_it(
         ScriptedReply::text("It says: from the parent"),
         ScriptedReply::text("done"),
     ]);
-    let runtime = runtime_with(&model, attaches_later);
+    let runtime = runtime_with(&model, [attaches_later.into()]);
     runtime.init(&attaches_later, "f").send("go").await.unwrap();
     let requests = model.requests();
     let tools: Vec<&str> = requests[0].tools.iter().map(|tool| &*tool.name).collect();
@@ -308,7 +262,10 @@ async fn attaching_mid_response_narrates_the_environment_and_delegates_share_it(
     );
     let child = &requests[3];
     assert!(child.tools.iter().any(|tool| tool.name == "read"));
-    assert_eq!(last_results(&requests[4]), [("from the parent".to_owned(), false)]);
+    assert_eq!(
+        last_batch_results(&requests[4]),
+        [("from the parent".to_owned(), false)]
+    );
 }
 
 #[tokio::test]
@@ -319,9 +276,12 @@ async fn an_instances_in_memory_files_outlive_its_submission() {
         ScriptedReply::tool_call("read", json!({"path": "memo.txt"})),
         ScriptedReply::text("read it"),
     ]);
-    let runtime = runtime_with(&model, in_memory);
+    let runtime = runtime_with(&model, [in_memory.into()]);
     let handle = runtime.init(&in_memory, "lasting");
     handle.send("save a memo").await.unwrap();
     handle.send("read the memo").await.unwrap();
-    assert_eq!(last_results(&model.requests()[3]), [("remember me".to_owned(), false)]);
+    assert_eq!(
+        last_batch_results(&model.requests()[3]),
+        [("remember me".to_owned(), false)]
+    );
 }

@@ -3,37 +3,11 @@
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
-use flue_runtime::store::MemoryStore;
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
-use flue_runtime::{Runtime, RuntimeOptions};
 use serde_json::json;
 
-fn runtime_with(model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        })
-        .agent(agent)
-        .build()
-        .unwrap()
-}
-
-fn results(request: &ModelRequest) -> Vec<(String, bool)> {
-    request
-        .messages
-        .iter()
-        .filter_map(|message| match message {
-            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
-            _ => None,
-        })
-        .collect()
-}
+mod harness;
+use harness::{runtime_with, tool_results};
 
 #[agent]
 fn support() -> &'static str {
@@ -63,7 +37,7 @@ async fn skills_are_cataloged_activated_as_tool_results_and_their_files_read_on_
         ),
         ScriptedReply::text("Refunds are granted within 30 days."),
     ]);
-    let runtime = runtime_with(&model, support);
+    let runtime = runtime_with(&model, [support.into()]);
     let reply = runtime.init(&support, "s").send("Can I get a refund?").await.unwrap();
     assert_eq!(reply.text, "Refunds are granted within 30 days.");
     let requests = model.requests();
@@ -86,7 +60,7 @@ async fn skills_are_cataloged_activated_as_tool_results_and_their_files_read_on_
     let tools: Vec<&str> = requests[0].tools.iter().map(|tool| &*tool.name).collect();
     assert_eq!(tools, ["activate_skill", "read_skill_resource", "task"]);
 
-    let activated = results(&requests[1]);
+    let activated = tool_results(&requests[1]);
     assert!(
         activated[0]
             .0
@@ -108,7 +82,7 @@ async fn skills_are_cataloged_activated_as_tool_results_and_their_files_read_on_
         requests[1].system, requests[0].system,
         "activation leaves the system prompt as it was"
     );
-    let read = results(&requests[2]);
+    let read = tool_results(&requests[2]);
     assert_eq!(
         read[2].0,
         "Refunds are granted within 30 days of delivery.\n\n[Showing lines 1-1 of 2. Continue with offset 2.]"
@@ -125,7 +99,7 @@ fn no_files() -> &'static str {
 #[tokio::test]
 async fn read_skill_resource_is_mounted_only_when_a_skill_has_files() {
     let model = ScriptedModel::new([ScriptedReply::text("hello")]);
-    let runtime = runtime_with(&model, no_files);
+    let runtime = runtime_with(&model, [no_files.into()]);
     runtime.init(&no_files, "n").send("hi").await.unwrap();
     let tools: Vec<String> = model.requests()[0]
         .tools

@@ -4,29 +4,15 @@
 
 use std::sync::Mutex;
 
+use flue_runtime::MAX_DELEGATION_DEPTH;
 use flue_runtime::events::Event;
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
-use flue_runtime::store::MemoryStore;
+use flue_runtime::provider::{ModelMessage, ModelRequest};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply, instructions_of};
-use flue_runtime::{MAX_DELEGATION_DEPTH, Runtime, RuntimeOptions};
 use serde_json::json;
 
-fn runtime_with(model: &ScriptedModel, agents: Vec<AgentRef>) -> Runtime {
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let mut builder = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        });
-    for agent in agents {
-        builder = builder.agent(agent);
-    }
-    builder.build().unwrap()
-}
+mod harness;
+use harness::runtime_with;
 
 fn tool_result(request: &ModelRequest) -> (String, bool) {
     request
