@@ -1926,3 +1926,39 @@ async fn a_user_token_reaches_its_own_user_stream_and_instances_and_nothing_else
     )
     .await;
 }
+
+#[tokio::test]
+async fn a_compaction_projects_to_a_conversation_reset_with_the_summary_in_the_snapshot() {
+    use flue_runtime::provider::{ProviderError, ProviderErrorKind};
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("first answer"));
+    server.admit("k1", "a long first question").await;
+    server.settled("k1", 1).await;
+    // The next call overflows: the history is summarized and the call retried.
+    server.model.push(ScriptedReply::Error(ProviderError::new(
+        ProviderErrorKind::ContextOverflow,
+        "prompt is too long",
+    )));
+    server
+        .model
+        .push(ScriptedReply::text("Summary: one question, answered."));
+    server.model.push(ScriptedReply::text("second answer"));
+    server.admit("k1", "and another").await;
+    let snapshot = server.settled("k1", 2).await;
+    let summary = snapshot["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|message| message["signal"]["type"] == "compaction")
+        .unwrap_or_else(|| panic!("the summary message: {snapshot}"));
+    assert_eq!(summary["parts"][0]["text"], "Summary: one question, answered.");
+    assert_eq!(summary["signal"]["attributes"]["reason"], "overflow");
+    let (_, _, updates) = server.get_json("/k1?view=updates&offset=-1").await;
+    let resets = updates
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|chunk| chunk["type"] == "conversation-reset")
+        .count();
+    assert_eq!(resets, 2, "the birth and the compaction: {updates}");
+}
