@@ -6,7 +6,7 @@
 use flue_core::lifecycle::LlmMessage;
 use serde_json::{Value, json};
 
-use crate::provider::{ModelImage, ModelMessage, ModelToolCall};
+use crate::provider::{ModelImage, ModelMessage};
 
 /// The request as provider-format messages.
 pub(crate) fn to_llm(system: Option<&str>, messages: &[ModelMessage]) -> Vec<LlmMessage> {
@@ -137,23 +137,7 @@ pub(crate) fn from_llm(messages: Vec<LlmMessage>, original: &[ModelMessage]) -> 
                 let tool_calls = message
                     .tool_calls
                     .as_ref()
-                    .and_then(Value::as_array)
-                    .map(|calls| {
-                        calls
-                            .iter()
-                            .filter_map(|call| {
-                                Some(ModelToolCall {
-                                    id: call.get("id")?.as_str()?.to_owned(),
-                                    name: call.pointer("/function/name")?.as_str()?.to_owned(),
-                                    arguments: call
-                                        .pointer("/function/arguments")
-                                        .and_then(Value::as_str)
-                                        .unwrap_or("{}")
-                                        .to_owned(),
-                                })
-                            })
-                            .collect()
-                    })
+                    .map(crate::session::tool_calls_from)
                     .unwrap_or_default();
                 out.push(ModelMessage::Assistant {
                     text: text_of(&message.content),
@@ -184,6 +168,7 @@ pub(crate) fn from_llm(messages: Vec<LlmMessage>, original: &[ModelMessage]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::ModelToolCall;
 
     #[test]
     fn a_request_round_trips_through_the_provider_format() {

@@ -376,6 +376,13 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Vec<String>, Sandb
     Ok(files)
 }
 
+/// The search root `path` names (the working directory by default) and the files under it.
+async fn files_under(session: &SandboxSession, path: Option<&str>) -> Result<(String, Vec<String>), SandboxError> {
+    let base = join(&session.cwd, path.unwrap_or("."))?;
+    let files = walk(session, &base).await?;
+    Ok((base, files))
+}
+
 fn relative<'a>(base: &str, path: &'a str) -> &'a str {
     let prefix_len = if base == "/" { 1 } else { base.len() + 1 };
     path.get(prefix_len..)
@@ -413,12 +420,8 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(filter) => filter,
             Err(error) => return ToolOutput::error(format!("Invalid glob: {error}")),
         };
-        let base = match join(&session.cwd, args.path.as_deref().unwrap_or(".")) {
-            Ok(base) => base,
-            Err(error) => return sandbox_error(error),
-        };
-        let files = match walk(session, &base).await {
-            Ok(files) => files,
+        let (base, files) = match files_under(session, args.path.as_deref()).await {
+            Ok(found) => found,
             Err(error) => return sandbox_error(error),
         };
         let mut matches = Vec::new();
@@ -477,12 +480,8 @@ fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(pattern) => pattern,
             Err(error) => return ToolOutput::error(format!("Invalid glob: {error}")),
         };
-        let base = match join(&session.cwd, args.path.as_deref().unwrap_or(".")) {
-            Ok(base) => base,
-            Err(error) => return sandbox_error(error),
-        };
-        let files = match walk(session, &base).await {
-            Ok(files) => files,
+        let (base, files) = match files_under(session, args.path.as_deref()).await {
+            Ok(found) => found,
             Err(error) => return sandbox_error(error),
         };
         let options = glob::MatchOptions {

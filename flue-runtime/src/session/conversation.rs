@@ -162,7 +162,13 @@ pub(crate) fn tool_calls_json(calls: &[ModelToolCall]) -> String {
 
 /// Tool calls read back from a row's `tool_calls` JSON text (malformed entries are skipped).
 fn tool_calls_of(text: &str) -> Vec<ModelToolCall> {
-    let Ok(Value::Array(calls)) = serde_json::from_str::<Value>(text) else {
+    serde_json::from_str::<Value>(text).map_or_else(|_| Vec::new(), |calls| tool_calls_from(&calls))
+}
+
+/// Tool calls read back from their OpenAI-shaped JSON (`[{id, type, function: {name,
+/// arguments}}]`, as rows and `prefilter_llm_history` carry them); malformed entries are skipped.
+pub(crate) fn tool_calls_from(calls: &Value) -> Vec<ModelToolCall> {
+    let Value::Array(calls) = calls else {
         return Vec::new();
     };
     calls

@@ -47,7 +47,7 @@ use crate::tools;
 use deadline::Deadline;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
-pub(crate) use conversation::{Conversation, ReplyParts, micros_of, reply_of};
+pub(crate) use conversation::{Conversation, ReplyParts, micros_of, reply_of, tool_calls_from};
 
 /// The framework ceiling of continued finish cycles per response.
 pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
