@@ -147,41 +147,68 @@ async fn a_conversation_survives_reopening_the_database() {
     assert_eq!(reopened.read(&key, None).await.unwrap().len(), 1);
 }
 
+/// The batches of the current layout in the earlier one, keyed `(agent, instance_id, offset)`.
+const KEYED_BATCHES: &str = "
+    CREATE TABLE old_batches (agent TEXT NOT NULL, instance_id TEXT NOT NULL,
+        offset INTEGER NOT NULL, records TEXT NOT NULL, PRIMARY KEY (agent, instance_id, offset));
+    INSERT INTO old_batches SELECT i.agent, i.id, b.position - (i.stream << 32), b.records
+        FROM flue_batches b JOIN flue_instances i
+            ON b.position >= (i.stream << 32) AND b.position < ((i.stream + 1) << 32);
+    DROP TABLE flue_batches;
+    ALTER TABLE old_batches RENAME TO flue_batches;";
+
+/// The first format-1 layout: rowid tables beside their keys, two more indexes, an offset
+/// counter it maintained (stale here on purpose) and keyed batches.
+const FIRST_LAYOUT: &str = "
+    CREATE TABLE old_instances (agent TEXT NOT NULL, id TEXT NOT NULL, uid TEXT NOT NULL,
+        next_offset INTEGER NOT NULL, PRIMARY KEY (agent, id));
+    INSERT INTO old_instances SELECT agent, id, uid, 7 FROM flue_instances;
+    CREATE TABLE old_submissions (id TEXT PRIMARY KEY, sequence INTEGER NOT NULL UNIQUE,
+        agent TEXT NOT NULL, instance_id TEXT NOT NULL, status TEXT NOT NULL, owner_id TEXT,
+        lease_until_ms INTEGER NOT NULL DEFAULT 0, data TEXT NOT NULL);
+    INSERT INTO old_submissions SELECT id, sequence, agent, instance_id, status, owner_id,
+        lease_until_ms, data FROM flue_submissions;
+    DROP TABLE flue_instances; DROP TABLE flue_submissions;
+    ALTER TABLE old_instances RENAME TO flue_instances;
+    ALTER TABLE old_submissions RENAME TO flue_submissions;
+    CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence)
+        WHERE status <> 'settled';
+    CREATE INDEX flue_submissions_by_status ON flue_submissions (status, agent, instance_id);
+    CREATE INDEX flue_submissions_by_owner ON flue_submissions (owner_id, status);";
+
+/// The second: clustered instances without stream numbers, keyed batches.
+const SECOND_LAYOUT: &str = "
+    CREATE TABLE old_instances (agent TEXT NOT NULL, id TEXT NOT NULL, uid TEXT NOT NULL,
+        next_offset INTEGER NOT NULL, PRIMARY KEY (agent, id)) WITHOUT ROWID;
+    INSERT INTO old_instances SELECT agent, id, uid, next_offset FROM flue_instances;
+    DROP TABLE flue_instances;
+    ALTER TABLE old_instances RENAME TO flue_instances;";
+
 #[tokio::test]
-async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_every_row() {
+async fn reopening_a_store_of_the_first_layout_rebuilds_it_and_keeps_every_row() {
+    reopening_an_earlier_layout_keeps_every_row(FIRST_LAYOUT).await;
+}
+
+#[tokio::test]
+async fn reopening_a_store_with_keyed_batches_numbers_its_streams_and_keeps_every_row() {
+    reopening_an_earlier_layout_keeps_every_row(SECOND_LAYOUT).await;
+}
+
+async fn reopening_an_earlier_layout_keeps_every_row(layout: &str) {
     use flue_runtime::store::InstanceKey;
     let path = scratch_db();
     let key = InstanceKey::new("assistant", "upgraded");
+    let other = InstanceKey::new("assistant", "other");
     {
         let store = SqliteStore::open(&path).unwrap();
         store.admit(admission(&key, "u-1", "hello")).await.unwrap();
+        store.admit(admission(&other, "o-1", "hi")).await.unwrap();
+        store.append(&other, vec![state_record(9)].into(), None).await.unwrap();
     }
-    // Turn the file into what an earlier build of format 1 wrote: rowid tables beside their
-    // keys, two more indexes, and an offset counter it maintained (stale here on purpose).
+    // Turn the file into what an earlier build of format 1 wrote.
     let connection = rusqlite::Connection::open(&path).unwrap();
-    connection
-        .execute_batch(
-            "CREATE TABLE old_instances (agent TEXT NOT NULL, id TEXT NOT NULL, uid TEXT NOT NULL,
-                 next_offset INTEGER NOT NULL, PRIMARY KEY (agent, id));
-             INSERT INTO old_instances SELECT agent, id, uid, 7 FROM flue_instances;
-             CREATE TABLE old_submissions (id TEXT PRIMARY KEY, sequence INTEGER NOT NULL UNIQUE,
-                 agent TEXT NOT NULL, instance_id TEXT NOT NULL, status TEXT NOT NULL, owner_id TEXT,
-                 lease_until_ms INTEGER NOT NULL DEFAULT 0, data TEXT NOT NULL);
-             INSERT INTO old_submissions SELECT id, sequence, agent, instance_id, status, owner_id,
-                 lease_until_ms, data FROM flue_submissions;
-             CREATE TABLE old_batches (agent TEXT NOT NULL, instance_id TEXT NOT NULL,
-                 offset INTEGER NOT NULL, records TEXT NOT NULL, PRIMARY KEY (agent, instance_id, offset));
-             INSERT INTO old_batches SELECT agent, instance_id, offset, records FROM flue_batches;
-             DROP TABLE flue_instances; DROP TABLE flue_submissions; DROP TABLE flue_batches;
-             ALTER TABLE old_instances RENAME TO flue_instances;
-             ALTER TABLE old_submissions RENAME TO flue_submissions;
-             ALTER TABLE old_batches RENAME TO flue_batches;
-             CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence)
-                 WHERE status <> 'settled';
-             CREATE INDEX flue_submissions_by_status ON flue_submissions (status, agent, instance_id);
-             CREATE INDEX flue_submissions_by_owner ON flue_submissions (owner_id, status);",
-        )
-        .unwrap();
+    connection.execute_batch(KEYED_BATCHES).unwrap();
+    connection.execute_batch(layout).unwrap();
     drop(connection);
 
     let reopened = SqliteStore::open(&path).unwrap();
@@ -195,7 +222,11 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
             .map(Result::unwrap)
             .collect()
     };
-    assert_eq!(names("index"), ["flue_submissions_unsettled"]);
+    assert_eq!(
+        names("index"),
+        ["flue_submissions_unsettled"],
+        "the write-only indexes are gone"
+    );
     assert_eq!(
         names("table"),
         [
@@ -217,9 +248,21 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
         .map(Result::unwrap)
         .collect();
     assert_eq!(clustered, ["flue_attachments", "flue_instances", "flue_user_values"]);
+    let batch_columns: Vec<String> = connection
+        .prepare("SELECT name FROM pragma_table_info('flue_batches') ORDER BY cid")
+        .unwrap()
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        batch_columns,
+        ["position", "records"],
+        "batches sit at their stream positions"
+    );
     assert_eq!(meta(&path), [("format_version".to_owned(), "1".to_owned())]);
 
-    // Every row survived, and the ledger and the stream carry on from them.
+    // Every row survived, and the ledger and the streams carry on from them.
     let kept = reopened.submission("u-1").await.unwrap().unwrap();
     assert_eq!(kept.message, flue_runtime::message::DeliveredMessage::user("hello"));
     let admitted = reopened.admit(admission(&key, "u-2", "again")).await.unwrap();
@@ -232,6 +275,18 @@ async fn reopening_a_store_of_an_earlier_build_rebuilds_its_layout_and_keeps_eve
     assert_eq!(offset, 1, "offsets follow the batches, not the stale counter");
     let batches = reopened.read(&key, None).await.unwrap();
     assert_eq!(batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [0, 1]);
+    let others = reopened.read(&other, None).await.unwrap();
+    assert_eq!(
+        others.iter().map(|batch| batch.offset).collect::<Vec<_>>(),
+        [0, 1],
+        "streams stay apart"
+    );
+    assert_eq!(others[1].records[0].body, state_record(9).body);
+    // An instance created after the upgrade gets a stream of its own.
+    let newer = InstanceKey::new("assistant", "newer");
+    reopened.admit(admission(&newer, "n-1", "new")).await.unwrap();
+    assert_eq!(reopened.read(&newer, None).await.unwrap().len(), 1);
+    assert_eq!(reopened.read(&key, None).await.unwrap().len(), 2);
     // A second open finds the current layout and changes nothing.
     drop(reopened);
     SqliteStore::open(&path).unwrap();

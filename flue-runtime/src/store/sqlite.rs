@@ -114,12 +114,15 @@ fn checkpoint(connection: &Connection) {
 ///
 /// Every B-tree a commit touches costs a WAL frame (two writes), so the layout keeps them
 /// few. Instances are a `WITHOUT ROWID` table clustered on their key (one B-tree, not a table
-/// plus a key index); batches keep a rowid, since their large rows would crowd a clustered
-/// key's pages (measured slower). A submission's admission order is its rowid. Settled
-/// submissions leave the one partial index (the ledger's queries — an instance's queue, the
-/// node-wide scans for queued work and expired leases — read unsettled rows only). An
-/// instance's next offset is one past its last batch rather than a counter every append
-/// rewrites (`flue_instances.next_offset` is kept for the layout but no longer maintained).
+/// plus a key index). Each instance has a `stream` number (the admission sequence of the
+/// submission that created it, so unique), and its batches are the rows of one rowid table
+/// keyed `stream << 32 | offset`: an append touches one B-tree, and the rows stay in a table
+/// leaf's roomy payload (a clustered text key would push a 1 KiB batch into an overflow page).
+/// A submission's admission order is its rowid. Settled submissions leave the one partial
+/// index (the ledger's queries — an instance's queue, the node-wide scans for queued work and
+/// expired leases — read unsettled rows only). An instance's next offset is one past its last
+/// batch rather than a counter every append rewrites (`flue_instances.next_offset` is kept for
+/// the layout but no longer maintained).
 fn ledger_tables(suffix: &str) -> String {
     format!(
         "
@@ -128,6 +131,7 @@ CREATE TABLE flue_instances{suffix} (
     id TEXT NOT NULL,
     uid TEXT NOT NULL,
     next_offset INTEGER NOT NULL,
+    stream INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (agent, id)
 ) WITHOUT ROWID;
 CREATE TABLE flue_submissions{suffix} (
@@ -144,16 +148,21 @@ CREATE TABLE flue_submissions{suffix} (
     )
 }
 
-/// The record stream: one row per batch.
+/// The record streams: one row per batch, at `stream << 32 | offset` (see [`ledger_tables`]).
 const BATCHES_TABLE: &str = "
 CREATE TABLE flue_batches (
-    agent TEXT NOT NULL,
-    instance_id TEXT NOT NULL,
-    offset INTEGER NOT NULL,
-    records TEXT NOT NULL,
-    PRIMARY KEY (agent, instance_id, offset)
+    position INTEGER PRIMARY KEY,
+    records TEXT NOT NULL
 );
 ";
+
+/// Where an instance's stream starts among the batches' positions.
+fn stream_start(stream: i64) -> i64 {
+    stream << 32
+}
+
+/// How many batches one instance's stream can hold (its offsets are the position's low bits).
+const STREAM_CAPACITY: u64 = 1 << 32;
 
 /// Attachments (what identifies each, and its bytes in chunks of at most
 /// [`ATTACHMENT_CHUNK_BYTES`]) and user values (by user, in key order). Added to format 1
@@ -202,9 +211,25 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
             |row| row.get(0),
         )
         .map_err(sql)?;
-    if instances_sql.contains("WITHOUT ROWID") {
+    if !instances_sql.contains("WITHOUT ROWID") {
+        rebuild_ledger(transaction)?;
+    }
+    let batches_sql: String = transaction
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'flue_batches'",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(sql)?;
+    if batches_sql.contains("position") {
         return Ok(());
     }
+    number_streams(transaction)
+}
+
+/// Rebuilds the instances and submissions tables of the earliest format-1 layout (rowid
+/// tables beside their keys) as `WITHOUT ROWID` and rowid-ordered tables.
+fn rebuild_ledger(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
     transaction.execute_batch(&ledger_tables("_rebuilt")).map_err(sql)?;
     transaction
         .execute_batch(
@@ -219,6 +244,40 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
         )
         .map_err(sql)?;
     transaction.execute_batch(UNSETTLED_INDEX).map_err(sql)
+}
+
+/// Gives every instance its stream number and moves the batches of the layout keyed by
+/// `(agent, instance_id, offset)` to their positions. An instance's number is the sequence of
+/// its first submission (what admission gives a new one: the numbers stay unique); an
+/// instance without submissions gets a negative number of its own.
+fn number_streams(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
+    let instances_sql: String = transaction
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'flue_instances'",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(sql)?;
+    if !instances_sql.contains("stream") {
+        transaction
+            .execute_batch("ALTER TABLE flue_instances ADD COLUMN stream INTEGER NOT NULL DEFAULT 0;")
+            .map_err(sql)?;
+    }
+    transaction
+        .execute_batch(
+            "UPDATE flue_instances SET stream = COALESCE(
+                 (SELECT MIN(s.sequence) FROM flue_submissions s
+                     WHERE s.agent = flue_instances.agent AND s.instance_id = flue_instances.id),
+                 -(SELECT COUNT(*) FROM flue_instances i
+                     WHERE (i.agent, i.id) <= (flue_instances.agent, flue_instances.id)));
+             ALTER TABLE flue_batches RENAME TO flue_batches_keyed;
+             CREATE TABLE flue_batches (position INTEGER PRIMARY KEY, records TEXT NOT NULL);
+             INSERT INTO flue_batches (position, records)
+                 SELECT (i.stream << 32) + b.offset, b.records FROM flue_batches_keyed b
+                     JOIN flue_instances i ON i.agent = b.agent AND i.id = b.instance_id;
+             DROP TABLE flue_batches_keyed;",
+        )
+        .map_err(sql)
 }
 
 fn sql(error: rusqlite::Error) -> StoreError {
@@ -511,40 +570,65 @@ fn owns(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<Submiss
     }))
 }
 
+/// Appends a batch to `key`'s stream; returns its offset.
 fn append_batch(transaction: &Connection, key: &InstanceKey, records: &[Record]) -> Result<u64, StoreError> {
+    let Some((_, stream)) = instance_row(transaction, key)? else {
+        return Err(StoreError::Other(format!("no stream {key}")));
+    };
+    append_to_stream(transaction, stream, key, records)
+}
+
+fn append_to_stream(
+    transaction: &Connection,
+    stream: i64,
+    key: &InstanceKey,
+    records: &[Record],
+) -> Result<u64, StoreError> {
     if records.is_empty() {
         return Err(StoreError::Other("an append batch must not be empty".into()));
     }
-    if instance_uid(transaction, key)?.is_none() {
-        return Err(StoreError::Other(format!("no stream {key}")));
+    let offset = next_offset(transaction, stream)?;
+    if offset >= STREAM_CAPACITY {
+        return Err(StoreError::Other(format!(
+            "the stream of {key} is full ({STREAM_CAPACITY} batches)"
+        )));
     }
-    let offset = next_offset(transaction, key)?;
     let data = serde_json::to_string(records).map_err(json_error)?;
     transaction
-        .prepare_cached("INSERT INTO flue_batches (agent, instance_id, offset, records) VALUES (?1, ?2, ?3, ?4)")
+        .prepare_cached("INSERT INTO flue_batches (position, records) VALUES (?1, ?2)")
         .map_err(sql)?
-        .execute(params![key.agent, key.id, offset as i64, data])
+        .execute(params![stream_start(stream) + offset as i64, data])
         .map_err(sql)?;
     Ok(offset)
 }
 
-/// The offset the instance's next batch takes: one past its last batch.
-fn next_offset(transaction: &Connection, key: &InstanceKey) -> Result<u64, StoreError> {
+/// The offset the stream's next batch takes: one past its last batch.
+fn next_offset(transaction: &Connection, stream: i64) -> Result<u64, StoreError> {
+    let start = stream_start(stream);
     transaction
-        .prepare_cached("SELECT COALESCE(MAX(offset) + 1, 0) FROM flue_batches WHERE agent = ?1 AND instance_id = ?2")
+        .prepare_cached("SELECT MAX(position) FROM flue_batches WHERE position >= ?1 AND position < ?2")
         .map_err(sql)?
-        .query_row(params![key.agent, key.id], |row| row.get::<_, i64>(0))
-        .map(|offset| offset as u64)
+        .query_row(params![start, start + STREAM_CAPACITY as i64], |row| {
+            row.get::<_, Option<i64>>(0)
+        })
+        .map(|last| last.map_or(0, |last| (last - start) as u64 + 1))
+        .map_err(sql)
+}
+
+/// The instance's incarnation and stream number, when it exists.
+fn instance_row(transaction: &Connection, key: &InstanceKey) -> Result<Option<(String, i64)>, StoreError> {
+    transaction
+        .prepare_cached("SELECT uid, stream FROM flue_instances WHERE agent = ?1 AND id = ?2")
+        .map_err(sql)?
+        .query_row(params![key.agent, key.id], |row| {
+            Ok((row.get::<_, String>(0)?, row.get(1)?))
+        })
+        .optional()
         .map_err(sql)
 }
 
 fn instance_uid(transaction: &Connection, key: &InstanceKey) -> Result<Option<String>, StoreError> {
-    transaction
-        .prepare_cached("SELECT uid FROM flue_instances WHERE agent = ?1 AND id = ?2")
-        .map_err(sql)?
-        .query_row(params![key.agent, key.id], |row| row.get::<_, String>(0))
-        .optional()
-        .map_err(sql)
+    Ok(instance_row(transaction, key)?.map(|(uid, _)| uid))
 }
 
 impl Store for SqliteStore {
@@ -563,35 +647,39 @@ impl Store for SqliteStore {
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
             }
-            let existing_uid = instance_uid(tx, &admission.key)?;
-            super::check_uid(&admission, existing_uid.as_deref())?;
-            let uid = match existing_uid {
-                Some(uid) => uid,
+            let existing = instance_row(tx, &admission.key)?;
+            super::check_uid(&admission, existing.as_ref().map(|(uid, _)| uid.as_str()))?;
+            let sequence: i64 = tx
+                .prepare_cached("SELECT COALESCE(MAX(sequence), 0) + 1 FROM flue_submissions")
+                .map_err(sql)?
+                .query_row([], |row| row.get(0))
+                .map_err(sql)?;
+            let (uid, offset) = match existing {
+                Some((uid, stream)) => (uid, next_offset(tx, stream)?.checked_sub(1)),
                 None => {
+                    // A new instance's stream is numbered with its first submission's sequence.
+                    if sequence >= 1 << 31 {
+                        return Err(StoreError::Other(
+                            "sqlite: 2^31 submissions were admitted; no stream number is left for a new instance"
+                                .into(),
+                        ));
+                    }
                     let uid = new_id("inst");
                     tx.prepare_cached(
-                        "INSERT INTO flue_instances (agent, id, uid, next_offset) VALUES (?1, ?2, ?3, 0)",
+                        "INSERT INTO flue_instances (agent, id, uid, next_offset, stream) VALUES (?1, ?2, ?3, 0, ?4)",
                     )
                     .map_err(sql)?
-                    .execute(params![admission.key.agent, admission.key.id, uid])
+                    .execute(params![admission.key.agent, admission.key.id, uid, sequence])
                     .map_err(sql)?;
                     let birth = super::birth_record(&uid, admission.initial_data.clone());
-                    append_batch(tx, &admission.key, &[birth])?;
-                    uid
+                    let offset = append_to_stream(tx, sequence, &admission.key, &[birth])?;
+                    (uid, Some(offset))
                 }
             };
-            let sequence: i64 = tx
-                .query_row(
-                    "SELECT COALESCE(MAX(sequence), 0) + 1 FROM flue_submissions",
-                    [],
-                    |row| row.get(0),
-                )
-                .map_err(sql)?;
             let key = admission.key.clone();
             let claim = admission.claim.clone();
             let submission = super::queued_submission(admission, sequence as u64);
             write_submission(tx, &submission)?;
-            let offset = next_offset(tx, &key)?.checked_sub(1);
             let claimed = claim
                 .map(|claim| claim_head(tx, &key, &claim, Some(&submission.id)))
                 .transpose()?
@@ -867,18 +955,27 @@ impl Store for SqliteStore {
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         ready(self.read_transaction(|tx| {
-            let start = after.map_or(0, |after| after as i64 + 1);
+            let Some((_, stream)) = instance_row(tx, key)? else {
+                return Ok(Vec::new());
+            };
+            let start = stream_start(stream);
+            let first = after.map_or(0, |after| after.saturating_add(1)).min(STREAM_CAPACITY) as i64;
             let mut statement = tx
                 .prepare_cached(
-                    "SELECT offset, records FROM flue_batches WHERE agent = ?1 AND instance_id = ?2 AND offset >= ?3 ORDER BY offset",
+                    "SELECT position, records FROM flue_batches WHERE position >= ?1 AND position < ?2 ORDER BY position",
                 )
                 .map_err(sql)?;
             let rows = statement
-                .query_map(params![key.agent, key.id, start], |row| Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?)))
+                .query_map(params![start + first, start + STREAM_CAPACITY as i64], |row| {
+                    Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?))
+                })
                 .map_err(sql)?;
             rows.map(|row| {
-                let (offset, records) = row.map_err(sql)?;
-                Ok(Batch { offset: offset as u64, records: serde_json::from_str::<Vec<Record>>(&records).map_err(json_error)?.into() })
+                let (position, records) = row.map_err(sql)?;
+                Ok(Batch {
+                    offset: (position - start) as u64,
+                    records: serde_json::from_str::<Vec<Record>>(&records).map_err(json_error)?.into(),
+                })
             })
             .collect()
         }))
