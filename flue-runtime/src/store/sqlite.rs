@@ -1165,6 +1165,7 @@ impl Store for SqliteStore {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
     use super::*;
 
