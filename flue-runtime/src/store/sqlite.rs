@@ -564,6 +564,18 @@ fn claim_head(
     Ok(Some(head))
 }
 
+/// Whether `attempt` runs its submission (the fence of a write), read without parsing the row.
+fn holds(transaction: &Connection, attempt: &AttemptRef) -> Result<bool, StoreError> {
+    transaction
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM flue_submissions
+                 WHERE id = ?1 AND status = 'running' AND json_extract(data, '$.attempt_id') = ?2)",
+        )
+        .map_err(sql)?
+        .query_row(params![attempt.submission_id, attempt.attempt_id], |row| row.get(0))
+        .map_err(sql)
+}
+
 fn owns(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<Submission>, StoreError> {
     Ok(read_submission(transaction, &attempt.submission_id)?.filter(|row| {
         row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
@@ -838,7 +850,7 @@ impl Store for SqliteStore {
 
     fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
         ready(self.transaction(|tx| {
-            if owns(tx, host)?.is_none() {
+            if !holds(tx, host)? {
                 return Ok(false);
             }
             match read_submission(tx, submission_id)? {
@@ -942,7 +954,7 @@ impl Store for SqliteStore {
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         ready(self.transaction(|tx| {
             if let Some(attempt) = authorization
-                && owns(tx, attempt)?.is_none()
+                && !holds(tx, attempt)?
             {
                 return Err(StoreError::Fenced(format!(
                     "attempt {} does not own submission {}",
