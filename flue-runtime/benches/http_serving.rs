@@ -28,7 +28,7 @@ impl ModelProvider for AnswersOk {
         "instant"
     }
 
-    fn stream(&self, _request: ModelRequest) -> ModelStream {
+    fn stream(&self, _request: &ModelRequest) -> ModelStream {
         let response = ModelResponse {
             text: "ok".into(),
             reasoning: String::new(),

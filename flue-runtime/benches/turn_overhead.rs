@@ -510,7 +510,7 @@ impl flue_runtime::provider::ModelProvider for Recorder {
         "bench"
     }
 
-    fn stream(&self, request: flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
         self.requests
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -553,7 +553,7 @@ async fn provider_path() {
         plain.push(started.elapsed());
         let started = Instant::now();
         for request in &requests {
-            let mut stream = provider.stream(request.clone());
+            let mut stream = provider.stream(request);
             while let Some(event) = stream.next().await {
                 std::hint::black_box(event.expect("event"));
             }
@@ -565,7 +565,7 @@ async fn provider_path() {
     let plain_allocs = allocations() - before;
     let before = allocations();
     for request in &requests {
-        let mut stream = provider.stream(request.clone());
+        let mut stream = provider.stream(request);
         while let Some(event) = stream.next().await {
             std::hint::black_box(event.expect("event"));
         }
@@ -595,7 +595,7 @@ impl flue_runtime::provider::ModelProvider for AnswersOk {
         "scripted"
     }
 
-    fn stream(&self, _request: flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+    fn stream(&self, _request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
         use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
         let response = ModelResponse {
             text: "ok".into(),

@@ -56,7 +56,7 @@ fn request(text: &str) -> ModelRequest {
 
 /// Every event of a call, and the error that ended it (if any).
 async fn run(provider: &dyn ModelProvider, request: ModelRequest) -> (Vec<StreamEvent>, Option<ProviderError>) {
-    let mut stream = provider.stream(request);
+    let mut stream = provider.stream(&request);
     let mut events = Vec::new();
     while let Some(item) = stream.next().await {
         match item {

@@ -201,7 +201,7 @@ impl ModelProvider for HangingModel {
     fn id(&self) -> &str {
         "scripted"
     }
-    fn stream(&self, _request: ModelRequest) -> ModelStream {
+    fn stream(&self, _request: &ModelRequest) -> ModelStream {
         Box::pin(futures_util::stream::unfold(0, |step| async move {
             if step == 0 {
                 return Some((Ok(StreamEvent::TextDelta("partial ".into())), 1));

@@ -289,7 +289,7 @@ impl ModelProvider for AnthropicProvider {
         &self.id
     }
 
-    fn stream(&self, request: ModelRequest) -> ModelStream {
+    fn stream(&self, request: &ModelRequest) -> ModelStream {
         let key = match self.key.resolve(&self.id) {
             Ok(key) => key,
             Err(error) => return error_stream(error),
@@ -307,7 +307,7 @@ impl ModelProvider for AnthropicProvider {
             };
         }
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
-        let body = self.body(&request);
+        let body = self.body(request);
         let url = self.endpoint.url(&self.base_url, "messages");
         let transport = self.transport;
         let client = self.client.clone();

@@ -16,7 +16,7 @@ pub(crate) async fn complete(
 ) -> Result<ModelResponse, String> {
     let mut retries = 0;
     loop {
-        match stream_to_end(provider, request.clone(), signal).await {
+        match stream_to_end(provider, &request, signal).await {
             Ok(response) => return Ok(response),
             Err(None) => return Err("The call was aborted.".into()),
             Err(Some(error)) if error.is_retryable() && retries < options.model_retries => {
@@ -35,7 +35,7 @@ pub(crate) async fn complete(
 /// Reads a model stream to its completed response (`Err(None)` when aborted).
 async fn stream_to_end(
     provider: &dyn ModelProvider,
-    request: ModelRequest,
+    request: &ModelRequest,
     signal: &AbortSignal,
 ) -> Result<ModelResponse, Option<ProviderError>> {
     let mut stream = provider.stream(request);

@@ -390,7 +390,7 @@ impl ModelProvider for OpenAiProvider {
         &self.id
     }
 
-    fn stream(&self, request: ModelRequest) -> ModelStream {
+    fn stream(&self, request: &ModelRequest) -> ModelStream {
         let key = match self.key.resolve(&self.id) {
             Ok(key) => key,
             Err(error) => return error_stream(error),
@@ -404,7 +404,7 @@ impl ModelProvider for OpenAiProvider {
             };
         }
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
-        let body = super::http::encode_body(self.body_bytes(&request));
+        let body = super::http::encode_body(self.body_bytes(request));
         let url = self.endpoint.url(&self.base_url, "chat/completions");
         let transport = self.transport;
         let client = self.client.clone();

@@ -186,8 +186,9 @@ pub trait ModelProvider: Send + Sync + 'static {
     /// The provider id: the part of a model specifier before the first `/`.
     fn id(&self) -> &str;
 
-    /// Starts one call.
-    fn stream(&self, request: ModelRequest) -> ModelStream;
+    /// Starts one call. The request is borrowed: the runtime keeps it for a retry, and a
+    /// provider takes what its call needs (the HTTP providers encode the body here).
+    fn stream(&self, request: &ModelRequest) -> ModelStream;
 
     /// The context window of `model` in tokens, when known: threshold compaction needs it
     /// (without it only overflow recovery compacts). Default: the well-known model families.

@@ -1481,7 +1481,7 @@ impl Response<'_> {
         let message_id = new_id("msg");
         self.narrate_resources(rendered).await?;
         let instruction = rendered.instruction.as_deref();
-        let tools: Vec<ToolSpec> = rendered
+        let mut tools: Vec<ToolSpec> = rendered
             .tools
             .iter()
             .map(|tool| ToolSpec {
@@ -1507,7 +1507,7 @@ impl Response<'_> {
                 model: model_id.to_owned(),
                 system,
                 messages,
-                tools: tools.clone(),
+                tools: std::mem::take(&mut tools),
                 thinking_level: thinking,
                 max_output_tokens: None,
             };
@@ -1516,7 +1516,10 @@ impl Response<'_> {
             self.emit(Event::MessageStart {
                 role: "assistant".into(),
             });
-            match self.stream_with_retries(provider, request, &rendered.tools).await {
+            let streamed = self.stream_with_retries(provider, &request, &rendered.tools).await;
+            // Kept for a call after overflow recovery.
+            tools = request.tools;
+            match streamed {
                 Ok(response) => break (response, started),
                 Err(StepError::Aborted) => return Err(Failure::aborted()),
                 Err(StepError::Provider(error))
@@ -1601,12 +1604,12 @@ impl Response<'_> {
     async fn stream_with_retries(
         &self,
         provider: &dyn ModelProvider,
-        request: ModelRequest,
+        request: &ModelRequest,
         tools: &[flue_core::Tool],
     ) -> Result<ModelResponse, StepError> {
         let mut retries = 0;
         loop {
-            match self.stream_once(provider, request.clone(), tools).await {
+            match self.stream_once(provider, request, tools).await {
                 Err(StepError::Provider(error))
                     if error.is_retryable() && retries < self.runtime.options.model_retries =>
                 {
@@ -1625,7 +1628,7 @@ impl Response<'_> {
     async fn stream_once(
         &self,
         provider: &dyn ModelProvider,
-        request: ModelRequest,
+        request: &ModelRequest,
         tools: &[flue_core::Tool],
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);

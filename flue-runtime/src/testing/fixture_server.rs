@@ -35,7 +35,7 @@
 //!     thinking_level: ThinkingLevel::Off,
 //!     max_output_tokens: None,
 //! };
-//! let mut stream = provider.stream(request);
+//! let mut stream = provider.stream(&request);
 //! let mut completed = None;
 //! while let Some(event) = stream.next().await {
 //!     if let StreamEvent::Completed(response) = event.unwrap() {

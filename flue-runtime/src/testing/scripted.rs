@@ -132,7 +132,7 @@ impl ModelProvider for ScriptedModel {
         self.context_window
     }
 
-    fn stream(&self, request: ModelRequest) -> ModelStream {
+    fn stream(&self, request: &ModelRequest) -> ModelStream {
         let mut inner = self.lock();
         inner.calls += 1;
         let call = inner.calls;
@@ -140,7 +140,7 @@ impl ModelProvider for ScriptedModel {
             ModelMessage::User { content, .. } => Some(content.clone()),
             _ => None,
         });
-        inner.requests.push(request);
+        inner.requests.push(request.clone());
         let reply = match inner.script.pop_front() {
             Some(reply) => reply,
             None if inner.echo => ScriptedReply::Text(format!("You said: {}", last_user.unwrap_or_default())),
