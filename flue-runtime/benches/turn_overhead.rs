@@ -14,7 +14,8 @@
 //!    the default cache (each in a fresh process).
 //!
 //! Under a profiler, `FLUE_BENCH_PROFILE=http|sqlite|scripted` runs just 20,000 exchanges of
-//! one kind (HTTP on the memory store, scripted on SQLite, scripted on the memory store).
+//! one kind (HTTP on the memory store, scripted on SQLite, scripted on the memory store);
+//! `plain` the baseline alone, `provider` the provider path alone, `store` the stores alone.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -323,6 +324,13 @@ async fn bench() {
             for _ in 0..profile_rounds() {
                 plain_reqwest_exchange(&client, &url, &bodies).await;
             }
+            return;
+        }
+        if target.starts_with("store") {
+            // Profiling aid: the stores' own throughput alone.
+            let db = scratch_dir().join("store").join("flue.db");
+            std::fs::create_dir_all(db.parent().expect("a parent")).expect("scratch directory");
+            store_throughput(&db).await;
             return;
         }
         if target.starts_with("provider") {
@@ -699,7 +707,16 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
             store.append(&key, records, None).await.expect("append");
         }
         let appends = count as f64 / started.elapsed().as_secs_f64();
-        println!("store {name}: {admissions:.0} admissions/s, {appends:.0} batches of 3 records appended/s");
+        // A read that finds nothing new: what every response's catch-up read costs.
+        let head = store.read(&key, None).await.expect("read").last().map(|batch| batch.offset);
+        let started = Instant::now();
+        for _ in 0..count {
+            std::hint::black_box(store.read(&key, head).await.expect("read"));
+        }
+        let tail_read = micros(started.elapsed()) / count as f64;
+        println!(
+            "store {name}: {admissions:.0} admissions/s, {appends:.0} batches of 3 records appended/s, {tail_read:.2} µs per read of an up-to-date stream"
+        );
     }
 }
 
