@@ -368,18 +368,22 @@ impl RuntimeInner {
     pub(crate) fn slot(self: &Arc<Self>, key: &InstanceKey) -> Arc<InstanceSlot> {
         let used = self.slot_uses.fetch_add(1, Ordering::Relaxed);
         let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let slot = match instances.get(key) {
-            Some(slot) => slot.clone(),
+        let (slot, evicted) = match instances.get(key) {
+            Some(slot) => (slot.clone(), Vec::new()),
             None => {
                 let slot = Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self)));
                 instances.insert(key.clone(), slot.clone());
                 let limit = self.options.cached_instances;
-                if instances.len() > limit {
-                    evict_idle(&mut instances, limit - limit / 4);
-                }
-                slot
+                let evicted = if instances.len() > limit {
+                    evict_idle(&mut instances, limit - limit / 4)
+                } else {
+                    Vec::new()
+                };
+                (slot, evicted)
             }
         };
+        drop(instances);
+        drop(evicted);
         slot.touch(used);
         slot
     }
@@ -801,7 +805,11 @@ impl Runtime {
 /// Drops the least recently used idle instances until `target` remain (or no idle one is
 /// left). Idle: no worker runs it and nothing else holds it (every user takes it from this
 /// map, under the same lock, so none can appear meanwhile).
-fn evict_idle(instances: &mut HashMap<InstanceKey, Arc<InstanceSlot>>, target: usize) {
+/// Removes the least recently used idle slots down to `target`; returns them, for the caller
+/// to drop once it released the map (freeing a quarter of the cache's conversations takes a
+/// while, and every admission waits on that lock).
+#[must_use = "the evicted slots are dropped by the caller, outside the lock"]
+fn evict_idle(instances: &mut HashMap<InstanceKey, Arc<InstanceSlot>>, target: usize) -> Vec<Arc<InstanceSlot>> {
     let mut idle: Vec<(u64, InstanceKey)> = instances
         .iter()
         .filter(|(_, slot)| Arc::strong_count(slot) == 1 && slot.is_idle())
@@ -809,9 +817,10 @@ fn evict_idle(instances: &mut HashMap<InstanceKey, Arc<InstanceSlot>>, target: u
         .collect();
     idle.sort_unstable_by_key(|(used, _)| *used);
     let excess = instances.len().saturating_sub(target);
-    for (_, key) in idle.into_iter().take(excess) {
-        instances.remove(&key);
-    }
+    idle.into_iter()
+        .take(excess)
+        .filter_map(|(_, key)| instances.remove(&key))
+        .collect()
 }
 
 /// A claim requested with an admission that was dropped before it answered (see
