@@ -708,7 +708,12 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
         }
         let appends = count as f64 / started.elapsed().as_secs_f64();
         // A read that finds nothing new: what every response's catch-up read costs.
-        let head = store.read(&key, None).await.expect("read").last().map(|batch| batch.offset);
+        let head = store
+            .read(&key, None)
+            .await
+            .expect("read")
+            .last()
+            .map(|batch| batch.offset);
         let started = Instant::now();
         for _ in 0..count {
             std::hint::black_box(store.read(&key, head).await.expect("read"));

@@ -6,7 +6,7 @@
 //! next checkpoint. Only checkpoints fsync (the WAL, then the database file); they run on a
 //! checkpointer thread with its own connection, so a commit waits for a disk flush only in the
 //! rare safety-net checkpoint the writer runs itself (see [`Checkpointer`]). Statements are
-//! prepared once per connection (rusqlite's statement cache).
+//! prepared once per connection (rusqlite's statement cache), `BEGIN` and `COMMIT` included.
 //!
 //! Submission rows keep their full state as JSON beside the columns that queries filter on,
 //! so every transition is the same read-modify-write the memory store performs, inside one
@@ -195,8 +195,9 @@ CREATE TABLE IF NOT EXISTS flue_user_values (
 const UNSETTLED_INDEX: &str = "CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence) WHERE status <> 'settled';";
 
 /// Brings a format-1 database of an earlier build to the current layout, in place: drops the
-/// indexes that only slowed writes and rebuilds the instances and submissions tables (the
-/// batches table is unchanged). The rows are copied unchanged.
+/// indexes that only slowed writes, rebuilds the instances and submissions tables of the first
+/// layout, and numbers the streams of a layout whose batches were keyed by instance. The rows
+/// are kept unchanged.
 fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
     transaction
         .execute_batch(
@@ -204,27 +205,24 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
         )
         .map_err(sql)?;
     transaction.execute_batch(ATTACHMENT_TABLES).map_err(sql)?;
-    let instances_sql: String = transaction
-        .query_row(
-            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'flue_instances'",
-            [],
-            |row| row.get(0),
-        )
-        .map_err(sql)?;
-    if !instances_sql.contains("WITHOUT ROWID") {
+    if !table_sql(transaction, "flue_instances")?.contains("WITHOUT ROWID") {
         rebuild_ledger(transaction)?;
     }
-    let batches_sql: String = transaction
-        .query_row(
-            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'flue_batches'",
-            [],
-            |row| row.get(0),
-        )
-        .map_err(sql)?;
-    if batches_sql.contains("position") {
+    if table_sql(transaction, "flue_batches")?.contains("position") {
         return Ok(());
     }
     number_streams(transaction)
+}
+
+/// The `CREATE TABLE` statement a table was made with.
+fn table_sql(transaction: &rusqlite::Transaction<'_>, table: &str) -> Result<String, StoreError> {
+    transaction
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            [table],
+            |row| row.get(0),
+        )
+        .map_err(sql)
 }
 
 /// Rebuilds the instances and submissions tables of the earliest format-1 layout (rowid
@@ -251,14 +249,7 @@ fn rebuild_ledger(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
 /// its first submission (what admission gives a new one: the numbers stay unique); an
 /// instance without submissions gets a negative number of its own.
 fn number_streams(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
-    let instances_sql: String = transaction
-        .query_row(
-            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'flue_instances'",
-            [],
-            |row| row.get(0),
-        )
-        .map_err(sql)?;
-    if !instances_sql.contains("stream") {
+    if !table_sql(transaction, "flue_instances")?.contains("stream") {
         transaction
             .execute_batch("ALTER TABLE flue_instances ADD COLUMN stream INTEGER NOT NULL DEFAULT 0;")
             .map_err(sql)?;
