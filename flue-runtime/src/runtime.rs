@@ -341,9 +341,16 @@ impl RuntimeInner {
     }
 
     pub(crate) fn emit(&self, key: &InstanceKey, submission_id: Option<&str>, event: Event) {
+        self.emit_with(key, submission_id, || event);
+    }
+
+    /// [`emit`](Self::emit), building the event only when someone observes: the turn loop's
+    /// per-step events would otherwise copy names and ids for nobody.
+    pub(crate) fn emit_with(&self, key: &InstanceKey, submission_id: Option<&str>, event: impl FnOnce() -> Event) {
         if self.events.receiver_count() == 0 {
             return;
         }
+        let event = event();
         let observation = Observation {
             agent: key.agent.to_string(),
             instance_id: key.id.to_string(),

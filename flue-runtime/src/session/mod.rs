@@ -700,6 +700,11 @@ impl Response<'_> {
         self.runtime.emit(self.key, Some(&self.submission.id), event);
     }
 
+    /// [`emit`](Self::emit), building the event only when someone observes.
+    fn emit_with(&self, event: impl FnOnce() -> Event) {
+        self.runtime.emit_with(self.key, Some(&self.submission.id), event);
+    }
+
     fn record(&self, body: RecordBody) -> Record {
         Record {
             id: new_id("record"),
@@ -1192,16 +1197,16 @@ impl Response<'_> {
                     return Ok(false);
                 }
             };
-            self.emit(Event::MessageStart { role: "user".into() });
+            self.emit_with(|| Event::MessageStart { role: "user".into() });
             if needs_seam && rendered.agent_starts.is_empty() {
                 records.push(self.seam_marker(submission_id));
                 self.commit(records, true).await?;
-                self.emit(Event::MessageEnd { role: "user".into() });
+                self.emit_with(|| Event::MessageEnd { role: "user".into() });
                 self.input_row_created(created).await;
                 return Ok(true);
             }
             self.commit(records, false).await?;
-            self.emit(Event::MessageEnd { role: "user".into() });
+            self.emit_with(|| Event::MessageEnd { role: "user".into() });
             self.input_row_created(created).await;
         }
         if needs_seam {
@@ -1513,7 +1518,7 @@ impl Response<'_> {
             };
             let started = Instant::now();
             self.emit(Event::TurnStart { step });
-            self.emit(Event::MessageStart {
+            self.emit_with(|| Event::MessageStart {
                 role: "assistant".into(),
             });
             let streamed = self.stream_with_retries(provider, &request, &rendered.tools).await;
@@ -1541,15 +1546,11 @@ impl Response<'_> {
         };
         let mut row_updates = row_updates.unwrap_or_default();
         self.last_call_tokens = response.usage.input_tokens + response.usage.output_tokens;
-        self.runtime.emit(
-            self.key,
-            Some(&self.submission.id),
-            Event::Turn {
-                step,
-                stop_reason: response.stop_reason.to_string(),
-                duration_ms: started.elapsed().as_millis() as u64,
-            },
-        );
+        self.emit_with(|| Event::Turn {
+            step,
+            stop_reason: response.stop_reason.to_string(),
+            duration_ms: started.elapsed().as_millis() as u64,
+        });
         self.usage += response.usage;
         let mut response = response;
         response.text = self
@@ -1583,7 +1584,7 @@ impl Response<'_> {
             }));
         }
         self.commit(records, false).await?;
-        self.emit(Event::MessageEnd {
+        self.emit_with(|| Event::MessageEnd {
             role: "assistant".into(),
         });
         self.assistant_row_updated(&message_id).await;
@@ -1676,7 +1677,7 @@ impl Response<'_> {
 
     /// Publishes a `tool_call_started` (the event, always; then the selected hooks).
     async fn tool_call_started(&self, started: observation::Started) {
-        self.emit(Event::ToolCallStarted {
+        self.emit_with(|| Event::ToolCallStarted {
             tool_call_id: started.id.clone(),
             tool_name: started.name.clone(),
             progress: started.progress.clone(),
@@ -1770,25 +1771,17 @@ impl Response<'_> {
                         .with_thread(thread.clone())
                 },
                 |call: &ModelToolCall| {
-                    runtime.emit(
-                        key,
-                        Some(&submission_id),
-                        Event::ToolStart {
-                            tool_name: call.name.clone(),
-                            tool_call_id: call.id.clone(),
-                        },
-                    );
+                    runtime.emit_with(key, Some(&submission_id), || Event::ToolStart {
+                        tool_name: call.name.clone(),
+                        tool_call_id: call.id.clone(),
+                    });
                 },
                 |run: &tools::Executed| {
-                    runtime.emit(
-                        key,
-                        Some(&submission_id),
-                        Event::ToolCallDone {
-                            tool_call_id: run.call.id.clone(),
-                            tool_name: run.call.name.clone(),
-                            status: if run.output.is_error { "error" } else { "success" }.to_owned(),
-                        },
-                    );
+                    runtime.emit_with(key, Some(&submission_id), || Event::ToolCallDone {
+                        tool_call_id: run.call.id.clone(),
+                        tool_name: run.call.name.clone(),
+                        status: if run.output.is_error { "error" } else { "success" }.to_owned(),
+                    });
                 },
             )
             .await
