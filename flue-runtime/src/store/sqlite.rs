@@ -502,25 +502,42 @@ fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), St
         ])
         .map_err(sql)?;
     if updated == 0 {
-        transaction
-            .prepare_cached(
-                "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            )
-            .map_err(sql)?
-            .execute(params![
-                row.sequence as i64,
-                row.id,
-                row.key.agent,
-                row.key.id,
-                status_name(row.status),
-                row.owner_id,
-                row.lease_until_ms as i64,
-                data
-            ])
-            .map_err(sql)?;
+        insert_submission(transaction, row, data)?;
     }
     Ok(())
+}
+
+/// Inserts an admitted submission's row (`data` is its JSON).
+fn insert_submission(transaction: &Connection, row: &Submission, data: String) -> Result<(), StoreError> {
+    transaction
+        .prepare_cached(
+            "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )
+        .map_err(sql)?
+        .execute(params![
+            row.sequence as i64,
+            row.id,
+            row.key.agent,
+            row.key.id,
+            status_name(row.status),
+            row.owner_id,
+            row.lease_until_ms as i64,
+            data
+        ])
+        .map(drop)
+        .map_err(sql)
+}
+
+/// Whether the instance has unsettled submissions (its partial index alone answers).
+fn has_unsettled(transaction: &Connection, key: &InstanceKey) -> Result<bool, StoreError> {
+    transaction
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled')",
+        )
+        .map_err(sql)?
+        .query_row(params![key.agent, key.id], |row| row.get(0))
+        .map_err(sql)
 }
 
 /// The instance's unsettled submissions, in admission order.
@@ -537,17 +554,12 @@ fn unsettled(transaction: &Connection, key: &InstanceKey) -> Result<Vec<Submissi
         .collect()
 }
 
-/// Starts an attempt of the instance's head, when it is queued (and is `only`, if given).
-fn claim_head(
-    transaction: &Connection,
-    key: &InstanceKey,
-    claim: &Claim,
-    only: Option<&str>,
-) -> Result<Option<Submission>, StoreError> {
+/// Starts an attempt of the instance's head, when it is queued.
+fn claim_head(transaction: &Connection, key: &InstanceKey, claim: &Claim) -> Result<Option<Submission>, StoreError> {
     let Some(mut head) = unsettled(transaction, key)?.into_iter().next() else {
         return Ok(None);
     };
-    if head.status != SubmissionStatus::Queued || only.is_some_and(|only| only != head.id) {
+    if head.status != SubmissionStatus::Queued {
         return Ok(None);
     }
     super::start_attempt(&mut head, claim);
@@ -679,14 +691,20 @@ impl Store for SqliteStore {
                     (uid, Some(offset))
                 }
             };
-            let key = admission.key.clone();
-            let claim = admission.claim.clone();
+            // Claimed with its admission when it is the instance's head (nothing else is
+            // unsettled): the row is written once, already running.
+            let claim = match &admission.claim {
+                Some(claim) if !has_unsettled(tx, &admission.key)? => Some(claim.clone()),
+                _ => None,
+            };
             let submission = super::queued_submission(admission, sequence as u64);
-            write_submission(tx, &submission)?;
-            let claimed = claim
-                .map(|claim| claim_head(tx, &key, &claim, Some(&submission.id)))
-                .transpose()?
-                .flatten();
+            let claimed = claim.map(|claim| {
+                let mut running = submission.clone();
+                super::start_attempt(&mut running, &claim);
+                running
+            });
+            let row = claimed.as_ref().unwrap_or(&submission);
+            insert_submission(tx, row, serde_json::to_string(row).map_err(json_error)?)?;
             Ok(Admitted {
                 submission,
                 uid,
@@ -722,7 +740,7 @@ impl Store for SqliteStore {
     }
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        ready(self.transaction(|tx| claim_head(tx, key, claim, None)))
+        ready(self.transaction(|tx| claim_head(tx, key, claim)))
     }
 
     fn renew_leases(
