@@ -7,12 +7,12 @@
 //!
 //! - `system` → the top-level `system` field;
 //! - messages → content blocks: user images → `image` blocks (`source: {"type": "base64"}`)
-//!   before the user's `text`, assistant tool calls → `tool_use` blocks
-//!   (arguments parsed into `input`), [`ModelMessage::Tool`] → a user message of `tool_result`
+//!   before the user's `text`, assistant tool calls → `tool_use` blocks (the arguments as
+//!   the `input` object, as written), [`ModelMessage::Tool`] → a user message of `tool_result`
 //!   blocks (`tool_use_id`, `content`, `is_error`). Consecutive messages of the same role are
 //!   merged (so consecutive tool results form one user message, results first); empty text is
 //!   dropped, as the API refuses empty text blocks;
-//! - `tools` → `{"name", "description", "input_schema"}`;
+//! - `tools` → `{"name", "description", "input_schema"}` (each encoded once per tool);
 //! - `max_output_tokens` → `max_tokens` (required by the API: 8192 when unset);
 //! - `thinking_level` → `thinking: {"type": "enabled", "budget_tokens"}` with budgets
 //!   minimal 1024, low 2048, medium 8192, high 16384, xhigh 24576, max 32768 (`off` sends
@@ -32,8 +32,9 @@ use std::time::Duration;
 use flue_core::model::ThinkingLevel;
 use flue_core::usage::Usage;
 use reqwest::header::{ACCEPT, HeaderMap, HeaderName, HeaderValue};
-use serde::Deserialize;
-use serde_json::{Map, Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use serde_json::value::RawValue;
 
 pub use super::http::RetryPolicy;
 use super::http::{
@@ -42,6 +43,7 @@ use super::http::{
 };
 use super::sse::Event;
 use super::text::{Text, borrowed};
+use super::tool_json::{Declarations, ToolJson};
 use super::types::{
     ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
     ProviderErrorKind, StopReason, StreamEvent,
@@ -77,6 +79,7 @@ pub struct AnthropicProvider {
     key: KeySource,
     transport: Transport,
     client: SharedClient,
+    tools: ToolJson,
 }
 
 impl AnthropicProvider {
@@ -90,6 +93,7 @@ impl AnthropicProvider {
             key: KeySource::env("ANTHROPIC_API_KEY"),
             transport: Transport::default(),
             client: SharedClient::default(),
+            tools: ToolJson::default(),
         }
     }
 
@@ -151,10 +155,9 @@ impl AnthropicProvider {
         &self.key.env
     }
 
-    /// The JSON body of a call.
-    fn body(&self, request: &ModelRequest) -> Value {
-        let mut body = Map::new();
-        body.insert("model".into(), request.model.clone().into());
+    /// The JSON body of a call, encoded from borrowed parts: the conversation is not copied
+    /// into a JSON tree first, and each tool's declaration is encoded once (see [`ToolJson`]).
+    fn body_bytes(&self, request: &ModelRequest) -> Result<Vec<u8>, serde_json::Error> {
         let budget = thinking_budget(request.thinking_level).filter(|_| !in_tool_loop(&request.messages));
         let (max_tokens, budget) = match (request.max_output_tokens, budget) {
             (None, None) => (DEFAULT_MAX_TOKENS, None),
@@ -164,27 +167,98 @@ impl AnthropicProvider {
             (Some(max), Some(_)) if max > MIN_THINKING_BUDGET => (max, Some((max / 2).max(MIN_THINKING_BUDGET))),
             (Some(max), Some(_)) => (max, None),
         };
-        body.insert("max_tokens".into(), max_tokens.into());
-        body.insert("stream".into(), true.into());
-        if let Some(system) = request.system.as_deref().filter(|s| !s.is_empty()) {
-            body.insert("system".into(), system.into());
-        }
-        body.insert("messages".into(), Value::Array(messages(&request.messages)));
-        if !request.tools.is_empty() {
-            let tools = request
-                .tools
-                .iter()
-                .map(
-                    |tool| json!({"name": tool.name, "description": tool.description, "input_schema": tool.parameters}),
-                )
-                .collect();
-            body.insert("tools".into(), Value::Array(tools));
-        }
-        if let Some(budget) = budget {
-            body.insert("thinking".into(), json!({"type": "enabled", "budget_tokens": budget}));
-        }
-        Value::Object(body)
+        let tools = self.tools.declarations(&request.tools, |tool| {
+            serde_json::value::to_raw_value(&ToolDeclaration {
+                name: &tool.name,
+                description: &tool.description,
+                input_schema: &tool.parameters,
+            })
+        })?;
+        serde_json::to_vec(&MessagesRequest {
+            model: &request.model,
+            max_tokens,
+            stream: true,
+            system: request.system.as_deref().filter(|s| !s.is_empty()),
+            messages: messages(&request.messages),
+            tools: &tools,
+            thinking: budget.map(|budget_tokens| Thinking {
+                kind: "enabled",
+                budget_tokens,
+            }),
+        })
     }
+
+    /// The JSON body of a call, as a value (tests).
+    #[cfg(test)]
+    fn body(&self, request: &ModelRequest) -> Value {
+        self.body_bytes(request)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or(Value::Null)
+    }
+}
+
+#[derive(Serialize)]
+struct MessagesRequest<'a> {
+    model: &'a str,
+    max_tokens: u32,
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system: Option<&'a str>,
+    messages: Vec<Message<'a>>,
+    #[serde(skip_serializing_if = "Declarations::is_empty")]
+    tools: &'a Declarations,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    thinking: Option<Thinking>,
+}
+
+#[derive(Serialize)]
+struct ToolDeclaration<'a> {
+    name: &'a str,
+    description: &'a str,
+    input_schema: &'a Value,
+}
+
+#[derive(Serialize)]
+struct Thinking {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    budget_tokens: u32,
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: Vec<Block<'a>>,
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block<'a> {
+    Image {
+        source: ImageSource<'a>,
+    },
+    Text {
+        text: &'a str,
+    },
+    ToolUse {
+        id: &'a str,
+        name: &'a str,
+        input: &'a RawValue,
+    },
+    ToolResult {
+        tool_use_id: &'a str,
+        content: &'a str,
+        is_error: bool,
+    },
+}
+
+#[derive(Serialize)]
+struct ImageSource<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    media_type: &'a str,
+    data: &'a str,
 }
 
 /// The thinking budget of a level (`None` for `Off`).
@@ -210,26 +284,32 @@ fn in_tool_loop(messages: &[ModelMessage]) -> bool {
 }
 
 /// The conversation as Anthropic messages: content blocks, same-role runs merged.
-fn messages(conversation: &[ModelMessage]) -> Vec<Value> {
-    let mut merged: Vec<(&'static str, Vec<Value>)> = Vec::new();
+fn messages(conversation: &[ModelMessage]) -> Vec<Message<'_>> {
+    let mut merged: Vec<Message<'_>> = Vec::new();
     for message in conversation {
         let (role, blocks) = match message {
             ModelMessage::User { content, images } => {
                 // Images first, as Anthropic recommends, then the text.
-                let mut blocks: Vec<Value> = images
+                let mut blocks: Vec<Block<'_>> = images
                     .iter()
-                    .map(|image| {
-                        json!({"type": "image", "source": {"type": "base64", "media_type": image.media_type, "data": &*image.data}})
+                    .map(|image| Block::Image {
+                        source: ImageSource {
+                            kind: "base64",
+                            media_type: &image.media_type,
+                            data: &image.data,
+                        },
                     })
                     .collect();
                 blocks.extend(text_block(content));
                 ("user", blocks)
             }
             ModelMessage::Assistant { text, tool_calls } => {
-                let mut blocks: Vec<Value> = text_block(text).into_iter().collect();
-                blocks.extend(tool_calls.iter().map(
-                    |call| json!({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call)}),
-                ));
+                let mut blocks: Vec<Block<'_>> = text_block(text).into_iter().collect();
+                blocks.extend(tool_calls.iter().map(|call| Block::ToolUse {
+                    id: &call.id,
+                    name: &call.name,
+                    input: tool_input(call),
+                }));
                 ("assistant", blocks)
             }
             ModelMessage::Tool {
@@ -239,47 +319,52 @@ fn messages(conversation: &[ModelMessage]) -> Vec<Value> {
                 ..
             } => (
                 "user",
-                vec![json!({
-                    "type": "tool_result",
-                    "tool_use_id": tool_call_id,
-                    "content": content,
-                    "is_error": is_error,
-                })],
+                vec![Block::ToolResult {
+                    tool_use_id: tool_call_id,
+                    content,
+                    is_error: *is_error,
+                }],
             ),
         };
         if blocks.is_empty() {
             continue;
         }
         match merged.last_mut() {
-            Some((last_role, last_blocks)) if *last_role == role => last_blocks.extend(blocks),
-            _ => merged.push((role, blocks)),
+            Some(last) if last.role == role => last.content.extend(blocks),
+            _ => merged.push(Message { role, content: blocks }),
+        }
+    }
+    for message in &mut merged {
+        if message.role == "user" {
+            // The API wants tool results before any text of the same message.
+            message
+                .content
+                .sort_by_key(|block| !matches!(block, Block::ToolResult { .. }));
         }
     }
     merged
-        .into_iter()
-        .map(|(role, mut blocks)| {
-            if role == "user" {
-                // The API wants tool results before any text of the same message.
-                blocks.sort_by_key(|block| block.get("type").and_then(Value::as_str) != Some("tool_result"));
-            }
-            json!({"role": role, "content": blocks})
-        })
-        .collect()
 }
 
-fn text_block(text: &str) -> Option<Value> {
-    (!text.trim().is_empty()).then(|| json!({"type": "text", "text": text}))
+fn text_block(text: &str) -> Option<Block<'_>> {
+    (!text.trim().is_empty()).then_some(Block::Text { text })
 }
 
-/// A tool call's arguments as the `input` object (`{}` when they are empty or not an object).
-fn tool_input(call: &ModelToolCall) -> Value {
-    match serde_json::from_str::<Value>(&call.arguments) {
-        Ok(value @ Value::Object(_)) => value,
+/// An empty `input` object.
+fn empty_input() -> &'static RawValue {
+    static EMPTY: std::sync::OnceLock<Box<RawValue>> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(|| RawValue::from_string("{}".to_owned()).unwrap_or_default())
+}
+
+/// A tool call's arguments as the `input` object, sent as written (`{}` when they are empty
+/// or not a JSON object).
+fn tool_input(call: &ModelToolCall) -> &RawValue {
+    match serde_json::from_str::<&RawValue>(&call.arguments) {
+        Ok(raw) if raw.get().starts_with('{') => raw,
         _ => {
             if !call.arguments.trim().is_empty() {
                 tracing::warn!(tool = %call.name, id = %call.id, "tool arguments are not a JSON object: sent as {{}}");
             }
-            Value::Object(Map::new())
+            empty_input()
         }
     }
 }
@@ -307,15 +392,14 @@ impl ModelProvider for AnthropicProvider {
             };
         }
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
-        let body = self.body(request);
+        let body = super::http::encode_body(self.body_bytes(request));
         let url = self.endpoint.url(&self.base_url, "messages");
         let transport = self.transport;
         let client = self.client.clone();
         let connect_ctx = ctx.clone();
         let connect = async move {
             let client = client.get()?;
-            let payload = super::http::encode_body(serde_json::to_vec(&body))?;
-            send_with_retries(&client, &url, &headers, payload, &transport, &connect_ctx).await
+            send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
         sse_stream(connect, MessagesDecoder::new(ctx.clone()), transport.idle_timeout, ctx)
     }
@@ -631,6 +715,8 @@ impl SseDecoder for MessagesDecoder {
 mod tests {
     #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
+    use serde_json::json;
+
     use super::*;
 
     fn request(messages: Vec<ModelMessage>, level: ThinkingLevel, max: Option<u32>) -> ModelRequest {
@@ -646,6 +732,60 @@ mod tests {
 
     fn user(text: &str) -> ModelMessage {
         ModelMessage::user(text)
+    }
+
+    #[test]
+    fn tool_inputs_go_as_written_and_arguments_that_are_no_object_as_an_empty_one() {
+        let call = |id: &str, arguments: &str| ModelToolCall {
+            id: id.to_owned(),
+            name: "lookup".to_owned(),
+            arguments: arguments.to_owned(),
+        };
+        let mut request = request(
+            vec![
+                user("go"),
+                ModelMessage::Assistant {
+                    text: String::new(),
+                    tool_calls: vec![
+                        call("a", r#"{"city": "Paris", "days": [1, 2]}"#),
+                        call("b", "[1]"),
+                        call("c", ""),
+                        call("d", "{oops"),
+                    ],
+                },
+            ],
+            ThinkingLevel::Off,
+            None,
+        );
+        request.tools = vec![super::super::ToolSpec {
+            name: "lookup".into(),
+            description: "Looks \"it\" up.".into(),
+            parameters: std::sync::Arc::new(json!({"type": "object"})),
+        }];
+        let provider = AnthropicProvider::anthropic();
+        for _ in 0..2 {
+            // The second body reuses the tool's encoded declaration.
+            let body = provider.body(&request);
+            let inputs: Vec<&Value> = body["messages"][1]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|block| &block["input"])
+                .collect();
+            assert_eq!(
+                inputs,
+                [
+                    &json!({"city": "Paris", "days": [1, 2]}),
+                    &json!({}),
+                    &json!({}),
+                    &json!({})
+                ]
+            );
+            assert_eq!(
+                body["tools"],
+                json!([{"name": "lookup", "description": "Looks \"it\" up.", "input_schema": {"type": "object"}}])
+            );
+        }
     }
 
     #[test]
@@ -721,11 +861,11 @@ mod tests {
             }],
         };
         assert_eq!(
-            messages(&[message]),
-            [json!({"role": "user", "content": [
+            serde_json::to_value(messages(&[message])).unwrap(),
+            json!([{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/4AAQ"}},
                 {"type": "text", "text": "What is this?"},
-            ]})]
+            ]}])
         );
     }
 

@@ -11,6 +11,7 @@ pub mod openai;
 pub mod registry;
 pub(crate) mod sse;
 mod text;
+mod tool_json;
 
 pub(crate) use complete::complete;
 pub use http::RetryPolicy;

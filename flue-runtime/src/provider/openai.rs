@@ -52,6 +52,7 @@ use super::http::{
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
+use super::tool_json::{Declarations, ToolJson};
 use chunk::{CallView, ChunkView, Text, UsageView};
 
 use super::types::{
@@ -93,6 +94,7 @@ pub struct OpenAiProvider {
     key: KeySource,
     transport: Transport,
     client: SharedClient,
+    tools: ToolJson,
 }
 
 impl OpenAiProvider {
@@ -105,6 +107,7 @@ impl OpenAiProvider {
             key: KeySource::env(key_env),
             transport: Transport::default(),
             client: SharedClient::default(),
+            tools: ToolJson::default(),
         }
     }
 
@@ -237,23 +240,22 @@ impl OpenAiProvider {
             (Some(effort), Flavor::OpenAi | Flavor::Compatible) => (None, Some(effort)),
             (None, _) => (None, None),
         };
+        let tools = self.tools.declarations(&request.tools, |tool| {
+            serde_json::value::to_raw_value(&ChatTool {
+                kind: "function",
+                function: ChatToolFunction {
+                    name: &tool.name,
+                    description: &tool.description,
+                    parameters: &tool.parameters,
+                },
+            })
+        })?;
         let body = ChatRequest {
             model: &request.model,
             messages,
             stream: true,
             stream_options: StreamOptions { include_usage: true },
-            tools: request
-                .tools
-                .iter()
-                .map(|tool| ChatTool {
-                    kind: "function",
-                    function: ChatToolFunction {
-                        name: &tool.name,
-                        description: &tool.description,
-                        parameters: &tool.parameters,
-                    },
-                })
-                .collect(),
+            tools: &tools,
             reasoning,
             reasoning_effort,
             max_completion_tokens: request.max_output_tokens,
@@ -277,8 +279,9 @@ struct ChatRequest<'a> {
     messages: Vec<ChatMessage<'a>>,
     stream: bool,
     stream_options: StreamOptions,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    tools: Vec<ChatTool<'a>>,
+    /// The declarations, encoded once per tool (see [`ToolJson`]).
+    #[serde(skip_serializing_if = "Declarations::is_empty")]
+    tools: &'a Declarations,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning: Option<ReasoningOption>,
     #[serde(skip_serializing_if = "Option::is_none")]
