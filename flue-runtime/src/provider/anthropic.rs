@@ -191,10 +191,7 @@ impl AnthropicProvider {
     /// The JSON body of a call, as a value (tests).
     #[cfg(test)]
     fn body(&self, request: &ModelRequest) -> Value {
-        self.body_bytes(request)
-            .ok()
-            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-            .unwrap_or(Value::Null)
+        super::http::decoded_body(self.body_bytes(request))
     }
 }
 

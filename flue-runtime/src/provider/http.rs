@@ -312,6 +312,16 @@ pub(crate) fn error_stream(error: ProviderError) -> ModelStream {
     Box::pin(futures_util::stream::once(async move { Err(error) }))
 }
 
+/// An encoded request body read back as a value (`null` when it did not encode): what the
+/// providers' tests assert on.
+#[cfg(test)]
+pub(crate) fn decoded_body(encoded: Result<Vec<u8>, serde_json::Error>) -> serde_json::Value {
+    encoded
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
 /// Encodes a request body, mapping a failure to the error the stream reports.
 pub(crate) fn encode_body(encoded: Result<Vec<u8>, serde_json::Error>) -> Result<Bytes, ProviderError> {
     encoded.map(Bytes::from).map_err(|error| {

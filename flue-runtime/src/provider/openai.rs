@@ -263,13 +263,10 @@ impl OpenAiProvider {
         serde_json::to_vec(&body)
     }
 
-    /// The JSON body of a call, as a value (for tests and diagnostics).
+    /// The JSON body of a call, as a value (tests).
     #[cfg(test)]
     fn body(&self, request: &ModelRequest) -> Value {
-        self.body_bytes(request)
-            .ok()
-            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-            .unwrap_or(Value::Null)
+        super::http::decoded_body(self.body_bytes(request))
     }
 }
 

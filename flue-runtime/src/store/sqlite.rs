@@ -482,8 +482,8 @@ fn read_submission(transaction: &Connection, id: &str) -> Result<Option<Submissi
         .transpose()
 }
 
-/// Writes a submission row: an update of the row its sequence (the rowid) names, or the
-/// admission's insert.
+/// Writes a transition of a submission row: an update of the row its sequence (the rowid)
+/// names (an admission inserts with [`insert_submission`]).
 fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), StoreError> {
     let data = serde_json::to_string(row).map_err(json_error)?;
     let updated = transaction
@@ -502,7 +502,10 @@ fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), St
         ])
         .map_err(sql)?;
     if updated == 0 {
-        insert_submission(transaction, row, data)?;
+        return Err(StoreError::Other(format!(
+            "sqlite: submission {} has no row to update",
+            row.id
+        )));
     }
     Ok(())
 }
