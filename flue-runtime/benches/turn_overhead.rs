@@ -15,7 +15,8 @@
 //!
 //! Under a profiler, `FLUE_BENCH_PROFILE=http|sqlite|scripted` runs just 20,000 exchanges of
 //! one kind (HTTP on the memory store, scripted on SQLite, scripted on the memory store);
-//! `plain` the baseline alone, `provider` the provider path alone, `store` the stores alone.
+//! `plain` the baseline alone, `provider` the provider path alone, `store` the stores alone,
+//! `interleaved` the runtime's own work and the provider path alone and then in turn.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -337,6 +338,10 @@ async fn bench() {
             provider_path().await;
             return;
         }
+        if target.starts_with("interleaved") {
+            interleaved().await;
+            return;
+        }
         if target.starts_with("http") {
             // Profiling aid: the HTTP exchange on the memory store, many times.
             let addr = start_responder().await;
@@ -529,29 +534,60 @@ impl flue_runtime::provider::ModelProvider for Recorder {
 
 /// Profiling aid: the provider path alone (the exchange's two model requests streamed through
 /// the OpenAI provider) next to plain reqwest making the same calls.
+/// The OpenAI provider on a loopback server, with the exchange's two model requests as the
+/// runtime made them (recorded from one exchange run on `runtime`, returned too).
+struct ProviderPath {
+    provider: std::sync::Arc<dyn flue_runtime::provider::ModelProvider>,
+    requests: Vec<flue_runtime::provider::ModelRequest>,
+    runtime: Runtime,
+    base_url: String,
+}
+
+impl ProviderPath {
+    async fn start() -> Self {
+        let addr = start_responder().await;
+        let base_url = format!("http://{addr}/v1");
+        let provider: std::sync::Arc<dyn flue_runtime::provider::ModelProvider> =
+            std::sync::Arc::new(OpenAiProvider::compatible("bench", &base_url, "FLUE_BENCH_KEY").with_api_key("bench"));
+        let recorder = std::sync::Arc::new(Recorder {
+            inner: provider.clone(),
+            requests: Default::default(),
+        });
+        let mut providers = ProviderRegistry::new();
+        providers.register_arc(recorder.clone());
+        let runtime = Runtime::builder()
+            .agent(http_agent)
+            .store(flue_runtime::store::MemoryStore::new())
+            .providers(providers)
+            .build()
+            .expect("runtime");
+        runtime.init(&http_agent, "p").send("2+3?").await.expect("exchange");
+        let requests = recorder.requests.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Self {
+            provider,
+            requests,
+            runtime,
+            base_url,
+        }
+    }
+
+    /// The two model calls, streamed through the provider to their ends.
+    async fn calls(&self) {
+        use futures_util::StreamExt;
+        for request in &self.requests {
+            let mut stream = self.provider.stream(request);
+            while let Some(event) = stream.next().await {
+                std::hint::black_box(event.expect("event"));
+            }
+        }
+    }
+}
+
 async fn provider_path() {
-    use futures_util::StreamExt;
-    let addr = start_responder().await;
-    let base_url = format!("http://{addr}/v1");
-    let provider: std::sync::Arc<dyn flue_runtime::provider::ModelProvider> =
-        std::sync::Arc::new(OpenAiProvider::compatible("bench", &base_url, "FLUE_BENCH_KEY").with_api_key("bench"));
-    let recorder = std::sync::Arc::new(Recorder {
-        inner: provider.clone(),
-        requests: Default::default(),
-    });
-    let mut providers = ProviderRegistry::new();
-    providers.register_arc(recorder.clone());
-    let runtime = Runtime::builder()
-        .agent(http_agent)
-        .store(flue_runtime::store::MemoryStore::new())
-        .providers(providers)
-        .build()
-        .expect("runtime");
-    runtime.init(&http_agent, "p").send("2+3?").await.expect("exchange");
-    let requests = recorder.requests.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let path = ProviderPath::start().await;
     let (client, url, bodies) = (
         reqwest::Client::new(),
-        format!("{base_url}/chat/completions"),
+        format!("{}/chat/completions", path.base_url),
         recorded_bodies(),
     );
     let (mut plain, mut through) = (Vec::new(), Vec::new());
@@ -560,25 +596,16 @@ async fn provider_path() {
         plain_reqwest_exchange(&client, &url, &bodies).await;
         plain.push(started.elapsed());
         let started = Instant::now();
-        for request in &requests {
-            let mut stream = provider.stream(request);
-            while let Some(event) = stream.next().await {
-                std::hint::black_box(event.expect("event"));
-            }
-        }
+        path.calls().await;
         through.push(started.elapsed());
     }
     let before = allocations();
     plain_reqwest_exchange(&client, &url, &bodies).await;
     let plain_allocs = allocations() - before;
     let before = allocations();
-    for request in &requests {
-        let mut stream = provider.stream(request);
-        while let Some(event) = stream.next().await {
-            std::hint::black_box(event.expect("event"));
-        }
-    }
+    path.calls().await;
     let provider_allocs = allocations() - before;
+    let runtime = &path.runtime;
     let before = allocations();
     runtime.init(&http_agent, "q").send("2+3?").await.expect("exchange");
     let runtime_allocs = allocations() - before;
@@ -591,6 +618,55 @@ async fn provider_path() {
         micros(plain),
         micros(through),
         micros(through.saturating_sub(plain))
+    );
+}
+
+/// Profiling aid (`FLUE_BENCH_PROFILE=interleaved`): the scripted exchange (the runtime's own
+/// work, no HTTP) and the provider path's two calls, each run alone, then alternating as they
+/// do inside an HTTP exchange, each part timed. What the parts cost alternating beyond what
+/// they cost alone is the price of running the two bodies of code in turn (caches), which no
+/// profile of either part shows.
+async fn interleaved() {
+    let path = ProviderPath::start().await;
+    let model = ScriptedModel::new([]);
+    let scripted = scripted_runtime(&model);
+    let rounds = profile_rounds();
+    let mut next = 0;
+    let mut exchange = async || {
+        exchange_script(&model);
+        next += 1;
+        scripted
+            .init(&scripted_agent, format!("i-{next}"))
+            .send("2+3?")
+            .await
+            .expect("exchange");
+    };
+    let (mut alone_runtime, mut alone_provider) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let started = Instant::now();
+        exchange().await;
+        alone_runtime.push(started.elapsed());
+    }
+    for _ in 0..rounds {
+        let started = Instant::now();
+        path.calls().await;
+        alone_provider.push(started.elapsed());
+    }
+    let (mut runtime_part, mut provider_part) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let started = Instant::now();
+        exchange().await;
+        runtime_part.push(started.elapsed());
+        let started = Instant::now();
+        path.calls().await;
+        provider_part.push(started.elapsed());
+    }
+    let (alone_runtime, alone_provider) = (micros(median(alone_runtime)), micros(median(alone_provider)));
+    let (runtime_part, provider_part) = (micros(median(runtime_part)), micros(median(provider_part)));
+    println!(
+        "interleaved: alone, scripted exchange {alone_runtime:.1} µs + provider calls {alone_provider:.1} µs; \
+         alternating, {runtime_part:.1} µs + {provider_part:.1} µs: {:.1} µs more per exchange (medians of {rounds})",
+        runtime_part + provider_part - alone_runtime - alone_provider
     );
 }
 
