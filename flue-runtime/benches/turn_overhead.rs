@@ -799,6 +799,54 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
             "store {name}: {admissions:.0} admissions/s, {appends:.0} batches of 3 records appended/s, {tail_read:.2} µs per read of an up-to-date stream"
         );
     }
+    sqlite_commit_floor(&sqlite_path.with_file_name("floor.db"));
+}
+
+/// What one durable SQLite commit costs on this machine, before any store logic: a one-row
+/// insert in its own `BEGIN IMMEDIATE` transaction, statements cached, with the store's
+/// pragmas (WAL, `synchronous=NORMAL`). An exchange commits six times (admission, input row,
+/// the tool-call step, the tool batch, the final step, settlement), so six of these bound
+/// what the SQLite store can add to an exchange from below.
+fn sqlite_commit_floor(path: &std::path::Path) {
+    let connection = rusqlite::Connection::open(path).expect("sqlite");
+    connection
+        .execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;
+             CREATE TABLE floor (key INTEGER PRIMARY KEY, value TEXT NOT NULL);",
+        )
+        .expect("schema");
+    let value = "x".repeat(200);
+    let commit = |key: i64| {
+        connection
+            .prepare_cached("BEGIN IMMEDIATE")
+            .expect("begin")
+            .execute([])
+            .expect("begin");
+        connection
+            .prepare_cached("INSERT INTO floor (key, value) VALUES (?1, ?2)")
+            .expect("insert")
+            .execute(rusqlite::params![key, value])
+            .expect("insert");
+        connection
+            .prepare_cached("COMMIT")
+            .expect("commit")
+            .execute([])
+            .expect("commit");
+    };
+    for key in 0..500 {
+        commit(key);
+    }
+    let mut samples = Vec::new();
+    for key in 500..5_500 {
+        let started = Instant::now();
+        commit(key);
+        samples.push(started.elapsed());
+    }
+    let floor = micros(median(samples));
+    println!(
+        "sqlite commit floor: {floor:.1} µs per one-row commit (median), so six commits per exchange cost {:.0} µs at least",
+        6.0 * floor
+    );
 }
 
 /// How many exchanges a profiling run makes (`FLUE_BENCH_ROUNDS`, default 20,000).
