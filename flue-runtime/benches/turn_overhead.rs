@@ -5,8 +5,9 @@
 //!    model calls and one tool — through the runtime against a loopback OpenAI-compatible
 //!    server, next to the same two HTTP calls made with plain reqwest (the very request bodies
 //!    the runtime sent, recorded by the server, with the same headers). Measured on the
-//!    multi-thread scheduler a server runs (two workers) and again on a current-thread one,
-//!    where no wake-up crosses threads. Also with the in-process scripted model (no HTTP at
+//!    multi-thread scheduler a server runs (two workers), driven from the bench's thread and
+//!    from a task on the workers (as a server's handler drives it), and again on a
+//!    current-thread scheduler, where no wake-up crosses threads. Also with the in-process scripted model (no HTTP at
 //!    all), which isolates the runtime's own cost.
 //! 2. Exchanges per second at concurrency 16 over 16 instances.
 //! 3. Exchange 200 of one long conversation next to exchange 1.
@@ -231,7 +232,10 @@ fn exchange_script(model: &ScriptedModel) {
 /// The exchange through the runtime (memory store, then SQLite) next to plain reqwest making
 /// the same two calls, interleaved so both see the same machine conditions. Returns the SQLite
 /// file and the loopback server's addresses and client, for the later sections.
-async fn http_overhead(scheduler: &str, rounds: usize) -> (std::path::PathBuf, String, reqwest::Client, String) {
+async fn http_overhead(
+    scheduler: &'static str,
+    rounds: usize,
+) -> (std::path::PathBuf, String, reqwest::Client, String) {
     let addr = start_responder().await;
     let base_url = format!("http://{addr}/v1");
     let url = format!("{base_url}/chat/completions");
@@ -400,6 +404,15 @@ async fn bench() {
     let rounds = 400;
     // 1. turn_overhead over HTTP, on this (multi-thread) scheduler.
     let (db, base_url, client, url) = http_overhead("multi-thread scheduler, 2 workers", rounds).await;
+    // 1a. The same, driven from a task on the workers, as a server's request handler drives it
+    // (above, the bench's own thread drives it, and every wake-up of the connection's task
+    // crosses threads).
+    tokio::spawn(http_overhead(
+        "multi-thread scheduler, 2 workers, driven from a spawned task",
+        rounds,
+    ))
+    .await
+    .expect("the spawned measurement");
     store_throughput(&db).await;
     let runtime = http_runtime(&base_url);
 
