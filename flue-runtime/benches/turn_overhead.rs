@@ -7,8 +7,8 @@
 //!    the runtime sent, recorded by the server, with the same headers). Measured on the
 //!    multi-thread scheduler a server runs (two workers), driven from the bench's thread and
 //!    from a task on the workers (as a server's handler drives it), and again on a
-//!    current-thread scheduler, where no wake-up crosses threads. Also with the in-process scripted model (no HTTP at
-//!    all), which isolates the runtime's own cost.
+//!    current-thread scheduler, where no wake-up crosses threads. Also with the in-process
+//!    scripted model (no HTTP at all), which isolates the runtime's own cost.
 //! 2. Exchanges per second at concurrency 16 over 16 instances.
 //! 3. Exchange 200 of one long conversation next to exchange 1.
 //! 4. Resident memory with 10,000 idle instances, all of their conversations cached and with
@@ -562,10 +562,8 @@ impl flue_runtime::provider::ModelProvider for Recorder {
     }
 }
 
-/// Profiling aid: the provider path alone (the exchange's two model requests streamed through
-/// the OpenAI provider) next to plain reqwest making the same calls.
 /// The OpenAI provider on a loopback server, with the exchange's two model requests as the
-/// runtime made them (recorded from one exchange run on `runtime`, returned too).
+/// runtime made them (recorded from one exchange on `runtime`).
 struct ProviderPath {
     provider: std::sync::Arc<dyn flue_runtime::provider::ModelProvider>,
     requests: Vec<flue_runtime::provider::ModelRequest>,
@@ -613,6 +611,8 @@ impl ProviderPath {
     }
 }
 
+/// Profiling aid: the provider path alone (the exchange's two model requests streamed through
+/// the OpenAI provider) next to plain reqwest making the same calls.
 async fn provider_path() {
     let path = ProviderPath::start().await;
     let (client, url, bodies) = (
@@ -796,6 +796,7 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
         }
         let admissions = count as f64 / started.elapsed().as_secs_f64();
         let key = InstanceKey::new("bench", "i-0");
+        let mut each = Vec::with_capacity(count);
         let started = Instant::now();
         for i in 0..count {
             let records = (0..3)
@@ -810,9 +811,12 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
                     },
                 })
                 .collect();
+            let appended = Instant::now();
             store.append(&key, records, None).await.expect("append");
+            each.push(appended.elapsed());
         }
         let appends = count as f64 / started.elapsed().as_secs_f64();
+        let append = micros(median(each));
         // A read that finds nothing new: what every response's catch-up read costs.
         let head = store
             .read(&key, None)
@@ -826,7 +830,7 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
         }
         let tail_read = micros(started.elapsed()) / count as f64;
         println!(
-            "store {name}: {admissions:.0} admissions/s, {appends:.0} batches of 3 records appended/s, {tail_read:.2} µs per read of an up-to-date stream"
+            "store {name}: {admissions:.0} admissions/s, {appends:.0} batches of 3 records appended/s ({append:.1} µs median), {tail_read:.2} µs per read of an up-to-date stream"
         );
     }
     sqlite_commit_floor(&sqlite_path.with_file_name("floor.db"));
