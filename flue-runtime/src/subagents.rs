@@ -384,14 +384,7 @@ async fn child_session(
     );
     let system = crate::framework::system(rendered.instruction.as_deref(), sections.text());
     let tools = std::mem::take(&mut rendered.tools);
-    let specs: Vec<ToolSpec> = tools
-        .iter()
-        .map(|tool| ToolSpec {
-            name: tool.definition().name.clone(),
-            description: tool.definition().description.clone(),
-            parameters: tool.input_schema().shared_json(),
-        })
-        .collect();
+    let specs: Vec<ToolSpec> = tools.iter().map(ToolSpec::from).collect();
     let max_steps = agent.definition().max_steps.unwrap_or(u32::MAX);
     let mut messages = vec![ModelMessage::user(args.prompt.clone())];
     let mut last_text = String::new();

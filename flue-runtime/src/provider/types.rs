@@ -41,6 +41,18 @@ pub struct ToolSpec {
     pub parameters: Arc<Value>,
 }
 
+impl From<&flue_core::Tool> for ToolSpec {
+    /// What the model is told about a rendered tool: its name, description and argument
+    /// schema, all shared with the tool's definition.
+    fn from(tool: &flue_core::Tool) -> Self {
+        Self {
+            name: tool.definition().name.clone(),
+            description: tool.definition().description.clone(),
+            parameters: tool.input_schema().shared_json(),
+        }
+    }
+}
+
 /// One message of the conversation sent to the model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "lowercase")]

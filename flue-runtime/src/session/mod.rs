@@ -1486,15 +1486,7 @@ impl Response<'_> {
         let message_id = new_id("msg");
         self.narrate_resources(rendered).await?;
         let instruction = rendered.instruction.as_deref();
-        let mut tools: Vec<ToolSpec> = rendered
-            .tools
-            .iter()
-            .map(|tool| ToolSpec {
-                name: tool.definition().name.clone(),
-                description: tool.definition().description.clone(),
-                parameters: tool.input_schema().shared_json(),
-            })
-            .collect();
+        let mut tools: Vec<ToolSpec> = rendered.tools.iter().map(ToolSpec::from).collect();
         let system_len = crate::framework::system_len(instruction, self.sections());
         self.compact_if_needed(provider, model_id, system_len).await?;
         let mut row_updates = None;
