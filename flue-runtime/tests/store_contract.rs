@@ -300,7 +300,8 @@ async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
     let key = InstanceKey::new("assistant", "busy");
     let store = SqliteStore::open(&path).unwrap();
     store.admit(admission(&key, "b-1", "hello")).await.unwrap();
-    let commits = 8_000;
+    // Past twice the bound at which a commit restarts the WAL, however many frames each adds.
+    let commits = 2 * SqliteStore::WAL_RESTART_FRAMES as usize + 100;
     for i in 0..commits {
         store.append(&key, vec![state_record(i)].into(), None).await.unwrap();
     }
@@ -308,6 +309,6 @@ async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
     // them all. Checkpointed every few hundred commits, it is reused from its start instead.
     let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
     let unbounded = commits as u64 * 4096;
-    assert!(wal < unbounded / 2, "the WAL is {wal} bytes after {commits} commits");
+    assert!(wal < unbounded * 2 / 3, "the WAL is {wal} bytes after {commits} commits");
     assert_eq!(store.read(&key, None).await.unwrap().len(), commits + 1);
 }
