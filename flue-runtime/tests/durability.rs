@@ -100,7 +100,7 @@ impl Store for FaultyStore {
         outcome: Outcome,
         error: Option<SettlementError>,
         records: Vec<Record>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
         self.inner.settle(host, outcome, error, records)
     }
     fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {

@@ -119,7 +119,7 @@ impl Store for PausingStore {
         o: Outcome,
         e: Option<SettlementError>,
         r: Vec<Record>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
         if self.point == Point::Settlement {
             pause_forever();
         }

@@ -298,6 +298,56 @@ async fn submissions_of_one_instance_run_one_at_a_time_in_admission_order() {
     assert!(replies.iter().all(|reply| !reply.text.is_empty()));
 }
 
+#[agent]
+fn closer() -> &'static str {
+    use_model("scripted/x");
+    let dispatch = use_dispatch_message();
+    let delivery = use_delivery();
+    let opening = delivery.body() == "open";
+    // At the would-stop point of the first response, past its last turn boundary: the
+    // follow-up cannot join it and waits in the queue behind it.
+    use_agent_finish(move |_ctx| {
+        let dispatch = dispatch.clone();
+        async move {
+            if opening {
+                dispatch.dispatch("follow-up").await.expect("the follow-up is admitted");
+            }
+        }
+    });
+    "You close."
+}
+
+#[tokio::test]
+async fn a_send_hands_work_queued_behind_its_submission_on_when_it_settles() {
+    let model = ScriptedModel::echo();
+    let runtime = runtime_with(&model, vec![closer.into()]);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&closer, "c").send("open").await.unwrap();
+    assert_eq!(reply.text, "You said: open", "the follow-up did not join the response");
+    // The send's settlement saw the follow-up queued and woke a worker for it; nothing else
+    // would before the periodic scan (15 s).
+    let follow_up = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let observation = events.recv().await.unwrap();
+            if matches!(observation.event, Event::SubmissionSettled { .. })
+                && observation.submission_id.as_deref() != Some(reply.submission_id.as_str())
+            {
+                break observation;
+            }
+        }
+    })
+    .await
+    .expect("the follow-up is processed without waiting for the scan");
+    assert!(matches!(
+        follow_up.event,
+        Event::SubmissionSettled {
+            outcome: Outcome::Completed,
+            ..
+        }
+    ));
+    assert_eq!(model.requests().len(), 2);
+}
+
 #[tokio::test]
 async fn conditional_sends_and_idempotency_keys_follow_the_reference() {
     let model = ScriptedModel::echo();

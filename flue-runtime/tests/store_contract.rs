@@ -309,6 +309,9 @@ async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
     // them all. Checkpointed every few hundred commits, it is reused from its start instead.
     let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
     let unbounded = commits as u64 * 4096;
-    assert!(wal < unbounded * 2 / 3, "the WAL is {wal} bytes after {commits} commits");
+    assert!(
+        wal < unbounded * 2 / 3,
+        "the WAL is {wal} bytes after {commits} commits"
+    );
     assert_eq!(store.read(&key, None).await.unwrap().len(), commits + 1);
 }

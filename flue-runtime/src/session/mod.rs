@@ -286,13 +286,21 @@ impl InstanceSlot {
                         traceparent = submission.trace.as_ref().map(|trace| trace.traceparent.as_str()),
                         tracestate = submission.trace.as_ref().and_then(|trace| trace.tracestate.as_deref()),
                     );
-                    let settled = self.process(&runtime, submission, attempt_id).instrument(span).await;
+                    let (settled, left) = self.process(&runtime, submission, attempt_id).instrument(span).await;
                     *running = None;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {
                         self.busy.store(false, Ordering::SeqCst);
-                        let admitted_meanwhile = self.wakes.load(Ordering::SeqCst) != seen;
-                        if admitted_meanwhile || runtime.store.has_queued(&self.key).await.unwrap_or(true) {
+                        // An admitter that found this worker busy counted its admission after
+                        // committing it: what the settlement did not see, the count shows.
+                        let more = match left {
+                            Some(left) => left.queued || self.wakes.load(Ordering::SeqCst) != left.admissions,
+                            None => {
+                                self.wakes.load(Ordering::SeqCst) != seen
+                                    || runtime.store.has_queued(&self.key).await.unwrap_or(true)
+                            }
+                        };
+                        if more {
                             self.wake();
                         }
                         return settled;
@@ -318,14 +326,17 @@ impl InstanceSlot {
 
     /// Runs one claimed submission to its settlement. Returns the settlement when this call
     /// made it durable and the reply is complete in what this attempt committed (its first
-    /// attempt): the sender then needs no read of the store.
+    /// attempt): the sender then needs no read of the store. With it, the queue as the
+    /// settlement left it, when the settlement committed.
     async fn process(
         &self,
         runtime: &Arc<RuntimeInner>,
         submission: Submission,
         attempt_id: String,
-    ) -> Option<Settled> {
-        let agent = runtime.agents.get(&*self.key.agent).cloned()?;
+    ) -> (Option<Settled>, Option<QueueLeft>) {
+        let Some(agent) = runtime.agents.get(&*self.key.agent).cloned() else {
+            return (None, None);
+        };
         let mut conversation = self.conversation.lock().await;
         let attempt_ref = AttemptRef {
             submission_id: submission.id.clone(),
@@ -448,7 +459,7 @@ impl InstanceSlot {
                     // Forget the cached fold: the next attempt re-reads what is durable.
                     *conversation = Conversation::default();
                     if let Ok(true) = runtime.store.requeue(&attempt_ref).await {
-                        return None;
+                        return (None, None);
                     }
                 }
                 if failure.transient {
@@ -479,18 +490,21 @@ impl InstanceSlot {
                 },
             });
         }
-        let settled = match runtime
+        // Loaded before the settling transaction: an admission that transaction does not see
+        // is counted after this.
+        let admissions = self.wakes.load(Ordering::SeqCst);
+        let left = match runtime
             .store
             .settle(&attempt_ref, outcome, error.clone(), records)
             .await
         {
-            Ok(()) => {
+            Ok(queued) => {
                 self.binding.note_append();
-                true
+                Some(QueueLeft { admissions, queued })
             }
             Err(store_error) => {
                 tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
-                false
+                None
             }
         };
         for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
@@ -506,8 +520,18 @@ impl InstanceSlot {
         self.binding.set_current(None);
         drop(conversation);
         runtime.notify_settled(joined_ids.iter().chain(std::iter::once(&submission.id)));
-        (settled && submission.attempt_count == 1).then_some(Settled { outcome, error, reply })
+        let settled = (left.is_some() && submission.attempt_count == 1).then_some(Settled { outcome, error, reply });
+        (settled, left)
     }
+}
+
+/// The instance's queue as a committed settlement left it.
+#[derive(Clone, Copy)]
+struct QueueLeft {
+    /// The instance's admission count, loaded just before the settling transaction.
+    admissions: u64,
+    /// Whether that transaction saw a submission still queued.
+    queued: bool,
 }
 
 /// A settlement as the task that made it durable knows it.

@@ -321,7 +321,7 @@ impl Store for MemoryStore {
         outcome: Outcome,
         error: Option<SettlementError>,
         records: Vec<Record>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
         let mut inner = self.lock();
         let result = (|| {
             if !inner.owns(host) {
@@ -378,14 +378,19 @@ impl Store for MemoryStore {
             let Inner {
                 submissions, instances, ..
             } = &mut *inner;
-            if let Some(instance) = instances.get_mut(&key) {
-                instance.unsettled.retain(|id| {
-                    submissions
-                        .get(id)
-                        .is_some_and(|row| row.status != SubmissionStatus::Settled)
-                });
-            }
-            Ok(())
+            let Some(instance) = instances.get_mut(&key) else {
+                return Ok(false);
+            };
+            instance.unsettled.retain(|id| {
+                submissions
+                    .get(id)
+                    .is_some_and(|row| row.status != SubmissionStatus::Settled)
+            });
+            Ok(instance.unsettled.iter().any(|id| {
+                submissions
+                    .get(id)
+                    .is_some_and(|row| row.status == SubmissionStatus::Queued)
+            }))
         })();
         ready(result)
     }

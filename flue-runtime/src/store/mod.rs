@@ -469,13 +469,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Settles the host (and every delivery joined into it) with `outcome`, appending
     /// `records` (the settlement records) to the stream in the same step.
+    ///
+    /// Returns whether a submission of the instance is still queued, as the settling
+    /// transaction saw it (a join claimed but never applied, put back in the queue, counts).
+    /// It spares the settling task a [`Store::has_queued`] read; an admission committed after
+    /// the settlement is the admitter's to announce.
     fn settle(
         &self,
         host: &AttemptRef,
         outcome: Outcome,
         error: Option<SettlementError>,
         records: Vec<Record>,
-    ) -> BoxFuture<'_, Result<(), StoreError>>;
+    ) -> BoxFuture<'_, Result<bool, StoreError>>;
 
     /// Gives a running submission back to the queue for a fresh attempt (its input and every
     /// committed batch stay in the stream; the next attempt resumes from them). Joins claimed

@@ -218,8 +218,11 @@ const SETTLE_JOINED: &str = "UPDATE flue_submissions SET status = 'settled', out
      WHERE agent = $1 AND instance_id = $2 AND joined_into = $3 AND status = 'joined'";
 const REVERT_JOINING: &str = "UPDATE flue_submissions SET status = 'queued', joined_into = NULL \
      WHERE agent = $1 AND instance_id = $2 AND joined_into = $3 AND status = 'joining'";
+/// Settles the host and says whether a submission of its instance is still queued (the
+/// subquery sees the transaction's earlier statements: a join put back in the queue counts).
 const SETTLE_HOST: &str = "UPDATE flue_submissions SET status = 'settled', lease_until_ms = 0, outcome = $2, \
-     error = $3 WHERE id = $1";
+     error = $3 WHERE id = $1 RETURNING EXISTS (SELECT 1 FROM flue_submissions \
+     WHERE agent = $4 AND instance_id = $5 AND status = 'queued')";
 const REQUEUE_HOST: &str = "UPDATE flue_submissions SET status = 'queued', attempt_id = NULL, owner_id = NULL, \
      lease_until_ms = 0 WHERE id = $1";
 const REQUEST_ABORT: &str = "UPDATE flue_submissions SET abort_requested = TRUE \
@@ -891,7 +894,7 @@ async fn settle_tx(
     outcome: Outcome,
     error: Option<&SettlementError>,
     records: &[Record],
-) -> Result<(), Failure> {
+) -> Result<bool, Failure> {
     let Some(key) = lock_instance_of(tx, &host.submission_id).await? else {
         return Err(fenced_settle(host));
     };
@@ -914,8 +917,13 @@ async fn settle_tx(
     tx.execute(&statement, &[&&*key.agent, &&*key.id, &host.submission_id])
         .await?;
     let statement = tx.prepare_cached(SETTLE_HOST).await?;
-    tx.execute(&statement, &[&host.submission_id, &outcome, &error]).await?;
-    Ok(())
+    let row = tx
+        .query_one(
+            &statement,
+            &[&host.submission_id, &outcome, &error, &&*key.agent, &&*key.id],
+        )
+        .await?;
+    Ok(row.try_get(0)?)
 }
 
 fn fenced_settle(host: &AttemptRef) -> Failure {
@@ -1122,7 +1130,7 @@ impl Store for PostgresStore {
         outcome: Outcome,
         error: Option<SettlementError>,
         records: Vec<Record>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
         let host = host.clone();
         Box::pin(async move {
             in_transaction!(self, |tx| settle_tx(&tx, &host, outcome, error.as_ref(), &records)

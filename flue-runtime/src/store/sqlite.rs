@@ -912,7 +912,7 @@ impl Store for SqliteStore {
         outcome: Outcome,
         error: Option<SettlementError>,
         records: Vec<Record>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
         ready(self.transaction(|tx| {
             let Some(mut host_row) = owns(tx, host)? else {
                 return Err(StoreError::Fenced(format!(
@@ -923,8 +923,10 @@ impl Store for SqliteStore {
             if !records.is_empty() {
                 append_batch(tx, &host_row.key, &records)?;
             }
+            let mut queued = false;
             for mut row in unsettled(tx, &host_row.key)? {
                 if row.joined_into.as_deref() != Some(host.submission_id.as_str()) {
+                    queued |= row.status == SubmissionStatus::Queued;
                     continue;
                 }
                 match row.status {
@@ -937,6 +939,7 @@ impl Store for SqliteStore {
                     SubmissionStatus::Joining => {
                         row.status = SubmissionStatus::Queued;
                         row.joined_into = None;
+                        queued = true;
                     }
                     _ => continue,
                 }
@@ -946,7 +949,8 @@ impl Store for SqliteStore {
             host_row.outcome = Some(outcome);
             host_row.error = error;
             host_row.lease_until_ms = 0;
-            write_submission(tx, &host_row)
+            write_submission(tx, &host_row)?;
+            Ok(queued)
         }))
     }
 

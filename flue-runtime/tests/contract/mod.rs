@@ -62,6 +62,7 @@ macro_rules! store_contract {
                     joined_deliveries_settle_with_a_completing_host_and_joining_stragglers_revert,
                     joined_deliveries_share_a_failing_host_outcome,
                     unsettled_joins_block_later_queued_work_and_clear_with_the_host,
+                    settling_reports_whether_a_submission_of_the_instance_is_still_queued,
                     request_session_abort_stamps_joining_and_joined_deliveries,
                     reports_no_unsettled_submissions_initially,
                     get_submission_returns_null_for_unknown_ids,
@@ -196,7 +197,8 @@ async fn running_host(store: &Factory) -> AttemptRef {
     attempt("host-1", "attempt-1")
 }
 
-async fn settle(store: &Factory, host: &AttemptRef, outcome: Outcome, error: Option<SettlementError>) {
+/// Settles `host`; returns whether the store saw a submission still queued.
+async fn settle(store: &Factory, host: &AttemptRef, outcome: Outcome, error: Option<SettlementError>) -> bool {
     let record = record(
         Some(&host.submission_id),
         Some(&host.attempt_id),
@@ -205,7 +207,7 @@ async fn settle(store: &Factory, host: &AttemptRef, outcome: Outcome, error: Opt
             error: error.clone(),
         },
     );
-    store.settle(host, outcome, error, vec![record]).await.unwrap();
+    store.settle(host, outcome, error, vec![record]).await.unwrap()
 }
 
 // ---- dispatch admission ---------------------------------------------------------------------
@@ -879,6 +881,57 @@ pub async fn unsettled_joins_block_later_queued_work_and_clear_with_the_host(sto
             .id,
         "later-1"
     );
+}
+
+/// Not in the reference's checklists: the settling task learns from its settlement whether to
+/// carry on with the queue, without a read of its own.
+pub async fn settling_reports_whether_a_submission_of_the_instance_is_still_queued(store: Factory) {
+    let completed = |store: &Factory, host: AttemptRef| {
+        let store = store.clone();
+        async move { settle(&store, &host, Outcome::Completed, None).await }
+    };
+    let next = |store: &Factory, attempt_id: &'static str| {
+        let store = store.clone();
+        async move {
+            let claimed = store
+                .claim_next(&key("assistant", "agent-1"), &claim(attempt_id))
+                .await
+                .unwrap()
+                .unwrap();
+            attempt(&claimed.id, attempt_id)
+        }
+    };
+    // Nothing else on the instance; queued work on another instance does not count.
+    let host = running_host(&store).await;
+    admit(
+        &store,
+        admission(
+            "elsewhere-1",
+            "assistant",
+            "agent-2",
+            SubmissionKind::Dispatch,
+            "test.event",
+        ),
+    )
+    .await;
+    assert!(!completed(&store, host).await);
+    // A submission queued behind the running host.
+    admit(&store, dispatch("d-1")).await;
+    let host = next(&store, "a1").await;
+    admit(&store, dispatch("d-2")).await;
+    assert!(completed(&store, host).await);
+    // A join claimed but never applied goes back to the queue: it counts.
+    let host = next(&store, "a2").await;
+    admit(&store, dispatch("d-3")).await;
+    assert_eq!(store.claim_joinable(&host).await.unwrap().len(), 1);
+    assert!(completed(&store, host).await);
+    // A join applied settles with its host: nothing is left.
+    let host = next(&store, "a3").await;
+    admit(&store, dispatch("d-4")).await;
+    store.claim_joinable(&host).await.unwrap();
+    assert!(store.finalize_join(&host, "d-4").await.unwrap());
+    assert!(!completed(&store, host).await);
+    assert!(!store.has_queued(&key("assistant", "agent-1")).await.unwrap());
 }
 
 pub async fn request_session_abort_stamps_joining_and_joined_deliveries(store: Factory) {
