@@ -168,10 +168,12 @@ const INSERT_SUBMISSION: &str = concat!(
      ON CONFLICT (id) DO NOTHING RETURNING ",
     submission_columns!()
 );
-const BUMP_OFFSET: &str = "UPDATE flue_instances SET next_offset = next_offset + 1 \
-     WHERE agent = $1 AND instance_id = $2 RETURNING next_offset - 1";
-const INSERT_BATCH: &str =
-    "INSERT INTO flue_batches (agent, instance_id, batch_offset, records) VALUES ($1, $2, $3, $4)";
+/// Takes the stream's next offset and inserts the batch at it, in one statement (one round
+/// trip); no row when the stream does not exist.
+const APPEND_BATCH: &str = "WITH bumped AS (UPDATE flue_instances SET next_offset = next_offset + 1 \
+     WHERE agent = $1 AND instance_id = $2 RETURNING next_offset - 1 AS batch_offset) \
+     INSERT INTO flue_batches (agent, instance_id, batch_offset, records) \
+     SELECT $1, $2, batch_offset, $3 FROM bumped RETURNING batch_offset";
 const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
      WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
 /// Whether the host submission's instance has queued work (one round trip, no locks).
@@ -666,37 +668,38 @@ async fn owns(tx: &Transaction<'_>, attempt: &AttemptRef, sql: &str) -> Result<b
         .is_some())
 }
 
-/// Appends a batch to a stream whose instance row this transaction has locked.
-async fn append_locked(tx: &Transaction<'_>, key: &InstanceKey, records: &[Record]) -> Result<u64, Failure> {
-    if records.is_empty() {
-        return Err(StoreError::Other("an append batch must not be empty".into()).into());
-    }
-    let json = to_json(records, "records")?;
-    let statement = tx.prepare_cached(BUMP_OFFSET).await?;
-    let Some(row) = tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? else {
+/// The offset [`APPEND_BATCH`] returned.
+fn appended_offset(key: &InstanceKey, appended: Option<Row>) -> Result<u64, Failure> {
+    let Some(row) = appended else {
         return Err(StoreError::Other(format!("no stream {key}")).into());
     };
     let offset: i64 = row.try_get(0)?;
-    let statement = tx.prepare_cached(INSERT_BATCH).await?;
-    tx.execute(&statement, &[&&*key.agent, &&*key.id, &offset, &json])
-        .await?;
     u64::try_from(offset).map_err(|_| corrupt(format_args!("batch offset {offset}")).into())
 }
 
 async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitted, Failure> {
     let key = &admission.key;
-    let statement = tx.prepare_cached(SELECT_SUBMISSION).await?;
-    if let Some(row) = tx.query_opt(&statement, &[&admission.submission_id]).await? {
-        let existing = submission_from_row(&row)?;
-        if existing.message == admission.message && existing.key == admission.key {
-            let statement = tx.prepare_cached(SELECT_UID).await?;
-            let uid = match tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? {
-                Some(row) => row.try_get(0)?,
-                None => String::new(),
-            };
+    let (agent, id) = (&*key.agent, &*key.id);
+    let (select, lock) = (
+        tx.prepare_cached(SELECT_SUBMISSION).await?,
+        tx.prepare_cached(LOCK_INSTANCE).await?,
+    );
+    // One round trip: the submission, if this is a replay, and the instance, locked.
+    let (replayed, existing) = futures_util::future::try_join(
+        async { tx.query_opt(&select, &[&admission.submission_id]).await },
+        async { tx.query_opt(&lock, &[&agent, &id]).await },
+    )
+    .await?;
+    let existing = match existing {
+        Some(row) => Some((row.try_get::<_, String>(0)?, row.try_get::<_, i64>(1)?)),
+        None => None,
+    };
+    if let Some(row) = replayed {
+        let replayed = submission_from_row(&row)?;
+        if replayed.message == admission.message && replayed.key == admission.key {
             return Ok(Admitted {
-                submission: existing,
-                uid,
+                submission: replayed,
+                uid: existing.map(|(uid, _)| uid).unwrap_or_default(),
                 deduplicated: true,
                 offset: None,
                 claimed: None,
@@ -704,7 +707,6 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
         }
         return Err(StoreError::SubmissionConflict(admission.submission_id.clone()).into());
     }
-    let existing = lock_instance(tx, key).await?;
     match (&admission.uid, &existing) {
         (UidCondition::Existing(expected), Some((uid, _))) if expected != uid => {
             return Err(StoreError::InstanceNotFound(key.id.to_string()).into());
@@ -719,19 +721,10 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
         }
         _ => {}
     }
-    let (uid, batches) = match existing {
-        Some(found) => found,
+    let created = match &existing {
+        Some(_) => None,
         None => {
             let uid = new_id("inst");
-            let statement = tx.prepare_cached(INSERT_INSTANCE).await?;
-            if tx
-                .query_opt(&statement, &[&&*key.agent, &&*key.id, &uid, &now().to_string()])
-                .await?
-                .is_none()
-            {
-                // Another process created the instance meanwhile: rerun against its row.
-                return Err(Failure::Restart);
-            }
             let birth = Record {
                 id: new_id("record"),
                 submission_id: None,
@@ -742,8 +735,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
                     initial_data: admission.initial_data.clone(),
                 },
             };
-            append_locked(tx, key, &[birth]).await?;
-            (uid, 1)
+            Some((uid, to_json(&[birth], "records")?))
         }
     };
     let message = to_json(&admission.message, "message")?;
@@ -754,32 +746,78 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
         .as_ref()
         .map(|trace| to_json(trace, "trace context"))
         .transpose()?;
-    let statement = tx.prepare_cached(INSERT_SUBMISSION).await?;
-    let Some(row) = tx
-        .query_opt(
-            &statement,
-            &[
-                &admission.submission_id,
-                &&*key.agent,
-                &&*key.id,
-                &kind_text(admission.kind),
-                &message,
-                &now().to_string(),
-                &max_attempts,
-                &timeout,
-                &trace,
-            ],
-        )
-        .await?
-    else {
+    let created_at = now().to_string();
+    let (insert_instance, append, insert_submission, head) = (
+        tx.prepare_cached(INSERT_INSTANCE).await?,
+        tx.prepare_cached(APPEND_BATCH).await?,
+        tx.prepare_cached(INSERT_SUBMISSION).await?,
+        tx.prepare_cached(HEAD).await?,
+    );
+    // One more round trip, run in this order: a new instance and its birth batch, the
+    // submission, and the instance's head when the admission claims it. Whatever a conflict
+    // interrupts is rolled back with the transaction.
+    let (instance, birth, inserted, head) = futures_util::future::try_join4(
+        async {
+            match &created {
+                Some((uid, _)) => tx
+                    .query_opt(&insert_instance, &[&agent, &id, uid, &created_at])
+                    .await
+                    .map(|row| Some(row.is_some())),
+                None => Ok(None),
+            }
+        },
+        async {
+            match &created {
+                Some((_, birth)) => tx.query_opt(&append, &[&agent, &id, birth]).await.map(Some),
+                None => Ok(None),
+            }
+        },
+        async {
+            tx.query_opt(
+                &insert_submission,
+                &[
+                    &admission.submission_id,
+                    &agent,
+                    &id,
+                    &kind_text(admission.kind),
+                    &message,
+                    &created_at,
+                    &max_attempts,
+                    &timeout,
+                    &trace,
+                ],
+            )
+            .await
+        },
+        async {
+            match admission.claim {
+                Some(_) => tx.query_opt(&head, &[&agent, &id]).await.map(Some),
+                None => Ok(None),
+            }
+        },
+    )
+    .await?;
+    if instance == Some(false) {
+        // Another process created the instance meanwhile: rerun against its row.
+        return Err(Failure::Restart);
+    }
+    let (uid, batches) = match (existing, created, birth) {
+        (Some(found), _, _) => found,
+        (None, Some((uid, _)), Some(birth)) => {
+            appended_offset(key, birth)?;
+            (uid, 1)
+        }
+        _ => return Err(corrupt(format_args!("instance {key} neither found nor created")).into()),
+    };
+    let Some(row) = inserted else {
         // The same submission id was admitted meanwhile (for another instance): rerun to
         // deduplicate or report the conflict.
         return Err(Failure::Restart);
     };
     let submission = submission_from_row(&row)?;
-    let claimed = match &admission.claim {
-        Some(claim) => claim_next_tx(tx, key, claim, Some(&submission.id)).await?,
-        None => None,
+    let claimed = match (&admission.claim, head) {
+        (Some(claim), Some(Some(head))) => claim_head(tx, &head, claim, Some(&submission.id)).await?,
+        _ => None,
     };
     Ok(Admitted {
         submission,
@@ -790,7 +828,6 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     })
 }
 
-/// Starts an attempt of the instance's head, when it is queued (and is `only`, if given).
 async fn claim_next_tx(
     tx: &Transaction<'_>,
     key: &InstanceKey,
@@ -804,6 +841,17 @@ async fn claim_next_tx(
     let Some(head) = tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? else {
         return Ok(None);
     };
+    claim_head(tx, &head, claim, only).await
+}
+
+/// Claims the instance's head (a [`HEAD`] row, the instance locked) when it is queued (and is
+/// `only`, when given).
+async fn claim_head(
+    tx: &Transaction<'_>,
+    head: &Row,
+    claim: &Claim,
+    only: Option<&str>,
+) -> Result<Option<Submission>, Failure> {
     let id: String = head.try_get(0)?;
     let status: String = head.try_get(1)?;
     if status != "queued" || only.is_some_and(|only| only != id) {
@@ -895,35 +943,55 @@ async fn settle_tx(
     error: Option<&SettlementError>,
     records: &[Record],
 ) -> Result<bool, Failure> {
-    let Some(key) = lock_instance_of(tx, &host.submission_id).await? else {
-        return Err(fenced_settle(host));
-    };
-    if !owns(tx, host, OWNS).await? {
-        return Err(fenced_settle(host));
-    }
-    if !records.is_empty() {
-        append_locked(tx, &key, records).await?;
-    }
+    let records = (!records.is_empty()).then(|| to_json(records, "records")).transpose()?;
     let outcome = outcome_text(outcome);
     let error = error.map(|error| to_json(error, "settlement error")).transpose()?;
-    let statement = tx.prepare_cached(SETTLE_JOINED).await?;
-    tx.execute(
-        &statement,
-        &[&&*key.agent, &&*key.id, &host.submission_id, &outcome, &error],
+    let (lock, owner) = (
+        tx.prepare_cached(LOCK_INSTANCE_OF).await?,
+        tx.prepare_cached(OWNS).await?,
+    );
+    let (append, joined, joining, settle) = (
+        tx.prepare_cached(APPEND_BATCH).await?,
+        tx.prepare_cached(SETTLE_JOINED).await?,
+        tx.prepare_cached(REVERT_JOINING).await?,
+        tx.prepare_cached(SETTLE_HOST).await?,
+    );
+    // Two round trips; the server runs each one's statements in the order sent. First the
+    // instance lock, then the owner check.
+    let (locked, owned) =
+        futures_util::future::try_join(async { tx.query_opt(&lock, &[&host.submission_id]).await }, async {
+            tx.query_opt(&owner, &[&host.submission_id, &host.attempt_id]).await
+        })
+        .await?;
+    let (Some(locked), Some(_)) = (locked, owned) else {
+        return Err(fenced_settle(host));
+    };
+    let key = InstanceKey::new(locked.try_get::<_, String>(0)?, locked.try_get::<_, String>(1)?);
+    let (agent, id) = (&*key.agent, &*key.id);
+    // Then the settlement records, the joined deliveries, a join claimed but never applied
+    // back to the queue (never lost), and the host, whose statement sees the queue after them.
+    let (appended, _, _, settled) = futures_util::future::try_join4(
+        async {
+            match &records {
+                Some(json) => tx.query_opt(&append, &[&agent, &id, json]).await.map(Some),
+                None => Ok(None),
+            }
+        },
+        async {
+            tx.execute(&joined, &[&agent, &id, &host.submission_id, &outcome, &error])
+                .await
+        },
+        async { tx.execute(&joining, &[&agent, &id, &host.submission_id]).await },
+        async {
+            tx.query_one(&settle, &[&host.submission_id, &outcome, &error, &agent, &id])
+                .await
+        },
     )
     .await?;
-    // A join claimed but never applied goes back to the queue: never lost.
-    let statement = tx.prepare_cached(REVERT_JOINING).await?;
-    tx.execute(&statement, &[&&*key.agent, &&*key.id, &host.submission_id])
-        .await?;
-    let statement = tx.prepare_cached(SETTLE_HOST).await?;
-    let row = tx
-        .query_one(
-            &statement,
-            &[&host.submission_id, &outcome, &error, &&*key.agent, &&*key.id],
-        )
-        .await?;
-    Ok(row.try_get(0)?)
+    if let Some(appended) = appended {
+        appended_offset(&key, appended)?;
+    }
+    Ok(settled.try_get(0)?)
 }
 
 fn fenced_settle(host: &AttemptRef) -> Failure {
@@ -970,11 +1038,34 @@ async fn append_tx(
     records: &[Record],
     authorization: Option<&AttemptRef>,
 ) -> Result<u64, Failure> {
-    // The instance lock first (the order every writer takes), then the owner check, which also
-    // holds the submission row until commit: no reclaim or settlement slips in between.
-    let stream = lock_instance(tx, key).await?;
+    if records.is_empty() {
+        return Err(StoreError::Other("an append batch must not be empty".into()).into());
+    }
+    let json = to_json(records, "records")?;
+    let (lock, owner, append) = (
+        tx.prepare_cached(LOCK_INSTANCE).await?,
+        tx.prepare_cached(OWNS_SHARED).await?,
+        tx.prepare_cached(APPEND_BATCH).await?,
+    );
+    // One round trip for three statements, which the server runs in the order sent: the
+    // instance lock first (the order every writer takes), then the owner check, which also
+    // holds the submission row until commit (no reclaim or settlement slips in between), then
+    // the append. When the check fails, the append is rolled back with the transaction.
+    let (agent, id) = (&*key.agent, &*key.id);
+    let locked = async { tx.query_opt(&lock, &[&agent, &id]).await };
+    let owned = async {
+        match authorization {
+            Some(attempt) => Ok(tx
+                .query_opt(&owner, &[&attempt.submission_id, &attempt.attempt_id])
+                .await?
+                .is_some()),
+            None => Ok::<_, tokio_postgres::Error>(true),
+        }
+    };
+    let appended = async { tx.query_opt(&append, &[&agent, &id, &json]).await };
+    let (stream, owned, appended) = futures_util::future::try_join3(locked, owned, appended).await?;
     if let Some(attempt) = authorization
-        && !owns(tx, attempt, OWNS_SHARED).await?
+        && !owned
     {
         return Err(StoreError::Fenced(format!(
             "attempt {} does not own submission {}",
@@ -982,13 +1073,10 @@ async fn append_tx(
         ))
         .into());
     }
-    if records.is_empty() {
-        return Err(StoreError::Other("an append batch must not be empty".into()).into());
-    }
     if stream.is_none() {
         return Err(StoreError::Other(format!("no stream {key}")).into());
     }
-    append_locked(tx, key, records).await
+    appended_offset(key, appended)
 }
 
 impl Store for PostgresStore {

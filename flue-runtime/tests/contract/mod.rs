@@ -30,6 +30,7 @@ macro_rules! store_contract {
                     admits_one_queued_dispatch_row_when_the_same_submission_is_replayed,
                     returns_conflict_when_one_submission_id_is_reused_with_another_payload,
                     creates_the_instance_with_a_birth_record_once,
+                    concurrent_first_admissions_create_one_instance_with_one_birth_record,
                     keeps_the_admitting_requests_trace_context_on_the_submission,
                     honours_conditional_sends,
                     orders_direct_and_dispatched_submissions_together_within_one_session,
@@ -265,6 +266,40 @@ pub async fn creates_the_instance_with_a_birth_record_once(store: Factory) {
             initial_data: Some(serde_json::json!({"plan": "pro"}))
         }
     );
+}
+
+/// Not in the reference's checklists: admissions racing to create one instance (on Postgres,
+/// from transactions that each find it missing) leave one instance and one birth record.
+pub async fn concurrent_first_admissions_create_one_instance_with_one_birth_record(store: Factory) {
+    let admissions: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.admit(dispatch(&format!("racer-{i}"))).await.unwrap() })
+        })
+        .collect();
+    let mut uids = Vec::new();
+    for admission in admissions {
+        let admitted = admission.await.unwrap();
+        assert!(!admitted.deduplicated);
+        uids.push(admitted.uid);
+    }
+    let info = store.instance(&key("assistant", "agent-1")).await.unwrap().unwrap();
+    assert!(uids.iter().all(|uid| *uid == info.uid), "{uids:?} vs {}", info.uid);
+    let batches = store.read(&key("assistant", "agent-1"), None).await.unwrap();
+    assert_eq!(batches.len(), 1, "one birth batch");
+    assert!(matches!(
+        batches[0].records[..],
+        [Record {
+            body: RecordBody::ConversationCreated { .. },
+            ..
+        }]
+    ));
+    for i in 0..8 {
+        assert_eq!(
+            row(&store, &format!("racer-{i}")).await.key,
+            key("assistant", "agent-1")
+        );
+    }
 }
 
 pub async fn honours_conditional_sends(store: Factory) {
