@@ -416,7 +416,8 @@ async fn bench() {
     store_throughput(&db).await;
     let runtime = http_runtime(&base_url);
 
-    // 1b. The runtime's own cost, without HTTP: on the memory store, then on SQLite.
+    // 1b. The runtime's own cost, without HTTP: on the memory store, then on SQLite (and on
+    // Postgres, with the `postgres` feature and FLUE_TEST_POSTGRES_URL set).
     scripted_exchange("memory store", flue_runtime::store::MemoryStore::new(), rounds).await;
     let db = scratch_dir().join("scripted").join("flue.db");
     scripted_exchange(
@@ -425,6 +426,14 @@ async fn bench() {
         rounds,
     )
     .await;
+    #[cfg(feature = "postgres")]
+    if let Ok(url) = std::env::var("FLUE_TEST_POSTGRES_URL") {
+        let schema = format!("flue_bench_exchange_{}", std::process::id());
+        let store = flue_runtime::store::PostgresStore::connect_with_schema(&url, &schema)
+            .await
+            .expect("postgres");
+        scripted_exchange("Postgres store", store, rounds).await;
+    }
 
     // 2. Throughput at concurrency 16 over 16 instances.
     let total = 1600;
