@@ -174,18 +174,23 @@ impl AnthropicProvider {
                 input_schema: &tool.parameters,
             })
         })?;
-        serde_json::to_vec(&MessagesRequest {
-            model: &request.model,
-            max_tokens,
-            stream: true,
-            system: request.system.as_deref().filter(|s| !s.is_empty()),
-            messages: messages(&request.messages),
-            tools: &tools,
-            thinking: budget.map(|budget_tokens| Thinking {
-                kind: "enabled",
-                budget_tokens,
-            }),
-        })
+        let mut bytes = Vec::with_capacity(request.body_size_hint());
+        serde_json::to_writer(
+            &mut bytes,
+            &MessagesRequest {
+                model: &request.model,
+                max_tokens,
+                stream: true,
+                system: request.system.as_deref().filter(|s| !s.is_empty()),
+                messages: messages(&request.messages),
+                tools: &tools,
+                thinking: budget.map(|budget_tokens| Thinking {
+                    kind: "enabled",
+                    budget_tokens,
+                }),
+            },
+        )?;
+        Ok(bytes)
     }
 
     /// The JSON body of a call, as a value (tests).

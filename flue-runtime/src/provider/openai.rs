@@ -260,7 +260,9 @@ impl OpenAiProvider {
             reasoning_effort,
             max_completion_tokens: request.max_output_tokens,
         };
-        serde_json::to_vec(&body)
+        let mut bytes = Vec::with_capacity(request.body_size_hint());
+        serde_json::to_writer(&mut bytes, &body)?;
+        Ok(bytes)
     }
 
     /// The JSON body of a call, as a value (tests).
@@ -675,6 +677,43 @@ mod tests {
         let body = router.body(&request("anthropic/claude-sonnet-4.5", ThinkingLevel::Minimal));
         assert_eq!(body["reasoning"], json!({"effort": "minimal"}));
         assert!(body.get("reasoning_effort").is_none());
+    }
+
+    #[test]
+    fn the_body_buffer_starts_near_the_size_of_the_body() {
+        let mut long = request("gpt-5", ThinkingLevel::Off);
+        long.system = Some("You add numbers with the add tool.".repeat(10));
+        for turn in 0..50 {
+            long.messages.push(ModelMessage::user(format!("what is {turn} + 2?")));
+            long.messages.push(ModelMessage::Assistant {
+                text: String::new(),
+                tool_calls: vec![crate::provider::ModelToolCall {
+                    id: format!("call_{turn}"),
+                    name: "add".into(),
+                    arguments: format!("{{\"a\":{turn},\"b\":2}}"),
+                }],
+            });
+            long.messages.push(ModelMessage::Tool {
+                tool_call_id: format!("call_{turn}"),
+                name: "add".into(),
+                content: (turn + 2).to_string(),
+                is_error: false,
+            });
+            long.messages.push(ModelMessage::Assistant {
+                text: format!("{turn} + 2 = {}", turn + 2),
+                tool_calls: Vec::new(),
+            });
+        }
+        for request in [request("gpt-5", ThinkingLevel::Off), long] {
+            let bytes = OpenAiProvider::openai().body_bytes(&request).expect("a body");
+            let hint = request.body_size_hint();
+            // Grown at most once, and not twice the size it needs.
+            assert!(
+                hint * 2 >= bytes.len() && hint <= bytes.len() * 2,
+                "{hint} for {}",
+                bytes.len()
+            );
+        }
     }
 
     #[test]

@@ -97,7 +97,7 @@ impl SseParser {
                 }
             }
             let rest = &self.buffer[self.position..];
-            let Some(end) = rest.iter().position(|&byte| byte == b'\n' || byte == b'\r') else {
+            let Some(end) = memchr::memchr2(b'\n', b'\r', rest) else {
                 if self.event_bytes + rest.len() > MAX_EVENT_BYTES {
                     return Err(SseError::TooLarge);
                 }

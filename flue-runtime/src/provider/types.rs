@@ -29,6 +29,39 @@ pub struct ModelRequest {
     pub max_output_tokens: Option<u32>,
 }
 
+impl ModelRequest {
+    /// About the size of this request's JSON body, at least its text: the buffer a provider
+    /// serializes the body into starts that large instead of doubling its way up from 128
+    /// bytes (each doubling a reallocation and a copy of everything written so far).
+    pub(crate) fn body_size_hint(&self) -> usize {
+        // About the JSON around one message or call, and around the request's own fields.
+        const PER_ITEM: usize = 48;
+        let messages: usize = self
+            .messages
+            .iter()
+            .map(|message| match message {
+                ModelMessage::User { content, .. } => content.len(),
+                ModelMessage::Assistant { text, tool_calls } => {
+                    text.len()
+                        + tool_calls
+                            .iter()
+                            .map(|call| call.id.len() + call.name.len() + call.arguments.len() + PER_ITEM)
+                            .sum::<usize>()
+                }
+                ModelMessage::Tool {
+                    tool_call_id, content, ..
+                } => tool_call_id.len() + content.len(),
+            } + PER_ITEM)
+            .sum();
+        let tools: usize = self
+            .tools
+            .iter()
+            .map(|tool| tool.name.len() + tool.description.len() + 3 * PER_ITEM)
+            .sum();
+        self.system.as_deref().map_or(0, str::len) + messages + tools + 3 * PER_ITEM
+    }
+}
+
 /// A tool as the model sees it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolSpec {
