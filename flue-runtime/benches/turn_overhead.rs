@@ -427,11 +427,7 @@ async fn bench() {
     )
     .await;
     #[cfg(feature = "postgres")]
-    if let Ok(url) = std::env::var("FLUE_TEST_POSTGRES_URL") {
-        let schema = format!("flue_bench_exchange_{}", std::process::id());
-        let store = flue_runtime::store::PostgresStore::connect_with_schema(&url, &schema)
-            .await
-            .expect("postgres");
+    if let Some(store) = postgres_store("exchange").await {
         scripted_exchange("Postgres store", store, rounds).await;
     }
 
@@ -762,7 +758,20 @@ async fn idle_memory(cached: usize) {
     );
 }
 
-/// Record batches appended per second and admissions per second, memory and SQLite.
+/// A Postgres store in a fresh schema of the database at `FLUE_TEST_POSTGRES_URL`, when set.
+#[cfg(feature = "postgres")]
+async fn postgres_store(section: &str) -> Option<flue_runtime::store::PostgresStore> {
+    let url = std::env::var("FLUE_TEST_POSTGRES_URL").ok()?;
+    let schema = format!("flue_bench_{section}_{}", std::process::id());
+    Some(
+        flue_runtime::store::PostgresStore::connect_with_schema(&url, &schema)
+            .await
+            .expect("postgres"),
+    )
+}
+
+/// Record batches appended per second and admissions per second, memory and SQLite (and
+/// Postgres, when configured).
 async fn store_throughput(sqlite_path: &std::path::Path) {
     use flue_runtime::record::{Record, RecordBody};
     use flue_runtime::store::{Admission, InstanceKey, MemoryStore, SqliteStore, Store, SubmissionKind, UidCondition};
@@ -775,11 +784,7 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
         ),
     ];
     #[cfg(feature = "postgres")]
-    if let Ok(url) = std::env::var("FLUE_TEST_POSTGRES_URL") {
-        let schema = format!("flue_bench_{}", std::process::id());
-        let store = flue_runtime::store::PostgresStore::connect_with_schema(&url, &schema)
-            .await
-            .expect("postgres");
+    if let Some(store) = postgres_store("throughput").await {
         stores.push(("postgres", Box::new(store)));
     }
     for (name, store) in stores {

@@ -174,23 +174,18 @@ impl AnthropicProvider {
                 input_schema: &tool.parameters,
             })
         })?;
-        let mut bytes = Vec::with_capacity(request.body_size_hint());
-        serde_json::to_writer(
-            &mut bytes,
-            &MessagesRequest {
-                model: &request.model,
-                max_tokens,
-                stream: true,
-                system: request.system.as_deref().filter(|s| !s.is_empty()),
-                messages: messages(&request.messages),
-                tools: &tools,
-                thinking: budget.map(|budget_tokens| Thinking {
-                    kind: "enabled",
-                    budget_tokens,
-                }),
-            },
-        )?;
-        Ok(bytes)
+        request.serialize_body(&MessagesRequest {
+            model: &request.model,
+            max_tokens,
+            stream: true,
+            system: request.system.as_deref().filter(|s| !s.is_empty()),
+            messages: messages(&request.messages),
+            tools: &tools,
+            thinking: budget.map(|budget_tokens| Thinking {
+                kind: "enabled",
+                budget_tokens,
+            }),
+        })
     }
 
     /// The JSON body of a call, as a value (tests).

@@ -260,9 +260,7 @@ impl OpenAiProvider {
             reasoning_effort,
             max_completion_tokens: request.max_output_tokens,
         };
-        let mut bytes = Vec::with_capacity(request.body_size_hint());
-        serde_json::to_writer(&mut bytes, &body)?;
-        Ok(bytes)
+        request.serialize_body(&body)
     }
 
     /// The JSON body of a call, as a value (tests).

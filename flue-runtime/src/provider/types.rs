@@ -30,6 +30,14 @@ pub struct ModelRequest {
 }
 
 impl ModelRequest {
+    /// Serializes `body`, a provider's JSON body for this request, into a buffer that starts
+    /// near its size ([`ModelRequest::body_size_hint`]).
+    pub(crate) fn serialize_body(&self, body: &impl Serialize) -> Result<Vec<u8>, serde_json::Error> {
+        let mut bytes = Vec::with_capacity(self.body_size_hint());
+        serde_json::to_writer(&mut bytes, body)?;
+        Ok(bytes)
+    }
+
     /// About the size of this request's JSON body, at least its text: the buffer a provider
     /// serializes the body into starts that large instead of doubling its way up from 128
     /// bytes (each doubling a reallocation and a copy of everything written so far).

@@ -828,6 +828,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     })
 }
 
+/// Starts an attempt of the instance's head, when it is queued (and is `only`, if given).
 async fn claim_next_tx(
     tx: &Transaction<'_>,
     key: &InstanceKey,
