@@ -22,7 +22,9 @@ pub struct MemoryStore {
 struct Inner {
     sequence: u64,
     submissions: HashMap<String, Submission>,
-    instances: BTreeMap<InstanceKey, Instance>,
+    /// Hashed, not ordered: every exchange looks its instance up several times, and a lookup
+    /// in an ordered map compares the key's strings at each level.
+    instances: HashMap<InstanceKey, Instance>,
     /// Attachments by id, with the instance that owns each.
     attachments: HashMap<String, (InstanceKey, StoredAttachment)>,
     /// User values by user, in key order.
@@ -242,7 +244,7 @@ impl Store for MemoryStore {
 
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
         let inner = self.lock();
-        let keys = inner
+        let mut keys = inner
             .instances
             .iter()
             .filter(|(_, instance)| {
@@ -254,7 +256,9 @@ impl Store for MemoryStore {
                 })
             })
             .map(|(key, _)| key.clone())
-            .collect();
+            .collect::<Vec<_>>();
+        // In key order, whatever the map's.
+        keys.sort_unstable();
         ready(Ok(keys))
     }
 
