@@ -860,11 +860,12 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
 
 /// What one durable SQLite commit costs on this machine, before any store logic: a one-row
 /// insert in its own `BEGIN IMMEDIATE` transaction, statements cached, with the store's
-/// pragmas (WAL, `synchronous=NORMAL`). An exchange commits six times (admission, input row,
+/// pragmas (WAL, `synchronous=NORMAL`) and VFS (`unix-excl`: no file-lock calls). An exchange commits six times (admission, input row,
 /// the tool-call step, the tool batch, the final step, settlement), so six of these bound
 /// what the SQLite store can add to an exchange from below.
 fn sqlite_commit_floor(path: &std::path::Path) {
-    let connection = rusqlite::Connection::open(path).expect("sqlite");
+    let connection = rusqlite::Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), c"unix-excl")
+        .expect("sqlite");
     connection
         .execute_batch(
             "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;

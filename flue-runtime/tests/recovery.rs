@@ -62,6 +62,42 @@ fn pause_forever() -> ! {
 struct PausingStore {
     inner: Box<dyn Store>,
     point: Point,
+    dir: PathBuf,
+}
+
+impl PausingStore {
+    /// Pauses for good (printing `READY`) while serving the parent's abort requests: a SQLite
+    /// file belongs to one process, so the paused process itself requests the abort on its store
+    /// (durably, and unseen by the stuck attempt), as its runtime would for an abort call the
+    /// crash overtakes. See [`request_abort`].
+    fn pause(&self) -> ! {
+        println!("\nREADY");
+        loop {
+            if let Ok(agent) = std::fs::read_to_string(self.dir.join("abort_request")) {
+                std::fs::remove_file(self.dir.join("abort_request")).unwrap();
+                let key = InstanceKey::new(agent.trim(), "customer");
+                // Off this thread, which a runtime is blocked on.
+                let aborted = std::thread::scope(|scope| {
+                    scope
+                        .spawn(|| {
+                            tokio::runtime::Builder::new_current_thread()
+                                .enable_all()
+                                .build()
+                                .unwrap()
+                                .block_on(self.inner.request_abort(&key))
+                                .unwrap()
+                                .len()
+                        })
+                        .join()
+                        .unwrap()
+                });
+                let done = self.dir.join("abort_done");
+                std::fs::write(done.with_extension("tmp"), aborted.to_string()).unwrap();
+                std::fs::rename(done.with_extension("tmp"), done).unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 /// The backend: a Postgres schema when `FLUE_RECOVERY_PG` is `url|schema`, else SQLite in `dir`.
@@ -121,7 +157,7 @@ impl Store for PausingStore {
         r: Vec<Record>,
     ) -> BoxFuture<'_, Result<bool, StoreError>> {
         if self.point == Point::Settlement {
-            pause_forever();
+            self.pause();
         }
         self.inner.settle(h, o, e, r)
     }
@@ -145,7 +181,7 @@ impl Store for PausingStore {
             _ => false,
         };
         if pause {
-            pause_forever();
+            self.pause();
         }
         self.inner.append(k, r, a)
     }
@@ -291,6 +327,7 @@ async fn child(mode: &str, dir: &Path) {
     let store = PausingStore {
         inner: open_backend(dir).await,
         point,
+        dir: dir.to_owned(),
     };
     let options = RuntimeOptions {
         lease: Duration::from_millis(400),
@@ -461,8 +498,25 @@ fn recover(dir: &Path, env: &[(&str, &str)]) -> serde_json::Value {
     serde_json::from_str(&line["REPORT ".len()..]).unwrap()
 }
 
-/// Requests an abort of the instance's submissions, durably, as another process would.
+/// Requests an abort of the instance's submissions, durably, while a child is paused; returns
+/// how many submissions it marked. On Postgres another process requests it, as another node
+/// would; a SQLite file is the paused child's alone, so the child requests it on its own store
+/// ([`PausingStore::pause`]).
 fn request_abort(dir: &Path, agent: &str) -> usize {
+    if !dir.join("backend").exists() {
+        let request = dir.join("abort_request");
+        std::fs::write(request.with_extension("tmp"), agent).unwrap();
+        std::fs::rename(request.with_extension("tmp"), request).unwrap();
+        let done = dir.join("abort_done");
+        for _ in 0..6_000 {
+            if let Ok(aborted) = std::fs::read_to_string(&done) {
+                std::fs::remove_file(&done).unwrap();
+                return aborted.parse().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("the paused child did not request the abort within 60 s");
+    }
     let store = backend(dir);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -627,6 +681,21 @@ macro_rules! recovery_suite {
 recovery_suite!(sqlite, false);
 #[cfg(feature = "postgres")]
 recovery_suite!(postgres, true);
+
+/// A SQLite file belongs to the runtime process that opened it: a second process cannot open
+/// the store meanwhile (it would run the same instances beside the first), and says why; once
+/// the first process is gone, the file opens again.
+#[test]
+fn a_second_process_cannot_open_a_sqlite_store_in_use_and_says_why() {
+    let Some(dir) = scratch(false) else { return };
+    crash("crash:settlement", &dir, &[], |dir| {
+        let error = SqliteStore::open(dir.join("flue.db")).err().unwrap();
+        let message = error.to_string();
+        assert!(message.contains("is in use by another process"), "{message}");
+        assert!(message.contains("Postgres"), "{message}");
+    });
+    SqliteStore::open(dir.join("flue.db")).unwrap();
+}
 
 /// Two nodes on one Postgres: the owner of a busy instance is killed; the other takes the
 /// instance over once the lease expires, completes the submission exactly once, and processes

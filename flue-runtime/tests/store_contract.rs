@@ -55,8 +55,14 @@ fn scratch_db() -> std::path::PathBuf {
     scratch::dir("format").join("flue.db")
 }
 
+/// A connection of this test's own to the store's file, beside the store's: through the store's
+/// VFS (`unix-excl`), whose connections share the file within one process.
+fn raw(path: &std::path::Path) -> rusqlite::Connection {
+    rusqlite::Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), c"unix-excl").unwrap()
+}
+
 fn meta(path: &std::path::Path) -> Vec<(String, String)> {
-    let connection = rusqlite::Connection::open(path).unwrap();
+    let connection = raw(path);
     let mut statement = connection
         .prepare("SELECT key, value FROM flue_meta ORDER BY key")
         .unwrap();
@@ -80,7 +86,7 @@ fn stamps_a_fresh_store_with_format_version_1() {
 fn adopts_a_store_stamped_schema_version_8_in_place() {
     let path = scratch_db();
     SqliteStore::open(&path).unwrap();
-    let connection = rusqlite::Connection::open(&path).unwrap();
+    let connection = raw(&path);
     connection
         .execute("UPDATE flue_meta SET key = 'schema_version', value = '8'", [])
         .unwrap();
@@ -93,7 +99,7 @@ fn adopts_a_store_stamped_schema_version_8_in_place() {
 fn rejects_a_store_stamped_schema_version_7_without_adopting_it() {
     let path = scratch_db();
     SqliteStore::open(&path).unwrap();
-    let connection = rusqlite::Connection::open(&path).unwrap();
+    let connection = raw(&path);
     connection
         .execute("UPDATE flue_meta SET key = 'schema_version', value = '7'", [])
         .unwrap();
@@ -111,7 +117,7 @@ fn rejects_a_store_stamped_schema_version_7_without_adopting_it() {
 fn rejects_unstamped_flue_tables() {
     let path = scratch_db();
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let connection = rusqlite::Connection::open(&path).unwrap();
+    let connection = raw(&path);
     connection
         .execute_batch("CREATE TABLE flue_legacy (x INTEGER);")
         .unwrap();
@@ -206,13 +212,13 @@ async fn reopening_an_earlier_layout_keeps_every_row(layout: &str) {
         store.append(&other, vec![state_record(9)].into(), None).await.unwrap();
     }
     // Turn the file into what an earlier build of format 1 wrote.
-    let connection = rusqlite::Connection::open(&path).unwrap();
+    let connection = raw(&path);
     connection.execute_batch(KEYED_BATCHES).unwrap();
     connection.execute_batch(layout).unwrap();
     drop(connection);
 
     let reopened = SqliteStore::open(&path).unwrap();
-    let connection = rusqlite::Connection::open(&path).unwrap();
+    let connection = raw(&path);
     let names = |kind: &str| -> Vec<String> {
         connection
             .prepare("SELECT name FROM sqlite_master WHERE type = ?1 AND name NOT LIKE 'sqlite_%' ORDER BY name")
