@@ -174,18 +174,21 @@ impl AnthropicProvider {
                 input_schema: &tool.parameters,
             })
         })?;
-        request.serialize_body(&MessagesRequest {
-            model: &request.model,
-            max_tokens,
-            stream: true,
-            system: request.system.as_deref().filter(|s| !s.is_empty()),
-            messages: messages(&request.messages),
-            tools: &tools,
-            thinking: budget.map(|budget_tokens| Thinking {
-                kind: "enabled",
-                budget_tokens,
-            }),
-        })
+        request.serialize_body(
+            &MessagesRequest {
+                model: &request.model,
+                max_tokens,
+                stream: true,
+                system: request.system.as_deref().filter(|s| !s.is_empty()),
+                messages: messages(&request.messages),
+                tools: &tools,
+                thinking: budget.map(|budget_tokens| Thinking {
+                    kind: "enabled",
+                    budget_tokens,
+                }),
+            },
+            &tools,
+        )
     }
 
     /// The JSON body of a call, as a value (tests).

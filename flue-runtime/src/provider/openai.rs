@@ -260,7 +260,7 @@ impl OpenAiProvider {
             reasoning_effort,
             max_completion_tokens: request.max_output_tokens,
         };
-        request.serialize_body(&body)
+        request.serialize_body(&body, &tools)
     }
 
     /// The JSON body of a call, as a value (tests).
@@ -702,15 +702,22 @@ mod tests {
                 tool_calls: Vec::new(),
             });
         }
-        for request in [request("gpt-5", ThinkingLevel::Off), long] {
-            let bytes = OpenAiProvider::openai().body_bytes(&request).expect("a body");
-            let hint = request.body_size_hint();
-            // Grown at most once, and not twice the size it needs.
-            assert!(
-                hint * 2 >= bytes.len() && hint <= bytes.len() * 2,
-                "{hint} for {}",
-                bytes.len()
-            );
+        let provider = OpenAiProvider::openai();
+        for (request, grows) in [(request("gpt-5", ThinkingLevel::Off), false), (long, true)] {
+            let bytes = provider.body_bytes(&request).expect("a body");
+            let tools = provider
+                .tools
+                .declarations(&request.tools, |_| unreachable!("encoded by body_bytes"))
+                .expect("cached declarations");
+            let hint = request.body_size_hint(tools.encoded_len());
+            // Not twice the size it needs; a short request never grows (its tools' schemas,
+            // most of its bytes, are counted exactly), a long one at most once.
+            assert!(hint <= bytes.len() * 2, "{hint} for {}", bytes.len());
+            if grows {
+                assert!(hint * 2 >= bytes.len(), "{hint} for {}", bytes.len());
+            } else {
+                assert!(hint >= bytes.len(), "{hint} for {}", bytes.len());
+            }
         }
     }
 

@@ -75,6 +75,11 @@ impl Declarations {
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// The declarations' encoded length in bytes, without the array's brackets and commas.
+    pub(crate) fn encoded_len(&self) -> usize {
+        self.0.iter().map(|json| json.get().len()).sum()
+    }
 }
 
 impl serde::Serialize for Declarations {

@@ -30,18 +30,24 @@ pub struct ModelRequest {
 }
 
 impl ModelRequest {
-    /// Serializes `body`, a provider's JSON body for this request, into a buffer that starts
-    /// near its size ([`ModelRequest::body_size_hint`]).
-    pub(crate) fn serialize_body(&self, body: &impl Serialize) -> Result<Vec<u8>, serde_json::Error> {
-        let mut bytes = Vec::with_capacity(self.body_size_hint());
+    /// Serializes `body`, a provider's JSON body for this request that carries `tools` (its
+    /// encoded declarations of the request's tools), into a buffer that starts near its size
+    /// ([`ModelRequest::body_size_hint`]).
+    pub(crate) fn serialize_body(
+        &self,
+        body: &impl Serialize,
+        tools: &super::tool_json::Declarations,
+    ) -> Result<Vec<u8>, serde_json::Error> {
+        let mut bytes = Vec::with_capacity(self.body_size_hint(tools.encoded_len()));
         serde_json::to_writer(&mut bytes, body)?;
         Ok(bytes)
     }
 
-    /// About the size of this request's JSON body, at least its text: the buffer a provider
-    /// serializes the body into starts that large instead of doubling its way up from 128
-    /// bytes (each doubling a reallocation and a copy of everything written so far).
-    pub(crate) fn body_size_hint(&self) -> usize {
+    /// About the size of this request's JSON body, at least its text, when its tools'
+    /// declarations take `encoded_tools` bytes: the buffer a provider serializes the body into
+    /// starts that large instead of doubling its way up from 128 bytes (each doubling a
+    /// reallocation and a copy of everything written so far).
+    pub(crate) fn body_size_hint(&self, encoded_tools: usize) -> usize {
         // About the JSON around one message or call, and around the request's own fields.
         const PER_ITEM: usize = 48;
         let messages: usize = self
@@ -61,11 +67,8 @@ impl ModelRequest {
                 } => tool_call_id.len() + content.len(),
             } + PER_ITEM)
             .sum();
-        let tools: usize = self
-            .tools
-            .iter()
-            .map(|tool| tool.name.len() + tool.description.len() + 3 * PER_ITEM)
-            .sum();
+        // The declarations, their commas and the field around them.
+        let tools = encoded_tools + self.tools.len() + PER_ITEM;
         self.system.as_deref().map_or(0, str::len) + messages + tools + 3 * PER_ITEM
     }
 }
