@@ -33,6 +33,8 @@ use super::{
 };
 use crate::record::{Batch, Outcome, Record, SettlementError, new_id};
 
+mod vfs;
+
 /// The persisted format this build reads and writes.
 pub const FORMAT_VERSION: &str = "1";
 
@@ -120,16 +122,17 @@ fn note_wal_frames(_wal: &rusqlite::hooks::Wal, frames: std::ffi::c_int) -> rusq
     Ok(())
 }
 
-/// Opens a connection to the file at `path` through SQLite's `unix-excl` VFS: the first lock
-/// any connection takes is an exclusive lock on the file for this process, held until its last
-/// connection closes, and from then on the connections of this process coordinate in memory
-/// (the WAL index lives on the heap, not in a shared `-shm` file). A transaction then makes no
-/// `fcntl` lock calls at all, where the default VFS makes six or seven. Another process cannot
-/// use the file meanwhile: a second runtime on the same database fails to open it (after the
-/// busy timeout) instead of processing its instances beside this one (several nodes share a
-/// Postgres store).
+/// Opens a connection to the file at `path` through SQLite's `unix-excl` VFS (with each
+/// commit's WAL frames written in one call, see [`vfs`]): the first lock any connection takes
+/// is an exclusive lock on the file for this process, held until its last connection closes,
+/// and from then on the connections of this process coordinate in memory (the WAL index lives
+/// on the heap, not in a shared `-shm` file). A transaction then makes no `fcntl` lock calls at
+/// all, where the default VFS makes six or seven. Another process cannot use the file
+/// meanwhile: a second runtime on the same database fails to open it (after the busy timeout)
+/// instead of processing its instances beside this one (several nodes share a Postgres store).
 fn open_exclusive(path: &Path) -> Result<Connection, StoreError> {
-    Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), c"unix-excl").map_err(sql)
+    vfs::register().map_err(StoreError::Other)?;
+    Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), vfs::NAME).map_err(sql)
 }
 
 /// How SQLite reports a lock it could not take within the busy timeout.
