@@ -14,8 +14,9 @@
 //! 4. Resident memory with 10,000 idle instances, all of their conversations cached and with
 //!    the default cache (each in a fresh process).
 //!
-//! Under a profiler, `FLUE_BENCH_PROFILE=http|sqlite|scripted` runs just 20,000 exchanges of
-//! one kind (HTTP on the memory store, scripted on SQLite, scripted on the memory store);
+//! Under a profiler, `FLUE_BENCH_PROFILE=http|http-sqlite|sqlite|scripted` runs just 20,000
+//! exchanges of one kind (HTTP on the memory store, HTTP on SQLite, scripted on SQLite, scripted
+//! on the memory store);
 //! `plain` the baseline alone, `provider` the provider path alone, `store` the stores alone,
 //! `interleaved` the runtime's own work and the provider path alone and then in turn.
 
@@ -372,9 +373,16 @@ async fn bench() {
             return;
         }
         if target.starts_with("http") {
-            // Profiling aid: the HTTP exchange on the memory store, many times.
+            // Profiling aid: the HTTP exchange on the memory store (`http-sqlite`: on SQLite),
+            // many times.
             let addr = start_responder().await;
-            let runtime = http_runtime(&format!("http://{addr}/v1"));
+            let base_url = format!("http://{addr}/v1");
+            let runtime = if target.starts_with("http-sqlite") {
+                let db = scratch_dir().join("profile").join("flue.db");
+                http_runtime_on(&base_url, flue_runtime::store::SqliteStore::open(&db).expect("sqlite"))
+            } else {
+                http_runtime(&base_url)
+            };
             for round in 0..profile_rounds() {
                 runtime
                     .init(&http_agent, format!("p-{round}"))
@@ -860,7 +868,8 @@ async fn store_throughput(sqlite_path: &std::path::Path) {
 
 /// What one durable SQLite commit costs on this machine, before any store logic: a one-row
 /// insert in its own `BEGIN IMMEDIATE` transaction, statements cached, with the store's
-/// pragmas (WAL, `synchronous=NORMAL`) and VFS (`unix-excl`: no file-lock calls). An exchange commits six times (admission, input row,
+/// pragmas (WAL, `synchronous=NORMAL`) and underlying VFS (`unix-excl`: no file-lock calls;
+/// the store's own VFS also writes a commit's WAL frames in one call, this floor's in two). An exchange commits six times (admission, input row,
 /// the tool-call step, the tool batch, the final step, settlement), so six of these bound
 /// what the SQLite store can add to an exchange from below.
 fn sqlite_commit_floor(path: &std::path::Path) {

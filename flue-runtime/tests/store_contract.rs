@@ -299,6 +299,58 @@ async fn reopening_an_earlier_layout_keeps_every_row(layout: &str) {
     assert_eq!(names("index"), ["flue_submissions_unsettled"]);
 }
 
+/// The submissions table before it had the `attempt_id` column the append fence reads.
+const WITHOUT_ATTEMPT_COLUMN: &str = "
+    CREATE TABLE old_submissions (sequence INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE,
+        agent TEXT NOT NULL, instance_id TEXT NOT NULL, status TEXT NOT NULL, owner_id TEXT,
+        lease_until_ms INTEGER NOT NULL DEFAULT 0, data TEXT NOT NULL);
+    INSERT INTO old_submissions SELECT sequence, id, agent, instance_id, status, owner_id,
+        lease_until_ms, data FROM flue_submissions;
+    DROP TABLE flue_submissions;
+    ALTER TABLE old_submissions RENAME TO flue_submissions;
+    CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence)
+        WHERE status <> 'settled';";
+
+#[tokio::test]
+async fn reopening_a_store_without_the_attempt_column_keeps_a_running_attempts_fence() {
+    use flue_runtime::store::{AttemptRef, Claim, InstanceKey, now_ms};
+    // The column missing alone, and the first layout (keyed batches, rowid ledger tables).
+    for layouts in [vec![WITHOUT_ATTEMPT_COLUMN], vec![KEYED_BATCHES, FIRST_LAYOUT]] {
+        let path = scratch_db();
+        let key = InstanceKey::new("assistant", "running");
+        {
+            let store = SqliteStore::open(&path).unwrap();
+            store.admit(admission(&key, "run-1", "hello")).await.unwrap();
+            let claim = Claim {
+                attempt_id: "attempt-1".into(),
+                owner_id: "node".into(),
+                lease_until_ms: now_ms() + 30_000,
+            };
+            assert!(store.claim_next(&key, &claim).await.unwrap().is_some());
+        }
+        let connection = raw(&path);
+        for layout in layouts {
+            connection.execute_batch(layout).unwrap();
+        }
+        drop(connection);
+
+        let reopened = SqliteStore::open(&path).unwrap();
+        let attempt = |id: &str| AttemptRef {
+            submission_id: "run-1".into(),
+            attempt_id: id.into(),
+        };
+        reopened
+            .append(&key, vec![state_record(1)].into(), Some(&attempt("attempt-1")))
+            .await
+            .unwrap();
+        let stale = reopened
+            .append(&key, vec![state_record(2)].into(), Some(&attempt("attempt-0")))
+            .await
+            .unwrap_err();
+        assert!(matches!(stale, StoreError::Fenced(_)), "{stale:?}");
+    }
+}
+
 #[tokio::test]
 async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
     use flue_runtime::store::InstanceKey;

@@ -184,7 +184,8 @@ CREATE TABLE flue_submissions{suffix} (
     status TEXT NOT NULL,
     owner_id TEXT,
     lease_until_ms INTEGER NOT NULL DEFAULT 0,
-    data TEXT NOT NULL
+    data TEXT NOT NULL,
+    attempt_id TEXT
 );
 "
     )
@@ -238,8 +239,9 @@ const UNSETTLED_INDEX: &str = "CREATE INDEX flue_submissions_unsettled ON flue_s
 
 /// Brings a format-1 database of an earlier build to the current layout, in place: drops the
 /// indexes that only slowed writes, rebuilds the instances and submissions tables of the first
-/// layout, and numbers the streams of a layout whose batches were keyed by instance. The rows
-/// are kept unchanged.
+/// layout, gives submissions the `attempt_id` column the append fence reads (filled from each
+/// row's state), and numbers the streams of a layout whose batches were keyed by instance. The
+/// rows are kept unchanged.
 fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
     transaction
         .execute_batch(
@@ -247,8 +249,21 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
         )
         .map_err(sql)?;
     transaction.execute_batch(ATTACHMENT_TABLES).map_err(sql)?;
-    if !table_sql(transaction, "flue_instances")?.contains("WITHOUT ROWID") {
+    let rebuilt = !table_sql(transaction, "flue_instances")?.contains("WITHOUT ROWID");
+    if rebuilt {
         rebuild_ledger(transaction)?;
+    }
+    let attempt_column = table_sql(transaction, "flue_submissions")?.contains("attempt_id");
+    if !attempt_column {
+        transaction
+            .execute_batch("ALTER TABLE flue_submissions ADD COLUMN attempt_id TEXT;")
+            .map_err(sql)?;
+    }
+    if rebuilt || !attempt_column {
+        // The column the append fence reads, from the rows' own state.
+        transaction
+            .execute_batch("UPDATE flue_submissions SET attempt_id = json_extract(data, '$.attempt_id');")
+            .map_err(sql)?;
     }
     if table_sql(transaction, "flue_batches")?.contains("position") {
         return Ok(());
@@ -544,7 +559,7 @@ fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), St
     let data = serde_json::to_string(row).map_err(json_error)?;
     let updated = transaction
         .prepare_cached(
-            "UPDATE flue_submissions SET status = ?2, owner_id = ?3, lease_until_ms = ?4, data = ?5
+            "UPDATE flue_submissions SET status = ?2, owner_id = ?3, lease_until_ms = ?4, data = ?5, attempt_id = ?7
              WHERE sequence = ?1 AND id = ?6",
         )
         .map_err(sql)?
@@ -554,7 +569,8 @@ fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), St
             row.owner_id,
             row.lease_until_ms as i64,
             data,
-            row.id
+            row.id,
+            row.attempt_id
         ])
         .map_err(sql)?;
     if updated == 0 {
@@ -570,8 +586,8 @@ fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), St
 fn insert_submission(transaction: &Connection, row: &Submission, data: String) -> Result<(), StoreError> {
     transaction
         .prepare_cached(
-            "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data, attempt_id)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         )
         .map_err(sql)?
         .execute(params![
@@ -582,7 +598,8 @@ fn insert_submission(transaction: &Connection, row: &Submission, data: String) -
             status_name(row.status),
             row.owner_id,
             row.lease_until_ms as i64,
-            data
+            data,
+            row.attempt_id
         ])
         .map(drop)
         .map_err(sql)
@@ -626,12 +643,13 @@ fn claim_head(transaction: &Connection, key: &InstanceKey, claim: &Claim) -> Res
     Ok(Some(head))
 }
 
-/// Whether `attempt` runs its submission (the fence of a write), read without parsing the row.
+/// Whether `attempt` runs its submission (the fence of a write), read from the row's columns
+/// (parsing its JSON would cost as much as its message is long, at every append).
 fn holds(transaction: &Connection, attempt: &AttemptRef) -> Result<bool, StoreError> {
     transaction
         .prepare_cached(
             "SELECT EXISTS (SELECT 1 FROM flue_submissions
-                 WHERE id = ?1 AND status = 'running' AND json_extract(data, '$.attempt_id') = ?2)",
+                 WHERE id = ?1 AND status = 'running' AND attempt_id = ?2)",
         )
         .map_err(sql)?
         .query_row(params![attempt.submission_id, attempt.attempt_id], |row| row.get(0))
