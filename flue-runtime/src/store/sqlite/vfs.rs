@@ -386,6 +386,30 @@ mod tests {
     }
 
     #[test]
+    fn closing_the_last_connection_checkpoints_and_removes_the_wal() {
+        let dir = scratch("close");
+        let path = dir.join("flue.db");
+        let writer = open(&path);
+        writer
+            .execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+            .unwrap();
+        for id in 1..=20_i64 {
+            writer
+                .execute("INSERT INTO t (id, body) VALUES (?1, 'kept')", [id])
+                .unwrap();
+        }
+        assert!(path.with_extension("db-wal").exists());
+        drop(writer);
+        assert!(!path.with_extension("db-wal").exists(), "the WAL is gone");
+        assert!(
+            !path.with_extension("db-shm").exists(),
+            "no shared-memory file was made"
+        );
+        assert_eq!(count(&open(&path)), 20, "its frames are in the database file");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_large_transaction_with_spilled_and_rewritten_frames_survives_a_crash() {
         let dir = scratch("spill");
         let path = dir.join("flue.db");
