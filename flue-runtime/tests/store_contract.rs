@@ -55,8 +55,8 @@ fn scratch_db() -> std::path::PathBuf {
     scratch::dir("format").join("flue.db")
 }
 
-/// A connection of this test's own to the store's file, beside the store's: through the store's
-/// VFS (`unix-excl`), whose connections share the file within one process.
+/// A connection of this test's own to the store's file, beside the store's: through SQLite's
+/// `unix-excl`, the VFS under the store's, whose connections share the file within one process.
 fn raw(path: &std::path::Path) -> rusqlite::Connection {
     rusqlite::Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), c"unix-excl").unwrap()
 }
@@ -349,6 +349,48 @@ async fn reopening_a_store_without_the_attempt_column_keeps_a_running_attempts_f
             .unwrap_err();
         assert!(matches!(stale, StoreError::Fenced(_)), "{stale:?}");
     }
+}
+
+#[tokio::test]
+async fn reopening_a_store_an_earlier_build_claimed_in_fences_the_attempt_it_recorded() {
+    use flue_runtime::store::{AttemptRef, Claim, InstanceKey, now_ms};
+    let path = scratch_db();
+    let key = InstanceKey::new("assistant", "reclaimed");
+    {
+        let store = SqliteStore::open(&path).unwrap();
+        store.admit(admission(&key, "run-1", "hello")).await.unwrap();
+        let claim = Claim {
+            attempt_id: "attempt-1".into(),
+            owner_id: "node".into(),
+            lease_until_ms: now_ms() + 30_000,
+        };
+        assert!(store.claim_next(&key, &claim).await.unwrap().is_some());
+    }
+    // A build from before the column takes the submission over: it writes the row's state only.
+    let connection = raw(&path);
+    let changed = connection
+        .execute(
+            "UPDATE flue_submissions SET data = json_set(data, '$.attempt_id', 'attempt-2') WHERE id = 'run-1'",
+            [],
+        )
+        .unwrap();
+    assert_eq!(changed, 1);
+    drop(connection);
+
+    let reopened = SqliteStore::open(&path).unwrap();
+    let attempt = |id: &str| AttemptRef {
+        submission_id: "run-1".into(),
+        attempt_id: id.into(),
+    };
+    reopened
+        .append(&key, vec![state_record(1)].into(), Some(&attempt("attempt-2")))
+        .await
+        .unwrap();
+    let stale = reopened
+        .append(&key, vec![state_record(2)].into(), Some(&attempt("attempt-1")))
+        .await
+        .unwrap_err();
+    assert!(matches!(stale, StoreError::Fenced(_)), "{stale:?}");
 }
 
 #[tokio::test]

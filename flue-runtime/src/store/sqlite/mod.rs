@@ -130,6 +130,8 @@ fn note_wal_frames(_wal: &rusqlite::hooks::Wal, frames: std::ffi::c_int) -> rusq
 /// all, where the default VFS makes six or seven. Another process cannot use the file
 /// meanwhile: a second runtime on the same database fails to open it (after the busy timeout)
 /// instead of processing its instances beside this one (several nodes share a Postgres store).
+/// The lock is a POSIX one, held by the process: code in it that opens the database file by
+/// other means and closes it releases the lock (SQLite's own connections do not).
 fn open_exclusive(path: &Path) -> Result<Connection, StoreError> {
     vfs::register().map_err(StoreError::Other)?;
     Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), vfs::NAME).map_err(sql)
@@ -240,7 +242,7 @@ const UNSETTLED_INDEX: &str = "CREATE INDEX flue_submissions_unsettled ON flue_s
 /// Brings a format-1 database of an earlier build to the current layout, in place: drops the
 /// indexes that only slowed writes, rebuilds the instances and submissions tables of the first
 /// layout, gives submissions the `attempt_id` column the append fence reads (filled from each
-/// row's state), and numbers the streams of a layout whose batches were keyed by instance. The
+/// row's state, and refilled for unsettled rows an earlier build may have claimed), and numbers the streams of a layout whose batches were keyed by instance. The
 /// rows are kept unchanged.
 fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
     transaction
@@ -263,6 +265,15 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
         // The column the append fence reads, from the rows' own state.
         transaction
             .execute_batch("UPDATE flue_submissions SET attempt_id = json_extract(data, '$.attempt_id');")
+            .map_err(sql)?;
+    } else {
+        // A build from before the column may have written the file since: it claimed and
+        // settled through the rows' state alone. The unsettled rows' fence follows their state.
+        transaction
+            .execute_batch(
+                "UPDATE flue_submissions SET attempt_id = json_extract(data, '$.attempt_id')
+                 WHERE status <> 'settled' AND attempt_id IS NOT json_extract(data, '$.attempt_id');",
+            )
             .map_err(sql)?;
     }
     if table_sql(transaction, "flue_batches")?.contains("position") {

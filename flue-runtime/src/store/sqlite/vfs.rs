@@ -4,20 +4,32 @@
 //! SQLite writes a WAL frame with two `pwrite` calls, its 24-byte header and then its page, so
 //! a commit of three pages makes six trips through the kernel's page-cache write path (each
 //! header a write of part of a page). This VFS opens every file through `unix-excl` and wraps
-//! the WAL files only. A write that appends at the WAL's end is gathered; the gathered bytes
-//! are written in one call when the commit frame's page arrives (the frame whose header
-//! carries the database size), inside that write, before SQLite publishes the commit. So a
-//! commit that returns has its frames in the file as before, and a failed write fails the
-//! commit as before. Every other access to the WAL through the file (a read, a sync, its size,
-//! a truncation, closing it, a file control, a write that is not an append: a rewritten
-//! checksum, a frame overwritten in place) writes what is gathered first. A write at offset 0
-//! (the header of a WAL that starts over) begins the appends anew. Frames gathered by a
-//! transaction that rolls back are written, or not, as harmlessly as SQLite's own writes of
-//! them would be: they are beyond the last commit and the next transaction overwrites them.
+//! the WAL files only.
+//!
+//! A header that SQLite appends at the WAL's end (a frame's, or the WAL's own at offset 0
+//! when the WAL starts over) begins a gather: it and the appends that follow it are held and
+//! then written in one call when the page of a commit frame (a frame whose header carries the
+//! database size) arrives, inside that page's write, before SQLite publishes the commit. So a
+//! commit that returns has all its frames in the file, as it would without this VFS, and a
+//! failed write fails the commit. A write that is neither a header nor part of a gather (the
+//! page after a header written directly) is written directly, as is every write that is not an
+//! append (a rewritten checksum, a frame overwritten in place), after what is gathered. Every
+//! other access to the WAL (a read, a sync, its size, a truncation, a file control, closing a
+//! handle) writes what is gathered first, and so does a gather that would pass
+//! [`MAX_GATHERED`].
+//!
+//! What is gathered belongs to the file, not to a handle: every handle this process opens on
+//! one WAL shares it (another process cannot open the file). Frames gathered by a transaction
+//! that rolled back are therefore written before any later write to the file, by any
+//! connection, exactly as SQLite's own writes of them would have been: beyond the last commit,
+//! overwritten by the next. A write that fails leaves the bytes gathered; the next access tries
+//! them again, and fails as the disk does.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
-use std::sync::OnceLock;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use rusqlite::ffi;
 
@@ -27,6 +39,9 @@ pub(super) const NAME: &CStr = c"flue-excl";
 /// Gathered appends are written before they would pass this size, commit frame or not (a large
 /// transaction). `unix-excl` writes at most 128 KiB less one byte per call.
 const MAX_GATHERED: usize = 96 * 1024;
+
+/// A WAL frame's header.
+const FRAME_HEADER: usize = 24;
 
 /// Registers the VFS with SQLite (once per process).
 pub(super) fn register() -> Result<(), String> {
@@ -68,19 +83,31 @@ pub(super) fn register() -> Result<(), String> {
 /// [`register`], before any file is opened).
 static TRAILER_OFFSET: AtomicUsize = AtomicUsize::new(0);
 
+/// A WAL file this process has open, by device and inode.
+type FileId = (u64, u64);
+
+/// The WAL files this process has open through this VFS, with what is gathered for each.
+static FILES: Mutex<Vec<(FileId, Arc<Mutex<Gather>>)>> = Mutex::new(Vec::new());
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// What a WAL file handle carries after `unix-excl`'s part.
 struct Trailer {
     /// `unix-excl`'s methods for the file.
     inner: *const ffi::sqlite3_io_methods,
-    /// The gathered appends.
-    gather: *mut Gather,
+    /// The file's gather (a reference counted by [`FILES`]' `Arc`).
+    gather: *const Mutex<Gather>,
+    file: FileId,
 }
 
-/// Appends gathered for one write.
+/// Appends gathered for one WAL file.
 #[derive(Default)]
 struct Gather {
     /// Where the gathered bytes go.
     start: i64,
+    /// Starts with a header; contiguous.
     bytes: Vec<u8>,
     /// Where the next append goes: one past the furthest byte written since the WAL last
     /// started over.
@@ -99,7 +126,8 @@ unsafe extern "C" fn open(
     out_flags: *mut c_int,
 ) -> c_int {
     // SAFETY: `pAppData` is `unix-excl`, set by `register`; SQLite allocated `file` with this
-    // VFS's `szOsFile`, which holds `unix-excl`'s part and then the trailer.
+    // VFS's `szOsFile`, which holds `unix-excl`'s part and then the trailer; `name` is
+    // NUL-terminated (a WAL always has a name).
     unsafe {
         let inner: *mut ffi::sqlite3_vfs = (*vfs).pAppData.cast();
         let Some(inner_open) = (*inner).xOpen else {
@@ -107,20 +135,53 @@ unsafe extern "C" fn open(
         };
         let rc = inner_open(inner, name, file, flags, out_flags);
         let methods = (*file).pMethods;
-        if flags & ffi::SQLITE_OPEN_WAL == 0 || methods.is_null() {
+        if flags & ffi::SQLITE_OPEN_WAL == 0 || methods.is_null() || rc != ffi::SQLITE_OK {
             // Not a WAL, or not opened: `unix-excl`'s handle as it is.
             return rc;
         }
-        let trailer = file
-            .cast::<u8>()
-            .add(TRAILER_OFFSET.load(Ordering::Relaxed))
-            .cast::<Trailer>();
-        trailer.write(Trailer {
+        let path = std::path::Path::new(std::ffi::OsStr::from_bytes(CStr::from_ptr(name).to_bytes()));
+        let Ok(metadata) = std::fs::metadata(path) else {
+            // Every handle on the WAL must share its gather: without the file's identity, no
+            // handle at all.
+            if let Some(close) = (*methods).xClose {
+                close(file);
+            }
+            (*file).pMethods = std::ptr::null();
+            return ffi::SQLITE_CANTOPEN;
+        };
+        let id = (metadata.dev(), metadata.ino());
+        let gather = {
+            let mut files = lock(&FILES);
+            let shared = match files.iter().find(|(file, _)| *file == id) {
+                Some((_, gather)) => Arc::clone(gather),
+                None => {
+                    let gather = Arc::new(Mutex::new(Gather::default()));
+                    files.push((id, Arc::clone(&gather)));
+                    gather
+                }
+            };
+            Arc::into_raw(shared)
+        };
+        trailer_ptr(file).write(Trailer {
             inner: methods,
-            gather: Box::into_raw(Box::default()),
+            gather,
+            file: id,
         });
         (*file).pMethods = &WAL_METHODS;
         rc
+    }
+}
+
+/// Where the trailer of a WAL handle this VFS opened is.
+///
+/// # Safety
+/// `file` is a handle allocated by SQLite for this VFS.
+unsafe fn trailer_ptr(file: *mut ffi::sqlite3_file) -> *mut Trailer {
+    // SAFETY: the caller's promise: the handle has room for the trailer at that offset.
+    unsafe {
+        file.cast::<u8>()
+            .add(TRAILER_OFFSET.load(Ordering::Relaxed))
+            .cast::<Trailer>()
     }
 }
 
@@ -130,35 +191,52 @@ unsafe extern "C" fn open(
 /// `file` is such a handle, open.
 unsafe fn trailer<'a>(file: *mut ffi::sqlite3_file) -> &'a Trailer {
     // SAFETY: the caller's promise: `open` wrote the trailer there.
-    unsafe {
-        &*file
-            .cast::<u8>()
-            .add(TRAILER_OFFSET.load(Ordering::Relaxed))
-            .cast::<Trailer>()
-    }
+    unsafe { &*trailer_ptr(file) }
 }
 
-/// Writes the gathered bytes (in one call); SQLite's result code.
+/// The file's gather, locked.
 ///
 /// # Safety
 /// `file` is a WAL handle of this VFS, open.
-unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: the caller's promise; SQLite uses a handle from one thread at a time.
+unsafe fn gather<'a>(file: *mut ffi::sqlite3_file) -> MutexGuard<'a, Gather> {
+    // SAFETY: the caller's promise; the `Arc` the handle holds keeps the gather alive while it
+    // is open.
+    unsafe { lock(&*trailer(file).gather) }
+}
+
+/// Writes through `unix-excl`'s handle; SQLite's result code.
+///
+/// # Safety
+/// `file` is a WAL handle of this VFS, open; `data` holds `amount` bytes.
+unsafe fn write_through(file: *mut ffi::sqlite3_file, data: *const c_void, amount: c_int, offset: i64) -> c_int {
+    // SAFETY: the caller's promises.
     unsafe {
-        let trailer = trailer(file);
-        let gather = &mut *trailer.gather;
-        if gather.bytes.is_empty() {
-            return ffi::SQLITE_OK;
+        match (*trailer(file).inner).xWrite {
+            Some(write) => write(file, data, amount, offset),
+            None => ffi::SQLITE_IOERR_WRITE,
         }
-        let Ok(amount) = c_int::try_from(gather.bytes.len()) else {
-            return ffi::SQLITE_IOERR_WRITE;
-        };
-        let write = (*trailer.inner).xWrite.expect("unix-excl writes");
-        let rc = write(file, gather.bytes.as_ptr().cast(), amount, gather.start);
+    }
+}
+
+/// Writes the gathered bytes (in one call, through `file`); SQLite's result code. On a failure
+/// they stay gathered.
+///
+/// # Safety
+/// `file` is a WAL handle of this VFS, open, and `gather` its file's.
+unsafe fn flush(file: *mut ffi::sqlite3_file, gather: &mut Gather) -> c_int {
+    if gather.bytes.is_empty() {
+        return ffi::SQLITE_OK;
+    }
+    let Ok(amount) = c_int::try_from(gather.bytes.len()) else {
+        return ffi::SQLITE_IOERR_WRITE;
+    };
+    // SAFETY: the caller's promise; the bytes are `amount` long.
+    let rc = unsafe { write_through(file, gather.bytes.as_ptr().cast(), amount, gather.start) };
+    if rc == ffi::SQLITE_OK {
         gather.bytes.clear();
         gather.commit_page_at = None;
-        rc
     }
+    rc
 }
 
 /// # Safety
@@ -166,45 +244,51 @@ unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
 unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, amount: c_int, offset: i64) -> c_int {
     // SAFETY: SQLite's promises for `xWrite`: `data` holds `amount` bytes; the handle is ours.
     unsafe {
-        let trailer = trailer(file);
-        let gather = &mut *trailer.gather;
-        let bytes = std::slice::from_raw_parts(data.cast::<u8>(), usize::try_from(amount).unwrap_or(0));
+        let mut gather = gather(file);
+        let gather = &mut *gather;
+        let Ok(length) = usize::try_from(amount) else {
+            return ffi::SQLITE_IOERR_WRITE;
+        };
+        let bytes = std::slice::from_raw_parts(data.cast::<u8>(), length);
         if offset == 0 {
             // The WAL starts over: what follows its header are appends again.
-            let rc = flush(file);
+            let rc = flush(file, gather);
             if rc != ffi::SQLITE_OK {
                 return rc;
             }
             gather.end = 0;
         }
-        if offset != gather.end {
-            // Not an append (a checksum rewritten, a frame overwritten in place, a transaction
-            // after a rolled-back one): written now, after what is gathered.
-            let rc = flush(file);
+        // Decided before any flush (which forgets it): this is the page of a commit frame whose
+        // header is gathered.
+        let commit = gather.commit_page_at.take() == Some(offset);
+        let append = offset == gather.end;
+        if !append || (!gather.bytes.is_empty() && gather.bytes.len() + length > MAX_GATHERED) {
+            let rc = flush(file, gather);
             if rc != ffi::SQLITE_OK {
                 return rc;
             }
-            let write = (*trailer.inner).xWrite.expect("unix-excl writes");
-            let rc = write(file, data, amount, offset);
-            gather.end = gather.end.max(offset + i64::from(amount));
-            return rc;
         }
-        if !gather.bytes.is_empty() && gather.bytes.len() + bytes.len() > MAX_GATHERED {
-            let rc = flush(file);
-            if rc != ffi::SQLITE_OK {
-                return rc;
-            }
+        let header = offset == 0 || length == FRAME_HEADER;
+        if !append || (gather.bytes.is_empty() && !header) {
+            // Not an append (a checksum rewritten, a frame overwritten in place, a transaction
+            // after a rolled-back one), or an append with nothing gathered before it that no
+            // header begins (the page of a frame whose header was written directly, the page
+            // after a flush): written now, after what was gathered.
+            gather.end = gather.end.max(offset + i64::from(amount));
+            return write_through(file, data, amount, offset);
         }
         if gather.bytes.is_empty() {
             gather.start = offset;
         }
         gather.bytes.extend_from_slice(bytes);
         gather.end = offset + i64::from(amount);
-        let commit = gather.commit_page_at == Some(offset);
-        // A frame header (24 bytes) with a database size is a commit frame's.
-        gather.commit_page_at = (bytes.len() == 24 && bytes[4..8] != [0; 4]).then_some(offset + 24);
         if commit {
-            return flush(file);
+            return flush(file, gather);
+        }
+        // A frame header with a database size is a commit frame's: its page, next, ends the
+        // gather.
+        if length == FRAME_HEADER && bytes[4..8] != [0; 4] {
+            gather.commit_page_at = Some(gather.end);
         }
         ffi::SQLITE_OK
     }
@@ -219,7 +303,7 @@ macro_rules! flushing {
             // SAFETY: the handle is ours, and SQLite's promises for the method hold for the
             // forwarded call.
             unsafe {
-                let rc = flush(file);
+                let rc = flush(file, &mut gather(file));
                 if rc != ffi::SQLITE_OK {
                     return rc;
                 }
@@ -254,16 +338,16 @@ flushing!(read, xRead, (data: *mut c_void, amount: c_int, offset: i64));
 flushing!(truncate, xTruncate, (size: i64));
 flushing!(sync, xSync, (flags: c_int));
 flushing!(file_size, xFileSize, (size: *mut i64));
-flushing!(lock, xLock, (level: c_int));
-flushing!(unlock, xUnlock, (level: c_int));
+flushing!(lock_file, xLock, (level: c_int));
+flushing!(unlock_file, xUnlock, (level: c_int));
 flushing!(file_control, xFileControl, (op: c_int, argument: *mut c_void));
+flushing!(fetch, xFetch, (offset: i64, amount: c_int, out: *mut *mut c_void));
 forwarding!(check_reserved_lock, xCheckReservedLock, (out: *mut c_int) -> c_int, ffi::SQLITE_IOERR);
 forwarding!(sector_size, xSectorSize, () -> c_int, 4096);
 forwarding!(device_characteristics, xDeviceCharacteristics, () -> c_int, 0);
 forwarding!(shm_map, xShmMap, (page: c_int, size: c_int, extend: c_int, out: *mut *mut c_void) -> c_int, ffi::SQLITE_IOERR);
 forwarding!(shm_lock, xShmLock, (offset: c_int, count: c_int, flags: c_int) -> c_int, ffi::SQLITE_IOERR);
 forwarding!(shm_unmap, xShmUnmap, (delete: c_int) -> c_int, ffi::SQLITE_OK);
-forwarding!(fetch, xFetch, (offset: i64, amount: c_int, out: *mut *mut c_void) -> c_int, ffi::SQLITE_OK);
 forwarding!(unfetch, xUnfetch, (offset: i64, page: *mut c_void) -> c_int, ffi::SQLITE_OK);
 
 /// # Safety
@@ -281,15 +365,21 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
 /// SQLite calls it as a WAL handle's `xClose`, once.
 unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: the handle is ours; after `unix-excl` closed it, nothing uses the trailer again.
+    // The `Arc` released here is the one `open` made for this handle.
     unsafe {
-        let flushed = flush(file);
-        let trailer = trailer(file);
-        let (inner, gather) = (trailer.inner, trailer.gather);
+        let (inner, gather, id) = {
+            let trailer = trailer(file);
+            (trailer.inner, trailer.gather, trailer.file)
+        };
+        let mut files = lock(&FILES);
+        let flushed = flush(file, &mut lock(&*gather));
         let rc = match (*inner).xClose {
             Some(close) => close(file),
             None => ffi::SQLITE_OK,
         };
-        drop(Box::from_raw(gather));
+        drop(Arc::from_raw(gather));
+        // The last handle on the file: its entry goes (the file may be deleted next).
+        files.retain(|(file, gather)| *file != id || Arc::strong_count(gather) > 1);
         if flushed == ffi::SQLITE_OK { rc } else { flushed }
     }
 }
@@ -302,8 +392,8 @@ static WAL_METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
     xTruncate: Some(truncate),
     xSync: Some(sync),
     xFileSize: Some(file_size),
-    xLock: Some(lock),
-    xUnlock: Some(unlock),
+    xLock: Some(lock_file),
+    xUnlock: Some(unlock_file),
     xCheckReservedLock: Some(check_reserved_lock),
     xFileControl: Some(file_control),
     xSectorSize: Some(sector_size),
@@ -349,7 +439,300 @@ mod tests {
         let copy = dir.join("copy.db");
         std::fs::copy(path, &copy).unwrap();
         std::fs::copy(path.with_extension("db-wal"), copy.with_extension("db-wal")).unwrap();
-        open(&copy)
+        // Read through SQLite's own VFS: the copy is judged without this one.
+        Connection::open_with_flags_and_vfs(&copy, OpenFlags::default(), c"unix-excl").unwrap()
+    }
+
+    fn integrity(connection: &Connection) -> String {
+        connection
+            .query_row("PRAGMA integrity_check", [], |row| row.get(0))
+            .unwrap()
+    }
+
+    /// The blobs of rows `1..=last`, in order.
+    fn blobs(connection: &Connection, last: i64) -> rusqlite::Result<Vec<Vec<u8>>> {
+        connection
+            .prepare("SELECT b FROM t WHERE id <= ?1 ORDER BY id")?
+            .query_map([last], |row| row.get(0))?
+            .collect()
+    }
+
+    /// A table of `rows` rows whose blobs of `size` bytes each fill most of a page, so that
+    /// updating rows `1..=n` makes a commit of about `n` frames.
+    fn pages_table(connection: &Connection, rows: i64, size: i64) {
+        connection
+            .execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB NOT NULL); BEGIN")
+            .unwrap();
+        for id in 1..=rows {
+            connection
+                .execute("INSERT INTO t (id, b) VALUES (?1, zeroblob(?2))", [id, size])
+                .unwrap();
+        }
+        connection.execute_batch("COMMIT").unwrap();
+    }
+
+    /// Commits of 1 to `rows` frames: each is whole in the file when it returns, whichever
+    /// frame fills the gather.
+    fn every_commit_size_survives_a_crash(name: &str, page_size: i64, rows: i64) {
+        let dir = scratch(name);
+        let path = dir.join("flue.db");
+        register().unwrap();
+        let writer = Connection::open_with_flags_and_vfs(&path, OpenFlags::default(), NAME).unwrap();
+        // The page size is set before the file is in WAL mode, where it is fixed.
+        writer
+            .execute_batch(&format!(
+                "PRAGMA page_size = {page_size}; PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;
+                 PRAGMA wal_autocheckpoint = 0; PRAGMA cache_size = 4000;"
+            ))
+            .unwrap();
+        let size = page_size * 3 / 4;
+        pages_table(&writer, rows, size);
+        let actual: i64 = writer.query_row("PRAGMA page_size", [], |row| row.get(0)).unwrap();
+        assert_eq!(actual, page_size);
+        for n in 1..=rows {
+            writer
+                .execute("UPDATE t SET b = randomblob(?2) WHERE id <= ?1", [n, size])
+                .unwrap();
+            let copy = crash_copy(&path, &dir);
+            assert_eq!(
+                blobs(&copy, n).ok(),
+                Some(blobs(&writer, n).unwrap()),
+                "a crash right after a commit of {n} rows keeps it (page size {page_size})"
+            );
+        }
+        drop(writer);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_commit_is_whole_after_a_crash_whichever_of_its_frames_fills_the_gather() {
+        every_commit_size_survives_a_crash("sizes", 4096, 80);
+    }
+
+    #[test]
+    fn a_commit_of_large_pages_is_whole_after_a_crash() {
+        every_commit_size_survives_a_crash("large-pages", 65536, 12);
+    }
+
+    #[test]
+    fn the_first_commit_after_reopening_a_crashed_wal_is_seen_and_survives_a_crash() {
+        let dir = scratch("reopen");
+        let crashed = dir.join("crashed.db");
+        {
+            let path = dir.join("flue.db");
+            let writer = open(&path);
+            writer
+                .execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+                .unwrap();
+            for id in 1..=5_i64 {
+                writer
+                    .execute("INSERT INTO t (id, body) VALUES (?1, 'old')", [id])
+                    .unwrap();
+            }
+            // What a killed process leaves: the database and a WAL with frames in it.
+            std::fs::copy(&path, &crashed).unwrap();
+            std::fs::copy(path.with_extension("db-wal"), crashed.with_extension("db-wal")).unwrap();
+        }
+        // The next process opens it and makes one single-frame commit.
+        let writer = open(&crashed);
+        let reader = open(&crashed);
+        assert_eq!(count(&reader), 5);
+        writer.execute("UPDATE t SET body = 'new' WHERE id = 1", []).unwrap();
+        let body = |connection: &Connection| -> rusqlite::Result<String> {
+            connection.query_row("SELECT body FROM t WHERE id = 1", [], |row| row.get(0))
+        };
+        assert_eq!(body(&reader).unwrap(), "new", "another connection sees the commit");
+        assert_eq!(body(&crash_copy(&crashed, &dir)).unwrap(), "new", "a crash keeps it");
+        drop((writer, reader));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn two_connections_writing_in_turn_each_see_the_others_commits() {
+        let dir = scratch("turns");
+        let path = dir.join("flue.db");
+        let a = open(&path);
+        a.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER NOT NULL); INSERT INTO t VALUES (1, 0);")
+            .unwrap();
+        let b = open(&path);
+        for value in 1..=10_i64 {
+            let (writer, reader) = if value % 2 == 0 { (&a, &b) } else { (&b, &a) };
+            writer.execute("UPDATE t SET v = ?1 WHERE id = 1", [value]).unwrap();
+            let seen: i64 = reader
+                .query_row("SELECT v FROM t WHERE id = 1", [], |row| row.get(0))
+                .unwrap();
+            assert_eq!(seen, value);
+        }
+        drop((a, b));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn frames_of_a_rolled_back_transaction_never_overwrite_another_connections_commit() {
+        let dir = scratch("rollback");
+        let path = dir.join("flue.db");
+        let a = open(&path);
+        a.execute_batch(
+            "CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT NOT NULL); INSERT INTO t VALUES (0, 'seed');",
+        )
+        .unwrap();
+        let b = open(&path);
+        // The WAL starts over, so `b` gathers its commit from the WAL's header on.
+        a.query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(())).unwrap();
+        // `a` spills frames of a transaction (held gathered) and rolls it back.
+        a.execute_batch(
+            "PRAGMA cache_size = 20; BEGIN;
+             WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 60)
+             INSERT INTO t SELECT 1000 + x, hex(randomblob(1500)) FROM n;
+             ROLLBACK;",
+        )
+        .unwrap();
+        // `b` commits at the offsets those frames took; then `a` touches the WAL again.
+        b.execute_batch("BEGIN").unwrap();
+        for id in 100..=160_i64 {
+            b.execute(
+                "INSERT INTO t (id, body) VALUES (?1, ?2)",
+                rusqlite::params![id, "b".repeat(1500)],
+            )
+            .unwrap();
+        }
+        b.execute_batch("COMMIT").unwrap();
+        assert_eq!(count(&a), 62);
+        let copy = crash_copy(&path, &dir);
+        assert_eq!(count(&copy), 62, "b's commit is intact in the file");
+        assert_eq!(integrity(&copy), "ok");
+        drop((a, b, copy));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_checkpoint_by_another_connection_copies_the_committed_pages() {
+        let dir = scratch("checkpoint");
+        let path = dir.join("flue.db");
+        let writer = open(&path);
+        pages_table(&writer, 100, 3000);
+        // An older generation of every page in the WAL, checkpointed; the WAL starts over.
+        writer.execute("UPDATE t SET b = zeroblob(3001)", []).unwrap();
+        writer
+            .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+            .unwrap();
+        // A commit of 24 frames over the old ones (the one the gather's size ends), then
+        // another connection checkpoints it into the database file.
+        writer
+            .execute("UPDATE t SET b = randomblob(3000) WHERE id <= 24", [])
+            .unwrap();
+        let expected = blobs(&writer, 24).unwrap();
+        let checkpointer = open(&path);
+        checkpointer
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+            .unwrap();
+        drop((writer, checkpointer));
+        let reopened = open(&path);
+        assert_eq!(blobs(&reopened, 24).unwrap(), expected);
+        assert_eq!(integrity(&reopened), "ok");
+        drop(reopened);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn full_sync_without_powersafe_overwrite_publishes_every_commit() {
+        let dir = scratch("padding");
+        let path = dir.join("flue.db");
+        register().unwrap();
+        // Commits padded with copies of their last frame up to a sector boundary.
+        let writer = Connection::open_with_flags_and_vfs(
+            format!("file:{}?psow=0", path.display()),
+            OpenFlags::default() | OpenFlags::SQLITE_OPEN_URI,
+            NAME,
+        )
+        .unwrap();
+        writer
+            .execute_batch(
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA wal_autocheckpoint = 0;
+                 CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT NOT NULL); INSERT INTO t VALUES (1, 'a');",
+            )
+            .unwrap();
+        let reader = open(&path);
+        for round in 0..20 {
+            let body = format!("v{round}");
+            writer.execute("UPDATE t SET body = ?1 WHERE id = 1", [&body]).unwrap();
+            let seen: String = reader
+                .query_row("SELECT body FROM t WHERE id = 1", [], |row| row.get(0))
+                .unwrap();
+            assert_eq!(seen, body);
+        }
+        drop((writer, reader));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A fixed-seed mix with one writer: transactions of every size, rollbacks after spills,
+    /// checkpoints of every kind from another connection, a WAL size limit. After every commit
+    /// a crash copy and the other connection see what the writer sees.
+    #[test]
+    fn a_mix_of_commits_rollbacks_and_checkpoints_survives_a_crash_after_every_commit() {
+        let dir = scratch("mix");
+        let path = dir.join("flue.db");
+        let writer = open(&path);
+        writer
+            .execute_batch(
+                "PRAGMA journal_size_limit = 200000; PRAGMA cache_size = 30;
+                 CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB NOT NULL)",
+            )
+            .unwrap();
+        let other = open(&path);
+        let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut random = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            i64::try_from(seed % below).unwrap()
+        };
+        let summary = "SELECT COUNT(*), COALESCE(SUM(length(b)), 0), COALESCE(SUM(unicode(b) + 256 * id), 0) FROM t";
+        let read = |connection: &Connection| {
+            connection.query_row(summary, [], |row| {
+                Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
+            })
+        };
+        for step in 0..200 {
+            let rows = 1 + random(60);
+            let size = 100 + random(6000);
+            let rollback = random(6) == 0;
+            writer.execute_batch("BEGIN").unwrap();
+            for _ in 0..rows {
+                writer
+                    .execute(
+                        "INSERT OR REPLACE INTO t (id, b) VALUES (?1, randomblob(?2))",
+                        [1 + random(300), size],
+                    )
+                    .unwrap();
+            }
+            writer
+                .execute_batch(if rollback { "ROLLBACK" } else { "COMMIT" })
+                .unwrap();
+            let checkpoint = match random(10) {
+                0 => Some("PASSIVE"),
+                1 => Some("RESTART"),
+                2 => Some("TRUNCATE"),
+                _ => None,
+            };
+            if let Some(mode) = checkpoint {
+                other
+                    .query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |_| Ok(()))
+                    .unwrap();
+            }
+            let mine = read(&writer).unwrap();
+            assert_eq!(read(&other).ok(), Some(mine), "the other connection at step {step}");
+            if !rollback && path.with_extension("db-wal").exists() {
+                assert_eq!(
+                    read(&crash_copy(&path, &dir)).ok(),
+                    Some(mine),
+                    "a crash at step {step}"
+                );
+            }
+        }
+        assert_eq!(integrity(&writer), "ok");
+        drop((writer, other));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn count(connection: &Connection) -> i64 {
