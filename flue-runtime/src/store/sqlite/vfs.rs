@@ -12,7 +12,8 @@
 //! database size) arrives, inside that page's write, before SQLite publishes the commit. So a
 //! commit that returns has all its frames in the file, as it would without this VFS, and a
 //! failed write fails the commit. A write that is neither a header nor part of a gather (the
-//! page after a header written directly) is written directly, as is every write that is not an
+//! page after a header written directly, the rest of a write SQLite split at a sync) is
+//! written directly, as is every write that is not an
 //! append (a rewritten checksum, a frame overwritten in place), after what is gathered. Every
 //! other access to the WAL (a read, a sync, its size, a truncation, a file control, closing a
 //! handle) writes what is gathered first, and so does a gather that would pass
@@ -114,6 +115,10 @@ struct Gather {
     end: i64,
     /// Where the page of a commit frame whose header was just gathered goes.
     commit_page_at: Option<i64>,
+    /// The file was synced since the last write: SQLite splits a write at a sync point (a
+    /// padded commit under `synchronous=FULL`), and the part after it is no header even when it
+    /// is a header's size.
+    synced: bool,
 }
 
 /// # Safety
@@ -250,6 +255,7 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, am
             return ffi::SQLITE_IOERR_WRITE;
         };
         let bytes = std::slice::from_raw_parts(data.cast::<u8>(), length);
+        let after_sync = std::mem::take(&mut gather.synced);
         if offset == 0 {
             // The WAL starts over: what follows its header are appends again.
             let rc = flush(file, gather);
@@ -268,7 +274,7 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, am
                 return rc;
             }
         }
-        let header = offset == 0 || length == FRAME_HEADER;
+        let header = offset == 0 || (length == FRAME_HEADER && !after_sync);
         if !append || (gather.bytes.is_empty() && !header) {
             // Not an append (a checksum rewritten, a frame overwritten in place, a transaction
             // after a rolled-back one), or an append with nothing gathered before it that no
@@ -283,7 +289,14 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, am
         gather.bytes.extend_from_slice(bytes);
         gather.end = offset + i64::from(amount);
         if commit {
-            return flush(file, gather);
+            let rc = flush(file, gather);
+            if rc != ffi::SQLITE_OK {
+                // The commit failed: like a page SQLite failed to write itself, this one must
+                // never reach the file later (it would complete a commit SQLite rolled back).
+                gather.bytes.truncate(gather.bytes.len() - length);
+                gather.end = offset;
+            }
+            return rc;
         }
         // A frame header with a database size is a commit frame's: its page, next, ends the
         // gather.
@@ -334,9 +347,47 @@ macro_rules! forwarding {
     };
 }
 
-flushing!(read, xRead, (data: *mut c_void, amount: c_int, offset: i64));
+/// # Safety
+/// SQLite calls it as a WAL handle's `xRead`.
+unsafe extern "C" fn read(file: *mut ffi::sqlite3_file, data: *mut c_void, amount: c_int, offset: i64) -> c_int {
+    // SAFETY: the handle is ours, and SQLite's promises for `xRead` hold for the forwarded call.
+    unsafe {
+        {
+            let mut gather = gather(file);
+            let start = gather.start;
+            let rc = flush(file, &mut gather);
+            // What stays gathered after a failed write (a full disk) lies beyond every commit:
+            // a read of anything else goes on, as it would without this VFS.
+            let unwritten = i64::try_from(gather.bytes.len()).unwrap_or(i64::MAX);
+            if rc != ffi::SQLITE_OK && unwritten > 0 && offset < start + unwritten && start < offset + i64::from(amount)
+            {
+                return rc;
+            }
+        }
+        match (*trailer(file).inner).xRead {
+            Some(method) => method(file, data, amount, offset),
+            None => ffi::SQLITE_IOERR_READ,
+        }
+    }
+}
 flushing!(truncate, xTruncate, (size: i64));
-flushing!(sync, xSync, (flags: c_int));
+/// # Safety
+/// SQLite calls it as a WAL handle's `xSync`.
+unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
+    // SAFETY: the handle is ours, and SQLite's promises for `xSync` hold for the forwarded call.
+    unsafe {
+        let mut gather = gather(file);
+        let rc = flush(file, &mut gather);
+        if rc != ffi::SQLITE_OK {
+            return rc;
+        }
+        gather.synced = true;
+        match (*trailer(file).inner).xSync {
+            Some(method) => method(file, flags),
+            None => ffi::SQLITE_IOERR_FSYNC,
+        }
+    }
+}
 flushing!(file_size, xFileSize, (size: *mut i64));
 flushing!(lock_file, xLock, (level: c_int));
 flushing!(unlock_file, xUnlock, (level: c_int));
@@ -662,6 +713,247 @@ mod tests {
             assert_eq!(seen, body);
         }
         drop((writer, reader));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Runs `child` (an ignored test of this module) alone in a process of its own, where it may
+    /// change process-wide limits.
+    fn in_child_process(child: &str) {
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([child, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("FLUE_VFS_CHILD", "1")
+            .status()
+            .unwrap();
+        assert!(status.success(), "{child} failed in its own process");
+    }
+
+    #[test]
+    fn a_full_disk_fails_the_commit_for_good_and_committed_data_stays_readable() {
+        in_child_process("store::sqlite::vfs::tests::full_disk_child");
+    }
+
+    /// The file-size limit stands in for a full disk: a write past it fails (`EFBIG`).
+    #[test]
+    #[ignore = "run in its own process by a_full_disk_fails_the_commit_for_good_and_committed_data_stays_readable"]
+    fn full_disk_child() {
+        #[repr(C)]
+        struct Limit {
+            current: u64,
+            max: u64,
+        }
+        unsafe extern "C" {
+            fn setrlimit(resource: c_int, limit: *const Limit) -> c_int;
+            fn getrlimit(resource: c_int, limit: *mut Limit) -> c_int;
+            fn signal(signal: c_int, handler: usize) -> usize;
+        }
+        const RLIMIT_FSIZE: c_int = 1;
+        const SIGXFSZ: c_int = 25;
+        const SIG_IGN: usize = 1;
+        assert!(
+            std::env::var_os("FLUE_VFS_CHILD").is_some(),
+            "runs in a process of its own"
+        );
+        let limit_file_size = |bytes: Option<u64>| {
+            // SAFETY: plain libc calls on a struct of the C layout; this process runs this test
+            // alone.
+            unsafe {
+                signal(SIGXFSZ, SIG_IGN);
+                let mut limit = Limit { current: 0, max: 0 };
+                assert_eq!(getrlimit(RLIMIT_FSIZE, &mut limit), 0);
+                limit.current = bytes.unwrap_or(limit.max);
+                assert_eq!(setrlimit(RLIMIT_FSIZE, &limit), 0);
+            }
+        };
+        let dir = scratch("full-disk");
+        let path = dir.join("flue.db");
+        let writer = open(&path);
+        writer
+            .execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT); INSERT INTO t VALUES (1, 'committed');")
+            .unwrap();
+        let reader = open(&path);
+        assert_eq!(count(&reader), 1);
+        // Room for the next frame's header and part of its page.
+        let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
+        limit_file_size(Some(wal + 100));
+        let failed = writer.execute("INSERT INTO t VALUES (2, 'failed')", []);
+        assert!(failed.is_err(), "the commit fails on the full disk");
+        // Committed data stays readable while the disk is full, by every connection.
+        let during = (
+            writer.query_row("SELECT COUNT(*) FROM t", [], |row| row.get::<_, i64>(0)),
+            reader.query_row("SELECT COUNT(*) FROM t", [], |row| row.get::<_, i64>(0)),
+        );
+        limit_file_size(None);
+        assert_eq!((during.0.ok(), during.1.ok()), (Some(1), Some(1)));
+        // Space is back: touching the WAL writes nothing that completes the failed commit.
+        assert_eq!(count(&writer), 1);
+        assert_eq!(count(&open(&path)), 1);
+        assert_eq!(
+            count(&crash_copy(&path, &dir)),
+            1,
+            "a crash does not bring the failed commit back"
+        );
+        writer.execute("INSERT INTO t VALUES (2, 'retried')", []).unwrap();
+        assert_eq!(count(&crash_copy(&path, &dir)), 2);
+        drop((writer, reader));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_rest_of_a_write_split_at_a_sync_is_written_before_the_commit_returns() {
+        thread_local!(static FRAMES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+        fn note(_: &rusqlite::hooks::Wal, frames: c_int) -> rusqlite::Result<()> {
+            FRAMES.set(u64::try_from(frames).unwrap());
+            Ok(())
+        }
+        let dir = scratch("sync-split");
+        let path = dir.join("flue.db");
+        register().unwrap();
+        // Full sync without powersafe overwrite pads each commit to a sector boundary and splits
+        // the write that crosses it; with 1 KiB pages the part after the sync is sometimes 24
+        // bytes, a frame header's size.
+        let writer = Connection::open_with_flags_and_vfs(
+            format!("file:{}?psow=0", path.display()),
+            OpenFlags::default() | OpenFlags::SQLITE_OPEN_URI,
+            NAME,
+        )
+        .unwrap();
+        writer
+            .execute_batch(
+                "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
+                 PRAGMA wal_autocheckpoint = 0; CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB);",
+            )
+            .unwrap();
+        writer.wal_hook(Some(note));
+        for id in 1..=600_i64 {
+            writer
+                .execute("INSERT INTO t (id, b) VALUES (?1, randomblob(100))", [id])
+                .unwrap();
+            let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
+            assert_eq!(
+                wal,
+                32 + FRAMES.get() * (1024 + 24),
+                "every frame is in the file after commit {id}"
+            );
+        }
+        drop(writer);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The store's pattern under load: a writer (transactions of every size, rollbacks after
+    /// spills, restart and truncate checkpoints), a thread checkpointing passively and a reader
+    /// thread, each with its own connection. The reader never sees less than the last commit
+    /// that returned, nor a torn snapshot; a crash after any commit keeps it.
+    #[test]
+    fn a_writer_a_checkpointer_and_a_reader_on_threads_lose_and_tear_nothing() {
+        use std::sync::atomic::{AtomicBool, AtomicI64};
+        let dir = scratch("threads");
+        let path = dir.join("flue.db");
+        let writer = open(&path);
+        writer
+            .execute_batch(
+                "PRAGMA cache_size = 40; PRAGMA journal_size_limit = 1000000;
+                 CREATE TABLE t (id INTEGER PRIMARY KEY, k INTEGER NOT NULL, b BLOB NOT NULL);
+                 CREATE INDEX t_k ON t (k);
+                 CREATE TABLE meta (one INTEGER PRIMARY KEY, last INTEGER NOT NULL, total INTEGER NOT NULL);
+                 INSERT INTO meta VALUES (1, 0, 0);",
+            )
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let returned = Arc::new(AtomicI64::new(0));
+        let checkpointer = {
+            let (stop, path) = (Arc::clone(&stop), path.clone());
+            std::thread::spawn(move || {
+                let connection = open(&path);
+                connection.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+                    std::thread::sleep(std::time::Duration::from_micros(300));
+                }
+            })
+        };
+        let reader = {
+            let (stop, path, returned) = (Arc::clone(&stop), path.clone(), Arc::clone(&returned));
+            std::thread::spawn(move || {
+                let connection = open(&path);
+                while !stop.load(Ordering::Relaxed) {
+                    let floor = returned.load(Ordering::SeqCst);
+                    connection.execute_batch("BEGIN").unwrap();
+                    let (last, total): (i64, i64) = connection
+                        .query_row("SELECT last, total FROM meta", [], |row| Ok((row.get(0)?, row.get(1)?)))
+                        .unwrap();
+                    let sum: i64 = connection
+                        .query_row("SELECT COALESCE(SUM(length(b)), 0) FROM t", [], |row| row.get(0))
+                        .unwrap();
+                    connection.execute_batch("COMMIT").unwrap();
+                    assert!(last >= floor, "the reader saw step {last} after step {floor} returned");
+                    assert_eq!(sum, total, "a torn snapshot at step {last}");
+                }
+            })
+        };
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut random = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            i64::try_from(seed % below).unwrap()
+        };
+        let meta = |connection: &Connection| {
+            connection.query_row("SELECT last, total FROM meta", [], |row| {
+                Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?))
+            })
+        };
+        for step in 1..=300_i64 {
+            let (rows, size, rollback) = (1 + random(40), 50 + random(5000), random(8) == 0);
+            writer.execute_batch("BEGIN IMMEDIATE").unwrap();
+            for _ in 0..rows {
+                writer
+                    .execute(
+                        "INSERT OR REPLACE INTO t (id, k, b) VALUES (?1, ?2, randomblob(?3))",
+                        [1 + random(400), random(1000), size],
+                    )
+                    .unwrap();
+            }
+            if random(5) == 0 {
+                writer.execute("DELETE FROM t WHERE id % 7 = ?1", [random(7)]).unwrap();
+            }
+            writer
+                .execute(
+                    "UPDATE meta SET last = ?1, total = (SELECT COALESCE(SUM(length(b)), 0) FROM t)",
+                    [step],
+                )
+                .unwrap();
+            if rollback {
+                writer.execute_batch("ROLLBACK").unwrap();
+                continue;
+            }
+            writer.execute_batch("COMMIT").unwrap();
+            returned.store(step, Ordering::SeqCst);
+            let copy = crash_copy(&path, &dir);
+            assert_eq!(
+                meta(&copy).ok(),
+                Some(meta(&writer).unwrap()),
+                "a crash after step {step}"
+            );
+            if step % 50 == 0 {
+                assert_eq!(integrity(&copy), "ok");
+            }
+            drop(copy);
+            let wal = std::fs::metadata(path.with_extension("db-wal")).map_or(0, |file| file.len());
+            if wal > 600_000 {
+                writer
+                    .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+                    .unwrap();
+            } else if random(40) == 0 {
+                writer
+                    .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+                    .unwrap();
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        checkpointer.join().unwrap();
+        reader.join().unwrap();
+        assert_eq!(integrity(&writer), "ok");
+        drop(writer);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
