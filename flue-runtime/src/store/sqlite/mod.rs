@@ -629,16 +629,35 @@ fn has_unsettled(transaction: &Connection, key: &InstanceKey) -> Result<bool, St
 
 /// The instance's unsettled submissions, in admission order.
 fn unsettled(transaction: &Connection, key: &InstanceKey) -> Result<Vec<Submission>, StoreError> {
-    let mut statement = transaction
-        .prepare_cached(
-            "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence",
-        )
-        .map_err(sql)?;
+    submissions(
+        transaction,
+        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence",
+        params![key.agent, key.id],
+    )
+}
+
+/// The submissions a query of their `data` returns, in its order.
+fn submissions(
+    transaction: &Connection,
+    query: &str,
+    parameters: impl rusqlite::Params,
+) -> Result<Vec<Submission>, StoreError> {
+    let mut statement = transaction.prepare_cached(query).map_err(sql)?;
     let rows = statement
-        .query_map(params![key.agent, key.id], |row| row.get::<_, String>(0))
+        .query_map(parameters, |row| row.get::<_, String>(0))
         .map_err(sql)?;
     rows.map(|data| serde_json::from_str(&data.map_err(sql)?).map_err(json_error))
         .collect()
+}
+
+/// The instance's unsettled submissions other than `id` (a settling host, already read), in
+/// admission order: the host's state is not parsed twice.
+fn unsettled_besides(transaction: &Connection, key: &InstanceKey, id: &str) -> Result<Vec<Submission>, StoreError> {
+    submissions(
+        transaction,
+        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND id <> ?3 ORDER BY sequence",
+        params![key.agent, key.id, id],
+    )
 }
 
 /// Starts an attempt of the instance's head, when it is queued.
@@ -861,13 +880,11 @@ impl Store for SqliteStore {
 
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         ready(self.read_transaction(|tx| {
-            let mut statement = tx
-                .prepare_cached(
-                    "SELECT data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND lease_until_ms > 0 AND lease_until_ms < ?1 ORDER BY sequence",
-                )
-                .map_err(sql)?;
-            let rows = statement.query_map(params![now_ms as i64], |row| row.get::<_, String>(0)).map_err(sql)?;
-            rows.map(|data| serde_json::from_str(&data.map_err(sql)?).map_err(json_error)).collect()
+            submissions(
+                tx,
+                "SELECT data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND lease_until_ms > 0 AND lease_until_ms < ?1 ORDER BY sequence",
+                params![now_ms as i64],
+            )
         }))
     }
 
@@ -982,7 +999,7 @@ impl Store for SqliteStore {
                 append_batch(tx, &host_row.key, &records)?;
             }
             let mut queued = false;
-            for mut row in unsettled(tx, &host_row.key)? {
+            for mut row in unsettled_besides(tx, &host_row.key, &host.submission_id)? {
                 if row.joined_into.as_deref() != Some(host.submission_id.as_str()) {
                     queued |= row.status == SubmissionStatus::Queued;
                     continue;
