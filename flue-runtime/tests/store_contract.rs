@@ -311,61 +311,67 @@ const WITHOUT_ATTEMPT_COLUMN: &str = "
     CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, sequence)
         WHERE status <> 'settled';";
 
+/// Leaves at `path` a store whose submission `run-1` on `key` runs as `attempt-1`.
+async fn leave_a_running_attempt(path: &std::path::Path, key: &flue_runtime::store::InstanceKey) {
+    use flue_runtime::store::{Claim, now_ms};
+    let store = SqliteStore::open(path).unwrap();
+    store.admit(admission(key, "run-1", "hello")).await.unwrap();
+    let claim = Claim {
+        attempt_id: "attempt-1".into(),
+        owner_id: "node".into(),
+        lease_until_ms: now_ms() + 30_000,
+    };
+    assert!(store.claim_next(key, &claim).await.unwrap().is_some());
+}
+
+/// Reopens the store at `path` and checks that `run-1`'s append fence lets `current` append
+/// and fences `stale`.
+async fn assert_the_fence_admits_only(
+    path: &std::path::Path,
+    key: &flue_runtime::store::InstanceKey,
+    current: &str,
+    stale: &str,
+) {
+    use flue_runtime::store::AttemptRef;
+    let reopened = SqliteStore::open(path).unwrap();
+    let attempt = |id: &str| AttemptRef {
+        submission_id: "run-1".into(),
+        attempt_id: id.into(),
+    };
+    reopened
+        .append(key, vec![state_record(1)].into(), Some(&attempt(current)))
+        .await
+        .unwrap();
+    let fenced = reopened
+        .append(key, vec![state_record(2)].into(), Some(&attempt(stale)))
+        .await
+        .unwrap_err();
+    assert!(matches!(fenced, StoreError::Fenced(_)), "{fenced:?}");
+}
+
 #[tokio::test]
 async fn reopening_a_store_without_the_attempt_column_keeps_a_running_attempts_fence() {
-    use flue_runtime::store::{AttemptRef, Claim, InstanceKey, now_ms};
+    use flue_runtime::store::InstanceKey;
     // The column missing alone, and the first layout (keyed batches, rowid ledger tables).
     for layouts in [vec![WITHOUT_ATTEMPT_COLUMN], vec![KEYED_BATCHES, FIRST_LAYOUT]] {
         let path = scratch_db();
         let key = InstanceKey::new("assistant", "running");
-        {
-            let store = SqliteStore::open(&path).unwrap();
-            store.admit(admission(&key, "run-1", "hello")).await.unwrap();
-            let claim = Claim {
-                attempt_id: "attempt-1".into(),
-                owner_id: "node".into(),
-                lease_until_ms: now_ms() + 30_000,
-            };
-            assert!(store.claim_next(&key, &claim).await.unwrap().is_some());
-        }
+        leave_a_running_attempt(&path, &key).await;
         let connection = raw(&path);
         for layout in layouts {
             connection.execute_batch(layout).unwrap();
         }
         drop(connection);
-
-        let reopened = SqliteStore::open(&path).unwrap();
-        let attempt = |id: &str| AttemptRef {
-            submission_id: "run-1".into(),
-            attempt_id: id.into(),
-        };
-        reopened
-            .append(&key, vec![state_record(1)].into(), Some(&attempt("attempt-1")))
-            .await
-            .unwrap();
-        let stale = reopened
-            .append(&key, vec![state_record(2)].into(), Some(&attempt("attempt-0")))
-            .await
-            .unwrap_err();
-        assert!(matches!(stale, StoreError::Fenced(_)), "{stale:?}");
+        assert_the_fence_admits_only(&path, &key, "attempt-1", "attempt-0").await;
     }
 }
 
 #[tokio::test]
 async fn reopening_a_store_an_earlier_build_claimed_in_fences_the_attempt_it_recorded() {
-    use flue_runtime::store::{AttemptRef, Claim, InstanceKey, now_ms};
+    use flue_runtime::store::InstanceKey;
     let path = scratch_db();
     let key = InstanceKey::new("assistant", "reclaimed");
-    {
-        let store = SqliteStore::open(&path).unwrap();
-        store.admit(admission(&key, "run-1", "hello")).await.unwrap();
-        let claim = Claim {
-            attempt_id: "attempt-1".into(),
-            owner_id: "node".into(),
-            lease_until_ms: now_ms() + 30_000,
-        };
-        assert!(store.claim_next(&key, &claim).await.unwrap().is_some());
-    }
+    leave_a_running_attempt(&path, &key).await;
     // A build from before the column takes the submission over: it writes the row's state only.
     let connection = raw(&path);
     let changed = connection
@@ -376,21 +382,7 @@ async fn reopening_a_store_an_earlier_build_claimed_in_fences_the_attempt_it_rec
         .unwrap();
     assert_eq!(changed, 1);
     drop(connection);
-
-    let reopened = SqliteStore::open(&path).unwrap();
-    let attempt = |id: &str| AttemptRef {
-        submission_id: "run-1".into(),
-        attempt_id: id.into(),
-    };
-    reopened
-        .append(&key, vec![state_record(1)].into(), Some(&attempt("attempt-2")))
-        .await
-        .unwrap();
-    let stale = reopened
-        .append(&key, vec![state_record(2)].into(), Some(&attempt("attempt-1")))
-        .await
-        .unwrap_err();
-    assert!(matches!(stale, StoreError::Fenced(_)), "{stale:?}");
+    assert_the_fence_admits_only(&path, &key, "attempt-2", "attempt-1").await;
 }
 
 #[tokio::test]

@@ -494,6 +494,16 @@ mod tests {
         Connection::open_with_flags_and_vfs(&copy, OpenFlags::default(), c"unix-excl").unwrap()
     }
 
+    /// Numbers below the argument, the same for a seed every run (xorshift).
+    fn fixed_random(mut seed: u64) -> impl FnMut(u64) -> i64 {
+        move |below| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            i64::try_from(seed % below).unwrap()
+        }
+    }
+
     fn integrity(connection: &Connection) -> String {
         connection
             .query_row("PRAGMA integrity_check", [], |row| row.get(0))
@@ -890,13 +900,7 @@ mod tests {
                 }
             })
         };
-        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut random = move |below: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            i64::try_from(seed % below).unwrap()
-        };
+        let mut random = fixed_random(0x9E37_79B9_7F4A_7C15);
         let meta = |connection: &Connection| {
             connection.query_row("SELECT last, total FROM meta", [], |row| {
                 Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?))
@@ -972,13 +976,7 @@ mod tests {
             )
             .unwrap();
         let other = open(&path);
-        let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
-        let mut random = move |below: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            i64::try_from(seed % below).unwrap()
-        };
+        let mut random = fixed_random(0x2545_F491_4F6C_DD1D);
         let summary = "SELECT COUNT(*), COALESCE(SUM(length(b)), 0), COALESCE(SUM(unicode(b) + 256 * id), 0) FROM t";
         let read = |connection: &Connection| {
             connection.query_row(summary, [], |row| {
