@@ -466,12 +466,29 @@ mod tests {
 
     use super::*;
 
-    /// A fresh directory of this test's own.
-    fn scratch(name: &str) -> PathBuf {
+    /// A fresh directory of a test's own, removed when dropped (after the connections the test
+    /// made later).
+    struct Scratch(PathBuf);
+
+    impl std::ops::Deref for Scratch {
+        type Target = Path;
+
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn scratch(name: &str) -> Scratch {
         let dir = std::env::temp_dir().join(format!("flue-vfs-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        dir
+        Scratch(dir)
     }
 
     fn open(path: &Path) -> Connection {
@@ -561,8 +578,6 @@ mod tests {
                 "a crash right after a commit of {n} rows keeps it (page size {page_size})"
             );
         }
-        drop(writer);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -604,8 +619,6 @@ mod tests {
         };
         assert_eq!(body(&reader).unwrap(), "new", "another connection sees the commit");
         assert_eq!(body(&crash_copy(&crashed, &dir)).unwrap(), "new", "a crash keeps it");
-        drop((writer, reader));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -624,8 +637,6 @@ mod tests {
                 .unwrap();
             assert_eq!(seen, value);
         }
-        drop((a, b));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -662,8 +673,6 @@ mod tests {
         let copy = crash_copy(&path, &dir);
         assert_eq!(count(&copy), 62, "b's commit is intact in the file");
         assert_eq!(integrity(&copy), "ok");
-        drop((a, b, copy));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -691,8 +700,6 @@ mod tests {
         let reopened = open(&path);
         assert_eq!(blobs(&reopened, 24).unwrap(), expected);
         assert_eq!(integrity(&reopened), "ok");
-        drop(reopened);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -722,8 +729,6 @@ mod tests {
                 .unwrap();
             assert_eq!(seen, body);
         }
-        drop((writer, reader));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Runs `child` (an ignored test of this module) alone in a process of its own, where it may
@@ -804,8 +809,6 @@ mod tests {
         );
         writer.execute("INSERT INTO t VALUES (2, 'retried')", []).unwrap();
         assert_eq!(count(&crash_copy(&path, &dir)), 2);
-        drop((writer, reader));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -845,8 +848,6 @@ mod tests {
                 "every frame is in the file after commit {id}"
             );
         }
-        drop(writer);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// The store's pattern under load: a writer (transactions of every size, rollbacks after
@@ -957,8 +958,6 @@ mod tests {
         checkpointer.join().unwrap();
         reader.join().unwrap();
         assert_eq!(integrity(&writer), "ok");
-        drop(writer);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A fixed-seed mix with one writer: transactions of every size, rollbacks after spills,
@@ -1021,8 +1020,6 @@ mod tests {
             }
         }
         assert_eq!(integrity(&writer), "ok");
-        drop((writer, other));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn count(connection: &Connection) -> i64 {
@@ -1054,8 +1051,6 @@ mod tests {
                 assert_eq!(count(&crash_copy(&path, &dir)), id);
             }
         }
-        drop((writer, reader));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -1079,7 +1074,6 @@ mod tests {
             "no shared-memory file was made"
         );
         assert_eq!(count(&open(&path)), 20, "its frames are in the database file");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -1138,7 +1132,5 @@ mod tests {
             .query_row("PRAGMA integrity_check", [], |row| row.get(0))
             .unwrap();
         assert_eq!(integrity, "ok");
-        drop((writer, recovered));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
