@@ -492,10 +492,49 @@ mod tests {
     }
 
     fn open(path: &Path) -> Connection {
+        open_as(path, Setting::default())
+    }
+
+    /// How a test's connection is set up, beyond the store's own setting.
+    struct Setting {
+        /// The page size of a new database (set before the file is in WAL mode, where it is
+        /// fixed).
+        page_size: Option<i64>,
+        synchronous: &'static str,
+        /// Whether a write may change only part of a sector (`psow`); without it SQLite pads
+        /// each fully synced commit to a sector boundary with copies of its last frame.
+        powersafe_overwrite: bool,
+    }
+
+    impl Default for Setting {
+        fn default() -> Self {
+            Self {
+                page_size: None,
+                synchronous: "NORMAL",
+                powersafe_overwrite: true,
+            }
+        }
+    }
+
+    fn open_as(path: &Path, setting: Setting) -> Connection {
         register().unwrap();
-        let connection = Connection::open_with_flags_and_vfs(path, OpenFlags::default(), NAME).unwrap();
+        let psow = if setting.powersafe_overwrite { 1 } else { 0 };
+        let connection = Connection::open_with_flags_and_vfs(
+            format!("file:{}?psow={psow}", path.display()),
+            OpenFlags::default() | OpenFlags::SQLITE_OPEN_URI,
+            NAME,
+        )
+        .unwrap();
+        if let Some(page_size) = setting.page_size {
+            connection
+                .execute_batch(&format!("PRAGMA page_size = {page_size};"))
+                .unwrap();
+        }
         connection
-            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = 0;")
+            .execute_batch(&format!(
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = {}; PRAGMA wal_autocheckpoint = 0;",
+                setting.synchronous
+            ))
             .unwrap();
         connection
     }
@@ -554,15 +593,14 @@ mod tests {
     fn every_commit_size_survives_a_crash(name: &str, page_size: i64, rows: i64) {
         let dir = scratch(name);
         let path = dir.join("flue.db");
-        register().unwrap();
-        let writer = Connection::open_with_flags_and_vfs(&path, OpenFlags::default(), NAME).unwrap();
-        // The page size is set before the file is in WAL mode, where it is fixed.
-        writer
-            .execute_batch(&format!(
-                "PRAGMA page_size = {page_size}; PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;
-                 PRAGMA wal_autocheckpoint = 0; PRAGMA cache_size = 4000;"
-            ))
-            .unwrap();
+        let writer = open_as(
+            &path,
+            Setting {
+                page_size: Some(page_size),
+                ..Setting::default()
+            },
+        );
+        writer.execute_batch("PRAGMA cache_size = 4000;").unwrap();
         let size = page_size * 3 / 4;
         pages_table(&writer, rows, size);
         let actual: i64 = writer.query_row("PRAGMA page_size", [], |row| row.get(0)).unwrap();
@@ -706,18 +744,18 @@ mod tests {
     fn full_sync_without_powersafe_overwrite_publishes_every_commit() {
         let dir = scratch("padding");
         let path = dir.join("flue.db");
-        register().unwrap();
         // Commits padded with copies of their last frame up to a sector boundary.
-        let writer = Connection::open_with_flags_and_vfs(
-            format!("file:{}?psow=0", path.display()),
-            OpenFlags::default() | OpenFlags::SQLITE_OPEN_URI,
-            NAME,
-        )
-        .unwrap();
+        let writer = open_as(
+            &path,
+            Setting {
+                synchronous: "FULL",
+                powersafe_overwrite: false,
+                ..Setting::default()
+            },
+        );
         writer
             .execute_batch(
-                "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA wal_autocheckpoint = 0;
-                 CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT NOT NULL); INSERT INTO t VALUES (1, 'a');",
+                "CREATE TABLE t (id INTEGER PRIMARY KEY, body TEXT NOT NULL); INSERT INTO t VALUES (1, 'a');",
             )
             .unwrap();
         let reader = open(&path);
@@ -820,21 +858,19 @@ mod tests {
         }
         let dir = scratch("sync-split");
         let path = dir.join("flue.db");
-        register().unwrap();
         // Full sync without powersafe overwrite pads each commit to a sector boundary and splits
         // the write that crosses it; with 1 KiB pages the part after the sync is sometimes 24
         // bytes, a frame header's size.
-        let writer = Connection::open_with_flags_and_vfs(
-            format!("file:{}?psow=0", path.display()),
-            OpenFlags::default() | OpenFlags::SQLITE_OPEN_URI,
-            NAME,
-        )
-        .unwrap();
+        let writer = open_as(
+            &path,
+            Setting {
+                page_size: Some(1024),
+                synchronous: "FULL",
+                powersafe_overwrite: false,
+            },
+        );
         writer
-            .execute_batch(
-                "PRAGMA page_size = 1024; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
-                 PRAGMA wal_autocheckpoint = 0; CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB);",
-            )
+            .execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB);")
             .unwrap();
         writer.wal_hook(Some(note));
         for id in 1..=600_i64 {
