@@ -13,18 +13,20 @@
 //! commit that returns has all its frames in the file, as it would without this VFS, and a
 //! failed write fails the commit. A write that is neither a header nor part of a gather (the
 //! page after a header written directly, the rest of a write SQLite split at a sync) is
-//! written directly, as is every write that is not an
-//! append (a rewritten checksum, a frame overwritten in place), after what is gathered. Every
-//! other access to the WAL (a read, a sync, its size, a truncation, a file control, closing a
-//! handle) writes what is gathered first, and so does a gather that would pass
-//! [`MAX_GATHERED`].
+//! written directly, and so is every write that is not an append (a rewritten checksum, a
+//! frame overwritten in place), after what is gathered. Every other access to the WAL (a read,
+//! a sync, its size, a truncation, a file control, closing a handle) writes what is gathered
+//! first, and so does a gather that would pass [`MAX_GATHERED`].
 //!
 //! What is gathered belongs to the file, not to a handle: every handle this process opens on
 //! one WAL shares it (another process cannot open the file). Frames gathered by a transaction
 //! that rolled back are therefore written before any later write to the file, by any
 //! connection, exactly as SQLite's own writes of them would have been: beyond the last commit,
-//! overwritten by the next. A write that fails leaves the bytes gathered; the next access tries
-//! them again, and fails as the disk does.
+//! overwritten by the next. A write that fails (a full disk) leaves the bytes gathered, and the
+//! next access tries them again, as SQLite's own writes of them would have reached the file,
+//! except the page of the failed commit, which is dropped: like a page SQLite failed to write,
+//! it never completes that commit later. While bytes stay unwritten, a read fails only where it
+//! overlaps them (beyond every commit).
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::os::unix::ffi::OsStrExt;
