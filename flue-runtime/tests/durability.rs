@@ -2,6 +2,8 @@
 //! the attempt; the next attempt resumes from what is durable, as after a crash.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
+mod harness;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -437,19 +439,7 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
     // Another node admitted and claimed the submission, then died: its lease runs out.
     let key = InstanceKey::new("relay", "r-1");
     let admitted = store
-        .admit(Admission {
-            key: key.clone(),
-            submission_id: "sub_dead_node".into(),
-            keyed: false,
-            kind: flue_runtime::store::SubmissionKind::Dispatch,
-            message: DeliveredMessage::user("hello"),
-            initial_data: None,
-            uid: flue_runtime::store::UidCondition::Any,
-            max_attempts: 10,
-            timeout_ms: 3_600_000,
-            claim: None,
-            trace: None,
-        })
+        .admit(harness::admission(&key, "sub_dead_node", "hello"))
         .await
         .unwrap();
     let dead = Claim {

@@ -8,6 +8,7 @@
 #![cfg(unix)]
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
+mod harness;
 mod scratch;
 
 use std::io::{BufRead, BufReader};
@@ -58,20 +59,10 @@ async fn sqlite_crash_child() {
     let store = SqliteStore::open(Path::new(&dir).join("flue.db")).unwrap();
     let key = key();
     if store.instance(&key).await.unwrap().is_none() {
-        let admission = flue_runtime::store::Admission {
-            key: key.clone(),
-            submission_id: "sub_crash".into(),
-            keyed: false,
-            kind: flue_runtime::store::SubmissionKind::Dispatch,
-            message: flue_runtime::message::DeliveredMessage::user("append"),
-            initial_data: None,
-            uid: flue_runtime::store::UidCondition::Any,
-            max_attempts: 10,
-            timeout_ms: 3_600_000,
-            claim: None,
-            trace: None,
-        };
-        store.admit(admission).await.unwrap();
+        store
+            .admit(harness::admission(&key, "sub_crash", "append"))
+            .await
+            .unwrap();
     }
     let mut next = store.read(&key, None).await.unwrap().len() as u64;
     let mut stdout = std::io::stdout();

@@ -3,7 +3,10 @@
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod contract;
+mod harness;
 mod scratch;
+
+use harness::admission;
 
 use std::sync::Arc;
 
@@ -18,24 +21,6 @@ contract::store_contract!(sqlite, || async {
     let dir = scratch::dir("contract");
     Some(Arc::new(SqliteStore::open(dir.join("flue.db")).unwrap()) as Arc<dyn Store>)
 });
-
-/// A plain dispatch of `text` to `key`.
-fn admission(key: &flue_runtime::store::InstanceKey, id: &str, text: &str) -> flue_runtime::store::Admission {
-    use flue_runtime::store::{Admission, SubmissionKind, UidCondition};
-    Admission {
-        key: key.clone(),
-        submission_id: id.into(),
-        keyed: false,
-        kind: SubmissionKind::Dispatch,
-        message: flue_runtime::message::DeliveredMessage::user(text),
-        initial_data: None,
-        uid: UidCondition::Any,
-        max_attempts: 10,
-        timeout_ms: 3_600_000,
-        claim: None,
-        trace: None,
-    }
-}
 
 /// A record that carries nothing in particular.
 fn state_record(i: usize) -> flue_runtime::record::Record {

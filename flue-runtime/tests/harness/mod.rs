@@ -56,3 +56,22 @@ pub fn last_batch_results(request: &ModelRequest) -> Vec<(String, bool)> {
         .unwrap_or(0);
     all[all.len().saturating_sub(calls)..].to_vec()
 }
+
+/// A direct admission of `text` to `key` as submission `id`, with the defaults a dispatch has
+/// (any incarnation, 10 attempts, an hour), claiming nothing.
+pub fn admission(key: &flue_runtime::store::InstanceKey, id: &str, text: &str) -> flue_runtime::store::Admission {
+    use flue_runtime::store::{Admission, SubmissionKind, UidCondition};
+    Admission {
+        key: key.clone(),
+        submission_id: id.into(),
+        keyed: false,
+        kind: SubmissionKind::Dispatch,
+        message: flue_runtime::message::DeliveredMessage::user(text),
+        initial_data: None,
+        uid: UidCondition::Any,
+        max_attempts: 10,
+        timeout_ms: 3_600_000,
+        claim: None,
+        trace: None,
+    }
+}
