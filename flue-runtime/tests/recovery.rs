@@ -5,6 +5,7 @@
 //! durability point, prints `READY`, and the parent kills it there.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
+mod harness;
 mod scratch;
 
 use std::io::{BufRead, BufReader};
@@ -703,8 +704,6 @@ fn a_second_process_cannot_open_a_sqlite_store_in_use_and_says_why() {
 #[cfg(feature = "postgres")]
 #[test]
 fn failover_to_a_second_node_completes_the_submission_once_and_keeps_admission_order() {
-    use flue_runtime::message::DeliveredMessage;
-    use flue_runtime::store::{Admission, SubmissionKind, UidCondition};
     let Some(dir) = scratch(true) else { return };
     // Node A takes the first message and dies holding it.
     let mut owner = spawn("crash:tool_batch_commit", &dir, &[]);
@@ -723,19 +722,7 @@ fn failover_to_a_second_node_completes_the_submission_once_and_keeps_admission_o
     for (index, body) in ["second", "third"].iter().enumerate() {
         let id = format!("sub_failover_{index}");
         runtime
-            .block_on(store.admit(Admission {
-                key: InstanceKey::new("billing", "customer"),
-                submission_id: id.clone(),
-                keyed: false,
-                kind: SubmissionKind::Dispatch,
-                message: DeliveredMessage::user(*body),
-                initial_data: None,
-                uid: UidCondition::Any,
-                max_attempts: 10,
-                timeout_ms: 3_600_000,
-                claim: None,
-                trace: None,
-            }))
+            .block_on(store.admit(harness::admission(&InstanceKey::new("billing", "customer"), &id, body)))
             .unwrap();
         ids.push(id);
     }

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod contract;
+mod harness;
 
 use std::sync::Arc;
 

@@ -122,17 +122,8 @@ fn key(agent: &str, id: &str) -> InstanceKey {
 
 fn admission(id: &str, agent: &str, instance: &str, kind: SubmissionKind, body: &str) -> Admission {
     Admission {
-        key: key(agent, instance),
-        submission_id: id.to_owned(),
-        keyed: false,
         kind,
-        message: DeliveredMessage::user(body),
-        initial_data: None,
-        uid: UidCondition::Any,
-        max_attempts: 10,
-        timeout_ms: 3_600_000,
-        claim: None,
-        trace: None,
+        ..crate::harness::admission(&key(agent, instance), id, body)
     }
 }
 
