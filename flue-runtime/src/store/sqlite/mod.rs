@@ -254,8 +254,9 @@ const UNSETTLED_INDEX: &str = "CREATE INDEX flue_submissions_unsettled ON flue_s
 /// Brings a format-1 database of an earlier build to the current layout, in place: drops the
 /// indexes that only slowed writes, rebuilds the instances and submissions tables of the first
 /// layout, gives submissions the `attempt_id` column the append fence reads (filled from each
-/// row's state, and refilled for unsettled rows an earlier build may have claimed), and numbers the streams of a layout whose batches were keyed by instance. The
-/// rows are kept unchanged.
+/// row's state, and refilled for unsettled rows an earlier build may have claimed), and
+/// numbers the streams of a layout whose batches were keyed by instance. The rows are kept
+/// unchanged.
 fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
     transaction
         .execute_batch(
