@@ -17,7 +17,8 @@
 //! Under a profiler, `FLUE_BENCH_PROFILE=http|http-sqlite|sqlite|scripted` runs just 20,000
 //! exchanges of one kind (HTTP on the memory store, HTTP on SQLite, scripted on SQLite, scripted
 //! on the memory store);
-//! `plain` the baseline alone, `provider` the provider path alone, `store` the stores alone,
+//! `long` one conversation of that many HTTP exchanges; `plain` the baseline alone, `provider`
+//! the provider path alone, `store` the stores alone,
 //! `interleaved` the runtime's own work and the provider path alone and then in turn.
 
 use std::net::SocketAddr;
@@ -372,6 +373,16 @@ async fn bench() {
             interleaved().await;
             return;
         }
+        if target.starts_with("long") {
+            // Profiling aid: one conversation of as many exchanges over HTTP (memory store).
+            let addr = start_responder().await;
+            let runtime = http_runtime(&format!("http://{addr}/v1"));
+            let long = runtime.init(&http_agent, "long");
+            for _ in 0..profile_rounds() {
+                long.send("2+3?").await.expect("exchange");
+            }
+            return;
+        }
         if target.starts_with("http") {
             // Profiling aid: the HTTP exchange on the memory store (`http-sqlite`: on SQLite),
             // many times.
@@ -470,57 +481,36 @@ async fn bench() {
         elapsed.as_secs_f64()
     );
 
-    // 3. Exchange 200 of one conversation next to exchange 1.
+    // 3. Exchange 200 of one conversation next to exchange 1, each next to plain reqwest
+    // replaying that exchange's own two request bodies (recorded by the server): what the
+    // runtime adds at either length, beyond the longer request body itself.
     let long = runtime.init(&http_agent, "long-conversation");
     let mut long_samples = Vec::new();
+    let mut first_bodies = None;
     for _ in 0..200 {
         let started = Instant::now();
         long.send("2+3?").await.expect("exchange");
         long_samples.push(started.elapsed());
+        first_bodies.get_or_insert_with(recorded_bodies);
     }
+    let (first_bodies, last_bodies) = (first_bodies.expect("a first exchange"), recorded_bodies());
     let first = micros(long_samples[0]);
     let last = long_samples[190..].iter().copied().map(micros).sum::<f64>() / 10.0;
-    // The same two calls with plain reqwest, carrying a 199-exchange history: what the
-    // request body alone costs at that length.
-    let call =
-        json!({"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\":2,\"b\":3}"}});
-    let mut history = Vec::new();
-    for _ in 0..199 {
-        history.push(json!({"role": "user", "content": "2+3?"}));
-        history.push(json!({"role": "assistant", "content": null, "tool_calls": [call.clone()]}));
-        history.push(json!({"role": "tool", "tool_call_id": "call_1", "content": "5"}));
-        history.push(json!({"role": "assistant", "content": "2 + 3 = 5"}));
-    }
-    let mut plain_long = Vec::new();
+    let mut replays = [Vec::new(), Vec::new()];
     for _ in 0..10 {
-        let started = Instant::now();
-        for tail in [
-            vec![json!({"role": "user", "content": "2+3?"})],
-            vec![
-                json!({"role": "user", "content": "2+3?"}),
-                json!({"role": "assistant", "content": null, "tool_calls": [call.clone()]}),
-                json!({"role": "tool", "tool_call_id": "call_1", "content": "5"}),
-            ],
-        ] {
-            let mut messages = history.clone();
-            messages.extend(tail);
-            let body = json!({"model": "gpt-bench", "stream": true, "messages": messages});
-            let response = client
-                .post(&url)
-                .bearer_auth("bench")
-                .json(&body)
-                .send()
-                .await
-                .expect("send");
-            std::hint::black_box(response.bytes().await.expect("body"));
+        for (samples, bodies) in replays.iter_mut().zip([&first_bodies, &last_bodies]) {
+            let started = Instant::now();
+            plain_reqwest_exchange(&client, &url, bodies).await;
+            samples.push(started.elapsed());
         }
-        plain_long.push(started.elapsed());
     }
-    let plain_last = micros(median(plain_long));
+    let [plain_first, plain_last] = replays.map(|samples| micros(median(samples)));
     println!(
-        "long conversation (HTTP): exchange 1 {first:.0} µs, exchanges 191-200 {last:.0} µs each ({:.2}x); plain reqwest \
-         carrying the same history {plain_last:.0} µs, so the runtime adds {:.0} µs at exchange 200",
+        "long conversation (HTTP): exchange 1 {first:.0} µs, exchanges 191-200 {last:.0} µs each ({:.2}x); plain \
+         reqwest replaying the same requests {plain_first:.0} µs and {plain_last:.0} µs, so the runtime adds \
+         {:.0} µs at exchange 1 and {:.0} µs at exchange 200",
         last / first,
+        first - plain_first,
         last - plain_last
     );
 
