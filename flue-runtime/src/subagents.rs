@@ -36,7 +36,7 @@ use serde_json::{Map, Value, json};
 
 use crate::events::Event;
 use crate::lifecycle::{HookSet, chain};
-use crate::provider::{ModelMessage, ModelRequest, ToolSpec};
+use crate::provider::{Messages, ModelMessage, ModelRequest, ToolSpec};
 use crate::record::new_id;
 use crate::runtime::RuntimeInner;
 use crate::store::InstanceKey;
@@ -386,7 +386,9 @@ async fn child_session(
     let tools = std::mem::take(&mut rendered.tools);
     let specs: Vec<ToolSpec> = tools.iter().map(ToolSpec::from).collect();
     let max_steps = agent.definition().max_steps.unwrap_or(u32::MAX);
-    let mut messages = vec![ModelMessage::user(args.prompt.clone())];
+    // Shared with each request (a call does not copy the history); the request is gone by the
+    // time the loop adds to it.
+    let mut messages = Messages::from([ModelMessage::user(args.prompt.clone())]);
     let mut last_text = String::new();
     for _ in 0..max_steps {
         let request = ModelRequest {
@@ -399,7 +401,7 @@ async fn child_session(
         };
         let response = crate::provider::complete(&runtime.options, &*provider, request, &delegation.signal).await?;
         last_text.clone_from(&response.text);
-        messages.push(ModelMessage::Assistant {
+        messages.make_mut().push(ModelMessage::Assistant {
             text: response.text.clone(),
             tool_calls: response.tool_calls.clone(),
         });
@@ -424,7 +426,7 @@ async fn child_session(
             return Err("The task was aborted.".into());
         }
         for run in executed {
-            messages.push(ModelMessage::Tool {
+            messages.make_mut().push(ModelMessage::Tool {
                 tool_call_id: run.call.id,
                 name: run.call.name,
                 content: run.output.to_text(),

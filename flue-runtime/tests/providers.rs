@@ -47,7 +47,7 @@ fn request(text: &str) -> ModelRequest {
     ModelRequest {
         model: "fixture-model".to_owned(),
         system: None,
-        messages: vec![ModelMessage::user(text)],
+        messages: vec![ModelMessage::user(text)].into(),
         tools: Vec::new(),
         thinking_level: ThinkingLevel::Off,
         max_output_tokens: None,
@@ -769,7 +769,8 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
                 tool_calls: Vec::new(),
             },
             ModelMessage::user("Thanks"),
-        ],
+        ]
+        .into(),
         tools: vec![ToolSpec {
             name: "get_weather".into(),
             description: "Current weather of a city.".into(),

@@ -723,7 +723,7 @@ mod tests {
         ModelRequest {
             model: "claude".to_owned(),
             system: None,
-            messages,
+            messages: messages.into(),
             tools: Vec::new(),
             thinking_level: level,
             max_output_tokens: max,

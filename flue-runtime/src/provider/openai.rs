@@ -651,7 +651,7 @@ mod tests {
         ModelRequest {
             model: model.to_owned(),
             system: None,
-            messages: vec![ModelMessage::user("hi")],
+            messages: vec![ModelMessage::user("hi")].into(),
             tools: vec![ToolSpec {
                 name: "t".into(),
                 description: "d".into(),
@@ -682,8 +682,8 @@ mod tests {
         let mut long = request("gpt-5", ThinkingLevel::Off);
         long.system = Some("You add numbers with the add tool.".repeat(10));
         for turn in 0..50 {
-            long.messages.push(ModelMessage::user(format!("what is {turn} + 2?")));
-            long.messages.push(ModelMessage::Assistant {
+            long.messages.make_mut().push(ModelMessage::user(format!("what is {turn} + 2?")));
+            long.messages.make_mut().push(ModelMessage::Assistant {
                 text: String::new(),
                 tool_calls: vec![crate::provider::ModelToolCall {
                     id: format!("call_{turn}"),
@@ -691,13 +691,13 @@ mod tests {
                     arguments: format!("{{\"a\":{turn},\"b\":2}}"),
                 }],
             });
-            long.messages.push(ModelMessage::Tool {
+            long.messages.make_mut().push(ModelMessage::Tool {
                 tool_call_id: format!("call_{turn}"),
                 name: "add".into(),
                 content: (turn + 2).to_string(),
                 is_error: false,
             });
-            long.messages.push(ModelMessage::Assistant {
+            long.messages.make_mut().push(ModelMessage::Assistant {
                 text: format!("{turn} + 2 = {}", turn + 2),
                 tool_calls: Vec::new(),
             });
@@ -730,7 +730,8 @@ mod tests {
                 media_type: "image/png".into(),
                 data: "iVBORw0K".into(),
             }],
-        }];
+        }]
+        .into();
         let body = OpenAiProvider::openai().body(&with_image);
         assert_eq!(
             body["messages"][0],

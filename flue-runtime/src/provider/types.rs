@@ -19,8 +19,8 @@ pub struct ModelRequest {
     pub model: String,
     /// The composed system prompt.
     pub system: Option<String>,
-    /// The conversation, oldest first.
-    pub messages: Vec<ModelMessage>,
+    /// The conversation, oldest first (shared with the runtime's copy of it).
+    pub messages: Messages,
     /// The tools the model may call.
     pub tools: Vec<ToolSpec>,
     /// Reasoning effort (already defaulted; providers map it to their own knobs).
@@ -94,6 +94,92 @@ impl From<&flue_core::Tool> for ToolSpec {
             description: tool.definition().description.clone(),
             parameters: tool.input_schema().shared_json(),
         }
+    }
+}
+
+/// A conversation's messages, oldest first: what a [`ModelRequest`] sends.
+///
+/// Cloning one is a reference count, so a request shares the history the runtime keeps rather
+/// than copying every message into every model call (which would make a call cost as much as
+/// the conversation is long, beyond its request body). Read it as a slice; change it with
+/// [`Messages::make_mut`], which copies the messages first only while a request still shares
+/// them.
+#[derive(Clone, Default, PartialEq)]
+pub struct Messages(Arc<Vec<ModelMessage>>);
+
+impl Messages {
+    /// No messages.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The messages, to change (copied first when another clone shares them).
+    pub fn make_mut(&mut self) -> &mut Vec<ModelMessage> {
+        Arc::make_mut(&mut self.0)
+    }
+
+    /// The messages as a vector of their own (copied when another clone shares them).
+    pub fn into_vec(self) -> Vec<ModelMessage> {
+        Arc::unwrap_or_clone(self.0)
+    }
+}
+
+impl std::ops::Deref for Messages {
+    type Target = [ModelMessage];
+
+    fn deref(&self) -> &[ModelMessage] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Messages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl From<Vec<ModelMessage>> for Messages {
+    fn from(messages: Vec<ModelMessage>) -> Self {
+        Self(Arc::new(messages))
+    }
+}
+
+impl<const N: usize> From<[ModelMessage; N]> for Messages {
+    fn from(messages: [ModelMessage; N]) -> Self {
+        Self(Arc::new(messages.into()))
+    }
+}
+
+impl FromIterator<ModelMessage> for Messages {
+    fn from_iter<I: IntoIterator<Item = ModelMessage>>(messages: I) -> Self {
+        Self(Arc::new(messages.into_iter().collect()))
+    }
+}
+
+impl<'a> IntoIterator for &'a Messages {
+    type Item = &'a ModelMessage;
+    type IntoIter = std::slice::Iter<'a, ModelMessage>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl PartialEq<[ModelMessage]> for Messages {
+    fn eq(&self, other: &[ModelMessage]) -> bool {
+        self.0.as_slice() == other
+    }
+}
+
+impl<const N: usize> PartialEq<[ModelMessage; N]> for Messages {
+    fn eq(&self, other: &[ModelMessage; N]) -> bool {
+        self.0.as_slice() == other
+    }
+}
+
+impl PartialEq<Vec<ModelMessage>> for Messages {
+    fn eq(&self, other: &Vec<ModelMessage>) -> bool {
+        *self.0 == *other
     }
 }
 

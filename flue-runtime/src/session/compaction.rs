@@ -85,7 +85,7 @@ impl Response<'_> {
         let request = |model: String| ModelRequest {
             model,
             system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
-            messages: vec![ModelMessage::user(transcript(self.conversation.before(cut)))],
+            messages: vec![ModelMessage::user(transcript(self.conversation.before(cut)))].into(),
             tools: Vec::new(),
             thinking_level: flue_core::model::ThinkingLevel::Low,
             max_output_tokens: Some(4_000),

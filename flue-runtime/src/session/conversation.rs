@@ -9,7 +9,7 @@ use flue_core::metadata::{Metadata, merge_metadata};
 use flue_core::state::StateSnapshot;
 use serde_json::{Map, Value};
 
-use crate::provider::{ModelImage, ModelMessage, ModelToolCall};
+use crate::provider::{Messages, ModelImage, ModelMessage, ModelToolCall};
 use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 
 /// The result text of a tool whose outcome never committed.
@@ -23,7 +23,7 @@ pub(crate) struct Conversation {
     /// When the instance was born (its birth record's timestamp).
     born: Option<Arc<str>>,
     pub(crate) state: StateSnapshot,
-    pub(crate) messages: Vec<ModelMessage>,
+    pub(crate) messages: Messages,
     /// The message rows behind `messages`, one per model message (same index).
     rows: Vec<Row>,
     pub(crate) last_offset: Option<u64>,
@@ -242,7 +242,7 @@ impl Conversation {
     }
 
     fn push(&mut self, message: ModelMessage, row: Row) {
-        self.messages.push(message);
+        self.messages.make_mut().push(message);
         self.rows.push(row);
     }
 
@@ -424,7 +424,7 @@ impl Conversation {
             }
             RecordBody::MessageDeleted { message_id } => {
                 if let Some(index) = self.row_index(message_id) {
-                    self.messages.remove(index);
+                    self.messages.make_mut().remove(index);
                     self.rows.remove(index);
                     if index < self.results_at {
                         self.results_at -= 1;
@@ -459,7 +459,7 @@ impl Conversation {
                 ..
             } => {
                 if let Some(cut) = self.row_index(first_kept_message_id) {
-                    self.messages.drain(..cut);
+                    self.messages.make_mut().drain(..cut);
                     self.rows.drain(..cut);
                     self.image_refs.retain(|(at, _)| *at >= cut);
                     for (at, _) in &mut self.image_refs {
@@ -476,7 +476,7 @@ impl Conversation {
                     row.silent = true;
                     row.metadata
                         .insert("signal_type".to_owned(), Value::String("compaction".to_owned()));
-                    self.messages.insert(0, ModelMessage::user(rendering.render()));
+                    self.messages.make_mut().insert(0, ModelMessage::user(rendering.render()));
                     row.rendered = Some(rendering);
                     self.rows.insert(0, row);
                     self.rebaseline = true;
@@ -494,7 +494,7 @@ impl Conversation {
     /// move after it).
     fn insert_result(&mut self, message: ModelMessage, row: Row) {
         let at = self.results_at.min(self.messages.len());
-        self.messages.insert(at, message);
+        self.messages.make_mut().insert(at, message);
         self.rows.insert(at, row);
         for (index, _) in &mut self.image_refs {
             if *index >= at {
@@ -584,7 +584,7 @@ impl Conversation {
     /// Applies field updates to the row at `index` (unknown fields and ill-typed values were
     /// refused before the record was written; here they are skipped).
     fn update_row(&mut self, index: usize, updates: &Map<String, Value>) {
-        let (row, message) = (&mut self.rows[index], &mut self.messages[index]);
+        let (row, message) = (&mut self.rows[index], &mut self.messages.make_mut()[index]);
         for (field, value) in updates {
             match (field.as_str(), value) {
                 ("content", Value::String(content)) => match &mut row.rendered {
@@ -688,8 +688,12 @@ impl Conversation {
 
     /// The history to send: the folded messages (with their images, once loaded) plus
     /// outcome-unknown results for calls of an interrupted batch.
-    pub(crate) fn model_messages(&self) -> Vec<ModelMessage> {
-        let mut messages = self.messages.clone();
+    pub(crate) fn model_messages(&self) -> Messages {
+        if self.image_refs.is_empty() && self.open_calls.is_empty() && !self.edited {
+            // Nothing to attach, close or drop: the request shares the history as it is.
+            return self.messages.clone();
+        }
+        let mut messages = self.messages.to_vec();
         self.attach_images(&mut messages, Some);
         let at = self.results_at.min(messages.len());
         let mut rest = messages.split_off(at);
@@ -698,7 +702,7 @@ impl Conversation {
         if self.edited {
             drop_orphans(&mut messages);
         }
-        messages
+        messages.into()
     }
 
     fn attach_images(&self, messages: &mut [ModelMessage], position: impl Fn(usize) -> Option<usize>) {
@@ -898,4 +902,86 @@ pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
         }
     }
     reply
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::StopReason;
+
+    fn record(body: RecordBody) -> Record {
+        Record {
+            id: crate::record::new_id("record"),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-12-01T00:00:00.000Z".into(),
+            body,
+        }
+    }
+
+    /// A conversation of `exchanges` questions, each answered in one step.
+    fn answered(exchanges: usize) -> Conversation {
+        let mut conversation = Conversation::default();
+        for (offset, exchange) in (0..exchanges).enumerate() {
+            let records = [
+                RecordBody::UserMessage {
+                    message_id: format!("user-{exchange}"),
+                    body: format!("question {exchange}"),
+                    attachments: Vec::new(),
+                },
+                RecordBody::AssistantMessageStarted {
+                    message_id: format!("assistant-{exchange}"),
+                    model: "scripted/x".into(),
+                    response_metadata: None,
+                },
+                RecordBody::AssistantMessageCompleted {
+                    message_id: format!("assistant-{exchange}"),
+                    text: format!("answer {exchange}"),
+                    stop_reason: StopReason::Stop,
+                    usage: Default::default(),
+                },
+            ];
+            conversation.apply(&Batch {
+                offset: offset as u64,
+                records: records.into_iter().map(record).collect(),
+            });
+        }
+        conversation
+    }
+
+    #[test]
+    fn a_request_shares_the_history_instead_of_copying_it() {
+        let conversation = answered(200);
+        let (first, second) = (conversation.model_messages(), conversation.model_messages());
+        assert_eq!(first.len(), 400);
+        assert!(
+            std::ptr::eq(first.as_ptr(), second.as_ptr()),
+            "both requests read the conversation's one copy"
+        );
+        assert!(std::ptr::eq(first.as_ptr(), conversation.messages.as_ptr()));
+    }
+
+    #[test]
+    fn a_request_keeps_the_history_it_was_made_with_while_the_conversation_moves_on() {
+        let mut conversation = answered(2);
+        let sent = conversation.model_messages();
+        conversation.apply(&Batch {
+            offset: 2,
+            records: [record(RecordBody::UserMessage {
+                message_id: "user-2".into(),
+                body: "question 2".into(),
+                attachments: Vec::new(),
+            })]
+            .into_iter()
+            .collect(),
+        });
+        assert_eq!(sent.len(), 4, "the request in flight is unchanged");
+        assert_eq!(conversation.model_messages().len(), 5);
+        assert_eq!(conversation.model_messages().last(), Some(&ModelMessage::user("question 2")));
+        drop(sent);
+        // Once no request holds it, the history grows in place.
+        let before = conversation.messages.as_ptr();
+        conversation.messages.make_mut().reserve(0);
+        assert!(std::ptr::eq(before, conversation.messages.as_ptr()));
+    }
 }

@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 use super::{Failure, Response};
 use crate::lifecycle::chain::{self, Blocked};
 use crate::lifecycle::{HookSet, llm, outcome_of, tool_result_of};
-use crate::provider::{ModelMessage, StopReason};
+use crate::provider::{Messages, StopReason};
 use crate::record::{Record, RecordBody, now};
 use crate::session::conversation::micros_of;
 use crate::tools::Executed;
@@ -162,7 +162,7 @@ impl Response<'_> {
     pub(super) async fn request(
         &mut self,
         system: Option<String>,
-    ) -> Result<(Option<String>, Vec<ModelMessage>), Blocked> {
+    ) -> Result<(Option<String>, Messages), Blocked> {
         self.fold_thread_writes();
         if self.hooks.is_empty() {
             return Ok((system, self.conversation.model_messages()));
@@ -184,14 +184,15 @@ impl Response<'_> {
                 .filter(|row| row.status != Some(MessageStatus::Pending))
                 .collect();
             let rows = chain::filter_messages(&hooks, &state, rows).await;
-            self.conversation.model_messages_of(&rows)
+            self.conversation.model_messages_of(&rows).into()
         } else {
             self.conversation.model_messages()
         };
         if hooks.has(HookKind::PrefilterLlmHistory) {
             let provider_format = llm::to_llm(system.as_deref(), &messages);
             let dispatched = chain::prefilter_llm_history(&hooks, &state, provider_format).await?;
-            (system, messages) = llm::from_llm(dispatched, &messages);
+            let (prefiltered, history) = llm::from_llm(dispatched, &messages);
+            (system, messages) = (prefiltered, history.into());
         }
         Ok((system, messages))
     }

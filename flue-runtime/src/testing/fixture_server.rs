@@ -30,7 +30,7 @@
 //! let request = ModelRequest {
 //!     model: "fixture-model".into(),
 //!     system: Some("Be brief.".into()),
-//!     messages: vec![ModelMessage::user("Hi")],
+//!     messages: vec![ModelMessage::user("Hi")].into(),
 //!     tools: vec![],
 //!     thinking_level: ThinkingLevel::Off,
 //!     max_output_tokens: None,
