@@ -990,3 +990,61 @@ async fn registering_a_provider_replaces_the_one_with_the_same_id() {
     assert_eq!(server.requests()[0].body["model"], "gpt-4o-mini");
     assert!(registry.get("openai").is_some() && registry.get("mistral").is_none());
 }
+
+// ---- review findings (rev-prov) ----
+
+#[tokio::test]
+async fn review_anthropic_input_plus_max_tokens_overflow_is_context_overflow() {
+    let server = FixtureServer::start().await;
+    // Anthropic's 400 when the prompt fits but prompt + max_tokens does not (common with a
+    // thinking budget, which raises max_tokens).
+    server.push(FixtureReply::anthropic_error(
+        400,
+        "invalid_request_error",
+        "input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length or `max_tokens` and try again",
+    ));
+    let (_, error) = fail(&anthropic(&server), request("long")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{}", error.message);
+}
+
+#[tokio::test]
+async fn review_llama_cpp_context_size_error_is_context_overflow() {
+    let server = FixtureServer::start().await;
+    // llama.cpp server (an OpenAI-compatible target of `openai_compatible`).
+    server.push(FixtureReply::status(
+        400,
+        r#"{"error":{"code":400,"message":"request (9412 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9412,"n_ctx":8192}}"#,
+    ));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_LLAMACPP"), request("long")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{}", error.message);
+}
+
+#[tokio::test]
+async fn review_a_key_straddling_the_quoted_body_snippet_is_not_partly_shown() {
+    let server = FixtureServer::start().await;
+    // A non-JSON error page that echoes the request's Authorization header near its start.
+    let page = format!("{} Authorization: Bearer {KEY}", "x".repeat(261));
+    server.push(FixtureReply::status(400, page));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_SNIPPET"), request("hi")).await;
+    assert!(!error.message.contains(&KEY[..16]), "{}", error.message);
+}
+
+#[tokio::test]
+async fn review_an_openai_stream_cut_after_the_finish_reason_is_not_a_completion_without_usage() {
+    let server = FixtureServer::start().await;
+    // `stream_options.include_usage` was sent: OpenAI streams the usage chunk, then `[DONE]`,
+    // after the finish-reason chunk. This body ends (cleanly) right after the finish reason.
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Hi".into()),
+        OpenAiChunk::Finish("stop".into()),
+    ]));
+    let (events, error) = run(&openai(&server, "FLUE_TEST_KEY_CUT_AFTER_FINISH"), request("hi")).await;
+    let usage = events.iter().find_map(|e| match e {
+        StreamEvent::Completed(response) => Some(response.usage),
+        _ => None,
+    });
+    assert!(
+        error.is_some() || usage.is_some_and(|u| u != Usage::default()),
+        "completed with zero usage: {usage:?}"
+    );
+}
