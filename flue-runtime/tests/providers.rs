@@ -570,6 +570,32 @@ async fn context_overflow_is_recognised_for_both_providers_and_status_413() {
 }
 
 #[tokio::test]
+async fn anthropic_input_plus_max_tokens_over_the_context_limit_is_context_overflow() {
+    let server = FixtureServer::start().await;
+    // Anthropic's 400 when the prompt fits but prompt + max_tokens does not (common with a
+    // thinking budget, which raises max_tokens).
+    server.push(FixtureReply::anthropic_error(
+        400,
+        "invalid_request_error",
+        "input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length or `max_tokens` and try again",
+    ));
+    let (_, error) = fail(&anthropic(&server), request("long")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{}", error.message);
+}
+
+#[tokio::test]
+async fn a_llama_cpp_context_size_error_is_context_overflow() {
+    let server = FixtureServer::start().await;
+    // llama.cpp server (an OpenAI-compatible target of `openai_compatible`).
+    server.push(FixtureReply::status(
+        400,
+        r#"{"error":{"code":400,"message":"request (9412 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9412,"n_ctx":8192}}"#,
+    ));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_LLAMACPP"), request("long")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{}", error.message);
+}
+
+#[tokio::test]
 async fn other_client_errors_are_bad_requests_with_the_provider_message() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_error(
@@ -992,32 +1018,6 @@ async fn registering_a_provider_replaces_the_one_with_the_same_id() {
 }
 
 // ---- review findings (rev-prov) ----
-
-#[tokio::test]
-async fn review_anthropic_input_plus_max_tokens_overflow_is_context_overflow() {
-    let server = FixtureServer::start().await;
-    // Anthropic's 400 when the prompt fits but prompt + max_tokens does not (common with a
-    // thinking budget, which raises max_tokens).
-    server.push(FixtureReply::anthropic_error(
-        400,
-        "invalid_request_error",
-        "input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length or `max_tokens` and try again",
-    ));
-    let (_, error) = fail(&anthropic(&server), request("long")).await;
-    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{}", error.message);
-}
-
-#[tokio::test]
-async fn review_llama_cpp_context_size_error_is_context_overflow() {
-    let server = FixtureServer::start().await;
-    // llama.cpp server (an OpenAI-compatible target of `openai_compatible`).
-    server.push(FixtureReply::status(
-        400,
-        r#"{"error":{"code":400,"message":"request (9412 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9412,"n_ctx":8192}}"#,
-    ));
-    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_LLAMACPP"), request("long")).await;
-    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{}", error.message);
-}
 
 #[tokio::test]
 async fn review_a_key_straddling_the_quoted_body_snippet_is_not_partly_shown() {

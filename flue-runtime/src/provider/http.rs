@@ -507,17 +507,29 @@ impl ErrorDetails {
         self.message.as_deref().unwrap_or_default().to_lowercase()
     }
 
+    /// Whether the error says the request does not fit the model's context window. The phrases
+    /// are the providers' own, kept narrow so that unrelated 400s stay `BadRequest`:
+    /// - OpenAI: code `context_length_exceeded`, "maximum context length is …";
+    /// - Anthropic: "prompt is too long: …", and "input length and `max_tokens` exceed context
+    ///   limit: …" (the prompt fits but prompt + `max_tokens` does not);
+    /// - llama.cpp's server: type `exceed_context_size_error`, "… exceeds the available context
+    ///   size …".
     fn is_context_overflow(&self) -> bool {
         let message = self.message_lower();
-        self.is(&["context_length_exceeded", "context_window_exceeded"])
-            || [
-                "maximum context length",
-                "context_length_exceeded",
-                "prompt is too long",
-                "context window",
-            ]
-            .iter()
-            .any(|needle| message.contains(needle))
+        self.is(&[
+            "context_length_exceeded",
+            "context_window_exceeded",
+            "exceed_context_size_error",
+        ]) || [
+            "maximum context length",
+            "context_length_exceeded",
+            "prompt is too long",
+            "context window",
+            "exceed context limit",
+            "exceeds the available context size",
+        ]
+        .iter()
+        .any(|needle| message.contains(needle))
     }
 
     fn is_unknown_model(&self) -> bool {
@@ -951,6 +963,22 @@ mod tests {
         let anthropic = r#"{"type":"error","error":{"type":"invalid_request_error",
             "message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
         assert_eq!(map(Some(400), anthropic).kind, K::ContextOverflow);
+        let anthropic_max_tokens = r#"{"type":"error","error":{"type":"invalid_request_error",
+            "message":"input length and `max_tokens` exceed context limit: 178959 + 64000 > 200000, decrease input length or `max_tokens` and try again"}}"#;
+        assert_eq!(map(Some(400), anthropic_max_tokens).kind, K::ContextOverflow);
+        let llama_cpp = r#"{"error":{"code":400,"message":"request (9412 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9412,"n_ctx":8192}}"#;
+        assert_eq!(map(Some(400), llama_cpp).kind, K::ContextOverflow);
+        // Either sign alone is enough (the type without the message, the message without it).
+        let llama_type = r#"{"error":{"message":"too many tokens","type":"exceed_context_size_error"}}"#;
+        assert_eq!(map(Some(400), llama_type).kind, K::ContextOverflow);
+        let llama_text = r#"{"error":{"message":"request exceeds the available context size"}}"#;
+        assert_eq!(map(Some(400), llama_text).kind, K::ContextOverflow);
+        // Limits that are not the context window stay bad requests.
+        let output_cap = r#"{"type":"error","error":{"type":"invalid_request_error",
+            "message":"max_tokens: 128000 > 64000, which is the maximum allowed number of output tokens for claude-sonnet-4-5"}}"#;
+        assert_eq!(map(Some(400), output_cap).kind, K::BadRequest);
+        let size = r#"{"error":{"message":"image exceeds 5 MB maximum: 7340032 bytes > 5242880 bytes"}}"#;
+        assert_eq!(map(Some(400), size).kind, K::BadRequest);
         let bad = map(Some(400), r#"{"error":{"message":"tools[0].name is invalid"}}"#);
         assert_eq!((bad.kind.clone(), bad.status), (K::BadRequest, Some(400)));
         assert!(bad.message.contains("tools[0].name is invalid"), "{}", bad.message);
