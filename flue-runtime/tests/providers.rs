@@ -516,6 +516,16 @@ async fn unauthorized_names_the_key_variable_and_never_shows_the_key() {
 }
 
 #[tokio::test]
+async fn a_key_straddling_the_end_of_the_quoted_error_page_is_not_partly_shown() {
+    let server = FixtureServer::start().await;
+    // A non-JSON error page that echoes the request's Authorization header near its start.
+    let page = format!("{} Authorization: Bearer {KEY}", "x".repeat(261));
+    server.push(FixtureReply::status(400, page));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_SNIPPET"), request("hi")).await;
+    assert!(!error.message.contains(&KEY[..16]), "{}", error.message);
+}
+
+#[tokio::test]
 async fn unknown_model_404_maps_to_unknown_model_naming_it() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_error(
@@ -1018,16 +1028,6 @@ async fn registering_a_provider_replaces_the_one_with_the_same_id() {
 }
 
 // ---- review findings (rev-prov) ----
-
-#[tokio::test]
-async fn review_a_key_straddling_the_quoted_body_snippet_is_not_partly_shown() {
-    let server = FixtureServer::start().await;
-    // A non-JSON error page that echoes the request's Authorization header near its start.
-    let page = format!("{} Authorization: Bearer {KEY}", "x".repeat(261));
-    server.push(FixtureReply::status(400, page));
-    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_SNIPPET"), request("hi")).await;
-    assert!(!error.message.contains(&KEY[..16]), "{}", error.message);
-}
 
 #[tokio::test]
 async fn review_an_openai_stream_cut_after_the_finish_reason_is_not_a_completion_without_usage() {

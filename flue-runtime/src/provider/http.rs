@@ -39,6 +39,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_RETRY_WAIT: Duration = Duration::from_secs(30);
 /// How much of a non-JSON error body is quoted in an error message.
 const BODY_SNIPPET_CHARS: usize = 300;
+/// How much of a malformed stream event is quoted in an error message.
+const EVENT_SNIPPET_CHARS: usize = 120;
 
 /// How a provider retries a call that failed before its response started streaming.
 ///
@@ -264,6 +266,12 @@ impl CallContext {
             Some(key) if key.0.len() >= 4 => text.replace(key.expose(), "[redacted]"),
             _ => text.to_owned(),
         }
+    }
+
+    /// At most `max_chars` characters of `text`, redacted. The key is removed before the text
+    /// is cut: cut first, a key straddling the cut would survive in part.
+    pub fn quote(&self, text: &str, max_chars: usize) -> String {
+        self.redact(text).chars().take(max_chars).collect()
     }
 }
 
@@ -562,11 +570,11 @@ pub(crate) fn map_error(
     let said = match &details.message {
         Some(message) if !message.trim().is_empty() => ctx.redact(message.trim()),
         _ => {
-            let snippet: String = raw_body.trim().chars().take(BODY_SNIPPET_CHARS).collect();
+            let snippet = ctx.quote(raw_body.trim(), BODY_SNIPPET_CHARS);
             if snippet.is_empty() {
                 "no details given".to_owned()
             } else {
-                ctx.redact(&snippet)
+                snippet
             }
         }
     };
@@ -620,13 +628,12 @@ pub(crate) fn map_error(
 /// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`.
 pub(crate) fn parse_event_json(ctx: &CallContext, data: &str) -> Result<Value, ProviderError> {
     serde_json::from_str(data).map_err(|error| {
-        let snippet: String = data.chars().take(120).collect();
         ProviderError::new(
             ProviderErrorKind::InvalidResponse,
             format!(
                 "[flue] Provider \"{}\" sent a malformed stream event ({error}): {}",
                 ctx.provider,
-                ctx.redact(&snippet)
+                ctx.quote(data, EVENT_SNIPPET_CHARS)
             ),
         )
     })
@@ -1012,6 +1019,29 @@ mod tests {
             format!("{:?}", ApiKey("sk-very-secret".to_owned())),
             "ApiKey(<redacted>)"
         );
+    }
+
+    #[test]
+    fn a_key_straddling_the_quoted_length_is_removed_before_the_cut() {
+        let key = "sk-very-secret";
+        // Multi-byte text before the key, so the cut also has to fall on a character boundary.
+        for lead in [290, 292, 296] {
+            let body = format!("{}{key} trailing", "é".repeat(lead));
+            let error = map(Some(500), &body);
+            assert!(!error.message.contains("sk-v"), "{lead}: {}", error.message);
+        }
+        for lead in [105, 110, 115] {
+            let data = format!("{{{}{key}", "ü".repeat(lead));
+            let error = parse_event_json(&ctx(), &data)
+                .err()
+                .map(|e| e.message)
+                .unwrap_or_default();
+            assert!(error.contains("malformed stream event"), "{error}");
+            assert!(!error.contains("sk-v"), "{lead}: {error}");
+        }
+        assert_eq!(ctx().quote("ab sk-very-secret cd", 8), "ab [reda");
+        assert_eq!(ctx().quote("ééé", 2), "éé");
+        assert_eq!(ctx().quote("short", 300), "short");
     }
 
     #[test]
