@@ -670,6 +670,47 @@ async fn a_stream_that_stops_midway_is_an_error_not_a_completion() {
 }
 
 #[tokio::test]
+async fn an_openai_stream_cut_between_the_finish_reason_and_the_usage_is_an_error() {
+    let server = FixtureServer::start().await;
+    // `stream_options.include_usage` was sent: OpenAI streams the usage chunk, then `[DONE]`,
+    // after the finish-reason chunk. This body ends (cleanly) right after the finish reason.
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Hi".into()),
+        OpenAiChunk::Finish("stop".into()),
+    ]));
+    // Completing would report zero tokens for a call that used some.
+    let (events, error) = fail(&openai(&server, "FLUE_TEST_KEY_CUT_AFTER_FINISH"), request("hi")).await;
+    assert_eq!(text_deltas(&events), ["Hi"]);
+    assert_eq!(error.kind, ProviderErrorKind::Network);
+    assert!(
+        error.message.contains("the stream ended before the response completed"),
+        "{}",
+        error.message
+    );
+}
+
+#[tokio::test]
+async fn an_openai_stream_ending_after_the_usage_without_done_completes_with_the_usage() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Hi".into()),
+        OpenAiChunk::Finish("stop".into()),
+        OpenAiChunk::Usage(FIXTURE_USAGE),
+    ]));
+    // A compatible server that sends no usage but does end with `[DONE]`.
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Hi".into()),
+        OpenAiChunk::Finish("stop".into()),
+        OpenAiChunk::Done,
+    ]));
+    let provider = openai(&server, "FLUE_TEST_KEY_END_AFTER_USAGE");
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!((response.text.as_str(), response.usage), ("Hi", FIXTURE_USAGE));
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!((response.text.as_str(), response.usage), ("Hi", Usage::default()));
+}
+
+#[tokio::test]
 async fn errors_inside_the_stream_are_mapped() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_chunks([
@@ -1025,26 +1066,4 @@ async fn registering_a_provider_replaces_the_one_with_the_same_id() {
     assert_eq!(response.text, "from the fixture");
     assert_eq!(server.requests()[0].body["model"], "gpt-4o-mini");
     assert!(registry.get("openai").is_some() && registry.get("mistral").is_none());
-}
-
-// ---- review findings (rev-prov) ----
-
-#[tokio::test]
-async fn review_an_openai_stream_cut_after_the_finish_reason_is_not_a_completion_without_usage() {
-    let server = FixtureServer::start().await;
-    // `stream_options.include_usage` was sent: OpenAI streams the usage chunk, then `[DONE]`,
-    // after the finish-reason chunk. This body ends (cleanly) right after the finish reason.
-    server.push(FixtureReply::openai_chunks([
-        OpenAiChunk::Text("Hi".into()),
-        OpenAiChunk::Finish("stop".into()),
-    ]));
-    let (events, error) = run(&openai(&server, "FLUE_TEST_KEY_CUT_AFTER_FINISH"), request("hi")).await;
-    let usage = events.iter().find_map(|e| match e {
-        StreamEvent::Completed(response) => Some(response.usage),
-        _ => None,
-    });
-    assert!(
-        error.is_some() || usage.is_some_and(|u| u != Usage::default()),
-        "completed with zero usage: {usage:?}"
-    );
 }

@@ -31,8 +31,11 @@
 //! then `ToolCallArguments` per fragment (calls may interleave by `index`; events carry the
 //! call's position in this response); `finish_reason` → [`StopReason`] (`stop` after tool calls
 //! counts as `ToolUse`); the usage chunk → `Usage`; `data: [DONE]` (or the body's end after a
-//! finish reason) → one `Completed`. Tool calls with empty arguments complete with `{}`. An
-//! `{"error": …}` chunk, a malformed chunk or a body that ends early fails the stream.
+//! finish reason and the usage chunk) → one `Completed`. Tool calls with empty arguments complete
+//! with `{}`. An `{"error": …}` chunk, a malformed chunk or a body that ends early fails the
+//! stream. A body that ends after the finish reason with neither the usage chunk nor `[DONE]`
+//! ended early too: with `include_usage` the server still had the usage to send, and completing
+//! would report zero tokens. (Servers that send no usage still end with `[DONE]`.)
 
 mod chunk;
 
@@ -436,6 +439,8 @@ struct ChatDecoder {
     slots: HashMap<u64, usize>,
     stop: Option<StopReason>,
     usage: Usage,
+    /// Whether a chunk carried `usage` (with `include_usage`, the last chunk before `[DONE]`).
+    usage_seen: bool,
 }
 
 impl ChatDecoder {
@@ -448,12 +453,14 @@ impl ChatDecoder {
             slots: HashMap::new(),
             stop: None,
             usage: Usage::default(),
+            usage_seen: false,
         }
     }
 
     fn chunk(&mut self, chunk: ChunkView<'_>, out: &mut VecDeque<StreamEvent>) {
         if let Some(usage) = chunk.usage {
             self.usage = usage_of(&usage);
+            self.usage_seen = true;
         }
         let Some(choices) = chunk.choices else { return };
         let Some(choice) = choices.into_iter().find(|c| c.index.unwrap_or(0) == 0) else {
@@ -632,8 +639,9 @@ impl SseDecoder for ChatDecoder {
     }
 
     fn end(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
-        // Without `[DONE]`, a finish reason still means the answer is whole.
-        if self.stop.is_some() {
+        // Without `[DONE]`, the answer is whole once both the finish reason and the usage chunk
+        // (requested with `include_usage`, sent after the finish reason) arrived.
+        if self.stop.is_some() && self.usage_seen {
             self.complete(out)
         } else {
             Err(ended_early(&self.ctx))
@@ -742,6 +750,58 @@ mod tests {
         );
         let plain = OpenAiProvider::openai().body(&request("gpt-5", ThinkingLevel::Off));
         assert_eq!(plain["messages"][0], json!({"role": "user", "content": "hi"}));
+    }
+
+    /// Feeds `chunks` (event data) to a decoder, then ends the body; the completion or the error.
+    fn decode(chunks: &[&str], end: bool) -> Result<Option<ModelResponse>, ProviderErrorKind> {
+        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None));
+        let mut out = VecDeque::new();
+        for data in chunks {
+            let event = Event {
+                data,
+                ..Event::default()
+            };
+            if decoder.event(&event, &mut out).map_err(|e| e.kind)? == Flow::Done {
+                break;
+            }
+        }
+        if end {
+            decoder.end(&mut out).map_err(|e| e.kind)?;
+        }
+        Ok(out.into_iter().find_map(|event| match event {
+            StreamEvent::Completed(response) => Some(response),
+            _ => None,
+        }))
+    }
+
+    #[test]
+    fn the_body_ending_completes_only_after_the_finish_reason_and_the_usage() {
+        let text = r#"{"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
+        let finish = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+        let finish_with_usage = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+        let tokens =
+            |response: Option<ModelResponse>| response.map(|r| (r.text, r.usage.input_tokens, r.usage.output_tokens));
+        let whole = Ok(Some(("Hi".to_owned(), 3, 1)));
+        // `[DONE]` completes, with or without usage (compatible servers may send none).
+        assert_eq!(decode(&[text, finish, usage, "[DONE]"], false).map(tokens), whole);
+        assert_eq!(
+            decode(&[text, finish, "[DONE]"], false).map(tokens),
+            Ok(Some(("Hi".to_owned(), 0, 0)))
+        );
+        // Without `[DONE]`: complete once the usage arrived after (or with) the finish reason…
+        assert_eq!(decode(&[text, finish, usage], true).map(tokens), whole);
+        assert_eq!(decode(&[text, finish_with_usage], true).map(tokens), whole);
+        // …else the body ended early: before the usage, or before the finish reason.
+        assert_eq!(
+            decode(&[text, finish], true).map(tokens),
+            Err(ProviderErrorKind::Network)
+        );
+        assert_eq!(decode(&[text], true).map(tokens), Err(ProviderErrorKind::Network));
+        assert_eq!(
+            decode(&[text, usage], true).map(tokens),
+            Err(ProviderErrorKind::Network)
+        );
     }
 
     #[test]
