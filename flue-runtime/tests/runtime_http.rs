@@ -103,3 +103,55 @@ async fn an_unauthorized_key_fails_the_submission_with_a_clear_error() {
         "the key never reaches an error: {message}"
     );
 }
+
+#[tokio::test]
+async fn a_call_failing_with_server_errors_is_retried_three_times_in_all() {
+    let server = FixtureServer::start().await;
+    for _ in 0..20 {
+        server.push(FixtureReply::status(
+            500,
+            r#"{"error":{"message":"boom","type":"server_error"}}"#,
+        ));
+    }
+    let runtime = runtime(&server);
+    let error = runtime.init(&forecaster, "f-4").send("hi").await.unwrap_err();
+    assert!(matches!(error, RuntimeError::Run { .. }), "{error:?}");
+    // The provider's retries before the response streamed and the turn loop's share one
+    // budget: three retries, four requests.
+    assert_eq!(server.requests().len(), 4);
+}
+
+#[tokio::test]
+async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_truncated("Hello"));
+    server.push(FixtureReply::openai_text("Hello world."));
+    let runtime = runtime(&server);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&forecaster, "f-5").send("hi").await.unwrap();
+    assert_eq!(reply.text, "Hello world.");
+    assert_eq!(server.requests().len(), 2, "the cut stream was retried once");
+    // What an observer assembles, message by message.
+    let mut assistant = Vec::new();
+    let mut open = false;
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            flue_runtime::events::Event::MessageStart { role } if role == "assistant" => {
+                assert!(!open, "a message starts only once the previous one ended");
+                open = true;
+                assistant.push(String::new());
+            }
+            flue_runtime::events::Event::MessageEnd { role } if role == "assistant" => {
+                assert!(open);
+                open = false;
+            }
+            flue_runtime::events::Event::TextDelta { delta } => {
+                assert!(open, "a delta belongs to an open message");
+                assistant.last_mut().unwrap().push_str(&delta);
+            }
+            _ => {}
+        }
+    }
+    assert!(!open);
+    assert_eq!(assistant, ["Hello", "Hello world."]);
+}

@@ -19,7 +19,7 @@ pub(crate) async fn complete(
         match stream_to_end(provider, &request, signal).await {
             Ok(response) => return Ok(response),
             Err(None) => return Err("The call was aborted.".into()),
-            Err(Some(error)) if error.is_retryable() && retries < options.model_retries => {
+            Err(Some(error)) if error.may_retry(retries, options.model_retries) => {
                 retries += 1;
                 let delay = options.model_retry_delay * 2u32.pow(retries - 1);
                 tokio::select! {

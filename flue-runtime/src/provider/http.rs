@@ -377,7 +377,10 @@ pub(crate) async fn send_with_retries(
             ),
         };
         if !error.is_retryable() || retry >= transport.retry.max_retries {
-            return Err(error);
+            return Err(ProviderError {
+                retried: retry,
+                ..error
+            });
         }
         let wait = match error.retry_after {
             Some(asked) => asked.min(MAX_RETRY_WAIT),
@@ -622,6 +625,7 @@ pub(crate) fn map_error(
         message,
         status,
         retry_after,
+        retried: 0,
     }
 }
 

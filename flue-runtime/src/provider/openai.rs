@@ -690,7 +690,9 @@ mod tests {
         let mut long = request("gpt-5", ThinkingLevel::Off);
         long.system = Some("You add numbers with the add tool.".repeat(10));
         for turn in 0..50 {
-            long.messages.make_mut().push(ModelMessage::user(format!("what is {turn} + 2?")));
+            long.messages
+                .make_mut()
+                .push(ModelMessage::user(format!("what is {turn} + 2?")));
             long.messages.make_mut().push(ModelMessage::Assistant {
                 text: String::new(),
                 tool_calls: vec![crate::provider::ModelToolCall {

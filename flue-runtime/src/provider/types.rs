@@ -398,6 +398,12 @@ pub struct ProviderError {
     /// What the provider asked us to wait before retrying.
     #[serde(skip)]
     pub retry_after: Option<Duration>,
+    /// How many times the provider already retried the call before giving up with this
+    /// error (failures before the response streams: 429s, 5xx answers, connection failures).
+    /// The turn loop counts them against its own retry budget, so a call is never retried
+    /// more than that budget in all.
+    #[serde(skip)]
+    pub retried: u32,
 }
 
 impl ProviderError {
@@ -408,7 +414,14 @@ impl ProviderError {
             message: message.into(),
             status: None,
             retry_after: None,
+            retried: 0,
         }
+    }
+
+    /// Whether a caller with `budget` retries in all, `retries` of them spent, may retry this
+    /// failure: it must be retryable, and the provider's own retries count too.
+    pub(crate) fn may_retry(&self, retries: u32, budget: u32) -> bool {
+        self.is_retryable() && retries.saturating_add(self.retried) < budget
     }
 
     /// Whether a retry may succeed (rate limits, server errors, timeouts, network failures).

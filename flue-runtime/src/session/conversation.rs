@@ -476,7 +476,9 @@ impl Conversation {
                     row.silent = true;
                     row.metadata
                         .insert("signal_type".to_owned(), Value::String("compaction".to_owned()));
-                    self.messages.make_mut().insert(0, ModelMessage::user(rendering.render()));
+                    self.messages
+                        .make_mut()
+                        .insert(0, ModelMessage::user(rendering.render()));
                     row.rendered = Some(rendering);
                     self.rows.insert(0, row);
                     self.rebaseline = true;
@@ -977,7 +979,10 @@ mod tests {
         });
         assert_eq!(sent.len(), 4, "the request in flight is unchanged");
         assert_eq!(conversation.model_messages().len(), 5);
-        assert_eq!(conversation.model_messages().last(), Some(&ModelMessage::user("question 2")));
+        assert_eq!(
+            conversation.model_messages().last(),
+            Some(&ModelMessage::user("question 2"))
+        );
         drop(sent);
         // Once no request holds it, the history grows in place.
         let before = conversation.messages.as_ptr();

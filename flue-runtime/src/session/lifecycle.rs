@@ -159,10 +159,7 @@ impl Response<'_> {
     /// The request of a model step: the system message after `after_system_message`, the
     /// history after `filter_messages` (pending rows excluded, stored rows untouched, orphan
     /// calls and results dropped), then `prefilter_llm_history` on the provider format.
-    pub(super) async fn request(
-        &mut self,
-        system: Option<String>,
-    ) -> Result<(Option<String>, Messages), Blocked> {
+    pub(super) async fn request(&mut self, system: Option<String>) -> Result<(Option<String>, Messages), Blocked> {
         self.fold_thread_writes();
         if self.hooks.is_empty() {
             return Ok((system, self.conversation.model_messages()));

@@ -1617,7 +1617,13 @@ impl Response<'_> {
         }
     }
 
-    /// One model call, retried with backoff on retryable errors.
+    /// One model call, retried with backoff on retryable errors: at most
+    /// [`RuntimeOptions::model_retries`](crate::RuntimeOptions::model_retries) retries in all,
+    /// the provider's own retries before the response streamed included.
+    ///
+    /// A retry after part of the answer reached observers ends that partial message first
+    /// (`message_end`) and streams the retry as a new one (`message_start`): deltas belong to
+    /// their message, and nothing of the partial answer was recorded.
     async fn stream_with_retries(
         &self,
         provider: &dyn ModelProvider,
@@ -1626,15 +1632,24 @@ impl Response<'_> {
     ) -> Result<ModelResponse, StepError> {
         let mut retries = 0;
         loop {
-            match self.stream_once(provider, request, tools).await {
-                Err(StepError::Provider(error))
-                    if error.is_retryable() && retries < self.runtime.options.model_retries =>
-                {
+            let mut shown = false;
+            match self.stream_once(provider, request, tools, &mut shown).await {
+                Err(StepError::Provider(error)) if error.may_retry(retries, self.runtime.options.model_retries) => {
                     retries += 1;
+                    if shown {
+                        self.emit_with(|| Event::MessageEnd {
+                            role: "assistant".into(),
+                        });
+                    }
                     let delay = self.runtime.options.model_retry_delay * 2u32.pow(retries - 1);
                     tokio::select! {
                         () = tokio::time::sleep(delay) => {}
                         () = self.attempt.signal.aborted() => return Err(StepError::Aborted),
+                    }
+                    if shown {
+                        self.emit_with(|| Event::MessageStart {
+                            role: "assistant".into(),
+                        });
                     }
                 }
                 other => return other,
@@ -1642,11 +1657,14 @@ impl Response<'_> {
         }
     }
 
+    /// One streamed model call; `shown` becomes true once any of it reached observers (a
+    /// delta, a tool call's start).
     async fn stream_once(
         &self,
         provider: &dyn ModelProvider,
         request: &ModelRequest,
         tools: &[flue_core::Tool],
+        shown: &mut bool,
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
         let mut observer = observation::ToolCallObserver::new(tools);
@@ -1670,20 +1688,24 @@ impl Response<'_> {
                     return Ok(response);
                 }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
+                    *shown = true;
                     self.runtime
                         .emit(self.key, Some(&self.submission.id), Event::TextDelta { delta });
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
+                    *shown = true;
                     self.runtime
                         .emit(self.key, Some(&self.submission.id), Event::ReasoningDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
                     if let Some(started) = observer.started(index, &id, &name) {
+                        *shown = true;
                         self.tool_call_started(started).await;
                     }
                 }
                 Some(Ok(StreamEvent::ToolCallArguments { index, delta })) => {
                     if let Some(started) = observer.arguments(index, &delta) {
+                        *shown = true;
                         self.tool_call_started(started).await;
                     }
                 }
