@@ -401,7 +401,7 @@ async fn child_session(
         };
         let response = crate::provider::complete(&runtime.options, &*provider, request, &delegation.signal).await?;
         last_text.clone_from(&response.text);
-        messages.make_mut().push(ModelMessage::Assistant {
+        messages.push(ModelMessage::Assistant {
             text: response.text.clone(),
             tool_calls: response.tool_calls.clone(),
         });
@@ -426,7 +426,7 @@ async fn child_session(
             return Err("The task was aborted.".into());
         }
         for run in executed {
-            messages.make_mut().push(ModelMessage::Tool {
+            messages.push(ModelMessage::Tool {
                 tool_call_id: run.call.id,
                 name: run.call.name,
                 content: run.output.to_text(),

@@ -190,59 +190,11 @@ impl OpenAiProvider {
     }
 
     /// The JSON body of a call, serialized straight from the request: the conversation's
-    /// strings are borrowed, never copied into an intermediate `Value` tree (the body grows
-    /// with the conversation; its cost should be the bytes, nothing more).
+    /// strings are borrowed, never copied into an intermediate `Value` tree, and its messages'
+    /// encodings are kept with the history, so a call of a long conversation encodes only its
+    /// new messages (the body grows with the conversation; its cost should be copying the
+    /// bytes, nothing more).
     fn body_bytes(&self, request: &ModelRequest) -> Result<Vec<u8>, serde_json::Error> {
-        let mut messages = Vec::with_capacity(request.messages.len() + 1);
-        if let Some(system) = request.system.as_deref().filter(|s| !s.is_empty()) {
-            messages.push(ChatMessage::System { content: system });
-        }
-        for message in &request.messages {
-            messages.push(match message {
-                ModelMessage::User { content, images } if images.is_empty() => ChatMessage::User {
-                    content: UserContent::Text(content),
-                },
-                ModelMessage::User { content, images } => ChatMessage::User {
-                    content: UserContent::Parts(
-                        std::iter::once(UserPart::Text { text: content })
-                            .chain(images.iter().map(|image| UserPart::ImageUrl {
-                                image_url: ImageUrl {
-                                    url: format!("data:{};base64,{}", image.media_type, image.data),
-                                },
-                            }))
-                            .collect(),
-                    ),
-                },
-                ModelMessage::Assistant { text, tool_calls } => ChatMessage::Assistant {
-                    content: if text.is_empty() && !tool_calls.is_empty() {
-                        None
-                    } else {
-                        Some(text)
-                    },
-                    tool_calls: tool_calls
-                        .iter()
-                        .map(|call| ChatToolCall {
-                            id: &call.id,
-                            kind: "function",
-                            function: ChatFunction {
-                                name: &call.name,
-                                arguments: &call.arguments,
-                            },
-                        })
-                        .collect(),
-                },
-                ModelMessage::Tool {
-                    tool_call_id, content, ..
-                } => ChatMessage::Tool { tool_call_id, content },
-            });
-        }
-        let effort = reasoning_effort(request.thinking_level);
-        let (reasoning, reasoning_effort) = match (effort, self.flavor) {
-            (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
-            (Some(_), Flavor::OpenAi) if !accepts_reasoning_effort(&request.model) => (None, None),
-            (Some(effort), Flavor::OpenAi | Flavor::Compatible) => (None, Some(effort)),
-            (None, _) => (None, None),
-        };
         let tools = self.tools.declarations(&request.tools, |tool| {
             serde_json::value::to_raw_value(&ChatTool {
                 kind: "function",
@@ -253,9 +205,29 @@ impl OpenAiProvider {
                 },
             })
         })?;
-        let body = ChatRequest {
+        // `{"messages":[…],` then the other fields: the history's encodings are kept with it
+        // (each message is encoded once, not at every call of a long conversation).
+        let mut body = Vec::with_capacity(request.body_size_hint(tools.encoded_len()));
+        body.extend_from_slice(b"{\"messages\":[");
+        if let Some(system) = request.system.as_deref().filter(|s| !s.is_empty()) {
+            serde_json::to_writer(&mut body, &ChatMessage::System { content: system })?;
+            if !request.messages.is_empty() {
+                body.push(b',');
+            }
+        }
+        request.messages.encode_into(CHAT_MESSAGES, &mut body, |message, out| {
+            serde_json::to_writer(out, &chat_message(message))
+        })?;
+        body.extend_from_slice(b"],");
+        let effort = reasoning_effort(request.thinking_level);
+        let (reasoning, reasoning_effort) = match (effort, self.flavor) {
+            (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
+            (Some(_), Flavor::OpenAi) if !accepts_reasoning_effort(&request.model) => (None, None),
+            (Some(effort), Flavor::OpenAi | Flavor::Compatible) => (None, Some(effort)),
+            (None, _) => (None, None),
+        };
+        let fields = ChatFields {
             model: &request.model,
-            messages,
             stream: true,
             stream_options: StreamOptions { include_usage: true },
             tools: &tools,
@@ -263,7 +235,11 @@ impl OpenAiProvider {
             reasoning_effort,
             max_completion_tokens: request.max_output_tokens,
         };
-        request.serialize_body(&body, &tools)
+        // The fields' own object, without its opening brace: they follow the messages.
+        let fields_at = body.len();
+        serde_json::to_writer(&mut body, &fields)?;
+        body.remove(fields_at);
+        Ok(body)
     }
 
     /// The JSON body of a call, as a value (tests).
@@ -273,10 +249,54 @@ impl OpenAiProvider {
     }
 }
 
+/// The wire format [`Messages::encode_into`] keeps the history's encodings in.
+const CHAT_MESSAGES: &str = "openai-chat-completions";
+
+/// A call's message in the Chat Completions format (borrowing the conversation's strings).
+fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
+    match message {
+        ModelMessage::User { content, images } if images.is_empty() => ChatMessage::User {
+            content: UserContent::Text(content),
+        },
+        ModelMessage::User { content, images } => ChatMessage::User {
+            content: UserContent::Parts(
+                std::iter::once(UserPart::Text { text: content })
+                    .chain(images.iter().map(|image| UserPart::ImageUrl {
+                        image_url: ImageUrl {
+                            url: format!("data:{};base64,{}", image.media_type, image.data),
+                        },
+                    }))
+                    .collect(),
+            ),
+        },
+        ModelMessage::Assistant { text, tool_calls } => ChatMessage::Assistant {
+            content: if text.is_empty() && !tool_calls.is_empty() {
+                None
+            } else {
+                Some(text)
+            },
+            tool_calls: tool_calls
+                .iter()
+                .map(|call| ChatToolCall {
+                    id: &call.id,
+                    kind: "function",
+                    function: ChatFunction {
+                        name: &call.name,
+                        arguments: &call.arguments,
+                    },
+                })
+                .collect(),
+        },
+        ModelMessage::Tool {
+            tool_call_id, content, ..
+        } => ChatMessage::Tool { tool_call_id, content },
+    }
+}
+
+/// A call's body but its messages (written before these, see `body_bytes`).
 #[derive(Serialize)]
-struct ChatRequest<'a> {
+struct ChatFields<'a> {
     model: &'a str,
-    messages: Vec<ChatMessage<'a>>,
     stream: bool,
     stream_options: StreamOptions,
     /// The declarations, encoded once per tool (see [`ToolJson`]).
@@ -671,6 +691,44 @@ mod tests {
     }
 
     #[test]
+    fn a_body_is_the_same_whether_its_history_was_encoded_before_or_not() {
+        let provider = OpenAiProvider::openai();
+        let mut warm = request("gpt-5", ThinkingLevel::Off);
+        warm.system = Some("Be brief.".into());
+        let mut bodies = Vec::new();
+        for turn in 0..3 {
+            bodies.push(provider.body_bytes(&warm).expect("a body"));
+            warm.messages.push(ModelMessage::Assistant {
+                text: String::new(),
+                tool_calls: vec![crate::provider::ModelToolCall {
+                    id: format!("call_{turn}"),
+                    name: "t".into(),
+                    arguments: "{\"a\":1}".into(),
+                }],
+            });
+            warm.messages.push(ModelMessage::Tool {
+                tool_call_id: format!("call_{turn}"),
+                name: "t".into(),
+                content: "\"quoted\" ✓".into(),
+                is_error: false,
+            });
+        }
+        let mut cold = warm.clone();
+        cold.messages = warm.messages.to_vec().into();
+        let (warm, cold) = (
+            provider.body_bytes(&warm).expect("a body"),
+            provider.body_bytes(&cold).expect("a body"),
+        );
+        assert_eq!(warm, cold, "byte for byte");
+        let body: Value = serde_json::from_slice(&warm).expect("JSON");
+        assert_eq!(body["messages"].as_array().map(Vec::len), Some(8));
+        assert_eq!(body["messages"][0], json!({"role": "system", "content": "Be brief."}));
+        assert_eq!(body["model"], "gpt-5");
+        let first: Value = serde_json::from_slice(&bodies[0]).expect("JSON");
+        assert_eq!(first["messages"].as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
     fn reasoning_parameters_follow_the_flavour_and_level() {
         let openai = OpenAiProvider::openai();
         let body = openai.body(&request("o4-mini", ThinkingLevel::Max));
@@ -693,7 +751,7 @@ mod tests {
             long.messages
                 .make_mut()
                 .push(ModelMessage::user(format!("what is {turn} + 2?")));
-            long.messages.make_mut().push(ModelMessage::Assistant {
+            long.messages.push(ModelMessage::Assistant {
                 text: String::new(),
                 tool_calls: vec![crate::provider::ModelToolCall {
                     id: format!("call_{turn}"),
@@ -701,13 +759,13 @@ mod tests {
                     arguments: format!("{{\"a\":{turn},\"b\":2}}"),
                 }],
             });
-            long.messages.make_mut().push(ModelMessage::Tool {
+            long.messages.push(ModelMessage::Tool {
                 tool_call_id: format!("call_{turn}"),
                 name: "add".into(),
                 content: (turn + 2).to_string(),
                 is_error: false,
             });
-            long.messages.make_mut().push(ModelMessage::Assistant {
+            long.messages.push(ModelMessage::Assistant {
                 text: format!("{turn} + 2 = {}", turn + 2),
                 tool_calls: Vec::new(),
             });

@@ -101,11 +101,52 @@ impl From<&flue_core::Tool> for ToolSpec {
 ///
 /// Cloning one is a reference count, so a request shares the history the runtime keeps rather
 /// than copying every message into every model call (which would make a call cost as much as
-/// the conversation is long, beyond its request body). Read it as a slice; change it with
-/// [`Messages::make_mut`], which copies the messages first only while a request still shares
-/// them.
+/// the conversation is long, beyond its request body). Read it as a slice; add to it with
+/// [`Messages::push`] and change it otherwise with [`Messages::make_mut`], both of which copy
+/// the messages first only while a request still shares them.
+///
+/// The built-in providers also keep, with the history, its messages encoded in their wire
+/// format: a call encodes only the messages added since the last one and copies the rest.
+/// `push` keeps that encoding; `make_mut` drops it.
 #[derive(Clone, Default, PartialEq)]
-pub struct Messages(Arc<Vec<ModelMessage>>);
+pub struct Messages(Arc<History>);
+
+#[derive(Default)]
+struct History {
+    messages: Vec<ModelMessage>,
+    /// The first `count` messages as one provider format encodes them (see
+    /// [`Messages::encode_into`]).
+    encoded: std::sync::Mutex<Option<Encoded>>,
+}
+
+#[derive(Clone)]
+struct Encoded {
+    format: &'static str,
+    count: usize,
+    /// The messages' encodings, comma-separated.
+    bytes: Vec<u8>,
+}
+
+impl History {
+    fn encoded(&self) -> std::sync::MutexGuard<'_, Option<Encoded>> {
+        self.encoded.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Clone for History {
+    fn clone(&self) -> Self {
+        Self {
+            messages: self.messages.clone(),
+            encoded: std::sync::Mutex::new(self.encoded().clone()),
+        }
+    }
+}
+
+impl PartialEq for History {
+    fn eq(&self, other: &Self) -> bool {
+        self.messages == other.messages
+    }
+}
 
 impl Messages {
     /// No messages.
@@ -113,14 +154,58 @@ impl Messages {
         Self::default()
     }
 
+    /// Adds `message` at the end (copying the messages first when another clone shares them).
+    pub fn push(&mut self, message: ModelMessage) {
+        Arc::make_mut(&mut self.0).messages.push(message);
+    }
+
     /// The messages, to change (copied first when another clone shares them).
     pub fn make_mut(&mut self) -> &mut Vec<ModelMessage> {
-        Arc::make_mut(&mut self.0)
+        let history = Arc::make_mut(&mut self.0);
+        *history
+            .encoded
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        &mut history.messages
     }
 
     /// The messages as a vector of their own (copied when another clone shares them).
     pub fn into_vec(self) -> Vec<ModelMessage> {
-        Arc::unwrap_or_clone(self.0)
+        Arc::try_unwrap(self.0).map_or_else(|shared| shared.messages.clone(), |history| history.messages)
+    }
+
+    /// Appends every message, as `encode` writes one in the wire format named `format`,
+    /// separated by commas, to `out`. The encodings are kept: the next call for the same
+    /// format (on this history or a clone, once messages were pushed) encodes only the
+    /// messages added since and copies the rest.
+    pub(crate) fn encode_into<E>(
+        &self,
+        format: &'static str,
+        out: &mut Vec<u8>,
+        mut encode: impl FnMut(&ModelMessage, &mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut cache = self.0.encoded();
+        let encoded = match &mut *cache {
+            Some(encoded) if encoded.format == format && encoded.count <= self.0.messages.len() => encoded,
+            stale => stale.insert(Encoded {
+                format,
+                count: 0,
+                bytes: Vec::new(),
+            }),
+        };
+        for message in &self.0.messages[encoded.count..] {
+            let before = encoded.bytes.len();
+            if encoded.count > 0 {
+                encoded.bytes.push(b',');
+            }
+            if let Err(error) = encode(message, &mut encoded.bytes) {
+                encoded.bytes.truncate(before);
+                return Err(error);
+            }
+            encoded.count += 1;
+        }
+        out.extend_from_slice(&encoded.bytes);
+        Ok(())
     }
 }
 
@@ -128,7 +213,7 @@ impl std::ops::Deref for Messages {
     type Target = [ModelMessage];
 
     fn deref(&self) -> &[ModelMessage] {
-        &self.0
+        &self.0.messages
     }
 }
 
@@ -140,19 +225,22 @@ impl fmt::Debug for Messages {
 
 impl From<Vec<ModelMessage>> for Messages {
     fn from(messages: Vec<ModelMessage>) -> Self {
-        Self(Arc::new(messages))
+        Self(Arc::new(History {
+            messages,
+            encoded: std::sync::Mutex::default(),
+        }))
     }
 }
 
 impl<const N: usize> From<[ModelMessage; N]> for Messages {
     fn from(messages: [ModelMessage; N]) -> Self {
-        Self(Arc::new(messages.into()))
+        Vec::from(messages).into()
     }
 }
 
 impl FromIterator<ModelMessage> for Messages {
     fn from_iter<I: IntoIterator<Item = ModelMessage>>(messages: I) -> Self {
-        Self(Arc::new(messages.into_iter().collect()))
+        messages.into_iter().collect::<Vec<_>>().into()
     }
 }
 
@@ -161,25 +249,25 @@ impl<'a> IntoIterator for &'a Messages {
     type IntoIter = std::slice::Iter<'a, ModelMessage>;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.0.iter()
+        self.0.messages.iter()
     }
 }
 
 impl PartialEq<[ModelMessage]> for Messages {
     fn eq(&self, other: &[ModelMessage]) -> bool {
-        self.0.as_slice() == other
+        self.0.messages.as_slice() == other
     }
 }
 
 impl<const N: usize> PartialEq<[ModelMessage; N]> for Messages {
     fn eq(&self, other: &[ModelMessage; N]) -> bool {
-        self.0.as_slice() == other
+        self.0.messages.as_slice() == other
     }
 }
 
 impl PartialEq<Vec<ModelMessage>> for Messages {
     fn eq(&self, other: &Vec<ModelMessage>) -> bool {
-        *self.0 == *other
+        self.0.messages == *other
     }
 }
 
@@ -445,5 +533,93 @@ impl fmt::Display for StopReason {
             Self::ContentFilter => "content_filter",
             Self::HookBlocked => "hook_blocked",
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Encodes every message as JSON, counting the messages it encoded.
+    fn encoded(messages: &Messages, format: &'static str, count: &mut usize) -> String {
+        let mut out = Vec::new();
+        messages
+            .encode_into(format, &mut out, |message, out| {
+                *count += 1;
+                serde_json::to_writer(out, message)
+            })
+            .expect("encodes");
+        String::from_utf8(out).expect("JSON is UTF-8")
+    }
+
+    /// What encoding every message afresh gives.
+    fn fresh(messages: &[ModelMessage]) -> String {
+        messages
+            .iter()
+            .map(|message| serde_json::to_string(message).expect("encodes"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    #[test]
+    fn a_history_encodes_only_the_messages_added_since_its_last_encoding() {
+        let mut messages = Messages::from([ModelMessage::user("one"), ModelMessage::user("two")]);
+        let mut count = 0;
+        assert_eq!(encoded(&messages, "f", &mut count), fresh(&messages));
+        assert_eq!(count, 2);
+        // A request shares the history, and its encoding.
+        let request = messages.clone();
+        assert_eq!(encoded(&request, "f", &mut count), fresh(&messages));
+        assert_eq!(count, 2, "nothing encoded again");
+        drop(request);
+        messages.push(ModelMessage::user("three"));
+        assert_eq!(encoded(&messages, "f", &mut count), fresh(&messages));
+        assert_eq!(count, 3, "only the new message");
+    }
+
+    #[test]
+    fn changing_a_message_or_the_format_encodes_the_history_again() {
+        let mut messages = Messages::from([ModelMessage::user("one"), ModelMessage::user("two")]);
+        let mut count = 0;
+        encoded(&messages, "f", &mut count);
+        messages.make_mut()[0] = ModelMessage::user("changed");
+        assert_eq!(encoded(&messages, "f", &mut count), fresh(&messages));
+        assert_eq!(count, 4);
+        messages.make_mut().remove(0);
+        assert_eq!(encoded(&messages, "f", &mut count), fresh(&messages));
+        assert_eq!(count, 5);
+        assert_eq!(encoded(&messages, "g", &mut count), fresh(&messages));
+        assert_eq!(count, 6, "another format starts over");
+    }
+
+    #[test]
+    fn a_history_changed_while_a_request_shares_it_leaves_the_request_and_its_encoding_alone() {
+        let mut messages = Messages::from([ModelMessage::user("one")]);
+        let mut count = 0;
+        let request = messages.clone();
+        encoded(&request, "f", &mut count);
+        messages.make_mut()[0] = ModelMessage::user("changed");
+        messages.push(ModelMessage::user("two"));
+        assert_eq!(encoded(&request, "f", &mut count), fresh(&request));
+        assert_eq!(encoded(&messages, "f", &mut count), fresh(&messages));
+        assert_eq!(request, [ModelMessage::user("one")]);
+    }
+
+    #[test]
+    fn a_failed_encoding_keeps_what_was_encoded_before_it_and_nothing_of_itself() {
+        let messages = Messages::from([ModelMessage::user("one"), ModelMessage::user("two")]);
+        let mut out = Vec::new();
+        let failed = messages.encode_into("f", &mut out, |message, out| {
+            if *message == ModelMessage::user("two") {
+                out.extend_from_slice(b"half");
+                return Err("no");
+            }
+            serde_json::to_writer(out, message).map_err(|_| "json")
+        });
+        assert_eq!(failed, Err("no"));
+        assert!(out.is_empty(), "nothing written on failure");
+        let mut count = 0;
+        assert_eq!(encoded(&messages, "f", &mut count), fresh(&messages));
+        assert_eq!(count, 1, "the first message's encoding was kept");
     }
 }

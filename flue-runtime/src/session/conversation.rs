@@ -242,7 +242,7 @@ impl Conversation {
     }
 
     fn push(&mut self, message: ModelMessage, row: Row) {
-        self.messages.make_mut().push(message);
+        self.messages.push(message);
         self.rows.push(row);
     }
 
