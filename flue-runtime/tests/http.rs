@@ -151,6 +151,7 @@ async fn client_detached(user: &UserState, client: &ClientInfo) {
 
 struct Server {
     runtime: Runtime,
+    store: MemoryStore,
     root: String,
     base: String,
     client: reqwest::Client,
@@ -166,8 +167,9 @@ impl Server {
         let model = ScriptedModel::new([]);
         let mut providers = ProviderRegistry::new();
         providers.register(model.clone());
+        let store = MemoryStore::new();
         let runtime = Runtime::builder()
-            .store(MemoryStore::new())
+            .store(store.clone())
             .providers(providers)
             .agent(calculator)
             .agent(mail_agent)
@@ -188,6 +190,7 @@ impl Server {
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         Self {
             runtime,
+            store,
             root: format!("http://{addr}"),
             base: format!("http://{addr}/agents/calculator"),
             client: reqwest::Client::new(),
@@ -1961,4 +1964,189 @@ async fn a_compaction_projects_to_a_conversation_reset_with_the_summary_in_the_s
         .filter(|chunk| chunk["type"] == "conversation-reset")
         .count();
     assert_eq!(resets, 2, "the birth and the compaction: {updates}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Review findings (HTTP streaming protocol): each test states the reference behaviour.
+// ---------------------------------------------------------------------------------------------
+
+/// Reads SSE frames for `window`, whatever they are.
+async fn sse_frames_for(response: reqwest::Response, window: Duration) -> Vec<(String, String)> {
+    let mut body = response.bytes_stream();
+    let (mut buffer, mut frames) = (String::new(), Vec::new());
+    let deadline = tokio::time::Instant::now() + window;
+    while let Ok(Some(chunk)) = tokio::time::timeout_at(deadline, body.next()).await {
+        buffer.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        while let Some(end) = buffer.find("\n\n") {
+            let frame: String = buffer.drain(..end + 2).collect();
+            let (mut event, mut data) = (String::new(), String::new());
+            for line in frame.lines() {
+                if let Some(name) = line.strip_prefix("event: ") {
+                    event = name.to_owned();
+                } else if let Some(payload) = line.strip_prefix("data:") {
+                    data = payload.to_owned();
+                } else if line.starts_with(':') {
+                    event = line.to_owned();
+                }
+            }
+            frames.push((event, data));
+        }
+    }
+    frames
+}
+
+/// Reference §4.5: every SSE read cycle "always emit[s] `control`" (with `upToDate` at the
+/// head), then sleeps "until a store notification or 30 s" and loops — so a reader that
+/// connects (or reconnects) at the head gets `{streamNextOffset, upToDate:true}` at once, and a
+/// keep-alive control every `sse_wait` while idle.
+#[tokio::test]
+async fn review_an_sse_reader_at_the_head_gets_a_control_frame_at_once_and_keep_alives() {
+    let server = Server::start_with(HttpOptions {
+        heartbeat: Duration::from_millis(100),
+        sse_wait: Duration::from_millis(300),
+        ..HttpOptions::default()
+    })
+    .await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+    let response = server
+        .client
+        .get(server.url(&format!("/c1?view=updates&offset={head}&live=sse")))
+        .send()
+        .await
+        .unwrap();
+    let frames = sse_frames_for(response, Duration::from_millis(1500)).await;
+    let events: Vec<&str> = frames.iter().map(|(event, _)| event.as_str()).collect();
+    assert_eq!(events[0], "data", "the checkpoint first: {events:?}");
+    assert_eq!(
+        events.get(1).copied(),
+        Some("control"),
+        "the first read cycle's control frame follows the checkpoint: {events:?}"
+    );
+    let control: Value = serde_json::from_str(&frames[1].1).unwrap();
+    assert_eq!(control, json!({"streamNextOffset": head, "upToDate": true}));
+    let controls = events.iter().filter(|event| **event == "control").count();
+    assert!(
+        controls >= 3,
+        "an idle stream sends a control frame every sse_wait (300 ms) over 1.5 s: {events:?}"
+    );
+}
+
+/// Reference §4.4: long-poll waits only "if the first read is empty" (of batches); a read
+/// that finds batches answers at once, even when they project to no chunk
+/// (`[checkpoint]`, `Stream-Next-Offset` advanced). The runtime writes such batches itself
+/// (e.g. the `AgentStartRun` seam marker of an agent with `use_agent_start`, state writes).
+#[tokio::test]
+async fn review_a_long_poll_answers_at_once_when_the_new_batches_project_to_no_chunk() {
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{InstanceKey, Store};
+    let server = Server::start_with(HttpOptions {
+        long_poll_timeout: Duration::from_secs(3),
+        ..HttpOptions::default()
+    })
+    .await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+    let record = Record {
+        id: "record_review".into(),
+        submission_id: None,
+        attempt_id: None,
+        timestamp: "2026-01-01T00:00:00.000Z".into(),
+        body: RecordBody::StateWrite {
+            name: "n".into(),
+            value: json!(1),
+        },
+    };
+    let key = InstanceKey::new("calculator", "c1");
+    let offset = server.store.append(&key, vec![record].into(), None).await.unwrap();
+    let cpu = || {
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let (cpu_before, started) = (cpu(), std::time::Instant::now());
+    let (status, headers, body) = server
+        .get_json(&format!("/c1?view=updates&offset={head}&live=long-poll"))
+        .await;
+    let (elapsed, ticks) = (started.elapsed(), cpu() - cpu_before);
+    eprintln!("long-poll answered after {elapsed:?}, using {ticks} CPU ticks (1/100 s)");
+    assert_eq!((status, body.as_array().unwrap().len()), (200, 1));
+    assert_eq!(header(&headers, "stream-next-offset"), format!("0000000000000000_{offset:016}"));
+    assert!(elapsed < Duration::from_secs(1), "answered only after {elapsed:?} ({ticks} CPU ticks)");
+}
+
+/// Reference §6.1 / §3.6: `submission_conflict` when "an idempotency key [is] reused with a
+/// different identity (kind, agent, id, message, initialData)".
+#[tokio::test]
+async fn review_an_idempotency_key_replayed_with_other_initial_data_conflicts() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    let first = server
+        .post(
+            "c9",
+            json!({"kind": "user", "body": "hi", "idempotencyKey": "k", "initialData": {"plan": "free"}}),
+        )
+        .await;
+    assert_eq!(first.status().as_u16(), 202);
+    let replay = server
+        .post(
+            "c9",
+            json!({"kind": "user", "body": "hi", "idempotencyKey": "k", "initialData": {"plan": "pro"}}),
+        )
+        .await;
+    assert_error(replay, 409, "submission_conflict").await;
+}
+
+/// Reference §3.6: "Direct HTTP admission is the same path with `kind:'direct'`" — and
+/// `submission_queued {submissionId, kind}` (§7.2) says so.
+#[tokio::test]
+async fn review_an_http_admission_is_a_direct_submission() {
+    use flue_runtime::events::Event;
+    use flue_runtime::store::SubmissionKind;
+    let server = Server::start().await;
+    let mut events = server.runtime.observe();
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    let kind = loop {
+        let observation = tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if let Event::SubmissionQueued { kind } = observation.event {
+            break kind;
+        }
+    };
+    assert_eq!(kind, SubmissionKind::Direct);
+}
+
+/// Reference §4.3/§4.4: offsets parse as `^\d+_(\d+)$` with no fixed width and compare
+/// numerically; an offset beyond the head is 416 `stream_offset_gone`, not a malformed 400.
+#[tokio::test]
+async fn review_a_well_formed_offset_too_large_for_u64_is_beyond_the_head() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    server.settled("c1", 1).await;
+    let response = server
+        .client
+        .get(server.url("/c1?view=updates&offset=0_99999999999999999999"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(response, 416, "stream_offset_gone").await;
+}
+
+/// Reference §4.2: `idempotencyKey` is a "non-empty string ≤256 chars" — JavaScript string
+/// length, in UTF-16 code units: 200 emoji are 400 of them.
+#[tokio::test]
+async fn review_an_idempotency_key_over_256_utf16_units_is_refused() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    let key = "😀".repeat(200);
+    let response = server
+        .post("c1", json!({"kind": "user", "body": "hi", "idempotencyKey": key}))
+        .await;
+    assert_error(response, 400, "invalid_request").await;
 }
