@@ -469,6 +469,56 @@ async fn a_long_poll_waits_for_the_next_batch_and_times_out_with_the_checkpoint_
     assert_ne!(header(&headers, "stream-next-offset"), head);
 }
 
+/// Reference §4.4: long-poll waits only "if the first read is empty" (of batches); a read
+/// that finds batches answers at once, even when they project to no chunk
+/// (`[checkpoint]`, `Stream-Next-Offset` advanced). The runtime writes such batches itself
+/// (e.g. the `AgentStartRun` seam marker of an agent with `use_agent_start`, state writes).
+#[tokio::test]
+async fn a_long_poll_answers_at_once_when_the_new_batches_project_to_no_chunk() {
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{InstanceKey, Store};
+    let server = Server::start_with(HttpOptions {
+        long_poll_timeout: Duration::from_secs(3),
+        ..HttpOptions::default()
+    })
+    .await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+    let record = Record {
+        id: "record_state".into(),
+        submission_id: None,
+        attempt_id: None,
+        timestamp: "2026-01-01T00:00:00.000Z".into(),
+        body: RecordBody::StateWrite {
+            name: "n".into(),
+            value: json!(1),
+        },
+    };
+    let key = InstanceKey::new("calculator", "c1");
+    let offset = server.store.append(&key, vec![record].into(), None).await.unwrap();
+    let cpu = || {
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let (cpu_before, started) = (cpu(), std::time::Instant::now());
+    let (status, headers, body) = server
+        .get_json(&format!("/c1?view=updates&offset={head}&live=long-poll"))
+        .await;
+    let (elapsed, ticks) = (started.elapsed(), cpu() - cpu_before);
+    eprintln!("long-poll answered after {elapsed:?}, using {ticks} CPU ticks (1/100 s)");
+    assert_eq!((status, body.as_array().unwrap().len()), (200, 1));
+    assert_eq!(
+        header(&headers, "stream-next-offset"),
+        format!("0000000000000000_{offset:016}")
+    );
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "answered only after {elapsed:?} ({ticks} CPU ticks)"
+    );
+}
+
 /// Reads SSE frames (event name or comment, data) until `until` holds for the frames read.
 async fn sse_frames(response: reqwest::Response, until: impl Fn(&[(String, String)]) -> bool) -> Vec<(String, String)> {
     let mut body = response.bytes_stream();
@@ -2031,50 +2081,6 @@ async fn review_an_sse_reader_at_the_head_gets_a_control_frame_at_once_and_keep_
         controls >= 3,
         "an idle stream sends a control frame every sse_wait (300 ms) over 1.5 s: {events:?}"
     );
-}
-
-/// Reference §4.4: long-poll waits only "if the first read is empty" (of batches); a read
-/// that finds batches answers at once, even when they project to no chunk
-/// (`[checkpoint]`, `Stream-Next-Offset` advanced). The runtime writes such batches itself
-/// (e.g. the `AgentStartRun` seam marker of an agent with `use_agent_start`, state writes).
-#[tokio::test]
-async fn review_a_long_poll_answers_at_once_when_the_new_batches_project_to_no_chunk() {
-    use flue_runtime::record::{Record, RecordBody};
-    use flue_runtime::store::{InstanceKey, Store};
-    let server = Server::start_with(HttpOptions {
-        long_poll_timeout: Duration::from_secs(3),
-        ..HttpOptions::default()
-    })
-    .await;
-    server.model.push(ScriptedReply::text("hi"));
-    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
-    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
-    let record = Record {
-        id: "record_review".into(),
-        submission_id: None,
-        attempt_id: None,
-        timestamp: "2026-01-01T00:00:00.000Z".into(),
-        body: RecordBody::StateWrite {
-            name: "n".into(),
-            value: json!(1),
-        },
-    };
-    let key = InstanceKey::new("calculator", "c1");
-    let offset = server.store.append(&key, vec![record].into(), None).await.unwrap();
-    let cpu = || {
-        let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
-        let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
-        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
-    };
-    let (cpu_before, started) = (cpu(), std::time::Instant::now());
-    let (status, headers, body) = server
-        .get_json(&format!("/c1?view=updates&offset={head}&live=long-poll"))
-        .await;
-    let (elapsed, ticks) = (started.elapsed(), cpu() - cpu_before);
-    eprintln!("long-poll answered after {elapsed:?}, using {ticks} CPU ticks (1/100 s)");
-    assert_eq!((status, body.as_array().unwrap().len()), (200, 1));
-    assert_eq!(header(&headers, "stream-next-offset"), format!("0000000000000000_{offset:016}"));
-    assert!(elapsed < Duration::from_secs(1), "answered only after {elapsed:?} ({ticks} CPU ticks)");
 }
 
 /// Reference §6.1 / §3.6: `submission_conflict` when "an idempotency key [is] reused with a

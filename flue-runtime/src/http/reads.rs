@@ -214,8 +214,10 @@ fn wire_offset(offset: Option<u64>) -> String {
     offset.map_or_else(|| "-1".to_owned(), format_offset)
 }
 
-/// Updates as a JSON array (checkpoint first); with `long_poll`, an empty read waits for new
-/// batches first.
+/// Updates as a JSON array (checkpoint first); with `long_poll`, a read that finds no batch
+/// waits for new batches first. Batches that project to no chunk still answer at once (just
+/// the checkpoint, with the moved `Stream-Next-Offset`): waiting on would find them again and
+/// again until the deadline.
 async fn updates(
     runtime: &Arc<RuntimeInner>,
     options: &HttpOptions,
@@ -230,7 +232,7 @@ async fn updates(
     loop {
         let mut projection = Projection::new(&key.stream_path());
         let (chunks, next, up_to_date) = project(&mut projection, &batches, after);
-        if !chunks.is_empty() || !long_poll || Instant::now() >= deadline {
+        if next != after || !long_poll || Instant::now() >= deadline {
             let mut body = Vec::with_capacity(chunks.len() + 1);
             body.push(checkpoint(incarnation));
             body.extend(chunks);
