@@ -548,6 +548,31 @@ async fn sse_frames(response: reqwest::Response, until: impl Fn(&[(String, Strin
     frames
 }
 
+/// Reads SSE frames for `window`, whatever they are.
+async fn sse_frames_for(response: reqwest::Response, window: Duration) -> Vec<(String, String)> {
+    let mut body = response.bytes_stream();
+    let (mut buffer, mut frames) = (String::new(), Vec::new());
+    let deadline = tokio::time::Instant::now() + window;
+    while let Ok(Some(chunk)) = tokio::time::timeout_at(deadline, body.next()).await {
+        buffer.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        while let Some(end) = buffer.find("\n\n") {
+            let frame: String = buffer.drain(..end + 2).collect();
+            let (mut event, mut data) = (String::new(), String::new());
+            for line in frame.lines() {
+                if let Some(name) = line.strip_prefix("event: ") {
+                    event = name.to_owned();
+                } else if let Some(payload) = line.strip_prefix("data:") {
+                    data = payload.to_owned();
+                } else if line.starts_with(':') {
+                    event = line.to_owned();
+                }
+            }
+            frames.push((event, data));
+        }
+    }
+    frames
+}
+
 #[tokio::test]
 async fn sse_sends_the_checkpoint_then_data_and_control_frames_then_heartbeats_and_new_batches() {
     let server = Server::start_with(HttpOptions {
@@ -625,6 +650,44 @@ async fn an_sse_reader_receives_batches_appended_while_it_waits() {
     assert_eq!(chunks[0]["type"], "message-appended");
     assert_eq!(chunks[0]["message"]["parts"][0]["text"], "two");
     assert_eq!(chunks.last().unwrap()["type"], "submission-settled");
+}
+
+/// Reference §4.5: every SSE read cycle "always emit[s] `control`" (with `upToDate` at the
+/// head), then sleeps "until a store notification or 30 s" and loops — so a reader that
+/// connects (or reconnects) at the head gets `{streamNextOffset, upToDate:true}` at once, and a
+/// keep-alive control every `sse_wait` while idle.
+#[tokio::test]
+async fn an_sse_reader_at_the_head_gets_a_control_frame_at_once_and_keep_alives() {
+    let server = Server::start_with(HttpOptions {
+        heartbeat: Duration::from_millis(100),
+        sse_wait: Duration::from_millis(300),
+        ..HttpOptions::default()
+    })
+    .await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+    let response = server
+        .client
+        .get(server.url(&format!("/c1?view=updates&offset={head}&live=sse")))
+        .send()
+        .await
+        .unwrap();
+    let frames = sse_frames_for(response, Duration::from_millis(1500)).await;
+    let events: Vec<&str> = frames.iter().map(|(event, _)| event.as_str()).collect();
+    assert_eq!(events[0], "data", "the checkpoint first: {events:?}");
+    assert_eq!(
+        events.get(1).copied(),
+        Some("control"),
+        "the first read cycle's control frame follows the checkpoint: {events:?}"
+    );
+    let control: Value = serde_json::from_str(&frames[1].1).unwrap();
+    assert_eq!(control, json!({"streamNextOffset": head, "upToDate": true}));
+    let controls = events.iter().filter(|event| **event == "control").count();
+    assert!(
+        controls >= 3,
+        "an idle stream sends a control frame every sse_wait (300 ms) over 1.5 s: {events:?}"
+    );
 }
 
 #[tokio::test]
@@ -2019,69 +2082,6 @@ async fn a_compaction_projects_to_a_conversation_reset_with_the_summary_in_the_s
 // ---------------------------------------------------------------------------------------------
 // Review findings (HTTP streaming protocol): each test states the reference behaviour.
 // ---------------------------------------------------------------------------------------------
-
-/// Reads SSE frames for `window`, whatever they are.
-async fn sse_frames_for(response: reqwest::Response, window: Duration) -> Vec<(String, String)> {
-    let mut body = response.bytes_stream();
-    let (mut buffer, mut frames) = (String::new(), Vec::new());
-    let deadline = tokio::time::Instant::now() + window;
-    while let Ok(Some(chunk)) = tokio::time::timeout_at(deadline, body.next()).await {
-        buffer.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
-        while let Some(end) = buffer.find("\n\n") {
-            let frame: String = buffer.drain(..end + 2).collect();
-            let (mut event, mut data) = (String::new(), String::new());
-            for line in frame.lines() {
-                if let Some(name) = line.strip_prefix("event: ") {
-                    event = name.to_owned();
-                } else if let Some(payload) = line.strip_prefix("data:") {
-                    data = payload.to_owned();
-                } else if line.starts_with(':') {
-                    event = line.to_owned();
-                }
-            }
-            frames.push((event, data));
-        }
-    }
-    frames
-}
-
-/// Reference §4.5: every SSE read cycle "always emit[s] `control`" (with `upToDate` at the
-/// head), then sleeps "until a store notification or 30 s" and loops — so a reader that
-/// connects (or reconnects) at the head gets `{streamNextOffset, upToDate:true}` at once, and a
-/// keep-alive control every `sse_wait` while idle.
-#[tokio::test]
-async fn review_an_sse_reader_at_the_head_gets_a_control_frame_at_once_and_keep_alives() {
-    let server = Server::start_with(HttpOptions {
-        heartbeat: Duration::from_millis(100),
-        sse_wait: Duration::from_millis(300),
-        ..HttpOptions::default()
-    })
-    .await;
-    server.model.push(ScriptedReply::text("hi"));
-    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
-    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
-    let response = server
-        .client
-        .get(server.url(&format!("/c1?view=updates&offset={head}&live=sse")))
-        .send()
-        .await
-        .unwrap();
-    let frames = sse_frames_for(response, Duration::from_millis(1500)).await;
-    let events: Vec<&str> = frames.iter().map(|(event, _)| event.as_str()).collect();
-    assert_eq!(events[0], "data", "the checkpoint first: {events:?}");
-    assert_eq!(
-        events.get(1).copied(),
-        Some("control"),
-        "the first read cycle's control frame follows the checkpoint: {events:?}"
-    );
-    let control: Value = serde_json::from_str(&frames[1].1).unwrap();
-    assert_eq!(control, json!({"streamNextOffset": head, "upToDate": true}));
-    let controls = events.iter().filter(|event| **event == "control").count();
-    assert!(
-        controls >= 3,
-        "an idle stream sends a control frame every sse_wait (300 ms) over 1.5 s: {events:?}"
-    );
-}
 
 /// Reference §6.1 / §3.6: `submission_conflict` when "an idempotency key [is] reused with a
 /// different identity (kind, agent, id, message, initialData)".

@@ -297,8 +297,11 @@ struct SseStream {
     pending: Vec<Batch>,
     offset: Option<u64>,
     started: bool,
-    /// When the last frames were sent (heartbeats and keep-alive controls count from it).
+    /// When the last frames were sent (heartbeats count from it).
     last_sent: Instant,
+    /// When the last control frame was sent (keep-alive controls count from it; heartbeats do
+    /// not move it); `None` before the first.
+    last_control: Option<Instant>,
 }
 
 impl SseStream {
@@ -314,8 +317,10 @@ impl SseStream {
             if !self.pending.is_empty() {
                 return Some(self.catch_up());
             }
-            // Registered before looking, so an append after the look wakes the wait.
-            let appended = self.slot.appended().notified();
+            // Registered before looking, so an append after the look wakes the wait (on a
+            // handle of its own: the frames sent below update this reader's state).
+            let slot = Arc::clone(&self.slot);
+            let appended = slot.appended().notified();
             tokio::pin!(appended);
             appended.as_mut().enable();
             let appends = self.slot.appends();
@@ -329,14 +334,18 @@ impl SseStream {
                         out.push_str(std::str::from_utf8(frame).unwrap_or_default());
                     }
                     out.push_str(&self.control(true));
-                    self.last_sent = Instant::now();
                     return Some(out);
                 }
                 Delivery::Frames(..) => {
                     // Served by the feed from here on.
                     self.own = None;
+                    // Every read cycle ends with a control frame: a reader that connects at the
+                    // head learns at once that it is up to date.
+                    let Some(last_control) = self.last_control else {
+                        return Some(self.control(true));
+                    };
                     let heartbeat = self.last_sent + self.options.heartbeat;
-                    let keep_alive = self.last_sent + self.options.sse_wait;
+                    let keep_alive = last_control + self.options.sse_wait;
                     let mut wake = heartbeat.min(keep_alive);
                     if self.runtime.store.shared() {
                         wake = wake.min(Instant::now() + self.options.shared_store_poll);
@@ -344,7 +353,6 @@ impl SseStream {
                     if tokio::time::timeout_at(wake, appended).await.is_err() {
                         let now = Instant::now();
                         if now >= keep_alive {
-                            self.last_sent = now;
                             return Some(self.control(true));
                         }
                         if now >= heartbeat {
@@ -381,12 +389,15 @@ impl SseStream {
             self.offset = Some(batch.offset);
         }
         let mut frames = data_frame(chunks).unwrap_or_default();
-        frames.push_str(&self.control(self.pending.is_empty()));
-        self.last_sent = Instant::now();
+        let up_to_date = self.pending.is_empty();
+        frames.push_str(&self.control(up_to_date));
         frames
     }
 
-    fn control(&self, up_to_date: bool) -> String {
+    /// The control frame at this reader's offset; the frames it ends are sent now.
+    fn control(&mut self, up_to_date: bool) -> String {
+        let now = Instant::now();
+        (self.last_sent, self.last_control) = (now, Some(now));
         let mut control = json!({"streamNextOffset": wire_offset(self.offset)});
         if up_to_date {
             control["upToDate"] = json!(true);
@@ -418,6 +429,7 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, batches: Vec<Batch
         offset: after,
         started: false,
         last_sent: Instant::now(),
+        last_control: None,
     };
     let body = futures_util::stream::unfold(state, |mut state| async move {
         let frames = state.next().await?;
