@@ -981,6 +981,27 @@ async fn bad_reads_get_the_protocols_4xx_with_the_error_envelope() {
     assert_error(put, 405, "method_not_allowed").await;
 }
 
+/// Reference §4.3/§4.4: offsets parse as `^\d+_(\d+)$` with no fixed width and compare
+/// numerically; an offset beyond the head is 416 `stream_offset_gone`, not a malformed 400.
+#[tokio::test]
+async fn a_well_formed_offset_too_large_for_u64_is_beyond_the_head() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
+    let response = server
+        .client
+        .get(server.url("/c1?view=updates&offset=0_99999999999999999999"))
+        .send()
+        .await
+        .unwrap();
+    let error = assert_error(response, 416, "stream_offset_gone").await;
+    assert_eq!(
+        error["meta"],
+        json!({"offset": "0_99999999999999999999", "nextOffset": head})
+    );
+}
+
 mod random_input {
     use proptest::prelude::*;
     use proptest::test_runner::{Config, TestRunner};
@@ -2125,23 +2146,6 @@ async fn review_an_http_admission_is_a_direct_submission() {
         }
     };
     assert_eq!(kind, SubmissionKind::Direct);
-}
-
-/// Reference §4.3/§4.4: offsets parse as `^\d+_(\d+)$` with no fixed width and compare
-/// numerically; an offset beyond the head is 416 `stream_offset_gone`, not a malformed 400.
-#[tokio::test]
-async fn review_a_well_formed_offset_too_large_for_u64_is_beyond_the_head() {
-    let server = Server::start().await;
-    server.model.push(ScriptedReply::text("hi"));
-    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
-    server.settled("c1", 1).await;
-    let response = server
-        .client
-        .get(server.url("/c1?view=updates&offset=0_99999999999999999999"))
-        .send()
-        .await
-        .unwrap();
-    assert_error(response, 416, "stream_offset_gone").await;
 }
 
 /// Reference §4.2: `idempotencyKey` is a "non-empty string ≤256 chars" — JavaScript string

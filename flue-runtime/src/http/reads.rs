@@ -30,23 +30,36 @@ pub(super) fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String
         .map(|(name, value)| (name.into_owned(), value.into_owned()))
 }
 
+/// A well-formed `offset` parameter.
+#[derive(Debug, PartialEq, Eq)]
+enum Offset {
+    /// After this batch (`None`: before the first).
+    After(Option<u64>),
+    /// Numerically beyond any batch a stream can have (too large for a `u64`), as requested.
+    Beyond(String),
+}
+
 /// `-1` (before the first batch) or `<digits>_<digits>` (compared by its second part).
-fn parse_offset(text: &str) -> Option<Option<u64>> {
+fn parse_offset(text: &str) -> Option<Offset> {
     if text == "-1" {
-        return Some(None);
+        return Some(Offset::After(None));
     }
     let (epoch, sequence) = text.split_once('_')?;
     let digits = |part: &str| !part.is_empty() && part.bytes().all(|byte| byte.is_ascii_digit());
     if !digits(epoch) || !digits(sequence) {
         return None;
     }
-    sequence.parse().ok().map(Some)
+    // Only digits: the one way to fail is to overflow, which is past every head.
+    Some(match sequence.parse() {
+        Ok(sequence) => Offset::After(Some(sequence)),
+        Err(_) => Offset::Beyond(text.to_owned()),
+    })
 }
 
 /// How a `GET /:id` reads.
 enum Read {
     History,
-    Updates { after: Option<u64>, live: Live },
+    Updates { offset: Offset, live: Live },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -86,7 +99,7 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
                     "view=updates needs exactly one `offset` parameter (-1 to read from the start).",
                 ));
             };
-            let after = parse_offset(offset).ok_or_else(|| {
+            let offset = parse_offset(offset).ok_or_else(|| {
                 ApiError::invalid_request(format!(
                     "Offset \"{offset}\" is malformed: use -1 or an offset the stream returned."
                 ))
@@ -101,7 +114,7 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
                     )));
                 }
             };
-            Ok(Read::Updates { after, live })
+            Ok(Read::Updates { offset, live })
         }
         other => Err(ApiError::invalid_request(format!(
             "view=\"{other}\" is not supported: use history or updates."
@@ -154,7 +167,7 @@ pub(super) async fn get_stream(
                 true,
             ))
         }
-        Read::Updates { after, live } => {
+        Read::Updates { offset, live } => {
             let batches = stream(&routes.runtime, &key).await?;
             let incarnation = routes
                 .runtime
@@ -165,11 +178,15 @@ pub(super) async fn get_stream(
                 .map(|instance| instance.uid)
                 .unwrap_or_default();
             let head = batches.last().map(|batch| batch.offset);
-            if after.is_some() && after > head {
-                let requested = after.map_or_else(|| "-1".to_owned(), format_offset);
-                let next = head.map_or_else(|| "-1".to_owned(), format_offset);
-                return Err(ApiError::stream_offset_gone(&requested, &next));
-            }
+            let after = match offset {
+                Offset::After(after) if after.is_none() || after <= head => after,
+                Offset::After(after) => {
+                    return Err(ApiError::stream_offset_gone(&wire_offset(after), &wire_offset(head)));
+                }
+                Offset::Beyond(requested) => {
+                    return Err(ApiError::stream_offset_gone(&requested, &wire_offset(head)));
+                }
+            };
             match live {
                 Live::Sse => Ok(sse(routes, key, incarnation, batches, after)),
                 Live::No | Live::LongPoll => Ok(updates(
@@ -503,9 +520,21 @@ mod tests {
 
     #[test]
     fn offsets_parse_as_the_protocol_writes_them_and_nothing_else() {
-        assert_eq!(parse_offset("-1"), Some(None));
-        assert_eq!(parse_offset("0000000000000000_0000000000000007"), Some(Some(7)));
-        assert_eq!(parse_offset("0_12"), Some(Some(12)), "no fixed width is required");
+        assert_eq!(parse_offset("-1"), Some(Offset::After(None)));
+        assert_eq!(
+            parse_offset("0000000000000000_0000000000000007"),
+            Some(Offset::After(Some(7)))
+        );
+        assert_eq!(
+            parse_offset("0_12"),
+            Some(Offset::After(Some(12))),
+            "no fixed width is required"
+        );
+        assert_eq!(
+            parse_offset("0_99999999999999999999"),
+            Some(Offset::Beyond("0_99999999999999999999".into())),
+            "well formed, past any head"
+        );
         for malformed in ["", "7", "_7", "7_", "a_1", "1_b", "-2", "1_2_3", "now"] {
             assert_eq!(parse_offset(malformed), None, "{malformed:?}");
         }
