@@ -447,9 +447,11 @@ impl RuntimeInner {
         }
         let (submission_id, keyed) = match &request.idempotency_key {
             Some(idempotency_key) => {
-                if idempotency_key.is_empty() || idempotency_key.chars().count() > 256 {
+                // At most 256 UTF-16 code units: the length JavaScript gives the key.
+                if idempotency_key.is_empty() || idempotency_key.encode_utf16().count() > 256 {
                     return Err(RuntimeError::InvalidRequest(
-                        "idempotencyKey must be a non-empty string of at most 256 characters.".into(),
+                        "idempotencyKey must be a non-empty string of at most 256 characters (UTF-16 code units)."
+                            .into(),
                     ));
                 }
                 (keyed_submission_id(agent, &request.id, idempotency_key), true)

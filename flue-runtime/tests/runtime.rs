@@ -390,6 +390,15 @@ async fn conditional_sends_and_idempotency_keys_follow_the_reference() {
         .await
         .unwrap_err();
     assert!(matches!(conflict, RuntimeError::SubmissionConflict(_)));
+    // At most 256 UTF-16 code units (JavaScript's length): 129 emoji are 258 of them.
+    let too_long = runtime
+        .dispatch_request(
+            "calculator",
+            SendRequest::new("c", "pay").idempotency_key("😀".repeat(129)),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(too_long, RuntimeError::InvalidRequest(_)), "{too_long}");
 }
 
 #[tokio::test]

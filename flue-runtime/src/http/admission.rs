@@ -8,8 +8,9 @@ use super::error::ApiError;
 use crate::runtime::SendRequest;
 use crate::store::{TraceContext, UidCondition};
 
-/// The longest idempotency key, in characters.
-const MAX_IDEMPOTENCY_KEY_CHARS: usize = 256;
+/// The longest idempotency key, in UTF-16 code units (a JavaScript string's `length`, as the
+/// protocol counts it).
+const MAX_IDEMPOTENCY_KEY_UNITS: usize = 256;
 
 /// What the message fields of a body must look like (said when they do not).
 const MESSAGE_SHAPE: &str = "The body must be a message object: {\"kind\":\"user\",\"body\":\"…\"} or \
@@ -48,10 +49,12 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     };
     let idempotency_key = match fields.remove("idempotencyKey") {
         None => None,
-        Some(Value::String(key)) if !key.is_empty() && key.chars().count() <= MAX_IDEMPOTENCY_KEY_CHARS => Some(key),
+        Some(Value::String(key)) if !key.is_empty() && key.encode_utf16().count() <= MAX_IDEMPOTENCY_KEY_UNITS => {
+            Some(key)
+        }
         Some(_) => {
             return Err(ApiError::invalid_request(
-                "idempotencyKey must be a non-empty string of at most 256 characters.",
+                "idempotencyKey must be a non-empty string of at most 256 characters (UTF-16 code units).",
             ));
         }
     };
