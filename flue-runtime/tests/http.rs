@@ -309,6 +309,40 @@ async fn admission_answers_202_with_the_receipt_location_and_next_offset() {
     );
 }
 
+/// Reference §3.6: "Direct HTTP admission is the same path with `kind:'direct'`" — and
+/// `submission_queued {submissionId, kind}` (§7.2) says so.
+#[tokio::test]
+async fn an_http_admission_is_a_direct_submission() {
+    use flue_runtime::events::Event;
+    use flue_runtime::store::{Store, SubmissionKind};
+    let server = Server::start().await;
+    let mut events = server.runtime.observe();
+    server.model.push(ScriptedReply::text("hi"));
+    let receipt: Value = server
+        .post("c1", json!({"kind": "user", "body": "hi"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let row = server
+        .store
+        .submission(receipt["submissionId"].as_str().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.kind, SubmissionKind::Direct);
+    let kind = loop {
+        let observation = tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if let Event::SubmissionQueued { kind } = observation.event {
+            break kind;
+        }
+    };
+    assert_eq!(kind, SubmissionKind::Direct);
+}
+
 #[tokio::test]
 async fn the_history_snapshot_folds_each_response_into_one_assistant_message() {
     let server = Server::start().await;
@@ -2138,26 +2172,4 @@ async fn review_an_idempotency_key_replayed_with_other_initial_data_conflicts() 
         )
         .await;
     assert_error(replay, 409, "submission_conflict").await;
-}
-
-/// Reference §3.6: "Direct HTTP admission is the same path with `kind:'direct'`" — and
-/// `submission_queued {submissionId, kind}` (§7.2) says so.
-#[tokio::test]
-async fn review_an_http_admission_is_a_direct_submission() {
-    use flue_runtime::events::Event;
-    use flue_runtime::store::SubmissionKind;
-    let server = Server::start().await;
-    let mut events = server.runtime.observe();
-    server.model.push(ScriptedReply::text("hi"));
-    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
-    let kind = loop {
-        let observation = tokio::time::timeout(Duration::from_secs(5), events.recv())
-            .await
-            .unwrap()
-            .unwrap();
-        if let Event::SubmissionQueued { kind } = observation.event {
-            break kind;
-        }
-    };
-    assert_eq!(kind, SubmissionKind::Direct);
 }

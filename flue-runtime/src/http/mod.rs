@@ -316,9 +316,10 @@ async fn post_message(
     }
     let body = body.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
     let request = admission::parse(&key.id, &headers, &body)?;
+    // A direct send, as `send()` is (only the caller does not wait here for the reply).
     let (receipt, offset) = routes
         .runtime
-        .admit(&routes.agent, request, SubmissionKind::Dispatch)
+        .admit(&routes.agent, request, SubmissionKind::Direct)
         .await?;
     routes.runtime.slot(&key).wake();
     let offset = match offset {
