@@ -43,8 +43,8 @@ pub enum RuntimeError {
         /// Its incarnation.
         uid: String,
     },
-    /// An idempotency key reused with another message.
-    #[error("Submission \"{0}\" was already admitted with a different message.")]
+    /// An idempotency key reused with another message, initial data or kind of send.
+    #[error("Submission \"{0}\" was already admitted with a different message, initial data or kind.")]
     SubmissionConflict(String),
     /// The submission failed or was aborted.
     #[error("The submission {submission_id} {outcome}: {message}")]

@@ -966,6 +966,32 @@ async fn conditional_sends_answer_404_and_409_with_their_meta() {
     assert!(error["meta"]["submissionId"].as_str().unwrap().starts_with("sub_"));
 }
 
+/// Reference §6.1 / §3.6: `submission_conflict` when "an idempotency key [is] reused with a
+/// different identity (kind, agent, id, message, initialData)". The transport kind is not in
+/// the keyed id, so one key used by `dispatch()` and by HTTP is a loud kind conflict.
+#[tokio::test]
+async fn an_idempotency_key_replayed_with_other_initial_data_or_by_another_kind_of_send_conflicts() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    let keyed = |data: Value| json!({"kind": "user", "body": "hi", "idempotencyKey": "k", "initialData": data});
+    let first = server.post("c9", keyed(json!({"plan": "free"}))).await;
+    assert_eq!(first.status().as_u16(), 202);
+    let same = server.post("c9", keyed(json!({"plan": "free"}))).await;
+    assert_eq!(same.status().as_u16(), 202);
+    assert_eq!(same.json::<Value>().await.unwrap()["deduplicated"], true);
+    let replay = server.post("c9", keyed(json!({"plan": "pro"}))).await;
+    let error = assert_error(replay, 409, "submission_conflict").await;
+    assert!(error["meta"]["submissionId"].as_str().unwrap().starts_with("sub_ik_"));
+
+    server.model.push(ScriptedReply::text("hi"));
+    let dispatched = flue_runtime::SendRequest::new("c9", "again").idempotency_key("k2");
+    server.runtime.dispatch_request("calculator", dispatched).await.unwrap();
+    let posted = server
+        .post("c9", json!({"kind": "user", "body": "again", "idempotencyKey": "k2"}))
+        .await;
+    assert_error(posted, 409, "submission_conflict").await;
+}
+
 #[tokio::test]
 async fn bad_reads_get_the_protocols_4xx_with_the_error_envelope() {
     let server = Server::start().await;
@@ -2146,30 +2172,4 @@ async fn a_compaction_projects_to_a_conversation_reset_with_the_summary_in_the_s
         .filter(|chunk| chunk["type"] == "conversation-reset")
         .count();
     assert_eq!(resets, 2, "the birth and the compaction: {updates}");
-}
-
-// ---------------------------------------------------------------------------------------------
-// Review findings (HTTP streaming protocol): each test states the reference behaviour.
-// ---------------------------------------------------------------------------------------------
-
-/// Reference §6.1 / §3.6: `submission_conflict` when "an idempotency key [is] reused with a
-/// different identity (kind, agent, id, message, initialData)".
-#[tokio::test]
-async fn review_an_idempotency_key_replayed_with_other_initial_data_conflicts() {
-    let server = Server::start().await;
-    server.model.push(ScriptedReply::text("hi"));
-    let first = server
-        .post(
-            "c9",
-            json!({"kind": "user", "body": "hi", "idempotencyKey": "k", "initialData": {"plan": "free"}}),
-        )
-        .await;
-    assert_eq!(first.status().as_u16(), 202);
-    let replay = server
-        .post(
-            "c9",
-            json!({"kind": "user", "body": "hi", "idempotencyKey": "k", "initialData": {"plan": "pro"}}),
-        )
-        .await;
-    assert_error(replay, 409, "submission_conflict").await;
 }

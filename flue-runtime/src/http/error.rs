@@ -265,8 +265,8 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::SubmissionConflict(submission_id) => Self::new(
                 StatusCode::CONFLICT,
                 "submission_conflict",
-                format!("Submission \"{submission_id}\" was already admitted with a different message."),
-                "An idempotency key names one message: use a new key for a new message.",
+                format!("Submission \"{submission_id}\" was already admitted with a different message, initial data or kind."),
+                "An idempotency key names one admission: use a new key for a new message or initialData.",
             )
             .with_meta(json!({"submissionId": submission_id})),
             RuntimeError::ShuttingDown => Self::runtime_unavailable("draining"),

@@ -95,7 +95,7 @@ impl Store for MemoryStore {
         let mut inner = self.lock();
         let result = (|| {
             if let Some(existing) = inner.submissions.get(&admission.submission_id) {
-                if existing.message == admission.message && existing.key == admission.key {
+                if existing.admitted_by(&admission) {
                     let uid = inner
                         .instances
                         .get(&admission.key)

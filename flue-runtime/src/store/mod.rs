@@ -133,6 +133,47 @@ impl TraceContext {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod submission_tests {
+    use serde_json::json;
+
+    use super::Submission;
+
+    fn stored(initial_data: Option<serde_json::Value>) -> serde_json::Value {
+        let mut row = json!({
+            "id": "sub_1", "sequence": 1, "key": {"agent": "a", "id": "i"}, "kind": "direct",
+            "message": {"kind": "user", "body": "hi"}, "status": "queued",
+            "accepted_at": "2026-01-01T00:00:00.000Z", "attempt_id": null, "attempt_count": 0,
+            "max_attempts": 10, "abort_requested": false, "joined_into": null, "outcome": null,
+            "error": null
+        });
+        if let Some(data) = initial_data {
+            row["initial_data"] = data;
+        }
+        row
+    }
+
+    #[test]
+    fn a_stored_row_keeps_its_initial_data_a_null_one_included_and_older_rows_have_none() {
+        let parse = |row: serde_json::Value| serde_json::from_value::<Submission>(row).unwrap();
+        assert_eq!(parse(stored(None)).initial_data, None, "a row stored before the field");
+        assert_eq!(parse(stored(Some(json!(null)))).initial_data, Some(json!(null)));
+        let row = parse(stored(Some(json!({"plan": "pro"}))));
+        assert_eq!(row.initial_data, Some(json!({"plan": "pro"})));
+        let mut without = row.clone();
+        without.initial_data = None;
+        for row in [row, without] {
+            let text = serde_json::to_string(&row).unwrap();
+            assert_eq!(serde_json::from_str::<Submission>(&text).unwrap(), row, "{text}");
+        }
+        let mut null = parse(stored(None));
+        null.initial_data = Some(json!(null));
+        let text = serde_json::to_string(&null).unwrap();
+        assert_eq!(serde_json::from_str::<Submission>(&text).unwrap(), null, "{text}");
+    }
+}
+
+#[cfg(test)]
 mod trace_tests {
     use super::TraceContext;
 
@@ -213,6 +254,10 @@ pub struct Submission {
     pub kind: SubmissionKind,
     /// The message.
     pub message: DeliveredMessage,
+    /// The creation data it was admitted with (a JSON `null` kept as sent; `None` when it had
+    /// none, and on rows stored before it was).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present")]
+    pub initial_data: Option<Value>,
     /// Where it is.
     pub status: SubmissionStatus,
     /// When it was accepted (RFC 3339).
@@ -248,6 +293,24 @@ pub struct Submission {
     /// The admitting request's trace context.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceContext>,
+}
+
+impl Submission {
+    /// Whether `admission` admits this same input: the identity a keyed replay must match
+    /// (kind, instance, message and creation data), or the store answers
+    /// [`StoreError::SubmissionConflict`].
+    pub(crate) fn admitted_by(&self, admission: &Admission) -> bool {
+        self.kind == admission.kind
+            && self.key == admission.key
+            && self.message == admission.message
+            && self.initial_data == admission.initial_data
+    }
+}
+
+/// A field that is `Some` whenever it is present, `null` included (`Option` alone reads `null`
+/// as `None`).
+fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(deserializer).map(Some)
 }
 
 /// The result of an admission.
@@ -348,6 +411,7 @@ pub(crate) fn queued_submission(admission: Admission, sequence: u64) -> Submissi
         key: admission.key,
         kind: admission.kind,
         message: admission.message,
+        initial_data: admission.initial_data,
         status: SubmissionStatus::Queued,
         accepted_at: crate::record::now().to_string(),
         attempt_id: None,
@@ -389,8 +453,8 @@ pub enum StoreError {
         /// Its incarnation.
         uid: String,
     },
-    /// The submission id is taken by another payload.
-    #[error("Submission \"{0}\" was already admitted with a different message.")]
+    /// The submission id is taken by another payload (kind, instance, message or creation data).
+    #[error("Submission \"{0}\" was already admitted with a different message, initial data or kind.")]
     SubmissionConflict(String),
     /// The appending attempt does not own the submission any more.
     #[error("The stream rejected the append: {0}.")]

@@ -98,6 +98,7 @@ const TABLES: [(&str, &str); 5] = [
             outcome TEXT CHECK (outcome IN ('completed', 'failed', 'aborted')),
             error TEXT,
             trace TEXT,
+            initial_data TEXT,
             FOREIGN KEY (agent, instance_id) REFERENCES flue_instances (agent, instance_id)
         );
         CREATE INDEX flue_submissions_unsettled ON flue_submissions (agent, instance_id, admission_seq)
@@ -135,18 +136,19 @@ const TABLES: [(&str, &str); 5] = [
 ];
 
 /// Adds the columns a `flue_submissions` table created by an earlier build lacks (the
-/// timeouts, the trace context).
-const ADD_TIMEOUT_COLUMNS: &str = "ALTER TABLE flue_submissions \
+/// timeouts, the trace context, the creation data).
+const ADD_SUBMISSION_COLUMNS: &str = "ALTER TABLE flue_submissions \
      ADD COLUMN IF NOT EXISTS timeout_ms NUMERIC(20, 0) NOT NULL DEFAULT 3600000, \
      ADD COLUMN IF NOT EXISTS timeout_at_ms NUMERIC(20, 0) NOT NULL DEFAULT 0, \
-     ADD COLUMN IF NOT EXISTS trace TEXT";
+     ADD COLUMN IF NOT EXISTS trace TEXT, \
+     ADD COLUMN IF NOT EXISTS initial_data TEXT";
 
 /// The columns [`submission_from_row`] decodes, in its order.
 macro_rules! submission_columns {
     () => {
         "id, admission_seq, agent, instance_id, kind, message, status, accepted_at, attempt_id, owner_id, \
          lease_until_ms::TEXT, attempt_count, max_attempts, abort_requested, joined_into, outcome, error, \
-         timeout_ms::TEXT, timeout_at_ms::TEXT, trace"
+         timeout_ms::TEXT, timeout_at_ms::TEXT, trace, initial_data"
     };
 }
 
@@ -164,7 +166,7 @@ const INSERT_INSTANCE: &str = "INSERT INTO flue_instances (agent, instance_id, u
      VALUES ($1, $2, $3, 0, $4) ON CONFLICT DO NOTHING RETURNING uid";
 const INSERT_SUBMISSION: &str = concat!(
     "INSERT INTO flue_submissions (id, agent, instance_id, kind, message, status, accepted_at, max_attempts, \
-     timeout_ms, trace) VALUES ($1, $2, $3, $4, $5, 'queued', $6, $7, $8::TEXT::NUMERIC, $9) \
+     timeout_ms, trace, initial_data) VALUES ($1, $2, $3, $4, $5, 'queued', $6, $7, $8::TEXT::NUMERIC, $9, $10) \
      ON CONFLICT (id) DO NOTHING RETURNING ",
     submission_columns!()
 );
@@ -526,9 +528,9 @@ async fn prepare_format(tx: &Transaction<'_>) -> Result<(), Failure> {
         }
     }
     if tables.iter().any(|table| table == "flue_submissions") {
-        // Format-1 schemas from before the submission timeout was stored gain its columns, with
-        // the default one-hour budget.
-        tx.batch_execute(ADD_TIMEOUT_COLUMNS).await?;
+        // Format-1 schemas from before the submission timeout (or the trace context, or the
+        // creation data) was stored gain its columns, with the default one-hour budget.
+        tx.batch_execute(ADD_SUBMISSION_COLUMNS).await?;
     }
     Ok(())
 }
@@ -592,6 +594,7 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
     let timeout: String = row.try_get(17)?;
     let timeout_at: String = row.try_get(18)?;
     let trace: Option<String> = row.try_get(19)?;
+    let initial_data: Option<String> = row.try_get(20)?;
     Ok(Submission {
         id: row.try_get(0)?,
         sequence: u64::try_from(sequence).map_err(|_| corrupt(format_args!("admission sequence {sequence}")))?,
@@ -599,6 +602,12 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
         kind: parse_kind(row.try_get(4)?)?,
         message: serde_json::from_str::<DeliveredMessage>(&message)
             .map_err(|error| corrupt(format_args!("message: {error}")))?,
+        // A JSON `null` is stored as the text `null`, and read back as `Some(Value::Null)`.
+        initial_data: initial_data
+            .as_deref()
+            .map(serde_json::from_str::<serde_json::Value>)
+            .transpose()
+            .map_err(|error| corrupt(format_args!("initial data: {error}")))?,
         status: parse_status(row.try_get(6)?)?,
         accepted_at: row.try_get(7)?,
         attempt_id: row.try_get(8)?,
@@ -696,7 +705,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     };
     if let Some(row) = replayed {
         let replayed = submission_from_row(&row)?;
-        if replayed.message == admission.message && replayed.key == admission.key {
+        if replayed.admitted_by(admission) {
             return Ok(Admitted {
                 submission: replayed,
                 uid: existing.map(|(uid, _)| uid).unwrap_or_default(),
@@ -746,6 +755,11 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
         .as_ref()
         .map(|trace| to_json(trace, "trace context"))
         .transpose()?;
+    let initial_data = admission
+        .initial_data
+        .as_ref()
+        .map(|data| to_json(data, "initial data"))
+        .transpose()?;
     let created_at = now().to_string();
     let (insert_instance, append, insert_submission, head) = (
         tx.prepare_cached(INSERT_INSTANCE).await?,
@@ -785,6 +799,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
                     &max_attempts,
                     &timeout,
                     &trace,
+                    &initial_data,
                 ],
             )
             .await
@@ -1642,6 +1657,30 @@ mod tests {
         let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
         let row = store.submission("d-1").await.unwrap().unwrap();
         assert_eq!((row.timeout_ms, row.timeout_at_ms), (3_600_000, 0));
+    }
+
+    #[tokio::test]
+    async fn a_submissions_table_without_the_initial_data_column_gains_it_and_older_rows_have_none() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        store.admit(admission("d-1", "assistant", "older")).await.unwrap();
+        drop(store);
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute("ALTER TABLE flue_submissions DROP COLUMN initial_data")
+            .await
+            .unwrap();
+        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        assert_eq!(store.submission("d-1").await.unwrap().unwrap().initial_data, None);
+        let mut created = admission("d-2", "assistant", "newer");
+        created.initial_data = Some(serde_json::json!({"plan": "pro"}));
+        store.admit(created.clone()).await.unwrap();
+        assert_eq!(
+            store.submission("d-2").await.unwrap().unwrap().initial_data,
+            created.initial_data
+        );
+        assert!(store.admit(created).await.unwrap().deduplicated);
     }
 
     #[tokio::test]

@@ -29,6 +29,7 @@ macro_rules! store_contract {
                 [
                     admits_one_queued_dispatch_row_when_the_same_submission_is_replayed,
                     returns_conflict_when_one_submission_id_is_reused_with_another_payload,
+                    returns_conflict_when_one_submission_id_is_reused_with_other_initial_data_or_kind,
                     creates_the_instance_with_a_birth_record_once,
                     concurrent_first_admissions_create_one_instance_with_one_birth_record,
                     keeps_the_admitting_requests_trace_context_on_the_submission,
@@ -221,6 +222,67 @@ pub async fn returns_conflict_when_one_submission_id_is_reused_with_another_payl
     assert_eq!(
         store.admit(other).await.unwrap_err(),
         StoreError::SubmissionConflict("dispatch-1".into())
+    );
+}
+
+/// The identity a replay must match is (kind, agent, id, message, initialData); a JSON `null`
+/// as initial data is data, not its absence.
+pub async fn returns_conflict_when_one_submission_id_is_reused_with_other_initial_data_or_kind(store: Factory) {
+    use serde_json::{Value, json};
+    let with_data = |id: &str, data: Option<Value>| Admission {
+        initial_data: data,
+        ..dispatch(id)
+    };
+    let first = store
+        .admit(with_data("dispatch-1", Some(json!({"plan": "free"}))))
+        .await
+        .unwrap();
+    assert_eq!(first.submission.initial_data, Some(json!({"plan": "free"})));
+    assert_eq!(
+        row(&store, "dispatch-1").await.initial_data,
+        Some(json!({"plan": "free"}))
+    );
+    let replay = store
+        .admit(with_data("dispatch-1", Some(json!({"plan": "free"}))))
+        .await
+        .unwrap();
+    assert!(replay.deduplicated);
+    assert_eq!(replay.submission, first.submission);
+    let conflict = Err(StoreError::SubmissionConflict("dispatch-1".into()));
+    for other in [Some(json!({"plan": "pro"})), Some(Value::Null), None] {
+        assert_eq!(
+            store.admit(with_data("dispatch-1", other.clone())).await.map(|_| ()),
+            conflict,
+            "{other:?}"
+        );
+    }
+    let direct = Admission {
+        kind: SubmissionKind::Direct,
+        ..with_data("dispatch-1", Some(json!({"plan": "free"})))
+    };
+    assert_eq!(store.admit(direct).await.map(|_| ()), conflict, "another kind");
+
+    store.admit(with_data("dispatch-2", Some(Value::Null))).await.unwrap();
+    assert_eq!(row(&store, "dispatch-2").await.initial_data, Some(Value::Null));
+    assert!(
+        store
+            .admit(with_data("dispatch-2", Some(Value::Null)))
+            .await
+            .unwrap()
+            .deduplicated
+    );
+    assert_eq!(
+        store.admit(with_data("dispatch-2", None)).await.map(|_| ()),
+        Err(StoreError::SubmissionConflict("dispatch-2".into()))
+    );
+    store.admit(with_data("dispatch-3", None)).await.unwrap();
+    assert_eq!(row(&store, "dispatch-3").await.initial_data, None);
+    assert_eq!(
+        store
+            .admit(with_data("dispatch-3", Some(Value::Null)))
+            .await
+            .map(|_| ()),
+        Err(StoreError::SubmissionConflict("dispatch-3".into()))
     );
 }
 

@@ -770,7 +770,7 @@ impl Store for SqliteStore {
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         ready(self.transaction(|tx| {
             if let Some(existing) = read_submission(tx, &admission.submission_id)? {
-                if existing.message == admission.message && existing.key == admission.key {
+                if existing.admitted_by(&admission) {
                     let uid = instance_uid(tx, &admission.key)?.unwrap_or_default();
                     return Ok(Admitted {
                         submission: existing,
