@@ -496,7 +496,12 @@ impl Conversation {
     /// move after it).
     fn insert_result(&mut self, message: ModelMessage, row: Row) {
         let at = self.results_at.min(self.messages.len());
-        self.messages.make_mut().insert(at, message);
+        if at == self.messages.len() {
+            // The usual case: an addition keeps the history's encodings.
+            self.messages.push(message);
+        } else {
+            self.messages.make_mut().insert(at, message);
+        }
         self.rows.insert(at, row);
         for (index, _) in &mut self.image_refs {
             if *index >= at {
@@ -949,6 +954,85 @@ mod tests {
             });
         }
         conversation
+    }
+
+    /// Adds an exchange in which the model calls a tool, reads its result and answers.
+    fn tool_exchange(conversation: &mut Conversation, exchange: usize) {
+        let (step, answer) = (format!("step-{exchange}"), format!("answer-{exchange}"));
+        let records = [
+            RecordBody::UserMessage {
+                message_id: format!("user-{exchange}"),
+                body: "2+3?".into(),
+                attachments: Vec::new(),
+            },
+            RecordBody::AssistantMessageStarted {
+                message_id: step.clone(),
+                model: "scripted/x".into(),
+                response_metadata: None,
+            },
+            RecordBody::AssistantToolCall {
+                message_id: step.clone(),
+                tool_call_id: format!("call-{exchange}"),
+                name: "add".into(),
+                arguments: "{\"a\":2,\"b\":3}".into(),
+            },
+            RecordBody::AssistantMessageCompleted {
+                message_id: step.clone(),
+                text: String::new(),
+                stop_reason: StopReason::ToolUse,
+                usage: Default::default(),
+            },
+            RecordBody::ToolOutcome {
+                assistant_message_id: step.clone(),
+                tool_call_id: format!("call-{exchange}"),
+                tool_name: "add".into(),
+                is_error: false,
+                content: "5".into(),
+                terminate: false,
+                duration_ms: 0,
+            },
+            RecordBody::ToolResultsCommitted {
+                assistant_message_id: step,
+            },
+            RecordBody::AssistantMessageStarted {
+                message_id: answer.clone(),
+                model: "scripted/x".into(),
+                response_metadata: None,
+            },
+            RecordBody::AssistantMessageCompleted {
+                message_id: answer,
+                text: "5".into(),
+                stop_reason: StopReason::Stop,
+                usage: Default::default(),
+            },
+        ];
+        conversation.apply(&Batch {
+            offset: exchange as u64,
+            records: records.into_iter().map(record).collect(),
+        });
+    }
+
+    #[test]
+    fn a_conversation_of_tool_calls_encodes_only_its_new_messages_at_each_call() {
+        let mut conversation = Conversation::default();
+        let encode = |conversation: &Conversation| {
+            let (mut out, mut encoded) = (Vec::new(), 0);
+            conversation
+                .model_messages()
+                .encode_into("f", &mut out, |message, out| {
+                    encoded += 1;
+                    serde_json::to_writer(out, message)
+                })
+                .expect("encodes");
+            encoded
+        };
+        tool_exchange(&mut conversation, 0);
+        assert_eq!(encode(&conversation), 4);
+        for exchange in 1..20 {
+            tool_exchange(&mut conversation, exchange);
+            assert_eq!(encode(&conversation), 4, "exchange {exchange}: its four messages only");
+        }
+        assert_eq!(conversation.model_messages().len(), 80);
     }
 
     #[test]
