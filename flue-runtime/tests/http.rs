@@ -2139,6 +2139,37 @@ async fn a_user_token_reaches_its_own_user_stream_and_instances_and_nothing_else
 }
 
 #[tokio::test]
+async fn a_user_id_with_a_colon_reaches_its_events_but_no_instance_namespace() {
+    use flue_runtime::http::{Access, BearerTokens};
+    // `u:admin`'s namespace `u:admin:…` would lie inside user `u`'s, so it has none: an id
+    // `u:admin:notes` is user `u`'s instance `admin:notes`.
+    let tokens = BearerTokens::new()
+        .allow("u-token", Access::User("u".into()))
+        .allow("admin-token", Access::User("u:admin".into()));
+    let server = Server::start_with(HttpOptions::default().authorized_by(tokens)).await;
+    let get = |path: &str, token: &'static str| {
+        let request = server.client.get(format!("{}{path}", server.root)).bearer_auth(token);
+        async move { request.send().await.unwrap() }
+    };
+    for path in ["/agents/calculator/u:notes", "/agents/calculator/u:admin:notes"] {
+        let reached = get(path, "u-token").await;
+        assert_eq!(
+            reached.status().as_u16(),
+            404,
+            "{path}: reached (not found yet), not refused"
+        );
+    }
+    assert_error(
+        get("/agents/calculator/u:admin:notes", "admin-token").await,
+        403,
+        "forbidden",
+    )
+    .await;
+    let events = get("/users/u:admin/events", "admin-token").await;
+    assert_eq!(events.status().as_u16(), 200);
+}
+
+#[tokio::test]
 async fn a_compaction_projects_to_a_conversation_reset_with_the_summary_in_the_snapshot() {
     use flue_runtime::provider::{ProviderError, ProviderErrorKind};
     let server = Server::start().await;

@@ -68,7 +68,8 @@ pub enum Access {
     /// `user-42:`), and the catalog.
     IdPrefix(String),
     /// The user's event stream (`/users/<id>/events`) and instances whose id starts with
-    /// `<id>:`, and the catalog.
+    /// `<id>:`, and the catalog. A user id that itself contains `:` reaches no instance: its
+    /// namespace would lie inside another user's (`u:admin:notes` is user `u`'s instance).
     User(String),
 }
 
@@ -94,7 +95,9 @@ impl Access {
             Self::All => true,
             Self::Instances(instances) => instances.contains(&(agent.to_owned(), id.to_owned())),
             Self::IdPrefix(prefix) => id.starts_with(prefix.as_str()),
-            Self::User(user) => id.strip_prefix(user.as_str()).is_some_and(|rest| rest.starts_with(':')),
+            Self::User(user) => {
+                !user.contains(':') && id.strip_prefix(user.as_str()).is_some_and(|rest| rest.starts_with(':'))
+            }
         }
     }
 }
