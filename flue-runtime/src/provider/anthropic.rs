@@ -174,21 +174,34 @@ impl AnthropicProvider {
                 input_schema: &tool.parameters,
             })
         })?;
-        request.serialize_body(
-            &MessagesRequest {
-                model: &request.model,
-                max_tokens,
-                stream: true,
-                system: request.system.as_deref().filter(|s| !s.is_empty()),
-                messages: messages(&request.messages),
-                tools: &tools,
-                thinking: budget.map(|budget_tokens| Thinking {
-                    kind: "enabled",
-                    budget_tokens,
-                }),
-            },
-            &tools,
-        )
+        // `{"messages":[…],` then the other fields: the history's encodings are kept with it
+        // (each complete run of a role's messages is encoded once, not at every call).
+        let mut body = Vec::with_capacity(request.body_size_hint(tools.encoded_len()));
+        body.extend_from_slice(b"{\"messages\":[");
+        request
+            .messages
+            .encode_runs_into(ANTHROPIC_MESSAGES, &mut body, next_run, |run, out| {
+                messages(run)
+                    .iter()
+                    .try_for_each(|message| serde_json::to_writer(&mut *out, message))
+            })?;
+        body.extend_from_slice(b"],");
+        let fields = MessagesFields {
+            model: &request.model,
+            max_tokens,
+            stream: true,
+            system: request.system.as_deref().filter(|s| !s.is_empty()),
+            tools: &tools,
+            thinking: budget.map(|budget_tokens| Thinking {
+                kind: "enabled",
+                budget_tokens,
+            }),
+        };
+        // The fields' own object, without its opening brace: they follow the messages.
+        let fields_at = body.len();
+        serde_json::to_writer(&mut body, &fields)?;
+        body.remove(fields_at);
+        Ok(body)
     }
 
     /// The JSON body of a call, as a value (tests).
@@ -198,14 +211,18 @@ impl AnthropicProvider {
     }
 }
 
+/// The wire format [`Messages::encode_runs_into`](crate::provider::Messages) keeps the
+/// history's encodings in.
+const ANTHROPIC_MESSAGES: &str = "anthropic-messages";
+
+/// A call's body but its messages (written before these, see `body_bytes`).
 #[derive(Serialize)]
-struct MessagesRequest<'a> {
+struct MessagesFields<'a> {
     model: &'a str,
     max_tokens: u32,
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     system: Option<&'a str>,
-    messages: Vec<Message<'a>>,
     #[serde(skip_serializing_if = "Declarations::is_empty")]
     tools: &'a Declarations,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -281,6 +298,35 @@ fn in_tool_loop(messages: &[ModelMessage]) -> bool {
         .rev()
         .take_while(|m| !matches!(m, ModelMessage::User { .. }))
         .any(|m| matches!(m, ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty()))
+}
+
+/// The role of the Anthropic message `message` goes into, or `None` when it sends no block
+/// (it then joins whichever run it sits in).
+fn role_of(message: &ModelMessage) -> Option<&'static str> {
+    match message {
+        ModelMessage::User { content, images } => {
+            (!images.is_empty() || text_block(content).is_some()).then_some("user")
+        }
+        ModelMessage::Assistant { text, tool_calls } => {
+            (!tool_calls.is_empty() || text_block(text).is_some()).then_some("assistant")
+        }
+        ModelMessage::Tool { .. } => Some("user"),
+    }
+}
+
+/// How many of `conversation`'s first messages [`messages`] merges into one Anthropic message,
+/// and whether that run is complete: a message of the other role follows it, so no later
+/// message can join it.
+fn next_run(conversation: &[ModelMessage]) -> (usize, bool) {
+    let mut role = None;
+    for (at, message) in conversation.iter().enumerate() {
+        match (role, role_of(message)) {
+            (Some(current), Some(next)) if next != current => return (at, true),
+            (None, next) => role = next,
+            _ => {}
+        }
+    }
+    (conversation.len(), false)
 }
 
 /// The conversation as Anthropic messages: content blocks, same-role runs merged.
@@ -732,6 +778,70 @@ mod tests {
 
     fn user(text: &str) -> ModelMessage {
         ModelMessage::user(text)
+    }
+
+    /// A step calling `calls` tools, then their results.
+    fn tool_step(history: &mut crate::provider::Messages, step: usize, calls: usize) {
+        history.push(ModelMessage::Assistant {
+            text: if step % 2 == 0 {
+                String::new()
+            } else {
+                format!("Looking {step}.")
+            },
+            tool_calls: (0..calls)
+                .map(|call| ModelToolCall {
+                    id: format!("call_{step}_{call}"),
+                    name: "t".into(),
+                    arguments: "{\"a\":1}".into(),
+                })
+                .collect(),
+        });
+        for call in 0..calls {
+            history.push(ModelMessage::Tool {
+                tool_call_id: format!("call_{step}_{call}"),
+                name: "t".into(),
+                content: format!("\"result\" {call} ✓"),
+                is_error: call == 1,
+            });
+        }
+    }
+
+    #[test]
+    fn a_body_is_the_same_whether_its_history_was_encoded_before_or_not() {
+        let provider = AnthropicProvider::anthropic();
+        let mut warm = request(vec![user("hi")], ThinkingLevel::Off, None);
+        warm.system = Some("Be brief.".into());
+        let mut sizes = Vec::new();
+        for step in 0..6 {
+            let body = provider.body_bytes(&warm).expect("a body");
+            let cold = ModelRequest {
+                messages: warm.messages.to_vec().into(),
+                ..warm.clone()
+            };
+            assert_eq!(
+                body,
+                provider.body_bytes(&cold).expect("a body"),
+                "step {step}: byte for byte"
+            );
+            sizes.push(provider.body(&warm)["messages"].as_array().map(Vec::len));
+            tool_step(&mut warm.messages, step, 1 + step % 3);
+            if step % 2 == 1 {
+                // A user message joins the tool results' user turn; an empty step joins nothing.
+                warm.messages.push(user("and then?"));
+                warm.messages.push(ModelMessage::Assistant {
+                    text: " ".into(),
+                    tool_calls: Vec::new(),
+                });
+            }
+        }
+        assert_eq!(sizes, [Some(1), Some(3), Some(5), Some(7), Some(9), Some(11)]);
+        let body = provider.body(&warm);
+        let turns = body["messages"].as_array().expect("messages");
+        // The last user turn: tool results first, then the user's text.
+        let last = &turns[turns.len() - 1]["content"];
+        assert_eq!(last[0]["type"], "tool_result");
+        assert_eq!(body["model"], "claude");
+        assert_eq!(body["system"], "Be brief.");
     }
 
     #[test]

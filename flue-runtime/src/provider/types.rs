@@ -30,19 +30,6 @@ pub struct ModelRequest {
 }
 
 impl ModelRequest {
-    /// Serializes `body`, a provider's JSON body for this request that carries `tools` (its
-    /// encoded declarations of the request's tools), into a buffer that starts near its size
-    /// ([`ModelRequest::body_size_hint`]).
-    pub(crate) fn serialize_body(
-        &self,
-        body: &impl Serialize,
-        tools: &super::tool_json::Declarations,
-    ) -> Result<Vec<u8>, serde_json::Error> {
-        let mut bytes = Vec::with_capacity(self.body_size_hint(tools.encoded_len()));
-        serde_json::to_writer(&mut bytes, body)?;
-        Ok(bytes)
-    }
-
     /// About the size of this request's JSON body, at least its text, when its tools'
     /// declarations take `encoded_tools` bytes: the buffer a provider serializes the body into
     /// starts that large instead of doubling its way up from 128 bytes (each doubling a
@@ -184,27 +171,75 @@ impl Messages {
         out: &mut Vec<u8>,
         mut encode: impl FnMut(&ModelMessage, &mut Vec<u8>) -> Result<(), E>,
     ) -> Result<(), E> {
+        self.encode_runs_into(format, out, |_| (1, true), |run, out| encode(&run[0], out))
+    }
+
+    /// [`Messages::encode_into`] for a format that sends a run of messages as one (Anthropic
+    /// merges a role's consecutive messages): `next_run` tells how many of the messages it is
+    /// given make the first run, and whether that run is complete (a later message can no
+    /// longer join it); `encode` writes a run, or nothing for a run that sends nothing. Only
+    /// complete runs' encodings are kept.
+    pub(crate) fn encode_runs_into<E>(
+        &self,
+        format: &'static str,
+        out: &mut Vec<u8>,
+        mut next_run: impl FnMut(&[ModelMessage]) -> (usize, bool),
+        mut encode: impl FnMut(&[ModelMessage], &mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let messages = &self.0.messages;
+        // Writes the run, after a comma when something came before it; nothing on failure.
+        let mut write = |run: &[ModelMessage], bytes: &mut Vec<u8>, after: bool| {
+            let before = bytes.len();
+            if after {
+                bytes.push(b',');
+            }
+            let start = bytes.len();
+            match encode(run, bytes) {
+                Ok(()) if bytes.len() == start => {
+                    bytes.truncate(before);
+                    Ok(false)
+                }
+                Ok(()) => Ok(true),
+                Err(error) => {
+                    bytes.truncate(before);
+                    Err(error)
+                }
+            }
+        };
         let mut cache = self.0.encoded();
         let encoded = match &mut *cache {
-            Some(encoded) if encoded.format == format && encoded.count <= self.0.messages.len() => encoded,
+            Some(encoded) if encoded.format == format && encoded.count <= messages.len() => encoded,
             stale => stale.insert(Encoded {
                 format,
                 count: 0,
                 bytes: Vec::new(),
             }),
         };
-        for message in &self.0.messages[encoded.count..] {
-            let before = encoded.bytes.len();
-            if encoded.count > 0 {
-                encoded.bytes.push(b',');
+        let mut at = encoded.count;
+        let mut open = None;
+        while at < messages.len() {
+            let (len, complete) = next_run(&messages[at..]);
+            let run = &messages[at..(at + len.max(1)).min(messages.len())];
+            if !complete {
+                open = Some(at);
+                break;
             }
-            if let Err(error) = encode(message, &mut encoded.bytes) {
-                encoded.bytes.truncate(before);
-                return Err(error);
-            }
-            encoded.count += 1;
+            let after = !encoded.bytes.is_empty();
+            write(run, &mut encoded.bytes, after)?;
+            at += run.len();
+            encoded.count = at;
         }
+        let mut wrote = !encoded.bytes.is_empty();
         out.extend_from_slice(&encoded.bytes);
+        drop(cache);
+        // The runs a later message may still join: encoded afresh at every call.
+        let mut at = open.unwrap_or(messages.len());
+        while at < messages.len() {
+            let (len, _) = next_run(&messages[at..]);
+            let run = &messages[at..(at + len.max(1)).min(messages.len())];
+            wrote |= write(run, out, wrote)?;
+            at += run.len();
+        }
         Ok(())
     }
 }
