@@ -1,0 +1,310 @@
+//! Review (postgres): several runtime nodes sharing one Postgres database. Each test gets a
+//! fresh schema of the database at `FLUE_TEST_POSTGRES_URL` (`.ci/test` sets it).
+#![cfg(feature = "postgres")]
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+mod harness;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use flue_runtime::BoxFuture;
+use flue_runtime::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
+use flue_runtime::events::Event;
+use flue_runtime::prelude::*;
+use flue_runtime::provider::ProviderRegistry;
+use flue_runtime::record::{Batch, Outcome, Record, SettlementError};
+use flue_runtime::store::{
+    Admission, Admitted, AttachmentPut, AttemptRef, Claim, InstanceInfo, InstanceKey, PostgresStore, Store, StoreError,
+    StoredAttachment, Submission, SubmissionStatus, now_ms,
+};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use serde_json::json;
+
+fn url() -> Option<String> {
+    let url = std::env::var("FLUE_TEST_POSTGRES_URL").ok().filter(|url| !url.is_empty());
+    if url.is_none() {
+        eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping (run .ci/test)");
+    }
+    url
+}
+
+fn fresh_schema() -> String {
+    format!("flue_review_{}", ulid::Ulid::new().to_string().to_lowercase())
+}
+
+fn claim(attempt: &str, owner: &str, lease_ms: u64) -> Claim {
+    Claim {
+        attempt_id: attempt.into(),
+        owner_id: owner.into(),
+        lease_until_ms: now_ms() + lease_ms,
+    }
+}
+
+// ---- renew_leases vs reclaim ------------------------------------------------------------------
+
+/// A heartbeat that lands just after another node listed the lease as expired: the renewal
+/// reports success (the owner believes it holds the instance for another lease), yet the other
+/// node's reclaim still takes the submission over, because `RECLAIM` compares only the attempt
+/// id, never the lease it is supposed to be taking over. Two nodes then run one instance.
+#[tokio::test]
+async fn a_lease_renewed_after_the_expiry_scan_is_not_taken_over() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let a = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let b = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let key = InstanceKey::new("assistant", "slow-heartbeat");
+    a.admit(harness::admission(&key, "d-1", "hello")).await.unwrap();
+    a.claim_next(&key, &claim("attempt-a", "node-a", 100)).await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    // Node B's lease scan sees the lease expired...
+    let expired = b.expired(now_ms()).await.unwrap();
+    assert_eq!(expired.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(), ["d-1"]);
+    // ...then node A's (late) heartbeat renews it for another 30 s, successfully...
+    assert_eq!(
+        a.renew_leases("node-a", &["attempt-a".to_owned()], now_ms() + 30_000)
+            .await
+            .unwrap(),
+        1,
+        "the renewal succeeded: node A holds the lease for 30 s more"
+    );
+    // ...so node B's takeover, acting on its stale read, must not succeed.
+    let taken = b.reclaim("d-1", "attempt-a", &claim("attempt-b", "node-b", 30_000)).await.unwrap();
+    assert!(
+        taken.is_none(),
+        "a lease renewed 0 ms ago (until {}) was taken over by node B: {:?}",
+        now_ms() + 30_000,
+        taken.map(|row| (row.owner_id, row.attempt_id, row.attempt_count))
+    );
+}
+
+// ---- abort intents and running attempts -------------------------------------------------------
+
+#[agent]
+fn waiter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("wait_forever").description("Wait until aborted.").run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            ctx.signal().aborted().await;
+            "stopped"
+        },
+    ));
+    "Wait."
+}
+
+fn node(store: impl Store, model: &ScriptedModel) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .store(store)
+        .providers(providers)
+        .agent(waiter)
+        .options(RuntimeOptions {
+            model_retry_delay: Duration::from_millis(1),
+            lease: Duration::from_secs(2),
+            heartbeat: Duration::from_millis(50),
+            scan_interval: Duration::from_millis(100),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap()
+}
+
+fn waiting_model() -> ScriptedModel {
+    ScriptedModel::new([
+        ScriptedReply::tool_call("wait_forever", json!({})),
+        ScriptedReply::text("never"),
+    ])
+}
+
+fn outcome(result: Result<Result<flue_runtime::AgentReply, RuntimeError>, tokio::time::error::Elapsed>) -> String {
+    match result {
+        Err(_) => "still running after 10 s".into(),
+        Ok(Ok(reply)) => format!("completed: {:?}", reply.text),
+        Ok(Err(RuntimeError::Run { error_type, .. })) => error_type,
+        Ok(Err(other)) => format!("error: {other}"),
+    }
+}
+
+async fn dispatch_and_wait_for_the_tool(runtime: &Runtime, instance: &str) -> String {
+    let mut events = runtime.observe();
+    let handle = runtime.init(&waiter, instance);
+    let receipt = handle.dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    receipt.submission_id
+}
+
+/// Control: the abort reaches the attempt when it is requested on the node running it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_an_abort_on_the_owning_node_settles_the_running_submission_aborted() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let model = waiting_model();
+    let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
+    let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    let handle = a.init(&waiter, "w");
+    assert!(handle.abort().await.unwrap());
+    let result = tokio::time::timeout(Duration::from_secs(10), handle.read(&id)).await;
+    assert_eq!(outcome(result), "submission_aborted");
+}
+
+/// §3.9/§3.10: an abort intent stamped on a running row aborts the live attempt (the lease scan
+/// enforces abort intents and deadlines on live attempts). Requested through another node, the
+/// intent is stamped (`abort()` answers true) but the node running the attempt never learns
+/// of it: only the requesting node's in-process attempt is signalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_requested_through_another_node_reaches_the_running_attempt() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let model = waiting_model();
+    let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
+    let b = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &waiting_model());
+    b.start().await;
+    let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    assert!(b.init(&waiter, "w").abort().await.unwrap(), "node B stamped the abort intent");
+    let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let row = store.submission(&id).await.unwrap().unwrap();
+    assert!(row.abort_requested && row.status == SubmissionStatus::Running);
+    let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
+    assert_eq!(outcome(result), "submission_aborted");
+}
+
+// ---- request_abort racing claim (one node) -----------------------------------------------------
+
+/// The Postgres store, with its `read` held for a while once `hold` is set: widens the window
+/// between an attempt's claim and the moment it becomes the slot's running attempt.
+struct SlowRead {
+    inner: PostgresStore,
+    hold: Arc<AtomicBool>,
+}
+
+impl Store for SlowRead {
+    fn admit(&self, a: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
+        self.inner.admit(a)
+    }
+    fn instance(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
+        self.inner.instance(k)
+    }
+    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.submission(id)
+    }
+    fn has_queued(&self, k: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.has_queued(k)
+    }
+    fn claim_next(&self, k: &InstanceKey, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.claim_next(k, c)
+    }
+    fn renew_leases(&self, o: &str, a: &[String], l: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.renew_leases(o, a, l)
+    }
+    fn expired(&self, n: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        self.inner.expired(n)
+    }
+    fn reclaim(&self, id: &str, s: &str, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.reclaim(id, s, c)
+    }
+    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
+        self.inner.instances_with_queued()
+    }
+    fn claim_joinable(&self, h: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        self.inner.claim_joinable(h)
+    }
+    fn finalize_join(&self, h: &AttemptRef, id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.finalize_join(h, id)
+    }
+    fn settle(
+        &self,
+        h: &AttemptRef,
+        o: Outcome,
+        e: Option<SettlementError>,
+        r: Vec<Record>,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.settle(h, o, e, r)
+    }
+    fn requeue(&self, a: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.inner.requeue(a)
+    }
+    fn request_abort(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.inner.request_abort(k)
+    }
+    fn append(
+        &self,
+        k: &InstanceKey,
+        r: Arc<[Record]>,
+        a: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.append(k, r, a)
+    }
+    fn read(&self, k: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        let hold = self.hold.swap(false, Ordering::SeqCst);
+        let read = self.inner.read(k, after);
+        Box::pin(async move {
+            if hold {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+            }
+            read.await
+        })
+    }
+    fn put_attachment(&self, k: &InstanceKey, a: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.put_attachment(k, a)
+    }
+    fn attachment(&self, k: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>> {
+        self.inner.attachment(k, id)
+    }
+    fn user_value(&self, u: &str, k: &str) -> BoxFuture<'_, Result<Option<UserValue>, StoreError>> {
+        self.inner.user_value(u, k)
+    }
+    fn set_user_value(
+        &self,
+        u: &str,
+        k: &str,
+        v: Option<serde_json::Value>,
+        at: i64,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.set_user_value(u, k, v, at)
+    }
+    fn list_user_values(&self, u: &str, q: &UserValuesQuery) -> BoxFuture<'_, Result<UserValuePage, StoreError>> {
+        self.inner.list_user_values(u, q)
+    }
+    fn shared(&self) -> bool {
+        true
+    }
+}
+
+/// §3.7 step 1 / §3.10: an abort requested once the row is `running` (claimed) but before the
+/// attempt has installed its abort signal is stamped on the row and answered `aborted: true`,
+/// yet the attempt runs to completion: it decides on the `abort_requested` of its claim
+/// snapshot, and `abort_running` found no current attempt to signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let hold = Arc::new(AtomicBool::new(false));
+    let store = SlowRead {
+        inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        hold: hold.clone(),
+    };
+    let model = ScriptedModel::new([ScriptedReply::text("done")]);
+    let runtime = node(store, &model);
+    let observer = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let handle = runtime.init(&waiter, "racing");
+    hold.store(true, Ordering::SeqCst);
+    let receipt = handle.dispatch("go").await.unwrap();
+    // Wait until the worker's claim committed (its store read is now held).
+    loop {
+        let row = observer.submission(&receipt.submission_id).await.unwrap().unwrap();
+        if row.status == SubmissionStatus::Running {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap(), "the abort intent was stamped on the running row");
+    let result = tokio::time::timeout(Duration::from_secs(10), handle.read(&receipt.submission_id)).await;
+    assert_eq!(outcome(result), "submission_aborted");
+}
