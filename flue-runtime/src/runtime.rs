@@ -283,13 +283,21 @@ impl RuntimeInner {
                 }
                 let lease_until = crate::store::now_ms() + runtime.options.lease.as_millis() as u64;
                 let running = runtime.running_attempts();
-                if !running.is_empty()
-                    && let Err(error) = runtime
+                if !running.is_empty() {
+                    if let Err(error) = runtime
                         .store
                         .renew_leases(&runtime.owner_id, &running, lease_until)
                         .await
-                {
-                    tracing::warn!(%error, "renewing leases failed");
+                    {
+                        tracing::warn!(%error, "renewing leases failed");
+                    }
+                    // An abort requested through another node (or that missed this one's
+                    // attempt as it started) reaches the attempt here.
+                    match runtime.store.aborts_requested(&running).await {
+                        Ok(aborting) if !aborting.is_empty() => runtime.abort_attempts(&aborting),
+                        Ok(_) => {}
+                        Err(error) => tracing::warn!(%error, "reading abort requests failed"),
+                    }
                 }
                 drop(runtime);
                 tokio::time::sleep(heartbeat).await;
@@ -306,7 +314,11 @@ impl RuntimeInner {
                 for row in expired {
                     let Some(stale) = row.attempt_id.clone() else { continue };
                     let claim = self.claim();
-                    match self.store.reclaim(&row.id, &stale, &claim).await {
+                    match self
+                        .store
+                        .reclaim(&row.id, &stale, &claim, crate::store::now_ms())
+                        .await
+                    {
                         Ok(Some(reclaimed)) => {
                             tracing::info!(submission = %reclaimed.id, instance = %reclaimed.key, "took over an expired lease");
                             self.slot(&reclaimed.key).resume(reclaimed, claim.attempt_id);
@@ -363,6 +375,23 @@ impl RuntimeInner {
     }
 
     /// The attempts this node is running: the leases its heartbeat renews.
+    /// Fires the abort signal of each of `attempt_ids` this node runs.
+    fn abort_attempts(&self, attempt_ids: &[String]) {
+        let slots: Vec<(Arc<InstanceSlot>, String)> = self
+            .instances
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .values()
+            .filter_map(|slot| {
+                let attempt = slot.running_attempt()?;
+                attempt_ids.contains(&attempt).then(|| (slot.clone(), attempt))
+            })
+            .collect();
+        for (slot, attempt) in slots {
+            slot.abort_attempt(&attempt);
+        }
+    }
+
     fn running_attempts(&self) -> Vec<String> {
         self.instances
             .lock()
@@ -922,7 +951,7 @@ impl AgentHandle {
     /// was affected; settlement as aborted happens asynchronously.
     pub async fn abort(&self) -> Result<bool, RuntimeError> {
         let affected = self.runtime.store.request_abort(&self.key).await?;
-        self.runtime.slot(&self.key).abort_running();
+        self.runtime.slot(&self.key).abort_submissions(&affected);
         self.runtime.slot(&self.key).wake();
         Ok(!affected.is_empty())
     }

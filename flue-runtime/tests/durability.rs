@@ -84,8 +84,17 @@ impl Store for FaultyStore {
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         self.inner.expired(now_ms)
     }
-    fn reclaim(&self, id: &str, stale: &str, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.reclaim(id, stale, claim)
+    fn reclaim(
+        &self,
+        id: &str,
+        stale: &str,
+        claim: &Claim,
+        now_ms: u64,
+    ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.reclaim(id, stale, claim, now_ms)
+    }
+    fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.inner.aborts_requested(attempt_ids)
     }
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
         self.inner.instances_with_queued()

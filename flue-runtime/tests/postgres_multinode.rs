@@ -1,5 +1,6 @@
-//! Review (postgres): several runtime nodes sharing one Postgres database. Each test gets a
-//! fresh schema of the database at `FLUE_TEST_POSTGRES_URL` (`.ci/test` sets it).
+//! Several runtime nodes sharing one Postgres database: leases, takeovers and aborts across
+//! nodes. Each test gets a fresh schema of the database at `FLUE_TEST_POSTGRES_URL` (`.ci/test`
+//! sets it).
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
@@ -10,8 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use flue_runtime::BoxFuture;
-use flue_runtime::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use flue_runtime::events::Event;
+use flue_runtime::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::ProviderRegistry;
 use flue_runtime::record::{Batch, Outcome, Record, SettlementError};
@@ -24,7 +25,9 @@ use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
 
 fn url() -> Option<String> {
-    let url = std::env::var("FLUE_TEST_POSTGRES_URL").ok().filter(|url| !url.is_empty());
+    let url = std::env::var("FLUE_TEST_POSTGRES_URL")
+        .ok()
+        .filter(|url| !url.is_empty());
     if url.is_none() {
         eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping (run .ci/test)");
     }
@@ -32,7 +35,7 @@ fn url() -> Option<String> {
 }
 
 fn fresh_schema() -> String {
-    format!("flue_review_{}", ulid::Ulid::new().to_string().to_lowercase())
+    format!("flue_multinode_{}", ulid::Ulid::new().to_string().to_lowercase())
 }
 
 fn claim(attempt: &str, owner: &str, lease_ms: u64) -> Claim {
@@ -57,7 +60,10 @@ async fn a_lease_renewed_after_the_expiry_scan_is_not_taken_over() {
     let b = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
     let key = InstanceKey::new("assistant", "slow-heartbeat");
     a.admit(harness::admission(&key, "d-1", "hello")).await.unwrap();
-    a.claim_next(&key, &claim("attempt-a", "node-a", 100)).await.unwrap().unwrap();
+    a.claim_next(&key, &claim("attempt-a", "node-a", 100))
+        .await
+        .unwrap()
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(250)).await;
     // Node B's lease scan sees the lease expired...
     let expired = b.expired(now_ms()).await.unwrap();
@@ -71,7 +77,10 @@ async fn a_lease_renewed_after_the_expiry_scan_is_not_taken_over() {
         "the renewal succeeded: node A holds the lease for 30 s more"
     );
     // ...so node B's takeover, acting on its stale read, must not succeed.
-    let taken = b.reclaim("d-1", "attempt-a", &claim("attempt-b", "node-b", 30_000)).await.unwrap();
+    let taken = b
+        .reclaim("d-1", "attempt-a", &claim("attempt-b", "node-b", 30_000), now_ms())
+        .await
+        .unwrap();
     assert!(
         taken.is_none(),
         "a lease renewed 0 ms ago (until {}) was taken over by node B: {:?}",
@@ -142,7 +151,7 @@ async fn dispatch_and_wait_for_the_tool(runtime: &Runtime, instance: &str) -> St
 
 /// Control: the abort reaches the attempt when it is requested on the node running it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn control_an_abort_on_the_owning_node_settles_the_running_submission_aborted() {
+async fn an_abort_on_the_owning_node_settles_the_running_submission_aborted() {
     let Some(url) = url() else { return };
     let schema = fresh_schema();
     let model = waiting_model();
@@ -164,10 +173,16 @@ async fn an_abort_requested_through_another_node_reaches_the_running_attempt() {
     let schema = fresh_schema();
     let model = waiting_model();
     let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
-    let b = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &waiting_model());
+    let b = node(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &waiting_model(),
+    );
     b.start().await;
     let id = dispatch_and_wait_for_the_tool(&a, "w").await;
-    assert!(b.init(&waiter, "w").abort().await.unwrap(), "node B stamped the abort intent");
+    assert!(
+        b.init(&waiter, "w").abort().await.unwrap(),
+        "node B stamped the abort intent"
+    );
     let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
     let row = store.submission(&id).await.unwrap().unwrap();
     assert!(row.abort_requested && row.status == SubmissionStatus::Running);
@@ -206,8 +221,11 @@ impl Store for SlowRead {
     fn expired(&self, n: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         self.inner.expired(n)
     }
-    fn reclaim(&self, id: &str, s: &str, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.reclaim(id, s, c)
+    fn reclaim(&self, id: &str, s: &str, c: &Claim, n: u64) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.reclaim(id, s, c, n)
+    }
+    fn aborts_requested(&self, a: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.inner.aborts_requested(a)
     }
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
         self.inner.instances_with_queued()
@@ -304,7 +322,10 @@ async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(handle.abort().await.unwrap(), "the abort intent was stamped on the running row");
+    assert!(
+        handle.abort().await.unwrap(),
+        "the abort intent was stamped on the running row"
+    );
     let result = tokio::time::timeout(Duration::from_secs(10), handle.read(&receipt.submission_id)).await;
     assert_eq!(outcome(result), "submission_aborted");
 }

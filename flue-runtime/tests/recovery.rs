@@ -138,8 +138,11 @@ impl Store for PausingStore {
     fn expired(&self, n: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         self.inner.expired(n)
     }
-    fn reclaim(&self, id: &str, s: &str, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.reclaim(id, s, c)
+    fn reclaim(&self, id: &str, s: &str, c: &Claim, n: u64) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
+        self.inner.reclaim(id, s, c, n)
+    }
+    fn aborts_requested(&self, a: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.inner.aborts_requested(a)
     }
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
         self.inner.instances_with_queued()

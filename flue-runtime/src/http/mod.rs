@@ -374,7 +374,7 @@ async fn post_abort(
         .await
         .map_err(|error| ApiError::internal(&error))?;
     let slot = routes.runtime.slot(&key);
-    slot.abort_running();
+    slot.abort_submissions(&affected);
     slot.wake();
     Ok(axum::Json(json!({"aborted": !affected.is_empty()})).into_response())
 }

@@ -783,7 +783,7 @@ mod tests {
     /// A step calling `calls` tools, then their results.
     fn tool_step(history: &mut crate::provider::Messages, step: usize, calls: usize) {
         history.push(ModelMessage::Assistant {
-            text: if step % 2 == 0 {
+            text: if step.is_multiple_of(2) {
                 String::new()
             } else {
                 format!("Looking {step}.")

@@ -42,6 +42,9 @@ impl Attempt {
     }
 }
 
+/// The reason an aborted attempt's signal carries.
+pub(crate) const ABORTED: &str = "Submission was aborted.";
+
 /// The binding every render of one instance gets.
 pub(crate) struct InstanceBinding {
     pub(crate) key: InstanceKey,
@@ -51,7 +54,13 @@ pub(crate) struct InstanceBinding {
     /// Batches this node appended to the stream: a reader that saw this count has seen them.
     pub(crate) appends: std::sync::atomic::AtomicU64,
     pub(crate) current: Mutex<Option<Arc<Attempt>>>,
+    /// Submissions an abort was requested for while none of their attempts ran here: a
+    /// worker may be between their claim and their start (newest last, a few kept).
+    pub(crate) pending_aborts: Mutex<std::collections::VecDeque<String>>,
 }
+
+/// How many aborted submission ids an instance remembers for an attempt about to start.
+const PENDING_ABORTS: usize = 64;
 
 impl InstanceBinding {
     pub(crate) fn current(&self) -> Option<Arc<Attempt>> {
@@ -63,6 +72,53 @@ impl InstanceBinding {
 
     pub(crate) fn set_current(&self, attempt: Option<Arc<Attempt>>) {
         *self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = attempt;
+    }
+
+    /// Makes `attempt` the running one; returns whether an abort of its submission was
+    /// requested since its claim (before it ran, so no signal reached it).
+    pub(crate) fn start(&self, attempt: Arc<Attempt>) -> bool {
+        let mut current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let submission = attempt.attempt.submission_id.clone();
+        *current = Some(attempt);
+        let mut pending = self
+            .pending_aborts
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let requested = pending.iter().position(|id| *id == submission);
+        requested.and_then(|at| pending.remove(at)).is_some()
+    }
+
+    /// An abort was requested for `submissions`: the running attempt is signalled when its
+    /// submission is one of them; the others are remembered for an attempt about to start.
+    pub(crate) fn abort_submissions(&self, submissions: &[String]) {
+        let current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let running = current.as_ref().map(|attempt| attempt.attempt.submission_id.as_str());
+        if let Some(attempt) = current.as_ref()
+            && submissions.contains(&attempt.attempt.submission_id)
+        {
+            attempt.signal.abort(ABORTED);
+        }
+        let mut pending = self
+            .pending_aborts
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for id in submissions.iter().filter(|id| Some(id.as_str()) != running) {
+            if !pending.contains(id) {
+                pending.push_back(id.clone());
+            }
+        }
+        while pending.len() > PENDING_ABORTS {
+            pending.pop_front();
+        }
+    }
+
+    /// Fires the abort signal of `attempt_id` when it is the running attempt.
+    pub(crate) fn abort_attempt(&self, attempt_id: &str) {
+        if let Some(attempt) = self.current()
+            && attempt.attempt.attempt_id == attempt_id
+        {
+            attempt.signal.abort(ABORTED);
+        }
     }
 
     fn responding(&self) -> Option<Arc<Attempt>> {

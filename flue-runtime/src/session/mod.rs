@@ -132,6 +132,7 @@ impl InstanceSlot {
             appended: tokio::sync::Notify::new(),
             appends: AtomicU64::new(0),
             current: Mutex::new(None),
+            pending_aborts: Mutex::default(),
         });
         Self {
             key,
@@ -201,11 +202,15 @@ impl InstanceSlot {
         });
     }
 
-    /// Fires the running attempt's abort signal.
-    pub(crate) fn abort_running(&self) {
-        if let Some(attempt) = self.binding.current() {
-            attempt.signal.abort("Submission was aborted.");
-        }
+    /// An abort was requested for `submissions` (all of the instance's unsettled ones): the
+    /// running attempt is signalled, and an attempt about to start learns of it.
+    pub(crate) fn abort_submissions(&self, submissions: &[String]) {
+        self.binding.abort_submissions(submissions);
+    }
+
+    /// Fires the abort signal of `attempt_id` when it runs here.
+    pub(crate) fn abort_attempt(&self, attempt_id: &str) {
+        self.binding.abort_attempt(attempt_id);
     }
 
     async fn work(self: Arc<Self>) {
@@ -358,7 +363,9 @@ impl InstanceSlot {
             signal: AbortSignal::new(),
             responding: AtomicBool::new(true),
         });
-        self.binding.set_current(Some(attempt.clone()));
+        // An abort requested between the claim and now reached no signal: it counts as
+        // requested before the attempt ran.
+        let abort_requested = self.binding.start(attempt.clone()) || submission.abort_requested;
         // A response whose final answer is durable (an attempt died before settling it) settles
         // as completed: even past its budget, after an abort request or with its attempts used.
         let answered = refreshed.is_ok() && conversation.has_final_answer(&submission.id);
@@ -424,7 +431,7 @@ impl InstanceSlot {
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
             Ok(()) if answered => response.run().await,
-            Ok(()) if submission.abort_requested => Err(Failure::aborted()),
+            Ok(()) if abort_requested => Err(Failure::aborted()),
             // The budget counts every attempt, the interrupted ones included.
             Ok(()) if submission.attempt_count > submission.max_attempts => Err(Failure::failed(
                 "submission_retry_exhausted",

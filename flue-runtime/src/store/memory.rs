@@ -9,6 +9,7 @@ use flue_core::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use super::attachments::{AttachmentPut, StoredAttachment, conflict};
 use super::{
     Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
+    lease_expired,
 };
 use crate::record::{Batch, Outcome, Record, SettlementError, new_id};
 
@@ -213,9 +214,7 @@ impl Store for MemoryStore {
             .values()
             .flat_map(|instance| instance.unsettled.iter())
             .filter_map(|id| inner.submissions.get(id))
-            .filter(|row| {
-                row.status == SubmissionStatus::Running && row.lease_until_ms > 0 && row.lease_until_ms < now_ms
-            })
+            .filter(|row| row.status == SubmissionStatus::Running && lease_expired(row.lease_until_ms, now_ms))
             .cloned()
             .collect();
         rows.sort_by_key(|row| row.sequence);
@@ -227,10 +226,14 @@ impl Store for MemoryStore {
         submission_id: &str,
         stale_attempt_id: &str,
         claim: &Claim,
+        now_ms: u64,
     ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let mut inner = self.lock();
         let reclaimed = inner.submissions.get_mut(submission_id).and_then(|row| {
-            if row.status != SubmissionStatus::Running || row.attempt_id.as_deref() != Some(stale_attempt_id) {
+            if row.status != SubmissionStatus::Running
+                || row.attempt_id.as_deref() != Some(stale_attempt_id)
+                || !lease_expired(row.lease_until_ms, now_ms)
+            {
                 return None;
             }
             row.attempt_id = Some(claim.attempt_id.clone());
@@ -240,6 +243,18 @@ impl Store for MemoryStore {
             Some(row.clone())
         });
         ready(Ok(reclaimed))
+    }
+
+    fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        let inner = self.lock();
+        let aborting = inner
+            .submissions
+            .values()
+            .filter(|row| row.status == SubmissionStatus::Running && row.abort_requested)
+            .filter_map(|row| row.attempt_id.clone())
+            .filter(|attempt| attempt_ids.contains(attempt))
+            .collect();
+        ready(Ok(aborting))
     }
 
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {

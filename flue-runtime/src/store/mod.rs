@@ -313,6 +313,11 @@ fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<V
     Value::deserialize(deserializer).map(Some)
 }
 
+/// Whether a lease that runs until `lease_until_ms` (0: none) expired before `now_ms`.
+pub(crate) fn lease_expired(lease_until_ms: u64, now_ms: u64) -> bool {
+    lease_until_ms > 0 && lease_until_ms < now_ms
+}
+
 /// The result of an admission.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Admitted {
@@ -513,13 +518,21 @@ pub trait Store: Send + Sync + 'static {
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>>;
 
     /// Takes over an expired running submission: only while it still runs under
-    /// `stale_attempt_id`, it gets `claim`'s attempt and owner and one more attempt counted.
+    /// `stale_attempt_id` with its lease expired before `now_ms` (a renewal after the scan
+    /// that listed it keeps it with its owner), it gets `claim`'s attempt and owner and one
+    /// more attempt counted.
     fn reclaim(
         &self,
         submission_id: &str,
         stale_attempt_id: &str,
         claim: &Claim,
+        now_ms: u64,
     ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>>;
+
+    /// Of the attempts `attempt_ids` (the ones this node runs), those whose running
+    /// submission has an abort requested: an abort can be requested through any node, and the
+    /// node running the attempt learns of it here (its heartbeat asks).
+    fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
 
     /// Instances with a queued submission (what a starting or polling node picks up).
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>>;

@@ -204,9 +204,12 @@ const EXPIRED: &str = concat!(
 );
 const RECLAIM: &str = concat!(
     "UPDATE flue_submissions SET attempt_id = $3, owner_id = $4, lease_until_ms = $5::TEXT::NUMERIC, \
-     attempt_count = attempt_count + 1 WHERE id = $1 AND status = 'running' AND attempt_id = $2 RETURNING ",
+     attempt_count = attempt_count + 1 WHERE id = $1 AND status = 'running' AND attempt_id = $2 \
+     AND lease_until_ms > 0 AND lease_until_ms < $6::TEXT::NUMERIC RETURNING ",
     submission_columns!()
 );
+const ABORTS_REQUESTED: &str = "SELECT attempt_id FROM flue_submissions \
+     WHERE status = 'running' AND abort_requested AND attempt_id = ANY($1)";
 const INSTANCES_WITH_QUEUED: &str = "SELECT agent, instance_id FROM flue_submissions WHERE status = 'queued' \
      GROUP BY agent, instance_id ORDER BY agent COLLATE \"C\", instance_id COLLATE \"C\"";
 const QUEUED: &str = "SELECT id, abort_requested FROM flue_submissions \
@@ -890,12 +893,13 @@ async fn reclaim_tx(
     submission_id: &str,
     stale_attempt_id: &str,
     claim: &Claim,
+    now_ms: u64,
 ) -> Result<Option<Submission>, Failure> {
     if lock_instance_of(tx, submission_id).await?.is_none() {
         return Ok(None);
     }
     let statement = tx.prepare_cached(RECLAIM).await?;
-    let lease = claim.lease_until_ms.to_string();
+    let (lease, now) = (claim.lease_until_ms.to_string(), now_ms.to_string());
     match tx
         .query_opt(
             &statement,
@@ -905,6 +909,7 @@ async fn reclaim_tx(
                 &claim.attempt_id,
                 &claim.owner_id,
                 &lease,
+                &now,
             ],
         )
         .await?
@@ -1180,13 +1185,32 @@ impl Store for PostgresStore {
         submission_id: &str,
         stale_attempt_id: &str,
         claim: &Claim,
+        now_ms: u64,
     ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let submission_id = submission_id.to_owned();
         let stale_attempt_id = stale_attempt_id.to_owned();
         let claim = claim.clone();
         Box::pin(async move {
-            in_transaction!(self, |tx| reclaim_tx(&tx, &submission_id, &stale_attempt_id, &claim)
-                .await)
+            in_transaction!(self, |tx| reclaim_tx(
+                &tx,
+                &submission_id,
+                &stale_attempt_id,
+                &claim,
+                now_ms
+            )
+            .await)
+        })
+    }
+
+    fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        let attempt_ids = attempt_ids.to_vec();
+        Box::pin(async move {
+            Ok(self
+                .query(ABORTS_REQUESTED, &[&attempt_ids])
+                .await?
+                .iter()
+                .filter_map(|row| row.try_get::<_, String>(0).ok())
+                .collect())
         })
     }
 
@@ -1940,7 +1964,12 @@ mod tests {
             .await
             .unwrap();
         let taken = b
-            .reclaim("d-1", "attempt-a", &claim("attempt-b", "node-b"))
+            .reclaim(
+                "d-1",
+                "attempt-a",
+                &claim("attempt-b", "node-b"),
+                super::super::now_ms() + 60_000,
+            )
             .await
             .unwrap()
             .unwrap();

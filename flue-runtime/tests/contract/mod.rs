@@ -56,6 +56,8 @@ macro_rules! store_contract {
                     returns_empty_when_no_submissions_exist,
                     replaces_a_running_attempt_and_returns_the_updated_submission,
                     returns_null_without_writing_when_the_attempt_no_longer_owns_the_submission,
+                    does_not_take_over_a_lease_that_has_not_expired_by_the_takeover,
+                    reports_the_running_attempts_whose_submission_has_an_abort_requested,
                     claims_the_queued_dispatch_prefix_in_admission_order_onto_a_running_host,
                     claims_nothing_for_a_stale_attempt_or_a_host_that_is_not_running,
                     claims_direct_deliveries_alongside_dispatches,
@@ -138,6 +140,11 @@ fn claim(attempt: &str) -> Claim {
         owner_id: "owner-a".into(),
         lease_until_ms: now_ms() + 30_000,
     }
+}
+
+/// A time after the leases [`claim`] grants: a node's scan then finds them expired.
+fn after_the_lease() -> u64 {
+    now_ms() + 60_000
 }
 
 fn attempt(submission: &str, attempt: &str) -> AttemptRef {
@@ -676,7 +683,11 @@ pub async fn sets_attempt_count_to_1_at_claim_and_increments_it_on_reclaim(store
         .unwrap()
         .unwrap();
     assert_eq!(claimed.attempt_count, 1);
-    let reclaimed = store.reclaim("d-1", "a1", &claim("a2")).await.unwrap().unwrap();
+    let reclaimed = store
+        .reclaim("d-1", "a1", &claim("a2"), after_the_lease())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         (reclaimed.attempt_count, reclaimed.attempt_id.as_deref()),
         (2, Some("a2"))
@@ -802,13 +813,64 @@ pub async fn replaces_a_running_attempt_and_returns_the_updated_submission(store
         owner_id: "owner-b".into(),
         lease_until_ms: now_ms() + 30_000,
     };
-    let replaced = store.reclaim("d-1", "a1", &next).await.unwrap().unwrap();
+    let replaced = store
+        .reclaim("d-1", "a1", &next, after_the_lease())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         (replaced.attempt_id.as_deref(), replaced.owner_id.as_deref()),
         (Some("a2"), Some("owner-b"))
     );
     assert_eq!(replaced.lease_until_ms, next.lease_until_ms);
     assert_eq!(row(&store, "d-1").await, replaced);
+}
+
+pub async fn does_not_take_over_a_lease_that_has_not_expired_by_the_takeover(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    // The owner renewed after another node's scan listed the lease: the takeover, at `now`,
+    // finds it running until later.
+    assert!(
+        store
+            .reclaim("d-1", "a1", &claim("a2"), now_ms())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let unchanged = row(&store, "d-1").await;
+    assert_eq!(
+        (unchanged.attempt_count, unchanged.attempt_id.as_deref()),
+        (1, Some("a1"))
+    );
+}
+
+pub async fn reports_the_running_attempts_whose_submission_has_an_abort_requested(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    admit(
+        &store,
+        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
+    )
+    .await;
+    for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
+        store
+            .claim_next(&key("assistant", instance), &claim(attempt))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let running = ["a1".to_owned(), "a2".to_owned(), "a3".to_owned()];
+    assert!(store.aborts_requested(&running).await.unwrap().is_empty());
+    store.request_abort(&key("assistant", "agent-2")).await.unwrap();
+    assert_eq!(store.aborts_requested(&running).await.unwrap(), ["a2"]);
+    assert!(
+        store.aborts_requested(&["a1".to_owned()]).await.unwrap().is_empty(),
+        "only the attempts asked about"
+    );
 }
 
 pub async fn returns_null_without_writing_when_the_attempt_no_longer_owns_the_submission(store: Factory) {
@@ -818,7 +880,13 @@ pub async fn returns_null_without_writing_when_the_attempt_no_longer_owns_the_su
         .await
         .unwrap()
         .unwrap();
-    assert!(store.reclaim("d-1", "stale", &claim("a2")).await.unwrap().is_none());
+    assert!(
+        store
+            .reclaim("d-1", "stale", &claim("a2"), after_the_lease())
+            .await
+            .unwrap()
+            .is_none()
+    );
     let unchanged = row(&store, "d-1").await;
     assert_eq!(
         (unchanged.attempt_count, unchanged.attempt_id.as_deref()),
@@ -1246,7 +1314,11 @@ pub async fn stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_
         (before + 3_600_000..=now_ms() + 3_600_000).contains(&deadline),
         "the deadline is the first claim plus the budget: {deadline}"
     );
-    let reclaimed = store.reclaim("d-1", "a1", &claim("a2")).await.unwrap().unwrap();
+    let reclaimed = store
+        .reclaim("d-1", "a1", &claim("a2"), after_the_lease())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(reclaimed.timeout_at_ms, deadline, "a reclaim keeps the deadline");
     assert!(store.requeue(&attempt("d-1", "a2")).await.unwrap());
     assert_eq!(row(&store, "d-1").await.timeout_at_ms, deadline, "a requeue keeps it");

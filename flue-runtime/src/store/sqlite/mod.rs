@@ -906,12 +906,16 @@ impl Store for SqliteStore {
         submission_id: &str,
         stale_attempt_id: &str,
         claim: &Claim,
+        now_ms: u64,
     ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         ready(self.transaction(|tx| {
             let Some(mut row) = read_submission(tx, submission_id)? else {
                 return Ok(None);
             };
-            if row.status != SubmissionStatus::Running || row.attempt_id.as_deref() != Some(stale_attempt_id) {
+            if row.status != SubmissionStatus::Running
+                || row.attempt_id.as_deref() != Some(stale_attempt_id)
+                || !super::lease_expired(row.lease_until_ms, now_ms)
+            {
                 return Ok(None);
             }
             row.attempt_id = Some(claim.attempt_id.clone());
@@ -920,6 +924,22 @@ impl Store for SqliteStore {
             row.attempt_count += 1;
             write_submission(tx, &row)?;
             Ok(Some(row))
+        }))
+    }
+
+    fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        ready(self.read_transaction(|tx| {
+            let running = submissions(
+                tx,
+                "SELECT data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' ORDER BY sequence",
+                [],
+            )?;
+            Ok(running
+                .into_iter()
+                .filter(|row| row.abort_requested)
+                .filter_map(|row| row.attempt_id)
+                .filter(|attempt| attempt_ids.contains(attempt))
+                .collect())
         }))
     }
 
