@@ -1666,19 +1666,25 @@ mod tests {
         assert_eq!(meta(&client).await, stamp("format_version", "1"));
     }
 
+    /// A store whose submission `d-1` was admitted before `alter` (dropping columns a later
+    /// layout added) ran, reopened: the upgrade has run.
+    async fn reopened_after(url: &str, alter: &str) -> PostgresStore {
+        let schema = fresh_schema();
+        let store = PostgresStore::connect_with_schema(url, &schema).await.unwrap();
+        store.admit(admission("d-1", "assistant", "older")).await.unwrap();
+        drop(store);
+        raw(url, &schema).await.batch_execute(alter).await.unwrap();
+        PostgresStore::connect_with_schema(url, &schema).await.unwrap()
+    }
+
     #[tokio::test]
     async fn a_submissions_table_without_the_timeout_columns_gains_them_with_the_default_budget() {
         let Some(url) = test_url() else { return };
-        let schema = fresh_schema();
-        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
-        store.admit(admission("d-1", "assistant", "older")).await.unwrap();
-        drop(store);
-        let client = raw(&url, &schema).await;
-        client
-            .batch_execute("ALTER TABLE flue_submissions DROP COLUMN timeout_ms, DROP COLUMN timeout_at_ms")
-            .await
-            .unwrap();
-        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let store = reopened_after(
+            &url,
+            "ALTER TABLE flue_submissions DROP COLUMN timeout_ms, DROP COLUMN timeout_at_ms",
+        )
+        .await;
         let row = store.submission("d-1").await.unwrap().unwrap();
         assert_eq!((row.timeout_ms, row.timeout_at_ms), (3_600_000, 0));
     }
@@ -1686,16 +1692,7 @@ mod tests {
     #[tokio::test]
     async fn a_submissions_table_without_the_initial_data_column_gains_it_and_older_rows_have_none() {
         let Some(url) = test_url() else { return };
-        let schema = fresh_schema();
-        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
-        store.admit(admission("d-1", "assistant", "older")).await.unwrap();
-        drop(store);
-        let client = raw(&url, &schema).await;
-        client
-            .batch_execute("ALTER TABLE flue_submissions DROP COLUMN initial_data")
-            .await
-            .unwrap();
-        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let store = reopened_after(&url, "ALTER TABLE flue_submissions DROP COLUMN initial_data").await;
         assert_eq!(store.submission("d-1").await.unwrap().unwrap().initial_data, None);
         let mut created = admission("d-2", "assistant", "newer");
         created.initial_data = Some(serde_json::json!({"plan": "pro"}));
