@@ -613,3 +613,350 @@ async fn a_send_dropped_after_its_admission_committed_a_claim_leaves_the_submiss
         .unwrap();
     assert_eq!(reply.text, "Relayed.");
 }
+
+// ---- review/session: turn-loop and submission semantics against reference §3, §8 -----------
+
+/// Fails the `n`-th batch (1-based) that carries an `assistant_message_started`.
+fn nth_step_batch(n: usize) -> impl Fn(&[Record]) -> bool + Send + 'static {
+    let seen = AtomicUsize::new(0);
+    move |records: &[Record]| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::AssistantMessageStarted { .. }))
+            && seen.fetch_add(1, Ordering::SeqCst) + 1 == n
+    }
+}
+
+#[agent]
+fn review_follow_upper() -> &'static str {
+    use_model("scripted/x");
+    let dispatch = use_dispatch_message();
+    use_tool(
+        Tool::new("follow_up")
+            .description("Queue a follow-up.")
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let dispatch = dispatch.clone();
+                async move {
+                    let receipt = dispatch
+                        .dispatch("follow-up")
+                        .await
+                        .map_err(|e| ToolError::new(e.to_string()))?;
+                    Ok::<_, ToolError>(receipt.submission_id)
+                }
+            }),
+    );
+    "Plan."
+}
+
+/// Reference §3.7 step 10 "Resolve interrupted joins (record exists ⇒ finalize; else
+/// revert)", step 14 "Settle joined deliveries (each its own `submission_settled` under host
+/// attempt), then host"; §3.8 "they are settled through the outbox before the host (so HTTP
+/// waiters see a record), with the store fan-out as a backstop"; §7.3 "plus their own
+/// … `submission_settled`".
+#[tokio::test]
+async fn review_a_delivery_joined_by_an_earlier_attempt_settles_with_its_own_record_and_event() {
+    let store = FaultyStore::default();
+    // The step after the join fails once: the host is re-attempted from what is durable.
+    store.fail_once(nth_step_batch(2));
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("follow_up", json!({})),
+        ScriptedReply::text("lost with the failed attempt"),
+        ScriptedReply::text("answered"),
+    ]);
+    let runtime = runtime(&store, &model, review_follow_upper);
+    let mut events = runtime.observe();
+    let host = runtime.init(&review_follow_upper, "j-1").send("plan").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    let mut queued = Vec::new();
+    let mut settled = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            flue_runtime::events::Event::SubmissionQueued { .. } => queued.push(observation.submission_id.unwrap()),
+            flue_runtime::events::Event::SubmissionSettled { .. } => settled.push(observation.submission_id.unwrap()),
+            _ => {}
+        }
+    }
+    let delivery = queued.iter().find(|id| **id != host.submission_id).unwrap().clone();
+    let row = store.submission(&delivery).await.unwrap().unwrap();
+    assert_eq!(row.joined_into.as_deref(), Some(host.submission_id.as_str()));
+    assert_eq!(row.outcome, Some(Outcome::Completed));
+    let all = records(&store, &InstanceKey::new("review_follow_upper", "j-1")).await;
+    let has_record = all.iter().any(|record| {
+        matches!(record.body, RecordBody::SubmissionSettled { .. })
+            && record.submission_id.as_deref() == Some(delivery.as_str())
+    });
+    assert!(has_record, "the joined delivery's submission_settled record is in the stream");
+    assert!(
+        settled.contains(&delivery),
+        "the joined delivery's submission_settled event was published: {settled:?}"
+    );
+}
+
+/// A model that holds its `hold`-th call until released.
+struct Gated {
+    inner: ScriptedModel,
+    hold: usize,
+    calls: AtomicUsize,
+    reached: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl flue_runtime::provider::ModelProvider for Gated {
+    fn id(&self) -> &str {
+        "scripted"
+    }
+    fn context_window(&self, _model: &str) -> Option<u64> {
+        None
+    }
+    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use futures_util::StreamExt;
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        let stream = self.inner.stream(request);
+        if n != self.hold {
+            return stream;
+        }
+        let (reached, release) = (self.reached.clone(), self.release.clone());
+        Box::pin(
+            futures_util::stream::once(async move {
+                reached.notify_one();
+                release.acquire().await.unwrap().forget();
+                stream
+            })
+            .flatten(),
+        )
+    }
+}
+
+/// Reference §3.4 "on resume `hasPendingSteeredContinuation` detects a durably steered but
+/// unanswered tail (walk back from leaf: a joined entry … before any assistant) and drives the
+/// continuation turn"; §3.3 the joined input is durable. A delivery that joined at the
+/// would-stop phase after the host's final answer must still be answered after a re-attempt.
+#[tokio::test]
+async fn review_a_delivery_joined_after_the_final_answer_is_answered_after_a_re_attempt() {
+    let store = FaultyStore::default();
+    // The continuation step (the one answering the joined delivery) fails once.
+    store.fail_once(nth_step_batch(2));
+    let scripted = ScriptedModel::new([
+        ScriptedReply::text("first answer"),
+        ScriptedReply::text("lost with the failed attempt"),
+        ScriptedReply::text("the follow-up is answered"),
+    ]);
+    let reached = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let mut providers = ProviderRegistry::new();
+    providers.register(Gated {
+        inner: scripted.clone(),
+        hold: 1,
+        calls: AtomicUsize::new(0),
+        reached: reached.clone(),
+        release: release.clone(),
+    });
+    let runtime = Runtime::builder()
+        .agent(relay)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let handle = runtime.init(&relay, "late-join");
+    let sender = handle.clone();
+    let host = tokio::spawn(async move { sender.send("question").await });
+    reached.notified().await;
+    // Admitted while the host's final step streams: it joins at the would-stop phase.
+    let delivery = handle.dispatch("follow-up").await.unwrap();
+    release.add_permits(1);
+    let host = tokio::time::timeout(std::time::Duration::from_secs(10), host)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    let row = store.submission(&delivery.submission_id).await.unwrap().unwrap();
+    assert_eq!(
+        row.joined_into.as_deref(),
+        Some(host.submission_id.as_str()),
+        "the follow-up joined"
+    );
+    let requests = scripted.requests();
+    assert_eq!(
+        requests.len(),
+        3,
+        "the re-attempt drives the continuation turn for the joined follow-up"
+    );
+    assert_eq!(host.text, "first answer\n\nthe follow-up is answered");
+}
+
+/// Hand over to a person.
+#[tool(terminate)]
+async fn review_hand_off(
+    /// Why
+    reason: String,
+) -> String {
+    format!("Handed off: {reason}")
+}
+
+#[agent]
+fn review_handoff_desk() -> &'static str {
+    use_model("scripted/x");
+    use_tool(review_hand_off);
+    use_response_finish(|_ctx| json!({"handed_off": true}));
+    "Hand off."
+}
+
+/// Reference §8.20 "a complete trailing tool batch that unanimously `terminate`s is
+/// `completed` (no further turn)"; §3.9 step 2 "`completed` ⇒ settle"; §8.10 completed work
+/// is never redone.
+#[tokio::test]
+async fn review_a_re_attempt_after_a_committed_terminating_batch_calls_no_model() {
+    let store = FaultyStore::default();
+    // The response-finish batch (after the terminating batch committed) fails once.
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::MessageMetadata { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("review_hand_off", json!({"reason": "asked"})),
+        ScriptedReply::text("a turn after a terminating batch"),
+    ]);
+    let runtime = runtime(&store, &model, review_handoff_desk);
+    runtime.init(&review_handoff_desk, "h-1").send("a person please").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(model.requests().len(), 1, "completed work is never redone");
+}
+
+#[agent(max_steps = 2)]
+fn review_looper() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("again").description("Go again.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async { "again" },
+    ));
+    "Loop."
+}
+
+/// Reference (standard-agents §… `maxSteps` "at most N steps per turn"; DESIGN §4 "`max_steps`
+/// caps it"): the step budget belongs to the response, so a re-attempt that resumes the same
+/// response must not get a fresh budget.
+#[tokio::test]
+async fn review_max_steps_caps_a_response_across_its_attempts() {
+    let store = FaultyStore::default();
+    // The second step's tool batch fails once: the re-attempt resumes after step 2.
+    let seen = AtomicUsize::new(0);
+    store.fail_once(move |records| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::ToolResultsCommitted { .. }))
+            && seen.fetch_add(1, Ordering::SeqCst) + 1 == 2
+    });
+    let model = ScriptedModel::new((0..6).map(|_| ScriptedReply::tool_call("again", json!({}))));
+    let runtime = runtime(&store, &model, review_looper);
+    runtime.init(&review_looper, "l-1").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    let steps = records(&store, &InstanceKey::new("review_looper", "l-1"))
+        .await
+        .iter()
+        .filter(|r| matches!(r.body, RecordBody::AssistantMessageStarted { .. }))
+        .count();
+    assert_eq!(steps, 2, "max_steps = 2 durable model steps in the response");
+}
+
+#[agent]
+fn review_stamped_relay() -> &'static str {
+    use_model("scripted/x");
+    use_response_finish(|_ctx| json!({"stamped": true}));
+    "Relay."
+}
+
+/// Reference §3.4 "External side effects in callbacks may repeat; durable effects never
+/// duplicate"; §3.9 step 2 "`completed` ⇒ settle joined + host `completed`": an attempt that
+/// died after its response-finish batch committed (before settling) is settled, not finished
+/// a second time.
+#[tokio::test]
+async fn review_a_resumed_answered_response_does_not_append_its_finish_metadata_twice() {
+    use flue_runtime::store::now_ms;
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let key = InstanceKey::new("review_stamped_relay", "s-1");
+    store
+        .admit(harness::admission(&key, "sub_review_stamped", "question"))
+        .await
+        .unwrap();
+    let first = Claim {
+        attempt_id: "attempt_one".into(),
+        owner_id: "owner_one".into(),
+        lease_until_ms: now_ms() + 50,
+    };
+    store.claim_next(&key, &first).await.unwrap().unwrap();
+    let auth = AttemptRef {
+        submission_id: "sub_review_stamped".into(),
+        attempt_id: "attempt_one".into(),
+    };
+    let record = |body: RecordBody| Record {
+        id: format!("record_review_{}", ulid_like()),
+        submission_id: Some("sub_review_stamped".into()),
+        attempt_id: Some("attempt_one".into()),
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        body,
+    };
+    // The dead attempt's durable progress: input + seam, the final answer, the finish batch.
+    let batches = [
+        vec![
+            record(RecordBody::UserMessage {
+                message_id: "m1".into(),
+                body: "question".into(),
+                attachments: Vec::new(),
+            }),
+            record(RecordBody::AgentStartRun),
+        ],
+        vec![
+            record(RecordBody::AssistantMessageStarted {
+                message_id: "m2".into(),
+                model: "scripted/x".into(),
+                response_metadata: None,
+            }),
+            record(RecordBody::AssistantMessageCompleted {
+                message_id: "m2".into(),
+                text: "the answer".into(),
+                stop_reason: flue_runtime::provider::StopReason::Stop,
+                usage: Default::default(),
+            }),
+        ],
+        vec![record(RecordBody::MessageMetadata {
+            metadata: serde_json::from_value(json!({"stamped": true})).unwrap(),
+        })],
+    ];
+    for batch in batches {
+        store.append(&key, batch.into(), Some(&auth)).await.unwrap();
+    }
+    let runtime = Runtime::builder()
+        .agent(review_stamped_relay)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            heartbeat: std::time::Duration::from_millis(20),
+            scan_interval: std::time::Duration::from_millis(20),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    runtime.start().await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&review_stamped_relay, "s-1").read("sub_review_stamped"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(reply.text, "the answer");
+    let metadata = records(&store, &key)
+        .await
+        .iter()
+        .filter(|r| matches!(r.body, RecordBody::MessageMetadata { .. }))
+        .count();
+    assert_eq!(metadata, 1, "the response-finish batch is durable once");
+}

@@ -1187,3 +1187,181 @@ async fn tool_call_started_fires_once_per_call_before_the_tool_runs_with_its_pro
         ]
     );
 }
+
+// ---- review/session: turn-loop and submission semantics against reference §3, §7, §8 -------
+
+static REVIEW_FINISH_DISPATCHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[agent]
+fn review_finish_dispatcher() -> &'static str {
+    use_model("scripted/x");
+    let dispatch = use_dispatch_message();
+    use_agent_finish(move |_ctx| {
+        let dispatch = dispatch.clone();
+        async move {
+            // Appends nothing; dispatches once.
+            if !REVIEW_FINISH_DISPATCHED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                dispatch.dispatch("late follow-up").await.map_err(|e| e.to_string())?;
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        }
+    });
+    "Finish."
+}
+
+/// Reference §3.8 "Join points: … the would-stop phase (before finish hooks; again after a
+/// no-append cycle in case a hook dispatched)"; §8.23 "A cycle with no appends but a dispatch
+/// inside the hook triggers a join + another cycle".
+#[tokio::test]
+async fn review_a_dispatch_inside_a_no_append_finish_cycle_joins_the_live_response() {
+    let model = ScriptedModel::new([ScriptedReply::text("first"), ScriptedReply::text("second")]);
+    let runtime = runtime_with(&model, vec![review_finish_dispatcher.into()]);
+    let mut events = runtime.observe();
+    let host = runtime
+        .init(&review_finish_dispatcher, "rf")
+        .send("go")
+        .await
+        .unwrap();
+    // Collect until both submissions settled (on their own, the delivery settles later).
+    let mut running = Vec::new();
+    let mut settled = Vec::new();
+    while settled.len() < 2 {
+        let observation = tokio::time::timeout(std::time::Duration::from_secs(5), events.recv())
+            .await
+            .expect("both submissions settle")
+            .unwrap();
+        match observation.event {
+            Event::SubmissionRunning { .. } => running.push(observation.submission_id.unwrap()),
+            Event::SubmissionSettled { .. } => settled.push(observation.submission_id.unwrap()),
+            _ => {}
+        }
+    }
+    let delivery = settled.iter().find(|id| **id != host.submission_id).unwrap().clone();
+    let row = runtime.store().submission(&delivery).await.unwrap().unwrap();
+    assert_eq!(
+        row.joined_into.as_deref(),
+        Some(host.submission_id.as_str()),
+        "the finish hook's dispatch joins the host's response"
+    );
+    assert!(
+        !running.contains(&delivery),
+        "a joined delivery never emits submission_running: {running:?}"
+    );
+}
+
+static REVIEW_JOIN_SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[agent]
+fn review_counter_joiner() -> &'static str {
+    use_model("scripted/x");
+    let (count, set_count) = use_persistent_state("count", 0u32);
+    let dispatch = use_dispatch_message();
+    use_tool(
+        Tool::new("bump_and_follow_up")
+            .description("Bump the count and queue a follow-up.")
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let (set_count, dispatch) = (set_count.clone(), dispatch.clone());
+                async move {
+                    set_count.set(1)?;
+                    dispatch
+                        .dispatch("follow-up")
+                        .await
+                        .map_err(|e| ToolError::new(e.to_string()))?;
+                    Ok::<_, ToolError>("ok")
+                }
+            }),
+    );
+    use_agent_start(move |ctx| async move {
+        if ctx.delivery().body() == "follow-up" {
+            REVIEW_JOIN_SEEN.lock().unwrap().push(format!("count={count}"));
+        }
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "Count."
+}
+
+/// Reference §3.4 "A joined delivery re-renders first so hooks see earlier writes"; §2.4
+/// "Re-render … at a join boundary before a joined delivery's `useAgentStart` hooks".
+#[tokio::test]
+async fn review_a_joined_deliverys_start_seam_runs_on_a_fresh_render_that_sees_the_batchs_writes() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("bump_and_follow_up", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![review_counter_joiner.into()]);
+    runtime.init(&review_counter_joiner, "rj").send("go").await.unwrap();
+    assert_eq!(model.requests().len(), 2, "the follow-up joined");
+    assert_eq!(*REVIEW_JOIN_SEEN.lock().unwrap(), ["count=1"]);
+}
+
+/// Reference §3.7 step 10 "Resolve interrupted joins …, then apply queued joins" before
+/// driving model turns; §3.8 "Join points: before turn 1, every turn end, and the would-stop
+/// phase".
+#[tokio::test]
+async fn review_deliveries_queued_behind_the_head_join_before_turn_one() {
+    let model = ScriptedModel::new([ScriptedReply::text("both answered"), ScriptedReply::text("extra")]);
+    let runtime = runtime_with(&model, vec![relay_one.into()]);
+    let key = InstanceKey::new("relay_one", "q");
+    runtime
+        .store()
+        .admit(harness::admission(&key, "sub_review_a", "first question"))
+        .await
+        .unwrap();
+    runtime
+        .store()
+        .admit(harness::admission(&key, "sub_review_b", "second question"))
+        .await
+        .unwrap();
+    runtime.start().await;
+    let handle = runtime.init(&relay_one, "q");
+    tokio::time::timeout(std::time::Duration::from_secs(5), handle.read("sub_review_b"))
+        .await
+        .unwrap()
+        .unwrap();
+    let first: Vec<String> = model.requests()[0]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ModelMessage::User { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(first, ["first question", "second question"], "B joined before turn 1");
+    assert_eq!(model.requests().len(), 1);
+}
+
+#[agent]
+fn relay_one() -> &'static str {
+    use_model("scripted/x");
+    "Relay."
+}
+
+/// Reference §7.3 item 8: "per tool: `tool_start` at execution, `message_start`/`message_end`
+/// of its tool-result message when done".
+#[tokio::test]
+async fn review_each_tool_result_message_has_its_message_start_and_end_between_tool_start_and_tool() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
+        ScriptedReply::text("3"),
+    ]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&calculator, "review-o").send("1+2").await.unwrap();
+    let mut kinds = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        kinds.push(match observation.event {
+            Event::ToolStart { .. } => "tool_start".to_owned(),
+            Event::Tool { .. } => "tool".to_owned(),
+            Event::MessageStart { role } => format!("message_start:{role}"),
+            Event::MessageEnd { role } => format!("message_end:{role}"),
+            _ => continue,
+        });
+    }
+    let from = kinds.iter().position(|k| k == "tool_start").unwrap();
+    let to = kinds.iter().position(|k| k == "tool").unwrap();
+    assert_eq!(
+        kinds[from..=to],
+        ["tool_start", "message_start:tool", "message_end:tool", "tool"],
+        "{kinds:?}"
+    );
+}
