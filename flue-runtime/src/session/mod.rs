@@ -1088,6 +1088,11 @@ impl Response<'_> {
         // waking delivery (skipped when its marker committed).
         self.apply_input(&rendered, self.delivery.clone(), &submission_id)
             .await?;
+        // Join point before turn 1: deliveries queued behind this one join before the first
+        // model call (a resumed, answered response settles as it is).
+        if !already_answered {
+            self.join_queued(&rendered).await?;
+        }
         self.spare = Some(rendered);
 
         let max_steps = definition.max_steps.unwrap_or(u32::MAX);
