@@ -810,7 +810,7 @@ fn review_handoff_desk() -> &'static str {
 /// `completed` (no further turn)"; §3.9 step 2 "`completed` ⇒ settle"; §8.10 completed work
 /// is never redone.
 #[tokio::test]
-async fn review_a_re_attempt_after_a_committed_terminating_batch_calls_no_model() {
+async fn a_re_attempt_after_a_committed_terminating_batch_calls_no_model() {
     let store = FaultyStore::default();
     // The response-finish batch (after the terminating batch committed) fails once.
     store.fail_once(|records| {

@@ -76,6 +76,7 @@ struct PendingOutcome {
     tool_call_id: String,
     content: String,
     is_error: bool,
+    terminate: bool,
 }
 
 /// What a message row holds beyond its model message.
@@ -280,7 +281,19 @@ impl Conversation {
             }
             RecordBody::ToolResultsCommitted { .. } => {
                 if let Some(id) = submission {
-                    self.answered.remove(id);
+                    // A complete batch whose every tool asked to terminate ends the response
+                    // (no further turn): it is a final answer, never run again on resume.
+                    let terminated = !self.open_calls.is_empty()
+                        && self.open_calls.iter().all(|call| {
+                            self.outcomes
+                                .iter()
+                                .any(|outcome| outcome.tool_call_id == call.id && outcome.terminate)
+                        });
+                    if terminated {
+                        self.answered.insert(id.to_owned());
+                    } else {
+                        self.answered.remove(id);
+                    }
                 }
             }
             _ => {}
@@ -359,6 +372,7 @@ impl Conversation {
                 tool_call_id,
                 content,
                 is_error,
+                terminate,
                 ..
             } => {
                 self.outcomes.push(PendingOutcome {
@@ -367,6 +381,7 @@ impl Conversation {
                     tool_call_id: tool_call_id.clone(),
                     content: content.clone(),
                     is_error: *is_error,
+                    terminate: *terminate,
                 });
             }
             RecordBody::ToolResultsCommitted { .. } => {
