@@ -875,7 +875,7 @@ fn review_stamped_relay() -> &'static str {
 /// died after its response-finish batch committed (before settling) is settled, not finished
 /// a second time.
 #[tokio::test]
-async fn review_a_resumed_answered_response_does_not_append_its_finish_metadata_twice() {
+async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice() {
     use flue_runtime::store::now_ms;
     let store = FaultyStore::default();
     let model = ScriptedModel::new([]);

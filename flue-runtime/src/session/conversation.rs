@@ -59,6 +59,8 @@ pub(crate) struct Conversation {
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
     /// after it that asks for more.
     answered: HashSet<String>,
+    /// Submissions whose response-finish batch (its `message_metadata`) committed.
+    finished: HashSet<String>,
     /// User messages with images: their position in `messages` and their attachments.
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
@@ -237,6 +239,12 @@ impl Conversation {
         self.answered.contains(submission_id)
     }
 
+    /// Whether the submission's response-finish metadata is durable: a resumed, answered
+    /// response does not finish a second time.
+    pub(crate) fn has_finished(&self, submission_id: &str) -> bool {
+        self.finished.contains(submission_id)
+    }
+
     /// Continued finish cycles the submission committed.
     pub(crate) fn finish_cycles(&self, submission_id: &str) -> u32 {
         self.finish_cycles.get(submission_id).copied().unwrap_or(0)
@@ -258,6 +266,9 @@ impl Conversation {
             }
             RecordBody::AgentStartRun => {
                 self.started.extend(submission.map(str::to_owned));
+            }
+            RecordBody::MessageMetadata { .. } => {
+                self.finished.extend(submission.map(str::to_owned));
             }
             RecordBody::AssistantMessageStarted { .. } => {
                 self.stepped.extend(submission.map(str::to_owned));

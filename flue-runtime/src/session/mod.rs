@@ -1168,8 +1168,13 @@ impl Response<'_> {
             }
         }
 
-        // The true end: use_response_finish with final usage and tool calls.
+        // The true end: use_response_finish with final usage and tool calls — once: a resumed,
+        // answered response whose finish batch committed settles as it is (durable effects
+        // never duplicate).
         let rendered = self.spare.take().unwrap_or_default();
+        if already_answered && self.conversation.has_finished(&submission_id) {
+            return Ok(());
+        }
         let summary = ResponseSummary {
             tool_calls: self.tool_calls.clone(),
             usage: self.usage,
