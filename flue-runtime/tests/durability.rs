@@ -841,7 +841,7 @@ fn review_looper() -> &'static str {
 /// caps it"): the step budget belongs to the response, so a re-attempt that resumes the same
 /// response must not get a fresh budget.
 #[tokio::test]
-async fn review_max_steps_caps_a_response_across_its_attempts() {
+async fn max_steps_caps_a_response_across_its_attempts() {
     let store = FaultyStore::default();
     // The second step's tool batch fails once: the re-attempt resumes after step 2.
     let seen = AtomicUsize::new(0);

@@ -54,6 +54,8 @@ pub(crate) struct Conversation {
     started: HashSet<String>,
     /// Submissions with a durable model step.
     stepped: HashSet<String>,
+    /// Durable model steps per submission (its `assistant_message_started` records).
+    steps: HashMap<String, u32>,
     /// Continued finish cycles per submission.
     finish_cycles: HashMap<String, u32>,
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
@@ -245,6 +247,11 @@ impl Conversation {
         self.finished.contains(submission_id)
     }
 
+    /// The model steps the submission's response took durably, over all its attempts.
+    pub(crate) fn steps(&self, submission_id: &str) -> u32 {
+        self.steps.get(submission_id).copied().unwrap_or(0)
+    }
+
     /// Continued finish cycles the submission committed.
     pub(crate) fn finish_cycles(&self, submission_id: &str) -> u32 {
         self.finish_cycles.get(submission_id).copied().unwrap_or(0)
@@ -272,6 +279,9 @@ impl Conversation {
             }
             RecordBody::AssistantMessageStarted { .. } => {
                 self.stepped.extend(submission.map(str::to_owned));
+                if let Some(id) = submission {
+                    *self.steps.entry(id.to_owned()).or_default() += 1;
+                }
             }
             RecordBody::AgentFinishCycle => {
                 if let Some(id) = submission {

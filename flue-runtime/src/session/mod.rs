@@ -1096,7 +1096,8 @@ impl Response<'_> {
         self.spare = Some(rendered);
 
         let max_steps = definition.max_steps.unwrap_or(u32::MAX);
-        let mut steps = 0u32;
+        // The step budget belongs to the response: a re-attempt counts the durable steps.
+        let mut steps = self.conversation.steps(&submission_id);
         let mut finish_cycles = self.conversation.finish_cycles(&submission_id);
         loop {
             if already_answered {
