@@ -304,20 +304,25 @@ fn closer() -> &'static str {
     let dispatch = use_dispatch_message();
     let delivery = use_delivery();
     let opening = delivery.body() == "open";
-    // At the would-stop point of the first response, past its last turn boundary: the
-    // follow-up cannot join it and waits in the queue behind it.
-    use_agent_finish(move |_ctx| {
-        let dispatch = dispatch.clone();
-        async move {
-            if opening {
-                dispatch.dispatch("follow-up").await.expect("the follow-up is admitted");
-            }
+    // At the response's true end, past its last join point (a dispatch in a finish cycle
+    // still joins): the follow-up cannot join it and waits in the queue behind it. The
+    // callback is synchronous, so the admission runs on a thread of its own.
+    use_response_finish(move |_ctx| {
+        if opening {
+            let (dispatch, handle) = (dispatch.clone(), tokio::runtime::Handle::current());
+            std::thread::spawn(move || {
+                handle
+                    .block_on(dispatch.dispatch("follow-up"))
+                    .expect("the follow-up is admitted");
+            })
+            .join()
+            .unwrap();
         }
     });
     "You close."
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_send_hands_work_queued_behind_its_submission_on_when_it_settles() {
     let model = ScriptedModel::echo();
     let runtime = runtime_with(&model, vec![closer.into()]);
@@ -1219,7 +1224,7 @@ fn review_finish_dispatcher() -> &'static str {
 /// no-append cycle in case a hook dispatched)"; §8.23 "A cycle with no appends but a dispatch
 /// inside the hook triggers a join + another cycle".
 #[tokio::test]
-async fn review_a_dispatch_inside_a_no_append_finish_cycle_joins_the_live_response() {
+async fn a_dispatch_inside_a_no_append_finish_cycle_joins_the_live_response() {
     let model = ScriptedModel::new([ScriptedReply::text("first"), ScriptedReply::text("second")]);
     let runtime = runtime_with(&model, vec![review_finish_dispatcher.into()]);
     let mut events = runtime.observe();

@@ -1137,7 +1137,13 @@ impl Response<'_> {
                 let appended = self.finish_cycle(&rendered).await?;
                 if appended.is_empty() {
                     self.commit(Vec::new(), true).await?;
+                    // Joins again after a no-append cycle, in case a hook dispatched: a joined
+                    // delivery drives another turn (not a counted cycle).
+                    let joined = self.join_queued(&rendered).await?;
                     self.spare = Some(rendered);
+                    if joined {
+                        continue;
+                    }
                     break;
                 }
                 finish_cycles += 1;
