@@ -1294,7 +1294,7 @@ fn review_counter_joiner() -> &'static str {
 /// Reference §3.4 "A joined delivery re-renders first so hooks see earlier writes"; §2.4
 /// "Re-render … at a join boundary before a joined delivery's `useAgentStart` hooks".
 #[tokio::test]
-async fn review_a_joined_deliverys_start_seam_runs_on_a_fresh_render_that_sees_the_batchs_writes() {
+async fn a_joined_deliverys_start_seam_runs_on_a_fresh_render_that_sees_the_batchs_writes() {
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("bump_and_follow_up", json!({})),
         ScriptedReply::text("done"),

@@ -1091,7 +1091,7 @@ impl Response<'_> {
         // Join point before turn 1: deliveries queued behind this one join before the first
         // model call (a resumed, answered response settles as it is).
         if !already_answered {
-            self.join_queued(&rendered).await?;
+            self.join_queued().await?;
         }
         self.spare = Some(rendered);
 
@@ -1130,7 +1130,7 @@ impl Response<'_> {
                     self.spare = Some(rendered);
                     continue;
                 }
-                if self.join_queued(&rendered).await? {
+                if self.join_queued().await? {
                     self.spare = Some(rendered);
                     continue;
                 }
@@ -1139,7 +1139,7 @@ impl Response<'_> {
                     self.commit(Vec::new(), true).await?;
                     // Joins again after a no-append cycle, in case a hook dispatched: a joined
                     // delivery drives another turn (not a counted cycle).
-                    let joined = self.join_queued(&rendered).await?;
+                    let joined = self.join_queued().await?;
                     self.spare = Some(rendered);
                     if joined {
                         continue;
@@ -1168,7 +1168,7 @@ impl Response<'_> {
             if let Some(queued_terminate) = self.run_queued_tools(&rendered, &model.spec).await? {
                 terminate = queued_terminate;
             }
-            self.join_queued(&rendered).await?;
+            self.join_queued().await?;
             self.spare = Some(rendered);
             if terminate {
                 break;
@@ -1481,7 +1481,7 @@ impl Response<'_> {
     }
 
     /// Claims queued deliveries into this response; returns whether any joined.
-    async fn join_queued(&mut self, rendered: &Rendered) -> Result<bool, Failure> {
+    async fn join_queued(&mut self) -> Result<bool, Failure> {
         // Loaded before the store is asked: an admission committed after the question bumps
         // the count after it, so the next boundary asks again.
         let admissions = self.admissions.load(Ordering::SeqCst);
@@ -1503,7 +1503,10 @@ impl Response<'_> {
         for delivery in claimed {
             let message = Arc::new(delivery.message.clone());
             let previous = std::mem::replace(&mut self.delivery, message.clone());
-            if !self.apply_input(rendered, message, &delivery.id).await? {
+            // A joined delivery re-renders first: its start seam's hooks see the writes
+            // committed before the join (and the delivery they start for).
+            let fresh = self.render()?;
+            if !self.apply_input(&fresh, message, &delivery.id).await? {
                 // Not finalized: at settlement the claim goes back to the queue, and the
                 // delivery is processed on its own — where the prevention fails it with
                 // `message_hook_error`.
