@@ -445,6 +445,8 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
             Event::AgentStart => "agent_start",
             Event::MessageStart { role } if role == "user" => "user_start",
             Event::MessageEnd { role } if role == "user" => "user_end",
+            Event::MessageStart { role } if role == "tool" => "result_start",
+            Event::MessageEnd { role } if role == "tool" => "result_end",
             Event::MessageStart { .. } => "assistant_start",
             Event::MessageEnd { .. } => "assistant_end",
             Event::TurnStart { .. } => "turn_start",
@@ -463,7 +465,8 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
     #[rustfmt::skip]
     let expected = [
         "queued", "running", "agent_start", "user_start", "user_end",
-        "turn_start", "assistant_start", "turn", "assistant_end", "tool_start", "tool",
+        "turn_start", "assistant_start", "turn", "assistant_end",
+        "tool_start", "result_start", "result_end", "tool",
         "turn_start", "assistant_start", "turn", "assistant_end",
         "agent_end", "idle", "settled",
     ];
@@ -1350,7 +1353,7 @@ fn relay_one() -> &'static str {
 /// Reference §7.3 item 8: "per tool: `tool_start` at execution, `message_start`/`message_end`
 /// of its tool-result message when done".
 #[tokio::test]
-async fn review_each_tool_result_message_has_its_message_start_and_end_between_tool_start_and_tool() {
+async fn each_tool_result_message_has_its_message_start_and_end_between_tool_start_and_tool() {
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
         ScriptedReply::text("3"),

@@ -1847,6 +1847,10 @@ impl Response<'_> {
                         tool_name: run.call.name.clone(),
                         status: if run.output.is_error { "error" } else { "success" }.to_owned(),
                     });
+                    // The tool-result message, when the tool is done (its terminal `tool`
+                    // event follows the batch's commit).
+                    runtime.emit_with(key, Some(&submission_id), || Event::MessageStart { role: "tool".into() });
+                    runtime.emit_with(key, Some(&submission_id), || Event::MessageEnd { role: "tool".into() });
                 },
             )
             .await
