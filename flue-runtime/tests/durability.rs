@@ -732,7 +732,7 @@ impl flue_runtime::provider::ModelProvider for Gated {
 /// continuation turn"; §3.3 the joined input is durable. A delivery that joined at the
 /// would-stop phase after the host's final answer must still be answered after a re-attempt.
 #[tokio::test]
-async fn review_a_delivery_joined_after_the_final_answer_is_answered_after_a_re_attempt() {
+async fn a_delivery_joined_after_the_final_answer_is_answered_after_a_re_attempt() {
     let store = FaultyStore::default();
     // The continuation step (the one answering the joined delivery) fails once.
     store.fail_once(nth_step_batch(2));

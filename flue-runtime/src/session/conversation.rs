@@ -267,9 +267,10 @@ impl Conversation {
         match &record.body {
             RecordBody::UserMessage { .. } | RecordBody::Signal { .. } => {
                 self.inputs.extend(submission.map(str::to_owned));
-                if let Some(id) = submission {
-                    self.answered.remove(id);
-                }
+                // A final answer counts only while no input follows it: a delivery joined
+                // after the host's answer (its record carries the delivery's id) leaves the
+                // host's response unanswered too.
+                self.answered.clear();
             }
             RecordBody::AgentStartRun => {
                 self.started.extend(submission.map(str::to_owned));
