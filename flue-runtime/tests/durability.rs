@@ -654,7 +654,7 @@ fn review_follow_upper() -> &'static str {
 /// waiters see a record), with the store fan-out as a backstop"; §7.3 "plus their own
 /// … `submission_settled`".
 #[tokio::test]
-async fn review_a_delivery_joined_by_an_earlier_attempt_settles_with_its_own_record_and_event() {
+async fn a_delivery_joined_by_an_earlier_attempt_settles_with_its_own_record_and_event() {
     let store = FaultyStore::default();
     // The step after the join fails once: the host is re-attempted from what is durable.
     store.fail_once(nth_step_batch(2));

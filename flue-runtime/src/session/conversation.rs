@@ -50,6 +50,9 @@ pub(crate) struct Conversation {
     outcomes: Vec<PendingOutcome>,
     /// Submissions whose input record is in the stream.
     inputs: HashSet<String>,
+    /// Those without a settlement record yet, in input order (a host and the deliveries an
+    /// earlier attempt joined into it).
+    unsettled_inputs: Vec<String>,
     /// Submissions whose start seam committed.
     started: HashSet<String>,
     /// Submissions with a durable model step.
@@ -225,6 +228,12 @@ impl Conversation {
         self.inputs.contains(submission_id)
     }
 
+    /// Submissions whose input is in the stream but that have no settlement record, in input
+    /// order.
+    pub(crate) fn unsettled_inputs(&self) -> &[String] {
+        &self.unsettled_inputs
+    }
+
     /// Whether the submission's start seam committed.
     pub(crate) fn has_started(&self, submission_id: &str) -> bool {
         self.started.contains(submission_id)
@@ -266,7 +275,11 @@ impl Conversation {
         let submission = record.submission_id.as_deref();
         match &record.body {
             RecordBody::UserMessage { .. } | RecordBody::Signal { .. } => {
-                self.inputs.extend(submission.map(str::to_owned));
+                if let Some(id) = submission
+                    && self.inputs.insert(id.to_owned())
+                {
+                    self.unsettled_inputs.push(id.to_owned());
+                }
                 // A final answer counts only while no input follows it: a delivery joined
                 // after the host's answer (its record carries the delivery's id) leaves the
                 // host's response unanswered too.
@@ -277,6 +290,11 @@ impl Conversation {
             }
             RecordBody::MessageMetadata { .. } => {
                 self.finished.extend(submission.map(str::to_owned));
+            }
+            RecordBody::SubmissionSettled { .. } => {
+                if let Some(id) = submission {
+                    self.unsettled_inputs.retain(|unsettled| unsettled != id);
+                }
             }
             RecordBody::AssistantMessageStarted { .. } => {
                 self.stepped.extend(submission.map(str::to_owned));

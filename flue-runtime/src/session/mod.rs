@@ -42,7 +42,7 @@ use crate::provider::{ModelImage, ModelProvider, ModelRequest, ModelResponse, Mo
 use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
 use crate::store::AttachmentPut;
-use crate::store::{AttemptRef, InstanceKey, Submission};
+use crate::store::{AttemptRef, InstanceKey, Submission, SubmissionStatus};
 use crate::tools;
 use deadline::Deadline;
 
@@ -1030,6 +1030,9 @@ impl Response<'_> {
     }
 
     async fn run(&mut self) -> Result<(), Failure> {
+        // Deliveries an earlier attempt joined into this response settle with it, each with
+        // its own record and event.
+        self.resolve_earlier_joins().await?;
         let definition = self.agent.definition();
         let deadline = deadline_of(self.submission, definition.durability.timeout);
         // A resumed response that already ended in a final answer settles as it is.
@@ -1478,6 +1481,45 @@ impl Response<'_> {
             appended.extend(channel.take());
         }
         Ok(appended)
+    }
+
+    /// Takes over the deliveries an earlier attempt of this response joined (their input is
+    /// in the stream, unsettled): a join interrupted before it was finalized is finalized, as
+    /// its record exists. They settle with this attempt, through its settlement records.
+    async fn resolve_earlier_joins(&mut self) -> Result<(), Failure> {
+        let host = self.submission.id.clone();
+        let candidates: Vec<String> = self
+            .conversation
+            .unsettled_inputs()
+            .iter()
+            .filter(|id| **id != host && !self.joined.contains(id))
+            .cloned()
+            .collect();
+        for id in candidates {
+            let Some(row) = self.runtime.store.submission(&id).await.map_err(Failure::store)? else {
+                continue;
+            };
+            if row.outcome.is_some() || row.joined_into.as_deref() != Some(host.as_str()) {
+                continue;
+            }
+            match row.status {
+                SubmissionStatus::Joined => {}
+                SubmissionStatus::Joining => {
+                    if !self
+                        .runtime
+                        .store
+                        .finalize_join(&self.attempt.attempt, &id)
+                        .await
+                        .map_err(Failure::store)?
+                    {
+                        continue;
+                    }
+                }
+                _ => continue,
+            }
+            self.joined.push(id);
+        }
+        Ok(())
     }
 
     /// Claims queued deliveries into this response; returns whether any joined.
