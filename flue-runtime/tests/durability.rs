@@ -631,20 +631,18 @@ fn nth_step_batch(n: usize) -> impl Fn(&[Record]) -> bool + Send + 'static {
 fn review_follow_upper() -> &'static str {
     use_model("scripted/x");
     let dispatch = use_dispatch_message();
-    use_tool(
-        Tool::new("follow_up")
-            .description("Queue a follow-up.")
-            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-                let dispatch = dispatch.clone();
-                async move {
-                    let receipt = dispatch
-                        .dispatch("follow-up")
-                        .await
-                        .map_err(|e| ToolError::new(e.to_string()))?;
-                    Ok::<_, ToolError>(receipt.submission_id)
-                }
-            }),
-    );
+    use_tool(Tool::new("follow_up").description("Queue a follow-up.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let dispatch = dispatch.clone();
+            async move {
+                let receipt = dispatch
+                    .dispatch("follow-up")
+                    .await
+                    .map_err(|e| ToolError::new(e.to_string()))?;
+                Ok::<_, ToolError>(receipt.submission_id)
+            }
+        },
+    ));
     "Plan."
 }
 
@@ -685,7 +683,10 @@ async fn a_delivery_joined_by_an_earlier_attempt_settles_with_its_own_record_and
         matches!(record.body, RecordBody::SubmissionSettled { .. })
             && record.submission_id.as_deref() == Some(delivery.as_str())
     });
-    assert!(has_record, "the joined delivery's submission_settled record is in the stream");
+    assert!(
+        has_record,
+        "the joined delivery's submission_settled record is in the stream"
+    );
     assert!(
         settled.contains(&delivery),
         "the joined delivery's submission_settled event was published: {settled:?}"
@@ -823,7 +824,11 @@ async fn a_re_attempt_after_a_committed_terminating_batch_calls_no_model() {
         ScriptedReply::text("a turn after a terminating batch"),
     ]);
     let runtime = runtime(&store, &model, review_handoff_desk);
-    runtime.init(&review_handoff_desk, "h-1").send("a person please").await.unwrap();
+    runtime
+        .init(&review_handoff_desk, "h-1")
+        .send("a person please")
+        .await
+        .unwrap();
     assert_eq!(store.failures.load(Ordering::SeqCst), 1);
     assert_eq!(model.requests().len(), 1, "completed work is never redone");
 }
@@ -831,9 +836,11 @@ async fn a_re_attempt_after_a_committed_terminating_batch_calls_no_model() {
 #[agent(max_steps = 2)]
 fn review_looper() -> &'static str {
     use_model("scripted/x");
-    use_tool(Tool::new("again").description("Go again.").run(
-        |_ctx, _: serde_json::Map<String, serde_json::Value>| async { "again" },
-    ));
+    use_tool(
+        Tool::new("again")
+            .description("Go again.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "again" }),
+    );
     "Loop."
 }
 

@@ -1231,11 +1231,7 @@ async fn a_dispatch_inside_a_no_append_finish_cycle_joins_the_live_response() {
     let model = ScriptedModel::new([ScriptedReply::text("first"), ScriptedReply::text("second")]);
     let runtime = runtime_with(&model, vec![review_finish_dispatcher.into()]);
     let mut events = runtime.observe();
-    let host = runtime
-        .init(&review_finish_dispatcher, "rf")
-        .send("go")
-        .await
-        .unwrap();
+    let host = runtime.init(&review_finish_dispatcher, "rf").send("go").await.unwrap();
     // Collect until both submissions settled (on their own, the delivery settles later).
     let mut running = Vec::new();
     let mut settled = Vec::new();

@@ -1891,7 +1891,9 @@ impl Response<'_> {
                     });
                     // The tool-result message, when the tool is done (its terminal `tool`
                     // event follows the batch's commit).
-                    runtime.emit_with(key, Some(&submission_id), || Event::MessageStart { role: "tool".into() });
+                    runtime.emit_with(key, Some(&submission_id), || Event::MessageStart {
+                        role: "tool".into(),
+                    });
                     runtime.emit_with(key, Some(&submission_id), || Event::MessageEnd { role: "tool".into() });
                 },
             )
