@@ -549,3 +549,62 @@ fn inline_tools_reject_reserved_and_invalid_names_and_non_object_arguments() {
         "[flue] Tool::new() \"x\" input must be a top-level object schema."
     );
 }
+
+/// A handler the way `#[tool]` expands one: its definition is built unchecked
+/// (`ToolDefinition::from_checked`), so nothing has looked at its argument schema yet.
+struct UncheckedTool(flue_core::tool::ToolDefinition);
+
+impl flue_core::tool::ToolHandler for UncheckedTool {
+    fn definition(&self) -> &flue_core::tool::ToolDefinition {
+        &self.0
+    }
+
+    fn call(&self, _ctx: ToolContext, _args: serde_json::Value) -> flue_core::BoxFuture<'_, ToolOutput> {
+        Box::pin(std::future::ready(ToolOutput::text("")))
+    }
+}
+
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+#[allow(dead_code)]
+struct CountArgs {
+    count: u32,
+}
+
+#[test]
+fn use_tool_checks_a_handlers_argument_schema_as_the_reference_use_tool_does() {
+    use flue_core::data::{SchemaSource, tool_input_schema_of};
+    use flue_core::tool::ToolDefinition;
+    // `#[tool] async fn echo(args: String)`: a scalar schema, not an object.
+    let scalar = agent(|_| {
+        use_model("openai/gpt-4o");
+        use_tool(UncheckedTool(ToolDefinition::from_checked(
+            "echo",
+            "Echo.",
+            SchemaSource::Typed(tool_input_schema_of::<String>),
+            None,
+            &[],
+            false,
+        )));
+    });
+    assert_eq!(
+        render_panic(&scalar),
+        "[flue] use_tool() \"echo\" input must be a top-level object schema."
+    );
+    // `#[tool(progress_argument = "count")] async fn count(count: u32)`: not a string.
+    let numeric_progress = agent(|_| {
+        use_model("openai/gpt-4o");
+        use_tool(UncheckedTool(ToolDefinition::from_checked(
+            "count",
+            "Count.",
+            SchemaSource::Typed(tool_input_schema_of::<CountArgs>),
+            Some("count"),
+            &[],
+            false,
+        )));
+    });
+    assert_eq!(
+        render_panic(&numeric_progress),
+        "[flue] use_tool() \"count\" progress_argument \"count\" must be a string argument."
+    );
+}
+

@@ -5,11 +5,16 @@ use crate::tool::IntoTool;
 /// with `Tool::new(..)`, or a clone of either.
 ///
 /// Mounts may be conditional (set changes are narrated to the model). Duplicate names across
-/// the render fail the render with `ToolNameConflictError` after it returns.
+/// the render fail the render with `ToolNameConflictError` after it returns. As the
+/// reference's `useTool()` does, the mount checks the tool's argument schema: a root that is
+/// not an object, or a progress argument that is not a string property, panics with the
+/// definition message labelled `use_tool()` (a `#[tool]` item's schema exists only at run
+/// time, so this is the first place it can be checked).
 #[track_caller]
 pub fn use_tool(tool: impl IntoTool) {
     let tool = tool.into_tool();
     hook("use_tool", |frame| {
+        tool.definition().validate_input_schema("use_tool()")?;
         frame.rec.borrow_mut().tools.push(tool);
         Ok(())
     });
