@@ -608,3 +608,21 @@ fn use_tool_checks_a_handlers_argument_schema_as_the_reference_use_tool_does() {
     );
 }
 
+// ---- use_hooks --------------------------------------------------------------------------------
+
+#[test]
+fn use_hooks_accepts_a_lazy_selection_that_itself_calls_hooks() {
+    // A custom hook may compute the selection lazily, calling other hooks as it goes; the
+    // selection is consumed before `use_hooks` records anything, as the reference's array is.
+    let agent = agent(|_| {
+        use_model("openai/gpt-4o");
+        use_hooks(std::iter::from_fn(|| {
+            use_instruction("Chosen while selecting hooks.");
+            None
+        }));
+    });
+    assert_eq!(
+        flue_core::render_bare(&agent).unwrap().instruction.as_deref(),
+        Some("Chosen while selecting hooks.")
+    );
+}

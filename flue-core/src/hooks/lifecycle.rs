@@ -10,6 +10,8 @@ use crate::lifecycle::ThreadHook;
 /// Only thread hooks are accepted: a user-scope hook is a different type and does not compile.
 #[track_caller]
 pub fn use_hooks(hooks: impl IntoIterator<Item = ThreadHook>) {
+    // Consumed before the frame's recording is borrowed: a lazy selection may call other hooks.
+    let hooks: Vec<ThreadHook> = hooks.into_iter().collect();
     hook("use_hooks", |frame| {
         let mut rec = frame.rec.borrow_mut();
         for selected in hooks {
