@@ -94,3 +94,29 @@ fn an_agent_value_is_a_delegate() {
     let delegate = Subagent::new("mail", "Reads mail.", mail);
     assert_eq!(delegate.agent().name(), "mail_agent");
 }
+
+#[agent]
+fn r#match() -> &'static str {
+    "You match."
+}
+
+/// Matches things.
+#[tool]
+async fn r#type(r#ref: String) -> String {
+    r#ref
+}
+
+#[hook(after_system_message)]
+fn r#override(_state: &ThreadState, system: String) -> String {
+    system
+}
+
+#[test]
+fn a_raw_identifier_names_an_agent_a_tool_and_a_hook_without_its_prefix() {
+    assert_eq!(r#match.definition().name, "match");
+    let tool = flue_runtime::tool::IntoTool::into_tool(r#type);
+    assert_eq!(tool.name(), "type");
+    let schema = tool.input_schema().json().clone();
+    assert!(schema["properties"].get("ref").is_some(), "{schema}");
+    assert_eq!(r#override.id(), "override");
+}

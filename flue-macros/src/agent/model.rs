@@ -22,7 +22,7 @@ impl AgentModel {
         let ident = function.sig.ident.clone();
         let name = match &options.name {
             Some(name) => (name.value(), name.span()),
-            None => (ident.to_string(), ident.span()),
+            None => (syn::ext::IdentExt::unraw(&ident).to_string(), ident.span()),
         };
         let krate = crate::krate::runtime_path(options.krate.take());
         let timeout_ms = options

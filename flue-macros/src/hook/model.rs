@@ -42,7 +42,7 @@ impl HookModel {
         let ident: &Ident = &function.sig.ident;
         let id = match &options.id {
             Some(id) => (id.value(), id.span()),
-            None => (ident.to_string(), ident.span()),
+            None => (syn::ext::IdentExt::unraw(ident).to_string(), ident.span()),
         };
         let krate = crate::krate::runtime_path(options.krate);
         Some(Self {

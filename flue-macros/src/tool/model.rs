@@ -34,7 +34,7 @@ impl ToolModel {
         let ident = function.sig.ident.clone();
         let name = match &options.name {
             Some(name) => (name.value(), name.span()),
-            None => (ident.to_string(), ident.span()),
+            None => (syn::ext::IdentExt::unraw(&ident).to_string(), ident.span()),
         };
         let description = doc_text(&function.attrs);
         let krate = crate::krate::runtime_path(options.krate.take());
