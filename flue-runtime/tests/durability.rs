@@ -967,3 +967,36 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
         .count();
     assert_eq!(metadata, 1, "the response-finish batch is durable once");
 }
+
+// ---- review/turn: delivery cursor, data writes -------------------------------------------
+
+#[agent]
+fn review_cursor() -> String {
+    use_model("scripted/x");
+    use_agent_start(|ctx| async move {
+        ctx.append(Signal::new("profile", "The user prefers short answers."))?;
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    format!("In front: {}", use_delivery().body())
+}
+
+/// Reference §1 row 26 / hooks docs `useDelivery()`: "Crash-safe: a resumed attempt derives
+/// the same cursor from the durable record stream the live attempt saw" (`restoreDeliveryCursor`).
+#[tokio::test]
+async fn a_resumed_attempt_restores_the_delivery_cursor_from_the_stream() {
+    let store = FaultyStore::default();
+    store.fail_once(nth_step_batch(1));
+    let model = ScriptedModel::new([ScriptedReply::text("lost"), ScriptedReply::text("answered")]);
+    let runtime = runtime(&store, &model, review_cursor);
+    runtime.init(&review_cursor, "c-1").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2);
+    for request in &requests {
+        let system = request.system.as_deref().unwrap_or_default();
+        assert!(
+            system.contains("In front: The user prefers short answers."),
+            "the cursor stays on the appended signal: {system}"
+        );
+    }
+}

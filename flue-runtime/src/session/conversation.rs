@@ -70,6 +70,18 @@ pub(crate) struct Conversation {
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
     images: HashMap<String, ModelImage>,
+    /// The latest delivered message in front of the model (the `use_delivery` cursor), as
+    /// the stream records it.
+    cursor: Option<DeliveryCursor>,
+}
+
+/// Where the delivery cursor stands in the stream.
+#[derive(Clone, Debug)]
+pub(crate) enum DeliveryCursor {
+    /// A submission's input (its message is the submission's own).
+    Input(String),
+    /// A signal a callback appended.
+    Appended(flue_core::message::Signal),
 }
 
 struct OpenStep {
@@ -266,6 +278,45 @@ impl Conversation {
         self.finish_cycles.get(submission_id).copied().unwrap_or(0)
     }
 
+    /// The `use_delivery` cursor the stream's records leave: the latest input or appended
+    /// signal (framework narration and advisories do not move it).
+    pub(crate) fn delivery_cursor(&self) -> Option<&DeliveryCursor> {
+        self.cursor.as_ref()
+    }
+
+    fn advance_cursor(&mut self, record: &Record) {
+        let submission = record.submission_id.as_deref();
+        let is_input = submission.is_some_and(|id| !self.inputs.contains(id));
+        match &record.body {
+            RecordBody::UserMessage { .. } => {
+                if let Some(id) = submission.filter(|_| is_input) {
+                    self.cursor = Some(DeliveryCursor::Input(id.to_owned()));
+                }
+            }
+            RecordBody::Signal {
+                signal_type,
+                body,
+                attributes,
+                tag_name,
+                ..
+            } => {
+                if flue_core::message::RESERVED_SIGNAL_TYPES.contains(&signal_type.as_str()) {
+                    return;
+                }
+                self.cursor = Some(match submission {
+                    Some(id) if is_input => DeliveryCursor::Input(id.to_owned()),
+                    _ => DeliveryCursor::Appended(flue_core::message::Signal {
+                        signal_type: signal_type.clone(),
+                        body: body.clone(),
+                        attributes: attributes.clone(),
+                        tag_name: tag_name.clone(),
+                    }),
+                });
+            }
+            _ => {}
+        }
+    }
+
     fn push(&mut self, message: ModelMessage, row: Row) {
         self.messages.push(message);
         self.rows.push(row);
@@ -275,6 +326,7 @@ impl Conversation {
         let submission = record.submission_id.as_deref();
         match &record.body {
             RecordBody::UserMessage { .. } | RecordBody::Signal { .. } => {
+                self.advance_cursor(record);
                 if let Some(id) = submission
                     && self.inputs.insert(id.to_owned())
                 {

@@ -1033,6 +1033,7 @@ impl Response<'_> {
         // Deliveries an earlier attempt joined into this response settle with it, each with
         // its own record and event.
         self.resolve_earlier_joins().await?;
+        self.restore_delivery_cursor().await?;
         let definition = self.agent.definition();
         let deadline = deadline_of(self.submission, definition.durability.timeout);
         // A resumed response that already ended in a final answer settles as it is.
@@ -1519,6 +1520,29 @@ impl Response<'_> {
             }
             self.joined.push(id);
         }
+        Ok(())
+    }
+
+    /// A resumed response derives the `use_delivery` cursor from the stream: the latest input
+    /// or appended signal an earlier attempt committed (reference `restoreDeliveryCursor`).
+    async fn restore_delivery_cursor(&mut self) -> Result<(), Failure> {
+        if !self.conversation.has_input(&self.submission.id) {
+            return Ok(());
+        }
+        let message = match self.conversation.delivery_cursor().cloned() {
+            None => return Ok(()),
+            Some(conversation::DeliveryCursor::Appended(signal)) => DeliveredMessage::Signal(signal),
+            Some(conversation::DeliveryCursor::Input(id)) if id == self.submission.id => {
+                self.submission.message.clone()
+            }
+            Some(conversation::DeliveryCursor::Input(id)) => {
+                match self.runtime.store.submission(&id).await.map_err(Failure::store)? {
+                    Some(row) => row.message,
+                    None => return Ok(()),
+                }
+            }
+        };
+        self.delivery = Arc::new(message);
         Ok(())
     }
 
