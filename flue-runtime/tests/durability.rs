@@ -1000,3 +1000,71 @@ async fn a_resumed_attempt_restores_the_delivery_cursor_from_the_stream() {
         );
     }
 }
+
+static STREAMED_STORE: std::sync::OnceLock<FaultyStore> = std::sync::OnceLock::new();
+
+#[agent]
+fn review_streamer() -> &'static str {
+    use_model("scripted/x");
+    let progress = use_data_writer::<u32>("progress");
+    use_tool(
+        Tool::new("work")
+            .description("Work.")
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let progress = progress.clone();
+                async move {
+                    progress.write(&1)?;
+                    let store = STREAMED_STORE.get().unwrap();
+                    let key = InstanceKey::new("review_streamer", "s-1");
+                    for _ in 0..100 {
+                        let all = records(store, &key).await;
+                        if all
+                            .iter()
+                            .any(|r| matches!(r.body, RecordBody::MessageDataWrite { .. }))
+                        {
+                            return Ok::<_, ToolError>("streamed");
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
+                    Ok::<_, ToolError>("not streamed")
+                }
+            }),
+    );
+    "Work."
+}
+
+/// Reference §1 row 28 / `useDataWriter()`: "Each write is appended durably and streamed to
+/// clients immediately, so a part can show live progress mid-tool-run"; §3.3 item 8 "one
+/// batch per write"; §8 item 25 (buffered only until the first completed step).
+#[tokio::test]
+async fn a_data_write_mid_tool_run_is_durable_before_the_tool_returns() {
+    let store = STREAMED_STORE.get_or_init(FaultyStore::default).clone();
+    let model = ScriptedModel::new([ScriptedReply::tool_call("work", json!({})), ScriptedReply::text("done")]);
+    let runtime = runtime(&store, &model, review_streamer);
+    let reply = runtime.init(&review_streamer, "s-1").send("go").await.unwrap();
+    assert_eq!(reply.data["progress"], json!(1));
+    let tool_result = model.requests()[1]
+        .messages
+        .iter()
+        .find_map(|m| match m {
+            ModelMessage::Tool { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(tool_result, "streamed");
+    // One batch per write: the data write is not folded into the tool batch.
+    let batches = store
+        .inner
+        .read(&InstanceKey::new("review_streamer", "s-1"), None)
+        .await
+        .unwrap();
+    let data_batch = batches
+        .iter()
+        .find(|b| {
+            b.records
+                .iter()
+                .any(|r| matches!(r.body, RecordBody::MessageDataWrite { .. }))
+        })
+        .unwrap();
+    assert_eq!(data_batch.records.len(), 1);
+}

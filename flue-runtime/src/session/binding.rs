@@ -19,7 +19,11 @@ use crate::store::{AttemptRef, InstanceKey, SubmissionKind};
 pub(crate) struct Attempt {
     pub(crate) attempt: AttemptRef,
     pub(crate) buffer: Mutex<StateBuffer>,
-    pub(crate) data: Mutex<Vec<(String, Value)>>,
+    pub(crate) data: Mutex<DataQueue>,
+    /// Held while the queue's writes are appended: one batch per write, in write order.
+    pub(crate) data_order: tokio::sync::Mutex<()>,
+    /// The attempt's writer, through which data writes are appended.
+    pub(crate) writer: std::sync::OnceLock<Arc<crate::lifecycle::thread::ThreadWriter>>,
     pub(crate) signal: AbortSignal,
     pub(crate) responding: AtomicBool,
 }
@@ -37,9 +41,89 @@ impl Attempt {
         self.buffer.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    pub(crate) fn take_data(&self) -> Vec<(String, Value)> {
-        std::mem::take(&mut *self.data.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    fn data(&self) -> MutexGuard<'_, DataQueue> {
+        self.data.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+
+    /// Queues a data write; once the response has a durable step it is appended at once
+    /// (its own batch, in write order).
+    fn queue_data(self: &Arc<Self>, name: String, data: Value) {
+        let live = {
+            let mut queue = self.data();
+            if queue.closed {
+                return;
+            }
+            queue.pending.push_back((name, data));
+            queue.live
+        };
+        if live && let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let attempt = self.clone();
+            handle.spawn(async move {
+                let _ = attempt.flush_data().await;
+            });
+        }
+    }
+
+    /// From now on data writes stream as they are made (the response's first step is
+    /// durable: the writes made before it are flushed by the next [`Attempt::flush_data`]).
+    pub(crate) fn stream_data(&self) {
+        self.data().live = true;
+    }
+
+    /// Appends the queued data writes, one batch each, in order (a no-op before the
+    /// response's first durable step: the writes wait for it). Fails when one of the
+    /// attempt's data writes could not be appended.
+    pub(crate) async fn flush_data(&self) -> Result<(), String> {
+        let _order = self.data_order.lock().await;
+        loop {
+            let next = {
+                let mut queue = self.data();
+                if let Some(error) = &queue.failed {
+                    return Err(error.clone());
+                }
+                if queue.closed || !queue.live {
+                    return Ok(());
+                }
+                queue.pending.pop_front()
+            };
+            let Some((name, data)) = next else {
+                return Ok(());
+            };
+            let Some(writer) = self.writer.get() else {
+                return Ok(());
+            };
+            let record = writer.record(crate::record::RecordBody::MessageDataWrite { name, data });
+            if let Err(error) = writer.append(vec![record].into()).await {
+                let mut queue = self.data();
+                queue.failed = Some(error.to_string());
+                queue.closed = true;
+                queue.pending.clear();
+                return Err(error.to_string());
+            }
+        }
+    }
+
+    /// A failed attempt's queued data writes are dropped; waits for an append in flight.
+    pub(crate) async fn close_data(&self) {
+        {
+            let mut queue = self.data();
+            queue.closed = true;
+            queue.pending.clear();
+        }
+        drop(self.data_order.lock().await);
+    }
+}
+
+/// An attempt's data writes waiting to be appended.
+#[derive(Default)]
+pub(crate) struct DataQueue {
+    pending: std::collections::VecDeque<(String, Value)>,
+    /// Whether the response has a durable step (writes before it wait for it).
+    live: bool,
+    /// The attempt is over (failed): later writes are dropped.
+    closed: bool,
+    /// Why a data write's append failed.
+    failed: Option<String>,
 }
 
 /// The reason an aborted attempt's signal carries.
@@ -143,11 +227,7 @@ impl RuntimeBinding for InstanceBinding {
         let attempt = self
             .responding()
             .ok_or_else(|| DataWriteError::NotResponding { name: name.to_owned() })?;
-        attempt
-            .data
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push((name.to_owned(), data.clone()));
+        attempt.queue_data(name.to_owned(), data.clone());
         if let Some(runtime) = self.runtime.upgrade() {
             runtime.emit(
                 &self.key,

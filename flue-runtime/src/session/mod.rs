@@ -360,6 +360,8 @@ impl InstanceSlot {
             attempt: attempt_ref.clone(),
             buffer: Mutex::new(StateBuffer::new(Arc::new(conversation.state.clone()))),
             data: Mutex::default(),
+            data_order: tokio::sync::Mutex::new(()),
+            writer: std::sync::OnceLock::new(),
             signal: AbortSignal::new(),
             responding: AtomicBool::new(true),
         });
@@ -388,6 +390,7 @@ impl InstanceSlot {
             &attempt_ref,
             record_ids.clone(),
         ));
+        let _ = attempt.writer.set(writer.clone());
         let execution = ExecutionState::new(record_ids.0.clone(), attempt.signal.clone());
         let mut response = Response {
             runtime,
@@ -460,6 +463,7 @@ impl InstanceSlot {
             Ok(()) => (Outcome::Completed, None),
             Err(failure) => {
                 attempt.buffer().discard_pending();
+                attempt.close_data().await;
                 if failure.transient && submission.attempt_count < submission.max_attempts {
                     tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "re-attempting after a store failure");
                     self.binding.set_current(None);
@@ -757,11 +761,13 @@ impl Response<'_> {
     /// Appends one batch (plus the attempt's pending state writes and data writes, which
     /// become durable with it) and folds it into the conversation.
     async fn commit(&mut self, mut records: Vec<Record>, with_state: bool) -> Result<(), Failure> {
+        // Data writes made so far land before the batch (each its own batch).
+        self.flush_data().await?;
+        self.fold_thread_writes();
         let mut trailing = Vec::new();
         if with_state {
             let writes = self.attempt.buffer().drain();
-            let data = self.attempt.take_data();
-            // State writes go before the batch's marker (the last record), data writes with them.
+            // State writes go before the batch's marker (the last record).
             let marker = records.pop();
             records.extend(writes.into_iter().map(|write| {
                 self.record(RecordBody::StateWrite {
@@ -769,10 +775,6 @@ impl Response<'_> {
                     value: write.value,
                 })
             }));
-            records.extend(
-                data.into_iter()
-                    .map(|(name, data)| self.record(RecordBody::MessageDataWrite { name, data })),
-            );
             trailing.extend(marker);
         }
         records.extend(trailing);
@@ -794,7 +796,18 @@ impl Response<'_> {
         self.writer.take_unfolded(&mut self.unfolded);
         for batch in self.unfolded.drain(..) {
             self.conversation.apply(&batch);
+            // Data writes stream through the writer on their own: the reply takes them here.
+            for record in batch.records.iter() {
+                if matches!(record.body, RecordBody::MessageDataWrite { .. }) {
+                    self.reply.add(record);
+                }
+            }
         }
+    }
+
+    /// Appends the attempt's queued data writes (once the response has a durable step).
+    async fn flush_data(&mut self) -> Result<(), Failure> {
+        self.attempt.flush_data().await.map_err(Failure::store)
     }
 
     fn identity(&mut self) -> Arc<flue_core::lifecycle::ThreadIdentity> {
@@ -1034,6 +1047,9 @@ impl Response<'_> {
         // its own record and event.
         self.resolve_earlier_joins().await?;
         self.restore_delivery_cursor().await?;
+        if self.conversation.has_stepped(&self.submission.id) {
+            self.attempt.stream_data();
+        }
         let definition = self.agent.definition();
         let deadline = deadline_of(self.submission, definition.durability.timeout);
         // A resumed response that already ended in a final answer settles as it is.
@@ -1693,6 +1709,11 @@ impl Response<'_> {
             }));
         }
         self.commit(records, false).await?;
+        // The response has a message now: data writes stream from here on (the ones made
+        // before it flush now).
+        self.attempt.stream_data();
+        self.flush_data().await?;
+        self.fold_thread_writes();
         self.emit_with(|| Event::MessageEnd {
             role: "assistant".into(),
         });
