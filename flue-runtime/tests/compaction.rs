@@ -144,3 +144,52 @@ async fn an_overflow_with_nothing_older_to_summarize_fails_as_context_overflow()
     };
     assert_eq!(error_type, "context_overflow");
 }
+
+/// Reference §7.2/§7.3: every `turn_start` is closed by its `turn` (a failed call's with
+/// finish reason `error`) and every assistant `message_start` by a `message_end`, before the
+/// overflow recovery's `compaction_start` and the retried turn.
+#[tokio::test]
+async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text("first answer"),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("Summary: a first exchange."),
+        ScriptedReply::text("second answer"),
+    ])
+    .with_context_window(100);
+    let runtime = runtime_with(&model, [unbounded.into()]);
+    let handle = runtime.init(&unbounded, "oe");
+    handle.send(long("hello")).await.unwrap();
+    let mut events = runtime.observe();
+    handle.send("and again").await.unwrap();
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::TurnStart { step } => seen.push(format!("turn_start {step}")),
+            Event::Turn { step, stop_reason, .. } => seen.push(format!("turn {step} {stop_reason}")),
+            Event::MessageStart { role } if role == "assistant" => seen.push("message_start".into()),
+            Event::MessageEnd { role } if role == "assistant" => seen.push("message_end".into()),
+            Event::CompactionStart { reason, .. } => seen.push(format!("compaction_start {reason}")),
+            Event::Compaction { .. } => seen.push("compaction".into()),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "turn_start 1",
+            "message_start",
+            "turn 1 error",
+            "message_end",
+            "compaction_start overflow",
+            "compaction",
+            "turn_start 1",
+            "message_start",
+            "turn 1 stop",
+            "message_end",
+        ]
+    );
+}

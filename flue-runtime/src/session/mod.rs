@@ -1649,6 +1649,22 @@ impl Response<'_> {
             let streamed = self.stream_with_retries(provider, &request, &rendered.tools).await;
             // Kept for a call after overflow recovery.
             tools = request.tools;
+            if let Err(error) = &streamed {
+                // A failed call still ends its turn (§7.2: `turn` with finish reason `error` or
+                // `aborted`) and its assistant message, before any recovery.
+                let stop_reason = match error {
+                    StepError::Aborted => "aborted",
+                    StepError::Provider(_) => "error",
+                };
+                self.emit_with(|| Event::Turn {
+                    step,
+                    stop_reason: stop_reason.to_owned(),
+                    duration_ms: started.elapsed().as_millis() as u64,
+                });
+                self.emit_with(|| Event::MessageEnd {
+                    role: "assistant".into(),
+                });
+            }
             match streamed {
                 Ok(response) => break (response, started),
                 Err(StepError::Aborted) => return Err(Failure::aborted()),
