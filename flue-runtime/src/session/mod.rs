@@ -457,13 +457,15 @@ impl InstanceSlot {
         runtime.emit(&self.key, Some(&submission.id), Event::AgentEnd);
         runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         attempt.responding.store(false, Ordering::Release);
+        // Nothing appends for the attempt after its response: a write queued after the final
+        // flush (or by a failed attempt) is dropped.
+        attempt.close_data().await;
         let joined_ids = std::mem::take(&mut response.joined);
         let reply = std::mem::take(&mut response.reply);
         let (outcome, error) = match result {
             Ok(()) => (Outcome::Completed, None),
             Err(failure) => {
                 attempt.buffer().discard_pending();
-                attempt.close_data().await;
                 if failure.transient && submission.attempt_count < submission.max_attempts {
                     tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "re-attempting after a store failure");
                     self.binding.set_current(None);
