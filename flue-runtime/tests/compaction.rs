@@ -193,3 +193,43 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
         ]
     );
 }
+
+#[agent]
+fn keep_nothing() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(0),
+                keep_recent_tokens: Some(0),
+                model: None,
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+/// Reference §8 item 4: compaction token counts accept 0. `keep_recent_tokens: 0` keeps
+/// only the newest message verbatim; it must not make every compaction a no-op.
+#[tokio::test]
+async fn keep_recent_tokens_zero_still_compacts_the_older_history_on_overflow() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text("first answer"),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("Summary: a first exchange."),
+        ScriptedReply::text("second answer"),
+    ])
+    .with_context_window(1_000_000);
+    let runtime = runtime_with(&model, [keep_nothing.into()]);
+    let handle = runtime.init(&keep_nothing, "k0");
+    handle.send(long("hello")).await.unwrap();
+    let reply = handle.send("and again").await.unwrap();
+    assert_eq!(reply.text, "second answer");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 4);
+    assert_eq!(requests[3].messages.last(), Some(&ModelMessage::user("and again")));
+}

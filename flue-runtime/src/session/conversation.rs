@@ -656,7 +656,8 @@ impl Conversation {
         let len = self.messages.len();
         let mut kept = 0;
         let mut cut = len;
-        while cut > 0 && kept < keep_recent_tokens {
+        // The newest message is always kept (also with `keep_recent_tokens` 0).
+        while cut > 0 && (cut == len || kept < keep_recent_tokens) {
             cut -= 1;
             kept += crate::compaction::estimate_message(&self.messages[cut]);
         }
