@@ -285,3 +285,42 @@ async fn an_instances_in_memory_files_outlive_its_submission() {
         [("remember me".to_owned(), false)]
     );
 }
+
+// ---- escapes and limits found in review -----------------------------------------------------
+
+static DANGLING_ROOT: std::sync::LazyLock<(std::path::PathBuf, std::path::PathBuf)> = std::sync::LazyLock::new(|| {
+    let base = scratch::dir("dangling");
+    let root = base.join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let outside = base.join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    // A link to a file that does not exist yet, outside the root.
+    std::os::unix::fs::symlink(outside.join("planted.txt"), root.join("link.txt")).unwrap();
+    (root, outside)
+});
+
+#[agent]
+fn dangling() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::local(DANGLING_ROOT.0.clone()));
+    "Work on disk."
+}
+
+#[tokio::test]
+async fn a_dangling_link_out_of_the_root_cannot_be_written_through() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            ("write", json!({"path": "link.txt", "content": "planted"})),
+            ("edit", json!({"path": "link.txt", "old_string": "a", "new_string": "b"})),
+        ]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [dangling.into()]);
+    runtime.init(&dangling, "dl").send("go").await.unwrap();
+    let results = last_batch_results(&model.requests()[1]);
+    assert!(!DANGLING_ROOT.1.join("planted.txt").exists(), "the write left the root");
+    assert_eq!(
+        results[0],
+        ("path \"/link.txt\" is outside the sandbox root".to_owned(), true)
+    );
+}

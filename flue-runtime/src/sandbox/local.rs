@@ -53,7 +53,7 @@ fn io(error: std::io::Error) -> SandboxError {
 
 impl LocalSandbox {
     /// The real path of a sandbox path, refusing one that leaves the root (also through a
-    /// symbolic link in an existing ancestor).
+    /// symbolic link in an existing ancestor, and through a dangling link anywhere on the way).
     fn resolve(&self, path: &str) -> Result<PathBuf, SandboxError> {
         let normalized = normalize(path)?;
         let real = self.root.join(normalized.trim_start_matches('/'));
@@ -66,6 +66,11 @@ impl LocalSandbox {
                         return Err(SandboxError::OutsideRoot(path.to_owned()));
                     }
                     break;
+                }
+                // A link whose target does not exist (yet) cannot be checked, and writing
+                // through it would create its target wherever it points: refused.
+                Err(_) if std::fs::symlink_metadata(existing).is_ok() => {
+                    return Err(SandboxError::OutsideRoot(path.to_owned()));
                 }
                 Err(_) => match existing.parent() {
                     Some(parent) => existing = parent,
