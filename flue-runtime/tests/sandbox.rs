@@ -324,3 +324,20 @@ async fn a_dangling_link_out_of_the_root_cannot_be_written_through() {
         ("path \"/link.txt\" is outside the sandbox root".to_owned(), true)
     );
 }
+
+#[tokio::test]
+async fn a_first_line_longer_than_the_byte_cap_is_still_readable() {
+    let long = "y".repeat(60 * 1024);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("write", json!({"path": "wide.txt", "content": format!("{long}\nsecond\n")})),
+        ScriptedReply::tool_call("read", json!({"path": "wide.txt"})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [in_memory.into()]);
+    runtime.init(&in_memory, "wide").send("go").await.unwrap();
+    let (text, is_error) = last_batch_results(&model.requests()[2]).remove(0);
+    assert!(!is_error);
+    assert!(text.starts_with("yyyy"), "{}", &text[..text.len().min(200)]);
+    assert!(!text.contains("Continue with offset 1."), "a marker that points back at itself");
+    assert!(text.contains("Continue with offset 2."), "{}", &text[text.len().saturating_sub(200)..]);
+}

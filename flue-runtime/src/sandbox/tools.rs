@@ -44,6 +44,21 @@ pub(crate) fn line_window(text: &str, offset: Option<usize>, limit: Option<usize
     let mut shown = 0;
     for line in lines.iter().skip(start).take(wanted) {
         if out.len() + line.len() + 1 > MAX_BYTES {
+            if shown == 0 {
+                // A first line past the cap: its head, so the window still moves on (a
+                // marker pointing back at this line would loop forever).
+                let mut end = MAX_BYTES;
+                while !line.is_char_boundary(end) {
+                    end -= 1;
+                }
+                out.push_str(&line[..end]);
+                out.push_str(&format!(
+                    "\n\n[Line {} is {} bytes; only its first {MAX_BYTES} are shown.]",
+                    start + 1,
+                    line.len()
+                ));
+                shown = 1;
+            }
             break;
         }
         if shown > 0 {
