@@ -325,6 +325,37 @@ async fn a_dangling_link_out_of_the_root_cannot_be_written_through() {
     );
 }
 
+static TIMEOUT_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| scratch::dir("timeout"));
+
+#[agent]
+fn timed() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::local(TIMEOUT_ROOT.clone()));
+    "Work on disk."
+}
+
+#[tokio::test]
+async fn a_timed_out_command_leaves_no_process_behind() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "bash",
+            json!({"command": "(sleep 2; touch leaked.txt); echo never", "timeout_seconds": 1}),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [timed.into()]);
+    let started = std::time::Instant::now();
+    runtime.init(&timed, "t").send("go").await.unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(2));
+    let results = last_batch_results(&model.requests()[1]);
+    assert!(results[0].1 && results[0].0.contains("killed after 1 s"), "{results:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert!(
+        !TIMEOUT_ROOT.join("leaked.txt").exists(),
+        "the command's children outlived its timeout"
+    );
+}
+
 #[tokio::test]
 async fn a_first_line_longer_than_the_byte_cap_is_still_readable() {
     let long = "y".repeat(60 * 1024);

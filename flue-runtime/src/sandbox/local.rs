@@ -82,6 +82,23 @@ impl LocalSandbox {
     }
 }
 
+/// A command's process group, killed when dropped (whatever of it still runs).
+struct ProcessGroup(u32);
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // `kill -KILL -<pgid>` signals the whole group; a group already gone is no error.
+        let _ = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("kill -KILL -{} 2>/dev/null", self.0))
+            .env_clear()
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
 impl Sandbox for LocalSandbox {
     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
         let resolved = self.resolve(path);
@@ -167,9 +184,27 @@ impl Sandbox for LocalSandbox {
                 .env("HOME", &cwd)
                 .env("LANG", "C.UTF-8")
                 .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                // Its own process group: a timeout (or an abort dropping this future) kills
+                // every process the command started, not only the shell.
+                .process_group(0)
                 .kill_on_drop(true);
             let limit = request.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
-            match tokio::time::timeout(limit, command.output()).await {
+            let child = command.spawn().map_err(io)?;
+            let pid = child.id();
+            let output = child.wait_with_output();
+            tokio::pin!(output);
+            // Declared after the shell's future, so dropped (killing the group) before it: the
+            // unreaped shell keeps the group id from being reused by another process meanwhile.
+            let mut group = pid.map(ProcessGroup);
+            let finished = tokio::time::timeout(limit, &mut output).await;
+            if finished.is_ok() {
+                // Done: the group id may already belong to someone else.
+                std::mem::forget(group.take());
+            }
+            drop(group);
+            match finished {
                 Err(_) => Ok(ExecOutput {
                     exit_code: None,
                     stdout: String::new(),
