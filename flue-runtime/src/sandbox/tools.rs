@@ -93,6 +93,22 @@ fn tail(text: &str) -> String {
         kept.push(line);
     }
     kept.reverse();
+    if kept.is_empty()
+        && let Some(last) = lines.last()
+    {
+        // A last line past the cap: its end, rather than nothing at all.
+        let mut start = last.len().saturating_sub(MAX_BYTES);
+        while !last.is_char_boundary(start) {
+            start += 1;
+        }
+        return format!(
+            "[Output truncated: the last {} of {} bytes of the last of {} lines.]\n{}",
+            last.len() - start,
+            last.len(),
+            lines.len(),
+            &last[start..]
+        );
+    }
     let mut out = kept.join("\n");
     if kept.len() < lines.len() {
         out.insert_str(
@@ -533,6 +549,15 @@ mod tests {
         assert!(shown.starts_with("[Output truncated: the last 2000 of 2500 lines.]\nline 501\n"));
         assert!(shown.ends_with("line 2500"));
         assert_eq!(tail("short"), "short");
+    }
+
+    #[test]
+    fn a_last_line_past_the_byte_cap_shows_its_end() {
+        let text = format!("first\n{}é{}", "a".repeat(MAX_BYTES), "z".repeat(10));
+        let shown = tail(&text);
+        assert!(shown.ends_with("zzzzzzzzzz"), "{}", &shown[..200]);
+        assert!(shown.len() > MAX_BYTES / 2, "the output was dropped: {shown}");
+        assert!(shown.len() <= MAX_BYTES + 200);
     }
 
     #[test]
