@@ -25,7 +25,7 @@ use serde_json::Value;
 
 pub use flue_core::mcp::*;
 
-/// How long connecting and listing may take when the connection sets no timeout.
+/// How long connecting, listing and each call may take when the connection sets no timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One connected server: its client and the tools it offers.
@@ -151,18 +151,16 @@ impl ToolHandler for McpTool {
                 Value::Null => None,
                 other => return ToolOutput::error(format!("MCP tool arguments must be an object, not {other}")),
             };
-            let call = self.client.call_tool(params);
-            let result = match self.timeout {
-                Some(limit) => match tokio::time::timeout(limit, call).await {
-                    Ok(result) => result,
-                    Err(_) => {
-                        return ToolOutput::error(format!(
-                            "The MCP server did not answer within {} s.",
-                            limit.as_secs()
-                        ));
-                    }
-                },
-                None => call.await,
+            // A server that never answers must not hold the response until its deadline.
+            let limit = self.timeout.unwrap_or(DEFAULT_TIMEOUT);
+            let result = match tokio::time::timeout(limit, self.client.call_tool(params)).await {
+                Ok(result) => result,
+                Err(_) => {
+                    return ToolOutput::error(format!(
+                        "The MCP server did not answer within {} s.",
+                        limit.as_secs()
+                    ));
+                }
             };
             let result = match result {
                 Ok(result) => result,

@@ -51,6 +51,7 @@ impl ServerHandler for Docs {
             ),
             McpTool::new("fail", "Always fails.", schema(json!({"type": "object"}))),
             McpTool::new("admin.purge", "Dangerous.", schema(json!({"type": "object"}))),
+            McpTool::new("hang", "Never answers.", schema(json!({"type": "object"}))),
         ]))
     }
 
@@ -66,6 +67,9 @@ impl ServerHandler for Docs {
             .and_then(|query| query.as_str())
             .unwrap_or_default()
             .to_owned();
+        if &*request.name == "hang" {
+            std::future::pending::<()>().await;
+        }
         Ok(match &*request.name {
             "search" => CallToolResult::success(vec![
                 ContentBlock::text(format!("3 pages mention {query}")),
@@ -208,4 +212,41 @@ async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
     );
     assert!(!content.contains("WorkerTransport"), "{content}");
     assert!(content.contains("its tools are not mounted."), "{content}");
+}
+
+static HANG_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn patient() -> &'static str {
+    use_model("scripted/x");
+    // No timeout set: the default must still bound a call.
+    use_mcp_connection(
+        McpConnection::new("docs", HANG_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["hang"]),
+    );
+    "Research with the docs server."
+}
+
+#[tokio::test]
+async fn a_call_to_a_server_that_never_answers_ends_as_an_error_result() {
+    let _ = HANG_URL.set(serve_docs().await);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("mcp__docs__hang", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [patient.into()]);
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(45),
+        runtime.init(&patient, "h").send("go"),
+    )
+    .await
+    .expect("the response hung on the MCP call")
+    .unwrap();
+    assert_eq!(reply.text, "done");
+    let results = tool_results(&model.requests()[1]);
+    assert_eq!(
+        results,
+        [("The MCP server did not answer within 30 s.".to_owned(), true)]
+    );
 }
