@@ -311,7 +311,10 @@ async fn a_dangling_link_out_of_the_root_cannot_be_written_through() {
     let model = ScriptedModel::new([
         ScriptedReply::tool_calls([
             ("write", json!({"path": "link.txt", "content": "planted"})),
-            ("edit", json!({"path": "link.txt", "old_string": "a", "new_string": "b"})),
+            (
+                "edit",
+                json!({"path": "link.txt", "old_string": "a", "new_string": "b"}),
+            ),
         ]),
         ScriptedReply::text("done"),
     ]);
@@ -360,7 +363,10 @@ async fn a_timed_out_command_leaves_no_process_behind() {
 async fn a_first_line_longer_than_the_byte_cap_is_still_readable() {
     let long = "y".repeat(60 * 1024);
     let model = ScriptedModel::new([
-        ScriptedReply::tool_call("write", json!({"path": "wide.txt", "content": format!("{long}\nsecond\n")})),
+        ScriptedReply::tool_call(
+            "write",
+            json!({"path": "wide.txt", "content": format!("{long}\nsecond\n")}),
+        ),
         ScriptedReply::tool_call("read", json!({"path": "wide.txt"})),
         ScriptedReply::text("done"),
     ]);
@@ -369,6 +375,42 @@ async fn a_first_line_longer_than_the_byte_cap_is_still_readable() {
     let (text, is_error) = last_batch_results(&model.requests()[2]).remove(0);
     assert!(!is_error);
     assert!(text.starts_with("yyyy"), "{}", &text[..text.len().min(200)]);
-    assert!(!text.contains("Continue with offset 1."), "a marker that points back at itself");
-    assert!(text.contains("Continue with offset 2."), "{}", &text[text.len().saturating_sub(200)..]);
+    assert!(
+        !text.contains("Continue with offset 1."),
+        "a marker that points back at itself"
+    );
+    assert!(
+        text.contains("Continue with offset 2."),
+        "{}",
+        &text[text.len().saturating_sub(200)..]
+    );
+}
+
+/// The process's peak resident memory, in KiB.
+fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|line| line.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn a_command_flooding_its_output_does_not_grow_the_runtime_without_bound() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "bash",
+            json!({"command": "head -c 300000000 /dev/zero | tr '\\0' y; echo; echo tail-line"}),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [timed.into()]);
+    let before = peak_rss_kib();
+    runtime.init(&timed, "flood").send("go").await.unwrap();
+    let grown = peak_rss_kib().saturating_sub(before);
+    let results = last_batch_results(&model.requests()[1]);
+    assert!(
+        results[0].0.ends_with("tail-line"),
+        "{}",
+        &results[0].0[..200.min(results[0].0.len())]
+    );
+    assert!(grown < 100 * 1024, "300 MB of output grew the peak by {grown} KiB");
 }

@@ -82,6 +82,33 @@ impl LocalSandbox {
     }
 }
 
+/// Bytes of each output stream a command keeps (its end): the `bash` tool shows at most
+/// 50 KB, and a command flooding its output must not grow the runtime's memory with it.
+const MAX_OUTPUT_BYTES: usize = 1024 * 1024;
+
+/// Everything `reader` yields until its end, but only the last [`MAX_OUTPUT_BYTES`] of it.
+async fn capped(reader: Option<impl tokio::io::AsyncRead + Unpin>) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut kept = Vec::new();
+    let Some(mut reader) = reader else { return kept };
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        match reader.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(read) => {
+                kept.extend_from_slice(&buffer[..read]);
+                if kept.len() > 2 * MAX_OUTPUT_BYTES {
+                    kept.drain(..kept.len() - MAX_OUTPUT_BYTES);
+                }
+            }
+        }
+    }
+    if kept.len() > MAX_OUTPUT_BYTES {
+        kept.drain(..kept.len() - MAX_OUTPUT_BYTES);
+    }
+    kept
+}
+
 /// A command's process group, killed when dropped (whatever of it still runs).
 struct ProcessGroup(u32);
 
@@ -191,9 +218,13 @@ impl Sandbox for LocalSandbox {
                 .process_group(0)
                 .kill_on_drop(true);
             let limit = request.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
-            let child = command.spawn().map_err(io)?;
+            let mut child = command.spawn().map_err(io)?;
             let pid = child.id();
-            let output = child.wait_with_output();
+            let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+            let output = async {
+                let (stdout, stderr, status) = tokio::join!(capped(stdout), capped(stderr), child.wait());
+                status.map(|status| std::process::Output { status, stdout, stderr })
+            };
             tokio::pin!(output);
             // Declared after the shell's future, so dropped (killing the group) before it: the
             // unreaped shell keeps the group id from being reused by another process meanwhile.
