@@ -156,10 +156,7 @@ impl ToolHandler for McpTool {
             let result = match tokio::time::timeout(limit, self.client.call_tool(params)).await {
                 Ok(result) => result,
                 Err(_) => {
-                    return ToolOutput::error(format!(
-                        "The MCP server did not answer within {} s.",
-                        limit.as_secs()
-                    ));
+                    return ToolOutput::error(format!("The MCP server did not answer within {} s.", limit.as_secs()));
                 }
             };
             let result = match result {
