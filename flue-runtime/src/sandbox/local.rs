@@ -114,15 +114,14 @@ struct ProcessGroup(u32);
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        // `kill -KILL -<pgid>` signals the whole group; a group already gone is no error.
-        let _ = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!("kill -KILL -{} 2>/dev/null", self.0))
-            .env_clear()
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status();
+        #[cfg(unix)]
+        if let Ok(group) = libc::pid_t::try_from(self.0) {
+            // SAFETY: killpg only sends a signal; a group already gone returns ESRCH, which
+            // is no error here.
+            unsafe {
+                libc::killpg(group, libc::SIGKILL);
+            }
+        }
     }
 }
 
@@ -213,10 +212,11 @@ impl Sandbox for LocalSandbox {
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
-                // Its own process group: a timeout (or an abort dropping this future) kills
-                // every process the command started, not only the shell.
-                .process_group(0)
                 .kill_on_drop(true);
+            // Its own process group: a timeout (or an abort dropping this future) kills every
+            // process the command started, not only the shell.
+            #[cfg(unix)]
+            command.process_group(0);
             let limit = request.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
             let mut child = command.spawn().map_err(io)?;
             let pid = child.id();
