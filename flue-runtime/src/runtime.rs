@@ -85,8 +85,9 @@ impl From<StoreError> for RuntimeError {
 pub struct RuntimeOptions {
     /// How many tool calls of one response run at once.
     pub tool_concurrency: usize,
-    /// Model-call retries after a transient failure mid-stream (the provider already
-    /// retries failures before the first byte).
+    /// Retries of one model call after transient failures, in all: a built-in provider's own
+    /// retries before the response streams (429s, 5xx answers, connection failures) count
+    /// against it, and the turn loop retries the rest (a stream cut mid-way, an error event).
     pub model_retries: u32,
     /// Base delay of those retries.
     pub model_retry_delay: Duration,
