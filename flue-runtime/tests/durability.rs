@@ -10,10 +10,8 @@ use std::sync::{Arc, Mutex};
 use flue_core::BoxFuture;
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
-use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
-use flue_runtime::store::{
-    Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, MemoryStore, Store, StoreError, Submission,
-};
+use flue_runtime::record::{Outcome, Record, RecordBody};
+use flue_runtime::store::{Admission, Admitted, AttemptRef, Claim, InstanceKey, MemoryStore, Store, StoreError};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
@@ -44,6 +42,14 @@ impl FaultyStore {
 }
 
 impl Store for FaultyStore {
+    harness::delegate_store!(
+        inner;
+        instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, settle, requeue,
+        request_abort, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values,
+    );
+
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         Box::pin(async move {
             let admitted = self.inner.admit(admission).await?;
@@ -60,65 +66,6 @@ impl Store for FaultyStore {
             }
             Ok(admitted)
         })
-    }
-    fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
-        self.inner.instance(key)
-    }
-    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.submission(id)
-    }
-    fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.has_queued(key)
-    }
-    fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.claim_next(key, claim)
-    }
-    fn renew_leases(
-        &self,
-        owner_id: &str,
-        attempt_ids: &[String],
-        lease_until_ms: u64,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        self.inner.renew_leases(owner_id, attempt_ids, lease_until_ms)
-    }
-    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        self.inner.expired(now_ms)
-    }
-    fn reclaim(
-        &self,
-        id: &str,
-        stale: &str,
-        claim: &Claim,
-        now_ms: u64,
-    ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.reclaim(id, stale, claim, now_ms)
-    }
-    fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
-        self.inner.aborts_requested(attempt_ids)
-    }
-    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
-        self.inner.instances_with_queued()
-    }
-    fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        self.inner.claim_joinable(host)
-    }
-    fn finalize_join(&self, host: &AttemptRef, id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.finalize_join(host, id)
-    }
-    fn settle(
-        &self,
-        host: &AttemptRef,
-        outcome: Outcome,
-        error: Option<SettlementError>,
-        records: Vec<Record>,
-    ) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.settle(host, outcome, error, records)
-    }
-    fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.requeue(attempt)
-    }
-    fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
-        self.inner.request_abort(key)
     }
     fn append(
         &self,
@@ -138,49 +85,6 @@ impl Store for FaultyStore {
         }
         drop(fault);
         self.inner.append(key, records, authorization)
-    }
-    fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
-        self.inner.read(key, after)
-    }
-    fn put_attachment(
-        &self,
-        key: &InstanceKey,
-        attachment: flue_runtime::store::AttachmentPut,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.put_attachment(key, attachment)
-    }
-    fn attachment(
-        &self,
-        key: &InstanceKey,
-        id: &str,
-    ) -> BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, StoreError>> {
-        self.inner.attachment(key, id)
-    }
-
-    fn user_value(
-        &self,
-        user_id: &str,
-        key: &str,
-    ) -> BoxFuture<'_, Result<Option<flue_runtime::lifecycle::UserValue>, StoreError>> {
-        self.inner.user_value(user_id, key)
-    }
-
-    fn set_user_value(
-        &self,
-        user_id: &str,
-        key: &str,
-        value: Option<serde_json::Value>,
-        updated_at: i64,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.set_user_value(user_id, key, value, updated_at)
-    }
-
-    fn list_user_values(
-        &self,
-        user_id: &str,
-        query: &flue_runtime::lifecycle::UserValuesQuery,
-    ) -> BoxFuture<'_, Result<flue_runtime::lifecycle::UserValuePage, StoreError>> {
-        self.inner.list_user_values(user_id, query)
     }
 }
 

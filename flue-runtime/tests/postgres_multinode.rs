@@ -12,14 +12,10 @@ use std::time::Duration;
 
 use flue_runtime::BoxFuture;
 use flue_runtime::events::Event;
-use flue_runtime::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::ProviderRegistry;
-use flue_runtime::record::{Batch, Outcome, Record, SettlementError};
-use flue_runtime::store::{
-    Admission, Admitted, AttachmentPut, AttemptRef, Claim, InstanceInfo, InstanceKey, PostgresStore, Store, StoreError,
-    StoredAttachment, Submission, SubmissionStatus, now_ms,
-};
+use flue_runtime::record::Batch;
+use flue_runtime::store::{Claim, InstanceKey, PostgresStore, Store, StoreError, SubmissionStatus, now_ms};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
@@ -200,65 +196,14 @@ struct SlowRead {
 }
 
 impl Store for SlowRead {
-    fn admit(&self, a: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
-        self.inner.admit(a)
-    }
-    fn instance(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
-        self.inner.instance(k)
-    }
-    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.submission(id)
-    }
-    fn has_queued(&self, k: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.has_queued(k)
-    }
-    fn claim_next(&self, k: &InstanceKey, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.claim_next(k, c)
-    }
-    fn renew_leases(&self, o: &str, a: &[String], l: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
-        self.inner.renew_leases(o, a, l)
-    }
-    fn expired(&self, n: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        self.inner.expired(n)
-    }
-    fn reclaim(&self, id: &str, s: &str, c: &Claim, n: u64) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.reclaim(id, s, c, n)
-    }
-    fn aborts_requested(&self, a: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
-        self.inner.aborts_requested(a)
-    }
-    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
-        self.inner.instances_with_queued()
-    }
-    fn claim_joinable(&self, h: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        self.inner.claim_joinable(h)
-    }
-    fn finalize_join(&self, h: &AttemptRef, id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.finalize_join(h, id)
-    }
-    fn settle(
-        &self,
-        h: &AttemptRef,
-        o: Outcome,
-        e: Option<SettlementError>,
-        r: Vec<Record>,
-    ) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.settle(h, o, e, r)
-    }
-    fn requeue(&self, a: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.requeue(a)
-    }
-    fn request_abort(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
-        self.inner.request_abort(k)
-    }
-    fn append(
-        &self,
-        k: &InstanceKey,
-        r: Arc<[Record]>,
-        a: Option<&AttemptRef>,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        self.inner.append(k, r, a)
-    }
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, settle, requeue,
+        request_abort, append, put_attachment, attachment, user_value, set_user_value,
+        list_user_values,
+    );
+
     fn read(&self, k: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         let hold = self.hold.swap(false, Ordering::SeqCst);
         let read = self.inner.read(k, after);
@@ -268,27 +213,6 @@ impl Store for SlowRead {
             }
             read.await
         })
-    }
-    fn put_attachment(&self, k: &InstanceKey, a: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.put_attachment(k, a)
-    }
-    fn attachment(&self, k: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>> {
-        self.inner.attachment(k, id)
-    }
-    fn user_value(&self, u: &str, k: &str) -> BoxFuture<'_, Result<Option<UserValue>, StoreError>> {
-        self.inner.user_value(u, k)
-    }
-    fn set_user_value(
-        &self,
-        u: &str,
-        k: &str,
-        v: Option<serde_json::Value>,
-        at: i64,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.set_user_value(u, k, v, at)
-    }
-    fn list_user_values(&self, u: &str, q: &UserValuesQuery) -> BoxFuture<'_, Result<UserValuePage, StoreError>> {
-        self.inner.list_user_values(u, q)
     }
     fn shared(&self) -> bool {
         true

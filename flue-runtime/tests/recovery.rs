@@ -16,10 +16,8 @@ use std::time::Duration;
 use flue_core::BoxFuture;
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelProvider, ModelRequest, ModelStream, ProviderRegistry, StreamEvent};
-use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
-use flue_runtime::store::{
-    Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, SqliteStore, Store, StoreError, Submission,
-};
+use flue_runtime::record::{Outcome, Record, RecordBody, SettlementError};
+use flue_runtime::store::{AttemptRef, InstanceKey, SqliteStore, Store, StoreError};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
@@ -117,42 +115,14 @@ async fn open_backend(dir: &Path) -> Box<dyn Store> {
 }
 
 impl Store for PausingStore {
-    fn admit(&self, a: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
-        self.inner.admit(a)
-    }
-    fn instance(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
-        self.inner.instance(k)
-    }
-    fn submission(&self, id: &str) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.submission(id)
-    }
-    fn has_queued(&self, k: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.has_queued(k)
-    }
-    fn claim_next(&self, k: &InstanceKey, c: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.claim_next(k, c)
-    }
-    fn renew_leases(&self, o: &str, a: &[String], l: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
-        self.inner.renew_leases(o, a, l)
-    }
-    fn expired(&self, n: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        self.inner.expired(n)
-    }
-    fn reclaim(&self, id: &str, s: &str, c: &Claim, n: u64) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
-        self.inner.reclaim(id, s, c, n)
-    }
-    fn aborts_requested(&self, a: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
-        self.inner.aborts_requested(a)
-    }
-    fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
-        self.inner.instances_with_queued()
-    }
-    fn claim_joinable(&self, h: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        self.inner.claim_joinable(h)
-    }
-    fn finalize_join(&self, h: &AttemptRef, id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.finalize_join(h, id)
-    }
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, requeue,
+        request_abort, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values,
+    );
+
     fn settle(
         &self,
         h: &AttemptRef,
@@ -164,12 +134,6 @@ impl Store for PausingStore {
             self.pause();
         }
         self.inner.settle(h, o, e, r)
-    }
-    fn requeue(&self, a: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
-        self.inner.requeue(a)
-    }
-    fn request_abort(&self, k: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
-        self.inner.request_abort(k)
     }
     fn append(
         &self,
@@ -188,49 +152,6 @@ impl Store for PausingStore {
             self.pause();
         }
         self.inner.append(k, r, a)
-    }
-    fn read(&self, k: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
-        self.inner.read(k, after)
-    }
-    fn put_attachment(
-        &self,
-        k: &InstanceKey,
-        a: flue_runtime::store::AttachmentPut,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.put_attachment(k, a)
-    }
-    fn attachment(
-        &self,
-        k: &InstanceKey,
-        id: &str,
-    ) -> BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, StoreError>> {
-        self.inner.attachment(k, id)
-    }
-
-    fn user_value(
-        &self,
-        user_id: &str,
-        key: &str,
-    ) -> BoxFuture<'_, Result<Option<flue_runtime::lifecycle::UserValue>, StoreError>> {
-        self.inner.user_value(user_id, key)
-    }
-
-    fn set_user_value(
-        &self,
-        user_id: &str,
-        key: &str,
-        value: Option<serde_json::Value>,
-        updated_at: i64,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.set_user_value(user_id, key, value, updated_at)
-    }
-
-    fn list_user_values(
-        &self,
-        user_id: &str,
-        query: &flue_runtime::lifecycle::UserValuesQuery,
-    ) -> BoxFuture<'_, Result<flue_runtime::lifecycle::UserValuePage, StoreError>> {
-        self.inner.list_user_values(user_id, query)
     }
 }
 

@@ -75,3 +75,140 @@ pub fn admission(key: &flue_runtime::store::InstanceKey, id: &str, text: &str) -
         trace: None,
     }
 }
+
+/// Inside `impl Store for Wrapper`, hands each listed method to the store in `self.$inner`
+/// unchanged: a wrapper writes only the methods it intercepts (a fault, a pause, a delay).
+#[allow(unused_macros)] // each test file uses a part of the harness
+macro_rules! delegate_store {
+    ($inner:ident; $($method:ident),+ $(,)?) => {
+        $( $crate::harness::delegate_store!(@one $inner $method); )+
+    };
+    (@one $inner:ident admit) => {
+        fn admit(&self, a: flue_runtime::store::Admission) -> flue_runtime::BoxFuture<'_, Result<flue_runtime::store::Admitted, flue_runtime::store::StoreError>> {
+            self.$inner.admit(a)
+        }
+    };
+    (@one $inner:ident instance) => {
+        fn instance(&self, k: &flue_runtime::store::InstanceKey) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::InstanceInfo>, flue_runtime::store::StoreError>> {
+            self.$inner.instance(k)
+        }
+    };
+    (@one $inner:ident submission) => {
+        fn submission(&self, id: &str) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, flue_runtime::store::StoreError>> {
+            self.$inner.submission(id)
+        }
+    };
+    (@one $inner:ident has_queued) => {
+        fn has_queued(&self, k: &flue_runtime::store::InstanceKey) -> flue_runtime::BoxFuture<'_, Result<bool, flue_runtime::store::StoreError>> {
+            self.$inner.has_queued(k)
+        }
+    };
+    (@one $inner:ident claim_next) => {
+        fn claim_next(&self, k: &flue_runtime::store::InstanceKey, c: &flue_runtime::store::Claim) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, flue_runtime::store::StoreError>> {
+            self.$inner.claim_next(k, c)
+        }
+    };
+    (@one $inner:ident renew_leases) => {
+        fn renew_leases(&self, o: &str, a: &[String], l: u64) -> flue_runtime::BoxFuture<'_, Result<u64, flue_runtime::store::StoreError>> {
+            self.$inner.renew_leases(o, a, l)
+        }
+    };
+    (@one $inner:ident expired) => {
+        fn expired(&self, n: u64) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, flue_runtime::store::StoreError>> {
+            self.$inner.expired(n)
+        }
+    };
+    (@one $inner:ident reclaim) => {
+        fn reclaim(&self, id: &str, s: &str, c: &flue_runtime::store::Claim, n: u64) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, flue_runtime::store::StoreError>> {
+            self.$inner.reclaim(id, s, c, n)
+        }
+    };
+    (@one $inner:ident aborts_requested) => {
+        fn aborts_requested(&self, a: &[String]) -> flue_runtime::BoxFuture<'_, Result<Vec<String>, flue_runtime::store::StoreError>> {
+            self.$inner.aborts_requested(a)
+        }
+    };
+    (@one $inner:ident instances_with_queued) => {
+        fn instances_with_queued(&self) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::store::InstanceKey>, flue_runtime::store::StoreError>> {
+            self.$inner.instances_with_queued()
+        }
+    };
+    (@one $inner:ident claim_joinable) => {
+        fn claim_joinable(&self, h: &flue_runtime::store::AttemptRef) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, flue_runtime::store::StoreError>> {
+            self.$inner.claim_joinable(h)
+        }
+    };
+    (@one $inner:ident finalize_join) => {
+        fn finalize_join(&self, h: &flue_runtime::store::AttemptRef, id: &str) -> flue_runtime::BoxFuture<'_, Result<bool, flue_runtime::store::StoreError>> {
+            self.$inner.finalize_join(h, id)
+        }
+    };
+    (@one $inner:ident settle) => {
+        fn settle(
+            &self,
+            h: &flue_runtime::store::AttemptRef,
+            o: flue_runtime::record::Outcome,
+            e: Option<flue_runtime::record::SettlementError>,
+            r: Vec<flue_runtime::record::Record>,
+        ) -> flue_runtime::BoxFuture<'_, Result<bool, flue_runtime::store::StoreError>> {
+            self.$inner.settle(h, o, e, r)
+        }
+    };
+    (@one $inner:ident requeue) => {
+        fn requeue(&self, a: &flue_runtime::store::AttemptRef) -> flue_runtime::BoxFuture<'_, Result<bool, flue_runtime::store::StoreError>> {
+            self.$inner.requeue(a)
+        }
+    };
+    (@one $inner:ident request_abort) => {
+        fn request_abort(&self, k: &flue_runtime::store::InstanceKey) -> flue_runtime::BoxFuture<'_, Result<Vec<String>, flue_runtime::store::StoreError>> {
+            self.$inner.request_abort(k)
+        }
+    };
+    (@one $inner:ident append) => {
+        fn append(
+            &self,
+            k: &flue_runtime::store::InstanceKey,
+            r: std::sync::Arc<[flue_runtime::record::Record]>,
+            a: Option<&flue_runtime::store::AttemptRef>,
+        ) -> flue_runtime::BoxFuture<'_, Result<u64, flue_runtime::store::StoreError>> {
+            self.$inner.append(k, r, a)
+        }
+    };
+    (@one $inner:ident read) => {
+        fn read(&self, k: &flue_runtime::store::InstanceKey, after: Option<u64>) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
+            self.$inner.read(k, after)
+        }
+    };
+    (@one $inner:ident put_attachment) => {
+        fn put_attachment(&self, k: &flue_runtime::store::InstanceKey, a: flue_runtime::store::AttachmentPut) -> flue_runtime::BoxFuture<'_, Result<(), flue_runtime::store::StoreError>> {
+            self.$inner.put_attachment(k, a)
+        }
+    };
+    (@one $inner:ident attachment) => {
+        fn attachment(&self, k: &flue_runtime::store::InstanceKey, id: &str) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, flue_runtime::store::StoreError>> {
+            self.$inner.attachment(k, id)
+        }
+    };
+    (@one $inner:ident user_value) => {
+        fn user_value(&self, user_id: &str, key: &str) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::lifecycle::UserValue>, flue_runtime::store::StoreError>> {
+            self.$inner.user_value(user_id, key)
+        }
+    };
+    (@one $inner:ident set_user_value) => {
+        fn set_user_value(&self, user_id: &str, key: &str, value: Option<serde_json::Value>, updated_at: i64) -> flue_runtime::BoxFuture<'_, Result<(), flue_runtime::store::StoreError>> {
+            self.$inner.set_user_value(user_id, key, value, updated_at)
+        }
+    };
+    (@one $inner:ident list_user_values) => {
+        fn list_user_values(&self, user_id: &str, query: &flue_runtime::lifecycle::UserValuesQuery) -> flue_runtime::BoxFuture<'_, Result<flue_runtime::lifecycle::UserValuePage, flue_runtime::store::StoreError>> {
+            self.$inner.list_user_values(user_id, query)
+        }
+    };
+    (@one $inner:ident shared) => {
+        fn shared(&self) -> bool {
+            self.$inner.shared()
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use delegate_store;
