@@ -518,7 +518,7 @@ async fn a_send_dropped_after_its_admission_committed_a_claim_leaves_the_submiss
     assert_eq!(reply.text, "Relayed.");
 }
 
-// ---- review/session: turn-loop and submission semantics against reference §3, §8 -----------
+// ---- joins, resumes and the finish phase (reference §3, §8) ------------------------------
 
 /// Fails the `n`-th batch (1-based) that carries an `assistant_message_started`.
 fn nth_step_batch(n: usize) -> impl Fn(&[Record]) -> bool + Send + 'static {
@@ -532,7 +532,7 @@ fn nth_step_batch(n: usize) -> impl Fn(&[Record]) -> bool + Send + 'static {
 }
 
 #[agent]
-fn review_follow_upper() -> &'static str {
+fn follow_upper() -> &'static str {
     use_model("scripted/x");
     let dispatch = use_dispatch_message();
     use_tool(Tool::new("follow_up").description("Queue a follow-up.").run(
@@ -565,9 +565,9 @@ async fn a_delivery_joined_by_an_earlier_attempt_settles_with_its_own_record_and
         ScriptedReply::text("lost with the failed attempt"),
         ScriptedReply::text("answered"),
     ]);
-    let runtime = runtime(&store, &model, review_follow_upper);
+    let runtime = runtime(&store, &model, follow_upper);
     let mut events = runtime.observe();
-    let host = runtime.init(&review_follow_upper, "j-1").send("plan").await.unwrap();
+    let host = runtime.init(&follow_upper, "j-1").send("plan").await.unwrap();
     assert_eq!(store.failures.load(Ordering::SeqCst), 1);
     let mut queued = Vec::new();
     let mut settled = Vec::new();
@@ -582,7 +582,7 @@ async fn a_delivery_joined_by_an_earlier_attempt_settles_with_its_own_record_and
     let row = store.submission(&delivery).await.unwrap().unwrap();
     assert_eq!(row.joined_into.as_deref(), Some(host.submission_id.as_str()));
     assert_eq!(row.outcome, Some(Outcome::Completed));
-    let all = records(&store, &InstanceKey::new("review_follow_upper", "j-1")).await;
+    let all = records(&store, &InstanceKey::new("follow_upper", "j-1")).await;
     let has_record = all.iter().any(|record| {
         matches!(record.body, RecordBody::SubmissionSettled { .. })
             && record.submission_id.as_deref() == Some(delivery.as_str())
@@ -696,7 +696,7 @@ async fn a_delivery_joined_after_the_final_answer_is_answered_after_a_re_attempt
 
 /// Hand over to a person.
 #[tool(terminate)]
-async fn review_hand_off(
+async fn hand_off(
     /// Why
     reason: String,
 ) -> String {
@@ -704,9 +704,9 @@ async fn review_hand_off(
 }
 
 #[agent]
-fn review_handoff_desk() -> &'static str {
+fn handoff_desk() -> &'static str {
     use_model("scripted/x");
-    use_tool(review_hand_off);
+    use_tool(hand_off);
     use_response_finish(|_ctx| json!({"handed_off": true}));
     "Hand off."
 }
@@ -724,12 +724,12 @@ async fn a_re_attempt_after_a_committed_terminating_batch_calls_no_model() {
             .any(|r| matches!(r.body, RecordBody::MessageMetadata { .. }))
     });
     let model = ScriptedModel::new([
-        ScriptedReply::tool_call("review_hand_off", json!({"reason": "asked"})),
+        ScriptedReply::tool_call("hand_off", json!({"reason": "asked"})),
         ScriptedReply::text("a turn after a terminating batch"),
     ]);
-    let runtime = runtime(&store, &model, review_handoff_desk);
+    let runtime = runtime(&store, &model, handoff_desk);
     runtime
-        .init(&review_handoff_desk, "h-1")
+        .init(&handoff_desk, "h-1")
         .send("a person please")
         .await
         .unwrap();
@@ -738,7 +738,7 @@ async fn a_re_attempt_after_a_committed_terminating_batch_calls_no_model() {
 }
 
 #[agent(max_steps = 2)]
-fn review_looper() -> &'static str {
+fn looper() -> &'static str {
     use_model("scripted/x");
     use_tool(
         Tool::new("again")
@@ -763,10 +763,10 @@ async fn max_steps_caps_a_response_across_its_attempts() {
             && seen.fetch_add(1, Ordering::SeqCst) + 1 == 2
     });
     let model = ScriptedModel::new((0..6).map(|_| ScriptedReply::tool_call("again", json!({}))));
-    let runtime = runtime(&store, &model, review_looper);
-    runtime.init(&review_looper, "l-1").send("go").await.unwrap();
+    let runtime = runtime(&store, &model, looper);
+    runtime.init(&looper, "l-1").send("go").await.unwrap();
     assert_eq!(store.failures.load(Ordering::SeqCst), 1);
-    let steps = records(&store, &InstanceKey::new("review_looper", "l-1"))
+    let steps = records(&store, &InstanceKey::new("looper", "l-1"))
         .await
         .iter()
         .filter(|r| matches!(r.body, RecordBody::AssistantMessageStarted { .. }))
@@ -775,7 +775,7 @@ async fn max_steps_caps_a_response_across_its_attempts() {
 }
 
 #[agent]
-fn review_stamped_relay() -> &'static str {
+fn stamped_relay() -> &'static str {
     use_model("scripted/x");
     use_response_finish(|_ctx| json!({"stamped": true}));
     "Relay."
@@ -792,9 +792,9 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     let model = ScriptedModel::new([]);
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
-    let key = InstanceKey::new("review_stamped_relay", "s-1");
+    let key = InstanceKey::new("stamped_relay", "s-1");
     store
-        .admit(harness::admission(&key, "sub_review_stamped", "question"))
+        .admit(harness::admission(&key, "sub_stamped", "question"))
         .await
         .unwrap();
     let first = Claim {
@@ -804,12 +804,12 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     };
     store.claim_next(&key, &first).await.unwrap().unwrap();
     let auth = AttemptRef {
-        submission_id: "sub_review_stamped".into(),
+        submission_id: "sub_stamped".into(),
         attempt_id: "attempt_one".into(),
     };
     let record = |body: RecordBody| Record {
-        id: format!("record_review_{}", ulid_like()),
-        submission_id: Some("sub_review_stamped".into()),
+        id: format!("record_{}", ulid_like()),
+        submission_id: Some("sub_stamped".into()),
         attempt_id: Some("attempt_one".into()),
         timestamp: "2026-11-30T00:00:00.000Z".into(),
         body,
@@ -845,7 +845,7 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
         store.append(&key, batch.into(), Some(&auth)).await.unwrap();
     }
     let runtime = Runtime::builder()
-        .agent(review_stamped_relay)
+        .agent(stamped_relay)
         .providers(providers)
         .store(store.clone())
         .options(RuntimeOptions {
@@ -858,7 +858,7 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     runtime.start().await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        runtime.init(&review_stamped_relay, "s-1").read("sub_review_stamped"),
+        runtime.init(&stamped_relay, "s-1").read("sub_stamped"),
     )
     .await
     .unwrap()
@@ -872,10 +872,10 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     assert_eq!(metadata, 1, "the response-finish batch is durable once");
 }
 
-// ---- review/turn: delivery cursor, data writes -------------------------------------------
+// ---- the delivery cursor and data writes ---------------------------------------------------
 
 #[agent]
-fn review_cursor() -> String {
+fn cursor() -> String {
     use_model("scripted/x");
     use_agent_start(|ctx| async move {
         ctx.append(Signal::new("profile", "The user prefers short answers."))?;
@@ -891,8 +891,8 @@ async fn a_resumed_attempt_restores_the_delivery_cursor_from_the_stream() {
     let store = FaultyStore::default();
     store.fail_once(nth_step_batch(1));
     let model = ScriptedModel::new([ScriptedReply::text("lost"), ScriptedReply::text("answered")]);
-    let runtime = runtime(&store, &model, review_cursor);
-    runtime.init(&review_cursor, "c-1").send("go").await.unwrap();
+    let runtime = runtime(&store, &model, cursor);
+    runtime.init(&cursor, "c-1").send("go").await.unwrap();
     assert_eq!(store.failures.load(Ordering::SeqCst), 1);
     let requests = model.requests();
     assert_eq!(requests.len(), 2);
@@ -908,7 +908,7 @@ async fn a_resumed_attempt_restores_the_delivery_cursor_from_the_stream() {
 static STREAMED_STORE: std::sync::OnceLock<FaultyStore> = std::sync::OnceLock::new();
 
 #[agent]
-fn review_streamer() -> &'static str {
+fn streamer() -> &'static str {
     use_model("scripted/x");
     let progress = use_data_writer::<u32>("progress");
     use_tool(
@@ -919,7 +919,7 @@ fn review_streamer() -> &'static str {
                 async move {
                     progress.write(&1)?;
                     let store = STREAMED_STORE.get().unwrap();
-                    let key = InstanceKey::new("review_streamer", "s-1");
+                    let key = InstanceKey::new("streamer", "s-1");
                     for _ in 0..100 {
                         let all = records(store, &key).await;
                         if all
@@ -944,8 +944,8 @@ fn review_streamer() -> &'static str {
 async fn a_data_write_mid_tool_run_is_durable_before_the_tool_returns() {
     let store = STREAMED_STORE.get_or_init(FaultyStore::default).clone();
     let model = ScriptedModel::new([ScriptedReply::tool_call("work", json!({})), ScriptedReply::text("done")]);
-    let runtime = runtime(&store, &model, review_streamer);
-    let reply = runtime.init(&review_streamer, "s-1").send("go").await.unwrap();
+    let runtime = runtime(&store, &model, streamer);
+    let reply = runtime.init(&streamer, "s-1").send("go").await.unwrap();
     assert_eq!(reply.data["progress"], json!(1));
     let tool_result = model.requests()[1]
         .messages
@@ -959,7 +959,7 @@ async fn a_data_write_mid_tool_run_is_durable_before_the_tool_returns() {
     // One batch per write: the data write is not folded into the tool batch.
     let batches = store
         .inner
-        .read(&InstanceKey::new("review_streamer", "s-1"), None)
+        .read(&InstanceKey::new("streamer", "s-1"), None)
         .await
         .unwrap();
     let data_batch = batches

@@ -1202,19 +1202,19 @@ async fn tool_call_started_fires_once_per_call_before_the_tool_runs_with_its_pro
     );
 }
 
-// ---- review/session: turn-loop and submission semantics against reference §3, §7, §8 -------
+// ---- joins, resumes and events (reference §3, §7, §8) ------------------------------------
 
-static REVIEW_FINISH_DISPATCHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static FINISH_DISPATCHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[agent]
-fn review_finish_dispatcher() -> &'static str {
+fn finish_dispatcher() -> &'static str {
     use_model("scripted/x");
     let dispatch = use_dispatch_message();
     use_agent_finish(move |_ctx| {
         let dispatch = dispatch.clone();
         async move {
             // Appends nothing; dispatches once.
-            if !REVIEW_FINISH_DISPATCHED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            if !FINISH_DISPATCHED.swap(true, std::sync::atomic::Ordering::SeqCst) {
                 dispatch.dispatch("late follow-up").await.map_err(|e| e.to_string())?;
             }
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
@@ -1229,9 +1229,9 @@ fn review_finish_dispatcher() -> &'static str {
 #[tokio::test]
 async fn a_dispatch_inside_a_no_append_finish_cycle_joins_the_live_response() {
     let model = ScriptedModel::new([ScriptedReply::text("first"), ScriptedReply::text("second")]);
-    let runtime = runtime_with(&model, vec![review_finish_dispatcher.into()]);
+    let runtime = runtime_with(&model, vec![finish_dispatcher.into()]);
     let mut events = runtime.observe();
-    let host = runtime.init(&review_finish_dispatcher, "rf").send("go").await.unwrap();
+    let host = runtime.init(&finish_dispatcher, "rf").send("go").await.unwrap();
     // Collect until both submissions settled (on their own, the delivery settles later).
     let mut running = Vec::new();
     let mut settled = Vec::new();
@@ -1259,10 +1259,10 @@ async fn a_dispatch_inside_a_no_append_finish_cycle_joins_the_live_response() {
     );
 }
 
-static REVIEW_JOIN_SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+static JOIN_SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[agent]
-fn review_counter_joiner() -> &'static str {
+fn counter_joiner() -> &'static str {
     use_model("scripted/x");
     let (count, set_count) = use_persistent_state("count", 0u32);
     let dispatch = use_dispatch_message();
@@ -1283,7 +1283,7 @@ fn review_counter_joiner() -> &'static str {
     );
     use_agent_start(move |ctx| async move {
         if ctx.delivery().body() == "follow-up" {
-            REVIEW_JOIN_SEEN.lock().unwrap().push(format!("count={count}"));
+            JOIN_SEEN.lock().unwrap().push(format!("count={count}"));
         }
         Ok::<_, flue_runtime::event_hooks::AppendError>(())
     });
@@ -1298,10 +1298,10 @@ async fn a_joined_deliverys_start_seam_runs_on_a_fresh_render_that_sees_the_batc
         ScriptedReply::tool_call("bump_and_follow_up", json!({})),
         ScriptedReply::text("done"),
     ]);
-    let runtime = runtime_with(&model, vec![review_counter_joiner.into()]);
-    runtime.init(&review_counter_joiner, "rj").send("go").await.unwrap();
+    let runtime = runtime_with(&model, vec![counter_joiner.into()]);
+    runtime.init(&counter_joiner, "rj").send("go").await.unwrap();
     assert_eq!(model.requests().len(), 2, "the follow-up joined");
-    assert_eq!(*REVIEW_JOIN_SEEN.lock().unwrap(), ["count=1"]);
+    assert_eq!(*JOIN_SEEN.lock().unwrap(), ["count=1"]);
 }
 
 /// Reference §3.7 step 10 "Resolve interrupted joins …, then apply queued joins" before
@@ -1314,17 +1314,17 @@ async fn deliveries_queued_behind_the_head_join_before_turn_one() {
     let key = InstanceKey::new("relay_one", "q");
     runtime
         .store()
-        .admit(harness::admission(&key, "sub_review_a", "first question"))
+        .admit(harness::admission(&key, "sub_a", "first question"))
         .await
         .unwrap();
     runtime
         .store()
-        .admit(harness::admission(&key, "sub_review_b", "second question"))
+        .admit(harness::admission(&key, "sub_b", "second question"))
         .await
         .unwrap();
     runtime.start().await;
     let handle = runtime.init(&relay_one, "q");
-    tokio::time::timeout(std::time::Duration::from_secs(5), handle.read("sub_review_b"))
+    tokio::time::timeout(std::time::Duration::from_secs(5), handle.read("sub_b"))
         .await
         .unwrap()
         .unwrap();
@@ -1356,7 +1356,7 @@ async fn each_tool_result_message_has_its_message_start_and_end_between_tool_sta
     ]);
     let runtime = runtime_with(&model, vec![calculator.into()]);
     let mut events = runtime.observe();
-    runtime.init(&calculator, "review-o").send("1+2").await.unwrap();
+    runtime.init(&calculator, "o-1").send("1+2").await.unwrap();
     let mut kinds = Vec::new();
     while let Ok(observation) = events.try_recv() {
         kinds.push(match observation.event {

@@ -286,7 +286,7 @@ async fn an_instances_in_memory_files_outlive_its_submission() {
     );
 }
 
-// ---- escapes and limits found in review -----------------------------------------------------
+// ---- escapes and limits --------------------------------------------------------------------
 
 static DANGLING_ROOT: std::sync::LazyLock<(std::path::PathBuf, std::path::PathBuf)> = std::sync::LazyLock::new(|| {
     let base = scratch::dir("dangling");
