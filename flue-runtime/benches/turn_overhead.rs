@@ -144,7 +144,7 @@ fn last_role_is_tool(body: &[u8]) -> bool {
 
 fn median(mut samples: Vec<Duration>) -> Duration {
     samples.sort();
-    samples[samples.len() / 2]
+    samples.get(samples.len() / 2).copied().unwrap_or_default()
 }
 
 fn mean(samples: &[Duration]) -> Duration {
@@ -684,19 +684,27 @@ async fn interleaved() {
             .await
             .expect("exchange");
     };
+    // `FLUE_BENCH_PHASE=alone|alternating` runs one phase only (to compare the two under
+    // valgrind, whose counts do not separate phases).
+    let phase = std::env::var("FLUE_BENCH_PHASE").unwrap_or_default();
+    let (alone_rounds, alternating_rounds) = match phase.as_str() {
+        "alone" => (rounds, 0),
+        "alternating" => (0, rounds),
+        _ => (rounds, rounds),
+    };
     let (mut alone_runtime, mut alone_provider) = (Vec::new(), Vec::new());
-    for _ in 0..rounds {
+    for _ in 0..alone_rounds {
         let started = Instant::now();
         exchange().await;
         alone_runtime.push(started.elapsed());
     }
-    for _ in 0..rounds {
+    for _ in 0..alone_rounds {
         let started = Instant::now();
         path.calls().await;
         alone_provider.push(started.elapsed());
     }
     let (mut runtime_part, mut provider_part) = (Vec::new(), Vec::new());
-    for _ in 0..rounds {
+    for _ in 0..alternating_rounds {
         let started = Instant::now();
         exchange().await;
         runtime_part.push(started.elapsed());

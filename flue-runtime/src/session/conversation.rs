@@ -49,23 +49,23 @@ pub(crate) struct Conversation {
     open_step: Option<OpenStep>,
     outcomes: Vec<PendingOutcome>,
     /// Submissions whose input record is in the stream.
-    inputs: HashSet<String>,
+    inputs: HashSet<Arc<str>>,
     /// Those without a settlement record yet, in input order (a host and the deliveries an
     /// earlier attempt joined into it).
-    unsettled_inputs: Vec<String>,
+    unsettled_inputs: Vec<Arc<str>>,
     /// Submissions whose start seam committed.
-    started: HashSet<String>,
+    started: HashSet<Arc<str>>,
     /// Submissions with a durable model step.
-    stepped: HashSet<String>,
+    stepped: HashSet<Arc<str>>,
     /// Durable model steps per submission (its `assistant_message_started` records).
-    steps: HashMap<String, u32>,
+    steps: HashMap<Arc<str>, u32>,
     /// Continued finish cycles per submission.
-    finish_cycles: HashMap<String, u32>,
+    finish_cycles: HashMap<Arc<str>, u32>,
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
     /// after it that asks for more.
-    answered: HashSet<String>,
+    answered: HashSet<Arc<str>>,
     /// Submissions whose response-finish batch (its `message_metadata`) committed.
-    finished: HashSet<String>,
+    finished: HashSet<Arc<str>>,
     /// User messages with images: their position in `messages` and their attachments.
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
@@ -242,7 +242,7 @@ impl Conversation {
 
     /// Submissions whose input is in the stream but that have no settlement record, in input
     /// order.
-    pub(crate) fn unsettled_inputs(&self) -> &[String] {
+    pub(crate) fn unsettled_inputs(&self) -> &[Arc<str>] {
         &self.unsettled_inputs
     }
 
@@ -323,14 +323,14 @@ impl Conversation {
     }
 
     fn apply_record(&mut self, record: &Record) {
-        let submission = record.submission_id.as_deref();
+        let submission = record.submission_id.as_ref();
         match &record.body {
             RecordBody::UserMessage { .. } | RecordBody::Signal { .. } => {
                 self.advance_cursor(record);
                 if let Some(id) = submission
-                    && self.inputs.insert(id.to_owned())
+                    && self.inputs.insert(id.clone())
                 {
-                    self.unsettled_inputs.push(id.to_owned());
+                    self.unsettled_inputs.push(id.clone());
                 }
                 // A final answer counts only while no input follows it: a delivery joined
                 // after the host's answer (its record carries the delivery's id) leaves the
@@ -338,10 +338,10 @@ impl Conversation {
                 self.answered.clear();
             }
             RecordBody::AgentStartRun => {
-                self.started.extend(submission.map(str::to_owned));
+                self.started.extend(submission.cloned());
             }
             RecordBody::MessageMetadata { .. } => {
-                self.finished.extend(submission.map(str::to_owned));
+                self.finished.extend(submission.cloned());
             }
             RecordBody::SubmissionSettled { .. } => {
                 if let Some(id) = submission {
@@ -349,14 +349,14 @@ impl Conversation {
                 }
             }
             RecordBody::AssistantMessageStarted { .. } => {
-                self.stepped.extend(submission.map(str::to_owned));
+                self.stepped.extend(submission.cloned());
                 if let Some(id) = submission {
-                    *self.steps.entry(id.to_owned()).or_default() += 1;
+                    *self.steps.entry(id.clone()).or_default() += 1;
                 }
             }
             RecordBody::AgentFinishCycle => {
                 if let Some(id) = submission {
-                    *self.finish_cycles.entry(id.to_owned()).or_default() += 1;
+                    *self.finish_cycles.entry(id.clone()).or_default() += 1;
                     self.answered.remove(id);
                 }
             }
@@ -365,7 +365,7 @@ impl Conversation {
                     let final_answer = self.open_step.as_ref().is_some_and(|step| step.tool_calls.is_empty())
                         && *stop_reason != crate::provider::StopReason::ToolUse;
                     if final_answer {
-                        self.answered.insert(id.to_owned());
+                        self.answered.insert(id.clone());
                     } else {
                         self.answered.remove(id);
                     }
@@ -382,7 +382,7 @@ impl Conversation {
                                 .any(|outcome| outcome.tool_call_id == call.id && outcome.terminate)
                         });
                     if terminated {
-                        self.answered.insert(id.to_owned());
+                        self.answered.insert(id.clone());
                     } else {
                         self.answered.remove(id);
                     }

@@ -1511,8 +1511,8 @@ impl Response<'_> {
             .conversation
             .unsettled_inputs()
             .iter()
-            .filter(|id| **id != host && !self.joined.contains(id))
-            .cloned()
+            .filter(|id| ***id != *host && !self.joined.iter().any(|joined| **joined == ***id))
+            .map(|id| id.to_string())
             .collect();
         for id in candidates {
             let Some(row) = self.runtime.store.submission(&id).await.map_err(Failure::store)? else {
