@@ -344,6 +344,10 @@ pub struct InstanceInfo {
 
 /// Who claims a submission, and until when its lease runs (milliseconds since the Unix
 /// epoch). A lease that is not renewed expires, and another node may take the submission over.
+///
+/// The [`Store`] methods take and return times on the calling node's clock ([`now_ms`]); a
+/// store that several nodes share compares them in one clock of its own (the Postgres store
+/// in the database's), so nodes whose clocks disagree still agree on which leases expired.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Claim {
     /// The new attempt's id.

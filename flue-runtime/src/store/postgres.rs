@@ -16,9 +16,22 @@
 //! cannot both claim a head, a fenced attempt cannot slip an append past a reclaim, and two
 //! writers get distinct consecutive offsets. Transactions that Postgres aborts as deadlock or
 //! serialization victims are retried.
+//!
+//! Clocks: every time stored in `flue_submissions` (`lease_until_ms`, `timeout_at_ms`) and every
+//! time a row is compared with (an expiry scan's or a takeover's `now_ms`) is in the database's
+//! clock, so nodes whose clocks disagree still agree on which leases are live. The [`Store`]
+//! methods keep taking and returning times in the calling node's clock ([`super::now_ms`]): the
+//! store measures how far the database's clock (`clock_timestamp()`) is from the node's when it
+//! opens (the best of a few round trips) and again at every expiry scan ([`Store::expired`]), and
+//! translates each time it writes or compares into database time, and each time it reads back into
+//! node time. A new measurement replaces the offset only when the two disagree by more than their
+//! measuring error (half a round trip and a millisecond of truncation each): a time written and
+//! read back under agreeing measurements is returned exactly, and a node clock that was stepped or
+//! drifted is followed from the next scan on. 0 (no time) and `u64::MAX` (never) are kept as they
+//! are.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction};
@@ -47,6 +60,10 @@ const POOL_SIZE: usize = 16;
 const POOL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often a transaction Postgres aborted as a deadlock or serialization victim is rerun.
 const MAX_TRIES: u32 = 8;
+/// Round trips measuring the database clock when a store opens; the most precise one counts.
+const CLOCK_MEASUREMENTS_AT_OPEN: u32 = 3;
+/// The database's clock, in whole milliseconds since the Unix epoch.
+const DATABASE_NOW: &str = "SELECT FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
 
 /// The `flue_meta` table: created, and stamped, before any other table.
 const CREATE_META: &str = "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)";
@@ -242,6 +259,8 @@ const REQUEST_ABORT: &str = "UPDATE flue_submissions SET abort_requested = TRUE 
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    /// The database clock's offset from this node's.
+    clock: Arc<Clock>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -250,7 +269,117 @@ impl fmt::Debug for PostgresStore {
         f.debug_struct("PostgresStore")
             .field("connections", &status.size)
             .field("max_connections", &status.max_size)
+            .field("clock_offset_ms", &self.clock.offset().ms)
             .finish()
+    }
+}
+
+/// The offset of the database's clock from this node's (see the module doc's clock rule).
+struct Clock {
+    offset: Mutex<Offset>,
+    /// How far this node's clock is made to run off the real one: tests play a node whose
+    /// clock is wrong.
+    #[cfg(test)]
+    skew_ms: std::sync::atomic::AtomicI64,
+}
+
+/// One measurement of the database clock's offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Offset {
+    /// Database time minus node time, in milliseconds.
+    ms: i64,
+    /// How far `ms` may be off: half the round trip it was measured in, plus the milliseconds
+    /// both clocks' readings were truncated to.
+    error_ms: i64,
+}
+
+impl Offset {
+    /// The offset of a database reading `database` taken between the node readings `before`
+    /// and `after` (all in milliseconds since the Unix epoch).
+    fn measured(before: i64, database: i64, after: i64) -> Self {
+        let round_trip = after.saturating_sub(before).max(0);
+        Self {
+            ms: database.saturating_sub(before).saturating_sub(round_trip / 2),
+            error_ms: (round_trip + 1) / 2 + 1,
+        }
+    }
+
+    /// Whether this measurement and `other` cannot both be right: the clocks moved apart.
+    fn disagrees_with(self, other: Self) -> bool {
+        self.ms.abs_diff(other.ms) > self.error_ms.saturating_add(other.error_ms).unsigned_abs()
+    }
+}
+
+impl Clock {
+    fn new(offset: Offset) -> Self {
+        Self {
+            offset: Mutex::new(offset),
+            #[cfg(test)]
+            skew_ms: std::sync::atomic::AtomicI64::new(0),
+        }
+    }
+
+    fn offset(&self) -> Offset {
+        *self.offset.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes `measured` when it disagrees with the offset in use (or `always`); keeps the
+    /// offset in use otherwise, so times written under it read back unchanged.
+    fn update(&self, measured: Offset, always: bool) {
+        let mut offset = self.offset.lock().unwrap_or_else(PoisonError::into_inner);
+        if always || measured.disagrees_with(*offset) {
+            *offset = measured;
+        }
+    }
+
+    /// Now, on this node's clock.
+    fn node_now(&self) -> u64 {
+        super::now_ms().saturating_add_signed(self.skew_ms())
+    }
+
+    #[cfg(test)]
+    fn skew_ms(&self) -> i64 {
+        self.skew_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    #[cfg(not(test))]
+    fn skew_ms(&self) -> i64 {
+        0
+    }
+
+    /// Now, in database time, as this node estimates it.
+    fn database_now(&self) -> u64 {
+        self.to_database(self.node_now())
+    }
+
+    /// A node-clock time in database time.
+    fn to_database(&self, node_ms: u64) -> u64 {
+        shift(node_ms, self.offset().ms)
+    }
+
+    /// A row as read from the database, with its times on this node's clock.
+    fn submission_to_node(&self, mut row: Submission) -> Submission {
+        let offset = self.offset().ms.saturating_neg();
+        row.lease_until_ms = shift(row.lease_until_ms, offset);
+        row.timeout_at_ms = shift(row.timeout_at_ms, offset);
+        row
+    }
+
+    /// `claim` with its lease in database time.
+    fn claim_to_database(&self, claim: &Claim) -> Claim {
+        Claim {
+            lease_until_ms: self.to_database(claim.lease_until_ms),
+            ..claim.clone()
+        }
+    }
+}
+
+/// `time` moved by `offset_ms`: 0 (no time) and `u64::MAX` (never) stay, any other time stays a
+/// time (at least 1).
+fn shift(time: u64, offset_ms: i64) -> u64 {
+    match time {
+        0 | u64::MAX => time,
+        _ => time.saturating_add_signed(offset_ms).max(1),
     }
 }
 
@@ -399,12 +528,47 @@ impl PostgresStore {
             .wait_timeout(Some(POOL_TIMEOUT))
             .build()
             .map_err(|error| StoreError::Other(format!("postgres: cannot build the connection pool: {error}")))?;
-        let store = Self { pool };
+        let store = Self {
+            pool,
+            clock: Arc::new(Clock::new(Offset { ms: 0, error_ms: 0 })),
+        };
         if let Some(schema) = schema {
             store.create_schema(schema).await?;
         }
         in_transaction!(store, |tx| prepare_format(&tx).await)?;
+        store.measure_clock().await?;
         Ok(store)
+    }
+
+    /// Sets the database clock's offset from the most precise of a few measurements.
+    async fn measure_clock(&self) -> Result<(), StoreError> {
+        let mut best = self.clock_offset().await?;
+        for _ in 1..CLOCK_MEASUREMENTS_AT_OPEN {
+            let measured = self.clock_offset().await?;
+            if measured.error_ms < best.error_ms {
+                best = measured;
+            }
+        }
+        self.clock.update(best, true);
+        Ok(())
+    }
+
+    /// Measures the database clock's offset from this node's in one round trip.
+    async fn clock_offset(&self) -> Result<Offset, StoreError> {
+        let client = self.client().await.map_err(Failure::into_store_error)?;
+        let statement = client
+            .prepare_cached(DATABASE_NOW)
+            .await
+            .map_err(|error| db_error(&error))?;
+        let millis = |time: u64| i64::try_from(time).unwrap_or(i64::MAX);
+        let before = millis(self.clock.node_now());
+        let row = client
+            .query_one(&statement, &[])
+            .await
+            .map_err(|error| db_error(&error))?;
+        let after = millis(self.clock.node_now());
+        let database: i64 = row.try_get(0).map_err(|error| db_error(&error))?;
+        Ok(Offset::measured(before, database, after))
     }
 
     async fn create_schema(&self, schema: &str) -> Result<(), StoreError> {
@@ -430,6 +594,13 @@ impl PostgresStore {
                 error_chain(&error)
             )))
         })
+    }
+
+    /// Decodes a row of [`submission_columns!`], its times on this node's clock.
+    fn submission_from_row(&self, row: &Row) -> Result<Submission, StoreError> {
+        submission_from_row(row)
+            .map(|row| self.clock.submission_to_node(row))
+            .map_err(Failure::into_store_error)
     }
 
     /// Runs one read-only statement on a pooled connection.
@@ -689,7 +860,9 @@ fn appended_offset(key: &InstanceKey, appended: Option<Row>) -> Result<u64, Fail
     u64::try_from(offset).map_err(|_| corrupt(format_args!("batch offset {offset}")).into())
 }
 
-async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitted, Failure> {
+/// Admits `admission`; its claim's lease and `now_ms` (which starts a claimed submission's
+/// budget) are in database time.
+async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> Result<Admitted, Failure> {
     let key = &admission.key;
     let (agent, id) = (&*key.agent, &*key.id);
     let (select, lock) = (
@@ -834,7 +1007,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     };
     let submission = submission_from_row(&row)?;
     let claimed = match (&admission.claim, head) {
-        (Some(claim), Some(Some(head))) => claim_head(tx, &head, claim, Some(&submission.id)).await?,
+        (Some(claim), Some(Some(head))) => claim_head(tx, &head, claim, Some(&submission.id), now_ms).await?,
         _ => None,
     };
     Ok(Admitted {
@@ -846,12 +1019,14 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission) -> Result<Admitte
     })
 }
 
-/// Starts an attempt of the instance's head, when it is queued (and is `only`, if given).
+/// Starts an attempt of the instance's head, when it is queued (and is `only`, if given). The
+/// claim's lease and `now_ms` are in database time.
 async fn claim_next_tx(
     tx: &Transaction<'_>,
     key: &InstanceKey,
     claim: &Claim,
     only: Option<&str>,
+    now_ms: u64,
 ) -> Result<Option<Submission>, Failure> {
     if lock_instance(tx, key).await?.is_none() {
         return Ok(None);
@@ -860,16 +1035,18 @@ async fn claim_next_tx(
     let Some(head) = tx.query_opt(&statement, &[&&*key.agent, &&*key.id]).await? else {
         return Ok(None);
     };
-    claim_head(tx, &head, claim, only).await
+    claim_head(tx, &head, claim, only, now_ms).await
 }
 
 /// Claims the instance's head (a [`HEAD`] row, the instance locked) when it is queued (and is
-/// `only`, when given).
+/// `only`, when given); a first claim starts the budget at `now_ms`. The claim's lease and
+/// `now_ms` are in database time.
 async fn claim_head(
     tx: &Transaction<'_>,
     head: &Row,
     claim: &Claim,
     only: Option<&str>,
+    now_ms: u64,
 ) -> Result<Option<Submission>, Failure> {
     let id: String = head.try_get(0)?;
     let status: String = head.try_get(1)?;
@@ -877,8 +1054,7 @@ async fn claim_head(
         return Ok(None);
     }
     let statement = tx.prepare_cached(CLAIM).await?;
-    let lease = claim.lease_until_ms.to_string();
-    let now = super::now_ms().to_string();
+    let (lease, now) = (claim.lease_until_ms.to_string(), now_ms.to_string());
     match tx
         .query_opt(&statement, &[&id, &claim.attempt_id, &claim.owner_id, &lease, &now])
         .await?
@@ -888,6 +1064,7 @@ async fn claim_head(
     }
 }
 
+/// Takes an expired submission over; the claim's lease and `now_ms` are in database time.
 async fn reclaim_tx(
     tx: &Transaction<'_>,
     submission_id: &str,
@@ -1105,8 +1282,17 @@ impl Store for PostgresStore {
         true
     }
 
-    fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
-        Box::pin(async move { in_transaction!(self, |tx| admit_tx(&tx, &admission).await) })
+    fn admit(&self, mut admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
+        Box::pin(async move {
+            if let Some(claim) = &mut admission.claim {
+                claim.lease_until_ms = self.clock.to_database(claim.lease_until_ms);
+            }
+            let now = self.clock.database_now();
+            let mut admitted = in_transaction!(self, |tx| admit_tx(&tx, &admission, now).await)?;
+            admitted.submission = self.clock.submission_to_node(admitted.submission);
+            admitted.claimed = admitted.claimed.map(|row| self.clock.submission_to_node(row));
+            Ok(admitted)
+        })
     }
 
     fn instance(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<InstanceInfo>, StoreError>> {
@@ -1128,9 +1314,7 @@ impl Store for PostgresStore {
         let id = id.to_owned();
         Box::pin(async move {
             let rows = self.query(SELECT_SUBMISSION, &[&id]).await?;
-            rows.first()
-                .map(|row| submission_from_row(row).map_err(Failure::into_store_error))
-                .transpose()
+            rows.first().map(|row| self.submission_from_row(row)).transpose()
         })
     }
 
@@ -1147,8 +1331,12 @@ impl Store for PostgresStore {
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let key = key.clone();
-        let claim = claim.clone();
-        Box::pin(async move { in_transaction!(self, |tx| claim_next_tx(&tx, &key, &claim, None).await) })
+        let claim = self.clock.claim_to_database(claim);
+        Box::pin(async move {
+            let now = self.clock.database_now();
+            let claimed = in_transaction!(self, |tx| claim_next_tx(&tx, &key, &claim, None, now).await)?;
+            Ok(claimed.map(|row| self.clock.submission_to_node(row)))
+        })
     }
 
     fn renew_leases(
@@ -1160,7 +1348,7 @@ impl Store for PostgresStore {
         let owner_id = owner_id.to_owned();
         let attempt_ids = attempt_ids.to_vec();
         Box::pin(async move {
-            let lease = lease_until_ms.to_string();
+            let lease = self.clock.to_database(lease_until_ms).to_string();
             in_transaction!(self, |tx| async {
                 let statement = tx.prepare_cached(RENEW).await?;
                 Ok::<_, Failure>(tx.execute(&statement, &[&owner_id, &lease, &attempt_ids]).await?)
@@ -1171,11 +1359,14 @@ impl Store for PostgresStore {
 
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         Box::pin(async move {
-            let now = now_ms.to_string();
+            // The scan follows the node's clock if it stepped or drifted since the last one.
+            let measured = self.clock_offset().await?;
+            self.clock.update(measured, false);
+            let now = self.clock.to_database(now_ms).to_string();
             self.query(EXPIRED, &[&now])
                 .await?
                 .iter()
-                .map(|row| submission_from_row(row).map_err(Failure::into_store_error))
+                .map(|row| self.submission_from_row(row))
                 .collect()
         })
     }
@@ -1189,16 +1380,18 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
         let submission_id = submission_id.to_owned();
         let stale_attempt_id = stale_attempt_id.to_owned();
-        let claim = claim.clone();
+        let claim = self.clock.claim_to_database(claim);
         Box::pin(async move {
-            in_transaction!(self, |tx| reclaim_tx(
+            let now = self.clock.to_database(now_ms);
+            let reclaimed = in_transaction!(self, |tx| reclaim_tx(
                 &tx,
                 &submission_id,
                 &stale_attempt_id,
                 &claim,
-                now_ms
+                now
             )
-            .await)
+            .await)?;
+            Ok(reclaimed.map(|row| self.clock.submission_to_node(row)))
         })
     }
 
@@ -1242,7 +1435,11 @@ impl Store for PostgresStore {
             if !queued {
                 return Ok(Vec::new());
             }
-            in_transaction!(self, |tx| claim_joinable_tx(&tx, &host).await)
+            let joined = in_transaction!(self, |tx| claim_joinable_tx(&tx, &host).await)?;
+            Ok(joined
+                .into_iter()
+                .map(|row| self.clock.submission_to_node(row))
+                .collect())
         })
     }
 
@@ -1988,6 +2185,153 @@ mod tests {
         );
     }
 
+    /// A node whose clock is `skew_ms` off the database's (and the other node's), next to a
+    /// node whose clock is right: two stores on one schema.
+    async fn skewed_nodes(skew_ms: i64) -> Option<(PostgresStore, PostgresStore)> {
+        let (a, b) = two_nodes().await?;
+        b.clock.skew_ms.store(skew_ms, std::sync::atomic::Ordering::Relaxed);
+        b.measure_clock().await.unwrap();
+        Some((a, b))
+    }
+
+    /// Now, on a clock `skew_ms` off.
+    fn skewed_now(skew_ms: i64) -> u64 {
+        super::super::now_ms().saturating_add_signed(skew_ms)
+    }
+
+    /// A claim leased for `lease_ms` from now on a clock `skew_ms` off.
+    fn skewed_claim(attempt: &str, owner: &str, skew_ms: i64, lease_ms: u64) -> Claim {
+        Claim {
+            lease_until_ms: skewed_now(skew_ms) + lease_ms,
+            ..claim(attempt, owner)
+        }
+    }
+
+    /// Whether `time` is `expected` give or take a second (the offset's measuring error is
+    /// milliseconds; a skew that leaks through is a minute).
+    fn near(time: u64, expected: u64) -> bool {
+        time.abs_diff(expected) < 1_000
+    }
+
+    #[tokio::test]
+    async fn a_node_whose_clock_is_off_neither_sees_a_live_lease_as_expired_nor_takes_it_over() {
+        for skew in [60_000, -60_000] {
+            let Some((a, b)) = skewed_nodes(skew).await else { return };
+            let stream = InstanceKey::new("assistant", "live");
+            a.admit(admission("d-1", "assistant", "live")).await.unwrap();
+            a.claim_next(&stream, &claim("attempt-a", "node-a"))
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                a.renew_leases("node-a", &["attempt-a".to_owned()], super::super::now_ms() + 30_000)
+                    .await
+                    .unwrap(),
+                1
+            );
+            let listed = b.expired(skewed_now(skew)).await.unwrap();
+            assert!(
+                listed.is_empty(),
+                "skew {skew} ms: a lease renewed for 30 s is listed as expired: {listed:?}"
+            );
+            let taken = b
+                .reclaim(
+                    "d-1",
+                    "attempt-a",
+                    &skewed_claim("attempt-b", "node-b", skew, 30_000),
+                    skewed_now(skew),
+                )
+                .await
+                .unwrap();
+            assert!(
+                taken.is_none(),
+                "skew {skew} ms: a live lease was taken over: {taken:?}"
+            );
+            // Each node reads the lease and the budget's deadline in its own clock.
+            let (seen_by_a, seen_by_b) = (
+                a.submission("d-1").await.unwrap().unwrap(),
+                b.submission("d-1").await.unwrap().unwrap(),
+            );
+            assert_eq!(seen_by_b.attempt_id.as_deref(), Some("attempt-a"));
+            for (node, seen, skew) in [("a", &seen_by_a, 0), ("b", &seen_by_b, skew)] {
+                assert!(
+                    near(seen.lease_until_ms, skewed_now(skew) + 30_000),
+                    "node {node} (skew {skew} ms) reads the lease as {} at {}",
+                    seen.lease_until_ms,
+                    skewed_now(skew)
+                );
+                assert!(
+                    near(seen.timeout_at_ms, skewed_now(skew) + 3_600_000),
+                    "node {node} (skew {skew} ms) reads the deadline as {} at {}",
+                    seen.timeout_at_ms,
+                    skewed_now(skew)
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lease_expired_in_database_time_is_taken_over_whichever_node_claimed_it() {
+        for skew in [60_000, -60_000] {
+            let Some((a, b)) = skewed_nodes(skew).await else { return };
+            let (first, second) = (
+                InstanceKey::new("assistant", "i-a"),
+                InstanceKey::new("assistant", "i-b"),
+            );
+            a.admit(admission("d-a", "assistant", "i-a")).await.unwrap();
+            b.admit(admission("d-b", "assistant", "i-b")).await.unwrap();
+            a.claim_next(&first, &skewed_claim("attempt-a", "node-a", 0, 100))
+                .await
+                .unwrap()
+                .unwrap();
+            b.claim_next(&second, &skewed_claim("attempt-b", "node-b", skew, 100))
+                .await
+                .unwrap()
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            for (node, store, skew) in [("a", &a, 0), ("b", &b, skew)] {
+                let listed: Vec<String> = store
+                    .expired(skewed_now(skew))
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|row| row.id)
+                    .collect();
+                assert_eq!(listed, ["d-a", "d-b"], "node {node} (skew {skew} ms)");
+            }
+            // Each node takes over the other's dead lease.
+            let by_b = b
+                .reclaim(
+                    "d-a",
+                    "attempt-a",
+                    &skewed_claim("attempt-b2", "node-b", skew, 30_000),
+                    skewed_now(skew),
+                )
+                .await
+                .unwrap();
+            assert!(
+                by_b.is_some(),
+                "skew {skew} ms: node b did not take the expired d-a over"
+            );
+            let by_a = a
+                .reclaim(
+                    "d-b",
+                    "attempt-b",
+                    &skewed_claim("attempt-a2", "node-a", 0, 30_000),
+                    super::super::now_ms(),
+                )
+                .await
+                .unwrap();
+            assert!(
+                by_a.is_some(),
+                "skew {skew} ms: node a did not take the expired d-b over"
+            );
+            // The new leases are live for both.
+            assert!(a.expired(super::super::now_ms()).await.unwrap().is_empty());
+            assert!(b.expired(skewed_now(skew)).await.unwrap().is_empty());
+        }
+    }
+
     #[tokio::test]
     async fn keeps_leases_and_offsets_beyond_the_signed_range_exact() {
         let Some((store, _)) = two_nodes().await else { return };
@@ -2057,6 +2401,44 @@ mod tests {
             panic!("an unreachable server is an error");
         };
         assert!(message.starts_with("postgres: no database connection"), "{message}");
+    }
+
+    #[test]
+    fn measures_the_clock_offset_within_half_a_round_trip_and_keeps_it_while_measurements_agree() {
+        // The database read 1 000 ms past the node's midpoint of a 10 ms round trip.
+        let offset = Offset::measured(5_000, 6_005, 5_010);
+        assert_eq!(offset, Offset { ms: 1_000, error_ms: 6 });
+        assert_eq!(
+            Offset::measured(5_000, 3_000, 5_000),
+            Offset {
+                ms: -2_000,
+                error_ms: 1
+            }
+        );
+        // A node clock stepped back after the node read it: no negative round trip.
+        assert_eq!(Offset::measured(5_000, 5_000, 4_990).error_ms, 1);
+        let clock = Clock::new(offset);
+        clock.update(Offset { ms: 1_004, error_ms: 1 }, false);
+        assert_eq!(clock.offset(), offset, "within both errors: the offset in use stays");
+        let stepped = Offset { ms: 1_008, error_ms: 1 };
+        clock.update(stepped, false);
+        assert_eq!(clock.offset(), stepped, "further apart: the node's clock moved");
+        assert_eq!(clock.to_database(10_000), 11_008);
+        let row = clock.submission_to_node(Submission {
+            lease_until_ms: 11_008,
+            timeout_at_ms: 0,
+            ..super::super::queued_submission(admission("d-1", "assistant", "i"), 1)
+        });
+        assert_eq!((row.lease_until_ms, row.timeout_at_ms), (10_000, 0));
+    }
+
+    #[test]
+    fn shifting_a_time_keeps_none_and_never_and_keeps_any_other_time_a_time() {
+        assert_eq!(shift(0, 5), 0);
+        assert_eq!(shift(u64::MAX, -5), u64::MAX);
+        assert_eq!(shift(u64::MAX - 1, 5), u64::MAX);
+        assert_eq!(shift(1, -5), 1, "an expired lease stays a lease");
+        assert_eq!(shift(100, -5), 95);
     }
 
     #[test]
