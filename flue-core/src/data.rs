@@ -6,42 +6,56 @@
 use std::any::TypeId;
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use schemars::JsonSchema;
 use serde_json::Value;
 
-/// A compiled JSON Schema: the document plus its validator. Cheap to clone.
+/// A compiled JSON Schema: the document plus its validator. Cheap to clone (one reference
+/// count).
 #[derive(Clone)]
-pub struct DataSchema {
+pub struct DataSchema(Arc<Compiled>);
+
+struct Compiled {
     json: Arc<Value>,
-    validator: Arc<jsonschema::Validator>,
+    validator: jsonschema::Validator,
+    /// Whether the root is `"type": "object"` (what a tool's arguments must be), decided once.
+    object_root: bool,
 }
 
 impl DataSchema {
     /// Compiles `json` (draft 2020-12 unless it says otherwise).
     pub fn new(json: Value) -> Result<Self, SchemaError> {
         let validator = jsonschema::validator_for(&json).map_err(|error| SchemaError(error.to_string()))?;
-        Ok(Self {
+        let object_root = json.get("type").and_then(Value::as_str) == Some("object");
+        Ok(Self(Arc::new(Compiled {
             json: Arc::new(json),
-            validator: Arc::new(validator),
-        })
+            validator,
+            object_root,
+        })))
     }
 
     /// The schema document.
     pub fn json(&self) -> &Value {
-        &self.json
+        &self.0.json
     }
 
     /// The schema as JSON, shared (a reference count, not a copy).
     pub fn shared_json(&self) -> Arc<Value> {
-        self.json.clone()
+        self.0.json.clone()
+    }
+
+    /// Whether the root is an object schema (`"type": "object"`).
+    pub fn has_object_root(&self) -> bool {
+        self.0.object_root
     }
 
     /// Validates `instance`; on failure returns every issue as `"<path>: <message>"` (`root`
     /// for the top level), in document order.
     pub fn validate(&self, instance: &Value) -> Result<(), Vec<String>> {
         let issues: Vec<String> = self
+            .0
             .validator
             .iter_errors(instance)
             .map(|error| {
@@ -56,7 +70,7 @@ impl DataSchema {
 
 impl fmt::Debug for DataSchema {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("DataSchema").field(&self.json).finish()
+        f.debug_tuple("DataSchema").field(&self.0.json).finish()
     }
 }
 
@@ -98,7 +112,31 @@ impl fmt::Debug for SchemaSource {
     }
 }
 
-type Cache = RwLock<HashMap<(TypeId, Purpose), DataSchema>>;
+/// Keyed by type: the keys are no input an attacker chooses, and a `TypeId` is already a hash,
+/// so mixing its bits is enough (the render path looks a tool's schema up on every render).
+type Cache = RwLock<HashMap<(TypeId, Purpose), DataSchema, BuildHasherDefault<TypeKeyHasher>>>;
+
+/// Mixes the words a `(TypeId, Purpose)` key writes (multiply-rotate, as FxHash does).
+#[derive(Default)]
+struct TypeKeyHasher(u64);
+
+impl Hasher for TypeKeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 enum Purpose {

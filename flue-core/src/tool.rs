@@ -94,16 +94,15 @@ impl ToolDefinition {
     /// names one of its string properties.
     pub fn validate_input_schema(&self, source: &str) -> Result<(), String> {
         let schema = self.input_schema.get();
-        let json = schema.json();
-        let is_object = json.get("type").and_then(Value::as_str) == Some("object");
-        if !is_object {
+        if !schema.has_object_root() {
             return Err(format!(
                 "[flue] {source} \"{}\" input must be a top-level object schema.",
                 self.name
             ));
         }
         if let Some(argument) = &self.progress_argument {
-            let property = json
+            let property = schema
+                .json()
                 .get("properties")
                 .and_then(|properties| properties.get(argument.as_ref()));
             match property {

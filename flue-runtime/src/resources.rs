@@ -61,6 +61,22 @@ fn digest(parts: &[&str]) -> String {
     hex
 }
 
+/// The digest of an agent's instruction. Instances of one agent mostly render the same text,
+/// so each thread keeps its last digest (a comparison instead of a SHA-256 per new instance).
+fn instruction_digest(instruction: &str) -> String {
+    thread_local! {
+        static LAST: std::cell::RefCell<(String, String)> = const { std::cell::RefCell::new((String::new(), String::new())) };
+    }
+    LAST.with_borrow_mut(|(text, hex)| {
+        if hex.is_empty() || text != instruction {
+            *hex = digest(&[instruction]);
+            text.clear();
+            text.push_str(instruction);
+        }
+        hex.clone()
+    })
+}
+
 /// A tool's digest (its description and input schema). A static tool's never changes, so it
 /// is computed once per process.
 fn tool_digest(tool: &Tool) -> String {
@@ -148,7 +164,7 @@ impl<'a> Declared<'a> {
                 .iter()
                 .map(|subagent| (subagent.name().to_owned(), digest(&[subagent.description()])))
                 .collect(),
-            instructions: digest(&[self.instruction]),
+            instructions: instruction_digest(self.instruction),
             environment: self.environment.map(str::to_owned),
         }
     }
@@ -353,6 +369,21 @@ mod tests {
             instructions: "i".into(),
             environment: None,
         }
+    }
+
+    #[test]
+    fn the_remembered_instruction_digest_is_the_digest_of_the_text_asked_about() {
+        for text in [
+            "",
+            "You add numbers.",
+            "You add numbers.",
+            "",
+            "Other.",
+            "You add numbers.",
+        ] {
+            assert_eq!(instruction_digest(text), digest(&[text]), "{text:?}");
+        }
+        assert_ne!(instruction_digest("a"), instruction_digest("b"));
     }
 
     #[test]

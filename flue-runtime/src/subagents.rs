@@ -410,7 +410,7 @@ async fn child_session(
         }
         let executed = crate::tools::run_batch(
             &tools,
-            response.tool_calls,
+            &response.tool_calls,
             runtime.options.tool_concurrency,
             &delegation.signal,
             |tool, call| {
@@ -427,8 +427,8 @@ async fn child_session(
         }
         for run in executed {
             messages.push(ModelMessage::Tool {
-                tool_call_id: run.call.id,
-                name: run.call.name,
+                tool_call_id: run.call.id.clone(),
+                name: run.call.name.clone(),
                 content: run.output.to_text(),
                 is_error: run.output.is_error,
             });

@@ -14,28 +14,31 @@ use serde_json::Value;
 use crate::provider::ModelToolCall;
 
 /// One executed call.
-pub(crate) struct Executed {
-    pub(crate) call: ModelToolCall,
+pub(crate) struct Executed<'c> {
+    pub(crate) call: &'c ModelToolCall,
     pub(crate) output: ToolOutput,
     pub(crate) duration_ms: u64,
 }
 
 /// Runs `calls` against `tools`, at most `concurrency` at a time, returning outcomes in call
 /// order. `started` is told about each call as it starts, `done` as it ends.
-pub(crate) async fn run_batch(
+pub(crate) async fn run_batch<'c>(
     tools: &[Tool],
-    calls: Vec<ModelToolCall>,
+    calls: &'c [ModelToolCall],
     concurrency: usize,
     signal: &AbortSignal,
     context: impl Fn(&Tool, &ModelToolCall) -> ToolContext,
     started: impl Fn(&ModelToolCall),
-    done: impl Fn(&Executed) + Sync,
-) -> Vec<Executed> {
+    done: impl Fn(&Executed<'c>) + Sync,
+) -> Vec<Executed<'c>> {
     let done = &done;
-    let runs = calls.into_iter().map(|call| {
+    // By index: a closure taking the call by reference makes the batch's future fail the
+    // higher-ranked `Send` check of the tasks that await it.
+    let runs = (0..calls.len()).map(|index| {
+        let call = &calls[index];
         let tool = tools.iter().find(|tool| tool.name() == call.name).cloned();
-        let ctx = tool.as_ref().map(|tool| context(tool, &call));
-        started(&call);
+        let ctx = tool.as_ref().map(|tool| context(tool, call));
+        started(call);
         async move {
             let begun = Instant::now();
             let output = match (tool, ctx) {

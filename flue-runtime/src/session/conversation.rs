@@ -16,6 +16,21 @@ use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 pub(crate) const INTERRUPTED_TOOL: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
 
 /// An instance's conversation, folded incrementally from its batches.
+/// What a conversation's stream says about one submission.
+#[derive(Clone, Copy, Default)]
+struct Progress {
+    /// Its input record is in the stream.
+    input: bool,
+    /// Its start seam committed.
+    started: bool,
+    /// Its durable model steps (`assistant_message_started` records), over all attempts.
+    steps: u32,
+    /// Its continued finish cycles.
+    finish_cycles: u32,
+    /// Its response-finish batch (its `message_metadata`) committed.
+    finished: bool,
+}
+
 #[derive(Default)]
 pub(crate) struct Conversation {
     pub(crate) uid: String,
@@ -48,24 +63,17 @@ pub(crate) struct Conversation {
     results_at: usize,
     open_step: Option<OpenStep>,
     outcomes: Vec<PendingOutcome>,
-    /// Submissions whose input record is in the stream.
-    inputs: HashSet<Arc<str>>,
+    /// What the stream says about each submission it mentions (one entry per submission, so
+    /// a record updates one map).
+    progress: HashMap<Arc<str>, Progress>,
+    /// Whether any input record is in the stream.
+    any_input: bool,
     /// Those without a settlement record yet, in input order (a host and the deliveries an
     /// earlier attempt joined into it).
     unsettled_inputs: Vec<Arc<str>>,
-    /// Submissions whose start seam committed.
-    started: HashSet<Arc<str>>,
-    /// Submissions with a durable model step.
-    stepped: HashSet<Arc<str>>,
-    /// Durable model steps per submission (its `assistant_message_started` records).
-    steps: HashMap<Arc<str>, u32>,
-    /// Continued finish cycles per submission.
-    finish_cycles: HashMap<Arc<str>, u32>,
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
     /// after it that asks for more.
     answered: HashSet<Arc<str>>,
-    /// Submissions whose response-finish batch (its `message_metadata`) committed.
-    finished: HashSet<Arc<str>>,
     /// User messages with images: their position in `messages` and their attachments.
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
@@ -232,12 +240,12 @@ impl Conversation {
 
     /// Whether no input was ever applied: the thread's first execution is about to start.
     pub(crate) fn is_new(&self) -> bool {
-        self.inputs.is_empty()
+        !self.any_input
     }
 
     /// Whether the submission's input was applied (its record is in the stream).
     pub(crate) fn has_input(&self, submission_id: &str) -> bool {
-        self.inputs.contains(submission_id)
+        self.progress(submission_id).input
     }
 
     /// Submissions whose input is in the stream but that have no settlement record, in input
@@ -248,12 +256,12 @@ impl Conversation {
 
     /// Whether the submission's start seam committed.
     pub(crate) fn has_started(&self, submission_id: &str) -> bool {
-        self.started.contains(submission_id)
+        self.progress(submission_id).started
     }
 
     /// Whether the submission has a durable model step.
     pub(crate) fn has_stepped(&self, submission_id: &str) -> bool {
-        self.stepped.contains(submission_id)
+        self.progress(submission_id).steps > 0
     }
 
     /// Whether the submission's response already ended in a final answer: a resumed attempt
@@ -265,17 +273,26 @@ impl Conversation {
     /// Whether the submission's response-finish metadata is durable: a resumed, answered
     /// response does not finish a second time.
     pub(crate) fn has_finished(&self, submission_id: &str) -> bool {
-        self.finished.contains(submission_id)
+        self.progress(submission_id).finished
     }
 
     /// The model steps the submission's response took durably, over all its attempts.
     pub(crate) fn steps(&self, submission_id: &str) -> u32 {
-        self.steps.get(submission_id).copied().unwrap_or(0)
+        self.progress(submission_id).steps
     }
 
     /// Continued finish cycles the submission committed.
     pub(crate) fn finish_cycles(&self, submission_id: &str) -> u32 {
-        self.finish_cycles.get(submission_id).copied().unwrap_or(0)
+        self.progress(submission_id).finish_cycles
+    }
+
+    fn progress(&self, submission_id: &str) -> Progress {
+        self.progress.get(submission_id).copied().unwrap_or_default()
+    }
+
+    /// The entry of the submission a record belongs to.
+    fn progress_of(&mut self, submission_id: &Arc<str>) -> &mut Progress {
+        self.progress.entry(submission_id.clone()).or_default()
     }
 
     /// The `use_delivery` cursor the stream's records leave: the latest input or appended
@@ -286,7 +303,7 @@ impl Conversation {
 
     fn advance_cursor(&mut self, record: &Record) {
         let submission = record.submission_id.as_deref();
-        let is_input = submission.is_some_and(|id| !self.inputs.contains(id));
+        let is_input = submission.is_some_and(|id| !self.progress(id).input);
         match &record.body {
             RecordBody::UserMessage { .. } => {
                 if let Some(id) = submission.filter(|_| is_input) {
@@ -327,10 +344,13 @@ impl Conversation {
         match &record.body {
             RecordBody::UserMessage { .. } | RecordBody::Signal { .. } => {
                 self.advance_cursor(record);
-                if let Some(id) = submission
-                    && self.inputs.insert(id.clone())
-                {
-                    self.unsettled_inputs.push(id.clone());
+                if let Some(id) = submission {
+                    self.any_input = true;
+                    let progress = self.progress_of(id);
+                    if !progress.input {
+                        progress.input = true;
+                        self.unsettled_inputs.push(id.clone());
+                    }
                 }
                 // A final answer counts only while no input follows it: a delivery joined
                 // after the host's answer (its record carries the delivery's id) leaves the
@@ -338,10 +358,14 @@ impl Conversation {
                 self.answered.clear();
             }
             RecordBody::AgentStartRun => {
-                self.started.extend(submission.cloned());
+                if let Some(id) = submission {
+                    self.progress_of(id).started = true;
+                }
             }
             RecordBody::MessageMetadata { .. } => {
-                self.finished.extend(submission.cloned());
+                if let Some(id) = submission {
+                    self.progress_of(id).finished = true;
+                }
             }
             RecordBody::SubmissionSettled { .. } => {
                 if let Some(id) = submission {
@@ -349,14 +373,13 @@ impl Conversation {
                 }
             }
             RecordBody::AssistantMessageStarted { .. } => {
-                self.stepped.extend(submission.cloned());
                 if let Some(id) = submission {
-                    *self.steps.entry(id.clone()).or_default() += 1;
+                    self.progress_of(id).steps += 1;
                 }
             }
             RecordBody::AgentFinishCycle => {
                 if let Some(id) = submission {
-                    *self.finish_cycles.entry(id.clone()).or_default() += 1;
+                    self.progress_of(id).finish_cycles += 1;
                     self.answered.remove(id);
                 }
             }

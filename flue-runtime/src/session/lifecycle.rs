@@ -318,7 +318,7 @@ impl Response<'_> {
     /// One executed call's chain: `tool_call_done` (the raw result), `after_tool_call_success`
     /// or `_failure`, `before_store_tool_result`, then the tool row's `before_create_message`
     /// (whose errors continue with the last good row: a tool result is always stored).
-    pub(super) async fn tool_outcome(&mut self, run: &Executed, row_id: &str) -> StoredOutcome {
+    pub(super) async fn tool_outcome(&mut self, run: &Executed<'_>, row_id: &str) -> StoredOutcome {
         let call = ToolCall::new(run.call.id.clone(), run.call.name.clone(), run.call.arguments.clone());
         let raw = tool_result_of(&run.output.to_text(), run.output.is_error);
         let state = self.thread_view().state();

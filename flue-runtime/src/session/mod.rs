@@ -1925,14 +1925,14 @@ impl Response<'_> {
         let executed = {
             let runtime = self.runtime;
             let key = self.key;
-            let submission_id = self.submission.id.clone();
+            let submission_id = self.submission.id.as_str();
             let logger = self.logger();
-            let signal = self.attempt.signal.clone();
+            let signal = &self.attempt.signal;
             tools::run_batch(
                 tools,
-                response.tool_calls.clone(),
+                &response.tool_calls,
                 runtime.options.tool_concurrency,
-                &signal,
+                signal,
                 |tool, call: &ModelToolCall| {
                     ToolContext::new(tool, call.id.clone())
                         .with_instance_id(key.id.to_string())
@@ -1941,23 +1941,21 @@ impl Response<'_> {
                         .with_thread(thread.clone())
                 },
                 |call: &ModelToolCall| {
-                    runtime.emit_with(key, Some(&submission_id), || Event::ToolStart {
+                    runtime.emit_with(key, Some(submission_id), || Event::ToolStart {
                         tool_name: call.name.clone(),
                         tool_call_id: call.id.clone(),
                     });
                 },
                 |run: &tools::Executed| {
-                    runtime.emit_with(key, Some(&submission_id), || Event::ToolCallDone {
+                    runtime.emit_with(key, Some(submission_id), || Event::ToolCallDone {
                         tool_call_id: run.call.id.clone(),
                         tool_name: run.call.name.clone(),
                         status: if run.output.is_error { "error" } else { "success" }.to_owned(),
                     });
                     // The tool-result message, when the tool is done (its terminal `tool`
                     // event follows the batch's commit).
-                    runtime.emit_with(key, Some(&submission_id), || Event::MessageStart {
-                        role: "tool".into(),
-                    });
-                    runtime.emit_with(key, Some(&submission_id), || Event::MessageEnd { role: "tool".into() });
+                    runtime.emit_with(key, Some(submission_id), || Event::MessageStart { role: "tool".into() });
+                    runtime.emit_with(key, Some(submission_id), || Event::MessageEnd { role: "tool".into() });
                 },
             )
             .await
@@ -2013,16 +2011,13 @@ impl Response<'_> {
                 tool: run.call.name.clone(),
                 is_error,
             });
-            self.runtime.emit(
-                self.key,
-                Some(&self.submission.id),
-                Event::Tool {
-                    tool_name: run.call.name,
-                    tool_call_id: run.call.id,
+            self.runtime
+                .emit_with(self.key, Some(&self.submission.id), || Event::Tool {
+                    tool_name: run.call.name.clone(),
+                    tool_call_id: run.call.id.clone(),
                     is_error,
                     duration_ms: run.duration_ms,
-                },
-            );
+                });
         }
         Ok(terminate)
     }
