@@ -6,7 +6,8 @@
 //!   streaming (429, 5xx, connect errors, first-byte timeouts) with exponential backoff and jitter,
 //!   honouring `Retry-After` (capped at 30 s).
 //! - [`map_error`]: turns an HTTP status and an error body (OpenAI, OpenRouter or Anthropic shape) into
-//!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted.
+//!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted
+//!   (the key as it is, JSON-escaped and percent-encoded).
 //! - [`sse_stream`]: turns a response into a [`ModelStream`] through a provider-specific [`SseDecoder`],
 //!   with an idle timeout between body chunks.
 
@@ -237,8 +238,9 @@ pub(crate) struct CallInfo {
     pub key_env: String,
     /// The provider's model id.
     pub model: String,
-    /// The key used, only to redact it from provider texts.
-    key: Option<ApiKey>,
+    /// The key used and the forms it takes once escaped, only to redact them from provider
+    /// texts. Longest first, so that no form is cut by a shorter one replaced before it.
+    secrets: Vec<ApiKey>,
 }
 
 impl std::ops::Deref for CallContext {
@@ -256,16 +258,20 @@ impl CallContext {
             provider: provider.to_owned(),
             key_env: key_env.to_owned(),
             model: model.to_owned(),
-            key,
+            secrets: key.map(|key| key_forms(key.expose())).unwrap_or_default(),
         }))
     }
 
-    /// `text` with every occurrence of the API key replaced.
+    /// `text` with every occurrence of the API key replaced, as it is and as a provider may
+    /// echo it escaped: in a JSON string or percent-encoded in a URL (see [`key_forms`]).
     pub fn redact(&self, text: &str) -> String {
-        match &self.key {
-            Some(key) if key.0.len() >= 4 => text.replace(key.expose(), "[redacted]"),
-            _ => text.to_owned(),
+        let mut text = text.to_owned();
+        for secret in &self.secrets {
+            if text.contains(secret.expose()) {
+                text = text.replace(secret.expose(), "[redacted]");
+            }
         }
+        text
     }
 
     /// At most `max_chars` characters of `text`, redacted. The key is removed before the text
@@ -273,6 +279,43 @@ impl CallContext {
     pub fn quote(&self, text: &str, max_chars: usize) -> String {
         self.redact(text).chars().take(max_chars).collect()
     }
+}
+
+/// The forms `key` may take in a provider's text, longest first: as it is; escaped in a JSON
+/// string (`"` and `\` always, `/` by some servers, control characters); percent-encoded as in
+/// a URL's path or query (either hex case) and as a form value. Nothing for a key shorter than
+/// 4 bytes, which would redact ordinary words.
+fn key_forms(key: &str) -> Vec<ApiKey> {
+    if key.len() < 4 {
+        return Vec::new();
+    }
+    let quoted = serde_json::to_string(key).unwrap_or_default();
+    let json = quoted
+        .strip_prefix('"')
+        .and_then(|inner| inner.strip_suffix('"'))
+        .unwrap_or(key)
+        .to_owned();
+    let (mut upper, mut lower) = (String::new(), String::new());
+    for byte in key.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            upper.push(char::from(byte));
+            lower.push(char::from(byte));
+        } else {
+            upper.push_str(&format!("%{byte:02X}"));
+            lower.push_str(&format!("%{byte:02x}"));
+        }
+    }
+    let mut forms = vec![
+        key.to_owned(),
+        json.replace('/', "\\/"),
+        json,
+        upper,
+        lower,
+        form_urlencoded::byte_serialize(key.as_bytes()).collect(),
+    ];
+    forms.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+    forms.dedup();
+    forms.into_iter().map(ApiKey).collect()
 }
 
 /// A header value holding a secret (excluded from reqwest's debug output).
@@ -1046,6 +1089,43 @@ mod tests {
         assert_eq!(ctx().quote("ab sk-very-secret cd", 8), "ab [reda");
         assert_eq!(ctx().quote("ééé", 2), "éé");
         assert_eq!(ctx().quote("short", 300), "short");
+    }
+
+    /// A call context whose key holds the characters JSON and URLs escape.
+    fn ctx_with_key(key: &str) -> CallContext {
+        CallContext::new("openai", "OPENAI_API_KEY", "gpt-x", Some(ApiKey(key.to_owned())))
+    }
+
+    #[test]
+    fn escaped_and_percent_encoded_keys_are_redacted() {
+        let ctx = ctx_with_key(r#"sk/ab+c"d\e=f~g"#);
+        let forms = [
+            r#"sk/ab+c"d\e=f~g"#,
+            // JSON, as serde_json writes it and with `/` escaped too (PHP and others do).
+            r#"sk/ab+c\"d\\e=f~g"#,
+            r#"sk\/ab+c\"d\\e=f~g"#,
+            // Percent-encoded, in either hex case, and as a form value.
+            "sk%2Fab%2Bc%22d%5Ce%3Df~g",
+            "sk%2fab%2bc%22d%5ce%3df~g",
+            "sk%2Fab%2Bc%22d%5Ce%3Df%7Eg",
+        ];
+        for form in forms {
+            let said = ctx.redact(&format!("before {form} after"));
+            assert_eq!(said, "before [redacted] after", "{form}");
+        }
+        // Through the paths that quote provider text: a body that is not JSON, a malformed event.
+        let body = r#"{"error": "bad key sk\/ab+c\"d\\e=f~g" (truncated"#;
+        let error = map_error(&ctx, Some(401), None, &ErrorDetails::from_body(body), body);
+        assert!(error.message.contains("[redacted]"), "{}", error.message);
+        assert!(!error.message.contains("ab+c"), "{}", error.message);
+        let url = "GET /v1/models?key=sk%2Fab%2Bc%22d%5Ce%3Df~g failed";
+        let error = map_error(&ctx, Some(502), None, &ErrorDetails::from_body(url), url);
+        assert!(!error.message.contains("ab%2B"), "{}", error.message);
+        let event = parse_event_json(&ctx, r#"{"key":"sk\/ab+c\"d\\e=f~g""#)
+            .err()
+            .map(|e| e.message)
+            .unwrap_or_default();
+        assert!(event.contains("[redacted]") && !event.contains("ab+c"), "{event}");
     }
 
     #[test]
