@@ -7,7 +7,7 @@
 //!   honouring `Retry-After` (capped at 30 s).
 //! - [`map_error`]: turns an HTTP status and an error body (OpenAI, OpenRouter or Anthropic shape) into
 //!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted
-//!   (the key as it is, JSON-escaped and percent-encoded).
+//!   (the key as it is, JSON-escaped and percent-encoded) and quoted at most 300 characters long.
 //! - [`sse_stream`]: turns a response into a [`ModelStream`] through a provider-specific [`SseDecoder`],
 //!   with an idle timeout between body chunks.
 
@@ -38,7 +38,8 @@ pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest a retry waits, whatever the provider asks for.
 const MAX_RETRY_WAIT: Duration = Duration::from_secs(30);
-/// How much of a non-JSON error body is quoted in an error message.
+/// How much of a provider's error message, or of an error body without one, is quoted in an
+/// error message.
 const BODY_SNIPPET_CHARS: usize = 300;
 /// How much of a malformed stream event is quoted in an error message.
 const EVENT_SNIPPET_CHARS: usize = 120;
@@ -274,10 +275,15 @@ impl CallContext {
         text
     }
 
-    /// At most `max_chars` characters of `text`, redacted. The key is removed before the text
-    /// is cut: cut first, a key straddling the cut would survive in part.
+    /// At most `max_chars` characters of `text`, redacted, with `…` when it was cut. The key is
+    /// removed before the text is cut: cut first, a key straddling the cut would survive in
+    /// part.
     pub fn quote(&self, text: &str, max_chars: usize) -> String {
-        self.redact(text).chars().take(max_chars).collect()
+        let redacted = self.redact(text);
+        match redacted.char_indices().nth(max_chars) {
+            Some((end, _)) => format!("{}…", &redacted[..end]),
+            None => redacted,
+        }
     }
 }
 
@@ -614,7 +620,8 @@ pub(crate) fn map_error(
 ) -> ProviderError {
     use ProviderErrorKind as K;
     let said = match &details.message {
-        Some(message) if !message.trim().is_empty() => ctx.redact(message.trim()),
+        // Capped as a body is: a provider's message can be as long as it likes.
+        Some(message) if !message.trim().is_empty() => ctx.quote(message.trim(), BODY_SNIPPET_CHARS),
         _ => {
             let snippet = ctx.quote(raw_body.trim(), BODY_SNIPPET_CHARS);
             if snippet.is_empty() {
@@ -1086,8 +1093,9 @@ mod tests {
             assert!(error.contains("malformed stream event"), "{error}");
             assert!(!error.contains("sk-v"), "{lead}: {error}");
         }
-        assert_eq!(ctx().quote("ab sk-very-secret cd", 8), "ab [reda");
-        assert_eq!(ctx().quote("ééé", 2), "éé");
+        assert_eq!(ctx().quote("ab sk-very-secret cd", 8), "ab [reda…");
+        assert_eq!(ctx().quote("ééé", 2), "éé…");
+        assert_eq!(ctx().quote("ééé", 3), "ééé");
         assert_eq!(ctx().quote("short", 300), "short");
     }
 
@@ -1126,6 +1134,37 @@ mod tests {
             .map(|e| e.message)
             .unwrap_or_default();
         assert!(event.contains("[redacted]") && !event.contains("ab+c"), "{event}");
+    }
+
+    #[test]
+    fn a_provider_message_is_capped_after_redaction() {
+        let long = format!(r#"{{"error":{{"message":"{}"}}}}"#, "é".repeat(20_000));
+        let error = map(Some(400), &long);
+        let said = error.message.rsplit(": ").next().unwrap_or_default();
+        assert_eq!(said.chars().count(), BODY_SNIPPET_CHARS + 1, "{}", error.message);
+        assert!(said.ends_with('…'), "{}", error.message);
+        // The key is removed before the cut, wherever the cut falls.
+        for lead in [290, 292, 296] {
+            let body = format!(r#"{{"error":{{"message":"{}sk-very-secret tail"}}}}"#, "é".repeat(lead));
+            let error = map(Some(400), &body);
+            assert!(!error.message.contains("sk-v"), "{lead}: {}", error.message);
+        }
+        // A message within the limit is quoted whole, without the marker.
+        let short = map(Some(400), r#"{"error":{"message":"tools[0].name is invalid"}}"#);
+        assert!(
+            short.message.ends_with(": tools[0].name is invalid"),
+            "{}",
+            short.message
+        );
+        // Errors reported inside an event stream take the same path.
+        let streamed = map_error(
+            &ctx(),
+            None,
+            None,
+            &ErrorDetails::from_value(&serde_json::json!({ "message": "x".repeat(5_000) })),
+            "",
+        );
+        assert!(streamed.message.len() < 600, "{}", streamed.message.len());
     }
 
     #[test]
