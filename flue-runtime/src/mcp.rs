@@ -3,7 +3,9 @@
 //! each declared server over streamable HTTP (rmcp), lists its tools, and mounts them as
 //! `mcp__<server>__<tool>` (characters a tool name cannot hold become `_`). A call goes to the
 //! server; its text content is the result (other content is named in brackets; structured
-//! content is used when there is no text), and an error result stays an error.
+//! content is used when there is no text), and an error result stays an error. The text is
+//! cut to its first 50 KB (the sandbox tools' output cap), on a character boundary, with a
+//! line saying so.
 //!
 //! A server that cannot be reached fails the submission (`mcp_connection_failed`), unless it
 //! is `optional`: then its tools are not mounted for this response and the model is told so
@@ -22,6 +24,8 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::Value;
+
+use crate::sandbox::tools::MAX_BYTES;
 
 pub use flue_core::mcp::*;
 
@@ -176,7 +180,7 @@ impl ToolHandler for McpTool {
             {
                 parts.push(structured.to_string());
             }
-            let text = parts.join("\n");
+            let text = capped(parts.join("\n"));
             if result.is_error == Some(true) {
                 ToolOutput::error(if text.is_empty() {
                     "The MCP tool reported an error.".to_owned()
@@ -188,6 +192,23 @@ impl ToolHandler for McpTool {
             }
         })
     }
+}
+
+/// `text` cut to its first [`MAX_BYTES`] bytes, the sandbox tools' output cap, so that one
+/// result cannot fill the model's context window (and every record after it). The cut falls
+/// on a character boundary and a last line says what was left out.
+fn capped(mut text: String) -> String {
+    let total = text.len();
+    if total <= MAX_BYTES {
+        return text;
+    }
+    let mut end = MAX_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    text.push_str(&format!("\n[Output truncated: the first {end} of {total} bytes.]"));
+    text
 }
 
 /// An rmcp error as a person reads it: without the transport's Rust type names.
@@ -250,6 +271,23 @@ mod tests {
         assert_eq!(
             readable("Send message error Transport [a::B<c::D>] error: Client error: refused"),
             "Send message error Transport error: Client error: refused"
+        );
+    }
+
+    #[test]
+    fn a_long_result_is_cut_on_a_character_boundary() {
+        assert_eq!(capped("short".to_owned()), "short");
+        let exact = "x".repeat(MAX_BYTES);
+        assert_eq!(capped(exact.clone()), exact);
+        let cut = capped(format!("{}é{}", "x".repeat(MAX_BYTES - 1), "y".repeat(10)));
+        assert_eq!(
+            cut,
+            format!(
+                "{}\n[Output truncated: the first {} of {} bytes.]",
+                "x".repeat(MAX_BYTES - 1),
+                MAX_BYTES - 1,
+                MAX_BYTES + 11
+            )
         );
     }
 

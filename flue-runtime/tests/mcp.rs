@@ -52,6 +52,7 @@ impl ServerHandler for Docs {
             McpTool::new("fail", "Always fails.", schema(json!({"type": "object"}))),
             McpTool::new("admin.purge", "Dangerous.", schema(json!({"type": "object"}))),
             McpTool::new("hang", "Never answers.", schema(json!({"type": "object"}))),
+            McpTool::new("dump", "Answers at length.", schema(json!({"type": "object"}))),
         ]))
     }
 
@@ -71,6 +72,8 @@ impl ServerHandler for Docs {
             std::future::pending::<()>().await;
         }
         Ok(match &*request.name {
+            // 3-byte characters, so that a cut by bytes has to find a character boundary.
+            "dump" => CallToolResult::success(vec![ContentBlock::text("€".repeat(70_000))]),
             "search" => CallToolResult::success(vec![
                 ContentBlock::text(format!("3 pages mention {query}")),
                 ContentBlock::text("top: /guide/start"),
@@ -248,5 +251,45 @@ async fn a_call_to_a_server_that_never_answers_ends_as_an_error_result() {
     assert_eq!(
         results,
         [("The MCP server did not answer within 30 s.".to_owned(), true)]
+    );
+}
+
+static DUMP_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn reader() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", DUMP_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["dump"]),
+    );
+    "Read what the docs server dumps."
+}
+
+#[tokio::test]
+async fn a_tool_result_is_cut_to_the_sandbox_output_cap_and_says_so() {
+    let _ = DUMP_URL.set(serve_docs().await);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("mcp__docs__dump", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [reader.into()]);
+    runtime.init(&reader, "d").send("go").await.unwrap();
+    let results = tool_results(&model.requests()[1]);
+    let [(text, false)] = results.as_slice() else {
+        panic!("one successful result: {results:?}")
+    };
+    assert!(text.len() <= 50 * 1024 + 200, "{} bytes", text.len());
+    assert!(text.starts_with("€€€"), "{}", &text[..30]);
+    let kept = text.matches('€').count();
+    assert_eq!(kept, 50 * 1024 / 3, "whole characters up to the cap");
+    assert!(
+        text.ends_with(&format!(
+            "\n[Output truncated: the first {} of 210000 bytes.]",
+            kept * 3
+        )),
+        "{}",
+        &text[text.len() - 80..]
     );
 }
