@@ -1,7 +1,7 @@
 //! MCP connections against an in-test MCP server (rmcp, streamable HTTP on loopback): tools
 //! mounted as `mcp__<server>__<tool>`, calls, error results, the tool filter, the bearer token,
 //! and an unreachable server failing the submission or, when optional, narrated (issue 8,
-//! item 6).
+//! item 6); a result's size cap and the URL secrets kept out of connection errors.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use std::sync::Arc;
@@ -292,4 +292,31 @@ async fn a_tool_result_is_cut_to_the_sandbox_output_cap_and_says_so() {
         "{}",
         &text[text.len() - 80..]
     );
+}
+
+#[agent]
+fn indiscreet() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new(
+        "docs",
+        "http://user:pw-s3cret@127.0.0.1:9/mcp?token=q-s3cret&x=1#f-s3cret",
+    ));
+    "Needs the docs."
+}
+
+#[tokio::test]
+async fn a_connection_error_quotes_no_userinfo_query_or_fragment_of_the_url() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [indiscreet.into()]);
+    let error = runtime.init(&indiscreet, "i").send("go").await.unwrap_err();
+    let RuntimeError::Run { message, .. } = error else {
+        panic!("a run error")
+    };
+    assert!(
+        message.starts_with("[flue] The MCP server \"docs\" could not be used: "),
+        "{message}"
+    );
+    assert!(!message.contains("s3cret"), "{message}");
+    assert!(!message.contains("user"), "{message}");
+    assert!(message.contains("(http://127.0.0.1:9/mcp)"), "{message}");
 }
