@@ -7,6 +7,14 @@
 //! cut to its first 50 KB (the sandbox tools' output cap), on a character boundary, with a
 //! line saying so.
 //!
+//! Two tools of one server whose mounted names are the same (`a.b` and `a_b`, or names alike
+//! in their first 64 characters) make the server unusable, as a tool with an invalid schema
+//! does, with a reason naming both; the connection's `tools` then picks one. Neither is
+//! dropped nor renamed (`…_2`): which one a name meant would then hang on the order the server
+//! lists them, and could change between the attempts of a durable response. Tools of two
+//! servers that mount alike (servers `a b` and `a_b`) fail the submission as any taken tool
+//! name does (`tool_name_conflict`): the server names are the agent's to change.
+//!
 //! A server that cannot be reached fails the submission (`mcp_connection_failed`), unless it
 //! is `optional`: then its tools are not mounted for this response and the model is told so
 //! with a `resources` signal (attribute `resource="mcp"`) before its first call. The bearer
@@ -76,7 +84,8 @@ pub(crate) fn tool_name(server: &str, tool: &str) -> String {
     name
 }
 
-/// Connects to `connection` and lists its tools.
+/// Connects to `connection` and lists its tools. Unavailable when two of the tools it mounts
+/// would have the same name (see the module documentation).
 pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Unavailable> {
     let unavailable = |reason: String| Unavailable {
         name: connection.name.clone(),
@@ -110,6 +119,8 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         .map_err(|error| unavailable(error.to_string()))?;
     let client = Arc::new(client);
     let mut tools = Vec::new();
+    // Mounted name → the server's name of the tool mounted under it.
+    let mut mounted = std::collections::HashMap::new();
     for listed in listed {
         if let Some(wanted) = &connection.tools
             && !wanted.iter().any(|name| **name == *listed.name)
@@ -119,6 +130,17 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         let schema = DataSchema::new(Value::Object((*listed.input_schema).clone()))
             .map_err(|error| unavailable(format!("tool {:?} has an invalid input schema: {error}", listed.name)))?;
         let name = tool_name(&connection.name, &listed.name);
+        if let Some(first) = mounted.insert(name.clone(), listed.name.to_string()) {
+            let (a, b) = if *first <= *listed.name {
+                (first.as_str(), &*listed.name)
+            } else {
+                (&*listed.name, first.as_str())
+            };
+            return Err(unavailable(format!(
+                "its tools {a:?} and {b:?} would both be mounted as {name:?}; list only one of them in the \
+                 connection's tools"
+            )));
+        }
         let description = listed
             .description
             .as_deref()

@@ -1,7 +1,8 @@
 //! MCP connections against an in-test MCP server (rmcp, streamable HTTP on loopback): tools
 //! mounted as `mcp__<server>__<tool>`, calls, error results, the tool filter, the bearer token,
 //! and an unreachable server failing the submission or, when optional, narrated (issue 8,
-//! item 6); a result's size cap and the URL secrets kept out of connection errors.
+//! item 6); a result's size cap, the URL secrets kept out of connection errors, and tools whose
+//! names collide.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use std::sync::Arc;
@@ -53,6 +54,9 @@ impl ServerHandler for Docs {
             McpTool::new("admin.purge", "Dangerous.", schema(json!({"type": "object"}))),
             McpTool::new("hang", "Never answers.", schema(json!({"type": "object"}))),
             McpTool::new("dump", "Answers at length.", schema(json!({"type": "object"}))),
+            // Two names that clean to the same mounted name.
+            McpTool::new("search.issues", "Search issues.", schema(json!({"type": "object"}))),
+            McpTool::new("search_issues", "Search issues too.", schema(json!({"type": "object"}))),
         ]))
     }
 
@@ -292,6 +296,69 @@ async fn a_tool_result_is_cut_to_the_sandbox_output_cap_and_says_so() {
         "{}",
         &text[text.len() - 80..]
     );
+}
+
+static CLASH_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn clashing() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", CLASH_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["search", "search.issues", "search_issues"]),
+    );
+    "Search the issues."
+}
+
+#[agent]
+fn clashing_optional() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", CLASH_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["search", "search.issues", "search_issues"])
+            .optional(),
+    );
+    "Search the issues."
+}
+
+#[tokio::test]
+async fn tools_whose_names_clean_to_the_same_name_refuse_the_server_naming_both() {
+    let _ = CLASH_URL.set(serve_docs().await);
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [clashing.into()]);
+    let error = runtime.init(&clashing, "c").send("go").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error")
+    };
+    assert_eq!(error_type, "mcp_connection_failed", "{message}");
+    assert_eq!(
+        message,
+        "[flue] The MCP server \"docs\" could not be used: its tools \"search.issues\" and \
+         \"search_issues\" would both be mounted as \"mcp__docs__search_issues\"; list only one \
+         of them in the connection's tools"
+    );
+
+    // Optional, the server is left out for the response, every time, and the model told why.
+    let model = ScriptedModel::new([ScriptedReply::text("no issues then")]);
+    let runtime = runtime_with(&model, [clashing_optional.into()]);
+    let reply = runtime.init(&clashing_optional, "o").send("go").await.unwrap();
+    assert_eq!(reply.text, "no issues then");
+    let request = &model.requests()[0];
+    assert!(
+        request
+            .tools
+            .iter()
+            .all(|tool| flue_runtime::testing::is_framework_tool(&tool.name))
+    );
+    let ModelMessage::User { content, .. } = request.messages.last().unwrap() else {
+        panic!("the narration")
+    };
+    assert!(content.contains("would both be mounted as"), "{content}");
 }
 
 #[agent]
