@@ -82,6 +82,249 @@ impl LocalSandbox {
     }
 }
 
+/// What a file is opened for: reading it, or replacing its contents (creating it and its
+/// missing parent directories).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    Read,
+    Write,
+}
+
+/// Why [`open_beneath`] opened nothing.
+#[derive(Debug)]
+enum OpenError {
+    /// The path leads out of the root (through a link met on the way).
+    Outside,
+    /// Anything else.
+    Io(std::io::Error),
+}
+
+impl OpenError {
+    /// The sandbox error, naming the path as the caller gave it.
+    fn shown(self, shown: &str) -> SandboxError {
+        match self {
+            Self::Outside => SandboxError::OutsideRoot(shown.to_owned()),
+            Self::Io(error) if error.kind() == std::io::ErrorKind::NotFound => SandboxError::NotFound(shown.to_owned()),
+            Self::Io(error) => io(error),
+        }
+    }
+}
+
+impl From<std::io::Error> for OpenError {
+    fn from(error: std::io::Error) -> Self {
+        Self::Io(error)
+    }
+}
+
+/// Links followed at most while opening one path (as the kernel's own limit).
+#[cfg(unix)]
+const MAX_LINKS: usize = 40;
+
+/// Opens the file at the normalized sandbox path `path` under `root`, never leaving the root
+/// whatever changes on disk meanwhile: [`LocalSandbox::resolve`] checks a path before the
+/// operation, but a directory on the way, or the file itself, may be swapped for a link out of
+/// the root after that check. So the open walks the path a component at a time from a
+/// descriptor of the root, each step an `openat` that does not follow a link (`O_NOFOLLOW`).
+/// A link met on the way is read and followed by hand: its target is walked the same way, and
+/// one leading out of the root (an absolute target elsewhere, or `..` past the root) is
+/// refused. Links that stay inside the root keep working, as the check allows them.
+///
+/// (`openat2` with `RESOLVE_BENEATH` would do the walk in the kernel, but refuses every
+/// absolute link, also one into the root; and the walk is needed anyway where it is missing.)
+#[cfg(unix)]
+fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
+    use std::collections::VecDeque;
+    use std::os::fd::OwnedFd;
+
+    let root_fd = beneath::open_at(None, root.as_os_str(), beneath::DIRECTORY)?;
+    // The directories walked into, innermost last (`..` leaves the innermost).
+    let mut walked: Vec<OwnedFd> = Vec::new();
+    let mut pending: VecDeque<std::ffi::OsString> = components(std::ffi::OsStr::new(path)).collect();
+    let mut links = 0;
+    while let Some(name) = pending.pop_front() {
+        if name == ".." {
+            if walked.pop().is_none() {
+                return Err(OpenError::Outside);
+            }
+            continue;
+        }
+        let parent = walked.last().unwrap_or(&root_fd);
+        let last = pending.is_empty();
+        let flags = if last { access.flags() } else { beneath::DIRECTORY };
+        let opened = match beneath::open_at(Some(parent), &name, flags) {
+            Err(error) if !last && access == Access::Write && error.kind() == std::io::ErrorKind::NotFound => {
+                // A missing directory of a write: made here, then walked into.
+                beneath::make_dir_at(parent, &name)?;
+                beneath::open_at(Some(parent), &name, flags)
+            }
+            opened => opened,
+        };
+        match opened {
+            Ok(fd) if last => return Ok(std::fs::File::from(fd)),
+            Ok(fd) => walked.push(fd),
+            // Refused as a link (`O_NOFOLLOW`): followed by hand.
+            Err(error) if beneath::is_link_at(parent, &name) => {
+                links += 1;
+                if links > MAX_LINKS {
+                    return Err(OpenError::Io(error));
+                }
+                let target = beneath::read_link_at(parent, &name)?;
+                let target = Path::new(&target);
+                let rest = if target.is_absolute() {
+                    // An absolute target counts only inside the root: walked from the root.
+                    let inside = target.strip_prefix(root).map_err(|_| OpenError::Outside)?;
+                    walked.clear();
+                    inside
+                } else {
+                    target
+                };
+                for part in components(rest.as_os_str()).collect::<Vec<_>>().into_iter().rev() {
+                    pending.push_front(part);
+                }
+            }
+            Err(error) => return Err(OpenError::Io(error)),
+        }
+    }
+    // No component at all: the root itself, a directory.
+    Err(OpenError::Io(std::io::Error::from_raw_os_error(libc::EISDIR)))
+}
+
+/// The components of a path to walk: its names, `..` kept, empty ones and `.` dropped.
+#[cfg(unix)]
+fn components(path: &std::ffi::OsStr) -> impl Iterator<Item = std::ffi::OsString> + '_ {
+    use std::os::unix::ffi::OsStrExt;
+    path.as_bytes()
+        .split(|byte| *byte == b'/')
+        .filter(|part| !part.is_empty() && *part != b".")
+        .map(|part| std::ffi::OsStr::from_bytes(part).to_owned())
+}
+
+#[cfg(unix)]
+impl Access {
+    /// The flags of the final component's `openat`. A write does not truncate at the open:
+    /// what was opened is checked first.
+    fn flags(self) -> libc::c_int {
+        match self {
+            Self::Read => libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            Self::Write => libc::O_WRONLY | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        }
+    }
+}
+
+/// The system calls of [`open_beneath`], each on a directory descriptor and one name.
+#[cfg(unix)]
+mod beneath {
+    use std::ffi::{CString, OsStr, OsString};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+
+    /// A directory to walk into, never through a link. (`O_PATH` on Linux: a directory that
+    /// may be searched but not listed can still be walked.)
+    #[cfg(target_os = "linux")]
+    pub(super) const DIRECTORY: libc::c_int = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    #[cfg(not(target_os = "linux"))]
+    pub(super) const DIRECTORY: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+
+    fn c_name(name: &OsStr) -> std::io::Result<CString> {
+        CString::new(name.as_bytes()).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    }
+
+    /// `openat(dir, name, flags)`; `dir` `None` is the working directory (for an absolute
+    /// `name`, the root's own path).
+    pub(super) fn open_at(dir: Option<&OwnedFd>, name: &OsStr, flags: libc::c_int) -> std::io::Result<OwnedFd> {
+        let name = c_name(name)?;
+        let dir = dir.map_or(libc::AT_FDCWD, AsRawFd::as_raw_fd);
+        // SAFETY: `name` is a NUL-terminated string alive for the call; `dir` is an open
+        // descriptor (borrowed for the call) or AT_FDCWD; the mode is read only with O_CREAT.
+        let fd = unsafe { libc::openat(dir, name.as_ptr(), flags, 0o666 as libc::c_uint) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// `mkdirat(dir, name)`, a directory already there (made concurrently) being no error.
+    pub(super) fn make_dir_at(dir: &OwnedFd, name: &OsStr) -> std::io::Result<()> {
+        let name = c_name(name)?;
+        // SAFETY: `name` is a NUL-terminated string alive for the call; `dir` is open.
+        if unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o777) } < 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::AlreadyExists {
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `name` in `dir` is a symbolic link (not followed).
+    pub(super) fn is_link_at(dir: &OwnedFd, name: &OsStr) -> bool {
+        let Ok(name) = c_name(name) else { return false };
+        let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: `name` is NUL-terminated, `dir` open, `stat` writable for one `stat`.
+        let result = unsafe {
+            libc::fstatat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                stat.as_mut_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if result < 0 {
+            return false;
+        }
+        // SAFETY: fstatat succeeded, so it filled `stat`.
+        let stat = unsafe { stat.assume_init() };
+        stat.st_mode & libc::S_IFMT == libc::S_IFLNK
+    }
+
+    /// The target of the link `name` in `dir`.
+    pub(super) fn read_link_at(dir: &OwnedFd, name: &OsStr) -> std::io::Result<OsString> {
+        let name = c_name(name)?;
+        let mut buffer = vec![0u8; 256];
+        loop {
+            // SAFETY: `name` is NUL-terminated, `dir` open, and `buffer` writable for its
+            // length.
+            let read =
+                unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len()) };
+            let Ok(read) = usize::try_from(read) else {
+                return Err(std::io::Error::last_os_error());
+            };
+            if read < buffer.len() {
+                buffer.truncate(read);
+                return Ok(OsString::from_vec(buffer));
+            }
+            // Possibly cut: again with room to spare.
+            buffer.resize(buffer.len() * 2, 0);
+        }
+    }
+}
+
+/// Opens the file at the normalized sandbox path `path` under `root` (by path: elsewhere than
+/// on Unix, the check of [`LocalSandbox::resolve`] is all there is).
+#[cfg(not(unix))]
+fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
+    let real = root.join(path.trim_start_matches('/'));
+    match access {
+        Access::Read => Ok(std::fs::File::open(&real)?),
+        Access::Write => {
+            if let Some(parent) = real.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            Ok(std::fs::File::options().write(true).create(true).open(&real)?)
+        }
+    }
+}
+
+/// `work` on tokio's blocking pool (the file system calls of one operation, in one go).
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, SandboxError> + Send + 'static,
+) -> Result<T, SandboxError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|error| Err(SandboxError::Io(format!("the file operation failed: {error}"))))
+}
+
 /// Bytes of each output stream a command keeps (its end): the `bash` tool shows at most
 /// 50 KB, and a command flooding its output must not grow the runtime's memory with it.
 const MAX_OUTPUT_BYTES: usize = 1024 * 1024;
@@ -127,25 +370,35 @@ impl Drop for ProcessGroup {
 
 impl Sandbox for LocalSandbox {
     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
-        let resolved = self.resolve(path);
+        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
-            let real = resolved?;
-            tokio::fs::read(&real).await.map_err(|error| match error.kind() {
-                std::io::ErrorKind::NotFound => SandboxError::NotFound(shown),
-                _ => io(error),
+            let normalized = checked?;
+            blocking(move || {
+                use std::io::Read;
+                let mut file = open_beneath(&root, &normalized, Access::Read).map_err(|error| error.shown(&shown))?;
+                let mut bytes = Vec::new();
+                file.read_to_end(&mut bytes).map_err(io)?;
+                Ok(bytes)
             })
+            .await
         })
     }
 
     fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
-        let resolved = self.resolve(path);
+        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let root = self.root.clone();
+        let shown = path.to_owned();
         Box::pin(async move {
-            let real = resolved?;
-            if let Some(parent) = real.parent() {
-                tokio::fs::create_dir_all(parent).await.map_err(io)?;
-            }
-            tokio::fs::write(&real, contents).await.map_err(io)
+            let normalized = checked?;
+            blocking(move || {
+                use std::io::Write;
+                let mut file = open_beneath(&root, &normalized, Access::Write).map_err(|error| error.shown(&shown))?;
+                file.set_len(0).map_err(io)?;
+                file.write_all(&contents).map_err(io)
+            })
+            .await
         })
     }
 
@@ -249,5 +502,103 @@ impl Sandbox for LocalSandbox {
                 }),
             }
         })
+    }
+}
+
+#[cfg(all(test, unix))]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    /// A root and a directory beside it (outside it), removed when dropped.
+    struct Scratch {
+        base: PathBuf,
+        root: PathBuf,
+        outside: PathBuf,
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.base);
+        }
+    }
+
+    fn scratch(name: &str) -> Scratch {
+        let base = std::env::temp_dir().join(format!("flue-local-sandbox-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let (root, outside) = (base.join("root"), base.join("outside"));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        let root = std::fs::canonicalize(root).unwrap();
+        Scratch { base, root, outside }
+    }
+
+    // The race's end state: `resolve` checked the path while it was inside the root, then a
+    // directory on the way (or the file itself) was swapped for a link out of the root before
+    // the open. The open must not follow it.
+
+    #[test]
+    fn a_directory_swapped_for_a_link_after_the_check_is_not_written_through() {
+        let dirs = scratch("swapped-dir");
+        std::fs::create_dir_all(dirs.root.join("sub")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        sandbox.resolve("/sub/planted.txt").unwrap();
+        std::fs::remove_dir(dirs.root.join("sub")).unwrap();
+        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
+        let opened = open_beneath(&dirs.root, "/sub/planted.txt", Access::Write);
+        assert!(matches!(opened, Err(OpenError::Outside)), "{opened:?}");
+        assert!(!dirs.outside.join("planted.txt").exists(), "the write left the root");
+    }
+
+    #[test]
+    fn a_file_swapped_for_a_link_after_the_check_is_not_read_or_written_through() {
+        let dirs = scratch("swapped-file");
+        std::fs::write(dirs.root.join("notes.txt"), "mine").unwrap();
+        std::fs::write(dirs.outside.join("secret.txt"), "secret").unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        sandbox.resolve("/notes.txt").unwrap();
+        std::fs::remove_file(dirs.root.join("notes.txt")).unwrap();
+        std::os::unix::fs::symlink(dirs.outside.join("secret.txt"), dirs.root.join("notes.txt")).unwrap();
+        let read = open_beneath(&dirs.root, "/notes.txt", Access::Read);
+        assert!(matches!(read, Err(OpenError::Outside)), "{read:?}");
+        let written = open_beneath(&dirs.root, "/notes.txt", Access::Write);
+        assert!(matches!(written, Err(OpenError::Outside)), "{written:?}");
+        assert_eq!(
+            std::fs::read_to_string(dirs.outside.join("secret.txt")).unwrap(),
+            "secret"
+        );
+    }
+
+    #[test]
+    fn links_that_stay_inside_the_root_are_still_followed() {
+        let dirs = scratch("inside-links");
+        std::fs::create_dir_all(dirs.root.join("data/deep")).unwrap();
+        std::fs::write(dirs.root.join("data/deep/f.txt"), "found").unwrap();
+        std::os::unix::fs::symlink("data/deep", dirs.root.join("relative")).unwrap();
+        std::os::unix::fs::symlink(dirs.root.join("data"), dirs.root.join("absolute")).unwrap();
+        std::os::unix::fs::symlink("../deep/f.txt", dirs.root.join("data/deep/up.txt")).unwrap();
+        for path in ["/relative/f.txt", "/absolute/deep/f.txt", "/relative/up.txt"] {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut open_beneath(&dirs.root, path, Access::Read).unwrap(), &mut text)
+                .unwrap();
+            assert_eq!(text, "found", "{path}");
+        }
+        std::io::Write::write_all(
+            &mut open_beneath(&dirs.root, "/relative/new/made.txt", Access::Write).unwrap(),
+            b"made",
+        )
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dirs.root.join("data/deep/new/made.txt")).unwrap(),
+            "made"
+        );
+        // A link climbing out of the root through `..` is refused like any other.
+        std::os::unix::fs::symlink("../../outside", dirs.root.join("data/climb")).unwrap();
+        let climbed = open_beneath(&dirs.root, "/data/climb/x.txt", Access::Write);
+        assert!(matches!(climbed, Err(OpenError::Outside)), "{climbed:?}");
     }
 }
