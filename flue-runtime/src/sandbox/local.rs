@@ -95,6 +95,8 @@ enum Access {
 enum OpenError {
     /// The path leads out of the root (through a link met on the way).
     Outside,
+    /// What the path names is no regular file (nor a directory): a FIFO, a socket, a device.
+    NotRegular(Access),
     /// Anything else.
     Io(std::io::Error),
 }
@@ -104,6 +106,13 @@ impl OpenError {
     fn shown(self, shown: &str) -> SandboxError {
         match self {
             Self::Outside => SandboxError::OutsideRoot(shown.to_owned()),
+            Self::NotRegular(access) => SandboxError::Io(format!(
+                "{shown} is not a regular file (but a FIFO, socket or device); only regular files can be {}",
+                match access {
+                    Access::Read => "read",
+                    Access::Write => "written",
+                }
+            )),
             Self::Io(error) if error.kind() == std::io::ErrorKind::NotFound => SandboxError::NotFound(shown.to_owned()),
             Self::Io(error) => io(error),
         }
@@ -160,7 +169,11 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
             opened => opened,
         };
         match opened {
-            Ok(fd) if last => return Ok(std::fs::File::from(fd)),
+            Ok(fd) if last => return regular(fd, access),
+            // A FIFO opened for writing with no reader, or a socket.
+            Err(error) if last && error.raw_os_error() == Some(libc::ENXIO) => {
+                return Err(OpenError::NotRegular(access));
+            }
             Ok(fd) => walked.push(fd),
             // Refused as a link (`O_NOFOLLOW`): followed by hand.
             Err(error) if beneath::is_link_at(parent, &name) => {
@@ -189,6 +202,20 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
     Err(OpenError::Io(std::io::Error::from_raw_os_error(libc::EISDIR)))
 }
 
+/// The opened file, if it is a regular one: the check is on what was opened (`fstat`), not on
+/// the path again. A directory is let through, for the read or write to fail with its own
+/// error.
+#[cfg(unix)]
+fn regular(fd: std::os::fd::OwnedFd, access: Access) -> Result<std::fs::File, OpenError> {
+    let file = std::fs::File::from(fd);
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() || kind.is_dir() {
+        Ok(file)
+    } else {
+        Err(OpenError::NotRegular(access))
+    }
+}
+
 /// The components of a path to walk: its names, `..` kept, empty ones and `.` dropped.
 #[cfg(unix)]
 fn components(path: &std::ffi::OsStr) -> impl Iterator<Item = std::ffi::OsString> + '_ {
@@ -201,12 +228,16 @@ fn components(path: &std::ffi::OsStr) -> impl Iterator<Item = std::ffi::OsString
 
 #[cfg(unix)]
 impl Access {
-    /// The flags of the final component's `openat`. A write does not truncate at the open:
-    /// what was opened is checked first.
+    /// The flags of the final component's `openat`. `O_NONBLOCK`: opening a FIFO does not
+    /// wait for its other end (a read of one would otherwise hang until the call is aborted);
+    /// what was opened is checked, and refused when not a regular file, before any read or
+    /// write (on a regular file the flag changes nothing). A write does not truncate at the
+    /// open either, for the same reason.
     fn flags(self) -> libc::c_int {
+        let common = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
         match self {
-            Self::Read => libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            Self::Write => libc::O_WRONLY | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            Self::Read => libc::O_RDONLY | common,
+            Self::Write => libc::O_WRONLY | libc::O_CREAT | common,
         }
     }
 }
@@ -600,5 +631,48 @@ mod tests {
         std::os::unix::fs::symlink("../../outside", dirs.root.join("data/climb")).unwrap();
         let climbed = open_beneath(&dirs.root, "/data/climb/x.txt", Access::Write);
         assert!(matches!(climbed, Err(OpenError::Outside)), "{climbed:?}");
+    }
+    /// Makes a FIFO at `path`.
+    fn fifo(path: &Path) {
+        use std::os::unix::ffi::OsStrExt;
+        let name = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: `name` is a NUL-terminated path alive for the call.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
+    }
+
+    #[tokio::test]
+    async fn a_fifo_is_refused_rather_than_waited_on() {
+        let dirs = scratch("fifo");
+        fifo(&dirs.root.join("pipe"));
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let read = tokio::time::timeout(Duration::from_secs(5), sandbox.read_file("pipe")).await;
+        if read.is_err() {
+            // Blocked in the open: a writer lets it go, so the test ends.
+            drop(std::fs::OpenOptions::new().write(true).open(dirs.root.join("pipe")));
+        }
+        assert_eq!(
+            read,
+            Ok(Err(SandboxError::Io(
+                "pipe is not a regular file (but a FIFO, socket or device); only regular files can be read".into()
+            )))
+        );
+        let written = tokio::time::timeout(Duration::from_secs(5), sandbox.write_file("pipe", b"x".to_vec())).await;
+        if written.is_err() {
+            drop(std::fs::File::open(dirs.root.join("pipe")));
+        }
+        assert_eq!(
+            written,
+            Ok(Err(SandboxError::Io(
+                "pipe is not a regular file (but a FIFO, socket or device); only regular files can be written".into()
+            )))
+        );
+        // A directory keeps its own error.
+        std::fs::create_dir(dirs.root.join("dir")).unwrap();
+        let Err(SandboxError::Io(message)) = sandbox.read_file("dir").await else {
+            panic!("a directory was read")
+        };
+        assert!(message.starts_with("Is a directory"), "{message}");
     }
 }
