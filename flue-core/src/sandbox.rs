@@ -27,6 +27,22 @@ pub trait SandboxFactory: Send + Sync + 'static {
 pub trait Sandbox: Send + Sync + 'static {
     /// Reads a whole file.
     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>>;
+    /// Reads a file a piece at a time: `visit` gets its bytes in order, and returns `false`
+    /// to stop the read there (the tools read no more of a file than they can show). The
+    /// default reads the whole file with [`Sandbox::read_file`] and gives it as one piece; an
+    /// environment that can read a file incrementally should, so a huge file is not held in
+    /// memory.
+    fn read_file_with<'a>(
+        &'a self,
+        path: &str,
+        visit: &'a mut (dyn FnMut(&[u8]) -> bool + Send),
+    ) -> BoxFuture<'a, Result<(), SandboxError>> {
+        let whole = self.read_file(path);
+        Box::pin(async move {
+            visit(&whole.await?);
+            Ok(())
+        })
+    }
     /// Creates or replaces a file (creating parent directories).
     fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>>;
     /// Removes a file or an empty directory.

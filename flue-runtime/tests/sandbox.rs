@@ -414,3 +414,42 @@ async fn a_command_flooding_its_output_does_not_grow_the_runtime_without_bound()
     );
     assert!(grown < 100 * 1024, "300 MB of output grew the peak by {grown} KiB");
 }
+
+static HUGE_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch::dir("huge");
+    // A gigabyte of NUL bytes (valid text, one line), taking no disk space.
+    let file = std::fs::File::create(root.join("huge.txt")).unwrap();
+    file.set_len(1 << 30).unwrap();
+    root
+});
+
+#[agent]
+fn huge() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::local(HUGE_ROOT.clone()));
+    "Work on disk."
+}
+
+#[tokio::test]
+async fn a_huge_file_is_read_and_searched_only_as_far_as_the_tools_show() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("read", json!({"path": "huge.txt"})),
+        ScriptedReply::tool_call("grep", json!({"pattern": "needle", "path": "huge.txt"})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [huge.into()]);
+    let before = peak_rss_kib();
+    runtime.init(&huge, "huge").send("go").await.unwrap();
+    let grown = peak_rss_kib().saturating_sub(before);
+    let requests = model.requests();
+    let (read, is_error) = last_batch_results(&requests[1]).remove(0);
+    assert!(!is_error, "{}", &read[..read.len().min(200)]);
+    assert!(read.starts_with('\0'));
+    assert!(
+        read.contains("\n\n[Line 1 is more than ") && read.ends_with(" bytes; only its first 51200 are shown.]"),
+        "{}",
+        &read[read.len().saturating_sub(200)..]
+    );
+    assert_eq!(last_batch_results(&requests[2]), [("No matches.".to_owned(), false)]);
+    assert!(grown < 100 * 1024, "a 1 GB file grew the peak by {grown} KiB");
+}

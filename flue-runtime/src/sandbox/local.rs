@@ -417,6 +417,31 @@ impl Sandbox for LocalSandbox {
         })
     }
 
+    fn read_file_with<'a>(
+        &'a self,
+        path: &str,
+        visit: &'a mut (dyn FnMut(&[u8]) -> bool + Send),
+    ) -> BoxFuture<'a, Result<(), SandboxError>> {
+        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let root = self.root.clone();
+        let shown = path.to_owned();
+        Box::pin(async move {
+            use tokio::io::AsyncReadExt;
+            let normalized = checked?;
+            let file =
+                blocking(move || open_beneath(&root, &normalized, Access::Read).map_err(|error| error.shown(&shown)))
+                    .await?;
+            let mut file = tokio::fs::File::from_std(file);
+            let mut buffer = vec![0u8; 64 * 1024];
+            loop {
+                let read = file.read(&mut buffer).await.map_err(io)?;
+                if read == 0 || !visit(&buffer[..read]) {
+                    return Ok(());
+                }
+            }
+        })
+    }
+
     fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
         let checked = self.resolve(path).and_then(|_| normalize(path));
         let root = self.root.clone();

@@ -14,6 +14,11 @@
 //! - Limits: `read` 2000 lines / 50 KB (from the start, with a continuation marker), `bash`
 //!   2000 lines / 50 KB (the end), `grep` 100 matches of at most 500 characters per line,
 //!   `glob` 1000 paths. Writes and edits of one file run one at a time.
+//! - `read` and `grep` read a file a piece at a time ([`Sandbox::read_file_with`]), only as
+//!   far as they can show: `read` stops 1 MB past its window (a marker then counts "more
+//!   than" the lines seen, and only what was read is checked to be UTF-8), `grep` at one match
+//!   more than it shows, and at a line longer than 1 MB (its head searched, not the rest of
+//!   the file).
 //! - Delegates share the parent's sandbox and its tools.
 
 mod local;

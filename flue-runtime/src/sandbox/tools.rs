@@ -27,57 +27,361 @@ pub const MAX_PATHS: usize = 1000;
 /// Files `grep` and `glob` visit at most.
 const MAX_WALK: usize = 20_000;
 
+/// Bytes `read` goes on reading past its window, to count the file's lines (and the length of
+/// a first line longer than the window) for its marker: an ordinary file gets exact counts, a
+/// huge one is not read to its end ("more than" counts).
+const LOOK_AHEAD: usize = 1024 * 1024;
+/// Bytes of a window `read` keeps while reading: the byte cap, plus one `\r` for each line
+/// (the cap counts lines without their `\r\n`), plus the separators. A line cut at this
+/// length is past the cap wherever it starts in the window.
+const KEEP: usize = MAX_BYTES + 2 * MAX_LINES + 8;
+/// Bytes of one line `grep` reads at most: the line's head is searched, and the rest of the
+/// file is not (a file with lines this long is data, not text).
+const MAX_GREP_LINE: usize = 1024 * 1024;
+
+/// A count: exact when the read reached the end of the file, or a lower bound when it stopped
+/// before.
+#[derive(Clone, Copy, Debug)]
+enum Count {
+    Exact(usize),
+    MoreThan(usize),
+}
+
+impl std::fmt::Display for Count {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Exact(count) => write!(f, "{count}"),
+            Self::MoreThan(count) => write!(f, "more than {count}"),
+        }
+    }
+}
+
+/// Checks that bytes given a piece at a time are UTF-8 (a character may span two pieces).
+#[derive(Default)]
+struct Utf8Check {
+    /// The start of a character the last piece cut.
+    carry: Vec<u8>,
+}
+
+impl Utf8Check {
+    /// Whether `piece` continues valid UTF-8.
+    fn feed(&mut self, mut piece: &[u8]) -> bool {
+        while !self.carry.is_empty() {
+            let Some((&byte, rest)) = piece.split_first() else {
+                return true;
+            };
+            self.carry.push(byte);
+            piece = rest;
+            match std::str::from_utf8(&self.carry) {
+                Ok(_) => self.carry.clear(),
+                Err(error) if error.error_len().is_some() => return false,
+                Err(_) => {}
+            }
+        }
+        match std::str::from_utf8(piece) {
+            Ok(_) => true,
+            Err(error) if error.error_len().is_none() => {
+                self.carry = piece[error.valid_up_to()..].to_vec();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Whether the text ended on a whole character.
+    fn finished(&self) -> bool {
+        self.carry.is_empty()
+    }
+}
+
+/// The longest UTF-8 start of `bytes` (checked already: only a cut character at the end).
+fn utf8_head(bytes: &[u8]) -> &str {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(error) => std::str::from_utf8(&bytes[..error.valid_up_to()]).unwrap_or_default(),
+    }
+}
+
+/// Why a `read` window has no text.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum WindowError {
+    /// The file is not UTF-8.
+    Binary,
+    /// The offset is past the end (the message).
+    Offset(String),
+}
+
+/// `read`'s window of a file given a piece at a time ([`WindowReader::feed`]): the lines
+/// before the window are counted, not kept; the window's bytes are kept up to [`KEEP`]; past
+/// the window the read goes on only for the look-ahead, counting lines.
+pub(crate) struct WindowReader {
+    /// The window's first line (0-based) and how many lines it shows at most.
+    start: usize,
+    wanted: usize,
+    look_ahead: usize,
+    /// Line ends (`\n`) so far.
+    newlines: usize,
+    /// The last byte so far.
+    last: Option<u8>,
+    /// The file from the window's first line on, at most [`KEEP`] bytes, and its line ends.
+    kept: Vec<u8>,
+    kept_newlines: usize,
+    /// The bytes of the window's first line so far (with a `\r` before its end), and
+    /// whether it ended.
+    first_len: usize,
+    first_ended: bool,
+    /// Bytes read past the window.
+    past: usize,
+    /// Whether the read stopped before the end of the file.
+    stopped: bool,
+    utf8: Utf8Check,
+    binary: bool,
+}
+
+impl WindowReader {
+    /// A window from line `offset` (1-based), at most `limit` lines and [`MAX_LINES`], reading
+    /// at most `look_ahead` bytes past the window.
+    pub(crate) fn new(offset: Option<usize>, limit: Option<usize>, look_ahead: usize) -> Self {
+        Self {
+            start: offset.unwrap_or(1).max(1) - 1,
+            wanted: limit.unwrap_or(MAX_LINES).min(MAX_LINES),
+            look_ahead,
+            newlines: 0,
+            last: None,
+            kept: Vec::new(),
+            kept_newlines: 0,
+            first_len: 0,
+            first_ended: false,
+            past: 0,
+            stopped: false,
+            utf8: Utf8Check::default(),
+            binary: false,
+        }
+    }
+
+    /// The next piece of the file; `false` when no more is wanted.
+    pub(crate) fn feed(&mut self, mut piece: &[u8]) -> bool {
+        if !self.utf8.feed(piece) {
+            self.binary = true;
+            return false;
+        }
+        while !piece.is_empty() {
+            let taken = if self.newlines < self.start {
+                // Before the window: up to the next line end.
+                memchr::memchr(b'\n', piece).map_or(piece.len(), |end| end + 1)
+            } else if self.kept.len() < KEEP && self.kept_newlines < self.wanted {
+                let taken = piece.len().min(KEEP - self.kept.len());
+                self.kept.extend_from_slice(&piece[..taken]);
+                self.kept_newlines += memchr::memchr_iter(b'\n', &piece[..taken]).count();
+                taken
+            } else if self.past < self.look_ahead {
+                let taken = piece.len().min(self.look_ahead - self.past);
+                self.past += taken;
+                taken
+            } else {
+                self.stopped = true;
+                return false;
+            };
+            let (now, rest) = piece.split_at(taken);
+            if self.newlines >= self.start && !self.first_ended {
+                match memchr::memchr(b'\n', now) {
+                    Some(end) => {
+                        self.first_len += end;
+                        self.first_ended = true;
+                        // `\r\n` ends a line as `\n` does.
+                        let before = if end > 0 { now.get(end - 1).copied() } else { self.last };
+                        if before == Some(b'\r') {
+                            self.first_len -= 1;
+                        }
+                    }
+                    None => self.first_len += now.len(),
+                }
+            }
+            self.newlines += memchr::memchr_iter(b'\n', now).count();
+            self.last = now.last().copied().or(self.last);
+            piece = rest;
+        }
+        true
+    }
+
+    /// The window, with a marker saying where to continue when lines remain.
+    pub(crate) fn finish(self) -> Result<String, WindowError> {
+        if self.binary || (!self.stopped && !self.utf8.finished()) {
+            return Err(WindowError::Binary);
+        }
+        let total = if self.stopped {
+            Count::MoreThan(self.newlines)
+        } else {
+            Count::Exact(self.newlines + usize::from(self.last.is_some_and(|last| last != b'\n')))
+        };
+        // At least this many lines exist.
+        let known = match total {
+            Count::Exact(count) => count,
+            Count::MoreThan(count) => count + 1,
+        };
+        let start = self.start;
+        if let Count::Exact(count) = total
+            && start >= count
+            && count > 0
+        {
+            return Err(WindowError::Offset(format!(
+                "Offset {} is past the end of the file ({count} lines).",
+                start + 1
+            )));
+        }
+        // The kept bytes are all the window has when the read neither went past them nor
+        // stopped; otherwise their last line may be cut.
+        let whole = self.past == 0 && !self.stopped;
+        let text = utf8_head(&self.kept);
+        let mut pieces: Vec<&str> = text.split('\n').collect();
+        let cut_last = !whole && pieces.len() > self.kept_newlines;
+        if pieces.last() == Some(&"") && (whole || !cut_last) {
+            pieces.pop();
+        }
+        let ended = pieces.len().min(self.kept_newlines);
+        let mut out = String::new();
+        let mut shown = 0;
+        for (index, piece) in pieces.iter().enumerate().take(self.wanted) {
+            let complete = index < ended || whole;
+            let line = if index < ended {
+                piece.strip_suffix('\r').unwrap_or(piece)
+            } else {
+                piece
+            };
+            if !complete || out.len() + line.len() + 1 > MAX_BYTES {
+                if shown == 0 {
+                    // A first line past the cap: its head, so the window still moves on (a
+                    // marker pointing back at this line would loop forever).
+                    let mut end = MAX_BYTES.min(line.len());
+                    while !line.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    let length = if self.first_ended {
+                        Count::Exact(self.first_len)
+                    } else if self.stopped {
+                        Count::MoreThan(self.first_len)
+                    } else {
+                        Count::Exact(self.first_len)
+                    };
+                    out.push_str(&line[..end]);
+                    out.push_str(&format!(
+                        "\n\n[Line {} is {length} bytes; only its first {MAX_BYTES} are shown.]",
+                        start + 1
+                    ));
+                    shown = 1;
+                }
+                break;
+            }
+            if shown > 0 {
+                out.push('\n');
+            }
+            out.push_str(line);
+            shown += 1;
+        }
+        let next = start + shown;
+        if next < known {
+            out.push_str(&format!(
+                "\n\n[Showing lines {}-{} of {total}. Continue with offset {}.]",
+                start + 1,
+                next,
+                next + 1
+            ));
+        }
+        Ok(out)
+    }
+}
+
 /// `text` from line `offset` (1-based), at most `limit` lines, [`MAX_LINES`] and
 /// [`MAX_BYTES`], with a marker saying where to continue when lines remain.
 pub(crate) fn line_window(text: &str, offset: Option<usize>, limit: Option<usize>) -> Result<String, String> {
-    let lines: Vec<&str> = text.lines().collect();
-    let start = offset.unwrap_or(1).max(1) - 1;
-    if start >= lines.len() && !lines.is_empty() {
-        return Err(format!(
-            "Offset {} is past the end of the file ({} lines).",
-            start + 1,
-            lines.len()
-        ));
+    let mut window = WindowReader::new(offset, limit, usize::MAX);
+    window.feed(text.as_bytes());
+    window.finish().map_err(|error| match error {
+        WindowError::Offset(message) => message,
+        // Text is UTF-8.
+        WindowError::Binary => "The text is not UTF-8.".to_owned(),
+    })
+}
+
+/// `grep`'s search of one file given a piece at a time ([`LineSearch::feed`]): a line at a
+/// time, at most [`MAX_GREP_LINE`] bytes of one, until `room` matches are found.
+struct LineSearch<'p> {
+    pattern: &'p regex::Regex,
+    room: usize,
+    /// The current line so far (at most [`MAX_GREP_LINE`] bytes) and its number (1-based).
+    line: Vec<u8>,
+    number: usize,
+    /// Matching lines: their numbers and their text (cut to [`MAX_MATCH_CHARS`]).
+    matches: Vec<(usize, String)>,
+    utf8: Utf8Check,
+    binary: bool,
+    stopped: bool,
+}
+
+impl<'p> LineSearch<'p> {
+    fn new(pattern: &'p regex::Regex, room: usize) -> Self {
+        Self {
+            pattern,
+            room,
+            line: Vec::new(),
+            number: 1,
+            matches: Vec::new(),
+            utf8: Utf8Check::default(),
+            binary: false,
+            stopped: false,
+        }
     }
-    let wanted = limit.unwrap_or(MAX_LINES).min(MAX_LINES);
-    let mut out = String::new();
-    let mut shown = 0;
-    for line in lines.iter().skip(start).take(wanted) {
-        if out.len() + line.len() + 1 > MAX_BYTES {
-            if shown == 0 {
-                // A first line past the cap: its head, so the window still moves on (a
-                // marker pointing back at this line would loop forever).
-                let mut end = MAX_BYTES;
-                while !line.is_char_boundary(end) {
-                    end -= 1;
-                }
-                out.push_str(&line[..end]);
-                out.push_str(&format!(
-                    "\n\n[Line {} is {} bytes; only its first {MAX_BYTES} are shown.]",
-                    start + 1,
-                    line.len()
-                ));
-                shown = 1;
+
+    /// Searches the current line, then starts the next; `false` when no more is wanted.
+    fn end_line(&mut self) -> bool {
+        let bytes = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
+        let line = utf8_head(bytes);
+        if self.pattern.is_match(line) {
+            self.matches
+                .push((self.number, line.chars().take(MAX_MATCH_CHARS).collect()));
+        }
+        self.line.clear();
+        self.number += 1;
+        self.matches.len() < self.room
+    }
+
+    /// The next piece of the file; `false` when no more is wanted.
+    fn feed(&mut self, mut piece: &[u8]) -> bool {
+        if !self.utf8.feed(piece) {
+            self.binary = true;
+            return false;
+        }
+        while !piece.is_empty() {
+            let end = memchr::memchr(b'\n', piece);
+            let part = &piece[..end.unwrap_or(piece.len())];
+            let room = MAX_GREP_LINE - self.line.len();
+            self.line.extend_from_slice(&part[..part.len().min(room)]);
+            if part.len() > room {
+                // A line this long: its head is searched, the rest of the file is not.
+                self.end_line();
+                self.stopped = true;
+                return false;
             }
-            break;
+            let Some(end) = end else { break };
+            if !self.end_line() {
+                self.stopped = true;
+                return false;
+            }
+            piece = &piece[end + 1..];
         }
-        if shown > 0 {
-            out.push('\n');
+        true
+    }
+
+    /// The matches, or `None` for a file that is not UTF-8.
+    fn finish(mut self) -> Option<Vec<(usize, String)>> {
+        if self.binary || (!self.stopped && !self.utf8.finished()) {
+            return None;
         }
-        out.push_str(line);
-        shown += 1;
+        if !self.stopped && !self.line.is_empty() {
+            self.end_line();
+        }
+        Some(self.matches)
     }
-    let next = start + shown;
-    if next < lines.len() {
-        out.push_str(&format!(
-            "\n\n[Showing lines {}-{} of {}. Continue with offset {}.]",
-            start + 1,
-            next,
-            lines.len(),
-            next + 1
-        ));
-    }
-    Ok(out)
 }
 
 /// The end of `text`: at most [`MAX_LINES`] lines and [`MAX_BYTES`], with a marker when cut.
@@ -232,16 +536,18 @@ fn read(session: &SandboxSession, args: ReadArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(path) => path,
             Err(error) => return sandbox_error(error),
         };
-        let bytes = match session.sandbox.read_file(&path).await {
-            Ok(bytes) => bytes,
-            Err(error) => return sandbox_error(error),
-        };
-        let Ok(text) = String::from_utf8(bytes) else {
-            return ToolOutput::error(format!("{path} is a binary file; only text files can be read."));
-        };
-        match line_window(&text, args.offset, args.limit) {
+        // Read a piece at a time, only as far as the window (and its look-ahead).
+        let mut window = WindowReader::new(args.offset, args.limit, LOOK_AHEAD);
+        let mut visit = |piece: &[u8]| window.feed(piece);
+        if let Err(error) = session.sandbox.read_file_with(&path, &mut visit).await {
+            return sandbox_error(error);
+        }
+        match window.finish() {
             Ok(window) => ToolOutput::text(window),
-            Err(message) => ToolOutput::error(message),
+            Err(WindowError::Binary) => {
+                ToolOutput::error(format!("{path} is a binary file; only text files can be read."))
+            }
+            Err(WindowError::Offset(message)) => ToolOutput::error(message),
         }
     })
 }
@@ -465,21 +771,21 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
             {
                 continue;
             }
-            let Ok(bytes) = session.sandbox.read_file(file).await else {
+            // Read a piece at a time, only until one match more than can be shown.
+            let mut search = LineSearch::new(&pattern, MAX_MATCHES + 1 - matches.len());
+            let mut visit = |piece: &[u8]| search.feed(piece);
+            if session.sandbox.read_file_with(file, &mut visit).await.is_err() {
+                continue;
+            }
+            let Some(found) = search.finish() else {
                 continue;
             };
-            let Ok(text) = std::str::from_utf8(&bytes) else {
-                continue;
-            };
-            for (number, line) in text.lines().enumerate() {
-                if pattern.is_match(line) {
-                    if matches.len() == MAX_MATCHES {
-                        more = true;
-                        break 'files;
-                    }
-                    let line: String = line.chars().take(MAX_MATCH_CHARS).collect();
-                    matches.push(format!("{file}:{}: {line}", number + 1));
+            for (number, line) in found {
+                if matches.len() == MAX_MATCHES {
+                    more = true;
+                    break 'files;
                 }
+                matches.push(format!("{file}:{number}: {line}"));
             }
         }
         if matches.is_empty() {
@@ -539,8 +845,259 @@ fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use flue_core::sandbox::{DirEntry, ExecOutput, Sandbox};
+
     use super::*;
+
+    /// A sandbox with one endless file, `/big.txt` (`line 1`, `line 2`, …): read whole, it
+    /// never ends; read a piece at a time, it counts the bytes given.
+    #[derive(Default)]
+    struct Endless {
+        given: AtomicUsize,
+    }
+
+    impl Sandbox for Endless {
+        fn read_file(&self, _path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Io(
+                "the whole endless file was read".into(),
+            ))))
+        }
+
+        fn read_file_with<'a>(
+            &'a self,
+            _path: &str,
+            visit: &'a mut (dyn FnMut(&[u8]) -> bool + Send),
+        ) -> BoxFuture<'a, Result<(), SandboxError>> {
+            Box::pin(async move {
+                let mut line = 0;
+                loop {
+                    let piece: String = (0..100)
+                        .map(|_| {
+                            line += 1;
+                            format!("line {line}\n")
+                        })
+                        .collect();
+                    self.given.fetch_add(piece.len(), Ordering::Relaxed);
+                    if !visit(piece.as_bytes()) {
+                        return Ok(());
+                    }
+                    if self.given.load(Ordering::Relaxed) > 1 << 30 {
+                        return Err(SandboxError::Io("a gigabyte of the endless file was read".into()));
+                    }
+                }
+            })
+        }
+
+        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
+        }
+
+        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
+        }
+
+        fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
+            let error = if path == "/" {
+                Ok(vec![DirEntry {
+                    name: "big.txt".into(),
+                    is_dir: false,
+                    size: u64::MAX,
+                }])
+            } else {
+                Err(SandboxError::Io(format!("{path} is not a directory")))
+            };
+            Box::pin(std::future::ready(error))
+        }
+
+        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+        }
+    }
+
+    fn endless() -> (Arc<Endless>, SandboxSession) {
+        let sandbox = Arc::new(Endless::default());
+        let session = SandboxSession::new(sandbox.clone(), None).unwrap();
+        (sandbox, session)
+    }
+
+    fn text_of(output: ToolOutput) -> (String, bool) {
+        let flue_core::tool::ToolContent::Text(text) = output.content else {
+            panic!("a text result")
+        };
+        (text, output.is_error)
+    }
+
+    /// The window as computed before `read` read files a piece at a time: from the whole
+    /// text.
+    fn whole_text_window(text: &str, offset: Option<usize>, limit: Option<usize>) -> Result<String, String> {
+        let lines: Vec<&str> = text.lines().collect();
+        let start = offset.unwrap_or(1).max(1) - 1;
+        if start >= lines.len() && !lines.is_empty() {
+            return Err(format!(
+                "Offset {} is past the end of the file ({} lines).",
+                start + 1,
+                lines.len()
+            ));
+        }
+        let wanted = limit.unwrap_or(MAX_LINES).min(MAX_LINES);
+        let mut out = String::new();
+        let mut shown = 0;
+        for line in lines.iter().skip(start).take(wanted) {
+            if out.len() + line.len() + 1 > MAX_BYTES {
+                if shown == 0 {
+                    let mut end = MAX_BYTES;
+                    while !line.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    out.push_str(&line[..end]);
+                    out.push_str(&format!(
+                        "\n\n[Line {} is {} bytes; only its first {MAX_BYTES} are shown.]",
+                        start + 1,
+                        line.len()
+                    ));
+                    shown = 1;
+                }
+                break;
+            }
+            if shown > 0 {
+                out.push('\n');
+            }
+            out.push_str(line);
+            shown += 1;
+        }
+        let next = start + shown;
+        if next < lines.len() {
+            out.push_str(&format!(
+                "\n\n[Showing lines {}-{} of {}. Continue with offset {}.]",
+                start + 1,
+                next,
+                lines.len(),
+                next + 1
+            ));
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn a_window_read_in_pieces_is_the_window_of_the_whole_text() {
+        let wide = "w".repeat(MAX_BYTES + 10);
+        let accented = format!("{}é\nnext\n", "a".repeat(MAX_BYTES - 1));
+        let short_lines: String = (1..=3000).map(|n| format!("l{n}\r\n")).collect();
+        let long_lines: String = (1..=60).map(|n| format!("{}{n}\n", "z".repeat(1000))).collect();
+        let texts = [
+            String::new(),
+            "\n".to_owned(),
+            "one".to_owned(),
+            "one\ntwo\n".to_owned(),
+            "one\r\ntwo\r".to_owned(),
+            "a\n\n\nb\n\n".to_owned(),
+            format!("{wide}\nsecond\n"),
+            format!("first\n{wide}\nthird"),
+            accented,
+            short_lines,
+            long_lines,
+        ];
+        for text in &texts {
+            for offset in [None, Some(1), Some(2), Some(3), Some(52), Some(2999), Some(4000)] {
+                for limit in [None, Some(1), Some(2), Some(5000)] {
+                    let expected = whole_text_window(text, offset, limit);
+                    for size in [1, 7, 4096, usize::MAX] {
+                        let mut window = WindowReader::new(offset, limit, usize::MAX);
+                        for piece in text.as_bytes().chunks(size.min(text.len().max(1))) {
+                            if !window.feed(piece) {
+                                break;
+                            }
+                        }
+                        let got = window.finish().map_err(|error| match error {
+                            WindowError::Offset(message) => message,
+                            WindowError::Binary => "binary".to_owned(),
+                        });
+                        assert_eq!(
+                            got,
+                            expected,
+                            "text of {} bytes, offset {offset:?}, limit {limit:?}, pieces of {size}",
+                            text.len()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_file_cut_inside_a_character_or_not_utf8_is_binary() {
+        let mut window = WindowReader::new(None, None, usize::MAX);
+        let text = "héllo".as_bytes();
+        assert!(window.feed(&text[..2]) && window.feed(&text[2..]));
+        assert_eq!(window.finish(), Ok("héllo".to_owned()));
+        let mut window = WindowReader::new(None, None, usize::MAX);
+        assert!(!window.feed(b"ok\n\xff\n"));
+        assert_eq!(window.finish(), Err(WindowError::Binary));
+        let mut window = WindowReader::new(None, None, usize::MAX);
+        window.feed(&text[..2]);
+        assert_eq!(window.finish(), Err(WindowError::Binary));
+    }
+
+    #[test]
+    fn grep_finds_the_lines_of_a_file_read_in_pieces() {
+        let pattern = regex::Regex::new("needle").unwrap();
+        let text = "a\r\nneedle é\r\nno\nneedle";
+        for size in [1, 2, 5, text.len()] {
+            let mut search = LineSearch::new(&pattern, MAX_MATCHES + 1);
+            for piece in text.as_bytes().chunks(size) {
+                assert!(search.feed(piece));
+            }
+            assert_eq!(
+                search.finish(),
+                Some(vec![(2, "needle é".to_owned()), (4, "needle".to_owned())]),
+                "pieces of {size}"
+            );
+        }
+        let mut search = LineSearch::new(&pattern, MAX_MATCHES + 1);
+        assert!(!search.feed(b"needle\n\xff"));
+        assert_eq!(search.finish(), None, "a file that is not UTF-8 is skipped");
+    }
+
+    #[tokio::test]
+    async fn read_stops_at_its_window_in_a_huge_file() {
+        let (sandbox, session) = endless();
+        let args = ReadArgs {
+            path: "big.txt".into(),
+            offset: Some(11),
+            limit: Some(3),
+        };
+        let (text, is_error) = text_of(read(&session, args).await);
+        assert!(!is_error, "{text}");
+        assert!(
+            text.starts_with("line 11\nline 12\nline 13\n\n[Showing lines 11-13 of more than "),
+            "{text}"
+        );
+        assert!(text.contains(". Continue with offset 14.]"), "{text}");
+        let given = sandbox.given.load(Ordering::Relaxed);
+        assert!(given < 4 << 20, "{given} bytes read for a window of three lines");
+    }
+
+    #[tokio::test]
+    async fn grep_stops_at_its_match_cap_in_a_huge_file() {
+        let (sandbox, session) = endless();
+        let args = GrepArgs {
+            pattern: "^line".into(),
+            path: None,
+            glob: None,
+            ignore_case: false,
+        };
+        let (text, is_error) = text_of(grep(&session, args).await);
+        assert!(!is_error, "{text}");
+        assert!(text.contains("/big.txt:100: line 100"), "{text}");
+        assert!(!text.contains("/big.txt:101:"), "{text}");
+        assert!(text.contains("[Stopped at 100 matches"), "{text}");
+        let given = sandbox.given.load(Ordering::Relaxed);
+        assert!(given < 1 << 20, "{given} bytes read for 100 matches");
+    }
 
     #[test]
     fn tail_keeps_the_end_and_says_so() {
