@@ -43,6 +43,12 @@ pub trait Sandbox: Send + Sync + 'static {
             Ok(())
         })
     }
+    /// The path under which the environment knows the file at `path` (an absolute, normal
+    /// sandbox path): two paths naming one file (through links) give the same one. The
+    /// tools serialize writes and edits of one file by it. The default is `path` itself.
+    fn real_path(&self, path: &str) -> BoxFuture<'_, Result<String, SandboxError>> {
+        Box::pin(std::future::ready(Ok(path.to_owned())))
+    }
     /// Creates or replaces a file (creating parent directories).
     fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>>;
     /// Removes a file or an empty directory.

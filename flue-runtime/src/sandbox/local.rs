@@ -356,6 +356,38 @@ async fn blocking<T: Send + 'static>(
         .unwrap_or_else(|error| Err(SandboxError::Io(format!("the file operation failed: {error}"))))
 }
 
+impl LocalSandbox {
+    /// The sandbox path of the file at `path` with the links of its deepest existing ancestor
+    /// resolved (the part that does not exist yet appended as given).
+    fn real_sandbox_path(&self, path: &str) -> Result<String, SandboxError> {
+        let normalized = normalize(path)?;
+        let real = self.root.join(normalized.trim_start_matches('/'));
+        let mut existing: &Path = &real;
+        let mut missing = Vec::new();
+        let canonical = loop {
+            match std::fs::canonicalize(existing) {
+                Ok(canonical) => break canonical,
+                Err(error) => match (existing.parent(), existing.file_name()) {
+                    (Some(parent), Some(name)) => {
+                        missing.push(name);
+                        existing = parent;
+                    }
+                    _ => return Err(io(error)),
+                },
+            }
+        };
+        let inside = canonical
+            .strip_prefix(&self.root)
+            .map_err(|_| SandboxError::OutsideRoot(path.to_owned()))?;
+        let parts: Vec<String> = inside
+            .iter()
+            .chain(missing.into_iter().rev())
+            .map(|part| part.to_string_lossy().into_owned())
+            .collect();
+        Ok(format!("/{}", parts.join("/")))
+    }
+}
+
 /// Bytes of each output stream a command keeps (its end): the `bash` tool shows at most
 /// 50 KB, and a command flooding its output must not grow the runtime's memory with it.
 const MAX_OUTPUT_BYTES: usize = 1024 * 1024;
@@ -415,6 +447,10 @@ impl Sandbox for LocalSandbox {
             })
             .await
         })
+    }
+
+    fn real_path(&self, path: &str) -> BoxFuture<'_, Result<String, SandboxError>> {
+        Box::pin(std::future::ready(self.real_sandbox_path(path)))
     }
 
     fn read_file_with<'a>(

@@ -96,12 +96,16 @@ impl SandboxSession {
         })
     }
 
-    /// The lock of one file (by normalized path).
-    pub(crate) fn lock_of(&self, path: &str) -> Arc<tokio::sync::Mutex<()>> {
+    /// The lock of one file (`path` normalized), keyed by the file's real path in the sandbox:
+    /// two paths naming one file through a link (`link.txt` and its target, a file under a
+    /// linked directory) share it. A path that cannot be resolved keeps its own (the
+    /// operation then fails anyway).
+    pub(crate) async fn lock_of(&self, path: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let key = self.sandbox.real_path(path).await.unwrap_or_else(|_| path.to_owned());
         self.locks
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .entry(path.to_owned())
+            .entry(key)
             .or_default()
             .clone()
     }
@@ -120,5 +124,29 @@ mod tests {
         assert_eq!(join("/work", "/etc/x").unwrap(), "/etc/x");
         assert!(matches!(normalize("../etc/passwd"), Err(SandboxError::OutsideRoot(_))));
         assert!(matches!(join("/a", "../../x"), Err(SandboxError::OutsideRoot(_))));
+    }
+
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn one_file_has_one_lock_whatever_path_names_it() {
+        use flue_core::sandbox::SandboxFactory;
+        let root = std::env::temp_dir().join(format!("flue-sandbox-locks-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("dir")).unwrap();
+        std::fs::write(root.join("dir/f.txt"), "x").unwrap();
+        std::os::unix::fs::symlink("dir/f.txt", root.join("link.txt")).unwrap();
+        std::os::unix::fs::symlink("dir", root.join("alias")).unwrap();
+        let sandbox = local(&root).create_sandbox("locks").await.unwrap();
+        let session = SandboxSession::new(sandbox, Some("/dir")).unwrap();
+        let file = session.lock_of("/dir/f.txt").await;
+        for other in ["/link.txt", "/alias/f.txt", "/alias/../dir/f.txt"] {
+            let named = session.lock_of(&join(&session.cwd, other).unwrap()).await;
+            assert!(Arc::ptr_eq(&file, &named), "{other} has a lock of its own");
+        }
+        // A file not made yet, under a linked directory: the lock of its real path too.
+        let new = session.lock_of("/alias/new.txt").await;
+        assert!(Arc::ptr_eq(&new, &session.lock_of("/dir/new.txt").await));
+        assert!(!Arc::ptr_eq(&file, &new));
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -567,7 +567,7 @@ fn write(session: &SandboxSession, args: WriteArgs) -> BoxFuture<'_, ToolOutput>
             Ok(path) => path,
             Err(error) => return sandbox_error(error),
         };
-        let lock = session.lock_of(&path);
+        let lock = session.lock_of(&path).await;
         let _guard = lock.lock().await;
         let size = args.content.len();
         match session.sandbox.write_file(&path, args.content.into_bytes()).await {
@@ -600,7 +600,7 @@ fn edit(session: &SandboxSession, args: EditArgs) -> BoxFuture<'_, ToolOutput> {
         if args.old_string.is_empty() {
             return ToolOutput::error("old_string must not be empty.");
         }
-        let lock = session.lock_of(&path);
+        let lock = session.lock_of(&path).await;
         let _guard = lock.lock().await;
         let bytes = match session.sandbox.read_file(&path).await {
             Ok(bytes) => bytes,
