@@ -444,7 +444,17 @@ impl InstanceSlot {
                     submission.max_attempts
                 ),
             )),
-            Ok(()) => Deadline::new(response.run(), deadline, attempt.signal.clone(), TIMEOUT_MESSAGE).await,
+            // Boxed: the response's state machine is kilobytes, and the futures that await this
+            // one would otherwise carry (and move) it inline.
+            Ok(()) => {
+                Deadline::new(
+                    Box::pin(response.run()),
+                    deadline,
+                    attempt.signal.clone(),
+                    TIMEOUT_MESSAGE,
+                )
+                .await
+            }
             Err(failure) => Err(failure),
         };
         // An abort the deadline fired (the first reason wins) is the timeout.
