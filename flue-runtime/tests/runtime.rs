@@ -887,6 +887,63 @@ async fn a_batch_of_only_terminating_tools_ends_the_turn_without_another_model_c
     assert_eq!((mixed.requests().len(), reply.text.as_str()), (2, "continued"));
 }
 
+#[agent]
+fn handoff() -> &'static str {
+    use_model("scripted/x");
+    let dispatch = use_dispatch_message();
+    use_tool(
+        Tool::new("hand_off")
+            .description("Hand the conversation over, leaving a note for later.")
+            .terminate()
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let dispatch = dispatch.clone();
+                async move {
+                    dispatch
+                        .dispatch("note: the customer also asked about refunds")
+                        .await
+                        .map_err(|e| ToolError::new(e.to_string()))?;
+                    Ok::<_, ToolError>("handed off")
+                }
+            }),
+    );
+    "Hand off when asked."
+}
+
+#[tokio::test]
+async fn a_delivery_joined_at_a_terminating_batch_is_answered_by_another_turn() {
+    // The batch ends the turn, but a delivery that joins at that turn end is steered into the
+    // loop, which runs on for it (reference §3.8: every turn end is a join point, and the
+    // engine keeps turning while steered messages are pending).
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("hand_off", json!({})),
+        ScriptedReply::text("Refunds take five days."),
+    ]);
+    let runtime = runtime_with(&model, vec![handoff.into()]);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&handoff, "h").send("a person please").await.unwrap();
+    assert_eq!(model.requests().len(), 2, "the joined delivery got a model turn");
+    assert_eq!(reply.text, "Refunds take five days.");
+    let last_user = model.requests()[1].messages.iter().rev().find_map(|m| match m {
+        ModelMessage::User { content, .. } => Some(content.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        last_user.as_deref(),
+        Some("note: the customer also asked about refunds")
+    );
+    let mut settled = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::SubmissionSettled { outcome, .. } = observation.event {
+            settled.push((observation.submission_id.unwrap(), outcome));
+        }
+    }
+    assert_eq!(settled.len(), 2);
+    let joined = settled.iter().find(|(id, _)| *id != reply.submission_id).unwrap();
+    assert_eq!(joined.1, Outcome::Completed);
+    let joined_reply = runtime.init(&handoff, "h").read(&joined.0).await.unwrap();
+    assert_eq!(joined_reply.text, "Refunds take five days.");
+}
+
 static CURSOR: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[agent]

@@ -1200,9 +1200,11 @@ impl Response<'_> {
             if let Some(queued_terminate) = self.run_queued_tools(&rendered, &model.spec).await? {
                 terminate = queued_terminate;
             }
-            self.join_queued().await?;
+            // A terminating batch ends the turn, but deliveries that join at its end are
+            // steered into the loop, which runs on to answer them (reference §3.8).
+            let joined = self.join_queued().await?;
             self.spare = Some(rendered);
-            if terminate {
+            if terminate && !joined {
                 break;
             }
         }
