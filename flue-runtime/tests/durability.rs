@@ -45,7 +45,7 @@ impl Store for FaultyStore {
     harness::delegate_store!(
         inner;
         instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, settle, requeue,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
         request_abort, read, put_attachment, attachment, user_value, set_user_value,
         list_user_values,
     );
@@ -382,6 +382,83 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
     assert_eq!(row.attempt_count, 2, "the dead attempt and the takeover");
     assert_ne!(row.owner_id.as_deref(), Some("owner_dead"));
     assert_eq!(model.requests().len(), 1, "exactly once");
+}
+
+/// Reference §3.9 step 10: "Resolve interrupted joins (record exists ⇒ finalize; else
+/// revert), then apply queued joins". A node claimed a delivery into its response and died
+/// before the delivery's input was saved; the node that takes the response over puts the
+/// join back in the queue first, so it joins ahead of a delivery admitted after it.
+#[tokio::test]
+async fn a_join_cut_off_before_its_input_was_saved_rejoins_in_order_after_a_takeover() {
+    use flue_runtime::store::{AttemptRef, Claim, now_ms};
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("all three answered")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let options = RuntimeOptions {
+        lease: std::time::Duration::from_millis(200),
+        heartbeat: std::time::Duration::from_millis(20),
+        scan_interval: std::time::Duration::from_millis(40),
+        ..RuntimeOptions::default()
+    };
+    let key = InstanceKey::new("relay", "r-join");
+    store
+        .admit(harness::admission(&key, "sub_host", "first"))
+        .await
+        .unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 100,
+    };
+    store.claim_next(&key, &dead).await.unwrap().unwrap();
+    store
+        .admit(harness::admission(&key, "sub_cut_off", "second"))
+        .await
+        .unwrap();
+    let host = AttemptRef {
+        submission_id: "sub_host".into(),
+        attempt_id: "attempt_dead".into(),
+    };
+    let joined = store.claim_joinable(&host).await.unwrap();
+    assert_eq!(joined.len(), 1, "the dead node claimed the delivery into its response");
+    // Admitted after the claim: it must not overtake the cut-off join.
+    store
+        .admit(harness::admission(&key, "sub_later", "third"))
+        .await
+        .unwrap();
+    let runtime = Runtime::builder()
+        .agent(relay)
+        .providers(providers)
+        .store(store.clone())
+        .options(options)
+        .build()
+        .unwrap();
+    runtime.start().await;
+    let handle = runtime.init(&relay, "r-join");
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read("sub_host"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply.text, "all three answered");
+    let users: Vec<String> = model.requests()[0]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ModelMessage::User { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(users, ["first", "second", "third"], "deliveries in admission order");
+    for id in ["sub_cut_off", "sub_later"] {
+        let row = store.submission(id).await.unwrap().unwrap();
+        assert_eq!(
+            (row.joined_into.as_deref(), row.outcome),
+            (Some("sub_host"), Some(Outcome::Completed)),
+            "{id}"
+        );
+    }
+    assert_eq!(model.requests().len(), 1);
 }
 
 #[tokio::test]

@@ -199,7 +199,7 @@ impl Store for SlowRead {
     harness::delegate_store!(
         inner;
         admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, settle, requeue,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
         request_abort, append, put_attachment, attachment, user_value, set_user_value,
         list_user_values,
     );

@@ -118,7 +118,7 @@ impl Store for PausingStore {
     harness::delegate_store!(
         inner;
         admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, requeue,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, requeue,
         request_abort, read, put_attachment, attachment, user_value, set_user_value,
         list_user_values,
     );

@@ -1550,6 +1550,16 @@ impl Response<'_> {
             }
             self.joined.push(id);
         }
+        // Joins an earlier attempt claimed but never applied go back to the queue, so the
+        // join point before turn 1 takes them again ahead of later deliveries (§3.9 step 10).
+        // A first attempt has claimed nothing before.
+        if self.submission.attempt_count > 1 {
+            self.runtime
+                .store
+                .revert_joins(&self.attempt.attempt)
+                .await
+                .map_err(Failure::store)?;
+        }
         Ok(())
     }
 

@@ -71,6 +71,19 @@ impl Inner {
         Some(row.clone())
     }
 
+    /// Puts the deliveries claimed into `host` but never applied back in the queue.
+    fn revert_joining(&mut self, host: &str) -> usize {
+        let mut reverted = 0;
+        for row in self.submissions.values_mut() {
+            if row.joined_into.as_deref() == Some(host) && row.status == SubmissionStatus::Joining {
+                row.status = SubmissionStatus::Queued;
+                row.joined_into = None;
+                reverted += 1;
+            }
+        }
+        reverted
+    }
+
     fn owns(&self, attempt: &AttemptRef) -> bool {
         self.submissions.get(&attempt.submission_id).is_some_and(|row| {
             row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
@@ -317,6 +330,14 @@ impl Store for MemoryStore {
         ready(Ok(claimed))
     }
 
+    fn revert_joins(&self, host: &AttemptRef) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let mut inner = self.lock();
+        if !inner.owns(host) {
+            return ready(Ok(0));
+        }
+        ready(Ok(inner.revert_joining(&host.submission_id)))
+    }
+
     fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
         let mut inner = self.lock();
         let owns = inner.owns(host);
@@ -419,14 +440,7 @@ impl Store for MemoryStore {
         if !inner.owns(attempt) {
             return ready(Ok(false));
         }
-        for row in inner.submissions.values_mut() {
-            if row.joined_into.as_deref() == Some(attempt.submission_id.as_str())
-                && row.status == SubmissionStatus::Joining
-            {
-                row.status = SubmissionStatus::Queued;
-                row.joined_into = None;
-            }
-        }
+        inner.revert_joining(&attempt.submission_id);
         if let Some(row) = inner.submissions.get_mut(&attempt.submission_id) {
             row.status = SubmissionStatus::Queued;
             row.attempt_id = None;

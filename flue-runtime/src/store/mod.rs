@@ -548,6 +548,14 @@ pub trait Store: Send + Sync + 'static {
     /// Marks a claimed join applied (`joining → joined`).
     fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>>;
 
+    /// Puts back in the queue every delivery still claimed into `host`'s submission but never
+    /// applied (`joining`): what an earlier attempt of the response claimed before it died,
+    /// whose input is not in the stream (reference §3.9 step 10: such a join reverts). A
+    /// resumed attempt calls it after finalizing the joins whose input is in the stream and
+    /// before it claims any itself, so the reverted deliveries join again ahead of later ones.
+    /// Only the owning attempt can; returns how many went back.
+    fn revert_joins(&self, host: &AttemptRef) -> BoxFuture<'_, Result<usize, StoreError>>;
+
     /// Settles the host (and every delivery joined into it) with `outcome`, appending
     /// `records` (the settlement records) to the stream in the same step.
     ///

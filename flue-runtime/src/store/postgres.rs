@@ -1215,6 +1215,20 @@ async fn requeue_tx(tx: &Transaction<'_>, attempt: &AttemptRef) -> Result<bool, 
     Ok(true)
 }
 
+async fn revert_joins_tx(tx: &Transaction<'_>, host: &AttemptRef) -> Result<usize, Failure> {
+    let Some(key) = lock_instance_of(tx, &host.submission_id).await? else {
+        return Ok(0);
+    };
+    if !owns(tx, host, OWNS).await? {
+        return Ok(0);
+    }
+    let statement = tx.prepare_cached(REVERT_JOINING).await?;
+    let reverted = tx
+        .execute(&statement, &[&&*key.agent, &&*key.id, &host.submission_id])
+        .await?;
+    Ok(usize::try_from(reverted).unwrap_or(usize::MAX))
+}
+
 async fn request_abort_tx(tx: &Transaction<'_>, key: &InstanceKey) -> Result<Vec<String>, Failure> {
     if lock_instance(tx, key).await?.is_none() {
         return Ok(Vec::new());
@@ -1461,6 +1475,11 @@ impl Store for PostgresStore {
             in_transaction!(self, |tx| settle_tx(&tx, &host, outcome, error.as_ref(), &records)
                 .await)
         })
+    }
+
+    fn revert_joins(&self, host: &AttemptRef) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let host = host.clone();
+        Box::pin(async move { in_transaction!(self, |tx| revert_joins_tx(&tx, &host).await) })
     }
 
     fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {

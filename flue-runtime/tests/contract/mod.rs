@@ -63,6 +63,7 @@ macro_rules! store_contract {
                     claims_direct_deliveries_alongside_dispatches,
                     stops_the_prefix_at_an_abort_requested_delivery,
                     finalizes_a_claimed_join_once_and_fences_on_the_host_attempt,
+                    a_taken_over_host_reverts_the_joins_its_dead_attempt_never_applied,
                     joined_deliveries_settle_with_a_completing_host_and_joining_stragglers_revert,
                     joined_deliveries_share_a_failing_host_outcome,
                     unsettled_joins_block_later_queued_work_and_clear_with_the_host,
@@ -970,6 +971,47 @@ pub async fn finalizes_a_claimed_join_once_and_fences_on_the_host_attempt(store:
     assert!(store.finalize_join(&host, "queued-1").await.unwrap());
     assert_eq!(row(&store, "queued-1").await.status, SubmissionStatus::Joined);
     assert!(!store.finalize_join(&host, "queued-1").await.unwrap());
+}
+
+pub async fn a_taken_over_host_reverts_the_joins_its_dead_attempt_never_applied(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("applied-1")).await;
+    admit(&store, dispatch("cut-off-1")).await;
+    store.claim_joinable(&host).await.unwrap();
+    store.finalize_join(&host, "applied-1").await.unwrap();
+    admit(&store, dispatch("later-1")).await;
+    // The host's attempt died; another takes the host over.
+    let taken = store
+        .reclaim("host-1", "attempt-1", &claim("attempt-2"), after_the_lease())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(taken.attempt_id.as_deref(), Some("attempt-2"));
+    let new_host = attempt("host-1", "attempt-2");
+    assert_eq!(
+        store.revert_joins(&host).await.unwrap(),
+        0,
+        "only the owning attempt reverts"
+    );
+    assert_eq!(row(&store, "cut-off-1").await.status, SubmissionStatus::Joining);
+    assert_eq!(store.revert_joins(&new_host).await.unwrap(), 1);
+    let reverted = row(&store, "cut-off-1").await;
+    assert_eq!(
+        (reverted.status, reverted.joined_into),
+        (SubmissionStatus::Queued, None)
+    );
+    let applied = row(&store, "applied-1").await;
+    assert_eq!(
+        (applied.status, applied.joined_into.as_deref()),
+        (SubmissionStatus::Joined, Some("host-1")),
+        "an applied join stays"
+    );
+    // The reverted delivery joins again ahead of the one admitted after it.
+    let claimed = store.claim_joinable(&new_host).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(),
+        ["cut-off-1", "later-1"]
+    );
 }
 
 pub async fn joined_deliveries_settle_with_a_completing_host_and_joining_stragglers_revert(store: Factory) {

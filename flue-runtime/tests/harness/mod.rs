@@ -143,6 +143,11 @@ macro_rules! delegate_store {
             self.$inner.finalize_join(h, id)
         }
     };
+    (@one $inner:ident revert_joins) => {
+        fn revert_joins(&self, h: &flue_runtime::store::AttemptRef) -> flue_runtime::BoxFuture<'_, Result<usize, flue_runtime::store::StoreError>> {
+            self.$inner.revert_joins(h)
+        }
+    };
     (@one $inner:ident settle) => {
         fn settle(
             &self,

@@ -352,6 +352,20 @@ fn number_streams(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
         .map_err(sql)
 }
 
+/// Puts the deliveries of `key` claimed into `host` but never applied back in the queue.
+fn revert_joining(tx: &Connection, key: &InstanceKey, host: &str) -> Result<usize, StoreError> {
+    let mut reverted = 0;
+    for mut joining in unsettled(tx, key)? {
+        if joining.joined_into.as_deref() == Some(host) && joining.status == SubmissionStatus::Joining {
+            joining.status = SubmissionStatus::Queued;
+            joining.joined_into = None;
+            write_submission(tx, &joining)?;
+            reverted += 1;
+        }
+    }
+    Ok(reverted)
+}
+
 fn sql(error: rusqlite::Error) -> StoreError {
     StoreError::Other(format!("sqlite: {error}"))
 }
@@ -1062,20 +1076,19 @@ impl Store for SqliteStore {
         }))
     }
 
+    fn revert_joins(&self, host: &AttemptRef) -> BoxFuture<'_, Result<usize, StoreError>> {
+        ready(self.transaction(|tx| match owns(tx, host)? {
+            Some(row) => revert_joining(tx, &row.key, &host.submission_id),
+            None => Ok(0),
+        }))
+    }
+
     fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
         ready(self.transaction(|tx| {
             let Some(mut row) = owns(tx, attempt)? else {
                 return Ok(false);
             };
-            for mut joining in unsettled(tx, &row.key)? {
-                if joining.joined_into.as_deref() == Some(attempt.submission_id.as_str())
-                    && joining.status == SubmissionStatus::Joining
-                {
-                    joining.status = SubmissionStatus::Queued;
-                    joining.joined_into = None;
-                    write_submission(tx, &joining)?;
-                }
-            }
+            revert_joining(tx, &row.key, &attempt.submission_id)?;
             row.status = SubmissionStatus::Queued;
             row.attempt_id = None;
             row.owner_id = None;
