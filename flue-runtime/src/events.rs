@@ -139,6 +139,8 @@ pub enum Event {
         /// The label the model gave the work.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         description: Option<String>,
+        /// The briefing the delegate starts from (its only message).
+        prompt: String,
     },
     /// A `task` ended.
     Task {
@@ -148,6 +150,9 @@ pub enum Event {
         agent: String,
         /// Whether it failed.
         is_error: bool,
+        /// What returned to the parent: the delegate's final answer, or why the task failed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        result: Option<String>,
         /// How long it ran.
         duration_ms: u64,
     },

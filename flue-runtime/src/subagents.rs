@@ -275,6 +275,7 @@ async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
         task_id: task_id.clone(),
         agent: subagent.name().to_owned(),
         description: args.description.clone(),
+        prompt: args.prompt.clone(),
     });
     let started = Instant::now();
     let result = child_session(&runtime, delegation, &subagent, parent, environment, &task_id, &args).await;
@@ -282,6 +283,9 @@ async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
         task_id,
         agent: subagent.name().to_owned(),
         is_error: result.is_err(),
+        result: Some(match &result {
+            Ok(text) | Err(text) => text.clone(),
+        }),
         duration_ms: started.elapsed().as_millis() as u64,
     });
     match result {

@@ -138,12 +138,30 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
     let mut tasks = Vec::new();
     while let Ok(observation) = events.try_recv() {
         match observation.event {
-            Event::TaskStart { agent, description, .. } => tasks.push(format!("start {agent} {description:?}")),
-            Event::Task { agent, is_error, .. } => tasks.push(format!("end {agent} {is_error}")),
+            Event::TaskStart {
+                agent,
+                description,
+                prompt,
+                ..
+            } => tasks.push(format!("start {agent} {description:?} {prompt:?}")),
+            Event::Task {
+                agent,
+                is_error,
+                result,
+                ..
+            } => tasks.push(format!("end {agent} {is_error} {result:?}")),
             _ => {}
         }
     }
-    assert_eq!(tasks, ["start summarizer Some(\"summary\")", "end summarizer false"]);
+    // Reference §7.2: `task_start {taskId, prompt, agent?}`, `task {taskId, agent?, isError,
+    // result?, durationMs}`.
+    assert_eq!(
+        tasks,
+        [
+            "start summarizer Some(\"summary\") \"Summarize case 42: the printer is on fire.\"",
+            "end summarizer false Some(\"Case 42: a printer fire (5 words).\")"
+        ]
+    );
 }
 
 #[tokio::test]
