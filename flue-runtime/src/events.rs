@@ -3,6 +3,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use flue_core::usage::Usage;
+
 use crate::record::{Outcome, SettlementError};
 use crate::store::SubmissionKind;
 
@@ -129,6 +131,12 @@ pub enum Event {
         duration_ms: u64,
         /// Whether it failed.
         is_error: bool,
+        /// Why it failed (stackless, like a settlement's error).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<SettlementError>,
+        /// The usage of the summarization call, when it answered.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<Usage>,
     },
     /// A `task` started: a delegate runs the work in a child session.
     TaskStart {

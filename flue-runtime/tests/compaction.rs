@@ -233,3 +233,71 @@ async fn keep_recent_tokens_zero_still_compacts_the_older_history_on_overflow() 
     assert_eq!(requests.len(), 4);
     assert_eq!(requests[3].messages.last(), Some(&ModelMessage::user("and again")));
 }
+
+/// Reference §7.2 (Compaction row): the terminal `compaction` event carries `usage?` — the
+/// summarization call's usage — and, on failure, `error?` next to `isError`.
+#[tokio::test]
+async fn the_compaction_event_carries_the_summary_calls_usage() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("The user said one and two; the agent echoed them."),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [tight.into()]);
+    let handle = runtime.init(&tight, "tu");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let mut events = runtime.observe();
+    handle.send(long("third")).await.unwrap();
+    let mut ends = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Compaction {
+            is_error, error, usage, ..
+        } = observation.event
+        {
+            ends.push((is_error, error, usage));
+        }
+    }
+    // The scripted model counts 10 input tokens and a token per 4 bytes of its answer.
+    let usage = flue_runtime::usage::Usage {
+        input_tokens: 10,
+        output_tokens: 12,
+        ..Default::default()
+    };
+    assert_eq!(ends, [(false, None, Some(usage))]);
+}
+
+#[tokio::test]
+async fn a_failed_compaction_event_carries_its_error() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        // The summarization call is refused.
+        ScriptedReply::Error(ProviderError::new(ProviderErrorKind::BadRequest, "no summaries today")),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [tight.into()]);
+    let handle = runtime.init(&tight, "tf");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let mut events = runtime.observe();
+    handle.send(long("third")).await.unwrap_err();
+    let mut ends = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Compaction {
+            is_error, error, usage, ..
+        } = observation.event
+        {
+            ends.push((is_error, error, usage));
+        }
+    }
+    assert_eq!(ends.len(), 1, "{ends:?}");
+    let (is_error, error, usage) = ends.remove(0);
+    assert!(is_error);
+    assert_eq!(usage, None, "the call did not answer");
+    let error = error.expect("the failure");
+    assert_eq!(error.error_type, "compaction_failed");
+    assert!(error.message.contains("no summaries today"), "{}", error.message);
+}

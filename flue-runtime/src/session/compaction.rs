@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use flue_core::model::{Compaction, CompactionConfig};
+use flue_core::usage::Usage;
 
 use super::{Failure, Response};
 use crate::compaction::{SUMMARY_INSTRUCTIONS, transcript};
@@ -113,10 +114,12 @@ impl Response<'_> {
                 .await
             }
         };
-        let summary = match summary {
-            Ok(response) if !response.text.trim().is_empty() => response.text,
-            Ok(_) => Err("the summary was empty".to_owned()).map_err(|error| self.compaction_failed(started, error))?,
-            Err(error) => return Err(self.compaction_failed(started, error)),
+        let (summary, usage) = match summary {
+            Ok(response) if !response.text.trim().is_empty() => (response.text, response.usage),
+            Ok(response) => {
+                return Err(self.compaction_failed(started, "the summary was empty".to_owned(), Some(response.usage)));
+            }
+            Err(error) => return Err(self.compaction_failed(started, error, None)),
         };
         let messages_before = self.conversation.messages.len();
         let mut records = vec![self.record(RecordBody::Compaction {
@@ -140,17 +143,24 @@ impl Response<'_> {
             messages_after: self.conversation.messages.len() as u64,
             duration_ms: started.elapsed().as_millis() as u64,
             is_error: false,
+            error: None,
+            usage: Some(usage),
         });
         Ok(true)
     }
 
-    fn compaction_failed(&self, started: Instant, error: String) -> Failure {
+    /// The failure of a compaction whose summary call failed (`usage` when it answered, with
+    /// nothing usable), after its terminal `compaction` event.
+    fn compaction_failed(&self, started: Instant, error: String, usage: Option<Usage>) -> Failure {
+        let failure = Failure::failed("compaction_failed", format!("[flue] Compaction failed: {error}"));
         self.emit(Event::Compaction {
             messages_before: self.conversation.messages.len() as u64,
             messages_after: self.conversation.messages.len() as u64,
             duration_ms: started.elapsed().as_millis() as u64,
             is_error: true,
+            error: Some(failure.error.clone()),
+            usage,
         });
-        Failure::failed("compaction_failed", format!("[flue] Compaction failed: {error}"))
+        failure
     }
 }
