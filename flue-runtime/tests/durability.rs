@@ -1049,3 +1049,52 @@ async fn a_data_write_mid_tool_run_is_durable_before_the_tool_returns() {
         .unwrap();
     assert_eq!(data_batch.records.len(), 1);
 }
+
+static FINISHED_USAGE: Mutex<Option<flue_runtime::usage::Usage>> = Mutex::new(None);
+
+#[agent]
+fn metered() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("look")
+            .description("Look.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "seen" }),
+    );
+    use_response_finish(|ctx| {
+        *FINISHED_USAGE.lock().unwrap() = Some(ctx.response.usage);
+    });
+    "Look, then answer."
+}
+
+/// Reference agent-hooks `useResponseFinish` ("its `response.usage` and `response.toolCalls`
+/// aggregates are final") with `useAgentFinish` ("aggregates every tool call the response has
+/// made — across all turns and re-attempts, derived from durable records"), §3.2
+/// (`assistant_message_completed` carries each step's `usage`): the usage a response-finish
+/// callback reads counts every durable step of the response, the ones an earlier attempt made
+/// included.
+#[tokio::test]
+async fn response_finish_usage_counts_the_steps_of_earlier_attempts() {
+    let store = FaultyStore::default();
+    // The first step's tool batch fails once: the re-attempt resumes after step 1.
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::ToolResultsCommitted { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::tool_call("look", json!({})), ScriptedReply::text("done")]);
+    let runtime = runtime(&store, &model, metered);
+    runtime.init(&metered, "m-1").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(model.requests().len(), 2, "the re-attempt did not repeat step 1");
+    let durable = records(&store, &InstanceKey::new("metered", "m-1"))
+        .await
+        .into_iter()
+        .fold(flue_runtime::usage::Usage::default(), |mut sum, r| {
+            if let RecordBody::AssistantMessageCompleted { usage, .. } = r.body {
+                sum += usage;
+            }
+            sum
+        });
+    assert_eq!(durable.input_tokens, 20, "two durable steps");
+    assert_eq!(*FINISHED_USAGE.lock().unwrap(), Some(durable));
+}

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use flue_core::lifecycle::{Message, MessageRole, MessageStatus, ToolStatus};
 use flue_core::metadata::{Metadata, merge_metadata};
 use flue_core::state::StateSnapshot;
+use flue_core::usage::Usage;
 use serde_json::{Map, Value};
 
 use crate::provider::{Messages, ModelImage, ModelMessage, ModelToolCall};
@@ -29,6 +30,9 @@ struct Progress {
     finish_cycles: u32,
     /// Its response-finish batch (its `message_metadata`) committed.
     finished: bool,
+    /// The usage of its durable model steps (`assistant_message_completed` records), over
+    /// all attempts.
+    usage: Usage,
 }
 
 #[derive(Default)]
@@ -281,6 +285,12 @@ impl Conversation {
         self.progress(submission_id).steps
     }
 
+    /// The usage of the submission's durable model steps, over all its attempts: what its
+    /// response used so far.
+    pub(crate) fn usage(&self, submission_id: &str) -> Usage {
+        self.progress(submission_id).usage
+    }
+
     /// Continued finish cycles the submission committed.
     pub(crate) fn finish_cycles(&self, submission_id: &str) -> u32 {
         self.progress(submission_id).finish_cycles
@@ -383,8 +393,9 @@ impl Conversation {
                     self.answered.remove(id);
                 }
             }
-            RecordBody::AssistantMessageCompleted { stop_reason, .. } => {
+            RecordBody::AssistantMessageCompleted { stop_reason, usage, .. } => {
                 if let Some(id) = submission {
+                    self.progress_of(id).usage += *usage;
                     let final_answer = self.open_step.as_ref().is_some_and(|step| step.tool_calls.is_empty())
                         && *stop_reason != crate::provider::StopReason::ToolUse;
                     if final_answer {

@@ -401,7 +401,6 @@ impl InstanceSlot {
             conversation: &mut conversation,
             delivery: Arc::new(submission.message.clone()),
             submission: &submission,
-            usage: Usage::default(),
             tool_calls: Vec::new(),
             first_step_metadata: None,
             data_writer_names: Vec::new(),
@@ -673,7 +672,6 @@ struct Response<'a> {
     conversation: &'a mut Conversation,
     delivery: Arc<DeliveredMessage>,
     submission: &'a Submission,
-    usage: Usage,
     tool_calls: Vec<ToolCallSummary>,
     first_step_metadata: Option<Metadata>,
     data_writer_names: Vec<std::borrow::Cow<'static, str>>,
@@ -1218,7 +1216,8 @@ impl Response<'_> {
         }
         let summary = ResponseSummary {
             tool_calls: self.tool_calls.clone(),
-            usage: self.usage,
+            // The response's durable steps, the ones of earlier attempts included.
+            usage: self.conversation.usage(&self.submission.id),
         };
         let mut finish_metadata = Metadata::new();
         for callback in &rendered.response_finishes {
@@ -1472,7 +1471,8 @@ impl Response<'_> {
         let mut appended = Vec::new();
         let summary = Arc::new(ResponseSummary {
             tool_calls: self.tool_calls.clone(),
-            usage: self.usage,
+            // The response's durable steps, the ones of earlier attempts included.
+            usage: self.conversation.usage(&self.submission.id),
         });
         for (index, callback) in rendered.agent_finishes.iter().enumerate() {
             let channel = Arc::new(Appends::default());
@@ -1716,7 +1716,6 @@ impl Response<'_> {
             stop_reason: response.stop_reason.to_string(),
             duration_ms: started.elapsed().as_millis() as u64,
         });
-        self.usage += response.usage;
         let mut response = response;
         response.text = self
             .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut row_updates)
