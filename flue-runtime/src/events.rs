@@ -175,7 +175,8 @@ pub enum Event {
         /// How long it ran.
         duration_ms: u64,
     },
-    /// A data part was written.
+    /// A data part (a `use_data_writer` write) is durable: published once its record is
+    /// appended, never for a write a failed attempt dropped.
     DataPart {
         /// Part name.
         name: String,

@@ -1022,8 +1022,11 @@ async fn a_data_write_mid_tool_run_is_durable_before_the_tool_returns() {
     let store = STREAMED_STORE.get_or_init(FaultyStore::default).clone();
     let model = ScriptedModel::new([ScriptedReply::tool_call("work", json!({})), ScriptedReply::text("done")]);
     let runtime = runtime(&store, &model, streamer);
+    let mut events = runtime.observe();
     let reply = runtime.init(&streamer, "s-1").send("go").await.unwrap();
     assert_eq!(reply.data["progress"], json!(1));
+    // The durable write is observed, once.
+    assert_eq!(observed_data_parts(&mut events), [json!(1)]);
     let tool_result = model.requests()[1]
         .messages
         .iter()
@@ -1097,4 +1100,95 @@ async fn response_finish_usage_counts_the_steps_of_earlier_attempts() {
         });
     assert_eq!(durable.input_tokens, 20, "two durable steps");
     assert_eq!(*FINISHED_USAGE.lock().unwrap(), Some(durable));
+}
+
+/// The data parts `observe()` delivered, in order.
+fn observed_data_parts(
+    events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
+) -> Vec<serde_json::Value> {
+    let mut parts = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::DataPart { data, .. } = observation.event {
+            parts.push(data);
+        }
+    }
+    parts
+}
+
+#[agent]
+fn early_writer() -> &'static str {
+    use_model("scripted/x");
+    let progress = use_data_writer::<u32>("progress");
+    use_agent_start(move |_ctx| {
+        let progress = progress.clone();
+        async move { progress.write(&1) }
+    });
+    "Write early."
+}
+
+/// Reference §3.3 item 8 ("a failed attempt's queued writes are dropped"), §8 item 25 (writes
+/// before the first completed step are buffered, and a failed attempt's vanish): a data part
+/// reaches clients through the durable stream only. The live `data_part` event follows the
+/// same rule — published once the write is durable — so a write the failed attempt dropped is
+/// never observed.
+#[tokio::test]
+async fn a_data_write_a_failed_attempt_dropped_is_never_observed() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::Error(flue_runtime::provider::ProviderError::new(
+        flue_runtime::provider::ProviderErrorKind::BadRequest,
+        "refused",
+    ))]);
+    let runtime = runtime(&store, &model, early_writer);
+    let mut events = runtime.observe();
+    runtime.init(&early_writer, "e-1").send("go").await.unwrap_err();
+    let durable = records(&store, &InstanceKey::new("early_writer", "e-1"))
+        .await
+        .iter()
+        .filter(|r| matches!(r.body, RecordBody::MessageDataWrite { .. }))
+        .count();
+    assert_eq!(durable, 0, "the failed attempt dropped its write");
+    assert_eq!(observed_data_parts(&mut events), Vec::<serde_json::Value>::new());
+}
+
+#[agent]
+fn counted_writer() -> &'static str {
+    use_model("scripted/x");
+    let progress = use_data_writer::<u32>("progress");
+    use_tool(
+        Tool::new("work")
+            .description("Work.")
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let progress = progress.clone();
+                async move {
+                    progress.write(&7)?;
+                    Ok::<_, ToolError>("worked")
+                }
+            }),
+    );
+    "Work."
+}
+
+/// Same rule after the first step: a write whose append failed (the attempt is abandoned; its
+/// re-attempt finds the tool's outcome unknown and does not run it again) is never observed.
+#[tokio::test]
+async fn a_data_write_whose_append_failed_is_never_observed() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::MessageDataWrite { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::tool_call("work", json!({})), ScriptedReply::text("done")]);
+    let runtime = runtime(&store, &model, counted_writer);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&counted_writer, "c-1").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert!(!reply.data.contains_key("progress"));
+    let durable = records(&store, &InstanceKey::new("counted_writer", "c-1"))
+        .await
+        .iter()
+        .filter(|r| matches!(r.body, RecordBody::MessageDataWrite { .. }))
+        .count();
+    assert_eq!(durable, 0);
+    assert_eq!(observed_data_parts(&mut events), Vec::<serde_json::Value>::new());
 }

@@ -91,6 +91,13 @@ impl ThreadWriter {
         Ok(offset)
     }
 
+    /// Publishes a live event of this attempt's submission (built only when someone observes).
+    pub(crate) fn emit_with(&self, event: impl FnOnce() -> Event) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.emit_with(&self.key, Some(&self.attempt.submission_id), event);
+        }
+    }
+
     /// Moves the batches appended since the last call into `into`, in stream order.
     pub(crate) fn take_unfolded(&self, into: &mut Vec<Batch>) {
         into.extend(
@@ -189,16 +196,10 @@ impl RuntimeThread {
     }
 
     fn emit_event(&self, event_type: &str, data: Value) {
-        if let Some(runtime) = self.writer.runtime.upgrade() {
-            runtime.emit(
-                &self.writer.key,
-                Some(&self.writer.attempt.submission_id),
-                Event::ThreadEvent {
-                    event_type: event_type.to_owned(),
-                    data,
-                },
-            );
-        }
+        self.writer.emit_with(|| Event::ThreadEvent {
+            event_type: event_type.to_owned(),
+            data,
+        });
     }
 }
 

@@ -12,6 +12,7 @@ use flue_core::state::StateBuffer;
 use serde_json::Value;
 
 use crate::events::Event;
+use crate::record::RecordBody;
 use crate::runtime::{RuntimeError, RuntimeInner, SendRequest};
 use crate::store::{AttemptRef, InstanceKey, SubmissionKind};
 
@@ -92,13 +93,22 @@ impl Attempt {
             let Some(writer) = self.writer.get() else {
                 return Ok(());
             };
-            let record = writer.record(crate::record::RecordBody::MessageDataWrite { name, data });
-            if let Err(error) = writer.append(vec![record].into()).await {
+            let batch: Arc<[crate::record::Record]> =
+                vec![writer.record(RecordBody::MessageDataWrite { name, data })].into();
+            if let Err(error) = writer.append(batch.clone()).await {
                 let mut queue = self.data();
                 queue.failed = Some(error.to_string());
                 queue.closed = true;
                 queue.pending.clear();
                 return Err(error.to_string());
+            }
+            // Durable now: clients see the part (live and on the stream) only from here, so a
+            // write a failed attempt dropped is never observed.
+            if let Some(RecordBody::MessageDataWrite { name, data }) = batch.first().map(|record| &record.body) {
+                writer.emit_with(|| Event::DataPart {
+                    name: name.clone(),
+                    data: data.clone(),
+                });
             }
         }
     }
@@ -227,17 +237,8 @@ impl RuntimeBinding for InstanceBinding {
         let attempt = self
             .responding()
             .ok_or_else(|| DataWriteError::NotResponding { name: name.to_owned() })?;
-        attempt.queue_data(name.to_owned(), data.clone());
-        if let Some(runtime) = self.runtime.upgrade() {
-            runtime.emit(
-                &self.key,
-                Some(&attempt.attempt.submission_id),
-                Event::DataPart {
-                    name: name.to_owned(),
-                    data,
-                },
-            );
-        }
+        // Its `data_part` event follows once it is durable (see `Attempt::flush_data`).
+        attempt.queue_data(name.to_owned(), data);
         Ok(())
     }
 
