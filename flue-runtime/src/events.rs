@@ -3,8 +3,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use flue_core::model::ThinkingLevel;
 use flue_core::usage::Usage;
 
+use crate::provider::ModelToolCall;
 use crate::record::{Outcome, SettlementError};
 use crate::store::SubmissionKind;
 
@@ -74,10 +76,16 @@ pub enum Event {
     Turn {
         /// 1-based step.
         step: u32,
-        /// Why it ended.
+        /// Why it ended (`error` or `aborted` when the call failed).
         stop_reason: String,
         /// How long it took.
         duration_ms: u64,
+        /// What the call asked for.
+        request: TurnRequest,
+        /// What it answered.
+        response: TurnResponse,
+        /// Whether the call failed.
+        is_error: bool,
     },
     /// A tool call appeared in the model's stream (`tool_call_started`: once per call, before
     /// the tool runs; with a progress argument, once that argument's string has streamed).
@@ -202,4 +210,34 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<SettlementError>,
     },
+}
+
+/// What a model call asked for (a `turn`'s `request`): the model, not the context — the
+/// system prompt, messages and tools stay in process.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TurnRequest {
+    /// The provider id (the model specifier's part before the first `/`).
+    pub provider: String,
+    /// The model id asked for.
+    pub model: String,
+    /// The reasoning effort asked for.
+    pub thinking_level: ThinkingLevel,
+}
+
+/// What a model call answered (a `turn`'s `response`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TurnResponse {
+    /// The answer text, as the model gave it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub text: String,
+    /// The tool calls, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ModelToolCall>,
+    /// The usage of this one call, as the provider counted (absent when it failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// Why the call failed: the provider error's kind (`aborted` for an aborted call) and
+    /// message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<SettlementError>,
 }

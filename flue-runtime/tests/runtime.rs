@@ -3,7 +3,7 @@
 
 use std::sync::Mutex;
 
-use flue_runtime::events::Event;
+use flue_runtime::events::{Event, TurnRequest, TurnResponse};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Outcome, RecordBody};
@@ -471,6 +471,83 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
         "agent_end", "idle", "settled",
     ];
     assert_eq!(kinds, expected);
+}
+
+/// The `turn` events `observe()` delivered, in order.
+fn observed_turns(
+    events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
+) -> Vec<(bool, TurnRequest, TurnResponse)> {
+    let mut turns = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Turn {
+            is_error,
+            request,
+            response,
+            ..
+        } = observation.event
+        {
+            turns.push((is_error, request, response));
+        }
+    }
+    turns
+}
+
+/// Reference §7.2 (Model turns row): `turn {turnId, purpose, durationMs, request, response,
+/// isError}` — the request's summary (provider, model, reasoning level; the messages stay in
+/// process) and the normalized response (its output, its usage, its error).
+#[tokio::test]
+async fn the_turn_event_carries_the_calls_request_and_response() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
+        ScriptedReply::text("3"),
+    ]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&calculator, "tr").send("1+2").await.unwrap();
+    let turns = observed_turns(&mut events);
+    assert_eq!(turns.len(), 2);
+    let request = TurnRequest {
+        provider: "scripted".into(),
+        model: "calc-1".into(),
+        thinking_level: ThinkingLevel::Medium,
+    };
+    let (is_error, first_request, first) = &turns[0];
+    assert!(!is_error);
+    assert_eq!(first_request, &request);
+    assert_eq!(first.tool_calls.len(), 1);
+    assert_eq!(first.tool_calls[0].name, "add");
+    assert_eq!(first.tool_calls[0].arguments, r#"{"a":1,"b":2}"#);
+    assert_eq!(first.error, None);
+    let (is_error, second_request, second) = &turns[1];
+    assert!(!is_error);
+    assert_eq!(second_request, &request);
+    assert_eq!(second.text, "3");
+    assert!(second.tool_calls.is_empty());
+    // The scripted model counts 10 input tokens and at least one output token.
+    assert_eq!(
+        second.usage.map(|usage| (usage.input_tokens, usage.output_tokens)),
+        Some((10, 1))
+    );
+}
+
+#[tokio::test]
+async fn a_failed_turn_event_carries_its_error() {
+    let model = ScriptedModel::new([ScriptedReply::Error(flue_runtime::provider::ProviderError::new(
+        flue_runtime::provider::ProviderErrorKind::BadRequest,
+        "refused",
+    ))]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&calculator, "tf").send("1+2").await.unwrap_err();
+    let turns = observed_turns(&mut events);
+    assert_eq!(turns.len(), 1);
+    let (is_error, request, response) = &turns[0];
+    assert!(is_error);
+    assert_eq!(request.model, "calc-1");
+    assert_eq!(response.usage, None);
+    let error = response.error.as_ref().expect("the failure");
+    assert_eq!(error.error_type, "bad_request");
+    assert!(error.message.contains("refused"), "{}", error.message);
 }
 
 #[tokio::test]

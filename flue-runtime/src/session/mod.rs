@@ -35,7 +35,7 @@ use flue_core::{Agent, RenderError};
 use futures_util::{FutureExt, StreamExt};
 use tracing::Instrument;
 
-use crate::events::Event;
+use crate::events::{Event, TurnRequest, TurnResponse};
 use crate::lifecycle::HookSet;
 use crate::lifecycle::thread::{RuntimeThread, ThreadWriter};
 use crate::provider::{ModelImage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
@@ -1684,6 +1684,12 @@ impl Response<'_> {
                     step,
                     stop_reason: stop_reason.to_owned(),
                     duration_ms: started.elapsed().as_millis() as u64,
+                    request: turn_request(provider, model_id, thinking),
+                    response: TurnResponse {
+                        error: Some(error.describe()),
+                        ..TurnResponse::default()
+                    },
+                    is_error: true,
                 });
                 self.emit_with(|| Event::MessageEnd {
                     role: "assistant".into(),
@@ -1715,6 +1721,14 @@ impl Response<'_> {
             step,
             stop_reason: response.stop_reason.to_string(),
             duration_ms: started.elapsed().as_millis() as u64,
+            request: turn_request(provider, model_id, thinking),
+            response: TurnResponse {
+                text: response.text.clone(),
+                tool_calls: response.tool_calls.clone(),
+                usage: Some(response.usage),
+                error: None,
+            },
+            is_error: false,
         });
         let mut response = response;
         response.text = self
@@ -2047,6 +2061,34 @@ impl Response<'_> {
 enum StepError {
     Aborted,
     Provider(crate::provider::ProviderError),
+}
+
+impl StepError {
+    /// The failure as a `turn` event's `response.error`: the provider error's kind and message.
+    fn describe(&self) -> SettlementError {
+        match self {
+            Self::Aborted => SettlementError {
+                error_type: "aborted".into(),
+                message: "The call was aborted.".into(),
+            },
+            Self::Provider(error) => SettlementError {
+                error_type: serde_json::to_value(&error.kind)
+                    .ok()
+                    .and_then(|kind| kind.as_str().map(str::to_owned))
+                    .unwrap_or_else(|| "provider_error".into()),
+                message: error.message.clone(),
+            },
+        }
+    }
+}
+
+/// A `turn` event's `request`: the model a call asked for.
+fn turn_request(provider: &dyn ModelProvider, model_id: &str, thinking: ThinkingLevel) -> TurnRequest {
+    TurnRequest {
+        provider: provider.id().to_owned(),
+        model: model_id.to_owned(),
+        thinking_level: thinking,
+    }
 }
 
 /// The failure of a submission whose `hook` callback (`index` in declaration order, for the
