@@ -1192,3 +1192,57 @@ async fn a_data_write_whose_append_failed_is_never_observed() {
     assert_eq!(durable, 0);
     assert_eq!(observed_data_parts(&mut events), Vec::<serde_json::Value>::new());
 }
+
+#[agent]
+fn compacting() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(150),
+                model: None,
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+/// Reference §7.2 (Compaction row; the events reference: "Every `compaction_start` is
+/// followed by exactly one terminal `compaction` event"): a compaction whose record could not
+/// be appended ends with a failed `compaction` event before its attempt is abandoned.
+#[tokio::test]
+async fn a_compaction_whose_record_could_not_be_appended_ends_with_a_failed_event() {
+    let long = |word: &str| format!("{word} ").repeat(80);
+    let store = FaultyStore::default();
+    store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::Compaction { .. })));
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("A first summary."),
+        // The re-attempt compacts again, then answers.
+        ScriptedReply::text("A second summary."),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime(&store, &model, compacting);
+    let handle = runtime.init(&compacting, "c-1");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let mut events = runtime.observe();
+    assert_eq!(handle.send(long("third")).await.unwrap().text, "three it is");
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            flue_runtime::events::Event::CompactionStart { .. } => seen.push("start".to_owned()),
+            flue_runtime::events::Event::Compaction { is_error, error, .. } => seen.push(format!(
+                "end {is_error} {}",
+                error.map(|error| error.error_type).unwrap_or_default()
+            )),
+            _ => {}
+        }
+    }
+    assert_eq!(seen, ["start", "end true store_failure", "start", "end false "]);
+}

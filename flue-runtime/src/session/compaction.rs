@@ -117,9 +117,10 @@ impl Response<'_> {
         let (summary, usage) = match summary {
             Ok(response) if !response.text.trim().is_empty() => (response.text, response.usage),
             Ok(response) => {
-                return Err(self.compaction_failed(started, "the summary was empty".to_owned(), Some(response.usage)));
+                let failure = summary_failed("the summary was empty");
+                return Err(self.compaction_failed(started, failure, Some(response.usage)));
             }
-            Err(error) => return Err(self.compaction_failed(started, error, None)),
+            Err(error) => return Err(self.compaction_failed(started, summary_failed(&error), None)),
         };
         let messages_before = self.conversation.messages.len();
         let mut records = vec![self.record(RecordBody::Compaction {
@@ -136,7 +137,10 @@ impl Response<'_> {
             }));
             self.first_snapshot = None;
         }
-        self.commit(records, false).await?;
+        if let Err(failure) = self.commit(records, false).await {
+            // The summary is lost with the attempt: the compaction ends failed.
+            return Err(self.compaction_failed(started, failure, Some(usage)));
+        }
         self.last_call_tokens = 0;
         self.emit(Event::Compaction {
             messages_before: messages_before as u64,
@@ -149,10 +153,9 @@ impl Response<'_> {
         Ok(true)
     }
 
-    /// The failure of a compaction whose summary call failed (`usage` when it answered, with
-    /// nothing usable), after its terminal `compaction` event.
-    fn compaction_failed(&self, started: Instant, error: String, usage: Option<Usage>) -> Failure {
-        let failure = Failure::failed("compaction_failed", format!("[flue] Compaction failed: {error}"));
+    /// Ends a failed compaction with its terminal `compaction` event (`usage` when its summary
+    /// call answered); returns `failure`.
+    fn compaction_failed(&self, started: Instant, failure: Failure, usage: Option<Usage>) -> Failure {
         self.emit(Event::Compaction {
             messages_before: self.conversation.messages.len() as u64,
             messages_after: self.conversation.messages.len() as u64,
@@ -163,4 +166,9 @@ impl Response<'_> {
         });
         failure
     }
+}
+
+/// The failure of a compaction whose summary call failed or answered nothing usable.
+fn summary_failed(error: &str) -> Failure {
+    Failure::failed("compaction_failed", format!("[flue] Compaction failed: {error}"))
 }
