@@ -851,6 +851,68 @@ async fn max_steps_caps_a_response_across_its_attempts() {
     assert_eq!(steps, 2, "max_steps = 2 durable model steps in the response");
 }
 
+/// Repeat the text.
+#[tool]
+async fn echo(
+    /// The text
+    text: String,
+) -> String {
+    text
+}
+
+#[agent]
+fn origin_stamper() -> &'static str {
+    use_model("scripted/x");
+    use_tool(echo);
+    use_response_start(|_| json!({"origin": "web"}));
+    use_response_finish(|ctx| json!({"saw_origin": ctx.metadata.get("origin") == Some(&json!("web"))}));
+    "Echo."
+}
+
+/// Reference §3.4: "`useResponseStart` runs only when no durable assistant step exists for the
+/// submission; its metadata becomes durable only via the first `assistant_message_started`" —
+/// and the finish callbacks of a resumed response read it back from there.
+#[tokio::test]
+async fn a_resumed_response_finishes_with_the_start_metadata_its_first_step_recorded() {
+    let store = FaultyStore::default();
+    // Step 2's batch fails once: the response resumes with a durable first step.
+    store.fail_once(nth_step_batch(2));
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("echo", json!({"text": "hi"})),
+        ScriptedReply::text("lost with the failed attempt"),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime(&store, &model, origin_stamper);
+    let reply = runtime.init(&origin_stamper, "o-1").send("go").await.unwrap();
+    assert_eq!(
+        (reply.text.as_str(), store.failures.load(Ordering::SeqCst)),
+        ("done", 1)
+    );
+    let all = records(&store, &InstanceKey::new("origin_stamper", "o-1")).await;
+    let finish: Vec<_> = all
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::MessageMetadata { metadata } => Some(metadata.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(finish.len(), 1);
+    assert_eq!(finish[0].get("saw_origin"), Some(&json!(true)), "{finish:?}");
+    let started_with_metadata = all
+        .iter()
+        .filter(|record| {
+            matches!(
+                &record.body,
+                RecordBody::AssistantMessageStarted {
+                    response_metadata: Some(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(started_with_metadata, 1, "only the response's first step carries it");
+}
+
 #[agent]
 fn stamped_relay() -> &'static str {
     use_model("scripted/x");

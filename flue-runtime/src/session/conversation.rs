@@ -78,6 +78,9 @@ pub(crate) struct Conversation {
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
     /// after it that asks for more.
     answered: HashSet<Arc<str>>,
+    /// The `use_response_start` metadata of unsettled submissions whose first step recorded
+    /// some: a resumed response's finish callbacks read it back.
+    response_metadata: HashMap<Arc<str>, Metadata>,
     /// User messages with images: their position in `messages` and their attachments.
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
@@ -291,6 +294,11 @@ impl Conversation {
         self.progress(submission_id).usage
     }
 
+    /// The `use_response_start` metadata the submission's first durable step recorded.
+    pub(crate) fn response_metadata(&self, submission_id: &str) -> Option<&Metadata> {
+        self.response_metadata.get(submission_id)
+    }
+
     /// Continued finish cycles the submission committed.
     pub(crate) fn finish_cycles(&self, submission_id: &str) -> u32 {
         self.progress(submission_id).finish_cycles
@@ -380,11 +388,16 @@ impl Conversation {
             RecordBody::SubmissionSettled { .. } => {
                 if let Some(id) = submission {
                     self.unsettled_inputs.retain(|unsettled| unsettled != id);
+                    self.response_metadata.remove(&**id);
                 }
             }
-            RecordBody::AssistantMessageStarted { .. } => {
+            RecordBody::AssistantMessageStarted { response_metadata, .. } => {
                 if let Some(id) = submission {
                     self.progress_of(id).steps += 1;
+                    // Only a response's first step carries it.
+                    if let Some(metadata) = response_metadata {
+                        self.response_metadata.insert(id.clone(), metadata.clone());
+                    }
                 }
             }
             RecordBody::AgentFinishCycle => {

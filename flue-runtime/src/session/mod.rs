@@ -1082,8 +1082,13 @@ impl Response<'_> {
         let submission_id = self.submission.id.clone();
         // True start of the response: use_response_start metadata — skipped when a resumed
         // response already has a durable model step.
-        let mut metadata = Metadata::new();
-        let response_starts = if self.conversation.has_stepped(&submission_id) {
+        // A resumed response reads back what its first durable step recorded.
+        let stepped = self.conversation.has_stepped(&submission_id);
+        let mut metadata = match self.conversation.response_metadata(&submission_id) {
+            Some(recorded) if stepped => recorded.clone(),
+            _ => Metadata::new(),
+        };
+        let response_starts = if stepped {
             &[][..]
         } else {
             &rendered.response_starts[..]
@@ -1107,7 +1112,8 @@ impl Response<'_> {
                 }
             }
         }
-        self.first_step_metadata = Some(metadata.clone());
+        // Recorded with the response's first step, never again.
+        self.first_step_metadata = (!stepped).then(|| metadata.clone());
 
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
         // relationships the first render declares.
