@@ -865,7 +865,12 @@ fn origin_stamper() -> &'static str {
     use_model("scripted/x");
     use_tool(echo);
     use_response_start(|_| json!({"origin": "web"}));
-    use_response_finish(|ctx| json!({"saw_origin": ctx.metadata.get("origin") == Some(&json!("web"))}));
+    use_response_finish(|ctx| {
+        json!({
+            "saw_origin": ctx.metadata.get("origin") == Some(&json!("web")),
+            "tool_calls": ctx.response.tool_calls.iter().map(|call| call.tool.clone()).collect::<Vec<_>>(),
+        })
+    });
     "Echo."
 }
 
@@ -898,6 +903,9 @@ async fn a_resumed_response_finishes_with_the_start_metadata_its_first_step_reco
         .collect();
     assert_eq!(finish.len(), 1);
     assert_eq!(finish[0].get("saw_origin"), Some(&json!(true)), "{finish:?}");
+    // The response's tool calls, the earlier attempt's included (derived from the durable
+    // records, as the reference's aggregates are).
+    assert_eq!(finish[0].get("tool_calls"), Some(&json!(["echo"])), "{finish:?}");
     let started_with_metadata = all
         .iter()
         .filter(|record| {

@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
+use flue_core::event_hooks::ToolCallSummary;
 use flue_core::lifecycle::{Message, MessageRole, MessageStatus, ToolStatus};
 use flue_core::metadata::{Metadata, merge_metadata};
 use flue_core::state::StateSnapshot;
@@ -81,6 +82,8 @@ pub(crate) struct Conversation {
     /// The `use_response_start` metadata of unsettled submissions whose first step recorded
     /// some: a resumed response's finish callbacks read it back.
     response_metadata: HashMap<Arc<str>, Metadata>,
+    /// The committed tool calls of unsettled submissions, over all their attempts.
+    tool_calls: HashMap<Arc<str>, Vec<ToolCallSummary>>,
     /// User messages with images: their position in `messages` and their attachments.
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
@@ -294,6 +297,11 @@ impl Conversation {
         self.progress(submission_id).usage
     }
 
+    /// The tool calls of the submission's committed batches, over all its attempts.
+    pub(crate) fn tool_calls(&self, submission_id: &str) -> &[ToolCallSummary] {
+        self.tool_calls.get(submission_id).map_or(&[], Vec::as_slice)
+    }
+
     /// The `use_response_start` metadata the submission's first durable step recorded.
     pub(crate) fn response_metadata(&self, submission_id: &str) -> Option<&Metadata> {
         self.response_metadata.get(submission_id)
@@ -389,6 +397,7 @@ impl Conversation {
                 if let Some(id) = submission {
                     self.unsettled_inputs.retain(|unsettled| unsettled != id);
                     self.response_metadata.remove(&**id);
+                    self.tool_calls.remove(&**id);
                 }
             }
             RecordBody::AssistantMessageStarted { response_metadata, .. } => {
@@ -398,6 +407,16 @@ impl Conversation {
                     if let Some(metadata) = response_metadata {
                         self.response_metadata.insert(id.clone(), metadata.clone());
                     }
+                }
+            }
+            RecordBody::ToolOutcome {
+                tool_name, is_error, ..
+            } => {
+                if let Some(id) = submission {
+                    self.tool_calls.entry(id.clone()).or_default().push(ToolCallSummary {
+                        tool: tool_name.clone(),
+                        is_error: *is_error,
+                    });
                 }
             }
             RecordBody::AgentFinishCycle => {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use flue_core::abort::AbortSignal;
 use flue_core::event_hooks::{
     AgentFinishContext, AgentStartContext, AppendWindow, ResponseFinishContext, ResponseStartContext, ResponseSummary,
-    SeamChannel, ToolCallSummary,
+    SeamChannel,
 };
 use flue_core::lifecycle::ExecutionState;
 use flue_core::log::{LogLevel, LogSink, Logger};
@@ -401,7 +401,6 @@ impl InstanceSlot {
             conversation: &mut conversation,
             delivery: Arc::new(submission.message.clone()),
             submission: &submission,
-            tool_calls: Vec::new(),
             first_step_metadata: None,
             data_writer_names: Vec::new(),
             joined: Vec::new(),
@@ -672,7 +671,6 @@ struct Response<'a> {
     conversation: &'a mut Conversation,
     delivery: Arc<DeliveredMessage>,
     submission: &'a Submission,
-    tool_calls: Vec<ToolCallSummary>,
     first_step_metadata: Option<Metadata>,
     data_writer_names: Vec<std::borrow::Cow<'static, str>>,
     /// Deliveries joined into this response, in order.
@@ -1221,7 +1219,8 @@ impl Response<'_> {
             return Ok(());
         }
         let summary = ResponseSummary {
-            tool_calls: self.tool_calls.clone(),
+            // The response's committed calls, the ones of earlier attempts included.
+            tool_calls: self.conversation.tool_calls(&self.submission.id).to_vec(),
             // The response's durable steps, the ones of earlier attempts included.
             usage: self.conversation.usage(&self.submission.id),
         };
@@ -1476,7 +1475,8 @@ impl Response<'_> {
     async fn finish_cycle(&mut self, rendered: &Rendered) -> Result<Vec<Signal>, Failure> {
         let mut appended = Vec::new();
         let summary = Arc::new(ResponseSummary {
-            tool_calls: self.tool_calls.clone(),
+            // The response's committed calls, the ones of earlier attempts included.
+            tool_calls: self.conversation.tool_calls(&self.submission.id).to_vec(),
             // The response's durable steps, the ones of earlier attempts included.
             usage: self.conversation.usage(&self.submission.id),
         });
@@ -2048,10 +2048,6 @@ impl Response<'_> {
         }
         self.tool_rows_created(&rows).await;
         for (run, is_error) in executed.into_iter().zip(errors) {
-            self.tool_calls.push(ToolCallSummary {
-                tool: run.call.name.clone(),
-                is_error,
-            });
             self.runtime
                 .emit_with(self.key, Some(&self.submission.id), || Event::Tool {
                     tool_name: run.call.name.clone(),
