@@ -130,18 +130,99 @@ impl From<std::io::Error> for OpenError {
 const MAX_LINKS: usize = 40;
 
 /// Opens the file at the normalized sandbox path `path` under `root`, never leaving the root
-/// whatever changes on disk meanwhile: [`LocalSandbox::resolve`] checks a path before the
-/// operation, but a directory on the way, or the file itself, may be swapped for a link out of
-/// the root after that check. So the open walks the path a component at a time from a
-/// descriptor of the root, each step an `openat` that does not follow a link (`O_NOFOLLOW`).
-/// A link met on the way is read and followed by hand: its target is walked the same way, and
-/// one leading out of the root (an absolute target elsewhere, or `..` past the root) is
-/// refused. Links that stay inside the root keep working, as the check allows them.
+/// whatever changes on disk meanwhile (see [`walk_beneath`]).
+#[cfg(unix)]
+fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
+    let end = End::Open {
+        flags: access.flags(),
+        make_dirs: access == Access::Write,
+    };
+    match walk_beneath(root, path, end) {
+        Ok((fd, _)) => regular(fd, access),
+        // A FIFO opened for writing with no reader, or a socket.
+        Err(OpenError::Io(error)) if error.raw_os_error() == Some(libc::ENXIO) => Err(OpenError::NotRegular(access)),
+        Err(error) => Err(error),
+    }
+}
+
+/// Removes the file, link or empty directory at the normalized sandbox path `path` under
+/// `root`: its directory is reached by [`walk_beneath`], and the entry removed from that
+/// descriptor (`unlinkat`), so no directory swapped for a link on the way leads the removal
+/// out of the root. A link is removed itself, not followed.
+#[cfg(unix)]
+fn remove_beneath(root: &Path, path: &str) -> Result<(), OpenError> {
+    let (dir, name) = walk_beneath(root, path, End::Parent)?;
+    let Some(name) = name else {
+        return Err(OpenError::Io(std::io::Error::from_raw_os_error(libc::EINVAL)));
+    };
+    let status = beneath::status_at(&dir, &name)?;
+    beneath::remove_at(&dir, &name, status.st_mode & libc::S_IFMT == libc::S_IFDIR)?;
+    Ok(())
+}
+
+/// The entries of the directory at the normalized sandbox path `path` under `root`: opened by
+/// [`walk_beneath`] and listed from that descriptor, so no directory swapped for a link on the
+/// way (or the listed one itself) leads the listing out of the root. Entries are described as
+/// they are (a link as a link, not followed); names that are not UTF-8 are left out.
+#[cfg(unix)]
+fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
+    let end = End::Open {
+        flags: libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        make_dirs: false,
+    };
+    let (dir, _) = walk_beneath(root, path, end)?;
+    let entries = beneath::entries(dir)?
+        .into_iter()
+        .filter_map(|(name, status)| {
+            let name = name.into_string().ok()?;
+            let is_dir = status.st_mode & libc::S_IFMT == libc::S_IFDIR;
+            Some(DirEntry {
+                name,
+                is_dir,
+                size: if is_dir {
+                    0
+                } else {
+                    u64::try_from(status.st_size).unwrap_or(0)
+                },
+            })
+        })
+        .collect();
+    Ok(entries)
+}
+
+/// Where a [`walk_beneath`] ends.
+#[cfg(unix)]
+#[derive(Clone, Copy, Debug)]
+enum End {
+    /// At the path's last component, opened with `flags` (a link there followed like any
+    /// other); missing directories on the way made when `make_dirs`. A path with no component
+    /// left opens the directory reached (`.`).
+    Open { flags: libc::c_int, make_dirs: bool },
+    /// At the directory holding the path's last component, which is neither opened nor
+    /// followed.
+    Parent,
+}
+
+/// Walks the normalized sandbox path `path` under `root`, never leaving the root whatever
+/// changes on disk meanwhile: [`LocalSandbox::resolve`] checks a path before the operation,
+/// but a directory on the way, or the file itself, may be swapped for a link out of the root
+/// after that check. So the walk goes a component at a time from a descriptor of the root,
+/// each step an `openat` that does not follow a link (`O_NOFOLLOW`). A link met on the way is
+/// read and followed by hand: its target is walked the same way, and one leading out of the
+/// root (an absolute target elsewhere, or `..` past the root) is refused. Links that stay
+/// inside the root keep working, as the check allows them.
+///
+/// The descriptor returned is what `end` asks for, with, for [`End::Parent`], the name of the
+/// last component in it (`None` when the path has none).
 ///
 /// (`openat2` with `RESOLVE_BENEATH` would do the walk in the kernel, but refuses every
 /// absolute link, also one into the root; and the walk is needed anyway where it is missing.)
 #[cfg(unix)]
-fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
+fn walk_beneath(
+    root: &Path,
+    path: &str,
+    end: End,
+) -> Result<(std::os::fd::OwnedFd, Option<std::ffi::OsString>), OpenError> {
     use std::collections::VecDeque;
     use std::os::fd::OwnedFd;
 
@@ -157,11 +238,19 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
             }
             continue;
         }
-        let parent = walked.last().unwrap_or(&root_fd);
         let last = pending.is_empty();
-        let flags = if last { access.flags() } else { beneath::DIRECTORY };
+        let (flags, make_dirs) = match end {
+            End::Parent if last => {
+                let dir = walked.pop().unwrap_or(root_fd);
+                return Ok((dir, Some(name)));
+            }
+            End::Open { flags, make_dirs } if last => (flags, make_dirs),
+            End::Open { make_dirs, .. } => (beneath::DIRECTORY, make_dirs),
+            End::Parent => (beneath::DIRECTORY, false),
+        };
+        let parent = walked.last().unwrap_or(&root_fd);
         let opened = match beneath::open_at(Some(parent), &name, flags) {
-            Err(error) if !last && access == Access::Write && error.kind() == std::io::ErrorKind::NotFound => {
+            Err(error) if !last && make_dirs && error.kind() == std::io::ErrorKind::NotFound => {
                 // A missing directory of a write: made here, then walked into.
                 beneath::make_dir_at(parent, &name)?;
                 beneath::open_at(Some(parent), &name, flags)
@@ -169,11 +258,7 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
             opened => opened,
         };
         match opened {
-            Ok(fd) if last => return regular(fd, access),
-            // A FIFO opened for writing with no reader, or a socket.
-            Err(error) if last && error.raw_os_error() == Some(libc::ENXIO) => {
-                return Err(OpenError::NotRegular(access));
-            }
+            Ok(fd) if last => return Ok((fd, None)),
             Ok(fd) => walked.push(fd),
             // Refused as a link (`O_NOFOLLOW`): followed by hand.
             Err(error) if beneath::is_link_at(parent, &name) => {
@@ -198,8 +283,14 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
             Err(error) => return Err(OpenError::Io(error)),
         }
     }
-    // No component at all: the root itself, a directory.
-    Err(OpenError::Io(std::io::Error::from_raw_os_error(libc::EISDIR)))
+    // No component left (the root itself, or a link's `..`): the directory reached.
+    match end {
+        End::Open { flags, .. } => {
+            let dir = walked.last().unwrap_or(&root_fd);
+            Ok((beneath::open_at(Some(dir), std::ffi::OsStr::new("."), flags)?, None))
+        }
+        End::Parent => Ok((walked.pop().unwrap_or(root_fd), None)),
+    }
 }
 
 /// The opened file, if it is a regular one: the check is on what was opened (`fstat`), not on
@@ -242,11 +333,12 @@ impl Access {
     }
 }
 
-/// The system calls of [`open_beneath`], each on a directory descriptor and one name.
+/// The system calls of [`walk_beneath`] and of what acts on where it ends, each on a directory
+/// descriptor and one name.
 #[cfg(unix)]
 mod beneath {
     use std::ffi::{CString, OsStr, OsString};
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
     use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
     /// A directory to walk into, never through a link. (`O_PATH` on Linux: a directory that
@@ -288,9 +380,9 @@ mod beneath {
         Ok(())
     }
 
-    /// Whether `name` in `dir` is a symbolic link (not followed).
-    pub(super) fn is_link_at(dir: &OwnedFd, name: &OsStr) -> bool {
-        let Ok(name) = c_name(name) else { return false };
+    /// The status of `name` in `dir`, a link described itself (not followed).
+    pub(super) fn status_at(dir: &impl AsRawFd, name: &OsStr) -> std::io::Result<libc::stat> {
+        let name = c_name(name)?;
         let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
         // SAFETY: `name` is NUL-terminated, `dir` open, `stat` writable for one `stat`.
         let result = unsafe {
@@ -302,11 +394,109 @@ mod beneath {
             )
         };
         if result < 0 {
-            return false;
+            return Err(std::io::Error::last_os_error());
         }
         // SAFETY: fstatat succeeded, so it filled `stat`.
-        let stat = unsafe { stat.assume_init() };
-        stat.st_mode & libc::S_IFMT == libc::S_IFLNK
+        Ok(unsafe { stat.assume_init() })
+    }
+
+    /// Whether `name` in `dir` is a symbolic link (not followed).
+    pub(super) fn is_link_at(dir: &OwnedFd, name: &OsStr) -> bool {
+        status_at(dir, name).is_ok_and(|stat| stat.st_mode & libc::S_IFMT == libc::S_IFLNK)
+    }
+
+    /// `unlinkat(dir, name)`: the entry `name` of `dir` removed (a directory, empty, when
+    /// `directory`).
+    pub(super) fn remove_at(dir: &OwnedFd, name: &OsStr, directory: bool) -> std::io::Result<()> {
+        let name = c_name(name)?;
+        let flags = if directory { libc::AT_REMOVEDIR } else { 0 };
+        // SAFETY: `name` is a NUL-terminated string alive for the call; `dir` is open.
+        if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The directory stream of `fdopendir`, closed when dropped.
+    struct Stream(std::ptr::NonNull<libc::DIR>);
+
+    impl Drop for Stream {
+        fn drop(&mut self) {
+            // SAFETY: the stream came from fdopendir and is closed only here.
+            unsafe {
+                libc::closedir(self.0.as_ptr());
+            }
+        }
+    }
+
+    /// `errno` cleared, and whether it was: `readdir` tells its end from an error only by it.
+    /// Where its location is not known here, a failing `readdir` reads as the end.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    fn clear_errno() -> bool {
+        // SAFETY: the location of the calling thread's errno, valid for the thread's life.
+        unsafe {
+            *libc::__errno_location() = 0;
+        }
+        true
+    }
+    #[cfg(any(target_vendor = "apple", target_os = "freebsd"))]
+    fn clear_errno() -> bool {
+        // SAFETY: the location of the calling thread's errno, valid for the thread's life.
+        unsafe {
+            *libc::__error() = 0;
+        }
+        true
+    }
+    #[cfg(not(any(
+        target_os = "linux",
+        target_os = "android",
+        target_vendor = "apple",
+        target_os = "freebsd"
+    )))]
+    fn clear_errno() -> bool {
+        false
+    }
+
+    /// The entries of the directory `dir` (opened for reading), `.` and `..` left out, each
+    /// with its status (a link described itself). An entry removed while listed is left out.
+    pub(super) fn entries(dir: OwnedFd) -> std::io::Result<Vec<(OsString, libc::stat)>> {
+        let raw = dir.into_raw_fd();
+        // SAFETY: `raw` is an open directory descriptor owned here; on success the stream owns
+        // it (closedir closes it).
+        let Some(stream) = std::ptr::NonNull::new(unsafe { libc::fdopendir(raw) }) else {
+            let error = std::io::Error::last_os_error();
+            // SAFETY: fdopendir failed, so `raw` is still owned here, and closed once.
+            drop(unsafe { OwnedFd::from_raw_fd(raw) });
+            return Err(error);
+        };
+        let stream = Stream(stream);
+        // SAFETY: the stream is open; its descriptor lives as long as it does.
+        let dir = unsafe { std::os::fd::BorrowedFd::borrow_raw(libc::dirfd(stream.0.as_ptr())) };
+        let mut entries = Vec::new();
+        loop {
+            let cleared = clear_errno();
+            // SAFETY: the stream is open and used by this thread only.
+            let entry = unsafe { libc::readdir(stream.0.as_ptr()) };
+            if entry.is_null() {
+                let error = std::io::Error::last_os_error();
+                return match error.raw_os_error() {
+                    Some(code) if cleared && code != 0 => Err(error),
+                    _ => Ok(entries),
+                };
+            }
+            // SAFETY: readdir returned an entry, valid until the next readdir on the stream;
+            // its name is NUL-terminated. The name is copied before that.
+            let name = unsafe { std::ffi::CStr::from_ptr((*entry).d_name.as_ptr()) };
+            let name = OsStr::from_bytes(name.to_bytes()).to_owned();
+            if name == "." || name == ".." {
+                continue;
+            }
+            match status_at(&dir, &name) {
+                Ok(status) => entries.push((name, status)),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     /// The target of the link `name` in `dir`.
@@ -345,6 +535,39 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
             Ok(std::fs::File::options().write(true).create(true).open(&real)?)
         }
     }
+}
+
+/// Removes the file, link or empty directory at the normalized sandbox path `path` (by path:
+/// elsewhere than on Unix, the check of [`LocalSandbox::resolve`] is all there is).
+#[cfg(not(unix))]
+fn remove_beneath(root: &Path, path: &str) -> Result<(), OpenError> {
+    let real = root.join(path.trim_start_matches('/'));
+    if std::fs::symlink_metadata(&real)?.is_dir() {
+        std::fs::remove_dir(&real)?;
+    } else {
+        std::fs::remove_file(&real)?;
+    }
+    Ok(())
+}
+
+/// The entries of the directory at the normalized sandbox path `path` (by path, as
+/// [`remove_beneath`] elsewhere than on Unix).
+#[cfg(not(unix))]
+fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
+    let mut entries = Vec::new();
+    for entry in std::fs::read_dir(root.join(path.trim_start_matches('/')))? {
+        let entry = entry?;
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        let metadata = entry.metadata()?;
+        entries.push(DirEntry {
+            name,
+            is_dir: metadata.is_dir(),
+            size: if metadata.is_dir() { 0 } else { metadata.len() },
+        });
+    }
+    Ok(entries)
 }
 
 /// `work` on tokio's blocking pool (the file system calls of one operation, in one go).
@@ -495,42 +718,26 @@ impl Sandbox for LocalSandbox {
     }
 
     fn remove(&self, path: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
-        let resolved = self.resolve(path);
+        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
-            let real = resolved?;
-            let metadata = tokio::fs::symlink_metadata(&real)
-                .await
-                .map_err(|_| SandboxError::NotFound(shown))?;
-            if metadata.is_dir() {
-                tokio::fs::remove_dir(&real).await.map_err(io)
-            } else {
-                tokio::fs::remove_file(&real).await.map_err(io)
+            let normalized = checked?;
+            if normalized == "/" {
+                return Err(SandboxError::Io("the sandbox root cannot be removed".into()));
             }
+            blocking(move || remove_beneath(&root, &normalized).map_err(|error| error.shown(&shown))).await
         })
     }
 
     fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
-        let resolved = self.resolve(path);
+        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
-            let real = resolved?;
-            let mut reader = tokio::fs::read_dir(&real).await.map_err(|error| match error.kind() {
-                std::io::ErrorKind::NotFound => SandboxError::NotFound(shown),
-                _ => io(error),
-            })?;
-            let mut entries = Vec::new();
-            while let Some(entry) = reader.next_entry().await.map_err(io)? {
-                let Ok(name) = entry.file_name().into_string() else {
-                    continue;
-                };
-                let metadata = entry.metadata().await.map_err(io)?;
-                entries.push(DirEntry {
-                    name,
-                    is_dir: metadata.is_dir(),
-                    size: if metadata.is_dir() { 0 } else { metadata.len() },
-                });
-            }
+            let normalized = checked?;
+            let mut entries =
+                blocking(move || list_beneath(&root, &normalized).map_err(|error| error.shown(&shown))).await?;
             entries.sort_by(|a, b| a.name.cmp(&b.name));
             Ok(entries)
         })
@@ -693,6 +900,107 @@ mod tests {
         let climbed = open_beneath(&dirs.root, "/data/climb/x.txt", Access::Write);
         assert!(matches!(climbed, Err(OpenError::Outside)), "{climbed:?}");
     }
+    #[test]
+    fn a_directory_swapped_for_a_link_after_the_check_is_not_removed_through() {
+        let dirs = scratch("swapped-remove");
+        std::fs::create_dir_all(dirs.root.join("sub")).unwrap();
+        std::fs::write(dirs.root.join("sub/victim.txt"), "mine").unwrap();
+        std::fs::write(dirs.outside.join("victim.txt"), "theirs").unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        sandbox.resolve("/sub/victim.txt").unwrap();
+        std::fs::remove_dir_all(dirs.root.join("sub")).unwrap();
+        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
+        let removed = remove_beneath(&dirs.root, "/sub/victim.txt");
+        assert!(matches!(removed, Err(OpenError::Outside)), "{removed:?}");
+        assert!(dirs.outside.join("victim.txt").exists(), "the removal left the root");
+    }
+
+    #[test]
+    fn a_directory_swapped_for_a_link_after_the_check_is_not_listed_through() {
+        let dirs = scratch("swapped-list");
+        std::fs::create_dir_all(dirs.root.join("sub/inner")).unwrap();
+        std::fs::create_dir_all(dirs.outside.join("inner")).unwrap();
+        std::fs::write(dirs.outside.join("inner/secret.txt"), "secret").unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        sandbox.resolve("/sub/inner").unwrap();
+        sandbox.resolve("/sub").unwrap();
+        std::fs::remove_dir_all(dirs.root.join("sub")).unwrap();
+        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
+        // A directory on the way, and the listed directory itself.
+        for path in ["/sub/inner", "/sub"] {
+            let listed = list_beneath(&dirs.root, path);
+            assert!(matches!(listed, Err(OpenError::Outside)), "{path}: {listed:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn remove_and_list_act_beneath_the_root_and_follow_links_inside_it() {
+        let dirs = scratch("remove-list");
+        std::fs::create_dir_all(dirs.root.join("data/deep/empty")).unwrap();
+        std::fs::write(dirs.root.join("data/deep/f.txt"), "12345").unwrap();
+        std::os::unix::fs::symlink("data/deep", dirs.root.join("relative")).unwrap();
+        std::os::unix::fs::symlink(dirs.root.join("data"), dirs.root.join("absolute")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let listed = sandbox.list_dir("/relative").await.unwrap();
+        assert_eq!(
+            listed,
+            vec![
+                DirEntry {
+                    name: "empty".into(),
+                    is_dir: true,
+                    size: 0
+                },
+                DirEntry {
+                    name: "f.txt".into(),
+                    is_dir: false,
+                    size: 5
+                },
+            ]
+        );
+        let top: Vec<_> = sandbox
+            .list_dir("/")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|entry| (entry.name, entry.is_dir))
+            .collect();
+        // A link is listed as a link (not a directory), as it is not followed.
+        assert_eq!(
+            top,
+            [
+                ("absolute".into(), false),
+                ("data".into(), true),
+                ("relative".into(), false)
+            ]
+        );
+        assert_eq!(
+            sandbox.list_dir("/data/deep/f.txt").await.map_err(|e| e.to_string()),
+            Err("Not a directory (os error 20)".into())
+        );
+        assert_eq!(
+            sandbox.list_dir("/nothing").await,
+            Err(SandboxError::NotFound("/nothing".into()))
+        );
+        sandbox.remove("/absolute/deep/f.txt").await.unwrap();
+        sandbox.remove("/relative/empty").await.unwrap();
+        assert!(sandbox.list_dir("/data/deep").await.unwrap().is_empty());
+        // A link is removed itself, not what it points to.
+        sandbox.remove("/relative").await.unwrap();
+        assert!(!dirs.root.join("relative").exists() && dirs.root.join("data/deep").is_dir());
+        assert_eq!(
+            sandbox.remove("/relative").await,
+            Err(SandboxError::NotFound("/relative".into()))
+        );
+        assert!(matches!(sandbox.remove("/").await, Err(SandboxError::Io(_))));
+        assert!(dirs.root.is_dir());
+    }
+
     /// Makes a FIFO at `path`.
     fn fifo(path: &Path) {
         use std::os::unix::ffi::OsStrExt;
