@@ -59,6 +59,7 @@ pub mod state;
 pub mod subagent;
 pub mod testing;
 pub mod tool;
+pub mod url;
 pub mod usage;
 
 use std::future::Future;

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::tool::Secret;
+use crate::url::url_without_secrets;
 
 /// How the runtime talks to an MCP server.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -97,9 +98,11 @@ impl McpConnection {
             return Err(format!("[flue] {source} name must be a non-empty string."));
         }
         if !is_absolute_url(&self.url) {
+            // Quoted without its userinfo, query and fragment: the message reaches the
+            // submission's failure and the records, and a token may sit there.
             return Err(format!(
                 "[flue] {source} \"{name}\" url {:?} is not a valid absolute URL.",
-                self.url
+                url_without_secrets(&self.url)
             ));
         }
         if self.timeout.is_some_and(|timeout| timeout.is_zero()) {

@@ -351,6 +351,29 @@ fn invalid_subagent_and_mcp_definitions_are_rejected_at_the_mount_site() {
 }
 
 #[test]
+fn an_invalid_mcp_url_is_quoted_without_its_userinfo_query_and_fragment() {
+    // The message reaches the submission's failure and the records: a token in the URL stays out.
+    for (url, quoted) in [
+        ("mcp.linear.app/mcp?token=s3cret#frag", "mcp.linear.app/mcp"),
+        (
+            "https://user:s3cret@mcp.linear.app /mcp?key=s3cret",
+            "https://mcp.linear.app /mcp",
+        ),
+        ("//s3cret@mcp.linear.app#s3cret", "//mcp.linear.app"),
+        ("bad?token=s3cret://mcp.linear.app", "bad"),
+    ] {
+        let bad_url = agent(move |_| use_mcp_connection(McpConnection::new("linear", url)));
+        let message = render_panic(&bad_url);
+        assert_eq!(
+            message,
+            format!("[flue] use_mcp_connection() \"linear\" url {quoted:?} is not a valid absolute URL."),
+            "{url}"
+        );
+        assert!(!message.contains("s3cret"), "{message}");
+    }
+}
+
+#[test]
 fn use_hooks_rejects_selecting_one_hook_twice() {
     use flue_core::lifecycle::{ThreadHook, ThreadHookDefinition, ThreadHookHandler};
     static REDACT: ThreadHookDefinition = ThreadHookDefinition {

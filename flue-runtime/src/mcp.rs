@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use flue_core::data::{DataSchema, SchemaSource};
 use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
+use flue_core::url::without_url_secrets;
 use flue_core::{BoxFuture, Tool};
 use rmcp::model::{CallToolRequestParams, ContentBlock};
 use rmcp::service::RunningService;
@@ -240,48 +241,6 @@ fn capped(mut text: String) -> String {
     text
 }
 
-/// `text` with every URL in it quoted without its userinfo, query and fragment, where a token
-/// may sit (`https://u:token@host/mcp?key=k#f` reads `https://host/mcp`): an error quoting the
-/// server's URL reaches the model and the records. A URL runs to a space or a quote; the
-/// punctuation that closes the sentence around it (`(…?key=k).`) stays.
-fn without_url_secrets(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find("://") {
-        let scheme = rest[..at]
-            .bytes()
-            .rev()
-            .take_while(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
-            .count();
-        let start = at + 3;
-        let end = rest[start..]
-            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | '`'))
-            .map_or(rest.len(), |length| start + length);
-        out.push_str(&rest[..start]);
-        let url = &rest[start..end];
-        rest = &rest[end..];
-        if scheme == 0 {
-            out.push_str(url);
-            continue;
-        }
-        // The authority ends at the path, the query or the fragment; its userinfo at its last `@`.
-        let authority = url.find(['/', '?', '#']).unwrap_or(url.len());
-        let host = url[..authority].rfind('@').map_or(0, |at| at + 1);
-        let kept = &url[host..];
-        match kept.find(['?', '#']) {
-            None => out.push_str(kept),
-            Some(secret) => {
-                out.push_str(&kept[..secret]);
-                let dropped = &kept[secret..];
-                let closing = dropped.trim_end_matches([')', ']', '}', ',', '.', ';', ':']);
-                out.push_str(&dropped[closing.len()..]);
-            }
-        }
-    }
-    out.push_str(rest);
-    out
-}
-
 /// An rmcp error as a person reads it: without the transport's Rust type names.
 fn readable(error: &str) -> String {
     let mut out = String::with_capacity(error.len());
@@ -360,24 +319,6 @@ mod tests {
                 MAX_BYTES + 11
             )
         );
-    }
-
-    #[test]
-    fn urls_in_errors_lose_their_userinfo_query_and_fragment() {
-        assert_eq!(
-            without_url_secrets(
-                "error sending request for url (https://u:pw@host:8443/mcp?token=t&x=1#frag), when send"
-            ),
-            "error sending request for url (https://host:8443/mcp), when send"
-        );
-        assert_eq!(
-            without_url_secrets("see http://h/a?k=v. Then \"wss://x@y#z\" and https://ok/path/"),
-            "see http://h/a. Then \"wss://y\" and https://ok/path/"
-        );
-        // A path may hold `@`; only the authority's userinfo goes.
-        assert_eq!(without_url_secrets("http://h/@scope/pkg"), "http://h/@scope/pkg");
-        assert_eq!(without_url_secrets("no url :// here ü"), "no url :// here ü");
-        assert_eq!(without_url_secrets("ü://ü?ü"), "ü://ü?ü");
     }
 
     #[test]
