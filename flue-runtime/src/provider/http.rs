@@ -7,7 +7,8 @@
 //!   honouring `Retry-After` (capped at 30 s).
 //! - [`map_error`]: turns an HTTP status and an error body (OpenAI, OpenRouter or Anthropic shape) into
 //!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted
-//!   (the key as it is, JSON-escaped and percent-encoded) and quoted at most 300 characters long.
+//!   (the key as it is, JSON-escaped and percent-encoded) and quoted at most 300 characters long;
+//!   a connection error quotes the request's URL without its userinfo, query and fragment.
 //! - [`sse_stream`]: turns a response into a [`ModelStream`] through a provider-specific [`SseDecoder`],
 //!   with an idle timeout between body chunks.
 
@@ -23,6 +24,7 @@ use std::time::{Duration, SystemTime};
 use super::sse::{Event, SseError, SseParser};
 use crate::error_chain;
 use bytes::Bytes;
+use flue_core::url::without_url_secrets;
 use futures_util::{Stream, StreamExt};
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::Value;
@@ -275,6 +277,13 @@ impl CallContext {
         text
     }
 
+    /// The text of a reqwest `error` (with its causes) as an error message may quote it: its
+    /// URLs without userinfo, query and fragment (reqwest names the request's URL, and some
+    /// OpenAI-compatible servers take the key in the query: `?api-key=…`), and redacted.
+    pub fn quote_error(&self, error: &reqwest::Error) -> String {
+        self.redact(&without_url_secrets(&error_chain(error)))
+    }
+
     /// At most `max_chars` characters of `text`, redacted, with `…` when it was cut. The key is
     /// removed before the text is cut: cut first, a key straddling the cut would survive in
     /// part.
@@ -452,7 +461,7 @@ pub(crate) async fn send_with_retries(
 /// A reqwest failure before any response: connection problems (retryable) or a request that
 /// could not be built (not retryable).
 fn transport_error(error: &reqwest::Error, ctx: &CallContext) -> ProviderError {
-    let detail = ctx.redact(&error_chain(error));
+    let detail = ctx.quote_error(error);
     if error.is_builder() {
         return ProviderError::new(
             ProviderErrorKind::BadRequest,
@@ -735,7 +744,7 @@ enum BodyError {
 impl fmt::Display for BodyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Transport(error) => write!(f, "{}", error_chain(error)),
+            Self::Transport(error) => write!(f, "{}", without_url_secrets(&error_chain(error))),
             Self::Idle(idle) => write!(f, "no data for {}", humantime::format_duration(*idle)),
         }
     }
@@ -922,7 +931,7 @@ impl<D: SseDecoder> Driver<D> {
                 ProviderErrorKind::Network,
                 format!(
                     "[flue] The connection to provider \"{provider}\" failed while streaming the response: {}",
-                    self.ctx.redact(&error_chain(error))
+                    self.ctx.quote_error(error)
                 ),
             ),
         }
@@ -1134,6 +1143,25 @@ mod tests {
             .map(|e| e.message)
             .unwrap_or_default();
         assert!(event.contains("[redacted]") && !event.contains("ab+c"), "{event}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_error_quotes_the_url_without_its_query() {
+        // Some OpenAI-compatible servers take the key in the query (`?api-key=…`); reqwest's
+        // error names the whole URL. Nothing listens on port 1.
+        let url = "http://u:userinfo-secret@127.0.0.1:1/v1/chat/completions?api-key=query-secret#fragment-secret";
+        let Err(error) = reqwest::Client::new().post(url).send().await else {
+            panic!("something answered on port 1")
+        };
+        assert!(error.to_string().contains("query-secret"), "{error}");
+        let error = transport_error(&error, &ctx());
+        assert_eq!(error.kind, ProviderErrorKind::Network, "{}", error.message);
+        assert!(
+            error.message.contains("http://127.0.0.1:1/v1/chat/completions"),
+            "{}",
+            error.message
+        );
+        assert!(!error.message.contains("secret"), "{}", error.message);
     }
 
     #[test]
