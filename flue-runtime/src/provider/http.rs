@@ -7,8 +7,9 @@
 //!   honouring `Retry-After` (capped at 30 s).
 //! - [`map_error`]: turns an HTTP status and an error body (OpenAI, OpenRouter or Anthropic shape) into
 //!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted
-//!   (the key as it is, JSON-escaped and percent-encoded) and quoted at most 300 characters long;
-//!   a connection error quotes the request's URL without its userinfo, query and fragment.
+//!   (the key as it is, and as it reads once JSON and percent escapes are decoded) and quoted at
+//!   most 300 characters long; a connection error quotes the request's URL without its
+//!   userinfo, query and fragment.
 //! - [`sse_stream`]: turns a response into a [`ModelStream`] through a provider-specific [`SseDecoder`],
 //!   with an idle timeout between body chunks.
 
@@ -244,6 +245,9 @@ pub(crate) struct CallInfo {
     /// The key used and the forms it takes once escaped, only to redact them from provider
     /// texts. Longest first, so that no form is cut by a shorter one replaced before it.
     secrets: Vec<ApiKey>,
+    /// The key as it is, also sought in provider texts with their escapes decoded (see
+    /// [`redact_escaped`]); `None` when there are no forms to redact.
+    key: Option<ApiKey>,
 }
 
 impl std::ops::Deref for CallContext {
@@ -261,12 +265,14 @@ impl CallContext {
             provider: provider.to_owned(),
             key_env: key_env.to_owned(),
             model: model.to_owned(),
-            secrets: key.map(|key| key_forms(key.expose())).unwrap_or_default(),
+            secrets: key.as_ref().map(|key| key_forms(key.expose())).unwrap_or_default(),
+            key: key.filter(|key| key.expose().len() >= MIN_REDACTED_KEY_BYTES),
         }))
     }
 
     /// `text` with every occurrence of the API key replaced, as it is and as a provider may
-    /// echo it escaped: in a JSON string or percent-encoded in a URL (see [`key_forms`]).
+    /// echo it escaped: in a JSON string or percent-encoded in a URL (see [`key_forms`]), also
+    /// with escapes no list of forms foresees (see [`redact_escaped`]).
     pub fn redact(&self, text: &str) -> String {
         let mut text = text.to_owned();
         for secret in &self.secrets {
@@ -274,7 +280,10 @@ impl CallContext {
                 text = text.replace(secret.expose(), "[redacted]");
             }
         }
-        text
+        match &self.key {
+            Some(key) => redact_escaped(&text, key.expose()),
+            None => text,
+        }
     }
 
     /// The text of a reqwest `error` (with its causes) as an error message may quote it: its
@@ -296,12 +305,15 @@ impl CallContext {
     }
 }
 
+/// A key shorter than this is not redacted: it would redact ordinary words.
+const MIN_REDACTED_KEY_BYTES: usize = 4;
+
 /// The forms `key` may take in a provider's text, longest first: as it is; escaped in a JSON
 /// string (`"` and `\` always, `/` by some servers, control characters); percent-encoded as in
 /// a URL's path or query (either hex case) and as a form value. Nothing for a key shorter than
 /// 4 bytes, which would redact ordinary words.
 fn key_forms(key: &str) -> Vec<ApiKey> {
-    if key.len() < 4 {
+    if key.len() < MIN_REDACTED_KEY_BYTES {
         return Vec::new();
     }
     let quoted = serde_json::to_string(key).unwrap_or_default();
@@ -331,6 +343,125 @@ fn key_forms(key: &str) -> Vec<ApiKey> {
     forms.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
     forms.dedup();
     forms.into_iter().map(ApiKey).collect()
+}
+
+/// `text` with every occurrence of `key` replaced that shows once the escapes a provider may
+/// write the key's characters in are decoded: JSON's (`\"`, `\\`, `\/`, `\b`, `\f`, `\n`,
+/// `\r`, `\t`, and `\uXXXX`, for any character and in either hex case) and percent-encoding's
+/// (`%XX`, the hex case mixed). [`key_forms`] lists the usual forms, but not an encoder that
+/// escapes more characters than it must, nor one mixing hex cases. What is replaced is the
+/// escaped text the key was decoded from; text that does not decode to the key is kept as it
+/// is, escapes included.
+fn redact_escaped(text: &str, key: &str) -> String {
+    if !text.contains(['\\', '%']) {
+        return text.to_owned();
+    }
+    let (decoded, origins) = unescaped(text);
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for found in memchr::memmem::find_iter(&decoded, key.as_bytes()) {
+        let (mut start, _) = origins[found];
+        let (_, mut end) = origins[found + key.len() - 1];
+        // Whole characters of `text` (a match may start or end inside a decoded one).
+        while !text.is_char_boundary(start) {
+            start -= 1;
+        }
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        match spans.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => spans.push((start, end)),
+        }
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut kept = 0;
+    for (start, end) in spans {
+        out.push_str(&text[kept..start]);
+        out.push_str("[redacted]");
+        kept = end;
+    }
+    out.push_str(&text[kept..]);
+    out
+}
+
+/// The bytes of `text` with its JSON and percent escapes decoded (see [`redact_escaped`]),
+/// read left to right (`\\u0041` is a backslash and `u0041`), each with the byte range of
+/// `text` it was decoded from. An escape that does not decode is kept as it is.
+fn unescaped(text: &str) -> (Vec<u8>, Vec<(usize, usize)>) {
+    let bytes = text.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut origins = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        let (produced, length) = match bytes[at] {
+            b'\\' => json_escape(&bytes[at..]),
+            b'%' => match bytes.get(at + 1..at + 3).and_then(hex) {
+                Some(value) => (u8::try_from(value).ok().map(|byte| vec![byte]), 3),
+                None => (None, 1),
+            },
+            _ => (None, 1),
+        };
+        match produced {
+            Some(produced) => {
+                for byte in produced {
+                    decoded.push(byte);
+                    origins.push((at, at + length));
+                }
+                at += length;
+            }
+            None => {
+                decoded.push(bytes[at]);
+                origins.push((at, at + 1));
+                at += 1;
+            }
+        }
+    }
+    (decoded, origins)
+}
+
+/// The JSON escape at the start of `escaped` (which starts with `\`): the bytes it stands for
+/// and its length, or `None` (length 1) when it is none. `\\` is an escape of its own, so the
+/// character after it starts no escape.
+fn json_escape(escaped: &[u8]) -> (Option<Vec<u8>>, usize) {
+    let simple = match escaped.get(1) {
+        Some(b'"') => Some(b'"'),
+        Some(b'\\') => Some(b'\\'),
+        Some(b'/') => Some(b'/'),
+        Some(b'b') => Some(0x08),
+        Some(b'f') => Some(0x0c),
+        Some(b'n') => Some(b'\n'),
+        Some(b'r') => Some(b'\r'),
+        Some(b't') => Some(b'\t'),
+        _ => None,
+    };
+    if let Some(byte) = simple {
+        return (Some(vec![byte]), 2);
+    }
+    let unit = |at: usize| match escaped.get(at..at + 2) {
+        Some(b"\\u") => escaped.get(at + 2..at + 6).and_then(hex),
+        _ => None,
+    };
+    let Some(first) = unit(0) else {
+        return (None, 1);
+    };
+    // A high surrogate pairs with the low one escaped right after it.
+    let (code, length) = match (first, unit(6)) {
+        (0xD800..=0xDBFF, Some(second @ 0xDC00..=0xDFFF)) => {
+            (0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00), 12)
+        }
+        _ => (first, 6),
+    };
+    match char::from_u32(code) {
+        Some(c) => (Some(c.to_string().into_bytes()), length),
+        None => (None, 1),
+    }
+}
+
+/// The value of `digits` read as hexadecimal (either case), when they all are hex digits.
+fn hex(digits: &[u8]) -> Option<u32> {
+    digits.iter().try_fold(0u32, |value, digit| {
+        char::from(*digit).to_digit(16).map(|digit| value * 16 + digit)
+    })
 }
 
 /// A header value holding a secret (excluded from reqwest's debug output).
@@ -1162,6 +1293,40 @@ mod tests {
             error.message
         );
         assert!(!error.message.contains("secret"), "{}", error.message);
+    }
+
+    #[test]
+    fn keys_escaped_as_json_unicode_or_in_mixed_case_percent_encoding_are_redacted() {
+        let ctx = ctx_with_key(r#"sk/ab+c"d\e=f~g"#);
+        let forms = [
+            // `\u` escapes (either hex case) for the characters JSON must or may escape, and
+            // for any other: some encoders escape every non-alphanumeric character, or all.
+            r#"sk\u002fab+c\u0022d\u005ce=f~g"#,
+            r#"sk\u002Fab\u002Bc\"d\\e\u003Df\u007eg"#,
+            r#"\u0073\u006B\u002F\u0061\u0062\u002B\u0063\u0022\u0064\u005C\u0065\u003D\u0066\u007E\u0067"#,
+            // Percent-encoding with the hex case mixed, and escapes of unreserved characters.
+            "sk%2fab%2Bc%22d%5Ce%3df~g",
+            "%73k%2Fab%2bc%22d%5ce%3D%66%7eg",
+        ];
+        for form in forms {
+            let said = ctx.redact(&format!("before {form} after"));
+            assert_eq!(said, "before [redacted] after", "{form}");
+            // Twice, and with a non-ASCII neighbour.
+            let said = ctx.redact(&format!("{form}é{form}"));
+            assert_eq!(said, "[redacted]é[redacted]", "{form}");
+        }
+        let body = r#"{"error": "bad key sk\u002Fab+c\u0022d\u005Ce=f~g"}"#;
+        let error = map_error(&ctx, Some(401), None, &ErrorDetails::from_body(body), body);
+        assert!(!error.message.contains("ab+c"), "{}", error.message);
+        // Unrelated escapes stay as they are; an escaped backslash ends its escape (`\\u0073`
+        // is a backslash and `u0073`, not `s`).
+        for unrelated in [
+            r#"path %2F, \u0041\u00e9 and sk/ab+c"d\e=f~ (cut)"#,
+            r#"\\u0073k/ab+c"d\e=f~g"#,
+            "100% sure, %zz, \\u12, \\uD83D\\uDE00 and \\uD83D alone",
+        ] {
+            assert_eq!(ctx.redact(unrelated), unrelated);
+        }
     }
 
     #[test]
