@@ -479,9 +479,16 @@ pub(crate) fn secret_header(value: &str, ctx_provider: &str, key_env: &str) -> R
     Ok(header)
 }
 
-/// `{base_url}/{path}` with exactly one `/` between them.
+/// `{base_url}/{path}` with exactly one `/` between them (before any query or fragment of the
+/// base URL).
 pub(crate) fn endpoint(base_url: &str, path: &str) -> String {
-    format!("{}/{}", base_url.trim_end_matches('/'), path.trim_start_matches('/'))
+    // The path joins the base URL's path: a query or fragment the base URL carries (an API
+    // version some OpenAI-compatible servers take there) stays after it.
+    let (base, rest) = match base_url.find(['?', '#']) {
+        Some(at) => base_url.split_at(at),
+        None => (base_url, ""),
+    };
+    format!("{}/{}{rest}", base.trim_end_matches('/'), path.trim_start_matches('/'))
 }
 
 /// A provider's endpoint, parsed once (not on every call). Reset it when the base URL changes.
@@ -1401,5 +1408,22 @@ mod tests {
             endpoint("http://h/v1", "chat/completions"),
             "http://h/v1/chat/completions"
         );
+    }
+
+    #[test]
+    fn a_base_urls_query_and_fragment_stay_after_the_joined_path() {
+        // Some OpenAI-compatible servers take their API version in the query.
+        assert_eq!(
+            endpoint(
+                "https://h/openai/deployments/d?api-version=2024-10-21",
+                "chat/completions"
+            ),
+            "https://h/openai/deployments/d/chat/completions?api-version=2024-10-21"
+        );
+        assert_eq!(
+            endpoint("https://h/v1/?a=1&b=2#f", "/messages"),
+            "https://h/v1/messages?a=1&b=2#f"
+        );
+        assert_eq!(endpoint("https://h/v1#top", "x"), "https://h/v1/x#top");
     }
 }
