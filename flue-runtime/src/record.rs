@@ -222,6 +222,9 @@ pub enum RecordBody {
         tokens_before: u64,
         /// `threshold` or `overflow`.
         reason: String,
+        /// What the summary call used (absent in records of earlier builds).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<Usage>,
     },
     /// The `after_thread_created` hooks ran (the thread's first execution; written with its
     /// first input, so a re-attempt does not run them again).

@@ -267,6 +267,20 @@ async fn the_compaction_event_carries_the_summary_calls_usage() {
         ..Default::default()
     };
     assert_eq!(ends, [(false, None, Some(usage))]);
+    // And the compaction record keeps it (reference §3.2: `compaction {…, usage?}`).
+    let recorded: Vec<_> = runtime
+        .store()
+        .read(&InstanceKey::new("tight", "tu"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
+        .filter_map(|body| match body {
+            RecordBody::Compaction { usage, .. } => Some(usage),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(recorded, [Some(usage)]);
 }
 
 #[tokio::test]

@@ -128,6 +128,7 @@ impl Response<'_> {
             first_kept_message_id: first_kept,
             tokens_before,
             reason: reason.as_str().to_owned(),
+            usage: Some(usage),
         })];
         // A new baseline for the system prompt's catalogs: what is declared now.
         if let Some((_, snapshot)) = &self.declared {
