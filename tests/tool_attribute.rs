@@ -1,4 +1,4 @@
-//! `#[tool]` beyond the seeds: generics and where-clauses, terminate, names, unit returns.
+//! `#[tool]` beyond the seeds: generics and where-clauses, terminate, durable, names, unit returns.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use flue_runtime::prelude::*;
@@ -47,6 +47,13 @@ async fn escalate(
 #[tool]
 async fn mark_greeted() {}
 
+/// Send the customer a receipt.
+#[tool(durable)]
+async fn send_receipt(ctx: &ToolContext, order: String) -> Result<String, ToolError> {
+    let sent: String = ctx.step("send", async { format!("receipt for {order}") }).await?;
+    Ok(sent)
+}
+
 #[test]
 fn a_generic_tool_carries_its_generics_and_where_clause() {
     let tool = price::<Fixed>::new().into_tool();
@@ -66,6 +73,15 @@ fn terminate_marks_the_definition_and_plain_parameters_become_required_fields() 
     assert_eq!(tool.input_schema().json()["required"], json!(["reason"]));
     let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"reason": "refund over limit"})));
     assert_eq!(output.to_text(), "Escalated: refund over limit");
+}
+
+#[test]
+fn durable_marks_the_definition_and_its_steps_just_run_standalone() {
+    let tool = send_receipt.into_tool();
+    assert!(tool.definition().durable);
+    assert!(!escalate.into_tool().definition().durable);
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-1"})));
+    assert_eq!(output.to_text(), "receipt for o-1");
 }
 
 #[test]

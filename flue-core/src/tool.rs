@@ -2,11 +2,13 @@
 //! builder, the context a tool runs with, and what it returns.
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use schemars::JsonSchema;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -35,6 +37,10 @@ pub struct ToolDefinition {
     pub secrets: Cow<'static, [&'static str]>,
     /// Whether a batch made only of terminating tools ends the turn.
     pub terminate: bool,
+    /// Whether a call interrupted before its batch committed runs again on recovery (its
+    /// settled [`ToolContext::step`]s replay their recorded values) instead of getting an
+    /// outcome-unknown result.
+    pub durable: bool,
 }
 
 impl ToolDefinition {
@@ -58,7 +64,15 @@ impl ToolDefinition {
             },
             secrets: Cow::Borrowed(secrets),
             terminate,
+            durable: false,
         }
+    }
+
+    /// The same definition, marked durable (see [`ToolDefinition::durable`]).
+    #[must_use]
+    pub const fn into_durable(mut self) -> Self {
+        self.durable = true;
+        self
     }
 
     /// A definition built at run time (an MCP server's tool): the caller vouches for the name.
@@ -75,6 +89,7 @@ impl ToolDefinition {
             progress_argument: None,
             secrets: Cow::Borrowed(&[]),
             terminate: false,
+            durable: false,
         }
     }
 
@@ -189,6 +204,7 @@ impl Tool {
             progress_argument: None,
             secrets: Vec::new(),
             terminate: false,
+            durable: false,
         }
     }
 
@@ -290,6 +306,7 @@ pub struct ToolBuilder {
     progress_argument: Option<Cow<'static, str>>,
     secrets: Vec<&'static str>,
     terminate: bool,
+    durable: bool,
 }
 
 impl ToolBuilder {
@@ -317,6 +334,14 @@ impl ToolBuilder {
         self
     }
 
+    /// Marks the tool durable: a call interrupted before its batch committed runs again when
+    /// the response resumes, and the [`ToolContext::step`]s that settled before the
+    /// interruption return their recorded values instead of running again.
+    pub fn durable(mut self) -> Self {
+        self.durable = true;
+        self
+    }
+
     /// Finishes the tool with its run function.
     ///
     /// Panics with a `[flue] Tool::new() …` message when the definition breaks a rule
@@ -336,6 +361,7 @@ impl ToolBuilder {
             progress_argument: self.progress_argument,
             secrets: Cow::Owned(self.secrets),
             terminate: self.terminate,
+            durable: self.durable,
         };
         if let Err(message) = definition.validate("Tool::new()") {
             panic!("{message}");
@@ -639,7 +665,19 @@ pub enum SecretError {
     },
 }
 
-/// What a tool runs with: its call's identity, the abort signal, a logger and its secrets.
+/// Where one call's durable steps are kept. The runtime gives a durable tool's context one
+/// ([`ToolContext::with_steps`]); without one (standalone runs, non-durable tools) a
+/// [`ToolContext::step`] just runs.
+pub trait ToolSteps: Send + Sync {
+    /// The value an earlier run of this call recorded for `step_name`, if it settled.
+    fn recorded(&self, step_name: &str) -> Option<Value>;
+
+    /// Records `value` as the settled value of `step_name`; resolves once it is durable.
+    fn record(&self, step_name: &str, value: Value) -> BoxFuture<'_, Result<(), String>>;
+}
+
+/// What a tool runs with: its call's identity, the abort signal, a logger, its secrets and
+/// (for durable tools in a runtime) the record of its settled steps.
 #[derive(Clone)]
 pub struct ToolContext {
     inner: Arc<ContextInner>,
@@ -654,6 +692,9 @@ struct ContextInner {
     signal: AbortSignal,
     log: Logger,
     thread: Option<crate::lifecycle::ThreadState>,
+    steps: Option<Arc<dyn ToolSteps>>,
+    /// The step names this call used (shared by the context's clones: one call, one set).
+    step_names: Arc<Mutex<HashSet<String>>>,
 }
 
 impl ToolContext {
@@ -670,6 +711,8 @@ impl ToolContext {
                 signal: AbortSignal::new(),
                 log: Logger::discard(),
                 thread: None,
+                steps: None,
+                step_names: Arc::default(),
             }),
         }
     }
@@ -688,6 +731,8 @@ impl ToolContext {
                     signal: inner.signal.clone(),
                     log: inner.log.clone(),
                     thread: inner.thread.clone(),
+                    steps: inner.steps.clone(),
+                    step_names: inner.step_names.clone(),
                 };
                 edit(&mut copy);
                 self.inner = Arc::new(copy);
@@ -720,6 +765,86 @@ impl ToolContext {
     /// Sets the thread the call runs in.
     pub fn with_thread(self, thread: crate::lifecycle::ThreadState) -> Self {
         self.edit(|inner| inner.thread = Some(thread))
+    }
+
+    /// Sets where the call's steps are recorded (the runtime does, for durable tools).
+    pub fn with_steps(self, steps: Arc<dyn ToolSteps>) -> Self {
+        self.edit(|inner| inner.steps = Some(steps))
+    }
+
+    /// Runs one named step of the call and returns its value. In a runtime, a durable tool's
+    /// step value is recorded before it is returned, and when the call runs again after an
+    /// interruption (its batch never committed) the step returns the recorded value without
+    /// running `work` again: put each side effect that must happen once (a charge, an email)
+    /// in a step of its own. Elsewhere (standalone runs, tools not marked durable) the step
+    /// just runs.
+    ///
+    /// Names identify steps across runs of one call, so they must be non-empty and unique
+    /// within the call: a reused name is an error. A recorded value that no longer
+    /// deserializes into `T` is an error too.
+    ///
+    /// ```
+    /// use flue_core::prelude::*;
+    /// use serde_json::json;
+    ///
+    /// let tool = Tool::new("refund")
+    ///     .description("Refund an order.")
+    ///     .durable()
+    ///     .run(|ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+    ///         let refund: String = ctx.step("issue", async { "re_1".to_owned() }).await?;
+    ///         Ok::<_, ToolError>(format!("Refunded as {refund}."))
+    ///     });
+    /// let ctx = ToolContext::new(&tool, "call_1");
+    /// let output = flue_core::testing::poll_ready(tool.call(ctx, json!({})));
+    /// assert_eq!(output.to_text(), "Refunded as re_1.");
+    /// ```
+    pub async fn step<T, F>(&self, name: &str, work: F) -> Result<T, ToolError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: Future<Output = T>,
+    {
+        let inner = &self.inner;
+        let tool = &inner.tool_name;
+        if name.is_empty() {
+            return Err(ToolError::new(format!(
+                "[flue] Tool \"{tool}\" ran a step without a name. Name each step of a call."
+            )));
+        }
+        let fresh = inner
+            .step_names
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(name.to_owned());
+        if !fresh {
+            return Err(ToolError::new(format!(
+                "[flue] Tool \"{tool}\" ran the step \"{name}\" twice in one call. A re-run finds a step's recorded value by its name: give each step of a call a name of its own."
+            )));
+        }
+        let Some(steps) = &inner.steps else {
+            return Ok(work.await);
+        };
+        let parse = |value: Value| {
+            serde_json::from_value(value).map_err(|error| {
+                ToolError::new(format!(
+                    "[flue] Tool \"{tool}\" step \"{name}\" has a value of another shape: {error}"
+                ))
+            })
+        };
+        if let Some(value) = steps.recorded(name) {
+            return parse(value);
+        }
+        let value = serde_json::to_value(work.await).map_err(|error| {
+            ToolError::new(format!(
+                "[flue] Tool \"{tool}\" step \"{name}\" returned a value that is not JSON: {error}"
+            ))
+        })?;
+        steps.record(name, value.clone()).await.map_err(|error| {
+            ToolError::new(format!(
+                "[flue] Tool \"{tool}\" step \"{name}\" could not be recorded: {error}"
+            ))
+        })?;
+        // The first run returns what a re-run would read back.
+        parse(value)
     }
 
     /// The thread the call runs in (`None` for standalone runs): its rows, durable values,
@@ -776,5 +901,144 @@ impl fmt::Debug for ToolContext {
             .field("tool_call_id", &self.inner.tool_call_id)
             .field("instance_id", &self.inner.instance_id)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::poll_ready;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A journal in memory: what is recorded, and what a "previous run" left.
+    #[derive(Default)]
+    struct Journal {
+        settled: Mutex<Vec<(String, Value)>>,
+    }
+
+    impl ToolSteps for Journal {
+        fn recorded(&self, step_name: &str) -> Option<Value> {
+            let settled = self.settled.lock().expect("journal");
+            settled
+                .iter()
+                .find(|(name, _)| name == step_name)
+                .map(|(_, value)| value.clone())
+        }
+
+        fn record(&self, step_name: &str, value: Value) -> BoxFuture<'_, Result<(), String>> {
+            self.settled
+                .lock()
+                .expect("journal")
+                .push((step_name.to_owned(), value));
+            Box::pin(std::future::ready(Ok(())))
+        }
+    }
+
+    fn charging(runs: &'static AtomicUsize) -> Tool {
+        Tool::new("charge").description("Charge the card.").durable().run(
+            move |ctx, _: serde_json::Map<String, Value>| async move {
+                let charge: u32 = ctx
+                    .step("charge", async {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        7
+                    })
+                    .await?;
+                Ok::<_, ToolError>(format!("charge {charge}"))
+            },
+        )
+    }
+
+    #[test]
+    fn durable_is_a_definition_flag_set_by_the_builder_and_the_const_marker() {
+        static RUNS: AtomicUsize = AtomicUsize::new(0);
+        assert!(charging(&RUNS).definition().durable);
+        let plain = Tool::new("plain")
+            .description("Plain.")
+            .run(|_ctx, _: serde_json::Map<String, Value>| async { "" });
+        assert!(!plain.definition().durable);
+        static DEFINITION: ToolDefinition = ToolDefinition::from_checked(
+            "t",
+            "T.",
+            SchemaSource::Typed(crate::data::tool_input_schema_of::<serde_json::Map<String, Value>>),
+            None,
+            &[],
+            false,
+        )
+        .into_durable();
+        assert!(DEFINITION.durable);
+    }
+
+    #[test]
+    fn a_standalone_run_just_runs_its_steps() {
+        static RUNS: AtomicUsize = AtomicUsize::new(0);
+        let tool = charging(&RUNS);
+        let output = poll_ready(tool.call(ToolContext::new(&tool, "call_1"), serde_json::json!({})));
+        assert_eq!(output, ToolOutput::text("charge 7"));
+        let output = poll_ready(tool.call(ToolContext::new(&tool, "call_2"), serde_json::json!({})));
+        assert_eq!(output, ToolOutput::text("charge 7"));
+        assert_eq!(RUNS.load(Ordering::SeqCst), 2, "nothing is recorded without a journal");
+    }
+
+    #[test]
+    fn a_step_records_its_value_and_a_re_run_of_the_call_replays_it() {
+        static RUNS: AtomicUsize = AtomicUsize::new(0);
+        let tool = charging(&RUNS);
+        let journal = Arc::new(Journal::default());
+        let ctx = || ToolContext::new(&tool, "call_1").with_steps(journal.clone());
+        let output = poll_ready(tool.call(ctx(), serde_json::json!({})));
+        assert_eq!(output, ToolOutput::text("charge 7"));
+        assert_eq!(
+            *journal.settled.lock().expect("journal"),
+            vec![("charge".to_owned(), serde_json::json!(7))]
+        );
+        let output = poll_ready(tool.call(ctx(), serde_json::json!({})));
+        assert_eq!(output, ToolOutput::text("charge 7"));
+        assert_eq!(RUNS.load(Ordering::SeqCst), 1, "the re-run read the recorded value");
+    }
+
+    #[test]
+    fn a_step_name_used_twice_in_one_call_is_an_error_result() {
+        let tool = Tool::new("twice").description("Twice.").durable().run(
+            |ctx, _: serde_json::Map<String, Value>| async move {
+                ctx.step("send", async { 1 }).await?;
+                ctx.clone().step("send", async { 2 }).await?;
+                Ok::<_, ToolError>("sent twice")
+            },
+        );
+        for ctx in [
+            ToolContext::new(&tool, "call_1"),
+            ToolContext::new(&tool, "call_1").with_steps(Arc::new(Journal::default())),
+        ] {
+            let output = poll_ready(tool.call(ctx, serde_json::json!({})));
+            assert!(output.is_error, "{output:?}");
+            assert!(
+                output.to_text().contains("ran the step \"send\" twice"),
+                "{}",
+                output.to_text()
+            );
+        }
+        let empty = Tool::new("empty")
+            .description("Empty.")
+            .run(|ctx, _: serde_json::Map<String, Value>| async move { ctx.step("", async { String::new() }).await });
+        let output = poll_ready(empty.call(ToolContext::new(&empty, "call_1"), serde_json::json!({})));
+        assert!(output.is_error);
+    }
+
+    #[test]
+    fn a_recorded_value_of_another_shape_is_an_error_result() {
+        let tool = Tool::new("shape").description("Shape.").durable().run(
+            |ctx, _: serde_json::Map<String, Value>| async move {
+                let n: u32 = ctx.step("count", async { 1 }).await?;
+                Ok::<_, ToolError>(n.to_string())
+            },
+        );
+        let journal = Arc::new(Journal::default());
+        journal
+            .settled
+            .lock()
+            .expect("journal")
+            .push(("count".to_owned(), serde_json::json!("one")));
+        let output = poll_ready(tool.call(ToolContext::new(&tool, "c").with_steps(journal), serde_json::json!({})));
+        assert!(output.is_error);
     }
 }

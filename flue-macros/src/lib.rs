@@ -198,6 +198,7 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | `progress_argument = "field"` | string argument reported by `tool_call_started` as it streams |
 /// | `secrets = ["NAME", …]` | environment variables the tool may read through `ctx.secret(..)` |
 /// | `terminate` | a batch made only of terminating tools ends the turn |
+/// | `durable` | an interrupted call runs again on recovery, replaying its settled `ctx.step(..)` values |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///
 /// The function returns text, JSON, `()`, a `ToolOutput`, or a `Result` of these with an error

@@ -84,7 +84,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     };
     let secrets = model.options.secrets.iter().flatten();
     let terminate = model.options.terminate.is_some();
-    let definition_expr = quote!(__flue::tool::ToolDefinition::from_checked(
+    let mut definition_expr = quote!(__flue::tool::ToolDefinition::from_checked(
         #name,
         #description,
         __flue::data::SchemaSource::Typed(#schema_fn),
@@ -92,6 +92,9 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         &[#(#secrets),*],
         #terminate,
     ));
+    if model.options.durable.is_some() {
+        definition_expr = quote!(#definition_expr.into_durable());
+    }
 
     let (item, definition_fn, constructor) = if generic {
         let params = function.sig.generics.type_params().map(|param| &param.ident);

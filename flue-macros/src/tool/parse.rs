@@ -1,4 +1,4 @@
-//! Parsing `#[tool(name = "…", progress_argument = "…", secrets = [..], terminate, crate = "…")]`.
+//! Parsing `#[tool(name = "…", progress_argument = "…", secrets = [..], terminate, durable, crate = "…")]`.
 
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
@@ -6,7 +6,7 @@ use syn::{Expr, LitStr, Token};
 
 use crate::errors::Errors;
 
-const OPTIONS: &[&str] = &["name", "progress_argument", "secrets", "terminate", "crate"];
+const OPTIONS: &[&str] = &["name", "progress_argument", "secrets", "terminate", "durable", "crate"];
 
 #[derive(Default)]
 pub(crate) struct Options {
@@ -14,6 +14,7 @@ pub(crate) struct Options {
     pub(crate) progress_argument: Option<LitStr>,
     pub(crate) secrets: Option<Vec<LitStr>>,
     pub(crate) terminate: Option<Span>,
+    pub(crate) durable: Option<Span>,
     pub(crate) krate: Option<syn::Path>,
 }
 
@@ -35,6 +36,7 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
             "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
             "progress_argument" => set(&mut options.progress_argument, meta.value()?.parse()?, &key, errors),
             "terminate" => set(&mut options.terminate, Span::call_site(), &key, errors),
+            "durable" => set(&mut options.durable, Span::call_site(), &key, errors),
             "secrets" => {
                 let list: syn::ExprArray = meta.value()?.parse()?;
                 let mut secrets = Vec::new();

@@ -1,7 +1,7 @@
 use flue_runtime::prelude::*;
 
 /// Look up an order.
-#[tool(terminate)]
+#[tool(terminate, durable)]
 async fn lookup(ctx: &ToolContext, order: String) -> Result<String, ToolError> {
     Ok(format!("{} {order}", ctx.tool_call_id()))
 }
