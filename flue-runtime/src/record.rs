@@ -139,6 +139,19 @@ pub enum RecordBody {
         /// How long it ran.
         duration_ms: u64,
     },
+    /// A step of a durable tool's call settled (`ToolContext::step`): a re-run of the call
+    /// after an interruption returns `value` instead of running the step again. Appended as
+    /// its own batch while the tool runs.
+    ToolStepSettled {
+        /// Call id.
+        tool_call_id: String,
+        /// Tool name.
+        tool_name: String,
+        /// The step's name (unique within the call).
+        step_name: String,
+        /// What the step returned.
+        value: Value,
+    },
     /// The commit marker of a tool batch (same append as the batch's state writes).
     ToolResultsCommitted {
         /// The step whose calls the batch answers.
@@ -304,6 +317,37 @@ pub(crate) fn new_id(prefix: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_settled_tool_step_serializes_with_its_type_tag_and_snake_case_fields() {
+        let record = Record {
+            id: "record_1".to_owned(),
+            submission_id: Some("sub_1".into()),
+            attempt_id: None,
+            timestamp: "2026-12-01T00:00:00.000Z".into(),
+            body: RecordBody::ToolStepSettled {
+                tool_call_id: "call_1".to_owned(),
+                tool_name: "charge".to_owned(),
+                step_name: "charge-card".to_owned(),
+                value: serde_json::json!({"charge": "ch_1"}),
+            },
+        };
+        let json = serde_json::to_value(&record).expect("serializes");
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "id": "record_1",
+                "submission_id": "sub_1",
+                "timestamp": "2026-12-01T00:00:00.000Z",
+                "type": "tool_step_settled",
+                "tool_call_id": "call_1",
+                "tool_name": "charge",
+                "step_name": "charge-card",
+                "value": {"charge": "ch_1"},
+            })
+        );
+        assert_eq!(serde_json::from_value::<Record>(json).expect("deserializes"), record);
+    }
 
     #[test]
     fn ids_are_the_prefix_and_a_ulid() {

@@ -440,6 +440,7 @@ impl Projection {
             | RecordBody::AgentFinishCycle
             | RecordBody::ThreadValueSet { .. }
             | RecordBody::ThreadCreatedHooksRan
+            | RecordBody::ToolStepSettled { .. }
             | RecordBody::ResourceSnapshot { .. } => {}
             RecordBody::Compaction { summary, reason, .. } => {
                 // Clients keep the whole transcript; the summary marks where the model's

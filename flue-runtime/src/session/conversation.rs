@@ -63,6 +63,11 @@ pub(crate) struct Conversation {
     edited: bool,
     /// Tool calls of the last completed step whose batch has not committed.
     open_calls: Vec<ModelToolCall>,
+    /// The message id of the step those calls belong to.
+    open_calls_step: String,
+    /// Settled steps of durable tool calls whose batch has not committed, by call id, then
+    /// step name (what a re-run of the call replays).
+    tool_steps: HashMap<String, HashMap<String, Value>>,
     /// Where those calls' results go: right after their step, before any row injected while
     /// they ran (a call and its result stay adjacent, as providers require).
     results_at: usize,
@@ -516,6 +521,7 @@ impl Conversation {
             RecordBody::AssistantMessageCompleted { message_id, text, .. } => {
                 let tool_calls = self.open_step.take().map(|step| step.tool_calls).unwrap_or_default();
                 self.open_calls.clone_from(&tool_calls);
+                self.open_calls_step.clone_from(message_id);
                 self.results_at = self.messages.len() + 1;
                 let row = Row::new(message_id.clone(), MessageRole::Assistant, record.timestamp.clone());
                 self.push(
@@ -542,7 +548,20 @@ impl Conversation {
                     terminate: *terminate,
                 });
             }
+            RecordBody::ToolStepSettled {
+                tool_call_id,
+                step_name,
+                value,
+                ..
+            } => {
+                self.tool_steps
+                    .entry(tool_call_id.clone())
+                    .or_default()
+                    .insert(step_name.clone(), value.clone());
+            }
             RecordBody::ToolResultsCommitted { .. } => {
+                // The calls have their outcomes: their steps will not be replayed.
+                self.tool_steps.clear();
                 let outcomes = std::mem::take(&mut self.outcomes);
                 for call in std::mem::take(&mut self.open_calls) {
                     match outcomes.iter().find(|outcome| outcome.tool_call_id == call.id) {
@@ -702,6 +721,7 @@ impl Conversation {
     /// error result, so the history stays a valid call/result pairing and nothing re-runs.
     fn close_dangling_calls(&mut self) {
         self.outcomes.clear();
+        self.tool_steps.clear();
         let created = self
             .rows
             .last()
@@ -710,6 +730,17 @@ impl Conversation {
         for call in std::mem::take(&mut self.open_calls) {
             self.push_interrupted(call, created.clone());
         }
+    }
+
+    /// The tool calls of the last completed step whose batch never committed (an interrupted
+    /// attempt), with that step's message id; `None` when every call has its outcome.
+    pub(crate) fn open_calls(&self) -> Option<(&str, &[ModelToolCall])> {
+        (!self.open_calls.is_empty()).then_some((self.open_calls_step.as_str(), &self.open_calls[..]))
+    }
+
+    /// The steps a run of the uncommitted call `tool_call_id` settled, by name.
+    pub(crate) fn tool_steps(&self, tool_call_id: &str) -> HashMap<String, Value> {
+        self.tool_steps.get(tool_call_id).cloned().unwrap_or_default()
     }
 
     /// Where a compaction keeping about `keep_recent_tokens` of the newest history would cut:
@@ -1128,6 +1159,82 @@ mod tests {
             });
         }
         conversation
+    }
+
+    #[test]
+    fn settled_tool_steps_are_kept_per_call_and_step_until_their_batch_commits() {
+        let mut conversation = answered(1);
+        let step = |call: &str, name: &str, value: Value| {
+            record(RecordBody::ToolStepSettled {
+                tool_call_id: call.into(),
+                tool_name: "refund".into(),
+                step_name: name.into(),
+                value,
+            })
+        };
+        let records = vec![
+            record(RecordBody::AssistantMessageStarted {
+                message_id: "step-1".into(),
+                model: "scripted/x".into(),
+                response_metadata: None,
+            }),
+            record(RecordBody::AssistantToolCall {
+                message_id: "step-1".into(),
+                tool_call_id: "call-a".into(),
+                name: "refund".into(),
+                arguments: "{}".into(),
+            }),
+            record(RecordBody::AssistantToolCall {
+                message_id: "step-1".into(),
+                tool_call_id: "call-b".into(),
+                name: "refund".into(),
+                arguments: "{}".into(),
+            }),
+            record(RecordBody::AssistantMessageCompleted {
+                message_id: "step-1".into(),
+                text: String::new(),
+                stop_reason: StopReason::ToolUse,
+                usage: Default::default(),
+            }),
+        ];
+        conversation.apply(&Batch {
+            offset: 1,
+            records: records.into(),
+        });
+        for (offset, record) in [
+            step("call-a", "issue", Value::from("re_1")),
+            step("call-b", "issue", Value::from("re_2")),
+            step("call-a", "email", Value::from(true)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            conversation.apply(&Batch {
+                offset: 2 + offset as u64,
+                records: vec![record].into(),
+            });
+        }
+        let (open_step, calls) = conversation.open_calls().expect("open calls");
+        assert_eq!(open_step, "step-1");
+        assert_eq!(calls.len(), 2);
+        let a = conversation.tool_steps("call-a");
+        assert_eq!(a.len(), 2);
+        assert_eq!(a["issue"], "re_1");
+        assert_eq!(a["email"], true);
+        assert_eq!(conversation.tool_steps("call-b")["issue"], "re_2");
+        assert!(conversation.tool_steps("call-c").is_empty());
+        conversation.apply(&Batch {
+            offset: 5,
+            records: vec![record(RecordBody::ToolResultsCommitted {
+                assistant_message_id: "step-1".into(),
+            })]
+            .into(),
+        });
+        assert!(conversation.open_calls().is_none());
+        assert!(
+            conversation.tool_steps("call-a").is_empty(),
+            "committed calls replay nothing"
+        );
     }
 
     /// Adds an exchange in which the model calls a tool, reads its result and answers.
