@@ -1316,3 +1316,252 @@ async fn a_compaction_whose_record_could_not_be_appended_ends_with_a_failed_even
     }
     assert_eq!(seen, ["start", "end true store_failure", "start", "end false "]);
 }
+
+/// Counts of one durable-tool scenario: runs of the tool and of each of its steps.
+#[derive(Default)]
+struct Runs {
+    tool: AtomicUsize,
+    first: AtomicUsize,
+    second: AtomicUsize,
+}
+
+impl Runs {
+    fn get(&self) -> (usize, usize, usize) {
+        (
+            self.tool.load(Ordering::SeqCst),
+            self.first.load(Ordering::SeqCst),
+            self.second.load(Ordering::SeqCst),
+        )
+    }
+}
+
+/// A tool (durable or not) whose run takes two named steps, counting every run.
+fn two_step_tool(name: &'static str, durable: bool, runs: &'static Runs) -> Tool {
+    let tool = Tool::new(name).description("Refund an order in two steps.");
+    let tool = if durable { tool.durable() } else { tool };
+    tool.run(move |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+        runs.tool.fetch_add(1, Ordering::SeqCst);
+        let refund: String = ctx
+            .step("issue-refund", async {
+                let n = runs.first.fetch_add(1, Ordering::SeqCst) + 1;
+                format!("re_{n}")
+            })
+            .await?;
+        let mail: u32 = ctx
+            .step("email-customer", async {
+                runs.second.fetch_add(1, Ordering::SeqCst) as u32 + 1
+            })
+            .await?;
+        Ok::<_, ToolError>(format!("refund {refund}, email {mail}"))
+    })
+}
+
+fn is_batch_commit(records: &[Record]) -> bool {
+    records
+        .iter()
+        .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+}
+
+/// The result the model saw for the call of `tool` in its request `at`.
+fn tool_result(model: &ScriptedModel, at: usize, tool: &str) -> (String, bool) {
+    model.requests()[at]
+        .messages
+        .iter()
+        .find_map(|message| match message {
+            ModelMessage::Tool {
+                name,
+                content,
+                is_error,
+                ..
+            } if name == tool => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .unwrap()
+}
+
+const UNKNOWN: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
+
+static REFUNDS: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+static NOTES: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+
+#[agent]
+fn refunder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(two_step_tool("refund", true, &REFUNDS));
+    use_tool(two_step_tool("note", false, &NOTES));
+    "You refund orders."
+}
+
+/// Reference checklist item 14 and §3.9 step 7: a durable tool's call whose batch never
+/// committed runs again on recovery; its settled steps replay instead of running again, and
+/// the model sees the re-run's real result. A non-durable call of the same batch gets the
+/// outcome-unknown result and does not run again.
+#[tokio::test]
+async fn an_interrupted_durable_call_runs_again_replaying_its_settled_steps() {
+    let store = FaultyStore::default();
+    store.fail_once(is_batch_commit);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("refund", json!({})), ("note", json!({}))]),
+        ScriptedReply::text("Refunded."),
+    ]);
+    let runtime = runtime(&store, &model, refunder);
+    let reply = runtime.init(&refunder, "r-1").send("refund me").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "Refunded.");
+    // The durable tool ran twice, each of its steps once; the model was called twice in all.
+    assert_eq!(REFUNDS.get(), (2, 1, 1));
+    assert_eq!(model.requests().len(), 2);
+    assert_eq!(
+        tool_result(&model, 1, "refund"),
+        ("refund re_1, email 1".to_owned(), false),
+        "the re-run's real result, from the replayed step values"
+    );
+    // The non-durable tool ran once (its steps just ran) and its outcome is unknown.
+    assert_eq!(NOTES.get(), (1, 1, 1));
+    assert_eq!(tool_result(&model, 1, "note"), (UNKNOWN.to_owned(), true));
+    let all = records(&store, &InstanceKey::new("refunder", "r-1")).await;
+    let steps: Vec<(&str, &str, &serde_json::Value)> = all
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::ToolStepSettled {
+                tool_name,
+                step_name,
+                value,
+                ..
+            } => Some((tool_name.as_str(), step_name.as_str(), value)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            ("refund", "issue-refund", &json!("re_1")),
+            ("refund", "email-customer", &json!(1))
+        ],
+        "only the durable tool's steps are recorded, once each"
+    );
+    let outcomes = all
+        .iter()
+        .filter(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+        .count();
+    assert_eq!(
+        outcomes, 2,
+        "one committed batch: the re-run's outcome and the unknown one"
+    );
+}
+
+static HALF_DONE: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+
+#[agent]
+fn half_refunder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(two_step_tool("refund", true, &HALF_DONE));
+    "You refund orders."
+}
+
+/// A crash after the first step settled but before the second did: the re-run replays the
+/// first and runs the second.
+#[tokio::test]
+async fn a_durable_call_interrupted_between_its_steps_runs_only_the_unsettled_step_again() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records.iter().any(|record| {
+            matches!(&record.body, RecordBody::ToolStepSettled { step_name, .. } if step_name == "email-customer")
+        })
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("refund", json!({})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime(&store, &model, half_refunder);
+    let reply = runtime.init(&half_refunder, "h-1").send("refund me").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "Done.");
+    assert_eq!(HALF_DONE.get(), (2, 1, 2));
+    assert_eq!(model.requests().len(), 2);
+    assert_eq!(
+        tool_result(&model, 1, "refund"),
+        ("refund re_1, email 2".to_owned(), false)
+    );
+}
+
+static FLIPPED: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+
+#[agent]
+fn flipper() -> &'static str {
+    use_model("scripted/x");
+    // Durable until the tool has run once: the re-attempt's render no longer declares it.
+    use_tool(two_step_tool(
+        "refund",
+        FLIPPED.tool.load(Ordering::SeqCst) == 0,
+        &FLIPPED,
+    ));
+    "You refund orders."
+}
+
+/// Reference §8 item 20: a durable call re-runs only if the current render still declares
+/// its tool durable.
+#[tokio::test]
+async fn a_call_whose_tool_the_current_render_no_longer_declares_durable_is_not_run_again() {
+    let store = FaultyStore::default();
+    store.fail_once(is_batch_commit);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("refund", json!({})),
+        ScriptedReply::text("Unsure."),
+    ]);
+    let runtime = runtime(&store, &model, flipper);
+    let reply = runtime.init(&flipper, "f-1").send("refund me").await.unwrap();
+    assert_eq!(reply.text, "Unsure.");
+    assert_eq!(FLIPPED.get(), (1, 1, 1));
+    assert_eq!(tool_result(&model, 1, "refund"), (UNKNOWN.to_owned(), true));
+}
+
+#[agent]
+fn repeater() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("send").description("Send twice.").durable().run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            ctx.step("send", async { 1 }).await?;
+            ctx.step("send", async { 2 }).await?;
+            Ok::<_, ToolError>("sent")
+        },
+    ));
+    "You send."
+}
+
+/// Step names are unique per call: a reused name is an error result the model sees.
+#[tokio::test]
+async fn a_step_name_used_twice_in_one_call_is_an_error_result() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("send", json!({})),
+        ScriptedReply::text("Failed."),
+    ]);
+    let runtime = runtime(&store, &model, repeater);
+    runtime.init(&repeater, "p-1").send("send").await.unwrap();
+    let (content, is_error) = tool_result(&model, 1, "send");
+    assert!(is_error);
+    assert!(content.contains("ran the step \"send\" twice in one call"), "{content}");
+    let steps = records(&store, &InstanceKey::new("repeater", "p-1"))
+        .await
+        .into_iter()
+        .filter(|record| matches!(record.body, RecordBody::ToolStepSettled { .. }))
+        .count();
+    assert_eq!(steps, 1, "the first step settled");
+}

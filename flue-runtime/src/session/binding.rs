@@ -113,6 +113,16 @@ impl Attempt {
         }
     }
 
+    /// An append the attempt made outside its response's batches (a durable tool's step)
+    /// failed: the response's next batch fails too, so the attempt is re-attempted from what
+    /// is durable. Later data writes are dropped.
+    pub(crate) fn fail_appends(&self, error: String) {
+        let mut queue = self.data();
+        queue.failed.get_or_insert(error);
+        queue.closed = true;
+        queue.pending.clear();
+    }
+
     /// A failed attempt's queued data writes are dropped; waits for an append in flight.
     pub(crate) async fn close_data(&self) {
         {
@@ -121,6 +131,44 @@ impl Attempt {
             queue.pending.clear();
         }
         drop(self.data_order.lock().await);
+    }
+}
+
+/// The journal of one durable tool call's steps ([`flue_core::tool::ToolSteps`]): the values
+/// earlier runs of the call settled (from the conversation's fold), and the attempt, through
+/// whose writer a newly settled step is appended as a batch of its own before the step returns.
+pub(crate) struct CallSteps {
+    pub(crate) attempt: Arc<Attempt>,
+    pub(crate) tool_call_id: String,
+    pub(crate) tool_name: String,
+    pub(crate) recorded: std::collections::HashMap<String, Value>,
+}
+
+impl flue_core::tool::ToolSteps for CallSteps {
+    fn recorded(&self, step_name: &str) -> Option<Value> {
+        self.recorded.get(step_name).cloned()
+    }
+
+    fn record(&self, step_name: &str, value: Value) -> BoxFuture<'_, Result<(), String>> {
+        let step_name = step_name.to_owned();
+        Box::pin(async move {
+            let Some(writer) = self.attempt.writer.get() else {
+                return Err("the attempt has no writer".to_owned());
+            };
+            let record = writer.record(crate::record::RecordBody::ToolStepSettled {
+                tool_call_id: self.tool_call_id.clone(),
+                tool_name: self.tool_name.clone(),
+                step_name,
+                value,
+            });
+            match writer.append(vec![record].into()).await {
+                Ok(_) => Ok(()),
+                Err(error) => {
+                    self.attempt.fail_appends(error.to_string());
+                    Err(error.to_string())
+                }
+            }
+        })
     }
 }
 

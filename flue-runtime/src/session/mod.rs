@@ -1122,10 +1122,20 @@ impl Response<'_> {
         // waking delivery (skipped when its marker committed).
         self.apply_input(&rendered, self.delivery.clone(), &submission_id)
             .await?;
-        // Join point before turn 1: deliveries queued behind this one join before the first
-        // model call (a resumed, answered response settles as it is).
+        // A tool batch an earlier attempt left uncommitted: its durable calls run again before
+        // the next model call. Then the join point before turn 1: deliveries queued behind this
+        // one join before the first model call (a resumed, answered response settles as it is).
+        let mut ended = already_answered;
         if !already_answered {
-            self.join_queued().await?;
+            let mut terminated = false;
+            if let Some(terminate) = self.rerun_durable_calls(&rendered).await? {
+                terminated = terminate;
+                if let Some(queued_terminate) = self.run_queued_tools(&rendered, &model.spec).await? {
+                    terminated = queued_terminate;
+                }
+            }
+            let joined = self.join_queued().await?;
+            ended = terminated && !joined;
         }
         self.spare = Some(rendered);
 
@@ -1134,7 +1144,7 @@ impl Response<'_> {
         let mut steps = self.conversation.steps(&submission_id);
         let mut finish_cycles = self.conversation.finish_cycles(&submission_id);
         loop {
-            if already_answered {
+            if ended {
                 break;
             }
             self.check_abort()?;
@@ -1197,7 +1207,7 @@ impl Response<'_> {
                 continue;
             }
             let mut terminate = self
-                .tool_batch(&rendered, &rendered.tools, &response, message_id)
+                .tool_batch(&rendered, &rendered.tools, &response.tool_calls, message_id, &[])
                 .await?;
             if let Some(queued_terminate) = self.run_queued_tools(&rendered, &model.spec).await? {
                 terminate = queued_terminate;
@@ -1941,24 +1951,51 @@ impl Response<'_> {
         }));
         self.commit(records, false).await?;
         let tools: Vec<flue_core::Tool> = queued.into_iter().map(|(tool, _)| tool).collect();
-        let response = ModelResponse {
-            text: String::new(),
-            reasoning: String::new(),
-            tool_calls: calls,
-            stop_reason: crate::provider::StopReason::ToolUse,
-            usage: Usage::default(),
-        };
-        self.tool_batch(rendered, &tools, &response, message_id).await.map(Some)
+        self.tool_batch(rendered, &tools, &calls, message_id, &[])
+            .await
+            .map(Some)
     }
 
-    /// Runs a step's tool calls against `tools` and commits the batch; returns whether every
-    /// result asked to end the turn.
+    /// Repairs a tool batch an earlier attempt left uncommitted (reference §3.9 step 7): when
+    /// the response's last durable step has calls without outcomes and the current render
+    /// declares some of their tools durable, those calls run again (the steps they settled
+    /// replay their recorded values) and the batch commits with their outcomes, each other
+    /// call getting the outcome-unknown result. Without a durable tool among them nothing runs
+    /// here: the next model call sees every call's outcome-unknown result. `None` when there
+    /// was nothing to re-run, else whether the batch ended the turn.
+    async fn rerun_durable_calls(&mut self, rendered: &Rendered) -> Result<Option<bool>, Failure> {
+        let Some((step, calls)) = self.conversation.open_calls() else {
+            return Ok(None);
+        };
+        let durable: Vec<flue_core::Tool> = rendered
+            .tools
+            .iter()
+            .filter(|tool| tool.definition().durable)
+            .cloned()
+            .collect();
+        let (rerun, unknown): (Vec<ModelToolCall>, Vec<ModelToolCall>) = calls
+            .iter()
+            .cloned()
+            .partition(|call| durable.iter().any(|tool| tool.name() == call.name));
+        if rerun.is_empty() {
+            return Ok(None);
+        }
+        let step = step.to_owned();
+        self.tool_batch(rendered, &durable, &rerun, step, &unknown)
+            .await
+            .map(Some)
+    }
+
+    /// Runs a step's tool `calls` against `tools` and commits the batch, with the
+    /// outcome-unknown result for each of the step's `unknown` calls (interrupted calls that
+    /// are not run again); returns whether every result asked to end the turn.
     async fn tool_batch(
         &mut self,
         rendered: &Rendered,
         tools: &[flue_core::Tool],
-        response: &ModelResponse,
+        calls: &[ModelToolCall],
         assistant_message_id: String,
+        unknown: &[ModelToolCall],
     ) -> Result<bool, Failure> {
         let view = self.thread_view();
         view.set_tools(&rendered.tools);
@@ -1969,17 +2006,28 @@ impl Response<'_> {
             let submission_id = self.submission.id.as_str();
             let logger = self.logger();
             let signal = &self.attempt.signal;
+            let (attempt, conversation) = (self.attempt, &*self.conversation);
             tools::run_batch(
                 tools,
-                &response.tool_calls,
+                calls,
                 runtime.options.tool_concurrency,
                 signal,
                 |tool, call: &ModelToolCall| {
-                    ToolContext::new(tool, call.id.clone())
+                    let ctx = ToolContext::new(tool, call.id.clone())
                         .with_instance_id(key.id.to_string())
                         .with_signal(signal.clone())
                         .with_logger(logger.clone())
-                        .with_thread(thread.clone())
+                        .with_thread(thread.clone());
+                    if !tool.definition().durable {
+                        return ctx;
+                    }
+                    // A durable call's steps are recorded; a re-run replays the settled ones.
+                    ctx.with_steps(Arc::new(binding::CallSteps {
+                        attempt: attempt.clone(),
+                        tool_call_id: call.id.clone(),
+                        tool_name: call.name.clone(),
+                        recorded: conversation.tool_steps(&call.id),
+                    }))
                 },
                 |call: &ModelToolCall| {
                     runtime.emit_with(key, Some(submission_id), || Event::ToolStart {
@@ -2002,8 +2050,8 @@ impl Response<'_> {
             .await
         };
         self.check_abort()?;
-        let terminate = !executed.is_empty() && executed.iter().all(|run| run.output.terminate);
-        let mut records = Vec::with_capacity(executed.len() + 1);
+        let terminate = !executed.is_empty() && unknown.is_empty() && executed.iter().all(|run| run.output.terminate);
+        let mut records = Vec::with_capacity(executed.len() + unknown.len() + 1);
         let hooked = self.has_tool_hooks();
         let mut rows = Vec::new();
         let mut row_updates = Vec::new();
@@ -2039,6 +2087,17 @@ impl Response<'_> {
                 record.id = row_id;
             }
             records.push(record);
+        }
+        for call in unknown {
+            records.push(self.record(RecordBody::ToolOutcome {
+                assistant_message_id: assistant_message_id.clone(),
+                tool_call_id: call.id.clone(),
+                tool_name: call.name.clone(),
+                is_error: true,
+                content: conversation::INTERRUPTED_TOOL.to_owned(),
+                terminate: false,
+                duration_ms: 0,
+            }));
         }
         records.push(self.record(RecordBody::ToolResultsCommitted { assistant_message_id }));
         self.commit(records, true).await?;
