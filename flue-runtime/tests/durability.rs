@@ -103,6 +103,26 @@ fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef
         .unwrap()
 }
 
+/// A started runtime that takes over what a dead node left: short leases, a fast scan.
+async fn taking_over(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(agent)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            lease: std::time::Duration::from_millis(200),
+            heartbeat: std::time::Duration::from_millis(20),
+            scan_interval: std::time::Duration::from_millis(20),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    runtime.start().await;
+    runtime
+}
+
 async fn records(store: &FaultyStore, key: &InstanceKey) -> Vec<Record> {
     store
         .inner
@@ -341,14 +361,6 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
     use flue_runtime::store::{Claim, now_ms};
     let store = FaultyStore::default();
     let model = ScriptedModel::new([ScriptedReply::text("taken over")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let options = RuntimeOptions {
-        lease: std::time::Duration::from_millis(200),
-        heartbeat: std::time::Duration::from_millis(20),
-        scan_interval: std::time::Duration::from_millis(40),
-        ..RuntimeOptions::default()
-    };
     // Another node admitted and claimed the submission, then died: its lease runs out.
     let key = InstanceKey::new("relay", "r-1");
     let admitted = store
@@ -362,14 +374,7 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
     };
     let claimed = store.claim_next(&key, &dead).await.unwrap().unwrap();
     assert_eq!(claimed.id, admitted.submission.id);
-    let runtime = Runtime::builder()
-        .agent(relay)
-        .providers(providers)
-        .store(store.clone())
-        .options(options)
-        .build()
-        .unwrap();
-    runtime.start().await;
+    let runtime = taking_over(&store, &model, relay).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         runtime.init(&relay, "r-1").read("sub_dead_node"),
@@ -393,14 +398,6 @@ async fn a_join_cut_off_before_its_input_was_saved_rejoins_in_order_after_a_take
     use flue_runtime::store::{AttemptRef, Claim, now_ms};
     let store = FaultyStore::default();
     let model = ScriptedModel::new([ScriptedReply::text("all three answered")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let options = RuntimeOptions {
-        lease: std::time::Duration::from_millis(200),
-        heartbeat: std::time::Duration::from_millis(20),
-        scan_interval: std::time::Duration::from_millis(40),
-        ..RuntimeOptions::default()
-    };
     let key = InstanceKey::new("relay", "r-join");
     store
         .admit(harness::admission(&key, "sub_host", "first"))
@@ -427,14 +424,7 @@ async fn a_join_cut_off_before_its_input_was_saved_rejoins_in_order_after_a_take
         .admit(harness::admission(&key, "sub_later", "third"))
         .await
         .unwrap();
-    let runtime = Runtime::builder()
-        .agent(relay)
-        .providers(providers)
-        .store(store.clone())
-        .options(options)
-        .build()
-        .unwrap();
-    runtime.start().await;
+    let runtime = taking_over(&store, &model, relay).await;
     let handle = runtime.init(&relay, "r-join");
     let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read("sub_host"))
         .await
@@ -472,8 +462,6 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
             .any(|r| matches!(r.body, RecordBody::SubmissionSettled { .. }))
     });
     let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
     let key = InstanceKey::new("relay", "r-2");
     let admitted = store
         .admit(Admission {
@@ -549,18 +537,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
         .await
         .unwrap();
     *store.fault.lock().unwrap() = None;
-    let runtime = Runtime::builder()
-        .agent(relay)
-        .providers(providers)
-        .store(store.clone())
-        .options(RuntimeOptions {
-            heartbeat: std::time::Duration::from_millis(20),
-            scan_interval: std::time::Duration::from_millis(20),
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
-    runtime.start().await;
+    let runtime = taking_over(&store, &model, relay).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         runtime.init(&relay, "r-2").read("sub_answered"),
@@ -937,8 +914,6 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     use flue_runtime::store::now_ms;
     let store = FaultyStore::default();
     let model = ScriptedModel::new([]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
     let key = InstanceKey::new("stamped_relay", "s-1");
     store
         .admit(harness::admission(&key, "sub_stamped", "question"))
@@ -991,18 +966,7 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     for batch in batches {
         store.append(&key, batch.into(), Some(&auth)).await.unwrap();
     }
-    let runtime = Runtime::builder()
-        .agent(stamped_relay)
-        .providers(providers)
-        .store(store.clone())
-        .options(RuntimeOptions {
-            heartbeat: std::time::Duration::from_millis(20),
-            scan_interval: std::time::Duration::from_millis(20),
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
-    runtime.start().await;
+    let runtime = taking_over(&store, &model, stamped_relay).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         runtime.init(&stamped_relay, "s-1").read("sub_stamped"),
