@@ -1529,3 +1529,203 @@ async fn a_step_name_used_twice_in_one_call_is_an_error_result() {
         .count();
     assert_eq!(steps, 1, "the first step settled");
 }
+
+static PAIR: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+
+#[agent]
+fn pair_refunder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(two_step_tool("refund", true, &PAIR));
+    "You refund orders."
+}
+
+/// Two durable calls of one batch run concurrently and record their steps under their own call
+/// ids: after the lost commit, each re-run replays its own settled steps and nothing runs twice.
+#[tokio::test]
+async fn two_durable_calls_of_one_batch_each_replay_their_own_steps() {
+    let store = FaultyStore::default();
+    store.fail_once(is_batch_commit);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("refund", json!({})), ("refund", json!({}))]),
+        ScriptedReply::text("Refunded."),
+    ]);
+    let runtime = runtime(&store, &model, pair_refunder);
+    let reply = runtime.init(&pair_refunder, "pp-1").send("refund me").await.unwrap();
+    assert_eq!(reply.text, "Refunded.");
+    assert_eq!(PAIR.get(), (4, 2, 2));
+}
+
+static TWICE: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+
+#[agent]
+fn twice_refunder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(two_step_tool("refund", true, &TWICE));
+    "You refund orders."
+}
+
+/// A re-run that is interrupted too: the steps the first run settled are still on record for
+/// the third attempt, which replays them (the model sees one refund, one email).
+#[tokio::test]
+async fn a_durable_call_interrupted_twice_still_replays_its_first_runs_steps() {
+    let store = FaultyStore::default();
+    let left = Arc::new(AtomicUsize::new(2));
+    let left2 = left.clone();
+    store.fail_always(move |records| {
+        is_batch_commit(records)
+            && left2
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("refund", json!({})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime(&store, &model, twice_refunder);
+    let reply = runtime.init(&twice_refunder, "tw-1").send("refund me").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 2);
+    assert_eq!(reply.text, "Done.");
+    assert_eq!(TWICE.get(), (3, 1, 1));
+    assert_eq!(
+        tool_result(&model, 1, "refund"),
+        ("refund re_1, email 1".to_owned(), false)
+    );
+}
+
+static SWALLOWED: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn swallower() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("charge").description("Charge.").durable().run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            let n: usize = ctx
+                .step("charge", async { SWALLOWED.fetch_add(1, Ordering::SeqCst) + 1 })
+                .await
+                .unwrap_or(0);
+            Ok::<_, ToolError>(format!("charged {n}"))
+        },
+    ));
+    "You charge."
+}
+
+/// A step whose record could not be appended: even when the tool ignores the step's error and
+/// reports success, that result is not committed; the attempt is re-attempted from what is
+/// durable and the re-run's step runs (and records) again.
+#[tokio::test]
+async fn a_tool_ignoring_its_steps_failed_append_does_not_commit_its_result() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolStepSettled { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("charge", json!({})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime(&store, &model, swallower);
+    let reply = runtime.init(&swallower, "sw-1").send("charge").await.unwrap();
+    assert_eq!(reply.text, "Done.");
+    assert_eq!(model.requests().len(), 2);
+    assert_eq!(tool_result(&model, 1, "charge"), ("charged 2".to_owned(), false));
+}
+
+static CLOSING: AtomicUsize = AtomicUsize::new(0);
+static CLOSING_STEPS: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn closer() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("close")
+            .description("Close the ticket.")
+            .durable()
+            .terminate()
+            .run(|ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+                CLOSING.fetch_add(1, Ordering::SeqCst);
+                let n: usize = ctx
+                    .step("close", async { CLOSING_STEPS.fetch_add(1, Ordering::SeqCst) + 1 })
+                    .await?;
+                Ok::<_, ToolError>(format!("closed {n}"))
+            }),
+    );
+    "You close tickets."
+}
+
+/// A re-run whose every result asks to terminate ends the response as the first run would
+/// have: no further model call.
+#[tokio::test]
+async fn a_re_run_terminating_batch_ends_the_response_without_another_model_call() {
+    let store = FaultyStore::default();
+    store.fail_once(is_batch_commit);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("close", json!({})),
+        ScriptedReply::text("unexpected"),
+    ]);
+    let runtime = runtime(&store, &model, closer);
+    runtime.init(&closer, "cl-1").send("close").await.unwrap();
+    assert_eq!(model.requests().len(), 1);
+    assert_eq!(CLOSING.load(Ordering::SeqCst), 2);
+    assert_eq!(CLOSING_STEPS.load(Ordering::SeqCst), 1);
+}
+
+static HANGING: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+
+#[agent]
+fn hanger() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("refund").description("Refund.").durable().run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            HANGING.tool.fetch_add(1, Ordering::SeqCst);
+            let a: usize = ctx
+                .step("one", async { HANGING.first.fetch_add(1, Ordering::SeqCst) + 1 })
+                .await?;
+            let b: usize = ctx
+                .step("two", async {
+                    HANGING.second.fetch_add(1, Ordering::SeqCst);
+                    std::future::pending::<usize>().await
+                })
+                .await?;
+            Ok::<_, ToolError>(format!("{a} {b}"))
+        },
+    ));
+    "You refund."
+}
+
+/// An abort while a durable call waits in a step settles the submission as aborted: the call is
+/// not re-run by the next submission, whose model sees the call's outcome as unknown.
+#[tokio::test]
+async fn an_abort_during_a_step_leaves_the_call_unknown_and_it_does_not_run_again() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("refund", json!({})),
+        ScriptedReply::text("Ok."),
+    ]);
+    let runtime = runtime(&store, &model, hanger);
+    let handle = runtime.init(&hanger, "hg-1");
+    handle.dispatch("refund").await.unwrap();
+    for _ in 0..500 {
+        if HANGING.second.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    let reply = handle.send("again").await.unwrap();
+    assert_eq!(reply.text, "Ok.");
+    assert_eq!(HANGING.get(), (1, 1, 1));
+    assert_eq!(tool_result(&model, 1, "refund"), (UNKNOWN.to_owned(), true));
+}
