@@ -1729,3 +1729,75 @@ async fn an_abort_during_a_step_leaves_the_call_unknown_and_it_does_not_run_agai
     assert_eq!(HANGING.get(), (1, 1, 1));
     assert_eq!(tool_result(&model, 1, "refund"), (UNKNOWN.to_owned(), true));
 }
+
+static KILLED: Runs = Runs {
+    tool: AtomicUsize::new(0),
+    first: AtomicUsize::new(0),
+    second: AtomicUsize::new(0),
+};
+
+#[agent]
+fn killed_refunder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("refund").description("Refund.").durable().run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            KILLED.tool.fetch_add(1, Ordering::SeqCst);
+            let a: usize = ctx
+                .step("one", async { KILLED.first.fetch_add(1, Ordering::SeqCst) + 1 })
+                .await?;
+            let b: usize = ctx
+                .step("two", async {
+                    // The first node dies here.
+                    if KILLED.second.fetch_add(1, Ordering::SeqCst) == 0 {
+                        std::future::pending::<()>().await;
+                    }
+                    2
+                })
+                .await?;
+            Ok::<_, ToolError>(format!("{a} {b}"))
+        },
+    ));
+    "You refund."
+}
+
+/// A node dies while a durable call waits in its second step; a second node, with nothing but
+/// the store, takes the submission over, replays the first step and runs the second.
+#[tokio::test]
+async fn a_node_dying_mid_call_is_taken_over_and_the_call_replays_its_settled_steps() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("refund", json!({})),
+        ScriptedReply::text("Refunded."),
+    ]);
+    let (first_store, first_model) = (store.clone(), model.clone());
+    // The first node runs on a tokio runtime of its own, shut down mid-call: its tasks (the
+    // attempt, its lease's heartbeat) stop as a killed process's would.
+    std::thread::spawn(move || {
+        let dead = tokio::runtime::Runtime::new().unwrap();
+        dead.block_on(async move {
+            let node = taking_over(&first_store, &first_model, killed_refunder).await;
+            node.init(&killed_refunder, "k-1").dispatch("refund").await.unwrap();
+            while KILLED.second.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            std::mem::forget(node);
+        });
+        dead.shutdown_background();
+    })
+    .join()
+    .unwrap();
+    let node = taking_over(&store, &model, killed_refunder).await;
+    let handle = node.init(&killed_refunder, "k-1");
+    let submission = records(&store, &InstanceKey::new("killed_refunder", "k-1"))
+        .await
+        .iter()
+        .find_map(|record| record.submission_id.as_deref().map(str::to_owned))
+        .unwrap();
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&submission))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply.text, "Refunded.");
+    assert_eq!(KILLED.get(), (2, 1, 2));
+    assert_eq!(tool_result(&model, 1, "refund"), ("1 2".to_owned(), false));
+}
