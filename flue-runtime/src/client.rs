@@ -261,6 +261,7 @@ impl Instance {
             parser: SseParser::default(),
             ready: VecDeque::new(),
             failures: 0,
+            ended: false,
         };
         Box::pin(futures_util::stream::unfold(state, |mut state| async move {
             let item = state.next().await?;
@@ -283,6 +284,8 @@ struct Follow {
     ready: VecDeque<Value>,
     /// Consecutive failed connections (the backoff grows with them).
     failures: u32,
+    /// The server refused the stream: its error was delivered and the stream is over.
+    ended: bool,
 }
 
 impl Follow {
@@ -291,6 +294,9 @@ impl Follow {
             if let Some(chunk) = self.ready.pop_front() {
                 return Some(Ok(chunk));
             }
+            if self.ended {
+                return None;
+            }
             let Some(body) = &mut self.body else {
                 if self.failures > 0 {
                     let backoff = Duration::from_millis(100 * 2u64.pow(self.failures.min(5)));
@@ -298,8 +304,12 @@ impl Follow {
                 }
                 match connect(&self.instance, &self.offset).await {
                     Ok(body) => self.body = Some(body),
-                    // What the server refuses (404, 416, …) stays refused; it retries the rest.
-                    Err(error @ ClientError::Api { status: ..500, .. }) => return Some(Err(error)),
+                    // What the server refuses (404, 416, …) stays refused: the stream ends with
+                    // the error (asking again would only hammer the server). It retries the rest.
+                    Err(error @ ClientError::Api { status: ..500, .. }) => {
+                        self.ended = true;
+                        return Some(Err(error));
+                    }
                     Err(_) => self.failures += 1,
                 }
                 continue;

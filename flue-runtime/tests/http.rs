@@ -2204,3 +2204,20 @@ async fn a_compaction_projects_to_a_conversation_reset_with_the_summary_in_the_s
         .count();
     assert_eq!(resets, 2, "the birth and the compaction: {updates}");
 }
+
+#[tokio::test]
+async fn a_followed_stream_the_server_refuses_ends_with_the_error() {
+    let server = Server::start().await;
+    let client = flue_runtime::client::Client::new(&server.root).unwrap();
+    let mut chunks = client.instance("calculator", "never-contacted").follow("-1");
+    let first = chunks.next().await.unwrap();
+    assert!(
+        matches!(first, Err(flue_runtime::client::ClientError::Api { status: 404, .. })),
+        "{first:?}"
+    );
+    // The refusal stays a refusal: the stream ends rather than asking again and again.
+    let next = tokio::time::timeout(Duration::from_secs(2), chunks.next())
+        .await
+        .expect("the stream ends after the refusal");
+    assert!(next.is_none(), "{next:?}");
+}
