@@ -67,12 +67,17 @@ impl From<reqwest::Error> for ClientError {
     }
 }
 
+/// How long a followed stream may be silent: three of the server's 15 s heartbeats.
+const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(45);
+
 /// A connection to a server of the protocol.
 #[derive(Clone, Debug)]
 pub struct Client {
     http: reqwest::Client,
     base: String,
     token: Option<String>,
+    /// How long a followed stream may stay silent before its connection is taken for dead.
+    idle_timeout: Duration,
 }
 
 impl Client {
@@ -85,12 +90,20 @@ impl Client {
             http,
             base: base_url.into().trim_end_matches('/').to_owned(),
             token: None,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
         })
     }
 
     /// Sends `token` as a bearer token with every request.
     pub fn with_bearer_token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
+        self
+    }
+
+    /// Takes a followed stream's connection for dead (and reconnects) when nothing, not even
+    /// a heartbeat, arrived on it for `timeout` (default: 45 s, three server heartbeats).
+    pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout;
         self
     }
 
@@ -314,7 +327,13 @@ impl Follow {
                 }
                 continue;
             };
-            match body.next().await {
+            // The server sends at least a heartbeat every 15 s: a longer silence is a
+            // connection that died without a reset (a dropped network, a NAT that forgot it).
+            let Ok(next) = tokio::time::timeout(self.instance.client.idle_timeout, body.next()).await else {
+                self.reconnect();
+                continue;
+            };
+            match next {
                 Some(Ok(bytes)) => {
                     self.failures = 0;
                     self.parser.push(&bytes);

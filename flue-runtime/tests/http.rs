@@ -2221,3 +2221,46 @@ async fn a_followed_stream_the_server_refuses_ends_with_the_error() {
         .expect("the stream ends after the refusal");
     assert!(next.is_none(), "{next:?}");
 }
+
+#[tokio::test]
+async fn a_follower_reconnects_when_a_connection_goes_silent() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let accepted = connections.clone();
+    tokio::spawn(async move {
+        // Held open and silent, as a connection a network dropped without a reset is.
+        let mut silent = Vec::new();
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await.unwrap();
+            let nth = accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut body = String::from(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+                 event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inc_1\"}]\n\n",
+            );
+            if nth > 0 {
+                body.push_str(
+                    "event: data\ndata:[{\"type\":\"message-completed\",\"messageId\":\"m\",\
+                     \"position\":{\"batch\":1,\"index\":0}}]\n\n\
+                     event: control\ndata:{\"streamNextOffset\":\"0000000000000000_0000000000000001\",\"upToDate\":true}\n\n",
+                );
+            }
+            socket.write_all(body.as_bytes()).await.unwrap();
+            silent.push(socket);
+        }
+    });
+    let client = flue_runtime::client::Client::new(format!("http://{addr}"))
+        .unwrap()
+        .with_idle_timeout(Duration::from_millis(300));
+    let mut chunks = client.instance("calculator", "k1").follow("-1");
+    let chunk = tokio::time::timeout(Duration::from_secs(5), chunks.next())
+        .await
+        .expect("a silent connection is given up and the stream read again")
+        .unwrap()
+        .unwrap();
+    assert_eq!(chunk["type"], "message-completed");
+    assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
