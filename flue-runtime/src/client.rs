@@ -406,11 +406,43 @@ struct ReplyFold {
 }
 
 impl ReplyFold {
+    /// The replies of a snapshot's assistant messages: their text parts (one per step), data
+    /// parts and metadata.
+    fn of_snapshot(snapshot: &Value) -> Self {
+        let mut fold = Self::default();
+        for message in snapshot["messages"].as_array().into_iter().flatten() {
+            let (Some(message_id), Some(submission)) = (message["id"].as_str(), message["submissionId"].as_str())
+            else {
+                continue;
+            };
+            if message["role"] != "assistant" {
+                continue;
+            }
+            fold.responses
+                .entry(submission.to_owned())
+                .or_insert_with(|| message_id.to_owned());
+            let (texts, _, reply) = fold.replies.entry(message_id.to_owned()).or_default();
+            for part in message["parts"].as_array().into_iter().flatten() {
+                let kind = part["type"].as_str().unwrap_or_default();
+                if kind == "text" {
+                    texts.push(part["text"].as_str().unwrap_or_default().to_owned());
+                } else if let Some(name) = kind.strip_prefix("data-") {
+                    reply.data.insert(name.to_owned(), part["data"].clone());
+                }
+            }
+            if let Some(metadata) = message["metadata"].as_object() {
+                flue_core::metadata::merge_metadata(&mut reply.metadata, metadata.clone());
+            }
+        }
+        fold
+    }
+
     /// Takes in `chunk`; the result once `submission_id` settled.
     fn apply(&mut self, chunk: &Value, submission_id: &str) -> Option<Result<Reply, ClientError>> {
         let message_id = chunk["messageId"].as_str().unwrap_or_default().to_owned();
         match chunk["type"].as_str()? {
-            "conversation-reset" => *self = Self::default(),
+            // The snapshot holds every response so far: what a reply already said is kept.
+            "conversation-reset" => *self = Self::of_snapshot(&chunk["snapshot"]),
             "message-started" => {
                 if let Some(submission) = chunk["submissionId"].as_str() {
                     self.responses

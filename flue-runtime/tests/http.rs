@@ -2264,3 +2264,36 @@ async fn a_follower_reconnects_when_a_connection_goes_silent() {
     assert_eq!(chunk["type"], "message-completed");
     assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
+
+#[tokio::test]
+async fn a_reply_keeps_what_its_response_said_before_a_compaction_reset() {
+    use flue_runtime::provider::{ProviderError, ProviderErrorKind};
+    let server = Server::start().await;
+    // The first step says something and calls a tool; the next call overflows: the history is
+    // summarized (a conversation-reset on the stream) and the call retried.
+    server.model.push(ScriptedReply::ToolCalls {
+        text: "Let me add.".into(),
+        calls: vec![("add".into(), json!({"a": 2, "b": 3}).to_string())],
+    });
+    server.model.push(ScriptedReply::Error(ProviderError::new(
+        ProviderErrorKind::ContextOverflow,
+        "prompt is too long",
+    )));
+    server.model.push(ScriptedReply::text("Summary: adding."));
+    server.model.push(ScriptedReply::text("The sum is 5."));
+    let client = flue_runtime::client::Client::new(&server.root).unwrap();
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.instance("calculator", "k1").prompt("What is 2 + 3?"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let (_, _, updates) = server.get_json("/k1?view=updates&offset=-1").await;
+    let resets = types(updates.as_array().unwrap())
+        .iter()
+        .filter(|kind| **kind == "conversation-reset")
+        .count();
+    assert_eq!(resets, 2, "the birth and the compaction: {updates}");
+    assert_eq!(reply.text, "Let me add.\n\nThe sum is 5.");
+}
