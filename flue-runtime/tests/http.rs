@@ -2297,3 +2297,29 @@ async fn a_reply_keeps_what_its_response_said_before_a_compaction_reset() {
     assert_eq!(resets, 2, "the birth and the compaction: {updates}");
     assert_eq!(reply.text, "Let me add.\n\nThe sum is 5.");
 }
+
+#[tokio::test]
+async fn a_follower_catching_up_on_big_batches_gets_past_them() {
+    let server = Server::start().await;
+    // Two messages whose chunks together pass what one SSE event may hold on the client
+    // (16 MiB), each well under it.
+    let big = "x".repeat(9 * 1024 * 1024);
+    for _ in 0..2 {
+        server.model.push(ScriptedReply::text("ok"));
+        server.admit("k1", &big).await;
+    }
+    server.settled("k1", 2).await;
+    let client = flue_runtime::client::Client::new(&server.root).unwrap();
+    let mut chunks = client.instance("calculator", "k1").follow("-1");
+    let mut settled = 0;
+    while settled < 2 {
+        let chunk = tokio::time::timeout(Duration::from_secs(20), chunks.next())
+            .await
+            .expect("the follower gets past the big batches")
+            .unwrap()
+            .unwrap();
+        if chunk["type"] == "submission-settled" {
+            settled += 1;
+        }
+    }
+}

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::error::ApiError;
-use super::feed::{Delivery, Feed, data_frame};
+use super::feed::{Delivery, Feed};
 use super::projection::{Projection, checkpoint};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
@@ -23,6 +23,10 @@ use crate::store::InstanceKey;
 
 /// The most batches one updates response covers.
 const BATCHES_PER_READ: usize = 100;
+
+/// The size past which an SSE reader catching up gets its chunks in more than one data frame
+/// (well under the 16 MiB a client of this crate buffers for one event).
+const FRAME_BYTES: usize = 1024 * 1024;
 
 /// The query's pairs, decoded, in order.
 pub(super) fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String)> + '_ {
@@ -395,7 +399,10 @@ impl SseStream {
         }
     }
 
-    /// Sends the next batches this reader reads itself, with its own fold.
+    /// Sends the next batches this reader reads itself, with its own fold: their chunks in
+    /// one data frame, split before a frame passes [`FRAME_BYTES`] (a frame of many big
+    /// batches would pass what a client may buffer for one event, and it could never get past
+    /// it).
     fn catch_up(&mut self) -> String {
         let take = self.pending.len().min(BATCHES_PER_READ);
         let batches: Vec<Batch> = self.pending.drain(..take).collect();
@@ -405,7 +412,22 @@ impl SseStream {
             own.apply(batch, Some(&mut chunks));
             self.offset = Some(batch.offset);
         }
-        let mut frames = data_frame(chunks).unwrap_or_default();
+        let mut frames = String::new();
+        let mut frame = String::new();
+        for chunk in chunks {
+            let chunk = chunk.to_string();
+            if !frame.is_empty() && frame.len() + chunk.len() > FRAME_BYTES {
+                frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
+                frame.clear();
+            }
+            if !frame.is_empty() {
+                frame.push(',');
+            }
+            frame.push_str(&chunk);
+        }
+        if !frame.is_empty() {
+            frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
+        }
         let up_to_date = self.pending.is_empty();
         frames.push_str(&self.control(up_to_date));
         frames
