@@ -315,7 +315,13 @@ impl Follow {
                     let backoff = Duration::from_millis(100 * 2u64.pow(self.failures.min(5)));
                     tokio::time::sleep(backoff).await;
                 }
-                match connect(&self.instance, &self.offset).await {
+                // A server (or proxy) that takes the request and never answers is as dead
+                // as a connection that went silent.
+                let idle_timeout = self.instance.client.idle_timeout;
+                let connected = tokio::time::timeout(idle_timeout, connect(&self.instance, &self.offset))
+                    .await
+                    .unwrap_or_else(|_| Err(ClientError::Transport("the server did not answer".into())));
+                match connected {
                     Ok(body) => self.body = Some(body),
                     // What the server refuses (404, 416, …) stays refused: the stream ends with
                     // the error (asking again would only hammer the server). It retries the rest.

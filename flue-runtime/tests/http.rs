@@ -2323,3 +2323,36 @@ async fn a_follower_catching_up_on_big_batches_gets_past_them() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_follower_reconnects_when_a_server_never_answers() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut silent = Vec::new();
+        for nth in 0.. {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await.unwrap();
+            // The first connection is taken and never answered (a hung proxy or server).
+            if nth > 0 {
+                let body = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+                     event: data\ndata:[{\"type\":\"message-completed\",\"messageId\":\"m\",\
+                     \"position\":{\"batch\":1,\"index\":0}}]\n\n";
+                socket.write_all(body.as_bytes()).await.unwrap();
+            }
+            silent.push(socket);
+        }
+    });
+    let client = flue_runtime::client::Client::new(format!("http://{addr}"))
+        .unwrap()
+        .with_idle_timeout(Duration::from_millis(300));
+    let mut chunks = client.instance("calculator", "k1").follow("-1");
+    let chunk = tokio::time::timeout(Duration::from_secs(5), chunks.next())
+        .await
+        .expect("an unanswered connection is given up and the stream asked for again")
+        .unwrap()
+        .unwrap();
+    assert_eq!(chunk["type"], "message-completed");
+}
