@@ -2356,3 +2356,36 @@ async fn a_follower_reconnects_when_a_server_never_answers() {
         .unwrap();
     assert_eq!(chunk["type"], "message-completed");
 }
+
+#[tokio::test]
+async fn an_authorization_callback_sees_the_path_the_client_requested() {
+    use flue_runtime::http::{AccessRequest, Denied};
+    let paths = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let seen = paths.clone();
+    // A policy written against the URLs clients use: the abort route is refused.
+    let policy = move |request: &AccessRequest<'_>| {
+        seen.lock().unwrap().push(request.path.to_owned());
+        if request.path.ends_with("/abort") && request.path.starts_with("/agents/calculator/") {
+            return Err(Denied::Forbidden("no aborts".into()));
+        }
+        Ok(())
+    };
+    let server = Server::start_with(HttpOptions::default().authorized_by(policy)).await;
+    let response = server.client.post(server.url("/k1/abort")).send().await.unwrap();
+    assert_error(response, 403, "forbidden").await;
+    server.client.get(server.url("/k1")).send().await.unwrap();
+    server
+        .client
+        .get(format!("{}/users/u1/events", server.root))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        *paths.lock().unwrap(),
+        [
+            "/agents/calculator/k1/abort",
+            "/agents/calculator/k1",
+            "/users/u1/events"
+        ]
+    );
+}

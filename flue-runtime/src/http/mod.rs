@@ -259,9 +259,16 @@ async fn guard(
     next: Next,
 ) -> Response {
     if let Some(authorization) = &options.authorization {
+        // The path the client requested: inside a nested router (every agent's routes are
+        // nested under `/agents/<name>`) the request's own URI has lost that prefix, and a
+        // policy written against the real URLs would not match it.
+        let path = match request.extensions().get::<OriginalUri>() {
+            Some(OriginalUri(uri)) => uri.path(),
+            None => request.uri().path(),
+        };
         let access = AccessRequest {
             method: request.method(),
-            path: request.uri().path(),
+            path,
             headers: request.headers(),
             agent,
             instance_id,
