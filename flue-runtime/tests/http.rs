@@ -2389,3 +2389,26 @@ async fn an_authorization_callback_sees_the_path_the_client_requested() {
         ]
     );
 }
+
+#[tokio::test]
+async fn a_head_request_on_a_user_stream_attaches_no_client() {
+    let server = Server::start().await;
+    let url = format!("{}/users/u-head/events?client_id=probe-1", server.root);
+    let response = server.client.head(&url).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(header(response.headers(), "content-type"), "text/event-stream");
+    assert_security_headers(response.headers());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let clients = CLIENTS.lock().unwrap().clone();
+    assert!(
+        !clients.iter().any(|line| line.starts_with("u-head ")),
+        "a HEAD is not a client: {clients:?}"
+    );
+    let response = server
+        .client
+        .head(format!("{}/users/%20/events", server.root))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+}

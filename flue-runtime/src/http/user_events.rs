@@ -12,7 +12,7 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
-use axum::http::{HeaderValue, header};
+use axum::http::{HeaderValue, Method, header};
 use axum::response::Response;
 use flue_core::lifecycle::ClientInfo;
 use serde_json::json;
@@ -63,6 +63,7 @@ fn client_field(query: &mut HashMap<String, String>, name: &str) -> Result<Optio
 /// `GET /users/:userId/events`.
 pub(super) async fn get_user_events(
     State(routes): State<UserRoutes>,
+    method: Method,
     user_id: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
@@ -77,6 +78,11 @@ pub(super) async fn get_user_events(
         id: client_field(&mut query, "client_id")?.unwrap_or_else(|| new_id("client")),
         kind: client_field(&mut query, "client_kind")?,
     };
+    if method == Method::HEAD {
+        // Only the headers: a HEAD (a health check, a link checker) is no client, so no
+        // attach and detach hooks run for it.
+        return Ok(event_stream(Body::empty()));
+    }
     // Subscribed before the hooks hear of the client: nothing it emits in reply is missed.
     let events = routes.runtime.user_events.subscribe();
     dispatch(&routes.runtime, &user_id, UserHookEvent::ClientAttached(client.clone()));
@@ -111,9 +117,14 @@ pub(super) async fn get_user_events(
             return Some((Ok(Bytes::from(frame)), (events, attached, beat, None)));
         }
     });
-    let mut response = Response::new(Body::from_stream(body));
+    Ok(event_stream(Body::from_stream(body)))
+}
+
+/// An SSE response of `body`.
+fn event_stream(body: Body) -> Response {
+    let mut response = Response::new(body);
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    Ok(response)
+    response
 }
