@@ -1290,6 +1290,14 @@ struct Runs {
 }
 
 impl Runs {
+    const fn new() -> Self {
+        Self {
+            tool: AtomicUsize::new(0),
+            first: AtomicUsize::new(0),
+            second: AtomicUsize::new(0),
+        }
+    }
+
     fn get(&self) -> (usize, usize, usize) {
         (
             self.tool.load(Ordering::SeqCst),
@@ -1345,16 +1353,8 @@ fn tool_result(model: &ScriptedModel, at: usize, tool: &str) -> (String, bool) {
 
 const UNKNOWN: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
 
-static REFUNDS: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
-static NOTES: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
+static REFUNDS: Runs = Runs::new();
+static NOTES: Runs = Runs::new();
 
 #[agent]
 fn refunder() -> &'static str {
@@ -1422,11 +1422,7 @@ async fn an_interrupted_durable_call_runs_again_replaying_its_settled_steps() {
     );
 }
 
-static HALF_DONE: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
+static HALF_DONE: Runs = Runs::new();
 
 #[agent]
 fn half_refunder() -> &'static str {
@@ -1461,11 +1457,7 @@ async fn a_durable_call_interrupted_between_its_steps_runs_only_the_unsettled_st
     );
 }
 
-static FLIPPED: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
+static FLIPPED: Runs = Runs::new();
 
 #[agent]
 fn flipper() -> &'static str {
@@ -1530,11 +1522,7 @@ async fn a_step_name_used_twice_in_one_call_is_an_error_result() {
     assert_eq!(steps, 1, "the first step settled");
 }
 
-static PAIR: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
+static PAIR: Runs = Runs::new();
 
 #[agent]
 fn pair_refunder() -> &'static str {
@@ -1559,11 +1547,7 @@ async fn two_durable_calls_of_one_batch_each_replay_their_own_steps() {
     assert_eq!(PAIR.get(), (4, 2, 2));
 }
 
-static TWICE: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
+static TWICE: Runs = Runs::new();
 
 #[agent]
 fn twice_refunder() -> &'static str {
@@ -1678,11 +1662,7 @@ async fn a_re_run_terminating_batch_ends_the_response_without_another_model_call
     assert_eq!(CLOSING_STEPS.load(Ordering::SeqCst), 1);
 }
 
-static HANGING: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
+static HANGING: Runs = Runs::new();
 
 #[agent]
 fn hanger() -> &'static str {
@@ -1730,11 +1710,7 @@ async fn an_abort_during_a_step_leaves_the_call_unknown_and_it_does_not_run_agai
     assert_eq!(tool_result(&model, 1, "refund"), (UNKNOWN.to_owned(), true));
 }
 
-static KILLED: Runs = Runs {
-    tool: AtomicUsize::new(0),
-    first: AtomicUsize::new(0),
-    second: AtomicUsize::new(0),
-};
+static KILLED: Runs = Runs::new();
 
 #[agent]
 fn killed_refunder() -> &'static str {
