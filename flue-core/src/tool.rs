@@ -783,7 +783,8 @@ impl ToolContext {
     ///
     /// Names identify steps across runs of one call, so they must be non-empty and unique
     /// within the call: a reused name is an error. A recorded value that no longer
-    /// deserializes into `T` is an error too.
+    /// deserializes into `T` is an error too. Whatever `work` returns is recorded, a `Result`
+    /// included: for a step that can fail, [`ToolContext::try_step`] records only success.
     ///
     /// ```
     /// use flue_core::prelude::*;
@@ -805,6 +806,30 @@ impl ToolContext {
         T: Serialize + DeserializeOwned,
         F: Future<Output = T>,
     {
+        self.settle(name, async { Ok::<T, std::convert::Infallible>(work.await) })
+            .await
+    }
+
+    /// A step that may fail: like [`ToolContext::step`], but only an `Ok` value is recorded.
+    /// An `Err` is returned as the tool's error (its `Display` text) and leaves nothing on
+    /// record, so a re-run of the call tries the step again, and so may this run (the name
+    /// stays free). Put a side effect that can fail (a declined charge) in one of these.
+    pub async fn try_step<T, E, F>(&self, name: &str, work: F) -> Result<T, ToolError>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: Future<Output = Result<T, E>>,
+    {
+        self.settle(name, work).await
+    }
+
+    /// The step `name`: its recorded value, or `work`'s, recorded when it is `Ok`.
+    async fn settle<T, E, F>(&self, name: &str, work: F) -> Result<T, ToolError>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: Future<Output = Result<T, E>>,
+    {
         let inner = &self.inner;
         let tool = &inner.tool_name;
         if name.is_empty() {
@@ -812,18 +837,21 @@ impl ToolContext {
                 "[flue] Tool \"{tool}\" ran a step without a name. Name each step of a call."
             )));
         }
-        let fresh = inner
-            .step_names
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(name.to_owned());
-        if !fresh {
+        let names = || inner.step_names.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !names().insert(name.to_owned()) {
             return Err(ToolError::new(format!(
                 "[flue] Tool \"{tool}\" ran the step \"{name}\" twice in one call. A re-run finds a step's recorded value by its name: give each step of a call a name of its own."
             )));
         }
+        let run = async {
+            work.await.map_err(|error| {
+                // Nothing settled: the name stays free for another try.
+                names().remove(name);
+                ToolError::new(error.to_string())
+            })
+        };
         let Some(steps) = &inner.steps else {
-            return Ok(work.await);
+            return run.await;
         };
         let parse = |value: Value| {
             serde_json::from_value(value).map_err(|error| {
@@ -835,7 +863,7 @@ impl ToolContext {
         if let Some(value) = steps.recorded(name) {
             return parse(value);
         }
-        let value = serde_json::to_value(work.await).map_err(|error| {
+        let value = serde_json::to_value(run.await?).map_err(|error| {
             ToolError::new(format!(
                 "[flue] Tool \"{tool}\" step \"{name}\" returned a value that is not JSON: {error}"
             ))
@@ -996,6 +1024,41 @@ mod tests {
         let output = poll_ready(tool.call(ctx(), serde_json::json!({})));
         assert_eq!(output, ToolOutput::text("charge 7"));
         assert_eq!(RUNS.load(Ordering::SeqCst), 1, "the re-run read the recorded value");
+    }
+
+    #[test]
+    fn a_failed_try_step_is_not_recorded_and_the_call_may_try_it_again() {
+        static RUNS: AtomicUsize = AtomicUsize::new(0);
+        let tool = Tool::new("charge").description("Charge the card.").durable().run(
+            |ctx, _: serde_json::Map<String, Value>| async move {
+                let first = ctx
+                    .try_step("charge", async {
+                        RUNS.fetch_add(1, Ordering::SeqCst);
+                        Err::<u32, _>("the card was declined")
+                    })
+                    .await;
+                assert_eq!(first.expect_err("declined").to_string(), "the card was declined");
+                let charge: u32 = ctx
+                    .try_step("charge", async {
+                        RUNS.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, std::convert::Infallible>(7)
+                    })
+                    .await?;
+                Ok::<_, ToolError>(format!("charge {charge}"))
+            },
+        );
+        let journal = Arc::new(Journal::default());
+        let output = poll_ready(tool.call(
+            ToolContext::new(&tool, "call_1").with_steps(journal.clone()),
+            serde_json::json!({}),
+        ));
+        assert_eq!(output, ToolOutput::text("charge 7"));
+        assert_eq!(RUNS.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            *journal.settled.lock().expect("journal"),
+            vec![("charge".to_owned(), serde_json::json!(7))],
+            "only the step that succeeded is on record"
+        );
     }
 
     #[test]
