@@ -1048,7 +1048,7 @@ impl<D: SseDecoder> Driver<D> {
                 ProviderErrorKind::InvalidResponse,
                 format!("[flue] Provider \"{provider}\" sent an event stream that is not UTF-8."),
             ),
-            SseError::TooLarge => ProviderError::new(
+            SseError::TooLarge { .. } => ProviderError::new(
                 ProviderErrorKind::InvalidResponse,
                 format!("[flue] Provider \"{provider}\" sent a malformed event stream: {error}."),
             ),

@@ -6,12 +6,14 @@
 //! CRLF, LF or CR (a CR at the end of a chunk waits for the next chunk's first byte); a line
 //! starting with `:` is a comment; `data` lines join with LF; an event without `data` is not
 //! dispatched; an unterminated event at the end of the stream is discarded; a leading byte
-//! order mark is skipped. Events are bounded ([`MAX_EVENT_BYTES`]): a peer that never ends a
-//! line or an event cannot grow the buffer without limit.
+//! order mark is skipped. Events are bounded ([`MAX_EVENT_BYTES`] unless the parser is built
+//! with [`SseParser::new`]): a peer that never ends a line or an event cannot grow the buffer
+//! without limit.
 
 use std::fmt;
 
-/// The most bytes one event (its lines, including any not yet terminated) may take.
+/// The most bytes one event (its lines, including any not yet terminated) may take, unless
+/// the parser is built with another bound.
 pub(crate) const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 
 /// One dispatched event, borrowed from the parser.
@@ -28,23 +30,28 @@ pub(crate) struct Event<'a> {
 pub(crate) enum SseError {
     /// A line is not UTF-8.
     Utf8,
-    /// An event grew past [`MAX_EVENT_BYTES`].
-    TooLarge,
+    /// An event grew past the parser's bound (`limit` bytes).
+    TooLarge {
+        /// The bound it grew past.
+        limit: usize,
+    },
 }
 
 impl fmt::Display for SseError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Utf8 => f.write_str("a line is not UTF-8"),
-            Self::TooLarge => write!(f, "an event is larger than {MAX_EVENT_BYTES} bytes"),
+            Self::TooLarge { limit } => write!(f, "an event is larger than {limit} bytes"),
         }
     }
 }
 
 /// Incremental event-stream parser: [`push`](Self::push) chunks, take events with
 /// [`next_event`](Self::next_event) until it returns `None`, push the next chunk.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct SseParser {
+    /// The most bytes one event may take.
+    max_event_bytes: usize,
     /// Received bytes; `buffer[position..]` is not parsed yet.
     buffer: Vec<u8>,
     position: usize,
@@ -63,7 +70,31 @@ pub(crate) struct SseParser {
     dispatched: bool,
 }
 
+impl Default for SseParser {
+    /// A parser bounding events at [`MAX_EVENT_BYTES`].
+    fn default() -> Self {
+        Self::new(MAX_EVENT_BYTES)
+    }
+}
+
 impl SseParser {
+    /// A parser refusing ([`SseError::TooLarge`]) any event of more than `max_event_bytes`
+    /// bytes (its lines with their line ends, including a line not yet terminated).
+    pub(crate) fn new(max_event_bytes: usize) -> Self {
+        Self {
+            max_event_bytes,
+            buffer: Vec::new(),
+            position: 0,
+            after_cr: false,
+            started: false,
+            event_type: String::new(),
+            data: String::new(),
+            has_data: false,
+            event_bytes: 0,
+            dispatched: false,
+        }
+    }
+
     /// Appends a chunk of the body.
     pub(crate) fn push(&mut self, chunk: &[u8]) {
         if self.position > 0 {
@@ -98,8 +129,8 @@ impl SseParser {
             }
             let rest = &self.buffer[self.position..];
             let Some(end) = memchr::memchr2(b'\n', b'\r', rest) else {
-                if self.event_bytes + rest.len() > MAX_EVENT_BYTES {
-                    return Err(SseError::TooLarge);
+                if self.event_bytes + rest.len() > self.max_event_bytes {
+                    return Err(self.too_large());
                 }
                 return Ok(None);
             };
@@ -121,8 +152,8 @@ impl SseParser {
                 continue;
             }
             self.event_bytes += end + 1;
-            if self.event_bytes > MAX_EVENT_BYTES {
-                return Err(SseError::TooLarge);
+            if self.event_bytes > self.max_event_bytes {
+                return Err(self.too_large());
             }
             let line = std::str::from_utf8(&self.buffer[line_start..line_start + end]).map_err(|_| SseError::Utf8)?;
             let (field, value) = match line.split_once(':') {
@@ -147,6 +178,12 @@ impl SseParser {
                 // fields are ignored by the standard.
                 _ => {}
             }
+        }
+    }
+
+    fn too_large(&self) -> SseError {
+        SseError::TooLarge {
+            limit: self.max_event_bytes,
         }
     }
 
@@ -223,11 +260,34 @@ mod tests {
     #[test]
     fn an_endless_line_or_event_is_refused_past_the_bound() {
         let line = vec![b'x'; MAX_EVENT_BYTES + 1];
-        assert_eq!(events_in_chunks(&line, 1 << 20), Err(SseError::TooLarge));
+        let too_large = Err(SseError::TooLarge { limit: MAX_EVENT_BYTES });
+        assert_eq!(events_in_chunks(&line, 1 << 20), too_large);
         let mut event = Vec::new();
         while event.len() <= MAX_EVENT_BYTES {
             event.extend_from_slice(b"data: 0123456789abcdef0123456789abcdef\n");
         }
-        assert_eq!(events_in_chunks(&event, 1 << 20), Err(SseError::TooLarge));
+        assert_eq!(events_in_chunks(&event, 1 << 20), too_large);
+    }
+
+    #[test]
+    fn a_parser_built_with_a_bound_refuses_events_past_it_and_only_those() {
+        let mut parser = SseParser::new(16);
+        // 15 bytes of lines: under the bound.
+        parser.push(
+            b"data: 12345678
+
+",
+        );
+        assert_eq!(
+            parser
+                .next_event()
+                .map(|event| event.map(|event| event.data.to_owned())),
+            Ok(Some("12345678".to_owned()))
+        );
+        // 17 bytes, before the line even ends.
+        parser.push(b"data: 1234567890");
+        assert_eq!(parser.next_event(), Ok(None));
+        parser.push(b"x");
+        assert_eq!(parser.next_event(), Err(SseError::TooLarge { limit: 16 }));
     }
 }
