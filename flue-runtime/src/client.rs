@@ -3,7 +3,10 @@
 //!
 //! Following survives dropped connections: the client reconnects from the last offset the
 //! server confirmed and skips chunks it already delivered (each chunk has a position: its
-//! batch and its index in that batch), so every chunk arrives once, in order.
+//! batch and its index in that batch), so every chunk arrives once, in order. An event the
+//! client cannot read (larger than [`Client::with_max_event_bytes`], not UTF-8, or not JSON)
+//! would be read again on every reconnection: it ends the stream with
+//! [`ClientError::Protocol`] instead.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), flue_runtime::client::ClientError> {
@@ -25,7 +28,7 @@ use flue_core::message::DeliveredMessage;
 use futures_util::{Stream, StreamExt};
 use serde_json::{Map, Value, json};
 
-use crate::provider::sse::SseParser;
+use crate::provider::sse::{MAX_EVENT_BYTES, SseParser};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +62,12 @@ pub enum ClientError {
     /// The server could not be reached, or answered something that is not the protocol.
     #[error("{0}")]
     Transport(String),
+    /// A followed stream sent an event the client cannot read: larger than the client's
+    /// bound ([`Client::with_max_event_bytes`]), not UTF-8, or whose data is not JSON.
+    /// Reading the stream again would meet the same event, so this error ends the stream
+    /// rather than a reconnection.
+    #[error("{0}")]
+    Protocol(String),
 }
 
 impl From<reqwest::Error> for ClientError {
@@ -70,6 +79,10 @@ impl From<reqwest::Error> for ClientError {
 /// How long a followed stream may be silent: three of the server's 15 s heartbeats.
 const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(45);
 
+/// The most bytes one event of a followed stream may take, by default: the model providers'
+/// bound (16 MiB).
+const DEFAULT_MAX_EVENT_BYTES: usize = MAX_EVENT_BYTES;
+
 /// A connection to a server of the protocol.
 #[derive(Clone, Debug)]
 pub struct Client {
@@ -78,6 +91,8 @@ pub struct Client {
     token: Option<String>,
     /// How long a followed stream may stay silent before its connection is taken for dead.
     idle_timeout: Duration,
+    /// The most bytes one event of a followed stream may take.
+    max_event_bytes: usize,
 }
 
 impl Client {
@@ -91,6 +106,7 @@ impl Client {
             base: base_url.into().trim_end_matches('/').to_owned(),
             token: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
         })
     }
 
@@ -104,6 +120,16 @@ impl Client {
     /// a heartbeat, arrived on it for `timeout` (default: 45 s, three server heartbeats).
     pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
         self.idle_timeout = timeout;
+        self
+    }
+
+    /// Refuses an event of a followed stream larger than `bytes` (its SSE lines, line ends
+    /// included; default: 16 MiB). The server splits catch-up batches at about 1 MiB, but
+    /// one chunk (a big data part, say) is sent whole in one event, however large. An event
+    /// past the bound ends the stream with [`ClientError::Protocol`], after the chunks
+    /// before it; the client stops buffering it as soon as it passes the bound.
+    pub fn with_max_event_bytes(mut self, bytes: usize) -> Self {
+        self.max_event_bytes = bytes;
         self
     }
 
@@ -264,17 +290,20 @@ impl Instance {
     /// Every chunk after `offset` (`-1`: from the start), live, for as long as the stream is
     /// read. A dropped connection is resumed from the last offset the server confirmed;
     /// chunks seen before are skipped by position. Errors the server answers (404, 416, …)
-    /// end the stream.
+    /// end the stream, and so does an event the client cannot read (larger than
+    /// [`Client::with_max_event_bytes`], not UTF-8, or not JSON): [`ClientError::Protocol`]
+    /// comes once, after every chunk received before that event, as the stream's last item.
     pub fn follow(&self, offset: &str) -> Chunks {
         let state = Follow {
             instance: self.clone(),
             offset: offset.to_owned(),
             last: None,
             body: None,
-            parser: SseParser::default(),
+            parser: SseParser::new(self.client.max_event_bytes),
             ready: VecDeque::new(),
             failures: 0,
             ended: false,
+            error: None,
         };
         Box::pin(futures_util::stream::unfold(state, |mut state| async move {
             let item = state.next().await?;
@@ -297,8 +326,11 @@ struct Follow {
     ready: VecDeque<Value>,
     /// Consecutive failed connections (the backoff grows with them).
     failures: u32,
-    /// The server refused the stream: its error was delivered and the stream is over.
+    /// The server refused the stream, or sent an event the client cannot read: the stream
+    /// is over once `ready` and `error` are delivered.
     ended: bool,
+    /// Why the stream ended, delivered after the chunks received before it.
+    error: Option<ClientError>,
 }
 
 impl Follow {
@@ -308,7 +340,7 @@ impl Follow {
                 return Some(Ok(chunk));
             }
             if self.ended {
-                return None;
+                return self.error.take().map(Err);
             }
             let Some(body) = &mut self.body else {
                 if self.failures > 0 {
@@ -343,8 +375,14 @@ impl Follow {
                 Some(Ok(bytes)) => {
                     self.failures = 0;
                     self.parser.push(&bytes);
-                    if self.take_events().is_err() {
-                        self.reconnect();
+                    // The same offset would bring the same event again: end the stream
+                    // rather than reconnect to it forever.
+                    if let Err(error) = self.take_events() {
+                        self.body = None;
+                        // Frees the event's buffer.
+                        self.parser = SseParser::default();
+                        self.ended = true;
+                        self.error = Some(error);
                     }
                 }
                 // The connection dropped (or the server closed it): resume.
@@ -355,15 +393,30 @@ impl Follow {
 
     fn reconnect(&mut self) {
         self.body = None;
-        self.parser = SseParser::default();
+        self.parser = SseParser::new(self.instance.client.max_event_bytes);
         self.failures += 1;
     }
 
     /// Moves the complete events out of the parser: chunks not seen before into `ready`, the
-    /// confirmed offset from control frames.
-    fn take_events(&mut self) -> Result<(), ()> {
-        while let Some(event) = self.parser.next_event().map_err(|_| ())? {
-            let payload: Value = serde_json::from_str(event.data).map_err(|_| ())?;
+    /// confirmed offset from control frames. The error of an event that cannot be read; the
+    /// events before it are taken.
+    fn take_events(&mut self) -> Result<(), ClientError> {
+        let unreadable = |offset: &str, why: &dyn std::fmt::Display| {
+            ClientError::Protocol(format!("cannot read the stream after offset {offset}: {why}"))
+        };
+        loop {
+            let event = match self.parser.next_event() {
+                Ok(Some(event)) => event,
+                Ok(None) => return Ok(()),
+                Err(error) => return Err(unreadable(&self.offset, &error)),
+            };
+            let payload: Value = match serde_json::from_str(event.data) {
+                Ok(payload) => payload,
+                Err(error) => {
+                    let why = format!("an event's data is not JSON ({error})");
+                    return Err(unreadable(&self.offset, &why));
+                }
+            };
             match event.event {
                 "data" => {
                     for chunk in payload.as_array().into_iter().flatten() {
@@ -385,7 +438,6 @@ impl Follow {
                 _ => {}
             }
         }
-        Ok(())
     }
 }
 

@@ -2357,6 +2357,114 @@ async fn a_follower_reconnects_when_a_server_never_answers() {
     assert_eq!(chunk["type"], "message-completed");
 }
 
+/// A stub server answering every connection with the SSE `frames` and holding it open, so
+/// that a second connection can only be the client's own reconnection; its URL and the count
+/// of connections it took.
+async fn sse_stub(frames: String) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let accepted = connections.clone();
+    tokio::spawn(async move {
+        let mut open = Vec::new();
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await.unwrap();
+            accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let response =
+                format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n{frames}");
+            socket.write_all(response.as_bytes()).await.unwrap();
+            open.push(socket);
+        }
+    });
+    (format!("http://{addr}"), connections)
+}
+
+/// The next item of `chunks`, which must come within 5 s.
+async fn next_within(
+    chunks: &mut flue_runtime::client::Chunks,
+    what: &str,
+) -> Option<Result<Value, flue_runtime::client::ClientError>> {
+    tokio::time::timeout(Duration::from_secs(5), chunks.next())
+        .await
+        .unwrap_or_else(|_| panic!("{what} within 5 s"))
+}
+
+/// Two chunks and the control frame confirming them, then `event`.
+fn frames_then(event: &str) -> String {
+    format!(
+        "event: data\ndata:[{{\"type\":\"stream-checkpoint\",\"incarnation\":\"inc_1\"}},\
+         {{\"type\":\"message-started\",\"messageId\":\"m\",\"position\":{{\"batch\":1,\"index\":0}}}},\
+         {{\"type\":\"message-completed\",\"messageId\":\"m\",\"position\":{{\"batch\":1,\"index\":1}}}}]\n\n\
+         event: control\ndata:{{\"streamNextOffset\":\"0000000000000000_0000000000000001\",\"upToDate\":false}}\n\n\
+         {event}"
+    )
+}
+
+/// Follows the stub serving `frames_then(event)`: the two chunks come, then the error (the
+/// stream's last item, once), and the stream ends without reconnecting.
+async fn assert_followed_event_ends_the_stream(
+    client: flue_runtime::client::Client,
+    connections: &std::sync::atomic::AtomicUsize,
+    expected: &str,
+) {
+    let mut chunks = client.instance("calculator", "k1").follow("-1");
+    for kind in ["message-started", "message-completed"] {
+        let chunk = next_within(&mut chunks, "the chunks before the event")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(chunk["type"], kind);
+    }
+    match next_within(&mut chunks, "the error").await {
+        Some(Err(flue_runtime::client::ClientError::Protocol(message))) => assert_eq!(message, expected),
+        other => panic!("the protocol error, not {other:?}"),
+    }
+    let end = next_within(&mut chunks, "the end of the stream").await;
+    assert!(end.is_none(), "{end:?}");
+    assert_eq!(
+        connections.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "no reconnection"
+    );
+}
+
+#[tokio::test]
+async fn a_followed_event_over_the_limit_ends_the_stream_with_an_error() {
+    // A data part of 2,000 bytes: well under the default bound, over the client's 1,024.
+    let big = format!(
+        "event: data\ndata:[{{\"type\":\"data-part\",\"messageId\":\"m\",\"name\":\"blob\",\
+         \"data\":\"{}\",\"position\":{{\"batch\":2,\"index\":0}}}}]\n\n",
+        "x".repeat(2000)
+    );
+    let (root, connections) = sse_stub(frames_then(&big)).await;
+    let client = flue_runtime::client::Client::new(root)
+        .unwrap()
+        .with_max_event_bytes(1024);
+    assert_followed_event_ends_the_stream(
+        client,
+        &connections,
+        "cannot read the stream after offset 0000000000000000_0000000000000001: \
+         an event is larger than 1024 bytes",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_followed_event_whose_data_is_not_json_ends_the_stream_with_an_error() {
+    let (root, connections) = sse_stub(frames_then("event: data\ndata: [{not json\n\n")).await;
+    let client = flue_runtime::client::Client::new(root).unwrap();
+    assert_followed_event_ends_the_stream(
+        client,
+        &connections,
+        "cannot read the stream after offset 0000000000000000_0000000000000001: \
+         an event's data is not JSON (key must be a string at line 1 column 3)",
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn an_authorization_callback_sees_the_path_the_client_requested() {
     use flue_runtime::http::{AccessRequest, Denied};
