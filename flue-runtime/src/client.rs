@@ -25,6 +25,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use flue_core::message::DeliveredMessage;
+use flue_core::url::url_without_secrets;
 use futures_util::{Stream, StreamExt};
 use serde_json::{Map, Value, json};
 
@@ -72,7 +73,19 @@ pub enum ClientError {
 
 impl From<reqwest::Error> for ClientError {
     fn from(error: reqwest::Error) -> Self {
-        Self::Transport(error.to_string())
+        Self::Transport(transport_text(error))
+    }
+}
+
+/// The text of a reqwest error, its URL quoted without the userinfo, query and fragment where a
+/// credential may sit: reqwest quotes the whole URL it requested, and a
+/// client error reaches logs and whoever the application shows it to.
+fn transport_text(error: reqwest::Error) -> String {
+    let url = error.url().map(|url| url_without_secrets(url.as_str()));
+    let error = error.without_url();
+    match url {
+        Some(url) => format!("{error} for url ({url})"),
+        None => error.to_string(),
     }
 }
 
@@ -169,10 +182,12 @@ fn encode(segment: &str) -> String {
 /// The body of a success, or the error of the envelope.
 async fn json_of(response: reqwest::Response) -> Result<Value, ClientError> {
     let status = response.status().as_u16();
-    let body: Value = response
-        .json()
-        .await
-        .map_err(|error| ClientError::Transport(format!("the server answered {status} with no JSON: {error}")))?;
+    let body: Value = response.json().await.map_err(|error| {
+        ClientError::Transport(format!(
+            "the server answered {status} with no JSON: {}",
+            transport_text(error)
+        ))
+    })?;
     if status >= 400 {
         let error = &body["error"];
         let text = |field: &str| error[field].as_str().unwrap_or_default().to_owned();
@@ -564,5 +579,78 @@ impl ReplyFold {
             _ => {}
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+    use super::*;
+
+    /// A server URL carrying a password in its userinfo and a key in its query; nothing
+    /// listens on port 1 of loopback.
+    const SECRET_URL: &str = "http://user:hunter2@127.0.0.1:1/?key=hunter2";
+
+    #[tokio::test]
+    async fn transport_errors_quote_the_server_without_its_userinfo_or_query() {
+        let client = Client::new(SECRET_URL).unwrap().with_bearer_token("token-hunter2");
+        let errors = [
+            client.catalog().await.unwrap_err(),
+            client.instance("assistant", "i").history().await.unwrap_err(),
+            client.instance("assistant", "i").abort().await.unwrap_err(),
+        ];
+        for error in errors {
+            let (display, debug) = (error.to_string(), format!("{error:?}"));
+            assert!(!display.contains("hunter2"), "{display}");
+            assert!(!debug.contains("hunter2"), "{debug}");
+            assert!(
+                display.contains("http://127.0.0.1:1/"),
+                "the server stays named: {display}"
+            );
+        }
+    }
+
+    /// A loopback server answering every request with `response`; its base URL.
+    async fn answering(response: &'static str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut request = [0u8; 4096];
+                let _ = socket.read(&mut request).await;
+                let _ = socket.write_all(response.as_bytes()).await;
+            }
+        });
+        base
+    }
+
+    #[tokio::test]
+    async fn a_redirect_to_a_url_with_a_key_leaves_the_key_out_of_the_error() {
+        // The redirect's target fails (nothing listens on port 1): its key must not be quoted.
+        let base = answering(
+            "HTTP/1.1 302 Found\r\nlocation: http://user:hunter2@127.0.0.1:1/next?key=hunter2\r\n\
+             content-length: 0\r\nconnection: close\r\n\r\n",
+        )
+        .await;
+        let error = Client::new(base).unwrap().catalog().await.unwrap_err();
+        let (display, debug) = (error.to_string(), format!("{error:?}"));
+        assert!(!display.contains("hunter2"), "{display}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_is_not_json_is_reported_without_the_url_secrets() {
+        let base = answering("HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nabc").await;
+        let error = Client::new(format!("{base}/?key=hunter2"))
+            .unwrap()
+            .catalog()
+            .await
+            .unwrap_err();
+        let (display, debug) = (error.to_string(), format!("{error:?}"));
+        assert!(display.starts_with("the server answered 200 with no JSON"), "{display}");
+        assert!(!display.contains("hunter2"), "{display}");
+        assert!(!debug.contains("hunter2"), "{debug}");
     }
 }
