@@ -97,7 +97,7 @@ const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(45);
 const DEFAULT_MAX_EVENT_BYTES: usize = MAX_EVENT_BYTES;
 
 /// A connection to a server of the protocol.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Client {
     http: reqwest::Client,
     base: String,
@@ -106,6 +106,18 @@ pub struct Client {
     idle_timeout: Duration,
     /// The most bytes one event of a followed stream may take.
     max_event_bytes: usize,
+}
+
+/// Without the bearer token, and the base URL without its userinfo, query and fragment: a
+/// client's Debug ends up in logs.
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("base", &url_without_secrets(&self.base))
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("idle_timeout", &self.idle_timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Client {
@@ -229,10 +241,20 @@ pub struct Reply {
 }
 
 /// One instance on the server.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Instance {
     client: Client,
     url: String,
+}
+
+/// Its URL without the userinfo, query and fragment; its client as [`Client`]'s Debug shows it.
+impl std::fmt::Debug for Instance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Instance")
+            .field("client", &self.client)
+            .field("url", &url_without_secrets(&self.url))
+            .finish()
+    }
 }
 
 /// Chunks of an instance's stream, in order, each once.
@@ -652,5 +674,15 @@ mod tests {
         assert!(display.starts_with("the server answered 200 with no JSON"), "{display}");
         assert!(!display.contains("hunter2"), "{display}");
         assert!(!debug.contains("hunter2"), "{debug}");
+    }
+
+    #[test]
+    fn debug_of_a_client_and_its_instances_shows_neither_the_bearer_token_nor_url_secrets() {
+        let client = Client::new(SECRET_URL).unwrap().with_bearer_token("token-hunter2");
+        let instance = client.instance("assistant", "i");
+        for debug in [format!("{client:?}"), format!("{instance:?}")] {
+            assert!(!debug.contains("hunter2"), "{debug}");
+            assert!(debug.contains("127.0.0.1:1"), "{debug}");
+        }
     }
 }
