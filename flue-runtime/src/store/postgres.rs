@@ -2422,6 +2422,60 @@ mod tests {
         assert!(message.starts_with("postgres: no database connection"), "{message}");
     }
 
+    #[tokio::test]
+    async fn connection_errors_never_quote_the_password() {
+        // Unreachable (nothing listens on port 1 of loopback) or malformed, the password given
+        // in the userinfo, the query or a `key=value` string stays out of the error.
+        let urls = [
+            "postgres://nobody:hunter2@127.0.0.1:1/none?connect_timeout=5",
+            "postgres://nobody@127.0.0.1:1/none?password=hunter2&connect_timeout=5",
+            "host=127.0.0.1 port=1 user=nobody password=hunter2 connect_timeout=5",
+            "postgres://nobody:hunter2@127.0.0.1:notaport/none",
+            "postgres://nobody:hunter2@127.0.0.1:1/none?hunter2=1",
+            "postgres://nobody:hunter2@127.0.0.1:1/none?sslmode=hunter2",
+            "host=127.0.0.1 user=nobody password='hunter2",
+            "host=127.0.0.1 password=hunter2 hunter2",
+        ];
+        for url in urls {
+            let error = PostgresStore::connect(url).await.unwrap_err();
+            let (display, debug) = (error.to_string(), format!("{error:?}"));
+            assert!(display.contains("postgres: "), "{url}: {display}");
+            assert!(!display.contains("hunter2"), "{url}: {display}");
+            assert!(!debug.contains("hunter2"), "{url}: {debug}");
+        }
+    }
+
+    #[tokio::test]
+    async fn debug_of_a_store_never_shows_its_connection_url() {
+        let Some(url) = test_url() else { return };
+        let store = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
+        let debug = format!("{store:?}");
+        let config: tokio_postgres::Config = url.parse().unwrap();
+        assert!(!debug.contains(&url), "{debug}");
+        if let Some(password) = config.get_password().filter(|password| !password.is_empty()) {
+            assert!(!debug.contains(&*String::from_utf8_lossy(password)), "{debug}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_rejected_password_is_not_quoted_in_the_error() {
+        let Some(url) = test_url() else { return };
+        // The same server and role with a wrong password (a later `password` wins).
+        let wrong = if !url.contains("://") {
+            format!("{url} password=hunter2")
+        } else if url.contains('?') {
+            format!("{url}&password=hunter2")
+        } else {
+            format!("{url}?password=hunter2")
+        };
+        // A server that trusts the role lets any password in: nothing to check then.
+        if let Err(error) = PostgresStore::connect_with_schema(&wrong, &fresh_schema()).await {
+            let (display, debug) = (error.to_string(), format!("{error:?}"));
+            assert!(!display.contains("hunter2"), "{display}");
+            assert!(!debug.contains("hunter2"), "{debug}");
+        }
+    }
+
     #[test]
     fn measures_the_clock_offset_within_half_a_round_trip_and_keeps_it_while_measurements_agree() {
         // The database read 1 000 ms past the node's midpoint of a 10 ms round trip.
