@@ -30,6 +30,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use flue_core::model::ThinkingLevel;
+use flue_core::url::url_without_secrets;
 use flue_core::usage::Usage;
 use reqwest::header::{ACCEPT, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
@@ -71,7 +72,7 @@ const MIN_THINKING_BUDGET: u32 = 1024;
 /// let provider = AnthropicProvider::anthropic().with_timeout(Duration::from_secs(90));
 /// assert_eq!(provider.id(), "anthropic");
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct AnthropicProvider {
     id: String,
     base_url: String,
@@ -80,6 +81,22 @@ pub struct AnthropicProvider {
     transport: Transport,
     client: SharedClient,
     tools: ToolJson,
+}
+
+/// The base URL without its userinfo, query and fragment (the key is redacted by its own
+/// Debug): a provider's Debug ends up in logs.
+impl std::fmt::Debug for AnthropicProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AnthropicProvider")
+            .field("id", &self.id)
+            .field("base_url", &url_without_secrets(&self.base_url))
+            .field("endpoint", &self.endpoint)
+            .field("key", &self.key)
+            .field("transport", &self.transport)
+            .field("client", &self.client)
+            .field("tools", &self.tools)
+            .finish()
+    }
 }
 
 impl AnthropicProvider {
@@ -764,6 +781,18 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn debug_of_the_provider_shows_neither_its_key_nor_its_base_url_secrets() {
+        let provider = AnthropicProvider::anthropic()
+            .with_base_url("https://user:hunter2@127.0.0.1:1/v1?key=hunter2#hunter2")
+            .with_api_key("sk-hunter2-0123456789");
+        // The endpoint, parsed at the first call, is part of the provider's Debug too.
+        assert!(provider.endpoint.url(&provider.base_url, "messages").is_ok());
+        let debug = format!("{provider:?}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("https://127.0.0.1:1/v1"), "{debug}");
+    }
 
     fn request(messages: Vec<ModelMessage>, level: ThinkingLevel, max: Option<u32>) -> ModelRequest {
         ModelRequest {

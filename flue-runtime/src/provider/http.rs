@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 use super::sse::{Event, SseError, SseParser};
 use crate::error_chain;
 use bytes::Bytes;
-use flue_core::url::without_url_secrets;
+use flue_core::url::{url_without_secrets, without_url_secrets};
 use futures_util::{Stream, StreamExt};
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::Value;
@@ -492,8 +492,19 @@ pub(crate) fn endpoint(base_url: &str, path: &str) -> String {
 }
 
 /// A provider's endpoint, parsed once (not on every call). Reset it when the base URL changes.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Endpoint(OnceLock<Result<reqwest::Url, String>>);
+
+/// The URL without its userinfo, query and fragment: a provider's Debug ends up in logs.
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let url = self.0.get().map(|url| match url {
+            Ok(url) => url_without_secrets(url.as_str()),
+            Err(text) => url_without_secrets(text),
+        });
+        f.debug_tuple("Endpoint").field(&url).finish()
+    }
+}
 
 impl Endpoint {
     /// The URL of `path` under `base_url`: parsed, or the text that does not parse (reqwest

@@ -44,6 +44,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flue_core::model::ThinkingLevel;
+use flue_core::url::url_without_secrets;
 use flue_core::usage::Usage;
 use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderValue};
 use serde::Serialize;
@@ -88,7 +89,7 @@ enum Flavor {
 ///     .with_timeout(Duration::from_secs(120))
 ///     .with_retry_policy(RetryPolicy::none());
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct OpenAiProvider {
     id: String,
     base_url: String,
@@ -98,6 +99,23 @@ pub struct OpenAiProvider {
     transport: Transport,
     client: SharedClient,
     tools: ToolJson,
+}
+
+/// The base URL without its userinfo, query and fragment (the key is redacted by its own
+/// Debug): a provider's Debug ends up in logs.
+impl std::fmt::Debug for OpenAiProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenAiProvider")
+            .field("id", &self.id)
+            .field("base_url", &url_without_secrets(&self.base_url))
+            .field("endpoint", &self.endpoint)
+            .field("flavor", &self.flavor)
+            .field("key", &self.key)
+            .field("transport", &self.transport)
+            .field("client", &self.client)
+            .field("tools", &self.tools)
+            .finish()
+    }
 }
 
 impl OpenAiProvider {
@@ -674,6 +692,18 @@ mod tests {
     use super::*;
     use crate::provider::types::ToolSpec;
     use serde_json::json;
+
+    #[test]
+    fn debug_of_the_provider_shows_neither_its_key_nor_its_base_url_secrets() {
+        let provider =
+            OpenAiProvider::compatible("p", "https://user:hunter2@127.0.0.1:1/v1?key=hunter2#hunter2", "P_KEY")
+                .with_api_key("sk-hunter2-0123456789");
+        // The endpoint, parsed at the first call, is part of the provider's Debug too.
+        assert!(provider.endpoint.url(&provider.base_url, "chat/completions").is_ok());
+        let debug = format!("{provider:?}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("https://127.0.0.1:1/v1"), "{debug}");
+    }
 
     fn request(model: &str, level: ThinkingLevel) -> ModelRequest {
         ModelRequest {
