@@ -16,7 +16,7 @@ pub enum McpTransport {
 }
 
 /// A remote MCP server whose tools the agent mounts as `mcp__<server>__<tool>`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct McpConnection {
     /// Server name (the middle segment of its tool names).
     pub name: String,
@@ -34,6 +34,29 @@ pub struct McpConnection {
     pub tools: Option<Vec<String>>,
     /// Degrade to no tools (plus a narration signal) when the server is unreachable.
     pub optional: bool,
+}
+
+/// The URL without its userinfo, query and fragment, the headers without their values (a static
+/// header is where an API key goes); the token is redacted by [`Secret`]'s Debug. A connection's
+/// Debug ends up in logs.
+impl std::fmt::Debug for McpConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let headers: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .map(|(name, _)| (name.as_str(), "[redacted]"))
+            .collect();
+        f.debug_struct("McpConnection")
+            .field("name", &self.name)
+            .field("url", &url_without_secrets(&self.url))
+            .field("transport", &self.transport)
+            .field("auth", &self.auth)
+            .field("headers", &headers)
+            .field("timeout", &self.timeout)
+            .field("tools", &self.tools)
+            .field("optional", &self.optional)
+            .finish()
+    }
 }
 
 impl McpConnection {
@@ -132,4 +155,20 @@ fn is_absolute_url(url: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
     let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
     scheme_ok && !authority.is_empty() && !url.chars().any(char::is_whitespace)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_of_a_connection_shows_neither_its_token_nor_header_values_nor_url_secrets() {
+        let connection = McpConnection::new("docs", "https://user:hunter2@mcp.example/mcp?key=hunter2#hunter2")
+            .auth(Secret::new("token-hunter2"))
+            .header("X-Api-Key", "hunter2");
+        let debug = format!("{connection:?}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("https://mcp.example/mcp"), "{debug}");
+        assert!(debug.contains("X-Api-Key"), "the header names stay: {debug}");
+    }
 }
