@@ -719,36 +719,69 @@ fn owns(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<Submiss
     }))
 }
 
-/// Appends a batch to `key`'s stream; returns its offset.
-fn append_batch(transaction: &Connection, key: &InstanceKey, records: &[Record]) -> Result<u64, StoreError> {
-    let Some((_, stream)) = instance_row(transaction, key)? else {
-        return Err(StoreError::Other(format!("no stream {key}")));
-    };
-    append_to_stream(transaction, stream, key, records)
-}
-
-fn append_to_stream(
+/// Appends a batch at the end of `key`'s stream; returns its offset. With a `fence`, only
+/// while that attempt runs its submission (else [`StoreError::Fenced`]).
+///
+/// One statement finds the stream, its next position and the fence, and inserts: an append is
+/// the hot path of every durability point, and each statement costs its own trip through the
+/// statement cache and SQLite's VM. Only when nothing was inserted do the separate queries run,
+/// to say why.
+fn append_batch(
     transaction: &Connection,
-    stream: i64,
     key: &InstanceKey,
     records: &[Record],
+    fence: Option<&AttemptRef>,
 ) -> Result<u64, StoreError> {
     if records.is_empty() {
         return Err(StoreError::Other("an append batch must not be empty".into()));
     }
-    let offset = next_offset(transaction, stream)?;
-    if offset >= STREAM_CAPACITY {
-        return Err(StoreError::Other(format!(
-            "the stream of {key} is full ({STREAM_CAPACITY} batches)"
+    let data = serde_json::to_string(records).map_err(json_error)?;
+    let position: Option<i64> = transaction
+        .prepare_cached(
+            "INSERT INTO flue_batches (position, records)
+             SELECT next, ?3 FROM (
+                 SELECT COALESCE(
+                         (SELECT MAX(position) + 1 FROM flue_batches
+                              WHERE position >= (stream << 32) AND position < ((stream + 1) << 32)),
+                         stream << 32) AS next,
+                     (stream + 1) << 32 AS stream_end
+                 FROM flue_instances WHERE agent = ?1 AND id = ?2)
+             WHERE next < stream_end
+                 AND (?4 IS NULL OR EXISTS (SELECT 1 FROM flue_submissions
+                     WHERE id = ?4 AND status = 'running' AND attempt_id = ?5))
+             RETURNING position",
+        )
+        .map_err(sql)?
+        .query_row(
+            params![
+                key.agent,
+                key.id,
+                data,
+                fence.map(|attempt| attempt.submission_id.as_str()),
+                fence.map(|attempt| attempt.attempt_id.as_str())
+            ],
+            |row| row.get(0),
+        )
+        .optional()
+        .map_err(sql)?;
+    if let Some(position) = position {
+        // The low bits: `position` is `stream << 32 | offset`, negative streams included.
+        return Ok(position as u64 & (STREAM_CAPACITY - 1));
+    }
+    if let Some(attempt) = fence
+        && !holds(transaction, attempt)?
+    {
+        return Err(StoreError::Fenced(format!(
+            "attempt {} does not own submission {}",
+            attempt.attempt_id, attempt.submission_id
         )));
     }
-    let data = serde_json::to_string(records).map_err(json_error)?;
-    transaction
-        .prepare_cached("INSERT INTO flue_batches (position, records) VALUES (?1, ?2)")
-        .map_err(sql)?
-        .execute(params![stream_start(stream) + offset as i64, data])
-        .map_err(sql)?;
-    Ok(offset)
+    match instance_row(transaction, key)? {
+        None => Err(StoreError::Other(format!("no stream {key}"))),
+        Some(_) => Err(StoreError::Other(format!(
+            "the stream of {key} is full ({STREAM_CAPACITY} batches)"
+        ))),
+    }
 }
 
 /// The offset the stream's next batch takes: one past its last batch.
@@ -821,7 +854,7 @@ impl Store for SqliteStore {
                     .execute(params![admission.key.agent, admission.key.id, uid, sequence])
                     .map_err(sql)?;
                     let birth = super::birth_record(&uid, admission.initial_data.clone());
-                    let offset = append_to_stream(tx, sequence, &admission.key, &[birth])?;
+                    let offset = append_batch(tx, &admission.key, &[birth], None)?;
                     (uid, Some(offset))
                 }
             };
@@ -1043,7 +1076,7 @@ impl Store for SqliteStore {
                 )));
             };
             if !records.is_empty() {
-                append_batch(tx, &host_row.key, &records)?;
+                append_batch(tx, &host_row.key, &records, None)?;
             }
             let mut queued = false;
             for mut row in unsettled_besides(tx, &host_row.key, &host.submission_id)? {
@@ -1116,17 +1149,7 @@ impl Store for SqliteStore {
         records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        ready(self.transaction(|tx| {
-            if let Some(attempt) = authorization
-                && !holds(tx, attempt)?
-            {
-                return Err(StoreError::Fenced(format!(
-                    "attempt {} does not own submission {}",
-                    attempt.attempt_id, attempt.submission_id
-                )));
-            }
-            append_batch(tx, key, &records)
-        }))
+        ready(self.transaction(|tx| append_batch(tx, key, &records, authorization)))
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
@@ -1378,6 +1401,61 @@ mod tests {
             .transaction(|connection| insert_instance(connection, "kept"))
             .unwrap();
         assert_eq!(instance_count(&store), 1);
+    }
+
+    #[test]
+    fn an_append_lands_after_the_streams_last_batch_and_says_why_when_it_cannot() {
+        let store = SqliteStore::in_memory().unwrap();
+        let key = |id: &str| InstanceKey::new("a", id.to_owned());
+        let batch = [super::super::birth_record("u", None)];
+        let outcome =
+            |id: &str, fence: Option<&AttemptRef>| store.transaction(|tx| append_batch(tx, &key(id), &batch, fence));
+        store
+            .transaction(|tx| {
+                // A migrated instance's stream is negative; another stream's batches sit just
+                // past it; a third stream is one batch from full.
+                for (id, stream) in [("migrated", -2_i64), ("neighbour", -1), ("nearly-full", 7)] {
+                    tx.execute(
+                        "INSERT INTO flue_instances (agent, id, uid, next_offset, stream) VALUES ('a', ?1, 'u', 0, ?2)",
+                        params![id, stream],
+                    )
+                    .map_err(sql)?;
+                }
+                for position in [stream_start(-1), stream_start(-1) + 5, stream_start(8) - 2] {
+                    tx.execute(
+                        "INSERT INTO flue_batches (position, records) VALUES (?1, '[]')",
+                        params![position],
+                    )
+                    .map_err(sql)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        // The negative stream is empty (the neighbour's batches do not count), then grows.
+        assert_eq!(outcome("migrated", None).unwrap(), 0);
+        assert_eq!(outcome("migrated", None).unwrap(), 1);
+        assert_eq!(outcome("neighbour", None).unwrap(), 6);
+        assert_eq!(outcome("nearly-full", None).unwrap(), STREAM_CAPACITY - 1);
+        let full = outcome("nearly-full", None).unwrap_err().to_string();
+        assert!(full.contains("is full"), "{full}");
+        let missing = outcome("missing", None).unwrap_err().to_string();
+        assert!(missing.contains("no stream"), "{missing}");
+        let stranger = AttemptRef {
+            submission_id: "sub_none".into(),
+            attempt_id: "attempt_none".into(),
+        };
+        assert!(matches!(
+            outcome("migrated", Some(&stranger)),
+            Err(StoreError::Fenced(_))
+        ));
+        // Nothing the refused appends tried was written.
+        let batches: i64 = store
+            .read_transaction(|tx| {
+                tx.query_row("SELECT COUNT(*) FROM flue_batches", [], |row| row.get(0))
+                    .map_err(sql)
+            })
+            .unwrap();
+        assert_eq!(batches, 3 + 4);
     }
 
     #[test]
