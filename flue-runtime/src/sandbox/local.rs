@@ -190,6 +190,21 @@ fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
     Ok(entries)
 }
 
+/// Opens the directory at the normalized sandbox path `path` under `root`, for a command to
+/// start in: reached by [`walk_beneath`] (each component `O_DIRECTORY | O_NOFOLLOW`, a link on
+/// the way followed by hand and refused when it leads out of the root), so the descriptor is
+/// of a directory beneath the root whatever was swapped on disk after the check. (`O_CLOEXEC`:
+/// a command started meanwhile does not keep it open.)
+#[cfg(unix)]
+fn open_dir_beneath(root: &Path, path: &str) -> Result<std::os::fd::OwnedFd, OpenError> {
+    let end = End::Open {
+        flags: beneath::DIRECTORY,
+        make_dirs: false,
+    };
+    let (dir, _) = walk_beneath(root, path, end)?;
+    Ok(dir)
+}
+
 /// Where a [`walk_beneath`] ends.
 #[cfg(unix)]
 #[derive(Clone, Copy, Debug)]
@@ -570,6 +585,66 @@ fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
     Ok(entries)
 }
 
+/// Makes `command` start in the directory at the normalized sandbox path `path` under `root`
+/// (`shown`: the path as the caller gave it, for errors).
+///
+/// A path handed to the child (`current_dir`) would be resolved again when it starts, after
+/// the check of [`LocalSandbox::resolve`]: a directory on the way swapped for a link out of the
+/// root in between would start the command outside it. So the directory is opened here by
+/// [`open_dir_beneath`], and the child changes into that descriptor (`fchdir`) just before it
+/// runs the command; nothing resolves the path again. The descriptor belongs to the
+/// `pre_exec` closure, so it stays open until the command (the closure with it) is dropped,
+/// after the spawn; `O_CLOEXEC` closes it in the child as the shell starts.
+///
+/// A missing directory, or one that is none, fails as `current_dir` did: with the system's
+/// error (`NotFound` for a missing one).
+#[cfg(unix)]
+async fn start_in(
+    command: &mut tokio::process::Command,
+    root: PathBuf,
+    path: String,
+    shown: String,
+) -> Result<(), SandboxError> {
+    use std::os::fd::AsRawFd;
+    let dir = blocking(move || {
+        open_dir_beneath(&root, &path).map_err(|error| match error {
+            OpenError::Io(error) => io(error),
+            other => other.shown(&shown),
+        })
+    })
+    .await?;
+    let change_into = move || {
+        // SAFETY: `dir` is an open directory descriptor, owned by this closure (the child's
+        // copy of it, in the child).
+        if unsafe { libc::fchdir(dir.as_raw_fd()) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are sound: it makes one system call (`fchdir`), reads `errno`
+    // on failure, and neither allocates nor takes a lock.
+    unsafe {
+        command.pre_exec(change_into);
+    }
+    Ok(())
+}
+
+/// Makes `command` start in the directory at the normalized sandbox path `path` under `root`,
+/// by path (`current_dir`): elsewhere than on Unix the check of [`LocalSandbox::resolve`] is
+/// all there is, and a directory on the way swapped for a link after it is followed when the
+/// command starts.
+#[cfg(not(unix))]
+async fn start_in(
+    command: &mut tokio::process::Command,
+    root: PathBuf,
+    path: String,
+    _shown: String,
+) -> Result<(), SandboxError> {
+    command.current_dir(root.join(path.trim_start_matches('/')));
+    Ok(())
+}
+
 /// `work` on tokio's blocking pool (the file system calls of one operation, in one go).
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, SandboxError> + Send + 'static,
@@ -744,16 +819,21 @@ impl Sandbox for LocalSandbox {
     }
 
     fn exec(&self, request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
-        let cwd = self.resolve(request.cwd.as_deref().unwrap_or("/"));
+        let shown = request.cwd.clone().unwrap_or_else(|| "/".to_owned());
+        let checked = self.resolve(&shown).and_then(|real| Ok((real, normalize(&shown)?)));
+        let root = self.root.clone();
         Box::pin(async move {
-            let cwd = cwd?;
+            let (cwd, normalized) = checked?;
             let mut command = tokio::process::Command::new("sh");
+            // Where it starts: the directory opened beneath the root, not the path `cwd`
+            // resolved again (see `start_in`). The command itself is not confined: it may
+            // name any path the process can reach.
+            start_in(&mut command, root, normalized, shown).await?;
             // The process's environment holds provider keys and other secrets: a command the
             // model writes gets none of it, only what a shell needs.
             command
                 .arg("-c")
                 .arg(&request.command)
-                .current_dir(&cwd)
                 .env_clear()
                 .env(
                     "PATH",
@@ -937,6 +1017,35 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_directory_swapped_for_a_link_after_the_check_is_not_opened_as_a_cwd() {
+        let dirs = scratch("swapped-cwd-open");
+        std::fs::create_dir_all(dirs.root.join("sub/inner")).unwrap();
+        std::fs::create_dir_all(dirs.outside.join("inner")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        sandbox.resolve("/sub/inner").unwrap();
+        sandbox.resolve("/sub").unwrap();
+        std::fs::remove_dir_all(dirs.root.join("sub")).unwrap();
+        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
+        // A directory on the way, and the cwd itself.
+        for path in ["/sub/inner", "/sub"] {
+            let opened = open_dir_beneath(&dirs.root, path);
+            assert!(matches!(opened, Err(OpenError::Outside)), "{path}: {opened:?}");
+        }
+        // A link that stays inside the root is followed to the directory it names.
+        std::fs::create_dir_all(dirs.root.join("data/deep")).unwrap();
+        std::os::unix::fs::symlink("data/deep", dirs.root.join("relative")).unwrap();
+        let opened = std::fs::File::from(open_dir_beneath(&dirs.root, "/relative").unwrap());
+        let (opened, deep) = (
+            opened.metadata().unwrap(),
+            std::fs::metadata(dirs.root.join("data/deep")).unwrap(),
+        );
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!((opened.dev(), opened.ino()), (deep.dev(), deep.ino()));
+    }
+
     #[tokio::test]
     async fn remove_and_list_act_beneath_the_root_and_follow_links_inside_it() {
         let dirs = scratch("remove-list");
@@ -999,6 +1108,115 @@ mod tests {
         );
         assert!(matches!(sandbox.remove("/").await, Err(SandboxError::Io(_))));
         assert!(dirs.root.is_dir());
+    }
+
+    /// `command` run by `sandbox` in the sandbox directory `cwd`.
+    async fn run(sandbox: &LocalSandbox, cwd: &str, command: &str) -> Result<ExecOutput, SandboxError> {
+        let request = ExecRequest {
+            command: command.to_owned(),
+            cwd: Some(cwd.to_owned()),
+            timeout: Some(Duration::from_secs(20)),
+        };
+        sandbox.exec(request).await
+    }
+
+    #[tokio::test]
+    async fn a_cwd_swapped_for_a_link_after_the_check_does_not_run_the_command_outside_the_root() {
+        let dirs = scratch("swapped-cwd");
+        std::fs::create_dir_all(dirs.root.join("sub")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        // `exec` checks its cwd when called; the command starts when the future runs. The
+        // directory is swapped for a link out of the root in between.
+        let pending = sandbox.exec(ExecRequest {
+            command: "touch planted.txt; pwd".into(),
+            cwd: Some("/sub".into()),
+            timeout: Some(Duration::from_secs(20)),
+        });
+        std::fs::remove_dir(dirs.root.join("sub")).unwrap();
+        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
+        let ran = pending.await;
+        assert!(
+            !dirs.outside.join("planted.txt").exists(),
+            "the command ran outside the root: {ran:?}"
+        );
+        assert_eq!(ran, Err(SandboxError::OutsideRoot("/sub".into())));
+    }
+
+    #[tokio::test]
+    async fn a_cwd_through_a_link_out_of_the_root_is_refused() {
+        let dirs = scratch("linked-cwd");
+        std::fs::create_dir_all(dirs.outside.join("inner")).unwrap();
+        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("escape")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        for cwd in ["/escape", "/escape/inner"] {
+            let ran = run(&sandbox, cwd, "touch planted.txt").await;
+            assert_eq!(ran, Err(SandboxError::OutsideRoot(cwd.into())), "{cwd}");
+        }
+        assert!(!dirs.outside.join("planted.txt").exists() && !dirs.outside.join("inner/planted.txt").exists());
+    }
+
+    #[tokio::test]
+    async fn commands_start_in_their_cwd_links_inside_the_root_followed() {
+        let dirs = scratch("exec-cwd");
+        std::fs::create_dir_all(dirs.root.join("data/deep")).unwrap();
+        std::fs::write(dirs.root.join("data/file.txt"), "x").unwrap();
+        std::os::unix::fs::symlink("data/deep", dirs.root.join("relative")).unwrap();
+        std::os::unix::fs::symlink(dirs.root.join("data"), dirs.root.join("absolute")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let deep = dirs.root.join("data/deep").display().to_string();
+        for (cwd, expected) in [
+            ("/", dirs.root.display().to_string()),
+            ("/data/deep", deep.clone()),
+            ("/relative", deep.clone()),
+            ("/absolute/deep", deep.clone()),
+            ("/data/deep/../deep", deep),
+        ] {
+            let output = run(&sandbox, cwd, "pwd").await.unwrap();
+            assert_eq!(
+                (output.exit_code, output.stdout.trim_end()),
+                (Some(0), expected.as_str()),
+                "{cwd}"
+            );
+        }
+        // A missing cwd, and one that is no directory, keep their errors.
+        assert_eq!(
+            run(&sandbox, "/nothing", "pwd").await,
+            Err(SandboxError::NotFound("No such file or directory (os error 2)".into()))
+        );
+        assert_eq!(
+            run(&sandbox, "/data/file.txt", "pwd").await,
+            Err(SandboxError::Io("Not a directory (os error 20)".into()))
+        );
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn the_cwd_descriptor_is_not_left_open_in_the_command() {
+        let dirs = scratch("exec-fds");
+        std::fs::create_dir_all(dirs.root.join("sub")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        // `exit 0`: a descriptor gone when read (the glob's own) fails `readlink`, no matter.
+        let output = run(
+            &sandbox,
+            "/sub",
+            "for fd in /proc/$$/fd/*; do readlink \"$fd\"; done; exit 0",
+        )
+        .await
+        .unwrap();
+        assert_eq!(output.exit_code, Some(0), "{output:?}");
+        let sub = dirs.root.join("sub").display().to_string();
+        assert!(
+            !output.stdout.lines().any(|target| target == sub),
+            "the cwd's descriptor is open in the command: {output:?}"
+        );
     }
 
     /// Makes a FIFO at `path`.
