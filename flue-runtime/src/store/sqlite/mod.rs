@@ -836,6 +836,7 @@ impl Store for SqliteStore {
                 .map_err(sql)?
                 .query_row([], |row| row.get(0))
                 .map_err(sql)?;
+            let created = existing.is_none();
             let (uid, offset) = match existing {
                 Some((uid, stream)) => (uid, next_offset(tx, stream)?.checked_sub(1)),
                 None => {
@@ -859,9 +860,10 @@ impl Store for SqliteStore {
                 }
             };
             // Claimed with its admission when it is the instance's head (nothing else is
-            // unsettled): the row is written once, already running.
+            // unsettled): the row is written once, already running. An instance this admission
+            // created has no other submission (instances are never deleted).
             let claim = match &admission.claim {
-                Some(claim) if !has_unsettled(tx, &admission.key)? => Some(claim.clone()),
+                Some(claim) if created || !has_unsettled(tx, &admission.key)? => Some(claim.clone()),
                 _ => None,
             };
             let submission = super::queued_submission(admission, sequence as u64);
@@ -1153,31 +1155,37 @@ impl Store for SqliteStore {
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
-        ready(self.read_transaction(|tx| {
-            let Some((_, stream)) = instance_row(tx, key)? else {
-                return Ok(Vec::new());
-            };
-            let start = stream_start(stream);
-            let first = after.map_or(0, |after| after.saturating_add(1)).min(STREAM_CAPACITY) as i64;
-            let mut statement = tx
-                .prepare_cached(
-                    "SELECT position, records FROM flue_batches WHERE position >= ?1 AND position < ?2 ORDER BY position",
-                )
-                .map_err(sql)?;
-            let rows = statement
-                .query_map(params![start + first, start + STREAM_CAPACITY as i64], |row| {
-                    Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?))
+        // One statement (its own snapshot, so no transaction around it): the instance's stream
+        // and its batches after `after`. Every submission and every catching-up reader reads.
+        let first = after.map_or(0, |after| after.saturating_add(1)).min(STREAM_CAPACITY) as i64;
+        let connection = self.lock();
+        let batches = connection
+            .prepare_cached(
+                "SELECT b.position - (i.stream << 32), b.records
+                 FROM flue_instances i JOIN flue_batches b
+                     ON b.position >= (i.stream << 32) + ?3 AND b.position < ((i.stream + 1) << 32)
+                 WHERE i.agent = ?1 AND i.id = ?2
+                 ORDER BY b.position",
+            )
+            .map_err(sql)
+            .and_then(|mut statement| {
+                let rows = statement
+                    .query_map(params![key.agent, key.id, first], |row| {
+                        Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?))
+                    })
+                    .map_err(sql)?;
+                rows.map(|row| {
+                    let (offset, records) = row.map_err(sql)?;
+                    Ok(Batch {
+                        offset: offset as u64,
+                        records: serde_json::from_str::<Vec<Record>>(&records)
+                            .map_err(json_error)?
+                            .into(),
+                    })
                 })
-                .map_err(sql)?;
-            rows.map(|row| {
-                let (position, records) = row.map_err(sql)?;
-                Ok(Batch {
-                    offset: (position - start) as u64,
-                    records: serde_json::from_str::<Vec<Record>>(&records).map_err(json_error)?.into(),
-                })
-            })
-            .collect()
-        }))
+                .collect()
+            });
+        ready(batches)
     }
 
     fn put_attachment(&self, key: &InstanceKey, attachment: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>> {
