@@ -722,10 +722,11 @@ fn owns(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<Submiss
 /// Appends a batch at the end of `key`'s stream; returns its offset. With a `fence`, only
 /// while that attempt runs its submission (else [`StoreError::Fenced`]).
 ///
-/// One statement finds the stream, its next position and the fence, and inserts: an append is
-/// the hot path of every durability point, and each statement costs its own trip through the
-/// statement cache and SQLite's VM. Only when nothing was inserted do the separate queries run,
-/// to say why.
+/// Two statements: one query finds the stream, its last position and the fence, then the
+/// insert. An append is the hot path of every durability point, and each statement costs its
+/// own trip through the statement cache and SQLite's VM. (One `INSERT … SELECT … RETURNING`
+/// would cost more: SQLite buffers both the selected rows and the returned ones in temporary
+/// B-trees, which it allocates and clears at every run.)
 fn append_batch(
     transaction: &Connection,
     key: &InstanceKey,
@@ -735,53 +736,58 @@ fn append_batch(
     if records.is_empty() {
         return Err(StoreError::Other("an append batch must not be empty".into()));
     }
-    let data = serde_json::to_string(records).map_err(json_error)?;
-    let position: Option<i64> = transaction
+    // `MAX(position)` alone is what SQLite answers with one seek from the range's end.
+    let found: Option<(i64, Option<i64>, bool)> = transaction
         .prepare_cached(
-            "INSERT INTO flue_batches (position, records)
-             SELECT next, ?3 FROM (
-                 SELECT COALESCE(
-                         (SELECT MAX(position) + 1 FROM flue_batches
-                              WHERE position >= (stream << 32) AND position < ((stream + 1) << 32)),
-                         stream << 32) AS next,
-                     (stream + 1) << 32 AS stream_end
-                 FROM flue_instances WHERE agent = ?1 AND id = ?2)
-             WHERE next < stream_end
-                 AND (?4 IS NULL OR EXISTS (SELECT 1 FROM flue_submissions
-                     WHERE id = ?4 AND status = 'running' AND attempt_id = ?5))
-             RETURNING position",
+            "SELECT i.stream,
+                 (SELECT MAX(position) FROM flue_batches
+                     WHERE position >= (i.stream << 32) AND position < ((i.stream + 1) << 32)),
+                 ?3 IS NULL OR EXISTS (SELECT 1 FROM flue_submissions
+                     WHERE id = ?3 AND status = 'running' AND attempt_id = ?4)
+             FROM flue_instances i WHERE i.agent = ?1 AND i.id = ?2",
         )
         .map_err(sql)?
         .query_row(
             params![
                 key.agent,
                 key.id,
-                data,
                 fence.map(|attempt| attempt.submission_id.as_str()),
                 fence.map(|attempt| attempt.attempt_id.as_str())
             ],
-            |row| row.get(0),
+            |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)),
         )
         .optional()
         .map_err(sql)?;
-    if let Some(position) = position {
-        // The low bits: `position` is `stream << 32 | offset`, negative streams included.
-        return Ok(position as u64 & (STREAM_CAPACITY - 1));
-    }
+    let (stream, last, owned) = match found {
+        Some(found) => found,
+        // No instance: the fence is reported first, as it would be with one.
+        None => (0, None, fence.map_or(Ok(true), |attempt| holds(transaction, attempt))?),
+    };
     if let Some(attempt) = fence
-        && !holds(transaction, attempt)?
+        && !owned
     {
         return Err(StoreError::Fenced(format!(
             "attempt {} does not own submission {}",
             attempt.attempt_id, attempt.submission_id
         )));
     }
-    match instance_row(transaction, key)? {
-        None => Err(StoreError::Other(format!("no stream {key}"))),
-        Some(_) => Err(StoreError::Other(format!(
-            "the stream of {key} is full ({STREAM_CAPACITY} batches)"
-        ))),
+    if found.is_none() {
+        return Err(StoreError::Other(format!("no stream {key}")));
     }
+    let start = stream_start(stream);
+    let offset = last.map_or(0, |last| (last - start) as u64 + 1);
+    if offset >= STREAM_CAPACITY {
+        return Err(StoreError::Other(format!(
+            "the stream of {key} is full ({STREAM_CAPACITY} batches)"
+        )));
+    }
+    let data = serde_json::to_string(records).map_err(json_error)?;
+    transaction
+        .prepare_cached("INSERT INTO flue_batches (position, records) VALUES (?1, ?2)")
+        .map_err(sql)?
+        .execute(params![start + offset as i64, data])
+        .map_err(sql)?;
+    Ok(offset)
 }
 
 /// The offset the stream's next batch takes: one past its last batch.
