@@ -70,6 +70,12 @@ thread_local! {
 /// this thread's connection lock, not in SQLite's sleeping busy handler), copies the frames
 /// left and makes the next commit start the WAL over. The WAL stays under that size whatever
 /// the threads' timing.
+///
+/// A background checkpoint beside a writer that starts the WAL over needs SQLite 3.51.3 or
+/// later (the bundled one is): before it, a checkpoint that read the WAL index just before the
+/// writer started the WAL over could record the old WAL's frames as copied in the new one, and
+/// every connection then read later commits' pages stale from the database file (SQLite's
+/// "WAL-reset bug"; `vfs`'s tests check the version and the race).
 struct Checkpointer {
     requests: std::sync::mpsc::SyncSender<()>,
     commits: std::sync::atomic::AtomicU32,
