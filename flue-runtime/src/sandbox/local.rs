@@ -997,12 +997,12 @@ mod tests {
         assert!(dirs.outside.join("victim.txt").exists(), "the removal left the root");
     }
 
-    #[test]
-    fn a_directory_swapped_for_a_link_after_the_check_is_not_listed_through() {
-        let dirs = scratch("swapped-list");
+    /// `/sub/inner` in the root, checked, then `/sub` swapped for a link to a directory
+    /// outside that has an `inner` too.
+    fn swapped_after_the_check(name: &str) -> Scratch {
+        let dirs = scratch(name);
         std::fs::create_dir_all(dirs.root.join("sub/inner")).unwrap();
         std::fs::create_dir_all(dirs.outside.join("inner")).unwrap();
-        std::fs::write(dirs.outside.join("inner/secret.txt"), "secret").unwrap();
         let sandbox = LocalSandbox {
             root: dirs.root.clone(),
         };
@@ -1010,6 +1010,13 @@ mod tests {
         sandbox.resolve("/sub").unwrap();
         std::fs::remove_dir_all(dirs.root.join("sub")).unwrap();
         std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
+        dirs
+    }
+
+    #[test]
+    fn a_directory_swapped_for_a_link_after_the_check_is_not_listed_through() {
+        let dirs = swapped_after_the_check("swapped-list");
+        std::fs::write(dirs.outside.join("inner/secret.txt"), "secret").unwrap();
         // A directory on the way, and the listed directory itself.
         for path in ["/sub/inner", "/sub"] {
             let listed = list_beneath(&dirs.root, path);
@@ -1019,16 +1026,7 @@ mod tests {
 
     #[test]
     fn a_directory_swapped_for_a_link_after_the_check_is_not_opened_as_a_cwd() {
-        let dirs = scratch("swapped-cwd-open");
-        std::fs::create_dir_all(dirs.root.join("sub/inner")).unwrap();
-        std::fs::create_dir_all(dirs.outside.join("inner")).unwrap();
-        let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
-        };
-        sandbox.resolve("/sub/inner").unwrap();
-        sandbox.resolve("/sub").unwrap();
-        std::fs::remove_dir_all(dirs.root.join("sub")).unwrap();
-        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
+        let dirs = swapped_after_the_check("swapped-cwd-open");
         // A directory on the way, and the cwd itself.
         for path in ["/sub/inner", "/sub"] {
             let opened = open_dir_beneath(&dirs.root, path);
