@@ -1006,6 +1006,8 @@ async fn bad_reads_get_the_protocols_4xx_with_the_error_envelope() {
         ("/c1?view=updates", "offset"),
         ("/c1?view=updates&offset=abc", "malformed"),
         ("/c1?view=updates&offset=-1&offset=-1", "exactly one"),
+        ("/c1?view=updates&view=history&offset=-1", "`view` parameter is given"),
+        ("/c1?view=updates&offset=-1&live=sse&live=sse", "`live` parameter"),
         ("/c1?view=updates&offset=-1&live=stream", "live"),
         ("/c1?view=updates&offset=-1&tail=5", "tail"),
         ("/c1?view=everything", "view"),

@@ -77,10 +77,18 @@ enum Live {
 fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
     let (mut view, mut offsets, mut live, mut tail) = (None, Vec::new(), None, false);
     for (name, value) in pairs(query) {
+        // Given twice, a parameter has no one meaning (the first? the last?): refused, as
+        // two offsets are.
+        let once = |slot: &mut Option<String>, value: String| match slot.replace(value) {
+            None => Ok(()),
+            Some(_) => Err(ApiError::invalid_request(format!(
+                "The `{name}` parameter is given more than once."
+            ))),
+        };
         match name.as_str() {
-            "view" => view = Some(value),
+            "view" => once(&mut view, value)?,
             "offset" => offsets.push(value),
-            "live" => live = Some(value),
+            "live" => once(&mut live, value)?,
             "tail" => tail = true,
             _ => {}
         }
