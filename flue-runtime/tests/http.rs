@@ -1025,6 +1025,14 @@ async fn bad_reads_get_the_protocols_4xx_with_the_error_envelope() {
     )
     .await;
     assert_eq!(error["meta"], json!({"offset": past, "nextOffset": head}));
+    // Quoted back as the client wrote it, not in the canonical form.
+    let short = assert_error(
+        get("/c1?view=updates&offset=0_99".to_owned()).await,
+        416,
+        "stream_offset_gone",
+    )
+    .await;
+    assert_eq!(short["meta"], json!({"offset": "0_99", "nextOffset": head}));
     assert_error(get("/never".to_owned()).await, 404, "stream_not_found").await;
     assert_error(
         get("/never?view=updates&offset=-1".to_owned()).await,

@@ -39,8 +39,8 @@ pub(super) fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String
 enum Offset {
     /// After this batch (`None`: before the first).
     After(Option<u64>),
-    /// Numerically beyond any batch a stream can have (too large for a `u64`), as requested.
-    Beyond(String),
+    /// Numerically beyond any batch a stream can have (too large for a `u64`).
+    Beyond,
 }
 
 /// `-1` (before the first batch) or `<digits>_<digits>` (compared by its second part).
@@ -56,14 +56,19 @@ fn parse_offset(text: &str) -> Option<Offset> {
     // Only digits: the one way to fail is to overflow, which is past every head.
     Some(match sequence.parse() {
         Ok(sequence) => Offset::After(Some(sequence)),
-        Err(_) => Offset::Beyond(text.to_owned()),
+        Err(_) => Offset::Beyond,
     })
 }
 
 /// How a `GET /:id` reads.
 enum Read {
     History,
-    Updates { offset: Offset, live: Live },
+    Updates {
+        offset: Offset,
+        /// The `offset` parameter as given, which a 416 quotes back.
+        requested: String,
+        live: Live,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -106,14 +111,14 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
             if tail {
                 return Err(ApiError::invalid_request("The `tail` parameter is not supported."));
             }
-            let [offset] = offsets.as_slice() else {
+            let [offset_text] = offsets.as_slice() else {
                 return Err(ApiError::invalid_request(
                     "view=updates needs exactly one `offset` parameter (-1 to read from the start).",
                 ));
             };
-            let offset = parse_offset(offset).ok_or_else(|| {
+            let offset = parse_offset(offset_text).ok_or_else(|| {
                 ApiError::invalid_request(format!(
-                    "Offset \"{offset}\" is malformed: use -1 or an offset the stream returned."
+                    "Offset \"{offset_text}\" is malformed: use -1 or an offset the stream returned."
                 ))
             })?;
             let live = match live.as_deref() {
@@ -126,7 +131,11 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
                     )));
                 }
             };
-            Ok(Read::Updates { offset, live })
+            Ok(Read::Updates {
+                offset,
+                requested: offset_text.clone(),
+                live,
+            })
         }
         other => Err(ApiError::invalid_request(format!(
             "view=\"{other}\" is not supported: use history or updates."
@@ -179,7 +188,11 @@ pub(super) async fn get_stream(
                 true,
             ))
         }
-        Read::Updates { offset, live } => {
+        Read::Updates {
+            offset,
+            requested,
+            live,
+        } => {
             let batches = stream(&routes.runtime, &key).await?;
             let incarnation = routes
                 .runtime
@@ -192,10 +205,8 @@ pub(super) async fn get_stream(
             let head = batches.last().map(|batch| batch.offset);
             let after = match offset {
                 Offset::After(after) if after.is_none() || after <= head => after,
-                Offset::After(after) => {
-                    return Err(ApiError::stream_offset_gone(&wire_offset(after), &wire_offset(head)));
-                }
-                Offset::Beyond(requested) => {
+                // The offset as the client wrote it (`5_9` stays `5_9`).
+                Offset::After(_) | Offset::Beyond => {
                     return Err(ApiError::stream_offset_gone(&requested, &wire_offset(head)));
                 }
             };
@@ -562,7 +573,7 @@ mod tests {
         );
         assert_eq!(
             parse_offset("0_99999999999999999999"),
-            Some(Offset::Beyond("0_99999999999999999999".into())),
+            Some(Offset::Beyond),
             "well formed, past any head"
         );
         for malformed in ["", "7", "_7", "7_", "a_1", "1_b", "-2", "1_2_3", "now"] {
