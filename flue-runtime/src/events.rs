@@ -6,7 +6,7 @@ use serde_json::Value;
 use flue_core::model::ThinkingLevel;
 use flue_core::usage::Usage;
 
-use crate::provider::ModelToolCall;
+use crate::provider::{ModelMessage, ModelToolCall};
 use crate::record::{Outcome, SettlementError};
 use crate::store::SubmissionKind;
 
@@ -45,7 +45,14 @@ pub enum Event {
         /// The budget.
         max_attempts: u32,
     },
-    /// The agent started working on a submission (after `submission_running`).
+    /// The processing of one submission began (right before `agent_start`).
+    OperationStart {
+        /// The operation's id (`op_…`), shared with its `operation`.
+        operation_id: String,
+        /// What the operation does.
+        operation_kind: OperationKind,
+    },
+    /// The agent started working on a submission (after `operation_start`).
     AgentStart,
     /// A message began: the applied input (`user`) or a model step (`assistant`).
     MessageStart {
@@ -57,23 +64,53 @@ pub enum Event {
         /// `user` or `assistant`.
         role: String,
     },
-    /// A model call started.
+    /// An agent model call started (before its assistant `message_start`).
     TurnStart {
+        /// The call's id (`turn_…`), shared by its `turn_request`, `turn` and `turn_messages`.
+        turn_id: String,
+        /// Why the call is made (always [`TurnPurpose::Agent`] here).
+        purpose: TurnPurpose,
         /// 1-based step within the response.
         step: u32,
+    },
+    /// What a model call asks for, right after its `turn_start`.
+    TurnRequest {
+        /// The call's id.
+        turn_id: String,
+        /// Why the call is made.
+        purpose: TurnPurpose,
+        /// The model asked for.
+        request: TurnRequest,
     },
     /// Streamed answer text.
     TextDelta {
         /// The fragment.
         delta: String,
     },
-    /// Streamed reasoning text.
-    ReasoningDelta {
+    /// Reasoning began streaming in the current assistant message.
+    ThinkingStart,
+    /// Streamed reasoning text (between `thinking_start` and `thinking_end`).
+    ThinkingDelta {
+        /// The fragment.
+        delta: String,
+    },
+    /// The reasoning ended: the answer's text or a tool call followed, or the call ended.
+    ThinkingEnd,
+    /// A fragment of a tool call's argument text, as the model streams it.
+    ToolcallDelta {
+        /// The call's position among the response's tool calls.
+        index: usize,
+        /// The call's id (empty when the stream did not name the call before its arguments).
+        tool_call_id: String,
         /// The fragment.
         delta: String,
     },
     /// A model call ended.
     Turn {
+        /// The call's id.
+        turn_id: String,
+        /// Why the call was made.
+        purpose: TurnPurpose,
         /// 1-based step.
         step: u32,
         /// Why it ended (`error` or `aborted` when the call failed).
@@ -183,6 +220,19 @@ pub enum Event {
         /// How long it ran.
         duration_ms: u64,
     },
+    /// The messages a turn added, once durable: after its tool batch committed (after the
+    /// terminal `tool` events), or for a turn without tool calls after its assistant
+    /// `message_end`.
+    TurnMessages {
+        /// The call's id.
+        turn_id: String,
+        /// Why the call was made.
+        purpose: TurnPurpose,
+        /// The assistant message: its text and tool calls, as stored.
+        message: ModelMessage,
+        /// The results of its tool calls, in call order (as stored: after the tool hooks).
+        tool_results: Vec<ModelMessage>,
+    },
     /// A data part (a `use_data_writer` write) is durable: published once its record is
     /// appended, never for a write a failed attempt dropped.
     DataPart {
@@ -198,8 +248,25 @@ pub enum Event {
         /// The line.
         message: String,
     },
-    /// The agent finished working on the submission (before it settles).
+    /// The agent finished working on the submission (before its `operation`).
     AgentEnd,
+    /// The processing of one submission ended (after `agent_end`, before `idle`).
+    Operation {
+        /// The operation's id, as its `operation_start` gave it.
+        operation_id: String,
+        /// What the operation did.
+        operation_kind: OperationKind,
+        /// How long it ran.
+        duration_ms: u64,
+        /// Whether it failed.
+        is_error: bool,
+        /// Why it failed (stackless, like a settlement's error).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<SettlementError>,
+        /// The usage of the response's durable model calls.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<Usage>,
+    },
     /// The instance has nothing running (after every response).
     Idle,
     /// A submission settled.
@@ -210,6 +277,25 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<SettlementError>,
     },
+}
+
+/// Why a model call was made (a turn's `purpose`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnPurpose {
+    /// The agent's own step.
+    Agent,
+    /// A compaction's summarization call (reserved: compaction reports through its own
+    /// `compaction_start` / `compaction` events and emits no turn events yet).
+    Compaction,
+}
+
+/// What an operation does (an `operation`'s `operationKind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OperationKind {
+    /// Processing a delivered message: every submission is one.
+    Prompt,
 }
 
 /// What a model call asked for (a `turn`'s `request`): the model, not the context — the

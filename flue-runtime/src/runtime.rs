@@ -353,6 +353,12 @@ impl RuntimeInner {
         self.events.subscribe()
     }
 
+    /// Whether anyone observes now: work done only for an event (copies it alone needs) can
+    /// be skipped when nobody does.
+    pub(crate) fn observed(&self) -> bool {
+        self.events.receiver_count() > 0
+    }
+
     pub(crate) fn emit(&self, key: &InstanceKey, submission_id: Option<&str>, event: Event) {
         self.emit_with(key, submission_id, || event);
     }
@@ -360,7 +366,7 @@ impl RuntimeInner {
     /// [`emit`](Self::emit), building the event only when someone observes: the turn loop's
     /// per-step events would otherwise copy names and ids for nobody.
     pub(crate) fn emit_with(&self, key: &InstanceKey, submission_id: Option<&str>, event: impl FnOnce() -> Event) {
-        if self.events.receiver_count() == 0 {
+        if !self.observed() {
             return;
         }
         let event = event();

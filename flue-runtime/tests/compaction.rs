@@ -168,7 +168,7 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
     let mut seen = Vec::new();
     while let Ok(observation) = events.try_recv() {
         match observation.event {
-            Event::TurnStart { step } => seen.push(format!("turn_start {step}")),
+            Event::TurnStart { step, .. } => seen.push(format!("turn_start {step}")),
             Event::Turn { step, stop_reason, .. } => seen.push(format!("turn {step} {stop_reason}")),
             Event::MessageStart { role } if role == "assistant" => seen.push("message_start".into()),
             Event::MessageEnd { role } if role == "assistant" => seen.push("message_end".into()),

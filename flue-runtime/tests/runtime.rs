@@ -3,7 +3,7 @@
 
 use std::sync::Mutex;
 
-use flue_runtime::events::{Event, TurnRequest, TurnResponse};
+use flue_runtime::events::{Event, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Outcome, RecordBody};
@@ -471,6 +471,274 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
         "agent_end", "idle", "settled",
     ];
     assert_eq!(kinds, expected);
+}
+
+/// Reference §7.3: the canonical order of one submission with one tool-calling turn —
+/// `operation_start` right before `agent_start`; per turn `turn_start`, `turn_request`, the
+/// assistant message with its deltas, `turn`, its `message_end`; per tool its start and result
+/// message; the terminal `tool` events, then `turn_messages`; a turn without calls ends with
+/// `turn_messages` once its message is durable; `agent_end`, `operation`, `idle`, the settlement.
+/// (Our own thread events — `tool_call_started`, `tool_call_done` — are left out here.)
+#[tokio::test]
+async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
+        ScriptedReply::text("3"),
+    ]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&calculator, "canon").send("1+2").await.unwrap();
+    let mut observed = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        observed.push(observation.event);
+    }
+    let names: Vec<String> = observed
+        .iter()
+        .filter_map(|event| {
+            Some(match event {
+                Event::SubmissionQueued { .. } => "submission_queued".to_owned(),
+                Event::SubmissionRunning { .. } => "submission_running".to_owned(),
+                Event::OperationStart { .. } => "operation_start".to_owned(),
+                Event::AgentStart => "agent_start".to_owned(),
+                Event::MessageStart { role } => format!("message_start {role}"),
+                Event::MessageEnd { role } => format!("message_end {role}"),
+                Event::TurnStart { .. } => "turn_start".to_owned(),
+                Event::TurnRequest { .. } => "turn_request".to_owned(),
+                Event::TextDelta { .. } => "text_delta".to_owned(),
+                Event::ToolcallDelta { .. } => "toolcall_delta".to_owned(),
+                Event::Turn { .. } => "turn".to_owned(),
+                Event::ToolStart { .. } => "tool_start".to_owned(),
+                Event::Tool { .. } => "tool".to_owned(),
+                Event::TurnMessages { .. } => "turn_messages".to_owned(),
+                Event::AgentEnd => "agent_end".to_owned(),
+                Event::Operation { .. } => "operation".to_owned(),
+                Event::Idle => "idle".to_owned(),
+                Event::SubmissionSettled { .. } => "submission_settled".to_owned(),
+                Event::ToolCallStarted { .. } | Event::ToolCallDone { .. } => return None,
+                other => format!("unexpected {other:?}"),
+            })
+        })
+        .collect();
+    #[rustfmt::skip]
+    let expected = [
+        "submission_queued", "submission_running",
+        "operation_start", "agent_start",
+        "message_start user", "message_end user",
+        // The tool-calling turn.
+        "turn_start", "turn_request", "message_start assistant", "toolcall_delta", "turn",
+        "message_end assistant",
+        "tool_start", "message_start tool", "message_end tool",
+        "tool", "turn_messages",
+        // The answering turn.
+        "turn_start", "turn_request", "message_start assistant", "text_delta", "turn",
+        "message_end assistant", "turn_messages",
+        "agent_end", "operation", "idle", "submission_settled",
+    ];
+    assert_eq!(names, expected);
+
+    // One id per model call, shared by its turn events; every turn here is the agent's own.
+    let turn_ids: Vec<(&str, &str)> = observed
+        .iter()
+        .filter_map(|event| match event {
+            Event::TurnStart { turn_id, purpose, .. } => Some(("turn_start", turn_id, purpose)),
+            Event::TurnRequest { turn_id, purpose, .. } => Some(("turn_request", turn_id, purpose)),
+            Event::Turn { turn_id, purpose, .. } => Some(("turn", turn_id, purpose)),
+            Event::TurnMessages { turn_id, purpose, .. } => Some(("turn_messages", turn_id, purpose)),
+            _ => None,
+        })
+        .map(|(kind, turn_id, purpose)| {
+            assert_eq!(*purpose, TurnPurpose::Agent, "{kind}");
+            (kind, turn_id.as_str())
+        })
+        .collect();
+    assert_eq!(turn_ids.len(), 8);
+    let (first, second) = (turn_ids[0].1, turn_ids[4].1);
+    assert!(
+        first.starts_with("turn_") && second.starts_with("turn_"),
+        "{first} {second}"
+    );
+    assert_ne!(first, second);
+    assert!(turn_ids[..4].iter().all(|(_, id)| *id == first), "{turn_ids:?}");
+    assert!(turn_ids[4..].iter().all(|(_, id)| *id == second), "{turn_ids:?}");
+
+    // The argument fragments of the call, with its index and id.
+    let deltas: Vec<(usize, &str, &str)> = observed
+        .iter()
+        .filter_map(|event| match event {
+            Event::ToolcallDelta {
+                index,
+                tool_call_id,
+                delta,
+            } => Some((*index, tool_call_id.as_str(), delta.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(deltas, [(0, "call_1_0", r#"{"a":1,"b":2}"#)]);
+
+    // Each turn's messages: the assistant step and the results of its calls.
+    let messages: Vec<(&ModelMessage, &Vec<ModelMessage>)> = observed
+        .iter()
+        .filter_map(|event| match event {
+            Event::TurnMessages {
+                message, tool_results, ..
+            } => Some((message, tool_results)),
+            _ => None,
+        })
+        .collect();
+    let ModelMessage::Assistant { text, tool_calls } = messages[0].0 else {
+        panic!("an assistant message: {:?}", messages[0].0)
+    };
+    assert_eq!(text, "");
+    assert_eq!(tool_calls.len(), 1);
+    assert_eq!(
+        (tool_calls[0].id.as_str(), tool_calls[0].name.as_str()),
+        ("call_1_0", "add")
+    );
+    assert_eq!(
+        messages[0].1,
+        &vec![ModelMessage::Tool {
+            tool_call_id: "call_1_0".into(),
+            name: "add".into(),
+            content: "3".into(),
+            is_error: false,
+        }]
+    );
+    assert_eq!(
+        messages[1].0,
+        &ModelMessage::Assistant {
+            text: "3".into(),
+            tool_calls: Vec::new(),
+        }
+    );
+    assert!(messages[1].1.is_empty());
+
+    // The operation: one id from start to end, a prompt, successful, with the turns' usage.
+    let Some(Event::OperationStart {
+        operation_id,
+        operation_kind,
+    }) = observed
+        .iter()
+        .find(|event| matches!(event, Event::OperationStart { .. }))
+    else {
+        panic!("operation_start")
+    };
+    assert!(operation_id.starts_with("op_"), "{operation_id}");
+    assert_eq!(*operation_kind, OperationKind::Prompt);
+    let Some(Event::Operation {
+        operation_id: ended,
+        operation_kind: ended_kind,
+        is_error,
+        error,
+        usage,
+        ..
+    }) = observed.iter().find(|event| matches!(event, Event::Operation { .. }))
+    else {
+        panic!("operation")
+    };
+    assert_eq!((ended, *ended_kind), (operation_id, OperationKind::Prompt));
+    assert!(!is_error);
+    assert_eq!(*error, None);
+    assert_eq!(
+        usage.map(|usage| usage.input_tokens),
+        Some(20),
+        "two calls of 10 input tokens"
+    );
+}
+
+/// Reference §7.2 (Operations row): a failed submission's `operation` is an error and says why.
+#[tokio::test]
+async fn a_failed_submission_ends_its_operation_with_the_error() {
+    let model = ScriptedModel::new([ScriptedReply::Error(flue_runtime::provider::ProviderError::new(
+        flue_runtime::provider::ProviderErrorKind::BadRequest,
+        "refused",
+    ))]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&calculator, "of").send("1+2").await.unwrap_err();
+    let mut operation = None;
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Operation { is_error, error, .. } = observation.event {
+            operation = Some((is_error, error));
+        }
+    }
+    let (is_error, error) = operation.expect("an operation event");
+    assert!(is_error);
+    let error = error.expect("the failure");
+    assert_eq!(error.error_type, "operation_failed");
+    assert!(error.message.contains("refused"), "{}", error.message);
+}
+
+/// A provider that reasons in two fragments, then answers.
+struct Reasoner;
+
+impl flue_runtime::provider::ModelProvider for Reasoner {
+    fn id(&self) -> &str {
+        "reasoner"
+    }
+
+    fn stream(&self, _request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+        let events = vec![
+            Ok(StreamEvent::ReasoningDelta("Two ".into())),
+            Ok(StreamEvent::ReasoningDelta("and two.".into())),
+            Ok(StreamEvent::TextDelta("4".into())),
+            Ok(StreamEvent::Completed(ModelResponse {
+                text: "4".into(),
+                reasoning: "Two and two.".into(),
+                tool_calls: Vec::new(),
+                stop_reason: StopReason::Stop,
+                usage: Default::default(),
+            })),
+        ];
+        Box::pin(futures_util::stream::iter(events))
+    }
+}
+
+#[agent]
+fn thinker() -> &'static str {
+    use_model("reasoner/r-1");
+    "Think first."
+}
+
+/// Reference §7.2 (Messages/deltas row): reasoning streams as `thinking_start`, its
+/// `thinking_delta` fragments and `thinking_end`, which closes it before the answer's text.
+#[tokio::test]
+async fn reasoning_streams_as_thinking_start_deltas_and_end_before_the_answer() {
+    let mut providers = ProviderRegistry::new();
+    providers.register(Reasoner);
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(thinker)
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let reply = runtime.init(&thinker, "t").send("2+2?").await.unwrap();
+    assert_eq!(reply.text, "4");
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::MessageStart { role } if role == "assistant" => seen.push("message_start".to_owned()),
+            Event::ThinkingStart => seen.push("thinking_start".to_owned()),
+            Event::ThinkingDelta { delta } => seen.push(format!("thinking_delta {delta}")),
+            Event::ThinkingEnd => seen.push("thinking_end".to_owned()),
+            Event::TextDelta { delta } => seen.push(format!("text_delta {delta}")),
+            Event::Turn { .. } => seen.push("turn".to_owned()),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "message_start",
+            "thinking_start",
+            "thinking_delta Two ",
+            "thinking_delta and two.",
+            "thinking_end",
+            "text_delta 4",
+            "turn",
+        ]
+    );
 }
 
 /// The `turn` events `observe()` delivered, in order.

@@ -35,10 +35,12 @@ use flue_core::{Agent, RenderError};
 use futures_util::{FutureExt, StreamExt};
 use tracing::Instrument;
 
-use crate::events::{Event, TurnRequest, TurnResponse};
+use crate::events::{Event, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
 use crate::lifecycle::HookSet;
 use crate::lifecycle::thread::{RuntimeThread, ThreadWriter};
-use crate::provider::{ModelImage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec};
+use crate::provider::{
+    ModelImage, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec,
+};
 use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
 use crate::store::AttachmentPut;
@@ -429,6 +431,14 @@ impl InstanceSlot {
             compaction: flue_core::model::Compaction::Default,
             last_call_tokens: 0,
         };
+        // The operation: the processing of this submission, from just before `agent_start` to
+        // just after `agent_end`. Its id is made only when an event needs it.
+        let operation_id = LazyId::new("op");
+        let operation_started = Instant::now();
+        runtime.emit_with(&self.key, Some(&submission.id), || Event::OperationStart {
+            operation_id: operation_id.get(),
+            operation_kind: OperationKind::Prompt,
+        });
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
             Ok(()) if answered => response.run().await,
@@ -463,6 +473,14 @@ impl InstanceSlot {
             other => other,
         };
         runtime.emit(&self.key, Some(&submission.id), Event::AgentEnd);
+        runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
+            operation_id: operation_id.get(),
+            operation_kind: OperationKind::Prompt,
+            duration_ms: operation_started.elapsed().as_millis() as u64,
+            is_error: result.is_err(),
+            error: result.as_ref().err().map(|failure| failure.error.clone()),
+            usage: Some(response.conversation.usage(&submission.id)),
+        });
         runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         attempt.responding.store(false, Ordering::Release);
         // Nothing appends for the attempt after its response: a write queued after the final
@@ -1158,7 +1176,7 @@ impl Response<'_> {
             self.prepare(&mut rendered).await?;
             steps += 1;
             self.execution.count_step();
-            let (response, message_id) = self
+            let (response, message_id, turn_id) = self
                 .model_step(&*provider, &model_id, &model.spec, thinking, &rendered, steps)
                 .await?;
             if response.stop_reason == crate::provider::StopReason::HookBlocked {
@@ -1207,7 +1225,14 @@ impl Response<'_> {
                 continue;
             }
             let mut terminate = self
-                .tool_batch(&rendered, &rendered.tools, &response.tool_calls, message_id, &[])
+                .tool_batch(
+                    &rendered,
+                    &rendered.tools,
+                    &response.tool_calls,
+                    message_id,
+                    &[],
+                    Some((&turn_id, &response.text)),
+                )
                 .await?;
             if let Some(queued_terminate) = self.run_queued_tools(&rendered, &model.spec).await? {
                 terminate = queued_terminate;
@@ -1654,7 +1679,7 @@ impl Response<'_> {
         thinking: ThinkingLevel,
         rendered: &Rendered,
         step: u32,
-    ) -> Result<(ModelResponse, String), Failure> {
+    ) -> Result<(ModelResponse, String, LazyId), Failure> {
         self.load_images().await?;
         let message_id = new_id("msg");
         self.narrate_resources(rendered).await?;
@@ -1664,11 +1689,14 @@ impl Response<'_> {
         self.compact_if_needed(provider, model_id, system_len).await?;
         let mut row_updates = None;
         let mut compacted_for_overflow = false;
-        let (response, started) = loop {
+        let (response, started, turn_id) = loop {
             let system = crate::framework::system(instruction, self.sections());
             let (system, messages) = match self.request(system).await {
                 Ok(request) => request,
-                Err(blocked) => return Ok((self.blocked_step(spec, message_id.clone(), blocked).await?, message_id)),
+                Err(blocked) => {
+                    let response = self.blocked_step(spec, message_id.clone(), blocked).await?;
+                    return Ok((response, message_id, LazyId::new("turn")));
+                }
             };
             if row_updates.is_none() {
                 row_updates = Some(self.assistant_row_created(&message_id).await);
@@ -1682,7 +1710,18 @@ impl Response<'_> {
                 max_output_tokens: None,
             };
             let started = Instant::now();
-            self.emit(Event::TurnStart { step });
+            // One id per model call (an overflow recovery's retry is a call of its own).
+            let turn_id = LazyId::new("turn");
+            self.emit_with(|| Event::TurnStart {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                step,
+            });
+            self.emit_with(|| Event::TurnRequest {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                request: turn_request(provider, model_id, thinking),
+            });
             self.emit_with(|| Event::MessageStart {
                 role: "assistant".into(),
             });
@@ -1697,6 +1736,8 @@ impl Response<'_> {
                     StepError::Provider(_) => "error",
                 };
                 self.emit_with(|| Event::Turn {
+                    turn_id: turn_id.get(),
+                    purpose: TurnPurpose::Agent,
                     step,
                     stop_reason: stop_reason.to_owned(),
                     duration_ms: started.elapsed().as_millis() as u64,
@@ -1712,7 +1753,7 @@ impl Response<'_> {
                 });
             }
             match streamed {
-                Ok(response) => break (response, started),
+                Ok(response) => break (response, started, turn_id),
                 Err(StepError::Aborted) => return Err(Failure::aborted()),
                 Err(StepError::Provider(error))
                     if error.kind == crate::provider::ProviderErrorKind::ContextOverflow =>
@@ -1734,6 +1775,8 @@ impl Response<'_> {
         let mut row_updates = row_updates.unwrap_or_default();
         self.last_call_tokens = response.usage.input_tokens + response.usage.output_tokens;
         self.emit_with(|| Event::Turn {
+            turn_id: turn_id.get(),
+            purpose: TurnPurpose::Agent,
             step,
             stop_reason: response.stop_reason.to_string(),
             duration_ms: started.elapsed().as_millis() as u64,
@@ -1786,8 +1829,21 @@ impl Response<'_> {
         self.emit_with(|| Event::MessageEnd {
             role: "assistant".into(),
         });
+        if response.tool_calls.is_empty() {
+            // A turn without calls added its message alone, durable now (a turn with calls
+            // reports its messages once its tool batch committed).
+            self.emit_with(|| Event::TurnMessages {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                message: ModelMessage::Assistant {
+                    text: response.text.clone(),
+                    tool_calls: Vec::new(),
+                },
+                tool_results: Vec::new(),
+            });
+        }
         self.assistant_row_updated(&message_id).await;
-        Ok((response, message_id))
+        Ok((response, message_id, turn_id))
     }
 
     /// The framework's sections of the system prompt: the frozen baseline once the
@@ -1851,34 +1907,43 @@ impl Response<'_> {
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
         let mut observer = observation::ToolCallObserver::new(tools);
-        loop {
+        // Whether a `thinking_start` is open: anything but more reasoning ends it, and so
+        // does the call's end, however it ends.
+        let mut thinking = false;
+        let ended = loop {
             let next = tokio::select! {
                 next = stream.next() => next,
-                () = self.attempt.signal.aborted() => return Err(StepError::Aborted),
+                () = self.attempt.signal.aborted() => break Err(StepError::Aborted),
             };
+            if thinking && !matches!(next, Some(Ok(StreamEvent::ReasoningDelta(_)))) {
+                thinking = false;
+                self.emit_with(|| Event::ThinkingEnd);
+            }
             match next {
                 None => {
-                    return Err(StepError::Provider(crate::provider::ProviderError::new(
+                    break Err(StepError::Provider(crate::provider::ProviderError::new(
                         crate::provider::ProviderErrorKind::Network,
                         "the model stream ended before the response completed",
                     )));
                 }
-                Some(Err(error)) => return Err(StepError::Provider(error)),
+                Some(Err(error)) => break Err(StepError::Provider(error)),
                 Some(Ok(StreamEvent::Completed(response))) => {
                     for started in observer.finish(&response) {
                         self.tool_call_started(started).await;
                     }
-                    return Ok(response);
+                    break Ok(response);
                 }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
                     *shown = true;
-                    self.runtime
-                        .emit(self.key, Some(&self.submission.id), Event::TextDelta { delta });
+                    self.emit_with(|| Event::TextDelta { delta });
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
                     *shown = true;
-                    self.runtime
-                        .emit(self.key, Some(&self.submission.id), Event::ReasoningDelta { delta });
+                    if !thinking {
+                        thinking = true;
+                        self.emit_with(|| Event::ThinkingStart);
+                    }
+                    self.emit_with(|| Event::ThinkingDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
                     if let Some(started) = observer.started(index, &id, &name) {
@@ -1887,13 +1952,24 @@ impl Response<'_> {
                     }
                 }
                 Some(Ok(StreamEvent::ToolCallArguments { index, delta })) => {
-                    if let Some(started) = observer.arguments(index, &delta) {
-                        *shown = true;
+                    *shown = true;
+                    let started = observer.arguments(index, &delta);
+                    // The fragment moves into the event: nothing is copied for nobody.
+                    self.emit_with(|| Event::ToolcallDelta {
+                        index,
+                        tool_call_id: observer.id_of(index).to_owned(),
+                        delta,
+                    });
+                    if let Some(started) = started {
                         self.tool_call_started(started).await;
                     }
                 }
             }
+        };
+        if thinking {
+            self.emit_with(|| Event::ThinkingEnd);
         }
+        ended
     }
 
     /// Publishes a `tool_call_started` (the event, always; then the selected hooks).
@@ -1951,7 +2027,7 @@ impl Response<'_> {
         }));
         self.commit(records, false).await?;
         let tools: Vec<flue_core::Tool> = queued.into_iter().map(|(tool, _)| tool).collect();
-        self.tool_batch(rendered, &tools, &calls, message_id, &[])
+        self.tool_batch(rendered, &tools, &calls, message_id, &[], None)
             .await
             .map(Some)
     }
@@ -1981,7 +2057,7 @@ impl Response<'_> {
             return Ok(None);
         }
         let step = step.to_owned();
-        self.tool_batch(rendered, &durable, &rerun, step, &unknown)
+        self.tool_batch(rendered, &durable, &rerun, step, &unknown, None)
             .await
             .map(Some)
     }
@@ -1996,6 +2072,7 @@ impl Response<'_> {
         calls: &[ModelToolCall],
         assistant_message_id: String,
         unknown: &[ModelToolCall],
+        turn: Option<(&LazyId, &str)>,
     ) -> Result<bool, Failure> {
         let view = self.thread_view();
         view.set_tools(&rendered.tools);
@@ -2056,6 +2133,9 @@ impl Response<'_> {
         let mut rows = Vec::new();
         let mut row_updates = Vec::new();
         let mut errors = Vec::with_capacity(executed.len());
+        // The results as `turn_messages` reports them: copied only for a model turn someone
+        // observes (an observer subscribing mid-batch gets no `turn_messages` for it).
+        let mut results = (turn.is_some() && self.runtime.observed()).then(|| Vec::with_capacity(executed.len()));
         for run in &executed {
             // The tool row's id is its outcome record's.
             let row_id = hooked.then(|| new_id("record"));
@@ -2074,6 +2154,14 @@ impl Response<'_> {
                 None => (run.output.to_text(), run.output.is_error),
             };
             errors.push(is_error);
+            if let Some(results) = &mut results {
+                results.push(ModelMessage::Tool {
+                    tool_call_id: run.call.id.clone(),
+                    name: run.call.name.clone(),
+                    content: content.clone(),
+                    is_error,
+                });
+            }
             let mut record = self.record(RecordBody::ToolOutcome {
                 assistant_message_id: assistant_message_id.clone(),
                 tool_call_id: run.call.id.clone(),
@@ -2089,6 +2177,14 @@ impl Response<'_> {
             records.push(record);
         }
         for call in unknown {
+            if let Some(results) = &mut results {
+                results.push(ModelMessage::Tool {
+                    tool_call_id: call.id.clone(),
+                    name: call.name.clone(),
+                    content: conversation::INTERRUPTED_TOOL.to_owned(),
+                    is_error: true,
+                });
+            }
             records.push(self.record(RecordBody::ToolOutcome {
                 assistant_message_id: assistant_message_id.clone(),
                 tool_call_id: call.id.clone(),
@@ -2115,7 +2211,39 @@ impl Response<'_> {
                     duration_ms: run.duration_ms,
                 });
         }
+        if let (Some((turn_id, text)), Some(tool_results)) = (turn, results) {
+            self.emit_with(|| Event::TurnMessages {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                message: ModelMessage::Assistant {
+                    text: text.to_owned(),
+                    tool_calls: calls.to_vec(),
+                },
+                tool_results,
+            });
+        }
         Ok(terminate)
+    }
+}
+
+/// An event id (`<prefix>_<ULID>`) made on first use: an event nobody observes never
+/// makes it, and every event that names it shares it.
+pub(crate) struct LazyId {
+    prefix: &'static str,
+    id: std::sync::OnceLock<String>,
+}
+
+impl LazyId {
+    fn new(prefix: &'static str) -> Self {
+        Self {
+            prefix,
+            id: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The id, made now if no event needed it before.
+    fn get(&self) -> String {
+        self.id.get_or_init(|| new_id(self.prefix)).clone()
     }
 }
 

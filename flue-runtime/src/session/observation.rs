@@ -100,6 +100,11 @@ impl ToolCallObserver {
         Self::check(call)
     }
 
+    /// The id of the call at stream `index`; empty while the stream has not named it.
+    pub(crate) fn id_of(&self, index: usize) -> &str {
+        self.calls.get(index).map_or("", |call| call.id.as_str())
+    }
+
     fn check(call: &mut Call) -> Option<Started> {
         if call.arguments.len() > SCAN_LIMIT {
             return None;
