@@ -1,4 +1,21 @@
 //! Live events: what `Runtime::observe` delivers while agents run. Live only, no replay.
+//!
+//! One submission with one tool-calling turn, in order (reference §7.3):
+//!
+//! 1. `submission_queued`, `submission_running`;
+//! 2. `operation_start`, `agent_start`;
+//! 3. `message_start` / `message_end` of the user message;
+//! 4. `turn_start`, `turn_request`, then the assistant `message_start` with its `text_delta`,
+//!    `thinking_start` / `thinking_delta` / `thinking_end` and `toolcall_delta` events;
+//! 5. `turn`, then the assistant `message_end`;
+//! 6. per tool `tool_start`, and its result's `message_start` / `message_end` once it ran;
+//! 7. the terminal `tool` events once the batch committed, then `turn_messages`;
+//! 8. 4–7 again until a turn calls no tool (its `turn_messages` follows its `message_end`);
+//! 9. `agent_end`, `operation`, `idle`, `submission_settled`.
+//!
+//! Our own thread events (`tool_call_started`, `tool_call_done`, `thread_event`) and `log`,
+//! `data_part`, `compaction_*` and `task*` events interleave where they happen. Nothing is
+//! built for an event nobody observes.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -29,9 +46,10 @@ pub struct Observation {
     pub event: Event,
 }
 
-/// What happened.
+/// What happened. Serialized as the reference names it: a snake_case `type` and camelCase
+/// fields (`{"type": "turn_start", "turnId": …}`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
+#[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
 pub enum Event {
     /// A message was admitted.
     SubmissionQueued {
@@ -299,8 +317,10 @@ pub enum OperationKind {
 }
 
 /// What a model call asked for (a `turn`'s `request`): the model, not the context — the
-/// system prompt, messages and tools stay in process.
+/// system prompt, messages and tools stay in process, and nothing of the provider's
+/// configuration (keys, headers, endpoints) is in it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct TurnRequest {
     /// The provider id (the model specifier's part before the first `/`).
     pub provider: String,
@@ -312,6 +332,7 @@ pub struct TurnRequest {
 
 /// What a model call answered (a `turn`'s `response`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct TurnResponse {
     /// The answer text, as the model gave it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -326,4 +347,104 @@ pub struct TurnResponse {
     /// message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<SettlementError>,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn events_serialize_with_the_reference_type_names_and_camel_case_fields() {
+        let cases = [
+            (
+                Event::TurnStart {
+                    turn_id: "turn_1".into(),
+                    purpose: TurnPurpose::Agent,
+                    step: 1,
+                },
+                json!({"type": "turn_start", "turnId": "turn_1", "purpose": "agent", "step": 1}),
+            ),
+            (
+                Event::ToolcallDelta {
+                    index: 0,
+                    tool_call_id: "call_1".into(),
+                    delta: "{\"a\"".into(),
+                },
+                json!({"type": "toolcall_delta", "index": 0, "toolCallId": "call_1", "delta": "{\"a\""}),
+            ),
+            (Event::ThinkingStart, json!({"type": "thinking_start"})),
+            (
+                Event::ThinkingDelta { delta: "hm".into() },
+                json!({"type": "thinking_delta", "delta": "hm"}),
+            ),
+            (Event::ThinkingEnd, json!({"type": "thinking_end"})),
+            (
+                Event::OperationStart {
+                    operation_id: "op_1".into(),
+                    operation_kind: OperationKind::Prompt,
+                },
+                json!({"type": "operation_start", "operationId": "op_1", "operationKind": "prompt"}),
+            ),
+            (
+                Event::Operation {
+                    operation_id: "op_1".into(),
+                    operation_kind: OperationKind::Prompt,
+                    duration_ms: 5,
+                    is_error: false,
+                    error: None,
+                    usage: None,
+                },
+                json!({
+                    "type": "operation", "operationId": "op_1", "operationKind": "prompt",
+                    "durationMs": 5, "isError": false,
+                }),
+            ),
+            (
+                Event::TurnMessages {
+                    turn_id: "turn_1".into(),
+                    purpose: TurnPurpose::Agent,
+                    message: ModelMessage::Assistant {
+                        text: "4".into(),
+                        tool_calls: Vec::new(),
+                    },
+                    tool_results: Vec::new(),
+                },
+                json!({
+                    "type": "turn_messages", "turnId": "turn_1", "purpose": "agent",
+                    "message": {"role": "assistant", "text": "4", "tool_calls": []},
+                    "toolResults": [],
+                }),
+            ),
+        ];
+        for (event, expected) in cases {
+            let value = serde_json::to_value(&event).unwrap_or_default();
+            assert_eq!(value, expected);
+            let back: Option<Event> = serde_json::from_value(value).ok();
+            assert_eq!(back, Some(event));
+        }
+    }
+
+    /// Events never carry secrets: a turn's request names the model, and nothing of how the
+    /// provider is reached.
+    #[test]
+    fn a_turn_request_names_the_model_and_nothing_else() {
+        let event = Event::TurnRequest {
+            turn_id: "turn_1".into(),
+            purpose: TurnPurpose::Agent,
+            request: TurnRequest {
+                provider: "openai".into(),
+                model: "gpt-x".into(),
+                thinking_level: ThinkingLevel::Low,
+            },
+        };
+        assert_eq!(
+            serde_json::to_value(&event).unwrap_or_default(),
+            json!({
+                "type": "turn_request", "turnId": "turn_1", "purpose": "agent",
+                "request": {"provider": "openai", "model": "gpt-x", "thinkingLevel": "low"},
+            })
+        );
+    }
 }
