@@ -91,7 +91,8 @@ pub enum Event {
         /// 1-based step within the response.
         step: u32,
     },
-    /// What a model call asks for, right after its `turn_start`.
+    /// What a model call asks for: right after an agent call's `turn_start`, or before a
+    /// compaction's summarization call.
     TurnRequest {
         /// The call's id.
         turn_id: String,
@@ -129,7 +130,7 @@ pub enum Event {
         turn_id: String,
         /// Why the call was made.
         purpose: TurnPurpose,
-        /// 1-based step.
+        /// 1-based step (for a compaction's call, the step it makes room for).
         step: u32,
         /// Why it ended (`error` or `aborted` when the call failed).
         stop_reason: String,
@@ -303,8 +304,8 @@ pub enum Event {
 pub enum TurnPurpose {
     /// The agent's own step.
     Agent,
-    /// A compaction's summarization call (reserved: compaction reports through its own
-    /// `compaction_start` / `compaction` events and emits no turn events yet).
+    /// A compaction's summarization call: reported with `turn_request` and `turn` (between
+    /// `compaction_start` and `compaction`), never with `turn_start` or `turn_messages`.
     Compaction,
 }
 

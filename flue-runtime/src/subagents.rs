@@ -403,7 +403,7 @@ async fn child_session(
             thinking_level: thinking,
             max_output_tokens: None,
         };
-        let response = crate::provider::complete(&runtime.options, &*provider, request, &delegation.signal).await?;
+        let response = crate::provider::complete(&runtime.options, &*provider, &request, &delegation.signal).await?;
         last_text.clone_from(&response.text);
         messages.push(ModelMessage::Assistant {
             text: response.text.clone(),

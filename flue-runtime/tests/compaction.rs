@@ -2,7 +2,7 @@
 //! the summary the model reads in place of the older history (issue 8, item 5).
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
-use flue_runtime::events::Event;
+use flue_runtime::events::{Event, TurnPurpose};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderError, ProviderErrorKind};
 use flue_runtime::record::RecordBody;
@@ -147,7 +147,8 @@ async fn an_overflow_with_nothing_older_to_summarize_fails_as_context_overflow()
 
 /// Reference §7.2/§7.3: every `turn_start` is closed by its `turn` (a failed call's with
 /// finish reason `error`) and every assistant `message_start` by a `message_end`, before the
-/// overflow recovery's `compaction_start` and the retried turn.
+/// overflow recovery's `compaction_start` and the retried turn. The summarization call is a
+/// `compaction`-purpose turn: `turn_request` and `turn`, without `turn_start`.
 #[tokio::test]
 async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction() {
     let model = ScriptedModel::new([
@@ -169,7 +170,13 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
     while let Ok(observation) = events.try_recv() {
         match observation.event {
             Event::TurnStart { step, .. } => seen.push(format!("turn_start {step}")),
-            Event::Turn { step, stop_reason, .. } => seen.push(format!("turn {step} {stop_reason}")),
+            Event::TurnRequest { purpose, .. } => seen.push(format!("turn_request {purpose:?}")),
+            Event::Turn {
+                step,
+                stop_reason,
+                purpose,
+                ..
+            } => seen.push(format!("turn {step} {stop_reason} {purpose:?}")),
             Event::MessageStart { role } if role == "assistant" => seen.push("message_start".into()),
             Event::MessageEnd { role } if role == "assistant" => seen.push("message_end".into()),
             Event::CompactionStart { reason, .. } => seen.push(format!("compaction_start {reason}")),
@@ -181,14 +188,19 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
         seen,
         [
             "turn_start 1",
+            "turn_request Agent",
             "message_start",
-            "turn 1 error",
+            "turn 1 error Agent",
             "message_end",
             "compaction_start overflow",
+            // The summarization call: a turn of its own, without `turn_start` (§7.2).
+            "turn_request Compaction",
+            "turn 1 stop Compaction",
             "compaction",
             "turn_start 1",
+            "turn_request Agent",
             "message_start",
-            "turn 1 stop",
+            "turn 1 stop Agent",
             "message_end",
         ]
     );
@@ -299,14 +311,28 @@ async fn a_failed_compaction_event_carries_its_error() {
     let mut events = runtime.observe();
     handle.send(long("third")).await.unwrap_err();
     let mut ends = Vec::new();
+    let mut turns = Vec::new();
     while let Ok(observation) = events.try_recv() {
-        if let Event::Compaction {
-            is_error, error, usage, ..
-        } = observation.event
-        {
-            ends.push((is_error, error, usage));
+        match observation.event {
+            Event::Compaction {
+                is_error, error, usage, ..
+            } => ends.push((is_error, error, usage)),
+            Event::Turn {
+                purpose: TurnPurpose::Compaction,
+                is_error,
+                stop_reason,
+                response,
+                ..
+            } => turns.push((is_error, stop_reason, response.error.map(|error| error.message))),
+            _ => {}
         }
     }
+    // The summarization call's own turn failed first.
+    assert_eq!(turns.len(), 1, "{turns:?}");
+    let (is_error, stop_reason, message) = turns.remove(0);
+    assert!(is_error);
+    assert_eq!(stop_reason, "error");
+    assert!(message.is_some_and(|message| message.contains("no summaries today")));
     assert_eq!(ends.len(), 1, "{ends:?}");
     let (is_error, error, usage) = ends.remove(0);
     assert!(is_error);

@@ -11,12 +11,12 @@ use crate::runtime::RuntimeOptions;
 pub(crate) async fn complete(
     options: &RuntimeOptions,
     provider: &dyn ModelProvider,
-    request: ModelRequest,
+    request: &ModelRequest,
     signal: &AbortSignal,
 ) -> Result<ModelResponse, String> {
     let mut retries = 0;
     loop {
-        match stream_to_end(provider, &request, signal).await {
+        match stream_to_end(provider, request, signal).await {
             Ok(response) => return Ok(response),
             Err(None) => return Err("The call was aborted.".into()),
             Err(Some(error)) if error.may_retry(retries, options.model_retries) => {

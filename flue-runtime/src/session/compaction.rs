@@ -5,11 +5,11 @@ use std::time::Instant;
 use flue_core::model::{Compaction, CompactionConfig};
 use flue_core::usage::Usage;
 
-use super::{Failure, Response};
+use super::{Failure, LazyId, Response, turn_request};
 use crate::compaction::{SUMMARY_INSTRUCTIONS, transcript};
-use crate::events::Event;
-use crate::provider::{ModelMessage, ModelProvider, ModelRequest};
-use crate::record::RecordBody;
+use crate::events::{Event, TurnPurpose, TurnResponse};
+use crate::provider::{ModelMessage, ModelProvider, ModelRequest, ModelResponse};
+use crate::record::{RecordBody, SettlementError};
 
 /// Why a compaction runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +42,7 @@ impl Response<'_> {
         provider: &dyn ModelProvider,
         model_id: &str,
         system_len: usize,
+        step: u32,
     ) -> Result<(), Failure> {
         if self.compaction == Compaction::Disabled {
             return Ok(());
@@ -56,17 +57,19 @@ impl Response<'_> {
         );
         let estimate = self.conversation.estimated_tokens() + system_len as u64 / 4;
         if estimate.max(self.last_call_tokens) > window.saturating_sub(reserve) {
-            self.compact(Reason::Threshold, provider, model_id).await?;
+            self.compact(Reason::Threshold, provider, model_id, step).await?;
         }
         Ok(())
     }
 
-    /// Summarizes the older history; returns whether anything was compacted.
+    /// Summarizes the older history before the response's `step`; returns whether anything
+    /// was compacted.
     pub(super) async fn compact(
         &mut self,
         reason: Reason,
         provider: &dyn ModelProvider,
         model_id: &str,
+        step: u32,
     ) -> Result<bool, Failure> {
         let config = self.compaction_config();
         let keep = u64::from(
@@ -93,26 +96,10 @@ impl Response<'_> {
         };
         let summary = match &config.model {
             Some(spec) => match self.runtime.providers.resolve(spec) {
-                Ok((summarizer, summary_model)) => {
-                    crate::provider::complete(
-                        &self.runtime.options,
-                        &*summarizer,
-                        request(summary_model),
-                        &self.attempt.signal,
-                    )
-                    .await
-                }
+                Ok((summarizer, summary_model)) => self.summarize(&*summarizer, request(summary_model), step).await,
                 Err(error) => Err(format!("The compaction model: {error}")),
             },
-            None => {
-                crate::provider::complete(
-                    &self.runtime.options,
-                    provider,
-                    request(model_id.to_owned()),
-                    &self.attempt.signal,
-                )
-                .await
-            }
+            None => self.summarize(provider, request(model_id.to_owned()), step).await,
         };
         let (summary, usage) = match summary {
             Ok(response) if !response.text.trim().is_empty() => (response.text, response.usage),
@@ -152,6 +139,60 @@ impl Response<'_> {
             usage: Some(usage),
         });
         Ok(true)
+    }
+
+    /// The summarization call, reported as a `compaction`-purpose turn: `turn_request` before
+    /// it, `turn` after it (no `turn_start`: that one is the agent's own turns').
+    async fn summarize(
+        &self,
+        provider: &dyn ModelProvider,
+        request: ModelRequest,
+        step: u32,
+    ) -> Result<ModelResponse, String> {
+        let turn_id = LazyId::new("turn");
+        let thinking = request.thinking_level;
+        self.emit_with(|| Event::TurnRequest {
+            turn_id: turn_id.get(),
+            purpose: TurnPurpose::Compaction,
+            request: turn_request(provider, &request.model, thinking),
+        });
+        let started = Instant::now();
+        let summary = crate::provider::complete(&self.runtime.options, provider, &request, &self.attempt.signal).await;
+        self.emit_with(|| {
+            let aborted = self.attempt.signal.is_aborted();
+            let (stop_reason, response) = match &summary {
+                Ok(response) => (
+                    response.stop_reason.to_string(),
+                    TurnResponse {
+                        text: response.text.clone(),
+                        tool_calls: Vec::new(),
+                        usage: Some(response.usage),
+                        error: None,
+                    },
+                ),
+                Err(message) => (
+                    if aborted { "aborted" } else { "error" }.to_owned(),
+                    TurnResponse {
+                        error: Some(SettlementError {
+                            error_type: if aborted { "aborted" } else { "model_call_failed" }.into(),
+                            message: message.clone(),
+                        }),
+                        ..TurnResponse::default()
+                    },
+                ),
+            };
+            Event::Turn {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Compaction,
+                step,
+                stop_reason,
+                duration_ms: started.elapsed().as_millis() as u64,
+                request: turn_request(provider, &request.model, thinking),
+                is_error: summary.is_err(),
+                response,
+            }
+        });
+        summary
     }
 
     /// Ends a failed compaction with its terminal `compaction` event (`usage` when its summary

@@ -1686,7 +1686,7 @@ impl Response<'_> {
         let instruction = rendered.instruction.as_deref();
         let mut tools: Vec<ToolSpec> = rendered.tools.iter().map(ToolSpec::from).collect();
         let system_len = crate::framework::system_len(instruction, self.sections());
-        self.compact_if_needed(provider, model_id, system_len).await?;
+        self.compact_if_needed(provider, model_id, system_len, step).await?;
         let mut row_updates = None;
         let mut compacted_for_overflow = false;
         let (response, started, turn_id) = loop {
@@ -1760,7 +1760,10 @@ impl Response<'_> {
                 {
                     // Overflow recovery: compact and retry the call once, also with threshold
                     // compaction off.
-                    if !compacted_for_overflow && self.compact(compaction::Reason::Overflow, provider, model_id).await?
+                    if !compacted_for_overflow
+                        && self
+                            .compact(compaction::Reason::Overflow, provider, model_id, step)
+                            .await?
                     {
                         compacted_for_overflow = true;
                         continue;
@@ -2272,7 +2275,7 @@ impl StepError {
 }
 
 /// A `turn` event's `request`: the model a call asked for.
-fn turn_request(provider: &dyn ModelProvider, model_id: &str, thinking: ThinkingLevel) -> TurnRequest {
+pub(super) fn turn_request(provider: &dyn ModelProvider, model_id: &str, thinking: ThinkingLevel) -> TurnRequest {
     TurnRequest {
         provider: provider.id().to_owned(),
         model: model_id.to_owned(),
