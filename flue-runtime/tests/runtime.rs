@@ -741,6 +741,70 @@ async fn reasoning_streams_as_thinking_start_deltas_and_end_before_the_answer() 
     );
 }
 
+/// A provider whose first call breaks off mid-reasoning (a retryable network failure), and
+/// whose retry reasons and answers.
+#[derive(Default)]
+struct BrokenReasoner {
+    calls: std::sync::atomic::AtomicU32,
+}
+
+impl flue_runtime::provider::ModelProvider for BrokenReasoner {
+    fn id(&self) -> &str {
+        "reasoner"
+    }
+
+    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ProviderError, ProviderErrorKind, StreamEvent};
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+            return Reasoner.stream(request);
+        }
+        Box::pin(futures_util::stream::iter(vec![
+            Ok(StreamEvent::ReasoningDelta("Hm".into())),
+            Err(ProviderError::new(ProviderErrorKind::Network, "connection reset")),
+        ]))
+    }
+}
+
+/// A retry after the partial message reached observers ends that message's open reasoning
+/// (`thinking_end`) before its `message_end`, and the retry reasons in a new message.
+#[tokio::test]
+async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
+    let mut providers = ProviderRegistry::new();
+    providers.register(BrokenReasoner::default());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .agent(thinker)
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let reply = runtime.init(&thinker, "b").send("2+2?").await.unwrap();
+    assert_eq!(reply.text, "4");
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::MessageStart { role } if role == "assistant" => seen.push("message_start"),
+            Event::MessageEnd { role } if role == "assistant" => seen.push("message_end"),
+            Event::ThinkingStart => seen.push("thinking_start"),
+            Event::ThinkingDelta { .. } => seen.push("thinking_delta"),
+            Event::ThinkingEnd => seen.push("thinking_end"),
+            Event::TextDelta { .. } => seen.push("text_delta"),
+            _ => {}
+        }
+    }
+    #[rustfmt::skip]
+    let expected = [
+        "message_start", "thinking_start", "thinking_delta", "thinking_end", "message_end",
+        "message_start", "thinking_start", "thinking_delta", "thinking_delta", "thinking_end",
+        "text_delta", "message_end",
+    ];
+    assert_eq!(seen, expected);
+}
+
 /// The `turn` events `observe()` delivered, in order.
 fn observed_turns(
     events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
