@@ -282,7 +282,8 @@ pub enum Event {
         /// Why it failed (stackless, like a settlement's error).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<SettlementError>,
-        /// The usage of the response's durable model calls.
+        /// The usage of the response's durable agent model calls (an earlier attempt's
+        /// included; a compaction's summarization calls are on their `compaction` events).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         usage: Option<Usage>,
     },
