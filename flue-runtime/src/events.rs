@@ -16,6 +16,11 @@
 //! Our own thread events (`tool_call_started`, `tool_call_done`, `thread_event`) and `log`,
 //! `data_part`, `compaction_*` and `task*` events interleave where they happen. Nothing is
 //! built for an event nobody observes.
+//!
+//! Each [`Observation`] is stamped with the operation it happened in (from `operation_start`
+//! to `operation`) and, within a model turn (from `turn_start` to `turn_messages`, or a
+//! compaction's summarization call), with the turn's id: how a delta or a tool event, which
+//! names no turn itself, is tied to its turn.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -38,12 +43,77 @@ pub struct Observation {
     /// The submission, when the event belongs to one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub submission_id: Option<String>,
+    /// The operation (one submission's processing, `operation_start` to `operation`) the
+    /// event happened in; the same id as those two events carry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<String>,
+    /// The model turn the event belongs to (from its `turn_start` to its `turn_messages`, or
+    /// a compaction's summarization call): how deltas and tool events, which carry no turn
+    /// id of their own, are tied to their turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_id: Option<String>,
     /// Monotonic per runtime.
     pub event_index: u64,
     /// RFC 3339.
     pub timestamp: String,
     /// What happened.
     pub event: Event,
+}
+
+/// An event id (`<prefix>_<ULID>`) made on first use and shared by its clones: an event
+/// nobody observes never makes it, and every event that names it gets the same one.
+#[derive(Clone)]
+pub(crate) struct LazyId {
+    prefix: &'static str,
+    id: std::sync::Arc<std::sync::OnceLock<String>>,
+}
+
+impl LazyId {
+    pub(crate) fn new(prefix: &'static str) -> Self {
+        Self {
+            prefix,
+            id: std::sync::Arc::default(),
+        }
+    }
+
+    /// The id, made now if no event needed it before.
+    pub(crate) fn get(&self) -> String {
+        self.id.get_or_init(|| crate::record::new_id(self.prefix)).clone()
+    }
+}
+
+/// What ties a submission's events together while an attempt processes it: its operation
+/// and the model turn in progress. Registered with the runtime for the submission's id, so
+/// every emitter (the turn loop, tools' logs, thread writers, delegation) stamps the
+/// [`Observation`]s it sends without being handed anything.
+pub(crate) struct Correlation {
+    pub(crate) operation: LazyId,
+    turn: std::sync::Mutex<Option<LazyId>>,
+}
+
+impl Correlation {
+    pub(crate) fn new() -> Self {
+        Self {
+            operation: LazyId::new("op"),
+            turn: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The turn the events from now on belong to (`None`: no turn is in progress).
+    pub(crate) fn set_turn(&self, turn: Option<&LazyId>) {
+        *self.turn.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = turn.cloned();
+    }
+
+    /// The ids an observation carries now: the operation's, and the turn's while one runs.
+    pub(crate) fn ids(&self) -> (String, Option<String>) {
+        let turn = self
+            .turn
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .as_ref()
+            .map(LazyId::get);
+        (self.operation.get(), turn)
+    }
 }
 
 /// What happened. Serialized as the reference names it: a snake_case `type` and camelCase

@@ -11,7 +11,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::sync::{broadcast, oneshot};
 
-use crate::events::{Event, Observation};
+use crate::events::{Correlation, Event, Observation};
 use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
 use crate::session::{self, InstanceSlot, ReplyParts, Settled};
@@ -219,6 +219,7 @@ impl RuntimeBuilder {
             slot_uses: AtomicU64::new(0),
             events,
             event_index: AtomicU64::new(0),
+            correlations: Mutex::default(),
             waiters: Mutex::default(),
             shutting_down: AtomicBool::new(false),
             owner_id: new_id("owner"),
@@ -241,6 +242,9 @@ pub(crate) struct RuntimeInner {
     slot_uses: AtomicU64,
     events: broadcast::Sender<Observation>,
     event_index: AtomicU64,
+    /// The correlation of each submission an attempt of this node processes, by submission
+    /// id: what its observations are stamped with.
+    correlations: Mutex<HashMap<String, Arc<Correlation>>>,
     /// Senders waiting for a submission to settle, by submission id.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<()>>>>,
     shutting_down: AtomicBool,
@@ -370,15 +374,42 @@ impl RuntimeInner {
             return;
         }
         let event = event();
+        let (operation_id, turn_id) = submission_id
+            .and_then(|id| {
+                self.correlations
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .get(id)
+                    .cloned()
+            })
+            .map_or((None, None), |correlation| {
+                let (operation, turn) = correlation.ids();
+                (Some(operation), turn)
+            });
         let observation = Observation {
             agent: key.agent.to_string(),
             instance_id: key.id.to_string(),
             submission_id: submission_id.map(str::to_owned),
+            operation_id,
+            turn_id,
             event_index: self.event_index.fetch_add(1, Ordering::Relaxed),
             timestamp: now().to_string(),
             event,
         };
         let _ = self.events.send(observation);
+    }
+
+    /// Stamps the observations of `submission_id` with `correlation` until the returned
+    /// guard drops (the end of the attempt's processing, however it ends).
+    pub(crate) fn correlate(self: &Arc<Self>, submission_id: &str, correlation: Arc<Correlation>) -> Correlated {
+        self.correlations
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(submission_id.to_owned(), correlation);
+        Correlated {
+            runtime: Arc::downgrade(self),
+            submission_id: submission_id.to_owned(),
+        }
     }
 
     /// The attempts this node is running: the leases its heartbeat renews.
@@ -971,5 +1002,23 @@ impl AgentHandle {
     /// The incarnation seen by the last send through this handle.
     pub fn uid(&self) -> Option<String> {
         self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+}
+
+/// Ends a submission's correlation (see [`RuntimeInner::correlate`]) when dropped.
+pub(crate) struct Correlated {
+    runtime: std::sync::Weak<RuntimeInner>,
+    submission_id: String,
+}
+
+impl Drop for Correlated {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime
+                .correlations
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .remove(&self.submission_id);
+        }
     }
 }

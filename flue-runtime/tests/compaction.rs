@@ -168,6 +168,12 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
     handle.send("and again").await.unwrap();
     let mut seen = Vec::new();
     while let Ok(observation) = events.try_recv() {
+        // The envelope names the turn each turn event names, the summarization's included.
+        if let Event::TurnStart { turn_id, .. } | Event::TurnRequest { turn_id, .. } | Event::Turn { turn_id, .. } =
+            &observation.event
+        {
+            assert_eq!(observation.turn_id.as_ref(), Some(turn_id), "{:?}", observation.event);
+        }
         match observation.event {
             Event::TurnStart { step, .. } => seen.push(format!("turn_start {step}")),
             Event::TurnRequest { purpose, .. } => seen.push(format!("turn_request {purpose:?}")),

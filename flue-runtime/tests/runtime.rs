@@ -645,6 +645,92 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
     );
 }
 
+/// Reference §7.1 (the envelope's correlation): every event of a submission's processing
+/// carries its operation's id, and the events of a model turn (deltas and tool events
+/// included, which name no turn themselves) carry that turn's id; the submission's own
+/// lifecycle events (and `idle`, after the operation) carry neither, the events between turns
+/// no turn.
+#[tokio::test]
+async fn observations_carry_the_operation_and_the_turn_they_happened_in() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
+        ScriptedReply::text("3"),
+    ]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&calculator, "correlated").send("1+2").await.unwrap();
+    let mut observed = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        observed.push(observation);
+    }
+    let operation = observed
+        .iter()
+        .find_map(|observation| match &observation.event {
+            Event::OperationStart { operation_id, .. } => Some(operation_id.clone()),
+            _ => None,
+        })
+        .expect("operation_start");
+    let mut turn = None;
+    for observation in &observed {
+        let in_operation = !matches!(
+            observation.event,
+            Event::SubmissionQueued { .. }
+                | Event::SubmissionRunning { .. }
+                | Event::Idle
+                | Event::SubmissionSettled { .. }
+        );
+        assert_eq!(
+            observation.operation_id.as_deref(),
+            in_operation.then_some(operation.as_str()),
+            "{:?}",
+            observation.event
+        );
+        match &observation.event {
+            Event::TurnStart { turn_id, .. } => turn = Some(turn_id.clone()),
+            Event::AgentStart | Event::AgentEnd | Event::Operation { .. } | Event::Idle => {
+                assert_eq!(observation.turn_id, None, "{:?}", observation.event);
+            }
+            Event::MessageStart { role } | Event::MessageEnd { role } if role == "user" => {
+                assert_eq!(observation.turn_id, None, "{:?}", observation.event);
+            }
+            _ => {}
+        }
+        if matches!(
+            observation.event,
+            Event::TurnStart { .. }
+                | Event::TurnRequest { .. }
+                | Event::TextDelta { .. }
+                | Event::ToolcallDelta { .. }
+                | Event::Turn { .. }
+                | Event::ToolStart { .. }
+                | Event::Tool { .. }
+                | Event::TurnMessages { .. }
+        ) || matches!(&observation.event, Event::MessageStart { role } | Event::MessageEnd { role } if role != "user")
+        {
+            assert!(turn.is_some(), "{:?} before any turn", observation.event);
+            assert_eq!(observation.turn_id, turn, "{:?}", observation.event);
+        }
+        if let Event::TurnMessages { turn_id, .. } = &observation.event {
+            assert_eq!(Some(turn_id), turn.as_ref());
+        }
+    }
+    // Two turns, two ids; the envelope stamps what the turn events name.
+    let stamped: std::collections::BTreeSet<&str> = observed
+        .iter()
+        .filter_map(|observation| observation.turn_id.as_deref())
+        .collect();
+    assert_eq!(stamped.len(), 2, "{stamped:?}");
+    // Nothing stays correlated once the submission settled: the next one has its own.
+    runtime.init(&calculator, "correlated").send("again").await.ok();
+    let next: Vec<_> = std::iter::from_fn(|| events.try_recv().ok()).collect();
+    assert!(
+        next.iter()
+            .filter_map(|observation| observation.operation_id.as_deref())
+            .all(|id| id != operation),
+        "the next submission reused the operation id"
+    );
+}
+
 /// Reference §7.2 (Operations row): a failed submission's `operation` is an error and says why.
 #[tokio::test]
 async fn a_failed_submission_ends_its_operation_with_the_error() {

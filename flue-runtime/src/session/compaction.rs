@@ -5,9 +5,9 @@ use std::time::Instant;
 use flue_core::model::{Compaction, CompactionConfig};
 use flue_core::usage::Usage;
 
-use super::{Failure, LazyId, Response, turn_request};
+use super::{Failure, Response, turn_request};
 use crate::compaction::{SUMMARY_INSTRUCTIONS, transcript};
-use crate::events::{Event, TurnPurpose, TurnResponse};
+use crate::events::{Event, LazyId, TurnPurpose, TurnResponse};
 use crate::provider::{ModelMessage, ModelProvider, ModelRequest, ModelResponse};
 use crate::record::{RecordBody, SettlementError};
 
@@ -150,6 +150,7 @@ impl Response<'_> {
         step: u32,
     ) -> Result<ModelResponse, String> {
         let turn_id = LazyId::new("turn");
+        self.set_turn(Some(&turn_id));
         let thinking = request.thinking_level;
         self.emit_with(|| Event::TurnRequest {
             turn_id: turn_id.get(),
@@ -192,6 +193,7 @@ impl Response<'_> {
                 response,
             }
         });
+        self.set_turn(None);
         summary
     }
 

@@ -35,7 +35,7 @@ use flue_core::{Agent, RenderError};
 use futures_util::{FutureExt, StreamExt};
 use tracing::Instrument;
 
-use crate::events::{Event, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
+use crate::events::{Correlation, Event, LazyId, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
 use crate::lifecycle::HookSet;
 use crate::lifecycle::thread::{RuntimeThread, ThreadWriter};
 use crate::provider::{
@@ -430,10 +430,15 @@ impl InstanceSlot {
             mcp: None,
             compaction: flue_core::model::Compaction::Default,
             last_call_tokens: 0,
+            correlation: None,
         };
         // The operation: the processing of this submission, from just before `agent_start` to
-        // just after `agent_end`. Its id is made only when an event needs it.
-        let operation_id = LazyId::new("op");
+        // just after `agent_end`. Its id is made only when an event needs it; every event of
+        // the processing carries it (and the turn's id while a turn runs).
+        let correlation = Arc::new(Correlation::new());
+        let operation_id = correlation.operation.clone();
+        let correlated = runtime.correlate(&submission.id, correlation.clone());
+        response.correlation = Some(correlation);
         let operation_started = Instant::now();
         runtime.emit_with(&self.key, Some(&submission.id), || Event::OperationStart {
             operation_id: operation_id.get(),
@@ -472,6 +477,8 @@ impl InstanceSlot {
             }
             other => other,
         };
+        // A turn a failure broke off ends with the response.
+        response.set_turn(None);
         runtime.emit(&self.key, Some(&submission.id), Event::AgentEnd);
         runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
             operation_id: operation_id.get(),
@@ -481,6 +488,7 @@ impl InstanceSlot {
             error: result.as_ref().err().map(|failure| failure.error.clone()),
             usage: Some(response.conversation.usage(&submission.id)),
         });
+        drop(correlated);
         runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         attempt.responding.store(false, Ordering::Release);
         // Nothing appends for the attempt after its response: a write queued after the final
@@ -746,6 +754,8 @@ struct Response<'a> {
     compaction: flue_core::model::Compaction,
     /// The tokens of the latest model call (its input and output), as the provider counted.
     last_call_tokens: u64,
+    /// What the response's events are stamped with (its operation, the turn in progress).
+    correlation: Option<Arc<Correlation>>,
 }
 
 impl Response<'_> {
@@ -759,6 +769,13 @@ impl Response<'_> {
 
     fn emit(&self, event: Event) {
         self.runtime.emit(self.key, Some(&self.submission.id), event);
+    }
+
+    /// The model turn the response's events belong to from now on (`None`: between turns).
+    fn set_turn(&self, turn: Option<&LazyId>) {
+        if let Some(correlation) = &self.correlation {
+            correlation.set_turn(turn);
+        }
     }
 
     /// [`emit`](Self::emit), building the event only when someone observes.
@@ -1712,6 +1729,7 @@ impl Response<'_> {
             let started = Instant::now();
             // One id per model call (an overflow recovery's retry is a call of its own).
             let turn_id = LazyId::new("turn");
+            self.set_turn(Some(&turn_id));
             self.emit_with(|| Event::TurnStart {
                 turn_id: turn_id.get(),
                 purpose: TurnPurpose::Agent,
@@ -1844,6 +1862,7 @@ impl Response<'_> {
                 },
                 tool_results: Vec::new(),
             });
+            self.set_turn(None);
         }
         self.assistant_row_updated(&message_id).await;
         Ok((response, message_id, turn_id))
@@ -2225,28 +2244,11 @@ impl Response<'_> {
                 tool_results,
             });
         }
-        Ok(terminate)
-    }
-}
-
-/// An event id (`<prefix>_<ULID>`) made on first use: an event nobody observes never
-/// makes it, and every event that names it shares it.
-pub(crate) struct LazyId {
-    prefix: &'static str,
-    id: std::sync::OnceLock<String>,
-}
-
-impl LazyId {
-    fn new(prefix: &'static str) -> Self {
-        Self {
-            prefix,
-            id: std::sync::OnceLock::new(),
+        if turn.is_some() {
+            // The model turn ends with its batch.
+            self.set_turn(None);
         }
-    }
-
-    /// The id, made now if no event needed it before.
-    fn get(&self) -> String {
-        self.id.get_or_init(|| new_id(self.prefix)).clone()
+        Ok(terminate)
     }
 }
 
