@@ -3,7 +3,7 @@
 
 use std::sync::Mutex;
 
-use flue_runtime::events::{Event, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
+use flue_runtime::events::{Event, Observation, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Outcome, RecordBody};
@@ -428,15 +428,22 @@ async fn abort_settles_the_running_submission_as_aborted() {
     }
 }
 
-#[tokio::test]
-async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
+/// One exchange of `calculator` (a call of `add`, then the answer) on instance `id`, observed
+/// from before it is sent: the runtime and the receiver holding its events.
+async fn observed_calculator_exchange(id: &str) -> (Runtime, tokio::sync::broadcast::Receiver<Observation>) {
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
         ScriptedReply::text("3"),
     ]);
     let runtime = runtime_with(&model, vec![calculator.into()]);
-    let mut events = runtime.observe();
-    runtime.init(&calculator, "o").send("1+2").await.unwrap();
+    let events = runtime.observe();
+    runtime.init(&calculator, id).send("1+2").await.unwrap();
+    (runtime, events)
+}
+
+#[tokio::test]
+async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
+    let (_runtime, mut events) = observed_calculator_exchange("o").await;
     let mut kinds = Vec::new();
     while let Ok(observation) = events.try_recv() {
         kinds.push(match observation.event {
@@ -481,13 +488,7 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
 /// (Our own thread events — `tool_call_started`, `tool_call_done` — are left out here.)
 #[tokio::test]
 async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
-        ScriptedReply::text("3"),
-    ]);
-    let runtime = runtime_with(&model, vec![calculator.into()]);
-    let mut events = runtime.observe();
-    runtime.init(&calculator, "canon").send("1+2").await.unwrap();
+    let (_runtime, mut events) = observed_calculator_exchange("canon").await;
     let mut observed = Vec::new();
     while let Ok(observation) = events.try_recv() {
         observed.push(observation.event);
@@ -652,13 +653,7 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
 /// no turn.
 #[tokio::test]
 async fn observations_carry_the_operation_and_the_turn_they_happened_in() {
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
-        ScriptedReply::text("3"),
-    ]);
-    let runtime = runtime_with(&model, vec![calculator.into()]);
-    let mut events = runtime.observe();
-    runtime.init(&calculator, "correlated").send("1+2").await.unwrap();
+    let (runtime, mut events) = observed_calculator_exchange("correlated").await;
     let mut observed = Vec::new();
     while let Ok(observation) = events.try_recv() {
         observed.push(observation);
@@ -915,13 +910,7 @@ fn observed_turns(
 /// process) and the normalized response (its output, its usage, its error).
 #[tokio::test]
 async fn the_turn_event_carries_the_calls_request_and_response() {
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
-        ScriptedReply::text("3"),
-    ]);
-    let runtime = runtime_with(&model, vec![calculator.into()]);
-    let mut events = runtime.observe();
-    runtime.init(&calculator, "tr").send("1+2").await.unwrap();
+    let (_runtime, mut events) = observed_calculator_exchange("tr").await;
     let turns = observed_turns(&mut events);
     assert_eq!(turns.len(), 2);
     let request = TurnRequest {
@@ -1902,13 +1891,7 @@ fn relay_one() -> &'static str {
 /// of its tool-result message when done".
 #[tokio::test]
 async fn each_tool_result_message_has_its_message_start_and_end_between_tool_start_and_tool() {
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
-        ScriptedReply::text("3"),
-    ]);
-    let runtime = runtime_with(&model, vec![calculator.into()]);
-    let mut events = runtime.observe();
-    runtime.init(&calculator, "o-1").send("1+2").await.unwrap();
+    let (_runtime, mut events) = observed_calculator_exchange("o-1").await;
     let mut kinds = Vec::new();
     while let Ok(observation) = events.try_recv() {
         kinds.push(match observation.event {
