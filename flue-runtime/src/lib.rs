@@ -1,18 +1,67 @@
 //! # flue-runtime
 //!
-//! The crate a flue-rs application depends on. It re-exports the render model
-//! ([`flue_core`]) so a user crate needs no other flue dependency:
+//! The crate a flue-rs application depends on: it runs agents written in the hooks style.
+//! An agent is a synchronous function whose body calls hooks and returns its instruction; the
+//! runtime renders it again before every model call, calls the model, runs the tools it asks
+//! for, and keeps every conversation durable in a store (the embedded SQLite store unless you
+//! configure another). It re-exports the render model ([`flue_core`]) and the attributes, so a
+//! user crate needs no other flue dependency.
 //!
 //! ```
 //! use flue_runtime::prelude::*;
+//! use flue_runtime::provider::ProviderRegistry;
+//! use flue_runtime::store::MemoryStore;
+//! use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+//! use flue_runtime::Runtime;
+//! use serde_json::json;
 //!
-//! let agent = FnAgent::new(AgentDefinition::new("hello"), |_| {
-//!     use_model("openai/gpt-4o-mini");
-//!     "Say hello."
-//! });
-//! let rendered = flue_runtime::render_bare(&agent).unwrap();
-//! assert_eq!(rendered.instruction.as_deref(), Some("Say hello."));
+//! /// Add two numbers.
+//! #[tool]
+//! async fn add(a: i64, b: i64) -> String {
+//!     (a + b).to_string()
+//! }
+//!
+//! /// Adds numbers, and remembers how many questions it answered.
+//! #[agent]
+//! fn calculator() -> String {
+//!     use_model("scripted/calc");
+//!     use_tool(add);
+//!     let (answered, set_answered) = use_persistent_state("answered", 0u32);
+//!     use_agent_finish(move |_| {
+//!         let set_answered = set_answered.clone();
+//!         async move { set_answered.update(|n| n + 1) }
+//!     });
+//!     format!("You add numbers. You have answered {answered} questions so far.")
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Offline, a scripted model stands in for a provider (`ProviderRegistry::with_defaults()`
+//! // has `openai`, `anthropic` and `openrouter`, keyed from the environment).
+//! let model = ScriptedModel::new([
+//!     ScriptedReply::tool_call("add", json!({"a": 2, "b": 3})),
+//!     ScriptedReply::text("2 + 3 = 5"),
+//! ]);
+//! let mut providers = ProviderRegistry::new();
+//! providers.register(model.clone());
+//! let runtime = Runtime::builder()
+//!     .store(MemoryStore::new()) // without this line: SQLite in .flue/flue.db
+//!     .agent(calculator)
+//!     .providers(providers)
+//!     .build()?;
+//!
+//! let reply = runtime.init(&calculator, "customer-7").send("What is 2 + 3?").await?;
+//! assert_eq!(reply.text, "2 + 3 = 5");
+//! // Two model calls, the second after the tool's result; each rendered the agent afresh.
+//! assert_eq!(model.requests().len(), 2);
+//! # Ok(())
+//! # }
 //! ```
+//!
+//! Where to go next: [`Runtime`] (dispatch, `init`/`send`, `observe`), [`http`] (serving the
+//! streaming protocol), [`store`] (SQLite, Postgres, the memory store), [`provider`] (model
+//! providers and the registry), [`testing`] (the scripted model and the loopback fixture
+//! server), [`events`] (live events) and [`lifecycle`] (lifecycle hooks and `ThreadState`).
 
 pub use flue_core::*;
 
