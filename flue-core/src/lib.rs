@@ -1,6 +1,6 @@
 //! # flue-core
 //!
-//! The render model of [flue-rs]: agents are synchronous functions whose body calls *hooks*
+//! The render model of flue-rs: agents are synchronous functions whose body calls *hooks*
 //! (`use_model`, `use_tool`, `use_persistent_state`, …). The runtime renders the agent before
 //! every model call; each hook records onto a thread-local render frame, and the render returns
 //! a [`Rendered`] declaration. This crate holds the frame, every hook, the rules of hooks with
@@ -36,8 +36,6 @@
 //! - Instance-scoped and client-facing hooks panic in a subagent render.
 //!
 //! Every hook is `#[track_caller]`: a misuse panics at the user's line.
-//!
-//! [flue-rs]: https://example.invalid/flue-rs
 
 pub mod abort;
 pub mod agent;
