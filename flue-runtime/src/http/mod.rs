@@ -35,6 +35,7 @@ mod feed;
 mod projection;
 mod reads;
 mod thread_events;
+mod updates_cache;
 mod user_events;
 
 use std::sync::Arc;
@@ -78,6 +79,11 @@ pub struct HttpOptions {
     /// How often live readers read a shared store (one other nodes append to) again, since
     /// only this node's appends wake them (250 ms).
     pub shared_store_poll: Duration,
+    /// How many instances' updates reads are cached (256; 0 caches none): the fold at the
+    /// newest offset read and the chunks of the newest batches, so that a client polling a
+    /// long conversation costs what is new since its offset, not a fold of the whole stream.
+    /// The least recently read instance goes first; each keeps at most about 2 MiB of chunks.
+    pub updates_cache_instances: usize,
 }
 
 impl std::fmt::Debug for HttpOptions {
@@ -88,6 +94,7 @@ impl std::fmt::Debug for HttpOptions {
             .field("sse_wait", &self.sse_wait)
             .field("heartbeat", &self.heartbeat)
             .field("shared_store_poll", &self.shared_store_poll)
+            .field("updates_cache_instances", &self.updates_cache_instances)
             .finish()
     }
 }
@@ -108,6 +115,7 @@ impl Default for HttpOptions {
             sse_wait: Duration::from_secs(30),
             heartbeat: Duration::from_secs(15),
             shared_store_poll: Duration::from_millis(250),
+            updates_cache_instances: 256,
         }
     }
 }
@@ -120,6 +128,8 @@ struct Routes {
     options: Arc<HttpOptions>,
     /// The live feeds of this agent's instances followed over SSE.
     feeds: Arc<feed::Feeds>,
+    /// What this agent's instances' `view=updates` reads projected.
+    updates: Arc<updates_cache::UpdatesCache>,
 }
 
 impl Routes {
@@ -199,6 +209,7 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) ->
     let state = Routes {
         runtime,
         agent: agent.into(),
+        updates: Arc::new(updates_cache::UpdatesCache::new(options.updates_cache_instances)),
         options,
         feeds: Arc::default(),
     };

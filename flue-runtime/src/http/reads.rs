@@ -9,20 +9,18 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::time::Instant;
 
 use super::error::ApiError;
 use super::feed::{Delivery, Feed};
 use super::projection::{Projection, checkpoint};
+use super::updates_cache::{BATCHES_PER_READ, Lookup};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
 use crate::runtime::RuntimeInner;
 use crate::session::InstanceSlot;
 use crate::store::InstanceKey;
-
-/// The most batches one updates response covers.
-const BATCHES_PER_READ: usize = 100;
 
 /// The size past which an SSE reader catching up gets its chunks in more than one data frame
 /// (well under the 16 MiB a client of this crate buffers for one event).
@@ -193,61 +191,30 @@ pub(super) async fn get_stream(
             requested,
             live,
         } => {
-            let batches = stream(&routes.runtime, &key).await?;
             let incarnation = routes
                 .runtime
                 .store
                 .instance(&key)
                 .await
                 .map_err(|error| ApiError::internal(&error))?
-                .map(|instance| instance.uid)
-                .unwrap_or_default();
-            let head = batches.last().map(|batch| batch.offset);
+                .map(|instance| instance.uid);
             let after = match offset {
-                Offset::After(after) if after.is_none() || after <= head => after,
-                // The offset as the client wrote it (`5_9` stays `5_9`).
-                Offset::After(_) | Offset::Beyond => {
+                Offset::After(after) => after,
+                // Past any head: the lookup answers 416 with the head.
+                Offset::Beyond => Some(u64::MAX),
+            };
+            if live == Live::Sse {
+                let batches = stream(&routes.runtime, &key).await?;
+                let head = batches.last().map(|batch| batch.offset);
+                if after > head {
+                    // The offset as the client wrote it (`5_9` stays `5_9`).
                     return Err(ApiError::stream_offset_gone(&requested, &wire_offset(head)));
                 }
-            };
-            match live {
-                Live::Sse => Ok(sse(routes, key, incarnation, batches, after)),
-                Live::No | Live::LongPoll => Ok(updates(
-                    &routes.runtime,
-                    &routes.options,
-                    &key,
-                    &incarnation,
-                    batches,
-                    after,
-                    live == Live::LongPoll,
-                )
-                .await),
+                return Ok(sse(routes, key, incarnation.unwrap_or_default(), batches, after));
             }
+            updates(&routes, &key, incarnation.as_deref(), after, &requested, live == Live::LongPoll).await
         }
     }
-}
-
-/// Folds the batches up to `after` and projects up to [`BATCHES_PER_READ`] after it: the
-/// chunks, the next offset and whether the read reached the head.
-fn project(projection: &mut Projection, batches: &[Batch], after: Option<u64>) -> (Vec<Value>, Option<u64>, bool) {
-    let mut chunks = vec![];
-    let mut next = after;
-    let mut projected = 0;
-    let mut up_to_date = true;
-    for batch in batches {
-        if after.is_some_and(|after| batch.offset <= after) {
-            projection.apply(batch, None);
-            continue;
-        }
-        if projected == BATCHES_PER_READ {
-            up_to_date = false;
-            break;
-        }
-        projection.apply(batch, Some(&mut chunks));
-        next = Some(batch.offset);
-        projected += 1;
-    }
-    (chunks, next, up_to_date)
 }
 
 fn wire_offset(offset: Option<u64>) -> String {
@@ -259,33 +226,40 @@ fn wire_offset(offset: Option<u64>) -> String {
 /// the checkpoint, with the moved `Stream-Next-Offset`): waiting on would find them again and
 /// again until the deadline.
 async fn updates(
-    runtime: &Arc<RuntimeInner>,
-    options: &HttpOptions,
+    routes: &Routes,
     key: &InstanceKey,
-    incarnation: &str,
-    mut batches: Vec<Batch>,
+    incarnation: Option<&str>,
     after: Option<u64>,
+    requested: &str,
     long_poll: bool,
-) -> Response {
+) -> Result<Response, ApiError> {
+    let (runtime, options) = (&routes.runtime, &routes.options);
     let deadline = Instant::now() + options.long_poll_timeout;
     let slot = runtime.slot(key);
     loop {
-        let mut projection = Projection::new(&key.stream_path());
-        let (chunks, next, up_to_date) = project(&mut projection, &batches, after);
-        if next != after || !long_poll || Instant::now() >= deadline {
-            let mut body = Vec::with_capacity(chunks.len() + 1);
-            body.push(checkpoint(incarnation));
-            body.extend(chunks);
-            return no_store(axum::Json(body).into_response(), &wire_offset(next), up_to_date);
-        }
-        batches = match wait_for_batches(runtime, &slot, key, after, deadline, options).await {
-            Ok(batches) => batches,
-            Err(error) => return error.into_response(),
+        let lookup = routes
+            .updates
+            .updates(runtime.store.as_ref(), key, incarnation, after)
+            .await
+            .map_err(|error| ApiError::internal(&error))?;
+        let page = match lookup {
+            Lookup::Page(page) => page,
+            Lookup::Missing => return Err(ApiError::stream_not_found(&key.stream_path())),
+            // The offset as the client wrote it (`5_9` stays `5_9`).
+            Lookup::Gone(head) => return Err(ApiError::stream_offset_gone(requested, &wire_offset(head))),
         };
+        if page.next != after || !long_poll || Instant::now() >= deadline {
+            let mut response = page.body(incarnation.unwrap_or_default()).into_response();
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            return Ok(no_store(response, &wire_offset(page.next), page.up_to_date));
+        }
+        wait_for_batches(runtime, &slot, key, after, deadline, options).await?;
     }
 }
 
-/// Waits until the stream has batches after `after` (or `deadline`), then reads it whole.
+/// Waits until the stream has batches after `after` (or `deadline`).
 async fn wait_for_batches(
     runtime: &RuntimeInner,
     slot: &InstanceSlot,
@@ -293,20 +267,20 @@ async fn wait_for_batches(
     after: Option<u64>,
     deadline: Instant,
     options: &HttpOptions,
-) -> Result<Vec<Batch>, ApiError> {
+) -> Result<(), ApiError> {
     loop {
         // Registered before reading, so an append between the read and the wait wakes it.
         let appended = slot.appended().notified();
         tokio::pin!(appended);
         appended.as_mut().enable();
-        // Only what is new is read to look; the whole stream once there is something.
+        // Only what is new is read to look.
         let newer = runtime
             .store
             .read(key, after)
             .await
             .map_err(|error| ApiError::internal(&error))?;
         if !newer.is_empty() || Instant::now() >= deadline {
-            return stream(runtime, key).await;
+            return Ok(());
         }
         let wait = if runtime.store.shared() {
             options.shared_store_poll.min(deadline - Instant::now())
