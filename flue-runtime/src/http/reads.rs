@@ -212,7 +212,15 @@ pub(super) async fn get_stream(
                 }
                 return Ok(sse(routes, key, incarnation.unwrap_or_default(), batches, after));
             }
-            updates(&routes, &key, incarnation.as_deref(), after, &requested, live == Live::LongPoll).await
+            updates(
+                &routes,
+                &key,
+                incarnation.as_deref(),
+                after,
+                &requested,
+                live == Live::LongPoll,
+            )
+            .await
         }
     }
 }

@@ -290,7 +290,10 @@ impl UpdatesCache {
         // The first batch the window would hold (counting only the batch bound: the byte bound
         // may keep fewer, and then the read is answered afresh).
         let start = batches.len().saturating_sub(self.window_batches);
-        let base = start.checked_sub(1).and_then(|last| batches.get(last)).map(|batch| batch.offset);
+        let base = start
+            .checked_sub(1)
+            .and_then(|last| batches.get(last))
+            .map(|batch| batch.offset);
         if after < base {
             return Ok(Lookup::Page(self.project(key, &batches, after)));
         }
@@ -362,5 +365,291 @@ impl UpdatesCache {
             projected += 1;
         }
         page
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use flue_core::message::DeliveredMessage;
+    use serde_json::json;
+
+    use super::*;
+    use crate::provider::StopReason;
+    use crate::record::{Outcome, Record, RecordBody};
+    use crate::store::{Admission, MemoryStore, SubmissionKind, UidCondition};
+
+    /// Creates the instance `id` (its birth batch); its incarnation.
+    async fn create(store: &MemoryStore, id: &str) -> (InstanceKey, String) {
+        let key = InstanceKey::new("agent", id);
+        let admitted = store
+            .admit(Admission {
+                key: key.clone(),
+                submission_id: format!("sub_{id}"),
+                keyed: false,
+                kind: SubmissionKind::Direct,
+                message: DeliveredMessage::user("hello"),
+                initial_data: None,
+                uid: UidCondition::Any,
+                max_attempts: 10,
+                timeout_ms: 3_600_000,
+                claim: None,
+                trace: None,
+            })
+            .await
+            .unwrap();
+        (key, admitted.uid)
+    }
+
+    fn record(submission: &str, body: RecordBody) -> Record {
+        Record {
+            id: crate::record::new_id("record"),
+            submission_id: Some(submission.into()),
+            attempt_id: None,
+            timestamp: "2026-01-01T00:00:00.000Z".into(),
+            body,
+        }
+    }
+
+    /// The batches of exchange `n`: a user message, a step calling a tool, the tool's
+    /// committed outcome, the answer, a batch that projects to nothing and the settlement;
+    /// every third exchange also edits its message (a conversation reset).
+    fn exchange(n: usize) -> Vec<Vec<Record>> {
+        let submission = format!("sub_{n}");
+        let step = format!("step_{n}");
+        let call = format!("call_{n}");
+        let at = |body| record(&submission, body);
+        let mut batches = vec![
+            vec![at(RecordBody::UserMessage {
+                message_id: format!("user_{n}"),
+                body: format!("question {n}"),
+                attachments: Vec::new(),
+            })],
+            vec![
+                at(RecordBody::AssistantMessageStarted {
+                    message_id: step.clone(),
+                    model: "test/model".into(),
+                    response_metadata: None,
+                }),
+                at(RecordBody::AssistantToolCall {
+                    message_id: step.clone(),
+                    tool_call_id: call.clone(),
+                    name: "echo".into(),
+                    arguments: format!("{{\"n\":{n}}}"),
+                }),
+            ],
+            vec![
+                at(RecordBody::ToolOutcome {
+                    assistant_message_id: step.clone(),
+                    tool_call_id: call,
+                    tool_name: "echo".into(),
+                    is_error: n % 2 == 1,
+                    content: format!("echoed {n}"),
+                    terminate: false,
+                    duration_ms: 3,
+                }),
+                at(RecordBody::ToolResultsCommitted {
+                    assistant_message_id: step.clone(),
+                }),
+            ],
+            vec![at(RecordBody::AssistantMessageCompleted {
+                message_id: step,
+                text: format!("answer {n}"),
+                stop_reason: StopReason::Stop,
+                usage: Default::default(),
+            })],
+            vec![at(RecordBody::StateWrite {
+                name: "count".into(),
+                value: json!(n),
+            })],
+            vec![at(RecordBody::SubmissionSettled {
+                outcome: Outcome::Completed,
+                error: None,
+            })],
+        ];
+        if n % 3 == 2 {
+            let mut updates = serde_json::Map::new();
+            updates.insert("content".into(), json!(format!("question {n}, edited")));
+            batches.push(vec![at(RecordBody::MessageUpdated {
+                message_id: format!("user_{n}"),
+                updates,
+            })]);
+        }
+        batches
+    }
+
+    async fn append(store: &MemoryStore, key: &InstanceKey, records: Vec<Record>) {
+        store.append(key, records.into(), None).await.unwrap();
+    }
+
+    /// The response body of a read after `after`, as a fold of the whole stream from the start
+    /// answers it, without this module.
+    async fn from_scratch(store: &MemoryStore, key: &InstanceKey, incarnation: &str, after: Option<u64>) -> Vec<u8> {
+        let mut projection = Projection::new(&key.stream_path());
+        let mut body = vec![checkpoint(incarnation)];
+        let mut projected = 0;
+        for batch in store.read(key, None).await.unwrap() {
+            if after.is_some_and(|after| batch.offset <= after) {
+                projection.apply(&batch, None);
+            } else if projected < BATCHES_PER_READ {
+                projection.apply(&batch, Some(&mut body));
+                projected += 1;
+            }
+        }
+        serde_json::to_vec(&body).unwrap()
+    }
+
+    async fn read(cache: &UpdatesCache, store: &MemoryStore, key: &InstanceKey, uid: &str, after: Option<u64>) -> Page {
+        match cache.updates(store, key, Some(uid), after).await.unwrap() {
+            Lookup::Page(page) => page,
+            other => panic!("a read after {after:?} found {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_updates_read_projects_only_the_batches_after_its_offset() {
+        let store = MemoryStore::new();
+        let (key, uid) = create(&store, "counted").await;
+        for n in 0..3 {
+            for batch in exchange(n) {
+                append(&store, &key, batch).await;
+            }
+        }
+        let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        let cache = UpdatesCache::new(8);
+        let first = read(&cache, &store, &key, &uid, None).await;
+        assert_eq!(first.next, Some(head));
+        assert_eq!(cache.folded(), head + 1, "the first read folds the whole stream once");
+
+        let again = read(&cache, &store, &key, &uid, Some(head)).await;
+        assert_eq!((again.chunks.len(), again.next), (0, Some(head)));
+        let earlier = read(&cache, &store, &key, &uid, Some(head - 4)).await;
+        assert_eq!(earlier.next, Some(head));
+        assert_eq!(
+            cache.folded(),
+            head + 1,
+            "nothing new: nothing folded, an earlier offset included"
+        );
+
+        for batch in exchange(3).into_iter().take(1) {
+            append(&store, &key, batch).await;
+        }
+        let polled = read(&cache, &store, &key, &uid, Some(head)).await;
+        assert_eq!(cache.folded(), head + 2, "the poll folds the one new batch");
+        assert_eq!(polled.next, Some(head + 1));
+        assert_eq!(polled.body(&uid), from_scratch(&store, &key, &uid, Some(head)).await);
+    }
+
+    #[tokio::test]
+    async fn updates_reads_from_the_cache_equal_a_fresh_fold_at_every_offset() {
+        let store = MemoryStore::new();
+        let (key, uid) = create(&store, "checked").await;
+        // Whole windows, one batch short of a response's size, and windows bound in bytes
+        // (which a reset's snapshot chunk alone can overflow).
+        let caches = [
+            UpdatesCache::new(8),
+            UpdatesCache::with_window(8, 7, usize::MAX),
+            UpdatesCache::with_window(8, WINDOW_BATCHES, 1500),
+        ];
+        let mut head = 0;
+        // 20 exchanges pass one response's 100 batches.
+        for n in 0..20 {
+            for batch in exchange(n) {
+                append(&store, &key, batch).await;
+                head += 1;
+            }
+            // Every offset now and then, in an order that moves the caches back and forth;
+            // in between, a poll at the head and one a few batches back.
+            let mut offsets: Vec<Option<u64>> = if n % 3 == 0 || n == 19 {
+                (0..=head).map(Some).chain([None]).collect()
+            } else {
+                vec![Some(head), Some(head.saturating_sub(5))]
+            };
+            if n % 2 == 1 {
+                offsets.reverse();
+            }
+            for after in offsets {
+                let expected = from_scratch(&store, &key, &uid, after).await;
+                for (index, cache) in caches.iter().enumerate() {
+                    let page = read(cache, &store, &key, &uid, after).await;
+                    assert_eq!(
+                        String::from_utf8(page.body(&uid)).unwrap(),
+                        String::from_utf8(expected.clone()).unwrap(),
+                        "cache {index}, exchange {n}, after {after:?}"
+                    );
+                    let first = after.map_or(0, |after| after + 1);
+                    let remaining = head + 1 - first;
+                    let limit = BATCHES_PER_READ as u64;
+                    assert_eq!(page.up_to_date, remaining <= limit, "after {after:?}");
+                    let next = (remaining > 0).then(|| first + remaining.min(limit) - 1);
+                    assert_eq!(page.next, next.or(after), "after {after:?}");
+                }
+            }
+        }
+        for cache in &caches {
+            assert_eq!(
+                cache.updates(&store, &key, Some(&uid), Some(head + 1)).await.unwrap(),
+                Lookup::Gone(Some(head))
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn an_evicted_or_reincarnated_instance_is_folded_afresh_and_answers_the_same() {
+        let store = MemoryStore::new();
+        let (first, first_uid) = create(&store, "first").await;
+        let (second, second_uid) = create(&store, "second").await;
+        for batch in exchange(0) {
+            append(&store, &first, batch.clone()).await;
+        }
+        for batch in exchange(1) {
+            append(&store, &second, batch).await;
+        }
+        let length = |key| {
+            let store = &store;
+            async move { store.read(key, None).await.unwrap().len() as u64 }
+        };
+        let (first_length, second_length) = (length(&first).await, length(&second).await);
+        let cache = UpdatesCache::new(1);
+        read(&cache, &store, &first, &first_uid, None).await;
+        read(&cache, &store, &second, &second_uid, None).await;
+        assert_eq!(cache.folded(), first_length + second_length);
+        // One instance fits: the second evicted the first, which is folded again.
+        let page = read(&cache, &store, &first, &first_uid, Some(2)).await;
+        assert_eq!(cache.folded(), 2 * first_length + second_length);
+        assert_eq!(
+            page.body(&first_uid),
+            from_scratch(&store, &first, &first_uid, Some(2)).await
+        );
+
+        // The instance deleted and created again (here: the same key in another store), with
+        // a shorter stream: the entry of the old incarnation answers nothing.
+        let recreated = MemoryStore::new();
+        let (key, uid) = create(&recreated, "first").await;
+        assert_eq!(key, first);
+        assert_ne!(uid, first_uid);
+        append(&recreated, &key, exchange(5).remove(0)).await;
+        let folded = cache.folded();
+        let page = read(&cache, &recreated, &key, &uid, None).await;
+        assert_eq!(cache.folded(), folded + 2, "the new incarnation's two batches");
+        assert_eq!(page.body(&uid), from_scratch(&recreated, &key, &uid, None).await);
+        assert_eq!(
+            cache.updates(&recreated, &key, Some(&uid), Some(3)).await.unwrap(),
+            Lookup::Gone(Some(1)),
+            "the old incarnation's head is gone with it"
+        );
+
+        // A cache of no instance folds every read from the start.
+        let uncached = UpdatesCache::new(0);
+        read(&uncached, &store, &second, &second_uid, Some(1)).await;
+        read(&uncached, &store, &second, &second_uid, Some(1)).await;
+        assert_eq!(uncached.folded(), 2 * second_length);
+        assert_eq!(
+            uncached
+                .updates(&store, &InstanceKey::new("agent", "none"), None, None)
+                .await
+                .unwrap(),
+            Lookup::Missing
+        );
     }
 }
