@@ -503,6 +503,72 @@ async fn a_long_poll_waits_for_the_next_batch_and_times_out_with_the_checkpoint_
     assert_ne!(header(&headers, "stream-next-offset"), head);
 }
 
+/// The updates a router caches per instance answer, at every offset and as the conversation
+/// grows, byte for byte what a router caching nothing (folding the whole stream) answers.
+#[tokio::test]
+async fn updates_reads_answer_byte_for_byte_as_an_uncached_router_at_every_offset() {
+    let server = Server::start().await;
+    let uncached = flue_runtime::http::router_with(
+        &server.runtime,
+        HttpOptions {
+            updates_cache_instances: 0,
+            ..HttpOptions::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let uncached_base = format!("http://{}/agents/calculator", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, uncached).await.unwrap() });
+    let read = |base: String| {
+        let client = server.client.clone();
+        async move {
+            let response = client.get(base).send().await.unwrap();
+            let status = response.status().as_u16();
+            let headers: Vec<(String, String)> = [
+                "content-type",
+                "cache-control",
+                "stream-next-offset",
+                "stream-up-to-date",
+            ]
+            .iter()
+            .map(|name| (name.to_string(), header(response.headers(), name).to_owned()))
+            .collect();
+            (status, headers, response.bytes().await.unwrap())
+        }
+    };
+    for (exchange, answer) in ["first", "second", "third"].into_iter().enumerate() {
+        server.script_exchange(answer);
+        server.admit("c1", answer).await;
+        let snapshot = server.settled("c1", exchange + 1).await;
+        let head: u64 = snapshot["offset"]
+            .as_str()
+            .unwrap()
+            .split('_')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        // Every offset to the head, `0_2` (no fixed width) and two past the head (416).
+        let mut offsets: Vec<(String, u16)> = std::iter::once(("-1".to_owned(), 200))
+            .chain((0..=head).map(|offset| (format!("0000000000000000_{offset:016}"), 200)))
+            .chain([
+                ("0_2".to_owned(), 200),
+                (format!("0000000000000000_{:016}", head + 1), 416),
+                ("0_99999999999999999999".to_owned(), 416),
+            ])
+            .collect();
+        // Both directions: the cache moves forward with the stream and serves reads behind it.
+        if exchange == 1 {
+            offsets.reverse();
+        }
+        for (offset, status) in offsets {
+            let tail = format!("/c1?view=updates&offset={offset}");
+            let cached = read(server.url(&tail)).await;
+            assert_eq!(cached, read(format!("{uncached_base}{tail}")).await, "{tail}");
+            assert_eq!(cached.0, status, "{tail}");
+        }
+    }
+}
+
 /// Reference §4.4: long-poll waits only "if the first read is empty" (of batches); a read
 /// that finds batches answers at once, even when they project to no chunk
 /// (`[checkpoint]`, `Stream-Next-Offset` advanced). The runtime writes such batches itself
