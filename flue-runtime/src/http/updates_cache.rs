@@ -142,11 +142,14 @@ impl Entry {
     }
 }
 
+/// An instance's entry, `None` until a read fills it.
+type Slot = Arc<tokio::sync::Mutex<Option<Entry>>>;
+
 /// The least recently read entries, by instance.
 #[derive(Default)]
 struct Entries {
-    /// Instance → (when last read, its entry). An entry is `None` until a read fills it.
-    map: HashMap<InstanceKey, (u64, Arc<tokio::sync::Mutex<Option<Entry>>>)>,
+    /// Instance → (when last read, its entry).
+    map: HashMap<InstanceKey, (u64, Slot)>,
     /// The read count, which orders the entries.
     clock: u64,
 }
@@ -187,7 +190,7 @@ impl UpdatesCache {
 
     /// The entry slot of `key`, marked read now; the least recently read one goes when the
     /// cache is full.
-    fn slot(&self, key: &InstanceKey) -> Arc<tokio::sync::Mutex<Option<Entry>>> {
+    fn slot(&self, key: &InstanceKey) -> Slot {
         let mut entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         entries.clock += 1;
         let now = entries.clock;
