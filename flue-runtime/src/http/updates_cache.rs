@@ -488,10 +488,22 @@ mod tests {
     /// The response body of a read after `after`, as a fold of the whole stream from the start
     /// answers it, without this module.
     async fn from_scratch(store: &MemoryStore, key: &InstanceKey, incarnation: &str, after: Option<u64>) -> Vec<u8> {
+        from_scratch_through(store, key, incarnation, after, u64::MAX).await
+    }
+
+    /// [`from_scratch`] of the stream as it was when `through` was its head.
+    async fn from_scratch_through(
+        store: &MemoryStore,
+        key: &InstanceKey,
+        incarnation: &str,
+        after: Option<u64>,
+        through: u64,
+    ) -> Vec<u8> {
         let mut projection = Projection::new(&key.stream_path());
         let mut body = vec![checkpoint(incarnation)];
         let mut projected = 0;
-        for batch in store.read(key, None).await.unwrap() {
+        let batches = store.read(key, None).await.unwrap();
+        for batch in batches.into_iter().filter(|batch| batch.offset <= through) {
             if after.is_some_and(|after| batch.offset <= after) {
                 projection.apply(&batch, None);
             } else if projected < BATCHES_PER_READ {
@@ -654,5 +666,59 @@ mod tests {
                 .unwrap(),
             Lookup::Missing
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_reads_while_batches_are_appended_answer_what_a_fold_through_their_next_offset_answers() {
+        let store = MemoryStore::new();
+        let (key, uid) = create(&store, "busy").await;
+        let cache = Arc::new(UpdatesCache::with_window(4, 16, usize::MAX));
+        let writer = {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move {
+                for n in 0..12 {
+                    for batch in exchange(n) {
+                        append(&store, &key, batch).await;
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        };
+        let readers: Vec<_> = (0..4u64)
+            .map(|reader| {
+                let (store, key, uid, cache) = (store.clone(), key.clone(), uid.clone(), Arc::clone(&cache));
+                tokio::spawn(async move {
+                    // Each reader follows the stream from its own start, now and then rereading
+                    // an offset further back.
+                    let mut answers = Vec::new();
+                    let mut after = reader.checked_sub(1);
+                    for round in 0..200u64 {
+                        let asked = if round % 7 == 0 {
+                            after.map(|after| after / 2)
+                        } else {
+                            after
+                        };
+                        let page = read(&cache, &store, &key, &uid, asked).await;
+                        answers.push((asked, page.next, page.body(&uid)));
+                        if asked == after {
+                            after = page.next;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    answers
+                })
+            })
+            .collect();
+        writer.await.unwrap();
+        let mut checked = 0;
+        for reader in readers {
+            for (after, next, body) in reader.await.unwrap() {
+                let through = next.or(after).unwrap_or(0);
+                let expected = from_scratch_through(&store, &key, &uid, after, through).await;
+                assert_eq!(body, expected, "after {after:?}, next {next:?}");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 4 * 200);
     }
 }
