@@ -79,10 +79,12 @@ pub struct HttpOptions {
     /// How often live readers read a shared store (one other nodes append to) again, since
     /// only this node's appends wake them (250 ms).
     pub shared_store_poll: Duration,
-    /// How many instances' updates reads are cached (256; 0 caches none): the fold at the
-    /// newest offset read and the chunks of the newest batches, so that a client polling a
-    /// long conversation costs what is new since its offset, not a fold of the whole stream.
-    /// The least recently read instance goes first; each keeps at most about 2 MiB of chunks.
+    /// How many instances' `view=updates` JSON and long-poll reads are cached, per agent
+    /// (256; 0 caches none). An instance's entry holds the fold of its stream at the newest
+    /// offset read and the serialized chunks of its newest batches (at most 1024 batches and
+    /// 2 MiB), so a client polling a long conversation costs what is new since its offset, not
+    /// a fold of the whole stream. The least recently read instance is evicted first; a read
+    /// before an entry's window folds the stream from the start, as an uncached read does.
     pub updates_cache_instances: usize,
 }
 
