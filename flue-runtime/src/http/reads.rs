@@ -243,7 +243,8 @@ async fn updates(
 ) -> Result<Response, ApiError> {
     let (runtime, options) = (&routes.runtime, &routes.options);
     let deadline = Instant::now() + options.long_poll_timeout;
-    let slot = runtime.slot(key);
+    // Taken once the instance is known to exist (a read of a missing one takes none).
+    let mut slot = None;
     loop {
         let lookup = routes
             .updates
@@ -263,7 +264,8 @@ async fn updates(
                 .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
             return Ok(no_store(response, &wire_offset(page.next), page.up_to_date));
         }
-        wait_for_batches(runtime, &slot, key, after, deadline, options).await?;
+        let slot = slot.get_or_insert_with(|| runtime.slot(key));
+        wait_for_batches(runtime, slot, key, after, deadline, options).await?;
     }
 }
 
