@@ -3,11 +3,12 @@
 //!
 //! Batches are append-only and a batch projects against the fold of the batches before it,
 //! so once projected its chunks never change. An instance's entry keeps the fold through the
-//! newest batch any read saw and the serialized chunks of the newest batches (a window bounded
-//! in batches and bytes). A read after an offset inside the window reads from the store only
-//! the batches after the entry's fold, folds them in and answers with the window's chunks; a
-//! read before the window (or of an instance the cache does not hold) folds the whole stream,
-//! as without the cache.
+//! newest batch any read saw and the serialized chunks of the newest batches: a window bounded
+//! in batches and bytes, which starts no earlier than the offset of the read that filled it
+//! (a first read near the head projects little more than it answers). A read after an offset
+//! inside the window reads from the store only the batches after the entry's fold, folds them
+//! in and answers with the window's chunks; a read before the window (or of an instance the
+//! cache does not hold) folds the whole stream, as without the cache.
 //!
 //! The entries are few (least recently read evicted first) and tied to the incarnation they
 //! folded: a read that finds another incarnation folds from the start again. No lock is held
@@ -293,13 +294,19 @@ impl UpdatesCache {
         // The first batch the window would hold (counting only the batch bound: the byte bound
         // may keep fewer, and then the read is answered afresh).
         let start = batches.len().saturating_sub(self.window_batches);
-        let base = start
-            .checked_sub(1)
-            .and_then(|last| batches.get(last))
-            .map(|batch| batch.offset);
-        if after < base {
+        let before = |start: usize| {
+            start
+                .checked_sub(1)
+                .and_then(|last| batches.get(last))
+                .map(|batch| batch.offset)
+        };
+        if after < before(start) {
             return Ok(Lookup::Page(self.project(key, &batches, after)));
         }
+        // Chunks only from the read's offset on, so a first read costs what an uncached one
+        // does; reads further back fold afresh.
+        let start = start.max(batches.partition_point(|batch| after.is_some_and(|after| batch.offset <= after)));
+        let base = before(start);
         let mut entry = Entry::new(key, incarnation);
         for batch in &batches[..start] {
             entry.projection.apply(batch, None);
