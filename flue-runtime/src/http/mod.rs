@@ -82,7 +82,7 @@ pub struct HttpOptions {
     /// How many instances' `view=updates` JSON and long-poll reads are cached, per agent
     /// (256; 0 caches none). An instance's entry holds the fold of its stream at the newest
     /// offset read and the serialized chunks of its newest batches (at most 1024 batches and
-    /// 2 MiB), so a client polling a long conversation costs what is new since its offset, not
+    /// 256 KiB), so a client polling a long conversation costs what is new since its offset, not
     /// a fold of the whole stream. The least recently read instance is evicted first; a read
     /// before an entry's window folds the stream from the start, as an uncached read does.
     pub updates_cache_instances: usize,

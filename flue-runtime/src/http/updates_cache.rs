@@ -32,8 +32,10 @@ pub(super) const BATCHES_PER_READ: usize = 100;
 /// How many of the newest batches' chunks an entry keeps.
 const WINDOW_BATCHES: usize = 1024;
 
-/// The most serialized chunk bytes an entry keeps (the newest batches' first).
-const WINDOW_BYTES: usize = 2 * 1024 * 1024;
+/// The most serialized chunk bytes an entry keeps (the newest batches' first): enough for a
+/// poller's usual distance behind the head, small enough that a full cache of the default
+/// 256 entries keeps at most 64 MiB of chunks.
+const WINDOW_BYTES: usize = 256 * 1024;
 
 /// One updates response's projection: the chunks of the batches after the read's offset.
 #[derive(Debug, PartialEq, Eq)]
