@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::provider::StopReason;
+use crate::store::InstanceKey;
 
 /// One record of an instance's stream.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -56,13 +57,27 @@ pub struct SettlementError {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RecordBody {
-    /// The instance's birth record, written at admission.
+    /// A conversation's birth record: an instance's, written at admission, or a task's child
+    /// conversation's, written with its parent's [`RecordBody::ChildSessionRetained`].
     ConversationCreated {
         /// The incarnation id.
         uid: String,
         /// Creation data.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         initial_data: Option<Value>,
+        /// What the conversation is; absent for an instance's (a root conversation, and every
+        /// record written before children were recorded).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kind: Option<ConversationKind>,
+        /// A child's parent conversation (the stream whose `task` call created it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<InstanceKey>,
+        /// A child's task id (`task_…`), as the task events name it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        task_id: Option<String>,
+        /// A child's delegate: the relationship name the task named.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent: Option<String>,
     },
     /// A user message delivered to the instance.
     UserMessage {
@@ -157,6 +172,19 @@ pub enum RecordBody {
         /// The step whose calls the batch answers.
         assistant_message_id: String,
     },
+    /// The link to a child conversation a `task` call created (its own stream, `child`): a
+    /// re-run of the call after an interruption reattaches to the child instead of starting a
+    /// new one. Appended with the child's birth record, atomically, while the call runs.
+    ChildSessionRetained {
+        /// The task id (`task_…`).
+        task_id: String,
+        /// What the child is (`task`).
+        kind: ConversationKind,
+        /// The child's stream.
+        child: InstanceKey,
+        /// The `task` call that created it.
+        parent_tool_call_id: String,
+    },
     /// A persistent state write.
     StateWrite {
         /// Name.
@@ -250,6 +278,16 @@ pub enum RecordBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<SettlementError>,
     },
+}
+
+/// What a conversation is: an instance's own (root), or a task's child.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConversationKind {
+    /// An instance's conversation.
+    Root,
+    /// The child conversation of a `task` call.
+    Task,
 }
 
 /// A batch of records appended atomically, with its offset in the stream.
@@ -347,6 +385,87 @@ mod tests {
             })
         );
         assert_eq!(serde_json::from_value::<Record>(json).expect("deserializes"), record);
+    }
+
+    fn record_of(body: RecordBody) -> Record {
+        Record {
+            id: "record_1".to_owned(),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-12-01T00:00:00.000Z".into(),
+            body,
+        }
+    }
+
+    #[test]
+    fn a_root_birth_record_keeps_its_shape_and_older_ones_parse_as_root() {
+        let root = record_of(RecordBody::ConversationCreated {
+            uid: "inst_1".to_owned(),
+            initial_data: None,
+            kind: None,
+            parent: None,
+            task_id: None,
+            agent: None,
+        });
+        let stored = serde_json::json!({
+            "id": "record_1",
+            "timestamp": "2026-12-01T00:00:00.000Z",
+            "type": "conversation_created",
+            "uid": "inst_1",
+        });
+        assert_eq!(serde_json::to_value(&root).expect("serializes"), stored);
+        assert_eq!(serde_json::from_value::<Record>(stored).expect("parses"), root);
+    }
+
+    #[test]
+    fn a_task_childs_birth_and_its_parent_link_serialize_with_snake_case_fields() {
+        let parent = InstanceKey::new("support", "case-1");
+        let child = InstanceKey::new("support:task", "case-1/task_1");
+        let birth = record_of(RecordBody::ConversationCreated {
+            uid: "inst_2".to_owned(),
+            initial_data: None,
+            kind: Some(ConversationKind::Task),
+            parent: Some(parent),
+            task_id: Some("task_1".to_owned()),
+            agent: Some("summarizer".to_owned()),
+        });
+        let link = record_of(RecordBody::ChildSessionRetained {
+            task_id: "task_1".to_owned(),
+            kind: ConversationKind::Task,
+            child,
+            parent_tool_call_id: "call_1".to_owned(),
+        });
+        let (birth_json, link_json) = (
+            serde_json::to_value(&birth).expect("serializes"),
+            serde_json::to_value(&link).expect("serializes"),
+        );
+        assert_eq!(
+            birth_json,
+            serde_json::json!({
+                "id": "record_1",
+                "timestamp": "2026-12-01T00:00:00.000Z",
+                "type": "conversation_created",
+                "uid": "inst_2",
+                "kind": "task",
+                "parent": {"agent": "support", "id": "case-1"},
+                "task_id": "task_1",
+                "agent": "summarizer",
+            })
+        );
+        assert_eq!(
+            link_json,
+            serde_json::json!({
+                "id": "record_1",
+                "timestamp": "2026-12-01T00:00:00.000Z",
+                "type": "child_session_retained",
+                "task_id": "task_1",
+                "kind": "task",
+                "child": {"agent": "support:task", "id": "case-1/task_1"},
+                "parent_tool_call_id": "call_1",
+            })
+        );
+        assert_eq!(serde_json::from_value::<Record>(birth_json).expect("parses"), birth);
+        assert_eq!(serde_json::from_value::<Record>(link_json).expect("parses"), link);
     }
 
     #[test]

@@ -47,7 +47,7 @@ impl Store for FaultyStore {
         instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
         request_abort, read, put_attachment, attachment, user_value, set_user_value,
-        list_user_values,
+        list_user_values, create_child,
     );
 
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {

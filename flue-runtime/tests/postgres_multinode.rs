@@ -201,7 +201,7 @@ impl Store for SlowRead {
         admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
         request_abort, append, put_attachment, attachment, user_value, set_user_value,
-        list_user_values,
+        list_user_values, create_child,
     );
 
     fn read(&self, k: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {

@@ -120,7 +120,7 @@ impl Store for PausingStore {
         admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, requeue,
         request_abort, read, put_attachment, attachment, user_value, set_user_value,
-        list_user_values,
+        list_user_values, create_child,
     );
 
     fn settle(

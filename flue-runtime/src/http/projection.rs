@@ -441,6 +441,9 @@ impl Projection {
             | RecordBody::ThreadValueSet { .. }
             | RecordBody::ThreadCreatedHooksRan
             | RecordBody::ToolStepSettled { .. }
+            // A child's conversation is its own stream: its link projects to nothing (reference
+            // §4: records of task children never project).
+            | RecordBody::ChildSessionRetained { .. }
             | RecordBody::ResourceSnapshot { .. } => {}
             RecordBody::Compaction { summary, reason, .. } => {
                 // Clients keep the whole transcript; the summary marks where the model's

@@ -91,6 +91,34 @@ impl ThreadWriter {
         Ok(offset)
     }
 
+    /// Creates a task's child conversation `child` with its `birth` batch and appends `link`
+    /// (its [`RecordBody::ChildSessionRetained`]) to this stream, atomically and fenced by
+    /// the attempt ([`Store::create_child`]); the link waits for the response's fold like
+    /// any batch of the attempt.
+    pub(crate) async fn create_child(
+        &self,
+        link: Arc<[Record]>,
+        child: &InstanceKey,
+        birth: Arc<[Record]>,
+    ) -> Result<u64, StoreError> {
+        let _order = self.lock.lock().await;
+        let offset = self
+            .store
+            .create_child(&self.key, link.clone(), child, birth, Some(&self.attempt))
+            .await?;
+        self.binding.note_append();
+        self.unfolded
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(Batch { offset, records: link });
+        Ok(offset)
+    }
+
+    /// The stream the writer appends to.
+    pub(crate) fn key(&self) -> &InstanceKey {
+        &self.key
+    }
+
     /// Publishes a live event of this attempt's submission (built only when someone observes).
     pub(crate) fn emit_with(&self, event: impl FnOnce() -> Event) {
         if let Some(runtime) = self.runtime.upgrade() {

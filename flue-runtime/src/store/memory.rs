@@ -487,6 +487,49 @@ impl Store for MemoryStore {
         ready(inner.append(key, records))
     }
 
+    fn create_child(
+        &self,
+        parent: &InstanceKey,
+        link: Arc<[Record]>,
+        child: &InstanceKey,
+        birth: Arc<[Record]>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut inner = self.lock();
+        if let Some(attempt) = authorization
+            && !inner.owns(attempt)
+        {
+            return ready(Err(StoreError::Fenced(format!(
+                "attempt {} does not own submission {}",
+                attempt.attempt_id, attempt.submission_id
+            ))));
+        }
+        if inner.instances.contains_key(child) {
+            return ready(Err(StoreError::Other(format!("the stream {child} exists"))));
+        }
+        if birth.is_empty() {
+            return ready(Err(StoreError::Other("an append batch must not be empty".into())));
+        }
+        // The link first: it fails (changing nothing) when the parent has no stream.
+        let offset = match inner.append(parent, link) {
+            Ok(offset) => offset,
+            Err(error) => return ready(Err(error)),
+        };
+        let uid = super::birth_uid(&birth);
+        inner.instances.insert(
+            child.clone(),
+            Instance {
+                uid,
+                unsettled: Vec::new(),
+                batches: vec![Batch {
+                    offset: 0,
+                    records: birth,
+                }],
+            },
+        );
+        ready(Ok(offset))
+    }
+
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         let inner = self.lock();
         let batches = inner

@@ -390,8 +390,23 @@ pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
         body: crate::record::RecordBody::ConversationCreated {
             uid: uid.to_owned(),
             initial_data,
+            kind: None,
+            parent: None,
+            task_id: None,
+            agent: None,
         },
     }
+}
+
+/// The incarnation a child's birth batch names (its `conversation_created` record's uid).
+pub(crate) fn birth_uid(birth: &[Record]) -> String {
+    birth
+        .iter()
+        .find_map(|record| match &record.body {
+            crate::record::RecordBody::ConversationCreated { uid, .. } => Some(uid.clone()),
+            _ => None,
+        })
+        .unwrap_or_default()
 }
 
 /// The submission budget of rows written before the budget was stored: the default one hour.
@@ -585,6 +600,23 @@ pub trait Store: Send + Sync + 'static {
         &self,
         key: &InstanceKey,
         records: Arc<[Record]>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>>;
+
+    /// Creates the child conversation `child` (a task's stream, reference §3.3 "child
+    /// creation") with `birth` as its first batch, and appends `link` to `parent`'s stream,
+    /// atomically: both or neither, so a link never names a missing child. With
+    /// `authorization`, the attempt must still own its submission. Returns the offset of the
+    /// parent's batch. Fails when `child` exists or `parent` does not.
+    ///
+    /// A child stream has no submissions: it is never queued, claimed or listed, and it is
+    /// read and appended to like any stream.
+    fn create_child(
+        &self,
+        parent: &InstanceKey,
+        link: Arc<[Record]>,
+        child: &InstanceKey,
+        birth: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>>;
 

@@ -918,6 +918,10 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
                 body: RecordBody::ConversationCreated {
                     uid: uid.clone(),
                     initial_data: admission.initial_data.clone(),
+                    kind: None,
+                    parent: None,
+                    task_id: None,
+                    agent: None,
                 },
             };
             Some((uid, to_json(&[birth], "records")?))
@@ -1291,6 +1295,36 @@ async fn append_tx(
     appended_offset(key, appended)
 }
 
+/// [`Store::create_child`] in `tx`: the parent's link (fenced), then the child's instance row
+/// and birth batch; a child that exists fails the whole transaction.
+async fn create_child_tx(
+    tx: &Transaction<'_>,
+    parent: &InstanceKey,
+    link: &[Record],
+    child: &InstanceKey,
+    birth: &[Record],
+    authorization: Option<&AttemptRef>,
+) -> Result<u64, Failure> {
+    if birth.is_empty() {
+        return Err(StoreError::Other("an append batch must not be empty".into()).into());
+    }
+    let offset = append_tx(tx, parent, link, authorization).await?;
+    let (agent, id) = (&*child.agent, &*child.id);
+    let (uid, created_at) = (super::birth_uid(birth), now().to_string());
+    let insert_instance = tx.prepare_cached(INSERT_INSTANCE).await?;
+    if tx
+        .query_opt(&insert_instance, &[&agent, &id, &uid, &created_at])
+        .await?
+        .is_none()
+    {
+        return Err(StoreError::Other(format!("the stream {child} exists")).into());
+    }
+    let append = tx.prepare_cached(APPEND_BATCH).await?;
+    let json = to_json(birth, "records")?;
+    appended_offset(child, tx.query_opt(&append, &[&agent, &id, &json]).await?)?;
+    Ok(offset)
+}
+
 impl Store for PostgresStore {
     fn shared(&self) -> bool {
         true
@@ -1503,6 +1537,29 @@ impl Store for PostgresStore {
         Box::pin(
             async move { in_transaction!(self, |tx| append_tx(&tx, &key, &records, authorization.as_ref()).await) },
         )
+    }
+
+    fn create_child(
+        &self,
+        parent: &InstanceKey,
+        link: Arc<[Record]>,
+        child: &InstanceKey,
+        birth: Arc<[Record]>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let (parent, child) = (parent.clone(), child.clone());
+        let authorization = authorization.cloned();
+        Box::pin(async move {
+            in_transaction!(self, |tx| create_child_tx(
+                &tx,
+                &parent,
+                &link,
+                &child,
+                &birth,
+                authorization.as_ref()
+            )
+            .await)
+        })
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {

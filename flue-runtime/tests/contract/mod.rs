@@ -78,6 +78,8 @@ macro_rules! store_contract {
                     rejects_a_submission_owned_append_from_a_stale_attempt,
                     rejects_a_submission_owned_append_for_an_unknown_submission,
                     rejects_an_empty_batch,
+                    creates_a_child_stream_and_its_parent_link_in_one_step,
+                    creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_or_the_child_exists,
                     replays_strictly_after_a_batch_offset,
                     gives_concurrent_appends_distinct_consecutive_offsets,
                     settles_with_its_records_in_the_same_step,
@@ -324,7 +326,11 @@ pub async fn creates_the_instance_with_a_birth_record_once(store: Factory) {
         batches[0].records[0].body,
         RecordBody::ConversationCreated {
             uid: admitted.uid,
-            initial_data: Some(serde_json::json!({"plan": "pro"}))
+            initial_data: Some(serde_json::json!({"plan": "pro"})),
+            kind: None,
+            parent: None,
+            task_id: None,
+            agent: None,
         }
     );
 }
@@ -1262,6 +1268,102 @@ pub async fn rejects_a_submission_owned_append_for_an_unknown_submission(store: 
         )
         .await;
     assert!(matches!(result, Err(StoreError::Fenced(_))));
+}
+
+/// A task's child conversation: its birth batch and the parent's link land together
+/// (reference §3.3 "child creation"), and the child is a stream of its own.
+pub async fn creates_a_child_stream_and_its_parent_link_in_one_step(store: Factory) {
+    let host = running_host(&store).await;
+    let parent = key("assistant", "agent-1");
+    let child = key("assistant:task", "agent-1/task_1");
+    let link = record(
+        Some(&host.submission_id),
+        Some(&host.attempt_id),
+        RecordBody::ChildSessionRetained {
+            task_id: "task_1".into(),
+            kind: flue_runtime::record::ConversationKind::Task,
+            child: child.clone(),
+            parent_tool_call_id: "call_1".into(),
+        },
+    );
+    let birth = record(
+        None,
+        Some(&host.attempt_id),
+        RecordBody::ConversationCreated {
+            uid: "inst_child".into(),
+            initial_data: None,
+            kind: Some(flue_runtime::record::ConversationKind::Task),
+            parent: Some(parent.clone()),
+            task_id: Some("task_1".into()),
+            agent: Some("helper".into()),
+        },
+    );
+    let offset = store
+        .create_child(
+            &parent,
+            vec![link.clone()].into(),
+            &child,
+            vec![birth.clone(), record(None, None, user("do it"))].into(),
+            Some(&host),
+        )
+        .await
+        .unwrap();
+    let parent_batches = store.read(&parent, None).await.unwrap();
+    assert_eq!(offset, parent_batches.last().unwrap().offset);
+    assert_eq!(&*parent_batches.last().unwrap().records, [link]);
+    let child_batches = store.read(&child, None).await.unwrap();
+    assert_eq!(child_batches.len(), 1);
+    assert_eq!(child_batches[0].offset, 0);
+    assert_eq!(child_batches[0].records[0], birth);
+    // The child is appended to like any stream, apart from its parent's.
+    let step = record(None, Some(&host.attempt_id), user("more"));
+    assert_eq!(store.append(&child, vec![step].into(), Some(&host)).await.unwrap(), 1);
+    assert_eq!(store.read(&parent, None).await.unwrap().len(), parent_batches.len());
+    assert!(!store.has_queued(&child).await.unwrap());
+    assert!(!store.instances_with_queued().await.unwrap().contains(&child));
+}
+
+pub async fn creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_or_the_child_exists(store: Factory) {
+    let host = running_host(&store).await;
+    let parent = key("assistant", "agent-1");
+    let child = key("assistant:task", "agent-1/task_1");
+    let link = || vec![record(Some(&host.submission_id), Some(&host.attempt_id), user("link"))].into();
+    let birth = || {
+        vec![record(
+            None,
+            None,
+            RecordBody::ConversationCreated {
+                uid: "inst_child".into(),
+                initial_data: None,
+                kind: Some(flue_runtime::record::ConversationKind::Task),
+                parent: None,
+                task_id: None,
+                agent: None,
+            },
+        )]
+        .into()
+    };
+    let before = store.read(&parent, None).await.unwrap().len();
+    let stale = store
+        .create_child(&parent, link(), &child, birth(), Some(&attempt("host-1", "old")))
+        .await;
+    assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
+    assert!(store.read(&child, None).await.unwrap().is_empty(), "no child");
+    assert_eq!(store.read(&parent, None).await.unwrap().len(), before, "no link");
+    let missing = store
+        .create_child(&key("assistant", "nobody"), link(), &child, birth(), None)
+        .await;
+    assert!(missing.is_err());
+    assert!(store.read(&child, None).await.unwrap().is_empty(), "no child");
+
+    store
+        .create_child(&parent, link(), &child, birth(), Some(&host))
+        .await
+        .unwrap();
+    let again = store.create_child(&parent, link(), &child, birth(), Some(&host)).await;
+    assert!(again.is_err(), "a child is created once");
+    assert_eq!(store.read(&parent, None).await.unwrap().len(), before + 1, "one link");
+    assert_eq!(store.read(&child, None).await.unwrap().len(), 1, "one birth");
 }
 
 pub async fn rejects_an_empty_batch(store: Factory) {

@@ -179,6 +179,18 @@ macro_rules! delegate_store {
             self.$inner.append(k, r, a)
         }
     };
+    (@one $inner:ident create_child) => {
+        fn create_child(
+            &self,
+            p: &flue_runtime::store::InstanceKey,
+            l: std::sync::Arc<[flue_runtime::record::Record]>,
+            c: &flue_runtime::store::InstanceKey,
+            b: std::sync::Arc<[flue_runtime::record::Record]>,
+            a: Option<&flue_runtime::store::AttemptRef>,
+        ) -> flue_runtime::BoxFuture<'_, Result<u64, flue_runtime::store::StoreError>> {
+            self.$inner.create_child(p, l, c, b, a)
+        }
+    };
     (@one $inner:ident read) => {
         fn read(&self, k: &flue_runtime::store::InstanceKey, after: Option<u64>) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
             self.$inner.read(k, after)

@@ -1166,6 +1166,45 @@ impl Store for SqliteStore {
         ready(self.transaction(|tx| append_batch(tx, key, &records, authorization)))
     }
 
+    fn create_child(
+        &self,
+        parent: &InstanceKey,
+        link: Arc<[Record]>,
+        child: &InstanceKey,
+        birth: Arc<[Record]>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        ready(self.transaction(|tx| {
+            // The link first: it checks the fence and the parent's stream.
+            let offset = append_batch(tx, parent, &link, authorization)?;
+            if instance_row(tx, child)?.is_some() {
+                return Err(StoreError::Other(format!("the stream {child} exists")));
+            }
+            // A child has no submission to number its stream with: child streams take the
+            // numbers below every other (admitted instances have positive ones, instances
+            // migrated without submissions negative ones from -1 down).
+            let lowest: Option<i64> = tx
+                .prepare_cached("SELECT MIN(stream) FROM flue_instances")
+                .map_err(sql)?
+                .query_row([], |row| row.get(0))
+                .map_err(sql)?;
+            let stream = lowest.unwrap_or(0).min(0) - 1;
+            if stream <= -(1 << 31) {
+                return Err(StoreError::Other(
+                    "sqlite: 2^31 child conversations were created; no stream number is left".into(),
+                ));
+            }
+            tx.prepare_cached(
+                "INSERT INTO flue_instances (agent, id, uid, next_offset, stream) VALUES (?1, ?2, ?3, 0, ?4)",
+            )
+            .map_err(sql)?
+            .execute(params![child.agent, child.id, super::birth_uid(&birth), stream])
+            .map_err(sql)?;
+            append_batch(tx, child, &birth, None)?;
+            Ok(offset)
+        }))
+    }
+
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         // One statement (its own snapshot, so no transaction around it): the instance's stream
         // and its batches after `after`. Every submission and every catching-up reader reads.
