@@ -14,8 +14,23 @@
 //! - Delegation is capped at four levels (`delegation_depth_exceeded`); `max_instances` caps
 //!   the tasks of one relationship running at once; `after_subagent_created` runs on the
 //!   parent before the child's first model call.
-//! - Child sessions are not durable: a task is part of its parent's tool batch, so a crash
-//!   before the batch commits runs it again (at least once, like every tool).
+//! - Child sessions are durable (reference §3.2-3.3, §3.9 step 7 "tasks reattach"). A task's
+//!   child conversation is a record stream of its own, keyed [`child_key`]: the parent's
+//!   agent with a `:task` suffix (never a registered agent's name, so neither admission nor
+//!   HTTP reaches it) and `<parent id>/<task id>`. Its birth batch — a `conversation_created`
+//!   of kind `task` naming the parent, the task id and the delegate, then the prompt as a
+//!   `user_message` — is created atomically with the parent's `child_session_retained` link
+//!   ([`Store::create_child`](crate::store::Store::create_child)), so a link never names a
+//!   missing child. The child's steps, tool calls, outcomes and batch commits follow as the
+//!   parent's records would, every append fenced by the parent's attempt; the child's
+//!   conversation is the usual fold of its stream.
+//! - The `task` tool is durable: a parent batch interrupted before it committed runs its task
+//!   calls again, and each reattaches to the child its call created (found through the link of
+//!   the uncommitted batch, by tool call id) and goes on from the child's durable state — an
+//!   interrupted child batch is repaired as the parent's would be (durable calls and nested
+//!   tasks run again, the rest get the outcome-unknown result), and a child that already
+//!   answered returns that answer without calling the model. A task whose child append fails
+//!   fails the parent's attempt, which is re-attempted from what is durable.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -35,11 +50,13 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::events::Event;
+use crate::lifecycle::thread::ThreadWriter;
 use crate::lifecycle::{HookSet, chain};
-use crate::provider::{Messages, ModelMessage, ModelRequest, ToolSpec};
-use crate::record::new_id;
+use crate::provider::{ModelRequest, ModelToolCall, ToolSpec};
+use crate::record::{Batch, ConversationKind, Record, RecordBody, new_id, now};
 use crate::runtime::RuntimeInner;
-use crate::store::InstanceKey;
+use crate::session::{Attempt, Conversation, RetainedChild};
+use crate::store::{InstanceKey, StoreError};
 
 /// How deep delegation may nest (a task's child delegating, and so on).
 pub const MAX_DELEGATION_DEPTH: u32 = 4;
@@ -104,7 +121,135 @@ pub(crate) struct Delegation {
     /// Tasks running, by relationship (for `max_instances`).
     running: Mutex<HashMap<String, u32>>,
     live: Mutex<Live>,
+    /// Where the session's tasks record their children (set before each tool batch).
+    journal: Mutex<Option<Journal>>,
 }
+
+/// Where a session's tasks keep their child conversations: the stream the session records in,
+/// the attempt that fences every append, and the children the uncommitted batch's `task`
+/// calls created (by call id: a re-run of the call reattaches).
+#[derive(Clone)]
+pub(crate) struct Journal {
+    attempt: Arc<Attempt>,
+    stream: Stream,
+    children: HashMap<String, RetainedChild>,
+}
+
+#[derive(Clone)]
+enum Stream {
+    /// The instance's own stream, through the attempt's writer.
+    Root(Arc<ThreadWriter>),
+    /// A child conversation's stream (a task's child delegating in turn).
+    Child(InstanceKey),
+}
+
+impl Journal {
+    /// The journal of a root session: its attempt's writer, and what its conversation says
+    /// the uncommitted batch's tasks created.
+    pub(crate) fn root(
+        attempt: Arc<Attempt>,
+        writer: Arc<ThreadWriter>,
+        children: HashMap<String, RetainedChild>,
+    ) -> Self {
+        Self {
+            attempt,
+            stream: Stream::Root(writer),
+            children,
+        }
+    }
+
+    /// The stream the session records in.
+    fn key(&self) -> InstanceKey {
+        match &self.stream {
+            Stream::Root(writer) => writer.key().clone(),
+            Stream::Child(key) => key.clone(),
+        }
+    }
+
+    /// A record of a child conversation's stream: written by the parent's attempt, belonging
+    /// to no submission of its own.
+    fn child_record(&self, body: RecordBody) -> Record {
+        Record {
+            id: new_id("record"),
+            submission_id: None,
+            attempt_id: Some(self.attempt.attempt.attempt_id.as_str().into()),
+            timestamp: now(),
+            body,
+        }
+    }
+
+    /// A record of this journal's own stream.
+    fn record(&self, body: RecordBody) -> Record {
+        match &self.stream {
+            Stream::Root(writer) => writer.record(body),
+            Stream::Child(_) => self.child_record(body),
+        }
+    }
+
+    /// A failed append of a child: the parent's attempt fails with it (its next batch is
+    /// refused), so it is re-attempted from what is durable.
+    fn failed(&self, error: StoreError) -> String {
+        let error = error.to_string();
+        self.attempt.fail_appends(error.clone());
+        format!("The task's conversation could not be recorded: {error}")
+    }
+
+    /// Creates the child `child` with its `birth` batch and the link to it, atomically.
+    async fn create_child(
+        &self,
+        runtime: &RuntimeInner,
+        link: RecordBody,
+        child: &InstanceKey,
+        birth: Arc<[Record]>,
+    ) -> Result<(), String> {
+        let link: Arc<[Record]> = vec![self.record(link)].into();
+        let created = match &self.stream {
+            Stream::Root(writer) => writer.create_child(link, child, birth).await,
+            Stream::Child(parent) => {
+                runtime
+                    .store
+                    .create_child(parent, link, child, birth, Some(&self.attempt.attempt))
+                    .await
+            }
+        };
+        created.map(drop).map_err(|error| self.failed(error))
+    }
+
+    /// Appends one batch to the child `child`'s stream, fenced by the parent's attempt, and
+    /// folds it into `conversation`.
+    async fn append_child(
+        &self,
+        runtime: &RuntimeInner,
+        child: &InstanceKey,
+        records: Vec<Record>,
+        conversation: &mut Conversation,
+    ) -> Result<(), String> {
+        let records: Arc<[Record]> = records.into();
+        let offset = runtime
+            .store
+            .append(child, records.clone(), Some(&self.attempt.attempt))
+            .await
+            .map_err(|error| self.failed(error))?;
+        conversation.apply(&Batch { offset, records });
+        Ok(())
+    }
+}
+
+/// The stream key of the child conversation `task_id` of the conversation `parent`: the
+/// parent's agent with a `:task` suffix (once: a nested child keeps it) and the parent's id
+/// with the task id. An agent name is `^[a-z][a-z0-9_]*$`, so no instance of a registered
+/// agent can have this key, and no admission or HTTP read reaches it.
+pub(crate) fn child_key(parent: &InstanceKey, task_id: &str) -> InstanceKey {
+    let agent = if parent.agent.ends_with(CHILD_AGENT_SUFFIX) {
+        parent.agent.clone()
+    } else {
+        format!("{}{CHILD_AGENT_SUFFIX}", parent.agent).into()
+    };
+    InstanceKey::new(agent, format!("{}/{task_id}", parent.id))
+}
+
+/// What a child conversation's stream key adds to its root agent's name.
+const CHILD_AGENT_SUFFIX: &str = ":task";
 
 /// What the latest render declares.
 #[derive(Default)]
@@ -136,7 +281,20 @@ impl Delegation {
             signal,
             running: Mutex::default(),
             live: Mutex::default(),
+            journal: Mutex::default(),
         }
+    }
+
+    /// Where the next tool batch's tasks record their children.
+    pub(crate) fn attach(&self, journal: Journal) {
+        *self.journal.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(journal);
+    }
+
+    fn journal(&self) -> Option<Journal> {
+        self.journal
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
     fn live(&self) -> std::sync::MutexGuard<'_, Live> {
@@ -160,17 +318,17 @@ impl Delegation {
 
 /// The `task` tool delegating with `delegation`.
 pub(crate) fn task_tool(delegation: Arc<Delegation>) -> Tool {
-    Tool::from_handler(TaskTool {
-        definition: ToolDefinition::from_checked(
-            "task",
-            TASK_DESCRIPTION,
-            SchemaSource::Typed(flue_core::data::tool_input_schema_of::<TaskArgs>),
-            None,
-            &[],
-            false,
-        ),
-        delegation,
-    })
+    let mut definition = ToolDefinition::from_checked(
+        "task",
+        TASK_DESCRIPTION,
+        SchemaSource::Typed(flue_core::data::tool_input_schema_of::<TaskArgs>),
+        None,
+        &[],
+        false,
+    );
+    // An interrupted task call runs again and reattaches to its child.
+    definition.durable = true;
+    Tool::from_handler(TaskTool { definition, delegation })
 }
 
 struct TaskTool {
@@ -183,14 +341,14 @@ impl ToolHandler for TaskTool {
         &self.definition
     }
 
-    fn call(&self, _ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
+    fn call(&self, ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
         let delegation = self.delegation.clone();
         Box::pin(async move {
             let args: TaskArgs = match serde_json::from_value(args) {
                 Ok(args) => args,
                 Err(error) => return ToolOutput::error(format!("Tool argument validation failed: [root] {error}")),
             };
-            run_task(&delegation, args).await
+            run_task(&delegation, args, ctx.tool_call_id()).await
         })
     }
 }
@@ -214,7 +372,7 @@ impl Drop for Running<'_> {
     }
 }
 
-async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
+async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -> ToolOutput {
     let (found, names, parent, environment) = {
         let live = delegation.live();
         (
@@ -269,7 +427,14 @@ async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
     let Some(runtime) = delegation.runtime.upgrade() else {
         return ToolOutput::error("The runtime was dropped.");
     };
-    let task_id = new_id("task");
+    let Some(journal) = delegation.journal() else {
+        return ToolOutput::error("The task has no conversation to record its child in.");
+    };
+    // A re-run of an interrupted call reattaches to the child it created.
+    let retained = journal.children.get(tool_call_id).cloned();
+    let task_id = retained
+        .as_ref()
+        .map_or_else(|| new_id("task"), |child| child.task_id.clone());
     let emit = |event: Event| runtime.emit(&delegation.key, Some(&delegation.submission_id), event);
     emit(Event::TaskStart {
         task_id: task_id.clone(),
@@ -278,7 +443,13 @@ async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
         prompt: args.prompt.clone(),
     });
     let started = Instant::now();
-    let result = child_session(&runtime, delegation, &subagent, parent, environment, &task_id, &args).await;
+    let task = Task {
+        id: &task_id,
+        args: &args,
+        tool_call_id,
+        retained,
+    };
+    let result = child_session(&runtime, delegation, &subagent, parent, environment, &journal, task).await;
     emit(Event::Task {
         task_id,
         agent: subagent.name().to_owned(),
@@ -294,7 +465,15 @@ async fn run_task(delegation: &Delegation, args: TaskArgs) -> ToolOutput {
     }
 }
 
-/// The `ThreadState` of a child session (identity only: it has no stream of its own).
+/// One task to run: its id, arguments and call, and the child an earlier run created.
+struct Task<'a> {
+    id: &'a str,
+    args: &'a TaskArgs,
+    tool_call_id: &'a str,
+    retained: Option<RetainedChild>,
+}
+
+/// The `ThreadState` of a child session (its identity: hooks see the task, not its stream).
 struct ChildThread(ThreadIdentity);
 
 impl ThreadStateApi for ChildThread {
@@ -303,16 +482,73 @@ impl ThreadStateApi for ChildThread {
     }
 }
 
-/// Runs one task to its final answer.
+/// Opens the task's child conversation: the one an earlier run of the call created (folded
+/// from its stream), else a new one, created with its link. Returns its key and conversation.
+async fn open_child(
+    runtime: &RuntimeInner,
+    journal: &Journal,
+    subagent: &Subagent,
+    task: &Task<'_>,
+) -> Result<(InstanceKey, Conversation), String> {
+    let mut conversation = Conversation::default();
+    if let Some(retained) = &task.retained {
+        let batches = runtime
+            .store
+            .read(&retained.key, None)
+            .await
+            .map_err(|error| journal.failed(error))?;
+        for batch in &batches {
+            conversation.apply(batch);
+        }
+        if conversation.model_messages().is_empty() {
+            return Err(format!("The task's conversation {} was not found.", retained.key));
+        }
+        return Ok((retained.key.clone(), conversation));
+    }
+    let parent = journal.key();
+    let key = child_key(&parent, task.id);
+    let birth: Arc<[Record]> = vec![
+        journal.child_record(RecordBody::ConversationCreated {
+            uid: new_id("inst"),
+            initial_data: None,
+            kind: Some(ConversationKind::Task),
+            parent: Some(parent),
+            task_id: Some(task.id.to_owned()),
+            agent: Some(subagent.name().to_owned()),
+        }),
+        journal.child_record(RecordBody::UserMessage {
+            message_id: new_id("msg"),
+            body: task.args.prompt.clone(),
+            attachments: Vec::new(),
+        }),
+    ]
+    .into();
+    let link = RecordBody::ChildSessionRetained {
+        task_id: task.id.to_owned(),
+        kind: ConversationKind::Task,
+        child: key.clone(),
+        parent_tool_call_id: task.tool_call_id.to_owned(),
+    };
+    journal.create_child(runtime, link, &key, birth.clone()).await?;
+    conversation.apply(&Batch {
+        offset: 0,
+        records: birth,
+    });
+    Ok((key, conversation))
+}
+
+/// Runs one task to its final answer, recording the child's conversation as it goes (or
+/// going on from what an earlier run recorded).
 async fn child_session(
     runtime: &Arc<RuntimeInner>,
     delegation: &Delegation,
     subagent: &Subagent,
     parent: Option<(ThreadState, HookSet)>,
     environment: Vec<Tool>,
-    task_id: &str,
-    args: &TaskArgs,
+    journal: &Journal,
+    task: Task<'_>,
 ) -> Result<String, String> {
+    let args = task.args;
     let delivery = Arc::new(DeliveredMessage::user(args.prompt.clone()));
     let agent = subagent.agent().get();
     let mut rendered = Rendered::default();
@@ -337,7 +573,11 @@ async fn child_session(
         .resolve(&model)
         .map_err(|error| format!("The \"{}\" agent's model: {error}", subagent.name()))?;
 
-    if let Some((parent, hooks)) = &parent
+    let (child, mut conversation) = open_child(runtime, journal, subagent, &task).await?;
+
+    // Before the child's first model call (again when a re-run finds it has none yet).
+    if conversation.model_steps() == 0
+        && let Some((parent, hooks)) = &parent
         && hooks.has(flue_core::lifecycle::HookKind::AfterSubagentCreated)
     {
         let mut arguments = Map::new();
@@ -346,7 +586,7 @@ async fn child_session(
             arguments.insert("description".into(), json!(description));
         }
         let child = ThreadState::new(Arc::new(ChildThread(ThreadIdentity {
-            thread_id: task_id.to_owned(),
+            thread_id: task.id.to_owned(),
             agent_id: subagent.name().to_owned(),
             user_id: parent.user_id().map(str::to_owned),
             created_at: crate::session::micros_of(&crate::record::now()),
@@ -390,54 +630,220 @@ async fn child_session(
     let tools = std::mem::take(&mut rendered.tools);
     let specs: Vec<ToolSpec> = tools.iter().map(ToolSpec::from).collect();
     let max_steps = agent.definition().max_steps.unwrap_or(u32::MAX);
-    // Shared with each request (a call does not copy the history); the request is gone by the
-    // time the loop adds to it.
-    let mut messages = Messages::from([ModelMessage::user(args.prompt.clone())]);
-    let mut last_text = String::new();
-    for _ in 0..max_steps {
+    let session = ChildSession {
+        runtime,
+        journal,
+        key: &child,
+        root: &delegation.key,
+        signal: &delegation.signal,
+        tools: &tools,
+        nested: &nested,
+    };
+    loop {
+        // A batch an earlier run left uncommitted: its durable calls (nested tasks included)
+        // run again, the others get the outcome-unknown result.
+        if let Some((step, calls)) = conversation.open_calls() {
+            let (step, calls) = (step.to_owned(), calls.to_vec());
+            let (rerun, unknown): (Vec<ModelToolCall>, Vec<ModelToolCall>) = calls.into_iter().partition(|call| {
+                tools
+                    .iter()
+                    .any(|tool| tool.name() == call.name && tool.definition().durable)
+            });
+            session.batch(&mut conversation, &rerun, step, &unknown).await?;
+            continue;
+        }
+        // Completed work is never redone: a child that answered is done.
+        if let Some(answer) = conversation.final_answer() {
+            return Ok(answer.to_owned());
+        }
+        if conversation.model_steps() >= max_steps {
+            // The step budget ran out: what the child last said is its answer.
+            return Ok(conversation.last_model_text().to_owned());
+        }
         let request = ModelRequest {
             model: model_id.clone(),
             system: system.clone(),
-            messages: messages.clone(),
+            messages: conversation.model_messages(),
             tools: specs.clone(),
             thinking_level: thinking,
             max_output_tokens: None,
         };
         let response = crate::provider::complete(&runtime.options, &*provider, &request, &delegation.signal).await?;
-        last_text.clone_from(&response.text);
-        messages.push(ModelMessage::Assistant {
-            text: response.text.clone(),
-            tool_calls: response.tool_calls.clone(),
-        });
-        if response.tool_calls.is_empty() {
-            return Ok(response.text);
+        let message_id = new_id("msg");
+        let mut records = Vec::with_capacity(response.tool_calls.len() + 2);
+        records.push(journal.child_record(RecordBody::AssistantMessageStarted {
+            message_id: message_id.clone(),
+            model: model.clone(),
+            response_metadata: None,
+        }));
+        for call in &response.tool_calls {
+            records.push(journal.child_record(RecordBody::AssistantToolCall {
+                message_id: message_id.clone(),
+                tool_call_id: call.id.clone(),
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            }));
         }
-        let executed = crate::tools::run_batch(
-            &tools,
-            &response.tool_calls,
-            runtime.options.tool_concurrency,
-            &delegation.signal,
-            |tool, call| {
-                ToolContext::new(tool, call.id.clone())
-                    .with_instance_id(delegation.key.id.to_string())
-                    .with_signal(delegation.signal.clone())
-            },
-            |_| {},
-            |_| {},
-        )
-        .await;
-        if delegation.signal.is_aborted() {
-            return Err("The task was aborted.".into());
-        }
-        for run in executed {
-            messages.push(ModelMessage::Tool {
-                tool_call_id: run.call.id.clone(),
-                name: run.call.name.clone(),
-                content: run.output.to_text(),
-                is_error: run.output.is_error,
-            });
+        records.push(journal.child_record(RecordBody::AssistantMessageCompleted {
+            message_id: message_id.clone(),
+            text: response.text,
+            stop_reason: response.stop_reason,
+            usage: response.usage,
+        }));
+        journal
+            .append_child(runtime, &child, records, &mut conversation)
+            .await?;
+        if !response.tool_calls.is_empty() {
+            session
+                .batch(&mut conversation, &response.tool_calls, message_id, &[])
+                .await?;
         }
     }
-    // The step budget ran out: what the child last said is its answer.
-    Ok(last_text)
+}
+
+/// What a child's tool batches run with.
+struct ChildSession<'a> {
+    runtime: &'a Arc<RuntimeInner>,
+    journal: &'a Journal,
+    /// The child's stream.
+    key: &'a InstanceKey,
+    /// The root instance (what the child's tools see as their instance).
+    root: &'a InstanceKey,
+    signal: &'a AbortSignal,
+    tools: &'a [Tool],
+    /// The child's own delegation (its `task` tool).
+    nested: &'a Arc<Delegation>,
+}
+
+impl ChildSession<'_> {
+    /// Runs `calls` of the step `assistant_message_id` and commits the batch (with the
+    /// outcome-unknown result for each of `unknown`) to the child's stream.
+    async fn batch(
+        &self,
+        conversation: &mut Conversation,
+        calls: &[ModelToolCall],
+        assistant_message_id: String,
+        unknown: &[ModelToolCall],
+    ) -> Result<(), String> {
+        // The child's own tasks record their children in the child's stream.
+        self.nested.attach(Journal {
+            attempt: self.journal.attempt.clone(),
+            stream: Stream::Child(self.key.clone()),
+            children: conversation.retained_children(),
+        });
+        let executed = {
+            let conversation = &*conversation;
+            crate::tools::run_batch(
+                self.tools,
+                calls,
+                self.runtime.options.tool_concurrency,
+                self.signal,
+                |tool, call| {
+                    let ctx = ToolContext::new(tool, call.id.clone())
+                        .with_instance_id(self.root.id.to_string())
+                        .with_signal(self.signal.clone());
+                    if !tool.definition().durable {
+                        return ctx;
+                    }
+                    ctx.with_steps(Arc::new(ChildSteps {
+                        runtime: self.runtime.clone(),
+                        journal: self.journal.clone(),
+                        key: self.key.clone(),
+                        tool_call_id: call.id.clone(),
+                        tool_name: call.name.clone(),
+                        recorded: conversation.tool_steps(&call.id),
+                    }))
+                },
+                |_| {},
+                |_| {},
+            )
+            .await
+        };
+        if self.signal.is_aborted() {
+            return Err("The task was aborted.".into());
+        }
+        let mut records = Vec::with_capacity(executed.len() + unknown.len() + 1);
+        for run in executed {
+            records.push(self.journal.child_record(RecordBody::ToolOutcome {
+                assistant_message_id: assistant_message_id.clone(),
+                tool_call_id: run.call.id.clone(),
+                tool_name: run.call.name.clone(),
+                is_error: run.output.is_error,
+                content: run.output.to_text(),
+                terminate: run.output.terminate,
+                duration_ms: run.duration_ms,
+            }));
+        }
+        for call in unknown {
+            records.push(self.journal.child_record(RecordBody::ToolOutcome {
+                assistant_message_id: assistant_message_id.clone(),
+                tool_call_id: call.id.clone(),
+                tool_name: call.name.clone(),
+                is_error: true,
+                content: crate::session::INTERRUPTED_TOOL.to_owned(),
+                terminate: false,
+                duration_ms: 0,
+            }));
+        }
+        records.push(
+            self.journal
+                .child_record(RecordBody::ToolResultsCommitted { assistant_message_id }),
+        );
+        self.journal
+            .append_child(self.runtime, self.key, records, conversation)
+            .await
+    }
+}
+
+/// The journal of a durable tool call's steps in a child conversation: like the parent's,
+/// but settled steps are appended to the child's stream.
+struct ChildSteps {
+    runtime: Arc<RuntimeInner>,
+    journal: Journal,
+    key: InstanceKey,
+    tool_call_id: String,
+    tool_name: String,
+    recorded: HashMap<String, Value>,
+}
+
+impl flue_core::tool::ToolSteps for ChildSteps {
+    fn recorded(&self, step_name: &str) -> Option<Value> {
+        self.recorded.get(step_name).cloned()
+    }
+
+    fn record(&self, step_name: &str, value: Value) -> BoxFuture<'_, Result<(), String>> {
+        let record = self.journal.child_record(RecordBody::ToolStepSettled {
+            tool_call_id: self.tool_call_id.clone(),
+            tool_name: self.tool_name.clone(),
+            step_name: step_name.to_owned(),
+            value,
+        });
+        Box::pin(async move {
+            self.runtime
+                .store
+                .append(&self.key, vec![record].into(), Some(&self.journal.attempt.attempt))
+                .await
+                .map(drop)
+                .map_err(|error| self.journal.failed(error))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_key_is_under_a_reserved_agent_name_and_the_parents_id_at_every_depth() {
+        let root = InstanceKey::new("support", "case-1");
+        let child = child_key(&root, "task_A");
+        assert_eq!(child, InstanceKey::new("support:task", "case-1/task_A"));
+        assert!(
+            !flue_core::agent::is_identity(&child.agent),
+            "no registered agent can have the name {}",
+            child.agent
+        );
+        let grandchild = child_key(&child, "task_B");
+        assert_eq!(grandchild, InstanceKey::new("support:task", "case-1/task_A/task_B"));
+    }
 }

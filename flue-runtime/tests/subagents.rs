@@ -393,3 +393,380 @@ async fn max_instances_caps_running_tasks_and_after_subagent_created_runs_on_the
         "{created:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Durable child sessions: a task's child conversation is a record stream of its own, linked
+// from the parent's stream; a task re-run after a crash reattaches to it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use flue_core::BoxFuture;
+use flue_runtime::record::Record;
+use flue_runtime::store::{AttemptRef, InstanceKey, MemoryStore, SqliteStore, Store, StoreError};
+use serde_json::Value;
+
+type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send + Sync>;
+
+/// A store whose first append matching a predicate fails (the process "crashed" between the
+/// work the batch records and its commit); the attempt is re-run from what is durable.
+struct CrashingStore {
+    inner: Box<dyn Store>,
+    fault: Mutex<Option<Predicate>>,
+    failures: Arc<AtomicUsize>,
+}
+
+impl CrashingStore {
+    fn new(inner: Box<dyn Store>) -> Self {
+        Self {
+            inner,
+            fault: Mutex::new(None),
+            failures: Arc::default(),
+        }
+    }
+
+    fn crash_once(self, predicate: impl Fn(&InstanceKey, &[Record]) -> bool + Send + Sync + 'static) -> Self {
+        *self.fault.lock().unwrap() = Some(Box::new(predicate));
+        self
+    }
+}
+
+impl Store for CrashingStore {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
+        request_abort, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values, create_child,
+    );
+
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: Arc<[Record]>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut fault = self.fault.lock().unwrap();
+        if fault.as_ref().is_some_and(|matches| matches(key, &records)) {
+            *fault = None;
+            self.failures.fetch_add(1, Ordering::SeqCst);
+            return Box::pin(std::future::ready(Err(StoreError::Other("injected crash".into()))));
+        }
+        drop(fault);
+        self.inner.append(key, records, authorization)
+    }
+}
+
+/// The stores every durable-task test runs on.
+fn backends() -> Vec<(&'static str, Box<dyn Store>)> {
+    vec![
+        ("memory", Box::new(MemoryStore::new())),
+        ("sqlite", Box::new(SqliteStore::in_memory().unwrap())),
+    ]
+}
+
+/// The records of `key`'s stream, as their JSON.
+async fn stream_json(store: &Arc<dyn Store>, key: &InstanceKey) -> Vec<Value> {
+    store
+        .read(key, None)
+        .await
+        .unwrap()
+        .into_iter()
+        .flat_map(|batch| batch.records.to_vec())
+        .map(|record| serde_json::to_value(record).unwrap())
+        .collect()
+}
+
+fn of_type<'a>(records: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    records.iter().filter(|record| record["type"] == kind).collect()
+}
+
+/// A batch that commits a tool batch answering calls of `tool`.
+fn commits_calls_of(tool: &'static str) -> impl Fn(&InstanceKey, &[Record]) -> bool + Send + Sync {
+    move |_, records| {
+        let json: Vec<Value> = records
+            .iter()
+            .map(|record| serde_json::to_value(record).unwrap())
+            .collect();
+        json.iter().any(|record| record["type"] == "tool_results_committed")
+            && json
+                .iter()
+                .any(|record| record["type"] == "tool_outcome" && record["tool_name"] == tool)
+    }
+}
+
+/// The link the parent's stream keeps to its one task child, and the child's key.
+async fn the_child(store: &Arc<dyn Store>, parent: &InstanceKey) -> (Value, InstanceKey) {
+    let records = stream_json(store, parent).await;
+    let links = of_type(&records, "child_session_retained");
+    assert_eq!(links.len(), 1, "one child conversation: {records:#?}");
+    let link = links[0].clone();
+    let child = InstanceKey::new(
+        link["child"]["agent"].as_str().unwrap(),
+        link["child"]["id"].as_str().unwrap(),
+    );
+    (link, child)
+}
+
+static TALLIES: [AtomicUsize; 3] = [AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)];
+
+/// A delegate with a counted tool (`tally`), counting into `TALLIES[slot]`.
+fn tallying_delegate(slot: usize) -> Subagent {
+    Subagent::new(
+        "tallier",
+        "Tallies words.",
+        FnAgent::new(AgentDefinition::new("tallier"), move |_: AgentProps<'_>| {
+            use_tool(Tool::new("tally").description("Tally the words.").run(
+                move |_ctx, _: serde_json::Map<String, Value>| async move {
+                    TALLIES[slot].fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, ToolError>("7 words")
+                },
+            ));
+            "You tally words."
+        }),
+    )
+}
+
+fn tallying_parent(slot: usize) -> impl Fn(AgentProps<'_>) -> &'static str + Send + Sync + 'static {
+    move |_| {
+        use_model("scripted/parent-model");
+        use_subagent(tallying_delegate(slot));
+        "Delegate the tally."
+    }
+}
+
+fn tallying_agent(name: &'static str, slot: usize) -> AgentRef {
+    FnAgent::new(AgentDefinition::new(name), tallying_parent(slot)).into()
+}
+
+/// The delegation every durable-task test scripts: the parent's task call, the child's tool
+/// call and answer, the parent's answer.
+fn tallying_script() -> ScriptedModel {
+    ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "tallier", "prompt": "Tally: one two three."})),
+        ScriptedReply::tool_call("tally", json!({})),
+        ScriptedReply::text("Seven words."),
+        ScriptedReply::text("The tally is seven."),
+    ])
+}
+
+#[tokio::test]
+async fn a_task_records_its_child_conversation_in_its_own_stream_linked_from_the_parent() {
+    for (name, backend) in backends() {
+        let model = tallying_script();
+        let runtime = harness::runtime_on(CrashingStore::new(backend), &model, vec![tallying_agent("ledger", 0)]);
+        let reply = runtime
+            .handle("ledger", "l-1")
+            .unwrap()
+            .send("Tally it.")
+            .await
+            .unwrap();
+        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let store = runtime.store().clone();
+        let parent = InstanceKey::new("ledger", "l-1");
+        let parent_records = stream_json(&store, &parent).await;
+
+        // The parent links the child from the task call's id; the link comes before the
+        // batch that answers the call.
+        let (link, child) = the_child(&store, &parent).await;
+        let task_call = of_type(&parent_records, "assistant_tool_call")
+            .into_iter()
+            .find(|record| record["name"] == "task")
+            .unwrap();
+        assert_eq!(link["parent_tool_call_id"], task_call["tool_call_id"], "{name}: {link}");
+        assert_eq!(link["kind"], "task", "{name}");
+        let task_id = link["task_id"].as_str().unwrap();
+        assert!(task_id.starts_with("task_"), "{name}: {link}");
+        let at = |record: &Value| parent_records.iter().position(|other| other == record).unwrap();
+        let commit = parent_records
+            .iter()
+            .rposition(|record| record["type"] == "tool_results_committed")
+            .unwrap();
+        assert!(at(&link) < commit, "{name}");
+        // None of the child's turns are in the parent's stream.
+        assert!(
+            !parent_records
+                .iter()
+                .any(|record| record["name"] == "tally" || record["tool_name"] == "tally"),
+            "{name}: {parent_records:#?}"
+        );
+
+        // The child's own stream: its birth (a task conversation of the parent), its prompt,
+        // its steps, its tool batch and its answer.
+        assert_ne!(
+            child.agent, parent.agent,
+            "{name}: a child is not an instance of the agent"
+        );
+        let records = stream_json(&store, &child).await;
+        let birth = &records[0];
+        assert_eq!(birth["type"], "conversation_created", "{name}");
+        assert_eq!(birth["kind"], "task", "{name}");
+        assert_eq!(birth["task_id"], task_id, "{name}");
+        assert_eq!(birth["agent"], "tallier", "{name}");
+        assert_eq!(birth["parent"], json!({"agent": "ledger", "id": "l-1"}), "{name}");
+        let kinds: Vec<&str> = records.iter().map(|record| record["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "conversation_created",
+                "user_message",
+                "assistant_message_started",
+                "assistant_tool_call",
+                "assistant_message_completed",
+                "tool_outcome",
+                "tool_results_committed",
+                "assistant_message_started",
+                "assistant_message_completed",
+            ],
+            "{name}: {records:#?}"
+        );
+        assert_eq!(records[1]["body"], "Tally: one two three.", "{name}");
+        assert_eq!(records[5]["content"], "7 words", "{name}");
+        assert_eq!(records[8]["text"], "Seven words.", "{name}");
+    }
+}
+
+#[tokio::test]
+async fn a_task_rerun_after_a_crash_reattaches_to_its_child_and_does_not_redo_completed_steps() {
+    // The crash comes as the child commits its tool batch: its first step (and the tool) are
+    // done, the batch is not. The parent's attempt fails; its re-run of the task call
+    // reattaches to the child, which goes on from its durable step.
+    for (name, backend) in backends() {
+        let before = TALLIES[1].load(Ordering::SeqCst);
+        let model = tallying_script();
+        let store = CrashingStore::new(backend).crash_once(commits_calls_of("tally"));
+        let failures = store.failures.clone();
+        let runtime = harness::runtime_on(store, &model, vec![tallying_agent("ledger", 1)]);
+        let reply = runtime
+            .handle("ledger", "l-2")
+            .unwrap()
+            .send("Tally it.")
+            .await
+            .unwrap();
+        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}");
+        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let requests = model.requests();
+        assert_eq!(
+            requests.len(),
+            4,
+            "{name}: no model step was taken twice (parent, child, child, parent)"
+        );
+        // The tool of the interrupted child batch is not durable: it ran once, and the
+        // reattached child was told its outcome is unknown.
+        assert_eq!(TALLIES[1].load(Ordering::SeqCst) - before, 1, "{name}");
+        assert_eq!(
+            harness::last_batch_results(&requests[2]),
+            [(
+                "Tool execution was interrupted before completion. The outcome is unknown.".to_owned(),
+                true
+            )],
+            "{name}"
+        );
+        assert_eq!(
+            requests[2].messages[0],
+            ModelMessage::user("Tally: one two three."),
+            "{name}: the child's own history"
+        );
+        assert_eq!(
+            harness::last_batch_results(&requests[3]),
+            [("Seven words.".to_owned(), false)],
+            "{name}: the parent got the child's answer"
+        );
+        // One child conversation, its prompt once.
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("ledger", "l-2")).await;
+        let records = stream_json(&store, &child).await;
+        assert_eq!(of_type(&records, "conversation_created").len(), 1, "{name}");
+        assert_eq!(of_type(&records, "user_message").len(), 1, "{name}");
+        assert_eq!(of_type(&records, "assistant_message_completed").len(), 2, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn a_finished_task_rerun_after_a_crash_returns_its_recorded_answer_without_calling_the_model() {
+    // The crash comes as the parent commits the batch answering the task call: the child had
+    // answered. The re-run reattaches and returns the recorded answer.
+    for (name, backend) in backends() {
+        let before = TALLIES[2].load(Ordering::SeqCst);
+        let model = tallying_script();
+        let store = CrashingStore::new(backend).crash_once(commits_calls_of("task"));
+        let failures = store.failures.clone();
+        let runtime = harness::runtime_on(store, &model, vec![tallying_agent("ledger", 2)]);
+        let reply = runtime
+            .handle("ledger", "l-3")
+            .unwrap()
+            .send("Tally it.")
+            .await
+            .unwrap();
+        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}");
+        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let requests = model.requests();
+        assert_eq!(requests.len(), 4, "{name}: the child's model was not called again");
+        assert_eq!(TALLIES[2].load(Ordering::SeqCst) - before, 1, "{name}");
+        assert_eq!(
+            harness::last_batch_results(&requests[3]),
+            [("Seven words.".to_owned(), false)],
+            "{name}: the re-run task returned the child's recorded answer"
+        );
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("ledger", "l-3")).await;
+        let records = stream_json(&store, &child).await;
+        assert_eq!(of_type(&records, "assistant_message_completed").len(), 2, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn child_streams_never_appear_in_the_parents_history_or_as_instances() {
+    let model = tallying_script();
+    let runtime = harness::runtime_with(&model, vec![tallying_agent("ledger", 0)]);
+    runtime
+        .handle("ledger", "l-4")
+        .unwrap()
+        .send("Tally it.")
+        .await
+        .unwrap();
+    let store = runtime.store().clone();
+    let (_, child) = the_child(&store, &InstanceKey::new("ledger", "l-4")).await;
+
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    let get = |path: String| {
+        let client = client.clone();
+        async move {
+            let response = client.get(format!("http://{addr}{path}")).send().await.unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    };
+    let encode = |text: &str| text.replace('%', "%25").replace('/', "%2F").replace(':', "%3A");
+
+    // The parent's history: its input and one assistant message with the task call and the
+    // answer; nothing of the child's conversation.
+    let (status, body) = get("/agents/ledger/l-4".to_owned()).await;
+    assert_eq!(status, 200, "{body}");
+    let snapshot: Value = serde_json::from_str(&body).unwrap();
+    let messages = snapshot["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 2, "{snapshot:#}");
+    // (The task call's input carries the prompt; the child's tool call and result are its own.)
+    assert!(!body.contains("\"tally\"") && !body.contains("7 words"), "{body}");
+    let (status, updates) = get("/agents/ledger/l-4?view=updates&offset=-1".to_owned()).await;
+    assert_eq!(status, 200, "{updates}");
+    assert!(
+        !updates.contains("\"tally\"") && !updates.contains("7 words"),
+        "{updates}"
+    );
+
+    // The child's stream is not an instance a client can read, under its key or the parent's
+    // agent.
+    for path in [
+        format!("/agents/{}/{}", encode(&child.agent), encode(&child.id)),
+        format!("/agents/ledger/{}", encode(&child.id)),
+    ] {
+        let (status, body) = get(path.clone()).await;
+        assert_eq!(status, 404, "{path}: {body}");
+    }
+    let catalog = get("/agents".to_owned()).await.1;
+    assert!(!catalog.contains(&*child.agent), "{catalog}");
+}

@@ -68,6 +68,9 @@ pub(crate) struct Conversation {
     /// Settled steps of durable tool calls whose batch has not committed, by call id, then
     /// step name (what a re-run of the call replays).
     tool_steps: HashMap<String, HashMap<String, Value>>,
+    /// The child conversations `task` calls of the uncommitted batch created, by call id (a
+    /// re-run of the call reattaches to its child).
+    children: HashMap<String, RetainedChild>,
     /// Where those calls' results go: right after their step, before any row injected while
     /// they ran (a call and its result stay adjacent, as providers require).
     results_at: usize,
@@ -228,6 +231,15 @@ pub(crate) fn tool_calls_from(calls: &Value) -> Vec<ModelToolCall> {
             })
         })
         .collect()
+}
+
+/// A child conversation a `task` call created ([`RecordBody::ChildSessionRetained`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct RetainedChild {
+    /// The task id.
+    pub(crate) task_id: String,
+    /// The child's stream.
+    pub(crate) key: crate::store::InstanceKey,
 }
 
 impl Conversation {
@@ -462,7 +474,7 @@ impl Conversation {
             _ => {}
         }
         match &record.body {
-            RecordBody::ConversationCreated { uid, initial_data } => {
+            RecordBody::ConversationCreated { uid, initial_data, .. } => {
                 self.uid.clone_from(uid);
                 self.initial_data.clone_from(initial_data);
                 self.born = Some(record.timestamp.clone());
@@ -559,9 +571,25 @@ impl Conversation {
                     .or_default()
                     .insert(step_name.clone(), value.clone());
             }
+            RecordBody::ChildSessionRetained {
+                task_id,
+                child,
+                parent_tool_call_id,
+                ..
+            } => {
+                self.children.insert(
+                    parent_tool_call_id.clone(),
+                    RetainedChild {
+                        task_id: task_id.clone(),
+                        key: child.clone(),
+                    },
+                );
+            }
             RecordBody::ToolResultsCommitted { .. } => {
-                // The calls have their outcomes: their steps will not be replayed.
+                // The calls have their outcomes: their steps will not be replayed, their
+                // children not reattached.
                 self.tool_steps.clear();
+                self.children.clear();
                 let outcomes = std::mem::take(&mut self.outcomes);
                 for call in std::mem::take(&mut self.open_calls) {
                     match outcomes.iter().find(|outcome| outcome.tool_call_id == call.id) {
@@ -722,6 +750,7 @@ impl Conversation {
     fn close_dangling_calls(&mut self) {
         self.outcomes.clear();
         self.tool_steps.clear();
+        self.children.clear();
         let created = self
             .rows
             .last()
@@ -736,6 +765,43 @@ impl Conversation {
     /// attempt), with that step's message id; `None` when every call has its outcome.
     pub(crate) fn open_calls(&self) -> Option<(&str, &[ModelToolCall])> {
         (!self.open_calls.is_empty()).then_some((self.open_calls_step.as_str(), &self.open_calls[..]))
+    }
+
+    /// The child conversations the uncommitted batch's `task` calls created, by call id.
+    pub(crate) fn retained_children(&self) -> HashMap<String, RetainedChild> {
+        self.children.clone()
+    }
+
+    /// The text of the conversation's final answer: its last message is a model step without
+    /// tool calls (a child conversation that reached it is done).
+    pub(crate) fn final_answer(&self) -> Option<&str> {
+        if !self.open_calls.is_empty() {
+            return None;
+        }
+        match self.messages.last() {
+            Some(ModelMessage::Assistant { text, tool_calls }) if tool_calls.is_empty() => Some(text),
+            _ => None,
+        }
+    }
+
+    /// The text of the conversation's last model step (empty without one).
+    pub(crate) fn last_model_text(&self) -> &str {
+        self.messages
+            .iter()
+            .rev()
+            .find_map(|message| match message {
+                ModelMessage::Assistant { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
+    /// The model steps the conversation holds (every completed step, whatever its submission).
+    pub(crate) fn model_steps(&self) -> u32 {
+        self.messages
+            .iter()
+            .filter(|message| matches!(message, ModelMessage::Assistant { .. }))
+            .count() as u32
     }
 
     /// The steps a run of the uncommitted call `tool_call_id` settled, by name.

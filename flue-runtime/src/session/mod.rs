@@ -49,7 +49,9 @@ use crate::tools;
 use deadline::Deadline;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
-pub(crate) use conversation::{Conversation, ReplyParts, micros_of, reply_of, tool_calls_from};
+pub(crate) use conversation::{
+    Conversation, INTERRUPTED_TOOL, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from,
+};
 
 /// The framework ceiling of continued finish cycles per response.
 pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
@@ -2065,6 +2067,20 @@ impl Response<'_> {
         let Some((step, calls)) = self.conversation.open_calls() else {
             return Ok(None);
         };
+        let (step, calls) = (step.to_owned(), calls.to_vec());
+        // The init render has no `task` tool (it waits for the model): an interrupted task
+        // call re-runs — reattaching to its child — with the tools a turn's render mounts.
+        let prepared;
+        let rendered = if calls.iter().any(|call| call.name == "task")
+            && !rendered.tools.iter().any(|tool| tool.name() == "task")
+        {
+            let mut fresh = self.render()?;
+            self.prepare(&mut fresh).await?;
+            prepared = fresh;
+            &prepared
+        } else {
+            rendered
+        };
         let durable: Vec<flue_core::Tool> = rendered
             .tools
             .iter()
@@ -2078,7 +2094,6 @@ impl Response<'_> {
         if rerun.is_empty() {
             return Ok(None);
         }
-        let step = step.to_owned();
         self.tool_batch(rendered, &durable, &rerun, step, &unknown, None)
             .await
             .map(Some)
@@ -2099,6 +2114,15 @@ impl Response<'_> {
         let view = self.thread_view();
         view.set_tools(&rendered.tools);
         let thread = view.state();
+        if let Some((delegation, _)) = &self.delegation {
+            // The batch's tasks record their children through the attempt; a re-run task
+            // call finds the child it created.
+            delegation.attach(crate::subagents::Journal::root(
+                self.attempt.clone(),
+                self.writer.clone(),
+                self.conversation.retained_children(),
+            ));
+        }
         let executed = {
             let runtime = self.runtime;
             let key = self.key;
