@@ -31,6 +31,8 @@ const CHILD: &str = "FLUE_RECOVERY_CHILD";
 enum Point {
     ModelStream,
     ToolBatchCommit,
+    /// The commit of the batch answering a `task` call (its child has answered).
+    TaskCommit,
     StartSeam,
     Settlement,
     Never,
@@ -41,6 +43,7 @@ impl Point {
         match text {
             "model_stream" => Self::ModelStream,
             "tool_batch_commit" => Self::ToolBatchCommit,
+            "task_commit" => Self::TaskCommit,
             "start_seam" => Self::StartSeam,
             "settlement" => Self::Settlement,
             _ => Self::Never,
@@ -145,6 +148,12 @@ impl Store for PausingStore {
             Point::ToolBatchCommit => r
                 .iter()
                 .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. })),
+            Point::TaskCommit => r
+                .iter()
+                .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+                && r.iter().any(
+                    |record| matches!(&record.body, RecordBody::ToolOutcome { tool_name, .. } if tool_name == "task"),
+                ),
             Point::StartSeam => r.iter().any(|record| matches!(record.body, RecordBody::AgentStartRun)),
             _ => false,
         };
@@ -218,6 +227,40 @@ fn billing_body() -> &'static str {
     "You bill customers."
 }
 
+/// A tool that charges the card: an external side effect, visible to the parent process.
+fn charge_tool() -> Tool {
+    let dir = std::env::var("FLUE_RECOVERY_DIR").unwrap_or_default();
+    Tool::new("charge").description("Charge the card once.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let dir = dir.clone();
+            async move {
+                use std::io::Write;
+                let mut file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(Path::new(&dir).join("charges"))?;
+                writeln!(file, "charged")?;
+                Ok::<_, ToolError>("charged")
+            }
+        },
+    )
+}
+
+/// Delegates the charge to a `biller` task, whose child conversation charges the card.
+#[agent(durability(max_attempts = 3))]
+fn delegating() -> &'static str {
+    use_model("scripted/x");
+    use_subagent(Subagent::new(
+        "biller",
+        "Charges cards.",
+        FnAgent::new(AgentDefinition::new("biller"), |_: AgentProps<'_>| {
+            use_tool(charge_tool());
+            "You charge cards."
+        }),
+    ));
+    "You bill customers through the biller."
+}
+
 /// The child: `mode` is `crash:<point>` (send and get killed) or `recover` (resume and
 /// report). Prints one JSON line with the outcome when it finishes.
 async fn child(mode: &str, dir: &Path) {
@@ -231,7 +274,15 @@ async fn child(mode: &str, dir: &Path) {
         None => (Point::Never, true),
     };
     let mut providers = ProviderRegistry::new();
-    if point == Point::ModelStream {
+    if point == Point::TaskCommit {
+        // The parent delegates; the task's child charges and answers.
+        providers.register(ScriptedModel::new([
+            ScriptedReply::tool_call("task", json!({"agent": "biller", "prompt": "Charge the card."})),
+            ScriptedReply::tool_call("charge", json!({})),
+            ScriptedReply::text("Charged."),
+            ScriptedReply::text("All set."),
+        ]));
+    } else if point == Point::ModelStream {
         providers.register(HangingModel);
     } else if mode == "standby" {
         // The surviving node answers every message it gets.
@@ -263,12 +314,15 @@ async fn child(mode: &str, dir: &Path) {
     let runtime = Runtime::builder()
         .agent(billing)
         .agent(billing_on_a_budget)
+        .agent(delegating)
         .providers(providers)
         .store(store)
         .options(options)
         .build()
         .unwrap();
-    let handle = if std::env::var_os("FLUE_RECOVERY_ON_A_BUDGET").is_some() {
+    let handle = if std::env::var_os("FLUE_RECOVERY_DELEGATING").is_some() {
+        runtime.init(&delegating, "customer")
+    } else if std::env::var_os("FLUE_RECOVERY_ON_A_BUDGET").is_some() {
         runtime.init(&billing_on_a_budget, "customer")
     } else {
         runtime.init(&billing, "customer")
@@ -487,6 +541,34 @@ fn records(dir: &Path) -> Vec<Record> {
         .collect()
 }
 
+/// The records of the `delegating` instance and of its one task child.
+fn delegated_records(dir: &Path) -> (Vec<Record>, Vec<Record>) {
+    let store = backend(dir);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let read = |key: &InstanceKey| -> Vec<Record> {
+        runtime
+            .block_on(store.read(key, None))
+            .unwrap()
+            .into_iter()
+            .flat_map(|batch| batch.records.to_vec())
+            .collect()
+    };
+    let parent = read(&InstanceKey::new("delegating", "customer"));
+    let children: Vec<&InstanceKey> = parent
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::ChildSessionRetained { child, .. } => Some(child),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(children.len(), 1, "one child conversation");
+    let child = read(children[0]);
+    (parent, child)
+}
+
 fn count(records: &[Record], predicate: impl Fn(&RecordBody) -> bool) -> usize {
     records.iter().filter(|record| predicate(&record.body)).count()
 }
@@ -518,6 +600,35 @@ macro_rules! recovery_suite {
                 assert_eq!(count(&records, |body| matches!(body, RecordBody::StateWrite { .. })), 0, "the write is absent");
                 assert_eq!(count(&records, |body| matches!(body, RecordBody::ToolOutcome { .. })), 0);
                 assert_eq!(count(&records, |body| matches!(body, RecordBody::UserMessage { .. })), 1);
+            }
+
+            #[test]
+            fn a_task_rerun_after_a_crash_reattaches_to_its_answered_child_without_running_it_again() {
+                let Some(dir) = scratch($postgres) else { return };
+                let delegates = [("FLUE_RECOVERY_DELEGATING", "1")];
+                // Killed as the parent commits the batch answering the task call: the child
+                // had charged and answered.
+                crash("crash:task_commit", &dir, &delegates, |_| {});
+                let report = recover(&dir, &delegates);
+                assert_eq!(report["outcome"], "completed", "{report}");
+                assert_eq!(side_effects(&dir), 1, "the child's tool ran once: recovery reattached");
+                let (parent, child) = delegated_records(&dir);
+                let results: Vec<(&str, bool)> = parent
+                    .iter()
+                    .filter_map(|record| match &record.body {
+                        RecordBody::ToolOutcome { tool_name, content, is_error, .. } if tool_name == "task" => {
+                            Some((content.as_str(), *is_error))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(results, [("Charged.", false)], "the child's recorded answer, once");
+                assert_eq!(
+                    count(&child, |body| matches!(body, RecordBody::AssistantMessageCompleted { .. })),
+                    2,
+                    "the child's steps, none taken again"
+                );
+                assert_eq!(count(&child, |body| matches!(body, RecordBody::UserMessage { .. })), 1);
             }
 
             #[test]
