@@ -776,9 +776,9 @@ impl ToolContext {
     /// step value is recorded before it is returned, and when the call runs again after an
     /// interruption (its batch never committed) the step returns the recorded value without
     /// running `work` again: put each side effect that must happen once (a charge, an email)
-    /// in a step of its own. Elsewhere the step just runs: standalone runs, calls through
-    /// `ThreadState::invoke_tool`, tools in a subagent's child session (not durable), and tools
-    /// not marked durable. What a durable tool does outside its steps (a data write, an
+    /// in a step of its own. This holds in a subagent's child session too (a `task`'s child
+    /// records its steps in its own conversation). Elsewhere the step just runs: standalone
+    /// runs, calls through `ThreadState::invoke_tool`, and tools not marked durable. What a durable tool does outside its steps (a data write, an
     /// injected message) happens again when the call runs again.
     ///
     /// Names identify steps across runs of one call, so they must be non-empty and unique

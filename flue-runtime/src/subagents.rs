@@ -194,6 +194,15 @@ impl Journal {
         format!("The task's conversation could not be recorded: {error}")
     }
 
+    /// Refuses to record more once one of the attempt's appends failed (a child's, say): the
+    /// attempt is over, and an enclosing task must not commit a batch past the failure.
+    fn check_live(&self) -> Result<(), String> {
+        match self.attempt.failed_append() {
+            Some(error) => Err(format!("The task's conversation could not be recorded: {error}")),
+            None => Ok(()),
+        }
+    }
+
     /// Creates the child `child` with its `birth` batch and the link to it, atomically.
     async fn create_child(
         &self,
@@ -202,6 +211,7 @@ impl Journal {
         child: &InstanceKey,
         birth: Arc<[Record]>,
     ) -> Result<(), String> {
+        self.check_live()?;
         let link: Arc<[Record]> = vec![self.record(link)].into();
         let created = match &self.stream {
             Stream::Root(writer) => writer.create_child(link, child, birth).await,
@@ -224,6 +234,7 @@ impl Journal {
         records: Vec<Record>,
         conversation: &mut Conversation,
     ) -> Result<(), String> {
+        self.check_live()?;
         let records: Arc<[Record]> = records.into();
         let offset = runtime
             .store
@@ -819,6 +830,7 @@ impl flue_core::tool::ToolSteps for ChildSteps {
             value,
         });
         Box::pin(async move {
+            self.journal.check_live()?;
             self.runtime
                 .store
                 .append(&self.key, vec![record].into(), Some(&self.journal.attempt.attempt))

@@ -770,3 +770,139 @@ async fn child_streams_never_appear_in_the_parents_history_or_as_instances() {
     let catalog = get("/agents".to_owned()).await.1;
     assert!(!catalog.contains(&*child.agent), "{catalog}");
 }
+
+static STEP_RUNS: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+
+/// A delegate whose durable `refund` tool takes one recorded step (counted in `STEP_RUNS[0]`,
+/// every run of the tool in `STEP_RUNS[1]`).
+fn refunding_delegate() -> Subagent {
+    Subagent::new(
+        "refunder",
+        "Refunds orders.",
+        FnAgent::new(AgentDefinition::new("refunder"), |_: AgentProps<'_>| {
+            use_tool(Tool::new("refund").description("Refund the order.").durable().run(
+                |ctx, _: serde_json::Map<String, Value>| async move {
+                    STEP_RUNS[1].fetch_add(1, Ordering::SeqCst);
+                    let refund: String = ctx
+                        .step("issue-refund", async {
+                            format!("re_{}", STEP_RUNS[0].fetch_add(1, Ordering::SeqCst) + 1)
+                        })
+                        .await?;
+                    Ok::<_, ToolError>(format!("refunded as {refund}"))
+                },
+            ));
+            "You refund orders."
+        }),
+    )
+}
+
+#[tokio::test]
+async fn a_durable_tool_in_a_task_child_re_runs_on_reattach_replaying_its_recorded_steps() {
+    for (name, backend) in backends() {
+        let before = (STEP_RUNS[0].load(Ordering::SeqCst), STEP_RUNS[1].load(Ordering::SeqCst));
+        let model = ScriptedModel::new([
+            ScriptedReply::tool_call("task", json!({"agent": "refunder", "prompt": "Refund order 9."})),
+            ScriptedReply::tool_call("refund", json!({})),
+            ScriptedReply::text("Refunded order 9."),
+            ScriptedReply::text("Done."),
+        ]);
+        let agent: AgentRef = FnAgent::new(AgentDefinition::new("shop"), |_: AgentProps<'_>| {
+            use_model("scripted/parent-model");
+            use_subagent(refunding_delegate());
+            "Delegate refunds."
+        })
+        .into();
+        let store = CrashingStore::new(backend).crash_once(commits_calls_of("refund"));
+        let runtime = harness::runtime_on(store, &model, vec![agent]);
+        let reply = runtime.handle("shop", "s-1").unwrap().send("Refund 9.").await.unwrap();
+        assert_eq!(reply.text, "Done.", "{name}");
+        let requests = model.requests();
+        assert_eq!(requests.len(), 4, "{name}");
+        // The tool ran again on reattach, its step did not: the re-run's result is real.
+        let runs = (
+            STEP_RUNS[0].load(Ordering::SeqCst) - before.0,
+            STEP_RUNS[1].load(Ordering::SeqCst) - before.1,
+        );
+        assert_eq!(runs, (1, 2), "{name}: (step runs, tool runs)");
+        assert_eq!(
+            harness::last_batch_results(&requests[2]),
+            [(format!("refunded as re_{}", before.0 + 1), false)],
+            "{name}"
+        );
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("shop", "s-1")).await;
+        let records = stream_json(&store, &child).await;
+        assert_eq!(
+            of_type(&records, "tool_step_settled").len(),
+            1,
+            "{name}: the step, recorded once"
+        );
+    }
+}
+
+static NESTED_TALLIES: AtomicUsize = AtomicUsize::new(0);
+
+#[tokio::test]
+async fn a_nested_task_rerun_reattaches_its_whole_chain_of_children() {
+    // parent → task(coordinator) → task(tallier) → tally; the crash comes as the grandchild
+    // commits its tool batch.
+    for (name, backend) in backends() {
+        let before = NESTED_TALLIES.load(Ordering::SeqCst);
+        let model = ScriptedModel::new([
+            ScriptedReply::tool_call("task", json!({"agent": "coordinator", "prompt": "Get a tally."})),
+            ScriptedReply::tool_call("task", json!({"agent": "tallier", "prompt": "Tally: a b."})),
+            ScriptedReply::tool_call("tally", json!({})),
+            ScriptedReply::text("Two words."),
+            ScriptedReply::text("The tallier says two."),
+            ScriptedReply::text("Two."),
+        ]);
+        let agent: AgentRef = FnAgent::new(AgentDefinition::new("chain"), |_: AgentProps<'_>| {
+            use_model("scripted/parent-model");
+            use_subagent(Subagent::new(
+                "coordinator",
+                "Coordinates.",
+                FnAgent::new(AgentDefinition::new("coordinator"), |_: AgentProps<'_>| {
+                    use_subagent(Subagent::new(
+                        "tallier",
+                        "Tallies words.",
+                        FnAgent::new(AgentDefinition::new("tallier"), |_: AgentProps<'_>| {
+                            use_tool(Tool::new("tally").description("Tally the words.").run(
+                                |_ctx, _: serde_json::Map<String, Value>| async move {
+                                    NESTED_TALLIES.fetch_add(1, Ordering::SeqCst);
+                                    Ok::<_, ToolError>("2 words")
+                                },
+                            ));
+                            "You tally words."
+                        }),
+                    ));
+                    "You coordinate."
+                }),
+            ));
+            "Delegate."
+        })
+        .into();
+        let store = CrashingStore::new(backend).crash_once(commits_calls_of("tally"));
+        let failures = store.failures.clone();
+        let runtime = harness::runtime_on(store, &model, vec![agent]);
+        let reply = runtime.handle("chain", "c-1").unwrap().send("Go.").await.unwrap();
+        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}");
+        assert_eq!(reply.text, "Two.", "{name}");
+        assert_eq!(model.requests().len(), 6, "{name}: no model step twice");
+        assert_eq!(NESTED_TALLIES.load(Ordering::SeqCst) - before, 1, "{name}");
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("chain", "c-1")).await;
+        let (_, grandchild) = the_child(&store, &child).await;
+        assert_eq!(grandchild.agent, child.agent, "{name}");
+        assert!(
+            grandchild.id.starts_with(&format!("{}/task_", child.id)),
+            "{name}: {grandchild}"
+        );
+        let records = stream_json(&store, &grandchild).await;
+        assert_eq!(
+            of_type(&records, "conversation_created")[0]["parent"]["id"],
+            *child.id,
+            "{name}"
+        );
+        assert_eq!(of_type(&records, "assistant_message_completed").len(), 2, "{name}");
+    }
+}

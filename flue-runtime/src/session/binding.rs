@@ -123,6 +123,13 @@ impl Attempt {
         queue.pending.clear();
     }
 
+    /// Why one of the attempt's appends outside its response's batches failed, if one did:
+    /// the attempt is then over, and nothing more is recorded for it (a task's child
+    /// conversation included).
+    pub(crate) fn failed_append(&self) -> Option<String> {
+        self.data().failed.clone()
+    }
+
     /// A failed attempt's queued data writes are dropped; waits for an append in flight.
     pub(crate) async fn close_data(&self) {
         {
