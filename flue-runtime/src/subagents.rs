@@ -31,6 +31,11 @@
 //!   tasks run again, the rest get the outcome-unknown result), and a child that already
 //!   answered returns that answer without calling the model. A task whose child append fails
 //!   fails the parent's attempt, which is re-attempted from what is durable.
+//! - A reattached task is rendered afresh (its system prompt and tools are the current
+//!   render's), publishes `task_start` again under its task id, and runs
+//!   `after_subagent_created` again only while its child has no model step. Its link stays in
+//!   the parent's stream once the batch commits (never reattached again); child streams are
+//!   never listed, projected or deleted.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
