@@ -1071,6 +1071,13 @@ impl Response<'_> {
                 self.attempt.signal.clone(),
             ));
             let tool = crate::subagents::task_tool(delegation.clone());
+            // Tasks record through the attempt from the start (a `task` a hook invokes outside
+            // a batch included); each batch attaches its own view of the retained children.
+            delegation.attach(crate::subagents::Journal::root(
+                self.attempt.clone(),
+                self.writer.clone(),
+                self.conversation.retained_children(),
+            ));
             self.delegation = Some((delegation, tool));
         }
         let environment = self.environment_tools();
