@@ -79,6 +79,7 @@ macro_rules! store_contract {
                     rejects_a_submission_owned_append_for_an_unknown_submission,
                     rejects_an_empty_batch,
                     creates_a_child_stream_and_its_parent_link_in_one_step,
+                    keeps_the_streams_of_several_children_and_grandchildren_apart,
                     creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_or_the_child_exists,
                     replays_strictly_after_a_batch_offset,
                     gives_concurrent_appends_distinct_consecutive_offsets,
@@ -1364,6 +1365,73 @@ pub async fn creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_o
     assert!(again.is_err(), "a child is created once");
     assert_eq!(store.read(&parent, None).await.unwrap().len(), before + 1, "one link");
     assert_eq!(store.read(&child, None).await.unwrap().len(), 1, "one birth");
+}
+
+pub async fn keeps_the_streams_of_several_children_and_grandchildren_apart(store: Factory) {
+    let host = running_host(&store).await;
+    let parent = key("assistant", "agent-1");
+    let children: Vec<InstanceKey> = (0..3)
+        .map(|n| key("assistant:task", &format!("agent-1/task_{n}")))
+        .chain([key("assistant:task", "agent-1/task_0/task_9")])
+        .collect();
+    for (n, child) in children.iter().enumerate() {
+        let link = record(
+            Some(&host.submission_id),
+            Some(&host.attempt_id),
+            user(&format!("link {n}")),
+        );
+        let birth = record(
+            None,
+            Some(&host.attempt_id),
+            RecordBody::ConversationCreated {
+                uid: format!("inst_child_{n}"),
+                initial_data: None,
+                kind: Some(flue_runtime::record::ConversationKind::Task),
+                parent: None,
+                task_id: Some(format!("task_{n}")),
+                agent: None,
+            },
+        );
+        store
+            .create_child(&parent, vec![link].into(), child, vec![birth].into(), Some(&host))
+            .await
+            .unwrap();
+    }
+    // Interleaved appends: each lands in its own stream, at its own next offset.
+    for round in 1..=2u64 {
+        for (n, child) in children.iter().enumerate() {
+            let step = record(None, Some(&host.attempt_id), user(&format!("child {n} round {round}")));
+            assert_eq!(
+                store.append(child, vec![step].into(), Some(&host)).await.unwrap(),
+                round
+            );
+        }
+    }
+    for (n, child) in children.iter().enumerate() {
+        let batches = store.read(child, None).await.unwrap();
+        assert_eq!(batches.len(), 3, "{child}");
+        for (round, batch) in batches.iter().enumerate().skip(1) {
+            let texts: Vec<&str> = batch
+                .records
+                .iter()
+                .filter_map(|record| match &record.body {
+                    RecordBody::UserMessage { body, .. } => Some(body.as_str()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(texts, [format!("child {n} round {round}")], "{child}");
+        }
+    }
+    assert!(
+        store
+            .read(&parent, None)
+            .await
+            .unwrap()
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .all(|record| !matches!(&record.body, RecordBody::UserMessage { body, .. } if body.starts_with("child"))),
+        "no child's record in the parent's stream"
+    );
 }
 
 pub async fn rejects_an_empty_batch(store: Factory) {

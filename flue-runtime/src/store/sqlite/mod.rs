@@ -1182,13 +1182,26 @@ impl Store for SqliteStore {
             }
             // A child has no submission to number its stream with: child streams take the
             // numbers below every other (admitted instances have positive ones, instances
-            // migrated without submissions negative ones from -1 down).
-            let lowest: Option<i64> = tx
-                .prepare_cached("SELECT MIN(stream) FROM flue_instances")
+            // migrated without submissions negative ones from -1 down). The lowest number
+            // given is kept in `flue_meta`, so a task's creation does not scan every
+            // instance; a database without it (or with a value that does not parse) is
+            // scanned once.
+            let kept: Option<String> = tx
+                .prepare_cached("SELECT value FROM flue_meta WHERE key = 'lowest_stream'")
                 .map_err(sql)?
                 .query_row([], |row| row.get(0))
+                .optional()
                 .map_err(sql)?;
-            let stream = lowest.unwrap_or(0).min(0) - 1;
+            let lowest = match kept.and_then(|kept| kept.parse::<i64>().ok()) {
+                Some(lowest) => lowest,
+                None => tx
+                    .prepare_cached("SELECT MIN(stream) FROM flue_instances")
+                    .map_err(sql)?
+                    .query_row([], |row| row.get::<_, Option<i64>>(0))
+                    .map_err(sql)?
+                    .unwrap_or(0),
+            };
+            let stream = lowest.min(0) - 1;
             if stream <= -(1 << 31) {
                 return Err(StoreError::Other(
                     "sqlite: 2^31 child conversations were created; no stream number is left".into(),
@@ -1200,6 +1213,10 @@ impl Store for SqliteStore {
             .map_err(sql)?
             .execute(params![child.agent, child.id, super::birth_uid(&birth), stream])
             .map_err(sql)?;
+            tx.prepare_cached("INSERT OR REPLACE INTO flue_meta (key, value) VALUES ('lowest_stream', ?1)")
+                .map_err(sql)?
+                .execute(params![stream.to_string()])
+                .map_err(sql)?;
             append_batch(tx, child, &birth, None)?;
             Ok(offset)
         }))
@@ -1515,6 +1532,66 @@ mod tests {
             })
             .unwrap();
         assert_eq!(batches, 3 + 4);
+    }
+
+    /// Child streams take numbers below every other, from a counter in `flue_meta` (a database
+    /// without it, such as one whose migrated instances hold negative numbers, is scanned).
+    #[test]
+    fn child_streams_are_numbered_below_every_other_without_scanning_the_instances() {
+        let store = SqliteStore::in_memory().unwrap();
+        let key = |id: &str| InstanceKey::new("a", id.to_owned());
+        store
+            .transaction(|tx| {
+                insert_instance(tx, "parent")?;
+                tx.execute(
+                    "INSERT INTO flue_instances (agent, id, uid, next_offset, stream) VALUES ('a', 'migrated', 'u', 0, -3)",
+                    [],
+                )
+                .map_err(sql)?;
+                append_batch(tx, &key("parent"), &[super::super::birth_record("u", None)], None).map(drop)
+            })
+            .unwrap();
+        let stream_of = |id: &str| {
+            store
+                .transaction(|tx| Ok(instance_row(tx, &key(id))?.map(|(_, stream)| stream)))
+                .unwrap()
+        };
+        let kept = || {
+            store
+                .transaction(|tx| {
+                    tx.query_row("SELECT value FROM flue_meta WHERE key = 'lowest_stream'", [], |row| {
+                        row.get::<_, String>(0)
+                    })
+                    .optional()
+                    .map_err(sql)
+                })
+                .unwrap()
+        };
+        let create = |id: &str| {
+            let link: Arc<[Record]> = vec![super::super::birth_record("link", None)].into();
+            let birth: Arc<[Record]> = vec![super::super::birth_record(id, None)].into();
+            futures_util::FutureExt::now_or_never(store.create_child(&key("parent"), link, &key(id), birth, None))
+                .unwrap()
+        };
+        assert_eq!(kept(), None);
+        create("child-1").unwrap();
+        assert_eq!(stream_of("child-1"), Some(-4), "below the migrated instance's");
+        assert_eq!(kept().as_deref(), Some("-4"));
+        // From now on the counter answers.
+        create("child-2").unwrap();
+        assert_eq!(stream_of("child-2"), Some(-5));
+        // A counter that does not parse is rebuilt from the instances.
+        store
+            .transaction(|tx| {
+                tx.execute("UPDATE flue_meta SET value = 'x' WHERE key = 'lowest_stream'", [])
+                    .map(drop)
+                    .map_err(sql)
+            })
+            .unwrap();
+        create("child-3").unwrap();
+        assert_eq!(stream_of("child-3"), Some(-6));
+        assert!(create("child-3").is_err(), "a child is created once");
+        assert_eq!(kept().as_deref(), Some("-6"));
     }
 
     #[test]
