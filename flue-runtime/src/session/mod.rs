@@ -946,7 +946,9 @@ impl Response<'_> {
         self.own_tools = rendered.tools.len();
         self.sandbox_present = false;
         if let Some(declaration) = &rendered.sandbox {
-            if self.sandbox.is_none() {
+            let (_, tools) = if let Some(sandbox) = &self.sandbox {
+                sandbox
+            } else {
                 let sandbox = declaration
                     .factory
                     .create_sandbox(&self.key.id)
@@ -969,9 +971,8 @@ impl Response<'_> {
                     .factory
                     .tools()
                     .unwrap_or_else(|| crate::sandbox::tools::tools(&session));
-                self.sandbox = Some((session, tools));
-            }
-            let (_, tools) = self.sandbox.as_ref().expect("created above");
+                self.sandbox.insert((session, tools))
+            };
             if let Some(taken) = rendered
                 .tools
                 .iter()
