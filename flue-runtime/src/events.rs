@@ -87,16 +87,22 @@ impl LazyId {
 /// every emitter (the turn loop, tools' logs, thread writers, delegation) stamps the
 /// [`Observation`]s it sends without being handed anything.
 pub(crate) struct Correlation {
-    pub(crate) operation: LazyId,
+    /// The operation's id, made when an event first needs it.
+    operation: std::sync::OnceLock<String>,
     turn: std::sync::Mutex<Option<LazyId>>,
 }
 
 impl Correlation {
     pub(crate) fn new() -> Self {
         Self {
-            operation: LazyId::new("op"),
+            operation: std::sync::OnceLock::new(),
             turn: std::sync::Mutex::new(None),
         }
+    }
+
+    /// The operation's id (`op_…`).
+    pub(crate) fn operation_id(&self) -> String {
+        self.operation.get_or_init(|| crate::record::new_id("op")).clone()
     }
 
     /// The turn the events from now on belong to (`None`: no turn is in progress).
@@ -112,7 +118,7 @@ impl Correlation {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .as_ref()
             .map(LazyId::get);
-        (self.operation.get(), turn)
+        (self.operation_id(), turn)
     }
 }
 

@@ -244,7 +244,7 @@ pub(crate) struct RuntimeInner {
     event_index: AtomicU64,
     /// The correlation of each submission an attempt of this node processes, by submission
     /// id: what its observations are stamped with.
-    correlations: Mutex<HashMap<String, Arc<Correlation>>>,
+    correlations: Mutex<HashMap<Arc<str>, Arc<Correlation>>>,
     /// Senders waiting for a submission to settle, by submission id.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<()>>>>,
     shutting_down: AtomicBool,
@@ -401,14 +401,14 @@ impl RuntimeInner {
 
     /// Stamps the observations of `submission_id` with `correlation` until the returned
     /// guard drops (the end of the attempt's processing, however it ends).
-    pub(crate) fn correlate(self: &Arc<Self>, submission_id: &str, correlation: Arc<Correlation>) -> Correlated {
+    pub(crate) fn correlate(self: &Arc<Self>, submission_id: &Arc<str>, correlation: Arc<Correlation>) -> Correlated {
         self.correlations
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(submission_id.to_owned(), correlation);
+            .insert(submission_id.clone(), correlation);
         Correlated {
             runtime: Arc::downgrade(self),
-            submission_id: submission_id.to_owned(),
+            submission_id: submission_id.clone(),
         }
     }
 
@@ -1008,7 +1008,7 @@ impl AgentHandle {
 /// Ends a submission's correlation (see [`RuntimeInner::correlate`]) when dropped.
 pub(crate) struct Correlated {
     runtime: std::sync::Weak<RuntimeInner>,
-    submission_id: String,
+    submission_id: Arc<str>,
 }
 
 impl Drop for Correlated {

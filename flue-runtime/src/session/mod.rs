@@ -438,12 +438,11 @@ impl InstanceSlot {
         // just after `agent_end`. Its id is made only when an event needs it; every event of
         // the processing carries it (and the turn's id while a turn runs).
         let correlation = Arc::new(Correlation::new());
-        let operation_id = correlation.operation.clone();
-        let correlated = runtime.correlate(&submission.id, correlation.clone());
-        response.correlation = Some(correlation);
+        let correlated = runtime.correlate(&response.record_ids.0, correlation.clone());
+        response.correlation = Some(correlation.clone());
         let operation_started = Instant::now();
         runtime.emit_with(&self.key, Some(&submission.id), || Event::OperationStart {
-            operation_id: operation_id.get(),
+            operation_id: correlation.operation_id(),
             operation_kind: OperationKind::Prompt,
         });
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
@@ -483,7 +482,7 @@ impl InstanceSlot {
         response.set_turn(None);
         runtime.emit(&self.key, Some(&submission.id), Event::AgentEnd);
         runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
-            operation_id: operation_id.get(),
+            operation_id: correlation.operation_id(),
             operation_kind: OperationKind::Prompt,
             duration_ms: operation_started.elapsed().as_millis() as u64,
             is_error: result.is_err(),
