@@ -341,6 +341,37 @@ pub(crate) fn now() -> Arc<str> {
 }
 
 /// `<prefix>_<ULID>`, in one allocation of its exact size.
+/// The record bodies of one durable model step, in stream order: its start, its tool calls
+/// in call order, its completion (one shape for a response's steps and a task child's).
+pub(crate) fn model_step_bodies<'a>(
+    message_id: &'a str,
+    model: &str,
+    response_metadata: Option<Metadata>,
+    response: &'a crate::provider::ModelResponse,
+) -> impl Iterator<Item = RecordBody> + 'a {
+    let started = RecordBody::AssistantMessageStarted {
+        message_id: message_id.to_owned(),
+        model: model.to_owned(),
+        response_metadata,
+    };
+    let calls = response
+        .tool_calls
+        .iter()
+        .map(move |call| RecordBody::AssistantToolCall {
+            message_id: message_id.to_owned(),
+            tool_call_id: call.id.clone(),
+            name: call.name.clone(),
+            arguments: call.arguments.clone(),
+        });
+    let completed = RecordBody::AssistantMessageCompleted {
+        message_id: message_id.to_owned(),
+        text: response.text.clone(),
+        stop_reason: response.stop_reason,
+        usage: response.usage,
+    };
+    std::iter::once(started).chain(calls).chain(std::iter::once(completed))
+}
+
 pub(crate) fn new_id(prefix: &str) -> String {
     let mut buffer = [0; ulid::ULID_LEN];
     let ulid = ulid::Ulid::new();

@@ -686,26 +686,9 @@ async fn child_session(
         };
         let response = crate::provider::complete(&runtime.options, &*provider, &request, &delegation.signal).await?;
         let message_id = new_id("msg");
-        let mut records = Vec::with_capacity(response.tool_calls.len() + 2);
-        records.push(journal.child_record(RecordBody::AssistantMessageStarted {
-            message_id: message_id.clone(),
-            model: model.clone(),
-            response_metadata: None,
-        }));
-        for call in &response.tool_calls {
-            records.push(journal.child_record(RecordBody::AssistantToolCall {
-                message_id: message_id.clone(),
-                tool_call_id: call.id.clone(),
-                name: call.name.clone(),
-                arguments: call.arguments.clone(),
-            }));
-        }
-        records.push(journal.child_record(RecordBody::AssistantMessageCompleted {
-            message_id: message_id.clone(),
-            text: response.text,
-            stop_reason: response.stop_reason,
-            usage: response.usage,
-        }));
+        let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
+            .map(|body| journal.child_record(body))
+            .collect();
         journal
             .append_child(runtime, &child, records, &mut conversation)
             .await?;

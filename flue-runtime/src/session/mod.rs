@@ -1825,25 +1825,10 @@ impl Response<'_> {
             .await;
         let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
         let mut records: Vec<Record> = self.first_snapshot.take().into_iter().collect();
-        records.push(self.record(RecordBody::AssistantMessageStarted {
-            message_id: message_id.clone(),
-            model: spec.to_owned(),
-            response_metadata,
-        }));
-        for call in &response.tool_calls {
-            records.push(self.record(RecordBody::AssistantToolCall {
-                message_id: message_id.clone(),
-                tool_call_id: call.id.clone(),
-                name: call.name.clone(),
-                arguments: call.arguments.clone(),
-            }));
-        }
-        records.push(self.record(RecordBody::AssistantMessageCompleted {
-            message_id: message_id.clone(),
-            text: response.text.clone(),
-            stop_reason: response.stop_reason,
-            usage: response.usage,
-        }));
+        records.extend(
+            crate::record::model_step_bodies(&message_id, spec, response_metadata, &response)
+                .map(|body| self.record(body)),
+        );
         if !row_updates.is_empty() {
             records.push(self.record(RecordBody::MessageUpdated {
                 message_id: message_id.clone(),

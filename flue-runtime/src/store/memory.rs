@@ -90,6 +90,17 @@ impl Inner {
         })
     }
 
+    /// A write's fence: with `authorization`, that attempt must run its submission.
+    fn fence(&self, authorization: Option<&AttemptRef>) -> Result<(), StoreError> {
+        match authorization {
+            Some(attempt) if !self.owns(attempt) => Err(StoreError::Fenced(format!(
+                "attempt {} does not own submission {}",
+                attempt.attempt_id, attempt.submission_id
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     fn append(&mut self, key: &InstanceKey, records: Arc<[Record]>) -> Result<u64, StoreError> {
         if records.is_empty() {
             return Err(StoreError::Other("an append batch must not be empty".into()));
@@ -476,13 +487,8 @@ impl Store for MemoryStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
-        if let Some(attempt) = authorization
-            && !inner.owns(attempt)
-        {
-            return ready(Err(StoreError::Fenced(format!(
-                "attempt {} does not own submission {}",
-                attempt.attempt_id, attempt.submission_id
-            ))));
+        if let Err(fenced) = inner.fence(authorization) {
+            return ready(Err(fenced));
         }
         ready(inner.append(key, records))
     }
@@ -496,13 +502,8 @@ impl Store for MemoryStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
-        if let Some(attempt) = authorization
-            && !inner.owns(attempt)
-        {
-            return ready(Err(StoreError::Fenced(format!(
-                "attempt {} does not own submission {}",
-                attempt.attempt_id, attempt.submission_id
-            ))));
+        if let Err(fenced) = inner.fence(authorization) {
+            return ready(Err(fenced));
         }
         if inner.instances.contains_key(child) {
             return ready(Err(StoreError::Other(format!("the stream {child} exists"))));
