@@ -626,25 +626,35 @@ async fn a_task_records_its_child_conversation_in_its_own_stream_linked_from_the
     }
 }
 
+/// One "Tally it." exchange of `ledger` (counting into `TALLIES[slot]`) on instance `id`,
+/// through `backend` failing once the append that commits the calls of `tool`; asserts that
+/// the crash happened and the exchange still answered. The runtime, the model, and how many
+/// times the tally tool ran.
+async fn tally_through_one_crash(
+    name: &str,
+    backend: Box<dyn Store>,
+    slot: usize,
+    tool: &'static str,
+    id: &str,
+) -> (flue_runtime::Runtime, ScriptedModel, usize) {
+    let before = TALLIES[slot].load(Ordering::SeqCst);
+    let model = tallying_script();
+    let store = CrashingStore::new(backend).crash_once(commits_calls_of(tool));
+    let failures = store.failures.clone();
+    let runtime = harness::runtime_on(store, &model, vec![tallying_agent("ledger", slot)]);
+    let reply = runtime.handle("ledger", id).unwrap().send("Tally it.").await.unwrap();
+    assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}: the crash happened");
+    assert_eq!(reply.text, "The tally is seven.", "{name}");
+    (runtime, model, TALLIES[slot].load(Ordering::SeqCst) - before)
+}
+
 #[tokio::test]
 async fn a_task_rerun_after_a_crash_reattaches_to_its_child_and_does_not_redo_completed_steps() {
     // The crash comes as the child commits its tool batch: its first step (and the tool) are
     // done, the batch is not. The parent's attempt fails; its re-run of the task call
     // reattaches to the child, which goes on from its durable step.
     for (name, backend) in backends() {
-        let before = TALLIES[1].load(Ordering::SeqCst);
-        let model = tallying_script();
-        let store = CrashingStore::new(backend).crash_once(commits_calls_of("tally"));
-        let failures = store.failures.clone();
-        let runtime = harness::runtime_on(store, &model, vec![tallying_agent("ledger", 1)]);
-        let reply = runtime
-            .handle("ledger", "l-2")
-            .unwrap()
-            .send("Tally it.")
-            .await
-            .unwrap();
-        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}");
-        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let (runtime, model, tallied) = tally_through_one_crash(name, backend, 1, "tally", "l-2").await;
         let requests = model.requests();
         assert_eq!(
             requests.len(),
@@ -653,7 +663,7 @@ async fn a_task_rerun_after_a_crash_reattaches_to_its_child_and_does_not_redo_co
         );
         // The tool of the interrupted child batch is not durable: it ran once, and the
         // reattached child was told its outcome is unknown.
-        assert_eq!(TALLIES[1].load(Ordering::SeqCst) - before, 1, "{name}");
+        assert_eq!(tallied, 1, "{name}");
         assert_eq!(
             harness::last_batch_results(&requests[2]),
             [(
@@ -687,22 +697,10 @@ async fn a_finished_task_rerun_after_a_crash_returns_its_recorded_answer_without
     // The crash comes as the parent commits the batch answering the task call: the child had
     // answered. The re-run reattaches and returns the recorded answer.
     for (name, backend) in backends() {
-        let before = TALLIES[2].load(Ordering::SeqCst);
-        let model = tallying_script();
-        let store = CrashingStore::new(backend).crash_once(commits_calls_of("task"));
-        let failures = store.failures.clone();
-        let runtime = harness::runtime_on(store, &model, vec![tallying_agent("ledger", 2)]);
-        let reply = runtime
-            .handle("ledger", "l-3")
-            .unwrap()
-            .send("Tally it.")
-            .await
-            .unwrap();
-        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}");
-        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let (runtime, model, tallied) = tally_through_one_crash(name, backend, 2, "task", "l-3").await;
         let requests = model.requests();
         assert_eq!(requests.len(), 4, "{name}: the child's model was not called again");
-        assert_eq!(TALLIES[2].load(Ordering::SeqCst) - before, 1, "{name}");
+        assert_eq!(tallied, 1, "{name}");
         assert_eq!(
             harness::last_batch_results(&requests[3]),
             [("Seven words.".to_owned(), false)],
