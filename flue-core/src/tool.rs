@@ -778,8 +778,9 @@ impl ToolContext {
     /// running `work` again: put each side effect that must happen once (a charge, an email)
     /// in a step of its own. This holds in a subagent's child session too (a `task`'s child
     /// records its steps in its own conversation). Elsewhere the step just runs: standalone
-    /// runs, calls through `ThreadState::invoke_tool`, and tools not marked durable. What a durable tool does outside its steps (a data write, an
-    /// injected message) happens again when the call runs again.
+    /// runs, calls through `ThreadState::invoke_tool`, and tools not marked durable. What a
+    /// durable tool does outside its steps (a data write, an injected message) happens again
+    /// when the call runs again.
     ///
     /// Names identify steps across runs of one call, so they must be non-empty and unique
     /// within the call: a reused name is an error. A recorded value that no longer
