@@ -488,12 +488,17 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, batches: Vec<Batch
 pub(super) async fn head_stream(State(routes): State<Routes>, id: Result<Path<String>, PathRejection>) -> Response {
     let result = async {
         let key = routes.key(id)?;
-        stream(&routes.runtime, &key).await
+        // The head alone: the stream is not read.
+        match routes.runtime.store.last_offset(&key).await {
+            Ok(Some(last)) => Ok(last),
+            Ok(None) => Err(ApiError::stream_not_found(&key.stream_path())),
+            Err(error) => Err(ApiError::internal(&error)),
+        }
     }
     .await;
     match result {
-        Ok(batches) => {
-            let head = wire_offset(batches.last().map(|batch| batch.offset));
+        Ok(last) => {
+            let head = wire_offset(Some(last));
             let mut response = StatusCode::OK.into_response();
             response
                 .headers_mut()

@@ -531,6 +531,16 @@ impl Store for MemoryStore {
         ready(Ok(offset))
     }
 
+    fn last_offset(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        let inner = self.lock();
+        let last = inner
+            .instances
+            .get(key)
+            .and_then(|instance| instance.batches.last())
+            .map(|batch| batch.offset);
+        ready(Ok(last))
+    }
+
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         let inner = self.lock();
         let batches = inner

@@ -623,6 +623,13 @@ pub trait Store: Send + Sync + 'static {
     /// Batches strictly after `after` (all when `None`).
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>>;
 
+    /// The offset of the stream's last batch (`None`: no stream), without reading the stream.
+    /// The default reads it whole; the stores of this crate answer from their indexes.
+    fn last_offset(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        let read = self.read(key, None);
+        Box::pin(async move { Ok(read.await?.last().map(|batch| batch.offset)) })
+    }
+
     /// Stores an attachment of the instance `key` after checking its declared size and digest.
     /// Putting the same attachment again (same id, bytes and instance) succeeds, also
     /// concurrently; the id with other bytes or another instance is a conflict.

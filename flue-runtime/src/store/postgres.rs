@@ -195,6 +195,7 @@ const APPEND_BATCH: &str = "WITH bumped AS (UPDATE flue_instances SET next_offse
      SELECT $1, $2, batch_offset, $3 FROM bumped RETURNING batch_offset";
 const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
      WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
+const LAST_BATCH: &str = "SELECT MAX(batch_offset) FROM flue_batches WHERE agent = $1 AND instance_id = $2";
 /// Whether the host submission's instance has queued work (one round trip, no locks).
 const JOINABLE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h \
      ON h.id = $1 AND s.agent = h.agent AND s.instance_id = h.instance_id WHERE s.status = 'queued')";
@@ -1578,6 +1579,18 @@ impl Store for PostgresStore {
                 .iter()
                 .map(batch_from_row)
                 .collect()
+        })
+    }
+
+    fn last_offset(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        let key = key.clone();
+        Box::pin(async move {
+            let rows = self.query(LAST_BATCH, &[&&*key.agent, &&*key.id]).await?;
+            let last: Option<i64> = match rows.first() {
+                Some(row) => row.try_get(0).map_err(|error| db_error(&error))?,
+                None => None,
+            };
+            Ok(last.map(|last| last as u64))
         })
     }
 

@@ -82,6 +82,7 @@ macro_rules! store_contract {
                     keeps_the_streams_of_several_children_and_grandchildren_apart,
                     creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_or_the_child_exists,
                     replays_strictly_after_a_batch_offset,
+                    reports_a_streams_last_offset_without_reading_it,
                     gives_concurrent_appends_distinct_consecutive_offsets,
                     settles_with_its_records_in_the_same_step,
                     lists_instances_with_queued_work,
@@ -1442,6 +1443,29 @@ pub async fn rejects_an_empty_batch(store: Factory) {
             .await
             .is_err()
     );
+}
+
+pub async fn reports_a_streams_last_offset_without_reading_it(store: Factory) {
+    let stream = key("assistant", "agent-1");
+    assert_eq!(store.last_offset(&stream).await.unwrap(), None, "no stream yet");
+    admit(&store, dispatch("d-1")).await;
+    assert_eq!(store.last_offset(&stream).await.unwrap(), Some(0), "the birth batch");
+    for i in 1..=3u64 {
+        store
+            .append(&stream, vec![record(None, None, user(&format!("m{i}")))].into(), None)
+            .await
+            .unwrap();
+        assert_eq!(store.last_offset(&stream).await.unwrap(), Some(i));
+    }
+    // Another instance's stream, and a stream that does not exist, are their own.
+    admit(
+        &store,
+        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
+    )
+    .await;
+    assert_eq!(store.last_offset(&key("assistant", "agent-2")).await.unwrap(), Some(0));
+    assert_eq!(store.last_offset(&stream).await.unwrap(), Some(3));
+    assert_eq!(store.last_offset(&key("assistant", "unknown")).await.unwrap(), None);
 }
 
 pub async fn replays_strictly_after_a_batch_offset(store: Factory) {

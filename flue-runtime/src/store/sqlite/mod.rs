@@ -1222,6 +1222,28 @@ impl Store for SqliteStore {
         }))
     }
 
+    fn last_offset(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        // The stream's last position is one seek from its range's end (a bare `MAX`).
+        let connection = self.lock();
+        let last = connection
+            .prepare_cached(
+                "SELECT i.stream,
+                     (SELECT MAX(position) FROM flue_batches
+                         WHERE position >= (i.stream << 32) AND position < ((i.stream + 1) << 32))
+                 FROM flue_instances i WHERE i.agent = ?1 AND i.id = ?2",
+            )
+            .and_then(|mut statement| {
+                statement
+                    .query_row(params![key.agent, key.id], |row| {
+                        Ok((row.get::<_, i64>(0)?, row.get::<_, Option<i64>>(1)?))
+                    })
+                    .optional()
+            })
+            .map(|found| found.and_then(|(stream, last)| last.map(|last| (last - stream_start(stream)) as u64)))
+            .map_err(sql);
+        ready(last)
+    }
+
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         // One statement (its own snapshot, so no transaction around it): the instance's stream
         // and its batches after `after`. Every submission and every catching-up reader reads.
