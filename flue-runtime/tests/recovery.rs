@@ -198,6 +198,17 @@ fn billing_on_a_budget() -> &'static str {
     billing_body()
 }
 
+/// Charges the card: a line appended to `charges` in `dir`, an external side effect the
+/// parent process counts.
+fn record_charge(dir: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(Path::new(dir).join("charges"))?;
+    writeln!(file, "charged")
+}
+
 /// The billing agents' hooks: a helper an agent calls records onto its render like the agent.
 fn billing_body() -> &'static str {
     use_model("scripted/x");
@@ -208,13 +219,7 @@ fn billing_body() -> &'static str {
             let set_charged = set_charged.clone();
             let dir = dir.clone();
             async move {
-                // An external side effect, visible to the parent.
-                use std::io::Write;
-                let mut file = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(Path::new(&dir).join("charges"))?;
-                writeln!(file, "charged")?;
+                record_charge(&dir)?;
                 set_charged.set(true)?;
                 Ok::<_, ToolError>("charged")
             }
@@ -234,12 +239,7 @@ fn charge_tool() -> Tool {
         move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
             let dir = dir.clone();
             async move {
-                use std::io::Write;
-                let mut file = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(Path::new(&dir).join("charges"))?;
-                writeln!(file, "charged")?;
+                record_charge(&dir)?;
                 Ok::<_, ToolError>("charged")
             }
         },
