@@ -14,8 +14,9 @@
 //! 9. `agent_end`, `operation`, `idle`, `submission_settled`.
 //!
 //! Our own thread events (`tool_call_started`, `tool_call_done`, `thread_event`) and `log`,
-//! `data_part`, `compaction_*` and `task*` events interleave where they happen. Nothing is
-//! built for an event nobody observes.
+//! `data_part`, `compaction_*` and `task*` events interleave where they happen, and
+//! `submission_recovery` whenever a coordination step (a scan, a heartbeat, a claim, a
+//! settlement) fails and is deferred. Nothing is built for an event nobody observes.
 //!
 //! Each [`Observation`] is stamped with the operation it happened in (from `operation_start`
 //! to `operation`) and, within a model turn (from `turn_start` to `turn_messages`, or a
@@ -36,10 +37,13 @@ use crate::store::SubmissionKind;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Observation {
-    /// The agent's name.
-    pub agent: String,
-    /// The instance id.
-    pub instance_id: String,
+    /// The agent's name; absent from a pass-wide `submission_recovery` (a failed scan or
+    /// heartbeat concerns no one instance).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// The instance id; absent where `agent` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
     /// The submission, when the event belongs to one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub submission_id: Option<String>,
@@ -365,6 +369,28 @@ pub enum Event {
     },
     /// The instance has nothing running (after every response).
     Idle,
+    /// A recovery or coordination step failed, or skipped work, and was contained instead of
+    /// settling a submission: the step is tried again at the next scan, heartbeat or wake, and
+    /// this is emitted again each time while the condition lasts. A pass-wide failure (listing
+    /// expired leases, renewing them) names no instance and no submission.
+    SubmissionRecovery {
+        /// How the submission arrived, when the step concerned one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kind: Option<SubmissionKind>,
+        /// The step.
+        operation: RecoveryOperation,
+        /// What became of it.
+        outcome: RecoveryOutcome,
+        /// The submission's attempts so far, when the step concerned one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attempt_count: Option<u32>,
+        /// Its attempt budget.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_attempts: Option<u32>,
+        /// What failed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<SettlementError>,
+    },
     /// A submission settled.
     SubmissionSettled {
         /// How.
@@ -373,6 +399,38 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<SettlementError>,
     },
+}
+
+/// The recovery or coordination step a `submission_recovery` reports (the reference's
+/// vocabulary; `materialize_submission`, which readies a queued row's conversation, has no
+/// counterpart here: admission writes the conversation with the row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryOperation {
+    /// Writing a submission's settlement.
+    FinalizeSettlement,
+    /// Taking over a submission whose owner's lease expired.
+    ReconcileSubmission,
+    /// Claiming an instance's next submission.
+    StartSubmission,
+    /// Running a claimed submission: an attempt abandoned for a store failure (the submission
+    /// is re-attempted), or keeping the leases of running attempts.
+    ProcessSubmission,
+    /// A scan: listing expired leases or instances with queued work.
+    ReconcilePass,
+    /// Carrying an abort requested elsewhere to the attempts this node runs.
+    EnforceDeadline,
+}
+
+/// What became of a step a `submission_recovery` reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryOutcome {
+    /// It failed and is tried again later.
+    Deferred,
+    /// The submission's agent is not registered with this node: it is left to a node that
+    /// runs it.
+    AgentUnavailable,
 }
 
 /// Why a model call was made (a turn's `purpose`).

@@ -11,6 +11,10 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::sync::{broadcast, oneshot};
 
+use crate::events::RecoveryOperation::{
+    EnforceDeadline, ProcessSubmission, ReconcilePass, ReconcileSubmission, StartSubmission,
+};
+use crate::events::RecoveryOutcome::{AgentUnavailable, Deferred};
 use crate::events::{Correlation, Event, Observation};
 use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
@@ -295,13 +299,17 @@ impl RuntimeInner {
                         .await
                     {
                         tracing::warn!(%error, "renewing leases failed");
+                        runtime.emit_recovery(Concerning::Pass, ProcessSubmission, Deferred, Some(&error));
                     }
                     // An abort requested through another node (or that missed this one's
                     // attempt as it started) reaches the attempt here.
                     match runtime.store.aborts_requested(&running).await {
                         Ok(aborting) if !aborting.is_empty() => runtime.abort_attempts(&aborting),
                         Ok(_) => {}
-                        Err(error) => tracing::warn!(%error, "reading abort requests failed"),
+                        Err(error) => {
+                            tracing::warn!(%error, "reading abort requests failed");
+                            runtime.emit_recovery(Concerning::Pass, EnforceDeadline, Deferred, Some(&error));
+                        }
                     }
                 }
                 drop(runtime);
@@ -318,6 +326,12 @@ impl RuntimeInner {
             Ok(expired) => {
                 for row in expired {
                     let Some(stale) = row.attempt_id.clone() else { continue };
+                    if !self.agents.contains_key(&*row.key.agent) {
+                        // Nodes sharing a store may run different agents: taking this one over
+                        // here would spend one of its attempts on a node that cannot run it.
+                        self.emit_recovery(Concerning::Row(&row), ReconcileSubmission, AgentUnavailable, None);
+                        continue;
+                    }
                     let claim = self.claim();
                     match self
                         .store
@@ -329,11 +343,17 @@ impl RuntimeInner {
                             self.slot(&reclaimed.key).resume(reclaimed, claim.attempt_id);
                         }
                         Ok(None) => {}
-                        Err(error) => tracing::warn!(%error, "reclaiming an expired submission failed"),
+                        Err(error) => {
+                            tracing::warn!(%error, "reclaiming an expired submission failed");
+                            self.emit_recovery(Concerning::Row(&row), ReconcileSubmission, Deferred, Some(&error));
+                        }
                     }
                 }
             }
-            Err(error) => tracing::warn!(%error, "listing expired leases failed"),
+            Err(error) => {
+                tracing::warn!(%error, "listing expired leases failed");
+                self.emit_recovery(Concerning::Pass, ReconcilePass, Deferred, Some(&error));
+            }
         }
         match self.store.instances_with_queued().await {
             Ok(keys) => {
@@ -341,7 +361,10 @@ impl RuntimeInner {
                     self.slot(&key).wake();
                 }
             }
-            Err(error) => tracing::warn!(%error, "listing queued work failed"),
+            Err(error) => {
+                tracing::warn!(%error, "listing queued work failed");
+                self.emit_recovery(Concerning::Pass, ReconcilePass, Deferred, Some(&error));
+            }
         }
     }
 
@@ -370,6 +393,38 @@ impl RuntimeInner {
     /// [`emit`](Self::emit), building the event only when someone observes: the turn loop's
     /// per-step events would otherwise copy names and ids for nobody.
     pub(crate) fn emit_with(&self, key: &InstanceKey, submission_id: Option<&str>, event: impl FnOnce() -> Event) {
+        self.publish(Some(key), submission_id, event);
+    }
+
+    /// Reports a coordination step that failed (or skipped work) and was deferred, as a
+    /// `submission_recovery` about what it `concerns`.
+    pub(crate) fn emit_recovery(
+        &self,
+        concerns: Concerning<'_>,
+        operation: crate::events::RecoveryOperation,
+        outcome: crate::events::RecoveryOutcome,
+        error: Option<&dyn std::fmt::Display>,
+    ) {
+        let (key, submission_id, submission) = match concerns {
+            Concerning::Pass => (None, None, None),
+            Concerning::Instance(key) => (Some(key), None, None),
+            Concerning::Submission(key, id) => (Some(key), Some(id), None),
+            Concerning::Row(row) => (Some(&row.key), Some(row.id.as_str()), Some(row)),
+        };
+        self.publish(key, submission_id, || Event::SubmissionRecovery {
+            kind: submission.map(|submission| submission.kind),
+            operation,
+            outcome,
+            attempt_count: submission.map(|submission| submission.attempt_count),
+            max_attempts: submission.map(|submission| submission.max_attempts),
+            error: error.map(|error| crate::record::SettlementError {
+                error_type: "store_failure".into(),
+                message: error.to_string(),
+            }),
+        });
+    }
+
+    fn publish(&self, key: Option<&InstanceKey>, submission_id: Option<&str>, event: impl FnOnce() -> Event) {
         if !self.observed() {
             return;
         }
@@ -387,8 +442,8 @@ impl RuntimeInner {
                 (Some(operation), turn)
             });
         let observation = Observation {
-            agent: key.agent.to_string(),
-            instance_id: key.id.to_string(),
+            agent: key.map(|key| key.agent.to_string()),
+            instance_id: key.map(|key| key.id.to_string()),
             submission_id: submission_id.map(str::to_owned),
             operation_id,
             turn_id,
@@ -899,6 +954,19 @@ fn evict_idle(instances: &mut HashMap<InstanceKey, Arc<InstanceSlot>>, target: u
         .collect()
 }
 
+/// What a `submission_recovery` is about.
+#[derive(Clone, Copy)]
+pub(crate) enum Concerning<'a> {
+    /// No one instance: a pass over the store (a scan, the lease heartbeat).
+    Pass,
+    /// An instance's queue.
+    Instance(&'a InstanceKey),
+    /// A submission known by its id.
+    Submission(&'a InstanceKey, &'a str),
+    /// A submission whose row is at hand (its kind and attempts are reported too).
+    Row(&'a crate::store::Submission),
+}
+
 /// A claim requested with an admission that was dropped before it answered (see
 /// [`RuntimeInner::admit_claiming`]): requeues the attempt, if the claim committed, and wakes a
 /// worker for the instance.
@@ -916,6 +984,12 @@ impl Drop for PendingClaim {
             handle.spawn(async move {
                 if let Err(error) = runtime.store.requeue(&attempt).await {
                     tracing::warn!(instance = %key, %error, "requeueing the claim of a dropped admission failed");
+                    runtime.emit_recovery(
+                        Concerning::Submission(&key, &attempt.submission_id),
+                        StartSubmission,
+                        Deferred,
+                        Some(&error),
+                    );
                 }
                 runtime.slot(&key).wake();
             });

@@ -28,6 +28,8 @@ struct FaultyStore {
     always: Arc<std::sync::atomic::AtomicBool>,
     failures: Arc<AtomicUsize>,
     hang_after_admit: Arc<Mutex<Option<String>>>,
+    /// Listing expired leases fails while set.
+    failing_scans: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FaultyStore {
@@ -44,11 +46,36 @@ impl FaultyStore {
 impl Store for FaultyStore {
     harness::delegate_store!(
         inner;
-        instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
+        instance, submission, has_queued, claim_next, renew_leases, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, requeue,
         request_abort, read, put_attachment, attachment, user_value, set_user_value,
         list_user_values, create_child,
     );
+
+    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, StoreError>> {
+        if self.failing_scans.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(StoreError::Other(
+                "injected scan failure".into(),
+            ))));
+        }
+        self.inner.expired(now_ms)
+    }
+
+    /// A settlement fails as an append does: when its records match the predicate.
+    fn settle(
+        &self,
+        attempt: &AttemptRef,
+        outcome: Outcome,
+        error: Option<flue_runtime::record::SettlementError>,
+        records: Vec<Record>,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        if self.injects_failure(&records) {
+            return Box::pin(std::future::ready(Err(StoreError::Other(
+                "injected settlement failure".into(),
+            ))));
+        }
+        self.inner.settle(attempt, outcome, error, records)
+    }
 
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         Box::pin(async move {
@@ -73,18 +100,27 @@ impl Store for FaultyStore {
         records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        let mut fault = self.fault.lock().unwrap();
-        if fault.as_ref().is_some_and(|matches| matches(&records)) {
-            if !self.always.load(Ordering::SeqCst) {
-                *fault = None;
-            }
-            self.failures.fetch_add(1, Ordering::SeqCst);
+        if self.injects_failure(&records) {
             return Box::pin(std::future::ready(Err(StoreError::Other(
                 "injected append failure".into(),
             ))));
         }
-        drop(fault);
         self.inner.append(key, records, authorization)
+    }
+}
+
+impl FaultyStore {
+    /// Whether a write of `records` fails now (counted; a one-time fault is spent).
+    fn injects_failure(&self, records: &[Record]) -> bool {
+        let mut fault = self.fault.lock().unwrap();
+        if !fault.as_ref().is_some_and(|matches| matches(records)) {
+            return false;
+        }
+        if !self.always.load(Ordering::SeqCst) {
+            *fault = None;
+        }
+        self.failures.fetch_add(1, Ordering::SeqCst);
+        true
     }
 }
 
@@ -1776,4 +1812,249 @@ async fn a_node_dying_mid_call_is_taken_over_and_the_call_replays_its_settled_st
     assert_eq!(reply.text, "Refunded.");
     assert_eq!(KILLED.get(), (2, 1, 2));
     assert_eq!(tool_result(&model, 1, "refund"), ("1 2".to_owned(), false));
+}
+
+/// The next `submission_recovery` observed (other events skipped), within ten seconds.
+async fn next_recovery(
+    events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
+) -> flue_runtime::events::Observation {
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let observation = events.recv().await.unwrap();
+            if matches!(
+                observation.event,
+                flue_runtime::events::Event::SubmissionRecovery { .. }
+            ) {
+                return observation;
+            }
+        }
+    })
+    .await
+    .expect("a submission_recovery within ten seconds")
+}
+
+/// Reference §7.2 `submission_recovery` (`reconcile_submission` / `agent_unavailable`): nodes
+/// sharing one store may run different agents. An expired lease of an agent this node does
+/// not run is reported and left alone: taking it over would spend one of its attempts on a
+/// node that cannot run it.
+#[tokio::test]
+async fn an_expired_submission_of_an_agent_this_node_does_not_run_is_reported_and_left_for_a_node_that_runs_it() {
+    use flue_runtime::events::{Event, RecoveryOperation, RecoveryOutcome};
+    use flue_runtime::store::{SubmissionKind, SubmissionStatus, now_ms};
+    let store = FaultyStore::default();
+    let key = InstanceKey::new("elsewhere", "e-1");
+    store
+        .admit(harness::admission(&key, "sub_elsewhere", "hello"))
+        .await
+        .unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 50,
+    };
+    store.claim_next(&key, &dead).await.unwrap().unwrap();
+    let model = ScriptedModel::new([]);
+    let runtime = taking_over(&store, &model, relay).await;
+    let mut events = runtime.observe();
+    let observation = next_recovery(&mut events).await;
+    assert_eq!(observation.agent.as_deref(), Some("elsewhere"));
+    assert_eq!(observation.instance_id.as_deref(), Some("e-1"));
+    assert_eq!(observation.submission_id.as_deref(), Some("sub_elsewhere"));
+    assert_eq!(
+        observation.event,
+        Event::SubmissionRecovery {
+            kind: Some(SubmissionKind::Dispatch),
+            operation: RecoveryOperation::ReconcileSubmission,
+            outcome: RecoveryOutcome::AgentUnavailable,
+            attempt_count: Some(1),
+            max_attempts: Some(10),
+            error: None,
+        }
+    );
+    // Reported again by the next scan, and still not taken over.
+    let again = next_recovery(&mut events).await;
+    assert_eq!(again.submission_id.as_deref(), Some("sub_elsewhere"));
+    let row = store.submission("sub_elsewhere").await.unwrap().unwrap();
+    assert_eq!(row.status, SubmissionStatus::Running);
+    assert_eq!(row.attempt_count, 1, "no attempt spent here");
+    assert_eq!(row.owner_id.as_deref(), Some("owner_dead"));
+    assert!(model.requests().is_empty());
+}
+
+/// Reference §7.2 `submission_recovery` (`reconcile_pass` / `deferred`): a scan that cannot
+/// list expired leases concerns no one instance; it is reported without an agent, an
+/// instance or a submission, and the next scan tries again.
+#[tokio::test]
+async fn a_scan_that_cannot_list_expired_leases_is_reported_as_a_deferred_pass_naming_no_instance() {
+    use flue_runtime::events::{Event, RecoveryOperation, RecoveryOutcome};
+    use flue_runtime::record::SettlementError;
+    use flue_runtime::store::now_ms;
+    let store = FaultyStore::default();
+    store.failing_scans.store(true, Ordering::SeqCst);
+    let model = ScriptedModel::new([ScriptedReply::text("taken over after the store came back")]);
+    let runtime = taking_over(&store, &model, relay).await;
+    let mut events = runtime.observe();
+    let observation = next_recovery(&mut events).await;
+    assert_eq!(
+        (&observation.agent, &observation.instance_id, &observation.submission_id),
+        (&None, &None, &None)
+    );
+    assert_eq!(
+        observation.event,
+        Event::SubmissionRecovery {
+            kind: None,
+            operation: RecoveryOperation::ReconcilePass,
+            outcome: RecoveryOutcome::Deferred,
+            attempt_count: None,
+            max_attempts: None,
+            error: Some(SettlementError {
+                error_type: "store_failure".into(),
+                message: "store failure: injected scan failure".into(),
+            }),
+        }
+    );
+    let json = serde_json::to_value(&observation).unwrap();
+    assert!(
+        json.get("agent").is_none() && json.get("instanceId").is_none(),
+        "{json}"
+    );
+    assert_eq!(json["event"]["type"], "submission_recovery");
+    assert_eq!(json["event"]["operation"], "reconcile_pass");
+    assert_eq!(json["event"]["outcome"], "deferred");
+
+    // The store answers again: the next scan takes over what a dead node left.
+    let key = InstanceKey::new("relay", "r-after-scan");
+    store
+        .admit(harness::admission(&key, "sub_after_scan", "hello"))
+        .await
+        .unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 50,
+    };
+    store.claim_next(&key, &dead).await.unwrap().unwrap();
+    store.failing_scans.store(false, Ordering::SeqCst);
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&relay, "r-after-scan").read("sub_after_scan"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(reply.text, "taken over after the store came back");
+}
+
+/// Reference §7.2 `submission_recovery` (`finalize_settlement` / `deferred`): a settlement
+/// the store rejects is reported with the submission; the attempt's lease then lapses
+/// unrenewed, and the takeover finds the final answer durable and settles it without calling
+/// the model again.
+#[tokio::test]
+async fn a_settlement_that_fails_is_reported_and_settles_once_its_lease_is_taken_over() {
+    use flue_runtime::events::{Event, RecoveryOperation, RecoveryOutcome};
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("answered once")]);
+    let runtime = taking_over(&store, &model, relay).await;
+    let mut events = runtime.observe();
+    let handle = runtime.init(&relay, "r-settle");
+    let receipt = handle.dispatch("hello").await.unwrap();
+    let observation = next_recovery(&mut events).await;
+    assert_eq!(
+        observation.submission_id.as_deref(),
+        Some(receipt.submission_id.as_str())
+    );
+    let Event::SubmissionRecovery {
+        operation,
+        outcome,
+        attempt_count,
+        error,
+        ..
+    } = &observation.event
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        (*operation, *outcome, *attempt_count),
+        (
+            RecoveryOperation::FinalizeSettlement,
+            RecoveryOutcome::Deferred,
+            Some(1)
+        )
+    );
+    assert!(error.as_ref().unwrap().message.contains("injected settlement failure"));
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply.text, "answered once");
+    assert_eq!(
+        model.requests().len(),
+        1,
+        "the answer was durable: no second model call"
+    );
+    let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.outcome, Some(Outcome::Completed));
+    assert_eq!(row.attempt_count, 2, "settled by the takeover");
+}
+
+/// Reference §7.2 `submission_recovery` (`process_submission` / `deferred`): an attempt
+/// abandoned for a store failure is reported with the submission and its attempts, then
+/// re-attempted.
+#[tokio::test]
+async fn an_attempt_abandoned_for_a_store_failure_is_reported_before_it_is_re_attempted() {
+    use flue_runtime::events::{Event, RecoveryOperation, RecoveryOutcome};
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("charge", json!({})),
+        ScriptedReply::text("I could not confirm the charge."),
+    ]);
+    let runtime = runtime(&store, &model, billing);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&billing, "b-recovery").send("charge me").await.unwrap();
+    assert_eq!(reply.text, "I could not confirm the charge.");
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        seen.push(observation);
+    }
+    let recoveries: Vec<_> = seen
+        .iter()
+        .filter(|observation| matches!(observation.event, Event::SubmissionRecovery { .. }))
+        .collect();
+    assert_eq!(recoveries.len(), 1, "{recoveries:?}");
+    assert_eq!(
+        recoveries[0].submission_id.as_deref(),
+        Some(reply.submission_id.as_str())
+    );
+    let Event::SubmissionRecovery {
+        operation,
+        outcome,
+        attempt_count,
+        max_attempts,
+        error,
+        ..
+    } = &recoveries[0].event
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        (*operation, *outcome, *attempt_count),
+        (RecoveryOperation::ProcessSubmission, RecoveryOutcome::Deferred, Some(1))
+    );
+    assert!(max_attempts.is_some());
+    assert!(error.as_ref().unwrap().message.contains("injected append failure"));
+    // Reported before the next attempt started running.
+    let position = |wanted: &dyn Fn(&Event) -> bool| seen.iter().position(|observation| wanted(&observation.event));
+    let reported = position(&|event| matches!(event, Event::SubmissionRecovery { .. })).unwrap();
+    let second = position(&|event| matches!(event, Event::SubmissionRunning { attempt_count: 2, .. })).unwrap();
+    assert!(reported < second);
 }

@@ -69,7 +69,9 @@ pub(super) async fn get_events(
                     ": heartbeat\n\n".to_owned()
                 }
                 Ok(Ok(observation)) => {
-                    if *observation.agent != *key.agent || *observation.instance_id != *key.id {
+                    if observation.agent.as_deref() != Some(&*key.agent)
+                        || observation.instance_id.as_deref() != Some(&*key.id)
+                    {
                         continue;
                     }
                     let Some(event) = thread_event(&observation) else {

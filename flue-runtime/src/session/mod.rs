@@ -35,14 +35,17 @@ use flue_core::{Agent, RenderError};
 use futures_util::{FutureExt, StreamExt};
 use tracing::Instrument;
 
-use crate::events::{Correlation, Event, LazyId, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
+use crate::events::{
+    Correlation, Event, LazyId, OperationKind, RecoveryOperation, RecoveryOutcome, TurnPurpose, TurnRequest,
+    TurnResponse,
+};
 use crate::lifecycle::HookSet;
 use crate::lifecycle::thread::{RuntimeThread, ThreadWriter};
 use crate::provider::{
     ModelImage, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec,
 };
 use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
-use crate::runtime::RuntimeInner;
+use crate::runtime::{Concerning, RuntimeInner};
 use crate::store::AttachmentPut;
 use crate::store::{AttemptRef, InstanceKey, Submission, SubmissionStatus};
 use crate::tools;
@@ -121,6 +124,12 @@ impl Drop for Abandoned {
                     && let Err(error) = runtime.store.requeue(&attempt).await
                 {
                     tracing::warn!(instance = %slot.key, %error, "requeueing an abandoned attempt failed");
+                    runtime.emit_recovery(
+                        Concerning::Submission(&slot.key, &attempt.submission_id),
+                        RecoveryOperation::ProcessSubmission,
+                        RecoveryOutcome::Deferred,
+                        Some(&error),
+                    );
                 }
                 slot.wake();
             });
@@ -326,6 +335,12 @@ impl InstanceSlot {
                 }
                 Err(error) => {
                     tracing::error!(instance = %self.key, %error, "claiming the next submission failed");
+                    runtime.emit_recovery(
+                        Concerning::Instance(&self.key),
+                        RecoveryOperation::StartSubmission,
+                        RecoveryOutcome::Deferred,
+                        Some(&error),
+                    );
                     self.busy.store(false, Ordering::SeqCst);
                     return None;
                 }
@@ -507,6 +522,12 @@ impl InstanceSlot {
                     // Forget the cached fold: the next attempt re-reads what is durable.
                     *conversation = Conversation::default();
                     if let Ok(true) = runtime.store.requeue(&attempt_ref).await {
+                        runtime.emit_recovery(
+                            Concerning::Row(&submission),
+                            RecoveryOperation::ProcessSubmission,
+                            RecoveryOutcome::Deferred,
+                            Some(&failure.error.message),
+                        );
                         return (None, None);
                     }
                 }
@@ -552,6 +573,14 @@ impl InstanceSlot {
             }
             Err(store_error) => {
                 tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
+                // The attempt's lease lapses unrenewed; the scan that takes the submission over
+                // finds its outcome in the stream (or runs it again) and settles it.
+                runtime.emit_recovery(
+                    Concerning::Row(&submission),
+                    RecoveryOperation::FinalizeSettlement,
+                    RecoveryOutcome::Deferred,
+                    Some(&store_error),
+                );
                 None
             }
         };
