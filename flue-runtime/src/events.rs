@@ -21,7 +21,9 @@
 //! Each [`Observation`] is stamped with the operation it happened in (from `operation_start`
 //! to `operation`) and, within a model turn (from `turn_start` to `turn_messages`, or a
 //! compaction's summarization call), with the turn's id: how a delta or a tool event, which
-//! names no turn itself, is tied to its turn.
+//! names no turn itself, is tied to its turn. A `task`'s child session publishes its own
+//! turns (4–8 above, between the task's `task_start` and `task`), stamped with the task's id
+//! and the child's turn.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -56,6 +58,11 @@ pub struct Observation {
     /// id of their own, are tied to their turn.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_id: Option<String>,
+    /// The `task` whose child session the event happened in (its `task_start`'s `taskId`):
+    /// a child's turns, deltas and tool events carry it, and their `turnId` is the child's
+    /// turn. Absent for the root session's own events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<String>,
     /// Monotonic per runtime.
     pub event_index: u64,
     /// RFC 3339.
@@ -123,6 +130,38 @@ impl Correlation {
             .as_ref()
             .map(LazyId::get);
         (self.operation_id(), turn)
+    }
+}
+
+/// A task's child session while it runs: its events are stamped with the task's id and the
+/// child's model turn in progress (the parent's operation stays theirs).
+pub(crate) struct TaskScope {
+    task_id: String,
+    turn: std::sync::Mutex<Option<LazyId>>,
+}
+
+impl TaskScope {
+    pub(crate) fn new(task_id: &str) -> Self {
+        Self {
+            task_id: task_id.to_owned(),
+            turn: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The child's turn the events from now on belong to (`None`: none is in progress).
+    pub(crate) fn set_turn(&self, turn: Option<&LazyId>) {
+        *self.turn.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = turn.cloned();
+    }
+
+    /// The task's id and the child's turn in progress.
+    pub(crate) fn ids(&self) -> (String, Option<String>) {
+        let turn = self
+            .turn
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .as_ref()
+            .map(LazyId::get);
+        (self.task_id.clone(), turn)
     }
 }
 

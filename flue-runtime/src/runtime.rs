@@ -393,7 +393,19 @@ impl RuntimeInner {
     /// [`emit`](Self::emit), building the event only when someone observes: the turn loop's
     /// per-step events would otherwise copy names and ids for nobody.
     pub(crate) fn emit_with(&self, key: &InstanceKey, submission_id: Option<&str>, event: impl FnOnce() -> Event) {
-        self.publish(Some(key), submission_id, event);
+        self.publish(Some(key), submission_id, None, event);
+    }
+
+    /// [`emit_with`](Self::emit_with) for an event of a task's child session (`task`), which
+    /// runs for `submission_id` of the root instance `key`.
+    pub(crate) fn emit_in_task(
+        &self,
+        key: &InstanceKey,
+        submission_id: &str,
+        task: &crate::events::TaskScope,
+        event: impl FnOnce() -> Event,
+    ) {
+        self.publish(Some(key), Some(submission_id), Some(task), event);
     }
 
     /// Reports a coordination step that failed (or skipped work) and was deferred, as a
@@ -411,7 +423,7 @@ impl RuntimeInner {
             Concerning::Submission(key, id) => (Some(key), Some(id), None),
             Concerning::Row(row) => (Some(&row.key), Some(row.id.as_str()), Some(row)),
         };
-        self.publish(key, submission_id, || Event::SubmissionRecovery {
+        self.publish(key, submission_id, None, || Event::SubmissionRecovery {
             kind: submission.map(|submission| submission.kind),
             operation,
             outcome,
@@ -424,12 +436,18 @@ impl RuntimeInner {
         });
     }
 
-    fn publish(&self, key: Option<&InstanceKey>, submission_id: Option<&str>, event: impl FnOnce() -> Event) {
+    fn publish(
+        &self,
+        key: Option<&InstanceKey>,
+        submission_id: Option<&str>,
+        task: Option<&crate::events::TaskScope>,
+        event: impl FnOnce() -> Event,
+    ) {
         if !self.observed() {
             return;
         }
         let event = event();
-        let (operation_id, turn_id) = submission_id
+        let (operation_id, mut turn_id) = submission_id
             .and_then(|id| {
                 self.correlations
                     .lock()
@@ -441,12 +459,19 @@ impl RuntimeInner {
                 let (operation, turn) = correlation.ids();
                 (Some(operation), turn)
             });
+        // A child's events belong to its turn, not to the parent's turn that called the task.
+        let task_id = task.map(|task| {
+            let (task_id, turn) = task.ids();
+            turn_id = turn;
+            task_id
+        });
         let observation = Observation {
             agent: key.map(|key| key.agent.to_string()),
             instance_id: key.map(|key| key.id.to_string()),
             submission_id: submission_id.map(str::to_owned),
             operation_id,
             turn_id,
+            task_id,
             event_index: self.event_index.fetch_add(1, Ordering::Relaxed),
             timestamp: now().to_string(),
             event,

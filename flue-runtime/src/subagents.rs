@@ -54,11 +54,11 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use crate::events::Event;
+use crate::events::{Event, LazyId, TaskScope, TurnPurpose, TurnResponse};
 use crate::lifecycle::thread::ThreadWriter;
 use crate::lifecycle::{HookSet, chain};
-use crate::provider::{ModelRequest, ModelToolCall, ToolSpec};
-use crate::record::{Batch, ConversationKind, Record, RecordBody, new_id, now};
+use crate::provider::{ModelMessage, ModelRequest, ModelToolCall, StreamEvent, Streamed, ToolSpec};
+use crate::record::{Batch, ConversationKind, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
 use crate::session::{Attempt, Conversation, RetainedChild};
 use crate::store::{InstanceKey, StoreError};
@@ -646,6 +646,12 @@ async fn child_session(
     let tools = std::mem::take(&mut rendered.tools);
     let specs: Vec<ToolSpec> = tools.iter().map(ToolSpec::from).collect();
     let max_steps = agent.definition().max_steps.unwrap_or(u32::MAX);
+    let events = ChildEvents {
+        runtime,
+        root: &delegation.key,
+        submission_id: &delegation.submission_id,
+        scope: TaskScope::new(task.id),
+    };
     let session = ChildSession {
         runtime,
         journal,
@@ -654,6 +660,7 @@ async fn child_session(
         signal: &delegation.signal,
         tools: &tools,
         nested: &nested,
+        events: &events,
     };
     loop {
         // A batch an earlier run left uncommitted: its durable calls (nested tasks included)
@@ -665,7 +672,7 @@ async fn child_session(
                     .iter()
                     .any(|tool| tool.name() == call.name && tool.definition().durable)
             });
-            session.batch(&mut conversation, &rerun, step, &unknown).await?;
+            session.batch(&mut conversation, &rerun, step, &unknown, None).await?;
             continue;
         }
         // Completed work is never redone: a child that answered is done.
@@ -684,7 +691,81 @@ async fn child_session(
             thinking_level: thinking,
             max_output_tokens: None,
         };
-        let response = crate::provider::complete(&runtime.options, &*provider, &request, &delegation.signal).await?;
+        // The child's turn, reported as the turn loop reports the root's (its events carry
+        // the task's id and this turn's).
+        let step = conversation.model_steps() + 1;
+        let turn_id = LazyId::new("turn");
+        events.scope.set_turn(Some(&turn_id));
+        events.emit(|| Event::TurnStart {
+            turn_id: turn_id.get(),
+            purpose: TurnPurpose::Agent,
+            step,
+        });
+        events.emit(|| Event::TurnRequest {
+            turn_id: turn_id.get(),
+            purpose: TurnPurpose::Agent,
+            request: crate::session::turn_request(&*provider, &model_id, thinking),
+        });
+        events.emit(|| Event::MessageStart {
+            role: "assistant".into(),
+        });
+        let started = Instant::now();
+        let mut deltas = ChildDeltas::new(&events);
+        let called = crate::provider::complete_observed(
+            &runtime.options,
+            &*provider,
+            &request,
+            &delegation.signal,
+            |streamed| deltas.on(streamed),
+        )
+        .await;
+        deltas.end();
+        let turn = |stop_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
+            turn_id: turn_id.get(),
+            purpose: TurnPurpose::Agent,
+            step,
+            stop_reason,
+            duration_ms: started.elapsed().as_millis() as u64,
+            request: crate::session::turn_request(&*provider, &model_id, thinking),
+            response,
+            is_error,
+        };
+        let response = match called {
+            Ok(response) => response,
+            Err(error) => {
+                let aborted = delegation.signal.is_aborted();
+                events.emit(|| {
+                    turn(
+                        (if aborted { "aborted" } else { "error" }).to_owned(),
+                        TurnResponse {
+                            error: Some(SettlementError {
+                                error_type: (if aborted { "aborted" } else { "provider_error" }).into(),
+                                message: error.clone(),
+                            }),
+                            ..TurnResponse::default()
+                        },
+                        true,
+                    )
+                });
+                events.emit(|| Event::MessageEnd {
+                    role: "assistant".into(),
+                });
+                events.scope.set_turn(None);
+                return Err(error);
+            }
+        };
+        events.emit(|| {
+            turn(
+                response.stop_reason.to_string(),
+                TurnResponse {
+                    text: response.text.clone(),
+                    tool_calls: response.tool_calls.clone(),
+                    usage: Some(response.usage),
+                    error: None,
+                },
+                false,
+            )
+        });
         let message_id = new_id("msg");
         let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
             .map(|body| journal.child_record(body))
@@ -692,10 +773,124 @@ async fn child_session(
         journal
             .append_child(runtime, &child, records, &mut conversation)
             .await?;
-        if !response.tool_calls.is_empty() {
+        events.emit(|| Event::MessageEnd {
+            role: "assistant".into(),
+        });
+        if response.tool_calls.is_empty() {
+            events.emit(|| Event::TurnMessages {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                message: ModelMessage::Assistant {
+                    text: response.text.clone(),
+                    tool_calls: Vec::new(),
+                },
+                tool_results: Vec::new(),
+            });
+        } else {
             session
-                .batch(&mut conversation, &response.tool_calls, message_id, &[])
+                .batch(
+                    &mut conversation,
+                    &response.tool_calls,
+                    message_id,
+                    &[],
+                    Some((&turn_id, &response.text)),
+                )
                 .await?;
+        }
+        events.scope.set_turn(None);
+    }
+}
+
+/// Publishes a child session's events: each stamped with the task's id and the child's
+/// turn in progress (and the root submission's operation).
+struct ChildEvents<'a> {
+    runtime: &'a Arc<RuntimeInner>,
+    /// The root instance the task runs for.
+    root: &'a InstanceKey,
+    submission_id: &'a str,
+    scope: TaskScope,
+}
+
+impl ChildEvents<'_> {
+    fn emit(&self, event: impl FnOnce() -> Event) {
+        self.runtime
+            .emit_in_task(self.root, self.submission_id, &self.scope, event);
+    }
+}
+
+/// What a child's model call streams, as the turn loop publishes the root's: text and
+/// thinking deltas (a `thinking_start` before the first reasoning, a `thinking_end` when
+/// anything else follows) and tool-call argument fragments; a retry after part of the answer
+/// streamed ends that message and starts the retry's.
+struct ChildDeltas<'e, 'a> {
+    events: &'e ChildEvents<'a>,
+    thinking: bool,
+    shown: bool,
+    /// The calls' ids by index, as their starts named them.
+    ids: Vec<String>,
+}
+
+impl<'e, 'a> ChildDeltas<'e, 'a> {
+    fn new(events: &'e ChildEvents<'a>) -> Self {
+        Self {
+            events,
+            thinking: false,
+            shown: false,
+            ids: Vec::new(),
+        }
+    }
+
+    fn on(&mut self, streamed: Streamed) {
+        if self.thinking && !matches!(streamed, Streamed::Event(StreamEvent::ReasoningDelta(_))) {
+            self.end();
+        }
+        match streamed {
+            Streamed::Retrying => {
+                self.ids.clear();
+                if std::mem::take(&mut self.shown) {
+                    self.events.emit(|| Event::MessageEnd {
+                        role: "assistant".into(),
+                    });
+                    self.events.emit(|| Event::MessageStart {
+                        role: "assistant".into(),
+                    });
+                }
+            }
+            Streamed::Event(StreamEvent::TextDelta(delta)) => {
+                self.shown = true;
+                self.events.emit(|| Event::TextDelta { delta });
+            }
+            Streamed::Event(StreamEvent::ReasoningDelta(delta)) => {
+                self.shown = true;
+                if !self.thinking {
+                    self.thinking = true;
+                    self.events.emit(|| Event::ThinkingStart);
+                }
+                self.events.emit(|| Event::ThinkingDelta { delta });
+            }
+            Streamed::Event(StreamEvent::ToolCallStarted { index, id, .. }) => {
+                if self.ids.len() <= index {
+                    self.ids.resize(index + 1, String::new());
+                }
+                self.ids[index] = id;
+            }
+            Streamed::Event(StreamEvent::ToolCallArguments { index, delta }) => {
+                self.shown = true;
+                let tool_call_id = self.ids.get(index).cloned().unwrap_or_default();
+                self.events.emit(|| Event::ToolcallDelta {
+                    index,
+                    tool_call_id,
+                    delta,
+                });
+            }
+            Streamed::Event(StreamEvent::Completed(_)) => {}
+        }
+    }
+
+    /// Ends an open `thinking_start` (the call ended, however it ended).
+    fn end(&mut self) {
+        if std::mem::take(&mut self.thinking) {
+            self.events.emit(|| Event::ThinkingEnd);
         }
     }
 }
@@ -712,6 +907,7 @@ struct ChildSession<'a> {
     tools: &'a [Tool],
     /// The child's own delegation (its `task` tool).
     nested: &'a Arc<Delegation>,
+    events: &'a ChildEvents<'a>,
 }
 
 impl ChildSession<'_> {
@@ -723,6 +919,7 @@ impl ChildSession<'_> {
         calls: &[ModelToolCall],
         assistant_message_id: String,
         unknown: &[ModelToolCall],
+        turn: Option<(&LazyId, &str)>,
     ) -> Result<(), String> {
         // The child's own tasks record their children in the child's stream.
         self.nested.attach(Journal {
@@ -753,7 +950,12 @@ impl ChildSession<'_> {
                         recorded: conversation.tool_steps(&call.id),
                     }))
                 },
-                |_| {},
+                |call| {
+                    self.events.emit(|| Event::ToolStart {
+                        tool_name: call.name.clone(),
+                        tool_call_id: call.id.clone(),
+                    });
+                },
                 |_| {},
             )
             .await
@@ -761,8 +963,27 @@ impl ChildSession<'_> {
         if self.signal.is_aborted() {
             return Err("The task was aborted.".into());
         }
+        // Published once the batch committed, as the root's are.
+        let mut finished: Vec<(Event, ModelMessage)> = Vec::new();
+        let observed = self.runtime.observed();
         let mut records = Vec::with_capacity(executed.len() + unknown.len() + 1);
         for run in executed {
+            if observed {
+                finished.push((
+                    Event::Tool {
+                        tool_name: run.call.name.clone(),
+                        tool_call_id: run.call.id.clone(),
+                        is_error: run.output.is_error,
+                        duration_ms: run.duration_ms,
+                    },
+                    ModelMessage::Tool {
+                        tool_call_id: run.call.id.clone(),
+                        name: run.call.name.clone(),
+                        content: run.output.to_text(),
+                        is_error: run.output.is_error,
+                    },
+                ));
+            }
             records.push(self.journal.child_record(RecordBody::ToolOutcome {
                 assistant_message_id: assistant_message_id.clone(),
                 tool_call_id: run.call.id.clone(),
@@ -790,7 +1011,24 @@ impl ChildSession<'_> {
         );
         self.journal
             .append_child(self.runtime, self.key, records, conversation)
-            .await
+            .await?;
+        let mut results = Vec::with_capacity(finished.len());
+        for (event, result) in finished {
+            self.events.emit(|| event);
+            results.push(result);
+        }
+        if let Some((turn_id, text)) = turn {
+            self.events.emit(|| Event::TurnMessages {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                message: ModelMessage::Assistant {
+                    text: text.to_owned(),
+                    tool_calls: calls.to_vec(),
+                },
+                tool_results: results,
+            });
+        }
+        Ok(())
     }
 }
 

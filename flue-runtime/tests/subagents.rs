@@ -164,6 +164,129 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
     );
 }
 
+/// Reference §7.1: a task's child session publishes its own turns, deltas and tool events,
+/// each observation correlated with the task (`taskId`) and the child's turn (`turnId`),
+/// within the parent's operation. The parent's own events carry no task id.
+#[tokio::test]
+async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "summarizer", "prompt": "Summarize case 7."})),
+        ScriptedReply::tool_call("count_words", json!({"text": "a broken hinge"})),
+        ScriptedReply::text("Case 7: a broken hinge."),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![case_agent.into()]);
+    let mut events = runtime.observe();
+    runtime
+        .init(&case_agent, "case-7")
+        .send("Look at case 7.")
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        seen.push(observation);
+    }
+    let task_id = seen
+        .iter()
+        .find_map(|observation| match &observation.event {
+            Event::TaskStart { task_id, .. } => Some(task_id.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let start = seen
+        .iter()
+        .position(|observation| matches!(observation.event, Event::TaskStart { .. }))
+        .unwrap();
+    let end = seen
+        .iter()
+        .position(|observation| matches!(observation.event, Event::Task { .. }))
+        .unwrap();
+    // Everything the child published lies between the task's start and end, and only that.
+    let child: Vec<_> = seen
+        .iter()
+        .enumerate()
+        .filter(|(_, observation)| observation.task_id.is_some())
+        .collect();
+    assert!(child.iter().all(|(index, observation)| {
+        start < *index && *index < end && observation.task_id.as_deref() == Some(task_id.as_str())
+    }));
+    let mut names: Vec<String> = Vec::new();
+    for (_, observation) in &child {
+        let name = serde_json::to_value(&observation.event).unwrap()["type"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        // Deltas collapse: how many a reply streams is the provider's business.
+        if name.ends_with("_delta") && names.last() == Some(&name) {
+            continue;
+        }
+        names.push(name);
+    }
+    assert_eq!(
+        names,
+        [
+            "turn_start",
+            "turn_request",
+            "message_start",
+            "toolcall_delta",
+            "turn",
+            "message_end",
+            "tool_start",
+            "tool",
+            "turn_messages",
+            "turn_start",
+            "turn_request",
+            "message_start",
+            "text_delta",
+            "turn",
+            "message_end",
+            "turn_messages",
+        ]
+    );
+    // Each child event carries its own turn's id (from its turn_start), never the parent's.
+    let parent_turns: Vec<String> = seen[..start]
+        .iter()
+        .filter_map(|observation| match &observation.event {
+            Event::TurnStart { turn_id, .. } => Some(turn_id.clone()),
+            _ => None,
+        })
+        .collect();
+    let mut current = None;
+    let mut child_turns = Vec::new();
+    for (_, observation) in &child {
+        if let Event::TurnStart { turn_id, step, .. } = &observation.event {
+            current = Some(turn_id.clone());
+            child_turns.push((turn_id.clone(), *step));
+        }
+        assert_eq!(observation.turn_id, current, "{:?}", observation.event);
+        assert!(!parent_turns.contains(observation.turn_id.as_ref().unwrap()));
+        assert_eq!(
+            observation.operation_id, seen[start].operation_id,
+            "the parent's operation"
+        );
+    }
+    assert_eq!(child_turns.iter().map(|(_, step)| *step).collect::<Vec<_>>(), [1, 2]);
+    assert_ne!(child_turns[0].0, child_turns[1].0);
+    // The child's tool results are reported once committed, with its turn's messages.
+    let Some((_, first_turn)) = child
+        .iter()
+        .find(|(_, observation)| matches!(observation.event, Event::TurnMessages { .. }))
+    else {
+        unreachable!()
+    };
+    let Event::TurnMessages { tool_results, .. } = &first_turn.event else {
+        unreachable!()
+    };
+    assert!(
+        matches!(&tool_results[..], [ModelMessage::Tool { name, content, is_error: false, .. }] if name == "count_words" && content == "3"),
+        "{tool_results:?}"
+    );
+    assert!(
+        seen[start].task_id.is_none() && seen[end].task_id.is_none(),
+        "the task's own events are the parent's"
+    );
+}
+
 #[tokio::test]
 async fn without_delegates_the_task_tool_stays_in_the_tool_block_and_the_roster_says_none() {
     let model = ScriptedModel::new([

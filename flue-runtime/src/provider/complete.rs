@@ -14,13 +14,34 @@ pub(crate) async fn complete(
     request: &ModelRequest,
     signal: &AbortSignal,
 ) -> Result<ModelResponse, String> {
+    complete_observed(options, provider, request, signal, |_| {}).await
+}
+
+/// What a call read by [`complete_observed`] streamed before its response.
+pub(crate) enum Streamed {
+    /// A delta or a tool call's start (never the completed response).
+    Event(StreamEvent),
+    /// The call failed after `Event`s may have streamed and is made again: what streamed
+    /// before belongs to a message that ends here.
+    Retrying,
+}
+
+/// [`complete`], handing `observe` what streams as it comes.
+pub(crate) async fn complete_observed(
+    options: &RuntimeOptions,
+    provider: &dyn ModelProvider,
+    request: &ModelRequest,
+    signal: &AbortSignal,
+    mut observe: impl FnMut(Streamed),
+) -> Result<ModelResponse, String> {
     let mut retries = 0;
     loop {
-        match stream_to_end(provider, request, signal).await {
+        match stream_to_end(provider, request, signal, &mut observe).await {
             Ok(response) => return Ok(response),
             Err(None) => return Err("The call was aborted.".into()),
             Err(Some(error)) if error.may_retry(retries, options.model_retries) => {
                 retries += 1;
+                observe(Streamed::Retrying);
                 let delay = options.model_retry_delay * 2u32.pow(retries - 1);
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
@@ -37,6 +58,7 @@ async fn stream_to_end(
     provider: &dyn ModelProvider,
     request: &ModelRequest,
     signal: &AbortSignal,
+    observe: &mut impl FnMut(Streamed),
 ) -> Result<ModelResponse, Option<ProviderError>> {
     let mut stream = provider.stream(request);
     loop {
@@ -46,7 +68,7 @@ async fn stream_to_end(
         };
         match next {
             Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
-            Some(Ok(_)) => {}
+            Some(Ok(event)) => observe(Streamed::Event(event)),
             Some(Err(error)) => return Err(Some(error)),
             None => {
                 return Err(Some(ProviderError::new(

@@ -2322,7 +2322,7 @@ impl StepError {
 }
 
 /// A `turn` event's `request`: the model a call asked for.
-pub(super) fn turn_request(provider: &dyn ModelProvider, model_id: &str, thinking: ThinkingLevel) -> TurnRequest {
+pub(crate) fn turn_request(provider: &dyn ModelProvider, model_id: &str, thinking: ThinkingLevel) -> TurnRequest {
     TurnRequest {
         provider: provider.id().to_owned(),
         model: model_id.to_owned(),
