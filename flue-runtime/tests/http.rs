@@ -569,6 +569,107 @@ async fn updates_reads_answer_byte_for_byte_as_an_uncached_router_at_every_offse
     }
 }
 
+/// `view=history` and an SSE reader's catch-up, which a caching router answers from its
+/// per-instance fold and window, answer at every offset and as the conversation grows what a
+/// router caching nothing (folding the whole stream) answers.
+#[tokio::test]
+async fn history_and_sse_catch_up_answer_as_an_uncached_router_at_every_offset() {
+    let server = Server::start().await;
+    let uncached = flue_runtime::http::router_with(
+        &server.runtime,
+        HttpOptions {
+            updates_cache_instances: 0,
+            ..HttpOptions::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let uncached_base = format!("http://{}/agents/calculator", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, uncached).await.unwrap() });
+    let client = server.client.clone();
+    let history = |url: String| {
+        let client = client.clone();
+        async move {
+            let response = client.get(url).send().await.unwrap();
+            let next = header(response.headers(), "stream-next-offset").to_owned();
+            (response.status().as_u16(), next, response.bytes().await.unwrap())
+        }
+    };
+    // An SSE reader's chunks up to its first up-to-date control, and that control's offset
+    // (frames may group chunks differently; what they carry, in order, is the same).
+    let caught_up = |url: String| {
+        let client = client.clone();
+        async move {
+            let response = client.get(url).send().await.unwrap();
+            assert_eq!(response.status(), 200);
+            let frames = sse_frames(response, |frames| {
+                frames
+                    .iter()
+                    .any(|(event, data)| event == "control" && data.contains("upToDate"))
+            })
+            .await;
+            let mut chunks = Vec::new();
+            let mut offset = String::new();
+            for (event, data) in frames {
+                let value: Value = serde_json::from_str(&data).unwrap();
+                match event.as_str() {
+                    "data" => chunks.extend(value.as_array().unwrap().iter().cloned()),
+                    "control" if value.get("upToDate").is_some() => {
+                        offset = value["streamNextOffset"].as_str().unwrap().to_owned();
+                    }
+                    _ => {}
+                }
+            }
+            (chunks, offset)
+        }
+    };
+    for (exchange, answer) in ["first", "second", "third"].into_iter().enumerate() {
+        server.script_exchange(answer);
+        server.admit("c1", answer).await;
+        server.settled("c1", exchange + 1).await;
+        let cached = history(server.url("/c1")).await;
+        assert_eq!(cached, history(format!("{uncached_base}/c1")).await);
+        assert_eq!(cached.0, 200);
+        let head: u64 = cached.1.split('_').nth(1).unwrap().parse().unwrap();
+        // A poll from the start fills the window the SSE readers then catch up from.
+        if exchange == 1 {
+            server
+                .client
+                .get(server.url("/c1?view=updates&offset=-1"))
+                .send()
+                .await
+                .unwrap();
+        }
+        let mut offsets: Vec<String> = std::iter::once("-1".to_owned())
+            .chain((0..=head).map(|offset| format!("0000000000000000_{offset:016}")))
+            .collect();
+        if exchange == 2 {
+            offsets.reverse();
+        }
+        for offset in offsets {
+            let tail = format!("/c1?view=updates&offset={offset}&live=sse");
+            let reader = caught_up(server.url(&tail)).await;
+            assert_eq!(reader, caught_up(format!("{uncached_base}{tail}")).await, "{tail}");
+            assert_eq!(reader.1, cached.1, "{tail}: caught up to the head");
+        }
+        // Past the head: 416 from both.
+        let past = format!("/c1?view=updates&offset=0000000000000000_{:016}&live=sse", head + 1);
+        let status = client.get(server.url(&past)).send().await.unwrap().status();
+        assert_eq!(status, 416);
+        assert_eq!(
+            client
+                .get(format!("{uncached_base}{past}"))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            416
+        );
+    }
+    // An instance without a stream: 404 from both.
+    assert_eq!(history(server.url("/nobody")).await.0, 404);
+    assert_eq!(history(format!("{uncached_base}/nobody")).await.0, 404);
+}
+
 /// Reference §4.4: long-poll waits only "if the first read is empty" (of batches); a read
 /// that finds batches answers at once, even when they project to no chunk
 /// (`[checkpoint]`, `Stream-Next-Offset` advanced). The runtime writes such batches itself

@@ -79,12 +79,14 @@ pub struct HttpOptions {
     /// How often live readers read a shared store (one other nodes append to) again, since
     /// only this node's appends wake them (250 ms).
     pub shared_store_poll: Duration,
-    /// How many instances' `view=updates` JSON and long-poll reads are cached, per agent
-    /// (256; 0 caches none). An instance's entry holds the fold of its stream at the newest
-    /// offset read and the serialized chunks of its newest batches (at most 1024 batches and
-    /// 256 KiB), so a client polling a long conversation costs what is new since its offset, not
-    /// a fold of the whole stream. The least recently read instance is evicted first; a read
-    /// before an entry's window folds the stream from the start, as an uncached read does.
+    /// How many instances' reads are cached, per agent (256; 0 caches none): `view=updates`
+    /// JSON and long-poll reads, `view=history` and SSE readers' catch-up. An instance's entry
+    /// holds the fold of its stream at the newest offset read and the serialized chunks of its
+    /// newest batches (at most 1024 batches and 256 KiB), so a client polling a long
+    /// conversation, reloading its history or reconnecting its SSE reader costs what is new
+    /// since the entry's last read, not a fold of the whole stream. The least recently read
+    /// instance is evicted first; a read before an entry's window folds the stream from the
+    /// start, as an uncached read does.
     pub updates_cache_instances: usize,
 }
 

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use super::error::ApiError;
 use super::feed::{Delivery, Feed};
 use super::projection::{Projection, checkpoint};
-use super::updates_cache::{BATCHES_PER_READ, Lookup};
+use super::updates_cache::{BATCHES_PER_READ, Lookup, Page, UpdatesCache};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
 use crate::runtime::RuntimeInner;
@@ -173,44 +173,70 @@ pub(super) async fn get_stream(
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
     let key = routes.key(id)?;
-    match read_of(query.as_deref())? {
+    let read = read_of(query.as_deref())?;
+    let incarnation = routes
+        .runtime
+        .store
+        .instance(&key)
+        .await
+        .map_err(|error| ApiError::internal(&error))?
+        .map(|instance| instance.uid);
+    match read {
         Read::History => {
-            let mut projection = Projection::new(&key.stream_path());
-            for batch in &stream(&routes.runtime, &key).await? {
-                projection.apply(batch, None);
-            }
-            let offset = projection.offset();
-            Ok(no_store(
-                axum::Json(projection.snapshot()).into_response(),
-                &offset,
-                true,
-            ))
+            let (snapshot, offset) = routes
+                .updates
+                .history(routes.runtime.store.as_ref(), &key, incarnation.as_deref())
+                .await
+                .map_err(|error| ApiError::internal(&error))?
+                .ok_or_else(|| ApiError::stream_not_found(&key.stream_path()))?;
+            Ok(no_store(axum::Json(snapshot).into_response(), &offset, true))
         }
         Read::Updates {
             offset,
             requested,
             live,
         } => {
-            let incarnation = routes
-                .runtime
-                .store
-                .instance(&key)
-                .await
-                .map_err(|error| ApiError::internal(&error))?
-                .map(|instance| instance.uid);
             let after = match offset {
                 Offset::After(after) => after,
                 // Past any head: the lookup answers 416 with the head.
                 Offset::Beyond => Some(u64::MAX),
             };
             if live == Live::Sse {
+                // Near the head, the cached window answers the catch-up; further back (or
+                // uncached) the reader folds the stream itself.
+                let cached = routes
+                    .updates
+                    .cached(routes.runtime.store.as_ref(), &key, incarnation.as_deref(), after)
+                    .await
+                    .map_err(|error| ApiError::internal(&error))?;
+                match cached {
+                    Some(Lookup::Page(page)) => {
+                        return Ok(sse(
+                            routes,
+                            key,
+                            incarnation.unwrap_or_default(),
+                            Catch::Page(page),
+                            after,
+                        ));
+                    }
+                    Some(Lookup::Gone(head)) => {
+                        return Err(ApiError::stream_offset_gone(&requested, &wire_offset(head)));
+                    }
+                    Some(Lookup::Missing) | None => {}
+                }
                 let batches = stream(&routes.runtime, &key).await?;
                 let head = batches.last().map(|batch| batch.offset);
                 if after > head {
                     // The offset as the client wrote it (`5_9` stays `5_9`).
                     return Err(ApiError::stream_offset_gone(&requested, &wire_offset(head)));
                 }
-                return Ok(sse(routes, key, incarnation.unwrap_or_default(), batches, after));
+                return Ok(sse(
+                    routes,
+                    key,
+                    incarnation.unwrap_or_default(),
+                    Catch::Batches(batches),
+                    after,
+                ));
             }
             updates(
                 &routes,
@@ -314,11 +340,15 @@ struct SseStream {
     slot: Arc<InstanceSlot>,
     /// The instance's shared feed, which serves this reader once it has caught up.
     feed: Arc<Feed>,
+    /// The router's updates cache, whose window serves a reader near the head.
+    updates: Arc<UpdatesCache>,
     /// This reader's own fold, while it catches up (dropped once the feed serves it).
     own: Option<Projection>,
     incarnation: String,
-    /// Batches read but not yet sent (catching up).
+    /// Batches read but not yet sent (catching up with its own fold).
     pending: Vec<Batch>,
+    /// A page of the updates cache's window not yet sent (catching up from the cache).
+    page: Option<Page>,
     offset: Option<u64>,
     started: bool,
     /// When the last frames were sent (heartbeats count from it).
@@ -338,6 +368,9 @@ impl SseStream {
             return Some(frame("data", &json!([checkpoint(&self.incarnation)]).to_string()));
         }
         loop {
+            if let Some(page) = self.page.take() {
+                return Some(self.send_page(page));
+            }
             if !self.pending.is_empty() {
                 return Some(self.catch_up());
             }
@@ -386,6 +419,23 @@ impl SseStream {
                     }
                 }
                 Delivery::Behind => {
+                    // The cache's window first: a reader a few batches behind reads them
+                    // without folding the stream.
+                    if self.own.is_none()
+                        && let Some(Lookup::Page(page)) = self
+                            .updates
+                            .cached(
+                                self.runtime.store.as_ref(),
+                                &self.key,
+                                Some(&self.incarnation),
+                                self.offset,
+                            )
+                            .await
+                            .ok()?
+                    {
+                        self.page = Some(page);
+                        continue;
+                    }
                     if self.own.is_none() {
                         // Far behind the feed: fold the stream up to this reader's offset again.
                         let mut own = Projection::new(&self.key.stream_path());
@@ -436,6 +486,30 @@ impl SseStream {
         frames
     }
 
+    /// Sends a page of the cache's window: its batches' chunks in data frames (split between
+    /// batches before a frame passes [`FRAME_BYTES`]; a window holds far less than one).
+    fn send_page(&mut self, page: Page) -> String {
+        let mut frames = String::new();
+        let mut frame = String::new();
+        for chunks in &page.chunks {
+            let chunks = std::str::from_utf8(chunks).unwrap_or_default();
+            if !frame.is_empty() && frame.len() + chunks.len() > FRAME_BYTES {
+                frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
+                frame.clear();
+            }
+            if !frame.is_empty() {
+                frame.push(',');
+            }
+            frame.push_str(chunks);
+        }
+        if !frame.is_empty() {
+            frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
+        }
+        self.offset = page.next;
+        frames.push_str(&self.control(page.up_to_date));
+        frames
+    }
+
     /// The control frame at this reader's offset; the frames it ends are sent now.
     fn control(&mut self, up_to_date: bool) -> String {
         let now = Instant::now();
@@ -448,24 +522,40 @@ impl SseStream {
     }
 }
 
+/// Where an SSE reader starts catching up from.
+enum Catch {
+    /// The updates cache's page after its offset.
+    Page(Page),
+    /// The whole stream, to fold itself.
+    Batches(Vec<Batch>),
+}
+
 /// `live=sse`: checkpoint, then data and control frames for ever.
-fn sse(routes: Routes, key: InstanceKey, incarnation: String, batches: Vec<Batch>, after: Option<u64>) -> Response {
-    let mut projection = Projection::new(&key.stream_path());
-    let mut pending = Vec::new();
-    for batch in batches {
-        if after.is_some_and(|after| batch.offset <= after) {
-            projection.apply(&batch, None);
-        } else {
-            pending.push(batch);
+fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, after: Option<u64>) -> Response {
+    let (own, pending, page) = match catch {
+        Catch::Page(page) => (None, Vec::new(), Some(page)),
+        Catch::Batches(batches) => {
+            let mut projection = Projection::new(&key.stream_path());
+            let mut pending = Vec::new();
+            for batch in batches {
+                if after.is_some_and(|after| batch.offset <= after) {
+                    projection.apply(&batch, None);
+                } else {
+                    pending.push(batch);
+                }
+            }
+            (Some(projection), pending, None)
         }
-    }
+    };
     let state = SseStream {
+        updates: routes.updates.clone(),
+        page,
         slot: routes.runtime.slot(&key),
         feed: routes.feeds.of(&key),
         runtime: routes.runtime,
         options: routes.options,
         key,
-        own: Some(projection),
+        own,
         incarnation,
         pending,
         offset: after,

@@ -10,6 +10,9 @@
 //! in and answers with the window's chunks; a read before the window (or of an instance the
 //! cache does not hold) folds the whole stream, as without the cache.
 //!
+//! `view=history` reads bring the same fold up to the head and snapshot it, and SSE readers
+//! catch up from the window while it holds their offset.
+//!
 //! The entries are few (least recently read evicted first) and tied to the incarnation they
 //! folded: a read that finds another incarnation folds from the start again. No lock is held
 //! while the store is read, so readers of one instance do not wait for each other's reads,
@@ -145,6 +148,16 @@ impl Entry {
     }
 }
 
+/// What an instance's entry answers a read.
+enum Served {
+    /// The updates (or that the offset is past the head).
+    Answered(Lookup),
+    /// No entry of the read's incarnation is held.
+    NoEntry,
+    /// The offset is before the entry's window.
+    BeforeWindow,
+}
+
 /// An instance's entry, `None` until a read fills it.
 type Slot = Arc<tokio::sync::Mutex<Option<Entry>>>;
 
@@ -228,6 +241,96 @@ impl UpdatesCache {
             return self.fresh(store, key, after).await;
         };
         let slot = self.slot(key);
+        match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
+            Served::Answered(lookup) => Ok(lookup),
+            Served::NoEntry => self.fill(store, key, incarnation, &slot, after).await,
+            Served::BeforeWindow => self.fresh(store, key, after).await,
+        }
+    }
+
+    /// The updates of `key` after `after` as far as its entry answers them (brought up to the
+    /// head first): `None` when no entry of `incarnation` is held or `after` is before its
+    /// window. What a reader that folds on its own when the cache cannot serve it asks.
+    pub(super) async fn cached(
+        &self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        incarnation: Option<&str>,
+        after: Option<u64>,
+    ) -> Result<Option<Lookup>, StoreError> {
+        let Some(incarnation) = incarnation.filter(|_| self.capacity > 0) else {
+            return Ok(None);
+        };
+        let slot = self.slot(key);
+        Ok(
+            match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
+                Served::Answered(lookup) => Some(lookup),
+                Served::NoEntry | Served::BeforeWindow => None,
+            },
+        )
+    }
+
+    /// The `view=history` snapshot of `key` at its head, with the head's offset (`None` when
+    /// it has no stream): the entry's fold brought up to the head, or, without an entry, a fold
+    /// of the whole stream that becomes the entry (its window empty: it starts at the head).
+    pub(super) async fn history(
+        &self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        incarnation: Option<&str>,
+    ) -> Result<Option<(Value, String)>, StoreError> {
+        let answer = |projection: &Projection| (projection.snapshot(), projection.offset());
+        let slot = incarnation
+            .filter(|_| self.capacity > 0)
+            .map(|incarnation| (incarnation, self.slot(key)));
+        let held = match &slot {
+            Some((incarnation, slot)) => slot
+                .lock()
+                .await
+                .as_ref()
+                .filter(|entry| entry.incarnation == *incarnation)
+                .map(|entry| entry.offset),
+            None => None,
+        };
+        if let (Some((incarnation, slot)), Some(folded)) = (&slot, held) {
+            let batches = store.read(key, folded).await?;
+            let mut guard = slot.lock().await;
+            if let Some(entry) = guard.as_mut().filter(|entry| entry.incarnation == *incarnation) {
+                let folded = entry.offset;
+                self.extend(entry, batches.iter().filter(|batch| Some(batch.offset) > folded));
+                return Ok(Some(answer(&entry.projection)));
+            }
+        }
+        let batches = store.read(key, None).await?;
+        let Some(head) = batches.last().map(|batch| batch.offset) else {
+            return Ok(None);
+        };
+        let mut projection = Projection::new(&key.stream_path());
+        for batch in &batches {
+            projection.apply(batch, None);
+            self.folded.fetch_add(1, Ordering::Relaxed);
+        }
+        let answered = answer(&projection);
+        if let Some((incarnation, slot)) = slot {
+            let mut entry = Entry::new(key, incarnation);
+            entry.projection = projection;
+            entry.offset = Some(head);
+            entry.base = Some(head);
+            Self::keep(&slot, entry).await;
+        }
+        Ok(Some(answered))
+    }
+
+    /// What the entry of `incarnation` answers after `after`, once the batches appended since
+    /// its fold are folded in.
+    async fn answer_from_entry(
+        &self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        incarnation: &str,
+        slot: &tokio::sync::Mutex<Option<Entry>>,
+        after: Option<u64>,
+    ) -> Result<Served, StoreError> {
         let folded = slot
             .lock()
             .await
@@ -235,25 +338,34 @@ impl UpdatesCache {
             .filter(|entry| entry.incarnation == incarnation)
             .map(|entry| entry.offset);
         let Some(folded) = folded else {
-            return self.fill(store, key, incarnation, &slot, after).await;
+            return Ok(Served::NoEntry);
         };
         let batches = store.read(key, folded).await?;
-        {
-            let mut guard = slot.lock().await;
-            // Another read may have filled it again meanwhile, with another incarnation.
-            if let Some(entry) = guard.as_mut().filter(|entry| entry.incarnation == incarnation) {
-                let folded = entry.offset;
-                self.extend(entry, batches.iter().filter(|batch| Some(batch.offset) > folded));
-                if after > entry.offset {
-                    return Ok(Lookup::Gone(entry.offset));
-                }
-                if let Some(page) = entry.page(after) {
-                    return Ok(Lookup::Page(page));
-                }
+        let mut guard = slot.lock().await;
+        // Another read may have filled it again meanwhile, with another incarnation.
+        if let Some(entry) = guard.as_mut().filter(|entry| entry.incarnation == incarnation) {
+            let folded = entry.offset;
+            self.extend(entry, batches.iter().filter(|batch| Some(batch.offset) > folded));
+            if after > entry.offset {
+                return Ok(Served::Answered(Lookup::Gone(entry.offset)));
+            }
+            if let Some(page) = entry.page(after) {
+                return Ok(Served::Answered(Lookup::Page(page)));
             }
         }
-        // Before the window.
-        self.fresh(store, key, after).await
+        Ok(Served::BeforeWindow)
+    }
+
+    /// Holds `entry` in `slot`, unless the entry held is of the same incarnation and folded
+    /// further.
+    async fn keep(slot: &tokio::sync::Mutex<Option<Entry>>, entry: Entry) {
+        let mut guard = slot.lock().await;
+        let further = guard
+            .as_ref()
+            .is_some_and(|held| held.incarnation == entry.incarnation && held.offset > entry.offset);
+        if !further {
+            *guard = Some(entry);
+        }
     }
 
     /// Folds `batches` into `entry`, keeping their chunks in its window within its bounds.
@@ -318,16 +430,8 @@ impl UpdatesCache {
         entry.base = base;
         self.extend(&mut entry, batches[start..].iter());
         let page = entry.page(after);
-        {
-            let mut guard = slot.lock().await;
-            // The entry folded furthest stays, unless it is another incarnation's.
-            let keep = guard
-                .as_ref()
-                .is_some_and(|held| held.incarnation == incarnation && held.offset > entry.offset);
-            if !keep {
-                *guard = Some(entry);
-            }
-        }
+        // The entry folded furthest stays, unless it is another incarnation's.
+        Self::keep(slot, entry).await;
         Ok(Lookup::Page(match page {
             Some(page) => page,
             None => self.project(key, &batches, after),
@@ -562,6 +666,115 @@ mod tests {
         assert_eq!(cache.folded(), head + 2, "the poll folds the one new batch");
         assert_eq!(polled.next, Some(head + 1));
         assert_eq!(polled.body(&uid), from_scratch(&store, &key, &uid, Some(head)).await);
+    }
+
+    /// The history snapshot and offset of the stream as a fold from the start gives them.
+    async fn history_from_scratch(store: &MemoryStore, key: &InstanceKey) -> (Value, String) {
+        let mut projection = Projection::new(&key.stream_path());
+        for batch in store.read(key, None).await.unwrap() {
+            projection.apply(&batch, None);
+        }
+        (projection.snapshot(), projection.offset())
+    }
+
+    #[tokio::test]
+    async fn a_history_read_folds_only_the_batches_appended_since_the_last_read() {
+        let store = MemoryStore::new();
+        let (key, uid) = create(&store, "history").await;
+        for batch in exchange(0) {
+            append(&store, &key, batch).await;
+        }
+        let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        let cache = UpdatesCache::new(8);
+        let first = cache.history(&store, &key, Some(&uid)).await.unwrap().unwrap();
+        assert_eq!(first, history_from_scratch(&store, &key).await);
+        assert_eq!(cache.folded(), head + 1, "the first read folds the whole stream once");
+        let again = cache.history(&store, &key, Some(&uid)).await.unwrap().unwrap();
+        assert_eq!(
+            (again, cache.folded()),
+            (first, head + 1),
+            "nothing new: nothing folded"
+        );
+
+        let mut appended = 0;
+        for n in 1..4 {
+            for batch in exchange(n) {
+                append(&store, &key, batch).await;
+                appended += 1;
+                let read = cache.history(&store, &key, Some(&uid)).await.unwrap().unwrap();
+                assert_eq!(read, history_from_scratch(&store, &key).await);
+                assert_eq!(cache.folded(), head + 1 + appended, "each read folds the one new batch");
+            }
+        }
+        // An updates read at the head the history read reached is answered from the entry.
+        let now = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        let polled = cache.cached(&store, &key, Some(&uid), Some(now)).await.unwrap();
+        assert!(
+            matches!(polled, Some(Lookup::Page(Page { ref chunks, next, up_to_date: true })) if chunks.is_empty() && next == Some(now))
+        );
+        assert_eq!(cache.folded(), head + 1 + appended);
+        // Uncached (no incarnation, or a cache of nothing): a fresh fold, the same answer.
+        assert_eq!(
+            UpdatesCache::new(0).history(&store, &key, Some(&uid)).await.unwrap(),
+            Some(history_from_scratch(&store, &key).await)
+        );
+        assert_eq!(
+            cache.history(&store, &key, None).await.unwrap(),
+            Some(history_from_scratch(&store, &key).await)
+        );
+        let missing = InstanceKey::new("agent", "missing");
+        assert_eq!(cache.history(&store, &missing, Some("uid")).await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_cached_lookup_answers_only_from_a_held_window_and_never_folds_the_stream() {
+        let store = MemoryStore::new();
+        let (key, uid) = create(&store, "window").await;
+        for n in 0..3 {
+            for batch in exchange(n) {
+                append(&store, &key, batch).await;
+            }
+        }
+        let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        let cache = UpdatesCache::with_window(8, 4, usize::MAX);
+        // Nothing held: no answer, and nothing folded.
+        assert!(
+            cache
+                .cached(&store, &key, Some(&uid), Some(head - 4))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(cache.folded(), 0);
+        // A read fills the entry; the window holds the four batches after its offset.
+        read(&cache, &store, &key, &uid, Some(head - 4)).await;
+        let folded = cache.folded();
+        for after in head - 4..=head {
+            let Some(Lookup::Page(page)) = cache.cached(&store, &key, Some(&uid), Some(after)).await.unwrap() else {
+                panic!("offset {after} is in the window");
+            };
+            assert_eq!(page.body(&uid), from_scratch(&store, &key, &uid, Some(after)).await);
+        }
+        assert!(
+            cache
+                .cached(&store, &key, Some(&uid), Some(head - 5))
+                .await
+                .unwrap()
+                .is_none(),
+            "before the window"
+        );
+        assert!(matches!(
+            cache.cached(&store, &key, Some(&uid), Some(head + 1)).await.unwrap(),
+            Some(Lookup::Gone(Some(gone))) if gone == head
+        ));
+        assert!(
+            cache
+                .cached(&store, &key, Some("another"), Some(head))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(cache.folded(), folded, "no lookup folded anything");
     }
 
     #[tokio::test]
