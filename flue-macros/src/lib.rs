@@ -11,6 +11,14 @@ mod hook;
 mod krate;
 mod tool;
 
+/// Whether `generics` declares lifetimes and nothing else (none at all included).
+fn lifetimes_only(generics: &syn::Generics) -> bool {
+    generics
+        .params
+        .iter()
+        .all(|param| matches!(param, syn::GenericParam::Lifetime(_)))
+}
+
 use proc_macro::TokenStream;
 
 /// Turns a synchronous function into an agent: a value of the same name implementing
@@ -60,8 +68,9 @@ use proc_macro::TokenStream;
 /// | `parent_hooks = [(hook, before_parent, "reason")]` | hooks required on a parent |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///
-/// The function takes no parameters or one `AgentProps`, is not `async`, and returns anything
-/// `Into<Instruction>` (`&'static str`, `String`, `()`).
+/// The function takes no parameters or one `AgentProps`, is not `async`, returns anything
+/// `Into<Instruction>` (`&'static str`, `String`, `()`), and is generic over nothing but
+/// lifetimes (`fn assistant<'a>(props: AgentProps<'a>)`).
 ///
 /// **What it expands to**: the function body moves into a hidden inner function; the name
 /// becomes a zero-sized `struct` (so it is a value, passable to `Subagent::new` or a runtime)
@@ -130,7 +139,9 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | `user_client_detached` | `&UserState, &ClientInfo` | `()` |
 /// | `user_value_changed` | `&UserState, &str` | `()` |
 ///
-/// Any hook may be `async` and may return `Result<T, E>` with `E: Into<HookError>`.
+/// Any hook may be `async` and may return `Result<T, E>` with `E: Into<HookError>`; it may
+/// name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but not be generic over types
+/// or constants.
 ///
 /// **What it expands to**: the function moves into a hidden body; the name becomes a `const`
 /// holding a reference to a `static` definition (id plus a typed handler that calls the body).

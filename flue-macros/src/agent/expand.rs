@@ -18,8 +18,13 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let inputs = &function.sig.inputs;
     let output = &function.sig.output;
     let block = &function.block;
+    // Lifetime parameters only (validated): the body keeps the names its signature uses.
+    let generics = &function.sig.generics;
+    let where_clause = &generics.where_clause;
 
     let call = match (inputs.len(), inputs.first()) {
+        // Type or const parameters were reported: the body cannot be called.
+        _ if !crate::lifetimes_only(generics) => None,
         (0, _) => Some(quote!({
             let _ = props;
             __flue_agent_body()
@@ -111,7 +116,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
                 fn render_body(&self, props: __flue::AgentProps<'_>) -> __flue::Instruction {
                     #(#other_attrs)*
                     #[allow(dead_code, unused_variables)]
-                    fn __flue_agent_body(#inputs) #output #block
+                    fn __flue_agent_body #generics (#inputs) #output #where_clause #block
                     #convert
                 }
             }

@@ -14,8 +14,13 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
             "an agent function must be synchronous: it is rendered before every model call. Move async work into tools or use_agent_start callbacks",
         );
     }
-    if !sig.generics.params.is_empty() {
-        errors.spanned(&sig.generics, "an agent function cannot be generic");
+    // Named lifetimes (`fn assistant<'a>(props: AgentProps<'a>)`) are only spelling: the body
+    // keeps them. Types and constants cannot be chosen by the runtime that renders the agent.
+    if !crate::lifetimes_only(&sig.generics) {
+        errors.spanned(
+            &sig.generics,
+            "an agent function cannot be generic over types or constants",
+        );
     }
     let mut inputs = sig.inputs.iter();
     if let Some(first) = inputs.next()

@@ -46,7 +46,8 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let call = quote!(__flue_hook_body(#(#call_args),*) #await_);
     let expected: syn::Type = syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
     let expected = qualify(&expected);
-    let well_formed = function.sig.inputs.len() == args.len();
+    // A wrong arity or type parameters were reported: the body is not called.
+    let well_formed = function.sig.inputs.len() == args.len() && crate::lifetimes_only(&function.sig.generics);
     let result = match &function.sig.output {
         ReturnType::Type(_, ty) if well_formed => quote_spanned!(ty.span()=>
             <#ty as __flue::lifecycle::HookReturn<#expected>>::into_hook_result(#call)),

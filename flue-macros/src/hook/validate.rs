@@ -17,8 +17,11 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
     }
     let sig = &model.function.sig;
     let kind = model.kind;
-    if !sig.generics.params.is_empty() {
-        errors.spanned(&sig.generics, "a lifecycle hook cannot be generic");
+    if !crate::lifetimes_only(&sig.generics) {
+        errors.spanned(
+            &sig.generics,
+            "a lifecycle hook cannot be generic over types or constants",
+        );
     }
     if let Some(FnArg::Receiver(receiver)) = sig.inputs.first() {
         errors.spanned(receiver, "a lifecycle hook is a free function, not a method");
