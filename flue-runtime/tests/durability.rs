@@ -7,122 +7,15 @@ mod harness;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use flue_core::BoxFuture;
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Outcome, Record, RecordBody};
-use flue_runtime::store::{Admission, Admitted, AttemptRef, Claim, InstanceKey, MemoryStore, Store, StoreError};
+use flue_runtime::store::{Admission, AttemptRef, Claim, InstanceKey, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
 
-type Predicate = Box<dyn Fn(&[Record]) -> bool + Send>;
-
-/// A memory store whose `append` fails for batches matching a predicate: once, or always;
-/// and whose next admission, once asked, commits and then never answers (a caller dropped
-/// between a remote store's commit and its reply).
-#[derive(Clone, Default)]
-struct FaultyStore {
-    inner: MemoryStore,
-    fault: Arc<Mutex<Option<Predicate>>>,
-    always: Arc<std::sync::atomic::AtomicBool>,
-    failures: Arc<AtomicUsize>,
-    hang_after_admit: Arc<Mutex<Option<String>>>,
-    /// Listing expired leases fails while set.
-    failing_scans: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl FaultyStore {
-    fn fail_once(&self, predicate: impl Fn(&[Record]) -> bool + Send + 'static) {
-        *self.fault.lock().unwrap() = Some(Box::new(predicate));
-    }
-
-    fn fail_always(&self, predicate: impl Fn(&[Record]) -> bool + Send + 'static) {
-        self.always.store(true, Ordering::SeqCst);
-        self.fail_once(predicate);
-    }
-}
-
-impl Store for FaultyStore {
-    harness::delegate_store!(
-        inner;
-        instance, submission, has_queued, claim_next, renew_leases, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, requeue,
-        request_abort, read, put_attachment, attachment, user_value, set_user_value,
-        list_user_values, create_child,
-    );
-
-    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, StoreError>> {
-        if self.failing_scans.load(Ordering::SeqCst) {
-            return Box::pin(std::future::ready(Err(StoreError::Other(
-                "injected scan failure".into(),
-            ))));
-        }
-        self.inner.expired(now_ms)
-    }
-
-    /// A settlement fails as an append does: when its records match the predicate.
-    fn settle(
-        &self,
-        attempt: &AttemptRef,
-        outcome: Outcome,
-        error: Option<flue_runtime::record::SettlementError>,
-        records: Vec<Record>,
-    ) -> BoxFuture<'_, Result<bool, StoreError>> {
-        if self.injects_failure(&records) {
-            return Box::pin(std::future::ready(Err(StoreError::Other(
-                "injected settlement failure".into(),
-            ))));
-        }
-        self.inner.settle(attempt, outcome, error, records)
-    }
-
-    fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
-        Box::pin(async move {
-            let admitted = self.inner.admit(admission).await?;
-            let hang = {
-                let mut hang = self.hang_after_admit.lock().unwrap();
-                let armed = hang.as_deref() == Some("armed");
-                if armed {
-                    *hang = Some(admitted.submission.id.clone());
-                }
-                armed
-            };
-            if hang {
-                std::future::pending::<()>().await;
-            }
-            Ok(admitted)
-        })
-    }
-    fn append(
-        &self,
-        key: &InstanceKey,
-        records: Arc<[Record]>,
-        authorization: Option<&AttemptRef>,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        if self.injects_failure(&records) {
-            return Box::pin(std::future::ready(Err(StoreError::Other(
-                "injected append failure".into(),
-            ))));
-        }
-        self.inner.append(key, records, authorization)
-    }
-}
-
-impl FaultyStore {
-    /// Whether a write of `records` fails now (counted; a one-time fault is spent).
-    fn injects_failure(&self, records: &[Record]) -> bool {
-        let mut fault = self.fault.lock().unwrap();
-        if !fault.as_ref().is_some_and(|matches| matches(records)) {
-            return false;
-        }
-        if !self.always.load(Ordering::SeqCst) {
-            *fault = None;
-        }
-        self.failures.fetch_add(1, Ordering::SeqCst);
-        true
-    }
-}
+use harness::faulty::FaultyStore;
 
 fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
     let mut providers = ProviderRegistry::new();
@@ -572,7 +465,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
         )
         .await
         .unwrap();
-    *store.fault.lock().unwrap() = None;
+    store.disarm();
     let runtime = taking_over(&store, &model, relay).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),

@@ -524,60 +524,20 @@ async fn max_instances_caps_running_tasks_and_after_subagent_created_runs_on_the
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use flue_core::BoxFuture;
 use flue_runtime::record::Record;
-use flue_runtime::store::{AttemptRef, InstanceKey, MemoryStore, SqliteStore, Store, StoreError};
+use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore, Store};
+use harness::faulty::FaultyStore;
 use serde_json::Value;
-
-type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send + Sync>;
 
 /// A store whose first append matching a predicate fails (the process "crashed" between the
 /// work the batch records and its commit); the attempt is re-run from what is durable.
-struct CrashingStore {
+fn crashing(
     inner: Box<dyn Store>,
-    fault: Mutex<Option<Predicate>>,
-    failures: Arc<AtomicUsize>,
-}
-
-impl CrashingStore {
-    fn new(inner: Box<dyn Store>) -> Self {
-        Self {
-            inner,
-            fault: Mutex::new(None),
-            failures: Arc::default(),
-        }
-    }
-
-    fn crash_once(self, predicate: impl Fn(&InstanceKey, &[Record]) -> bool + Send + Sync + 'static) -> Self {
-        *self.fault.lock().unwrap() = Some(Box::new(predicate));
-        self
-    }
-}
-
-impl Store for CrashingStore {
-    harness::delegate_store!(
-        inner;
-        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
-        request_abort, read, put_attachment, attachment, user_value, set_user_value,
-        list_user_values, create_child,
-    );
-
-    fn append(
-        &self,
-        key: &InstanceKey,
-        records: Arc<[Record]>,
-        authorization: Option<&AttemptRef>,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        let mut fault = self.fault.lock().unwrap();
-        if fault.as_ref().is_some_and(|matches| matches(key, &records)) {
-            *fault = None;
-            self.failures.fetch_add(1, Ordering::SeqCst);
-            return Box::pin(std::future::ready(Err(StoreError::Other("injected crash".into()))));
-        }
-        drop(fault);
-        self.inner.append(key, records, authorization)
-    }
+    predicate: impl Fn(&InstanceKey, &[Record]) -> bool + Send + 'static,
+) -> FaultyStore {
+    let store = FaultyStore::on(Arc::from(inner));
+    store.fail_once_in(predicate);
+    store
 }
 
 /// The stores every durable-task test runs on.
@@ -677,7 +637,11 @@ fn tallying_script() -> ScriptedModel {
 async fn a_task_records_its_child_conversation_in_its_own_stream_linked_from_the_parent() {
     for (name, backend) in backends() {
         let model = tallying_script();
-        let runtime = harness::runtime_on(CrashingStore::new(backend), &model, vec![tallying_agent("ledger", 0)]);
+        let runtime = harness::runtime_on(
+            FaultyStore::on(Arc::from(backend)),
+            &model,
+            vec![tallying_agent("ledger", 0)],
+        );
         let reply = runtime
             .handle("ledger", "l-1")
             .unwrap()
@@ -762,7 +726,7 @@ async fn tally_through_one_crash(
 ) -> (flue_runtime::Runtime, ScriptedModel, usize) {
     let before = TALLIES[slot].load(Ordering::SeqCst);
     let model = tallying_script();
-    let store = CrashingStore::new(backend).crash_once(commits_calls_of(tool));
+    let store = crashing(backend, commits_calls_of(tool));
     let failures = store.failures.clone();
     let runtime = harness::runtime_on(store, &model, vec![tallying_agent("ledger", slot)]);
     let reply = runtime.handle("ledger", id).unwrap().send("Tally it.").await.unwrap();
@@ -933,7 +897,7 @@ async fn a_durable_tool_in_a_task_child_re_runs_on_reattach_replaying_its_record
             "Delegate refunds."
         })
         .into();
-        let store = CrashingStore::new(backend).crash_once(commits_calls_of("refund"));
+        let store = crashing(backend, commits_calls_of("refund"));
         let runtime = harness::runtime_on(store, &model, vec![agent]);
         let reply = runtime.handle("shop", "s-1").unwrap().send("Refund 9.").await.unwrap();
         assert_eq!(reply.text, "Done.", "{name}");
@@ -1002,7 +966,7 @@ async fn a_nested_task_rerun_reattaches_its_whole_chain_of_children() {
             "Delegate."
         })
         .into();
-        let store = CrashingStore::new(backend).crash_once(commits_calls_of("tally"));
+        let store = crashing(backend, commits_calls_of("tally"));
         let failures = store.failures.clone();
         let runtime = harness::runtime_on(store, &model, vec![agent]);
         let reply = runtime.handle("chain", "c-1").unwrap().send("Go.").await.unwrap();

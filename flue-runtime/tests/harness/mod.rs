@@ -2,6 +2,8 @@
 //! store) with the scripted model, and readers of the requests the model received.
 #![allow(dead_code, clippy::unwrap_used)] // each test file uses a part; tests assert by unwrapping
 
+pub mod faulty;
+
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};
 use flue_runtime::store::{MemoryStore, Store};

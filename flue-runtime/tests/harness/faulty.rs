@@ -1,0 +1,151 @@
+//! A store that fails on purpose: the fault injection the durability and delegation tests
+//! share. A failed write stands for a crash between the work a batch records and its commit;
+//! the attempt is abandoned and re-run from what is durable.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use flue_runtime::BoxFuture;
+use flue_runtime::record::{Outcome, Record, SettlementError};
+use flue_runtime::store::{Admission, Admitted, AttemptRef, InstanceKey, MemoryStore, Store, StoreError, Submission};
+
+type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send>;
+
+/// Wraps a store (the memory store by default). Appends and settlements whose records match
+/// the armed predicate fail, once or always; listing expired leases fails while
+/// `failing_scans` is set; and, once `hang_after_admit` holds `"armed"`, the next admission
+/// commits and then never answers (a caller dropped between a remote store's commit and its
+/// reply), leaving its submission's id there.
+#[derive(Clone)]
+pub struct FaultyStore {
+    pub inner: Arc<dyn Store>,
+    fault: Arc<Mutex<Option<Predicate>>>,
+    always: Arc<AtomicBool>,
+    /// How many writes failed on purpose.
+    pub failures: Arc<AtomicUsize>,
+    pub hang_after_admit: Arc<Mutex<Option<String>>>,
+    pub failing_scans: Arc<AtomicBool>,
+}
+
+impl Default for FaultyStore {
+    fn default() -> Self {
+        Self::on(Arc::new(MemoryStore::new()))
+    }
+}
+
+impl FaultyStore {
+    pub fn on(inner: Arc<dyn Store>) -> Self {
+        Self {
+            inner,
+            fault: Arc::default(),
+            always: Arc::default(),
+            failures: Arc::default(),
+            hang_after_admit: Arc::default(),
+            failing_scans: Arc::default(),
+        }
+    }
+
+    /// The next write whose records match fails.
+    pub fn fail_once(&self, predicate: impl Fn(&[Record]) -> bool + Send + 'static) {
+        self.fail_once_in(move |_, records| predicate(records));
+    }
+
+    /// Every write whose records match fails.
+    pub fn fail_always(&self, predicate: impl Fn(&[Record]) -> bool + Send + 'static) {
+        self.always.store(true, Ordering::SeqCst);
+        self.fail_once(predicate);
+    }
+
+    /// The next write to a stream whose key and records match fails.
+    pub fn fail_once_in(&self, predicate: impl Fn(&InstanceKey, &[Record]) -> bool + Send + 'static) {
+        *self.fault.lock().unwrap() = Some(Box::new(predicate));
+    }
+
+    /// No write fails from now on.
+    pub fn disarm(&self) {
+        *self.fault.lock().unwrap() = None;
+    }
+
+    /// Whether a write of `records` to `key` fails now (counted; a one-time fault is spent).
+    fn injects_failure(&self, key: &InstanceKey, records: &[Record]) -> bool {
+        let mut fault = self.fault.lock().unwrap();
+        if !fault.as_ref().is_some_and(|matches| matches(key, records)) {
+            return false;
+        }
+        if !self.always.load(Ordering::SeqCst) {
+            *fault = None;
+        }
+        self.failures.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+}
+
+fn injected(what: &str) -> StoreError {
+    StoreError::Other(format!("injected {what} failure"))
+}
+
+impl Store for FaultyStore {
+    crate::harness::delegate_store!(
+        inner;
+        instance, submission, has_queued, claim_next, renew_leases, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, requeue,
+        request_abort, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values, create_child,
+    );
+
+    fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
+        Box::pin(async move {
+            let admitted = self.inner.admit(admission).await?;
+            let hang = {
+                let mut hang = self.hang_after_admit.lock().unwrap();
+                let armed = hang.as_deref() == Some("armed");
+                if armed {
+                    *hang = Some(admitted.submission.id.clone());
+                }
+                armed
+            };
+            if hang {
+                std::future::pending::<()>().await;
+            }
+            Ok(admitted)
+        })
+    }
+
+    fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        if self.failing_scans.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(injected("scan"))));
+        }
+        self.inner.expired(now_ms)
+    }
+
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: Arc<[Record]>,
+        authorization: Option<&AttemptRef>,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        if self.injects_failure(key, &records) {
+            return Box::pin(std::future::ready(Err(injected("append"))));
+        }
+        self.inner.append(key, records, authorization)
+    }
+
+    /// A settlement fails as an append does: when its records match (in its instance's stream).
+    fn settle(
+        &self,
+        host: &AttemptRef,
+        outcome: Outcome,
+        error: Option<SettlementError>,
+        records: Vec<Record>,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let host = host.clone();
+        Box::pin(async move {
+            if let Some(row) = self.inner.submission(&host.submission_id).await?
+                && self.injects_failure(&row.key, &records)
+            {
+                return Err(injected("settlement"));
+            }
+            self.inner.settle(&host, outcome, error, records).await
+        })
+    }
+}
