@@ -100,14 +100,14 @@ impl LazyId {
 pub(crate) struct Correlation {
     /// The operation's id, made when an event first needs it.
     operation: std::sync::OnceLock<String>,
-    turn: std::sync::Mutex<Option<LazyId>>,
+    turn: TurnSlot,
 }
 
 impl Correlation {
     pub(crate) fn new() -> Self {
         Self {
             operation: std::sync::OnceLock::new(),
-            turn: std::sync::Mutex::new(None),
+            turn: TurnSlot::default(),
         }
     }
 
@@ -118,18 +118,31 @@ impl Correlation {
 
     /// The turn the events from now on belong to (`None`: no turn is in progress).
     pub(crate) fn set_turn(&self, turn: Option<&LazyId>) {
-        *self.turn.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = turn.cloned();
+        self.turn.set(turn);
     }
 
     /// The ids an observation carries now: the operation's, and the turn's while one runs.
     pub(crate) fn ids(&self) -> (String, Option<String>) {
-        let turn = self
-            .turn
+        (self.operation_id(), self.turn.id())
+    }
+}
+
+/// The model turn in progress in a session (the root's or a task child's), if any.
+#[derive(Default)]
+struct TurnSlot(std::sync::Mutex<Option<LazyId>>);
+
+impl TurnSlot {
+    fn set(&self, turn: Option<&LazyId>) {
+        *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = turn.cloned();
+    }
+
+    /// The turn's id (made now if no event needed it before).
+    fn id(&self) -> Option<String> {
+        self.0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .as_ref()
-            .map(LazyId::get);
-        (self.operation_id(), turn)
+            .map(LazyId::get)
     }
 }
 
@@ -137,31 +150,25 @@ impl Correlation {
 /// child's model turn in progress (the parent's operation stays theirs).
 pub(crate) struct TaskScope {
     task_id: String,
-    turn: std::sync::Mutex<Option<LazyId>>,
+    turn: TurnSlot,
 }
 
 impl TaskScope {
     pub(crate) fn new(task_id: &str) -> Self {
         Self {
             task_id: task_id.to_owned(),
-            turn: std::sync::Mutex::new(None),
+            turn: TurnSlot::default(),
         }
     }
 
     /// The child's turn the events from now on belong to (`None`: none is in progress).
     pub(crate) fn set_turn(&self, turn: Option<&LazyId>) {
-        *self.turn.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = turn.cloned();
+        self.turn.set(turn);
     }
 
     /// The task's id and the child's turn in progress.
     pub(crate) fn ids(&self) -> (String, Option<String>) {
-        let turn = self
-            .turn
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .as_ref()
-            .map(LazyId::get);
-        (self.task_id.clone(), turn)
+        (self.task_id.clone(), self.turn.id())
     }
 }
 
@@ -438,6 +445,24 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<SettlementError>,
     },
+}
+
+impl Event {
+    /// The `turn_messages` of an agent turn: its assistant message (`text`, `tool_calls`) and
+    /// the results of its calls, as stored.
+    pub(crate) fn agent_turn_messages(
+        turn: &LazyId,
+        text: String,
+        tool_calls: Vec<ModelToolCall>,
+        tool_results: Vec<ModelMessage>,
+    ) -> Self {
+        Self::TurnMessages {
+            turn_id: turn.get(),
+            purpose: TurnPurpose::Agent,
+            message: ModelMessage::Assistant { text, tool_calls },
+            tool_results,
+        }
+    }
 }
 
 /// The recovery or coordination step a `submission_recovery` reports (the reference's

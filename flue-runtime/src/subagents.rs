@@ -777,15 +777,7 @@ async fn child_session(
             role: "assistant".into(),
         });
         if response.tool_calls.is_empty() {
-            events.emit(|| Event::TurnMessages {
-                turn_id: turn_id.get(),
-                purpose: TurnPurpose::Agent,
-                message: ModelMessage::Assistant {
-                    text: response.text.clone(),
-                    tool_calls: Vec::new(),
-                },
-                tool_results: Vec::new(),
-            });
+            events.emit(|| Event::agent_turn_messages(&turn_id, response.text.clone(), Vec::new(), Vec::new()));
         } else {
             session
                 .batch(
@@ -1018,15 +1010,8 @@ impl ChildSession<'_> {
             results.push(result);
         }
         if let Some((turn_id, text)) = turn {
-            self.events.emit(|| Event::TurnMessages {
-                turn_id: turn_id.get(),
-                purpose: TurnPurpose::Agent,
-                message: ModelMessage::Assistant {
-                    text: text.to_owned(),
-                    tool_calls: calls.to_vec(),
-                },
-                tool_results: results,
-            });
+            self.events
+                .emit(|| Event::agent_turn_messages(turn_id, text.to_owned(), calls.to_vec(), results));
         }
         Ok(())
     }

@@ -503,11 +503,9 @@ async fn a_long_poll_waits_for_the_next_batch_and_times_out_with_the_checkpoint_
     assert_ne!(header(&headers, "stream-next-offset"), head);
 }
 
-/// The updates a router caches per instance answer, at every offset and as the conversation
-/// grows, byte for byte what a router caching nothing (folding the whole stream) answers.
-#[tokio::test]
-async fn updates_reads_answer_byte_for_byte_as_an_uncached_router_at_every_offset() {
-    let server = Server::start().await;
+/// Serves `server`'s runtime through a second router that caches no reads; its agent's base
+/// URL.
+async fn uncached_router(server: &Server) -> String {
     let uncached = flue_runtime::http::router_with(
         &server.runtime,
         HttpOptions {
@@ -516,8 +514,17 @@ async fn updates_reads_answer_byte_for_byte_as_an_uncached_router_at_every_offse
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let uncached_base = format!("http://{}/agents/calculator", listener.local_addr().unwrap());
+    let base = format!("http://{}/agents/calculator", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, uncached).await.unwrap() });
+    base
+}
+
+/// The updates a router caches per instance answer, at every offset and as the conversation
+/// grows, byte for byte what a router caching nothing (folding the whole stream) answers.
+#[tokio::test]
+async fn updates_reads_answer_byte_for_byte_as_an_uncached_router_at_every_offset() {
+    let server = Server::start().await;
+    let uncached_base = uncached_router(&server).await;
     let read = |base: String| {
         let client = server.client.clone();
         async move {
@@ -575,16 +582,7 @@ async fn updates_reads_answer_byte_for_byte_as_an_uncached_router_at_every_offse
 #[tokio::test]
 async fn history_and_sse_catch_up_answer_as_an_uncached_router_at_every_offset() {
     let server = Server::start().await;
-    let uncached = flue_runtime::http::router_with(
-        &server.runtime,
-        HttpOptions {
-            updates_cache_instances: 0,
-            ..HttpOptions::default()
-        },
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let uncached_base = format!("http://{}/agents/calculator", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, uncached).await.unwrap() });
+    let uncached_base = uncached_router(&server).await;
     let client = server.client.clone();
     let history = |url: String| {
         let client = client.clone();

@@ -634,16 +634,23 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn an_updates_read_projects_only_the_batches_after_its_offset() {
-        let store = MemoryStore::new();
-        let (key, uid) = create(&store, "counted").await;
-        for n in 0..3 {
+    /// Creates the instance `id` with `exchanges` exchanges in its stream: its key,
+    /// incarnation and head offset.
+    async fn conversation(store: &MemoryStore, id: &str, exchanges: usize) -> (InstanceKey, String, u64) {
+        let (key, uid) = create(store, id).await;
+        for n in 0..exchanges {
             for batch in exchange(n) {
-                append(&store, &key, batch).await;
+                append(store, &key, batch).await;
             }
         }
         let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        (key, uid, head)
+    }
+
+    #[tokio::test]
+    async fn an_updates_read_projects_only_the_batches_after_its_offset() {
+        let store = MemoryStore::new();
+        let (key, uid, head) = conversation(&store, "counted", 3).await;
         let cache = UpdatesCache::new(8);
         let first = read(&cache, &store, &key, &uid, None).await;
         assert_eq!(first.next, Some(head));
@@ -680,11 +687,7 @@ mod tests {
     #[tokio::test]
     async fn a_history_read_folds_only_the_batches_appended_since_the_last_read() {
         let store = MemoryStore::new();
-        let (key, uid) = create(&store, "history").await;
-        for batch in exchange(0) {
-            append(&store, &key, batch).await;
-        }
-        let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        let (key, uid, head) = conversation(&store, "history", 1).await;
         let cache = UpdatesCache::new(8);
         let first = cache.history(&store, &key, Some(&uid)).await.unwrap().unwrap();
         assert_eq!(first, history_from_scratch(&store, &key).await);
@@ -729,13 +732,7 @@ mod tests {
     #[tokio::test]
     async fn a_cached_lookup_answers_only_from_a_held_window_and_never_folds_the_stream() {
         let store = MemoryStore::new();
-        let (key, uid) = create(&store, "window").await;
-        for n in 0..3 {
-            for batch in exchange(n) {
-                append(&store, &key, batch).await;
-            }
-        }
-        let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        let (key, uid, head) = conversation(&store, "window", 3).await;
         let cache = UpdatesCache::with_window(8, 4, usize::MAX);
         // Nothing held: no answer, and nothing folded.
         assert!(

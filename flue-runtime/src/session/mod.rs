@@ -1876,15 +1876,7 @@ impl Response<'_> {
         if response.tool_calls.is_empty() {
             // A turn without calls added its message alone, durable now (a turn with calls
             // reports its messages once its tool batch committed).
-            self.emit_with(|| Event::TurnMessages {
-                turn_id: turn_id.get(),
-                purpose: TurnPurpose::Agent,
-                message: ModelMessage::Assistant {
-                    text: response.text.clone(),
-                    tool_calls: Vec::new(),
-                },
-                tool_results: Vec::new(),
-            });
+            self.emit_with(|| Event::agent_turn_messages(&turn_id, response.text.clone(), Vec::new(), Vec::new()));
             self.set_turn(None);
         }
         self.assistant_row_updated(&message_id).await;
@@ -2279,15 +2271,7 @@ impl Response<'_> {
                 });
         }
         if let (Some((turn_id, text)), Some(tool_results)) = (turn, results) {
-            self.emit_with(|| Event::TurnMessages {
-                turn_id: turn_id.get(),
-                purpose: TurnPurpose::Agent,
-                message: ModelMessage::Assistant {
-                    text: text.to_owned(),
-                    tool_calls: calls.to_vec(),
-                },
-                tool_results,
-            });
+            self.emit_with(|| Event::agent_turn_messages(turn_id, text.to_owned(), calls.to_vec(), tool_results));
         }
         if turn.is_some() {
             // The model turn ends with its batch.
