@@ -375,15 +375,22 @@ unsafe extern "C" fn read(file: *mut ffi::sqlite3_file, data: *mut c_void, amoun
 flushing!(truncate, xTruncate, (size: i64));
 /// # Safety
 /// SQLite calls it as a WAL handle's `xSync`.
+///
+/// The gather is released before the file is synced: the sync covers what this handle's
+/// connection wrote (flushed here), and a disk flush takes milliseconds, during which another
+/// connection of this process (the writer, while the checkpointer syncs) must be able to
+/// append. Holding it made every commit that met a background checkpoint wait out its fsync.
 unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     // SAFETY: the handle is ours, and SQLite's promises for `xSync` hold for the forwarded call.
     unsafe {
-        let mut gather = gather(file);
-        let rc = flush(file, &mut gather);
-        if rc != ffi::SQLITE_OK {
-            return rc;
+        {
+            let mut gather = gather(file);
+            let rc = flush(file, &mut gather);
+            if rc != ffi::SQLITE_OK {
+                return rc;
+            }
+            gather.synced = true;
         }
-        gather.synced = true;
         match (*trailer(file).inner).xSync {
             Some(method) => method(file, flags),
             None => ffi::SQLITE_IOERR_FSYNC,
@@ -1168,6 +1175,66 @@ mod tests {
                 assert_eq!(count(&crash_copy(&path, &dir)), id);
             }
         }
+    }
+
+    /// Whether the handle's gather was free while the fake `xSync` below ran.
+    static GATHER_FREE_DURING_SYNC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    /// Stands in for `unix-excl`'s `xSync` (a disk flush): notes whether another connection
+    /// could reach the file's gather meanwhile.
+    unsafe extern "C" fn observing_sync(file: *mut ffi::sqlite3_file, _flags: c_int) -> c_int {
+        // SAFETY: called through `sync` on the handle the test built, whose trailer is set.
+        let free = unsafe { (*trailer(file).gather).try_lock().is_ok() };
+        GATHER_FREE_DURING_SYNC.store(free, Ordering::SeqCst);
+        ffi::SQLITE_OK
+    }
+
+    #[test]
+    fn a_wal_sync_leaves_the_files_gather_free_for_other_connections_while_the_disk_flushes() {
+        register().unwrap();
+        let inner = ffi::sqlite3_io_methods {
+            iVersion: 1,
+            xClose: None,
+            xRead: None,
+            xWrite: None,
+            xTruncate: None,
+            xSync: Some(observing_sync),
+            xFileSize: None,
+            xLock: None,
+            xUnlock: None,
+            xCheckReservedLock: None,
+            xFileControl: None,
+            xSectorSize: None,
+            xDeviceCharacteristics: None,
+            xShmMap: None,
+            xShmLock: None,
+            xShmBarrier: None,
+            xShmUnmap: None,
+            xFetch: None,
+            xUnfetch: None,
+        };
+        let gather = Arc::new(Mutex::new(Gather::default()));
+        // A handle as `open` leaves it: `unix-excl`'s part (unused by the fake) and the trailer.
+        let words = (TRAILER_OFFSET.load(Ordering::Relaxed) + std::mem::size_of::<Trailer>()).div_ceil(8);
+        let mut handle = vec![0_u64; words];
+        let file: *mut ffi::sqlite3_file = handle.as_mut_ptr().cast();
+        // SAFETY: the buffer is zeroed, aligned for the handle and the trailer, and large
+        // enough for both; `inner` and `gather` outlive every call below.
+        let rc = unsafe {
+            (*file).pMethods = &raw const WAL_METHODS;
+            trailer_ptr(file).write(Trailer {
+                inner: &raw const inner,
+                gather: Arc::as_ptr(&gather),
+                file: (0, 0),
+            });
+            sync(file, ffi::SQLITE_SYNC_NORMAL)
+        };
+        assert_eq!(rc, ffi::SQLITE_OK);
+        assert!(
+            GATHER_FREE_DURING_SYNC.load(Ordering::SeqCst),
+            "the gather stayed locked through the disk flush: a commit on another connection would wait it out"
+        );
+        assert!(gather.lock().unwrap().synced);
     }
 
     #[test]
