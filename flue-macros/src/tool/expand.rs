@@ -15,8 +15,11 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let name = &model.name.0;
     let description = model.description.clone().unwrap_or_default();
     let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
-    let (impl_generics, ty_generics, where_clause) = function.sig.generics.split_for_impl();
-    let generic = !function.sig.generics.params.is_empty();
+    // The tool's type takes the function's type parameters only: its lifetimes are the body's
+    // own (late-bound, inferred at the call), never part of the tool.
+    let type_generics = without_lifetimes(&function.sig.generics);
+    let (impl_generics, ty_generics, where_clause) = type_generics.split_for_impl();
+    let generic = !type_generics.params.is_empty();
 
     let mut body = function.clone();
     body.sig.ident = format_ident!("__flue_tool_body");
@@ -171,4 +174,21 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             }
         };
     }
+}
+
+/// `generics` without its lifetime parameters and the where-clause bounds of lifetimes.
+fn without_lifetimes(generics: &syn::Generics) -> syn::Generics {
+    let mut kept = generics.clone();
+    kept.params = kept
+        .params
+        .into_iter()
+        .filter(|param| !matches!(param, syn::GenericParam::Lifetime(_)))
+        .collect();
+    if let Some(clause) = &mut kept.where_clause {
+        clause.predicates = std::mem::take(&mut clause.predicates)
+            .into_iter()
+            .filter(|predicate| !matches!(predicate, syn::WherePredicate::Lifetime(_)))
+            .collect();
+    }
+    kept
 }

@@ -39,7 +39,7 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             ),
         ));
     }
-    if !sig.generics.params.is_empty() && matches!(model.arguments, Arguments::Plain(_)) {
+    if !crate::lifetimes_only(&sig.generics) && matches!(model.arguments, Arguments::Plain(_)) {
         errors.spanned(
             &sig.generics,
             "a generic tool takes its arguments as one `args: T` parameter",
