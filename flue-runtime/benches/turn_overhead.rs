@@ -147,6 +147,14 @@ fn median(mut samples: Vec<Duration>) -> Duration {
     samples.get(samples.len() / 2).copied().unwrap_or_default()
 }
 
+/// The `percent`th percentile (nearest rank) of `samples`.
+fn percentile(samples: &[Duration], percent: usize) -> Duration {
+    let mut sorted = samples.to_vec();
+    sorted.sort();
+    let rank = (sorted.len() * percent).div_ceil(100).max(1);
+    sorted.get(rank - 1).copied().unwrap_or_default()
+}
+
 fn mean(samples: &[Duration]) -> Duration {
     samples.iter().sum::<Duration>() / u32::try_from(samples.len().max(1)).unwrap_or(u32::MAX)
 }
@@ -281,13 +289,18 @@ async fn http_overhead(
         // The mean too: it includes the rare slow exchange (on SQLite, the commit that
         // restarts the WAL) that a median leaves out.
         let mean_overhead = mean(&through).saturating_sub(mean(&plain));
+        // And the tail: a stall (a lock held across a disk flush, a checkpoint) shows here
+        // first.
+        let (plain_p99, through_p99) = (percentile(&plain, 99), percentile(&through, 99));
         let (plain, through) = (median(plain), median(through));
         println!(
-            "turn_overhead (HTTP, {store}, {scheduler}): plain reqwest {:.0} µs, runtime {:.0} µs, overhead {:.0} µs per exchange (medians of {rounds}; mean overhead {:.0} µs)",
+            "turn_overhead (HTTP, {store}, {scheduler}): plain reqwest {:.0} µs, runtime {:.0} µs, overhead {:.0} µs per exchange (medians of {rounds}; mean overhead {:.0} µs; p99 plain {:.0} µs, runtime {:.0} µs)",
             micros(plain),
             micros(through),
             micros(through.saturating_sub(plain)),
-            micros(mean_overhead)
+            micros(mean_overhead),
+            micros(plain_p99),
+            micros(through_p99)
         );
     }
     (db, base_url, client, url)
