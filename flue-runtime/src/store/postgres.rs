@@ -193,6 +193,16 @@ const APPEND_BATCH: &str = "WITH bumped AS (UPDATE flue_instances SET next_offse
      WHERE agent = $1 AND instance_id = $2 RETURNING next_offset - 1 AS batch_offset) \
      INSERT INTO flue_batches (agent, instance_id, batch_offset, records) \
      SELECT $1, $2, batch_offset, $3 FROM bumped RETURNING batch_offset";
+/// [`APPEND_BATCH`] fenced by the appending attempt (`$4`, `$5`: the submission and attempt ids,
+/// both null for an unfenced append): no row, and nothing written, when the attempt does not
+/// own its submission. What lets [`PostgresStore::append`] send its `COMMIT` before it has
+/// seen the fence's answer.
+const APPEND_BATCH_FENCED: &str = "WITH bumped AS (UPDATE flue_instances SET next_offset = next_offset + 1 \
+     WHERE agent = $1 AND instance_id = $2 AND ($4::TEXT IS NULL OR EXISTS (SELECT 1 FROM flue_submissions \
+     WHERE id = $4::TEXT AND status = 'running' AND attempt_id = $5::TEXT)) \
+     RETURNING next_offset - 1 AS batch_offset) \
+     INSERT INTO flue_batches (agent, instance_id, batch_offset, records) \
+     SELECT $1, $2, batch_offset, $3 FROM bumped RETURNING batch_offset";
 const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
      WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
 const LAST_BATCH: &str = "SELECT MAX(batch_offset) FROM flue_batches WHERE agent = $1 AND instance_id = $2";
@@ -451,18 +461,25 @@ fn corrupt(what: impl fmt::Display) -> StoreError {
 /// transaction of a pooled connection and commits it; reruns it when Postgres rolled it back as
 /// a deadlock or serialization victim.
 macro_rules! in_transaction {
-    ($store:expr, |$tx:ident| $body:expr) => {{
+    ($store:expr, |$tx:ident| $body:expr) => {
+        retrying!(async {
+            let mut client = $store.client().await?;
+            let $tx = client.transaction().await?;
+            let value = $body?;
+            $tx.commit().await?;
+            Ok(value)
+        })
+    };
+}
+
+/// Awaits `$attempt` (a future of `Result<T, Failure>`, made afresh each time) until it does
+/// not fail as a deadlock or serialization victim, at most [`MAX_TRIES`] times.
+macro_rules! retrying {
+    ($attempt:expr) => {{
         let mut tries = 0u32;
         loop {
             tries += 1;
-            let result: Result<_, Failure> = async {
-                let mut client = $store.client().await?;
-                let $tx = client.transaction().await?;
-                let value = $body?;
-                $tx.commit().await?;
-                Ok(value)
-            }
-            .await;
+            let result: Result<_, Failure> = $attempt.await;
             match result {
                 Err(failure) if failure.is_transient() && tries < MAX_TRIES => continue,
                 other => break other.map_err(Failure::into_store_error),
@@ -586,6 +603,73 @@ impl PostgresStore {
             }
             Err(error) => Err(db_error(&error)),
         }
+    }
+
+    /// [`Store::append`] in one round trip: `BEGIN`, the instance lock, the owner check (which
+    /// holds the submission row until the commit), the fenced append and `COMMIT` go out
+    /// together, and the server runs them in that order. The fence is in the append statement
+    /// itself ([`APPEND_BATCH_FENCED`]), so a commit sent before the check's answer writes
+    /// nothing for an attempt that lost its submission; any failed statement aborts the
+    /// transaction, whose `COMMIT` then rolls it back. Every statement is sent on the first
+    /// poll (the client's request queue is unbounded), so a caller that stops waiting leaves a
+    /// whole transaction to run on the connection, never an open one.
+    async fn append_in_one_trip(
+        &self,
+        key: &InstanceKey,
+        records: &[Record],
+        authorization: Option<&AttemptRef>,
+    ) -> Result<u64, Failure> {
+        if records.is_empty() {
+            return Err(StoreError::Other("an append batch must not be empty".into()).into());
+        }
+        let json = to_json(records, "records")?;
+        let client = self.client().await?;
+        let (lock, owner, append) = (
+            client.prepare_cached(LOCK_INSTANCE).await?,
+            client.prepare_cached(OWNS_SHARED).await?,
+            client.prepare_cached(APPEND_BATCH_FENCED).await?,
+        );
+        let (agent, id) = (&*key.agent, &*key.id);
+        let (submission, attempt) = (
+            authorization.map(|attempt| attempt.submission_id.as_str()),
+            authorization.map(|attempt| attempt.attempt_id.as_str()),
+        );
+        let owned = async {
+            match (submission, attempt) {
+                (Some(submission), Some(attempt)) => {
+                    Ok(client.query_opt(&owner, &[&submission, &attempt]).await?.is_some())
+                }
+                _ => Ok::<_, tokio_postgres::Error>(true),
+            }
+        };
+        let (lock_params, append_params): (
+            &[&(dyn tokio_postgres::types::ToSql + Sync)],
+            &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        ) = (&[&agent, &id], &[&agent, &id, &json, &submission, &attempt]);
+        let (begun, locked, owned, appended, committed) = futures_util::join!(
+            client.batch_execute("BEGIN"),
+            client.query_opt(&lock, lock_params),
+            owned,
+            client.query_opt(&append, append_params),
+            client.batch_execute("COMMIT"),
+        );
+        // The first failure is the cause; the statements after it failed for it.
+        begun?;
+        let (stream, owned, appended) = (locked?, owned?, appended?);
+        committed?;
+        if let Some(attempt) = authorization
+            && !owned
+        {
+            return Err(StoreError::Fenced(format!(
+                "attempt {} does not own submission {}",
+                attempt.attempt_id, attempt.submission_id
+            ))
+            .into());
+        }
+        if stream.is_none() {
+            return Err(StoreError::Other(format!("no stream {key}")).into());
+        }
+        appended_offset(key, appended)
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, Failure> {
@@ -1535,9 +1619,7 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let key = key.clone();
         let authorization = authorization.cloned();
-        Box::pin(
-            async move { in_transaction!(self, |tx| append_tx(&tx, &key, &records, authorization.as_ref()).await) },
-        )
+        Box::pin(async move { retrying!(self.append_in_one_trip(&key, &records, authorization.as_ref())) })
     }
 
     fn create_child(
