@@ -596,6 +596,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Appends one batch atomically. With `authorization`, the attempt must still own its
     /// submission.
+    ///
+    /// Dropping the returned future does not withdraw the batch: once it was polled (the
+    /// SQLite and memory stores append before returning it), the batch may be in the stream
+    /// whether or not the caller saw its offset. The fence holds either way: an attempt that
+    /// no longer owns its submission never appends.
     fn append(
         &self,
         key: &InstanceKey,

@@ -196,10 +196,11 @@ const APPEND_BATCH: &str = "WITH bumped AS (UPDATE flue_instances SET next_offse
 /// [`APPEND_BATCH`] fenced by the appending attempt (`$4`, `$5`: the submission and attempt ids,
 /// both null for an unfenced append): no row, and nothing written, when the attempt does not
 /// own its submission. What lets [`PostgresStore::append`] send its `COMMIT` before it has
-/// seen the fence's answer.
+/// seen the fence's answer. The check share-locks the submission row itself, so the statement
+/// is fenced on its own, whatever ran before it.
 const APPEND_BATCH_FENCED: &str = "WITH bumped AS (UPDATE flue_instances SET next_offset = next_offset + 1 \
      WHERE agent = $1 AND instance_id = $2 AND ($4::TEXT IS NULL OR EXISTS (SELECT 1 FROM flue_submissions \
-     WHERE id = $4::TEXT AND status = 'running' AND attempt_id = $5::TEXT)) \
+     WHERE id = $4::TEXT AND status = 'running' AND attempt_id = $5::TEXT FOR SHARE)) \
      RETURNING next_offset - 1 AS batch_offset) \
      INSERT INTO flue_batches (agent, instance_id, batch_offset, records) \
      SELECT $1, $2, batch_offset, $3 FROM bumped RETURNING batch_offset";
@@ -2671,5 +2672,261 @@ mod tests {
         assert_eq!(quote_identifier("plain"), "\"plain\"");
         assert_eq!(quote_identifier("a\"b"), "\"a\"\"b\"");
         assert_eq!(escape_option("\"a b\\c\""), "\"a\\ b\\\\c\"");
+    }
+
+    // ---- a fenced append racing a takeover, and appends dropped mid-flight -----------------
+
+    /// The bodies of the stream's `A:`-tagged user messages (the racing appenders'), by offset.
+    fn racing_bodies(batches: &[Batch]) -> std::collections::BTreeMap<u64, String> {
+        batches
+            .iter()
+            .filter_map(|batch| match &batch.records[0].body {
+                RecordBody::UserMessage { body, .. } if body.starts_with("A:") => Some((batch.offset, body.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    type Appender = tokio::task::JoinHandle<(Vec<(u64, String)>, String)>;
+
+    /// Six appenders of the attempt `stale` to `stream`, on both nodes, each appending until it
+    /// is fenced: what each saw appended, and the body it was fenced with.
+    fn stale_appenders(
+        a: &PostgresStore,
+        b: &PostgresStore,
+        stream: &InstanceKey,
+        stale: &AttemptRef,
+    ) -> Vec<Appender> {
+        (0..6)
+            .map(|k| {
+                let node = if k % 2 == 0 { a.clone() } else { b.clone() };
+                let (stream, stale) = (stream.clone(), stale.clone());
+                tokio::spawn(async move {
+                    let mut appended = Vec::new();
+                    for n in 0.. {
+                        let body = format!("A:{k}:{n}");
+                        match node
+                            .append(&stream, vec![user_record(&body)].into(), Some(&stale))
+                            .await
+                        {
+                            Ok(offset) => appended.push((offset, body)),
+                            Err(StoreError::Fenced(_)) => return (appended, body),
+                            Err(other) => panic!("unexpected append error: {other}"),
+                        }
+                    }
+                    unreachable!("an appender runs until it is fenced")
+                })
+            })
+            .collect()
+    }
+
+    /// Ends `stale`'s ownership one of three ways (node b reclaims it, it settles, node b
+    /// requeues it); the attempt that owns the submission afterwards, if any.
+    async fn end_ownership(a: &PostgresStore, b: &PostgresStore, way: u64, stale: &AttemptRef) -> Option<AttemptRef> {
+        let submission = stale.submission_id.as_str();
+        match way % 3 {
+            0 => {
+                let lease = super::super::now_ms() + 60_000;
+                b.reclaim(submission, &stale.attempt_id, &claim("attempt-b", "node-b"), lease)
+                    .await
+                    .unwrap()
+                    .unwrap();
+                Some(AttemptRef {
+                    submission_id: submission.to_owned(),
+                    attempt_id: "attempt-b".into(),
+                })
+            }
+            1 => {
+                a.settle(stale, Outcome::Completed, None, vec![user_record("settled")])
+                    .await
+                    .unwrap();
+                None
+            }
+            _ => {
+                assert!(b.requeue(stale).await.unwrap());
+                None
+            }
+        }
+    }
+
+    /// Exactly the appends reported as appended are in the stream, none reported fenced is,
+    /// none lands after `marker` (appended once the ownership ended), and the offsets run on.
+    async fn assert_fenced_cleanly(store: &PostgresStore, stream: &InstanceKey, appenders: Vec<Appender>, marker: u64) {
+        let (mut reported, mut fenced) = (std::collections::BTreeMap::new(), Vec::new());
+        for appender in appenders {
+            let (appended, fenced_body) = appender.await.unwrap();
+            reported.extend(appended);
+            fenced.push(fenced_body);
+        }
+        let batches = store.read(stream, None).await.unwrap();
+        let offsets: Vec<u64> = batches.iter().map(|batch| batch.offset).collect();
+        assert_eq!(offsets, (0..batches.len() as u64).collect::<Vec<_>>(), "offsets run on");
+        let written = racing_bodies(&batches);
+        assert_eq!(
+            written, reported,
+            "exactly the appends reported as appended are written"
+        );
+        for body in &fenced {
+            assert!(
+                !written.values().any(|written| written == body),
+                "the fenced append {body} was written"
+            );
+        }
+        assert!(
+            written.keys().all(|&offset| offset < marker),
+            "a stale batch after the takeover"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn stale_appends_racing_a_takeover_are_written_exactly_when_reported_appended() {
+        let Some((a, b)) = two_nodes().await else { return };
+        for round in 0..40_u64 {
+            let instance = format!("race-{round}");
+            let stream = InstanceKey::new("assistant", instance.as_str());
+            let submission = format!("d-{round}");
+            a.admit(admission(&submission, "assistant", &instance)).await.unwrap();
+            a.claim_next(&stream, &claim("attempt-a", "node-a"))
+                .await
+                .unwrap()
+                .unwrap();
+            let stale = AttemptRef {
+                submission_id: submission.clone(),
+                attempt_id: "attempt-a".into(),
+            };
+            let appenders = stale_appenders(&a, &b, &stream, &stale);
+            tokio::time::sleep(Duration::from_millis(round % 7)).await;
+            let owner = end_ownership(&a, &b, round, &stale).await;
+            let marker = b
+                .append(&stream, vec![user_record("MARK")].into(), owner.as_ref())
+                .await
+                .unwrap();
+            assert_fenced_cleanly(&a, &stream, appenders, marker).await;
+        }
+    }
+
+    /// A task's child stream is another instance than its parent's submission: the instance
+    /// lock does not order the append against the takeover; the fence alone does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn stale_appends_to_a_child_stream_racing_a_takeover_are_written_exactly_when_reported_appended() {
+        let Some((a, b)) = two_nodes().await else { return };
+        for round in 0..40_u64 {
+            let instance = format!("parent-{round}");
+            let parent = InstanceKey::new("assistant", instance.as_str());
+            let child = InstanceKey::new("assistant:task", format!("{instance}/task"));
+            let submission = format!("p-{round}");
+            a.admit(admission(&submission, "assistant", &instance)).await.unwrap();
+            a.claim_next(&parent, &claim("attempt-a", "node-a"))
+                .await
+                .unwrap()
+                .unwrap();
+            let stale = AttemptRef {
+                submission_id: submission.clone(),
+                attempt_id: "attempt-a".into(),
+            };
+            a.create_child(
+                &parent,
+                vec![user_record("link")].into(),
+                &child,
+                vec![user_record("birth")].into(),
+                Some(&stale),
+            )
+            .await
+            .unwrap();
+            let appenders = stale_appenders(&a, &b, &child, &stale);
+            tokio::time::sleep(Duration::from_millis(round % 7)).await;
+            let owner = end_ownership(&a, &b, round, &stale).await;
+            let marker = b
+                .append(&child, vec![user_record("MARK")].into(), owner.as_ref())
+                .await
+                .unwrap();
+            assert_fenced_cleanly(&a, &child, appenders, marker).await;
+        }
+    }
+
+    /// Appends dropped after a few polls: every pooled connection is left outside a
+    /// transaction, and the stream stays whole (offsets run on, the next offset counts them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn appends_dropped_mid_flight_leave_no_connection_in_an_open_transaction() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        // Its own application name: other tests' connections share the database's activity.
+        let application = format!("flue-{schema}");
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let named = format!("{url}{separator}application_name={application}");
+        let store = PostgresStore::connect_with_schema(&named, &schema).await.unwrap();
+        let stream = InstanceKey::new("assistant", "dropped");
+        store.admit(admission("d-1", "assistant", "dropped")).await.unwrap();
+        store
+            .claim_next(&stream, &claim("attempt-a", "node-a"))
+            .await
+            .unwrap()
+            .unwrap();
+        let owner = AttemptRef {
+            submission_id: "d-1".into(),
+            attempt_id: "attempt-a".into(),
+        };
+        let tasks: Vec<_> = (0..8_u32)
+            .map(|t| {
+                let (store, stream, owner) = (store.clone(), stream.clone(), owner.clone());
+                tokio::spawn(async move {
+                    let mut completed = 0_usize;
+                    for n in 0..100_u32 {
+                        let mut append =
+                            store.append(&stream, vec![user_record(&format!("A:{t}:{n}"))].into(), Some(&owner));
+                        for _ in 0..1 + (n + t) % 6 {
+                            if let Some(result) = futures_util::FutureExt::now_or_never(&mut append) {
+                                result.unwrap();
+                                completed += 1;
+                                break;
+                            }
+                            tokio::task::yield_now().await;
+                        }
+                        drop(append);
+                        // An ordinary transaction, perhaps on a connection a dropped append left.
+                        if n % 10 == 0 {
+                            store
+                                .renew_leases("node-a", &["attempt-a".to_owned()], super::super::now_ms() + 30_000)
+                                .await
+                                .unwrap();
+                        }
+                    }
+                    completed
+                })
+            })
+            .collect();
+        let mut completed = 0;
+        for task in tasks {
+            completed += task.await.unwrap();
+        }
+        // A dropped append still queued on a connection runs to its commit.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let raw = raw(&url, &schema).await;
+        let open: i64 = raw
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+                 AND state LIKE 'idle in transaction%'",
+                &[&application],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(open, 0, "a pooled connection was left in an open transaction");
+        let batches = store.read(&stream, None).await.unwrap();
+        let offsets: Vec<u64> = batches.iter().map(|batch| batch.offset).collect();
+        assert_eq!(offsets, (0..batches.len() as u64).collect::<Vec<_>>(), "offsets run on");
+        let next: i64 = raw
+            .query_one(
+                "SELECT next_offset FROM flue_instances WHERE instance_id = 'dropped'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(usize::try_from(next).unwrap(), batches.len());
+        assert!(
+            racing_bodies(&batches).len() >= completed,
+            "an append reported appended is missing"
+        );
     }
 }
