@@ -620,10 +620,7 @@ impl PostgresStore {
         records: &[Record],
         authorization: Option<&AttemptRef>,
     ) -> Result<u64, Failure> {
-        if records.is_empty() {
-            return Err(StoreError::Other("an append batch must not be empty".into()).into());
-        }
-        let json = to_json(records, "records")?;
+        let json = batch_json(records)?;
         let client = self.client().await?;
         let (lock, owner, append) = (
             client.prepare_cached(LOCK_INSTANCE).await?,
@@ -658,19 +655,7 @@ impl PostgresStore {
         begun?;
         let (stream, owned, appended) = (locked?, owned?, appended?);
         committed?;
-        if let Some(attempt) = authorization
-            && !owned
-        {
-            return Err(StoreError::Fenced(format!(
-                "attempt {} does not own submission {}",
-                attempt.attempt_id, attempt.submission_id
-            ))
-            .into());
-        }
-        if stream.is_none() {
-            return Err(StoreError::Other(format!("no stream {key}")).into());
-        }
-        appended_offset(key, appended)
+        append_outcome(key, authorization, stream.is_some(), owned, appended)
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Client, Failure> {
@@ -938,6 +923,38 @@ async fn owns(tx: &Transaction<'_>, attempt: &AttemptRef, sql: &str) -> Result<b
 }
 
 /// The offset [`APPEND_BATCH`] returned.
+/// An append's batch as JSON; an empty batch is refused.
+fn batch_json(records: &[Record]) -> Result<String, Failure> {
+    if records.is_empty() {
+        return Err(StoreError::Other("an append batch must not be empty".into()).into());
+    }
+    Ok(to_json(records, "records")?)
+}
+
+/// What an append's statements answered, as its result: a fenced attempt first (nothing was
+/// written), then a missing stream, else the batch's offset.
+fn append_outcome(
+    key: &InstanceKey,
+    authorization: Option<&AttemptRef>,
+    stream_exists: bool,
+    owned: bool,
+    appended: Option<Row>,
+) -> Result<u64, Failure> {
+    if let Some(attempt) = authorization
+        && !owned
+    {
+        return Err(StoreError::Fenced(format!(
+            "attempt {} does not own submission {}",
+            attempt.attempt_id, attempt.submission_id
+        ))
+        .into());
+    }
+    if !stream_exists {
+        return Err(StoreError::Other(format!("no stream {key}")).into());
+    }
+    appended_offset(key, appended)
+}
+
 fn appended_offset(key: &InstanceKey, appended: Option<Row>) -> Result<u64, Failure> {
     let Some(row) = appended else {
         return Err(StoreError::Other(format!("no stream {key}")).into());
@@ -1340,10 +1357,7 @@ async fn append_tx(
     records: &[Record],
     authorization: Option<&AttemptRef>,
 ) -> Result<u64, Failure> {
-    if records.is_empty() {
-        return Err(StoreError::Other("an append batch must not be empty".into()).into());
-    }
-    let json = to_json(records, "records")?;
+    let json = batch_json(records)?;
     let (lock, owner, append) = (
         tx.prepare_cached(LOCK_INSTANCE).await?,
         tx.prepare_cached(OWNS_SHARED).await?,
@@ -1366,19 +1380,7 @@ async fn append_tx(
     };
     let appended = async { tx.query_opt(&append, &[&agent, &id, &json]).await };
     let (stream, owned, appended) = futures_util::future::try_join3(locked, owned, appended).await?;
-    if let Some(attempt) = authorization
-        && !owned
-    {
-        return Err(StoreError::Fenced(format!(
-            "attempt {} does not own submission {}",
-            attempt.attempt_id, attempt.submission_id
-        ))
-        .into());
-    }
-    if stream.is_none() {
-        return Err(StoreError::Other(format!("no stream {key}")).into());
-    }
-    appended_offset(key, appended)
+    append_outcome(key, authorization, stream.is_some(), owned, appended)
 }
 
 /// [`Store::create_child`] in `tx`: the parent's link (fenced), then the child's instance row
@@ -2778,6 +2780,34 @@ mod tests {
         );
     }
 
+    /// `submission`'s attempt `attempt-a` (claimed by node a in the race tests).
+    fn running_attempt(submission: &str) -> AttemptRef {
+        AttemptRef {
+            submission_id: submission.to_owned(),
+            attempt_id: "attempt-a".into(),
+        }
+    }
+
+    /// One round: stale appenders to `stream` while `stale`'s ownership ends (the way chosen
+    /// by `round`), then a marker appended by whoever owns the submission after, then the
+    /// checks of [`assert_fenced_cleanly`].
+    async fn race_a_takeover(
+        a: &PostgresStore,
+        b: &PostgresStore,
+        round: u64,
+        stream: &InstanceKey,
+        stale: &AttemptRef,
+    ) {
+        let appenders = stale_appenders(a, b, stream, stale);
+        tokio::time::sleep(Duration::from_millis(round % 7)).await;
+        let owner = end_ownership(a, b, round, stale).await;
+        let marker = b
+            .append(stream, vec![user_record("MARK")].into(), owner.as_ref())
+            .await
+            .unwrap();
+        assert_fenced_cleanly(a, stream, appenders, marker).await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn stale_appends_racing_a_takeover_are_written_exactly_when_reported_appended() {
         let Some((a, b)) = two_nodes().await else { return };
@@ -2790,18 +2820,7 @@ mod tests {
                 .await
                 .unwrap()
                 .unwrap();
-            let stale = AttemptRef {
-                submission_id: submission.clone(),
-                attempt_id: "attempt-a".into(),
-            };
-            let appenders = stale_appenders(&a, &b, &stream, &stale);
-            tokio::time::sleep(Duration::from_millis(round % 7)).await;
-            let owner = end_ownership(&a, &b, round, &stale).await;
-            let marker = b
-                .append(&stream, vec![user_record("MARK")].into(), owner.as_ref())
-                .await
-                .unwrap();
-            assert_fenced_cleanly(&a, &stream, appenders, marker).await;
+            race_a_takeover(&a, &b, round, &stream, &running_attempt(&submission)).await;
         }
     }
 
@@ -2820,10 +2839,7 @@ mod tests {
                 .await
                 .unwrap()
                 .unwrap();
-            let stale = AttemptRef {
-                submission_id: submission.clone(),
-                attempt_id: "attempt-a".into(),
-            };
+            let stale = running_attempt(&submission);
             a.create_child(
                 &parent,
                 vec![user_record("link")].into(),
@@ -2833,14 +2849,7 @@ mod tests {
             )
             .await
             .unwrap();
-            let appenders = stale_appenders(&a, &b, &child, &stale);
-            tokio::time::sleep(Duration::from_millis(round % 7)).await;
-            let owner = end_ownership(&a, &b, round, &stale).await;
-            let marker = b
-                .append(&child, vec![user_record("MARK")].into(), owner.as_ref())
-                .await
-                .unwrap();
-            assert_fenced_cleanly(&a, &child, appenders, marker).await;
+            race_a_takeover(&a, &b, round, &child, &stale).await;
         }
     }
 
