@@ -34,6 +34,15 @@ where
     format!("{} costs {} cents", args.item, C::price(&args.item))
 }
 
+/// Price an item, naming the context's lifetime in the catalog's bounds.
+#[tool(name = "price_item_for")]
+async fn price_for<'c, C: Catalog + 'c>(ctx: &'c ToolContext, args: PriceQuery) -> String
+where
+    C: 'c,
+{
+    format!("{}: {} costs {} cents", ctx.tool_call_id(), args.item, C::price(&args.item))
+}
+
 /// Hand the conversation to a person.
 #[tool(terminate)]
 async fn escalate(
@@ -64,6 +73,13 @@ fn a_generic_tool_carries_its_generics_and_where_clause() {
         tool.input_schema().json()["properties"]["item"]["description"],
         "The item to price"
     );
+}
+
+#[test]
+fn a_generic_tool_whose_type_parameters_outlive_its_lifetimes_runs_with_them() {
+    let tool = price_for::<Fixed>::new().into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c-7"), json!({"item": "desk"})));
+    assert_eq!(output.to_text(), "c-7: desk costs 400 cents");
 }
 
 #[test]

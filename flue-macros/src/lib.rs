@@ -215,6 +215,11 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// The function returns text, JSON, `()`, a `ToolOutput`, or a `Result` of these with an error
 /// convertible into `ToolError` (an `Err` is an error result the model sees).
 ///
+/// A tool may be generic over types (taking its arguments as `args: T`) and may name lifetimes.
+/// The lifetimes belong to the body, not to the tool, which outlives every call: type
+/// parameters may be bounded by them only as outlives bounds (`T: 'a`), never as in
+/// `T: Trait<'a>` (a compile error).
+///
 /// **What it expands to**: the function moves into a hidden body; the name becomes a
 /// zero-sized `struct` (generic tools: a struct built with `name::<T>::new()`) with an
 /// `impl ToolHandler` whose definition is a `static` (name, description, the argument schema

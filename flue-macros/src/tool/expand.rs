@@ -16,8 +16,8 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let description = model.description.clone().unwrap_or_default();
     let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
     // The tool's type takes the function's type parameters only: its lifetimes are the body's
-    // own (late-bound, inferred at the call), never part of the tool.
-    let type_generics = without_lifetimes(&function.sig.generics);
+    // own (inferred at the call), never part of the tool.
+    let type_generics = model.type_generics();
     let (impl_generics, ty_generics, where_clause) = type_generics.split_for_impl();
     let generic = !type_generics.params.is_empty();
 
@@ -59,7 +59,12 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     // A sync tool is reported as an error; do not pile an await error on top of it.
     let await_ = function.sig.asyncness.map(|_| quote!(.await));
     let awaited = quote!(__flue_tool_body #turbofish (#context #(#call_args),*) #await_);
+    // A bound the tool's type cannot take (reported by validation) leaves the body uncallable
+    // from it: the tool still expands, so the rest of the crate type-checks, but never runs.
     let output = match &function.sig.output {
+        _ if !model.misplaced_lifetimes().is_empty() => {
+            quote!(::core::unreachable!("this tool failed to compile"))
+        }
         ReturnType::Type(_, ty) => {
             quote_spanned!(ty.span()=> __flue::tool::tool_return::<#ty>(#awaited))
         }
@@ -174,21 +179,4 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             }
         };
     }
-}
-
-/// `generics` without its lifetime parameters and the where-clause bounds of lifetimes.
-fn without_lifetimes(generics: &syn::Generics) -> syn::Generics {
-    let mut kept = generics.clone();
-    kept.params = kept
-        .params
-        .into_iter()
-        .filter(|param| !matches!(param, syn::GenericParam::Lifetime(_)))
-        .collect();
-    if let Some(clause) = &mut kept.where_clause {
-        clause.predicates = std::mem::take(&mut clause.predicates)
-            .into_iter()
-            .filter(|predicate| !matches!(predicate, syn::WherePredicate::Lifetime(_)))
-            .collect();
-    }
-    kept
 }

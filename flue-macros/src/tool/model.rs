@@ -1,6 +1,7 @@
 //! The tool as the expansion sees it.
 
-use proc_macro2::Span;
+use proc_macro2::{Span, TokenStream, TokenTree};
+use quote::ToTokens;
 use syn::{Attribute, FnArg, Ident, ItemFn, Pat, Type};
 
 use super::parse::Options;
@@ -85,6 +86,131 @@ impl ToolModel {
             krate,
         }
     }
+}
+
+impl ToolModel {
+    /// The generics of the tool's type: the function's without its lifetime parameters, the
+    /// lifetimes' own where-predicates, and the outlives bounds that name them (`T: 'a`, which
+    /// every type parameter of the tool meets at the call, where the body's lifetimes are
+    /// inferred). A bound such as `T: Trait<'a>`, which the tool's type cannot express, names
+    /// `'static` instead: [`misplaced_lifetimes`](Self::misplaced_lifetimes) reports it, and the
+    /// rest of the expansion still type-checks.
+    pub(crate) fn type_generics(&self) -> syn::Generics {
+        let generics = &self.function.sig.generics;
+        let declared = declared_lifetimes(generics);
+        let keep = |bound: syn::TypeParamBound| match bound {
+            syn::TypeParamBound::Lifetime(lifetime) if declared.contains(&lifetime.ident) => None,
+            bound if lifetimes_in(bound.to_token_stream(), &declared).is_empty() => Some(bound),
+            bound => syn::parse2(as_static(bound.to_token_stream(), &declared)).ok(),
+        };
+        let mut kept = generics.clone();
+        kept.params = kept
+            .params
+            .into_iter()
+            .filter_map(|param| match param {
+                syn::GenericParam::Lifetime(_) => None,
+                syn::GenericParam::Type(mut param) => {
+                    param.bounds = std::mem::take(&mut param.bounds).into_iter().filter_map(keep).collect();
+                    if param.bounds.is_empty() {
+                        param.colon_token = None;
+                    }
+                    Some(syn::GenericParam::Type(param))
+                }
+                other => Some(other),
+            })
+            .collect();
+        if let Some(clause) = &mut kept.where_clause {
+            clause.predicates = std::mem::take(&mut clause.predicates)
+                .into_iter()
+                .filter_map(|predicate| match predicate {
+                    syn::WherePredicate::Lifetime(_) => None,
+                    syn::WherePredicate::Type(mut predicate) => {
+                        predicate.bounds = std::mem::take(&mut predicate.bounds)
+                            .into_iter()
+                            .filter_map(keep)
+                            .collect();
+                        (!predicate.bounds.is_empty()).then_some(syn::WherePredicate::Type(predicate))
+                    }
+                    other => Some(other),
+                })
+                .collect();
+        }
+        kept
+    }
+
+    /// The function's lifetimes named in bounds of its type parameters other than outlives
+    /// bounds (as in `T: Trait<'a>`), in order: the tool's type cannot take them.
+    pub(crate) fn misplaced_lifetimes(&self) -> Vec<syn::Lifetime> {
+        let generics = &self.function.sig.generics;
+        let declared = declared_lifetimes(generics);
+        if declared.is_empty() {
+            return Vec::new();
+        }
+        let in_params = generics.type_params().flat_map(|param| &param.bounds);
+        let in_clause = generics
+            .where_clause
+            .iter()
+            .flat_map(|clause| &clause.predicates)
+            .filter_map(|predicate| match predicate {
+                syn::WherePredicate::Type(predicate) => Some(&predicate.bounds),
+                _ => None,
+            })
+            .flatten();
+        in_params
+            .chain(in_clause)
+            .filter(|bound| !matches!(bound, syn::TypeParamBound::Lifetime(_)))
+            .flat_map(|bound| lifetimes_in(bound.to_token_stream(), &declared))
+            .collect()
+    }
+}
+
+fn declared_lifetimes(generics: &syn::Generics) -> Vec<Ident> {
+    generics.lifetimes().map(|def| def.lifetime.ident.clone()).collect()
+}
+
+/// `tokens` with the lifetimes among `declared` replaced by `'static`.
+fn as_static(tokens: TokenStream, declared: &[Ident]) -> TokenStream {
+    let mut out = Vec::new();
+    let mut tokens = tokens.into_iter().peekable();
+    while let Some(token) = tokens.next() {
+        match token {
+            TokenTree::Group(group) => {
+                let mut replaced = proc_macro2::Group::new(group.delimiter(), as_static(group.stream(), declared));
+                replaced.set_span(group.span());
+                out.push(TokenTree::Group(replaced));
+            }
+            TokenTree::Ident(ident)
+                if matches!(out.last(), Some(TokenTree::Punct(quote)) if quote.as_char() == '\'')
+                    && declared.contains(&ident) =>
+            {
+                out.push(TokenTree::Ident(Ident::new("static", ident.span())));
+            }
+            other => out.push(other),
+        }
+    }
+    out.into_iter().collect()
+}
+
+/// The lifetimes among `declared` that `tokens` name, in order.
+fn lifetimes_in(tokens: TokenStream, declared: &[Ident]) -> Vec<syn::Lifetime> {
+    let mut found = Vec::new();
+    let mut tokens = tokens.into_iter().peekable();
+    while let Some(token) = tokens.next() {
+        match token {
+            TokenTree::Group(group) => found.extend(lifetimes_in(group.stream(), declared)),
+            TokenTree::Punct(quote) if quote.as_char() == '\'' => {
+                if let Some(TokenTree::Ident(ident)) = tokens.peek()
+                    && declared.contains(ident)
+                {
+                    let mut lifetime = syn::Lifetime::new(&format!("'{ident}"), ident.span());
+                    lifetime.apostrophe = quote.span();
+                    found.push(lifetime);
+                }
+            }
+            _ => {}
+        }
+    }
+    found
 }
 
 /// `&ToolContext` (any path ending in `ToolContext`; the type system checks the rest).

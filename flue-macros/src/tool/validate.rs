@@ -45,6 +45,14 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             "a generic tool takes its arguments as one `args: T` parameter",
         );
     }
+    for lifetime in model.misplaced_lifetimes() {
+        errors.spanned(
+            &lifetime,
+            format!(
+                "a tool's type parameters may name the function's lifetimes only in outlives bounds (`T: {lifetime}`): the tool outlives every call, so `{lifetime}` cannot be part of its type"
+            ),
+        );
+    }
     if let (Some(progress), Arguments::Plain(fields)) = (&model.options.progress_argument, &model.arguments)
         && !fields.iter().any(|field| field.ident == progress.value())
     {

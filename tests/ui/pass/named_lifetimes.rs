@@ -36,6 +36,30 @@ struct Echo {
     text: String,
 }
 
+/// Where a generic tool finds its greeting.
+trait Greeting: Send + Sync + 'static {
+    const TEXT: &'static str;
+}
+
+struct Hello;
+
+impl Greeting for Hello {
+    const TEXT: &'static str = "hello";
+}
+
+/// Greets with its type's greeting; its lifetime bounds the type parameters in both places
+/// a bound can go.
+#[tool]
+async fn greet_with<'c, G: Greeting + 'c, A>(ctx: &'c ToolContext, args: A) -> String
+where
+    A: serde::de::DeserializeOwned + schemars::JsonSchema + Send + 'static + 'c,
+    G: 'c,
+{
+    let _: &'c ToolContext = ctx;
+    let _ = args;
+    G::TEXT.to_owned()
+}
+
 #[agent(hooks = [greet])]
 fn assistant<'a>(props: AgentProps<'a>) -> String
 where
@@ -44,6 +68,7 @@ where
     use_model("openai/gpt-4o");
     use_tool(echo);
     use_tool(echo_args);
+    use_tool(greet_with::<Hello, Echo>::new());
     format!("Help {}.", who(&props))
 }
 
