@@ -16,7 +16,8 @@
 //!
 //! Under a profiler, `FLUE_BENCH_PROFILE=http|http-sqlite|sqlite|scripted` runs just 20,000
 //! exchanges of one kind (HTTP on the memory store, HTTP on SQLite, scripted on SQLite, scripted
-//! on the memory store);
+//! on the memory store; `http-spawned` and `http-sqlite-spawned` drive the HTTP exchanges from a
+//! task on the workers, as a server's handler does);
 //! `long` one conversation of that many HTTP exchanges; `plain` the baseline alone, `provider`
 //! the provider path alone, `store` the stores alone,
 //! `interleaved` the runtime's own work and the provider path alone and then in turn.
@@ -407,12 +408,20 @@ async fn bench() {
             } else {
                 http_runtime(&base_url)
             };
-            for round in 0..profile_rounds() {
-                runtime
-                    .init(&http_agent, format!("p-{round}"))
-                    .send("2+3?")
-                    .await
-                    .expect("exchange");
+            let exchanges = async move {
+                for round in 0..profile_rounds() {
+                    runtime
+                        .init(&http_agent, format!("p-{round}"))
+                        .send("2+3?")
+                        .await
+                        .expect("exchange");
+                }
+            };
+            // `…-spawned`: driven from a task on the workers, as a server's handler drives it.
+            if target.contains("-spawned") {
+                tokio::spawn(exchanges).await.expect("the spawned exchanges");
+            } else {
+                exchanges.await;
             }
             return;
         }
