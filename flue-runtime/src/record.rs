@@ -340,7 +340,6 @@ pub(crate) fn now() -> Arc<str> {
     })
 }
 
-/// `<prefix>_<ULID>`, in one allocation of its exact size.
 /// The record bodies of one durable model step, in stream order: its start, its tool calls
 /// in call order, its completion (one shape for a response's steps and a task child's).
 pub(crate) fn model_step_bodies<'a>(
@@ -372,6 +371,7 @@ pub(crate) fn model_step_bodies<'a>(
     std::iter::once(started).chain(calls).chain(std::iter::once(completed))
 }
 
+/// `<prefix>_<ULID>`, in one allocation of its exact size.
 pub(crate) fn new_id(prefix: &str) -> String {
     let mut buffer = [0; ulid::ULID_LEN];
     let ulid = ulid::Ulid::new();
