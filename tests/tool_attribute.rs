@@ -40,7 +40,12 @@ async fn price_for<'c, C: Catalog + 'c>(ctx: &'c ToolContext, args: PriceQuery) 
 where
     C: 'c,
 {
-    format!("{}: {} costs {} cents", ctx.tool_call_id(), args.item, C::price(&args.item))
+    format!(
+        "{}: {} costs {} cents",
+        ctx.tool_call_id(),
+        args.item,
+        C::price(&args.item)
+    )
 }
 
 /// Hand the conversation to a person.
