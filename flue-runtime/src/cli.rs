@@ -11,8 +11,10 @@
 //! # }
 //! ```
 
+use std::future::{Future, IntoFuture};
 use std::io::Write;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use serde_json::json;
@@ -70,6 +72,40 @@ pub enum Command {
     Catalog,
 }
 
+/// How long `serve` waits, once interrupted, for open responses to end.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Serves every agent of `runtime` over HTTP ([`crate::http::router`]) on `listener` until
+/// `stop` completes; then shuts the runtime down ([`Runtime::shutdown`]: no new admissions,
+/// live reads end) and returns once every open response has ended, or after `grace` (the
+/// responses still open then end with the process, or when their clients leave).
+pub async fn serve(
+    runtime: &Runtime,
+    listener: tokio::net::TcpListener,
+    stop: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let (stopping, stopped) = tokio::sync::oneshot::channel();
+    let stopping_runtime = runtime.clone();
+    let signal = async move {
+        stop.await;
+        stopping_runtime.shutdown();
+        let _ = stopping.send(());
+    };
+    let server = axum::serve(listener, crate::http::router(runtime)).with_graceful_shutdown(signal);
+    let grace_over = async {
+        if stopped.await.is_err() {
+            // The server ended without being asked to: its own result decides.
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        result = server.into_future() => result,
+        () = grace_over => Ok(()),
+    }
+}
+
 /// Runs `command`, printing to stdout (errors to stderr); the process exit code.
 pub async fn run(runtime: &Runtime, command: Command) -> i32 {
     let mut stdout = std::io::stdout();
@@ -99,14 +135,20 @@ pub async fn execute(runtime: &Runtime, command: Command, out: &mut (dyn Write +
                 runtime.agent_names().join(", ")
             )?;
             out.flush()?;
-            let app = crate::http::router(runtime);
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = tokio::signal::ctrl_c().await;
-                })
+            let interrupted = async {
+                let _ = tokio::signal::ctrl_c().await;
+                // A second Ctrl-C stops waiting for open responses.
+                tokio::spawn(async {
+                    if tokio::signal::ctrl_c().await.is_ok() {
+                        eprintln!("interrupted again: exiting now");
+                        std::process::exit(130);
+                    }
+                });
+            };
+            serve(runtime, listener, interrupted, SHUTDOWN_GRACE)
                 .await
                 .map_err(|error| CliError::Io(error.to_string()))?;
-            runtime.shutdown();
+            writeln!(out, "stopped")?;
             Ok(())
         }
         Command::Run {

@@ -226,6 +226,7 @@ impl RuntimeBuilder {
             correlations: Mutex::default(),
             waiters: Mutex::default(),
             shutting_down: AtomicBool::new(false),
+            closed: tokio::sync::watch::Sender::new(false),
             owner_id: new_id("owner"),
             background: AtomicBool::new(false),
             user_hooks,
@@ -252,6 +253,8 @@ pub(crate) struct RuntimeInner {
     /// Senders waiting for a submission to settle, by submission id.
     waiters: Mutex<HashMap<String, Vec<oneshot::Sender<()>>>>,
     shutting_down: AtomicBool,
+    /// Turns `true` at [`Runtime::shutdown`]: live HTTP reads end on it.
+    closed: tokio::sync::watch::Sender<bool>,
     /// This node's identity on claims and leases.
     pub(crate) owner_id: String,
     /// Whether the heartbeat and lease scan run.
@@ -265,6 +268,20 @@ pub(crate) struct RuntimeInner {
 }
 
 impl RuntimeInner {
+    /// Completes once [`Runtime::shutdown`] was called (at once if it was).
+    pub(crate) fn closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut closed = self.closed.subscribe();
+        async move {
+            // An error means the runtime is gone: closed too.
+            let _ = closed.wait_for(|closed| *closed).await;
+        }
+    }
+
+    /// Whether [`Runtime::shutdown`] was called.
+    pub(crate) fn is_closed(&self) -> bool {
+        *self.closed.borrow()
+    }
+
     /// A claim by this node for a new attempt, leased for `options.lease`.
     pub(crate) fn claim(&self) -> crate::store::Claim {
         crate::store::Claim {
@@ -952,9 +969,13 @@ impl Runtime {
         &self.inner
     }
 
-    /// Stops admitting new messages.
+    /// Stops admitting new messages, and ends the live reads of the HTTP router
+    /// ([`crate::http::router`]): SSE streams and event streams end (a client reconnects, to
+    /// another node or to the next process) and a waiting long poll answers at once, so a
+    /// server's graceful shutdown, which waits for every open response, can finish.
     pub fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::Release);
+        self.inner.closed.send_replace(true);
     }
 }
 

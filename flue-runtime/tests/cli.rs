@@ -134,3 +134,66 @@ async fn serve_listens_and_serves_the_protocol() {
     assert_eq!(reply.data["mood"], "cheerful");
     server.abort();
 }
+
+#[tokio::test]
+async fn serve_ends_open_live_reads_and_returns_once_stopped() {
+    let model = ScriptedModel::new([ScriptedReply::text("Hello!")]);
+    let runtime = runtime(&model);
+    runtime.init(&greeter, "t1").send("hi").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    // A grace far longer than the test's guard: the server must end because its responses
+    // ended, not because it stopped waiting for them.
+    let server = tokio::spawn({
+        let runtime = runtime.clone();
+        async move {
+            let stop = async {
+                let _ = stopped.await;
+            };
+            flue_runtime::cli::serve(&runtime, listener, stop, Duration::from_secs(3600)).await
+        }
+    });
+    let client = reqwest::Client::new();
+    let base = format!("http://{addr}/agents/greeter/t1");
+    let head = client
+        .get(format!("{base}?view=updates&offset=-1"))
+        .send()
+        .await
+        .unwrap()
+        .headers()["stream-next-offset"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let mut sse = client
+        .get(format!("{base}?view=updates&offset=-1&live=sse"))
+        .send()
+        .await
+        .unwrap();
+    assert!(sse.chunk().await.unwrap().is_some(), "the stream's first frames");
+    let mut events = client.get(format!("{base}/events")).send().await.unwrap();
+    assert_eq!(events.status(), 200);
+    let long_poll = tokio::spawn(
+        client
+            .get(format!("{base}?view=updates&offset={head}&live=long-poll"))
+            .send(),
+    );
+    // The long poll is waiting at the head before the server is stopped.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.send(()).unwrap();
+    // Guarded against a hang, not timed: every read ends on its own, then the server.
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while sse.chunk().await.unwrap().is_some() {}
+        while events.chunk().await.unwrap().is_some() {}
+        let answered = long_poll.await.unwrap().unwrap();
+        assert_eq!(answered.status(), 200);
+        assert_eq!(answered.headers()["stream-next-offset"].to_str().unwrap(), head);
+        server.await.unwrap().unwrap();
+    })
+    .await
+    .expect("the open reads and the server end once it is stopped");
+    assert!(
+        runtime.init(&greeter, "t1").send("again").await.is_err(),
+        "a stopped server's runtime admits nothing"
+    );
+}

@@ -9,6 +9,7 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -283,7 +284,7 @@ async fn updates(
             // The offset as the client wrote it (`5_9` stays `5_9`).
             Lookup::Gone(head) => return Err(ApiError::stream_offset_gone(requested, &wire_offset(head))),
         };
-        if page.next != after || !long_poll || Instant::now() >= deadline {
+        if page.next != after || !long_poll || Instant::now() >= deadline || runtime.is_closed() {
             let mut response = page.body(incarnation.unwrap_or_default()).into_response();
             response
                 .headers_mut()
@@ -315,7 +316,7 @@ async fn wait_for_batches(
             .read(key, after)
             .await
             .map_err(|error| ApiError::internal(&error))?;
-        if !newer.is_empty() || Instant::now() >= deadline {
+        if !newer.is_empty() || Instant::now() >= deadline || runtime.is_closed() {
             return Ok(());
         }
         let wait = if runtime.store.shared() {
@@ -323,7 +324,11 @@ async fn wait_for_batches(
         } else {
             deadline - Instant::now()
         };
-        let _ = tokio::time::timeout(wait, appended).await;
+        // A runtime shutting down answers the poll now (the caller sees it closed).
+        tokio::select! {
+            _ = tokio::time::timeout(wait, appended) => {}
+            () = runtime.closed() => {}
+        }
     }
 }
 
@@ -563,10 +568,13 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, afte
         last_sent: Instant::now(),
         last_control: None,
     };
+    let closed = state.runtime.closed();
     let body = futures_util::stream::unfold(state, |mut state| async move {
         let frames = state.next().await?;
         Some((Ok::<_, Infallible>(Bytes::from(frames)), state))
-    });
+    })
+    // A runtime shutting down ends the stream (the client reconnects from its last offset).
+    .take_until(closed);
     let mut response = Response::new(Body::from_stream(body));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));

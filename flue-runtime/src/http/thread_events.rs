@@ -13,6 +13,7 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
+use futures_util::StreamExt;
 use serde_json::{Value, json};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
@@ -58,6 +59,7 @@ pub(super) async fn get_events(
 ) -> Result<Response, ApiError> {
     let key = routes.key(id)?;
     let events = routes.runtime.observe();
+    let closed = routes.runtime.closed();
     let heartbeat = routes.options.heartbeat;
     let state = (events, key, Instant::now() + heartbeat);
     let body = futures_util::stream::unfold(state, move |(mut events, key, mut beat)| async move {
@@ -85,7 +87,9 @@ pub(super) async fn get_events(
             };
             return Some((Ok::<_, Infallible>(Bytes::from(frame)), (events, key, beat)));
         }
-    });
+    })
+    // A runtime shutting down ends the stream.
+    .take_until(closed);
     let mut response = Response::new(Body::from_stream(body));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));

@@ -15,6 +15,7 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderValue, Method, header};
 use axum::response::Response;
 use flue_core::lifecycle::ClientInfo;
+use futures_util::StreamExt;
 use serde_json::json;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
@@ -93,6 +94,7 @@ pub(super) async fn get_user_events(
         client,
     };
     let heartbeat = routes.options.heartbeat;
+    let closed = routes.runtime.closed();
     let first = Bytes::from(format!("data:{ready}\n\n"));
     let state = (events, attached, Instant::now() + heartbeat, Some(first));
     let body = futures_util::stream::unfold(state, move |(mut events, attached, mut beat, first)| async move {
@@ -116,7 +118,9 @@ pub(super) async fn get_user_events(
             };
             return Some((Ok(Bytes::from(frame)), (events, attached, beat, None)));
         }
-    });
+    })
+    // A runtime shutting down ends the stream.
+    .take_until(closed);
     Ok(event_stream(Body::from_stream(body)))
 }
 
