@@ -172,6 +172,9 @@ impl DeliveredMessage {
                     if data.len() > MAX_IMAGE_DATA_LENGTH {
                         return Err(MessageError::ImageTooLarge);
                     }
+                    if !is_image_type(attachment.mime_type()) {
+                        return Err(MessageError::UnsupportedImageType(attachment.mime_type().to_owned()));
+                    }
                     attachment.bytes()?;
                 }
                 Ok(())
@@ -220,6 +223,19 @@ pub enum MessageError {
     /// Image data that is not base64.
     #[error("Image data must be base64-encoded.")]
     InvalidImageData,
+    /// A MIME type that is not one of [`IMAGE_TYPES`].
+    #[error("Image mimeType \"{0}\" is not supported: send image/png, image/jpeg, image/gif or image/webp.")]
+    UnsupportedImageType(String),
+}
+
+/// The image types an attachment may have: the ones every model provider of the runtime takes.
+/// Stricter than the reference, which takes any string: an attachment is served back to
+/// clients as the type it was sent with, and a provider refuses any other type anyway.
+pub const IMAGE_TYPES: [&str; 4] = ["image/png", "image/jpeg", "image/gif", "image/webp"];
+
+/// Whether `mime_type` is one of [`IMAGE_TYPES`] (ASCII case aside).
+pub fn is_image_type(mime_type: &str) -> bool {
+    IMAGE_TYPES.iter().any(|image| image.eq_ignore_ascii_case(mime_type))
 }
 
 /// `^[A-Za-z_][A-Za-z0-9_.-]*$`

@@ -29,7 +29,7 @@ use flue_core::url::url_without_secrets;
 use futures_util::{Stream, StreamExt};
 use serde_json::{Map, Value, json};
 
-use crate::provider::sse::{MAX_EVENT_BYTES, SseParser};
+use crate::provider::sse::SseParser;
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -92,9 +92,12 @@ fn transport_text(error: reqwest::Error) -> String {
 /// How long a followed stream may be silent: three of the server's 15 s heartbeats.
 const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(45);
 
-/// The most bytes one event of a followed stream may take, by default: the model providers'
-/// bound (16 MiB).
-const DEFAULT_MAX_EVENT_BYTES: usize = MAX_EVENT_BYTES;
+/// The most bytes one event of a followed stream may take, by default: 64 MiB, four times the
+/// largest request body a server of this crate admits ([`crate::http::MAX_BODY_BYTES`]). A
+/// message the server admitted is one chunk, sent whole in one event about as long as its
+/// request (JSON escapes it no longer than the request had to), so every message a client
+/// may send can be read back, framing and all.
+const DEFAULT_MAX_EVENT_BYTES: usize = 4 * crate::http::MAX_BODY_BYTES;
 
 /// A connection to a server of the protocol.
 #[derive(Clone)]
@@ -149,8 +152,10 @@ impl Client {
     }
 
     /// Refuses an event of a followed stream larger than `bytes` (its SSE lines, line ends
-    /// included; default: 16 MiB). The server splits catch-up batches at about 1 MiB, but
-    /// one chunk (a big data part, say) is sent whole in one event, however large. An event
+    /// included; default: 64 MiB, which holds any message the server admits). The server
+    /// splits catch-up batches at about 1 MiB, but one chunk (a message, a tool result, a big
+    /// data part) is sent whole in one event, however large: raise the bound when tools or
+    /// models of the followed conversations produce more. An event
     /// past the bound ends the stream with [`ClientError::Protocol`], after the chunks
     /// before it; the client stops buffering it as soon as it passes the bound.
     pub fn with_max_event_bytes(mut self, bytes: usize) -> Self {

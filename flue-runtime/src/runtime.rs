@@ -587,11 +587,7 @@ impl RuntimeInner {
             .agents
             .get(agent)
             .ok_or_else(|| RuntimeError::UnknownAgent(agent.to_owned()))?;
-        if request.id.trim().is_empty() {
-            return Err(RuntimeError::InvalidRequest(
-                "[flue] dispatch() requires a non-empty \"id\" target agent instance id.".into(),
-            ));
-        }
+        check_instance_id(&request.id).map_err(RuntimeError::InvalidRequest)?;
         request.message.validate()?;
         if matches!(request.uid, UidCondition::Existing(_)) && request.initial_data.is_some() {
             return Err(RuntimeError::InvalidRequest(
@@ -760,10 +756,53 @@ fn reply_from(submission_id: &str, settled: Settled) -> Result<AgentReply, Runti
     }
 }
 
+/// The longest agent instance id, in characters.
+pub const MAX_INSTANCE_ID_CHARS: usize = 512;
+
+/// Why `id` cannot name an agent instance: blank (the reference's rule); longer than
+/// [`MAX_INSTANCE_ID_CHARS`] or holding a control character (stricter than the reference: an
+/// id keys every store's instance index, where Postgres takes neither a NUL nor a key past
+/// its index's row size, and it is a URL path segment and a log field, where line breaks and
+/// escapes are never what a client meant).
+pub(crate) fn check_instance_id(id: &str) -> Result<(), String> {
+    if id.trim().is_empty() {
+        return Err("[flue] dispatch() requires a non-empty \"id\" target agent instance id.".into());
+    }
+    let length = id.chars().count();
+    if length > MAX_INSTANCE_ID_CHARS {
+        return Err(format!(
+            "[flue] An agent instance id is at most {MAX_INSTANCE_ID_CHARS} characters; this one has {length}."
+        ));
+    }
+    if let Some(control) = id.chars().find(|character| character.is_control()) {
+        return Err(format!(
+            "[flue] An agent instance id cannot contain control characters; this one has U+{:04X}.",
+            u32::from(control)
+        ));
+    }
+    Ok(())
+}
+
 /// `sub_ik_` + the first 32 hex digits of SHA-256 over the key's identity: replays of one
-/// idempotency key converge on one submission.
+/// idempotency key converge on one submission, and different identities never meet.
+///
+/// The identity is the agent, the instance id and the key joined by newlines, which tells
+/// them apart while none holds a newline (the ids stored since the first release). With a
+/// newline, `x` with key `y\nz` would meet `x\ny` with key `z`: such identities are hashed
+/// with each part's length before it, under another prefix, so no two inputs share a hash
+/// input.
 fn keyed_submission_id(agent: &str, id: &str, key: &str) -> String {
-    let digest = Sha256::digest(format!("flue-submission-key\n{agent}\n{id}\n{key}").as_bytes());
+    let identity = if [agent, id, key].iter().any(|part| part.contains('\n')) {
+        format!(
+            "flue-submission-key-v2\n{}:{agent}{}:{id}{}:{key}",
+            agent.len(),
+            id.len(),
+            key.len()
+        )
+    } else {
+        format!("flue-submission-key\n{agent}\n{id}\n{key}")
+    };
+    let digest = Sha256::digest(identity.as_bytes());
     let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
     format!("sub_ik_{}", &hex[..32])
 }
@@ -917,6 +956,10 @@ impl Runtime {
         agent: &impl flue_core::Agent,
         id: &str,
     ) -> Result<Option<InstanceInfo>, RuntimeError> {
+        // No instance can have an id admission refuses (nor could every store look it up).
+        if check_instance_id(id).is_err() {
+            return Ok(None);
+        }
         let key = InstanceKey::new(agent.definition().name.to_string(), id);
         Ok(self.inner.store.instance(&key).await?)
     }
@@ -1140,5 +1183,40 @@ impl Drop for Correlated {
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .remove(&self.submission_id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keyed_ids_without_newlines_keep_the_first_releases_derivation() {
+        // Stored submissions were keyed so: a replay after an upgrade must find its submission.
+        let digest = Sha256::digest(b"flue-submission-key\nsupport\ncustomer-7\nretry-1");
+        let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+        assert_eq!(
+            keyed_submission_id("support", "customer-7", "retry-1"),
+            format!("sub_ik_{}", &hex[..32])
+        );
+    }
+
+    #[test]
+    fn identities_told_apart_only_by_where_a_newline_falls_get_different_ids() {
+        let ids = [
+            keyed_submission_id("a", "x", "y\nz"),
+            keyed_submission_id("a", "x\ny", "z"),
+            keyed_submission_id("a\nx", "y", "z"),
+            keyed_submission_id("a", "x\ny\nz", ""),
+        ];
+        for (at, id) in ids.iter().enumerate() {
+            assert!(id.starts_with("sub_ik_") && id.len() == "sub_ik_".len() + 32);
+            assert!(!ids[at + 1..].contains(id), "{id} repeats");
+        }
+        assert_eq!(
+            ids[0],
+            keyed_submission_id("a", "x", "y\nz"),
+            "a replay meets its submission"
+        );
     }
 }

@@ -1075,6 +1075,16 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
             json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "!!", "mimeType": "image/png"}]}),
             "base64",
         ),
+        // An image is one of the types every provider takes (a page served back inline from an
+        // attachment would be a document, not a picture).
+        (
+            json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "PHNjcmlwdD4=", "mimeType": "text/html"}]}),
+            "image/png, image/jpeg",
+        ),
+        (
+            json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "PHN2Zz4=", "mimeType": "image/svg+xml"}]}),
+            "not supported",
+        ),
     ];
     for (body, says) in cases {
         let error = assert_error(server.post("c1", body.clone()).await, 400, "invalid_request").await;
@@ -2694,4 +2704,109 @@ async fn a_head_request_on_a_user_stream_attaches_no_client() {
         .await
         .unwrap();
     assert_eq!(response.status().as_u16(), 400);
+}
+
+#[tokio::test]
+async fn a_body_past_the_limit_is_413_request_too_large() {
+    let server = Server::start().await;
+    let body = json!({"kind": "user", "body": "a".repeat(flue_runtime::http::MAX_BODY_BYTES)});
+    let error = assert_error(server.post("big", body).await, 413, "request_too_large").await;
+    assert!(error["details"].as_str().unwrap().contains("16777216"), "{error}");
+    assert!(server.model.requests().is_empty());
+}
+
+#[tokio::test]
+async fn instance_ids_admission_refuses_are_400_and_never_reach_the_store() {
+    let server = Server::start().await;
+    let long = "i".repeat(flue_runtime::MAX_INSTANCE_ID_CHARS + 1);
+    for (id, says) in [
+        ("a%00b", "control characters"),
+        ("a%0Ab", "U+000A"),
+        (long.as_str(), "at most 512"),
+    ] {
+        let error = assert_error(
+            server.post(id, json!({"kind": "user", "body": "hi"})).await,
+            400,
+            "invalid_request",
+        )
+        .await;
+        assert!(error["details"].as_str().unwrap().contains(says), "{id}: {error}");
+        let read = server.client.get(server.url(&format!("/{id}"))).send().await.unwrap();
+        assert_error(read, 400, "invalid_request").await;
+        // The attachment route does not refuse ids (as the reference's): there is no such
+        // instance.
+        let attachment = server
+            .client
+            .get(server.url(&format!("/{id}/attachments/att_1")))
+            .send()
+            .await
+            .unwrap();
+        assert_error(attachment, 404, "stream_not_found").await;
+    }
+    // The longest id and any other character are fine.
+    let longest = "é".repeat(flue_runtime::MAX_INSTANCE_ID_CHARS);
+    server.model.push(ScriptedReply::text("hi"));
+    server.admit(&longest, "hi").await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.admit("a%20b%E2%9C%93", "hi").await;
+    assert!(
+        server
+            .runtime
+            .get_agent_instance(&calculator, "a\0b")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// Idempotency keys are per instance: `x` with key `y\nz` and `x\ny` with key `z` once
+/// met on one submission id (the second instance's first message answered 409 with the
+/// first's submission). An id with a line break is refused now, and the keys' hash tells
+/// such parts apart anyway (unit tests of `keyed_submission_id`).
+#[tokio::test]
+async fn idempotency_keys_of_instances_told_apart_by_a_line_break_never_meet() {
+    let server = Server::start().await;
+    let post = |id: &'static str, key: &'static str| {
+        server.post(id, json!({"kind": "user", "body": "hello", "idempotencyKey": key}))
+    };
+    server.model.push(ScriptedReply::text("one"));
+    let first = post("x", "y\nz").await;
+    assert_eq!(first.status().as_u16(), 202);
+    let first: Value = first.json().await.unwrap();
+    let error = assert_error(post("x%0Ay", "z").await, 400, "invalid_request").await;
+    assert!(
+        error["details"].as_str().unwrap().contains("control characters"),
+        "{error}"
+    );
+    let replay: Value = post("x", "y\nz").await.json().await.unwrap();
+    assert_eq!(
+        (replay["submissionId"].clone(), replay["deduplicated"].clone()),
+        (first["submissionId"].clone(), json!(true))
+    );
+}
+
+#[tokio::test]
+async fn the_crates_client_follows_a_conversation_holding_a_message_at_the_body_limit() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("ok"));
+    // The longest message a POST takes: the body limit less the JSON around the text.
+    let text = "a".repeat(flue_runtime::http::MAX_BODY_BYTES - 64);
+    let client = flue_runtime::client::Client::new(&server.root).unwrap();
+    let instance = client.instance("calculator", "big");
+    instance.send(text.as_str()).await.expect("admitted");
+    let mut chunks = instance.follow("-1");
+    let mut seen = Vec::new();
+    let settled = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.unwrap_or_else(|error| panic!("after {seen:?}: {error}"));
+            seen.push(chunk["type"].as_str().unwrap_or_default().to_owned());
+            if chunk["type"] == "submission-settled" {
+                return true;
+            }
+        }
+        false
+    })
+    .await
+    .expect("the stream settles");
+    assert!(settled, "the stream ended before the settlement");
 }

@@ -81,6 +81,17 @@ impl ApiError {
         )
     }
 
+    /// 413 `request_too_large`: a body past [`MAX_BODY_BYTES`](super::MAX_BODY_BYTES) (a type
+    /// the reference's status map does not list).
+    pub fn request_too_large() -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            "The request body is too large.",
+            format!("Request bodies are limited to {} bytes.", super::MAX_BODY_BYTES),
+        )
+    }
+
     /// 405 `method_not_allowed`, with the `Allow` header.
     pub fn method_not_allowed(method: &str, allow: &'static str) -> Self {
         let mut error = Self::new(

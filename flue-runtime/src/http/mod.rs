@@ -145,6 +145,7 @@ impl Routes {
                 "Agent conversation URLs must end with a non-empty conversation id segment.",
             ));
         }
+        crate::runtime::check_instance_id(&id).map_err(ApiError::invalid_request)?;
         Ok(InstanceKey::new(self.agent.clone(), id))
     }
 }
@@ -336,7 +337,10 @@ async fn post_message(
             "The `wait` parameter is not supported: admission is fire-and-forget. Read the reply from the stream.",
         ));
     }
-    let body = body.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    let body = body.map_err(|rejection| match rejection.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),
+        _ => ApiError::invalid_request(rejection.body_text()),
+    })?;
     let request = admission::parse(&key.id, &headers, &body)?;
     // A direct send, as `send()` is (only the caller does not wait here for the reply).
     let (receipt, offset) = routes

@@ -24,7 +24,8 @@ use crate::session::InstanceSlot;
 use crate::store::InstanceKey;
 
 /// The size past which an SSE reader catching up gets its chunks in more than one data frame
-/// (well under the 16 MiB a client of this crate buffers for one event).
+/// (one chunk is never split: a message at the request body limit is one frame that large,
+/// which a client of this crate reads by default).
 const FRAME_BYTES: usize = 1024 * 1024;
 
 /// The query's pairs, decoded, in order.
@@ -613,27 +614,42 @@ pub(super) async fn get_attachment(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((id, attachment_id)) = path.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    // As the reference, this route does not refuse a blank id; an id admission refuses has no
+    // instance (and is not sent to the store, which may not take it), nor an attachment id
+    // the store never made.
+    let valid_id = id.trim().is_empty() || crate::runtime::check_instance_id(&id).is_ok();
     let key = InstanceKey::new(routes.agent.clone(), id);
     let store = &routes.runtime.store;
-    if store
-        .instance(&key)
-        .await
-        .map_err(|error| ApiError::internal(&error))?
-        .is_none()
+    if !valid_id
+        || store
+            .instance(&key)
+            .await
+            .map_err(|error| ApiError::internal(&error))?
+            .is_none()
     {
         return Err(ApiError::stream_not_found(&key.stream_path()));
+    }
+    if attachment_id.chars().count() > crate::runtime::MAX_INSTANCE_ID_CHARS
+        || attachment_id.chars().any(char::is_control)
+    {
+        return Err(ApiError::attachment_not_found(&attachment_id));
     }
     let attachment = store
         .attachment(&key, &attachment_id)
         .await
         .map_err(|error| ApiError::internal(&error))?
         .ok_or_else(|| ApiError::attachment_not_found(&attachment_id))?;
-    let media_type = HeaderValue::from_str(&attachment.media_type)
-        .unwrap_or_else(|_| HeaderValue::from_static("application/octet-stream"));
+    // An image is served as itself, inline; anything else an older build admitted is served
+    // as bytes to download, never as a document a browser would render.
+    let image = flue_core::message::is_image_type(&attachment.media_type);
+    let (media_type, disposition) = match HeaderValue::from_str(&attachment.media_type) {
+        Ok(media_type) if image => (media_type, "inline"),
+        _ => (HeaderValue::from_static("application/octet-stream"), "attachment"),
+    };
     let mut headers = HeaderMap::new();
     headers.insert(header::CONTENT_TYPE, media_type);
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(attachment.bytes.len()));
-    headers.insert(header::CONTENT_DISPOSITION, HeaderValue::from_static("inline"));
+    headers.insert(header::CONTENT_DISPOSITION, HeaderValue::from_static(disposition));
     headers.insert(
         header::CACHE_CONTROL,
         HeaderValue::from_static("private, max-age=31536000, immutable"),
