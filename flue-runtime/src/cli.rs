@@ -107,7 +107,13 @@ pub async fn serve(
 }
 
 /// Runs `command`, printing to stdout (errors to stderr); the process exit code.
+///
+/// The runtime's warnings and errors are logged to stderr (among them the cause of every 500
+/// a server answers, under the `ref` the response carries), at the level `FLUE_LOG` names
+/// (`error`, `warn` (the default), `info`, `debug`, `trace`), unless the binary installed a
+/// `tracing` subscriber of its own.
 pub async fn run(runtime: &Runtime, command: Command) -> i32 {
+    log_to_stderr();
     let mut stdout = std::io::stdout();
     match execute(runtime, command, &mut stdout).await {
         Ok(()) => 0,
@@ -116,6 +122,23 @@ pub async fn run(runtime: &Runtime, command: Command) -> i32 {
             1
         }
     }
+}
+
+/// Installs a subscriber writing the runtime's `tracing` events to stderr, when none is set.
+fn log_to_stderr() {
+    if tracing::dispatcher::has_been_set() {
+        return;
+    }
+    let level = std::env::var("FLUE_LOG")
+        .ok()
+        .and_then(|level| level.parse::<tracing::Level>().ok())
+        .unwrap_or(tracing::Level::WARN);
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .finish();
+    // Another thread may have set one meanwhile: it is kept.
+    let _ = tracing::subscriber::set_global_default(subscriber);
 }
 
 /// Runs `command`, writing its output to `out`.
