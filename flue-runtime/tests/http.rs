@@ -2704,6 +2704,18 @@ async fn a_head_request_on_a_user_stream_attaches_no_client() {
         .await
         .unwrap();
     assert_eq!(response.status().as_u16(), 400);
+    // Nor is a user id with a control character (no store takes a NUL).
+    let response = server
+        .client
+        .get(format!("{}/users/u%00x/events", server.root))
+        .send()
+        .await
+        .unwrap();
+    assert_error(response, 400, "invalid_request").await;
+    assert!(
+        !CLIENTS.lock().unwrap().iter().any(|line| line.starts_with("u\0x ")),
+        "no hook ran for it"
+    );
 }
 
 #[tokio::test]
