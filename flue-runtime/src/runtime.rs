@@ -1142,7 +1142,8 @@ impl AgentHandle {
 
     /// Waits for the submission to settle and returns its reply.
     pub async fn read(&self, submission_id: &str) -> Result<AgentReply, RuntimeError> {
-        if self.runtime.store.instance(&self.key).await?.is_none() {
+        // An id admission refuses names no instance (nor could every store look it up).
+        if check_instance_id(&self.key.id).is_err() || self.runtime.store.instance(&self.key).await?.is_none() {
             return Err(RuntimeError::InstanceNotFound(self.key.id.to_string()));
         }
         self.runtime.wait(&self.key, submission_id, None).await
@@ -1151,6 +1152,9 @@ impl AgentHandle {
     /// Requests an abort of every unsettled submission of the instance. Returns whether any
     /// was affected; settlement as aborted happens asynchronously.
     pub async fn abort(&self) -> Result<bool, RuntimeError> {
+        if check_instance_id(&self.key.id).is_err() {
+            return Ok(false);
+        }
         let affected = self.runtime.store.request_abort(&self.key).await?;
         self.runtime.slot(&self.key).abort_submissions(&affected);
         self.runtime.slot(&self.key).wake();

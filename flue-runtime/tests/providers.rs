@@ -1067,3 +1067,26 @@ async fn registering_a_provider_replaces_the_one_with_the_same_id() {
     assert_eq!(server.requests()[0].body["model"], "gpt-4o-mini");
     assert!(registry.get("openai").is_some() && registry.get("mistral").is_none());
 }
+
+/// A redirect to another origin is not followed: Anthropic's `x-api-key` (which reqwest keeps
+/// on every redirect, unlike `Authorization`) must never reach it. One within the origin is.
+#[tokio::test]
+async fn a_redirect_to_another_origin_is_refused_and_the_key_stays_home() {
+    let (first, other) = (FixtureServer::start().await, FixtureServer::start().await);
+    other.push(FixtureReply::anthropic_text("hello"));
+    first.push(FixtureReply::status(307, "moved").header("location", format!("{}/messages", other.base_url())));
+    let provider = anthropic(&first).with_retry_policy(RetryPolicy::none());
+    let (_, error) = run(&provider, request("hi")).await;
+    assert!(error.is_some(), "a 3xx from another origin fails the call");
+    assert!(other.requests().is_empty(), "nothing reached the other origin");
+    let error = error.unwrap();
+    assert!(!error.message.contains(KEY), "{}", error.message);
+
+    // The same origin's redirect is followed, the key with it.
+    first.push(FixtureReply::status(308, "moved").header("location", format!("{}/messages?moved=1", first.base_url())));
+    first.push(FixtureReply::anthropic_text("hello"));
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!(response.text, "hello");
+    let requests = first.requests();
+    assert_eq!(requests.last().unwrap().header("x-api-key"), Some(KEY));
+}

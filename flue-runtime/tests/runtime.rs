@@ -68,6 +68,28 @@ async fn one_exchange_renders_calls_the_model_runs_the_tool_and_answers() {
 }
 
 #[tokio::test]
+async fn an_instance_id_admission_refuses_names_no_instance_anywhere_in_the_api() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let long = "i".repeat(flue_runtime::MAX_INSTANCE_ID_CHARS + 1);
+    for id in ["a\0b", "line\nbreak", long.as_str()] {
+        let handle = runtime.init(&calculator, id);
+        let refused = handle.send("hi").await.unwrap_err();
+        assert!(
+            matches!(refused, RuntimeError::InvalidRequest(_)),
+            "{id:?}: {refused:?}"
+        );
+        assert_eq!(
+            handle.read("sub_x").await.unwrap_err(),
+            RuntimeError::InstanceNotFound(id.to_owned())
+        );
+        assert!(!handle.abort().await.unwrap());
+        assert!(runtime.get_agent_instance(&calculator, id).await.unwrap().is_none());
+    }
+    assert!(model.requests().is_empty());
+}
+
+#[tokio::test]
 async fn invalid_tool_arguments_go_back_to_the_model_and_the_tool_does_not_run() {
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("add", json!({"a": "two"})),

@@ -134,6 +134,24 @@ impl Default for Transport {
     }
 }
 
+/// Redirects within the request's origin (scheme, host and port), at most 10; one to another
+/// origin is not followed, and its 3xx answer fails the call. Keys travel in headers reqwest
+/// keeps on every redirect but `Authorization` (Anthropic's `x-api-key`, a gateway's own
+/// header): another origin must never see them.
+fn same_origin_redirects() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let same_origin = attempt
+            .previous()
+            .first()
+            .is_some_and(|first| first.origin() == attempt.url().origin());
+        if same_origin && attempt.previous().len() <= 10 {
+            attempt.follow()
+        } else {
+            attempt.stop()
+        }
+    })
+}
+
 /// A `reqwest::Client` built on first use and shared by the clones of one provider.
 ///
 /// Per provider rather than process-wide: a pooled connection belongs to the tokio runtime that
@@ -148,6 +166,7 @@ impl SharedClient {
             .get_or_init(|| {
                 reqwest::Client::builder()
                     .connect_timeout(CONNECT_TIMEOUT)
+                    .redirect(same_origin_redirects())
                     .build()
                     .map_err(|e| e.to_string())
             })
