@@ -87,7 +87,8 @@ mod tools;
 
 pub use flue_macros::{agent, hook, tool};
 pub use runtime::{
-    AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, Runtime, RuntimeBuilder, RuntimeError, RuntimeOptions, SendRequest,
+    AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, MAX_MODEL_RETRY_WAIT, Runtime, RuntimeBuilder, RuntimeError,
+    RuntimeOptions, SendRequest,
 };
 pub use session::MAX_AGENT_FINISH_CYCLES;
 pub use subagents::MAX_DELEGATION_DEPTH;

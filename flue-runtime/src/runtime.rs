@@ -93,7 +93,8 @@ pub struct RuntimeOptions {
     /// retries before the response streams (429s, 5xx answers, connection failures) count
     /// against it, and the turn loop retries the rest (a stream cut mid-way, an error event).
     pub model_retries: u32,
-    /// Base delay of those retries.
+    /// Base delay of those retries: it doubles with each retry, up to
+    /// [`MAX_MODEL_RETRY_WAIT`] ([`RuntimeOptions::model_retry_wait`]).
     pub model_retry_delay: Duration,
     /// How long a claim holds an instance without renewal. When a node dies, another takes
     /// its running submissions over once their leases expire.
@@ -119,6 +120,20 @@ impl Default for RuntimeOptions {
             scan_interval: Duration::from_secs(15),
             cached_instances: 1024,
         }
+    }
+}
+
+/// The longest wait before a retry of a model call, however many retries came before it (the
+/// built-in providers cap their own waits, a `Retry-After` included, at the same 30 s).
+pub const MAX_MODEL_RETRY_WAIT: Duration = Duration::from_secs(30);
+
+impl RuntimeOptions {
+    /// The wait before the `retry`-th retry (from 1) of a model call: `model_retry_delay`
+    /// doubled for each retry before it, at most [`MAX_MODEL_RETRY_WAIT`] (never an overflow,
+    /// however many retries are allowed).
+    pub fn model_retry_wait(&self, retry: u32) -> Duration {
+        let factor = 2u32.saturating_pow(retry.saturating_sub(1));
+        self.model_retry_delay.saturating_mul(factor).min(MAX_MODEL_RETRY_WAIT)
     }
 }
 
@@ -1193,6 +1208,26 @@ impl Drop for Correlated {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_model_retry_waits_twice_as_long_as_the_last_up_to_30_s_whatever_the_count() {
+        let options = RuntimeOptions {
+            model_retry_delay: Duration::from_secs(2),
+            ..RuntimeOptions::default()
+        };
+        let waits: Vec<u64> = [1, 2, 3, 4, 5]
+            .map(|retry| options.model_retry_wait(retry).as_secs())
+            .to_vec();
+        assert_eq!(waits, [2, 4, 8, 16, 30]);
+        for retry in [33, 64, u32::MAX] {
+            assert_eq!(options.model_retry_wait(retry), MAX_MODEL_RETRY_WAIT);
+        }
+        let huge = RuntimeOptions {
+            model_retry_delay: Duration::MAX,
+            ..RuntimeOptions::default()
+        };
+        assert_eq!(huge.model_retry_wait(1), MAX_MODEL_RETRY_WAIT);
+    }
 
     #[test]
     fn keyed_ids_without_newlines_keep_the_first_releases_derivation() {

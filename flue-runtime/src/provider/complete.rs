@@ -42,7 +42,7 @@ pub(crate) async fn complete_observed(
             Err(Some(error)) if error.may_retry(retries, options.model_retries) => {
                 retries += 1;
                 observe(Streamed::Retrying);
-                let delay = options.model_retry_delay * 2u32.pow(retries - 1);
+                let delay = options.model_retry_wait(retries);
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
                     () = signal.aborted() => return Err("The call was aborted.".into()),

@@ -1917,7 +1917,7 @@ impl Response<'_> {
                             role: "assistant".into(),
                         });
                     }
-                    let delay = self.runtime.options.model_retry_delay * 2u32.pow(retries - 1);
+                    let delay = self.runtime.options.model_retry_wait(retries);
                     tokio::select! {
                         () = tokio::time::sleep(delay) => {}
                         () = self.attempt.signal.aborted() => return Err(StepError::Aborted),
