@@ -1090,3 +1090,24 @@ async fn a_redirect_to_another_origin_is_refused_and_the_key_stays_home() {
     let requests = first.requests();
     assert_eq!(requests.last().unwrap().header("x-api-key"), Some(KEY));
 }
+
+/// A 200 answering a page instead of an event stream (a login page, a wrong base URL) is an
+/// invalid response quoting what came, not a network failure to retry.
+#[tokio::test]
+async fn a_page_answered_instead_of_an_event_stream_is_an_invalid_response_not_retried() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::status(200, "<html><body>Please sign in</body></html>"));
+    let (events, error) = run(&openai(&server, "FLUE_TEST_PAGE_KEY"), request("hi")).await;
+    assert!(events.is_empty());
+    let error = error.unwrap();
+    assert_eq!(
+        (error.kind, error.status),
+        (ProviderErrorKind::InvalidResponse, Some(200))
+    );
+    assert!(
+        error.message.contains("text/plain") && error.message.contains("Please sign in"),
+        "{}",
+        error.message
+    );
+    assert_eq!(server.requests().len(), 1, "not retried");
+}

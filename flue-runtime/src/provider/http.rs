@@ -654,12 +654,30 @@ fn transport_error(error: &reqwest::Error, ctx: &CallContext) -> ProviderError {
 async fn error_from_response(response: reqwest::Response, timeout: Duration, ctx: &CallContext) -> ProviderError {
     let status = response.status().as_u16();
     let retry_after = retry_after(response.headers());
-    let body = match tokio::time::timeout(timeout, response.text()).await {
-        Ok(Ok(text)) => text,
-        _ => String::new(),
-    };
+    let body = error_body(response, timeout).await;
     let details = ErrorDetails::from_body(&body);
     map_error(ctx, Some(status), retry_after, &details, &body)
+}
+
+/// The most bytes of an error's body read (an error quotes a few hundred characters of it; a
+/// gateway's page may be any size, and a retried call reads one every time).
+const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
+
+/// The first [`MAX_ERROR_BODY_BYTES`] of `response`'s body as text (lossily), as much as
+/// arrives within `timeout`; the rest is not read (its connection is not reused).
+async fn error_body(mut response: reqwest::Response, timeout: Duration) -> String {
+    let mut body = Vec::new();
+    let read = async {
+        while body.len() < MAX_ERROR_BODY_BYTES {
+            match response.chunk().await {
+                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+                _ => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(timeout, read).await;
+    body.truncate(MAX_ERROR_BODY_BYTES);
+    String::from_utf8_lossy(&body).into_owned()
 }
 
 /// The wait a response asks for: `retry-after-ms` (OpenAI), else `Retry-After` as integer
@@ -1030,19 +1048,39 @@ impl<D: SseDecoder> Driver<D> {
     }
 
     /// Starts reading an event stream, or fails when the server answered with JSON (an error
-    /// reported with a 2xx status, or a server that ignored `stream: true`).
+    /// reported with a 2xx status, or a server that ignored `stream: true`) or with another
+    /// type of document (a login page, a wrong base URL): an invalid response, not retried.
+    /// A response without a content type is read as a stream.
     async fn start_reading(&mut self, response: reqwest::Response) -> Phase {
         let content_type = response
             .headers()
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        if !content_type.is_empty()
+            && !content_type.starts_with("text/event-stream")
+            && !content_type.starts_with("application/json")
+        {
+            let status = response.status().as_u16();
+            let body = error_body(response, self.idle).await;
+            self.failure = Some(ProviderError {
+                status: Some(status),
+                ..ProviderError::new(
+                    ProviderErrorKind::InvalidResponse,
+                    format!(
+                        "[flue] Provider \"{}\" answered with {} instead of an event stream: {}",
+                        self.ctx.provider,
+                        self.ctx.quote(&content_type, 100),
+                        self.ctx.quote(&body, BODY_SNIPPET_CHARS)
+                    ),
+                )
+            });
+            return Phase::Finished;
+        }
         if content_type.starts_with("application/json") {
             let status = response.status().as_u16();
-            let body = match tokio::time::timeout(self.idle, response.text()).await {
-                Ok(Ok(body)) => body,
-                _ => String::new(),
-            };
+            let body = error_body(response, self.idle).await;
             let error = match serde_json::from_str::<Value>(&body) {
                 Ok(value) if value.get("error").is_some_and(|e| !e.is_null()) => {
                     map_error(&self.ctx, None, None, &ErrorDetails::from_body(&body), &body)
