@@ -1111,3 +1111,58 @@ async fn a_page_answered_instead_of_an_event_stream_is_an_invalid_response_not_r
     );
     assert_eq!(server.requests().len(), 1, "not retried");
 }
+
+/// Tool calls streamed with neither `index` nor `id` (as some OpenAI-compatible servers do):
+/// a fragment naming another tool, or the same tool once the last call's arguments are whole,
+/// starts a call; one repeating the name of an unfinished call continues it.
+#[tokio::test]
+async fn openai_tool_calls_without_index_or_id_stay_apart() {
+    let server = FixtureServer::start().await;
+    let call = |name: &str, arguments: &str| {
+        let chunk = json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}]}}]});
+        format!("data: {chunk}\n\n")
+    };
+    server.push(FixtureReply::raw_sse([
+        call("get_weather", "{\"city\":\"Paris\"}"),
+        call("get_time", "{\"tz\":"),
+        call("get_time", "\"CET\"}"),
+        call("get_time", "{\"tz\":\"UTC\"}"),
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n".to_owned(),
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\n".to_owned(),
+        "data: [DONE]\n\n".to_owned(),
+    ]));
+    let (_, response) = complete(&openai(&server, "FLUE_TEST_NO_INDEX_KEY"), request("hi")).await;
+    let calls: Vec<(&str, &str)> = response
+        .tool_calls
+        .iter()
+        .map(|call| (call.name.as_str(), call.arguments.as_str()))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("get_weather", "{\"city\":\"Paris\"}"),
+            ("get_time", "{\"tz\":\"CET\"}"),
+            ("get_time", "{\"tz\":\"UTC\"}")
+        ]
+    );
+    let ids: std::collections::HashSet<&str> = response.tool_calls.iter().map(|call| call.id.as_str()).collect();
+    assert_eq!(ids.len(), 3, "each call has its own id");
+}
+
+/// `delta.content` as an array of parts (some OpenAI-compatible servers): the text parts are
+/// the text.
+#[tokio::test]
+async fn openai_content_sent_as_parts_is_text() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::raw_sse([
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":[{\"type\":\"text\",\"text\":\"hel\"},{\"type\":\"text\",\"text\":\"lo\"}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":[{\"type\":\"image_url\",\"image_url\":{\"url\":\"x\"}}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" world\"}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\n",
+        "data: [DONE]\n\n",
+    ]));
+    let (_, response) = complete(&openai(&server, "FLUE_TEST_PARTS_KEY"), request("hi")).await;
+    assert_eq!(response.text, "hello world");
+}

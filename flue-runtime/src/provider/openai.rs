@@ -467,6 +467,18 @@ struct PartialCall {
     started: bool,
 }
 
+/// Whether a fragment without index and id that names the tool `name` begins a call after
+/// `last` rather than continuing it: a server numbering nothing names each call once, in its
+/// first fragment; one that repeats the name repeats the last call's own.
+fn starts_another(last: &PartialCall, name: Option<&str>) -> bool {
+    match name {
+        Some(name) if !last.name.is_empty() => {
+            name != last.name || serde_json::from_str::<serde::de::IgnoredAny>(&last.arguments).is_ok()
+        }
+        _ => false,
+    }
+}
+
 /// Decodes `chat.completion.chunk` events.
 struct ChatDecoder {
     ctx: CallContext,
@@ -551,7 +563,12 @@ impl ChatDecoder {
             },
             None => match id.and_then(|id| self.calls.iter().position(|c| c.id == id)) {
                 Some(slot) => slot,
-                None if id.is_none() && !self.calls.is_empty() => self.calls.len() - 1,
+                // Neither index nor id: a fragment continues the last call, unless it names
+                // a call the last one cannot be (another tool, or the same tool once the last
+                // call's arguments are whole).
+                None if id.is_none() && self.calls.last().is_some_and(|last| !starts_another(last, name)) => {
+                    self.calls.len() - 1
+                }
                 None => self.new_call(),
             },
         };

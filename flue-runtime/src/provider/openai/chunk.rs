@@ -95,6 +95,27 @@ pub(super) struct CompletionDetails {
     pub(super) reasoning_tokens: Option<u64>,
 }
 
+/// A delta's `content`: a string, or an array of parts (as some OpenAI-compatible servers
+/// send), whose text parts join; no text at all is `None`.
+fn content_text(content: Option<&Value>) -> Option<Text<'_>> {
+    match content? {
+        Value::String(text) => Some(borrowed(text)),
+        Value::Array(parts) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter(|part| part.get("type").is_none_or(|kind| kind == "text"))
+                .filter_map(|part| part.get("text").and_then(Value::as_str))
+                .collect();
+            match texts.as_slice() {
+                [] => None,
+                [one] => Some(borrowed(one)),
+                many => Some(Text(std::borrow::Cow::Owned(many.concat()))),
+            }
+        }
+        _ => None,
+    }
+}
+
 impl<'a> ChunkView<'a> {
     /// The typed view of `data`, or `None` when the chunk needs the `Value` route (an error
     /// chunk, an unexpected field type, or text that is not JSON at all).
@@ -115,7 +136,7 @@ impl<'a> ChunkView<'a> {
                 .map(|choice| ChoiceView {
                     index: choice.get("index").and_then(Value::as_u64),
                     delta: choice.get("delta").filter(|d| d.is_object()).map(|delta| DeltaView {
-                        content: text(delta.get("content")),
+                        content: content_text(delta.get("content")),
                         reasoning: text(delta.get("reasoning")),
                         reasoning_content: text(delta.get("reasoning_content")),
                         tool_calls: delta.get("tool_calls").and_then(Value::as_array).map(|calls| {
