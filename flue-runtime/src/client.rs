@@ -63,10 +63,11 @@ pub enum ClientError {
     /// The server could not be reached, or answered something that is not the protocol.
     #[error("{0}")]
     Transport(String),
-    /// A followed stream sent an event the client cannot read: larger than the client's
-    /// bound ([`Client::with_max_event_bytes`]), not UTF-8, or whose data is not JSON.
-    /// Reading the stream again would meet the same event, so this error ends the stream
-    /// rather than a reconnection.
+    /// A followed stream sent an event the client cannot read (larger than the client's
+    /// bound ([`Client::with_max_event_bytes`]), not UTF-8, or whose data is not JSON), or the
+    /// server answered it with something that is not the protocol (a success that is not an
+    /// event stream, a refusal without the error envelope). Reading the stream again would
+    /// meet the same, so this error ends the stream rather than a reconnection.
     #[error("{0}")]
     Protocol(String),
 }
@@ -331,9 +332,11 @@ impl Instance {
 
     /// Every chunk after `offset` (`-1`: from the start), live, for as long as the stream is
     /// read. A dropped connection is resumed from the last offset the server confirmed;
-    /// chunks seen before are skipped by position. Errors the server answers (404, 416, …)
-    /// end the stream, and so does an event the client cannot read (larger than
-    /// [`Client::with_max_event_bytes`], not UTF-8, or not JSON): [`ClientError::Protocol`]
+    /// chunks seen before are skipped by position, and a server answering 408, 429 or 5xx
+    /// is asked again after a growing pause. Other errors the server answers (404, 416, …)
+    /// end the stream, and so does an answer that is not the protocol (not an event stream,
+    /// or a refusal without the error envelope) or an event the client cannot read (larger
+    /// than [`Client::with_max_event_bytes`], not UTF-8, or not JSON): [`ClientError::Protocol`]
     /// comes once, after every chunk received before that event, as the stream's last item.
     pub fn follow(&self, offset: &str) -> Chunks {
         let state = Follow {
@@ -397,9 +400,12 @@ impl Follow {
                     .unwrap_or_else(|_| Err(ClientError::Transport("the server did not answer".into())));
                 match connected {
                     Ok(body) => self.body = Some(body),
-                    // What the server refuses (404, 416, …) stays refused: the stream ends with
-                    // the error (asking again would only hammer the server). It retries the rest.
-                    Err(error @ ClientError::Api { status: ..500, .. }) => {
+                    // A request timeout or a rate limit passes: asked again after the backoff.
+                    Err(ClientError::Api { status: 408 | 429, .. }) => self.failures += 1,
+                    // What the server refuses (404, 416, …) stays refused, and an answer that
+                    // is not the protocol stays so: the stream ends with the error (asking
+                    // again would only hammer the server). It retries the rest.
+                    Err(error @ (ClientError::Api { status: ..500, .. } | ClientError::Protocol(_))) => {
                         self.ended = true;
                         return Some(Err(error));
                     }
@@ -483,17 +489,41 @@ impl Follow {
     }
 }
 
-/// Opens the instance's SSE stream after `offset`.
+/// Opens the instance's SSE stream after `offset`. An answer that is not the protocol (a
+/// success that is not an event stream, a refusal below 500 without the error envelope: a
+/// page from a wrong base URL, say) is a [`ClientError::Protocol`].
 async fn connect(instance: &Instance, offset: &str) -> Result<Body, ClientError> {
     let url = format!("{}?view=updates&offset={}&live=sse", instance.url, encode(offset));
     let response = instance.client.request(reqwest::Method::GET, &url).send().await?;
-    if !response.status().is_success() {
-        return Err(json_of(response)
-            .await
-            .err()
-            .unwrap_or_else(|| ClientError::Transport("the server refused the stream without an error".into())));
+    let status = response.status().as_u16();
+    if response.status().is_success() {
+        let content_type = response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_default();
+        if !content_type.starts_with("text/event-stream") {
+            return Err(ClientError::Protocol(format!(
+                "the server answered {status} with {} instead of an event stream: is the client's base URL a flue server's?",
+                if content_type.is_empty() {
+                    "no content type"
+                } else {
+                    content_type
+                }
+            )));
+        }
+        return Ok(Box::pin(response.bytes_stream()));
     }
-    Ok(Box::pin(response.bytes_stream()))
+    match json_of(response).await {
+        Err(error @ ClientError::Api { .. }) => Err(error),
+        Err(_) if status < 500 => Err(ClientError::Protocol(format!(
+            "the server answered {status} without the protocol's error envelope: is the client's base URL a flue server's?"
+        ))),
+        Err(error) => Err(error),
+        Ok(_) => Err(ClientError::Transport(
+            "the server refused the stream without an error".into(),
+        )),
+    }
 }
 
 /// Builds replies from chunks.

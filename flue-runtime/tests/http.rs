@@ -2407,6 +2407,75 @@ async fn a_followed_stream_the_server_refuses_ends_with_the_error() {
     assert!(next.is_none(), "{next:?}");
 }
 
+/// A loopback server answering every connection with `answers[n]` (the last one again once
+/// they run out); its base URL and how many connections it took.
+async fn answering(answers: Vec<&'static str>) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let answer = answers[n.min(answers.len() - 1)];
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await;
+            let _ = socket.write_all(answer.as_bytes()).await;
+        }
+    });
+    (base, connections)
+}
+
+/// What a wrong base URL answers (a page, not the protocol) ends a followed stream with a
+/// protocol error at once, rather than reconnecting forever.
+#[tokio::test]
+async fn a_followed_stream_answered_with_something_not_the_protocol_ends_at_once() {
+    for answer in [
+        "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 13\r\nconnection: close\r\n\r\n<html></html>",
+        "HTTP/1.1 404 Not Found\r\ncontent-type: text/html\r\ncontent-length: 13\r\nconnection: close\r\n\r\n<html></html>",
+    ] {
+        let (base, connections) = answering(vec![answer]).await;
+        let client = flue_runtime::client::Client::new(base).unwrap();
+        let mut chunks = client.instance("assistant", "i").follow("-1");
+        // Guarded against a hang, not timed.
+        let first = tokio::time::timeout(Duration::from_secs(30), chunks.next())
+            .await
+            .expect("the stream ends");
+        assert!(
+            matches!(&first, Some(Err(flue_runtime::client::ClientError::Protocol(message))) if message.contains("base URL")),
+            "{first:?}"
+        );
+        assert!(chunks.next().await.is_none());
+        assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 1, "asked once");
+    }
+}
+
+/// A rate limit or a request timeout passes: the follower asks again after a pause.
+#[tokio::test]
+async fn a_followed_stream_answered_429_asks_again() {
+    const LIMITED: &str = "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: 47\r\nconnection: close\r\n\r\n{\"error\":{\"type\":\"rate_limited\",\"message\":\"x\"}}";
+    const REFUSED: &str = "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 51\r\nconnection: close\r\n\r\n{\"error\":{\"type\":\"stream_not_found\",\"message\":\"x\"}}";
+    let (base, connections) = answering(vec![LIMITED, LIMITED, REFUSED]).await;
+    let client = flue_runtime::client::Client::new(base).unwrap();
+    let mut chunks = client.instance("assistant", "i").follow("-1");
+    let first = tokio::time::timeout(Duration::from_secs(30), chunks.next())
+        .await
+        .expect("the stream ends");
+    assert!(
+        matches!(
+            first,
+            Some(Err(flue_runtime::client::ClientError::Api { status: 404, .. }))
+        ),
+        "{first:?}"
+    );
+    assert_eq!(
+        connections.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "two 429s, then the refusal"
+    );
+}
+
 #[tokio::test]
 async fn a_follower_reconnects_when_a_connection_goes_silent() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
