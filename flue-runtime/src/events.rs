@@ -173,7 +173,11 @@ impl TaskScope {
 }
 
 /// What happened. Serialized as the reference names it: a snake_case `type` and camelCase
-/// fields (`{"type": "turn_start", "turnId": …}`).
+/// fields (`{"type": "turn_start", "turnId": …}`). Where the payloads differ from the
+/// reference's: `message_start` and `message_end` carry the message's `role`, not the message
+/// and its turn id (the turn is on the [`Observation`]); `agent_end` carries no messages; a
+/// submission's id is on the [`Observation`], not in the `submission_*` payloads;
+/// `toolcall_delta` also carries the call's stream `index`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
 pub enum Event {
@@ -230,7 +234,7 @@ pub enum Event {
     /// Streamed answer text.
     TextDelta {
         /// The fragment.
-        delta: String,
+        text: String,
     },
     /// Reasoning began streaming in the current assistant message.
     ThinkingStart,
@@ -240,15 +244,21 @@ pub enum Event {
         delta: String,
     },
     /// The reasoning ended: the answer's text or a tool call followed, or the call ended.
-    ThinkingEnd,
+    ThinkingEnd {
+        /// The reasoning streamed since its `thinking_start`.
+        content: String,
+    },
     /// A fragment of a tool call's argument text, as the model streams it.
     ToolcallDelta {
         /// The call's position among the response's tool calls.
         index: usize,
         /// The call's id (empty when the stream did not name the call before its arguments).
         tool_call_id: String,
+        /// The tool called (empty when the stream did not name the call before its
+        /// arguments).
+        tool_name: String,
         /// The fragment.
-        delta: String,
+        argument_text_delta: String,
     },
     /// A model call ended.
     Turn {
@@ -570,16 +580,24 @@ mod tests {
                 Event::ToolcallDelta {
                     index: 0,
                     tool_call_id: "call_1".into(),
-                    delta: "{\"a\"".into(),
+                    tool_name: "add".into(),
+                    argument_text_delta: "{\"a\"".into(),
                 },
-                json!({"type": "toolcall_delta", "index": 0, "toolCallId": "call_1", "delta": "{\"a\""}),
+                json!({"type": "toolcall_delta", "index": 0, "toolCallId": "call_1", "toolName": "add", "argumentTextDelta": "{\"a\""}),
             ),
             (Event::ThinkingStart, json!({"type": "thinking_start"})),
             (
                 Event::ThinkingDelta { delta: "hm".into() },
                 json!({"type": "thinking_delta", "delta": "hm"}),
             ),
-            (Event::ThinkingEnd, json!({"type": "thinking_end"})),
+            (
+                Event::ThinkingEnd { content: "hm".into() },
+                json!({"type": "thinking_end", "content": "hm"}),
+            ),
+            (
+                Event::TextDelta { text: "4".into() },
+                json!({"type": "text_delta", "text": "4"}),
+            ),
             (
                 Event::OperationStart {
                     operation_id: "op_1".into(),

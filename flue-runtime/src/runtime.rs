@@ -667,8 +667,9 @@ impl RuntimeInner {
             // A new instance's birth record is on its stream (the store does not say whether
             // this admission created it: an over-count only costs live readers one look).
             self.slot(&key).note_append();
-            self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         }
+        // At least once: a replay of an idempotency key emits it again (reference §7.2).
+        self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
         self.ensure_background();
         let receipt = DispatchReceipt {
             submission_id: admitted.submission.id.clone(),

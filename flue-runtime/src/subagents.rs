@@ -817,9 +817,11 @@ impl ChildEvents<'_> {
 struct ChildDeltas<'e, 'a> {
     events: &'e ChildEvents<'a>,
     thinking: bool,
+    /// The reasoning since the open `thinking_start`.
+    thought: String,
     shown: bool,
-    /// The calls' ids by index, as their starts named them.
-    ids: Vec<String>,
+    /// The calls' ids and tool names by index, as their starts named them.
+    ids: Vec<(String, String)>,
 }
 
 impl<'e, 'a> ChildDeltas<'e, 'a> {
@@ -827,6 +829,7 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
         Self {
             events,
             thinking: false,
+            thought: String::new(),
             shown: false,
             ids: Vec::new(),
         }
@@ -850,7 +853,7 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
             }
             Streamed::Event(StreamEvent::TextDelta(delta)) => {
                 self.shown = true;
-                self.events.emit(|| Event::TextDelta { delta });
+                self.events.emit(|| Event::TextDelta { text: delta });
             }
             Streamed::Event(StreamEvent::ReasoningDelta(delta)) => {
                 self.shown = true;
@@ -858,21 +861,23 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
                     self.thinking = true;
                     self.events.emit(|| Event::ThinkingStart);
                 }
+                self.thought.push_str(&delta);
                 self.events.emit(|| Event::ThinkingDelta { delta });
             }
-            Streamed::Event(StreamEvent::ToolCallStarted { index, id, .. }) => {
+            Streamed::Event(StreamEvent::ToolCallStarted { index, id, name }) => {
                 if self.ids.len() <= index {
-                    self.ids.resize(index + 1, String::new());
+                    self.ids.resize(index + 1, Default::default());
                 }
-                self.ids[index] = id;
+                self.ids[index] = (id, name);
             }
             Streamed::Event(StreamEvent::ToolCallArguments { index, delta }) => {
                 self.shown = true;
-                let tool_call_id = self.ids.get(index).cloned().unwrap_or_default();
+                let (tool_call_id, tool_name) = self.ids.get(index).cloned().unwrap_or_default();
                 self.events.emit(|| Event::ToolcallDelta {
                     index,
                     tool_call_id,
-                    delta,
+                    tool_name,
+                    argument_text_delta: delta,
                 });
             }
             Streamed::Event(StreamEvent::Completed(_)) => {}
@@ -882,7 +887,8 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
     /// Ends an open `thinking_start` (the call ended, however it ended).
     fn end(&mut self) {
         if std::mem::take(&mut self.thinking) {
-            self.events.emit(|| Event::ThinkingEnd);
+            let content = std::mem::take(&mut self.thought);
+            self.events.emit(|| Event::ThinkingEnd { content });
         }
     }
 }

@@ -584,19 +584,25 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
     assert!(turn_ids[..4].iter().all(|(_, id)| *id == first), "{turn_ids:?}");
     assert!(turn_ids[4..].iter().all(|(_, id)| *id == second), "{turn_ids:?}");
 
-    // The argument fragments of the call, with its index and id.
-    let deltas: Vec<(usize, &str, &str)> = observed
+    // The argument fragments of the call, with its index, id and tool.
+    let deltas: Vec<(usize, &str, &str, &str)> = observed
         .iter()
         .filter_map(|event| match event {
             Event::ToolcallDelta {
                 index,
                 tool_call_id,
-                delta,
-            } => Some((*index, tool_call_id.as_str(), delta.as_str())),
+                tool_name,
+                argument_text_delta,
+            } => Some((
+                *index,
+                tool_call_id.as_str(),
+                tool_name.as_str(),
+                argument_text_delta.as_str(),
+            )),
             _ => None,
         })
         .collect();
-    assert_eq!(deltas, [(0, "call_1_0", r#"{"a":1,"b":2}"#)]);
+    assert_eq!(deltas, [(0, "call_1_0", "add", r#"{"a":1,"b":2}"#)]);
 
     // Each turn's messages: the assistant step and the results of its calls.
     let messages: Vec<(&ModelMessage, &Vec<ModelMessage>)> = observed
@@ -824,8 +830,8 @@ async fn reasoning_streams_as_thinking_start_deltas_and_end_before_the_answer() 
             Event::MessageStart { role } if role == "assistant" => seen.push("message_start".to_owned()),
             Event::ThinkingStart => seen.push("thinking_start".to_owned()),
             Event::ThinkingDelta { delta } => seen.push(format!("thinking_delta {delta}")),
-            Event::ThinkingEnd => seen.push("thinking_end".to_owned()),
-            Event::TextDelta { delta } => seen.push(format!("text_delta {delta}")),
+            Event::ThinkingEnd { content } => seen.push(format!("thinking_end {content}")),
+            Event::TextDelta { text } => seen.push(format!("text_delta {text}")),
             Event::Turn { .. } => seen.push("turn".to_owned()),
             _ => {}
         }
@@ -837,7 +843,7 @@ async fn reasoning_streams_as_thinking_start_deltas_and_end_before_the_answer() 
             "thinking_start",
             "thinking_delta Two ",
             "thinking_delta and two.",
-            "thinking_end",
+            "thinking_end Two and two.",
             "text_delta 4",
             "turn",
         ]
@@ -894,7 +900,7 @@ async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
             Event::MessageEnd { role } if role == "assistant" => seen.push("message_end"),
             Event::ThinkingStart => seen.push("thinking_start"),
             Event::ThinkingDelta { .. } => seen.push("thinking_delta"),
-            Event::ThinkingEnd => seen.push("thinking_end"),
+            Event::ThinkingEnd { .. } => seen.push("thinking_end"),
             Event::TextDelta { .. } => seen.push("text_delta"),
             _ => {}
         }
@@ -1931,4 +1937,29 @@ async fn each_tool_result_message_has_its_message_start_and_end_between_tool_sta
         ["tool_start", "message_start:tool", "message_end:tool", "tool"],
         "{kinds:?}"
     );
+}
+
+/// Reference §7.2: `submission_queued` is at least once — a replay of an idempotency key
+/// emits it again, for the submission the replay converged on.
+#[tokio::test]
+async fn a_replayed_idempotency_key_emits_submission_queued_again() {
+    let model = ScriptedModel::new([ScriptedReply::text("paid")]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    let first = runtime
+        .dispatch_request("calculator", SendRequest::new("c", "pay").idempotency_key("k-1"))
+        .await
+        .unwrap();
+    let replay = runtime
+        .dispatch_request("calculator", SendRequest::new("c", "pay").idempotency_key("k-1"))
+        .await
+        .unwrap();
+    assert!(replay.deduplicated);
+    let mut queued = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if matches!(observation.event, Event::SubmissionQueued { .. }) {
+            queued.push(observation.submission_id.clone());
+        }
+    }
+    assert_eq!(queued, [Some(first.submission_id.clone()), Some(first.submission_id)]);
 }

@@ -145,9 +145,9 @@ async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
                 assert!(open);
                 open = false;
             }
-            flue_runtime::events::Event::TextDelta { delta } => {
+            flue_runtime::events::Event::TextDelta { text } => {
                 assert!(open, "a delta belongs to an open message");
-                assistant.last_mut().unwrap().push_str(&delta);
+                assistant.last_mut().unwrap().push_str(&text);
             }
             _ => {}
         }

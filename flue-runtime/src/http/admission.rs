@@ -47,7 +47,14 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
             ));
         }
     };
-    let idempotency_key = match fields.remove("idempotencyKey") {
+    // Checked after the message, as the reference's schema does: the uid, the message, then
+    // the key.
+    let idempotency_key = fields.remove("idempotencyKey");
+    let message = message(fields)?;
+    message
+        .validate()
+        .map_err(|error| ApiError::invalid_request(error.to_string()))?;
+    let idempotency_key = match idempotency_key {
         None => None,
         Some(Value::String(key)) if !key.is_empty() && key.encode_utf16().count() <= MAX_IDEMPOTENCY_KEY_UNITS => {
             Some(key)
@@ -58,10 +65,6 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
             ));
         }
     };
-    let message = message(fields)?;
-    message
-        .validate()
-        .map_err(|error| ApiError::invalid_request(error.to_string()))?;
     let mut request = SendRequest::new(id, message);
     request.initial_data = initial_data;
     request.uid = uid;

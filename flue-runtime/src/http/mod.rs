@@ -26,6 +26,10 @@
 //! axum::serve(listener, app).await
 //! # }
 //! ```
+//!
+//! Live reads (SSE streams, event streams, long polls) never end on their own, and axum's
+//! graceful shutdown waits for every open response: call [`Runtime::shutdown`](crate::Runtime::shutdown)
+//! in the shutdown signal, which ends them, or serve with [`crate::cli::serve`], which does.
 
 mod admission;
 pub mod auth;

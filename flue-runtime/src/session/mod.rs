@@ -1944,9 +1944,10 @@ impl Response<'_> {
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
         let mut observer = observation::ToolCallObserver::new(tools);
-        // Whether a `thinking_start` is open: anything but more reasoning ends it, and so
-        // does the call's end, however it ends.
+        // Whether a `thinking_start` is open, and the reasoning since: anything but more
+        // reasoning ends it, and so does the call's end, however it ends.
         let mut thinking = false;
+        let mut thought = String::new();
         let ended = loop {
             let next = tokio::select! {
                 next = stream.next() => next,
@@ -1954,7 +1955,8 @@ impl Response<'_> {
             };
             if thinking && !matches!(next, Some(Ok(StreamEvent::ReasoningDelta(_)))) {
                 thinking = false;
-                self.emit_with(|| Event::ThinkingEnd);
+                let content = std::mem::take(&mut thought);
+                self.emit_with(|| Event::ThinkingEnd { content });
             }
             match next {
                 None => {
@@ -1972,7 +1974,7 @@ impl Response<'_> {
                 }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
                     *shown = true;
-                    self.emit_with(|| Event::TextDelta { delta });
+                    self.emit_with(|| Event::TextDelta { text: delta });
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
                     *shown = true;
@@ -1980,6 +1982,7 @@ impl Response<'_> {
                         thinking = true;
                         self.emit_with(|| Event::ThinkingStart);
                     }
+                    thought.push_str(&delta);
                     self.emit_with(|| Event::ThinkingDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
@@ -1995,7 +1998,8 @@ impl Response<'_> {
                     self.emit_with(|| Event::ToolcallDelta {
                         index,
                         tool_call_id: observer.id_of(index).to_owned(),
-                        delta,
+                        tool_name: observer.name_of(index).to_owned(),
+                        argument_text_delta: delta,
                     });
                     if let Some(started) = started {
                         self.tool_call_started(started).await;
@@ -2004,7 +2008,7 @@ impl Response<'_> {
             }
         };
         if thinking {
-            self.emit_with(|| Event::ThinkingEnd);
+            self.emit_with(|| Event::ThinkingEnd { content: thought });
         }
         ended
     }

@@ -105,6 +105,11 @@ impl ToolCallObserver {
         self.calls.get(index).map_or("", |call| call.id.as_str())
     }
 
+    /// The tool the call at stream `index` calls; empty while the stream has not named it.
+    pub(crate) fn name_of(&self, index: usize) -> &str {
+        self.calls.get(index).map_or("", |call| call.name.as_str())
+    }
+
     fn check(call: &mut Call) -> Option<Started> {
         if call.arguments.len() > SCAN_LIMIT {
             return None;
