@@ -2097,25 +2097,26 @@ async fn joined_deliveries_signals_and_failures_project_as_the_protocol_says() {
     assert_eq!(settlements[0]["answeredBySubmissionId"], host);
     assert_eq!(settlements[1]["submissionId"], host);
     assert!(settlements[1].get("answeredBySubmissionId").is_none());
-    // The delivered signal and the one its start callback appended: dispatch messages, shown
-    // as diagnostics, with their signal attributes.
+    // The delivered signal and the one its start callback appended: system messages of the
+    // dispatch purpose, shown as diagnostics, with their tag name and attributes (none: no
+    // `signal`), never their type (reference §4.6).
     let signals: Vec<&Value> = snapshot["messages"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|message| message.get("signal").is_some())
+        .filter(|message| message["purpose"] == "dispatch")
         .collect();
     assert_eq!(signals.len(), 2, "{snapshot}");
-    assert_eq!(
-        signals[0]["signal"],
-        json!({"type": "follow_up", "tagName": "follow-up"})
-    );
-    assert_eq!(
-        (signals[0]["purpose"].as_str(), signals[0]["display"].as_str()),
-        (Some("dispatch"), Some("diagnostic"))
-    );
+    assert_eq!(signals[0]["signal"], json!({"tagName": "follow-up"}));
+    for signal in &signals {
+        assert_eq!(
+            (signal["role"].as_str(), signal["display"].as_str()),
+            (Some("system"), Some("diagnostic"))
+        );
+    }
     assert_eq!(signals[0]["parts"][0]["text"], "check the invoice");
-    assert_eq!(signals[1]["signal"]["type"], "note");
+    assert_eq!(signals[1]["parts"][0]["text"], "The follow-up joined.");
+    assert!(signals[1].get("signal").is_none(), "{}", signals[1]);
     // Still one assistant message for the whole response.
     let assistants = snapshot["messages"]
         .as_array()
@@ -2376,7 +2377,7 @@ async fn a_compaction_projects_to_a_conversation_reset_with_the_summary_in_the_s
         .as_array()
         .unwrap()
         .iter()
-        .find(|message| message["signal"]["type"] == "compaction")
+        .find(|message| message["signal"]["tagName"] == "conversation-summary")
         .unwrap_or_else(|| panic!("the summary message: {snapshot}"));
     assert_eq!(summary["parts"][0]["text"], "Summary: one question, answered.");
     assert_eq!(summary["signal"]["attributes"]["reason"], "overflow");

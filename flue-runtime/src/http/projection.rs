@@ -181,28 +181,33 @@ impl Projection {
                 attributes,
                 tag_name,
             } => {
-                let (role, purpose, display, settlement) = match signal_type.as_str() {
-                    "stream_interrupted" | "stream_continued" => ("system", "advisory", "hidden", None),
-                    "submission_aborted" => ("system", "advisory", "diagnostic", Some("aborted")),
-                    "submission_interrupted" => ("system", "advisory", "diagnostic", Some("failed")),
-                    "resources" | "instructions" | "environment" => ("system", "advisory", "diagnostic", None),
-                    _ => ("user", "dispatch", "diagnostic", None),
+                // Every signal is a system message; its type stays off the wire (the purpose
+                // and display say what a client needs), and `signal` holds only its tag name
+                // and attributes, when it has either (reference §4.6).
+                let (purpose, display, settlement) = match signal_type.as_str() {
+                    "stream_interrupted" | "stream_continued" => ("advisory", "hidden", None),
+                    "submission_aborted" => ("advisory", "diagnostic", Some("aborted")),
+                    "submission_interrupted" => ("advisory", "diagnostic", Some("failed")),
+                    "resources" | "instructions" | "environment" => ("advisory", "diagnostic", None),
+                    _ => ("dispatch", "diagnostic", None),
                 };
-                let mut signal = json!({"type": signal_type});
-                if let Some(tag_name) = tag_name {
-                    signal["tagName"] = json!(tag_name);
-                }
-                if !attributes.is_empty() {
-                    signal["attributes"] = json!(attributes);
-                }
                 let mut message = json!({
                     "id": message_id,
-                    "role": role,
+                    "role": "system",
                     "purpose": purpose,
                     "display": display,
-                    "signal": signal,
                     "parts": [{"type": "text", "text": body, "state": "done"}],
                 });
+                let mut signal = Map::new();
+                if let Some(tag_name) = tag_name {
+                    signal.insert("tagName".into(), json!(tag_name));
+                }
+                if !attributes.is_empty() {
+                    signal.insert("attributes".into(), json!(attributes));
+                }
+                if !signal.is_empty() {
+                    message["signal"] = Value::Object(signal);
+                }
                 if let Some(submission) = submission {
                     message["submissionId"] = json!(submission);
                 }
@@ -453,7 +458,7 @@ impl Projection {
                     "role": "system",
                     "purpose": "advisory",
                     "display": "diagnostic",
-                    "signal": {"type": "compaction", "attributes": {"reason": reason}},
+                    "signal": {"tagName": "conversation-summary", "attributes": {"reason": reason}},
                     "parts": [{"type": "text", "text": summary, "state": "done"}],
                 });
                 self.append_message(message, out);
