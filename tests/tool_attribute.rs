@@ -36,9 +36,9 @@ where
 
 /// Price an item, naming the context's lifetime in the catalog's bounds.
 #[tool(name = "price_item_for")]
-async fn price_for<'c, C: Catalog + 'c>(ctx: &'c ToolContext, args: PriceQuery) -> String
+async fn price_for<'c, C>(ctx: &'c ToolContext, args: PriceQuery) -> String
 where
-    C: 'c,
+    C: Catalog + 'c,
 {
     format!(
         "{}: {} costs {} cents",

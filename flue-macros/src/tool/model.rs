@@ -171,8 +171,7 @@ fn declared_lifetimes(generics: &syn::Generics) -> Vec<Ident> {
 /// `tokens` with the lifetimes among `declared` replaced by `'static`.
 fn as_static(tokens: TokenStream, declared: &[Ident]) -> TokenStream {
     let mut out = Vec::new();
-    let mut tokens = tokens.into_iter().peekable();
-    while let Some(token) = tokens.next() {
+    for token in tokens {
         match token {
             TokenTree::Group(group) => {
                 let mut replaced = proc_macro2::Group::new(group.delimiter(), as_static(group.stream(), declared));
