@@ -225,8 +225,12 @@ impl Server {
             .unwrap()
     }
 
+    async fn get(&self, tail: &str) -> reqwest::Response {
+        self.client.get(self.url(tail)).send().await.unwrap()
+    }
+
     async fn get_json(&self, tail: &str) -> (u16, HeaderMap, Value) {
-        let response = self.client.get(self.url(tail)).send().await.unwrap();
+        let response = self.get(tail).await;
         let (status, headers) = (response.status().as_u16(), response.headers().clone());
         (status, headers, response.json().await.unwrap_or(Value::Null))
     }
@@ -969,19 +973,9 @@ async fn attachments_are_served_with_their_type_and_immutable_caching() {
     assert_security_headers(&headers);
     assert_eq!(response.bytes().await.unwrap().as_ref(), png.as_slice());
 
-    let missing = server
-        .client
-        .get(server.url("/pics/attachments/att_nope"))
-        .send()
-        .await
-        .unwrap();
+    let missing = server.get("/pics/attachments/att_nope").await;
     assert_error(missing, 404, "attachment_not_found").await;
-    let no_stream = server
-        .client
-        .get(server.url(&format!("/never/attachments/{id}")))
-        .send()
-        .await
-        .unwrap();
+    let no_stream = server.get(&format!("/never/attachments/{id}")).await;
     assert_error(no_stream, 404, "stream_not_found").await;
     let wrong_method = server
         .client
@@ -2813,16 +2807,10 @@ async fn instance_ids_admission_refuses_are_400_and_never_reach_the_store() {
         )
         .await;
         assert!(error["details"].as_str().unwrap().contains(says), "{id}: {error}");
-        let read = server.client.get(server.url(&format!("/{id}"))).send().await.unwrap();
-        assert_error(read, 400, "invalid_request").await;
+        assert_error(server.get(&format!("/{id}")).await, 400, "invalid_request").await;
         // The attachment route does not refuse ids (as the reference's): there is no such
         // instance.
-        let attachment = server
-            .client
-            .get(server.url(&format!("/{id}/attachments/att_1")))
-            .send()
-            .await
-            .unwrap();
+        let attachment = server.get(&format!("/{id}/attachments/att_1")).await;
         assert_error(attachment, 404, "stream_not_found").await;
     }
     // The longest id and any other character are fine.
