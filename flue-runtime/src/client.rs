@@ -516,6 +516,14 @@ async fn connect(instance: &Instance, offset: &str) -> Result<Body, ClientError>
     }
     match json_of(response).await {
         Err(error @ ClientError::Api { .. }) => Err(error),
+        // A rate limit or a request timeout passes, whatever its body says.
+        Err(_) if matches!(status, 408 | 429) => Err(ClientError::Api {
+            status,
+            error_type: String::new(),
+            message: format!("the server answered {status}"),
+            details: String::new(),
+            meta: None,
+        }),
         Err(_) if status < 500 => Err(ClientError::Protocol(format!(
             "the server answered {status} without the protocol's error envelope: is the client's base URL a flue server's?"
         ))),

@@ -2451,7 +2451,9 @@ async fn a_followed_stream_answered_with_something_not_the_protocol_ends_at_once
 async fn a_followed_stream_answered_429_asks_again() {
     const LIMITED: &str = "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: 47\r\nconnection: close\r\n\r\n{\"error\":{\"type\":\"rate_limited\",\"message\":\"x\"}}";
     const REFUSED: &str = "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 51\r\nconnection: close\r\n\r\n{\"error\":{\"type\":\"stream_not_found\",\"message\":\"x\"}}";
-    let (base, connections) = answering(vec![LIMITED, LIMITED, REFUSED]).await;
+    // A rate limit without the protocol's envelope (a proxy's page) passes too.
+    const LIMITED_PAGE: &str = "HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/html\r\ncontent-length: 13\r\nconnection: close\r\n\r\n<html></html>";
+    let (base, connections) = answering(vec![LIMITED, LIMITED_PAGE, REFUSED]).await;
     let client = flue_runtime::client::Client::new(base).unwrap();
     let mut chunks = client.instance("assistant", "i").follow("-1");
     let first = tokio::time::timeout(Duration::from_secs(30), chunks.next())
