@@ -124,7 +124,7 @@ impl Default for RuntimeOptions {
 }
 
 /// The longest wait before a retry of a model call, however many retries came before it (the
-/// built-in providers cap their own waits, a `Retry-After` included, at the same 30 s).
+/// built-in providers cap their own waits, a `Retry-After` included, at this same bound).
 pub const MAX_MODEL_RETRY_WAIT: Duration = Duration::from_secs(30);
 
 impl RuntimeOptions {

@@ -2422,6 +2422,24 @@ async fn answering(answers: Vec<&'static str>) -> (String, std::sync::Arc<std::s
     (base, connections)
 }
 
+/// Follows an instance on a server answering `answers` (see [`answering`]): the stream's first
+/// item (guarded against a hang, not timed), the stream, and the server's connection count.
+async fn follow_answering(
+    answers: Vec<&'static str>,
+) -> (
+    Option<Result<Value, flue_runtime::client::ClientError>>,
+    flue_runtime::client::Chunks,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let (base, connections) = answering(answers).await;
+    let client = flue_runtime::client::Client::new(base).unwrap();
+    let mut chunks = client.instance("assistant", "i").follow("-1");
+    let first = tokio::time::timeout(Duration::from_secs(30), chunks.next())
+        .await
+        .expect("the stream ends");
+    (first, chunks, connections)
+}
+
 /// What a wrong base URL answers (a page, not the protocol) ends a followed stream with a
 /// protocol error at once, rather than reconnecting forever.
 #[tokio::test]
@@ -2430,13 +2448,7 @@ async fn a_followed_stream_answered_with_something_not_the_protocol_ends_at_once
         "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 13\r\nconnection: close\r\n\r\n<html></html>",
         "HTTP/1.1 404 Not Found\r\ncontent-type: text/html\r\ncontent-length: 13\r\nconnection: close\r\n\r\n<html></html>",
     ] {
-        let (base, connections) = answering(vec![answer]).await;
-        let client = flue_runtime::client::Client::new(base).unwrap();
-        let mut chunks = client.instance("assistant", "i").follow("-1");
-        // Guarded against a hang, not timed.
-        let first = tokio::time::timeout(Duration::from_secs(30), chunks.next())
-            .await
-            .expect("the stream ends");
+        let (first, mut chunks, connections) = follow_answering(vec![answer]).await;
         assert!(
             matches!(&first, Some(Err(flue_runtime::client::ClientError::Protocol(message))) if message.contains("base URL")),
             "{first:?}"
@@ -2453,12 +2465,7 @@ async fn a_followed_stream_answered_429_asks_again() {
     const REFUSED: &str = "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 51\r\nconnection: close\r\n\r\n{\"error\":{\"type\":\"stream_not_found\",\"message\":\"x\"}}";
     // A rate limit without the protocol's envelope (a proxy's page) passes too.
     const LIMITED_PAGE: &str = "HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/html\r\ncontent-length: 13\r\nconnection: close\r\n\r\n<html></html>";
-    let (base, connections) = answering(vec![LIMITED, LIMITED_PAGE, REFUSED]).await;
-    let client = flue_runtime::client::Client::new(base).unwrap();
-    let mut chunks = client.instance("assistant", "i").follow("-1");
-    let first = tokio::time::timeout(Duration::from_secs(30), chunks.next())
-        .await
-        .expect("the stream ends");
+    let (first, _, connections) = follow_answering(vec![LIMITED, LIMITED_PAGE, REFUSED]).await;
     assert!(
         matches!(
             first,

@@ -615,8 +615,8 @@ pub(super) async fn get_attachment(
 ) -> Result<Response, ApiError> {
     let Path((id, attachment_id)) = path.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
     // As the reference, this route does not refuse a blank id; an id admission refuses has no
-    // instance (and is not sent to the store, which may not take it), nor an attachment id
-    // the store never made.
+    // instance (and is not sent to the store, which may not take it), and an attachment id
+    // breaking the same rule is none the store made.
     let valid_id = id.trim().is_empty() || crate::runtime::check_instance_id(&id).is_ok();
     let key = InstanceKey::new(routes.agent.clone(), id);
     let store = &routes.runtime.store;
@@ -629,9 +629,7 @@ pub(super) async fn get_attachment(
     {
         return Err(ApiError::stream_not_found(&key.stream_path()));
     }
-    if attachment_id.chars().count() > crate::runtime::MAX_INSTANCE_ID_CHARS
-        || attachment_id.chars().any(char::is_control)
-    {
+    if crate::runtime::check_instance_id(&attachment_id).is_err() {
         return Err(ApiError::attachment_not_found(&attachment_id));
     }
     let attachment = store

@@ -39,8 +39,8 @@ pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Time allowed to open the TCP/TLS connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest a retry waits, whatever the provider asks for.
-const MAX_RETRY_WAIT: Duration = Duration::from_secs(30);
+/// The longest a retry waits, whatever the provider asks for: the turn loop's own cap.
+const MAX_RETRY_WAIT: Duration = crate::runtime::MAX_MODEL_RETRY_WAIT;
 /// How much of a provider's error message, or of an error body without one, is quoted in an
 /// error message.
 const BODY_SNIPPET_CHARS: usize = 300;
