@@ -559,10 +559,13 @@ impl ReplyFold {
             fold.responses
                 .entry(submission.to_owned())
                 .or_insert_with(|| message_id.to_owned());
-            let (texts, _, reply) = fold.replies.entry(message_id.to_owned()).or_default();
+            let (texts, step, reply) = fold.replies.entry(message_id.to_owned()).or_default();
             for part in message["parts"].as_array().into_iter().flatten() {
                 let kind = part["type"].as_str().unwrap_or_default();
-                if kind == "text" {
+                if kind == "text" && part["state"] == "streaming" {
+                    // A step still streaming: its next deltas continue this text.
+                    part["text"].as_str().unwrap_or_default().clone_into(step);
+                } else if kind == "text" {
                     texts.push(part["text"].as_str().unwrap_or_default().to_owned());
                 } else if let Some(name) = kind.strip_prefix("data-") {
                     reply.data.insert(name.to_owned(), part["data"].clone());

@@ -114,6 +114,17 @@ pub enum RecordBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         response_metadata: Option<Metadata>,
     },
+    /// Text a model step streamed, appended while the step still streams (coalesced: at most
+    /// one append per [`RuntimeOptions::text_flush`](crate::RuntimeOptions::text_flush)), so
+    /// clients of the record stream follow a long answer live. Only what
+    /// [`RecordBody::AssistantMessageCompleted`] says is the step's text: the model never reads
+    /// these, and a step that never completes (a crash, a retried call) leaves them behind.
+    AssistantTextDelta {
+        /// The step's message id.
+        message_id: String,
+        /// The text streamed since the step's previous delta record.
+        delta: String,
+    },
     /// A tool call the step made.
     AssistantToolCall {
         /// The step's message id.
@@ -353,6 +364,15 @@ pub(crate) fn model_step_bodies<'a>(
         model: model.to_owned(),
         response_metadata,
     };
+    std::iter::once(started).chain(model_step_ending(message_id, response))
+}
+
+/// The records that end a model step whose start is already in the stream: its calls, then
+/// its completion.
+pub(crate) fn model_step_ending<'a>(
+    message_id: &'a str,
+    response: &'a crate::provider::ModelResponse,
+) -> impl Iterator<Item = RecordBody> + 'a {
     let calls = response
         .tool_calls
         .iter()
@@ -368,7 +388,7 @@ pub(crate) fn model_step_bodies<'a>(
         stop_reason: response.stop_reason,
         usage: response.usage,
     };
-    std::iter::once(started).chain(calls).chain(std::iter::once(completed))
+    calls.chain(std::iter::once(completed))
 }
 
 /// `<prefix>_<ULID>`, in one allocation of its exact size.

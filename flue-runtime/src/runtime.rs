@@ -107,6 +107,15 @@ pub struct RuntimeOptions {
     /// it, the least recently used idle instances are dropped (a quarter of the limit at a
     /// time); an evicted instance re-reads its stream from the store at its next submission.
     pub cached_instances: usize,
+    /// How long a model step's streamed text may wait before it is appended to the record
+    /// stream while the step still streams ([`RecordBody::AssistantTextDelta`]), which is what
+    /// lets HTTP clients follow a long answer live. The text of a step that streams for less
+    /// is appended once, with the step. `None` appends nothing until the step completes.
+    /// Agents that select a `before_update_message` hook never stream text this way: the hook
+    /// decides what text is stored, so raw text is never appended before it ran.
+    ///
+    /// [`RecordBody::AssistantTextDelta`]: crate::record::RecordBody::AssistantTextDelta
+    pub text_flush: Option<Duration>,
 }
 
 impl Default for RuntimeOptions {
@@ -119,6 +128,7 @@ impl Default for RuntimeOptions {
             heartbeat: Duration::from_secs(10),
             scan_interval: Duration::from_secs(15),
             cached_instances: 1024,
+            text_flush: Some(Duration::from_secs(1)),
         }
     }
 }

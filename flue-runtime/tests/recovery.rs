@@ -30,6 +30,8 @@ const CHILD: &str = "FLUE_RECOVERY_CHILD";
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Point {
     ModelStream,
+    /// During a model stream, once the text streamed so far is in the stream.
+    ModelStreamStreamed,
     ToolBatchCommit,
     /// The commit of the batch answering a `task` call (its child has answered).
     TaskCommit,
@@ -42,6 +44,7 @@ impl Point {
     fn parse(text: &str) -> Self {
         match text {
             "model_stream" => Self::ModelStream,
+            "model_stream_streamed" => Self::ModelStreamStreamed,
             "tool_batch_commit" => Self::ToolBatchCommit,
             "task_commit" => Self::TaskCommit,
             "start_seam" => Self::StartSeam,
@@ -164,17 +167,25 @@ impl Store for PausingStore {
     }
 }
 
-/// A model that streams a little and then hangs (to be killed mid-stream).
-struct HangingModel;
+/// A model that streams a little and then hangs (to be killed mid-stream), after a while
+/// long enough for the runtime to append what streamed when `appended`.
+struct HangingModel {
+    appended: bool,
+}
 
 impl ModelProvider for HangingModel {
     fn id(&self) -> &str {
         "scripted"
     }
     fn stream(&self, _request: &ModelRequest) -> ModelStream {
-        Box::pin(futures_util::stream::unfold(0, |step| async move {
+        let appended = self.appended;
+        Box::pin(futures_util::stream::unfold(0, move |step| async move {
             if step == 0 {
                 return Some((Ok(StreamEvent::TextDelta("partial ".into())), 1));
+            }
+            if appended {
+                // Several `text_flush` intervals (the child's is 10 ms).
+                tokio::time::sleep(Duration::from_millis(300)).await;
             }
             pause_forever()
         }))
@@ -282,8 +293,10 @@ async fn child(mode: &str, dir: &Path) {
             ScriptedReply::text("Charged."),
             ScriptedReply::text("All set."),
         ]));
-    } else if point == Point::ModelStream {
-        providers.register(HangingModel);
+    } else if matches!(point, Point::ModelStream | Point::ModelStreamStreamed) {
+        providers.register(HangingModel {
+            appended: point == Point::ModelStreamStreamed,
+        });
     } else if mode == "standby" {
         // The surviving node answers every message it gets.
         providers.register(ScriptedModel::echo());
@@ -309,6 +322,7 @@ async fn child(mode: &str, dir: &Path) {
         lease: Duration::from_millis(400),
         heartbeat: Duration::from_millis(50),
         scan_interval: Duration::from_millis(100),
+        text_flush: Some(Duration::from_millis(10)),
         ..RuntimeOptions::default()
     };
     let runtime = Runtime::builder()
@@ -589,6 +603,36 @@ macro_rules! recovery_suite {
                     count(&records, |body| matches!(body, RecordBody::SubmissionSettled { outcome: Outcome::Completed, .. })),
                     1
                 );
+            }
+
+            #[test]
+            fn a_crash_after_a_step_streamed_text_makes_the_step_again_and_keeps_only_its_completed_text() {
+                let Some(dir) = scratch($postgres) else { return };
+                let (report, records, _) = crash_and_recover(dir, "model_stream_streamed", |_| {});
+                assert_eq!(report["outcome"], "completed", "{report}");
+                assert_eq!(report["text"], "Recovered: please confirm the charge.", "{report}");
+                let streamed: Vec<&str> = records
+                    .iter()
+                    .filter_map(|record| match &record.body {
+                        RecordBody::AssistantTextDelta { delta, .. } => Some(delta.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(streamed, ["partial "], "the dead attempt's text was in the stream");
+                assert_eq!(
+                    count(&records, |body| matches!(body, RecordBody::AssistantMessageStarted { .. })),
+                    2,
+                    "the interrupted step and the one made again"
+                );
+                let completed: Vec<&str> = records
+                    .iter()
+                    .filter_map(|record| match &record.body {
+                        RecordBody::AssistantMessageCompleted { text, .. } => Some(text.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(completed, ["Recovered: please confirm the charge."]);
+                assert_eq!(count(&records, |body| matches!(body, RecordBody::UserMessage { .. })), 1);
             }
 
             #[test]

@@ -4,6 +4,12 @@
 //!
 //! - One assistant message per response: every model step of a submission folds into the
 //!   submission's first step's message id; a step's text part comes before its tool parts.
+//! - A step's text streams as it was appended (`assistant_text_delta`) into a `streaming` text
+//!   part that its completion closes. A step that never completes (an attempt that died, a
+//!   call retried) leaves text the conversation does not hold: the response's next step, or
+//!   a completion whose text is not the streamed text continued, removes or corrects it, and
+//!   that batch projects to a reset (a client may have shown it). A settlement closes a
+//!   streaming part as it is (an aborted answer keeps what it showed).
 //! - Tool outputs appear only when their batch commits (`tool_results_committed`), never from
 //!   an outcome alone.
 //! - A batch holding the instance's birth record projects to one `conversation-reset`.
@@ -19,6 +25,11 @@ use crate::record::{Batch, Record, RecordBody, format_offset};
 /// The wire-only first element of every updates read.
 pub(crate) fn checkpoint(incarnation: &str) -> Value {
     json!({"type": "stream-checkpoint", "incarnation": incarnation})
+}
+
+/// A `message-delta` chunk of text.
+fn text_delta(message_id: &str, delta: &str) -> Value {
+    json!({"type": "message-delta", "messageId": message_id, "kind": "text", "delta": delta})
 }
 
 /// A tool outcome waiting for its batch's commit.
@@ -52,6 +63,11 @@ pub(crate) struct Projection {
     /// Data parts written before their response's first step (a start callback's writes),
     /// by submission: they join the response message when it starts.
     early_data: HashMap<String, Vec<(String, Value)>>,
+    /// Step message id → the text it streamed, while the step has not completed.
+    streamed: HashMap<String, String>,
+    /// Whether the batch being folded changed a message already shown (it projects to a
+    /// reset).
+    rewritten: bool,
     offset: Option<u64>,
 }
 
@@ -112,12 +128,13 @@ impl Projection {
                 _ => {}
             }
         }
+        self.rewritten = false;
         for record in batch.records.iter() {
             self.record(record, &texts, &hosts, &mut out);
         }
         self.offset = Some(batch.offset);
         let Some(chunks) = chunks else { return };
-        if resets {
+        if resets || self.rewritten {
             out = vec![json!({"type": "conversation-reset", "snapshot": self.snapshot()})];
         }
         for (index, mut chunk) in out.into_iter().enumerate() {
@@ -241,6 +258,7 @@ impl Projection {
                         message_id.clone()
                     }
                 };
+                self.drop_interrupted_steps(&response_id);
                 self.steps.insert(message_id.clone(), response_id.clone());
                 let parts = self.parts_len(&response_id);
                 self.step_parts.insert(message_id.clone(), parts);
@@ -263,7 +281,7 @@ impl Projection {
                     out.push(json!({"type": "data-part", "messageId": response_id, "name": name, "data": data}));
                 }
                 if let Some(text) = texts.get(message_id.as_str()) {
-                    out.push(json!({"type": "message-delta", "messageId": response_id, "kind": "text", "delta": text}));
+                    out.push(text_delta(&response_id, text));
                 }
             }
             RecordBody::AssistantToolCall {
@@ -300,16 +318,49 @@ impl Projection {
                     "timestamp": timestamp,
                 }));
             }
+            RecordBody::AssistantTextDelta { message_id, delta } => {
+                let Some(response_id) = self.steps.get(message_id).cloned() else {
+                    return;
+                };
+                let at = self.step_parts.get(message_id).copied().unwrap_or(0);
+                let streamed = self.streamed.entry(message_id.clone()).or_default();
+                let first = streamed.is_empty();
+                streamed.push_str(delta);
+                let text = streamed.clone();
+                if first {
+                    self.insert_part(&response_id, at, json!({"type": "text", "text": text, "state": "streaming"}));
+                } else if let Some(part) = self.step_text_part(&response_id, at) {
+                    part["text"] = json!(text);
+                }
+                out.push(text_delta(&response_id, delta));
+            }
             RecordBody::AssistantMessageCompleted { message_id, text, .. } => {
                 let Some(response_id) = self.steps.get(message_id).cloned() else {
                     return;
                 };
-                if !text.is_empty() {
+                if let Some(streamed) = self.streamed.remove(message_id.as_str()) {
+                    let at = self.step_parts.get(message_id).copied().unwrap_or(0);
+                    match text.strip_prefix(streamed.as_str()) {
+                        Some(rest) => {
+                            if !rest.is_empty() {
+                                out.push(text_delta(&response_id, rest));
+                            }
+                        }
+                        // The step's text is not what it streamed continued (a retried call
+                        // streamed after a failed one).
+                        None => self.rewritten = true,
+                    }
+                    if text.is_empty() {
+                        self.remove_step_text_part(&response_id, at);
+                    } else if let Some(part) = self.step_text_part(&response_id, at) {
+                        *part = json!({"type": "text", "text": text, "state": "done"});
+                    }
+                } else if !text.is_empty() {
                     let at = self.step_parts.get(message_id).copied().unwrap_or(0);
                     self.insert_part(&response_id, at, json!({"type": "text", "text": text, "state": "done"}));
                     if !texts.contains_key(message_id.as_str()) {
                         out.push(
-                            json!({"type": "message-delta", "messageId": response_id, "kind": "text", "delta": text}),
+                            text_delta(&response_id, text),
                         );
                     }
                 }
@@ -380,6 +431,9 @@ impl Projection {
             }
             RecordBody::SubmissionSettled { outcome, error } => {
                 let Some(submission) = submission else { return };
+                if let Some(response_id) = self.responses.get(submission).cloned() {
+                    self.close_streaming_steps(&response_id);
+                }
                 let mut settlement = json!({"submissionId": submission, "outcome": outcome});
                 if let Some(error) = error {
                     settlement["error"] = json!(error);
@@ -493,6 +547,52 @@ impl Projection {
         }
     }
 
+    /// The text part of the step whose parts start at `at` in `response_id`, if it has one.
+    fn step_text_part(&mut self, response_id: &str, at: usize) -> Option<&mut Value> {
+        self.parts_mut(response_id)?
+            .get_mut(at)
+            .filter(|part| part["type"] == "text")
+    }
+
+    fn remove_step_text_part(&mut self, response_id: &str, at: usize) {
+        if self.step_text_part(response_id, at).is_some()
+            && let Some(parts) = self.parts_mut(response_id)
+        {
+            parts.remove(at);
+        }
+    }
+
+    /// The steps of `response_id` that streamed text and never completed.
+    fn streaming_steps(&self, response_id: &str) -> Vec<String> {
+        self.streamed
+            .keys()
+            .filter(|step| self.steps.get(*step).is_some_and(|response| response == response_id))
+            .cloned()
+            .collect()
+    }
+
+    /// A new step of `response_id` began: a step of it still streaming never completes (its
+    /// attempt died), and its text, which the conversation does not hold, goes.
+    fn drop_interrupted_steps(&mut self, response_id: &str) {
+        for step in self.streaming_steps(response_id) {
+            self.streamed.remove(&step);
+            let at = self.step_parts.get(&step).copied().unwrap_or(0);
+            self.remove_step_text_part(response_id, at);
+            self.rewritten = true;
+        }
+    }
+
+    /// `response_id` settled: the text its steps streamed stays, done.
+    fn close_streaming_steps(&mut self, response_id: &str) {
+        for step in self.streaming_steps(response_id) {
+            self.streamed.remove(&step);
+            let at = self.step_parts.get(&step).copied().unwrap_or(0);
+            if let Some(part) = self.step_text_part(response_id, at) {
+                part["state"] = json!("done");
+            }
+        }
+    }
+
     fn append_message(&mut self, message: Value, out: &mut Vec<Value>) {
         if let Some(id) = message["id"].as_str() {
             self.index.insert(id.to_owned(), self.messages.len());
@@ -563,5 +663,160 @@ impl Projection {
             flue_core::metadata::merge_metadata(&mut merged, metadata.clone());
             *target = merged;
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::{Value, json};
+
+    use super::Projection;
+    use crate::provider::StopReason;
+    use crate::record::{Batch, Outcome, Record, RecordBody};
+
+    fn record(submission: &str, body: RecordBody) -> Record {
+        Record {
+            id: crate::record::new_id("record"),
+            submission_id: Some(submission.into()),
+            attempt_id: None,
+            timestamp: "2026-01-01T00:00:00.000Z".into(),
+            body,
+        }
+    }
+
+    fn started(step: &str) -> RecordBody {
+        RecordBody::AssistantMessageStarted {
+            message_id: step.into(),
+            model: "test/model".into(),
+            response_metadata: None,
+        }
+    }
+
+    fn delta(step: &str, text: &str) -> RecordBody {
+        RecordBody::AssistantTextDelta {
+            message_id: step.into(),
+            delta: text.into(),
+        }
+    }
+
+    fn completed(step: &str, text: &str) -> RecordBody {
+        RecordBody::AssistantMessageCompleted {
+            message_id: step.into(),
+            text: text.into(),
+            stop_reason: StopReason::Stop,
+            usage: Default::default(),
+        }
+    }
+
+    /// Folds one batch per entry of `batches` (records of submission `sub_1`); the chunk types
+    /// of each.
+    fn fold(projection: &mut Projection, offset: &mut u64, batches: Vec<Vec<RecordBody>>) -> Vec<Vec<String>> {
+        batches
+            .into_iter()
+            .map(|bodies| {
+                let records: Vec<Record> = bodies.into_iter().map(|body| record("sub_1", body)).collect();
+                let batch = Batch {
+                    offset: *offset,
+                    records: Arc::from(records),
+                };
+                *offset += 1;
+                let mut chunks = Vec::new();
+                projection.apply(&batch, Some(&mut chunks));
+                chunks
+                    .iter()
+                    .map(|chunk| chunk["type"].as_str().unwrap().to_owned())
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn parts(projection: &Projection) -> Value {
+        projection.snapshot()["messages"][0]["parts"].clone()
+    }
+
+    #[test]
+    fn a_step_that_never_completed_loses_its_streamed_text_to_the_next_step_with_a_reset() {
+        let mut projection = Projection::new("agents/a/i");
+        let mut offset = 0;
+        let chunks = fold(
+            &mut projection,
+            &mut offset,
+            vec![
+                vec![started("step_1"), delta("step_1", "Hal")],
+                vec![delta("step_1", "f an")],
+            ],
+        );
+        assert_eq!(
+            chunks,
+            [vec!["message-started", "message-delta"], vec!["message-delta"]]
+        );
+        assert_eq!(
+            parts(&projection),
+            json!([{"type": "text", "text": "Half an", "state": "streaming"}])
+        );
+        // The attempt died; the next one's step streams into the same response message.
+        let chunks = fold(
+            &mut projection,
+            &mut offset,
+            vec![
+                vec![started("step_2"), delta("step_2", "Whole")],
+                vec![completed("step_2", "Whole answer")],
+            ],
+        );
+        assert_eq!(
+            chunks,
+            [vec!["conversation-reset"], vec!["message-delta", "message-completed"]]
+        );
+        assert_eq!(
+            parts(&projection),
+            json!([{"type": "text", "text": "Whole answer", "state": "done"}])
+        );
+    }
+
+    #[test]
+    fn a_settlement_keeps_the_text_an_unfinished_step_streamed_and_closes_it() {
+        let mut projection = Projection::new("agents/a/i");
+        let mut offset = 0;
+        let chunks = fold(
+            &mut projection,
+            &mut offset,
+            vec![
+                vec![started("step_1"), delta("step_1", "Partial")],
+                vec![RecordBody::SubmissionSettled {
+                    outcome: Outcome::Aborted,
+                    error: None,
+                }],
+            ],
+        );
+        assert_eq!(
+            chunks,
+            [vec!["message-started", "message-delta"], vec!["submission-settled"]]
+        );
+        assert_eq!(
+            parts(&projection),
+            json!([{"type": "text", "text": "Partial", "state": "done"}])
+        );
+    }
+
+    #[test]
+    fn a_completion_with_empty_text_removes_what_its_step_streamed() {
+        let mut projection = Projection::new("agents/a/i");
+        let mut offset = 0;
+        let chunks = fold(
+            &mut projection,
+            &mut offset,
+            vec![
+                vec![started("step_1"), delta("step_1", "Let me")],
+                vec![completed("step_1", "")],
+            ],
+        );
+        assert_eq!(
+            chunks,
+            [vec!["message-started", "message-delta"], vec!["conversation-reset"]]
+        );
+        assert_eq!(parts(&projection), json!([]));
     }
 }

@@ -583,6 +583,16 @@ mod tests {
                 error: None,
             })],
         ];
+        // Text the step streamed before it completed: the start of its text, or (every fourth
+        // exchange) a retried call's, which the completion corrects (a reset).
+        let streamed = if n % 4 == 1 { "draft" } else { "ans" };
+        batches.insert(
+            3,
+            vec![at(RecordBody::AssistantTextDelta {
+                message_id: format!("step_{n}"),
+                delta: streamed.into(),
+            })],
+        );
         if n % 3 == 2 {
             let mut updates = serde_json::Map::new();
             updates.insert("content".into(), json!(format!("question {n}, edited")));

@@ -704,7 +704,9 @@ impl Conversation {
                     self.rebaseline = true;
                 }
             }
-            RecordBody::AgentStartRun
+            // The model reads a step's text from its completion, never from what it streamed.
+            RecordBody::AssistantTextDelta { .. }
+            | RecordBody::AgentStartRun
             | RecordBody::AgentFinishCycle
             | RecordBody::MessageDataWrite { .. }
             | RecordBody::MessageMetadata { .. }

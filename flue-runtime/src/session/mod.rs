@@ -4,12 +4,18 @@
 //! Every durability point is one append: the input, a start seam (signals, state writes,
 //! marker), each model step, each tool batch (outcomes, the state writes its tools made, the
 //! commit marker), each continued finish cycle, the response-finish metadata, and settlement.
+//! A model step that streams text for longer than `RuntimeOptions::text_flush` also appends
+//! its start and its text so far while it streams (see `live_text`), so clients follow it.
+//! That start counts as a durable step, as the reference's does (a resumed response does not
+//! run `use_response_start` again, and the step counts against `max_steps`); the text never
+//! does: a step that never completes is made again.
 
 mod binding;
 mod compaction;
 mod conversation;
 mod deadline;
 mod lifecycle;
+mod live_text;
 mod narration;
 mod observation;
 
@@ -50,6 +56,7 @@ use crate::store::AttachmentPut;
 use crate::store::{AttemptRef, InstanceKey, Submission, SubmissionStatus};
 use crate::tools;
 use deadline::Deadline;
+use live_text::LiveText;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
 pub(crate) use conversation::{
@@ -1743,6 +1750,7 @@ impl Response<'_> {
         let system_len = crate::framework::system_len(instruction, self.sections());
         self.compact_if_needed(provider, model_id, system_len, step).await?;
         let mut row_updates = None;
+        let mut live: Option<LiveText> = None;
         let mut compacted_for_overflow = false;
         let (response, started, turn_id) = loop {
             let system = crate::framework::system(instruction, self.sections());
@@ -1756,6 +1764,7 @@ impl Response<'_> {
             if row_updates.is_none() {
                 row_updates = Some(self.assistant_row_created(&message_id).await);
             }
+            let live = live.get_or_insert_with(|| self.live_text(&message_id, spec));
             let request = ModelRequest {
                 model: model_id.to_owned(),
                 system,
@@ -1781,7 +1790,9 @@ impl Response<'_> {
             self.emit_with(|| Event::MessageStart {
                 role: "assistant".into(),
             });
-            let streamed = self.stream_with_retries(provider, &request, &rendered.tools).await;
+            let streamed = self
+                .stream_with_retries(provider, &request, &rendered.tools, live)
+                .await;
             // Kept for a call after overflow recovery.
             tools = request.tools;
             if let Err(error) = &streamed {
@@ -1789,7 +1800,7 @@ impl Response<'_> {
                 // `aborted`) and its assistant message, before any recovery.
                 let stop_reason = match error {
                     StepError::Aborted => "aborted",
-                    StepError::Provider(_) => "error",
+                    StepError::Provider(_) | StepError::Store(_) => "error",
                 };
                 self.emit_with(|| Event::Turn {
                     turn_id: turn_id.get(),
@@ -1811,6 +1822,7 @@ impl Response<'_> {
             match streamed {
                 Ok(response) => break (response, started, turn_id),
                 Err(StepError::Aborted) => return Err(Failure::aborted()),
+                Err(StepError::Store(error)) => return Err(Failure::store(error)),
                 Err(StepError::Provider(error))
                     if error.kind == crate::provider::ProviderErrorKind::ContextOverflow =>
                 {
@@ -1822,6 +1834,8 @@ impl Response<'_> {
                             .await?
                     {
                         compacted_for_overflow = true;
+                        // The compaction recorded the conversation's snapshot.
+                        live.drop_snapshot();
                         continue;
                     }
                     return Err(Failure::failed("context_overflow", format!("prompt failed: {error}")));
@@ -1852,12 +1866,10 @@ impl Response<'_> {
         response.text = self
             .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut row_updates)
             .await;
-        let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
-        let mut records: Vec<Record> = self.first_snapshot.take().into_iter().collect();
-        records.extend(
-            crate::record::model_step_bodies(&message_id, spec, response_metadata, &response)
-                .map(|body| self.record(body)),
-        );
+        // The step's start (unless its text streamed into the stream already), its calls and
+        // its completion.
+        let mut records = live.map(LiveText::into_unappended).unwrap_or_default();
+        records.extend(crate::record::model_step_ending(&message_id, &response).map(|body| self.record(body)));
         if !row_updates.is_empty() {
             records.push(self.record(RecordBody::MessageUpdated {
                 message_id: message_id.clone(),
@@ -1883,6 +1895,25 @@ impl Response<'_> {
         Ok((response, message_id, turn_id))
     }
 
+    /// The step `message_id`'s start, with what the response's first step carries (the
+    /// conversation's first resource snapshot, `use_response_start` metadata), ready to
+    /// stream its text (see [`LiveText`]). An agent with a `before_update_message` hook does
+    /// not stream text into the stream: the hook decides the text that is stored.
+    fn live_text(&mut self, message_id: &str, spec: &str) -> LiveText {
+        let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
+        let started = self.record(RecordBody::AssistantMessageStarted {
+            message_id: message_id.to_owned(),
+            model: spec.to_owned(),
+            response_metadata,
+        });
+        let every = self
+            .runtime
+            .options
+            .text_flush
+            .filter(|_| !self.hooks.has(flue_core::lifecycle::HookKind::BeforeUpdateMessage));
+        LiveText::new(message_id, self.first_snapshot.take(), started, every)
+    }
+
     /// The framework's sections of the system prompt: the frozen baseline once the
     /// conversation has a resource snapshot (this render's before).
     fn sections(&self) -> Option<&str> {
@@ -1905,13 +1936,17 @@ impl Response<'_> {
         provider: &dyn ModelProvider,
         request: &ModelRequest,
         tools: &[flue_core::Tool],
+        live: &mut LiveText,
     ) -> Result<ModelResponse, StepError> {
         let mut retries = 0;
         loop {
             let mut shown = false;
-            match self.stream_once(provider, request, tools, &mut shown).await {
+            match self.stream_once(provider, request, tools, &mut shown, live).await {
                 Err(StepError::Provider(error)) if error.may_retry(retries, self.runtime.options.model_retries) => {
                     retries += 1;
+                    // The retry streams its own text; what this call appended stays behind
+                    // (its step's completion says what the text is).
+                    live.discard_pending();
                     if shown {
                         self.emit_with(|| Event::MessageEnd {
                             role: "assistant".into(),
@@ -1934,13 +1969,14 @@ impl Response<'_> {
     }
 
     /// One streamed model call; `shown` becomes true once any of it reached observers (a
-    /// delta, a tool call's start).
+    /// delta, a tool call's start). Its text goes to `live` too, which appends it when due.
     async fn stream_once(
         &self,
         provider: &dyn ModelProvider,
         request: &ModelRequest,
         tools: &[flue_core::Tool],
         shown: &mut bool,
+        live: &mut LiveText,
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
         let mut observer = observation::ToolCallObserver::new(tools);
@@ -1949,9 +1985,16 @@ impl Response<'_> {
         let mut thinking = false;
         let mut thought = String::new();
         let ended = loop {
+            let due = live.due();
             let next = tokio::select! {
                 next = stream.next() => next,
                 () = self.attempt.signal.aborted() => break Err(StepError::Aborted),
+                () = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
+                    if let Err(error) = live.flush(&self.writer, |body| self.record(body)).await {
+                        break Err(StepError::Store(error));
+                    }
+                    continue;
+                }
             };
             if thinking && !matches!(next, Some(Ok(StreamEvent::ReasoningDelta(_)))) {
                 thinking = false;
@@ -1974,6 +2017,7 @@ impl Response<'_> {
                 }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
                     *shown = true;
+                    live.push(&delta);
                     self.emit_with(|| Event::TextDelta { text: delta });
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
@@ -2288,6 +2332,8 @@ impl Response<'_> {
 enum StepError {
     Aborted,
     Provider(crate::provider::ProviderError),
+    /// Appending the step's streamed text failed.
+    Store(crate::store::StoreError),
 }
 
 impl StepError {
@@ -2304,6 +2350,10 @@ impl StepError {
                     .and_then(|kind| kind.as_str().map(str::to_owned))
                     .unwrap_or_else(|| "provider_error".into()),
                 message: error.message.clone(),
+            },
+            Self::Store(error) => SettlementError {
+                error_type: "store_failure".into(),
+                message: error.to_string(),
             },
         }
     }

@@ -1,0 +1,155 @@
+//! A model step's text on its way to the record stream while the step still streams.
+//!
+//! A step is one append when it completes. A step that streams text for longer than
+//! [`RuntimeOptions::text_flush`](crate::RuntimeOptions::text_flush) appends its start and the
+//! text so far before that ([`RecordBody::AssistantTextDelta`]), then the text streamed since
+//! at most once per interval, so clients of the stream follow it live. The step's completion
+//! is still one append, and it alone says what the step's text is.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::lifecycle::thread::ThreadWriter;
+use crate::record::{Record, RecordBody};
+use crate::store::StoreError;
+
+pub(super) struct LiveText {
+    message_id: String,
+    /// The conversation's first resource snapshot, when this step carries it.
+    snapshot: Option<Record>,
+    /// The step's `assistant_message_started`.
+    started: Record,
+    /// Whether `snapshot` and `started` are in the stream.
+    opened: bool,
+    /// Text streamed and not appended yet.
+    pending: String,
+    /// When `pending` is appended: `every` after its first byte. `None` while nothing waits.
+    due: Option<Instant>,
+    /// `None`: nothing is appended before the step completes.
+    every: Option<Duration>,
+}
+
+impl LiveText {
+    pub(super) fn new(message_id: &str, snapshot: Option<Record>, started: Record, every: Option<Duration>) -> Self {
+        Self {
+            message_id: message_id.to_owned(),
+            snapshot,
+            started,
+            opened: false,
+            pending: String::new(),
+            due: None,
+            every,
+        }
+    }
+
+    /// Takes a text delta the model streamed.
+    pub(super) fn push(&mut self, delta: &str) {
+        let Some(every) = self.every else { return };
+        if delta.is_empty() {
+            return;
+        }
+        self.pending.push_str(delta);
+        if self.due.is_none() {
+            self.due = Some(Instant::now() + every);
+        }
+    }
+
+    /// When the waiting text is due, if any waits.
+    pub(super) fn due(&self) -> Option<Instant> {
+        self.due
+    }
+
+    /// Forgets the text of a call that failed before it was appended (a retried call streams
+    /// its own).
+    pub(super) fn discard_pending(&mut self) {
+        self.pending.clear();
+        self.due = None;
+    }
+
+    /// The conversation's first snapshot is not this step's to carry any more (a compaction
+    /// wrote a newer one).
+    pub(super) fn drop_snapshot(&mut self) {
+        if !self.opened {
+            self.snapshot = None;
+        }
+    }
+
+    /// Appends the waiting text, after the step's start the first time, as one batch of the
+    /// attempt. `record` makes a record of the attempt.
+    pub(super) async fn flush(
+        &mut self,
+        writer: &ThreadWriter,
+        record: impl FnOnce(RecordBody) -> Record,
+    ) -> Result<(), StoreError> {
+        self.due = None;
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let delta = record(RecordBody::AssistantTextDelta {
+            message_id: self.message_id.clone(),
+            delta: std::mem::take(&mut self.pending),
+        });
+        let mut batch = Vec::with_capacity(3);
+        if !self.opened {
+            batch.extend(self.snapshot.clone());
+            batch.push(self.started.clone());
+        }
+        batch.push(delta);
+        writer.append(batch.into()).await?;
+        self.opened = true;
+        Ok(())
+    }
+
+    /// The records that open the step and are not in the stream yet (they go first in the
+    /// step's completing batch).
+    pub(super) fn into_unappended(self) -> Vec<Record> {
+        if self.opened {
+            Vec::new()
+        } else {
+            self.snapshot.into_iter().chain(std::iter::once(self.started)).collect()
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    fn started() -> Record {
+        Record {
+            id: "record_1".into(),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-01-01T00:00:00.000Z".into(),
+            body: RecordBody::AssistantMessageStarted {
+                message_id: "msg_1".into(),
+                model: "scripted/x".into(),
+                response_metadata: None,
+            },
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn text_waits_one_interval_from_its_first_byte_and_nothing_waits_without_an_interval() {
+        let mut live = LiveText::new("msg_1", None, started(), Some(Duration::from_secs(1)));
+        assert_eq!(live.due(), None, "nothing streamed yet");
+        let start = Instant::now();
+        live.push("Hel");
+        tokio::time::advance(Duration::from_millis(400)).await;
+        live.push("lo");
+        assert_eq!(
+            live.due(),
+            Some(start + Duration::from_secs(1)),
+            "the first byte sets the clock"
+        );
+        live.discard_pending();
+        assert_eq!(live.due(), None);
+
+        let mut off = LiveText::new("msg_1", None, started(), None);
+        off.push("Hello");
+        assert_eq!(off.due(), None, "no interval: the step's text waits for its completion");
+        assert_eq!(off.into_unappended(), vec![started()]);
+    }
+}

@@ -1,0 +1,393 @@
+//! A model step's text reaches the record stream, and so HTTP clients, while the step still
+//! streams: coalesced `assistant_text_delta` records, at most one per `text_flush` interval,
+//! and the step's completion alone says what its text is.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{
+    ModelProvider, ModelRequest, ModelResponse, ModelStream, ProviderError, ProviderErrorKind, ProviderRegistry,
+    StopReason, StreamEvent,
+};
+use flue_runtime::record::{Batch, RecordBody};
+use flue_runtime::store::{InstanceKey, MemoryStore, Store};
+use flue_runtime::{Runtime, RuntimeOptions};
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+
+/// What one scripted call does, in order.
+#[derive(Clone)]
+enum Step {
+    /// Streams a text delta.
+    Text(&'static str),
+    /// Waits until the test opens the gate once.
+    Gate,
+    /// Fails the call with a retryable network error.
+    Fail,
+    /// Completes the call with this text.
+    Complete(&'static str),
+}
+
+/// A model whose calls stream as scripted, waiting at gates the test opens.
+#[derive(Clone)]
+struct GatedModel {
+    calls: Arc<Mutex<VecDeque<Vec<Step>>>>,
+    gate: Arc<Semaphore>,
+    requests: Arc<Mutex<Vec<ModelRequest>>>,
+}
+
+impl GatedModel {
+    fn new(calls: Vec<Vec<Step>>) -> Self {
+        Self {
+            calls: Arc::new(Mutex::new(calls.into())),
+            gate: Arc::new(Semaphore::new(0)),
+            requests: Arc::default(),
+        }
+    }
+
+    fn open_gate(&self) {
+        self.gate.add_permits(1);
+    }
+}
+
+impl ModelProvider for GatedModel {
+    fn id(&self) -> &str {
+        "gated"
+    }
+
+    fn stream(&self, request: &ModelRequest) -> ModelStream {
+        self.requests.lock().unwrap().push(request.clone());
+        let steps: VecDeque<Step> = self.calls.lock().unwrap().pop_front().unwrap_or_default().into();
+        let gate = self.gate.clone();
+        Box::pin(futures_util::stream::unfold(steps, move |mut steps| {
+            let gate = gate.clone();
+            async move {
+                loop {
+                    match steps.pop_front()? {
+                        Step::Text(text) => return Some((Ok(StreamEvent::TextDelta(text.into())), steps)),
+                        Step::Gate => gate.acquire().await.unwrap().forget(),
+                        Step::Fail => {
+                            let error = ProviderError::new(ProviderErrorKind::Network, "the connection dropped");
+                            return Some((Err(error), VecDeque::new()));
+                        }
+                        Step::Complete(text) => {
+                            let response = ModelResponse {
+                                text: text.into(),
+                                reasoning: String::new(),
+                                tool_calls: Vec::new(),
+                                stop_reason: StopReason::Stop,
+                                usage: Default::default(),
+                            };
+                            return Some((Ok(StreamEvent::Completed(response)), VecDeque::new()));
+                        }
+                    }
+                }
+            }
+        }))
+    }
+}
+
+#[agent]
+fn narrator() -> &'static str {
+    use_model("gated/x");
+    "Tell it."
+}
+
+#[hook(before_update_message)]
+async fn redact(_state: &ThreadState, _id: &str, mut updates: MessageUpdates) -> MessageUpdates {
+    if let Some(Value::String(content)) = updates.get("content").cloned() {
+        updates.insert("content".into(), json!(content.replace("secret", "[redacted]")));
+    }
+    updates
+}
+
+#[agent(hooks = [redact])]
+fn redacting_narrator() -> &'static str {
+    use_model("gated/x");
+    "Tell it."
+}
+
+struct Served {
+    runtime: Runtime,
+    store: MemoryStore,
+    base: String,
+    client: reqwest::Client,
+}
+
+async fn serve(model: &GatedModel, text_flush: Option<Duration>) -> Served {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .providers(providers)
+        .agent(narrator)
+        .agent(redacting_narrator)
+        .options(RuntimeOptions {
+            model_retry_delay: Duration::from_millis(1),
+            text_flush,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Served {
+        runtime,
+        store,
+        base: format!("http://{addr}/agents"),
+        client: reqwest::Client::new(),
+    }
+}
+
+impl Served {
+    async fn admit(&self, agent: &str, id: &str, body: &str) {
+        let response = self
+            .client
+            .post(format!("{}/{agent}/{id}", self.base))
+            .json(&json!({"kind": "user", "body": body}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 202);
+    }
+
+    async fn get(&self, agent: &str, tail: &str) -> Value {
+        let response = self
+            .client
+            .get(format!("{}/{agent}/{tail}", self.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        response.json().await.unwrap()
+    }
+
+    /// Every chunk of the updates view from the start (the checkpoint left out).
+    async fn updates(&self, agent: &str, id: &str) -> Vec<Value> {
+        let chunks = self.get(agent, &format!("{id}?view=updates&offset=-1")).await;
+        chunks.as_array().unwrap()[1..].to_vec()
+    }
+
+    /// The updates once `done` holds for them.
+    async fn updates_until(&self, agent: &str, id: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        for _ in 0..500 {
+            let chunks = self.updates(agent, id).await;
+            if done(&chunks) {
+                return chunks;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the updates of {agent}/{id} never reached the awaited state");
+    }
+
+    async fn batches(&self, agent: &str, id: &str) -> Vec<Batch> {
+        self.store.read(&InstanceKey::new(agent, id), None).await.unwrap()
+    }
+}
+
+fn types(chunks: &[Value]) -> Vec<&str> {
+    chunks.iter().map(|chunk| chunk["type"].as_str().unwrap()).collect()
+}
+
+fn settled(chunks: &[Value]) -> bool {
+    types(chunks).contains(&"submission-settled")
+}
+
+/// The text deltas a stream's records carry, in order.
+fn text_deltas(batches: &[Batch]) -> Vec<String> {
+    batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter_map(|record| match &record.body {
+            RecordBody::AssistantTextDelta { delta, .. } => Some(delta.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn assistant_parts(snapshot: &Value) -> Value {
+    let messages = snapshot["messages"].as_array().unwrap();
+    let assistant = messages.iter().find(|message| message["role"] == "assistant").unwrap();
+    assistant["parts"].clone()
+}
+
+#[tokio::test]
+async fn a_long_answer_reaches_http_readers_while_the_model_still_streams() {
+    let model = GatedModel::new(vec![vec![
+        Step::Text("Once upon"),
+        Step::Gate,
+        Step::Text(" a time"),
+        Step::Complete("Once upon a time"),
+    ]]);
+    let served = serve(&model, Some(Duration::from_millis(20))).await;
+    served.admit("narrator", "n1", "tell me a story").await;
+
+    // The model is held after its first delta: the text is in the stream all the same.
+    let chunks = served
+        .updates_until("narrator", "n1", |chunks| types(chunks).contains(&"message-delta"))
+        .await;
+    assert_eq!(
+        types(&chunks),
+        [
+            "conversation-reset",
+            "message-appended",
+            "message-started",
+            "message-delta"
+        ]
+    );
+    assert_eq!(chunks[3]["delta"], "Once upon");
+    assert_eq!(chunks[3]["messageId"], chunks[2]["messageId"]);
+    let snapshot = served.get("narrator", "n1").await;
+    assert_eq!(
+        assistant_parts(&snapshot),
+        json!([{"type": "text", "text": "Once upon", "state": "streaming"}]),
+        "the history shows the step streaming"
+    );
+
+    model.open_gate();
+    let chunks = served.updates_until("narrator", "n1", settled).await;
+    assert_eq!(
+        types(&chunks),
+        [
+            "conversation-reset",
+            "message-appended",
+            "message-started",
+            "message-delta",
+            "message-delta",
+            "message-completed",
+            "submission-settled",
+        ]
+    );
+    assert_eq!(chunks[4]["delta"], " a time", "the rest of the text, once");
+    let batches: Vec<u64> = chunks[2..6]
+        .iter()
+        .map(|chunk| chunk["position"]["batch"].as_u64().unwrap())
+        .collect();
+    assert!(
+        batches[1] < batches[3],
+        "the first delta was its own append: {batches:?}"
+    );
+    let snapshot = served.get("narrator", "n1").await;
+    assert_eq!(
+        assistant_parts(&snapshot),
+        json!([{"type": "text", "text": "Once upon a time", "state": "done"}])
+    );
+    let streamed = text_deltas(&served.batches("narrator", "n1").await);
+    assert!(
+        !streamed.is_empty() && "Once upon a time".starts_with(&streamed.concat()),
+        "{streamed:?}"
+    );
+
+    // The model reads the step's text from its completion, once.
+    model.calls.lock().unwrap().push_back(vec![Step::Complete("The end.")]);
+    served.admit("narrator", "n1", "and then?").await;
+    served
+        .updates_until("narrator", "n1", |chunks| {
+            types(chunks)
+                .iter()
+                .filter(|kind| **kind == "submission-settled")
+                .count()
+                == 2
+        })
+        .await;
+    let requests = model.requests.lock().unwrap().clone();
+    let history = format!("{:?}", requests[1].messages.clone().into_vec());
+    assert_eq!(history.matches("Once upon").count(), 1, "{history}");
+    served.runtime.shutdown();
+}
+
+#[tokio::test]
+async fn a_fast_answer_is_one_append_and_no_interval_streams_nothing_early() {
+    for text_flush in [Some(Duration::from_secs(60)), None] {
+        let model = GatedModel::new(vec![vec![
+            Step::Text("Quick"),
+            Step::Text(" answer"),
+            Step::Complete("Quick answer"),
+        ]]);
+        let served = serve(&model, text_flush).await;
+        served.admit("narrator", "n2", "hi").await;
+        let chunks = served.updates_until("narrator", "n2", settled).await;
+        assert_eq!(
+            types(&chunks),
+            [
+                "conversation-reset",
+                "message-appended",
+                "message-started",
+                "message-delta",
+                "message-completed",
+                "submission-settled",
+            ],
+            "{text_flush:?}"
+        );
+        assert_eq!(chunks[3]["delta"], "Quick answer");
+        assert!(text_deltas(&served.batches("narrator", "n2").await).is_empty());
+        served.runtime.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn a_call_retried_after_its_text_streamed_resets_readers_to_the_text_it_completed_with() {
+    let model = GatedModel::new(vec![
+        vec![Step::Text("I think the ans"), Step::Gate, Step::Fail],
+        vec![Step::Text("The answer is 4."), Step::Complete("The answer is 4.")],
+    ]);
+    let served = serve(&model, Some(Duration::from_millis(20))).await;
+    served.admit("narrator", "n3", "2+2?").await;
+    served
+        .updates_until("narrator", "n3", |chunks| types(chunks).contains(&"message-delta"))
+        .await;
+    model.open_gate();
+    let chunks = served.updates_until("narrator", "n3", settled).await;
+    let last_reset = chunks
+        .iter()
+        .rposition(|chunk| chunk["type"] == "conversation-reset")
+        .unwrap();
+    assert!(last_reset > 0, "the completion reset the readers: {:?}", types(&chunks));
+    assert_eq!(
+        assistant_parts(&chunks[last_reset]["snapshot"]),
+        json!([{"type": "text", "text": "The answer is 4.", "state": "done"}])
+    );
+    let snapshot = served.get("narrator", "n3").await;
+    assert_eq!(
+        assistant_parts(&snapshot),
+        json!([{"type": "text", "text": "The answer is 4.", "state": "done"}])
+    );
+
+    // The protocol's client folds the same answer.
+    let client = flue_runtime::client::Client::new(served.base.trim_end_matches("/agents")).unwrap();
+    let instance = client.instance("narrator", "n3");
+    model.calls.lock().unwrap().push_back(vec![Step::Complete("Yes.")]);
+    let reply = instance.prompt("sure?").await.unwrap();
+    assert_eq!(reply.text, "Yes.");
+    served.runtime.shutdown();
+}
+
+#[tokio::test]
+async fn an_agent_whose_hook_rewrites_answers_never_streams_raw_text_into_the_stream() {
+    let model = GatedModel::new(vec![vec![
+        Step::Text("the secret is"),
+        Step::Gate,
+        Step::Text(" out"),
+        Step::Complete("the secret is out"),
+    ]]);
+    let served = serve(&model, Some(Duration::from_millis(1))).await;
+    served.admit("redacting_narrator", "r1", "tell").await;
+    // Well past the interval while the model is held: nothing of the step is in the stream.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let chunks = served.updates("redacting_narrator", "r1").await;
+    assert_eq!(types(&chunks), ["conversation-reset", "message-appended"]);
+    model.open_gate();
+    let chunks = served.updates_until("redacting_narrator", "r1", settled).await;
+    let deltas: Vec<&Value> = chunks.iter().filter(|chunk| chunk["type"] == "message-delta").collect();
+    assert_eq!(deltas.len(), 1);
+    assert_eq!(deltas[0]["delta"], "the [redacted] is out");
+    assert!(text_deltas(&served.batches("redacting_narrator", "r1").await).is_empty());
+    served.runtime.shutdown();
+}
