@@ -125,6 +125,14 @@ pub enum RecordBody {
         /// The text streamed since the step's previous delta record.
         delta: String,
     },
+    /// Reasoning a model step streamed, appended while the step still streams, as
+    /// [`RecordBody::AssistantTextDelta`] is for its text.
+    AssistantReasoningDelta {
+        /// The step's message id.
+        message_id: String,
+        /// The reasoning streamed since the step's previous delta record.
+        delta: String,
+    },
     /// A tool call the step made.
     AssistantToolCall {
         /// The step's message id.
@@ -142,6 +150,10 @@ pub enum RecordBody {
         message_id: String,
         /// The step's text.
         text: String,
+        /// The step's reasoning, when the model streamed any (clients show it; the model
+        /// never reads it back).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reasoning: String,
         /// Why it ended.
         stop_reason: StopReason,
         /// Usage.
@@ -385,6 +397,7 @@ pub(crate) fn model_step_ending<'a>(
     let completed = RecordBody::AssistantMessageCompleted {
         message_id: message_id.to_owned(),
         text: response.text.clone(),
+        reasoning: response.reasoning.clone(),
         stop_reason: response.stop_reason,
         usage: response.usage,
     };

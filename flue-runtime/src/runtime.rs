@@ -107,14 +107,16 @@ pub struct RuntimeOptions {
     /// it, the least recently used idle instances are dropped (a quarter of the limit at a
     /// time); an evicted instance re-reads its stream from the store at its next submission.
     pub cached_instances: usize,
-    /// How long a model step's streamed text may wait before it is appended to the record
-    /// stream while the step still streams ([`RecordBody::AssistantTextDelta`]), which is what
-    /// lets HTTP clients follow a long answer live. The text of a step that streams for less
-    /// is appended once, with the step. `None` appends nothing until the step completes.
-    /// Agents that select a `before_update_message` hook never stream text this way: the hook
-    /// decides what text is stored, so raw text is never appended before it ran.
+    /// How long a model step's streamed text and reasoning may wait before they are appended
+    /// to the record stream while the step still streams ([`RecordBody::AssistantTextDelta`],
+    /// [`RecordBody::AssistantReasoningDelta`]), which is what lets HTTP clients follow a long
+    /// answer live. A step that streams for less is appended once, when it completes. `None`
+    /// appends nothing until the step completes. Agents that select a `before_update_message`
+    /// hook never stream this way: the hook decides what text is stored, so raw text is never
+    /// appended before it ran.
     ///
     /// [`RecordBody::AssistantTextDelta`]: crate::record::RecordBody::AssistantTextDelta
+    /// [`RecordBody::AssistantReasoningDelta`]: crate::record::RecordBody::AssistantReasoningDelta
     pub text_flush: Option<Duration>,
 }
 

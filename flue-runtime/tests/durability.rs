@@ -456,6 +456,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
                 record(RecordBody::AssistantMessageCompleted {
                     message_id: "m2".into(),
                     text: "the answer".into(),
+                    reasoning: String::new(),
                     stop_reason: flue_runtime::provider::StopReason::Stop,
                     usage: Default::default(),
                 }),
@@ -884,6 +885,7 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
             record(RecordBody::AssistantMessageCompleted {
                 message_id: "m2".into(),
                 text: "the answer".into(),
+                reasoning: String::new(),
                 stop_reason: flue_runtime::provider::StopReason::Stop,
                 usage: Default::default(),
             }),

@@ -24,11 +24,13 @@ use tokio::sync::Semaphore;
 enum Step {
     /// Streams a text delta.
     Text(&'static str),
+    /// Streams a reasoning delta.
+    Reasoning(&'static str),
     /// Waits until the test opens the gate once.
     Gate,
     /// Fails the call with a retryable network error.
     Fail,
-    /// Completes the call with this text.
+    /// Completes the call with this text (and the reasoning it streamed).
     Complete(&'static str),
 }
 
@@ -63,31 +65,40 @@ impl ModelProvider for GatedModel {
         self.requests.lock().unwrap().push(request.clone());
         let steps: VecDeque<Step> = self.calls.lock().unwrap().pop_front().unwrap_or_default().into();
         let gate = self.gate.clone();
-        Box::pin(futures_util::stream::unfold(steps, move |mut steps| {
-            let gate = gate.clone();
-            async move {
-                loop {
-                    match steps.pop_front()? {
-                        Step::Text(text) => return Some((Ok(StreamEvent::TextDelta(text.into())), steps)),
-                        Step::Gate => gate.acquire().await.unwrap().forget(),
-                        Step::Fail => {
-                            let error = ProviderError::new(ProviderErrorKind::Network, "the connection dropped");
-                            return Some((Err(error), VecDeque::new()));
-                        }
-                        Step::Complete(text) => {
-                            let response = ModelResponse {
-                                text: text.into(),
-                                reasoning: String::new(),
-                                tool_calls: Vec::new(),
-                                stop_reason: StopReason::Stop,
-                                usage: Default::default(),
-                            };
-                            return Some((Ok(StreamEvent::Completed(response)), VecDeque::new()));
+        Box::pin(futures_util::stream::unfold(
+            (steps, String::new()),
+            move |(mut steps, mut reasoning)| {
+                let gate = gate.clone();
+                async move {
+                    loop {
+                        match steps.pop_front()? {
+                            Step::Text(text) => {
+                                return Some((Ok(StreamEvent::TextDelta(text.into())), (steps, reasoning)));
+                            }
+                            Step::Reasoning(text) => {
+                                reasoning.push_str(text);
+                                return Some((Ok(StreamEvent::ReasoningDelta(text.into())), (steps, reasoning)));
+                            }
+                            Step::Gate => gate.acquire().await.unwrap().forget(),
+                            Step::Fail => {
+                                let error = ProviderError::new(ProviderErrorKind::Network, "the connection dropped");
+                                return Some((Err(error), (VecDeque::new(), reasoning)));
+                            }
+                            Step::Complete(text) => {
+                                let response = ModelResponse {
+                                    text: text.into(),
+                                    reasoning: reasoning.clone(),
+                                    tool_calls: Vec::new(),
+                                    stop_reason: StopReason::Stop,
+                                    usage: Default::default(),
+                                };
+                                return Some((Ok(StreamEvent::Completed(response)), (VecDeque::new(), reasoning)));
+                            }
                         }
                     }
                 }
-            }
-        }))
+            },
+        ))
     }
 }
 
@@ -389,5 +400,104 @@ async fn an_agent_whose_hook_rewrites_answers_never_streams_raw_text_into_the_st
     assert_eq!(deltas.len(), 1);
     assert_eq!(deltas[0]["delta"], "the [redacted] is out");
     assert!(text_deltas(&served.batches("redacting_narrator", "r1").await).is_empty());
+    served.runtime.shutdown();
+}
+
+#[tokio::test]
+async fn reasoning_streams_into_its_own_part_before_the_text_and_a_fast_step_shows_both() {
+    let model = GatedModel::new(vec![
+        vec![
+            Step::Reasoning("Count the "),
+            Step::Gate,
+            Step::Reasoning("letters."),
+            Step::Text("Five"),
+            Step::Gate,
+            Step::Text(" letters."),
+            Step::Complete("Five letters."),
+        ],
+        vec![Step::Reasoning("Easy."), Step::Complete("Yes.")],
+    ]);
+    let served = serve(&model, Some(Duration::from_millis(20))).await;
+    served.admit("narrator", "t1", "how long is 'hello'?").await;
+    served
+        .updates_until("narrator", "t1", |chunks| types(chunks).contains(&"message-delta"))
+        .await;
+    model.open_gate();
+    let chunks = served
+        .updates_until("narrator", "t1", |chunks| {
+            chunks
+                .iter()
+                .any(|chunk| chunk["type"] == "message-delta" && chunk["kind"] == "text")
+        })
+        .await;
+    let snapshot = served.get("narrator", "t1").await;
+    let parts = assistant_parts(&snapshot);
+    assert_eq!(parts[0]["type"], "reasoning", "{parts}");
+    assert_eq!(parts[1]["type"], "text", "{parts}");
+    assert_eq!(parts[1]["state"], "streaming", "{parts}");
+    assert!(
+        chunks
+            .iter()
+            .all(|chunk| chunk["type"] != "conversation-reset" || chunk["position"]["batch"] == 0)
+    );
+
+    model.open_gate();
+    let chunks = served.updates_until("narrator", "t1", settled).await;
+    let deltas: Vec<(&str, &str)> = chunks
+        .iter()
+        .filter(|chunk| chunk["type"] == "message-delta")
+        .map(|chunk| (chunk["kind"].as_str().unwrap(), chunk["delta"].as_str().unwrap()))
+        .collect();
+    let reasoning: String = deltas
+        .iter()
+        .filter(|(kind, _)| *kind == "reasoning")
+        .map(|(_, delta)| *delta)
+        .collect();
+    let text: String = deltas
+        .iter()
+        .filter(|(kind, _)| *kind == "text")
+        .map(|(_, delta)| *delta)
+        .collect();
+    assert_eq!(
+        (reasoning.as_str(), text.as_str()),
+        ("Count the letters.", "Five letters."),
+        "{deltas:?}"
+    );
+    assert_eq!(
+        assistant_parts(&served.get("narrator", "t1").await),
+        json!([
+            {"type": "reasoning", "text": "Count the letters.", "state": "done"},
+            {"type": "text", "text": "Five letters.", "state": "done"},
+        ])
+    );
+
+    // A step too fast to stream anything shows its reasoning too, from its completion.
+    served.admit("narrator", "t1", "sure?").await;
+    let chunks = served
+        .updates_until("narrator", "t1", |chunks| {
+            types(chunks)
+                .iter()
+                .filter(|kind| **kind == "submission-settled")
+                .count()
+                == 2
+        })
+        .await;
+    let second = chunks
+        .iter()
+        .rposition(|chunk| chunk["type"] == "message-started")
+        .unwrap();
+    assert_eq!(
+        types(&chunks[second..]),
+        [
+            "message-started",
+            "message-delta",
+            "message-delta",
+            "message-completed",
+            "submission-settled"
+        ]
+    );
+    assert_eq!(chunks[second + 1]["kind"], "reasoning");
+    assert_eq!(chunks[second + 1]["delta"], "Easy.");
+    assert_eq!(chunks[second + 2]["kind"], "text");
     served.runtime.shutdown();
 }

@@ -4,19 +4,21 @@
 //!
 //! - One assistant message per response: every model step of a submission folds into the
 //!   submission's first step's message id; a step's text part comes before its tool parts.
-//! - A step's text streams as it was appended (`assistant_text_delta`) into a `streaming` text
-//!   part that its completion closes. A step that never completes (an attempt that died, a
-//!   call retried) leaves text the conversation does not hold: the response's next step, or
-//!   a completion whose text is not the streamed text continued, removes or corrects it, and
-//!   that batch projects to a reset (a client may have shown it). A settlement closes a
-//!   streaming part as it is (an aborted answer keeps what it showed).
+//! - A step's reasoning and text (its completion's, or streamed as appended:
+//!   `assistant_reasoning_delta`, `assistant_text_delta`) are a `reasoning` part and a `text`
+//!   part, in that order, before its tool parts. Streamed ones are `streaming` until the
+//!   completion closes them. A step that never completes (an attempt that died, a call
+//!   retried) leaves text the conversation does not hold: the response's next step, or a
+//!   completion that does not continue what streamed, removes or corrects it, and that batch
+//!   projects to a reset (a client may have shown it). A settlement closes a streaming part
+//!   as it is (an aborted answer keeps what it showed).
 //! - Tool outputs appear only when their batch commits (`tool_results_committed`), never from
 //!   an outcome alone.
 //! - A batch holding the instance's birth record projects to one `conversation-reset`.
 //! - Chunks carry the conversation id and their position: the batch's offset and their index
 //!   within that batch's projection.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use serde_json::{Map, Value, json};
 
@@ -27,9 +29,26 @@ pub(crate) fn checkpoint(incarnation: &str) -> Value {
     json!({"type": "stream-checkpoint", "incarnation": incarnation})
 }
 
-/// A `message-delta` chunk of text.
-fn text_delta(message_id: &str, delta: &str) -> Value {
-    json!({"type": "message-delta", "messageId": message_id, "kind": "text", "delta": delta})
+/// What a model step streams, each into one part of its response message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Stream {
+    Reasoning,
+    Text,
+}
+
+impl Stream {
+    /// The part's type and the `message-delta` chunk's kind.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Reasoning => "reasoning",
+            Self::Text => "text",
+        }
+    }
+
+    /// A `message-delta` chunk.
+    fn delta(self, message_id: &str, delta: &str) -> Value {
+        json!({"type": "message-delta", "messageId": message_id, "kind": self.name(), "delta": delta})
+    }
 }
 
 /// A tool outcome waiting for its batch's commit.
@@ -63,8 +82,10 @@ pub(crate) struct Projection {
     /// Data parts written before their response's first step (a start callback's writes),
     /// by submission: they join the response message when it starts.
     early_data: HashMap<String, Vec<(String, Value)>>,
-    /// Step message id → the text it streamed, while the step has not completed.
-    streamed: HashMap<String, String>,
+    /// (Step message id, stream) → what the step streamed, while it has not completed.
+    streamed: HashMap<(String, Stream), String>,
+    /// Steps whose parts start with a reasoning part.
+    reasoned: HashSet<String>,
     /// Whether the batch being folded changed a message already shown (it projects to a
     /// reset).
     rewritten: bool,
@@ -111,14 +132,25 @@ impl Projection {
             )
         });
         let mut out = Vec::new();
-        // A step's text streams right after its start when both are in this batch.
-        let mut texts: HashMap<&str, &str> = HashMap::new();
+        // A step's reasoning and text stream right after its start when both are in this
+        // batch: its completion's, by step.
+        let mut finals: HashMap<&str, (&str, &str)> = HashMap::new();
+        // Steps that start in this batch.
+        let mut starts: HashSet<&str> = HashSet::new();
         // A joined delivery settles under its host's attempt, in the host's settlement batch.
         let mut hosts: HashMap<&str, &str> = HashMap::new();
         for record in batch.records.iter() {
             match &record.body {
-                RecordBody::AssistantMessageCompleted { message_id, text, .. } if !text.is_empty() => {
-                    texts.insert(message_id, text);
+                RecordBody::AssistantMessageCompleted {
+                    message_id,
+                    text,
+                    reasoning,
+                    ..
+                } => {
+                    finals.insert(message_id, (reasoning, text));
+                }
+                RecordBody::AssistantMessageStarted { message_id, .. } => {
+                    starts.insert(message_id);
                 }
                 RecordBody::SubmissionSettled { .. } => {
                     if let (Some(attempt), Some(submission)) = (&record.attempt_id, &record.submission_id) {
@@ -130,7 +162,7 @@ impl Projection {
         }
         self.rewritten = false;
         for record in batch.records.iter() {
-            self.record(record, &texts, &hosts, &mut out);
+            self.record(record, (&finals, &starts), &hosts, &mut out);
         }
         self.offset = Some(batch.offset);
         let Some(chunks) = chunks else { return };
@@ -149,7 +181,7 @@ impl Projection {
     fn record(
         &mut self,
         record: &Record,
-        texts: &HashMap<&str, &str>,
+        (finals, starts): (&HashMap<&str, (&str, &str)>, &HashSet<&str>),
         hosts: &HashMap<&str, &str>,
         out: &mut Vec<Value>,
     ) {
@@ -280,8 +312,12 @@ impl Projection {
                     self.set_data_part(&response_id, &name, &data);
                     out.push(json!({"type": "data-part", "messageId": response_id, "name": name, "data": data}));
                 }
-                if let Some(text) = texts.get(message_id.as_str()) {
-                    out.push(text_delta(&response_id, text));
+                if let Some((reasoning, text)) = finals.get(message_id.as_str()) {
+                    for (stream, streamed) in [(Stream::Reasoning, reasoning), (Stream::Text, text)] {
+                        if !streamed.is_empty() {
+                            out.push(stream.delta(&response_id, streamed));
+                        }
+                    }
                 }
             }
             RecordBody::AssistantToolCall {
@@ -318,52 +354,25 @@ impl Projection {
                     "timestamp": timestamp,
                 }));
             }
-            RecordBody::AssistantTextDelta { message_id, delta } => {
-                let Some(response_id) = self.steps.get(message_id).cloned() else {
-                    return;
-                };
-                let at = self.step_parts.get(message_id).copied().unwrap_or(0);
-                let streamed = self.streamed.entry(message_id.clone()).or_default();
-                let first = streamed.is_empty();
-                streamed.push_str(delta);
-                let text = streamed.clone();
-                if first {
-                    self.insert_part(&response_id, at, json!({"type": "text", "text": text, "state": "streaming"}));
-                } else if let Some(part) = self.step_text_part(&response_id, at) {
-                    part["text"] = json!(text);
-                }
-                out.push(text_delta(&response_id, delta));
+            RecordBody::AssistantReasoningDelta { message_id, delta } => {
+                self.stream_delta(message_id, Stream::Reasoning, delta, out);
             }
-            RecordBody::AssistantMessageCompleted { message_id, text, .. } => {
+            RecordBody::AssistantTextDelta { message_id, delta } => {
+                self.stream_delta(message_id, Stream::Text, delta, out);
+            }
+            RecordBody::AssistantMessageCompleted {
+                message_id,
+                text,
+                reasoning,
+                ..
+            } => {
                 let Some(response_id) = self.steps.get(message_id).cloned() else {
                     return;
                 };
-                if let Some(streamed) = self.streamed.remove(message_id.as_str()) {
-                    let at = self.step_parts.get(message_id).copied().unwrap_or(0);
-                    match text.strip_prefix(streamed.as_str()) {
-                        Some(rest) => {
-                            if !rest.is_empty() {
-                                out.push(text_delta(&response_id, rest));
-                            }
-                        }
-                        // The step's text is not what it streamed continued (a retried call
-                        // streamed after a failed one).
-                        None => self.rewritten = true,
-                    }
-                    if text.is_empty() {
-                        self.remove_step_text_part(&response_id, at);
-                    } else if let Some(part) = self.step_text_part(&response_id, at) {
-                        *part = json!({"type": "text", "text": text, "state": "done"});
-                    }
-                } else if !text.is_empty() {
-                    let at = self.step_parts.get(message_id).copied().unwrap_or(0);
-                    self.insert_part(&response_id, at, json!({"type": "text", "text": text, "state": "done"}));
-                    if !texts.contains_key(message_id.as_str()) {
-                        out.push(
-                            text_delta(&response_id, text),
-                        );
-                    }
-                }
+                // Streamed right after its start already when that is in this batch.
+                let shown = starts.contains(message_id.as_str());
+                self.complete_part(&response_id, message_id, Stream::Reasoning, reasoning, shown, out);
+                self.complete_part(&response_id, message_id, Stream::Text, text, shown, out);
                 out.push(json!({"type": "message-completed", "messageId": response_id, "timestamp": timestamp}));
             }
             RecordBody::ToolOutcome {
@@ -485,13 +494,9 @@ impl Projection {
                         }
                     }
                 } else if let Some(response_id) = self.steps.get(message_id).cloned() {
-                    // A model step folded into its response message: its text part goes.
-                    let at = self.step_parts.get(message_id).copied();
-                    if let (Some(at), Some(parts)) = (at, self.parts_mut(&response_id))
-                        && parts.get(at).is_some_and(|part| part["type"] == "text")
-                    {
-                        parts.remove(at);
-                    }
+                    // A model step folded into its response message: its text and reasoning go.
+                    self.remove_step_part(&response_id, message_id, Stream::Text);
+                    self.remove_step_part(&response_id, message_id, Stream::Reasoning);
                 }
             }
             RecordBody::StateWrite { .. }
@@ -523,15 +528,20 @@ impl Projection {
     /// Applies a row's field updates to the message that shows it: content to its text part,
     /// `silent` to its display, metadata merged.
     fn update_message(&mut self, id: &str, updates: &Map<String, Value>) {
-        let (message_id, text_at) = match self.steps.get(id) {
-            Some(response_id) => (response_id.clone(), self.step_parts.get(id).copied()),
-            None => (id.to_owned(), Some(0)),
-        };
-        if let (Some(Value::String(content)), Some(at)) = (updates.get("content"), text_at)
-            && let Some(part) = self.parts_mut(&message_id).and_then(|parts| parts.get_mut(at))
-            && part["type"] == "text"
-        {
-            part["text"] = json!(content);
+        let message_id = self.steps.get(id).cloned();
+        let is_step = message_id.is_some();
+        let message_id = message_id.unwrap_or_else(|| id.to_owned());
+        if let Some(Value::String(content)) = updates.get("content") {
+            let part = if is_step {
+                self.step_part(&message_id, id, Stream::Text)
+            } else {
+                self.parts_mut(&message_id)
+                    .and_then(|parts| parts.get_mut(0))
+                    .filter(|part| part["type"] == "text")
+            };
+            if let Some(part) = part {
+                part["text"] = json!(content);
+            }
         }
         let Some(message) = self.message_mut(&message_id) else {
             return;
@@ -547,47 +557,127 @@ impl Projection {
         }
     }
 
-    /// The text part of the step whose parts start at `at` in `response_id`, if it has one.
-    fn step_text_part(&mut self, response_id: &str, at: usize) -> Option<&mut Value> {
-        self.parts_mut(response_id)?
-            .get_mut(at)
-            .filter(|part| part["type"] == "text")
-    }
-
-    fn remove_step_text_part(&mut self, response_id: &str, at: usize) {
-        if self.step_text_part(response_id, at).is_some()
-            && let Some(parts) = self.parts_mut(response_id)
-        {
-            parts.remove(at);
+    /// Where `step`'s part of `stream` is (or goes) in its response message: its reasoning
+    /// first, then its text.
+    fn part_index(&self, step: &str, stream: Stream) -> usize {
+        let at = self.step_parts.get(step).copied().unwrap_or(0);
+        match stream {
+            Stream::Reasoning => at,
+            Stream::Text => at + usize::from(self.reasoned.contains(step)),
         }
     }
 
-    /// The steps of `response_id` that streamed text and never completed.
-    fn streaming_steps(&self, response_id: &str) -> Vec<String> {
-        self.streamed
+    /// `step`'s part of `stream` in `response_id`, if it has one.
+    fn step_part(&mut self, response_id: &str, step: &str, stream: Stream) -> Option<&mut Value> {
+        let at = self.part_index(step, stream);
+        self.parts_mut(response_id)?
+            .get_mut(at)
+            .filter(|part| part["type"] == stream.name())
+    }
+
+    fn add_step_part(&mut self, response_id: &str, step: &str, stream: Stream, text: &str, state: &str) {
+        let at = self.part_index(step, stream);
+        self.insert_part(
+            response_id,
+            at,
+            json!({"type": stream.name(), "text": text, "state": state}),
+        );
+        if stream == Stream::Reasoning {
+            self.reasoned.insert(step.to_owned());
+        }
+    }
+
+    fn remove_step_part(&mut self, response_id: &str, step: &str, stream: Stream) {
+        let at = self.part_index(step, stream);
+        if self.step_part(response_id, step, stream).is_some()
+            && let Some(parts) = self.parts_mut(response_id)
+        {
+            parts.remove(at);
+            if stream == Stream::Reasoning {
+                self.reasoned.remove(step);
+            }
+        }
+    }
+
+    /// A delta `step` streamed: into its streaming part (made by the first).
+    fn stream_delta(&mut self, step: &str, stream: Stream, delta: &str, out: &mut Vec<Value>) {
+        let Some(response_id) = self.steps.get(step).cloned() else {
+            return;
+        };
+        let streamed = self.streamed.entry((step.to_owned(), stream)).or_default();
+        let first = streamed.is_empty();
+        streamed.push_str(delta);
+        let text = streamed.clone();
+        if first {
+            self.add_step_part(&response_id, step, stream, &text, "streaming");
+        } else if let Some(part) = self.step_part(&response_id, step, stream) {
+            part["text"] = json!(text);
+        }
+        out.push(stream.delta(&response_id, delta));
+    }
+
+    /// `step` completed with `value` for `stream`: what it streamed is closed with the rest
+    /// (corrected with a reset when it is not what streamed continued); otherwise the whole
+    /// streams now, unless it was `shown` right after the step's start.
+    fn complete_part(
+        &mut self,
+        response_id: &str,
+        step: &str,
+        stream: Stream,
+        value: &str,
+        shown: bool,
+        out: &mut Vec<Value>,
+    ) {
+        let Some(streamed) = self.streamed.remove(&(step.to_owned(), stream)) else {
+            if !value.is_empty() {
+                self.add_step_part(response_id, step, stream, value, "done");
+                if !shown {
+                    out.push(stream.delta(response_id, value));
+                }
+            }
+            return;
+        };
+        match value.strip_prefix(streamed.as_str()) {
+            Some("") => {}
+            Some(rest) => out.push(stream.delta(response_id, rest)),
+            // Not what streamed, continued (a retried call streamed after a failed one).
+            None => self.rewritten = true,
+        }
+        if value.is_empty() {
+            self.remove_step_part(response_id, step, stream);
+        } else if let Some(part) = self.step_part(response_id, step, stream) {
+            *part = json!({"type": stream.name(), "text": value, "state": "done"});
+        }
+    }
+
+    /// What `response_id`'s steps are streaming and have not completed.
+    fn streaming_parts(&self, response_id: &str) -> Vec<(String, Stream)> {
+        let mut parts: Vec<(String, Stream)> = self
+            .streamed
             .keys()
-            .filter(|step| self.steps.get(*step).is_some_and(|response| response == response_id))
+            .filter(|(step, _)| self.steps.get(step).is_some_and(|response| response == response_id))
             .cloned()
-            .collect()
+            .collect();
+        // Text before reasoning: removing a part leaves the earlier ones where they are.
+        parts.sort_by_key(|(step, stream)| (step.clone(), *stream == Stream::Reasoning));
+        parts
     }
 
     /// A new step of `response_id` began: a step of it still streaming never completes (its
-    /// attempt died), and its text, which the conversation does not hold, goes.
+    /// attempt died), and what it streamed, which the conversation does not hold, goes.
     fn drop_interrupted_steps(&mut self, response_id: &str) {
-        for step in self.streaming_steps(response_id) {
-            self.streamed.remove(&step);
-            let at = self.step_parts.get(&step).copied().unwrap_or(0);
-            self.remove_step_text_part(response_id, at);
+        for (step, stream) in self.streaming_parts(response_id) {
+            self.streamed.remove(&(step.clone(), stream));
+            self.remove_step_part(response_id, &step, stream);
             self.rewritten = true;
         }
     }
 
-    /// `response_id` settled: the text its steps streamed stays, done.
+    /// `response_id` settled: what its steps streamed stays, done.
     fn close_streaming_steps(&mut self, response_id: &str) {
-        for step in self.streaming_steps(response_id) {
-            self.streamed.remove(&step);
-            let at = self.step_parts.get(&step).copied().unwrap_or(0);
-            if let Some(part) = self.step_text_part(response_id, at) {
+        for (step, stream) in self.streaming_parts(response_id) {
+            self.streamed.remove(&(step.clone(), stream));
+            if let Some(part) = self.step_part(response_id, &step, stream) {
                 part["state"] = json!("done");
             }
         }
@@ -702,10 +792,18 @@ mod tests {
         }
     }
 
+    fn reasoning(step: &str, text: &str) -> RecordBody {
+        RecordBody::AssistantReasoningDelta {
+            message_id: step.into(),
+            delta: text.into(),
+        }
+    }
+
     fn completed(step: &str, text: &str) -> RecordBody {
         RecordBody::AssistantMessageCompleted {
             message_id: step.into(),
             text: text.into(),
+            reasoning: String::new(),
             stop_reason: StopReason::Stop,
             usage: Default::default(),
         }
@@ -746,16 +844,23 @@ mod tests {
             &mut offset,
             vec![
                 vec![started("step_1"), delta("step_1", "Hal")],
-                vec![delta("step_1", "f an")],
+                vec![reasoning("step_1", "Hmm"), delta("step_1", "f an")],
             ],
         );
         assert_eq!(
             chunks,
-            [vec!["message-started", "message-delta"], vec!["message-delta"]]
+            [
+                vec!["message-started", "message-delta"],
+                vec!["message-delta", "message-delta"]
+            ]
         );
         assert_eq!(
             parts(&projection),
-            json!([{"type": "text", "text": "Half an", "state": "streaming"}])
+            json!([
+                {"type": "reasoning", "text": "Hmm", "state": "streaming"},
+                {"type": "text", "text": "Half an", "state": "streaming"},
+            ]),
+            "reasoning first, whichever streamed first"
         );
         // The attempt died; the next one's step streams into the same response message.
         let chunks = fold(

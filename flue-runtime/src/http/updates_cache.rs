@@ -571,6 +571,7 @@ mod tests {
             vec![at(RecordBody::AssistantMessageCompleted {
                 message_id: step,
                 text: format!("answer {n}"),
+                reasoning: String::new(),
                 stop_reason: StopReason::Stop,
                 usage: Default::default(),
             })],
@@ -585,14 +586,22 @@ mod tests {
         ];
         // Text the step streamed before it completed: the start of its text, or (every fourth
         // exchange) a retried call's, which the completion corrects (a reset).
+        // Every fourth from the third, it reasoned too, which its completion does not repeat.
         let streamed = if n % 4 == 1 { "draft" } else { "ans" };
-        batches.insert(
-            3,
-            vec![at(RecordBody::AssistantTextDelta {
-                message_id: format!("step_{n}"),
-                delta: streamed.into(),
-            })],
-        );
+        let mut deltas = vec![at(RecordBody::AssistantTextDelta {
+            message_id: format!("step_{n}"),
+            delta: streamed.into(),
+        })];
+        if n % 4 == 3 {
+            deltas.insert(
+                0,
+                at(RecordBody::AssistantReasoningDelta {
+                    message_id: format!("step_{n}"),
+                    delta: "thinking".into(),
+                }),
+            );
+        }
+        batches.insert(3, deltas);
         if n % 3 == 2 {
             let mut updates = serde_json::Map::new();
             updates.insert("content".into(), json!(format!("question {n}, edited")));

@@ -706,6 +706,7 @@ impl Conversation {
             }
             // The model reads a step's text from its completion, never from what it streamed.
             RecordBody::AssistantTextDelta { .. }
+            | RecordBody::AssistantReasoningDelta { .. }
             | RecordBody::AgentStartRun
             | RecordBody::AgentFinishCycle
             | RecordBody::MessageDataWrite { .. }
@@ -1217,6 +1218,7 @@ mod tests {
                 RecordBody::AssistantMessageCompleted {
                     message_id: format!("assistant-{exchange}"),
                     text: format!("answer {exchange}"),
+                    reasoning: String::new(),
                     stop_reason: StopReason::Stop,
                     usage: Default::default(),
                 },
@@ -1261,6 +1263,7 @@ mod tests {
             record(RecordBody::AssistantMessageCompleted {
                 message_id: "step-1".into(),
                 text: String::new(),
+                reasoning: String::new(),
                 stop_reason: StopReason::ToolUse,
                 usage: Default::default(),
             }),
@@ -1328,6 +1331,7 @@ mod tests {
             RecordBody::AssistantMessageCompleted {
                 message_id: step.clone(),
                 text: String::new(),
+                reasoning: String::new(),
                 stop_reason: StopReason::ToolUse,
                 usage: Default::default(),
             },
@@ -1351,6 +1355,7 @@ mod tests {
             RecordBody::AssistantMessageCompleted {
                 message_id: answer,
                 text: "5".into(),
+                reasoning: String::new(),
                 stop_reason: StopReason::Stop,
                 usage: Default::default(),
             },

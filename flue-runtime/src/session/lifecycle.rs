@@ -287,6 +287,7 @@ impl Response<'_> {
             self.record(RecordBody::AssistantMessageCompleted {
                 message_id,
                 text: text.clone(),
+                reasoning: String::new(),
                 stop_reason: StopReason::HookBlocked,
                 usage: Default::default(),
             }),

@@ -1,10 +1,12 @@
 //! A model step's text on its way to the record stream while the step still streams.
 //!
-//! A step is one append when it completes. A step that streams text for longer than
-//! [`RuntimeOptions::text_flush`](crate::RuntimeOptions::text_flush) appends its start and the
-//! text so far before that ([`RecordBody::AssistantTextDelta`]), then the text streamed since
-//! at most once per interval, so clients of the stream follow it live. The step's completion
-//! is still one append, and it alone says what the step's text is.
+//! A step is one append when it completes. A step that streams text or reasoning for longer
+//! than [`RuntimeOptions::text_flush`](crate::RuntimeOptions::text_flush) appends its start and
+//! what streamed so far before that ([`RecordBody::AssistantTextDelta`],
+//! [`RecordBody::AssistantReasoningDelta`], in the order the model streamed them), then what
+//! streamed since at most once per interval, so clients of the stream follow it live. The
+//! step's completion is still one append, and it alone says what the step's text and
+//! reasoning are.
 
 use std::time::Duration;
 
@@ -22,8 +24,8 @@ pub(super) struct LiveText {
     started: Record,
     /// Whether `snapshot` and `started` are in the stream.
     opened: bool,
-    /// Text streamed and not appended yet.
-    pending: String,
+    /// What streamed and is not appended yet, in order: runs of reasoning (`true`) or text.
+    pending: Vec<(bool, String)>,
     /// When `pending` is appended: `every` after its first byte. `None` while nothing waits.
     due: Option<Instant>,
     /// `None`: nothing is appended before the step completes.
@@ -37,19 +39,31 @@ impl LiveText {
             snapshot,
             started,
             opened: false,
-            pending: String::new(),
+            pending: Vec::new(),
             due: None,
             every,
         }
     }
 
     /// Takes a text delta the model streamed.
-    pub(super) fn push(&mut self, delta: &str) {
+    pub(super) fn push_text(&mut self, delta: &str) {
+        self.push(false, delta);
+    }
+
+    /// Takes a reasoning delta the model streamed.
+    pub(super) fn push_reasoning(&mut self, delta: &str) {
+        self.push(true, delta);
+    }
+
+    fn push(&mut self, reasoning: bool, delta: &str) {
         let Some(every) = self.every else { return };
         if delta.is_empty() {
             return;
         }
-        self.pending.push_str(delta);
+        match self.pending.last_mut() {
+            Some((kind, run)) if *kind == reasoning => run.push_str(delta),
+            _ => self.pending.push((reasoning, delta.to_owned())),
+        }
         if self.due.is_none() {
             self.due = Some(Instant::now() + every);
         }
@@ -75,27 +89,30 @@ impl LiveText {
         }
     }
 
-    /// Appends the waiting text, after the step's start the first time, as one batch of the
+    /// Appends what waits, after the step's start the first time, as one batch of the
     /// attempt. `record` makes a record of the attempt.
     pub(super) async fn flush(
         &mut self,
         writer: &ThreadWriter,
-        record: impl FnOnce(RecordBody) -> Record,
+        record: impl Fn(RecordBody) -> Record,
     ) -> Result<(), StoreError> {
         self.due = None;
         if self.pending.is_empty() {
             return Ok(());
         }
-        let delta = record(RecordBody::AssistantTextDelta {
-            message_id: self.message_id.clone(),
-            delta: std::mem::take(&mut self.pending),
-        });
-        let mut batch = Vec::with_capacity(3);
+        let mut batch = Vec::with_capacity(2 + self.pending.len());
         if !self.opened {
             batch.extend(self.snapshot.clone());
             batch.push(self.started.clone());
         }
-        batch.push(delta);
+        for (reasoning, delta) in self.pending.drain(..) {
+            let message_id = self.message_id.clone();
+            batch.push(record(if reasoning {
+                RecordBody::AssistantReasoningDelta { message_id, delta }
+            } else {
+                RecordBody::AssistantTextDelta { message_id, delta }
+            }));
+        }
         writer.append(batch.into()).await?;
         self.opened = true;
         Ok(())
@@ -136,9 +153,16 @@ mod tests {
         let mut live = LiveText::new("msg_1", None, started(), Some(Duration::from_secs(1)));
         assert_eq!(live.due(), None, "nothing streamed yet");
         let start = Instant::now();
-        live.push("Hel");
+        live.push_reasoning("Think");
         tokio::time::advance(Duration::from_millis(400)).await;
-        live.push("lo");
+        live.push_reasoning("ing.");
+        live.push_text("Hel");
+        live.push_text("lo");
+        assert_eq!(
+            live.pending,
+            [(true, "Thinking.".to_owned()), (false, "Hello".to_owned())],
+            "runs of one kind, in order"
+        );
         assert_eq!(
             live.due(),
             Some(start + Duration::from_secs(1)),
@@ -148,7 +172,7 @@ mod tests {
         assert_eq!(live.due(), None);
 
         let mut off = LiveText::new("msg_1", None, started(), None);
-        off.push("Hello");
+        off.push_text("Hello");
         assert_eq!(off.due(), None, "no interval: the step's text waits for its completion");
         assert_eq!(off.into_unappended(), vec![started()]);
     }

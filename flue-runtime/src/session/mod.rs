@@ -1989,7 +1989,8 @@ impl Response<'_> {
             let next = tokio::select! {
                 next = stream.next() => next,
                 () = self.attempt.signal.aborted() => break Err(StepError::Aborted),
-                () = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
+                // Lazy: no timer is made while no text waits.
+                () = async { if let Some(due) = due { tokio::time::sleep_until(due).await } }, if due.is_some() => {
                     if let Err(error) = live.flush(&self.writer, |body| self.record(body)).await {
                         break Err(StepError::Store(error));
                     }
@@ -2017,7 +2018,7 @@ impl Response<'_> {
                 }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
                     *shown = true;
-                    live.push(&delta);
+                    live.push_text(&delta);
                     self.emit_with(|| Event::TextDelta { text: delta });
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
@@ -2027,6 +2028,7 @@ impl Response<'_> {
                         self.emit_with(|| Event::ThinkingStart);
                     }
                     thought.push_str(&delta);
+                    live.push_reasoning(&delta);
                     self.emit_with(|| Event::ThinkingDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
@@ -2107,6 +2109,7 @@ impl Response<'_> {
         records.push(self.record(RecordBody::AssistantMessageCompleted {
             message_id: message_id.clone(),
             text: String::new(),
+            reasoning: String::new(),
             stop_reason: crate::provider::StopReason::ToolUse,
             usage: Usage::default(),
         }));
