@@ -59,6 +59,10 @@ pub enum ClientError {
         error_type: String,
         /// Its message.
         message: String,
+        /// Its details (may be empty).
+        details: String,
+        /// Its structured meta, when it has one.
+        meta: Option<Value>,
     },
     /// The server could not be reached, or answered something that is not the protocol.
     #[error("{0}")]
@@ -626,6 +630,8 @@ impl ReplyFold {
                         outcome: chunk["outcome"].as_str().unwrap_or_default().to_owned(),
                         error_type: error["type"].as_str().unwrap_or_default().to_owned(),
                         message: error["message"].as_str().unwrap_or_default().to_owned(),
+                        details: error["details"].as_str().unwrap_or_default().to_owned(),
+                        meta: error.get("meta").filter(|meta| meta.is_object()).cloned(),
                     }));
                 }
                 // A joined delivery is answered by its host's response.

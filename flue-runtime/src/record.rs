@@ -43,14 +43,129 @@ pub enum Outcome {
     Aborted,
 }
 
-/// The error of a failed or aborted settlement, as serialized on records and the wire.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// The error of a failed or aborted settlement, as serialized on records and the wire:
+/// `{type, name, message, details, meta?}`. `name` is derived from the type
+/// ([`SettlementError::name`]), so records keep only the rest.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct SettlementError {
-    /// Stable snake-case type.
+    /// Stable snake-case type: the contract clients branch on.
     #[serde(rename = "type")]
     pub error_type: String,
     /// One caller-safe sentence.
     pub message: String,
+    /// Caller-safe detail beyond the message; empty when there is none.
+    #[serde(default)]
+    pub details: String,
+    /// Structured facts about the failure (`attemptCount` and `maxAttempts` of an exhausted
+    /// retry budget, say), when it has any.
+    #[serde(default)]
+    pub meta: Option<serde_json::Map<String, Value>>,
+}
+
+impl SettlementError {
+    /// An error of `error_type` saying `message`, without details or meta.
+    pub fn new(error_type: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            error_type: error_type.into(),
+            message: message.into(),
+            details: String::new(),
+            meta: None,
+        }
+    }
+
+    /// With `details`.
+    #[must_use]
+    pub fn with_details(mut self, details: impl Into<String>) -> Self {
+        self.details = details.into();
+        self
+    }
+
+    /// With `meta`.
+    #[must_use]
+    pub fn with_meta(mut self, meta: serde_json::Map<String, Value>) -> Self {
+        self.meta = Some(meta);
+        self
+    }
+
+    /// The error's class name, as the wire carries it next to the type (not a discriminator):
+    /// `Error` for `internal_error`, otherwise the type in PascalCase ending in `Error`
+    /// (`submission_timeout` → `SubmissionTimeoutError`, `tool_input_validation` →
+    /// `ToolInputValidationError`).
+    pub fn name(&self) -> String {
+        let stem = self.error_type.strip_suffix("_error").unwrap_or(&self.error_type);
+        if stem == "internal" {
+            return "Error".to_owned();
+        }
+        let mut name = String::with_capacity(stem.len() + 5);
+        for word in stem.split('_').filter(|word| !word.is_empty()) {
+            let mut chars = word.chars();
+            name.extend(chars.next().map(|first| first.to_ascii_uppercase()));
+            name.push_str(chars.as_str());
+        }
+        name.push_str("Error");
+        name
+    }
+}
+
+impl Serialize for SettlementError {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(4 + usize::from(self.meta.is_some())))?;
+        map.serialize_entry("type", &self.error_type)?;
+        map.serialize_entry("name", &self.name())?;
+        map.serialize_entry("message", &self.message)?;
+        map.serialize_entry("details", &self.details)?;
+        if let Some(meta) = &self.meta {
+            map.serialize_entry("meta", meta)?;
+        }
+        map.end()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod settlement_error_tests {
+    use serde_json::json;
+
+    use super::SettlementError;
+
+    #[test]
+    fn a_settlement_error_carries_its_name_and_details_and_reads_the_older_two_field_shape() {
+        let error = SettlementError::new("submission_retry_exhausted", "Too many attempts.").with_meta(
+            json!({"attemptCount": 3, "maxAttempts": 3})
+                .as_object()
+                .unwrap()
+                .clone(),
+        );
+        let wire = serde_json::to_value(&error).unwrap();
+        assert_eq!(
+            wire,
+            json!({
+                "type": "submission_retry_exhausted",
+                "name": "SubmissionRetryExhaustedError",
+                "message": "Too many attempts.",
+                "details": "",
+                "meta": {"attemptCount": 3, "maxAttempts": 3},
+            })
+        );
+        assert_eq!(serde_json::from_value::<SettlementError>(wire).unwrap(), error);
+        let older: SettlementError =
+            serde_json::from_value(json!({"type": "submission_aborted", "message": "Submission was aborted."}))
+                .unwrap();
+        assert_eq!(
+            older,
+            SettlementError::new("submission_aborted", "Submission was aborted.")
+        );
+        assert_eq!(SettlementError::new("internal_error", "x").name(), "Error");
+        assert_eq!(
+            SettlementError::new("message_hook_error", "x").name(),
+            "MessageHookError"
+        );
+        assert_eq!(
+            SettlementError::new("tool_input_validation", "x").name(),
+            "ToolInputValidationError"
+        );
+    }
 }
 
 /// The kinds of records.

@@ -61,6 +61,11 @@ pub enum RuntimeError {
         error_type: String,
         /// What happened.
         message: String,
+        /// Detail beyond the message (may be empty).
+        details: String,
+        /// Structured facts about the failure, when it has any (`attemptCount` and
+        /// `maxAttempts` of `submission_retry_exhausted`, say).
+        meta: Option<serde_json::Map<String, serde_json::Value>>,
     },
     /// The store failed.
     #[error("{0}")]
@@ -473,10 +478,7 @@ impl RuntimeInner {
             outcome,
             attempt_count: submission.map(|submission| submission.attempt_count),
             max_attempts: submission.map(|submission| submission.max_attempts),
-            error: error.map(|error| crate::record::SettlementError {
-                error_type: "store_failure".into(),
-                message: error.to_string(),
-            }),
+            error: error.map(|error| crate::record::SettlementError::new("store_failure", error.to_string())),
         });
     }
 
@@ -766,10 +768,10 @@ fn reply_from(submission_id: &str, settled: Settled) -> Result<AgentReply, Runti
             submission_id: submission_id.to_owned(),
         }),
         Outcome::Failed | Outcome::Aborted => {
-            let error = settled.error.unwrap_or(SettlementError {
-                error_type: "internal_error".into(),
-                message: "The submission did not complete.".into(),
-            });
+            let error = settled.error.unwrap_or(SettlementError::new(
+                "internal_error",
+                "The submission did not complete.",
+            ));
             Err(RuntimeError::Run {
                 submission_id: submission_id.to_owned(),
                 outcome: if settled.outcome == Outcome::Aborted {
@@ -779,6 +781,8 @@ fn reply_from(submission_id: &str, settled: Settled) -> Result<AgentReply, Runti
                 },
                 error_type: error.error_type,
                 message: error.message,
+                details: error.details,
+                meta: error.meta,
             })
         }
     }

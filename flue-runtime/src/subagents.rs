@@ -738,10 +738,10 @@ async fn child_session(
                     turn(
                         (if aborted { "aborted" } else { "error" }).to_owned(),
                         TurnResponse {
-                            error: Some(SettlementError {
-                                error_type: (if aborted { "aborted" } else { "provider_error" }).into(),
-                                message: error.clone(),
-                            }),
+                            error: Some(SettlementError::new(
+                                if aborted { "aborted" } else { "provider_error" },
+                                error.clone(),
+                            )),
                             ..TurnResponse::default()
                         },
                         true,

@@ -270,13 +270,20 @@ async fn repeated_store_failures_exhaust_the_attempt_budget() {
     let error = runtime.init(&fragile, "f").send("hi").await.unwrap_err();
     assert_eq!(store.failures.load(Ordering::SeqCst), 2, "one failed step per attempt");
     let RuntimeError::Run {
-        error_type, message, ..
+        error_type,
+        message,
+        meta,
+        ..
     } = error
     else {
         panic!("run error")
     };
     assert_eq!(error_type, "submission_retry_exhausted");
     assert_eq!(message, "Submission exceeded maximum recovery attempts (2/2).");
+    assert_eq!(
+        meta.map(serde_json::Value::Object),
+        Some(json!({"attemptCount": 2, "maxAttempts": 2}))
+    );
 }
 
 #[agent]
@@ -1802,10 +1809,10 @@ async fn a_scan_that_cannot_list_expired_leases_is_reported_as_a_deferred_pass_n
             outcome: RecoveryOutcome::Deferred,
             attempt_count: None,
             max_attempts: None,
-            error: Some(SettlementError {
-                error_type: "store_failure".into(),
-                message: "store failure: injected scan failure".into(),
-            }),
+            error: Some(SettlementError::new(
+                "store_failure",
+                "store failure: injected scan failure"
+            )),
         }
     );
     let json = serde_json::to_value(&observation).unwrap();

@@ -1613,7 +1613,19 @@ mod client {
         let client = Client::new(&server.root).unwrap();
         let calc = client.instance("calculator", "c1");
         match calc.prompt("2+3?").await {
-            Err(ClientError::Settled { outcome, .. }) => assert_eq!(outcome, "failed"),
+            Err(ClientError::Settled {
+                outcome,
+                error_type,
+                meta,
+                ..
+            }) => {
+                assert_eq!((outcome.as_str(), error_type.as_str()), ("failed", "operation_failed"));
+                assert_eq!(
+                    meta.unwrap()["operation"],
+                    "prompt",
+                    "the settlement's meta reaches the caller"
+                );
+            }
             other => panic!("expected a failed settlement, got {other:?}"),
         }
         match calc.send(flue_runtime::prelude::Signal::new("resources", "x")).await {
@@ -2128,10 +2140,20 @@ async fn joined_deliveries_signals_and_failures_project_as_the_protocol_says() {
     let snapshot = server.settled("f1", 1).await;
     let settlement = &snapshot["settlements"][0];
     assert_eq!(settlement["outcome"], "failed");
-    assert!(
-        settlement["error"]["type"].is_string() && settlement["error"]["message"].is_string(),
+    // The reference's shape: `{type, name, message, details, meta?}`.
+    let error = &settlement["error"];
+    assert_eq!(
+        (
+            error["type"].as_str(),
+            error["name"].as_str(),
+            error["details"].as_str()
+        ),
+        (Some("operation_failed"), Some("OperationFailedError"), Some("")),
         "{settlement}"
     );
+    let reason = error["meta"]["reason"].as_str().unwrap();
+    assert_eq!(error["meta"]["operation"], "prompt");
+    assert_eq!(error["message"], format!("prompt failed: {reason}"));
     let (_, _, updates) = server.get_json("/f1?view=updates&offset=-1").await;
     let settled = updates
         .as_array()

@@ -174,10 +174,10 @@ impl Response<'_> {
                 Err(message) => (
                     if aborted { "aborted" } else { "error" }.to_owned(),
                     TurnResponse {
-                        error: Some(SettlementError {
-                            error_type: if aborted { "aborted" } else { "model_call_failed" }.into(),
-                            message: message.clone(),
-                        }),
+                        error: Some(SettlementError::new(
+                            if aborted { "aborted" } else { "model_call_failed" },
+                            message.clone(),
+                        )),
                         ..TurnResponse::default()
                     },
                 ),

@@ -472,14 +472,11 @@ impl InstanceSlot {
             Ok(()) if answered => response.run().await,
             Ok(()) if abort_requested => Err(Failure::aborted()),
             // The budget counts every attempt, the interrupted ones included.
-            Ok(()) if submission.attempt_count > submission.max_attempts => Err(Failure::failed(
-                "submission_retry_exhausted",
-                format!(
-                    "Submission exceeded maximum recovery attempts ({}/{}).",
-                    submission.attempt_count - 1,
-                    submission.max_attempts
-                ),
-            )),
+            Ok(()) if submission.attempt_count > submission.max_attempts => Err(Failure {
+                outcome: Outcome::Failed,
+                error: retry_exhausted(submission.attempt_count - 1, submission.max_attempts),
+                transient: false,
+            }),
             // Boxed: the response's state machine is kilobytes, and the futures that await this
             // one would otherwise carry (and move) it inline.
             Ok(()) => {
@@ -540,13 +537,7 @@ impl InstanceSlot {
                 }
                 if failure.transient {
                     *conversation = Conversation::default();
-                    let exhausted = SettlementError {
-                        error_type: "submission_retry_exhausted".into(),
-                        message: format!(
-                            "Submission exceeded maximum recovery attempts ({}/{}).",
-                            submission.attempt_count, submission.max_attempts
-                        ),
-                    };
+                    let exhausted = retry_exhausted(submission.attempt_count, submission.max_attempts);
                     (Outcome::Failed, Some(exhausted))
                 } else {
                     (failure.outcome, Some(failure.error))
@@ -639,12 +630,20 @@ impl Failure {
     fn failed(error_type: &str, message: impl Into<String>) -> Self {
         Self {
             outcome: Outcome::Failed,
-            error: SettlementError {
-                error_type: error_type.to_owned(),
-                message: message.into(),
-            },
+            error: SettlementError::new(error_type.to_owned(), message.into()),
             transient: false,
         }
+    }
+
+    /// The model call of the response failed for `reason`: `prompt failed: <reason>`, with
+    /// the operation and the reason as meta.
+    fn prompt_failed(error_type: &str, reason: &str) -> Self {
+        let mut meta = serde_json::Map::new();
+        meta.insert("operation".into(), "prompt".into());
+        meta.insert("reason".into(), reason.into());
+        let mut failure = Self::failed(error_type, format!("prompt failed: {reason}"));
+        failure.error = failure.error.with_meta(meta);
+        failure
     }
 
     fn store(error: impl std::fmt::Display) -> Self {
@@ -657,10 +656,7 @@ impl Failure {
     fn aborted() -> Self {
         Self {
             outcome: Outcome::Aborted,
-            error: SettlementError {
-                error_type: "submission_aborted".into(),
-                message: "Submission was aborted.".into(),
-            },
+            error: SettlementError::new("submission_aborted", "Submission was aborted."),
             transient: false,
         }
     }
@@ -1838,10 +1834,10 @@ impl Response<'_> {
                         live.drop_snapshot();
                         continue;
                     }
-                    return Err(Failure::failed("context_overflow", format!("prompt failed: {error}")));
+                    return Err(Failure::prompt_failed("context_overflow", &error.to_string()));
                 }
                 Err(StepError::Provider(error)) => {
-                    return Err(Failure::failed("operation_failed", format!("prompt failed: {error}")));
+                    return Err(Failure::prompt_failed("operation_failed", &error.to_string()));
                 }
             }
         };
@@ -2343,21 +2339,15 @@ impl StepError {
     /// The failure as a `turn` event's `response.error`: the provider error's kind and message.
     fn describe(&self) -> SettlementError {
         match self {
-            Self::Aborted => SettlementError {
-                error_type: "aborted".into(),
-                message: "The call was aborted.".into(),
-            },
-            Self::Provider(error) => SettlementError {
-                error_type: serde_json::to_value(&error.kind)
+            Self::Aborted => SettlementError::new("aborted", "The call was aborted."),
+            Self::Provider(error) => SettlementError::new(
+                serde_json::to_value(&error.kind)
                     .ok()
                     .and_then(|kind| kind.as_str().map(str::to_owned))
                     .unwrap_or_else(|| "provider_error".into()),
-                message: error.message.clone(),
-            },
-            Self::Store(error) => SettlementError {
-                error_type: "store_failure".into(),
-                message: error.to_string(),
-            },
+                error.message.clone(),
+            ),
+            Self::Store(error) => SettlementError::new("store_failure", error.to_string()),
         }
     }
 }
@@ -2391,6 +2381,18 @@ fn callback_panicked(
 }
 
 /// The failure of a submission whose budget ran out.
+/// The settlement error of a submission whose attempts ran out: `attempts` of `max`.
+fn retry_exhausted(attempts: u32, max: u32) -> SettlementError {
+    let mut meta = serde_json::Map::new();
+    meta.insert("attemptCount".into(), attempts.into());
+    meta.insert("maxAttempts".into(), max.into());
+    SettlementError::new(
+        "submission_retry_exhausted",
+        format!("Submission exceeded maximum recovery attempts ({attempts}/{max})."),
+    )
+    .with_meta(meta)
+}
+
 fn timed_out() -> Failure {
     Failure::failed("submission_timeout", TIMEOUT_MESSAGE)
 }

@@ -584,10 +584,7 @@ pub async fn ignores_stale_attempt_settlement_and_keeps_the_first_owning_termina
         .settle(&attempt("d-1", "stale"), Outcome::Completed, None, Vec::new())
         .await;
     assert!(matches!(stale, Err(StoreError::Fenced(_))));
-    let error = SettlementError {
-        error_type: "operation_failed".into(),
-        message: "first".into(),
-    };
+    let error = SettlementError::new("operation_failed", "first");
     settle(&store, &attempt("d-1", "a1"), Outcome::Failed, Some(error.clone())).await;
     let late = store
         .settle(&attempt("d-1", "a1"), Outcome::Completed, None, Vec::new())
@@ -1055,10 +1052,7 @@ pub async fn joined_deliveries_share_a_failing_host_outcome(store: Factory) {
     admit(&store, dispatch("joined-1")).await;
     store.claim_joinable(&host).await.unwrap();
     store.finalize_join(&host, "joined-1").await.unwrap();
-    let error = SettlementError {
-        error_type: "operation_failed".into(),
-        message: "model down".into(),
-    };
+    let error = SettlementError::new("operation_failed", "model down");
     settle(&store, &host, Outcome::Failed, Some(error.clone())).await;
     let joined = row(&store, "joined-1").await;
     assert_eq!((joined.outcome, joined.error), (Some(Outcome::Failed), Some(error)));
