@@ -49,20 +49,14 @@ pub enum ClientError {
         meta: Option<Value>,
     },
     /// The submission failed or was aborted.
-    #[error("submission {submission_id} {outcome}: {message}")]
+    #[error("submission {submission_id} {outcome}: {}", .error.message)]
     Settled {
         /// The submission.
         submission_id: String,
         /// `failed` or `aborted`.
         outcome: String,
-        /// The settlement error's type.
-        error_type: String,
-        /// Its message.
-        message: String,
-        /// Its details (may be empty).
-        details: String,
-        /// Its structured meta, when it has one.
-        meta: Option<Value>,
+        /// The settlement's error: type, message, details and meta.
+        error: Box<crate::record::SettlementError>,
     },
     /// The server could not be reached, or answered something that is not the protocol.
     #[error("{0}")]
@@ -624,14 +618,14 @@ impl ReplyFold {
             }
             "submission-settled" if chunk["submissionId"] == submission_id => {
                 if chunk["outcome"] != "completed" {
-                    let error = &chunk["error"];
+                    // A settlement without a readable error still ends the wait, as a failure.
+                    let error = serde_json::from_value(chunk["error"].clone()).unwrap_or_else(|_| {
+                        crate::record::SettlementError::new("internal_error", "The submission did not complete.")
+                    });
                     return Some(Err(ClientError::Settled {
                         submission_id: submission_id.to_owned(),
                         outcome: chunk["outcome"].as_str().unwrap_or_default().to_owned(),
-                        error_type: error["type"].as_str().unwrap_or_default().to_owned(),
-                        message: error["message"].as_str().unwrap_or_default().to_owned(),
-                        details: error["details"].as_str().unwrap_or_default().to_owned(),
-                        meta: error.get("meta").filter(|meta| meta.is_object()).cloned(),
+                        error: Box::new(error),
                     }));
                 }
                 // A joined delivery is answered by its host's response.

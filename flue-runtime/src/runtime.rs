@@ -65,7 +65,7 @@ pub enum RuntimeError {
         details: String,
         /// Structured facts about the failure, when it has any (`attemptCount` and
         /// `maxAttempts` of `submission_retry_exhausted`, say).
-        meta: Option<serde_json::Map<String, serde_json::Value>>,
+        meta: Option<Box<serde_json::Map<String, serde_json::Value>>>,
     },
     /// The store failed.
     #[error("{0}")]
@@ -782,7 +782,7 @@ fn reply_from(submission_id: &str, settled: Settled) -> Result<AgentReply, Runti
                 error_type: error.error_type,
                 message: error.message,
                 details: error.details,
-                meta: error.meta,
+                meta: error.meta.map(Box::new),
             })
         }
     }

@@ -281,7 +281,7 @@ async fn repeated_store_failures_exhaust_the_attempt_budget() {
     assert_eq!(error_type, "submission_retry_exhausted");
     assert_eq!(message, "Submission exceeded maximum recovery attempts (2/2).");
     assert_eq!(
-        meta.map(serde_json::Value::Object),
+        meta.map(|meta| serde_json::Value::Object(*meta)),
         Some(json!({"attemptCount": 2, "maxAttempts": 2}))
     );
 }

@@ -1613,15 +1613,13 @@ mod client {
         let client = Client::new(&server.root).unwrap();
         let calc = client.instance("calculator", "c1");
         match calc.prompt("2+3?").await {
-            Err(ClientError::Settled {
-                outcome,
-                error_type,
-                meta,
-                ..
-            }) => {
-                assert_eq!((outcome.as_str(), error_type.as_str()), ("failed", "operation_failed"));
+            Err(ClientError::Settled { outcome, error, .. }) => {
                 assert_eq!(
-                    meta.unwrap()["operation"],
+                    (outcome.as_str(), error.error_type.as_str()),
+                    ("failed", "operation_failed")
+                );
+                assert_eq!(
+                    error.meta.unwrap()["operation"],
                     "prompt",
                     "the settlement's meta reaches the caller"
                 );
