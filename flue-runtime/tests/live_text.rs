@@ -3,6 +3,8 @@
 //! and the step's completion alone says what its text is.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
+mod harness;
+
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -10,12 +12,13 @@ use std::time::Duration;
 
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{
-    ModelProvider, ModelRequest, ModelResponse, ModelStream, ProviderError, ProviderErrorKind, ProviderRegistry,
-    StopReason, StreamEvent,
+    ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError, ProviderErrorKind,
+    ProviderRegistry, StopReason, StreamEvent,
 };
 use flue_runtime::record::{Batch, RecordBody};
-use flue_runtime::store::{InstanceKey, MemoryStore, Store};
+use flue_runtime::store::{InstanceKey, Store};
 use flue_runtime::{Runtime, RuntimeOptions};
+use harness::faulty::FaultyStore;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
@@ -32,6 +35,8 @@ enum Step {
     Fail,
     /// Completes the call with this text (and the reasoning it streamed).
     Complete(&'static str),
+    /// Completes the call with the text it streamed and a call of tool `.0` with arguments `.1`.
+    CallTool(&'static str, &'static str),
 }
 
 /// A model whose calls stream as scripted, waiting at gates the test opens.
@@ -65,37 +70,55 @@ impl ModelProvider for GatedModel {
         self.requests.lock().unwrap().push(request.clone());
         let steps: VecDeque<Step> = self.calls.lock().unwrap().pop_front().unwrap_or_default().into();
         let gate = self.gate.clone();
+        // The steps left, and the reasoning and text streamed so far.
+        let state = (steps, String::new(), String::new());
         Box::pin(futures_util::stream::unfold(
-            (steps, String::new()),
-            move |(mut steps, mut reasoning)| {
+            state,
+            move |(mut steps, mut reasoning, mut said)| {
                 let gate = gate.clone();
                 async move {
-                    loop {
+                    let event = loop {
                         match steps.pop_front()? {
                             Step::Text(text) => {
-                                return Some((Ok(StreamEvent::TextDelta(text.into())), (steps, reasoning)));
+                                said.push_str(text);
+                                break Ok(StreamEvent::TextDelta(text.into()));
                             }
                             Step::Reasoning(text) => {
                                 reasoning.push_str(text);
-                                return Some((Ok(StreamEvent::ReasoningDelta(text.into())), (steps, reasoning)));
+                                break Ok(StreamEvent::ReasoningDelta(text.into()));
                             }
                             Step::Gate => gate.acquire().await.unwrap().forget(),
                             Step::Fail => {
-                                let error = ProviderError::new(ProviderErrorKind::Network, "the connection dropped");
-                                return Some((Err(error), (VecDeque::new(), reasoning)));
+                                steps.clear();
+                                break Err(ProviderError::new(ProviderErrorKind::Network, "the connection dropped"));
                             }
                             Step::Complete(text) => {
-                                let response = ModelResponse {
+                                steps.clear();
+                                break Ok(StreamEvent::Completed(ModelResponse {
                                     text: text.into(),
                                     reasoning: reasoning.clone(),
                                     tool_calls: Vec::new(),
                                     stop_reason: StopReason::Stop,
                                     usage: Default::default(),
-                                };
-                                return Some((Ok(StreamEvent::Completed(response)), (VecDeque::new(), reasoning)));
+                                }));
+                            }
+                            Step::CallTool(name, arguments) => {
+                                steps.clear();
+                                break Ok(StreamEvent::Completed(ModelResponse {
+                                    text: said.clone(),
+                                    reasoning: reasoning.clone(),
+                                    tool_calls: vec![ModelToolCall {
+                                        id: "call_1".into(),
+                                        name: name.into(),
+                                        arguments: arguments.into(),
+                                    }],
+                                    stop_reason: StopReason::ToolUse,
+                                    usage: Default::default(),
+                                }));
                             }
                         }
-                    }
+                    };
+                    Some((event, (steps, reasoning, said)))
                 }
             },
         ))
@@ -122,9 +145,33 @@ fn redacting_narrator() -> &'static str {
     "Tell it."
 }
 
+/// The weather of a city.
+#[tool]
+async fn weather(
+    /// The city.
+    city: String,
+) -> String {
+    format!("Sunny in {city}")
+}
+
+#[agent]
+fn forecaster() -> &'static str {
+    use_model("gated/x");
+    use_tool(weather);
+    "Forecast."
+}
+
+/// One model step per response, and response-start metadata.
+#[agent(max_steps = 1)]
+fn one_step() -> &'static str {
+    use_model("gated/x");
+    use_response_start(|_| json!({"channel": "web"}));
+    "Be brief."
+}
+
 struct Served {
     runtime: Runtime,
-    store: MemoryStore,
+    store: FaultyStore,
     base: String,
     client: reqwest::Client,
 }
@@ -132,12 +179,14 @@ struct Served {
 async fn serve(model: &GatedModel, text_flush: Option<Duration>) -> Served {
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
-    let store = MemoryStore::new();
+    let store = FaultyStore::default();
     let runtime = Runtime::builder()
         .store(store.clone())
         .providers(providers)
         .agent(narrator)
         .agent(redacting_narrator)
+        .agent(forecaster)
+        .agent(one_step)
         .options(RuntimeOptions {
             model_retry_delay: Duration::from_millis(1),
             text_flush,
@@ -198,6 +247,12 @@ impl Served {
         panic!("the updates of {agent}/{id} never reached the awaited state");
     }
 
+    /// The updates once the first text or reasoning of `agent/id` streamed.
+    async fn first_delta(&self, agent: &str, id: &str) -> Vec<Value> {
+        self.updates_until(agent, id, |chunks| types(chunks).contains(&"message-delta"))
+            .await
+    }
+
     async fn batches(&self, agent: &str, id: &str) -> Vec<Batch> {
         self.store.read(&InstanceKey::new(agent, id), None).await.unwrap()
     }
@@ -241,9 +296,7 @@ async fn a_long_answer_reaches_http_readers_while_the_model_still_streams() {
     served.admit("narrator", "n1", "tell me a story").await;
 
     // The model is held after its first delta: the text is in the stream all the same.
-    let chunks = served
-        .updates_until("narrator", "n1", |chunks| types(chunks).contains(&"message-delta"))
-        .await;
+    let chunks = served.first_delta("narrator", "n1").await;
     assert_eq!(
         types(&chunks),
         [
@@ -347,24 +400,43 @@ async fn a_fast_answer_is_one_append_and_no_interval_streams_nothing_early() {
 async fn a_call_retried_after_its_text_streamed_resets_readers_to_the_text_it_completed_with() {
     let model = GatedModel::new(vec![
         vec![Step::Text("I think the ans"), Step::Gate, Step::Fail],
-        vec![Step::Text("The answer is 4."), Step::Complete("The answer is 4.")],
+        vec![
+            Step::Text("The answer"),
+            Step::Gate,
+            Step::Text(" is 4."),
+            Step::Complete("The answer is 4."),
+        ],
     ]);
     let served = serve(&model, Some(Duration::from_millis(20))).await;
     served.admit("narrator", "n3", "2+2?").await;
-    served
-        .updates_until("narrator", "n3", |chunks| types(chunks).contains(&"message-delta"))
-        .await;
+    served.first_delta("narrator", "n3").await;
+    model.open_gate();
+    // While the retry streams, readers see its text alone: its first append started the step
+    // again, which dropped the failed call's text (a reset).
+    let text = |snapshot: &Value| assistant_parts(snapshot)[0]["text"].clone();
+    for _ in 0..500 {
+        if text(&served.get("narrator", "n3").await) == "The answer" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(text(&served.get("narrator", "n3").await), "The answer");
     model.open_gate();
     let chunks = served.updates_until("narrator", "n3", settled).await;
     let last_reset = chunks
         .iter()
         .rposition(|chunk| chunk["type"] == "conversation-reset")
         .unwrap();
-    assert!(last_reset > 0, "the completion reset the readers: {:?}", types(&chunks));
+    assert!(last_reset > 0, "the retry reset the readers: {:?}", types(&chunks));
     assert_eq!(
         assistant_parts(&chunks[last_reset]["snapshot"]),
-        json!([{"type": "text", "text": "The answer is 4.", "state": "done"}])
+        json!([{"type": "text", "text": "The answer", "state": "streaming"}])
     );
+    assert_eq!(
+        types(&chunks[last_reset + 1..]),
+        ["message-delta", "message-completed", "submission-settled"]
+    );
+    assert_eq!(chunks[last_reset + 1]["delta"], " is 4.");
     let snapshot = served.get("narrator", "n3").await;
     assert_eq!(
         assistant_parts(&snapshot),
@@ -383,6 +455,7 @@ async fn a_call_retried_after_its_text_streamed_resets_readers_to_the_text_it_co
 #[tokio::test]
 async fn an_agent_whose_hook_rewrites_answers_never_streams_raw_text_into_the_stream() {
     let model = GatedModel::new(vec![vec![
+        Step::Reasoning("the secret is 42"),
         Step::Text("the secret is"),
         Step::Gate,
         Step::Text(" out"),
@@ -397,9 +470,22 @@ async fn an_agent_whose_hook_rewrites_answers_never_streams_raw_text_into_the_st
     model.open_gate();
     let chunks = served.updates_until("redacting_narrator", "r1", settled).await;
     let deltas: Vec<&Value> = chunks.iter().filter(|chunk| chunk["type"] == "message-delta").collect();
-    assert_eq!(deltas.len(), 1);
+    assert_eq!(
+        deltas.len(),
+        1,
+        "no reasoning either: the hook never sees it, so none is kept"
+    );
     assert_eq!(deltas[0]["delta"], "the [redacted] is out");
-    assert!(text_deltas(&served.batches("redacting_narrator", "r1").await).is_empty());
+    let batches = served.batches("redacting_narrator", "r1").await;
+    assert!(text_deltas(&batches).is_empty());
+    let stored = serde_json::to_string(
+        &batches
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    assert!(!stored.contains("secret"), "{stored}");
     served.runtime.shutdown();
 }
 
@@ -419,9 +505,7 @@ async fn reasoning_streams_into_its_own_part_before_the_text_and_a_fast_step_sho
     ]);
     let served = serve(&model, Some(Duration::from_millis(20))).await;
     served.admit("narrator", "t1", "how long is 'hello'?").await;
-    served
-        .updates_until("narrator", "t1", |chunks| types(chunks).contains(&"message-delta"))
-        .await;
+    served.first_delta("narrator", "t1").await;
     model.open_gate();
     let chunks = served
         .updates_until("narrator", "t1", |chunks| {
@@ -499,5 +583,115 @@ async fn reasoning_streams_into_its_own_part_before_the_text_and_a_fast_step_sho
     assert_eq!(chunks[second + 1]["kind"], "reasoning");
     assert_eq!(chunks[second + 1]["delta"], "Easy.");
     assert_eq!(chunks[second + 2]["kind"], "text");
+    served.runtime.shutdown();
+}
+
+#[tokio::test]
+async fn a_streamed_step_that_calls_a_tool_finishes_its_text_before_the_tool_input() {
+    let model = GatedModel::new(vec![
+        vec![
+            Step::Text("Let me check"),
+            Step::Gate,
+            Step::Text(" the weather."),
+            Step::CallTool("weather", r#"{"city":"Paris"}"#),
+        ],
+        vec![Step::Complete("Sunny.")],
+    ]);
+    let served = serve(&model, Some(Duration::from_millis(20))).await;
+    served.admit("forecaster", "w1", "weather in Paris?").await;
+    served.first_delta("forecaster", "w1").await;
+    model.open_gate();
+    let chunks = served.updates_until("forecaster", "w1", settled).await;
+    let kinds: Vec<String> = chunks
+        .iter()
+        .filter(|chunk| chunk["type"] != "message-started")
+        .map(|chunk| match chunk["type"].as_str().unwrap() {
+            "message-delta" => format!("delta {}", chunk["delta"].as_str().unwrap()),
+            kind => kind.to_owned(),
+        })
+        .collect();
+    assert_eq!(
+        kinds[2..],
+        [
+            "delta Let me check",
+            "delta  the weather.",
+            "tool-input",
+            "message-completed",
+            "tool-output",
+            "delta Sunny.",
+            "message-completed",
+            "submission-settled",
+        ],
+        "a client that extends the last streaming part folds the step's text whole"
+    );
+    let parts = assistant_parts(&served.get("forecaster", "w1").await);
+    let shapes: Vec<(&str, &str)> = parts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|part| (part["type"].as_str().unwrap(), part["text"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(
+        shapes,
+        [
+            ("text", "Let me check the weather."),
+            ("dynamic-tool", ""),
+            ("text", "Sunny.")
+        ]
+    );
+    served.runtime.shutdown();
+}
+
+#[tokio::test]
+async fn a_step_whose_attempt_died_mid_stream_is_made_again_within_max_steps() {
+    let model = GatedModel::new(vec![
+        vec![Step::Text("Half"), Step::Gate, Step::Complete("Half an answer")],
+        vec![Step::Complete("A whole answer.")],
+    ]);
+    let served = serve(&model, Some(Duration::from_millis(20))).await;
+    // The first attempt's step streams (its start is appended), then its completion fails.
+    served.store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::AssistantMessageCompleted { .. }))
+    });
+    let handle = served.runtime.init(&one_step, "s1");
+    let send = tokio::spawn(async move { handle.send("answer me").await });
+    served.first_delta("one_step", "s1").await;
+    model.open_gate();
+    let reply = send.await.unwrap().unwrap();
+    assert_eq!(
+        reply.text, "A whole answer.",
+        "max_steps = 1 counts completed steps only"
+    );
+    assert_eq!(model.requests.lock().unwrap().len(), 2);
+    assert_eq!(
+        serde_json::Value::Object(reply.metadata),
+        json!({"channel": "web"}),
+        "the response-start metadata of the step that completed"
+    );
+    assert_eq!(
+        assistant_parts(&served.get("one_step", "s1").await),
+        json!([{"type": "text", "text": "A whole answer.", "state": "done"}]),
+        "the dead attempt's text is gone"
+    );
+    served.runtime.shutdown();
+}
+
+#[tokio::test]
+async fn the_reply_keeps_the_response_start_metadata_of_a_first_step_that_streamed() {
+    let model = GatedModel::new(vec![vec![
+        Step::Text("Streaming"),
+        Step::Gate,
+        Step::Complete("Streaming, done."),
+    ]]);
+    let served = serve(&model, Some(Duration::from_millis(20))).await;
+    let handle = served.runtime.init(&one_step, "m1");
+    let send = tokio::spawn(async move { handle.send("hi").await });
+    served.first_delta("one_step", "m1").await;
+    model.open_gate();
+    let reply = send.await.unwrap().unwrap();
+    assert_eq!(reply.text, "Streaming, done.");
+    assert_eq!(serde_json::Value::Object(reply.metadata), json!({"channel": "web"}));
     served.runtime.shutdown();
 }

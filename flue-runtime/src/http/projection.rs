@@ -6,8 +6,9 @@
 //!   submission's first step's message id; a step's text part comes before its tool parts.
 //! - A step's reasoning and text (its completion's, or streamed as appended:
 //!   `assistant_reasoning_delta`, `assistant_text_delta`) are a `reasoning` part and a `text`
-//!   part, in that order, before its tool parts. Streamed ones are `streaming` until the
-//!   completion closes them. A step that never completes (an attempt that died, a call
+//!   part, in that order, before its tool parts; whatever did not stream streams before the
+//!   step's first tool input. Streamed ones are `streaming` until the completion closes them
+//!   (reasoning once the text starts). A step that never completes (an attempt that died, a call
 //!   retried) leaves text the conversation does not hold: the response's next step, or a
 //!   completion that does not continue what streamed, removes or corrects it, and that batch
 //!   projects to a reset (a client may have shown it). A settlement closes a streaming part
@@ -72,8 +73,11 @@ pub(crate) struct Projection {
     responses: HashMap<String, String>,
     /// Step message id → the response message it folds into.
     steps: HashMap<String, String>,
-    /// Step message id → the index of its first part in the response message.
+    /// Step message id → the index of its first part in the response message (kept current as
+    /// parts of other steps come and go).
     step_parts: HashMap<String, usize>,
+    /// Response message id → its steps, in the order they started.
+    response_steps: HashMap<String, Vec<String>>,
     /// Step message id → its tool call ids, in call order.
     step_calls: HashMap<String, Vec<String>>,
     /// Tool call id → the response message holding its part.
@@ -162,7 +166,7 @@ impl Projection {
         }
         self.rewritten = false;
         for record in batch.records.iter() {
-            self.record(record, (&finals, &starts), &hosts, &mut out);
+            self.record(record, (&mut finals, &starts), &hosts, &mut out);
         }
         self.offset = Some(batch.offset);
         let Some(chunks) = chunks else { return };
@@ -181,7 +185,7 @@ impl Projection {
     fn record(
         &mut self,
         record: &Record,
-        (finals, starts): (&HashMap<&str, (&str, &str)>, &HashSet<&str>),
+        (finals, starts): (&mut HashMap<&str, (&str, &str)>, &HashSet<&str>),
         hosts: &HashMap<&str, &str>,
         out: &mut Vec<Value>,
     ) {
@@ -292,6 +296,10 @@ impl Projection {
                 };
                 self.drop_interrupted_steps(&response_id);
                 self.steps.insert(message_id.clone(), response_id.clone());
+                let order = self.response_steps.entry(response_id.clone()).or_default();
+                // A step started again (a retried call) is the latest again.
+                order.retain(|step| step != message_id);
+                order.push(message_id.clone());
                 let parts = self.parts_len(&response_id);
                 self.step_parts.insert(message_id.clone(), parts);
                 let mut chunk = json!({
@@ -329,6 +337,13 @@ impl Projection {
                 let Some(response_id) = self.steps.get(message_id).cloned() else {
                     return;
                 };
+                // The step's reasoning and text come before its tool parts, on the wire too:
+                // what did not stream yet streams before its first tool input.
+                if let Some((reasoning, text)) = finals.remove(message_id.as_str()) {
+                    let shown = starts.contains(message_id.as_str());
+                    self.complete_part(&response_id, message_id, Stream::Reasoning, reasoning, shown, out);
+                    self.complete_part(&response_id, message_id, Stream::Text, text, shown, out);
+                }
                 let input = serde_json::from_str::<Value>(arguments).unwrap_or_else(|_| json!(arguments));
                 self.push_part(
                     &response_id,
@@ -360,19 +375,17 @@ impl Projection {
             RecordBody::AssistantTextDelta { message_id, delta } => {
                 self.stream_delta(message_id, Stream::Text, delta, out);
             }
-            RecordBody::AssistantMessageCompleted {
-                message_id,
-                text,
-                reasoning,
-                ..
-            } => {
+            RecordBody::AssistantMessageCompleted { message_id, .. } => {
                 let Some(response_id) = self.steps.get(message_id).cloned() else {
                     return;
                 };
-                // Streamed right after its start already when that is in this batch.
-                let shown = starts.contains(message_id.as_str());
-                self.complete_part(&response_id, message_id, Stream::Reasoning, reasoning, shown, out);
-                self.complete_part(&response_id, message_id, Stream::Text, text, shown, out);
+                // Unless its first tool call closed them already.
+                if let Some((reasoning, text)) = finals.remove(message_id.as_str()) {
+                    // Streamed right after its start already when that is in this batch.
+                    let shown = starts.contains(message_id.as_str());
+                    self.complete_part(&response_id, message_id, Stream::Reasoning, reasoning, shown, out);
+                    self.complete_part(&response_id, message_id, Stream::Text, text, shown, out);
+                }
                 out.push(json!({"type": "message-completed", "messageId": response_id, "timestamp": timestamp}));
             }
             RecordBody::ToolOutcome {
@@ -486,17 +499,18 @@ impl Projection {
             }
             RecordBody::MessageUpdated { message_id, updates } => self.update_message(message_id, updates),
             RecordBody::MessageDeleted { message_id } => {
-                if let Some(index) = self.index.remove(message_id.as_str()) {
+                if let Some(response_id) = self.steps.get(message_id).cloned() {
+                    // A model step folded into its response message (the first one's id is the
+                    // message's): its text and reasoning go, the other steps' parts stay.
+                    self.remove_step_part(&response_id, message_id, Stream::Text);
+                    self.remove_step_part(&response_id, message_id, Stream::Reasoning);
+                } else if let Some(index) = self.index.remove(message_id.as_str()) {
                     self.messages.remove(index);
                     for at in self.index.values_mut() {
                         if *at > index {
                             *at -= 1;
                         }
                     }
-                } else if let Some(response_id) = self.steps.get(message_id).cloned() {
-                    // A model step folded into its response message: its text and reasoning go.
-                    self.remove_step_part(&response_id, message_id, Stream::Text);
-                    self.remove_step_part(&response_id, message_id, Stream::Reasoning);
                 }
             }
             RecordBody::StateWrite { .. }
@@ -582,6 +596,7 @@ impl Projection {
             at,
             json!({"type": stream.name(), "text": text, "state": state}),
         );
+        self.shift_steps(response_id, step, at, true);
         if stream == Stream::Reasoning {
             self.reasoned.insert(step.to_owned());
         }
@@ -593,8 +608,34 @@ impl Projection {
             && let Some(parts) = self.parts_mut(response_id)
         {
             parts.remove(at);
+            self.shift_steps(response_id, step, at, false);
             if stream == Stream::Reasoning {
                 self.reasoned.remove(step);
+            }
+        }
+    }
+
+    /// A part of `step` was inserted at (`inserted`) or removed from `at` of `response_id`:
+    /// the steps whose parts follow it move with them.
+    fn shift_steps(&mut self, response_id: &str, step: &str, at: usize, inserted: bool) {
+        let Some(order) = self.response_steps.get(response_id) else {
+            return;
+        };
+        let mine = order.iter().position(|other| other == step);
+        for (position, other) in order.iter().enumerate() {
+            if other == step {
+                continue;
+            }
+            let Some(start) = self.step_parts.get_mut(other) else {
+                continue;
+            };
+            if inserted {
+                // A later step that has no part yet starts where this one's part went.
+                if *start > at || (*start == at && mine.is_some_and(|mine| position > mine)) {
+                    *start += 1;
+                }
+            } else if *start > at {
+                *start -= 1;
             }
         }
     }
@@ -612,6 +653,13 @@ impl Projection {
             self.add_step_part(&response_id, step, stream, &text, "streaming");
         } else if let Some(part) = self.step_part(&response_id, step, stream) {
             part["text"] = json!(text);
+            part["state"] = json!("streaming");
+        }
+        if stream == Stream::Text
+            && let Some(reasoning) = self.step_part(&response_id, step, Stream::Reasoning)
+        {
+            // The model moved on to its answer.
+            reasoning["state"] = json!("done");
         }
         out.push(stream.delta(&response_id, delta));
     }
@@ -857,10 +905,10 @@ mod tests {
         assert_eq!(
             parts(&projection),
             json!([
-                {"type": "reasoning", "text": "Hmm", "state": "streaming"},
+                {"type": "reasoning", "text": "Hmm", "state": "done"},
                 {"type": "text", "text": "Half an", "state": "streaming"},
             ]),
-            "reasoning first, whichever streamed first"
+            "reasoning first, whichever streamed first; done once the text streams"
         );
         // The attempt died; the next one's step streams into the same response message.
         let chunks = fold(
@@ -903,6 +951,40 @@ mod tests {
         assert_eq!(
             parts(&projection),
             json!([{"type": "text", "text": "Partial", "state": "done"}])
+        );
+    }
+
+    #[test]
+    fn deleting_the_first_step_keeps_the_response_and_edits_still_find_the_later_steps_text() {
+        let mut projection = Projection::new("agents/a/i");
+        let mut offset = 0;
+        let reasoned = RecordBody::AssistantMessageCompleted {
+            message_id: "step_1".into(),
+            text: "First.".into(),
+            reasoning: "Think.".into(),
+            stop_reason: StopReason::Stop,
+            usage: Default::default(),
+        };
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), json!("Second, edited."));
+        fold(
+            &mut projection,
+            &mut offset,
+            vec![
+                vec![started("step_1"), reasoned],
+                vec![started("step_2"), completed("step_2", "Second.")],
+                vec![RecordBody::MessageDeleted {
+                    message_id: "step_1".into(),
+                }],
+                vec![RecordBody::MessageUpdated {
+                    message_id: "step_2".into(),
+                    updates,
+                }],
+            ],
+        );
+        assert_eq!(
+            parts(&projection),
+            json!([{"type": "text", "text": "Second, edited.", "state": "done"}])
         );
     }
 

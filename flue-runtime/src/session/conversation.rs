@@ -286,7 +286,8 @@ impl Conversation {
         self.progress(submission_id).started
     }
 
-    /// Whether the submission has a durable model step.
+    /// Whether the submission has a completed model step (a step whose start alone is
+    /// durable, streamed before its attempt died, does not count).
     pub(crate) fn has_stepped(&self, submission_id: &str) -> bool {
         self.progress(submission_id).steps > 0
     }
@@ -303,7 +304,8 @@ impl Conversation {
         self.progress(submission_id).finished
     }
 
-    /// The model steps the submission's response took durably, over all its attempts.
+    /// The model steps the submission's response completed durably, over all its attempts (a
+    /// step whose attempt died mid-stream is made again, and counts once).
     pub(crate) fn steps(&self, submission_id: &str) -> u32 {
         self.progress(submission_id).steps
     }
@@ -419,7 +421,6 @@ impl Conversation {
             }
             RecordBody::AssistantMessageStarted { response_metadata, .. } => {
                 if let Some(id) = submission {
-                    self.progress_of(id).steps += 1;
                     // Only a response's first step carries it.
                     if let Some(metadata) = response_metadata {
                         self.response_metadata.insert(id.clone(), metadata.clone());
@@ -444,7 +445,9 @@ impl Conversation {
             }
             RecordBody::AssistantMessageCompleted { stop_reason, usage, .. } => {
                 if let Some(id) = submission {
-                    self.progress_of(id).usage += *usage;
+                    let progress = self.progress_of(id);
+                    progress.steps += 1;
+                    progress.usage += *usage;
                     let final_answer = self.open_step.as_ref().is_some_and(|step| step.tool_calls.is_empty())
                         && *stop_reason != crate::provider::StopReason::ToolUse;
                     if final_answer {

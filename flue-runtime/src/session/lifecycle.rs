@@ -274,24 +274,23 @@ impl Response<'_> {
         spec: &str,
         message_id: String,
         blocked: Blocked,
+        live: Option<super::LiveText>,
     ) -> Result<crate::provider::ModelResponse, Failure> {
         let text = blocked.0.message;
-        let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
-        let mut records: Vec<Record> = self.first_snapshot.take().into_iter().collect();
-        records.extend([
-            self.record(RecordBody::AssistantMessageStarted {
-                message_id: message_id.clone(),
-                model: spec.to_owned(),
-                response_metadata,
-            }),
-            self.record(RecordBody::AssistantMessageCompleted {
-                message_id,
-                text: text.clone(),
-                reasoning: String::new(),
-                stop_reason: StopReason::HookBlocked,
-                usage: Default::default(),
-            }),
-        ]);
+        // A call made again after an overflow's compaction has its start already (and what
+        // the first step carries with it).
+        let live = live.unwrap_or_else(|| self.live_text(&message_id, spec));
+        if let Some(started) = live.appended_start() {
+            self.reply.add(started);
+        }
+        let mut records = live.into_unappended();
+        records.extend([self.record(RecordBody::AssistantMessageCompleted {
+            message_id,
+            text: text.clone(),
+            reasoning: String::new(),
+            stop_reason: StopReason::HookBlocked,
+            usage: Default::default(),
+        })]);
         self.commit(records, false).await?;
         Ok(crate::provider::ModelResponse {
             text,

@@ -24,6 +24,9 @@ pub(super) struct LiveText {
     started: Record,
     /// Whether `snapshot` and `started` are in the stream.
     opened: bool,
+    /// The step restarted (a retried call) after it was opened: its next append starts it
+    /// again, so readers drop what the failed call streamed.
+    restarted: bool,
     /// What streamed and is not appended yet, in order: runs of reasoning (`true`) or text.
     pending: Vec<(bool, String)>,
     /// When `pending` is appended: `every` after its first byte. `None` while nothing waits.
@@ -39,6 +42,7 @@ impl LiveText {
             snapshot,
             started,
             opened: false,
+            restarted: false,
             pending: Vec::new(),
             due: None,
             every,
@@ -74,11 +78,17 @@ impl LiveText {
         self.due
     }
 
-    /// Forgets the text of a call that failed before it was appended (a retried call streams
-    /// its own).
-    pub(super) fn discard_pending(&mut self) {
+    /// A call failed and is made again: what it streamed and is not appended is forgotten,
+    /// and what it appended is left behind (the retry's first append starts the step again).
+    pub(super) fn restart(&mut self) {
         self.pending.clear();
         self.due = None;
+        self.restarted = self.opened;
+    }
+
+    /// The step's start, when it was appended while the step streamed.
+    pub(super) fn appended_start(&self) -> Option<&Record> {
+        self.opened.then_some(&self.started)
     }
 
     /// The conversation's first snapshot is not this step's to carry any more (a compaction
@@ -104,6 +114,9 @@ impl LiveText {
         if !self.opened {
             batch.extend(self.snapshot.clone());
             batch.push(self.started.clone());
+        } else if self.restarted {
+            // A record of its own (ids are unique), saying what the first start said.
+            batch.push(record(self.started.body.clone()));
         }
         for (reasoning, delta) in self.pending.drain(..) {
             let message_id = self.message_id.clone();
@@ -115,6 +128,7 @@ impl LiveText {
         }
         writer.append(batch.into()).await?;
         self.opened = true;
+        self.restarted = false;
         Ok(())
     }
 
@@ -168,7 +182,7 @@ mod tests {
             Some(start + Duration::from_secs(1)),
             "the first byte sets the clock"
         );
-        live.discard_pending();
+        live.restart();
         assert_eq!(live.due(), None);
 
         let mut off = LiveText::new("msg_1", None, started(), None);

@@ -6,9 +6,9 @@
 //! commit marker), each continued finish cycle, the response-finish metadata, and settlement.
 //! A model step that streams text for longer than `RuntimeOptions::text_flush` also appends
 //! its start and its text so far while it streams (see `live_text`), so clients follow it.
-//! That start counts as a durable step, as the reference's does (a resumed response does not
-//! run `use_response_start` again, and the step counts against `max_steps`); the text never
-//! does: a step that never completes is made again.
+//! Neither is a durability point: a step whose attempt dies before it completes is made
+//! again, and only completed steps count (against `max_steps`, and as the step a resumed
+//! response does not run `use_response_start` again after).
 
 mod binding;
 mod compaction;
@@ -1753,7 +1753,9 @@ impl Response<'_> {
             let (system, messages) = match self.request(system).await {
                 Ok(request) => request,
                 Err(blocked) => {
-                    let response = self.blocked_step(spec, message_id.clone(), blocked).await?;
+                    let response = self
+                        .blocked_step(spec, message_id.clone(), blocked, live.take())
+                        .await?;
                     return Ok((response, message_id, LazyId::new("turn")));
                 }
             };
@@ -1859,12 +1861,26 @@ impl Response<'_> {
             is_error: false,
         });
         let mut response = response;
+        if self.shapes_assistant_rows() {
+            // The row hooks never see reasoning: it is not kept where they cannot redact it.
+            response.reasoning.clear();
+        }
         response.text = self
             .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut row_updates)
             .await;
         // The step's start (unless its text streamed into the stream already), its calls and
         // its completion.
-        let mut records = live.map(LiveText::into_unappended).unwrap_or_default();
+        let mut records = match live {
+            Some(live) => {
+                // The reply reads the response's start metadata from the step's start, which
+                // may have been appended while the step streamed.
+                if let Some(started) = live.appended_start() {
+                    self.reply.add(started);
+                }
+                live.into_unappended()
+            }
+            None => Vec::new(),
+        };
         records.extend(crate::record::model_step_ending(&message_id, &response).map(|body| self.record(body)));
         if !row_updates.is_empty() {
             records.push(self.record(RecordBody::MessageUpdated {
@@ -1893,8 +1909,9 @@ impl Response<'_> {
 
     /// The step `message_id`'s start, with what the response's first step carries (the
     /// conversation's first resource snapshot, `use_response_start` metadata), ready to
-    /// stream its text (see [`LiveText`]). An agent with a `before_update_message` hook does
-    /// not stream text into the stream: the hook decides the text that is stored.
+    /// stream its text (see [`LiveText`]). An agent with a hook that shapes the assistant row
+    /// (`before_create_message`, `before_update_message`) does not stream into the stream:
+    /// the hooks decide what is stored and shown.
     fn live_text(&mut self, message_id: &str, spec: &str) -> LiveText {
         let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
         let started = self.record(RecordBody::AssistantMessageStarted {
@@ -1906,8 +1923,16 @@ impl Response<'_> {
             .runtime
             .options
             .text_flush
-            .filter(|_| !self.hooks.has(flue_core::lifecycle::HookKind::BeforeUpdateMessage));
+            .filter(|_| !self.shapes_assistant_rows());
         LiveText::new(message_id, self.first_snapshot.take(), started, every)
+    }
+
+    /// Whether a selected hook decides what an assistant row stores or how it shows: the raw
+    /// text is then neither streamed into the stream nor its reasoning recorded (the hooks
+    /// never see reasoning, so they could not redact it).
+    fn shapes_assistant_rows(&self) -> bool {
+        use flue_core::lifecycle::HookKind;
+        self.hooks.has(HookKind::BeforeUpdateMessage) || self.hooks.has(HookKind::BeforeCreateMessage)
     }
 
     /// The framework's sections of the system prompt: the frozen baseline once the
@@ -1942,7 +1967,7 @@ impl Response<'_> {
                     retries += 1;
                     // The retry streams its own text; what this call appended stays behind
                     // (its step's completion says what the text is).
-                    live.discard_pending();
+                    live.restart();
                     if shown {
                         self.emit_with(|| Event::MessageEnd {
                             role: "assistant".into(),
