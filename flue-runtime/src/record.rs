@@ -225,6 +225,11 @@ pub enum RecordBody {
         message_id: String,
         /// The model specifier.
         model: String,
+        /// The model call's turn id (`turn_…`), as the observation events name it (the
+        /// step's first call, when a call was made again after an overflow); none on older
+        /// records and on steps no model made.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        turn_id: Option<String>,
         /// `use_response_start` metadata (first step of a response only).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         response_metadata: Option<Metadata>,
@@ -489,6 +494,7 @@ pub(crate) fn model_step_bodies<'a>(
     let started = RecordBody::AssistantMessageStarted {
         message_id: message_id.to_owned(),
         model: model.to_owned(),
+        turn_id: None,
         response_metadata,
     };
     std::iter::once(started).chain(model_step_ending(message_id, response))

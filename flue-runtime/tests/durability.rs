@@ -458,6 +458,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
                 record(RecordBody::AssistantMessageStarted {
                     message_id: "m2".into(),
                     model: "scripted/x".into(),
+                    turn_id: None,
                     response_metadata: None,
                 }),
                 record(RecordBody::AssistantMessageCompleted {
@@ -887,6 +888,7 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
             record(RecordBody::AssistantMessageStarted {
                 message_id: "m2".into(),
                 model: "scripted/x".into(),
+                turn_id: None,
                 response_metadata: None,
             }),
             record(RecordBody::AssistantMessageCompleted {

@@ -695,3 +695,41 @@ async fn the_reply_keeps_the_response_start_metadata_of_a_first_step_that_stream
     assert_eq!(serde_json::Value::Object(reply.metadata), json!({"channel": "web"}));
     served.runtime.shutdown();
 }
+
+#[tokio::test]
+async fn the_protocols_turn_ids_are_the_observed_model_turns() {
+    let model = GatedModel::new(vec![
+        vec![Step::CallTool("weather", r#"{"city":"Oslo"}"#)],
+        vec![Step::Complete("Cold.")],
+    ]);
+    let served = serve(&model, Some(Duration::from_millis(20))).await;
+    let mut events = served.runtime.observe();
+    served.admit("forecaster", "t2", "weather in Oslo?").await;
+    let chunks = served.updates_until("forecaster", "t2", settled).await;
+    let mut observed = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::TurnStart { turn_id, .. } = observation.event {
+            observed.push(turn_id);
+        }
+    }
+    let started: Vec<&str> = chunks
+        .iter()
+        .filter(|chunk| chunk["type"] == "message-started")
+        .map(|chunk| chunk["turnId"].as_str().unwrap())
+        .collect();
+    assert_eq!(started.len(), 2);
+    assert!(started.iter().all(|turn| turn.starts_with("turn_")), "{started:?}");
+    assert_eq!(started, observed, "one turn per model call, named alike on both sides");
+    let snapshot = served.get("forecaster", "t2").await;
+    let assistant = snapshot["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|message| message["role"] == "assistant")
+        .unwrap();
+    assert_eq!(
+        assistant["turnId"], started[0],
+        "the response message names its first turn"
+    );
+    served.runtime.shutdown();
+}

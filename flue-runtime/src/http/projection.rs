@@ -272,8 +272,12 @@ impl Projection {
             RecordBody::AssistantMessageStarted {
                 message_id,
                 response_metadata,
+                turn_id,
                 ..
             } => {
+                // The model call's turn, as the observation events name it (older records
+                // have none: the step's id stands in).
+                let turn_id = turn_id.as_deref().unwrap_or(message_id);
                 let response_id = match submission.and_then(|s| self.responses.get(s)) {
                     Some(response_id) => response_id.clone(),
                     None => {
@@ -282,7 +286,7 @@ impl Projection {
                             "role": "assistant",
                             "purpose": "assistant",
                             "display": "visible",
-                            "turnId": message_id,
+                            "turnId": turn_id,
                             "parts": [],
                         });
                         if let Some(submission) = submission {
@@ -305,7 +309,7 @@ impl Projection {
                 let mut chunk = json!({
                     "type": "message-started",
                     "messageId": response_id,
-                    "turnId": message_id,
+                    "turnId": turn_id,
                     "timestamp": timestamp,
                 });
                 if let Some(submission) = submission {
@@ -829,6 +833,7 @@ mod tests {
         RecordBody::AssistantMessageStarted {
             message_id: step.into(),
             model: "test/model".into(),
+            turn_id: None,
             response_metadata: None,
         }
     }

@@ -545,6 +545,7 @@ mod tests {
                 at(RecordBody::AssistantMessageStarted {
                     message_id: step.clone(),
                     model: "test/model".into(),
+                    turn_id: None,
                     response_metadata: None,
                 }),
                 at(RecordBody::AssistantToolCall {

@@ -1216,6 +1216,7 @@ mod tests {
                 RecordBody::AssistantMessageStarted {
                     message_id: format!("assistant-{exchange}"),
                     model: "scripted/x".into(),
+                    turn_id: None,
                     response_metadata: None,
                 },
                 RecordBody::AssistantMessageCompleted {
@@ -1249,6 +1250,7 @@ mod tests {
             record(RecordBody::AssistantMessageStarted {
                 message_id: "step-1".into(),
                 model: "scripted/x".into(),
+                turn_id: None,
                 response_metadata: None,
             }),
             record(RecordBody::AssistantToolCall {
@@ -1323,6 +1325,7 @@ mod tests {
             RecordBody::AssistantMessageStarted {
                 message_id: step.clone(),
                 model: "scripted/x".into(),
+                turn_id: None,
                 response_metadata: None,
             },
             RecordBody::AssistantToolCall {
@@ -1353,6 +1356,7 @@ mod tests {
             RecordBody::AssistantMessageStarted {
                 message_id: answer.clone(),
                 model: "scripted/x".into(),
+                turn_id: None,
                 response_metadata: None,
             },
             RecordBody::AssistantMessageCompleted {

@@ -279,7 +279,7 @@ impl Response<'_> {
         let text = blocked.0.message;
         // A call made again after an overflow's compaction has its start already (and what
         // the first step carries with it).
-        let live = live.unwrap_or_else(|| self.live_text(&message_id, spec));
+        let live = live.unwrap_or_else(|| self.live_text(&message_id, spec, None));
         if let Some(started) = live.appended_start() {
             self.reply.add(started);
         }

@@ -157,6 +157,7 @@ mod tests {
             body: RecordBody::AssistantMessageStarted {
                 message_id: "msg_1".into(),
                 model: "scripted/x".into(),
+                turn_id: None,
                 response_metadata: None,
             },
         }

@@ -1762,7 +1762,10 @@ impl Response<'_> {
             if row_updates.is_none() {
                 row_updates = Some(self.assistant_row_created(&message_id).await);
             }
-            let live = live.get_or_insert_with(|| self.live_text(&message_id, spec));
+            // One id per model call (an overflow recovery's retry is a call of its own); the
+            // step's start names its first.
+            let turn_id = LazyId::new("turn");
+            let live = live.get_or_insert_with(|| self.live_text(&message_id, spec, Some(turn_id.get())));
             let request = ModelRequest {
                 model: model_id.to_owned(),
                 system,
@@ -1772,8 +1775,6 @@ impl Response<'_> {
                 max_output_tokens: None,
             };
             let started = Instant::now();
-            // One id per model call (an overflow recovery's retry is a call of its own).
-            let turn_id = LazyId::new("turn");
             self.set_turn(Some(&turn_id));
             self.emit_with(|| Event::TurnStart {
                 turn_id: turn_id.get(),
@@ -1912,11 +1913,12 @@ impl Response<'_> {
     /// stream its text (see [`LiveText`]). An agent with a hook that shapes the assistant row
     /// (`before_create_message`, `before_update_message`) does not stream into the stream:
     /// the hooks decide what is stored and shown.
-    fn live_text(&mut self, message_id: &str, spec: &str) -> LiveText {
+    fn live_text(&mut self, message_id: &str, spec: &str, turn_id: Option<String>) -> LiveText {
         let response_metadata = self.first_step_metadata.take().filter(|metadata| !metadata.is_empty());
         let started = self.record(RecordBody::AssistantMessageStarted {
             message_id: message_id.to_owned(),
             model: spec.to_owned(),
+            turn_id,
             response_metadata,
         });
         let every = self
@@ -2117,6 +2119,7 @@ impl Response<'_> {
         let mut records = vec![self.record(RecordBody::AssistantMessageStarted {
             message_id: message_id.clone(),
             model: spec.to_owned(),
+            turn_id: None,
             response_metadata: None,
         })];
         for call in &calls {
