@@ -90,6 +90,8 @@ pub(crate) struct Projection {
     streamed: HashMap<(String, Stream), String>,
     /// Steps whose parts start with a reasoning part.
     reasoned: HashSet<String>,
+    /// Steps that have a text part.
+    texted: HashSet<String>,
     /// Whether the batch being folded changed a message already shown (it projects to a
     /// reset).
     rewritten: bool,
@@ -587,6 +589,13 @@ impl Projection {
 
     /// `step`'s part of `stream` in `response_id`, if it has one.
     fn step_part(&mut self, response_id: &str, step: &str, stream: Stream) -> Option<&mut Value> {
+        let has = match stream {
+            Stream::Reasoning => self.reasoned.contains(step),
+            Stream::Text => self.texted.contains(step),
+        };
+        if !has {
+            return None;
+        }
         let at = self.part_index(step, stream);
         self.parts_mut(response_id)?
             .get_mut(at)
@@ -601,9 +610,10 @@ impl Projection {
             json!({"type": stream.name(), "text": text, "state": state}),
         );
         self.shift_steps(response_id, step, at, true);
-        if stream == Stream::Reasoning {
-            self.reasoned.insert(step.to_owned());
-        }
+        match stream {
+            Stream::Reasoning => self.reasoned.insert(step.to_owned()),
+            Stream::Text => self.texted.insert(step.to_owned()),
+        };
     }
 
     fn remove_step_part(&mut self, response_id: &str, step: &str, stream: Stream) {
@@ -613,9 +623,10 @@ impl Projection {
         {
             parts.remove(at);
             self.shift_steps(response_id, step, at, false);
-            if stream == Stream::Reasoning {
-                self.reasoned.remove(step);
-            }
+            match stream {
+                Stream::Reasoning => self.reasoned.remove(step),
+                Stream::Text => self.texted.remove(step),
+            };
         }
     }
 
@@ -682,6 +693,11 @@ impl Projection {
     ) {
         let Some(streamed) = self.streamed.remove(&(step.to_owned(), stream)) else {
             if !value.is_empty() {
+                // Reasoning that did not stream goes before text that did: a client that
+                // appends it would show it after, so the batch projects to a reset.
+                if stream == Stream::Reasoning && self.step_part(response_id, step, Stream::Text).is_some() {
+                    self.rewritten = true;
+                }
                 self.add_step_part(response_id, step, stream, value, "done");
                 if !shown {
                     out.push(stream.delta(response_id, value));
@@ -691,6 +707,11 @@ impl Projection {
         };
         match value.strip_prefix(streamed.as_str()) {
             Some("") => {}
+            // Reasoning closed when the text started: a client would start a new part with the
+            // rest.
+            Some(_) if stream == Stream::Reasoning && self.streamed.contains_key(&(step.to_owned(), Stream::Text)) => {
+                self.rewritten = true;
+            }
             Some(rest) => out.push(stream.delta(response_id, rest)),
             // Not what streamed, continued (a retried call streamed after a failed one).
             None => self.rewritten = true,
@@ -1012,3 +1033,7 @@ mod tests {
         assert_eq!(parts(&projection), json!([]));
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // tests assert by unwrapping
+mod props;

@@ -1,0 +1,1110 @@
+//! Property tests of the projection: random but valid record streams of one or two
+//! submissions, folded by [`Projection`] and by a naive model that recomputes each response's
+//! parts from scratch.
+//!
+//! The generator draws every choice from a byte string, so proptest's shrinking of the bytes
+//! (shorter, smaller) shrinks the stream: option 0 of every choice is the simplest one.
+//!
+//! The model's rules (read from the projection's module docs):
+//! - a response's message is its submission's first started step's id; every step's
+//!   `reasoning` then `text` part sit where the step started (a step started again moves to
+//!   the end), tool parts and data parts are appended when they are called / first written
+//!   (a data part of a name written again is updated in place);
+//! - a streamed part is `streaming` until the completion (its value is authoritative, an empty
+//!   value removes the part), a settlement (closed as it is, `done`) or the response's next
+//!   start (removed); streamed reasoning is `done` once the step's text streams;
+//! - tool outputs appear at their step's commit, from the outcomes written before it;
+//! - `message_updated {content}` sets a step's text part (nothing when it has none), a
+//!   non-assistant message's first text part; `message_deleted` removes a step's text and
+//!   reasoning parts (nothing when it has none), or a whole non-assistant message.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use serde_json::{Value, json};
+
+use super::Projection;
+use crate::provider::StopReason;
+use crate::record::{Batch, Outcome, Record, RecordBody};
+
+// ---------------------------------------------------------------------------------------------
+// Generation
+
+/// The choices of one generated stream: each draw reads the next byte (0 once they run out).
+struct Choices<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl Choices<'_> {
+    fn below(&mut self, n: u32) -> u32 {
+        if n <= 1 {
+            return 0;
+        }
+        let byte = self.bytes.get(self.at).copied().unwrap_or(0);
+        self.at += 1;
+        u32::from(byte) % n
+    }
+
+    /// True `percent`% of the time; false when the bytes ran out.
+    fn chance(&mut self, percent: u32) -> bool {
+        self.below(100) >= 100 - percent
+    }
+
+    fn piece(&mut self) -> String {
+        ["x", "y", "xy", "yx", "z"][self.below(5) as usize].to_owned()
+    }
+}
+
+/// Which generated events a stream may hold (to single out one defect at a time).
+#[derive(Clone, Copy)]
+struct Features {
+    /// Edits and deletions of steps that have no text part (empty completions, interrupted
+    /// steps) and repeated deletions.
+    partless_history_edits: bool,
+    /// Data writes anywhere: before the response's first step, in a step's delta or completion
+    /// batches. The runtime appends each write as a batch of its own, and only once the
+    /// response has a completed step (`Attempt::flush_data`).
+    data_anywhere: bool,
+}
+
+const ALL: Features = Features {
+    partless_history_edits: true,
+    data_anywhere: true,
+};
+
+/// What the runtime writes.
+const REALISTIC: Features = Features {
+    partless_history_edits: false,
+    data_anywhere: false,
+};
+
+fn record(submission: &str, body: RecordBody) -> Record {
+    Record {
+        id: crate::record::new_id("record"),
+        submission_id: Some(submission.into()),
+        attempt_id: None,
+        timestamp: "2026-01-01T00:00:00.000Z".into(),
+        body,
+    }
+}
+
+fn started(step: &str) -> RecordBody {
+    RecordBody::AssistantMessageStarted {
+        message_id: step.into(),
+        model: "test/model".into(),
+        turn_id: None,
+        response_metadata: None,
+    }
+}
+
+/// A generated stream, as batches of record bodies by submission.
+type Stream = Vec<Vec<(String, RecordBody)>>;
+
+struct Generator<'a, 'b> {
+    choices: &'a mut Choices<'b>,
+    features: Features,
+    batches: Stream,
+    /// Steps completed, and whether their completion has text.
+    completed: Vec<(String, bool)>,
+    /// Steps that started and never completed, and are not streaming now.
+    abandoned: Vec<String>,
+    /// User message ids.
+    users: Vec<String>,
+    /// Whether the current submission has a completed step.
+    stepped: bool,
+}
+
+impl Generator<'_, '_> {
+    fn push(&mut self, batch: Vec<(String, RecordBody)>) {
+        if !batch.is_empty() {
+            self.batches.push(batch);
+        }
+    }
+
+    /// Appends `extra` to the last batch, or as a batch of its own.
+    fn push_or_join(&mut self, extra: Vec<(String, RecordBody)>) {
+        if self.choices.chance(50)
+            && let Some(last) = self.batches.last_mut()
+        {
+            last.extend(extra);
+        } else {
+            self.push(extra);
+        }
+    }
+
+    fn data_write(&mut self, sub: &str) -> (String, RecordBody) {
+        let name = ["a", "b"][self.choices.below(2) as usize];
+        (
+            sub.to_owned(),
+            RecordBody::MessageDataWrite {
+                name: name.to_owned(),
+                data: json!(self.choices.below(10)),
+            },
+        )
+    }
+
+    /// Maybe a batch editing or deleting history rows.
+    fn history_edit(&mut self, sub: &str) {
+        if !self.choices.chance(30) {
+            return;
+        }
+        let partless = self.features.partless_history_edits;
+        let mut targets: Vec<String> = self
+            .completed
+            .iter()
+            .filter(|(_, has_text)| partless || *has_text)
+            .map(|(step, _)| step.clone())
+            .collect();
+        if partless {
+            targets.extend(self.abandoned.iter().cloned());
+        }
+        targets.extend(self.users.iter().cloned());
+        if targets.is_empty() {
+            return;
+        }
+        let target = targets[self.choices.below(targets.len() as u32) as usize].clone();
+        let body = if self.choices.chance(50) {
+            let mut updates = serde_json::Map::new();
+            updates.insert("content".into(), json!(format!("edited-{}", self.choices.piece())));
+            RecordBody::MessageUpdated {
+                message_id: target.clone(),
+                updates,
+            }
+        } else {
+            if !self.features.partless_history_edits {
+                // Delete a row only once.
+                self.completed.retain(|(step, _)| *step != target);
+            }
+            self.users.retain(|user| *user != target);
+            RecordBody::MessageDeleted { message_id: target }
+        };
+        self.push_or_join(vec![(sub.to_owned(), body)]);
+    }
+
+    /// One step: attempts that may stream, restart, die; then it completes, or is left
+    /// streaming (`may_dangle`: it is the submission's last). The id of the step that ended
+    /// the response's stream open, if any.
+    fn step(&mut self, sub: &str, id_of: &mut dyn FnMut() -> String, may_dangle: bool) -> Option<String> {
+        let mut id = id_of();
+        let mut opened = false;
+        let mut restarted = false;
+        for _attempt in 0..4 {
+            let (mut reasoning, mut text) = (String::new(), String::new());
+            for _ in 0..self.choices.below(4) {
+                let mut batch = Vec::new();
+                if !opened || restarted {
+                    batch.push((sub.to_owned(), started(&id)));
+                    opened = true;
+                    restarted = false;
+                }
+                let kind = self.choices.below(3);
+                if kind != 1 && text.is_empty() {
+                    let delta = self.choices.piece();
+                    reasoning.push_str(&delta);
+                    batch.push((
+                        sub.to_owned(),
+                        RecordBody::AssistantReasoningDelta {
+                            message_id: id.clone(),
+                            delta,
+                        },
+                    ));
+                }
+                if kind != 0 || !text.is_empty() {
+                    let delta = self.choices.piece();
+                    text.push_str(&delta);
+                    batch.push((
+                        sub.to_owned(),
+                        RecordBody::AssistantTextDelta {
+                            message_id: id.clone(),
+                            delta,
+                        },
+                    ));
+                }
+                if self.features.data_anywhere && self.choices.chance(15) {
+                    let write = self.data_write(sub);
+                    batch.push(write);
+                }
+                self.push(batch);
+            }
+            match self.choices.below(4) {
+                // A retried call: the same step again (its next append starts it again).
+                1 => {
+                    restarted = opened;
+                    continue;
+                }
+                // The attempt died: the next attempt's step has a new id.
+                2 => {
+                    if opened {
+                        self.abandoned.push(id.clone());
+                    }
+                    id = id_of();
+                    opened = false;
+                    restarted = false;
+                    continue;
+                }
+                3 if may_dangle && opened => return Some(id),
+                _ => {}
+            }
+            self.complete(sub, &id, opened, &reasoning, &text);
+            return None;
+        }
+        self.complete(sub, &id, opened, "", "");
+        None
+    }
+
+    fn final_value(&mut self, streamed: &str) -> String {
+        match self.choices.below(4) {
+            0 => streamed.to_owned(),
+            1 => format!("{streamed}{}", self.choices.piece()),
+            2 => self.choices.piece(),
+            _ => String::new(),
+        }
+    }
+
+    fn complete(&mut self, sub: &str, id: &str, opened: bool, reasoning: &str, text: &str) {
+        let reasoning = self.final_value(reasoning);
+        let text = self.final_value(text);
+        let has_text = !text.is_empty();
+        let mut batch = Vec::new();
+        if !opened {
+            batch.push((sub.to_owned(), started(id)));
+        }
+        let calls: Vec<String> = (0..self.choices.below(3)).map(|n| format!("call_{id}_{n}")).collect();
+        for (n, call) in calls.iter().enumerate() {
+            batch.push((
+                sub.to_owned(),
+                RecordBody::AssistantToolCall {
+                    message_id: id.to_owned(),
+                    tool_call_id: call.clone(),
+                    name: "lookup".into(),
+                    arguments: format!("{{\"n\":{n}}}"),
+                },
+            ));
+        }
+        batch.push((
+            sub.to_owned(),
+            RecordBody::AssistantMessageCompleted {
+                message_id: id.to_owned(),
+                text,
+                reasoning,
+                stop_reason: if calls.is_empty() {
+                    StopReason::Stop
+                } else {
+                    StopReason::ToolUse
+                },
+                usage: Default::default(),
+            },
+        ));
+        // A `before_create_message` hook's row fields, in the creating batch (such agents
+        // stream nothing early).
+        if !opened && self.choices.chance(15) {
+            let mut updates = serde_json::Map::new();
+            updates.insert("content".into(), json!(format!("hooked-{}", self.choices.piece())));
+            batch.push((
+                sub.to_owned(),
+                RecordBody::MessageUpdated {
+                    message_id: id.to_owned(),
+                    updates,
+                },
+            ));
+        }
+        if self.features.data_anywhere && self.choices.chance(15) {
+            let write = self.data_write(sub);
+            batch.push(write);
+        }
+        self.push(batch);
+        self.stepped = true;
+        if !calls.is_empty() {
+            let outcomes: Vec<(String, RecordBody)> = calls
+                .iter()
+                .enumerate()
+                .map(|(n, call)| {
+                    (
+                        sub.to_owned(),
+                        RecordBody::ToolOutcome {
+                            assistant_message_id: id.to_owned(),
+                            tool_call_id: call.clone(),
+                            tool_name: "lookup".into(),
+                            is_error: self.choices.chance(30),
+                            content: format!("out-{n}"),
+                            terminate: false,
+                            duration_ms: n as u64,
+                        },
+                    )
+                })
+                .collect();
+            let commit = (
+                sub.to_owned(),
+                RecordBody::ToolResultsCommitted {
+                    assistant_message_id: id.to_owned(),
+                },
+            );
+            if self.choices.chance(15) {
+                // The attempt died before the commit: the next one runs the calls again.
+                self.push(outcomes.clone());
+                let again = outcomes
+                    .into_iter()
+                    .map(|(sub, mut body)| {
+                        if let RecordBody::ToolOutcome { content, is_error, .. } = &mut body {
+                            *content = format!("again-{content}");
+                            *is_error = !*is_error;
+                        }
+                        (sub, body)
+                    })
+                    .collect::<Vec<_>>();
+                let mut batch = again;
+                batch.push(commit);
+                self.push(batch);
+            } else if self.choices.chance(50) {
+                self.push(outcomes);
+                self.push(vec![commit]);
+            } else {
+                let mut batch = outcomes;
+                batch.push(commit);
+                self.push(batch);
+            }
+        }
+        self.completed.push((id.to_owned(), has_text));
+    }
+
+    fn submission(&mut self, k: u32, settle: bool) {
+        let sub = format!("sub_{k}");
+        let user = format!("user_{k}");
+        let mut first = vec![(
+            sub.clone(),
+            RecordBody::UserMessage {
+                message_id: user.clone(),
+                body: format!("question {k}"),
+                attachments: Vec::new(),
+            },
+        )];
+        self.users.push(user);
+        self.stepped = false;
+        if self.features.data_anywhere && self.choices.chance(30) {
+            let write = self.data_write(&sub);
+            first.push(write);
+        }
+        self.push(first);
+        let steps = 1 + self.choices.below(3);
+        let mut next = 0;
+        let mut id_of = move || {
+            next += 1;
+            format!("s{k}_{next}")
+        };
+        let mut dangling = None;
+        for n in 0..steps {
+            dangling = self.step(&sub, &mut id_of, n + 1 == steps);
+            if dangling.is_none() {
+                self.history_edit(&sub);
+            }
+            if self.features.data_anywhere && self.choices.chance(15) {
+                let write = self.data_write(&sub);
+                self.push_or_join(vec![write]);
+            } else if self.stepped && dangling.is_none() && self.choices.chance(20) {
+                let write = self.data_write(&sub);
+                self.push(vec![write]);
+            }
+        }
+        if settle || self.choices.chance(70) {
+            let outcome = [Outcome::Completed, Outcome::Aborted, Outcome::Failed][self.choices.below(3) as usize];
+            self.push_or_join(vec![(
+                sub.clone(),
+                RecordBody::SubmissionSettled { outcome, error: None },
+            )]);
+            // A step left streaming is closed: it can be edited from now on.
+            if let Some(step) = dangling {
+                self.abandoned.push(step);
+            }
+        }
+    }
+}
+
+/// A random valid stream of one or two submissions.
+fn generate(bytes: &[u8], features: Features) -> Stream {
+    let mut choices = Choices { bytes, at: 0 };
+    let submissions = 1 + choices.below(2);
+    let mut generator = Generator {
+        choices: &mut choices,
+        features,
+        batches: Vec::new(),
+        completed: Vec::new(),
+        abandoned: Vec::new(),
+        users: Vec::new(),
+        stepped: false,
+    };
+    for k in 1..=submissions {
+        generator.submission(k, k < submissions);
+    }
+    generator.batches
+}
+
+fn batches_of(stream: &Stream) -> Vec<Batch> {
+    stream
+        .iter()
+        .enumerate()
+        .map(|(offset, bodies)| Batch {
+            offset: offset as u64,
+            records: bodies.iter().map(|(sub, body)| record(sub, body.clone())).collect(),
+        })
+        .collect()
+}
+
+/// The stream, one line a batch, for failure messages.
+fn describe(stream: &Stream) -> String {
+    let mut out = String::new();
+    for (offset, batch) in stream.iter().enumerate() {
+        out.push_str(&format!("batch {offset}:\n"));
+        for (sub, body) in batch {
+            out.push_str(&format!(
+                "  {sub}: {}\n",
+                serde_json::to_string(body).unwrap_or_default()
+            ));
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// The naive model
+
+#[derive(Clone, Debug)]
+enum Item {
+    /// Where a step's reasoning and text parts go.
+    Step(String),
+    Tool(String),
+    Data(String),
+}
+
+#[derive(Default)]
+struct Part {
+    /// The part (text, state), when the step has one.
+    shown: Option<(String, &'static str)>,
+    /// What streamed while the step streams it (dropped by the response's next start).
+    live: Option<String>,
+}
+
+#[derive(Default)]
+struct Step {
+    submission: String,
+    reasoning: Part,
+    text: Part,
+    calls: Vec<String>,
+}
+
+enum Message {
+    Plain(Value),
+    Response {
+        id: String,
+        submission: String,
+        items: Vec<Item>,
+    },
+}
+
+#[derive(Default)]
+struct Model {
+    messages: Vec<Message>,
+    steps: HashMap<String, Step>,
+    tools: HashMap<String, Value>,
+    /// (response id, name) → data.
+    data: HashMap<(String, String), Value>,
+    outcomes: HashMap<String, (bool, String, u64)>,
+    early: HashMap<String, Vec<(String, Value)>>,
+}
+
+impl Model {
+    fn response(&mut self, submission: &str) -> Option<(&String, &mut Vec<Item>)> {
+        self.messages.iter_mut().find_map(|message| match message {
+            Message::Response {
+                id,
+                submission: of,
+                items,
+            } if of == submission => Some((&*id, items)),
+            _ => None,
+        })
+    }
+
+    fn set_data(&mut self, submission: &str, name: &str, data: &Value) {
+        let Some((id, items)) = self.response(submission) else {
+            self.early
+                .entry(submission.to_owned())
+                .or_default()
+                .push((name.to_owned(), data.clone()));
+            return;
+        };
+        let id = id.clone();
+        if !items.iter().any(|item| matches!(item, Item::Data(n) if n == name)) {
+            items.push(Item::Data(name.to_owned()));
+        }
+        self.data.insert((id, name.to_owned()), data.clone());
+    }
+
+    fn apply(&mut self, submission: &str, body: &RecordBody) {
+        match body {
+            RecordBody::UserMessage { message_id, body, .. } => {
+                self.messages.push(Message::Plain(json!({
+                    "id": message_id,
+                    "role": "user",
+                    "purpose": "user",
+                    "display": "visible",
+                    "parts": [{"type": "text", "text": body, "state": "done"}],
+                    "submissionId": submission,
+                })));
+            }
+            RecordBody::AssistantMessageStarted { message_id, .. } => {
+                if self.response(submission).is_none() {
+                    self.messages.push(Message::Response {
+                        id: message_id.clone(),
+                        submission: submission.to_owned(),
+                        items: Vec::new(),
+                    });
+                }
+                // What the response's steps stream and did not complete goes.
+                for step in self.steps.values_mut().filter(|step| step.submission == submission) {
+                    for part in [&mut step.reasoning, &mut step.text] {
+                        if part.live.take().is_some() {
+                            part.shown = None;
+                        }
+                    }
+                }
+                let (_, items) = self.response(submission).expect("made above");
+                items.retain(|item| !matches!(item, Item::Step(step) if step == message_id));
+                items.push(Item::Step(message_id.clone()));
+                self.steps.insert(
+                    message_id.clone(),
+                    Step {
+                        submission: submission.to_owned(),
+                        ..Step::default()
+                    },
+                );
+                for (name, data) in self.early.remove(submission).unwrap_or_default() {
+                    self.set_data(submission, &name, &data);
+                }
+            }
+            RecordBody::AssistantReasoningDelta { message_id, delta } => {
+                if let Some(step) = self.steps.get_mut(message_id) {
+                    let live = step.reasoning.live.get_or_insert_with(String::new);
+                    live.push_str(delta);
+                    step.reasoning.shown = Some((live.clone(), "streaming"));
+                }
+            }
+            RecordBody::AssistantTextDelta { message_id, delta } => {
+                if let Some(step) = self.steps.get_mut(message_id) {
+                    let live = step.text.live.get_or_insert_with(String::new);
+                    live.push_str(delta);
+                    step.text.shown = Some((live.clone(), "streaming"));
+                    if let Some((_, state)) = &mut step.reasoning.shown {
+                        *state = "done";
+                    }
+                }
+            }
+            RecordBody::AssistantMessageCompleted {
+                message_id,
+                text,
+                reasoning,
+                ..
+            } => {
+                if let Some(step) = self.steps.get_mut(message_id) {
+                    for (part, value) in [(&mut step.reasoning, reasoning), (&mut step.text, text)] {
+                        part.live = None;
+                        part.shown = (!value.is_empty()).then(|| (value.clone(), "done"));
+                    }
+                }
+            }
+            RecordBody::AssistantToolCall {
+                message_id,
+                tool_call_id,
+                name,
+                arguments,
+            } => {
+                let Some(step) = self.steps.get_mut(message_id) else {
+                    return;
+                };
+                step.calls.push(tool_call_id.clone());
+                let submission = step.submission.clone();
+                let input = serde_json::from_str::<Value>(arguments).unwrap_or_else(|_| json!(arguments));
+                self.tools.insert(
+                    tool_call_id.clone(),
+                    json!({
+                        "type": "dynamic-tool",
+                        "toolCallId": tool_call_id,
+                        "toolName": name,
+                        "state": "input-available",
+                        "input": input,
+                    }),
+                );
+                if let Some((_, items)) = self.response(&submission) {
+                    items.push(Item::Tool(tool_call_id.clone()));
+                }
+            }
+            RecordBody::ToolOutcome {
+                tool_call_id,
+                is_error,
+                content,
+                duration_ms,
+                ..
+            } => {
+                self.outcomes
+                    .insert(tool_call_id.clone(), (*is_error, content.clone(), *duration_ms));
+            }
+            RecordBody::ToolResultsCommitted { assistant_message_id } => {
+                let calls = self
+                    .steps
+                    .get(assistant_message_id)
+                    .map(|step| step.calls.clone())
+                    .unwrap_or_default();
+                for call in calls {
+                    let (Some((is_error, content, duration)), Some(part)) =
+                        (self.outcomes.remove(&call), self.tools.get_mut(&call))
+                    else {
+                        continue;
+                    };
+                    if is_error {
+                        part["state"] = json!("output-error");
+                        part["errorText"] = json!(content);
+                    } else {
+                        part["state"] = json!("output-available");
+                        part["output"] = json!(content);
+                    }
+                    part["durationMs"] = json!(duration);
+                }
+            }
+            RecordBody::MessageDataWrite { name, data } => self.set_data(submission, name, data),
+            RecordBody::SubmissionSettled { .. } => {
+                for step in self.steps.values_mut().filter(|step| step.submission == submission) {
+                    for part in [&mut step.reasoning, &mut step.text] {
+                        if part.live.take().is_some()
+                            && let Some((_, state)) = &mut part.shown
+                        {
+                            *state = "done";
+                        }
+                    }
+                }
+            }
+            RecordBody::MessageUpdated { message_id, updates } => {
+                let Some(Value::String(content)) = updates.get("content") else {
+                    return;
+                };
+                if let Some(step) = self.steps.get_mut(message_id) {
+                    if let Some((text, _)) = &mut step.text.shown {
+                        text.clone_from(content);
+                    }
+                } else if let Some(Message::Plain(message)) = self
+                    .messages
+                    .iter_mut()
+                    .find(|message| matches!(message, Message::Plain(m) if m["id"] == message_id.as_str()))
+                    && message["parts"][0]["type"] == "text"
+                {
+                    message["parts"][0]["text"] = json!(content);
+                }
+            }
+            RecordBody::MessageDeleted { message_id } => {
+                if let Some(step) = self.steps.get_mut(message_id) {
+                    step.reasoning.shown = None;
+                    step.text.shown = None;
+                } else {
+                    self.messages
+                        .retain(|message| !matches!(message, Message::Plain(m) if m["id"] == message_id.as_str()));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn messages(&self) -> Value {
+        let messages: Vec<Value> = self
+            .messages
+            .iter()
+            .map(|message| match message {
+                Message::Plain(message) => message.clone(),
+                Message::Response { id, submission, items } => {
+                    let mut parts = Vec::new();
+                    for item in items {
+                        match item {
+                            Item::Step(step) => {
+                                let step = &self.steps[step];
+                                for (kind, part) in [("reasoning", &step.reasoning), ("text", &step.text)] {
+                                    if let Some((text, state)) = &part.shown {
+                                        parts.push(json!({"type": kind, "text": text, "state": state}));
+                                    }
+                                }
+                            }
+                            Item::Tool(call) => parts.push(self.tools[call].clone()),
+                            Item::Data(name) => parts.push(json!({
+                                "type": format!("data-{name}"),
+                                "data": self.data[&(id.clone(), name.clone())],
+                            })),
+                        }
+                    }
+                    json!({
+                        "id": id,
+                        "role": "assistant",
+                        "purpose": "assistant",
+                        "display": "visible",
+                        "turnId": id,
+                        "submissionId": submission,
+                        "parts": parts,
+                    })
+                }
+            })
+            .collect();
+        Value::Array(messages)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The properties
+
+/// Folds `stream` batch by batch (with chunks or without), and all at once; checks the
+/// snapshots agree with each other and with the model.
+fn check(stream: &Stream) -> Result<(), TestCaseError> {
+    let batches = batches_of(stream);
+    let mut with_chunks = Projection::new("agents/a/i");
+    let mut without = Projection::new("agents/a/i");
+    let mut model = Model::default();
+    for batch in &batches {
+        let mut chunks = Vec::new();
+        with_chunks.apply(batch, Some(&mut chunks));
+        without.apply(batch, None);
+    }
+    for (sub, body) in stream.iter().flatten() {
+        model.apply(sub, body);
+    }
+    let snapshot = with_chunks.snapshot();
+    prop_assert_eq!(
+        &snapshot,
+        &without.snapshot(),
+        "folding with chunks and without differ\n{}",
+        describe(stream)
+    );
+    let expected = model.messages();
+    prop_assert_eq!(
+        &snapshot["messages"],
+        &expected,
+        "the snapshot's messages are not the model's\n{}",
+        describe(stream)
+    );
+    let mut whole = Projection::new("agents/a/i");
+    let all: Vec<Record> = batches.iter().flat_map(|batch| batch.records.iter().cloned()).collect();
+    whole.apply(
+        &Batch {
+            offset: batches.len().saturating_sub(1) as u64,
+            records: Arc::from(all),
+        },
+        None,
+    );
+    let whole = whole.snapshot();
+    prop_assert_eq!(
+        (&whole["messages"], &whole["settlements"]),
+        (&snapshot["messages"], &snapshot["settlements"]),
+        "folding the stream as one batch differs from folding it batch by batch\n{}",
+        describe(stream)
+    );
+    Ok(())
+}
+
+fn run(features: Features, property: fn(&Stream) -> Result<(), TestCaseError>) {
+    let mut runner = TestRunner::new(Config {
+        cases: std::env::var("PROJECTION_CASES")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(3000),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let result = runner.run(&prop::collection::vec(any::<u8>(), 0..300), |bytes| {
+        property(&generate(&bytes, features))
+    });
+    if let Err(error) = result {
+        panic!("{error}");
+    }
+}
+
+#[test]
+fn projection_snapshots_match_a_naive_model_of_random_streams() {
+    run(ALL, check);
+}
+
+#[test]
+fn projection_snapshots_match_a_naive_model_without_edits_of_partless_steps() {
+    run(
+        Features {
+            partless_history_edits: false,
+            ..ALL
+        },
+        check,
+    );
+}
+
+/// A client of the updates: applies each batch's chunks to what it shows, extending the last
+/// streaming part of a kind with each `message-delta` (the protocol's deltas name no part).
+#[derive(Default)]
+struct Client {
+    messages: Vec<Value>,
+    settlements: Vec<Value>,
+}
+
+impl Client {
+    fn message(&mut self, id: &Value) -> Option<&mut Value> {
+        self.messages.iter_mut().find(|message| message["id"] == *id)
+    }
+
+    fn close_streaming(message: &mut Value, kind: Option<&str>) {
+        for part in message["parts"].as_array_mut().into_iter().flatten() {
+            if part["state"] == "streaming" && kind.is_none_or(|kind| part["type"] == kind) {
+                part["state"] = json!("done");
+            }
+        }
+    }
+
+    fn apply(&mut self, chunk: &Value) {
+        match chunk["type"].as_str().unwrap_or_default() {
+            "conversation-reset" => {
+                self.messages = chunk["snapshot"]["messages"].as_array().cloned().unwrap_or_default();
+                self.settlements = chunk["snapshot"]["settlements"].as_array().cloned().unwrap_or_default();
+            }
+            "message-appended" => self.messages.push(chunk["message"].clone()),
+            "message-started" if self.message(&chunk["messageId"]).is_none() => {
+                let mut message = json!({
+                    "id": chunk["messageId"],
+                    "role": "assistant",
+                    "purpose": "assistant",
+                    "display": "visible",
+                    "turnId": chunk["turnId"],
+                    "parts": [],
+                });
+                if chunk.get("submissionId").is_some() {
+                    message["submissionId"] = chunk["submissionId"].clone();
+                }
+                self.messages.push(message);
+            }
+            "message-delta" => {
+                let kind = chunk["kind"].as_str().unwrap_or_default().to_owned();
+                let delta = chunk["delta"].as_str().unwrap_or_default();
+                let Some(message) = self.message(&chunk["messageId"]) else {
+                    return;
+                };
+                if kind == "text" {
+                    Self::close_streaming(message, Some("reasoning"));
+                }
+                let Some(parts) = message["parts"].as_array_mut() else {
+                    return;
+                };
+                match parts
+                    .iter_mut()
+                    .rev()
+                    .find(|part| part["type"] == kind.as_str() && part["state"] == "streaming")
+                {
+                    Some(part) => part["text"] = json!(format!("{}{delta}", part["text"].as_str().unwrap_or_default())),
+                    None => parts.push(json!({"type": kind, "text": delta, "state": "streaming"})),
+                }
+            }
+            "message-completed" => {
+                if let Some(message) = self.message(&chunk["messageId"]) {
+                    Self::close_streaming(message, None);
+                }
+            }
+            "tool-input" => {
+                let part = json!({
+                    "type": "dynamic-tool",
+                    "toolCallId": chunk["toolCallId"],
+                    "toolName": chunk["toolName"],
+                    "state": "input-available",
+                    "input": chunk["input"],
+                });
+                if let Some(message) = self.message(&chunk["messageId"])
+                    && let Some(parts) = message["parts"].as_array_mut()
+                {
+                    parts.push(part);
+                }
+            }
+            kind @ ("tool-output" | "tool-output-error") => {
+                for message in &mut self.messages {
+                    for part in message["parts"].as_array_mut().into_iter().flatten() {
+                        if part["toolCallId"] == chunk["toolCallId"] {
+                            if kind == "tool-output" {
+                                part["state"] = json!("output-available");
+                                part["output"] = chunk["output"].clone();
+                            } else {
+                                part["state"] = json!("output-error");
+                                part["errorText"] = chunk["errorText"].clone();
+                            }
+                            part["durationMs"] = chunk["durationMs"].clone();
+                        }
+                    }
+                }
+            }
+            "data-part" => {
+                let part_type = format!("data-{}", chunk["name"].as_str().unwrap_or_default());
+                let data = chunk["data"].clone();
+                let Some(message) = self.message(&chunk["messageId"]) else {
+                    return;
+                };
+                let Some(parts) = message["parts"].as_array_mut() else {
+                    return;
+                };
+                match parts.iter_mut().find(|part| part["type"] == part_type.as_str()) {
+                    Some(part) => part["data"] = data,
+                    None => parts.push(json!({"type": part_type, "data": data})),
+                }
+            }
+            "submission-settled" => {
+                let mut settlement = chunk.clone();
+                if let Value::Object(fields) = &mut settlement {
+                    for key in ["type", "timestamp", "conversationId", "position"] {
+                        fields.remove(key);
+                    }
+                }
+                for message in &mut self.messages {
+                    if message["submissionId"] == chunk["submissionId"] {
+                        Self::close_streaming(message, None);
+                    }
+                }
+                self.settlements.push(settlement);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A client that applies each batch's chunks shows the snapshot after every batch.
+fn check_chunks(stream: &Stream) -> Result<(), TestCaseError> {
+    let mut projection = Projection::new("agents/a/i");
+    let mut client = Client::default();
+    for (offset, batch) in batches_of(stream).iter().enumerate() {
+        let mut chunks = Vec::new();
+        projection.apply(batch, Some(&mut chunks));
+        for chunk in &chunks {
+            client.apply(chunk);
+        }
+        let snapshot = projection.snapshot();
+        prop_assert_eq!(
+            (
+                &Value::Array(client.messages.clone()),
+                &Value::Array(client.settlements.clone())
+            ),
+            (&snapshot["messages"], &snapshot["settlements"]),
+            "after batch {}, a client applying the chunks does not show the snapshot (chunks {})\n{}",
+            offset,
+            Value::Array(chunks),
+            describe(stream)
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn projection_chunks_applied_by_a_client_show_the_snapshot() {
+    run(REALISTIC, check_chunks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The minimal streams of the defects the properties found
+
+fn completed(step: &str, reasoning: &str, text: &str) -> RecordBody {
+    RecordBody::AssistantMessageCompleted {
+        message_id: step.into(),
+        text: text.into(),
+        reasoning: reasoning.into(),
+        stop_reason: StopReason::Stop,
+        usage: Default::default(),
+    }
+}
+
+fn one_submission(batches: Vec<Vec<RecordBody>>) -> Stream {
+    batches
+        .into_iter()
+        .map(|batch| batch.into_iter().map(|body| ("sub_1".to_owned(), body)).collect())
+        .collect()
+}
+
+fn assert_model(stream: &Stream) {
+    if let Err(error) = check(stream) {
+        panic!("{error}");
+    }
+}
+
+#[test]
+fn projection_deleting_a_step_without_reasoning_keeps_the_next_steps_reasoning() {
+    assert_model(&one_submission(vec![
+        vec![started("s1"), completed("s1", "", "A")],
+        vec![started("s2"), completed("s2", "R", "B")],
+        vec![RecordBody::MessageDeleted {
+            message_id: "s1".into(),
+        }],
+    ]));
+}
+
+#[test]
+fn projection_deleting_a_step_that_never_completed_keeps_the_next_steps_parts() {
+    assert_model(&one_submission(vec![
+        vec![
+            started("s1"),
+            RecordBody::AssistantTextDelta {
+                message_id: "s1".into(),
+                delta: "Hal".into(),
+            },
+        ],
+        vec![started("s2"), completed("s2", "R", "B")],
+        vec![RecordBody::MessageDeleted {
+            message_id: "s1".into(),
+        }],
+    ]));
+}
+
+#[test]
+fn projection_editing_a_deleted_step_leaves_the_next_steps_text() {
+    let mut updates = serde_json::Map::new();
+    updates.insert("content".into(), json!("E"));
+    assert_model(&one_submission(vec![
+        vec![started("s1"), completed("s1", "", "A")],
+        vec![started("s2"), completed("s2", "", "B")],
+        vec![RecordBody::MessageDeleted {
+            message_id: "s1".into(),
+        }],
+        vec![RecordBody::MessageUpdated {
+            message_id: "s1".into(),
+            updates,
+        }],
+    ]));
+}
+
+fn assert_chunks(stream: &Stream) {
+    if let Err(error) = check_chunks(stream) {
+        panic!("{error}");
+    }
+}
+
+#[test]
+fn projection_reasoning_that_did_not_stream_reaches_a_client_before_the_streamed_text() {
+    assert_chunks(&one_submission(vec![
+        vec![
+            started("s1"),
+            RecordBody::AssistantTextDelta {
+                message_id: "s1".into(),
+                delta: "Hel".into(),
+            },
+        ],
+        vec![completed("s1", "Thought.", "Hello")],
+    ]));
+}
+
+#[test]
+fn projection_reasoning_completed_after_the_text_started_extends_the_clients_reasoning_part() {
+    assert_chunks(&one_submission(vec![
+        vec![
+            started("s1"),
+            RecordBody::AssistantReasoningDelta {
+                message_id: "s1".into(),
+                delta: "Think".into(),
+            },
+            RecordBody::AssistantTextDelta {
+                message_id: "s1".into(),
+                delta: "Hel".into(),
+            },
+        ],
+        vec![completed("s1", "Thinking more.", "Hello")],
+    ]));
+}
