@@ -122,6 +122,33 @@ impl Serialize for SettlementError {
     }
 }
 
+/// Records for tests: of a submission, with a fixed timestamp.
+#[cfg(test)]
+pub(crate) mod test_records {
+    use super::{Record, RecordBody};
+
+    /// A record of `submission` saying `body`.
+    pub(crate) fn record(submission: &str, body: RecordBody) -> Record {
+        Record {
+            id: super::new_id("record"),
+            submission_id: Some(submission.into()),
+            attempt_id: None,
+            timestamp: "2026-01-01T00:00:00.000Z".into(),
+            body,
+        }
+    }
+
+    /// The start of model step `step`.
+    pub(crate) fn started(step: &str) -> RecordBody {
+        RecordBody::AssistantMessageStarted {
+            message_id: step.into(),
+            model: "test/model".into(),
+            turn_id: None,
+            response_metadata: None,
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod settlement_error_tests {

@@ -838,26 +838,8 @@ mod tests {
 
     use super::Projection;
     use crate::provider::StopReason;
+    use crate::record::test_records::{record, started};
     use crate::record::{Batch, Outcome, Record, RecordBody};
-
-    fn record(submission: &str, body: RecordBody) -> Record {
-        Record {
-            id: crate::record::new_id("record"),
-            submission_id: Some(submission.into()),
-            attempt_id: None,
-            timestamp: "2026-01-01T00:00:00.000Z".into(),
-            body,
-        }
-    }
-
-    fn started(step: &str) -> RecordBody {
-        RecordBody::AssistantMessageStarted {
-            message_id: step.into(),
-            model: "test/model".into(),
-            turn_id: None,
-            response_metadata: None,
-        }
-    }
 
     fn delta(step: &str, text: &str) -> RecordBody {
         RecordBody::AssistantTextDelta {

@@ -492,6 +492,7 @@ mod tests {
 
     use super::*;
     use crate::provider::StopReason;
+    use crate::record::test_records::record;
     use crate::record::{Outcome, Record, RecordBody};
     use crate::store::{Admission, MemoryStore, SubmissionKind, UidCondition};
 
@@ -515,16 +516,6 @@ mod tests {
             .await
             .unwrap();
         (key, admitted.uid)
-    }
-
-    fn record(submission: &str, body: RecordBody) -> Record {
-        Record {
-            id: crate::record::new_id("record"),
-            submission_id: Some(submission.into()),
-            attempt_id: None,
-            timestamp: "2026-01-01T00:00:00.000Z".into(),
-            body,
-        }
     }
 
     /// The batches of exchange `n`: a user message, a step calling a tool, the tool's

@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 
 use super::Projection;
 use crate::provider::StopReason;
+use crate::record::test_records::{record, started};
 use crate::record::{Batch, Outcome, Record, RecordBody};
 
 // ---------------------------------------------------------------------------------------------
@@ -80,25 +81,6 @@ const REALISTIC: Features = Features {
     partless_history_edits: false,
     data_anywhere: false,
 };
-
-fn record(submission: &str, body: RecordBody) -> Record {
-    Record {
-        id: crate::record::new_id("record"),
-        submission_id: Some(submission.into()),
-        attempt_id: None,
-        timestamp: "2026-01-01T00:00:00.000Z".into(),
-        body,
-    }
-}
-
-fn started(step: &str) -> RecordBody {
-    RecordBody::AssistantMessageStarted {
-        message_id: step.into(),
-        model: "test/model".into(),
-        turn_id: None,
-        response_metadata: None,
-    }
-}
 
 /// A generated stream, as batches of record bodies by submission.
 type Stream = Vec<Vec<(String, RecordBody)>>;
