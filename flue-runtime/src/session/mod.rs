@@ -1833,8 +1833,10 @@ impl Response<'_> {
                             .await?
                     {
                         compacted_for_overflow = true;
-                        // The compaction recorded the conversation's snapshot.
+                        // The compaction recorded the conversation's snapshot, and the call
+                        // made again streams its own text.
                         live.drop_snapshot();
+                        live.restart();
                         continue;
                     }
                     return Err(Failure::prompt_failed("context_overflow", &error.to_string()));
@@ -2408,7 +2410,6 @@ fn callback_panicked(
     )
 }
 
-/// The failure of a submission whose budget ran out.
 /// The settlement error of a submission whose attempts ran out: `attempts` of `max`.
 fn retry_exhausted(attempts: u32, max: u32) -> SettlementError {
     let mut meta = serde_json::Map::new();
@@ -2421,6 +2422,7 @@ fn retry_exhausted(attempts: u32, max: u32) -> SettlementError {
     .with_meta(meta)
 }
 
+/// The failure of a submission whose budget ran out.
 fn timed_out() -> Failure {
     Failure::failed("submission_timeout", TIMEOUT_MESSAGE)
 }
