@@ -12,7 +12,7 @@
 //!   retried) leaves text the conversation does not hold: the response's next step, or a
 //!   completion that does not continue what streamed, removes or corrects it, and that batch
 //!   projects to a reset (a client may have shown it). A settlement closes a streaming part
-//!   as it is (an aborted answer keeps what it showed).
+//!   as it is (an aborted answer keeps what it showed), with a `message-completed` first.
 //! - Tool outputs appear only when their batch commits (`tool_results_committed`), never from
 //!   an outcome alone.
 //! - A batch holding the instance's birth record projects to one `conversation-reset`.
@@ -459,8 +459,11 @@ impl Projection {
             }
             RecordBody::SubmissionSettled { outcome, error } => {
                 let Some(submission) = submission else { return };
-                if let Some(response_id) = self.responses.get(submission).cloned() {
-                    self.close_streaming_steps(&response_id);
+                if let Some(response_id) = self.responses.get(submission).cloned()
+                    && self.close_streaming_steps(&response_id)
+                {
+                    // A client closes a message's streaming parts at its completion.
+                    out.push(json!({"type": "message-completed", "messageId": response_id, "timestamp": timestamp}));
                 }
                 let mut settlement = json!({"submissionId": submission, "outcome": outcome});
                 if let Some(error) = error {
@@ -746,14 +749,17 @@ impl Projection {
         }
     }
 
-    /// `response_id` settled: what its steps streamed stays, done.
-    fn close_streaming_steps(&mut self, response_id: &str) {
-        for (step, stream) in self.streaming_parts(response_id) {
-            self.streamed.remove(&(step.clone(), stream));
-            if let Some(part) = self.step_part(response_id, &step, stream) {
+    /// `response_id` settled: what its steps streamed stays, done. Whether anything was
+    /// streaming.
+    fn close_streaming_steps(&mut self, response_id: &str) -> bool {
+        let streaming = self.streaming_parts(response_id);
+        for (step, stream) in &streaming {
+            self.streamed.remove(&(step.clone(), *stream));
+            if let Some(part) = self.step_part(response_id, step, *stream) {
                 part["state"] = json!("done");
             }
         }
+        !streaming.is_empty()
     }
 
     fn append_message(&mut self, message: Value, out: &mut Vec<Value>) {
@@ -954,7 +960,11 @@ mod tests {
         );
         assert_eq!(
             chunks,
-            [vec!["message-started", "message-delta"], vec!["submission-settled"]]
+            [
+                vec!["message-started", "message-delta"],
+                vec!["message-completed", "submission-settled"]
+            ],
+            "a client closes the streaming part as the snapshot does"
         );
         assert_eq!(
             parts(&projection),
