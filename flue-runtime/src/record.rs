@@ -45,7 +45,8 @@ pub enum Outcome {
 
 /// The error of a failed or aborted settlement, as serialized on records and the wire:
 /// `{type, name, message, details, meta?}`. `name` is derived from the type
-/// ([`SettlementError::name`]), so records keep only the rest.
+/// ([`SettlementError::name`]) when written and ignored when read, so records written before
+/// it existed read the same.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct SettlementError {
     /// Stable snake-case type: the contract clients branch on.

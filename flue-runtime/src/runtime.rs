@@ -116,9 +116,9 @@ pub struct RuntimeOptions {
     /// to the record stream while the step still streams ([`RecordBody::AssistantTextDelta`],
     /// [`RecordBody::AssistantReasoningDelta`]), which is what lets HTTP clients follow a long
     /// answer live. A step that streams for less is appended once, when it completes. `None`
-    /// appends nothing until the step completes. Agents that select a `before_update_message`
-    /// hook never stream this way: the hook decides what text is stored, so raw text is never
-    /// appended before it ran.
+    /// appends nothing until the step completes. Agents that select a `before_create_message`
+    /// or `before_update_message` hook never stream this way, and keep no reasoning: those
+    /// hooks decide what an answer stores and shows, so nothing they did not see is appended.
     ///
     /// [`RecordBody::AssistantTextDelta`]: crate::record::RecordBody::AssistantTextDelta
     /// [`RecordBody::AssistantReasoningDelta`]: crate::record::RecordBody::AssistantReasoningDelta
