@@ -873,16 +873,15 @@ mod tests {
 
     /// Folds one batch per entry of `batches` (records of submission `sub_1`); the chunk types
     /// of each.
-    fn fold(projection: &mut Projection, offset: &mut u64, batches: Vec<Vec<RecordBody>>) -> Vec<Vec<String>> {
+    fn fold(projection: &mut Projection, batches: Vec<Vec<RecordBody>>) -> Vec<Vec<String>> {
         batches
             .into_iter()
             .map(|bodies| {
                 let records: Vec<Record> = bodies.into_iter().map(|body| record("sub_1", body)).collect();
                 let batch = Batch {
-                    offset: *offset,
+                    offset: projection.offset.map_or(0, |last| last + 1),
                     records: Arc::from(records),
                 };
-                *offset += 1;
                 let mut chunks = Vec::new();
                 projection.apply(&batch, Some(&mut chunks));
                 chunks
@@ -900,10 +899,8 @@ mod tests {
     #[test]
     fn a_step_that_never_completed_loses_its_streamed_text_to_the_next_step_with_a_reset() {
         let mut projection = Projection::new("agents/a/i");
-        let mut offset = 0;
         let chunks = fold(
             &mut projection,
-            &mut offset,
             vec![
                 vec![started("step_1"), delta("step_1", "Hal")],
                 vec![reasoning("step_1", "Hmm"), delta("step_1", "f an")],
@@ -927,7 +924,6 @@ mod tests {
         // The attempt died; the next one's step streams into the same response message.
         let chunks = fold(
             &mut projection,
-            &mut offset,
             vec![
                 vec![started("step_2"), delta("step_2", "Whole")],
                 vec![completed("step_2", "Whole answer")],
@@ -946,10 +942,8 @@ mod tests {
     #[test]
     fn a_settlement_keeps_the_text_an_unfinished_step_streamed_and_closes_it() {
         let mut projection = Projection::new("agents/a/i");
-        let mut offset = 0;
         let chunks = fold(
             &mut projection,
-            &mut offset,
             vec![
                 vec![started("step_1"), delta("step_1", "Partial")],
                 vec![RecordBody::SubmissionSettled {
@@ -975,7 +969,6 @@ mod tests {
     #[test]
     fn deleting_the_first_step_keeps_the_response_and_edits_still_find_the_later_steps_text() {
         let mut projection = Projection::new("agents/a/i");
-        let mut offset = 0;
         let reasoned = RecordBody::AssistantMessageCompleted {
             message_id: "step_1".into(),
             text: "First.".into(),
@@ -987,7 +980,6 @@ mod tests {
         updates.insert("content".into(), json!("Second, edited."));
         fold(
             &mut projection,
-            &mut offset,
             vec![
                 vec![started("step_1"), reasoned],
                 vec![started("step_2"), completed("step_2", "Second.")],
@@ -1009,10 +1001,8 @@ mod tests {
     #[test]
     fn a_completion_with_empty_text_removes_what_its_step_streamed() {
         let mut projection = Projection::new("agents/a/i");
-        let mut offset = 0;
         let chunks = fold(
             &mut projection,
-            &mut offset,
             vec![
                 vec![started("step_1"), delta("step_1", "Let me")],
                 vec![completed("step_1", "")],
