@@ -54,13 +54,18 @@ pub struct SettlementError {
     pub error_type: String,
     /// One caller-safe sentence.
     pub message: String,
-    /// Caller-safe detail beyond the message; empty when there is none.
-    #[serde(default)]
+    /// Caller-safe detail beyond the message; empty when there is none (read from `null` too).
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub details: String,
     /// Structured facts about the failure (`attemptCount` and `maxAttempts` of an exhausted
     /// retry budget, say), when it has any.
     #[serde(default)]
     pub meta: Option<serde_json::Map<String, Value>>,
+}
+
+/// A string that may be `null` (read as empty).
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 impl SettlementError {
@@ -184,6 +189,9 @@ mod settlement_error_tests {
             older,
             SettlementError::new("submission_aborted", "Submission was aborted.")
         );
+        let null_details: SettlementError =
+            serde_json::from_value(json!({"type": "submission_aborted", "message": "m", "details": null})).unwrap();
+        assert_eq!(null_details.details, "", "a null detail reads as none");
         assert_eq!(SettlementError::new("internal_error", "x").name(), "Error");
         assert_eq!(
             SettlementError::new("message_hook_error", "x").name(),

@@ -169,6 +169,17 @@ fn one_step() -> &'static str {
     "Be brief."
 }
 
+/// How often `counted_start`'s response-start callback ran (one test uses it).
+static STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `one_step` whose start metadata says which run of its callback made it.
+#[agent(max_steps = 1)]
+fn counted_start() -> &'static str {
+    use_model("gated/x");
+    use_response_start(|_| json!({"start": STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst)}));
+    "Be brief."
+}
+
 struct Served {
     runtime: Runtime,
     store: FaultyStore,
@@ -187,6 +198,7 @@ async fn serve(model: &GatedModel, text_flush: Option<Duration>) -> Served {
         .agent(redacting_narrator)
         .agent(forecaster)
         .agent(one_step)
+        .agent(counted_start)
         .options(RuntimeOptions {
             model_retry_delay: Duration::from_millis(1),
             text_flush,
@@ -643,7 +655,7 @@ async fn a_streamed_step_that_calls_a_tool_finishes_its_text_before_the_tool_inp
 }
 
 #[tokio::test]
-async fn a_step_whose_attempt_died_mid_stream_is_made_again_within_max_steps() {
+async fn a_step_whose_attempt_died_mid_stream_is_made_again_within_max_steps_and_keeps_its_start_metadata() {
     let model = GatedModel::new(vec![
         vec![Step::Text("Half"), Step::Gate, Step::Complete("Half an answer")],
         vec![Step::Complete("A whole answer.")],
@@ -655,9 +667,9 @@ async fn a_step_whose_attempt_died_mid_stream_is_made_again_within_max_steps() {
             .iter()
             .any(|record| matches!(record.body, RecordBody::AssistantMessageCompleted { .. }))
     });
-    let handle = served.runtime.init(&one_step, "s1");
+    let handle = served.runtime.init(&counted_start, "s1");
     let send = tokio::spawn(async move { handle.send("answer me").await });
-    served.first_delta("one_step", "s1").await;
+    served.first_delta("counted_start", "s1").await;
     model.open_gate();
     let reply = send.await.unwrap().unwrap();
     assert_eq!(
@@ -667,11 +679,16 @@ async fn a_step_whose_attempt_died_mid_stream_is_made_again_within_max_steps() {
     assert_eq!(model.requests.lock().unwrap().len(), 2);
     assert_eq!(
         serde_json::Value::Object(reply.metadata),
-        json!({"channel": "web"}),
-        "the response-start metadata of the step that completed"
+        json!({"start": 0}),
+        "the response-start metadata the dead attempt's step start recorded, once"
     );
     assert_eq!(
-        assistant_parts(&served.get("one_step", "s1").await),
+        STARTS.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "use_response_start runs once per response"
+    );
+    assert_eq!(
+        assistant_parts(&served.get("counted_start", "s1").await),
         json!([{"type": "text", "text": "A whole answer.", "state": "done"}]),
         "the dead attempt's text is gone"
     );

@@ -25,8 +25,11 @@ struct Progress {
     input: bool,
     /// Its start seam committed.
     started: bool,
-    /// Its durable model steps (`assistant_message_started` records), over all attempts.
+    /// Its completed model steps (`assistant_message_completed` records), over all attempts.
     steps: u32,
+    /// A step of its response has a durable start (`assistant_message_started`), completed
+    /// or not: the start that carries the response's `use_response_start` metadata.
+    opened: bool,
     /// Its continued finish cycles.
     finish_cycles: u32,
     /// Its response-finish batch (its `message_metadata`) committed.
@@ -292,6 +295,12 @@ impl Conversation {
         self.progress(submission_id).steps > 0
     }
 
+    /// Whether a step of the submission's response has a durable start (its first carries the
+    /// `use_response_start` metadata), even one whose attempt died before it completed.
+    pub(crate) fn has_opened_step(&self, submission_id: &str) -> bool {
+        self.progress(submission_id).opened
+    }
+
     /// Whether the submission's response already ended in a final answer: a resumed attempt
     /// settles it instead of calling the model again (completed work is never redone).
     pub(crate) fn has_final_answer(&self, submission_id: &str) -> bool {
@@ -421,6 +430,7 @@ impl Conversation {
             }
             RecordBody::AssistantMessageStarted { response_metadata, .. } => {
                 if let Some(id) = submission {
+                    self.progress_of(id).opened = true;
                     // Only a response's first step carries it.
                     if let Some(metadata) = response_metadata {
                         self.response_metadata.insert(id.clone(), metadata.clone());

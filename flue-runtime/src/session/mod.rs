@@ -4,11 +4,12 @@
 //! Every durability point is one append: the input, a start seam (signals, state writes,
 //! marker), each model step, each tool batch (outcomes, the state writes its tools made, the
 //! commit marker), each continued finish cycle, the response-finish metadata, and settlement.
-//! A model step that streams text for longer than `RuntimeOptions::text_flush` also appends
-//! its start and its text so far while it streams (see `live_text`), so clients follow it.
-//! Neither is a durability point: a step whose attempt dies before it completes is made
-//! again, and only completed steps count (against `max_steps`, and as the step a resumed
-//! response does not run `use_response_start` again after).
+//! A model step that streams text or reasoning for longer than `RuntimeOptions::text_flush`
+//! also appends its start and what streamed so far while it streams (see `live_text`), so
+//! clients follow it. Neither is a durability point: a step whose attempt dies before it
+//! completes is made again, and only completed steps count against `max_steps`. Its start
+//! does count as the response's first: `use_response_start` runs once per response, and a
+//! resumed one reads back the metadata that start recorded.
 
 mod binding;
 mod compaction;
@@ -1154,19 +1155,15 @@ impl Response<'_> {
         self.compaction = model.options.compaction.clone();
 
         let submission_id = self.submission.id.clone();
-        // True start of the response: use_response_start metadata — skipped when a resumed
-        // response already has a durable model step.
-        // A resumed response reads back what its first durable step recorded.
-        let stepped = self.conversation.has_stepped(&submission_id);
+        // True start of the response: use_response_start metadata, once per response — skipped
+        // when a resumed response has a durable step start (completed or not), whose recorded
+        // metadata it reads back.
+        let opened = self.conversation.has_opened_step(&submission_id);
         let mut metadata = match self.conversation.response_metadata(&submission_id) {
-            Some(recorded) if stepped => recorded.clone(),
+            Some(recorded) if opened => recorded.clone(),
             _ => Metadata::new(),
         };
-        let response_starts = if stepped {
-            &[][..]
-        } else {
-            &rendered.response_starts[..]
-        };
+        let response_starts = if opened { &[][..] } else { &rendered.response_starts[..] };
         for callback in response_starts {
             let ctx = ResponseStartContext {
                 metadata: metadata.clone(),
@@ -1186,8 +1183,8 @@ impl Response<'_> {
                 }
             }
         }
-        // Recorded with the response's first step, never again.
-        self.first_step_metadata = (!stepped).then(|| metadata.clone());
+        // Recorded with the response's first step start, never again.
+        self.first_step_metadata = (!opened).then(|| metadata.clone());
 
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
         // relationships the first render declares.
