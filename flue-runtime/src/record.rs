@@ -79,13 +79,6 @@ impl SettlementError {
         }
     }
 
-    /// With `details`.
-    #[must_use]
-    pub fn with_details(mut self, details: impl Into<String>) -> Self {
-        self.details = details.into();
-        self
-    }
-
     /// With `meta`.
     #[must_use]
     pub fn with_meta(mut self, meta: serde_json::Map<String, Value>) -> Self {

@@ -631,7 +631,7 @@ impl Failure {
     fn failed(error_type: &str, message: impl Into<String>) -> Self {
         Self {
             outcome: Outcome::Failed,
-            error: SettlementError::new(error_type.to_owned(), message.into()),
+            error: SettlementError::new(error_type, message),
             transient: false,
         }
     }
