@@ -35,6 +35,11 @@ use crate::provider::{ModelMessage, ModelToolCall};
 use crate::record::{Outcome, SettlementError};
 use crate::store::SubmissionKind;
 
+/// What an event carries for an image's bytes: events show that a message has images, and
+/// their media types, but never carry the bytes (observers and event logs keep no image data;
+/// the model still reads the images).
+pub const IMAGE_DATA_OMITTED: &str = "[image data omitted from event]";
+
 /// One observation: an [`Event`] with its correlation.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -174,10 +179,9 @@ impl TaskScope {
 
 /// What happened. Serialized as the reference names it: a snake_case `type` and camelCase
 /// fields (`{"type": "turn_start", "turnId": …}`). Where the payloads differ from the
-/// reference's: `message_start` and `message_end` carry the message's `role`, not the message
-/// and its turn id (the turn is on the [`Observation`]); `agent_end` carries no messages; a
-/// submission's id is on the [`Observation`], not in the `submission_*` payloads;
-/// `toolcall_delta` also carries the call's stream `index`.
+/// reference's: the turn id of `message_start` and `message_end` is on the [`Observation`],
+/// not in the payload; a submission's id is on the [`Observation`], not in the `submission_*`
+/// payloads; `toolcall_delta` also carries the call's stream `index`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
 pub enum Event {
@@ -202,15 +206,19 @@ pub enum Event {
     },
     /// The agent started working on a submission (after `operation_start`).
     AgentStart,
-    /// A message began: the applied input (`user`) or a model step (`assistant`).
+    /// A message began: the applied input (a user message), a model step (an assistant
+    /// message, empty while it streams: its deltas follow), or a tool's result once it ran.
     MessageStart {
-        /// `user` or `assistant`.
-        role: String,
+        /// The message: the input and a tool's result as its `message_end` gives them.
+        message: ModelMessage,
     },
     /// A message ended.
     MessageEnd {
-        /// `user` or `assistant`.
-        role: String,
+        /// The message: the input and a model step as stored (after the message hooks), a
+        /// tool's result as the tool returned it (before the tool-result hooks; its stored
+        /// form is in `turn_messages`). A failed model call ends with an empty assistant
+        /// message. Images carry their media type, and [`IMAGE_DATA_OMITTED`] for their bytes.
+        message: ModelMessage,
     },
     /// An agent model call started (before its assistant `message_start`).
     TurnStart {
@@ -404,7 +412,12 @@ pub enum Event {
         message: String,
     },
     /// The agent finished working on the submission (before its `operation`).
-    AgentEnd,
+    AgentEnd {
+        /// The messages of the submission's `message_end` events, in order, for the ended
+        /// messages someone observed: the input (and joined deliveries), each completed model
+        /// step, and the results of its tools as stored (after the tool-result hooks).
+        messages: Vec<ModelMessage>,
+    },
     /// The processing of one submission ended (after `agent_end`, before `idle`).
     Operation {
         /// The operation's id, as its `operation_start` gave it.

@@ -707,7 +707,7 @@ async fn child_session(
             request: crate::session::turn_request(&*provider, &model_id, thinking),
         });
         events.emit(|| Event::MessageStart {
-            role: "assistant".into(),
+            message: ModelMessage::empty_assistant(),
         });
         let started = Instant::now();
         let mut deltas = ChildDeltas::new(&events);
@@ -748,7 +748,7 @@ async fn child_session(
                     )
                 });
                 events.emit(|| Event::MessageEnd {
-                    role: "assistant".into(),
+                    message: ModelMessage::empty_assistant(),
                 });
                 events.scope.set_turn(None);
                 return Err(error);
@@ -774,7 +774,10 @@ async fn child_session(
             .append_child(runtime, &child, records, &mut conversation)
             .await?;
         events.emit(|| Event::MessageEnd {
-            role: "assistant".into(),
+            message: ModelMessage::Assistant {
+                text: response.text.clone(),
+                tool_calls: response.tool_calls.clone(),
+            },
         });
         if response.tool_calls.is_empty() {
             events.emit(|| Event::agent_turn_messages(&turn_id, response.text.clone(), Vec::new(), Vec::new()));
@@ -844,10 +847,10 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
                 self.ids.clear();
                 if std::mem::take(&mut self.shown) {
                     self.events.emit(|| Event::MessageEnd {
-                        role: "assistant".into(),
+                        message: ModelMessage::empty_assistant(),
                     });
                     self.events.emit(|| Event::MessageStart {
-                        role: "assistant".into(),
+                        message: ModelMessage::empty_assistant(),
                     });
                 }
             }

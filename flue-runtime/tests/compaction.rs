@@ -183,8 +183,8 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
                 purpose,
                 ..
             } => seen.push(format!("turn {step} {stop_reason} {purpose:?}")),
-            Event::MessageStart { role } if role == "assistant" => seen.push("message_start".into()),
-            Event::MessageEnd { role } if role == "assistant" => seen.push("message_end".into()),
+            Event::MessageStart { message } if message.role() == "assistant" => seen.push("message_start".into()),
+            Event::MessageEnd { message } if message.role() == "assistant" => seen.push("message_end".into()),
             Event::CompactionStart { reason, .. } => seen.push(format!("compaction_start {reason}")),
             Event::Compaction { .. } => seen.push("compaction".into()),
             _ => {}

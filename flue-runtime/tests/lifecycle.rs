@@ -501,10 +501,28 @@ fn row_hooks() -> &'static str {
 async fn items_22_23_24_25_36_create_and_update_hooks_shape_the_stored_rows() {
     let model = ScriptedModel::new([ScriptedReply::text("answer")]);
     let runtime = runtime_with(&model, vec![row_hooks.into()]);
+    let mut events = runtime.observe();
     let reply = runtime.init(&row_hooks, "r").send("question").await.unwrap();
     assert_eq!(
         reply.text, "answer — signed",
         "item 24: the returned updates are applied"
+    );
+    // `message_end` shows the messages as stored.
+    let mut ended = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::MessageEnd { message } = observation.event {
+            ended.push(message);
+        }
+    }
+    assert_eq!(
+        ended,
+        [
+            ModelMessage::user("[user] question"),
+            ModelMessage::Assistant {
+                text: "answer — signed".into(),
+                tool_calls: Vec::new()
+            }
+        ]
     );
     assert_eq!(model.requests()[0].messages, [ModelMessage::user("[user] question")]);
     assert_eq!(

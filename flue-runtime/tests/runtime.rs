@@ -3,7 +3,10 @@
 
 use std::sync::Mutex;
 
-use flue_runtime::events::{Event, Observation, OperationKind, TurnPurpose, TurnRequest, TurnResponse};
+use flue_core::message::{Attachment, UserMessage};
+use flue_runtime::events::{
+    Event, IMAGE_DATA_OMITTED, Observation, OperationKind, TurnPurpose, TurnRequest, TurnResponse,
+};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Outcome, RecordBody};
@@ -472,17 +475,17 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
             Event::SubmissionQueued { .. } => "queued",
             Event::SubmissionRunning { .. } => "running",
             Event::AgentStart => "agent_start",
-            Event::MessageStart { role } if role == "user" => "user_start",
-            Event::MessageEnd { role } if role == "user" => "user_end",
-            Event::MessageStart { role } if role == "tool" => "result_start",
-            Event::MessageEnd { role } if role == "tool" => "result_end",
+            Event::MessageStart { message } if message.role() == "user" => "user_start",
+            Event::MessageEnd { message } if message.role() == "user" => "user_end",
+            Event::MessageStart { message } if message.role() == "tool" => "result_start",
+            Event::MessageEnd { message } if message.role() == "tool" => "result_end",
             Event::MessageStart { .. } => "assistant_start",
             Event::MessageEnd { .. } => "assistant_end",
             Event::TurnStart { .. } => "turn_start",
             Event::Turn { .. } => "turn",
             Event::ToolStart { .. } => "tool_start",
             Event::Tool { .. } => "tool",
-            Event::AgentEnd => "agent_end",
+            Event::AgentEnd { .. } => "agent_end",
             Event::Idle => "idle",
             Event::SubmissionSettled {
                 outcome: Outcome::Completed,
@@ -500,6 +503,81 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
         "agent_end", "idle", "settled",
     ];
     assert_eq!(kinds, expected);
+}
+
+/// Reference §7.2: `message_start` / `message_end` carry their message and `agent_end` the
+/// submission's messages: the input as stored, an assistant step empty at its start and as
+/// stored at its end (its tool calls included), a tool's result; images without their bytes.
+#[tokio::test]
+async fn message_events_carry_their_messages_and_agent_end_the_submissions() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2})),
+        ScriptedReply::text("3"),
+    ]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mut events = runtime.observe();
+    let input = DeliveredMessage::User(UserMessage {
+        body: "1+2".into(),
+        attachments: vec![Attachment::Image {
+            data: "iVBORw0KGgo=".into(),
+            mime_type: "image/png".into(),
+            filename: None,
+        }],
+    });
+    runtime.init(&calculator, "messages").send(input).await.unwrap();
+    // The model read the image's bytes; events never carry them.
+    let sent = &model.requests()[0].messages[0];
+    let ModelMessage::User { images, .. } = sent else {
+        panic!("{sent:?}")
+    };
+    assert_ne!(&*images[0].data, IMAGE_DATA_OMITTED);
+
+    let mut starts = Vec::new();
+    let mut ends = Vec::new();
+    let mut agent_end = None;
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::MessageStart { message } => starts.push(message),
+            Event::MessageEnd { message } => ends.push(message),
+            Event::AgentEnd { messages } => agent_end = Some(messages),
+            _ => {}
+        }
+    }
+    let user = ModelMessage::User {
+        content: "1+2".into(),
+        images: vec![flue_runtime::provider::ModelImage {
+            media_type: "image/png".into(),
+            data: IMAGE_DATA_OMITTED.into(),
+        }],
+    };
+    let ModelMessage::Assistant { tool_calls, .. } = &ends[1] else {
+        panic!("{:?}", ends[1])
+    };
+    assert_eq!(tool_calls.len(), 1);
+    assert_eq!(tool_calls[0].name, "add");
+    let arguments: serde_json::Value = serde_json::from_str(&tool_calls[0].arguments).unwrap();
+    assert_eq!(arguments, json!({"a": 1, "b": 2}));
+    let result = ModelMessage::Tool {
+        tool_call_id: tool_calls[0].id.clone(),
+        name: "add".into(),
+        content: "3".into(),
+        is_error: false,
+    };
+    let answer = ModelMessage::Assistant {
+        text: "3".into(),
+        tool_calls: Vec::new(),
+    };
+    assert_eq!(
+        starts,
+        [
+            user.clone(),
+            ModelMessage::empty_assistant(),
+            result.clone(),
+            ModelMessage::empty_assistant()
+        ]
+    );
+    assert_eq!(ends, [user, ends[1].clone(), result, answer]);
+    assert_eq!(agent_end.expect("agent_end was published"), ends);
 }
 
 /// Reference §7.3: the canonical order of one submission with one tool-calling turn —
@@ -523,8 +601,8 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
                 Event::SubmissionRunning { .. } => "submission_running".to_owned(),
                 Event::OperationStart { .. } => "operation_start".to_owned(),
                 Event::AgentStart => "agent_start".to_owned(),
-                Event::MessageStart { role } => format!("message_start {role}"),
-                Event::MessageEnd { role } => format!("message_end {role}"),
+                Event::MessageStart { message } => format!("message_start {}", message.role()),
+                Event::MessageEnd { message } => format!("message_end {}", message.role()),
                 Event::TurnStart { .. } => "turn_start".to_owned(),
                 Event::TurnRequest { .. } => "turn_request".to_owned(),
                 Event::TextDelta { .. } => "text_delta".to_owned(),
@@ -533,7 +611,7 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
                 Event::ToolStart { .. } => "tool_start".to_owned(),
                 Event::Tool { .. } => "tool".to_owned(),
                 Event::TurnMessages { .. } => "turn_messages".to_owned(),
-                Event::AgentEnd => "agent_end".to_owned(),
+                Event::AgentEnd { .. } => "agent_end".to_owned(),
                 Event::Operation { .. } => "operation".to_owned(),
                 Event::Idle => "idle".to_owned(),
                 Event::SubmissionSettled { .. } => "submission_settled".to_owned(),
@@ -710,10 +788,10 @@ async fn observations_carry_the_operation_and_the_turn_they_happened_in() {
         );
         match &observation.event {
             Event::TurnStart { turn_id, .. } => turn = Some(turn_id.clone()),
-            Event::AgentStart | Event::AgentEnd | Event::Operation { .. } | Event::Idle => {
+            Event::AgentStart | Event::AgentEnd { .. } | Event::Operation { .. } | Event::Idle => {
                 assert_eq!(observation.turn_id, None, "{:?}", observation.event);
             }
-            Event::MessageStart { role } | Event::MessageEnd { role } if role == "user" => {
+            Event::MessageStart { message } | Event::MessageEnd { message } if message.role() == "user" => {
                 assert_eq!(observation.turn_id, None, "{:?}", observation.event);
             }
             _ => {}
@@ -728,7 +806,7 @@ async fn observations_carry_the_operation_and_the_turn_they_happened_in() {
                 | Event::ToolStart { .. }
                 | Event::Tool { .. }
                 | Event::TurnMessages { .. }
-        ) || matches!(&observation.event, Event::MessageStart { role } | Event::MessageEnd { role } if role != "user")
+        ) || matches!(&observation.event, Event::MessageStart { message } | Event::MessageEnd { message } if message.role() != "user")
         {
             assert!(turn.is_some(), "{:?} before any turn", observation.event);
             assert_eq!(observation.turn_id, turn, "{:?}", observation.event);
@@ -827,7 +905,7 @@ async fn reasoning_streams_as_thinking_start_deltas_and_end_before_the_answer() 
     let mut seen = Vec::new();
     while let Ok(observation) = events.try_recv() {
         match observation.event {
-            Event::MessageStart { role } if role == "assistant" => seen.push("message_start".to_owned()),
+            Event::MessageStart { message } if message.role() == "assistant" => seen.push("message_start".to_owned()),
             Event::ThinkingStart => seen.push("thinking_start".to_owned()),
             Event::ThinkingDelta { delta } => seen.push(format!("thinking_delta {delta}")),
             Event::ThinkingEnd { content } => seen.push(format!("thinking_end {content}")),
@@ -896,8 +974,8 @@ async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
     let mut seen = Vec::new();
     while let Ok(observation) = events.try_recv() {
         match observation.event {
-            Event::MessageStart { role } if role == "assistant" => seen.push("message_start"),
-            Event::MessageEnd { role } if role == "assistant" => seen.push("message_end"),
+            Event::MessageStart { message } if message.role() == "assistant" => seen.push("message_start"),
+            Event::MessageEnd { message } if message.role() == "assistant" => seen.push("message_end"),
             Event::ThinkingStart => seen.push("thinking_start"),
             Event::ThinkingDelta { .. } => seen.push("thinking_delta"),
             Event::ThinkingEnd { .. } => seen.push("thinking_end"),
@@ -1925,8 +2003,8 @@ async fn each_tool_result_message_has_its_message_start_and_end_between_tool_sta
         kinds.push(match observation.event {
             Event::ToolStart { .. } => "tool_start".to_owned(),
             Event::Tool { .. } => "tool".to_owned(),
-            Event::MessageStart { role } => format!("message_start:{role}"),
-            Event::MessageEnd { role } => format!("message_end:{role}"),
+            Event::MessageStart { message } => format!("message_start:{}", message.role()),
+            Event::MessageEnd { message } => format!("message_end:{}", message.role()),
             _ => continue,
         });
     }

@@ -136,12 +136,12 @@ async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
     let mut open = false;
     while let Ok(observation) = events.try_recv() {
         match observation.event {
-            flue_runtime::events::Event::MessageStart { role } if role == "assistant" => {
+            flue_runtime::events::Event::MessageStart { message } if message.role() == "assistant" => {
                 assert!(!open, "a message starts only once the previous one ended");
                 open = true;
                 assistant.push(String::new());
             }
-            flue_runtime::events::Event::MessageEnd { role } if role == "assistant" => {
+            flue_runtime::events::Event::MessageEnd { message } if message.role() == "assistant" => {
                 assert!(open);
                 open = false;
             }

@@ -366,6 +366,23 @@ impl ModelMessage {
             images: Vec::new(),
         }
     }
+
+    /// An assistant message with no text and no tool calls (a step's before it streams).
+    pub fn empty_assistant() -> Self {
+        Self::Assistant {
+            text: String::new(),
+            tool_calls: Vec::new(),
+        }
+    }
+
+    /// `user`, `assistant` or `tool`.
+    pub fn role(&self) -> &'static str {
+        match self {
+            Self::User { .. } => "user",
+            Self::Assistant { .. } => "assistant",
+            Self::Tool { .. } => "tool",
+        }
+    }
 }
 
 /// A tool call made by the model.

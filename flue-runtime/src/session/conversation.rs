@@ -955,6 +955,25 @@ impl Conversation {
         }
     }
 
+    /// The message of the row `id` as an event shows it: as stored, its images with their media
+    /// type and [`IMAGE_DATA_OMITTED`](crate::events::IMAGE_DATA_OMITTED) for their bytes.
+    pub(crate) fn observed_message(&self, id: &str) -> Option<ModelMessage> {
+        let index = self.row_index(id)?;
+        let mut message = self.messages[index].clone();
+        if let ModelMessage::User { images, .. } = &mut message {
+            let refs = self
+                .image_refs
+                .iter()
+                .filter(|(at, _)| *at == index)
+                .flat_map(|(_, refs)| refs);
+            images.extend(refs.map(|attachment| ModelImage {
+                media_type: attachment.media_type.clone(),
+                data: Arc::from(crate::events::IMAGE_DATA_OMITTED),
+            }));
+        }
+        Some(message)
+    }
+
     /// Every message row, oldest first.
     pub(crate) fn rows(&self) -> Vec<Message> {
         (0..self.rows.len()).map(|index| self.row(index)).collect()

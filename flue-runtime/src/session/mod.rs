@@ -429,6 +429,7 @@ impl InstanceSlot {
             delivery: Arc::new(submission.message.clone()),
             submission: &submission,
             first_step_metadata: None,
+            ended: Vec::new(),
             data_writer_names: Vec::new(),
             joined: Vec::new(),
             spare: None,
@@ -500,7 +501,8 @@ impl InstanceSlot {
         };
         // A turn a failure broke off ends with the response.
         response.set_turn(None);
-        runtime.emit(&self.key, Some(&submission.id), Event::AgentEnd);
+        let messages = std::mem::take(&mut response.ended);
+        runtime.emit_with(&self.key, Some(&submission.id), || Event::AgentEnd { messages });
         runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
             operation_id: correlation.operation_id(),
             operation_kind: OperationKind::Prompt,
@@ -790,6 +792,8 @@ struct Response<'a> {
     last_call_tokens: u64,
     /// What the response's events are stamped with (its operation, the turn in progress).
     correlation: Option<Arc<Correlation>>,
+    /// The messages of the `message_end` events someone observed: what `agent_end` carries.
+    ended: Vec<ModelMessage>,
 }
 
 impl Response<'_> {
@@ -815,6 +819,27 @@ impl Response<'_> {
     /// [`emit`](Self::emit), building the event only when someone observes.
     fn emit_with(&self, event: impl FnOnce() -> Event) {
         self.runtime.emit_with(self.key, Some(&self.submission.id), event);
+    }
+
+    /// The `message_start` and `message_end` of a stored message (an input, once committed),
+    /// as the conversation holds it.
+    fn stored_message_events(&mut self, message_id: Option<&str>) {
+        if !self.runtime.observed() {
+            return;
+        }
+        let Some(message) = message_id.and_then(|id| self.conversation.observed_message(id)) else {
+            return;
+        };
+        self.emit(Event::MessageStart {
+            message: message.clone(),
+        });
+        self.end_message(message);
+    }
+
+    /// A `message_end`, whose message `agent_end` carries too.
+    fn end_message(&mut self, message: ModelMessage) {
+        self.ended.push(message.clone());
+        self.emit(Event::MessageEnd { message });
     }
 
     fn record(&self, body: RecordBody) -> Record {
@@ -1373,16 +1398,21 @@ impl Response<'_> {
                     return Ok(false);
                 }
             };
-            self.emit_with(|| Event::MessageStart { role: "user".into() });
+            let message_id = records.first().and_then(|record| match &record.body {
+                RecordBody::UserMessage { message_id, .. } | RecordBody::Signal { message_id, .. } => {
+                    Some(message_id.clone())
+                }
+                _ => None,
+            });
             if needs_seam && rendered.agent_starts.is_empty() {
                 records.push(self.seam_marker(submission_id));
                 self.commit(records, true).await?;
-                self.emit_with(|| Event::MessageEnd { role: "user".into() });
+                self.stored_message_events(message_id.as_deref());
                 self.input_row_created(created).await;
                 return Ok(true);
             }
             self.commit(records, false).await?;
-            self.emit_with(|| Event::MessageEnd { role: "user".into() });
+            self.stored_message_events(message_id.as_deref());
             self.input_row_created(created).await;
         }
         if needs_seam {
@@ -1784,7 +1814,7 @@ impl Response<'_> {
                 request: turn_request(provider, model_id, thinking),
             });
             self.emit_with(|| Event::MessageStart {
-                role: "assistant".into(),
+                message: ModelMessage::empty_assistant(),
             });
             let streamed = self
                 .stream_with_retries(provider, &request, &rendered.tools, live)
@@ -1812,7 +1842,7 @@ impl Response<'_> {
                     is_error: true,
                 });
                 self.emit_with(|| Event::MessageEnd {
-                    role: "assistant".into(),
+                    message: ModelMessage::empty_assistant(),
                 });
             }
             match streamed {
@@ -1894,9 +1924,17 @@ impl Response<'_> {
         self.attempt.stream_data();
         self.flush_data().await?;
         self.fold_thread_writes();
-        self.emit_with(|| Event::MessageEnd {
-            role: "assistant".into(),
-        });
+        if self.runtime.observed() {
+            // As stored: after the message hooks.
+            let message = self
+                .conversation
+                .observed_message(&message_id)
+                .unwrap_or_else(|| ModelMessage::Assistant {
+                    text: response.text.clone(),
+                    tool_calls: response.tool_calls.clone(),
+                });
+            self.end_message(message);
+        }
         if response.tool_calls.is_empty() {
             // A turn without calls added its message alone, durable now (a turn with calls
             // reports its messages once its tool batch committed).
@@ -1971,7 +2009,7 @@ impl Response<'_> {
                     live.restart();
                     if shown {
                         self.emit_with(|| Event::MessageEnd {
-                            role: "assistant".into(),
+                            message: ModelMessage::empty_assistant(),
                         });
                     }
                     let delay = self.runtime.options.model_retry_wait(retries);
@@ -1981,7 +2019,7 @@ impl Response<'_> {
                     }
                     if shown {
                         self.emit_with(|| Event::MessageStart {
-                            role: "assistant".into(),
+                            message: ModelMessage::empty_assistant(),
                         });
                     }
                 }
@@ -2253,8 +2291,22 @@ impl Response<'_> {
                     });
                     // The tool-result message, when the tool is done (its terminal `tool`
                     // event follows the batch's commit).
-                    runtime.emit_with(key, Some(submission_id), || Event::MessageStart { role: "tool".into() });
-                    runtime.emit_with(key, Some(submission_id), || Event::MessageEnd { role: "tool".into() });
+                    if runtime.observed() {
+                        let message = ModelMessage::Tool {
+                            tool_call_id: run.call.id.clone(),
+                            name: run.call.name.clone(),
+                            content: run.output.to_text(),
+                            is_error: run.output.is_error,
+                        };
+                        runtime.emit(
+                            key,
+                            Some(submission_id),
+                            Event::MessageStart {
+                                message: message.clone(),
+                            },
+                        );
+                        runtime.emit(key, Some(submission_id), Event::MessageEnd { message });
+                    }
                 },
             )
             .await
@@ -2266,9 +2318,9 @@ impl Response<'_> {
         let mut rows = Vec::new();
         let mut row_updates = Vec::new();
         let mut errors = Vec::with_capacity(executed.len());
-        // The results as `turn_messages` reports them: copied only for a model turn someone
+        // The results as `turn_messages` and `agent_end` report them: copied only when someone
         // observes (an observer subscribing mid-batch gets no `turn_messages` for it).
-        let mut results = (turn.is_some() && self.runtime.observed()).then(|| Vec::with_capacity(executed.len()));
+        let mut results = self.runtime.observed().then(|| Vec::with_capacity(executed.len()));
         for run in &executed {
             // The tool row's id is its outcome record's.
             let row_id = hooked.then(|| new_id("record"));
@@ -2343,6 +2395,9 @@ impl Response<'_> {
                     is_error,
                     duration_ms: run.duration_ms,
                 });
+        }
+        if let Some(tool_results) = &results {
+            self.ended.extend(tool_results.iter().cloned());
         }
         if let (Some((turn_id, text)), Some(tool_results)) = (turn, results) {
             self.emit_with(|| Event::agent_turn_messages(turn_id, text.to_owned(), calls.to_vec(), tool_results));
