@@ -119,6 +119,8 @@ pub struct RuntimeOptions {
     /// appends nothing until the step completes. Agents that select a `before_create_message`
     /// or `before_update_message` hook never stream this way, and keep no reasoning: those
     /// hooks decide what an answer stores and shows, so nothing they did not see is appended.
+    /// `Some(Duration::ZERO)` appends what streamed at every chance, often one append per
+    /// delta: a store write for each, which a durable store pays for.
     ///
     /// [`RecordBody::AssistantTextDelta`]: crate::record::RecordBody::AssistantTextDelta
     /// [`RecordBody::AssistantReasoningDelta`]: crate::record::RecordBody::AssistantReasoningDelta

@@ -975,6 +975,7 @@ impl ChildSession<'_> {
                         tool_name: run.call.name.clone(),
                         tool_call_id: run.call.id.clone(),
                         is_error: run.output.is_error,
+                        result: Some(run.output.to_text()),
                         duration_ms: run.duration_ms,
                     },
                     ModelMessage::Tool {

@@ -508,6 +508,7 @@ async fn observe_delivers_the_lifecycle_of_a_submission_in_order() {
 /// Reference §7.2: `message_start` / `message_end` carry their message and `agent_end` the
 /// submission's messages: the input as stored, an assistant step empty at its start and as
 /// stored at its end (its tool calls included), a tool's result; images without their bytes.
+/// The terminal `tool` event carries the stored result.
 #[tokio::test]
 async fn message_events_carry_their_messages_and_agent_end_the_submissions() {
     let model = ScriptedModel::new([
@@ -540,6 +541,7 @@ async fn message_events_carry_their_messages_and_agent_end_the_submissions() {
             Event::MessageStart { message } => starts.push(message),
             Event::MessageEnd { message } => ends.push(message),
             Event::AgentEnd { messages } => agent_end = Some(messages),
+            Event::Tool { result, .. } => assert_eq!(result.as_deref(), Some("3")),
             _ => {}
         }
     }

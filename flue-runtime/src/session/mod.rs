@@ -2387,12 +2387,19 @@ impl Response<'_> {
             self.commit(row_updates, false).await?;
         }
         self.tool_rows_created(&rows).await;
+        // The executed calls' results come first in `results`, in the same order.
+        let mut stored = results.as_deref().unwrap_or_default().iter();
         for (run, is_error) in executed.into_iter().zip(errors) {
+            let result = match stored.next() {
+                Some(ModelMessage::Tool { content, .. }) => Some(content.clone()),
+                _ => None,
+            };
             self.runtime
                 .emit_with(self.key, Some(&self.submission.id), || Event::Tool {
                     tool_name: run.call.name.clone(),
                     tool_call_id: run.call.id.clone(),
                     is_error,
+                    result,
                     duration_ms: run.duration_ms,
                 });
         }
