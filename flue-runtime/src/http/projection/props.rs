@@ -16,7 +16,15 @@
 //! - tool outputs appear at their step's commit, from the outcomes written before it;
 //! - `message_updated {content}` sets a step's text part (nothing when it has none), a
 //!   non-assistant message's first text part; `message_deleted` removes a step's text and
-//!   reasoning parts (nothing when it has none), or a whole non-assistant message.
+//!   reasoning parts (nothing when it has none), or a whole non-assistant message;
+//! - a `compaction` appends a diagnostic system message (its record's id, the summary as its
+//!   text, signal `conversation-summary` with the reason) and changes nothing else: the
+//!   transcript before it stays, a part streaming stays streaming, and the response's later
+//!   steps still fold into its message (before the summary).
+//!
+//! The generator writes compactions where the runtime does (`Response::compact`): a threshold
+//! one before a step's first call, and an overflow one after a failed call, maybe after the
+//! step's start and deltas were appended, before the call is made again.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -95,6 +103,10 @@ struct Generator<'a, 'b> {
     abandoned: Vec<String>,
     /// User message ids.
     users: Vec<String>,
+    /// The rows of the conversation the model reads, oldest first, that a compaction can keep:
+    /// user messages, completed steps, and the last compaction's summary (`None`: its id is its
+    /// record's, made when the stream is folded).
+    rows: Vec<Option<String>>,
     /// Whether the current submission has a completed step.
     stepped: bool,
 }
@@ -161,18 +173,66 @@ impl Generator<'_, '_> {
                 self.completed.retain(|(step, _)| *step != target);
             }
             self.users.retain(|user| *user != target);
+            self.rows.retain(|row| row.as_ref() != Some(&target));
             RecordBody::MessageDeleted { message_id: target }
         };
         self.push_or_join(vec![(sub.to_owned(), body)]);
     }
 
-    /// One step: attempts that may stream, restart, die; then it completes, or is left
-    /// streaming (`may_dangle`: it is the submission's last). The id of the step that ended
-    /// the response's stream open, if any.
+    /// A compaction as `Response::compact` appends it: a batch of its own, the summary and
+    /// maybe the resources' new baseline. There is one only when the conversation has a row to
+    /// keep after the oldest (`Conversation::compaction_cut`); the rows before the kept one
+    /// give way to the summary's.
+    fn compaction(&mut self, sub: &str, reason: &str) {
+        if self.rows.len() < 2 {
+            return;
+        }
+        let cut = 1 + self.choices.below(self.rows.len() as u32 - 1) as usize;
+        let Some(first_kept) = self.rows[cut].clone() else {
+            return;
+        };
+        self.rows.drain(..cut);
+        self.rows.insert(0, None);
+        let mut batch = vec![(
+            sub.to_owned(),
+            RecordBody::Compaction {
+                summary: format!("summary-{}", self.choices.piece()),
+                first_kept_message_id: first_kept,
+                tokens_before: 1000,
+                reason: reason.to_owned(),
+                usage: None,
+            },
+        )];
+        if self.choices.chance(50) {
+            batch.push((
+                sub.to_owned(),
+                RecordBody::ResourceSnapshot {
+                    snapshot: Default::default(),
+                    baseline: None,
+                },
+            ));
+        }
+        self.push(batch);
+    }
+
+    /// Maybe a threshold compaction, before a step's first call (`compact_if_needed`).
+    fn threshold_compaction(&mut self, sub: &str) {
+        if self.choices.chance(20) {
+            self.compaction(sub, "threshold");
+        }
+    }
+
+    /// One step: maybe a threshold compaction, then attempts that may stream, restart, overflow
+    /// the context, die; then it completes, or is left streaming (`may_dangle`: it is the
+    /// submission's last). The id of the step that ended the response's stream open, if any.
     fn step(&mut self, sub: &str, id_of: &mut dyn FnMut() -> String, may_dangle: bool) -> Option<String> {
         let mut id = id_of();
+        self.threshold_compaction(sub);
         let mut opened = false;
         let mut restarted = false;
+        // Whether the step's call overflowed the context once already (the next overflow fails
+        // the response).
+        let mut overflowed = false;
         for _attempt in 0..4 {
             let (mut reasoning, mut text) = (String::new(), String::new());
             for _ in 0..self.choices.below(4) {
@@ -211,23 +271,34 @@ impl Generator<'_, '_> {
                 }
                 self.push(batch);
             }
-            match self.choices.below(4) {
+            match self.choices.below(5) {
                 // A retried call: the same step again (its next append starts it again).
                 1 => {
                     restarted = opened;
                     continue;
                 }
-                // The attempt died: the next attempt's step has a new id.
+                // The attempt died: the next attempt's step has a new id (and its model step
+                // may compact first).
                 2 => {
                     if opened {
                         self.abandoned.push(id.clone());
                     }
                     id = id_of();
+                    self.threshold_compaction(sub);
                     opened = false;
                     restarted = false;
+                    overflowed = false;
                     continue;
                 }
                 3 if may_dangle && opened => return Some(id),
+                // The call overflowed the context window, maybe after it streamed: an overflow
+                // compaction, then the call again, as a retried one (`live.restart()`).
+                4 if !overflowed && self.rows.len() >= 2 => {
+                    self.compaction(sub, "overflow");
+                    overflowed = true;
+                    restarted = opened;
+                    continue;
+                }
                 _ => {}
             }
             self.complete(sub, &id, opened, &reasoning, &text);
@@ -350,6 +421,7 @@ impl Generator<'_, '_> {
             }
         }
         self.completed.push((id.to_owned(), has_text));
+        self.rows.push(Some(id.to_owned()));
     }
 
     fn submission(&mut self, k: u32, settle: bool) {
@@ -363,7 +435,8 @@ impl Generator<'_, '_> {
                 attachments: Vec::new(),
             },
         )];
-        self.users.push(user);
+        self.users.push(user.clone());
+        self.rows.push(Some(user));
         self.stepped = false;
         if self.features.data_anywhere && self.choices.chance(30) {
             let write = self.data_write(&sub);
@@ -415,6 +488,7 @@ fn generate(bytes: &[u8], features: Features) -> Stream {
         completed: Vec::new(),
         abandoned: Vec::new(),
         users: Vec::new(),
+        rows: Vec::new(),
         stepped: false,
     };
     for k in 1..=submissions {
@@ -523,8 +597,9 @@ impl Model {
         self.data.insert((id, name.to_owned()), data.clone());
     }
 
-    fn apply(&mut self, submission: &str, body: &RecordBody) {
-        match body {
+    fn apply(&mut self, record: &Record) {
+        let submission = record.submission_id.as_deref().unwrap_or_default();
+        match &record.body {
             RecordBody::UserMessage { message_id, body, .. } => {
                 self.messages.push(Message::Plain(json!({
                     "id": message_id,
@@ -682,6 +757,18 @@ impl Model {
                     message["parts"][0]["text"] = json!(content);
                 }
             }
+            RecordBody::Compaction { summary, reason, .. } => {
+                // A diagnostic system message of its own, where it happened; nothing shown
+                // before it changes.
+                self.messages.push(Message::Plain(json!({
+                    "id": record.id,
+                    "role": "system",
+                    "purpose": "advisory",
+                    "display": "diagnostic",
+                    "signal": {"tagName": "conversation-summary", "attributes": {"reason": reason}},
+                    "parts": [{"type": "text", "text": summary, "state": "done"}],
+                })));
+            }
             RecordBody::MessageDeleted { message_id } => {
                 if let Some(step) = self.steps.get_mut(message_id) {
                     step.reasoning.shown = None;
@@ -751,8 +838,8 @@ fn check(stream: &Stream) -> Result<(), TestCaseError> {
         with_chunks.apply(batch, Some(&mut chunks));
         without.apply(batch, None);
     }
-    for (sub, body) in stream.iter().flatten() {
-        model.apply(sub, body);
+    for record in batches.iter().flat_map(|batch| batch.records.iter()) {
+        model.apply(record);
     }
     let snapshot = with_chunks.snapshot();
     prop_assert_eq!(
@@ -980,6 +1067,54 @@ fn check_chunks(stream: &Stream) -> Result<(), TestCaseError> {
 #[test]
 fn projection_chunks_applied_by_a_client_show_the_snapshot() {
     run(REALISTIC, check_chunks);
+}
+
+/// The properties see compactions where the runtime writes them: a threshold one, and an
+/// overflow one right after a step's streamed text, followed by the step started again or by
+/// its completion without a start.
+#[test]
+fn generated_streams_hold_compactions_before_steps_and_after_streamed_text() {
+    use proptest::strategy::ValueTree;
+
+    let mut runner = TestRunner::deterministic();
+    let strategy = prop::collection::vec(any::<u8>(), 0..300);
+    let (mut threshold, mut started_again, mut completed_unstarted) = (false, false, false);
+    for _ in 0..500 {
+        let bytes = strategy.new_tree(&mut runner).unwrap().current();
+        let stream = generate(&bytes, REALISTIC);
+        for (at, batch) in stream.iter().enumerate() {
+            let Some((_, RecordBody::Compaction { reason, .. })) = batch.first() else {
+                continue;
+            };
+            if reason == "threshold" {
+                threshold = true;
+                continue;
+            }
+            let streamed = at.checked_sub(1).is_some_and(|before| {
+                stream[before]
+                    .iter()
+                    .any(|(_, body)| matches!(body, RecordBody::AssistantTextDelta { .. }))
+            });
+            match stream.get(at + 1).and_then(|next| next.first()).map(|(_, body)| body) {
+                Some(RecordBody::AssistantMessageStarted { .. }) if streamed => started_again = true,
+                Some(RecordBody::AssistantToolCall { .. } | RecordBody::AssistantMessageCompleted { .. })
+                    if streamed =>
+                {
+                    completed_unstarted = true;
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(threshold, "no threshold compaction");
+    assert!(
+        started_again,
+        "no overflow after streamed text followed by the step's restart"
+    );
+    assert!(
+        completed_unstarted,
+        "no overflow after streamed text followed by the step's completion"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
