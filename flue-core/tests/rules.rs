@@ -396,6 +396,13 @@ fn use_hooks_rejects_selecting_one_hook_twice() {
 
 // ---- subagent renders ---------------------------------------------------------------------
 
+static REDACT_IN_DELEGATE: flue_core::lifecycle::ThreadHookDefinition = flue_core::lifecycle::ThreadHookDefinition {
+    id: "redact_in_delegate",
+    handler: flue_core::lifecycle::ThreadHookHandler::BeforeStoreToolResult(|_, _, result| {
+        Box::pin(async move { Ok(result) })
+    }),
+};
+
 #[test]
 fn instance_scoped_and_client_facing_hooks_panic_in_a_subagent_render() {
     type Case = (&'static str, Box<dyn Fn() + Send + Sync>);
@@ -439,6 +446,10 @@ fn instance_scoped_and_client_facing_hooks_panic_in_a_subagent_render() {
         (
             "[flue] use_response_finish() is not available in a subagent render. Response metadata decorates the agent's public conversation; delegates run detached tasks with no client-facing output.",
             Box::new(|| use_response_finish(|_| ())),
+        ),
+        (
+            "[flue] use_hooks() is not available in a subagent render. Lifecycle hooks run against the root agent's conversation; a delegate's session runs none — shape what it sees in its tools, and check its result in the parent.",
+            Box::new(|| use_hooks([flue_core::lifecycle::ThreadHook::new(&REDACT_IN_DELEGATE)])),
         ),
     ];
     for (expected, call) in cases {

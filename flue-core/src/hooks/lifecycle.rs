@@ -1,4 +1,4 @@
-use super::hook;
+use super::{hook, root_only};
 use crate::lifecycle::ThreadHook;
 
 /// Selects lifecycle hooks for this render (the Standard Agents "prompt hooks").
@@ -8,11 +8,16 @@ use crate::lifecycle::ThreadHook;
 /// custom hooks) append. Panics when one hook is selected twice in one render.
 ///
 /// Only thread hooks are accepted: a user-scope hook is a different type and does not compile.
+/// Panics in subagent renders: a delegate's session runs no lifecycle hooks.
 #[track_caller]
 pub fn use_hooks(hooks: impl IntoIterator<Item = ThreadHook>) {
     // Consumed before the frame's recording is borrowed: a lazy selection may call other hooks.
     let hooks: Vec<ThreadHook> = hooks.into_iter().collect();
     hook("use_hooks", |frame| {
+        root_only(
+            frame,
+            "[flue] use_hooks() is not available in a subagent render. Lifecycle hooks run against the root agent's conversation; a delegate's session runs none — shape what it sees in its tools, and check its result in the parent.",
+        )?;
         let mut rec = frame.rec.borrow_mut();
         for selected in hooks {
             if rec.hooks.contains(&selected) {
