@@ -350,6 +350,8 @@ pub enum Event {
     TaskStart {
         /// The task's id.
         task_id: String,
+        /// The `task` call that started it (several tasks of one turn run in parallel).
+        tool_call_id: String,
         /// The delegate.
         agent: String,
         /// The label the model gave the work.
@@ -357,6 +359,10 @@ pub enum Event {
         description: Option<String>,
         /// The briefing the delegate starts from (its only message).
         prompt: String,
+        /// The directory the delegate works in, as the call gave it (relative to the
+        /// delegating session's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cwd: Option<String>,
     },
     /// A `task` ended.
     Task {

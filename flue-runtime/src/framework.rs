@@ -20,7 +20,7 @@ pub(crate) fn mount(
     rendered: &mut Rendered,
     delegation: Option<(&Arc<Delegation>, &Tool)>,
     parent: Option<(ThreadState, HookSet)>,
-    environment: Vec<Tool>,
+    environment: crate::sandbox::Environment,
     sections: &mut Sections,
 ) {
     let delegates = offered(rendered);

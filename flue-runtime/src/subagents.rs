@@ -60,6 +60,7 @@ use crate::lifecycle::{HookSet, chain};
 use crate::provider::{ModelMessage, ModelRequest, ModelToolCall, StreamEvent, Streamed, ToolSpec};
 use crate::record::{Batch, ConversationKind, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
+use crate::sandbox::Environment;
 use crate::session::{Attempt, Conversation, RetainedChild};
 use crate::store::{InstanceKey, StoreError};
 
@@ -84,6 +85,11 @@ struct TaskArgs {
     /// A short label for the work, for people following along.
     #[serde(default)]
     description: Option<String>,
+    /// The directory the agent works in, relative to yours (default: yours). Only with a
+    /// sandbox.
+    #[serde(default)]
+    #[schemars(length(min = 1))]
+    cwd: Option<String>,
 }
 
 /// The delegates a render offers: enabled relationships that are not hidden.
@@ -122,6 +128,9 @@ pub(crate) struct Delegation {
     thinking: ThinkingLevel,
     /// The parent session's depth (the root is 0).
     depth: u32,
+    /// The task whose child session delegates (`None`: the root session): its tasks' events
+    /// are that session's.
+    scope: Option<Arc<TaskScope>>,
     signal: AbortSignal,
     /// Tasks running, by relationship (for `max_instances`).
     running: Mutex<HashMap<String, u32>>,
@@ -274,17 +283,17 @@ struct Live {
     /// The parent thread and its hooks, for `after_subagent_created` (root sessions only).
     parent: Option<(ThreadState, HookSet)>,
     /// The parent's sandbox tools: children share the environment.
-    environment: Vec<Tool>,
+    environment: Environment,
 }
 
 impl Delegation {
-    pub(crate) fn new(
+    /// The delegation of a root session (depth 0).
+    pub(crate) fn root(
         runtime: &Arc<RuntimeInner>,
         key: &InstanceKey,
         submission_id: &str,
         model: String,
         thinking: ThinkingLevel,
-        depth: u32,
         signal: AbortSignal,
     ) -> Self {
         Self {
@@ -293,8 +302,27 @@ impl Delegation {
             submission_id: submission_id.to_owned(),
             model,
             thinking,
-            depth,
+            depth: 0,
+            scope: None,
             signal,
+            running: Mutex::default(),
+            live: Mutex::default(),
+            journal: Mutex::default(),
+        }
+    }
+
+    /// The delegation of the child session of the task `scope` this delegation runs: one level
+    /// deeper, with the child's model.
+    fn nested(&self, model: String, thinking: ThinkingLevel, scope: Arc<TaskScope>) -> Self {
+        Self {
+            runtime: self.runtime.clone(),
+            key: self.key.clone(),
+            submission_id: self.submission_id.clone(),
+            model,
+            thinking,
+            depth: self.depth + 1,
+            scope: Some(scope),
+            signal: self.signal.clone(),
             running: Mutex::default(),
             live: Mutex::default(),
             journal: Mutex::default(),
@@ -322,7 +350,7 @@ impl Delegation {
         &self,
         offered: Vec<Subagent>,
         parent: Option<(ThreadState, HookSet)>,
-        environment: Vec<Tool>,
+        environment: Environment,
     ) {
         *self.live() = Live {
             offered,
@@ -440,6 +468,13 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
             name: subagent.name().to_owned(),
         }
     };
+    let environment = match &args.cwd {
+        Some(cwd) => match environment.scoped(cwd) {
+            Ok(scoped) => scoped,
+            Err(error) => return ToolOutput::error(error),
+        },
+        None => environment,
+    };
     let Some(runtime) = delegation.runtime.upgrade() else {
         return ToolOutput::error("The runtime was dropped.");
     };
@@ -451,12 +486,18 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     let task_id = retained
         .as_ref()
         .map_or_else(|| new_id("task"), |child| child.task_id.clone());
-    let emit = |event: Event| runtime.emit(&delegation.key, Some(&delegation.submission_id), event);
+    // The delegating session's events: the root's, or the enclosing task's child session's.
+    let emit = |event: Event| match &delegation.scope {
+        Some(scope) => runtime.emit_in_task(&delegation.key, &delegation.submission_id, scope, || event),
+        None => runtime.emit(&delegation.key, Some(&delegation.submission_id), event),
+    };
     emit(Event::TaskStart {
         task_id: task_id.clone(),
+        tool_call_id: tool_call_id.to_owned(),
         agent: subagent.name().to_owned(),
         description: args.description.clone(),
         prompt: args.prompt.clone(),
+        cwd: args.cwd.clone(),
     });
     let started = Instant::now();
     let task = Task {
@@ -560,13 +601,23 @@ async fn child_session(
     delegation: &Delegation,
     subagent: &Subagent,
     parent: Option<(ThreadState, HookSet)>,
-    environment: Vec<Tool>,
+    environment: Environment,
     journal: &Journal,
     task: Task<'_>,
 ) -> Result<String, String> {
     let args = task.args;
     let delivery = Arc::new(DeliveredMessage::user(args.prompt.clone()));
     let agent = subagent.agent().get();
+    // A delegate's session runs no lifecycle hooks (its render cannot select any): an agent
+    // that relies on them (a redaction, say) must not run without them.
+    if !agent.definition().hooks.is_empty() {
+        let ids: Vec<&str> = agent.definition().hooks.iter().map(|hook| hook.id()).collect();
+        return Err(format!(
+            "The \"{}\" agent selects lifecycle hooks ({}), which do not run in a delegate's session; delegate to an agent without them.",
+            subagent.name(),
+            ids.join(", ")
+        ));
+    }
     let mut rendered = Rendered::default();
     let state = RenderState::subagent(&delivery);
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -615,7 +666,7 @@ async fn child_session(
     if let Some(taken) = rendered
         .tools
         .iter()
-        .find(|own| environment.iter().any(|tool| tool.name() == own.name()))
+        .find(|own| environment.tools.iter().any(|tool| tool.name() == own.name()))
     {
         return Err(format!(
             "The \"{}\" agent's tool \"{}\" clashes with a sandbox tool.",
@@ -623,16 +674,9 @@ async fn child_session(
             taken.name()
         ));
     }
-    rendered.tools.extend(environment.iter().cloned());
-    let nested = Arc::new(Delegation::new(
-        runtime,
-        &delegation.key,
-        &delegation.submission_id,
-        model.clone(),
-        thinking,
-        delegation.depth + 1,
-        delegation.signal.clone(),
-    ));
+    rendered.tools.extend(environment.tools.iter().cloned());
+    let scope = Arc::new(TaskScope::new(task.id));
+    let nested = Arc::new(delegation.nested(model.clone(), thinking, scope.clone()));
     let nested_tool = task_tool(nested.clone());
     let mut sections = crate::framework::Sections::default();
     crate::framework::mount(
@@ -650,7 +694,7 @@ async fn child_session(
         runtime,
         root: &delegation.key,
         submission_id: &delegation.submission_id,
-        scope: TaskScope::new(task.id),
+        scope,
     };
     let session = ChildSession {
         runtime,
@@ -675,9 +719,13 @@ async fn child_session(
             session.batch(&mut conversation, &rerun, step, &unknown, None).await?;
             continue;
         }
-        // Completed work is never redone: a child that answered is done.
+        // Completed work is never redone: a child that answered is done, and so is one whose
+        // last tool batch ended its run (every tool of it asked to terminate).
         if let Some(answer) = conversation.final_answer() {
             return Ok(answer.to_owned());
+        }
+        if let Some(answer) = conversation.terminated_answer() {
+            return Ok(answer);
         }
         if conversation.model_steps() >= max_steps {
             // The step budget ran out: what the child last said is its answer.
@@ -803,7 +851,7 @@ struct ChildEvents<'a> {
     /// The root instance the task runs for.
     root: &'a InstanceKey,
     submission_id: &'a str,
-    scope: TaskScope,
+    scope: Arc<TaskScope>,
 }
 
 impl ChildEvents<'_> {
@@ -928,6 +976,12 @@ impl ChildSession<'_> {
             stream: Stream::Child(self.key.clone()),
             children: conversation.retained_children(),
         });
+        let logger = crate::session::event_logger(
+            self.runtime,
+            self.root,
+            self.events.submission_id,
+            Some(self.events.scope.clone()),
+        );
         let executed = {
             let conversation = &*conversation;
             crate::tools::run_batch(
@@ -938,7 +992,8 @@ impl ChildSession<'_> {
                 |tool, call| {
                     let ctx = ToolContext::new(tool, call.id.clone())
                         .with_instance_id(self.root.id.to_string())
-                        .with_signal(self.signal.clone());
+                        .with_signal(self.signal.clone())
+                        .with_logger(logger.clone());
                     if !tool.definition().durable {
                         return ctx;
                     }
@@ -957,7 +1012,21 @@ impl ChildSession<'_> {
                         tool_call_id: call.id.clone(),
                     });
                 },
-                |_| {},
+                |run: &crate::tools::Executed| {
+                    // The tool-result message, when the tool is done (as the root's).
+                    if self.runtime.observed() {
+                        let message = ModelMessage::Tool {
+                            tool_call_id: run.call.id.clone(),
+                            name: run.call.name.clone(),
+                            content: run.output.to_text(),
+                            is_error: run.output.is_error,
+                        };
+                        self.events.emit(|| Event::MessageStart {
+                            message: message.clone(),
+                        });
+                        self.events.emit(|| Event::MessageEnd { message });
+                    }
+                },
             )
             .await
         };

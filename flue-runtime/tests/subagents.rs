@@ -232,6 +232,8 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
             "turn",
             "message_end",
             "tool_start",
+            "message_start",
+            "message_end",
             "tool",
             "turn_messages",
             "turn_start",
@@ -990,4 +992,501 @@ async fn a_nested_task_rerun_reattaches_its_whole_chain_of_children() {
         );
         assert_eq!(of_type(&records, "assistant_message_completed").len(), 2, "{name}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Terminating tools, correlation, hooks, logs, interrupted calls and cwd of delegated tasks.
+
+/// A parent delegating to `delegate`, under the agent name `name`.
+fn delegating_agent(name: &'static str, delegate: fn() -> Subagent) -> AgentRef {
+    FnAgent::new(AgentDefinition::new(name), move |_: AgentProps<'_>| {
+        use_model("scripted/parent-model");
+        use_subagent(delegate());
+        "Delegate the work."
+    })
+    .into()
+}
+
+/// A delegate whose only tool terminates its run.
+fn closing_delegate() -> Subagent {
+    Subagent::new(
+        "closer",
+        "Closes cases.",
+        FnAgent::new(AgentDefinition::new("closer"), |_: AgentProps<'_>| {
+            use_tool(
+                Tool::new("close_case")
+                    .description("Close the case.")
+                    .terminate()
+                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("case closed") }),
+            );
+            "You close cases."
+        }),
+    )
+}
+
+/// Reference §1 item 12: "Turn ends after the batch iff every result in the batch terminates"
+/// (as at the root: `a_batch_of_only_terminating_tools_ends_the_turn_without_another_model_call`).
+/// A delegate's terminating tool ends the child's run: its answer is what the tool returned
+/// (the step had no text).
+#[tokio::test]
+async fn a_terminating_tool_batch_ends_the_delegates_run_without_another_model_call() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "closer", "prompt": "Close case 5."})),
+        ScriptedReply::tool_call("close_case", json!({})),
+        // Only reached when the child is (wrongly) called again after its terminating batch.
+        ScriptedReply::text("child spoke again"),
+        ScriptedReply::text("Done."),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![delegating_agent("desk_closer", closing_delegate)]);
+    runtime
+        .handle("desk_closer", "d-1")
+        .unwrap()
+        .send("Close 5.")
+        .await
+        .unwrap();
+    let requests = model.requests();
+    let child_calls = requests
+        .iter()
+        .filter(|request| instructions_of(request.system.as_deref()) == Some("You close cases."))
+        .count();
+    assert_eq!(
+        child_calls, 1,
+        "the child's terminating batch ended its run; it was called {child_calls} times"
+    );
+    let task_result = harness::tool_results(&requests[2]);
+    assert_eq!(task_result[0].0, "case closed");
+}
+
+/// The tallier of the chain below (its tool counts nothing).
+fn quiet_tallier() -> Subagent {
+    Subagent::new(
+        "tallier",
+        "Tallies words.",
+        FnAgent::new(AgentDefinition::new("tallier"), |_: AgentProps<'_>| {
+            use_tool(
+                Tool::new("tally")
+                    .description("Tally the words.")
+                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("2 words") }),
+            );
+            "You tally words."
+        }),
+    )
+}
+
+fn coordinator() -> Subagent {
+    Subagent::new(
+        "coordinator",
+        "Coordinates.",
+        FnAgent::new(AgentDefinition::new("coordinator"), |_: AgentProps<'_>| {
+            use_subagent(quiet_tallier());
+            "You coordinate."
+        }),
+    )
+}
+
+fn chain_script() -> ScriptedModel {
+    ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "coordinator", "prompt": "Get a tally."})),
+        ScriptedReply::tool_call("task", json!({"agent": "tallier", "prompt": "Tally: a b."})),
+        ScriptedReply::tool_call("tally", json!({})),
+        ScriptedReply::text("Two words."),
+        ScriptedReply::text("The tallier says two."),
+        ScriptedReply::text("Two."),
+    ])
+}
+
+/// Reference §7.1: an observation's correlation (`taskId`, `turnId`) is its emitting
+/// context's. A nested `task_start`/`task` comes from the coordinator's child session (whose
+/// `tool_start` for that very `task` call carries the coordinator's task id), so it carries
+/// the coordinator's task id and turn.
+#[tokio::test]
+async fn a_nested_tasks_start_and_end_are_correlated_with_the_task_that_delegated() {
+    let model = chain_script();
+    let runtime = runtime_with(&model, vec![delegating_agent("chain_obs", coordinator)]);
+    let mut events = runtime.observe();
+    runtime.handle("chain_obs", "c-2").unwrap().send("Go.").await.unwrap();
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        seen.push(observation);
+    }
+    let starts: Vec<_> = seen
+        .iter()
+        .filter(|observation| matches!(observation.event, Event::TaskStart { .. }))
+        .collect();
+    assert_eq!(starts.len(), 2);
+    let Event::TaskStart { task_id: outer, .. } = &starts[0].event else {
+        unreachable!()
+    };
+    // The coordinator's own tool_start for its `task` call: in the coordinator's context.
+    let nested_call = seen
+        .iter()
+        .find(|observation| {
+            matches!(&observation.event, Event::ToolStart { tool_name, .. } if tool_name == "task")
+                && observation.task_id.is_some()
+        })
+        .unwrap();
+    assert_eq!(nested_call.task_id.as_ref(), Some(outer));
+    let ends: Vec<_> = seen
+        .iter()
+        .filter(|observation| matches!(observation.event, Event::Task { .. }))
+        .collect();
+    assert_eq!(
+        (starts[1].task_id.as_ref(), starts[1].turn_id.as_ref()),
+        (Some(outer), nested_call.turn_id.as_ref()),
+        "the nested task_start belongs to the coordinator's session and turn"
+    );
+    assert_eq!(ends[0].task_id.as_ref(), Some(outer), "the nested task end likewise");
+}
+
+/// Reference §7.2: `task_start` carries the `toolCallId` of the `task` call that started it,
+/// which ties a task to its call (several tasks run in parallel in one turn).
+#[tokio::test]
+async fn task_start_names_the_tool_call_that_started_it() {
+    let model = chain_script();
+    let runtime = runtime_with(&model, vec![delegating_agent("chain_ids", coordinator)]);
+    let mut events = runtime.observe();
+    runtime.handle("chain_ids", "c-3").unwrap().send("Go.").await.unwrap();
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        seen.push(observation);
+    }
+    let call_id = seen
+        .iter()
+        .find_map(|observation| match &observation.event {
+            Event::ToolStart {
+                tool_name,
+                tool_call_id,
+            } if tool_name == "task" => Some(tool_call_id.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let start = seen
+        .iter()
+        .find(|observation| matches!(observation.event, Event::TaskStart { .. }))
+        .unwrap();
+    let json = serde_json::to_value(start).unwrap();
+    assert_eq!(json["event"]["toolCallId"], json!(call_id), "{json:#}");
+}
+
+#[hook(before_store_tool_result)]
+async fn redact_email(_state: &ThreadState, _call: &ToolCall, result: ToolResult) -> ToolResult {
+    ToolResult {
+        result: result
+            .result
+            .map(|text| text.replace("jane@example.com", "[email redacted]")),
+        ..result
+    }
+}
+
+/// A delegate whose lookup returns an email address and who selects a redaction hook.
+fn redacting_delegate() -> Subagent {
+    Subagent::new(
+        "looker",
+        "Looks customers up.",
+        FnAgent::new(AgentDefinition::new("looker"), |_: AgentProps<'_>| {
+            use_hooks([redact_email]);
+            use_tool(Tool::new("lookup_customer").description("Look the customer up.").run(
+                |_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("Jane, jane@example.com") },
+            ));
+            "You look customers up."
+        }),
+    )
+}
+
+/// A delegate's session runs no lifecycle hooks, so a subagent render refuses `use_hooks` (as
+/// it refuses every hook the child cannot honour): a redaction hook is never silently
+/// skipped, and the raw address reaches neither the child's model nor the parent.
+#[tokio::test]
+async fn a_delegates_selected_lifecycle_hooks_are_not_silently_ignored() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "looker", "prompt": "Who is customer 3?"})),
+        ScriptedReply::tool_call("lookup_customer", json!({})),
+        ScriptedReply::text("Customer 3 is Jane."),
+        ScriptedReply::text("Jane."),
+    ]);
+    let runtime = runtime_with(&model, vec![delegating_agent("desk_lookup", redacting_delegate)]);
+    runtime
+        .handle("desk_lookup", "d-2")
+        .unwrap()
+        .send("Who is 3?")
+        .await
+        .unwrap();
+    // The render refused the selection, and the parent's model was told why.
+    let task_result = harness::tool_results(&model.requests()[1]);
+    assert!(
+        task_result[0]
+            .0
+            .contains("use_hooks() is not available in a subagent render"),
+        "{task_result:?}"
+    );
+    for request in model.requests() {
+        for (content, _) in harness::tool_results(&request) {
+            assert!(
+                !content.contains("jane@example.com"),
+                "the delegate's redaction hook did not run: {content}"
+            );
+        }
+    }
+}
+
+/// A delegate whose tool logs a progress line.
+fn logging_delegate() -> Subagent {
+    Subagent::new(
+        "logger",
+        "Logs progress.",
+        FnAgent::new(AgentDefinition::new("logger"), |_: AgentProps<'_>| {
+            use_tool(Tool::new("work").description("Do the work.").run(
+                |ctx, _: serde_json::Map<String, Value>| async move {
+                    ctx.log().info("halfway through the work");
+                    Ok::<_, ToolError>("worked")
+                },
+            ));
+            "You work."
+        }),
+    )
+}
+
+/// Reference §7.2 (`log {level, message}`): a tool's log lines are published, a tool running
+/// inside a task's too, stamped with the task.
+#[tokio::test]
+async fn a_tool_running_in_a_task_has_its_log_lines_published() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "logger", "prompt": "Work."})),
+        ScriptedReply::tool_call("work", json!({})),
+        ScriptedReply::text("Worked."),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![delegating_agent("desk_log", logging_delegate)]);
+    let mut events = runtime.observe();
+    runtime.handle("desk_log", "d-3").unwrap().send("Work.").await.unwrap();
+    let mut logs = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Log { message, .. } = &observation.event {
+            logs.push((message.clone(), observation.task_id.is_some()));
+        }
+    }
+    assert_eq!(logs, [("halfway through the work".to_owned(), true)]);
+}
+
+/// A delegate whose tool waits until the attempt is aborted.
+fn waiting_delegate() -> Subagent {
+    Subagent::new(
+        "waiter",
+        "Waits.",
+        FnAgent::new(AgentDefinition::new("waiter"), |_: AgentProps<'_>| {
+            use_tool(Tool::new("wait_forever").description("Wait until aborted.").run(
+                |ctx, _: serde_json::Map<String, Value>| async move {
+                    ctx.signal().aborted().await;
+                    "stopped"
+                },
+            ));
+            "You wait."
+        }),
+    )
+}
+
+/// Reference §3.10 + §8 item 20: an abort reaches the running task, and the task call left
+/// without an outcome gets the outcome-unknown result naming the child conversation
+/// (`childConversationId`): the parent's model learns the child exists (its work may be
+/// finished) instead of a bare "outcome unknown".
+#[tokio::test]
+async fn an_aborted_task_calls_unknown_outcome_names_its_child_conversation() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "waiter", "prompt": "Wait."})),
+        ScriptedReply::tool_call("wait_forever", json!({})),
+        ScriptedReply::text("Fine."),
+    ]);
+    let runtime = runtime_with(&model, vec![delegating_agent("desk_wait", waiting_delegate)]);
+    let mut events = runtime.observe();
+    let handle = runtime.handle("desk_wait", "d-4").unwrap();
+    let receipt = handle.dispatch("go").await.unwrap();
+    loop {
+        let observation = events.recv().await.unwrap();
+        if matches!(&observation.event, Event::ToolStart { tool_name, .. } if tool_name == "wait_forever") {
+            break;
+        }
+    }
+    assert!(handle.abort().await.unwrap());
+    let aborted = tokio::time::timeout(std::time::Duration::from_secs(20), handle.read(&receipt.submission_id))
+        .await
+        .expect("the abort reached the running task");
+    assert!(aborted.is_err(), "the submission settled aborted");
+    handle.send("And now?").await.unwrap();
+    let store = runtime.store().clone();
+    let (_, child) = the_child(&store, &InstanceKey::new("desk_wait", "d-4")).await;
+    let requests = model.requests();
+    let last = requests.last().unwrap();
+    let results = harness::tool_results(last);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(
+        results[0].0,
+        format!(
+            "Tool execution was interrupted before completion. The outcome is unknown. The task's conversation (childConversationId) is \"{child}\"."
+        )
+    );
+}
+
+/// The reference's task call takes a `cwd` (`task_start {taskId, prompt, agent?, cwd?}`,
+/// §7.2; the subagent-render rule for `useSandbox`: "delegates share the parent environment
+/// (scope work with the task call's cwd instead)").
+#[tokio::test]
+async fn the_task_tool_takes_a_cwd_to_scope_the_delegate() {
+    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
+    let runtime = runtime_with(&model, vec![plain_agent.into()]);
+    runtime.init(&plain_agent, "p-cwd").send("hello").await.unwrap();
+    let requests = model.requests();
+    let task = requests[0].tools.iter().find(|tool| tool.name == "task").unwrap();
+    assert!(
+        task.parameters["properties"].get("cwd").is_some(),
+        "{}",
+        task.parameters
+    );
+}
+
+/// Reference §7.3 item 8: "per tool: `tool_start` at execution, `message_start`/`message_end`
+/// of its tool-result message when done", in a task's child session as at the root.
+#[tokio::test]
+async fn a_childs_tool_results_are_published_as_messages_like_the_roots() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "summarizer", "prompt": "Summarize case 8."})),
+        ScriptedReply::tool_call("count_words", json!({"text": "a loose screw"})),
+        ScriptedReply::text("Case 8: a loose screw."),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![case_agent.into()]);
+    let mut events = runtime.observe();
+    runtime
+        .init(&case_agent, "case-8")
+        .send("Look at case 8.")
+        .await
+        .unwrap();
+    let mut root_results = 0;
+    let mut child_results = 0;
+    while let Ok(observation) = events.try_recv() {
+        if let Event::MessageEnd {
+            message: ModelMessage::Tool { .. },
+        } = &observation.event
+        {
+            if observation.task_id.is_some() {
+                child_results += 1;
+            } else {
+                root_results += 1;
+            }
+        }
+    }
+    assert_eq!(root_results, 1, "the root's task result");
+    assert_eq!(child_results, 1, "the child's count_words result");
+}
+
+/// A delegate agent whose definition selects lifecycle hooks would run without them (a
+/// delegate's session runs none): the task refuses it, and says why.
+#[tokio::test]
+async fn a_delegate_whose_definition_selects_lifecycle_hooks_is_refused_not_run_without_them() {
+    fn hooked() -> Subagent {
+        Subagent::new(
+            "hooked",
+            "Looks customers up.",
+            FnAgent::new(
+                AgentDefinition::new("hooked").hooks(vec![redact_email]),
+                |_: AgentProps<'_>| "You look customers up.",
+            ),
+        )
+    }
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "hooked", "prompt": "Who is customer 3?"})),
+        ScriptedReply::text("Could not."),
+    ]);
+    let runtime = runtime_with(&model, vec![delegating_agent("desk_hooked", hooked)]);
+    runtime
+        .handle("desk_hooked", "d-5")
+        .unwrap()
+        .send("Who?")
+        .await
+        .unwrap();
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2, "the delegate's model was never called");
+    let result = harness::tool_results(&requests[1]);
+    assert_eq!(
+        result[0],
+        (
+            "The \"hooked\" agent selects lifecycle hooks (redact_email), which do not run in a delegate's session; delegate to an agent without them."
+                .to_owned(),
+            true
+        )
+    );
+}
+
+#[agent]
+fn sandboxed_desk() -> &'static str {
+    use_model("scripted/parent-model");
+    use_sandbox(flue_runtime::sandbox::virtual_sandbox());
+    use_subagent(Subagent::new(
+        "scribe",
+        "Writes notes.",
+        FnAgent::new(AgentDefinition::new("scribe"), |_: AgentProps<'_>| "You write notes."),
+    ));
+    "Delegate the writing."
+}
+
+/// A `task` call's `cwd` scopes the delegate's sandbox tools to a directory under the
+/// parent's working directory: its relative paths land there, `task_start` says so, and a
+/// `cwd` that leaves the sandbox is refused before the task starts.
+#[tokio::test]
+async fn a_task_cwd_scopes_the_delegates_sandbox_tools_and_cannot_leave_the_sandbox() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "task",
+            json!({"agent": "scribe", "prompt": "Write the note.", "cwd": "work/notes"}),
+        ),
+        ScriptedReply::tool_call("write", json!({"path": "today.md", "content": "ship it"})),
+        ScriptedReply::text("Written."),
+        ScriptedReply::tool_call("read", json!({"path": "/work/notes/today.md"})),
+        ScriptedReply::tool_call("task", json!({"agent": "scribe", "prompt": "Escape.", "cwd": "../.."})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![sandboxed_desk.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&sandboxed_desk, "s-1").send("Note it.").await.unwrap();
+    let requests = model.requests();
+    // The parent reads what the delegate wrote where its cwd put it.
+    let read = harness::last_batch_results(&requests[4]);
+    assert!(read[0].0.contains("ship it"), "{read:?}");
+    let escape = harness::last_batch_results(&requests[5]);
+    assert!(escape[0].1, "{escape:?}");
+    assert!(escape[0].0.starts_with("The task's cwd \"../..\""), "{escape:?}");
+    let mut starts = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::TaskStart { cwd, .. } = observation.event {
+            starts.push(cwd);
+        }
+    }
+    assert_eq!(
+        starts,
+        [Some("work/notes".to_owned())],
+        "the refused task never started"
+    );
+}
+
+/// A `cwd` needs a sandbox: without one the call is refused, and the task does not start.
+#[tokio::test]
+async fn a_task_cwd_without_a_sandbox_is_refused() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "task",
+            json!({"agent": "summarizer", "prompt": "Summarize case 9.", "cwd": "cases"}),
+        ),
+        ScriptedReply::text("Could not."),
+    ]);
+    let runtime = runtime_with(&model, vec![case_agent.into()]);
+    runtime.init(&case_agent, "case-9").send("Case 9.").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2);
+    assert_eq!(
+        harness::tool_results(&requests[1])[0],
+        (
+            "A task's cwd needs a sandbox, and this agent has none attached.".to_owned(),
+            true
+        )
+    );
 }

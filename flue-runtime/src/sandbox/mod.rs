@@ -19,7 +19,8 @@
 //!   than" the lines seen, and only what was read is checked to be UTF-8), `grep` at one match
 //!   more than it shows, and at a line longer than 1 MB (its head searched, not the rest of
 //!   the file).
-//! - Delegates share the parent's sandbox and its tools.
+//! - Delegates share the parent's sandbox and its tools ([`Environment`]); a `task` call's
+//!   `cwd` scopes the delegate's tools to a directory under the parent's working directory.
 
 mod local;
 pub(crate) mod tools;
@@ -84,7 +85,9 @@ pub(crate) fn join(cwd: &str, path: &str) -> Result<String, SandboxError> {
 pub(crate) struct SandboxSession {
     pub(crate) sandbox: Arc<dyn Sandbox>,
     pub(crate) cwd: String,
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Shared with the sessions scoped from this one (a delegate's writes to a file wait for
+    /// the parent's).
+    locks: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
 }
 
 impl SandboxSession {
@@ -92,7 +95,17 @@ impl SandboxSession {
         Ok(Self {
             sandbox,
             cwd: normalize(cwd.unwrap_or("/"))?,
-            locks: Mutex::default(),
+            locks: Arc::default(),
+        })
+    }
+
+    /// This session with its working directory moved to `cwd` (relative to this one's unless
+    /// absolute): the same sandbox and file locks.
+    fn scoped(&self, cwd: &str) -> Result<Self, SandboxError> {
+        Ok(Self {
+            sandbox: self.sandbox.clone(),
+            cwd: join(&self.cwd, cwd)?,
+            locks: self.locks.clone(),
         })
     }
 
@@ -108,6 +121,53 @@ impl SandboxSession {
             .entry(key)
             .or_default()
             .clone()
+    }
+}
+
+/// The tools of a submission's sandbox while a render attaches it: what the model works
+/// with, and what delegates share.
+#[derive(Clone, Default)]
+pub(crate) struct Environment {
+    pub(crate) tools: Vec<flue_core::Tool>,
+    /// The session (`None`: no sandbox is attached).
+    pub(crate) session: Option<Arc<SandboxSession>>,
+    /// Whether `tools` are the built-in ones over `session` (a factory's own tools cannot be
+    /// moved to another directory).
+    built_in: bool,
+}
+
+impl Environment {
+    /// The built-in tools over `session`.
+    pub(crate) fn built_in(session: Arc<SandboxSession>) -> Self {
+        Self {
+            tools: tools::tools(&session),
+            session: Some(session),
+            built_in: true,
+        }
+    }
+
+    /// A sandbox factory's own tools, for `session`.
+    pub(crate) fn custom(session: Arc<SandboxSession>, tools: Vec<flue_core::Tool>) -> Self {
+        Self {
+            tools,
+            session: Some(session),
+            built_in: false,
+        }
+    }
+
+    /// The environment of a delegate working in `cwd` (relative to this environment's working
+    /// directory unless absolute, and inside the sandbox).
+    pub(crate) fn scoped(&self, cwd: &str) -> Result<Self, String> {
+        let Some(session) = &self.session else {
+            return Err("A task's cwd needs a sandbox, and this agent has none attached.".to_owned());
+        };
+        if !self.built_in {
+            return Err("A task's cwd cannot scope this sandbox's own tools; leave cwd out.".to_owned());
+        }
+        let scoped = session
+            .scoped(cwd)
+            .map_err(|error| format!("The task's cwd \"{cwd}\": {error}"))?;
+        Ok(Self::built_in(Arc::new(scoped)))
     }
 }
 

@@ -17,6 +17,11 @@ use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 /// The result text of a tool whose outcome never committed.
 pub(crate) const INTERRUPTED_TOOL: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
 
+/// The outcome-unknown result of a `task` call that created the child conversation `child`.
+pub(crate) fn interrupted_task(child: &crate::store::InstanceKey) -> String {
+    format!("{INTERRUPTED_TOOL} The task's conversation (childConversationId) is \"{child}\".")
+}
+
 /// An instance's conversation, folded incrementally from its batches.
 /// What a conversation's stream says about one submission.
 #[derive(Clone, Copy, Default)]
@@ -90,6 +95,9 @@ pub(crate) struct Conversation {
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
     /// after it that asks for more.
     answered: HashSet<Arc<str>>,
+    /// The last step's tool batch committed and every one of its tools asked to terminate:
+    /// the run it belongs to ended there (a task's child is done).
+    terminated: bool,
     /// The `use_response_start` metadata of unsettled submissions whose first step recorded
     /// some: a resumed response's finish callbacks read it back.
     response_metadata: HashMap<Arc<str>, Metadata>,
@@ -410,6 +418,7 @@ impl Conversation {
                 // after the host's answer (its record carries the delivery's id) leaves the
                 // host's response unanswered too.
                 self.answered.clear();
+                self.terminated = false;
             }
             RecordBody::AgentStartRun => {
                 if let Some(id) = submission {
@@ -454,6 +463,7 @@ impl Conversation {
                 }
             }
             RecordBody::AssistantMessageCompleted { stop_reason, usage, .. } => {
+                self.terminated = false;
                 if let Some(id) = submission {
                     let progress = self.progress_of(id);
                     progress.steps += 1;
@@ -468,15 +478,16 @@ impl Conversation {
                 }
             }
             RecordBody::ToolResultsCommitted { .. } => {
+                // A complete batch whose every tool asked to terminate ends the response (no
+                // further turn): it is a final answer, never run again on resume.
+                let terminated = !self.open_calls.is_empty()
+                    && self.open_calls.iter().all(|call| {
+                        self.outcomes
+                            .iter()
+                            .any(|outcome| outcome.tool_call_id == call.id && outcome.terminate)
+                    });
+                self.terminated = terminated;
                 if let Some(id) = submission {
-                    // A complete batch whose every tool asked to terminate ends the response
-                    // (no further turn): it is a final answer, never run again on resume.
-                    let terminated = !self.open_calls.is_empty()
-                        && self.open_calls.iter().all(|call| {
-                            self.outcomes
-                                .iter()
-                                .any(|outcome| outcome.tool_call_id == call.id && outcome.terminate)
-                        });
                     if terminated {
                         self.answered.insert(id.clone());
                     } else {
@@ -620,7 +631,10 @@ impl Conversation {
                                 row,
                             );
                         }
-                        None => self.push_interrupted(call, record.timestamp.clone()),
+                        None => {
+                            let content = self.interrupted(&call.id);
+                            self.push_interrupted(call, record.timestamp.clone(), content);
+                        }
                     }
                 }
             }
@@ -747,18 +761,27 @@ impl Conversation {
         self.results_at = at + 1;
     }
 
-    fn push_interrupted(&mut self, call: ModelToolCall, created: Arc<str>) {
+    fn push_interrupted(&mut self, call: ModelToolCall, created: Arc<str>, content: String) {
         let mut row = Row::new(format!("tool_{}", call.id), MessageRole::Tool, created);
         row.name = Some(call.name.clone());
         self.insert_result(
             ModelMessage::Tool {
                 tool_call_id: call.id,
                 name: call.name,
-                content: INTERRUPTED_TOOL.to_owned(),
+                content,
                 is_error: true,
             },
             row,
         );
+    }
+
+    /// The outcome-unknown result of the uncommitted call `tool_call_id`: a `task` call's
+    /// names the child conversation it created (which may hold the delegate's finished work).
+    fn interrupted(&self, tool_call_id: &str) -> String {
+        match self.children.get(tool_call_id) {
+            Some(child) => interrupted_task(&child.key),
+            None => INTERRUPTED_TOOL.to_owned(),
+        }
     }
 
     /// Calls whose batch never committed (an interrupted attempt) get an outcome-unknown
@@ -766,15 +789,16 @@ impl Conversation {
     fn close_dangling_calls(&mut self) {
         self.outcomes.clear();
         self.tool_steps.clear();
-        self.children.clear();
         let created = self
             .rows
             .last()
             .map(|row| row.created.clone())
             .unwrap_or_else(|| "".into());
         for call in std::mem::take(&mut self.open_calls) {
-            self.push_interrupted(call, created.clone());
+            let content = self.interrupted(&call.id);
+            self.push_interrupted(call, created.clone(), content);
         }
+        self.children.clear();
     }
 
     /// The tool calls of the last completed step whose batch never committed (an interrupted
@@ -798,6 +822,29 @@ impl Conversation {
             Some(ModelMessage::Assistant { text, tool_calls }) if tool_calls.is_empty() => Some(text),
             _ => None,
         }
+    }
+
+    /// The answer of a conversation whose last tool batch ended its run (every tool of it asked
+    /// to terminate): the last step's text, or when it has none, what the batch's tools
+    /// returned. `None` while the run goes on.
+    pub(crate) fn terminated_answer(&self) -> Option<String> {
+        if !self.terminated || !self.open_calls.is_empty() {
+            return None;
+        }
+        let text = self.last_model_text();
+        if !text.is_empty() {
+            return Some(text.to_owned());
+        }
+        let results: Vec<&str> = self
+            .messages
+            .iter()
+            .rev()
+            .map_while(|message| match message {
+                ModelMessage::Tool { content, .. } => Some(content.as_str()),
+                _ => None,
+            })
+            .collect();
+        Some(results.into_iter().rev().collect::<Vec<_>>().join("\n\n"))
     }
 
     /// The text of the conversation's last model step (empty without one).
@@ -1035,7 +1082,7 @@ impl Conversation {
             messages.push(ModelMessage::Tool {
                 tool_call_id: call.id.clone(),
                 name: call.name.clone(),
-                content: INTERRUPTED_TOOL.to_owned(),
+                content: self.interrupted(&call.id),
                 is_error: true,
             });
         }

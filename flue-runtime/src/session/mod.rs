@@ -702,23 +702,40 @@ struct EventLog {
     runtime: Weak<RuntimeInner>,
     key: InstanceKey,
     submission_id: String,
+    /// The task whose child session the lines come from (`None`: the root's).
+    task: Option<Arc<crate::events::TaskScope>>,
+}
+
+/// A logger publishing `log` events for the submission `submission_id` of `key` (stamped with
+/// `task` for a tool running in a task's child session).
+pub(crate) fn event_logger(
+    runtime: &Arc<RuntimeInner>,
+    key: &InstanceKey,
+    submission_id: &str,
+    task: Option<Arc<crate::events::TaskScope>>,
+) -> Logger {
+    Logger::new(Arc::new(EventLog {
+        runtime: Arc::downgrade(runtime),
+        key: key.clone(),
+        submission_id: submission_id.to_owned(),
+        task,
+    }))
 }
 
 impl LogSink for EventLog {
     fn log(&self, level: LogLevel, message: &str) {
         if let Some(runtime) = self.runtime.upgrade() {
-            let level = serde_json::to_value(level)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default();
-            runtime.emit(
-                &self.key,
-                Some(&self.submission_id),
-                Event::Log {
-                    level,
-                    message: message.to_owned(),
-                },
-            );
+            let event = || Event::Log {
+                level: serde_json::to_value(level)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default(),
+                message: message.to_owned(),
+            };
+            match &self.task {
+                Some(task) => runtime.emit_in_task(&self.key, &self.submission_id, task, event),
+                None => runtime.emit_with(&self.key, Some(&self.submission_id), event),
+            }
         }
     }
 }
@@ -776,7 +793,7 @@ struct Response<'a> {
     /// The latest render's fingerprint and resource snapshot (reused while renders repeat).
     declared: Option<(u64, crate::resources::ResourceSet)>,
     /// The submission's sandbox and its tools, once a render attached it.
-    sandbox: Option<(Arc<crate::sandbox::SandboxSession>, Vec<flue_core::Tool>)>,
+    sandbox: Option<crate::sandbox::Environment>,
     /// Whether the latest render attaches the sandbox.
     sandbox_present: bool,
     /// How many of the latest render's tools are the agent's own (the sandbox's and the
@@ -853,11 +870,7 @@ impl Response<'_> {
     }
 
     fn logger(&self) -> Logger {
-        Logger::new(Arc::new(EventLog {
-            runtime: Arc::downgrade(self.runtime),
-            key: self.key.clone(),
-            submission_id: self.submission.id.clone(),
-        }))
+        event_logger(self.runtime, self.key, &self.submission.id, None)
     }
 
     /// Appends one batch (plus the attempt's pending state writes and data writes, which
@@ -1003,7 +1016,7 @@ impl Response<'_> {
         self.own_tools = rendered.tools.len();
         self.sandbox_present = false;
         if let Some(declaration) = &rendered.sandbox {
-            let (_, tools) = if let Some(sandbox) = &self.sandbox {
+            let environment = if let Some(sandbox) = &self.sandbox {
                 sandbox
             } else {
                 let sandbox = declaration
@@ -1024,12 +1037,13 @@ impl Response<'_> {
                         )
                     })?;
                 let session = Arc::new(session);
-                let tools = declaration
-                    .factory
-                    .tools()
-                    .unwrap_or_else(|| crate::sandbox::tools::tools(&session));
-                self.sandbox.insert((session, tools))
+                let environment = match declaration.factory.tools() {
+                    Some(tools) => crate::sandbox::Environment::custom(session, tools),
+                    None => crate::sandbox::Environment::built_in(session),
+                };
+                self.sandbox.insert(environment)
             };
+            let tools = &environment.tools;
             if let Some(taken) = rendered
                 .tools
                 .iter()
@@ -1105,10 +1119,10 @@ impl Response<'_> {
     }
 
     /// The sandbox's tools while a render attaches it (delegates share them).
-    fn environment_tools(&self) -> Vec<flue_core::Tool> {
+    fn environment(&self) -> crate::sandbox::Environment {
         match (&self.sandbox, self.sandbox_present) {
-            (Some((_, tools)), true) => tools.clone(),
-            _ => Vec::new(),
+            (Some(environment), true) => environment.clone(),
+            _ => crate::sandbox::Environment::default(),
         }
     }
 
@@ -1119,13 +1133,12 @@ impl Response<'_> {
         if self.delegation.is_none()
             && let Some((spec, thinking)) = self.model_spec.clone()
         {
-            let delegation = Arc::new(crate::subagents::Delegation::new(
+            let delegation = Arc::new(crate::subagents::Delegation::root(
                 self.runtime,
                 self.key,
                 &self.submission.id,
                 spec,
                 thinking,
-                0,
                 self.attempt.signal.clone(),
             ));
             let tool = crate::subagents::task_tool(delegation.clone());
@@ -1138,7 +1151,7 @@ impl Response<'_> {
             ));
             self.delegation = Some((delegation, tool));
         }
-        let environment = self.environment_tools();
+        let environment = self.environment();
         let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
         let delegation = self.delegation.as_ref().map(|(delegation, tool)| (delegation, tool));
         crate::framework::mount(rendered, delegation, parent, environment, &mut self.framework_sections);

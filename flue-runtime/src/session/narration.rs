@@ -16,7 +16,7 @@ impl Response<'_> {
     pub(super) async fn narrate_resources(&mut self, rendered: &Rendered) -> Result<(), Failure> {
         // A render declaring what the previous one did has its snapshot already.
         let environment = match (&self.sandbox, self.sandbox_present) {
-            (Some((session, _)), true) => Some(session.cwd.clone()),
+            (Some(environment), true) => environment.session.as_ref().map(|session| session.cwd.clone()),
             _ => None,
         };
         let environment = environment.as_deref();
