@@ -81,6 +81,7 @@ struct TaskArgs {
     #[schemars(length(min = 1))]
     agent: String,
     /// The complete instructions for the agent (it sees nothing else of this conversation).
+    #[schemars(length(min = 1))]
     prompt: String,
     /// A short label for the work, for people following along.
     #[serde(default)]
@@ -417,6 +418,11 @@ impl Drop for Running<'_> {
 }
 
 async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -> ToolOutput {
+    if args.prompt.trim().is_empty() {
+        return ToolOutput::error(
+            "The task's prompt is empty: give the agent a complete briefing (it sees nothing else of this conversation).",
+        );
+    }
     let (found, names, parent, environment) = {
         let live = delegation.live();
         (
@@ -539,29 +545,45 @@ impl ThreadStateApi for ChildThread {
     }
 }
 
-/// Opens the task's child conversation: the one an earlier run of the call created (folded
-/// from its stream), else a new one, created with its link. Returns its key and conversation.
-async fn open_child(
+/// Reopens the child conversation an earlier run of the call created (folded from its
+/// stream).
+async fn reopen_child(
+    runtime: &RuntimeInner,
+    journal: &Journal,
+    retained: &RetainedChild,
+) -> Result<(InstanceKey, Conversation), String> {
+    let mut conversation = Conversation::default();
+    let batches = runtime
+        .store
+        .read(&retained.key, None)
+        .await
+        .map_err(|error| journal.failed(error))?;
+    for batch in &batches {
+        conversation.apply(batch);
+    }
+    if conversation.model_messages().is_empty() {
+        return Err(format!("The task's conversation {} was not found.", retained.key));
+    }
+    Ok((retained.key.clone(), conversation))
+}
+
+/// What a child conversation answered, once its run is over: its final answer, or the answer
+/// of a tool batch that ended the run. `None` while the run goes on.
+fn answer_of(conversation: &Conversation) -> Option<String> {
+    conversation
+        .final_answer()
+        .map(str::to_owned)
+        .or_else(|| conversation.terminated_answer())
+}
+
+/// Creates the task's child conversation with its link (its first message is the prompt).
+async fn create_child(
     runtime: &RuntimeInner,
     journal: &Journal,
     subagent: &Subagent,
     task: &Task<'_>,
 ) -> Result<(InstanceKey, Conversation), String> {
     let mut conversation = Conversation::default();
-    if let Some(retained) = &task.retained {
-        let batches = runtime
-            .store
-            .read(&retained.key, None)
-            .await
-            .map_err(|error| journal.failed(error))?;
-        for batch in &batches {
-            conversation.apply(batch);
-        }
-        if conversation.model_messages().is_empty() {
-            return Err(format!("The task's conversation {} was not found.", retained.key));
-        }
-        return Ok((retained.key.clone(), conversation));
-    }
     let parent = journal.key();
     let key = child_key(&parent, task.id);
     let birth: Arc<[Record]> = vec![
@@ -606,6 +628,18 @@ async fn child_session(
     task: Task<'_>,
 ) -> Result<String, String> {
     let args = task.args;
+    // A re-run reattaches first: a child that answered is done, whatever the delegate renders
+    // now (completed work is never redone, nor lost).
+    let reopened = match &task.retained {
+        Some(retained) => {
+            let (key, conversation) = reopen_child(runtime, journal, retained).await?;
+            if let Some(answer) = answer_of(&conversation) {
+                return Ok(answer);
+            }
+            Some((key, conversation))
+        }
+        None => None,
+    };
     let delivery = Arc::new(DeliveredMessage::user(args.prompt.clone()));
     let agent = subagent.agent().get();
     // A delegate's session runs no lifecycle hooks (its render cannot select any): an agent
@@ -640,7 +674,22 @@ async fn child_session(
         .resolve(&model)
         .map_err(|error| format!("The \"{}\" agent's model: {error}", subagent.name()))?;
 
-    let (child, mut conversation) = open_child(runtime, journal, subagent, &task).await?;
+    // Refused before the child exists (no child is left behind).
+    if let Some(taken) = rendered
+        .tools
+        .iter()
+        .find(|own| environment.tools.iter().any(|tool| tool.name() == own.name()))
+    {
+        return Err(format!(
+            "The \"{}\" agent's tool \"{}\" clashes with a sandbox tool.",
+            subagent.name(),
+            taken.name()
+        ));
+    }
+    let (child, mut conversation) = match reopened {
+        Some(reopened) => reopened,
+        None => create_child(runtime, journal, subagent, &task).await?,
+    };
 
     // Before the child's first model call (again when a re-run finds it has none yet).
     if conversation.model_steps() == 0
@@ -663,17 +712,6 @@ async fn child_session(
     }
 
     // The parent's environment, then the child's own skills and delegates (one level deeper).
-    if let Some(taken) = rendered
-        .tools
-        .iter()
-        .find(|own| environment.tools.iter().any(|tool| tool.name() == own.name()))
-    {
-        return Err(format!(
-            "The \"{}\" agent's tool \"{}\" clashes with a sandbox tool.",
-            subagent.name(),
-            taken.name()
-        ));
-    }
     rendered.tools.extend(environment.tools.iter().cloned());
     let scope = Arc::new(TaskScope::new(task.id));
     let nested = Arc::new(delegation.nested(model.clone(), thinking, scope.clone()));
@@ -721,10 +759,7 @@ async fn child_session(
         }
         // Completed work is never redone: a child that answered is done, and so is one whose
         // last tool batch ended its run (every tool of it asked to terminate).
-        if let Some(answer) = conversation.final_answer() {
-            return Ok(answer.to_owned());
-        }
-        if let Some(answer) = conversation.terminated_answer() {
+        if let Some(answer) = answer_of(&conversation) {
             return Ok(answer);
         }
         if conversation.model_steps() >= max_steps {

@@ -1490,3 +1490,126 @@ async fn a_task_cwd_without_a_sandbox_is_refused() {
         )
     );
 }
+
+static FRAGILE_BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The tallier, whose render panics once `FRAGILE_BROKEN` is set.
+fn fragile_parent(_: AgentProps<'_>) -> &'static str {
+    use_model("scripted/parent-model");
+    use_subagent(Subagent::new(
+        "tallier",
+        "Tallies words.",
+        FnAgent::new(AgentDefinition::new("tallier"), |_: AgentProps<'_>| {
+            assert!(!FRAGILE_BROKEN.load(Ordering::SeqCst), "the delegate's render broke");
+            use_tool(
+                Tool::new("tally")
+                    .description("Tally the words.")
+                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("7 words") }),
+            );
+            "You tally words."
+        }),
+    ));
+    "Delegate the tally."
+}
+
+/// Completed work is never lost: a re-run of a task call whose child had answered returns the
+/// recorded answer before rendering the delegate again, so a delegate that no longer renders
+/// (or whose model no longer resolves) does not throw the finished work away.
+#[tokio::test]
+async fn a_finished_task_rerun_returns_its_answer_even_when_the_delegate_no_longer_renders() {
+    for (name, backend) in backends() {
+        FRAGILE_BROKEN.store(false, Ordering::SeqCst);
+        let model = tallying_script();
+        let commits = commits_calls_of("task");
+        let store = crashing(backend, move |key, records| {
+            let hit = commits(key, records);
+            if hit {
+                // The parent's batch answering the task fails; from now on the delegate
+                // cannot render.
+                FRAGILE_BROKEN.store(true, Ordering::SeqCst);
+            }
+            hit
+        });
+        let runtime = harness::runtime_on(
+            store,
+            &model,
+            vec![FnAgent::new(AgentDefinition::new("fragile"), fragile_parent).into()],
+        );
+        let reply = runtime
+            .handle("fragile", "f-1")
+            .unwrap()
+            .send("Tally it.")
+            .await
+            .unwrap();
+        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let requests = model.requests();
+        assert_eq!(requests.len(), 4, "{name}");
+        assert_eq!(
+            harness::last_batch_results(&requests[3]),
+            [("Seven words.".to_owned(), false)],
+            "{name}: the re-run returned the recorded answer"
+        );
+    }
+    FRAGILE_BROKEN.store(false, Ordering::SeqCst);
+}
+
+#[agent]
+fn clashing_desk() -> &'static str {
+    use_model("scripted/parent-model");
+    use_sandbox(flue_runtime::sandbox::virtual_sandbox());
+    use_subagent(Subagent::new(
+        "reader",
+        "Reads.",
+        FnAgent::new(AgentDefinition::new("reader"), |_: AgentProps<'_>| {
+            use_tool(
+                Tool::new("read")
+                    .description("Read my way.")
+                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("mine") }),
+            );
+            "You read."
+        }),
+    ));
+    "Delegate the reading."
+}
+
+/// A delegate whose tool clashes with a sandbox tool is refused before its child conversation
+/// is created: no orphan child is left in the parent's stream.
+#[tokio::test]
+async fn a_delegate_tool_clashing_with_the_sandbox_is_refused_before_any_child_exists() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "reader", "prompt": "Read the notes."})),
+        ScriptedReply::text("Could not."),
+    ]);
+    let runtime = runtime_with(&model, vec![clashing_desk.into()]);
+    runtime.init(&clashing_desk, "k-1").send("Read.").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(
+        harness::last_batch_results(&requests[1]),
+        [(
+            "The \"reader\" agent's tool \"read\" clashes with a sandbox tool.".to_owned(),
+            true
+        )]
+    );
+    let store = runtime.store().clone();
+    let records = stream_json(&store, &InstanceKey::new("clashing_desk", "k-1")).await;
+    assert!(of_type(&records, "child_session_retained").is_empty(), "{records:#?}");
+}
+
+/// A blank prompt is refused (the schema already refuses an empty one): the delegate would
+/// start from nothing.
+#[tokio::test]
+async fn a_task_with_a_blank_prompt_is_refused() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "summarizer", "prompt": "   "})),
+        ScriptedReply::text("Could not."),
+    ]);
+    let runtime = runtime_with(&model, vec![case_agent.into()]);
+    runtime.init(&case_agent, "case-10").send("Case 10.").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2, "the delegate never ran");
+    let result = harness::last_batch_results(&requests[1]);
+    assert!(
+        result[0].1 && result[0].0.starts_with("The task's prompt is empty"),
+        "{result:?}"
+    );
+}
