@@ -22,8 +22,9 @@
 //! to `operation`) and, within a model turn (from `turn_start` to `turn_messages`, or a
 //! compaction's summarization call), with the turn's id: how a delta or a tool event, which
 //! names no turn itself, is tied to its turn. A `task`'s child session publishes its own
-//! turns (4–8 above, between the task's `task_start` and `task`), stamped with the task's id
-//! and the child's turn.
+//! `agent_start`, its input's messages (the prompt, the first time it runs), its turns (4–8
+//! above) and `agent_end`, between the task's `task_start` and `task`, stamped with the task's
+//! id and the child's turn.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

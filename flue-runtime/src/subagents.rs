@@ -686,6 +686,7 @@ async fn child_session(
             taken.name()
         ));
     }
+    let created = reopened.is_none();
     let (child, mut conversation) = match reopened {
         Some(reopened) => reopened,
         None => create_child(runtime, journal, subagent, &task).await?,
@@ -733,7 +734,18 @@ async fn child_session(
         root: &delegation.key,
         submission_id: &delegation.submission_id,
         scope,
+        ended: Mutex::default(),
     };
+    // The child's session begins as the root's does: `agent_start`, then its input (the
+    // prompt) the first time it runs.
+    events.emit(|| Event::AgentStart);
+    if created && runtime.observed() {
+        let prompt = ModelMessage::user(args.prompt.clone());
+        events.emit(|| Event::MessageStart {
+            message: prompt.clone(),
+        });
+        events.message_end(prompt);
+    }
     let session = ChildSession {
         runtime,
         journal,
@@ -744,139 +756,146 @@ async fn child_session(
         nested: &nested,
         events: &events,
     };
-    loop {
-        // A batch an earlier run left uncommitted: its durable calls (nested tasks included)
-        // run again, the others get the outcome-unknown result.
-        if let Some((step, calls)) = conversation.open_calls() {
-            let (step, calls) = (step.to_owned(), calls.to_vec());
-            let (rerun, unknown): (Vec<ModelToolCall>, Vec<ModelToolCall>) = calls.into_iter().partition(|call| {
-                tools
-                    .iter()
-                    .any(|tool| tool.name() == call.name && tool.definition().durable)
-            });
-            session.batch(&mut conversation, &rerun, step, &unknown, None).await?;
-            continue;
-        }
-        // Completed work is never redone: a child that answered is done, and so is one whose
-        // last tool batch ended its run (every tool of it asked to terminate).
-        if let Some(answer) = answer_of(&conversation) {
-            return Ok(answer);
-        }
-        if conversation.model_steps() >= max_steps {
-            // The step budget ran out: what the child last said is its answer.
-            return Ok(conversation.last_model_text().to_owned());
-        }
-        let request = ModelRequest {
-            model: model_id.clone(),
-            system: system.clone(),
-            messages: conversation.model_messages(),
-            tools: specs.clone(),
-            thinking_level: thinking,
-            max_output_tokens: None,
-        };
-        // The child's turn, reported as the turn loop reports the root's (its events carry
-        // the task's id and this turn's).
-        let step = conversation.model_steps() + 1;
-        let turn_id = LazyId::new("turn");
-        events.scope.set_turn(Some(&turn_id));
-        events.emit(|| Event::TurnStart {
-            turn_id: turn_id.get(),
-            purpose: TurnPurpose::Agent,
-            step,
-        });
-        events.emit(|| Event::TurnRequest {
-            turn_id: turn_id.get(),
-            purpose: TurnPurpose::Agent,
-            request: crate::session::turn_request(&*provider, &model_id, thinking),
-        });
-        events.emit(|| Event::MessageStart {
-            message: ModelMessage::empty_assistant(),
-        });
-        let started = Instant::now();
-        let mut deltas = ChildDeltas::new(&events);
-        let called = crate::provider::complete_observed(
-            &runtime.options,
-            &*provider,
-            &request,
-            &delegation.signal,
-            |streamed| deltas.on(streamed),
-        )
-        .await;
-        deltas.end();
-        let turn = |stop_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
-            turn_id: turn_id.get(),
-            purpose: TurnPurpose::Agent,
-            step,
-            stop_reason,
-            duration_ms: started.elapsed().as_millis() as u64,
-            request: crate::session::turn_request(&*provider, &model_id, thinking),
-            response,
-            is_error,
-        };
-        let response = match called {
-            Ok(response) => response,
-            Err(error) => {
-                let aborted = delegation.signal.is_aborted();
-                events.emit(|| {
-                    turn(
-                        (if aborted { "aborted" } else { "error" }).to_owned(),
-                        TurnResponse {
-                            error: Some(SettlementError::new(
-                                if aborted { "aborted" } else { "provider_error" },
-                                error.clone(),
-                            )),
-                            ..TurnResponse::default()
-                        },
-                        true,
-                    )
+    let result = async {
+        loop {
+            // A batch an earlier run left uncommitted: its durable calls (nested tasks included)
+            // run again, the others get the outcome-unknown result.
+            if let Some((step, calls)) = conversation.open_calls() {
+                let (step, calls) = (step.to_owned(), calls.to_vec());
+                let (rerun, unknown): (Vec<ModelToolCall>, Vec<ModelToolCall>) = calls.into_iter().partition(|call| {
+                    tools
+                        .iter()
+                        .any(|tool| tool.name() == call.name && tool.definition().durable)
                 });
-                events.emit(|| Event::MessageEnd {
-                    message: ModelMessage::empty_assistant(),
-                });
-                events.scope.set_turn(None);
-                return Err(error);
+                session.batch(&mut conversation, &rerun, step, &unknown, None).await?;
+                continue;
             }
-        };
-        events.emit(|| {
-            turn(
-                response.stop_reason.to_string(),
-                TurnResponse {
+            // Completed work is never redone: a child that answered is done, and so is one whose
+            // last tool batch ended its run (every tool of it asked to terminate).
+            if let Some(answer) = answer_of(&conversation) {
+                return Ok(answer);
+            }
+            if conversation.model_steps() >= max_steps {
+                // The step budget ran out: what the child last said is its answer.
+                return Ok(conversation.last_model_text().to_owned());
+            }
+            let request = ModelRequest {
+                model: model_id.clone(),
+                system: system.clone(),
+                messages: conversation.model_messages(),
+                tools: specs.clone(),
+                thinking_level: thinking,
+                max_output_tokens: None,
+            };
+            // The child's turn, reported as the turn loop reports the root's (its events carry
+            // the task's id and this turn's).
+            let step = conversation.model_steps() + 1;
+            let turn_id = LazyId::new("turn");
+            events.scope.set_turn(Some(&turn_id));
+            events.emit(|| Event::TurnStart {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                step,
+            });
+            events.emit(|| Event::TurnRequest {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                request: crate::session::turn_request(&*provider, &model_id, thinking),
+            });
+            events.emit(|| Event::MessageStart {
+                message: ModelMessage::empty_assistant(),
+            });
+            let started = Instant::now();
+            let mut deltas = ChildDeltas::new(&events);
+            let called = crate::provider::complete_observed(
+                &runtime.options,
+                &*provider,
+                &request,
+                &delegation.signal,
+                |streamed| deltas.on(streamed),
+            )
+            .await;
+            deltas.end();
+            let turn = |stop_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
+                turn_id: turn_id.get(),
+                purpose: TurnPurpose::Agent,
+                step,
+                stop_reason,
+                duration_ms: started.elapsed().as_millis() as u64,
+                request: crate::session::turn_request(&*provider, &model_id, thinking),
+                response,
+                is_error,
+            };
+            let response = match called {
+                Ok(response) => response,
+                Err(error) => {
+                    let aborted = delegation.signal.is_aborted();
+                    events.emit(|| {
+                        turn(
+                            (if aborted { "aborted" } else { "error" }).to_owned(),
+                            TurnResponse {
+                                error: Some(SettlementError::new(
+                                    if aborted { "aborted" } else { "provider_error" },
+                                    error.clone(),
+                                )),
+                                ..TurnResponse::default()
+                            },
+                            true,
+                        )
+                    });
+                    events.emit(|| Event::MessageEnd {
+                        message: ModelMessage::empty_assistant(),
+                    });
+                    events.scope.set_turn(None);
+                    return Err(error);
+                }
+            };
+            events.emit(|| {
+                turn(
+                    response.stop_reason.to_string(),
+                    TurnResponse {
+                        text: response.text.clone(),
+                        tool_calls: response.tool_calls.clone(),
+                        usage: Some(response.usage),
+                        error: None,
+                    },
+                    false,
+                )
+            });
+            let message_id = new_id("msg");
+            let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
+                .map(|body| journal.child_record(body))
+                .collect();
+            journal
+                .append_child(runtime, &child, records, &mut conversation)
+                .await?;
+            if runtime.observed() {
+                events.message_end(ModelMessage::Assistant {
                     text: response.text.clone(),
                     tool_calls: response.tool_calls.clone(),
-                    usage: Some(response.usage),
-                    error: None,
-                },
-                false,
-            )
-        });
-        let message_id = new_id("msg");
-        let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
-            .map(|body| journal.child_record(body))
-            .collect();
-        journal
-            .append_child(runtime, &child, records, &mut conversation)
-            .await?;
-        events.emit(|| Event::MessageEnd {
-            message: ModelMessage::Assistant {
-                text: response.text.clone(),
-                tool_calls: response.tool_calls.clone(),
-            },
-        });
-        if response.tool_calls.is_empty() {
-            events.emit(|| Event::agent_turn_messages(&turn_id, response.text.clone(), Vec::new(), Vec::new()));
-        } else {
-            session
-                .batch(
-                    &mut conversation,
-                    &response.tool_calls,
-                    message_id,
-                    &[],
-                    Some((&turn_id, &response.text)),
-                )
-                .await?;
+                });
+            }
+            if response.tool_calls.is_empty() {
+                events.emit(|| Event::agent_turn_messages(&turn_id, response.text.clone(), Vec::new(), Vec::new()));
+            } else {
+                session
+                    .batch(
+                        &mut conversation,
+                        &response.tool_calls,
+                        message_id,
+                        &[],
+                        Some((&turn_id, &response.text)),
+                    )
+                    .await?;
+            }
+            events.scope.set_turn(None);
         }
-        events.scope.set_turn(None);
     }
+    .await;
+    events.scope.set_turn(None);
+    let messages = std::mem::take(&mut *events.ended.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+    events.emit(|| Event::AgentEnd { messages });
+    result
 }
 
 /// Publishes a child session's events: each stamped with the task's id and the child's
@@ -887,12 +906,32 @@ struct ChildEvents<'a> {
     root: &'a InstanceKey,
     submission_id: &'a str,
     scope: Arc<TaskScope>,
+    /// The messages of the `message_end` events someone observed (the child's `agent_end`
+    /// carries them), tool results as stored.
+    ended: Mutex<Vec<ModelMessage>>,
 }
 
 impl ChildEvents<'_> {
     fn emit(&self, event: impl FnOnce() -> Event) {
         self.runtime
             .emit_in_task(self.root, self.submission_id, &self.scope, event);
+    }
+
+    /// A `message_end`, whose message the child's `agent_end` carries too.
+    fn message_end(&self, message: ModelMessage) {
+        self.ended
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(message.clone());
+        self.emit(|| Event::MessageEnd { message });
+    }
+
+    /// Messages that ended outside a `message_end` of their own (a batch's stored results).
+    fn ended(&self, messages: &[ModelMessage]) {
+        self.ended
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(messages.iter().cloned());
     }
 }
 
@@ -1123,6 +1162,7 @@ impl ChildSession<'_> {
             self.events.emit(|| event);
             results.push(result);
         }
+        self.events.ended(&results);
         if let Some((turn_id, text)) = turn {
             self.events
                 .emit(|| Event::agent_turn_messages(turn_id, text.to_owned(), calls.to_vec(), results));

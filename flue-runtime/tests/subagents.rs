@@ -164,9 +164,10 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
     );
 }
 
-/// Reference §7.1: a task's child session publishes its own turns, deltas and tool events,
-/// each observation correlated with the task (`taskId`) and the child's turn (`turnId`),
-/// within the parent's operation. The parent's own events carry no task id.
+/// Reference §7.1: a task's child session publishes its own `agent_start`, input, turns,
+/// deltas, tool events and `agent_end`, each observation correlated with the task (`taskId`)
+/// and the child's turn (`turnId`), within the parent's operation. The parent's own events
+/// carry no task id.
 #[tokio::test]
 async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
     let model = ScriptedModel::new([
@@ -225,6 +226,9 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
     assert_eq!(
         names,
         [
+            "agent_start",
+            "message_start",
+            "message_end",
             "turn_start",
             "turn_request",
             "message_start",
@@ -243,8 +247,20 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
             "turn",
             "message_end",
             "turn_messages",
+            "agent_end",
         ]
     );
+    // The child's agent_end carries its messages: the prompt, its two steps, its tool result.
+    let child_end = child
+        .iter()
+        .find_map(|(_, observation)| match &observation.event {
+            Event::AgentEnd { messages } => Some(messages.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let roles: Vec<&str> = child_end.iter().map(ModelMessage::role).collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"]);
+    assert_eq!(child_end[0], ModelMessage::user("Summarize case 7."));
     // Each child event carries its own turn's id (from its turn_start), never the parent's.
     let parent_turns: Vec<String> = seen[..start]
         .iter()
@@ -255,7 +271,12 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
         .collect();
     let mut current = None;
     let mut child_turns = Vec::new();
-    for (_, observation) in &child {
+    // The session's own events (its start, input and end) belong to no turn.
+    let (outside, turns) = (&child[..3], &child[3..child.len() - 1]);
+    for (_, observation) in outside.iter().chain(child.last()) {
+        assert_eq!(observation.turn_id, None, "{:?}", observation.event);
+    }
+    for (_, observation) in turns {
         if let Event::TurnStart { turn_id, step, .. } = &observation.event {
             current = Some(turn_id.clone());
             child_turns.push((turn_id.clone(), *step));
