@@ -15,7 +15,13 @@
 //!   as it is (an aborted answer keeps what it showed), with a `message-completed` first.
 //! - Tool outputs appear only when their batch commits (`tool_results_committed`), never from
 //!   an outcome alone.
-//! - A batch holding the instance's birth record projects to one `conversation-reset`.
+//! - A compaction appends a system message (`purpose: advisory`, `display: diagnostic`, a
+//!   `conversation-summary` signal with its reason) holding the summary: clients keep the
+//!   whole transcript, and the summary marks where the model's context now starts. Nothing
+//!   else changes (a step streaming when an overflow compaction came stays streaming).
+//! - A batch holding the instance's birth record, a compaction, or a row's edit or deletion
+//!   projects to one `conversation-reset` (the protocol has no chunk that changes a past
+//!   message).
 //! - Chunks carry the conversation id and their position: the batch's offset and their index
 //!   within that batch's projection.
 
