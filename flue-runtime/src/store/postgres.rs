@@ -774,8 +774,22 @@ async fn prepare_format(tx: &Transaction<'_>) -> Result<(), Failure> {
     }
     if tables.iter().any(|table| table == "flue_submissions") {
         // Format-1 schemas from before the submission timeout (or the trace context, or the
-        // creation data) was stored gain its columns, with the default one-hour budget.
-        tx.batch_execute(ADD_SUBMISSION_COLUMNS).await?;
+        // creation data) was stored gain its columns, with the default one-hour budget. Only
+        // when one is missing: `ALTER TABLE` takes the table's exclusive lock even when it
+        // changes nothing, so a node starting next to busy ones would queue behind their
+        // transactions and hold up every query after it.
+        let present: i64 = tx
+            .query_one(
+                "SELECT COUNT(*) FROM information_schema.columns \
+                 WHERE table_schema = current_schema() AND table_name = 'flue_submissions' \
+                 AND column_name IN ('timeout_ms', 'timeout_at_ms', 'trace', 'initial_data')",
+                &[],
+            )
+            .await?
+            .try_get(0)?;
+        if present < 4 {
+            tx.batch_execute(ADD_SUBMISSION_COLUMNS).await?;
+        }
     }
     Ok(())
 }
@@ -1485,11 +1499,13 @@ impl Store for PostgresStore {
         let attempt_ids = attempt_ids.to_vec();
         Box::pin(async move {
             let lease = self.clock.to_database(lease_until_ms).to_string();
-            in_transaction!(self, |tx| async {
-                let statement = tx.prepare_cached(RENEW).await?;
-                Ok::<_, Failure>(tx.execute(&statement, &[&owner_id, &lease, &attempt_ids]).await?)
-            }
-            .await)
+            // One statement, atomic on its own: no transaction to open and commit (one round
+            // trip, and no transaction a stalled node could leave open between them).
+            retrying!(async {
+                let client = self.client().await?;
+                let statement = client.prepare_cached(RENEW).await?;
+                Ok::<_, Failure>(client.execute(&statement, &[&owner_id, &lease, &attempt_ids]).await?)
+            })
         })
     }
 
@@ -2073,6 +2089,32 @@ mod tests {
             created.initial_data
         );
         assert!(store.admit(created).await.unwrap().deduplicated);
+    }
+
+    /// A node opening a current schema changes nothing, so it takes no table lock: it opens
+    /// while another node holds a transaction on the submissions (an `ALTER TABLE` would wait
+    /// for it, and hold up every query queued behind it).
+    #[tokio::test]
+    async fn opening_a_current_schema_waits_for_no_other_nodes_transaction() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let first = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        first.admit(admission("d-1", "assistant", "busy")).await.unwrap();
+        let mut other = raw(&url, &schema).await;
+        let busy = other.transaction().await.unwrap();
+        busy.execute("UPDATE flue_submissions SET max_attempts = max_attempts", &[])
+            .await
+            .unwrap();
+        // A hang guard, not a timing assertion: blocked, the open would never return.
+        let second = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            PostgresStore::connect_with_schema(&url, &schema),
+        )
+        .await
+        .expect("the open waited for the other transaction")
+        .unwrap();
+        assert!(second.submission("d-1").await.unwrap().is_some());
+        busy.rollback().await.unwrap();
     }
 
     #[tokio::test]
