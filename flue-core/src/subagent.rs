@@ -10,6 +10,12 @@ pub const GENERAL_SUBAGENT_NAME: &str = "flue-general";
 
 /// A delegate the model can hand work to through the framework's `task` tool, with the
 /// relationship options of Standard Agents.
+///
+/// A task runs the delegate in a child session of its own (a fresh context: the task's prompt
+/// is its only message) and returns its final answer. The delegate shares the parent's
+/// sandbox; the `task` call's `cwd` moves its working directory. Its session runs no lifecycle
+/// hooks: its render cannot select any (`use_hooks`), and an agent whose definition selects
+/// some is refused as a delegate rather than run without them.
 #[derive(Clone)]
 pub struct Subagent {
     pub(crate) name: String,
