@@ -1,0 +1,44 @@
+//! An item may have any name, including the names of its expansion's locals (`args`, `ctx`,
+//! `output`, `definition`, `props`, `hook`).
+use flue_runtime::prelude::*;
+
+/// Print the text.
+#[tool]
+async fn output(text: String) -> String {
+    text
+}
+
+/// Echo the arguments.
+#[tool]
+async fn args(text: String) -> String {
+    text
+}
+
+/// Describe the context.
+#[tool]
+async fn ctx(text: String) -> String {
+    text
+}
+
+#[hook(after_thread_created)]
+fn hook(_state: &ThreadState) {}
+
+#[agent(hooks = [hook])]
+fn definition() -> &'static str {
+    use_tool(output);
+    use_tool(args);
+    use_tool(ctx);
+    "You define words."
+}
+
+#[agent]
+fn props() -> &'static str {
+    "You show props."
+}
+
+fn main() {
+    assert_eq!(definition.definition().name, "definition");
+    assert_eq!(props.definition().name, "props");
+    assert_eq!(output.into_tool().name(), "output");
+    assert_eq!(hook.id(), "hook");
+}
