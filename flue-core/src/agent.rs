@@ -322,6 +322,13 @@ impl<T: Into<Instruction>> IntoInstruction for T {
     }
 }
 
+/// Converts an agent function's return value, asserting [`IntoInstruction`] where `#[agent]`
+/// spans it. A function, not a path naming the type, so the type may be `impl Trait`.
+#[doc(hidden)]
+pub fn into_instruction<T: IntoInstruction>(value: T) -> Instruction {
+    value.into_instruction()
+}
+
 /// A shared reference to an agent: `&'static` for zero-sized agents (what `#[agent]`
 /// generates), reference-counted otherwise.
 #[derive(Clone)]

@@ -40,6 +40,14 @@ pub trait HookReturn<T> {
     fn into_hook_result(self) -> Result<T, HookError>;
 }
 
+/// Converts a hook function's return value for a kind whose result is `T`, asserting
+/// [`HookReturn`] where `#[hook]` spans it. A function, not a path naming the return type, so
+/// the type may be `impl Trait`.
+#[doc(hidden)]
+pub fn hook_return<T, R: HookReturn<T>>(value: R) -> Result<T, HookError> {
+    value.into_hook_result()
+}
+
 impl<T> HookReturn<T> for T {
     fn into_hook_result(self) -> Result<T, HookError> {
         Ok(self)

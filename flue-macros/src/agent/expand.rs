@@ -22,38 +22,40 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let generics = &function.sig.generics;
     let where_clause = &generics.where_clause;
 
-    let call = match (inputs.len(), inputs.first()) {
+    // The argument the body gets, spanned at its parameter's type so a mismatch points there.
+    let argument = match (inputs.len(), inputs.first()) {
         // Type or const parameters were reported: the body cannot be called.
         _ if !crate::lifetimes_only(generics) => None,
-        (0, _) => Some(quote!({
-            let _ = props;
-            __flue_agent_body()
-        })),
-        (1, Some(FnArg::Typed(param))) => Some(quote_spanned!(param.ty.span()=> __flue_agent_body(props))),
+        (0, _) => Some(None),
+        (1, Some(FnArg::Typed(param))) => Some(Some(quote_spanned!(param.ty.span()=> __flue_props))),
         // A shape error was reported; keep the item compiling without piling on errors.
         _ => None,
     };
-    let convert = match (call, output) {
-        (Some(call), ReturnType::Type(_, ty)) => {
-            quote_spanned!(ty.span()=> <#ty as __flue::agent::IntoInstruction>::into_instruction(#call))
+    let convert = match (argument, output) {
+        // The return type may be `impl Into<Instruction>`, which cannot be named in a path: the
+        // helper infers it from the body's value, and its call is spanned at the return type,
+        // so a type that is no instruction is reported there.
+        (Some(argument), ReturnType::Type(_, ty)) => {
+            let convert = quote_spanned!(ty.span()=> __flue::agent::into_instruction(__flue_returned));
+            quote!({
+                let __flue_returned = __flue_agent_body(#argument);
+                #convert
+            })
         }
-        (Some(call), ReturnType::Default) => quote!({
-            #call;
+        (Some(argument), ReturnType::Default) => quote!({
+            __flue_agent_body(#argument);
             __flue::Instruction::NONE
         }),
-        (None, _) => quote!({
-            let _ = props;
-            __flue::Instruction::NONE
-        }),
+        (None, _) => quote!(__flue::Instruction::NONE),
     };
 
     let mut statics = Vec::new();
     let description = model.description().map(syn::LitStr::value).or_else(|| doc_text(&docs));
     if let Some(description) = description {
-        statics.push(quote!(definition = definition.description(#description);));
+        statics.push(quote!(__flue_definition = __flue_definition.description(#description);));
     }
     if let Some(ty) = &model.options.initial_data {
-        statics.push(quote_spanned!(ty.span()=> definition = definition.initial_data::<#ty>();));
+        statics.push(quote_spanned!(ty.span()=> __flue_definition = __flue_definition.initial_data::<#ty>();));
     }
     if model.options.max_attempts.is_some() || model.timeout_ms.is_some() {
         let attempts = match &model.options.max_attempts {
@@ -64,19 +66,19 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             Some(ms) => quote!(::core::time::Duration::from_millis(#ms)),
             None => quote!(__flue::agent::Durability::DEFAULT.timeout),
         };
-        statics.push(quote!(definition = definition.durability(__flue::agent::Durability { max_attempts: #attempts, timeout: #timeout });));
+        statics.push(quote!(__flue_definition = __flue_definition.durability(__flue::agent::Durability { max_attempts: #attempts, timeout: #timeout });));
     }
     if let Some(steps) = &model.options.max_steps {
-        statics.push(quote!(definition = definition.max_steps(#steps);));
+        statics.push(quote!(__flue_definition = __flue_definition.max_steps(#steps);));
     }
     if let Some(hooks) = &model.options.hooks {
         let hooks = hooks
             .iter()
-            .map(|hook| quote_spanned!(hook.span()=> { let hook: __flue::lifecycle::ThreadHook = #hook; hook }));
-        statics.push(quote!(definition = definition.hooks(::std::vec![#(#hooks),*]);));
+            .map(|hook| quote_spanned!(hook.span()=> { let __flue_hook: __flue::lifecycle::ThreadHook = #hook; __flue_hook }));
+        statics.push(quote!(__flue_definition = __flue_definition.hooks(::std::vec![#(#hooks),*]);));
     }
     if model.options.expose_as_tool.is_some() {
-        statics.push(quote!(definition = definition.expose_as_tool();));
+        statics.push(quote!(__flue_definition = __flue_definition.expose_as_tool();));
     }
     if !model.parent_hooks().is_empty() {
         let requirements = model.parent_hooks().iter().map(|requirement| {
@@ -89,13 +91,18 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             };
             quote_spanned!(hook.span()=> __flue::agent::ParentHookRequirement { hook: #hook, stage: #stage, reason: #reason })
         });
-        statics.push(quote!(definition = definition.parent_hooks(::std::vec![#(#requirements),*]);));
+        statics.push(quote!(__flue_definition = __flue_definition.parent_hooks(::std::vec![#(#requirements),*]);));
     }
 
     quote! {
         #(#docs)*
         #[allow(non_camel_case_types)]
-        #[derive(Clone, Copy, Debug, Default)]
+        #[derive(
+            ::core::clone::Clone,
+            ::core::marker::Copy,
+            ::core::fmt::Debug,
+            ::core::default::Default,
+        )]
         #vis struct #ident;
 
         const _: () = {
@@ -107,13 +114,13 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
                     static DEFINITION: ::std::sync::OnceLock<__flue::AgentDefinition> = ::std::sync::OnceLock::new();
                     DEFINITION.get_or_init(|| {
                         #[allow(unused_mut)]
-                        let mut definition = __flue::AgentDefinition::from_checked(::std::borrow::Cow::Borrowed(#name));
+                        let mut __flue_definition = __flue::AgentDefinition::from_checked(::std::borrow::Cow::Borrowed(#name));
                         #(#statics)*
-                        definition
+                        __flue_definition
                     })
                 }
 
-                fn render_body(&self, props: __flue::AgentProps<'_>) -> __flue::Instruction {
+                fn render_body(&self, __flue_props: __flue::AgentProps<'_>) -> __flue::Instruction {
                     #(#other_attrs)*
                     #[allow(dead_code, unused_variables)]
                     fn __flue_agent_body #generics (#inputs) #output #where_clause #block

@@ -1,7 +1,7 @@
 //! The compile-time rules of `#[agent]`.
 
 use quote::ToTokens;
-use syn::{FnArg, ReturnType};
+use syn::FnArg;
 
 use super::model::AgentModel;
 use crate::errors::Errors;
@@ -30,12 +30,6 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
     }
     for extra in inputs {
         errors.spanned(extra, "an agent function takes no parameters or one `AgentProps`");
-    }
-    if let ReturnType::Type(_, ty) = &sig.output
-        && let syn::Type::ImplTrait(_) = ty.as_ref()
-    {
-        // `impl Into<Instruction>` is fine; anything else is checked by the type system at
-        // the return type's span.
     }
     let (name, span) = &model.name;
     if !is_identity(name) {

@@ -35,24 +35,37 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         .map(|index| format_ident!("__flue_arg{index}"))
         .collect();
     // Each argument carries its parameter's span, so a type mismatch points at the parameter.
-    let call_args = function.sig.inputs.iter().zip(&args).map(|(input, arg)| match input {
-        FnArg::Typed(param) => {
-            let arg = syn::Ident::new(&arg.to_string(), param.ty.span());
-            quote!(#arg)
-        }
-        FnArg::Receiver(_) => quote!(#arg),
-    });
+    let call_args: Vec<TokenStream> = function
+        .sig
+        .inputs
+        .iter()
+        .zip(&args)
+        .map(|(input, arg)| match input {
+            FnArg::Typed(param) => {
+                let arg = syn::Ident::new(&arg.to_string(), param.ty.span());
+                quote!(#arg)
+            }
+            FnArg::Receiver(_) => quote!(#arg),
+        })
+        .collect();
     let await_ = function.sig.asyncness.map(|_| quote!(.await));
-    let call = quote!(__flue_hook_body(#(#call_args),*) #await_);
     let expected: syn::Type = syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
     let expected = qualify(&expected);
     // A wrong arity or type parameters were reported: the body is not called.
     let well_formed = function.sig.inputs.len() == args.len() && crate::lifetimes_only(&function.sig.generics);
     let result = match &function.sig.output {
-        ReturnType::Type(_, ty) if well_formed => quote_spanned!(ty.span()=>
-            <#ty as __flue::lifecycle::HookReturn<#expected>>::into_hook_result(#call)),
+        // The return type may be `impl Trait`, which cannot be named in a path: the helper
+        // infers it from the body's value, and its call is spanned at the return type, so a
+        // type the kind does not return is reported there.
+        ReturnType::Type(_, ty) if well_formed => {
+            let convert = quote_spanned!(ty.span()=> __flue::lifecycle::hook_return::<#expected, _>(__flue_returned));
+            quote!({
+                let __flue_returned = __flue_hook_body(#(#call_args),*) #await_;
+                #convert
+            })
+        }
         ReturnType::Default if well_formed && !kind.is_transform() => {
-            quote!(<() as __flue::lifecycle::HookReturn<()>>::into_hook_result(#call))
+            quote!(__flue::lifecycle::hook_return::<(), ()>(__flue_hook_body(#(#call_args),*) #await_))
         }
         // The signature error is already reported; keep the item compiling without piling on.
         _ => quote!(::core::result::Result::Err(__flue::lifecycle::HookError::new(
@@ -78,23 +91,27 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     }
 }
 
-/// Prefixes the lifecycle types of a kind's return type with the hidden path.
+/// Spells out every type of a kind's return type by its full path, so a user type of the same
+/// name in scope is not picked up.
 fn qualify(ty: &syn::Type) -> TokenStream {
+    const PATHS: [(&str, &str); 7] = [
+        ("Option", "::core::option::Option"),
+        ("Vec", "::std::vec::Vec"),
+        ("String", "::std::string::String"),
+        ("Message", "__flue::lifecycle::Message"),
+        ("LlmMessage", "__flue::lifecycle::LlmMessage"),
+        ("MessageUpdates", "__flue::lifecycle::MessageUpdates"),
+        ("ToolResult", "__flue::lifecycle::ToolResult"),
+    ];
     let text = quote!(#ty).to_string();
-    let qualified = ["Message", "LlmMessage", "MessageUpdates", "ToolResult"]
-        .iter()
-        .fold(text, |text, name| {
-            text.split(' ')
-                .map(|token| {
-                    if token == *name {
-                        format!("__flue::lifecycle::{name}")
-                    } else {
-                        token.to_owned()
-                    }
-                })
-                .collect::<Vec<_>>()
-                .join(" ")
-        });
+    let qualified = text
+        .split(' ')
+        .map(|token| match PATHS.iter().find(|(name, _)| token == *name) {
+            Some((_, path)) => (*path).to_owned(),
+            None => token.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
     qualified
         .parse()
         .unwrap_or_else(|_| quote::quote_spanned!(Span::call_site()=> ()))

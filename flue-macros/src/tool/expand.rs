@@ -31,7 +31,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let schemars_path = format!("{krate_text}::__private::schemars");
     let args_ident = format_ident!("__FlueToolArgs_{}", ident);
     let (args_struct, args_ty, call_args): (TokenStream, Type, Vec<TokenStream>) = match &model.arguments {
-        Arguments::Struct(ty) => (quote!(), ty.clone(), vec![quote!(args)]),
+        Arguments::Struct(ty) => (quote!(), ty.clone(), vec![quote!(__flue_args)]),
         Arguments::Plain(fields) => {
             let declared = fields.iter().map(|field| {
                 let (field_ident, ty, docs) = (&field.ident, &field.ty, &field.docs);
@@ -39,7 +39,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             });
             let moved = fields.iter().map(|field| {
                 let field_ident = &field.ident;
-                quote!(args.#field_ident)
+                quote!(__flue_args.#field_ident)
             });
             (
                 quote! {
@@ -54,21 +54,29 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             )
         }
     };
-    let context = model.has_context.then(|| quote!(&ctx,));
+    let context = model.has_context.then(|| quote!(&__flue_ctx,));
     let turbofish = ty_generics.as_turbofish();
     // A sync tool is reported as an error; do not pile an await error on top of it.
     let await_ = function.sig.asyncness.map(|_| quote!(.await));
-    let awaited = quote!(__flue_tool_body #turbofish (#context #(#call_args),*) #await_);
     // A bound the tool's type cannot take (reported by validation) leaves the body uncallable
     // from it: the tool still expands, so the rest of the crate type-checks, but never runs.
     let output = match &function.sig.output {
         _ if !model.misplaced_lifetimes().is_empty() => {
             quote!(::core::unreachable!("this tool failed to compile"))
         }
+        // The return type may be `impl Trait`, which cannot be named in a path: the helper
+        // infers it from the body's value, and its call is spanned at the return type, so a
+        // type that is no tool result is reported there.
         ReturnType::Type(_, ty) => {
-            quote_spanned!(ty.span()=> __flue::tool::tool_return::<#ty>(#awaited))
+            let convert = quote_spanned!(ty.span()=> __flue::tool::tool_return(__flue_returned));
+            quote!({
+                let __flue_returned = __flue_tool_body #turbofish (#context #(#call_args),*) #await_;
+                #convert
+            })
         }
-        ReturnType::Default => quote!({ #awaited; __flue::ToolOutput::text("") }),
+        ReturnType::Default => {
+            quote!({ __flue_tool_body #turbofish (#context #(#call_args),*) #await_; __flue::ToolOutput::text("") })
+        }
     };
     // Every use of the argument type is bounded by ToolArguments and spanned at the type, so a
     // missing derive produces one diagnostic (rustc merges identical ones), at the type.
@@ -78,7 +86,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         (Some(progress), Arguments::Struct(ty)) => match syn::parse_str::<syn::Ident>(&progress.value()) {
             Ok(field) => {
                 let field = syn::Ident::new(&field.to_string(), progress.span());
-                quote_spanned!(progress.span()=> { fn progress_argument_is_a_field(args: &#ty) { let _ = &args.#field; } })
+                quote_spanned!(progress.span()=> { fn progress_argument_is_a_field(__flue_args: &#ty) { let _ = &__flue_args.#field; } })
             }
             Err(_) => {
                 quote_spanned!(progress.span()=> ::core::compile_error!("progress_argument must name a field");)
@@ -130,7 +138,12 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             quote! {
                 #(#docs)*
                 #[allow(non_camel_case_types)]
-                #[derive(Clone, Copy, Debug, Default)]
+                #[derive(
+                    ::core::clone::Clone,
+                    ::core::marker::Copy,
+                    ::core::fmt::Debug,
+                    ::core::default::Default,
+                )]
                 #vis struct #ident;
             },
             quote! {
@@ -164,15 +177,15 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
 
                 fn call(
                     &self,
-                    ctx: __flue::ToolContext,
-                    args: #krate::__private::serde_json::Value,
+                    __flue_ctx: __flue::ToolContext,
+                    __flue_json: #krate::__private::serde_json::Value,
                 ) -> __flue::BoxFuture<'_, __flue::ToolOutput> {
                     ::std::boxed::Box::pin(async move {
-                        let args: #args_ty = match #parse_fn(args) {
-                            ::core::result::Result::Ok(args) => args,
-                            ::core::result::Result::Err(output) => return output,
+                        let __flue_args: #args_ty = match #parse_fn(__flue_json) {
+                            ::core::result::Result::Ok(__flue_args) => __flue_args,
+                            ::core::result::Result::Err(__flue_output) => return __flue_output,
                         };
-                        let _ = &ctx;
+                        let _ = &__flue_ctx;
                         #output
                     })
                 }

@@ -1,6 +1,11 @@
 /// Finds duplicate GitHub issues.
 #[allow(non_camel_case_types)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(
+    ::core::clone::Clone,
+    ::core::marker::Copy,
+    ::core::fmt::Debug,
+    ::core::default::Default,
+)]
 struct duplicate_finder;
 const _: () = {
     use ::flue_runtime::__private::flue_core as __flue;
@@ -11,33 +16,36 @@ const _: () = {
             DEFINITION
                 .get_or_init(|| {
                     #[allow(unused_mut)]
-                    let mut definition = __flue::AgentDefinition::from_checked(
+                    let mut __flue_definition = __flue::AgentDefinition::from_checked(
                         ::std::borrow::Cow::Borrowed("duplicate_finder"),
                     );
-                    definition = definition
+                    __flue_definition = __flue_definition
                         .description("Finds duplicate GitHub issues.");
-                    definition = definition.max_steps(6);
-                    definition = definition
+                    __flue_definition = __flue_definition.max_steps(6);
+                    __flue_definition = __flue_definition
                         .hooks(
                             ::std::vec![
-                                { let hook : __flue::lifecycle::ThreadHook = redact_emails;
-                                hook }
+                                { let __flue_hook : __flue::lifecycle::ThreadHook =
+                                redact_emails; __flue_hook }
                             ],
                         );
-                    definition
+                    __flue_definition
                 })
         }
-        fn render_body(&self, props: __flue::AgentProps<'_>) -> __flue::Instruction {
+        fn render_body(
+            &self,
+            __flue_props: __flue::AgentProps<'_>,
+        ) -> __flue::Instruction {
             #[allow(dead_code, unused_variables)]
             fn __flue_agent_body() -> &'static str {
                 use_model("openrouter/anthropic/claude-sonnet-4.5");
                 use_tool(get_github_issue);
                 "You check whether a GitHub issue duplicates an older open issue."
             }
-            <&'static str as __flue::agent::IntoInstruction>::into_instruction({
-                let _ = props;
-                __flue_agent_body()
-            })
+            {
+                let __flue_returned = __flue_agent_body();
+                __flue::agent::into_instruction(__flue_returned)
+            }
         }
     }
 };

@@ -17,11 +17,18 @@ const redact_emails: ::flue_runtime::__private::flue_core::lifecycle::ThreadHook
             __flue_arg2|
         {
             ::std::boxed::Box::pin(async move {
-                <ToolResult as __flue::lifecycle::HookReturn<
-                    __flue::lifecycle::ToolResult,
-                >>::into_hook_result(
-                    __flue_hook_body(__flue_arg0, __flue_arg1, __flue_arg2).await,
-                )
+                {
+                    let __flue_returned = __flue_hook_body(
+                            __flue_arg0,
+                            __flue_arg1,
+                            __flue_arg2,
+                        )
+                        .await;
+                    __flue::lifecycle::hook_return::<
+                        __flue::lifecycle::ToolResult,
+                        _,
+                    >(__flue_returned)
+                }
             })
         }),
     };

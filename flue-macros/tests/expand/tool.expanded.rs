@@ -1,6 +1,11 @@
 /// Search the open issues in a public GitHub repository.
 #[allow(non_camel_case_types)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(
+    ::core::clone::Clone,
+    ::core::marker::Copy,
+    ::core::fmt::Debug,
+    ::core::default::Default,
+)]
 struct search_github_issues;
 const _: () = {
     use ::flue_runtime::__private::flue_core as __flue;
@@ -43,22 +48,28 @@ const _: () = {
         }
         fn call(
             &self,
-            ctx: __flue::ToolContext,
-            args: ::flue_runtime::__private::serde_json::Value,
+            __flue_ctx: __flue::ToolContext,
+            __flue_json: ::flue_runtime::__private::serde_json::Value,
         ) -> __flue::BoxFuture<'_, __flue::ToolOutput> {
             ::std::boxed::Box::pin(async move {
-                let args: __FlueToolArgs_search_github_issues = match (__flue::tool::arguments::<
+                let __flue_args: __FlueToolArgs_search_github_issues = match (__flue::tool::arguments::<
                     __FlueToolArgs_search_github_issues,
                 >()
-                    .parse)(args)
+                    .parse)(__flue_json)
                 {
-                    ::core::result::Result::Ok(args) => args,
-                    ::core::result::Result::Err(output) => return output,
+                    ::core::result::Result::Ok(__flue_args) => __flue_args,
+                    ::core::result::Result::Err(__flue_output) => return __flue_output,
                 };
-                let _ = &ctx;
-                __flue::tool::tool_return::<
-                    Result<String, ToolError>,
-                >(__flue_tool_body(&ctx, args.owner, args.query).await)
+                let _ = &__flue_ctx;
+                {
+                    let __flue_returned = __flue_tool_body(
+                            &__flue_ctx,
+                            __flue_args.owner,
+                            __flue_args.query,
+                        )
+                        .await;
+                    __flue::tool::tool_return(__flue_returned)
+                }
             })
         }
     }
