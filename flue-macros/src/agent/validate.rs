@@ -8,6 +8,12 @@ use crate::errors::Errors;
 
 pub(crate) fn check(model: &AgentModel, errors: &Errors) {
     let sig = &model.function.sig;
+    if let Some(unsafety) = &sig.unsafety {
+        errors.spanned(
+            unsafety,
+            "an agent function cannot be `unsafe`: the runtime calls it from safe code, so nothing would uphold its safety contract; make it safe and use `unsafe` blocks inside",
+        );
+    }
     if let Some(asyncness) = &sig.asyncness {
         errors.spanned(
             asyncness,

@@ -30,6 +30,8 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     body.sig.ident = format_ident!("__flue_hook_body");
     body.attrs = other_attrs.into_iter().cloned().collect();
     body.vis = syn::Visibility::Inherited;
+    // `unsafe` is reported; the body is called from safe code.
+    body.sig.unsafety = None;
 
     let args: Vec<_> = (0..kind.params.len())
         .map(|index| format_ident!("__flue_arg{index}"))

@@ -17,6 +17,12 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
     }
     let sig = &model.function.sig;
     let kind = model.kind;
+    if let Some(unsafety) = &sig.unsafety {
+        errors.spanned(
+            unsafety,
+            "a lifecycle hook cannot be `unsafe`: the runtime calls it from safe code, so nothing would uphold its safety contract; make it safe and use `unsafe` blocks inside",
+        );
+    }
     if !crate::lifetimes_only(&sig.generics) {
         errors.spanned(
             &sig.generics,

@@ -25,6 +25,8 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     body.sig.ident = format_ident!("__flue_tool_body");
     body.attrs = other_attrs.into_iter().cloned().collect();
     body.vis = syn::Visibility::Inherited;
+    // `unsafe` is reported; the body is called from safe code.
+    body.sig.unsafety = None;
 
     let krate_text = quote!(#krate).to_string().replace(' ', "");
     let serde_path = format!("{krate_text}::__private::serde");

@@ -13,6 +13,12 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             "a tool function must be `async`: tools run while the agent responds and may wait on I/O",
         );
     }
+    if let Some(unsafety) = &sig.unsafety {
+        errors.spanned(
+            unsafety,
+            "a tool function cannot be `unsafe`: the runtime calls it from safe code, so nothing would uphold its safety contract; make it safe and use `unsafe` blocks inside",
+        );
+    }
     if model.description.is_none() {
         errors.spanned(
             &sig.ident,
