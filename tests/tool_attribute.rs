@@ -68,6 +68,19 @@ async fn send_receipt(ctx: &ToolContext, order: String) -> Result<String, ToolEr
     Ok(sent)
 }
 
+#[derive(Deserialize, schemars::JsonSchema)]
+struct Search {
+    /// Words to search for
+    #[serde(rename = "q")]
+    query: String,
+}
+
+/// Search the issues, naming the progress argument by its Rust name.
+#[tool(progress_argument = "query")]
+async fn search_by_rust_name(args: Search) -> String {
+    args.query
+}
+
 #[test]
 fn a_generic_tool_carries_its_generics_and_where_clause() {
     let tool = price::<Fixed>::new().into_tool();
@@ -125,5 +138,18 @@ fn a_tool_item_is_zero_sized_and_mounts_without_allocating_a_handle() {
     assert_eq!(
         rendered.tools.iter().map(Tool::name).collect::<Vec<_>>(),
         ["escalate", "price_item"]
+    );
+}
+
+#[test]
+fn the_progress_argument_of_an_argument_struct_is_checked_by_its_json_name_when_mounted() {
+    // Only the schema knows a field's JSON name (serde may rename it), so `use_tool` checks it.
+    let tool = search_by_rust_name.into_tool();
+    assert_eq!(
+        tool.definition().validate_input_schema("use_tool()"),
+        Err(
+            "[flue] use_tool() \"search_by_rust_name\" progress_argument \"query\" is not one of its arguments."
+                .to_owned()
+        )
     );
 }

@@ -423,6 +423,28 @@ pub trait ToolReturn: IntoToolOutput {}
 
 impl<T: IntoToolOutput> ToolReturn for T {}
 
+/// The bound on a tool's progress argument (`#[tool(progress_argument = "…")]`): text, whose
+/// JSON Schema is `"type": "string"`, what `use_tool` requires of it. An optional argument is
+/// not one (its schema also admits `null`).
+///
+/// Implement it for a type of your own only if its schema is a plain string (a unit-only
+/// enum, say): `use_tool` checks the schema when the tool is mounted.
+#[diagnostic::on_unimplemented(
+    message = "the progress argument must be text, not `{Self}`",
+    label = "`progress_argument` names this argument, so it must be a `String`",
+    note = "`tool_call_started` reports the progress argument's text once the model has streamed it whole: make it a required `String` argument"
+)]
+pub trait ProgressArgument {}
+
+impl ProgressArgument for String {}
+impl ProgressArgument for Box<str> {}
+impl ProgressArgument for Arc<str> {}
+impl ProgressArgument for Cow<'static, str> {}
+
+/// Asserts [`ProgressArgument`] where `#[tool]` spans it: at the progress argument's type.
+#[doc(hidden)]
+pub const fn progress_argument<T: ProgressArgument>() {}
+
 /// The two things a `#[tool]` expansion does with its argument type, behind one bounded
 /// function: a missing derive is then one diagnostic (rustc merges identical ones), with the
 /// [`ToolArguments`] message, at the argument type.
@@ -1106,5 +1128,39 @@ mod tests {
             .push(("count".to_owned(), serde_json::json!("one")));
         let output = poll_ready(tool.call(ToolContext::new(&tool, "c").with_steps(journal), serde_json::json!({})));
         assert!(output.is_error);
+    }
+
+    /// What `#[tool]` accepts as a progress argument at compile time ([`ProgressArgument`]),
+    /// `use_tool` accepts when it mounts the tool; an optional argument passes neither.
+    #[test]
+    fn every_progress_argument_type_passes_the_mount_check_and_an_optional_one_does_not() {
+        #[derive(serde::Deserialize, JsonSchema)]
+        #[allow(dead_code)]
+        struct Args<T> {
+            progress: T,
+        }
+        fn mounted<T: JsonSchema + 'static>() -> Result<(), String> {
+            ToolDefinition::from_checked(
+                "t",
+                "T.",
+                SchemaSource::Typed(tool_input_schema_of::<Args<T>>),
+                Some("progress"),
+                &[],
+                false,
+            )
+            .validate_input_schema("use_tool()")
+        }
+        fn progress_argument<T: ProgressArgument + JsonSchema + 'static>() -> Result<(), String> {
+            super::progress_argument::<T>();
+            mounted::<T>()
+        }
+        assert_eq!(progress_argument::<String>(), Ok(()));
+        assert_eq!(progress_argument::<Box<str>>(), Ok(()));
+        assert_eq!(progress_argument::<Arc<str>>(), Ok(()));
+        assert_eq!(progress_argument::<Cow<'static, str>>(), Ok(()));
+        assert_eq!(
+            mounted::<Option<String>>(),
+            Err("[flue] use_tool() \"t\" progress_argument \"progress\" must be a string argument.".to_owned())
+        );
     }
 }

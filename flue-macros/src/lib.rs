@@ -206,7 +206,7 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | option | meaning |
 /// | --- | --- |
 /// | `name = "…"` | the model-facing name (`^[A-Za-z0-9_-]{1,64}$`, not reserved); default: the function's name |
-/// | `progress_argument = "field"` | string argument reported by `tool_call_started` as it streams |
+/// | `progress_argument = "field"` | string argument reported by `tool_call_started` as it streams, by its JSON name (a plain parameter's type must be `String`; an `args` struct's field is checked by `use_tool`) |
 /// | `secrets = ["NAME", …]` | environment variables the tool may read through `ctx.secret(..)` |
 /// | `terminate` | a batch made only of terminating tools ends the turn |
 /// | `durable` | an interrupted call runs again on recovery, replaying its settled `ctx.step(..)` values |

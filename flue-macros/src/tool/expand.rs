@@ -84,16 +84,18 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     // missing derive produces one diagnostic (rustc merges identical ones), at the type.
     let schema_fn = quote_spanned!(args_ty.span()=> __flue::tool::arguments::<#args_ty>().schema);
     let parse_fn = quote_spanned!(args_ty.span()=> (__flue::tool::arguments::<#args_ty>().parse));
+    // A plain progress argument must be text, asserted at its type. A field of an argument
+    // struct is checked by `use_tool` only: serde may rename it, so only the schema knows its
+    // JSON name and type.
     let progress_check = match (&model.options.progress_argument, &model.arguments) {
-        (Some(progress), Arguments::Struct(ty)) => match syn::parse_str::<syn::Ident>(&progress.value()) {
-            Ok(field) => {
-                let field = syn::Ident::new(&field.to_string(), progress.span());
-                quote_spanned!(progress.span()=> { fn progress_argument_is_a_field(__flue_args: &#ty) { let _ = &__flue_args.#field; } })
-            }
-            Err(_) => {
-                quote_spanned!(progress.span()=> ::core::compile_error!("progress_argument must name a field");)
-            }
-        },
+        (Some(progress), Arguments::Plain(fields)) => fields
+            .iter()
+            .find(|field| field.json_name() == progress.value())
+            .map(|field| {
+                let ty = &field.ty;
+                quote_spanned!(ty.span()=> const _: () = __flue::tool::progress_argument::<#ty>();)
+            })
+            .unwrap_or_default(),
         _ => quote!(),
     };
     let progress = match &model.options.progress_argument {

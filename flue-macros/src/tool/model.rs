@@ -2,6 +2,7 @@
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::ToTokens;
+use syn::ext::IdentExt;
 use syn::{Attribute, FnArg, Ident, ItemFn, Pat, Type};
 
 use super::parse::Options;
@@ -11,6 +12,13 @@ pub(crate) struct Field {
     pub(crate) ident: Ident,
     pub(crate) ty: Type,
     pub(crate) docs: Vec<Attribute>,
+}
+
+impl Field {
+    /// The name the model sends the argument under: the parameter's, without `r#`.
+    pub(crate) fn json_name(&self) -> String {
+        self.ident.unraw().to_string()
+    }
 }
 
 pub(crate) enum Arguments {
@@ -35,7 +43,7 @@ impl ToolModel {
         let ident = function.sig.ident.clone();
         let name = match &options.name {
             Some(name) => (name.value(), name.span()),
-            None => (syn::ext::IdentExt::unraw(&ident).to_string(), ident.span()),
+            None => (ident.unraw().to_string(), ident.span()),
         };
         let description = doc_text(&function.attrs);
         let krate = crate::krate::runtime_path(options.krate.take());

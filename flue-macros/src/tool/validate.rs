@@ -60,13 +60,18 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
         );
     }
     if let (Some(progress), Arguments::Plain(fields)) = (&model.options.progress_argument, &model.arguments)
-        && !fields.iter().any(|field| field.ident == progress.value())
+        && !fields.iter().any(|field| field.json_name() == progress.value())
     {
         let known = fields
             .iter()
-            .map(|field| format!("`{}`", field.ident))
+            .map(|field| format!("`{}`", field.json_name()))
             .collect::<Vec<_>>()
             .join(", ");
+        let known = if known.is_empty() {
+            "it takes none".to_owned()
+        } else {
+            known
+        };
         errors.spanned(
             progress,
             format!(

@@ -30,6 +30,7 @@ const _: () = {
     ) -> Result<String, ToolError> {
         Ok(format!("{owner}: {query}"))
     }
+    const _: () = __flue::tool::progress_argument::<String>();
     #[automatically_derived]
     impl __flue::tool::ToolHandler for search_github_issues {
         fn definition(&self) -> &__flue::tool::ToolDefinition {
