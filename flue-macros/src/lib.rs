@@ -199,9 +199,10 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// ```
 ///
 /// The doc comment is the tool's description (required). Arguments come either as one
-/// parameter named `args` whose type is `Deserialize + JsonSchema`, or as plain parameters from
-/// which the macro builds the argument struct (doc comments on parameters become field
-/// descriptions). A first parameter `&ToolContext` is optional.
+/// parameter named `args` whose type is a struct (or map) deriving `Deserialize` and
+/// `JsonSchema`, or as plain parameters of owned types from which the macro builds the argument
+/// struct (doc comments on parameters become field descriptions). A first parameter
+/// `&ToolContext` is optional.
 ///
 /// | option | meaning |
 /// | --- | --- |

@@ -60,10 +60,11 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let turbofish = ty_generics.as_turbofish();
     // A sync tool is reported as an error; do not pile an await error on top of it.
     let await_ = function.sig.asyncness.map(|_| quote!(.await));
-    // A bound the tool's type cannot take (reported by validation) leaves the body uncallable
-    // from it: the tool still expands, so the rest of the crate type-checks, but never runs.
+    // A rejected parameter, or a bound the tool's type cannot take (both reported), leaves the
+    // body uncallable from it: the tool still expands, so the rest of the crate type-checks,
+    // but never runs.
     let output = match &function.sig.output {
-        _ if !model.misplaced_lifetimes().is_empty() => {
+        _ if model.rejected_parameter || !model.misplaced_lifetimes().is_empty() => {
             quote!(::core::unreachable!("this tool failed to compile"))
         }
         // The return type may be `impl Trait`, which cannot be named in a path: the helper

@@ -34,6 +34,9 @@ pub(crate) struct ToolModel {
     pub(crate) description: Option<String>,
     pub(crate) has_context: bool,
     pub(crate) arguments: Arguments,
+    /// Whether a parameter was rejected (reported): the body is then never called, so the
+    /// expansion adds no errors of its own to the report.
+    pub(crate) rejected_parameter: bool,
     pub(crate) options: Options,
     pub(crate) krate: syn::Path,
 }
@@ -47,17 +50,46 @@ impl ToolModel {
         };
         let description = doc_text(&function.attrs);
         let krate = crate::krate::runtime_path(options.krate.take());
+        let mut rejected_parameter = false;
+        let mut has_context = false;
         let mut params: Vec<&mut syn::PatType> = Vec::new();
-        for input in &mut function.sig.inputs {
+        for (index, input) in function.sig.inputs.iter_mut().enumerate() {
             match input {
-                FnArg::Typed(param) => params.push(param),
-                FnArg::Receiver(receiver) => errors.spanned(receiver, "a tool is a free function, not a method"),
+                FnArg::Receiver(receiver) => {
+                    errors.spanned(&*receiver, "a tool is a free function, not a method");
+                    rejected_parameter = true;
+                }
+                FnArg::Typed(param) => match context_kind(&param.ty) {
+                    None => params.push(param),
+                    Some(Context::Shared) if index == 0 => has_context = true,
+                    Some(kind) => {
+                        errors.spanned(&param.ty, kind.misplaced(index == 0));
+                        rejected_parameter = true;
+                    }
+                },
             }
         }
-        let has_context = params.first().is_some_and(|param| is_context(&param.ty));
-        let rest = if has_context { &mut params[1..] } else { &mut params[..] };
-        let arguments = match rest {
-            [single] if is_args_pattern(&single.pat) => Arguments::Struct((*single.ty).clone()),
+        let arguments = match &mut params[..] {
+            [single] if is_args_pattern(&single.pat) => {
+                if let Some(borrowed) = borrowed_in(&single.ty) {
+                    errors.spanned(
+                        &borrowed,
+                        "a tool's arguments cannot borrow: they are deserialized from the model's JSON into owned values; take the owned type (`String`, not `&str`)",
+                    );
+                    rejected_parameter = true;
+                    Arguments::Struct(syn::parse_quote!(()))
+                } else {
+                    if let Some(scalar) = not_an_object(&single.ty) {
+                        errors.spanned(
+                            &single.ty,
+                            format!(
+                                "a parameter named `args` is the tool's whole argument object, which the model sends as a JSON object, but {scalar}: give the parameter another name to make it one argument field, or take a struct that derives `Deserialize` and `JsonSchema`"
+                            ),
+                        );
+                    }
+                    Arguments::Struct((*single.ty).clone())
+                }
+            }
             rest => Arguments::Plain(
                 rest.iter_mut()
                     .filter_map(|param| {
@@ -66,20 +98,33 @@ impl ToolModel {
                         let (docs, others): (Vec<_>, Vec<_>) =
                             param.attrs.drain(..).partition(|attr| attr.path().is_ident("doc"));
                         param.attrs = others;
-                        match param.pat.as_ref() {
-                            Pat::Ident(pat) => Some(Field {
+                        let field = match param.pat.as_ref() {
+                            Pat::Ident(pat) => Field {
                                 ident: pat.ident.clone(),
                                 ty: (*param.ty).clone(),
                                 docs,
-                            }),
+                            },
                             other => {
                                 errors.spanned(
                                     other,
-                                    "tool parameters are plain names (`query: String`), so they can be argument fields",
+                                    "tool parameters are plain names (`query: String`), so they can be argument fields: bind the value to a name and take it apart in the body",
                                 );
-                                None
+                                rejected_parameter = true;
+                                return None;
                             }
+                        };
+                        if let Some(borrowed) = borrowed_in(&field.ty) {
+                            errors.spanned(
+                                &borrowed,
+                                format!(
+                                    "a tool parameter cannot borrow: arguments are deserialized from the model's JSON into owned values ({})",
+                                    owned_hint(&borrowed)
+                                ),
+                            );
+                            rejected_parameter = true;
+                            return None;
                         }
+                        Some(field)
                     })
                     .collect(),
             ),
@@ -90,6 +135,7 @@ impl ToolModel {
             description,
             has_context,
             arguments,
+            rejected_parameter,
             options,
             krate,
         }
@@ -220,12 +266,141 @@ fn lifetimes_in(tokens: TokenStream, declared: &[Ident]) -> Vec<syn::Lifetime> {
     found
 }
 
-/// `&ToolContext` (any path ending in `ToolContext`; the type system checks the rest).
-fn is_context(ty: &Type) -> bool {
+/// How a parameter's type names the tool's context (any path ending in `ToolContext`; the
+/// type system checks the rest).
+#[derive(Clone, Copy)]
+enum Context {
+    /// `&ToolContext`: what a tool takes, as its first parameter.
+    Shared,
+    /// `&mut ToolContext`.
+    Exclusive,
+    /// `ToolContext`.
+    Owned,
+}
+
+impl Context {
+    /// The message for a context parameter that is not `&ToolContext` in first position.
+    fn misplaced(self, first: bool) -> &'static str {
+        match (self, first) {
+            (Self::Shared, _) => {
+                "the context must be a tool's first parameter: move `&ToolContext` before the arguments"
+            }
+            (Self::Exclusive, true) => {
+                "a tool takes its context by shared reference: write `&ToolContext`, not `&mut ToolContext`"
+            }
+            (Self::Owned, true) => "a tool takes its context by reference: write `&ToolContext`, not `ToolContext`",
+            (_, false) => "a tool takes its context as its first parameter, by shared reference: `ctx: &ToolContext`",
+        }
+    }
+}
+
+fn context_kind(ty: &Type) -> Option<Context> {
+    let names_context = |ty: &Type| {
+        matches!(ty, Type::Path(path)
+            if path.qself.is_none() && path.path.segments.last().is_some_and(|segment| segment.ident == "ToolContext"))
+    };
     match ty {
-        Type::Reference(reference) => matches!(reference.elem.as_ref(), Type::Path(path)
-            if path.path.segments.last().is_some_and(|segment| segment.ident == "ToolContext")),
-        _ => false,
+        Type::Reference(reference) if names_context(&reference.elem) => Some(if reference.mutability.is_some() {
+            Context::Exclusive
+        } else {
+            Context::Shared
+        }),
+        Type::Paren(inner) => context_kind(&inner.elem),
+        Type::Group(inner) => context_kind(&inner.elem),
+        ty if names_context(ty) => Some(Context::Owned),
+        _ => None,
+    }
+}
+
+/// The first reference, or lifetime other than `'static`, that `ty` names: a parameter that
+/// borrows cannot be deserialized from the model's JSON (`&str`, `Vec<&str>`, `Cow<'a, str>`).
+fn borrowed_in(ty: &Type) -> Option<TokenStream> {
+    match ty {
+        Type::Reference(_) => Some(ty.to_token_stream()),
+        Type::Paren(inner) => borrowed_in(&inner.elem),
+        Type::Group(inner) => borrowed_in(&inner.elem),
+        Type::Slice(inner) => borrowed_in(&inner.elem),
+        Type::Array(inner) => borrowed_in(&inner.elem),
+        Type::Tuple(tuple) => tuple.elems.iter().find_map(borrowed_in),
+        Type::Path(path) => {
+            let qself = path.qself.as_ref().and_then(|qself| borrowed_in(&qself.ty));
+            qself.or_else(|| {
+                path.path
+                    .segments
+                    .iter()
+                    .filter_map(|segment| match &segment.arguments {
+                        syn::PathArguments::AngleBracketed(arguments) => Some(&arguments.args),
+                        _ => None,
+                    })
+                    .flatten()
+                    .find_map(|argument| match argument {
+                        syn::GenericArgument::Lifetime(lifetime) if lifetime.ident != "static" => {
+                            Some(lifetime.to_token_stream())
+                        }
+                        syn::GenericArgument::Type(ty) => borrowed_in(ty),
+                        _ => None,
+                    })
+            })
+        }
+        _ => None,
+    }
+}
+
+/// What to take instead of a borrowed type.
+fn owned_hint(borrowed: &TokenStream) -> &'static str {
+    match syn::parse2::<Type>(borrowed.clone()) {
+        Ok(Type::Reference(reference)) => match reference.elem.as_ref() {
+            Type::Path(path) if path.path.is_ident("str") => "take `String`, not `&str`",
+            Type::Slice(_) => "take a `Vec`, not a slice",
+            _ => "take the value itself, without `&`",
+        },
+        _ => "take a type that owns its data, such as `String`",
+    }
+}
+
+/// When `ty` is spelled as a type whose JSON Schema is surely not an object (text, a number,
+/// a list, an optional value), what it is instead, for the message. Other types (a struct, a map, a
+/// type parameter) are checked by `use_tool` when the schema exists, at run time.
+fn not_an_object(ty: &Type) -> Option<String> {
+    const TEXT: [&str; 5] = ["String", "str", "char", "PathBuf", "OsString"];
+    const NUMBERS: [&str; 14] = [
+        "i8", "i16", "i32", "i64", "i128", "isize", "u8", "u16", "u32", "u64", "u128", "usize", "f32", "f64",
+    ];
+    const LISTS: [&str; 6] = ["Vec", "VecDeque", "LinkedList", "HashSet", "BTreeSet", "BinaryHeap"];
+    match ty {
+        Type::Paren(inner) => not_an_object(&inner.elem),
+        Type::Group(inner) => not_an_object(&inner.elem),
+        Type::Tuple(tuple) if tuple.elems.is_empty() => Some("`()` is JSON `null`".to_owned()),
+        Type::Tuple(_) | Type::Array(_) | Type::Slice(_) => Some("a tuple or array is a JSON array".to_owned()),
+        Type::Path(path) if path.qself.is_none() => {
+            let last = path.path.segments.last()?;
+            let name = last.ident.to_string();
+            let inner = || match &last.arguments {
+                syn::PathArguments::AngleBracketed(arguments) => {
+                    arguments.args.iter().find_map(|argument| match argument {
+                        syn::GenericArgument::Type(ty) => Some(ty),
+                        _ => None,
+                    })
+                }
+                _ => None,
+            };
+            if TEXT.contains(&name.as_str()) {
+                Some(format!("`{name}` is a JSON string"))
+            } else if NUMBERS.contains(&name.as_str()) {
+                Some(format!("`{name}` is a JSON number"))
+            } else if name == "bool" {
+                Some("`bool` is a JSON boolean".to_owned())
+            } else if LISTS.contains(&name.as_str()) {
+                Some(format!("`{name}` is a JSON array"))
+            } else if name == "Option" {
+                Some("`Option` is an object or `null`".to_owned())
+            } else if matches!(name.as_str(), "Box" | "Arc" | "Rc" | "Cow") {
+                inner().and_then(not_an_object)
+            } else {
+                None
+            }
+        }
+        _ => None,
     }
 }
 

@@ -61,6 +61,8 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
     }
     if let (Some(progress), Arguments::Plain(fields)) = (&model.options.progress_argument, &model.arguments)
         && !fields.iter().any(|field| field.json_name() == progress.value())
+        // A rejected parameter (reported) may be the one it names.
+        && !model.rejected_parameter
     {
         let known = fields
             .iter()
