@@ -6,6 +6,7 @@
 //! emitted beside the `compile_error!` so the rest of the crate keeps type-checking.
 
 mod agent;
+mod docs;
 mod errors;
 mod hook;
 mod krate;
@@ -198,11 +199,11 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// # let _ = get_github_issue;
 /// ```
 ///
-/// The doc comment is the tool's description (required). Arguments come either as one
-/// parameter named `args` whose type is a struct (or map) deriving `Deserialize` and
-/// `JsonSchema`, or as plain parameters of owned types from which the macro builds the argument
-/// struct (doc comments on parameters become field descriptions). A first parameter
-/// `&ToolContext` is optional.
+/// The doc comment is the tool's description (required; a macro may write it, as in
+/// `#[doc = include_str!("search.md")]`). Arguments come either as one parameter named `args`
+/// whose type is a struct (or map) deriving `Deserialize` and `JsonSchema`, or as plain
+/// parameters of owned types from which the macro builds the argument struct (doc comments on
+/// parameters become field descriptions). A first parameter `&ToolContext` is optional.
 ///
 /// | option | meaning |
 /// | --- | --- |

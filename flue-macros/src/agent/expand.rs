@@ -6,6 +6,7 @@ use syn::spanned::Spanned;
 use syn::{Attribute, FnArg, ReturnType};
 
 use super::model::AgentModel;
+use crate::docs::Description;
 
 pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let function = &model.function;
@@ -50,9 +51,23 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     };
 
     let mut statics = Vec::new();
-    let description = model.description().map(syn::LitStr::value).or_else(|| doc_text(&docs));
-    if let Some(description) = description {
-        statics.push(quote!(__flue_definition = __flue_definition.description(#description);));
+    let description = match model.description() {
+        Some(description) => Description::Text(description.value()),
+        None => Description::of(&function.attrs),
+    };
+    match (&description, description.expression()) {
+        (Description::Expanded(..), Some(text)) => {
+            // A description a macro writes may turn out blank: an agent needs none, so it is
+            // left out then.
+            statics.push(quote! {
+                let __flue_description: &'static str = #text;
+                if !__flue_description.is_empty() {
+                    __flue_definition = __flue_definition.description(__flue_description);
+                }
+            });
+        }
+        (_, Some(text)) => statics.push(quote!(__flue_definition = __flue_definition.description(#text);)),
+        (_, None) => {}
     }
     if let Some(ty) = &model.options.initial_data {
         statics.push(quote_spanned!(ty.span()=> __flue_definition = __flue_definition.initial_data::<#ty>();));
@@ -129,24 +144,4 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             }
         };
     }
-}
-
-/// The doc comment's text, lines trimmed and joined, when there is one.
-fn doc_text(docs: &[&Attribute]) -> Option<String> {
-    let lines: Vec<String> = docs
-        .iter()
-        .filter_map(|attr| match &attr.meta {
-            syn::Meta::NameValue(syn::MetaNameValue {
-                value:
-                    syn::Expr::Lit(syn::ExprLit {
-                        lit: syn::Lit::Str(text),
-                        ..
-                    }),
-                ..
-            }) => Some(text.value().trim().to_owned()),
-            _ => None,
-        })
-        .collect();
-    let text = lines.join("\n").trim().to_owned();
-    (!text.is_empty()).then_some(text)
 }

@@ -6,6 +6,7 @@ use syn::spanned::Spanned;
 use syn::{ReturnType, Type};
 
 use super::model::{Arguments, ToolModel};
+use crate::docs::Description;
 
 pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let function = &model.function;
@@ -13,7 +14,6 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let ident = &function.sig.ident;
     let vis = &function.vis;
     let name = &model.name.0;
-    let description = model.description.clone().unwrap_or_default();
     let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
     // The tool's type takes the function's type parameters only: its lifetimes are the body's
     // own (inferred at the call), never part of the tool.
@@ -99,6 +99,22 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             .unwrap_or_default(),
         _ => quote!(),
     };
+    // A description a macro writes (`#[doc = include_str!(..)]`) is known only once the
+    // compiler expands it: it must not be blank either.
+    let (description, description_check) = match (&model.description, model.description.expression()) {
+        // A constant of its own, which the definition does not use, so a blank one is the only
+        // error reported.
+        (Description::Expanded(_, span), Some(text)) => (
+            text.clone(),
+            Some(quote_spanned! {*span=>
+                const __FLUE_DESCRIPTION_IS_NOT_BLANK: () = ::core::assert!(
+                    !#text.is_empty(),
+                    "a tool needs a description, and this doc comment is blank: say what the tool does — the model reads it to decide when to call the tool",
+                );
+            }),
+        ),
+        (_, text) => (text.unwrap_or_else(|| quote!("")), None),
+    };
     let progress = match &model.options.progress_argument {
         Some(progress) => quote!(::core::option::Option::Some(#progress)),
         None => quote!(::core::option::Option::None),
@@ -171,6 +187,8 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             #body
 
             #progress_check
+
+            #description_check
 
             #constructor
 

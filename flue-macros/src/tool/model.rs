@@ -6,6 +6,7 @@ use syn::ext::IdentExt;
 use syn::{Attribute, FnArg, Ident, ItemFn, Pat, Type};
 
 use super::parse::Options;
+use crate::docs::Description;
 use crate::errors::Errors;
 
 pub(crate) struct Field {
@@ -31,7 +32,7 @@ pub(crate) enum Arguments {
 pub(crate) struct ToolModel {
     pub(crate) function: ItemFn,
     pub(crate) name: (String, Span),
-    pub(crate) description: Option<String>,
+    pub(crate) description: Description,
     pub(crate) has_context: bool,
     pub(crate) arguments: Arguments,
     /// Whether a parameter was rejected (reported): the body is then never called, so the
@@ -48,7 +49,7 @@ impl ToolModel {
             Some(name) => (name.value(), name.span()),
             None => (ident.unraw().to_string(), ident.span()),
         };
-        let description = doc_text(&function.attrs);
+        let description = Description::of(&function.attrs);
         let krate = crate::krate::runtime_path(options.krate.take());
         let mut rejected_parameter = false;
         let mut has_context = false;
@@ -406,25 +407,4 @@ fn not_an_object(ty: &Type) -> Option<String> {
 
 fn is_args_pattern(pat: &Pat) -> bool {
     matches!(pat, Pat::Ident(ident) if ident.ident == "args" || ident.ident == "_args")
-}
-
-/// The doc comment's text, lines trimmed and joined, when there is one.
-pub(crate) fn doc_text(attrs: &[Attribute]) -> Option<String> {
-    let lines: Vec<String> = attrs
-        .iter()
-        .filter(|attr| attr.path().is_ident("doc"))
-        .filter_map(|attr| match &attr.meta {
-            syn::Meta::NameValue(syn::MetaNameValue {
-                value:
-                    syn::Expr::Lit(syn::ExprLit {
-                        lit: syn::Lit::Str(text),
-                        ..
-                    }),
-                ..
-            }) => Some(text.value().trim().to_owned()),
-            _ => None,
-        })
-        .collect();
-    let text = lines.join("\n").trim().to_owned();
-    (!text.is_empty()).then_some(text)
 }

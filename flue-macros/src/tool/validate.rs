@@ -1,6 +1,7 @@
 //! The compile-time rules of `#[tool]`.
 
 use super::model::{Arguments, ToolModel};
+use crate::docs::Description;
 use crate::errors::Errors;
 
 const RESERVED: [&str; 5] = ["task", "activate_skill", "read_skill_resource", "finish", "give_up"];
@@ -19,7 +20,7 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             "a tool function cannot be `unsafe`: the runtime calls it from safe code, so nothing would uphold its safety contract; make it safe and use `unsafe` blocks inside",
         );
     }
-    if model.description.is_none() {
+    if matches!(model.description, Description::None) {
         errors.spanned(
             &sig.ident,
             "a tool needs a description: add a doc comment (`/// …`) saying what it does — the model reads it to decide when to call the tool",
