@@ -424,9 +424,12 @@ pub enum Event {
     },
     /// The agent finished working on the submission (before its `operation`).
     AgentEnd {
-        /// The messages of the submission's `message_end` events, in order, for the ended
-        /// messages someone observed: the input (and joined deliveries), each completed model
-        /// step, and the results of its tools as stored (after the tool-result hooks).
+        /// The messages the submission's processing added while someone observed, in order:
+        /// the input (and joined deliveries) and each completed model step as their
+        /// `message_end` gave them, then each step's tool results as stored (after the
+        /// tool-result hooks, in call order, an interrupted call's outcome-unknown result
+        /// included), which can differ from their `message_end` (the tool's own output, in
+        /// completion order).
         messages: Vec<ModelMessage>,
     },
     /// The processing of one submission ended (after `agent_end`, before `idle`).

@@ -2,15 +2,18 @@
 //! and the child sessions tasks run in.
 //!
 //! - Every session has the `task` tool — one static spec (`agent`, `prompt`, optional
-//!   `description`), always present, so the serialized tool block never changes with the
+//!   `description` and `cwd`), always present, so the serialized tool block never changes with the
 //!   roster — and an "Available Agents" section listing each offered delegate by name and
 //!   description (or saying there is none: the tool is inert then).
 //! - Hidden relationships are not offered (and cannot be called); optional ones only while
 //!   their flag is on. A name outside the roster is answered with a factual miss, not an error.
 //! - A task renders its delegate fresh, in a subagent frame, with the task prompt as its
 //!   delivery, and runs it as a detached session: its own context (only the prompt), its own
-//!   tools, the parent's model and thinking level unless the relationship overrides them.
-//!   Only the child's final text returns, as the tool result.
+//!   tools, the parent's model and thinking level unless the relationship overrides them, and
+//!   the parent's sandbox (the call's `cwd` moves its working directory). Only the child's
+//!   answer returns, as the tool result: its final text, or for a run that a tool batch ended
+//!   (every tool of it asked to terminate) that step's text, else what the tools returned.
+//!   A delegate runs no lifecycle hooks: one whose definition selects some is refused.
 //! - Delegation is capped at four levels (`delegation_depth_exceeded`); `max_instances` caps
 //!   the tasks of one relationship running at once; `after_subagent_created` runs on the
 //!   parent before the child's first model call.
@@ -31,8 +34,10 @@
 //!   tasks run again, the rest get the outcome-unknown result), and a child that already
 //!   answered returns that answer without calling the model. A task whose child append fails
 //!   fails the parent's attempt, which is re-attempted from what is durable.
-//! - A reattached task is rendered afresh (its system prompt and tools are the current
-//!   render's), publishes `task_start` again under its task id, and runs
+//! - A reattached task whose child answered returns that answer before anything else
+//!   (whatever the current render offers); one whose child did not is rendered afresh (its
+//!   system prompt and tools are the current render's), publishes `task_start` again under
+//!   its task id, and runs
 //!   `after_subagent_created` again only while its child has no model step. Its link stays in
 //!   the parent's stream once the batch commits (never reattached again); child streams are
 //!   never listed, projected or deleted.
@@ -423,6 +428,49 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
             "The task's prompt is empty: give the agent a complete briefing (it sees nothing else of this conversation).",
         );
     }
+    let Some(runtime) = delegation.runtime.upgrade() else {
+        return ToolOutput::error("The runtime was dropped.");
+    };
+    let Some(journal) = delegation.journal() else {
+        return ToolOutput::error("The task has no conversation to record its child in.");
+    };
+    // The delegating session's events: the root's, or the enclosing task's child session's.
+    let emit = |event: Event| match &delegation.scope {
+        Some(scope) => runtime.emit_in_task(&delegation.key, &delegation.submission_id, scope, || event),
+        None => runtime.emit(&delegation.key, Some(&delegation.submission_id), event),
+    };
+    let task_start = |task_id: &str| Event::TaskStart {
+        task_id: task_id.to_owned(),
+        tool_call_id: tool_call_id.to_owned(),
+        agent: args.agent.clone(),
+        description: args.description.clone(),
+        prompt: args.prompt.clone(),
+        cwd: args.cwd.clone(),
+    };
+    // A re-run of an interrupted call reattaches to the child it created. A child that
+    // answered is done, whatever the current render offers or allows (completed work is never
+    // redone, nor lost).
+    let retained = journal.children.get(tool_call_id).cloned();
+    let reopened = match &retained {
+        Some(child) => match reopen_child(&runtime, &journal, child).await {
+            Ok(reopened) => Some(reopened),
+            Err(error) => return ToolOutput::error(error),
+        },
+        None => None,
+    };
+    if let (Some(child), Some((_, conversation))) = (&retained, &reopened)
+        && let Some(answer) = answer_of(conversation)
+    {
+        emit(task_start(&child.task_id));
+        emit(Event::Task {
+            task_id: child.task_id.clone(),
+            agent: args.agent.clone(),
+            is_error: false,
+            result: Some(answer.clone()),
+            duration_ms: 0,
+        });
+        return ToolOutput::text(answer);
+    }
     let (found, names, parent, environment) = {
         let live = delegation.live();
         (
@@ -481,36 +529,16 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         },
         None => environment,
     };
-    let Some(runtime) = delegation.runtime.upgrade() else {
-        return ToolOutput::error("The runtime was dropped.");
-    };
-    let Some(journal) = delegation.journal() else {
-        return ToolOutput::error("The task has no conversation to record its child in.");
-    };
-    // A re-run of an interrupted call reattaches to the child it created.
-    let retained = journal.children.get(tool_call_id).cloned();
     let task_id = retained
         .as_ref()
         .map_or_else(|| new_id("task"), |child| child.task_id.clone());
-    // The delegating session's events: the root's, or the enclosing task's child session's.
-    let emit = |event: Event| match &delegation.scope {
-        Some(scope) => runtime.emit_in_task(&delegation.key, &delegation.submission_id, scope, || event),
-        None => runtime.emit(&delegation.key, Some(&delegation.submission_id), event),
-    };
-    emit(Event::TaskStart {
-        task_id: task_id.clone(),
-        tool_call_id: tool_call_id.to_owned(),
-        agent: subagent.name().to_owned(),
-        description: args.description.clone(),
-        prompt: args.prompt.clone(),
-        cwd: args.cwd.clone(),
-    });
+    emit(task_start(&task_id));
     let started = Instant::now();
     let task = Task {
         id: &task_id,
         args: &args,
         tool_call_id,
-        retained,
+        reopened,
     };
     let result = child_session(&runtime, delegation, &subagent, parent, environment, &journal, task).await;
     emit(Event::Task {
@@ -528,12 +556,13 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     }
 }
 
-/// One task to run: its id, arguments and call, and the child an earlier run created.
+/// One task to run: its id, arguments and call, and the child an earlier run created (its key
+/// and conversation, reopened).
 struct Task<'a> {
     id: &'a str,
     args: &'a TaskArgs,
     tool_call_id: &'a str,
-    retained: Option<RetainedChild>,
+    reopened: Option<(InstanceKey, Conversation)>,
 }
 
 /// The `ThreadState` of a child session (its identity: hooks see the task, not its stream).
@@ -625,21 +654,10 @@ async fn child_session(
     parent: Option<(ThreadState, HookSet)>,
     environment: Environment,
     journal: &Journal,
-    task: Task<'_>,
+    mut task: Task<'_>,
 ) -> Result<String, String> {
     let args = task.args;
-    // A re-run reattaches first: a child that answered is done, whatever the delegate renders
-    // now (completed work is never redone, nor lost).
-    let reopened = match &task.retained {
-        Some(retained) => {
-            let (key, conversation) = reopen_child(runtime, journal, retained).await?;
-            if let Some(answer) = answer_of(&conversation) {
-                return Ok(answer);
-            }
-            Some((key, conversation))
-        }
-        None => None,
-    };
+    let reopened = task.reopened.take();
     let delivery = Arc::new(DeliveredMessage::user(args.prompt.clone()));
     let agent = subagent.agent().get();
     // A delegate's session runs no lifecycle hooks (its render cannot select any): an agent
@@ -1145,7 +1163,7 @@ impl ChildSession<'_> {
                 tool_call_id: call.id.clone(),
                 tool_name: call.name.clone(),
                 is_error: true,
-                content: crate::session::INTERRUPTED_TOOL.to_owned(),
+                content: conversation.interrupted(&call.id),
                 terminate: false,
                 duration_ms: 0,
             }));

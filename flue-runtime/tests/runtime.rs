@@ -569,15 +569,11 @@ async fn message_events_carry_their_messages_and_agent_end_the_submissions() {
         text: "3".into(),
         tool_calls: Vec::new(),
     };
-    assert_eq!(
-        starts,
-        [
-            user.clone(),
-            ModelMessage::empty_assistant(),
-            result.clone(),
-            ModelMessage::empty_assistant()
-        ]
-    );
+    let empty = ModelMessage::Assistant {
+        text: String::new(),
+        tool_calls: Vec::new(),
+    };
+    assert_eq!(starts, [user.clone(), empty.clone(), result.clone(), empty]);
     assert_eq!(ends, [user, ends[1].clone(), result, answer]);
     assert_eq!(agent_end.expect("agent_end was published"), ends);
 }

@@ -614,7 +614,12 @@ async fn the_child(store: &Arc<dyn Store>, parent: &InstanceKey) -> (Value, Inst
     (link, child)
 }
 
-static TALLIES: [AtomicUsize; 3] = [AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)];
+static TALLIES: [AtomicUsize; 4] = [
+    AtomicUsize::new(0),
+    AtomicUsize::new(0),
+    AtomicUsize::new(0),
+    AtomicUsize::new(0),
+];
 
 /// A delegate with a counted tool (`tally`), counting into `TALLIES[slot]`.
 fn tallying_delegate(slot: usize) -> Subagent {
@@ -1450,9 +1455,9 @@ fn sandboxed_desk() -> &'static str {
     "Delegate the writing."
 }
 
-/// A `task` call's `cwd` scopes the delegate's sandbox tools to a directory under the
-/// parent's working directory: its relative paths land there, `task_start` says so, and a
-/// `cwd` that leaves the sandbox is refused before the task starts.
+/// A `task` call's `cwd` moves the delegate's working directory (relative to the parent's):
+/// its relative paths land there, `task_start` says so, and a `cwd` that leaves the sandbox is
+/// refused before the task starts.
 #[tokio::test]
 async fn a_task_cwd_scopes_the_delegates_sandbox_tools_and_cannot_leave_the_sandbox() {
     let model = ScriptedModel::new([
@@ -1633,4 +1638,63 @@ async fn a_task_with_a_blank_prompt_is_refused() {
         result[0].1 && result[0].0.starts_with("The task's prompt is empty"),
         "{result:?}"
     );
+}
+
+static OFFER_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The tallier's parent, which stops offering it once `OFFER_GONE` is set.
+fn fickle_parent(_: AgentProps<'_>) -> &'static str {
+    use_model("scripted/parent-model");
+    if !OFFER_GONE.load(Ordering::SeqCst) {
+        // Its own slot: the tests counting tallies run in parallel.
+        use_subagent(tallying_delegate(3));
+    }
+    "Delegate the tally."
+}
+
+/// A render may drop a delegate (conditional resources): a re-run of a task call whose child
+/// had answered still returns the recorded answer, not a "no agent named" miss.
+#[tokio::test]
+async fn a_finished_task_rerun_returns_its_answer_even_when_the_render_no_longer_offers_the_delegate() {
+    for (name, backend) in backends() {
+        OFFER_GONE.store(false, Ordering::SeqCst);
+        let model = tallying_script();
+        let commits = commits_calls_of("task");
+        let store = crashing(backend, move |key, records| {
+            let hit = commits(key, records);
+            if hit {
+                OFFER_GONE.store(true, Ordering::SeqCst);
+            }
+            hit
+        });
+        let runtime = harness::runtime_on(
+            store,
+            &model,
+            vec![FnAgent::new(AgentDefinition::new("fickle"), fickle_parent).into()],
+        );
+        let mut events = runtime.observe();
+        let reply = runtime
+            .handle("fickle", "f-2")
+            .unwrap()
+            .send("Tally it.")
+            .await
+            .unwrap();
+        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let requests = model.requests();
+        assert_eq!(requests.len(), 4, "{name}");
+        assert_eq!(
+            harness::last_batch_results(&requests[3]),
+            [("Seven words.".to_owned(), false)],
+            "{name}: the re-run returned the recorded answer"
+        );
+        // The re-run still reports the task, with the recorded answer.
+        let mut ends = Vec::new();
+        while let Ok(observation) = events.try_recv() {
+            if let Event::Task { result, .. } = observation.event {
+                ends.push(result);
+            }
+        }
+        assert_eq!(ends.last(), Some(&Some("Seven words.".to_owned())), "{name}");
+    }
+    OFFER_GONE.store(false, Ordering::SeqCst);
 }

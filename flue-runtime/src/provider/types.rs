@@ -368,7 +368,7 @@ impl ModelMessage {
     }
 
     /// An assistant message with no text and no tool calls (a step's before it streams).
-    pub fn empty_assistant() -> Self {
+    pub(crate) fn empty_assistant() -> Self {
         Self::Assistant {
             text: String::new(),
             tool_calls: Vec::new(),

@@ -20,7 +20,8 @@
 //!   more than it shows, and at a line longer than 1 MB (its head searched, not the rest of
 //!   the file).
 //! - Delegates share the parent's sandbox and its tools ([`Environment`]); a `task` call's
-//!   `cwd` scopes the delegate's tools to a directory under the parent's working directory.
+//!   `cwd` moves the delegate's working directory (relative to the parent's unless absolute,
+//!   inside the sandbox). Like the tools' own paths, it is no boundary: the sandbox is.
 
 mod local;
 pub(crate) mod tools;

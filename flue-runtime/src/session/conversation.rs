@@ -611,9 +611,8 @@ impl Conversation {
             }
             RecordBody::ToolResultsCommitted { .. } => {
                 // The calls have their outcomes: their steps will not be replayed, their
-                // children not reattached.
+                // children not reattached (once a call without an outcome has been named its).
                 self.tool_steps.clear();
-                self.children.clear();
                 let outcomes = std::mem::take(&mut self.outcomes);
                 for call in std::mem::take(&mut self.open_calls) {
                     match outcomes.iter().find(|outcome| outcome.tool_call_id == call.id) {
@@ -637,6 +636,7 @@ impl Conversation {
                         }
                     }
                 }
+                self.children.clear();
             }
             RecordBody::StateWrite { name, value } => self.state.apply(name.clone(), value.clone()),
             RecordBody::MessageInjected {
@@ -777,7 +777,7 @@ impl Conversation {
 
     /// The outcome-unknown result of the uncommitted call `tool_call_id`: a `task` call's
     /// names the child conversation it created (which may hold the delegate's finished work).
-    fn interrupted(&self, tool_call_id: &str) -> String {
+    pub(crate) fn interrupted(&self, tool_call_id: &str) -> String {
         match self.children.get(tool_call_id) {
             Some(child) => interrupted_task(&child.key),
             None => INTERRUPTED_TOOL.to_owned(),
@@ -1309,6 +1309,61 @@ mod tests {
             });
         }
         conversation
+    }
+
+    /// A `task` call its batch committed without an outcome (a re-run that could not run it
+    /// again) reads as outcome-unknown naming the child conversation it created, before the
+    /// commit (what the model is sent) and after (what the history holds).
+    #[test]
+    fn a_task_call_committed_without_an_outcome_names_its_child_conversation() {
+        let mut conversation = answered(1);
+        let child = crate::store::InstanceKey::new("desk:task", "d-1/task_1");
+        let records = vec![
+            record(RecordBody::AssistantMessageStarted {
+                message_id: "step-1".into(),
+                model: "scripted/x".into(),
+                turn_id: None,
+                response_metadata: None,
+            }),
+            record(RecordBody::AssistantToolCall {
+                message_id: "step-1".into(),
+                tool_call_id: "call-1".into(),
+                name: "task".into(),
+                arguments: "{}".into(),
+            }),
+            record(RecordBody::AssistantMessageCompleted {
+                message_id: "step-1".into(),
+                text: String::new(),
+                reasoning: String::new(),
+                stop_reason: StopReason::ToolUse,
+                usage: Default::default(),
+            }),
+            record(RecordBody::ChildSessionRetained {
+                task_id: "task_1".into(),
+                kind: crate::record::ConversationKind::Task,
+                child: child.clone(),
+                parent_tool_call_id: "call-1".into(),
+            }),
+        ];
+        conversation.apply(&Batch {
+            offset: 1,
+            records: records.into(),
+        });
+        let named = interrupted_task(&child);
+        let result = |messages: &[ModelMessage]| match messages.last() {
+            Some(ModelMessage::Tool { content, .. }) => content.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(result(&conversation.model_messages()), named);
+        conversation.apply(&Batch {
+            offset: 2,
+            records: vec![record(RecordBody::ToolResultsCommitted {
+                assistant_message_id: "step-1".into(),
+            })]
+            .into(),
+        });
+        assert_eq!(result(&conversation.model_messages()), named);
+        assert!(conversation.retained_children().is_empty());
     }
 
     #[test]

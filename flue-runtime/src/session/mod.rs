@@ -60,9 +60,7 @@ use deadline::Deadline;
 use live_text::LiveText;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
-pub(crate) use conversation::{
-    Conversation, INTERRUPTED_TOOL, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from,
-};
+pub(crate) use conversation::{Conversation, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from};
 
 /// The framework ceiling of continued finish cycles per response.
 pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
@@ -2375,11 +2373,13 @@ impl Response<'_> {
             records.push(record);
         }
         for call in unknown {
+            // A `task` call names the child conversation it created.
+            let content = self.conversation.interrupted(&call.id);
             if let Some(results) = &mut results {
                 results.push(ModelMessage::Tool {
                     tool_call_id: call.id.clone(),
                     name: call.name.clone(),
-                    content: conversation::INTERRUPTED_TOOL.to_owned(),
+                    content: content.clone(),
                     is_error: true,
                 });
             }
@@ -2388,7 +2388,7 @@ impl Response<'_> {
                 tool_call_id: call.id.clone(),
                 tool_name: call.name.clone(),
                 is_error: true,
-                content: conversation::INTERRUPTED_TOOL.to_owned(),
+                content,
                 terminate: false,
                 duration_ms: 0,
             }));

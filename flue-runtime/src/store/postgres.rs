@@ -152,13 +152,14 @@ const TABLES: [(&str, &str); 5] = [
     ),
 ];
 
-/// Adds the columns a `flue_submissions` table created by an earlier build lacks (the
-/// timeouts, the trace context, the creation data).
-const ADD_SUBMISSION_COLUMNS: &str = "ALTER TABLE flue_submissions \
-     ADD COLUMN IF NOT EXISTS timeout_ms NUMERIC(20, 0) NOT NULL DEFAULT 3600000, \
-     ADD COLUMN IF NOT EXISTS timeout_at_ms NUMERIC(20, 0) NOT NULL DEFAULT 0, \
-     ADD COLUMN IF NOT EXISTS trace TEXT, \
-     ADD COLUMN IF NOT EXISTS initial_data TEXT";
+/// The columns a `flue_submissions` table created by an earlier build may lack (the timeouts,
+/// the trace context, the creation data), with their definitions.
+const ADDED_SUBMISSION_COLUMNS: [(&str, &str); 4] = [
+    ("timeout_ms", "NUMERIC(20, 0) NOT NULL DEFAULT 3600000"),
+    ("timeout_at_ms", "NUMERIC(20, 0) NOT NULL DEFAULT 0"),
+    ("trace", "TEXT"),
+    ("initial_data", "TEXT"),
+];
 
 /// The columns [`submission_from_row`] decodes, in its order.
 macro_rules! submission_columns {
@@ -778,17 +779,24 @@ async fn prepare_format(tx: &Transaction<'_>) -> Result<(), Failure> {
         // when one is missing: `ALTER TABLE` takes the table's exclusive lock even when it
         // changes nothing, so a node starting next to busy ones would queue behind their
         // transactions and hold up every query after it.
-        let present: i64 = tx
-            .query_one(
-                "SELECT COUNT(*) FROM information_schema.columns \
-                 WHERE table_schema = current_schema() AND table_name = 'flue_submissions' \
-                 AND column_name IN ('timeout_ms', 'timeout_at_ms', 'trace', 'initial_data')",
+        let present: Vec<String> = tx
+            .query(
+                "SELECT attname::TEXT FROM pg_catalog.pg_attribute \
+                 WHERE attrelid = 'flue_submissions'::regclass AND attnum > 0 AND NOT attisdropped",
                 &[],
             )
             .await?
-            .try_get(0)?;
-        if present < 4 {
-            tx.batch_execute(ADD_SUBMISSION_COLUMNS).await?;
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?;
+        let missing: Vec<String> = ADDED_SUBMISSION_COLUMNS
+            .iter()
+            .filter(|(name, _)| !present.iter().any(|column| column == name))
+            .map(|(name, definition)| format!("ADD COLUMN IF NOT EXISTS {name} {definition}"))
+            .collect();
+        if !missing.is_empty() {
+            tx.batch_execute(&format!("ALTER TABLE flue_submissions {}", missing.join(", ")))
+                .await?;
         }
     }
     Ok(())
