@@ -14,8 +14,8 @@ pub const GENERAL_SUBAGENT_NAME: &str = "flue-general";
 /// A task runs the delegate in a child session of its own (a fresh context: the task's prompt
 /// is its only message) and returns its final answer. The delegate shares the parent's
 /// sandbox; the `task` call's `cwd` moves its working directory. Its session runs no lifecycle
-/// hooks: its render cannot select any (`use_hooks`), and an agent whose definition selects
-/// some is refused as a delegate rather than run without them.
+/// hooks: its render cannot select any (`use_hooks`), and `use_subagent` refuses an agent
+/// whose definition selects some rather than have it run without them.
 #[derive(Clone)]
 pub struct Subagent {
     pub(crate) name: String,
@@ -153,6 +153,15 @@ impl Subagent {
             return Err(format!(
                 "[flue] {source} \"{}\" model must be a non-empty string.",
                 self.name
+            ));
+        }
+        let hooks = &self.agent.get().definition().hooks;
+        if !hooks.is_empty() {
+            let ids: Vec<&str> = hooks.iter().map(|hook| hook.id()).collect();
+            return Err(format!(
+                "[flue] {source} \"{}\": its agent selects lifecycle hooks ({}), which a delegate's session does not run. Delegate to an agent without them, or do that work in the parent's hooks.",
+                self.name,
+                ids.join(", ")
             ));
         }
         Ok(())

@@ -404,6 +404,20 @@ static REDACT_IN_DELEGATE: flue_core::lifecycle::ThreadHookDefinition = flue_cor
 };
 
 #[test]
+fn use_subagent_refuses_an_agent_whose_definition_selects_lifecycle_hooks() {
+    let hooked: AgentRef = FnAgent::new(
+        AgentDefinition::new("hooked").hooks(vec![flue_core::lifecycle::ThreadHook::new(&REDACT_IN_DELEGATE)]),
+        |_: AgentProps<'_>| "You look customers up.",
+    )
+    .into();
+    let parent = agent(move |_| use_subagent(Subagent::new("hooked", "Looks customers up.", hooked.clone())));
+    assert_eq!(
+        render_panic(&parent),
+        "[flue] use_subagent() \"hooked\": its agent selects lifecycle hooks (redact_in_delegate), which a delegate's session does not run. Delegate to an agent without them, or do that work in the parent's hooks."
+    );
+}
+
+#[test]
 fn instance_scoped_and_client_facing_hooks_panic_in_a_subagent_render() {
     type Case = (&'static str, Box<dyn Fn() + Send + Sync>);
     let cases: Vec<Case> = vec![

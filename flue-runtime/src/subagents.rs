@@ -13,7 +13,8 @@
 //!   the parent's sandbox (the call's `cwd` moves its working directory). Only the child's
 //!   answer returns, as the tool result: its final text, or for a run that a tool batch ended
 //!   (every tool of it asked to terminate) that step's text, else what the tools returned.
-//!   A delegate runs no lifecycle hooks: one whose definition selects some is refused.
+//!   A delegate runs no lifecycle hooks: `use_subagent` refuses an agent whose definition
+//!   selects some, and its render cannot select any.
 //! - Delegation is capped at four levels (`delegation_depth_exceeded`); `max_instances` caps
 //!   the tasks of one relationship running at once; `after_subagent_created` runs on the
 //!   parent before the child's first model call.
@@ -659,17 +660,9 @@ async fn child_session(
     let args = task.args;
     let reopened = task.reopened.take();
     let delivery = Arc::new(DeliveredMessage::user(args.prompt.clone()));
+    // A delegate's session runs no lifecycle hooks: its render cannot select any, and
+    // `use_subagent` refuses an agent whose definition does.
     let agent = subagent.agent().get();
-    // A delegate's session runs no lifecycle hooks (its render cannot select any): an agent
-    // that relies on them (a redaction, say) must not run without them.
-    if !agent.definition().hooks.is_empty() {
-        let ids: Vec<&str> = agent.definition().hooks.iter().map(|hook| hook.id()).collect();
-        return Err(format!(
-            "The \"{}\" agent selects lifecycle hooks ({}), which do not run in a delegate's session; delegate to an agent without them.",
-            subagent.name(),
-            ids.join(", ")
-        ));
-    }
     let mut rendered = Rendered::default();
     let state = RenderState::subagent(&delivery);
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

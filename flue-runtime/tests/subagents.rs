@@ -1406,7 +1406,8 @@ async fn a_childs_tool_results_are_published_as_messages_like_the_roots() {
 }
 
 /// A delegate agent whose definition selects lifecycle hooks would run without them (a
-/// delegate's session runs none): the task refuses it, and says why.
+/// delegate's session runs none): `use_subagent` refuses it, so the parent's render fails
+/// with the reason before any model call.
 #[tokio::test]
 async fn a_delegate_whose_definition_selects_lifecycle_hooks_is_refused_not_run_without_them() {
     fn hooked() -> Subagent {
@@ -1419,28 +1420,21 @@ async fn a_delegate_whose_definition_selects_lifecycle_hooks_is_refused_not_run_
             ),
         )
     }
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("task", json!({"agent": "hooked", "prompt": "Who is customer 3?"})),
-        ScriptedReply::text("Could not."),
-    ]);
+    let model = ScriptedModel::new([ScriptedReply::text("unused")]);
     let runtime = runtime_with(&model, vec![delegating_agent("desk_hooked", hooked)]);
-    runtime
+    let error = runtime
         .handle("desk_hooked", "d-5")
         .unwrap()
         .send("Who?")
         .await
-        .unwrap();
-    let requests = model.requests();
-    assert_eq!(requests.len(), 2, "the delegate's model was never called");
-    let result = harness::tool_results(&requests[1]);
-    assert_eq!(
-        result[0],
-        (
-            "The \"hooked\" agent selects lifecycle hooks (redact_email), which do not run in a delegate's session; delegate to an agent without them."
-                .to_owned(),
-            true
-        )
+        .unwrap_err();
+    assert!(
+        error.to_string().contains(
+            "[flue] use_subagent() \"hooked\": its agent selects lifecycle hooks (redact_email), which a delegate's session does not run."
+        ),
+        "{error}"
     );
+    assert!(model.requests().is_empty(), "no model was called");
 }
 
 #[agent]
