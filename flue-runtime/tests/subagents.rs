@@ -5,7 +5,7 @@
 use std::sync::Mutex;
 
 use flue_runtime::MAX_DELEGATION_DEPTH;
-use flue_runtime::events::Event;
+use flue_runtime::events::{Event, Observation};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ModelRequest};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply, instructions_of};
@@ -1532,45 +1532,61 @@ fn fragile_parent(_: AgentProps<'_>) -> &'static str {
     "Delegate the tally."
 }
 
+/// One "Tally it." exchange of the parent `agent` (instance `id`) on `backend`, whose batch
+/// answering the task call fails once, after the child answered; the failure sets `changed`,
+/// which changes what the parent or its delegate render from then on. Asserts that the re-run
+/// returned the child's recorded answer; the runtime and its events are returned.
+async fn rerun_after_the_child_answered(
+    name: &str,
+    backend: Box<dyn Store>,
+    agent: AgentRef,
+    id: &str,
+    changed: &'static std::sync::atomic::AtomicBool,
+) -> Vec<Observation> {
+    changed.store(false, Ordering::SeqCst);
+    let model = tallying_script();
+    let commits = commits_calls_of("task");
+    let store = crashing(backend, move |key, records| {
+        let hit = commits(key, records);
+        if hit {
+            changed.store(true, Ordering::SeqCst);
+        }
+        hit
+    });
+    let agent_name = agent.get().definition().name.to_string();
+    let runtime = harness::runtime_on(store, &model, vec![agent]);
+    let mut events = runtime.observe();
+    let reply = runtime
+        .handle(&agent_name, id)
+        .unwrap()
+        .send("Tally it.")
+        .await
+        .unwrap();
+    changed.store(false, Ordering::SeqCst);
+    assert_eq!(reply.text, "The tally is seven.", "{name}");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 4, "{name}: the child's model was not called again");
+    assert_eq!(
+        harness::last_batch_results(&requests[3]),
+        [("Seven words.".to_owned(), false)],
+        "{name}: the re-run returned the recorded answer"
+    );
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        seen.push(observation);
+    }
+    seen
+}
+
 /// Completed work is never lost: a re-run of a task call whose child had answered returns the
 /// recorded answer before rendering the delegate again, so a delegate that no longer renders
 /// (or whose model no longer resolves) does not throw the finished work away.
 #[tokio::test]
 async fn a_finished_task_rerun_returns_its_answer_even_when_the_delegate_no_longer_renders() {
     for (name, backend) in backends() {
-        FRAGILE_BROKEN.store(false, Ordering::SeqCst);
-        let model = tallying_script();
-        let commits = commits_calls_of("task");
-        let store = crashing(backend, move |key, records| {
-            let hit = commits(key, records);
-            if hit {
-                // The parent's batch answering the task fails; from now on the delegate
-                // cannot render.
-                FRAGILE_BROKEN.store(true, Ordering::SeqCst);
-            }
-            hit
-        });
-        let runtime = harness::runtime_on(
-            store,
-            &model,
-            vec![FnAgent::new(AgentDefinition::new("fragile"), fragile_parent).into()],
-        );
-        let reply = runtime
-            .handle("fragile", "f-1")
-            .unwrap()
-            .send("Tally it.")
-            .await
-            .unwrap();
-        assert_eq!(reply.text, "The tally is seven.", "{name}");
-        let requests = model.requests();
-        assert_eq!(requests.len(), 4, "{name}");
-        assert_eq!(
-            harness::last_batch_results(&requests[3]),
-            [("Seven words.".to_owned(), false)],
-            "{name}: the re-run returned the recorded answer"
-        );
+        let agent = FnAgent::new(AgentDefinition::new("fragile"), fragile_parent).into();
+        rerun_after_the_child_answered(name, backend, agent, "f-1", &FRAGILE_BROKEN).await;
     }
-    FRAGILE_BROKEN.store(false, Ordering::SeqCst);
 }
 
 #[agent]
@@ -1647,48 +1663,20 @@ fn fickle_parent(_: AgentProps<'_>) -> &'static str {
 }
 
 /// A render may drop a delegate (conditional resources): a re-run of a task call whose child
-/// had answered still returns the recorded answer, not a "no agent named" miss.
+/// had answered still returns the recorded answer, not a "no agent named" miss, and reports
+/// the task with it.
 #[tokio::test]
 async fn a_finished_task_rerun_returns_its_answer_even_when_the_render_no_longer_offers_the_delegate() {
     for (name, backend) in backends() {
-        OFFER_GONE.store(false, Ordering::SeqCst);
-        let model = tallying_script();
-        let commits = commits_calls_of("task");
-        let store = crashing(backend, move |key, records| {
-            let hit = commits(key, records);
-            if hit {
-                OFFER_GONE.store(true, Ordering::SeqCst);
-            }
-            hit
-        });
-        let runtime = harness::runtime_on(
-            store,
-            &model,
-            vec![FnAgent::new(AgentDefinition::new("fickle"), fickle_parent).into()],
-        );
-        let mut events = runtime.observe();
-        let reply = runtime
-            .handle("fickle", "f-2")
-            .unwrap()
-            .send("Tally it.")
-            .await
-            .unwrap();
-        assert_eq!(reply.text, "The tally is seven.", "{name}");
-        let requests = model.requests();
-        assert_eq!(requests.len(), 4, "{name}");
-        assert_eq!(
-            harness::last_batch_results(&requests[3]),
-            [("Seven words.".to_owned(), false)],
-            "{name}: the re-run returned the recorded answer"
-        );
-        // The re-run still reports the task, with the recorded answer.
-        let mut ends = Vec::new();
-        while let Ok(observation) = events.try_recv() {
-            if let Event::Task { result, .. } = observation.event {
-                ends.push(result);
-            }
-        }
+        let agent = FnAgent::new(AgentDefinition::new("fickle"), fickle_parent).into();
+        let seen = rerun_after_the_child_answered(name, backend, agent, "f-2", &OFFER_GONE).await;
+        let ends: Vec<_> = seen
+            .into_iter()
+            .filter_map(|observation| match observation.event {
+                Event::Task { result, .. } => Some(result),
+                _ => None,
+            })
+            .collect();
         assert_eq!(ends.last(), Some(&Some("Seven words.".to_owned())), "{name}");
     }
-    OFFER_GONE.store(false, Ordering::SeqCst);
 }

@@ -1311,6 +1311,32 @@ mod tests {
         conversation
     }
 
+    /// The records of a completed step `step-1` calling `calls` (id, tool name).
+    fn calling_step(calls: &[(&str, &str)]) -> Vec<Record> {
+        let mut records = vec![record(RecordBody::AssistantMessageStarted {
+            message_id: "step-1".into(),
+            model: "scripted/x".into(),
+            turn_id: None,
+            response_metadata: None,
+        })];
+        records.extend(calls.iter().map(|(id, name)| {
+            record(RecordBody::AssistantToolCall {
+                message_id: "step-1".into(),
+                tool_call_id: (*id).into(),
+                name: (*name).into(),
+                arguments: "{}".into(),
+            })
+        }));
+        records.push(record(RecordBody::AssistantMessageCompleted {
+            message_id: "step-1".into(),
+            text: String::new(),
+            reasoning: String::new(),
+            stop_reason: StopReason::ToolUse,
+            usage: Default::default(),
+        }));
+        records
+    }
+
     /// A `task` call its batch committed without an outcome (a re-run that could not run it
     /// again) reads as outcome-unknown naming the child conversation it created, before the
     /// commit (what the model is sent) and after (what the history holds).
@@ -1318,33 +1344,13 @@ mod tests {
     fn a_task_call_committed_without_an_outcome_names_its_child_conversation() {
         let mut conversation = answered(1);
         let child = crate::store::InstanceKey::new("desk:task", "d-1/task_1");
-        let records = vec![
-            record(RecordBody::AssistantMessageStarted {
-                message_id: "step-1".into(),
-                model: "scripted/x".into(),
-                turn_id: None,
-                response_metadata: None,
-            }),
-            record(RecordBody::AssistantToolCall {
-                message_id: "step-1".into(),
-                tool_call_id: "call-1".into(),
-                name: "task".into(),
-                arguments: "{}".into(),
-            }),
-            record(RecordBody::AssistantMessageCompleted {
-                message_id: "step-1".into(),
-                text: String::new(),
-                reasoning: String::new(),
-                stop_reason: StopReason::ToolUse,
-                usage: Default::default(),
-            }),
-            record(RecordBody::ChildSessionRetained {
-                task_id: "task_1".into(),
-                kind: crate::record::ConversationKind::Task,
-                child: child.clone(),
-                parent_tool_call_id: "call-1".into(),
-            }),
-        ];
+        let mut records = calling_step(&[("call-1", "task")]);
+        records.push(record(RecordBody::ChildSessionRetained {
+            task_id: "task_1".into(),
+            kind: crate::record::ConversationKind::Task,
+            child: child.clone(),
+            parent_tool_call_id: "call-1".into(),
+        }));
         conversation.apply(&Batch {
             offset: 1,
             records: records.into(),
@@ -1377,33 +1383,7 @@ mod tests {
                 value,
             })
         };
-        let records = vec![
-            record(RecordBody::AssistantMessageStarted {
-                message_id: "step-1".into(),
-                model: "scripted/x".into(),
-                turn_id: None,
-                response_metadata: None,
-            }),
-            record(RecordBody::AssistantToolCall {
-                message_id: "step-1".into(),
-                tool_call_id: "call-a".into(),
-                name: "refund".into(),
-                arguments: "{}".into(),
-            }),
-            record(RecordBody::AssistantToolCall {
-                message_id: "step-1".into(),
-                tool_call_id: "call-b".into(),
-                name: "refund".into(),
-                arguments: "{}".into(),
-            }),
-            record(RecordBody::AssistantMessageCompleted {
-                message_id: "step-1".into(),
-                text: String::new(),
-                reasoning: String::new(),
-                stop_reason: StopReason::ToolUse,
-                usage: Default::default(),
-            }),
-        ];
+        let records = calling_step(&[("call-a", "refund"), ("call-b", "refund")]);
         conversation.apply(&Batch {
             offset: 1,
             records: records.into(),
