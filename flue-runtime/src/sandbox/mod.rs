@@ -19,7 +19,7 @@
 //!   than" the lines seen, and only what was read is checked to be UTF-8), `grep` at one match
 //!   more than it shows, and at a line longer than 1 MB (its head searched, not the rest of
 //!   the file).
-//! - Delegates share the parent's sandbox and its tools ([`Environment`]); a `task` call's
+//! - Delegates share the parent's sandbox and its tools (`Environment`); a `task` call's
 //!   `cwd` moves the delegate's working directory (relative to the parent's unless absolute,
 //!   inside the sandbox). Like the tools' own paths, it is no boundary: the sandbox is.
 
