@@ -35,6 +35,7 @@ impl ModelProvider for AnswersOk {
             tool_calls: Vec::new(),
             stop_reason: StopReason::Stop,
             usage: Default::default(),
+            reasoning_blocks: Vec::new(),
         };
         Box::pin(futures_util::stream::iter([Ok(StreamEvent::Completed(response))]))
     }

@@ -760,6 +760,7 @@ impl flue_runtime::provider::ModelProvider for AnswersOk {
             tool_calls: Vec::new(),
             stop_reason: StopReason::Stop,
             usage: Default::default(),
+            reasoning_blocks: Vec::new(),
         };
         Box::pin(futures_util::stream::iter([Ok(StreamEvent::Completed(response))]))
     }

@@ -27,7 +27,7 @@ Write it as notes, in the language of the conversation.";
 pub(crate) fn estimate_message(message: &ModelMessage) -> u64 {
     let chars = match message {
         ModelMessage::User { content, images } => content.len() + images.len() * 4_000,
-        ModelMessage::Assistant { text, tool_calls } => {
+        ModelMessage::Assistant { text, tool_calls, .. } => {
             text.len()
                 + tool_calls
                     .iter()
@@ -51,7 +51,7 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
                     out.push_str(&format!(" [{} image(s)]", images.len()));
                 }
             }
-            ModelMessage::Assistant { text, tool_calls } => {
+            ModelMessage::Assistant { text, tool_calls, .. } => {
                 out.push_str("Agent: ");
                 out.push_str(text);
                 for call in tool_calls {

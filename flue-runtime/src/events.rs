@@ -41,6 +41,11 @@ use crate::store::SubmissionKind;
 /// the model still reads the images).
 pub const IMAGE_DATA_OMITTED: &str = "[image data omitted from event]";
 
+/// What an event carries for a step's reasoning signatures and encrypted reasoning
+/// ([`ReasoningBlock`](crate::provider::ReasoningBlock)): opaque provider data, kept for the
+/// provider alone. The reasoning text itself is carried.
+pub const REASONING_DATA_OMITTED: &str = "[reasoning data omitted from event]";
+
 /// One observation: an [`Event`] with its correlation.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -218,7 +223,8 @@ pub enum Event {
         /// The message: the input and a model step as stored (after the message hooks), a
         /// tool's result as the tool returned it (before the tool-result hooks; its stored
         /// form is in `turn_messages`). A failed model call ends with an empty assistant
-        /// message. Images carry their media type, and [`IMAGE_DATA_OMITTED`] for their bytes.
+        /// message. Images carry their media type, and [`IMAGE_DATA_OMITTED`] for their bytes;
+        /// signed reasoning carries [`REASONING_DATA_OMITTED`] for its signature or data.
         message: ModelMessage,
     },
     /// An agent model call started (before its assistant `message_start`).
@@ -496,7 +502,11 @@ impl Event {
         Self::TurnMessages {
             turn_id: turn.get(),
             purpose: TurnPurpose::Agent,
-            message: ModelMessage::Assistant { text, tool_calls },
+            message: ModelMessage::Assistant {
+                text,
+                tool_calls,
+                reasoning: Vec::new(),
+            },
             tool_results,
         }
     }
@@ -653,6 +663,7 @@ mod tests {
                     message: ModelMessage::Assistant {
                         text: "4".into(),
                         tool_calls: Vec::new(),
+                        reasoning: Vec::new(),
                     },
                     tool_results: Vec::new(),
                 },

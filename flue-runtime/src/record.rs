@@ -303,6 +303,10 @@ pub enum RecordBody {
         /// never reads it back).
         #[serde(default, skip_serializing_if = "String::is_empty")]
         reasoning: String,
+        /// The step's reasoning as its provider signed it, sent back to the provider with the
+        /// step (see [`ReasoningBlock`](crate::provider::ReasoningBlock)).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        reasoning_blocks: Vec<crate::provider::ReasoningBlock>,
         /// Why it ended.
         stop_reason: StopReason,
         /// Usage.
@@ -548,6 +552,7 @@ pub(crate) fn model_step_ending<'a>(
         message_id: message_id.to_owned(),
         text: response.text.clone(),
         reasoning: response.reasoning.clone(),
+        reasoning_blocks: response.reasoning_blocks.clone(),
         stop_reason: response.stop_reason,
         usage: response.usage,
     };

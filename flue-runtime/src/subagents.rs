@@ -884,6 +884,7 @@ async fn child_session(
                 events.message_end(ModelMessage::Assistant {
                     text: response.text.clone(),
                     tool_calls: response.tool_calls.clone(),
+                    reasoning: Vec::new(),
                 });
             }
             if response.tool_calls.is_empty() {

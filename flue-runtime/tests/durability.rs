@@ -467,6 +467,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
                     reasoning: String::new(),
                     stop_reason: flue_runtime::provider::StopReason::Stop,
                     usage: Default::default(),
+                    reasoning_blocks: Vec::new(),
                 }),
             ]
             .into(),
@@ -897,6 +898,7 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
                 reasoning: String::new(),
                 stop_reason: flue_runtime::provider::StopReason::Stop,
                 usage: Default::default(),
+                reasoning_blocks: Vec::new(),
             }),
         ],
         vec![record(RecordBody::MessageMetadata {

@@ -520,7 +520,8 @@ async fn items_22_23_24_25_36_create_and_update_hooks_shape_the_stored_rows() {
             ModelMessage::user("[user] question"),
             ModelMessage::Assistant {
                 text: "answer — signed".into(),
-                tool_calls: Vec::new()
+                tool_calls: Vec::new(),
+                reasoning: Vec::new()
             }
         ]
     );
@@ -1433,7 +1434,7 @@ async fn item_81_a_queued_tool_runs_later_in_the_same_flow_even_when_not_mounted
     assert_eq!(requests.len(), 2);
     // The queued call and its result follow the batch that queued it.
     let messages = &requests[1].messages;
-    let ModelMessage::Assistant { tool_calls, text } = &messages[3] else {
+    let ModelMessage::Assistant { tool_calls, text, .. } = &messages[3] else {
         panic!("the queued call's step: {messages:?}")
     };
     assert_eq!((text.as_str(), tool_calls[0].name.as_str()), ("", "audit_trail"));

@@ -100,6 +100,7 @@ impl ModelProvider for GatedModel {
                                     tool_calls: Vec::new(),
                                     stop_reason: StopReason::Stop,
                                     usage: Default::default(),
+                                    reasoning_blocks: Vec::new(),
                                 }));
                             }
                             Step::CallTool(name, arguments) => {
@@ -114,6 +115,7 @@ impl ModelProvider for GatedModel {
                                     }],
                                     stop_reason: StopReason::ToolUse,
                                     usage: Default::default(),
+                                    reasoning_blocks: Vec::new(),
                                 }));
                             }
                         }

@@ -13,7 +13,7 @@ use flue_runtime::provider::openai::{OpenAiProvider, RetryPolicy};
 use flue_runtime::provider::registry::ResolveError;
 use flue_runtime::provider::{
     ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, ProviderError, ProviderErrorKind,
-    ProviderRegistry, StopReason, StreamEvent, ToolSpec,
+    ProviderRegistry, ReasoningBlock, StopReason, StreamEvent, ToolSpec,
 };
 use flue_runtime::testing::fixture_server::{
     AnthropicEvent, FIXTURE_USAGE, FixtureReply, FixtureServer, OpenAiChunk, RecordedRequest,
@@ -218,6 +218,133 @@ async fn reasoning_streams_separately_from_text() {
         ]
     );
     assert_eq!((response.reasoning.as_str(), response.text.as_str()), ("Hmm.", "Yes"));
+}
+
+/// A thinking step that calls `lookup`: a signed thinking block, a redacted one, an unsigned
+/// one (the stream was cut before its signature), then the call.
+fn signed_thinking_tool_step() -> FixtureReply {
+    FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::ThinkingStart { index: 0 },
+        AnthropicEvent::ThinkingDelta {
+            index: 0,
+            thinking: "Look it ".into(),
+        },
+        AnthropicEvent::ThinkingDelta {
+            index: 0,
+            thinking: "up.".into(),
+        },
+        AnthropicEvent::SignatureDelta {
+            index: 0,
+            signature: "sig-0".into(),
+        },
+        AnthropicEvent::BlockStop { index: 0 },
+        AnthropicEvent::RedactedThinking {
+            index: 1,
+            data: "encrypted-1".into(),
+        },
+        AnthropicEvent::BlockStop { index: 1 },
+        AnthropicEvent::ThinkingStart { index: 2 },
+        AnthropicEvent::ThinkingDelta {
+            index: 2,
+            thinking: " Unsigned.".into(),
+        },
+        AnthropicEvent::BlockStop { index: 2 },
+        AnthropicEvent::ToolUseStart {
+            index: 3,
+            id: "call_1".into(),
+            name: "lookup".into(),
+        },
+        AnthropicEvent::InputJsonDelta {
+            index: 3,
+            partial_json: "{\"q\":1}".into(),
+        },
+        AnthropicEvent::BlockStop { index: 3 },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "tool_use".into(),
+            output_tokens: 9,
+        },
+        AnthropicEvent::MessageStop,
+    ])
+}
+
+#[tokio::test]
+async fn anthropic_thinking_keeps_its_signed_and_redacted_blocks_and_drops_unsigned_ones() {
+    let server = FixtureServer::start().await;
+    server.push(signed_thinking_tool_step());
+    let (events, response) = complete(&anthropic(&server), request("q")).await;
+    // Every piece of reasoning text streams, signed or not; redacted reasoning shows nothing.
+    assert_eq!(
+        events[..3],
+        [
+            StreamEvent::ReasoningDelta("Look it ".into()),
+            StreamEvent::ReasoningDelta("up.".into()),
+            StreamEvent::ReasoningDelta(" Unsigned.".into()),
+        ]
+    );
+    assert_eq!(response.reasoning, "Look it up. Unsigned.");
+    assert_eq!(
+        response.reasoning_blocks,
+        [
+            ReasoningBlock::Thinking {
+                thinking: "Look it up.".into(),
+                signature: "sig-0".into()
+            },
+            ReasoningBlock::Redacted {
+                data: "encrypted-1".into()
+            },
+        ]
+    );
+    assert_eq!(response.tool_calls.len(), 1);
+}
+
+#[tokio::test]
+async fn anthropic_sends_a_steps_signed_reasoning_back_first_and_keeps_thinking_on_in_its_tool_loop() {
+    let server = FixtureServer::start().await;
+    server.push(signed_thinking_tool_step());
+    server.push(FixtureReply::anthropic_text("Found."));
+    server.push(FixtureReply::anthropic_text("Found."));
+    let provider = anthropic(&server);
+    let mut call = request("q");
+    call.thinking_level = ThinkingLevel::High;
+    let (_, step) = complete(&provider, call.clone()).await;
+    let mut messages = vec![
+        ModelMessage::user("q"),
+        ModelMessage::Assistant {
+            text: step.text.clone(),
+            tool_calls: step.tool_calls.clone(),
+            reasoning: step.reasoning_blocks.clone(),
+        },
+        ModelMessage::Tool {
+            tool_call_id: "call_1".into(),
+            name: "lookup".into(),
+            content: "42".into(),
+            is_error: false,
+        },
+    ];
+    call.messages = messages.clone().into();
+    complete(&provider, call.clone()).await;
+    let body = &server.requests()[1].body;
+    assert_eq!(body["thinking"], json!({"type": "enabled", "budget_tokens": 16384}));
+    assert_eq!(
+        body["messages"][1],
+        json!({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Look it up.", "signature": "sig-0"},
+            {"type": "redacted_thinking", "data": "encrypted-1"},
+            {"type": "tool_use", "id": "call_1", "name": "lookup", "input": {"q": 1}},
+        ]})
+    );
+    // With thinking off, the reasoning stays home (the API wants it only for thinking calls).
+    call.thinking_level = ThinkingLevel::Off;
+    messages.push(ModelMessage::user("again"));
+    call.messages = messages.into();
+    complete(&provider, call).await;
+    let body = &server.requests()[2].body;
+    assert_eq!(body.get("thinking"), None);
+    assert_eq!(
+        body["messages"][1]["content"],
+        json!([{"type": "tool_use", "id": "call_1", "name": "lookup", "input": {"q": 1}}])
+    );
 }
 
 // ---- tool calls ----
@@ -828,6 +955,7 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
                     call("call_1", "get_weather", r#"{"city":"Paris"}"#),
                     call("call_2", "get_weather", r#"{"city":"Rome"}"#),
                 ],
+                reasoning: Vec::new(),
             },
             ModelMessage::Tool {
                 tool_call_id: "call_1".into(),
@@ -844,6 +972,7 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
             ModelMessage::Assistant {
                 text: "Paris is 18C.".to_owned(),
                 tool_calls: Vec::new(),
+                reasoning: Vec::new(),
             },
             ModelMessage::user("Thanks"),
         ]

@@ -568,10 +568,12 @@ async fn message_events_carry_their_messages_and_agent_end_the_submissions() {
     let answer = ModelMessage::Assistant {
         text: "3".into(),
         tool_calls: Vec::new(),
+        reasoning: Vec::new(),
     };
     let empty = ModelMessage::Assistant {
         text: String::new(),
         tool_calls: Vec::new(),
+        reasoning: Vec::new(),
     };
     assert_eq!(starts, [user.clone(), empty.clone(), result.clone(), empty]);
     assert_eq!(ends, [user, ends[1].clone(), result, answer]);
@@ -690,7 +692,7 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
             _ => None,
         })
         .collect();
-    let ModelMessage::Assistant { text, tool_calls } = messages[0].0 else {
+    let ModelMessage::Assistant { text, tool_calls, .. } = messages[0].0 else {
         panic!("an assistant message: {:?}", messages[0].0)
     };
     assert_eq!(text, "");
@@ -713,6 +715,7 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
         &ModelMessage::Assistant {
             text: "3".into(),
             tool_calls: Vec::new(),
+            reasoning: Vec::new()
         }
     );
     assert!(messages[1].1.is_empty());
@@ -873,6 +876,7 @@ impl flue_runtime::provider::ModelProvider for Reasoner {
                 tool_calls: Vec::new(),
                 stop_reason: StopReason::Stop,
                 usage: Default::default(),
+                reasoning_blocks: Vec::new(),
             })),
         ];
         Box::pin(futures_util::stream::iter(events))
@@ -1688,7 +1692,8 @@ async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carr
             ModelMessage::user("hi"),
             ModelMessage::Assistant {
                 text: "answer 0".into(),
-                tool_calls: Vec::new()
+                tool_calls: Vec::new(),
+                reasoning: Vec::new()
             },
             ModelMessage::user("again"),
         ]

@@ -2,11 +2,20 @@
 //! pointed at the loopback fixture server.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
+use flue_runtime::events::{Event, REASONING_DATA_OMITTED};
+use flue_runtime::model::{ModelOptions, ThinkingLevel};
 use flue_runtime::prelude::*;
+use flue_runtime::provider::anthropic::AnthropicProvider;
 use flue_runtime::provider::openai::OpenAiProvider;
-use flue_runtime::provider::{ProviderRegistry, RetryPolicy};
-use flue_runtime::testing::fixture_server::{FixtureReply, FixtureServer};
+use flue_runtime::provider::{ModelMessage, ProviderRegistry, ReasoningBlock, RetryPolicy};
+use flue_runtime::record::RecordBody;
+use flue_runtime::store::{InstanceKey, SqliteStore};
+use flue_runtime::testing::fixture_server::{AnthropicEvent, FixtureReply, FixtureServer};
+use flue_runtime::usage::Usage;
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use serde_json::json;
+
+mod scratch;
 
 /// Look up the weather in a city.
 #[tool(progress_argument = "city")]
@@ -154,4 +163,132 @@ async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
     }
     assert!(!open);
     assert_eq!(assistant, ["Hello", "Hello world."]);
+}
+
+#[agent]
+fn thinker() -> &'static str {
+    use_model_with("claude/claude-test", ModelOptions::thinking(ThinkingLevel::High));
+    use_tool(get_weather);
+    "You think, then report the weather."
+}
+
+fn thinking_runtime(server: &FixtureServer, store: SqliteStore) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(
+        AnthropicProvider::anthropic()
+            .with_id("claude")
+            .with_base_url(server.base_url())
+            .with_api_key("test-key")
+            .with_retry_policy(RetryPolicy::new(3, std::time::Duration::from_millis(1))),
+    );
+    Runtime::builder()
+        .store(store)
+        .agent(thinker)
+        .providers(providers)
+        .build()
+        .unwrap()
+}
+
+/// Anthropic requires a step's signed thinking back in the next call of its tool loop: the
+/// runtime stores it with the step, sends it back (so thinking stays on in the loop), keeps it
+/// across a restart, and shows observers the reasoning but not the signature.
+#[tokio::test]
+async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survives_a_restart() {
+    let db = scratch::dir("signed-thinking").join("flue.db");
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::ThinkingStart { index: 0 },
+        AnthropicEvent::ThinkingDelta {
+            index: 0,
+            thinking: "Paris, so look it up.".into(),
+        },
+        AnthropicEvent::SignatureDelta {
+            index: 0,
+            signature: "sig-paris".into(),
+        },
+        AnthropicEvent::BlockStop { index: 0 },
+        AnthropicEvent::ToolUseStart {
+            index: 1,
+            id: "toolu_1".into(),
+            name: "get_weather".into(),
+        },
+        AnthropicEvent::InputJsonDelta {
+            index: 1,
+            partial_json: r#"{"city":"Paris"}"#.into(),
+        },
+        AnthropicEvent::BlockStop { index: 1 },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "tool_use".into(),
+            output_tokens: 12,
+        },
+        AnthropicEvent::MessageStop,
+    ]));
+    server.push(FixtureReply::anthropic_text("Sunny in Paris."));
+    let signed = json!({"type": "thinking", "thinking": "Paris, so look it up.", "signature": "sig-paris"});
+    {
+        let runtime = thinking_runtime(&server, SqliteStore::open(&db).unwrap());
+        let mut events = runtime.observe();
+        let reply = runtime.init(&thinker, "t").send("Weather in Paris?").await.unwrap();
+        assert_eq!(reply.text, "Sunny in Paris.");
+        let loop_call = &server.requests()[1].body;
+        assert_eq!(
+            loop_call["thinking"]["type"], "enabled",
+            "thinking stays on in the loop"
+        );
+        assert_eq!(loop_call["messages"][1]["content"][0], signed);
+        assert_eq!(loop_call["messages"][1]["content"][1]["type"], "tool_use");
+        // Stored with the step.
+        let records = runtime
+            .store()
+            .read(&InstanceKey::new("thinker", "t"), None)
+            .await
+            .unwrap();
+        let stored: Vec<&Vec<ReasoningBlock>> = records
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .filter_map(|record| match &record.body {
+                RecordBody::AssistantMessageCompleted { reasoning_blocks, .. } => Some(reasoning_blocks),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            stored,
+            [
+                &vec![ReasoningBlock::Thinking {
+                    thinking: "Paris, so look it up.".into(),
+                    signature: "sig-paris".into()
+                }],
+                &vec![]
+            ]
+        );
+        // Observers see the reasoning, never the signature.
+        let mut ended = None;
+        while let Ok(observation) = events.try_recv() {
+            if let Event::MessageEnd {
+                message: ModelMessage::Assistant {
+                    tool_calls, reasoning, ..
+                },
+            } = observation.event
+                && !tool_calls.is_empty()
+            {
+                ended = Some(reasoning);
+            }
+        }
+        assert_eq!(
+            ended,
+            Some(vec![ReasoningBlock::Thinking {
+                thinking: "Paris, so look it up.".into(),
+                signature: REASONING_DATA_OMITTED.into()
+            }])
+        );
+        runtime.shutdown();
+    }
+    // A restart on the same database: the step keeps its signed thinking.
+    server.push(FixtureReply::anthropic_text("Still sunny."));
+    let runtime = thinking_runtime(&server, SqliteStore::open(&db).unwrap());
+    runtime.init(&thinker, "t").send("And now?").await.unwrap();
+    let next_turn = &server.requests()[2].body;
+    assert_eq!(next_turn["messages"][1]["content"][0], signed);
+    assert_eq!(next_turn["thinking"]["type"], "enabled");
 }

@@ -874,6 +874,7 @@ mod tests {
             reasoning: String::new(),
             stop_reason: StopReason::Stop,
             usage: Default::default(),
+            reasoning_blocks: Vec::new(),
         }
     }
 
@@ -981,6 +982,7 @@ mod tests {
             reasoning: "Think.".into(),
             stop_reason: StopReason::Stop,
             usage: Default::default(),
+            reasoning_blocks: Vec::new(),
         };
         let mut updates = serde_json::Map::new();
         updates.insert("content".into(), json!("Second, edited."));

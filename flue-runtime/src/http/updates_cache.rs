@@ -566,6 +566,7 @@ mod tests {
                 reasoning: String::new(),
                 stop_reason: StopReason::Stop,
                 usage: Default::default(),
+                reasoning_blocks: Vec::new(),
             })],
             vec![at(RecordBody::StateWrite {
                 name: "count".into(),

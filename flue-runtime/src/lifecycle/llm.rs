@@ -45,7 +45,7 @@ pub(crate) fn to_llm(system: Option<&str>, messages: &[ModelMessage]) -> Vec<Llm
                     name: None,
                 }
             }
-            ModelMessage::Assistant { text, tool_calls } => LlmMessage {
+            ModelMessage::Assistant { text, tool_calls, .. } => LlmMessage {
                 role: "assistant".to_owned(),
                 content: if text.is_empty() && !tool_calls.is_empty() {
                     Value::Null
@@ -139,9 +139,26 @@ pub(crate) fn from_llm(messages: Vec<LlmMessage>, original: &[ModelMessage]) -> 
                     .as_ref()
                     .map(crate::session::tool_calls_from)
                     .unwrap_or_default();
+                let text = text_of(&message.content);
+                // A step the hook kept as it was keeps its signed reasoning (it authenticates
+                // that step only, so a changed step goes without).
+                let reasoning = original
+                    .iter()
+                    .find_map(|stored| match stored {
+                        ModelMessage::Assistant {
+                            text: stored_text,
+                            tool_calls: stored_calls,
+                            reasoning,
+                        } if !reasoning.is_empty() && *stored_text == text && *stored_calls == tool_calls => {
+                            Some(reasoning.clone())
+                        }
+                        _ => None,
+                    })
+                    .unwrap_or_default();
                 out.push(ModelMessage::Assistant {
-                    text: text_of(&message.content),
+                    text,
                     tool_calls,
+                    reasoning,
                 });
             }
             "tool" => {
@@ -187,6 +204,10 @@ mod tests {
                     name: "lookup".into(),
                     arguments: "{\"q\":1}".into(),
                 }],
+                reasoning: vec![crate::provider::ReasoningBlock::Thinking {
+                    thinking: "look it up".into(),
+                    signature: "sig".into(),
+                }],
             },
             ModelMessage::Tool {
                 tool_call_id: "call_1".into(),
@@ -197,6 +218,7 @@ mod tests {
             ModelMessage::Assistant {
                 text: "done".into(),
                 tool_calls: Vec::new(),
+                reasoning: Vec::new(),
             },
         ];
         let llm = to_llm(Some("be brief"), &messages);
@@ -204,7 +226,27 @@ mod tests {
         assert_eq!(llm[2].content, Value::Null, "a call-only step has null content");
         let (system, back) = from_llm(llm, &messages);
         assert_eq!(system.as_deref(), Some("be brief"));
-        assert_eq!(back, messages);
+        assert_eq!(back, messages, "an unchanged step keeps its signed reasoning");
+    }
+
+    #[test]
+    fn a_step_the_hook_changed_loses_its_signed_reasoning() {
+        let step = |text: &str| ModelMessage::Assistant {
+            text: text.into(),
+            tool_calls: Vec::new(),
+            reasoning: vec![crate::provider::ReasoningBlock::Redacted { data: "opaque".into() }],
+        };
+        let mut llm = to_llm(None, &[step("original")]);
+        llm[0].content = json!("rewritten");
+        let (_, back) = from_llm(llm, &[step("original")]);
+        assert_eq!(
+            back,
+            [ModelMessage::Assistant {
+                text: "rewritten".into(),
+                tool_calls: Vec::new(),
+                reasoning: Vec::new(),
+            }]
+        );
     }
 
     #[test]

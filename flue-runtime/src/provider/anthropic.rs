@@ -19,9 +19,12 @@
 //!   nothing). `max_tokens` must exceed the budget: when unset it becomes budget + 8192; when
 //!   set too low, the budget shrinks to half of it (at least 1024) or thinking is dropped.
 //!
-//! Thinking is also dropped while the conversation is inside a tool-use loop (an assistant tool
-//! call after the last user message): the API then requires the previous step's signed
-//! thinking blocks, which the provider-neutral [`ModelMessage`] does not carry.
+//! A step's signed thinking blocks (`thinking` with its `signature`, `redacted_thinking` with
+//! its `data`) are kept with the step ([`ReasoningBlock`]) and sent back unchanged before its
+//! text and tool calls while thinking is on. Inside a tool-use loop (an assistant tool call
+//! after the last user message) the API requires the last step's signed thinking, so thinking
+//! stays on there only when that step has some: a step made with thinking off, or one a
+//! `prefilter_llm_history` hook rewrote, turns it off until the next user message.
 //!
 //! Usage: `input_tokens` is the whole prompt (Anthropic's `input_tokens` plus cache reads and
 //! cache writes), so it means the same as OpenAI's `prompt_tokens`.
@@ -47,7 +50,7 @@ use super::text::{Text, borrowed};
 use super::tool_json::{Declarations, ToolJson};
 use super::types::{
     ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
-    ProviderErrorKind, StopReason, StreamEvent,
+    ProviderErrorKind, ReasoningBlock, StopReason, StreamEvent,
 };
 
 /// The API version sent as `anthropic-version`.
@@ -175,7 +178,7 @@ impl AnthropicProvider {
     /// The JSON body of a call, encoded from borrowed parts: the conversation is not copied
     /// into a JSON tree first, and each tool's declaration is encoded once (see [`ToolJson`]).
     fn body_bytes(&self, request: &ModelRequest) -> Result<Vec<u8>, serde_json::Error> {
-        let budget = thinking_budget(request.thinking_level).filter(|_| !in_tool_loop(&request.messages));
+        let budget = thinking_budget(request.thinking_level).filter(|_| may_think(&request.messages));
         let (max_tokens, budget) = match (request.max_output_tokens, budget) {
             (None, None) => (DEFAULT_MAX_TOKENS, None),
             (None, Some(budget)) => (budget + DEFAULT_MAX_TOKENS, Some(budget)),
@@ -195,10 +198,16 @@ impl AnthropicProvider {
         // (each complete run of a role's messages is encoded once, not at every call).
         let mut body = Vec::with_capacity(request.body_size_hint(tools.encoded_len()));
         body.extend_from_slice(b"{\"messages\":[");
+        // Signed reasoning goes back only while thinking is on (the format keys the kept
+        // encodings, so turning it off or on encodes the history again).
+        let (format, reasoning) = match budget {
+            Some(_) => (ANTHROPIC_MESSAGES, Reasoning::Sent),
+            None => (ANTHROPIC_MESSAGES_WITHOUT_REASONING, Reasoning::Left),
+        };
         request
             .messages
-            .encode_runs_into(ANTHROPIC_MESSAGES, &mut body, next_run, |run, out| {
-                messages(run)
+            .encode_runs_into(format, &mut body, next_run, |run, out| {
+                messages(run, reasoning)
                     .iter()
                     .try_for_each(|message| serde_json::to_writer(&mut *out, message))
             })?;
@@ -229,8 +238,16 @@ impl AnthropicProvider {
 }
 
 /// The wire format [`Messages::encode_runs_into`](crate::provider::Messages) keeps the
-/// history's encodings in.
+/// history's encodings in: with the steps' signed reasoning, and without it.
 const ANTHROPIC_MESSAGES: &str = "anthropic-messages";
+const ANTHROPIC_MESSAGES_WITHOUT_REASONING: &str = "anthropic-messages-without-reasoning";
+
+/// Whether the steps' signed reasoning is sent.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reasoning {
+    Sent,
+    Left,
+}
 
 /// A call's body but its messages (written before these, see `body_bytes`).
 #[derive(Serialize)]
@@ -269,6 +286,13 @@ struct Message<'a> {
 #[derive(Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Block<'a> {
+    Thinking {
+        thinking: &'a str,
+        signature: &'a str,
+    },
+    RedactedThinking {
+        data: &'a str,
+    },
     Image {
         source: ImageSource<'a>,
     },
@@ -308,13 +332,22 @@ fn thinking_budget(level: ThinkingLevel) -> Option<u32> {
     }
 }
 
-/// Whether an assistant tool call follows the last user message (the model is mid tool loop).
-fn in_tool_loop(messages: &[ModelMessage]) -> bool {
-    messages
+/// Whether the model may think in this call: outside a tool-use loop (no assistant tool call
+/// after the last user message), or inside one whose last step has signed reasoning to send
+/// back (the API refuses a thinking call in a loop without it).
+fn may_think(messages: &[ModelMessage]) -> bool {
+    let mut steps = messages
         .iter()
         .rev()
         .take_while(|m| !matches!(m, ModelMessage::User { .. }))
-        .any(|m| matches!(m, ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty()))
+        .filter_map(|m| match m {
+            ModelMessage::Assistant {
+                tool_calls, reasoning, ..
+            } => Some((tool_calls, reasoning)),
+            _ => None,
+        });
+    let in_loop = steps.clone().any(|(tool_calls, _)| !tool_calls.is_empty());
+    !in_loop || steps.next().is_some_and(|(_, reasoning)| !reasoning.is_empty())
 }
 
 /// The role of the Anthropic message `message` goes into, or `None` when it sends no block
@@ -324,7 +357,7 @@ fn role_of(message: &ModelMessage) -> Option<&'static str> {
         ModelMessage::User { content, images } => {
             (!images.is_empty() || text_block(content).is_some()).then_some("user")
         }
-        ModelMessage::Assistant { text, tool_calls } => {
+        ModelMessage::Assistant { text, tool_calls, .. } => {
             (!tool_calls.is_empty() || text_block(text).is_some()).then_some("assistant")
         }
         ModelMessage::Tool { .. } => Some("user"),
@@ -347,7 +380,7 @@ fn next_run(conversation: &[ModelMessage]) -> (usize, bool) {
 }
 
 /// The conversation as Anthropic messages: content blocks, same-role runs merged.
-fn messages(conversation: &[ModelMessage]) -> Vec<Message<'_>> {
+fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<'_>> {
     let mut merged: Vec<Message<'_>> = Vec::new();
     for message in conversation {
         let (role, blocks) = match message {
@@ -366,8 +399,21 @@ fn messages(conversation: &[ModelMessage]) -> Vec<Message<'_>> {
                 blocks.extend(text_block(content));
                 ("user", blocks)
             }
-            ModelMessage::Assistant { text, tool_calls } => {
-                let mut blocks: Vec<Block<'_>> = text_block(text).into_iter().collect();
+            ModelMessage::Assistant {
+                text,
+                tool_calls,
+                reasoning: signed,
+            } => {
+                let mut blocks: Vec<Block<'_>> = Vec::new();
+                // The step's signed reasoning first, as the model wrote it, when the step sends
+                // anything else (see `role_of`).
+                if reasoning == Reasoning::Sent && role_of(message).is_some() {
+                    blocks.extend(signed.iter().map(|block| match block {
+                        ReasoningBlock::Thinking { thinking, signature } => Block::Thinking { thinking, signature },
+                        ReasoningBlock::Redacted { data } => Block::RedactedThinking { data },
+                    }));
+                }
+                blocks.extend(text_block(text));
                 blocks.extend(tool_calls.iter().map(|call| Block::ToolUse {
                     id: &call.id,
                     name: &call.name,
@@ -481,6 +527,10 @@ struct MessagesDecoder {
     ctx: CallContext,
     text: String,
     reasoning: String,
+    /// The thinking blocks as they stream (a block keeps only once signed, see `complete`).
+    reasoning_blocks: Vec<ReasoningBlock>,
+    /// Content block index → position in `reasoning_blocks`.
+    reasoning_at: HashMap<u64, usize>,
     calls: Vec<PartialCall>,
     /// Content block index → position in `calls`.
     blocks: HashMap<u64, usize>,
@@ -498,6 +548,8 @@ impl MessagesDecoder {
             ctx,
             text: String::new(),
             reasoning: String::new(),
+            reasoning_blocks: Vec::new(),
+            reasoning_at: HashMap::new(),
             calls: Vec::new(),
             blocks: HashMap::new(),
             stop: None,
@@ -557,9 +609,21 @@ impl MessagesDecoder {
                 }
             }
             Some("thinking") => {
-                if let Some(thinking) = text("thinking") {
+                let thinking = text("thinking").unwrap_or_default();
+                self.reasoning_at.insert(index, self.reasoning_blocks.len());
+                self.reasoning_blocks.push(ReasoningBlock::Thinking {
+                    thinking: thinking.clone(),
+                    signature: text("signature").unwrap_or_default(),
+                });
+                if !thinking.is_empty() {
                     self.reasoning.push_str(&thinking);
                     out.push_back(StreamEvent::ReasoningDelta(thinking));
+                }
+            }
+            Some("redacted_thinking") => {
+                // Encrypted: nothing to show, only to send back.
+                if let Some(data) = text("data") {
+                    self.reasoning_blocks.push(ReasoningBlock::Redacted { data });
                 }
             }
             Some("tool_use") => {
@@ -606,8 +670,18 @@ impl MessagesDecoder {
             }
             Some("thinking_delta") => {
                 if let Some(thinking) = non_empty(&delta.thinking) {
+                    if let Some(ReasoningBlock::Thinking { thinking: block, .. }) = self.reasoning_block(index) {
+                        block.push_str(thinking);
+                    }
                     self.reasoning.push_str(thinking);
                     out.push_back(StreamEvent::ReasoningDelta(thinking.to_owned()));
+                }
+            }
+            Some("signature_delta") => {
+                if let Some(fragment) = non_empty(&delta.signature)
+                    && let Some(ReasoningBlock::Thinking { signature, .. }) = self.reasoning_block(index)
+                {
+                    signature.push_str(fragment);
                 }
             }
             Some("input_json_delta") => {
@@ -625,6 +699,12 @@ impl MessagesDecoder {
             _ => {}
         }
         Ok(())
+    }
+
+    /// The thinking block streaming at content block `index`.
+    fn reasoning_block(&mut self, index: Option<u64>) -> Option<&mut ReasoningBlock> {
+        let at = *self.reasoning_at.get(&index?)?;
+        self.reasoning_blocks.get_mut(at)
     }
 
     fn complete(&mut self, out: &mut VecDeque<StreamEvent>) {
@@ -655,6 +735,11 @@ impl MessagesDecoder {
         out.push_back(StreamEvent::Completed(ModelResponse {
             text: std::mem::take(&mut self.text),
             reasoning: std::mem::take(&mut self.reasoning),
+            // A thinking block the stream never signed cannot be sent back.
+            reasoning_blocks: std::mem::take(&mut self.reasoning_blocks)
+                .into_iter()
+                .filter(|block| !matches!(block, ReasoningBlock::Thinking { signature, .. } if signature.is_empty()))
+                .collect(),
             tool_calls,
             stop_reason,
             usage,
@@ -678,8 +763,7 @@ struct DeltaEvent<'a> {
     delta: BlockDelta<'a>,
 }
 
-/// The `delta` of a `content_block_delta` event (other fields, such as a thinking block's
-/// signature, are not used).
+/// The `delta` of a `content_block_delta` event (other fields are not used).
 #[derive(Default, Deserialize)]
 struct BlockDelta<'a> {
     #[serde(rename = "type", default, borrow)]
@@ -688,6 +772,8 @@ struct BlockDelta<'a> {
     text: Option<Text<'a>>,
     #[serde(default, borrow)]
     thinking: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    signature: Option<Text<'a>>,
     #[serde(default, borrow)]
     partial_json: Option<Text<'a>>,
 }
@@ -722,6 +808,7 @@ impl SseDecoder for MessagesDecoder {
                         kind: text("type"),
                         text: text("text"),
                         thinking: text("thinking"),
+                        signature: text("signature"),
                         partial_json: text("partial_json"),
                     };
                     self.block_delta(data.get("index").and_then(Value::as_u64), &view, out)?;
@@ -824,6 +911,7 @@ mod tests {
                     arguments: "{\"a\":1}".into(),
                 })
                 .collect(),
+            reasoning: Vec::new(),
         });
         for call in 0..calls {
             history.push(ModelMessage::Tool {
@@ -860,6 +948,7 @@ mod tests {
                 warm.messages.push(ModelMessage::Assistant {
                     text: " ".into(),
                     tool_calls: Vec::new(),
+                    reasoning: Vec::new(),
                 });
             }
         }
@@ -891,6 +980,7 @@ mod tests {
                         call("c", ""),
                         call("d", "{oops"),
                     ],
+                    reasoning: Vec::new(),
                 },
             ],
             ThinkingLevel::Off,
@@ -962,6 +1052,7 @@ mod tests {
             ModelMessage::Assistant {
                 text: String::new(),
                 tool_calls: vec![call.clone()],
+                reasoning: Vec::new(),
             },
             ModelMessage::Tool {
                 tool_call_id: "t1".into(),
@@ -980,6 +1071,7 @@ mod tests {
         next_turn.push(ModelMessage::Assistant {
             text: "done".into(),
             tool_calls: Vec::new(),
+            reasoning: Vec::new(),
         });
         next_turn.push(user("again"));
         assert!(
@@ -1000,7 +1092,7 @@ mod tests {
             }],
         };
         assert_eq!(
-            serde_json::to_value(messages(&[message])).unwrap(),
+            serde_json::to_value(messages(&[message], Reasoning::Sent)).unwrap(),
             json!([{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/4AAQ"}},
                 {"type": "text", "text": "What is this?"},

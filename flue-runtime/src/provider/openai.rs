@@ -287,7 +287,7 @@ fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
                     .collect(),
             ),
         },
-        ModelMessage::Assistant { text, tool_calls } => ChatMessage::Assistant {
+        ModelMessage::Assistant { text, tool_calls, .. } => ChatMessage::Assistant {
             content: if text.is_empty() && !tool_calls.is_empty() {
                 None
             } else {
@@ -642,6 +642,7 @@ impl ChatDecoder {
         out.push_back(StreamEvent::Completed(ModelResponse {
             text: std::mem::take(&mut self.text),
             reasoning: std::mem::take(&mut self.reasoning),
+            reasoning_blocks: Vec::new(),
             tool_calls,
             stop_reason,
             usage: self.usage,
@@ -752,6 +753,7 @@ mod tests {
                     name: "t".into(),
                     arguments: "{\"a\":1}".into(),
                 }],
+                reasoning: Vec::new(),
             });
             warm.messages.push(ModelMessage::Tool {
                 tool_call_id: format!("call_{turn}"),
@@ -805,6 +807,7 @@ mod tests {
                     name: "add".into(),
                     arguments: format!("{{\"a\":{turn},\"b\":2}}"),
                 }],
+                reasoning: Vec::new(),
             });
             long.messages.push(ModelMessage::Tool {
                 tool_call_id: format!("call_{turn}"),
@@ -815,6 +818,7 @@ mod tests {
             long.messages.push(ModelMessage::Assistant {
                 text: format!("{turn} + 2 = {}", turn + 2),
                 tool_calls: Vec::new(),
+                reasoning: Vec::new(),
             });
         }
         let provider = OpenAiProvider::openai();

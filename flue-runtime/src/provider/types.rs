@@ -42,8 +42,19 @@ impl ModelRequest {
             .iter()
             .map(|message| match message {
                 ModelMessage::User { content, .. } => content.len(),
-                ModelMessage::Assistant { text, tool_calls } => {
+                ModelMessage::Assistant {
+                    text,
+                    tool_calls,
+                    reasoning,
+                } => {
                     text.len()
+                        + reasoning
+                            .iter()
+                            .map(|block| match block {
+                                ReasoningBlock::Thinking { thinking, signature } => thinking.len() + signature.len(),
+                                ReasoningBlock::Redacted { data } => data.len(),
+                            } + PER_ITEM)
+                            .sum::<usize>()
                         + tool_calls
                             .iter()
                             .map(|call| call.id.len() + call.name.len() + call.arguments.len() + PER_ITEM)
@@ -324,6 +335,10 @@ pub enum ModelMessage {
         text: String,
         /// Tool calls, in order.
         tool_calls: Vec<ModelToolCall>,
+        /// The step's reasoning as its provider signed it, in order, to send back unchanged
+        /// (empty when the provider signs none: see [`ReasoningBlock`]).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        reasoning: Vec<ReasoningBlock>,
     },
     /// A tool result answering one call.
     Tool {
@@ -335,6 +350,26 @@ pub enum ModelMessage {
         content: String,
         /// Whether the result is an error.
         is_error: bool,
+    },
+}
+
+/// A block of a model step's reasoning as its provider returned it, kept so the provider
+/// can be sent it back unchanged: Anthropic requires a step's signed thinking blocks in the
+/// next call of a tool-use loop (and checks their signatures) before it thinks again there.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ReasoningBlock {
+    /// Reasoning text with the signature that authenticates it.
+    Thinking {
+        /// The reasoning text.
+        thinking: String,
+        /// The provider's signature of `thinking`.
+        signature: String,
+    },
+    /// Reasoning the provider encrypted: only its opaque data travels.
+    Redacted {
+        /// The encrypted reasoning.
+        data: String,
     },
 }
 
@@ -372,6 +407,7 @@ impl ModelMessage {
         Self::Assistant {
             text: String::new(),
             tool_calls: Vec::new(),
+            reasoning: Vec::new(),
         }
     }
 
@@ -420,6 +456,9 @@ pub struct ModelResponse {
     pub text: String,
     /// Reasoning text, when the provider streams it.
     pub reasoning: String,
+    /// The reasoning as the provider signed it, to send back with the step (see
+    /// [`ReasoningBlock`]; empty when the provider signs none).
+    pub reasoning_blocks: Vec<ReasoningBlock>,
     /// Tool calls, in order.
     pub tool_calls: Vec<ModelToolCall>,
     /// Why the call ended.

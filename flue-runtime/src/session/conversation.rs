@@ -11,7 +11,7 @@ use flue_core::state::StateSnapshot;
 use flue_core::usage::Usage;
 use serde_json::{Map, Value};
 
-use crate::provider::{Messages, ModelImage, ModelMessage, ModelToolCall};
+use crate::provider::{Messages, ModelImage, ModelMessage, ModelToolCall, ReasoningBlock};
 use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 
 /// The result text of a tool whose outcome never committed.
@@ -554,7 +554,12 @@ impl Conversation {
                     });
                 }
             }
-            RecordBody::AssistantMessageCompleted { message_id, text, .. } => {
+            RecordBody::AssistantMessageCompleted {
+                message_id,
+                text,
+                reasoning_blocks,
+                ..
+            } => {
                 let tool_calls = self.open_step.take().map(|step| step.tool_calls).unwrap_or_default();
                 self.open_calls.clone_from(&tool_calls);
                 self.open_calls_step.clone_from(message_id);
@@ -564,6 +569,7 @@ impl Conversation {
                     ModelMessage::Assistant {
                         text: text.clone(),
                         tool_calls,
+                        reasoning: reasoning_blocks.clone(),
                     },
                     row,
                 );
@@ -653,6 +659,7 @@ impl Conversation {
                     MessageRole::Assistant => ModelMessage::Assistant {
                         text: content.clone(),
                         tool_calls: Vec::new(),
+                        reasoning: Vec::new(),
                     },
                     MessageRole::System => {
                         let rendering = system_rendering(content.clone());
@@ -819,7 +826,7 @@ impl Conversation {
             return None;
         }
         match self.messages.last() {
-            Some(ModelMessage::Assistant { text, tool_calls }) if tool_calls.is_empty() => Some(text),
+            Some(ModelMessage::Assistant { text, tool_calls, .. }) if tool_calls.is_empty() => Some(text),
             _ => None,
         }
     }
@@ -962,7 +969,7 @@ impl Conversation {
         let (row, message) = (&self.rows[index], &self.messages[index]);
         let (content, tool_calls, tool_call_id, tool_status) = match message {
             ModelMessage::User { content, .. } => (content.clone(), None, None, None),
-            ModelMessage::Assistant { text, tool_calls } => (
+            ModelMessage::Assistant { text, tool_calls, .. } => (
                 text.clone(),
                 (!tool_calls.is_empty()).then(|| tool_calls_json(tool_calls)),
                 None,
@@ -1003,20 +1010,32 @@ impl Conversation {
     }
 
     /// The message of the row `id` as an event shows it: as stored, its images with their media
-    /// type and [`IMAGE_DATA_OMITTED`](crate::events::IMAGE_DATA_OMITTED) for their bytes.
+    /// type and [`IMAGE_DATA_OMITTED`](crate::events::IMAGE_DATA_OMITTED) for their bytes, its
+    /// signed reasoning with [`REASONING_DATA_OMITTED`](crate::events::REASONING_DATA_OMITTED)
+    /// for the signature or encrypted data.
     pub(crate) fn observed_message(&self, id: &str) -> Option<ModelMessage> {
         let index = self.row_index(id)?;
         let mut message = self.messages[index].clone();
-        if let ModelMessage::User { images, .. } = &mut message {
-            let refs = self
-                .image_refs
-                .iter()
-                .filter(|(at, _)| *at == index)
-                .flat_map(|(_, refs)| refs);
-            images.extend(refs.map(|attachment| ModelImage {
-                media_type: attachment.media_type.clone(),
-                data: Arc::from(crate::events::IMAGE_DATA_OMITTED),
-            }));
+        match &mut message {
+            ModelMessage::User { images, .. } => {
+                let refs = self
+                    .image_refs
+                    .iter()
+                    .filter(|(at, _)| *at == index)
+                    .flat_map(|(_, refs)| refs);
+                images.extend(refs.map(|attachment| ModelImage {
+                    media_type: attachment.media_type.clone(),
+                    data: Arc::from(crate::events::IMAGE_DATA_OMITTED),
+                }));
+            }
+            ModelMessage::Assistant { reasoning, .. } => {
+                for block in reasoning {
+                    let (ReasoningBlock::Thinking { signature: opaque, .. }
+                    | ReasoningBlock::Redacted { data: opaque }) = block;
+                    crate::events::REASONING_DATA_OMITTED.clone_into(opaque);
+                }
+            }
+            ModelMessage::Tool { .. } => {}
         }
         Some(message)
     }
@@ -1152,6 +1171,7 @@ fn synthesized(row: &Message) -> ModelMessage {
         MessageRole::Assistant => ModelMessage::Assistant {
             text: content,
             tool_calls: row.tool_calls.as_deref().map(tool_calls_of).unwrap_or_default(),
+            reasoning: Vec::new(),
         },
         MessageRole::Tool => ModelMessage::Tool {
             tool_call_id: row.tool_call_id.clone().unwrap_or_default(),
@@ -1183,7 +1203,7 @@ pub(crate) fn drop_orphans(messages: &mut Vec<ModelMessage>) {
         .collect();
     messages.retain_mut(|message| match message {
         ModelMessage::Tool { tool_call_id, .. } => calls.contains(tool_call_id),
-        ModelMessage::Assistant { text, tool_calls } => {
+        ModelMessage::Assistant { text, tool_calls, .. } => {
             let had_calls = !tool_calls.is_empty();
             tool_calls.retain(|call| results.contains(&call.id));
             !(had_calls && tool_calls.is_empty() && text.is_empty())
@@ -1301,6 +1321,7 @@ mod tests {
                     reasoning: String::new(),
                     stop_reason: StopReason::Stop,
                     usage: Default::default(),
+                    reasoning_blocks: Vec::new(),
                 },
             ];
             conversation.apply(&Batch {
@@ -1333,6 +1354,7 @@ mod tests {
             reasoning: String::new(),
             stop_reason: StopReason::ToolUse,
             usage: Default::default(),
+            reasoning_blocks: Vec::new(),
         }));
         records
     }
@@ -1451,6 +1473,7 @@ mod tests {
                 reasoning: String::new(),
                 stop_reason: StopReason::ToolUse,
                 usage: Default::default(),
+                reasoning_blocks: Vec::new(),
             },
             RecordBody::ToolOutcome {
                 assistant_message_id: step.clone(),
@@ -1476,6 +1499,7 @@ mod tests {
                 reasoning: String::new(),
                 stop_reason: StopReason::Stop,
                 usage: Default::default(),
+                reasoning_blocks: Vec::new(),
             },
         ];
         conversation.apply(&Batch {

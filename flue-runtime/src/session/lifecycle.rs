@@ -288,6 +288,7 @@ impl Response<'_> {
             message_id,
             text: text.clone(),
             reasoning: String::new(),
+            reasoning_blocks: Vec::new(),
             stop_reason: StopReason::HookBlocked,
             usage: Default::default(),
         })]);
@@ -295,6 +296,7 @@ impl Response<'_> {
         Ok(crate::provider::ModelResponse {
             text,
             reasoning: String::new(),
+            reasoning_blocks: Vec::new(),
             tool_calls: Vec::new(),
             stop_reason: StopReason::HookBlocked,
             usage: Default::default(),

@@ -1943,6 +1943,7 @@ impl Response<'_> {
                 .unwrap_or_else(|| ModelMessage::Assistant {
                     text: response.text.clone(),
                     tool_calls: response.tool_calls.clone(),
+                    reasoning: Vec::new(),
                 });
             self.end_message(message);
         }
@@ -2182,6 +2183,7 @@ impl Response<'_> {
             message_id: message_id.clone(),
             text: String::new(),
             reasoning: String::new(),
+            reasoning_blocks: Vec::new(),
             stop_reason: crate::provider::StopReason::ToolUse,
             usage: Usage::default(),
         }));

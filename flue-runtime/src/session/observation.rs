@@ -285,6 +285,7 @@ mod tests {
                 .collect(),
             stop_reason: StopReason::ToolUse,
             usage: Default::default(),
+            reasoning_blocks: Vec::new(),
         }
     }
 

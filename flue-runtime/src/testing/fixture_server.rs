@@ -263,6 +263,21 @@ pub enum AnthropicEvent {
         /// The reasoning text.
         thinking: String,
     },
+    /// `content_block_delta` with a `signature_delta`: the signature of the thinking block at
+    /// `index`, which the provider sends back with the step.
+    SignatureDelta {
+        /// Block index.
+        index: usize,
+        /// The signature.
+        signature: String,
+    },
+    /// `content_block_start` of a `redacted_thinking` block (encrypted reasoning).
+    RedactedThinking {
+        /// Block index.
+        index: usize,
+        /// The encrypted data.
+        data: String,
+    },
     /// `content_block_start` of a `tool_use` block (`input: {}`).
     ToolUseStart {
         /// Block index.
@@ -723,6 +738,16 @@ fn anthropic_frame(event: AnthropicEvent) -> Frame {
             "content_block_delta",
             json!({"type": "content_block_delta", "index": index,
                    "delta": {"type": "thinking_delta", "thinking": thinking}}),
+        ),
+        AnthropicEvent::SignatureDelta { index, signature } => (
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": index,
+                   "delta": {"type": "signature_delta", "signature": signature}}),
+        ),
+        AnthropicEvent::RedactedThinking { index, data } => (
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index,
+                   "content_block": {"type": "redacted_thinking", "data": data}}),
         ),
         AnthropicEvent::ToolUseStart { index, id, name } => (
             "content_block_start",

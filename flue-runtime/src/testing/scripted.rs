@@ -207,6 +207,7 @@ fn response(text: String, tool_calls: Vec<ModelToolCall>) -> ModelResponse {
     ModelResponse {
         text,
         reasoning: String::new(),
+        reasoning_blocks: Vec::new(),
         tool_calls,
         stop_reason,
         usage,

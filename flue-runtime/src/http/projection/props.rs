@@ -349,6 +349,7 @@ impl Generator<'_, '_> {
                     StopReason::ToolUse
                 },
                 usage: Default::default(),
+                reasoning_blocks: Vec::new(),
             },
         ));
         // A `before_create_message` hook's row fields, in the creating batch (such agents
@@ -1127,6 +1128,7 @@ fn completed(step: &str, reasoning: &str, text: &str) -> RecordBody {
         reasoning: reasoning.into(),
         stop_reason: StopReason::Stop,
         usage: Default::default(),
+        reasoning_blocks: Vec::new(),
     }
 }
 
