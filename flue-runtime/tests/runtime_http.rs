@@ -167,7 +167,7 @@ async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
 
 #[agent]
 fn thinker() -> &'static str {
-    use_model_with("claude/claude-test", ModelOptions::thinking(ThinkingLevel::High));
+    use_model_with("claude/claude-sonnet-4-5", ModelOptions::thinking(ThinkingLevel::High));
     use_tool(get_weather);
     "You think, then report the weather."
 }

@@ -9,22 +9,32 @@
 //! - messages → content blocks: user images → `image` blocks (`source: {"type": "base64"}`)
 //!   before the user's `text`, assistant tool calls → `tool_use` blocks (the arguments as
 //!   the `input` object, as written), [`ModelMessage::Tool`] → a user message of `tool_result`
-//!   blocks (`tool_use_id`, `content`, `is_error`). Consecutive messages of the same role are
+//!   blocks (`tool_use_id`, `content`, `is_error`; a failed result without text says
+//!   [`EMPTY_ERROR_RESULT`], as the API refuses it empty). Consecutive messages of the same role are
 //!   merged (so consecutive tool results form one user message, results first); empty text is
 //!   dropped, as the API refuses empty text blocks;
 //! - `tools` → `{"name", "description", "input_schema"}` (each encoded once per tool);
 //! - `max_output_tokens` → `max_tokens` (required by the API: 8192 when unset);
-//! - `thinking_level` → `thinking: {"type": "enabled", "budget_tokens"}` with budgets
-//!   minimal 1024, low 2048, medium 8192, high 16384, xhigh 24576, max 32768 (`off` sends
-//!   nothing). `max_tokens` must exceed the budget: when unset it becomes budget + 8192; when
-//!   set too low, the budget shrinks to half of it (at least 1024) or thinking is dropped.
+//! - `thinking_level` (`off` sends nothing), by the model's id:
+//!   - Claude 4.6 and later (and a Claude id without a version) → `thinking: {"type":
+//!     "adaptive"}` with `output_config: {"effort"}`: minimal and low → `low`, medium →
+//!     `medium`, high and xhigh → `high`, max → `max`; `max_tokens` is 32,000 when unset, as
+//!     thinking spends from it. Claude Opus 4.7 and later refuse a budget;
+//!   - Claude 3.7 to 4.5, and models that are not Claude → `thinking: {"type": "enabled",
+//!     "budget_tokens"}` with budgets minimal 1024, low 2048, medium 8192, high 16384, xhigh
+//!     24576, max 32768. `max_tokens` must exceed the budget: when unset it becomes budget +
+//!     8192 within the model's output cap (32,000 for Opus 4 and 4.1, 64,000 for the others;
+//!     the budget shrinks to leave room for the answer); when set too low, the budget shrinks
+//!     to half of it (at least 1024) or thinking is dropped;
+//!   - Claude before 3.7, which cannot think → nothing.
 //!
 //! A step's signed thinking blocks (`thinking` with its `signature`, `redacted_thinking` with
 //! its `data`) are kept with the step ([`ReasoningBlock`]) and sent back unchanged before its
 //! text and tool calls while thinking is on. Inside a tool-use loop (an assistant tool call
-//! after the last user message) the API requires the last step's signed thinking, so thinking
-//! stays on there only when that step has some: a step made with thinking off, or one a
-//! `prefilter_llm_history` hook rewrote, turns it off until the next user message.
+//! after the last user message) a budgeted call requires the last step's signed thinking, so
+//! budgeted thinking stays on there only when that step has some: a step made with thinking
+//! off, or one a `prefilter_llm_history` hook rewrote, turns it off until the next user
+//! message. Adaptive thinking stays on (the model may skip thinking in any step).
 //!
 //! Usage: `input_tokens` is the whole prompt (Anthropic's `input_tokens` plus cache reads and
 //! cache writes), so it means the same as OpenAI's `prompt_tokens`.
@@ -58,6 +68,11 @@ pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 /// `max_tokens` when the request sets no cap (and the room left for the answer beside a
 /// thinking budget).
 pub const DEFAULT_MAX_TOKENS: u32 = 8192;
+/// What a failed tool result without text says to the model (the API refuses it empty).
+pub const EMPTY_ERROR_RESULT: &str = "The tool failed without a message.";
+/// `max_tokens` when the request sets no cap and the model thinks adaptively (its thinking
+/// spends from it).
+pub const ADAPTIVE_MAX_TOKENS: u32 = 32_000;
 /// The smallest thinking budget the API accepts.
 const MIN_THINKING_BUDGET: u32 = 1024;
 
@@ -178,15 +193,7 @@ impl AnthropicProvider {
     /// The JSON body of a call, encoded from borrowed parts: the conversation is not copied
     /// into a JSON tree first, and each tool's declaration is encoded once (see [`ToolJson`]).
     fn body_bytes(&self, request: &ModelRequest) -> Result<Vec<u8>, serde_json::Error> {
-        let budget = thinking_budget(request.thinking_level).filter(|_| may_think(&request.messages));
-        let (max_tokens, budget) = match (request.max_output_tokens, budget) {
-            (None, None) => (DEFAULT_MAX_TOKENS, None),
-            (None, Some(budget)) => (budget + DEFAULT_MAX_TOKENS, Some(budget)),
-            (Some(max), None) => (max, None),
-            (Some(max), Some(budget)) if max > budget => (max, Some(budget)),
-            (Some(max), Some(_)) if max > MIN_THINKING_BUDGET => (max, Some((max / 2).max(MIN_THINKING_BUDGET))),
-            (Some(max), Some(_)) => (max, None),
-        };
+        let (max_tokens, thinking, effort) = thinking_fields(request);
         let tools = self.tools.declarations(&request.tools, |tool| {
             serde_json::value::to_raw_value(&ToolDeclaration {
                 name: &tool.name,
@@ -200,7 +207,7 @@ impl AnthropicProvider {
         body.extend_from_slice(b"{\"messages\":[");
         // Signed reasoning goes back only while thinking is on (the format keys the kept
         // encodings, so turning it off or on encodes the history again).
-        let (format, reasoning) = match budget {
+        let (format, reasoning) = match thinking {
             Some(_) => (ANTHROPIC_MESSAGES, Reasoning::Sent),
             None => (ANTHROPIC_MESSAGES_WITHOUT_REASONING, Reasoning::Left),
         };
@@ -218,10 +225,8 @@ impl AnthropicProvider {
             stream: true,
             system: request.system.as_deref().filter(|s| !s.is_empty()),
             tools: &tools,
-            thinking: budget.map(|budget_tokens| Thinking {
-                kind: "enabled",
-                budget_tokens,
-            }),
+            thinking,
+            output_config: effort.map(|effort| OutputConfig { effort }),
         };
         // The fields' own object, without its opening brace: they follow the messages.
         let fields_at = body.len();
@@ -261,6 +266,13 @@ struct MessagesFields<'a> {
     tools: &'a Declarations,
     #[serde(skip_serializing_if = "Option::is_none")]
     thinking: Option<Thinking>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    output_config: Option<OutputConfig>,
+}
+
+#[derive(Serialize)]
+struct OutputConfig {
+    effort: &'static str,
 }
 
 #[derive(Serialize)]
@@ -271,10 +283,113 @@ struct ToolDeclaration<'a> {
 }
 
 #[derive(Serialize)]
-struct Thinking {
-    #[serde(rename = "type")]
-    kind: &'static str,
-    budget_tokens: u32,
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Thinking {
+    /// A fixed budget (Claude before 4.6).
+    Enabled { budget_tokens: u32 },
+    /// The model decides how much, steered by `output_config.effort` (Claude 4.6 and later).
+    Adaptive,
+}
+
+/// How a model takes thinking, from its id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ThinkingMode {
+    /// No thinking (Claude before 3.7): nothing is sent.
+    Unsupported,
+    /// `{"type": "enabled", "budget_tokens"}`, with the model's output cap when known: Claude
+    /// 3.7 to 4.5, and models that are not Claude behind an Anthropic-compatible API.
+    Budget(Option<u32>),
+    /// `{"type": "adaptive"}` and `output_config.effort`: Claude 4.6 and later (4.7 and later
+    /// refuse a budget), and a Claude id without a version (a newer model's).
+    Adaptive,
+}
+
+/// The thinking mode of `model`: a Claude id (`claude-opus-4-1-20250805`,
+/// `claude-3-7-sonnet-latest`, `claude-sonnet-4-6`, also behind a prefix such as Bedrock's
+/// `us.anthropic.`) by its version, anything else by budget.
+fn thinking_mode(model: &str) -> ThinkingMode {
+    let model = model.to_ascii_lowercase();
+    let Some(at) = model.find("claude-") else {
+        return ThinkingMode::Budget(None);
+    };
+    let parts: Vec<&str> = model[at + "claude-".len()..].split(['-', '.', '@']).collect();
+    let number = |part: &str| {
+        (!part.is_empty() && part.len() <= 2)
+            .then(|| part.parse::<u32>().ok())
+            .flatten()
+    };
+    // `claude-3-7-sonnet…` (version first) or `claude-opus-4-1…` (family first).
+    let (family, version) = match parts.first().copied().and_then(number) {
+        Some(_) => ("", &parts[..]),
+        None => (parts.first().copied().unwrap_or(""), parts.get(1..).unwrap_or(&[])),
+    };
+    let Some(major) = version.first().copied().and_then(number) else {
+        return ThinkingMode::Adaptive;
+    };
+    let minor = version.get(1).copied().and_then(number).unwrap_or(0);
+    match (major, minor) {
+        (0..=2, _) | (3, 0..=6) => ThinkingMode::Unsupported,
+        (3, _) => ThinkingMode::Budget(Some(64_000)),
+        (4, 0 | 1) if family == "opus" => ThinkingMode::Budget(Some(32_000)),
+        (4, 0..=5) => ThinkingMode::Budget(Some(64_000)),
+        _ => ThinkingMode::Adaptive,
+    }
+}
+
+/// `max_tokens`, `thinking` and the effort of a call.
+///
+/// Budget mode: `max_tokens` must exceed the budget. Unset, it is the budget plus
+/// [`DEFAULT_MAX_TOKENS`], within the model's output cap (the budget shrinks to leave room for
+/// the answer); set too low, the budget shrinks to half of it (at least 1024) or thinking is
+/// dropped. Inside a tool loop whose last step has no signed thinking, thinking is dropped
+/// (see [`may_think`]).
+///
+/// Adaptive mode: no budget; unset, `max_tokens` is [`ADAPTIVE_MAX_TOKENS`] while thinking is
+/// on, as thinking spends from it.
+fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'static str>) {
+    let level = request.thinking_level;
+    let max = request.max_output_tokens;
+    match thinking_mode(&request.model) {
+        ThinkingMode::Adaptive => match adaptive_effort(level) {
+            Some(effort) => (
+                max.unwrap_or(ADAPTIVE_MAX_TOKENS),
+                Some(Thinking::Adaptive),
+                Some(effort),
+            ),
+            None => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
+        },
+        ThinkingMode::Unsupported => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
+        ThinkingMode::Budget(cap) => {
+            let budget = thinking_budget(level).filter(|_| may_think(&request.messages));
+            let (max_tokens, budget) = match (max, budget) {
+                (None, None) => (DEFAULT_MAX_TOKENS.min(cap.unwrap_or(u32::MAX)), None),
+                (None, Some(budget)) => {
+                    let max_tokens = (budget + DEFAULT_MAX_TOKENS).min(cap.unwrap_or(u32::MAX));
+                    let room = DEFAULT_MAX_TOKENS.min(max_tokens / 4);
+                    (max_tokens, Some(budget.min(max_tokens - room).max(MIN_THINKING_BUDGET)))
+                }
+                (Some(max), None) => (max, None),
+                (Some(max), Some(budget)) if max > budget => (max, Some(budget)),
+                (Some(max), Some(_)) if max > MIN_THINKING_BUDGET => (max, Some((max / 2).max(MIN_THINKING_BUDGET))),
+                (Some(max), Some(_)) => (max, None),
+            };
+            let thinking = budget
+                .filter(|&budget| budget < max_tokens)
+                .map(|budget_tokens| Thinking::Enabled { budget_tokens });
+            (max_tokens, thinking, None)
+        }
+    }
+}
+
+/// The adaptive `effort` of a thinking level (`None` for `Off`).
+fn adaptive_effort(level: ThinkingLevel) -> Option<&'static str> {
+    match level {
+        ThinkingLevel::Off => None,
+        ThinkingLevel::Minimal | ThinkingLevel::Low => Some("low"),
+        ThinkingLevel::Medium => Some("medium"),
+        ThinkingLevel::High | ThinkingLevel::Xhigh => Some("high"),
+        ThinkingLevel::Max => Some("max"),
+    }
 }
 
 #[derive(Serialize)]
@@ -430,7 +545,13 @@ fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<
                 "user",
                 vec![Block::ToolResult {
                     tool_use_id: tool_call_id,
-                    content,
+                    // The API refuses an error result without content, and the history is
+                    // sent again at every call: one such result would fail them all.
+                    content: if *is_error && content.trim().is_empty() {
+                        EMPTY_ERROR_RESULT
+                    } else {
+                        content
+                    },
                     is_error: *is_error,
                 }],
             ),
@@ -1036,6 +1157,115 @@ mod tests {
                 body.get("thinking").map(|t| t["budget_tokens"].clone()),
                 want_budget.map(Value::from)
             );
+        }
+    }
+
+    #[test]
+    fn the_thinking_mode_follows_the_claude_version_in_the_model_id() {
+        let cases = [
+            ("claude-3-5-haiku-latest", ThinkingMode::Unsupported),
+            ("claude-3-opus-20240229", ThinkingMode::Unsupported),
+            ("claude-3-7-sonnet-20250219", ThinkingMode::Budget(Some(64_000))),
+            ("claude-sonnet-4-20250514", ThinkingMode::Budget(Some(64_000))),
+            ("claude-opus-4-20250514", ThinkingMode::Budget(Some(32_000))),
+            ("claude-opus-4-1-20250805", ThinkingMode::Budget(Some(32_000))),
+            ("claude-opus-4-5", ThinkingMode::Budget(Some(64_000))),
+            ("claude-haiku-4-5-20251001", ThinkingMode::Budget(Some(64_000))),
+            (
+                "us.anthropic.claude-sonnet-4-5-20250929-v1:0",
+                ThinkingMode::Budget(Some(64_000)),
+            ),
+            ("claude-sonnet-4-6", ThinkingMode::Adaptive),
+            ("claude-opus-4-7", ThinkingMode::Adaptive),
+            ("anthropic.claude-opus-4-6-v1", ThinkingMode::Adaptive),
+            ("claude-opus-5", ThinkingMode::Adaptive),
+            ("claude-mythos-preview", ThinkingMode::Adaptive),
+            ("glm-4.6", ThinkingMode::Budget(None)),
+        ];
+        for (model, mode) in cases {
+            assert_eq!(thinking_mode(model), mode, "{model}");
+        }
+    }
+
+    #[test]
+    fn claude_4_6_and_later_think_adaptively_with_an_effort_even_inside_a_tool_loop() {
+        let provider = AnthropicProvider::anthropic();
+        let looping = vec![
+            user("go"),
+            ModelMessage::Assistant {
+                text: String::new(),
+                tool_calls: vec![ModelToolCall {
+                    id: "t1".into(),
+                    name: "f".into(),
+                    arguments: "{}".into(),
+                }],
+                reasoning: Vec::new(),
+            },
+            ModelMessage::Tool {
+                tool_call_id: "t1".into(),
+                name: "f".into(),
+                content: "ok".into(),
+                is_error: false,
+            },
+        ];
+        for (level, effort) in [
+            (ThinkingLevel::Minimal, "low"),
+            (ThinkingLevel::Medium, "medium"),
+            (ThinkingLevel::Xhigh, "high"),
+            (ThinkingLevel::Max, "max"),
+        ] {
+            let mut call = request(looping.clone(), level, None);
+            call.model = "claude-opus-4-7".into();
+            let body = provider.body(&call);
+            assert_eq!(body["thinking"], json!({"type": "adaptive"}), "{level:?}");
+            assert_eq!(body["output_config"], json!({"effort": effort}), "{level:?}");
+            assert_eq!(body["max_tokens"], ADAPTIVE_MAX_TOKENS);
+        }
+        let mut off = request(looping, ThinkingLevel::Off, Some(1000));
+        off.model = "claude-opus-4-7".into();
+        let body = provider.body(&off);
+        assert_eq!((body.get("thinking"), body.get("output_config")), (None, None));
+        assert_eq!(body["max_tokens"], 1000);
+    }
+
+    #[test]
+    fn a_budget_fits_the_models_output_cap_and_an_older_claude_gets_no_thinking() {
+        let provider = AnthropicProvider::anthropic();
+        let cases = [
+            ("claude-opus-4-1-20250805", ThinkingLevel::Max, 32_000, Some(24_000)),
+            ("claude-opus-4-1-20250805", ThinkingLevel::Medium, 16_384, Some(8192)),
+            ("claude-sonnet-4-5", ThinkingLevel::Max, 40_960, Some(32_768)),
+            ("claude-3-5-haiku-latest", ThinkingLevel::High, 8192, None),
+        ];
+        for (model, level, want_max, want_budget) in cases {
+            let mut call = request(vec![user("hi")], level, None);
+            call.model = model.into();
+            let body = provider.body(&call);
+            assert_eq!(body["max_tokens"], want_max, "{model} {level:?}");
+            assert_eq!(
+                body.get("thinking").map(|t| t["budget_tokens"].clone()),
+                want_budget.map(Value::from),
+                "{model} {level:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_failed_tool_result_without_text_is_sent_with_a_message() {
+        let result = |content: &str, is_error| ModelMessage::Tool {
+            tool_call_id: "t1".into(),
+            name: "f".into(),
+            content: content.into(),
+            is_error,
+        };
+        for (message, want) in [
+            (result("", true), EMPTY_ERROR_RESULT),
+            (result(" \n", true), EMPTY_ERROR_RESULT),
+            (result("", false), ""),
+            (result("boom", true), "boom"),
+        ] {
+            let encoded = serde_json::to_value(messages(&[message], Reasoning::Sent)).unwrap();
+            assert_eq!(encoded[0]["content"][0]["content"], want);
         }
     }
 
