@@ -347,6 +347,49 @@ async fn anthropic_sends_a_steps_signed_reasoning_back_first_and_keeps_thinking_
     );
 }
 
+#[tokio::test]
+async fn a_llama_cpp_error_line_in_the_stream_fails_the_call_as_what_it_says() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::raw_sse([
+        "error: {\"code\":400,\"message\":\"the request exceeds the available context size, try increasing it\",\"type\":\"exceed_context_size_error\",\"n_prompt_tokens\":5000,\"n_ctx\":4096}\n\n",
+        "data: [DONE]\n\n",
+    ]));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_LLAMA_ERROR"), request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{error}");
+    assert!(error.message.contains("exceeds the available context size"), "{error}");
+}
+
+#[tokio::test]
+async fn a_stream_done_without_any_choice_or_finished_with_error_is_no_answer() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::raw_sse(["data: [DONE]\n\n"]));
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Partial".into()),
+        OpenAiChunk::Finish("error".into()),
+        OpenAiChunk::Done,
+    ]));
+    let provider = openai(&server, "FLUE_TEST_KEY_NO_CHOICE").with_retry_policy(RetryPolicy::none());
+    let (_, error) = fail(&provider, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Network, "{error}");
+    let (events, error) = fail(&provider, request("q")).await;
+    assert_eq!(events, [StreamEvent::TextDelta("Partial".into())]);
+    assert_eq!(error.kind, ProviderErrorKind::Server, "{error}");
+    assert!(error.message.contains("finish_reason \"error\""), "{error}");
+}
+
+#[tokio::test]
+async fn without_asking_for_usage_a_stream_that_ends_after_its_finish_reason_completes() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Done".into()),
+        OpenAiChunk::Finish("stop".into()),
+    ]));
+    let provider = openai(&server, "FLUE_TEST_KEY_NO_USAGE").with_stream_usage(false);
+    let (_, response) = complete(&provider, request("q")).await;
+    assert_eq!(response.text, "Done");
+    assert_eq!(server.requests()[0].body.get("stream_options"), None);
+}
+
 // ---- tool calls ----
 
 #[tokio::test]
@@ -994,7 +1037,7 @@ async fn openai_request_carries_system_messages_tools_reasoning_effort_and_the_k
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_text("ok"));
     complete(
-        &openai(&server, "FLUE_TEST_KEY_MAPPING"),
+        &openai(&server, "FLUE_TEST_KEY_MAPPING").with_reasoning_effort(true),
         full_request(ThinkingLevel::High),
     )
     .await;
@@ -1010,7 +1053,7 @@ async fn openai_request_carries_system_messages_tools_reasoning_effort_and_the_k
     assert_eq!(body["stream"], true);
     assert_eq!(body["stream_options"], json!({"include_usage": true}));
     assert_eq!(body["reasoning_effort"], "high");
-    assert_eq!(body["max_completion_tokens"], 20_000);
+    assert_eq!(body["max_tokens"], 20_000);
     assert_eq!(
         body["messages"],
         json!([
@@ -1043,7 +1086,11 @@ async fn openai_thinking_off_sends_no_reasoning_and_openrouter_uses_its_reasonin
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_text("a"));
     server.push(FixtureReply::openai_text("b"));
-    complete(&openai(&server, "FLUE_TEST_KEY_OFF"), full_request(ThinkingLevel::Off)).await;
+    complete(
+        &openai(&server, "FLUE_TEST_KEY_OFF").with_reasoning_effort(true),
+        full_request(ThinkingLevel::Off),
+    )
+    .await;
     let router = OpenAiProvider::openrouter()
         .with_base_url(server.base_url())
         .with_api_key(KEY)

@@ -14,16 +14,20 @@
 //!   are tool calls and no text; `tool_calls` is omitted when empty);
 //! - [`ModelMessage::Tool`] → `{"role": "tool", "tool_call_id", "content"}`;
 //! - `tools` → `[{"type": "function", "function": {"name", "description", "parameters"}}]`;
-//! - `max_output_tokens` → `max_completion_tokens`;
+//! - `max_output_tokens` → `max_completion_tokens` for `openai` (its reasoning models refuse
+//!   `max_tokens`), `max_tokens` for OpenRouter and compatible servers (Ollama reads only it);
 //! - `thinking_level` → `minimal`/`low`/`medium`/`high` (`xhigh` and `max` send `high`; `off`
 //!   sends nothing), as said below.
 //!
 //! The thinking level is sent per flavour:
 //! - `openai`: `reasoning_effort`, except for the model families that reject it (`gpt-4*`,
-//!   `gpt-3.5*`, `chatgpt-*`), which get no reasoning parameter;
+//!   `gpt-3.5*`, `chatgpt-*`, `gpt-5-chat*`, `o1-mini`, `o1-preview`, fine-tuned ones too),
+//!   which get no reasoning parameter; the o-series gets `low` for `minimal`;
 //! - `openrouter`: OpenRouter's unified `reasoning: {"effort"}` object only (OpenRouter translates
 //!   it for every upstream, including non-OpenAI ones);
-//! - compatible servers: `reasoning_effort`.
+//! - compatible servers: nothing, unless
+//!   [`with_reasoning_effort`](OpenAiProvider::with_reasoning_effort) turns `reasoning_effort`
+//!   on (many compatible servers refuse it, or refuse it for a model that cannot reason).
 //!
 //! How the streamed chunks map to [`StreamEvent`]s: `delta.content` → `TextDelta`;
 //! `delta.reasoning` or `delta.reasoning_content` → `ReasoningDelta`; `delta.tool_calls[]` →
@@ -32,9 +36,11 @@
 //! call's position in this response); `finish_reason` → [`StopReason`] (`stop` after tool calls
 //! counts as `ToolUse`); the usage chunk → `Usage`; `data: [DONE]` (or the body's end after a
 //! finish reason and the usage chunk) → one `Completed`. Tool calls with empty arguments complete
-//! with `{}`. An `{"error": …}` chunk, a malformed chunk or a body that ends early fails the
-//! stream. A body that ends after the finish reason with neither the usage chunk nor `[DONE]`
-//! ended early too: with `include_usage` the server still had the usage to send, and completing
+//! with `{}`. An `{"error": …}` chunk, llama.cpp's `error: {…}` line, a choice that finishes
+//! with `finish_reason: "error"` (OpenRouter, when the upstream failed), `[DONE]` before any
+//! choice, a malformed chunk or a body that ends early fails the stream. A body that ends after
+//! the finish reason with neither the usage chunk nor `[DONE]` ended early too when the usage
+//! was asked for: with `include_usage` the server still had the usage to send, and completing
 //! would report zero tokens. (Servers that send no usage still end with `[DONE]`.)
 
 mod chunk;
@@ -95,6 +101,11 @@ pub struct OpenAiProvider {
     base_url: String,
     endpoint: Endpoint,
     flavor: Flavor,
+    /// Whether the thinking level is sent (see [`OpenAiProvider::with_reasoning_effort`]).
+    reasoning_effort: bool,
+    /// Whether `stream_options.include_usage` is sent (see
+    /// [`OpenAiProvider::with_stream_usage`]).
+    stream_usage: bool,
     key: KeySource,
     transport: Transport,
     client: SharedClient,
@@ -110,6 +121,8 @@ impl std::fmt::Debug for OpenAiProvider {
             .field("base_url", &url_without_secrets(&self.base_url))
             .field("endpoint", &self.endpoint)
             .field("flavor", &self.flavor)
+            .field("reasoning_effort", &self.reasoning_effort)
+            .field("stream_usage", &self.stream_usage)
             .field("key", &self.key)
             .field("transport", &self.transport)
             .field("client", &self.client)
@@ -125,6 +138,10 @@ impl OpenAiProvider {
             base_url: base_url.into(),
             endpoint: Endpoint::default(),
             flavor,
+            // Compatible servers differ: many refuse the parameter, or refuse it for a model
+            // that cannot reason, so they get it only when asked.
+            reasoning_effort: flavor != Flavor::Compatible,
+            stream_usage: true,
             key: KeySource::env(key_env),
             transport: Transport::default(),
             client: SharedClient::default(),
@@ -197,6 +214,24 @@ impl OpenAiProvider {
         self
     }
 
+    /// Whether to send the thinking level (`reasoning_effort`, or OpenRouter's `reasoning`
+    /// object). On for `openai` (for the model families that take it) and `openrouter`; off
+    /// for compatible servers, where many refuse it (Ollama and Groq for a model that cannot
+    /// reason, some for the value `minimal`): turn it on for a server and model that take it.
+    pub fn with_reasoning_effort(mut self, send: bool) -> Self {
+        self.reasoning_effort = send;
+        self
+    }
+
+    /// Whether to ask for the usage at the end of the stream (`stream_options:
+    /// {"include_usage": true}`, on by default). Some compatible servers refuse the field
+    /// (Mistral, older Azure API versions): turn it off for them, and their calls report the
+    /// usage they send anyway, if any.
+    pub fn with_stream_usage(mut self, ask: bool) -> Self {
+        self.stream_usage = ask;
+        self
+    }
+
     /// The base URL.
     pub fn base_url(&self) -> &str {
         &self.base_url
@@ -237,21 +272,28 @@ impl OpenAiProvider {
             serde_json::to_writer(out, &chat_message(message))
         })?;
         body.extend_from_slice(b"],");
-        let effort = reasoning_effort(request.thinking_level);
+        let effort = reasoning_effort(request.thinking_level).filter(|_| self.reasoning_effort);
         let (reasoning, reasoning_effort) = match (effort, self.flavor) {
             (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
-            (Some(_), Flavor::OpenAi) if !accepts_reasoning_effort(&request.model) => (None, None),
-            (Some(effort), Flavor::OpenAi | Flavor::Compatible) => (None, Some(effort)),
+            (Some(effort), Flavor::OpenAi) => (None, openai_effort(&request.model, effort)),
+            (Some(effort), Flavor::Compatible) => (None, Some(effort)),
             (None, _) => (None, None),
+        };
+        // OpenAI's reasoning models refuse `max_tokens`; other servers (Ollama among them)
+        // read only `max_tokens`.
+        let (max_completion_tokens, max_tokens) = match self.flavor {
+            Flavor::OpenAi => (request.max_output_tokens, None),
+            Flavor::OpenRouter | Flavor::Compatible => (None, request.max_output_tokens),
         };
         let fields = ChatFields {
             model: &request.model,
             stream: true,
-            stream_options: StreamOptions { include_usage: true },
+            stream_options: self.stream_usage.then_some(StreamOptions { include_usage: true }),
             tools: &tools,
             reasoning,
             reasoning_effort,
-            max_completion_tokens: request.max_output_tokens,
+            max_completion_tokens,
+            max_tokens,
         };
         // The fields' own object, without its opening brace: they follow the messages.
         let fields_at = body.len();
@@ -316,7 +358,8 @@ fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
 struct ChatFields<'a> {
     model: &'a str,
     stream: bool,
-    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<StreamOptions>,
     /// The declarations, encoded once per tool (see [`ToolJson`]).
     #[serde(skip_serializing_if = "Declarations::is_empty")]
     tools: &'a Declarations,
@@ -326,6 +369,8 @@ struct ChatFields<'a> {
     reasoning_effort: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_completion_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -418,12 +463,23 @@ fn reasoning_effort(level: ThinkingLevel) -> Option<&'static str> {
     }
 }
 
-/// Whether an OpenAI model takes `reasoning_effort` (the non-reasoning families reject it).
-fn accepts_reasoning_effort(model: &str) -> bool {
+/// The `reasoning_effort` an OpenAI model takes for `effort`: none for the families that
+/// refuse the parameter (`gpt-4*`, `gpt-3.5*`, `chatgpt-*`, `gpt-5-chat*`, `o1-mini`,
+/// `o1-preview`, also fine-tuned: `ft:gpt-4o…`), and `low` for `minimal` on the o-series
+/// (`o1`, `o3`, `o4-mini`, …), which takes only low, medium and high.
+fn openai_effort(model: &str, effort: &'static str) -> Option<&'static str> {
     let model = model.to_ascii_lowercase();
-    !["gpt-4", "gpt-3.5", "chatgpt-"]
+    let model = model.strip_prefix("ft:").unwrap_or(&model);
+    let refuses = ["gpt-4", "gpt-3.5", "chatgpt-", "gpt-5-chat", "o1-mini", "o1-preview"]
         .iter()
-        .any(|prefix| model.starts_with(prefix))
+        .any(|prefix| model.starts_with(prefix));
+    if refuses {
+        return None;
+    }
+    let o_series = model
+        .strip_prefix('o')
+        .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()));
+    Some(if o_series && effort == "minimal" { "low" } else { effort })
 }
 
 impl ModelProvider for OpenAiProvider {
@@ -454,7 +510,8 @@ impl ModelProvider for OpenAiProvider {
             let client = client.get()?;
             send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
-        sse_stream(connect, ChatDecoder::new(ctx.clone()), transport.idle_timeout, ctx)
+        let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage);
+        sse_stream(connect, decoder, transport.idle_timeout, ctx)
     }
 }
 
@@ -491,10 +548,16 @@ struct ChatDecoder {
     usage: Usage,
     /// Whether a chunk carried `usage` (with `include_usage`, the last chunk before `[DONE]`).
     usage_seen: bool,
+    /// Whether `include_usage` was asked for (then the usage chunk ends the answer).
+    usage_asked: bool,
+    /// Whether a chunk had a choice: a stream that ends without one answered nothing.
+    choice_seen: bool,
+    /// A choice finished with `finish_reason: "error"` (OpenRouter, when the upstream failed).
+    failed: bool,
 }
 
 impl ChatDecoder {
-    fn new(ctx: CallContext) -> Self {
+    fn new(ctx: CallContext, usage_asked: bool) -> Self {
         Self {
             ctx,
             text: String::new(),
@@ -504,6 +567,9 @@ impl ChatDecoder {
             stop: None,
             usage: Usage::default(),
             usage_seen: false,
+            usage_asked,
+            choice_seen: false,
+            failed: false,
         }
     }
 
@@ -516,6 +582,7 @@ impl ChatDecoder {
         let Some(choice) = choices.into_iter().find(|c| c.index.unwrap_or(0) == 0) else {
             return;
         };
+        self.choice_seen = true;
         if let Some(delta) = choice.delta {
             if let Some(text) = delta.content.as_ref().map(Text::as_str).filter(|t| !t.is_empty()) {
                 self.text.push_str(text);
@@ -533,6 +600,7 @@ impl ChatDecoder {
             }
         }
         if let Some(reason) = choice.finish_reason {
+            self.failed |= reason.as_str() == "error";
             self.stop = Some(match reason.as_str() {
                 "tool_calls" | "function_call" => StopReason::ToolUse,
                 "length" => StopReason::Length,
@@ -540,6 +608,22 @@ impl ChatDecoder {
                 _ => StopReason::Stop,
             });
         }
+    }
+
+    /// Fails the stream once a choice finished with `finish_reason: "error"`: what it said is
+    /// not the answer (OpenRouter ends so when the upstream failed mid-way), and the call may be
+    /// made again.
+    fn failed_finish(&self) -> Result<Flow, ProviderError> {
+        if !self.failed {
+            return Ok(Flow::Continue);
+        }
+        Err(ProviderError::new(
+            ProviderErrorKind::Server,
+            format!(
+                "[flue] Provider \"{}\" ended the response with an error (finish_reason \"error\").",
+                self.ctx.provider
+            ),
+        ))
     }
 
     fn tool_call(&mut self, call: CallView<'_>, out: &mut VecDeque<StreamEvent>) {
@@ -670,15 +754,30 @@ impl SseDecoder for ChatDecoder {
     fn event(&mut self, event: &Event<'_>, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
         let data = event.data.trim();
         if data == "[DONE]" {
+            if !self.choice_seen {
+                // Nothing was answered: an error the server reported some other way (or none).
+                return Err(ended_early(&self.ctx));
+            }
             self.complete(out)?;
             return Ok(Flow::Done);
         }
         if data.is_empty() {
             return Ok(Flow::Continue);
         }
+        if event.event == "error" {
+            // llama.cpp's `error:` line (see the SSE decoder): the error object itself.
+            let error = parse_event_json(&self.ctx, data)?;
+            return Err(map_error(
+                &self.ctx,
+                None,
+                None,
+                &ErrorDetails::from_value(error.get("error").unwrap_or(&error)),
+                data,
+            ));
+        }
         if let Some(chunk) = ChunkView::parse(data) {
             self.chunk(chunk, out);
-            return Ok(Flow::Continue);
+            return self.failed_finish();
         }
         let chunk = parse_event_json(&self.ctx, data)?;
         if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
@@ -691,13 +790,13 @@ impl SseDecoder for ChatDecoder {
             ));
         }
         self.chunk(ChunkView::from_value(&chunk), out);
-        Ok(Flow::Continue)
+        self.failed_finish()
     }
 
     fn end(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
         // Without `[DONE]`, the answer is whole once both the finish reason and the usage chunk
         // (requested with `include_usage`, sent after the finish reason) arrived.
-        if self.stop.is_some() && self.usage_seen {
+        if self.stop.is_some() && (self.usage_seen || !self.usage_asked) {
             self.complete(out)
         } else {
             Err(ended_early(&self.ctx))
@@ -793,6 +892,57 @@ mod tests {
     }
 
     #[test]
+    fn openai_sends_an_effort_only_to_models_that_take_it_and_minimal_as_low_to_the_o_series() {
+        let openai = OpenAiProvider::openai();
+        let cases = [
+            ("gpt-5", ThinkingLevel::Minimal, Some("minimal")),
+            ("gpt-5-mini", ThinkingLevel::Medium, Some("medium")),
+            ("o3", ThinkingLevel::Minimal, Some("low")),
+            ("o4-mini-2025-04-16", ThinkingLevel::Minimal, Some("low")),
+            ("o1", ThinkingLevel::High, Some("high")),
+            ("o1-mini", ThinkingLevel::High, None),
+            ("o1-preview", ThinkingLevel::High, None),
+            ("gpt-5-chat-latest", ThinkingLevel::High, None),
+            ("ft:gpt-4o-mini-2024-07-18:org::abc", ThinkingLevel::High, None),
+            ("ft:o4-mini-2025-04-16:org::abc", ThinkingLevel::Low, Some("low")),
+            ("chatgpt-4o-latest", ThinkingLevel::High, None),
+        ];
+        for (model, level, want) in cases {
+            let body = openai.body(&request(model, level));
+            assert_eq!(
+                body.get("reasoning_effort").and_then(Value::as_str),
+                want,
+                "{model} {level:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_compatible_server_gets_an_effort_only_when_asked_and_the_cap_as_max_tokens() {
+        let mut call = request("llama3.2", ThinkingLevel::Medium);
+        call.max_output_tokens = Some(500);
+        let compatible = OpenAiProvider::compatible("local", "http://127.0.0.1:1/v1", "LOCAL_KEY");
+        let body = compatible.body(&call);
+        assert_eq!(body.get("reasoning_effort"), None);
+        assert_eq!(
+            (body["max_tokens"].clone(), body.get("max_completion_tokens")),
+            (json!(500), None)
+        );
+        assert_eq!(body["stream_options"], json!({"include_usage": true}));
+        let asked = compatible.with_reasoning_effort(true).with_stream_usage(false);
+        let body = asked.body(&call);
+        assert_eq!(body["reasoning_effort"], "medium");
+        assert_eq!(body.get("stream_options"), None);
+        // OpenAI itself takes `max_completion_tokens`; OpenRouter `max_tokens`.
+        let body = OpenAiProvider::openai().body(&call);
+        assert_eq!(
+            (body["max_completion_tokens"].clone(), body.get("max_tokens")),
+            (json!(500), None)
+        );
+        assert_eq!(OpenAiProvider::openrouter().body(&call)["max_tokens"], 500);
+    }
+
+    #[test]
     fn the_body_buffer_starts_near_the_size_of_the_body() {
         let mut long = request("gpt-5", ThinkingLevel::Off);
         long.system = Some("You add numbers with the add tool.".repeat(10));
@@ -865,7 +1015,7 @@ mod tests {
 
     /// Feeds `chunks` (event data) to a decoder, then ends the body; the completion or the error.
     fn decode(chunks: &[&str], end: bool) -> Result<Option<ModelResponse>, ProviderErrorKind> {
-        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None));
+        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true);
         let mut out = VecDeque::new();
         for data in chunks {
             let event = Event {
@@ -917,7 +1067,7 @@ mod tests {
 
     #[test]
     fn a_tool_call_index_reused_with_a_new_id_is_a_new_call() {
-        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None));
+        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true);
         let mut out = VecDeque::new();
         for (id, name, args) in [("a", "one", "{}"), ("b", "two", "{\"x\":1}")] {
             let chunk = json!({"choices": [{"index": 0, "delta": {"tool_calls": [

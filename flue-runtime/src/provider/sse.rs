@@ -174,6 +174,18 @@ impl SseParser {
                     self.data.push_str(value);
                     self.has_data = true;
                 }
+                // Not a standard field: llama.cpp's server reports an error in the stream as
+                // an `error: {…}` line (then ends it with `data: [DONE]`). Read as an `error`
+                // event carrying it, so the error is not lost.
+                "error" => {
+                    self.event_type.clear();
+                    self.event_type.push_str("error");
+                    if self.has_data {
+                        self.data.push('\n');
+                    }
+                    self.data.push_str(value);
+                    self.has_data = true;
+                }
                 // `id` and `retry` steer reconnection, which a model call does not do; other
                 // fields are ignored by the standard.
                 _ => {}
