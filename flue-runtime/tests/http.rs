@@ -17,6 +17,8 @@ use futures_util::StreamExt;
 use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
 
+mod harness;
+
 /// Add two numbers.
 #[tool]
 async fn add(
@@ -2908,4 +2910,84 @@ async fn the_crates_client_follows_a_conversation_holding_a_message_at_the_body_
     .await
     .expect("the stream settles");
     assert!(settled, "the stream ended before the settlement");
+}
+
+/// A memory store whose admissions return a while after they commit: a client can go away
+/// in between.
+struct SlowAdmit {
+    inner: MemoryStore,
+}
+
+impl flue_runtime::store::Store for SlowAdmit {
+    harness::delegate_store!(
+        inner;
+        instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, read, put_attachment, attachment, user_value,
+        set_user_value, list_user_values,
+    );
+
+    fn admit(
+        &self,
+        admission: flue_runtime::store::Admission,
+    ) -> flue_runtime::BoxFuture<'_, Result<flue_runtime::store::Admitted, flue_runtime::store::StoreError>> {
+        Box::pin(async move {
+            let admitted = self.inner.admit(admission).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            admitted
+        })
+    }
+}
+
+/// An admission the store committed is processed at once and reported queued, even when the
+/// client closed its connection before the answer (the handler is then dropped mid-way).
+#[tokio::test]
+async fn an_admission_whose_client_went_away_after_the_commit_still_runs_at_once() {
+    let model = ScriptedModel::new([ScriptedReply::text("5")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .store(SlowAdmit { inner: store.clone() })
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let body = r#"{"kind":"user","body":"2+3?"}"#;
+    let request = format!(
+        "POST /agents/calculator/gone HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+        socket.write_all(request.as_bytes()).await.unwrap();
+        // Gone while the admission is still on its way back from the store.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let key = flue_runtime::store::InstanceKey::new("calculator", "gone");
+    let mut settled = false;
+    for _ in 0..200 {
+        let submissions = flue_runtime::store::Store::read(&store, &key, None).await.unwrap();
+        if submissions
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .any(|record| matches!(record.body, flue_runtime::record::RecordBody::SubmissionSettled { .. }))
+        {
+            settled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(settled, "the admitted message waited for the next scan");
+    let mut queued = false;
+    while let Ok(observation) = events.try_recv() {
+        queued |= matches!(observation.event, flue_runtime::events::Event::SubmissionQueued { .. });
+    }
+    assert!(queued, "submission_queued was not emitted");
 }

@@ -346,17 +346,24 @@ async fn post_message(
         _ => ApiError::invalid_request(rejection.body_text()),
     })?;
     let request = admission::parse(&key.id, &headers, &body)?;
-    // A direct send, as `send()` is (only the caller does not wait here for the reply).
-    let (receipt, offset) = routes
-        .runtime
-        .admit(&routes.agent, request, SubmissionKind::Direct)
-        .await?;
-    routes.runtime.slot(&key).wake();
+    // A direct send, as `send()` is (only the caller does not wait here for the reply). On a
+    // task of its own: a client that goes away drops this handler, and an admission the store
+    // committed must still be reported queued and woken now (not at the next scan).
+    let (runtime, agent) = (routes.runtime.clone(), routes.agent.clone());
+    let (receipt, offset) = tokio::spawn(async move {
+        let admitted = runtime.admit(&agent, request, SubmissionKind::Direct).await;
+        if admitted.is_ok() {
+            runtime.slot(&key).wake();
+        }
+        admitted
+    })
+    .await
+    .map_err(|error| ApiError::internal(&error))??;
     let offset = match offset {
         Some(offset) if !receipt.deduplicated => format_offset(offset),
         _ => "-1".to_owned(),
     };
-    let stream_url = stream_url(&headers, uri.path());
+    let stream_url = stream_url(&headers, &uri);
     let mut body = json!({
         "streamUrl": stream_url,
         "offset": offset,
@@ -377,12 +384,18 @@ async fn post_message(
     Ok(response)
 }
 
-/// The request's URL without its query: absolute when the request named its host.
-fn stream_url(headers: &HeaderMap, path: &str) -> String {
-    let host = headers.get(header::HOST).and_then(|host| host.to_str().ok());
+/// The request's URL without its query: absolute when the request named its host (in `Host`,
+/// or in HTTP/2's `:authority`, which arrives in the URI).
+fn stream_url(headers: &HeaderMap, uri: &axum::http::Uri) -> String {
+    let path = uri.path();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|host| host.to_str().ok())
+        .or_else(|| uri.authority().map(axum::http::uri::Authority::as_str));
     let scheme = headers
         .get("x-forwarded-proto")
         .and_then(|proto| proto.to_str().ok())
+        .or_else(|| uri.scheme_str())
         .filter(|proto| matches!(*proto, "http" | "https"))
         .unwrap_or("http");
     match host {
@@ -407,4 +420,25 @@ async fn post_abort(
     slot.abort_submissions(&affected);
     slot.wake();
     Ok(axum::Json(json!({"aborted": !affected.is_empty()})).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+    use super::*;
+
+    #[test]
+    fn the_stream_url_names_the_host_from_the_host_header_or_the_http2_authority() {
+        let mut headers = HeaderMap::new();
+        let h2: axum::http::Uri = "https://api.example.com/agents/a/c1?x=1".parse().unwrap();
+        assert_eq!(stream_url(&headers, &h2), "https://api.example.com/agents/a/c1");
+        headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        assert_eq!(stream_url(&headers, &h2), "http://api.example.com/agents/a/c1");
+        headers.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        headers.insert(header::HOST, HeaderValue::from_static("front.example.com"));
+        let h1: axum::http::Uri = "/agents/a/c1?x=1".parse().unwrap();
+        assert_eq!(stream_url(&headers, &h1), "https://front.example.com/agents/a/c1");
+        assert_eq!(stream_url(&HeaderMap::new(), &h1), "/agents/a/c1");
+    }
 }
