@@ -91,6 +91,9 @@ fn transport_text(error: reqwest::Error) -> String {
 /// How long a followed stream may be silent: three of the server's 15 s heartbeats.
 const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(45);
 
+/// How long a request other than following a stream may take, answer included.
+const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// The most bytes one event of a followed stream may take, by default: 64 MiB, four times the
 /// largest request body a server of this crate admits ([`crate::http::MAX_BODY_BYTES`]). A
 /// message the server admitted is one chunk, sent whole in one event about as long as its
@@ -106,6 +109,8 @@ pub struct Client {
     token: Option<String>,
     /// How long a followed stream may stay silent before its connection is taken for dead.
     idle_timeout: Duration,
+    /// How long any other request may take, its answer included.
+    request_timeout: Duration,
     /// The most bytes one event of a followed stream may take.
     max_event_bytes: usize,
 }
@@ -118,6 +123,7 @@ impl std::fmt::Debug for Client {
             .field("base", &url_without_secrets(&self.base))
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("idle_timeout", &self.idle_timeout)
+            .field("request_timeout", &self.request_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -133,8 +139,17 @@ impl Client {
             base: base_url.into().trim_end_matches('/').to_owned(),
             token: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
         })
+    }
+
+    /// Fails a request other than following a stream (sending, the history, an abort, the
+    /// catalog) that has not been answered whole within `timeout` (default: 60 s), so a
+    /// server that accepts the connection and never answers cannot hold a caller forever.
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
     }
 
     /// Sends `token` as a bearer token with every request.
@@ -173,10 +188,15 @@ impl Client {
     /// The agents the server serves (`GET /agents`).
     pub async fn catalog(&self) -> Result<Value, ClientError> {
         let response = self
-            .request(reqwest::Method::GET, &format!("{}/agents", self.base))
+            .call(reqwest::Method::GET, &format!("{}/agents", self.base))
             .send()
             .await?;
         json_of(response).await
+    }
+
+    /// A request answered whole (not a followed stream), bounded by the request timeout.
+    fn call(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+        self.request(method, url).timeout(self.request_timeout)
     }
 
     fn request(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
@@ -276,7 +296,7 @@ impl Instance {
     pub async fn send_json(&self, body: Value) -> Result<Receipt, ClientError> {
         let response = self
             .client
-            .request(reqwest::Method::POST, &self.url)
+            .call(reqwest::Method::POST, &self.url)
             .json(&body)
             .send()
             .await?;
@@ -300,11 +320,30 @@ impl Instance {
     pub async fn reply(&self, receipt: &Receipt) -> Result<Reply, ClientError> {
         // A replayed admission has no offset of its own: read the whole stream.
         let from = if receipt.deduplicated { "-1" } else { &receipt.offset };
+        match self.reply_from(from, &receipt.submission_id, false).await? {
+            Some(reply) => Ok(reply),
+            // Joined a response that was running when it was admitted, and answered by it:
+            // that response is read whole (its settlement is in the stream already).
+            None => self
+                .reply_from("-1", &receipt.submission_id, true)
+                .await?
+                .ok_or_else(|| ClientError::Transport("the stream ended before the submission settled".into())),
+        }
+    }
+
+    /// The reply of `submission_id` following the stream from `from`; `None` when it was
+    /// answered by another submission's response, which may have begun before `from`
+    /// (unless `whole`: the stream is read from its start).
+    async fn reply_from(&self, from: &str, submission_id: &str, whole: bool) -> Result<Option<Reply>, ClientError> {
         let mut chunks = self.follow(from);
         let mut replies = ReplyFold::default();
         while let Some(chunk) = chunks.next().await {
-            if let Some(result) = replies.apply(&chunk?, &receipt.submission_id) {
-                return result;
+            let chunk = chunk?;
+            if !whole && ReplyFold::answered_by_another(&chunk, submission_id) {
+                return Ok(None);
+            }
+            if let Some(result) = replies.apply(&chunk, submission_id) {
+                return result.map(Some);
             }
         }
         Err(ClientError::Transport(
@@ -314,7 +353,7 @@ impl Instance {
 
     /// The history snapshot (`GET /:id`).
     pub async fn history(&self) -> Result<Value, ClientError> {
-        let response = self.client.request(reqwest::Method::GET, &self.url).send().await?;
+        let response = self.client.call(reqwest::Method::GET, &self.url).send().await?;
         json_of(response).await
     }
 
@@ -322,7 +361,7 @@ impl Instance {
     pub async fn abort(&self) -> Result<bool, ClientError> {
         let response = self
             .client
-            .request(reqwest::Method::POST, &format!("{}/abort", self.url))
+            .call(reqwest::Method::POST, &format!("{}/abort", self.url))
             .send()
             .await?;
         Ok(json_of(response).await?["aborted"] == json!(true))
@@ -542,6 +581,18 @@ struct ReplyFold {
 }
 
 impl ReplyFold {
+    /// Whether `chunk` settles `submission_id` as answered by another submission's response:
+    /// a response that began before the delivery joined it, so before any offset its receipt
+    /// gave (steps of it may lie there).
+    fn answered_by_another(chunk: &Value, submission_id: &str) -> bool {
+        chunk["type"] == "submission-settled"
+            && chunk["submissionId"] == submission_id
+            && chunk["outcome"] == "completed"
+            && chunk["answeredBySubmissionId"]
+                .as_str()
+                .is_some_and(|host| host != submission_id)
+    }
+
     /// The replies of a snapshot's assistant messages: their text parts (one per step), data
     /// parts and metadata.
     fn of_snapshot(snapshot: &Value) -> Self {

@@ -52,6 +52,23 @@ fn keep_recent(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
     messages
 }
 
+/// Released by [`RELEASE_LOOKUP`].
+static RELEASE_LOOKUP: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Takes until the test releases it.
+#[tool]
+async fn slow_lookup() -> String {
+    RELEASE_LOOKUP.notified().await;
+    "found".to_owned()
+}
+
+#[agent]
+fn slow_worker() -> &'static str {
+    use_model("scripted/slow-1");
+    use_tool(slow_lookup);
+    "You look things up."
+}
+
 #[agent]
 fn planner() -> &'static str {
     use_model("scripted/plan-1");
@@ -177,6 +194,7 @@ impl Server {
             .agent(mail_agent)
             .agent(planner)
             .agent(curator)
+            .agent(slow_worker)
             .user_hook(client_attached)
             .user_hook(client_detached)
             .options(RuntimeOptions {
@@ -1573,6 +1591,62 @@ mod client {
         server.model.push(ScriptedReply::text("Again: 5."));
         assert_eq!(calc.prompt("once more").await.unwrap().text, "Again: 5.");
         assert!(!calc.abort().await.unwrap());
+    }
+
+    /// A message sent while a response runs joins it and is answered by it: its reply is the
+    /// whole response, what it said before the join included.
+    #[tokio::test]
+    async fn the_reply_of_a_joined_message_is_its_hosts_whole_response() {
+        let server = Server::start().await;
+        server.model.push(ScriptedReply::ToolCalls {
+            text: "Looking it up.".into(),
+            calls: vec![("slow_lookup".into(), "{}".into())],
+        });
+        server.model.push(ScriptedReply::text("Found it."));
+        let client = Client::new(&server.root).unwrap();
+        let worker = client.instance("slow_worker", "w1");
+        let host = worker.send("find it").await.unwrap();
+        while server.model.requests().is_empty() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let joined = worker.send("and quickly").await.unwrap();
+        RELEASE_LOOKUP.notify_one();
+        let reply = worker.reply(&joined).await.unwrap();
+        assert_eq!(reply.submission_id, joined.submission_id);
+        assert_eq!(reply.text, "Looking it up.\n\nFound it.");
+        assert_eq!(worker.reply(&host).await.unwrap().text, reply.text);
+        let history = worker.history().await.unwrap();
+        assert_eq!(
+            history["settlements"][0]["answeredBySubmissionId"],
+            json!(host.submission_id),
+            "{history}"
+        );
+    }
+
+    /// A server that accepts the connection and never answers does not hold a caller forever.
+    #[tokio::test]
+    async fn a_request_the_server_never_answers_fails_after_the_request_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let mut sockets = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                sockets.push(socket);
+            }
+        });
+        let client = Client::new(format!("http://{addr}"))
+            .unwrap()
+            .with_request_timeout(Duration::from_millis(200));
+        let instance = client.instance("calculator", "c1");
+        // Without the bound each call would wait for good: a guard, not a measurement.
+        tokio::time::timeout(Duration::from_secs(60), async {
+            assert!(matches!(instance.history().await, Err(ClientError::Transport(_))));
+            assert!(matches!(instance.send("hi").await, Err(ClientError::Transport(_))));
+            assert!(matches!(client.catalog().await, Err(ClientError::Transport(_))));
+        })
+        .await
+        .expect("a call the server never answered waited for good");
+        held.abort();
     }
 
     #[tokio::test]
