@@ -120,3 +120,21 @@ fn a_raw_identifier_names_an_agent_a_tool_and_a_hook_without_its_prefix() {
     assert!(schema["properties"].get("ref").is_some(), "{schema}");
     assert_eq!(r#override.id(), "override");
 }
+
+/// Triages new issues:
+///
+/// 1. labels them
+///    - `bug` or `feature`
+/// 2. asks for a reproduction
+#[agent]
+fn triage() -> &'static str {
+    "You triage issues."
+}
+
+#[test]
+fn an_agent_description_keeps_the_relative_indentation_of_its_doc_comment() {
+    assert_eq!(
+        triage.definition().description.as_deref(),
+        Some("Triages new issues:\n\n1. labels them\n   - `bug` or `feature`\n2. asks for a reproduction")
+    );
+}

@@ -153,3 +153,44 @@ fn the_progress_argument_of_an_argument_struct_is_checked_by_its_json_name_when_
         )
     );
 }
+
+/// Look up an order.
+///
+/// Finds it by:
+/// - its number
+///   - as printed on the receipt
+///   - or without the leading `#`
+/// - the customer's email
+///
+/// Call it as:
+///
+///     lookup_order {"number": 7}
+#[tool]
+async fn lookup_order(number: u64) -> String {
+    number.to_string()
+}
+
+///   Look up a refund.
+///
+///       lookup_refund {"number": 7}
+#[doc = concat!("Refunds are ", "numbered like orders.")]
+#[tool]
+async fn lookup_refund(number: u64) -> String {
+    number.to_string()
+}
+
+#[test]
+fn a_description_keeps_the_relative_indentation_of_its_doc_comment() {
+    assert_eq!(
+        lookup_order.into_tool().definition().description,
+        "Look up an order.\n\nFinds it by:\n- its number\n  - as printed on the receipt\n  - or without the leading `#`\n- the customer's email\n\nCall it as:\n\n    lookup_order {\"number\": 7}"
+    );
+}
+
+#[test]
+fn a_description_partly_written_by_a_macro_unindents_its_literal_lines_the_same_way() {
+    assert_eq!(
+        lookup_refund.into_tool().definition().description,
+        "Look up a refund.\n\n    lookup_refund {\"number\": 7}\nRefunds are numbered like orders."
+    );
+}

@@ -71,6 +71,29 @@ pub use tool::{Tool, ToolContext, ToolError, ToolOutput};
 /// A boxed, `Send` future: what the runtime-facing traits return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// A description that a macro writes at least partly (`#[doc = include_str!(..)]` on a
+/// `#[tool]` or an `#[agent]`), as the attributes expand it: without the blank lines around it
+/// and the whitespace at its end. Its first line keeps its indentation, as a `///` description's
+/// does once unindented; a blank one becomes `""`.
+#[doc(hidden)]
+pub const fn doc_description(text: &str) -> &str {
+    let bytes = text.as_bytes();
+    let mut start = 0;
+    let mut index = 0;
+    while index < bytes.len() && bytes[index].is_ascii_whitespace() {
+        if bytes[index] == b'\n' {
+            start = index + 1;
+        }
+        index += 1;
+    }
+    let (_, rest) = bytes.split_at(start);
+    // `start` follows a `\n`, on a character boundary, so this always succeeds.
+    match std::str::from_utf8(rest) {
+        Ok(rest) => rest.trim_ascii_end(),
+        Err(_) => text.trim_ascii(),
+    }
+}
+
 /// Everything an agent author needs: the hooks and the types they take and return.
 pub mod prelude {
     pub use crate::abort::AbortSignal;
@@ -88,4 +111,18 @@ pub mod prelude {
     pub use crate::skill::Skill;
     pub use crate::subagent::Subagent;
     pub use crate::tool::{IntoTool, Secret, Tool, ToolContext, ToolError, ToolHandler, ToolOutput};
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_macro_written_description_loses_its_surrounding_blank_lines_only() {
+        assert_eq!(
+            super::doc_description(" \n\t\n    code\n  more  \n \n"),
+            "    code\n  more"
+        );
+        assert_eq!(super::doc_description("Text."), "Text.");
+        assert_eq!(super::doc_description(" \n \n"), "");
+        assert_eq!(super::doc_description(""), "");
+    }
 }

@@ -60,7 +60,7 @@ use proc_macro::TokenStream;
 /// | option | meaning |
 /// | --- | --- |
 /// | `name = "…"` | durable identity (`^[a-z][a-z0-9_]*$`); default: the function's name |
-/// | `description = "…"` | what the agent does (catalog, delegate description) |
+/// | `description = "…"` | what the agent does (catalog, delegate description); default: the doc comment, unindented as rustdoc does it |
 /// | `initial_data = Type` | creation-data type, validated when an instance is created |
 /// | `durability(max_attempts = N, timeout = "90s")` | attempt budget and wall-clock limit |
 /// | `max_steps = N` | cap on model steps per response |
@@ -200,10 +200,16 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// ```
 ///
 /// The doc comment is the tool's description (required; a macro may write it, as in
-/// `#[doc = include_str!("search.md")]`). Arguments come either as one parameter named `args`
-/// whose type is a struct (or map) deriving `Deserialize` and `JsonSchema`, or as plain
-/// parameters of owned types from which the macro builds the argument struct (doc comments on
-/// parameters become field descriptions). A first parameter `&ToolContext` is optional.
+/// `#[doc = include_str!("search.md")]`). It is markdown, unindented as rustdoc does it: the
+/// indentation the `///` lines share goes, the rest stays, so nested lists and indented code
+/// blocks reach the model as written; each line loses its trailing whitespace and the text its
+/// surrounding blank lines (text a macro writes is kept as written, but for the blank lines
+/// around the whole description). An `#[agent]`'s doc comment is read the same way.
+///
+/// Arguments come either as one parameter named `args` whose type is a struct (or map)
+/// deriving `Deserialize` and `JsonSchema`, or as plain parameters of owned types from which
+/// the macro builds the argument struct (doc comments on parameters become field
+/// descriptions). A first parameter `&ToolContext` is optional.
 ///
 /// | option | meaning |
 /// | --- | --- |
