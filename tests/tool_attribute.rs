@@ -194,3 +194,36 @@ fn a_description_partly_written_by_a_macro_unindents_its_literal_lines_the_same_
         "Look up a refund.\n\n    lookup_refund {\"number\": 7}\nRefunds are numbered like orders."
     );
 }
+
+/// Search the issues by their title.
+#[tool(progress_argument = "q")]
+async fn search_titles(
+    /// Words from the title
+    #[serde(rename = "q")]
+    query: String,
+    /// How many issues to return, all of them when 0
+    #[serde(default)]
+    #[schemars(range(max = 100))]
+    limit: u32,
+) -> String {
+    format!("{query}: {limit}")
+}
+
+#[test]
+fn serde_and_schemars_attributes_on_plain_parameters_shape_the_schema_and_the_parsing() {
+    let tool = search_titles.into_tool();
+    let schema = tool.input_schema().json().clone();
+    assert_eq!(schema["required"], json!(["q"]), "{schema}");
+    assert_eq!(
+        schema["properties"]["q"]["description"], "Words from the title",
+        "{schema}"
+    );
+    assert!(schema["properties"].get("query").is_none(), "{schema}");
+    assert_eq!(schema["properties"]["limit"]["maximum"], 100, "{schema}");
+    assert_eq!(tool.definition().progress_argument.as_deref(), Some("q"));
+    tool.definition().validate_input_schema("use_tool()").unwrap();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"q": "crash"})));
+    assert_eq!(output, ToolOutput::text("crash: 0"));
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"q": "crash", "limit": 3})));
+    assert_eq!(output, ToolOutput::text("crash: 3"));
+}

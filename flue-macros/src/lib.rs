@@ -208,13 +208,41 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 ///
 /// Arguments come either as one parameter named `args` whose type is a struct (or map)
 /// deriving `Deserialize` and `JsonSchema`, or as plain parameters of owned types from which
-/// the macro builds the argument struct (doc comments on parameters become field
-/// descriptions). A first parameter `&ToolContext` is optional.
+/// the macro builds the argument struct. A first parameter `&ToolContext` is optional.
+///
+/// A plain parameter's doc comment, `#[serde(..)]` and `#[schemars(..)]` attributes go to its
+/// field of the argument struct, so the schema and the parsing both honour them; other
+/// attributes stay on the parameter:
+///
+/// ```
+/// use flue_runtime::prelude::*;
+///
+/// /// Search issues by their title.
+/// #[tool(progress_argument = "q")]
+/// async fn search_titles(
+///     /// Words from the title
+///     #[serde(rename = "q")]
+///     query: String,
+///     /// How many issues to return; all of them when 0
+///     #[serde(default)]
+///     #[schemars(range(max = 100))]
+///     limit: u32,
+/// ) -> String {
+///     format!("{query}: {limit}")
+/// }
+///
+/// let tool = search_titles.into_tool();
+/// assert_eq!(tool.input_schema().json()["required"], serde_json::json!(["q"]));
+/// let output = flue_runtime::testing::poll_ready(
+///     tool.call(ToolContext::new(&tool, "call_1"), serde_json::json!({"q": "crash"})),
+/// );
+/// assert_eq!(output.to_text(), "crash: 0");
+/// ```
 ///
 /// | option | meaning |
 /// | --- | --- |
 /// | `name = "…"` | the model-facing name (`^[A-Za-z0-9_-]{1,64}$`, not reserved); default: the function's name |
-/// | `progress_argument = "field"` | string argument reported by `tool_call_started` as it streams, by its JSON name (a plain parameter's type must be `String`; an `args` struct's field is checked by `use_tool`) |
+/// | `progress_argument = "field"` | string argument reported by `tool_call_started` as it streams, by its JSON name (a renamed parameter's `rename`; a plain parameter's type must be `String`; an `args` struct's field is checked by `use_tool`) |
 /// | `secrets = ["NAME", …]` | environment variables the tool may read through `ctx.secret(..)` |
 /// | `terminate` | a batch made only of terminating tools ends the turn |
 /// | `durable` | an interrupted call runs again on recovery, replaying its settled `ctx.step(..)` values |

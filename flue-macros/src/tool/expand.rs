@@ -36,8 +36,8 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         Arguments::Struct(ty) => (quote!(), ty.clone(), vec![quote!(__flue_args)]),
         Arguments::Plain(fields) => {
             let declared = fields.iter().map(|field| {
-                let (field_ident, ty, docs) = (&field.ident, &field.ty, &field.docs);
-                quote!(#(#docs)* #field_ident: #ty)
+                let (field_ident, ty, attrs) = (&field.ident, &field.ty, &field.attrs);
+                quote!(#(#attrs)* #field_ident: #ty)
             });
             let moved = fields.iter().map(|field| {
                 let field_ident = &field.ident;
@@ -91,7 +91,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let progress_check = match (&model.options.progress_argument, &model.arguments) {
         (Some(progress), Arguments::Plain(fields)) => fields
             .iter()
-            .find(|field| field.json_name() == progress.value())
+            .find(|field| field.json_name().is_some_and(|name| name == progress.value()))
             .map(|field| {
                 let ty = &field.ty;
                 quote_spanned!(ty.span()=> const _: () = __flue::tool::progress_argument::<#ty>();)

@@ -12,13 +12,107 @@ use crate::errors::Errors;
 pub(crate) struct Field {
     pub(crate) ident: Ident,
     pub(crate) ty: Type,
-    pub(crate) docs: Vec<Attribute>,
+    /// The parameter's doc comments, `#[serde(..)]` and `#[schemars(..)]` attributes, in order:
+    /// the argument struct's field carries them.
+    pub(crate) attrs: Vec<Attribute>,
+}
+
+/// Whether an attribute on a plain parameter belongs to the argument struct's field: a doc
+/// comment (the field's description), or one the derives read (`#[serde(default)]`,
+/// `#[serde(rename = "q")]`, `#[schemars(range(max = 100))]`).
+pub(crate) fn is_field_attribute(attr: &Attribute) -> bool {
+    is_derive_attribute(attr) || attr.path().is_ident("doc")
+}
+
+/// `#[serde(..)]` or `#[schemars(..)]`.
+fn is_derive_attribute(attr: &Attribute) -> bool {
+    attr.path().is_ident("serde") || attr.path().is_ident("schemars")
+}
+
+/// What the serde and schemars attributes of a field say about its JSON name.
+#[derive(Default)]
+struct Naming {
+    serde_rename: Option<String>,
+    schemars_rename: Option<String>,
+    /// `flatten`: the field's own fields are arguments, which only the schema knows.
+    flatten: bool,
+    /// `skip` or `skip_deserializing`: the model does not send it.
+    skip: bool,
+}
+
+impl Naming {
+    fn of(attrs: &[Attribute]) -> Self {
+        let mut naming = Self::default();
+        for attr in attrs.iter().filter(|attr| is_derive_attribute(attr)) {
+            let schemars = attr.path().is_ident("schemars");
+            // A malformed attribute is the derive's to report; what parsed so far stands.
+            let _ = attr.parse_nested_meta(|meta| {
+                if meta.path.is_ident("rename") && meta.input.peek(syn::Token![=]) {
+                    let name: syn::LitStr = meta.value()?.parse()?;
+                    *naming.rename(schemars) = Some(name.value());
+                } else if meta.path.is_ident("rename") {
+                    // `rename(serialize = "…", deserialize = "…")`: the model's side is the
+                    // deserializing one.
+                    meta.parse_nested_meta(|inner| {
+                        let name: syn::LitStr = inner.value()?.parse()?;
+                        if inner.path.is_ident("deserialize") {
+                            *naming.rename(schemars) = Some(name.value());
+                        }
+                        Ok(())
+                    })?;
+                } else {
+                    if meta.path.is_ident("flatten") {
+                        naming.flatten = true;
+                    } else if meta.path.is_ident("skip") || meta.path.is_ident("skip_deserializing") {
+                        naming.skip = true;
+                    }
+                    skip_meta_value(&meta)?;
+                }
+                Ok(())
+            });
+        }
+        naming
+    }
+
+    fn rename(&mut self, schemars: bool) -> &mut Option<String> {
+        if schemars {
+            &mut self.schemars_rename
+        } else {
+            &mut self.serde_rename
+        }
+    }
+}
+
+/// Consumes what follows a nested meta's path that is not read: `= value` or `(..)`.
+fn skip_meta_value(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<()> {
+    if meta.input.peek(syn::Token![=]) {
+        let _: syn::Expr = meta.value()?.parse()?;
+    } else if meta.input.peek(syn::token::Paren) {
+        let _: proc_macro2::Group = meta.input.parse()?;
+    }
+    Ok(())
 }
 
 impl Field {
-    /// The name the model sends the argument under: the parameter's, without `r#`.
-    pub(crate) fn json_name(&self) -> String {
-        self.ident.unraw().to_string()
+    /// The name the model sends the argument under, as the schema shows it: a
+    /// `#[schemars(rename = "…")]`, else a `#[serde(rename = "…")]`, else the parameter's name
+    /// without `r#`. `None` when the argument has no name of its own: flattened, or skipped.
+    pub(crate) fn json_name(&self) -> Option<String> {
+        let naming = Naming::of(&self.attrs);
+        if naming.flatten || naming.skip {
+            return None;
+        }
+        Some(
+            naming
+                .schemars_rename
+                .or(naming.serde_rename)
+                .unwrap_or_else(|| self.ident.unraw().to_string()),
+        )
+    }
+
+    /// Whether the field is `#[serde(flatten)]`: its own fields are arguments.
+    pub(crate) fn flattened(&self) -> bool {
+        Naming::of(&self.attrs).flatten
     }
 }
 
@@ -62,7 +156,10 @@ impl ToolModel {
                 }
                 FnArg::Typed(param) => match context_kind(&param.ty) {
                     None => params.push(param),
-                    Some(Context::Shared) if index == 0 => has_context = true,
+                    Some(Context::Shared) if index == 0 => {
+                        refuse_derive_attributes(param, Refused::Context, errors);
+                        has_context = true;
+                    }
                     Some(kind) => {
                         errors.spanned(&param.ty, kind.misplaced(index == 0));
                         rejected_parameter = true;
@@ -72,6 +169,7 @@ impl ToolModel {
         }
         let arguments = match &mut params[..] {
             [single] if is_args_pattern(&single.pat) => {
+                refuse_derive_attributes(single, Refused::Args, errors);
                 if let Some(borrowed) = borrowed_in(&single.ty) {
                     errors.spanned(
                         &borrowed,
@@ -94,16 +192,17 @@ impl ToolModel {
             rest => Arguments::Plain(
                 rest.iter_mut()
                     .filter_map(|param| {
-                        // Doc comments on parameters become field descriptions; rustc does not
-                        // accept them on parameters, so they are taken off here.
-                        let (docs, others): (Vec<_>, Vec<_>) =
-                            param.attrs.drain(..).partition(|attr| attr.path().is_ident("doc"));
+                        // Doc comments on parameters become field descriptions, and serde and
+                        // schemars attributes the field's; rustc does not accept them on
+                        // parameters, so they are taken off here. Other attributes
+                        // (`#[allow(..)]`) stay on the body's parameter.
+                        let (attrs, others): (Vec<_>, Vec<_>) = param.attrs.drain(..).partition(is_field_attribute);
                         param.attrs = others;
                         let field = match param.pat.as_ref() {
                             Pat::Ident(pat) => Field {
                                 ident: pat.ident.clone(),
                                 ty: (*param.ty).clone(),
-                                docs,
+                                attrs,
                             },
                             other => {
                                 errors.spanned(
@@ -402,6 +501,36 @@ fn not_an_object(ty: &Type) -> Option<String> {
             }
         }
         _ => None,
+    }
+}
+
+/// A parameter that is no argument field.
+#[derive(Clone, Copy)]
+enum Refused {
+    Context,
+    Args,
+}
+
+/// Reports and takes off the `#[serde(..)]` and `#[schemars(..)]` attributes of a parameter
+/// that is no argument field, which rustc would not accept on a parameter.
+fn refuse_derive_attributes(param: &mut syn::PatType, refused: Refused, errors: &Errors) {
+    let (derive_attrs, kept): (Vec<_>, Vec<_>) = param.attrs.drain(..).partition(is_derive_attribute);
+    param.attrs = kept;
+    for attr in derive_attrs {
+        let which = if attr.path().is_ident("serde") {
+            "serde"
+        } else {
+            "schemars"
+        };
+        let message = match refused {
+            Refused::Context => format!(
+                "`#[{which}(..)]` shapes an argument field, and the context is no argument: take the attribute off"
+            ),
+            Refused::Args => format!(
+                "`#[{which}(..)]` shapes one argument field, and `args` is the whole argument object: put the attribute on its type or on its fields"
+            ),
+        };
+        errors.spanned(&attr, message);
     }
 }
 

@@ -61,13 +61,19 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
         );
     }
     if let (Some(progress), Arguments::Plain(fields)) = (&model.options.progress_argument, &model.arguments)
-        && !fields.iter().any(|field| field.json_name() == progress.value())
+        && !fields
+            .iter()
+            .any(|field| field.json_name().is_some_and(|name| name == progress.value()))
         // A rejected parameter (reported) may be the one it names.
         && !model.rejected_parameter
+        // A flattened parameter's fields are arguments too, which only the schema knows:
+        // `use_tool` checks the name then.
+        && !fields.iter().any(|field| field.flattened())
     {
         let known = fields
             .iter()
-            .map(|field| format!("`{}`", field.json_name()))
+            .filter_map(|field| field.json_name())
+            .map(|name| format!("`{name}`"))
             .collect::<Vec<_>>()
             .join(", ");
         let known = if known.is_empty() {

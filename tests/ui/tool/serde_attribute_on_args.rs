@@ -1,0 +1,14 @@
+use flue_runtime::prelude::*;
+
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+struct Search {
+    query: String,
+}
+
+/// Search issues.
+#[tool]
+async fn search(#[serde(default)] args: Search) -> String {
+    args.query
+}
+
+fn main() {}
