@@ -227,3 +227,22 @@ fn serde_and_schemars_attributes_on_plain_parameters_shape_the_schema_and_the_pa
     let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"q": "crash", "limit": 3})));
     assert_eq!(output, ToolOutput::text("crash: 3"));
 }
+
+/// Refund an order.
+#[tool]
+async fn refund(order: String) -> Result<String, String> {
+    if order.starts_with("o-") {
+        Ok(format!("refunded {order}"))
+    } else {
+        Err(format!("no order {order}"))
+    }
+}
+
+#[test]
+fn a_string_error_is_an_error_result_with_its_text() {
+    let tool = refund.into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "x-1"})));
+    assert_eq!(output, ToolOutput::error("no order x-1"));
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-1"})));
+    assert_eq!(output, ToolOutput::text("refunded o-1"));
+}

@@ -417,7 +417,7 @@ impl<T: DeserializeOwned + JsonSchema + Send + 'static> ToolArguments for T {}
 #[diagnostic::on_unimplemented(
     message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",
     label = "not a tool result",
-    note = "return `String`, `serde_json::Value`, `ToolOutput`, or `Result<_, ToolError>`"
+    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one with a `ToolError` or a `String` error"
 )]
 pub trait ToolReturn: IntoToolOutput {}
 
@@ -469,6 +469,61 @@ pub const fn arguments<T: ToolArguments>() -> ArgumentFns<T> {
 #[doc(hidden)]
 pub fn tool_return<T: ToolReturn>(value: T) -> ToolOutput {
     value.into_tool_output()
+}
+
+// A tool may fail with text: `Result<T, String>` or `Result<T, &'static str>`. No impl of
+// `IntoToolOutput` can take those beside the one for `Result<T, E: Into<ToolError>>`, nor can
+// `ToolError` be `From<String>` beside its `From<E: Error>`: std may implement `Error` for
+// `String` one day, coherence says. So `#[tool]` picks by method resolution, before
+// `tool_return`: `(&value).__flue_tool_return().adapt(value)` finds `TextErrorReturn`, which the
+// value's own type implements, before `OtherReturn`, which only a reference to it does. The
+// first makes the text a `ToolError`; the second leaves the value as it is, for `tool_return`
+// to convert or reject.
+
+/// A `Result` whose error is text; see [`TextError`].
+#[doc(hidden)]
+pub trait TextErrorReturn {
+    /// How `#[tool]` reads the value before [`tool_return`].
+    fn __flue_tool_return(&self) -> TextError {
+        TextError
+    }
+}
+
+impl<T> TextErrorReturn for Result<T, String> {}
+impl<T> TextErrorReturn for Result<T, &'static str> {}
+
+/// Any other return value; see [`AsReturned`].
+#[doc(hidden)]
+pub trait OtherReturn {
+    /// How `#[tool]` reads the value before [`tool_return`].
+    fn __flue_tool_return(&self) -> AsReturned {
+        AsReturned
+    }
+}
+
+impl<T: ?Sized> OtherReturn for &T {}
+
+/// Reads a `Result` with a text error as one with a [`ToolError`]: the text is the error
+/// result the model sees.
+#[doc(hidden)]
+pub struct TextError;
+
+impl TextError {
+    /// The text error as a [`ToolError`].
+    pub fn adapt<T, E: Into<String>>(self, value: Result<T, E>) -> Result<T, ToolError> {
+        value.map_err(ToolError::new)
+    }
+}
+
+/// Leaves a return value as it is.
+#[doc(hidden)]
+pub struct AsReturned;
+
+impl AsReturned {
+    /// The value itself.
+    pub fn adapt<T>(self, value: T) -> T {
+        value
+    }
 }
 
 /// Deserializes tool arguments, or the error result the model sees when they do not fit.
@@ -541,7 +596,9 @@ impl ToolOutput {
 }
 
 /// What a tool function may return: text, JSON, `()`, a [`ToolOutput`], or a `Result` of any
-/// of these with a [`ToolError`] (an `Err` becomes an error result).
+/// of these with a [`ToolError`] (an `Err` becomes an error result). A `#[tool]` function may
+/// also fail with text (`Result<T, String>`, `Result<T, &'static str>`), which the attribute
+/// converts itself: coherence rules out an impl of this trait for those.
 pub trait IntoToolOutput {
     /// Converts into a result.
     fn into_tool_output(self) -> ToolOutput;
@@ -586,7 +643,8 @@ impl<T: IntoToolOutput, E: Into<ToolError>> IntoToolOutput for Result<T, E> {
     }
 }
 
-/// A tool failure the model should see. `?` converts any `std::error::Error` into it.
+/// A tool failure the model should see. `?` converts any `std::error::Error` into it; make one
+/// from text with [`ToolError::new`] (a `#[tool]` function may also just fail with a `String`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ToolError {
     message: String,

@@ -248,8 +248,26 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | `durable` | an interrupted call runs again on recovery, replaying its settled `ctx.step(..)` values |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///
-/// The function returns text, JSON, `()`, a `ToolOutput`, or a `Result` of these with an error
-/// convertible into `ToolError` (an `Err` is an error result the model sees).
+/// The function returns text, JSON, `()`, a `ToolOutput`, or a `Result` of these whose error
+/// is convertible into `ToolError` (any `std::error::Error`) or is text (`String`,
+/// `&'static str`): an `Err` is an error result the model sees, its message or its text.
+///
+/// ```
+/// use flue_runtime::prelude::*;
+///
+/// /// Divide two numbers.
+/// #[tool]
+/// async fn divide(dividend: i64, divisor: i64) -> Result<String, String> {
+///     let quotient = dividend.checked_div(divisor).ok_or(format!("cannot divide {dividend} by {divisor}"))?;
+///     Ok(quotient.to_string())
+/// }
+///
+/// let tool = divide.into_tool();
+/// let output = flue_runtime::testing::poll_ready(
+///     tool.call(ToolContext::new(&tool, "call_1"), serde_json::json!({"dividend": 1, "divisor": 0})),
+/// );
+/// assert_eq!(output, ToolOutput::error("cannot divide 1 by 0"));
+/// ```
 ///
 /// A tool may be generic over types (taking its arguments as `args: T`) and may name lifetimes.
 /// The lifetimes belong to the body, not to the tool, which outlives every call: type

@@ -107,6 +107,53 @@ async fn invalid_tool_arguments_go_back_to_the_model_and_the_tool_does_not_run()
     assert!(content.starts_with("Tool argument validation failed:"), "{content}");
 }
 
+/// Divide two numbers.
+#[tool]
+async fn divide(dividend: i64, divisor: i64) -> Result<String, String> {
+    match dividend.checked_div(divisor) {
+        Some(quotient) => Ok(quotient.to_string()),
+        None => Err(format!("cannot divide {dividend} by {divisor}")),
+    }
+}
+
+/// Take the square root of a number.
+#[tool]
+async fn square_root(number: f64) -> Result<String, &'static str> {
+    if number < 0.0 {
+        Err("a negative number has no real square root")
+    } else {
+        Ok(number.sqrt().to_string())
+    }
+}
+
+#[agent(max_steps = 4)]
+fn divider() -> &'static str {
+    use_model("scripted/calc-1");
+    use_tool(divide);
+    use_tool(square_root);
+    "You divide numbers with the divide tool."
+}
+
+#[tokio::test]
+async fn a_tool_failing_with_a_string_error_shows_the_model_its_text_as_an_error_result() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("divide", json!({"dividend": 7, "divisor": 0})),
+        ScriptedReply::tool_call("square_root", json!({"number": -4.0})),
+        ScriptedReply::tool_call("divide", json!({"dividend": 7, "divisor": 2})),
+        ScriptedReply::text("7 / 2 = 3"),
+    ]);
+    let runtime = runtime_with(&model, vec![divider.into()]);
+    runtime.init(&divider, "d-1").send("What is 7 / 0?").await.unwrap();
+    assert_eq!(
+        harness::tool_results(&model.requests()[3]),
+        [
+            ("cannot divide 7 by 0".to_owned(), true),
+            ("a negative number has no real square root".to_owned(), true),
+            ("3".to_owned(), false),
+        ]
+    );
+}
+
 #[agent(max_steps = 2)]
 fn stubborn() -> &'static str {
     use_model("scripted/x");

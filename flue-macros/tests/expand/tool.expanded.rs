@@ -63,12 +63,16 @@ const _: () = {
                 };
                 let _ = &__flue_ctx;
                 {
+                    use __flue::tool::{OtherReturn as _, TextErrorReturn as _};
                     let __flue_returned = __flue_tool_body(
                             &__flue_ctx,
                             __flue_args.owner,
                             __flue_args.query,
                         )
                         .await;
+                    let __flue_returned = (&__flue_returned)
+                        .__flue_tool_return()
+                        .adapt(__flue_returned);
                     __flue::tool::tool_return(__flue_returned)
                 }
             })
