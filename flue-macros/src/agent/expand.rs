@@ -50,6 +50,16 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         (None, _) => quote!(__flue::Instruction::NONE),
     };
 
+    // A `self` receiver is reported, and rustc would reject it on the nested body function
+    // too: the body is left out (it is not called then).
+    let body = function.sig.receiver().is_none().then(|| {
+        quote! {
+            #(#other_attrs)*
+            #[allow(dead_code, unused_variables)]
+            fn __flue_agent_body #generics (#inputs) #output #where_clause #block
+        }
+    });
+
     let mut statics = Vec::new();
     let description = match model.description() {
         Some(description) => Description::Text(description.value()),
@@ -136,9 +146,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
                 }
 
                 fn render_body(&self, __flue_props: __flue::AgentProps<'_>) -> __flue::Instruction {
-                    #(#other_attrs)*
-                    #[allow(dead_code, unused_variables)]
-                    fn __flue_agent_body #generics (#inputs) #output #where_clause #block
+                    #body
                     #convert
                 }
             }

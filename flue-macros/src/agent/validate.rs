@@ -32,7 +32,10 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
     if let Some(first) = inputs.next()
         && let FnArg::Receiver(receiver) = first
     {
-        errors.spanned(receiver, "an agent is a free function, not a method");
+        errors.spanned(
+            receiver,
+            "an agent is a free function, not a method: remove the `self` parameter",
+        );
     }
     for extra in inputs {
         errors.spanned(extra, "an agent function takes no parameters or one `AgentProps`");

@@ -32,6 +32,15 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     body.vis = syn::Visibility::Inherited;
     // `unsafe` is reported; the body is called from safe code.
     body.sig.unsafety = None;
+    // A `self` receiver is reported, and rustc would reject it on the free body function too:
+    // the body is left out, and not called.
+    let receiver = function.sig.receiver().is_some();
+    let body = (!receiver).then(|| {
+        quote! {
+            #[allow(dead_code, unused_variables)]
+            #body
+        }
+    });
 
     let args: Vec<_> = (0..kind.params.len())
         .map(|index| format_ident!("__flue_arg{index}"))
@@ -53,8 +62,9 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let await_ = function.sig.asyncness.map(|_| quote!(.await));
     let expected: syn::Type = syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
     let expected = qualify(&expected);
-    // A wrong arity or type parameters were reported: the body is not called.
-    let well_formed = function.sig.inputs.len() == args.len() && crate::lifetimes_only(&function.sig.generics);
+    // A wrong arity, type parameters or a receiver were reported: the body is not called.
+    let well_formed =
+        function.sig.inputs.len() == args.len() && crate::lifetimes_only(&function.sig.generics) && !receiver;
     let result = match &function.sig.output {
         // The return type may be `impl Trait`, which cannot be named in a path: the helper
         // infers it from the body's value, and its call is spanned at the return type, so a
@@ -80,7 +90,6 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         #[allow(non_upper_case_globals)]
         #vis const #ident: #krate::__private::flue_core::lifecycle::#reference = {
             use #krate::__private::flue_core as __flue;
-            #[allow(dead_code, unused_variables)]
             #body
             static DEFINITION: __flue::lifecycle::#definition = __flue::lifecycle::#definition {
                 id: #id,

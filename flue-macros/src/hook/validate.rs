@@ -30,7 +30,10 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
         );
     }
     if let Some(FnArg::Receiver(receiver)) = sig.inputs.first() {
-        errors.spanned(receiver, "a lifecycle hook is a free function, not a method");
+        errors.spanned(
+            receiver,
+            "a lifecycle hook is a free function, not a method: remove the `self` parameter",
+        );
         return;
     }
     if sig.inputs.len() != kind.params.len() {

@@ -27,6 +27,14 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     body.vis = syn::Visibility::Inherited;
     // `unsafe` is reported; the body is called from safe code.
     body.sig.unsafety = None;
+    // A `self` receiver is reported, and rustc would reject it on the free body function too:
+    // the body is left out (it is never called then).
+    let body = function.sig.receiver().is_none().then(|| {
+        quote! {
+            #[allow(dead_code, unused_variables)]
+            #body
+        }
+    });
 
     let krate_text = quote!(#krate).to_string().replace(' ', "");
     let serde_path = format!("{krate_text}::__private::serde");
@@ -187,7 +195,6 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
 
             #args_struct
 
-            #[allow(dead_code, unused_variables)]
             #body
 
             #progress_check

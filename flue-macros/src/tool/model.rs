@@ -151,7 +151,10 @@ impl ToolModel {
         for (index, input) in function.sig.inputs.iter_mut().enumerate() {
             match input {
                 FnArg::Receiver(receiver) => {
-                    errors.spanned(&*receiver, "a tool is a free function, not a method");
+                    errors.spanned(
+                        &*receiver,
+                        "a tool is a free function, not a method: remove the `self` parameter",
+                    );
                     rejected_parameter = true;
                 }
                 FnArg::Typed(param) => match context_kind(&param.ty) {
