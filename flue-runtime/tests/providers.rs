@@ -390,6 +390,21 @@ async fn without_asking_for_usage_a_stream_that_ends_after_its_finish_reason_com
     assert_eq!(server.requests()[0].body.get("stream_options"), None);
 }
 
+#[tokio::test]
+async fn an_exhausted_quota_is_not_retried_as_a_rate_limit() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_error(
+        429,
+        "insufficient_quota",
+        "You exceeded your current quota, please check your plan and billing details.",
+    ));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_QUOTA"), request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::BadRequest, "{error}");
+    assert!(!error.is_retryable());
+    assert!(error.message.contains("exceeded your current quota"), "{error}");
+    assert_eq!(server.requests().len(), 1, "retried");
+}
+
 // ---- tool calls ----
 
 #[tokio::test]

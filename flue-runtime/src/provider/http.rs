@@ -835,6 +835,8 @@ pub(crate) fn map_error(
         _ if details.is_context_overflow() => K::ContextOverflow,
         Some(404) => K::UnknownModel,
         Some(400 | 422) if details.is_unknown_model() => K::UnknownModel,
+        // Out of credit: waiting does not help, so it is not retried.
+        Some(429) if details.is(&["insufficient_quota"]) => K::BadRequest,
         Some(429) => K::RateLimited,
         Some(500..=599) => K::Server,
         Some(400..=499) => K::BadRequest,

@@ -521,11 +521,13 @@ pub trait ModelProvider: Send + Sync + 'static {
 /// The context windows of well-known model families (by the model id's last `/` segment).
 pub fn known_context_window(model: &str) -> Option<u64> {
     let name = model.rsplit('/').next().unwrap_or(model).to_ascii_lowercase();
-    let table: [(&str, u64); 9] = [
+    // What the prompt may take (gpt-5's 400,000 include its 128,000 of output), first match.
+    let table: [(&str, u64); 10] = [
         ("gpt-4.1", 1_047_576),
-        ("gpt-5", 400_000),
+        ("gpt-5", 272_000),
         ("gpt-4o", 128_000),
         ("gpt-4-turbo", 128_000),
+        ("o1-mini", 128_000),
         ("o1", 200_000),
         ("o3", 200_000),
         ("o4", 200_000),
@@ -630,6 +632,15 @@ impl fmt::Display for StopReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn known_context_windows_are_what_the_prompt_may_take() {
+        assert_eq!(known_context_window("gpt-5"), Some(272_000));
+        assert_eq!(known_context_window("openai/gpt-5-mini"), Some(272_000));
+        assert_eq!(known_context_window("o1-mini"), Some(128_000));
+        assert_eq!(known_context_window("o1"), Some(200_000));
+        assert_eq!(known_context_window("llama3.2"), None);
+    }
 
     /// Encodes every message as JSON, counting the messages it encoded.
     fn encoded(messages: &Messages, format: &'static str, count: &mut usize) -> String {
