@@ -405,6 +405,69 @@ async fn an_exhausted_quota_is_not_retried_as_a_rate_limit() {
     assert_eq!(server.requests().len(), 1, "retried");
 }
 
+/// DeepSeek's thinking mode refuses a call of a tool loop whose steps come back without their
+/// `reasoning_content`: a provider that echoes reasoning keeps it with the step and sends it
+/// back; others keep nothing and send nothing.
+#[tokio::test]
+async fn echoed_reasoning_goes_back_with_its_step_as_reasoning_content() {
+    let server = FixtureServer::start().await;
+    let reasoning_step = || {
+        FixtureReply::openai_chunks([
+            OpenAiChunk::Reasoning("Need the tool.".into()),
+            OpenAiChunk::ToolCallStart {
+                index: 0,
+                id: "call_1".into(),
+                name: "lookup".into(),
+            },
+            OpenAiChunk::ToolCallArguments {
+                index: 0,
+                fragment: "{}".into(),
+            },
+            OpenAiChunk::Finish("tool_calls".into()),
+            OpenAiChunk::Usage(Usage::default()),
+            OpenAiChunk::Done,
+        ])
+    };
+    server.push(reasoning_step());
+    server.push(FixtureReply::openai_text("Found."));
+    server.push(reasoning_step());
+    let echoing = openai(&server, "FLUE_TEST_KEY_ECHO").with_reasoning_echo(true);
+    let (_, step) = complete(&echoing, request("q")).await;
+    assert_eq!(
+        step.reasoning_blocks,
+        [ReasoningBlock::Text {
+            text: "Need the tool.".into()
+        }]
+    );
+    let mut call = request("q");
+    call.messages = vec![
+        ModelMessage::user("q"),
+        ModelMessage::Assistant {
+            text: String::new(),
+            tool_calls: step.tool_calls.clone(),
+            reasoning: step.reasoning_blocks.clone(),
+        },
+        ModelMessage::Tool {
+            tool_call_id: "call_1".into(),
+            name: "lookup".into(),
+            content: "42".into(),
+            is_error: false,
+        },
+    ]
+    .into();
+    complete(&echoing, call).await;
+    assert_eq!(
+        server.requests()[1].body["messages"][1]["reasoning_content"],
+        "Need the tool."
+    );
+    // Without the echo (the default of a compatible server), the reasoning is shown only.
+    let (_, step) = complete(&openai(&server, "FLUE_TEST_KEY_NO_ECHO"), request("q")).await;
+    assert_eq!(
+        (step.reasoning.as_str(), step.reasoning_blocks.len()),
+        ("Need the tool.", 0)
+    );
+}
+
 // ---- tool calls ----
 
 #[tokio::test]

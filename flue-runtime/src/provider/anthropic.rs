@@ -462,7 +462,10 @@ fn may_think(messages: &[ModelMessage]) -> bool {
             _ => None,
         });
     let in_loop = steps.clone().any(|(tool_calls, _)| !tool_calls.is_empty());
-    !in_loop || steps.next().is_some_and(|(_, reasoning)| !reasoning.is_empty())
+    !in_loop
+        || steps
+            .next()
+            .is_some_and(|(_, reasoning)| reasoning.iter().any(ReasoningBlock::is_signed))
 }
 
 /// The role of the Anthropic message `message` goes into, or `None` when it sends no block
@@ -523,9 +526,13 @@ fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<
                 // The step's signed reasoning first, as the model wrote it, when the step sends
                 // anything else (see `role_of`).
                 if reasoning == Reasoning::Sent && role_of(message).is_some() {
-                    blocks.extend(signed.iter().map(|block| match block {
-                        ReasoningBlock::Thinking { thinking, signature } => Block::Thinking { thinking, signature },
-                        ReasoningBlock::Redacted { data } => Block::RedactedThinking { data },
+                    blocks.extend(signed.iter().filter_map(|block| match block {
+                        ReasoningBlock::Thinking { thinking, signature } => {
+                            Some(Block::Thinking { thinking, signature })
+                        }
+                        ReasoningBlock::Redacted { data } => Some(Block::RedactedThinking { data }),
+                        // Another provider's unsigned reasoning: not Anthropic's to read.
+                        ReasoningBlock::Text { .. } => None,
                     }));
                 }
                 blocks.extend(text_block(text));

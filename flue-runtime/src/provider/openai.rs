@@ -29,6 +29,10 @@
 //!   [`with_reasoning_effort`](OpenAiProvider::with_reasoning_effort) turns `reasoning_effort`
 //!   on (many compatible servers refuse it, or refuse it for a model that cannot reason).
 //!
+//! A step's reasoning goes back with it as `reasoning_content` when the provider echoes
+//! reasoning ([`with_reasoning_echo`](OpenAiProvider::with_reasoning_echo): on by default for
+//! DeepSeek's API, whose thinking mode requires it within a tool loop).
+//!
 //! How the streamed chunks map to [`StreamEvent`]s: `delta.content` → `TextDelta`;
 //! `delta.reasoning` or `delta.reasoning_content` → `ReasoningDelta`; `delta.tool_calls[]` →
 //! `ToolCallStarted` once a call's name is known (with a generated id if the server sends none),
@@ -67,7 +71,7 @@ use chunk::{CallView, ChunkView, Text, UsageView};
 
 use super::types::{
     ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
-    ProviderErrorKind, StopReason, StreamEvent,
+    ProviderErrorKind, ReasoningBlock, StopReason, StreamEvent,
 };
 
 /// Which server an [`OpenAiProvider`] talks to (decides the reasoning parameter).
@@ -106,6 +110,9 @@ pub struct OpenAiProvider {
     /// Whether `stream_options.include_usage` is sent (see
     /// [`OpenAiProvider::with_stream_usage`]).
     stream_usage: bool,
+    /// Whether a step's reasoning goes back with it (see
+    /// [`OpenAiProvider::with_reasoning_echo`]).
+    reasoning_echo: bool,
     key: KeySource,
     transport: Transport,
     client: SharedClient,
@@ -123,6 +130,7 @@ impl std::fmt::Debug for OpenAiProvider {
             .field("flavor", &self.flavor)
             .field("reasoning_effort", &self.reasoning_effort)
             .field("stream_usage", &self.stream_usage)
+            .field("reasoning_echo", &self.reasoning_echo)
             .field("key", &self.key)
             .field("transport", &self.transport)
             .field("client", &self.client)
@@ -133,9 +141,11 @@ impl std::fmt::Debug for OpenAiProvider {
 
 impl OpenAiProvider {
     fn new(id: impl Into<String>, base_url: impl Into<String>, key_env: impl Into<String>, flavor: Flavor) -> Self {
+        let base_url = base_url.into();
         Self {
             id: id.into(),
-            base_url: base_url.into(),
+            reasoning_echo: flavor == Flavor::Compatible && is_deepseek(&base_url),
+            base_url,
             endpoint: Endpoint::default(),
             flavor,
             // Compatible servers differ: many refuse the parameter, or refuse it for a model
@@ -174,6 +184,7 @@ impl OpenAiProvider {
     /// Replaces the base URL (the part before `/chat/completions`).
     pub fn with_base_url(mut self, base_url: impl Into<String>) -> Self {
         self.base_url = base_url.into();
+        self.reasoning_echo |= self.flavor == Flavor::Compatible && is_deepseek(&self.base_url);
         self.endpoint = Endpoint::default();
         self
     }
@@ -229,6 +240,16 @@ impl OpenAiProvider {
     /// usage they send anyway, if any.
     pub fn with_stream_usage(mut self, ask: bool) -> Self {
         self.stream_usage = ask;
+        self
+    }
+
+    /// Whether to keep a step's reasoning (`reasoning_content`) and send it back with the step
+    /// as `reasoning_content`. DeepSeek's thinking mode requires it in every call of a tool
+    /// loop (it refuses the call without it), so it is on for a compatible provider whose base
+    /// URL is DeepSeek's (`api.deepseek.com`) and off otherwise: other servers refuse the field
+    /// (Groq) or ignore it. Turn it on for a server that wants it back.
+    pub fn with_reasoning_echo(mut self, echo: bool) -> Self {
+        self.reasoning_echo = echo;
         self
     }
 
@@ -329,12 +350,21 @@ fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
                     .collect(),
             ),
         },
-        ModelMessage::Assistant { text, tool_calls, .. } => ChatMessage::Assistant {
+        ModelMessage::Assistant {
+            text,
+            tool_calls,
+            reasoning,
+        } => ChatMessage::Assistant {
             content: if text.is_empty() && !tool_calls.is_empty() {
                 None
             } else {
                 Some(text)
             },
+            // Kept only by a provider that echoes reasoning (see `with_reasoning_echo`).
+            reasoning_content: reasoning.iter().find_map(|block| match block {
+                ReasoningBlock::Text { text } => Some(text.as_str()),
+                _ => None,
+            }),
             tool_calls: tool_calls
                 .iter()
                 .map(|call| ChatToolCall {
@@ -394,6 +424,8 @@ enum ChatMessage<'a> {
     },
     Assistant {
         content: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reasoning_content: Option<&'a str>,
         #[serde(skip_serializing_if = "Vec::is_empty")]
         tool_calls: Vec<ChatToolCall<'a>>,
     },
@@ -450,6 +482,15 @@ struct ChatToolFunction<'a> {
     name: &'a str,
     description: &'a str,
     parameters: &'a Arc<Value>,
+}
+
+/// Whether `base_url` is DeepSeek's API (whose thinking mode wants reasoning back).
+fn is_deepseek(base_url: &str) -> bool {
+    url_without_secrets(base_url)
+        .split("://")
+        .nth(1)
+        .and_then(|rest| rest.split(['/', ':']).next())
+        .is_some_and(|host| host == "api.deepseek.com")
 }
 
 /// The `reasoning_effort` of a thinking level (`None` for `Off`).
@@ -510,7 +551,7 @@ impl ModelProvider for OpenAiProvider {
             let client = client.get()?;
             send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
-        let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage);
+        let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.reasoning_echo);
         sse_stream(connect, decoder, transport.idle_timeout, ctx)
     }
 }
@@ -554,10 +595,12 @@ struct ChatDecoder {
     choice_seen: bool,
     /// A choice finished with `finish_reason: "error"` (OpenRouter, when the upstream failed).
     failed: bool,
+    /// Whether the reasoning is kept to go back with the step.
+    reasoning_echo: bool,
 }
 
 impl ChatDecoder {
-    fn new(ctx: CallContext, usage_asked: bool) -> Self {
+    fn new(ctx: CallContext, usage_asked: bool, reasoning_echo: bool) -> Self {
         Self {
             ctx,
             text: String::new(),
@@ -570,6 +613,7 @@ impl ChatDecoder {
             usage_asked,
             choice_seen: false,
             failed: false,
+            reasoning_echo,
         }
     }
 
@@ -723,10 +767,17 @@ impl ChatDecoder {
             Some(reason) => reason,
             None => StopReason::Stop,
         };
+        let reasoning_blocks = if self.reasoning_echo && !self.reasoning.is_empty() {
+            vec![ReasoningBlock::Text {
+                text: self.reasoning.clone(),
+            }]
+        } else {
+            Vec::new()
+        };
         out.push_back(StreamEvent::Completed(ModelResponse {
             text: std::mem::take(&mut self.text),
             reasoning: std::mem::take(&mut self.reasoning),
-            reasoning_blocks: Vec::new(),
+            reasoning_blocks,
             tool_calls,
             stop_reason,
             usage: self.usage,
@@ -918,6 +969,27 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_is_echoed_by_default_only_to_deepseek() {
+        let deepseek = OpenAiProvider::compatible("deepseek", "https://api.deepseek.com/v1", "DEEPSEEK_API_KEY");
+        assert!(deepseek.reasoning_echo);
+        assert!(!deepseek.clone().with_reasoning_echo(false).reasoning_echo);
+        let moved =
+            OpenAiProvider::compatible("d", "http://127.0.0.1:1/v1", "D_KEY").with_base_url("https://api.deepseek.com");
+        assert!(moved.reasoning_echo);
+        for other in [
+            "https://api.groq.com/openai/v1",
+            "https://api.deepseek.com.evil.test/v1",
+            "http://localhost:11434/v1",
+        ] {
+            assert!(
+                !OpenAiProvider::compatible("x", other, "X_KEY").reasoning_echo,
+                "{other}"
+            );
+        }
+        assert!(!OpenAiProvider::openrouter().reasoning_echo);
+    }
+
+    #[test]
     fn a_compatible_server_gets_an_effort_only_when_asked_and_the_cap_as_max_tokens() {
         let mut call = request("llama3.2", ThinkingLevel::Medium);
         call.max_output_tokens = Some(500);
@@ -1015,7 +1087,7 @@ mod tests {
 
     /// Feeds `chunks` (event data) to a decoder, then ends the body; the completion or the error.
     fn decode(chunks: &[&str], end: bool) -> Result<Option<ModelResponse>, ProviderErrorKind> {
-        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true);
+        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true, false);
         let mut out = VecDeque::new();
         for data in chunks {
             let event = Event {
@@ -1067,7 +1139,7 @@ mod tests {
 
     #[test]
     fn a_tool_call_index_reused_with_a_new_id_is_a_new_call() {
-        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true);
+        let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true, false);
         let mut out = VecDeque::new();
         for (id, name, args) in [("a", "one", "{}"), ("b", "two", "{\"x\":1}")] {
             let chunk = json!({"choices": [{"index": 0, "delta": {"tool_calls": [

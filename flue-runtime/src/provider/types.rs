@@ -53,6 +53,7 @@ impl ModelRequest {
                             .map(|block| match block {
                                 ReasoningBlock::Thinking { thinking, signature } => thinking.len() + signature.len(),
                                 ReasoningBlock::Redacted { data } => data.len(),
+                                ReasoningBlock::Text { text } => text.len(),
                             } + PER_ITEM)
                             .sum::<usize>()
                         + tool_calls
@@ -371,6 +372,19 @@ pub enum ReasoningBlock {
         /// The encrypted reasoning.
         data: String,
     },
+    /// Unsigned reasoning text a provider wants back with its step (DeepSeek's
+    /// `reasoning_content`, which its thinking mode requires in every call of a tool loop).
+    Text {
+        /// The reasoning text.
+        text: String,
+    },
+}
+
+impl ReasoningBlock {
+    /// Whether the block is signed or encrypted by its provider (Anthropic's kinds).
+    pub fn is_signed(&self) -> bool {
+        !matches!(self, Self::Text { .. })
+    }
 }
 
 /// An image sent to the model.

@@ -1030,9 +1030,11 @@ impl Conversation {
             }
             ModelMessage::Assistant { reasoning, .. } => {
                 for block in reasoning {
-                    let (ReasoningBlock::Thinking { signature: opaque, .. }
-                    | ReasoningBlock::Redacted { data: opaque }) = block;
-                    crate::events::REASONING_DATA_OMITTED.clone_into(opaque);
+                    if let ReasoningBlock::Thinking { signature: opaque, .. }
+                    | ReasoningBlock::Redacted { data: opaque } = block
+                    {
+                        crate::events::REASONING_DATA_OMITTED.clone_into(opaque);
+                    }
                 }
             }
             ModelMessage::Tool { .. } => {}
