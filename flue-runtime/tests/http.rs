@@ -1429,7 +1429,7 @@ async fn the_catalog_lists_agents_with_tool_schemas_hooks_and_parent_hook_requir
     assert_security_headers(&headers);
     let agents = catalog["agents"].as_array().unwrap();
     let names: Vec<&str> = agents.iter().map(|agent| agent["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["calculator", "curator", "mail_agent", "planner"]);
+    assert_eq!(names, ["calculator", "curator", "mail_agent", "planner", "slow_worker"]);
     let calc = &agents[0];
     assert_eq!(calc["maxSteps"], 4);
     assert_eq!(calc["model"], "scripted/calc-1");
