@@ -1193,7 +1193,11 @@ async fn anthropic_request_uses_content_blocks_merged_tool_results_and_its_heade
     assert_eq!(recorded.header("anthropic-version"), Some("2023-06-01"));
     assert_eq!(recorded.header("authorization"), None);
     let body = &recorded.body;
-    assert_eq!(body["system"], "You are terse.");
+    // The system prompt and the last message are prompt-cache breakpoints.
+    assert_eq!(
+        body["system"],
+        json!([{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}])
+    );
     assert_eq!(body["stream"], true);
     assert_eq!(body["max_tokens"], 20_000);
     assert_eq!(body["thinking"], json!({"type": "enabled", "budget_tokens": 8192}));
@@ -1210,7 +1214,9 @@ async fn anthropic_request_uses_content_blocks_merged_tool_results_and_its_heade
                 {"type": "tool_result", "tool_use_id": "call_2", "content": "timeout", "is_error": true},
             ]},
             {"role": "assistant", "content": [{"type": "text", "text": "Paris is 18C."}]},
-            {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "Thanks", "cache_control": {"type": "ephemeral"}},
+            ]},
         ])
     );
     assert_eq!(
