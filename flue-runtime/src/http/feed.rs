@@ -18,6 +18,11 @@ use crate::store::InstanceKey;
 
 /// How many of the newest batches' frames a feed keeps.
 const WINDOW: usize = 1024;
+/// How many bytes of frames a feed keeps at most (beyond its newest frame, kept whatever its
+/// size): a batch that resets the conversation (a compaction, an edited row) carries the
+/// whole transcript, and a window of those would hold a thousand transcripts. A reader the
+/// window no longer covers projects for itself.
+const WINDOW_BYTES: usize = 8 * 1024 * 1024;
 
 /// One SSE data frame of `chunks` (none when the batch projects to nothing).
 pub(super) fn data_frame(chunks: Vec<Value>) -> Option<String> {
@@ -39,6 +44,8 @@ struct State {
     /// `(batch offset, its data frame)`, oldest first; empty frames for batches that project
     /// to nothing.
     frames: VecDeque<(u64, Bytes)>,
+    /// The bytes of `frames`.
+    frame_bytes: usize,
 }
 
 /// One instance's feed.
@@ -118,11 +125,19 @@ impl State {
             self.projection.apply(batch, Some(&mut chunks));
             self.offset = Some(batch.offset);
             let frame = data_frame(chunks).map(Bytes::from).unwrap_or_default();
+            self.frame_bytes += frame.len();
             self.frames.push_back((batch.offset, frame));
-            if self.frames.len() > WINDOW {
-                self.frames.pop_front();
-            }
+            keep_within(&mut self.frames, &mut self.frame_bytes, WINDOW, WINDOW_BYTES);
         }
+    }
+}
+
+/// Drops the oldest frames until at most `count` frames of at most `bytes` bytes are left
+/// (the newest frame stays whatever its size).
+fn keep_within(frames: &mut VecDeque<(u64, Bytes)>, frame_bytes: &mut usize, count: usize, bytes: usize) {
+    while frames.len() > count || (*frame_bytes > bytes && frames.len() > 1) {
+        let Some((_, dropped)) = frames.pop_front() else { break };
+        *frame_bytes -= dropped.len();
     }
 }
 
@@ -148,6 +163,7 @@ impl Feeds {
                 seen_appends: 0,
                 last_read: tokio::time::Instant::now(),
                 frames: VecDeque::new(),
+                frame_bytes: 0,
             }),
         });
         // Forget the feeds no reader holds any more, as the map grows.
@@ -156,5 +172,36 @@ impl Feeds {
         }
         feeds.insert(key.clone(), Arc::downgrade(&feed));
         feed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn window(sizes: &[usize]) -> (VecDeque<(u64, Bytes)>, usize) {
+        let frames: VecDeque<(u64, Bytes)> = sizes
+            .iter()
+            .enumerate()
+            .map(|(offset, size)| (offset as u64, Bytes::from(vec![b'x'; *size])))
+            .collect();
+        let bytes = sizes.iter().sum();
+        (frames, bytes)
+    }
+
+    #[test]
+    fn the_window_keeps_the_newest_frames_within_its_count_and_bytes() {
+        let offsets = |frames: &VecDeque<(u64, Bytes)>| frames.iter().map(|(offset, _)| *offset).collect::<Vec<_>>();
+        let (mut frames, mut bytes) = window(&[10, 10, 10, 10]);
+        keep_within(&mut frames, &mut bytes, 3, 100);
+        assert_eq!((offsets(&frames), bytes), (vec![1, 2, 3], 30));
+        // Two whole transcripts do not fit: the older goes.
+        let (mut frames, mut bytes) = window(&[5, 60, 60]);
+        keep_within(&mut frames, &mut bytes, 10, 100);
+        assert_eq!((offsets(&frames), bytes), (vec![2], 60));
+        // The newest frame stays however large.
+        let (mut frames, mut bytes) = window(&[5, 500]);
+        keep_within(&mut frames, &mut bytes, 10, 100);
+        assert_eq!((offsets(&frames), bytes), (vec![1], 500));
     }
 }
