@@ -1277,6 +1277,29 @@ mod tests {
         }
     }
 
+    /// A user message, a step with `text` calling `f` (no reasoning), and its result: the
+    /// conversation inside a tool loop.
+    fn tool_loop(text: &str) -> Vec<ModelMessage> {
+        vec![
+            user("go"),
+            ModelMessage::Assistant {
+                text: text.into(),
+                tool_calls: vec![ModelToolCall {
+                    id: "t1".into(),
+                    name: "f".into(),
+                    arguments: "{}".into(),
+                }],
+                reasoning: Vec::new(),
+            },
+            ModelMessage::Tool {
+                tool_call_id: "t1".into(),
+                name: "f".into(),
+                content: "ok".into(),
+                is_error: false,
+            },
+        ]
+    }
+
     #[test]
     fn the_thinking_mode_follows_the_claude_version_in_the_model_id() {
         let cases = [
@@ -1307,24 +1330,7 @@ mod tests {
     #[test]
     fn claude_4_6_and_later_think_adaptively_with_an_effort_even_inside_a_tool_loop() {
         let provider = AnthropicProvider::anthropic();
-        let looping = vec![
-            user("go"),
-            ModelMessage::Assistant {
-                text: String::new(),
-                tool_calls: vec![ModelToolCall {
-                    id: "t1".into(),
-                    name: "f".into(),
-                    arguments: "{}".into(),
-                }],
-                reasoning: Vec::new(),
-            },
-            ModelMessage::Tool {
-                tool_call_id: "t1".into(),
-                name: "f".into(),
-                content: "ok".into(),
-                is_error: false,
-            },
-        ];
+        let looping = tool_loop("");
         for (level, effort) in [
             (ThinkingLevel::Minimal, "low"),
             (ThinkingLevel::Medium, "medium"),
@@ -1388,24 +1394,7 @@ mod tests {
 
     #[test]
     fn prompt_caching_marks_the_system_prompt_and_the_calls_last_message_only() {
-        let looping = vec![
-            user("go"),
-            ModelMessage::Assistant {
-                text: "Looking.".into(),
-                tool_calls: vec![ModelToolCall {
-                    id: "t1".into(),
-                    name: "f".into(),
-                    arguments: "{}".into(),
-                }],
-                reasoning: Vec::new(),
-            },
-            ModelMessage::Tool {
-                tool_call_id: "t1".into(),
-                name: "f".into(),
-                content: "ok".into(),
-                is_error: false,
-            },
-        ];
+        let looping = tool_loop("Looking.");
         let mut call = request(looping, ThinkingLevel::Off, None);
         call.system = Some("Be brief.".into());
         let provider = AnthropicProvider::anthropic();
@@ -1457,25 +1446,7 @@ mod tests {
     #[test]
     fn thinking_is_dropped_inside_a_tool_loop_only() {
         let provider = AnthropicProvider::anthropic();
-        let call = ModelToolCall {
-            id: "t1".to_owned(),
-            name: "f".to_owned(),
-            arguments: "{}".to_owned(),
-        };
-        let looping = vec![
-            user("go"),
-            ModelMessage::Assistant {
-                text: String::new(),
-                tool_calls: vec![call.clone()],
-                reasoning: Vec::new(),
-            },
-            ModelMessage::Tool {
-                tool_call_id: "t1".into(),
-                name: "f".into(),
-                content: "ok".into(),
-                is_error: false,
-            },
-        ];
+        let looping = tool_loop("");
         assert!(
             provider
                 .body(&request(looping.clone(), ThinkingLevel::High, None))
