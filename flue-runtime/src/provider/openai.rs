@@ -2,7 +2,8 @@
 //! server (vLLM, Ollama, LM Studio, the testing kit's [fixture server](crate::testing::fixture_server)).
 //!
 //! Calls `POST {base_url}/chat/completions` with `stream: true` and
-//! `stream_options.include_usage`, and maps the streamed chunks to [`StreamEvent`]s.
+//! `stream_options.include_usage` (unless [`with_stream_usage`](OpenAiProvider::with_stream_usage)
+//! turns it off), and maps the streamed chunks to [`StreamEvent`]s.
 //!
 //! How [`ModelRequest`] maps to the request body:
 //!
@@ -111,8 +112,8 @@ pub struct OpenAiProvider {
     /// [`OpenAiProvider::with_stream_usage`]).
     stream_usage: bool,
     /// Whether a step's reasoning goes back with it (see
-    /// [`OpenAiProvider::with_reasoning_echo`]).
-    reasoning_echo: bool,
+    /// [`OpenAiProvider::with_reasoning_echo`]; `None`: by the base URL).
+    reasoning_echo: Option<bool>,
     key: KeySource,
     transport: Transport,
     client: SharedClient,
@@ -144,7 +145,7 @@ impl OpenAiProvider {
         let base_url = base_url.into();
         Self {
             id: id.into(),
-            reasoning_echo: flavor == Flavor::Compatible && is_deepseek(&base_url),
+            reasoning_echo: None,
             base_url,
             endpoint: Endpoint::default(),
             flavor,
@@ -184,7 +185,6 @@ impl OpenAiProvider {
     /// Replaces the base URL (the part before `/chat/completions`).
     pub fn with_base_url(mut self, base_url: impl Into<String>) -> Self {
         self.base_url = base_url.into();
-        self.reasoning_echo |= self.flavor == Flavor::Compatible && is_deepseek(&self.base_url);
         self.endpoint = Endpoint::default();
         self
     }
@@ -249,8 +249,14 @@ impl OpenAiProvider {
     /// URL is DeepSeek's (`api.deepseek.com`) and off otherwise: other servers refuse the field
     /// (Groq) or ignore it. Turn it on for a server that wants it back.
     pub fn with_reasoning_echo(mut self, echo: bool) -> Self {
-        self.reasoning_echo = echo;
+        self.reasoning_echo = Some(echo);
         self
+    }
+
+    /// Whether a step's reasoning goes back with it: as chosen, else for DeepSeek's API only.
+    fn echoes_reasoning(&self) -> bool {
+        self.reasoning_echo
+            .unwrap_or_else(|| self.flavor == Flavor::Compatible && is_deepseek(&self.base_url))
     }
 
     /// The base URL.
@@ -551,7 +557,7 @@ impl ModelProvider for OpenAiProvider {
             let client = client.get()?;
             send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
-        let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.reasoning_echo);
+        let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.echoes_reasoning());
         sse_stream(connect, decoder, transport.idle_timeout, ctx)
     }
 }
@@ -971,22 +977,31 @@ mod tests {
     #[test]
     fn reasoning_is_echoed_by_default_only_to_deepseek() {
         let deepseek = OpenAiProvider::compatible("deepseek", "https://api.deepseek.com/v1", "DEEPSEEK_API_KEY");
-        assert!(deepseek.reasoning_echo);
-        assert!(!deepseek.clone().with_reasoning_echo(false).reasoning_echo);
+        assert!(deepseek.echoes_reasoning());
+        assert!(!deepseek.clone().with_reasoning_echo(false).echoes_reasoning());
         let moved =
             OpenAiProvider::compatible("d", "http://127.0.0.1:1/v1", "D_KEY").with_base_url("https://api.deepseek.com");
-        assert!(moved.reasoning_echo);
+        assert!(moved.echoes_reasoning());
+        assert!(
+            !moved
+                .with_reasoning_echo(false)
+                .with_base_url("https://api.deepseek.com/v1")
+                .echoes_reasoning()
+        );
+        let away = OpenAiProvider::compatible("d", "https://api.deepseek.com/v1", "D_KEY")
+            .with_base_url("http://127.0.0.1:1/v1");
+        assert!(!away.echoes_reasoning());
         for other in [
             "https://api.groq.com/openai/v1",
             "https://api.deepseek.com.evil.test/v1",
             "http://localhost:11434/v1",
         ] {
             assert!(
-                !OpenAiProvider::compatible("x", other, "X_KEY").reasoning_echo,
+                !OpenAiProvider::compatible("x", other, "X_KEY").echoes_reasoning(),
                 "{other}"
             );
         }
-        assert!(!OpenAiProvider::openrouter().reasoning_echo);
+        assert!(!OpenAiProvider::openrouter().echoes_reasoning());
     }
 
     #[test]
