@@ -303,7 +303,7 @@ pub enum RecordBody {
         /// never reads it back).
         #[serde(default, skip_serializing_if = "String::is_empty")]
         reasoning: String,
-        /// The step's reasoning as its provider signed it, sent back to the provider with the
+        /// The step's reasoning as its provider wants it back, sent back to the provider with the
         /// step (see [`ReasoningBlock`](crate::provider::ReasoningBlock)).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         reasoning_blocks: Vec<crate::provider::ReasoningBlock>,

@@ -336,8 +336,9 @@ pub enum ModelMessage {
         text: String,
         /// Tool calls, in order.
         tool_calls: Vec<ModelToolCall>,
-        /// The step's reasoning as its provider signed it, in order, to send back unchanged
-        /// (empty when the provider signs none: see [`ReasoningBlock`]).
+        /// The step's reasoning as its provider wants it back, in order, to send back
+        /// unchanged (Anthropic's signed thinking, DeepSeek's reasoning text; empty when the
+        /// provider wants none: see [`ReasoningBlock`]).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         reasoning: Vec<ReasoningBlock>,
     },
@@ -356,7 +357,8 @@ pub enum ModelMessage {
 
 /// A block of a model step's reasoning as its provider returned it, kept so the provider
 /// can be sent it back unchanged: Anthropic requires a step's signed thinking blocks in the
-/// next call of a tool-use loop (and checks their signatures) before it thinks again there.
+/// next call of a tool-use loop (and checks their signatures) before it thinks again there,
+/// and DeepSeek's thinking mode the step's reasoning text.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ReasoningBlock {
@@ -470,8 +472,8 @@ pub struct ModelResponse {
     pub text: String,
     /// Reasoning text, when the provider streams it.
     pub reasoning: String,
-    /// The reasoning as the provider signed it, to send back with the step (see
-    /// [`ReasoningBlock`]; empty when the provider signs none).
+    /// The reasoning as the provider wants it back with the step (see [`ReasoningBlock`];
+    /// empty when the provider wants none).
     pub reasoning_blocks: Vec<ReasoningBlock>,
     /// Tool calls, in order.
     pub tool_calls: Vec<ModelToolCall>,
