@@ -82,16 +82,28 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
     if signal.is_aborted() {
         return ToolOutput::error("Tool execution was aborted before it started.");
     }
-    let run = AssertUnwindSafe(tool.call(ctx, args)).catch_unwind();
+    // A closure tool runs the user's code before its future exists: a panic there is the
+    // tool's too.
+    let run = match std::panic::catch_unwind(AssertUnwindSafe(|| tool.call(ctx, args))) {
+        Ok(future) => AssertUnwindSafe(future).catch_unwind(),
+        Err(payload) => return panicked(tool, payload.as_ref()),
+    };
+    // The tool first: one that finishes at its first poll never registers with the signal.
     tokio::select! {
+        biased;
         result = run => match result {
             Ok(output) => output,
-            Err(payload) => ToolOutput::error(format!(
-                "Tool \"{}\" panicked: {}",
-                tool.name(),
-                flue_core::render::panic_message(payload.as_ref())
-            )),
+            Err(payload) => panicked(tool, payload.as_ref()),
         },
         () = signal.aborted() => ToolOutput::error("Tool execution was aborted."),
     }
+}
+
+/// The error result of a tool that panicked.
+fn panicked(tool: &Tool, payload: &(dyn std::any::Any + Send)) -> ToolOutput {
+    ToolOutput::error(format!(
+        "Tool \"{}\" panicked: {}",
+        tool.name(),
+        flue_core::render::panic_message(payload)
+    ))
 }

@@ -441,6 +441,39 @@ async fn item_20_a_blocking_prefilter_stops_with_hook_blocked_and_stores_its_mes
     )));
 }
 
+#[derive(serde::Serialize, schemars::JsonSchema)]
+struct Status {
+    state: String,
+}
+
+#[agent(hooks = [blocks])]
+fn blocked_reporting() -> &'static str {
+    use_model("scripted/x");
+    let status = use_data_writer::<Status>("status");
+    use_agent_start(move |_ctx| {
+        let status = status.clone();
+        async move {
+            status.write(&Status {
+                state: "checking the budget".into(),
+            })?;
+            Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+        }
+    });
+    "B"
+}
+
+#[tokio::test]
+async fn data_written_before_a_blocked_first_step_reaches_the_reply() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = runtime_with(&model, vec![blocked_reporting.into()]);
+    let handle = runtime.init(&blocked_reporting, "b");
+    let reply = handle.send("hi").await.unwrap();
+    assert_eq!(reply.text, "This request is over the monthly budget.");
+    assert_eq!(reply.data["status"], json!({"state": "checking the budget"}));
+    // Durably: the reply read back has it too.
+    assert_eq!(handle.read(&reply.submission_id).await.unwrap().data, reply.data);
+}
+
 // ---- create and update hooks (items 22–29, 35, 36) --------------------------------------------
 
 static ROW_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());

@@ -290,6 +290,38 @@ async fn state_data_parts_and_metadata_are_durable_and_reach_the_reply() {
 }
 
 #[agent]
+fn late_reporter() -> &'static str {
+    use_model("scripted/x");
+    let (started, set_started) = use_persistent_state("started", false);
+    // Declared only once a tool has run: the response's first render had no writers.
+    if started {
+        let _ = use_data_writer::<Progress>("progress");
+    }
+    use_tool(Tool::new("start").description("Start the work.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_started = set_started.clone();
+            async move {
+                set_started.set(true)?;
+                Ok::<_, ToolError>("started")
+            }
+        },
+    ));
+    "Report as you go."
+}
+
+#[tokio::test]
+async fn a_data_writer_added_after_a_render_without_writers_fails_the_submission() {
+    let model = ScriptedModel::new([ScriptedReply::tool_call("start", json!({})), ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, vec![late_reporter.into()]);
+    let error = runtime.init(&late_reporter, "l").send("go").await.unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(error_type, "render_identity_changed");
+    assert!(message.contains("message data added progress"), "{message}");
+    // The model was not called again with the changed render.
+    assert_eq!(model.requests().len(), 1);
+}
+
+#[agent]
 fn greeter(props: AgentProps) -> String {
     use_model("scripted/x");
     let start_log = use_dispatch_message();
@@ -1280,13 +1312,27 @@ fn fragile_tool() -> &'static str {
             Err::<String, _>(ToolError::new("the database is down"))
         },
     ));
+    // Panics in the closure itself, before it returns its future.
+    use_tool(Tool::new("explode_early").description("Panics at once.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            if true {
+                panic!("no secret configured");
+            }
+            async { "unreachable" }
+        },
+    ));
     "Try the tools."
 }
 
 #[tokio::test]
 async fn tool_errors_and_panics_become_error_results_the_model_sees() {
     let model = ScriptedModel::new([
-        ScriptedReply::tool_calls([("explode", json!({})), ("fail", json!({})), ("missing", json!({}))]),
+        ScriptedReply::tool_calls([
+            ("explode", json!({})),
+            ("fail", json!({})),
+            ("missing", json!({})),
+            ("explode_early", json!({})),
+        ]),
         ScriptedReply::text("handled"),
     ]);
     let runtime = runtime_with(&model, vec![fragile_tool.into()]);
@@ -1305,6 +1351,7 @@ async fn tool_errors_and_panics_become_error_results_the_model_sees() {
             ("Tool \"explode\" panicked: the tool blew up".to_owned(), true),
             ("the database is down".to_owned(), true),
             ("Tool \"missing\" is not available.".to_owned(), true),
+            ("Tool \"explode_early\" panicked: no secret configured".to_owned(), true),
         ]
     );
 }
@@ -1667,6 +1714,16 @@ fn panicky(props: AgentProps) -> &'static str {
         "start" => use_agent_start(|_ctx| async { boom("the start seam broke") }),
         "finish" => use_agent_finish(|_ctx| async { boom("the finish seam broke") }),
         "response" => use_response_start(|_| -> serde_json::Value { panic!("no metadata today") }),
+        "response_string" => use_response_start(|_| json!("not an object")),
+        "finish_err" => {
+            use_response_finish(|_| json!({"fine": true}));
+            use_response_finish(|_| Err::<serde_json::Value, _>("no usage today"));
+        }
+        "starts" => {
+            use_agent_start(|_ctx| async { Err::<(), _>("the cache is cold") });
+            use_agent_start(|_ctx| async { Ok::<(), &str>(()) });
+            use_agent_start(|_ctx| async { boom("the start seam broke") });
+        }
         _ => {}
     }
     "You panic on cue."
@@ -1674,7 +1731,7 @@ fn panicky(props: AgentProps) -> &'static str {
 
 #[tokio::test]
 async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instance_keeps_working() {
-    let model = ScriptedModel::new([ScriptedReply::text("fine"), ScriptedReply::text("fine")]);
+    let model = ScriptedModel::new((0..3).map(|_| ScriptedReply::text("fine")));
     let runtime = runtime_with(&model, vec![panicky.into()]);
     for (id, error_type, message) in [
         (
@@ -1690,7 +1747,17 @@ async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instan
         (
             "response",
             "response_hook_failed",
-            "[flue] A use_response_start callback panicked: no metadata today",
+            "[flue] A use_response_start callback (hook #1 in declaration order) panicked: no metadata today",
+        ),
+        (
+            "response_string",
+            "response_hook_failed",
+            "[flue] A use_response_start callback must return a plain object of metadata (or nothing) — got string.",
+        ),
+        (
+            "finish_err",
+            "response_hook_failed",
+            "[flue] A use_response_finish callback (hook #2 in declaration order) threw: no usage today",
         ),
     ] {
         let error = tokio::time::timeout(
@@ -1704,6 +1771,35 @@ async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instan
     }
     let reply = runtime.init(&panicky, "calm").send("hi").await.unwrap();
     assert_eq!(reply.text, "fine");
+}
+
+#[tokio::test]
+async fn several_failing_start_callbacks_fail_the_submission_with_each_of_their_errors() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = runtime_with(&model, vec![panicky.into()]);
+    let error = runtime.init(&panicky, "starts").send("hi").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type,
+        message,
+        details,
+        meta,
+        ..
+    } = error
+    else {
+        panic!("expected a run error, got {error}");
+    };
+    assert_eq!(error_type, "agent_start_failed");
+    assert_eq!(message, "[flue] Multiple use_agent_start callbacks threw.");
+    let causes = [
+        "[flue] A use_agent_start callback (hook #1 in declaration order) threw: the cache is cold",
+        "[flue] A use_agent_start callback (hook #3 in declaration order) panicked: the start seam broke",
+    ];
+    assert_eq!(details, causes.join("\n"));
+    assert_eq!(meta.unwrap()["errors"], json!(causes));
+    assert!(
+        model.requests().is_empty(),
+        "the model was called after the start seam failed"
+    );
 }
 
 #[tokio::test]
@@ -2090,4 +2186,71 @@ async fn a_replayed_idempotency_key_emits_submission_queued_again() {
         }
     }
     assert_eq!(queued, [Some(first.submission_id.clone()), Some(first.submission_id)]);
+}
+
+// A sandbox factory that panics (here, not in tests/sandbox.rs: a panic with RUST_BACKTRACE set
+// symbolizes a backtrace, and that file measures the process's peak memory).
+
+/// A sandbox factory that panics while it is called (`early`) or inside its future.
+struct PanickingFactory {
+    early: bool,
+}
+
+impl flue_core::sandbox::SandboxFactory for PanickingFactory {
+    fn create_sandbox(
+        &self,
+        _instance_id: &str,
+    ) -> flue_core::BoxFuture<
+        'static,
+        Result<std::sync::Arc<dyn flue_core::sandbox::Sandbox>, flue_core::sandbox::SandboxError>,
+    > {
+        assert!(!self.early, "no sandbox host configured");
+        Box::pin(async { panic!("the sandbox host went away") })
+    }
+}
+
+#[agent]
+fn panicking_factory_early() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(PanickingFactory { early: true });
+    "Work with files."
+}
+
+#[agent]
+fn panicking_factory_late() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(PanickingFactory { early: false });
+    "Work with files."
+}
+
+#[tokio::test]
+async fn a_sandbox_factory_that_panics_fails_the_submission_and_the_runtime_keeps_working() {
+    let model = ScriptedModel::new([ScriptedReply::text("still here")]);
+    let runtime = runtime_with(
+        &model,
+        vec![
+            panicking_factory_early.into(),
+            panicking_factory_late.into(),
+            calculator.into(),
+        ],
+    );
+    let early = runtime
+        .init(&panicking_factory_early, "p")
+        .send("go")
+        .await
+        .unwrap_err();
+    let late = runtime.init(&panicking_factory_late, "p").send("go").await.unwrap_err();
+    for (error, panic) in [
+        (early, "no sandbox host configured"),
+        (late, "the sandbox host went away"),
+    ] {
+        let (error_type, message) = run_error(error);
+        assert_eq!(error_type, "sandbox_unavailable");
+        assert_eq!(
+            message,
+            format!("[flue] The sandbox could not be created: panicked: {panic}")
+        );
+    }
+    let reply = runtime.init(&calculator, "after").send("hi").await.unwrap();
+    assert_eq!(reply.text, "still here");
 }

@@ -293,6 +293,10 @@ impl Response<'_> {
             usage: Default::default(),
         })]);
         self.commit(records, false).await?;
+        // The response has its message: data written before it (by a start callback, say)
+        // goes now, as after a model step.
+        self.attempt.stream_data();
+        self.flush_data().await?;
         Ok(crate::provider::ModelResponse {
             text,
             reasoning: String::new(),

@@ -428,7 +428,7 @@ impl InstanceSlot {
             submission: &submission,
             first_step_metadata: None,
             ended: Vec::new(),
-            data_writer_names: Vec::new(),
+            data_writer_names: None,
             joined: Vec::new(),
             spare: None,
             reply: ReplyParts::default(),
@@ -636,6 +636,21 @@ impl Failure {
         }
     }
 
+    /// The one failure of `failures`, or for several an aggregate of them: `heading` as the
+    /// message, each failure's message as a line of the details and an item of `meta.errors`.
+    fn aggregate(error_type: &str, heading: &str, mut failures: Vec<Failure>) -> Option<Self> {
+        if failures.len() < 2 {
+            return failures.pop();
+        }
+        let causes: Vec<String> = failures.into_iter().map(|failure| failure.error.message).collect();
+        let mut meta = serde_json::Map::new();
+        meta.insert("errors".into(), causes.clone().into());
+        let mut failure = Self::failed(error_type, heading);
+        failure.error.details = causes.join("\n");
+        failure.error = failure.error.with_meta(meta);
+        Some(failure)
+    }
+
     /// The model call of the response failed for `reason`: `prompt failed: <reason>`, with
     /// the operation and the reason as meta.
     fn prompt_failed(error_type: &str, reason: &str) -> Self {
@@ -749,7 +764,7 @@ struct Response<'a> {
     delivery: Arc<DeliveredMessage>,
     submission: &'a Submission,
     first_step_metadata: Option<Metadata>,
-    data_writer_names: Vec<std::borrow::Cow<'static, str>>,
+    data_writer_names: Option<Vec<std::borrow::Cow<'static, str>>>,
     /// Deliveries joined into this response, in order.
     joined: Vec<String>,
     /// The previous render, reused for the next one's buffers.
@@ -973,8 +988,10 @@ impl Response<'_> {
             .with_binding(&binding)
             .with_delivery(&self.delivery)
             .with_initial_data(&initial);
-        if !self.data_writer_names.is_empty() {
-            state = state.with_previous_data_writers(&self.data_writer_names);
+        // After the first render, every render is checked against the last one, even when it
+        // declared no writers (a writer added later is a change too).
+        if let Some(previous) = &self.data_writer_names {
+            state = state.with_previous_data_writers(previous);
         }
         let mut rendered = self.spare.take().unwrap_or_default();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -983,7 +1000,7 @@ impl Response<'_> {
         drop(buffer);
         match result {
             Ok(Ok(())) => {
-                self.data_writer_names = rendered.data_writer_names();
+                self.data_writer_names = Some(rendered.data_writer_names());
                 self.hooks = HookSet::resolve(self.agent.definition(), &rendered.hooks, &rendered.subagents);
                 // With hooks selected the execution's state exists from the first render on
                 // (the streaming-time `tool_call_started` hooks need it).
@@ -1017,16 +1034,29 @@ impl Response<'_> {
             let environment = if let Some(sandbox) = &self.sandbox {
                 sandbox
             } else {
-                let sandbox = declaration
-                    .factory
-                    .create_sandbox(&self.key.id)
-                    .await
-                    .map_err(|error| {
-                        Failure::failed(
-                            "sandbox_unavailable",
-                            format!("[flue] The sandbox could not be created: {error}"),
-                        )
-                    })?;
+                // A factory that panics fails the submission like one that returns an error.
+                let unavailable = |error: &dyn std::fmt::Display| {
+                    Failure::failed(
+                        "sandbox_unavailable",
+                        format!("[flue] The sandbox could not be created: {error}"),
+                    )
+                };
+                let panicked = |payload: Box<dyn std::any::Any + Send>| {
+                    unavailable(&format_args!(
+                        "panicked: {}",
+                        flue_core::render::panic_message(payload.as_ref())
+                    ))
+                };
+                let factory = &declaration.factory;
+                let sandbox = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    factory.create_sandbox(&self.key.id)
+                })) {
+                    Ok(created) => match std::panic::AssertUnwindSafe(created).catch_unwind().await {
+                        Ok(created) => created.map_err(|error| unavailable(&error))?,
+                        Err(payload) => return Err(panicked(payload)),
+                    },
+                    Err(payload) => return Err(panicked(payload)),
+                };
                 let session =
                     crate::sandbox::SandboxSession::new(sandbox, declaration.cwd.as_deref()).map_err(|error| {
                         Failure::failed(
@@ -1035,7 +1065,17 @@ impl Response<'_> {
                         )
                     })?;
                 let session = Arc::new(session);
-                let environment = match declaration.factory.tools() {
+                let tools =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory.tools())).map_err(|payload| {
+                        Failure::failed(
+                            "sandbox_unavailable",
+                            format!(
+                                "[flue] The sandbox's tools could not be listed: panicked: {}",
+                                flue_core::render::panic_message(payload.as_ref())
+                            ),
+                        )
+                    })?;
+                let environment = match tools {
                     Some(tools) => crate::sandbox::Environment::custom(session, tools),
                     None => crate::sandbox::Environment::built_in(session),
                 };
@@ -1200,7 +1240,7 @@ impl Response<'_> {
             _ => Metadata::new(),
         };
         let response_starts = if opened { &[][..] } else { &rendered.response_starts[..] };
-        for callback in response_starts {
+        for (index, callback) in response_starts.iter().enumerate() {
             let ctx = ResponseStartContext {
                 metadata: metadata.clone(),
                 log: self.logger(),
@@ -1208,12 +1248,12 @@ impl Response<'_> {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(&ctx))) {
                 Ok(Ok(Some(contribution))) => merge_metadata(&mut metadata, contribution),
                 Ok(Ok(None)) => {}
-                Ok(Err(error)) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+                Ok(Err(error)) => return Err(metadata_failure("use_response_start", index, error)),
                 Err(payload) => {
                     return Err(callback_panicked(
                         "response_hook_failed",
                         "use_response_start",
-                        None,
+                        Some(index),
                         payload.as_ref(),
                     ));
                 }
@@ -1351,7 +1391,7 @@ impl Response<'_> {
             usage: self.conversation.usage(&self.submission.id),
         };
         let mut finish_metadata = Metadata::new();
-        for callback in &rendered.response_finishes {
+        for (index, callback) in rendered.response_finishes.iter().enumerate() {
             let mut seen = metadata.clone();
             merge_metadata(&mut seen, finish_metadata.clone());
             let ctx = ResponseFinishContext {
@@ -1362,12 +1402,12 @@ impl Response<'_> {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(&ctx))) {
                 Ok(Ok(Some(contribution))) => merge_metadata(&mut finish_metadata, contribution),
                 Ok(Ok(None)) => {}
-                Ok(Err(error)) => return Err(Failure::failed("response_hook_failed", error.to_string())),
+                Ok(Err(error)) => return Err(metadata_failure("use_response_finish", index, error)),
                 Err(payload) => {
                     return Err(callback_panicked(
                         "response_hook_failed",
                         "use_response_finish",
-                        None,
+                        Some(index),
                         payload.as_ref(),
                     ));
                 }
@@ -1566,27 +1606,32 @@ impl Response<'_> {
                         }
                     });
             let results = futures_util::future::join_all(runs).await;
+            // Every callback ran: each failure is reported, in declaration order.
+            let mut failures: Vec<Failure> = Vec::new();
             for (index, result) in results.into_iter().enumerate() {
                 match result {
                     Ok(Ok(())) => {}
-                    Ok(Err(error)) => {
-                        return Err(Failure::failed(
-                            "agent_start_failed",
-                            format!(
-                                "[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}",
-                                index + 1
-                            ),
-                        ));
-                    }
-                    Err(payload) => {
-                        return Err(callback_panicked(
-                            "agent_start_failed",
-                            "use_agent_start",
-                            Some(index),
-                            payload.as_ref(),
-                        ));
-                    }
+                    Ok(Err(error)) => failures.push(Failure::failed(
+                        "agent_start_failed",
+                        format!(
+                            "[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}",
+                            index + 1
+                        ),
+                    )),
+                    Err(payload) => failures.push(callback_panicked(
+                        "agent_start_failed",
+                        "use_agent_start",
+                        Some(index),
+                        payload.as_ref(),
+                    )),
                 }
+            }
+            if let Some(failure) = Failure::aggregate(
+                "agent_start_failed",
+                "[flue] Multiple use_agent_start callbacks threw.",
+                failures,
+            ) {
+                return Err(failure);
             }
             // Appended signals reach the conversation grouped in declaration order.
             for channel in &per_callback {
@@ -2058,9 +2103,21 @@ impl Response<'_> {
         let mut thought = String::new();
         let ended = loop {
             let due = live.due();
+            // Text that waited its interval while events kept coming goes now: the timer below
+            // is armed only while the stream waits.
+            if due.is_some_and(|due| due <= tokio::time::Instant::now()) {
+                if let Err(error) = live.flush(&self.writer, |body| self.record(body)).await {
+                    break Err(StepError::Store(error));
+                }
+                continue;
+            }
+            // In this order: an abort wins, and the flush timer is polled (so registered with
+            // the timer driver, which wakes a parked worker to re-arm) only when the stream has
+            // nothing ready. Most steps end before their text is due and never arm it.
             let next = tokio::select! {
-                next = stream.next() => next,
+                biased;
                 () = self.attempt.signal.aborted() => break Err(StepError::Aborted),
+                next = stream.next() => next,
                 // Lazy: no timer is made while no text waits.
                 () = async { if let Some(due) = due { tokio::time::sleep_until(due).await } }, if due.is_some() => {
                     if let Err(error) = live.flush(&self.writer, |body| self.record(body)).await {
@@ -2482,6 +2539,23 @@ fn callback_panicked(
             flue_core::render::panic_message(payload)
         ),
     )
+}
+
+/// The failure of a submission whose `hook` callback (`index` in declaration order) gave no
+/// metadata: it returned something other than an object, or an error.
+fn metadata_failure(hook: &str, index: usize, error: flue_core::event_hooks::MetadataError) -> Failure {
+    use flue_core::event_hooks::MetadataError;
+    let message = match error {
+        MetadataError::NotAnObject(got) => {
+            format!("[flue] A {hook} callback must return a plain object of metadata (or nothing) — got {got}.")
+        }
+        MetadataError::Failed(error) => format!(
+            "[flue] A {hook} callback (hook #{} in declaration order) threw: {error}",
+            index + 1
+        ),
+        other => other.to_string(),
+    };
+    Failure::failed("response_hook_failed", message)
 }
 
 /// The settlement error of a submission whose attempts ran out: `attempts` of `max`.
