@@ -708,12 +708,13 @@ impl RuntimeInner {
         loop {
             // Register before looking, so a settlement between the look and the wait is seen.
             let (sender, settled) = oneshot::channel();
-            self.waiters
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .entry(submission_id.to_owned())
-                .or_default()
-                .push(sender);
+            {
+                let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                let waiting = waiters.entry(submission_id.to_owned()).or_default();
+                // The senders of earlier rounds of this wait (and of waits given up) go.
+                waiting.retain(|sender| !sender.is_closed());
+                waiting.push(sender);
+            }
             let row = self
                 .store
                 .submission(submission_id)
@@ -744,7 +745,13 @@ impl RuntimeInner {
                 );
             }
             // A dropped sender (the runtime going away) also ends the wait; the loop re-reads.
-            let _ = settled.await;
+            if self.store.shared() {
+                // Only the node that settles a submission wakes its waiters, and on a shared
+                // store another node may run this one (its instance was busy there).
+                let _ = tokio::time::timeout(SHARED_SETTLEMENT_POLL, settled).await;
+            } else {
+                let _ = settled.await;
+            }
         }
     }
 
@@ -1119,6 +1126,10 @@ impl Drop for PendingClaim {
         }
     }
 }
+
+/// How often a wait for a submission's settlement reads a shared store again (see
+/// [`RuntimeInner::wait`]).
+const SHARED_SETTLEMENT_POLL: Duration = Duration::from_millis(250);
 
 /// A handle on one agent instance.
 #[derive(Clone)]

@@ -99,18 +99,35 @@ fn waiter() -> &'static str {
     "Wait."
 }
 
+#[agent]
+fn pauser() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("pause").description("Take a second.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            "paused"
+        },
+    ));
+    "Pause."
+}
+
 fn node(store: impl Store, model: &ScriptedModel) -> Runtime {
+    node_scanning_every(store, model, Duration::from_millis(100))
+}
+
+fn node_scanning_every(store: impl Store, model: &ScriptedModel, scan_interval: Duration) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
     Runtime::builder()
         .store(store)
         .providers(providers)
         .agent(waiter)
+        .agent(pauser)
         .options(RuntimeOptions {
             model_retry_delay: Duration::from_millis(1),
             lease: Duration::from_secs(2),
             heartbeat: Duration::from_millis(50),
-            scan_interval: Duration::from_millis(100),
+            scan_interval,
             ..RuntimeOptions::default()
         })
         .build()
@@ -252,4 +269,50 @@ async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
     );
     let result = tokio::time::timeout(Duration::from_secs(10), handle.read(&receipt.submission_id)).await;
     assert_eq!(outcome(result), "submission_aborted");
+}
+
+// ---- waiting for a submission another node runs -------------------------------------------------
+
+/// A send through node B to an instance node A is busy with: B cannot claim it, and A, which
+/// carries on with the instance's queue, runs B's message too. B's `send` (and `read`) must
+/// still return: only the node that settles a submission wakes its own waiters, so B reads
+/// the shared store again while it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_answered_by_another_node_returns_its_reply() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("pause", json!({})),
+        ScriptedReply::text("first done"),
+        ScriptedReply::text("second done"),
+    ]);
+    let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
+    // B's own scan would take the message over only after a minute: A runs it.
+    let b = node_scanning_every(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("second done")]),
+        Duration::from_secs(60),
+    );
+    let mut events = a.observe();
+    let first = a.init(&pauser, "busy").dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    let sent = tokio::time::timeout(Duration::from_secs(10), b.init(&pauser, "busy").send("next"))
+        .await
+        .expect("B's send returned")
+        .unwrap();
+    // The message joined A's live response at its turn boundary, or ran after it: either
+    // way, B's answer is the one A's node reads.
+    let on_a = a.init(&pauser, "busy").read(&sent.submission_id).await.unwrap();
+    assert_eq!(sent, on_a);
+    assert!(["first done", "second done"].contains(&sent.text.as_str()), "{sent:?}");
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.init(&pauser, "busy").read(&first.submission_id),
+    )
+    .await;
+    assert_eq!(outcome(read), "completed: \"first done\"");
 }
