@@ -1964,3 +1964,82 @@ async fn an_attempt_abandoned_for_a_store_failure_is_reported_before_it_is_re_at
     let second = position(&|event| matches!(event, Event::SubmissionRunning { attempt_count: 2, .. })).unwrap();
     assert!(reported < second);
 }
+
+#[agent]
+fn noter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("note")
+            .description("Take a note.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "noted" }),
+    );
+    "You take notes."
+}
+
+/// The settlements `observe()` reported for `submission_id`, in order.
+fn settlements_of(
+    events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
+    submission_id: &str,
+) -> Vec<Outcome> {
+    let mut outcomes = Vec::new();
+    while let Ok(observed) = events.try_recv() {
+        if let flue_runtime::events::Event::SubmissionSettled { outcome, .. } = observed.event
+            && observed.submission_id.as_deref() == Some(submission_id)
+        {
+            outcomes.push(outcome);
+        }
+    }
+    outcomes
+}
+
+#[tokio::test]
+async fn a_requeue_that_fails_after_a_store_failure_leaves_the_submission_to_a_takeover() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+    });
+    store.failing_requeues.store(1, Ordering::SeqCst);
+    let model = ScriptedModel::new([ScriptedReply::tool_call("note", json!({})), ScriptedReply::text("done")]);
+    let runtime = taking_over(&store, &model, noter).await;
+    let mut events = runtime.observe();
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&noter, "n-1").send("note this"),
+    )
+    .await
+    .expect("the submission settles")
+    .unwrap();
+    assert_eq!(
+        store.failures.load(Ordering::SeqCst),
+        2,
+        "the append and the requeue failed"
+    );
+    // Not failed after its first attempt: the lease lapsed and the takeover completed it.
+    assert_eq!(reply.text, "done");
+    assert_eq!(settlements_of(&mut events, &reply.submission_id), [Outcome::Completed]);
+}
+
+#[tokio::test]
+async fn a_settlement_that_fails_is_not_reported_settled() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("done"), ScriptedReply::text("done again")]);
+    let runtime = taking_over(&store, &model, noter).await;
+    let mut events = runtime.observe();
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&noter, "n-2").send("hello"),
+    )
+    .await
+    .expect("the submission settles")
+    .unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    // One settlement reported: the durable one, made by the takeover.
+    assert_eq!(settlements_of(&mut events, &reply.submission_id), [Outcome::Completed]);
+}

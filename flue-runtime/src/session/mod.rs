@@ -526,14 +526,32 @@ impl InstanceSlot {
                     self.binding.set_current(None);
                     // Forget the cached fold: the next attempt re-reads what is durable.
                     *conversation = Conversation::default();
-                    if let Ok(true) = runtime.store.requeue(&attempt_ref).await {
-                        runtime.emit_recovery(
-                            Concerning::Row(&submission),
-                            RecoveryOperation::ProcessSubmission,
-                            RecoveryOutcome::Deferred,
-                            Some(&failure.error.message),
-                        );
-                        return (None, None);
+                    match runtime.store.requeue(&attempt_ref).await {
+                        Ok(true) => {
+                            runtime.emit_recovery(
+                                Concerning::Row(&submission),
+                                RecoveryOperation::ProcessSubmission,
+                                RecoveryOutcome::Deferred,
+                                Some(&failure.error.message),
+                            );
+                            return (None, None);
+                        }
+                        // Another attempt owns the submission now: its settlement is refused
+                        // below, as it should be.
+                        Ok(false) => {}
+                        // The store is still failing: settling now would spend the whole
+                        // budget on one failure. The lease lapses unrenewed and the takeover
+                        // re-attempts (or settles an exhausted budget), as after a crash.
+                        Err(error) => {
+                            tracing::warn!(instance = %self.key, submission = %submission.id, %error, "requeueing after a store failure failed; the lease lapses");
+                            runtime.emit_recovery(
+                                Concerning::Row(&submission),
+                                RecoveryOperation::ProcessSubmission,
+                                RecoveryOutcome::Deferred,
+                                Some(&error),
+                            );
+                            return (None, None);
+                        }
                     }
                 }
                 if failure.transient {
@@ -583,15 +601,19 @@ impl InstanceSlot {
                 None
             }
         };
-        for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
-            runtime.emit(
-                &self.key,
-                Some(id),
-                Event::SubmissionSettled {
-                    outcome,
-                    error: error.clone(),
-                },
-            );
+        // Reported only once durable: a refused or failed settlement is made again (or
+        // otherwise) by whoever takes the submission over.
+        if left.is_some() {
+            for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
+                runtime.emit(
+                    &self.key,
+                    Some(id),
+                    Event::SubmissionSettled {
+                        outcome,
+                        error: error.clone(),
+                    },
+                );
+            }
         }
         self.binding.set_current(None);
         drop(conversation);

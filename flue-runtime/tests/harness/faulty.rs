@@ -13,7 +13,7 @@ type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send>;
 
 /// Wraps a store (the memory store by default). Appends and settlements whose records match
 /// the armed predicate fail, once or always; listing expired leases fails while
-/// `failing_scans` is set; and, once `hang_after_admit` holds `"armed"`, the next admission
+/// `failing_scans` is set; the next `failing_requeues` requeues fail; and, once `hang_after_admit` holds `"armed"`, the next admission
 /// commits and then never answers (a caller dropped between a remote store's commit and its
 /// reply), leaving its submission's id there.
 #[derive(Clone)]
@@ -25,6 +25,8 @@ pub struct FaultyStore {
     pub failures: Arc<AtomicUsize>,
     pub hang_after_admit: Arc<Mutex<Option<String>>>,
     pub failing_scans: Arc<AtomicBool>,
+    /// How many of the next requeues fail.
+    pub failing_requeues: Arc<AtomicUsize>,
 }
 
 impl Default for FaultyStore {
@@ -42,6 +44,7 @@ impl FaultyStore {
             failures: Arc::default(),
             hang_after_admit: Arc::default(),
             failing_scans: Arc::default(),
+            failing_requeues: Arc::default(),
         }
     }
 
@@ -88,7 +91,7 @@ impl Store for FaultyStore {
     crate::harness::delegate_store!(
         inner;
         instance, submission, has_queued, claim_next, renew_leases, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, requeue,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins,
         request_abort, read, put_attachment, attachment, user_value, set_user_value,
         list_user_values, create_child,
     );
@@ -109,6 +112,17 @@ impl Store for FaultyStore {
             }
             Ok(admitted)
         })
+    }
+
+    fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let failing = self
+            .failing_requeues
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1));
+        if failing.is_ok() {
+            self.failures.fetch_add(1, Ordering::SeqCst);
+            return Box::pin(std::future::ready(Err(injected("requeue"))));
+        }
+        self.inner.requeue(attempt)
     }
 
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
