@@ -881,6 +881,49 @@ fn tool_chain() -> &'static str {
     "T"
 }
 
+#[hook(before_store_tool_result)]
+async fn redact_emails(_state: &ThreadState, _call: &ToolCall, result: ToolResult) -> ToolResult {
+    ToolResult {
+        result: result
+            .result
+            .map(|text| text.replace("jane@example.com", "[email redacted]")),
+        ..result
+    }
+}
+
+#[agent(hooks = [redact_emails])]
+fn redacting() -> &'static str {
+    use_model("scripted/x");
+    use_tool(flaky);
+    "R"
+}
+
+#[tokio::test]
+async fn observers_see_the_tool_result_as_stored_after_before_store_tool_result() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("flaky", json!({"fail": false})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![redacting.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&redacting, "r").send("go").await.unwrap();
+    let mut tool_messages = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        let json = serde_json::to_string(&observation).unwrap();
+        assert!(
+            !json.contains("jane@example.com"),
+            "an event showed the unredacted result: {json}"
+        );
+        if let flue_runtime::events::Event::MessageEnd {
+            message: ModelMessage::Tool { content, .. },
+        } = observation.event
+        {
+            tool_messages.push(content);
+        }
+    }
+    assert_eq!(tool_messages, ["contact: [email redacted]"]);
+}
+
 #[tokio::test]
 async fn items_38_39_40_42_43_44_45_each_call_runs_done_then_after_then_store_then_create() {
     let model = ScriptedModel::new([

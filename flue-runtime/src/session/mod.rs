@@ -2340,6 +2340,9 @@ impl Response<'_> {
                 self.conversation.retained_children(),
             ));
         }
+        // With tool hooks selected, what is stored (and shown) is what their chain makes of
+        // the result, which may redact it: its message events wait for the chain.
+        let hooked = self.has_tool_hooks();
         let executed = {
             let runtime = self.runtime;
             let key = self.key;
@@ -2383,21 +2386,18 @@ impl Response<'_> {
                     });
                     // The tool-result message, when the tool is done (its terminal `tool`
                     // event follows the batch's commit).
-                    if runtime.observed() {
-                        let message = ModelMessage::Tool {
-                            tool_call_id: run.call.id.clone(),
-                            name: run.call.name.clone(),
-                            content: run.output.to_text(),
-                            is_error: run.output.is_error,
-                        };
-                        runtime.emit(
+                    if !hooked && runtime.observed() {
+                        emit_tool_message(
+                            runtime,
                             key,
-                            Some(submission_id),
-                            Event::MessageStart {
-                                message: message.clone(),
+                            submission_id,
+                            ModelMessage::Tool {
+                                tool_call_id: run.call.id.clone(),
+                                name: run.call.name.clone(),
+                                content: run.output.to_text(),
+                                is_error: run.output.is_error,
                             },
                         );
-                        runtime.emit(key, Some(submission_id), Event::MessageEnd { message });
                     }
                 },
             )
@@ -2406,7 +2406,6 @@ impl Response<'_> {
         self.check_abort()?;
         let terminate = !executed.is_empty() && unknown.is_empty() && executed.iter().all(|run| run.output.terminate);
         let mut records = Vec::with_capacity(executed.len() + unknown.len() + 1);
-        let hooked = self.has_tool_hooks();
         let mut rows = Vec::new();
         let mut row_updates = Vec::new();
         let mut errors = Vec::with_capacity(executed.len());
@@ -2426,6 +2425,19 @@ impl Response<'_> {
                         }));
                     }
                     rows.push(row_id.clone());
+                    if self.runtime.observed() {
+                        emit_tool_message(
+                            self.runtime,
+                            self.key,
+                            &self.submission.id,
+                            ModelMessage::Tool {
+                                tool_call_id: run.call.id.clone(),
+                                name: run.call.name.clone(),
+                                content: stored.content.clone(),
+                                is_error: stored.is_error,
+                            },
+                        );
+                    }
                     (stored.content, stored.is_error)
                 }
                 None => (run.output.to_text(), run.output.is_error),
@@ -2509,6 +2521,18 @@ impl Response<'_> {
         }
         Ok(terminate)
     }
+}
+
+/// A tool result's `message_start` and `message_end`.
+fn emit_tool_message(runtime: &RuntimeInner, key: &InstanceKey, submission_id: &str, message: ModelMessage) {
+    runtime.emit(
+        key,
+        Some(submission_id),
+        Event::MessageStart {
+            message: message.clone(),
+        },
+    );
+    runtime.emit(key, Some(submission_id), Event::MessageEnd { message });
 }
 
 enum StepError {
