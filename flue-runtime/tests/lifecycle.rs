@@ -924,6 +924,59 @@ async fn observers_see_the_tool_result_as_stored_after_before_store_tool_result(
     assert_eq!(tool_messages, ["contact: [email redacted]"]);
 }
 
+#[hook(before_create_message)]
+async fn review_tool_rows(_state: &ThreadState, mut message: Message) -> Message {
+    if message.role == MessageRole::Tool {
+        message.metadata.insert("reviewed".into(), json!(true));
+    }
+    message
+}
+
+#[agent(hooks = [review_tool_rows])]
+fn reviewing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(flaky);
+    "R"
+}
+
+#[tokio::test]
+async fn what_a_tool_rows_create_hook_changes_commits_with_the_tool_batch() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("flaky", json!({"fail": false})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![reviewing.into()]);
+    runtime.init(&reviewing, "r").send("go").await.unwrap();
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("reviewing", "r"), None)
+        .await
+        .unwrap();
+    let batch = batches
+        .iter()
+        .find(|batch| {
+            batch
+                .records
+                .iter()
+                .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+        })
+        .expect("the tool batch");
+    let kinds: Vec<&str> = batch
+        .records
+        .iter()
+        .map(|record| match &record.body {
+            RecordBody::ToolOutcome { .. } => "outcome",
+            RecordBody::MessageUpdated { updates, .. } => {
+                assert_eq!(updates["metadata"]["reviewed"], json!(true), "{updates:?}");
+                "updated"
+            }
+            RecordBody::ToolResultsCommitted { .. } => "committed",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(kinds, ["outcome", "updated", "committed"]);
+}
+
 #[tokio::test]
 async fn items_38_39_40_42_43_44_45_each_call_runs_done_then_after_then_store_then_create() {
     let model = ScriptedModel::new([

@@ -2486,12 +2486,11 @@ impl Response<'_> {
                 duration_ms: 0,
             }));
         }
+        // What the rows' create hooks set goes in the same batch, after the rows: a crash
+        // cannot keep the outcomes and lose the changes (the hooks do not run again).
+        records.append(&mut row_updates);
         records.push(self.record(RecordBody::ToolResultsCommitted { assistant_message_id }));
         self.commit(records, true).await?;
-        if !row_updates.is_empty() {
-            // The rows exist once the batch committed; what their create hooks set follows.
-            self.commit(row_updates, false).await?;
-        }
         self.tool_rows_created(&rows).await;
         // The executed calls' results come first in `results`, in the same order.
         let mut stored = results.as_deref().unwrap_or_default().iter();
