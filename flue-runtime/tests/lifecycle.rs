@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 
 use flue_runtime::lifecycle::{
-    InjectMessage, MessageOrder, MessageRole, MessageStatus, MessagesQuery, ThreadError, ToolStatus,
+    InjectMessage, MessageOrder, MessageRole, MessageStatus, MessagesQuery, ThreadError, ToolStatus, UserValuesQuery,
 };
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ProviderRegistry, StopReason};
@@ -1441,6 +1441,33 @@ async fn user_log_reaches(count: usize) -> Vec<String> {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     panic!("the user hooks did not run: {:?}", USER_LOG.lock().unwrap());
+}
+
+#[tokio::test]
+async fn user_ids_keys_and_prefixes_with_control_characters_are_refused_before_the_store() {
+    let runtime = Runtime::builder().store(MemoryStore::new()).build().unwrap();
+    let refused = |result: Result<_, ThreadError>| match result {
+        Err(ThreadError::Invalid(message)) => message,
+        other => panic!("expected an invalid-input error, got {other:?}"),
+    };
+    // Postgres text cannot hold NUL: every store refuses it alike.
+    let user = runtime.user("ada\0");
+    assert!(
+        refused(user.set_value("theme", Some(json!("dark"))).await.map(|_| ())).starts_with("A user id cannot contain")
+    );
+    assert!(refused(user.get_value("theme").await.map(|_| ())).starts_with("A user id cannot contain"));
+    let user = runtime.user("ada");
+    assert!(
+        refused(user.set_value("the\0me", Some(json!("dark"))).await.map(|_| ()))
+            .starts_with("A user value key cannot contain")
+    );
+    let query = UserValuesQuery {
+        prefix: "th\0".into(),
+        ..UserValuesQuery::default()
+    };
+    assert!(refused(user.list_values(query).await.map(|_| ())).contains("control characters"));
+    // Nothing was stored.
+    assert_eq!(user.list_values(UserValuesQuery::default()).await.unwrap().total, 0);
 }
 
 #[tokio::test]

@@ -120,6 +120,26 @@ fn rejects_unstamped_flue_tables() {
     );
 }
 
+#[test]
+fn a_refused_store_keeps_its_journal_mode() {
+    let path = scratch_db();
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let connection = raw(&path);
+    connection
+        .execute_batch(
+            "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             INSERT INTO flue_meta (key, value) VALUES ('format_version', '2');",
+        )
+        .unwrap();
+    drop(connection);
+    let error = SqliteStore::open(&path).err().unwrap();
+    assert_eq!(error, StoreError::FormatVersion { stored: "2".into() });
+    let mode: String = raw(&path)
+        .query_row("PRAGMA journal_mode", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(mode, "delete", "the refused file was switched to WAL");
+}
+
 #[tokio::test]
 async fn a_conversation_survives_reopening_the_database() {
     use flue_runtime::message::DeliveredMessage;

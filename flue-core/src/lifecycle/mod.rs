@@ -20,7 +20,9 @@ pub use types::{
     ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates, ToolCall, ToolCallFunction,
     ToolResult, ToolStatus,
 };
-pub use user::{MAX_USER_KEY_LEN, UserState, UserStateApi, UserValue, UserValuePage, UserValuesQuery, check_user_key};
+pub use user::{
+    MAX_USER_KEY_LEN, UserState, UserStateApi, UserValue, UserValuePage, UserValuesQuery, check_user_id, check_user_key,
+};
 
 use crate::BoxFuture;
 

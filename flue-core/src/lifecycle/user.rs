@@ -46,12 +46,28 @@ pub struct UserValuePage {
     pub total: usize,
 }
 
-/// Checks a user-value key: 1 to [`MAX_USER_KEY_LEN`] characters.
+/// Checks a user-value key: 1 to [`MAX_USER_KEY_LEN`] characters, none of them a control
+/// character (which some stores cannot hold: Postgres text refuses NUL).
 pub fn check_user_key(key: &str) -> Result<(), ThreadError> {
-    let length = key.chars().count();
+    check_user_name(key, "A user value key")
+}
+
+/// Checks a user id: 1 to [`MAX_USER_KEY_LEN`] characters, none of them a control character.
+pub fn check_user_id(id: &str) -> Result<(), ThreadError> {
+    check_user_name(id, "A user id")
+}
+
+fn check_user_name(name: &str, what: &str) -> Result<(), ThreadError> {
+    let length = name.chars().count();
     if length == 0 || length > MAX_USER_KEY_LEN {
         return Err(ThreadError::Invalid(format!(
-            "A user value key must be 1 to {MAX_USER_KEY_LEN} characters long."
+            "{what} must be 1 to {MAX_USER_KEY_LEN} characters long."
+        )));
+    }
+    if let Some(control) = name.chars().find(|character| character.is_control()) {
+        return Err(ThreadError::Invalid(format!(
+            "{what} cannot contain control characters; this one has U+{:04X}.",
+            u32::from(control)
         )));
     }
     Ok(())
@@ -151,5 +167,17 @@ mod tests {
         assert!(check_user_key("theme").is_ok());
         assert!(check_user_key(&"é".repeat(512)).is_ok());
         assert!(check_user_key(&"k".repeat(513)).is_err());
+    }
+
+    #[test]
+    fn user_keys_and_ids_refuse_control_characters() {
+        let refused = check_user_key("the\0me").unwrap_err().to_string();
+        assert!(
+            refused.contains("A user value key cannot contain control characters; this one has U+0000."),
+            "{refused}"
+        );
+        assert!(check_user_id("ada\n").is_err());
+        assert!(check_user_id("").is_err());
+        assert!(check_user_id("ada@example.com").is_ok());
     }
 }

@@ -70,10 +70,7 @@ pub(super) async fn get_user_events(
 ) -> Result<Response, ApiError> {
     let mut query: HashMap<String, String> = super::reads::pairs(query.as_deref()).collect();
     let Path(user_id) = user_id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
-    if user_id.trim().is_empty()
-        || flue_core::lifecycle::check_user_key(&user_id).is_err()
-        || user_id.chars().any(char::is_control)
-    {
+    if user_id.trim().is_empty() || flue_core::lifecycle::check_user_id(&user_id).is_err() {
         return Err(ApiError::invalid_request(
             "User URLs need a user id of 1 to 512 characters, none of them a control character.",
         ));

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, Weak};
 use flue_core::BoxFuture;
 use flue_core::lifecycle::{
     ClientInfo, HookKind, ThreadError, UserHook, UserHookHandler, UserState, UserStateApi, UserValuePage,
-    UserValuesQuery, check_user_key,
+    UserValuesQuery, check_user_id, check_user_key,
 };
 use futures_util::FutureExt;
 use serde_json::Value;
@@ -154,7 +154,10 @@ struct RuntimeUser {
 }
 
 impl RuntimeUser {
+    /// The runtime, for a store operation on this user (whose id is checked first: every
+    /// store must be able to hold it).
     fn runtime(&self) -> Result<Arc<RuntimeInner>, ThreadError> {
+        check_user_id(&self.user_id)?;
         self.runtime
             .upgrade()
             .ok_or_else(|| ThreadError::Unavailable("the runtime was dropped.".into()))
@@ -203,6 +206,11 @@ impl UserStateApi for RuntimeUser {
 
     fn list_values(&self, query: UserValuesQuery) -> BoxFuture<'_, Result<UserValuePage, ThreadError>> {
         Box::pin(async move {
+            if query.prefix.chars().any(char::is_control) {
+                return Err(ThreadError::Invalid(
+                    "A user value key prefix cannot contain control characters.".into(),
+                ));
+            }
             let runtime = self.runtime()?;
             runtime
                 .store

@@ -436,11 +436,14 @@ impl SqliteStore {
     }
 
     fn with_connection(mut connection: Connection) -> Result<Self, StoreError> {
+        connection.execute_batch("PRAGMA busy_timeout = 5000;").map_err(sql)?;
+        // The format is checked before anything else changes the file: a database this build
+        // refuses is left exactly as it was, its journal mode included.
+        migrate(&mut connection)?;
         connection
-            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA busy_timeout = 5000;")
+            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;")
             .map_err(sql)?;
         connection.set_prepared_statement_cache_capacity(64);
-        migrate(&mut connection)?;
         Ok(Self {
             connection: Mutex::new(connection),
             checkpointer: None,
