@@ -171,7 +171,7 @@ mod tests {
 
     #[test]
     fn user_keys_and_ids_refuse_control_characters() {
-        let refused = check_user_key("the\0me").unwrap_err().to_string();
+        let refused = check_user_key("the\0me").expect_err("a NUL is refused").to_string();
         assert!(
             refused.contains("A user value key cannot contain control characters; this one has U+0000."),
             "{refused}"
