@@ -337,10 +337,9 @@ impl RuntimeInner {
             loop {
                 let Some(runtime) = weak.upgrade() else { return };
                 let heartbeat = runtime.options.heartbeat;
-                if since_scan >= runtime.options.scan_interval {
-                    since_scan = Duration::ZERO;
-                    runtime.scan().await;
-                }
+                // Renewed before the scan: leases that lapsed while renewals failed (a
+                // database failover, a stalled or suspended node) are this node's again before
+                // the scan looks for expired ones.
                 let lease_until = crate::store::now_ms() + runtime.options.lease.as_millis() as u64;
                 let running = runtime.running_attempts();
                 if !running.is_empty() {
@@ -363,6 +362,10 @@ impl RuntimeInner {
                         }
                     }
                 }
+                if since_scan >= runtime.options.scan_interval {
+                    since_scan = Duration::ZERO;
+                    runtime.scan().await;
+                }
                 drop(runtime);
                 tokio::time::sleep(heartbeat).await;
                 since_scan += heartbeat;
@@ -375,8 +378,18 @@ impl RuntimeInner {
     pub(crate) async fn scan(self: &Arc<Self>) {
         match self.store.expired(crate::store::now_ms()).await {
             Ok(expired) => {
+                // Held after the listing: an attempt running here when its row was listed is
+                // still held (or has ended) now.
+                let held = self.running_attempts();
                 for row in expired {
                     let Some(stale) = row.attempt_id.clone() else { continue };
+                    if held.contains(&stale) {
+                        // This node runs the attempt: its renewals failed for longer than the
+                        // lease. Taking it over here would fence the live attempt and run it
+                        // again; the heartbeat renews it instead. Another node may still take
+                        // it over, as it would from a node it cannot tell from a dead one.
+                        continue;
+                    }
                     if !self.agents.contains_key(&*row.key.agent) {
                         // Nodes sharing a store may run different agents: taking this one over
                         // here would spend one of its attempts on a node that cannot run it.
@@ -540,7 +553,6 @@ impl RuntimeInner {
         }
     }
 
-    /// The attempts this node is running: the leases its heartbeat renews.
     /// Fires the abort signal of each of `attempt_ids` this node runs.
     fn abort_attempts(&self, attempt_ids: &[String]) {
         let slots: Vec<(Arc<InstanceSlot>, String)> = self
@@ -558,12 +570,14 @@ impl RuntimeInner {
         }
     }
 
+    /// The attempts this node runs or took over to run: the leases its heartbeat renews and
+    /// its scan leaves alone.
     fn running_attempts(&self) -> Vec<String> {
         self.instances
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .values()
-            .filter_map(|slot| slot.running_attempt())
+            .flat_map(|slot| slot.held_attempts())
             .collect()
     }
 

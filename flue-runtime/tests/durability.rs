@@ -2043,3 +2043,54 @@ async fn a_settlement_that_fails_is_not_reported_settled() {
     // One settlement reported: the durable one, made by the takeover.
     assert_eq!(settlements_of(&mut events, &reply.submission_id), [Outcome::Completed]);
 }
+
+static SLOW_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn slow_worker() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("crunch").description("Crunch numbers.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            SLOW_RUNS.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+            "crunched"
+        },
+    ));
+    "You crunch numbers."
+}
+
+/// Renewals that fail for longer than the lease (a database failover, a stalled or suspended
+/// node) while this node still runs the attempt must not make the node take its own attempt
+/// over: that would fence the running tool, run it again and spend the attempt budget.
+#[tokio::test]
+async fn a_node_whose_renewals_failed_for_longer_than_the_lease_does_not_take_over_its_own_live_attempt() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("crunch", json!({})),
+        ScriptedReply::text("crunched it"),
+    ]);
+    let runtime = taking_over(&store, &model, slow_worker).await;
+    let handle = runtime.init(&slow_worker, "sw-1");
+    let receipt = handle.dispatch("crunch").await.unwrap();
+    for _ in 0..500 {
+        if SLOW_RUNS.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(SLOW_RUNS.load(Ordering::SeqCst), 1, "the tool started");
+    // Three lease periods without a renewal, the tool still running.
+    store.failing_renewals.store(true, Ordering::SeqCst);
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    store.failing_renewals.store(false, Ordering::SeqCst);
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
+        .await
+        .expect("the submission settles")
+        .unwrap();
+    assert_eq!(reply.text, "crunched it");
+    assert_eq!(SLOW_RUNS.load(Ordering::SeqCst), 1, "the tool ran once");
+    assert_eq!(model.requests().len(), 2, "no model call was made again");
+    let row = store.inner.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.outcome, Some(Outcome::Completed));
+    assert_eq!(row.attempt_count, 1, "the node kept its own attempt");
+}

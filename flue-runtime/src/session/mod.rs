@@ -152,6 +152,7 @@ impl InstanceSlot {
             appends: AtomicU64::new(0),
             current: Mutex::new(None),
             pending_aborts: Mutex::default(),
+            resumed: Mutex::default(),
         });
         Self {
             key,
@@ -175,6 +176,12 @@ impl InstanceSlot {
     /// The attempt running on this instance, if one is.
     pub(crate) fn running_attempt(&self) -> Option<String> {
         self.binding.current().map(|attempt| attempt.attempt.attempt_id.clone())
+    }
+
+    /// The attempts whose leases this node holds for the instance: the running one and those
+    /// taken over that wait to run.
+    pub(crate) fn held_attempts(&self) -> Vec<String> {
+        self.binding.held_attempts()
     }
 
     /// Whether no worker runs this instance.
@@ -211,13 +218,18 @@ impl InstanceSlot {
     /// carries on with the instance's queue.
     pub(crate) fn resume(self: &Arc<Self>, mut submission: Submission, attempt_id: String) {
         let slot = self.clone();
-        submission.attempt_id = Some(attempt_id);
+        // Held from the takeover on: the heartbeat renews the lease while the attempt waits
+        // for the worker role, and the scan leaves it alone.
+        self.binding.hold(attempt_id.clone());
+        submission.attempt_id = Some(attempt_id.clone());
         tokio::spawn(async move {
             // Wait for any local worker of this instance to finish first.
             while slot.busy.swap(true, Ordering::SeqCst) {
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
             slot.run(Some(submission), None).await;
+            // Starting released it; an attempt that never started must not be renewed on.
+            slot.binding.release(&attempt_id);
         });
     }
 

@@ -13,7 +13,8 @@ type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send>;
 
 /// Wraps a store (the memory store by default). Appends and settlements whose records match
 /// the armed predicate fail, once or always; listing expired leases fails while
-/// `failing_scans` is set; the next `failing_requeues` requeues fail; and, once `hang_after_admit` holds `"armed"`, the next admission
+/// `failing_scans` is set; renewing leases fails while `failing_renewals` is set; the next
+/// `failing_requeues` requeues fail; and, once `hang_after_admit` holds `"armed"`, the next admission
 /// commits and then never answers (a caller dropped between a remote store's commit and its
 /// reply), leaving its submission's id there.
 #[derive(Clone)]
@@ -25,6 +26,8 @@ pub struct FaultyStore {
     pub failures: Arc<AtomicUsize>,
     pub hang_after_admit: Arc<Mutex<Option<String>>>,
     pub failing_scans: Arc<AtomicBool>,
+    /// While set, lease renewals fail (a database failover, a stalled node): leases lapse.
+    pub failing_renewals: Arc<AtomicBool>,
     /// How many of the next requeues fail.
     pub failing_requeues: Arc<AtomicUsize>,
 }
@@ -44,6 +47,7 @@ impl FaultyStore {
             failures: Arc::default(),
             hang_after_admit: Arc::default(),
             failing_scans: Arc::default(),
+            failing_renewals: Arc::default(),
             failing_requeues: Arc::default(),
         }
     }
@@ -90,7 +94,7 @@ fn injected(what: &str) -> StoreError {
 impl Store for FaultyStore {
     crate::harness::delegate_store!(
         inner;
-        instance, submission, has_queued, claim_next, renew_leases, reclaim,
+        instance, submission, has_queued, claim_next, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins,
         request_abort, read, put_attachment, attachment, user_value, set_user_value,
         list_user_values, create_child,
@@ -130,6 +134,18 @@ impl Store for FaultyStore {
             return Box::pin(std::future::ready(Err(injected("scan"))));
         }
         self.inner.expired(now_ms)
+    }
+
+    fn renew_leases(
+        &self,
+        owner_id: &str,
+        attempt_ids: &[String],
+        lease_until_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        if self.failing_renewals.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(injected("renewal"))));
+        }
+        self.inner.renew_leases(owner_id, attempt_ids, lease_until_ms)
     }
 
     fn append(
