@@ -2094,3 +2094,26 @@ async fn a_node_whose_renewals_failed_for_longer_than_the_lease_does_not_take_ov
     assert_eq!(row.outcome, Some(Outcome::Completed));
     assert_eq!(row.attempt_count, 1, "the node kept its own attempt");
 }
+
+/// A store that stalls for longer than the lease between an attempt's claim and its start (the
+/// read of the instance's stream the attempt starts from) must not make the node take over the
+/// attempt it is about to run: the attempt's lease is the node's to renew from its claim on.
+#[tokio::test]
+async fn an_attempt_whose_start_stalled_past_its_lease_is_not_taken_over_by_its_own_node() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("relayed"), ScriptedReply::text("relayed again")]);
+    let runtime = taking_over(&store, &model, relay).await;
+    let handle = runtime.init(&relay, "r-stall");
+    // Three lease periods.
+    *store.stall_next_read.lock().unwrap() = Some(std::time::Duration::from_millis(600));
+    let receipt = handle.dispatch("hello").await.unwrap();
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
+        .await
+        .expect("the submission settles")
+        .unwrap();
+    assert_eq!(reply.text, "relayed");
+    assert_eq!(model.requests().len(), 1, "the model was called once");
+    let row = store.inner.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.outcome, Some(Outcome::Completed));
+    assert_eq!(row.attempt_count, 1, "the node kept its own attempt");
+}

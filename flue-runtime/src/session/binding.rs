@@ -206,10 +206,10 @@ pub(crate) struct InstanceBinding {
     /// Submissions an abort was requested for while none of their attempts ran here: a
     /// worker may be between their claim and their start (newest last, a few kept).
     pub(crate) pending_aborts: Mutex<std::collections::VecDeque<String>>,
-    /// Attempts this node took over for the instance that wait for its worker role: their
-    /// leases are this node's to renew until they start, or they lapse while they wait and
-    /// the scan takes them over again (and again) though this node is alive.
-    pub(crate) resumed: Mutex<Vec<String>>,
+    /// Attempts of the instance this node claimed or took over that have not started (a
+    /// takeover waits for the worker role): their leases are this node's to renew, or they
+    /// lapse before the attempts run and the scan takes them over though this node is alive.
+    pub(crate) starting: Mutex<Vec<String>>,
 }
 
 /// How many aborted submission ids an instance remembers for an attempt about to start.
@@ -228,13 +228,13 @@ impl InstanceBinding {
     }
 
     /// The attempts whose leases this node holds for the instance: the running one and those
-    /// taken over that wait to run.
+    /// about to start.
     pub(crate) fn held_attempts(&self) -> Vec<String> {
-        // Read under the lock `start` moves an attempt from waiting to running under: a
-        // starting attempt is seen in one of the two, never in neither.
+        // Read under the lock `start` moves an attempt from starting to running under: an
+        // attempt is seen in one of the two, never in neither.
         let current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut held = self
-            .resumed
+            .starting
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clone();
@@ -242,18 +242,18 @@ impl InstanceBinding {
         held
     }
 
-    /// Holds the lease of `attempt_id`, taken over and waiting to run, until it starts (or
+    /// Holds the lease of `attempt_id`, claimed or taken over, until it starts (or
     /// [`release`](Self::release)).
     pub(crate) fn hold(&self, attempt_id: String) {
-        self.resumed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push(attempt_id);
+        let mut starting = self.starting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !starting.contains(&attempt_id) {
+            starting.push(attempt_id);
+        }
     }
 
-    /// Stops holding `attempt_id` as waiting to run (a no-op once it started).
+    /// Stops holding `attempt_id` as about to start (a no-op once it started).
     pub(crate) fn release(&self, attempt_id: &str) {
-        self.resumed
+        self.starting
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .retain(|held| held != attempt_id);
@@ -264,7 +264,7 @@ impl InstanceBinding {
     pub(crate) fn start(&self, attempt: Arc<Attempt>) -> bool {
         let mut current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let submission = attempt.attempt.submission_id.clone();
-        self.resumed
+        self.starting
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .retain(|held| *held != attempt.attempt.attempt_id);

@@ -121,8 +121,12 @@ impl Drop for Abandoned {
             return;
         }
         self.slot.binding.set_current(None);
-        self.slot.busy.store(false, Ordering::SeqCst);
         let (slot, attempt) = (self.slot.clone(), self.attempt.take());
+        // No longer this node's to renew: a requeue that fails leaves the lease to lapse.
+        if let Some(attempt) = &attempt {
+            slot.binding.release(&attempt.attempt_id);
+        }
+        self.slot.busy.store(false, Ordering::SeqCst);
         // Without a tokio runtime (it is shutting down) the lease lapses with the process.
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
@@ -152,7 +156,7 @@ impl InstanceSlot {
             appends: AtomicU64::new(0),
             current: Mutex::new(None),
             pending_aborts: Mutex::default(),
-            resumed: Mutex::default(),
+            starting: Mutex::default(),
         });
         Self {
             key,
@@ -179,7 +183,7 @@ impl InstanceSlot {
     }
 
     /// The attempts whose leases this node holds for the instance: the running one and those
-    /// taken over that wait to run.
+    /// about to start.
     pub(crate) fn held_attempts(&self) -> Vec<String> {
         self.binding.held_attempts()
     }
@@ -310,6 +314,10 @@ impl InstanceSlot {
             match next {
                 Ok(Some((submission, attempt_id))) => {
                     let done = until == Some(submission.id.as_str());
+                    // Held from its claim: the lease is renewed while the attempt gets ready to
+                    // start (a stalled store can take longer than the lease), and the scan does
+                    // not take over what this node is about to run.
+                    self.binding.hold(attempt_id.clone());
                     *running = Some(AttemptRef {
                         submission_id: submission.id.clone(),
                         attempt_id: attempt_id.clone(),
@@ -322,7 +330,11 @@ impl InstanceSlot {
                         traceparent = submission.trace.as_ref().map(|trace| trace.traceparent.as_str()),
                         tracestate = submission.trace.as_ref().and_then(|trace| trace.tracestate.as_deref()),
                     );
-                    let (settled, left) = self.process(&runtime, submission, attempt_id).instrument(span).await;
+                    let (settled, left) = self
+                        .process(&runtime, submission, attempt_id.clone())
+                        .instrument(span)
+                        .await;
+                    self.binding.release(&attempt_id);
                     *running = None;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use flue_runtime::BoxFuture;
-use flue_runtime::record::{Outcome, Record, SettlementError};
+use flue_runtime::record::{Batch, Outcome, Record, SettlementError};
 use flue_runtime::store::{Admission, Admitted, AttemptRef, InstanceKey, MemoryStore, Store, StoreError, Submission};
 
 type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send>;
@@ -14,7 +14,7 @@ type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send>;
 /// Wraps a store (the memory store by default). Appends and settlements whose records match
 /// the armed predicate fail, once or always; listing expired leases fails while
 /// `failing_scans` is set; renewing leases fails while `failing_renewals` is set; the next
-/// `failing_requeues` requeues fail; and, once `hang_after_admit` holds `"armed"`, the next admission
+/// `failing_requeues` requeues fail; the next read takes `stall_next_read` long; and, once `hang_after_admit` holds `"armed"`, the next admission
 /// commits and then never answers (a caller dropped between a remote store's commit and its
 /// reply), leaving its submission's id there.
 #[derive(Clone)]
@@ -30,6 +30,8 @@ pub struct FaultyStore {
     pub failing_renewals: Arc<AtomicBool>,
     /// How many of the next requeues fail.
     pub failing_requeues: Arc<AtomicUsize>,
+    /// How long the next read of a stream takes (a stalled database), once.
+    pub stall_next_read: Arc<Mutex<Option<std::time::Duration>>>,
 }
 
 impl Default for FaultyStore {
@@ -49,6 +51,7 @@ impl FaultyStore {
             failing_scans: Arc::default(),
             failing_renewals: Arc::default(),
             failing_requeues: Arc::default(),
+            stall_next_read: Arc::default(),
         }
     }
 
@@ -96,7 +99,7 @@ impl Store for FaultyStore {
         inner;
         instance, submission, has_queued, claim_next, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins,
-        request_abort, read, put_attachment, attachment, user_value, set_user_value,
+        request_abort, put_attachment, attachment, user_value, set_user_value,
         list_user_values, create_child,
     );
 
@@ -146,6 +149,17 @@ impl Store for FaultyStore {
             return Box::pin(std::future::ready(Err(injected("renewal"))));
         }
         self.inner.renew_leases(owner_id, attempt_ids, lease_until_ms)
+    }
+
+    fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        let stall = self.stall_next_read.lock().unwrap().take();
+        let key = key.clone();
+        Box::pin(async move {
+            if let Some(stall) = stall {
+                tokio::time::sleep(stall).await;
+            }
+            self.inner.read(&key, after).await
+        })
     }
 
     fn append(
