@@ -1028,6 +1028,44 @@ async fn a_stream_silent_longer_than_the_idle_timeout_is_a_timeout() {
     assert_eq!(server.requests().len(), 1);
 }
 
+#[tokio::test]
+async fn a_call_asking_for_reasoning_may_stay_silent_longer_than_the_idle_timeout() {
+    let server = FixtureServer::start().await;
+    let silent_reasoning = || {
+        FixtureReply::openai_chunks([
+            OpenAiChunk::Pause(Duration::from_millis(800)),
+            OpenAiChunk::Text("thought it through".into()),
+            OpenAiChunk::Finish("stop".into()),
+            OpenAiChunk::Done,
+        ])
+    };
+    server.push(silent_reasoning());
+    server.push(silent_reasoning());
+    let provider = OpenAiProvider::openai()
+        .with_base_url(server.base_url())
+        .with_api_key(KEY)
+        .with_retry_policy(RetryPolicy::none())
+        .with_idle_timeout(Duration::from_millis(300))
+        .with_reasoning_idle_timeout(Duration::from_secs(5));
+    // Reasoning asked for: the model's silence is its thinking.
+    let thinking = ModelRequest {
+        model: "o3".into(),
+        thinking_level: ThinkingLevel::High,
+        ..request("hi")
+    };
+    let (events, error) = run(&provider, thinking).await;
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(text_deltas(&events), ["thought it through"]);
+    // Without reasoning (a model that takes no effort), the idle timeout holds.
+    let plain = ModelRequest {
+        model: "gpt-4.1".into(),
+        thinking_level: ThinkingLevel::High,
+        ..request("hi")
+    };
+    let (_, error) = fail(&provider, plain).await;
+    assert_eq!(error.kind, ProviderErrorKind::Timeout);
+}
+
 // ---- keys ----
 
 #[tokio::test]

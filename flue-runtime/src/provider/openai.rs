@@ -114,6 +114,9 @@ pub struct OpenAiProvider {
     /// Whether a step's reasoning goes back with it (see
     /// [`OpenAiProvider::with_reasoning_echo`]; `None`: by the base URL).
     reasoning_echo: Option<bool>,
+    /// The least idle timeout of a call that asks for reasoning (see
+    /// [`OpenAiProvider::with_reasoning_idle_timeout`]).
+    reasoning_idle_timeout: Duration,
     key: KeySource,
     transport: Transport,
     client: SharedClient,
@@ -132,6 +135,7 @@ impl std::fmt::Debug for OpenAiProvider {
             .field("reasoning_effort", &self.reasoning_effort)
             .field("stream_usage", &self.stream_usage)
             .field("reasoning_echo", &self.reasoning_echo)
+            .field("reasoning_idle_timeout", &self.reasoning_idle_timeout)
             .field("key", &self.key)
             .field("transport", &self.transport)
             .field("client", &self.client)
@@ -153,6 +157,7 @@ impl OpenAiProvider {
             // that cannot reason, so they get it only when asked.
             reasoning_effort: flavor != Flavor::Compatible,
             stream_usage: true,
+            reasoning_idle_timeout: REASONING_IDLE_TIMEOUT,
             key: KeySource::env(key_env),
             transport: Transport::default(),
             client: SharedClient::default(),
@@ -197,9 +202,18 @@ impl OpenAiProvider {
     }
 
     /// Sets how long the streamed body may stay silent between two chunks (default 120 s).
-    /// When it does, the stream fails with [`ProviderErrorKind::Timeout`].
+    /// When it does, the stream fails with [`ProviderErrorKind::Timeout`]. A call that asks
+    /// for reasoning waits at least [`with_reasoning_idle_timeout`](Self::with_reasoning_idle_timeout).
     pub fn with_idle_timeout(mut self, idle: Duration) -> Self {
         self.transport.idle_timeout = idle;
+        self
+    }
+
+    /// Sets the least idle timeout of a call that sends a reasoning effort (default 10
+    /// minutes). Chat Completions streams nothing while a reasoning model thinks, and at a
+    /// high effort it thinks for minutes before its first token.
+    pub fn with_reasoning_idle_timeout(mut self, idle: Duration) -> Self {
+        self.reasoning_idle_timeout = idle;
         self
     }
 
@@ -299,13 +313,7 @@ impl OpenAiProvider {
             serde_json::to_writer(out, &chat_message(message))
         })?;
         body.extend_from_slice(b"],");
-        let effort = reasoning_effort(request.thinking_level).filter(|_| self.reasoning_effort);
-        let (reasoning, reasoning_effort) = match (effort, self.flavor) {
-            (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
-            (Some(effort), Flavor::OpenAi) => (None, openai_effort(&request.model, effort)),
-            (Some(effort), Flavor::Compatible) => (None, Some(effort)),
-            (None, _) => (None, None),
-        };
+        let (reasoning, reasoning_effort) = self.reasoning_fields(request);
         // OpenAI's reasoning models refuse `max_tokens`; other servers (Ollama among them)
         // read only `max_tokens`.
         let (max_completion_tokens, max_tokens) = match self.flavor {
@@ -338,6 +346,9 @@ impl OpenAiProvider {
 
 /// The wire format [`Messages::encode_into`] keeps the history's encodings in.
 const CHAT_MESSAGES: &str = "openai-chat-completions";
+
+/// The default least idle timeout of a call that asks for reasoning.
+const REASONING_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A call's message in the Chat Completions format (borrowing the conversation's strings).
 fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
@@ -499,6 +510,21 @@ fn is_deepseek(base_url: &str) -> bool {
         .is_some_and(|host| host == "api.deepseek.com")
 }
 
+impl OpenAiProvider {
+    /// What a call sends of its thinking level: OpenRouter's `reasoning` object, or
+    /// `reasoning_effort` (neither for `Off`, a model that refuses it, or a compatible server
+    /// not asked to).
+    fn reasoning_fields(&self, request: &ModelRequest) -> (Option<ReasoningOption>, Option<&'static str>) {
+        let effort = reasoning_effort(request.thinking_level).filter(|_| self.reasoning_effort);
+        match (effort, self.flavor) {
+            (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
+            (Some(effort), Flavor::OpenAi) => (None, openai_effort(&request.model, effort)),
+            (Some(effort), Flavor::Compatible) => (None, Some(effort)),
+            (None, _) => (None, None),
+        }
+    }
+}
+
 /// The `reasoning_effort` of a thinking level (`None` for `Off`).
 fn reasoning_effort(level: ThinkingLevel) -> Option<&'static str> {
     match level {
@@ -558,7 +584,11 @@ impl ModelProvider for OpenAiProvider {
             send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
         let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.echoes_reasoning());
-        sse_stream(connect, decoder, transport.idle_timeout, ctx)
+        let idle = match self.reasoning_fields(request) {
+            (None, None) => transport.idle_timeout,
+            _ => transport.idle_timeout.max(self.reasoning_idle_timeout),
+        };
+        sse_stream(connect, decoder, idle, ctx)
     }
 }
 
