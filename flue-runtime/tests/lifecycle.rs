@@ -1443,6 +1443,74 @@ async fn user_log_reaches(count: usize) -> Vec<String> {
     panic!("the user hooks did not run: {:?}", USER_LOG.lock().unwrap());
 }
 
+#[hook(filter_messages)]
+async fn reads_the_mood(state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    assert_eq!(state.get_value("mood").await.unwrap(), None);
+    messages
+}
+
+#[agent(hooks = [reads_the_mood])]
+fn moody() -> &'static str {
+    use_model("scripted/x");
+    use_tool(flaky);
+    "M"
+}
+
+/// The memory store, counting reads of a whole stream.
+struct CountingReads {
+    inner: MemoryStore,
+    whole: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl flue_runtime::store::Store for CountingReads {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
+        request_abort, append, put_attachment, attachment, user_value, set_user_value,
+        list_user_values, create_child,
+    );
+
+    fn read(
+        &self,
+        key: &InstanceKey,
+        after: Option<u64>,
+    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
+        if after.is_none() {
+            self.whole.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.inner.read(key, after)
+    }
+}
+
+#[tokio::test]
+async fn a_hook_reading_the_thread_at_every_turn_reads_the_stream_once_per_attempt() {
+    let whole = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let store = CountingReads {
+        inner: MemoryStore::new(),
+        whole: whole.clone(),
+    };
+    let model = ScriptedModel::new([
+        ScriptedReply::text("hello"),
+        ScriptedReply::tool_call("flaky", json!({"fail": false})),
+        ScriptedReply::tool_call("flaky", json!({"fail": false})),
+        ScriptedReply::tool_call("flaky", json!({"fail": false})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_on(store, &model, vec![moody.into()]);
+    let handle = runtime.init(&moody, "m");
+    handle.send("hi").await.unwrap();
+    let before = whole.load(std::sync::atomic::Ordering::SeqCst);
+    // Four model calls, each after a filter_messages that reads the thread.
+    handle.send("work").await.unwrap();
+    assert_eq!(model.requests().len(), 5);
+    assert_eq!(
+        whole.load(std::sync::atomic::Ordering::SeqCst) - before,
+        1,
+        "the thread state re-read the whole stream for each read"
+    );
+}
+
 #[tokio::test]
 async fn user_ids_keys_and_prefixes_with_control_characters_are_refused_before_the_store() {
     let runtime = Runtime::builder().store(MemoryStore::new()).build().unwrap();

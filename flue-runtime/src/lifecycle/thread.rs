@@ -42,6 +42,9 @@ pub(crate) struct ThreadWriter {
     record_ids: (Arc<str>, Arc<str>),
     lock: tokio::sync::Mutex<()>,
     unfolded: Mutex<Vec<Batch>>,
+    /// The stream as the thread state's reads last folded it, and the offset it reached:
+    /// each read folds only what was appended since (made at the first read).
+    folded: tokio::sync::Mutex<Option<(Conversation, Option<u64>)>>,
 }
 
 impl ThreadWriter {
@@ -61,6 +64,7 @@ impl ThreadWriter {
             record_ids,
             lock: tokio::sync::Mutex::new(()),
             unfolded: Mutex::new(Vec::new()),
+            folded: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -136,14 +140,18 @@ impl ThreadWriter {
         );
     }
 
-    /// The durable conversation, folded from the whole stream.
-    async fn fold(&self) -> Result<Conversation, ThreadError> {
-        let batches = self.store.read(&self.key, None).await.map_err(store_error)?;
-        let mut conversation = Conversation::default();
+    /// `read` of the durable conversation, folded from the whole stream. The fold is kept
+    /// between reads and brought up to date with what was appended since, so a hook reading
+    /// the thread at every turn does not re-read and re-fold the conversation each time.
+    async fn with_fold<T>(&self, read: impl FnOnce(&Conversation) -> T) -> Result<T, ThreadError> {
+        let mut folded = self.folded.lock().await;
+        let (conversation, reached) = folded.get_or_insert_with(|| (Conversation::default(), None));
+        let batches = self.store.read(&self.key, *reached).await.map_err(store_error)?;
         for batch in &batches {
             conversation.apply(batch);
+            *reached = Some(batch.offset);
         }
-        Ok(conversation)
+        Ok(read(conversation))
     }
 }
 
@@ -274,13 +282,14 @@ impl ThreadStateApi for RuntimeThread {
 
     fn get_messages(&self, query: MessagesQuery) -> BoxFuture<'_, Result<MessagePage, ThreadError>> {
         Box::pin(async move {
-            let conversation = self.writer.fold().await?;
-            Ok(MessagePage::of(conversation.rows(), &query))
+            self.writer
+                .with_fold(|conversation| MessagePage::of(conversation.rows(), &query))
+                .await
         })
     }
 
     fn get_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Message>, ThreadError>> {
-        Box::pin(async move { Ok(self.writer.fold().await?.find_row(id)) })
+        Box::pin(async move { self.writer.with_fold(|conversation| conversation.find_row(id)).await })
     }
 
     fn inject_message(&self, input: InjectMessage) -> BoxFuture<'_, Result<Message, ThreadError>> {
@@ -340,7 +349,11 @@ impl ThreadStateApi for RuntimeThread {
     ) -> BoxFuture<'a, Result<Message, ThreadError>> {
         Box::pin(async move {
             check_updates(&updates)?;
-            if self.writer.fold().await?.find_row(id).is_none() {
+            if !self
+                .writer
+                .with_fold(|conversation| conversation.find_row(id).is_some())
+                .await?
+            {
                 return Err(ThreadError::MessageNotFound(id.to_owned()));
             }
             let hooks = self.hooks();
@@ -356,9 +369,8 @@ impl ThreadStateApi for RuntimeThread {
             .await?;
             let row = self
                 .writer
-                .fold()
+                .with_fold(|conversation| conversation.find_row(id))
                 .await?
-                .find_row(id)
                 .ok_or_else(|| ThreadError::MessageNotFound(id.to_owned()))?;
             chain::after_update_message(&hooks, &state, &row).await;
             Ok(row)
@@ -367,7 +379,11 @@ impl ThreadStateApi for RuntimeThread {
 
     fn delete_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, ThreadError>> {
         Box::pin(async move {
-            if self.writer.fold().await?.find_row(id).is_none() {
+            if !self
+                .writer
+                .with_fold(|conversation| conversation.find_row(id).is_some())
+                .await?
+            {
                 return Ok(false);
             }
             self.append(vec![self.writer.record(RecordBody::MessageDeleted {
@@ -450,7 +466,11 @@ impl ThreadStateApi for RuntimeThread {
     }
 
     fn get_value<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Value>, ThreadError>> {
-        Box::pin(async move { Ok(self.writer.fold().await?.values.get(key).cloned()) })
+        Box::pin(async move {
+            self.writer
+                .with_fold(|conversation| conversation.values.get(key).cloned())
+                .await
+        })
     }
 
     fn set_value<'a>(&'a self, key: &'a str, value: Option<Value>) -> BoxFuture<'a, Result<(), ThreadError>> {
