@@ -141,6 +141,33 @@ fn a_refused_store_keeps_its_journal_mode() {
 }
 
 #[tokio::test]
+async fn a_claim_reads_only_the_head_of_the_queue() {
+    use flue_runtime::store::{Claim, InstanceKey, now_ms};
+    let path = scratch_db();
+    let store = SqliteStore::open(&path).unwrap();
+    let key = InstanceKey::new("agent", "queue");
+    for id in ["q-1", "q-2", "q-3"] {
+        store.admit(admission(&key, id, "hello")).await.unwrap();
+    }
+    // A row behind the head that no longer parses (hand-edited, or written by a newer build)
+    // does not stop the head from being claimed.
+    raw(&path)
+        .execute("UPDATE flue_submissions SET data = 'not json' WHERE id = 'q-2'", [])
+        .unwrap();
+    let claim = Claim {
+        attempt_id: "attempt-1".into(),
+        owner_id: "node".into(),
+        lease_until_ms: now_ms() + 30_000,
+    };
+    let claimed = store
+        .claim_next(&key, &claim)
+        .await
+        .unwrap()
+        .expect("the head is claimed");
+    assert_eq!(claimed.id, "q-1");
+}
+
+#[tokio::test]
 async fn a_conversation_survives_reopening_the_database() {
     use flue_runtime::message::DeliveredMessage;
     use flue_runtime::store::InstanceKey;

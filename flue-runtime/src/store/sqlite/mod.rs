@@ -9,6 +9,9 @@
 //! (see [`Checkpointer`]): a stall of two fsyncs, a few milliseconds on a virtual disk, about
 //! once per 130 exchanges of the `turn_overhead` benchmark. Statements are
 //! prepared once per connection (rusqlite's statement cache), `BEGIN` and `COMMIT` included.
+//! [`SqliteStore::with_full_sync`] makes every commit wait for its WAL frames to reach the
+//! disk (`synchronous = FULL`), so a committed transaction survives a power loss or an OS
+//! crash too, at one fsync per durability point.
 //!
 //! The file belongs to one runtime process: on Unix its connections use SQLite's `unix-excl`
 //! VFS, which locks the file exclusively for the process and lets the process's connections
@@ -361,8 +364,8 @@ fn number_streams(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
 /// Puts the deliveries of `key` claimed into `host` but never applied back in the queue.
 fn revert_joining(tx: &Connection, key: &InstanceKey, host: &str) -> Result<usize, StoreError> {
     let mut reverted = 0;
-    for mut joining in unsettled(tx, key)? {
-        if joining.joined_into.as_deref() == Some(host) && joining.status == SubmissionStatus::Joining {
+    for mut joining in unsettled_in(tx, key, SubmissionStatus::Joining)? {
+        if joining.joined_into.as_deref() == Some(host) {
             joining.status = SubmissionStatus::Queued;
             joining.joined_into = None;
             write_submission(tx, &joining)?;
@@ -423,6 +426,16 @@ impl SqliteStore {
         store.lock().wal_hook(Some(note_wal_frames));
         store.checkpointer = Some(Checkpointer::start(path)?);
         Ok(store)
+    }
+
+    /// Makes every commit wait for its WAL frames to reach the disk (`synchronous = FULL`).
+    /// By default (`NORMAL`) a committed transaction survives a crash of the process, and a
+    /// power loss or an OS crash may lose the last ones before the next checkpoint; with full
+    /// sync it survives those too, at the cost of an fsync per durability point (about six
+    /// per exchange).
+    pub fn with_full_sync(self) -> Result<Self, StoreError> {
+        self.lock().execute_batch("PRAGMA synchronous = FULL;").map_err(sql)?;
+        Ok(self)
     }
 
     /// The default store of a runtime: `.flue/flue.db` under the working directory.
@@ -686,19 +699,42 @@ fn submissions(
         .collect()
 }
 
-/// The instance's unsettled submissions other than `id` (a settling host, already read), in
-/// admission order: the host's state is not parsed twice.
-fn unsettled_besides(transaction: &Connection, key: &InstanceKey, id: &str) -> Result<Vec<Submission>, StoreError> {
+/// The instance's submissions in `status`, in admission order. (`status <> 'settled'` lets
+/// SQLite use the unsettled index, whose condition a query must state.)
+fn unsettled_in(
+    transaction: &Connection,
+    key: &InstanceKey,
+    status: SubmissionStatus,
+) -> Result<Vec<Submission>, StoreError> {
     submissions(
         transaction,
-        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND id <> ?3 ORDER BY sequence",
-        params![key.agent, key.id, id],
+        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND status = ?3 ORDER BY sequence",
+        params![key.agent, key.id, status_name(status)],
     )
+}
+
+/// Whether the instance has a submission in `status`, read from the columns alone.
+fn has_unsettled_in(transaction: &Connection, key: &InstanceKey, status: SubmissionStatus) -> Result<bool, StoreError> {
+    transaction
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM flue_submissions
+                 WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND status = ?3)",
+        )
+        .map_err(sql)?
+        .query_row(params![key.agent, key.id, status_name(status)], |row| row.get(0))
+        .map_err(sql)
 }
 
 /// Starts an attempt of the instance's head, when it is queued.
 fn claim_head(transaction: &Connection, key: &InstanceKey, claim: &Claim) -> Result<Option<Submission>, StoreError> {
-    let Some(mut head) = unsettled(transaction, key)?.into_iter().next() else {
+    // Only the head is read: the rows queued behind it (their messages, images included)
+    // are not parsed at every claim.
+    let Some(mut head) = submissions(
+        transaction,
+        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence LIMIT 1",
+        params![key.agent, key.id],
+    )?
+    .pop() else {
         return Ok(None);
     };
     if head.status != SubmissionStatus::Queued {
@@ -1043,10 +1079,7 @@ impl Store for SqliteStore {
                 return Ok(Vec::new());
             };
             let mut claimed = Vec::new();
-            for mut row in unsettled(tx, &host_row.key)?
-                .into_iter()
-                .filter(|row| row.status == SubmissionStatus::Queued)
-            {
+            for mut row in unsettled_in(tx, &host_row.key, SubmissionStatus::Queued)? {
                 if row.abort_requested {
                     break;
                 }
@@ -1095,10 +1128,15 @@ impl Store for SqliteStore {
             if !records.is_empty() {
                 append_batch(tx, &host_row.key, &records, None)?;
             }
-            let mut queued = false;
-            for mut row in unsettled_besides(tx, &host_row.key, &host.submission_id)? {
+            // Only the rows that may have joined this response are parsed; the queue behind it
+            // is looked at through its columns.
+            let mut queued = has_unsettled_in(tx, &host_row.key, SubmissionStatus::Queued)?;
+            let joins = [SubmissionStatus::Joined, SubmissionStatus::Joining]
+                .into_iter()
+                .map(|status| unsettled_in(tx, &host_row.key, status))
+                .collect::<Result<Vec<_>, _>>()?;
+            for mut row in joins.into_iter().flatten() {
                 if row.joined_into.as_deref() != Some(host.submission_id.as_str()) {
-                    queued |= row.status == SubmissionStatus::Queued;
                     continue;
                 }
                 match row.status {
@@ -1477,6 +1515,26 @@ mod tests {
                     .map_err(sql)
             })
             .unwrap()
+    }
+
+    #[test]
+    fn full_sync_is_set_on_the_writing_connection_and_normal_is_the_default() {
+        let dir = std::env::temp_dir().join(format!("flue-sqlite-sync-{}", new_id("t")));
+        let synchronous = |store: &SqliteStore| -> i64 {
+            store
+                .lock()
+                .query_row("PRAGMA synchronous", [], |row| row.get(0))
+                .unwrap()
+        };
+        let store = SqliteStore::open(dir.join("default.db")).unwrap();
+        assert_eq!(synchronous(&store), 1, "NORMAL");
+        let store = SqliteStore::open(dir.join("full.db"))
+            .unwrap()
+            .with_full_sync()
+            .unwrap();
+        assert_eq!(synchronous(&store), 2, "FULL");
+        drop(store);
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     fn insert_instance(connection: &Connection, id: &str) -> Result<(), StoreError> {
