@@ -292,3 +292,82 @@ async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survive
     assert_eq!(next_turn["messages"][1]["content"][0], signed);
     assert_eq!(next_turn["thinking"]["type"], "enabled");
 }
+
+#[agent]
+fn routed_thinker() -> &'static str {
+    use_model_with(
+        "openrouter/google/gemini-3-pro",
+        ModelOptions::thinking(ThinkingLevel::High),
+    );
+    use_tool(get_weather);
+    "You think, then report the weather."
+}
+
+fn routed_runtime(server: &FixtureServer, store: SqliteStore) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(
+        OpenAiProvider::openrouter()
+            .with_base_url(server.base_url())
+            .with_api_key("test-key")
+            .with_retry_policy(RetryPolicy::new(3, std::time::Duration::from_millis(1))),
+    );
+    Runtime::builder()
+        .store(store)
+        .agent(routed_thinker)
+        .providers(providers)
+        .build()
+        .unwrap()
+}
+
+/// OpenRouter wants a step's reasoning details back in the next call of its tool loop (Gemini
+/// and Claude through it refuse the call without them): the runtime stores them with the step,
+/// sends them back, keeps them across a restart, and shows observers no encrypted data.
+#[tokio::test]
+async fn openrouter_reasoning_details_go_back_within_the_tool_loop_and_survive_a_restart() {
+    let db = scratch::dir("openrouter-details").join("flue.db");
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::raw_sse([
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"reasoning\":\"Paris.\",\"reasoning_details\":[{\"type\":\"reasoning.text\",\"text\":\"Paris.\",\"format\":\"google-gemini-v1\",\"index\":0}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"reasoning_details\":[{\"type\":\"reasoning.encrypted\",\"data\":\"sealed\",\"format\":\"google-gemini-v1\",\"index\":1}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}}]}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n",
+        "data: [DONE]\n\n",
+    ]));
+    server.push(FixtureReply::openai_text("Sunny in Paris."));
+    let details = json!([
+        {"type": "reasoning.text", "text": "Paris.", "format": "google-gemini-v1", "index": 0},
+        {"type": "reasoning.encrypted", "data": "sealed", "format": "google-gemini-v1", "index": 1},
+    ]);
+    {
+        let runtime = routed_runtime(&server, SqliteStore::open(&db).unwrap());
+        let mut events = runtime.observe();
+        let reply = runtime
+            .init(&routed_thinker, "r")
+            .send("Weather in Paris?")
+            .await
+            .unwrap();
+        assert_eq!(reply.text, "Sunny in Paris.");
+        let loop_call = &server.requests()[1].body;
+        assert_eq!(loop_call["messages"][2]["reasoning_details"], details, "{loop_call}");
+        let mut ended = None;
+        while let Ok(observation) = events.try_recv() {
+            if let Event::MessageEnd {
+                message: ModelMessage::Assistant {
+                    tool_calls, reasoning, ..
+                },
+            } = observation.event
+                && !tool_calls.is_empty()
+            {
+                ended = Some(serde_json::to_value(reasoning).unwrap());
+            }
+        }
+        let ended = ended.expect("the tool-calling step ended");
+        assert!(!ended.to_string().contains("sealed"), "{ended}");
+        assert_eq!(ended[1]["detail"]["data"], REASONING_DATA_OMITTED);
+        runtime.shutdown();
+    }
+    server.push(FixtureReply::openai_text("Still sunny."));
+    let runtime = routed_runtime(&server, SqliteStore::open(&db).unwrap());
+    runtime.init(&routed_thinker, "r").send("And now?").await.unwrap();
+    assert_eq!(server.requests()[2].body["messages"][2]["reasoning_details"], details);
+}

@@ -631,7 +631,7 @@ fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<
                         }
                         ReasoningBlock::Redacted { data } => Some(Block::RedactedThinking { data }),
                         // Another provider's unsigned reasoning: not Anthropic's to read.
-                        ReasoningBlock::Text { .. } => None,
+                        ReasoningBlock::Text { .. } | ReasoningBlock::Detail { .. } => None,
                     }));
                 }
                 blocks.extend(text_block(text));

@@ -32,7 +32,10 @@
 //!
 //! A step's reasoning goes back with it as `reasoning_content` when the provider echoes
 //! reasoning ([`with_reasoning_echo`](OpenAiProvider::with_reasoning_echo): on by default for
-//! DeepSeek's API, whose thinking mode requires it within a tool loop).
+//! DeepSeek's API, whose thinking mode requires it within a tool loop). OpenRouter's streamed
+//! `delta.reasoning_details` are built up by their `index` (text, summary and data appended)
+//! and go back with their step as `reasoning_details`, unchanged: Gemini and Claude through
+//! OpenRouter refuse a tool loop's next call without them.
 //!
 //! How the streamed chunks map to [`StreamEvent`]s: `delta.content` → `TextDelta`;
 //! `delta.reasoning` or `delta.reasoning_content` → `ReasoningDelta`; `delta.tool_calls[]` →
@@ -382,6 +385,14 @@ fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
                 ReasoningBlock::Text { text } => Some(text.as_str()),
                 _ => None,
             }),
+            // Only OpenRouter streams them, and it wants them back.
+            reasoning_details: reasoning
+                .iter()
+                .filter_map(|block| match block {
+                    ReasoningBlock::Detail { detail } => Some(detail),
+                    _ => None,
+                })
+                .collect(),
             tool_calls: tool_calls
                 .iter()
                 .map(|call| ChatToolCall {
@@ -443,6 +454,8 @@ enum ChatMessage<'a> {
         content: Option<&'a str>,
         #[serde(skip_serializing_if = "Option::is_none")]
         reasoning_content: Option<&'a str>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        reasoning_details: Vec<&'a serde_json::Map<String, Value>>,
         #[serde(skip_serializing_if = "Vec::is_empty")]
         tool_calls: Vec<ChatToolCall<'a>>,
     },
@@ -633,6 +646,8 @@ struct ChatDecoder {
     failed: bool,
     /// Whether the reasoning is kept to go back with the step.
     reasoning_echo: bool,
+    /// OpenRouter's reasoning details so far, built up by their `index`.
+    details: Vec<serde_json::Map<String, Value>>,
 }
 
 impl ChatDecoder {
@@ -650,6 +665,31 @@ impl ChatDecoder {
             choice_seen: false,
             failed: false,
             reasoning_echo,
+            details: Vec::new(),
+        }
+    }
+
+    /// Takes one streamed reasoning detail: a continuation of the detail of its `index` and
+    /// `type` (its text, summary or data appended, other fields set), or a new one.
+    fn reasoning_detail(&mut self, item: serde_json::Map<String, Value>) {
+        let index = item.get("index").and_then(Value::as_u64);
+        let same = index.and_then(|index| {
+            self.details.iter_mut().find(|detail| {
+                detail.get("index").and_then(Value::as_u64) == Some(index) && detail.get("type") == item.get("type")
+            })
+        });
+        let Some(detail) = same else {
+            self.details.push(item);
+            return;
+        };
+        for (field, value) in item {
+            match (field.as_str(), detail.get_mut(&field), value) {
+                ("text" | "summary" | "data", Some(Value::String(built)), Value::String(more)) => built.push_str(&more),
+                (_, _, Value::Null) => {}
+                (_, _, value) => {
+                    detail.insert(field, value);
+                }
+            }
         }
     }
 
@@ -677,6 +717,9 @@ impl ChatDecoder {
             }
             for call in delta.tool_calls.into_iter().flatten() {
                 self.tool_call(call, out);
+            }
+            for detail in delta.reasoning_details.into_iter().flatten() {
+                self.reasoning_detail(detail);
             }
         }
         if let Some(reason) = choice.finish_reason {
@@ -803,13 +846,18 @@ impl ChatDecoder {
             Some(reason) => reason,
             None => StopReason::Stop,
         };
-        let reasoning_blocks = if self.reasoning_echo && !self.reasoning.is_empty() {
+        let mut reasoning_blocks = if self.reasoning_echo && !self.reasoning.is_empty() {
             vec![ReasoningBlock::Text {
                 text: self.reasoning.clone(),
             }]
         } else {
             Vec::new()
         };
+        reasoning_blocks.extend(
+            std::mem::take(&mut self.details)
+                .into_iter()
+                .map(|detail| ReasoningBlock::Detail { detail }),
+        );
         out.push_back(StreamEvent::Completed(ModelResponse {
             text: std::mem::take(&mut self.text),
             reasoning: std::mem::take(&mut self.reasoning),
@@ -1150,6 +1198,56 @@ mod tests {
             StreamEvent::Completed(response) => Some(response),
             _ => None,
         }))
+    }
+
+    #[test]
+    fn openrouter_reasoning_details_are_built_up_by_index_and_sent_back_with_their_step() {
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"reasoning":"Let me ","reasoning_details":[{"type":"reasoning.text","text":"Let me ","format":"google-gemini-v1","index":0}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"reasoning":"check.","reasoning_details":[{"type":"reasoning.text","text":"check.","index":0}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"reasoning_details":[{"type":"reasoning.encrypted","data":"c2ln","format":"google-gemini-v1","index":1,"id":"tool_1"}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"tool_1","type":"function","function":{"name":"lookup","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        assert_eq!(response.reasoning, "Let me check.");
+        let details: Vec<Value> = response
+            .reasoning_blocks
+            .iter()
+            .map(|block| match block {
+                ReasoningBlock::Detail { detail } => Value::Object(detail.clone()),
+                other => panic!("unexpected block {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            details,
+            [
+                json!({"type": "reasoning.text", "text": "Let me check.", "format": "google-gemini-v1", "index": 0}),
+                json!({"type": "reasoning.encrypted", "data": "c2ln", "format": "google-gemini-v1", "index": 1, "id": "tool_1"}),
+            ]
+        );
+        // The next call of the tool loop carries them with the step, unchanged.
+        let mut call = request("google/gemini-3-pro", ThinkingLevel::Medium);
+        call.messages = vec![
+            ModelMessage::user("look it up"),
+            ModelMessage::Assistant {
+                text: String::new(),
+                tool_calls: response.tool_calls.clone(),
+                reasoning: response.reasoning_blocks.clone(),
+            },
+            ModelMessage::Tool {
+                tool_call_id: "tool_1".into(),
+                name: "lookup".into(),
+                content: "found".into(),
+                is_error: false,
+            },
+        ]
+        .into();
+        let body = OpenAiProvider::openrouter().body(&call);
+        assert_eq!(body["messages"][1]["reasoning_details"], json!(details));
+        // A step without details sends none.
+        assert_eq!(body["messages"][0].get("reasoning_details"), None);
     }
 
     #[test]

@@ -54,6 +54,10 @@ impl ModelRequest {
                                 ReasoningBlock::Thinking { thinking, signature } => thinking.len() + signature.len(),
                                 ReasoningBlock::Redacted { data } => data.len(),
                                 ReasoningBlock::Text { text } => text.len(),
+                                ReasoningBlock::Detail { detail } => detail
+                                    .values()
+                                    .map(|value| value.as_str().map_or(PER_ITEM, str::len))
+                                    .sum(),
                             } + PER_ITEM)
                             .sum::<usize>()
                         + tool_calls
@@ -358,7 +362,8 @@ pub enum ModelMessage {
 /// A block of a model step's reasoning as its provider returned it, kept so the provider
 /// can be sent it back unchanged: Anthropic requires a step's signed thinking blocks in the
 /// next call of a tool-use loop (and checks their signatures) before it thinks again there,
-/// and DeepSeek's thinking mode the step's reasoning text.
+/// DeepSeek's thinking mode the step's reasoning text, and OpenRouter the step's reasoning
+/// details (Gemini and Claude through it refuse a tool loop's next call without them).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ReasoningBlock {
@@ -380,12 +385,19 @@ pub enum ReasoningBlock {
         /// The reasoning text.
         text: String,
     },
+    /// One of OpenRouter's `reasoning_details` (reasoning text, a summary or encrypted
+    /// reasoning, with its `type`, `format`, `index` and any signature), as the stream built
+    /// it up: sent back as it came.
+    Detail {
+        /// The detail object.
+        detail: serde_json::Map<String, serde_json::Value>,
+    },
 }
 
 impl ReasoningBlock {
-    /// Whether the block is signed or encrypted by its provider (Anthropic's kinds).
+    /// Whether the block is Anthropic's signed or encrypted thinking.
     pub fn is_signed(&self) -> bool {
-        !matches!(self, Self::Text { .. })
+        matches!(self, Self::Thinking { .. } | Self::Redacted { .. })
     }
 }
 

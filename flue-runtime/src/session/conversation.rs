@@ -1030,10 +1030,19 @@ impl Conversation {
             }
             ModelMessage::Assistant { reasoning, .. } => {
                 for block in reasoning {
-                    if let ReasoningBlock::Thinking { signature: opaque, .. }
-                    | ReasoningBlock::Redacted { data: opaque } = block
-                    {
-                        crate::events::REASONING_DATA_OMITTED.clone_into(opaque);
+                    match block {
+                        ReasoningBlock::Thinking { signature: opaque, .. }
+                        | ReasoningBlock::Redacted { data: opaque } => {
+                            crate::events::REASONING_DATA_OMITTED.clone_into(opaque);
+                        }
+                        ReasoningBlock::Detail { detail } => {
+                            for field in ["data", "signature"] {
+                                if let Some(opaque) = detail.get_mut(field).filter(|value| value.is_string()) {
+                                    *opaque = crate::events::REASONING_DATA_OMITTED.into();
+                                }
+                            }
+                        }
+                        ReasoningBlock::Text { .. } => {}
                     }
                 }
             }

@@ -47,6 +47,9 @@ pub(super) struct DeltaView<'a> {
     pub(super) reasoning_content: Option<Text<'a>>,
     #[serde(default, borrow)]
     pub(super) tool_calls: Option<Vec<CallView<'a>>>,
+    /// OpenRouter's reasoning details (rare: read as objects, not borrowed).
+    #[serde(default)]
+    pub(super) reasoning_details: Option<Vec<serde_json::Map<String, Value>>>,
 }
 
 #[derive(Debug, Default, PartialEq, Deserialize)]
@@ -139,6 +142,12 @@ impl<'a> ChunkView<'a> {
                         content: content_text(delta.get("content")),
                         reasoning: text(delta.get("reasoning")),
                         reasoning_content: text(delta.get("reasoning_content")),
+                        reasoning_details: delta.get("reasoning_details").and_then(Value::as_array).map(|details| {
+                            details
+                                .iter()
+                                .filter_map(|detail| detail.as_object().cloned())
+                                .collect()
+                        }),
                         tool_calls: delta.get("tool_calls").and_then(Value::as_array).map(|calls| {
                             calls
                                 .iter()
