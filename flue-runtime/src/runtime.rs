@@ -55,7 +55,7 @@ pub enum RuntimeError {
     Run {
         /// The submission.
         submission_id: String,
-        /// `failed` or `aborted`.
+        /// How it ended, as the error's sentence says it: `failed` or `was aborted`.
         outcome: &'static str,
         /// Stable error type.
         error_type: String,

@@ -347,3 +347,73 @@ async fn a_failed_compaction_event_carries_its_error() {
     assert_eq!(error.error_type, "compaction_failed");
     assert!(error.message.contains("no summaries today"), "{}", error.message);
 }
+
+/// A summarizer that never answers.
+struct Stuck;
+
+impl flue_runtime::provider::ModelProvider for Stuck {
+    fn id(&self) -> &str {
+        "stuck"
+    }
+
+    fn stream(&self, _request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        Box::pin(futures_util::stream::pending())
+    }
+}
+
+#[agent]
+fn slow_summaries() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(150),
+                model: Some("stuck/summarizer".into()),
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+#[tokio::test]
+async fn an_abort_during_the_summary_call_settles_the_submission_aborted() {
+    let model = ScriptedModel::new([ScriptedReply::text(long("one")), ScriptedReply::text(long("two"))])
+        .with_context_window(600);
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    providers.register(Stuck);
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(slow_summaries)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&slow_summaries, "s");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let mut events = runtime.observe();
+    let third = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.send(long("third")).await }
+    });
+    loop {
+        if let Event::CompactionStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    assert!(handle.abort().await.unwrap());
+    let error = tokio::time::timeout(std::time::Duration::from_secs(10), third)
+        .await
+        .expect("the submission settles")
+        .unwrap()
+        .unwrap_err();
+    let flue_runtime::RuntimeError::Run {
+        outcome, error_type, ..
+    } = error
+    else {
+        panic!("expected a run error, got {error}");
+    };
+    assert_eq!((outcome, error_type.as_str()), ("was aborted", "submission_aborted"));
+}

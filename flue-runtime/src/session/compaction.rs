@@ -107,7 +107,16 @@ impl Response<'_> {
                 let failure = summary_failed("the summary was empty");
                 return Err(self.compaction_failed(started, failure, Some(response.usage)));
             }
-            Err(error) => return Err(self.compaction_failed(started, summary_failed(&error), None)),
+            Err(error) => {
+                // An abort (or the deadline's) that ended the summary call ends the submission
+                // as aborted (or timed out), not as a failed compaction.
+                let failure = if self.attempt.signal.is_aborted() {
+                    Failure::aborted()
+                } else {
+                    summary_failed(&error)
+                };
+                return Err(self.compaction_failed(started, failure, None));
+            }
         };
         let messages_before = self.conversation.messages.len();
         let mut records = vec![self.record(RecordBody::Compaction {
