@@ -1,8 +1,9 @@
 //! The execution environment an agent attaches with `use_sandbox`.
 //!
 //! A [`SandboxFactory`] is cheap to construct (renders build a fresh one every time); the
-//! expensive [`SandboxFactory::create_sandbox`] runs once per submission. Factories key durable
-//! resources on the instance id so a later submission finds the same workspace.
+//! expensive [`SandboxFactory::create_sandbox_for`] runs once per submission. Factories key
+//! durable resources on the instance (its agent and id) so a later submission finds the same
+//! workspace, and another agent's instance of the same id does not.
 
 use std::fmt;
 use std::sync::Arc;
@@ -15,6 +16,19 @@ use crate::tool::Tool;
 pub trait SandboxFactory: Send + Sync + 'static {
     /// Creates (or reconnects to) the environment of `instance_id`.
     fn create_sandbox(&self, instance_id: &str) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>>;
+
+    /// Creates (or reconnects to) the environment of the instance `instance_id` of `agent`:
+    /// what the runtime calls. By default the id alone chooses it
+    /// ([`create_sandbox`](Self::create_sandbox)); a factory whose environments must not be
+    /// shared by two agents' instances of one id (a user id, say) keys them on both.
+    fn create_sandbox_for(
+        &self,
+        agent: &str,
+        instance_id: &str,
+    ) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>> {
+        let _ = agent;
+        self.create_sandbox(instance_id)
+    }
 
     /// Replaces the framework's default model-facing tool set when it returns `Some`.
     fn tools(&self) -> Option<Vec<Tool>> {

@@ -23,6 +23,38 @@ fn in_memory() -> &'static str {
     "Work with files."
 }
 
+#[agent]
+fn in_memory_neighbour() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::virtual_sandbox());
+    "Work with files too."
+}
+
+#[tokio::test]
+async fn two_agents_instances_of_one_id_do_not_share_an_in_memory_sandbox() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("write", json!({"path": "secret.txt", "content": "for ops only"})),
+        ScriptedReply::text("written"),
+        ScriptedReply::tool_call("read", json!({"path": "secret.txt"})),
+        ScriptedReply::text("looked"),
+        ScriptedReply::tool_call("read", json!({"path": "secret.txt"})),
+        ScriptedReply::text("read back"),
+    ]);
+    let runtime = runtime_with(&model, [in_memory.into(), in_memory_neighbour.into()]);
+    runtime.init(&in_memory, "user-42").send("write it").await.unwrap();
+    runtime
+        .init(&in_memory_neighbour, "user-42")
+        .send("read it")
+        .await
+        .unwrap();
+    let (content, is_error) = last_batch_results(&model.requests()[3]).remove(0);
+    assert!(is_error && !content.contains("for ops only"), "{content}");
+    // The writer's own instance still has it.
+    runtime.init(&in_memory, "user-42").send("read it").await.unwrap();
+    let (content, is_error) = last_batch_results(&model.requests()[5]).remove(0);
+    assert!(!is_error && content.contains("for ops only"), "{content}");
+}
+
 #[tokio::test]
 async fn the_six_tools_work_in_the_in_memory_sandbox_and_keep_within_it() {
     let model = ScriptedModel::new([

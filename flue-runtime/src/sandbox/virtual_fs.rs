@@ -1,5 +1,6 @@
-//! The in-memory environment: a filesystem per instance, kept for the process's lifetime (so
-//! a later submission of the instance finds its files), without command execution. Not
+//! The in-memory environment: a filesystem per instance (per agent and id: two agents'
+//! instances of one id do not share files), kept for the process's lifetime (so a later
+//! submission of the instance finds its files), without command execution. Not
 //! durable: a restart starts every instance's workspace empty (use `sandbox::local` for files
 //! that last).
 
@@ -13,8 +14,12 @@ use super::normalize;
 
 /// Every instance's in-memory filesystem, for the process's lifetime: a factory built afresh
 /// by each render (`use_sandbox(virtual_sandbox())`) finds the instance's files again.
-static WORKSPACES: std::sync::LazyLock<Mutex<HashMap<String, Arc<VirtualSandbox>>>> =
+/// Keyed by agent and instance id (`create_sandbox` alone, without an agent, keys on `""`).
+static WORKSPACES: std::sync::LazyLock<Mutex<HashMap<InstanceOf, Arc<VirtualSandbox>>>> =
     std::sync::LazyLock::new(Mutex::default);
+
+/// An instance: its agent and its id.
+type InstanceOf = (String, String);
 
 /// The in-memory sandbox factory (`flue_runtime::sandbox::virtual_sandbox()`).
 #[derive(Clone, Copy, Debug, Default)]
@@ -22,10 +27,18 @@ pub struct VirtualSandboxFactory;
 
 impl SandboxFactory for VirtualSandboxFactory {
     fn create_sandbox(&self, instance_id: &str) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>> {
+        self.create_sandbox_for("", instance_id)
+    }
+
+    fn create_sandbox_for(
+        &self,
+        agent: &str,
+        instance_id: &str,
+    ) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>> {
         let sandbox = WORKSPACES
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .entry(instance_id.to_owned())
+            .entry((agent.to_owned(), instance_id.to_owned()))
             .or_default()
             .clone();
         Box::pin(async move { Ok(sandbox as Arc<dyn Sandbox>) })

@@ -1095,7 +1095,7 @@ impl Response<'_> {
                 };
                 let factory = &declaration.factory;
                 let sandbox = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    factory.create_sandbox(&self.key.id)
+                    factory.create_sandbox_for(&self.key.agent, &self.key.id)
                 })) {
                     Ok(created) => match std::panic::AssertUnwindSafe(created).catch_unwind().await {
                         Ok(created) => created.map_err(|error| unavailable(&error))?,
