@@ -614,12 +614,16 @@ async fn the_child(store: &Arc<dyn Store>, parent: &InstanceKey) -> (Value, Inst
     (link, child)
 }
 
-static TALLIES: [AtomicUsize; 4] = [
+static TALLIES: [AtomicUsize; 5] = [
+    AtomicUsize::new(0),
     AtomicUsize::new(0),
     AtomicUsize::new(0),
     AtomicUsize::new(0),
     AtomicUsize::new(0),
 ];
+
+/// The slot whose parent also declares an optional MCP server that is down.
+const DOWN_MCP_SLOT: usize = 4;
 
 /// A delegate with a counted tool (`tally`), counting into `TALLIES[slot]`.
 fn tallying_delegate(slot: usize) -> Subagent {
@@ -638,16 +642,20 @@ fn tallying_delegate(slot: usize) -> Subagent {
     )
 }
 
-fn tallying_parent(slot: usize) -> impl Fn(AgentProps<'_>) -> &'static str + Send + Sync + 'static {
+fn tallying_parent(slot: usize, down_mcp: bool) -> impl Fn(AgentProps<'_>) -> &'static str + Send + Sync + 'static {
     move |_| {
         use_model("scripted/parent-model");
         use_subagent(tallying_delegate(slot));
+        if down_mcp {
+            // An optional server nothing listens on: each attempt narrates it unavailable.
+            use_mcp_connection(McpConnection::new("docs", "http://127.0.0.1:9/mcp").optional());
+        }
         "Delegate the tally."
     }
 }
 
 fn tallying_agent(name: &'static str, slot: usize) -> AgentRef {
-    FnAgent::new(AgentDefinition::new(name), tallying_parent(slot)).into()
+    FnAgent::new(AgentDefinition::new(name), tallying_parent(slot, false)).into()
 }
 
 /// The delegation every durable-task test scripts: the parent's task call, the child's tool
@@ -756,7 +764,12 @@ async fn tally_through_one_crash(
     let model = tallying_script();
     let store = crashing(backend, commits_calls_of(tool));
     let failures = store.failures.clone();
-    let runtime = harness::runtime_on(store, &model, vec![tallying_agent("ledger", slot)]);
+    let agent = FnAgent::new(
+        AgentDefinition::new("ledger"),
+        tallying_parent(slot, slot == DOWN_MCP_SLOT),
+    )
+    .into();
+    let runtime = harness::runtime_on(store, &model, vec![agent]);
     let reply = runtime.handle("ledger", id).unwrap().send("Tally it.").await.unwrap();
     assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}: the crash happened");
     assert_eq!(reply.text, "The tally is seven.", "{name}");
@@ -825,6 +838,26 @@ async fn a_finished_task_rerun_after_a_crash_returns_its_recorded_answer_without
         let (_, child) = the_child(&store, &InstanceKey::new("ledger", "l-3")).await;
         let records = stream_json(&store, &child).await;
         assert_eq!(of_type(&records, "assistant_message_completed").len(), 2, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn a_finished_task_rerun_beside_an_unavailable_optional_mcp_server_returns_its_recorded_answer() {
+    // As above, with an optional MCP server down: the re-run attempt narrates it unavailable,
+    // which must not close the interrupted batch (and forget its child) before the re-run.
+    for (name, backend) in backends() {
+        let (runtime, model, tallied) = tally_through_one_crash(name, backend, DOWN_MCP_SLOT, "task", "l-5").await;
+        let requests = model.requests();
+        assert_eq!(requests.len(), 4, "{name}: the child's model was not called again");
+        assert_eq!(tallied, 1, "{name}: the child's tool ran once");
+        assert_eq!(
+            harness::last_batch_results(&requests[3]),
+            [("Seven words.".to_owned(), false)],
+            "{name}: the re-run task returned the child's recorded answer"
+        );
+        let store = runtime.store().clone();
+        let parent = stream_json(&store, &InstanceKey::new("ledger", "l-5")).await;
+        assert_eq!(of_type(&parent, "child_session_retained").len(), 1, "{name}: one child");
     }
 }
 

@@ -455,6 +455,7 @@ impl InstanceSlot {
             data_writer_names: None,
             joined: Vec::new(),
             spare: None,
+            deferred: Vec::new(),
             reply: ReplyParts::default(),
             record_ids,
             admissions: &self.wakes,
@@ -815,6 +816,8 @@ struct Response<'a> {
     joined: Vec<String>,
     /// The previous render, reused for the next one's buffers.
     spare: Option<Rendered>,
+    /// Records that wait for an interrupted tool batch's repair (see [`Response::mount_mcp`]).
+    deferred: Vec<Record>,
     /// What the records this attempt committed add to the reply.
     reply: ReplyParts,
     /// The submission and attempt ids its records carry (shared by all of them).
@@ -1182,7 +1185,14 @@ impl Response<'_> {
                     attributes,
                     tag_name: None,
                 });
-                self.commit(vec![signal], false).await?;
+                if self.conversation.open_calls().is_some() {
+                    // An interrupted batch waits for its repair (the render that re-runs it
+                    // mounts the servers): a signal folded before the repair would close its
+                    // calls as interrupted and forget their children and recorded steps.
+                    self.deferred.push(signal);
+                } else {
+                    self.commit(vec![signal], false).await?;
+                }
             }
             self.mcp = Some(sessions);
         }
@@ -1328,6 +1338,11 @@ impl Response<'_> {
                 if let Some(queued_terminate) = self.run_queued_tools(&rendered, &model.spec).await? {
                     terminated = queued_terminate;
                 }
+            }
+            // The repair is done: what waited for it goes now.
+            let deferred = std::mem::take(&mut self.deferred);
+            if !deferred.is_empty() {
+                self.commit(deferred, false).await?;
             }
             let joined = self.join_queued().await?;
             ended = terminated && !joined;
