@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use flue_runtime::lifecycle::UserValuesQuery;
-use flue_runtime::message::DeliveredMessage;
+use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
 use flue_runtime::record::{Outcome, Record, RecordBody, SettlementError};
 use flue_runtime::store::{
     ATTACHMENT_CHUNK_BYTES, Admission, AttachmentPut, AttemptRef, Claim, InstanceKey, Store, StoreError, Submission,
@@ -30,6 +30,10 @@ macro_rules! store_contract {
                     admits_one_queued_dispatch_row_when_the_same_submission_is_replayed,
                     returns_conflict_when_one_submission_id_is_reused_with_another_payload,
                     returns_conflict_when_one_submission_id_is_reused_with_other_initial_data_or_kind,
+                    round_trips_a_dispatched_user_message_with_attachments,
+                    returns_conflict_when_one_submission_id_is_replayed_with_different_attachment_bytes,
+                    round_trips_direct_submission_images,
+                    rejects_replay_when_a_direct_submission_image_has_different_bytes,
                     creates_the_instance_with_a_birth_record_once,
                     concurrent_first_admissions_create_one_instance_with_one_birth_record,
                     keeps_the_admitting_requests_trace_context_on_the_submission,
@@ -296,6 +300,135 @@ pub async fn returns_conflict_when_one_submission_id_is_reused_with_other_initia
             .map(|_| ()),
         Err(StoreError::SubmissionConflict("dispatch-3".into()))
     );
+}
+
+/// An image attachment of `bytes` as a delivery carries it (base64, with its media type).
+fn image_attachment(bytes: &[u8], media_type: &str, filename: Option<&str>) -> Attachment {
+    use base64::Engine as _;
+    Attachment::Image {
+        data: base64::engine::general_purpose::STANDARD.encode(bytes),
+        mime_type: media_type.into(),
+        filename: filename.map(Into::into),
+    }
+}
+
+/// `admission` delivering a user message of `body` with `attachments`.
+fn with_images(admission: Admission, body: &str, attachments: Vec<Attachment>) -> Admission {
+    Admission {
+        message: DeliveredMessage::User(UserMessage {
+            body: body.into(),
+            attachments,
+        }),
+        ..admission
+    }
+}
+
+/// The decoded bytes and media type of every attachment of a stored user message, in order.
+fn stored_images(row: &Submission) -> Vec<(Vec<u8>, String)> {
+    let DeliveredMessage::User(user) = &row.message else {
+        panic!("a user message: {:?}", row.message)
+    };
+    user.attachments
+        .iter()
+        .map(|attachment| (attachment.bytes().unwrap(), attachment.mime_type().to_owned()))
+        .collect()
+}
+
+/// Three images: two small ones of different types, and one past 256 KiB (the chunk size the
+/// reference's stores split attachment data into).
+fn three_images() -> (Vec<Attachment>, Vec<(Vec<u8>, String)>) {
+    let png = vec![137, 80, 78, 71, 13, 10, 26, 10, 0, 255];
+    let jpeg = vec![0xff, 0xd8, 0xff, 0xe0];
+    let large: Vec<u8> = (0..256 * 1024 + 1).map(|i| (i % 251) as u8).collect();
+    let attachments = vec![
+        image_attachment(&png, "image/png", Some("a.png")),
+        image_attachment(&jpeg, "image/jpeg", None),
+        image_attachment(&large, "image/png", Some("large.png")),
+    ];
+    let expected = vec![
+        (png, "image/png".to_owned()),
+        (jpeg, "image/jpeg".to_owned()),
+        (large, "image/png".to_owned()),
+    ];
+    (attachments, expected)
+}
+
+pub async fn round_trips_a_dispatched_user_message_with_attachments(store: Factory) {
+    let (attachments, expected) = three_images();
+    let input = with_images(dispatch("dispatch-1"), "look at these", attachments);
+    let admitted = admit(&store, input.clone()).await;
+    assert_eq!(admitted.message, input.message);
+    let stored = row(&store, "dispatch-1").await;
+    assert_eq!(stored, admitted, "the stored row is the admitted one");
+    assert_eq!(stored_images(&stored), expected, "bytes and media types read back");
+    let replay = store.admit(input.clone()).await.unwrap();
+    assert!(replay.deduplicated, "an exact replay, images included, converges");
+    assert_eq!(replay.submission, stored);
+    let claimed = store
+        .claim_next(&key("assistant", "agent-1"), &claim("a1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.message, input.message, "the attempt gets the images");
+}
+
+pub async fn returns_conflict_when_one_submission_id_is_replayed_with_different_attachment_bytes(store: Factory) {
+    let first = image_attachment(&[1, 2, 3, 4], "image/png", Some("a.png"));
+    let input = with_images(dispatch("dispatch-1"), "look", vec![first.clone()]);
+    store.admit(input.clone()).await.unwrap();
+    let conflict = Err(StoreError::SubmissionConflict("dispatch-1".into()));
+    let others = [
+        vec![image_attachment(&[1, 2, 3, 5], "image/png", Some("a.png"))],
+        vec![first.clone(), image_attachment(&[9], "image/png", None)],
+        Vec::new(),
+    ];
+    for attachments in others {
+        let replay = with_images(dispatch("dispatch-1"), "look", attachments.clone());
+        assert_eq!(store.admit(replay).await.map(|_| ()), conflict, "{attachments:?}");
+    }
+    assert_eq!(
+        stored_images(&row(&store, "dispatch-1").await),
+        [(vec![1, 2, 3, 4], "image/png".to_owned())],
+        "the first bytes stay"
+    );
+    assert!(store.admit(input).await.unwrap().deduplicated);
+}
+
+pub async fn round_trips_direct_submission_images(store: Factory) {
+    let (attachments, expected) = three_images();
+    let direct = admission("direct-1", "assistant", "agent-1", SubmissionKind::Direct, "Hello");
+    let input = with_images(direct, "Hello", attachments);
+    let admitted = admit(&store, input.clone()).await;
+    assert_eq!(admitted.kind, SubmissionKind::Direct);
+    assert_eq!(admitted.message, input.message);
+    let stored = row(&store, "direct-1").await;
+    assert_eq!(
+        stored, admitted,
+        "the stored row, accepted_at included, is the admitted one"
+    );
+    assert_eq!(stored_images(&stored), expected, "bytes and media types read back");
+    let replay = store.admit(input).await.unwrap();
+    assert!(replay.deduplicated);
+    assert_eq!(replay.submission, stored);
+}
+
+pub async fn rejects_replay_when_a_direct_submission_image_has_different_bytes(store: Factory) {
+    let direct = || admission("direct-1", "assistant", "agent-1", SubmissionKind::Direct, "Hello");
+    let input = with_images(direct(), "Hello", vec![image_attachment(&[7; 64], "image/webp", None)]);
+    store.admit(input.clone()).await.unwrap();
+    let mut other = vec![7; 64];
+    other[63] = 8;
+    let replay = with_images(direct(), "Hello", vec![image_attachment(&other, "image/webp", None)]);
+    assert_eq!(
+        store.admit(replay).await.map(|_| ()),
+        Err(StoreError::SubmissionConflict("direct-1".into()))
+    );
+    assert_eq!(
+        stored_images(&row(&store, "direct-1").await),
+        [(vec![7; 64], "image/webp".to_owned())],
+        "the first bytes stay"
+    );
+    assert!(store.admit(input).await.unwrap().deduplicated);
 }
 
 pub async fn keeps_the_admitting_requests_trace_context_on_the_submission(store: Factory) {
