@@ -91,6 +91,7 @@ macro_rules! store_contract {
                     settles_with_its_records_in_the_same_step,
                     lists_instances_with_queued_work,
                     stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts,
+                    keeps_a_custom_attempt_budget_and_timeout_through_admission_and_claims,
                     an_admission_with_a_claim_claims_the_idle_instances_head_in_the_same_step,
                     an_admission_with_a_claim_claims_nothing_behind_earlier_unsettled_work,
                     returns_the_original_bytes_when_an_exact_conversation_attachment_is_put,
@@ -1691,6 +1692,80 @@ pub async fn stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_
         .unwrap()
         .unwrap();
     assert_eq!(again.timeout_at_ms, deadline, "a later claim keeps it");
+}
+
+/// An agent's own durability rather than the defaults (10 attempts, one hour): the attempt
+/// budget and the wall-clock budget are stamped at admission and kept through every claim.
+/// The values reach past 32 bits (an attempt budget past `i32`, a timeout past `u32`
+/// milliseconds), which a narrow column would not keep.
+pub async fn keeps_a_custom_attempt_budget_and_timeout_through_admission_and_claims(store: Factory) {
+    let budgets = [
+        ("tight", 1_u32, 1_500_u64, false),
+        ("wide", u32::MAX, 5_000_000_000_u64, true),
+    ];
+    for (instance, max_attempts, timeout_ms, claim_at_admission) in budgets {
+        let id = format!("{instance}-1");
+        let stream = key("assistant", instance);
+        let input = Admission {
+            max_attempts,
+            timeout_ms,
+            claim: claim_at_admission.then(|| claim("a1")),
+            ..admission(&id, "assistant", instance, SubmissionKind::Dispatch, "test.event")
+        };
+        let before = now_ms();
+        let admitted = store.admit(input).await.unwrap();
+        let durability = |row: &Submission| (row.max_attempts, row.timeout_ms);
+        assert_eq!(
+            durability(&admitted.submission),
+            (max_attempts, timeout_ms),
+            "{instance}"
+        );
+        assert_eq!(
+            admitted.submission.timeout_at_ms, 0,
+            "{instance}: no deadline before a claim"
+        );
+        let claimed = match admitted.claimed {
+            Some(claimed) => claimed,
+            None => {
+                let queued = row(&store, &id).await;
+                assert_eq!(
+                    (durability(&queued), queued.timeout_at_ms),
+                    ((max_attempts, timeout_ms), 0),
+                    "{instance}: read back after admission"
+                );
+                store.claim_next(&stream, &claim("a1")).await.unwrap().unwrap()
+            }
+        };
+        let deadline = claimed.timeout_at_ms;
+        assert_eq!(durability(&claimed), (max_attempts, timeout_ms), "{instance}");
+        assert!(
+            (before + timeout_ms..=now_ms() + timeout_ms).contains(&deadline),
+            "{instance}: the deadline is the first claim plus the custom budget: {deadline}"
+        );
+        assert_eq!(row(&store, &id).await, claimed, "{instance}: read back after the claim");
+        let reclaimed = store
+            .reclaim(&id, "a1", &claim("a2"), after_the_lease())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (durability(&reclaimed), reclaimed.timeout_at_ms, reclaimed.attempt_count),
+            ((max_attempts, timeout_ms), deadline, 2),
+            "{instance}: a takeover keeps the budget"
+        );
+        assert!(store.requeue(&attempt(&id, "a2")).await.unwrap());
+        let again = store.claim_next(&stream, &claim("a3")).await.unwrap().unwrap();
+        assert_eq!(
+            (durability(&again), again.timeout_at_ms, again.attempt_count),
+            ((max_attempts, timeout_ms), deadline, 3),
+            "{instance}: a claim after a requeue keeps the budget"
+        );
+        assert_eq!(
+            row(&store, &id).await,
+            again,
+            "{instance}: read back after the last claim"
+        );
+    }
 }
 
 // ---- claiming at admission --------------------------------------------------------------------
