@@ -54,6 +54,7 @@ macro_rules! store_contract {
                     extends_lease_timestamp_for_owned_running_submissions,
                     ignores_submissions_owned_by_a_different_coordinator,
                     leaves_the_lease_of_an_attempt_the_owner_no_longer_runs_to_expire,
+                    ignores_settled_submissions_when_renewing_leases,
                     returns_running_submissions_with_expired_leases,
                     excludes_submissions_with_future_lease_expiry,
                     excludes_settled_submissions,
@@ -893,6 +894,61 @@ pub async fn leaves_the_lease_of_an_attempt_the_owner_no_longer_runs_to_expire(s
         before,
         "a2 is not running any more"
     );
+}
+
+/// A settled row's lease is not renewed, even when its owner names its attempt (a late
+/// heartbeat), and the renewal does not bring it back as running or expired.
+pub async fn ignores_settled_submissions_when_renewing_leases(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    admit(
+        &store,
+        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
+    )
+    .await;
+    for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
+        store
+            .claim_next(&key("assistant", instance), &claim(attempt))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    settle(&store, &attempt("d-1", "a1"), Outcome::Completed, None).await;
+    let settled = row(&store, "d-1").await;
+    let later = now_ms() + 90_000;
+    let renewed = store
+        .renew_leases("owner-a", &["a1".to_owned(), "a2".to_owned()], later)
+        .await
+        .unwrap();
+    assert_eq!(renewed, 1, "only the running submission");
+    assert_eq!(row(&store, "d-2").await.lease_until_ms, later);
+    assert_eq!(row(&store, "d-1").await, settled, "the settled row is untouched");
+    assert_eq!(
+        store.renew_leases("owner-a", &["a1".to_owned()], later).await.unwrap(),
+        0
+    );
+    assert_eq!(row(&store, "d-1").await, settled);
+    let expired = store.expired(later + 60_000).await.unwrap();
+    assert_eq!(
+        expired.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(),
+        ["d-2"],
+        "the settled row is never listed as expired"
+    );
+    assert!(
+        store
+            .reclaim("d-1", "a1", &claim("a3"), later + 60_000)
+            .await
+            .unwrap()
+            .is_none(),
+        "nor taken over"
+    );
+    assert!(
+        store
+            .claim_next(&key("assistant", "agent-1"), &claim("a4"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(row(&store, "d-1").await, settled);
 }
 
 pub async fn returns_running_submissions_with_expired_leases(store: Factory) {
