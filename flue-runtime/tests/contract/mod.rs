@@ -81,6 +81,7 @@ macro_rules! store_contract {
                     round_trips_a_batch_larger_than_a_backend_cell_size_cap,
                     authorizes_a_submission_owned_append_for_the_running_claimed_attempt,
                     rejects_a_submission_owned_append_from_a_stale_attempt,
+                    fences_the_attempt_a_takeover_replaced_and_accepts_its_successor,
                     rejects_a_submission_owned_append_for_an_unknown_submission,
                     rejects_an_empty_batch,
                     creates_a_child_stream_and_its_parent_link_in_one_step,
@@ -1440,6 +1441,179 @@ pub async fn rejects_a_submission_owned_append_from_a_stale_attempt(store: Facto
         store.read(&key("assistant", "agent-1"), None).await.unwrap().len(),
         1,
         "stream unchanged"
+    );
+}
+
+/// A real takeover, as the runtime's scan does it: the host's lease runs out, another node
+/// lists it expired and reclaims it under a new attempt. Every write of the dead attempt is
+/// then refused (its appends and settlement fenced, its join claims and finalizations
+/// answered with nothing), and the new attempt's are accepted. Unlike
+/// [`rejects_a_submission_owned_append_from_a_stale_attempt`], the stale attempt did own the
+/// submission.
+pub async fn fences_the_attempt_a_takeover_replaced_and_accepts_its_successor(store: Factory) {
+    let stream = key("assistant", "agent-1");
+    admit(&store, dispatch("host-1")).await;
+    let short = Claim {
+        attempt_id: "attempt-1".into(),
+        owner_id: "owner-a".into(),
+        lease_until_ms: now_ms() + 200,
+    };
+    store.claim_next(&stream, &short).await.unwrap().unwrap();
+    let dead = attempt("host-1", "attempt-1");
+    admit(&store, dispatch("joining-1")).await;
+    assert_eq!(
+        store.claim_joinable(&dead).await.unwrap().len(),
+        1,
+        "claimed before it died"
+    );
+    store
+        .append(
+            &stream,
+            vec![record(Some("host-1"), Some("attempt-1"), user("before"))].into(),
+            Some(&dead),
+        )
+        .await
+        .unwrap();
+    admit(&store, dispatch("queued-1")).await;
+
+    // The lease runs out; another node's scan finds it and takes the host over.
+    while now_ms() <= short.lease_until_ms + 100 {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let expired = store.expired(now_ms()).await.unwrap();
+    assert_eq!(
+        expired
+            .iter()
+            .map(|row| (row.id.as_str(), row.attempt_id.as_deref()))
+            .collect::<Vec<_>>(),
+        [("host-1", Some("attempt-1"))]
+    );
+    let successor = Claim {
+        attempt_id: "attempt-2".into(),
+        owner_id: "owner-b".into(),
+        lease_until_ms: now_ms() + 30_000,
+    };
+    let taken = store
+        .reclaim("host-1", "attempt-1", &successor, now_ms())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (
+            taken.attempt_id.as_deref(),
+            taken.owner_id.as_deref(),
+            taken.attempt_count
+        ),
+        (Some("attempt-2"), Some("owner-b"), 2)
+    );
+    let live = attempt("host-1", "attempt-2");
+    let batches = store.read(&stream, None).await.unwrap().len();
+
+    // The dead attempt, still holding its AttemptRef, is refused everywhere.
+    let late = store
+        .append(
+            &stream,
+            vec![record(Some("host-1"), Some("attempt-1"), user("late"))].into(),
+            Some(&dead),
+        )
+        .await;
+    assert!(matches!(late, Err(StoreError::Fenced(_))), "append: {late:?}");
+    let link = vec![record(Some("host-1"), Some("attempt-1"), user("link"))].into();
+    let birth = vec![record(None, Some("attempt-1"), user("child"))].into();
+    let child = key("assistant:task", "agent-1/task_1");
+    let spawned = store.create_child(&stream, link, &child, birth, Some(&dead)).await;
+    assert!(
+        matches!(spawned, Err(StoreError::Fenced(_))),
+        "create_child: {spawned:?}"
+    );
+    assert!(store.read(&child, None).await.unwrap().is_empty(), "no child");
+    let settled = store
+        .settle(
+            &dead,
+            Outcome::Completed,
+            None,
+            vec![record(
+                Some("host-1"),
+                Some("attempt-1"),
+                RecordBody::SubmissionSettled {
+                    outcome: Outcome::Completed,
+                    error: None,
+                },
+            )],
+        )
+        .await;
+    assert!(matches!(settled, Err(StoreError::Fenced(_))), "settle: {settled:?}");
+    assert!(store.claim_joinable(&dead).await.unwrap().is_empty(), "claim_joinable");
+    assert_eq!(row(&store, "queued-1").await.status, SubmissionStatus::Queued);
+    assert!(!store.finalize_join(&dead, "joining-1").await.unwrap(), "finalize_join");
+    assert_eq!(row(&store, "joining-1").await.status, SubmissionStatus::Joining);
+    assert!(!store.requeue(&dead).await.unwrap(), "requeue");
+    assert_eq!(
+        store
+            .renew_leases("owner-a", &["attempt-1".to_owned()], now_ms() + 90_000)
+            .await
+            .unwrap(),
+        0,
+        "renew_leases"
+    );
+    assert_eq!(
+        store.read(&stream, None).await.unwrap().len(),
+        batches,
+        "stream unchanged"
+    );
+    assert_eq!(row(&store, "host-1").await, taken, "host unchanged");
+
+    // The successor's work is accepted.
+    store
+        .append(
+            &stream,
+            vec![record(Some("host-1"), Some("attempt-2"), user("resumed"))].into(),
+            Some(&live),
+        )
+        .await
+        .unwrap();
+    assert!(store.finalize_join(&live, "joining-1").await.unwrap());
+    let claimed = store.claim_joinable(&live).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(),
+        ["queued-1"]
+    );
+    assert!(
+        settle(&store, &live, Outcome::Completed, None).await,
+        "the unapplied join is queued again"
+    );
+    let host = row(&store, "host-1").await;
+    assert_eq!(
+        (host.status, host.outcome, host.attempt_id.as_deref()),
+        (SubmissionStatus::Settled, Some(Outcome::Completed), Some("attempt-2"))
+    );
+    let joined = row(&store, "joining-1").await;
+    assert_eq!(
+        (joined.status, joined.outcome),
+        (SubmissionStatus::Settled, Some(Outcome::Completed))
+    );
+    assert_eq!(row(&store, "queued-1").await.status, SubmissionStatus::Queued);
+    let records: Vec<Record> = store
+        .read(&stream, None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().cloned())
+        .collect();
+    assert!(
+        records.iter().all(
+            |record| !matches!(&record.body, RecordBody::UserMessage { body, .. } if body == "late" || body == "link")
+        ),
+        "nothing of the dead attempt's after the takeover"
+    );
+    assert_eq!(
+        records
+            .iter()
+            .filter(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+            .map(|record| record.attempt_id.as_deref())
+            .collect::<Vec<_>>(),
+        [Some("attempt-2")],
+        "one settlement, the successor's"
     );
 }
 
