@@ -38,6 +38,8 @@ macro_rules! store_contract {
                     concurrent_first_admissions_create_one_instance_with_one_birth_record,
                     keeps_the_admitting_requests_trace_context_on_the_submission,
                     honours_conditional_sends,
+                    retains_one_identity_when_conflicting_creates_race,
+                    converges_concurrent_keyed_replays_on_one_submission,
                     orders_direct_and_dispatched_submissions_together_within_one_session,
                     lists_queued_dispatches_in_admission_order_and_selects_one_runnable_head_per_session,
                     keeps_agents_with_the_same_instance_id_in_independent_sessions,
@@ -535,6 +537,117 @@ pub async fn honours_conditional_sends(store: Factory) {
         store.admit(missing).await.unwrap_err(),
         StoreError::InstanceNotFound("nobody".into())
     );
+}
+
+/// Create-only admissions of one new instance racing (on Postgres, transactions that each find
+/// it missing): exactly one creates it; every other is told it exists, under the winner's
+/// incarnation, and leaves nothing behind.
+pub async fn retains_one_identity_when_conflicting_creates_race(store: Factory) {
+    let racers: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            let create = Admission {
+                uid: UidCondition::CreateOnly,
+                initial_data: Some(serde_json::json!({ "racer": i })),
+                ..dispatch(&format!("create-{i}"))
+            };
+            tokio::spawn(async move { store.admit(create).await })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for racer in futures_util::future::join_all(racers).await {
+        results.push(racer.unwrap());
+    }
+    let winners: Vec<usize> = (0..results.len()).filter(|i| results[*i].is_ok()).collect();
+    assert_eq!(winners.len(), 1, "exactly one create wins: {results:?}");
+    let winner = winners[0];
+    let admitted = results[winner].as_ref().unwrap();
+    assert!(!admitted.deduplicated);
+    let info = store.instance(&key("assistant", "agent-1")).await.unwrap().unwrap();
+    assert_eq!(info.uid, admitted.uid);
+    for (i, result) in results.iter().enumerate().filter(|(i, _)| *i != winner) {
+        assert_eq!(
+            result.as_ref().map(|_| ()),
+            Err(&StoreError::InstanceExists {
+                id: "agent-1".into(),
+                uid: info.uid.clone()
+            }),
+            "racer {i}"
+        );
+        assert!(
+            store.submission(&format!("create-{i}")).await.unwrap().is_none(),
+            "a refused create leaves no submission"
+        );
+    }
+    let batches = store.read(&key("assistant", "agent-1"), None).await.unwrap();
+    assert_eq!(batches.len(), 1, "one birth batch");
+    assert_eq!(
+        batches[0].records[0].body,
+        RecordBody::ConversationCreated {
+            uid: info.uid,
+            initial_data: Some(serde_json::json!({ "racer": winner })),
+            kind: None,
+            parent: None,
+            task_id: None,
+            agent: None,
+        },
+        "the winner's creation data"
+    );
+    assert_eq!(
+        row(&store, &format!("create-{winner}")).await.status,
+        SubmissionStatus::Queued
+    );
+}
+
+/// Replays of one idempotency-keyed submission racing converge on one admission: once while
+/// they also race to create the instance, once on an instance that exists.
+pub async fn converges_concurrent_keyed_replays_on_one_submission(store: Factory) {
+    let mut uids = Vec::new();
+    for id in ["keyed-1", "keyed-2"] {
+        let replays: Vec<_> = (0..8)
+            .map(|_| {
+                let store = store.clone();
+                let replay = Admission {
+                    keyed: true,
+                    ..dispatch(id)
+                };
+                tokio::spawn(async move { store.admit(replay).await.unwrap() })
+            })
+            .collect();
+        let mut admitted = Vec::new();
+        for replay in futures_util::future::join_all(replays).await {
+            admitted.push(replay.unwrap());
+        }
+        assert_eq!(
+            admitted.iter().filter(|admitted| !admitted.deduplicated).count(),
+            1,
+            "{id}: admitted once"
+        );
+        let stored = row(&store, id).await;
+        for replay in &admitted {
+            assert_eq!(replay.submission, stored, "{id}: every replay answers with the one row");
+            assert_eq!(replay.uid, admitted[0].uid);
+        }
+        uids.push(admitted[0].uid.clone());
+    }
+    assert_eq!(uids[0], uids[1], "one instance");
+    assert_eq!(
+        store.read(&key("assistant", "agent-1"), None).await.unwrap().len(),
+        1,
+        "one birth batch"
+    );
+    let mut order = Vec::new();
+    for attempt_id in ["a1", "a2"] {
+        let head = store
+            .claim_next(&key("assistant", "agent-1"), &claim(attempt_id))
+            .await
+            .unwrap()
+            .unwrap();
+        order.push(head.id.clone());
+        settle(&store, &attempt(&head.id, attempt_id), Outcome::Completed, None).await;
+    }
+    assert_eq!(order, ["keyed-1", "keyed-2"], "one queue entry each");
+    assert!(!store.has_queued(&key("assistant", "agent-1")).await.unwrap());
 }
 
 // ---- ordering and claims --------------------------------------------------------------------
