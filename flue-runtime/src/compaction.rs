@@ -23,10 +23,13 @@ Write a concise summary that keeps: the user's goals and constraints, decisions 
 the results of tool calls that still matter, and what remains to do. Leave out pleasantries and anything superseded. \
 Write it as notes, in the language of the conversation.";
 
+/// The estimated tokens of one image.
+pub(crate) const IMAGE_TOKENS: u64 = 1_000;
+
 /// The estimated tokens of one message.
 pub(crate) fn estimate_message(message: &ModelMessage) -> u64 {
     let chars = match message {
-        ModelMessage::User { content, images } => content.len() + images.len() * 4_000,
+        ModelMessage::User { content, images } => content.len() + images.len() * (IMAGE_TOKENS as usize * 4),
         ModelMessage::Assistant { text, tool_calls, .. } => {
             text.len()
                 + tool_calls

@@ -689,6 +689,7 @@ impl Conversation {
                             *at -= 1;
                         }
                     }
+                    self.forget_unreferenced_images();
                     self.edited = true;
                 }
             }
@@ -719,6 +720,7 @@ impl Conversation {
                     for (at, _) in &mut self.image_refs {
                         *at = *at - cut + 1;
                     }
+                    self.forget_unreferenced_images();
                     self.results_at = self.results_at.saturating_sub(cut) + 1;
                     let rendering = Box::new(Rendering {
                         content: summary.clone(),
@@ -892,7 +894,7 @@ impl Conversation {
         // The newest message is always kept (also with `keep_recent_tokens` 0).
         while cut > 0 && (cut == len || kept < keep_recent_tokens) {
             cut -= 1;
-            kept += crate::compaction::estimate_message(&self.messages[cut]);
+            kept += crate::compaction::estimate_message(&self.messages[cut]) + self.image_tokens_at(cut);
         }
         let is_result = |at: usize| at < len && matches!(self.messages[at], ModelMessage::Tool { .. });
         if cut == 0 && force {
@@ -921,7 +923,36 @@ impl Conversation {
 
     /// The estimated tokens of the whole history.
     pub(crate) fn estimated_tokens(&self) -> u64 {
-        self.messages.iter().map(crate::compaction::estimate_message).sum()
+        let images: usize = self.image_refs.iter().map(|(_, refs)| refs.len()).sum();
+        self.messages
+            .iter()
+            .map(crate::compaction::estimate_message)
+            .sum::<u64>()
+            + images as u64 * crate::compaction::IMAGE_TOKENS
+    }
+
+    /// The estimated tokens of the images of the message at `index` (the folded messages
+    /// carry no images: they are attached to the copies sent, see [`Self::model_messages`]).
+    fn image_tokens_at(&self, index: usize) -> u64 {
+        self.image_refs
+            .iter()
+            .filter(|(at, _)| *at == index)
+            .map(|(_, refs)| refs.len() as u64 * crate::compaction::IMAGE_TOKENS)
+            .sum()
+    }
+
+    /// Drops loaded images no message names any more (a compaction or a deletion removed
+    /// their messages): their bytes need not stay in memory with the instance.
+    fn forget_unreferenced_images(&mut self) {
+        if self.images.is_empty() {
+            return;
+        }
+        let referenced: HashSet<&str> = self
+            .image_refs
+            .iter()
+            .flat_map(|(_, refs)| refs.iter().map(|attachment| attachment.id.as_str()))
+            .collect();
+        self.images.retain(|id, _| referenced.contains(id.as_str()));
     }
 
     /// The index of the row `id` (searched from the newest: updates concern recent rows).
@@ -1368,6 +1399,53 @@ mod tests {
             reasoning_blocks: Vec::new(),
         }));
         records
+    }
+
+    #[test]
+    fn images_count_in_the_estimate_and_are_forgotten_once_compacted_away() {
+        let mut conversation = Conversation::default();
+        let photo = AttachmentRef {
+            id: "att_photo".into(),
+            media_type: "image/png".into(),
+            size: 10,
+            filename: None,
+        };
+        conversation.apply(&Batch {
+            offset: 0,
+            records: vec![record(RecordBody::UserMessage {
+                message_id: "user-photo".into(),
+                body: "what is this?".into(),
+                attachments: vec![photo.clone()],
+            })]
+            .into(),
+        });
+        conversation.keep_image(photo.id.clone(), ModelImage::from_bytes("image/png", b"png"));
+        let text_only = crate::compaction::estimate_message(&ModelMessage::user("what is this?"));
+        assert_eq!(
+            conversation.estimated_tokens(),
+            text_only + crate::compaction::IMAGE_TOKENS
+        );
+        // A later message, then a compaction that keeps only it.
+        conversation.apply(&Batch {
+            offset: 1,
+            records: vec![
+                record(RecordBody::UserMessage {
+                    message_id: "user-next".into(),
+                    body: "and now?".into(),
+                    attachments: Vec::new(),
+                }),
+                record(RecordBody::Compaction {
+                    summary: "A photo was discussed.".into(),
+                    first_kept_message_id: "user-next".into(),
+                    tokens_before: 1_000,
+                    reason: "threshold".into(),
+                    usage: None,
+                }),
+            ]
+            .into(),
+        });
+        assert!(conversation.images.is_empty(), "the compacted-away photo stays loaded");
+        assert!(conversation.estimated_tokens() < crate::compaction::IMAGE_TOKENS);
     }
 
     /// A `task` call its batch committed without an outcome (a re-run that could not run it
