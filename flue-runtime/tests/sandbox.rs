@@ -392,6 +392,46 @@ async fn a_timed_out_command_leaves_no_process_behind() {
 }
 
 #[tokio::test]
+async fn a_timed_out_command_still_shows_the_output_it_printed() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "bash",
+            json!({"command": "echo started; echo warned >&2; sleep 5", "timeout_seconds": 1}),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [timed.into()]);
+    let started = std::time::Instant::now();
+    runtime.init(&timed, "partial").send("go").await.unwrap();
+    // Generous: it only has to show the call did not wait for the `sleep`.
+    assert!(started.elapsed() < std::time::Duration::from_secs(4));
+    let results = last_batch_results(&model.requests()[1]);
+    let (text, is_error) = &results[0];
+    assert!(*is_error, "{text}");
+    assert!(text.starts_with("started\nwarned\n"), "{text}");
+    assert!(text.contains("killed after 1 s"), "{text}");
+}
+
+#[tokio::test]
+async fn a_command_leaving_a_background_process_finishes_when_its_shell_exits() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "bash",
+            // The background `sleep` inherits the output pipes and holds them open.
+            json!({"command": "sleep 30 & echo ok", "timeout_seconds": 20}),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [timed.into()]);
+    let started = std::time::Instant::now();
+    runtime.init(&timed, "background").send("go").await.unwrap();
+    // Generous: it only has to show the call did not wait for the pipes to close.
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    let results = last_batch_results(&model.requests()[1]);
+    assert_eq!(results[0], ("ok".to_owned(), false));
+}
+
+#[tokio::test]
 async fn a_first_line_longer_than_the_byte_cap_is_still_readable() {
     let long = "y".repeat(60 * 1024);
     let model = ScriptedModel::new([

@@ -690,27 +690,56 @@ impl LocalSandbox {
 /// 50 KB, and a command flooding its output must not grow the runtime's memory with it.
 const MAX_OUTPUT_BYTES: usize = 1024 * 1024;
 
-/// Everything `reader` yields until its end, but only the last [`MAX_OUTPUT_BYTES`] of it.
-async fn capped(reader: Option<impl tokio::io::AsyncRead + Unpin>) -> Vec<u8> {
-    use tokio::io::AsyncReadExt;
-    let mut kept = Vec::new();
-    let Some(mut reader) = reader else { return kept };
-    let mut buffer = vec![0u8; 64 * 1024];
-    loop {
-        match reader.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(read) => {
-                kept.extend_from_slice(&buffer[..read]);
-                if kept.len() > 2 * MAX_OUTPUT_BYTES {
-                    kept.drain(..kept.len() - MAX_OUTPUT_BYTES);
+/// How long a command's output is still read once its shell has exited or been killed. What
+/// it printed last may still be in the pipes, but a process that outlives the shell (one it
+/// started in the background) can hold them open indefinitely, so they are not read to their
+/// end.
+const OUTPUT_GRACE: Duration = Duration::from_millis(150);
+
+/// One output stream of a command, read as it comes, keeping only its last
+/// [`MAX_OUTPUT_BYTES`].
+struct Captured<R> {
+    /// `None` once the stream has ended (or when there was none).
+    reader: Option<R>,
+    kept: Vec<u8>,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> Captured<R> {
+    fn new(reader: Option<R>) -> Self {
+        Self {
+            reader,
+            kept: Vec::new(),
+        }
+    }
+
+    /// Reads until the stream ends. Stopping it midway (a timeout) loses nothing: each read is
+    /// kept as it arrives, and calling it again goes on where it stopped.
+    async fn read_to_end(&mut self) {
+        use tokio::io::AsyncReadExt;
+        let Some(reader) = self.reader.as_mut() else { return };
+        let mut buffer = vec![0u8; 64 * 1024];
+        loop {
+            match reader.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(read) => {
+                    self.kept.extend_from_slice(&buffer[..read]);
+                    // Trimmed only now and then, so a flood is not shifted on every read.
+                    if self.kept.len() > 2 * MAX_OUTPUT_BYTES {
+                        self.kept.drain(..self.kept.len() - MAX_OUTPUT_BYTES);
+                    }
                 }
             }
         }
+        self.reader = None;
     }
-    if kept.len() > MAX_OUTPUT_BYTES {
-        kept.drain(..kept.len() - MAX_OUTPUT_BYTES);
+
+    /// What was read, at most its last [`MAX_OUTPUT_BYTES`].
+    fn into_text(mut self) -> String {
+        if self.kept.len() > MAX_OUTPUT_BYTES {
+            self.kept.drain(..self.kept.len() - MAX_OUTPUT_BYTES);
+        }
+        String::from_utf8_lossy(&self.kept).into_owned()
     }
-    kept
 }
 
 /// A command's process group, killed when dropped (whatever of it still runs).
@@ -851,33 +880,52 @@ impl Sandbox for LocalSandbox {
             command.process_group(0);
             let limit = request.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
             let mut child = command.spawn().map_err(io)?;
-            let pid = child.id();
-            let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
-            let output = async {
-                let (stdout, stderr, status) = tokio::join!(capped(stdout), capped(stderr), child.wait());
-                status.map(|status| std::process::Output { status, stdout, stderr })
-            };
-            tokio::pin!(output);
-            // Declared after the shell's future, so dropped (killing the group) before it: the
-            // unreaped shell keeps the group id from being reused by another process meanwhile.
-            let mut group = pid.map(ProcessGroup);
-            let finished = tokio::time::timeout(limit, &mut output).await;
-            if finished.is_ok() {
-                // Done: the group id may already belong to someone else.
+            // Declared after the shell, so dropped (killing the group) before it: the unreaped
+            // shell keeps the group id from being reused by another process meanwhile.
+            let mut group = child.id().map(ProcessGroup);
+            // Outside the timed wait, so a command killed by its timeout still shows what it
+            // printed until then.
+            let mut stdout = Captured::new(child.stdout.take());
+            let mut stderr = Captured::new(child.stderr.take());
+            // The call ends with the shell, not with its output pipes: a process it left in
+            // the background may hold them open long after (and would make a quick command
+            // look timed out).
+            let exited = tokio::time::timeout(limit, async {
+                tokio::select! {
+                    status = child.wait() => status,
+                    _ = async { tokio::join!(stdout.read_to_end(), stderr.read_to_end()) } => child.wait().await,
+                }
+            })
+            .await;
+            if exited.is_ok() {
+                // Done: the group id may already belong to someone else, and what the shell
+                // left running in the background is the command's to leave.
                 std::mem::forget(group.take());
             }
             drop(group);
-            match finished {
-                Err(_) => Ok(ExecOutput {
-                    exit_code: None,
-                    stdout: String::new(),
-                    stderr: format!("The command was killed after {} s.", limit.as_secs()),
-                }),
+            // What is still in the pipes, read for a moment only (see `OUTPUT_GRACE`).
+            let _ = tokio::time::timeout(OUTPUT_GRACE, async {
+                tokio::join!(stdout.read_to_end(), stderr.read_to_end())
+            })
+            .await;
+            match exited {
+                Err(_) => {
+                    let mut stderr = stderr.into_text();
+                    if !stderr.is_empty() && !stderr.ends_with('\n') {
+                        stderr.push('\n');
+                    }
+                    stderr.push_str(&format!("The command was killed after {} s.", limit.as_secs()));
+                    Ok(ExecOutput {
+                        exit_code: None,
+                        stdout: stdout.into_text(),
+                        stderr,
+                    })
+                }
                 Ok(Err(error)) => Err(io(error)),
-                Ok(Ok(output)) => Ok(ExecOutput {
-                    exit_code: output.status.code(),
-                    stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-                    stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+                Ok(Ok(status)) => Ok(ExecOutput {
+                    exit_code: status.code(),
+                    stdout: stdout.into_text(),
+                    stderr: stderr.into_text(),
                 }),
             }
         })
@@ -1116,6 +1164,22 @@ mod tests {
             timeout: Some(Duration::from_secs(20)),
         };
         sandbox.exec(request).await
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_command_leaves_no_process_behind() {
+        let dirs = scratch("abandoned");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        // Dropping the call (an aborted turn) while the shell still runs.
+        let call = run(&sandbox, "/", "(sleep 1; touch leaked.txt) & echo started; sleep 30");
+        assert!(tokio::time::timeout(Duration::from_millis(500), call).await.is_err());
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(
+            !dirs.root.join("leaked.txt").exists(),
+            "the command's children outlived it"
+        );
     }
 
     #[tokio::test]
