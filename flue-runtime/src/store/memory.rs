@@ -90,14 +90,22 @@ impl Inner {
         })
     }
 
-    /// A write's fence: with `authorization`, that attempt must run its submission.
-    fn fence(&self, authorization: Option<&AttemptRef>) -> Result<(), StoreError> {
-        match authorization {
-            Some(attempt) if !self.owns(attempt) => Err(StoreError::Fenced(format!(
+    /// A write's fence: with `authorization`, that attempt must run its submission, and the
+    /// submission's instance must be the one whose `stream` is written (or its task child's).
+    fn fence(&self, authorization: Option<&AttemptRef>, stream: &InstanceKey) -> Result<(), StoreError> {
+        let Some(attempt) = authorization else { return Ok(()) };
+        if !self.owns(attempt) {
+            return Err(StoreError::Fenced(format!(
                 "attempt {} does not own submission {}",
                 attempt.attempt_id, attempt.submission_id
+            )));
+        }
+        match self.submissions.get(&attempt.submission_id) {
+            Some(row) if stream.writable_by(&row.key.agent, &row.key.id) => Ok(()),
+            _ => Err(StoreError::Fenced(format!(
+                "submission {} does not write the stream {stream}",
+                attempt.submission_id
             ))),
-            _ => Ok(()),
         }
     }
 
@@ -487,7 +495,7 @@ impl Store for MemoryStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
-        if let Err(fenced) = inner.fence(authorization) {
+        if let Err(fenced) = inner.fence(authorization, key) {
             return ready(Err(fenced));
         }
         ready(inner.append(key, records))
@@ -502,7 +510,7 @@ impl Store for MemoryStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
-        if let Err(fenced) = inner.fence(authorization) {
+        if let Err(fenced) = inner.fence(authorization, parent) {
             return ready(Err(fenced));
         }
         if inner.instances.contains_key(child) {

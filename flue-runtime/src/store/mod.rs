@@ -50,6 +50,20 @@ impl InstanceKey {
     }
 }
 
+impl InstanceKey {
+    /// Whether an attempt of a submission of the instance `agent`/`id` may write this stream:
+    /// the instance's own, or one of its task children's (`subagents::child_key`: the agent
+    /// with a `:task` suffix, the id followed by `/<task id>`). A write fence checks it, so an
+    /// attempt of one agent's instance cannot write another agent's instance of the same id.
+    pub(crate) fn writable_by(&self, agent: &str, id: &str) -> bool {
+        if *self.agent == *agent {
+            return *self.id == *id;
+        }
+        self.agent.strip_suffix(":task") == Some(agent)
+            && self.id.strip_prefix(id).is_some_and(|rest| rest.starts_with('/'))
+    }
+}
+
 impl fmt::Display for InstanceKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.agent, self.id)

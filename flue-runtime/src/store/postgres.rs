@@ -178,8 +178,9 @@ const LOCK_INSTANCE_OF: &str = "SELECT i.agent, i.instance_id FROM flue_submissi
      JOIN flue_instances i ON i.agent = s.agent AND i.instance_id = s.instance_id \
      WHERE s.id = $1 FOR NO KEY UPDATE OF i";
 const OWNS: &str = "SELECT 1 FROM flue_submissions WHERE id = $1 AND status = 'running' AND attempt_id = $2";
-const OWNS_SHARED: &str =
-    "SELECT 1 FROM flue_submissions WHERE id = $1 AND status = 'running' AND attempt_id = $2 FOR SHARE";
+/// The attempt's submission's instance, when the attempt runs it (the row held until commit).
+const OWNS_SHARED: &str = "SELECT agent, instance_id FROM flue_submissions \
+     WHERE id = $1 AND status = 'running' AND attempt_id = $2 FOR SHARE";
 const INSERT_INSTANCE: &str = "INSERT INTO flue_instances (agent, instance_id, uid, next_offset, created_at) \
      VALUES ($1, $2, $3, 0, $4) ON CONFLICT DO NOTHING RETURNING uid";
 const INSERT_SUBMISSION: &str = concat!(
@@ -199,9 +200,13 @@ const APPEND_BATCH: &str = "WITH bumped AS (UPDATE flue_instances SET next_offse
 /// own its submission. What lets [`PostgresStore::append`] send its `COMMIT` before it has
 /// seen the fence's answer. The check share-locks the submission row itself, so the statement
 /// is fenced on its own, whatever ran before it.
+/// The submission must also be the stream's instance's, or the stream one of its task children's
+/// (see [`InstanceKey::writable_by`]).
 const APPEND_BATCH_FENCED: &str = "WITH bumped AS (UPDATE flue_instances SET next_offset = next_offset + 1 \
      WHERE agent = $1 AND instance_id = $2 AND ($4::TEXT IS NULL OR EXISTS (SELECT 1 FROM flue_submissions \
-     WHERE id = $4::TEXT AND status = 'running' AND attempt_id = $5::TEXT FOR SHARE)) \
+     WHERE id = $4::TEXT AND status = 'running' AND attempt_id = $5::TEXT \
+     AND ((agent = $1 AND instance_id = $2) OR ($1 = agent || ':task' AND starts_with($2, instance_id || '/'))) \
+     FOR SHARE)) \
      RETURNING next_offset - 1 AS batch_offset) \
      INSERT INTO flue_batches (agent, instance_id, batch_offset, records) \
      SELECT $1, $2, batch_offset, $3 FROM bumped RETURNING batch_offset";
@@ -635,10 +640,11 @@ impl PostgresStore {
         );
         let owned = async {
             match (submission, attempt) {
-                (Some(submission), Some(attempt)) => {
-                    Ok(client.query_opt(&owner, &[&submission, &attempt]).await?.is_some())
-                }
-                _ => Ok::<_, tokio_postgres::Error>(true),
+                (Some(submission), Some(attempt)) => Ok(client
+                    .query_opt(&owner, &[&submission, &attempt])
+                    .await?
+                    .map(|row| writes(key, &row))),
+                _ => Ok::<_, tokio_postgres::Error>(Some(true)),
             }
         };
         let (lock_params, append_params): (
@@ -955,21 +961,41 @@ fn batch_json(records: &[Record]) -> Result<String, Failure> {
 
 /// What an append's statements answered, as its result: a fenced attempt first (nothing was
 /// written), then a missing stream, else the batch's offset.
+/// Whether the submission of an [`OWNS_SHARED`] row may write the stream `key`.
+fn writes(key: &InstanceKey, row: &Row) -> bool {
+    match (row.try_get::<_, &str>(0), row.try_get::<_, &str>(1)) {
+        (Ok(agent), Ok(id)) => key.writable_by(agent, id),
+        _ => false,
+    }
+}
+
+/// `owned`: `None` when the attempt does not run its submission, else whether that
+/// submission may write the stream.
 fn append_outcome(
     key: &InstanceKey,
     authorization: Option<&AttemptRef>,
     stream_exists: bool,
-    owned: bool,
+    owned: Option<bool>,
     appended: Option<Row>,
 ) -> Result<u64, Failure> {
-    if let Some(attempt) = authorization
-        && !owned
-    {
-        return Err(StoreError::Fenced(format!(
-            "attempt {} does not own submission {}",
-            attempt.attempt_id, attempt.submission_id
-        ))
-        .into());
+    if let Some(attempt) = authorization {
+        match owned {
+            Some(true) => {}
+            Some(false) => {
+                return Err(StoreError::Fenced(format!(
+                    "submission {} does not write the stream {key}",
+                    attempt.submission_id
+                ))
+                .into());
+            }
+            None => {
+                return Err(StoreError::Fenced(format!(
+                    "attempt {} does not own submission {}",
+                    attempt.attempt_id, attempt.submission_id
+                ))
+                .into());
+            }
+        }
     }
     if !stream_exists {
         return Err(StoreError::Other(format!("no stream {key}")).into());
@@ -1396,8 +1422,8 @@ async fn append_tx(
             Some(attempt) => Ok(tx
                 .query_opt(&owner, &[&attempt.submission_id, &attempt.attempt_id])
                 .await?
-                .is_some()),
-            None => Ok::<_, tokio_postgres::Error>(true),
+                .map(|row| writes(key, &row))),
+            None => Ok::<_, tokio_postgres::Error>(Some(true)),
         }
     };
     let appended = async { tx.query_opt(&append, &[&agent, &id, &json]).await };

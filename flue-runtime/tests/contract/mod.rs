@@ -83,6 +83,7 @@ macro_rules! store_contract {
                     round_trips_a_batch_larger_than_a_backend_cell_size_cap,
                     authorizes_a_submission_owned_append_for_the_running_claimed_attempt,
                     rejects_a_submission_owned_append_from_a_stale_attempt,
+                    rejects_a_submission_owned_append_from_another_agent_sharing_the_instance_id,
                     fences_the_attempt_a_takeover_replaced_and_accepts_its_successor,
                     rejects_a_submission_owned_append_for_an_unknown_submission,
                     rejects_an_empty_batch,
@@ -1529,6 +1530,63 @@ pub async fn authorizes_a_submission_owned_append_for_the_running_claimed_attemp
                 vec![owned].into(),
                 Some(&attempt("d-1", "a1"))
             )
+            .await
+            .is_ok()
+    );
+}
+
+/// §5.3: an attempt writes its own instance's stream and its task children's streams, never
+/// another agent's instance that shares the id, another instance of its own agent, or a child
+/// of either.
+pub async fn rejects_a_submission_owned_append_from_another_agent_sharing_the_instance_id(store: Factory) {
+    let host = running_host(&store).await;
+    admit(
+        &store,
+        admission("o-1", "concierge", "agent-1", SubmissionKind::Dispatch, "hi"),
+    )
+    .await;
+    admit(
+        &store,
+        admission("s-1", "assistant", "agent-2", SubmissionKind::Dispatch, "hi"),
+    )
+    .await;
+    let owned = |text: &str| vec![record(Some(&host.submission_id), Some(&host.attempt_id), user(text))];
+    for stream in [key("concierge", "agent-1"), key("assistant", "agent-2")] {
+        let before = store.read(&stream, None).await.unwrap().len();
+        let result = store.append(&stream, owned("intruding").into(), Some(&host)).await;
+        assert!(matches!(result, Err(StoreError::Fenced(_))), "{stream}: {result:?}");
+        assert_eq!(
+            store.read(&stream, None).await.unwrap().len(),
+            before,
+            "{stream}: unchanged"
+        );
+        // Nor can it give that instance a task child.
+        let birth = record(
+            None,
+            Some(&host.attempt_id),
+            RecordBody::ConversationCreated {
+                uid: "inst_intruder".into(),
+                initial_data: None,
+                kind: Some(flue_runtime::record::ConversationKind::Task),
+                parent: None,
+                task_id: Some("task_x".into()),
+                agent: None,
+            },
+        );
+        let child = key(&format!("{}:task", stream.agent), &format!("{}/task_x", stream.id));
+        let result = store
+            .create_child(&stream, owned("link").into(), &child, vec![birth].into(), Some(&host))
+            .await;
+        assert!(matches!(result, Err(StoreError::Fenced(_))), "{child}: {result:?}");
+        assert!(
+            store.read(&child, None).await.unwrap().is_empty(),
+            "{child}: not created"
+        );
+    }
+    // Its own instance's stream takes the append.
+    assert!(
+        store
+            .append(&key("assistant", "agent-1"), owned("mine").into(), Some(&host))
             .await
             .is_ok()
     );

@@ -782,12 +782,14 @@ fn append_batch(
         return Err(StoreError::Other("an append batch must not be empty".into()));
     }
     // `MAX(position)` alone is what SQLite answers with one seek from the range's end.
-    let found: Option<(i64, Option<i64>, bool)> = transaction
+    // The fence's submission, when the attempt runs it: `<agent>/<instance id>` (an agent
+    // name has no `/`), so the stream can be checked to be its instance's.
+    let found: Option<(i64, Option<i64>, Option<String>)> = transaction
         .prepare_cached(
             "SELECT i.stream,
                  (SELECT MAX(position) FROM flue_batches
                      WHERE position >= (i.stream << 32) AND position < ((i.stream + 1) << 32)),
-                 ?3 IS NULL OR EXISTS (SELECT 1 FROM flue_submissions
+                 (SELECT agent || '/' || instance_id FROM flue_submissions
                      WHERE id = ?3 AND status = 'running' AND attempt_id = ?4)
              FROM flue_instances i WHERE i.agent = ?1 AND i.id = ?2",
         )
@@ -803,22 +805,34 @@ fn append_batch(
         )
         .optional()
         .map_err(sql)?;
-    let (stream, last, owned) = match found {
-        Some(found) => found,
+    // What the fence says: `None` when the attempt may write here.
+    let refused = match (fence, &found) {
+        (None, _) => None,
+        (Some(attempt), Some((_, _, owner))) => match owner.as_deref().map(|owner| owner.split_once('/')) {
+            Some(Some((agent, id))) if key.writable_by(agent, id) => None,
+            Some(_) => Some(format!(
+                "submission {} does not write the stream {key}",
+                attempt.submission_id
+            )),
+            None => Some(format!(
+                "attempt {} does not own submission {}",
+                attempt.attempt_id, attempt.submission_id
+            )),
+        },
         // No instance: the fence is reported first, as it would be with one.
-        None => (0, None, fence.map_or(Ok(true), |attempt| holds(transaction, attempt))?),
+        (Some(attempt), None) => (!holds(transaction, attempt)?).then(|| {
+            format!(
+                "attempt {} does not own submission {}",
+                attempt.attempt_id, attempt.submission_id
+            )
+        }),
     };
-    if let Some(attempt) = fence
-        && !owned
-    {
-        return Err(StoreError::Fenced(format!(
-            "attempt {} does not own submission {}",
-            attempt.attempt_id, attempt.submission_id
-        )));
+    if let Some(refused) = refused {
+        return Err(StoreError::Fenced(refused));
     }
-    if found.is_none() {
+    let Some((stream, last, _)) = found else {
         return Err(StoreError::Other(format!("no stream {key}")));
-    }
+    };
     let start = stream_start(stream);
     let offset = last.map_or(0, |last| (last - start) as u64 + 1);
     if offset >= STREAM_CAPACITY {
