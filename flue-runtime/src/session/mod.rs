@@ -456,6 +456,7 @@ impl InstanceSlot {
             joined: Vec::new(),
             spare: None,
             deferred: Vec::new(),
+            repairing: false,
             reply: ReplyParts::default(),
             record_ids,
             admissions: &self.wakes,
@@ -818,6 +819,8 @@ struct Response<'a> {
     spare: Option<Rendered>,
     /// Records that wait for an interrupted tool batch's repair (see [`Response::mount_mcp`]).
     deferred: Vec<Record>,
+    /// Whether the render being prepared is the one that repairs an interrupted batch.
+    repairing: bool,
     /// What the records this attempt committed add to the reply.
     reply: ReplyParts,
     /// The submission and attempt ids its records carry (shared by all of them).
@@ -1185,10 +1188,10 @@ impl Response<'_> {
                     attributes,
                     tag_name: None,
                 });
-                if self.conversation.open_calls().is_some() {
-                    // An interrupted batch waits for its repair (the render that re-runs it
-                    // mounts the servers): a signal folded before the repair would close its
-                    // calls as interrupted and forget their children and recorded steps.
+                if self.repairing {
+                    // An interrupted batch waits for its repair (this render re-runs it): a
+                    // signal folded before the repair would close its calls as interrupted and
+                    // forget their children and recorded steps. It goes right after.
                     self.deferred.push(signal);
                 } else {
                     self.commit(vec![signal], false).await?;
@@ -2331,7 +2334,10 @@ impl Response<'_> {
             && !rendered.tools.iter().any(|tool| tool.name() == "task")
         {
             let mut fresh = self.render()?;
-            self.prepare(&mut fresh).await?;
+            self.repairing = true;
+            let ready = self.prepare(&mut fresh).await;
+            self.repairing = false;
+            ready?;
             prepared = fresh;
             &prepared
         } else {
