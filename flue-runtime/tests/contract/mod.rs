@@ -201,6 +201,23 @@ async fn row(store: &Factory, id: &str) -> Submission {
     store.submission(id).await.unwrap().unwrap()
 }
 
+/// `d-1` on `assistant/agent-1` running as `a1`, and `d-2` on `assistant/agent-2` as `a2`.
+async fn two_running(store: &Factory) {
+    admit(store, dispatch("d-1")).await;
+    admit(
+        store,
+        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
+    )
+    .await;
+    for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
+        store
+            .claim_next(&key("assistant", instance), &claim(attempt))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}
+
 async fn running_host(store: &Factory) -> AttemptRef {
     admit(store, dispatch("host-1")).await;
     let claimed = store
@@ -984,19 +1001,7 @@ pub async fn ignores_submissions_owned_by_a_different_coordinator(store: Factory
 }
 
 pub async fn leaves_the_lease_of_an_attempt_the_owner_no_longer_runs_to_expire(store: Factory) {
-    admit(&store, dispatch("d-1")).await;
-    admit(
-        &store,
-        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "x"),
-    )
-    .await;
-    for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
-        store
-            .claim_next(&key("assistant", instance), &claim(attempt))
-            .await
-            .unwrap()
-            .unwrap();
-    }
+    two_running(&store).await;
     let before = row(&store, "d-2").await.lease_until_ms;
     let later = now_ms() + 90_000;
     assert_eq!(
@@ -1014,19 +1019,7 @@ pub async fn leaves_the_lease_of_an_attempt_the_owner_no_longer_runs_to_expire(s
 /// A settled row's lease is not renewed, even when its owner names its attempt (a late
 /// heartbeat), and the renewal does not bring it back as running or expired.
 pub async fn ignores_settled_submissions_when_renewing_leases(store: Factory) {
-    admit(&store, dispatch("d-1")).await;
-    admit(
-        &store,
-        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
-    )
-    .await;
-    for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
-        store
-            .claim_next(&key("assistant", instance), &claim(attempt))
-            .await
-            .unwrap()
-            .unwrap();
-    }
+    two_running(&store).await;
     settle(&store, &attempt("d-1", "a1"), Outcome::Completed, None).await;
     let settled = row(&store, "d-1").await;
     let later = now_ms() + 90_000;
@@ -1161,19 +1154,7 @@ pub async fn does_not_take_over_a_lease_that_has_not_expired_by_the_takeover(sto
 }
 
 pub async fn reports_the_running_attempts_whose_submission_has_an_abort_requested(store: Factory) {
-    admit(&store, dispatch("d-1")).await;
-    admit(
-        &store,
-        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
-    )
-    .await;
-    for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
-        store
-            .claim_next(&key("assistant", instance), &claim(attempt))
-            .await
-            .unwrap()
-            .unwrap();
-    }
+    two_running(&store).await;
     let running = ["a1".to_owned(), "a2".to_owned(), "a3".to_owned()];
     assert!(store.aborts_requested(&running).await.unwrap().is_empty());
     store.request_abort(&key("assistant", "agent-2")).await.unwrap();
