@@ -69,6 +69,7 @@ pub mod cli;
 pub mod client;
 mod compaction;
 pub mod events;
+mod fast_map;
 mod framework;
 pub mod http;
 pub mod lifecycle;

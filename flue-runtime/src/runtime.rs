@@ -1,6 +1,8 @@
 //! The runtime: agents, providers and a store, and the handles that send to agent instances.
 
 use std::collections::HashMap;
+
+use crate::fast_map::FastMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -210,7 +212,7 @@ impl RuntimeBuilder {
                 ))
             })?),
         };
-        let mut agents = HashMap::new();
+        let mut agents = FastMap::default();
         let mut hook_ids: HashMap<&'static str, flue_core::lifecycle::ThreadHook> = HashMap::new();
         for agent in &self.agents {
             let definition = agent.get().definition();
@@ -272,20 +274,20 @@ impl RuntimeBuilder {
 }
 
 pub(crate) struct RuntimeInner {
-    pub(crate) agents: HashMap<String, AgentRef>,
+    pub(crate) agents: FastMap<String, AgentRef>,
     pub(crate) providers: ProviderRegistry,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) options: RuntimeOptions,
-    pub(crate) instances: Mutex<HashMap<InstanceKey, Arc<InstanceSlot>>>,
+    pub(crate) instances: Mutex<FastMap<InstanceKey, Arc<InstanceSlot>>>,
     /// A clock of slot uses: which cached instance was used least recently.
     slot_uses: AtomicU64,
     events: broadcast::Sender<Observation>,
     event_index: AtomicU64,
     /// The correlation of each submission an attempt of this node processes, by submission
     /// id: what its observations are stamped with.
-    correlations: Mutex<HashMap<Arc<str>, Arc<Correlation>>>,
+    correlations: Mutex<FastMap<Arc<str>, Arc<Correlation>>>,
     /// Senders waiting for a submission to settle, by submission id.
-    waiters: Mutex<HashMap<String, Vec<oneshot::Sender<()>>>>,
+    waiters: Mutex<FastMap<String, Vec<oneshot::Sender<()>>>>,
     shutting_down: AtomicBool,
     /// Turns `true` at [`Runtime::shutdown`]: live HTTP reads end on it.
     closed: tokio::sync::watch::Sender<bool>,
@@ -1084,7 +1086,7 @@ impl Runtime {
 /// to drop once it released the map (freeing a quarter of the cache's conversations takes a
 /// while, and every admission waits on that lock).
 #[must_use = "the evicted slots are dropped by the caller, outside the lock"]
-fn evict_idle(instances: &mut HashMap<InstanceKey, Arc<InstanceSlot>>, target: usize) -> Vec<Arc<InstanceSlot>> {
+fn evict_idle(instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>, target: usize) -> Vec<Arc<InstanceSlot>> {
     let mut idle: Vec<(u64, InstanceKey)> = instances
         .iter()
         .filter(|(_, slot)| Arc::strong_count(slot) == 1 && slot.is_idle())

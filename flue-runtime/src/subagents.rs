@@ -153,7 +153,7 @@ pub(crate) struct Delegation {
 pub(crate) struct Journal {
     attempt: Arc<Attempt>,
     stream: Stream,
-    children: HashMap<String, RetainedChild>,
+    children: crate::fast_map::FastMap<String, RetainedChild>,
 }
 
 #[derive(Clone)]
@@ -170,7 +170,7 @@ impl Journal {
     pub(crate) fn root(
         attempt: Arc<Attempt>,
         writer: Arc<ThreadWriter>,
-        children: HashMap<String, RetainedChild>,
+        children: crate::fast_map::FastMap<String, RetainedChild>,
     ) -> Self {
         Self {
             attempt,

@@ -2,6 +2,8 @@
 //! history, the state snapshot, and each response's reply.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+
+use crate::fast_map::{FastMap, FastSet};
 use std::sync::Arc;
 
 use flue_core::event_hooks::ToolCallSummary;
@@ -56,7 +58,7 @@ pub(crate) struct Conversation {
     rows: Vec<Row>,
     pub(crate) last_offset: Option<u64>,
     /// Durable thread values (`ThreadState::set_value`).
-    pub(crate) values: HashMap<String, Value>,
+    pub(crate) values: FastMap<String, Value>,
     /// Whether the `after_thread_created` hooks ran.
     pub(crate) thread_created_hooks_ran: bool,
     /// The resources last narrated to the model.
@@ -75,10 +77,10 @@ pub(crate) struct Conversation {
     open_calls_step: String,
     /// Settled steps of durable tool calls whose batch has not committed, by call id, then
     /// step name (what a re-run of the call replays).
-    tool_steps: HashMap<String, HashMap<String, Value>>,
+    tool_steps: FastMap<String, HashMap<String, Value>>,
     /// The child conversations `task` calls of the uncommitted batch created, by call id (a
     /// re-run of the call reattaches to its child).
-    children: HashMap<String, RetainedChild>,
+    children: FastMap<String, RetainedChild>,
     /// Where those calls' results go: right after their step, before any row injected while
     /// they ran (a call and its result stay adjacent, as providers require).
     results_at: usize,
@@ -86,7 +88,7 @@ pub(crate) struct Conversation {
     outcomes: Vec<PendingOutcome>,
     /// What the stream says about each submission it mentions (one entry per submission, so
     /// a record updates one map).
-    progress: HashMap<Arc<str>, Progress>,
+    progress: FastMap<Arc<str>, Progress>,
     /// Whether any input record is in the stream.
     any_input: bool,
     /// Those without a settlement record yet, in input order (a host and the deliveries an
@@ -94,19 +96,19 @@ pub(crate) struct Conversation {
     unsettled_inputs: Vec<Arc<str>>,
     /// Submissions whose latest durable step is a final answer (no tool calls) with nothing
     /// after it that asks for more.
-    answered: HashSet<Arc<str>>,
+    answered: FastSet<Arc<str>>,
     /// The last step's tool batch committed and every one of its tools asked to terminate:
     /// the run it belongs to ended there (a task's child is done).
     terminated: bool,
     /// The `use_response_start` metadata of unsettled submissions whose first step recorded
     /// some: a resumed response's finish callbacks read it back.
-    response_metadata: HashMap<Arc<str>, Metadata>,
+    response_metadata: FastMap<Arc<str>, Metadata>,
     /// The committed tool calls of unsettled submissions, over all their attempts.
-    tool_calls: HashMap<Arc<str>, Vec<ToolCallSummary>>,
+    tool_calls: FastMap<Arc<str>, Vec<ToolCallSummary>>,
     /// User messages with images: their position in `messages` and their attachments.
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
-    images: HashMap<String, ModelImage>,
+    images: FastMap<String, ModelImage>,
     /// The latest delivered message in front of the model (the `use_delivery` cursor), as
     /// the stream records it.
     cursor: Option<DeliveryCursor>,
@@ -817,7 +819,7 @@ impl Conversation {
     }
 
     /// The child conversations the uncommitted batch's `task` calls created, by call id.
-    pub(crate) fn retained_children(&self) -> HashMap<String, RetainedChild> {
+    pub(crate) fn retained_children(&self) -> FastMap<String, RetainedChild> {
         self.children.clone()
     }
 

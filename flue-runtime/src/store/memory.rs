@@ -1,6 +1,8 @@
 //! The in-memory store: the whole [`Store`] contract in one mutex-guarded structure.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::fast_map::FastMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use flue_core::BoxFuture;
@@ -22,14 +24,14 @@ pub struct MemoryStore {
 #[derive(Default)]
 struct Inner {
     sequence: u64,
-    submissions: HashMap<String, Submission>,
+    submissions: FastMap<String, Submission>,
     /// Hashed, not ordered: every exchange looks its instance up several times, and a lookup
     /// in an ordered map compares the key's strings at each level.
-    instances: HashMap<InstanceKey, Instance>,
+    instances: FastMap<InstanceKey, Instance>,
     /// Attachments by id, with the instance that owns each.
-    attachments: HashMap<String, (InstanceKey, StoredAttachment)>,
+    attachments: FastMap<String, (InstanceKey, StoredAttachment)>,
     /// User values by user, in key order.
-    user_values: HashMap<String, BTreeMap<String, (serde_json::Value, i64)>>,
+    user_values: FastMap<String, BTreeMap<String, (serde_json::Value, i64)>>,
 }
 
 #[derive(Default)]
