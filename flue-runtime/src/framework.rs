@@ -1,6 +1,8 @@
 //! The framework's parts of every model request, after the agent's own: the system prompt's
 //! sections (the skills catalog, then the agent roster) and the framework tools (`activate_skill`
 //! and `read_skill_resource` for skills; `task`, always), appended after the render's tools.
+//! The skills are the render's declared ones, then those the sandbox's workspace provides
+//! (mounted by the caller, which owns the failure of a name both declare).
 
 use std::sync::Arc;
 
@@ -13,14 +15,16 @@ use crate::subagents::{Delegation, offered, roster};
 
 /// Mounts the framework tools onto `rendered` and returns the system prompt sections to add:
 /// the skills catalog and `activate_skill` (and `read_skill_resource`) when the render mounts
-/// skills; the agent roster and the session's `task` tool always (when `delegation` is given:
-/// every model-calling session), told what the render offers, with the parent's state for
-/// `after_subagent_created` and the `environment` children share.
+/// skills (`workspace`: the sandbox's workspace, whose skills the caller mounted after the
+/// declared ones); the agent roster and the session's `task` tool always (when `delegation` is
+/// given: every model-calling session), told what the render offers, with the parent's state
+/// for `after_subagent_created` and the `environment` children share.
 pub(crate) fn mount(
     rendered: &mut Rendered,
     delegation: Option<(&Arc<Delegation>, &Tool)>,
     parent: Option<(ThreadState, HookSet)>,
     environment: crate::sandbox::Environment,
+    workspace: Option<&Arc<crate::skills::Workspace>>,
     sections: &mut Sections,
 ) {
     let delegates = offered(rendered);
@@ -31,7 +35,7 @@ pub(crate) fn mount(
         if fresh {
             text.push(crate::skills::catalog(&rendered.skills));
         }
-        let tools = crate::skills::tools(&rendered.skills);
+        let tools = crate::skills::tools(&rendered.skills, workspace);
         rendered.tools.extend(tools);
     }
     if let Some((delegation, tool)) = delegation {

@@ -3,10 +3,19 @@
 //! result (so the system prompt never changes when a skill activates), and
 //! `read_skill_resource`, mounted when a skill carries supporting files, which reads them
 //! read-only. Unknown names are answered with a factual miss listing what is available.
+//!
+//! Workspace skills: a sandbox's working directory may bring skills of its own, one directory
+//! per skill under `.agents/skills/` holding a `SKILL.md` ([`Workspace`]). They are found once
+//! per session, when the session's sandbox is first attached, and are mounted after the
+//! declared ones while a render attaches the sandbox. Their supporting files stay in the
+//! sandbox (the model reads them with the sandbox's tools); activation reads the `SKILL.md`
+//! again, so an edit made during the session shows.
 
 use std::sync::Arc;
 
 use flue_core::data::SchemaSource;
+use flue_core::render::Rendered;
+use flue_core::sandbox::{Sandbox, SandboxError};
 use flue_core::skill::Skill;
 use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
 use flue_core::{BoxFuture, Tool};
@@ -30,9 +39,10 @@ pub(crate) fn catalog(skills: &[Skill]) -> String {
 }
 
 /// The framework tools for `skills`: `activate_skill`, and `read_skill_resource` when a skill
-/// has supporting files.
-pub(crate) fn tools(skills: &[Skill]) -> Vec<Tool> {
+/// has supporting files. `workspace`: the skills among them the sandbox's workspace provides.
+pub(crate) fn tools(skills: &[Skill], workspace: Option<&Arc<Workspace>>) -> Vec<Tool> {
     let skills: Arc<[Skill]> = skills.into();
+    let workspace = workspace.cloned();
     let mut tools = vec![Tool::from_handler(ActivateSkill {
         definition: ToolDefinition::from_checked(
             "activate_skill",
@@ -43,6 +53,7 @@ pub(crate) fn tools(skills: &[Skill]) -> Vec<Tool> {
             false,
         ),
         skills: skills.clone(),
+        workspace: workspace.clone(),
     })];
     if skills.iter().any(|skill| !skill.definition().files.is_empty()) {
         tools.push(Tool::from_handler(ReadSkillResource {
@@ -55,6 +66,7 @@ pub(crate) fn tools(skills: &[Skill]) -> Vec<Tool> {
                 false,
             ),
             skills,
+            workspace,
         }));
     }
     tools
@@ -79,6 +91,7 @@ struct ActivateArgs {
 struct ActivateSkill {
     definition: ToolDefinition,
     skills: Arc<[Skill]>,
+    workspace: Option<Arc<Workspace>>,
 }
 
 impl ToolHandler for ActivateSkill {
@@ -95,7 +108,11 @@ impl ToolHandler for ActivateSkill {
                     args.name,
                     names(&self.skills)
                 )),
-                Some(skill) => ToolOutput::text(briefing(skill)),
+                Some(skill) => match self.workspace.as_ref().filter(|workspace| workspace.provides(skill)) {
+                    // Read from the sandbox again: the workspace may have changed it.
+                    Some(workspace) => return Box::pin(workspace.activate(skill.name().to_owned())),
+                    None => ToolOutput::text(briefing(skill)),
+                },
             },
         };
         Box::pin(std::future::ready(output))
@@ -138,6 +155,7 @@ struct ReadArgs {
 struct ReadSkillResource {
     definition: ToolDefinition,
     skills: Arc<[Skill]>,
+    workspace: Option<Arc<Workspace>>,
 }
 
 impl ToolHandler for ReadSkillResource {
@@ -148,13 +166,13 @@ impl ToolHandler for ReadSkillResource {
     fn call(&self, _ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
         let output = match serde_json::from_value::<ReadArgs>(args) {
             Err(error) => ToolOutput::error(format!("Tool argument validation failed: [root] {error}")),
-            Ok(args) => read(&self.skills, &args),
+            Ok(args) => read(&self.skills, self.workspace.as_deref(), &args),
         };
         Box::pin(std::future::ready(output))
     }
 }
 
-fn read(skills: &[Skill], args: &ReadArgs) -> ToolOutput {
+fn read(skills: &[Skill], workspace: Option<&Workspace>, args: &ReadArgs) -> ToolOutput {
     let Some(skill) = skills.iter().find(|skill| skill.name() == args.skill) else {
         return ToolOutput::error(format!(
             "No skill named \"{}\" is available. Available skills: {}.",
@@ -162,6 +180,13 @@ fn read(skills: &[Skill], args: &ReadArgs) -> ToolOutput {
             names(skills)
         ));
     };
+    if let Some(workspace) = workspace.filter(|workspace| workspace.provides(skill)) {
+        return ToolOutput::error(format!(
+            "The skill \"{}\" comes from the workspace: its files are in the sandbox, in {}. Read them from there.",
+            skill.name(),
+            workspace.directory_of(skill.name())
+        ));
+    }
     let Some(bytes) = skill.definition().files.get(&args.path) else {
         let paths: Vec<&str> = skill.definition().files.keys().map(String::as_str).collect();
         return ToolOutput::error(format!(
@@ -185,6 +210,119 @@ fn read(skills: &[Skill], args: &ReadArgs) -> ToolOutput {
     match crate::sandbox::tools::line_window(text, args.offset, args.limit) {
         Ok(window) => ToolOutput::text(window),
         Err(message) => ToolOutput::error(format!("\"{}\": {message}", args.path)),
+    }
+}
+
+/// Where a workspace keeps its skills, relative to the sandbox's working directory.
+pub(crate) const WORKSPACE_SKILLS: &str = ".agents/skills";
+
+/// The skills a sandbox's workspace provides: each directory of `<cwd>/.agents/skills/` that
+/// holds a `SKILL.md` (the Agent Skills format; its `name` must be the directory's name).
+/// Found through the sandbox's file API, so any sandbox works (the local one, the in-memory
+/// one, a factory's own).
+pub(crate) struct Workspace {
+    sandbox: Arc<dyn Sandbox>,
+    /// `<cwd>/.agents/skills`, as a sandbox path.
+    directory: String,
+    /// The valid skills found, by directory name. The same values every render (their
+    /// identities key the prompt sections and the narration fingerprint).
+    skills: Vec<Skill>,
+}
+
+impl Workspace {
+    /// The skills in `session`'s working directory. A directory without a `SKILL.md` is not a
+    /// skill; one whose `SKILL.md` cannot be read or is invalid is skipped with a warning (a
+    /// workspace nobody declared must not stop the session). No skills directory: none.
+    pub(crate) async fn discover(session: &crate::sandbox::SandboxSession) -> Self {
+        let directory = format!("{}/{WORKSPACE_SKILLS}", session.cwd.trim_end_matches('/'));
+        let mut workspace = Self {
+            sandbox: session.sandbox.clone(),
+            directory,
+            skills: Vec::new(),
+        };
+        let mut entries = match workspace.sandbox.list_dir(&workspace.directory).await {
+            Ok(entries) => entries,
+            Err(SandboxError::NotFound(_) | SandboxError::Unsupported(_)) => return workspace,
+            Err(error) => {
+                tracing::warn!(
+                    directory = %workspace.directory,
+                    "[flue] Skipping workspace skill discovery: {} could not be listed: {error}",
+                    workspace.directory
+                );
+                return workspace;
+            }
+        };
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        for entry in entries.iter().filter(|entry| entry.is_dir) {
+            match workspace.load(&entry.name).await {
+                Ok(Some(skill)) => workspace.skills.push(skill),
+                Ok(None) => {}
+                Err(detail) => tracing::warn!(
+                    skill = %entry.name,
+                    "[flue] Skipping invalid workspace skill \"{}\": {detail}",
+                    entry.name
+                ),
+            }
+        }
+        workspace
+    }
+
+    /// Mounts the workspace's skills after `rendered`'s declared ones. A name both declare is
+    /// an error (the message says which): neither is chosen silently.
+    pub(crate) fn mount(&self, rendered: &mut Rendered) -> Result<(), String> {
+        if let Some(clash) = self
+            .skills
+            .iter()
+            .find(|found| rendered.skills.iter().any(|declared| declared.name() == found.name()))
+        {
+            return Err(format!(
+                "[flue] Skill name \"{name}\" appears in both agent definition and workspace discovery. Rename the skill mounted with use_skill(), or the workspace's {directory} (a workspace skill is named after its directory).",
+                name = clash.name(),
+                directory = self.directory_of(clash.name()),
+            ));
+        }
+        rendered.skills.extend(self.skills.iter().cloned());
+        Ok(())
+    }
+
+    /// Whether `skill` is one this workspace provides.
+    fn provides(&self, skill: &Skill) -> bool {
+        self.skills.iter().any(|found| found.identity() == skill.identity())
+    }
+
+    /// The sandbox directory of the skill `name`.
+    fn directory_of(&self, name: &str) -> String {
+        format!("{}/{name}", self.directory)
+    }
+
+    /// The skill in the directory `name` (`None`: it has no `SKILL.md`), or why it is invalid.
+    async fn load(&self, name: &str) -> Result<Option<Skill>, String> {
+        let path = format!("{}/SKILL.md", self.directory_of(name));
+        let bytes = match self.sandbox.read_file(&path).await {
+            Ok(bytes) => bytes,
+            Err(SandboxError::NotFound(_)) => return Ok(None),
+            Err(error) => return Err(format!("{path} could not be read: {error}")),
+        };
+        let text = String::from_utf8(bytes).map_err(|_| format!("{path} is not valid UTF-8 text"))?;
+        Skill::from_skill_md(Some(name), &text, [])
+            .map(Some)
+            .map_err(|error| error.to_string())
+    }
+
+    /// `activate_skill` for the workspace skill `name`: its `SKILL.md` as it is now, and where
+    /// its supporting files are.
+    async fn activate(&self, name: String) -> ToolOutput {
+        let directory = self.directory_of(&name);
+        match self.load(&name).await {
+            Ok(Some(skill)) => ToolOutput::text(format!(
+                "{}\n\nThis skill's supporting files stay in the sandbox, in {directory}: relative paths in these instructions start there. Read only the files you need.",
+                skill.definition().instructions
+            )),
+            Ok(None) => ToolOutput::error(format!(
+                "The skill \"{name}\" is no longer in the workspace: {directory}/SKILL.md is gone."
+            )),
+            Err(detail) => ToolOutput::error(format!("The skill \"{name}\" could not be loaded: {detail}")),
+        }
     }
 }
 
@@ -226,21 +364,57 @@ mod tests {
     fn a_resource_reads_by_line_range_with_a_continuation_marker() {
         let skills = [skill()];
         assert_eq!(
-            read(&skills, &args("POLICY.md", None, None)).to_text(),
+            read(&skills, None, &args("POLICY.md", None, None)).to_text(),
             "line 1\nline 2\nline 3"
         );
         assert_eq!(
-            read(&skills, &args("POLICY.md", Some(2), Some(1))).to_text(),
+            read(&skills, None, &args("POLICY.md", Some(2), Some(1))).to_text(),
             "line 2\n\n[Showing lines 2-2 of 3. Continue with offset 3.]"
         );
-        let past = read(&skills, &args("POLICY.md", Some(9), None));
+        let past = read(&skills, None, &args("POLICY.md", Some(9), None));
         assert!(past.is_error);
-        let binary = read(&skills, &args("logo.png", None, None));
+        let binary = read(&skills, None, &args("logo.png", None, None));
         assert!(binary.is_error && binary.to_text().contains("binary file (3 bytes)"));
-        let missing = read(&skills, &args("NOPE.md", None, None));
+        let missing = read(&skills, None, &args("NOPE.md", None, None));
         assert_eq!(
             missing.to_text(),
             "The skill \"refunds\" has no file \"NOPE.md\". Its files: POLICY.md, logo.png."
+        );
+    }
+
+    #[tokio::test]
+    async fn a_workspace_skill_points_at_the_sandbox_for_its_files_and_is_read_again_on_activation() {
+        let sandbox: Arc<dyn Sandbox> = Arc::new(crate::sandbox::VirtualSandbox::default());
+        sandbox
+            .write_file(
+                "/repo/.agents/skills/lint/SKILL.md",
+                b"---\nname: lint\ndescription: Lint.\n---\nRun the linter.".to_vec(),
+            )
+            .await
+            .unwrap();
+        let session = crate::sandbox::SandboxSession::new(sandbox.clone(), Some("/repo")).unwrap();
+        let workspace = Workspace::discover(&session).await;
+        let skills = [skill(), workspace.skills[0].clone()];
+        let lint = ReadArgs {
+            skill: "lint".into(),
+            ..args("rules.md", None, None)
+        };
+        let redirected = read(&skills, Some(&workspace), &lint);
+        assert!(redirected.is_error);
+        assert_eq!(
+            redirected.to_text(),
+            "The skill \"lint\" comes from the workspace: its files are in the sandbox, in /repo/.agents/skills/lint. Read them from there."
+        );
+        // A declared skill's files are read as before.
+        let declared = read(&skills, Some(&workspace), &args("POLICY.md", None, Some(1)));
+        assert!(!declared.is_error, "{}", declared.to_text());
+
+        sandbox.remove("/repo/.agents/skills/lint/SKILL.md").await.unwrap();
+        let gone = workspace.activate("lint".into()).await;
+        assert!(gone.is_error);
+        assert_eq!(
+            gone.to_text(),
+            "The skill \"lint\" is no longer in the workspace: /repo/.agents/skills/lint/SKILL.md is gone."
         );
     }
 }

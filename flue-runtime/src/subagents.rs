@@ -734,6 +734,7 @@ async fn child_session(
         Some((&nested, &nested_tool)),
         None,
         environment,
+        None,
         &mut sections,
     );
     let system = crate::framework::system(rendered.instruction.as_deref(), sections.text());

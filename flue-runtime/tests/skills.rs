@@ -1,12 +1,15 @@
 //! Skills through the runtime: the catalog in the system prompt, `activate_skill`,
-//! `read_skill_resource`, and skills embedded from a `SKILL.md` directory (issue 8, item 2).
+//! `read_skill_resource`, skills embedded from a `SKILL.md` directory (issue 8, item 2), and
+//! workspace skills discovered in the sandbox's `.agents/skills/` (reference row 20).
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 use flue_runtime::prelude::*;
+use flue_runtime::sandbox;
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use serde_json::json;
 
 mod harness;
+mod scratch;
 use harness::{runtime_with, tool_results};
 
 #[agent]
@@ -121,4 +124,400 @@ fn an_invalid_embedded_skill_names_its_problem() {
         error.to_string(),
         "Skill definition is invalid: name: Must match the skill's directory name \"refunds\"."
     );
+}
+
+// ---- workspace skills: `.agents/skills/<name>/SKILL.md` in the sandbox's cwd -------------------
+
+mod logs {
+    use std::sync::{Arc, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata, Subscriber};
+
+    #[derive(Clone, Default)]
+    pub struct Capture(pub Arc<Mutex<Vec<String>>>);
+
+    struct Message(String);
+
+    impl Visit for Message {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl Subscriber for Capture {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push(message.0);
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+}
+
+/// Every log line of this test binary (one global subscriber: a per-thread one races with the
+/// callsite interest cache when tests run in parallel). Tests look for lines unique to them.
+fn capture_logs() -> logs::Capture {
+    static CAPTURE: std::sync::OnceLock<logs::Capture> = std::sync::OnceLock::new();
+    let capture = CAPTURE.get_or_init(|| {
+        let capture = logs::Capture::default();
+        tracing::subscriber::set_global_default(capture.clone()).expect("the only global subscriber");
+        capture
+    });
+    capture.clone()
+}
+
+/// Writes `files` (path relative to `root` → contents) under `root`.
+fn write_tree(root: &std::path::Path, files: &[(&str, &[u8])]) {
+    for (path, contents) in files {
+        let path = root.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, contents).unwrap();
+    }
+}
+
+/// The names of the tools a request offers, in order.
+fn tool_names(request: &flue_runtime::provider::ModelRequest) -> Vec<String> {
+    request.tools.iter().map(|tool| tool.name.to_string()).collect()
+}
+
+const TRIAGE: &str = "---\nname: triage\ndescription: Sort incoming bug reports. Use when a report arrives.\n---\nLabel the report, then follow references/checklist.md.";
+
+static WORKSPACE_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch::dir("workspace-skills");
+    write_tree(
+        &root,
+        &[
+            ("work/.agents/skills/triage/SKILL.md", TRIAGE.as_bytes()),
+            (
+                "work/.agents/skills/triage/references/checklist.md",
+                b"1. Reproduce.\n2. Label.",
+            ),
+            // A directory without a SKILL.md, and a file: neither is a skill, and neither warns.
+            ("work/.agents/skills/scratchpad/README.md", b"not a skill"),
+            ("work/.agents/skills/README.md", b"Skills of this repository."),
+        ],
+    );
+    root
+});
+
+#[agent]
+fn workspace_support() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox_with(sandbox::local(WORKSPACE_ROOT.clone()), SandboxOptions::cwd("/work"));
+    use_skill(
+        Skill::new(
+            "escalation",
+            "Hand the case to a human. Use when the customer asks for one.",
+            "Summarize the case and say a specialist will follow up.",
+        )
+        .unwrap(),
+    );
+    "Answer support questions."
+}
+
+#[tokio::test]
+async fn a_workspace_skill_is_cataloged_after_the_declared_ones_and_activates_from_the_sandbox() {
+    let logs = capture_logs();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("activate_skill", json!({"name": "triage"})),
+        ScriptedReply::tool_call("read", json!({"path": ".agents/skills/triage/references/checklist.md"})),
+        ScriptedReply::text("Labelled."),
+    ]);
+    let runtime = runtime_with(&model, [workspace_support.into()]);
+    let reply = runtime
+        .init(&workspace_support, "w")
+        .send("A bug report came in.")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "Labelled.");
+    let requests = model.requests();
+
+    // Declared skills first, then the discovered one; one catalog line each, nothing more.
+    let system = requests[0].system.as_deref().unwrap();
+    let catalog = &system[system.find("## Available Skills").expect(system)..];
+    let escalation = catalog
+        .find("- **escalation** — Hand the case to a human.")
+        .expect(catalog);
+    let triage = catalog
+        .find("- **triage** — Sort incoming bug reports. Use when a report arrives.")
+        .expect(catalog);
+    assert!(escalation < triage, "{catalog}");
+    assert!(!system.contains("Label the report"), "{system}");
+    assert!(!system.contains("scratchpad"), "{system}");
+    // Its supporting files stay in the sandbox: no `read_skill_resource`.
+    assert_eq!(
+        tool_names(&requests[0]),
+        [
+            "read",
+            "write",
+            "edit",
+            "bash",
+            "grep",
+            "glob",
+            "activate_skill",
+            "task"
+        ]
+    );
+
+    let (activated, is_error) = tool_results(&requests[1]).remove(0);
+    assert!(!is_error, "{activated}");
+    assert!(
+        activated.starts_with("Label the report, then follow references/checklist.md."),
+        "{activated}"
+    );
+    assert!(activated.contains("/work/.agents/skills/triage"), "{activated}");
+    assert!(
+        !activated.contains("Reproduce"),
+        "supporting files are read on demand: {activated}"
+    );
+    assert_eq!(
+        tool_results(&requests[2])[1],
+        ("1. Reproduce.\n2. Label.".to_owned(), false)
+    );
+    let lines = logs.0.lock().unwrap().clone();
+    assert!(
+        !lines
+            .iter()
+            .any(|line| line.contains("scratchpad") || line.contains("README")),
+        "{lines:?}"
+    );
+}
+
+static MALFORMED_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch::dir("workspace-skills-malformed");
+    write_tree(
+        &root,
+        &[
+            (
+                ".agents/skills/good/SKILL.md",
+                b"---\nname: good\ndescription: The one that loads.\n---\nDo good work.",
+            ),
+            (".agents/skills/frontless/SKILL.md", b"No front matter here."),
+            (
+                ".agents/skills/misnamed/SKILL.md",
+                b"---\nname: other\ndescription: Named after another directory.\n---\nBody.",
+            ),
+            (".agents/skills/garbled/SKILL.md", b"---\nname: garbled\n\xff\xfe---\n"),
+        ],
+    );
+    root
+});
+
+#[agent]
+fn malformed_workspace() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::local(MALFORMED_ROOT.clone()));
+    "Work."
+}
+
+#[tokio::test]
+async fn a_malformed_workspace_skill_is_skipped_with_a_warning_and_the_others_load() {
+    let logs = capture_logs();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            ("activate_skill", json!({"name": "good"})),
+            ("activate_skill", json!({"name": "frontless"})),
+        ]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [malformed_workspace.into()]);
+    let reply = runtime.init(&malformed_workspace, "m").send("go").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let requests = model.requests();
+    let system = requests[0].system.as_deref().unwrap();
+    assert!(system.contains("- **good** — The one that loads."), "{system}");
+    for skipped in ["frontless", "misnamed", "other", "garbled"] {
+        assert!(!system.contains(&format!("**{skipped}**")), "{system}");
+    }
+    let results = tool_results(&requests[1]);
+    assert!(results[0].0.starts_with("Do good work."), "{results:?}");
+    assert_eq!(
+        results[1].0,
+        "No skill named \"frontless\" is available. Available skills: good."
+    );
+    let lines = logs.0.lock().unwrap().clone();
+    for (skipped, why) in [
+        ("frontless", "SKILL.md must start with a front matter block"),
+        ("misnamed", "Must match the skill's directory name \"misnamed\"."),
+        ("garbled", "UTF-8"),
+    ] {
+        let prefix = format!("[flue] Skipping invalid workspace skill \"{skipped}\": ");
+        assert!(
+            lines.iter().any(|line| line.starts_with(&prefix) && line.contains(why)),
+            "no warning for {skipped}: {lines:?}"
+        );
+    }
+}
+
+static CLASH_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch::dir("workspace-skills-clash");
+    write_tree(
+        &root,
+        &[(
+            ".agents/skills/refunds/SKILL.md",
+            b"---\nname: refunds\ndescription: The workspace's own refund process.\n---\nRefund everything.",
+        )],
+    );
+    root
+});
+
+#[agent]
+fn clashing_workspace() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::local(CLASH_ROOT.clone()));
+    use_skill(flue_runtime::skill!("skills/refunds", files = ["POLICY.md"]));
+    "Answer support questions."
+}
+
+#[tokio::test]
+async fn a_workspace_skill_named_like_a_declared_one_fails_the_submission() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = runtime_with(&model, [clashing_workspace.into()]);
+    let error = runtime
+        .init(&clashing_workspace, "c")
+        .send("Can I get a refund?")
+        .await
+        .unwrap_err();
+    let flue_runtime::RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("expected a run error, got {error}");
+    };
+    assert_eq!(error_type, "skill_name_conflict");
+    assert!(
+        message.starts_with("[flue] Skill name \"refunds\" appears in both agent definition and workspace discovery."),
+        "{message}"
+    );
+    assert!(model.requests().is_empty(), "no model call with an ambiguous skill");
+}
+
+static NO_SKILLS_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch::dir("workspace-skills-none");
+    // Skills above the working directory are not the workspace's: discovery does not climb.
+    write_tree(
+        &root,
+        &[
+            (
+                ".agents/skills/above/SKILL.md",
+                b"---\nname: above\ndescription: Not in the cwd.\n---\nBody.",
+            ),
+            ("project/notes.md", b"no skills here"),
+        ],
+    );
+    root
+});
+
+#[agent]
+fn no_workspace_skills() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox_with(sandbox::local(NO_SKILLS_ROOT.clone()), SandboxOptions::cwd("/project"));
+    "Work."
+}
+
+#[tokio::test]
+async fn without_a_skills_directory_in_the_cwd_nothing_is_discovered() {
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, [no_workspace_skills.into()]);
+    runtime.init(&no_workspace_skills, "n").send("go").await.unwrap();
+    let request = &model.requests()[0];
+    let system = request.system.as_deref().unwrap();
+    assert!(!system.contains("Available Skills"), "{system}");
+    assert!(!system.contains("above"), "{system}");
+    assert_eq!(
+        tool_names(request),
+        ["read", "write", "edit", "bash", "grep", "glob", "task"]
+    );
+}
+
+#[agent]
+fn in_memory_skills() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::virtual_sandbox());
+    "Work."
+}
+
+const SUMMARIZE: &str = "---\nname: summarize\ndescription: Summarize a document. Use when asked for a summary.\n---\nSummarize in one paragraph.";
+
+#[tokio::test]
+async fn workspace_skills_are_discovered_through_the_in_memory_sandbox_once_per_submission() {
+    use flue_core::sandbox::SandboxFactory;
+    let workspace = sandbox::virtual_sandbox()
+        .create_sandbox_for("in_memory_skills", "v")
+        .await
+        .unwrap();
+    workspace
+        .write_file("/.agents/skills/summarize/SKILL.md", SUMMARIZE.as_bytes().to_vec())
+        .await
+        .unwrap();
+    let edited = SUMMARIZE.replace("Summarize in one paragraph.", "Summarize in three bullets.");
+    let later = "---\nname: later\ndescription: Written during the session.\n---\nLater.";
+    let model = ScriptedModel::new([
+        // The model edits the skill and adds another one while the submission runs.
+        ScriptedReply::tool_calls([
+            (
+                "write",
+                json!({"path": ".agents/skills/summarize/SKILL.md", "content": edited}),
+            ),
+            (
+                "write",
+                json!({"path": ".agents/skills/later/SKILL.md", "content": later}),
+            ),
+        ]),
+        ScriptedReply::tool_calls([
+            ("activate_skill", json!({"name": "summarize"})),
+            ("activate_skill", json!({"name": "later"})),
+        ]),
+        ScriptedReply::text("first"),
+        ScriptedReply::text("second"),
+    ]);
+    let runtime = runtime_with(&model, [in_memory_skills.into()]);
+    let handle = runtime.init(&in_memory_skills, "v");
+    handle.send("Summarize this.").await.unwrap();
+    let requests = model.requests();
+    let system = requests[0].system.as_deref().unwrap();
+    assert!(
+        system.contains("- **summarize** — Summarize a document. Use when asked for a summary."),
+        "{system}"
+    );
+    assert!(tool_names(&requests[0]).contains(&"activate_skill".to_owned()));
+    let results = tool_results(&requests[2]);
+    // Activation reads the SKILL.md again: the edit shows.
+    assert!(results[2].0.starts_with("Summarize in three bullets."), "{results:?}");
+    // Discovery ran when the submission started: a skill written since is not there yet.
+    assert_eq!(
+        results[3].0,
+        "No skill named \"later\" is available. Available skills: summarize."
+    );
+
+    // The next submission discovers it, and the model is told (the catalog stays as it was).
+    handle.send("And now?").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(requests[3].system, requests[0].system);
+    let signal = requests[3]
+        .messages
+        .iter()
+        .find_map(|message| match message {
+            flue_runtime::provider::ModelMessage::User { content, .. }
+                if content.starts_with("<signal type=\"resources\"") =>
+            {
+                Some(content.clone())
+            }
+            _ => None,
+        })
+        .expect("a resources signal");
+    assert!(signal.contains("- **later** — Written during the session."), "{signal}");
 }

@@ -474,6 +474,7 @@ impl InstanceSlot {
             first_snapshot: None,
             declared: None,
             sandbox: None,
+            workspace: None,
             sandbox_present: false,
             own_tools: 0,
             delegation: None,
@@ -859,6 +860,8 @@ struct Response<'a> {
     declared: Option<(u64, crate::resources::ResourceSet)>,
     /// The submission's sandbox and its tools, once a render attached it.
     sandbox: Option<crate::sandbox::Environment>,
+    /// The skills the sandbox's workspace provides, found when the sandbox was attached.
+    workspace: Option<Arc<crate::skills::Workspace>>,
     /// Whether the latest render attaches the sandbox.
     sandbox_present: bool,
     /// How many of the latest render's tools are the agent's own (the sandbox's and the
@@ -1076,8 +1079,10 @@ impl Response<'_> {
     }
 
     /// Makes a render ready for a model call: the sandbox (created the first time a render of
-    /// the submission attaches one; presence re-read every time) and its tools, then the
-    /// framework's tools and prompt sections.
+    /// the submission attaches one, its workspace's skills discovered then; presence re-read
+    /// every time) with its tools and workspace skills, then the framework's tools and prompt
+    /// sections. A workspace skill named like a declared one fails the submission
+    /// (`skill_name_conflict`).
     async fn prepare(&mut self, rendered: &mut Rendered) -> Result<(), Failure> {
         self.mount_mcp(rendered).await?;
         self.own_tools = rendered.tools.len();
@@ -1127,6 +1132,8 @@ impl Response<'_> {
                             ),
                         )
                     })?;
+                // The workspace's skills: found once, when the submission's sandbox is made.
+                self.workspace = Some(Arc::new(crate::skills::Workspace::discover(&session).await));
                 let environment = match tools {
                     Some(tools) => crate::sandbox::Environment::custom(session, tools),
                     None => crate::sandbox::Environment::built_in(session),
@@ -1149,6 +1156,12 @@ impl Response<'_> {
             }
             rendered.tools.extend(tools.iter().cloned());
             self.sandbox_present = true;
+            // The workspace's skills, after the declared ones, while the sandbox is attached.
+            if let Some(workspace) = &self.workspace {
+                workspace
+                    .mount(rendered)
+                    .map_err(|message| Failure::failed("skill_name_conflict", message))?;
+            }
         }
         self.mount_framework(rendered);
         if let Some(view) = &self.thread {
@@ -1251,7 +1264,15 @@ impl Response<'_> {
         let environment = self.environment();
         let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
         let delegation = self.delegation.as_ref().map(|(delegation, tool)| (delegation, tool));
-        crate::framework::mount(rendered, delegation, parent, environment, &mut self.framework_sections);
+        let workspace = self.workspace.as_ref().filter(|_| self.sandbox_present);
+        crate::framework::mount(
+            rendered,
+            delegation,
+            parent,
+            environment,
+            workspace,
+            &mut self.framework_sections,
+        );
     }
 
     fn check_abort(&self) -> Result<(), Failure> {
