@@ -697,6 +697,18 @@ async fn child_session(
             taken.name()
         ));
     }
+    // The workspace skills of the delegate's own working directory (a task's `cwd` moves it),
+    // found when its session starts, after its declared ones.
+    let workspace = match &environment.session {
+        Some(session) => {
+            let workspace = Arc::new(crate::skills::Workspace::discover(session).await);
+            workspace
+                .mount(&mut rendered)
+                .map_err(|message| format!("The \"{}\" agent could not start: {message}", subagent.name()))?;
+            Some(workspace)
+        }
+        None => None,
+    };
     let created = reopened.is_none();
     let (child, mut conversation) = match reopened {
         Some(reopened) => reopened,
@@ -734,7 +746,7 @@ async fn child_session(
         Some((&nested, &nested_tool)),
         None,
         environment,
-        None,
+        workspace.as_ref(),
         &mut sections,
     );
     let system = crate::framework::system(rendered.instruction.as_deref(), sections.text());

@@ -521,3 +521,65 @@ async fn workspace_skills_are_discovered_through_the_in_memory_sandbox_once_per_
         .expect("a resources signal");
     assert!(signal.contains("- **later** — Written during the session."), "{signal}");
 }
+
+fn reviewer(_: AgentProps<'_>) -> &'static str {
+    "You review changes."
+}
+
+#[agent]
+fn delegates_in_a_workspace() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::virtual_sandbox());
+    use_subagent(Subagent::new(
+        "reviewer",
+        "Reviews changes.",
+        FnAgent::new(AgentDefinition::new("reviewer"), reviewer),
+    ));
+    "Delegate reviews."
+}
+
+#[tokio::test]
+async fn a_delegate_discovers_the_workspace_skills_of_its_own_cwd() {
+    use flue_core::sandbox::SandboxFactory;
+    let workspace = sandbox::virtual_sandbox()
+        .create_sandbox_for("delegates_in_a_workspace", "d")
+        .await
+        .unwrap();
+    workspace
+        .write_file(
+            "/team/.agents/skills/lint/SKILL.md",
+            b"---\nname: lint\ndescription: Lint a change. Use before approving one.\n---\nRun the linter first."
+                .to_vec(),
+        )
+        .await
+        .unwrap();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "task",
+            json!({"agent": "reviewer", "prompt": "Review the change.", "cwd": "team"}),
+        ),
+        ScriptedReply::tool_call("activate_skill", json!({"name": "lint"})),
+        ScriptedReply::text("Linted and approved."),
+        ScriptedReply::text("The reviewer approved."),
+    ]);
+    let runtime = runtime_with(&model, [delegates_in_a_workspace.into()]);
+    runtime
+        .init(&delegates_in_a_workspace, "d")
+        .send("Review my change.")
+        .await
+        .unwrap();
+    let requests = model.requests();
+    // The parent works in `/`, where there are no workspace skills.
+    let parent = requests[0].system.as_deref().unwrap();
+    assert!(!parent.contains("Available Skills"), "{parent}");
+    // The delegate works in `/team`, and finds the skill there.
+    let child = requests[1].system.as_deref().unwrap();
+    assert!(
+        child.contains("- **lint** — Lint a change. Use before approving one."),
+        "{child}"
+    );
+    let (activated, is_error) = tool_results(&requests[2]).remove(0);
+    assert!(!is_error, "{activated}");
+    assert!(activated.starts_with("Run the linter first."), "{activated}");
+    assert!(activated.contains("/team/.agents/skills/lint"), "{activated}");
+}
