@@ -1,7 +1,9 @@
 //! Skills: progressive-disclosure instructions mounted with `use_skill`.
 //!
 //! A mounted skill costs one catalog line (name and description) in the system prompt; the
-//! model pulls the full instructions with the framework's `activate_skill` tool.
+//! model pulls the full instructions with the framework's `activate_skill` tool. The runtime
+//! also discovers workspace skills, `.agents/skills/<name>/SKILL.md` in an agent's sandbox,
+//! validated by the same rules ([`Skill::from_skill_md`], the name being the directory's).
 
 mod front_matter;
 

@@ -22,6 +22,21 @@
 //! - Delegates share the parent's sandbox and its tools (`Environment`); a `task` call's
 //!   `cwd` moves the delegate's working directory (relative to the parent's unless absolute,
 //!   inside the sandbox). Like the tools' own paths, it is no boundary: the sandbox is.
+//! - Workspace skills: a workspace brings skills of its own as directories
+//!   `<cwd>/.agents/skills/<name>/` holding a `SKILL.md` (the Agent Skills format, its `name`
+//!   the directory's). They are discovered through the sandbox's file API (any sandbox: the
+//!   local one, the in-memory one, a factory's own) once per session — when the submission's
+//!   sandbox is made, and for a delegate when its task starts, in its own `cwd` — not in
+//!   directories above the cwd. While a render attaches the sandbox they are listed after the
+//!   skills mounted with `use_skill` and activate like them. A directory without `SKILL.md` is
+//!   not a skill; an unreadable or invalid `SKILL.md` is skipped with a warning (`tracing`,
+//!   `[flue] Skipping invalid workspace skill "<name>": …`); a name a `use_skill` skill also
+//!   has fails the submission (`skill_name_conflict`, `[flue] Skill name "<name>" appears in
+//!   both agent definition and workspace discovery. …`; for a delegate, the task fails).
+//!   Supporting files stay in the sandbox (activation names the skill's directory; the model
+//!   reads them with the sandbox's tools, not `read_skill_resource`), and activation reads
+//!   `SKILL.md` again, so an edit made during the session shows. A skill added during a
+//!   submission is found by the next one, and narrated to the model as a new skill.
 
 mod local;
 pub(crate) mod tools;
