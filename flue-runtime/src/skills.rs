@@ -253,16 +253,24 @@ impl Workspace {
             }
         };
         entries.sort_by(|a, b| a.name.cmp(&b.name));
-        for entry in entries.iter().filter(|entry| entry.is_dir) {
-            match workspace.load(&entry.name).await {
-                Ok(Some(skill)) => workspace.skills.push(skill),
-                Ok(None) => {}
-                Err(detail) => tracing::warn!(
-                    skill = %entry.name,
-                    "[flue] Skipping invalid workspace skill \"{}\": {detail}",
-                    entry.name
-                ),
-            }
+        for entry in &entries {
+            // An entry listed as no directory may be a link to one (a skill installed by
+            // linking): tried too, but a `SKILL.md` that cannot be read through it only means it
+            // is a file.
+            let detail = match workspace.load(&entry.name).await {
+                Ok(Some(skill)) => {
+                    workspace.skills.push(skill);
+                    continue;
+                }
+                Ok(None) => continue,
+                Err(LoadError::Unreadable(_)) if !entry.is_dir => continue,
+                Err(LoadError::Unreadable(detail) | LoadError::Invalid(detail)) => detail,
+            };
+            tracing::warn!(
+                skill = %entry.name,
+                "[flue] Skipping invalid workspace skill \"{}\": {detail}",
+                entry.name
+            );
         }
         workspace
     }
@@ -295,18 +303,19 @@ impl Workspace {
         format!("{}/{name}", self.directory)
     }
 
-    /// The skill in the directory `name` (`None`: it has no `SKILL.md`), or why it is invalid.
-    async fn load(&self, name: &str) -> Result<Option<Skill>, String> {
+    /// The skill in the directory `name` (`None`: it has no `SKILL.md`), or why it cannot be.
+    async fn load(&self, name: &str) -> Result<Option<Skill>, LoadError> {
         let path = format!("{}/SKILL.md", self.directory_of(name));
         let bytes = match self.sandbox.read_file(&path).await {
             Ok(bytes) => bytes,
             Err(SandboxError::NotFound(_)) => return Ok(None),
-            Err(error) => return Err(format!("{path} could not be read: {error}")),
+            Err(error) => return Err(LoadError::Unreadable(format!("{path} could not be read: {error}"))),
         };
-        let text = String::from_utf8(bytes).map_err(|_| format!("{path} is not valid UTF-8 text"))?;
+        let text =
+            String::from_utf8(bytes).map_err(|_| LoadError::Invalid(format!("{path} is not valid UTF-8 text")))?;
         Skill::from_skill_md(Some(name), &text, [])
             .map(Some)
-            .map_err(|error| error.to_string())
+            .map_err(|error| LoadError::Invalid(error.to_string()))
     }
 
     /// `activate_skill` for the workspace skill `name`: its `SKILL.md` as it is now, and where
@@ -321,9 +330,19 @@ impl Workspace {
             Ok(None) => ToolOutput::error(format!(
                 "The skill \"{name}\" is no longer in the workspace: {directory}/SKILL.md is gone."
             )),
-            Err(detail) => ToolOutput::error(format!("The skill \"{name}\" could not be loaded: {detail}")),
+            Err(LoadError::Unreadable(detail) | LoadError::Invalid(detail)) => {
+                ToolOutput::error(format!("The skill \"{name}\" could not be loaded: {detail}"))
+            }
         }
     }
+}
+
+/// Why a workspace skill's `SKILL.md` could not be loaded.
+enum LoadError {
+    /// The sandbox could not read it.
+    Unreadable(String),
+    /// It was read, and is no valid skill.
+    Invalid(String),
 }
 
 #[cfg(test)]

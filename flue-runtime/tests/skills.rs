@@ -208,8 +208,14 @@ static WORKSPACE_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::Lazy
             // A directory without a SKILL.md, and a file: neither is a skill, and neither warns.
             ("work/.agents/skills/scratchpad/README.md", b"not a skill"),
             ("work/.agents/skills/README.md", b"Skills of this repository."),
+            (
+                "work/shared/handover/SKILL.md",
+                b"---\nname: handover\ndescription: Hand a report over to another team.\n---\nName the team.",
+            ),
         ],
     );
+    // A skill installed as a link to its directory.
+    std::os::unix::fs::symlink("../../shared/handover", root.join("work/.agents/skills/handover")).unwrap();
     root
 });
 
@@ -255,6 +261,10 @@ async fn a_workspace_skill_is_cataloged_after_the_declared_ones_and_activates_fr
         .find("- **triage** — Sort incoming bug reports. Use when a report arrives.")
         .expect(catalog);
     assert!(escalation < triage, "{catalog}");
+    assert!(
+        catalog.contains("- **handover** — Hand a report over to another team."),
+        "{catalog}"
+    );
     assert!(!system.contains("Label the report"), "{system}");
     assert!(!system.contains("scratchpad"), "{system}");
     // Its supporting files stay in the sandbox: no `read_skill_resource`.
@@ -440,6 +450,11 @@ async fn without_a_skills_directory_in_the_cwd_nothing_is_discovered() {
     assert_eq!(
         tool_names(request),
         ["read", "write", "edit", "bash", "grep", "glob", "task"]
+    );
+    let lines = capture_logs().0.lock().unwrap().clone();
+    assert!(
+        !lines.iter().any(|line| line.contains("/project")),
+        "a missing skills directory is no warning: {lines:?}"
     );
 }
 
