@@ -29,7 +29,8 @@
 //!   sandbox is made, and for a delegate when its task starts, in its own `cwd` — not in
 //!   directories above the cwd. While a render attaches the sandbox they are listed after the
 //!   skills mounted with `use_skill` and activate like them. A link to a skill's directory
-//!   counts (where the sandbox follows it); a directory without `SKILL.md` is not a skill; an unreadable or invalid `SKILL.md` is skipped with a warning (`tracing`,
+//!   counts (where the sandbox follows it); a directory without `SKILL.md` is not a skill; an
+//!   unreadable or invalid `SKILL.md` is skipped with a warning (`tracing`,
 //!   `[flue] Skipping invalid workspace skill "<name>": …`); a name a `use_skill` skill also
 //!   has fails the submission (`skill_name_conflict`, `[flue] Skill name "<name>" appears in
 //!   both agent definition and workspace discovery. …`; for a delegate, the task fails).
