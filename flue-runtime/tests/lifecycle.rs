@@ -583,6 +583,101 @@ async fn items_22_23_24_25_36_create_and_update_hooks_shape_the_stored_rows() {
     )));
 }
 
+static PENDING_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Reads the thread from inside the assistant row's hooks: the row is there, as stored.
+async fn log_as_read(state: &ThreadState, hook: &str, message: &Message) {
+    let found = state.get_message(&message.id).await.unwrap();
+    let listed = state.get_messages(MessagesQuery::default()).await.unwrap();
+    let last = listed.messages.last().unwrap();
+    PENDING_LOG.lock().unwrap().push(format!(
+        "{} {hook} {:?}: get_message {:?}, last listed {} {:?}",
+        state.thread_id(),
+        message.status,
+        found.map(|row| row.status),
+        last.id == message.id,
+        last.status
+    ));
+}
+
+#[hook(after_create_message)]
+async fn read_created_row(state: &ThreadState, message: &Message) {
+    if message.role == MessageRole::Assistant {
+        log_as_read(state, "after_create", message).await;
+    }
+}
+
+#[hook(before_update_message)]
+async fn see_failed_status(
+    state: &ThreadState,
+    _id: &str,
+    updates: MessageUpdates,
+) -> Result<MessageUpdates, HookError> {
+    PENDING_LOG.lock().unwrap().push(format!(
+        "{} before_update {}",
+        state.thread_id(),
+        Value::Object(updates.clone())
+    ));
+    Err(HookError::new("the status board is down"))
+}
+
+#[hook(after_update_message)]
+async fn read_updated_row(state: &ThreadState, message: &Message) {
+    log_as_read(state, "after_update", message).await;
+}
+
+#[agent(hooks = [read_created_row, see_failed_status, read_updated_row])]
+fn pending_rows() -> &'static str {
+    use_model("scripted/x");
+    "P"
+}
+
+#[tokio::test]
+async fn item_23_after_create_message_finds_the_pending_assistant_row_in_the_thread() {
+    let model = ScriptedModel::new([ScriptedReply::text("answer")]);
+    let runtime = runtime_with(&model, vec![pending_rows.into()]);
+    runtime.init(&pending_rows, "created").send("question").await.unwrap();
+    let log = PENDING_LOG.lock().unwrap().clone();
+    assert_eq!(
+        log.iter().find(|line| line.starts_with("created ")).map(String::as_str),
+        Some("created after_create Some(Pending): get_message Some(Some(Pending)), last listed true Some(Pending)"),
+        "{log:?}"
+    );
+}
+
+#[tokio::test]
+async fn item_35_a_failed_model_step_gets_its_failed_status_through_the_update_hooks() {
+    let logs = capture_logs();
+    // No reply scripted: the model call fails.
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![pending_rows.into()]);
+    let error = runtime
+        .init(&pending_rows, "failed")
+        .send("question")
+        .await
+        .unwrap_err();
+    assert_eq!(run_error(error).0, "operation_failed");
+    let log: Vec<String> = PENDING_LOG
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|line| line.starts_with("failed ") && !line.contains("after_create"))
+        .cloned()
+        .collect();
+    // The update chain failed: the failed status is still written, its last good value.
+    assert_eq!(
+        log,
+        [
+            r#"failed before_update {"status":"failed"}"#,
+            "failed after_update Some(Failed): get_message Some(Some(Failed)), last listed true Some(Failed)",
+        ]
+    );
+    assert_eq!(
+        logs.lines("the status board is down"),
+        ["[Hooks] ✗ Error running before_update_message hook: the status board is down"]
+    );
+}
+
 static PREVENT_LOG: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
 
 #[hook(before_create_message)]

@@ -45,6 +45,10 @@ pub(crate) struct ThreadWriter {
     /// The stream as the thread state's reads last folded it, and the offset it reached:
     /// each read folds only what was appended since (made at the first read).
     folded: tokio::sync::Mutex<Option<(Conversation, Option<u64>)>>,
+    /// The model step's assistant row while its step runs (`pending`, then `failed` for its
+    /// failure's update hooks): a row of the thread for reads, though only a completed step
+    /// is stored.
+    pending_row: Mutex<Option<Message>>,
 }
 
 impl ThreadWriter {
@@ -65,7 +69,31 @@ impl ThreadWriter {
             lock: tokio::sync::Mutex::new(()),
             unfolded: Mutex::new(Vec::new()),
             folded: tokio::sync::Mutex::new(None),
+            pending_row: Mutex::new(None),
         }
+    }
+
+    /// Shows `row` as the thread's last row (the running step's), or no such row.
+    pub(crate) fn set_pending_row(&self, row: Option<Message>) {
+        *self.pending_row.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = row;
+    }
+
+    /// Takes the running step's row out of the thread.
+    pub(crate) fn take_pending_row(&self) -> Option<Message> {
+        self.pending_row
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+    }
+
+    /// The running step's row, unless the stream holds it already.
+    fn pending_row_beside(&self, rows: &[Message]) -> Option<Message> {
+        self.pending_row
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .as_ref()
+            .filter(|pending| !rows.iter().any(|row| row.id == pending.id))
+            .cloned()
     }
 
     /// A record of this attempt.
@@ -282,14 +310,17 @@ impl ThreadStateApi for RuntimeThread {
 
     fn get_messages(&self, query: MessagesQuery) -> BoxFuture<'_, Result<MessagePage, ThreadError>> {
         Box::pin(async move {
-            self.writer
-                .with_fold(|conversation| MessagePage::of(conversation.rows(), &query))
-                .await
+            let mut rows = self.writer.with_fold(Conversation::rows).await?;
+            rows.extend(self.writer.pending_row_beside(&rows));
+            Ok(MessagePage::of(rows, &query))
         })
     }
 
     fn get_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Message>, ThreadError>> {
-        Box::pin(async move { self.writer.with_fold(|conversation| conversation.find_row(id)).await })
+        Box::pin(async move {
+            let stored = self.writer.with_fold(|conversation| conversation.find_row(id)).await?;
+            Ok(stored.or_else(|| self.writer.pending_row_beside(&[]).filter(|pending| pending.id == id)))
+        })
     }
 
     fn inject_message(&self, input: InjectMessage) -> BoxFuture<'_, Result<Message, ThreadError>> {

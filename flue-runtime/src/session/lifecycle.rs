@@ -34,6 +34,26 @@ fn changed_fields(original: &Message, changed: &Message, updates: &mut MessageUp
     }
 }
 
+/// `updates` (checked) applied to `row`, as the stream applies a stored row's update.
+fn apply_updates(row: &mut Message, updates: MessageUpdates) {
+    for (field, value) in updates {
+        match (field.as_str(), value) {
+            ("content", Value::String(content)) => row.content = Some(content),
+            ("silent", Value::Bool(silent)) => row.silent = silent,
+            ("metadata", Value::Object(metadata)) => row.metadata = metadata,
+            ("metadata", Value::Null) => row.metadata.clear(),
+            ("name", Value::String(name)) => row.name = Some(name),
+            ("name", Value::Null) => row.name = None,
+            ("status", status) => {
+                if let Ok(status) = serde_json::from_value(status) {
+                    row.status = Some(status);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 fn row(id: String, role: MessageRole, content: String) -> Message {
     Message {
         id,
@@ -211,8 +231,49 @@ impl Response<'_> {
         let mut compared = created.clone();
         compared.status = pending.status;
         changed_fields(&pending, &compared, &mut updates);
+        // The row is the thread's from here (its hooks read it back); a completed step stores
+        // it, a failed one marks it failed.
+        let mut shown = created.clone();
+        shown.status = Some(MessageStatus::Pending);
+        self.writer.set_pending_row(Some(shown));
         chain::after_create_message(&self.hooks, &state, &created).await;
         updates
+    }
+
+    /// A step whose model call failed after its row was created: the row's `failed` status
+    /// through `before_update_message` (its errors continue with the last good updates) and
+    /// `after_update_message`, which read the failed row in the thread. Only completed steps
+    /// are stored, so the row then leaves the thread with its attempt.
+    pub(super) async fn assistant_row_failed(&mut self, message_id: &str) {
+        let Some(mut failed) = self.writer.take_pending_row() else {
+            return;
+        };
+        let hooks = self.hooks.clone();
+        if !hooks.has(HookKind::BeforeUpdateMessage) && !hooks.has(HookKind::AfterUpdateMessage) {
+            return;
+        }
+        let state = self.thread_view().state();
+        let mut proposed = MessageUpdates::new();
+        proposed.insert("status".into(), json!(MessageStatus::Failed));
+        if hooks.has(HookKind::BeforeUpdateMessage) {
+            let applied = match chain::before_update_message(&hooks, &state, message_id, proposed).await {
+                Ok(applied) => applied,
+                Err(prevented) => prevented.last_good,
+            };
+            // The status stays failed whatever the hooks said: the step did fail.
+            match crate::lifecycle::thread::check_updates(&applied) {
+                Ok(()) => apply_updates(&mut failed, applied),
+                Err(error) => chain::log_failure(
+                    HookKind::BeforeUpdateMessage,
+                    "(chain)",
+                    &flue_core::lifecycle::HookError::new(error.to_string()),
+                ),
+            }
+        }
+        failed.status = Some(MessageStatus::Failed);
+        self.writer.set_pending_row(Some(failed.clone()));
+        chain::after_update_message(&hooks, &state, &failed).await;
+        self.writer.set_pending_row(None);
     }
 
     /// The step's final content and status through `before_update_message` (its errors

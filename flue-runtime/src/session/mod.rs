@@ -1986,13 +1986,14 @@ impl Response<'_> {
                     message: ModelMessage::empty_assistant(),
                 });
             }
-            match streamed {
+            let error = match streamed {
                 Ok(response) => break (response, started, turn_id),
-                Err(StepError::Aborted) => return Err(Failure::aborted()),
-                Err(StepError::Store(error)) => return Err(Failure::store(error)),
-                Err(StepError::Provider(error))
-                    if error.kind == crate::provider::ProviderErrorKind::ContextOverflow =>
-                {
+                Err(error) => error,
+            };
+            let failure = match error {
+                StepError::Aborted => Failure::aborted(),
+                StepError::Store(error) => Failure::store(error),
+                StepError::Provider(error) if error.kind == crate::provider::ProviderErrorKind::ContextOverflow => {
                     // Overflow recovery: compact and retry the call once, also with threshold
                     // compaction off.
                     if !compacted_for_overflow
@@ -2007,12 +2008,13 @@ impl Response<'_> {
                         live.restart();
                         continue;
                     }
-                    return Err(Failure::prompt_failed("context_overflow", &error.to_string()));
+                    Failure::prompt_failed("context_overflow", &error.to_string())
                 }
-                Err(StepError::Provider(error)) => {
-                    return Err(Failure::prompt_failed("operation_failed", &error.to_string()));
-                }
-            }
+                StepError::Provider(error) => Failure::prompt_failed("operation_failed", &error.to_string()),
+            };
+            // The step failed: its row's failed status, through the update hooks.
+            self.assistant_row_failed(&message_id).await;
+            return Err(failure);
         };
         let mut row_updates = row_updates.unwrap_or_default();
         self.last_call_tokens = response.usage.input_tokens + response.usage.output_tokens;
@@ -2060,6 +2062,8 @@ impl Response<'_> {
             }));
         }
         self.commit(records, false).await?;
+        // The stream holds the step's row now.
+        self.writer.set_pending_row(None);
         // The response has a message now: data writes stream from here on (the ones made
         // before it flush now).
         self.attempt.stream_data();
