@@ -246,3 +246,55 @@ fn a_string_error_is_an_error_result_with_its_text() {
     let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-1"})));
     assert_eq!(output, ToolOutput::text("refunded o-1"));
 }
+
+/// An error that displays but is no `std::error::Error`, as `anyhow::Error` is.
+#[derive(Debug)]
+struct OpaqueError(&'static str);
+
+impl std::fmt::Display for OpaqueError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "opaque: {}", self.0)
+    }
+}
+
+/// Void an order.
+#[tool]
+async fn void_order(order: String) -> Result<String, OpaqueError> {
+    if order.starts_with("o-") {
+        Ok(format!("voided {order}"))
+    } else {
+        Err(OpaqueError("no such order"))
+    }
+}
+
+/// Look an order up.
+#[tool]
+async fn look_up(order: String) -> Result<serde_json::Value, Box<dyn std::error::Error + Send + Sync>> {
+    let number: u32 = order.trim_start_matches("o-").parse()?;
+    Ok(json!({"order": number}))
+}
+
+/// Count an order's lines.
+#[tool]
+async fn count_lines(order: String) -> Result<String, std::io::Error> {
+    Err(std::io::Error::other(format!("{order} is archived")))
+}
+
+#[test]
+fn an_error_that_only_displays_is_an_error_result_with_its_text() {
+    let tool = void_order.into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "x-1"})));
+    assert_eq!(output, ToolOutput::error("opaque: no such order"));
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-1"})));
+    assert_eq!(output, ToolOutput::text("voided o-1"));
+    // A boxed error (what `?` makes of any error), and a JSON success beside it.
+    let tool = look_up.into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-x"})));
+    assert_eq!(output, ToolOutput::error("invalid digit found in string"));
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-7"})));
+    assert_eq!(output, ToolOutput::json(json!({"order": 7})));
+    // A `std::error::Error` still converts through `ToolError`.
+    let tool = count_lines.into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-2"})));
+    assert_eq!(output, ToolOutput::error("o-2 is archived"));
+}

@@ -471,14 +471,24 @@ pub fn tool_return<T: ToolReturn>(value: T) -> ToolOutput {
     value.into_tool_output()
 }
 
-// A tool may fail with text: `Result<T, String>` or `Result<T, &'static str>`. No impl of
-// `IntoToolOutput` can take those beside the one for `Result<T, E: Into<ToolError>>`, nor can
-// `ToolError` be `From<String>` beside its `From<E: Error>`: std may implement `Error` for
-// `String` one day, coherence says. So `#[tool]` picks by method resolution, before
-// `tool_return`: `(&value).__flue_tool_return().adapt(value)` finds `TextErrorReturn`, which the
-// value's own type implements, before `OtherReturn`, which only a reference to it does. The
-// first makes the text a `ToolError`; the second leaves the value as it is, for `tool_return`
-// to convert or reject.
+// A tool may fail with text (`Result<T, String>`, `Result<T, &'static str>`) or with any error
+// that displays (`Result<T, anyhow::Error>`, `Result<T, Box<dyn Error + Send + Sync>>`, neither
+// of which implements `std::error::Error`). No impl of `IntoToolOutput` can take those beside the
+// one for `Result<T, E: Into<ToolError>>`, nor can `ToolError` be `From` them beside its
+// `From<E: Error>`: coherence rules both out. So `#[tool]` picks by method resolution, before
+// `tool_return`: `(&&&Returned(&value)).__flue_tool_return().adapt(value)` finds, in order,
+// 1. `TextErrorReturn` (a text error, made a `ToolError`) or `ConvertibleReturn` (a value
+//    `tool_return` converts as it is), both on `&&Returned<_>`;
+// 2. `DisplayErrorReturn` (any other `Result` whose error displays: its text becomes the
+//    `ToolError`), on `&Returned<_>`;
+// 3. `OtherReturn`, on `Returned<_>` (anything else, left for `tool_return` to reject at the
+//    return type).
+// Each level's receiver is one reference shallower, so a level is tried only when none above
+// applies; `Returned` is no reference, so no impl matches at two levels.
+
+/// A tool function's return value, borrowed while `#[tool]` picks how to read it.
+#[doc(hidden)]
+pub struct Returned<'a, T: ?Sized>(pub &'a T);
 
 /// A `Result` whose error is text; see [`TextError`].
 #[doc(hidden)]
@@ -489,8 +499,31 @@ pub trait TextErrorReturn {
     }
 }
 
-impl<T> TextErrorReturn for Result<T, String> {}
-impl<T> TextErrorReturn for Result<T, &'static str> {}
+impl<T> TextErrorReturn for &&Returned<'_, Result<T, String>> {}
+impl<T> TextErrorReturn for &&Returned<'_, Result<T, &'static str>> {}
+
+/// A value [`tool_return`] converts as it is; see [`AsReturned`].
+#[doc(hidden)]
+pub trait ConvertibleReturn {
+    /// How `#[tool]` reads the value before [`tool_return`].
+    fn __flue_tool_return(&self) -> AsReturned {
+        AsReturned
+    }
+}
+
+impl<T: IntoToolOutput> ConvertibleReturn for &&Returned<'_, T> {}
+
+/// A `Result` whose error displays but is no `std::error::Error` (`anyhow::Error`, a boxed
+/// `dyn Error`); see [`DisplayError`].
+#[doc(hidden)]
+pub trait DisplayErrorReturn {
+    /// How `#[tool]` reads the value before [`tool_return`].
+    fn __flue_tool_return(&self) -> DisplayError {
+        DisplayError
+    }
+}
+
+impl<T, E: fmt::Display> DisplayErrorReturn for &Returned<'_, Result<T, E>> {}
 
 /// Any other return value; see [`AsReturned`].
 #[doc(hidden)]
@@ -501,7 +534,7 @@ pub trait OtherReturn {
     }
 }
 
-impl<T: ?Sized> OtherReturn for &T {}
+impl<T: ?Sized> OtherReturn for Returned<'_, T> {}
 
 /// Reads a `Result` with a text error as one with a [`ToolError`]: the text is the error
 /// result the model sees.
@@ -512,6 +545,18 @@ impl TextError {
     /// The text error as a [`ToolError`].
     pub fn adapt<T, E: Into<String>>(self, value: Result<T, E>) -> Result<T, ToolError> {
         value.map_err(ToolError::new)
+    }
+}
+
+/// Reads a `Result` whose error displays as one with a [`ToolError`]: the error's text (its
+/// `Display`) is the error result the model sees.
+#[doc(hidden)]
+pub struct DisplayError;
+
+impl DisplayError {
+    /// The error as a [`ToolError`].
+    pub fn adapt<T, E: fmt::Display>(self, value: Result<T, E>) -> Result<T, ToolError> {
+        value.map_err(|error| ToolError::new(error.to_string()))
     }
 }
 
@@ -597,8 +642,9 @@ impl ToolOutput {
 
 /// What a tool function may return: text, JSON, `()`, a [`ToolOutput`], or a `Result` of any
 /// of these with a [`ToolError`] (an `Err` becomes an error result). A `#[tool]` function may
-/// also fail with text (`Result<T, String>`, `Result<T, &'static str>`), which the attribute
-/// converts itself: coherence rules out an impl of this trait for those.
+/// also fail with text (`Result<T, String>`, `Result<T, &'static str>`) or with any error that
+/// displays (`anyhow::Error`, `Box<dyn Error + Send + Sync>`), which the attribute converts
+/// itself: coherence rules out an impl of this trait for those.
 pub trait IntoToolOutput {
     /// Converts into a result.
     fn into_tool_output(self) -> ToolOutput;

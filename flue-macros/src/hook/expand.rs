@@ -63,8 +63,10 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let expected: syn::Type = syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
     let expected = qualify(&expected);
     // A wrong arity, type parameters or a receiver were reported: the body is not called.
-    let well_formed =
-        function.sig.inputs.len() == args.len() && crate::lifetimes_only(&function.sig.generics) && !receiver;
+    let well_formed = !model.stub
+        && function.sig.inputs.len() == args.len()
+        && crate::lifetimes_only(&function.sig.generics)
+        && !receiver;
     let result = match &function.sig.output {
         // The return type may be `impl Trait`, which cannot be named in a path: the helper
         // infers it from the body's value, and its call is spanned at the return type, so a

@@ -11,13 +11,11 @@ use proc_macro2::TokenStream;
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     crate::errors::expand_function(item, |function, errors| {
         let options = parse::options(args, errors);
-        // An unknown or missing kind leaves nothing sensible to expand.
-        match model::HookModel::build(function, options, errors) {
-            Some(model) => {
-                validate::check(&model, errors);
-                expand::hook(&model)
-            }
-            None => TokenStream::new(),
+        let model = model::HookModel::build(function, options, errors);
+        // An unknown or missing kind has no signature to check the function against.
+        if !model.stub {
+            validate::check(&model, errors);
         }
+        expand::hook(&model)
     })
 }

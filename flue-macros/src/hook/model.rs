@@ -12,11 +12,14 @@ pub(crate) struct HookModel {
     pub(crate) kind: &'static Kind,
     pub(crate) id: (String, Span),
     pub(crate) krate: syn::Path,
+    /// The kind is missing or unknown (reported): the item is still emitted, as a hook whose
+    /// body is not called, so its uses do not add errors of their own.
+    pub(crate) stub: bool,
 }
 
 impl HookModel {
-    /// `None` when the kind is missing or unknown (nothing sensible to expand).
-    pub(crate) fn build(function: ItemFn, options: Options, errors: &Errors) -> Option<Self> {
+    /// The model; a stub when the kind is missing or unknown.
+    pub(crate) fn build(function: ItemFn, options: Options, errors: &Errors) -> Self {
         let kind = match &options.kind {
             None => {
                 errors.push(syn::Error::new(
@@ -45,11 +48,12 @@ impl HookModel {
             None => (syn::ext::IdentExt::unraw(ident).to_string(), ident.span()),
         };
         let krate = crate::krate::runtime_path(options.krate);
-        Some(Self {
-            kind: kind?,
+        Self {
+            stub: kind.is_none(),
+            kind: kind.unwrap_or(kinds::STUB),
             function,
             id,
             krate,
-        })
+        }
     }
 }

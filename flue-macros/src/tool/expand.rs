@@ -78,14 +78,18 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         // The return type may be `impl Trait`, which cannot be named in a path: the helper
         // infers it from the body's value, and its call is spanned at the return type, so a
         // type that is no tool result is reported there. Before it, a `Result` whose error is
-        // text gets a `ToolError` instead, which no trait impl can do (see
-        // `flue_core::tool::TextErrorReturn`).
+        // text, or displays without being a `std::error::Error`, gets a `ToolError` instead,
+        // which no trait impl can do (see `flue_core::tool::Returned`).
         ReturnType::Type(_, ty) => {
             let convert = quote_spanned!(ty.span()=> __flue::tool::tool_return(__flue_returned));
             quote!({
-                use __flue::tool::{OtherReturn as _, TextErrorReturn as _};
+                use __flue::tool::{
+                    ConvertibleReturn as _, DisplayErrorReturn as _, OtherReturn as _, TextErrorReturn as _,
+                };
                 let __flue_returned = __flue_tool_body #turbofish (#context #(#call_args),*) #await_;
-                let __flue_returned = (&__flue_returned).__flue_tool_return().adapt(__flue_returned);
+                let __flue_returned = (&&&__flue::tool::Returned(&__flue_returned))
+                    .__flue_tool_return()
+                    .adapt(__flue_returned);
                 #convert
             })
         }

@@ -63,14 +63,17 @@ const _: () = {
                 };
                 let _ = &__flue_ctx;
                 {
-                    use __flue::tool::{OtherReturn as _, TextErrorReturn as _};
+                    use __flue::tool::{
+                        ConvertibleReturn as _, DisplayErrorReturn as _, OtherReturn as _,
+                        TextErrorReturn as _,
+                    };
                     let __flue_returned = __flue_tool_body(
                             &__flue_ctx,
                             __flue_args.owner,
                             __flue_args.query,
                         )
                         .await;
-                    let __flue_returned = (&__flue_returned)
+                    let __flue_returned = (&&&__flue::tool::Returned(&__flue_returned))
                         .__flue_tool_return()
                         .adapt(__flue_returned);
                     __flue::tool::tool_return(__flue_returned)

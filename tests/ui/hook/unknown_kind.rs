@@ -3,4 +3,10 @@ use flue_runtime::prelude::*;
 #[hook(before_tool_call)]
 async fn audit(_state: &ThreadState) {}
 
+// The item is still there: an agent listing it reports nothing more.
+#[agent(hooks = [audit])]
+fn audited() -> &'static str {
+    "A"
+}
+
 fn main() {}
