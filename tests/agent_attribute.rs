@@ -111,6 +111,25 @@ fn r#override(_state: &ThreadState, system: String) -> String {
     system
 }
 
+/// A transform that returns its value directly may wrap it in a `Result`, as any hook may.
+#[hook(after_system_message)]
+async fn checked_system(_state: &ThreadState, system: String) -> Result<String, HookError> {
+    if system.is_empty() {
+        return Err(HookError::new("no system message"));
+    }
+    Ok(system)
+}
+
+#[test]
+fn a_transform_returning_its_value_directly_may_wrap_it_in_a_result() {
+    use flue_runtime::__private::flue_core::lifecycle::hook_return;
+    assert_eq!(checked_system.id(), "checked_system");
+    let kept = hook_return::<Option<String>, _>(Ok::<_, HookError>("S".to_owned()));
+    assert_eq!(kept.ok(), Some(Some("S".to_owned())));
+    let failed = hook_return::<Option<String>, _>(Err::<String, _>(HookError::new("no")));
+    assert_eq!(failed.err().map(|error| error.to_string()), Some("no".to_owned()));
+}
+
 #[test]
 fn a_raw_identifier_names_an_agent_a_tool_and_a_hook_without_its_prefix() {
     assert_eq!(r#match.definition().name, "match");

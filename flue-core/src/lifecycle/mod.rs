@@ -76,6 +76,20 @@ impl HookReturn<Option<ToolResult>> for ToolResult {
     }
 }
 
+/// `after_system_message` may return the new message directly, in a `Result`.
+impl<E: Into<HookError>> HookReturn<Option<String>> for Result<String, E> {
+    fn into_hook_result(self) -> Result<Option<String>, HookError> {
+        self.map(Some).map_err(Into::into)
+    }
+}
+
+/// `after_tool_call_*` may return the replacement result directly, in a `Result`.
+impl<E: Into<HookError>> HookReturn<Option<ToolResult>> for Result<ToolResult, E> {
+    fn into_hook_result(self) -> Result<Option<ToolResult>, HookError> {
+        self.map(Some).map_err(Into::into)
+    }
+}
+
 /// The typed entry point of a thread hook, one variant per kind.
 #[derive(Clone, Copy)]
 #[allow(missing_docs)] // each variant is its kind; see `HookKind`.
