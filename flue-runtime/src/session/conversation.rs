@@ -68,6 +68,9 @@ pub(crate) struct Conversation {
     pub(crate) baseline_sections: Option<String>,
     /// A compaction happened: the next snapshot sets a new baseline.
     rebaseline: bool,
+    /// The model steps the stream completed, whatever their submission (a compaction
+    /// summarizes steps away from `messages`, not from this count).
+    completed_steps: u32,
     /// Whether rows were deleted: the history may hold calls without results (or the other
     /// way round), which `model_messages` then drops.
     edited: bool,
@@ -563,6 +566,7 @@ impl Conversation {
                 ..
             } => {
                 let tool_calls = self.open_step.take().map(|step| step.tool_calls).unwrap_or_default();
+                self.completed_steps += 1;
                 self.open_calls.clone_from(&tool_calls);
                 self.open_calls_step.clone_from(message_id);
                 self.results_at = self.messages.len() + 1;
@@ -870,12 +874,10 @@ impl Conversation {
             .unwrap_or_default()
     }
 
-    /// The model steps the conversation holds (every completed step, whatever its submission).
+    /// The model steps the stream completed (every step, whatever its submission, also those
+    /// a compaction summarized).
     pub(crate) fn model_steps(&self) -> u32 {
-        self.messages
-            .iter()
-            .filter(|message| matches!(message, ModelMessage::Assistant { .. }))
-            .count() as u32
+        self.completed_steps
     }
 
     /// The steps a run of the uncommitted call `tool_call_id` settled, by name.
@@ -1448,6 +1450,31 @@ mod tests {
         });
         assert!(conversation.images.is_empty(), "the compacted-away photo stays loaded");
         assert!(conversation.estimated_tokens() < crate::compaction::IMAGE_TOKENS);
+    }
+
+    /// A task's child counts its steps for `max_steps` and numbers its turns by them: a
+    /// compaction that summarizes steps away does not take them off the count.
+    #[test]
+    fn the_model_step_count_survives_a_compaction() {
+        let mut conversation = answered(3);
+        assert_eq!(conversation.model_steps(), 3);
+        conversation.apply(&Batch {
+            offset: 3,
+            records: vec![record(RecordBody::Compaction {
+                summary: "Two questions were answered.".into(),
+                first_kept_message_id: "user-2".into(),
+                tokens_before: 100,
+                reason: "threshold".into(),
+                usage: None,
+            })]
+            .into(),
+        });
+        assert_eq!(
+            conversation.model_messages().len(),
+            3,
+            "the summary, a question, its answer"
+        );
+        assert_eq!(conversation.model_steps(), 3);
     }
 
     /// A `task` call its batch committed without an outcome (a re-run that could not run it
