@@ -11,11 +11,30 @@
 //!   retried once — also with threshold compaction off.
 //! - After a compaction the system prompt's catalogs take a new baseline (the then-current
 //!   skills and delegates), and the stream shows a `conversation-reset`.
+//! - A task's child session compacts the same way, with the submission's settings (a
+//!   delegate's render cannot call `use_model`): its `compaction` record is in the child's own
+//!   stream, so a reattached child goes on from the compacted history, and its events carry
+//!   the task's id.
+//!
+//! What a compaction does is here ([`compact_if_needed`], [`compact`]); what differs between
+//! the root's turn loop and a task's child session — how they publish, record and fail — is
+//! behind [`Compacting`].
 //!
 //! Estimates are characters / 4 (and a flat 1,000 tokens per image): coarse, but they only
 //! decide when to compact; the provider's own count decides overflow.
 
-use crate::provider::ModelMessage;
+use std::future::Future;
+use std::time::Instant;
+
+use flue_core::abort::AbortSignal;
+use flue_core::model::{Compaction, CompactionConfig, ThinkingLevel};
+use flue_core::usage::Usage;
+
+use crate::events::{Event, LazyId, TurnPurpose, TurnResponse};
+use crate::provider::{ModelMessage, ModelProvider, ModelRequest, ModelResponse};
+use crate::record::{RecordBody, SettlementError};
+use crate::runtime::RuntimeInner;
+use crate::session::{Conversation, turn_request};
 
 /// The summarization instructions.
 pub(crate) const SUMMARY_INSTRUCTIONS: &str = "You compress a conversation between a user, an AI agent and its tools so the agent can continue it without the original messages. \
@@ -74,4 +93,289 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
         out.push_str("\n\n");
     }
     out
+}
+
+/// Why a compaction runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reason {
+    /// The estimated input of the next call passes the window less the reserve.
+    Threshold,
+    /// The provider refused a call as a context overflow.
+    Overflow,
+}
+
+impl Reason {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Threshold => "threshold",
+            Self::Overflow => "overflow",
+        }
+    }
+}
+
+/// What a session's compaction goes by: the submission's settings and the size of its latest
+/// model call.
+#[derive(Debug, Default)]
+pub(crate) struct Budget {
+    /// The submission's compaction settings (`use_model` options).
+    pub(crate) settings: Compaction,
+    /// The tokens of the latest model call (its input and output), as the provider counted;
+    /// 0 once a compaction made that count stale.
+    last_call_tokens: u64,
+}
+
+impl Budget {
+    /// A budget with `settings`, before any call.
+    pub(crate) fn new(settings: Compaction) -> Self {
+        Self {
+            settings,
+            last_call_tokens: 0,
+        }
+    }
+
+    /// Notes what a call the provider answered counted.
+    pub(crate) fn called(&mut self, usage: &Usage) {
+        self.last_call_tokens = usage.input_tokens + usage.output_tokens;
+    }
+
+    fn config(&self) -> CompactionConfig {
+        match &self.settings {
+            Compaction::Threshold(config) => config.clone(),
+            Compaction::Default | Compaction::Disabled => CompactionConfig::default(),
+        }
+    }
+}
+
+/// Why a compaction failed before anything was recorded.
+pub(crate) enum Failed {
+    /// The session's signal ended the summary call (an abort, or the deadline's).
+    Aborted,
+    /// The summary call failed or answered nothing usable: the message.
+    Summary(String),
+}
+
+/// A session whose conversation compacts: the root's turn loop, or a task's child session.
+pub(crate) trait Compacting {
+    /// How the session fails.
+    type Failure;
+
+    fn runtime(&self) -> &RuntimeInner;
+
+    /// The signal that ends the session's calls.
+    fn signal(&self) -> &AbortSignal;
+
+    fn budget(&mut self) -> &mut Budget;
+
+    fn conversation(&self) -> &Conversation;
+
+    /// Publishes an event of the session (built only when someone observes).
+    fn publish(&self, event: impl FnOnce() -> Event);
+
+    /// The model turn the session's events belong to from now on (`None`: none).
+    fn turn(&self, turn: Option<&LazyId>);
+
+    /// Records `compaction` durably in the session's stream (with what the session keeps
+    /// beside it) and folds it into the conversation.
+    fn record_compaction(&mut self, compaction: RecordBody) -> impl Future<Output = Result<(), Self::Failure>> + Send;
+
+    /// The session's failure for a compaction that `failed`.
+    fn failure(&self, failed: Failed) -> Self::Failure;
+
+    /// What the terminal `compaction` event says of `failure`.
+    fn describe(failure: &Self::Failure) -> SettlementError;
+}
+
+/// Threshold compaction before a model call (the `step`th of the session) whose estimated
+/// input (a system prompt of `system_len` bytes and the history) exceeds the window minus the
+/// reserve.
+pub(crate) async fn compact_if_needed<S: Compacting>(
+    session: &mut S,
+    provider: &dyn ModelProvider,
+    model_id: &str,
+    system_len: usize,
+    step: u32,
+) -> Result<(), S::Failure> {
+    let budget = session.budget();
+    if budget.settings == Compaction::Disabled {
+        return Ok(());
+    }
+    let Some(window) = provider.context_window(model_id) else {
+        return Ok(());
+    };
+    let reserve = budget.config().reserve_tokens.map_or(
+        (window / 4).min(u64::from(CompactionConfig::MAX_DEFAULT_RESERVE_TOKENS)),
+        u64::from,
+    );
+    let last_call_tokens = budget.last_call_tokens;
+    let estimate = session.conversation().estimated_tokens() + system_len as u64 / 4;
+    if estimate.max(last_call_tokens) > window.saturating_sub(reserve) {
+        compact(session, Reason::Threshold, provider, model_id, step).await?;
+    }
+    Ok(())
+}
+
+/// Summarizes the older history before the session's `step`th model call (with the
+/// compaction model, or `provider`'s `model_id`) and records the compaction; returns whether
+/// anything was compacted.
+pub(crate) async fn compact<S: Compacting>(
+    session: &mut S,
+    reason: Reason,
+    provider: &dyn ModelProvider,
+    model_id: &str,
+    step: u32,
+) -> Result<bool, S::Failure> {
+    let config = session.budget().config();
+    let keep = u64::from(
+        config
+            .keep_recent_tokens
+            .unwrap_or(CompactionConfig::DEFAULT_KEEP_RECENT_TOKENS),
+    );
+    let Some((cut, first_kept)) = session.conversation().compaction_cut(keep, reason == Reason::Overflow) else {
+        return Ok(false);
+    };
+    let tokens_before = session.conversation().estimated_tokens();
+    session.publish(|| Event::CompactionStart {
+        reason: reason.as_str().to_owned(),
+        estimated_tokens: tokens_before,
+    });
+    let started = Instant::now();
+    let request = |model: String| ModelRequest {
+        model,
+        system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
+        messages: vec![ModelMessage::user(transcript(session.conversation().before(cut)))].into(),
+        tools: Vec::new(),
+        thinking_level: ThinkingLevel::Low,
+        max_output_tokens: Some(4_000),
+    };
+    let summary = match &config.model {
+        Some(spec) => match session.runtime().providers.resolve(spec) {
+            Ok((summarizer, summary_model)) => summarize(&*session, &*summarizer, request(summary_model), step).await,
+            Err(error) => Err(format!("The compaction model: {error}")),
+        },
+        None => summarize(&*session, provider, request(model_id.to_owned()), step).await,
+    };
+    let (summary, usage) = match summary {
+        Ok(response) if !response.text.trim().is_empty() => (response.text, response.usage),
+        Ok(response) => {
+            let failure = session.failure(summary_failed("the summary was empty"));
+            return Err(compaction_failed(&*session, started, failure, Some(response.usage)));
+        }
+        Err(error) => {
+            // An abort (or the deadline's) that ended the summary call ends the session as
+            // aborted (or timed out), not as a failed compaction.
+            let failure = session.failure(if session.signal().is_aborted() {
+                Failed::Aborted
+            } else {
+                summary_failed(&error)
+            });
+            return Err(compaction_failed(&*session, started, failure, None));
+        }
+    };
+    let messages_before = session.conversation().messages.len();
+    let compaction = RecordBody::Compaction {
+        summary,
+        first_kept_message_id: first_kept,
+        tokens_before,
+        reason: reason.as_str().to_owned(),
+        usage: Some(usage),
+    };
+    if let Err(failure) = session.record_compaction(compaction).await {
+        // The summary is lost with the attempt: the compaction ends failed.
+        return Err(compaction_failed(&*session, started, failure, Some(usage)));
+    }
+    // The latest call's count was of the history before the compaction.
+    session.budget().last_call_tokens = 0;
+    let messages_after = session.conversation().messages.len();
+    session.publish(|| Event::Compaction {
+        messages_before: messages_before as u64,
+        messages_after: messages_after as u64,
+        duration_ms: started.elapsed().as_millis() as u64,
+        is_error: false,
+        error: None,
+        usage: Some(usage),
+    });
+    Ok(true)
+}
+
+/// The summarization call, reported as a `compaction`-purpose turn: `turn_request` before
+/// it, `turn` after it (no `turn_start`: that one is the agent's own turns').
+async fn summarize<S: Compacting>(
+    session: &S,
+    provider: &dyn ModelProvider,
+    request: ModelRequest,
+    step: u32,
+) -> Result<ModelResponse, String> {
+    let turn_id = LazyId::new("turn");
+    session.turn(Some(&turn_id));
+    let thinking = request.thinking_level;
+    session.publish(|| Event::TurnRequest {
+        turn_id: turn_id.get(),
+        purpose: TurnPurpose::Compaction,
+        request: turn_request(provider, &request.model, thinking),
+    });
+    let started = Instant::now();
+    let summary = crate::provider::complete(&session.runtime().options, provider, &request, session.signal())
+        .await
+        .map_err(|error| error.to_string());
+    session.publish(|| {
+        let aborted = session.signal().is_aborted();
+        let (stop_reason, response) = match &summary {
+            Ok(response) => (
+                response.stop_reason.to_string(),
+                TurnResponse {
+                    text: response.text.clone(),
+                    tool_calls: Vec::new(),
+                    usage: Some(response.usage),
+                    error: None,
+                },
+            ),
+            Err(message) => (
+                if aborted { "aborted" } else { "error" }.to_owned(),
+                TurnResponse {
+                    error: Some(SettlementError::new(
+                        if aborted { "aborted" } else { "model_call_failed" },
+                        message.clone(),
+                    )),
+                    ..TurnResponse::default()
+                },
+            ),
+        };
+        Event::Turn {
+            turn_id: turn_id.get(),
+            purpose: TurnPurpose::Compaction,
+            step,
+            stop_reason,
+            duration_ms: started.elapsed().as_millis() as u64,
+            request: turn_request(provider, &request.model, thinking),
+            is_error: summary.is_err(),
+            response,
+        }
+    });
+    session.turn(None);
+    summary
+}
+
+/// Ends a failed compaction with its terminal `compaction` event (`usage` when its summary
+/// call answered); returns `failure`.
+fn compaction_failed<S: Compacting>(
+    session: &S,
+    started: Instant,
+    failure: S::Failure,
+    usage: Option<Usage>,
+) -> S::Failure {
+    let messages = session.conversation().messages.len() as u64;
+    session.publish(|| Event::Compaction {
+        messages_before: messages,
+        messages_after: messages,
+        duration_ms: started.elapsed().as_millis() as u64,
+        is_error: true,
+        error: Some(S::describe(&failure)),
+        usage,
+    });
+    failure
+}
+
+/// A summary call that failed or answered nothing usable.
+fn summary_failed(error: &str) -> Failed {
+    Failed::Summary(format!("[flue] Compaction failed: {error}"))
 }

@@ -853,6 +853,7 @@ async fn child_session(
             let response = match called {
                 Ok(response) => response,
                 Err(error) => {
+                    let error = error.to_string();
                     let aborted = delegation.signal.is_aborted();
                     events.emit(|| {
                         turn(

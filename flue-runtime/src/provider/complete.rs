@@ -7,13 +7,24 @@ use futures_util::StreamExt;
 use super::{ModelProvider, ModelRequest, ModelResponse, ProviderError, ProviderErrorKind, StreamEvent};
 use crate::runtime::RuntimeOptions;
 
+/// Why a call read by [`complete`] has no response.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CallError {
+    /// The signal aborted it.
+    #[error("The call was aborted.")]
+    Aborted,
+    /// The provider refused it or it failed (after the runtime's retries).
+    #[error("The model call failed: {0}")]
+    Failed(ProviderError),
+}
+
 /// One model call, with the runtime's retries on retryable errors.
 pub(crate) async fn complete(
     options: &RuntimeOptions,
     provider: &dyn ModelProvider,
     request: &ModelRequest,
     signal: &AbortSignal,
-) -> Result<ModelResponse, String> {
+) -> Result<ModelResponse, CallError> {
     complete_observed(options, provider, request, signal, |_| {}).await
 }
 
@@ -33,22 +44,22 @@ pub(crate) async fn complete_observed(
     request: &ModelRequest,
     signal: &AbortSignal,
     mut observe: impl FnMut(Streamed),
-) -> Result<ModelResponse, String> {
+) -> Result<ModelResponse, CallError> {
     let mut retries = 0;
     loop {
         match stream_to_end(provider, request, signal, &mut observe).await {
             Ok(response) => return Ok(response),
-            Err(None) => return Err("The call was aborted.".into()),
+            Err(None) => return Err(CallError::Aborted),
             Err(Some(error)) if error.may_retry(retries, options.model_retries) => {
                 retries += 1;
                 observe(Streamed::Retrying);
                 let delay = options.model_retry_wait(retries);
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
-                    () = signal.aborted() => return Err("The call was aborted.".into()),
+                    () = signal.aborted() => return Err(CallError::Aborted),
                 }
             }
-            Err(Some(error)) => return Err(format!("The model call failed: {error}")),
+            Err(Some(error)) => return Err(CallError::Failed(error)),
         }
     }
 }

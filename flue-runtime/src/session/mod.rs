@@ -479,8 +479,7 @@ impl InstanceSlot {
             own_tools: 0,
             delegation: None,
             mcp: None,
-            compaction: flue_core::model::Compaction::Default,
-            last_call_tokens: 0,
+            budget: crate::compaction::Budget::default(),
             correlation: None,
         };
         // The operation: the processing of this submission, from just before `agent_start` to
@@ -871,10 +870,8 @@ struct Response<'a> {
     delegation: Option<(Arc<crate::subagents::Delegation>, flue_core::Tool)>,
     /// The submission's MCP servers, once connected.
     mcp: Option<Vec<crate::mcp::McpSession>>,
-    /// The submission's compaction settings.
-    compaction: flue_core::model::Compaction,
-    /// The tokens of the latest model call (its input and output), as the provider counted.
-    last_call_tokens: u64,
+    /// The submission's compaction settings and the size of the latest model call.
+    budget: crate::compaction::Budget,
     /// What the response's events are stamped with (its operation, the turn in progress).
     correlation: Option<Arc<Correlation>>,
     /// The messages of the `message_end` events someone observed: what `agent_end` carries.
@@ -1308,7 +1305,7 @@ impl Response<'_> {
             .map_err(|error| Failure::failed("model_resolution", error.to_string()))?;
         let thinking = model.options.thinking_level.unwrap_or(ThinkingLevel::Medium);
         self.model_spec = Some((model.spec.to_string(), thinking));
-        self.compaction = model.options.compaction.clone();
+        self.budget = crate::compaction::Budget::new(model.options.compaction.clone());
 
         let submission_id = self.submission.id.clone();
         // True start of the response: use_response_start metadata, once per response — skipped
@@ -1912,7 +1909,7 @@ impl Response<'_> {
         let instruction = rendered.instruction.as_deref();
         let mut tools: Vec<ToolSpec> = rendered.tools.iter().map(ToolSpec::from).collect();
         let system_len = crate::framework::system_len(instruction, self.sections());
-        self.compact_if_needed(provider, model_id, system_len, step).await?;
+        crate::compaction::compact_if_needed(self, provider, model_id, system_len, step).await?;
         let mut row_updates = None;
         let mut live: Option<LiveText> = None;
         let mut compacted_for_overflow = false;
@@ -1997,9 +1994,14 @@ impl Response<'_> {
                     // Overflow recovery: compact and retry the call once, also with threshold
                     // compaction off.
                     if !compacted_for_overflow
-                        && self
-                            .compact(compaction::Reason::Overflow, provider, model_id, step)
-                            .await?
+                        && crate::compaction::compact(
+                            self,
+                            crate::compaction::Reason::Overflow,
+                            provider,
+                            model_id,
+                            step,
+                        )
+                        .await?
                     {
                         compacted_for_overflow = true;
                         // The compaction recorded the conversation's snapshot, and the call
@@ -2017,7 +2019,7 @@ impl Response<'_> {
             return Err(failure);
         };
         let mut row_updates = row_updates.unwrap_or_default();
-        self.last_call_tokens = response.usage.input_tokens + response.usage.output_tokens;
+        self.budget.called(&response.usage);
         self.emit_with(|| Event::Turn {
             turn_id: turn_id.get(),
             purpose: TurnPurpose::Agent,
