@@ -35,6 +35,12 @@
 //!   tasks run again, the rest get the outcome-unknown result), and a child that already
 //!   answered returns that answer without calling the model. A task whose child append fails
 //!   fails the parent's attempt, which is re-attempted from what is durable.
+//! - A child's conversation compacts as the root's does ([`crate::compaction`]), with the
+//!   submission's compaction settings: before a call whose estimated input would not fit, and
+//!   once on a call the provider refuses as a context overflow (an overflow that persists
+//!   fails the task). The `compaction` record is a record of the child's stream, fenced like
+//!   the others, so a reattached child goes on from the compacted history; its step count (for
+//!   `max_steps`) counts the summarized steps too.
 //! - A reattached task whose child answered returns that answer before anything else
 //!   (whatever the current render offers); one whose child did not is rendered afresh (its
 //!   system prompt and tools are the current render's), publishes `task_start` again under
@@ -51,7 +57,7 @@ use flue_core::abort::AbortSignal;
 use flue_core::data::SchemaSource;
 use flue_core::lifecycle::{ThreadIdentity, ThreadState, ThreadStateApi};
 use flue_core::message::DeliveredMessage;
-use flue_core::model::ThinkingLevel;
+use flue_core::model::{Compaction, ThinkingLevel};
 use flue_core::render::{RenderState, Rendered};
 use flue_core::subagent::Subagent;
 use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
@@ -60,6 +66,7 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+use crate::compaction::{Budget, Compacting, Failed};
 use crate::events::{Event, LazyId, TaskScope, TurnPurpose, TurnResponse};
 use crate::lifecycle::thread::ThreadWriter;
 use crate::lifecycle::{HookSet, chain};
@@ -133,6 +140,9 @@ pub(crate) struct Delegation {
     /// The parent session's model and thinking level.
     model: String,
     thinking: ThinkingLevel,
+    /// The submission's compaction settings: every session of the submission compacts with
+    /// them (a delegate's render cannot call `use_model`).
+    compaction: Compaction,
     /// The parent session's depth (the root is 0).
     depth: u32,
     /// The task whose child session delegates (`None`: the root session): its tasks' events
@@ -301,6 +311,7 @@ impl Delegation {
         submission_id: &str,
         model: String,
         thinking: ThinkingLevel,
+        compaction: Compaction,
         signal: AbortSignal,
     ) -> Self {
         Self {
@@ -309,6 +320,7 @@ impl Delegation {
             submission_id: submission_id.to_owned(),
             model,
             thinking,
+            compaction,
             depth: 0,
             scope: None,
             signal,
@@ -327,6 +339,7 @@ impl Delegation {
             submission_id: self.submission_id.clone(),
             model,
             thinking,
+            compaction: self.compaction.clone(),
             depth: self.depth + 1,
             scope: Some(scope),
             signal: self.signal.clone(),
@@ -750,6 +763,8 @@ async fn child_session(
         &mut sections,
     );
     let system = crate::framework::system(rendered.instruction.as_deref(), sections.text());
+    let system_len = system.as_deref().map_or(0, str::len);
+    let mut budget = Budget::new(delegation.compaction.clone());
     let tools = std::mem::take(&mut rendered.tools);
     let specs: Vec<ToolSpec> = tools.iter().map(ToolSpec::from).collect();
     let max_steps = agent.definition().max_steps.unwrap_or(u32::MAX);
@@ -803,90 +818,124 @@ async fn child_session(
                 // The step budget ran out: what the child last said is its answer.
                 return Ok(conversation.last_model_text().to_owned());
             }
-            let request = ModelRequest {
-                model: model_id.clone(),
-                system: system.clone(),
-                messages: conversation.model_messages(),
-                tools: specs.clone(),
-                thinking_level: thinking,
-                max_output_tokens: None,
-            };
             // The child's turn, reported as the turn loop reports the root's (its events carry
-            // the task's id and this turn's).
+            // the task's id and this turn's), after a compaction if the call would not fit.
             let step = conversation.model_steps() + 1;
-            let turn_id = LazyId::new("turn");
-            events.scope.set_turn(Some(&turn_id));
-            events.emit(|| Event::TurnStart {
-                turn_id: turn_id.get(),
-                purpose: TurnPurpose::Agent,
-                step,
-            });
-            events.emit(|| Event::TurnRequest {
-                turn_id: turn_id.get(),
-                purpose: TurnPurpose::Agent,
-                request: crate::session::turn_request(&*provider, &model_id, thinking),
-            });
-            events.emit(|| Event::MessageStart {
-                message: ModelMessage::empty_assistant(),
-            });
-            let started = Instant::now();
-            let mut deltas = ChildDeltas::new(&events);
-            let called = crate::provider::complete_observed(
-                &runtime.options,
+            crate::compaction::compact_if_needed(
+                &mut session.compacting(&mut conversation, &mut budget),
                 &*provider,
-                &request,
-                &delegation.signal,
-                |streamed| deltas.on(streamed),
-            )
-            .await;
-            deltas.end();
-            let turn = |stop_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
-                turn_id: turn_id.get(),
-                purpose: TurnPurpose::Agent,
+                &model_id,
+                system_len,
                 step,
-                stop_reason,
-                duration_ms: started.elapsed().as_millis() as u64,
-                request: crate::session::turn_request(&*provider, &model_id, thinking),
-                response,
-                is_error,
-            };
-            let response = match called {
-                Ok(response) => response,
-                Err(error) => {
-                    let error = error.to_string();
-                    let aborted = delegation.signal.is_aborted();
-                    events.emit(|| {
-                        turn(
-                            (if aborted { "aborted" } else { "error" }).to_owned(),
-                            TurnResponse {
-                                error: Some(SettlementError::new(
-                                    if aborted { "aborted" } else { "provider_error" },
-                                    error.clone(),
-                                )),
-                                ..TurnResponse::default()
-                            },
-                            true,
-                        )
-                    });
-                    events.emit(|| Event::MessageEnd {
-                        message: ModelMessage::empty_assistant(),
-                    });
-                    events.scope.set_turn(None);
-                    return Err(error);
-                }
-            };
-            events.emit(|| {
-                turn(
-                    response.stop_reason.to_string(),
-                    TurnResponse {
-                        text: response.text.clone(),
-                        tool_calls: response.tool_calls.clone(),
-                        usage: Some(response.usage),
-                        error: None,
-                    },
-                    false,
+            )
+            .await
+            .map_err(|error| error.message)?;
+            let mut compacted_for_overflow = false;
+            let (response, turn_id) = loop {
+                let request = ModelRequest {
+                    model: model_id.clone(),
+                    system: system.clone(),
+                    messages: conversation.model_messages(),
+                    tools: specs.clone(),
+                    thinking_level: thinking,
+                    max_output_tokens: None,
+                };
+                // One id per model call (an overflow recovery's retry is a call of its own).
+                let turn_id = LazyId::new("turn");
+                events.scope.set_turn(Some(&turn_id));
+                events.emit(|| Event::TurnStart {
+                    turn_id: turn_id.get(),
+                    purpose: TurnPurpose::Agent,
+                    step,
+                });
+                events.emit(|| Event::TurnRequest {
+                    turn_id: turn_id.get(),
+                    purpose: TurnPurpose::Agent,
+                    request: crate::session::turn_request(&*provider, &model_id, thinking),
+                });
+                events.emit(|| Event::MessageStart {
+                    message: ModelMessage::empty_assistant(),
+                });
+                let started = Instant::now();
+                let mut deltas = ChildDeltas::new(&events);
+                let called = crate::provider::complete_observed(
+                    &runtime.options,
+                    &*provider,
+                    &request,
+                    &delegation.signal,
+                    |streamed| deltas.on(streamed),
                 )
-            });
+                .await;
+                deltas.end();
+                let turn = |stop_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
+                    turn_id: turn_id.get(),
+                    purpose: TurnPurpose::Agent,
+                    step,
+                    stop_reason,
+                    duration_ms: started.elapsed().as_millis() as u64,
+                    request: crate::session::turn_request(&*provider, &model_id, thinking),
+                    response,
+                    is_error,
+                };
+                let error = match called {
+                    Ok(response) => {
+                        events.emit(|| {
+                            turn(
+                                response.stop_reason.to_string(),
+                                TurnResponse {
+                                    text: response.text.clone(),
+                                    tool_calls: response.tool_calls.clone(),
+                                    usage: Some(response.usage),
+                                    error: None,
+                                },
+                                false,
+                            )
+                        });
+                        break (response, turn_id);
+                    }
+                    Err(error) => error,
+                };
+                // A failed call still ends its turn and its assistant message, before any
+                // recovery.
+                let aborted = delegation.signal.is_aborted();
+                let message = error.to_string();
+                events.emit(|| {
+                    turn(
+                        (if aborted { "aborted" } else { "error" }).to_owned(),
+                        TurnResponse {
+                            error: Some(SettlementError::new(
+                                if aborted { "aborted" } else { "provider_error" },
+                                message.clone(),
+                            )),
+                            ..TurnResponse::default()
+                        },
+                        true,
+                    )
+                });
+                events.emit(|| Event::MessageEnd {
+                    message: ModelMessage::empty_assistant(),
+                });
+                events.scope.set_turn(None);
+                // Overflow recovery, as at the root: compact and make the call again once, also
+                // with threshold compaction off; an overflow that persists fails the task.
+                if error.is_context_overflow()
+                    && !compacted_for_overflow
+                    && crate::compaction::compact(
+                        &mut session.compacting(&mut conversation, &mut budget),
+                        crate::compaction::Reason::Overflow,
+                        &*provider,
+                        &model_id,
+                        step,
+                    )
+                    .await
+                    .map_err(|error| error.message)?
+                {
+                    compacted_for_overflow = true;
+                    continue;
+                }
+                return Err(message);
+            };
+            budget.called(&response.usage);
             let message_id = new_id("msg");
             let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
                 .map(|body| journal.child_record(body))
@@ -1194,6 +1243,78 @@ impl ChildSession<'_> {
                 .emit(|| Event::agent_turn_messages(turn_id, text.to_owned(), calls.to_vec(), results));
         }
         Ok(())
+    }
+}
+
+impl<'a> ChildSession<'a> {
+    /// The child's side of a compaction of `conversation`, going by `budget`.
+    fn compacting<'s>(&'s self, conversation: &'s mut Conversation, budget: &'s mut Budget) -> ChildCompacting<'s, 'a> {
+        ChildCompacting {
+            session: self,
+            conversation,
+            budget,
+        }
+    }
+}
+
+/// A child session compacting (see `crate::compaction`): it publishes under the task's id,
+/// records the compaction in the child's stream through the parent's attempt, and fails the
+/// task with the error.
+struct ChildCompacting<'s, 'a> {
+    session: &'s ChildSession<'a>,
+    conversation: &'s mut Conversation,
+    budget: &'s mut Budget,
+}
+
+impl Compacting for ChildCompacting<'_, '_> {
+    type Failure = SettlementError;
+
+    fn runtime(&self) -> &RuntimeInner {
+        self.session.runtime
+    }
+
+    fn signal(&self) -> &AbortSignal {
+        self.session.signal
+    }
+
+    fn budget(&mut self) -> &mut Budget {
+        self.budget
+    }
+
+    fn conversation(&self) -> &Conversation {
+        self.conversation
+    }
+
+    fn publish(&self, event: impl FnOnce() -> Event) {
+        self.session.events.emit(event);
+    }
+
+    fn turn(&self, turn: Option<&LazyId>) {
+        self.session.events.scope.set_turn(turn);
+    }
+
+    async fn record_compaction(&mut self, compaction: RecordBody) -> Result<(), SettlementError> {
+        let journal = self.session.journal;
+        journal
+            .append_child(
+                self.session.runtime,
+                self.session.key,
+                vec![journal.child_record(compaction)],
+                self.conversation,
+            )
+            .await
+            .map_err(|error| SettlementError::new("store_failure", error))
+    }
+
+    fn failure(&self, failed: Failed) -> SettlementError {
+        match failed {
+            Failed::Aborted => crate::session::submission_aborted(),
+            Failed::Summary(message) => SettlementError::new("compaction_failed", message),
+        }
+    }
+
+    fn describe(failure: &SettlementError) -> SettlementError {
+        failure.clone()
     }
 }
 

@@ -1713,3 +1713,439 @@ async fn a_finished_task_rerun_returns_its_answer_even_when_the_render_no_longer
         assert_eq!(ends.last(), Some(&Some("Seven words.".to_owned())), "{name}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Compaction in a task's child session: the child's conversation compacts as the root's does
+// (threshold compaction before a call, overflow recovery), with the submission's settings,
+// and its compaction is a record of the child's own stream.
+
+use flue_runtime::provider::{ProviderError, ProviderErrorKind};
+
+/// About 255 estimated tokens (1,000 bytes).
+fn a_page() -> String {
+    "page ".repeat(200)
+}
+
+/// The beginning of the summary the model reads in place of the summarized history.
+const SUMMARY_TAG: &str = "<conversation-summary type=\"compaction\">";
+
+/// A delegate reading long pages (`page`) and taking notes (`note`).
+fn reading_delegate() -> Subagent {
+    Subagent::new(
+        "reader",
+        "Reads long pages.",
+        FnAgent::new(AgentDefinition::new("reader"), |_: AgentProps<'_>| {
+            use_tool(
+                Tool::new("page")
+                    .description("Read the next page.")
+                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>(a_page()) }),
+            );
+            use_tool(
+                Tool::new("note")
+                    .description("Take a note.")
+                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("noted") }),
+            );
+            "You read pages."
+        }),
+    )
+}
+
+/// A parent delegating to the reader, under the agent name `name`, with `compaction` as its
+/// model's compaction settings (what its tasks' children compact with).
+fn reading_parent(name: &'static str, compaction: Compaction) -> AgentRef {
+    FnAgent::new(AgentDefinition::new(name), move |_: AgentProps<'_>| {
+        use_model_with(
+            "scripted/parent-model",
+            ModelOptions {
+                compaction: compaction.clone(),
+                ..ModelOptions::default()
+            },
+        );
+        use_subagent(reading_delegate());
+        "Delegate the reading."
+    })
+    .into()
+}
+
+/// A 600-token window less a 100-token reserve: the reader's third call (two pages read)
+/// would not fit; about 150 tokens of the newest history stay verbatim.
+fn tight_compaction() -> Compaction {
+    Compaction::Threshold(CompactionConfig {
+        reserve_tokens: Some(100),
+        keep_recent_tokens: Some(150),
+        model: None,
+    })
+}
+
+const READ_PROMPT: &str = "Read the pages and report.";
+
+fn read_call() -> ScriptedReply {
+    ScriptedReply::tool_call("task", json!({"agent": "reader", "prompt": READ_PROMPT}))
+}
+
+fn overflow() -> ScriptedReply {
+    ScriptedReply::Error(ProviderError::new(
+        ProviderErrorKind::ContextOverflow,
+        "prompt is too long",
+    ))
+}
+
+fn user_text(message: &ModelMessage) -> Option<&str> {
+    match message {
+        ModelMessage::User { content, .. } => Some(content),
+        _ => None,
+    }
+}
+
+/// Reference (agent-behavior, compaction.ts; task sessions inherit the parent's compaction
+/// settings): a task's child compacts like the root before a call whose estimated input would
+/// not fit. Its next request reads the summary in place of the older history; the compaction
+/// is recorded in the child's stream and reported under the task's id.
+#[tokio::test]
+async fn a_task_child_whose_conversation_passes_the_threshold_compacts_before_its_next_call() {
+    let model = ScriptedModel::new([
+        read_call(),
+        ScriptedReply::tool_call("page", json!({})),
+        ScriptedReply::tool_call("page", json!({})),
+        // The child's summarization call, then its call with the summary.
+        ScriptedReply::text("The reader read a first page of 'page' words."),
+        ScriptedReply::text("Two pages of 'page'."),
+        ScriptedReply::text("Read."),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, vec![reading_parent("library", tight_compaction())]);
+    let mut events = runtime.observe();
+    let reply = runtime
+        .handle("library", "lib-1")
+        .unwrap()
+        .send("Read them.")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "Read.");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 6, "{requests:#?}");
+    // The summarization call: no tools, the older history as a transcript.
+    let summarization = &requests[3];
+    assert!(summarization.tools.is_empty());
+    let transcript = user_text(&summarization.messages[0]).unwrap();
+    assert!(transcript.starts_with(&format!("User: {READ_PROMPT}")), "{transcript}");
+    // The child's next call reads the summary first and no longer the prompt, then the
+    // newest page verbatim.
+    let compacted = &requests[4];
+    assert_eq!(
+        instructions_of(compacted.system.as_deref()),
+        Some("You read pages."),
+        "the child's own call"
+    );
+    let summary = user_text(&compacted.messages[0]).unwrap();
+    assert!(summary.starts_with(SUMMARY_TAG), "{summary}");
+    assert!(summary.contains("The reader read a first page"), "{summary}");
+    assert!(
+        !compacted.messages.contains(&ModelMessage::user(READ_PROMPT)),
+        "{:#?}",
+        compacted.messages
+    );
+    assert_eq!(harness::tool_results(compacted), [(a_page(), false)]);
+    assert_eq!(
+        compacted.messages.len(),
+        3,
+        "the summary, the newest page's call and its result: {:#?}",
+        compacted.messages
+    );
+    // The parent got the child's answer.
+    assert_eq!(
+        harness::last_batch_results(&requests[5]),
+        [("Two pages of 'page'.".to_owned(), false)]
+    );
+    // The child's stream keeps the compaction; the parent's has none.
+    let store = runtime.store().clone();
+    let parent = InstanceKey::new("library", "lib-1");
+    let (_, child) = the_child(&store, &parent).await;
+    let records = stream_json(&store, &child).await;
+    let compactions = of_type(&records, "compaction");
+    assert_eq!(compactions.len(), 1, "{records:#?}");
+    assert_eq!(compactions[0]["reason"], "threshold");
+    assert!(of_type(&stream_json(&store, &parent).await, "compaction").is_empty());
+    // Its events are the root's, under the task's id.
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::CompactionStart { reason, .. } => {
+                seen.push((format!("start {reason}"), observation.task_id.is_some()));
+            }
+            Event::Turn {
+                purpose: flue_runtime::events::TurnPurpose::Compaction,
+                ..
+            } => seen.push(("summary turn".to_owned(), observation.task_id.is_some())),
+            Event::Compaction { is_error, .. } => {
+                seen.push((format!("end {is_error}"), observation.task_id.is_some()));
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            ("start threshold".to_owned(), true),
+            ("summary turn".to_owned(), true),
+            ("end false".to_owned(), true)
+        ]
+    );
+}
+
+/// Reference table item 54 ("context-overflow response → compact and retry turn, even with
+/// threshold compaction off"), in a task's child: the task succeeds.
+#[tokio::test]
+async fn a_task_child_whose_call_overflows_compacts_and_retries_and_the_task_succeeds() {
+    let model = ScriptedModel::new([
+        read_call(),
+        ScriptedReply::tool_call("page", json!({})),
+        overflow(),
+        ScriptedReply::text("The reader was asked to read pages."),
+        ScriptedReply::text("One page of 'page'."),
+        ScriptedReply::text("Read."),
+    ]);
+    let runtime = runtime_with(&model, vec![reading_parent("archive", Compaction::Disabled)]);
+    let mut events = runtime.observe();
+    let reply = runtime
+        .handle("archive", "arc-1")
+        .unwrap()
+        .send("Read them.")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "Read.");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 6, "{requests:#?}");
+    assert!(requests[3].tools.is_empty(), "the summarization call");
+    // The retried call reads the summary in place of the prompt.
+    let retried = &requests[4];
+    let summary = user_text(&retried.messages[0]).unwrap();
+    assert!(summary.starts_with(SUMMARY_TAG), "{summary}");
+    assert!(summary.contains("The reader was asked to read pages."), "{summary}");
+    assert!(!retried.messages.contains(&ModelMessage::user(READ_PROMPT)));
+    assert_eq!(
+        harness::last_batch_results(&requests[5]),
+        [("One page of 'page'.".to_owned(), false)],
+        "the task succeeded"
+    );
+    let store = runtime.store().clone();
+    let (_, child) = the_child(&store, &InstanceKey::new("archive", "arc-1")).await;
+    let records = stream_json(&store, &child).await;
+    let compactions = of_type(&records, "compaction");
+    assert_eq!(compactions.len(), 1, "{records:#?}");
+    assert_eq!(compactions[0]["reason"], "overflow");
+    // The overflowing turn ends before the compaction starts; the retry is a turn of its own.
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if observation.task_id.is_none() {
+            continue;
+        }
+        match observation.event {
+            Event::TurnStart { step, .. } => seen.push(format!("turn_start {step}")),
+            Event::Turn {
+                step,
+                stop_reason,
+                purpose,
+                ..
+            } => seen.push(format!("turn {step} {stop_reason} {purpose:?}")),
+            Event::CompactionStart { reason, .. } => seen.push(format!("compaction_start {reason}")),
+            Event::Compaction { is_error, .. } => seen.push(format!("compaction {is_error}")),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "turn_start 1",
+            "turn 1 tool_use Agent",
+            "turn_start 2",
+            "turn 2 error Agent",
+            "compaction_start overflow",
+            "turn 2 stop Compaction",
+            "compaction false",
+            "turn_start 2",
+            "turn 2 stop Agent",
+        ]
+    );
+}
+
+/// As at the root (`an_overflow_with_nothing_older_to_summarize_fails_as_context_overflow`):
+/// overflow recovery compacts once; an overflow that persists fails the task with the
+/// overflow error, and no second compaction is tried.
+#[tokio::test]
+async fn a_task_child_whose_overflow_persists_after_compacting_fails_the_task_with_the_overflow() {
+    let model = ScriptedModel::new([
+        read_call(),
+        ScriptedReply::tool_call("page", json!({})),
+        overflow(),
+        ScriptedReply::text("The reader was asked to read pages."),
+        overflow(),
+        ScriptedReply::text("The reader could not."),
+    ]);
+    let runtime = runtime_with(&model, vec![reading_parent("stacks", Compaction::Default)]);
+    let reply = runtime
+        .handle("stacks", "st-1")
+        .unwrap()
+        .send("Read them.")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "The reader could not.");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 6, "one compaction, one retry: {requests:#?}");
+    assert!(requests[3].tools.is_empty(), "the summarization call");
+    let summary = user_text(&requests[4].messages[0]).unwrap();
+    assert!(summary.starts_with(SUMMARY_TAG), "the retry was compacted: {summary}");
+    let results = harness::last_batch_results(&requests[5]);
+    assert_eq!(results.len(), 1, "{results:?}");
+    let (message, is_error) = &results[0];
+    assert!(is_error, "the task failed: {message}");
+    assert!(message.contains("prompt is too long"), "{message}");
+    let store = runtime.store().clone();
+    let (_, child) = the_child(&store, &InstanceKey::new("stacks", "st-1")).await;
+    let records = stream_json(&store, &child).await;
+    assert_eq!(of_type(&records, "compaction").len(), 1, "{records:#?}");
+}
+
+/// A child's compaction is durable in its stream: a task re-run after a crash reattaches to
+/// a child that compacted, and the child goes on from the compacted history (no second
+/// summary, its next request reads the recorded summary).
+#[tokio::test]
+async fn a_reattached_task_child_goes_on_from_its_compacted_history() {
+    for (name, backend) in backends() {
+        let model = ScriptedModel::new([
+            read_call(),
+            ScriptedReply::tool_call("page", json!({})),
+            ScriptedReply::tool_call("page", json!({})),
+            ScriptedReply::text("The reader read a first page of 'page' words."),
+            // The child's batch of this call is interrupted (the crash).
+            ScriptedReply::tool_call("note", json!({})),
+            ScriptedReply::text("Two pages of 'page'."),
+            ScriptedReply::text("Read."),
+        ])
+        .with_context_window(600);
+        let store = crashing(backend, commits_calls_of("note"));
+        let failures = store.failures.clone();
+        let runtime = harness::runtime_on(store, &model, vec![reading_parent("vault", tight_compaction())]);
+        let reply = runtime
+            .handle("vault", "v-1")
+            .unwrap()
+            .send("Read them.")
+            .await
+            .unwrap();
+        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}: the crash happened");
+        assert_eq!(reply.text, "Read.", "{name}");
+        let requests = model.requests();
+        assert_eq!(
+            requests.len(),
+            7,
+            "{name}: one summary, no step taken twice: {requests:#?}"
+        );
+        // The reattached child's request: the recorded summary, the newest page, the note
+        // whose outcome is unknown.
+        let resumed = &requests[5];
+        let summary = user_text(&resumed.messages[0]).unwrap();
+        assert!(summary.starts_with(SUMMARY_TAG), "{name}: {summary}");
+        assert!(
+            !resumed.messages.contains(&ModelMessage::user(READ_PROMPT)),
+            "{name}: {:#?}",
+            resumed.messages
+        );
+        assert_eq!(
+            harness::tool_results(resumed),
+            [
+                (a_page(), false),
+                (
+                    "Tool execution was interrupted before completion. The outcome is unknown.".to_owned(),
+                    true
+                )
+            ],
+            "{name}"
+        );
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("vault", "v-1")).await;
+        let records = stream_json(&store, &child).await;
+        assert_eq!(of_type(&records, "compaction").len(), 1, "{name}: {records:#?}");
+        // Every child record was written by an attempt of the parent's submission.
+        assert!(
+            records.iter().all(|record| record["attempt_id"].is_string()),
+            "{name}: {records:#?}"
+        );
+    }
+}
+
+/// A summarizer that never answers.
+struct Stuck;
+
+impl flue_runtime::provider::ModelProvider for Stuck {
+    fn id(&self) -> &str {
+        "stuck"
+    }
+
+    fn stream(&self, _request: &ModelRequest) -> flue_runtime::provider::ModelStream {
+        Box::pin(futures_util::stream::pending())
+    }
+}
+
+/// As at the root (`an_abort_during_the_summary_call_settles_the_submission_aborted`): the
+/// child summarizes with the submission's compaction model, and an abort during that call
+/// settles the submission aborted, not failed.
+#[tokio::test]
+async fn an_abort_during_a_task_childs_summary_call_settles_the_submission_aborted() {
+    let model = ScriptedModel::new([
+        read_call(),
+        ScriptedReply::tool_call("page", json!({})),
+        ScriptedReply::tool_call("page", json!({})),
+    ])
+    .with_context_window(600);
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    providers.register(Stuck);
+    let compaction = Compaction::Threshold(CompactionConfig {
+        reserve_tokens: Some(100),
+        keep_recent_tokens: Some(150),
+        model: Some("stuck/summarizer".into()),
+    });
+    let runtime = flue_runtime::Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(reading_parent("reading_room", compaction))
+        .build()
+        .unwrap();
+    let handle = runtime.handle("reading_room", "rr-1").unwrap();
+    let mut events = runtime.observe();
+    let sent = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.send("Read them.").await }
+    });
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let observation = events.recv().await.unwrap();
+            if let Event::CompactionStart { .. } = observation.event {
+                assert!(observation.task_id.is_some(), "the child's compaction");
+                break;
+            }
+        }
+    })
+    .await
+    .expect("the child compacts");
+    assert!(handle.abort().await.unwrap());
+    let error = tokio::time::timeout(std::time::Duration::from_secs(10), sent)
+        .await
+        .expect("the submission settles")
+        .unwrap()
+        .unwrap_err();
+    let flue_runtime::RuntimeError::Run {
+        outcome, error_type, ..
+    } = error
+    else {
+        panic!("expected a run error, got {error}");
+    };
+    assert_eq!((outcome, error_type.as_str()), ("was aborted", "submission_aborted"));
+    let mut ends = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Compaction { is_error, error, .. } = observation.event {
+            ends.push((is_error, error.map(|error| error.error_type)));
+        }
+    }
+    assert_eq!(ends, [(true, Some("submission_aborted".to_owned()))]);
+}

@@ -18,6 +18,13 @@ pub(crate) enum CallError {
     Failed(ProviderError),
 }
 
+impl CallError {
+    /// Whether the provider refused the call as a context overflow (what compaction recovers).
+    pub(crate) fn is_context_overflow(&self) -> bool {
+        matches!(self, Self::Failed(error) if error.kind == ProviderErrorKind::ContextOverflow)
+    }
+}
+
 /// One model call, with the runtime's retries on retryable errors.
 pub(crate) async fn complete(
     options: &RuntimeOptions,

@@ -720,10 +720,15 @@ impl Failure {
     fn aborted() -> Self {
         Self {
             outcome: Outcome::Aborted,
-            error: SettlementError::new("submission_aborted", "Submission was aborted."),
+            error: submission_aborted(),
             transient: false,
         }
     }
+}
+
+/// The error of a submission an abort ended (and of what its sessions were doing).
+pub(crate) fn submission_aborted() -> SettlementError {
+    SettlementError::new("submission_aborted", binding::ABORTED)
 }
 
 impl From<RenderError> for Failure {
@@ -1246,6 +1251,7 @@ impl Response<'_> {
                 &self.submission.id,
                 spec,
                 thinking,
+                self.budget.settings.clone(),
                 self.attempt.signal.clone(),
             ));
             let tool = crate::subagents::task_tool(delegation.clone());
