@@ -157,3 +157,19 @@ fn an_agent_description_keeps_the_relative_indentation_of_its_doc_comment() {
         Some("Triages new issues:\n\n1. labels them\n   - `bug` or `feature`\n2. asks for a reproduction")
     );
 }
+
+#[agent(expose_as_tool = true)]
+fn exposed_by_boolean() -> &'static str {
+    "E"
+}
+
+#[agent(expose_as_tool = false)]
+fn hidden_by_boolean() -> &'static str {
+    "H"
+}
+
+#[test]
+fn expose_as_tool_also_takes_a_boolean() {
+    assert!(exposed_by_boolean.definition().expose_as_tool);
+    assert!(!hidden_by_boolean.definition().expose_as_tool);
+}

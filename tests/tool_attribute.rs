@@ -298,3 +298,58 @@ fn an_error_that_only_displays_is_an_error_result_with_its_text() {
     let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-2"})));
     assert_eq!(output, ToolOutput::error("o-2 is archived"));
 }
+
+// Items declared by a `macro_rules!` whose return and parameter types come from its fragments:
+// the expansions' own locals must still resolve (they are the attributes', not the fragments').
+macro_rules! echo_items {
+    ($tool:ident, $hook:ident, $agent:ident, $text:ty, $props:ty) => {
+        /// Echo.
+        #[tool]
+        async fn $tool(q: $text) -> $text {
+            q
+        }
+
+        #[hook(after_system_message)]
+        fn $hook(_state: &ThreadState, system: $text) -> $text {
+            system
+        }
+
+        #[agent]
+        fn $agent(props: $props) -> $text {
+            use_tool($tool);
+            format!("{}", props.id())
+        }
+    };
+}
+
+echo_items!(macro_echo, macro_hook, macro_agent, String, AgentProps);
+
+#[test]
+fn items_declared_by_a_macro_rules_with_fragment_types_expand() {
+    let tool = macro_echo.into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"q": "hi"})));
+    assert_eq!(output, ToolOutput::text("hi"));
+    assert_eq!(macro_hook.id(), "macro_hook");
+    let rendered = flue_runtime::render(&macro_agent, &RenderState::root("inbox-1")).unwrap();
+    assert_eq!(rendered.instruction.as_deref(), Some("inbox-1"));
+}
+
+/// Hand the conversation over.
+#[tool(terminate = true, durable = false)]
+async fn hand_over() -> &'static str {
+    "handed over"
+}
+
+/// Keep going.
+#[tool(terminate = false, durable = true)]
+async fn keep_going() -> &'static str {
+    "kept"
+}
+
+#[test]
+fn flag_options_also_take_a_boolean() {
+    let tool = hand_over.into_tool();
+    assert!(tool.definition().terminate && !tool.definition().durable);
+    let tool = keep_going.into_tool();
+    assert!(!tool.definition().terminate && tool.definition().durable);
+}

@@ -20,6 +20,16 @@ fn lifetimes_only(generics: &syn::Generics) -> bool {
         .all(|param| matches!(param, syn::GenericParam::Lifetime(_)))
 }
 
+/// A flag option: `flag`, or `flag = true` / `flag = false` (what it says).
+fn flag(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<bool> {
+    if meta.input.peek(syn::Token![=]) {
+        let value: syn::LitBool = meta.value()?.parse()?;
+        Ok(value.value)
+    } else {
+        Ok(true)
+    }
+}
+
 use proc_macro::TokenStream;
 
 /// Turns a synchronous function into an agent: a value of the same name implementing
@@ -65,7 +75,7 @@ use proc_macro::TokenStream;
 /// | `durability(max_attempts = N, timeout = "90s")` | attempt budget and wall-clock limit |
 /// | `max_steps = N` | cap on model steps per response |
 /// | `hooks = [a, b]` | agent-level lifecycle hooks |
-/// | `expose_as_tool` | may be used as a delegate and declare `parent_hooks` |
+/// | `expose_as_tool` | may be used as a delegate and declare `parent_hooks` (also `= true` / `false`) |
 /// | `parent_hooks = [(hook, before_parent, "reason")]` | hooks required on a parent |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///
@@ -252,8 +262,8 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | `name = "…"` | the model-facing name (`^[A-Za-z0-9_-]{1,64}$`, not reserved); default: the function's name |
 /// | `progress_argument = "field"` | string argument reported by `tool_call_started` as it streams, by its JSON name (a renamed parameter's `rename`; a plain parameter's type must be `String`; an `args` struct's field is checked by `use_tool`) |
 /// | `secrets = ["NAME", …]` | environment variables the tool may read through `ctx.secret(..)` |
-/// | `terminate` | a batch made only of terminating tools ends the turn |
-/// | `durable` | an interrupted call runs again on recovery, replaying its settled `ctx.step(..)` values |
+/// | `terminate` | a batch made only of terminating tools ends the turn (also `terminate = true` / `false`) |
+/// | `durable` | an interrupted call runs again on recovery, replaying its settled `ctx.step(..)` values (also `= true` / `false`) |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///
 /// The function returns text, JSON, `()`, a `ToolOutput`, or a `Result` of these whose error

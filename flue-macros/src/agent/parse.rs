@@ -64,7 +64,11 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
             "description" => set(&mut options.description, meta.value()?.parse()?, &key, errors),
             "initial_data" => set(&mut options.initial_data, meta.value()?.parse()?, &key, errors),
             "max_steps" => set(&mut options.max_steps, meta.value()?.parse()?, &key, errors),
-            "expose_as_tool" => set(&mut options.expose_as_tool, Span::call_site(), &key, errors),
+            "expose_as_tool" => {
+                if crate::flag(&meta)? {
+                    set(&mut options.expose_as_tool, Span::call_site(), &key, errors);
+                }
+            }
             "crate" => {
                 let path: LitStr = meta.value()?.parse()?;
                 match path.parse::<syn::Path>() {

@@ -35,8 +35,16 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
         match name.as_str() {
             "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
             "progress_argument" => set(&mut options.progress_argument, meta.value()?.parse()?, &key, errors),
-            "terminate" => set(&mut options.terminate, Span::call_site(), &key, errors),
-            "durable" => set(&mut options.durable, Span::call_site(), &key, errors),
+            "terminate" => {
+                if crate::flag(&meta)? {
+                    set(&mut options.terminate, Span::call_site(), &key, errors);
+                }
+            }
+            "durable" => {
+                if crate::flag(&meta)? {
+                    set(&mut options.durable, Span::call_site(), &key, errors);
+                }
+            }
             "secrets" => {
                 let list: syn::ExprArray = meta.value()?.parse()?;
                 let mut secrets = Vec::new();
