@@ -76,7 +76,7 @@ use proc_macro::TokenStream;
 /// | `max_steps = N` | cap on model steps per response |
 /// | `hooks = [a, b]` | agent-level lifecycle hooks |
 /// | `expose_as_tool` | may be used as a delegate and declare `parent_hooks` (also `= true` / `false`) |
-/// | `parent_hooks = [(hook, before_parent, "reason")]` | hooks required on a parent |
+/// | `parent_hooks = [(hook, before_parent, "reason")]` | hooks required on a parent (the stage may be left out: `(hook, "reason")` is `after_parent`) |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///
 /// The function takes no parameters or one `AgentProps`, is not `async`, returns anything

@@ -1332,7 +1332,8 @@ async fn parent_own(_state: &ThreadState, system: String) -> Option<String> {
 }
 
 #[agent(expose_as_tool, description = "Syncs mail.",
-        parent_hooks = [(child_after, after_parent, "Shows what the child did last."),
+        // Item 59: without a stage, a required hook runs after the parent's own.
+        parent_hooks = [(child_after, "Shows what the child did last."),
                         (child_before, before_parent, "Shows synchronized mail first.")])]
 fn mail_child() -> &'static str {
     "You sync mail."

@@ -2,8 +2,8 @@
 
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
-use syn::punctuated::Punctuated;
-use syn::{Expr, LitInt, LitStr, Token, Type};
+use syn::spanned::Spanned;
+use syn::{Expr, Ident, LitInt, LitStr, Token, Type};
 
 use crate::errors::Errors;
 
@@ -134,25 +134,28 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
 }
 
 fn parent_hook(element: Expr) -> syn::Result<ParentHook> {
-    let shape = "each parent hook is `(hook, stage, \"reason\")`, with stage `before_parent` or `after_parent`";
+    let shape = "each parent hook is `(hook, \"reason\")` or `(hook, stage, \"reason\")`, with stage `before_parent` or `after_parent` (the default)";
     let Expr::Tuple(tuple) = element else {
         return Err(syn::Error::new_spanned(element, shape));
     };
-    let parts: Punctuated<Expr, Token![,]> = tuple.elems.clone();
-    if parts.len() != 3 {
-        return Err(syn::Error::new_spanned(tuple, shape));
-    }
-    let mut parts = parts.into_iter();
-    let (Some(hook), Some(stage), Some(reason)) = (parts.next(), parts.next(), parts.next()) else {
-        return Err(syn::Error::new_spanned(tuple, shape));
-    };
-    let stage = match stage {
-        Expr::Path(path) if path.path.get_ident().is_some() => path
-            .path
-            .get_ident()
-            .cloned()
-            .ok_or_else(|| syn::Error::new_spanned(&path, shape))?,
-        other => return Err(syn::Error::new_spanned(other, shape)),
+    let parts: Vec<Expr> = tuple.elems.iter().cloned().collect();
+    let (hook, stage, reason) = match <[Expr; 2]>::try_from(parts) {
+        // The stage defaults to `after_parent`, as the reference's does.
+        Ok([hook, reason]) => (hook, Ident::new("after_parent", tuple.span()), reason),
+        Err(parts) => {
+            let Ok([hook, stage, reason]) = <[Expr; 3]>::try_from(parts) else {
+                return Err(syn::Error::new_spanned(tuple, shape));
+            };
+            let stage = match stage {
+                Expr::Path(path) if path.path.get_ident().is_some() => path
+                    .path
+                    .get_ident()
+                    .cloned()
+                    .ok_or_else(|| syn::Error::new_spanned(&path, shape))?,
+                other => return Err(syn::Error::new_spanned(other, shape)),
+            };
+            (hook, stage, reason)
+        }
     };
     let reason = match reason {
         Expr::Lit(syn::ExprLit {
