@@ -57,6 +57,21 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
     {
         errors.spanned(attempts, "max_attempts must be a positive integer");
     }
+    let hooks = model.options.hooks.as_deref().unwrap_or_default();
+    for (index, hook) in hooks.iter().enumerate() {
+        let name = hook.to_token_stream().to_string();
+        if hooks[..index]
+            .iter()
+            .any(|earlier| earlier.to_token_stream().to_string() == name)
+        {
+            errors.spanned(
+                hook,
+                format!(
+                    "hooks names the hook `{name}` twice; select each hook once (hooks of one kind run in listed order)"
+                ),
+            );
+        }
+    }
     let requirements = model.parent_hooks();
     if !requirements.is_empty() && model.options.expose_as_tool.is_none() {
         errors.spanned(

@@ -43,11 +43,24 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
         );
         errors.push(syn::Error::new(
             blame.span(),
-            format!("a `{}` hook {}", kind.name, kind.signature()),
+            format!("{} `{}` hook {}", article(kind.name), kind.name, kind.signature()),
         ));
     }
     if kind.is_transform() && matches!(sig.output, ReturnType::Default) {
-        errors.spanned(&sig.ident, format!("a `{}` hook {}", kind.name, kind.signature()));
+        errors.spanned(
+            &sig.ident,
+            format!("{} `{}` hook {}", article(kind.name), kind.name, kind.signature()),
+        );
+    }
+}
+
+/// "an `after_…` hook", "a `tool_call_done` hook" (no kind is said with a vowel sound after
+/// a `u`: the user kinds take "a").
+fn article(kind: &str) -> &'static str {
+    if kind.starts_with(['a', 'e', 'i', 'o']) {
+        "an"
+    } else {
+        "a"
     }
 }
 

@@ -1,0 +1,15 @@
+use flue_runtime::prelude::*;
+
+#[hook(after_system_message)]
+fn mail_context(_state: &ThreadState, message: String) -> String {
+    message
+}
+
+const REASON: &str = "Shows mail.";
+
+#[agent(expose_as_tool, parent_hooks = [(mail_context, REASON)])]
+fn mail_agent() -> &'static str {
+    "Read mail."
+}
+
+fn main() {}
