@@ -88,6 +88,9 @@ pub(crate) struct Projection {
     step_calls: HashMap<String, Vec<String>>,
     /// Tool call id → the response message holding its part.
     calls: HashMap<String, String>,
+    /// Tool row id (its outcome record's) → its call id: a row edit or deletion reaches the
+    /// call's part.
+    tool_rows: HashMap<String, String>,
     outcomes: HashMap<String, PendingOutcome>,
     /// Data parts written before their response's first step (a start callback's writes),
     /// by submission: they join the response message when it starts.
@@ -407,6 +410,7 @@ impl Projection {
                 duration_ms,
                 ..
             } => {
+                self.tool_rows.insert(record.id.clone(), tool_call_id.clone());
                 self.outcomes.insert(
                     tool_call_id.clone(),
                     PendingOutcome {
@@ -514,7 +518,11 @@ impl Projection {
             }
             RecordBody::MessageUpdated { message_id, updates } => self.update_message(message_id, updates),
             RecordBody::MessageDeleted { message_id } => {
-                if let Some(response_id) = self.steps.get(message_id).cloned() {
+                if let Some(call) = self.tool_call_of_row(message_id) {
+                    // A tool row: its result goes from the view with the call it answers, as
+                    // the model no longer sees the call without it.
+                    self.remove_tool_part(&call);
+                } else if let Some(response_id) = self.steps.get(message_id).cloned() {
                     // A model step folded into its response message (the first one's id is the
                     // message's): its text and reasoning go, the other steps' parts stay.
                     self.remove_step_part(&response_id, message_id, Stream::Text);
@@ -557,6 +565,21 @@ impl Projection {
     /// Applies a row's field updates to the message that shows it: content to its text part,
     /// `silent` to its display, metadata merged.
     fn update_message(&mut self, id: &str, updates: &Map<String, Value>) {
+        if let Some(call) = self.tool_call_of_row(id) {
+            // A tool row's content is its call's output (or error text): an edit redacting
+            // it reaches the view.
+            if let Some(Value::String(content)) = updates.get("content")
+                && let Some(part) = self.tool_part_mut(&call)
+            {
+                let field = if part["state"] == "output-error" {
+                    "errorText"
+                } else {
+                    "output"
+                };
+                part[field] = json!(content);
+            }
+            return;
+        }
         let message_id = self.steps.get(id).cloned();
         let is_step = message_id.is_some();
         let message_id = message_id.unwrap_or_else(|| id.to_owned());
@@ -801,14 +824,48 @@ impl Projection {
         }
     }
 
-    fn settle_tool_part(&mut self, call: &str, outcome: &PendingOutcome) {
+    /// The call a tool row answers: rows are named by their outcome record, or `tool_<call>`
+    /// for a result the runtime wrote itself (an interrupted call's).
+    fn tool_call_of_row(&self, id: &str) -> Option<String> {
+        self.tool_rows.get(id).cloned().or_else(|| {
+            id.strip_prefix("tool_")
+                .filter(|call| self.calls.contains_key(*call))
+                .map(str::to_owned)
+        })
+    }
+
+    /// The part of the call `call` in its response message.
+    fn tool_part_mut(&mut self, call: &str) -> Option<&mut Value> {
+        let response_id = self.calls.get(call).cloned()?;
+        self.parts_mut(&response_id)?
+            .iter_mut()
+            .find(|part| part["toolCallId"] == call)
+    }
+
+    /// Removes the part of the call `call` (the steps after it move up).
+    fn remove_tool_part(&mut self, call: &str) {
         let Some(response_id) = self.calls.get(call).cloned() else {
             return;
         };
+        let step = self
+            .step_calls
+            .iter()
+            .find(|(_, calls)| calls.iter().any(|other| other == call))
+            .map(|(step, _)| step.clone());
         let Some(parts) = self.parts_mut(&response_id) else {
             return;
         };
-        let Some(part) = parts.iter_mut().find(|part| part["toolCallId"] == call) else {
+        let Some(at) = parts.iter().position(|part| part["toolCallId"] == call) else {
+            return;
+        };
+        parts.remove(at);
+        if let Some(step) = step {
+            self.shift_steps(&response_id, &step, at, false);
+        }
+    }
+
+    fn settle_tool_part(&mut self, call: &str, outcome: &PendingOutcome) {
+        let Some(part) = self.tool_part_mut(call) else {
             return;
         };
         if outcome.is_error {
@@ -944,6 +1001,67 @@ mod tests {
             parts(&projection),
             json!([{"type": "text", "text": "Whole answer", "state": "done"}])
         );
+    }
+
+    #[test]
+    fn a_tool_rows_edit_and_deletion_reach_its_calls_part() {
+        let mut projection = Projection::new("agents/a/i");
+        let call = RecordBody::AssistantToolCall {
+            message_id: "step_1".into(),
+            tool_call_id: "call_1".into(),
+            name: "lookup".into(),
+            arguments: "{}".into(),
+        };
+        fold(
+            &mut projection,
+            vec![vec![started("step_1"), call, completed("step_1", "")]],
+        );
+        let outcome = record(
+            "sub_1",
+            RecordBody::ToolOutcome {
+                assistant_message_id: "step_1".into(),
+                tool_call_id: "call_1".into(),
+                tool_name: "lookup".into(),
+                is_error: false,
+                content: "card 4242 4242 4242 4242".into(),
+                terminate: false,
+                duration_ms: 3,
+            },
+        );
+        let row = outcome.id.clone();
+        let committed = record(
+            "sub_1",
+            RecordBody::ToolResultsCommitted {
+                assistant_message_id: "step_1".into(),
+            },
+        );
+        projection.apply(
+            &Batch {
+                offset: 1,
+                records: Arc::from(vec![outcome, committed]),
+            },
+            None,
+        );
+        assert_eq!(parts(&projection)[0]["output"], "card 4242 4242 4242 4242");
+        // A hook redacts the stored result: the view shows what the thread holds.
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), json!("card [redacted]"));
+        let chunks = fold(
+            &mut projection,
+            vec![vec![RecordBody::MessageUpdated {
+                message_id: row.clone(),
+                updates,
+            }]],
+        );
+        assert_eq!(chunks, [vec!["conversation-reset"]]);
+        assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
+        assert_eq!(parts(&projection)[0]["state"], "output-available");
+        // Deleted, the result goes, and the call it answered with it.
+        fold(
+            &mut projection,
+            vec![vec![RecordBody::MessageDeleted { message_id: row }]],
+        );
+        assert_eq!(parts(&projection), json!([]));
     }
 
     #[test]
