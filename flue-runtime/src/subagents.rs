@@ -898,15 +898,18 @@ async fn child_session(
                 // A failed call still ends its turn and its assistant message, before any
                 // recovery.
                 let aborted = delegation.signal.is_aborted();
-                let message = error.to_string();
+                // As the root's turn reports it: the provider's error kind.
+                let described = match &error {
+                    crate::provider::CallError::Failed(failed) if !aborted => {
+                        SettlementError::new(failed.error_type(), failed.message.clone())
+                    }
+                    _ => SettlementError::new("aborted", "The call was aborted."),
+                };
                 events.emit(|| {
                     turn(
                         (if aborted { "aborted" } else { "error" }).to_owned(),
                         TurnResponse {
-                            error: Some(SettlementError::new(
-                                if aborted { "aborted" } else { "provider_error" },
-                                message.clone(),
-                            )),
+                            error: Some(described),
                             ..TurnResponse::default()
                         },
                         true,
@@ -933,7 +936,7 @@ async fn child_session(
                     compacted_for_overflow = true;
                     continue;
                 }
-                return Err(message);
+                return Err(error.to_string());
             };
             budget.called(&response.usage);
             let message_id = new_id("msg");

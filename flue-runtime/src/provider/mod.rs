@@ -13,7 +13,7 @@ pub(crate) mod sse;
 mod text;
 mod tool_json;
 
-pub(crate) use complete::{Streamed, complete, complete_observed};
+pub(crate) use complete::{CallError, Streamed, complete, complete_observed};
 pub use http::RetryPolicy;
 pub use registry::ProviderRegistry;
 pub use types::*;

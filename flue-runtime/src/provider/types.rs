@@ -616,6 +616,15 @@ pub struct ProviderError {
 }
 
 impl ProviderError {
+    /// Its kind as an event's or settlement's error type (`context_overflow`, `rate_limited`,
+    /// …).
+    pub fn error_type(&self) -> String {
+        serde_json::to_value(&self.kind)
+            .ok()
+            .and_then(|kind| kind.as_str().map(str::to_owned))
+            .unwrap_or_else(|| "provider_error".into())
+    }
+
     /// An error of `kind`.
     pub fn new(kind: ProviderErrorKind, message: impl Into<String>) -> Self {
         Self {

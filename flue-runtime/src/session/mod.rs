@@ -2624,13 +2624,7 @@ impl StepError {
     fn describe(&self) -> SettlementError {
         match self {
             Self::Aborted => SettlementError::new("aborted", "The call was aborted."),
-            Self::Provider(error) => SettlementError::new(
-                serde_json::to_value(&error.kind)
-                    .ok()
-                    .and_then(|kind| kind.as_str().map(str::to_owned))
-                    .unwrap_or_else(|| "provider_error".into()),
-                error.message.clone(),
-            ),
+            Self::Provider(error) => SettlementError::new(error.error_type(), error.message.clone()),
             Self::Store(error) => SettlementError::new("store_failure", error.to_string()),
         }
     }
