@@ -135,16 +135,18 @@ impl Projection {
 
     /// Folds `batch` in, appending its chunks to `chunks` when given.
     pub(crate) fn apply(&mut self, batch: &Batch, chunks: Option<&mut Vec<Value>>) {
-        // A batch that rewrites history (a row edited or deleted) projects to a reset too:
-        // the protocol has no chunk that changes a past message.
-        let resets = batch.records.iter().any(|record| {
-            matches!(
-                record.body,
-                RecordBody::ConversationCreated { .. }
-                    | RecordBody::MessageUpdated { .. }
-                    | RecordBody::MessageDeleted { .. }
-                    | RecordBody::Compaction { .. }
-            )
+        // A batch that rewrites history (a row's text or display edited, a row deleted)
+        // projects to a reset too: the protocol has no chunk that changes a past message's
+        // parts. A row's metadata goes as a `message-metadata` chunk; its status and name are
+        // not shown.
+        let resets = batch.records.iter().any(|record| match &record.body {
+            RecordBody::ConversationCreated { .. }
+            | RecordBody::MessageDeleted { .. }
+            | RecordBody::Compaction { .. } => true,
+            RecordBody::MessageUpdated { updates, .. } => {
+                updates.contains_key("content") || updates.contains_key("silent")
+            }
+            _ => false,
         });
         let mut out = Vec::new();
         // A step's reasoning and text stream right after its start when both are in this
@@ -516,7 +518,13 @@ impl Projection {
                 }
                 self.append_message(message, out);
             }
-            RecordBody::MessageUpdated { message_id, updates } => self.update_message(message_id, updates),
+            RecordBody::MessageUpdated { message_id, updates } => {
+                if let Some(shown) = self.update_message(message_id, updates)
+                    && let Some(Value::Object(metadata)) = updates.get("metadata")
+                {
+                    out.push(json!({"type": "message-metadata", "messageId": shown, "metadata": metadata}));
+                }
+            }
             RecordBody::MessageDeleted { message_id } => {
                 if let Some(call) = self.tool_call_of_row(message_id) {
                     // A tool row: its result goes from the view with the call it answers, as
@@ -564,7 +572,9 @@ impl Projection {
 
     /// Applies a row's field updates to the message that shows it: content to its text part,
     /// `silent` to its display, metadata merged.
-    fn update_message(&mut self, id: &str, updates: &Map<String, Value>) {
+    /// Returns the id of the message that shows the row (a step's: its response's), unless
+    /// the row is a tool result or not shown.
+    fn update_message(&mut self, id: &str, updates: &Map<String, Value>) -> Option<String> {
         if let Some(call) = self.tool_call_of_row(id) {
             // A tool row's content is its call's output (or error text): an edit redacting
             // it reaches the view.
@@ -578,7 +588,7 @@ impl Projection {
                 };
                 part[field] = json!(content);
             }
-            return;
+            return None;
         }
         let message_id = self.steps.get(id).cloned();
         let is_step = message_id.is_some();
@@ -595,18 +605,15 @@ impl Projection {
                 part["text"] = json!(content);
             }
         }
-        let Some(message) = self.message_mut(&message_id) else {
-            return;
-        };
+        let message = self.message_mut(&message_id)?;
         if let Some(Value::Bool(silent)) = updates.get("silent") {
             message.insert("display".into(), json!(if *silent { "hidden" } else { "visible" }));
         }
         if let Some(Value::Object(metadata)) = updates.get("metadata") {
-            let target = message.entry("metadata").or_insert_with(|| json!({}));
-            if let Value::Object(target) = target {
-                target.extend(metadata.clone());
-            }
+            // Merged as a client merges the `message-metadata` chunk that carries it.
+            self.merge_metadata(&message_id, metadata);
         }
+        Some(message_id)
     }
 
     /// Where `step`'s part of `stream` is (or goes) in its response message: its reasoning
@@ -1062,6 +1069,52 @@ mod tests {
             vec![vec![RecordBody::MessageDeleted { message_id: row }]],
         );
         assert_eq!(parts(&projection), json!([]));
+    }
+
+    #[test]
+    fn a_rows_metadata_update_is_a_metadata_chunk_and_its_status_nothing_not_a_reset() {
+        let mut projection = Projection::new("agents/a/i");
+        let mut metadata = serde_json::Map::new();
+        metadata.insert("metadata".into(), json!({"cost": {"cents": 3}}));
+        let mut status = serde_json::Map::new();
+        status.insert("status".into(), json!("completed"));
+        status.insert("name".into(), json!("helper"));
+        // As a `before_update_message` hook that adds metadata leaves a step: in its batch.
+        let chunks = fold(
+            &mut projection,
+            vec![
+                vec![
+                    started("step_1"),
+                    completed("step_1", "Hi"),
+                    RecordBody::MessageUpdated {
+                        message_id: "step_1".into(),
+                        updates: metadata,
+                    },
+                ],
+                vec![RecordBody::MessageUpdated {
+                    message_id: "step_1".into(),
+                    updates: status,
+                }],
+            ],
+        );
+        assert_eq!(
+            chunks,
+            [
+                vec![
+                    "message-started",
+                    "message-delta",
+                    "message-completed",
+                    "message-metadata"
+                ],
+                Vec::<&str>::new()
+            ]
+        );
+        let snapshot = projection.snapshot();
+        assert_eq!(snapshot["messages"][0]["metadata"], json!({"cost": {"cents": 3}}));
+        assert_eq!(
+            parts(&projection),
+            json!([{"type": "text", "text": "Hi", "state": "done"}])
+        );
     }
 
     #[test]
