@@ -944,6 +944,8 @@ async fn abort_answers_whether_anything_was_unsettled() {
     assert_eq!(response.status().as_u16(), 200);
     assert_security_headers(response.headers());
     assert_eq!(response.json::<Value>().await.unwrap(), json!({"aborted": false}));
+    // Nothing was unsettled (the instance does not even exist): no instance was loaded for it.
+    assert_eq!(server.runtime.cached_instance_count(), 0);
     let response = server.client.get(server.url("/idle/abort")).send().await.unwrap();
     assert_eq!(header(response.headers(), "allow"), "POST");
     assert_error(response, 405, "method_not_allowed").await;

@@ -416,9 +416,13 @@ async fn post_abort(
         .request_abort(&key)
         .await
         .map_err(|error| ApiError::internal(&error))?;
-    let slot = routes.runtime.slot(&key);
-    slot.abort_submissions(&affected);
-    slot.wake();
+    // Nothing to abort (an idle instance, or one that does not exist): no worker to wake, and
+    // no slot made for an id a client made up.
+    if !affected.is_empty() {
+        let slot = routes.runtime.slot(&key);
+        slot.abort_submissions(&affected);
+        slot.wake();
+    }
     Ok(axum::Json(json!({"aborted": !affected.is_empty()})).into_response())
 }
 
