@@ -101,6 +101,10 @@ const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// may send can be read back, framing and all.
 const DEFAULT_MAX_EVENT_BYTES: usize = 4 * crate::http::MAX_BODY_BYTES;
 
+/// Connections a followed stream may fail in a row before it ends (see
+/// [`Client::with_reconnect_limit`]).
+const DEFAULT_RECONNECT_LIMIT: u32 = 10;
+
 /// A connection to a server of the protocol.
 #[derive(Clone)]
 pub struct Client {
@@ -113,6 +117,8 @@ pub struct Client {
     request_timeout: Duration,
     /// The most bytes one event of a followed stream may take.
     max_event_bytes: usize,
+    /// How many connections in a row a followed stream may fail before it ends.
+    reconnect_limit: u32,
 }
 
 /// Without the bearer token, and the base URL without its userinfo, query and fragment: a
@@ -124,6 +130,7 @@ impl std::fmt::Debug for Client {
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("idle_timeout", &self.idle_timeout)
             .field("request_timeout", &self.request_timeout)
+            .field("reconnect_limit", &self.reconnect_limit)
             .finish_non_exhaustive()
     }
 }
@@ -141,7 +148,18 @@ impl Client {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            reconnect_limit: DEFAULT_RECONNECT_LIMIT,
         })
+    }
+
+    /// Ends a followed stream (and so [`Instance::reply`] and [`Instance::prompt`]) with the
+    /// last connection's error once `attempts` connections in a row failed (default: 10,
+    /// about 20 s of growing pauses while the server is unreachable, more when each attempt
+    /// waits for a connection timeout). A connection that delivers anything starts the count
+    /// again.
+    pub fn with_reconnect_limit(mut self, attempts: u32) -> Self {
+        self.reconnect_limit = attempts;
+        self
     }
 
     /// Fails a request other than following a stream (sending, the history, an abort, the
@@ -370,7 +388,8 @@ impl Instance {
     /// Every chunk after `offset` (`-1`: from the start), live, for as long as the stream is
     /// read. A dropped connection is resumed from the last offset the server confirmed;
     /// chunks seen before are skipped by position, and a server answering 408, 429 or 5xx
-    /// is asked again after a growing pause. Other errors the server answers (404, 416, …)
+    /// (or not reachable) is asked again after a growing pause, until
+    /// [`Client::with_reconnect_limit`] connections in a row failed. Other errors the server answers (404, 416, …)
     /// end the stream, and so does an answer that is not the protocol (not an event stream,
     /// or a refusal without the error envelope) or an event the client cannot read (larger
     /// than [`Client::with_max_event_bytes`], not UTF-8, or not JSON): [`ClientError::Protocol`]
@@ -438,7 +457,7 @@ impl Follow {
                 match connected {
                     Ok(body) => self.body = Some(body),
                     // A request timeout or a rate limit passes: asked again after the backoff.
-                    Err(ClientError::Api { status: 408 | 429, .. }) => self.failures += 1,
+                    Err(error @ ClientError::Api { status: 408 | 429, .. }) => self.failed(error),
                     // What the server refuses (404, 416, …) stays refused, and an answer that
                     // is not the protocol stays so: the stream ends with the error (asking
                     // again would only hammer the server). It retries the rest.
@@ -446,14 +465,14 @@ impl Follow {
                         self.ended = true;
                         return Some(Err(error));
                     }
-                    Err(_) => self.failures += 1,
+                    Err(error) => self.failed(error),
                 }
                 continue;
             };
             // The server sends at least a heartbeat every 15 s: a longer silence is a
             // connection that died without a reset (a dropped network, a NAT that forgot it).
             let Ok(next) = tokio::time::timeout(self.instance.client.idle_timeout, body.next()).await else {
-                self.reconnect();
+                self.reconnect(ClientError::Transport("the stream went silent".into()));
                 continue;
             };
             match next {
@@ -471,15 +490,26 @@ impl Follow {
                     }
                 }
                 // The connection dropped (or the server closed it): resume.
-                Some(Err(_)) | None => self.reconnect(),
+                Some(Err(error)) => self.reconnect(error.into()),
+                None => self.reconnect(ClientError::Transport("the server closed the stream".into())),
             }
         }
     }
 
-    fn reconnect(&mut self) {
+    fn reconnect(&mut self, error: ClientError) {
         self.body = None;
         self.parser = SseParser::new(self.instance.client.max_event_bytes);
+        self.failed(error);
+    }
+
+    /// A connection failed with `error`: the next is made after a pause, unless too many in a
+    /// row failed (the stream then ends with the error).
+    fn failed(&mut self, error: ClientError) {
         self.failures += 1;
+        if self.failures >= self.instance.client.reconnect_limit {
+            self.ended = true;
+            self.error = Some(error);
+        }
     }
 
     /// Moves the complete events out of the parser: chunks not seen before into `ready`, the
@@ -710,6 +740,17 @@ mod tests {
     /// A server URL carrying a password in its userinfo and a key in its query; nothing
     /// listens on port 1 of loopback.
     const SECRET_URL: &str = "http://user:hunter2@127.0.0.1:1/?key=hunter2";
+
+    #[tokio::test]
+    async fn a_stream_from_an_unreachable_server_ends_after_its_reconnect_limit() {
+        // Nothing listens on port 1 of loopback: every connection is refused at once.
+        let client = Client::new("http://127.0.0.1:1").unwrap().with_reconnect_limit(3);
+        let items: Vec<_> = client.instance("assistant", "i").follow("-1").collect().await;
+        assert!(
+            matches!(items.as_slice(), [Err(ClientError::Transport(_))]),
+            "one transport error ends the stream (it retried forever before): {items:?}"
+        );
+    }
 
     #[tokio::test]
     async fn transport_errors_quote_the_server_without_its_userinfo_or_query() {
