@@ -18,7 +18,10 @@ use sha2::{Digest, Sha256};
 pub struct AccessRequest<'a> {
     /// The method.
     pub method: &'a Method,
-    /// The path (without the query).
+    /// The path (without the query) as the client wrote it: still percent-encoded, so
+    /// `/agents/a/%61dmin` addresses the instance `admin`. Decide on [`AccessRequest::agent`],
+    /// [`AccessRequest::instance_id`] and [`AccessRequest::user_id`] (decoded, what the
+    /// handlers serve), not by matching this text.
     pub path: &'a str,
     /// The headers (the credentials are here).
     pub headers: &'a HeaderMap,
