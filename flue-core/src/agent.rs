@@ -303,31 +303,71 @@ impl From<()> for Instruction {
     }
 }
 
-/// What `#[agent]` converts an agent function's return value with. Implemented for everything
-/// `Into<Instruction>`; the diagnostic says what an agent may return.
-#[doc(hidden)]
-#[diagnostic::on_unimplemented(
-    message = "an agent function returns its instruction (`&'static str`, `String`, `Option<String>` or `()`), not `{Self}`",
-    label = "not an instruction",
-    note = "everything else (model, tools, state) is composed with hooks in the body"
-)]
-pub trait IntoInstruction {
-    /// Converts into the instruction.
-    fn into_instruction(self) -> Instruction;
-}
+// What `#[agent]` converts an agent function's return value with: anything
+// `Into<Instruction>` (a type of the user's own with a `From` impl, `impl Into<Instruction>`
+// included). A bound on that alone would report a wrong return type as rustc's own
+// "`Instruction: From<u32>` is not satisfied"; so the attribute picks by method resolution,
+// `(&ReturnedValue(&value)).__flue_instruction().convert(value)`: `Instructs` (on
+// `ReturnedValue<&T>`, found first) when the value converts, else `NotInstructs` (on
+// `&ReturnedValue<&T>`), whose `convert` asks for [`Instructive`], which nothing implements:
+// its diagnostic says what an agent returns.
 
-impl<T: Into<Instruction>> IntoInstruction for T {
-    fn into_instruction(self) -> Instruction {
-        self.into()
+/// An agent function's return value, borrowed while `#[agent]` picks how to convert it.
+#[doc(hidden)]
+pub struct ReturnedValue<'a, T: ?Sized>(pub &'a T);
+
+/// A return value that converts into the instruction; see [`IntoInstructionFn`].
+#[doc(hidden)]
+pub trait Instructs {
+    /// How `#[agent]` converts the value.
+    fn __flue_instruction(&self) -> IntoInstructionFn {
+        IntoInstructionFn
     }
 }
 
-/// Converts an agent function's return value, asserting [`IntoInstruction`] where `#[agent]`
-/// spans it. A function, not a path naming the type, so the type may be `impl Trait`.
+impl<T: Into<Instruction>> Instructs for ReturnedValue<'_, T> {}
+
+/// Any other return value; see [`NoInstruction`].
 #[doc(hidden)]
-pub fn into_instruction<T: IntoInstruction>(value: T) -> Instruction {
-    value.into_instruction()
+pub trait NotInstructs {
+    /// How `#[agent]` converts the value.
+    fn __flue_instruction(&self) -> NoInstruction {
+        NoInstruction
+    }
 }
+
+impl<T: ?Sized> NotInstructs for &ReturnedValue<'_, T> {}
+
+/// Converts with `Into<Instruction>`.
+#[doc(hidden)]
+pub struct IntoInstructionFn;
+
+impl IntoInstructionFn {
+    /// The instruction.
+    pub fn convert<T: Into<Instruction>>(self, value: T) -> Instruction {
+        value.into()
+    }
+}
+
+/// Reports a return value that is no instruction, at the return type.
+#[doc(hidden)]
+pub struct NoInstruction;
+
+impl NoInstruction {
+    /// Never compiles: nothing is [`Instructive`].
+    pub fn convert<T: Instructive>(self, _value: T) -> Instruction {
+        Instruction::NONE
+    }
+}
+
+/// Implemented by nothing: the bound that reports an agent function's wrong return type.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "an agent function returns its instruction (`&'static str`, `String`, `Option<String>`, `()` or anything `Into<Instruction>`), not `{Self}`",
+    label = "not an instruction",
+    note = "everything else (model, tools, state) is composed with hooks in the body"
+)]
+pub trait Instructive {}
 
 /// A shared reference to an agent: `&'static` for zero-sized agents (what `#[agent]`
 /// generates), reference-counted otherwise.

@@ -37,8 +37,13 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         // helper infers it from the body's value, and its call is spanned at the return type,
         // so a type that is no instruction is reported there.
         (Some(argument), ReturnType::Type(_, ty)) => {
-            let convert = quote_spanned!(ty.span()=> __flue::agent::into_instruction(__flue_returned));
+            // Picked by method resolution (see `flue_core::agent::ReturnedValue`): a value
+            // that is no instruction is reported with what an agent returns.
+            let convert = quote_spanned!(ty.span()=> (&__flue::agent::ReturnedValue(&__flue_returned))
+                .__flue_instruction()
+                .convert(__flue_returned));
             quote!({
+                use __flue::agent::{Instructs as _, NotInstructs as _};
                 let __flue_returned = __flue_agent_body(#argument);
                 #convert
             })

@@ -43,8 +43,11 @@ const _: () = {
                 "You check whether a GitHub issue duplicates an older open issue."
             }
             {
+                use __flue::agent::{Instructs as _, NotInstructs as _};
                 let __flue_returned = __flue_agent_body();
-                __flue::agent::into_instruction(__flue_returned)
+                (&__flue::agent::ReturnedValue(&__flue_returned))
+                    .__flue_instruction()
+                    .convert(__flue_returned)
             }
         }
     }
