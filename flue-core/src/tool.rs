@@ -417,7 +417,7 @@ impl<T: DeserializeOwned + JsonSchema + Send + 'static> ToolArguments for T {}
 #[diagnostic::on_unimplemented(
     message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",
     label = "not a tool result",
-    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one with a `ToolError` or a `String` error"
+    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one whose error is a `ToolError`, text, or any error that displays"
 )]
 pub trait ToolReturn: IntoToolOutput {}
 
