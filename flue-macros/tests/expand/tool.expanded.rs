@@ -64,8 +64,8 @@ const _: () = {
                 let _ = &__flue_ctx;
                 {
                     use __flue::tool::{
-                        ConvertibleReturn as _, DisplayErrorReturn as _, OtherReturn as _,
-                        TextErrorReturn as _,
+                        ConvertibleReturn as _, DisplayErrorReturn as _,
+                        OtherReturn as _, TextErrorReturn as _,
                     };
                     let __flue_returned = __flue_tool_body(
                             &__flue_ctx,
