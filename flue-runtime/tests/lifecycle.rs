@@ -632,6 +632,38 @@ fn pending_rows() -> &'static str {
     "P"
 }
 
+#[agent(hooks = [see_failed_status, read_updated_row])]
+fn update_hooks_only() -> &'static str {
+    use_model("scripted/x");
+    "U"
+}
+
+#[tokio::test]
+async fn item_35_the_failed_status_goes_through_the_update_hooks_without_any_create_hook() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![update_hooks_only.into()]);
+    let error = runtime
+        .init(&update_hooks_only, "updates-only")
+        .send("question")
+        .await
+        .unwrap_err();
+    assert_eq!(run_error(error).0, "operation_failed");
+    let log: Vec<String> = PENDING_LOG
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|line| line.starts_with("updates-only "))
+        .cloned()
+        .collect();
+    assert_eq!(
+        log,
+        [
+            r#"updates-only before_update {"status":"failed"}"#,
+            "updates-only after_update Some(Failed): get_message Some(Some(Failed)), last listed true Some(Failed)",
+        ]
+    );
+}
+
 #[tokio::test]
 async fn item_23_after_create_message_finds_the_pending_assistant_row_in_the_thread() {
     let model = ScriptedModel::new([ScriptedReply::text("answer")]);

@@ -218,11 +218,19 @@ impl Response<'_> {
     /// fields they set (recorded with the step). Their errors continue with the last good row.
     pub(super) async fn assistant_row_created(&mut self, message_id: &str) -> MessageUpdates {
         let mut updates = MessageUpdates::new();
-        if !creates_rows(&self.hooks) {
+        let updates_rows =
+            self.hooks.has(HookKind::BeforeUpdateMessage) || self.hooks.has(HookKind::AfterUpdateMessage);
+        if !creates_rows(&self.hooks) && !updates_rows {
             return updates;
         }
         let mut pending = row(message_id.to_owned(), MessageRole::Assistant, String::new());
         pending.status = Some(MessageStatus::Pending);
+        if !creates_rows(&self.hooks) {
+            // No create hook: the row is still the thread's while the step runs, for the update
+            // hooks of its completion or its failure.
+            self.writer.set_pending_row(Some(pending));
+            return updates;
+        }
         let state = self.thread_view().state();
         let created = match chain::before_create_message(&self.hooks, &state, pending.clone()).await {
             Ok(created) => created,
