@@ -46,72 +46,6 @@ fn run_error(error: RuntimeError) -> (String, String) {
     }
 }
 
-// ---- log capture: the `[Hooks] ✗` lines ------------------------------------------------------
-
-mod logs {
-    use std::sync::{Arc, Mutex};
-
-    use tracing::field::{Field, Visit};
-    use tracing::span::{Attributes, Id, Record};
-    use tracing::{Event, Metadata, Subscriber};
-
-    #[derive(Clone, Default)]
-    pub struct Capture(pub Arc<Mutex<Vec<String>>>);
-
-    struct Message(String);
-
-    impl Visit for Message {
-        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-            if field.name() == "message" {
-                self.0 = format!("{value:?}");
-            }
-        }
-    }
-
-    impl Subscriber for Capture {
-        fn enabled(&self, _: &Metadata<'_>) -> bool {
-            true
-        }
-        fn new_span(&self, _: &Attributes<'_>) -> Id {
-            Id::from_u64(1)
-        }
-        fn record(&self, _: &Id, _: &Record<'_>) {}
-        fn record_follows_from(&self, _: &Id, _: &Id) {}
-        fn event(&self, event: &Event<'_>) {
-            let mut message = Message(String::new());
-            event.record(&mut message);
-            self.0.lock().unwrap().push(message.0);
-        }
-        fn enter(&self, _: &Id) {}
-        fn exit(&self, _: &Id) {}
-    }
-
-    impl Capture {
-        /// The captured `[Hooks]` lines that mention `text`.
-        pub fn lines(&self, text: &str) -> Vec<String> {
-            self.0
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|line| line.starts_with("[Hooks]") && line.contains(text))
-                .cloned()
-                .collect()
-        }
-    }
-}
-
-/// Every log line of this test binary (one global subscriber: a per-thread one races with the
-/// callsite interest cache when tests run in parallel). Tests look for lines unique to them.
-fn capture_logs() -> logs::Capture {
-    static CAPTURE: std::sync::OnceLock<logs::Capture> = std::sync::OnceLock::new();
-    let capture = CAPTURE.get_or_init(|| {
-        let capture = logs::Capture::default();
-        tracing::subscriber::set_global_default(capture.clone()).expect("the only global subscriber");
-        capture
-    });
-    capture.clone()
-}
-
 // ---- scoping (items 4–10, 60, 63) -------------------------------------------------------------
 
 static SCOPE_LOG: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
@@ -210,7 +144,7 @@ fn listed_order() -> &'static str {
 
 #[tokio::test]
 async fn items_08_09_11_12_37_hooks_chain_in_listed_order_none_keeps_and_an_error_keeps_the_last_good_value() {
-    let logs = capture_logs();
+    let logs = harness::logs::capture();
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![listed_order.into()]);
     runtime.init(&listed_order, "o").send("hi").await.unwrap();
@@ -398,7 +332,7 @@ fn prefiltered() -> &'static str {
 
 #[tokio::test]
 async fn items_19_21_prefilter_output_is_exactly_what_is_dispatched_and_a_plain_error_is_logged() {
-    let logs = capture_logs();
+    let logs = harness::logs::capture();
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, vec![prefiltered.into()]);
     let reply = runtime.init(&prefiltered, "p").send("hi").await.unwrap();
@@ -679,7 +613,7 @@ async fn item_23_after_create_message_finds_the_pending_assistant_row_in_the_thr
 
 #[tokio::test]
 async fn item_35_a_failed_model_step_gets_its_failed_status_through_the_update_hooks() {
-    let logs = capture_logs();
+    let logs = harness::logs::capture();
     // No reply scripted: the model call fails.
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, vec![pending_rows.into()]);
@@ -780,7 +714,7 @@ fn tool_rows_continue() -> &'static str {
 
 #[tokio::test]
 async fn item_35_a_tool_result_is_stored_with_its_last_good_value_when_a_pre_write_hook_throws() {
-    let logs = capture_logs();
+    let logs = harness::logs::capture();
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("echo_tool", json!({"text": "kept"})),
         ScriptedReply::text("done"),
@@ -1668,7 +1602,7 @@ async fn user_ids_keys_and_prefixes_with_control_characters_are_refused_before_t
 
 #[tokio::test]
 async fn items_73_74_75_76_user_hooks_run_for_every_user_without_recursion_and_their_errors_stay_in_the_log() {
-    let logs = capture_logs();
+    let logs = harness::logs::capture();
     let model = ScriptedModel::new([]);
     let mut providers = ProviderRegistry::new();
     providers.register(model);

@@ -128,57 +128,6 @@ fn an_invalid_embedded_skill_names_its_problem() {
 
 // ---- workspace skills: `.agents/skills/<name>/SKILL.md` in the sandbox's cwd -------------------
 
-mod logs {
-    use std::sync::{Arc, Mutex};
-
-    use tracing::field::{Field, Visit};
-    use tracing::span::{Attributes, Id, Record};
-    use tracing::{Event, Metadata, Subscriber};
-
-    #[derive(Clone, Default)]
-    pub struct Capture(pub Arc<Mutex<Vec<String>>>);
-
-    struct Message(String);
-
-    impl Visit for Message {
-        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-            if field.name() == "message" {
-                self.0 = format!("{value:?}");
-            }
-        }
-    }
-
-    impl Subscriber for Capture {
-        fn enabled(&self, _: &Metadata<'_>) -> bool {
-            true
-        }
-        fn new_span(&self, _: &Attributes<'_>) -> Id {
-            Id::from_u64(1)
-        }
-        fn record(&self, _: &Id, _: &Record<'_>) {}
-        fn record_follows_from(&self, _: &Id, _: &Id) {}
-        fn event(&self, event: &Event<'_>) {
-            let mut message = Message(String::new());
-            event.record(&mut message);
-            self.0.lock().unwrap().push(message.0);
-        }
-        fn enter(&self, _: &Id) {}
-        fn exit(&self, _: &Id) {}
-    }
-}
-
-/// Every log line of this test binary (one global subscriber: a per-thread one races with the
-/// callsite interest cache when tests run in parallel). Tests look for lines unique to them.
-fn capture_logs() -> logs::Capture {
-    static CAPTURE: std::sync::OnceLock<logs::Capture> = std::sync::OnceLock::new();
-    let capture = CAPTURE.get_or_init(|| {
-        let capture = logs::Capture::default();
-        tracing::subscriber::set_global_default(capture.clone()).expect("the only global subscriber");
-        capture
-    });
-    capture.clone()
-}
-
 /// Writes `files` (path relative to `root` → contents) under `root`.
 fn write_tree(root: &std::path::Path, files: &[(&str, &[u8])]) {
     for (path, contents) in files {
@@ -236,7 +185,7 @@ fn workspace_support() -> &'static str {
 
 #[tokio::test]
 async fn a_workspace_skill_is_cataloged_after_the_declared_ones_and_activates_from_the_sandbox() {
-    let logs = capture_logs();
+    let logs = harness::logs::capture();
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("activate_skill", json!({"name": "triage"})),
         ScriptedReply::tool_call("read", json!({"path": ".agents/skills/triage/references/checklist.md"})),
@@ -297,7 +246,7 @@ async fn a_workspace_skill_is_cataloged_after_the_declared_ones_and_activates_fr
         tool_results(&requests[2])[1],
         ("1. Reproduce.\n2. Label.".to_owned(), false)
     );
-    let lines = logs.0.lock().unwrap().clone();
+    let lines = logs.all();
     assert!(
         !lines
             .iter()
@@ -335,7 +284,7 @@ fn malformed_workspace() -> &'static str {
 
 #[tokio::test]
 async fn a_malformed_workspace_skill_is_skipped_with_a_warning_and_the_others_load() {
-    let logs = capture_logs();
+    let logs = harness::logs::capture();
     let model = ScriptedModel::new([
         ScriptedReply::tool_calls([
             ("activate_skill", json!({"name": "good"})),
@@ -358,7 +307,7 @@ async fn a_malformed_workspace_skill_is_skipped_with_a_warning_and_the_others_lo
         results[1].0,
         "No skill named \"frontless\" is available. Available skills: good."
     );
-    let lines = logs.0.lock().unwrap().clone();
+    let lines = logs.all();
     for (skipped, why) in [
         ("frontless", "SKILL.md must start with a front matter block"),
         ("misnamed", "Must match the skill's directory name \"misnamed\"."),
@@ -451,7 +400,7 @@ async fn without_a_skills_directory_in_the_cwd_nothing_is_discovered() {
         tool_names(request),
         ["read", "write", "edit", "bash", "grep", "glob", "task"]
     );
-    let lines = capture_logs().0.lock().unwrap().clone();
+    let lines = harness::logs::capture().all();
     assert!(
         !lines.iter().any(|line| line.contains("/project")),
         "a missing skills directory is no warning: {lines:?}"

@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used)] // each test file uses a part; tests assert by unwrapping
 
 pub mod faulty;
+pub mod logs;
 
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderRegistry};

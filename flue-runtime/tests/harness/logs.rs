@@ -1,0 +1,67 @@
+//! Log capture: every line the runtime logs in one test binary, for the tests that assert
+//! on a warning or a `[Hooks] ✗` line.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+#[derive(Clone, Default)]
+pub struct Capture(Arc<Mutex<Vec<String>>>);
+
+struct Message(String);
+
+impl Visit for Message {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl Subscriber for Capture {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        self.0.lock().unwrap().push(message.0);
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+impl Capture {
+    /// Every line captured so far.
+    pub fn all(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// The captured `[Hooks]` lines that mention `text`.
+    pub fn lines(&self, text: &str) -> Vec<String> {
+        self.all()
+            .into_iter()
+            .filter(|line| line.starts_with("[Hooks]") && line.contains(text))
+            .collect()
+    }
+}
+
+/// Every log line of this test binary (one global subscriber: a per-thread one races with the
+/// callsite interest cache when tests run in parallel). Tests look for lines unique to them.
+pub fn capture() -> Capture {
+    static CAPTURE: OnceLock<Capture> = OnceLock::new();
+    CAPTURE
+        .get_or_init(|| {
+            let capture = Capture::default();
+            tracing::subscriber::set_global_default(capture.clone()).expect("the only global subscriber");
+            capture
+        })
+        .clone()
+}
