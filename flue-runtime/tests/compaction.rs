@@ -404,16 +404,5 @@ async fn an_abort_during_the_summary_call_settles_the_submission_aborted() {
         }
     }
     assert!(handle.abort().await.unwrap());
-    let error = tokio::time::timeout(std::time::Duration::from_secs(10), third)
-        .await
-        .expect("the submission settles")
-        .unwrap()
-        .unwrap_err();
-    let flue_runtime::RuntimeError::Run {
-        outcome, error_type, ..
-    } = error
-    else {
-        panic!("expected a run error, got {error}");
-    };
-    assert_eq!((outcome, error_type.as_str()), ("was aborted", "submission_aborted"));
+    harness::assert_settles_aborted(third).await;
 }

@@ -572,25 +572,26 @@ fn update_hooks_only() -> &'static str {
     "U"
 }
 
-#[tokio::test]
-async fn item_35_the_failed_status_goes_through_the_update_hooks_without_any_create_hook() {
+/// Sends to the instance `id` of `agent` with no model reply scripted (the call fails), and
+/// returns what its update hooks logged for that instance.
+async fn failed_step_updates<A: Agent + Copy + Into<AgentRef>>(agent: A, id: &str) -> Vec<String> {
     let model = ScriptedModel::new([]);
-    let runtime = runtime_with(&model, vec![update_hooks_only.into()]);
-    let error = runtime
-        .init(&update_hooks_only, "updates-only")
-        .send("question")
-        .await
-        .unwrap_err();
+    let runtime = runtime_with(&model, vec![agent.into()]);
+    let error = runtime.init(&agent, id).send("question").await.unwrap_err();
     assert_eq!(run_error(error).0, "operation_failed");
-    let log: Vec<String> = PENDING_LOG
+    PENDING_LOG
         .lock()
         .unwrap()
         .iter()
-        .filter(|line| line.starts_with("updates-only "))
+        .filter(|line| line.starts_with(&format!("{id} ")) && !line.contains("after_create"))
         .cloned()
-        .collect();
+        .collect()
+}
+
+#[tokio::test]
+async fn item_35_the_failed_status_goes_through_the_update_hooks_without_any_create_hook() {
     assert_eq!(
-        log,
+        failed_step_updates(update_hooks_only, "updates-only").await,
         [
             r#"updates-only before_update {"status":"failed"}"#,
             "updates-only after_update Some(Failed): get_message Some(Some(Failed)), last listed true Some(Failed)",
@@ -614,25 +615,9 @@ async fn item_23_after_create_message_finds_the_pending_assistant_row_in_the_thr
 #[tokio::test]
 async fn item_35_a_failed_model_step_gets_its_failed_status_through_the_update_hooks() {
     let logs = harness::logs::capture();
-    // No reply scripted: the model call fails.
-    let model = ScriptedModel::new([]);
-    let runtime = runtime_with(&model, vec![pending_rows.into()]);
-    let error = runtime
-        .init(&pending_rows, "failed")
-        .send("question")
-        .await
-        .unwrap_err();
-    assert_eq!(run_error(error).0, "operation_failed");
-    let log: Vec<String> = PENDING_LOG
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|line| line.starts_with("failed ") && !line.contains("after_create"))
-        .cloned()
-        .collect();
     // The update chain failed: the failed status is still written, its last good value.
     assert_eq!(
-        log,
+        failed_step_updates(pending_rows, "failed").await,
         [
             r#"failed before_update {"status":"failed"}"#,
             "failed after_update Some(Failed): get_message Some(Some(Failed)), last listed true Some(Failed)",

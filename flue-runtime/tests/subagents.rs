@@ -2129,18 +2129,7 @@ async fn an_abort_during_a_task_childs_summary_call_settles_the_submission_abort
     .await
     .expect("the child compacts");
     assert!(handle.abort().await.unwrap());
-    let error = tokio::time::timeout(std::time::Duration::from_secs(10), sent)
-        .await
-        .expect("the submission settles")
-        .unwrap()
-        .unwrap_err();
-    let flue_runtime::RuntimeError::Run {
-        outcome, error_type, ..
-    } = error
-    else {
-        panic!("expected a run error, got {error}");
-    };
-    assert_eq!((outcome, error_type.as_str()), ("was aborted", "submission_aborted"));
+    harness::assert_settles_aborted(sent).await;
     let mut ends = Vec::new();
     while let Ok(observation) = events.try_recv() {
         if let Event::Compaction { is_error, error, .. } = observation.event {

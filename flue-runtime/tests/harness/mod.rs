@@ -232,3 +232,22 @@ macro_rules! delegate_store {
 }
 #[allow(unused_imports)]
 pub(crate) use delegate_store;
+
+/// Waits (at most 10 s) for a spawned `send` that an abort ended, and checks it settled as
+/// aborted.
+pub async fn assert_settles_aborted(
+    sent: tokio::task::JoinHandle<Result<flue_runtime::AgentReply, flue_runtime::RuntimeError>>,
+) {
+    let error = tokio::time::timeout(std::time::Duration::from_secs(10), sent)
+        .await
+        .expect("the submission settles")
+        .unwrap()
+        .unwrap_err();
+    let flue_runtime::RuntimeError::Run {
+        outcome, error_type, ..
+    } = error
+    else {
+        panic!("expected a run error, got {error}");
+    };
+    assert_eq!((outcome, error_type.as_str()), ("was aborted", "submission_aborted"));
+}
