@@ -47,6 +47,14 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
             format!("agent name \"{name}\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$"),
         ));
     }
+    if let Some(description) = model.description()
+        && description.value().trim().is_empty()
+    {
+        errors.spanned(
+            description,
+            "an agent's description cannot be blank: write what the agent does, or leave `description` out",
+        );
+    }
     if let Some(steps) = &model.options.max_steps
         && steps.base10_parse::<u32>().map_or(true, |steps| steps == 0)
     {
