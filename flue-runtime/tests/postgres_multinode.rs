@@ -198,7 +198,11 @@ async fn an_abort_requested_through_another_node_reaches_the_running_attempt() {
     );
     let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
     let row = store.submission(&id).await.unwrap().unwrap();
-    assert!(row.abort_requested && row.status == SubmissionStatus::Running);
+    // The intent is stamped; the running node's lease scan may have acted on it already.
+    assert!(
+        row.abort_requested && matches!(row.status, SubmissionStatus::Running | SubmissionStatus::Settled),
+        "{row:?}"
+    );
     let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
     assert_eq!(outcome(result), "submission_aborted");
 }
