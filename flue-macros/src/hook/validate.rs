@@ -54,8 +54,7 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
     }
 }
 
-/// "an `after_…` hook", "a `tool_call_done` hook" (no kind is said with a vowel sound after
-/// a `u`: the user kinds take "a").
+/// "an `after_…` hook", "a `tool_call_done` hook", "a `user_…` hook" (said "you-ser").
 fn article(kind: &str) -> &'static str {
     if kind.starts_with(['a', 'e', 'i', 'o']) {
         "an"

@@ -86,6 +86,16 @@ impl ThreadWriter {
             .take()
     }
 
+    /// The running step's row, if its id is `id`.
+    fn pending_row_with_id(&self, id: &str) -> Option<Message> {
+        self.pending_row
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .as_ref()
+            .filter(|pending| pending.id == id)
+            .cloned()
+    }
+
     /// The running step's row, unless the stream holds it already.
     fn pending_row_beside(&self, rows: &[Message]) -> Option<Message> {
         self.pending_row
@@ -319,7 +329,7 @@ impl ThreadStateApi for RuntimeThread {
     fn get_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Message>, ThreadError>> {
         Box::pin(async move {
             let stored = self.writer.with_fold(|conversation| conversation.find_row(id)).await?;
-            Ok(stored.or_else(|| self.writer.pending_row_beside(&[]).filter(|pending| pending.id == id)))
+            Ok(stored.or_else(|| self.writer.pending_row_with_id(id)))
         })
     }
 
