@@ -1464,3 +1464,42 @@ async fn openai_content_sent_as_parts_is_text() {
     let (_, response) = complete(&openai(&server, "FLUE_TEST_PARTS_KEY"), request("hi")).await;
     assert_eq!(response.text, "hello world");
 }
+
+#[tokio::test]
+async fn a_later_call_shares_the_kept_history_and_still_sends_one_body_of_known_length() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("first"));
+    server.push(FixtureReply::openai_error(429, "rate_limit_exceeded", "Slow down").retry_after(0));
+    server.push(FixtureReply::openai_text("second"));
+    let provider = openai(&server, "FLUE_TEST_KEY_PARTS");
+    let mut call = request("one");
+    complete(&provider, call.clone()).await;
+    // The next call of the same conversation: its first messages' encodings are kept from
+    // the first call and sent from there (the body goes in parts); it is retried once.
+    call.messages.push(ModelMessage::Assistant {
+        text: "first".into(),
+        tool_calls: Vec::new(),
+        reasoning: Vec::new(),
+    });
+    call.messages.push(ModelMessage::user("two"));
+    complete(&provider, call).await;
+    let requests = server.requests();
+    assert_eq!(requests.len(), 3);
+    let expected = json!([
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "first"},
+        {"role": "user", "content": "two"},
+    ]);
+    for recorded in &requests[1..] {
+        assert_eq!(recorded.body["messages"], expected);
+        assert_eq!(recorded.header("transfer-encoding"), None, "not chunked");
+        let sent = serde_json::to_vec(&recorded.body).expect("JSON");
+        let length: usize = recorded
+            .header("content-length")
+            .expect("a Content-Length")
+            .parse()
+            .expect("a number");
+        // The body is compact JSON: its length is that of the value re-encoded.
+        assert_eq!(length, sent.len());
+    }
+}

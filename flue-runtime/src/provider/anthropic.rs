@@ -55,6 +55,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
     CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
@@ -212,7 +213,7 @@ impl AnthropicProvider {
 
     /// The JSON body of a call, encoded from borrowed parts: the conversation is not copied
     /// into a JSON tree first, and each tool's declaration is encoded once (see [`ToolJson`]).
-    fn body_bytes(&self, request: &ModelRequest) -> Result<Vec<u8>, serde_json::Error> {
+    fn body_bytes(&self, request: &ModelRequest) -> Result<Payload, serde_json::Error> {
         let (max_tokens, thinking, effort) = thinking_fields(request);
         let tools = self.tools.declarations(&request.tools, |tool| {
             serde_json::value::to_raw_value(&ToolDeclaration {
@@ -223,18 +224,21 @@ impl AnthropicProvider {
         })?;
         // `{"messages":[…],` then the other fields: the history's encodings are kept with it
         // (each complete run of a role's messages is encoded once, not at every call).
-        let mut body = Vec::with_capacity(request.body_size_hint(tools.encoded_len()));
-        body.extend_from_slice(b"{\"messages\":[");
         // Signed reasoning goes back only while thinking is on (the format keys the kept
         // encodings, so turning it off or on encodes the history again).
         let (format, reasoning) = match thinking {
             Some(_) => (ANTHROPIC_MESSAGES, Reasoning::Sent),
             None => (ANTHROPIC_MESSAGES_WITHOUT_REASONING, Reasoning::Left),
         };
+        // The system prompt goes with the fields, after the messages.
+        let (head, tail) = request.body_size_hint(format, tools.encoded_len());
+        let system_len = request.system.as_deref().map_or(0, str::len);
+        let mut writer = BodyWriter::with_capacity(head, tail + system_len);
+        writer.buf().extend_from_slice(b"{\"messages\":[");
         let last = request.messages.as_ptr_range().end;
         request
             .messages
-            .encode_runs_into(format, &mut body, next_run, |run, out| {
+            .encode_runs_into(format, &mut writer, next_run, |run, out| {
                 let mut merged = messages(run, reasoning);
                 // The call's last message is a cache breakpoint: the run holding it is the
                 // open one, encoded afresh at every call, so no kept encoding carries it.
@@ -248,6 +252,7 @@ impl AnthropicProvider {
                     .iter()
                     .try_for_each(|message| serde_json::to_writer(&mut *out, message))
             })?;
+        let body = writer.buf();
         body.extend_from_slice(b"],");
         let system = request.system.as_deref().filter(|s| !s.is_empty());
         let fields = MessagesFields {
@@ -268,9 +273,9 @@ impl AnthropicProvider {
         };
         // The fields' own object, without its opening brace: they follow the messages.
         let fields_at = body.len();
-        serde_json::to_writer(&mut body, &fields)?;
+        serde_json::to_writer(&mut *body, &fields)?;
         body.remove(fields_at);
-        Ok(body)
+        Ok(writer.finish())
     }
 
     /// The JSON body of a call, as a value (tests).
@@ -1174,8 +1179,8 @@ mod tests {
                 ..warm.clone()
             };
             assert_eq!(
-                body,
-                provider.body_bytes(&cold).expect("a body"),
+                body.to_vec(),
+                provider.body_bytes(&cold).expect("a body").to_vec(),
                 "step {step}: byte for byte"
             );
             sizes.push(provider.body(&warm)["messages"].as_array().map(Vec::len));

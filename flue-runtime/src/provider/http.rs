@@ -22,6 +22,7 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
+use super::body::Payload;
 use super::sse::{Event, SseError, SseParser};
 use crate::error_chain;
 use bytes::Bytes;
@@ -549,16 +550,16 @@ pub(crate) fn error_stream(error: ProviderError) -> ModelStream {
 /// An encoded request body read back as a value (`null` when it did not encode): what the
 /// providers' tests assert on.
 #[cfg(test)]
-pub(crate) fn decoded_body(encoded: Result<Vec<u8>, serde_json::Error>) -> serde_json::Value {
+pub(crate) fn decoded_body(encoded: Result<Payload, serde_json::Error>) -> serde_json::Value {
     encoded
         .ok()
-        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .and_then(|body| serde_json::from_slice(&body.to_vec()).ok())
         .unwrap_or(serde_json::Value::Null)
 }
 
 /// Encodes a request body, mapping a failure to the error the stream reports.
-pub(crate) fn encode_body(encoded: Result<Vec<u8>, serde_json::Error>) -> Result<Bytes, ProviderError> {
-    encoded.map(Bytes::from).map_err(|error| {
+pub(crate) fn encode_body(encoded: Result<Payload, serde_json::Error>) -> Result<Payload, ProviderError> {
+    encoded.map_err(|error| {
         ProviderError::new(
             ProviderErrorKind::BadRequest,
             format!("[flue] Could not encode the request: {error}"),
@@ -574,7 +575,7 @@ pub(crate) async fn send_with_retries(
     client: &reqwest::Client,
     url: &Target,
     headers: &HeaderMap,
-    payload: Bytes,
+    payload: Payload,
     transport: &Transport,
     ctx: &CallContext,
 ) -> Result<reqwest::Response, ProviderError> {
@@ -587,7 +588,7 @@ pub(crate) async fn send_with_retries(
         let attempt = request
             .headers(headers.clone())
             .header(CONTENT_TYPE, "application/json")
-            .body(payload.clone())
+            .body(payload.to_body())
             .send();
         let error = match tokio::time::timeout(transport.timeout, attempt).await {
             Ok(Ok(response)) if response.status().is_success() => return Ok(response),

@@ -5,6 +5,7 @@
 mod types;
 
 pub mod anthropic;
+pub(crate) mod body;
 mod complete;
 mod http;
 pub mod openai;

@@ -64,6 +64,7 @@ use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderValue};
 use serde::Serialize;
 use serde_json::Value;
 
+use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
     CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
@@ -291,7 +292,7 @@ impl OpenAiProvider {
     /// encodings are kept with the history, so a call of a long conversation encodes only its
     /// new messages (the body grows with the conversation; its cost should be copying the
     /// bytes, nothing more).
-    fn body_bytes(&self, request: &ModelRequest) -> Result<Vec<u8>, serde_json::Error> {
+    fn body_bytes(&self, request: &ModelRequest) -> Result<Payload, serde_json::Error> {
         let tools = self.tools.declarations(&request.tools, |tool| {
             serde_json::value::to_raw_value(&ChatTool {
                 kind: "function",
@@ -304,17 +305,24 @@ impl OpenAiProvider {
         })?;
         // `{"messages":[…],` then the other fields: the history's encodings are kept with it
         // (each message is encoded once, not at every call of a long conversation).
-        let mut body = Vec::with_capacity(request.body_size_hint(tools.encoded_len()));
+        // The system prompt is the first message, before the kept ones.
+        let (head, tail) = request.body_size_hint(CHAT_MESSAGES, tools.encoded_len());
+        let system_len = request.system.as_deref().map_or(0, str::len);
+        let mut writer = BodyWriter::with_capacity(head + system_len, tail);
+        let body = writer.buf();
         body.extend_from_slice(b"{\"messages\":[");
         if let Some(system) = request.system.as_deref().filter(|s| !s.is_empty()) {
-            serde_json::to_writer(&mut body, &ChatMessage::System { content: system })?;
+            serde_json::to_writer(&mut *body, &ChatMessage::System { content: system })?;
             if !request.messages.is_empty() {
                 body.push(b',');
             }
         }
-        request.messages.encode_into(CHAT_MESSAGES, &mut body, |message, out| {
-            serde_json::to_writer(out, &chat_message(message))
-        })?;
+        request
+            .messages
+            .encode_into(CHAT_MESSAGES, &mut writer, |message, out| {
+                serde_json::to_writer(out, &chat_message(message))
+            })?;
+        let body = writer.buf();
         body.extend_from_slice(b"],");
         let (reasoning, reasoning_effort) = self.reasoning_fields(request);
         // OpenAI's reasoning models refuse `max_tokens`; other servers (Ollama among them)
@@ -335,9 +343,9 @@ impl OpenAiProvider {
         };
         // The fields' own object, without its opening brace: they follow the messages.
         let fields_at = body.len();
-        serde_json::to_writer(&mut body, &fields)?;
+        serde_json::to_writer(&mut *body, &fields)?;
         body.remove(fields_at);
-        Ok(body)
+        Ok(writer.finish())
     }
 
     /// The JSON body of a call, as a value (tests).
@@ -1002,12 +1010,13 @@ mod tests {
             provider.body_bytes(&warm).expect("a body"),
             provider.body_bytes(&cold).expect("a body"),
         );
+        let (warm, cold) = (warm.to_vec(), cold.to_vec());
         assert_eq!(warm, cold, "byte for byte");
         let body: Value = serde_json::from_slice(&warm).expect("JSON");
         assert_eq!(body["messages"].as_array().map(Vec::len), Some(8));
         assert_eq!(body["messages"][0], json!({"role": "system", "content": "Be brief."}));
         assert_eq!(body["model"], "gpt-5");
-        let first: Value = serde_json::from_slice(&bodies[0]).expect("JSON");
+        let first: Value = serde_json::from_slice(&bodies[0].to_vec()).expect("JSON");
         assert_eq!(first["messages"].as_array().map(Vec::len), Some(2));
     }
 
@@ -1137,20 +1146,34 @@ mod tests {
             });
         }
         let provider = OpenAiProvider::openai();
-        for (request, grows) in [(request("gpt-5", ThinkingLevel::Off), false), (long, true)] {
-            let bytes = provider.body_bytes(&request).expect("a body");
-            let tools = provider
-                .tools
-                .declarations(&request.tools, |_| unreachable!("encoded by body_bytes"))
-                .expect("cached declarations");
-            let hint = request.body_size_hint(tools.encoded_len());
-            // Not twice the size it needs; a short request never grows (its tools' schemas,
-            // most of its bytes, are counted exactly), a long one at most once.
-            assert!(hint <= bytes.len() * 2, "{hint} for {}", bytes.len());
-            if grows {
-                assert!(hint * 2 >= bytes.len(), "{hint} for {}", bytes.len());
-            } else {
-                assert!(hint >= bytes.len(), "{hint} for {}", bytes.len());
+        // The tools' declarations are encoded once per provider: the hint counts them exactly.
+        let unshared = ModelRequest {
+            messages: long.messages.to_vec().into(),
+            ..long.clone()
+        };
+        provider.body_bytes(&unshared).expect("a body");
+        let tools = provider
+            .tools
+            .declarations(&long.tools, |_| unreachable!("encoded by body_bytes"))
+            .expect("cached declarations");
+        let system = long.system.as_deref().map_or(0, str::len);
+        for call in ["first", "next"] {
+            let (head, tail) = long.body_size_hint(CHAT_MESSAGES, tools.encoded_len());
+            let body = provider.body_bytes(&long).expect("a body");
+            let parts = body.parts();
+            assert!(
+                parts.len() >= 3,
+                "{call}: the history is shared, between the head and the rest"
+            );
+            let (first, last) = (parts[0].len(), parts[parts.len() - 1].len());
+            // Neither buffer grows while it is written (the system prompt and the tools'
+            // schemas, most of their bytes, are counted exactly)...
+            assert!(first <= head + system, "{call}: head {head} + {system} for {first}");
+            assert!(last <= tail, "{call}: rest {tail} for {last}");
+            // ...and the next call's is not twice the size it needs: it counts no kept message.
+            if call == "next" {
+                assert!(head + system <= 2 * first, "{call}: head {head} + {system} for {first}");
+                assert!(tail <= 2 * last, "{call}: rest {tail} for {last}");
             }
         }
     }

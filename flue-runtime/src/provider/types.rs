@@ -12,6 +12,9 @@ use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::body::{self, BodyWriter};
+use bytes::Bytes;
+
 /// One model call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelRequest {
@@ -30,50 +33,61 @@ pub struct ModelRequest {
 }
 
 impl ModelRequest {
-    /// About the size of this request's JSON body, at least its text, when its tools'
-    /// declarations take `encoded_tools` bytes: the buffer a provider serializes the body into
-    /// starts that large instead of doubling its way up from 128 bytes (each doubling a
-    /// reallocation and a copy of everything written so far).
-    pub(crate) fn body_size_hint(&self, encoded_tools: usize) -> usize {
-        // About the JSON around one message or call, and around the request's own fields.
-        const PER_ITEM: usize = 48;
-        let messages: usize = self
-            .messages
+    /// About the sizes of what a call writes of this request's JSON body itself, at least
+    /// its text, when its tools' declarations take `encoded_tools` bytes and its messages are
+    /// encoded in `format`: its head (up to the messages) and the rest (the messages whose
+    /// encodings are not kept yet, the tools, the other fields), both without the system
+    /// prompt (which a format writes in either). The buffers a provider
+    /// serializes the body into start that large instead of doubling their way up (each
+    /// doubling a reallocation and a copy of everything written so far). The kept messages
+    /// are not counted: the body shares their encodings.
+    pub(crate) fn body_size_hint(&self, format: &str, encoded_tools: usize) -> (usize, usize) {
+        let messages: usize = self.messages[self.messages.kept(format)..]
             .iter()
-            .map(|message| match message {
-                ModelMessage::User { content, .. } => content.len(),
-                ModelMessage::Assistant {
-                    text,
-                    tool_calls,
-                    reasoning,
-                } => {
-                    text.len()
-                        + reasoning
-                            .iter()
-                            .map(|block| match block {
-                                ReasoningBlock::Thinking { thinking, signature } => thinking.len() + signature.len(),
-                                ReasoningBlock::Redacted { data } => data.len(),
-                                ReasoningBlock::Text { text } => text.len(),
-                                ReasoningBlock::Detail { detail } => detail
-                                    .values()
-                                    .map(|value| value.as_str().map_or(PER_ITEM, str::len))
-                                    .sum(),
-                            } + PER_ITEM)
-                            .sum::<usize>()
-                        + tool_calls
-                            .iter()
-                            .map(|call| call.id.len() + call.name.len() + call.arguments.len() + PER_ITEM)
-                            .sum::<usize>()
-                }
-                ModelMessage::Tool {
-                    tool_call_id, content, ..
-                } => tool_call_id.len() + content.len(),
-            } + PER_ITEM)
+            .map(message_size_hint)
             .sum();
         // The declarations, their commas and the field around them.
         let tools = encoded_tools + self.tools.len() + PER_ITEM;
-        self.system.as_deref().map_or(0, str::len) + messages + tools + 3 * PER_ITEM
+        (2 * PER_ITEM, messages + tools + 2 * PER_ITEM)
     }
+}
+
+/// About the JSON around one message or call, and around the request's own fields.
+const PER_ITEM: usize = 48;
+
+/// About the size of `message`'s JSON, at least its text.
+fn message_size_hint(message: &ModelMessage) -> usize {
+    (match message {
+        ModelMessage::User { content, .. } => content.len(),
+        ModelMessage::Assistant {
+            text,
+            tool_calls,
+            reasoning,
+        } => {
+            text.len()
+                + reasoning
+                    .iter()
+                    .map(|block| {
+                        (match block {
+                            ReasoningBlock::Thinking { thinking, signature } => thinking.len() + signature.len(),
+                            ReasoningBlock::Redacted { data } => data.len(),
+                            ReasoningBlock::Text { text } => text.len(),
+                            ReasoningBlock::Detail { detail } => detail
+                                .values()
+                                .map(|value| value.as_str().map_or(PER_ITEM, str::len))
+                                .sum(),
+                        }) + PER_ITEM
+                    })
+                    .sum::<usize>()
+                + tool_calls
+                    .iter()
+                    .map(|call| call.id.len() + call.name.len() + call.arguments.len() + PER_ITEM)
+                    .sum::<usize>()
+        }
+        ModelMessage::Tool {
+            tool_call_id, content, ..
+        } => tool_call_id.len() + content.len(),
+    }) + PER_ITEM
 }
 
 /// A tool as the model sees it.
@@ -126,8 +140,15 @@ struct History {
 struct Encoded {
     format: &'static str,
     count: usize,
-    /// The messages' encodings, comma-separated.
-    bytes: Vec<u8>,
+    /// The messages' encodings, comma-separated, in parts shared with the bodies that send
+    /// them (see [`body::keep`]).
+    parts: Vec<Bytes>,
+}
+
+impl Encoded {
+    fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
 }
 
 impl History {
@@ -178,13 +199,13 @@ impl Messages {
     }
 
     /// Appends every message, as `encode` writes one in the wire format named `format`,
-    /// separated by commas, to `out`. The encodings are kept: the next call for the same
-    /// format (on this history or a clone, once messages were pushed) encodes only the
-    /// messages added since and copies the rest.
+    /// separated by commas, to `out`. The encodings are kept, and shared with `out` rather than
+    /// copied into it: the next call for the same format (on this history or a clone, once
+    /// messages were pushed) encodes only the messages added since.
     pub(crate) fn encode_into<E>(
         &self,
         format: &'static str,
-        out: &mut Vec<u8>,
+        out: &mut BodyWriter,
         mut encode: impl FnMut(&ModelMessage, &mut Vec<u8>) -> Result<(), E>,
     ) -> Result<(), E> {
         self.encode_runs_into(format, out, |_| (1, true), |run, out| encode(&run[0], out))
@@ -198,7 +219,7 @@ impl Messages {
     pub(crate) fn encode_runs_into<E>(
         &self,
         format: &'static str,
-        out: &mut Vec<u8>,
+        out: &mut BodyWriter,
         mut next_run: impl FnMut(&[ModelMessage]) -> (usize, bool),
         mut encode: impl FnMut(&[ModelMessage], &mut Vec<u8>) -> Result<(), E>,
     ) -> Result<(), E> {
@@ -228,11 +249,17 @@ impl Messages {
             stale => stale.insert(Encoded {
                 format,
                 count: 0,
-                bytes: Vec::new(),
+                parts: Vec::new(),
             }),
         };
+        // The runs completed since the last call, encoded into a part of their own.
         let mut at = encoded.count;
         let mut open = None;
+        let mut fresh = match &messages[at..] {
+            [] => Vec::new(),
+            new => Vec::with_capacity(new.iter().map(message_size_hint).sum()),
+        };
+        let mut failed = None;
         while at < messages.len() {
             let (len, complete) = next_run(&messages[at..]);
             let run = &messages[at..(at + len.max(1)).min(messages.len())];
@@ -240,23 +267,40 @@ impl Messages {
                 open = Some(at);
                 break;
             }
-            let after = !encoded.bytes.is_empty();
-            write(run, &mut encoded.bytes, after)?;
+            let after = !encoded.is_empty() || !fresh.is_empty();
+            if let Err(error) = write(run, &mut fresh, after) {
+                failed = Some(error);
+                break;
+            }
             at += run.len();
-            encoded.count = at;
         }
-        let mut wrote = !encoded.bytes.is_empty();
-        out.extend_from_slice(&encoded.bytes);
+        encoded.count = at;
+        if !fresh.is_empty() {
+            body::keep(&mut encoded.parts, Bytes::from(fresh));
+        }
+        if let Some(error) = failed {
+            return Err(error);
+        }
+        let mut wrote = !encoded.is_empty();
+        out.share(&encoded.parts);
         drop(cache);
         // The runs a later message may still join: encoded afresh at every call.
         let mut at = open.unwrap_or(messages.len());
         while at < messages.len() {
             let (len, _) = next_run(&messages[at..]);
             let run = &messages[at..(at + len.max(1)).min(messages.len())];
-            wrote |= write(run, out, wrote)?;
+            wrote |= write(run, out.buf(), wrote)?;
             at += run.len();
         }
         Ok(())
+    }
+
+    /// How many of the messages have their encoding in `format` kept.
+    pub(crate) fn kept(&self, format: &str) -> usize {
+        match &*self.0.encoded() {
+            Some(encoded) if encoded.format == format && encoded.count <= self.0.messages.len() => encoded.count,
+            _ => 0,
+        }
     }
 }
 
@@ -681,14 +725,14 @@ mod tests {
 
     /// Encodes every message as JSON, counting the messages it encoded.
     fn encoded(messages: &Messages, format: &'static str, count: &mut usize) -> String {
-        let mut out = Vec::new();
+        let mut out = BodyWriter::default();
         messages
             .encode_into(format, &mut out, |message, out| {
                 *count += 1;
                 serde_json::to_writer(out, message)
             })
             .expect("encodes");
-        String::from_utf8(out).expect("JSON is UTF-8")
+        String::from_utf8(out.to_vec()).expect("JSON is UTF-8")
     }
 
     /// What encoding every message afresh gives.
@@ -747,7 +791,7 @@ mod tests {
     #[test]
     fn a_failed_encoding_keeps_what_was_encoded_before_it_and_nothing_of_itself() {
         let messages = Messages::from([ModelMessage::user("one"), ModelMessage::user("two")]);
-        let mut out = Vec::new();
+        let mut out = BodyWriter::default();
         let failed = messages.encode_into("f", &mut out, |message, out| {
             if *message == ModelMessage::user("two") {
                 out.extend_from_slice(b"half");
@@ -756,7 +800,7 @@ mod tests {
             serde_json::to_writer(out, message).map_err(|_| "json")
         });
         assert_eq!(failed, Err("no"));
-        assert!(out.is_empty(), "nothing written on failure");
+        assert!(out.to_vec().is_empty(), "nothing written on failure");
         let mut count = 0;
         assert_eq!(encoded(&messages, "f", &mut count), fresh(&messages));
         assert_eq!(count, 1, "the first message's encoding was kept");

@@ -1630,7 +1630,7 @@ mod tests {
     fn a_conversation_of_tool_calls_encodes_only_its_new_messages_at_each_call() {
         let mut conversation = Conversation::default();
         let encode = |conversation: &Conversation| {
-            let (mut out, mut encoded) = (Vec::new(), 0);
+            let (mut out, mut encoded) = (crate::provider::body::BodyWriter::default(), 0);
             conversation
                 .model_messages()
                 .encode_into("f", &mut out, |message, out| {
