@@ -769,7 +769,9 @@ impl ErrorDetails {
     /// - Anthropic: "prompt is too long: …", and "input length and `max_tokens` exceed context
     ///   limit: …" (the prompt fits but prompt + `max_tokens` does not);
     /// - llama.cpp's server: type `exceed_context_size_error`, "… exceeds the available context
-    ///   size …".
+    ///   size …";
+    /// - Gemini (its OpenAI-compatible endpoint): "The input token count (…) exceeds the
+    ///   maximum number of tokens allowed (…)".
     fn is_context_overflow(&self) -> bool {
         let message = self.message_lower();
         self.is(&[
@@ -783,6 +785,7 @@ impl ErrorDetails {
             "context window",
             "exceed context limit",
             "exceeds the available context size",
+            "input token count",
         ]
         .iter()
         .any(|needle| message.contains(needle))
@@ -799,6 +802,7 @@ impl ErrorDetails {
                     "no such model",
                     "nonexistent",
                     "invalid model",
+                    "not a valid model",
                 ]
                 .iter()
                 .any(|needle| message.contains(needle)))
@@ -1252,6 +1256,10 @@ mod tests {
         assert_eq!(map(Some(400), llama_type).kind, K::ContextOverflow);
         let llama_text = r#"{"error":{"message":"request exceeds the available context size"}}"#;
         assert_eq!(map(Some(400), llama_text).kind, K::ContextOverflow);
+        let gemini = r#"{"error":{"code":400,"message":"The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}"#;
+        assert_eq!(map(Some(400), gemini).kind, K::ContextOverflow);
+        let openrouter = r#"{"error":{"message":"gpt-x is not a valid model ID","code":400}}"#;
+        assert_eq!(map(Some(400), openrouter).kind, K::UnknownModel);
         // Limits that are not the context window stay bad requests.
         let output_cap = r#"{"type":"error","error":{"type":"invalid_request_error",
             "message":"max_tokens: 128000 > 64000, which is the maximum allowed number of output tokens for claude-sonnet-4-5"}}"#;

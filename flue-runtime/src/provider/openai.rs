@@ -560,7 +560,8 @@ fn reasoning_effort(level: ThinkingLevel) -> Option<&'static str> {
 /// The `reasoning_effort` an OpenAI model takes for `effort`: none for the families that
 /// refuse the parameter (`gpt-4*`, `gpt-3.5*`, `chatgpt-*`, `gpt-5-chat*`, `o1-mini`,
 /// `o1-preview`, also fine-tuned: `ft:gpt-4o…`), and `low` for `minimal` on the o-series
-/// (`o1`, `o3`, `o4-mini`, …), which takes only low, medium and high.
+/// (`o1`, `o3`, `o4-mini`, …), which takes only low, medium and high, and on `gpt-5.1` and
+/// later, which took `none` in its place (and refuse `minimal`).
 fn openai_effort(model: &str, effort: &'static str) -> Option<&'static str> {
     let model = model.to_ascii_lowercase();
     let model = model.strip_prefix("ft:").unwrap_or(&model);
@@ -573,7 +574,14 @@ fn openai_effort(model: &str, effort: &'static str) -> Option<&'static str> {
     let o_series = model
         .strip_prefix('o')
         .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()));
-    Some(if o_series && effort == "minimal" { "low" } else { effort })
+    let after_gpt_5 = model
+        .strip_prefix("gpt-5.")
+        .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()));
+    Some(if (o_series || after_gpt_5) && effort == "minimal" {
+        "low"
+    } else {
+        effort
+    })
 }
 
 impl ModelProvider for OpenAiProvider {
@@ -620,6 +628,9 @@ struct PartialCall {
     name: String,
     arguments: String,
     started: bool,
+    /// The id was made up here (the call started before the server gave one): an id the
+    /// server sends later continues this call (which keeps the id its start reported).
+    generated: bool,
 }
 
 /// Whether a fragment without index and id that names the tool `name` begins a call after
@@ -769,7 +780,14 @@ impl ChatDecoder {
         let slot = match call.index {
             Some(index) => match self.slots.get(&index) {
                 // A known index, unless a new id reuses it (servers that number every call 0).
-                Some(&slot) if id.is_none_or(|id| self.calls[slot].id.is_empty() || self.calls[slot].id == id) => slot,
+                Some(&slot)
+                    if id.is_none_or(|id| {
+                        let call = &self.calls[slot];
+                        call.id.is_empty() || call.generated || call.id == id
+                    }) =>
+                {
+                    slot
+                }
                 _ => {
                     let slot = self.new_call();
                     self.slots.insert(index, slot);
@@ -805,6 +823,7 @@ impl ChatDecoder {
         } else if !entry.name.is_empty() {
             if entry.id.is_empty() {
                 entry.id = format!("call_{}", ulid::Ulid::new());
+                entry.generated = true;
             }
             entry.started = true;
             out.push_back(StreamEvent::ToolCallStarted {
@@ -1036,11 +1055,14 @@ mod tests {
     }
 
     #[test]
-    fn openai_sends_an_effort_only_to_models_that_take_it_and_minimal_as_low_to_the_o_series() {
+    fn openai_sends_an_effort_only_to_models_that_take_it_and_minimal_as_low_where_refused() {
         let openai = OpenAiProvider::openai();
         let cases = [
             ("gpt-5", ThinkingLevel::Minimal, Some("minimal")),
             ("gpt-5-mini", ThinkingLevel::Medium, Some("medium")),
+            ("gpt-5.1", ThinkingLevel::Minimal, Some("low")),
+            ("gpt-5.2-codex", ThinkingLevel::Minimal, Some("low")),
+            ("gpt-5.1", ThinkingLevel::High, Some("high")),
             ("o3", ThinkingLevel::Minimal, Some("low")),
             ("o4-mini-2025-04-16", ThinkingLevel::Minimal, Some("low")),
             ("o1", ThinkingLevel::High, Some("high")),
@@ -1221,6 +1243,23 @@ mod tests {
             StreamEvent::Completed(response) => Some(response),
             _ => None,
         }))
+    }
+
+    #[test]
+    fn a_call_named_before_the_server_gives_its_id_stays_one_call() {
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"lookup"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_late","function":{"arguments":"{\"q\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"1}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        assert_eq!(response.tool_calls.len(), 1, "{:?}", response.tool_calls);
+        let call = &response.tool_calls[0];
+        assert_eq!((call.name.as_str(), call.arguments.as_str()), ("lookup", "{\"q\":1}"));
+        // The id its start reported (made up before the server's arrived) stays its id.
+        assert!(call.id.starts_with("call_"), "{}", call.id);
     }
 
     #[test]
