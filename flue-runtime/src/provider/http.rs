@@ -1003,7 +1003,15 @@ struct Driver<D> {
     idle: Duration,
     ctx: CallContext,
     parser: SseParser,
+    /// The bytes the body may still bring (see [`MAX_RESPONSE_BYTES`]).
+    budget: usize,
 }
+
+/// The most bytes one streamed response may bring. Far beyond any real answer (a model's
+/// longest output, at a couple of hundred bytes of event per token, is tens of MiB), it ends a
+/// server that streams forever (a local model without a token limit, a broken proxy) before
+/// what the call keeps of it exhausts memory.
+const MAX_RESPONSE_BYTES: usize = 256 * 1024 * 1024;
 
 impl<D: SseDecoder> Driver<D> {
     async fn next(&mut self) -> Option<Result<StreamEvent, ProviderError>> {
@@ -1027,7 +1035,14 @@ impl<D: SseDecoder> Driver<D> {
                         Err(error) => self.fail(error),
                     },
                     Ok(None) => match body.next().await {
-                        Some(Ok(chunk)) => self.parser.push(&chunk),
+                        Some(Ok(chunk)) if chunk.len() > self.budget => {
+                            let error = self.too_long();
+                            self.fail(error);
+                        }
+                        Some(Ok(chunk)) => {
+                            self.budget -= chunk.len();
+                            self.parser.push(&chunk);
+                        }
                         Some(Err(error)) => {
                             let error = self.body_error(&error);
                             self.fail(error);
@@ -1052,6 +1067,17 @@ impl<D: SseDecoder> Driver<D> {
     fn fail(&mut self, error: ProviderError) {
         self.failure = Some(error);
         self.phase = Phase::Finished;
+    }
+
+    fn too_long(&self) -> ProviderError {
+        ProviderError::new(
+            ProviderErrorKind::InvalidResponse,
+            format!(
+                "[flue] Provider \"{}\" streamed more than {} MiB without ending its response.",
+                self.ctx.provider,
+                MAX_RESPONSE_BYTES / (1024 * 1024)
+            ),
+        )
     }
 
     /// Starts reading an event stream, or fails when the server answered with JSON (an error
@@ -1158,15 +1184,23 @@ where
     D: SseDecoder,
     F: Future<Output = Result<reqwest::Response, ProviderError>> + Send + 'static,
 {
-    let driver = Driver {
-        phase: Phase::Connecting(Box::pin(connect)),
+    driven(driver(Box::pin(connect), decoder, idle, ctx))
+}
+
+fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: CallContext) -> Driver<D> {
+    Driver {
+        phase: Phase::Connecting(connect),
         decoder,
         out: VecDeque::new(),
         failure: None,
         idle,
         ctx,
         parser: SseParser::default(),
-    };
+        budget: MAX_RESPONSE_BYTES,
+    }
+}
+
+fn driven<D: SseDecoder>(driver: Driver<D>) -> ModelStream {
     Box::pin(futures_util::stream::unfold(driver, |mut driver| async move {
         let item = driver.next().await?;
         Some((item, driver))
@@ -1360,6 +1394,47 @@ mod tests {
             .map(|e| e.message)
             .unwrap_or_default();
         assert!(event.contains("[redacted]") && !event.contains("ab+c"), "{event}");
+    }
+
+    /// Takes every event, ends nowhere.
+    struct Endless;
+
+    impl SseDecoder for Endless {
+        fn event(&mut self, _: &Event<'_>, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
+            out.push_back(StreamEvent::TextDelta("x".into()));
+            Ok(Flow::Continue)
+        }
+
+        fn end(&mut self, _: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_response_streaming_beyond_its_byte_budget_fails_as_invalid() {
+        let chunks =
+            futures_util::stream::iter(std::iter::repeat_n("data: {}\n\n", 100).map(Ok::<_, std::convert::Infallible>));
+        let response = axum::http::Response::builder()
+            .header(CONTENT_TYPE, "text/event-stream")
+            .body(reqwest::Body::wrap_stream(chunks))
+            .expect("a response");
+        let connect: Connect = Box::pin(async move { Ok(reqwest::Response::from(response)) });
+        let mut driver = driver(connect, Endless, Duration::from_secs(5), ctx());
+        // Ten events' worth.
+        driver.budget = 10 * "data: {}\n\n".len();
+        let mut stream = driven(driver);
+        let mut deltas = 0;
+        let error = loop {
+            match stream.next().await {
+                Some(Ok(_)) => deltas += 1,
+                Some(Err(error)) => break error,
+                None => panic!("the stream ended without failing"),
+            }
+        };
+        assert_eq!(deltas, 10);
+        assert_eq!(error.kind, ProviderErrorKind::InvalidResponse, "{}", error.message);
+        assert!(error.message.contains("streamed more than"), "{}", error.message);
+        assert!(stream.next().await.is_none());
     }
 
     #[tokio::test]
