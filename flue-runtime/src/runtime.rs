@@ -583,6 +583,19 @@ impl RuntimeInner {
             .collect()
     }
 
+    /// Requests an abort of every unsettled submission of the instance and tells its worker;
+    /// the ids of those affected. With nothing to abort (an idle instance, or one that does
+    /// not exist) no worker is woken, and no slot is made for an id a client made up.
+    pub(crate) async fn abort_instance(self: &Arc<Self>, key: &InstanceKey) -> Result<Vec<String>, StoreError> {
+        let affected = self.store.request_abort(key).await?;
+        if !affected.is_empty() {
+            let slot = self.slot(key);
+            slot.abort_submissions(&affected);
+            slot.wake();
+        }
+        Ok(affected)
+    }
+
     pub(crate) fn slot(self: &Arc<Self>, key: &InstanceKey) -> Arc<InstanceSlot> {
         let used = self.slot_uses.fetch_add(1, Ordering::Relaxed);
         let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -1216,10 +1229,7 @@ impl AgentHandle {
         if check_instance_id(&self.key.id).is_err() {
             return Ok(false);
         }
-        let affected = self.runtime.store.request_abort(&self.key).await?;
-        self.runtime.slot(&self.key).abort_submissions(&affected);
-        self.runtime.slot(&self.key).wake();
-        Ok(!affected.is_empty())
+        Ok(!self.runtime.abort_instance(&self.key).await?.is_empty())
     }
 
     /// The instance this handle addresses.

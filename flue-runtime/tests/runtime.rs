@@ -532,6 +532,17 @@ async fn abort_settles_the_running_submission_as_aborted() {
     }
 }
 
+#[tokio::test]
+async fn aborting_an_instance_with_nothing_unsettled_loads_no_instance() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    // Neither an instance that does not exist nor an idle one has anything to abort.
+    assert!(!runtime.init(&calculator, "never-made").abort().await.unwrap());
+    assert_eq!(runtime.cached_instance_count(), 0);
+    assert!(!runtime.init(&calculator, "idle").abort().await.unwrap());
+    assert_eq!(runtime.cached_instance_count(), 0);
+}
+
 /// One exchange of `calculator` (a call of `add`, then the answer) on instance `id`, observed
 /// from before it is sent: the runtime and the receiver holding its events.
 async fn observed_calculator_exchange(id: &str) -> (Runtime, tokio::sync::broadcast::Receiver<Observation>) {

@@ -412,17 +412,9 @@ async fn post_abort(
     let key = routes.key(id)?;
     let affected = routes
         .runtime
-        .store
-        .request_abort(&key)
+        .abort_instance(&key)
         .await
         .map_err(|error| ApiError::internal(&error))?;
-    // Nothing to abort (an idle instance, or one that does not exist): no worker to wake, and
-    // no slot made for an id a client made up.
-    if !affected.is_empty() {
-        let slot = routes.runtime.slot(&key);
-        slot.abort_submissions(&affected);
-        slot.wake();
-    }
     Ok(axum::Json(json!({"aborted": !affected.is_empty()})).into_response())
 }
 
