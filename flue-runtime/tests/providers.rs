@@ -1472,7 +1472,9 @@ async fn a_later_call_shares_the_kept_history_and_still_sends_one_body_of_known_
     server.push(FixtureReply::openai_error(429, "rate_limit_exceeded", "Slow down").retry_after(0));
     server.push(FixtureReply::openai_text("second"));
     let provider = openai(&server, "FLUE_TEST_KEY_PARTS");
-    let mut call = request("one");
+    // Long enough to be shared rather than copied.
+    let long = "one ".repeat(8 * 1024);
+    let mut call = request(&long);
     complete(&provider, call.clone()).await;
     // The next call of the same conversation: its first messages' encodings are kept from
     // the first call and sent from there (the body goes in parts); it is retried once.
@@ -1486,7 +1488,7 @@ async fn a_later_call_shares_the_kept_history_and_still_sends_one_body_of_known_
     let requests = server.requests();
     assert_eq!(requests.len(), 3);
     let expected = json!([
-        {"role": "user", "content": "one"},
+        {"role": "user", "content": long},
         {"role": "assistant", "content": "first"},
         {"role": "user", "content": "two"},
     ]);

@@ -40,12 +40,16 @@ impl BodyWriter {
         &mut self.buf
     }
 
-    /// Appends `parts`, shared rather than copied.
+    /// Appends `parts`, shared rather than copied (unless they are short: copying a few KiB
+    /// costs less than sending the body in parts).
     pub(crate) fn share(&mut self, parts: &[Bytes]) {
-        let mut parts = parts.iter().filter(|part| !part.is_empty()).peekable();
-        if parts.peek().is_none() {
+        let len: usize = parts.iter().map(Bytes::len).sum();
+        if len < COPIED_BELOW {
+            self.buf.reserve(len + self.then);
+            parts.iter().for_each(|part| self.buf.extend_from_slice(part));
             return;
         }
+        let parts = parts.iter().filter(|part| !part.is_empty());
         if !self.buf.is_empty() {
             let capacity = std::mem::take(&mut self.then);
             let written = std::mem::replace(&mut self.buf, Vec::with_capacity(capacity));
@@ -71,6 +75,9 @@ impl BodyWriter {
         all
     }
 }
+
+/// Below this many bytes, kept parts are copied into a body rather than shared with it.
+const COPIED_BELOW: usize = 16 * 1024;
 
 /// A written request body, cheap to clone (a retried call sends it again).
 #[derive(Clone, Debug, Default)]
@@ -177,32 +184,35 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_in_parts_streams_every_part_in_order_with_its_exact_length() {
-        let kept = [Bytes::from_static(b"\"a\","), Bytes::from_static(b"\"b\"")];
+        let (a, b) = ("a".repeat(COPIED_BELOW), "b".repeat(7));
+        let kept = [Bytes::from(a.clone()), Bytes::from(b.clone())];
         let mut writer = BodyWriter::with_capacity(8, 8);
         writer.buf().extend_from_slice(b"[");
         writer.share(&kept);
         writer.buf().extend_from_slice(b"]");
         let payload = writer.finish();
-        assert_eq!(payload.to_vec(), b"[\"a\",\"b\"]");
-        assert_eq!(payload.len(), 9);
+        let whole = format!("[{a}{b}]");
+        assert_eq!(payload.to_vec(), whole.as_bytes());
+        assert_eq!(payload.len(), whole.len());
         assert_eq!(payload.parts().len(), 4, "two written, two shared");
+        assert_eq!(payload.parts()[1].as_ptr(), kept[0].as_ptr(), "shared, not copied");
         let body = payload.to_body();
-        assert_eq!(http_body::Body::size_hint(&body).exact(), Some(9));
+        assert_eq!(http_body::Body::size_hint(&body).exact(), Some(whole.len() as u64));
         let collected = body.collect().await.expect("infallible").to_bytes();
-        assert_eq!(collected.as_ref(), b"[\"a\",\"b\"]");
+        assert_eq!(collected.as_ref(), whole.as_bytes());
         // And again, for a retried call.
         let again = payload.to_body().collect().await.expect("infallible").to_bytes();
         assert_eq!(again, collected);
     }
 
     #[test]
-    fn sharing_nothing_keeps_writing_into_the_same_buffer() {
+    fn short_kept_parts_are_copied_into_one_buffer() {
         let mut writer = BodyWriter::with_capacity(4, 4);
         writer.buf().extend_from_slice(b"{");
-        writer.share(&[Bytes::new()]);
+        writer.share(&[Bytes::new(), Bytes::from_static(b"\"a\":1")]);
         writer.buf().extend_from_slice(b"}");
         let payload = writer.finish();
         assert_eq!(payload.parts.len(), 1);
-        assert_eq!(payload.to_vec(), b"{}");
+        assert_eq!(payload.to_vec(), b"{\"a\":1}");
     }
 }

@@ -1142,7 +1142,7 @@ mod tests {
     fn the_body_buffer_starts_near_the_size_of_the_body() {
         let mut long = request("gpt-5", ThinkingLevel::Off);
         long.system = Some("You add numbers with the add tool.".repeat(10));
-        for turn in 0..50 {
+        for turn in 0..200 {
             long.messages
                 .make_mut()
                 .push(ModelMessage::user(format!("what is {turn} + 2?")));
