@@ -165,6 +165,48 @@ async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
     assert_eq!(assistant, ["Hello", "Hello world."]);
 }
 
+#[tokio::test]
+async fn a_tool_call_announced_by_a_stream_that_is_retried_is_told_it_ended() {
+    use flue_runtime::testing::fixture_server::OpenAiChunk;
+    let server = FixtureServer::start().await;
+    // The call starts streaming, then the connection closes before the response ends.
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::ToolCallStart {
+            index: 0,
+            id: "call_lost".into(),
+            name: "get_weather".into(),
+        },
+        OpenAiChunk::ToolCallArguments {
+            index: 0,
+            fragment: r#"{"city":"Paris","#.into(),
+        },
+    ]));
+    server.push(FixtureReply::openai_text("No weather today."));
+    let runtime = runtime(&server);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&forecaster, "f-lost").send("hi").await.unwrap();
+    assert_eq!(reply.text, "No weather today.");
+    let mut thread_events = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::ToolCallStarted { tool_call_id, .. } => thread_events.push(("started", tool_call_id)),
+            Event::ToolCallDone {
+                tool_call_id, status, ..
+            } => thread_events.push(("done", format!("{tool_call_id} {status}"))),
+            _ => {}
+        }
+    }
+    // Announced once its progress argument (`city`) streamed whole; the retried response
+    // called nothing, so the call is told it ended, as failed.
+    assert_eq!(
+        thread_events,
+        [
+            ("started", "call_lost".to_owned()),
+            ("done", "call_lost error".to_owned())
+        ]
+    );
+}
+
 #[agent]
 fn thinker() -> &'static str {
     use_model_with("claude/claude-sonnet-4-5", ModelOptions::thinking(ThinkingLevel::High));

@@ -2282,6 +2282,17 @@ impl Response<'_> {
         if thinking {
             self.emit_with(|| Event::ThinkingEnd { content: thought });
         }
+        if ended.is_err() {
+            // The calls announced while it streamed will not run (a retry streams its own):
+            // whoever shows them running hears they ended.
+            for (id, name) in observer.announced() {
+                self.emit_with(|| Event::ToolCallDone {
+                    tool_call_id: id.to_owned(),
+                    tool_name: name.to_owned(),
+                    status: "error".to_owned(),
+                });
+            }
+        }
         ended
     }
 

@@ -125,6 +125,15 @@ impl ToolCallObserver {
         })
     }
 
+    /// The calls announced so far (id, tool name), in stream order: those a failed response
+    /// leaves announced but never run.
+    pub(crate) fn announced(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.calls
+            .iter()
+            .filter(|call| call.fired)
+            .map(|call| (call.id.as_str(), call.name.as_str()))
+    }
+
     /// The response ended: every call not announced yet, in call order (calls the stream
     /// never showed included), with progress from its complete arguments.
     pub(crate) fn finish(&mut self, response: &ModelResponse) -> Vec<Started> {
