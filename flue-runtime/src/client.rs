@@ -403,6 +403,7 @@ impl Instance {
             parser: SseParser::new(self.client.max_event_bytes),
             ready: VecDeque::new(),
             failures: 0,
+            retry_after: None,
             ended: false,
             error: None,
         };
@@ -427,6 +428,8 @@ struct Follow {
     ready: VecDeque<Value>,
     /// Consecutive failed connections (the backoff grows with them).
     failures: u32,
+    /// The wait the last refusal asked for (`Retry-After`), when longer than the backoff.
+    retry_after: Option<Duration>,
     /// The server refused the stream, or sent an event the client cannot read: the stream
     /// is over once `ready` and `error` are delivered.
     ended: bool,
@@ -445,13 +448,13 @@ impl Follow {
             }
             let Some(body) = &mut self.body else {
                 if self.failures > 0 {
-                    let backoff = Duration::from_millis(100 * 2u64.pow(self.failures.min(5)));
-                    tokio::time::sleep(backoff).await;
+                    tokio::time::sleep(reconnect_delay(self.failures, self.retry_after.take())).await;
                 }
                 // A server (or proxy) that takes the request and never answers is as dead
                 // as a connection that went silent.
                 let idle_timeout = self.instance.client.idle_timeout;
-                let connected = tokio::time::timeout(idle_timeout, connect(&self.instance, &self.offset))
+                let connecting = connect(&self.instance, &self.offset, &mut self.retry_after);
+                let connected = tokio::time::timeout(idle_timeout, connecting)
                     .await
                     .unwrap_or_else(|_| Err(ClientError::Transport("the server did not answer".into())));
                 match connected {
@@ -559,10 +562,27 @@ impl Follow {
 /// Opens the instance's SSE stream after `offset`. An answer that is not the protocol (a
 /// success that is not an event stream, a refusal below 500 without the error envelope: a
 /// page from a wrong base URL, say) is a [`ClientError::Protocol`].
-async fn connect(instance: &Instance, offset: &str) -> Result<Body, ClientError> {
+/// The pause before reconnecting after `failures` failed connections in a row: a backoff
+/// doubling from 200 ms to 3.2 s, or the wait the server asked for when longer (at most 30 s).
+fn reconnect_delay(failures: u32, retry_after: Option<Duration>) -> Duration {
+    let backoff = Duration::from_millis(100 * 2u64.pow(failures.min(5)));
+    retry_after.map_or(backoff, |asked| asked.max(backoff))
+}
+
+/// Connects a followed stream from `offset`; a refusal's `Retry-After` goes to `retry_after`.
+async fn connect(instance: &Instance, offset: &str, retry_after: &mut Option<Duration>) -> Result<Body, ClientError> {
     let url = format!("{}?view=updates&offset={}&live=sse", instance.url, encode(offset));
     let response = instance.client.request(reqwest::Method::GET, &url).send().await?;
     let status = response.status().as_u16();
+    *retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|value| value.to_str().ok())
+        .and_then(crate::provider::parse_retry_after);
+    connected(response, status).await
+}
+
+async fn connected(response: reqwest::Response, status: u16) -> Result<Body, ClientError> {
     if response.status().is_success() {
         let content_type = response
             .headers()
@@ -812,6 +832,30 @@ mod tests {
         assert!(display.starts_with("the server answered 200 with no JSON"), "{display}");
         assert!(!display.contains("hunter2"), "{display}");
         assert!(!debug.contains("hunter2"), "{debug}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_stream_keeps_the_wait_the_server_asked_for() {
+        let base = answering(
+            "HTTP/1.1 503 Service Unavailable\r\nretry-after: 7\r\ncontent-type: application/json\r\n\
+             content-length: 2\r\nconnection: close\r\n\r\n{}",
+        )
+        .await;
+        let instance = Client::new(base).unwrap().instance("assistant", "i");
+        let mut retry_after = None;
+        let refused = connect(&instance, "-1", &mut retry_after).await.err();
+        assert!(
+            matches!(refused, Some(ClientError::Api { status: 503, .. })),
+            "{refused:?}"
+        );
+        assert_eq!(retry_after, Some(Duration::from_secs(7)));
+        // The asked wait, when longer than the backoff; the backoff otherwise.
+        assert_eq!(reconnect_delay(1, retry_after), Duration::from_secs(7));
+        assert_eq!(
+            reconnect_delay(5, Some(Duration::from_millis(1))),
+            Duration::from_millis(3200)
+        );
+        assert_eq!(reconnect_delay(1, None), Duration::from_millis(200));
     }
 
     #[test]
