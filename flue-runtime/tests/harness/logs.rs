@@ -8,14 +8,21 @@ use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
 #[derive(Clone, Default)]
-pub struct Capture(Arc<Mutex<Vec<String>>>);
+pub struct Capture(Arc<Mutex<Vec<Line>>>);
 
-struct Message(String);
+/// One logged event: its message, and its other fields as `name=value`.
+#[derive(Clone, Default)]
+struct Line {
+    message: String,
+    fields: Vec<String>,
+}
 
-impl Visit for Message {
+impl Visit for Line {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         if field.name() == "message" {
-            self.0 = format!("{value:?}");
+            self.message = format!("{value:?}");
+        } else {
+            self.fields.push(format!("{}={value:?}", field.name()));
         }
     }
 }
@@ -30,18 +37,30 @@ impl Subscriber for Capture {
     fn record(&self, _: &Id, _: &Record<'_>) {}
     fn record_follows_from(&self, _: &Id, _: &Id) {}
     fn event(&self, event: &Event<'_>) {
-        let mut message = Message(String::new());
-        event.record(&mut message);
-        self.0.lock().unwrap().push(message.0);
+        let mut line = Line::default();
+        event.record(&mut line);
+        self.0.lock().unwrap().push(line);
     }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
 }
 
 impl Capture {
-    /// Every line captured so far.
+    /// Every line captured so far (its message).
     pub fn all(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
+        self.0.lock().unwrap().iter().map(|line| line.message.clone()).collect()
+    }
+
+    /// The fields (`name=value`, values as `Debug` shows them) of every line whose message is
+    /// `message`.
+    pub fn fields_of(&self, message: &str) -> Vec<Vec<String>> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|line| line.message == message)
+            .map(|line| line.fields.clone())
+            .collect()
     }
 
     /// The captured `[Hooks]` lines that mention `text`.
