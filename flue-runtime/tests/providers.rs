@@ -1510,3 +1510,33 @@ async fn a_later_call_shares_the_kept_history_and_still_sends_one_body_of_known_
         assert_eq!(length, sent.len());
     }
 }
+
+#[tokio::test]
+async fn a_body_in_parts_follows_a_307_redirect_with_the_same_bytes() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("first"));
+    // The second call (its history shared, so its body in parts) is redirected, and so is the
+    // call made again with the body whole, which reqwest then follows.
+    for _ in 0..2 {
+        server.push(FixtureReply::status(307, "").header("location", "/v1/chat/completions"));
+    }
+    server.push(FixtureReply::openai_text("second"));
+    let provider = openai(&server, "FLUE_TEST_KEY_REDIRECT");
+    let long = "one ".repeat(8 * 1024);
+    let mut call = request(&long);
+    complete(&provider, call.clone()).await;
+    call.messages.push(ModelMessage::Assistant {
+        text: "first".into(),
+        tool_calls: Vec::new(),
+        reasoning: Vec::new(),
+    });
+    call.messages.push(ModelMessage::user("two"));
+    let (_, response) = complete(&provider, call).await;
+    assert_eq!(response.text, "second");
+    let requests = server.requests();
+    assert_eq!(requests.len(), 4);
+    for redirected in &requests[2..] {
+        assert_eq!(redirected.body, requests[1].body);
+        assert_eq!(redirected.body["messages"].as_array().map(Vec::len), Some(3));
+    }
+}

@@ -105,6 +105,20 @@ impl Payload {
         self.parts.concat()
     }
 
+    /// Whether the body goes in parts (then reqwest cannot send it again by itself, as it
+    /// does to follow a 307 or 308 redirect).
+    pub(crate) fn in_parts(&self) -> bool {
+        self.parts.len() > 1
+    }
+
+    /// The body in one part (copied): one reqwest can send again to follow a redirect.
+    pub(crate) fn joined(&self) -> Self {
+        Self {
+            parts: vec![Bytes::from(self.parts.concat())],
+            len: self.len,
+        }
+    }
+
     /// The body for one attempt of the call, of known length (so sent with a
     /// `Content-Length`).
     pub(crate) fn to_body(&self) -> reqwest::Body {

@@ -575,7 +575,7 @@ pub(crate) async fn send_with_retries(
     client: &reqwest::Client,
     url: &Target,
     headers: &HeaderMap,
-    payload: Payload,
+    mut payload: Payload,
     transport: &Transport,
     ctx: &CallContext,
 ) -> Result<reqwest::Response, ProviderError> {
@@ -592,6 +592,13 @@ pub(crate) async fn send_with_retries(
             .send();
         let error = match tokio::time::timeout(transport.timeout, attempt).await {
             Ok(Ok(response)) if response.status().is_success() => return Ok(response),
+            // A 307 or 308 sends the body again: reqwest follows it (same origin only, see
+            // `same_origin_redirects`) for a body it can copy, not for one in parts. The
+            // call is made again, at once, with the body in one part.
+            Ok(Ok(response)) if matches!(response.status().as_u16(), 307 | 308) && payload.in_parts() => {
+                payload = payload.joined();
+                continue;
+            }
             Ok(Ok(response)) => error_from_response(response, transport.timeout, ctx).await,
             Ok(Err(error)) => transport_error(&error, ctx),
             Err(_) => ProviderError::new(
