@@ -3,10 +3,25 @@
 //! ```no_run
 //! use flue_runtime::cli::Cli;
 //! # async fn demo(runtime: flue_runtime::Runtime) {
-//! // `my-agents serve --addr 0.0.0.0:3583`, `my-agents run assistant --id c1 "Hello"`,
-//! // `my-agents catalog`
+//! // `my-agents serve`, `my-agents run assistant --id c1 "Hello"`, `my-agents catalog`
 //! if let Some(command) = Cli::from_env().command {
 //!     std::process::exit(flue_runtime::cli::run(&runtime, command).await);
+//! }
+//! # }
+//! ```
+//!
+//! `serve` answers everyone who reaches its address, as the reference protocol does: it
+//! listens on loopback unless told otherwise, and warns when told to listen elsewhere without
+//! an authorization policy. Give one (and the other [`HttpOptions`]) with [`run_with`]:
+//!
+//! ```no_run
+//! use flue_runtime::cli::Cli;
+//! use flue_runtime::http::{BearerTokens, HttpOptions};
+//! # async fn demo(runtime: flue_runtime::Runtime, tokens: BearerTokens) {
+//! // `my-agents serve --addr 0.0.0.0:3583`
+//! let options = HttpOptions::default().authorized_by(tokens);
+//! if let Some(command) = Cli::from_env().command {
+//!     std::process::exit(flue_runtime::cli::run_with(&runtime, command, options).await);
 //! }
 //! # }
 //! ```
@@ -20,6 +35,7 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 
 use crate::Runtime;
+use crate::http::HttpOptions;
 
 /// The command line.
 #[derive(Clone, Debug, Parser)]
@@ -49,7 +65,7 @@ impl Cli {
 /// A command.
 #[derive(Clone, Debug, Subcommand)]
 pub enum Command {
-    /// Serve every agent over HTTP (the streaming protocol) until Ctrl-C.
+    /// Serve every agent over HTTP (the streaming protocol) until Ctrl-C (or SIGTERM).
     Serve {
         /// The address to listen on.
         #[arg(long, default_value = "127.0.0.1:3583")]
@@ -62,7 +78,8 @@ pub enum Command {
         /// The instance id.
         #[arg(long, default_value = "cli")]
         id: String,
-        /// The message.
+        /// The message (it may start with `-`).
+        #[arg(allow_hyphen_values = true)]
         message: String,
         /// Print the whole reply (text, data, metadata, submission id) as JSON.
         #[arg(long)]
@@ -85,6 +102,18 @@ pub async fn serve(
     stop: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> std::io::Result<()> {
+    serve_with(runtime, listener, HttpOptions::default(), stop, grace).await
+}
+
+/// [`serve`] with `options` ([`crate::http::router_with`]): an authorization policy, the
+/// timing of live reads.
+pub async fn serve_with(
+    runtime: &Runtime,
+    listener: tokio::net::TcpListener,
+    options: HttpOptions,
+    stop: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
     let (stopping, stopped) = tokio::sync::oneshot::channel();
     let stopping_runtime = runtime.clone();
     let signal = async move {
@@ -92,7 +121,7 @@ pub async fn serve(
         stopping_runtime.shutdown();
         let _ = stopping.send(());
     };
-    let server = axum::serve(listener, crate::http::router(runtime)).with_graceful_shutdown(signal);
+    let server = axum::serve(listener, crate::http::router_with(runtime, options)).with_graceful_shutdown(signal);
     let grace_over = async {
         if stopped.await.is_err() {
             // The server ended without being asked to: its own result decides.
@@ -113,9 +142,14 @@ pub async fn serve(
 /// (`error`, `warn` (the default), `info`, `debug`, `trace`), unless the binary installed a
 /// `tracing` subscriber of its own.
 pub async fn run(runtime: &Runtime, command: Command) -> i32 {
+    run_with(runtime, command, HttpOptions::default()).await
+}
+
+/// [`run`], serving with `options` (an authorization policy, the timing of live reads).
+pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions) -> i32 {
     log_to_stderr();
     let mut stdout = std::io::stdout();
-    match execute(runtime, command, &mut stdout).await {
+    match execute_with(runtime, command, options, &mut stdout).await {
         Ok(()) => 0,
         Err(error) => {
             eprintln!("error: {error}");
@@ -143,12 +177,29 @@ fn log_to_stderr() {
 
 /// Runs `command`, writing its output to `out`.
 pub async fn execute(runtime: &Runtime, command: Command, out: &mut (dyn Write + Send)) -> Result<(), CliError> {
+    execute_with(runtime, command, HttpOptions::default(), out).await
+}
+
+/// [`execute`], serving with `options`.
+pub async fn execute_with(
+    runtime: &Runtime,
+    command: Command,
+    options: HttpOptions,
+    out: &mut (dyn Write + Send),
+) -> Result<(), CliError> {
     match command {
         Command::Serve { addr } => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|error| CliError::Io(format!("cannot listen on {addr}: {error}")))?;
             let local = listener.local_addr().map_err(|error| CliError::Io(error.to_string()))?;
+            if options.authorization.is_none() && !local.ip().is_loopback() {
+                tracing::warn!(
+                    "serving on {local} without an authorization policy: anyone who reaches it can run \
+                     the agents (on your model keys), read their conversations and abort them; give one \
+                     with `cli::run_with` and `HttpOptions::authorized_by`"
+                );
+            }
             // Work a previous process left unfinished resumes now.
             runtime.start().await;
             writeln!(
@@ -159,7 +210,7 @@ pub async fn execute(runtime: &Runtime, command: Command, out: &mut (dyn Write +
             )?;
             out.flush()?;
             let interrupted = async {
-                let _ = tokio::signal::ctrl_c().await;
+                stop_requested().await;
                 // A second Ctrl-C stops waiting for open responses.
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
@@ -168,7 +219,7 @@ pub async fn execute(runtime: &Runtime, command: Command, out: &mut (dyn Write +
                     }
                 });
             };
-            serve(runtime, listener, interrupted, SHUTDOWN_GRACE)
+            serve_with(runtime, listener, options, interrupted, SHUTDOWN_GRACE)
                 .await
                 .map_err(|error| CliError::Io(error.to_string()))?;
             writeln!(out, "stopped")?;
@@ -206,6 +257,31 @@ pub async fn execute(runtime: &Runtime, command: Command, out: &mut (dyn Write +
             writeln!(out, "{:#}", crate::http::catalog_of(runtime))?;
             Ok(())
         }
+    }
+}
+
+/// Ctrl-C, or (on Unix) SIGTERM, which `docker stop`, systemd and Kubernetes send to stop a
+/// server: either shuts it down gracefully.
+async fn stop_requested() {
+    #[cfg(unix)]
+    {
+        let terminate = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut terminate) => {
+                    terminate.recv().await;
+                }
+                // No handler could be installed: only Ctrl-C stops the server.
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = terminate => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

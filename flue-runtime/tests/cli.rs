@@ -110,6 +110,20 @@ impl Write for Shared {
     }
 }
 
+/// Waits for `serve` to announce its address on `out`.
+async fn announced(out: &Shared) -> String {
+    for _ in 0..500 {
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        if let Some(rest) = text.strip_prefix("serving 1 agent on ") {
+            if let Some(address) = rest.split_whitespace().next() {
+                return address.to_owned();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("serve did not announce its address")
+}
+
 #[tokio::test]
 async fn serve_listens_and_serves_the_protocol() {
     let runtime = runtime(&ScriptedModel::new([ScriptedReply::text("Hello over HTTP!")]));
@@ -118,21 +132,59 @@ async fn serve_listens_and_serves_the_protocol() {
         let (runtime, mut out) = (runtime.clone(), out.clone());
         tokio::spawn(async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut out).await })
     };
-    let mut address = None;
-    for _ in 0..500 {
-        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
-        if let Some(rest) = text.strip_prefix("serving 1 agent on ") {
-            address = rest.split_whitespace().next().map(str::to_owned);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let base = address.expect("serve announced its address");
+    let base = announced(&out).await;
     let client = flue_runtime::client::Client::new(&base).unwrap();
     let reply = client.instance("greeter", "web").prompt("hi").await.unwrap();
     assert_eq!(reply.text, "Hello over HTTP!");
     assert_eq!(reply.data["mood"], "cheerful");
     server.abort();
+}
+
+#[tokio::test]
+async fn serve_with_an_authorization_policy_refuses_requests_without_a_token() {
+    use flue_runtime::http::{Access, BearerTokens, HttpOptions};
+    let runtime = runtime(&ScriptedModel::new([ScriptedReply::text("Hello, you.")]));
+    let options = HttpOptions::default().authorized_by(BearerTokens::new().allow("s3cret-token", Access::All));
+    let out = Shared::default();
+    let server = {
+        let (runtime, mut out) = (runtime.clone(), out.clone());
+        tokio::spawn(async move {
+            flue_runtime::cli::execute_with(
+                &runtime,
+                command(&["serve", "--addr", "127.0.0.1:0"]),
+                options,
+                &mut out,
+            )
+            .await
+        })
+    };
+    let base = announced(&out).await;
+    let anonymous = flue_runtime::client::Client::new(&base).unwrap();
+    let refused = anonymous.catalog().await.unwrap_err();
+    assert!(
+        matches!(refused, flue_runtime::client::ClientError::Api { status: 401, .. }),
+        "{refused}"
+    );
+    let client = flue_runtime::client::Client::new(&base)
+        .unwrap()
+        .with_bearer_token("s3cret-token");
+    let reply = client.instance("greeter", "web").prompt("hi").await.unwrap();
+    assert_eq!(reply.text, "Hello, you.");
+    server.abort();
+}
+
+#[tokio::test]
+async fn run_takes_a_message_that_starts_with_a_dash() {
+    let model = ScriptedModel::new([ScriptedReply::text("It is.")]);
+    let runtime = runtime(&model);
+    assert_eq!(
+        output(&runtime, &["run", "greeter", "-5 is negative?"]).await.unwrap(),
+        "It is.\n"
+    );
+    assert_eq!(
+        model.requests()[0].messages.last(),
+        Some(&flue_runtime::provider::ModelMessage::user("-5 is negative?"))
+    );
 }
 
 #[tokio::test]
