@@ -114,10 +114,11 @@ impl Write for Shared {
 async fn announced(out: &Shared) -> String {
     for _ in 0..500 {
         let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
-        if let Some(rest) = text.strip_prefix("serving 1 agent on ") {
-            if let Some(address) = rest.split_whitespace().next() {
-                return address.to_owned();
-            }
+        if let Some(address) = text
+            .strip_prefix("serving 1 agent on ")
+            .and_then(|rest| rest.split_whitespace().next())
+        {
+            return address.to_owned();
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
