@@ -1470,26 +1470,32 @@ async fn openai_content_sent_as_parts_is_text() {
     assert_eq!(response.text, "hello world");
 }
 
-#[tokio::test]
-async fn a_later_call_shares_the_kept_history_and_still_sends_one_body_of_known_length() {
-    let server = FixtureServer::start().await;
-    server.push(FixtureReply::openai_text("first"));
-    server.push(FixtureReply::openai_error(429, "rate_limit_exceeded", "Slow down").retry_after(0));
-    server.push(FixtureReply::openai_text("second"));
-    let provider = openai(&server, "FLUE_TEST_KEY_PARTS");
-    // Long enough to be shared rather than copied.
+/// Two calls of one conversation whose first message is long enough for its kept encoding
+/// to be shared with the second call's body rather than copied into it (the body goes in
+/// parts); the first message. The second call must answer "second".
+async fn second_call_of_a_long_conversation(provider: &OpenAiProvider) -> String {
     let long = "one ".repeat(8 * 1024);
     let mut call = request(&long);
-    complete(&provider, call.clone()).await;
-    // The next call of the same conversation: its first messages' encodings are kept from
-    // the first call and sent from there (the body goes in parts); it is retried once.
+    complete(provider, call.clone()).await;
     call.messages.push(ModelMessage::Assistant {
         text: "first".into(),
         tool_calls: Vec::new(),
         reasoning: Vec::new(),
     });
     call.messages.push(ModelMessage::user("two"));
-    complete(&provider, call).await;
+    let (_, response) = complete(provider, call).await;
+    assert_eq!(response.text, "second");
+    long
+}
+
+#[tokio::test]
+async fn a_later_call_shares_the_kept_history_and_still_sends_one_body_of_known_length() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("first"));
+    server.push(FixtureReply::openai_error(429, "rate_limit_exceeded", "Slow down").retry_after(0));
+    server.push(FixtureReply::openai_text("second"));
+    // The second call is retried once.
+    let long = second_call_of_a_long_conversation(&openai(&server, "FLUE_TEST_KEY_PARTS")).await;
     let requests = server.requests();
     assert_eq!(requests.len(), 3);
     let expected = json!([
@@ -1521,18 +1527,7 @@ async fn a_body_in_parts_follows_a_307_redirect_with_the_same_bytes() {
         server.push(FixtureReply::status(307, "").header("location", "/v1/chat/completions"));
     }
     server.push(FixtureReply::openai_text("second"));
-    let provider = openai(&server, "FLUE_TEST_KEY_REDIRECT");
-    let long = "one ".repeat(8 * 1024);
-    let mut call = request(&long);
-    complete(&provider, call.clone()).await;
-    call.messages.push(ModelMessage::Assistant {
-        text: "first".into(),
-        tool_calls: Vec::new(),
-        reasoning: Vec::new(),
-    });
-    call.messages.push(ModelMessage::user("two"));
-    let (_, response) = complete(&provider, call).await;
-    assert_eq!(response.text, "second");
+    second_call_of_a_long_conversation(&openai(&server, "FLUE_TEST_KEY_REDIRECT")).await;
     let requests = server.requests();
     assert_eq!(requests.len(), 4);
     for redirected in &requests[2..] {
