@@ -19,7 +19,8 @@
 //!   "ephemeral"}` (a breakpoint after the tools and the system prompt), and so is the last
 //!   block of the call's last message, so each call reads the conversation the call before
 //!   cached;
-//! - `max_output_tokens` → `max_tokens` (required by the API: 8192 when unset);
+//! - `max_output_tokens` → `max_tokens` (required by the API: 8192 when unset, 4096 for
+//!   Claude 3 before 3.5, whose output cap it is);
 //! - `thinking_level` (`off` sends nothing), by the model's id:
 //!   - Claude 4.6 and later (and a Claude id without a version) → `thinking: {"type":
 //!     "adaptive"}` with `output_config: {"effort"}`: minimal and low → `low`, medium →
@@ -337,8 +338,9 @@ enum Thinking {
 /// How a model takes thinking, from its id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ThinkingMode {
-    /// No thinking (Claude before 3.7): nothing is sent.
-    Unsupported,
+    /// No thinking (Claude before 3.7): nothing is sent. With the model's output cap, which
+    /// an unset `max_tokens` stays within (4096 before Claude 3.5).
+    Unsupported(u32),
     /// `{"type": "enabled", "budget_tokens"}`, with the model's output cap when known: Claude
     /// 3.7 to 4.5, and models that are not Claude behind an Anthropic-compatible API.
     Budget(Option<u32>),
@@ -371,7 +373,8 @@ fn thinking_mode(model: &str) -> ThinkingMode {
     };
     let minor = version.get(1).copied().and_then(number).unwrap_or(0);
     match (major, minor) {
-        (0..=2, _) | (3, 0..=6) => ThinkingMode::Unsupported,
+        (0..=2, _) | (3, 0..=4) => ThinkingMode::Unsupported(4096),
+        (3, 5..=6) => ThinkingMode::Unsupported(DEFAULT_MAX_TOKENS),
         (3, _) => ThinkingMode::Budget(Some(64_000)),
         (4, 0 | 1) if family == "opus" => ThinkingMode::Budget(Some(32_000)),
         (4, 0..=5) => ThinkingMode::Budget(Some(64_000)),
@@ -401,7 +404,7 @@ fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'s
             ),
             None => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
         },
-        ThinkingMode::Unsupported => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
+        ThinkingMode::Unsupported(cap) => (max.unwrap_or(DEFAULT_MAX_TOKENS.min(cap)), None, None),
         ThinkingMode::Budget(cap) => {
             let budget = thinking_budget(level).filter(|_| may_think(&request.messages));
             let (max_tokens, budget) = match (max, budget) {
@@ -1308,8 +1311,9 @@ mod tests {
     #[test]
     fn the_thinking_mode_follows_the_claude_version_in_the_model_id() {
         let cases = [
-            ("claude-3-5-haiku-latest", ThinkingMode::Unsupported),
-            ("claude-3-opus-20240229", ThinkingMode::Unsupported),
+            ("claude-3-5-haiku-latest", ThinkingMode::Unsupported(8192)),
+            ("claude-3-opus-20240229", ThinkingMode::Unsupported(4096)),
+            ("claude-3-haiku-20240307", ThinkingMode::Unsupported(4096)),
             ("claude-3-7-sonnet-20250219", ThinkingMode::Budget(Some(64_000))),
             ("claude-sonnet-4-20250514", ThinkingMode::Budget(Some(64_000))),
             ("claude-opus-4-20250514", ThinkingMode::Budget(Some(32_000))),
@@ -1364,6 +1368,8 @@ mod tests {
             ("claude-opus-4-1-20250805", ThinkingLevel::Medium, 16_384, Some(8192)),
             ("claude-sonnet-4-5", ThinkingLevel::Max, 40_960, Some(32_768)),
             ("claude-3-5-haiku-latest", ThinkingLevel::High, 8192, None),
+            // Claude 3 writes at most 4096 tokens: a larger default is refused.
+            ("claude-3-haiku-20240307", ThinkingLevel::High, 4096, None),
         ];
         for (model, level, want_max, want_budget) in cases {
             let mut call = request(vec![user("hi")], level, None);
