@@ -263,8 +263,9 @@ pub(crate) struct CallInfo {
     /// The provider's model id.
     pub model: String,
     /// The key used and the forms it takes once escaped, only to redact them from provider
-    /// texts. Longest first, so that no form is cut by a shorter one replaced before it.
-    secrets: Vec<ApiKey>,
+    /// texts. Longest first, so that no form is cut by a shorter one replaced before it. Made
+    /// from `key` at the first redaction: most calls quote no provider text.
+    secrets: OnceLock<Vec<ApiKey>>,
     /// The key as it is, also sought in provider texts with their escapes decoded (see
     /// [`redact_escaped`]); `None` when there are no forms to redact.
     key: Option<ApiKey>,
@@ -285,7 +286,7 @@ impl CallContext {
             provider: provider.to_owned(),
             key_env: key_env.to_owned(),
             model: model.to_owned(),
-            secrets: key.as_ref().map(|key| key_forms(key.expose())).unwrap_or_default(),
+            secrets: OnceLock::new(),
             key: key.filter(|key| key.expose().len() >= MIN_REDACTED_KEY_BYTES),
         }))
     }
@@ -295,7 +296,10 @@ impl CallContext {
     /// with escapes no list of forms foresees (see [`redact_escaped`]).
     pub fn redact(&self, text: &str) -> String {
         let mut text = text.to_owned();
-        for secret in &self.secrets {
+        let secrets = self
+            .secrets
+            .get_or_init(|| self.key.as_ref().map(|key| key_forms(key.expose())).unwrap_or_default());
+        for secret in secrets {
             if text.contains(secret.expose()) {
                 text = text.replace(secret.expose(), "[redacted]");
             }
