@@ -95,7 +95,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Serves every agent of `runtime` over HTTP ([`crate::http::router`]) on `listener` until
 /// `stop` completes; then shuts the runtime down ([`Runtime::shutdown`]: no new admissions,
 /// live reads end) and returns once every open response has ended, or after `grace` (the
-/// responses still open then end with the process, or when their clients leave).
+/// responses still open then end with the process, or when their clients leave), having
+/// given the submissions still running back to the queue ([`Runtime::release`]).
 pub async fn serve(
     runtime: &Runtime,
     listener: tokio::net::TcpListener,
@@ -129,13 +130,19 @@ pub async fn serve_with(
         }
         tokio::time::sleep(grace).await;
     };
-    tokio::select! {
+    let served = tokio::select! {
         result = server.into_future() => result,
         () = grace_over => Ok(()),
-    }
+    };
+    // What still runs (work dispatched in the background, responses past the grace) goes back
+    // to the queue: the next process, or another node, resumes it at once.
+    runtime.release().await;
+    served
 }
 
-/// Runs `command`, printing to stdout (errors to stderr); the process exit code.
+/// Runs `command`, printing to stdout (errors to stderr); the process exit code. The
+/// process is to exit next: what still runs then is given back to the queue
+/// ([`Runtime::release`]).
 ///
 /// The runtime's warnings and errors are logged to stderr (among them the cause of every 500
 /// a server answers, under the `ref` the response carries), at the level `FLUE_LOG` names
@@ -149,7 +156,12 @@ pub async fn run(runtime: &Runtime, command: Command) -> i32 {
 pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions) -> i32 {
     log_to_stderr();
     let mut stdout = std::io::stdout();
-    match execute_with(runtime, command, options, &mut stdout).await {
+    let result = execute_with(runtime, command, options, &mut stdout).await;
+    // The process exits next: work the background scan took over meanwhile (another
+    // instance's, which a `run` does not wait for) goes back to the queue rather than wait
+    // out its lease.
+    runtime.release().await;
+    match result {
         Ok(()) => 0,
         Err(error) => {
             eprintln!("error: {error}");

@@ -262,6 +262,7 @@ impl RuntimeBuilder {
             correlations: Mutex::default(),
             waiters: Mutex::default(),
             shutting_down: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
             owner_id: new_id("owner"),
             background: AtomicBool::new(false),
@@ -289,6 +290,9 @@ pub(crate) struct RuntimeInner {
     /// Senders waiting for a submission to settle, by submission id.
     waiters: Mutex<FastMap<String, Vec<oneshot::Sender<()>>>>,
     shutting_down: AtomicBool,
+    /// Turns `true` at [`Runtime::release`]: workers claim nothing more, the scan takes over
+    /// nothing.
+    draining: AtomicBool,
     /// Turns `true` at [`Runtime::shutdown`]: live HTTP reads end on it.
     closed: tokio::sync::watch::Sender<bool>,
     /// This node's identity on claims and leases.
@@ -377,7 +381,15 @@ impl RuntimeInner {
 
     /// Takes over submissions whose lease expired (their node died) and wakes every instance
     /// with queued work.
+    /// Whether this node gives its work back ([`Runtime::release`]) rather than take more.
+    pub(crate) fn draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
     pub(crate) async fn scan(self: &Arc<Self>) {
+        if self.draining() {
+            return;
+        }
         match self.store.expired(crate::store::now_ms()).await {
             Ok(expired) => {
                 // Held after the listing: an attempt running here when its row was listed is
@@ -1080,6 +1092,42 @@ impl Runtime {
     /// The shared state (for the crate's HTTP routes).
     pub(crate) fn inner(&self) -> &Arc<RuntimeInner> {
         &self.inner
+    }
+
+    /// Gives every submission this node is running back to the queue, and stops running
+    /// them here; from then on (for good) this node claims no work and takes over none. Another node, or
+    /// this one's next process, takes them over at once instead of once their leases expire.
+    /// For a process about to exit with work still running: a server at the end of its
+    /// shutdown's grace (`cli::serve` calls it), a command-line `run` whose background scan
+    /// took over other instances' work. Returns how many were given back.
+    ///
+    /// What the attempts committed stays: the next attempt resumes from it, as after a crash
+    /// (a tool batch they were running is repaired with outcome-unknown results).
+    pub async fn release(&self) -> usize {
+        self.inner.draining.store(true, Ordering::Release);
+        let running: Vec<_> = self
+            .inner
+            .instances
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .filter_map(|(key, slot)| slot.running().map(|attempt| (key.clone(), slot.clone(), attempt)))
+            .collect();
+        let mut released = 0;
+        for (key, slot, attempt) in running {
+            match self.inner.store.requeue(&attempt).await {
+                Ok(true) => {
+                    slot.release_attempt(&attempt.attempt_id);
+                    released += 1;
+                }
+                // It settled (or another node took it over) meanwhile.
+                Ok(false) => {}
+                Err(error) => {
+                    tracing::warn!(instance = %key, %error, "giving a running submission back to the queue failed; its lease lapses");
+                }
+            }
+        }
+        released
     }
 
     /// Stops admitting new messages, and ends the live reads of the HTTP router

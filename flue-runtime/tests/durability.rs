@@ -2117,3 +2117,57 @@ async fn an_attempt_whose_start_stalled_past_its_lease_is_not_taken_over_by_its_
     assert_eq!(row.outcome, Some(Outcome::Completed));
     assert_eq!(row.attempt_count, 1, "the node kept its own attempt");
 }
+
+/// Runs until its node gives its work back (never returns).
+#[tool]
+async fn hold_forever() -> String {
+    std::future::pending::<String>().await
+}
+
+#[agent]
+fn holder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(hold_forever);
+    "Hold."
+}
+
+#[tokio::test]
+async fn a_submission_given_back_is_taken_over_at_once_by_another_node() {
+    use flue_runtime::events::Event;
+    let store = FaultyStore::default();
+    let first_model = ScriptedModel::new([ScriptedReply::tool_call("hold_forever", json!({}))]);
+    // A node with the default 30 s lease runs the submission into its tool.
+    let first = runtime(&store, &first_model, holder);
+    let mut events = first.observe();
+    let receipt = first.init(&holder, "h-1").dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    // It stops: what it runs goes back to the queue, and it takes nothing more.
+    assert_eq!(first.release().await, 1);
+    let next_model = ScriptedModel::new([ScriptedReply::text("resumed")]);
+    let next = taking_over(&store, &next_model, holder).await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        next.init(&holder, "h-1").read(&receipt.submission_id),
+    )
+    .await
+    .expect("taken over without waiting for the first node's 30 s lease")
+    .unwrap();
+    assert_eq!(reply.text, "resumed");
+    assert_eq!(first_model.requests().len(), 1);
+    // The interrupted call is repaired (outcome unknown), not run again on the next node.
+    let requests = next_model.requests();
+    assert_eq!(requests.len(), 1);
+    let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.attempt_count, 2, "the given-back attempt and the takeover");
+    // The first node settled nothing of it.
+    let settlements = records(&store, &InstanceKey::new("holder", "h-1"))
+        .await
+        .into_iter()
+        .filter(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+        .count();
+    assert_eq!(settlements, 1);
+}

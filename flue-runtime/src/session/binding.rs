@@ -194,6 +194,10 @@ pub(crate) struct DataQueue {
 /// The reason an aborted attempt's signal carries.
 pub(crate) const ABORTED: &str = "Submission was aborted.";
 
+/// Why an attempt given back to the queue ([`crate::Runtime::release`]) stops here: its
+/// submission runs again elsewhere, so this attempt settles nothing.
+pub(crate) const RELEASED: &str = "The attempt was given back to the queue.";
+
 /// The binding every render of one instance gets.
 pub(crate) struct InstanceBinding {
     pub(crate) key: InstanceKey,
@@ -307,6 +311,15 @@ impl InstanceBinding {
             && attempt.attempt.attempt_id == attempt_id
         {
             attempt.signal.abort(ABORTED);
+        }
+    }
+
+    /// Stops the running attempt `attempt_id`, whose submission was given back to the queue.
+    pub(crate) fn release_attempt(&self, attempt_id: &str) {
+        if let Some(attempt) = self.current()
+            && attempt.attempt.attempt_id == attempt_id
+        {
+            attempt.signal.abort(RELEASED);
         }
     }
 

@@ -248,6 +248,16 @@ impl InstanceSlot {
         self.binding.abort_attempt(attempt_id);
     }
 
+    /// Stops the running attempt `attempt_id` here; its submission was given back to the queue.
+    pub(crate) fn release_attempt(&self, attempt_id: &str) {
+        self.binding.release_attempt(attempt_id);
+    }
+
+    /// The attempt running here, if any.
+    pub(crate) fn running(&self) -> Option<AttemptRef> {
+        self.binding.current().map(|attempt| attempt.attempt.clone())
+    }
+
     async fn work(self: Arc<Self>) {
         self.run(None, None).await;
     }
@@ -305,6 +315,8 @@ impl InstanceSlot {
             let runtime = self.runtime.upgrade()?;
             let next = match first.take() {
                 Some(claimed) => Ok(claimed.attempt_id.clone().map(|attempt_id| (claimed, attempt_id))),
+                // A node giving its work back claims no more.
+                None if runtime.draining() => Ok(None),
                 None => {
                     let claim = runtime.claim();
                     let claimed = runtime.store.claim_next(&self.key, &claim).await;
@@ -543,6 +555,14 @@ impl InstanceSlot {
         attempt.close_data().await;
         let joined_ids = std::mem::take(&mut response.joined);
         let reply = std::mem::take(&mut response.reply);
+        if attempt.signal.reason() == Some(binding::RELEASED) {
+            // Given back to the queue (the node is stopping): another attempt runs the
+            // submission from what is durable, and settles it.
+            attempt.buffer().discard_pending();
+            self.binding.set_current(None);
+            *conversation = Conversation::default();
+            return (None, None);
+        }
         let (outcome, error) = match result {
             Ok(()) => (Outcome::Completed, None),
             Err(failure) => {
