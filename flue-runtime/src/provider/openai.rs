@@ -846,6 +846,15 @@ impl ChatDecoder {
     }
 
     fn complete(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
+        // Without a finish reason, a call whose arguments are not whole JSON was cut short (a
+        // proxy that ends the stream with `[DONE]` when its upstream failed): the answer is
+        // not complete, and the call may be made again.
+        let cut = |call: &PartialCall| {
+            !call.arguments.trim().is_empty() && serde_json::from_str::<serde::de::IgnoredAny>(&call.arguments).is_err()
+        };
+        if self.stop.is_none() && self.calls.iter().any(cut) {
+            return Err(ended_early(&self.ctx));
+        }
         if let Some(index) = self.calls.iter().position(|c| !c.started) {
             return Err(ProviderError::new(
                 ProviderErrorKind::InvalidResponse,
@@ -1243,6 +1252,16 @@ mod tests {
             StreamEvent::Completed(response) => Some(response),
             _ => None,
         }))
+    }
+
+    #[test]
+    fn a_stream_done_without_a_finish_reason_and_with_cut_arguments_ended_early() {
+        let start = r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"lookup","arguments":"{\"q\":"}}]}}]}"#;
+        assert_eq!(decode(&[start, "[DONE]"], false), Err(ProviderErrorKind::Network));
+        // Whole arguments complete the answer, with or without a finish reason.
+        let whole = r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"lookup","arguments":"{\"q\":1}"}}]}}]}"#;
+        let response = decode(&[whole, "[DONE]"], false).expect("decodes").expect("completes");
+        assert_eq!(response.tool_calls[0].arguments, r#"{"q":1}"#);
     }
 
     #[test]
