@@ -1946,8 +1946,13 @@ async fn a_task_child_whose_call_overflows_compacts_and_retries_and_the_task_suc
                 step,
                 stop_reason,
                 purpose,
+                response,
                 ..
-            } => seen.push(format!("turn {step} {stop_reason} {purpose:?}")),
+            } => seen.push(match response.error {
+                // A failed call's turn names the provider's error kind, as the root's does.
+                Some(error) => format!("turn {step} {stop_reason} {purpose:?} {}", error.error_type),
+                None => format!("turn {step} {stop_reason} {purpose:?}"),
+            }),
             Event::CompactionStart { reason, .. } => seen.push(format!("compaction_start {reason}")),
             Event::Compaction { is_error, .. } => seen.push(format!("compaction {is_error}")),
             _ => {}
@@ -1959,7 +1964,7 @@ async fn a_task_child_whose_call_overflows_compacts_and_retries_and_the_task_suc
             "turn_start 1",
             "turn 1 tool_use Agent",
             "turn_start 2",
-            "turn 2 error Agent",
+            "turn 2 error Agent context_overflow",
             "compaction_start overflow",
             "turn 2 stop Compaction",
             "compaction false",
