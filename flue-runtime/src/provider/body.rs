@@ -4,7 +4,7 @@
 //! with it (see [`Messages`](super::Messages)). The kept encodings join a body as shared,
 //! reference-counted parts instead of being copied into it: a call writes only its new bytes
 //! (its head, the messages not kept yet, its fields), and the connection writes every part to
-//! the socket from where it lies (one vectored write). What a call costs then no longer grows
+//! the socket from where it lies (vectored writes). What a call costs then no longer grows
 //! with the conversation beyond sending its bytes.
 
 use std::collections::VecDeque;
