@@ -140,9 +140,10 @@ pub async fn serve_with(
     served
 }
 
-/// Runs `command`, printing to stdout (errors to stderr); the process exit code. The
-/// process is to exit next: what still runs then is given back to the queue
-/// ([`Runtime::release`]).
+/// Runs `command`, printing to stdout (errors to stderr); the process exit code: 0, 2 for
+/// what the command line asked wrong ([`CliError::exit_code`], as clap's own usage errors),
+/// 1 for the rest. The process is to exit next: what still runs then is given back to the
+/// queue ([`Runtime::release`]).
 ///
 /// The runtime's warnings and errors are logged to stderr (among them the cause of every 500
 /// a server answers, under the `ref` the response carries), at the level `FLUE_LOG` names
@@ -165,7 +166,7 @@ pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions)
         Ok(()) => 0,
         Err(error) => {
             eprintln!("error: {error}");
-            1
+            error.exit_code()
         }
     }
 }
@@ -322,6 +323,21 @@ pub enum CliError {
     /// Listening or writing failed.
     #[error("{0}")]
     Io(String),
+}
+
+impl CliError {
+    /// The process exit code this error ends a command with: 2 when the command line asked
+    /// for something that cannot be (an agent that does not exist, an invalid instance id or
+    /// message), as clap's usage errors do; 1 for a failure (the submission failed or was
+    /// aborted, the store or the network failed).
+    pub fn exit_code(&self) -> i32 {
+        use crate::RuntimeError as R;
+        match self {
+            Self::UnknownAgent { .. }
+            | Self::Runtime(R::UnknownAgent(_) | R::InvalidRequest(_) | R::InvalidMessage(_)) => 2,
+            _ => 1,
+        }
+    }
 }
 
 impl From<std::io::Error> for CliError {

@@ -68,6 +68,28 @@ async fn run_with_an_unknown_agent_names_the_known_ones() {
     let runtime = runtime(&ScriptedModel::new([]));
     let error = output(&runtime, &["run", "nobody", "hi"]).await.unwrap_err();
     assert_eq!(error.to_string(), "no agent is named \"nobody\" (agents: greeter)");
+    // A usage error, as clap's: a script tells it from a failed submission.
+    assert_eq!(error.exit_code(), 2);
+    assert_eq!(
+        flue_runtime::cli::run(&runtime, command(&["run", "nobody", "hi"])).await,
+        2
+    );
+    let invalid = output(&runtime, &["run", "greeter", "--id", " ", "hi"])
+        .await
+        .unwrap_err();
+    assert_eq!(invalid.exit_code(), 2, "{invalid}");
+}
+
+#[tokio::test]
+async fn run_of_a_failed_submission_exits_with_1() {
+    use flue_runtime::provider::{ProviderError, ProviderErrorKind};
+    let model = ScriptedModel::new([ScriptedReply::Error(ProviderError::new(
+        ProviderErrorKind::BadRequest,
+        "refused",
+    ))]);
+    let runtime = runtime(&model);
+    let error = output(&runtime, &["run", "greeter", "hi"]).await.unwrap_err();
+    assert_eq!(error.exit_code(), 1, "{error}");
 }
 
 #[tokio::test]
