@@ -1656,6 +1656,57 @@ async fn items_73_74_75_76_user_hooks_run_for_every_user_without_recursion_and_t
     ));
 }
 
+/// A user hook written by hand, which panics before it returns its future.
+fn panics_at_once<'a>(_: &'a UserState, _: &'a str) -> flue_runtime::lifecycle::HookFuture<'a, ()> {
+    panic!("before its future")
+}
+
+static PANICS_AT_ONCE: flue_runtime::lifecycle::UserHookDefinition = flue_runtime::lifecycle::UserHookDefinition {
+    id: "panics_at_once",
+    handler: flue_runtime::lifecycle::UserHookHandler::UserValueChanged(panics_at_once),
+};
+
+static AFTER_THE_PANIC: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(user_value_changed)]
+async fn runs_after_the_panic(_user: &UserState, key: &str) {
+    AFTER_THE_PANIC.lock().unwrap().push(key.to_owned());
+}
+
+#[tokio::test]
+async fn a_user_hook_panicking_before_its_future_is_an_error_and_the_users_events_go_on() {
+    let logs = harness::logs::capture();
+    let mut providers = ProviderRegistry::new();
+    providers.register(ScriptedModel::new([]));
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .user_hook(flue_runtime::lifecycle::UserHook::new(&PANICS_AT_ONCE))
+        .user_hook(runs_after_the_panic)
+        .build()
+        .unwrap();
+    let user = runtime.user("u-panic");
+    user.set_value("first", Some(json!(1))).await.unwrap();
+    user.set_value("second", Some(json!(2))).await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..500 {
+        seen = AFTER_THE_PANIC.lock().unwrap().clone();
+        if seen.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // The next hook of the event, and the user's next event, still ran.
+    assert_eq!(seen, ["first", "second"]);
+    assert_eq!(
+        logs.lines("before its future"),
+        [
+            "[Hooks] ✗ Error running user_value_changed hook: panicked: before its future",
+            "[Hooks] ✗ Error running user_value_changed hook: panicked: before its future",
+        ]
+    );
+}
+
 // ---- queue_tool (item 81) ---------------------------------------------------------------------
 
 /// Not mounted by any render: only queued.

@@ -30,7 +30,7 @@ pub(crate) struct Prevented<T> {
 pub(crate) struct Blocked(pub(crate) HookError);
 
 /// Runs one hook call; a panic becomes its error.
-async fn call<'a, T>(call: impl FnOnce() -> HookFuture<'a, T>) -> Result<T, HookError> {
+pub(crate) async fn call<'a, T>(call: impl FnOnce() -> HookFuture<'a, T>) -> Result<T, HookError> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
         Ok(future) => match std::panic::AssertUnwindSafe(future).catch_unwind().await {
             Ok(result) => result,

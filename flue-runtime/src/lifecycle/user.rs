@@ -17,7 +17,6 @@ use flue_core::lifecycle::{
     ClientInfo, HookKind, ThreadError, UserHook, UserHookHandler, UserState, UserStateApi, UserValuePage,
     UserValuesQuery, check_user_id, check_user_key,
 };
-use futures_util::FutureExt;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
@@ -119,18 +118,17 @@ async fn run_hooks(runtime: &Arc<RuntimeInner>, user_id: &str, event: &UserHookE
     let state = user_state(runtime, user_id, false);
     let kind = event.kind();
     for hook in runtime.user_hooks.iter().filter(|hook| hook.kind() == kind) {
-        let run = match (hook.handler(), event) {
-            (UserHookHandler::UserValueChanged(run), UserHookEvent::ValueChanged(key)) => run(&state, key),
+        // A panic is the hook's error, whether it comes before the hook returns its future or
+        // while the future runs: the other hooks and the user's later events still run.
+        let result = match (hook.handler(), event) {
+            (UserHookHandler::UserValueChanged(run), UserHookEvent::ValueChanged(key)) => {
+                super::chain::call(|| run(&state, key)).await
+            }
             (UserHookHandler::UserClientAttached(run), UserHookEvent::ClientAttached(client))
-            | (UserHookHandler::UserClientDetached(run), UserHookEvent::ClientDetached(client)) => run(&state, client),
+            | (UserHookHandler::UserClientDetached(run), UserHookEvent::ClientDetached(client)) => {
+                super::chain::call(|| run(&state, client)).await
+            }
             _ => continue,
-        };
-        let result = match std::panic::AssertUnwindSafe(run).catch_unwind().await {
-            Ok(result) => result,
-            Err(payload) => Err(flue_core::lifecycle::HookError::new(format!(
-                "panicked: {}",
-                flue_core::render::panic_message(payload.as_ref())
-            ))),
         };
         if let Err(error) = result {
             log_failure(kind, hook.id(), &error);
