@@ -216,6 +216,10 @@ fn read(skills: &[Skill], workspace: Option<&Workspace>, args: &ReadArgs) -> Too
 /// Where a workspace keeps its skills, relative to the sandbox's working directory.
 pub(crate) const WORKSPACE_SKILLS: &str = ".agents/skills";
 
+/// The most bytes a workspace skill's `SKILL.md` may take: a larger one is skipped with a
+/// warning (it would be read whole, and its body fill the model's context at every use).
+const MAX_SKILL_MD_BYTES: usize = 256 * 1024;
+
 /// The skills a sandbox's workspace provides: each directory of `<cwd>/.agents/skills/` that
 /// holds a `SKILL.md` (the Agent Skills format; its `name` must be the directory's name).
 /// Found through the sandbox's file API, so any sandbox works (the local one, the in-memory
@@ -303,14 +307,30 @@ impl Workspace {
         format!("{}/{name}", self.directory)
     }
 
-    /// The skill in the directory `name` (`None`: it has no `SKILL.md`), or why it cannot be.
+    /// The skill in the directory `name` (`None`: it has no `SKILL.md`), or why it cannot be
+    /// (among others: a `SKILL.md` over [`MAX_SKILL_MD_BYTES`]).
     async fn load(&self, name: &str) -> Result<Option<Skill>, LoadError> {
         let path = format!("{}/SKILL.md", self.directory_of(name));
-        let bytes = match self.sandbox.read_file(&path).await {
-            Ok(bytes) => bytes,
+        // Read no further than the cap: a checkout the agent works in may hold any file.
+        let (mut bytes, mut too_large) = (Vec::new(), false);
+        let mut visit = |piece: &[u8]| {
+            too_large = bytes.len() + piece.len() > MAX_SKILL_MD_BYTES;
+            if !too_large {
+                bytes.extend_from_slice(piece);
+            }
+            !too_large
+        };
+        match self.sandbox.read_file_with(&path, &mut visit).await {
+            Ok(()) => {}
             Err(SandboxError::NotFound(_)) => return Ok(None),
             Err(error) => return Err(LoadError::Unreadable(format!("{path} could not be read: {error}"))),
-        };
+        }
+        if too_large {
+            return Err(LoadError::Invalid(format!(
+                "{path} is larger than {} KiB",
+                MAX_SKILL_MD_BYTES / 1024
+            )));
+        }
         let text =
             String::from_utf8(bytes).map_err(|_| LoadError::Invalid(format!("{path} is not valid UTF-8 text")))?;
         Skill::from_skill_md(Some(name), &text, [])

@@ -272,6 +272,12 @@ static MALFORMED_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::Lazy
             (".agents/skills/garbled/SKILL.md", b"---\nname: garbled\n\xff\xfe---\n"),
         ],
     );
+    // Valid, but larger than a skill may be.
+    let huge = format!(
+        "---\nname: huge\ndescription: Too big to read.\n---\n{}",
+        "word ".repeat(60 * 1024)
+    );
+    write_tree(&root, &[(".agents/skills/huge/SKILL.md", huge.as_bytes())]);
     root
 });
 
@@ -298,7 +304,7 @@ async fn a_malformed_workspace_skill_is_skipped_with_a_warning_and_the_others_lo
     let requests = model.requests();
     let system = requests[0].system.as_deref().unwrap();
     assert!(system.contains("- **good** — The one that loads."), "{system}");
-    for skipped in ["frontless", "misnamed", "other", "garbled"] {
+    for skipped in ["frontless", "misnamed", "other", "garbled", "huge"] {
         assert!(!system.contains(&format!("**{skipped}**")), "{system}");
     }
     let results = tool_results(&requests[1]);
@@ -312,6 +318,7 @@ async fn a_malformed_workspace_skill_is_skipped_with_a_warning_and_the_others_lo
         ("frontless", "SKILL.md must start with a front matter block"),
         ("misnamed", "Must match the skill's directory name \"misnamed\"."),
         ("garbled", "UTF-8"),
+        ("huge", "is larger than 256 KiB"),
     ] {
         let prefix = format!("[flue] Skipping invalid workspace skill \"{skipped}\": ");
         assert!(
