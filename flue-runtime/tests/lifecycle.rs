@@ -552,7 +552,11 @@ async fn see_failed_status(
         state.thread_id(),
         Value::Object(updates.clone())
     ));
-    Err(HookError::new("the status board is down"))
+    // Named after its thread: tests running beside this one log the same failure.
+    Err(HookError::new(format!(
+        "the status board is down for {}",
+        state.thread_id()
+    )))
 }
 
 #[hook(after_update_message)]
@@ -624,8 +628,8 @@ async fn item_35_a_failed_model_step_gets_its_failed_status_through_the_update_h
         ]
     );
     assert_eq!(
-        logs.lines("the status board is down"),
-        ["[Hooks] ✗ Error running before_update_message hook: the status board is down"]
+        logs.lines("the status board is down for failed"),
+        ["[Hooks] ✗ Error running before_update_message hook: the status board is down for failed"]
     );
 }
 
@@ -810,6 +814,54 @@ fn row_editor() -> &'static str {
     use_model("scripted/x");
     use_tool(edit_rows);
     "E"
+}
+
+#[hook(before_create_message)]
+async fn makes_it_a_tool_row(_state: &ThreadState, mut message: Message) -> Message {
+    if message.content.as_deref() == Some("as a tool row") {
+        message.role = MessageRole::Tool;
+        message.status = Some(MessageStatus::Pending);
+    }
+    message
+}
+
+static INJECTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Injects a row a hook tries to make a tool row.
+#[tool]
+async fn inject_as_tool(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().expect("a thread behind the tool");
+    let returned = thread
+        .inject_message(InjectMessage::new(MessageRole::User, "as a tool row"))
+        .await
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    let stored = thread.get_message(&returned.id).await.unwrap().unwrap();
+    INJECTED.lock().unwrap().extend([
+        format!("returned {:?} {:?}", returned.role, returned.status),
+        format!("stored {:?} {:?}", stored.role, stored.status),
+    ]);
+    Ok("injected".into())
+}
+
+#[agent(hooks = [makes_it_a_tool_row])]
+fn tool_row_injector() -> &'static str {
+    use_model("scripted/x");
+    use_tool(inject_as_tool);
+    "I"
+}
+
+#[tokio::test]
+async fn an_injected_row_is_returned_as_stored_whatever_a_hook_changed() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("inject_as_tool", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![tool_row_injector.into()]);
+    runtime.init(&tool_row_injector, "inj").send("go").await.unwrap();
+    assert_eq!(
+        *INJECTED.lock().unwrap(),
+        ["returned User Some(Completed)", "stored User Some(Completed)"]
+    );
 }
 
 #[tokio::test]

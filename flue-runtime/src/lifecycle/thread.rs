@@ -378,6 +378,13 @@ impl ThreadStateApi for RuntimeThread {
                 }));
             }
             self.append(records).await?;
+            // The row as stored (what a hook changed that an injected row cannot be, a tool
+            // role, its status, is not), for the hooks after it and the caller.
+            let row = self
+                .writer
+                .with_fold(|conversation| conversation.find_row(&row.id))
+                .await?
+                .unwrap_or(row);
             chain::after_create_message(&hooks, &state, &row).await;
             Ok(row)
         })
