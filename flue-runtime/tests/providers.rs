@@ -646,6 +646,16 @@ async fn anthropic_usage_counts_the_whole_prompt_and_the_final_output_tokens() {
 
 // ---- retries ----
 
+/// The wait (`wait_ms=…`) each logged retry of `provider`'s calls took, in order.
+fn logged_waits(logs: &harness::logs::Capture, provider: &str) -> Vec<String> {
+    let provider = format!("provider={provider}");
+    logs.fields_of("retrying model call")
+        .into_iter()
+        .filter(|fields| fields.contains(&provider))
+        .filter_map(|fields| fields.into_iter().find(|field| field.starts_with("wait_ms=")))
+        .collect()
+}
+
 #[tokio::test]
 async fn rate_limit_with_retry_after_zero_then_success_succeeds_after_one_retry() {
     let server = FixtureServer::start().await;
@@ -659,13 +669,7 @@ async fn rate_limit_with_retry_after_zero_then_success_succeeds_after_one_retry(
     let (_, response) = complete(&provider, request("hi")).await;
     assert_eq!(response.text, "made it");
     assert_eq!(server.requests().len(), 2);
-    let retries: Vec<_> = logs
-        .fields_of("retrying model call")
-        .into_iter()
-        .filter(|fields| fields.iter().any(|field| field == "provider=fixture-429"))
-        .collect();
-    assert_eq!(retries.len(), 1, "{retries:?}");
-    assert!(retries[0].iter().any(|field| field == "wait_ms=0"), "{retries:?}");
+    assert_eq!(logged_waits(&logs, "fixture-429"), ["wait_ms=0"]);
 }
 
 #[tokio::test]
@@ -679,13 +683,7 @@ async fn retry_after_in_seconds_is_honoured_before_retrying() {
     assert_eq!(response.text, "after the wait");
     assert_eq!(server.requests().len(), 2);
     // The retry waited the second asked (the policy's own backoff is 5 ms).
-    let retries: Vec<_> = logs
-        .fields_of("retrying model call")
-        .into_iter()
-        .filter(|fields| fields.iter().any(|field| field == "provider=anthropic-429"))
-        .collect();
-    assert_eq!(retries.len(), 1, "{retries:?}");
-    assert!(retries[0].iter().any(|field| field == "wait_ms=1000"), "{retries:?}");
+    assert_eq!(logged_waits(&logs, "anthropic-429"), ["wait_ms=1000"]);
 }
 
 #[tokio::test]
