@@ -236,11 +236,14 @@ impl Tool {
         matches!(self.0, Repr::Static(_))
     }
 
-    /// The address of the tool's handler: equal for clones of one tool (and for every mount of
-    /// a `#[tool]` item), different for separately built tools. A cheap identity for caches.
+    /// A cheap identity for caches: equal for clones of one tool (and for every mount of a
+    /// `#[tool]` item), different for separately built tools. A shared handler is named by its
+    /// address; a zero-sized one has no address of its own (every such handler sits at the same
+    /// dangling one), so it is named by its definition's, which is a `static` of its own for
+    /// each `#[tool]` item.
     pub fn identity(&self) -> usize {
         match &self.0 {
-            Repr::Static(handler) => std::ptr::from_ref::<dyn ToolHandler>(*handler).cast::<()>() as usize,
+            Repr::Static(handler) => std::ptr::from_ref::<ToolDefinition>(handler.definition()) as usize,
             Repr::Shared(handler) => Arc::as_ptr(handler).cast::<()>() as usize,
         }
     }

@@ -47,6 +47,8 @@ pub(crate) fn mount(
     }
     if fresh {
         sections.key = Some(key);
+        // The key names the skills by address: held, theirs cannot go to a later render's.
+        sections.held.clone_from(&rendered.skills);
         sections.text = (!text.is_empty()).then(|| text.join("\n\n"));
     }
 }
@@ -55,6 +57,8 @@ pub(crate) fn mount(
 #[derive(Default)]
 pub(crate) struct Sections {
     key: Option<u64>,
+    /// The skills `key` names by address.
+    held: Vec<flue_core::skill::Skill>,
     text: Option<String>,
 }
 

@@ -96,13 +96,28 @@ fn tool_digest(tool: &Tool) -> String {
 /// A cheap fingerprint of what a render declares — the identities of its tools and skills, its
 /// delegates' names and descriptions, its instruction — equal for two renders whose snapshots
 /// are equal (tools and skills are compared by identity, so rebuilt ones only cost a fresh
-/// snapshot). No allocation.
-pub(crate) fn fingerprint(rendered: &Rendered, own_tools: usize, environment: Option<&str>) -> u64 {
+/// snapshot).
+pub(crate) struct Fingerprint {
+    hash: u64,
+    /// The tools and skills the hash names by address, held while it is: freed, an address
+    /// could go to a tool or skill the next render builds, which would then look unchanged.
+    _held: (Vec<Tool>, Vec<Skill>),
+}
+
+impl PartialEq for Fingerprint {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash
+    }
+}
+
+/// The [`Fingerprint`] of `rendered` (allocates only to hold rebuilt tools and skills).
+pub(crate) fn fingerprint(rendered: &Rendered, own_tools: usize, environment: Option<&str>) -> Fingerprint {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     // The sandbox's and the framework's tools follow the agent's; the environment and the
     // skills and delegates hashed below decide them.
-    for tool in rendered.tools.iter().take(own_tools) {
+    let own = &rendered.tools[..own_tools.min(rendered.tools.len())];
+    for tool in own {
         tool.identity().hash(&mut hasher);
     }
     environment.hash(&mut hasher);
@@ -118,7 +133,12 @@ pub(crate) fn fingerprint(rendered: &Rendered, own_tools: usize, environment: Op
         subagent.optional_flag().hash(&mut hasher);
     }
     rendered.instruction.as_deref().hash(&mut hasher);
-    hasher.finish()
+    // A static tool's identity is its definition's, which lives as long as the process.
+    let rebuilt = own.iter().filter(|tool| !tool.is_static()).cloned().collect();
+    Fingerprint {
+        hash: hasher.finish(),
+        _held: (rebuilt, rendered.skills.clone()),
+    }
 }
 
 /// What one render declares, with the descriptions narration quotes.

@@ -768,11 +768,12 @@ impl RuntimeInner {
                     .remove(submission_id);
                 let parts = match outcome {
                     Outcome::Completed => {
-                        // A joined delivery is answered by its host's response, which began
-                        // before the delivery was admitted: read from the start.
+                        // A joined delivery is answered by its host's whole response (every
+                        // attempt of it, also those before the one that joined the delivery),
+                        // which began before the delivery was admitted: read from the start.
                         let after = if row.joined_into.is_some() { None } else { after };
                         let batches = self.store.read(key, after).await?;
-                        session::reply_of(&batches, submission_id)
+                        session::reply_of(&batches, row.joined_into.as_deref().unwrap_or(submission_id))
                     }
                     Outcome::Failed | Outcome::Aborted => ReplyParts::default(),
                 };

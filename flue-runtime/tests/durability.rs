@@ -687,6 +687,72 @@ async fn a_delivery_joined_after_the_final_answer_is_answered_after_a_re_attempt
     assert_eq!(host.text, "first answer\n\nthe follow-up is answered");
 }
 
+#[agent]
+fn looker() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("look")
+            .description("Look it up.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "found" }),
+    );
+    "Look things up."
+}
+
+/// A joined delivery is answered by its host's whole response: also by the steps an earlier
+/// attempt of the host committed before the attempt that joined the delivery.
+#[tokio::test]
+async fn a_delivery_joined_by_a_re_attempt_reads_the_hosts_whole_reply() {
+    let store = FaultyStore::default();
+    // The host's second step fails once: its first step stays, a re-attempt answers.
+    store.fail_once(nth_step_batch(2));
+    let scripted = ScriptedModel::new([
+        ScriptedReply::ToolCalls {
+            text: "Looking it up.".to_owned(),
+            calls: vec![("look".to_owned(), "{}".to_owned())],
+        },
+        ScriptedReply::text("lost with the failed attempt"),
+        ScriptedReply::text("Found it."),
+    ]);
+    let reached = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let mut providers = ProviderRegistry::new();
+    providers.register(Gated {
+        inner: scripted.clone(),
+        hold: 2,
+        calls: AtomicUsize::new(0),
+        reached: reached.clone(),
+        release: release.clone(),
+    });
+    let runtime = Runtime::builder()
+        .agent(looker)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let handle = runtime.init(&looker, "rejoin");
+    let sender = handle.clone();
+    let host = tokio::spawn(async move { sender.send("Where is order 7?").await });
+    reached.notified().await;
+    // Admitted while the host's second step streams; that step's batch then fails.
+    let delivery = handle.dispatch("And order 8?").await.unwrap();
+    release.add_permits(1);
+    let host = tokio::time::timeout(std::time::Duration::from_secs(10), host)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(host.text, "Looking it up.\n\nFound it.");
+    let row = store.submission(&delivery.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.joined_into.as_deref(), Some(host.submission_id.as_str()));
+    let joined = handle.read(&delivery.submission_id).await.unwrap();
+    assert_eq!(joined.text, host.text);
+}
+
 /// Hand over to a person.
 #[tool(terminate)]
 async fn hand_off(

@@ -213,7 +213,7 @@ async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
     // (Signal bodies reach the model escaped.)
     assert!(
         content.starts_with(
-            "<signal type=\"resources\" resource=\"mcp\">\nThe MCP server &quot;docs&quot; is unavailable for this response ("
+            "<signal type=\"resources\" resource=\"mcp\">\nThe MCP server \"docs\" is unavailable for this response ("
         ),
         "{content}"
     );

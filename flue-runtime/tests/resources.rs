@@ -132,3 +132,104 @@ async fn a_change_between_responses_is_narrated_before_the_next_responses_first_
         )
     );
 }
+
+/// Look an order up.
+#[tool]
+async fn lookup_order(
+    /// The order
+    order: String,
+) -> String {
+    format!("order {order} is on its way")
+}
+
+static SWAPPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Move on to refunds.
+#[tool]
+async fn advance() -> String {
+    SWAPPED.store(true, std::sync::atomic::Ordering::SeqCst);
+    "advanced".to_owned()
+}
+
+#[agent]
+fn swapping() -> &'static str {
+    use_model("scripted/x");
+    use_tool(advance);
+    // One `#[tool]` item for another, the list as long as before and the instruction unchanged.
+    if SWAPPED.load(std::sync::atomic::Ordering::SeqCst) {
+        use_tool(issue_refund);
+    } else {
+        use_tool(lookup_order);
+    }
+    "You help with orders."
+}
+
+#[tokio::test]
+async fn one_tool_item_swapped_for_another_is_narrated_before_the_next_call() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("advance", json!({})),
+        ScriptedReply::text("I can refund now."),
+    ]);
+    let runtime = runtime_with(&model, [swapping.into()]);
+    runtime.init(&swapping, "s").send("Refund order 7.").await.unwrap();
+    let requests = model.requests();
+    let tools: Vec<&str> = requests[1].tools.iter().map(|tool| &*tool.name).collect();
+    assert_eq!(tools, ["advance", "issue_refund", "task"]);
+    assert_eq!(
+        requests[1].messages.last().unwrap(),
+        &ModelMessage::user(
+            "<signal type=\"resources\" resource=\"tool\">\nNew tool available:\n- **issue_refund** — Issue a refund.\nThe tool \"lookup_order\" was removed.\nAll available tools: advance, issue_refund\n</signal>"
+        )
+    );
+}
+
+#[agent]
+fn metered() -> String {
+    use_model("scripted/x");
+    let (left, set_left) = use_persistent_state("left", 3_i64);
+    // Built anew by every render, its description following the state.
+    use_tool(
+        Tool::new("spend")
+            .description(format!("Spends one credit; {left} left."))
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let set_left = set_left.clone();
+                async move {
+                    set_left
+                        .set(left - 1)
+                        .map_err(|error| ToolError::new(error.to_string()))?;
+                    Ok::<_, ToolError>("spent")
+                }
+            }),
+    );
+    "You spend credits.".to_owned()
+}
+
+#[tokio::test]
+async fn a_rebuilt_tools_changed_description_is_narrated_before_the_next_call() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("spend", json!({})),
+        ScriptedReply::tool_call("spend", json!({})),
+        ScriptedReply::text("Spent two."),
+    ]);
+    let runtime = runtime_with(&model, [metered.into()]);
+    runtime.init(&metered, "m").send("Spend two credits.").await.unwrap();
+    let requests = model.requests();
+    let descriptions: Vec<&str> = requests.iter().map(|request| &*request.tools[0].description).collect();
+    assert_eq!(
+        descriptions,
+        [
+            "Spends one credit; 3 left.",
+            "Spends one credit; 2 left.",
+            "Spends one credit; 1 left."
+        ]
+    );
+    // Each later call hears that the tool changed, right before it.
+    for request in &requests[1..] {
+        assert_eq!(
+            request.messages.last().unwrap(),
+            &ModelMessage::user(
+                "<signal type=\"resources\" resource=\"tool\">\nThe tool \"spend\" changed.\nAll available tools: spend\n</signal>"
+            ),
+        );
+    }
+}
