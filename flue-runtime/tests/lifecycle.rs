@@ -1828,6 +1828,59 @@ async fn item_81_a_queued_tool_runs_later_in_the_same_flow_even_when_not_mounted
     );
 }
 
+/// Queues an audit when it runs (itself queued).
+#[tool]
+async fn chain_audit(ctx: &ToolContext) -> Result<String, ToolError> {
+    ctx.thread()
+        .unwrap()
+        .queue_tool(audit_trail, json!({"event": "chained"}))
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok("chained".into())
+}
+
+/// Queues a chained audit.
+#[tool]
+async fn queue_chain(ctx: &ToolContext) -> Result<String, ToolError> {
+    ctx.thread()
+        .unwrap()
+        .queue_tool(chain_audit, json!({}))
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok("queued".into())
+}
+
+#[agent(max_steps = 1)]
+fn one_step_auditing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(queue_chain);
+    "A"
+}
+
+#[tokio::test]
+async fn a_call_queued_after_the_responses_last_step_is_reported_not_dropped_silently() {
+    let model = ScriptedModel::new([ScriptedReply::tool_call("queue_chain", json!({}))]);
+    let runtime = runtime_with(&model, vec![one_step_auditing.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&one_step_auditing, "a").send("audit").await.unwrap();
+    let mut warnings = Vec::new();
+    let mut ran = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            flue_runtime::events::Event::Log { level, message } if level == "warn" => warnings.push(message),
+            flue_runtime::events::Event::ToolCallDone { tool_name, .. } => ran.push(tool_name),
+            _ => {}
+        }
+    }
+    // The chained call ran (queued by the batch); the audit it queued came after the step
+    // budget was spent.
+    assert_eq!(ran, ["queue_chain", "chain_audit"]);
+    assert_eq!(
+        warnings,
+        [
+            "[flue] The response ended before running the tool calls queued with queue_tool: audit_trail. Queue calls while the response can still run them (not after its last step)."
+        ]
+    );
+}
+
 // ---- env (item 80) ----------------------------------------------------------------------------
 
 /// Calls the billing API.

@@ -1438,6 +1438,12 @@ impl Response<'_> {
                 let appended = self.finish_cycle(&rendered).await?;
                 if appended.is_empty() {
                     self.commit(Vec::new(), true).await?;
+                    // Calls a finish callback or a hook of that commit queued run now (the
+                    // model sees their results), as at the would-stop point.
+                    if self.run_queued_tools(&rendered, &model.spec).await?.is_some() {
+                        self.spare = Some(rendered);
+                        continue;
+                    }
                     // Joins again after a no-append cycle, in case a hook dispatched: a joined
                     // delivery drives another turn (not a counted cycle).
                     let joined = self.join_queued().await?;
@@ -1485,6 +1491,10 @@ impl Response<'_> {
             }
         }
 
+        // Calls queued when the response could run no more (its step budget spent, its
+        // execution stopped, a terminating batch ended it) are not run: said, not dropped
+        // silently.
+        self.warn_unrun_queued_tools();
         // The true end: use_response_finish with final usage and tool calls — once: a resumed,
         // answered response whose finish batch committed settles as it is (durable effects
         // never duplicate).
@@ -2335,6 +2345,23 @@ impl Response<'_> {
     /// Runs the calls queued with `queue_tool` as a step of their own (stored as the calls of
     /// an assistant step without text, then a tool batch); `None` when nothing was queued, else
     /// whether every result asked to end the turn.
+    /// Logs (a `warn` event and the log) the calls `queue_tool` asked for that the response
+    /// ended without running, and forgets them.
+    fn warn_unrun_queued_tools(&self) {
+        let Some(view) = &self.thread else { return };
+        let queued = view.take_queued_tools();
+        if queued.is_empty() {
+            return;
+        }
+        let names: Vec<&str> = queued.iter().map(|(tool, _)| tool.name()).collect();
+        let message = format!(
+            "[flue] The response ended before running the tool calls queued with queue_tool: {}. Queue calls while the response can still run them (not after its last step).",
+            names.join(", ")
+        );
+        tracing::warn!(instance = %self.key, submission = %self.submission.id, "{message}");
+        self.logger().warn(message);
+    }
+
     async fn run_queued_tools(&mut self, rendered: &Rendered, spec: &str) -> Result<Option<bool>, Failure> {
         let Some(view) = &self.thread else { return Ok(None) };
         let queued = view.take_queued_tools();
