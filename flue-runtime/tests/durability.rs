@@ -590,6 +590,100 @@ async fn a_delivery_joined_by_an_earlier_attempt_settles_with_its_own_record_and
     );
 }
 
+/// A host whose re-attempt ends before its response runs (an abort requested while no attempt
+/// ran it) still settles the deliveries an earlier attempt joined, each with its own record,
+/// event and answer to whoever waits for it (reference §3.7 step 14).
+#[tokio::test]
+async fn a_delivery_joined_by_an_earlier_attempt_settles_when_the_re_attempt_is_aborted_before_it_runs() {
+    use flue_runtime::events::Event;
+    let store = FaultyStore::default();
+    // The step after the join fails and so does the requeue: the attempt is abandoned, its
+    // lease lapses, and nothing takes it over until this test starts the scan.
+    store.fail_once(nth_step_batch(2));
+    store.failing_requeues.store(1, Ordering::SeqCst);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("follow_up", json!({})),
+        ScriptedReply::text("lost with the failed attempt"),
+    ]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(follow_upper)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            lease: std::time::Duration::from_millis(100),
+            heartbeat: std::time::Duration::from_millis(20),
+            scan_interval: std::time::Duration::from_secs(3600),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let handle = runtime.init(&follow_upper, "j-abort");
+    let sender = handle.clone();
+    let host = tokio::spawn(async move { sender.send("plan").await });
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while store.failures.load(Ordering::SeqCst) < 2 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the step's append and the requeue fail");
+    let key = InstanceKey::new("follow_upper", "j-abort");
+    let mut delivery = None;
+    for record in records(&store, &key).await {
+        let Some(id) = record.submission_id else { continue };
+        let row = store.submission(&id).await.unwrap().unwrap();
+        if row.joined_into.is_some() {
+            delivery = Some(id.to_string());
+            break;
+        }
+    }
+    let delivery = delivery.expect("the follow-up joined the host");
+    // Someone waits for the joined delivery from before its host settles.
+    let reader = handle.clone();
+    let waited = delivery.clone();
+    let joined = tokio::spawn(async move { reader.read(&waited).await });
+    assert!(handle.abort().await.unwrap());
+    // The abandoned attempt's lease lapses; the scan takes the host over.
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    runtime.start().await;
+    harness::assert_settles_aborted(host).await;
+    let joined = tokio::time::timeout(std::time::Duration::from_secs(10), joined)
+        .await
+        .expect("whoever waits for the joined delivery is answered")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(
+            &joined,
+            RuntimeError::Run {
+                outcome: "was aborted",
+                ..
+            }
+        ),
+        "{joined}"
+    );
+    let all = records(&store, &key).await;
+    assert!(
+        all.iter()
+            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. })
+                && record.submission_id.as_deref() == Some(delivery.as_str())),
+        "the joined delivery's submission_settled record is in the stream"
+    );
+    let mut settled = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::SubmissionSettled { outcome, .. } = observation.event {
+            settled.push((observation.submission_id.unwrap(), outcome));
+        }
+    }
+    assert!(
+        settled.contains(&(delivery.clone(), Outcome::Aborted)),
+        "the joined delivery's submission_settled event was published: {settled:?}"
+    );
+}
+
 /// A model that holds its `hold`-th call until released.
 struct Gated {
     inner: ScriptedModel,

@@ -508,13 +508,17 @@ impl InstanceSlot {
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
         let result = match refreshed {
             Ok(()) if answered => response.run().await,
-            Ok(()) if abort_requested => Err(Failure::aborted()),
+            // Ended before the response runs: the deliveries an earlier attempt joined settle
+            // with it all the same.
+            Ok(()) if abort_requested => response.resolve_earlier_joins().await.and(Err(Failure::aborted())),
             // The budget counts every attempt, the interrupted ones included.
-            Ok(()) if submission.attempt_count > submission.max_attempts => Err(Failure {
-                outcome: Outcome::Failed,
-                error: retry_exhausted(submission.attempt_count - 1, submission.max_attempts),
-                transient: false,
-            }),
+            Ok(()) if submission.attempt_count > submission.max_attempts => {
+                response.resolve_earlier_joins().await.and(Err(Failure {
+                    outcome: Outcome::Failed,
+                    error: retry_exhausted(submission.attempt_count - 1, submission.max_attempts),
+                    transient: false,
+                }))
+            }
             // Boxed: the response's state machine is kilobytes, and the futures that await this
             // one would otherwise carry (and move) it inline.
             Ok(()) => {
