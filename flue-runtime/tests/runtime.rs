@@ -1641,6 +1641,69 @@ async fn a_delivery_joined_at_a_terminating_batch_is_answered_by_another_turn() 
     assert_eq!(joined_reply.text, "Refunds take five days.");
 }
 
+#[agent(max_steps = 1)]
+fn capped_planner() -> &'static str {
+    use_model("scripted/x");
+    let dispatch = use_dispatch_message();
+    use_tool(
+        Tool::new("schedule_follow_up")
+            .description("Queue a follow-up message.")
+            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let dispatch = dispatch.clone();
+                async move {
+                    dispatch
+                        .dispatch("follow-up: check the invoice")
+                        .await
+                        .map_err(|e| ToolError::new(e.to_string()))?;
+                    Ok::<_, ToolError>("scheduled")
+                }
+            }),
+    );
+    "You plan work."
+}
+
+#[tokio::test]
+async fn a_delivery_queued_during_a_responses_last_step_is_answered_by_its_own_response_not_joined() {
+    // The batch of the last step `max_steps` allows is no join point: a delivery joined there
+    // would settle with a response that never reads it.
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("schedule_follow_up", json!({})),
+        ScriptedReply::text("The invoice is checked."),
+    ]);
+    let runtime = runtime_with(&model, vec![capped_planner.into()]);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&capped_planner, "capped");
+    let host = handle.send("plan my week").await.unwrap();
+    let mut queued = Vec::new();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut settled = Vec::new();
+    while settled.len() < 2 {
+        let observation = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .expect("both submissions settle")
+            .unwrap();
+        match observation.event {
+            Event::SubmissionQueued { .. } => queued.push(observation.submission_id.unwrap()),
+            Event::SubmissionSettled { outcome, .. } => settled.push((observation.submission_id.unwrap(), outcome)),
+            _ => {}
+        }
+    }
+    let follow_up = queued.iter().find(|id| **id != host.submission_id).unwrap();
+    let row = runtime.store().submission(follow_up).await.unwrap().unwrap();
+    assert_eq!(
+        row.joined_into, None,
+        "the follow-up was not joined into the capped response"
+    );
+    let answer = handle.read(follow_up).await.unwrap();
+    assert_eq!(answer.text, "The invoice is checked.");
+    assert_eq!(model.requests().len(), 2, "one model call for each response");
+    let last_user = model.requests()[1].messages.iter().rev().find_map(|m| match m {
+        ModelMessage::User { content, .. } => Some(content.clone()),
+        _ => None,
+    });
+    assert_eq!(last_user.as_deref(), Some("follow-up: check the invoice"));
+}
+
 static CURSOR: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[agent]

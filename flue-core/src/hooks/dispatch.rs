@@ -10,7 +10,9 @@ use crate::render::is_rendering;
 /// A dispatcher bound to this instance: the same admission as every transport.
 ///
 /// A dispatch to the busy instance joins the live response at its next turn boundary; to an
-/// idle instance it wakes a new response. Panics in subagent renders.
+/// idle instance it wakes a new response. A response that can make no more model steps (its
+/// `max_steps` spent, its execution stopped) joins nothing: the delivery waits in the queue
+/// and gets a response of its own. Panics in subagent renders.
 #[track_caller]
 pub fn use_dispatch_message() -> Dispatcher {
     hook("use_dispatch_message", |frame| {

@@ -1302,6 +1302,12 @@ impl Response<'_> {
         );
     }
 
+    /// Whether the response may make another model step: its step budget is not spent and
+    /// its execution was not stopped.
+    fn can_step(&self, steps: u32, max_steps: u32) -> bool {
+        steps < max_steps && !self.execution.stopped()
+    }
+
     fn check_abort(&self) -> Result<(), Failure> {
         if self.attempt.signal.is_aborted() {
             Err(Failure::aborted())
@@ -1381,6 +1387,11 @@ impl Response<'_> {
         // A tool batch an earlier attempt left uncommitted: its durable calls run again before
         // the next model call. Then the join point before turn 1: deliveries queued behind this
         // one join before the first model call (a resumed, answered response settles as it is).
+        // Every join point is one only while the response can make another model step: a
+        // delivery joined into a response that ends without reading it would settle unanswered.
+        let max_steps = definition.max_steps.unwrap_or(u32::MAX);
+        // The step budget belongs to the response: a re-attempt counts the durable steps.
+        let mut steps = self.conversation.steps(&submission_id);
         let mut ended = already_answered;
         if !already_answered {
             let mut terminated = false;
@@ -1395,14 +1406,11 @@ impl Response<'_> {
             if !deferred.is_empty() {
                 self.commit(deferred, false).await?;
             }
-            let joined = self.join_queued().await?;
+            let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
             ended = terminated && !joined;
         }
         self.spare = Some(rendered);
 
-        let max_steps = definition.max_steps.unwrap_or(u32::MAX);
-        // The step budget belongs to the response: a re-attempt counts the durable steps.
-        let mut steps = self.conversation.steps(&submission_id);
         let mut finish_cycles = self.conversation.finish_cycles(&submission_id);
         loop {
             if ended {
@@ -1412,7 +1420,7 @@ impl Response<'_> {
             if Instant::now() >= deadline {
                 return Err(timed_out());
             }
-            if steps >= max_steps || self.execution.stopped() {
+            if !self.can_step(steps, max_steps) {
                 break;
             }
             let mut rendered = self.render()?;
@@ -1435,7 +1443,7 @@ impl Response<'_> {
                     self.spare = Some(rendered);
                     continue;
                 }
-                if self.join_queued().await? {
+                if self.can_step(steps, max_steps) && self.join_queued().await? {
                     self.spare = Some(rendered);
                     continue;
                 }
@@ -1450,7 +1458,7 @@ impl Response<'_> {
                     }
                     // Joins again after a no-append cycle, in case a hook dispatched: a joined
                     // delivery drives another turn (not a counted cycle).
-                    let joined = self.join_queued().await?;
+                    let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
                     self.spare = Some(rendered);
                     if joined {
                         continue;
@@ -1488,7 +1496,7 @@ impl Response<'_> {
             }
             // A terminating batch ends the turn, but deliveries that join at its end are
             // steered into the loop, which runs on to answer them (reference §3.8).
-            let joined = self.join_queued().await?;
+            let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
             self.spare = Some(rendered);
             if terminate && !joined {
                 break;
