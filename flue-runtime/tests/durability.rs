@@ -1085,6 +1085,48 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     assert_eq!(metadata, 1, "the response-finish batch is durable once");
 }
 
+#[agent]
+fn tallied() -> &'static str {
+    use_model("scripted/x");
+    let (_, responses) = use_persistent_state("responses", 0u32);
+    use_response_finish(move |_ctx| responses.update(|count| count + 1));
+    "Relay."
+}
+
+/// Reference §3.4 "durable effects never duplicate": a finish callback that writes state and
+/// contributes no metadata commits its batch all the same; the re-attempt after a failed
+/// settlement finds that batch and does not run the callback (and its write) again.
+#[tokio::test]
+async fn a_finish_batch_of_state_writes_alone_is_not_made_again_by_a_re_attempt() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let runtime = taking_over(&store, &model, tallied).await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&tallied, "t-1").send("question"),
+    )
+    .await
+    .expect("the submission settles")
+    .unwrap();
+    assert_eq!(reply.text, "the answer");
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the first settlement failed");
+    let writes: Vec<serde_json::Value> = records(&store, &InstanceKey::new("tallied", "t-1"))
+        .await
+        .into_iter()
+        .filter_map(|record| match record.body {
+            RecordBody::StateWrite { name, value } if name == "responses" => Some(value),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(writes, [json!(1)], "the finish callback's write is durable once");
+    assert_eq!(model.requests().len(), 1);
+}
+
 // ---- the delivery cursor and data writes ---------------------------------------------------
 
 #[agent]

@@ -463,6 +463,10 @@ impl Projection {
                 out.push(json!({"type": "data-part", "messageId": response_id, "name": name, "data": data}));
             }
             RecordBody::MessageMetadata { metadata } => {
+                // An empty one only marks a finish batch durable: nothing for a client.
+                if metadata.is_empty() {
+                    return;
+                }
                 let Some(response_id) = submission.and_then(|s| self.responses.get(s)).cloned() else {
                     return;
                 };
@@ -1007,6 +1011,30 @@ mod tests {
         assert_eq!(
             parts(&projection),
             json!([{"type": "text", "text": "Whole answer", "state": "done"}])
+        );
+    }
+
+    #[test]
+    fn an_empty_finish_metadata_record_projects_to_no_chunk() {
+        let mut projection = Projection::new("agents/a/i");
+        let stamped: flue_core::metadata::Metadata = serde_json::from_value(json!({"stamped": true})).unwrap();
+        let chunks = fold(
+            &mut projection,
+            vec![
+                vec![started("step_1"), completed("step_1", "Done")],
+                vec![RecordBody::MessageMetadata {
+                    metadata: Default::default(),
+                }],
+                vec![RecordBody::MessageMetadata { metadata: stamped }],
+            ],
+        );
+        assert_eq!(
+            chunks,
+            [
+                vec!["message-started", "message-delta", "message-completed"],
+                vec![],
+                vec!["message-metadata"]
+            ]
         );
     }
 

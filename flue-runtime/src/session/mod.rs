@@ -1543,7 +1543,10 @@ impl Response<'_> {
                 }
             }
         }
-        let records = if finish_metadata.is_empty() {
+        // The metadata record marks the finish batch durable: recorded whenever callbacks ran,
+        // also empty, since their state writes commit in this batch and a re-attempt that found
+        // no mark would run them (and write) again.
+        let records = if finish_metadata.is_empty() && rendered.response_finishes.is_empty() {
             Vec::new()
         } else {
             vec![self.record(RecordBody::MessageMetadata {
