@@ -15,6 +15,7 @@ use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
 
+use harness::Gated;
 use harness::faulty::FaultyStore;
 
 fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
@@ -684,41 +685,6 @@ async fn a_delivery_joined_by_an_earlier_attempt_settles_when_the_re_attempt_is_
     );
 }
 
-/// A model that holds its `hold`-th call until released.
-struct Gated {
-    inner: ScriptedModel,
-    hold: usize,
-    calls: AtomicUsize,
-    reached: Arc<tokio::sync::Notify>,
-    release: Arc<tokio::sync::Semaphore>,
-}
-
-impl flue_runtime::provider::ModelProvider for Gated {
-    fn id(&self) -> &str {
-        "scripted"
-    }
-    fn context_window(&self, _model: &str) -> Option<u64> {
-        None
-    }
-    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
-        use futures_util::StreamExt;
-        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
-        let stream = self.inner.stream(request);
-        if n != self.hold {
-            return stream;
-        }
-        let (reached, release) = (self.reached.clone(), self.release.clone());
-        Box::pin(
-            futures_util::stream::once(async move {
-                reached.notify_one();
-                release.acquire().await.unwrap().forget();
-                stream
-            })
-            .flatten(),
-        )
-    }
-}
-
 /// Reference §3.4 "on resume `hasPendingSteeredContinuation` detects a durably steered but
 /// unanswered tail (walk back from leaf: a joined entry … before any assistant) and drives the
 /// continuation turn"; §3.3 the joined input is durable. A delivery that joined at the
@@ -733,16 +699,10 @@ async fn a_delivery_joined_after_the_final_answer_is_answered_after_a_re_attempt
         ScriptedReply::text("lost with the failed attempt"),
         ScriptedReply::text("the follow-up is answered"),
     ]);
-    let reached = Arc::new(tokio::sync::Notify::new());
-    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let gated = Gated::new(scripted.clone(), 1);
+    let (reached, release) = (gated.reached.clone(), gated.release.clone());
     let mut providers = ProviderRegistry::new();
-    providers.register(Gated {
-        inner: scripted.clone(),
-        hold: 1,
-        calls: AtomicUsize::new(0),
-        reached: reached.clone(),
-        release: release.clone(),
-    });
+    providers.register(gated);
     let runtime = Runtime::builder()
         .agent(relay)
         .providers(providers)
@@ -807,16 +767,10 @@ async fn a_delivery_joined_by_a_re_attempt_reads_the_hosts_whole_reply() {
         ScriptedReply::text("lost with the failed attempt"),
         ScriptedReply::text("Found it."),
     ]);
-    let reached = Arc::new(tokio::sync::Notify::new());
-    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let gated = Gated::new(scripted.clone(), 2);
+    let (reached, release) = (gated.reached.clone(), gated.release.clone());
     let mut providers = ProviderRegistry::new();
-    providers.register(Gated {
-        inner: scripted.clone(),
-        hold: 2,
-        calls: AtomicUsize::new(0),
-        reached: reached.clone(),
-        release: release.clone(),
-    });
+    providers.register(gated);
     let runtime = Runtime::builder()
         .agent(looker)
         .providers(providers)

@@ -1704,6 +1704,57 @@ async fn a_delivery_queued_during_a_responses_last_step_is_answered_by_its_own_r
     assert_eq!(last_user.as_deref(), Some("follow-up: check the invoice"));
 }
 
+#[tokio::test]
+async fn a_send_whose_message_joined_another_response_returns_when_that_response_settles() {
+    // The message is queued behind another: it joins that response before its first model
+    // call. The response's tool queues a follow-up its spent step budget does not join; the
+    // sender is answered when the response settles, not once the follow-up's response (held
+    // here) is done too.
+    let scripted = ScriptedModel::new([
+        ScriptedReply::tool_call("schedule_follow_up", json!({})),
+        ScriptedReply::text("The invoice is checked."),
+    ]);
+    let gated = harness::Gated::new(scripted.clone(), 2);
+    let release = gated.release.clone();
+    let mut providers = ProviderRegistry::new();
+    providers.register(gated);
+    let runtime = Runtime::builder()
+        .agent(capped_planner)
+        .providers(providers)
+        .store(MemoryStore::new())
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let key = InstanceKey::new("capped_planner", "ahead");
+    runtime
+        .store()
+        .admit(harness::admission(&key, "sub_ahead", "plan my week"))
+        .await
+        .unwrap();
+    let handle = runtime.init(&capped_planner, "ahead");
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("and book the flights"))
+        .await
+        .expect("the send returns once the response that answered it settles")
+        .unwrap();
+    let row = runtime.store().submission(&reply.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.joined_into.as_deref(), Some("sub_ahead"));
+    let mut follow_up = None;
+    while let Ok(observation) = events.try_recv() {
+        if let Event::SubmissionQueued { .. } = observation.event
+            && observation.submission_id.as_deref() != Some(reply.submission_id.as_str())
+        {
+            follow_up = observation.submission_id;
+        }
+    }
+    let follow_up = follow_up.expect("the tool queued a follow-up");
+    release.add_permits(1);
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&follow_up))
+        .await
+        .expect("the follow-up is answered by a worker")
+        .unwrap();
+    assert_eq!(answer.text, "The invoice is checked.");
+}
+
 static CURSOR: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[agent]

@@ -343,9 +343,16 @@ impl InstanceSlot {
                         tracestate = submission.trace.as_ref().and_then(|trace| trace.tracestate.as_deref()),
                     );
                     let (settled, left) = self
-                        .process(&runtime, submission, attempt_id.clone())
+                        .process(&runtime, submission, attempt_id.clone(), until)
                         .instrument(span)
                         .await;
+                    // `until` joined the response just settled: its sender reads the host's
+                    // reply from the store, and the rest of the queue is a worker's.
+                    let (done, settled) = if done {
+                        (true, settled)
+                    } else {
+                        (left.is_some_and(|left| left.settled_until), None)
+                    };
                     self.binding.release(&attempt_id);
                     *running = None;
                     seen = self.wakes.load(Ordering::SeqCst);
@@ -393,12 +400,13 @@ impl InstanceSlot {
     /// Runs one claimed submission to its settlement. Returns the settlement when this call
     /// made it durable and the reply is complete in what this attempt committed (its first
     /// attempt): the sender then needs no read of the store. With it, the queue as the
-    /// settlement left it, when the settlement committed.
+    /// settlement left it, when the settlement committed (and whether `until` settled with it).
     async fn process(
         &self,
         runtime: &Arc<RuntimeInner>,
         submission: Submission,
         attempt_id: String,
+        until: Option<&str>,
     ) -> (Option<Settled>, Option<QueueLeft>) {
         let Some(agent) = runtime.agents.get(&*self.key.agent).cloned() else {
             return (None, None);
@@ -636,7 +644,11 @@ impl InstanceSlot {
         {
             Ok(queued) => {
                 self.binding.note_append();
-                Some(QueueLeft { admissions, queued })
+                Some(QueueLeft {
+                    admissions,
+                    queued,
+                    settled_until: until.is_some_and(|until| joined_ids.iter().any(|id| id == until)),
+                })
             }
             Err(store_error) => {
                 tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
@@ -680,6 +692,9 @@ struct QueueLeft {
     admissions: u64,
     /// Whether that transaction saw a submission still queued.
     queued: bool,
+    /// Whether the submission the worker loop runs until was joined into the one that
+    /// settled, and so settled with it.
+    settled_until: bool,
 }
 
 /// A settlement as the task that made it durable knows it.

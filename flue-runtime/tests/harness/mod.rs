@@ -251,3 +251,51 @@ pub async fn assert_settles_aborted(
     };
     assert_eq!((outcome, error_type.as_str()), ("was aborted", "submission_aborted"));
 }
+
+/// A model that holds its `hold`-th call until released: `reached` is notified when the call
+/// starts, and one permit added to `release` lets it go on.
+pub struct Gated {
+    inner: ScriptedModel,
+    hold: usize,
+    calls: std::sync::atomic::AtomicUsize,
+    pub reached: std::sync::Arc<tokio::sync::Notify>,
+    pub release: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl Gated {
+    pub fn new(inner: ScriptedModel, hold: usize) -> Self {
+        Self {
+            inner,
+            hold,
+            calls: std::sync::atomic::AtomicUsize::new(0),
+            reached: std::sync::Arc::new(tokio::sync::Notify::new()),
+            release: std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
+}
+
+impl flue_runtime::provider::ModelProvider for Gated {
+    fn id(&self) -> &str {
+        "scripted"
+    }
+    fn context_window(&self, _model: &str) -> Option<u64> {
+        None
+    }
+    fn stream(&self, request: &ModelRequest) -> flue_runtime::provider::ModelStream {
+        use futures_util::StreamExt;
+        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        let stream = self.inner.stream(request);
+        if n != self.hold {
+            return stream;
+        }
+        let (reached, release) = (self.reached.clone(), self.release.clone());
+        Box::pin(
+            futures_util::stream::once(async move {
+                reached.notify_one();
+                release.acquire().await.unwrap().forget();
+                stream
+            })
+            .flatten(),
+        )
+    }
+}
