@@ -532,7 +532,8 @@ pub enum RecoveryOperation {
     ProcessSubmission,
     /// A scan: listing expired leases or instances with queued work.
     ReconcilePass,
-    /// Carrying an abort requested elsewhere to the attempts this node runs.
+    /// Carrying an abort requested elsewhere to the attempts this node runs, or settling over
+    /// an attempt that did not end within its grace after its abort signal fired.
     EnforceDeadline,
 }
 
@@ -545,6 +546,9 @@ pub enum RecoveryOutcome {
     /// The submission's agent is not registered with this node: it is left to a node that
     /// runs it.
     AgentUnavailable,
+    /// The attempt did not end within its grace after its abort signal fired (a timeout or an
+    /// abort): it was given up where it hung and the submission settled over it.
+    Terminated,
 }
 
 /// Why a model call was made (a turn's `purpose`).

@@ -127,6 +127,11 @@ pub struct RuntimeOptions {
     /// [`RecordBody::AssistantTextDelta`]: crate::record::RecordBody::AssistantTextDelta
     /// [`RecordBody::AssistantReasoningDelta`]: crate::record::RecordBody::AssistantReasoningDelta
     pub text_flush: Option<Duration>,
+    /// How long an attempt may take to end after its abort signal fired (its timeout, an
+    /// abort, the node stopping). Code that ignores the signal — a callback awaiting what never
+    /// ends — is then given up where it waits and the submission settles over it, so one hung
+    /// callback cannot hold its instance forever.
+    pub settle_grace: Duration,
 }
 
 impl Default for RuntimeOptions {
@@ -140,6 +145,7 @@ impl Default for RuntimeOptions {
             scan_interval: Duration::from_secs(15),
             cached_instances: 1024,
             text_flush: Some(Duration::from_secs(1)),
+            settle_grace: Duration::from_secs(60),
         }
     }
 }
@@ -495,6 +501,18 @@ impl RuntimeInner {
         outcome: crate::events::RecoveryOutcome,
         error: Option<&dyn std::fmt::Display>,
     ) {
+        let error = error.map(|error| crate::record::SettlementError::new("store_failure", error.to_string()));
+        self.emit_recovery_error(concerns, operation, outcome, error);
+    }
+
+    /// [`RuntimeInner::emit_recovery`] with an error of any type.
+    pub(crate) fn emit_recovery_error(
+        &self,
+        concerns: Concerning<'_>,
+        operation: crate::events::RecoveryOperation,
+        outcome: crate::events::RecoveryOutcome,
+        error: Option<crate::record::SettlementError>,
+    ) {
         let (key, submission_id, submission) = match concerns {
             Concerning::Pass => (None, None, None),
             Concerning::Instance(key) => (Some(key), None, None),
@@ -507,7 +525,7 @@ impl RuntimeInner {
             outcome,
             attempt_count: submission.map(|submission| submission.attempt_count),
             max_attempts: submission.map(|submission| submission.max_attempts),
-            error: error.map(|error| crate::record::SettlementError::new("store_failure", error.to_string())),
+            error,
         });
     }
 

@@ -1263,6 +1263,74 @@ async fn the_timeout_aborts_a_live_attempt_wherever_it_waits_and_settles_it_as_t
     assert_eq!(model.requests().len(), 1, "no model call after the deadline");
 }
 
+static STUCK_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn stuck_starter() -> &'static str {
+    use_model("scripted/x");
+    use_agent_start(|_ctx| async {
+        // The first delivery's callback awaits what never ends, deaf to the abort signal.
+        if STUCK_STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            std::future::pending::<()>().await;
+        }
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "Start."
+}
+
+#[tokio::test]
+async fn a_callback_deaf_to_an_abort_is_given_up_after_the_grace_and_the_instance_goes_on() {
+    use flue_runtime::events::{RecoveryOperation, RecoveryOutcome};
+    let model = ScriptedModel::new([ScriptedReply::text("the next one is answered")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(stuck_starter)
+        .providers(providers)
+        .store(MemoryStore::new())
+        .options(RuntimeOptions {
+            settle_grace: std::time::Duration::from_millis(100),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let handle = runtime.init(&stuck_starter, "stuck");
+    let sender = handle.clone();
+    let stuck = tokio::spawn(async move { sender.send("hello").await });
+    while STUCK_STARTS.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    harness::assert_settles_aborted(stuck).await;
+    let mut terminated = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::SubmissionRecovery {
+            operation: RecoveryOperation::EnforceDeadline,
+            outcome: RecoveryOutcome::Terminated,
+            error,
+            ..
+        } = observation.event
+        {
+            let error = error.unwrap();
+            terminated.push((error.error_type, error.message));
+        }
+    }
+    assert_eq!(
+        terminated,
+        [(
+            "attempt_given_up".to_owned(),
+            "The response did not end within 0.1 s after its abort signal fired (Submission was aborted.).".to_owned()
+        )]
+    );
+    // The instance is not held by the hung callback: the next message is answered.
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("again"))
+        .await
+        .expect("the instance is free")
+        .unwrap();
+    assert_eq!(reply.text, "the next one is answered");
+}
+
 #[agent]
 fn parallel() -> &'static str {
     use_model("scripted/x");

@@ -514,6 +514,7 @@ impl InstanceSlot {
             operation_kind: OperationKind::Prompt,
         });
         runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
+        let mut given_up = false;
         let result = match refreshed {
             Ok(()) if answered => response.run().await,
             // Ended before the response runs: the deliveries an earlier attempt joined settle
@@ -530,13 +531,35 @@ impl InstanceSlot {
             // Boxed: the response's state machine is kilobytes, and the futures that await this
             // one would otherwise carry (and move) it inline.
             Ok(()) => {
-                Deadline::new(
+                let run = Deadline::new(
                     Box::pin(response.run()),
                     deadline,
                     attempt.signal.clone(),
                     TIMEOUT_MESSAGE,
-                )
-                .await
+                    runtime.options.settle_grace,
+                );
+                match run.await {
+                    Some(result) => result,
+                    None => {
+                        // Given up where it hung: what it held in memory is not trusted.
+                        given_up = true;
+                        let reason = attempt.signal.reason().unwrap_or_default().to_owned();
+                        tracing::error!(instance = %self.key, submission = %submission.id, %reason, "the response did not end within its grace after its abort signal fired; settling over it");
+                        runtime.emit_recovery_error(
+                            Concerning::Row(&submission),
+                            RecoveryOperation::EnforceDeadline,
+                            RecoveryOutcome::Terminated,
+                            Some(SettlementError::new(
+                                "attempt_given_up",
+                                format!(
+                                    "The response did not end within {} s after its abort signal fired ({reason}).",
+                                    runtime.options.settle_grace.as_secs_f64()
+                                ),
+                            )),
+                        );
+                        Err(Failure::aborted())
+                    }
+                }
             }
             Err(failure) => Err(failure),
         };
@@ -678,6 +701,9 @@ impl InstanceSlot {
             }
         }
         self.binding.set_current(None);
+        if given_up {
+            *conversation = Conversation::default();
+        }
         drop(conversation);
         runtime.notify_settled(joined_ids.iter().chain(std::iter::once(&submission.id)));
         let settled = (left.is_some() && submission.attempt_count == 1).then_some(Settled { outcome, error, reply });
