@@ -258,6 +258,38 @@ fn fragile() -> &'static str {
     "x"
 }
 
+/// Reference §3.9 step 4 and the `submission_interrupted` error: a budget spent before any
+/// attempt applied the input settles as an interruption before input, not as retry
+/// exhaustion.
+#[tokio::test]
+async fn a_budget_spent_before_the_input_was_applied_settles_as_interrupted_before_input() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::echo();
+    let runtime = runtime(&store, &model, fragile);
+    store.fail_always(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    let error = runtime.init(&fragile, "f-input").send("hi").await.unwrap_err();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 2, "one failed input per attempt");
+    let RuntimeError::Run {
+        error_type,
+        message,
+        meta,
+        ..
+    } = error
+    else {
+        panic!("run error")
+    };
+    assert_eq!(error_type, "submission_interrupted");
+    assert_eq!(
+        message,
+        "Submission was repeatedly interrupted before input application and exhausted its retry budget."
+    );
+    assert_eq!(
+        meta.map(|meta| serde_json::Value::Object(*meta)),
+        Some(json!({"phase": "retry_exhausted_before_input", "attemptCount": 2, "maxAttempts": 2}))
+    );
+    assert!(model.requests().is_empty(), "no model call started");
+}
+
 #[tokio::test]
 async fn repeated_store_failures_exhaust_the_attempt_budget() {
     let store = FaultyStore::default();

@@ -440,6 +440,9 @@ impl InstanceSlot {
         // A response whose final answer is durable (an attempt died before settling it) settles
         // as completed: even past its budget, after an abort request or with its attempts used.
         let answered = refreshed.is_ok() && conversation.has_final_answer(&submission.id);
+        // Whether the submission's input is in the stream: a budget spent before it was is an
+        // interruption before input (unknown when the stream could not be read).
+        let input_applied = refreshed.is_err() || conversation.has_input(&submission.id);
         // The live deadline: at the budget's end the attempt is aborted wherever it waits (a
         // model stream, a tool, a retry delay) and settles as timed out.
         let deadline = deadline_of(&submission, agent.get().definition().durability.timeout);
@@ -524,7 +527,7 @@ impl InstanceSlot {
             Ok(()) if submission.attempt_count > submission.max_attempts => {
                 response.resolve_earlier_joins().await.and(Err(Failure {
                     outcome: Outcome::Failed,
-                    error: retry_exhausted(submission.attempt_count - 1, submission.max_attempts),
+                    error: budget_spent(input_applied, submission.attempt_count - 1, submission.max_attempts),
                     transient: false,
                 }))
             }
@@ -636,8 +639,10 @@ impl InstanceSlot {
                     }
                 }
                 if failure.transient {
+                    // Applied now, if not before: this attempt may have applied it.
+                    let applied = input_applied || conversation.has_input(&submission.id);
                     *conversation = Conversation::default();
-                    let exhausted = retry_exhausted(submission.attempt_count, submission.max_attempts);
+                    let exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);
                     (Outcome::Failed, Some(exhausted))
                 } else {
                     (failure.outcome, Some(failure.error))
@@ -2790,6 +2795,28 @@ fn metadata_failure(hook: &str, index: usize, error: flue_core::event_hooks::Met
 }
 
 /// The settlement error of a submission whose attempts ran out: `attempts` of `max`.
+/// The settlement error of a spent attempt budget: an interruption before input when no
+/// attempt applied the submission's input (no model call ever started), else retry
+/// exhaustion.
+fn budget_spent(input_applied: bool, attempts: u32, max: u32) -> SettlementError {
+    if input_applied {
+        return retry_exhausted(attempts, max);
+    }
+    let mut meta = serde_json::Map::new();
+    meta.insert("phase".into(), "retry_exhausted_before_input".into());
+    meta.insert("attemptCount".into(), attempts.into());
+    meta.insert("maxAttempts".into(), max.into());
+    let mut error = SettlementError::new(
+        "submission_interrupted",
+        "Submission was repeatedly interrupted before input application and exhausted its retry budget.",
+    )
+    .with_meta(meta);
+    error.details = format!(
+        "All {attempts} attempts ended before the submission's input was applied: it was never processed and no model call started."
+    );
+    error
+}
+
 fn retry_exhausted(attempts: u32, max: u32) -> SettlementError {
     let mut meta = serde_json::Map::new();
     meta.insert("attemptCount".into(), attempts.into());
