@@ -913,6 +913,56 @@ async fn max_steps_caps_a_response_across_its_attempts() {
     assert_eq!(steps, 2, "max_steps = 2 durable model steps in the response");
 }
 
+/// Writes the audit trail.
+#[tool]
+async fn audit() -> String {
+    "audited".into()
+}
+
+/// Looks it up, and queues an audit of the lookup.
+#[tool]
+async fn audited_look(ctx: &ToolContext) -> Result<String, ToolError> {
+    ctx.thread()
+        .unwrap()
+        .queue_tool(audit, json!({}))
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok("found".into())
+}
+
+#[agent(max_steps = 2)]
+fn audited_looker() -> &'static str {
+    use_model("scripted/x");
+    use_tool(audited_look);
+    "Look things up."
+}
+
+/// The step budget counts model steps: the step that runs calls queued with `queue_tool` is
+/// none, live or read back by a re-attempt.
+#[tokio::test]
+async fn a_re_attempt_counts_only_model_steps_against_max_steps() {
+    let store = FaultyStore::default();
+    // Batches that start a step: model step 1, the queued calls' step, model step 2 (failed).
+    store.fail_once(nth_step_batch(3));
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("audited_look", json!({})),
+        ScriptedReply::text("lost with the failed attempt"),
+        ScriptedReply::text("Found it."),
+    ]);
+    let runtime = runtime(&store, &model, audited_looker);
+    let reply = runtime
+        .init(&audited_looker, "a-1")
+        .send("Where is order 7?")
+        .await
+        .unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        model.requests().len(),
+        3,
+        "the re-attempt still has its second model step"
+    );
+    assert_eq!(reply.text, "Found it.");
+}
+
 /// Repeat the text.
 #[tool]
 async fn echo(

@@ -128,6 +128,9 @@ pub(crate) enum DeliveryCursor {
 
 struct OpenStep {
     tool_calls: Vec<ModelToolCall>,
+    /// Made by a model call (it has a turn), not by calls queued with `queue_tool`: only these
+    /// count against `max_steps`.
+    model_call: bool,
 }
 
 /// A tool outcome waiting for its batch's commit marker.
@@ -470,8 +473,11 @@ impl Conversation {
             RecordBody::AssistantMessageCompleted { stop_reason, usage, .. } => {
                 self.terminated = false;
                 if let Some(id) = submission {
+                    let model_call = self.open_step.as_ref().is_none_or(|step| step.model_call);
                     let progress = self.progress_of(id);
-                    progress.steps += 1;
+                    if model_call {
+                        progress.steps += 1;
+                    }
                     progress.usage += *usage;
                     let final_answer = self.open_step.as_ref().is_some_and(|step| step.tool_calls.is_empty())
                         && *stop_reason != crate::provider::StopReason::ToolUse;
@@ -541,9 +547,12 @@ impl Conversation {
                 row.rendered = Some(Box::new(rendering));
                 self.push(message, row);
             }
-            RecordBody::AssistantMessageStarted { .. } => {
+            RecordBody::AssistantMessageStarted { turn_id, .. } => {
                 self.close_dangling_calls();
-                self.open_step = Some(OpenStep { tool_calls: Vec::new() });
+                self.open_step = Some(OpenStep {
+                    tool_calls: Vec::new(),
+                    model_call: turn_id.is_some(),
+                });
             }
             RecordBody::AssistantToolCall {
                 tool_call_id,

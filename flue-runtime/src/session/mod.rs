@@ -2403,9 +2403,6 @@ impl Response<'_> {
         .await;
     }
 
-    /// Runs the calls queued with `queue_tool` as a step of their own (stored as the calls of
-    /// an assistant step without text, then a tool batch); `None` when nothing was queued, else
-    /// whether every result asked to end the turn.
     /// Logs (a `warn` event and the log) the calls `queue_tool` asked for that the response
     /// ended without running, and forgets them.
     fn warn_unrun_queued_tools(&self) {
@@ -2423,6 +2420,10 @@ impl Response<'_> {
         self.logger().warn(message);
     }
 
+    /// Runs the calls queued with `queue_tool` as a step of their own (stored as the calls of
+    /// an assistant step without text or turn, then a tool batch; no model step, so not counted
+    /// against `max_steps`); `None` when nothing was queued, else whether every result asked to
+    /// end the turn.
     async fn run_queued_tools(&mut self, rendered: &Rendered, spec: &str) -> Result<Option<bool>, Failure> {
         let Some(view) = &self.thread else { return Ok(None) };
         let queued = view.take_queued_tools();
