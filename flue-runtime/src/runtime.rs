@@ -729,7 +729,7 @@ impl RuntimeInner {
                 initial_data: request.initial_data,
                 uid: request.uid,
                 max_attempts: definition.durability.max_attempts,
-                timeout_ms: definition.durability.timeout.as_millis() as u64,
+                timeout_ms: u64::try_from(definition.durability.timeout.as_millis()).unwrap_or(u64::MAX),
                 claim,
                 trace: request.trace,
             })

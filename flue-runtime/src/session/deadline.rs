@@ -75,7 +75,9 @@ impl<F: Future> Future for Deadline<F> {
                 return Poll::Pending;
             }
             *this.in_grace = true;
-            this.timer.as_mut().reset(Instant::now() + *this.grace);
+            this.timer
+                .as_mut()
+                .reset(Instant::from_std(super::later_by(*this.grace)));
         }
         match this.timer.poll(cx) {
             Poll::Ready(()) => Poll::Ready(None),
@@ -184,6 +186,14 @@ mod tests {
             "given up at the grace's end, long before the deadline"
         );
         assert_eq!(signal.reason(), Some("user"), "the abort's reason stays");
+    }
+
+    #[test]
+    fn a_wait_no_clock_can_add_is_a_century_not_a_panic() {
+        let far = super::super::later_by(Duration::MAX);
+        assert!(far > std::time::Instant::now() + Duration::from_secs(50 * 365 * 24 * 3600));
+        let near = super::super::later_by(Duration::from_secs(5));
+        assert!(near <= std::time::Instant::now() + Duration::from_secs(5));
     }
 
     #[tokio::test(start_paused = true)]

@@ -2839,8 +2839,17 @@ const TIMEOUT_MESSAGE: &str = "Submission exceeded the configured timeout.";
 /// When the submission's budget runs out. The budget runs from the first claim across every
 /// attempt: a re-attempt after a crash inherits what is left of it.
 fn deadline_of(submission: &Submission, timeout: Duration) -> Instant {
-    match submission.timeout_at_ms {
-        0 => Instant::now() + timeout,
-        at => Instant::now() + Duration::from_millis(at.saturating_sub(crate::store::now_ms())),
-    }
+    let left = match submission.timeout_at_ms {
+        0 => timeout,
+        at => Duration::from_millis(at.saturating_sub(crate::store::now_ms())),
+    };
+    later_by(left)
+}
+
+/// `Instant::now()` plus `wait`, or about a century from now for a wait no clock can add
+/// (a budget of `Duration::MAX` means none).
+pub(crate) fn later_by(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }

@@ -437,7 +437,8 @@ pub(crate) fn start_attempt(row: &mut Submission, claim: &Claim) {
     row.lease_until_ms = claim.lease_until_ms;
     row.attempt_count += 1;
     if row.timeout_at_ms == 0 {
-        row.timeout_at_ms = now_ms() + row.timeout_ms;
+        // `u64::MAX` (no budget) stays never; nothing overflows.
+        row.timeout_at_ms = now_ms().saturating_add(row.timeout_ms);
     }
 }
 

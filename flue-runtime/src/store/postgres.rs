@@ -223,7 +223,7 @@ const HEAD: &str = "SELECT id, status FROM flue_submissions \
 const CLAIM: &str = concat!(
     "UPDATE flue_submissions SET status = 'running', attempt_id = $2, owner_id = $3, \
      lease_until_ms = $4::TEXT::NUMERIC, attempt_count = attempt_count + 1, \
-     timeout_at_ms = CASE WHEN timeout_at_ms = 0 THEN $5::TEXT::NUMERIC + timeout_ms ELSE timeout_at_ms END \
+     timeout_at_ms = CASE WHEN timeout_at_ms = 0 THEN LEAST($5::TEXT::NUMERIC + timeout_ms, 18446744073709551615) ELSE timeout_at_ms END \
      WHERE id = $1 AND status = 'queued' RETURNING ",
     submission_columns!()
 );

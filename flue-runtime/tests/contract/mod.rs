@@ -2079,11 +2079,13 @@ pub async fn stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_
 /// An agent's own durability rather than the defaults (10 attempts, one hour): the attempt
 /// budget and the wall-clock budget are stamped at admission and kept through every claim.
 /// The values reach past 32 bits (an attempt budget past `i32`, a timeout past `u32`
-/// milliseconds), which a narrow column would not keep.
+/// milliseconds), which a narrow column would not keep; a timeout of `u64::MAX` (no budget)
+/// keeps a deadline of never, without overflowing.
 pub async fn keeps_a_custom_attempt_budget_and_timeout_through_admission_and_claims(store: Factory) {
     let budgets = [
         ("tight", 1_u32, 1_500_u64, false),
         ("wide", u32::MAX, 5_000_000_000_u64, true),
+        ("endless", 3, u64::MAX, false),
     ];
     for (instance, max_attempts, timeout_ms, claim_at_admission) in budgets {
         let id = format!("{instance}-1");
@@ -2121,7 +2123,7 @@ pub async fn keeps_a_custom_attempt_budget_and_timeout_through_admission_and_cla
         let deadline = claimed.timeout_at_ms;
         assert_eq!(durability(&claimed), (max_attempts, timeout_ms), "{instance}");
         assert!(
-            (before + timeout_ms..=now_ms() + timeout_ms).contains(&deadline),
+            (before.saturating_add(timeout_ms)..=now_ms().saturating_add(timeout_ms)).contains(&deadline),
             "{instance}: the deadline is the first claim plus the custom budget: {deadline}"
         );
         assert_eq!(row(&store, &id).await, claimed, "{instance}: read back after the claim");
