@@ -80,7 +80,6 @@ impl Feed {
         let mut state = self.state.lock().await;
         let polled_recently = !runtime.store.shared() || state.last_read.elapsed() < poll;
         let unchanged = state.started && appends == state.seen_appends && polled_recently;
-        state.seen_appends = appends;
         if !unchanged {
             state.last_read = tokio::time::Instant::now();
         }
@@ -98,6 +97,9 @@ impl Feed {
             let batches = runtime.store.read(&self.key, state.offset).await?;
             state.push(&batches);
         }
+        // Counted as seen only once read: a read that failed (or was dropped with its reader)
+        // leaves the next reader to read what the appends announced.
+        state.seen_appends = appends;
         if after >= state.offset {
             return Ok(Delivery::Frames(Vec::new(), after));
         }
