@@ -13,8 +13,10 @@ use axum::http::{HeaderMap, Method, header};
 use flue_core::BoxFuture;
 use sha2::{Digest, Sha256};
 
-/// What a request asks for, as the authorization callback sees it.
-#[derive(Clone, Copy, Debug)]
+/// What a request asks for, as the authorization callback sees it. Its `Debug` shows the
+/// values of credential headers (`Authorization`, `Cookie`, `Proxy-Authorization`) as
+/// `[redacted]`, so logging a request logs no secret.
+#[derive(Clone, Copy)]
 pub struct AccessRequest<'a> {
     /// The method.
     pub method: &'a Method,
@@ -31,6 +33,35 @@ pub struct AccessRequest<'a> {
     pub instance_id: Option<&'a str>,
     /// The user addressed (`/users/:userId/events`); `None` elsewhere.
     pub user_id: Option<&'a str>,
+}
+
+/// Headers whose values are credentials.
+const CREDENTIAL_HEADERS: [header::HeaderName; 3] =
+    [header::AUTHORIZATION, header::COOKIE, header::PROXY_AUTHORIZATION];
+
+impl fmt::Debug for AccessRequest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let headers: Vec<(&str, &dyn fmt::Debug)> = self
+            .headers
+            .iter()
+            .map(|(name, value)| {
+                let shown: &dyn fmt::Debug = if CREDENTIAL_HEADERS.contains(name) {
+                    &"[redacted]"
+                } else {
+                    value
+                };
+                (name.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("AccessRequest")
+            .field("method", self.method)
+            .field("path", &self.path)
+            .field("headers", &headers)
+            .field("agent", &self.agent)
+            .field("instance_id", &self.instance_id)
+            .field("user_id", &self.user_id)
+            .finish()
+    }
 }
 
 /// Why a request is refused.
@@ -165,5 +196,34 @@ impl Authorize for BearerTokens {
             }
         })();
         Box::pin(async move { result })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::{HeaderMap, HeaderValue, Method, header};
+
+    use super::AccessRequest;
+
+    #[test]
+    fn an_access_requests_debug_redacts_its_credentials_and_keeps_other_headers() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer tok-s3cr3t"));
+        headers.insert(header::COOKIE, HeaderValue::from_static("session=c00kie"));
+        headers.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic pr0xy"));
+        headers.insert(header::USER_AGENT, HeaderValue::from_static("probe/1"));
+        let request = AccessRequest {
+            method: &Method::POST,
+            path: "/agents/a/i",
+            headers: &headers,
+            agent: Some("a"),
+            instance_id: Some("i"),
+            user_id: None,
+        };
+        let shown = format!("{request:?}");
+        for secret in ["tok-s3cr3t", "c00kie", "pr0xy"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("[redacted]") && shown.contains("probe/1"), "{shown}");
     }
 }
