@@ -1535,7 +1535,7 @@ mod tests {
         let step = filtered
             .iter()
             .position(|message| matches!(message, ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty()))
-            .unwrap();
+            .expect("the step with calls");
         assert!(
             matches!(&filtered[step + 1], ModelMessage::Tool { tool_call_id, is_error: true, .. } if tool_call_id == "call-1"),
             "{filtered:?}"
