@@ -557,8 +557,12 @@ impl Store for MemoryStore {
             .instances
             .get(key)
             .map(|instance| {
-                let start = after.map_or(0, |after| after as usize + 1);
-                instance.batches.get(start..).map(<[Batch]>::to_vec).unwrap_or_default()
+                // Past the last offset there can be (no overflow at `u64::MAX`), nothing.
+                let start = after.map_or(Some(0), |after| usize::try_from(after).ok()?.checked_add(1));
+                start
+                    .and_then(|start| instance.batches.get(start..))
+                    .map(<[Batch]>::to_vec)
+                    .unwrap_or_default()
             })
             .unwrap_or_default();
         ready(Ok(batches))

@@ -1991,6 +1991,9 @@ pub async fn replays_strictly_after_a_batch_offset(store: Factory) {
     assert_eq!(after.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [3, 4]);
     assert_eq!(store.read(&stream, None).await.unwrap().len(), 5);
     assert!(store.read(&key("assistant", "unknown"), None).await.unwrap().is_empty());
+    // After the last offset there can be, nothing (no overflow on the way).
+    assert!(store.read(&stream, Some(u64::MAX)).await.unwrap().is_empty());
+    assert!(store.read(&stream, Some(u64::MAX - 1)).await.unwrap().is_empty());
 }
 
 pub async fn gives_concurrent_appends_distinct_consecutive_offsets(store: Factory) {
