@@ -32,7 +32,7 @@ use serde_json::{Map, Value, json};
 use crate::provider::sse::SseParser;
 
 /// Why a client call failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum ClientError {
     /// The server answered with the error envelope.
     #[error("{status} {error_type}: {message} {details}")]
@@ -61,6 +61,11 @@ pub enum ClientError {
     /// The server could not be reached, or answered something that is not the protocol.
     #[error("{0}")]
     Transport(String),
+    /// The request cannot be made as asked: a base URL that is not an `http(s)` URL a path can
+    /// be added to, or an agent name or instance id that no URL can carry (`.` and `..`,
+    /// which every URL parser resolves as a path step instead of sending them).
+    #[error("{0}")]
+    InvalidRequest(String),
     /// A followed stream sent an event the client cannot read (larger than the client's
     /// bound ([`Client::with_max_event_bytes`]), not UTF-8, or whose data is not JSON), or the
     /// server answered it with something that is not the protocol (a success that is not an
@@ -109,7 +114,9 @@ const DEFAULT_RECONNECT_LIMIT: u32 = 10;
 #[derive(Clone)]
 pub struct Client {
     http: reqwest::Client,
-    base: String,
+    /// The server's root, without a fragment; its query (a gateway's, say) goes with every
+    /// request.
+    base: reqwest::Url,
     token: Option<String>,
     /// How long a followed stream may stay silent before its connection is taken for dead.
     idle_timeout: Duration,
@@ -126,7 +133,7 @@ pub struct Client {
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("base", &url_without_secrets(&self.base))
+            .field("base", &url_without_secrets(self.base.as_str()))
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("idle_timeout", &self.idle_timeout)
             .field("request_timeout", &self.request_timeout)
@@ -136,14 +143,26 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
-    /// A client of the server at `base_url` (its root: agents are under `/agents/<name>`).
+    /// A client of the server at `base_url` (its root: agents are under `/agents/<name>`
+    /// below its path). A query of the base URL goes with every request; a fragment is
+    /// dropped. [`ClientError::InvalidRequest`] when it is not an `http` or `https` URL.
     pub fn new(base_url: impl Into<String>) -> Result<Self, ClientError> {
+        let base_url = base_url.into();
+        let invalid = |why: &dyn std::fmt::Display| {
+            ClientError::InvalidRequest(format!("the base URL {} {why}", url_without_secrets(&base_url)))
+        };
+        let mut base =
+            reqwest::Url::parse(&base_url).map_err(|error| invalid(&format_args!("is not a URL ({error})")))?;
+        if !matches!(base.scheme(), "http" | "https") {
+            return Err(invalid(&"is not an http or https URL"));
+        }
+        base.set_fragment(None);
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .build()?;
         Ok(Self {
             http,
-            base: base_url.into().trim_end_matches('/').to_owned(),
+            base,
             token: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
@@ -195,42 +214,51 @@ impl Client {
         self
     }
 
-    /// The instance `id` of the agent `agent`.
+    /// The instance `id` of the agent `agent`. Any text is carried (percent-encoded as one
+    /// path segment) but `.` and `..`: the instance's requests fail with
+    /// [`ClientError::InvalidRequest`] rather than reach another URL.
     pub fn instance(&self, agent: &str, id: &str) -> Instance {
         Instance {
             client: self.clone(),
-            url: format!("{}/agents/{}/{}", self.base, encode(agent), encode(id)),
+            url: self.endpoint(&["agents", agent, id]),
         }
     }
 
     /// The agents the server serves (`GET /agents`).
     pub async fn catalog(&self) -> Result<Value, ClientError> {
-        let response = self
-            .call(reqwest::Method::GET, &format!("{}/agents", self.base))
-            .send()
-            .await?;
+        let url = self.endpoint(&["agents"])?;
+        let response = self.call(reqwest::Method::GET, url).send().await?;
         json_of(response).await
     }
 
+    /// The URL of `segments` below the base URL's path, each percent-encoded as one segment,
+    /// with the base URL's query.
+    fn endpoint(&self, segments: &[&str]) -> Result<reqwest::Url, ClientError> {
+        if let Some(dots) = segments.iter().find(|segment| matches!(**segment, "." | "..")) {
+            return Err(ClientError::InvalidRequest(format!(
+                "\"{dots}\" cannot be an agent name or instance id in a URL: URL parsers take it for a path step"
+            )));
+        }
+        let mut url = self.base.clone();
+        url.path_segments_mut()
+            .map_err(|()| ClientError::InvalidRequest("the base URL cannot have a path".into()))?
+            .pop_if_empty()
+            .extend(segments);
+        Ok(url)
+    }
+
     /// A request answered whole (not a followed stream), bounded by the request timeout.
-    fn call(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+    fn call(&self, method: reqwest::Method, url: reqwest::Url) -> reqwest::RequestBuilder {
         self.request(method, url).timeout(self.request_timeout)
     }
 
-    fn request(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+    fn request(&self, method: reqwest::Method, url: reqwest::Url) -> reqwest::RequestBuilder {
         let request = self.http.request(method, url);
         match &self.token {
             Some(token) => request.bearer_auth(token),
             None => request,
         }
     }
-}
-
-/// One segment of a URL path, percent-encoded.
-fn encode(segment: &str) -> String {
-    form_urlencoded::byte_serialize(segment.as_bytes())
-        .collect::<String>()
-        .replace('+', "%20")
 }
 
 /// The body of a success, or the error of the envelope.
@@ -286,7 +314,8 @@ pub struct Reply {
 #[derive(Clone)]
 pub struct Instance {
     client: Client,
-    url: String,
+    /// Its URL, or why it has none (its id or agent name cannot be carried by one).
+    url: Result<reqwest::Url, ClientError>,
 }
 
 /// Its URL without the userinfo, query and fragment; its client as [`Client`]'s Debug shows it.
@@ -294,7 +323,7 @@ impl std::fmt::Debug for Instance {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Instance")
             .field("client", &self.client)
-            .field("url", &url_without_secrets(&self.url))
+            .field("url", &self.url.as_ref().map(|url| url_without_secrets(url.as_str())))
             .finish()
     }
 }
@@ -303,6 +332,17 @@ impl std::fmt::Debug for Instance {
 pub type Chunks = Pin<Box<dyn Stream<Item = Result<Value, ClientError>> + Send>>;
 
 impl Instance {
+    /// The instance's URL, with `path` (segments) added below it.
+    fn url(&self, path: &[&str]) -> Result<reqwest::Url, ClientError> {
+        let mut url = self.url.clone()?;
+        if !path.is_empty() {
+            url.path_segments_mut()
+                .map_err(|()| ClientError::InvalidRequest("the base URL cannot have a path".into()))?
+                .extend(path);
+        }
+        Ok(url)
+    }
+
     /// Admits `message` (`POST /:id`).
     pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<Receipt, ClientError> {
         let body = serde_json::to_value(message.into()).map_err(|error| ClientError::Transport(error.to_string()))?;
@@ -314,7 +354,7 @@ impl Instance {
     pub async fn send_json(&self, body: Value) -> Result<Receipt, ClientError> {
         let response = self
             .client
-            .call(reqwest::Method::POST, &self.url)
+            .call(reqwest::Method::POST, self.url(&[])?)
             .json(&body)
             .send()
             .await?;
@@ -371,7 +411,7 @@ impl Instance {
 
     /// The history snapshot (`GET /:id`).
     pub async fn history(&self) -> Result<Value, ClientError> {
-        let response = self.client.call(reqwest::Method::GET, &self.url).send().await?;
+        let response = self.client.call(reqwest::Method::GET, self.url(&[])?).send().await?;
         json_of(response).await
     }
 
@@ -379,7 +419,7 @@ impl Instance {
     pub async fn abort(&self) -> Result<bool, ClientError> {
         let response = self
             .client
-            .call(reqwest::Method::POST, &format!("{}/abort", self.url))
+            .call(reqwest::Method::POST, self.url(&["abort"])?)
             .send()
             .await?;
         Ok(json_of(response).await?["aborted"] == json!(true))
@@ -464,7 +504,11 @@ impl Follow {
                     // What the server refuses (404, 416, …) stays refused, and an answer that
                     // is not the protocol stays so: the stream ends with the error (asking
                     // again would only hammer the server). It retries the rest.
-                    Err(error @ (ClientError::Api { status: ..500, .. } | ClientError::Protocol(_))) => {
+                    Err(
+                        error @ (ClientError::Api { status: ..500, .. }
+                        | ClientError::Protocol(_)
+                        | ClientError::InvalidRequest(_)),
+                    ) => {
                         self.ended = true;
                         return Some(Err(error));
                     }
@@ -571,8 +615,12 @@ fn reconnect_delay(failures: u32, retry_after: Option<Duration>) -> Duration {
 
 /// Connects a followed stream from `offset`; a refusal's `Retry-After` goes to `retry_after`.
 async fn connect(instance: &Instance, offset: &str, retry_after: &mut Option<Duration>) -> Result<Body, ClientError> {
-    let url = format!("{}?view=updates&offset={}&live=sse", instance.url, encode(offset));
-    let response = instance.client.request(reqwest::Method::GET, &url).send().await?;
+    let mut url = instance.url(&[])?;
+    url.query_pairs_mut()
+        .append_pair("view", "updates")
+        .append_pair("offset", offset)
+        .append_pair("live", "sse");
+    let response = instance.client.request(reqwest::Method::GET, url).send().await?;
     let status = response.status().as_u16();
     *retry_after = response
         .headers()
@@ -856,6 +904,100 @@ mod tests {
             Duration::from_millis(3200)
         );
         assert_eq!(reconnect_delay(1, None), Duration::from_millis(200));
+    }
+
+    /// A loopback server answering every request with `response` and sending each request's
+    /// first line to the receiver; its base URL.
+    async fn recording(response: &'static str) -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (lines, received) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut request = [0u8; 4096];
+                let read = socket.read(&mut request).await.unwrap_or(0);
+                let text = String::from_utf8_lossy(&request[..read]);
+                let _ = lines.send(text.lines().next().unwrap_or_default().to_owned());
+                let _ = socket.write_all(response.as_bytes()).await;
+            }
+        });
+        (base, received)
+    }
+
+    #[tokio::test]
+    async fn a_base_urls_path_and_query_frame_every_request_path() {
+        let (base, mut lines) = recording(
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\
+             connection: close\r\n\r\n{}",
+        )
+        .await;
+        let client = Client::new(format!("{base}/gateway/?key=k#fragment")).unwrap();
+        let instance = client.instance("assistant", "a b/c?d");
+        let _ = client.catalog().await;
+        let _ = instance.history().await;
+        let _ = instance.abort().await;
+        let _ = instance.send("hi").await;
+        let _ = instance.follow("-1").collect::<Vec<_>>().await;
+        let mut seen = Vec::new();
+        while let Ok(line) = lines.try_recv() {
+            seen.push(line);
+        }
+        assert_eq!(
+            seen,
+            [
+                "GET /gateway/agents?key=k HTTP/1.1",
+                "GET /gateway/agents/assistant/a%20b%2Fc%3Fd?key=k HTTP/1.1",
+                "POST /gateway/agents/assistant/a%20b%2Fc%3Fd/abort?key=k HTTP/1.1",
+                "POST /gateway/agents/assistant/a%20b%2Fc%3Fd?key=k HTTP/1.1",
+                "GET /gateway/agents/assistant/a%20b%2Fc%3Fd?key=k&view=updates&offset=-1&live=sse HTTP/1.1",
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn an_instance_id_or_agent_of_dots_is_refused_instead_of_reaching_another_url() {
+        let (base, mut lines) = recording("HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}").await;
+        let client = Client::new(base).unwrap();
+        for (agent, id) in [("assistant", "."), ("assistant", ".."), ("..", "i"), (".", "i")] {
+            let instance = client.instance(agent, id);
+            let errors = [
+                instance.history().await.unwrap_err(),
+                instance.abort().await.unwrap_err(),
+                instance.send("hi").await.unwrap_err(),
+                instance.prompt("hi").await.unwrap_err(),
+            ];
+            for error in errors {
+                assert!(
+                    matches!(error, ClientError::InvalidRequest(_)),
+                    "{agent}/{id}: {error:?}"
+                );
+            }
+            let followed: Vec<_> = instance.follow("-1").collect().await;
+            assert!(
+                matches!(followed.as_slice(), [Err(ClientError::InvalidRequest(_))]),
+                "{agent}/{id}: {followed:?}"
+            );
+        }
+        assert!(lines.try_recv().is_err(), "no request left the client");
+        // `..` inside an id is only text.
+        let dotted = client.instance("assistant", "a..b").history().await;
+        assert!(dotted.is_ok(), "{dotted:?}");
+        assert_eq!(lines.recv().await.unwrap(), "GET /agents/assistant/a..b HTTP/1.1");
+    }
+
+    #[test]
+    fn a_base_url_that_is_not_an_http_url_is_refused_without_its_secrets() {
+        for base in [
+            "127.0.0.1:3583",
+            "not a url",
+            "ftp://user:hunter2@host/",
+            "mailto:me@example.com",
+        ] {
+            let error = Client::new(base).unwrap_err();
+            assert!(matches!(error, ClientError::InvalidRequest(_)), "{base}: {error:?}");
+            assert!(!error.to_string().contains("hunter2"), "{error}");
+        }
     }
 
     #[test]
