@@ -734,6 +734,96 @@ async fn a_long_poll_answers_at_once_when_the_new_batches_project_to_no_chunk() 
     );
 }
 
+/// An SSE reader catching up over batches that each reset the conversation (so each carries
+/// the whole, big, snapshot) gets them a few at a time, each round closed by a control frame,
+/// instead of one round of every batch.
+#[tokio::test]
+async fn an_sse_catch_up_over_big_resets_sends_a_bounded_round_between_control_frames() {
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{InstanceKey, Store};
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    server.settled("c1", 1).await;
+    let key = InstanceKey::new("calculator", "c1");
+    let at = |body| Record {
+        id: "record_edit".into(),
+        submission_id: None,
+        attempt_id: None,
+        timestamp: "2026-01-01T00:00:00.000Z".into(),
+        body,
+    };
+    let big = "x".repeat(1024 * 1024);
+    server
+        .store
+        .append(
+            &key,
+            vec![at(RecordBody::UserMessage {
+                message_id: "user_big".into(),
+                body: big.clone(),
+                attachments: Vec::new(),
+            })]
+            .into(),
+            None,
+        )
+        .await
+        .unwrap();
+    let mut head = 0;
+    for edit in 0..12 {
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), json!(format!("{big}{edit}")));
+        head = server
+            .store
+            .append(
+                &key,
+                vec![at(RecordBody::MessageUpdated {
+                    message_id: "user_big".into(),
+                    updates,
+                })]
+                .into(),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    let response = server.get("/c1?view=updates&offset=-1&live=sse").await;
+    assert_eq!(response.status(), 200);
+    let frames = tokio::time::timeout(
+        Duration::from_secs(120),
+        sse_frames(response, |frames| {
+            frames
+                .iter()
+                .any(|(event, data)| event == "control" && data.contains("upToDate"))
+        }),
+    )
+    .await
+    .expect("caught up");
+    // Every round: its data frames, then a control frame.
+    let mut rounds = vec![Vec::new()];
+    for (event, data) in &frames {
+        match event.as_str() {
+            "data" => rounds.last_mut().unwrap().push(data.len()),
+            "control" => rounds.push(Vec::new()),
+            _ => {}
+        }
+    }
+    let rounds: Vec<Vec<usize>> = rounds.into_iter().filter(|round| !round.is_empty()).collect();
+    assert!(rounds.len() >= 3, "13 MiB of resets in {} round(s)", rounds.len());
+    for round in &rounds {
+        let (bytes, last) = (round.iter().sum::<usize>(), round.last().copied().unwrap_or(0));
+        assert!(
+            bytes - last < 4 * 1024 * 1024 + 4096,
+            "a round takes no batch after 4 MiB: {round:?}"
+        );
+    }
+    let last_control = frames.iter().rev().find(|(event, _)| event == "control").unwrap();
+    assert!(
+        last_control.1.contains(&format!("0000000000000000_{head:016}")),
+        "{}",
+        last_control.1
+    );
+}
+
 /// Reads SSE frames (event name or comment, data) until `until` holds for the frames read.
 async fn sse_frames(response: reqwest::Response, until: impl Fn(&[(String, String)]) -> bool) -> Vec<(String, String)> {
     let mut body = response.bytes_stream();

@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `POST /:id` | Admits a message (202 with `{streamUrl, offset, submissionId, uid}`). |
 //! | `GET /:id` | The history snapshot (`view=history`, the default). |
-//! | `GET /:id?view=updates&offset=…` | Chunks after `offset`, as JSON; `live=long-poll` waits for them, `live=sse` streams them. |
+//! | `GET /:id?view=updates&offset=…` | Chunks after `offset`, as JSON (a page: at most 100 batches, and no batch after 4 MiB of chunks; `Stream-Up-To-Date` says whether it reaches the head); `live=long-poll` waits for them, `live=sse` streams them (catching up a page per control frame). |
 //! | `HEAD /:id` | The stream's head offset. |
 //! | `POST /:id/abort` | Requests an abort of the instance's unsettled submissions. |
 //! | `GET /:id/attachments/:attachmentId` | An attachment's bytes. |

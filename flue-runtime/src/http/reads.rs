@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::error::ApiError;
 use super::feed::{Delivery, Feed};
 use super::projection::{Projection, checkpoint};
-use super::updates_cache::{BATCHES_PER_READ, Lookup, Page, UpdatesCache};
+use super::updates_cache::{Lookup, Page, UpdatesCache, page_is_full};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
 use crate::runtime::RuntimeInner;
@@ -463,18 +463,27 @@ impl SseStream {
     /// batches would pass what a client may buffer for one event, and it could never get past
     /// it).
     fn catch_up(&mut self) -> String {
-        let take = self.pending.len().min(BATCHES_PER_READ);
-        let batches: Vec<Batch> = self.pending.drain(..take).collect();
         let own = self.own.get_or_insert_with(|| Projection::new(&self.key.stream_path()));
-        let mut chunks = Vec::new();
-        for batch in &batches {
+        // As many batches as an updates page takes (by count and by bytes: a reset carries
+        // the whole snapshot); the rest wait for the next round.
+        let (mut taken, mut bytes) = (0, 0);
+        let mut serialized = Vec::new();
+        while taken < self.pending.len() && !page_is_full(taken, bytes) {
+            let batch = &self.pending[taken];
+            let mut chunks = Vec::new();
             own.apply(batch, Some(&mut chunks));
+            for chunk in chunks {
+                let chunk = chunk.to_string();
+                bytes += chunk.len();
+                serialized.push(chunk);
+            }
             self.offset = Some(batch.offset);
+            taken += 1;
         }
+        self.pending.drain(..taken);
         let mut frames = String::new();
         let mut frame = String::new();
-        for chunk in chunks {
-            let chunk = chunk.to_string();
+        for chunk in serialized {
             if !frame.is_empty() && frame.len() + chunk.len() > FRAME_BYTES {
                 frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
                 frame.clear();

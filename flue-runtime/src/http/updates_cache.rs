@@ -32,6 +32,17 @@ use crate::store::{InstanceKey, Store, StoreError};
 /// The most batches one updates response covers.
 pub(super) const BATCHES_PER_READ: usize = 100;
 
+/// The serialized chunk bytes after which an updates response takes no further batch: a
+/// batch that resets the conversation carries its whole snapshot, so a hundred of them could
+/// make a response of a hundred transcripts. A response holds at least one batch, however
+/// large, so a reader always moves on.
+pub(super) const PAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// Whether a page of `projected` batches holding `bytes` of chunks takes no further batch.
+pub(super) fn page_is_full(projected: usize, bytes: usize) -> bool {
+    projected == BATCHES_PER_READ || (projected > 0 && bytes >= PAGE_BYTES)
+}
+
 /// How many of the newest batches' chunks an entry keeps.
 const WINDOW_BATCHES: usize = 1024;
 
@@ -134,11 +145,13 @@ impl Entry {
             next: after,
             up_to_date: true,
         };
+        let mut bytes = 0;
         for (projected, (offset, chunks)) in self.window.range(start..).enumerate() {
-            if projected == BATCHES_PER_READ {
+            if page_is_full(projected, bytes) {
                 page.up_to_date = false;
                 break;
             }
+            bytes += chunks.len();
             if !chunks.is_empty() {
                 page.chunks.push(chunks.clone());
             }
@@ -450,8 +463,8 @@ impl UpdatesCache {
         Ok(Lookup::Page(self.project(key, &batches, after)))
     }
 
-    /// Folds `batches` up to `after` from the start and projects up to [`BATCHES_PER_READ`]
-    /// after it.
+    /// Folds `batches` up to `after` from the start and projects the batches after it until
+    /// the page is full ([`page_is_full`]).
     fn project(&self, key: &InstanceKey, batches: &[Batch], after: Option<u64>) -> Page {
         let mut projection = Projection::new(&key.stream_path());
         let mut page = Page {
@@ -459,14 +472,14 @@ impl UpdatesCache {
             next: after,
             up_to_date: true,
         };
-        let mut projected = 0;
+        let (mut projected, mut bytes) = (0, 0);
         for batch in batches {
             if after.is_some_and(|after| batch.offset <= after) {
                 projection.apply(batch, None);
                 self.folded.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            if projected == BATCHES_PER_READ {
+            if page_is_full(projected, bytes) {
                 page.up_to_date = false;
                 break;
             }
@@ -474,6 +487,7 @@ impl UpdatesCache {
             projection.apply(batch, Some(&mut chunks));
             self.folded.fetch_add(1, Ordering::Relaxed);
             let chunks = serialize(chunks);
+            bytes += chunks.len();
             if !chunks.is_empty() {
                 page.chunks.push(chunks);
             }
@@ -626,13 +640,16 @@ mod tests {
     ) -> Vec<u8> {
         let mut projection = Projection::new(&key.stream_path());
         let mut body = vec![checkpoint(incarnation)];
-        let mut projected = 0;
+        let (mut projected, mut bytes) = (0, 0);
         let batches = store.read(key, None).await.unwrap();
         for batch in batches.into_iter().filter(|batch| batch.offset <= through) {
             if after.is_some_and(|after| batch.offset <= after) {
                 projection.apply(&batch, None);
-            } else if projected < BATCHES_PER_READ {
-                projection.apply(&batch, Some(&mut body));
+            } else if !page_is_full(projected, bytes) {
+                let mut chunks = Vec::new();
+                projection.apply(&batch, Some(&mut chunks));
+                bytes += serialize(chunks.clone()).len();
+                body.extend(chunks);
                 projected += 1;
             }
         }
@@ -836,6 +853,68 @@ mod tests {
             assert_eq!(
                 cache.updates(&store, &key, Some(&uid), Some(head + 1)).await.unwrap(),
                 Lookup::Gone(Some(head))
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn an_updates_page_takes_no_further_batch_once_its_chunks_pass_the_page_bytes() {
+        let store = MemoryStore::new();
+        let (key, uid) = create(&store, "edited").await;
+        let at = |body| record("sub_0", body);
+        let big = "x".repeat(PAGE_BYTES / 4);
+        append(
+            &store,
+            &key,
+            vec![at(RecordBody::UserMessage {
+                message_id: "user_0".into(),
+                body: big.clone(),
+                attachments: Vec::new(),
+            })],
+        )
+        .await;
+        // Each edit resets the conversation: its chunk carries the whole (big) snapshot.
+        for edit in 0..12 {
+            let mut updates = serde_json::Map::new();
+            updates.insert("content".into(), json!(format!("{big}{edit}")));
+            append(
+                &store,
+                &key,
+                vec![at(RecordBody::MessageUpdated {
+                    message_id: "user_0".into(),
+                    updates,
+                })],
+            )
+            .await;
+        }
+        let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
+        // Served from a window, and folded afresh (no caching).
+        for cache in [UpdatesCache::new(8), UpdatesCache::new(0)] {
+            let (mut after, mut pages) = (None, 0);
+            loop {
+                let page = read(&cache, &store, &key, &uid, after).await;
+                assert_eq!(
+                    page.body(&uid),
+                    from_scratch(&store, &key, &uid, after).await,
+                    "after {after:?}"
+                );
+                let bytes: usize = page.chunks.iter().map(Bytes::len).sum();
+                let last = page.chunks.last().map_or(0, Bytes::len);
+                assert!(
+                    bytes - last < PAGE_BYTES,
+                    "a page takes no batch after its chunks reach {PAGE_BYTES} bytes: {bytes}"
+                );
+                pages += 1;
+                if page.up_to_date {
+                    assert_eq!(page.next, Some(head));
+                    break;
+                }
+                assert!(page.next > after, "every page moves on");
+                after = page.next;
+            }
+            assert!(
+                pages >= 3,
+                "13 batches of a MiB or more take several pages, not {pages}"
             );
         }
     }
