@@ -703,6 +703,12 @@ impl Projection {
         let Some(response_id) = self.steps.get(step).cloned() else {
             return;
         };
+        if stream == Stream::Reasoning && self.texted.contains(step) {
+            // Reasoning after the step's text: the snapshot keeps it in the step's reasoning
+            // part, before the text, where a client appending the delta would not show it
+            // (it would open a reasoning part after the text): the batch projects to a reset.
+            self.rewritten = true;
+        }
         let streamed = self.streamed.entry((step.to_owned(), stream)).or_default();
         let first = streamed.is_empty();
         streamed.push_str(delta);
@@ -983,10 +989,8 @@ mod tests {
         );
         assert_eq!(
             chunks,
-            [
-                vec!["message-started", "message-delta"],
-                vec!["message-delta", "message-delta"]
-            ]
+            [vec!["message-started", "message-delta"], vec!["conversation-reset"]],
+            "reasoning after the text goes before it in the snapshot: a client is reset to it"
         );
         assert_eq!(
             parts(&projection),

@@ -1227,3 +1227,31 @@ fn projection_reasoning_completed_after_the_text_started_extends_the_clients_rea
         vec![completed("s1", "Thinking more.", "Hello")],
     ]));
 }
+
+#[test]
+fn projection_reasoning_streamed_after_the_text_reaches_a_client_where_the_snapshot_shows_it() {
+    let text = |delta: &str| RecordBody::AssistantTextDelta {
+        message_id: "s1".into(),
+        delta: delta.into(),
+    };
+    let reasoning = |delta: &str| RecordBody::AssistantReasoningDelta {
+        message_id: "s1".into(),
+        delta: delta.into(),
+    };
+    // Reasoning that starts after the text, resumes after it, and streams in the text's batch.
+    assert_chunks(&one_submission(vec![
+        vec![started("s1"), text("Hel")],
+        vec![reasoning("Hmm")],
+        vec![text("lo")],
+        vec![reasoning(", well")],
+        vec![text(" there"), reasoning(".")],
+        vec![completed("s1", "Hmm, well.", "Hello there")],
+    ]));
+    // Reasoning first, then text, then more reasoning.
+    assert_chunks(&one_submission(vec![
+        vec![started("s1"), reasoning("Think"), text("Hel")],
+        vec![reasoning("ing")],
+        vec![text("lo")],
+        vec![completed("s1", "Thinking", "Hello")],
+    ]));
+}
