@@ -185,6 +185,42 @@ async fn a_conversation_survives_reopening_the_database() {
     assert_eq!(reopened.read(&key, None).await.unwrap().len(), 1);
 }
 
+#[tokio::test]
+async fn an_attachment_whose_stored_bytes_were_damaged_reads_back_as_an_integrity_error() {
+    use flue_runtime::store::{ATTACHMENT_CHUNK_BYTES, AttachmentPut, InstanceKey};
+    let path = scratch_db();
+    let key = InstanceKey::new("assistant", "pictures");
+    let store = SqliteStore::open(&path).unwrap();
+    let bytes: Vec<u8> = (0..ATTACHMENT_CHUNK_BYTES + 10).map(|i| (i % 251) as u8).collect();
+    for id in ["att-flipped", "att-lost", "att-intact"] {
+        store
+            .put_attachment(&key, AttachmentPut::new(id, "image/png", bytes.clone()))
+            .await
+            .unwrap();
+    }
+    let connection = raw(&path);
+    connection
+        .execute(
+            "UPDATE flue_attachment_chunks SET bytes = zeroblob(length(bytes)) WHERE id = 'att-flipped' AND chunk = 1",
+            [],
+        )
+        .unwrap();
+    connection
+        .execute(
+            "DELETE FROM flue_attachment_chunks WHERE id = 'att-lost' AND chunk = 1",
+            [],
+        )
+        .unwrap();
+    for id in ["att-flipped", "att-lost"] {
+        let error = store.attachment(&key, id).await.unwrap_err();
+        assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{id}: {error:?}");
+    }
+    assert_eq!(
+        store.attachment(&key, "att-intact").await.unwrap().unwrap().bytes,
+        bytes
+    );
+}
+
 /// The batches of the current layout in the earlier one, keyed `(agent, instance_id, offset)`.
 const KEYED_BATCHES: &str = "
     CREATE TABLE old_batches (agent TEXT NOT NULL, instance_id TEXT NOT NULL,

@@ -8,6 +8,10 @@ use super::{InstanceKey, StoreError};
 /// The largest piece a store keeps in one row: bigger attachments are split.
 pub const ATTACHMENT_CHUNK_BYTES: usize = 512 * 1024;
 
+/// The most bytes a store reserves up front for an attachment it reads back (the size it
+/// stored is a hint: a damaged one must not reserve gigabytes).
+pub(crate) const MAX_READ_RESERVATION: usize = 32 * 1024 * 1024;
+
 /// An attachment to store.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AttachmentPut {
@@ -37,21 +41,7 @@ impl AttachmentPut {
 
     /// Checks the declared size and digest against the bytes (`AttachmentIntegrityError`).
     pub(crate) fn verify(&self) -> Result<(), StoreError> {
-        if self.size != self.bytes.len() as u64 {
-            return Err(StoreError::AttachmentIntegrity(format!(
-                "attachment \"{}\" declares {} bytes but has {}",
-                self.id,
-                self.size,
-                self.bytes.len()
-            )));
-        }
-        if self.digest != sha256_hex(&self.bytes) {
-            return Err(StoreError::AttachmentIntegrity(format!(
-                "attachment \"{}\" does not match its declared SHA-256 digest",
-                self.id
-            )));
-        }
-        Ok(())
+        check_integrity(&self.id, self.size, &self.digest, &self.bytes)
     }
 
     /// Whether the attachment stored under this id (for `owner`, with that media type, size
@@ -81,6 +71,31 @@ pub struct StoredAttachment {
     pub digest: String,
     /// The bytes.
     pub bytes: Vec<u8>,
+}
+
+impl StoredAttachment {
+    /// The attachment as read back, once its bytes match the size and digest stored with
+    /// them: a lost or damaged chunk is an `AttachmentIntegrityError`, never other bytes.
+    pub(crate) fn verified(self) -> Result<Self, StoreError> {
+        check_integrity(&self.id, self.size, &self.digest, &self.bytes)?;
+        Ok(self)
+    }
+}
+
+/// Checks `size` and `digest` (SHA-256, lowercase hex) against `bytes`.
+fn check_integrity(id: &str, size: u64, digest: &str, bytes: &[u8]) -> Result<(), StoreError> {
+    if size != bytes.len() as u64 {
+        return Err(StoreError::AttachmentIntegrity(format!(
+            "attachment \"{id}\" declares {size} bytes but has {}",
+            bytes.len()
+        )));
+    }
+    if digest != sha256_hex(bytes) {
+        return Err(StoreError::AttachmentIntegrity(format!(
+            "attachment \"{id}\" does not match its declared SHA-256 digest"
+        )));
+    }
+    Ok(())
 }
 
 /// The conflict of an id already taken by other bytes or another instance.

@@ -1755,7 +1755,10 @@ impl Store for PostgresStore {
                 let statement = tx
                     .prepare_cached("SELECT bytes FROM flue_attachment_chunks WHERE id = $1 ORDER BY chunk")
                     .await?;
-                let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+                // A hint only: a damaged size must not reserve its memory.
+                let mut bytes = Vec::with_capacity(
+                    usize::try_from(size).unwrap_or(0).min(super::attachments::MAX_READ_RESERVATION),
+                );
                 for row in tx.query(&statement, &[&id]).await? {
                     bytes.extend_from_slice(row.try_get::<_, &[u8]>(0)?);
                 }
@@ -1765,7 +1768,7 @@ impl Store for PostgresStore {
                     size: u64::try_from(size).map_err(|_| corrupt(format_args!("attachment size {size}")))?,
                     digest,
                     bytes,
-                }))
+                }.verified()?))
             }
             .await
             })
@@ -2149,6 +2152,38 @@ mod tests {
         .unwrap();
         assert!(second.submission("d-1").await.unwrap().is_some());
         busy.rollback().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_attachment_whose_stored_bytes_were_damaged_reads_back_as_an_integrity_error() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let key = InstanceKey::new("assistant", "pictures");
+        let bytes: Vec<u8> = (0..ATTACHMENT_CHUNK_BYTES + 10).map(|i| (i % 251) as u8).collect();
+        for id in ["att-flipped", "att-lost", "att-intact"] {
+            store
+                .put_attachment(&key, AttachmentPut::new(id, "image/png", bytes.clone()))
+                .await
+                .unwrap();
+        }
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute(
+                "UPDATE flue_attachment_chunks SET bytes = decode(repeat('00', length(bytes)), 'hex') \
+                 WHERE id = 'att-flipped' AND chunk = 1; \
+                 DELETE FROM flue_attachment_chunks WHERE id = 'att-lost' AND chunk = 1",
+            )
+            .await
+            .unwrap();
+        for id in ["att-flipped", "att-lost"] {
+            let error = store.attachment(&key, id).await.unwrap_err();
+            assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{id}: {error:?}");
+        }
+        assert_eq!(
+            store.attachment(&key, "att-intact").await.unwrap().unwrap().bytes,
+            bytes
+        );
     }
 
     #[tokio::test]

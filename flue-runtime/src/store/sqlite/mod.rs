@@ -32,7 +32,7 @@ use flue_core::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use serde_json::Value;
 
-use super::attachments::conflict;
+use super::attachments::{MAX_READ_RESERVATION, conflict};
 use super::{
     ATTACHMENT_CHUNK_BYTES, Admission, Admitted, AttachmentPut, AttemptRef, Claim, InstanceInfo, InstanceKey, Store,
     StoreError, StoredAttachment, Submission, SubmissionStatus,
@@ -1401,7 +1401,8 @@ impl Store for SqliteStore {
             let Some((media_type, size, digest)) = meta else {
                 return Ok(None);
             };
-            let mut bytes = Vec::with_capacity(size as usize);
+            // A hint only: a damaged size must not reserve its memory.
+            let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0).min(MAX_READ_RESERVATION));
             let mut statement = tx
                 .prepare_cached("SELECT bytes FROM flue_attachment_chunks WHERE id = ?1 ORDER BY chunk")
                 .map_err(sql)?;
@@ -1409,13 +1410,15 @@ impl Store for SqliteStore {
             while let Some(row) = rows.next().map_err(sql)? {
                 bytes.extend_from_slice(row.get_ref(0).map_err(sql)?.as_blob().map_err(|e| sql(e.into()))?);
             }
-            Ok(Some(StoredAttachment {
+            StoredAttachment {
                 id: id.to_owned(),
                 media_type,
                 size,
                 digest,
                 bytes,
-            }))
+            }
+            .verified()
+            .map(Some)
         }))
     }
 
