@@ -80,6 +80,49 @@ fn adopts_a_store_stamped_schema_version_8_in_place() {
     assert_eq!(meta(&path), [("format_version".to_owned(), "1".to_owned())]);
 }
 
+#[tokio::test]
+async fn adopting_a_bare_stamp_creates_the_missing_tables() {
+    use flue_runtime::store::InstanceKey;
+    for (key, value) in [("schema_version", "8"), ("format_version", "1")] {
+        let path = scratch_db();
+        raw(&path)
+            .execute_batch(&format!(
+                "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL); \
+                 INSERT INTO flue_meta VALUES ('{key}', '{value}')"
+            ))
+            .unwrap();
+        let store = SqliteStore::open(&path).unwrap();
+        assert_eq!(meta(&path), [("format_version".to_owned(), "1".to_owned())]);
+        let instance = InstanceKey::new("assistant", "legacy");
+        store.admit(admission(&instance, "d-1", "kept")).await.unwrap();
+        assert_eq!(store.read(&instance, None).await.unwrap().len(), 1);
+        drop(store);
+        // And it opens again as any store does.
+        let reopened = SqliteStore::open(&path).unwrap();
+        assert!(reopened.submission("d-1").await.unwrap().is_some());
+    }
+}
+
+#[test]
+fn refuses_a_ledger_missing_one_of_its_tables_without_changing_it() {
+    let path = scratch_db();
+    SqliteStore::open(&path).unwrap();
+    raw(&path).execute_batch("DROP TABLE flue_submissions").unwrap();
+    let error = SqliteStore::open(&path).err().expect("refused");
+    assert!(
+        error.to_string().contains("flue_instances but no flue_submissions"),
+        "{error}"
+    );
+    let tables: i64 = raw(&path)
+        .query_row(
+            "SELECT COUNT(*) FROM sqlite_master WHERE name = 'flue_submissions'",
+            [],
+            |row| row.get(0),
+        )
+        .unwrap();
+    assert_eq!(tables, 0, "nothing was made");
+}
+
 #[test]
 fn rejects_a_store_stamped_schema_version_7_without_adopting_it() {
     let path = scratch_db();

@@ -267,6 +267,7 @@ const UNSETTLED_INDEX: &str = "CREATE INDEX flue_submissions_unsettled ON flue_s
 /// numbers the streams of a layout whose batches were keyed by instance. The rows are kept
 /// unchanged.
 fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
+    create_missing_tables(transaction)?;
     transaction
         .execute_batch(
             "DROP INDEX IF EXISTS flue_submissions_by_status; DROP INDEX IF EXISTS flue_submissions_by_owner;",
@@ -302,6 +303,45 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
         return Ok(());
     }
     number_streams(transaction)
+}
+
+/// A stamped database may lack tables (a bare stamp, or a build that made its tables as it
+/// first needed them): the missing ones are made in the current layout, as a fresh database
+/// has them; the present ones are upgraded after.
+fn create_missing_tables(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreError> {
+    let exists = |table: &str| -> Result<bool, StoreError> {
+        transaction
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
+                [table],
+                |row| row.get(0),
+            )
+            .map_err(sql)
+    };
+    let (instances, submissions) = (exists("flue_instances")?, exists("flue_submissions")?);
+    match (instances, submissions) {
+        (false, false) => {
+            transaction.execute_batch(&ledger_tables("")).map_err(sql)?;
+            transaction.execute_batch(UNSETTLED_INDEX).map_err(sql)?;
+        }
+        (true, true) => {}
+        // Instances without their submissions (or the reverse) were never written by any
+        // build: making the other half would pass off a damaged ledger as a sound one.
+        _ => {
+            let (present, missing) = if instances {
+                ("flue_instances", "flue_submissions")
+            } else {
+                ("flue_submissions", "flue_instances")
+            };
+            return Err(StoreError::Other(format!(
+                "sqlite: the database has {present} but no {missing}: it is not a flue store this build can open"
+            )));
+        }
+    }
+    if !exists("flue_batches")? {
+        transaction.execute_batch(BATCHES_TABLE).map_err(sql)?;
+    }
+    Ok(())
 }
 
 /// The `CREATE TABLE` statement a table was made with.
