@@ -22,7 +22,8 @@
 //! clock, so nodes whose clocks disagree still agree on which leases are live. The [`Store`]
 //! methods keep taking and returning times in the calling node's clock ([`super::now_ms`]): the
 //! store measures how far the database's clock (`clock_timestamp()`) is from the node's when it
-//! opens (the best of a few round trips) and again at every expiry scan ([`Store::expired`]), and
+//! opens (the best of a few round trips) and again at every expiry scan ([`Store::expired`]) and
+//! lease heartbeat ([`Store::renew_leases`]; a claim made between two of them uses the last), and
 //! translates each time it writes or compares into database time, and each time it reads back into
 //! node time. A new measurement replaces the offset only when the two disagree by more than their
 //! measuring error (half a round trip and a millisecond of truncation each): a time written and
@@ -1532,6 +1533,11 @@ impl Store for PostgresStore {
         let owner_id = owner_id.to_owned();
         let attempt_ids = attempt_ids.to_vec();
         Box::pin(async move {
+            // The heartbeat follows the node's clock too if it stepped since the last scan: a
+            // lease written under a stale offset would outlive (or undercut) its node by the
+            // step, and a node that dies before its next scan would leave it so.
+            let measured = self.clock_offset().await?;
+            self.clock.update(measured, false);
             let lease = self.clock.to_database(lease_until_ms).to_string();
             // One statement, atomic on its own: no transaction to open and commit (one round
             // trip, and no transaction a stalled node could leave open between them).
@@ -2614,6 +2620,40 @@ mod tests {
             // The new leases are live for both.
             assert!(a.expired(super::super::now_ms()).await.unwrap().is_empty());
             assert!(b.expired(skewed_now(skew)).await.unwrap().is_empty());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_heartbeat_after_the_nodes_clock_stepped_writes_the_lease_in_database_time() {
+        for step in [3_600_000, -3_600_000] {
+            let Some((a, b)) = two_nodes().await else { return };
+            let stream = InstanceKey::new("assistant", "stepped");
+            a.admit(admission("d-1", "assistant", "stepped")).await.unwrap();
+            a.claim_next(&stream, &claim("attempt-a", "node-a"))
+                .await
+                .unwrap()
+                .unwrap();
+            // Node a's clock steps after its last measurement; its heartbeat comes first.
+            a.clock.skew_ms.store(step, std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(
+                a.renew_leases("node-a", &["attempt-a".to_owned()], skewed_now(step) + 30_000)
+                    .await
+                    .unwrap(),
+                1
+            );
+            let seen_by_b = b.submission("d-1").await.unwrap().unwrap();
+            assert!(
+                near(seen_by_b.lease_until_ms, super::super::now_ms() + 30_000),
+                "step {step} ms: the lease was written {} ms from now, not 30 s",
+                i128::from(seen_by_b.lease_until_ms) - i128::from(super::super::now_ms())
+            );
+            assert!(
+                near(
+                    a.submission("d-1").await.unwrap().unwrap().lease_until_ms,
+                    skewed_now(step) + 30_000
+                ),
+                "node a reads its lease in its own clock"
+            );
         }
     }
 
