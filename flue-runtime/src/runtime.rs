@@ -919,7 +919,12 @@ pub struct SendRequest {
     pub initial_data: Option<Value>,
     /// Conditional send.
     pub uid: UidCondition,
-    /// Idempotency key: replays converge on one submission.
+    /// Idempotency key: replays converge on one submission (a replay with another message,
+    /// initial data or kind of send is a [`RuntimeError::SubmissionConflict`]). A replay is
+    /// answered from the ledger before the `uid` condition is looked at, so retrying a
+    /// create-only send (`uid: null`) whose answer was lost returns its receipt
+    /// (`deduplicated`), not `agent_instance_exists` for the instance it created. The
+    /// reference checks the condition first and refuses that retry.
     pub idempotency_key: Option<String>,
     /// The caller's trace context, carried on the submission.
     pub trace: Option<TraceContext>,

@@ -40,6 +40,7 @@ macro_rules! store_contract {
                     honours_conditional_sends,
                     retains_one_identity_when_conflicting_creates_race,
                     converges_concurrent_keyed_replays_on_one_submission,
+                    answers_a_keyed_replay_of_a_create_only_send_with_its_receipt,
                     orders_direct_and_dispatched_submissions_together_within_one_session,
                     lists_queued_dispatches_in_admission_order_and_selects_one_runnable_head_per_session,
                     keeps_agents_with_the_same_instance_id_in_independent_sessions,
@@ -615,6 +616,25 @@ pub async fn retains_one_identity_when_conflicting_creates_race(store: Factory) 
         row(&store, &format!("create-{winner}")).await.status,
         SubmissionStatus::Queued
     );
+}
+
+/// A create-only send whose answer was lost is retried with its idempotency key: the replay
+/// gets the receipt (the instance it created does not refuse it), while another create-only
+/// send is refused.
+pub async fn answers_a_keyed_replay_of_a_create_only_send_with_its_receipt(store: Factory) {
+    let create_only = |id: &str| Admission {
+        keyed: true,
+        uid: UidCondition::CreateOnly,
+        ..dispatch(id)
+    };
+    let first = store.admit(create_only("keyed-1")).await.unwrap();
+    let replay = store.admit(create_only("keyed-1")).await.unwrap();
+    assert!(!first.deduplicated && replay.deduplicated);
+    assert_eq!((replay.submission.id.as_str(), &replay.uid), ("keyed-1", &first.uid));
+    match store.admit(create_only("keyed-2")).await {
+        Err(StoreError::InstanceExists { uid, .. }) => assert_eq!(uid, first.uid),
+        other => panic!("another create-only send: {other:?}"),
+    }
 }
 
 /// Replays of one idempotency-keyed submission racing converge on one admission: once while
