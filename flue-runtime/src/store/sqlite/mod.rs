@@ -902,6 +902,61 @@ fn next_offset(transaction: &Connection, stream: i64) -> Result<u64, StoreError>
         .map_err(sql)
 }
 
+/// The admission sequences below this number the streams of the instances their admissions
+/// create; the instances created after take numbers from a counter, from this one up.
+const SEQUENCE_NUMBERED_STREAMS: i64 = 1 << 30;
+
+/// The stream number of the root instance the admission numbered `sequence` creates: the
+/// sequence itself (unique, and at hand: no write) while it is below
+/// [`SEQUENCE_NUMBERED_STREAMS`]; past that, the next of the `highest_stream` counter in
+/// `flue_meta`, so the numbers (positive ones below 2^31) run out with instances created, not
+/// with admissions.
+fn root_stream(transaction: &Connection, sequence: i64) -> Result<i64, StoreError> {
+    if sequence < SEQUENCE_NUMBERED_STREAMS {
+        return Ok(sequence);
+    }
+    let highest = stream_counter(transaction, "highest_stream", "SELECT MAX(stream) FROM flue_instances")?;
+    let stream = highest.max(SEQUENCE_NUMBERED_STREAMS - 1) + 1;
+    if stream >= 1 << 31 {
+        return Err(StoreError::Other(
+            "sqlite: 2^31 instances were created; no stream number is left for a new one".into(),
+        ));
+    }
+    set_stream_counter(transaction, "highest_stream", stream)?;
+    Ok(stream)
+}
+
+/// The stream-number counter `name` kept in `flue_meta` (so a creation does not scan every
+/// instance); a database without it, or with a value that does not parse, computes it once
+/// with `scan` (a `MIN` or `MAX` over the instances; 0 when there are none).
+fn stream_counter(transaction: &Connection, name: &str, scan: &str) -> Result<i64, StoreError> {
+    let kept: Option<String> = transaction
+        .prepare_cached("SELECT value FROM flue_meta WHERE key = ?1")
+        .map_err(sql)?
+        .query_row([name], |row| row.get(0))
+        .optional()
+        .map_err(sql)?;
+    match kept.and_then(|kept| kept.parse::<i64>().ok()) {
+        Some(kept) => Ok(kept),
+        None => Ok(transaction
+            .prepare_cached(scan)
+            .map_err(sql)?
+            .query_row([], |row| row.get::<_, Option<i64>>(0))
+            .map_err(sql)?
+            .unwrap_or(0)),
+    }
+}
+
+/// Keeps `value` as the stream-number counter `name`.
+fn set_stream_counter(transaction: &Connection, name: &str, value: i64) -> Result<(), StoreError> {
+    transaction
+        .prepare_cached("INSERT OR REPLACE INTO flue_meta (key, value) VALUES (?1, ?2)")
+        .map_err(sql)?
+        .execute(params![name, value.to_string()])
+        .map(drop)
+        .map_err(sql)
+}
+
 /// The instance's incarnation and stream number, when it exists.
 fn instance_row(transaction: &Connection, key: &InstanceKey) -> Result<Option<(String, i64)>, StoreError> {
     transaction
@@ -945,19 +1000,13 @@ impl Store for SqliteStore {
             let (uid, offset) = match existing {
                 Some((uid, stream)) => (uid, next_offset(tx, stream)?.checked_sub(1)),
                 None => {
-                    // A new instance's stream is numbered with its first submission's sequence.
-                    if sequence >= 1 << 31 {
-                        return Err(StoreError::Other(
-                            "sqlite: 2^31 submissions were admitted; no stream number is left for a new instance"
-                                .into(),
-                        ));
-                    }
+                    let stream = root_stream(tx, sequence)?;
                     let uid = new_id("inst");
                     tx.prepare_cached(
                         "INSERT INTO flue_instances (agent, id, uid, next_offset, stream) VALUES (?1, ?2, ?3, 0, ?4)",
                     )
                     .map_err(sql)?
-                    .execute(params![admission.key.agent, admission.key.id, uid, sequence])
+                    .execute(params![admission.key.agent, admission.key.id, uid, stream])
                     .map_err(sql)?;
                     let birth = super::birth_record(&uid, admission.initial_data.clone());
                     let offset = append_batch(tx, &admission.key, &[birth], None)?;
@@ -1281,21 +1330,7 @@ impl Store for SqliteStore {
             // given is kept in `flue_meta`, so a task's creation does not scan every
             // instance; a database without it (or with a value that does not parse) is
             // scanned once.
-            let kept: Option<String> = tx
-                .prepare_cached("SELECT value FROM flue_meta WHERE key = 'lowest_stream'")
-                .map_err(sql)?
-                .query_row([], |row| row.get(0))
-                .optional()
-                .map_err(sql)?;
-            let lowest = match kept.and_then(|kept| kept.parse::<i64>().ok()) {
-                Some(lowest) => lowest,
-                None => tx
-                    .prepare_cached("SELECT MIN(stream) FROM flue_instances")
-                    .map_err(sql)?
-                    .query_row([], |row| row.get::<_, Option<i64>>(0))
-                    .map_err(sql)?
-                    .unwrap_or(0),
-            };
+            let lowest = stream_counter(tx, "lowest_stream", "SELECT MIN(stream) FROM flue_instances")?;
             let stream = lowest.min(0) - 1;
             if stream <= -(1 << 31) {
                 return Err(StoreError::Other(
@@ -1308,10 +1343,7 @@ impl Store for SqliteStore {
             .map_err(sql)?
             .execute(params![child.agent, child.id, super::birth_uid(&birth), stream])
             .map_err(sql)?;
-            tx.prepare_cached("INSERT OR REPLACE INTO flue_meta (key, value) VALUES ('lowest_stream', ?1)")
-                .map_err(sql)?
-                .execute(params![stream.to_string()])
-                .map_err(sql)?;
+            set_stream_counter(tx, "lowest_stream", stream)?;
             append_batch(tx, child, &birth, None)?;
             Ok(offset)
         }))
@@ -1672,6 +1704,73 @@ mod tests {
             })
             .unwrap();
         assert_eq!(batches, 3 + 4);
+    }
+
+    /// Past 2^30 admissions, the instances created take stream numbers from a counter (from
+    /// 2^30 up), not their admissions' sequences: the numbers last for 2^30 more instances
+    /// however many submissions are admitted.
+    #[test]
+    fn instances_created_past_a_billion_admissions_are_numbered_by_a_counter() {
+        use crate::store::{Admission, SubmissionKind, UidCondition};
+        let store = SqliteStore::in_memory().unwrap();
+        let admit = |id: &str, submission: &str| {
+            futures_util::FutureExt::now_or_never(store.admit(Admission {
+                key: InstanceKey::new("a", id.to_owned()),
+                submission_id: submission.to_owned(),
+                keyed: false,
+                kind: SubmissionKind::Dispatch,
+                message: flue_core::message::DeliveredMessage::user("hi"),
+                initial_data: None,
+                uid: UidCondition::Any,
+                max_attempts: 10,
+                timeout_ms: 60_000,
+                claim: None,
+                trace: None,
+            }))
+            .unwrap()
+        };
+        let stream_of = |id: &str| {
+            store
+                .transaction(|tx| Ok(instance_row(tx, &InstanceKey::new("a", id.to_owned()))?.map(|(_, s)| s)))
+                .unwrap()
+                .unwrap()
+        };
+        admit("early", "s-1").unwrap();
+        assert_eq!(stream_of("early"), 1, "its admission's sequence");
+        // A billion admissions later.
+        store
+            .transaction(|tx| {
+                tx.execute(
+                    "UPDATE flue_submissions SET sequence = ?1 WHERE id = 's-1'",
+                    [SEQUENCE_NUMBERED_STREAMS - 1],
+                )
+                .map(drop)
+                .map_err(sql)
+            })
+            .unwrap();
+        admit("late-1", "s-2").unwrap();
+        admit("early", "s-3").unwrap();
+        admit("late-2", "s-4").unwrap();
+        assert_eq!(
+            (stream_of("late-1"), stream_of("late-2")),
+            (SEQUENCE_NUMBERED_STREAMS, SEQUENCE_NUMBERED_STREAMS + 1),
+            "counted, not the admissions' sequences"
+        );
+        for id in ["early", "late-1", "late-2"] {
+            let batches =
+                futures_util::FutureExt::now_or_never(store.read(&InstanceKey::new("a", id.to_owned()), None))
+                    .unwrap()
+                    .unwrap();
+            assert_eq!(batches.len(), 1, "{id}: its own birth batch only");
+        }
+        // The last number given, then none.
+        store
+            .transaction(|tx| set_stream_counter(tx, "highest_stream", (1 << 31) - 2))
+            .unwrap();
+        admit("last", "s-5").unwrap();
+        assert_eq!(stream_of("last"), (1 << 31) - 1);
+        let error = admit("one-too-many", "s-6").unwrap_err();
+        assert!(error.to_string().contains("no stream number is left"), "{error}");
     }
 
     /// Child streams take numbers below every other, from a counter in `flue_meta` (a database
