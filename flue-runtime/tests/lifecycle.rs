@@ -1637,6 +1637,75 @@ async fn user_ids_keys_and_prefixes_with_control_characters_are_refused_before_t
     assert_eq!(user.list_values(UserValuesQuery::default()).await.unwrap().total, 0);
 }
 
+/// Held until the test releases it: the user hook below waits for a permit.
+static HOLD_GREETINGS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
+static HELD_GREETINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[hook(user_client_attached)]
+async fn held_greeting(_user: &UserState, _client: &ClientInfo) {
+    HOLD_GREETINGS.acquire().await.unwrap().forget();
+    HELD_GREETINGS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+#[tokio::test]
+async fn a_users_hook_events_past_the_queue_bound_are_dropped_with_a_warning_not_held() {
+    use flue_runtime::lifecycle::USER_HOOK_QUEUE;
+    let logs = harness::logs::capture();
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .user_hook(held_greeting)
+        .build()
+        .unwrap();
+    // A client connecting in a loop while the hook is stuck: this (current-thread) test does
+    // not yield, so the hook's worker takes none of them yet.
+    let extra = 25;
+    for n in 0..USER_HOOK_QUEUE + extra {
+        runtime.user_client(
+            "looping",
+            ClientInfo {
+                id: format!("c-{n}"),
+                kind: None,
+            },
+            true,
+        );
+    }
+    let dropped = logs.lines("events already wait for this user's hooks");
+    assert_eq!(dropped.len(), extra, "{dropped:?}");
+    assert!(dropped[0].contains("user_client_attached"), "{}", dropped[0]);
+    HOLD_GREETINGS.add_permits(USER_HOOK_QUEUE + extra);
+    for _ in 0..1000 {
+        if HELD_GREETINGS.load(std::sync::atomic::Ordering::SeqCst) == USER_HOOK_QUEUE {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert_eq!(
+        HELD_GREETINGS.load(std::sync::atomic::Ordering::SeqCst),
+        USER_HOOK_QUEUE,
+        "every queued event ran, the dropped ones did not"
+    );
+    // The queue drained: the next event runs.
+    runtime.user_client(
+        "looping",
+        ClientInfo {
+            id: "c-last".into(),
+            kind: None,
+        },
+        true,
+    );
+    for _ in 0..1000 {
+        if HELD_GREETINGS.load(std::sync::atomic::Ordering::SeqCst) == USER_HOOK_QUEUE + 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        HELD_GREETINGS.load(std::sync::atomic::Ordering::SeqCst),
+        USER_HOOK_QUEUE + 1
+    );
+}
+
 #[tokio::test]
 async fn items_73_74_75_76_user_hooks_run_for_every_user_without_recursion_and_their_errors_stay_in_the_log() {
     let logs = harness::logs::capture();

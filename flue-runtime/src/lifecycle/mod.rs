@@ -20,7 +20,7 @@ pub(crate) mod llm;
 pub(crate) mod thread;
 pub(crate) mod user;
 
-pub use user::UserEvent;
+pub use user::{USER_HOOK_QUEUE, UserEvent};
 
 pub use flue_core::lifecycle::*;
 

@@ -7,7 +7,9 @@
 //! background, one at a time per user in the order their events happened (a per-user queue
 //! with its own worker), and their errors are logged, never returned to the operation that
 //! caused them. A value written from inside a `user_value_changed` hook does not fire the
-//! hooks again.
+//! hooks again. At most [`USER_HOOK_QUEUE`] events wait per user: when slow hooks fall that
+//! far behind (a client connecting and disconnecting in a loop, say), a further event is
+//! dropped with a warning rather than held in memory without bound.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -55,10 +57,13 @@ impl UserHookEvent {
     }
 }
 
+/// How many hook events may wait for one user's hooks (the one running is not counted).
+pub const USER_HOOK_QUEUE: usize = 1024;
+
 /// The per-user queues of hook events, each drained by one worker while it has work.
 #[derive(Default)]
 pub(crate) struct UserChains {
-    queues: Mutex<HashMap<String, mpsc::UnboundedSender<UserHookEvent>>>,
+    queues: Mutex<HashMap<String, mpsc::Sender<UserHookEvent>>>,
 }
 
 /// Queues `event` for `user_id`'s hooks (nothing when no hook of its kind is registered).
@@ -73,21 +78,32 @@ pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHo
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let event = match queues.get(user_id) {
-        Some(queue) => match queue.send(event) {
+        Some(queue) => match queue.try_send(event) {
             Ok(()) => return,
-            Err(mpsc::error::SendError(event)) => event,
+            Err(mpsc::error::TrySendError::Full(event)) => {
+                drop(queues);
+                tracing::warn!(
+                    target: "flue::hooks",
+                    user = user_id,
+                    "[Hooks] ✗ A {kind} event was dropped: {USER_HOOK_QUEUE} events already wait for this user's hooks"
+                );
+                drop(event);
+                return;
+            }
+            // Its worker ended: a new queue and worker.
+            Err(mpsc::error::TrySendError::Closed(event)) => event,
         },
         None => event,
     };
-    let (queue, events) = mpsc::unbounded_channel();
-    let _ = queue.send(event);
+    let (queue, events) = mpsc::channel(USER_HOOK_QUEUE);
+    let _ = queue.try_send(event);
     queues.insert(user_id.to_owned(), queue);
     drop(queues);
     tokio::spawn(drain(Arc::downgrade(runtime), user_id.to_owned(), events));
 }
 
 /// Runs a user's queued hook events in order; ends (and forgets the queue) once it is empty.
-async fn drain(runtime: Weak<RuntimeInner>, user_id: String, mut events: mpsc::UnboundedReceiver<UserHookEvent>) {
+async fn drain(runtime: Weak<RuntimeInner>, user_id: String, mut events: mpsc::Receiver<UserHookEvent>) {
     loop {
         let event = match events.try_recv() {
             Ok(event) => event,
