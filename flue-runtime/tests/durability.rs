@@ -561,17 +561,10 @@ fn nth_step_batch(n: usize) -> impl Fn(&[Record]) -> bool + Send + 'static {
 fn follow_upper() -> &'static str {
     use_model("scripted/x");
     let dispatch = use_dispatch_message();
-    use_tool(Tool::new("follow_up").description("Queue a follow-up.").run(
-        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-            let dispatch = dispatch.clone();
-            async move {
-                let receipt = dispatch
-                    .dispatch("follow-up")
-                    .await
-                    .map_err(|e| ToolError::new(e.to_string()))?;
-                Ok::<_, ToolError>(receipt.submission_id)
-            }
-        },
+    use_tool(harness::dispatching(
+        Tool::new("follow_up").description("Queue a follow-up."),
+        dispatch,
+        "follow-up",
     ));
     "Plan."
 }

@@ -73,20 +73,11 @@ fn slow_worker() -> &'static str {
 fn planner() -> &'static str {
     use_model("scripted/plan-1");
     let dispatch = use_dispatch_message();
-    use_tool(
-        Tool::new("schedule_follow_up")
-            .description("Queue a follow-up message.")
-            .run(move |_ctx, _: serde_json::Map<String, Value>| {
-                let dispatch = dispatch.clone();
-                async move {
-                    let receipt = dispatch
-                        .dispatch(Signal::new("follow_up", "check the invoice").tag_name("follow-up"))
-                        .await
-                        .map_err(|e| ToolError::new(e.to_string()))?;
-                    Ok::<_, ToolError>(receipt.submission_id)
-                }
-            }),
-    );
+    use_tool(harness::dispatching(
+        Tool::new("schedule_follow_up").description("Queue a follow-up message."),
+        dispatch,
+        Signal::new("follow_up", "check the invoice").tag_name("follow-up"),
+    ));
     use_agent_start(|ctx| async move {
         if ctx.delivery().body() == "check the invoice" {
             ctx.append(Signal::new("note", "The follow-up joined."))?;

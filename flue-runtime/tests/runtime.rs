@@ -1443,20 +1443,11 @@ fn planner() -> &'static str {
     let dispatch = use_dispatch_message();
     let delivery = use_delivery();
     FOLLOW_UPS.lock().unwrap().push(delivery.body().to_owned());
-    use_tool(
-        Tool::new("schedule_follow_up")
-            .description("Queue a follow-up message.")
-            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-                let dispatch = dispatch.clone();
-                async move {
-                    let receipt = dispatch
-                        .dispatch("follow-up: check the invoice")
-                        .await
-                        .map_err(|e| ToolError::new(e.to_string()))?;
-                    Ok::<_, ToolError>(receipt.submission_id)
-                }
-            }),
-    );
+    use_tool(harness::dispatching(
+        Tool::new("schedule_follow_up").description("Queue a follow-up message."),
+        dispatch,
+        "follow-up: check the invoice",
+    ));
     use_agent_start(|ctx| async move {
         if ctx.delivery().body().starts_with("follow-up") {
             ctx.append(Signal::new("note", "This follow-up joined the live response."))?;
@@ -1656,21 +1647,13 @@ async fn a_batch_of_only_terminating_tools_ends_the_turn_without_another_model_c
 fn handoff() -> &'static str {
     use_model("scripted/x");
     let dispatch = use_dispatch_message();
-    use_tool(
+    use_tool(harness::dispatching(
         Tool::new("hand_off")
             .description("Hand the conversation over, leaving a note for later.")
-            .terminate()
-            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-                let dispatch = dispatch.clone();
-                async move {
-                    dispatch
-                        .dispatch("note: the customer also asked about refunds")
-                        .await
-                        .map_err(|e| ToolError::new(e.to_string()))?;
-                    Ok::<_, ToolError>("handed off")
-                }
-            }),
-    );
+            .terminate(),
+        dispatch,
+        "note: the customer also asked about refunds",
+    ));
     "Hand off when asked."
 }
 
@@ -1713,20 +1696,11 @@ async fn a_delivery_joined_at_a_terminating_batch_is_answered_by_another_turn() 
 fn capped_planner() -> &'static str {
     use_model("scripted/x");
     let dispatch = use_dispatch_message();
-    use_tool(
-        Tool::new("schedule_follow_up")
-            .description("Queue a follow-up message.")
-            .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-                let dispatch = dispatch.clone();
-                async move {
-                    dispatch
-                        .dispatch("follow-up: check the invoice")
-                        .await
-                        .map_err(|e| ToolError::new(e.to_string()))?;
-                    Ok::<_, ToolError>("scheduled")
-                }
-            }),
-    );
+    use_tool(harness::dispatching(
+        Tool::new("schedule_follow_up").description("Queue a follow-up message."),
+        dispatch,
+        "follow-up: check the invoice",
+    ));
     "You plan work."
 }
 

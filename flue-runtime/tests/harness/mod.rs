@@ -11,6 +11,27 @@ use flue_runtime::store::{MemoryStore, Store};
 use flue_runtime::testing::ScriptedModel;
 use flue_runtime::{Runtime, RuntimeOptions};
 
+/// `tool` (a [`Tool::new`] builder) made to dispatch `message` to its own instance through
+/// `dispatch` when it is called, answering with the receipt's submission id: a tool that
+/// queues a delivery in the middle of a response, as the join tests need.
+pub fn dispatching(
+    tool: flue_core::tool::ToolBuilder,
+    dispatch: Dispatcher,
+    message: impl Into<flue_runtime::message::DeliveredMessage>,
+) -> Tool {
+    let message = message.into();
+    tool.run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+        let (dispatch, message) = (dispatch.clone(), message.clone());
+        async move {
+            let receipt = dispatch
+                .dispatch(message)
+                .await
+                .map_err(|error| ToolError::new(error.to_string()))?;
+            Ok::<_, ToolError>(receipt.submission_id)
+        }
+    })
+}
+
 /// A runtime on `store` running `agents` with `model` (retries without waiting).
 pub fn runtime_on(store: impl Store, model: &ScriptedModel, agents: impl IntoIterator<Item = AgentRef>) -> Runtime {
     let mut providers = ProviderRegistry::new();
