@@ -121,6 +121,56 @@ async fn the_six_tools_work_in_the_in_memory_sandbox_and_keep_within_it() {
 }
 
 #[tokio::test]
+async fn an_edit_is_refused_for_a_file_past_16_mb_or_one_it_would_grow_past_it() {
+    let two_mb = "a".repeat(2 * 1024 * 1024);
+    let seventeen_mb = "z".repeat(17 * 1024 * 1024);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            ("write", json!({"path": "small.txt", "content": two_mb})),
+            ("write", json!({"path": "huge.txt", "content": seventeen_mb})),
+        ]),
+        ScriptedReply::tool_calls([
+            // Ten times two MB is past the bound.
+            (
+                "edit",
+                json!({"path": "small.txt", "old_string": "a", "new_string": "aaaaaaaaaa", "replace_all": true}),
+            ),
+            (
+                "edit",
+                json!({"path": "huge.txt", "old_string": "z", "new_string": "y", "replace_all": true}),
+            ),
+        ]),
+        // The same size is fine.
+        ScriptedReply::tool_call(
+            "edit",
+            json!({"path": "small.txt", "old_string": "a", "new_string": "b", "replace_all": true}),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [in_memory.into()]);
+    runtime.init(&in_memory, "big-edits").send("go").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(
+        last_batch_results(&requests[2]),
+        [
+            (
+                "The edit would make /small.txt larger than 16 MB; it was not made.".to_owned(),
+                true
+            ),
+            (
+                "/huge.txt is larger than 16 MB; edit can only change smaller files (use bash for this one)."
+                    .to_owned(),
+                true
+            ),
+        ]
+    );
+    assert_eq!(
+        last_batch_results(&requests[3]),
+        [("Edited /small.txt (2097152 replacements).".to_owned(), false)]
+    );
+}
+
+#[tokio::test]
 async fn edits_of_one_file_in_one_batch_run_one_at_a_time_and_lose_nothing() {
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("write", json!({"path": "f.txt", "content": "alpha beta gamma"})),
@@ -177,6 +227,10 @@ async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the
             ),
             ("bash", json!({"command": "exit 3"})),
             ("bash", json!({"command": "echo \"key=[$FLUE_TEST_SANDBOX_SECRET]\""})),
+            (
+                "bash",
+                json!({"command": "cat /proc/$PPID/environ >/dev/null 2>&1 && echo readable || echo refused"}),
+            ),
         ]),
         ScriptedReply::tool_calls([
             ("read", json!({"path": "greeting.txt"})),
@@ -201,6 +255,16 @@ async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the
         ("key=[]".to_owned(), false),
         "the process's secrets stay out of commands"
     );
+    // Nor can a command read the process's launch environment from /proc (as root it could
+    // read anything: this holds for an unprivileged user only).
+    // SAFETY: geteuid has no preconditions.
+    if cfg!(target_os = "linux") && unsafe { libc::geteuid() } != 0 {
+        assert_eq!(
+            first[3],
+            ("refused".to_owned(), false),
+            "/proc/$PPID/environ was readable"
+        );
+    }
     let second = last_batch_results(&requests[2]);
     assert_eq!(second[0], ("hello".to_owned(), false));
     assert_eq!(

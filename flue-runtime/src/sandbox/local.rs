@@ -11,6 +11,30 @@ use flue_core::sandbox::{DirEntry, ExecOutput, ExecRequest, Sandbox, SandboxErro
 
 use super::normalize;
 
+/// Makes this process's own environment, memory and file descriptors unreadable by other
+/// processes of its user (Linux: not dumpable, as `ssh-agent` and `gpg-agent` make
+/// themselves), once, before the first command. A command gets a cleared environment, but it
+/// runs as this process's user and could otherwise read the process's whole launch
+/// environment, provider keys included, from `/proc/$PPID/environ`. The process then leaves
+/// no core dump and a debugger needs root to attach. A command running as root reads
+/// anything regardless: run untrusted models as an unprivileged user (or in a container).
+fn hide_process_environment() {
+    #[cfg(target_os = "linux")]
+    {
+        static HIDDEN: std::sync::Once = std::sync::Once::new();
+        HIDDEN.call_once(|| {
+            // SAFETY: PR_SET_DUMPABLE takes one integer argument and touches no memory of ours.
+            let result = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+            if result != 0 {
+                tracing::warn!(
+                    error = %std::io::Error::last_os_error(),
+                    "sandbox: could not make the process non-dumpable; commands may read its environment"
+                );
+            }
+        });
+    }
+}
+
 /// How long a command may run when the call sets no limit.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -853,6 +877,7 @@ impl Sandbox for LocalSandbox {
         let root = self.root.clone();
         Box::pin(async move {
             let (cwd, normalized) = checked?;
+            hide_process_environment();
             let mut command = tokio::process::Command::new("sh");
             // Where it starts: the directory opened beneath the root, not the path `cwd`
             // resolved again (see `start_in`). The command itself is not confined: it may

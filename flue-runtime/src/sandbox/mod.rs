@@ -4,8 +4,13 @@
 //! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the process's
 //!   lifetime, not across restarts), no commands. [`local`]: a directory on the real
 //!   filesystem, commands through `sh -c` with a cleared environment (only `PATH`, `HOME` = the
-//!   working directory, `LANG`): the process's secrets never reach a command the model wrote.
-//!   Paths are sandbox paths — `/` is the root — and a path that leaves the root is refused.
+//!   working directory, `LANG`), and on Linux the process made non-dumpable before the first
+//!   one, so a command cannot read the process's launch environment (its provider keys) from
+//!   `/proc` either. The file tools' paths are sandbox paths — `/` is the root — and a path
+//!   that leaves the root is refused. Commands themselves are not confined: they run as the
+//!   process's user, may read and write whatever it can (as root, the process's secrets too)
+//!   and have no resource limits; run untrusted models as an unprivileged user or in a
+//!   container.
 //! - The factory runs once per submission (when the render first attaches the sandbox); the
 //!   working directory (`SandboxOptions::cwd`, default `/`) is submission-scoped, and the
 //!   tools' relative paths start there. Presence is re-read at every turn boundary: a render
@@ -13,7 +18,7 @@
 //!   reaches the model as an `environment` signal.
 //! - Limits: `read` 2000 lines / 50 KB (from the start, with a continuation marker), `bash`
 //!   2000 lines / 50 KB (the end), `grep` 100 matches of at most 500 characters per line,
-//!   `glob` 1000 paths. Writes and edits of one file run one at a time.
+//!   `glob` 1000 paths, `edit` files (before and after the edit) of at most 16 MB. Writes and edits of one file run one at a time.
 //! - `read` and `grep` read a file a piece at a time ([`Sandbox::read_file_with`]), only as
 //!   far as they can show: `read` stops 1 MB past its window (a marker then counts "more
 //!   than" the lines seen, and only what was read is checked to be UTF-8), `grep` at one match

@@ -577,6 +577,9 @@ fn write(session: &SandboxSession, args: WriteArgs) -> BoxFuture<'_, ToolOutput>
     })
 }
 
+/// The largest file `edit` reads or writes.
+const MAX_EDIT_BYTES: usize = 16 * 1024 * 1024;
+
 /// `edit`'s arguments.
 #[derive(Deserialize, JsonSchema)]
 struct EditArgs {
@@ -602,10 +605,21 @@ fn edit(session: &SandboxSession, args: EditArgs) -> BoxFuture<'_, ToolOutput> {
         }
         let lock = session.lock_of(&path).await;
         let _guard = lock.lock().await;
-        let bytes = match session.sandbox.read_file(&path).await {
-            Ok(bytes) => bytes,
-            Err(error) => return sandbox_error(error),
+        // Read no further than an editable file goes: a huge file is refused, not held.
+        let mut bytes = Vec::new();
+        let mut visit = |piece: &[u8]| {
+            bytes.extend_from_slice(&piece[..piece.len().min(MAX_EDIT_BYTES + 1 - bytes.len())]);
+            bytes.len() <= MAX_EDIT_BYTES
         };
+        if let Err(error) = session.sandbox.read_file_with(&path, &mut visit).await {
+            return sandbox_error(error);
+        }
+        if bytes.len() > MAX_EDIT_BYTES {
+            return ToolOutput::error(format!(
+                "{path} is larger than {} MB; edit can only change smaller files (use bash for this one).",
+                MAX_EDIT_BYTES / (1024 * 1024)
+            ));
+        }
         let Ok(text) = String::from_utf8(bytes) else {
             return ToolOutput::error(format!("{path} is a binary file; only text files can be edited."));
         };
@@ -616,6 +630,15 @@ fn edit(session: &SandboxSession, args: EditArgs) -> BoxFuture<'_, ToolOutput> {
         if count > 1 && !args.replace_all {
             return ToolOutput::error(format!(
                 "old_string occurs {count} times in {path}; include more context to make it unique, or set replace_all."
+            ));
+        }
+        // What the file would grow to, before it is built: an edit cannot blow a file up past
+        // what edit may change (replace_all of one character by ten, ten times over, would).
+        let grown = (count as u128) * (args.new_string.len() as u128);
+        if text.len() as u128 - (count as u128) * (args.old_string.len() as u128) + grown > MAX_EDIT_BYTES as u128 {
+            return ToolOutput::error(format!(
+                "The edit would make {path} larger than {} MB; it was not made.",
+                MAX_EDIT_BYTES / (1024 * 1024)
             ));
         }
         let edited = if args.replace_all {
