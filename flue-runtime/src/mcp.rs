@@ -150,8 +150,18 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
                 || format!("{} (MCP server {})", listed.name, connection.name),
                 str::to_owned,
             );
+        let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
+        // The rules a local tool's definition is held to: a schema whose root is not an object
+        // would fail every model request of the response, not only calls to this server.
+        definition.validate_input_schema("MCP tool").map_err(|error| {
+            unavailable(format!(
+                "tool {:?}: {}",
+                listed.name,
+                error.trim_start_matches("[flue] ")
+            ))
+        })?;
         tools.push(Tool::from_handler(McpTool {
-            definition: ToolDefinition::from_parts(name, description, SchemaSource::Given(schema)),
+            definition,
             remote_name: listed.name.to_string(),
             client: client.clone(),
             timeout: connection.timeout,
@@ -191,10 +201,11 @@ impl ToolHandler for McpTool {
             let result = match result {
                 Ok(result) => result,
                 Err(error) => {
-                    return ToolOutput::error(format!(
+                    // Cut as a result is: the server chooses the error's text and its length.
+                    return ToolOutput::error(capped(format!(
                         "The MCP server failed the call: {}",
                         without_url_secrets(&error.to_string())
-                    ));
+                    )));
                 }
             };
             let mut parts: Vec<String> = result

@@ -57,6 +57,9 @@ impl ServerHandler for Docs {
             // Two names that clean to the same mounted name.
             McpTool::new("search.issues", "Search issues.", schema(json!({"type": "object"}))),
             McpTool::new("search_issues", "Search issues too.", schema(json!({"type": "object"}))),
+            // Arguments that are not an object: no model request could carry it.
+            McpTool::new("listing", "Takes a list.", schema(json!({"type": "array"}))),
+            McpTool::new("rude", "Fails at length.", schema(json!({"type": "object"}))),
         ]))
     }
 
@@ -74,6 +77,9 @@ impl ServerHandler for Docs {
             .to_owned();
         if &*request.name == "hang" {
             std::future::pending::<()>().await;
+        }
+        if &*request.name == "rude" {
+            return Err(ErrorData::internal_error("€".repeat(70_000), None));
         }
         Ok(match &*request.name {
             // 3-byte characters, so that a cut by bytes has to find a character boundary.
@@ -359,6 +365,71 @@ async fn tools_whose_names_clean_to_the_same_name_refuse_the_server_naming_both(
         panic!("the narration")
     };
     assert!(content.contains("would both be mounted as"), "{content}");
+}
+
+/// Each test's own server (a server lives on its test's runtime).
+static LISTING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+static RUDE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn listing() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", LISTING_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["search", "listing"]),
+    );
+    "List."
+}
+
+#[tokio::test]
+async fn a_tool_whose_schema_root_is_not_an_object_refuses_the_server() {
+    let _ = LISTING_URL.set(serve_docs().await);
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [listing.into()]);
+    let error = runtime.init(&listing, "l").send("go").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error")
+    };
+    assert_eq!(error_type, "mcp_connection_failed", "{message}");
+    assert_eq!(
+        message,
+        "[flue] The MCP server \"docs\" could not be used: tool \"listing\": MCP tool \
+         \"mcp__docs__listing\" input must be a top-level object schema."
+    );
+    assert!(model.requests().is_empty(), "no model request was made");
+}
+
+#[agent]
+fn rude_reader() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", RUDE_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["rude"]),
+    );
+    "Read."
+}
+
+#[tokio::test]
+async fn a_failed_calls_error_text_is_cut_to_the_output_cap() {
+    let _ = RUDE_URL.set(serve_docs().await);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("mcp__docs__rude", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [rude_reader.into()]);
+    runtime.init(&rude_reader, "r").send("go").await.unwrap();
+    let results = tool_results(&model.requests()[1]);
+    let [(text, true)] = results.as_slice() else {
+        panic!("one error result: {results:?}")
+    };
+    assert!(text.starts_with("The MCP server failed the call: "), "{}", &text[..40]);
+    assert!(text.len() <= 50 * 1024 + 200, "{} bytes", text.len());
+    assert!(text.ends_with(" bytes.]"), "{}", &text[text.len() - 60..]);
 }
 
 #[agent]
