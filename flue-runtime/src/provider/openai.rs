@@ -271,6 +271,15 @@ impl OpenAiProvider {
         self
     }
 
+    /// What of a step's reasoning goes back with it (see [`Echo`]).
+    fn echo(&self) -> Echo {
+        let text = self.echoes_reasoning();
+        Echo {
+            text,
+            details: text || self.flavor == Flavor::OpenRouter,
+        }
+    }
+
     /// Whether a step's reasoning goes back with it: as chosen, else for DeepSeek's API only.
     fn echoes_reasoning(&self) -> bool {
         self.reasoning_echo
@@ -306,7 +315,9 @@ impl OpenAiProvider {
         // `{"messages":[…],` then the other fields: the history's encodings are kept with it
         // (each message is encoded once, not at every call of a long conversation).
         // The system prompt is the first message, before the kept ones.
-        let (head, tail) = request.body_size_hint(CHAT_MESSAGES, tools.encoded_len());
+        let echo = self.echo();
+        let format = echo.format();
+        let (head, tail) = request.body_size_hint(format, tools.encoded_len());
         let system_len = request.system.as_deref().map_or(0, str::len);
         let mut writer = BodyWriter::with_capacity(head + system_len, tail);
         let body = writer.buf();
@@ -317,11 +328,9 @@ impl OpenAiProvider {
                 body.push(b',');
             }
         }
-        request
-            .messages
-            .encode_into(CHAT_MESSAGES, &mut writer, |message, out| {
-                serde_json::to_writer(out, &chat_message(message))
-            })?;
+        request.messages.encode_into(format, &mut writer, |message, out| {
+            serde_json::to_writer(out, &chat_message(message, echo))
+        })?;
         let body = writer.buf();
         body.extend_from_slice(b"],");
         let (reasoning, reasoning_effort) = self.reasoning_fields(request);
@@ -355,14 +364,37 @@ impl OpenAiProvider {
     }
 }
 
-/// The wire format [`Messages::encode_into`] keeps the history's encodings in.
-const CHAT_MESSAGES: &str = "openai-chat-completions";
+/// Which of a step's reasoning goes back with it. A conversation's steps keep the reasoning
+/// blocks of the provider that made them, and a later submission may call another provider
+/// (the model is submission-scoped): each provider sends back only what it asks for, or a
+/// server that refuses the field (Groq, OpenAI) would refuse every later call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Echo {
+    /// `reasoning_content` (DeepSeek, or as [`OpenAiProvider::with_reasoning_echo`] says).
+    text: bool,
+    /// `reasoning_details` (OpenRouter, or a server echoing reasoning).
+    details: bool,
+}
+
+impl Echo {
+    /// The wire format [`Messages::encode_into`] keeps the history's encodings in: one per
+    /// choice, so a history encoded for one provider is not sent to another.
+    fn format(self) -> &'static str {
+        match (self.text, self.details) {
+            (false, false) => "openai-chat-completions",
+            (true, false) => "openai-chat-completions+reasoning-content",
+            (false, true) => "openai-chat-completions+reasoning-details",
+            (true, true) => "openai-chat-completions+reasoning-content+reasoning-details",
+        }
+    }
+}
 
 /// The default least idle timeout of a call that asks for reasoning.
 const REASONING_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// A call's message in the Chat Completions format (borrowing the conversation's strings).
-fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
+/// A call's message in the Chat Completions format (borrowing the conversation's strings),
+/// with the reasoning `echo` asks for.
+fn chat_message(message: &ModelMessage, echo: Echo) -> ChatMessage<'_> {
     match message {
         ModelMessage::User { content, images } if images.is_empty() => ChatMessage::User {
             content: UserContent::Text(content),
@@ -388,14 +420,16 @@ fn chat_message(message: &ModelMessage) -> ChatMessage<'_> {
             } else {
                 Some(text)
             },
-            // Kept only by a provider that echoes reasoning (see `with_reasoning_echo`).
-            reasoning_content: reasoning.iter().find_map(|block| match block {
+            // Kept only by a provider that echoes reasoning (see `with_reasoning_echo`), and
+            // sent only to one.
+            reasoning_content: reasoning.iter().filter(|_| echo.text).find_map(|block| match block {
                 ReasoningBlock::Text { text } => Some(text.as_str()),
                 _ => None,
             }),
             // Only OpenRouter streams them, and it wants them back.
             reasoning_details: reasoning
                 .iter()
+                .filter(|_| echo.details)
                 .filter_map(|block| match block {
                     ReasoningBlock::Detail { detail } => Some(detail),
                     _ => None,
@@ -1189,7 +1223,7 @@ mod tests {
             .expect("cached declarations");
         let system = long.system.as_deref().map_or(0, str::len);
         for call in ["first", "next"] {
-            let (head, tail) = long.body_size_hint(CHAT_MESSAGES, tools.encoded_len());
+            let (head, tail) = long.body_size_hint(provider.echo().format(), tools.encoded_len());
             let body = provider.body_bytes(&long).expect("a body");
             let parts = body.parts();
             assert!(
@@ -1329,6 +1363,56 @@ mod tests {
         assert_eq!(body["messages"][1]["reasoning_details"], json!(details));
         // A step without details sends none.
         assert_eq!(body["messages"][0].get("reasoning_details"), None);
+    }
+
+    #[test]
+    fn a_step_reasoned_through_one_provider_goes_to_another_without_the_fields_it_refuses() {
+        // A conversation's step made through DeepSeek (reasoning_content) and OpenRouter
+        // (reasoning_details), then a submission on another provider.
+        let mut call = request("gpt-5", ThinkingLevel::Medium);
+        call.messages = vec![
+            ModelMessage::user("look it up"),
+            ModelMessage::Assistant {
+                text: "Found it.".into(),
+                tool_calls: Vec::new(),
+                reasoning: vec![
+                    ReasoningBlock::Text {
+                        text: "DeepSeek's thoughts".into(),
+                    },
+                    ReasoningBlock::Detail {
+                        detail: serde_json::Map::from_iter([
+                            ("type".to_owned(), json!("reasoning.text")),
+                            ("text".to_owned(), json!("Gemini's")),
+                            ("index".to_owned(), json!(0)),
+                        ]),
+                    },
+                ],
+            },
+        ]
+        .into();
+        let sent = |provider: &OpenAiProvider| {
+            let step = provider.body(&call)["messages"][1].clone();
+            (
+                step.get("reasoning_content").is_some(),
+                step.get("reasoning_details").is_some(),
+            )
+        };
+        let deepseek = OpenAiProvider::compatible("deepseek", "https://api.deepseek.com", "DEEPSEEK_API_KEY");
+        // One history, encoded for each provider in turn: no encoding leaks into another's.
+        for _ in 0..2 {
+            assert_eq!(sent(&OpenAiProvider::openai()), (false, false), "OpenAI refuses both");
+            assert_eq!(
+                sent(&OpenAiProvider::compatible(
+                    "groq",
+                    "https://api.groq.com/openai/v1",
+                    "GROQ_API_KEY"
+                )),
+                (false, false),
+                "Groq refuses both"
+            );
+            assert_eq!(sent(&OpenAiProvider::openrouter()), (false, true));
+            assert_eq!(sent(&deepseek), (true, true));
+        }
     }
 
     #[test]
