@@ -162,6 +162,18 @@ impl RuntimeOptions {
         let factor = 2u32.saturating_pow(retry.saturating_sub(1));
         self.model_retry_delay.saturating_mul(factor).min(MAX_MODEL_RETRY_WAIT)
     }
+
+    /// The retries a retry of a model call that failed with `error` (after `retries` of the
+    /// turn loop's) has spent in all, the provider's own included, and the wait before it:
+    /// [`model_retry_wait`](Self::model_retry_wait), or what the provider asked for
+    /// (`Retry-After`) when that is longer, at most [`MAX_MODEL_RETRY_WAIT`].
+    pub(crate) fn model_retry(&self, retries: u32, error: &crate::provider::ProviderError) -> (u32, Duration) {
+        let spent = retries.saturating_add(1).saturating_add(error.retried);
+        let wait = self
+            .model_retry_wait(spent)
+            .max(error.retry_after.unwrap_or_default().min(MAX_MODEL_RETRY_WAIT));
+        (spent, wait)
+    }
 }
 
 /// Builds a [`Runtime`].

@@ -782,6 +782,43 @@ async fn a_key_straddling_the_end_of_the_quoted_error_page_is_not_partly_shown()
 }
 
 #[tokio::test]
+async fn a_request_timeout_408_is_retried_and_an_echoed_url_keeps_its_query_key_out() {
+    let server = FixtureServer::start().await;
+    // A gateway that gave up waiting, then one whose error page echoes the URL it was called
+    // with (a key in its query).
+    server.push(FixtureReply::status(408, r#"{"error":{"message":"request timed out"}}"#).retry_after(0));
+    server.push(FixtureReply::status(
+        400,
+        "bad request to https://gw.example/v1/chat/completions?api-key=hunter2-secret&x=1 (see logs)",
+    ));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_408"), request("hi")).await;
+    assert_eq!(server.requests().len(), 2, "the 408 was retried");
+    assert_eq!(error.kind, ProviderErrorKind::BadRequest);
+    assert!(!error.message.contains("hunter2"), "{}", error.message);
+    assert!(
+        error.message.contains("https://gw.example/v1/chat/completions"),
+        "{}",
+        error.message
+    );
+}
+
+#[tokio::test]
+async fn an_explicit_key_read_with_its_line_end_is_sent_trimmed() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("ok"));
+    let provider = OpenAiProvider::openai()
+        .with_base_url(server.base_url())
+        .with_api_key(format!("{KEY}\n"))
+        .with_retry_policy(RetryPolicy::none());
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!(response.text, "ok");
+    assert_eq!(
+        server.requests()[0].header("authorization"),
+        Some(format!("Bearer {KEY}").as_str())
+    );
+}
+
+#[tokio::test]
 async fn unknown_model_404_maps_to_unknown_model_naming_it() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_error(
@@ -806,6 +843,44 @@ async fn unknown_model_404_maps_to_unknown_model_naming_it() {
     assert_eq!(error.kind, ProviderErrorKind::UnknownModel);
     assert!(error.message.contains("claude-nope"), "{}", error.message);
     assert_eq!(server.requests().len(), 2, "not retried");
+}
+
+#[tokio::test]
+async fn an_upstream_context_overflow_wrapped_by_openrouter_is_recognised_and_quoted() {
+    let server = FixtureServer::start().await;
+    let upstream = json!({
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "prompt is too long: 250000 tokens > 200000 maximum"}
+    });
+    server.push(FixtureReply::status(
+        400,
+        json!({"error": {"message": "Provider returned error", "code": 400,
+            "metadata": {"raw": upstream.to_string(), "provider_name": "Anthropic"}}})
+        .to_string(),
+    ));
+    // A text `raw` is quoted as it is.
+    server.push(FixtureReply::status(
+        400,
+        json!({"error": {"message": "Provider returned error", "code": 400,
+            "metadata": {"raw": "upstream refused: invalid image", "provider_name": "Google"}}})
+        .to_string(),
+    ));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_OR_RAW"), request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{error}");
+    assert!(
+        error.message.contains("Provider returned error: prompt is too long"),
+        "{}",
+        error.message
+    );
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_OR_RAW"), request("hi")).await;
+    assert_eq!(error.kind, ProviderErrorKind::BadRequest);
+    assert!(
+        error
+            .message
+            .contains("Provider returned error: upstream refused: invalid image"),
+        "{}",
+        error.message
+    );
 }
 
 #[tokio::test]
@@ -1029,6 +1104,19 @@ async fn a_stream_silent_longer_than_the_idle_timeout_is_a_timeout() {
     assert_eq!(text_deltas(&events), ["first"]);
     assert_eq!(error.kind, ProviderErrorKind::Timeout);
     assert_eq!(server.requests().len(), 1);
+}
+
+#[tokio::test]
+async fn an_idle_timeout_of_duration_max_is_no_limit_not_a_panic() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("Hello there, world"));
+    server.push(FixtureReply::anthropic_text("Bonjour tout le monde"));
+    let provider = openai(&server, "FLUE_TEST_KEY_IDLE_MAX").with_idle_timeout(Duration::MAX);
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!(response.text, "Hello there, world");
+    let provider = anthropic(&server).with_idle_timeout(Duration::MAX);
+    let (_, response) = complete(&provider, request("salut")).await;
+    assert_eq!(response.text, "Bonjour tout le monde");
 }
 
 #[tokio::test]

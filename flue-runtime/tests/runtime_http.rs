@@ -131,6 +131,26 @@ async fn a_call_failing_with_server_errors_is_retried_three_times_in_all() {
 }
 
 #[tokio::test]
+async fn retries_the_provider_made_before_a_stream_was_cut_count_against_the_budget() {
+    let server = FixtureServer::start().await;
+    // Two failures the provider retries, then streams cut mid-way, which the turn loop retries.
+    for _ in 0..2 {
+        server.push(FixtureReply::status(
+            500,
+            r#"{"error":{"message":"boom","type":"server_error"}}"#,
+        ));
+    }
+    for _ in 0..10 {
+        server.push(FixtureReply::openai_truncated("Hel"));
+    }
+    let runtime = runtime(&server);
+    let error = runtime.init(&forecaster, "f-budget").send("hi").await.unwrap_err();
+    assert!(matches!(error, RuntimeError::Run { .. }), "{error:?}");
+    // Three retries in all, four requests: two retried 500s, then the cut stream retried once.
+    assert_eq!(server.requests().len(), 4);
+}
+
+#[tokio::test]
 async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_truncated("Hello"));

@@ -58,9 +58,9 @@ pub(crate) async fn complete_observed(
             Ok(response) => return Ok(response),
             Err(None) => return Err(CallError::Aborted),
             Err(Some(error)) if error.may_retry(retries, options.model_retries) => {
-                retries += 1;
+                let delay;
+                (retries, delay) = options.model_retry(retries, &error);
                 observe(Streamed::Retrying);
-                let delay = options.model_retry_wait(retries);
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
                     () = signal.aborted() => return Err(CallError::Aborted),

@@ -225,10 +225,12 @@ impl KeySource {
         }
     }
 
-    /// Sets an explicit key (an empty string clears it).
+    /// Sets an explicit key, trimmed as a key from the environment is (a key read from a file
+    /// keeps no line end); an empty one clears it.
     pub fn set_explicit(&mut self, key: impl Into<String>) {
         let key = key.into();
-        self.explicit = (!key.is_empty()).then_some(ApiKey(key));
+        let key = key.trim();
+        self.explicit = (!key.is_empty()).then(|| ApiKey(key.to_owned()));
     }
 
     /// The key for a call now: the explicit one, else the environment variable's (non-empty)
@@ -319,9 +321,10 @@ impl CallContext {
 
     /// At most `max_chars` characters of `text`, redacted, with `…` when it was cut. The key is
     /// removed before the text is cut: cut first, a key straddling the cut would survive in
-    /// part.
+    /// part. So are the userinfo, query and fragment of the URLs in it (a gateway that echoes
+    /// the request's URL would quote a key passed in its query).
     pub fn quote(&self, text: &str, max_chars: usize) -> String {
-        let redacted = self.redact(text);
+        let redacted = self.redact(&without_url_secrets(text));
         match redacted.char_indices().nth(max_chars) {
             Some((end, _)) => format!("{}…", &redacted[..end]),
             None => redacted,
@@ -571,7 +574,8 @@ pub(crate) fn encode_body(encoded: Result<Payload, serde_json::Error>) -> Result
     })
 }
 
-/// POSTs the JSON `payload` to `url` and returns the response once it started successfully (2xx).
+/// POSTs the JSON `payload` to `url` and returns the response once it started successfully
+/// (2xx), with how many times the call was retried first.
 ///
 /// Failures before the body streams are retried per `transport.retry`: 429 and 5xx answers,
 /// connection failures and first-byte timeouts. Everything else fails at once.
@@ -582,7 +586,7 @@ pub(crate) async fn send_with_retries(
     mut payload: Payload,
     transport: &Transport,
     ctx: &CallContext,
-) -> Result<reqwest::Response, ProviderError> {
+) -> Result<(reqwest::Response, u32), ProviderError> {
     let mut retry = 0u32;
     loop {
         let request = match url {
@@ -595,7 +599,7 @@ pub(crate) async fn send_with_retries(
             .body(payload.to_body())
             .send();
         let error = match tokio::time::timeout(transport.timeout, attempt).await {
-            Ok(Ok(response)) if response.status().is_success() => return Ok(response),
+            Ok(Ok(response)) if response.status().is_success() => return Ok((response, retry)),
             // A 307 or 308 sends the body again: reqwest follows it (same origin only, see
             // `same_origin_redirects`) for a body it can copy, not for one in parts. The
             // call is made again, at once, with the body in one part.
@@ -748,7 +752,38 @@ impl ErrorDetails {
     }
 
     /// Details from an error object (the value of an `error` field) or an error string.
+    ///
+    /// OpenRouter wraps an upstream provider's failure in its own error, whose message says
+    /// only "Provider returned error": the upstream's own error is in `metadata.raw` (its JSON
+    /// body, or text). Its message is added to OpenRouter's, and its code and type stand in
+    /// for missing ones, so an upstream's context overflow is recognised as one.
     pub fn from_value(error: &Value) -> Self {
+        let mut details = Self::fields(error);
+        let raw = error
+            .get("metadata")
+            .and_then(|metadata| metadata.get("raw"))
+            .and_then(Value::as_str)
+            .filter(|raw| !raw.trim().is_empty());
+        if let Some(raw) = raw {
+            let upstream = match serde_json::from_str::<Value>(raw) {
+                Ok(value) => Self::fields(value.get("error").unwrap_or(&value)),
+                Err(_) => Self {
+                    message: Some(raw.trim().to_owned()),
+                    ..Self::default()
+                },
+            };
+            details.message = match (details.message.take(), upstream.message) {
+                (Some(outer), Some(inner)) => Some(format!("{outer}: {inner}")),
+                (outer, inner) => inner.or(outer),
+            };
+            details.code = details.code.or(upstream.code);
+            details.kind = details.kind.or(upstream.kind);
+        }
+        details
+    }
+
+    /// The fields of one error object (or string), without looking into a wrapped one.
+    fn fields(error: &Value) -> Self {
         if let Some(text) = error.as_str() {
             return Self {
                 message: Some(text.to_owned()),
@@ -855,6 +890,8 @@ pub(crate) fn map_error(
         Some(429) if details.is(&["insufficient_quota"]) => K::BadRequest,
         Some(429) => K::RateLimited,
         Some(500..=599) => K::Server,
+        // The server (or a proxy) gave up waiting for the request: it may go through again.
+        Some(408) => K::Timeout,
         Some(400..=499) => K::BadRequest,
         Some(_) => K::InvalidResponse,
         None if details.is(&["authentication", "permission", "invalid_api_key", "unauthorized"]) => K::Unauthorized,
@@ -881,6 +918,7 @@ pub(crate) fn map_error(
         K::RateLimited => format!("[flue] Provider \"{provider}\" rate-limited the request{http}: {said}"),
         K::Server => format!("[flue] Provider \"{provider}\" failed with a server error{http}: {said}"),
         K::BadRequest => format!("[flue] Provider \"{provider}\" rejected the request{http}: {said}"),
+        K::Timeout => format!("[flue] Provider \"{provider}\" timed out waiting for the request{http}: {said}"),
         _ => format!("[flue] Provider \"{provider}\" answered with an unexpected status{http}: {said}"),
     };
     ProviderError {
@@ -955,7 +993,8 @@ impl fmt::Display for BodyError {
 }
 
 type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
-type Connect = Pin<Box<dyn Future<Output = Result<reqwest::Response, ProviderError>> + Send>>;
+/// The call's response once it started, and how many times it was retried first.
+type Connect = Pin<Box<dyn Future<Output = Result<(reqwest::Response, u32), ProviderError>> + Send>>;
 
 /// A body stream that fails when no chunk arrives for `idle`.
 struct IdleTimeout {
@@ -963,6 +1002,14 @@ struct IdleTimeout {
     sleep: Pin<Box<Sleep>>,
     idle: Duration,
     finished: bool,
+}
+
+/// When a body silent for `idle` from now is taken for dead: `Duration::MAX` (no limit) is a
+/// century, not an overflow.
+fn idle_deadline(idle: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(idle)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 impl Stream for IdleTimeout {
@@ -975,8 +1022,7 @@ impl Stream for IdleTimeout {
         }
         match this.inner.as_mut().poll_next(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
-                let deadline = tokio::time::Instant::now() + this.idle;
-                this.sleep.as_mut().reset(deadline);
+                this.sleep.as_mut().reset(idle_deadline(this.idle));
                 Poll::Ready(Some(Ok(chunk)))
             }
             Poll::Ready(Some(Err(error))) => {
@@ -1016,6 +1062,9 @@ struct Driver<D> {
     parser: SseParser,
     /// The bytes the body may still bring (see [`MAX_RESPONSE_BYTES`]).
     budget: usize,
+    /// How many times the call was retried before its response started: an error of the
+    /// stream carries them too, so the turn loop's retries and these never pass its budget.
+    retried: u32,
 }
 
 /// The most bytes one streamed response may bring. Far beyond any real answer (a model's
@@ -1031,12 +1080,18 @@ impl<D: SseDecoder> Driver<D> {
                 return Some(Ok(event));
             }
             if let Some(error) = self.failure.take() {
-                return Some(Err(error));
+                return Some(Err(ProviderError {
+                    retried: error.retried.max(self.retried),
+                    ..error
+                }));
             }
             match &mut self.phase {
                 Phase::Finished => return None,
                 Phase::Connecting(connect) => match connect.await {
-                    Ok(response) => self.phase = self.start_reading(response).await,
+                    Ok((response, retried)) => {
+                        self.retried = retried;
+                        self.phase = self.start_reading(response).await;
+                    }
                     Err(error) => self.fail(error),
                 },
                 Phase::Reading(body) => match self.parser.next_event() {
@@ -1193,7 +1248,7 @@ impl<D: SseDecoder> Driver<D> {
 pub(crate) fn sse_stream<D, F>(connect: F, decoder: D, idle: Duration, ctx: CallContext) -> ModelStream
 where
     D: SseDecoder,
-    F: Future<Output = Result<reqwest::Response, ProviderError>> + Send + 'static,
+    F: Future<Output = Result<(reqwest::Response, u32), ProviderError>> + Send + 'static,
 {
     driven(driver(Box::pin(connect), decoder, idle, ctx))
 }
@@ -1208,6 +1263,7 @@ fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: Call
         ctx,
         parser: SseParser::default(),
         budget: MAX_RESPONSE_BYTES,
+        retried: 0,
     }
 }
 
@@ -1429,7 +1485,7 @@ mod tests {
             .header(CONTENT_TYPE, "text/event-stream")
             .body(reqwest::Body::wrap_stream(chunks))
             .expect("a response");
-        let connect: Connect = Box::pin(async move { Ok(reqwest::Response::from(response)) });
+        let connect: Connect = Box::pin(async move { Ok((reqwest::Response::from(response), 0)) });
         let mut driver = driver(connect, Endless, Duration::from_secs(5), ctx());
         // Ten events' worth.
         driver.budget = 10 * "data: {}\n\n".len();

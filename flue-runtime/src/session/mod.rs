@@ -2248,7 +2248,8 @@ impl Response<'_> {
             let mut shown = false;
             match self.stream_once(provider, request, tools, &mut shown, live).await {
                 Err(StepError::Provider(error)) if error.may_retry(retries, self.runtime.options.model_retries) => {
-                    retries += 1;
+                    let delay;
+                    (retries, delay) = self.runtime.options.model_retry(retries, &error);
                     // The retry streams its own text; what this call appended stays behind
                     // (its step's completion says what the text is).
                     live.restart();
@@ -2257,7 +2258,6 @@ impl Response<'_> {
                             message: ModelMessage::empty_assistant(),
                         });
                     }
-                    let delay = self.runtime.options.model_retry_wait(retries);
                     tokio::select! {
                         () = tokio::time::sleep(delay) => {}
                         () = self.attempt.signal.aborted() => return Err(StepError::Aborted),
