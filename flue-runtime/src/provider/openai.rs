@@ -18,7 +18,9 @@
 //! - `max_output_tokens` → `max_completion_tokens` for `openai` (its reasoning models refuse
 //!   `max_tokens`), `max_tokens` for OpenRouter and compatible servers (Ollama reads only it);
 //! - `thinking_level` → `minimal`/`low`/`medium`/`high` (`xhigh` and `max` send `high`; `off`
-//!   sends nothing), as said below.
+//!   sends nothing, except to OpenAI's reasoning models, which get the least effort they take:
+//!   `none` on `gpt-5.1` and later, `minimal` on `gpt-5`, `low` on the o-series), as said
+//!   below.
 //!
 //! The thinking level is sent per flavour:
 //! - `openai`: `reasoning_effort`, except for the model families that reject it (`gpt-4*`,
@@ -570,11 +572,15 @@ impl OpenAiProvider {
     /// `reasoning_effort` (neither for `Off`, a model that refuses it, or a compatible server
     /// not asked to).
     fn reasoning_fields(&self, request: &ModelRequest) -> (Option<ReasoningOption>, Option<&'static str>) {
-        let effort = reasoning_effort(request.thinking_level).filter(|_| self.reasoning_effort);
-        match (effort, self.flavor) {
+        if !self.reasoning_effort {
+            return (None, None);
+        }
+        match (reasoning_effort(request.thinking_level), self.flavor) {
             (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
             (Some(effort), Flavor::OpenAi) => (None, openai_effort(&request.model, effort)),
             (Some(effort), Flavor::Compatible) => (None, Some(effort)),
+            // Nothing would leave an OpenAI reasoning model at its default (medium) effort.
+            (None, Flavor::OpenAi) => (None, openai_least_effort(&request.model)),
             (None, _) => (None, None),
         }
     }
@@ -597,25 +603,66 @@ fn reasoning_effort(level: ThinkingLevel) -> Option<&'static str> {
 /// (`o1`, `o3`, `o4-mini`, …), which takes only low, medium and high, and on `gpt-5.1` and
 /// later, which took `none` in its place (and refuse `minimal`).
 fn openai_effort(model: &str, effort: &'static str) -> Option<&'static str> {
-    let model = model.to_ascii_lowercase();
-    let model = model.strip_prefix("ft:").unwrap_or(&model);
-    let refuses = ["gpt-4", "gpt-3.5", "chatgpt-", "gpt-5-chat", "o1-mini", "o1-preview"]
-        .iter()
-        .any(|prefix| model.starts_with(prefix));
-    if refuses {
-        return None;
+    match OpenAiFamily::of(model) {
+        OpenAiFamily::Refuses => None,
+        OpenAiFamily::OSeries | OpenAiFamily::AfterGpt5 if effort == "minimal" => Some("low"),
+        _ => Some(effort),
     }
-    let o_series = model
-        .strip_prefix('o')
-        .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()));
-    let after_gpt_5 = model
-        .strip_prefix("gpt-5.")
-        .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()));
-    Some(if (o_series || after_gpt_5) && effort == "minimal" {
-        "low"
-    } else {
-        effort
-    })
+}
+
+/// The `reasoning_effort` of [`ThinkingLevel::Off`] for an OpenAI model: the least it takes
+/// (`none` on `gpt-5.1` and later, `minimal` on `gpt-5`, `low` on the o-series, which cannot
+/// turn reasoning off), nothing for the families that refuse the parameter and for models
+/// not known to reason.
+fn openai_least_effort(model: &str) -> Option<&'static str> {
+    match OpenAiFamily::of(model) {
+        OpenAiFamily::AfterGpt5 => Some("none"),
+        OpenAiFamily::Gpt5 => Some("minimal"),
+        OpenAiFamily::OSeries => Some("low"),
+        OpenAiFamily::Refuses | OpenAiFamily::Other => None,
+    }
+}
+
+/// What an OpenAI model takes as `reasoning_effort`, by its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpenAiFamily {
+    /// `gpt-4*`, `gpt-3.5*`, `chatgpt-*`, `gpt-5-chat*`, `o1-mini`, `o1-preview` (fine-tuned
+    /// ones too): no reasoning parameter.
+    Refuses,
+    /// `o1`, `o3`, `o4-mini`, …: low, medium and high.
+    OSeries,
+    /// `gpt-5`, `gpt-5-mini`, `gpt-5-nano`: minimal to high.
+    Gpt5,
+    /// `gpt-5.1` and later: none to high (no minimal).
+    AfterGpt5,
+    /// Any other name: sent as asked.
+    Other,
+}
+
+impl OpenAiFamily {
+    fn of(model: &str) -> Self {
+        let model = model.to_ascii_lowercase();
+        let model = model.strip_prefix("ft:").unwrap_or(&model);
+        let refuses = ["gpt-4", "gpt-3.5", "chatgpt-", "gpt-5-chat", "o1-mini", "o1-preview"]
+            .iter()
+            .any(|prefix| model.starts_with(prefix));
+        let digit_after = |prefix: &str| {
+            model
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        };
+        if refuses {
+            Self::Refuses
+        } else if digit_after("o") {
+            Self::OSeries
+        } else if digit_after("gpt-5.") {
+            Self::AfterGpt5
+        } else if model == "gpt-5" || model.starts_with("gpt-5-") {
+            Self::Gpt5
+        } else {
+            Self::Other
+        }
+    }
 }
 
 impl ModelProvider for OpenAiProvider {
@@ -648,7 +695,8 @@ impl ModelProvider for OpenAiProvider {
         };
         let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.echoes_reasoning());
         let idle = match self.reasoning_fields(request) {
-            (None, None) => transport.idle_timeout,
+            // No reasoning asked for (or `none`): the model has no silence to think in.
+            (None, None | Some("none")) => transport.idle_timeout,
             _ => transport.idle_timeout.max(self.reasoning_idle_timeout),
         };
         sse_stream(connect, decoder, idle, ctx)
@@ -1089,8 +1137,9 @@ mod tests {
         assert_eq!(body["reasoning_effort"], "high");
         let body = openai.body(&request("gpt-4o-mini", ThinkingLevel::High));
         assert!(body.get("reasoning_effort").is_none());
+        // Off is the least effort a reasoning model takes (nothing would leave it at medium).
         let body = openai.body(&request("gpt-5", ThinkingLevel::Off));
-        assert!(body.get("reasoning_effort").is_none());
+        assert_eq!(body["reasoning_effort"], "minimal");
         let router = OpenAiProvider::openrouter();
         let body = router.body(&request("anthropic/claude-sonnet-4.5", ThinkingLevel::Minimal));
         assert_eq!(body["reasoning"], json!({"effort": "minimal"}));
@@ -1115,6 +1164,15 @@ mod tests {
             ("ft:gpt-4o-mini-2024-07-18:org::abc", ThinkingLevel::High, None),
             ("ft:o4-mini-2025-04-16:org::abc", ThinkingLevel::Low, Some("low")),
             ("chatgpt-4o-latest", ThinkingLevel::High, None),
+            // Off: the least each takes, nothing where none is taken or known.
+            ("gpt-5", ThinkingLevel::Off, Some("minimal")),
+            ("gpt-5-nano", ThinkingLevel::Off, Some("minimal")),
+            ("gpt-5.1", ThinkingLevel::Off, Some("none")),
+            ("gpt-5.2-codex", ThinkingLevel::Off, Some("none")),
+            ("o3", ThinkingLevel::Off, Some("low")),
+            ("gpt-5-chat-latest", ThinkingLevel::Off, None),
+            ("gpt-4.1", ThinkingLevel::Off, None),
+            ("my-finetune", ThinkingLevel::Off, None),
         ];
         for (model, level, want) in cases {
             let body = openai.body(&request(model, level));
