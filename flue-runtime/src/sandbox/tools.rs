@@ -24,8 +24,14 @@ pub const MAX_MATCHES: usize = 100;
 pub const MAX_MATCH_CHARS: usize = 500;
 /// Paths `glob` returns at most.
 pub const MAX_PATHS: usize = 1000;
-/// Files `grep` and `glob` visit at most.
+/// Files and directories `grep` and `glob` visit at most.
 const MAX_WALK: usize = 20_000;
+/// Bytes `read` skips at most to reach its window: a larger offset is refused rather than
+/// read to (a file growing as fast as it is read would never be reached). The unit tests
+/// bound at a MiB, to reach the bound quickly.
+const MAX_SKIPPED_BYTES: usize = if cfg!(test) { 1 << 20 } else { 256 << 20 };
+/// Bytes one `grep` call reads at most, over all its files (a MiB in the unit tests).
+const MAX_GREP_BYTES: usize = if cfg!(test) { 1 << 20 } else { 256 << 20 };
 
 /// Bytes `read` goes on reading past its window, to count the file's lines (and the length of
 /// a first line longer than the window) for its marker: an ordinary file gets exact counts, a
@@ -134,6 +140,10 @@ pub(crate) struct WindowReader {
     past: usize,
     /// Whether the read stopped before the end of the file.
     stopped: bool,
+    /// Bytes skipped before the window.
+    skipped: usize,
+    /// The window lies past [`MAX_SKIPPED_BYTES`].
+    too_far: bool,
     utf8: Utf8Check,
     binary: bool,
 }
@@ -154,6 +164,8 @@ impl WindowReader {
             first_ended: false,
             past: 0,
             stopped: false,
+            skipped: 0,
+            too_far: false,
             utf8: Utf8Check::default(),
             binary: false,
         }
@@ -167,8 +179,14 @@ impl WindowReader {
         }
         while !piece.is_empty() {
             let taken = if self.newlines < self.start {
-                // Before the window: up to the next line end.
-                memchr::memchr(b'\n', piece).map_or(piece.len(), |end| end + 1)
+                // Before the window: up to the next line end, and no further than the bound.
+                if self.skipped >= MAX_SKIPPED_BYTES {
+                    self.too_far = true;
+                    return false;
+                }
+                let taken = memchr::memchr(b'\n', piece).map_or(piece.len(), |end| end + 1);
+                self.skipped += taken;
+                taken
             } else if self.kept.len() < KEEP && self.kept_newlines < self.wanted {
                 let taken = piece.len().min(KEEP - self.kept.len());
                 self.kept.extend_from_slice(&piece[..taken]);
@@ -206,6 +224,13 @@ impl WindowReader {
 
     /// The window, with a marker saying where to continue when lines remain.
     pub(crate) fn finish(self) -> Result<String, WindowError> {
+        if self.too_far {
+            return Err(WindowError::Offset(format!(
+                "Line {} lies more than {} MB into the file, past what read skips; use bash (tail, sed) for it.",
+                self.start + 1,
+                MAX_SKIPPED_BYTES / (1024 * 1024)
+            )));
+        }
         if self.binary || (!self.stopped && !self.utf8.finished()) {
             return Err(WindowError::Binary);
         }
@@ -700,11 +725,18 @@ fn bash(session: &SandboxSession, args: BashArgs) -> BoxFuture<'_, ToolOutput> {
     })
 }
 
-/// Every file under `base` (a sandbox path), depth first in name order, at most [`MAX_WALK`].
+/// Every file under `base` (a sandbox path), depth first in name order, visiting at most
+/// [`MAX_WALK`] files and directories (a million empty directories cost as much as a million
+/// files).
 async fn walk(session: &SandboxSession, base: &str) -> Result<Vec<String>, SandboxError> {
     let mut files = Vec::new();
     let mut pending = vec![base.to_owned()];
+    let mut visited = 0usize;
     while let Some(directory) = pending.pop() {
+        visited += 1;
+        if visited + files.len() > MAX_WALK {
+            return Ok(files);
+        }
         let entries = match session.sandbox.list_dir(&directory).await {
             Ok(entries) => entries,
             // The base itself may be a file.
@@ -786,7 +818,14 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
         };
         let mut matches = Vec::new();
         let mut more = false;
+        // What this call may still read, over all its files.
+        let mut budget = MAX_GREP_BYTES;
+        let mut read_out = false;
         'files: for file in &files {
+            if budget == 0 {
+                read_out = true;
+                break;
+            }
             let shown = relative(&base, file);
             if let Some(filter) = &filter
                 && !filter.matches(shown)
@@ -796,7 +835,11 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
             }
             // Read a piece at a time, only until one match more than can be shown.
             let mut search = LineSearch::new(&pattern, MAX_MATCHES + 1 - matches.len());
-            let mut visit = |piece: &[u8]| search.feed(piece);
+            let mut visit = |piece: &[u8]| {
+                let piece = &piece[..piece.len().min(budget)];
+                budget -= piece.len();
+                search.feed(piece) && budget > 0
+            };
             if session.sandbox.read_file_with(file, &mut visit).await.is_err() {
                 continue;
             }
@@ -811,14 +854,25 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
                 matches.push(format!("{file}:{number}: {line}"));
             }
         }
+        let read_out = read_out || budget == 0;
+        let stopped_reading = format!(
+            "[Stopped after reading {} MB; narrow the path or the glob.]",
+            MAX_GREP_BYTES / (1024 * 1024)
+        );
         if matches.is_empty() {
-            return ToolOutput::text("No matches.");
+            return ToolOutput::text(if read_out {
+                format!("No matches.\n\n{stopped_reading}")
+            } else {
+                "No matches.".to_owned()
+            });
         }
         let mut out = matches.join("\n");
         if more {
             out.push_str(&format!(
                 "\n\n[Stopped at {MAX_MATCHES} matches; narrow the pattern or the path.]"
             ));
+        } else if read_out {
+            out.push_str(&format!("\n\n{stopped_reading}"));
         }
         ToolOutput::text(out)
     })
@@ -1120,6 +1174,43 @@ mod tests {
         assert!(text.contains("[Stopped at 100 matches"), "{text}");
         let given = sandbox.given.load(Ordering::Relaxed);
         assert!(given < 1 << 20, "{given} bytes read for 100 matches");
+    }
+
+    #[tokio::test]
+    async fn read_refuses_a_window_further_into_the_file_than_it_skips() {
+        let (sandbox, session) = endless();
+        let args = ReadArgs {
+            path: "big.txt".into(),
+            offset: Some(10_000_000),
+            limit: Some(3),
+        };
+        let (text, is_error) = text_of(read(&session, args).await);
+        assert!(is_error, "{text}");
+        assert_eq!(
+            text,
+            "Line 10000000 lies more than 1 MB into the file, past what read skips; use bash (tail, sed) for it."
+        );
+        let given = sandbox.given.load(Ordering::Relaxed);
+        assert!(given < 2 << 20, "{given} bytes read before refusing");
+    }
+
+    #[tokio::test]
+    async fn grep_stops_after_reading_its_byte_budget_and_says_so() {
+        let (sandbox, session) = endless();
+        let args = GrepArgs {
+            pattern: "never there".into(),
+            path: None,
+            glob: None,
+            ignore_case: false,
+        };
+        let (text, is_error) = text_of(grep(&session, args).await);
+        assert!(!is_error, "{text}");
+        assert_eq!(
+            text,
+            "No matches.\n\n[Stopped after reading 1 MB; narrow the path or the glob.]"
+        );
+        let given = sandbox.given.load(Ordering::Relaxed);
+        assert!(given < 2 << 20, "{given} bytes read for a budget of 1 MB");
     }
 
     #[test]
