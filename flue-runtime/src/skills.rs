@@ -233,6 +233,10 @@ pub(crate) struct Workspace {
     skills: Vec<Skill>,
 }
 
+/// The most skills a workspace provides: the ones after (in name order) are skipped with a
+/// warning.
+pub const MAX_WORKSPACE_SKILLS: usize = 100;
+
 impl Workspace {
     /// The skills in `session`'s working directory. A directory without a `SKILL.md` is not a
     /// skill; one whose `SKILL.md` cannot be read or is invalid is skipped with a warning (a
@@ -257,7 +261,17 @@ impl Workspace {
             }
         };
         entries.sort_by(|a, b| a.name.cmp(&b.name));
-        for entry in &entries {
+        for (at, entry) in entries.iter().enumerate() {
+            if workspace.skills.len() == MAX_WORKSPACE_SKILLS {
+                // Every skill is a catalog line of every request, its instructions held here.
+                tracing::warn!(
+                    directory = %workspace.directory,
+                    "[flue] Skipping the workspace skills after the first {MAX_WORKSPACE_SKILLS} (in name order): {} entries of {} were not looked at.",
+                    entries.len() - at,
+                    workspace.directory
+                );
+                break;
+            }
             // An entry listed as no directory may be a link to one (a skill installed by
             // linking): tried too, but a `SKILL.md` that cannot be read through it only means it
             // is a file.

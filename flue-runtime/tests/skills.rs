@@ -328,6 +328,45 @@ async fn a_malformed_workspace_skill_is_skipped_with_a_warning_and_the_others_lo
     }
 }
 
+static CROWDED_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch::dir("workspace-skills-crowded");
+    for n in 0..flue_runtime::MAX_WORKSPACE_SKILLS + 5 {
+        let name = format!("skill-{n:03}");
+        write_tree(
+            &root,
+            &[(
+                &format!(".agents/skills/{name}/SKILL.md"),
+                format!("---\nname: {name}\ndescription: Skill number {n}.\n---\nDo thing {n}.").as_bytes(),
+            )],
+        );
+    }
+    root
+});
+
+#[agent]
+fn crowded_workspace() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::local(CROWDED_ROOT.clone()));
+    "Work."
+}
+
+#[tokio::test]
+async fn a_workspace_provides_at_most_a_hundred_skills_and_warns_of_the_rest() {
+    let logs = harness::logs::capture();
+    let model = ScriptedModel::new([ScriptedReply::text("done")]);
+    let runtime = runtime_with(&model, [crowded_workspace.into()]);
+    runtime.init(&crowded_workspace, "c").send("go").await.unwrap();
+    let system = model.requests()[0].system.clone().unwrap();
+    assert!(system.contains("**skill-099**"), "{system}");
+    assert!(!system.contains("**skill-100**"), "{system}");
+    assert!(
+        logs.all().iter().any(|line| line
+            .starts_with("[flue] Skipping the workspace skills after the first 100 (in name order): 5 entries")),
+        "{:?}",
+        logs.all()
+    );
+}
+
 static CLASH_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
     let root = scratch::dir("workspace-skills-clash");
     write_tree(
