@@ -861,11 +861,15 @@ impl ChatDecoder {
         };
         let slot = match call.index {
             Some(index) => match self.slots.get(&index) {
-                // A known index, unless a new id reuses it (servers that number every call 0).
+                // A known index, unless a new call reuses it (servers that number every call
+                // 0): another id with a name. A fragment with another id and no name continues
+                // the call (it cannot start one), and a made-up id is replaced by the server's
+                // when the name is the call's own.
                 Some(&slot)
                     if id.is_none_or(|id| {
                         let call = &self.calls[slot];
-                        call.id.is_empty() || call.generated || call.id == id
+                        let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
+                        call.id.is_empty() || call.id == id || name.is_none() || (call.generated && same_name)
                     }) =>
                 {
                     slot
@@ -1421,6 +1425,40 @@ mod tests {
         assert_eq!(body["messages"][1]["reasoning_details"], json!(details));
         // A step without details sends none.
         assert_eq!(body["messages"][0].get("reasoning_details"), None);
+    }
+
+    #[test]
+    fn a_fragment_with_a_new_id_continues_its_call_unless_it_names_another_tool() {
+        // A continuation repeating another id, without a name: still the first call.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_a","type":"function","function":{"name":"lookup","arguments":"{\"q\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_a_2","function":{"arguments":"\"x\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        let calls: Vec<(&str, &str, &str)> = response
+            .tool_calls
+            .iter()
+            .map(|call| (call.id.as_str(), call.name.as_str(), call.arguments.as_str()))
+            .collect();
+        assert_eq!(calls, [("call_a", "lookup", r#"{"q":"x"}"#)]);
+        // A call whose id was made up here, then another tool on the same index with its
+        // own id: two calls, not one with both argument strings.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"type":"function","function":{"name":"lookup","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_b","type":"function","function":{"name":"fetch","arguments":"{\"url\":\"u\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        let calls: Vec<(&str, &str)> = response
+            .tool_calls
+            .iter()
+            .map(|call| (call.name.as_str(), call.arguments.as_str()))
+            .collect();
+        assert_eq!(calls, [("lookup", "{}"), ("fetch", r#"{"url":"u"}"#)]);
+        assert_eq!(response.tool_calls[1].id, "call_b");
     }
 
     #[test]
