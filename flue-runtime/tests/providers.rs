@@ -1157,35 +1157,6 @@ async fn a_call_asking_for_reasoning_may_stay_silent_longer_than_the_idle_timeou
     assert_eq!(error.kind, ProviderErrorKind::Timeout);
 }
 
-#[tokio::test]
-async fn a_reasoning_call_that_stalls_once_its_answer_streams_times_out_at_the_usual_bound() {
-    let server = FixtureServer::start().await;
-    server.push(FixtureReply::openai_chunks([
-        OpenAiChunk::Pause(Duration::from_millis(600)),
-        OpenAiChunk::Text("The answer".into()),
-        OpenAiChunk::Pause(Duration::from_secs(5)),
-        OpenAiChunk::Text(" is late".into()),
-        OpenAiChunk::Finish("stop".into()),
-        OpenAiChunk::Done,
-    ]));
-    let provider = OpenAiProvider::openai()
-        .with_base_url(server.base_url())
-        .with_api_key(KEY)
-        .with_retry_policy(RetryPolicy::none())
-        .with_idle_timeout(Duration::from_millis(300))
-        .with_reasoning_idle_timeout(Duration::from_secs(30));
-    let thinking = ModelRequest {
-        model: "o3".into(),
-        thinking_level: ThinkingLevel::High,
-        ..request("hi")
-    };
-    let (events, error) = fail(&provider, thinking).await;
-    // The silence before the answer was thinking; the one inside it is a stall.
-    assert_eq!(text_deltas(&events), ["The answer"]);
-    assert_eq!(error.kind, ProviderErrorKind::Timeout, "{error}");
-    assert!(error.message.contains("sent nothing for 300ms"), "{}", error.message);
-}
-
 // ---- keys ----
 
 #[tokio::test]

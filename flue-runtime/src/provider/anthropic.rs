@@ -59,7 +59,7 @@ use serde_json::value::RawValue;
 use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, Silence, SseDecoder, Transport, ended_early,
+    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
@@ -756,12 +756,7 @@ impl ModelProvider for AnthropicProvider {
             let client = client.get()?;
             send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
-        sse_stream(
-            connect,
-            MessagesDecoder::new(ctx.clone()),
-            Silence::uniform(transport.idle_timeout),
-            ctx,
-        )
+        sse_stream(connect, MessagesDecoder::new(ctx.clone()), transport.idle_timeout, ctx)
     }
 }
 

@@ -1012,14 +1012,6 @@ fn idle_deadline(idle: Duration) -> tokio::time::Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
-impl IdleTimeout {
-    /// From now on the body may stay silent for `idle` only.
-    fn shorten(&mut self, idle: Duration) {
-        self.idle = idle;
-        self.sleep.as_mut().reset(idle_deadline(idle));
-    }
-}
-
 impl Stream for IdleTimeout {
     type Item = Result<Bytes, BodyError>;
 
@@ -1073,9 +1065,6 @@ struct Driver<D> {
     /// How many times the call was retried before its response started: an error of the
     /// stream carries them too, so the turn loop's retries and these never pass its budget.
     retried: u32,
-    /// The idle timeout once the answer streams (text or a tool call), when it is shorter
-    /// than `idle`; taken (and the body's timeout shortened) at the first such event.
-    answering: Option<Duration>,
 }
 
 /// The most bytes one streamed response may bring. Far beyond any real answer (a model's
@@ -1107,15 +1096,6 @@ impl<D: SseDecoder> Driver<D> {
                 },
                 Phase::Reading(body) => match self.parser.next_event() {
                     Ok(Some(event)) => match self.decoder.event(&event, &mut self.out) {
-                        Ok(flow) if self.answering.is_some() && self.out.iter().any(StreamEvent::is_answer) => {
-                            // The model is past its silent thinking: a silence now is a stall.
-                            if let Some(answering) = self.answering.take() {
-                                body.as_mut().get_mut().shorten(answering);
-                            }
-                            if flow == Flow::Done {
-                                self.phase = Phase::Finished;
-                            }
-                        }
                         Ok(Flow::Continue) => {}
                         Ok(Flow::Done) => self.phase = Phase::Finished,
                         Err(error) => self.fail(error),
@@ -1263,35 +1243,14 @@ impl<D: SseDecoder> Driver<D> {
     }
 }
 
-/// How long a streamed response may stay silent: `waiting` until its answer (text or a tool
-/// call) starts, which a reasoning model may take long to think before, and `answering`
-/// after.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Silence {
-    pub waiting: Duration,
-    pub answering: Duration,
-}
-
-impl Silence {
-    /// The same bound before and after the answer starts.
-    pub(crate) fn uniform(idle: Duration) -> Self {
-        Self {
-            waiting: idle,
-            answering: idle,
-        }
-    }
-}
-
 /// The [`ModelStream`] of one call: awaits `connect` (the retried request), then decodes the
 /// event stream with `decoder`. Nothing happens until the stream is first polled.
-pub(crate) fn sse_stream<D, F>(connect: F, decoder: D, silence: Silence, ctx: CallContext) -> ModelStream
+pub(crate) fn sse_stream<D, F>(connect: F, decoder: D, idle: Duration, ctx: CallContext) -> ModelStream
 where
     D: SseDecoder,
     F: Future<Output = Result<(reqwest::Response, u32), ProviderError>> + Send + 'static,
 {
-    let mut driver = driver(Box::pin(connect), decoder, silence.waiting, ctx);
-    driver.answering = (silence.answering < silence.waiting).then_some(silence.answering);
-    driven(driver)
+    driven(driver(Box::pin(connect), decoder, idle, ctx))
 }
 
 fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: CallContext) -> Driver<D> {
@@ -1305,7 +1264,6 @@ fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: Call
         parser: SseParser::default(),
         budget: MAX_RESPONSE_BYTES,
         retried: 0,
-        answering: None,
     }
 }
 

@@ -69,7 +69,7 @@ use serde_json::Value;
 use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, Silence, SseDecoder, Transport, ended_early,
+    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
     error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
@@ -694,16 +694,12 @@ impl ModelProvider for OpenAiProvider {
             send_with_retries(&client, &url, &headers, body?, &transport, &connect_ctx).await
         };
         let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.echoes_reasoning());
-        let silence = match self.reasoning_fields(request) {
+        let idle = match self.reasoning_fields(request) {
             // No reasoning asked for (or `none`): the model has no silence to think in.
-            (None, None | Some("none")) => Silence::uniform(transport.idle_timeout),
-            // Reasoning: silent thinking until the answer starts, then the usual bound.
-            _ => Silence {
-                waiting: transport.idle_timeout.max(self.reasoning_idle_timeout),
-                answering: transport.idle_timeout,
-            },
+            (None, None | Some("none")) => transport.idle_timeout,
+            _ => transport.idle_timeout.max(self.reasoning_idle_timeout),
         };
-        sse_stream(connect, decoder, silence, ctx)
+        sse_stream(connect, decoder, idle, ctx)
     }
 }
 

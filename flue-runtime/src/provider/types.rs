@@ -567,17 +567,6 @@ pub enum StreamEvent {
     Completed(ModelResponse),
 }
 
-impl StreamEvent {
-    /// Whether the model's answer streams with this event (its text or a tool call), past any
-    /// reasoning.
-    pub(crate) fn is_answer(&self) -> bool {
-        matches!(
-            self,
-            Self::TextDelta(_) | Self::ToolCallStarted { .. } | Self::ToolCallArguments { .. }
-        )
-    }
-}
-
 /// A streamed model call.
 pub type ModelStream = Pin<Box<dyn Stream<Item = Result<StreamEvent, ProviderError>> + Send>>;
 
