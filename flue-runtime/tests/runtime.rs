@@ -2089,6 +2089,70 @@ async fn images_reach_the_model_are_kept_in_the_attachment_store_and_survive_evi
     );
 }
 
+/// A memory store whose attachments all read back damaged.
+struct DamagedAttachments {
+    inner: MemoryStore,
+}
+
+impl flue_runtime::store::Store for DamagedAttachments {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, read, put_attachment, user_value,
+        set_user_value, list_user_values,
+    );
+
+    fn attachment(
+        &self,
+        _key: &InstanceKey,
+        id: &str,
+    ) -> flue_runtime::BoxFuture<
+        '_,
+        Result<Option<flue_runtime::store::StoredAttachment>, flue_runtime::store::StoreError>,
+    > {
+        let id = id.to_owned();
+        Box::pin(async move {
+            Err(flue_runtime::store::StoreError::AttachmentIntegrity(format!(
+                "attachment \"{id}\" does not match its declared SHA-256 digest"
+            )))
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_damaged_attachment_fails_the_submission_at_once_instead_of_retrying_it() {
+    let model = ScriptedModel::new([ScriptedReply::text("a chart"), ScriptedReply::text("never")]);
+    let rows = MemoryStore::new();
+    // The image reaches the model with its message; its bytes are stored (and then damaged).
+    let runtime = harness::runtime_on(DamagedAttachments { inner: rows.clone() }, &model, [calculator.into()]);
+    runtime
+        .init(&calculator, "damaged")
+        .send(with_image("What is in this chart?", &[1, 2, 3]))
+        .await
+        .unwrap();
+    // Another process folds the conversation afresh and must load the image from the store.
+    let runtime = harness::runtime_on(DamagedAttachments { inner: rows.clone() }, &model, [calculator.into()]);
+    let error = runtime.init(&calculator, "damaged").send("And now?").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type,
+        message,
+        submission_id,
+        ..
+    } = error
+    else {
+        panic!("a run error: {error:?}")
+    };
+    assert_eq!(error_type, "attachment_integrity", "{message}");
+    assert!(message.contains("is damaged in the store"), "{message}");
+    assert_eq!(model.requests().len(), 1, "no call without the image");
+    let row = flue_runtime::store::Store::submission(&rows, &submission_id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.attempt_count, 1, "not retried: damaged bytes stay damaged");
+}
+
 #[tokio::test]
 async fn an_image_that_is_not_base64_is_refused_at_admission() {
     let model = ScriptedModel::new([]);

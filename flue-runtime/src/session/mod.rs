@@ -54,7 +54,7 @@ use crate::provider::{
 use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::{Concerning, RuntimeInner};
 use crate::store::AttachmentPut;
-use crate::store::{AttemptRef, InstanceKey, Submission, SubmissionStatus};
+use crate::store::{AttemptRef, InstanceKey, StoreError, Submission, SubmissionStatus};
 use crate::tools;
 use deadline::Deadline;
 use live_text::LiveText;
@@ -1709,13 +1709,21 @@ impl Response<'_> {
     /// its stream) from the attachment store.
     async fn load_images(&mut self) -> Result<(), Failure> {
         for attachment in self.conversation.missing_images() {
-            let Some(stored) = self
-                .runtime
-                .store
-                .attachment(self.key, &attachment.id)
-                .await
-                .map_err(Failure::store)?
-            else {
+            let stored = match self.runtime.store.attachment(self.key, &attachment.id).await {
+                Ok(stored) => stored,
+                // Damaged bytes stay damaged: another attempt would fail the same way.
+                Err(StoreError::AttachmentIntegrity(detail)) => {
+                    return Err(Failure::failed(
+                        "attachment_integrity",
+                        format!(
+                            "The attachment \"{}\" of this conversation is damaged in the store: {detail}",
+                            attachment.id
+                        ),
+                    ));
+                }
+                Err(error) => return Err(Failure::store(error)),
+            };
+            let Some(stored) = stored else {
                 return Err(Failure::failed(
                     "attachment_not_found",
                     format!(
