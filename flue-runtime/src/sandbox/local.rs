@@ -14,10 +14,11 @@ use super::normalize;
 /// Makes this process's own environment, memory and file descriptors unreadable by other
 /// processes of its user (Linux: not dumpable, as `ssh-agent` and `gpg-agent` make
 /// themselves), once, before the first command. A command gets a cleared environment, but it
-/// runs as this process's user and could otherwise read the process's whole launch
+/// runs as this process's user and could otherwise read this process's whole launch
 /// environment, provider keys included, from `/proc/$PPID/environ`. The process then leaves
-/// no core dump and a debugger needs root to attach. A command running as root reads
-/// anything regardless: run untrusted models as an unprivileged user (or in a container).
+/// no core dump and a debugger needs root to attach. It hides this process only: the user's
+/// other processes (the shell that started this one) stay readable, and a command running as
+/// root reads anything. Run untrusted models as a user of their own (or in a container).
 fn hide_process_environment() {
     #[cfg(target_os = "linux")]
     {

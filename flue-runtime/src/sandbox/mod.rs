@@ -4,13 +4,14 @@
 //! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the process's
 //!   lifetime, not across restarts), no commands. [`local`]: a directory on the real
 //!   filesystem, commands through `sh -c` with a cleared environment (only `PATH`, `HOME` = the
-//!   working directory, `LANG`), and on Linux the process made non-dumpable before the first
-//!   one, so a command cannot read the process's launch environment (its provider keys) from
-//!   `/proc` either. The file tools' paths are sandbox paths — `/` is the root — and a path
-//!   that leaves the root is refused. Commands themselves are not confined: they run as the
-//!   process's user, may read and write whatever it can (as root, the process's secrets too)
-//!   and have no resource limits; run untrusted models as an unprivileged user or in a
-//!   container.
+//!   working directory, `LANG`), and on Linux this process made non-dumpable before the first
+//!   one, so a command cannot read this process's own launch environment from `/proc` either.
+//!   That is all it hides: a command runs as this process's user, so it can read the
+//!   environment of the user's other processes (the shell or supervisor that started this
+//!   one, siblings given the same keys), anything the user can read (as root, anything at
+//!   all), and it has no resource limits. Run untrusted models as a user of their own, or in
+//!   a container. The file tools' paths are sandbox paths — `/` is the root — and a path that
+//!   leaves the root is refused.
 //! - The factory runs once per submission (when the render first attaches the sandbox); the
 //!   working directory (`SandboxOptions::cwd`, default `/`) is submission-scoped, and the
 //!   tools' relative paths start there. Presence is re-read at every turn boundary: a render
