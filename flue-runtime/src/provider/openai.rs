@@ -18,9 +18,8 @@
 //! - `max_output_tokens` → `max_completion_tokens` for `openai` (its reasoning models refuse
 //!   `max_tokens`), `max_tokens` for OpenRouter and compatible servers (Ollama reads only it);
 //! - `thinking_level` → `minimal`/`low`/`medium`/`high` (`xhigh` and `max` send `high`; `off`
-//!   sends nothing, except to OpenAI's reasoning models, which get the least effort they take:
-//!   `none` on `gpt-5.1` and later, `minimal` on `gpt-5`, `low` on the o-series), as said
-//!   below.
+//!   sends nothing, except to OpenAI's models that reason by default, which get the least
+//!   effort they take: `minimal` on `gpt-5`, `low` on the o-series), as said below.
 //!
 //! The thinking level is sent per flavour:
 //! - `openai`: `reasoning_effort`, except for the model families that reject it (`gpt-4*`,
@@ -610,24 +609,24 @@ fn openai_effort(model: &str, effort: &'static str) -> Option<&'static str> {
     }
 }
 
-/// The `reasoning_effort` of [`ThinkingLevel::Off`] for an OpenAI model: the least it takes
-/// (`none` on `gpt-5.1` and later, `minimal` on `gpt-5`, `low` on the o-series, which cannot
-/// turn reasoning off), nothing for the families that refuse the parameter and for models
-/// not known to reason.
+/// The `reasoning_effort` of [`ThinkingLevel::Off`] for an OpenAI model whose default is to
+/// reason: the least it takes (`minimal` on `gpt-5`, `low` on the o-series, which cannot turn
+/// reasoning off). Nothing for `gpt-5.1` and later (their default is already `none`), for the
+/// families that refuse the parameter and for models not known to reason.
 fn openai_least_effort(model: &str) -> Option<&'static str> {
     match OpenAiFamily::of(model) {
-        OpenAiFamily::AfterGpt5 => Some("none"),
         OpenAiFamily::Gpt5 => Some("minimal"),
         OpenAiFamily::OSeries => Some("low"),
-        OpenAiFamily::Refuses | OpenAiFamily::Other => None,
+        OpenAiFamily::AfterGpt5 | OpenAiFamily::Refuses | OpenAiFamily::Other => None,
     }
 }
 
 /// What an OpenAI model takes as `reasoning_effort`, by its name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum OpenAiFamily {
-    /// `gpt-4*`, `gpt-3.5*`, `chatgpt-*`, `gpt-5-chat*`, `o1-mini`, `o1-preview` (fine-tuned
-    /// ones too): no reasoning parameter.
+    /// `gpt-4*`, `gpt-3.5*`, `chatgpt-*`, the `gpt-5` chat models (`gpt-5-chat*`,
+    /// `gpt-5.1-chat*`, …), `o1-mini`, `o1-preview` (fine-tuned ones too): no reasoning
+    /// parameter.
     Refuses,
     /// `o1`, `o3`, `o4-mini`, …: low, medium and high.
     OSeries,
@@ -643,9 +642,11 @@ impl OpenAiFamily {
     fn of(model: &str) -> Self {
         let model = model.to_ascii_lowercase();
         let model = model.strip_prefix("ft:").unwrap_or(&model);
-        let refuses = ["gpt-4", "gpt-3.5", "chatgpt-", "gpt-5-chat", "o1-mini", "o1-preview"]
-            .iter()
-            .any(|prefix| model.starts_with(prefix));
+        let chat_5 = model.starts_with("gpt-5") && model.contains("-chat");
+        let refuses = chat_5
+            || ["gpt-4", "gpt-3.5", "chatgpt-", "o1-mini", "o1-preview"]
+                .iter()
+                .any(|prefix| model.starts_with(prefix));
         let digit_after = |prefix: &str| {
             model
                 .strip_prefix(prefix)
@@ -695,8 +696,8 @@ impl ModelProvider for OpenAiProvider {
         };
         let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.echoes_reasoning());
         let idle = match self.reasoning_fields(request) {
-            // No reasoning asked for (or `none`): the model has no silence to think in.
-            (None, None | Some("none")) => transport.idle_timeout,
+            // No reasoning asked for: the model has no silence to think in.
+            (None, None) => transport.idle_timeout,
             _ => transport.idle_timeout.max(self.reasoning_idle_timeout),
         };
         sse_stream(connect, decoder, idle, ctx)
@@ -1171,8 +1172,10 @@ mod tests {
             // Off: the least each takes, nothing where none is taken or known.
             ("gpt-5", ThinkingLevel::Off, Some("minimal")),
             ("gpt-5-nano", ThinkingLevel::Off, Some("minimal")),
-            ("gpt-5.1", ThinkingLevel::Off, Some("none")),
-            ("gpt-5.2-codex", ThinkingLevel::Off, Some("none")),
+            ("gpt-5.1", ThinkingLevel::Off, None),
+            ("gpt-5.2-codex", ThinkingLevel::Off, None),
+            ("gpt-5.1-chat-latest", ThinkingLevel::High, None),
+            ("gpt-5.2-chat-latest", ThinkingLevel::Off, None),
             ("o3", ThinkingLevel::Off, Some("low")),
             ("gpt-5-chat-latest", ThinkingLevel::Off, None),
             ("gpt-4.1", ThinkingLevel::Off, None),
