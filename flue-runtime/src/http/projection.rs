@@ -703,10 +703,17 @@ impl Projection {
         let Some(response_id) = self.steps.get(step).cloned() else {
             return;
         };
-        if stream == Stream::Reasoning && self.texted.contains(step) {
+        if stream == Stream::Reasoning
+            && self.texted.contains(step)
+            && self
+                .step_part(&response_id, step, Stream::Reasoning)
+                .is_none_or(|part| part["state"] != "streaming")
+        {
             // Reasoning after the step's text: the snapshot keeps it in the step's reasoning
             // part, before the text, where a client appending the delta would not show it
             // (it would open a reasoning part after the text): the batch projects to a reset.
+            // Once reset, the client's reasoning part is the streaming one, and the deltas
+            // that follow it (until text streams again) extend it as they are.
             self.rewritten = true;
         }
         let streamed = self.streamed.entry((step.to_owned(), stream)).or_default();

@@ -1247,6 +1247,30 @@ fn projection_reasoning_streamed_after_the_text_reaches_a_client_where_the_snaps
         vec![text(" there"), reasoning(".")],
         vec![completed("s1", "Hmm, well.", "Hello there")],
     ]));
+    // Reasoning that goes on after the text over several batches: one reset, then deltas.
+    let stream = one_submission(vec![
+        vec![started("s1"), text("Hel")],
+        vec![reasoning("Hmm")],
+        vec![reasoning(", well")],
+        vec![reasoning(".")],
+        vec![text("lo")],
+        vec![completed("s1", "Hmm, well.", "Hello")],
+    ]);
+    assert_chunks(&stream);
+    let mut projection = Projection::new("agents/a/i");
+    let resets: Vec<bool> = batches_of(&stream)
+        .iter()
+        .map(|batch| {
+            let mut chunks = Vec::new();
+            projection.apply(batch, Some(&mut chunks));
+            chunks.iter().any(|chunk| chunk["type"] == "conversation-reset")
+        })
+        .collect();
+    assert_eq!(
+        resets,
+        [false, true, false, false, false, false],
+        "only the first reasoning after the text resets"
+    );
     // Reasoning first, then text, then more reasoning.
     assert_chunks(&one_submission(vec![
         vec![started("s1"), reasoning("Think"), text("Hel")],
