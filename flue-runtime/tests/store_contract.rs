@@ -105,6 +105,15 @@ async fn adopting_a_bare_stamp_creates_the_missing_tables() {
 
 #[test]
 fn refuses_a_ledger_missing_one_of_its_tables_without_changing_it() {
+    // A ledger without its streams is as damaged.
+    let path = scratch_db();
+    SqliteStore::open(&path).unwrap();
+    raw(&path).execute_batch("DROP TABLE flue_batches").unwrap();
+    let error = SqliteStore::open(&path).err().expect("refused");
+    assert!(
+        error.to_string().contains("flue_instances but no flue_batches"),
+        "{error}"
+    );
     let path = scratch_db();
     SqliteStore::open(&path).unwrap();
     raw(&path).execute_batch("DROP TABLE flue_submissions").unwrap();

@@ -338,8 +338,18 @@ fn create_missing_tables(transaction: &rusqlite::Transaction<'_>) -> Result<(), 
             )));
         }
     }
-    if !exists("flue_batches")? {
-        transaction.execute_batch(BATCHES_TABLE).map_err(sql)?;
+    let batches = exists("flue_batches")?;
+    match (instances, batches) {
+        (false, false) => transaction.execute_batch(BATCHES_TABLE).map_err(sql)?,
+        // A ledger without its streams: every instance has a birth batch, so they were lost
+        // (and an earlier layout's instances would all be given stream 0 here).
+        (true, false) => {
+            return Err(StoreError::Other(
+                "sqlite: the database has flue_instances but no flue_batches: it is not a flue store this build can open"
+                    .into(),
+            ));
+        }
+        _ => {}
     }
     Ok(())
 }
