@@ -863,14 +863,19 @@ impl ChatDecoder {
         let slot = match call.index {
             Some(index) => match self.slots.get(&index) {
                 // A known index, unless a new call reuses it (servers that number every call
-                // 0): another id with a name. A fragment with another id and no name continues
-                // the call (it cannot start one), and a made-up id is replaced by the server's
-                // when the name is the call's own.
+                // 0). A fragment with another id starts one when it names a tool (unless the
+                // call's id was made up here and the name is the call's own: the server's id
+                // for it, arriving late), or when the call's arguments are already whole JSON;
+                // without a name it continues the call otherwise.
                 Some(&slot)
                     if id.is_none_or(|id| {
                         let call = &self.calls[slot];
                         let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
-                        call.id.is_empty() || call.id == id || name.is_none() || (call.generated && same_name)
+                        let whole = serde_json::from_str::<serde::de::IgnoredAny>(&call.arguments).is_ok();
+                        call.id.is_empty()
+                            || call.id == id
+                            || (name.is_none() && !whole)
+                            || (call.generated && same_name)
                     }) =>
                 {
                     slot
@@ -1462,6 +1467,22 @@ mod tests {
             .collect();
         assert_eq!(calls, [("lookup", "{}"), ("fetch", r#"{"url":"u"}"#)]);
         assert_eq!(response.tool_calls[1].id, "call_b");
+        // A server numbering every call 0: a call whose arguments are whole, then another id
+        // whose first fragment has no name yet: a second call.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_a","type":"function","function":{"name":"lookup","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_c","type":"function","function":{"arguments":""}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_c","function":{"name":"fetch","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        let calls: Vec<(&str, &str)> = response
+            .tool_calls
+            .iter()
+            .map(|call| (call.id.as_str(), call.name.as_str()))
+            .collect();
+        assert_eq!(calls, [("call_a", "lookup"), ("call_c", "fetch")]);
     }
 
     #[test]
