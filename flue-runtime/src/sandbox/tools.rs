@@ -728,19 +728,24 @@ fn bash(session: &SandboxSession, args: BashArgs) -> BoxFuture<'_, ToolOutput> {
 /// Every file under `base` (a sandbox path), depth first in name order, visiting at most
 /// [`MAX_WALK`] files and directories (a million empty directories cost as much as a million
 /// files).
-async fn walk(session: &SandboxSession, base: &str) -> Result<Vec<String>, SandboxError> {
+async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxError> {
     let mut files = Vec::new();
     let mut pending = vec![base.to_owned()];
     let mut visited = 0usize;
     while let Some(directory) = pending.pop() {
         visited += 1;
         if visited + files.len() > MAX_WALK {
-            return Ok(files);
+            return Ok(Walked { files, cut: true });
         }
         let entries = match session.sandbox.list_dir(&directory).await {
             Ok(entries) => entries,
             // The base itself may be a file.
-            Err(SandboxError::Io(_)) if directory == base => return Ok(vec![base.to_owned()]),
+            Err(SandboxError::Io(_)) if directory == base => {
+                return Ok(Walked {
+                    files: vec![base.to_owned()],
+                    cut: false,
+                });
+            }
             Err(error) if directory == base => return Err(error),
             Err(_) => continue,
         };
@@ -759,20 +764,32 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Vec<String>, Sandb
             } else {
                 files.push(path);
                 if files.len() >= MAX_WALK {
-                    return Ok(files);
+                    return Ok(Walked { files, cut: true });
                 }
             }
         }
         pending.extend(directories.into_iter().rev());
     }
-    Ok(files)
+    Ok(Walked { files, cut: false })
+}
+
+/// The files a walk found, and whether it stopped at [`MAX_WALK`] before the end.
+struct Walked {
+    files: Vec<String>,
+    cut: bool,
+}
+
+/// What `grep` and `glob` add to their answer when the walk under them stopped early: a
+/// silent cut would read as "nothing else is there".
+fn walk_cut_note() -> String {
+    format!("[Stopped after visiting {MAX_WALK} files and directories; narrow the path.]")
 }
 
 /// The search root `path` names (the working directory by default) and the files under it.
-async fn files_under(session: &SandboxSession, path: Option<&str>) -> Result<(String, Vec<String>), SandboxError> {
+async fn files_under(session: &SandboxSession, path: Option<&str>) -> Result<(String, Walked), SandboxError> {
     let base = join(&session.cwd, path.unwrap_or("."))?;
-    let files = walk(session, &base).await?;
-    Ok((base, files))
+    let walked = walk(session, &base).await?;
+    Ok((base, walked))
 }
 
 fn relative<'a>(base: &str, path: &'a str) -> &'a str {
@@ -812,7 +829,7 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(filter) => filter,
             Err(error) => return ToolOutput::error(format!("Invalid glob: {error}")),
         };
-        let (base, files) = match files_under(session, args.path.as_deref()).await {
+        let (base, Walked { files, cut }) = match files_under(session, args.path.as_deref()).await {
             Ok(found) => found,
             Err(error) => return sandbox_error(error),
         };
@@ -822,10 +839,6 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
         let mut budget = MAX_GREP_BYTES;
         let mut read_out = false;
         'files: for file in &files {
-            if budget == 0 {
-                read_out = true;
-                break;
-            }
             let shown = relative(&base, file);
             if let Some(filter) = &filter
                 && !filter.matches(shown)
@@ -833,46 +846,54 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
             {
                 continue;
             }
+            // A file left to search, and nothing left to read it with.
+            if budget == 0 {
+                read_out = true;
+                break;
+            }
             // Read a piece at a time, only until one match more than can be shown.
             let mut search = LineSearch::new(&pattern, MAX_MATCHES + 1 - matches.len());
+            // Whether the file had more than the budget let this call read.
+            let mut starved = false;
             let mut visit = |piece: &[u8]| {
+                starved = piece.len() > budget;
                 let piece = &piece[..piece.len().min(budget)];
                 budget -= piece.len();
-                search.feed(piece) && budget > 0
+                search.feed(piece) && !starved
             };
             if session.sandbox.read_file_with(file, &mut visit).await.is_err() {
                 continue;
             }
-            let Some(found) = search.finish() else {
-                continue;
-            };
-            for (number, line) in found {
-                if matches.len() == MAX_MATCHES {
-                    more = true;
-                    break 'files;
+            if let Some(found) = search.finish() {
+                for (number, line) in found {
+                    if matches.len() == MAX_MATCHES {
+                        more = true;
+                        break 'files;
+                    }
+                    matches.push(format!("{file}:{number}: {line}"));
                 }
-                matches.push(format!("{file}:{number}: {line}"));
+            }
+            if starved {
+                read_out = true;
+                break;
             }
         }
-        let read_out = read_out || budget == 0;
-        let stopped_reading = format!(
-            "[Stopped after reading {} MB; narrow the path or the glob.]",
-            MAX_GREP_BYTES / (1024 * 1024)
-        );
-        if matches.is_empty() {
-            return ToolOutput::text(if read_out {
-                format!("No matches.\n\n{stopped_reading}")
-            } else {
-                "No matches.".to_owned()
-            });
-        }
-        let mut out = matches.join("\n");
+        let mut out = if matches.is_empty() {
+            "No matches.".to_owned()
+        } else {
+            matches.join("\n")
+        };
         if more {
             out.push_str(&format!(
                 "\n\n[Stopped at {MAX_MATCHES} matches; narrow the pattern or the path.]"
             ));
         } else if read_out {
-            out.push_str(&format!("\n\n{stopped_reading}"));
+            out.push_str(&format!(
+                "\n\n[Stopped after reading {} MB; narrow the path or the glob.]",
+                MAX_GREP_BYTES / (1024 * 1024)
+            ));
+        } else if cut {
+            out.push_str(&format!("\n\n{}", walk_cut_note()));
         }
         ToolOutput::text(out)
     })
@@ -894,7 +915,7 @@ fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(pattern) => pattern,
             Err(error) => return ToolOutput::error(format!("Invalid glob: {error}")),
         };
-        let (base, files) = match files_under(session, args.path.as_deref()).await {
+        let (base, Walked { files, cut }) = match files_under(session, args.path.as_deref()).await {
             Ok(found) => found,
             Err(error) => return sandbox_error(error),
         };
@@ -907,15 +928,19 @@ fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
             .map(|file| relative(&base, file))
             .filter(|file| pattern.matches_with(file, options))
             .collect();
-        if matched.is_empty() {
-            return ToolOutput::text("No files matched.");
-        }
-        let mut out = matched.iter().take(MAX_PATHS).copied().collect::<Vec<_>>().join("\n");
+        let mut out = if matched.is_empty() {
+            "No files matched.".to_owned()
+        } else {
+            matched.iter().take(MAX_PATHS).copied().collect::<Vec<_>>().join("\n")
+        };
         if matched.len() > MAX_PATHS {
             out.push_str(&format!(
                 "\n\n[Showing {MAX_PATHS} of {} paths; narrow the pattern.]",
                 matched.len()
             ));
+        }
+        if cut {
+            out.push_str(&format!("\n\n{}", walk_cut_note()));
         }
         ToolOutput::text(out)
     })
@@ -993,6 +1018,68 @@ mod tests {
         fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
             Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
         }
+    }
+
+    /// A sandbox whose root holds 25,000 empty directories.
+    struct Forest;
+
+    impl Sandbox for Forest {
+        fn read_file(&self, _path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Io("no files".into()))))
+        }
+
+        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
+        }
+
+        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
+        }
+
+        fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
+            let entries = if path == "/" {
+                (0..25_000)
+                    .map(|n| DirEntry {
+                        name: format!("d{n:05}"),
+                        is_dir: true,
+                        size: 0,
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            Box::pin(std::future::ready(Ok(entries)))
+        }
+
+        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+        }
+    }
+
+    #[tokio::test]
+    async fn glob_and_grep_say_when_their_walk_stopped_at_its_bound() {
+        let session = SandboxSession::new(Arc::new(Forest), None).unwrap();
+        let note = "[Stopped after visiting 20000 files and directories; narrow the path.]";
+        let globbed = glob(
+            &session,
+            GlobArgs {
+                pattern: "**/*.md".into(),
+                path: None,
+            },
+        )
+        .await;
+        assert_eq!(text_of(globbed), (format!("No files matched.\n\n{note}"), false));
+        let grepped = grep(
+            &session,
+            GrepArgs {
+                pattern: "x".into(),
+                path: None,
+                glob: None,
+                ignore_case: false,
+            },
+        )
+        .await;
+        assert_eq!(text_of(grepped), (format!("No matches.\n\n{note}"), false));
     }
 
     fn endless() -> (Arc<Endless>, SandboxSession) {
