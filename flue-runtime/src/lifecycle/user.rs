@@ -63,7 +63,14 @@ pub const USER_HOOK_QUEUE: usize = 1024;
 /// The per-user queues of hook events, each drained by one worker while it has work.
 #[derive(Default)]
 pub(crate) struct UserChains {
-    queues: Mutex<HashMap<String, mpsc::Sender<UserHookEvent>>>,
+    queues: Mutex<HashMap<String, Queue>>,
+}
+
+/// One user's queue, and how many of its events were dropped since it was made (one warning
+/// at the first, a count when the queue drains: a flood of drops must not flood the log).
+struct Queue {
+    sender: mpsc::Sender<UserHookEvent>,
+    dropped: usize,
 }
 
 /// Queues `event` for `user_id`'s hooks (nothing when no hook of its kind is registered).
@@ -77,17 +84,21 @@ pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHo
         .queues
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let event = match queues.get(user_id) {
-        Some(queue) => match queue.try_send(event) {
+    let event = match queues.get_mut(user_id) {
+        Some(queue) => match queue.sender.try_send(event) {
             Ok(()) => return,
             Err(mpsc::error::TrySendError::Full(event)) => {
+                queue.dropped += 1;
+                let first = queue.dropped == 1;
                 drop(queues);
-                tracing::warn!(
-                    target: "flue::hooks",
-                    user = user_id,
-                    "[Hooks] ✗ A {kind} event was dropped: {USER_HOOK_QUEUE} events already wait for this user's hooks"
-                );
                 drop(event);
+                if first {
+                    tracing::warn!(
+                        target: "flue::hooks",
+                        user = user_id,
+                        "[Hooks] ✗ A {kind} event was dropped: {USER_HOOK_QUEUE} events already wait for this user's hooks (further drops are counted when the queue drains)"
+                    );
+                }
                 return;
             }
             // Its worker ended: a new queue and worker.
@@ -95,9 +106,9 @@ pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHo
         },
         None => event,
     };
-    let (queue, events) = mpsc::channel(USER_HOOK_QUEUE);
-    let _ = queue.try_send(event);
-    queues.insert(user_id.to_owned(), queue);
+    let (sender, events) = mpsc::channel(USER_HOOK_QUEUE);
+    let _ = sender.try_send(event);
+    queues.insert(user_id.to_owned(), Queue { sender, dropped: 0 });
     drop(queues);
     tokio::spawn(drain(Arc::downgrade(runtime), user_id.to_owned(), events));
 }
@@ -118,7 +129,15 @@ async fn drain(runtime: Weak<RuntimeInner>, user_id: String, mut events: mpsc::R
                 match events.try_recv() {
                     Ok(event) => event,
                     Err(_) => {
-                        queues.remove(&user_id);
+                        let dropped = queues.remove(&user_id).map_or(0, |queue| queue.dropped);
+                        drop(queues);
+                        if dropped > 0 {
+                            tracing::warn!(
+                                target: "flue::hooks",
+                                user = user_id,
+                                "[Hooks] ✗ {dropped} user hook event(s) were dropped while this user's queue was full"
+                            );
+                        }
                         return;
                     }
                 }
