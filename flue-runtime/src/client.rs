@@ -33,6 +33,7 @@ use crate::provider::sse::SseParser;
 
 /// Why a client call failed.
 #[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClientError {
     /// The server answered with the error envelope.
     #[error("{status} {error_type}: {message} {details}")]

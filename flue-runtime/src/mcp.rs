@@ -152,14 +152,22 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
             );
         let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
         // The rules a local tool's definition is held to: a schema whose root is not an object
-        // would fail every model request of the response, not only calls to this server.
-        definition.validate_input_schema("MCP tool").map_err(|error| {
-            unavailable(format!(
-                "tool {:?}: {}",
-                listed.name,
-                error.trim_start_matches("[flue] ")
-            ))
-        })?;
+        // would fail every model request of the response, not only calls to this server. A
+        // tool the connection names is needed: the server is refused. One it does not name
+        // (no list: every tool) is left out with a warning, and the server's others mounted.
+        if let Err(error) = definition.validate_input_schema("MCP tool") {
+            let error = format!("tool {:?}: {}", listed.name, error.trim_start_matches("[flue] "));
+            if connection.tools.is_some() {
+                return Err(unavailable(error));
+            }
+            tracing::warn!(
+                server = %connection.name,
+                "[flue] MCP server \"{}\": leaving out {error}",
+                connection.name
+            );
+            mounted.remove(definition.name.as_ref());
+            continue;
+        }
         tools.push(Tool::from_handler(McpTool {
             definition,
             remote_name: listed.name.to_string(),

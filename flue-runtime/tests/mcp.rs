@@ -367,6 +367,65 @@ async fn tools_whose_names_clean_to_the_same_name_refuse_the_server_naming_both(
     assert!(content.contains("would both be mounted as"), "{content}");
 }
 
+/// A server listing one good tool and one whose arguments are not an object.
+#[derive(Clone)]
+struct Mixed;
+
+impl ServerHandler for Mixed {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(vec![
+            McpTool::new("search", "Search the docs.", schema(json!({"type": "object"}))),
+            McpTool::new("listing", "Takes a list.", schema(json!({"type": "array"}))),
+        ]))
+    }
+}
+
+static MIXED_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn unfiltered() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("mixed", MIXED_URL.get().unwrap().clone()));
+    "Use whatever it has."
+}
+
+#[tokio::test]
+async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_root_is_not_an_object() {
+    let logs = harness::logs::capture();
+    let service: StreamableHttpService<Mixed, LocalSessionManager> =
+        StreamableHttpService::new(|| Ok(Mixed), Default::default(), StreamableHttpServerConfig::default());
+    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let _ = MIXED_URL.set(format!("http://{address}/mcp"));
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, [unfiltered.into()]);
+    runtime.init(&unfiltered, "u").send("go").await.unwrap();
+    let names: Vec<String> = model.requests()[0]
+        .tools
+        .iter()
+        .map(|tool| tool.name.to_string())
+        .filter(|name| name.starts_with("mcp__"))
+        .collect();
+    assert_eq!(names, ["mcp__mixed__search"]);
+    assert!(
+        logs.all()
+            .iter()
+            .any(|line| line.contains("leaving out tool \"listing\"")),
+        "{:?}",
+        logs.all()
+    );
+}
+
 /// Each test's own server (a server lives on its test's runtime).
 static LISTING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 static RUDE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
