@@ -19,12 +19,15 @@
 //!   reaches the model as an `environment` signal.
 //! - Limits: `read` 2000 lines / 50 KB (from the start, with a continuation marker), `bash`
 //!   2000 lines / 50 KB (the end), `grep` 100 matches of at most 500 characters per line,
-//!   `glob` 1000 paths, `edit` files (before and after the edit) of at most 16 MB. Writes and edits of one file run one at a time.
+//!   `glob` 1000 paths, `edit` files (before and after the edit) of at most 16 MB; `grep` and
+//!   `glob` walk at most 20,000 files and directories (and say so when they stop there).
+//!   Writes and edits of one file run one at a time.
 //! - `read` and `grep` read a file a piece at a time ([`Sandbox::read_file_with`]), only as
 //!   far as they can show: `read` stops 1 MB past its window (a marker then counts "more
-//!   than" the lines seen, and only what was read is checked to be UTF-8), `grep` at one match
-//!   more than it shows, and at a line longer than 1 MB (its head searched, not the rest of
-//!   the file).
+//!   than" the lines seen, and only what was read is checked to be UTF-8) and skips at most
+//!   256 MB to reach it, `grep` stops at one match more than it shows, at a line longer than
+//!   1 MB (its head searched, not the rest of the file), and after reading 256 MB in all
+//!   (saying so).
 //! - Delegates share the parent's sandbox and its tools (`Environment`); a `task` call's
 //!   `cwd` moves the delegate's working directory (relative to the parent's unless absolute,
 //!   inside the sandbox). Like the tools' own paths, it is no boundary: the sandbox is.
