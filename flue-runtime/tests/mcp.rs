@@ -94,10 +94,19 @@ impl ServerHandler for Docs {
     }
 }
 
-/// An MCP server on loopback that requires `Authorization: Bearer t0ken`; its URL.
+/// The docs server on loopback; its URL.
 async fn serve_docs() -> String {
-    let service: StreamableHttpService<Docs, LocalSessionManager> =
-        StreamableHttpService::new(|| Ok(Docs), Default::default(), StreamableHttpServerConfig::default());
+    serve(Docs).await
+}
+
+/// An MCP server of `handler` on loopback that requires `Authorization: Bearer t0ken`; its
+/// URL.
+async fn serve<H: ServerHandler + Clone + Send + Sync + 'static>(handler: H) -> String {
+    let service: StreamableHttpService<H, LocalSessionManager> = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Default::default(),
+        StreamableHttpServerConfig::default(),
+    );
     let router = axum::Router::new()
         .nest_service("/mcp", service)
         .layer(axum::middleware::from_fn(
@@ -393,20 +402,14 @@ static MIXED_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 #[agent]
 fn unfiltered() -> &'static str {
     use_model("scripted/x");
-    use_mcp_connection(McpConnection::new("mixed", MIXED_URL.get().unwrap().clone()));
+    use_mcp_connection(McpConnection::new("mixed", MIXED_URL.get().unwrap().clone()).auth(Secret::new("t0ken")));
     "Use whatever it has."
 }
 
 #[tokio::test]
 async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_root_is_not_an_object() {
     let logs = harness::logs::capture();
-    let service: StreamableHttpService<Mixed, LocalSessionManager> =
-        StreamableHttpService::new(|| Ok(Mixed), Default::default(), StreamableHttpServerConfig::default());
-    let router = axum::Router::new().nest_service("/mcp", service);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    let _ = MIXED_URL.set(format!("http://{address}/mcp"));
+    let _ = MIXED_URL.set(serve(Mixed).await);
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, [unfiltered.into()]);
     runtime.init(&unfiltered, "u").send("go").await.unwrap();

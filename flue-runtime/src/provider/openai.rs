@@ -1435,6 +1435,16 @@ mod tests {
         assert_eq!(body["messages"][0].get("reasoning_details"), None);
     }
 
+    /// The `(id, name, arguments)` of the calls a stream of `chunks` completes with.
+    fn decoded_calls(chunks: &[&str]) -> Vec<(String, String, String)> {
+        let response = decode(chunks, false).expect("decodes").expect("completes");
+        response
+            .tool_calls
+            .into_iter()
+            .map(|call| (call.id, call.name, call.arguments))
+            .collect()
+    }
+
     #[test]
     fn a_fragment_with_a_new_id_continues_its_call_unless_it_names_another_tool() {
         // A continuation repeating another id, without a name: still the first call.
@@ -1444,13 +1454,8 @@ mod tests {
             r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
             "[DONE]",
         ];
-        let response = decode(&chunks, false).expect("decodes").expect("completes");
-        let calls: Vec<(&str, &str, &str)> = response
-            .tool_calls
-            .iter()
-            .map(|call| (call.id.as_str(), call.name.as_str(), call.arguments.as_str()))
-            .collect();
-        assert_eq!(calls, [("call_a", "lookup", r#"{"q":"x"}"#)]);
+        let call = |id: &str, name: &str, arguments: &str| (id.to_owned(), name.to_owned(), arguments.to_owned());
+        assert_eq!(decoded_calls(&chunks), [call("call_a", "lookup", r#"{"q":"x"}"#)]);
         // A call whose id was made up here, then another tool on the same index with its
         // own id: two calls, not one with both argument strings.
         let chunks = [
@@ -1459,14 +1464,12 @@ mod tests {
             r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
             "[DONE]",
         ];
-        let response = decode(&chunks, false).expect("decodes").expect("completes");
-        let calls: Vec<(&str, &str)> = response
-            .tool_calls
-            .iter()
-            .map(|call| (call.name.as_str(), call.arguments.as_str()))
-            .collect();
-        assert_eq!(calls, [("lookup", "{}"), ("fetch", r#"{"url":"u"}"#)]);
-        assert_eq!(response.tool_calls[1].id, "call_b");
+        let calls = decoded_calls(&chunks);
+        assert_eq!(calls[1], call("call_b", "fetch", r#"{"url":"u"}"#));
+        assert_eq!(
+            (calls.len(), calls[0].1.as_str(), calls[0].2.as_str()),
+            (2, "lookup", "{}")
+        );
         // A server numbering every call 0: a call whose arguments are whole, then another id
         // whose first fragment has no name yet: a second call.
         let chunks = [
@@ -1476,13 +1479,10 @@ mod tests {
             r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
             "[DONE]",
         ];
-        let response = decode(&chunks, false).expect("decodes").expect("completes");
-        let calls: Vec<(&str, &str)> = response
-            .tool_calls
-            .iter()
-            .map(|call| (call.id.as_str(), call.name.as_str()))
-            .collect();
-        assert_eq!(calls, [("call_a", "lookup"), ("call_c", "fetch")]);
+        assert_eq!(
+            decoded_calls(&chunks),
+            [call("call_a", "lookup", "{}"), call("call_c", "fetch", "{}")]
+        );
     }
 
     #[test]
