@@ -537,12 +537,15 @@ impl Endpoint {
     /// The URL of `path` under `base_url`: parsed, or the text that does not parse (reqwest
     /// then reports it as it would have).
     pub(crate) fn url(&self, base_url: &str, path: &str) -> Result<reqwest::Url, String> {
-        self.0
-            .get_or_init(|| {
-                let text = endpoint(base_url, path);
-                reqwest::Url::parse(&text).map_err(|_| text)
-            })
-            .clone()
+        self.parsed(base_url, path).clone()
+    }
+
+    /// The parse [`url`](Self::url) hands out, borrowed.
+    pub(crate) fn parsed(&self, base_url: &str, path: &str) -> &Result<reqwest::Url, String> {
+        self.0.get_or_init(|| {
+            let text = endpoint(base_url, path);
+            reqwest::Url::parse(&text).map_err(|_| text)
+        })
     }
 }
 

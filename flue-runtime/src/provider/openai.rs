@@ -284,7 +284,16 @@ impl OpenAiProvider {
     /// Whether a step's reasoning goes back with it: as chosen, else for DeepSeek's API only.
     fn echoes_reasoning(&self) -> bool {
         self.reasoning_echo
-            .unwrap_or_else(|| self.flavor == Flavor::Compatible && is_deepseek(&self.base_url))
+            .unwrap_or_else(|| self.flavor == Flavor::Compatible && self.is_deepseek())
+    }
+
+    /// Whether calls go to DeepSeek's API: decided from the endpoint's host, parsed once
+    /// (this runs at every call).
+    fn is_deepseek(&self) -> bool {
+        self.endpoint
+            .parsed(&self.base_url, CHAT_PATH)
+            .as_ref()
+            .is_ok_and(|url| url.host_str() == Some("api.deepseek.com"))
     }
 
     /// The base URL.
@@ -392,6 +401,9 @@ impl Echo {
 
 /// The default least idle timeout of a call that asks for reasoning.
 const REASONING_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Where Chat Completions calls go, under the base URL.
+const CHAT_PATH: &str = "chat/completions";
 
 /// A call's message in the Chat Completions format (borrowing the conversation's strings),
 /// with the reasoning `echo` asks for.
@@ -558,13 +570,6 @@ struct ChatToolFunction<'a> {
 }
 
 /// Whether `base_url` is DeepSeek's API (whose thinking mode wants reasoning back).
-fn is_deepseek(base_url: &str) -> bool {
-    url_without_secrets(base_url)
-        .split("://")
-        .nth(1)
-        .and_then(|rest| rest.split(['/', ':']).next())
-        .is_some_and(|host| host == "api.deepseek.com")
-}
 
 impl OpenAiProvider {
     /// What a call sends of its thinking level: OpenRouter's `reasoning` object, or
@@ -686,7 +691,7 @@ impl ModelProvider for OpenAiProvider {
         }
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
         let body = super::http::encode_body(self.body_bytes(request));
-        let url = self.endpoint.url(&self.base_url, "chat/completions");
+        let url = self.endpoint.url(&self.base_url, CHAT_PATH);
         let transport = self.transport;
         let client = self.client.clone();
         let connect_ctx = ctx.clone();
@@ -1213,6 +1218,8 @@ mod tests {
         let away = OpenAiProvider::compatible("d", "https://api.deepseek.com/v1", "D_KEY")
             .with_base_url("http://127.0.0.1:1/v1");
         assert!(!away.echoes_reasoning());
+        // The host as URLs compare it: case-blind, without the port.
+        assert!(OpenAiProvider::compatible("d", "https://API.DeepSeek.com:443/v1", "D_KEY").echoes_reasoning());
         for other in [
             "https://api.groq.com/openai/v1",
             "https://api.deepseek.com.evil.test/v1",
