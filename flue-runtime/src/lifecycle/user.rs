@@ -9,9 +9,11 @@
 //! caused them. A value written from inside a `user_value_changed` hook does not fire the
 //! hooks again. At most [`USER_HOOK_QUEUE`] events wait per user: when slow hooks fall that
 //! far behind (a client connecting and disconnecting in a loop, say), a further event is
-//! dropped with a warning rather than held in memory without bound.
+//! dropped with a warning rather than held in memory without bound. Attach and detach events
+//! stay paired: a client's detach is dropped exactly when its attach was.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use flue_core::BoxFuture;
@@ -57,7 +59,8 @@ impl UserHookEvent {
     }
 }
 
-/// How many hook events may wait for one user's hooks (the one running is not counted).
+/// How many hook events may wait for one user's hooks (the one running is not counted). A
+/// client's detach event may pass it, up to twice as many waiting: see [`dispatch`].
 pub const USER_HOOK_QUEUE: usize = 1024;
 
 /// The per-user queues of hook events, each drained by one worker while it has work.
@@ -66,14 +69,28 @@ pub(crate) struct UserChains {
     queues: Mutex<HashMap<String, Queue>>,
 }
 
-/// One user's queue, and how many of its events were dropped since it was made (one warning
-/// at the first, a count when the queue drains: a flood of drops must not flood the log).
+/// One user's queue: kept while its worker runs, or while a client whose attach event was
+/// dropped has not detached.
+#[derive(Default)]
 struct Queue {
-    sender: mpsc::Sender<UserHookEvent>,
+    /// The running worker's channel; `None` once it drained and ended.
+    sender: Option<mpsc::UnboundedSender<UserHookEvent>>,
+    /// The events sent to the running worker that it has not taken yet.
+    waiting: Arc<AtomicUsize>,
+    /// How many events were dropped since the worker started (one warning at the first, a
+    /// count when the queue drains: a flood of drops must not flood the log).
     dropped: usize,
+    /// The clients whose attach event was dropped: their detach event is dropped too, so the
+    /// hooks never see a client leave that they did not see arrive.
+    unheard: HashSet<String>,
 }
 
 /// Queues `event` for `user_id`'s hooks (nothing when no hook of its kind is registered).
+///
+/// At most [`USER_HOOK_QUEUE`] events wait; a further one is dropped, except a client's detach
+/// event: hooks that saw a client arrive must see it leave, so a detach waits even past the
+/// bound (up to twice it), unless its client's attach was dropped, and then it is dropped
+/// too (not counted again).
 pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHookEvent) {
     let kind = event.kind();
     if !runtime.user_hooks.iter().any(|hook| hook.kind() == kind) {
@@ -84,37 +101,65 @@ pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHo
         .queues
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let event = match queues.get_mut(user_id) {
-        Some(queue) => match queue.sender.try_send(event) {
-            Ok(()) => return,
-            Err(mpsc::error::TrySendError::Full(event)) => {
-                queue.dropped += 1;
-                let first = queue.dropped == 1;
-                drop(queues);
-                drop(event);
-                if first {
-                    tracing::warn!(
-                        target: "flue::hooks",
-                        user = user_id,
-                        "[Hooks] ✗ A {kind} event was dropped: {USER_HOOK_QUEUE} events already wait for this user's hooks (further drops are counted when the queue drains)"
-                    );
-                }
-                return;
+    if !queues.contains_key(user_id) {
+        queues.insert(user_id.to_owned(), Queue::default());
+    }
+    let Some(queue) = queues.get_mut(user_id) else { return };
+    if let UserHookEvent::ClientDetached(client) = &event
+        && queue.unheard.remove(&client.id)
+    {
+        if queue.sender.is_none() && queue.unheard.is_empty() {
+            queues.remove(user_id);
+        }
+        return;
+    }
+    let mut event = event;
+    if let Some(sender) = &queue.sender {
+        let bound = match event {
+            UserHookEvent::ClientDetached(_) => 2 * USER_HOOK_QUEUE,
+            _ => USER_HOOK_QUEUE,
+        };
+        if queue.waiting.load(Ordering::SeqCst) >= bound {
+            if let UserHookEvent::ClientAttached(client) = &event {
+                queue.unheard.insert(client.id.clone());
             }
-            // Its worker ended: a new queue and worker.
-            Err(mpsc::error::TrySendError::Closed(event)) => event,
-        },
-        None => event,
-    };
-    let (sender, events) = mpsc::channel(USER_HOOK_QUEUE);
-    let _ = sender.try_send(event);
-    queues.insert(user_id.to_owned(), Queue { sender, dropped: 0 });
+            queue.dropped += 1;
+            let first = queue.dropped == 1;
+            drop(queues);
+            if first {
+                tracing::warn!(
+                    target: "flue::hooks",
+                    user = user_id,
+                    "[Hooks] ✗ A {kind} event was dropped: {USER_HOOK_QUEUE} events already wait for this user's hooks (further drops are counted when the queue drains)"
+                );
+            }
+            return;
+        }
+        queue.waiting.fetch_add(1, Ordering::SeqCst);
+        match sender.send(event) {
+            Ok(()) => return,
+            // Its worker ended without draining (the runtime is going away): a new worker.
+            Err(mpsc::error::SendError(unsent)) => event = unsent,
+        }
+    }
+    let (sender, events) = mpsc::unbounded_channel();
+    let waiting = Arc::new(AtomicUsize::new(1));
+    let _ = sender.send(event);
+    queue.sender = Some(sender);
+    queue.waiting = waiting.clone();
+    queue.dropped = 0;
     drop(queues);
-    tokio::spawn(drain(Arc::downgrade(runtime), user_id.to_owned(), events));
+    tokio::spawn(drain(Arc::downgrade(runtime), user_id.to_owned(), events, waiting));
 }
 
-/// Runs a user's queued hook events in order; ends (and forgets the queue) once it is empty.
-async fn drain(runtime: Weak<RuntimeInner>, user_id: String, mut events: mpsc::Receiver<UserHookEvent>) {
+/// Runs a user's queued hook events in order; ends (and forgets the queue, unless it holds
+/// unheard clients) once it is empty.
+async fn drain(
+    runtime: Weak<RuntimeInner>,
+    user_id: String,
+    mut events: mpsc::UnboundedReceiver<UserHookEvent>,
+    waiting: Arc<AtomicUsize>,
+) {
     loop {
         let event = match events.try_recv() {
             Ok(event) => event,
@@ -129,7 +174,14 @@ async fn drain(runtime: Weak<RuntimeInner>, user_id: String, mut events: mpsc::R
                 match events.try_recv() {
                     Ok(event) => event,
                     Err(_) => {
-                        let dropped = queues.remove(&user_id).map_or(0, |queue| queue.dropped);
+                        let mut dropped = 0;
+                        if let Some(queue) = queues.get_mut(&user_id) {
+                            dropped = std::mem::take(&mut queue.dropped);
+                            queue.sender = None;
+                            if queue.unheard.is_empty() {
+                                queues.remove(&user_id);
+                            }
+                        }
                         drop(queues);
                         if dropped > 0 {
                             tracing::warn!(
@@ -143,6 +195,7 @@ async fn drain(runtime: Weak<RuntimeInner>, user_id: String, mut events: mpsc::R
                 }
             }
         };
+        waiting.fetch_sub(1, Ordering::SeqCst);
         let Some(runtime) = runtime.upgrade() else { return };
         run_hooks(&runtime, &user_id, &event).await;
     }
