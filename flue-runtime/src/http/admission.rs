@@ -18,20 +18,28 @@ const MESSAGE_SHAPE: &str = "The body must be a message object: {\"kind\":\"user
 
 /// Parses an admission body into a [`SendRequest`] for the instance `id`.
 pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRequest, ApiError> {
+    // The body is read as text, as the protocol's reference reads it: a leading byte order
+    // mark is no part of it.
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let content_length = headers.get(header::CONTENT_LENGTH);
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|value| value.to_str().ok());
     // No body at all (declared empty, or nothing declares one) or a blank one is no message:
     // the message rules refuse it below.
     let declared_empty = content_length.is_some_and(|length| length.as_bytes() == b"0");
     let undeclared = content_length.is_none() && headers.get(header::CONTENT_TYPE).is_none();
-    let blank = body.iter().all(u8::is_ascii_whitespace);
+    // Blank as JavaScript's `trim` sees it: Unicode spaces (a no-break space) and byte order
+    // marks too.
+    let blank = std::str::from_utf8(body).is_ok_and(|text| {
+        text.trim_matches(|c: char| c.is_whitespace() || c == '\u{feff}')
+            .is_empty()
+    });
     let value = if declared_empty || undeclared || blank {
         Value::Null
     } else {
         if !content_type.is_some_and(|content_type| content_type.to_ascii_lowercase().contains("application/json")) {
             return Err(ApiError::unsupported_media_type(content_type));
         }
-        serde_json::from_slice::<Value>(body).map_err(|error| ApiError::invalid_json(error.to_string()))?
+        parse_json(body)?
     };
     let Value::Object(mut fields) = value else {
         return Err(ApiError::invalid_request(MESSAGE_SHAPE));
@@ -74,6 +82,52 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     Ok(request)
 }
 
+/// The body as JSON. A `\uXXXX` escape of a lone UTF-16 surrogate, which JavaScript's
+/// `JSON.parse` takes (a client that cut a string inside an emoji sends one), is read as
+/// U+FFFD: a Rust string cannot hold the surrogate itself.
+fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice::<Value>(body).or_else(|error| {
+        std::str::from_utf8(body)
+            .ok()
+            .and_then(without_lone_surrogates)
+            .and_then(|text| serde_json::from_str(&text).ok())
+            .ok_or_else(|| ApiError::invalid_json(error.to_string()))
+    })
+}
+
+/// `text` with each escape of a lone surrogate replaced by `\ufffd`; `None` when it has none.
+fn without_lone_surrogates(text: &str) -> Option<String> {
+    let escaped = |at: usize| -> Option<u16> {
+        let hex = text.get(at..at + 6)?.strip_prefix("\\u")?;
+        u16::from_str_radix(hex, 16).ok()
+    };
+    let (mut out, mut copied, mut at, mut replaced) = (String::new(), 0, 0, false);
+    let bytes = text.as_bytes();
+    while at < bytes.len() {
+        if bytes[at] != b'\\' {
+            at += 1;
+            continue;
+        }
+        match escaped(at) {
+            // A pair: one character.
+            Some(0xD800..=0xDBFF) if matches!(escaped(at + 6), Some(0xDC00..=0xDFFF)) => at += 12,
+            Some(0xD800..=0xDFFF) => {
+                out.push_str(&text[copied..at]);
+                out.push_str("\\ufffd");
+                at += 6;
+                copied = at;
+                replaced = true;
+            }
+            // Any other escape: its backslash and the character it escapes.
+            _ => at += 2,
+        }
+    }
+    replaced.then(|| {
+        out.push_str(&text[copied..]);
+        out
+    })
+}
+
 /// The message of the remaining fields (unknown keys are dropped, as the protocol's schema
 /// does).
 fn message(fields: Map<String, Value>) -> Result<DeliveredMessage, ApiError> {
@@ -83,4 +137,56 @@ fn message(fields: Map<String, Value>) -> Result<DeliveredMessage, ApiError> {
     }
     serde_json::from_value::<DeliveredMessage>(Value::Object(fields))
         .map_err(|error| ApiError::invalid_request(format!("{MESSAGE_SHAPE} ({error})")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(content_type: Option<&'static str>, length: usize) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, length.into());
+        if let Some(content_type) = content_type {
+            headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
+        }
+        headers
+    }
+
+    #[test]
+    fn a_json_body_after_a_byte_order_mark_is_admitted() {
+        let body = "\u{feff}{\"kind\":\"user\",\"body\":\"hi\"}".as_bytes();
+        let request = parse("c1", &headers(Some("application/json"), body.len()), body).expect("admitted");
+        assert_eq!(request.message, DeliveredMessage::user("hi"));
+    }
+
+    #[test]
+    fn a_lone_surrogate_escape_reads_as_a_replacement_character_and_a_pair_as_its_character() {
+        let cases = [
+            (r#"{"kind":"user","body":"hello \ud83d"}"#, "hello \u{fffd}"),
+            (
+                r#"{"kind":"user","body":"\udc00 and \ud83d\ude00"}"#,
+                "\u{fffd} and \u{1f600}",
+            ),
+            (r#"{"kind":"user","body":"\\ud83d is text"}"#, "\\ud83d is text"),
+            (r#"{"kind":"user","body":"\ud83d\n"}"#, "\u{fffd}\n"),
+        ];
+        for (body, text) in cases {
+            let request = parse("c1", &headers(Some("application/json"), body.len()), body.as_bytes())
+                .unwrap_or_else(|error| panic!("{body}: {error:?}"));
+            assert_eq!(request.message, DeliveredMessage::user(text), "{body}");
+        }
+        // Other broken escapes are still invalid JSON.
+        let body = r#"{"kind":"user","body":"\uZZZZ \ud83d"}"#;
+        let error = parse("c1", &headers(Some("application/json"), body.len()), body.as_bytes()).expect_err("bad");
+        assert_eq!(error.error_type(), "invalid_json");
+    }
+
+    #[test]
+    fn a_body_of_unicode_spaces_is_blank_not_an_unsupported_media_type() {
+        for body in ["\u{a0}", "\u{feff}", " \u{2003}\n"] {
+            let error = parse("c1", &headers(None, body.len()), body.as_bytes()).expect_err("no message");
+            assert_eq!(error.status().as_u16(), 400, "{body:?}");
+            assert_eq!(error.error_type(), "invalid_request", "{body:?}");
+        }
+    }
 }
