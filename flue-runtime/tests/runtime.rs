@@ -1263,6 +1263,66 @@ async fn the_timeout_aborts_a_live_attempt_wherever_it_waits_and_settles_it_as_t
     assert_eq!(model.requests().len(), 1, "no model call after the deadline");
 }
 
+static LISTENING_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A start callback that waits for its abort signal and then fails, as a callback that
+/// listens to it does.
+fn listening_start() {
+    use_model("scripted/x");
+    use_agent_start(|ctx| async move {
+        LISTENING_STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ctx.signal().aborted().await;
+        Err::<(), _>("the start work was cut off")
+    });
+}
+
+#[agent]
+fn listening_starter() -> &'static str {
+    listening_start();
+    "Start."
+}
+
+#[agent(durability(timeout = "300ms"))]
+fn impatient_listening_starter() -> &'static str {
+    listening_start();
+    "Start."
+}
+
+/// Reference §3.10 and §6.4: a submission whose signal fired settles aborted (or timed out,
+/// when its deadline fired it) even when what ends first is a callback failing because of
+/// the signal: the failure is the abort's, not the callback's own (`agent_start_failed`).
+#[tokio::test]
+async fn a_start_callback_failing_on_its_abort_signal_settles_the_submission_aborted_or_timed_out() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(
+        &model,
+        vec![listening_starter.into(), impatient_listening_starter.into()],
+    );
+    let handle = runtime.init(&listening_starter, "aborted");
+    let receipt = handle.dispatch("go").await.unwrap();
+    while LISTENING_STARTS.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    let (error_type, message) = run_error(handle.read(&receipt.submission_id).await.unwrap_err());
+    assert_eq!(
+        (error_type.as_str(), message.as_str()),
+        ("submission_aborted", "Submission was aborted.")
+    );
+    let handle = runtime.init(&impatient_listening_starter, "timed-out");
+    let receipt = handle.dispatch("go").await.unwrap();
+    let error = tokio::time::timeout(std::time::Duration::from_secs(20), handle.read(&receipt.submission_id))
+        .await
+        .expect("the deadline ended the attempt")
+        .unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(
+        (error_type.as_str(), message.as_str()),
+        ("submission_timeout", "Submission exceeded the configured timeout.")
+    );
+    assert!(model.requests().is_empty(), "no model call after either");
+}
+
 static STUCK_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 #[agent]

@@ -566,10 +566,14 @@ impl InstanceSlot {
             }
             Err(failure) => Err(failure),
         };
-        // An abort the deadline fired (the first reason wins) is the timeout.
+        // Once the attempt's signal fired, how the response ended is the abort's: a callback,
+        // hook or tool that failed because of the signal (it listened to it) fails with the
+        // abort, not with an error of its own. An abort the deadline fired (the first reason
+        // wins) is the timeout. (A node giving the attempt back is handled below.)
         let result = match result {
-            Err(failure) if failure.outcome == Outcome::Aborted && attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => {
-                Err(timed_out())
+            Err(_) if attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => Err(timed_out()),
+            Err(_) if attempt.signal.is_aborted() && attempt.signal.reason() != Some(binding::RELEASED) => {
+                Err(Failure::aborted())
             }
             other => other,
         };
