@@ -1156,6 +1156,54 @@ async fn a_finish_batch_of_state_writes_alone_is_not_made_again_by_a_re_attempt(
     assert_eq!(model.requests().len(), 1);
 }
 
+/// Takes a note.
+#[tool]
+async fn note() -> String {
+    "noted".into()
+}
+
+#[agent(max_steps = 1)]
+fn tallied_short() -> &'static str {
+    use_model("scripted/x");
+    use_tool(note);
+    let (_, responses) = use_persistent_state("responses", 0u32);
+    use_response_finish(move |_ctx| responses.update(|count| count + 1));
+    "Note."
+}
+
+/// The same for a response its step budget ended after a tool batch, with no final answer:
+/// the re-attempt settles it as it is, without running the finish callback again (nor taking
+/// a queued delivery into a response that has finished).
+#[tokio::test]
+async fn a_finish_batch_of_a_response_without_a_final_answer_is_not_made_again_by_a_re_attempt() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::tool_call("note", json!({}))]);
+    let runtime = taking_over(&store, &model, tallied_short).await;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&tallied_short, "t-1").send("question"),
+    )
+    .await
+    .expect("the submission settles")
+    .unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the first settlement failed");
+    let writes: Vec<serde_json::Value> = records(&store, &InstanceKey::new("tallied_short", "t-1"))
+        .await
+        .into_iter()
+        .filter_map(|record| match record.body {
+            RecordBody::StateWrite { name, value } if name == "responses" => Some(value),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(writes, [json!(1)], "the finish callback's write is durable once");
+    assert_eq!(model.requests().len(), 1);
+}
+
 // ---- the delivery cursor and data writes ---------------------------------------------------
 
 #[agent]

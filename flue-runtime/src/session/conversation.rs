@@ -323,8 +323,15 @@ impl Conversation {
         self.answered.contains(submission_id)
     }
 
-    /// Whether the submission's response-finish metadata is durable: a resumed, answered
-    /// response does not finish a second time.
+    /// Whether the submission's response ended durably: in a final answer, or in its
+    /// response-finish batch (a response its step budget, a stop or a terminating batch ended
+    /// has no final answer). A resumed attempt settles it as it is.
+    pub(crate) fn has_ended(&self, submission_id: &str) -> bool {
+        self.has_final_answer(submission_id) || self.has_finished(submission_id)
+    }
+
+    /// Whether the submission's response-finish metadata is durable: a resumed response does
+    /// not finish a second time.
     pub(crate) fn has_finished(&self, submission_id: &str) -> bool {
         self.progress(submission_id).finished
     }

@@ -437,9 +437,9 @@ impl InstanceSlot {
         // An abort requested between the claim and now reached no signal: it counts as
         // requested before the attempt ran.
         let abort_requested = self.binding.start(attempt.clone()) || submission.abort_requested;
-        // A response whose final answer is durable (an attempt died before settling it) settles
-        // as completed: even past its budget, after an abort request or with its attempts used.
-        let answered = refreshed.is_ok() && conversation.has_final_answer(&submission.id);
+        // A response that ended durably (an attempt died before settling it) settles as
+        // completed: even past its budget, after an abort request or with its attempts used.
+        let answered = refreshed.is_ok() && conversation.has_ended(&submission.id);
         // Whether the submission's input is in the stream: a budget spent before it was is an
         // interruption before input (unknown when the stream could not be read).
         let input_applied = refreshed.is_err() || conversation.has_input(&submission.id);
@@ -1376,8 +1376,9 @@ impl Response<'_> {
         }
         let definition = self.agent.definition();
         let deadline = deadline_of(self.submission, definition.durability.timeout);
-        // A resumed response that already ended in a final answer settles as it is.
-        let already_answered = self.conversation.has_final_answer(&self.submission.id);
+        // A resumed response that already ended (in a final answer, or in its finish batch)
+        // settles as it is.
+        let already_answered = self.conversation.has_ended(&self.submission.id);
         if !already_answered && Instant::now() >= deadline {
             return Err(timed_out());
         }
