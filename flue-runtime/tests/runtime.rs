@@ -1084,6 +1084,53 @@ async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
     assert_eq!(seen, expected);
 }
 
+/// An abort while a retry waits out its backoff ends the call's turn and message once: the
+/// broken-off message already ended before the wait, so the call's message is opened again
+/// for its `turn` and `message_end` (each `message_start` answered by one `message_end`).
+#[tokio::test]
+async fn an_abort_during_a_retry_backoff_ends_each_message_once() {
+    let mut providers = ProviderRegistry::new();
+    providers.register(BrokenReasoner::default());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retry_delay: std::time::Duration::from_secs(60),
+            ..RuntimeOptions::default()
+        })
+        .agent(thinker)
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let handle = runtime.init(&thinker, "b");
+    let receipt = handle.dispatch("2+2?").await.unwrap();
+    let mut seen = Vec::new();
+    let mut record = |event: &Event, seen: &mut Vec<&'static str>| match event {
+        Event::MessageStart { message } if message.role() == "assistant" => seen.push("message_start"),
+        Event::MessageEnd { message } if message.role() == "assistant" => seen.push("message_end"),
+        Event::Turn { .. } => seen.push("turn"),
+        _ => {}
+    };
+    // The broken-off message ends before the backoff's wait.
+    while !seen.contains(&"message_end") {
+        let observation = tokio::time::timeout(std::time::Duration::from_secs(10), events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        record(&observation.event, &mut seen);
+    }
+    assert!(handle.abort().await.unwrap());
+    let (error_type, _) = run_error(handle.read(&receipt.submission_id).await.unwrap_err());
+    assert_eq!(error_type, "submission_aborted");
+    while let Ok(observation) = events.try_recv() {
+        record(&observation.event, &mut seen);
+    }
+    assert_eq!(
+        seen,
+        ["message_start", "message_end", "message_start", "turn", "message_end"]
+    );
+}
+
 /// The `turn` events `observe()` delivered, in order.
 fn observed_turns(
     events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,

@@ -2271,14 +2271,19 @@ impl Response<'_> {
                             message: ModelMessage::empty_assistant(),
                         });
                     }
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        () = self.attempt.signal.aborted() => return Err(StepError::Aborted),
-                    }
+                    let aborted = tokio::select! {
+                        () = tokio::time::sleep(delay) => false,
+                        () = self.attempt.signal.aborted() => true,
+                    };
+                    // The call's message is open again (for the retry, or for the turn and
+                    // the message end an abort gets): each start answered by one end.
                     if shown {
                         self.emit_with(|| Event::MessageStart {
                             message: ModelMessage::empty_assistant(),
                         });
+                    }
+                    if aborted {
+                        return Err(StepError::Aborted);
                     }
                 }
                 other => return other,
