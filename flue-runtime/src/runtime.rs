@@ -1275,7 +1275,16 @@ impl AgentHandle {
             .admit_claiming(&self.key.agent, request, SubmissionKind::Direct, claim)
             .await?;
         let settled = match role {
+            // A replay of a keyed send: its submission is processed (or settled) already, or
+            // waits in the queue. Its reply is read when it settles; the queue is a worker's,
+            // not this caller's to run first.
+            Some(role) if receipt.deduplicated && claimed.is_none() => {
+                drop(role);
+                slot.wake();
+                None
+            }
             Some(role) => role.drive(claimed, &receipt.submission_id).await,
+            None if receipt.deduplicated => None,
             None => slot.drive(&receipt.submission_id).await,
         };
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());

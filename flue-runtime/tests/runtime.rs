@@ -1131,6 +1131,84 @@ async fn an_abort_during_a_retry_backoff_ends_each_message_once() {
     );
 }
 
+/// A model that answers its first call and never answers another.
+struct AnswersOnce {
+    calls: std::sync::atomic::AtomicU32,
+}
+
+impl flue_runtime::provider::ModelProvider for AnswersOnce {
+    fn id(&self) -> &str {
+        "scripted"
+    }
+
+    fn stream(&self, _request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+            return Box::pin(futures_util::stream::pending());
+        }
+        Box::pin(futures_util::stream::iter([Ok(StreamEvent::Completed(
+            ModelResponse {
+                text: "first".into(),
+                reasoning: String::new(),
+                tool_calls: Vec::new(),
+                stop_reason: StopReason::Stop,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            },
+        ))]))
+    }
+}
+
+/// A replayed keyed send is answered from its submission: it does not make its caller run
+/// the instance's queue (here, work admitted elsewhere that no worker has taken yet, whose
+/// model call never ends) before answering.
+#[tokio::test]
+async fn a_replayed_keyed_send_is_answered_without_running_the_instances_queue_first() {
+    use flue_runtime::store::{Admission, SubmissionKind};
+    let mut providers = ProviderRegistry::new();
+    providers.register(AnswersOnce {
+        calls: Default::default(),
+    });
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&calculator, "r");
+    let keyed = || SendRequest::new("r", "hello").idempotency_key("k-1");
+    let first = handle.send_request(keyed()).await.unwrap();
+    assert_eq!(first.text, "first");
+    // Queued on the store directly, as another node admits: no worker of this one runs it.
+    flue_runtime::store::Store::admit(
+        &store,
+        Admission {
+            key: InstanceKey::new("calculator", "r"),
+            submission_id: "sub_elsewhere".into(),
+            keyed: false,
+            kind: SubmissionKind::Dispatch,
+            message: DeliveredMessage::user("from elsewhere"),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 10,
+            timeout_ms: 3_600_000,
+            claim: None,
+            trace: None,
+        },
+    )
+    .await
+    .unwrap();
+    let replay = tokio::time::timeout(std::time::Duration::from_secs(5), handle.send_request(keyed()))
+        .await
+        .expect("the replay is answered at once")
+        .unwrap();
+    assert_eq!(
+        (replay.submission_id.as_str(), replay.text.as_str()),
+        (first.submission_id.as_str(), "first")
+    );
+}
+
 /// The `turn` events `observe()` delivered, in order.
 fn observed_turns(
     events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
