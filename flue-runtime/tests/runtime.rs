@@ -1105,7 +1105,7 @@ async fn an_abort_during_a_retry_backoff_ends_each_message_once() {
     let handle = runtime.init(&thinker, "b");
     let receipt = handle.dispatch("2+2?").await.unwrap();
     let mut seen = Vec::new();
-    let mut record = |event: &Event, seen: &mut Vec<&'static str>| match event {
+    let record = |event: &Event, seen: &mut Vec<&'static str>| match event {
         Event::MessageStart { message } if message.role() == "assistant" => seen.push("message_start"),
         Event::MessageEnd { message } if message.role() == "assistant" => seen.push("message_end"),
         Event::Turn { .. } => seen.push("turn"),

@@ -569,8 +569,6 @@ struct ChatToolFunction<'a> {
     parameters: &'a Arc<Value>,
 }
 
-/// Whether `base_url` is DeepSeek's API (whose thinking mode wants reasoning back).
-
 impl OpenAiProvider {
     /// What a call sends of its thinking level: OpenRouter's `reasoning` object, or
     /// `reasoning_effort` (neither for `Off`, a model that refuses it, or a compatible server
