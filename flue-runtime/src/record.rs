@@ -206,8 +206,12 @@ pub enum RecordBody {
     ConversationCreated {
         /// The incarnation id.
         uid: String,
-        /// Creation data.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        /// Creation data (`null` given reads back as `Some(Null)`, as every store keeps it).
+        #[serde(
+            default,
+            deserialize_with = "crate::store::present",
+            skip_serializing_if = "Option::is_none"
+        )]
         initial_data: Option<Value>,
         /// What the conversation is; absent for an instance's (a root conversation, and every
         /// record written before children were recorded).

@@ -323,7 +323,7 @@ impl Submission {
 
 /// A field that is `Some` whenever it is present, `null` included (`Option` alone reads `null`
 /// as `None`).
-fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+pub(crate) fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
     Value::deserialize(deserializer).map(Some)
 }
 

@@ -492,6 +492,23 @@ pub async fn creates_the_instance_with_a_birth_record_once(store: Factory) {
             agent: None,
         }
     );
+    // A `null` initial data is data given, and reads back as given (not as none).
+    let mut null = dispatch("dispatch-3");
+    null.key = key("assistant", "agent-2");
+    null.initial_data = Some(serde_json::Value::Null);
+    store.admit(null).await.unwrap();
+    let batches = store.read(&key("assistant", "agent-2"), None).await.unwrap();
+    assert!(
+        matches!(
+            &batches[0].records[0].body,
+            RecordBody::ConversationCreated {
+                initial_data: Some(serde_json::Value::Null),
+                ..
+            }
+        ),
+        "{:?}",
+        batches[0].records[0].body
+    );
 }
 
 /// Not in the reference's checklists: admissions racing to create one instance (on Postgres,
@@ -1584,6 +1601,11 @@ pub async fn rejects_a_submission_owned_append_from_another_agent_sharing_the_in
             "{child}: not created"
         );
     }
+    // A stream that does not exist, of an instance not its own: fenced too (the fence is
+    // reported before the missing stream, on every store).
+    let nowhere = key("assistant", "nowhere");
+    let result = store.append(&nowhere, owned("intruding").into(), Some(&host)).await;
+    assert!(matches!(result, Err(StoreError::Fenced(_))), "{nowhere}: {result:?}");
     // Its own instance's stream takes the append.
     assert!(
         store

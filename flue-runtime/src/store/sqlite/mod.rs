@@ -808,6 +808,20 @@ fn holds(transaction: &Connection, attempt: &AttemptRef) -> Result<bool, StoreEr
         .map_err(sql)
 }
 
+/// `<agent>/<instance id>` of the submission `attempt` runs, when it runs it (the owner
+/// [`append_batch`]'s query reads with the stream).
+fn owner_of(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<String>, StoreError> {
+    transaction
+        .prepare_cached(
+            "SELECT agent || '/' || instance_id FROM flue_submissions
+                 WHERE id = ?1 AND status = 'running' AND attempt_id = ?2",
+        )
+        .map_err(sql)?
+        .query_row(params![attempt.submission_id, attempt.attempt_id], |row| row.get(0))
+        .optional()
+        .map_err(sql)
+}
+
 fn owns(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<Submission>, StoreError> {
     Ok(read_submission(transaction, &attempt.submission_id)?.filter(|row| {
         row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
@@ -855,27 +869,27 @@ fn append_batch(
         )
         .optional()
         .map_err(sql)?;
-    // What the fence says: `None` when the attempt may write here.
-    let refused = match (fence, &found) {
-        (None, _) => None,
-        (Some(attempt), Some((_, _, owner))) => match owner.as_deref().map(|owner| owner.split_once('/')) {
-            Some(Some((agent, id))) if key.writable_by(agent, id) => None,
-            Some(_) => Some(format!(
-                "submission {} does not write the stream {key}",
-                attempt.submission_id
-            )),
-            None => Some(format!(
-                "attempt {} does not own submission {}",
-                attempt.attempt_id, attempt.submission_id
-            )),
-        },
-        // No instance: the fence is reported first, as it would be with one.
-        (Some(attempt), None) => (!holds(transaction, attempt)?).then(|| {
-            format!(
-                "attempt {} does not own submission {}",
-                attempt.attempt_id, attempt.submission_id
-            )
-        }),
+    // What the fence says: `None` when the attempt may write here. Without an instance the
+    // fence is reported first all the same, as the other stores do.
+    let refused = match fence {
+        None => None,
+        Some(attempt) => {
+            let owner = match &found {
+                Some((_, _, owner)) => owner.clone(),
+                None => owner_of(transaction, attempt)?,
+            };
+            match owner.as_deref().map(|owner| owner.split_once('/')) {
+                Some(Some((agent, id))) if key.writable_by(agent, id) => None,
+                Some(_) => Some(format!(
+                    "submission {} does not write the stream {key}",
+                    attempt.submission_id
+                )),
+                None => Some(format!(
+                    "attempt {} does not own submission {}",
+                    attempt.attempt_id, attempt.submission_id
+                )),
+            }
+        }
     };
     if let Some(refused) = refused {
         return Err(StoreError::Fenced(refused));
@@ -919,17 +933,18 @@ const SEQUENCE_NUMBERED_STREAMS: i64 = 1 << 30;
 /// The stream number of the root instance the admission numbered `sequence` creates: the
 /// sequence itself (unique, and at hand: no write) while it is below
 /// [`SEQUENCE_NUMBERED_STREAMS`]; past that, the next of the `highest_stream` counter in
-/// `flue_meta`, so the numbers (positive ones below 2^31) run out with instances created, not
-/// with admissions.
+/// `flue_meta`, so the numbers (positive ones below 2^31 - 1) run out with instances created,
+/// not with admissions. The last, 2^31 - 1, is never given: the end of its batch range,
+/// `(stream + 1) << 32`, would not fit in 64 bits.
 fn root_stream(transaction: &Connection, sequence: i64) -> Result<i64, StoreError> {
     if sequence < SEQUENCE_NUMBERED_STREAMS {
         return Ok(sequence);
     }
     let highest = stream_counter(transaction, "highest_stream", "SELECT MAX(stream) FROM flue_instances")?;
     let stream = highest.max(SEQUENCE_NUMBERED_STREAMS - 1) + 1;
-    if stream >= 1 << 31 {
+    if stream >= (1 << 31) - 1 {
         return Err(StoreError::Other(
-            "sqlite: 2^31 instances were created; no stream number is left for a new one".into(),
+            "sqlite: 2^31 - 2 instances were created; no stream number is left for a new one".into(),
         ));
     }
     set_stream_counter(transaction, "highest_stream", stream)?;
@@ -1775,10 +1790,23 @@ mod tests {
         }
         // The last number given, then none.
         store
-            .transaction(|tx| set_stream_counter(tx, "highest_stream", (1 << 31) - 2))
+            .transaction(|tx| set_stream_counter(tx, "highest_stream", (1 << 31) - 3))
             .unwrap();
         admit("last", "s-5").unwrap();
-        assert_eq!(stream_of("last"), (1 << 31) - 1);
+        assert_eq!(stream_of("last"), (1 << 31) - 2);
+        // The last stream holds its batches like any other (its range's end fits in 64 bits).
+        let last = InstanceKey::new("a", "last");
+        futures_util::FutureExt::now_or_never(store.append(
+            &last,
+            vec![super::super::birth_record("u", None)].into(),
+            None,
+        ))
+        .unwrap()
+        .unwrap();
+        let batches = futures_util::FutureExt::now_or_never(store.read(&last, None))
+            .unwrap()
+            .unwrap();
+        assert_eq!(batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [0, 1]);
         let error = admit("one-too-many", "s-6").unwrap_err();
         assert!(error.to_string().contains("no stream number is left"), "{error}");
     }
