@@ -94,6 +94,11 @@ impl SchemaSource {
         Self::Typed(schema_of::<T>)
     }
 
+    /// The schema of `T`'s values as they serialize (see [`serialized_schema_of`]).
+    pub fn serialized<T: JsonSchema + 'static>() -> Self {
+        Self::Typed(serialized_schema_of::<T>)
+    }
+
     /// Resolves the schema (generating it on first use for typed sources).
     pub fn get(&self) -> DataSchema {
         match self {
@@ -141,6 +146,7 @@ impl Hasher for TypeKeyHasher {
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 enum Purpose {
     Data,
+    Written,
     ToolInput,
 }
 
@@ -174,6 +180,21 @@ fn cached<T: JsonSchema + 'static>(purpose: Purpose, build: impl FnOnce() -> Val
 /// The JSON Schema of `T` as schemars generates it (draft 2020-12), compiled and cached.
 pub fn schema_of<T: JsonSchema + 'static>() -> DataSchema {
     cached::<T>(Purpose::Data, || schemars::schema_for!(T).to_value())
+}
+
+/// The JSON Schema of `T` as its values serialize (draft 2020-12), compiled and cached: what a
+/// value written as JSON is checked against. It differs from [`schema_of`] (how JSON reads
+/// back into `T`) where serde's attributes do: a field skipped when empty
+/// (`skip_serializing_if`) is optional here, a `skip_serializing` one absent, a field renamed
+/// for serializing named so.
+pub fn serialized_schema_of<T: JsonSchema + 'static>() -> DataSchema {
+    cached::<T>(Purpose::Written, || {
+        schemars::generate::SchemaSettings::draft2020_12()
+            .for_serialize()
+            .into_generator()
+            .into_root_schema_for::<T>()
+            .to_value()
+    })
 }
 
 /// The JSON Schema of a tool's argument type `T`, in the shape providers expect: draft

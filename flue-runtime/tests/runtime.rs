@@ -289,6 +289,55 @@ async fn state_data_parts_and_metadata_are_durable_and_reach_the_reply() {
     );
 }
 
+/// A data part with a field left out of its JSON when empty, and one named apart when
+/// written.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+struct Checked {
+    step: u32,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    warnings: Vec<String>,
+    #[serde(rename(serialize = "doneBy"))]
+    done_by: String,
+}
+
+#[agent]
+fn checker() -> &'static str {
+    use_model("scripted/x");
+    let checked = use_data_writer::<Checked>("checked");
+    use_tool(Tool::new("check").description("Check.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let checked = checked.clone();
+            async move {
+                checked.write(&Checked {
+                    step: 1,
+                    warnings: Vec::new(),
+                    done_by: "me".into(),
+                })?;
+                Ok::<_, ToolError>("checked")
+            }
+        },
+    ));
+    "Check."
+}
+
+/// A write is checked against the schema of what serializing the type makes: a field serde
+/// leaves out when empty, or names apart when writing, is no mismatch (the schema of what
+/// deserializing reads would require `warnings` and `done_by`).
+#[tokio::test]
+async fn a_data_write_is_checked_against_the_shape_its_type_serializes_to() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("check", json!({})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![checker.into()]);
+    let reply = runtime.init(&checker, "c").send("check").await.unwrap();
+    assert_eq!(reply.data["checked"], json!({"step": 1, "doneBy": "me"}));
+    // The tool's write went through: its result is no error.
+    let requests = model.requests();
+    let result = requests[1].messages.last().unwrap();
+    assert!(format!("{result:?}").contains("checked"), "{result:?}");
+}
+
 #[agent]
 fn late_reporter() -> &'static str {
     use_model("scripted/x");

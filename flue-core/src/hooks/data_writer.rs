@@ -23,7 +23,8 @@ pub fn use_data_writer<T>(name: impl Into<Cow<'static, str>>) -> DataWriter<T>
 where
     T: Serialize + JsonSchema + 'static,
 {
-    declare(name.into(), SchemaSource::of::<T>())
+    // Writes serialize `T`: they are checked against the schema of what serializing makes.
+    declare(name.into(), SchemaSource::serialized::<T>())
 }
 
 /// [`use_data_writer`] for untyped JSON checked against an explicit schema.
