@@ -110,10 +110,9 @@ impl ToolDefinition {
     pub fn validate_input_schema(&self, source: &str) -> Result<(), String> {
         let schema = self.input_schema.get();
         if !schema.has_object_root() {
-            return Err(format!(
-                "[flue] {source} \"{}\" input must be a top-level object schema.",
-                self.name
-            ));
+            // The reference's exact text: the panic's location (or the wrapping error) names
+            // the tool.
+            return Err(format!("[flue] {source} input must be a top-level object schema."));
         }
         if let Some(argument) = &self.progress_argument {
             let property = schema

@@ -208,7 +208,7 @@ fn use_delivery_panics_on_a_bare_render_and_reads_the_cursor_otherwise() {
     });
     assert_eq!(
         render_panic(&agent),
-        "[flue] use_delivery() found no delivered message behind this render. Every agent run in the runtime is triggered by one; a direct render outside the runtime (tests, tooling) must supply a `delivery` in its render state."
+        "[flue] use_delivery() found no delivered message behind this render. Every agent run in the runtime is triggered by one; a direct render outside the runtime (tests, tooling) must supply a `delivery` in its render-state context."
     );
     let delivery = Arc::new(DeliveredMessage::user("hello there"));
     let rendered = flue_core::render(&agent, &RenderState::root("i").with_delivery(&delivery)).unwrap();

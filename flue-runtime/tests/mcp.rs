@@ -459,8 +459,8 @@ async fn a_tool_whose_schema_root_is_not_an_object_refuses_the_server() {
     assert_eq!(error_type, "mcp_connection_failed", "{message}");
     assert_eq!(
         message,
-        "[flue] The MCP server \"docs\" could not be used: tool \"listing\": MCP tool \
-         \"mcp__docs__listing\" input must be a top-level object schema."
+        "[flue] The MCP server \"docs\" could not be used: tool \"listing\": MCP tool input \
+         must be a top-level object schema."
     );
     assert!(model.requests().is_empty(), "no model request was made");
 }

@@ -11,7 +11,7 @@ use crate::message::DeliveredMessage;
 pub fn use_delivery() -> Arc<DeliveredMessage> {
     hook("use_delivery", |frame| {
         frame.state.delivery().cloned().ok_or_else(|| {
-            "[flue] use_delivery() found no delivered message behind this render. Every agent run in the runtime is triggered by one; a direct render outside the runtime (tests, tooling) must supply a `delivery` in its render state.".to_owned()
+            "[flue] use_delivery() found no delivered message behind this render. Every agent run in the runtime is triggered by one; a direct render outside the runtime (tests, tooling) must supply a `delivery` in its render-state context.".to_owned()
         })
     })
 }
