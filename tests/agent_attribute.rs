@@ -173,3 +173,50 @@ fn expose_as_tool_also_takes_a_boolean() {
     assert!(exposed_by_boolean.definition().expose_as_tool);
     assert!(!hidden_by_boolean.definition().expose_as_tool);
 }
+
+/// An item configured away with `#[cfg]` below the attribute: nothing of it is compiled (rustc
+/// evaluates the `cfg` before it expands the attribute, so the expansion never sees it).
+mod configured {
+    use flue_runtime::prelude::*;
+
+    /// Never compiled.
+    #[agent]
+    #[cfg(any())]
+    fn absent_agent() -> &'static str {
+        "Never."
+    }
+
+    /// Never compiled.
+    #[tool]
+    #[cfg(any())]
+    async fn absent_tool() -> String {
+        String::new()
+    }
+
+    #[hook(filter_messages)]
+    #[cfg(any())]
+    fn absent_hook(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+        messages
+    }
+
+    /// Compiled: its configuration holds.
+    #[tool]
+    #[cfg(all())]
+    pub(super) async fn present_tool() -> String {
+        "here".into()
+    }
+
+    /// Compiled too.
+    #[agent]
+    #[cfg(all())]
+    pub(super) fn present_agent() -> &'static str {
+        use_tool(present_tool);
+        "Here."
+    }
+}
+
+#[test]
+fn an_item_configured_away_is_left_out_whole_and_a_configured_one_is_kept() {
+    assert_eq!(configured::present_agent.definition().name, "present_agent");
+    assert_eq!(configured::present_tool.definition().name, "present_tool");
+}
