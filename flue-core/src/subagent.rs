@@ -155,7 +155,37 @@ impl Subagent {
                 self.name
             ));
         }
-        let hooks = &self.agent.get().definition().hooks;
+        let definition = self.agent.get().definition();
+        // The parent-hook rules `#[agent]` checks at compile time, for an agent built another
+        // way (`AgentDefinition::parent_hooks`): fail closed before the parent runs with part
+        // of its set.
+        let requirements = &definition.parent_hooks;
+        if !requirements.is_empty() && !definition.expose_as_tool {
+            return Err(format!(
+                "[flue] {source} \"{}\": its agent declares parent hooks but is not exposed as a tool; only an agent with expose_as_tool can require hooks of its parents.",
+                self.name
+            ));
+        }
+        for (index, requirement) in requirements.iter().enumerate() {
+            if requirement.reason.trim().is_empty() {
+                return Err(format!(
+                    "[flue] {source} \"{}\": its agent's parent hook {} needs a non-blank reason.",
+                    self.name,
+                    requirement.hook.id()
+                ));
+            }
+            if requirements[..index]
+                .iter()
+                .any(|earlier| earlier.hook.id() == requirement.hook.id())
+            {
+                return Err(format!(
+                    "[flue] {source} \"{}\": its agent requires the parent hook {} twice; require each hook once.",
+                    self.name,
+                    requirement.hook.id()
+                ));
+            }
+        }
+        let hooks = &definition.hooks;
         if !hooks.is_empty() {
             let ids: Vec<&str> = hooks.iter().map(|hook| hook.id()).collect();
             return Err(format!(

@@ -417,6 +417,50 @@ fn use_subagent_refuses_an_agent_whose_definition_selects_lifecycle_hooks() {
     );
 }
 
+/// Standard Agents §4.3 (checklist 57, 58): parent-hook requirements fail closed, for an agent
+/// built without `#[agent]` (which checks them at compile time) too.
+#[test]
+fn use_subagent_refuses_parent_hooks_of_an_unexposed_agent_a_blank_reason_or_a_repeated_hook() {
+    let requirement = |reason: &'static str| flue_core::agent::ParentHookRequirement {
+        hook: flue_core::lifecycle::ThreadHook::new(&REDACT_IN_DELEGATE),
+        stage: HookStage::AfterParent,
+        reason,
+    };
+    let cases: [(AgentDefinition, &str); 3] = [
+        (
+            AgentDefinition::new("child").parent_hooks(vec![requirement("Redacts.")]),
+            "[flue] use_subagent() \"child\": its agent declares parent hooks but is not exposed as a tool; only an agent with expose_as_tool can require hooks of its parents.",
+        ),
+        (
+            AgentDefinition::new("child")
+                .expose_as_tool()
+                .parent_hooks(vec![requirement(" ")]),
+            "[flue] use_subagent() \"child\": its agent's parent hook redact_in_delegate needs a non-blank reason.",
+        ),
+        (
+            AgentDefinition::new("child")
+                .expose_as_tool()
+                .parent_hooks(vec![requirement("Redacts."), requirement("Again.")]),
+            "[flue] use_subagent() \"child\": its agent requires the parent hook redact_in_delegate twice; require each hook once.",
+        ),
+    ];
+    for (definition, message) in cases {
+        let child: AgentRef = FnAgent::new(definition, |_: AgentProps<'_>| "You redact.").into();
+        let parent = agent(move |_| use_subagent(Subagent::new("child", "Redacts.", child.clone())));
+        assert_eq!(render_panic(&parent), message);
+    }
+    // Exposed, with one reasoned requirement: mounted.
+    let child: AgentRef = FnAgent::new(
+        AgentDefinition::new("child")
+            .expose_as_tool()
+            .parent_hooks(vec![requirement("Redacts.")]),
+        |_: AgentProps<'_>| "You redact.",
+    )
+    .into();
+    let parent = agent(move |_| use_subagent(Subagent::new("child", "Redacts.", child.clone())));
+    assert!(flue_core::render(&parent, &RenderState::bare()).is_ok());
+}
+
 #[test]
 fn instance_scoped_and_client_facing_hooks_panic_in_a_subagent_render() {
     type Case = (&'static str, Box<dyn Fn() + Send + Sync>);

@@ -159,8 +159,12 @@ mod tests {
 
     type Body = fn(flue_core::AgentProps<'_>) -> Instruction;
 
+    /// An exposed agent (only one may require hooks of its parents) with `requirements`.
     fn child(name: &'static str, requirements: Vec<ParentHookRequirement>) -> FnAgent<Body> {
-        FnAgent::new(AgentDefinition::new(name).parent_hooks(requirements), blank as Body)
+        FnAgent::new(
+            AgentDefinition::new(name).expose_as_tool().parent_hooks(requirements),
+            blank as Body,
+        )
     }
 
     fn requirement(hook: &'static ThreadHookDefinition, stage: HookStage) -> ParentHookRequirement {
