@@ -1465,6 +1465,16 @@ pub async fn request_session_abort_stamps_joining_and_joined_deliveries(store: F
     store.finalize_join(&host, "joined-1").await.unwrap();
     let stamped = store.request_abort(&key("assistant", "agent-1")).await.unwrap();
     assert_eq!(stamped, ["host-1", "joined-1", "joining-1"]);
+    // The rows carry the stamp (what a takeover reads), their status unchanged.
+    for (id, status) in [
+        ("host-1", SubmissionStatus::Running),
+        ("joined-1", SubmissionStatus::Joined),
+        ("joining-1", SubmissionStatus::Joining),
+    ] {
+        let row = row(&store, id).await;
+        assert!(row.abort_requested, "{id} is stamped");
+        assert_eq!(row.status, status, "{id}");
+    }
 }
 
 // ---- edge cases -------------------------------------------------------------------------------
@@ -1483,24 +1493,14 @@ pub async fn get_submission_returns_null_for_unknown_ids(store: Factory) {
 pub async fn appends_one_ordered_canonical_batch(store: Factory) {
     admit(&store, dispatch("d-1")).await;
     let stream = key("assistant", "agent-1");
-    let offset = store
-        .append(
-            &stream,
-            vec![record(None, None, user("a")), record(None, None, user("b"))].into(),
-            None,
-        )
-        .await
-        .unwrap();
+    let records = vec![record(None, None, user("a")), record(None, None, user("b"))];
+    let offset = store.append(&stream, records.clone().into(), None).await.unwrap();
     assert_eq!(offset, 1, "the birth record is batch 0");
     let batches = store.read(&stream, Some(0)).await.unwrap();
     assert_eq!(batches.len(), 1);
     assert_eq!(batches[0].offset, 1);
-    assert_eq!(batches[0].records.len(), 2);
-    assert_eq!(batches[0].records[1].body, user_body(&batches[0].records[1]));
-}
-
-fn user_body(record: &Record) -> RecordBody {
-    record.body.clone()
+    // The records as appended, in their order.
+    assert_eq!(*batches[0].records, *records);
 }
 
 pub async fn assigns_one_indivisible_offset_to_a_multi_record_batch(store: Factory) {
@@ -1822,6 +1822,9 @@ pub async fn rejects_a_submission_owned_append_for_an_unknown_submission(store: 
         )
         .await;
     assert!(matches!(result, Err(StoreError::Fenced(_))));
+    // Nothing was written: the birth batch alone.
+    let batches = store.read(&key("assistant", "agent-1"), None).await.unwrap();
+    assert_eq!(batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(), [0]);
 }
 
 /// A task's child conversation: its birth batch and the parent's link land together
@@ -2053,11 +2056,26 @@ pub async fn gives_concurrent_appends_distinct_consecutive_offsets(store: Factor
         }));
     }
     let mut offsets = Vec::new();
-    for task in tasks {
-        offsets.push(task.await.unwrap());
+    for (i, task) in tasks.into_iter().enumerate() {
+        offsets.push((task.await.unwrap(), i));
     }
     offsets.sort_unstable();
-    assert_eq!(offsets, (1..=16).collect::<Vec<u64>>());
+    assert_eq!(
+        offsets.iter().map(|(offset, _)| *offset).collect::<Vec<u64>>(),
+        (1..=16).collect::<Vec<u64>>()
+    );
+    // Each append's batch is in the stream at the offset it was given, whole: none lost, none
+    // written over.
+    let batches = store.read(&stream, Some(0)).await.unwrap();
+    assert_eq!(batches.len(), 16);
+    for (batch, (offset, i)) in batches.iter().zip(&offsets) {
+        assert_eq!(batch.offset, *offset);
+        assert_eq!(batch.records.len(), 1);
+        let RecordBody::UserMessage { body, .. } = &batch.records[0].body else {
+            panic!("batch {offset}: {:?}", batch.records[0].body)
+        };
+        assert_eq!(*body, format!("c{i}"), "batch {offset}");
+    }
 }
 
 pub async fn settles_with_its_records_in_the_same_step(store: Factory) {
