@@ -358,6 +358,73 @@ async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires(
     assert_eq!(model.requests().len(), 1, "exactly once");
 }
 
+/// Reference §3.9 step 4: a takeover that finds the attempt budget spent settles the
+/// submission as it is, without an attempt: observers see its settlement, and no
+/// `submission_running` (with an attempt count past the budget) nor an operation or agent
+/// start and end for an attempt that never ran.
+#[tokio::test]
+async fn a_takeover_that_finds_the_budget_spent_settles_without_an_attempts_events() {
+    use flue_runtime::events::Event;
+    use flue_runtime::store::{Claim, now_ms};
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([]);
+    let key = InstanceKey::new("relay", "r-spent");
+    let mut admission = harness::admission(&key, "sub_spent", "hello");
+    admission.max_attempts = 1;
+    store.admit(admission).await.unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 100,
+    };
+    store.claim_next(&key, &dead).await.unwrap().unwrap();
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(relay)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            lease: std::time::Duration::from_millis(200),
+            heartbeat: std::time::Duration::from_millis(20),
+            scan_interval: std::time::Duration::from_millis(20),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    runtime.start().await;
+    let error = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&relay, "r-spent").read("sub_spent"),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    let RuntimeError::Run { error_type, .. } = error else {
+        panic!("a run error")
+    };
+    assert_eq!(error_type, "submission_interrupted");
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if observation.submission_id.as_deref() != Some("sub_spent") {
+            continue;
+        }
+        match observation.event {
+            Event::SubmissionRunning { .. } => seen.push("submission_running"),
+            Event::OperationStart { .. } => seen.push("operation_start"),
+            Event::AgentStart => seen.push("agent_start"),
+            Event::AgentEnd { .. } => seen.push("agent_end"),
+            Event::Operation { .. } => seen.push("operation"),
+            Event::Idle => seen.push("idle"),
+            Event::SubmissionSettled { .. } => seen.push("submission_settled"),
+            _ => {}
+        }
+    }
+    assert_eq!(seen, ["submission_settled"]);
+    assert!(model.requests().is_empty());
+}
+
 /// Reference §3.9 step 10: "Resolve interrupted joins (record exists ⇒ finalize; else
 /// revert), then apply queued joins". A node claimed a delivery into its response and died
 /// before the delivery's input was saved; the node that takes the response over puts the

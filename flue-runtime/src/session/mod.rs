@@ -446,14 +446,21 @@ impl InstanceSlot {
         // The live deadline: at the budget's end the attempt is aborted wherever it waits (a
         // model stream, a tool, a retry delay) and settles as timed out.
         let deadline = deadline_of(&submission, agent.get().definition().durability.timeout);
-        runtime.emit(
-            &self.key,
-            Some(&submission.id),
-            Event::SubmissionRunning {
-                attempt_count: submission.attempt_count,
-                max_attempts: submission.max_attempts,
-            },
-        );
+        // An abort requested before the attempt ran, or a budget a takeover finds spent: the
+        // submission settles as it is, without an attempt (§3.9 steps 3-4, §3.10), so none of
+        // an attempt's events (running, the operation, the agent's start and end) is emitted.
+        let settles_unrun =
+            refreshed.is_ok() && !answered && (abort_requested || submission.attempt_count > submission.max_attempts);
+        if !settles_unrun {
+            runtime.emit(
+                &self.key,
+                Some(&submission.id),
+                Event::SubmissionRunning {
+                    attempt_count: submission.attempt_count,
+                    max_attempts: submission.max_attempts,
+                },
+            );
+        }
         let record_ids: (Arc<str>, Arc<str>) = (submission.id.as_str().into(), attempt_id.as_str().into());
         let writer = Arc::new(ThreadWriter::new(
             runtime,
@@ -512,11 +519,13 @@ impl InstanceSlot {
         let correlated = runtime.correlate(&response.record_ids.0, correlation.clone());
         response.correlation = Some(correlation.clone());
         let operation_started = Instant::now();
-        runtime.emit_with(&self.key, Some(&submission.id), || Event::OperationStart {
-            operation_id: correlation.operation_id(),
-            operation_kind: OperationKind::Prompt,
-        });
-        runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
+        if !settles_unrun {
+            runtime.emit_with(&self.key, Some(&submission.id), || Event::OperationStart {
+                operation_id: correlation.operation_id(),
+                operation_kind: OperationKind::Prompt,
+            });
+            runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
+        }
         let mut given_up = false;
         let result = match refreshed {
             Ok(()) if answered => response.run().await,
@@ -580,17 +589,21 @@ impl InstanceSlot {
         // A turn a failure broke off ends with the response.
         response.set_turn(None);
         let messages = std::mem::take(&mut response.ended);
-        runtime.emit_with(&self.key, Some(&submission.id), || Event::AgentEnd { messages });
-        runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
-            operation_id: correlation.operation_id(),
-            operation_kind: OperationKind::Prompt,
-            duration_ms: operation_started.elapsed().as_millis() as u64,
-            is_error: result.is_err(),
-            error: result.as_ref().err().map(|failure| failure.error.clone()),
-            usage: Some(response.conversation.usage(&submission.id)),
-        });
+        if !settles_unrun {
+            runtime.emit_with(&self.key, Some(&submission.id), || Event::AgentEnd { messages });
+            runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
+                operation_id: correlation.operation_id(),
+                operation_kind: OperationKind::Prompt,
+                duration_ms: operation_started.elapsed().as_millis() as u64,
+                is_error: result.is_err(),
+                error: result.as_ref().err().map(|failure| failure.error.clone()),
+                usage: Some(response.conversation.usage(&submission.id)),
+            });
+        }
         drop(correlated);
-        runtime.emit(&self.key, Some(&submission.id), Event::Idle);
+        if !settles_unrun {
+            runtime.emit(&self.key, Some(&submission.id), Event::Idle);
+        }
         attempt.responding.store(false, Ordering::Release);
         // Nothing appends for the attempt after its response: a write queued after the final
         // flush (or by a failed attempt) is dropped.
