@@ -135,7 +135,8 @@ impl Budget {
 
     /// Notes what a call the provider answered counted.
     pub(crate) fn called(&mut self, usage: &Usage) {
-        self.last_call_tokens = usage.input_tokens + usage.output_tokens;
+        // Counts a provider sent: never trusted not to overflow.
+        self.last_call_tokens = usage.input_tokens.saturating_add(usage.output_tokens);
     }
 
     fn config(&self) -> CompactionConfig {
@@ -254,21 +255,28 @@ pub(crate) async fn compact<S: Compacting>(
         },
         None => summarize(&*session, provider, request(model_id.to_owned()), step).await,
     };
+    // Compaction is best-effort (it runs on its own, at a threshold or after an overflow): a
+    // summary that could not be made is reported (a failed `compaction` event and a warning)
+    // and the session goes on uncompacted; an overflow it was to recover from is then the
+    // call's failure. Failing the session instead would fail every later one too (the history
+    // only grows).
     let (summary, usage) = match summary {
         Ok(response) if !response.text.trim().is_empty() => (response.text, response.usage),
         Ok(response) => {
             let failure = session.failure(summary_failed("the summary was empty"));
-            return Err(compaction_failed(&*session, started, failure, Some(response.usage)));
+            gave_up(&*session, started, failure, Some(response.usage));
+            return Ok(false);
+        }
+        // An abort (or the deadline's) that ended the summary call ends the session as
+        // aborted (or timed out).
+        Err(_) if session.signal().is_aborted() => {
+            let failure = session.failure(Failed::Aborted);
+            return Err(compaction_failed(&*session, started, failure, None));
         }
         Err(error) => {
-            // An abort (or the deadline's) that ended the summary call ends the session as
-            // aborted (or timed out), not as a failed compaction.
-            let failure = session.failure(if session.signal().is_aborted() {
-                Failed::Aborted
-            } else {
-                summary_failed(&error)
-            });
-            return Err(compaction_failed(&*session, started, failure, None));
+            let failure = session.failure(summary_failed(&error));
+            gave_up(&*session, started, failure, None);
+            return Ok(false);
         }
     };
     let messages_before = session.conversation().messages.len();
@@ -373,6 +381,13 @@ fn compaction_failed<S: Compacting>(
         usage,
     });
     failure
+}
+
+/// Reports a compaction given up (its failed `compaction` event, and a warning).
+fn gave_up<S: Compacting>(session: &S, started: Instant, failure: S::Failure, usage: Option<Usage>) {
+    let failure = compaction_failed(session, started, failure, usage);
+    let error = S::describe(&failure);
+    tracing::warn!(error = %error.message, "compaction failed; the session goes on uncompacted");
 }
 
 /// A summary call that failed or answered nothing usable.

@@ -972,7 +972,10 @@ impl MessagesDecoder {
             StopReason::ToolUse
         });
         let usage = Usage {
-            input_tokens: self.input_tokens + self.cache_read_tokens + self.cache_write_tokens,
+            input_tokens: self
+                .input_tokens
+                .saturating_add(self.cache_read_tokens)
+                .saturating_add(self.cache_write_tokens),
             output_tokens: self.output_tokens,
             cache_read_tokens: self.cache_read_tokens,
             cache_write_tokens: self.cache_write_tokens,
