@@ -61,6 +61,11 @@ pub(crate) fn estimate_message(message: &ModelMessage) -> u64 {
     (chars as u64).div_ceil(4) + 4
 }
 
+/// How many characters of one tool result a summary transcript shows: the call's request
+/// carries the gist, and a transcript of whole results (files, pages) could overflow the very
+/// window the compaction is to make room in.
+const TRANSCRIPT_TOOL_RESULT_CHARS: usize = 2_000;
+
 /// The messages to summarize as one transcript.
 pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
     let mut out = String::new();
@@ -87,7 +92,13 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
                 ..
             } => {
                 out.push_str(&format!("Tool {name}{}: ", if *is_error { " (error)" } else { "" }));
-                out.push_str(content);
+                match content.char_indices().nth(TRANSCRIPT_TOOL_RESULT_CHARS) {
+                    Some((cut, _)) => {
+                        out.push_str(&content[..cut]);
+                        out.push_str(&format!(" [… {} more characters]", content[cut..].chars().count()));
+                    }
+                    None => out.push_str(content),
+                }
             }
         }
         out.push_str("\n\n");
@@ -393,4 +404,26 @@ fn gave_up<S: Compacting>(session: &S, started: Instant, failure: S::Failure, us
 /// A summary call that failed or answered nothing usable.
 fn summary_failed(error: &str) -> Failed {
     Failed::Summary(format!("[flue] Compaction failed: {error}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_summary_transcript_shows_the_start_of_a_long_tool_result_and_how_much_was_left_out() {
+        let tool = |content: String| ModelMessage::Tool {
+            tool_call_id: "call_1".into(),
+            name: "read".into(),
+            content,
+            is_error: false,
+        };
+        let long = format!("{}{}", "é".repeat(TRANSCRIPT_TOOL_RESULT_CHARS), "x".repeat(500));
+        let shown = transcript(&[tool(long)]);
+        assert!(shown.starts_with(&format!("Tool read: {}", "é".repeat(TRANSCRIPT_TOOL_RESULT_CHARS))));
+        assert!(shown.contains(" [… 500 more characters]"), "{shown}");
+        assert!(!shown.contains('x'));
+        // A short one is shown whole.
+        assert_eq!(transcript(&[tool("42".into())]), "Tool read: 42\n\n");
+    }
 }
