@@ -917,9 +917,19 @@ impl Conversation {
             kept += crate::compaction::estimate_message(&self.messages[cut]) + self.image_tokens_at(cut);
         }
         let is_result = |at: usize| at < len && matches!(self.messages[at], ModelMessage::Tool { .. });
-        if cut == 0 && force {
-            // Summarize the oldest message, and the results that answer its calls.
-            cut = 1;
+        // After a compaction, the first message is its summary: a cut must summarize more
+        // than that summary (summarizing the summary alone, again at every call until newer
+        // messages outweigh what is kept, would cost a model call each time and lose detail).
+        let boundary = usize::from(
+            self.rows
+                .first()
+                .and_then(|row| row.rendered.as_ref())
+                .is_some_and(|rendered| rendered.signal_type == "compaction"),
+        );
+        if cut <= boundary && force {
+            // Summarize the oldest message (after a summary), and the results that answer its
+            // calls.
+            cut = boundary + 1;
             while is_result(cut) {
                 cut += 1;
             }
@@ -933,7 +943,7 @@ impl Conversation {
             // The step whose results are not in yet stays.
             cut = cut.min(self.results_at.saturating_sub(1));
         }
-        (cut > 0 && cut < len).then(|| (cut, self.rows[cut].id.clone()))
+        (cut > boundary && cut < len).then(|| (cut, self.rows[cut].id.clone()))
     }
 
     /// The messages a compaction cutting at `cut` summarizes.
@@ -1445,6 +1455,42 @@ mod tests {
             reasoning_blocks: Vec::new(),
         }));
         records
+    }
+
+    #[test]
+    fn a_cut_after_a_compaction_summarizes_more_than_its_summary_or_nothing() {
+        let user = |id: &str, body: &str| {
+            record(RecordBody::UserMessage {
+                message_id: id.into(),
+                body: body.into(),
+                attachments: Vec::new(),
+            })
+        };
+        let mut conversation = Conversation::default();
+        conversation.apply(&Batch {
+            offset: 0,
+            records: vec![
+                user("u-1", "first"),
+                user("u-2", "second"),
+                record(RecordBody::Compaction {
+                    summary: "The first was discussed.".into(),
+                    first_kept_message_id: "u-2".into(),
+                    tokens_before: 1_000,
+                    reason: "threshold".into(),
+                    usage: None,
+                }),
+            ]
+            .into(),
+        });
+        // [summary, u-2]: whatever is kept, only the summary is before the newest message.
+        assert_eq!(conversation.compaction_cut(0, false), None);
+        assert_eq!(conversation.compaction_cut(0, true), None);
+        conversation.apply(&Batch {
+            offset: 1,
+            records: vec![user("u-3", "third")].into(),
+        });
+        // [summary, u-2, u-3]: the summary and u-2 are summarized together.
+        assert_eq!(conversation.compaction_cut(0, false), Some((2, "u-3".to_owned())));
     }
 
     #[test]
