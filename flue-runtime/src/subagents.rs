@@ -277,6 +277,17 @@ impl Journal {
     }
 }
 
+/// What the parent's model reads of a child's answer: its text, or, when the child ended
+/// without any (its step budget ran out after a tool step, its last step only reasoned), a
+/// line saying so, never an empty tool result.
+fn answer_text(answer: String) -> String {
+    if answer.trim().is_empty() {
+        "(task completed with no text)".to_owned()
+    } else {
+        answer
+    }
+}
+
 /// The stream key of the child conversation `task_id` of the conversation `parent`: the
 /// parent's agent with a `:task` suffix (once: a nested child keeps it) and the parent's id
 /// with the task id. An agent name is `^[a-z][a-z0-9_]*$`, so no instance of a registered
@@ -473,7 +484,7 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         None => None,
     };
     if let (Some(child), Some((_, conversation))) = (&retained, &reopened)
-        && let Some(answer) = answer_of(conversation)
+        && let Some(answer) = answer_of(conversation).map(answer_text)
     {
         emit(task_start(&child.task_id));
         emit(Event::Task {
@@ -554,7 +565,9 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         tool_call_id,
         reopened,
     };
-    let result = child_session(&runtime, delegation, &subagent, parent, environment, &journal, task).await;
+    let result = child_session(&runtime, delegation, &subagent, parent, environment, &journal, task)
+        .await
+        .map(answer_text);
     emit(Event::Task {
         task_id,
         agent: subagent.name().to_owned(),

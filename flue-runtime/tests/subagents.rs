@@ -164,6 +164,39 @@ async fn a_task_runs_the_delegate_in_a_fresh_context_and_returns_only_its_final_
     );
 }
 
+#[agent]
+fn short_parent() -> &'static str {
+    use_model("scripted/x");
+    use_subagent(Subagent::new(
+        "counter",
+        "Counts words, in one step.",
+        FnAgent::new(AgentDefinition::new("counter").max_steps(1), |_: AgentProps<'_>| {
+            use_tool(count_words);
+            "You count words."
+        }),
+    ));
+    "Delegate the counting."
+}
+
+/// A child whose step budget runs out after a tool step has said nothing: the parent's model
+/// reads a line saying so, not an empty tool result.
+#[tokio::test]
+async fn a_task_whose_child_ended_without_text_answers_with_a_line_saying_so() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "counter", "prompt": "Count: a b c."})),
+        ScriptedReply::tool_call("count_words", json!({"text": "a b c"})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![short_parent.into()]);
+    let reply = runtime.init(&short_parent, "s-1").send("Count.").await.unwrap();
+    assert_eq!(reply.text, "Done.");
+    let requests = model.requests();
+    assert_eq!(
+        tool_result(&requests[2]),
+        ("(task completed with no text)".to_owned(), false)
+    );
+}
+
 /// Reference §7.1: a task's child session publishes its own `agent_start`, input, turns,
 /// deltas, tool events and `agent_end`, each observation correlated with the task (`taskId`)
 /// and the child's turn (`turnId`), within the parent's operation. The parent's own events
