@@ -9,6 +9,11 @@
 //!   context window (`ModelProvider::context_window`); `Compaction::Disabled` turns it off.
 //! - **Overflow recovery**: a call the provider refuses as a context overflow compacts and is
 //!   retried once — also with threshold compaction off.
+//! - Both are best-effort: a summary that cannot be made (the call refused, an empty summary, a
+//!   compaction model that does not resolve) is reported as a failed `compaction` event and a
+//!   warning, and the session goes on uncompacted (an overflow is then the call's failure).
+//!   The summary's transcript shows at most 2,000 characters of each tool result, and a cut
+//!   always takes more than the previous compaction's summary.
 //! - After a compaction the system prompt's catalogs take a new baseline (the then-current
 //!   skills and delegates), and the stream shows a `conversation-reset`.
 //! - A task's child session compacts the same way, with the submission's settings (a
