@@ -26,7 +26,9 @@
 //! behind [`Compacting`].
 //!
 //! Estimates are characters / 4 (and a flat 1,000 tokens per image): coarse, but they only
-//! decide when to compact; the provider's own count decides overflow.
+//! decide when to compact; the provider's own count decides overflow. The threshold takes the
+//! larger of the history's estimate and the latest call's own count (which sees tool schemas
+//! and reasoning) plus an estimate of what came after that call's answer.
 
 use std::future::Future;
 use std::time::Instant;
@@ -138,6 +140,9 @@ pub(crate) struct Budget {
     /// The tokens of the latest model call (its input and output), as the provider counted;
     /// 0 once a compaction made that count stale.
     last_call_tokens: u64,
+    /// Where in the history that call's answer goes: what follows it (tool results, joined
+    /// deliveries) came after the count.
+    last_call_at: usize,
 }
 
 impl Budget {
@@ -146,13 +151,16 @@ impl Budget {
         Self {
             settings,
             last_call_tokens: 0,
+            last_call_at: 0,
         }
     }
 
-    /// Notes what a call the provider answered counted.
-    pub(crate) fn called(&mut self, usage: &Usage) {
+    /// Notes what a call the provider answered counted, made on a history of `messages`
+    /// messages (its answer is the next one added).
+    pub(crate) fn called(&mut self, usage: &Usage, messages: usize) {
         // Counts a provider sent: never trusted not to overflow.
         self.last_call_tokens = usage.input_tokens.saturating_add(usage.output_tokens);
+        self.last_call_at = messages;
     }
 
     fn config(&self) -> CompactionConfig {
@@ -223,9 +231,33 @@ pub(crate) async fn compact_if_needed<S: Compacting>(
         (window / 4).min(u64::from(CompactionConfig::MAX_DEFAULT_RESERVE_TOKENS)),
         u64::from,
     );
-    let last_call_tokens = budget.last_call_tokens;
-    let estimate = session.conversation().estimated_tokens() + system_len as u64 / 4;
-    if estimate.max(last_call_tokens) > window.saturating_sub(reserve) {
+    let (last_call_tokens, last_call_at) = (budget.last_call_tokens, budget.last_call_at);
+    let conversation = session.conversation();
+    let estimate = conversation.estimated_tokens() + system_len as u64 / 4;
+    // The provider's count of the latest call covers what no estimate sees (tool schemas,
+    // reasoning); what came after its answer (tool results, joined deliveries) it could not
+    // count, so it is estimated on top.
+    let counted = match last_call_tokens {
+        0 => 0,
+        counted => {
+            // What the history grew by since the call, less the call's own answer (its output
+            // is in the count).
+            let mut answer_seen = false;
+            let since: u64 = conversation
+                .messages
+                .iter()
+                .skip(last_call_at)
+                .filter(|message| {
+                    let answer = !answer_seen && matches!(message, ModelMessage::Assistant { .. });
+                    answer_seen |= answer;
+                    !answer
+                })
+                .map(estimate_message)
+                .sum();
+            counted.saturating_add(since)
+        }
+    };
+    if estimate.max(counted) > window.saturating_sub(reserve) {
         compact(session, Reason::Threshold, provider, model_id, step).await?;
     }
     Ok(())

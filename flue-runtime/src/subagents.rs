@@ -951,7 +951,7 @@ async fn child_session(
                 }
                 return Err(error.to_string());
             };
-            budget.called(&response.usage);
+            budget.called(&response.usage, conversation.messages.len());
             let message_id = new_id("msg");
             let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
                 .map(|body| journal.child_record(body))

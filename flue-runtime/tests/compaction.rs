@@ -410,3 +410,104 @@ async fn an_abort_during_the_summary_call_settles_the_submission_aborted() {
     assert!(handle.abort().await.unwrap());
     harness::assert_settles_aborted(third).await;
 }
+
+/// Answers with a tool call whose usage counts 450 input tokens (tool schemas and the like,
+/// which no estimate of the history sees), then summarizes and answers.
+struct CountsMore {
+    requests: std::sync::Mutex<Vec<flue_runtime::provider::ModelRequest>>,
+}
+
+impl flue_runtime::provider::ModelProvider for CountsMore {
+    fn id(&self) -> &str {
+        "counting"
+    }
+
+    fn context_window(&self, _model: &str) -> Option<u64> {
+        Some(600)
+    }
+
+    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ModelResponse, ModelToolCall, StopReason, StreamEvent};
+        let mut requests = self.requests.lock().unwrap();
+        requests.push(request.clone());
+        let response = if requests.len() == 1 {
+            ModelResponse {
+                text: String::new(),
+                reasoning: String::new(),
+                tool_calls: vec![ModelToolCall {
+                    id: "call_1".into(),
+                    name: "fetch_page".into(),
+                    arguments: "{}".into(),
+                }],
+                stop_reason: StopReason::ToolUse,
+                usage: flue_runtime::usage::Usage {
+                    input_tokens: 450,
+                    output_tokens: 10,
+                    ..Default::default()
+                },
+                reasoning_blocks: Vec::new(),
+            }
+        } else {
+            let text = if request.tools.is_empty() {
+                "A page was fetched."
+            } else {
+                "done"
+            };
+            ModelResponse {
+                text: text.into(),
+                reasoning: String::new(),
+                tool_calls: Vec::new(),
+                stop_reason: StopReason::Stop,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            }
+        };
+        Box::pin(futures_util::stream::iter([Ok(StreamEvent::Completed(response))]))
+    }
+}
+
+/// Fetches a page (about 100 tokens of it).
+#[tool]
+async fn fetch_page() -> String {
+    long("page")
+}
+
+#[agent]
+fn fetcher() -> &'static str {
+    use_model_with(
+        "counting/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(10),
+                model: None,
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    use_tool(fetch_page);
+    "Fetch."
+}
+
+/// The threshold goes by the latest call's own count (460 here, tool schemas and all) plus an
+/// estimate of what came after its answer (a 100-token tool result): 560 passes the 500 the
+/// window leaves, though neither the count alone nor an estimate of the history does.
+#[tokio::test]
+async fn the_threshold_counts_what_came_after_the_latest_calls_count() {
+    let provider = std::sync::Arc::new(CountsMore {
+        requests: Default::default(),
+    });
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register_arc(provider.clone());
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(fetcher)
+        .build()
+        .unwrap();
+    let reply = runtime.init(&fetcher, "f").send("fetch it").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let requests = provider.requests.lock().unwrap();
+    assert_eq!(requests.len(), 3, "the call, a summarization, the call after the tool");
+    assert!(requests[1].tools.is_empty(), "the second is the summarization");
+}

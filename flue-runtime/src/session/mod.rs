@@ -2036,8 +2036,11 @@ impl Response<'_> {
         let mut row_updates = None;
         let mut live: Option<LiveText> = None;
         let mut compacted_for_overflow = false;
+        let mut history_len: usize;
         let (response, started, turn_id) = loop {
             let system = crate::framework::system(instruction, self.sections());
+            // The history the call is made on, for the compaction budget's count.
+            history_len = self.conversation.messages.len();
             let (system, messages) = match self.request(system).await {
                 Ok(request) => request,
                 Err(blocked) => {
@@ -2142,7 +2145,7 @@ impl Response<'_> {
             return Err(failure);
         };
         let mut row_updates = row_updates.unwrap_or_default();
-        self.budget.called(&response.usage);
+        self.budget.called(&response.usage, history_len);
         self.emit_with(|| Event::Turn {
             turn_id: turn_id.get(),
             purpose: TurnPurpose::Agent,
