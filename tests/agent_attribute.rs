@@ -201,14 +201,14 @@ mod configured {
 
     /// Compiled: its configuration holds.
     #[tool]
-    #[cfg(all())]
+    #[cfg(test)]
     pub(super) async fn present_tool() -> String {
         "here".into()
     }
 
     /// Compiled too.
     #[agent]
-    #[cfg(all())]
+    #[cfg(test)]
     pub(super) fn present_agent() -> &'static str {
         use_tool(present_tool);
         "Here."
