@@ -10,7 +10,8 @@
 //! hooks again. At most [`USER_HOOK_QUEUE`] events wait per user: when slow hooks fall that
 //! far behind (a client connecting and disconnecting in a loop, say), a further event is
 //! dropped with a warning rather than held in memory without bound. Attach and detach events
-//! stay paired: a client's detach is dropped exactly when its attach was.
+//! stay paired: a client's detach is dropped when its attach was, and a heard client's detach
+//! waits past the bound (up to twice it).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -60,7 +61,8 @@ impl UserHookEvent {
 }
 
 /// How many hook events may wait for one user's hooks (the one running is not counted). A
-/// client's detach event may pass it, up to twice as many waiting: see [`dispatch`].
+/// client's detach event may pass it, up to twice as many waiting, unless its client's attach
+/// event was dropped (then it is dropped too).
 pub const USER_HOOK_QUEUE: usize = 1024;
 
 /// The per-user queues of hook events, each drained by one worker while it has work.
@@ -89,8 +91,8 @@ struct Queue {
 ///
 /// At most [`USER_HOOK_QUEUE`] events wait; a further one is dropped, except a client's detach
 /// event: hooks that saw a client arrive must see it leave, so a detach waits even past the
-/// bound (up to twice it), unless its client's attach was dropped, and then it is dropped
-/// too (not counted again).
+/// bound (up to twice it, a hard limit), unless its client's attach was dropped, and then it
+/// is dropped too (not counted again).
 pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHookEvent) {
     let kind = event.kind();
     if !runtime.user_hooks.iter().any(|hook| hook.kind() == kind) {
@@ -119,8 +121,16 @@ pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHo
             UserHookEvent::ClientDetached(_) => 2 * USER_HOOK_QUEUE,
             _ => USER_HOOK_QUEUE,
         };
-        if queue.waiting.load(Ordering::SeqCst) >= bound {
-            if let UserHookEvent::ClientAttached(client) = &event {
+        let waiting = queue.waiting.load(Ordering::SeqCst);
+        if waiting >= bound {
+            // Remembered only while a detach hook could hear the client leave (else nothing
+            // would ever forget it).
+            if let UserHookEvent::ClientAttached(client) = &event
+                && runtime
+                    .user_hooks
+                    .iter()
+                    .any(|hook| hook.kind() == HookKind::UserClientDetached)
+            {
                 queue.unheard.insert(client.id.clone());
             }
             queue.dropped += 1;
@@ -130,7 +140,7 @@ pub(crate) fn dispatch(runtime: &Arc<RuntimeInner>, user_id: &str, event: UserHo
                 tracing::warn!(
                     target: "flue::hooks",
                     user = user_id,
-                    "[Hooks] ✗ A {kind} event was dropped: {USER_HOOK_QUEUE} events already wait for this user's hooks (further drops are counted when the queue drains)"
+                    "[Hooks] ✗ A {kind} event was dropped: {waiting} events already wait for this user's hooks (further drops are counted when the queue drains)"
                 );
             }
             return;
