@@ -446,11 +446,12 @@ impl InstanceSlot {
         // The live deadline: at the budget's end the attempt is aborted wherever it waits (a
         // model stream, a tool, a retry delay) and settles as timed out.
         let deadline = deadline_of(&submission, agent.get().definition().durability.timeout);
-        // An abort requested before the attempt ran, or a budget a takeover finds spent: the
-        // submission settles as it is, without an attempt (§3.9 steps 3-4, §3.10), so none of
-        // an attempt's events (running, the operation, the agent's start and end) is emitted.
+        // A budget a takeover finds spent: the submission settles as it is, without an attempt
+        // (§3.9 step 4), so none of an attempt's events (running, the operation, the agent's
+        // start and end) is emitted. (An abort requested before the attempt ran is the
+        // attempt's pre-execution check, after its `submission_running`, §3.7.)
         let settles_unrun =
-            refreshed.is_ok() && !answered && (abort_requested || submission.attempt_count > submission.max_attempts);
+            refreshed.is_ok() && !answered && !abort_requested && submission.attempt_count > submission.max_attempts;
         if !settles_unrun {
             runtime.emit(
                 &self.key,
