@@ -143,6 +143,9 @@ pub(crate) struct Budget {
     /// Where in the history that call's answer goes: what follows it (tool results, joined
     /// deliveries) came after the count.
     last_call_at: usize,
+    /// A threshold compaction failed in this session: no other is tried (each would cost a
+    /// summary call, and its retries, at every step); overflow recovery still is.
+    gave_up: bool,
 }
 
 impl Budget {
@@ -152,6 +155,7 @@ impl Budget {
             settings,
             last_call_tokens: 0,
             last_call_at: 0,
+            gave_up: false,
         }
     }
 
@@ -221,7 +225,7 @@ pub(crate) async fn compact_if_needed<S: Compacting>(
     step: u32,
 ) -> Result<(), S::Failure> {
     let budget = session.budget();
-    if budget.settings == Compaction::Disabled {
+    if budget.settings == Compaction::Disabled || budget.gave_up {
         return Ok(());
     }
     let Some(window) = provider.context_window(model_id) else {
@@ -312,7 +316,7 @@ pub(crate) async fn compact<S: Compacting>(
         Ok(response) if !response.text.trim().is_empty() => (response.text, response.usage),
         Ok(response) => {
             let failure = session.failure(summary_failed("the summary was empty"));
-            gave_up(&*session, started, failure, Some(response.usage));
+            gave_up(session, started, failure, Some(response.usage));
             return Ok(false);
         }
         // An abort (or the deadline's) that ended the summary call ends the session as
@@ -323,7 +327,7 @@ pub(crate) async fn compact<S: Compacting>(
         }
         Err(error) => {
             let failure = session.failure(summary_failed(&error));
-            gave_up(&*session, started, failure, None);
+            gave_up(session, started, failure, None);
             return Ok(false);
         }
     };
@@ -431,11 +435,14 @@ fn compaction_failed<S: Compacting>(
     failure
 }
 
-/// Reports a compaction given up (its failed `compaction` event, and a warning).
-fn gave_up<S: Compacting>(session: &S, started: Instant, failure: S::Failure, usage: Option<Usage>) {
-    let failure = compaction_failed(session, started, failure, usage);
+/// Reports a compaction given up (its failed `compaction` event, and a warning), and tries no
+/// other threshold compaction in the session (each would cost a summary call, and its
+/// retries, at every step).
+fn gave_up<S: Compacting>(session: &mut S, started: Instant, failure: S::Failure, usage: Option<Usage>) {
+    let failure = compaction_failed(&*session, started, failure, usage);
     let error = S::describe(&failure);
     tracing::warn!(error = %error.message, "compaction failed; the session goes on uncompacted");
+    session.budget().gave_up = true;
 }
 
 /// A summary call that failed or answered nothing usable.

@@ -511,3 +511,46 @@ async fn the_threshold_counts_what_came_after_the_latest_calls_count() {
     assert_eq!(requests.len(), 3, "the call, a summarization, the call after the tool");
     assert!(requests[1].tools.is_empty(), "the second is the summarization");
 }
+
+#[agent]
+fn tight_fetcher() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(150),
+                model: None,
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    use_tool(fetch_page);
+    "Be brief."
+}
+
+/// A summary that could not be made is not tried again at every step of the submission
+/// (each try would cost a summary call and its retries): the later steps go on uncompacted.
+#[tokio::test]
+async fn after_a_failed_compaction_the_submissions_later_steps_try_no_other() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::Error(ProviderError::new(ProviderErrorKind::BadRequest, "no summaries today")),
+        ScriptedReply::tool_call("fetch_page", serde_json::json!({})),
+        ScriptedReply::text("done"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [tight_fetcher.into()]);
+    let handle = runtime.init(&tight_fetcher, "tf");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let reply = handle.send(long("third")).await.unwrap();
+    assert_eq!(reply.text, "done");
+    let summaries = model
+        .requests()
+        .iter()
+        .filter(|request| request.tools.is_empty())
+        .count();
+    assert_eq!(summaries, 1, "one summary attempt in the submission");
+}
