@@ -28,9 +28,9 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     let declared_empty = content_length.is_some_and(|length| length.as_bytes() == b"0");
     let undeclared = content_length.is_none() && headers.get(header::CONTENT_TYPE).is_none();
     // Blank as JavaScript's `trim` sees it: Unicode spaces (a no-break space) and byte order
-    // marks too.
+    // marks too, but not U+0085, which JavaScript does not count as white space.
     let blank = std::str::from_utf8(body).is_ok_and(|text| {
-        text.trim_matches(|c: char| c.is_whitespace() || c == '\u{feff}')
+        text.trim_matches(|c: char| (c.is_whitespace() && c != '\u{85}') || c == '\u{feff}')
             .is_empty()
     });
     let value = if declared_empty || undeclared || blank {
@@ -82,16 +82,20 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     Ok(request)
 }
 
-/// The body as JSON. A `\uXXXX` escape of a lone UTF-16 surrogate, which JavaScript's
-/// `JSON.parse` takes (a client that cut a string inside an emoji sends one), is read as
-/// U+FFFD: a Rust string cannot hold the surrogate itself.
+/// The body as JSON, read as the reference reads it (text first, then JSON): bytes that are
+/// not UTF-8 read as U+FFFD, and a `\uXXXX` escape of a lone UTF-16 surrogate, which
+/// JavaScript's `JSON.parse` takes (a client that cut a string inside an emoji sends one), as
+/// U+FFFD too (a Rust string cannot hold the surrogate itself). Both only after a failed
+/// parse: a well-formed body pays for neither.
 fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     serde_json::from_slice::<Value>(body).or_else(|error| {
-        std::str::from_utf8(body)
-            .ok()
-            .and_then(without_lone_surrogates)
-            .and_then(|text| serde_json::from_str(&text).ok())
-            .ok_or_else(|| ApiError::invalid_json(error.to_string()))
+        let text = String::from_utf8_lossy(body);
+        let repaired = match without_lone_surrogates(&text) {
+            Some(repaired) => repaired,
+            None if matches!(text, std::borrow::Cow::Owned(_)) => text.into_owned(),
+            None => return Err(ApiError::invalid_json(error.to_string())),
+        };
+        serde_json::from_str(&repaired).map_err(|_| ApiError::invalid_json(error.to_string()))
     })
 }
 
@@ -182,11 +186,21 @@ mod tests {
     }
 
     #[test]
+    fn bytes_that_are_not_utf8_read_as_replacement_characters() {
+        let body = b"{\"kind\":\"user\",\"body\":\"caf\xE9\"}";
+        let request = parse("c1", &headers(Some("application/json"), body.len()), body).expect("admitted");
+        assert_eq!(request.message, DeliveredMessage::user("caf\u{fffd}"));
+    }
+
+    #[test]
     fn a_body_of_unicode_spaces_is_blank_not_an_unsupported_media_type() {
         for body in ["\u{a0}", "\u{feff}", " \u{2003}\n"] {
             let error = parse("c1", &headers(None, body.len()), body.as_bytes()).expect_err("no message");
             assert_eq!(error.status().as_u16(), 400, "{body:?}");
             assert_eq!(error.error_type(), "invalid_request", "{body:?}");
         }
+        // U+0085 is no white space to JavaScript: a body of it is a body, without a JSON type.
+        let error = parse("c1", &headers(None, 2), "\u{85}".as_bytes()).expect_err("no JSON");
+        assert_eq!(error.error_type(), "unsupported_media_type");
     }
 }
