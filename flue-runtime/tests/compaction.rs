@@ -17,19 +17,24 @@ fn long(word: &str) -> String {
     format!("{word} ").repeat(80)
 }
 
-#[agent]
-fn tight() -> &'static str {
+/// `spec` with threshold compaction at a 100-token reserve, keeping `keep_recent` tokens.
+fn use_tight_model(spec: &'static str, keep_recent: u32) {
     use_model_with(
-        "scripted/x",
+        spec,
         ModelOptions {
             compaction: Compaction::Threshold(CompactionConfig {
                 reserve_tokens: Some(100),
-                keep_recent_tokens: Some(150),
+                keep_recent_tokens: Some(keep_recent),
                 model: None,
             }),
             ..ModelOptions::default()
         },
     );
+}
+
+#[agent]
+fn tight() -> &'static str {
+    use_tight_model("scripted/x", 150);
     "Be brief."
 }
 
@@ -474,17 +479,7 @@ async fn fetch_page() -> String {
 
 #[agent]
 fn fetcher() -> &'static str {
-    use_model_with(
-        "counting/x",
-        ModelOptions {
-            compaction: Compaction::Threshold(CompactionConfig {
-                reserve_tokens: Some(100),
-                keep_recent_tokens: Some(10),
-                model: None,
-            }),
-            ..ModelOptions::default()
-        },
-    );
+    use_tight_model("counting/x", 10);
     use_tool(fetch_page);
     "Fetch."
 }
@@ -514,17 +509,7 @@ async fn the_threshold_counts_what_came_after_the_latest_calls_count() {
 
 #[agent]
 fn tight_fetcher() -> &'static str {
-    use_model_with(
-        "scripted/x",
-        ModelOptions {
-            compaction: Compaction::Threshold(CompactionConfig {
-                reserve_tokens: Some(100),
-                keep_recent_tokens: Some(150),
-                model: None,
-            }),
-            ..ModelOptions::default()
-        },
-    );
+    use_tight_model("scripted/x", 150);
     use_tool(fetch_page);
     "Be brief."
 }

@@ -35,9 +35,16 @@ fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef
 
 /// A started runtime that takes over what a dead node left: short leases, a fast scan.
 async fn taking_over(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let runtime = fast_scanning(store, model, agent);
+    runtime.start().await;
+    runtime
+}
+
+/// The runtime [`taking_over`] starts, not started yet (to observe it from its start).
+fn fast_scanning(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
-    let runtime = Runtime::builder()
+    Runtime::builder()
         .agent(agent)
         .providers(providers)
         .store(store.clone())
@@ -48,9 +55,7 @@ async fn taking_over(store: &FaultyStore, model: &ScriptedModel, agent: impl Int
             ..RuntimeOptions::default()
         })
         .build()
-        .unwrap();
-    runtime.start().await;
-    runtime
+        .unwrap()
 }
 
 async fn records(store: &FaultyStore, key: &InstanceKey) -> Vec<Record> {
@@ -378,20 +383,7 @@ async fn a_takeover_that_finds_the_budget_spent_settles_without_an_attempts_even
         lease_until_ms: now_ms() + 100,
     };
     store.claim_next(&key, &dead).await.unwrap().unwrap();
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .agent(relay)
-        .providers(providers)
-        .store(store.clone())
-        .options(RuntimeOptions {
-            lease: std::time::Duration::from_millis(200),
-            heartbeat: std::time::Duration::from_millis(20),
-            scan_interval: std::time::Duration::from_millis(20),
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let runtime = fast_scanning(&store, &model, relay);
     let mut events = runtime.observe();
     runtime.start().await;
     let error = tokio::time::timeout(

@@ -1093,22 +1093,27 @@ impl flue_runtime::provider::ModelProvider for BrokenReasoner {
     }
 }
 
-/// A retry after the partial message reached observers ends that message's open reasoning
-/// (`thinking_end`) before its `message_end`, and the retry reasons in a new message.
-#[tokio::test]
-async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
+/// The thinker on a [`BrokenReasoner`], retrying after `retry_delay`.
+fn broken_reasoner_runtime(retry_delay: std::time::Duration) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(BrokenReasoner::default());
-    let runtime = Runtime::builder()
+    Runtime::builder()
         .store(MemoryStore::new())
         .providers(providers)
         .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
+            model_retry_delay: retry_delay,
             ..RuntimeOptions::default()
         })
         .agent(thinker)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// A retry after the partial message reached observers ends that message's open reasoning
+/// (`thinking_end`) before its `message_end`, and the retry reasons in a new message.
+#[tokio::test]
+async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
+    let runtime = broken_reasoner_runtime(std::time::Duration::from_millis(1));
     let mut events = runtime.observe();
     let reply = runtime.init(&thinker, "b").send("2+2?").await.unwrap();
     assert_eq!(reply.text, "4");
@@ -1138,18 +1143,7 @@ async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
 /// for its `turn` and `message_end` (each `message_start` answered by one `message_end`).
 #[tokio::test]
 async fn an_abort_during_a_retry_backoff_ends_each_message_once() {
-    let mut providers = ProviderRegistry::new();
-    providers.register(BrokenReasoner::default());
-    let runtime = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_secs(60),
-            ..RuntimeOptions::default()
-        })
-        .agent(thinker)
-        .build()
-        .unwrap();
+    let runtime = broken_reasoner_runtime(std::time::Duration::from_secs(60));
     let mut events = runtime.observe();
     let handle = runtime.init(&thinker, "b");
     let receipt = handle.dispatch("2+2?").await.unwrap();
