@@ -1186,24 +1186,34 @@ fn tallied() -> &'static str {
 /// settlement finds that batch and does not run the callback (and its write) again.
 #[tokio::test]
 async fn a_finish_batch_of_state_writes_alone_is_not_made_again_by_a_re_attempt() {
+    let reply = finish_once_after_a_failed_settlement(tallied, ScriptedReply::text("the answer")).await;
+    assert_eq!(reply.text, "the answer");
+}
+
+/// Sends to `agent` (whose finish callback counts responses in state) with `reply` scripted and
+/// the first settlement failing, and checks the re-attempt did not run the callback again.
+async fn finish_once_after_a_failed_settlement(
+    agent: impl flue_core::Agent + Copy + Into<AgentRef>,
+    reply: ScriptedReply,
+) -> flue_runtime::AgentReply {
     let store = FaultyStore::default();
     store.fail_once(|records| {
         records
             .iter()
             .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
     });
-    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
-    let runtime = taking_over(&store, &model, tallied).await;
+    let model = ScriptedModel::new([reply]);
+    let runtime = taking_over(&store, &model, agent).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        runtime.init(&tallied, "t-1").send("question"),
+        runtime.init(&agent, "t-1").send("question"),
     )
     .await
     .expect("the submission settles")
     .unwrap();
-    assert_eq!(reply.text, "the answer");
     assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the first settlement failed");
-    let writes: Vec<serde_json::Value> = records(&store, &InstanceKey::new("tallied", "t-1"))
+    let name = agent.definition().name.to_string();
+    let writes: Vec<serde_json::Value> = records(&store, &InstanceKey::new(name, "t-1"))
         .await
         .into_iter()
         .filter_map(|record| match record.body {
@@ -1213,6 +1223,7 @@ async fn a_finish_batch_of_state_writes_alone_is_not_made_again_by_a_re_attempt(
         .collect();
     assert_eq!(writes, [json!(1)], "the finish callback's write is durable once");
     assert_eq!(model.requests().len(), 1);
+    reply
 }
 
 /// Takes a note.
@@ -1235,32 +1246,7 @@ fn tallied_short() -> &'static str {
 /// a queued delivery into a response that has finished).
 #[tokio::test]
 async fn a_finish_batch_of_a_response_without_a_final_answer_is_not_made_again_by_a_re_attempt() {
-    let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
-    });
-    let model = ScriptedModel::new([ScriptedReply::tool_call("note", json!({}))]);
-    let runtime = taking_over(&store, &model, tallied_short).await;
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        runtime.init(&tallied_short, "t-1").send("question"),
-    )
-    .await
-    .expect("the submission settles")
-    .unwrap();
-    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the first settlement failed");
-    let writes: Vec<serde_json::Value> = records(&store, &InstanceKey::new("tallied_short", "t-1"))
-        .await
-        .into_iter()
-        .filter_map(|record| match record.body {
-            RecordBody::StateWrite { name, value } if name == "responses" => Some(value),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(writes, [json!(1)], "the finish callback's write is durable once");
-    assert_eq!(model.requests().len(), 1);
+    finish_once_after_a_failed_settlement(tallied_short, ScriptedReply::tool_call("note", json!({}))).await;
 }
 
 // ---- the delivery cursor and data writes ---------------------------------------------------
