@@ -143,8 +143,9 @@ pub(crate) struct Budget {
     /// Where in the history that call's answer goes: what follows it (tool results, joined
     /// deliveries) came after the count.
     last_call_at: usize,
-    /// A threshold compaction failed in this session: no other is tried (each would cost a
-    /// summary call, and its retries, at every step); overflow recovery still is.
+    /// A compaction's summary failed in this session: no threshold compaction is tried after
+    /// it (each would cost a summary call, and its retries, at every step); overflow recovery
+    /// still is.
     gave_up: bool,
 }
 
@@ -162,8 +163,7 @@ impl Budget {
     /// Notes what a call the provider answered counted, made on a history of `messages`
     /// messages (its answer is the next one added).
     pub(crate) fn called(&mut self, usage: &Usage, messages: usize) {
-        // Counts a provider sent: never trusted not to overflow.
-        self.last_call_tokens = usage.input_tokens.saturating_add(usage.output_tokens);
+        self.last_call_tokens = usage.total_tokens();
         self.last_call_at = messages;
     }
 

@@ -1207,7 +1207,6 @@ impl flue_runtime::provider::ModelProvider for AnswersOnce {
 /// model call never ends) before answering.
 #[tokio::test]
 async fn a_replayed_keyed_send_is_answered_without_running_the_instances_queue_first() {
-    use flue_runtime::store::{Admission, SubmissionKind};
     let mut providers = ProviderRegistry::new();
     providers.register(AnswersOnce {
         calls: Default::default(),
@@ -1224,24 +1223,8 @@ async fn a_replayed_keyed_send_is_answered_without_running_the_instances_queue_f
     let first = handle.send_request(keyed()).await.unwrap();
     assert_eq!(first.text, "first");
     // Queued on the store directly, as another node admits: no worker of this one runs it.
-    flue_runtime::store::Store::admit(
-        &store,
-        Admission {
-            key: InstanceKey::new("calculator", "r"),
-            submission_id: "sub_elsewhere".into(),
-            keyed: false,
-            kind: SubmissionKind::Dispatch,
-            message: DeliveredMessage::user("from elsewhere"),
-            initial_data: None,
-            uid: UidCondition::Any,
-            max_attempts: 10,
-            timeout_ms: 3_600_000,
-            claim: None,
-            trace: None,
-        },
-    )
-    .await
-    .unwrap();
+    let elsewhere = harness::admission(&InstanceKey::new("calculator", "r"), "sub_elsewhere", "from elsewhere");
+    flue_runtime::store::Store::admit(&store, elsewhere).await.unwrap();
     let replay = tokio::time::timeout(std::time::Duration::from_secs(5), handle.send_request(keyed()))
         .await
         .expect("the replay is answered at once")
