@@ -324,6 +324,137 @@ async fn repeated_store_failures_exhaust_the_attempt_budget() {
     );
 }
 
+#[agent(durability(max_attempts = 2))]
+fn fragile_billing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("charge")
+            .description("Charge the card.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "charged" }),
+    );
+    "You bill customers."
+}
+
+/// Reference §3.9 step 4 and §6.2: a budget that runs out on a tool batch that never
+/// committed names its calls, whose outcomes nobody knows, in the error (`interruptedTools`)
+/// and in the `submission_interrupted` advisory the settlement leaves for the model.
+#[tokio::test]
+async fn a_budget_spent_on_an_uncommitted_tool_batch_names_its_calls_in_the_error_and_the_advisory() {
+    let store = FaultyStore::default();
+    store.fail_always(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("charge", json!({})),
+        ScriptedReply::tool_call("charge", json!({})),
+    ]);
+    let runtime = runtime(&store, &model, fragile_billing);
+    let error = runtime
+        .init(&fragile_billing, "fb")
+        .send("charge me")
+        .await
+        .unwrap_err();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 2, "one failed batch per attempt");
+    let RuntimeError::Run {
+        error_type,
+        message,
+        meta,
+        submission_id,
+        ..
+    } = error
+    else {
+        panic!("run error")
+    };
+    assert_eq!(error_type, "submission_retry_exhausted");
+    assert_eq!(message, "Submission exceeded maximum recovery attempts (2/2).");
+    // The second attempt's call (the model's second call made it).
+    assert_eq!(
+        meta.map(|meta| serde_json::Value::Object(*meta)),
+        Some(json!({"attemptCount": 2, "maxAttempts": 2, "interruptedTools": [{"name": "charge", "id": "call_2_0"}]}))
+    );
+    let all = records(&store, &InstanceKey::new("fragile_billing", "fb")).await;
+    let at = all
+        .iter()
+        .position(|record| record.id == format!("record_submission_interrupted_{submission_id}"))
+        .expect("the advisory");
+    let RecordBody::Signal {
+        signal_type,
+        body,
+        attributes,
+        ..
+    } = &all[at].body
+    else {
+        panic!("a signal: {:?}", all[at])
+    };
+    assert_eq!(signal_type, "submission_interrupted");
+    assert_eq!(
+        body,
+        "Submission exceeded maximum recovery attempts (2/2).\n\nInterrupted tool call(s):\n  - charge (call_2_0)"
+    );
+    assert_eq!(attributes["reason"], "exhausted_retry_budget");
+    assert_eq!(attributes["kind"], "direct");
+    assert!(matches!(
+        all[at + 1].body,
+        RecordBody::SubmissionSettled {
+            outcome: Outcome::Failed,
+            ..
+        }
+    ));
+}
+
+/// Reference §3.9 step 4: a budget spent before any attempt applied the input leaves the
+/// advisory too (`reason: interrupted_before_input_marker`), though the model never saw the
+/// submission.
+#[tokio::test]
+async fn a_budget_spent_before_the_input_was_applied_leaves_an_interrupted_advisory() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::echo();
+    let runtime = runtime(&store, &model, fragile);
+    let inputs = AtomicUsize::new(0);
+    // Each attempt's input fails; then the store heals for the advisory and the settlement.
+    store.fail_always(move |records| {
+        records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. }))
+            && inputs.fetch_add(1, Ordering::SeqCst) < 2
+    });
+    let error = runtime.init(&fragile, "f-advised").send("hi").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type,
+        submission_id,
+        ..
+    } = error
+    else {
+        panic!("run error")
+    };
+    assert_eq!(error_type, "submission_interrupted");
+    let all = records(&store, &InstanceKey::new("fragile", "f-advised")).await;
+    let advisory = all
+        .iter()
+        .find(|record| record.id == format!("record_submission_interrupted_{submission_id}"))
+        .expect("the advisory");
+    let RecordBody::Signal { attributes, .. } = &advisory.body else {
+        panic!("a signal")
+    };
+    assert_eq!(attributes["reason"], "interrupted_before_input_marker");
+    // No input was applied: the advisory alone does not make one.
+    assert!(
+        !all.iter()
+            .any(|record| matches!(record.body, RecordBody::UserMessage { .. }))
+    );
+    // The next submission runs as usual, reading the advisory before its input.
+    let reply = runtime.init(&fragile, "f-advised").send("again").await.unwrap();
+    assert_eq!(reply.text, "You said: again");
+    let requests = model.requests();
+    let ModelMessage::User { content, .. } = &requests[0].messages[requests[0].messages.len() - 2] else {
+        panic!("the advisory before the input")
+    };
+    assert!(
+        content.starts_with("<signal type=\"submission_interrupted\""),
+        "{content}"
+    );
+}
+
 #[agent]
 fn relay() -> &'static str {
     use_model("scripted/x");

@@ -377,8 +377,11 @@ async fn child(mode: &str, dir: &Path) {
         let report = match result {
             Ok(reply) => json!({"outcome": "completed", "text": reply.text}),
             Err(RuntimeError::Run {
-                error_type, message, ..
-            }) => json!({"outcome": "failed", "type": error_type, "message": message}),
+                error_type,
+                message,
+                meta,
+                ..
+            }) => json!({"outcome": "failed", "type": error_type, "message": message, "meta": meta}),
             Err(other) => json!({"outcome": "error", "message": other.to_string()}),
         };
         println!("\nREPORT {report}");
@@ -583,6 +586,29 @@ fn delegated_records(dir: &Path) -> (Vec<Record>, Vec<Record>) {
     (parent, child)
 }
 
+/// The terminal advisory of the one settled submission in `records`: its record id, signal
+/// type and body; and whether the record right after it is that submission's settlement.
+fn advisory(records: &[Record]) -> (String, String, String, bool) {
+    let advisories: Vec<(usize, &Record)> = records
+        .iter()
+        .enumerate()
+        .filter(|(_, record)| {
+            matches!(&record.body, RecordBody::Signal { signal_type, .. }
+                if signal_type.starts_with("submission_"))
+        })
+        .collect();
+    let [(index, record)] = advisories[..] else {
+        panic!("one terminal advisory: {advisories:?}")
+    };
+    let RecordBody::Signal { signal_type, body, .. } = &record.body else {
+        unreachable!()
+    };
+    let settles = records.get(index + 1).is_some_and(|next| {
+        next.submission_id == record.submission_id && matches!(next.body, RecordBody::SubmissionSettled { .. })
+    });
+    (record.id.clone(), signal_type.clone(), body.clone(), settles)
+}
+
 fn count(records: &[Record], predicate: impl Fn(&RecordBody) -> bool) -> usize {
     records.iter().filter(|record| predicate(&record.body)).count()
 }
@@ -715,7 +741,7 @@ macro_rules! recovery_suite {
             fn an_abort_requested_before_the_crash_settles_as_aborted() {
                 let Some(dir) = scratch($postgres) else { return };
                 // The abort is requested (durably) while the attempt is stuck; then the process dies.
-                let (report, records, _) = crash_and_recover(dir, "tool_batch_commit", |dir| {
+                let (report, records, dir) = crash_and_recover(dir, "tool_batch_commit", |dir| {
                     assert_eq!(request_abort(dir, "billing"), 1);
                 });
                 assert_eq!(report["outcome"], "failed", "{report}");
@@ -724,6 +750,12 @@ macro_rules! recovery_suite {
                     count(&records, |body| matches!(body, RecordBody::SubmissionSettled { outcome: Outcome::Aborted, .. })),
                     1
                 );
+                // The advisory the model of a later response reads, with the settlement.
+                let (id, signal_type, body, settles) = advisory(&records);
+                let submission = std::fs::read_to_string(dir.join("submission")).unwrap();
+                assert_eq!(id, format!("record_submission_aborted_{}", submission.trim()));
+                assert_eq!((signal_type.as_str(), body.as_str()), ("submission_aborted", "Submission was aborted."));
+                assert!(settles);
             }
 
             #[test]
@@ -738,6 +770,22 @@ macro_rules! recovery_suite {
                 let report = recover(&dir, &[]);
                 assert_eq!(report["type"], "submission_retry_exhausted", "{report}");
                 assert_eq!(report["message"], "Submission exceeded maximum recovery attempts (3/3).");
+                // The charge whose outcome no attempt confirmed, in the error and the advisory.
+                let tools = &report["meta"]["interruptedTools"];
+                assert_eq!(tools.as_array().map(Vec::len), Some(1), "{report}");
+                assert_eq!(tools[0]["name"], "charge");
+                let call = tools[0]["id"].as_str().unwrap();
+                let (id, signal_type, body, settles) = advisory(&records(&dir));
+                let submission = std::fs::read_to_string(dir.join("submission")).unwrap();
+                assert_eq!(id, format!("record_submission_interrupted_{}", submission.trim()));
+                assert_eq!(signal_type, "submission_interrupted");
+                assert_eq!(
+                    body,
+                    format!(
+                        "Submission exceeded maximum recovery attempts (3/3).\n\nInterrupted tool call(s):\n  - charge ({call})"
+                    )
+                );
+                assert!(settles);
             }
 
             #[test]

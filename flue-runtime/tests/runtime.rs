@@ -1387,6 +1387,123 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
     assert_eq!(model.requests().len(), 1, "no model call after the abort");
 }
 
+/// The advisory signal records of `key`'s stream (a submission's terminal settlement leaves
+/// one), with the record that follows each.
+async fn advisories(store: &MemoryStore, key: &InstanceKey) -> Vec<(flue_runtime::record::Record, Option<RecordBody>)> {
+    let records: Vec<_> = flue_runtime::store::Store::read(store, key, None)
+        .await
+        .unwrap()
+        .into_iter()
+        .flat_map(|batch| batch.records.to_vec())
+        .collect();
+    records
+        .iter()
+        .enumerate()
+        .filter(|(_, record)| {
+            matches!(&record.body, RecordBody::Signal { signal_type, .. }
+                if signal_type == "submission_aborted" || signal_type == "submission_interrupted")
+        })
+        .map(|(index, record)| (record.clone(), records.get(index + 1).map(|next| next.body.clone())))
+        .collect()
+}
+
+/// Reference §3.9 and §4.6: an aborted submission leaves a `submission_aborted` advisory in
+/// the conversation, with its settlement, so the model of the next response reads that the
+/// previous one was cut off (after the interrupted call's outcome-unknown result).
+#[tokio::test]
+async fn an_aborted_submission_leaves_an_advisory_that_the_next_responses_model_reads() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("wait_forever", json!({})),
+        ScriptedReply::text("starting over"),
+    ]);
+    let store = MemoryStore::new();
+    let runtime = harness::runtime_on(store.clone(), &model, vec![waiter.into()]);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&waiter, "advised");
+    let receipt = handle.dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    assert!(handle.abort().await.unwrap());
+    handle.read(&receipt.submission_id).await.unwrap_err();
+    let id = receipt.submission_id.as_str();
+    let advised = advisories(&store, &InstanceKey::new("waiter", "advised")).await;
+    let [(record, next)] = &advised[..] else {
+        panic!("one advisory: {advised:?}")
+    };
+    assert_eq!(record.id, format!("record_submission_aborted_{id}"));
+    assert_eq!(record.submission_id.as_deref(), Some(id));
+    let RecordBody::Signal {
+        message_id,
+        signal_type,
+        body,
+        attributes,
+        tag_name,
+    } = &record.body
+    else {
+        unreachable!()
+    };
+    assert_eq!(message_id, &format!("entry_submission_aborted_{id}"));
+    assert_eq!(
+        (signal_type.as_str(), body.as_str()),
+        ("submission_aborted", "Submission was aborted.")
+    );
+    assert_eq!(
+        serde_json::to_value(attributes).unwrap(),
+        json!({"submissionId": id, "kind": "dispatch", "reason": "aborted"})
+    );
+    assert_eq!(tag_name, &None);
+    assert!(
+        matches!(
+            next,
+            Some(RecordBody::SubmissionSettled {
+                outcome: Outcome::Aborted,
+                ..
+            })
+        ),
+        "written with the settlement: {next:?}"
+    );
+
+    let reply = handle.send("again").await.unwrap();
+    assert_eq!(reply.text, "starting over");
+    let requests = model.requests();
+    let users: Vec<&str> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::User { content, .. } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        users,
+        [
+            "go".to_owned(),
+            format!(
+                "<signal type=\"submission_aborted\" kind=\"dispatch\" reason=\"aborted\" submissionId=\"{id}\">\nSubmission was aborted.\n</signal>"
+            ),
+            "again".to_owned(),
+        ]
+    );
+    // The interrupted call is closed before the advisory, as the model needs its result next
+    // to its call.
+    let tool_at = requests[1]
+        .messages
+        .iter()
+        .position(|message| matches!(message, ModelMessage::Tool { .. }))
+        .unwrap();
+    let advisory_at = requests[1]
+        .messages
+        .iter()
+        .position(|message| matches!(message, ModelMessage::User { content, .. } if content.starts_with("<signal")))
+        .unwrap();
+    assert!(tool_at < advisory_at);
+    // The advisory is not the next response's input: that settles as completed.
+    assert!(advisories(&store, &InstanceKey::new("waiter", "advised")).await.len() == 1);
+}
+
 #[agent(durability(timeout = "300ms"))]
 fn impatient_waiter() -> &'static str {
     waiting_body()
@@ -1412,6 +1529,68 @@ async fn the_timeout_aborts_a_live_attempt_wherever_it_waits_and_settles_it_as_t
         ("submission_timeout", "Submission exceeded the configured timeout.")
     );
     assert_eq!(model.requests().len(), 1, "no model call after the deadline");
+}
+
+/// Reference §3.9: a submission whose time ran out leaves a `submission_interrupted`
+/// advisory saying so (`reason: exceeded_timeout`), with its settlement.
+#[tokio::test]
+async fn a_timed_out_submission_leaves_an_interrupted_advisory() {
+    let model = ScriptedModel::new([ScriptedReply::tool_call("wait_forever", json!({}))]);
+    let store = MemoryStore::new();
+    let runtime = harness::runtime_on(store.clone(), &model, vec![impatient_waiter.into()]);
+    let handle = runtime.init(&impatient_waiter, "late");
+    let receipt = handle.dispatch("go").await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(20), handle.read(&receipt.submission_id))
+        .await
+        .expect("the deadline ended the attempt")
+        .unwrap_err();
+    let id = receipt.submission_id.as_str();
+    let advised = advisories(&store, &InstanceKey::new("impatient_waiter", "late")).await;
+    let [(record, next)] = &advised[..] else {
+        panic!("one advisory: {advised:?}")
+    };
+    assert_eq!(record.id, format!("record_submission_interrupted_{id}"));
+    let RecordBody::Signal {
+        signal_type,
+        body,
+        attributes,
+        ..
+    } = &record.body
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        (signal_type.as_str(), body.as_str()),
+        ("submission_interrupted", "Submission exceeded the configured timeout.")
+    );
+    assert_eq!(
+        serde_json::to_value(attributes).unwrap(),
+        json!({"submissionId": id, "kind": "dispatch", "reason": "exceeded_timeout"})
+    );
+    assert!(matches!(
+        next,
+        Some(RecordBody::SubmissionSettled {
+            outcome: Outcome::Failed,
+            ..
+        })
+    ));
+}
+
+/// A submission that failed on its own (its model call, here) leaves no advisory: its
+/// records already say what happened.
+#[tokio::test]
+async fn a_submission_that_failed_on_its_own_leaves_no_advisory() {
+    // No reply scripted: the model call fails.
+    let model = ScriptedModel::new([]);
+    let store = MemoryStore::new();
+    let runtime = harness::runtime_on(store.clone(), &model, vec![waiter.into()]);
+    let error = runtime.init(&waiter, "plain-failure").send("go").await.unwrap_err();
+    assert!(matches!(error, RuntimeError::Run { .. }), "{error}");
+    assert!(
+        advisories(&store, &InstanceKey::new("waiter", "plain-failure"))
+            .await
+            .is_empty()
+    );
 }
 
 static LISTENING_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

@@ -419,6 +419,8 @@ impl Conversation {
     fn apply_record(&mut self, record: &Record) {
         let submission = record.submission_id.as_ref();
         match &record.body {
+            // Written with its submission's settlement: it is no input, and ends nothing.
+            RecordBody::Signal { signal_type, .. } if is_terminal_advisory(signal_type) => {}
             RecordBody::UserMessage { .. } | RecordBody::Signal { .. } => {
                 self.advance_cursor(record);
                 if let Some(id) = submission {
@@ -1302,6 +1304,12 @@ pub(crate) fn drop_orphans(messages: &mut Vec<ModelMessage>) {
         }
         ModelMessage::User { .. } => true,
     });
+}
+
+/// Whether a signal of `signal_type` is the advisory a submission's terminal settlement
+/// leaves (aborted, or interrupted for good).
+pub(crate) fn is_terminal_advisory(signal_type: &str) -> bool {
+    matches!(signal_type, "submission_aborted" | "submission_interrupted")
 }
 
 /// A signal as the model reads it: `<tag type="…" k="v">\nbody\n</tag>`, the attributes'

@@ -54,7 +54,7 @@ use crate::provider::{
 use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::{Concerning, RuntimeInner};
 use crate::store::AttachmentPut;
-use crate::store::{AttemptRef, InstanceKey, StoreError, Submission, SubmissionStatus};
+use crate::store::{AttemptRef, InstanceKey, StoreError, Submission, SubmissionKind, SubmissionStatus};
 use crate::tools;
 use deadline::Deadline;
 use live_text::LiveText;
@@ -535,9 +535,13 @@ impl InstanceSlot {
             Ok(()) if abort_requested => response.resolve_earlier_joins().await.and(Err(Failure::aborted())),
             // The budget counts every attempt, the interrupted ones included.
             Ok(()) if submission.attempt_count > submission.max_attempts => {
+                let mut error = budget_spent(input_applied, submission.attempt_count - 1, submission.max_attempts);
+                if let Some((_, calls)) = response.conversation.open_calls() {
+                    error = with_interrupted_tools(error, calls);
+                }
                 response.resolve_earlier_joins().await.and(Err(Failure {
                     outcome: Outcome::Failed,
-                    error: budget_spent(input_applied, submission.attempt_count - 1, submission.max_attempts),
+                    error,
                     transient: false,
                 }))
             }
@@ -659,8 +663,12 @@ impl InstanceSlot {
                 if failure.transient {
                     // Applied now, if not before: this attempt may have applied it.
                     let applied = input_applied || conversation.has_input(&submission.id);
+                    let mut exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);
+                    // The fold holds only what committed: calls of a batch that did not.
+                    if let Some((_, calls)) = conversation.open_calls() {
+                        exhausted = with_interrupted_tools(exhausted, calls);
+                    }
                     *conversation = Conversation::default();
-                    let exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);
                     (Outcome::Failed, Some(exhausted))
                 } else {
                     (failure.outcome, Some(failure.error))
@@ -668,6 +676,20 @@ impl InstanceSlot {
             }
         };
         let mut records = Vec::new();
+        // Why the submission ended, for the model of a later response to read: before its
+        // settlement, in the same batch.
+        if let Some((id, body)) = error
+            .as_ref()
+            .and_then(|error| terminal_advisory(&submission, outcome, error))
+        {
+            records.push(Record {
+                id,
+                submission_id: Some(submission.id.as_str().into()),
+                attempt_id: Some(attempt_id.as_str().into()),
+                timestamp: now(),
+                body,
+            });
+        }
         for id in joined_ids.iter().chain(std::iter::once(&submission.id)) {
             records.push(Record {
                 id: format!("record_submission_settled_{id}"),
@@ -2851,6 +2873,73 @@ fn budget_spent(input_applied: bool, attempts: u32, max: u32) -> SettlementError
         "All {attempts} attempts ended before the submission's input was applied: it was never processed and no model call started."
     );
     error
+}
+
+/// `error` naming the tool `calls` whose outcomes no attempt confirmed (an interrupted batch
+/// the budget ran out on): `meta.interruptedTools`, each `{name, id}`.
+fn with_interrupted_tools(mut error: SettlementError, calls: &[ModelToolCall]) -> SettlementError {
+    let tools: Vec<serde_json::Value> = calls
+        .iter()
+        .map(|call| serde_json::json!({"name": call.name, "id": call.id}))
+        .collect();
+    error
+        .meta
+        .get_or_insert_with(Default::default)
+        .insert("interruptedTools".into(), tools.into());
+    error
+}
+
+/// The advisory a terminal settlement leaves in the conversation (reference §3.9), its record
+/// id and body: a signal that tells the model of a later response why this submission ended,
+/// when it was aborted (`submission_aborted`) or interrupted for good, its attempts or its
+/// time spent (`submission_interrupted`, naming the tool calls whose outcomes are unknown).
+/// Any other failure is the submission's own, in its records already: none.
+fn terminal_advisory(
+    submission: &Submission,
+    outcome: Outcome,
+    error: &SettlementError,
+) -> Option<(String, RecordBody)> {
+    use std::fmt::Write as _;
+    let (signal_type, reason) = match (outcome, error.error_type.as_str()) {
+        (Outcome::Aborted, _) => ("submission_aborted", "aborted"),
+        (_, "submission_retry_exhausted") => ("submission_interrupted", "exhausted_retry_budget"),
+        (_, "submission_timeout") => ("submission_interrupted", "exceeded_timeout"),
+        (_, "submission_interrupted") => ("submission_interrupted", "interrupted_before_input_marker"),
+        _ => return None,
+    };
+    let mut body = error.message.clone();
+    let tools = error
+        .meta
+        .as_ref()
+        .and_then(|meta| meta.get("interruptedTools"))
+        .and_then(serde_json::Value::as_array)
+        .filter(|tools| !tools.is_empty());
+    if let Some(tools) = tools {
+        body.push_str("\n\nInterrupted tool call(s):");
+        for tool in tools {
+            let field = |name: &str| tool.get(name).and_then(serde_json::Value::as_str).unwrap_or_default();
+            let _ = write!(body, "\n  - {} ({})", field("name"), field("id"));
+        }
+    }
+    let kind = match submission.kind {
+        SubmissionKind::Direct => "direct",
+        SubmissionKind::Dispatch => "dispatch",
+    };
+    let attributes = std::collections::BTreeMap::from([
+        ("submissionId".to_owned(), submission.id.clone()),
+        ("kind".to_owned(), kind.to_owned()),
+        ("reason".to_owned(), reason.to_owned()),
+    ]);
+    Some((
+        format!("record_{signal_type}_{}", submission.id),
+        RecordBody::Signal {
+            message_id: format!("entry_{signal_type}_{}", submission.id),
+            signal_type: signal_type.to_owned(),
+            body,
+            attributes,
+            tag_name: None,
+        },
+    ))
 }
 
 fn retry_exhausted(attempts: u32, max: u32) -> SettlementError {
