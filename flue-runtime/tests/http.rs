@@ -1101,6 +1101,20 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
         "unsupported_media_type",
     )
     .await;
+    // A browser posts this media type cross-site without a preflight; JSON named only in a
+    // parameter is not a JSON body.
+    assert_error(
+        raw(
+            Some("text/plain; charset=application/json"),
+            "{\"kind\":\"user\",\"body\":\"hi\"}",
+        )
+        .send()
+        .await
+        .unwrap(),
+        415,
+        "unsupported_media_type",
+    )
+    .await;
     let error = assert_error(
         raw(Some("application/json"), "{\"kind\":").send().await.unwrap(),
         400,
