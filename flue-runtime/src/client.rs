@@ -64,7 +64,8 @@ pub enum ClientError {
     Transport(String),
     /// The request cannot be made as asked: a base URL that is not an `http(s)` URL a path can
     /// be added to, or an agent name or instance id that no URL can carry (`.` and `..`,
-    /// which every URL parser resolves as a path step instead of sending them).
+    /// which every URL parser resolves as a path step instead of sending them, and text with
+    /// a tab or a line break, which URL parsers drop).
     #[error("{0}")]
     InvalidRequest(String),
     /// A followed stream sent an event the client cannot read (larger than the client's
@@ -107,6 +108,10 @@ const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// may send can be read back, framing and all.
 const DEFAULT_MAX_EVENT_BYTES: usize = 4 * crate::http::MAX_BODY_BYTES;
 
+/// The most bytes the answer of a request other than following a stream may take, by
+/// default: 256 MiB (a conversation's whole history is one answer).
+const DEFAULT_MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
+
 /// Connections a followed stream may fail in a row before it ends (see
 /// [`Client::with_reconnect_limit`]).
 const DEFAULT_RECONNECT_LIMIT: u32 = 10;
@@ -125,6 +130,8 @@ pub struct Client {
     request_timeout: Duration,
     /// The most bytes one event of a followed stream may take.
     max_event_bytes: usize,
+    /// The most bytes the answer of any other request may take.
+    max_body_bytes: usize,
     /// How many connections in a row a followed stream may fail before it ends.
     reconnect_limit: u32,
 }
@@ -168,6 +175,7 @@ impl Client {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             reconnect_limit: DEFAULT_RECONNECT_LIMIT,
         })
     }
@@ -215,8 +223,17 @@ impl Client {
         self
     }
 
+    /// Refuses the answer of a request other than following a stream (a history, a
+    /// catalog, a receipt, an error) larger than `bytes` (default: 256 MiB) with
+    /// [`ClientError::Transport`]: the client stops reading it as soon as it passes the bound,
+    /// so a server (or what stands between) cannot make it buffer without end.
+    pub fn with_max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
+    }
+
     /// The instance `id` of the agent `agent`. Any text is carried (percent-encoded as one
-    /// path segment) but `.` and `..`: the instance's requests fail with
+    /// path segment) but `.`, `..` and text with a tab or a line break: the instance's requests fail with
     /// [`ClientError::InvalidRequest`] rather than reach another URL.
     pub fn instance(&self, agent: &str, id: &str) -> Instance {
         Instance {
@@ -229,7 +246,7 @@ impl Client {
     pub async fn catalog(&self) -> Result<Value, ClientError> {
         let url = self.endpoint(&["agents"])?;
         let response = self.call(reqwest::Method::GET, url).send().await?;
-        json_of(response).await
+        json_of(response, self.max_body_bytes).await
     }
 
     /// The URL of `segments` below the base URL's path, each percent-encoded as one segment,
@@ -238,6 +255,13 @@ impl Client {
         if let Some(dots) = segments.iter().find(|segment| matches!(**segment, "." | "..")) {
             return Err(ClientError::InvalidRequest(format!(
                 "\"{dots}\" cannot be an agent name or instance id in a URL: URL parsers take it for a path step"
+            )));
+        }
+        // The URL parser drops these from a segment instead of encoding them: `a\tb` would
+        // reach the instance `ab`, and `.\t.` the path step `..`.
+        if let Some(broken) = segments.iter().find(|segment| segment.contains(['\t', '\n', '\r'])) {
+            return Err(ClientError::InvalidRequest(format!(
+                "{broken:?} cannot be an agent name or instance id in a URL: it has a tab or a line break"
             )));
         }
         let mut url = self.base.clone();
@@ -263,14 +287,11 @@ impl Client {
 }
 
 /// The body of a success, or the error of the envelope.
-async fn json_of(response: reqwest::Response) -> Result<Value, ClientError> {
+async fn json_of(response: reqwest::Response, limit: usize) -> Result<Value, ClientError> {
     let status = response.status().as_u16();
-    let body: Value = response.json().await.map_err(|error| {
-        ClientError::Transport(format!(
-            "the server answered {status} with no JSON: {}",
-            transport_text(error)
-        ))
-    })?;
+    let bytes = body_within(response, limit).await?;
+    let body: Value = serde_json::from_slice(&bytes)
+        .map_err(|error| ClientError::Transport(format!("the server answered {status} with no JSON: {error}")))?;
     if status >= 400 {
         let error = &body["error"];
         let text = |field: &str| error[field].as_str().unwrap_or_default().to_owned();
@@ -281,6 +302,35 @@ async fn json_of(response: reqwest::Response) -> Result<Value, ClientError> {
             details: text("details"),
             meta: error.get("meta").cloned(),
         });
+    }
+    Ok(body)
+}
+
+/// The whole body of `response`, refused once it passes `limit` bytes (declared or read).
+async fn body_within(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, ClientError> {
+    let status = response.status().as_u16();
+    let too_large = || {
+        ClientError::Transport(format!(
+            "the server answered {status} with a body larger than the client's bound of {limit} bytes"
+        ))
+    };
+    if response
+        .content_length()
+        .is_some_and(|declared| declared > limit as u64)
+    {
+        return Err(too_large());
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|error| {
+        ClientError::Transport(format!(
+            "the server answered {status}, then its body failed: {}",
+            transport_text(error)
+        ))
+    })? {
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
     }
     Ok(body)
 }
@@ -359,7 +409,7 @@ impl Instance {
             .json(&body)
             .send()
             .await?;
-        let receipt = json_of(response).await?;
+        let receipt = json_of(response, self.client.max_body_bytes).await?;
         let text = |field: &str| receipt[field].as_str().unwrap_or_default().to_owned();
         Ok(Receipt {
             submission_id: text("submissionId"),
@@ -413,7 +463,7 @@ impl Instance {
     /// The history snapshot (`GET /:id`).
     pub async fn history(&self) -> Result<Value, ClientError> {
         let response = self.client.call(reqwest::Method::GET, self.url(&[])?).send().await?;
-        json_of(response).await
+        json_of(response, self.client.max_body_bytes).await
     }
 
     /// Requests an abort of the instance's unsettled submissions; whether any was.
@@ -423,7 +473,7 @@ impl Instance {
             .call(reqwest::Method::POST, self.url(&["abort"])?)
             .send()
             .await?;
-        Ok(json_of(response).await?["aborted"] == json!(true))
+        Ok(json_of(response, self.client.max_body_bytes).await?["aborted"] == json!(true))
     }
 
     /// Every chunk after `offset` (`-1`: from the start), live, for as long as the stream is
@@ -628,10 +678,10 @@ async fn connect(instance: &Instance, offset: &str, retry_after: &mut Option<Dur
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|value| value.to_str().ok())
         .and_then(crate::provider::parse_retry_after);
-    connected(response, status).await
+    connected(response, status, instance.client.max_body_bytes).await
 }
 
-async fn connected(response: reqwest::Response, status: u16) -> Result<Body, ClientError> {
+async fn connected(response: reqwest::Response, status: u16, limit: usize) -> Result<Body, ClientError> {
     if response.status().is_success() {
         let content_type = response
             .headers()
@@ -650,7 +700,7 @@ async fn connected(response: reqwest::Response, status: u16) -> Result<Body, Cli
         }
         return Ok(Box::pin(response.bytes_stream()));
     }
-    match json_of(response).await {
+    match json_of(response, limit).await {
         Err(error @ ClientError::Api { .. }) => Err(error),
         // A rate limit or a request timeout passes, whatever its body says.
         Err(_) if matches!(status, 408 | 429) => Err(ClientError::Api {
@@ -927,6 +977,31 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_answer_past_the_body_bound_is_refused_whether_declared_or_streamed() {
+        // 64 bytes of JSON: declared by its length, then streamed in chunks without one.
+        const DECLARED: &str = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 64\r\n\
+             connection: close\r\n\r\n{\"agents\":[\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"]}";
+        const STREAMED: &str = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\
+             connection: close\r\n\r\n20\r\n{\"agents\":[\"aaaaaaaaaaaaaaaaaaaa\r\n20\r\naaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"]}\r\n0\r\n\r\n";
+        for response in [DECLARED, STREAMED] {
+            let (base, _lines) = recording(response).await;
+            let bounded = Client::new(&base).unwrap().with_max_body_bytes(63);
+            let error = bounded.catalog().await.unwrap_err();
+            assert!(
+                matches!(&error, ClientError::Transport(text) if text.contains("larger than the client's bound of 63 bytes")),
+                "{error:?}"
+            );
+            let fits = Client::new(&base)
+                .unwrap()
+                .with_max_body_bytes(64)
+                .catalog()
+                .await
+                .unwrap();
+            assert_eq!(fits["agents"][0].as_str().map(str::len), Some(49));
+        }
+    }
+
+    #[tokio::test]
     async fn a_base_urls_path_and_query_frame_every_request_path() {
         let (base, mut lines) = recording(
             "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\
@@ -960,7 +1035,17 @@ mod tests {
     async fn an_instance_id_or_agent_of_dots_is_refused_instead_of_reaching_another_url() {
         let (base, mut lines) = recording("HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}").await;
         let client = Client::new(base).unwrap();
-        for (agent, id) in [("assistant", "."), ("assistant", ".."), ("..", "i"), (".", "i")] {
+        for (agent, id) in [
+            ("assistant", "."),
+            ("assistant", ".."),
+            ("..", "i"),
+            (".", "i"),
+            // A URL drops tabs and line breaks: these would reach `useralice`, `..`, `ab`.
+            ("assistant", "user\talice"),
+            ("assistant", ".\t."),
+            ("assistant", "a\r\nb"),
+            ("assist\nant", "i"),
+        ] {
             let instance = client.instance(agent, id);
             let errors = [
                 instance.history().await.unwrap_err(),
