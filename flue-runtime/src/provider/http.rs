@@ -746,9 +746,13 @@ pub(crate) struct ErrorDetails {
 }
 
 impl ErrorDetails {
-    /// Details from a response body (empty when it is not JSON).
+    /// Details from a response body (empty when it is not JSON). A body that is an array of
+    /// errors (Gemini's OpenAI-compatible endpoint answers `[{"error":{…}}]`) gives its first.
     pub fn from_body(body: &str) -> Self {
         match serde_json::from_str::<Value>(body) {
+            Ok(Value::Array(errors)) => errors.first().map_or_else(Self::default, |first| {
+                Self::from_value(first.get("error").unwrap_or(first))
+            }),
             Ok(value) => Self::from_value(value.get("error").unwrap_or(&value)),
             Err(_) => Self::default(),
         }
@@ -820,7 +824,8 @@ impl ErrorDetails {
     /// - llama.cpp's server: type `exceed_context_size_error`, "… exceeds the available context
     ///   size …";
     /// - Gemini (its OpenAI-compatible endpoint): "The input token count (…) exceeds the
-    ///   maximum number of tokens allowed (…)".
+    ///   maximum number of tokens allowed (…)";
+    /// - xAI: "This model's maximum prompt length is … but the request contains … tokens".
     fn is_context_overflow(&self) -> bool {
         let message = self.message_lower();
         self.is(&[
@@ -835,6 +840,7 @@ impl ErrorDetails {
             "exceed context limit",
             "exceeds the available context size",
             "input token count",
+            "maximum prompt length",
         ]
         .iter()
         .any(|needle| message.contains(needle))
@@ -904,12 +910,23 @@ pub(crate) fn map_error(
         None => K::Server,
     };
     let message = match kind {
+        // A 403 is not always the key's fault: providers answer it for a model or region the
+        // key may not use, and OpenRouter for input its moderation refused.
+        K::Unauthorized if effective == Some(403) => format!(
+            "[flue] Provider \"{provider}\" refused the request{http}: the key in {} may not use this model or region, or the input was refused. The provider said: {said}",
+            ctx.key_env
+        ),
         K::Unauthorized => format!(
             "[flue] Provider \"{provider}\" refused the API key{http}: check {}. The provider said: {said}",
             ctx.key_env
         ),
         K::ContextOverflow => format!(
             "[flue] The request does not fit the context window of \"{provider}/{}\"{http}: {said}",
+            ctx.model
+        ),
+        // A 404 that names no model may be a wrong base URL (a missing `/v1`) as well.
+        K::UnknownModel if effective == Some(404) && !details.message_lower().contains("model") => format!(
+            "[flue] Provider \"{provider}\" found no model \"{}\" at its endpoint{http}: the model is unknown or the base URL is wrong. The provider said: {said}",
             ctx.model
         ),
         K::UnknownModel => {
@@ -999,12 +1016,16 @@ type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Sen
 /// The call's response once it started, and how many times it was retried first.
 type Connect = Pin<Box<dyn Future<Output = Result<(reqwest::Response, u32), ProviderError>> + Send>>;
 
-/// A body stream that fails when no chunk arrives for `idle`.
+/// A body stream that fails when no chunk arrives for `idle` while it is waited on: the
+/// silence is the server's from when the reader asks for the next chunk, not the time the
+/// reader spent elsewhere in between (hooks awaited between two events, a store commit).
 struct IdleTimeout {
     inner: BodyStream,
     sleep: Pin<Box<Sleep>>,
     idle: Duration,
     finished: bool,
+    /// A chunk was handed out: the next poll starts a new wait.
+    delivered: bool,
 }
 
 /// When a body silent for `idle` from now is taken for dead: `Duration::MAX` (no limit) is a
@@ -1025,7 +1046,7 @@ impl Stream for IdleTimeout {
         }
         match this.inner.as_mut().poll_next(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
-                this.sleep.as_mut().reset(idle_deadline(this.idle));
+                this.delivered = true;
                 Poll::Ready(Some(Ok(chunk)))
             }
             Poll::Ready(Some(Err(error))) => {
@@ -1036,13 +1057,18 @@ impl Stream for IdleTimeout {
                 this.finished = true;
                 Poll::Ready(None)
             }
-            Poll::Pending => match this.sleep.as_mut().poll(cx) {
-                Poll::Ready(()) => {
-                    this.finished = true;
-                    Poll::Ready(Some(Err(BodyError::Idle(this.idle))))
+            Poll::Pending => {
+                if std::mem::take(&mut this.delivered) {
+                    this.sleep.as_mut().reset(idle_deadline(this.idle));
                 }
-                Poll::Pending => Poll::Pending,
-            },
+                match this.sleep.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        this.finished = true;
+                        Poll::Ready(Some(Err(BodyError::Idle(this.idle))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 }
@@ -1206,6 +1232,7 @@ impl<D: SseDecoder> Driver<D> {
             inner: body,
             sleep: Box::pin(tokio::time::sleep(self.idle)),
             idle: self.idle,
+            delivered: false,
             finished: false,
         };
         Phase::Reading(Box::pin(guarded))
@@ -1281,6 +1308,43 @@ fn driven<D: SseDecoder>(driver: Driver<D>) -> ModelStream {
 mod tests {
     use super::*;
 
+    /// The idle timeout measures the server's silence while the body is waited on: a reader
+    /// busy elsewhere between two chunks (awaiting hooks, a commit) for longer than the
+    /// timeout does not make the next chunk, arriving soon after it asks, a timeout. A server
+    /// silent for the whole timeout while waited on still is.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_timeout_counts_only_the_silence_the_reader_waits_through() {
+        use futures_util::StreamExt;
+        let idle = Duration::from_secs(10);
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+        let chunks = futures_util::stream::unfold(receiver, |mut receiver| async move {
+            receiver
+                .recv()
+                .await
+                .map(|chunk| (Ok::<_, reqwest::Error>(chunk), receiver))
+        });
+        let mut body = IdleTimeout {
+            inner: Box::pin(chunks),
+            sleep: Box::pin(tokio::time::sleep(idle)),
+            idle,
+            finished: false,
+            delivered: false,
+        };
+        sender.send(Bytes::from_static(b"first")).expect("the body is read");
+        assert!(matches!(body.next().await, Some(Ok(chunk)) if chunk == "first"));
+        // The reader is away for longer than the timeout.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let late = sender.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            late.send(Bytes::from_static(b"second")).expect("the body is read");
+        });
+        assert!(matches!(body.next().await, Some(Ok(chunk)) if chunk == "second"));
+        // Now the server is silent for the whole timeout.
+        assert!(matches!(body.next().await, Some(Err(BodyError::Idle(_)))));
+        drop(sender);
+    }
+
     fn ctx() -> CallContext {
         CallContext::new(
             "openai",
@@ -1334,6 +1398,29 @@ mod tests {
         assert_eq!(map(Some(401), "{}").kind, K::Unauthorized);
         assert_eq!(map(Some(403), "").kind, K::Unauthorized);
         assert_eq!(map(Some(404), "{}").kind, K::UnknownModel);
+        // A 401 is the key; a 403 may be the model, the region or the input too; a 404 that
+        // names no model may be the base URL.
+        assert!(map(Some(401), "{}").message.contains("refused the API key"));
+        let forbidden = map(Some(403), r#"{"error":{"message":"flagged for moderation"}}"#);
+        assert!(
+            forbidden
+                .message
+                .contains("may not use this model or region, or the input was refused"),
+            "{}",
+            forbidden.message
+        );
+        assert!(
+            forbidden.message.contains("flagged for moderation"),
+            "{}",
+            forbidden.message
+        );
+        let not_found = map(Some(404), "Not Found").message;
+        assert!(
+            not_found.contains("the model is unknown or the base URL is wrong"),
+            "{not_found}"
+        );
+        let no_model = map(Some(404), r#"{"error":{"message":"The model `gpt-x` does not exist"}}"#).message;
+        assert!(no_model.contains("does not know the model"), "{no_model}");
         let unknown = r#"{"error":{"message":"The model `gpt-x` does not exist","code":"model_not_found"}}"#;
         assert_eq!(map(Some(400), unknown).kind, K::UnknownModel);
         assert_eq!(map(Some(429), "").kind, K::RateLimited);
@@ -1362,6 +1449,17 @@ mod tests {
         assert_eq!(map(Some(400), llama_text).kind, K::ContextOverflow);
         let gemini = r#"{"error":{"code":400,"message":"The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}"#;
         assert_eq!(map(Some(400), gemini).kind, K::ContextOverflow);
+        // Gemini answers with an array of errors; the first one says what happened.
+        let gemini_array = r#"[{"error":{"code":400,"message":"The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}]"#;
+        let overflow = map(Some(400), gemini_array);
+        assert_eq!(overflow.kind, K::ContextOverflow);
+        assert!(
+            overflow.message.contains("The input token count (1200000)"),
+            "{}",
+            overflow.message
+        );
+        let xai = r#"{"code":"Client specified an invalid argument","error":"This model's maximum prompt length is 131072 but the request contains 140000 tokens."}"#;
+        assert_eq!(map(Some(400), xai).kind, K::ContextOverflow);
         let openrouter = r#"{"error":{"message":"gpt-x is not a valid model ID","code":400}}"#;
         assert_eq!(map(Some(400), openrouter).kind, K::UnknownModel);
         // Limits that are not the context window stay bad requests.

@@ -455,7 +455,7 @@ fn chat_message(message: &ModelMessage, echo: Echo) -> ChatMessage<'_> {
                     kind: "function",
                     function: ChatFunction {
                         name: &call.name,
-                        arguments: &call.arguments,
+                        arguments: sent_arguments(call),
                     },
                 })
                 .collect(),
@@ -464,6 +464,22 @@ fn chat_message(message: &ModelMessage, echo: Echo) -> ChatMessage<'_> {
             tool_call_id, content, ..
         } => ChatMessage::Tool { tool_call_id, content },
     }
+}
+
+/// A tool call's arguments as sent back to the model: as it wrote them when they are a JSON
+/// object, else `{}`. Arguments a model's answer cut short (its output ran out mid-call) are
+/// not JSON: servers that check them (Ollama, vLLM, gateways to other providers) refuse every
+/// later request of the conversation that carries them.
+fn sent_arguments(call: &ModelToolCall) -> &str {
+    let object = call.arguments.trim_start().starts_with('{')
+        && serde_json::from_str::<serde::de::IgnoredAny>(&call.arguments).is_ok();
+    if object {
+        return &call.arguments;
+    }
+    if !call.arguments.trim().is_empty() {
+        tracing::warn!(tool = %call.name, id = %call.id, "tool arguments are not a JSON object: sent as {{}}");
+    }
+    "{}"
 }
 
 /// A call's body but its messages (written before these, see `body_bytes`).
@@ -1101,6 +1117,41 @@ mod tests {
             thinking_level: level,
             max_output_tokens: None,
         }
+    }
+
+    #[test]
+    fn tool_arguments_that_are_not_a_json_object_go_back_as_an_empty_object() {
+        let mut call = request("gpt-5", ThinkingLevel::Off);
+        for (id, arguments) in [
+            ("whole", "{\"a\":1}"),
+            ("cut", "{\"a\":"),
+            ("empty", ""),
+            ("array", "[1]"),
+        ] {
+            call.messages.push(ModelMessage::Assistant {
+                text: String::new(),
+                tool_calls: vec![crate::provider::ModelToolCall {
+                    id: id.into(),
+                    name: "t".into(),
+                    arguments: arguments.into(),
+                }],
+                reasoning: Vec::new(),
+            });
+            call.messages.push(ModelMessage::Tool {
+                tool_call_id: id.into(),
+                name: "t".into(),
+                content: "ok".into(),
+                is_error: false,
+            });
+        }
+        let body = OpenAiProvider::openai().body(&call);
+        let sent: Vec<&str> = body["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .filter_map(|message| message["tool_calls"][0]["function"]["arguments"].as_str())
+            .collect();
+        assert_eq!(sent, ["{\"a\":1}", "{}", "{}", "{}"]);
     }
 
     #[test]
