@@ -554,25 +554,24 @@ fn thinking_budget(level: ThinkingLevel) -> Option<u32> {
     }
 }
 
-/// Whether the model may think in this call: outside a tool-use loop (no assistant tool call
-/// after the last user message), or inside one whose last step has signed reasoning to send
-/// back (the API refuses a thinking call in a loop without it).
+/// Whether the model may think in this call: outside a tool-use loop, or inside one whose
+/// last step has signed reasoning to send back (the API refuses a thinking call in a loop
+/// without it). The call continues a loop when a tool result follows the last step: all that
+/// follows it goes in one Anthropic user message, so a signal or a user message after the
+/// results does not end the loop for the API.
 fn may_think(messages: &[ModelMessage]) -> bool {
-    let mut steps = messages
+    let Some(last_step) = messages
         .iter()
-        .rev()
-        .take_while(|m| !matches!(m, ModelMessage::User { .. }))
-        .filter_map(|m| match m {
-            ModelMessage::Assistant {
-                tool_calls, reasoning, ..
-            } => Some((tool_calls, reasoning)),
-            _ => None,
-        });
-    let in_loop = steps.clone().any(|(tool_calls, _)| !tool_calls.is_empty());
+        .rposition(|message| matches!(message, ModelMessage::Assistant { .. }))
+    else {
+        return true;
+    };
+    let in_loop = messages[last_step + 1..]
+        .iter()
+        .any(|message| matches!(message, ModelMessage::Tool { .. }));
     !in_loop
-        || steps
-            .next()
-            .is_some_and(|(_, reasoning)| reasoning.iter().any(ReasoningBlock::is_signed))
+        || matches!(&messages[last_step], ModelMessage::Assistant { reasoning, .. }
+            if reasoning.iter().any(ReasoningBlock::is_signed))
 }
 
 /// The role of the Anthropic message `message` goes into, or `None` when it sends no block
@@ -749,7 +748,7 @@ impl ModelProvider for AnthropicProvider {
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
         let body = super::http::encode_body(self.body_bytes(request));
         let url = self.endpoint.url(&self.base_url, "messages");
-        let transport = self.transport;
+        let transport = self.transport.for_request(request);
         let client = self.client.clone();
         let connect_ctx = ctx.clone();
         let connect = async move {
@@ -1138,6 +1137,7 @@ mod tests {
             tools: Vec::new(),
             thinking_level: level,
             max_output_tokens: max,
+            max_retries: None,
         }
     }
 
@@ -1480,6 +1480,13 @@ mod tests {
                 .get("thinking")
                 .is_some()
         );
+        // A signal or a user message after the results joins them in one user message: for
+        // the API the loop goes on, and its step has no signed reasoning to send back.
+        let mut joined = tool_loop("");
+        joined.push(user("<signal type=\"note\">\nA note.\n</signal>"));
+        let body = provider.body(&request(joined, ThinkingLevel::High, None));
+        assert!(body.get("thinking").is_none(), "{body}");
+        assert_eq!(body["messages"].as_array().map(Vec::len), Some(3), "{body}");
     }
 
     #[test]
