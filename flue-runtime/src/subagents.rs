@@ -852,6 +852,7 @@ async fn child_session(
                     tools: specs.clone(),
                     thinking_level: thinking,
                     max_output_tokens: None,
+                    max_retries: None,
                 };
                 // One id per model call (an overflow recovery's retry is a call of its own).
                 let turn_id = LazyId::new("turn");

@@ -53,6 +53,7 @@ fn request(text: &str) -> ModelRequest {
         tools: Vec::new(),
         thinking_level: ThinkingLevel::Off,
         max_output_tokens: None,
+        max_retries: None,
     }
 }
 
@@ -1236,6 +1237,7 @@ fn full_request(thinking_level: ThinkingLevel) -> ModelRequest {
         }],
         thinking_level,
         max_output_tokens: Some(20_000),
+        max_retries: None,
     }
 }
 

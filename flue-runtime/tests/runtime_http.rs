@@ -151,6 +151,59 @@ async fn retries_the_provider_made_before_a_stream_was_cut_count_against_the_bud
 }
 
 #[tokio::test]
+async fn retries_the_provider_makes_after_a_stream_was_cut_count_against_the_budget_too() {
+    let server = FixtureServer::start().await;
+    // A cut stream the turn loop retries, then failures the provider retries itself.
+    server.push(FixtureReply::openai_truncated("Hel"));
+    for _ in 0..10 {
+        server.push(FixtureReply::status(
+            500,
+            r#"{"error":{"message":"boom","type":"server_error"}}"#,
+        ));
+    }
+    let runtime = runtime(&server);
+    let error = runtime
+        .init(&forecaster, "f-budget-after")
+        .send("hi")
+        .await
+        .unwrap_err();
+    assert!(matches!(error, RuntimeError::Run { .. }), "{error:?}");
+    // Three retries in all, four requests: the cut stream, then the retry's request and the
+    // two retries the budget had left for the provider (it would make three on its own).
+    assert_eq!(server.requests().len(), 4);
+}
+
+#[tokio::test]
+async fn a_budget_of_no_retries_leaves_the_provider_none_either() {
+    let server = FixtureServer::start().await;
+    for _ in 0..10 {
+        server.push(FixtureReply::status(
+            500,
+            r#"{"error":{"message":"boom","type":"server_error"}}"#,
+        ));
+    }
+    let mut providers = ProviderRegistry::new();
+    providers.register(
+        OpenAiProvider::compatible("fixture", server.base_url(), "FLUE_FIXTURE_KEY")
+            .with_api_key("test-key")
+            .with_retry_policy(RetryPolicy::new(3, std::time::Duration::from_millis(1))),
+    );
+    let runtime = Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .agent(forecaster)
+        .providers(providers)
+        .options(RuntimeOptions {
+            model_retries: 0,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let error = runtime.init(&forecaster, "f-no-retries").send("hi").await.unwrap_err();
+    assert!(matches!(error, RuntimeError::Run { .. }), "{error:?}");
+    assert_eq!(server.requests().len(), 1);
+}
+
+#[tokio::test]
 async fn a_stream_cut_mid_way_is_streamed_again_as_a_new_message() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_truncated("Hello"));

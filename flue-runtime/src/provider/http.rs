@@ -24,6 +24,7 @@ use std::time::{Duration, SystemTime};
 
 use super::body::Payload;
 use super::sse::{Event, SseError, SseParser};
+use super::types::ModelRequest;
 use crate::error_chain;
 use bytes::Bytes;
 use flue_core::url::{url_without_secrets, without_url_secrets};
@@ -123,6 +124,17 @@ pub(crate) struct Transport {
     pub idle_timeout: Duration,
     /// Retries before the response starts.
     pub retry: RetryPolicy,
+}
+
+impl Transport {
+    /// This transport for `request`: at most the retries the request leaves it
+    /// ([`ModelRequest::max_retries`]).
+    pub(crate) fn for_request(mut self, request: &ModelRequest) -> Self {
+        if let Some(left) = request.max_retries {
+            self.retry.max_retries = self.retry.max_retries.min(left);
+        }
+        self
+    }
 }
 
 impl Default for Transport {

@@ -706,7 +706,7 @@ impl ModelProvider for OpenAiProvider {
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
         let body = super::http::encode_body(self.body_bytes(request));
         let url = self.endpoint.url(&self.base_url, CHAT_PATH);
-        let transport = self.transport;
+        let transport = self.transport.for_request(request);
         let client = self.client.clone();
         let connect_ctx = ctx.clone();
         let connect = async move {
@@ -1116,6 +1116,7 @@ mod tests {
             }],
             thinking_level: level,
             max_output_tokens: None,
+            max_retries: None,
         }
     }
 

@@ -2087,6 +2087,7 @@ impl Response<'_> {
                 tools: std::mem::take(&mut tools),
                 thinking_level: thinking,
                 max_output_tokens: None,
+                max_retries: Some(self.runtime.options.model_retries),
             };
             let started = Instant::now();
             self.set_turn(Some(&turn_id));
@@ -2296,12 +2297,17 @@ impl Response<'_> {
         live: &mut LiveText,
     ) -> Result<ModelResponse, StepError> {
         let mut retries = 0;
+        // A retry's request: the provider may retry it only as often as the budget has left.
+        let mut retry: Option<ModelRequest> = None;
         loop {
             let mut shown = false;
-            match self.stream_once(provider, request, tools, &mut shown, live).await {
+            let call = retry.as_ref().unwrap_or(request);
+            match self.stream_once(provider, call, tools, &mut shown, live).await {
                 Err(StepError::Provider(error)) if error.may_retry(retries, self.runtime.options.model_retries) => {
                     let delay;
                     (retries, delay) = self.runtime.options.model_retry(retries, &error);
+                    let left = self.runtime.options.model_retries.saturating_sub(retries);
+                    retry.get_or_insert_with(|| request.clone()).max_retries = Some(left);
                     // The retry streams its own text; what this call appended stays behind
                     // (its step's completion says what the text is).
                     live.restart();

@@ -34,6 +34,7 @@
 //!     tools: vec![],
 //!     thinking_level: ThinkingLevel::Off,
 //!     max_output_tokens: None,
+//!     max_retries: None,
 //! };
 //! let mut stream = provider.stream(&request);
 //! let mut completed = None;
