@@ -90,7 +90,7 @@ pub(crate) fn tool_name(server: &str, tool: &str) -> String {
 pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Unavailable> {
     let unavailable = |reason: String| Unavailable {
         name: connection.name.clone(),
-        reason: without_url_secrets(&reason),
+        reason: without_server_path(&without_url_secrets(&reason), &connection.url),
         optional: connection.optional,
     };
     if connection.transport == McpTransport::Sse {
@@ -173,6 +173,7 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
             remote_name: listed.name.to_string(),
             client: client.clone(),
             timeout: connection.timeout,
+            url: connection.url.clone(),
         }));
     }
     Ok(McpSession { _client: client, tools })
@@ -183,6 +184,8 @@ struct McpTool {
     remote_name: String,
     client: Arc<RunningService<RoleClient, ()>>,
     timeout: Option<Duration>,
+    /// The server's URL, whose path its errors' texts leave out (see [`without_server_path`]).
+    url: String,
 }
 
 impl ToolHandler for McpTool {
@@ -212,7 +215,7 @@ impl ToolHandler for McpTool {
                     // Cut as a result is: the server chooses the error's text and its length.
                     return ToolOutput::error(capped(format!(
                         "The MCP server failed the call: {}",
-                        without_url_secrets(&error.to_string())
+                        without_server_path(&without_url_secrets(&error.to_string()), &self.url)
                     )));
                 }
             };
@@ -258,6 +261,16 @@ fn capped(mut text: String) -> String {
     text.truncate(end);
     text.push_str(&format!("\n[Output truncated: the first {end} of {total} bytes.]"));
     text
+}
+
+/// `text` without the path of the server's URL `url`: some hosted MCP servers take their key
+/// as a path segment (`https://host/s/<key>/mcp`), and a connection error quotes the URL whole
+/// (what it says reaches the model, the records and the settlement). The origin stays named.
+fn without_server_path(text: &str, url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(parsed) if parsed.path().len() > 1 => text.replace(parsed.path(), "/…"),
+        _ => text.to_owned(),
+    }
 }
 
 /// An rmcp error as a person reads it: without the transport's Rust type names.
@@ -314,6 +327,19 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_in_the_servers_url_path_is_not_quoted() {
+        let url = "https://mcp.example.com/api/s/sk-live-1234/mcp?token=t";
+        let error = "error sending request for url (https://mcp.example.com/api/s/sk-live-1234/mcp?token=t)";
+        let quoted = without_server_path(&without_url_secrets(error), url);
+        assert_eq!(quoted, "error sending request for url (https://mcp.example.com/…)");
+        // A URL with no path to hide is quoted as it was.
+        assert_eq!(
+            without_server_path("no answer from https://mcp.example.com/", "https://mcp.example.com"),
+            "no answer from https://mcp.example.com/"
+        );
+    }
 
     #[test]
     fn errors_read_without_type_names() {
