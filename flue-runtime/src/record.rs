@@ -68,6 +68,12 @@ fn null_as_empty<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<St
     Ok(Option::<String>::deserialize(deserializer)?.unwrap_or_default())
 }
 
+/// The message HTTP clients get in place of an internal error's (reference §6.4).
+pub const INTERNAL_ERROR_MESSAGE: &str = "The agent submission failed because of an internal error.";
+
+/// The details HTTP clients get in place of an internal error's (reference §6.4).
+pub const INTERNAL_ERROR_DETAILS: &str = "The server encountered an unexpected error while processing the agent submission. When reporting this failure, quote the settlement submissionId — server-side logs carry the same id.";
+
 impl SettlementError {
     /// An error of `error_type` saying `message`, without details or meta.
     pub fn new(error_type: impl Into<String>, message: impl Into<String>) -> Self {
@@ -84,6 +90,34 @@ impl SettlementError {
     pub fn with_meta(mut self, meta: serde_json::Map<String, Value>) -> Self {
         self.meta = Some(meta);
         self
+    }
+
+    /// Whether its text is the application's own: an error a callback or hook returned, a
+    /// panic in a render or a callback, a sandbox factory's failure. Such a text may say
+    /// anything (a connection string, a token in a URL), so HTTP clients get the
+    /// `internal_error` of reference §6.4 in its place ([`SettlementError::for_clients`]); the
+    /// records, the in-process API and the server's log keep it.
+    pub fn is_internal(&self) -> bool {
+        matches!(
+            self.error_type.as_str(),
+            "render_failed"
+                | "agent_start_failed"
+                | "agent_finish_failed"
+                | "response_hook_failed"
+                | "message_hook_error"
+                | "sandbox_unavailable"
+        )
+    }
+
+    /// The error as HTTP clients are served it: the reference's generic `internal_error` for
+    /// an [internal](Self::is_internal) one, else itself.
+    pub fn for_clients(&self) -> std::borrow::Cow<'_, Self> {
+        if !self.is_internal() {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        let mut served = Self::new("internal_error", INTERNAL_ERROR_MESSAGE);
+        served.details = INTERNAL_ERROR_DETAILS.to_owned();
+        std::borrow::Cow::Owned(served)
     }
 
     /// The error's class name, as the wire carries it next to the type (not a discriminator):

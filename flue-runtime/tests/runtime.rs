@@ -2830,6 +2830,47 @@ impl flue_core::sandbox::SandboxFactory for PanickingFactory {
     }
 }
 
+/// A remote sandbox host that refuses the connection, quoting its URL with the key in it.
+struct RefusedFactory;
+
+impl flue_core::sandbox::SandboxFactory for RefusedFactory {
+    fn create_sandbox(
+        &self,
+        _instance_id: &str,
+    ) -> flue_core::BoxFuture<
+        'static,
+        Result<std::sync::Arc<dyn flue_core::sandbox::Sandbox>, flue_core::sandbox::SandboxError>,
+    > {
+        Box::pin(async {
+            Err(flue_core::sandbox::SandboxError::Io(
+                "error sending request for url (https://sandbox.example.com/v1/boxes?api_key=sk-hunter2)".into(),
+            ))
+        })
+    }
+}
+
+#[agent]
+fn refused_factory() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(RefusedFactory);
+    "Work with files."
+}
+
+/// A sandbox factory's error may quote the host's URL: its query (a key) stays out of the
+/// settlement, which the records keep.
+#[tokio::test]
+async fn a_sandbox_factorys_error_keeps_no_url_query_in_the_settlement() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![refused_factory.into()]);
+    let error = runtime.init(&refused_factory, "r").send("go").await.unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(error_type, "sandbox_unavailable");
+    assert_eq!(
+        message,
+        "[flue] The sandbox could not be created: error sending request for url (https://sandbox.example.com/v1/boxes)"
+    );
+}
+
 #[agent]
 fn panicking_factory_early() -> &'static str {
     use_model("scripted/x");

@@ -24,6 +24,11 @@
 //!   message).
 //! - Chunks carry the conversation id and their position: the batch's offset and their index
 //!   within that batch's projection.
+//! - A settlement's error whose text is the application's own (a callback's, a hook's, a
+//!   render's panic, a sandbox factory's: [`SettlementError::is_internal`]) is served as the
+//!   reference's generic `internal_error` (§6.4); the records and the server's log keep it.
+//!
+//! [`SettlementError::is_internal`]: crate::record::SettlementError::is_internal
 
 use std::collections::{HashMap, HashSet};
 
@@ -483,7 +488,8 @@ impl Projection {
                 }
                 let mut settlement = json!({"submissionId": submission, "outcome": outcome});
                 if let Some(error) = error {
-                    settlement["error"] = json!(error);
+                    // The application's own error text stays on the server (reference §6.4).
+                    settlement["error"] = json!(error.for_clients());
                 }
                 if let Some(host) = record.attempt_id.as_deref().and_then(|attempt| hosts.get(attempt))
                     && *host != submission
@@ -1153,6 +1159,47 @@ mod tests {
         assert_eq!(
             parts(&projection),
             json!([{"type": "text", "text": "Hi", "state": "done"}])
+        );
+    }
+
+    #[test]
+    fn an_internal_settlement_error_is_served_as_the_generic_internal_error() {
+        let mut projection = Projection::new("agents/a/i");
+        let internal = crate::record::SettlementError::new(
+            "agent_start_failed",
+            "[flue] A use_agent_start callback (hook #1 in declaration order) threw: postgres://app:hunter2@db refused",
+        );
+        fold(
+            &mut projection,
+            vec![vec![RecordBody::SubmissionSettled {
+                outcome: Outcome::Failed,
+                error: Some(internal),
+            }]],
+        );
+        let settlements = projection.snapshot()["settlements"].clone();
+        assert_eq!(
+            settlements,
+            json!([{"submissionId": "sub_1", "outcome": "failed", "error": {
+                "name": "Error",
+                "type": "internal_error",
+                "message": "The agent submission failed because of an internal error.",
+                "details": "The server encountered an unexpected error while processing the agent submission. When reporting this failure, quote the settlement submissionId — server-side logs carry the same id.",
+            }}])
+        );
+        // A framework's error is served as it is.
+        let mut projection = Projection::new("agents/a/i");
+        let timeout =
+            crate::record::SettlementError::new("submission_timeout", "Submission exceeded the configured timeout.");
+        fold(
+            &mut projection,
+            vec![vec![RecordBody::SubmissionSettled {
+                outcome: Outcome::Failed,
+                error: Some(timeout),
+            }]],
+        );
+        assert_eq!(
+            projection.snapshot()["settlements"][0]["error"]["message"],
+            "Submission exceeded the configured timeout."
         );
     }
 

@@ -675,6 +675,11 @@ impl InstanceSlot {
                 }
             }
         };
+        // HTTP clients are served a generic error in place of the application's own text: the
+        // log carries it, under the submission's id (reference §6.4).
+        if let Some(error) = error.as_ref().filter(|error| error.is_internal()) {
+            tracing::error!(instance = %self.key, submission = %submission.id, error_type = %error.error_type, error = %error.message, "the submission failed in the application's code");
+        }
         let mut records = Vec::new();
         // Why the submission ended, for the model of a later response to read: before its
         // settlement, in the same batch.
@@ -1204,10 +1209,14 @@ impl Response<'_> {
                 sandbox
             } else {
                 // A factory that panics fails the submission like one that returns an error.
+                // A remote sandbox's error may quote its URL: without a key in its query.
                 let unavailable = |error: &dyn std::fmt::Display| {
                     Failure::failed(
                         "sandbox_unavailable",
-                        format!("[flue] The sandbox could not be created: {error}"),
+                        format!(
+                            "[flue] The sandbox could not be created: {}",
+                            flue_core::url::without_url_secrets(&error.to_string())
+                        ),
                     )
                 };
                 let panicked = |payload: Box<dyn std::any::Any + Send>| {
