@@ -299,7 +299,7 @@ pub(crate) async fn compact<S: Compacting>(
         tools: Vec::new(),
         thinking_level: ThinkingLevel::Low,
         max_output_tokens: Some(4_000),
-        max_retries: None,
+        max_retries: Some(session.runtime().options.model_retries),
     };
     let summary = match &config.model {
         Some(spec) => match session.runtime().providers.resolve(spec) {

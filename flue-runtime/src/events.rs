@@ -430,6 +430,11 @@ pub enum Event {
         level: String,
         /// The line.
         message: String,
+        /// Who logged it: a tool's lines carry `tool` and `toolCallId`, a callback's `hook`
+        /// (`use_agent_start`, …) and `hookIndex` (from 0, in declaration order); none for
+        /// the framework's own lines.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attributes: Option<std::sync::Arc<serde_json::Map<String, Value>>>,
     },
     /// The agent finished working on the submission (before its `operation`).
     AgentEnd {

@@ -268,7 +268,12 @@ fn capped(mut text: String) -> String {
 /// (what it says reaches the model, the records and the settlement). The origin stays named.
 fn without_server_path(text: &str, url: &str) -> String {
     match reqwest::Url::parse(url) {
-        Ok(parsed) if parsed.path().len() > 1 => text.replace(parsed.path(), "/…"),
+        Ok(parsed) if parsed.path().len() > 1 => {
+            // The URL as quoted (its origin, then its path): the path alone may be part of the
+            // host's name (`https://mcp.host/mcp`) or of other text.
+            let origin = parsed.origin().ascii_serialization();
+            text.replace(&format!("{origin}{}", parsed.path()), &format!("{origin}/…"))
+        }
         _ => text.to_owned(),
     }
 }
@@ -334,6 +339,15 @@ mod tests {
         let error = "error sending request for url (https://mcp.example.com/api/s/sk-live-1234/mcp?token=t)";
         let quoted = without_server_path(&without_url_secrets(error), url);
         assert_eq!(quoted, "error sending request for url (https://mcp.example.com/…)");
+        // Only the URL's path goes, not text that merely contains it.
+        let url = "https://mcp.notion.com/mcp";
+        assert_eq!(
+            without_server_path(
+                "error sending request for url (https://mcp.notion.com/mcp): /mcp refused",
+                url
+            ),
+            "error sending request for url (https://mcp.notion.com/…): /mcp refused"
+        );
         // A URL with no path to hide is quoted as it was.
         assert_eq!(
             without_server_path("no answer from https://mcp.example.com/", "https://mcp.example.com"),

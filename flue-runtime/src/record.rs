@@ -92,21 +92,19 @@ impl SettlementError {
         self
     }
 
-    /// Whether its text is the application's own: an error a callback or hook returned, a
-    /// panic in a render or a callback, a sandbox factory's failure. Such a text may say
-    /// anything (a connection string, a token in a URL), so HTTP clients get the
-    /// `internal_error` of reference §6.4 in its place ([`SettlementError::for_clients`]); the
-    /// records, the in-process API and the server's log keep it.
+    /// Whether its text is the application's own: an error a start, finish or response
+    /// callback returned, a panic in a render (not the framework's own `[flue]` refusals) or
+    /// a callback, a sandbox factory's failure. Such a text may say anything (a connection
+    /// string, a token in a URL), so HTTP clients get the `internal_error` of reference §6.4
+    /// in its place ([`SettlementError::for_clients`]); the records, the in-process API and
+    /// the server's log keep it. (A lifecycle hook's `message_hook_error` is the reason the
+    /// application gives clients: it stays.)
     pub fn is_internal(&self) -> bool {
-        matches!(
-            self.error_type.as_str(),
-            "render_failed"
-                | "agent_start_failed"
-                | "agent_finish_failed"
-                | "response_hook_failed"
-                | "message_hook_error"
-                | "sandbox_unavailable"
-        )
+        match self.error_type.as_str() {
+            "render_failed" => !self.message.starts_with("[flue]"),
+            "agent_start_failed" | "agent_finish_failed" | "response_hook_failed" | "sandbox_unavailable" => true,
+            _ => false,
+        }
     }
 
     /// The error as HTTP clients are served it: the reference's generic `internal_error` for

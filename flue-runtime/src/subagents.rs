@@ -852,7 +852,7 @@ async fn child_session(
                     tools: specs.clone(),
                     thinking_level: thinking,
                     max_output_tokens: None,
-                    max_retries: None,
+                    max_retries: Some(runtime.options.model_retries),
                 };
                 // One id per model call (an overflow recovery's retry is a call of its own).
                 let turn_id = LazyId::new("turn");
@@ -1142,7 +1142,7 @@ impl ChildSession<'_> {
             stream: Stream::Child(self.key.clone()),
             children: conversation.retained_children(),
         });
-        let logger = crate::session::event_logger(
+        let log = crate::session::EventLogBase::new(
             self.runtime,
             self.root,
             self.events.submission_id,
@@ -1159,7 +1159,7 @@ impl ChildSession<'_> {
                     let ctx = ToolContext::new(tool, call.id.clone())
                         .with_instance_id(self.root.id.to_string())
                         .with_signal(self.signal.clone())
-                        .with_logger(logger.clone());
+                        .with_logger(crate::session::tool_call_logger(&log, &call.name, &call.id));
                     if !tool.definition().durable {
                         return ctx;
                     }

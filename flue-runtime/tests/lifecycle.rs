@@ -2029,7 +2029,7 @@ async fn a_call_queued_after_the_responses_last_step_is_reported_not_dropped_sil
     let mut ran = Vec::new();
     while let Ok(observation) = events.try_recv() {
         match observation.event {
-            flue_runtime::events::Event::Log { level, message } if level == "warn" => warnings.push(message),
+            flue_runtime::events::Event::Log { level, message, .. } if level == "warn" => warnings.push(message),
             flue_runtime::events::Event::ToolCallDone { tool_name, .. } => ran.push(tool_name),
             _ => {}
         }

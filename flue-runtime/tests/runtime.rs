@@ -1504,6 +1504,58 @@ async fn an_aborted_submission_leaves_an_advisory_that_the_next_responses_model_
     assert!(advisories(&store, &InstanceKey::new("waiter", "advised")).await.len() == 1);
 }
 
+#[agent]
+fn chatty() -> &'static str {
+    use_model("scripted/x");
+    use_agent_start(|_ctx| async {});
+    use_agent_start(|ctx| async move {
+        ctx.log().info("starting");
+    });
+    use_agent_finish(|ctx| async move {
+        ctx.log().info("finishing");
+    });
+    use_tool(Tool::new("note").description("Take a note.").run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            ctx.log().info("noted");
+            "ok"
+        },
+    ));
+    "Chat."
+}
+
+/// Reference §7.2: a tool's log lines carry `tool` and `toolCallId`, a callback's `hook` and
+/// `hookIndex` (from 0, in declaration order).
+#[tokio::test]
+async fn log_lines_say_which_tool_call_or_callback_logged_them() {
+    let model = ScriptedModel::new([ScriptedReply::tool_call("note", json!({})), ScriptedReply::text("done")]);
+    let runtime = runtime_with(&model, vec![chatty.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&chatty, "c").send("hi").await.unwrap();
+    let mut logs = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Log {
+            message, attributes, ..
+        } = observation.event
+        {
+            logs.push((message, serde_json::to_value(attributes).unwrap()));
+        }
+    }
+    assert_eq!(
+        logs,
+        [
+            (
+                "starting".to_owned(),
+                json!({"hook": "use_agent_start", "hookIndex": 1})
+            ),
+            ("noted".to_owned(), json!({"tool": "note", "toolCallId": "call_1_0"})),
+            (
+                "finishing".to_owned(),
+                json!({"hook": "use_agent_finish", "hookIndex": 0})
+            ),
+        ]
+    );
+}
+
 #[agent(durability(timeout = "300ms"))]
 fn impatient_waiter() -> &'static str {
     waiting_body()
@@ -2287,6 +2339,7 @@ fn panicky(props: AgentProps) -> &'static str {
 }
 
 #[tokio::test]
+/// Callbacks are numbered from 0 in declaration order, as the reference numbers them.
 async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instance_keeps_working() {
     let model = ScriptedModel::new((0..3).map(|_| ScriptedReply::text("fine")));
     let runtime = runtime_with(&model, vec![panicky.into()]);
@@ -2294,17 +2347,17 @@ async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instan
         (
             "start",
             "agent_start_failed",
-            "[flue] A use_agent_start callback (hook #1 in declaration order) panicked: the start seam broke",
+            "[flue] A use_agent_start callback (hook #0 in declaration order) panicked: the start seam broke",
         ),
         (
             "finish",
             "agent_finish_failed",
-            "[flue] A use_agent_finish callback (hook #1 in declaration order) panicked: the finish seam broke",
+            "[flue] A use_agent_finish callback (hook #0 in declaration order) panicked: the finish seam broke",
         ),
         (
             "response",
             "response_hook_failed",
-            "[flue] A use_response_start callback (hook #1 in declaration order) panicked: no metadata today",
+            "[flue] A use_response_start callback (hook #0 in declaration order) panicked: no metadata today",
         ),
         (
             "response_string",
@@ -2314,7 +2367,7 @@ async fn a_panicking_callback_fails_the_submission_like_its_error_and_the_instan
         (
             "finish_err",
             "response_hook_failed",
-            "[flue] A use_response_finish callback (hook #2 in declaration order) threw: no usage today",
+            "[flue] A use_response_finish callback (hook #1 in declaration order) threw: no usage today",
         ),
     ] {
         let error = tokio::time::timeout(
@@ -2348,8 +2401,8 @@ async fn several_failing_start_callbacks_fail_the_submission_with_each_of_their_
     assert_eq!(error_type, "agent_start_failed");
     assert_eq!(message, "[flue] Multiple use_agent_start callbacks threw.");
     let causes = [
-        "[flue] A use_agent_start callback (hook #1 in declaration order) threw: the cache is cold",
-        "[flue] A use_agent_start callback (hook #3 in declaration order) panicked: the start seam broke",
+        "[flue] A use_agent_start callback (hook #0 in declaration order) threw: the cache is cold",
+        "[flue] A use_agent_start callback (hook #2 in declaration order) panicked: the start seam broke",
     ];
     assert_eq!(details, causes.join("\n"));
     assert_eq!(meta.unwrap()["errors"], json!(causes));

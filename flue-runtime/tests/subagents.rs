@@ -1354,11 +1354,24 @@ async fn a_tool_running_in_a_task_has_its_log_lines_published() {
     runtime.handle("desk_log", "d-3").unwrap().send("Work.").await.unwrap();
     let mut logs = Vec::new();
     while let Ok(observation) = events.try_recv() {
-        if let Event::Log { message, .. } = &observation.event {
-            logs.push((message.clone(), observation.task_id.is_some()));
+        if let Event::Log {
+            message, attributes, ..
+        } = &observation.event
+        {
+            logs.push((message.clone(), observation.task_id.is_some(), attributes.clone()));
         }
     }
-    assert_eq!(logs, [("halfway through the work".to_owned(), true)]);
+    let [(message, in_task, attributes)] = &logs[..] else {
+        panic!("one line: {logs:?}")
+    };
+    assert_eq!((message.as_str(), *in_task), ("halfway through the work", true));
+    // Stamped with the call that logged it.
+    let attributes = serde_json::to_value(attributes).unwrap();
+    assert_eq!(attributes["tool"], "work");
+    assert!(
+        attributes["toolCallId"].as_str().is_some_and(|id| !id.is_empty()),
+        "{attributes}"
+    );
 }
 
 /// A delegate whose tool waits until the attempt is aborted.

@@ -68,8 +68,48 @@ fn entry(agent: &dyn Agent) -> Value {
         }
         Err(error) => {
             entry["tools"] = Value::Null;
-            entry["renderError"] = json!(error.to_string());
+            // A panic's text is the application's own (a rules-of-hooks refusal is the
+            // framework's `[flue] …`): served as settlements serve it, the log keeps it.
+            let text = error.to_string();
+            let served = match &error {
+                flue_core::RenderError::Panicked { message, .. } if !message.starts_with("[flue]") => {
+                    tracing::error!(agent = %definition.name, error = %text, "the agent's bare render panicked");
+                    "The agent's render failed because of an internal error; the server's log carries it.".to_owned()
+                }
+                _ => text,
+            };
+            entry["renderError"] = json!(served);
         }
     }
     entry
+}
+
+#[cfg(test)]
+mod tests {
+    use flue_core::agent::{AgentDefinition, AgentProps, FnAgent};
+
+    use super::entry;
+
+    #[test]
+    fn a_bare_render_that_panics_is_served_without_the_applications_text() {
+        let leaky = FnAgent::new(AgentDefinition::new("leaky"), |_: AgentProps<'_>| -> &'static str {
+            panic!("cannot reach postgres://app:hunter2@db")
+        });
+        let served = entry(&leaky)["renderError"].clone();
+        assert_eq!(
+            served,
+            "The agent's render failed because of an internal error; the server's log carries it."
+        );
+        // The framework's own refusal is served as it is.
+        let twice = FnAgent::new(AgentDefinition::new("twice"), |_: AgentProps<'_>| {
+            flue_core::hooks::use_model("a/b");
+            flue_core::hooks::use_model("a/c");
+            "Two models."
+        });
+        let served = entry(&twice)["renderError"].clone();
+        assert!(
+            served.as_str().is_some_and(|text| text.starts_with("[flue]")),
+            "{served}"
+        );
+    }
 }

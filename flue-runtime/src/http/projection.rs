@@ -1167,7 +1167,7 @@ mod tests {
         let mut projection = Projection::new("agents/a/i");
         let internal = crate::record::SettlementError::new(
             "agent_start_failed",
-            "[flue] A use_agent_start callback (hook #1 in declaration order) threw: postgres://app:hunter2@db refused",
+            "[flue] A use_agent_start callback (hook #0 in declaration order) threw: postgres://app:hunter2@db refused",
         );
         fold(
             &mut projection,

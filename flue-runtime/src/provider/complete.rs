@@ -53,13 +53,19 @@ pub(crate) async fn complete_observed(
     mut observe: impl FnMut(Streamed),
 ) -> Result<ModelResponse, CallError> {
     let mut retries = 0;
+    // A retry's request: the provider may retry it only as often as the budget has left
+    // (`ModelRequest::max_retries`, which the caller sets to the whole budget).
+    let mut retry: Option<ModelRequest> = None;
     loop {
-        match stream_to_end(provider, request, signal, &mut observe).await {
+        let call = retry.as_ref().unwrap_or(request);
+        match stream_to_end(provider, call, signal, &mut observe).await {
             Ok(response) => return Ok(response),
             Err(None) => return Err(CallError::Aborted),
             Err(Some(error)) if error.may_retry(retries, options.model_retries) => {
                 let delay;
                 (retries, delay) = options.model_retry(retries, &error);
+                let left = options.model_retries.saturating_sub(retries);
+                retry.get_or_insert_with(|| request.clone()).max_retries = Some(left);
                 observe(Streamed::Retrying);
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
@@ -95,5 +101,67 @@ async fn stream_to_end(
                 )));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::provider::{ModelStream, ProviderErrorKind};
+
+    /// Fails each call with a stream cut (retryable), recording what each call allowed the
+    /// provider to retry itself.
+    #[derive(Default)]
+    struct Cut {
+        allowed: Mutex<Vec<Option<u32>>>,
+    }
+
+    impl ModelProvider for Cut {
+        fn id(&self) -> &str {
+            "cut"
+        }
+
+        fn context_window(&self, _model: &str) -> Option<u64> {
+            None
+        }
+
+        fn stream(&self, request: &ModelRequest) -> ModelStream {
+            self.allowed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(request.max_retries);
+            Box::pin(futures_util::stream::once(async {
+                Err(crate::provider::ProviderError::new(ProviderErrorKind::Network, "cut"))
+            }))
+        }
+    }
+
+    /// A task child's call and a compaction's summary share the one budget as a turn does:
+    /// each retry leaves the provider only what the budget has left.
+    #[tokio::test]
+    async fn each_retry_leaves_the_provider_what_the_budget_has_left() {
+        let options = RuntimeOptions {
+            model_retries: 3,
+            model_retry_delay: std::time::Duration::from_millis(1),
+            ..RuntimeOptions::default()
+        };
+        let provider = Cut::default();
+        let request = ModelRequest {
+            model: "m".into(),
+            system: None,
+            messages: vec![crate::provider::ModelMessage::user("hi")].into(),
+            tools: Vec::new(),
+            thinking_level: flue_core::model::ThinkingLevel::Off,
+            max_output_tokens: None,
+            max_retries: Some(3),
+        };
+        let result = complete(&options, &provider, &request, &AbortSignal::new()).await;
+        assert!(matches!(result, Err(CallError::Failed(_))));
+        assert_eq!(
+            *provider.allowed.lock().unwrap_or_else(|e| e.into_inner()),
+            [Some(3), Some(2), Some(1), Some(0)]
+        );
     }
 }

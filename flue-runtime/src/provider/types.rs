@@ -32,9 +32,10 @@ pub struct ModelRequest {
     pub max_output_tokens: Option<u32>,
     /// How many times the provider may retry this call itself before its answer starts
     /// streaming (429s, 5xx answers, connection failures); `None`: as many as its own retry
-    /// policy allows. The turn loop sets what is left of its budget
-    /// ([`RuntimeOptions::model_retries`](crate::RuntimeOptions::model_retries)), so a call is
-    /// never retried more than that in all, whichever layer retries it.
+    /// policy allows. The runtime sets what is left of its budget
+    /// ([`RuntimeOptions::model_retries`](crate::RuntimeOptions::model_retries)) on every call
+    /// it makes (a turn's, a task child's, a compaction summary's), so a call is never retried
+    /// more than that in all, whichever layer retries it.
     pub max_retries: Option<u32>,
 }
 

@@ -536,7 +536,7 @@ impl InstanceSlot {
             // The budget counts every attempt, the interrupted ones included.
             Ok(()) if submission.attempt_count > submission.max_attempts => {
                 let mut error = budget_spent(input_applied, submission.attempt_count - 1, submission.max_attempts);
-                if let Some((_, calls)) = response.conversation.open_calls() {
+                if let Some((_, calls)) = response.conversation.open_calls().filter(|_| input_applied) {
                     error = with_interrupted_tools(error, calls);
                 }
                 response.resolve_earlier_joins().await.and(Err(Failure {
@@ -664,8 +664,9 @@ impl InstanceSlot {
                     // Applied now, if not before: this attempt may have applied it.
                     let applied = input_applied || conversation.has_input(&submission.id);
                     let mut exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);
-                    // The fold holds only what committed: calls of a batch that did not.
-                    if let Some((_, calls)) = conversation.open_calls() {
+                    // The fold holds only what committed: calls of a batch that did not. (Calls
+                    // open before the input was applied are an earlier submission's.)
+                    if let Some((_, calls)) = conversation.open_calls().filter(|_| applied) {
                         exhausted = with_interrupted_tools(exhausted, calls);
                     }
                     *conversation = Conversation::default();
@@ -678,7 +679,7 @@ impl InstanceSlot {
         // HTTP clients are served a generic error in place of the application's own text: the
         // log carries it, under the submission's id (reference §6.4).
         if let Some(error) = error.as_ref().filter(|error| error.is_internal()) {
-            tracing::error!(instance = %self.key, submission = %submission.id, error_type = %error.error_type, error = %error.message, "the submission failed in the application's code");
+            tracing::error!(instance = %self.key, submission = %submission.id, error_type = %error.error_type, error = %error.message, details = %error.details, "the submission failed in the application's code");
         }
         let mut records = Vec::new();
         // Why the submission ended, for the model of a later response to read: before its
@@ -879,28 +880,60 @@ impl Appends {
 }
 
 /// Log lines from tools and callbacks become events.
+#[derive(Clone)]
 struct EventLog {
     runtime: Weak<RuntimeInner>,
     key: InstanceKey,
     submission_id: String,
     /// The task whose child session the lines come from (`None`: the root's).
     task: Option<Arc<crate::events::TaskScope>>,
+    /// Who logs (a tool call, a callback): the events' attributes.
+    attributes: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
 }
 
-/// A logger publishing `log` events for the submission `submission_id` of `key` (stamped with
-/// `task` for a tool running in a task's child session).
-pub(crate) fn event_logger(
-    runtime: &Arc<RuntimeInner>,
-    key: &InstanceKey,
-    submission_id: &str,
-    task: Option<Arc<crate::events::TaskScope>>,
-) -> Logger {
-    Logger::new(Arc::new(EventLog {
-        runtime: Arc::downgrade(runtime),
-        key: key.clone(),
-        submission_id: submission_id.to_owned(),
-        task,
-    }))
+/// The logger of one tool call: `base`'s sink (an [`event_logger`]'s) with the call's
+/// `tool` and `toolCallId` on every line (reference §7.2).
+pub(crate) fn tool_call_logger(base: &EventLogBase, tool: &str, tool_call_id: &str) -> Logger {
+    base.with_attributes([("tool", tool.into()), ("toolCallId", tool_call_id.into())])
+}
+
+/// What the loggers of one submission share (publishing `log` events for it, stamped with
+/// its task for a tool running in a task's child session); each logs as someone
+/// ([`tool_call_logger`], a callback's `hook` and `hookIndex`).
+#[derive(Clone)]
+pub(crate) struct EventLogBase(EventLog);
+
+impl EventLogBase {
+    pub(crate) fn new(
+        runtime: &Arc<RuntimeInner>,
+        key: &InstanceKey,
+        submission_id: &str,
+        task: Option<Arc<crate::events::TaskScope>>,
+    ) -> Self {
+        Self(EventLog {
+            runtime: Arc::downgrade(runtime),
+            key: key.clone(),
+            submission_id: submission_id.to_owned(),
+            task,
+            attributes: None,
+        })
+    }
+
+    fn with_attributes<const N: usize>(&self, attributes: [(&str, serde_json::Value); N]) -> Logger {
+        let mut log = self.0.clone();
+        log.attributes = Some(Arc::new(
+            attributes
+                .into_iter()
+                .map(|(name, value)| (name.to_owned(), value))
+                .collect(),
+        ));
+        Logger::new(Arc::new(log))
+    }
+
+    /// The logger of the `index`-th (from 0) `hook` callback.
+    pub(crate) fn hook(&self, hook: &str, index: usize) -> Logger {
+        self.with_attributes([("hook", hook.into()), ("hookIndex", index.into())])
+    }
 }
 
 impl LogSink for EventLog {
@@ -912,6 +945,7 @@ impl LogSink for EventLog {
                     .and_then(|v| v.as_str().map(str::to_owned))
                     .unwrap_or_default(),
                 message: message.to_owned(),
+                attributes: self.attributes.clone(),
             };
             match &self.task {
                 Some(task) => runtime.emit_in_task(&self.key, &self.submission_id, task, event),
@@ -1054,8 +1088,14 @@ impl Response<'_> {
         }
     }
 
+    /// The logger of the framework's own lines about this response.
     fn logger(&self) -> Logger {
-        event_logger(self.runtime, self.key, &self.submission.id, None)
+        Logger::new(Arc::new(self.log_base().0))
+    }
+
+    /// What the loggers of this response's tool calls and callbacks share.
+    fn log_base(&self) -> EventLogBase {
+        EventLogBase::new(self.runtime, self.key, &self.submission.id, None)
     }
 
     /// Appends one batch (plus the attempt's pending state writes and data writes, which
@@ -1452,7 +1492,7 @@ impl Response<'_> {
         for (index, callback) in response_starts.iter().enumerate() {
             let ctx = ResponseStartContext {
                 metadata: metadata.clone(),
-                log: self.logger(),
+                log: self.log_base().hook("use_response_start", index),
             };
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(&ctx))) {
                 Ok(Ok(Some(contribution))) => merge_metadata(&mut metadata, contribution),
@@ -1623,7 +1663,7 @@ impl Response<'_> {
             let ctx = ResponseFinishContext {
                 metadata: seen,
                 response: summary.clone(),
-                log: self.logger(),
+                log: self.log_base().hook("use_response_finish", index),
             };
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(&ctx))) {
                 Ok(Ok(Some(contribution))) => merge_metadata(&mut finish_metadata, contribution),
@@ -1815,33 +1855,33 @@ impl Response<'_> {
                 .iter()
                 .map(|_| Arc::new(Appends::default()))
                 .collect();
-            let runs =
-                rendered
-                    .agent_starts
-                    .iter()
-                    .zip(&windows)
-                    .zip(&per_callback)
-                    .map(|((callback, window), channel)| {
-                        let ctx = AgentStartContext::new(
-                            channel.clone(),
-                            window.clone(),
-                            self.attempt.signal.clone(),
-                            self.logger(),
-                            delivery.clone(),
-                        );
-                        // A callback that panics while building its future, or while it runs,
-                        // fails the seam like one that returns an error.
-                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(ctx)));
-                        let window = window.clone();
-                        async move {
-                            let result = match run {
-                                Ok(run) => std::panic::AssertUnwindSafe(run).catch_unwind().await,
-                                Err(payload) => Err(payload),
-                            };
-                            window.close();
-                            result
-                        }
-                    });
+            let runs = rendered
+                .agent_starts
+                .iter()
+                .zip(&windows)
+                .zip(&per_callback)
+                .enumerate()
+                .map(|(index, ((callback, window), channel))| {
+                    let ctx = AgentStartContext::new(
+                        channel.clone(),
+                        window.clone(),
+                        self.attempt.signal.clone(),
+                        self.log_base().hook("use_agent_start", index),
+                        delivery.clone(),
+                    );
+                    // A callback that panics while building its future, or while it runs,
+                    // fails the seam like one that returns an error.
+                    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(ctx)));
+                    let window = window.clone();
+                    async move {
+                        let result = match run {
+                            Ok(run) => std::panic::AssertUnwindSafe(run).catch_unwind().await,
+                            Err(payload) => Err(payload),
+                        };
+                        window.close();
+                        result
+                    }
+                });
             let results = futures_util::future::join_all(runs).await;
             // Every callback ran: each failure is reported, in declaration order.
             let mut failures: Vec<Failure> = Vec::new();
@@ -1851,8 +1891,7 @@ impl Response<'_> {
                     Ok(Err(error)) => failures.push(Failure::failed(
                         "agent_start_failed",
                         format!(
-                            "[flue] A use_agent_start callback (hook #{} in declaration order) threw: {error}",
-                            index + 1
+                            "[flue] A use_agent_start callback (hook #{index} in declaration order) threw: {error}"
                         ),
                     )),
                     Err(payload) => failures.push(callback_panicked(
@@ -1900,7 +1939,7 @@ impl Response<'_> {
                 channel.clone(),
                 window.clone(),
                 self.attempt.signal.clone(),
-                self.logger(),
+                self.log_base().hook("use_agent_finish", index),
                 summary.clone(),
             );
             let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback.call(ctx))) {
@@ -1922,10 +1961,7 @@ impl Response<'_> {
             if let Err(error) = result {
                 return Err(Failure::failed(
                     "agent_finish_failed",
-                    format!(
-                        "[flue] A use_agent_finish callback (hook #{} in declaration order) threw: {error}",
-                        index + 1
-                    ),
+                    format!("[flue] A use_agent_finish callback (hook #{index} in declaration order) threw: {error}"),
                 ));
             }
             appended.extend(channel.take());
@@ -2617,7 +2653,7 @@ impl Response<'_> {
             let runtime = self.runtime;
             let key = self.key;
             let submission_id = self.submission.id.as_str();
-            let logger = self.logger();
+            let log = self.log_base();
             let signal = &self.attempt.signal;
             let (attempt, conversation) = (self.attempt, &*self.conversation);
             tools::run_batch(
@@ -2629,7 +2665,7 @@ impl Response<'_> {
                     let ctx = ToolContext::new(tool, call.id.clone())
                         .with_instance_id(key.id.to_string())
                         .with_signal(signal.clone())
-                        .with_logger(logger.clone())
+                        .with_logger(tool_call_logger(&log, &call.name, &call.id))
                         .with_thread(thread.clone());
                     if !tool.definition().durable {
                         return ctx;
@@ -2839,7 +2875,8 @@ fn callback_panicked(
     index: Option<usize>,
     payload: &(dyn std::any::Any + Send),
 ) -> Failure {
-    let which = index.map(|index| format!(" (hook #{} in declaration order)", index + 1));
+    // Numbered from 0, as the reference numbers them.
+    let which = index.map(|index| format!(" (hook #{index} in declaration order)"));
     Failure::failed(
         error_type,
         format!(
@@ -2858,10 +2895,9 @@ fn metadata_failure(hook: &str, index: usize, error: flue_core::event_hooks::Met
         MetadataError::NotAnObject(got) => {
             format!("[flue] A {hook} callback must return a plain object of metadata (or nothing) — got {got}.")
         }
-        MetadataError::Failed(error) => format!(
-            "[flue] A {hook} callback (hook #{} in declaration order) threw: {error}",
-            index + 1
-        ),
+        MetadataError::Failed(error) => {
+            format!("[flue] A {hook} callback (hook #{index} in declaration order) threw: {error}")
+        }
         other => other.to_string(),
     };
     Failure::failed("response_hook_failed", message)
