@@ -1010,6 +1010,62 @@ async fn head_answers_the_head_offset_and_a_missing_stream_with_headers_only() {
     assert!(response.bytes().await.unwrap().is_empty());
 }
 
+/// A page on another site can send a browser's "simple" requests here without a preflight:
+/// those that change state are refused unless the server allows other sites; reads and
+/// requests from the same site (or from no browser) pass.
+#[tokio::test]
+async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
+    let server = Server::start().await;
+    let abort = |site: &'static str| {
+        server
+            .client
+            .post(server.url("/idle/abort"))
+            .header("sec-fetch-site", site)
+            .send()
+    };
+    let refused = abort("cross-site").await.unwrap();
+    let error = assert_error(refused, 403, "forbidden").await;
+    assert!(
+        error["details"].as_str().unwrap().contains("allow_cross_site"),
+        "{error}"
+    );
+    for site in ["same-origin", "same-site", "none"] {
+        assert_eq!(abort(site).await.unwrap().status().as_u16(), 200, "{site}");
+    }
+    let message = server
+        .client
+        .post(server.url("/c1"))
+        .header("sec-fetch-site", "cross-site")
+        .header("content-type", "text/plain")
+        .body("{\"kind\":\"user\",\"body\":\"hi\"}")
+        .send()
+        .await
+        .unwrap();
+    assert_error(message, 403, "forbidden").await;
+    let read = server
+        .client
+        .get(server.url("/c1"))
+        .header("sec-fetch-site", "cross-site")
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(read.status().as_u16(), 403);
+
+    let open = Server::start_with(HttpOptions {
+        allow_cross_site: true,
+        ..HttpOptions::default()
+    })
+    .await;
+    let allowed = open
+        .client
+        .post(open.url("/idle/abort"))
+        .header("sec-fetch-site", "cross-site")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(allowed.status().as_u16(), 200);
+}
+
 #[tokio::test]
 async fn abort_answers_whether_anything_was_unsettled() {
     let server = Server::start().await;

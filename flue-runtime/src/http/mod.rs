@@ -19,6 +19,13 @@
 //! its type's status ([`ApiError`]); every response carries `X-Content-Type-Options: nosniff`
 //! and `Cross-Origin-Resource-Policy: cross-origin`.
 //!
+//! Browsers on other sites: a message's body must be declared JSON by its media type (a body
+//! declared `text/plain` is refused, though a browser sends one cross-site without a CORS
+//! preflight), and a request that changes state sent by a browser from another site
+//! (`Sec-Fetch-Site: cross-site`) is refused (403) unless
+//! [`HttpOptions::allow_cross_site`] is set. A web page a developer happens to open cannot
+//! drive the agents served on their machine.
+//!
 //! ```no_run
 //! # async fn serve(runtime: flue_runtime::Runtime) -> std::io::Result<()> {
 //! let app = flue_runtime::http::router(&runtime);
@@ -92,6 +99,13 @@ pub struct HttpOptions {
     /// instance is evicted first; a read before an entry's window folds the stream from the
     /// start, as an uncached read does.
     pub updates_cache_instances: usize,
+    /// Whether a browser may send requests that change state (any method but `GET` and
+    /// `HEAD`) from another site (`Sec-Fetch-Site: cross-site`). Off by default: a web page a
+    /// developer happens to open could otherwise abort, or post messages to, the agents
+    /// served on their machine (a request with no body, or one whose body is not declared
+    /// JSON, needs no CORS preflight). Turn it on to serve a browser app on another site
+    /// through a CORS layer.
+    pub allow_cross_site: bool,
 }
 
 impl std::fmt::Debug for HttpOptions {
@@ -103,6 +117,7 @@ impl std::fmt::Debug for HttpOptions {
             .field("heartbeat", &self.heartbeat)
             .field("shared_store_poll", &self.shared_store_poll)
             .field("updates_cache_instances", &self.updates_cache_instances)
+            .field("allow_cross_site", &self.allow_cross_site)
             .finish()
     }
 }
@@ -124,6 +139,7 @@ impl Default for HttpOptions {
             heartbeat: Duration::from_secs(15),
             shared_store_poll: Duration::from_millis(250),
             updates_cache_instances: 256,
+            allow_cross_site: false,
         }
     }
 }
@@ -278,6 +294,17 @@ async fn guard(
     request: Request,
     next: Next,
 ) -> Response {
+    let changes_state = !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
+    let cross_site = request
+        .headers()
+        .get("sec-fetch-site")
+        .is_some_and(|site| site.as_bytes().eq_ignore_ascii_case(b"cross-site"));
+    if changes_state && cross_site && !options.allow_cross_site {
+        return ApiError::forbidden(
+            "A browser on another site may not change state here (Sec-Fetch-Site: cross-site); set HttpOptions::allow_cross_site to serve a browser app on another site.",
+        )
+        .into_response();
+    }
     if let Some(authorization) = &options.authorization {
         // The path the client requested: inside a nested router (every agent's routes are
         // nested under `/agents/<name>`) the request's own URI has lost that prefix, and a
