@@ -272,7 +272,14 @@ fn without_server_path(text: &str, url: &str) -> String {
             // The URL as quoted (its origin, then its path): the path alone may be part of the
             // host's name (`https://mcp.host/mcp`) or of other text.
             let origin = parsed.origin().ascii_serialization();
-            text.replace(&format!("{origin}{}", parsed.path()), &format!("{origin}/…"))
+            let text = text.replace(&format!("{origin}{}", parsed.path()), &format!("{origin}/…"));
+            // A server may quote the path alone (`Cannot POST /s/<key>/mcp`): a path of several
+            // segments is too particular to be other text.
+            if parsed.path().trim_matches('/').contains('/') {
+                text.replace(parsed.path(), "/…")
+            } else {
+                text
+            }
         }
         _ => text.to_owned(),
     }
@@ -339,6 +346,14 @@ mod tests {
         let error = "error sending request for url (https://mcp.example.com/api/s/sk-live-1234/mcp?token=t)";
         let quoted = without_server_path(&without_url_secrets(error), url);
         assert_eq!(quoted, "error sending request for url (https://mcp.example.com/…)");
+        // A server quoting the path alone.
+        assert_eq!(
+            without_server_path(
+                "Cannot POST /api/s/sk-live-1234/mcp",
+                "https://mcp.example.com/api/s/sk-live-1234/mcp"
+            ),
+            "Cannot POST /…"
+        );
         // Only the URL's path goes, not text that merely contains it.
         let url = "https://mcp.notion.com/mcp";
         assert_eq!(

@@ -92,17 +92,22 @@ impl SettlementError {
         self
     }
 
-    /// Whether its text is the application's own: an error a start, finish or response
-    /// callback returned, a panic in a render (not the framework's own `[flue]` refusals) or
-    /// a callback, a sandbox factory's failure. Such a text may say anything (a connection
-    /// string, a token in a URL), so HTTP clients get the `internal_error` of reference §6.4
-    /// in its place ([`SettlementError::for_clients`]); the records, the in-process API and
-    /// the server's log keep it. (A lifecycle hook's `message_hook_error` is the reason the
-    /// application gives clients: it stays.)
+    /// Whether HTTP clients are served the reference's generic `internal_error` in its place
+    /// ([`SettlementError::for_clients`]), as the reference serves every error that is not one
+    /// of its typed errors (§6.4): a start, finish or response callback's failure, a render's,
+    /// a sandbox factory's, a lifecycle hook's panic. Their texts are the application's own
+    /// (or the framework's words around them) and may say anything: a connection string, a
+    /// token in a URL. The records, the in-process API and the server's log keep them. A
+    /// lifecycle hook's `message_hook_error` that is not a panic is the reason the
+    /// application gives clients for refusing a message: it stays.
     pub fn is_internal(&self) -> bool {
         match self.error_type.as_str() {
-            "render_failed" => !self.message.starts_with("[flue]"),
-            "agent_start_failed" | "agent_finish_failed" | "response_hook_failed" | "sandbox_unavailable" => true,
+            "render_failed"
+            | "agent_start_failed"
+            | "agent_finish_failed"
+            | "response_hook_failed"
+            | "sandbox_unavailable" => true,
+            "message_hook_error" => self.message.starts_with("panicked"),
             _ => false,
         }
     }

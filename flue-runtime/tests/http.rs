@@ -1051,6 +1051,31 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
         .unwrap();
     assert_ne!(read.status().as_u16(), 403);
 
+    // A browser that sends no Sec-Fetch-Site: its Origin says where the request comes from.
+    let from_origin = |origin: String| {
+        server
+            .client
+            .post(server.url("/idle/abort"))
+            .header("origin", origin)
+            .send()
+    };
+    let refused = from_origin("http://evil.example".to_owned()).await.unwrap();
+    assert_error(refused, 403, "forbidden").await;
+    let host = server.root.trim_start_matches("http://").to_owned();
+    assert_eq!(
+        from_origin(format!("http://{host}")).await.unwrap().status().as_u16(),
+        200
+    );
+    // The user routes run the application's hooks even for a read.
+    let attach = server
+        .client
+        .get(format!("{}/users/u1/events?client_id=c&client_kind=web", server.root))
+        .header("sec-fetch-site", "cross-site")
+        .send()
+        .await
+        .unwrap();
+    assert_error(attach, 403, "forbidden").await;
+
     let open = Server::start_with(HttpOptions {
         allow_cross_site: true,
         ..HttpOptions::default()

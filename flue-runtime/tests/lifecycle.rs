@@ -1273,6 +1273,66 @@ async fn items_55_77_78_79_82_thread_state_across_executions_and_a_restart() {
     assert_eq!(outcomes, 2);
 }
 
+/// Logs, then echoes.
+#[tool]
+async fn chatty_echo(
+    ctx: &ToolContext,
+    /// Text
+    text: String,
+) -> String {
+    ctx.log().info("echoing");
+    text
+}
+
+/// Runs `chatty_echo` through the thread state.
+#[tool]
+async fn relay_echo(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().unwrap();
+    let echoed = thread.invoke_tool("chatty_echo", json!({"text": "hi"})).await.unwrap();
+    Ok(format!("{:?}", echoed.result))
+}
+
+#[agent]
+fn relayer() -> &'static str {
+    use_model("scripted/x");
+    use_tool(relay_echo);
+    use_tool(chatty_echo);
+    "R"
+}
+
+/// A tool run by `invoke_tool` has its log lines published as a model's call's are, stamped
+/// with the tool and the invocation's id.
+#[tokio::test]
+async fn a_tool_run_by_invoke_tool_has_its_log_lines_published() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("relay_echo", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![relayer.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&relayer, "r").send("go").await.unwrap();
+    let mut lines = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::Log {
+            message, attributes, ..
+        } = observation.event
+        {
+            lines.push((message, serde_json::to_value(attributes).unwrap()));
+        }
+    }
+    let [(message, attributes)] = &lines[..] else {
+        panic!("one line: {lines:?}")
+    };
+    assert_eq!(message, "echoing");
+    assert_eq!(attributes["tool"], "chatty_echo");
+    assert!(
+        attributes["toolCallId"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("invoke_")),
+        "{attributes}"
+    );
+}
+
 // ---- emit (item 54) ---------------------------------------------------------------------------
 
 /// Reports progress to connected clients.

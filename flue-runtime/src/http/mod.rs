@@ -21,10 +21,10 @@
 //!
 //! Browsers on other sites: a message's body must be declared JSON by its media type (a body
 //! declared `text/plain` is refused, though a browser sends one cross-site without a CORS
-//! preflight), and a request that changes state sent by a browser from another site
-//! (`Sec-Fetch-Site: cross-site`) is refused (403) unless
-//! [`HttpOptions::allow_cross_site`] is set. A web page a developer happens to open cannot
-//! drive the agents served on their machine.
+//! preflight), and a request that changes state (or runs hooks: the user routes) sent by a
+//! browser from another site (`Sec-Fetch-Site: cross-site`, or without it an `Origin` that is
+//! not the request's `Host`) is refused (403) unless [`HttpOptions::allow_cross_site`] is set.
+//! A web page a developer happens to open cannot drive the agents served on their machine.
 //!
 //! ```no_run
 //! # async fn serve(runtime: flue_runtime::Runtime) -> std::io::Result<()> {
@@ -100,7 +100,9 @@ pub struct HttpOptions {
     /// start, as an uncached read does.
     pub updates_cache_instances: usize,
     /// Whether a browser may send requests that change state (any method but `GET` and
-    /// `HEAD`) from another site (`Sec-Fetch-Site: cross-site`). Off by default: a web page a
+    /// `HEAD`, and any request of the user routes, whose reads run the application's hooks)
+    /// from another site (`Sec-Fetch-Site: cross-site`; from a browser that sends none, an
+    /// `Origin` that is not the request's `Host`). Off by default: a web page a
     /// developer happens to open could otherwise abort, or post messages to, the agents
     /// served on their machine (a request with no body, or one whose body is not declared
     /// JSON, needs no CORS preflight). Turn it on to serve a browser app on another site
@@ -294,12 +296,11 @@ async fn guard(
     request: Request,
     next: Next,
 ) -> Response {
-    let changes_state = !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
-    let cross_site = request
-        .headers()
-        .get("sec-fetch-site")
-        .is_some_and(|site| site.as_bytes().eq_ignore_ascii_case(b"cross-site"));
-    if changes_state && cross_site && !options.allow_cross_site {
+    // A user route runs the application's hooks even for a read (a client's attach and
+    // detach): as guarded as a write.
+    let changes_state =
+        user_id.is_some() || !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
+    if changes_state && !options.allow_cross_site && from_another_site(request.headers()) {
         return ApiError::forbidden(
             "A browser on another site may not change state here (Sec-Fetch-Site: cross-site); set HttpOptions::allow_cross_site to serve a browser app on another site.",
         )
@@ -328,6 +329,31 @@ async fn guard(
         }
     }
     next.run(request).await
+}
+
+/// Whether a browser sent the request from another site: as its `Sec-Fetch-Site` says, or,
+/// from a browser that sends none (an older one, or a plain-HTTP address it does not deem
+/// trustworthy), when its `Origin` names another host than the request's `Host` (an opaque
+/// `null` origin included).
+fn from_another_site(headers: &axum::http::HeaderMap) -> bool {
+    if let Some(site) = headers.get("sec-fetch-site") {
+        return site.as_bytes().eq_ignore_ascii_case(b"cross-site");
+    }
+    let Some(origin) = headers.get(axum::http::header::ORIGIN) else {
+        return false;
+    };
+    let authority = origin
+        .to_str()
+        .ok()
+        .and_then(|origin| origin.split_once("://"))
+        .map(|(_, authority)| authority);
+    let host = headers
+        .get(axum::http::header::HOST)
+        .and_then(|host| host.to_str().ok());
+    match (authority, host) {
+        (Some(authority), Some(host)) => !authority.eq_ignore_ascii_case(host),
+        _ => true,
+    }
 }
 
 async fn blank_id() -> ApiError {

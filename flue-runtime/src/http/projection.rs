@@ -24,9 +24,10 @@
 //!   message).
 //! - Chunks carry the conversation id and their position: the batch's offset and their index
 //!   within that batch's projection.
-//! - A settlement's error whose text is the application's own (a callback's, a hook's, a
-//!   render's panic, a sandbox factory's: [`SettlementError::is_internal`]) is served as the
-//!   reference's generic `internal_error` (§6.4); the records and the server's log keep it.
+//! - A settlement's error whose text is the application's own (a callback's, a render's, a
+//!   sandbox factory's, a lifecycle hook's panic: [`SettlementError::is_internal`]) is served
+//!   as the reference's generic `internal_error` (§6.4); the records and the server's log keep
+//!   it.
 //!
 //! [`SettlementError::is_internal`]: crate::record::SettlementError::is_internal
 
@@ -1186,6 +1187,27 @@ mod tests {
                 "details": "The server encountered an unexpected error while processing the agent submission. When reporting this failure, quote the settlement submissionId — server-side logs carry the same id.",
             }}])
         );
+        // A lifecycle hook's reason for refusing a message is served; its panic is not.
+        for (message, served) in [
+            (
+                "Messages about refunds go to the billing desk.",
+                "Messages about refunds go to the billing desk.",
+            ),
+            (
+                "panicked: cannot reach postgres://app:hunter2@db",
+                "The agent submission failed because of an internal error.",
+            ),
+        ] {
+            let mut projection = Projection::new("agents/a/i");
+            fold(
+                &mut projection,
+                vec![vec![RecordBody::SubmissionSettled {
+                    outcome: Outcome::Failed,
+                    error: Some(crate::record::SettlementError::new("message_hook_error", message)),
+                }]],
+            );
+            assert_eq!(projection.snapshot()["settlements"][0]["error"]["message"], served);
+        }
         // A framework's error is served as it is.
         let mut projection = Projection::new("agents/a/i");
         let timeout =

@@ -52,6 +52,17 @@ pub(crate) struct ThreadWriter {
 }
 
 impl ThreadWriter {
+    /// Where the log lines of what runs for the attempt go (none once the runtime is gone).
+    pub(crate) fn log_base(&self) -> Option<crate::session::EventLogBase> {
+        let runtime = self.runtime.upgrade()?;
+        Some(crate::session::EventLogBase::new(
+            &runtime,
+            &self.key,
+            &self.attempt.submission_id,
+            None,
+        ))
+    }
+
     pub(crate) fn new(
         runtime: &Arc<RuntimeInner>,
         key: &InstanceKey,
@@ -468,10 +479,15 @@ impl ThreadStateApi for RuntimeThread {
                 .as_ref()
                 .map(|execution| execution.abort_signal().clone())
                 .unwrap_or_default();
-            let ctx = ToolContext::new(&tool, new_id("invoke"))
+            let call_id = new_id("invoke");
+            let mut ctx = ToolContext::new(&tool, call_id.clone())
                 .with_instance_id(self.identity.thread_id.clone())
                 .with_signal(signal.clone())
                 .with_thread(self.state());
+            // Its lines are published as a model's call's are.
+            if let Some(log) = self.writer.log_base() {
+                ctx = ctx.with_logger(crate::session::tool_call_logger(&log, tool.name(), &call_id));
+            }
             let output = crate::tools::run_one(&tool, ctx, &args.to_string(), &signal).await;
             Ok(super::tool_result_of(&output.to_text(), output.is_error))
         })

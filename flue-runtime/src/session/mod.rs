@@ -679,7 +679,7 @@ impl InstanceSlot {
         // HTTP clients are served a generic error in place of the application's own text: the
         // log carries it, under the submission's id (reference §6.4).
         if let Some(error) = error.as_ref().filter(|error| error.is_internal()) {
-            tracing::error!(instance = %self.key, submission = %submission.id, error_type = %error.error_type, error = %error.message, details = %error.details, "the submission failed in the application's code");
+            tracing::error!(instance = %self.key, submission = %submission.id, joined = ?joined_ids, error_type = %error.error_type, error = %error.message, details = %error.details, "the submission failed in the application's code");
         }
         let mut records = Vec::new();
         // Why the submission ended, for the model of a later response to read: before its
@@ -880,28 +880,55 @@ impl Appends {
 }
 
 /// Log lines from tools and callbacks become events.
-#[derive(Clone)]
 struct EventLog {
+    submission: EventLogBase,
+    /// Who logs: the events' attributes, made only when a line is logged.
+    who: Option<Who>,
+}
+
+/// Who logs a line (reference §7.2).
+enum Who {
+    /// A tool call: `tool`, `toolCallId`.
+    Tool { name: String, call_id: String },
+    /// The `index`-th (from 0) callback of `hook`: `hook`, `hookIndex`.
+    Hook { hook: &'static str, index: usize },
+}
+
+impl Who {
+    fn attributes(&self) -> serde_json::Map<String, serde_json::Value> {
+        let pairs: [(&str, serde_json::Value); 2] = match self {
+            Self::Tool { name, call_id } => [("tool", name.as_str().into()), ("toolCallId", call_id.as_str().into())],
+            Self::Hook { hook, index } => [("hook", (*hook).into()), ("hookIndex", (*index).into())],
+        };
+        pairs
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value))
+            .collect()
+    }
+}
+
+/// The logger of one tool call: its lines carry the call's `tool` and `toolCallId`.
+pub(crate) fn tool_call_logger(base: &EventLogBase, tool: &str, tool_call_id: &str) -> Logger {
+    base.logger(Some(Who::Tool {
+        name: tool.to_owned(),
+        call_id: tool_call_id.to_owned(),
+    }))
+}
+
+/// What the loggers of one submission share (publishing `log` events for it, stamped with
+/// its task for a tool running in a task's child session); each logs as someone
+/// ([`tool_call_logger`], a callback's `hook` and `hookIndex`). Cloned by reference.
+#[derive(Clone)]
+pub(crate) struct EventLogBase(Arc<LogTarget>);
+
+/// Where a submission's log lines go.
+struct LogTarget {
     runtime: Weak<RuntimeInner>,
     key: InstanceKey,
     submission_id: String,
     /// The task whose child session the lines come from (`None`: the root's).
     task: Option<Arc<crate::events::TaskScope>>,
-    /// Who logs (a tool call, a callback): the events' attributes.
-    attributes: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
 }
-
-/// The logger of one tool call: `base`'s sink (an [`event_logger`]'s) with the call's
-/// `tool` and `toolCallId` on every line (reference §7.2).
-pub(crate) fn tool_call_logger(base: &EventLogBase, tool: &str, tool_call_id: &str) -> Logger {
-    base.with_attributes([("tool", tool.into()), ("toolCallId", tool_call_id.into())])
-}
-
-/// What the loggers of one submission share (publishing `log` events for it, stamped with
-/// its task for a tool running in a task's child session); each logs as someone
-/// ([`tool_call_logger`], a callback's `hook` and `hookIndex`).
-#[derive(Clone)]
-pub(crate) struct EventLogBase(EventLog);
 
 impl EventLogBase {
     pub(crate) fn new(
@@ -910,46 +937,42 @@ impl EventLogBase {
         submission_id: &str,
         task: Option<Arc<crate::events::TaskScope>>,
     ) -> Self {
-        Self(EventLog {
+        Self(Arc::new(LogTarget {
             runtime: Arc::downgrade(runtime),
             key: key.clone(),
             submission_id: submission_id.to_owned(),
             task,
-            attributes: None,
-        })
+        }))
     }
 
-    fn with_attributes<const N: usize>(&self, attributes: [(&str, serde_json::Value); N]) -> Logger {
-        let mut log = self.0.clone();
-        log.attributes = Some(Arc::new(
-            attributes
-                .into_iter()
-                .map(|(name, value)| (name.to_owned(), value))
-                .collect(),
-        ));
-        Logger::new(Arc::new(log))
+    fn logger(&self, who: Option<Who>) -> Logger {
+        Logger::new(Arc::new(EventLog {
+            submission: self.clone(),
+            who,
+        }))
     }
 
     /// The logger of the `index`-th (from 0) `hook` callback.
-    pub(crate) fn hook(&self, hook: &str, index: usize) -> Logger {
-        self.with_attributes([("hook", hook.into()), ("hookIndex", index.into())])
+    pub(crate) fn hook(&self, hook: &'static str, index: usize) -> Logger {
+        self.logger(Some(Who::Hook { hook, index }))
     }
 }
 
 impl LogSink for EventLog {
     fn log(&self, level: LogLevel, message: &str) {
-        if let Some(runtime) = self.runtime.upgrade() {
+        let target = &self.submission.0;
+        if let Some(runtime) = target.runtime.upgrade() {
             let event = || Event::Log {
                 level: serde_json::to_value(level)
                     .ok()
                     .and_then(|v| v.as_str().map(str::to_owned))
                     .unwrap_or_default(),
                 message: message.to_owned(),
-                attributes: self.attributes.clone(),
+                attributes: self.who.as_ref().map(|who| Arc::new(who.attributes())),
             };
-            match &self.task {
-                Some(task) => runtime.emit_in_task(&self.key, &self.submission_id, task, event),
-                None => runtime.emit_with(&self.key, Some(&self.submission_id), event),
+            match &target.task {
+                Some(task) => runtime.emit_in_task(&target.key, &target.submission_id, task, event),
+                None => runtime.emit_with(&target.key, Some(&target.submission_id), event),
             }
         }
     }
@@ -1090,7 +1113,7 @@ impl Response<'_> {
 
     /// The logger of the framework's own lines about this response.
     fn logger(&self) -> Logger {
-        Logger::new(Arc::new(self.log_base().0))
+        self.log_base().logger(None)
     }
 
     /// What the loggers of this response's tool calls and callbacks share.
