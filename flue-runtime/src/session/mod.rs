@@ -1878,6 +1878,7 @@ impl Response<'_> {
                 .iter()
                 .map(|_| Arc::new(Appends::default()))
                 .collect();
+            let log = self.log_base();
             let runs = rendered
                 .agent_starts
                 .iter()
@@ -1889,7 +1890,7 @@ impl Response<'_> {
                         channel.clone(),
                         window.clone(),
                         self.attempt.signal.clone(),
-                        self.log_base().hook("use_agent_start", index),
+                        log.hook("use_agent_start", index),
                         delivery.clone(),
                     );
                     // A callback that panics while building its future, or while it runs,
