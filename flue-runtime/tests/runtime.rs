@@ -1362,15 +1362,9 @@ fn waiting_body() -> &'static str {
     "Wait."
 }
 
-#[tokio::test]
-async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("wait_forever", json!({})),
-        ScriptedReply::text("never"),
-    ]);
-    let runtime = runtime_with(&model, vec![waiter.into()]);
+/// Dispatches "go" to `handle` and aborts it once its tool has started; the submission.
+async fn abort_once_its_tool_runs(runtime: &Runtime, handle: &flue_runtime::AgentHandle) -> String {
     let mut events = runtime.observe();
-    let handle = runtime.init(&waiter, "w");
     let receipt = handle.dispatch("go").await.unwrap();
     loop {
         if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
@@ -1378,7 +1372,19 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
         }
     }
     assert!(handle.abort().await.unwrap());
-    let error = handle.read(&receipt.submission_id).await.unwrap_err();
+    receipt.submission_id
+}
+
+#[tokio::test]
+async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("wait_forever", json!({})),
+        ScriptedReply::text("never"),
+    ]);
+    let runtime = runtime_with(&model, vec![waiter.into()]);
+    let handle = runtime.init(&waiter, "w");
+    let submission_id = abort_once_its_tool_runs(&runtime, &handle).await;
+    let error = handle.read(&submission_id).await.unwrap_err();
     let (error_type, message) = run_error(error);
     assert_eq!(
         (error_type.as_str(), message.as_str()),
@@ -1418,17 +1424,10 @@ async fn an_aborted_submission_leaves_an_advisory_that_the_next_responses_model_
     ]);
     let store = MemoryStore::new();
     let runtime = harness::runtime_on(store.clone(), &model, vec![waiter.into()]);
-    let mut events = runtime.observe();
     let handle = runtime.init(&waiter, "advised");
-    let receipt = handle.dispatch("go").await.unwrap();
-    loop {
-        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
-            break;
-        }
-    }
-    assert!(handle.abort().await.unwrap());
-    handle.read(&receipt.submission_id).await.unwrap_err();
-    let id = receipt.submission_id.as_str();
+    let submission_id = abort_once_its_tool_runs(&runtime, &handle).await;
+    handle.read(&submission_id).await.unwrap_err();
+    let id = submission_id.as_str();
     let advised = advisories(&store, &InstanceKey::new("waiter", "advised")).await;
     let [(record, next)] = &advised[..] else {
         panic!("one advisory: {advised:?}")
