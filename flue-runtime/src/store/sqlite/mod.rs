@@ -22,6 +22,12 @@
 //! Submission rows keep their full state as JSON beside the columns that queries filter on,
 //! so every transition is the same read-modify-write the memory store performs, inside one
 //! `BEGIN IMMEDIATE` transaction.
+//!
+//! Beside the file, the store keeps an index of its ledger (`index`): the running attempt of
+//! each unsettled submission, each instance's queued and joined counts, each stream's end and
+//! the next sequence. Every write keeps it, a transaction that does not commit puts it back,
+//! and another connection's commit makes the store read it again. So an append is one
+//! statement, its insert, and a turn boundary asks SQLite nothing.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -39,17 +45,109 @@ use super::{
 };
 use crate::record::{Batch, Outcome, Record, SettlementError, new_id};
 
+mod index;
 #[cfg(unix)]
 mod vfs;
+
+use index::{Index, IndexTx};
 
 /// The persisted format this build reads and writes.
 pub const FORMAT_VERSION: &str = "1";
 
 /// A [`Store`] in one SQLite file.
 pub struct SqliteStore {
-    connection: Mutex<Connection>,
+    db: Mutex<Db>,
     /// Nudges the checkpointer thread (file databases only); dropping it stops the thread.
     checkpointer: Option<Checkpointer>,
+}
+
+/// The writing connection and what the store knows of the ledger in it (its [`Index`]),
+/// behind one lock.
+///
+/// Another connection's commit (another store on the same file: a test's, or another
+/// process's where the file is not locked for one) makes the index stale; the store notices
+/// through SQLite's two data-version counters and reads the index again.
+struct Db {
+    connection: Connection,
+    index: Index,
+    /// The pager's data version ([`pager_version`]) when the index was last known true.
+    pager_version: u32,
+    /// `PRAGMA data_version` when the index was last known true.
+    data_version: i64,
+}
+
+impl Db {
+    /// The index, read again from the file first when another connection committed since it
+    /// was last known true: for a look outside a transaction (it then describes the file as
+    /// of the call).
+    fn fresh_index(&mut self) -> Result<&Index, StoreError> {
+        let version = data_version(&self.connection)?;
+        if version != self.data_version {
+            self.index = Index::load(&self.connection)?;
+            self.data_version = version;
+        }
+        Ok(&self.index)
+    }
+}
+
+/// In a write transaction, after `BEGIN IMMEDIATE` (which read the WAL's header): reads
+/// `index` again when the pager's data version moved past `known`. The pager counts its own
+/// commits too, so `known` is taken again after each (see [`SqliteStore::run`]).
+fn refresh(connection: &Connection, index: &mut Index, known: &mut u32) -> Result<(), StoreError> {
+    let version = pager_version(connection)?;
+    if version != *known {
+        *index = Index::load(connection)?;
+        *known = version;
+    }
+    Ok(())
+}
+
+/// The connection's `PRAGMA data_version`: changes when another connection commits; read
+/// outside a transaction, it looks at the file.
+fn data_version(connection: &Connection) -> Result<i64, StoreError> {
+    connection
+        .prepare_cached("PRAGMA data_version")
+        .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
+        .map_err(sql)
+}
+
+/// The main database pager's data version (`SQLITE_FCNTL_DATA_VERSION`): changes with every
+/// commit, this connection's own included, and when a transaction finds that another
+/// connection committed. A field read, where `PRAGMA data_version` costs a statement.
+fn pager_version(connection: &Connection) -> Result<u32, StoreError> {
+    let mut version: u32 = 0;
+    // SAFETY: the handle is the connection's open database, used on this thread while the
+    // store's lock is held; the file control writes one `unsigned int` through the pointer,
+    // which points to `version`, alive for the call.
+    let code = unsafe {
+        rusqlite::ffi::sqlite3_file_control(
+            connection.handle(),
+            c"main".as_ptr(),
+            rusqlite::ffi::SQLITE_FCNTL_DATA_VERSION,
+            (&raw mut version).cast(),
+        )
+    };
+    if code != rusqlite::ffi::SQLITE_OK {
+        return Err(StoreError::Other(format!(
+            "sqlite: cannot read the data version (code {code})"
+        )));
+    }
+    Ok(version)
+}
+
+/// A transaction: its connection (which it derefs to) and its view of the index, whose
+/// changes are undone unless the transaction commits.
+struct Tx<'c> {
+    connection: &'c Connection,
+    index: IndexTx<'c>,
+}
+
+impl std::ops::Deref for Tx<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.connection
+    }
 }
 
 /// Commits between checkpoint requests: roughly 600–900 WAL frames at two or three dirtied
@@ -161,8 +259,8 @@ fn open_exclusive(path: &Path) -> Result<Connection, StoreError> {
 /// How SQLite reports a lock it could not take within the busy timeout.
 const LOCKED: &str = "database is locked";
 
-fn locked(connection: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
-    connection.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+fn locked<T>(value: &Mutex<T>) -> MutexGuard<'_, T> {
+    value.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 const PASSIVE: &str = "PRAGMA wal_checkpoint(PASSIVE)";
@@ -412,7 +510,7 @@ fn number_streams(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
 }
 
 /// Puts the deliveries of `key` claimed into `host` but never applied back in the queue.
-fn revert_joining(tx: &Connection, key: &InstanceKey, host: &str) -> Result<usize, StoreError> {
+fn revert_joining(tx: &Tx<'_>, key: &InstanceKey, host: &str) -> Result<usize, StoreError> {
     let mut reverted = 0;
     for mut joining in unsettled_in(tx, key, SubmissionStatus::Joining)? {
         if joining.joined_into.as_deref() == Some(host) {
@@ -441,6 +539,19 @@ fn status_name(status: SubmissionStatus) -> &'static str {
         SubmissionStatus::Joined => "joined",
         SubmissionStatus::Settled => "settled",
     }
+}
+
+/// The status a `status` column names.
+fn status_named(name: &str) -> Option<SubmissionStatus> {
+    [
+        SubmissionStatus::Queued,
+        SubmissionStatus::Running,
+        SubmissionStatus::Joining,
+        SubmissionStatus::Joined,
+        SubmissionStatus::Settled,
+    ]
+    .into_iter()
+    .find(|status| status_name(*status) == name)
 }
 
 fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
@@ -473,7 +584,7 @@ impl SqliteStore {
             other => other,
         })?;
         // Replaces SQLite's own automatic checkpoint (itself a WAL hook).
-        store.lock().wal_hook(Some(note_wal_frames));
+        store.lock().connection.wal_hook(Some(note_wal_frames));
         store.checkpointer = Some(Checkpointer::start(path)?);
         Ok(store)
     }
@@ -484,7 +595,10 @@ impl SqliteStore {
     /// sync it survives those too, at the cost of an fsync per durability point (about six
     /// per exchange).
     pub fn with_full_sync(self) -> Result<Self, StoreError> {
-        self.lock().execute_batch("PRAGMA synchronous = FULL;").map_err(sql)?;
+        self.lock()
+            .connection
+            .execute_batch("PRAGMA synchronous = FULL;")
+            .map_err(sql)?;
         Ok(self)
     }
 
@@ -507,38 +621,80 @@ impl SqliteStore {
             .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;")
             .map_err(sql)?;
         connection.set_prepared_statement_cache_capacity(64);
+        let index = Index::load(&connection)?;
+        let data_version = data_version(&connection)?;
+        let pager_version = pager_version(&connection)?;
         Ok(Self {
-            connection: Mutex::new(connection),
+            db: Mutex::new(Db {
+                connection,
+                index,
+                pager_version,
+                data_version,
+            }),
             checkpointer: None,
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Connection> {
-        locked(&self.connection)
+    fn lock(&self) -> MutexGuard<'_, Db> {
+        locked(&self.db)
+    }
+
+    /// Reads the index again from the file (after a test changed rows behind the store).
+    #[cfg(test)]
+    fn reload_index(&self) {
+        let mut db = self.lock();
+        db.index = Index::load(&db.connection).expect("the index loads");
     }
 
     /// Runs `f` in one `BEGIN IMMEDIATE` transaction, committing when it succeeds.
-    fn transaction<T>(&self, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
+    fn transaction<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T, StoreError>) -> Result<T, StoreError> {
         self.run(TransactionBehavior::Immediate, f)
     }
 
     /// Runs a read-only `f` in a deferred transaction (a consistent snapshot, no write lock).
-    fn read_transaction<T>(&self, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
+    fn read_transaction<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T, StoreError>) -> Result<T, StoreError> {
         self.run(TransactionBehavior::Deferred, f)
     }
 
     fn run<T>(
         &self,
         behavior: TransactionBehavior,
-        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+        f: impl FnOnce(&Tx<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let connection = self.lock();
+        let mut db = self.lock();
         let write = matches!(behavior, TransactionBehavior::Immediate);
-        let open = Open::begin(&connection, write)?;
-        let value = f(&connection)?;
+        let Db {
+            connection,
+            index,
+            pager_version: known,
+            ..
+        } = &mut *db;
+        let open = Open::begin(connection, write)?;
+        // Only a write transaction's `BEGIN` reads the WAL's header (a deferred one reads it
+        // at its first statement); read transactions do not use the index.
+        if write {
+            refresh(connection, index, known)?;
+        }
+        // Dropped before `open` on an error or a panic: the index is put back, then the
+        // transaction rolled back.
+        let tx = Tx {
+            connection,
+            index: IndexTx::new(index),
+        };
+        let value = f(&tx)?;
         open.commit()?;
-        if write && let Some(checkpointer) = &self.checkpointer {
-            checkpointer.committed(&connection);
+        #[cfg(debug_assertions)]
+        tx.index.verify(connection);
+        tx.index.commit();
+        if write {
+            // This commit moved the pager's version: the index describes the file after it.
+            // (Were the version unreadable, the next transaction would read the index again.)
+            if let Ok(version) = pager_version(connection) {
+                *known = version;
+            }
+            if let Some(checkpointer) = &self.checkpointer {
+                checkpointer.committed(connection);
+            }
         }
         Ok(value)
     }
@@ -665,7 +821,7 @@ fn read_submission(transaction: &Connection, id: &str) -> Result<Option<Submissi
 
 /// Writes a transition of a submission row: an update of the row its sequence (the rowid)
 /// names (an admission inserts with [`insert_submission`]).
-fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), StoreError> {
+fn write_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreError> {
     let data = serde_json::to_string(row).map_err(json_error)?;
     let updated = transaction
         .prepare_cached(
@@ -689,11 +845,12 @@ fn write_submission(transaction: &Connection, row: &Submission) -> Result<(), St
             row.id
         )));
     }
+    transaction.index.wrote(row);
     Ok(())
 }
 
 /// Inserts an admitted submission's row (`data` is its JSON).
-fn insert_submission(transaction: &Connection, row: &Submission, data: String) -> Result<(), StoreError> {
+fn insert_submission(transaction: &Tx<'_>, row: &Submission, data: String) -> Result<(), StoreError> {
     transaction
         .prepare_cached(
             "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data, attempt_id)
@@ -711,19 +868,9 @@ fn insert_submission(transaction: &Connection, row: &Submission, data: String) -
             data,
             row.attempt_id
         ])
-        .map(drop)
-        .map_err(sql)
-}
-
-/// Whether the instance has unsettled submissions (its partial index alone answers).
-fn has_unsettled(transaction: &Connection, key: &InstanceKey) -> Result<bool, StoreError> {
-    transaction
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled')",
-        )
-        .map_err(sql)?
-        .query_row(params![key.agent, key.id], |row| row.get(0))
-        .map_err(sql)
+        .map_err(sql)?;
+    transaction.index.wrote(row);
+    Ok(())
 }
 
 /// The instance's unsettled submissions, in admission order.
@@ -763,20 +910,8 @@ fn unsettled_in(
     )
 }
 
-/// Whether the instance has a submission in `status`, read from the columns alone.
-fn has_unsettled_in(transaction: &Connection, key: &InstanceKey, status: SubmissionStatus) -> Result<bool, StoreError> {
-    transaction
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM flue_submissions
-                 WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND status = ?3)",
-        )
-        .map_err(sql)?
-        .query_row(params![key.agent, key.id, status_name(status)], |row| row.get(0))
-        .map_err(sql)
-}
-
 /// Starts an attempt of the instance's head, when it is queued.
-fn claim_head(transaction: &Connection, key: &InstanceKey, claim: &Claim) -> Result<Option<Submission>, StoreError> {
+fn claim_head(transaction: &Tx<'_>, key: &InstanceKey, claim: &Claim) -> Result<Option<Submission>, StoreError> {
     // Only the head is read: the rows queued behind it (their messages, images included)
     // are not parsed at every claim.
     let Some(mut head) = submissions(
@@ -795,34 +930,22 @@ fn claim_head(transaction: &Connection, key: &InstanceKey, claim: &Claim) -> Res
     Ok(Some(head))
 }
 
-/// Whether `attempt` runs its submission (the fence of a write), read from the row's columns
-/// (parsing its JSON would cost as much as its message is long, at every append).
-fn holds(transaction: &Connection, attempt: &AttemptRef) -> Result<bool, StoreError> {
+/// `<agent>/<instance id>` of the submission `attempt` runs, when it runs it (the fence of a
+/// write), from the index.
+fn owner_of(transaction: &Tx<'_>, attempt: &AttemptRef) -> Option<InstanceKey> {
     transaction
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM flue_submissions
-                 WHERE id = ?1 AND status = 'running' AND attempt_id = ?2)",
-        )
-        .map_err(sql)?
-        .query_row(params![attempt.submission_id, attempt.attempt_id], |row| row.get(0))
-        .map_err(sql)
+        .index
+        .unsettled(&attempt.submission_id)
+        .filter(|row| {
+            row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
+        })
+        .map(|row| row.key)
 }
 
-/// `<agent>/<instance id>` of the submission `attempt` runs, when it runs it (the owner
-/// [`append_batch`]'s query reads with the stream).
-fn owner_of(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<String>, StoreError> {
-    transaction
-        .prepare_cached(
-            "SELECT agent || '/' || instance_id FROM flue_submissions
-                 WHERE id = ?1 AND status = 'running' AND attempt_id = ?2",
-        )
-        .map_err(sql)?
-        .query_row(params![attempt.submission_id, attempt.attempt_id], |row| row.get(0))
-        .optional()
-        .map_err(sql)
-}
-
-fn owns(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<Submission>, StoreError> {
+fn owns(transaction: &Tx<'_>, attempt: &AttemptRef) -> Result<Option<Submission>, StoreError> {
+    if owner_of(transaction, attempt).is_none() {
+        return Ok(None);
+    }
     Ok(read_submission(transaction, &attempt.submission_id)?.filter(|row| {
         row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
     }))
@@ -831,13 +954,11 @@ fn owns(transaction: &Connection, attempt: &AttemptRef) -> Result<Option<Submiss
 /// Appends a batch at the end of `key`'s stream; returns its offset. With a `fence`, only
 /// while that attempt runs its submission (else [`StoreError::Fenced`]).
 ///
-/// Two statements: one query finds the stream, its last position and the fence, then the
-/// insert. An append is the hot path of every durability point, and each statement costs its
-/// own trip through the statement cache and SQLite's VM. (One `INSERT … SELECT … RETURNING`
-/// would cost more: SQLite buffers both the selected rows and the returned ones in temporary
-/// B-trees, which it allocates and clears at every run.)
+/// One statement, the insert: the fence and the stream's end come from the index (a stream
+/// it does not know is read from the file once). An append is the hot path of every
+/// durability point.
 fn append_batch(
-    transaction: &Connection,
+    transaction: &Tx<'_>,
     key: &InstanceKey,
     records: &[Record],
     fence: Option<&AttemptRef>,
@@ -845,60 +966,32 @@ fn append_batch(
     if records.is_empty() {
         return Err(StoreError::Other("an append batch must not be empty".into()));
     }
-    // `MAX(position)` alone is what SQLite answers with one seek from the range's end.
-    // The fence's submission, when the attempt runs it: `<agent>/<instance id>` (an agent
-    // name has no `/`), so the stream can be checked to be its instance's.
-    let found: Option<(i64, Option<i64>, Option<String>)> = transaction
-        .prepare_cached(
-            "SELECT i.stream,
-                 (SELECT MAX(position) FROM flue_batches
-                     WHERE position >= (i.stream << 32) AND position < ((i.stream + 1) << 32)),
-                 (SELECT agent || '/' || instance_id FROM flue_submissions
-                     WHERE id = ?3 AND status = 'running' AND attempt_id = ?4)
-             FROM flue_instances i WHERE i.agent = ?1 AND i.id = ?2",
-        )
-        .map_err(sql)?
-        .query_row(
-            params![
-                key.agent,
-                key.id,
-                fence.map(|attempt| attempt.submission_id.as_str()),
-                fence.map(|attempt| attempt.attempt_id.as_str())
-            ],
-            |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)),
-        )
-        .optional()
-        .map_err(sql)?;
-    // What the fence says: `None` when the attempt may write here. Without an instance the
-    // fence is reported first all the same, as the other stores do.
-    let refused = match fence {
-        None => None,
-        Some(attempt) => {
-            let owner = match &found {
-                Some((_, _, owner)) => owner.clone(),
-                None => owner_of(transaction, attempt)?,
+    // The fence is reported first, whether or not the stream exists, as the other stores do.
+    if let Some(attempt) = fence {
+        let refused = match owner_of(transaction, attempt) {
+            Some(owner) if key.writable_by(&owner.agent, &owner.id) => None,
+            Some(_) => Some(format!(
+                "submission {} does not write the stream {key}",
+                attempt.submission_id
+            )),
+            None => Some(format!(
+                "attempt {} does not own submission {}",
+                attempt.attempt_id, attempt.submission_id
+            )),
+        };
+        if let Some(refused) = refused {
+            return Err(StoreError::Fenced(refused));
+        }
+    }
+    let (stream, offset) = match transaction.index.stream(key) {
+        Some(end) => end,
+        None => {
+            let Some(stream) = instance_row(transaction, key)?.map(|(_, stream)| stream) else {
+                return Err(StoreError::Other(format!("no stream {key}")));
             };
-            match owner.as_deref().map(|owner| owner.split_once('/')) {
-                Some(Some((agent, id))) if key.writable_by(agent, id) => None,
-                Some(_) => Some(format!(
-                    "submission {} does not write the stream {key}",
-                    attempt.submission_id
-                )),
-                None => Some(format!(
-                    "attempt {} does not own submission {}",
-                    attempt.attempt_id, attempt.submission_id
-                )),
-            }
+            (stream, next_offset(transaction, stream)?)
         }
     };
-    if let Some(refused) = refused {
-        return Err(StoreError::Fenced(refused));
-    }
-    let Some((stream, last, _)) = found else {
-        return Err(StoreError::Other(format!("no stream {key}")));
-    };
-    let start = stream_start(stream);
-    let offset = last.map_or(0, |last| (last - start) as u64 + 1);
     if offset >= STREAM_CAPACITY {
         return Err(StoreError::Other(format!(
             "the stream of {key} is full ({STREAM_CAPACITY} batches)"
@@ -908,8 +1001,9 @@ fn append_batch(
     transaction
         .prepare_cached("INSERT INTO flue_batches (position, records) VALUES (?1, ?2)")
         .map_err(sql)?
-        .execute(params![start + offset as i64, data])
+        .execute(params![stream_start(stream) + offset as i64, data])
         .map_err(sql)?;
+    transaction.index.set_stream(key, stream, offset + 1);
     Ok(offset)
 }
 
@@ -1016,14 +1110,16 @@ impl Store for SqliteStore {
             }
             let existing = instance_row(tx, &admission.key)?;
             super::check_uid(&admission, existing.as_ref().map(|(uid, _)| uid.as_str()))?;
-            let sequence: i64 = tx
-                .prepare_cached("SELECT COALESCE(MAX(sequence), 0) + 1 FROM flue_submissions")
-                .map_err(sql)?
-                .query_row([], |row| row.get(0))
-                .map_err(sql)?;
+            let sequence = tx.index.take_sequence();
             let created = existing.is_none();
             let (uid, offset) = match existing {
-                Some((uid, stream)) => (uid, next_offset(tx, stream)?.checked_sub(1)),
+                Some((uid, stream)) => {
+                    let next = match tx.index.stream(&admission.key) {
+                        Some((_, next)) => next,
+                        None => next_offset(tx, stream)?,
+                    };
+                    (uid, next.checked_sub(1))
+                }
                 None => {
                     let stream = root_stream(tx, sequence)?;
                     let uid = new_id("inst");
@@ -1033,6 +1129,7 @@ impl Store for SqliteStore {
                     .map_err(sql)?
                     .execute(params![admission.key.agent, admission.key.id, uid, stream])
                     .map_err(sql)?;
+                    tx.index.set_stream(&admission.key, stream, 0);
                     let birth = super::birth_record(&uid, admission.initial_data.clone());
                     let offset = append_batch(tx, &admission.key, &[birth], None)?;
                     (uid, Some(offset))
@@ -1042,7 +1139,7 @@ impl Store for SqliteStore {
             // unsettled): the row is written once, already running. An instance this admission
             // created has no other submission (instances are never deleted).
             let claim = match &admission.claim {
-                Some(claim) if created || !has_unsettled(tx, &admission.key)? => Some(claim.clone()),
+                Some(claim) if created || tx.index.counts(&admission.key).unsettled == 0 => Some(claim.clone()),
                 _ => None,
             };
             let submission = super::queued_submission(admission, sequence as u64);
@@ -1077,14 +1174,8 @@ impl Store for SqliteStore {
     }
 
     fn has_queued(&self, key: &InstanceKey) -> BoxFuture<'_, Result<bool, StoreError>> {
-        ready(self.read_transaction(|tx| {
-            tx.prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND status = 'queued')",
-            )
-            .map_err(sql)?
-            .query_row(params![key.agent, key.id], |row| row.get(0))
-            .map_err(sql)
-        }))
+        let mut db = self.lock();
+        ready(db.fresh_index().map(|index| index.counts(key).queued > 0))
     }
 
     fn claim_next(&self, key: &InstanceKey, claim: &Claim) -> BoxFuture<'_, Result<Option<Submission>, StoreError>> {
@@ -1184,19 +1275,16 @@ impl Store for SqliteStore {
     }
 
     fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
-        // Asked at every turn boundary and nearly always empty: look before taking the write
-        // lock. A delivery admitted just after the look joins at the next boundary, or runs as
-        // the next submission.
-        let queued = self.read_transaction(|tx| {
-            tx.prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h
-                     ON h.id = ?1 AND s.agent = h.agent AND s.instance_id = h.instance_id
-                     WHERE s.status <> 'settled' AND s.status = 'queued')",
-            )
-            .map_err(sql)?
-            .query_row(params![host.submission_id], |row| row.get::<_, bool>(0))
-            .map_err(sql)
-        });
+        // Asked at every turn boundary and nearly always empty: the index answers that
+        // without a transaction.
+        let queued = {
+            let mut db = self.lock();
+            db.fresh_index().map(|index| {
+                index
+                    .unsettled(&host.submission_id)
+                    .is_some_and(|row| index.counts(&row.key).queued > 0)
+            })
+        };
         match queued {
             Ok(false) => return ready(Ok(Vec::new())),
             Ok(true) => {}
@@ -1222,7 +1310,7 @@ impl Store for SqliteStore {
 
     fn finalize_join(&self, host: &AttemptRef, submission_id: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
         ready(self.transaction(|tx| {
-            if !holds(tx, host)? {
+            if owner_of(tx, host).is_none() {
                 return Ok(false);
             }
             match read_submission(tx, submission_id)? {
@@ -1258,11 +1346,16 @@ impl Store for SqliteStore {
             }
             // Only the rows that may have joined this response are parsed; the queue behind it
             // is looked at through its columns.
-            let mut queued = has_unsettled_in(tx, &host_row.key, SubmissionStatus::Queued)?;
-            let joins = [SubmissionStatus::Joined, SubmissionStatus::Joining]
-                .into_iter()
-                .map(|status| unsettled_in(tx, &host_row.key, status))
-                .collect::<Result<Vec<_>, _>>()?;
+            let counts = tx.index.counts(&host_row.key);
+            let mut queued = counts.queued > 0;
+            let joins = if counts.joins == 0 {
+                Vec::new()
+            } else {
+                [SubmissionStatus::Joined, SubmissionStatus::Joining]
+                    .into_iter()
+                    .map(|status| unsettled_in(tx, &host_row.key, status))
+                    .collect::<Result<Vec<_>, _>>()?
+            };
             for mut row in joins.into_iter().flatten() {
                 if row.joined_into.as_deref() != Some(host.submission_id.as_str()) {
                     continue;
@@ -1368,6 +1461,7 @@ impl Store for SqliteStore {
             .map_err(sql)?
             .execute(params![child.agent, child.id, super::birth_uid(&birth), stream])
             .map_err(sql)?;
+            tx.index.set_stream(child, stream, 0);
             set_stream_counter(tx, "lowest_stream", stream)?;
             append_batch(tx, child, &birth, None)?;
             Ok(offset)
@@ -1376,8 +1470,9 @@ impl Store for SqliteStore {
 
     fn last_offset(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
         // The stream's last position is one seek from its range's end (a bare `MAX`).
-        let connection = self.lock();
-        let last = connection
+        let db = self.lock();
+        let last = db
+            .connection
             .prepare_cached(
                 "SELECT i.stream,
                      (SELECT MAX(position) FROM flue_batches
@@ -1400,8 +1495,9 @@ impl Store for SqliteStore {
         // One statement (its own snapshot, so no transaction around it): the instance's stream
         // and its batches after `after`. Every submission and every catching-up reader reads.
         let first = after.map_or(0, |after| after.saturating_add(1)).min(STREAM_CAPACITY) as i64;
-        let connection = self.lock();
-        let batches = connection
+        let db = self.lock();
+        let batches = db
+            .connection
             .prepare_cached(
                 "SELECT b.position - (i.stream << 32), b.records
                  FROM flue_instances i JOIN flue_batches b
@@ -1637,6 +1733,7 @@ mod tests {
         let synchronous = |store: &SqliteStore| -> i64 {
             store
                 .lock()
+                .connection
                 .query_row("PRAGMA synchronous", [], |row| row.get(0))
                 .unwrap()
         };
@@ -1773,6 +1870,7 @@ mod tests {
                 .map_err(sql)
             })
             .unwrap();
+        store.reload_index();
         admit("late-1", "s-2").unwrap();
         admit("early", "s-3").unwrap();
         admit("late-2", "s-4").unwrap();
@@ -1886,5 +1984,113 @@ mod tests {
             .transaction(|connection| insert_instance(connection, "kept"))
             .unwrap();
         assert_eq!(instance_count(&store), 1);
+    }
+
+    fn admission(instance: &str, submission: &str, claim: Option<Claim>) -> crate::store::Admission {
+        crate::store::Admission {
+            key: InstanceKey::new("a", instance.to_owned()),
+            submission_id: submission.to_owned(),
+            keyed: false,
+            kind: crate::store::SubmissionKind::Dispatch,
+            message: flue_core::message::DeliveredMessage::user("hi"),
+            initial_data: None,
+            uid: crate::store::UidCondition::Any,
+            max_attempts: 10,
+            timeout_ms: 60_000,
+            claim,
+            trace: None,
+        }
+    }
+
+    fn claim(attempt: &str) -> Claim {
+        Claim {
+            attempt_id: attempt.to_owned(),
+            owner_id: "owner".into(),
+            lease_until_ms: u64::MAX,
+        }
+    }
+
+    fn attempt(submission: &str, attempt: &str) -> AttemptRef {
+        AttemptRef {
+            submission_id: submission.to_owned(),
+            attempt_id: attempt.to_owned(),
+        }
+    }
+
+    fn now<T>(future: BoxFuture<'_, T>) -> T {
+        futures_util::FutureExt::now_or_never(future).expect("the SQLite store answers at once")
+    }
+
+    fn record() -> Arc<[Record]> {
+        vec![super::super::birth_record("u", None)].into()
+    }
+
+    /// The index answers the fence, the queue and the stream's end; when another store on the
+    /// same file commits (another connection), the next transaction reads the index again
+    /// instead of trusting what it knew.
+    #[test]
+    fn another_stores_commits_on_the_same_file_are_seen_by_the_index() {
+        let dir = std::env::temp_dir().join(format!("flue-sqlite-index-{}", new_id("t")));
+        let first = SqliteStore::open(dir.join("flue.db")).unwrap();
+        let second = SqliteStore::open(dir.join("flue.db")).unwrap();
+        let key = InstanceKey::new("a", "k");
+        now(first.admit(admission("k", "s-1", Some(claim("at-1"))))).unwrap();
+        assert_eq!(now(first.append(&key, record(), Some(&attempt("s-1", "at-1")))), Ok(1));
+        // The other store writes the stream's next batch, then settles the submission.
+        assert_eq!(now(second.append(&key, record(), Some(&attempt("s-1", "at-1")))), Ok(2));
+        assert_eq!(now(first.last_offset(&key)), Ok(Some(2)));
+        assert_eq!(
+            now(first.append(&key, record(), None)),
+            Ok(3),
+            "after the other's batch"
+        );
+        now(second.settle(&attempt("s-1", "at-1"), Outcome::Completed, None, Vec::new())).unwrap();
+        assert!(matches!(
+            now(first.append(&key, record(), Some(&attempt("s-1", "at-1")))),
+            Err(StoreError::Fenced(_))
+        ));
+        // A delivery the other store queued is seen at the next turn boundary.
+        now(first.admit(admission("k", "s-2", Some(claim("at-2"))))).unwrap();
+        now(second.admit(admission("k", "s-3", None))).unwrap();
+        assert_eq!(now(first.has_queued(&key)), Ok(true));
+        let joined = now(first.claim_joinable(&attempt("s-2", "at-2"))).unwrap();
+        assert_eq!(joined.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(), ["s-3"]);
+        drop((first, second));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A transaction that fails after changing the index leaves it as it was: the next append
+    /// takes the offset the failed one would have, and a claim that rolled back does not pass
+    /// the fence.
+    #[test]
+    fn a_failed_transaction_leaves_the_index_as_it_was() {
+        let store = SqliteStore::in_memory().unwrap();
+        let key = InstanceKey::new("a", "k");
+        now(store.admit(admission("k", "s-1", None))).unwrap();
+        let failed = store.transaction(|tx| -> Result<(), StoreError> {
+            append_batch(tx, &key, &record(), None)?;
+            let _ = claim_head(tx, &key, &claim("at-1"))?;
+            assert!(
+                owner_of(tx, &attempt("s-1", "at-1")).is_some(),
+                "seen inside its transaction"
+            );
+            Err(StoreError::Other("a later statement failed".into()))
+        });
+        assert!(failed.is_err());
+        assert_eq!(now(store.last_offset(&key)), Ok(Some(0)), "only the birth batch");
+        assert!(matches!(
+            now(store.append(&key, record(), Some(&attempt("s-1", "at-1")))),
+            Err(StoreError::Fenced(_))
+        ));
+        assert_eq!(now(store.append(&key, record(), None)), Ok(1));
+        assert_eq!(now(store.has_queued(&key)), Ok(true), "still queued");
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            store.transaction(|tx| -> Result<(), StoreError> {
+                append_batch(tx, &key, &record(), None)?;
+                panic!("a bug between two statements");
+            })
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(now(store.append(&key, record(), None)), Ok(2));
     }
 }
