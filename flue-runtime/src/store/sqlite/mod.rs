@@ -70,8 +70,10 @@ pub struct SqliteStore {
 struct Db {
     connection: Connection,
     index: Index,
-    /// The pager's data version ([`pager_version`]) when the index was last known true.
-    pager_version: u32,
+    /// The pager's data version ([`pager_version`]) when the index was last known true;
+    /// `None` after a write transaction failed on SQLite's side (a constraint the index should
+    /// have prevented, an I/O error): the next one reads the index again whatever the version.
+    pager_version: Option<u32>,
     /// `PRAGMA data_version` when the index was last known true.
     data_version: i64,
 }
@@ -93,11 +95,11 @@ impl Db {
 /// In a write transaction, after `BEGIN IMMEDIATE` (which read the WAL's header): reads
 /// `index` again when the pager's data version moved past `known`. The pager counts its own
 /// commits too, so `known` is taken again after each (see [`SqliteStore::run`]).
-fn refresh(connection: &Connection, index: &mut Index, known: &mut u32) -> Result<(), StoreError> {
+fn refresh(connection: &Connection, index: &mut Index, known: &mut Option<u32>) -> Result<(), StoreError> {
     let version = pager_version(connection)?;
-    if version != *known {
+    if *known != Some(version) {
         *index = Index::load(connection)?;
-        *known = version;
+        *known = Some(version);
     }
     Ok(())
 }
@@ -621,14 +623,17 @@ impl SqliteStore {
             .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;")
             .map_err(sql)?;
         connection.set_prepared_statement_cache_capacity(64);
-        let index = Index::load(&connection)?;
+        // The versions first: a commit of another connection after them is seen as a change
+        // (the load's own reads move the pager's version too), where one between the load and
+        // them would be missed.
         let data_version = data_version(&connection)?;
         let pager_version = pager_version(&connection)?;
+        let index = Index::load(&connection)?;
         Ok(Self {
             db: Mutex::new(Db {
                 connection,
                 index,
-                pager_version,
+                pager_version: Some(pager_version),
                 data_version,
             }),
             checkpointer: None,
@@ -681,17 +686,23 @@ impl SqliteStore {
             connection,
             index: IndexTx::new(index),
         };
-        let value = f(&tx)?;
-        open.commit()?;
+        // A write that failed on SQLite's side may have met rows the index did not describe:
+        // the next transaction reads it again. (A refusal the store made itself, a fence or a
+        // conflict, leaves it true.)
+        let value = f(&tx).inspect_err(|error| {
+            if write && matches!(error, StoreError::Other(_)) {
+                *known = None;
+            }
+        })?;
+        // Checked inside the transaction, on the snapshot it commits.
         #[cfg(debug_assertions)]
         tx.index.verify(connection);
+        open.commit().inspect_err(|_| *known = None)?;
         tx.index.commit();
         if write {
             // This commit moved the pager's version: the index describes the file after it.
             // (Were the version unreadable, the next transaction would read the index again.)
-            if let Ok(version) = pager_version(connection) {
-                *known = version;
-            }
+            *known = pager_version(connection).ok();
             if let Some(checkpointer) = &self.checkpointer {
                 checkpointer.committed(connection);
             }
@@ -933,13 +944,7 @@ fn claim_head(transaction: &Tx<'_>, key: &InstanceKey, claim: &Claim) -> Result<
 /// `<agent>/<instance id>` of the submission `attempt` runs, when it runs it (the fence of a
 /// write), from the index.
 fn owner_of(transaction: &Tx<'_>, attempt: &AttemptRef) -> Option<InstanceKey> {
-    transaction
-        .index
-        .unsettled(&attempt.submission_id)
-        .filter(|row| {
-            row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
-        })
-        .map(|row| row.key)
+    transaction.index.running(&attempt.submission_id, &attempt.attempt_id)
 }
 
 fn owns(transaction: &Tx<'_>, attempt: &AttemptRef) -> Result<Option<Submission>, StoreError> {
@@ -2091,6 +2096,30 @@ mod tests {
             })
         }));
         assert!(panicked.is_err());
+        assert_eq!(now(store.append(&key, record(), None)), Ok(2));
+    }
+
+    /// A write SQLite refuses (here a batch the index did not know of, written behind it)
+    /// makes the next transaction read the index from the file again, instead of failing the
+    /// same way for good.
+    #[test]
+    fn a_write_that_fails_on_sqlites_side_makes_the_next_transaction_read_the_index_again() {
+        let store = SqliteStore::in_memory().unwrap();
+        let key = InstanceKey::new("a", "k");
+        now(store.admit(admission("k", "s-1", None))).unwrap();
+        // Through the store's own transaction, so no data version tells of it.
+        store
+            .transaction(|tx| {
+                tx.execute(
+                    "INSERT INTO flue_batches (position, records)
+                         SELECT (stream << 32) + 1, '[]' FROM flue_instances WHERE id = 'k'",
+                    [],
+                )
+                .map_err(sql)
+            })
+            .unwrap();
+        let refused = now(store.append(&key, record(), None)).unwrap_err();
+        assert!(refused.to_string().contains("UNIQUE"), "{refused}");
         assert_eq!(now(store.append(&key, record(), None)), Ok(2));
     }
 }
