@@ -358,24 +358,15 @@ mod tests {
         index.set_submission(id, entry);
         let (id, entry) = unsettled("s2", SubmissionStatus::Joining);
         index.set_submission(id, entry);
-        assert_eq!(
-            index.counts[&key],
-            Counts {
-                unsettled: 2,
-                queued: 1,
-                joins: 1
-            }
-        );
+        let counts = |unsettled, queued, joins| Counts {
+            unsettled,
+            queued,
+            joins,
+        };
+        assert_eq!(index.counts[&key], counts(2, 1, 1));
         let (id, entry) = unsettled("s1", SubmissionStatus::Running);
         index.set_submission(id, entry);
-        assert_eq!(
-            index.counts[&key],
-            Counts {
-                unsettled: 2,
-                queued: 0,
-                joins: 1
-            }
-        );
+        assert_eq!(index.counts[&key], counts(2, 0, 1));
         index.set_submission("s1".into(), None);
         index.set_submission("s2".into(), None);
         assert!(

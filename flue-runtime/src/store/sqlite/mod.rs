@@ -941,8 +941,8 @@ fn claim_head(transaction: &Tx<'_>, key: &InstanceKey, claim: &Claim) -> Result<
     Ok(Some(head))
 }
 
-/// `<agent>/<instance id>` of the submission `attempt` runs, when it runs it (the fence of a
-/// write), from the index.
+/// The instance of the submission `attempt` runs, while it runs it (the fence of a write),
+/// from the index.
 fn owner_of(transaction: &Tx<'_>, attempt: &AttemptRef) -> Option<InstanceKey> {
     transaction.index.running(&attempt.submission_id, &attempt.attempt_id)
 }
@@ -1349,8 +1349,8 @@ impl Store for SqliteStore {
             if !records.is_empty() {
                 append_batch(tx, &host_row.key, &records, None)?;
             }
-            // Only the rows that may have joined this response are parsed; the queue behind it
-            // is looked at through its columns.
+            // Only the rows that may have joined this response are parsed, and only when the
+            // index counts any; the queue behind it is looked at through the index.
             let counts = tx.index.counts(&host_row.key);
             let mut queued = counts.queued > 0;
             let joins = if counts.joins == 0 {
