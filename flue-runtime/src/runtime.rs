@@ -751,9 +751,13 @@ impl RuntimeInner {
         }
         let admitted = admitted?;
         if !admitted.deduplicated {
-            // A new instance's birth record is on its stream (the store does not say whether
+            // A new instance's birth record is on its stream (a store need not say whether
             // this admission created it: an over-count only costs live readers one look).
-            self.slot(&key).note_append();
+            let slot = self.slot(&key);
+            slot.note_append();
+            if let Some(birth) = &admitted.birth {
+                slot.note_birth(birth);
+            }
         }
         // At least once: a replay of an idempotency key emits it again (reference §7.2).
         self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });

@@ -1670,6 +1670,34 @@ async fn a_hook_reading_the_thread_at_every_turn_reads_the_stream_once_per_attem
     );
 }
 
+#[agent]
+fn plain_talker() -> &'static str {
+    use_model("scripted/x");
+    "P"
+}
+
+#[tokio::test]
+async fn a_new_instances_submissions_never_read_its_stream_from_the_start() {
+    let whole = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let store = CountingReads {
+        inner: MemoryStore::new(),
+        whole: whole.clone(),
+    };
+    let model = ScriptedModel::new([ScriptedReply::text("hello"), ScriptedReply::text("again")]);
+    let runtime = runtime_on(store, &model, vec![plain_talker.into()]);
+    let handle = runtime.init(&plain_talker, "fresh");
+    assert_eq!(handle.send("hi").await.unwrap().text, "hello");
+    assert_eq!(handle.send("more").await.unwrap().text, "again");
+    // The admission that created the instance handed its birth batch over: the conversation
+    // starts from it and reads only what follows.
+    assert_eq!(whole.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // And the conversation it started from is the whole one.
+    let second = &model.requests()[1].messages;
+    assert_eq!(second.len(), 3, "{second:?}");
+    assert_eq!(second[0], ModelMessage::user("hi"));
+    assert_eq!(second[2], ModelMessage::user("more"));
+}
+
 #[tokio::test]
 async fn user_ids_keys_and_prefixes_with_control_characters_are_refused_before_the_store() {
     let runtime = Runtime::builder().store(MemoryStore::new()).build().unwrap();

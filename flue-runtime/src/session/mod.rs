@@ -51,7 +51,7 @@ use crate::lifecycle::thread::{RuntimeThread, ThreadWriter};
 use crate::provider::{
     ModelImage, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec,
 };
-use crate::record::{AttachmentRef, Outcome, Record, RecordBody, SettlementError, new_id, now};
+use crate::record::{AttachmentRef, Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::{Concerning, RuntimeInner};
 use crate::store::AttachmentPut;
 use crate::store::{AttemptRef, InstanceKey, StoreError, Submission, SubmissionKind, SubmissionStatus};
@@ -208,6 +208,18 @@ impl InstanceSlot {
     /// live readers.
     pub(crate) fn note_append(&self) {
         self.binding.note_append();
+    }
+
+    /// Takes the first batch of an instance an admission just created (its birth record) as
+    /// what the stream holds, so the first submission does not read it back. Only an empty
+    /// conversation takes it, and only when no one holds it (else the next read brings it).
+    pub(crate) fn note_birth(&self, birth: &Batch) {
+        if let Ok(mut conversation) = self.conversation.try_lock()
+            && conversation.last_offset.is_none()
+            && birth.offset == 0
+        {
+            conversation.apply(birth);
+        }
     }
 
     /// Makes sure a worker runs for this instance.

@@ -142,27 +142,28 @@ impl Store for MemoryStore {
                         deduplicated: true,
                         offset: None,
                         claimed: None,
+                        birth: None,
                     });
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
             }
             let existing_uid = inner.instances.get(&admission.key).map(|instance| instance.uid.clone());
             super::check_uid(&admission, existing_uid.as_deref())?;
-            let uid = match existing_uid {
-                Some(uid) => uid,
+            let (uid, birth) = match existing_uid {
+                Some(uid) => (uid, None),
                 None => {
                     let uid = new_id("inst");
-                    let birth = super::birth_record(&uid, admission.initial_data.clone());
+                    let birth = Batch {
+                        offset: 0,
+                        records: Arc::new([super::birth_record(&uid, admission.initial_data.clone())]),
+                    };
                     let instance = Instance {
                         uid: uid.clone(),
                         unsettled: Vec::new(),
-                        batches: vec![Batch {
-                            offset: 0,
-                            records: Arc::new([birth]),
-                        }],
+                        batches: vec![birth.clone()],
                     };
                     inner.instances.insert(admission.key.clone(), instance);
-                    uid
+                    (uid, Some(birth))
                 }
             };
             inner.sequence += 1;
@@ -183,6 +184,7 @@ impl Store for MemoryStore {
                 deduplicated: false,
                 offset,
                 claimed,
+                birth,
             })
         })();
         ready(result)

@@ -345,6 +345,10 @@ pub struct Admitted {
     pub offset: Option<u64>,
     /// This submission, running under the admission's claim (see [`Admission::claim`]).
     pub claimed: Option<Submission>,
+    /// The instance's first batch (its birth record, at offset 0) when this admission created
+    /// the instance: all its stream holds yet, so the runtime need not read it back. `None`
+    /// is always correct (the runtime then reads the stream).
+    pub birth: Option<Batch>,
 }
 
 /// An instance that exists.

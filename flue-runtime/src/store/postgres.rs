@@ -49,7 +49,7 @@ use super::{
     UidCondition,
 };
 use crate::error_chain;
-use crate::record::{Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
+use crate::record::{Batch, Outcome, Record, SettlementError, new_id, now};
 
 /// The legacy stamp that is adopted in place as format 1.
 const LEGACY_SCHEMA_VERSION: &str = "8";
@@ -1040,6 +1040,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
                 deduplicated: true,
                 offset: None,
                 claimed: None,
+                birth: None,
             });
         }
         return Err(StoreError::SubmissionConflict(admission.submission_id.clone()).into());
@@ -1062,21 +1063,9 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
         Some(_) => None,
         None => {
             let uid = new_id("inst");
-            let birth = Record {
-                id: new_id("record"),
-                submission_id: None,
-                attempt_id: None,
-                timestamp: now(),
-                body: RecordBody::ConversationCreated {
-                    uid: uid.clone(),
-                    initial_data: admission.initial_data.clone(),
-                    kind: None,
-                    parent: None,
-                    task_id: None,
-                    agent: None,
-                },
-            };
-            Some((uid, to_json(&[birth], "records")?))
+            let birth = super::birth_record(&uid, admission.initial_data.clone());
+            let json = to_json(std::slice::from_ref(&birth), "records")?;
+            Some((uid, birth, json))
         }
     };
     let message = to_json(&admission.message, "message")?;
@@ -1105,7 +1094,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
     let (instance, birth, inserted, head) = futures_util::future::try_join4(
         async {
             match &created {
-                Some((uid, _)) => tx
+                Some((uid, ..)) => tx
                     .query_opt(&insert_instance, &[&agent, &id, uid, &created_at])
                     .await
                     .map(|row| Some(row.is_some())),
@@ -1114,7 +1103,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
         },
         async {
             match &created {
-                Some((_, birth)) => tx.query_opt(&append, &[&agent, &id, birth]).await.map(Some),
+                Some((_, _, birth)) => tx.query_opt(&append, &[&agent, &id, birth]).await.map(Some),
                 None => Ok(None),
             }
         },
@@ -1148,11 +1137,18 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
         // Another process created the instance meanwhile: rerun against its row.
         return Err(Failure::Restart);
     }
-    let (uid, batches) = match (existing, created, birth) {
-        (Some(found), _, _) => found,
-        (None, Some((uid, _)), Some(birth)) => {
-            appended_offset(key, birth)?;
-            (uid, 1)
+    let (uid, batches, birth) = match (existing, created, birth) {
+        (Some((uid, batches)), _, _) => (uid, batches, None),
+        (None, Some((uid, record, _)), Some(birth)) => {
+            let offset = appended_offset(key, birth)?;
+            (
+                uid,
+                1,
+                Some(Batch {
+                    offset,
+                    records: Arc::new([record]),
+                }),
+            )
         }
         _ => return Err(corrupt(format_args!("instance {key} neither found nor created")).into()),
     };
@@ -1172,6 +1168,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
         deduplicated: false,
         offset: u64::try_from(batches - 1).ok(),
         claimed,
+        birth,
     })
 }
 
@@ -1950,6 +1947,7 @@ mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
+    use crate::record::RecordBody;
 
     /// The test database, or `None` (outside CI) when none is configured.
     fn test_url() -> Option<String> {

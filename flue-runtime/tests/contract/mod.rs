@@ -35,6 +35,7 @@ macro_rules! store_contract {
                     round_trips_direct_submission_images,
                     rejects_replay_when_a_direct_submission_image_has_different_bytes,
                     creates_the_instance_with_a_birth_record_once,
+                    hands_the_birth_batch_to_the_admission_that_created_the_instance_and_to_no_other,
                     concurrent_first_admissions_create_one_instance_with_one_birth_record,
                     keeps_the_admitting_requests_trace_context_on_the_submission,
                     honours_conditional_sends,
@@ -511,6 +512,26 @@ pub async fn creates_the_instance_with_a_birth_record_once(store: Factory) {
     );
 }
 
+/// Not in the reference's checklists: the admission that creates an instance gets its birth
+/// batch as stored (the runtime takes it instead of reading the stream back); a later
+/// admission, a replay and a dispatch to an existing instance get none.
+pub async fn hands_the_birth_batch_to_the_admission_that_created_the_instance_and_to_no_other(store: Factory) {
+    let mut first = dispatch("dispatch-1");
+    first.initial_data = Some(serde_json::json!({"plan": "pro"}));
+    let admitted = store.admit(first.clone()).await.unwrap();
+    let stored = store.read(&key("assistant", "agent-1"), None).await.unwrap();
+    assert_eq!(
+        admitted.birth.as_ref(),
+        stored.first(),
+        "the birth batch as the stream holds it"
+    );
+    assert_eq!(stored.len(), 1);
+    let replay = store.admit(first).await.unwrap();
+    assert!(replay.deduplicated);
+    assert_eq!(replay.birth, None, "a replay created nothing");
+    assert_eq!(store.admit(dispatch("dispatch-2")).await.unwrap().birth, None);
+}
+
 /// Not in the reference's checklists: admissions racing to create one instance (on Postgres,
 /// from transactions that each find it missing) leave one instance and one birth record.
 pub async fn concurrent_first_admissions_create_one_instance_with_one_birth_record(store: Factory) {
@@ -521,15 +542,21 @@ pub async fn concurrent_first_admissions_create_one_instance_with_one_birth_reco
         })
         .collect();
     let mut uids = Vec::new();
+    let mut births = Vec::new();
     for admission in admissions {
         let admitted = admission.await.unwrap();
         assert!(!admitted.deduplicated);
         uids.push(admitted.uid);
+        births.extend(admitted.birth);
     }
     let info = store.instance(&key("assistant", "agent-1")).await.unwrap().unwrap();
     assert!(uids.iter().all(|uid| *uid == info.uid), "{uids:?} vs {}", info.uid);
     let batches = store.read(&key("assistant", "agent-1"), None).await.unwrap();
     assert_eq!(batches.len(), 1, "one birth batch");
+    assert_eq!(
+        births, batches,
+        "the one admission that created the instance got its birth batch"
+    );
     assert!(matches!(
         batches[0].records[..],
         [Record {

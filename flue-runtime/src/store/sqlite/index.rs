@@ -15,6 +15,7 @@
 //! from the file.
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use rusqlite::Connection;
 
@@ -31,6 +32,10 @@ pub(super) struct Unsettled {
     pub(super) key: InstanceKey,
     pub(super) status: SubmissionStatus,
     pub(super) attempt_id: Option<String>,
+    /// The whole row, while it runs and this store wrote it: what a settlement, a join's
+    /// finalization or a requeue of the attempt reads (one row per running attempt, so the
+    /// queued rows' messages are never held here).
+    pub(super) running: Option<Arc<Submission>>,
 }
 
 /// Per instance: its unsettled submissions, how many of them are queued, and how many joined
@@ -118,6 +123,7 @@ impl Index {
                     key: InstanceKey::new(agent, instance_id),
                     status,
                     attempt_id,
+                    running: None,
                 }),
             );
         }
@@ -222,9 +228,23 @@ impl<'i> IndexTx<'i> {
                             key: InstanceKey::new(agent, instance),
                             status,
                             attempt_id,
+                            running: None,
                         })
                     });
-                    assert_eq!(index.unsettled(id), stored.as_ref(), "the index of submission {id}");
+                    let indexed = index.unsettled(id);
+                    let facts = |entry: Option<&Unsettled>| {
+                        entry.map(|entry| (entry.key.clone(), entry.status, entry.attempt_id.clone()))
+                    };
+                    assert_eq!(facts(indexed), facts(stored.as_ref()), "the index of submission {id}");
+                    if let Some(running) = indexed.and_then(|entry| entry.running.as_deref()) {
+                        assert_eq!(
+                            running.status,
+                            SubmissionStatus::Running,
+                            "the index keeps running rows only"
+                        );
+                        let row = super::read_submission(connection, id).expect("the index's check reads the row");
+                        assert_eq!(row.as_ref(), Some(running), "the index's row of submission {id}");
+                    }
                 }
                 Undo::Stream(key, _) => {
                     let stored = connection
@@ -275,6 +295,16 @@ impl<'i> IndexTx<'i> {
             .map(|row| row.key.clone())
     }
 
+    /// Submission `id`'s row while `attempt_id` runs it, when the index holds it (`None`: the
+    /// attempt does not run it, or the row is only in the file).
+    pub(super) fn running_row(&self, id: &str, attempt_id: &str) -> Option<Arc<Submission>> {
+        self.index
+            .borrow()
+            .unsettled(id)
+            .filter(|row| row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt_id))
+            .and_then(|row| row.running.clone())
+    }
+
     /// `key`'s counts of unsettled, queued and joined submissions.
     pub(super) fn counts(&self, key: &InstanceKey) -> Counts {
         self.index.borrow().counts(key)
@@ -286,6 +316,7 @@ impl<'i> IndexTx<'i> {
             key: row.key.clone(),
             status: row.status,
             attempt_id: row.attempt_id.clone(),
+            running: (row.status == SubmissionStatus::Running).then(|| Arc::new(row.clone())),
         });
         let previous = self.index.borrow_mut().set_submission(row.id.clone(), entry);
         self.undo.borrow_mut().push(Undo::Submission(row.id.clone(), previous));
@@ -346,6 +377,7 @@ mod tests {
                 key: InstanceKey::new("a", "i"),
                 status,
                 attempt_id: None,
+                running: None,
             }),
         )
     }

@@ -951,6 +951,12 @@ fn owns(transaction: &Tx<'_>, attempt: &AttemptRef) -> Result<Option<Submission>
     if owner_of(transaction, attempt).is_none() {
         return Ok(None);
     }
+    if let Some(row) = transaction
+        .index
+        .running_row(&attempt.submission_id, &attempt.attempt_id)
+    {
+        return Ok(Some(Submission::clone(&row)));
+    }
     Ok(read_submission(transaction, &attempt.submission_id)?.filter(|row| {
         row.status == SubmissionStatus::Running && row.attempt_id.as_deref() == Some(attempt.attempt_id.as_str())
     }))
@@ -1109,6 +1115,7 @@ impl Store for SqliteStore {
                         deduplicated: true,
                         offset: None,
                         claimed: None,
+                        birth: None,
                     });
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
@@ -1117,13 +1124,13 @@ impl Store for SqliteStore {
             super::check_uid(&admission, existing.as_ref().map(|(uid, _)| uid.as_str()))?;
             let sequence = tx.index.take_sequence();
             let created = existing.is_none();
-            let (uid, offset) = match existing {
+            let (uid, offset, birth) = match existing {
                 Some((uid, stream)) => {
                     let next = match tx.index.stream(&admission.key) {
                         Some((_, next)) => next,
                         None => next_offset(tx, stream)?,
                     };
-                    (uid, next.checked_sub(1))
+                    (uid, next.checked_sub(1), None)
                 }
                 None => {
                     let stream = root_stream(tx, sequence)?;
@@ -1135,9 +1142,9 @@ impl Store for SqliteStore {
                     .execute(params![admission.key.agent, admission.key.id, uid, stream])
                     .map_err(sql)?;
                     tx.index.set_stream(&admission.key, stream, 0);
-                    let birth = super::birth_record(&uid, admission.initial_data.clone());
-                    let offset = append_batch(tx, &admission.key, &[birth], None)?;
-                    (uid, Some(offset))
+                    let birth: Arc<[Record]> = Arc::new([super::birth_record(&uid, admission.initial_data.clone())]);
+                    let offset = append_batch(tx, &admission.key, &birth, None)?;
+                    (uid, Some(offset), Some(Batch { offset, records: birth }))
                 }
             };
             // Claimed with its admission when it is the instance's head (nothing else is
@@ -1161,6 +1168,7 @@ impl Store for SqliteStore {
                 deduplicated: false,
                 offset,
                 claimed,
+                birth,
             })
         }))
     }
@@ -1500,7 +1508,16 @@ impl Store for SqliteStore {
         // One statement (its own snapshot, so no transaction around it): the instance's stream
         // and its batches after `after`. Every submission and every catching-up reader reads.
         let first = after.map_or(0, |after| after.saturating_add(1)).min(STREAM_CAPACITY) as i64;
-        let db = self.lock();
+        let mut db = self.lock();
+        // A reader that is up to date (every submission of a live instance) is told so by
+        // the index, without a statement.
+        match db.fresh_index() {
+            Ok(index) if index.stream(key).is_some_and(|(_, next)| first as u64 >= next) => {
+                return ready(Ok(Vec::new()));
+            }
+            Ok(_) => {}
+            Err(error) => return ready(Err(error)),
+        }
         let batches = db
             .connection
             .prepare_cached(
@@ -2041,8 +2058,15 @@ mod tests {
         let key = InstanceKey::new("a", "k");
         now(first.admit(admission("k", "s-1", Some(claim("at-1"))))).unwrap();
         assert_eq!(now(first.append(&key, record(), Some(&attempt("s-1", "at-1")))), Ok(1));
+        assert_eq!(now(first.read(&key, Some(1))), Ok(Vec::new()), "up to date");
         // The other store writes the stream's next batch, then settles the submission.
         assert_eq!(now(second.append(&key, record(), Some(&attempt("s-1", "at-1")))), Ok(2));
+        let offsets = |batches: Vec<Batch>| batches.iter().map(|batch| batch.offset).collect::<Vec<_>>();
+        assert_eq!(
+            now(first.read(&key, Some(1))).map(offsets),
+            Ok(vec![2]),
+            "a reader the index called up to date reads the other's batch"
+        );
         assert_eq!(now(first.last_offset(&key)), Ok(Some(2)));
         assert_eq!(
             now(first.append(&key, record(), None)),
