@@ -26,15 +26,21 @@ use crate::store::{InstanceKey, StoreError, Submission, SubmissionStatus};
 /// and reads each again from the file on its next append.
 const STREAMS_KEPT: usize = 16_384;
 
+/// The largest running row (its JSON) the index keeps whole: larger ones carry images, which
+/// would cost a copy at every write of the row and their size again in memory; they are
+/// read from the file when needed.
+const ROW_KEPT_BYTES: usize = 64 * 1024;
+
 /// An unsettled submission, as the index knows it.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Unsettled {
     pub(super) key: InstanceKey,
     pub(super) status: SubmissionStatus,
     pub(super) attempt_id: Option<String>,
-    /// The whole row, while it runs and this store wrote it: what a settlement, a join's
-    /// finalization or a requeue of the attempt reads (one row per running attempt, so the
-    /// queued rows' messages are never held here).
+    /// The whole row, while it runs and this store wrote it, when its JSON is at most
+    /// [`ROW_KEPT_BYTES`]: what a settlement or a requeue of the attempt reads (one row per
+    /// running attempt, so the queued rows' messages are never held here, nor a running row's
+    /// images).
     pub(super) running: Option<Arc<Submission>>,
 }
 
@@ -310,13 +316,14 @@ impl<'i> IndexTx<'i> {
         self.index.borrow().counts(key)
     }
 
-    /// Notes the row written for `row` (settled rows leave the index).
-    pub(super) fn wrote(&self, row: &Submission) {
+    /// Notes the row written for `row`, whose JSON is `size` bytes (settled rows leave the
+    /// index).
+    pub(super) fn wrote(&self, row: &Submission, size: usize) {
         let entry = (row.status != SubmissionStatus::Settled).then(|| Unsettled {
             key: row.key.clone(),
             status: row.status,
             attempt_id: row.attempt_id.clone(),
-            running: (row.status == SubmissionStatus::Running).then(|| Arc::new(row.clone())),
+            running: (row.status == SubmissionStatus::Running && size <= ROW_KEPT_BYTES).then(|| Arc::new(row.clone())),
         });
         let previous = self.index.borrow_mut().set_submission(row.id.clone(), entry);
         self.undo.borrow_mut().push(Undo::Submission(row.id.clone(), previous));
@@ -436,7 +443,7 @@ mod tests {
                 "attempt_count": 1, "max_attempts": 1, "abort_requested": false
             }))
             .expect("a submission");
-            tx.wrote(&row);
+            tx.wrote(&row, 0);
             assert!(tx.running("s1", "at-1").is_none());
             assert_eq!(tx.stream(&key), Some((3, 11)));
         }

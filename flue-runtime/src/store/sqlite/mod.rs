@@ -834,6 +834,7 @@ fn read_submission(transaction: &Connection, id: &str) -> Result<Option<Submissi
 /// names (an admission inserts with [`insert_submission`]).
 fn write_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreError> {
     let data = serde_json::to_string(row).map_err(json_error)?;
+    let size = data.len();
     let updated = transaction
         .prepare_cached(
             "UPDATE flue_submissions SET status = ?2, owner_id = ?3, lease_until_ms = ?4, data = ?5, attempt_id = ?7
@@ -856,12 +857,13 @@ fn write_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreE
             row.id
         )));
     }
-    transaction.index.wrote(row);
+    transaction.index.wrote(row, size);
     Ok(())
 }
 
 /// Inserts an admitted submission's row (`data` is its JSON).
 fn insert_submission(transaction: &Tx<'_>, row: &Submission, data: String) -> Result<(), StoreError> {
+    let size = data.len();
     transaction
         .prepare_cached(
             "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data, attempt_id)
@@ -880,7 +882,7 @@ fn insert_submission(transaction: &Tx<'_>, row: &Submission, data: String) -> Re
             row.attempt_id
         ])
         .map_err(sql)?;
-    transaction.index.wrote(row);
+    transaction.index.wrote(row, size);
     Ok(())
 }
 
@@ -1304,11 +1306,11 @@ impl Store for SqliteStore {
             Err(error) => return ready(Err(error)),
         }
         ready(self.transaction(|tx| {
-            let Some(host_row) = owns(tx, host)? else {
+            let Some(key) = owner_of(tx, host) else {
                 return Ok(Vec::new());
             };
             let mut claimed = Vec::new();
-            for mut row in unsettled_in(tx, &host_row.key, SubmissionStatus::Queued)? {
+            for mut row in unsettled_in(tx, &key, SubmissionStatus::Queued)? {
                 if row.abort_requested {
                     break;
                 }
@@ -1399,8 +1401,8 @@ impl Store for SqliteStore {
     }
 
     fn revert_joins(&self, host: &AttemptRef) -> BoxFuture<'_, Result<usize, StoreError>> {
-        ready(self.transaction(|tx| match owns(tx, host)? {
-            Some(row) => revert_joining(tx, &row.key, &host.submission_id),
+        ready(self.transaction(|tx| match owner_of(tx, host) {
+            Some(key) => revert_joining(tx, &key, &host.submission_id),
             None => Ok(0),
         }))
     }
@@ -1510,9 +1512,12 @@ impl Store for SqliteStore {
         let first = after.map_or(0, |after| after.saturating_add(1)).min(STREAM_CAPACITY) as i64;
         let mut db = self.lock();
         // A reader that is up to date (every submission of a live instance) is told so by
-        // the index, without a statement.
+        // the index, without reading the batches (`fresh_index` asks only for the data
+        // version). Not while a failed write left the index in doubt: the file may hold a
+        // batch the index rolled back.
+        let doubted = db.pager_version.is_none();
         match db.fresh_index() {
-            Ok(index) if index.stream(key).is_some_and(|(_, next)| first as u64 >= next) => {
+            Ok(index) if !doubted && index.stream(key).is_some_and(|(_, next)| first as u64 >= next) => {
                 return ready(Ok(Vec::new()));
             }
             Ok(_) => {}
@@ -2088,6 +2093,40 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// A running row the index does not hold whole (one an earlier opening of the file
+    /// claimed, one too large to keep) is read from the file: its settlement and requeue work
+    /// as for a row the index holds.
+    #[test]
+    fn a_running_row_the_index_does_not_hold_is_read_from_the_file() {
+        let dir = std::env::temp_dir().join(format!("flue-sqlite-rows-{}", new_id("t")));
+        let path = dir.join("flue.db");
+        let held =
+            |store: &SqliteStore, id: &str| store.lock().index.unsettled(id).map(|entry| entry.running.is_some());
+        let store = SqliteStore::open(&path).unwrap();
+        now(store.admit(admission("k", "s-1", Some(claim("at-1"))))).unwrap();
+        assert_eq!(held(&store, "s-1"), Some(true));
+        let mut large = admission("big", "s-2", Some(claim("at-2")));
+        large.message = flue_core::message::DeliveredMessage::user("x".repeat(100_000));
+        now(store.admit(large)).unwrap();
+        assert_eq!(held(&store, "s-2"), Some(false), "too large to keep");
+        assert_eq!(now(store.requeue(&attempt("s-2", "at-2"))), Ok(true));
+        drop(store);
+        let store = SqliteStore::open(&path).unwrap();
+        assert_eq!(
+            held(&store, "s-1"),
+            Some(false),
+            "a reopened store reads running rows lazily"
+        );
+        now(store.settle(&attempt("s-1", "at-1"), Outcome::Completed, None, Vec::new())).unwrap();
+        let settled = now(store.submission("s-1")).unwrap().unwrap();
+        assert_eq!(settled.status, SubmissionStatus::Settled);
+        assert_eq!(settled.attempt_id.as_deref(), Some("at-1"));
+        let requeued = now(store.submission("s-2")).unwrap().unwrap();
+        assert_eq!(requeued.status, SubmissionStatus::Queued);
+        drop(store);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     /// A transaction that fails after changing the index leaves it as it was: the next append
     /// takes the offset the failed one would have, and a claim that rolled back does not pass
     /// the fence.
@@ -2144,6 +2183,11 @@ mod tests {
             .unwrap();
         let refused = now(store.append(&key, record(), None)).unwrap_err();
         assert!(refused.to_string().contains("UNIQUE"), "{refused}");
+        assert_eq!(
+            now(store.read(&key, Some(0))).map(|batches| batches.len()),
+            Ok(1),
+            "an index in doubt does not tell a reader it is up to date"
+        );
         assert_eq!(now(store.append(&key, record(), None)), Ok(2));
     }
 }
