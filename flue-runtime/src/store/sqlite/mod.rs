@@ -76,6 +76,9 @@ struct Db {
     pager_version: Option<u32>,
     /// `PRAGMA data_version` when the index was last known true.
     data_version: i64,
+    /// Where rows and batches are written as JSON before they are bound: kept from one
+    /// transaction to the next, so a write allocates no text of its own.
+    json: Vec<u8>,
 }
 
 impl Db {
@@ -142,6 +145,31 @@ fn pager_version(connection: &Connection) -> Result<u32, StoreError> {
 struct Tx<'c> {
     connection: &'c Connection,
     index: IndexTx<'c>,
+    json: std::cell::RefCell<&'c mut Vec<u8>>,
+}
+
+/// The JSON buffer's capacity past which it is not kept (a row or batch carrying images).
+const JSON_KEPT_BYTES: usize = 256 * 1024;
+
+impl Tx<'_> {
+    /// `value` as JSON, in the transaction's buffer, handed to `with` (which must not ask for
+    /// JSON itself).
+    fn with_json<T>(
+        &self,
+        value: &(impl serde::Serialize + ?Sized),
+        with: impl FnOnce(&str) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut buffer = self.json.borrow_mut();
+        buffer.clear();
+        serde_json::to_writer(&mut **buffer, value).map_err(json_error)?;
+        let result = std::str::from_utf8(&buffer)
+            .map_err(|error| StoreError::Other(format!("sqlite: JSON that is not UTF-8: {error}")))
+            .and_then(with);
+        if buffer.capacity() > JSON_KEPT_BYTES {
+            **buffer = Vec::new();
+        }
+        result
+    }
 }
 
 impl std::ops::Deref for Tx<'_> {
@@ -635,6 +663,7 @@ impl SqliteStore {
                 index,
                 pager_version: Some(pager_version),
                 data_version,
+                json: Vec::new(),
             }),
             checkpointer: None,
         })
@@ -672,6 +701,7 @@ impl SqliteStore {
             connection,
             index,
             pager_version: known,
+            json,
             ..
         } = &mut *db;
         let open = Open::begin(connection, write)?;
@@ -685,6 +715,7 @@ impl SqliteStore {
         let tx = Tx {
             connection,
             index: IndexTx::new(index),
+            json: std::cell::RefCell::new(json),
         };
         // A write that failed on SQLite's side may have met rows the index did not describe:
         // the next transaction reads it again. (A refusal the store made itself, a fence or a
@@ -833,24 +864,25 @@ fn read_submission(transaction: &Connection, id: &str) -> Result<Option<Submissi
 /// Writes a transition of a submission row: an update of the row its sequence (the rowid)
 /// names (an admission inserts with [`insert_submission`]).
 fn write_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreError> {
-    let data = serde_json::to_string(row).map_err(json_error)?;
-    let size = data.len();
-    let updated = transaction
-        .prepare_cached(
-            "UPDATE flue_submissions SET status = ?2, owner_id = ?3, lease_until_ms = ?4, data = ?5, attempt_id = ?7
-             WHERE sequence = ?1 AND id = ?6",
-        )
-        .map_err(sql)?
-        .execute(params![
-            row.sequence as i64,
-            status_name(row.status),
-            row.owner_id,
-            row.lease_until_ms as i64,
-            data,
-            row.id,
-            row.attempt_id
-        ])
-        .map_err(sql)?;
+    let (updated, size) = transaction.with_json(row, |data| {
+        let updated = transaction
+            .prepare_cached(
+                "UPDATE flue_submissions SET status = ?2, owner_id = ?3, lease_until_ms = ?4, data = ?5, attempt_id = ?7
+                 WHERE sequence = ?1 AND id = ?6",
+            )
+            .map_err(sql)?
+            .execute(params![
+                row.sequence as i64,
+                status_name(row.status),
+                row.owner_id,
+                row.lease_until_ms as i64,
+                data,
+                row.id,
+                row.attempt_id
+            ])
+            .map_err(sql)?;
+        Ok((updated, data.len()))
+    })?;
     if updated == 0 {
         return Err(StoreError::Other(format!(
             "sqlite: submission {} has no row to update",
@@ -861,27 +893,29 @@ fn write_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreE
     Ok(())
 }
 
-/// Inserts an admitted submission's row (`data` is its JSON).
-fn insert_submission(transaction: &Tx<'_>, row: &Submission, data: String) -> Result<(), StoreError> {
-    let size = data.len();
-    transaction
-        .prepare_cached(
-            "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data, attempt_id)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        )
-        .map_err(sql)?
-        .execute(params![
-            row.sequence as i64,
-            row.id,
-            row.key.agent,
-            row.key.id,
-            status_name(row.status),
-            row.owner_id,
-            row.lease_until_ms as i64,
-            data,
-            row.attempt_id
-        ])
-        .map_err(sql)?;
+/// Inserts an admitted submission's row.
+fn insert_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreError> {
+    let size = transaction.with_json(row, |data| {
+        transaction
+            .prepare_cached(
+                "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data, attempt_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            )
+            .map_err(sql)?
+            .execute(params![
+                row.sequence as i64,
+                row.id,
+                row.key.agent,
+                row.key.id,
+                status_name(row.status),
+                row.owner_id,
+                row.lease_until_ms as i64,
+                data,
+                row.attempt_id
+            ])
+            .map_err(sql)?;
+        Ok(data.len())
+    })?;
     transaction.index.wrote(row, size);
     Ok(())
 }
@@ -1010,12 +1044,13 @@ fn append_batch(
             "the stream of {key} is full ({STREAM_CAPACITY} batches)"
         )));
     }
-    let data = serde_json::to_string(records).map_err(json_error)?;
-    transaction
-        .prepare_cached("INSERT INTO flue_batches (position, records) VALUES (?1, ?2)")
-        .map_err(sql)?
-        .execute(params![stream_start(stream) + offset as i64, data])
-        .map_err(sql)?;
+    transaction.with_json(records, |data| {
+        transaction
+            .prepare_cached("INSERT INTO flue_batches (position, records) VALUES (?1, ?2)")
+            .map_err(sql)?
+            .execute(params![stream_start(stream) + offset as i64, data])
+            .map_err(sql)
+    })?;
     transaction.index.set_stream(key, stream, offset + 1);
     Ok(offset)
 }
@@ -1163,7 +1198,7 @@ impl Store for SqliteStore {
                 running
             });
             let row = claimed.as_ref().unwrap_or(&submission);
-            insert_submission(tx, row, serde_json::to_string(row).map_err(json_error)?)?;
+            insert_submission(tx, row)?;
             Ok(Admitted {
                 submission,
                 uid,
@@ -2106,9 +2141,13 @@ mod tests {
         now(store.admit(admission("k", "s-1", Some(claim("at-1"))))).unwrap();
         assert_eq!(held(&store, "s-1"), Some(true));
         let mut large = admission("big", "s-2", Some(claim("at-2")));
-        large.message = flue_core::message::DeliveredMessage::user("x".repeat(100_000));
+        large.message = flue_core::message::DeliveredMessage::user("x".repeat(300_000));
         now(store.admit(large)).unwrap();
         assert_eq!(held(&store, "s-2"), Some(false), "too large to keep");
+        assert!(
+            store.lock().json.capacity() <= JSON_KEPT_BYTES,
+            "nor is the buffer its JSON was written in"
+        );
         assert_eq!(now(store.requeue(&attempt("s-2", "at-2"))), Ok(true));
         drop(store);
         let store = SqliteStore::open(&path).unwrap();
