@@ -77,19 +77,24 @@ struct Db {
     /// `PRAGMA data_version` when the index was last known true.
     data_version: i64,
     /// Where rows and batches are written as JSON before they are bound: kept from one
-    /// transaction to the next, so a write allocates no text of its own.
+    /// transaction to the next, so a write does not grow a string of its own (SQLite copies
+    /// the text it binds).
     json: Vec<u8>,
 }
 
 impl Db {
     /// The index, read again from the file first when another connection committed since it
-    /// was last known true: for a look outside a transaction (it then describes the file as
-    /// of the call).
+    /// was last known true, or a failed write left it in doubt: for a look outside a
+    /// transaction (it then describes the file as of the call).
     fn fresh_index(&mut self) -> Result<&Index, StoreError> {
         let version = data_version(&self.connection)?;
-        if version != self.data_version {
+        if version != self.data_version || self.pager_version.is_none() {
+            // As at open, the versions are read before the index: a commit in between makes
+            // the next look read it again, never miss it.
+            let pager = pager_version(&self.connection)?;
             self.index = Index::load(&self.connection)?;
             self.data_version = version;
+            self.pager_version = Some(pager);
         }
         Ok(&self.index)
     }
@@ -152,18 +157,23 @@ struct Tx<'c> {
 const JSON_KEPT_BYTES: usize = 256 * 1024;
 
 impl Tx<'_> {
-    /// `value` as JSON, in the transaction's buffer, handed to `with` (which must not ask for
-    /// JSON itself).
+    /// `value` as JSON, in the transaction's buffer, handed to `with`. (A `with` that asks
+    /// for JSON itself gets a buffer of its own.)
     fn with_json<T>(
         &self,
         value: &(impl serde::Serialize + ?Sized),
         with: impl FnOnce(&str) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let mut buffer = self.json.borrow_mut();
+        let Ok(mut buffer) = self.json.try_borrow_mut() else {
+            return with(&serde_json::to_string(value).map_err(json_error)?);
+        };
         buffer.clear();
-        serde_json::to_writer(&mut **buffer, value).map_err(json_error)?;
-        let result = std::str::from_utf8(&buffer)
-            .map_err(|error| StoreError::Other(format!("sqlite: JSON that is not UTF-8: {error}")))
+        let result = serde_json::to_writer(&mut **buffer, value)
+            .map_err(json_error)
+            .and_then(|()| {
+                std::str::from_utf8(&buffer)
+                    .map_err(|error| StoreError::Other(format!("sqlite: JSON that is not UTF-8: {error}")))
+            })
             .and_then(with);
         if buffer.capacity() > JSON_KEPT_BYTES {
             **buffer = Vec::new();
@@ -1548,11 +1558,9 @@ impl Store for SqliteStore {
         let mut db = self.lock();
         // A reader that is up to date (every submission of a live instance) is told so by
         // the index, without reading the batches (`fresh_index` asks only for the data
-        // version). Not while a failed write left the index in doubt: the file may hold a
-        // batch the index rolled back.
-        let doubted = db.pager_version.is_none();
+        // version).
         match db.fresh_index() {
-            Ok(index) if !doubted && index.stream(key).is_some_and(|(_, next)| first as u64 >= next) => {
+            Ok(index) if index.stream(key).is_some_and(|(_, next)| first as u64 >= next) => {
                 return ready(Ok(Vec::new()));
             }
             Ok(_) => {}
@@ -2164,6 +2172,21 @@ mod tests {
         assert_eq!(requeued.status, SubmissionStatus::Queued);
         drop(store);
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// JSON asked for while the transaction's buffer holds other JSON is written apart: both
+    /// texts stay whole, and nothing panics.
+    #[test]
+    fn json_asked_for_inside_json_gets_a_buffer_of_its_own() {
+        let store = SqliteStore::in_memory().unwrap();
+        let texts = store
+            .transaction(|tx| {
+                tx.with_json(&["outer"], |outer| {
+                    tx.with_json(&["inner"], |inner| Ok((outer.to_owned(), inner.to_owned())))
+                })
+            })
+            .unwrap();
+        assert_eq!(texts, (r#"["outer"]"#.to_owned(), r#"["inner"]"#.to_owned()));
     }
 
     /// A transaction that fails after changing the index leaves it as it was: the next append
