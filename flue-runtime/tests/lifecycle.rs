@@ -1621,6 +1621,18 @@ struct CountingReads {
     whole: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
+impl CountingReads {
+    /// A store and its count of whole-stream reads.
+    fn new() -> (Self, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let whole = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let store = Self {
+            inner: MemoryStore::new(),
+            whole: whole.clone(),
+        };
+        (store, whole)
+    }
+}
+
 impl flue_runtime::store::Store for CountingReads {
     harness::delegate_store!(
         inner;
@@ -1644,11 +1656,7 @@ impl flue_runtime::store::Store for CountingReads {
 
 #[tokio::test]
 async fn a_hook_reading_the_thread_at_every_turn_reads_the_stream_once_per_attempt() {
-    let whole = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let store = CountingReads {
-        inner: MemoryStore::new(),
-        whole: whole.clone(),
-    };
+    let (store, whole) = CountingReads::new();
     let model = ScriptedModel::new([
         ScriptedReply::text("hello"),
         ScriptedReply::tool_call("flaky", json!({"fail": false})),
@@ -1678,11 +1686,7 @@ fn plain_talker() -> &'static str {
 
 #[tokio::test]
 async fn a_new_instances_submissions_never_read_its_stream_from_the_start() {
-    let whole = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let store = CountingReads {
-        inner: MemoryStore::new(),
-        whole: whole.clone(),
-    };
+    let (store, whole) = CountingReads::new();
     let model = ScriptedModel::new([ScriptedReply::text("hello"), ScriptedReply::text("again")]);
     let runtime = runtime_on(store, &model, vec![plain_talker.into()]);
     let handle = runtime.init(&plain_talker, "fresh");

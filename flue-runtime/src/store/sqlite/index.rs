@@ -4,9 +4,10 @@
 //! and every write to the submissions, the instances and the batches goes through the store's
 //! own functions, under its connection lock. So the store can keep, beside the file, the few
 //! facts its hot paths would otherwise query at every durability point: which attempt runs each
-//! unsettled submission (the fence of every append), how many submissions of an instance wait
-//! or have joined (asked at every turn boundary and settlement), where each stream ends (the
-//! offset of every append) and the next admission's sequence.
+//! unsettled submission (the fence of every append) and, while it runs, the row it wrote (what
+//! its settlement reads), how many submissions of an instance wait or have joined (asked at
+//! every turn boundary and settlement), where each stream ends (the offset of every append, and
+//! whether a reader is up to date) and the next admission's sequence.
 //!
 //! Each change a transaction makes to the index is logged with the value it replaced, and a
 //! transaction that does not commit (an error, a failed `COMMIT`, a panic) puts those values
