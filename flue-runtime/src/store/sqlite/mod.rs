@@ -72,7 +72,8 @@ struct Db {
     index: Index,
     /// The pager's data version ([`pager_version`]) when the index was last known true;
     /// `None` after a write transaction failed on SQLite's side (a constraint the index should
-    /// have prevented, an I/O error): the next one reads the index again whatever the version.
+    /// have prevented, an I/O error): the next transaction, or the next look outside one
+    /// ([`Db::fresh_index`]), reads the index again whatever the version.
     pager_version: Option<u32>,
     /// `PRAGMA data_version` when the index was last known true.
     data_version: i64,
