@@ -464,7 +464,7 @@ pub enum RecordBody {
     /// the system prompt's skill catalog and agent roster (`baseline`).
     ResourceSnapshot {
         /// What the model was told about.
-        snapshot: crate::resources::ResourceSet,
+        snapshot: std::sync::Arc<crate::resources::ResourceSet>,
         /// The frozen system prompt sections (first snapshot only).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         baseline: Option<String>,

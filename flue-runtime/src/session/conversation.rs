@@ -62,7 +62,7 @@ pub(crate) struct Conversation {
     /// Whether the `after_thread_created` hooks ran.
     pub(crate) thread_created_hooks_ran: bool,
     /// The resources last narrated to the model.
-    pub(crate) resources: Option<crate::resources::ResourceSet>,
+    pub(crate) resources: Option<Arc<crate::resources::ResourceSet>>,
     /// The system prompt sections frozen by the first snapshot (or the first after a
     /// compaction).
     pub(crate) baseline_sections: Option<String>,

@@ -1045,7 +1045,7 @@ struct Response<'a> {
     /// The conversation's first resource snapshot, committed with the step it was taken for.
     first_snapshot: Option<Record>,
     /// The latest render's fingerprint and resource snapshot (reused while renders repeat).
-    declared: Option<(crate::resources::Fingerprint, crate::resources::ResourceSet)>,
+    declared: Option<(crate::resources::Fingerprint, Arc<crate::resources::ResourceSet>)>,
     /// The submission's sandbox and its tools, once a render attached it.
     sandbox: Option<crate::sandbox::Environment>,
     /// The skills the sandbox's workspace provides, found when the sandbox was attached.

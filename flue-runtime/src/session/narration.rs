@@ -23,7 +23,7 @@ impl Response<'_> {
         let fingerprint = crate::resources::fingerprint(rendered, self.own_tools, environment);
         let current = match self.declared.take() {
             Some((seen, snapshot)) if seen == fingerprint => snapshot,
-            _ => Declared::of(rendered, self.own_tools, environment).snapshot(),
+            _ => std::sync::Arc::new(Declared::of(rendered, self.own_tools, environment).snapshot()),
         };
         match &self.conversation.resources {
             None => {
