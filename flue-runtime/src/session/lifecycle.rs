@@ -116,7 +116,7 @@ impl Response<'_> {
     pub(super) async fn input_row(&mut self, mut input: Record) -> InputRow {
         let hooks = self.at_rest_hooks.clone();
         if !creates_rows(&hooks) {
-            return InputRow::Store(vec![input], CreatedRow(None));
+            return InputRow::Store(input_batch(input), CreatedRow(None));
         }
         let original = match &input.body {
             RecordBody::UserMessage { message_id, body, .. } => {
@@ -132,7 +132,7 @@ impl Response<'_> {
                 row.metadata.insert("signal_type".into(), json!(signal_type));
                 row
             }
-            _ => return InputRow::Store(vec![input], CreatedRow(None)),
+            _ => return InputRow::Store(input_batch(input), CreatedRow(None)),
         };
         let state = self.at_rest_view().state();
         let created = match chain::before_create_message(&hooks, &state, original.clone()).await {
@@ -156,7 +156,7 @@ impl Response<'_> {
                 .or_insert_with(|| original.metadata["signal_type"].clone());
         }
         changed_fields(&original, &compared, &mut updates);
-        let mut records = vec![input];
+        let mut records = input_batch(input);
         if !updates.is_empty() {
             records.push(self.record(RecordBody::MessageUpdated {
                 message_id: created.id.clone(),
@@ -458,4 +458,12 @@ impl Response<'_> {
             tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on without them");
         }
     }
+}
+
+/// A batch of the input's record, with room for the one that may follow it in its commit (its
+/// `MessageUpdated`, or the start seam's marker).
+fn input_batch(input: Record) -> Vec<Record> {
+    let mut records = Vec::with_capacity(2);
+    records.push(input);
+    records
 }

@@ -1139,20 +1139,23 @@ impl Response<'_> {
         // Data writes made so far land before the batch (each its own batch).
         self.flush_data().await?;
         self.fold_thread_writes();
-        let mut trailing = Vec::new();
-        if with_state {
-            let writes = self.attempt.buffer().drain();
+        let writes = if with_state {
+            self.attempt.buffer().drain()
+        } else {
+            Vec::new()
+        };
+        if !writes.is_empty() {
             // State writes go before the batch's marker (the last record).
             let marker = records.pop();
+            records.reserve(writes.len() + 1);
             records.extend(writes.into_iter().map(|write| {
                 self.record(RecordBody::StateWrite {
                     name: write.name,
                     value: write.value,
                 })
             }));
-            trailing.extend(marker);
+            records.extend(marker);
         }
-        records.extend(trailing);
         if records.is_empty() {
             return Ok(());
         }
