@@ -1257,6 +1257,7 @@ async fn openai_request_carries_system_messages_tools_reasoning_effort_and_the_k
     );
     assert_eq!(recorded.header("Authorization"), Some(format!("Bearer {KEY}").as_str()));
     assert_eq!(recorded.header("content-type"), Some("application/json"));
+    assert_eq!(recorded.header("accept"), Some("text/event-stream"));
     let body = &recorded.body;
     assert_eq!(body["model"], "fixture-model");
     assert_eq!(body["stream"], true);
@@ -1323,6 +1324,8 @@ async fn anthropic_request_uses_content_blocks_merged_tool_results_and_its_heade
     assert_eq!(recorded.header("x-api-key"), Some(KEY));
     assert_eq!(recorded.header("anthropic-version"), Some("2023-06-01"));
     assert_eq!(recorded.header("authorization"), None);
+    assert_eq!(recorded.header("content-type"), Some("application/json"));
+    assert_eq!(recorded.header("accept"), Some("text/event-stream"));
     let body = &recorded.body;
     // The system prompt and the last message are prompt-cache breakpoints.
     assert_eq!(

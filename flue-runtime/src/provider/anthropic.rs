@@ -51,7 +51,7 @@ use std::time::Duration;
 use flue_core::model::ThinkingLevel;
 use flue_core::url::url_without_secrets;
 use flue_core::usage::Usage;
-use reqwest::header::{ACCEPT, HeaderMap, HeaderName, HeaderValue};
+use reqwest::header::HeaderName;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
@@ -59,8 +59,8 @@ use serde_json::value::RawValue;
 use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
-    error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
+    CallContext, CallHeaders, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport,
+    ended_early, error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
 use super::text::{Text, borrowed};
@@ -723,6 +723,12 @@ fn tool_input(call: &ModelToolCall) -> &RawValue {
     }
 }
 
+/// The headers of every Messages call (the key's follows them).
+const FIXED_HEADERS: &[(&str, &str)] = &[
+    ("accept", "text/event-stream"),
+    ("anthropic-version", ANTHROPIC_VERSION),
+];
+
 impl ModelProvider for AnthropicProvider {
     fn id(&self) -> &str {
         &self.id
@@ -733,18 +739,17 @@ impl ModelProvider for AnthropicProvider {
             Ok(key) => key,
             Err(error) => return error_stream(error),
         };
-        let mut headers = HeaderMap::new();
-        headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
-        headers.insert(
-            HeaderName::from_static("anthropic-version"),
-            HeaderValue::from_static(ANTHROPIC_VERSION),
-        );
-        if let Some(key) = &key {
-            match secret_header(key.expose(), &self.id, &self.key.env) {
-                Ok(value) => headers.insert(HeaderName::from_static("x-api-key"), value),
-                Err(error) => return error_stream(error),
-            };
-        }
+        let headers = CallHeaders {
+            fixed: FIXED_HEADERS,
+            key: match key
+                .as_ref()
+                .map(|key| secret_header(key.expose(), &self.id, &self.key.env))
+            {
+                Some(Ok(value)) => Some((HeaderName::from_static("x-api-key"), value)),
+                Some(Err(error)) => return error_stream(error),
+                None => None,
+            },
+        };
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
         let body = super::http::encode_body(self.body_bytes(request));
         let url = self.endpoint.url(&self.base_url, "messages");

@@ -589,6 +589,15 @@ pub(crate) fn encode_body(encoded: Result<Payload, serde_json::Error>) -> Result
     })
 }
 
+/// A call's headers besides the body's content type, put straight onto each request (a map of
+/// them would be built and then copied into the request's own at every call).
+pub(crate) struct CallHeaders {
+    /// The provider's fixed headers: names and values (lowercase names, visible ASCII values).
+    pub(crate) fixed: &'static [(&'static str, &'static str)],
+    /// The API key's header, when there is a key.
+    pub(crate) key: Option<(HeaderName, HeaderValue)>,
+}
+
 /// POSTs the JSON `payload` to `url` and returns the response once it started successfully
 /// (2xx), with how many times the call was retried first.
 ///
@@ -597,7 +606,7 @@ pub(crate) fn encode_body(encoded: Result<Payload, serde_json::Error>) -> Result
 pub(crate) async fn send_with_retries(
     client: &reqwest::Client,
     url: &Target,
-    headers: &HeaderMap,
+    headers: &CallHeaders,
     mut payload: Payload,
     transport: &Transport,
     ctx: &CallContext,
@@ -608,11 +617,14 @@ pub(crate) async fn send_with_retries(
             Ok(url) => client.post(url.clone()),
             Err(text) => client.post(text.as_str()),
         };
-        let attempt = request
-            .headers(headers.clone())
-            .header(CONTENT_TYPE, "application/json")
-            .body(payload.to_body())
-            .send();
+        let mut request = request.header(CONTENT_TYPE, "application/json");
+        for (name, value) in headers.fixed {
+            request = request.header(HeaderName::from_static(name), HeaderValue::from_static(value));
+        }
+        if let Some((name, value)) = &headers.key {
+            request = request.header(name.clone(), value.clone());
+        }
+        let attempt = request.body(payload.to_body()).send();
         let error = match tokio::time::timeout(transport.timeout, attempt).await {
             Ok(Ok(response)) if response.status().is_success() => return Ok((response, retry)),
             // A 307 or 308 sends the body again: reqwest follows it (same origin only, see

@@ -61,15 +61,15 @@ use std::time::Duration;
 use flue_core::model::ThinkingLevel;
 use flue_core::url::url_without_secrets;
 use flue_core::usage::Usage;
-use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderValue};
+use reqwest::header::AUTHORIZATION;
 use serde::Serialize;
 use serde_json::Value;
 
 use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
-    CallContext, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport, ended_early,
-    error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
+    CallContext, CallHeaders, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport,
+    ended_early, error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
 use super::tool_json::{Declarations, ToolJson};
@@ -695,14 +695,17 @@ impl ModelProvider for OpenAiProvider {
             Ok(key) => key,
             Err(error) => return error_stream(error),
         };
-        let mut headers = HeaderMap::new();
-        headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
-        if let Some(key) = &key {
-            match secret_header(&format!("Bearer {}", key.expose()), &self.id, &self.key.env) {
-                Ok(value) => headers.insert(AUTHORIZATION, value),
-                Err(error) => return error_stream(error),
-            };
-        }
+        let headers = CallHeaders {
+            fixed: &[("accept", "text/event-stream")],
+            key: match key
+                .as_ref()
+                .map(|key| secret_header(&format!("Bearer {}", key.expose()), &self.id, &self.key.env))
+            {
+                Some(Ok(value)) => Some((AUTHORIZATION, value)),
+                Some(Err(error)) => return error_stream(error),
+                None => None,
+            },
+        };
         let ctx = CallContext::new(&self.id, &self.key.env, &request.model, key);
         let body = super::http::encode_body(self.body_bytes(request));
         let url = self.endpoint.url(&self.base_url, CHAT_PATH);
