@@ -163,23 +163,38 @@ impl Tx<'_> {
     fn with_json<T>(
         &self,
         value: &(impl serde::Serialize + ?Sized),
-        with: impl FnOnce(&str) -> Result<T, StoreError>,
+        with: impl FnOnce(JsonText<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let Ok(mut buffer) = self.json.try_borrow_mut() else {
-            return with(&serde_json::to_string(value).map_err(json_error)?);
+            return with(JsonText(serde_json::to_string(value).map_err(json_error)?.as_bytes()));
         };
         buffer.clear();
         let result = serde_json::to_writer(&mut **buffer, value)
             .map_err(json_error)
-            .and_then(|()| {
-                std::str::from_utf8(&buffer)
-                    .map_err(|error| StoreError::Other(format!("sqlite: JSON that is not UTF-8: {error}")))
-            })
-            .and_then(with);
+            .and_then(|()| with(JsonText(&buffer)));
         if buffer.capacity() > JSON_KEPT_BYTES {
             **buffer = Vec::new();
         }
         result
+    }
+}
+
+/// JSON that serde_json wrote, bound as SQLite text as it is: serde_json writes UTF-8 only,
+/// so the bytes are not checked again on the way in.
+#[derive(Clone, Copy)]
+struct JsonText<'a>(&'a [u8]);
+
+impl JsonText<'_> {
+    fn len(self) -> usize {
+        self.0.len()
+    }
+}
+
+impl rusqlite::ToSql for JsonText<'_> {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        Ok(rusqlite::types::ToSqlOutput::Borrowed(rusqlite::types::ValueRef::Text(
+            self.0,
+        )))
     }
 }
 
@@ -2183,11 +2198,11 @@ mod tests {
         let texts = store
             .transaction(|tx| {
                 tx.with_json(&["outer"], |outer| {
-                    tx.with_json(&["inner"], |inner| Ok((outer.to_owned(), inner.to_owned())))
+                    tx.with_json(&["inner"], |inner| Ok((outer.0.to_vec(), inner.0.to_vec())))
                 })
             })
             .unwrap();
-        assert_eq!(texts, (r#"["outer"]"#.to_owned(), r#"["inner"]"#.to_owned()));
+        assert_eq!(texts, (br#"["outer"]"#.to_vec(), br#"["inner"]"#.to_vec()));
     }
 
     /// A transaction that fails after changing the index leaves it as it was: the next append
