@@ -283,7 +283,9 @@ pub enum Event {
         purpose: TurnPurpose,
         /// 1-based step (for a compaction's call, the step it makes room for).
         step: u32,
-        /// Why it ended (`error` or `aborted` when the call failed).
+        /// Why it ended, in the reference's finish reasons: `stop`, `toolUse` or `length`;
+        /// `error` or `aborted` when the call failed; `contentFilter` when the provider
+        /// filtered the output, `hookBlocked` when `prefilter_llm_history` blocked the call.
         stop_reason: String,
         /// How long it took.
         duration_ms: u64,

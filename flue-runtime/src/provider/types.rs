@@ -705,14 +705,16 @@ impl ProviderError {
     }
 }
 
+/// The reference's finish reason (`stop`, `toolUse`, `length`; this runtime's own two in the
+/// same camelCase): what a `turn` event reports. Records keep their snake_case names.
 impl fmt::Display for StopReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::Stop => "stop",
-            Self::ToolUse => "tool_use",
+            Self::ToolUse => "toolUse",
             Self::Length => "length",
-            Self::ContentFilter => "content_filter",
-            Self::HookBlocked => "hook_blocked",
+            Self::ContentFilter => "contentFilter",
+            Self::HookBlocked => "hookBlocked",
         })
     }
 }
@@ -720,6 +722,22 @@ impl fmt::Display for StopReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stop_reasons_read_as_the_reference_finish_reasons_in_events_and_snake_case_in_records() {
+        let events: Vec<String> = [StopReason::Stop, StopReason::ToolUse, StopReason::Length]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(events, ["stop", "toolUse", "length"]);
+        assert_eq!(StopReason::HookBlocked.to_string(), "hookBlocked");
+        // The persisted name is unchanged: records written before keep reading.
+        assert_eq!(serde_json::to_value(StopReason::ToolUse).unwrap(), "tool_use");
+        assert_eq!(
+            serde_json::from_value::<StopReason>(serde_json::json!("hook_blocked")).unwrap(),
+            StopReason::HookBlocked
+        );
+    }
 
     #[test]
     fn known_context_windows_are_what_the_prompt_may_take() {
