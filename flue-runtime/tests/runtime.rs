@@ -1139,8 +1139,7 @@ async fn a_call_broken_off_mid_reasoning_ends_its_thinking_before_the_retry() {
 }
 
 /// An abort while a retry waits out its backoff ends the call's turn and message once: the
-/// broken-off message already ended before the wait, so the call's message is opened again
-/// for its `turn` and `message_end` (each `message_start` answered by one `message_end`).
+/// broken-off call ended its turn and its message before the wait, and no retry starts.
 #[tokio::test]
 async fn an_abort_during_a_retry_backoff_ends_each_message_once() {
     let runtime = broken_reasoner_runtime(std::time::Duration::from_secs(60));
@@ -1168,9 +1167,49 @@ async fn an_abort_during_a_retry_backoff_ends_each_message_once() {
     while let Ok(observation) = events.try_recv() {
         record(&observation.event, &mut seen);
     }
+    assert_eq!(seen, ["message_start", "turn", "message_end"]);
+}
+
+/// Reference §7.2: a call retried after a transient failure is a turn of its own, as in the
+/// reference, where the failed call ends its turn (finish reason `error`) and the retry starts
+/// the next: two `turn_start`s with different ids, each answered by its `turn`, and the retry's
+/// deltas stamped with the second id.
+#[tokio::test]
+async fn a_retried_call_is_a_turn_of_its_own() {
+    let runtime = broken_reasoner_runtime(std::time::Duration::from_millis(1));
+    let mut events = runtime.observe();
+    let reply = runtime.init(&thinker, "b").send("2+2?").await.unwrap();
+    assert_eq!(reply.text, "4");
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        let stamped = observation.turn_id.clone().unwrap_or_default();
+        match observation.event {
+            Event::TurnStart { turn_id, step, .. } => seen.push(format!("turn_start {turn_id} step {step}")),
+            Event::Turn {
+                turn_id,
+                stop_reason,
+                is_error,
+                step,
+                ..
+            } => seen.push(format!("turn {turn_id} step {step} {stop_reason} error={is_error}")),
+            Event::TextDelta { .. } => seen.push(format!("text_delta {stamped}")),
+            Event::TurnMessages { turn_id, .. } => seen.push(format!("turn_messages {turn_id}")),
+            _ => {}
+        }
+    }
+    let turn = |at: usize| seen[at].split(' ').nth(1).unwrap().to_owned();
+    let (first, second) = (turn(0), turn(2));
+    assert_ne!(first, second, "{seen:?}");
     assert_eq!(
         seen,
-        ["message_start", "message_end", "message_start", "turn", "message_end"]
+        [
+            format!("turn_start {first} step 1"),
+            format!("turn {first} step 1 error error=true"),
+            format!("turn_start {second} step 1"),
+            format!("text_delta {second}"),
+            format!("turn {second} step 1 stop error=false"),
+            format!("turn_messages {second}"),
+        ]
     );
 }
 

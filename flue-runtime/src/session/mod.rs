@@ -2143,6 +2143,9 @@ impl Response<'_> {
         let mut row_updates = None;
         let mut live: Option<LiveText> = None;
         let mut compacted_for_overflow = false;
+        // Transient failures retried so far (with the provider's own retries of each call): the
+        // retries share one budget.
+        let mut retries = 0;
         let mut history_len: usize;
         let (response, started, turn_id) = loop {
             let system = crate::framework::system(instruction, self.sections());
@@ -2160,8 +2163,8 @@ impl Response<'_> {
             if row_updates.is_none() {
                 row_updates = Some(self.assistant_row_created(&message_id).await);
             }
-            // One id per model call (an overflow recovery's retry is a call of its own); the
-            // step's start names its first.
+            // One id per model call (a retry after a transient failure, or after an overflow
+            // recovery, is a call and a turn of its own); the step's start names its first.
             let turn_id = LazyId::new("turn");
             let live = live.get_or_insert_with(|| self.live_text(&message_id, spec, Some(turn_id.get())));
             let request = ModelRequest {
@@ -2171,7 +2174,7 @@ impl Response<'_> {
                 tools: std::mem::take(&mut tools),
                 thinking_level: thinking,
                 max_output_tokens: None,
-                max_retries: Some(self.runtime.options.model_retries),
+                max_retries: Some(self.runtime.options.model_retries.saturating_sub(retries)),
             };
             let started = Instant::now();
             self.set_turn(Some(&turn_id));
@@ -2188,9 +2191,7 @@ impl Response<'_> {
             self.emit_with(|| Event::MessageStart {
                 message: ModelMessage::empty_assistant(),
             });
-            let streamed = self
-                .stream_with_retries(provider, &request, &rendered.tools, live)
-                .await;
+            let streamed = self.stream_once(provider, &request, &rendered.tools, live).await;
             // Kept for a call after overflow recovery.
             tools = request.tools;
             if let Err(error) = &streamed {
@@ -2245,6 +2246,23 @@ impl Response<'_> {
                         continue;
                     }
                     Failure::prompt_failed("context_overflow", &error.to_string())
+                }
+                StepError::Provider(error) if error.may_retry(retries, self.runtime.options.model_retries) => {
+                    // A transient failure: the call is made again after its backoff, as the
+                    // reference makes it, in a turn of its own. The retry streams its own text;
+                    // what this call appended stays behind (the step's completion says what
+                    // the text is).
+                    let delay;
+                    (retries, delay) = self.runtime.options.model_retry(retries, &error);
+                    live.restart();
+                    let aborted = tokio::select! {
+                        () = tokio::time::sleep(delay) => false,
+                        () = self.attempt.signal.aborted() => true,
+                    };
+                    if !aborted {
+                        continue;
+                    }
+                    Failure::aborted()
                 }
                 StepError::Provider(error) => Failure::prompt_failed("operation_failed", &error.to_string()),
             };
@@ -2373,61 +2391,12 @@ impl Response<'_> {
     /// A retry after part of the answer reached observers ends that partial message first
     /// (`message_end`) and streams the retry as a new one (`message_start`): deltas belong to
     /// their message, and nothing of the partial answer was recorded.
-    async fn stream_with_retries(
-        &self,
-        provider: &dyn ModelProvider,
-        request: &ModelRequest,
-        tools: &[flue_core::Tool],
-        live: &mut LiveText,
-    ) -> Result<ModelResponse, StepError> {
-        let mut retries = 0;
-        // A retry's request: the provider may retry it only as often as the budget has left.
-        let mut retry: Option<ModelRequest> = None;
-        loop {
-            let mut shown = false;
-            let call = retry.as_ref().unwrap_or(request);
-            match self.stream_once(provider, call, tools, &mut shown, live).await {
-                Err(StepError::Provider(error)) if error.may_retry(retries, self.runtime.options.model_retries) => {
-                    let delay;
-                    (retries, delay) = self.runtime.options.model_retry(retries, &error);
-                    let left = self.runtime.options.model_retries.saturating_sub(retries);
-                    retry.get_or_insert_with(|| request.clone()).max_retries = Some(left);
-                    // The retry streams its own text; what this call appended stays behind
-                    // (its step's completion says what the text is).
-                    live.restart();
-                    if shown {
-                        self.emit_with(|| Event::MessageEnd {
-                            message: ModelMessage::empty_assistant(),
-                        });
-                    }
-                    let aborted = tokio::select! {
-                        () = tokio::time::sleep(delay) => false,
-                        () = self.attempt.signal.aborted() => true,
-                    };
-                    // The call's message is open again (for the retry, or for the turn and
-                    // the message end an abort gets): each start answered by one end.
-                    if shown {
-                        self.emit_with(|| Event::MessageStart {
-                            message: ModelMessage::empty_assistant(),
-                        });
-                    }
-                    if aborted {
-                        return Err(StepError::Aborted);
-                    }
-                }
-                other => return other,
-            }
-        }
-    }
-
-    /// One streamed model call; `shown` becomes true once any of it reached observers (a
-    /// delta, a tool call's start). Its text goes to `live` too, which appends it when due.
+    /// One streamed model call. Its text goes to `live` too, which appends it when due.
     async fn stream_once(
         &self,
         provider: &dyn ModelProvider,
         request: &ModelRequest,
         tools: &[flue_core::Tool],
-        shown: &mut bool,
         live: &mut LiveText,
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
@@ -2481,12 +2450,10 @@ impl Response<'_> {
                     break Ok(response);
                 }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
-                    *shown = true;
                     live.push_text(&delta);
                     self.emit_with(|| Event::TextDelta { text: delta });
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
-                    *shown = true;
                     if !thinking {
                         thinking = true;
                         self.emit_with(|| Event::ThinkingStart);
@@ -2497,12 +2464,10 @@ impl Response<'_> {
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
                     if let Some(started) = observer.started(index, &id, &name) {
-                        *shown = true;
                         self.tool_call_started(started).await;
                     }
                 }
                 Some(Ok(StreamEvent::ToolCallArguments { index, delta })) => {
-                    *shown = true;
                     let started = observer.arguments(index, &delta);
                     // The fragment moves into the event: nothing is copied for nobody.
                     self.emit_with(|| Event::ToolcallDelta {
