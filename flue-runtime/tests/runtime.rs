@@ -2123,6 +2123,62 @@ async fn a_batch_of_only_terminating_tools_ends_the_turn_without_another_model_c
     assert_eq!((mixed.requests().len(), reply.text.as_str()), (2, "continued"));
 }
 
+static ESCALATION_CHECKS: Mutex<Vec<(String, usize)>> = Mutex::new(Vec::new());
+
+/// Escalates, and a finish check that sends the model back once to log the ticket.
+#[agent]
+fn checked_desk() -> &'static str {
+    use_model("scripted/x");
+    use_tool(escalate);
+    use_agent_finish(|ctx| async move {
+        let calls = ctx.response().tool_calls.len();
+        let mut checks = ESCALATION_CHECKS.lock().unwrap();
+        let instance = format!("check {}", checks.len() + 1);
+        checks.push((instance, calls));
+        if checks.len() == 1 {
+            ctx.append(Signal::new("todo", "Log the ticket before you hand over."))?;
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "Escalate when asked."
+}
+
+/// Reference §3.7, step 12: the would-stop phase follows the turns however they end. A
+/// terminating batch ends the turns as an answer without calls does, so the finish callbacks
+/// run after it, and an append continues the response with another model call.
+#[tokio::test]
+async fn a_terminating_batch_reaches_the_finish_callbacks_whose_append_continues_the_response() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("escalate", json!({"reason": "asked for a person"})),
+        ScriptedReply::text("Ticket logged; a person will call you."),
+    ]);
+    let runtime = runtime_with(&model, vec![checked_desk.into()]);
+    let reply = runtime.init(&checked_desk, "cd").send("a person please").await.unwrap();
+    assert_eq!(model.requests().len(), 2, "the finish callback's append got a model call");
+    assert_eq!(reply.text, "Ticket logged; a person will call you.");
+    let last = &model.requests()[1].messages;
+    let ModelMessage::User { content, .. } = &last[last.len() - 1] else {
+        panic!("the appended signal ends the second request")
+    };
+    assert!(content.starts_with("<signal type=\"todo\">"), "{content}");
+    // Each check saw the response's committed call: once after the batch, once after the answer.
+    assert_eq!(
+        *ESCALATION_CHECKS.lock().unwrap(),
+        [("check 1".to_owned(), 1), ("check 2".to_owned(), 1)]
+    );
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("checked_desk", "cd"), None)
+        .await
+        .unwrap();
+    let cycles = batches
+        .iter()
+        .flat_map(|b| b.records.iter())
+        .filter(|r| matches!(r.body, RecordBody::AgentFinishCycle))
+        .count();
+    assert_eq!(cycles, 1);
+}
+
 #[agent]
 fn handoff() -> &'static str {
     use_model("scripted/x");

@@ -1560,13 +1560,18 @@ impl Response<'_> {
             .await?;
         // A tool batch an earlier attempt left uncommitted: its durable calls run again before
         // the next model call. Then the join point before turn 1: deliveries queued behind this
-        // one join before the first model call (a resumed, answered response settles as it is).
-        // Every join point is one only while the response can make another model step: a
-        // delivery joined into a response that ends without reading it would settle unanswered.
+        // one join before the first model call (a resumed, answered response goes to its
+        // would-stop point, where they join too). Every join point is one only while the
+        // response can make another model step: a delivery joined into a response that ends
+        // without reading it would settle unanswered.
         let max_steps = definition.max_steps.unwrap_or(u32::MAX);
         // The step budget belongs to the response: a re-attempt counts the durable steps.
         let mut steps = self.conversation.steps(&submission_id);
-        let mut ended = already_answered;
+        // At the would-stop point (reference §3.7, step 12) whenever the turns end, however they
+        // end: a resumed response whose answer is durable is there (its finish callbacks run
+        // again, at least once), unless its finish batch committed, when it settles as it is.
+        let ended = already_answered && self.conversation.has_finished(&submission_id);
+        let mut stopping = already_answered && !ended;
         if !already_answered {
             let mut terminated = false;
             if let Some(terminate) = self.rerun_durable_calls(&rendered).await? {
@@ -1581,7 +1586,7 @@ impl Response<'_> {
                 self.commit(deferred, false).await?;
             }
             let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
-            ended = terminated && !joined;
+            stopping = terminated && !joined;
         }
         self.spare = Some(rendered);
 
@@ -1589,6 +1594,16 @@ impl Response<'_> {
         loop {
             if ended {
                 break;
+            }
+            if std::mem::take(&mut stopping) {
+                let rendered = self.spare.take().unwrap_or_default();
+                let steps_again = self
+                    .would_stop(&rendered, &model.spec, self.can_step(steps, max_steps), &mut finish_cycles)
+                    .await;
+                self.spare = Some(rendered);
+                if !steps_again? {
+                    break;
+                }
             }
             self.check_abort()?;
             if Instant::now() >= deadline {
@@ -1611,48 +1626,8 @@ impl Response<'_> {
                 break;
             }
             if response.tool_calls.is_empty() {
-                // The would-stop point: calls queued with `queue_tool` run first (the model sees
-                // their results), then queued deliveries join.
-                if self.run_queued_tools(&rendered, &model.spec).await?.is_some() {
-                    self.spare = Some(rendered);
-                    continue;
-                }
-                if self.can_step(steps, max_steps) && self.join_queued().await? {
-                    self.spare = Some(rendered);
-                    continue;
-                }
-                let appended = self.finish_cycle(&rendered).await?;
-                if appended.is_empty() {
-                    self.commit(Vec::new(), true).await?;
-                    // Calls a finish callback or a hook of that commit queued run now (the
-                    // model sees their results), as at the would-stop point.
-                    if self.run_queued_tools(&rendered, &model.spec).await?.is_some() {
-                        self.spare = Some(rendered);
-                        continue;
-                    }
-                    // Joins again after a no-append cycle, in case a hook dispatched: a joined
-                    // delivery drives another turn (not a counted cycle).
-                    let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
-                    self.spare = Some(rendered);
-                    if joined {
-                        continue;
-                    }
-                    break;
-                }
-                finish_cycles += 1;
-                if finish_cycles > MAX_AGENT_FINISH_CYCLES {
-                    return Err(Failure::failed(
-                        "agent_finish_ceiling",
-                        format!(
-                            "[flue] use_agent_finish appended a continuation signal after {MAX_AGENT_FINISH_CYCLES} continued cycles in one response — a runaway loop. Append only while work remains, and guard with persistent state."
-                        ),
-                    ));
-                }
-                let mut records: Vec<Record> = appended.iter().map(|signal| self.signal_record(signal)).collect();
-                records.push(self.record(RecordBody::AgentFinishCycle));
-                self.commit(records, true).await?;
-                self.advance_delivery(&appended);
                 self.spare = Some(rendered);
+                stopping = true;
                 continue;
             }
             let mut terminate = self
@@ -1672,9 +1647,9 @@ impl Response<'_> {
             // steered into the loop, which runs on to answer them (reference §3.8).
             let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
             self.spare = Some(rendered);
-            if terminate && !joined {
-                break;
-            }
+            // The turns end at a terminating batch: the would-stop point follows, as after an
+            // answer without calls.
+            stopping = terminate && !joined;
         }
 
         // Calls queued when the response could run no more (its step budget spent, its
@@ -1963,6 +1938,53 @@ impl Response<'_> {
     }
 
     /// Runs the `use_agent_finish` callbacks sequentially; returns what they appended.
+    /// The would-stop point (reference §3.7, step 12), where the turns ended: the model
+    /// answered without calls, a terminating batch ended them, or a resumed response's answer
+    /// is durable. Calls queued with `queue_tool` run first (the model sees their results),
+    /// then queued deliveries join (while the response `can_step`), then `use_agent_finish`
+    /// runs: an append continues the response, a counted cycle committed with its signals.
+    /// Returns whether the response goes on to another model step.
+    async fn would_stop(
+        &mut self,
+        rendered: &Rendered,
+        spec: &str,
+        can_step: bool,
+        finish_cycles: &mut u32,
+    ) -> Result<bool, Failure> {
+        if self.run_queued_tools(rendered, spec).await?.is_some() {
+            return Ok(true);
+        }
+        if can_step && self.join_queued().await? {
+            return Ok(true);
+        }
+        let appended = self.finish_cycle(rendered).await?;
+        if appended.is_empty() {
+            self.commit(Vec::new(), true).await?;
+            // Calls a finish callback or a hook of that commit queued run now (the model sees
+            // their results), as at the would-stop point.
+            if self.run_queued_tools(rendered, spec).await?.is_some() {
+                return Ok(true);
+            }
+            // Joins again after a no-append cycle, in case a hook dispatched: a joined delivery
+            // drives another turn (not a counted cycle).
+            return Ok(can_step && self.join_queued().await?);
+        }
+        *finish_cycles += 1;
+        if *finish_cycles > MAX_AGENT_FINISH_CYCLES {
+            return Err(Failure::failed(
+                "agent_finish_ceiling",
+                format!(
+                    "[flue] use_agent_finish appended a continuation signal after {MAX_AGENT_FINISH_CYCLES} continued cycles in one response — a runaway loop. Append only while work remains, and guard with persistent state."
+                ),
+            ));
+        }
+        let mut records: Vec<Record> = appended.iter().map(|signal| self.signal_record(signal)).collect();
+        records.push(self.record(RecordBody::AgentFinishCycle));
+        self.commit(records, true).await?;
+        self.advance_delivery(&appended);
+        Ok(true)
+    }
+
     async fn finish_cycle(&mut self, rendered: &Rendered) -> Result<Vec<Signal>, Failure> {
         let mut appended = Vec::new();
         let summary = Arc::new(ResponseSummary {
