@@ -111,9 +111,39 @@ async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_
             .any(|record| matches!(record.body, RecordBody::StateWrite { .. })),
         "the interrupted batch's state write is absent"
     );
-    assert!(
-        !all.iter()
-            .any(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+    // The re-attempt settled the batch in the stream with the result the model is told, so
+    // readers of the stream see the call end (reference §3.9 step 7).
+    let outcomes: Vec<_> = all
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::ToolOutcome {
+                tool_name,
+                is_error,
+                content,
+                ..
+            } => Some((
+                tool_name.as_str(),
+                *is_error,
+                content.as_str(),
+                record.submission_id.is_some(),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        outcomes,
+        [(
+            "charge",
+            true,
+            r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#,
+            true
+        )]
+    );
+    assert_eq!(
+        all.iter()
+            .filter(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+            .count(),
+        1
     );
     // The tool ran once; the re-attempt did not re-run it but told the model its outcome is unknown.
     assert_eq!(CHARGES.load(Ordering::SeqCst), 1);
@@ -124,7 +154,7 @@ async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_
     assert!(*is_error);
     assert_eq!(
         content,
-        "Tool execution was interrupted before completion. The outcome is unknown."
+        r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#
     );
     // The input was applied exactly once.
     let inputs = all
@@ -132,6 +162,126 @@ async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_
         .filter(|record| matches!(record.body, RecordBody::UserMessage { .. }))
         .count();
     assert_eq!(inputs, 1);
+}
+
+#[agent(durability(max_attempts = 1))]
+fn one_shot_billing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("charge")
+            .description("Charge the card.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { Ok::<_, ToolError>("charged") }),
+    );
+    "You bill customers."
+}
+
+/// Reference §3.9 (`recordSubmissionTerminal`): a submission that ends without committing
+/// its tool batch settles that batch in its settlement's batch, before the advisory, with the
+/// outcome-unknown results: no call rests without an outcome for readers of the stream, and
+/// the next response's model is told the same result.
+#[tokio::test]
+async fn a_batch_a_failed_submission_left_uncommitted_is_settled_with_its_settlement() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("charge", json!({})),
+        ScriptedReply::text("The last charge may not have gone through."),
+    ]);
+    let runtime = runtime(&store, &model, one_shot_billing);
+    let handle = runtime.init(&one_shot_billing, "osb");
+    let (error_type, submission_id) = match handle.send("charge me").await.unwrap_err() {
+        RuntimeError::Run {
+            error_type,
+            submission_id,
+            ..
+        } => (error_type, submission_id),
+        other => panic!("run error: {other}"),
+    };
+    assert_eq!(error_type, "submission_retry_exhausted");
+    let key = InstanceKey::new("one_shot_billing", "osb");
+    let batches = store.inner.read(&key, None).await.unwrap();
+    let settlement = batches.last().expect("the settlement's batch");
+    let kinds: Vec<_> = settlement
+        .records
+        .iter()
+        .map(|record| {
+            assert_eq!(record.submission_id.as_deref(), Some(submission_id.as_str()));
+            match &record.body {
+                RecordBody::ToolOutcome { is_error, content, .. } => {
+                    assert!(*is_error);
+                    assert_eq!(content, UNKNOWN);
+                    "outcome"
+                }
+                RecordBody::ToolResultsCommitted { .. } => "committed",
+                RecordBody::Signal { signal_type, .. } => signal_type.as_str(),
+                RecordBody::SubmissionSettled { .. } => "settled",
+                _ => "other",
+            }
+        })
+        .collect();
+    assert_eq!(kinds, ["outcome", "committed", "submission_interrupted", "settled"]);
+    let reply = handle.send("did it work?").await.unwrap();
+    assert_eq!(reply.text, "The last charge may not have gone through.");
+    let results: Vec<_> = model.requests()[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results, [(UNKNOWN.to_owned(), true)]);
+}
+
+static CLOSINGS: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn closing() -> &'static str {
+    use_model("scripted/x");
+    let (_, set_closed) = use_persistent_state("closed", false);
+    use_agent_finish(move |_ctx| {
+        let set_closed = set_closed.clone();
+        async move {
+            CLOSINGS.fetch_add(1, Ordering::SeqCst);
+            set_closed.set(true)?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        }
+    });
+    "You close cases."
+}
+
+/// Reference §3.7: the would-stop phase runs on a resumed response too. A failure after the
+/// final answer was durable and before its finish cycle committed (here, the cycle's state
+/// write) leaves a response that is answered but not finished: the re-attempt does not call
+/// the model again, but runs the finish callbacks again, whose write then commits once.
+#[tokio::test]
+async fn a_finish_cycle_lost_after_a_durable_answer_runs_again_on_the_re_attempt() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(&record.body, RecordBody::StateWrite { name, .. } if name == "closed"))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("Case closed."), ScriptedReply::text("unused")]);
+    let runtime = runtime(&store, &model, closing);
+    let reply = runtime.init(&closing, "c-1").send("close it").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "Case closed.");
+    assert_eq!(model.requests().len(), 1, "the durable answer is not asked for again");
+    assert_eq!(CLOSINGS.load(Ordering::SeqCst), 2, "once per attempt");
+    let all = records(&store, &InstanceKey::new("closing", "c-1")).await;
+    let writes: Vec<_> = all
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::StateWrite { name, value } if name == "closed" => Some(value.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(writes, [json!(true)]);
 }
 
 static STARTS: AtomicUsize = AtomicUsize::new(0);
@@ -341,10 +491,12 @@ fn fragile_billing() -> &'static str {
 #[tokio::test]
 async fn a_budget_spent_on_an_uncommitted_tool_batch_names_its_calls_in_the_error_and_the_advisory() {
     let store = FaultyStore::default();
+    // Every batch of a call that ran fails (the re-attempt's repair of the first, which ran
+    // nothing, commits).
     store.fail_always(|records| {
         records
             .iter()
-            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+            .any(|record| matches!(record.body, RecordBody::ToolOutcome { is_error: false, .. }))
     });
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("charge", json!({})),
@@ -395,6 +547,7 @@ async fn a_budget_spent_on_an_uncommitted_tool_batch_names_its_calls_in_the_erro
     );
     assert_eq!(attributes["reason"], "exhausted_retry_budget");
     assert_eq!(attributes["kind"], "direct");
+    assert_eq!(attributes["interruptedTools"], r#"[{"id":"call_2_0","name":"charge"}]"#);
     assert!(matches!(
         all[at + 1].body,
         RecordBody::SubmissionSettled {
@@ -1748,7 +1901,8 @@ fn tool_result(model: &ScriptedModel, at: usize, tool: &str) -> (String, bool) {
         .unwrap()
 }
 
-const UNKNOWN: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
+const UNKNOWN: &str =
+    r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#;
 
 static REFUNDS: Runs = Runs::new();
 static NOTES: Runs = Runs::new();

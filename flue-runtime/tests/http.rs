@@ -69,6 +69,19 @@ fn slow_worker() -> &'static str {
     "You look things up."
 }
 
+/// Never ends: only an abort stops it.
+#[tool]
+async fn stuck_lookup() -> String {
+    std::future::pending().await
+}
+
+#[agent]
+fn stuck_worker() -> &'static str {
+    use_model("scripted/stuck-1");
+    use_tool(stuck_lookup);
+    "You look things up."
+}
+
 #[agent]
 fn planner() -> &'static str {
     use_model("scripted/plan-1");
@@ -186,6 +199,7 @@ impl Server {
             .agent(planner)
             .agent(curator)
             .agent(slow_worker)
+            .agent(stuck_worker)
             .user_hook(client_attached)
             .user_hook(client_detached)
             .options(RuntimeOptions {
@@ -1091,6 +1105,65 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
     assert_eq!(allowed.status().as_u16(), 200);
 }
 
+/// Reference §3.9 (`recordSubmissionTerminal`): a response aborted while its tool runs
+/// settles the call with the outcome-unknown result, so the history shows the call ended, as
+/// an error, instead of running for good.
+#[tokio::test]
+async fn a_call_an_abort_interrupted_ends_as_an_error_in_the_history() {
+    let server = Server::start().await;
+    server.model.push(ScriptedReply::tool_call("stuck_lookup", json!({})));
+    let instance = format!("{}/agents/stuck_worker/s1", server.root);
+    let response = server
+        .client
+        .post(&instance)
+        .json(&json!({"kind": "user", "body": "find it"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 202);
+    let history = || async {
+        let response = server.client.get(&instance).send().await.unwrap();
+        response.json::<Value>().await.unwrap()
+    };
+    let tool_part = |snapshot: &Value| snapshot["messages"][1]["parts"][0].clone();
+    let mut running = Value::Null;
+    for _ in 0..500 {
+        running = tool_part(&history().await);
+        if running["type"] == "dynamic-tool" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(running["state"], "input-available", "{running}");
+    let aborted = server.client.post(format!("{instance}/abort")).send().await.unwrap();
+    assert_eq!(aborted.json::<Value>().await.unwrap(), json!({"aborted": true}));
+    let mut snapshot = Value::Null;
+    for _ in 0..500 {
+        snapshot = history().await;
+        if snapshot["settlements"]
+            .as_array()
+            .is_some_and(|settled| !settled.is_empty())
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(snapshot["settlements"][0]["outcome"], "aborted", "{snapshot}");
+    let ended = tool_part(&snapshot);
+    assert_eq!(ended["state"], "output-error", "{snapshot}");
+    assert_eq!(
+        ended["errorText"],
+        r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#
+    );
+    // The abort's advisory names the call, as an exhausted budget's does.
+    let advisory = &snapshot["messages"][2];
+    assert_eq!(advisory["purpose"], "advisory", "{snapshot}");
+    assert_eq!(
+        advisory["parts"][0]["text"],
+        "Submission was aborted.\n\nInterrupted tool call(s):\n  - stuck_lookup (call_1_0)"
+    );
+}
+
 #[tokio::test]
 async fn abort_answers_whether_anything_was_unsettled() {
     let server = Server::start().await;
@@ -1599,7 +1672,17 @@ async fn the_catalog_lists_agents_with_tool_schemas_hooks_and_parent_hook_requir
     assert_security_headers(&headers);
     let agents = catalog["agents"].as_array().unwrap();
     let names: Vec<&str> = agents.iter().map(|agent| agent["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["calculator", "curator", "mail_agent", "planner", "slow_worker"]);
+    assert_eq!(
+        names,
+        [
+            "calculator",
+            "curator",
+            "mail_agent",
+            "planner",
+            "slow_worker",
+            "stuck_worker"
+        ]
+    );
     let calc = &agents[0];
     assert_eq!(calc["maxSteps"], 4);
     assert_eq!(calc["model"], "scripted/calc-1");

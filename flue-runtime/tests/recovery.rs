@@ -668,7 +668,21 @@ macro_rules! recovery_suite {
                 assert_eq!(report["outcome"], "completed", "{report}");
                 assert_eq!(side_effects(&dir), 1, "the tool ran once; recovery did not re-run it");
                 assert_eq!(count(&records, |body| matches!(body, RecordBody::StateWrite { .. })), 0, "the write is absent");
-                assert_eq!(count(&records, |body| matches!(body, RecordBody::ToolOutcome { .. })), 0);
+                // Repaired in the stream with the outcome-unknown result the model was told.
+                let outcomes: Vec<(bool, &str)> = records
+                    .iter()
+                    .filter_map(|record| match &record.body {
+                        RecordBody::ToolOutcome { is_error, content, .. } => Some((*is_error, content.as_str())),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(
+                    outcomes,
+                    [(
+                        true,
+                        r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#
+                    )]
+                );
                 assert_eq!(count(&records, |body| matches!(body, RecordBody::UserMessage { .. })), 1);
             }
 
@@ -754,7 +768,14 @@ macro_rules! recovery_suite {
                 let (id, signal_type, body, settles) = advisory(&records);
                 let submission = std::fs::read_to_string(dir.join("submission")).unwrap();
                 assert_eq!(id, format!("record_submission_aborted_{}", submission.trim()));
-                assert_eq!((signal_type.as_str(), body.as_str()), ("submission_aborted", "Submission was aborted."));
+                // It names the call the crash interrupted, whose outcome is unknown.
+                assert_eq!(
+                    (signal_type.as_str(), body.as_str()),
+                    (
+                        "submission_aborted",
+                        "Submission was aborted.\n\nInterrupted tool call(s):\n  - charge (call_1_0)"
+                    )
+                );
                 assert!(settles);
             }
 

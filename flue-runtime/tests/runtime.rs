@@ -1484,13 +1484,17 @@ async fn an_aborted_submission_leaves_an_advisory_that_the_next_responses_model_
         unreachable!()
     };
     assert_eq!(message_id, &format!("entry_submission_aborted_{id}"));
+    // It names the call the abort interrupted (reference `recordSubmissionTerminal`).
     assert_eq!(
         (signal_type.as_str(), body.as_str()),
-        ("submission_aborted", "Submission was aborted.")
+        (
+            "submission_aborted",
+            "Submission was aborted.\n\nInterrupted tool call(s):\n  - wait_forever (call_1_0)"
+        )
     );
     assert_eq!(
         serde_json::to_value(attributes).unwrap(),
-        json!({"submissionId": id, "kind": "dispatch", "reason": "aborted"})
+        json!({"submissionId": id, "kind": "dispatch", "reason": "aborted", "interruptedTools": r#"[{"id":"call_1_0","name":"wait_forever"}]"#})
     );
     assert_eq!(tag_name, &None);
     assert!(
@@ -1520,7 +1524,7 @@ async fn an_aborted_submission_leaves_an_advisory_that_the_next_responses_model_
         [
             "go".to_owned(),
             format!(
-                "<signal type=\"submission_aborted\" kind=\"dispatch\" reason=\"aborted\" submissionId=\"{id}\">\nSubmission was aborted.\n</signal>"
+                "<signal type=\"submission_aborted\" interruptedTools=\"[{{&quot;id&quot;:&quot;call_1_0&quot;,&quot;name&quot;:&quot;wait_forever&quot;}}]\" kind=\"dispatch\" reason=\"aborted\" submissionId=\"{id}\">\nSubmission was aborted.\n\nInterrupted tool call(s):\n  - wait_forever (call_1_0)\n</signal>"
             ),
             "again".to_owned(),
         ]
@@ -1651,11 +1655,14 @@ async fn a_timed_out_submission_leaves_an_interrupted_advisory() {
     };
     assert_eq!(
         (signal_type.as_str(), body.as_str()),
-        ("submission_interrupted", "Submission exceeded the configured timeout.")
+        (
+            "submission_interrupted",
+            "Submission exceeded the configured timeout.\n\nInterrupted tool call(s):\n  - wait_forever (call_1_0)"
+        )
     );
     assert_eq!(
         serde_json::to_value(attributes).unwrap(),
-        json!({"submissionId": id, "kind": "dispatch", "reason": "exceeded_timeout"})
+        json!({"submissionId": id, "kind": "dispatch", "reason": "exceeded_timeout", "interruptedTools": r#"[{"id":"call_1_0","name":"wait_forever"}]"#})
     );
     assert!(matches!(
         next,
@@ -2154,7 +2161,11 @@ async fn a_terminating_batch_reaches_the_finish_callbacks_whose_append_continues
     ]);
     let runtime = runtime_with(&model, vec![checked_desk.into()]);
     let reply = runtime.init(&checked_desk, "cd").send("a person please").await.unwrap();
-    assert_eq!(model.requests().len(), 2, "the finish callback's append got a model call");
+    assert_eq!(
+        model.requests().len(),
+        2,
+        "the finish callback's append got a model call"
+    );
     assert_eq!(reply.text, "Ticket logged; a person will call you.");
     let last = &model.requests()[1].messages;
     let ModelMessage::User { content, .. } = &last[last.len() - 1] else {

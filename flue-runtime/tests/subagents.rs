@@ -828,7 +828,7 @@ async fn a_task_rerun_after_a_crash_reattaches_to_its_child_and_does_not_redo_co
         assert_eq!(
             harness::last_batch_results(&requests[2]),
             [(
-                "Tool execution was interrupted before completion. The outcome is unknown.".to_owned(),
+                r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#.to_owned(),
                 true
             )],
             "{name}"
@@ -1427,7 +1427,7 @@ async fn an_aborted_task_calls_unknown_outcome_names_its_child_conversation() {
     assert_eq!(
         results[0].0,
         format!(
-            "Tool execution was interrupted before completion. The outcome is unknown. The task's conversation (childConversationId) is \"{child}\"."
+            r#"{{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown.","childConversationId":"{child}"}}"#
         )
     );
 }
@@ -2008,7 +2008,7 @@ async fn a_task_child_whose_call_overflows_compacts_and_retries_and_the_task_suc
         seen,
         [
             "turn_start 1",
-            "turn 1 tool_use Agent",
+            "turn 1 toolUse Agent",
             "turn_start 2",
             "turn 2 error Agent context_overflow",
             "compaction_start overflow",
@@ -2106,7 +2106,7 @@ async fn a_reattached_task_child_goes_on_from_its_compacted_history() {
             [
                 (a_page(), false),
                 (
-                    "Tool execution was interrupted before completion. The outcome is unknown.".to_owned(),
+                    r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#.to_owned(),
                     true
                 )
             ],

@@ -16,12 +16,19 @@ use serde_json::{Map, Value};
 use crate::provider::{Messages, ModelImage, ModelMessage, ModelToolCall, ReasoningBlock};
 use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 
-/// The result text of a tool whose outcome never committed.
-pub(crate) const INTERRUPTED_TOOL: &str = "Tool execution was interrupted before completion. The outcome is unknown.";
+/// The result of a tool call whose outcome never committed: the reference's unknown-outcome
+/// error result, as JSON text.
+pub(crate) const INTERRUPTED_TOOL: &str =
+    r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#;
 
-/// The outcome-unknown result of a `task` call that created the child conversation `child`.
+/// The outcome-unknown result of a `task` call that created the child conversation `child`:
+/// [`INTERRUPTED_TOOL`] naming it (`childConversationId`), where the delegate's finished work
+/// may be.
 pub(crate) fn interrupted_task(child: &crate::store::InstanceKey) -> String {
-    format!("{INTERRUPTED_TOOL} The task's conversation (childConversationId) is \"{child}\".")
+    let child = Value::String(child.to_string());
+    format!(
+        r#"{{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown.","childConversationId":{child}}}"#
+    )
 }
 
 /// An instance's conversation, folded incrementally from its batches.
@@ -815,6 +822,33 @@ impl Conversation {
             Some(child) => interrupted_task(&child.key),
             None => INTERRUPTED_TOOL.to_owned(),
         }
+    }
+
+    /// The outcome-unknown result of `call`, of the step `assistant_message_id`, whose batch
+    /// never committed (a `task` call's names the child conversation it created).
+    pub(crate) fn interrupted_outcome(&self, assistant_message_id: &str, call: &ModelToolCall) -> RecordBody {
+        RecordBody::ToolOutcome {
+            assistant_message_id: assistant_message_id.to_owned(),
+            tool_call_id: call.id.clone(),
+            tool_name: call.name.clone(),
+            is_error: true,
+            content: self.interrupted(&call.id),
+            terminate: false,
+            duration_ms: 0,
+        }
+    }
+
+    /// What settles the last step's uncommitted batch in the stream: an outcome-unknown result
+    /// for each of its calls, then the batch's marker. Empty when every call has its outcome.
+    pub(crate) fn interrupted_batch(&self) -> Vec<RecordBody> {
+        let Some((step, calls)) = self.open_calls() else {
+            return Vec::new();
+        };
+        let mut bodies: Vec<RecordBody> = calls.iter().map(|call| self.interrupted_outcome(step, call)).collect();
+        bodies.push(RecordBody::ToolResultsCommitted {
+            assistant_message_id: step.to_owned(),
+        });
+        bodies
     }
 
     /// Calls whose batch never committed (an interrupted attempt) get an outcome-unknown

@@ -625,6 +625,9 @@ impl InstanceSlot {
         // Nothing appends for the attempt after its response: a write queued after the final
         // flush (or by a failed attempt) is dropped.
         attempt.close_data().await;
+        // Everything the attempt appended is in the fold (a batch a tool or hook wrote, a task's
+        // child): the settlement reads it.
+        response.fold_thread_writes();
         let joined_ids = std::mem::take(&mut response.joined);
         let reply = std::mem::take(&mut response.reply);
         if attempt.signal.reason() == Some(binding::RELEASED) {
@@ -635,6 +638,11 @@ impl InstanceSlot {
             *conversation = Conversation::default();
             return (None, None);
         }
+        // A tool batch the response left uncommitted (the fold holds only what committed; calls
+        // open before the input was applied are an earlier submission's): settled in the
+        // settlement's batch, first, so no call rests without an outcome (reference §3.9).
+        let mut interrupted = Vec::new();
+        let mut interrupted_calls = Vec::new();
         let (outcome, error) = match result {
             Ok(()) => (Outcome::Completed, None),
             Err(failure) => {
@@ -672,14 +680,16 @@ impl InstanceSlot {
                         }
                     }
                 }
+                // Applied now, if not before: this attempt may have applied it.
+                let applied = input_applied || conversation.has_input(&submission.id);
+                if let Some((_, calls)) = conversation.open_calls().filter(|_| applied) {
+                    interrupted = conversation.interrupted_batch();
+                    interrupted_calls = calls.to_vec();
+                }
                 if failure.transient {
-                    // Applied now, if not before: this attempt may have applied it.
-                    let applied = input_applied || conversation.has_input(&submission.id);
                     let mut exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);
-                    // The fold holds only what committed: calls of a batch that did not. (Calls
-                    // open before the input was applied are an earlier submission's.)
-                    if let Some((_, calls)) = conversation.open_calls().filter(|_| applied) {
-                        exhausted = with_interrupted_tools(exhausted, calls);
+                    if !interrupted_calls.is_empty() {
+                        exhausted = with_interrupted_tools(exhausted, &interrupted_calls);
                     }
                     *conversation = Conversation::default();
                     (Outcome::Failed, Some(exhausted))
@@ -693,12 +703,19 @@ impl InstanceSlot {
         if let Some(error) = error.as_ref().filter(|error| error.is_internal()) {
             tracing::error!(instance = %self.key, submission = %submission.id, joined = ?joined_ids, error_type = %error.error_type, error = %error.message, details = %error.details, "the submission failed in the application's code");
         }
-        let mut records = Vec::new();
+        let stamp = |body| Record {
+            id: new_id("record"),
+            submission_id: Some(submission.id.as_str().into()),
+            attempt_id: Some(attempt_id.as_str().into()),
+            timestamp: now(),
+            body,
+        };
+        let mut records: Vec<Record> = interrupted.into_iter().map(stamp).collect();
         // Why the submission ended, for the model of a later response to read: before its
         // settlement, in the same batch.
         if let Some((id, body)) = error
             .as_ref()
-            .and_then(|error| terminal_advisory(&submission, outcome, error))
+            .and_then(|error| terminal_advisory(&submission, outcome, error, &interrupted_calls))
         {
             records.push(Record {
                 id,
@@ -1598,7 +1615,12 @@ impl Response<'_> {
             if std::mem::take(&mut stopping) {
                 let rendered = self.spare.take().unwrap_or_default();
                 let steps_again = self
-                    .would_stop(&rendered, &model.spec, self.can_step(steps, max_steps), &mut finish_cycles)
+                    .would_stop(
+                        &rendered,
+                        &model.spec,
+                        self.can_step(steps, max_steps),
+                        &mut finish_cycles,
+                    )
                     .await;
                 self.spare = Some(rendered);
                 if !steps_again? {
@@ -2641,6 +2663,16 @@ impl Response<'_> {
             .cloned()
             .partition(|call| durable.iter().any(|tool| tool.name() == call.name));
         if rerun.is_empty() {
+            // Nothing runs again: the batch is settled in the stream with the outcome-unknown
+            // results the model is told (reference §3.9 step 7), so readers of the stream see
+            // the calls end and the response's committed calls include them.
+            let records = self
+                .conversation
+                .interrupted_batch()
+                .into_iter()
+                .map(|body| self.record(body))
+                .collect();
+            self.commit(records, false).await?;
             return Ok(None);
         }
         self.tool_batch(rendered, &durable, &rerun, step, &unknown, None)
@@ -2798,9 +2830,8 @@ impl Response<'_> {
             records.push(record);
         }
         for call in unknown {
-            // A `task` call names the child conversation it created.
-            let content = self.conversation.interrupted(&call.id);
-            if let Some(results) = &mut results {
+            let outcome = self.record(self.conversation.interrupted_outcome(&assistant_message_id, call));
+            if let (Some(results), RecordBody::ToolOutcome { content, .. }) = (&mut results, &outcome.body) {
                 results.push(ModelMessage::Tool {
                     tool_call_id: call.id.clone(),
                     name: call.name.clone(),
@@ -2808,15 +2839,7 @@ impl Response<'_> {
                     is_error: true,
                 });
             }
-            records.push(self.record(RecordBody::ToolOutcome {
-                assistant_message_id: assistant_message_id.clone(),
-                tool_call_id: call.id.clone(),
-                tool_name: call.name.clone(),
-                is_error: true,
-                content,
-                terminate: false,
-                duration_ms: 0,
-            }));
+            records.push(outcome);
         }
         // What the rows' create hooks set goes in the same batch, after the rows: a crash
         // cannot keep the outcomes and lose the changes (the hooks do not run again).
@@ -2969,12 +2992,14 @@ fn with_interrupted_tools(mut error: SettlementError, calls: &[ModelToolCall]) -
 /// The advisory a terminal settlement leaves in the conversation (reference §3.9), its record
 /// id and body: a signal that tells the model of a later response why this submission ended,
 /// when it was aborted (`submission_aborted`) or interrupted for good, its attempts or its
-/// time spent (`submission_interrupted`, naming the tool calls whose outcomes are unknown).
+/// time spent (`submission_interrupted`). Either names the `interrupted` tool calls, whose
+/// outcomes are unknown, in its body and its `interruptedTools` attribute (JSON text).
 /// Any other failure is the submission's own, in its records already: none.
 fn terminal_advisory(
     submission: &Submission,
     outcome: Outcome,
     error: &SettlementError,
+    interrupted: &[ModelToolCall],
 ) -> Option<(String, RecordBody)> {
     use std::fmt::Write as _;
     let (signal_type, reason) = match (outcome, error.error_type.as_str()) {
@@ -2985,28 +3010,31 @@ fn terminal_advisory(
         _ => return None,
     };
     let mut body = error.message.clone();
-    let tools = error
-        .meta
-        .as_ref()
-        .and_then(|meta| meta.get("interruptedTools"))
-        .and_then(serde_json::Value::as_array)
-        .filter(|tools| !tools.is_empty());
-    if let Some(tools) = tools {
+    if !interrupted.is_empty() {
         body.push_str("\n\nInterrupted tool call(s):");
-        for tool in tools {
-            let field = |name: &str| tool.get(name).and_then(serde_json::Value::as_str).unwrap_or_default();
-            let _ = write!(body, "\n  - {} ({})", field("name"), field("id"));
+        for call in interrupted {
+            let _ = write!(body, "\n  - {} ({})", call.name, call.id);
         }
     }
     let kind = match submission.kind {
         SubmissionKind::Direct => "direct",
         SubmissionKind::Dispatch => "dispatch",
     };
-    let attributes = std::collections::BTreeMap::from([
+    let mut attributes = std::collections::BTreeMap::from([
         ("submissionId".to_owned(), submission.id.clone()),
         ("kind".to_owned(), kind.to_owned()),
         ("reason".to_owned(), reason.to_owned()),
     ]);
+    if !interrupted.is_empty() {
+        let tools: Vec<serde_json::Value> = interrupted
+            .iter()
+            .map(|call| serde_json::json!({"name": call.name, "id": call.id}))
+            .collect();
+        attributes.insert(
+            "interruptedTools".to_owned(),
+            serde_json::Value::from(tools).to_string(),
+        );
+    }
     Some((
         format!("record_{signal_type}_{}", submission.id),
         RecordBody::Signal {
