@@ -1042,14 +1042,50 @@ async fn a_delivery_joined_by_an_earlier_attempt_settles_when_the_re_attempt_is_
         "the joined delivery's submission_settled record is in the stream"
     );
     let mut settled = Vec::new();
+    let mut seen = Vec::new();
     while let Ok(observation) = events.try_recv() {
+        let kind = match &observation.event {
+            Event::SubmissionRunning { .. } => "submission_running",
+            Event::OperationStart { .. } => "operation_start",
+            Event::AgentStart => "agent_start",
+            Event::AgentEnd { .. } => "agent_end",
+            Event::Operation { .. } => "operation",
+            Event::Idle => "idle",
+            _ => "other",
+        };
+        seen.push((observation.submission_id.clone(), kind));
         if let Event::SubmissionSettled { outcome, .. } = observation.event {
             settled.push((observation.submission_id.unwrap(), outcome));
         }
     }
+    let host_id = settled
+        .iter()
+        .find(|(id, _)| *id != delivery)
+        .map(|(id, _)| id.clone())
+        .expect("the host settled");
     assert!(
         settled.contains(&(delivery.clone(), Outcome::Aborted)),
         "the joined delivery's submission_settled event was published: {settled:?}"
+    );
+    // Reference §3.7 step 1: the re-attempt found the abort before it ran. It is reported
+    // running, then settles: it starts no operation, so no agent_start/agent_end, operation or
+    // idle (the first attempt's operation is the host's only one).
+    let per_host = |kind: &str| {
+        seen.iter()
+            .filter(|(submission, event)| submission.as_deref() == Some(host_id.as_str()) && *event == kind)
+            .count()
+    };
+    assert_eq!(per_host("submission_running"), 2, "{seen:?}");
+    assert_eq!(
+        (
+            per_host("operation_start"),
+            per_host("agent_start"),
+            per_host("agent_end"),
+            per_host("operation"),
+            per_host("idle")
+        ),
+        (1, 1, 1, 1, 1),
+        "{seen:?}"
     );
 }
 

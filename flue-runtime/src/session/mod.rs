@@ -464,6 +464,9 @@ impl InstanceSlot {
         // attempt's pre-execution check, after its `submission_running`, §3.7.)
         let settles_unrun =
             refreshed.is_ok() && !answered && !abort_requested && submission.attempt_count > submission.max_attempts;
+        // An abort the attempt finds before it runs (§3.7 step 1): reported running, then
+        // settled aborted, without an operation (no prompt runs), so without its events.
+        let operates = !settles_unrun && !(refreshed.is_ok() && !answered && abort_requested);
         if !settles_unrun {
             runtime.emit(
                 &self.key,
@@ -532,7 +535,7 @@ impl InstanceSlot {
         let correlated = runtime.correlate(&response.record_ids.0, correlation.clone());
         response.correlation = Some(correlation.clone());
         let operation_started = Instant::now();
-        if !settles_unrun {
+        if operates {
             runtime.emit_with(&self.key, Some(&submission.id), || Event::OperationStart {
                 operation_id: correlation.operation_id(),
                 operation_kind: OperationKind::Prompt,
@@ -606,7 +609,7 @@ impl InstanceSlot {
         // A turn a failure broke off ends with the response.
         response.set_turn(None);
         let messages = std::mem::take(&mut response.ended);
-        if !settles_unrun {
+        if operates {
             runtime.emit_with(&self.key, Some(&submission.id), || Event::AgentEnd { messages });
             runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
                 operation_id: correlation.operation_id(),
@@ -618,7 +621,7 @@ impl InstanceSlot {
             });
         }
         drop(correlated);
-        if !settles_unrun {
+        if operates {
             runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         }
         attempt.responding.store(false, Ordering::Release);
