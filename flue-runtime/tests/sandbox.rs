@@ -30,6 +30,43 @@ fn in_memory_neighbour() -> &'static str {
     "Work with files too."
 }
 
+/// Reads, its own way.
+#[tool(name = "read")]
+async fn own_read(
+    /// What to read
+    path: String,
+) -> String {
+    path
+}
+
+#[agent]
+fn shadowing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(own_read);
+    use_sandbox(sandbox::virtual_sandbox());
+    "Read files."
+}
+
+/// Reference `ToolNameConflictError`: the agent's tools and its sandbox's are one set of names,
+/// and a name in both fails the submission as a duplicate, before any model call.
+#[tokio::test]
+async fn an_agent_tool_named_like_a_sandbox_tool_fails_as_a_duplicate_tool_name() {
+    let model = ScriptedModel::new([ScriptedReply::text("unused")]);
+    let runtime = runtime_with(&model, [shadowing.into()]);
+    let error = runtime.init(&shadowing, "s").send("read it").await.unwrap_err();
+    let flue_runtime::RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error: {error}")
+    };
+    assert_eq!(
+        (error_type.as_str(), message.as_str()),
+        ("tool_name_conflict", "Duplicate tool name \"read\".")
+    );
+    assert!(model.requests().is_empty());
+}
+
 #[tokio::test]
 async fn two_agents_instances_of_one_id_do_not_share_an_in_memory_sandbox() {
     let model = ScriptedModel::new([

@@ -1365,12 +1365,11 @@ impl Response<'_> {
                 .iter()
                 .find(|own| tools.iter().any(|tool| tool.name() == own.name()))
             {
+                // The render's tools and the sandbox's are one set (reference
+                // `ToolNameConflictError`).
                 return Err(Failure::failed(
-                    "tool_name_conflict",
-                    format!(
-                        "[flue] The tool name \"{}\" is taken by the sandbox's tools; rename the agent's tool.",
-                        taken.name()
-                    ),
+                    flue_core::ToolNameConflictError::TYPE,
+                    flue_core::ToolNameConflictError::duplicate(taken.name()).to_string(),
                 ));
             }
             rendered.tools.extend(tools.iter().cloned());
@@ -1435,11 +1434,8 @@ impl Response<'_> {
         for tool in tools {
             if rendered.tools.iter().any(|own| own.name() == tool.name()) {
                 return Err(Failure::failed(
-                    "tool_name_conflict",
-                    format!(
-                        "[flue] The tool name \"{}\" is taken by an MCP server's tool.",
-                        tool.name()
-                    ),
+                    flue_core::ToolNameConflictError::TYPE,
+                    flue_core::ToolNameConflictError::duplicate(tool.name()).to_string(),
                 ));
             }
             rendered.tools.push(tool.clone());
