@@ -88,8 +88,8 @@ mod tools;
 
 pub use flue_macros::{agent, hook, tool};
 pub use runtime::{
-    AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, MAX_MODEL_RETRY_WAIT, Runtime, RuntimeBuilder, RuntimeError,
-    RuntimeOptions, SendRequest,
+    AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, MAX_MODEL_RETRY_WAIT, OBSERVED_BACKLOG, Runtime, RuntimeBuilder,
+    RuntimeError, RuntimeOptions, SendRequest,
 };
 pub use session::MAX_AGENT_FINISH_CYCLES;
 pub use skills::MAX_WORKSPACE_SKILLS;

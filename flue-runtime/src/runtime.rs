@@ -154,6 +154,9 @@ impl Default for RuntimeOptions {
 /// built-in providers cap their own waits, a `Retry-After` included, at this same bound).
 pub const MAX_MODEL_RETRY_WAIT: Duration = Duration::from_secs(30);
 
+/// How many events [`Runtime::observe`] keeps for its slowest subscriber.
+pub const OBSERVED_BACKLOG: usize = 4096;
+
 impl RuntimeOptions {
     /// The wait before the `retry`-th retry (from 1) of a model call: `model_retry_delay`
     /// doubled for each retry before it, at most [`MAX_MODEL_RETRY_WAIT`] (never an overflow,
@@ -266,7 +269,7 @@ impl RuntimeBuilder {
                 clash.kind()
             )));
         }
-        let (events, _) = broadcast::channel(4096);
+        let (events, _) = broadcast::channel(OBSERVED_BACKLOG);
         let (user_events, _) = broadcast::channel(1024);
         let inner = Arc::new(RuntimeInner {
             agents,
@@ -1087,6 +1090,12 @@ impl Runtime {
     }
 
     /// Live events of every instance, in the order they happen. Live only: no replay.
+    ///
+    /// The runtime never waits for a subscriber: events are kept for the slowest one up to
+    /// [`OBSERVED_BACKLOG`] behind the newest, and a subscriber that falls further behind
+    /// misses the oldest ones, learning how many from `recv`'s
+    /// [`RecvError::Lagged`](broadcast::error::RecvError::Lagged). A subscriber that must see
+    /// every event (an audit log) hands them on at once, to a queue of its own.
     pub fn observe(&self) -> broadcast::Receiver<Observation> {
         self.inner.events.subscribe()
     }
