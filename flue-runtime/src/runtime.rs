@@ -101,7 +101,9 @@ pub struct RuntimeOptions {
     /// against it, and the turn loop retries the rest (a stream cut mid-way, an error event).
     pub model_retries: u32,
     /// Base delay of those retries: it doubles with each retry, up to
-    /// [`MAX_MODEL_RETRY_WAIT`] ([`RuntimeOptions::model_retry_wait`]).
+    /// [`MAX_MODEL_RETRY_WAIT`] ([`RuntimeOptions::model_retry_wait`]); the turn loop waits
+    /// a random 75–100 % of that, as the reference does, so instances that failed together do
+    /// not retry together.
     pub model_retry_delay: Duration,
     /// How long a claim holds an instance without renewal. When a node dies, another takes
     /// its running submissions over once their leases expire.
@@ -168,12 +170,23 @@ impl RuntimeOptions {
 
     /// The retries a retry of a model call that failed with `error` (after `retries` of the
     /// turn loop's) has spent in all, the provider's own included, and the wait before it:
-    /// [`model_retry_wait`](Self::model_retry_wait), or what the provider asked for
-    /// (`Retry-After`) when that is longer, at most [`MAX_MODEL_RETRY_WAIT`].
+    /// [`model_retry_wait`](Self::model_retry_wait) scaled by `jitter` (in `[0, 1)`) to between
+    /// 75 and 100 % of it, or what the provider asked for (`Retry-After`) when that is
+    /// longer, at most [`MAX_MODEL_RETRY_WAIT`].
     pub(crate) fn model_retry(&self, retries: u32, error: &crate::provider::ProviderError) -> (u32, Duration) {
+        self.model_retry_jittered(retries, error, crate::provider::jitter_fraction())
+    }
+
+    fn model_retry_jittered(
+        &self,
+        retries: u32,
+        error: &crate::provider::ProviderError,
+        jitter: f64,
+    ) -> (u32, Duration) {
         let spent = retries.saturating_add(1).saturating_add(error.retried);
         let wait = self
             .model_retry_wait(spent)
+            .mul_f64(1.0 - 0.25 * jitter.clamp(0.0, 1.0))
             .max(error.retry_after.unwrap_or_default().min(MAX_MODEL_RETRY_WAIT));
         (spent, wait)
     }
@@ -1389,6 +1402,37 @@ mod tests {
             ..RuntimeOptions::default()
         };
         assert_eq!(huge.model_retry_wait(1), MAX_MODEL_RETRY_WAIT);
+    }
+
+    #[test]
+    fn a_turn_loop_retry_waits_75_to_100_percent_of_its_nominal_wait_or_longer_when_asked() {
+        let options = RuntimeOptions {
+            model_retry_delay: Duration::from_secs(2),
+            ..RuntimeOptions::default()
+        };
+        let error = crate::provider::ProviderError::new(crate::provider::ProviderErrorKind::Server, "busy");
+        assert_eq!(
+            options.model_retry_jittered(0, &error, 0.0),
+            (1, Duration::from_secs(2))
+        );
+        assert_eq!(
+            options.model_retry_jittered(0, &error, 1.0),
+            (1, Duration::from_millis(1500))
+        );
+        assert_eq!(
+            options.model_retry_jittered(1, &error, 0.5),
+            (2, Duration::from_millis(3500))
+        );
+        // The provider's own retries count, and a longer Retry-After wins over the jitter.
+        let mut asked = error.clone();
+        asked.retried = 2;
+        asked.retry_after = Some(Duration::from_secs(20));
+        assert_eq!(
+            options.model_retry_jittered(0, &asked, 1.0),
+            (3, Duration::from_secs(20))
+        );
+        asked.retry_after = Some(Duration::from_secs(600));
+        assert_eq!(options.model_retry_jittered(0, &asked, 0.0).1, MAX_MODEL_RETRY_WAIT);
     }
 
     #[test]

@@ -106,7 +106,7 @@ impl Default for RetryPolicy {
 }
 
 /// A random number in `[0, 1)`, from the standard library's per-instance random hash keys.
-fn jitter_fraction() -> f64 {
+pub(crate) fn jitter_fraction() -> f64 {
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_nanos())

@@ -16,6 +16,6 @@ mod tool_json;
 
 pub(crate) use complete::{CallError, Streamed, complete, complete_observed};
 pub use http::RetryPolicy;
-pub(crate) use http::parse_retry_after;
+pub(crate) use http::{jitter_fraction, parse_retry_after};
 pub use registry::ProviderRegistry;
 pub use types::*;
