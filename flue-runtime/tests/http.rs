@@ -1477,7 +1477,15 @@ async fn bad_reads_get_the_protocols_4xx_with_the_error_envelope() {
         error["details"],
         "Agent conversation URLs must end with a non-empty conversation id segment."
     );
-    assert_error(get("/".to_owned()).await, 400, "invalid_request").await;
+    // Only a 405 names the allowed methods (an empty `allow` here would say none are).
+    for blank in [
+        get("/".to_owned()).await,
+        server.client.get(server.url("")).send().await.unwrap(),
+        server.client.post(server.url("/")).send().await.unwrap(),
+    ] {
+        assert!(blank.headers().get("allow").is_none(), "{:?}", blank.headers());
+        assert_error(blank, 400, "invalid_request").await;
+    }
     let unknown = server
         .client
         .get(format!("{}/nowhere/at/all", server.url("")))

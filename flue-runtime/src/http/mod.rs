@@ -59,7 +59,7 @@ use axum::extract::{DefaultBodyLimit, OriginalUri, Path, RawQuery, Request, Stat
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{MethodRouter, get, post};
+use axum::routing::{MethodRouter, any, get, post};
 use serde_json::json;
 
 pub use auth::{Access, AccessRequest, Authorize, BearerTokens, Denied};
@@ -217,7 +217,7 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
                 &format!("/agents/{name}"),
                 routes(runtime.inner().clone(), name, options.clone()),
             )
-            .route(&format!("/agents/{name}/"), MethodRouter::new().fallback(blank_id));
+            .route(&format!("/agents/{name}/"), any(blank_id));
     }
     finish(app)
 }
@@ -257,7 +257,7 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) ->
             "/{id}/attachments/{attachment_id}",
             get(reads::get_attachment).fallback(not_allowed("GET")),
         )
-        .route("/", MethodRouter::new().fallback(blank_id))
+        .route("/", any(blank_id))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard_instance))
         .with_state(state)
 }
