@@ -732,9 +732,12 @@ mod tests {
         assert_eq!(events, ["stop", "toolUse", "length"]);
         assert_eq!(StopReason::HookBlocked.to_string(), "hookBlocked");
         // The persisted name is unchanged: records written before keep reading.
-        assert_eq!(serde_json::to_value(StopReason::ToolUse).unwrap(), "tool_use");
         assert_eq!(
-            serde_json::from_value::<StopReason>(serde_json::json!("hook_blocked")).unwrap(),
+            serde_json::to_value(StopReason::ToolUse).expect("serializes"),
+            "tool_use"
+        );
+        assert_eq!(
+            serde_json::from_value::<StopReason>(serde_json::json!("hook_blocked")).expect("reads"),
             StopReason::HookBlocked
         );
     }

@@ -466,7 +466,8 @@ impl InstanceSlot {
             refreshed.is_ok() && !answered && !abort_requested && submission.attempt_count > submission.max_attempts;
         // An abort the attempt finds before it runs (§3.7 step 1): reported running, then
         // settled aborted, without an operation (no prompt runs), so without its events.
-        let operates = !settles_unrun && !(refreshed.is_ok() && !answered && abort_requested);
+        let aborted_before_running = refreshed.is_ok() && !answered && abort_requested;
+        let operates = !settles_unrun && !aborted_before_running;
         if !settles_unrun {
             runtime.emit(
                 &self.key,
