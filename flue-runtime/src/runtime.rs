@@ -1164,9 +1164,7 @@ impl Runtime {
     /// took over other instances' work. Returns how many were given back.
     ///
     /// What the attempts committed stays: the next attempt resumes from it, as after a crash
-    /// (a tool batch they were running is repaired with outcome-unknown results). Unlike after
-    /// a crash, each submission's timeout starts again at its next claim: the time nothing
-    /// ran it does not count against it.
+    /// (a tool batch they were running is repaired with outcome-unknown results).
     pub async fn release(&self) -> usize {
         self.inner.draining.store(true, Ordering::Release);
         let running: Vec<_> = self

@@ -469,7 +469,6 @@ impl Store for MemoryStore {
             row.attempt_id = None;
             row.owner_id = None;
             row.lease_until_ms = 0;
-            row.timeout_at_ms = 0;
         }
         ready(Ok(true))
     }

@@ -433,8 +433,7 @@ fn default_timeout_ms() -> u64 {
 }
 
 /// Starts an attempt of a queued row under `claim` (every store's claim, in its transaction).
-/// The budget's clock starts at the first claim and is kept across the attempts that take
-/// over after a crash; a requeue clears it, and the next claim starts it again.
+/// The budget's clock starts at the first claim and is kept across attempts.
 pub(crate) fn start_attempt(row: &mut Submission, claim: &Claim) {
     row.status = SubmissionStatus::Running;
     row.attempt_id = Some(claim.attempt_id.clone());
@@ -608,10 +607,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Gives a running submission back to the queue for a fresh attempt (its input and every
     /// committed batch stay in the stream; the next attempt resumes from them). Joins claimed
-    /// but not applied go back to the queue too. Only the owning attempt can requeue. Its
-    /// timeout deadline is cleared: the next claim starts the budget's clock again (reference
-    /// §3.2), so a submission a stopping node gave back is not timed out by the time the
-    /// node was down.
+    /// but not applied go back to the queue too. Only the owning attempt can requeue.
     fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>>;
 
     /// Stamps an abort intent on every unsettled submission of the instance; returns their ids.

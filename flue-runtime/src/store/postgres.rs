@@ -267,7 +267,7 @@ const SETTLE_HOST: &str = "UPDATE flue_submissions SET status = 'settled', lease
      error = $3 WHERE id = $1 RETURNING EXISTS (SELECT 1 FROM flue_submissions \
      WHERE agent = $4 AND instance_id = $5 AND status = 'queued')";
 const REQUEUE_HOST: &str = "UPDATE flue_submissions SET status = 'queued', attempt_id = NULL, owner_id = NULL, \
-     lease_until_ms = 0, timeout_at_ms = 0 WHERE id = $1";
+     lease_until_ms = 0 WHERE id = $1";
 const REQUEST_ABORT: &str = "UPDATE flue_submissions SET abort_requested = TRUE \
      WHERE agent = $1 AND instance_id = $2 AND status <> 'settled' RETURNING id, admission_seq";
 

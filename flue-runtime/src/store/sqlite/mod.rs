@@ -1478,7 +1478,6 @@ impl Store for SqliteStore {
             row.attempt_id = None;
             row.owner_id = None;
             row.lease_until_ms = 0;
-            row.timeout_at_ms = 0;
             write_submission(tx, &row)?;
             Ok(true)
         }))
