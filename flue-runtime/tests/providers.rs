@@ -264,7 +264,7 @@ fn signed_thinking_tool_step() -> FixtureReply {
         },
         AnthropicEvent::BlockStop { index: 3 },
         AnthropicEvent::MessageDelta {
-            stop_reason: "toolUse".into(),
+            stop_reason: "tool_use".into(),
             output_tokens: 9,
         },
         AnthropicEvent::MessageStop,
@@ -569,7 +569,7 @@ async fn anthropic_tool_use_after_text_is_indexed_among_tool_calls_only() {
         },
         AnthropicEvent::BlockStop { index: 1 },
         AnthropicEvent::MessageDelta {
-            stop_reason: "toolUse".into(),
+            stop_reason: "tool_use".into(),
             output_tokens: 9,
         },
         AnthropicEvent::MessageStop,

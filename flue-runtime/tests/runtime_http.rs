@@ -334,7 +334,7 @@ async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survive
         },
         AnthropicEvent::BlockStop { index: 1 },
         AnthropicEvent::MessageDelta {
-            stop_reason: "toolUse".into(),
+            stop_reason: "tool_use".into(),
             output_tokens: 12,
         },
         AnthropicEvent::MessageStop,
