@@ -1577,18 +1577,19 @@ impl Response<'_> {
             .await?;
         // A tool batch an earlier attempt left uncommitted: its durable calls run again before
         // the next model call. Then the join point before turn 1: deliveries queued behind this
-        // one join before the first model call (a resumed, answered response goes to its
-        // would-stop point, where they join too). Every join point is one only while the
-        // response can make another model step: a delivery joined into a response that ends
-        // without reading it would settle unanswered.
+        // one join before the first model call (a resumed, answered response settles as it is).
+        // Every join point is one only while the response can make another model step: a
+        // delivery joined into a response that ends without reading it would settle unanswered.
         let max_steps = definition.max_steps.unwrap_or(u32::MAX);
         // The step budget belongs to the response: a re-attempt counts the durable steps.
         let mut steps = self.conversation.steps(&submission_id);
-        // At the would-stop point (reference §3.7, step 12) whenever the turns end, however they
-        // end: a resumed response whose answer is durable is there (its finish callbacks run
-        // again, at least once), unless its finish batch committed, when it settles as it is.
-        let ended = already_answered && self.conversation.has_finished(&submission_id);
-        let mut stopping = already_answered && !ended;
+        // A resumed response whose answer is durable settles as it is (reference §3.9 step 2:
+        // `completed`), without its would-stop phase: that attempt's guards (its deadline, its
+        // abort, its attempt budget) are not this one's to spend on new model calls.
+        let ended = already_answered;
+        // At the would-stop point (reference §3.7, step 12) whenever the live turns end,
+        // however they end.
+        let mut stopping = false;
         if !already_answered {
             let mut terminated = false;
             if let Some(terminate) = self.rerun_durable_calls(&rendered).await? {
@@ -2428,14 +2429,8 @@ impl Response<'_> {
         }
     }
 
-    /// One model call, retried with backoff on retryable errors: at most
-    /// [`RuntimeOptions::model_retries`](crate::RuntimeOptions::model_retries) retries in all,
-    /// the provider's own retries before the response streamed included.
-    ///
-    /// A retry after part of the answer reached observers ends that partial message first
-    /// (`message_end`) and streams the retry as a new one (`message_start`): deltas belong to
-    /// their message, and nothing of the partial answer was recorded.
-    /// One streamed model call. Its text goes to `live` too, which appends it when due.
+    /// One streamed model call, not retried here: its step retries a transient failure as a
+    /// call and turn of its own. Its text goes to `live` too, which appends it when due.
     async fn stream_once(
         &self,
         provider: &dyn ModelProvider,
