@@ -237,51 +237,55 @@ async fn a_batch_a_failed_submission_left_uncommitted_is_settled_with_its_settle
     assert_eq!(results, [(UNKNOWN.to_owned(), true)]);
 }
 
-static CLOSINGS: AtomicUsize = AtomicUsize::new(0);
-
-#[agent]
-fn closing() -> &'static str {
+#[agent(durability(max_attempts = 1))]
+fn one_shot_waiter() -> &'static str {
     use_model("scripted/x");
-    let (_, set_closed) = use_persistent_state("closed", false);
-    use_agent_finish(move |_ctx| {
-        let set_closed = set_closed.clone();
-        async move {
-            CLOSINGS.fetch_add(1, Ordering::SeqCst);
-            set_closed.set(true)?;
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
-        }
-    });
-    "You close cases."
+    use_tool(Tool::new("wait_forever").description("Waits for good.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            std::future::pending::<Result<&'static str, ToolError>>().await
+        },
+    ));
+    "You wait."
 }
 
-/// Reference §3.7: the would-stop phase runs on a resumed response too. A failure after the
-/// final answer was durable and before its finish cycle committed (here, the cycle's state
-/// write) leaves a response that is answered but not finished: the re-attempt does not call
-/// the model again, but runs the finish callbacks again, whose write then commits once.
+/// The settlement repairs a batch from an up-to-date fold. An aborted submission settles its
+/// open call; the next one's attempt fails to read the stream at its start (so its cached
+/// fold still shows the call open) and settles failed: it reads the stream again before it
+/// names any call uncommitted, and writes no second repair for the earlier submission's call.
 #[tokio::test]
-async fn a_finish_cycle_lost_after_a_durable_answer_runs_again_on_the_re_attempt() {
+async fn a_settlement_after_a_failed_read_does_not_settle_an_earlier_submissions_batch_again() {
+    use flue_runtime::events::Event;
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(&record.body, RecordBody::StateWrite { name, .. } if name == "closed"))
-    });
-    let model = ScriptedModel::new([ScriptedReply::text("Case closed."), ScriptedReply::text("unused")]);
-    let runtime = runtime(&store, &model, closing);
-    let reply = runtime.init(&closing, "c-1").send("close it").await.unwrap();
-    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
-    assert_eq!(reply.text, "Case closed.");
-    assert_eq!(model.requests().len(), 1, "the durable answer is not asked for again");
-    assert_eq!(CLOSINGS.load(Ordering::SeqCst), 2, "once per attempt");
-    let all = records(&store, &InstanceKey::new("closing", "c-1")).await;
-    let writes: Vec<_> = all
+    let model = ScriptedModel::new([ScriptedReply::tool_call("wait_forever", json!({}))]);
+    let runtime = runtime(&store, &model, one_shot_waiter);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&one_shot_waiter, "w");
+    let first = handle.dispatch("wait").await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while !matches!(events.recv().await.unwrap().event, Event::ToolStart { .. }) {}
+    })
+    .await
+    .expect("the tool runs");
+    assert!(handle.abort().await.unwrap());
+    handle.read(&first.submission_id).await.unwrap_err();
+    store.failing_reads.store(1, Ordering::SeqCst);
+    handle.send("and now?").await.unwrap_err();
+    assert_eq!(
+        store.failures.load(Ordering::SeqCst),
+        1,
+        "the second attempt's read failed"
+    );
+    let all = records(&store, &InstanceKey::new("one_shot_waiter", "w")).await;
+    let repaired: Vec<_> = all
         .iter()
-        .filter_map(|record| match &record.body {
-            RecordBody::StateWrite { name, value } if name == "closed" => Some(value.clone()),
-            _ => None,
-        })
+        .filter(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+        .map(|record| record.submission_id.as_deref().map(str::to_owned))
         .collect();
-    assert_eq!(writes, [json!(true)]);
+    assert_eq!(
+        repaired,
+        [Some(first.submission_id.clone())],
+        "one repair, the aborted submission's"
+    );
 }
 
 static STARTS: AtomicUsize = AtomicUsize::new(0);

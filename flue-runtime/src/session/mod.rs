@@ -686,9 +686,25 @@ impl InstanceSlot {
                 }
                 // Applied now, if not before: this attempt may have applied it.
                 let applied = input_applied || conversation.has_input(&submission.id);
-                if let Some((_, calls)) = conversation.open_calls().filter(|_| applied) {
-                    interrupted = conversation.interrupted_batch();
-                    interrupted_calls = calls.to_vec();
+                if applied && conversation.open_calls().is_some() {
+                    // The fold may lag the stream (a response given up mid-append, a commit
+                    // whose answer was lost, a read that failed at the start): it is brought
+                    // up to date before it names calls uncommitted, and nothing is written
+                    // for them when it cannot be.
+                    match runtime.store.read(&self.key, conversation.last_offset).await {
+                        Ok(batches) => {
+                            for batch in &batches {
+                                conversation.apply(batch);
+                            }
+                            if let Some((_, calls)) = conversation.open_calls() {
+                                interrupted = conversation.interrupted_batch();
+                                interrupted_calls = calls.to_vec();
+                            }
+                        }
+                        Err(error) => {
+                            tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read to settle an uncommitted tool batch; the settlement leaves it open");
+                        }
+                    }
                 }
                 if failure.transient {
                     let mut exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);

@@ -32,6 +32,8 @@ pub struct FaultyStore {
     pub failing_requeues: Arc<AtomicUsize>,
     /// How long the next read of a stream takes (a stalled database), once.
     pub stall_next_read: Arc<Mutex<Option<std::time::Duration>>>,
+    /// How many of the next reads of a stream fail.
+    pub failing_reads: Arc<AtomicUsize>,
 }
 
 impl Default for FaultyStore {
@@ -52,6 +54,7 @@ impl FaultyStore {
             failing_renewals: Arc::default(),
             failing_requeues: Arc::default(),
             stall_next_read: Arc::default(),
+            failing_reads: Arc::default(),
         }
     }
 
@@ -153,6 +156,14 @@ impl Store for FaultyStore {
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         let stall = self.stall_next_read.lock().unwrap().take();
+        let fails = self
+            .failing_reads
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+            .is_ok();
+        if fails {
+            self.failures.fetch_add(1, Ordering::SeqCst);
+            return Box::pin(std::future::ready(Err(injected("read"))));
+        }
         let key = key.clone();
         Box::pin(async move {
             if let Some(stall) = stall {
