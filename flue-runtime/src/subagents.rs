@@ -844,6 +844,8 @@ async fn child_session(
             .await
             .map_err(|error| error.message)?;
             let mut compacted_for_overflow = false;
+            // Transient failures retried so far, sharing one budget with the provider's own.
+            let mut retries = 0;
             let (response, turn_id) = loop {
                 let request = ModelRequest {
                     model: model_id.clone(),
@@ -852,9 +854,10 @@ async fn child_session(
                     tools: specs.clone(),
                     thinking_level: thinking,
                     max_output_tokens: None,
-                    max_retries: Some(runtime.options.model_retries),
+                    max_retries: Some(runtime.options.model_retries.saturating_sub(retries)),
                 };
-                // One id per model call (an overflow recovery's retry is a call of its own).
+                // One id per model call (a retry after a transient failure, or after an
+                // overflow recovery, is a call and a turn of its own, as at the root).
                 let turn_id = LazyId::new("turn");
                 events.scope.set_turn(Some(&turn_id));
                 events.emit(|| Event::TurnStart {
@@ -872,13 +875,9 @@ async fn child_session(
                 });
                 let started = Instant::now();
                 let mut deltas = ChildDeltas::new(&events);
-                let called = crate::provider::complete_observed(
-                    &runtime.options,
-                    &*provider,
-                    &request,
-                    &delegation.signal,
-                    |streamed| deltas.on(streamed),
-                )
+                let called = crate::provider::call_observed(&*provider, &request, &delegation.signal, |streamed| {
+                    deltas.on(streamed)
+                })
                 .await;
                 deltas.end();
                 let turn = |stop_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
@@ -933,6 +932,20 @@ async fn child_session(
                     message: ModelMessage::empty_assistant(),
                 });
                 events.scope.set_turn(None);
+                if let crate::provider::CallError::Failed(failed) = &error
+                    && !aborted
+                    && failed.may_retry(retries, runtime.options.model_retries)
+                {
+                    // A transient failure: the call is made again after its backoff.
+                    let delay;
+                    (retries, delay) = runtime.options.model_retry(retries, failed);
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => continue,
+                        () = delegation.signal.aborted() => {
+                            return Err(crate::provider::CallError::Aborted.to_string());
+                        }
+                    }
+                }
                 // Overflow recovery, as at the root: compact and make the call again once, also
                 // with threshold compaction off; an overflow that persists fails the task.
                 if error.is_context_overflow()

@@ -1939,6 +1939,53 @@ async fn a_task_child_whose_conversation_passes_the_threshold_compacts_before_it
     );
 }
 
+/// A task's child retries a call that failed transiently as the root does: the failed call
+/// ends its turn (finish reason `error`) and the retry is a turn of its own, with its own id.
+#[tokio::test]
+async fn a_task_childs_retried_call_is_a_turn_of_its_own() {
+    let model = ScriptedModel::new([
+        read_call(),
+        ScriptedReply::Error(ProviderError::new(ProviderErrorKind::Server, "overloaded")),
+        ScriptedReply::text("One page of 'page'."),
+        ScriptedReply::text("Read."),
+    ]);
+    let runtime = runtime_with(&model, vec![reading_parent("retrying", Compaction::Disabled)]);
+    let mut events = runtime.observe();
+    let reply = runtime
+        .handle("retrying", "r-1")
+        .unwrap()
+        .send("Read them.")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "Read.");
+    assert_eq!(model.requests().len(), 4);
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if observation.task_id.is_none() {
+            continue;
+        }
+        match observation.event {
+            Event::TurnStart { turn_id, .. } => seen.push(format!("turn_start {turn_id}")),
+            Event::Turn {
+                turn_id, stop_reason, ..
+            } => seen.push(format!("turn {turn_id} {stop_reason}")),
+            _ => {}
+        }
+    }
+    let id = |at: usize| seen[at].split(' ').nth(1).unwrap().to_owned();
+    let (first, second) = (id(0), id(2));
+    assert_ne!(first, second, "{seen:?}");
+    assert_eq!(
+        seen,
+        [
+            format!("turn_start {first}"),
+            format!("turn {first} error"),
+            format!("turn_start {second}"),
+            format!("turn {second} stop"),
+        ]
+    );
+}
+
 /// Reference table item 54 ("context-overflow response → compact and retry turn, even with
 /// threshold compaction off"), in a task's child: the task succeeds.
 #[tokio::test]

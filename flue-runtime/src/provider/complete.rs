@@ -77,6 +77,21 @@ pub(crate) async fn complete_observed(
     }
 }
 
+/// One model call, not retried (the provider's own retries aside), handing `observe` what
+/// streams as it comes: for a caller that makes each retry a turn of its own.
+pub(crate) async fn call_observed(
+    provider: &dyn ModelProvider,
+    request: &ModelRequest,
+    signal: &AbortSignal,
+    mut observe: impl FnMut(Streamed),
+) -> Result<ModelResponse, CallError> {
+    match stream_to_end(provider, request, signal, &mut observe).await {
+        Ok(response) => Ok(response),
+        Err(None) => Err(CallError::Aborted),
+        Err(Some(error)) => Err(CallError::Failed(error)),
+    }
+}
+
 /// Reads a model stream to its completed response (`Err(None)` when aborted).
 async fn stream_to_end(
     provider: &dyn ModelProvider,
