@@ -226,15 +226,10 @@ async fn a_batch_a_failed_submission_left_uncommitted_is_settled_with_its_settle
     assert_eq!(kinds, ["outcome", "committed", "submission_interrupted", "settled"]);
     let reply = handle.send("did it work?").await.unwrap();
     assert_eq!(reply.text, "The last charge may not have gone through.");
-    let results: Vec<_> = model.requests()[1]
-        .messages
-        .iter()
-        .filter_map(|message| match message {
-            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(results, [(UNKNOWN.to_owned(), true)]);
+    assert_eq!(
+        harness::tool_results(&model.requests()[1]),
+        [(UNKNOWN.to_owned(), true)]
+    );
 }
 
 #[agent(durability(max_attempts = 1))]

@@ -26,9 +26,9 @@ pub(crate) const INTERRUPTED_TOOL: &str =
 /// may be.
 pub(crate) fn interrupted_task(child: &crate::store::InstanceKey) -> String {
     let child = Value::String(child.to_string());
-    format!(
-        r#"{{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown.","childConversationId":{child}}}"#
-    )
+    // The object's fields, then the child's id in place of its closing brace.
+    let fields = INTERRUPTED_TOOL.strip_suffix('}').unwrap_or(INTERRUPTED_TOOL);
+    format!(r#"{fields},"childConversationId":{child}}}"#)
 }
 
 /// An instance's conversation, folded incrementally from its batches.

@@ -1976,10 +1976,9 @@ impl Response<'_> {
         Ok(())
     }
 
-    /// Runs the `use_agent_finish` callbacks sequentially; returns what they appended.
     /// The would-stop point (reference §3.7, step 12), where the turns ended: the model
-    /// answered without calls, a terminating batch ended them, or a resumed response's answer
-    /// is durable. Calls queued with `queue_tool` run first (the model sees their results),
+    /// answered without calls, or a terminating batch ended them. Calls queued with
+    /// `queue_tool` run first (the model sees their results),
     /// then queued deliveries join (while the response `can_step`), then `use_agent_finish`
     /// runs: an append continues the response, a counted cycle committed with its signals.
     /// Returns whether the response goes on to another model step.
@@ -2024,6 +2023,7 @@ impl Response<'_> {
         Ok(true)
     }
 
+    /// Runs the `use_agent_finish` callbacks sequentially; returns what they appended.
     async fn finish_cycle(&mut self, rendered: &Rendered) -> Result<Vec<Signal>, Failure> {
         let mut appended = Vec::new();
         let summary = Arc::new(ResponseSummary {
