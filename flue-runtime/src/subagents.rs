@@ -70,7 +70,7 @@ use crate::compaction::{Budget, Compacting, Failed};
 use crate::events::{Event, LazyId, TaskScope, TurnPurpose, TurnResponse};
 use crate::lifecycle::thread::ThreadWriter;
 use crate::lifecycle::{HookSet, chain};
-use crate::provider::{ModelMessage, ModelRequest, ModelToolCall, StreamEvent, Streamed, ToolSpec};
+use crate::provider::{ModelMessage, ModelRequest, ModelToolCall, StreamEvent, ToolSpec};
 use crate::record::{Batch, ConversationKind, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
 use crate::sandbox::Environment;
@@ -1042,14 +1042,13 @@ impl ChildEvents<'_> {
 
 /// What a child's model call streams, as the turn loop publishes the root's: text and
 /// thinking deltas (a `thinking_start` before the first reasoning, a `thinking_end` when
-/// anything else follows) and tool-call argument fragments; a retry after part of the answer
-/// streamed ends that message and starts the retry's.
+/// anything else follows) and tool-call argument fragments. A retry is a call (and a turn) of
+/// its own, with its own deltas.
 struct ChildDeltas<'e, 'a> {
     events: &'e ChildEvents<'a>,
     thinking: bool,
     /// The reasoning since the open `thinking_start`.
     thought: String,
-    shown: bool,
     /// The calls' ids and tool names by index, as their starts named them.
     ids: Vec<(String, String)>,
 }
@@ -1060,33 +1059,19 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
             events,
             thinking: false,
             thought: String::new(),
-            shown: false,
             ids: Vec::new(),
         }
     }
 
-    fn on(&mut self, streamed: Streamed) {
-        if self.thinking && !matches!(streamed, Streamed::Event(StreamEvent::ReasoningDelta(_))) {
+    fn on(&mut self, streamed: StreamEvent) {
+        if self.thinking && !matches!(streamed, StreamEvent::ReasoningDelta(_)) {
             self.end();
         }
         match streamed {
-            Streamed::Retrying => {
-                self.ids.clear();
-                if std::mem::take(&mut self.shown) {
-                    self.events.emit(|| Event::MessageEnd {
-                        message: ModelMessage::empty_assistant(),
-                    });
-                    self.events.emit(|| Event::MessageStart {
-                        message: ModelMessage::empty_assistant(),
-                    });
-                }
-            }
-            Streamed::Event(StreamEvent::TextDelta(delta)) => {
-                self.shown = true;
+            StreamEvent::TextDelta(delta) => {
                 self.events.emit(|| Event::TextDelta { text: delta });
             }
-            Streamed::Event(StreamEvent::ReasoningDelta(delta)) => {
-                self.shown = true;
+            StreamEvent::ReasoningDelta(delta) => {
                 if !self.thinking {
                     self.thinking = true;
                     self.events.emit(|| Event::ThinkingStart);
@@ -1094,14 +1079,13 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
                 self.thought.push_str(&delta);
                 self.events.emit(|| Event::ThinkingDelta { delta });
             }
-            Streamed::Event(StreamEvent::ToolCallStarted { index, id, name }) => {
+            StreamEvent::ToolCallStarted { index, id, name } => {
                 if self.ids.len() <= index {
                     self.ids.resize(index + 1, Default::default());
                 }
                 self.ids[index] = (id, name);
             }
-            Streamed::Event(StreamEvent::ToolCallArguments { index, delta }) => {
-                self.shown = true;
+            StreamEvent::ToolCallArguments { index, delta } => {
                 let (tool_call_id, tool_name) = self.ids.get(index).cloned().unwrap_or_default();
                 self.events.emit(|| Event::ToolcallDelta {
                     index,
@@ -1110,7 +1094,7 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
                     argument_text_delta: delta,
                 });
             }
-            Streamed::Event(StreamEvent::Completed(_)) => {}
+            StreamEvent::Completed(_) => {}
         }
     }
 

@@ -1,5 +1,7 @@
-//! A whole model call read to its response: what child sessions and compaction use (the turn
-//! loop streams its calls itself, to publish deltas as they come).
+//! A whole model call read to its response: what compaction uses ([`complete`], with the
+//! runtime's retries) and a task's child ([`call_observed`], one call at a time: it retries
+//! each as a turn of its own). The turn loop streams its calls itself, to publish deltas as
+//! they come.
 
 use flue_core::abort::AbortSignal;
 use futures_util::StreamExt;
@@ -32,58 +34,36 @@ pub(crate) async fn complete(
     request: &ModelRequest,
     signal: &AbortSignal,
 ) -> Result<ModelResponse, CallError> {
-    complete_observed(options, provider, request, signal, |_| {}).await
-}
-
-/// What a call read by [`complete_observed`] streamed before its response.
-pub(crate) enum Streamed {
-    /// A delta or a tool call's start (never the completed response).
-    Event(StreamEvent),
-    /// The call failed after `Event`s may have streamed and is made again: what streamed
-    /// before belongs to a message that ends here.
-    Retrying,
-}
-
-/// [`complete`], handing `observe` what streams as it comes.
-pub(crate) async fn complete_observed(
-    options: &RuntimeOptions,
-    provider: &dyn ModelProvider,
-    request: &ModelRequest,
-    signal: &AbortSignal,
-    mut observe: impl FnMut(Streamed),
-) -> Result<ModelResponse, CallError> {
     let mut retries = 0;
     // A retry's request: the provider may retry it only as often as the budget has left
     // (`ModelRequest::max_retries`, which the caller sets to the whole budget).
     let mut retry: Option<ModelRequest> = None;
     loop {
         let call = retry.as_ref().unwrap_or(request);
-        match stream_to_end(provider, call, signal, &mut observe).await {
-            Ok(response) => return Ok(response),
-            Err(None) => return Err(CallError::Aborted),
-            Err(Some(error)) if error.may_retry(retries, options.model_retries) => {
+        match call_observed(provider, call, signal, |_| {}).await {
+            Err(CallError::Failed(error)) if error.may_retry(retries, options.model_retries) => {
                 let delay;
                 (retries, delay) = options.model_retry(retries, &error);
                 let left = options.model_retries.saturating_sub(retries);
                 retry.get_or_insert_with(|| request.clone()).max_retries = Some(left);
-                observe(Streamed::Retrying);
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
                     () = signal.aborted() => return Err(CallError::Aborted),
                 }
             }
-            Err(Some(error)) => return Err(CallError::Failed(error)),
+            other => return other,
         }
     }
 }
 
 /// One model call, not retried (the provider's own retries aside), handing `observe` what
-/// streams as it comes: for a caller that makes each retry a turn of its own.
+/// streams before its response as it comes: for a caller that makes each retry a turn of its
+/// own.
 pub(crate) async fn call_observed(
     provider: &dyn ModelProvider,
     request: &ModelRequest,
     signal: &AbortSignal,
-    mut observe: impl FnMut(Streamed),
+    mut observe: impl FnMut(StreamEvent),
 ) -> Result<ModelResponse, CallError> {
     match stream_to_end(provider, request, signal, &mut observe).await {
         Ok(response) => Ok(response),
@@ -97,7 +77,7 @@ async fn stream_to_end(
     provider: &dyn ModelProvider,
     request: &ModelRequest,
     signal: &AbortSignal,
-    observe: &mut impl FnMut(Streamed),
+    observe: &mut impl FnMut(StreamEvent),
 ) -> Result<ModelResponse, Option<ProviderError>> {
     let mut stream = provider.stream(request);
     loop {
@@ -107,7 +87,7 @@ async fn stream_to_end(
         };
         match next {
             Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
-            Some(Ok(event)) => observe(Streamed::Event(event)),
+            Some(Ok(event)) => observe(event),
             Some(Err(error)) => return Err(Some(error)),
             None => {
                 return Err(Some(ProviderError::new(

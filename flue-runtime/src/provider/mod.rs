@@ -14,7 +14,7 @@ pub(crate) mod sse;
 mod text;
 mod tool_json;
 
-pub(crate) use complete::{CallError, Streamed, call_observed, complete};
+pub(crate) use complete::{CallError, call_observed, complete};
 pub use http::RetryPolicy;
 pub(crate) use http::{jitter_fraction, parse_retry_after};
 pub use registry::ProviderRegistry;
