@@ -22,6 +22,11 @@ use flue_runtime::{Runtime, RuntimeError};
 use serde::Serialize;
 use serde_json::json;
 
+/// A server binary picks its allocator, and the runtime's turn allocates a great deal: mimalloc
+/// takes about a fifth off its instructions next to glibc's `malloc` (the README's Benchmarks).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The model specifier, chosen once at startup from the environment.
 static MODEL: OnceLock<&'static str> = OnceLock::new();
 
