@@ -30,9 +30,10 @@
 //! allocates a few hundred times, and on glibc's `malloc` that is over a third of the
 //! runtime's instructions (mimalloc takes about a fifth off them; the README's Benchmarks):
 //!
-//! ```ignore
+//! ```no_run
 //! #[global_allocator]
 //! static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+//! # fn main() {}
 //! ```
 
 use std::future::{Future, IntoFuture};
