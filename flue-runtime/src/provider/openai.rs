@@ -822,10 +822,7 @@ impl ChatDecoder {
             self.usage = usage_of(&usage);
             self.usage_seen = true;
         }
-        let Some(choices) = chunk.choices else { return };
-        let Some(choice) = choices.into_iter().find(|c| c.index.unwrap_or(0) == 0) else {
-            return;
-        };
+        let Some(choice) = chunk.choice.0 else { return };
         self.choice_seen = true;
         if let Some(delta) = choice.delta {
             if let Some(text) = delta.content.as_ref().map(Text::as_str).filter(|t| !t.is_empty()) {

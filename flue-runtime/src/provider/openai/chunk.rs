@@ -18,13 +18,66 @@ use crate::provider::text::borrowed;
 /// One chunk.
 #[derive(Debug, Default, Deserialize)]
 pub(super) struct ChunkView<'a> {
-    #[serde(default, borrow)]
-    pub(super) choices: Option<Vec<ChoiceView<'a>>>,
+    /// Of `choices`, the answer's: the first with index 0 (or none), the only one the decoder
+    /// reads. The others are read too (a malformed one sends the chunk down the `Value` route)
+    /// and dropped, so a chunk allocates no list of them.
+    #[serde(default, borrow, rename = "choices")]
+    pub(super) choice: AnswerChoice<'a>,
     #[serde(default)]
     pub(super) usage: Option<UsageView>,
     /// Present (not null) on an error chunk, which the `Value` route maps.
     #[serde(default)]
     error: Option<IgnoredAny>,
+}
+
+/// The answer's choice of a chunk's `choices` (see [`ChunkView::choice`]); `None` when the
+/// chunk has no such choice, no `choices`, or `"choices": null`.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct AnswerChoice<'a>(pub(super) Option<ChoiceView<'a>>);
+
+impl<'a> AnswerChoice<'a> {
+    /// The answer's choice among `choices`, in order.
+    fn of(choices: impl IntoIterator<Item = ChoiceView<'a>>) -> Self {
+        Self(choices.into_iter().find(ChoiceView::is_answer))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for AnswerChoice<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Choices<'a>(std::marker::PhantomData<ChoiceView<'a>>);
+
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Choices<'a> {
+            type Value = AnswerChoice<'a>;
+
+            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                formatter.write_str("a list of choices or null")
+            }
+
+            fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                Ok(AnswerChoice(None))
+            }
+
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                Ok(AnswerChoice(None))
+            }
+
+            fn visit_some<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+                deserializer.deserialize_seq(self)
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut answer = None;
+                while let Some(choice) = seq.next_element::<ChoiceView<'a>>()? {
+                    if answer.is_none() && choice.is_answer() {
+                        answer = Some(choice);
+                    }
+                }
+                Ok(AnswerChoice(answer))
+            }
+        }
+
+        deserializer.deserialize_option(Choices(std::marker::PhantomData))
+    }
 }
 
 #[derive(Debug, Default, PartialEq, Deserialize)]
@@ -35,6 +88,13 @@ pub(super) struct ChoiceView<'a> {
     pub(super) delta: Option<DeltaView<'a>>,
     #[serde(default, borrow)]
     pub(super) finish_reason: Option<Text<'a>>,
+}
+
+impl ChoiceView<'_> {
+    /// Whether it is the answer's choice: numbered 0, or not numbered.
+    fn is_answer(&self) -> bool {
+        self.index.unwrap_or(0) == 0
+    }
 }
 
 #[derive(Debug, Default, PartialEq, Deserialize)]
@@ -134,41 +194,38 @@ impl<'a> ChunkView<'a> {
     pub(super) fn from_value(chunk: &'a Value) -> Self {
         let text = |value: Option<&'a Value>| value.and_then(Value::as_str).map(borrowed);
         let choices = chunk.get("choices").and_then(Value::as_array).map(|choices| {
-            choices
-                .iter()
-                .map(|choice| ChoiceView {
-                    index: choice.get("index").and_then(Value::as_u64),
-                    delta: choice.get("delta").filter(|d| d.is_object()).map(|delta| DeltaView {
-                        content: content_text(delta.get("content")),
-                        reasoning: text(delta.get("reasoning")),
-                        reasoning_content: text(delta.get("reasoning_content")),
-                        reasoning_details: delta.get("reasoning_details").and_then(Value::as_array).map(|details| {
-                            details
-                                .iter()
-                                .filter_map(|detail| detail.as_object().cloned())
-                                .collect()
-                        }),
-                        tool_calls: delta.get("tool_calls").and_then(Value::as_array).map(|calls| {
-                            calls
-                                .iter()
-                                .map(|call| CallView {
-                                    index: call.get("index").and_then(Value::as_u64),
-                                    id: text(call.get("id")),
-                                    function: call.get("function").map(|function| FunctionView {
-                                        name: text(function.get("name")),
-                                        arguments: match function.get("arguments") {
-                                            Some(Value::String(arguments)) => Some(borrowed(arguments)),
-                                            Some(Value::Null) | None => None,
-                                            Some(other) => Some(Text(Cow::Owned(other.to_string()))),
-                                        },
-                                    }),
-                                })
-                                .collect()
-                        }),
+            choices.iter().map(|choice| ChoiceView {
+                index: choice.get("index").and_then(Value::as_u64),
+                delta: choice.get("delta").filter(|d| d.is_object()).map(|delta| DeltaView {
+                    content: content_text(delta.get("content")),
+                    reasoning: text(delta.get("reasoning")),
+                    reasoning_content: text(delta.get("reasoning_content")),
+                    reasoning_details: delta.get("reasoning_details").and_then(Value::as_array).map(|details| {
+                        details
+                            .iter()
+                            .filter_map(|detail| detail.as_object().cloned())
+                            .collect()
                     }),
-                    finish_reason: text(choice.get("finish_reason")),
-                })
-                .collect()
+                    tool_calls: delta.get("tool_calls").and_then(Value::as_array).map(|calls| {
+                        calls
+                            .iter()
+                            .map(|call| CallView {
+                                index: call.get("index").and_then(Value::as_u64),
+                                id: text(call.get("id")),
+                                function: call.get("function").map(|function| FunctionView {
+                                    name: text(function.get("name")),
+                                    arguments: match function.get("arguments") {
+                                        Some(Value::String(arguments)) => Some(borrowed(arguments)),
+                                        Some(Value::Null) | None => None,
+                                        Some(other) => Some(Text(Cow::Owned(other.to_string()))),
+                                    },
+                                }),
+                            })
+                            .collect()
+                    }),
+                }),
+                finish_reason: text(choice.get("finish_reason")),
+            })
         });
         let usage = chunk.get("usage").filter(|u| u.is_object()).map(|usage| {
             let number = |path: &[&str]| {
@@ -189,7 +246,7 @@ impl<'a> ChunkView<'a> {
             }
         });
         Self {
-            choices,
+            choice: AnswerChoice::of(choices.into_iter().flatten()),
             usage,
             error: None,
         }
@@ -206,13 +263,11 @@ mod tests {
     fn unescaped_strings_are_borrowed_and_escaped_ones_decoded() {
         let data = r#"{"choices":[{"index":0,"delta":{"content":"plain"}}]}"#;
         let chunk = ChunkView::parse(data).unwrap();
-        let choices = chunk.choices.unwrap();
-        let content = &choices[0].delta.as_ref().unwrap().content;
+        let content = &chunk.choice.0.unwrap().delta.unwrap().content;
         assert!(matches!(content, Some(Text(Cow::Borrowed("plain")))));
         let data = r#"{"choices":[{"index":0,"delta":{"content":"a\nb \"q\" \u00e9"}}]}"#;
         let chunk = ChunkView::parse(data).unwrap();
-        let choices = chunk.choices.unwrap();
-        let content = &choices[0].delta.as_ref().unwrap().content;
+        let content = &chunk.choice.0.unwrap().delta.unwrap().content;
         assert_eq!(content.as_ref().map(Text::as_str), Some("a\nb \"q\" é"));
     }
 
@@ -236,8 +291,46 @@ mod tests {
         let typed = ChunkView::parse(data).unwrap();
         let value: Value = serde_json::from_str(data).unwrap();
         let lenient = ChunkView::from_value(&value);
-        assert_eq!(typed.choices, lenient.choices);
+        assert_eq!(typed.choice, lenient.choice);
         assert_eq!(typed.usage, lenient.usage);
+    }
+
+    #[test]
+    fn the_answer_is_the_first_choice_numbered_zero_and_both_routes_agree() {
+        let finish = |chunk: &ChunkView<'_>| {
+            chunk
+                .choice
+                .0
+                .as_ref()
+                .map(|choice| choice.finish_reason.as_ref().map(|reason| reason.as_str().to_owned()))
+        };
+        for (data, expected) in [
+            (
+                r#"{"choices":[{"index":1,"finish_reason":"a"},{"index":0,"finish_reason":"b"}]}"#,
+                Some("b"),
+            ),
+            (
+                r#"{"choices":[{"finish_reason":"a"},{"index":0,"finish_reason":"b"}]}"#,
+                Some("a"),
+            ),
+            (r#"{"choices":[{"index":2,"finish_reason":"a"}]}"#, None),
+            (r#"{"choices":[]}"#, None),
+            (r#"{"choices":null}"#, None),
+            (r#"{}"#, None),
+        ] {
+            let typed = ChunkView::parse(data).unwrap();
+            let value: Value = serde_json::from_str(data).unwrap();
+            let lenient = ChunkView::from_value(&value);
+            assert_eq!(finish(&typed), expected.map(|reason| Some(reason.to_owned())), "{data}");
+            assert_eq!(typed.choice, lenient.choice, "{data}");
+        }
+        // A malformed choice other than the answer still sends the chunk down the `Value`
+        // route, which reads the answer all the same.
+        let data = r#"{"choices":[{"index":0,"finish_reason":"stop"},{"index":"one"}]}"#;
+        assert!(ChunkView::parse(data).is_none());
+        let value: Value = serde_json::from_str(data).unwrap();
+        let lenient = ChunkView::from_value(&value);
+        assert_eq!(finish(&lenient), Some(Some("stop".to_owned())));
     }
 
     #[test]
@@ -246,8 +339,8 @@ mod tests {
             serde_json::from_str(r#"{"choices":[{"delta":{"tool_calls":[{"function":{"arguments":{"a":1}}}]}}]}"#)
                 .unwrap();
         let chunk = ChunkView::from_value(&value);
-        let choices = chunk.choices.unwrap();
-        let call = &choices[0].delta.as_ref().unwrap().tool_calls.as_ref().unwrap()[0];
+        let delta = chunk.choice.0.unwrap().delta.unwrap();
+        let call = &delta.tool_calls.as_ref().unwrap()[0];
         let arguments = call.function.as_ref().unwrap().arguments.as_ref().unwrap();
         assert_eq!(arguments.as_str(), r#"{"a":1}"#);
     }
