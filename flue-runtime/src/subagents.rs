@@ -376,6 +376,13 @@ impl Delegation {
         self.live.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Lets go of what the latest render and tool batch gave the delegation (the parent's
+    /// state, the environment, the journal): see [`Delegating`].
+    fn detach(&self) {
+        *self.live() = Live::default();
+        *self.journal.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+
     /// What the latest render offers, the parent's state, and the environment children share.
     pub(crate) fn update(
         &self,
@@ -388,6 +395,23 @@ impl Delegation {
             parent,
             environment,
         };
+    }
+}
+
+/// A root session's delegation and its `task` tool, for as long as its response runs.
+///
+/// The response's thread view offers the tool, and the delegation keeps that view (the parent
+/// its children's hooks see) and the attempt (its journal): a cycle. Dropping this detaches the
+/// delegation ([`Delegation::detach`]), so the response's attempt, writer, views and tools are
+/// freed with it.
+pub(crate) struct Delegating {
+    pub(crate) delegation: Arc<Delegation>,
+    pub(crate) tool: Tool,
+}
+
+impl Drop for Delegating {
+    fn drop(&mut self) {
+        self.delegation.detach();
     }
 }
 

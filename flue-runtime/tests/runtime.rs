@@ -3074,3 +3074,55 @@ async fn a_sandbox_factory_that_panics_fails_the_submission_and_the_runtime_keep
     let reply = runtime.init(&calculator, "after").send("hi").await.unwrap();
     assert_eq!(reply.text, "still here");
 }
+
+/// What each render of [`marked`] mounted: a weak handle on a value its tool holds, so a test
+/// sees whether anything still holds the tool.
+static MARKERS: Mutex<Vec<std::sync::Weak<()>>> = Mutex::new(Vec::new());
+
+#[agent(max_steps = 4)]
+fn marked() -> &'static str {
+    use_model("scripted/x");
+    let marker = std::sync::Arc::new(());
+    MARKERS.lock().unwrap().push(std::sync::Arc::downgrade(&marker));
+    use_tool(Tool::new("add").description("Add two numbers.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let _held = marker.clone();
+            async move { Ok::<_, ToolError>("5") }
+        },
+    ));
+    "You add numbers."
+}
+
+/// A response's objects refer to one another (the execution's thread view offers the `task`
+/// tool, whose delegation keeps that view as its children's parent, and the attempt): once the
+/// response ends nothing of it may stay alive, or every exchange leaks its attempt, writer,
+/// views and tools, and a server's memory grows with each one.
+#[tokio::test]
+async fn a_settled_response_keeps_nothing_it_rendered_alive() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![marked.into()]);
+    // Two instances each time: one conversation going on, one new.
+    for id in (0..3).flat_map(|exchange| ["kept".to_owned(), format!("new-{exchange}")]) {
+        model.push(ScriptedReply::tool_call("add", json!({"a": 2, "b": 3})));
+        model.push(ScriptedReply::text("5"));
+        let reply = runtime.init(&marked, id).send("2+3?").await.unwrap();
+        assert_eq!(reply.text, "5");
+    }
+    // The reply is sent when the submission settles; the worker drops the response after it.
+    let mut alive = usize::MAX;
+    for _ in 0..1000 {
+        alive = MARKERS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|marker| marker.strong_count() > 0)
+            .count();
+        if alive == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let rendered = MARKERS.lock().unwrap().len();
+    assert!(rendered >= 12, "every exchange rendered twice at least: {rendered}");
+    assert_eq!(alive, 0, "renders whose tools are still held, of {rendered}");
+}

@@ -1092,8 +1092,9 @@ struct Response<'a> {
     /// How many of the latest render's tools are the agent's own (the sandbox's and the
     /// framework's follow).
     own_tools: usize,
-    /// The session's delegation and its `task` tool, once the model is known.
-    delegation: Option<(Arc<crate::subagents::Delegation>, flue_core::Tool)>,
+    /// The session's delegation and its `task` tool, once the model is known (detached when
+    /// the response is dropped).
+    delegation: Option<crate::subagents::Delegating>,
     /// The submission's MCP servers, once connected.
     mcp: Option<Vec<crate::mcp::McpSession>>,
     /// The submission's compaction settings and the size of the latest model call.
@@ -1492,11 +1493,14 @@ impl Response<'_> {
                 self.writer.clone(),
                 self.conversation.retained_children(),
             ));
-            self.delegation = Some((delegation, tool));
+            self.delegation = Some(crate::subagents::Delegating { delegation, tool });
         }
         let environment = self.environment();
         let parent = self.thread.as_ref().map(|view| (view.state(), self.hooks.clone()));
-        let delegation = self.delegation.as_ref().map(|(delegation, tool)| (delegation, tool));
+        let delegation = self
+            .delegation
+            .as_ref()
+            .map(|delegating| (&delegating.delegation, &delegating.tool));
         let workspace = self.workspace.as_ref().filter(|_| self.sandbox_present);
         crate::framework::mount(
             rendered,
@@ -2706,7 +2710,7 @@ impl Response<'_> {
         let view = self.thread_view();
         view.set_tools(&rendered.tools);
         let thread = view.state();
-        if let Some((delegation, _)) = &self.delegation {
+        if let Some(crate::subagents::Delegating { delegation, .. }) = &self.delegation {
             // The batch's tasks record their children through the attempt; a re-run task
             // call finds the child it created.
             delegation.attach(crate::subagents::Journal::root(
