@@ -2236,3 +2236,71 @@ async fn an_abort_during_a_task_childs_summary_call_settles_the_submission_abort
     }
     assert_eq!(ends, [(true, Some("submission_aborted".to_owned()))]);
 }
+
+/// What each render of [`probing_child`] mounted: a weak handle on a value its tool holds.
+static CHILD_MARKERS: Mutex<Vec<std::sync::Weak<()>>> = Mutex::new(Vec::new());
+
+fn probing_child(_: AgentProps<'_>) -> &'static str {
+    let marker = std::sync::Arc::new(());
+    CHILD_MARKERS.lock().unwrap().push(std::sync::Arc::downgrade(&marker));
+    use_tool(Tool::new("probe").description("Probes the case.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let _held = marker.clone();
+            async move { Ok::<_, ToolError>("probed") }
+        },
+    ));
+    "You probe cases."
+}
+
+#[agent]
+fn probing_parent() -> &'static str {
+    use_model("scripted/parent-model");
+    use_subagent(Subagent::new(
+        "prober",
+        "Probes one case.",
+        FnAgent::new(AgentDefinition::new("prober"), probing_child),
+    ));
+    "Delegate the probing."
+}
+
+/// Delegation adds references between the parent's response and its children's sessions
+/// (the delegation keeps the parent's thread view and attempt, a child's session its own
+/// nested delegation and tools): once the parent's response ends, nothing its children
+/// rendered stays alive.
+#[tokio::test]
+async fn a_settled_delegating_response_keeps_nothing_its_children_rendered_alive() {
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![probing_parent.into()]);
+    for exchange in 0..2 {
+        model.push(ScriptedReply::tool_call(
+            "task",
+            json!({"agent": "prober", "prompt": "Probe case 7."}),
+        ));
+        model.push(ScriptedReply::tool_call("probe", json!({})));
+        model.push(ScriptedReply::text("Case 7 probed."));
+        model.push(ScriptedReply::text("Done."));
+        let reply = runtime
+            .init(&probing_parent, format!("p-{exchange}"))
+            .send("Case 7?")
+            .await
+            .unwrap();
+        assert_eq!(reply.text, "Done.");
+    }
+    // The reply is sent when the submission settles; the worker drops the response after it.
+    let mut alive = usize::MAX;
+    for _ in 0..1000 {
+        alive = CHILD_MARKERS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|marker| marker.strong_count() > 0)
+            .count();
+        if alive == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let rendered = CHILD_MARKERS.lock().unwrap().len();
+    assert!(rendered >= 2, "each child rendered: {rendered}");
+    assert_eq!(alive, 0, "child renders whose tools are still held, of {rendered}");
+}
