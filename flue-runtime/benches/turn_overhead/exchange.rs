@@ -747,22 +747,37 @@ async fn interleaved() {
     );
 }
 
-/// A model that answers "ok" and keeps nothing: the memory measurement must not count a
-/// recording of every request, as the testing kit's scripted model keeps.
-struct AnswersOk;
+/// A model that makes the exchange (a call of `add`, then the answer once it has the result)
+/// and keeps nothing: the memory measurement must not count a recording of every request, as
+/// the testing kit's scripted model keeps. The tool batch matters: what a response keeps of its
+/// thread view, tools and attempt shows only after one.
+struct AddsThenAnswers;
 
-impl flue_runtime::provider::ModelProvider for AnswersOk {
+impl flue_runtime::provider::ModelProvider for AddsThenAnswers {
     fn id(&self) -> &str {
         "scripted"
     }
 
-    fn stream(&self, _request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
-        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ModelMessage, ModelResponse, ModelToolCall, StopReason, StreamEvent};
+        let answered = matches!(request.messages.last(), Some(ModelMessage::Tool { .. }));
         let response = ModelResponse {
-            text: "ok".into(),
+            text: if answered { "2 + 3 = 5".into() } else { String::new() },
             reasoning: String::new(),
-            tool_calls: Vec::new(),
-            stop_reason: StopReason::Stop,
+            tool_calls: if answered {
+                Vec::new()
+            } else {
+                vec![ModelToolCall {
+                    id: "call_1".into(),
+                    name: "add".into(),
+                    arguments: r#"{"a":2,"b":3}"#.into(),
+                }]
+            },
+            stop_reason: if answered {
+                StopReason::Stop
+            } else {
+                StopReason::ToolUse
+            },
             usage: Default::default(),
             reasoning_blocks: Vec::new(),
         };
@@ -770,12 +785,13 @@ impl flue_runtime::provider::ModelProvider for AnswersOk {
     }
 }
 
-/// Resident memory added by 10,000 idle instances (one exchange each) on the memory store
+/// Resident memory added by 10,000 idle instances (one exchange each: a tool call, then the
+/// answer) on the memory store
 /// (which holds their records too), with at most `cached` conversations cached.
 async fn idle_memory(cached: usize) {
     let before = rss_kib();
     let mut providers = ProviderRegistry::new();
-    providers.register(AnswersOk);
+    providers.register(AddsThenAnswers);
     let idle = Runtime::builder()
         .store(flue_runtime::store::MemoryStore::new())
         .agent(scripted_agent)
@@ -787,10 +803,12 @@ async fn idle_memory(cached: usize) {
         .build()
         .expect("runtime");
     for instance in 0..10_000 {
-        idle.init(&scripted_agent, format!("idle-{instance}"))
-            .send("hello")
+        let reply = idle
+            .init(&scripted_agent, format!("idle-{instance}"))
+            .send("2+3?")
             .await
             .expect("exchange");
+        assert_eq!(reply.text, "2 + 3 = 5");
     }
     let after = rss_kib();
     println!(
