@@ -16,7 +16,7 @@ use flue_runtime::{Runtime, RuntimeError, RuntimeOptions, SendRequest};
 use serde_json::json;
 
 mod harness;
-use harness::runtime_with;
+use harness::{Renders, runtime_with};
 
 /// The type and message of a failed run; panics on any other error.
 fn run_error(error: RuntimeError) -> (String, String) {
@@ -3075,15 +3075,13 @@ async fn a_sandbox_factory_that_panics_fails_the_submission_and_the_runtime_keep
     assert_eq!(reply.text, "still here");
 }
 
-/// What each render of [`marked`] mounted: a weak handle on a value its tool holds, so a test
-/// sees whether anything still holds the tool.
-static MARKERS: Mutex<Vec<std::sync::Weak<()>>> = Mutex::new(Vec::new());
+/// What each render of [`marked`] mounted.
+static MARKED: Renders = Renders::new();
 
 #[agent(max_steps = 4)]
 fn marked() -> &'static str {
     use_model("scripted/x");
-    let marker = std::sync::Arc::new(());
-    MARKERS.lock().unwrap().push(std::sync::Arc::downgrade(&marker));
+    let marker = MARKED.mark();
     use_tool(Tool::new("add").description("Add two numbers.").run(
         move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
             let _held = marker.clone();
@@ -3108,21 +3106,7 @@ async fn a_settled_response_keeps_nothing_it_rendered_alive() {
         let reply = runtime.init(&marked, id).send("2+3?").await.unwrap();
         assert_eq!(reply.text, "5");
     }
-    // The reply is sent when the submission settles; the worker drops the response after it.
-    let mut alive = usize::MAX;
-    for _ in 0..1000 {
-        alive = MARKERS
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|marker| marker.strong_count() > 0)
-            .count();
-        if alive == 0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let rendered = MARKERS.lock().unwrap().len();
+    let (rendered, held) = MARKED.rendered_and_held().await;
     assert!(rendered >= 12, "every exchange rendered twice at least: {rendered}");
-    assert_eq!(alive, 0, "renders whose tools are still held, of {rendered}");
+    assert_eq!(held, 0, "renders whose tools are still held, of {rendered}");
 }

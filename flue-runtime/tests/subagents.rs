@@ -12,7 +12,7 @@ use flue_runtime::testing::{ScriptedModel, ScriptedReply, instructions_of};
 use serde_json::json;
 
 mod harness;
-use harness::runtime_with;
+use harness::{Renders, runtime_with};
 
 fn tool_result(request: &ModelRequest) -> (String, bool) {
     request
@@ -2237,12 +2237,11 @@ async fn an_abort_during_a_task_childs_summary_call_settles_the_submission_abort
     assert_eq!(ends, [(true, Some("submission_aborted".to_owned()))]);
 }
 
-/// What each render of [`probing_child`] mounted: a weak handle on a value its tool holds.
-static CHILD_MARKERS: Mutex<Vec<std::sync::Weak<()>>> = Mutex::new(Vec::new());
+/// What each render of [`probing_child`] mounted.
+static PROBED: Renders = Renders::new();
 
 fn probing_child(_: AgentProps<'_>) -> &'static str {
-    let marker = std::sync::Arc::new(());
-    CHILD_MARKERS.lock().unwrap().push(std::sync::Arc::downgrade(&marker));
+    let marker = PROBED.mark();
     use_tool(Tool::new("probe").description("Probes the case.").run(
         move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
             let _held = marker.clone();
@@ -2286,21 +2285,7 @@ async fn a_settled_delegating_response_keeps_nothing_its_children_rendered_alive
             .unwrap();
         assert_eq!(reply.text, "Done.");
     }
-    // The reply is sent when the submission settles; the worker drops the response after it.
-    let mut alive = usize::MAX;
-    for _ in 0..1000 {
-        alive = CHILD_MARKERS
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|marker| marker.strong_count() > 0)
-            .count();
-        if alive == 0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let rendered = CHILD_MARKERS.lock().unwrap().len();
+    let (rendered, held) = PROBED.rendered_and_held().await;
     assert!(rendered >= 2, "each child rendered: {rendered}");
-    assert_eq!(alive, 0, "child renders whose tools are still held, of {rendered}");
+    assert_eq!(held, 0, "child renders whose tools are still held, of {rendered}");
 }

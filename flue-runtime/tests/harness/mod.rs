@@ -320,3 +320,43 @@ impl flue_runtime::provider::ModelProvider for Gated {
         )
     }
 }
+
+/// Weak handles on a value each render of a test agent gave to what it mounted (a tool that
+/// holds it), so a test sees whether anything still holds what was rendered.
+pub struct Renders(std::sync::Mutex<Vec<std::sync::Weak<()>>>);
+
+impl Renders {
+    /// No renders yet (a `static` for the agent's render function to mark).
+    pub const fn new() -> Self {
+        Self(std::sync::Mutex::new(Vec::new()))
+    }
+
+    /// A value for one render's tool to hold.
+    pub fn mark(&self) -> std::sync::Arc<()> {
+        let marker = std::sync::Arc::new(());
+        self.0.lock().unwrap().push(std::sync::Arc::downgrade(&marker));
+        marker
+    }
+
+    /// How many renders there were, and how many of their values are still held once nothing
+    /// should hold them: the reply is sent when the submission settles and the worker drops
+    /// the response just after, so this waits (a bounded while) for the count to reach zero.
+    pub async fn rendered_and_held(&self) -> (usize, usize) {
+        let held = || {
+            self.0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|marker| marker.strong_count() > 0)
+                .count()
+        };
+        for _ in 0..1000 {
+            if held() == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let held = held();
+        (self.0.lock().unwrap().len(), held)
+    }
+}
