@@ -796,6 +796,12 @@ impl RuntimeInner {
         submission_id: &str,
         after: Option<u64>,
     ) -> Result<AgentReply, RuntimeError> {
+        // Declared before the loop's receivers, so dropped after them: however the wait ends
+        // (answered, failed, given up), its registration goes with it.
+        let _registered = Registered {
+            waiters: &self.waiters,
+            submission_id,
+        };
         loop {
             // Register before looking, so a settlement between the look and the wait is seen.
             let (sender, settled) = oneshot::channel();
@@ -853,6 +859,28 @@ impl RuntimeInner {
         for id in ids {
             for sender in waiters.remove(id).unwrap_or_default() {
                 let _ = sender.send(());
+            }
+        }
+    }
+}
+
+/// A wait's place in [`RuntimeInner::waiters`], taken out when the wait ends: with its
+/// receivers dropped, its senders are closed, and the submission's entry goes once no wait is
+/// left in it. (Without it, a wait for a submission that does not exist, or one given up on
+/// a shared store where another node settles the submission, would stay for the runtime's
+/// life.)
+struct Registered<'a> {
+    waiters: &'a Mutex<FastMap<String, Vec<oneshot::Sender<()>>>>,
+    submission_id: &'a str,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(waiting) = waiters.get_mut(self.submission_id) {
+            waiting.retain(|sender| !sender.is_closed());
+            if waiting.is_empty() {
+                waiters.remove(self.submission_id);
             }
         }
     }
@@ -1463,5 +1491,76 @@ mod tests {
             keyed_submission_id("a", "x", "y\nz"),
             "a replay meets its submission"
         );
+    }
+
+    /// A runtime on the memory store with no agent: nothing ever runs what is admitted to it.
+    fn idle_runtime() -> Runtime {
+        Runtime::builder()
+            .store(crate::store::MemoryStore::new())
+            .build()
+            .expect("a runtime")
+    }
+
+    fn registered_waits(runtime: &Runtime) -> usize {
+        let waiters = runtime
+            .inner
+            .waiters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        waiters.values().map(Vec::len).sum::<usize>() + waiters.len()
+    }
+
+    #[tokio::test]
+    async fn a_wait_for_a_submission_that_does_not_exist_leaves_no_registration_behind() {
+        let runtime = idle_runtime();
+        let key = InstanceKey::new("assistant", "a");
+        for _ in 0..3 {
+            let error = runtime
+                .inner
+                .wait(&key, "sub_missing", None)
+                .await
+                .expect_err("no such submission");
+            assert!(matches!(error, RuntimeError::InvalidRequest(_)), "{error:?}");
+        }
+        assert_eq!(registered_waits(&runtime), 0);
+    }
+
+    #[tokio::test]
+    async fn a_wait_given_up_before_its_submission_settles_leaves_no_registration_behind() {
+        let runtime = idle_runtime();
+        let key = InstanceKey::new("assistant", "a");
+        let admission = Admission {
+            key: key.clone(),
+            submission_id: "sub_queued".into(),
+            keyed: false,
+            kind: SubmissionKind::Dispatch,
+            message: DeliveredMessage::user("hello"),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 1,
+            timeout_ms: 60_000,
+            claim: None,
+            trace: None,
+        };
+        runtime.inner.store.admit(admission).await.expect("admitted");
+        for _ in 0..3 {
+            let wait = runtime.inner.wait(&key, "sub_queued", None);
+            // The submission stays queued (no agent runs it): every wait is given up.
+            assert!(tokio::time::timeout(Duration::from_millis(5), wait).await.is_err());
+        }
+        assert_eq!(registered_waits(&runtime), 0);
+        // A wait still going on keeps its registration (its settlement must reach it).
+        let waiting = {
+            let inner = runtime.inner.clone();
+            let key = key.clone();
+            tokio::spawn(async move { inner.wait(&key, "sub_queued", None).await.map(|reply| reply.text) })
+        };
+        while registered_waits(&runtime) == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(registered_waits(&runtime), 2);
+        waiting.abort();
+        assert!(waiting.await.expect_err("aborted").is_cancelled());
+        assert_eq!(registered_waits(&runtime), 0);
     }
 }
