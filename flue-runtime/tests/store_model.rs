@@ -1,0 +1,548 @@
+//! The stores told apart by random use: sequences of ledger and stream operations (admissions,
+//! claims, joins, settlements, requeues, aborts, lease renewals and takeovers, appends under a
+//! fence) are made on the memory store and on SQLite (and on Postgres when
+//! `FLUE_TEST_POSTGRES_URL` names one, as the README's test command does), and every answer,
+//! and everything a reader sees afterwards, must be the same on each. The contract suite checks chosen cases; this finds the
+//! orders of operations nobody wrote down, where one store's ledger drifts from another's.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+mod scratch;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use flue_runtime::message::DeliveredMessage;
+use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
+use flue_runtime::store::{
+    Admission, AttemptRef, Claim, InstanceKey, MemoryStore, SqliteStore, Store, StoreError, Submission, SubmissionKind,
+    UidCondition,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+/// Three instances: two agents' instances sharing an id (keys told apart by the agent alone)
+/// and another id.
+const INSTANCES: [(&str, &str); 3] = [("alpha", "shared"), ("beta", "shared"), ("alpha", "other")];
+/// Few submission ids, so that replays, conflicts and joins happen often.
+const SUBMISSIONS: u8 = 4;
+/// The lease every claim takes (far in the future: no lease runs out by the clock during a
+/// case; the lease operations pass their own `now`).
+const LEASE_UNTIL_MS: u64 = 4_000_000_000_000;
+/// The `now` of the lease scans and takeovers: past every claim's lease, not past a renewed
+/// one's.
+const SCAN_AT_MS: u64 = LEASE_UNTIL_MS + 1_000;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Admit {
+        instance: usize,
+        submission: u8,
+        text: u8,
+        keyed: bool,
+        claim: bool,
+    },
+    ClaimNext {
+        instance: usize,
+    },
+    Settle {
+        submission: u8,
+        outcome: u8,
+        /// Settles with an attempt that never owned the submission.
+        stale: bool,
+    },
+    Requeue {
+        submission: u8,
+    },
+    RequestAbort {
+        instance: usize,
+    },
+    Append {
+        instance: usize,
+        /// The attempt of this submission authorizes the append (none: an unfenced append).
+        by: Option<u8>,
+        records: u8,
+    },
+    ClaimJoinable {
+        host: u8,
+    },
+    FinalizeJoin {
+        host: u8,
+        joined: u8,
+    },
+    RevertJoins {
+        host: u8,
+    },
+    /// Renews the lease of the submission's attempt (past the scans' `now`, or not).
+    Renew {
+        submission: u8,
+        past_the_scan: bool,
+    },
+    /// Lists the running submissions whose lease expired.
+    Expired,
+    /// Takes the submission over from its attempt (or from one that never owned it).
+    Reclaim {
+        submission: u8,
+        stale: bool,
+    },
+    /// Asks which of these submissions' attempts have an abort requested.
+    AbortsRequested {
+        submissions: Vec<u8>,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let instance = 0..INSTANCES.len();
+    let submission = 0..SUBMISSIONS;
+    prop_oneof![
+        4 => (instance.clone(), submission.clone(), 0..2u8, any::<bool>(), any::<bool>()).prop_map(
+            |(instance, submission, text, keyed, claim)| Op::Admit {
+                instance,
+                submission,
+                text,
+                keyed,
+                claim
+            }
+        ),
+        3 => instance.clone().prop_map(|instance| Op::ClaimNext { instance }),
+        3 => (submission.clone(), 0..3u8, prop::bool::weighted(0.2))
+            .prop_map(|(submission, outcome, stale)| Op::Settle { submission, outcome, stale }),
+        2 => submission.clone().prop_map(|submission| Op::Requeue { submission }),
+        1 => instance.clone().prop_map(|instance| Op::RequestAbort { instance }),
+        2 => (instance.clone(), prop::option::of(submission.clone()), 1..4u8)
+            .prop_map(|(instance, by, records)| Op::Append { instance, by, records }),
+        2 => submission.clone().prop_map(|host| Op::ClaimJoinable { host }),
+        2 => (submission.clone(), submission.clone()).prop_map(|(host, joined)| Op::FinalizeJoin { host, joined }),
+        2 => submission.clone().prop_map(|host| Op::RevertJoins { host }),
+        1 => (submission.clone(), any::<bool>())
+            .prop_map(|(submission, past_the_scan)| Op::Renew { submission, past_the_scan }),
+        1 => Just(Op::Expired),
+        2 => (submission.clone(), prop::bool::weighted(0.2))
+            .prop_map(|(submission, stale)| Op::Reclaim { submission, stale }),
+        1 => prop::collection::vec(submission, 0..3).prop_map(|submissions| Op::AbortsRequested { submissions }),
+    ]
+}
+
+fn key(instance: usize) -> InstanceKey {
+    let (agent, id) = INSTANCES[instance];
+    InstanceKey::new(agent, id)
+}
+
+fn submission_id(submission: u8) -> String {
+    format!("sub_{submission}")
+}
+
+/// What a store answered, without what legitimately differs between stores (generated
+/// incarnations, timestamps, the birth record's id).
+#[derive(Debug, PartialEq)]
+#[allow(clippy::large_enum_variant)] // one per store and step, compared and dropped
+enum Answer {
+    Admitted {
+        submission: Row,
+        deduplicated: bool,
+        offset: Option<u64>,
+        claimed: Option<Row>,
+        born: bool,
+    },
+    Claimed(Option<Row>),
+    Joinable(Vec<Row>),
+    Rows(Vec<Row>),
+    Renewed(u64),
+    Ids(Vec<String>),
+    Flag(bool),
+    Count(usize),
+    Offset(u64),
+    Aborted(Vec<String>),
+    Refused(String),
+}
+
+/// A submission row as every store must keep it.
+#[derive(Debug, PartialEq)]
+struct Row {
+    id: String,
+    key: InstanceKey,
+    kind: SubmissionKind,
+    message: DeliveredMessage,
+    status: String,
+    attempt_id: Option<String>,
+    owner_id: Option<String>,
+    lease_until_ms: u64,
+    attempt_count: u32,
+    abort_requested: bool,
+    joined_into: Option<String>,
+    outcome: Option<Outcome>,
+    error: Option<SettlementError>,
+}
+
+impl From<Submission> for Row {
+    fn from(row: Submission) -> Self {
+        Self {
+            id: row.id,
+            key: row.key,
+            kind: row.kind,
+            message: row.message,
+            status: format!("{:?}", row.status),
+            attempt_id: row.attempt_id,
+            owner_id: row.owner_id,
+            lease_until_ms: row.lease_until_ms,
+            attempt_count: row.attempt_count,
+            abort_requested: row.abort_requested,
+            joined_into: row.joined_into,
+            outcome: row.outcome,
+            error: row.error,
+        }
+    }
+}
+
+fn refused(error: StoreError) -> Answer {
+    // The variant and its message: the error a caller branches on and shows.
+    Answer::Refused(error.to_string())
+}
+
+fn answer<T>(result: Result<T, StoreError>, into: impl FnOnce(T) -> Answer) -> Answer {
+    result.map_or_else(refused, into)
+}
+
+/// A stream as compared: each batch's offset and its records' kinds and ids.
+type Stream = Vec<(u64, Vec<(String, Option<String>)>)>;
+
+/// The stream as every store must hold it (a birth record's id is the incarnation's,
+/// generated: only its kind is compared).
+fn stream(batches: &[Batch]) -> Stream {
+    batches
+        .iter()
+        .map(|batch| {
+            let records = batch
+                .records
+                .iter()
+                .map(|record| {
+                    let kind = serde_json::to_value(&record.body).unwrap()["type"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned();
+                    let id = (kind != "conversation_created").then(|| record.id.clone());
+                    (kind, id)
+                })
+                .collect();
+            (batch.offset, records)
+        })
+        .collect()
+}
+
+/// One store driven through a case, with the attempts it handed out.
+struct Driven {
+    store: Arc<dyn Store>,
+    /// The latest attempt each submission was claimed under (by a claim, an admission's claim
+    /// or a join's host).
+    attempts: HashMap<String, String>,
+}
+
+impl Driven {
+    fn attempt(&self, submission: &str) -> AttemptRef {
+        AttemptRef {
+            submission_id: submission.to_owned(),
+            attempt_id: self
+                .attempts
+                .get(submission)
+                .cloned()
+                .unwrap_or_else(|| "att_never".to_owned()),
+        }
+    }
+
+    fn note_claim(&mut self, row: &Submission) {
+        if let Some(attempt) = &row.attempt_id {
+            self.attempts.insert(row.id.clone(), attempt.clone());
+        }
+    }
+
+    /// Applies `op` (the `step`th of its case); returns the store's answer.
+    async fn apply(&mut self, step: usize, op: &Op) -> Answer {
+        let claim = || Claim {
+            attempt_id: format!("att_{step}"),
+            owner_id: "node".to_owned(),
+            lease_until_ms: LEASE_UNTIL_MS,
+        };
+        match op {
+            &Op::Admit {
+                instance,
+                submission,
+                text,
+                keyed,
+                claim: claims,
+            } => {
+                let admission = Admission {
+                    key: key(instance),
+                    submission_id: submission_id(submission),
+                    keyed,
+                    kind: SubmissionKind::Dispatch,
+                    message: DeliveredMessage::user(format!("message {text}")),
+                    initial_data: None,
+                    uid: UidCondition::Any,
+                    max_attempts: 3,
+                    timeout_ms: 3_600_000,
+                    claim: claims.then(claim),
+                    trace: None,
+                };
+                match self.store.admit(admission).await {
+                    Ok(admitted) => {
+                        if let Some(claimed) = &admitted.claimed {
+                            self.note_claim(claimed);
+                        }
+                        Answer::Admitted {
+                            submission: admitted.submission.into(),
+                            deduplicated: admitted.deduplicated,
+                            offset: admitted.offset,
+                            claimed: admitted.claimed.map(Row::from),
+                            born: admitted.birth.is_some(),
+                        }
+                    }
+                    Err(error) => refused(error),
+                }
+            }
+            &Op::ClaimNext { instance } => match self.store.claim_next(&key(instance), &claim()).await {
+                Ok(claimed) => {
+                    if let Some(row) = &claimed {
+                        self.note_claim(row);
+                    }
+                    Answer::Claimed(claimed.map(Row::from))
+                }
+                Err(error) => refused(error),
+            },
+            &Op::Settle {
+                submission,
+                outcome,
+                stale,
+            } => {
+                let id = submission_id(submission);
+                let attempt = if stale {
+                    AttemptRef {
+                        submission_id: id.clone(),
+                        attempt_id: "att_stale".to_owned(),
+                    }
+                } else {
+                    self.attempt(&id)
+                };
+                let (outcome, error) = match outcome {
+                    0 => (Outcome::Completed, None),
+                    1 => (
+                        Outcome::Failed,
+                        Some(SettlementError {
+                            error_type: "operation_failed".to_owned(),
+                            message: "It failed.".to_owned(),
+                            details: String::new(),
+                            meta: None,
+                        }),
+                    ),
+                    _ => (Outcome::Aborted, None),
+                };
+                let settled = Record {
+                    id: format!("record_submission_settled_{id}_{step}"),
+                    submission_id: Some(id.as_str().into()),
+                    attempt_id: Some(attempt.attempt_id.as_str().into()),
+                    timestamp: "2026-12-04T00:00:00.000Z".into(),
+                    body: RecordBody::SubmissionSettled {
+                        outcome,
+                        error: error.clone(),
+                    },
+                };
+                answer(
+                    self.store.settle(&attempt, outcome, error, vec![settled]).await,
+                    Answer::Flag,
+                )
+            }
+            &Op::Requeue { submission } => {
+                let attempt = self.attempt(&submission_id(submission));
+                answer(self.store.requeue(&attempt).await, Answer::Flag)
+            }
+            &Op::RequestAbort { instance } => answer(self.store.request_abort(&key(instance)).await, |mut ids| {
+                ids.sort();
+                Answer::Aborted(ids)
+            }),
+            &Op::Append { instance, by, records } => {
+                let authorization = by.map(|submission| self.attempt(&submission_id(submission)));
+                let records: Arc<[Record]> = (0..records)
+                    .map(|index| Record {
+                        id: format!("record_{step}_{index}"),
+                        submission_id: authorization.as_ref().map(|by| by.submission_id.as_str().into()),
+                        attempt_id: authorization.as_ref().map(|by| by.attempt_id.as_str().into()),
+                        timestamp: "2026-12-04T00:00:00.000Z".into(),
+                        body: RecordBody::StateWrite {
+                            name: "counter".into(),
+                            value: serde_json::json!(step),
+                        },
+                    })
+                    .collect();
+                answer(
+                    self.store.append(&key(instance), records, authorization.as_ref()).await,
+                    Answer::Offset,
+                )
+            }
+            &Op::ClaimJoinable { host } => {
+                let host = self.attempt(&submission_id(host));
+                answer(self.store.claim_joinable(&host).await, |rows| {
+                    Answer::Joinable(rows.into_iter().map(Row::from).collect())
+                })
+            }
+            &Op::FinalizeJoin { host, joined } => {
+                let host = self.attempt(&submission_id(host));
+                answer(
+                    self.store.finalize_join(&host, &submission_id(joined)).await,
+                    Answer::Flag,
+                )
+            }
+            &Op::RevertJoins { host } => {
+                let host = self.attempt(&submission_id(host));
+                answer(self.store.revert_joins(&host).await, Answer::Count)
+            }
+            &Op::Renew {
+                submission,
+                past_the_scan,
+            } => {
+                let attempt = self.attempt(&submission_id(submission)).attempt_id;
+                let until = if past_the_scan {
+                    SCAN_AT_MS + 1_000
+                } else {
+                    SCAN_AT_MS - 1
+                };
+                answer(
+                    self.store.renew_leases("node", &[attempt], until).await,
+                    Answer::Renewed,
+                )
+            }
+            Op::Expired => answer(self.store.expired(SCAN_AT_MS).await, |mut rows| {
+                rows.sort_by(|a, b| a.id.cmp(&b.id));
+                Answer::Rows(rows.into_iter().map(Row::from).collect())
+            }),
+            &Op::Reclaim { submission, stale } => {
+                let id = submission_id(submission);
+                let from = if stale {
+                    "att_stale".to_owned()
+                } else {
+                    self.attempt(&id).attempt_id
+                };
+                match self.store.reclaim(&id, &from, &claim(), SCAN_AT_MS).await {
+                    Ok(taken) => {
+                        if let Some(row) = &taken {
+                            self.note_claim(row);
+                        }
+                        Answer::Claimed(taken.map(Row::from))
+                    }
+                    Err(error) => refused(error),
+                }
+            }
+            Op::AbortsRequested { submissions } => {
+                let attempts: Vec<String> = submissions
+                    .iter()
+                    .map(|submission| self.attempt(&submission_id(*submission)).attempt_id)
+                    .collect();
+                answer(self.store.aborts_requested(&attempts).await, |mut ids| {
+                    ids.sort();
+                    Answer::Ids(ids)
+                })
+            }
+        }
+    }
+
+    /// Everything a reader can see once the case ends: each submission's row, each
+    /// instance's queue flag and stream.
+    async fn observed(&self) -> Vec<String> {
+        let mut seen = Vec::new();
+        for submission in 0..SUBMISSIONS {
+            let row = self.store.submission(&submission_id(submission)).await.unwrap();
+            seen.push(format!("{submission}: {:?}", row.map(Row::from)));
+        }
+        for instance in 0..INSTANCES.len() {
+            let key = key(instance);
+            let queued = self.store.has_queued(&key).await.unwrap();
+            let batches = self.store.read(&key, None).await.unwrap();
+            let last = self.store.last_offset(&key).await.unwrap();
+            seen.push(format!("{key}: queued {queued}, last {last:?}, {:?}", stream(&batches)));
+        }
+        let mut with_queued = self.store.instances_with_queued().await.unwrap();
+        with_queued.sort();
+        seen.push(format!("instances with queued work: {with_queued:?}"));
+        seen
+    }
+}
+
+/// The stores a case runs on: the memory store (the reference), SQLite, and Postgres when a
+/// test database is configured.
+async fn stores() -> Vec<(&'static str, Arc<dyn Store>)> {
+    let sqlite = SqliteStore::open(scratch::dir("model").join("flue.db")).unwrap();
+    #[allow(unused_mut)]
+    let mut stores: Vec<(&'static str, Arc<dyn Store>)> =
+        vec![("memory", Arc::new(MemoryStore::new())), ("sqlite", Arc::new(sqlite))];
+    #[cfg(feature = "postgres")]
+    if let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+    {
+        let schema = format!("flue_model_{}", ulid::Ulid::new().to_string().to_lowercase());
+        let store = flue_runtime::store::PostgresStore::connect_with_schema(&url, &schema)
+            .await
+            .unwrap();
+        stores.push(("postgres", Arc::new(store)));
+    }
+    stores
+}
+
+async fn agree(ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut driven: Vec<(&str, Driven)> = stores()
+        .await
+        .into_iter()
+        .map(|(name, store)| {
+            (
+                name,
+                Driven {
+                    store,
+                    attempts: HashMap::new(),
+                },
+            )
+        })
+        .collect();
+    for (step, op) in ops.iter().enumerate() {
+        let mut answers = Vec::new();
+        for (name, store) in &mut driven {
+            answers.push((*name, store.apply(step, op).await));
+        }
+        let (reference, expected) = &answers[0];
+        for (name, answer) in &answers[1..] {
+            prop_assert_eq!(
+                answer,
+                expected,
+                "step {} ({:?}): {} answered otherwise than {}",
+                step,
+                op,
+                name,
+                reference
+            );
+        }
+    }
+    let expected = driven[0].1.observed().await;
+    for (name, store) in &driven[1..] {
+        for (held, expected) in store.observed().await.iter().zip(&expected) {
+            prop_assert_eq!(held, expected, "after the case, {} holds otherwise than memory", name);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_store_answers_every_sequence_of_ledger_and_stream_operations_alike() {
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut runner = TestRunner::new(Config {
+        cases: 256,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    if let Err(error) = runner.run(&prop::collection::vec(op(), 1..48), |ops| tokio.block_on(agree(&ops))) {
+        match error {
+            proptest::test_runner::TestError::Fail(reason, ops) => {
+                panic!("{reason}\nthe shortest sequence found that shows it:\n{ops:#?}")
+            }
+            abort => panic!("{abort}"),
+        }
+    }
+}
