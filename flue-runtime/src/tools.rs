@@ -1,7 +1,9 @@
 //! Running a response's tool calls: arguments validated against the schema before the tool
 //! runs, errors and panics turned into error results, concurrency bounded, abort honoured.
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::task::Poll;
 use std::time::Instant;
 
 use flue_core::Tool;
@@ -89,14 +91,25 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
         Err(payload) => return panicked(tool, payload.as_ref()),
     };
     // The tool first: one that finishes at its first poll never registers with the signal.
-    tokio::select! {
-        biased;
-        result = run => match result {
-            Ok(output) => output,
-            Err(payload) => panicked(tool, payload.as_ref()),
-        },
-        () = signal.aborted() => ToolOutput::error("Tool execution was aborted."),
-    }
+    // (Not `tokio::select!`: it answers `Pending` without polling anything when the task's
+    // cooperative budget is spent, so the calls of a batch would start in an order that
+    // depends on how much the task did before; here each call starts when the batch first
+    // polls it, in call order.)
+    let mut run = std::pin::pin!(run);
+    let mut aborted = std::pin::pin!(signal.aborted());
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(result) = run.as_mut().poll(cx) {
+            return Poll::Ready(match result {
+                Ok(output) => output,
+                Err(payload) => panicked(tool, payload.as_ref()),
+            });
+        }
+        aborted
+            .as_mut()
+            .poll(cx)
+            .map(|()| ToolOutput::error("Tool execution was aborted."))
+    })
+    .await
 }
 
 /// The error result of a tool that panicked.
@@ -106,4 +119,71 @@ fn panicked(tool: &Tool, payload: &(dyn std::any::Any + Send)) -> ToolOutput {
         tool.name(),
         flue_core::render::panic_message(payload)
     ))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A tool that notes its name in `started` when its future first runs (and finishes
+    /// then: it never waits).
+    fn noting(name: &str, started: &Arc<Mutex<Vec<String>>>) -> Tool {
+        let started = started.clone();
+        let name = name.to_owned();
+        Tool::new(name.clone())
+            .description("Notes that it ran.")
+            .run(move |_ctx, _: serde_json::Map<String, Value>| {
+                let (started, name) = (started.clone(), name.clone());
+                async move {
+                    started.lock().unwrap().push(name);
+                    Ok::<_, flue_core::tool::ToolError>("ran")
+                }
+            })
+    }
+
+    #[tokio::test]
+    async fn the_calls_of_a_batch_start_in_call_order_even_when_the_task_spent_its_budget() {
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let names = ["first", "second", "third"];
+        let tools: Vec<Tool> = names.iter().map(|name| noting(name, &started)).collect();
+        let calls: Vec<ModelToolCall> = names
+            .iter()
+            .enumerate()
+            .map(|(index, name)| ModelToolCall {
+                id: format!("call_{index}"),
+                name: (*name).to_owned(),
+                arguments: "{}".to_owned(),
+            })
+            .collect();
+        let signal = AbortSignal::new();
+        let batch = run_batch(
+            &tools,
+            &calls,
+            8,
+            &signal,
+            |tool, call| ToolContext::new(tool, call.id.clone()),
+            |_| {},
+            |_| {},
+        );
+        let mut batch = std::pin::pin!(batch);
+        // The batch is first polled by a task that has spent its cooperative budget (as a
+        // response's task may have, by the time its tool calls start).
+        let first = std::future::poll_fn(|cx| {
+            loop {
+                let mut unit = std::pin::pin!(tokio::task::consume_budget());
+                if unit.as_mut().poll(cx).is_pending() {
+                    break;
+                }
+            }
+            Poll::Ready(batch.as_mut().poll(cx).is_ready())
+        })
+        .await;
+        if !first {
+            batch.await;
+        }
+        assert_eq!(*started.lock().unwrap(), names);
+    }
 }
