@@ -1,0 +1,255 @@
+//! A conversation read back from its stream is the conversation the runtime kept in memory.
+//!
+//! Random conversations (user messages, some with an image, steps of parallel tool calls that succeed, fail, are
+//! refused for invalid arguments or name no tool, persistent state and data parts written by a
+//! tool, final answers) run three ways: on the memory store, on SQLite with the runtime's
+//! conversation cache kept, and on SQLite with a fresh runtime for every exchange (each folds
+//! the conversation again from the file). The model must be sent the very same requests, and
+//! the sender the same replies, every way: what the records keep, a serialization round trip and
+//! a fold from the stream lose nothing the model or the sender sees.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+mod harness;
+mod scratch;
+
+use flue_runtime::AgentReply;
+use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
+use flue_runtime::prelude::*;
+use flue_runtime::provider::ModelRequest;
+use flue_runtime::store::{MemoryStore, SqliteStore};
+use flue_runtime::testing::{ScriptedModel, ScriptedReply};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use serde_json::{Value, json};
+
+/// Add two numbers.
+#[tool]
+async fn add(a: i64, b: i64) -> String {
+    (a + b).to_string()
+}
+
+/// Divide two numbers.
+#[tool]
+async fn divide(dividend: i64, divisor: i64) -> Result<String, String> {
+    dividend
+        .checked_div(divisor)
+        .map(|quotient| quotient.to_string())
+        .ok_or_else(|| format!("cannot divide {dividend} by {divisor}"))
+}
+
+/// The data part the tally writes. Every call of a step writes it, and the reply keeps the
+/// last write: the calls of a batch start in call order, so that is the step's last tally.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+struct Tally {
+    before: u32,
+    note: String,
+}
+
+/// An agent whose instruction reads its persistent state, with a tool that writes the state
+/// and a data part.
+#[agent]
+fn keeper() -> String {
+    use_model("scripted/x");
+    use_tool(add);
+    use_tool(divide);
+    let (count, set_count) = use_persistent_state("count", 0u32);
+    let tally = use_data_writer::<Tally>("tally");
+    use_tool(Tool::new("tally").description("Count one more.").run(
+        move |_ctx, arguments: serde_json::Map<String, Value>| {
+            let (set_count, tally) = (set_count.clone(), tally.clone());
+            async move {
+                let note = arguments.get("note").and_then(Value::as_str).unwrap_or("").to_owned();
+                set_count.update(|n| n + 1)?;
+                tally.write(&Tally {
+                    before: count,
+                    note: note.clone(),
+                })?;
+                Ok::<_, ToolError>(format!("counted after {count}: {note}"))
+            }
+        },
+    ));
+    format!("You keep a tally; it stands at {count}.")
+}
+
+/// Texts that make a serializer work: quotes, escapes, markup, non-ASCII, an empty one.
+const TEXTS: [&str; 6] = [
+    "2 + 3?",
+    "say \"hi\"\n\tthen \\stop",
+    "<b>bold</b> & <signal>",
+    "héllo wörld ✓ 日本",
+    "",
+    "emoji 🦀 and\u{7f}control",
+];
+
+fn text() -> impl Strategy<Value = String> {
+    (0..TEXTS.len()).prop_map(|at| TEXTS[at].to_owned())
+}
+
+/// One call of a step: to a tool that answers, fails, or writes state; with arguments the
+/// tool's schema refuses; or to a tool the agent does not have.
+fn call() -> impl Strategy<Value = (String, Value)> {
+    prop_oneof![
+        (-5i64..5, -5i64..5).prop_map(|(a, b)| ("add".to_owned(), json!({"a": a, "b": b}))),
+        (-5i64..5, 0i64..2)
+            .prop_map(|(dividend, divisor)| ("divide".to_owned(), json!({"dividend": dividend, "divisor": divisor}))),
+        text().prop_map(|note| ("tally".to_owned(), json!({"note": note}))),
+        Just(("add".to_owned(), json!({"a": "two"}))),
+        Just(("nope".to_owned(), json!({}))),
+    ]
+}
+
+/// Images a user message may carry (base64 of a PNG's and a GIF's first bytes).
+const IMAGES: [(&str, &str); 2] = [("image/png", "iVBORw0KGgo="), ("image/gif", "R0lGODlhAQABAAAAACw=")];
+
+/// One exchange: the user's message (with an image, or not), the model's steps of calls, its
+/// answer.
+#[derive(Clone, Debug)]
+struct Exchange {
+    message: String,
+    image: Option<usize>,
+    steps: Vec<Vec<(String, Value)>>,
+    answer: String,
+}
+
+fn exchange() -> impl Strategy<Value = Exchange> {
+    (
+        text(),
+        prop::option::weighted(0.25, 0..IMAGES.len()),
+        prop::collection::vec(prop::collection::vec(call(), 1..4), 0..3),
+        text(),
+    )
+        .prop_map(|(message, image, steps, answer)| Exchange {
+            message,
+            image,
+            steps,
+            answer,
+        })
+}
+
+impl Exchange {
+    fn input(&self) -> DeliveredMessage {
+        DeliveredMessage::User(UserMessage {
+            body: self.message.clone(),
+            attachments: self
+                .image
+                .map(|at| Attachment::Image {
+                    data: IMAGES[at].1.into(),
+                    mime_type: IMAGES[at].0.into(),
+                    filename: Some(format!("picture-{at}")),
+                })
+                .into_iter()
+                .collect(),
+        })
+    }
+}
+
+/// The model's script for `exchanges`, in order.
+fn script(exchanges: &[Exchange]) -> ScriptedModel {
+    let model = ScriptedModel::new([]);
+    for exchange in exchanges {
+        for step in &exchange.steps {
+            model.push(ScriptedReply::tool_calls(step.iter().cloned()));
+        }
+        model.push(ScriptedReply::text(exchange.answer.clone()));
+    }
+    model
+}
+
+/// What a run shows: every request the model was sent, and each reply's text, data and
+/// metadata (submission ids are generated, so not compared).
+type Seen = (Vec<ModelRequest>, Vec<(String, Value, Value)>);
+
+fn seen(model: &ScriptedModel, replies: Vec<AgentReply>) -> Seen {
+    let replies = replies
+        .into_iter()
+        .map(|reply| (reply.text, json!(reply.data), json!(reply.metadata)))
+        .collect();
+    (model.requests(), replies)
+}
+
+/// The exchanges on one runtime over `store`, its conversation cache kept throughout.
+async fn kept(store: impl flue_runtime::store::Store, exchanges: &[Exchange]) -> Seen {
+    let model = script(exchanges);
+    let runtime = harness::runtime_on(store, &model, [keeper.into()]);
+    let handle = runtime.init(&keeper, "k");
+    let mut replies = Vec::new();
+    for exchange in exchanges {
+        replies.push(handle.send(exchange.input()).await.unwrap());
+    }
+    // The sender's reply (built from what its task committed) is the one read back.
+    for reply in &replies {
+        assert_eq!(&handle.read(&reply.submission_id).await.unwrap(), reply);
+    }
+    seen(&model, replies)
+}
+
+/// The exchanges on SQLite, each on a fresh runtime that opens the file again.
+async fn refolded(exchanges: &[Exchange]) -> Seen {
+    let path = scratch::dir("fold").join("flue.db");
+    let model = script(exchanges);
+    let mut replies = Vec::new();
+    for exchange in exchanges {
+        let runtime = harness::runtime_on(SqliteStore::open(&path).unwrap(), &model, [keeper.into()]);
+        replies.push(runtime.init(&keeper, "k").send(exchange.input()).await.unwrap());
+        runtime.shutdown();
+    }
+    seen(&model, replies)
+}
+
+/// Fails naming the first request (or reply) `seen` differs in from the memory store's.
+fn alike(way: &str, seen: &Seen, memory: &Seen) -> Result<(), TestCaseError> {
+    prop_assert_eq!(seen.0.len(), memory.0.len(), "{}: not as many model calls", way);
+    for (at, (theirs, ours)) in seen.0.iter().zip(&memory.0).enumerate() {
+        if theirs != ours {
+            let what = if (&theirs.system, &theirs.messages) == (&ours.system, &ours.messages) {
+                "its tools or settings"
+            } else {
+                "its system prompt or messages"
+            };
+            return Err(TestCaseError::fail(format!(
+                "{way}: request {at} differs in {what} from the memory store's.\n\
+                 memory store: {:?}\n{:#?}\n{way}: {:?}\n{:#?}",
+                ours.system, ours.messages, theirs.system, theirs.messages
+            )));
+        }
+    }
+    prop_assert_eq!(&seen.1, &memory.1, "{}: the replies differ", way);
+    Ok(())
+}
+
+#[test]
+fn a_conversation_read_back_from_its_stream_sends_the_model_what_the_kept_one_sends() {
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut runner = TestRunner::new(Config {
+        cases: 64,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let result = runner.run(&prop::collection::vec(exchange(), 1..5), |exchanges| {
+        tokio.block_on(async {
+            let memory = kept(MemoryStore::new(), &exchanges).await;
+            let sqlite = kept(
+                SqliteStore::open(scratch::dir("kept").join("flue.db")).unwrap(),
+                &exchanges,
+            )
+            .await;
+            alike("SQLite, its conversation cached", &sqlite, &memory)?;
+            alike(
+                "SQLite, folded again each exchange",
+                &refolded(&exchanges).await,
+                &memory,
+            )
+        })
+    });
+    if let Err(error) = result {
+        match error {
+            proptest::test_runner::TestError::Fail(reason, exchanges) => {
+                panic!("{reason}\nthe shortest conversation found that shows it:\n{exchanges:#?}")
+            }
+            abort => panic!("{abort}"),
+        }
+    }
+}
