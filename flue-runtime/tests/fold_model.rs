@@ -1,22 +1,25 @@
 //! A conversation read back from its stream is the conversation the runtime kept in memory.
 //!
-//! Random conversations (user messages, some with an image, steps of parallel tool calls that succeed, fail, are
-//! refused for invalid arguments or name no tool, persistent state and data parts written by a
-//! tool, final answers) run three ways: on the memory store, on SQLite with the runtime's
-//! conversation cache kept, and on SQLite with a fresh runtime for every exchange (each folds
-//! the conversation again from the file). The model must be sent the very same requests, and
-//! the sender the same replies, every way: what the records keep, a serialization round trip and
-//! a fold from the stream lose nothing the model or the sender sees.
+//! Random conversations (user messages, some with an image, steps of parallel tool calls that
+//! succeed, fail, are refused for invalid arguments or name no tool, persistent state and data
+//! parts written by a tool, final answers) run on the memory store, and again on SQLite (and on
+//! Postgres when `FLUE_TEST_POSTGRES_URL` names one, as the README's test command does), each
+//! both with the runtime's conversation cache kept and with a fresh runtime for every exchange
+//! (which folds the conversation again from the store). The model must be sent the very same
+//! requests, and the sender the same replies, every way: what the records keep, a serialization
+//! round trip and a fold from the stream lose nothing the model or the sender sees.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod harness;
 mod scratch;
 
+use std::future::Future;
+
 use flue_runtime::AgentReply;
 use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::ModelRequest;
-use flue_runtime::store::{MemoryStore, SqliteStore};
+use flue_runtime::store::{MemoryStore, SqliteStore, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -183,17 +186,34 @@ async fn kept(store: impl flue_runtime::store::Store, exchanges: &[Exchange]) ->
     seen(&model, replies)
 }
 
-/// The exchanges on SQLite, each on a fresh runtime that opens the file again.
-async fn refolded(exchanges: &[Exchange]) -> Seen {
-    let path = scratch::dir("fold").join("flue.db");
+/// The exchanges each on a fresh runtime over the store `open` opens again (the same data).
+async fn refolded<S: Store, F: Future<Output = S>>(open: impl Fn() -> F, exchanges: &[Exchange]) -> Seen {
     let model = script(exchanges);
     let mut replies = Vec::new();
     for exchange in exchanges {
-        let runtime = harness::runtime_on(SqliteStore::open(&path).unwrap(), &model, [keeper.into()]);
+        let runtime = harness::runtime_on(open().await, &model, [keeper.into()]);
         replies.push(runtime.init(&keeper, "k").send(exchange.input()).await.unwrap());
         runtime.shutdown();
     }
     seen(&model, replies)
+}
+
+/// A fresh schema of the test database on Postgres, when one is configured (the README's test
+/// command starts one; under CI there must be one).
+#[cfg(feature = "postgres")]
+fn postgres_schema() -> Option<(String, String)> {
+    let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+    else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "FLUE_TEST_POSTGRES_URL is not set: under CI the Postgres runs must happen (use .ci/test)"
+        );
+        return None;
+    };
+    let schema = format!("flue_fold_{}", ulid::Ulid::new().to_string().to_lowercase());
+    Some((url, schema))
 }
 
 /// Fails naming the first request (or reply) `seen` differs in from the memory store's.
@@ -237,11 +257,31 @@ fn a_conversation_read_back_from_its_stream_sends_the_model_what_the_kept_one_se
             )
             .await;
             alike("SQLite, its conversation cached", &sqlite, &memory)?;
+            let path = scratch::dir("fold").join("flue.db");
+            let open = || async { SqliteStore::open(&path).unwrap() };
             alike(
                 "SQLite, folded again each exchange",
-                &refolded(&exchanges).await,
+                &refolded(open, &exchanges).await,
                 &memory,
-            )
+            )?;
+            #[cfg(feature = "postgres")]
+            if let Some((url, schema)) = postgres_schema() {
+                use flue_runtime::store::PostgresStore;
+                let open = || async { PostgresStore::connect_with_schema(&url, &schema).await.unwrap() };
+                alike(
+                    "Postgres, its conversation cached",
+                    &kept(open().await, &exchanges).await,
+                    &memory,
+                )?;
+                let (url, schema) = (url.clone(), format!("{schema}_again"));
+                let open = || async { PostgresStore::connect_with_schema(&url, &schema).await.unwrap() };
+                alike(
+                    "Postgres, folded again each exchange",
+                    &refolded(open, &exchanges).await,
+                    &memory,
+                )?;
+            }
+            Ok(())
         })
     });
     if let Err(error) = result {
