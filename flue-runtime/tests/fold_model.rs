@@ -6,8 +6,9 @@
 //! Postgres when `FLUE_TEST_POSTGRES_URL` names one, as the README's test command does), each
 //! both with the runtime's conversation cache kept and with a fresh runtime for every exchange
 //! (which folds the conversation again from the store). The model must be sent the very same
-//! requests, and the sender the same replies, every way: what the records keep, a serialization
-//! round trip and a fold from the stream lose nothing the model or the sender sees.
+//! requests, the sender get the same replies and an observer see the same events (ids,
+//! times and durations aside), every way: what the records keep, a serialization round trip
+//! and a fold from the stream lose nothing the model, the sender or an observer sees.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod harness;
@@ -16,6 +17,7 @@ mod scratch;
 use std::future::Future;
 
 use flue_runtime::AgentReply;
+use flue_runtime::events::Observation;
 use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::ModelRequest;
@@ -160,14 +162,58 @@ fn script(exchanges: &[Exchange]) -> ScriptedModel {
 
 /// What a run shows: every request the model was sent, and each reply's text, data and
 /// metadata (submission ids are generated, so not compared).
-type Seen = (Vec<ModelRequest>, Vec<(String, Value, Value)>);
+type Seen = (Vec<ModelRequest>, Vec<(String, Value, Value)>, Vec<Vec<Value>>);
 
-fn seen(model: &ScriptedModel, replies: Vec<AgentReply>) -> Seen {
+fn seen(model: &ScriptedModel, replies: Vec<AgentReply>, events: Vec<Vec<Value>>) -> Seen {
     let replies = replies
         .into_iter()
         .map(|reply| (reply.text, json!(reply.data), json!(reply.metadata)))
         .collect();
-    (model.requests(), replies)
+    (model.requests(), replies, events)
+}
+
+/// The events an exchange was observed to emit, as JSON, without what differs from run to
+/// run: generated ids become `<prefix>#<n>` in order of first appearance (so an event still
+/// names the same message as the one before it), and times, durations and the runtime's
+/// event counter go.
+fn observed(events: &mut tokio::sync::broadcast::Receiver<Observation>) -> Vec<Value> {
+    fn generated(text: &str) -> Option<&str> {
+        let (prefix, tail) = text.rsplit_once('_')?;
+        (tail.len() == 26
+            && tail
+                .bytes()
+                .all(|byte| byte.is_ascii_digit() || byte.is_ascii_uppercase()))
+        .then_some(prefix)
+    }
+    fn normalize(value: &mut Value, ids: &mut Vec<String>) {
+        match value {
+            Value::String(text) => {
+                if let Some(prefix) = generated(text) {
+                    let at = ids.iter().position(|id| id == text).unwrap_or_else(|| {
+                        ids.push(text.clone());
+                        ids.len() - 1
+                    });
+                    *text = format!("{prefix}#{at}");
+                }
+            }
+            Value::Array(values) => values.iter_mut().for_each(|value| normalize(value, ids)),
+            Value::Object(fields) => {
+                for volatile in ["eventIndex", "timestamp", "durationMs", "startedAt", "endedAt"] {
+                    fields.remove(volatile);
+                }
+                fields.values_mut().for_each(|value| normalize(value, ids));
+            }
+            _ => {}
+        }
+    }
+    let mut ids = Vec::new();
+    std::iter::from_fn(|| events.try_recv().ok())
+        .map(|observation| {
+            let mut value = serde_json::to_value(observation).unwrap();
+            normalize(&mut value, &mut ids);
+            value
+        })
+        .collect()
 }
 
 /// The exchanges on one runtime over `store`, its conversation cache kept throughout.
@@ -175,27 +221,31 @@ async fn kept(store: impl flue_runtime::store::Store, exchanges: &[Exchange]) ->
     let model = script(exchanges);
     let runtime = harness::runtime_on(store, &model, [keeper.into()]);
     let handle = runtime.init(&keeper, "k");
-    let mut replies = Vec::new();
+    let mut events = runtime.observe();
+    let (mut replies, mut emitted) = (Vec::new(), Vec::new());
     for exchange in exchanges {
         replies.push(handle.send(exchange.input()).await.unwrap());
+        emitted.push(observed(&mut events));
     }
     // The sender's reply (built from what its task committed) is the one read back.
     for reply in &replies {
         assert_eq!(&handle.read(&reply.submission_id).await.unwrap(), reply);
     }
-    seen(&model, replies)
+    seen(&model, replies, emitted)
 }
 
 /// The exchanges each on a fresh runtime over the store `open` opens again (the same data).
 async fn refolded<S: Store, F: Future<Output = S>>(open: impl Fn() -> F, exchanges: &[Exchange]) -> Seen {
     let model = script(exchanges);
-    let mut replies = Vec::new();
+    let (mut replies, mut emitted) = (Vec::new(), Vec::new());
     for exchange in exchanges {
         let runtime = harness::runtime_on(open().await, &model, [keeper.into()]);
+        let mut events = runtime.observe();
         replies.push(runtime.init(&keeper, "k").send(exchange.input()).await.unwrap());
+        emitted.push(observed(&mut events));
         runtime.shutdown();
     }
-    seen(&model, replies)
+    seen(&model, replies, emitted)
 }
 
 /// A fresh schema of the test database on Postgres, when one is configured (the README's test
@@ -234,6 +284,18 @@ fn alike(way: &str, seen: &Seen, memory: &Seen) -> Result<(), TestCaseError> {
         }
     }
     prop_assert_eq!(&seen.1, &memory.1, "{}: the replies differ", way);
+    for (at, (theirs, ours)) in seen.2.iter().zip(&memory.2).enumerate() {
+        for (index, (their, our)) in theirs.iter().zip(ours).enumerate() {
+            prop_assert_eq!(their, our, "{}: exchange {}'s event {} differs", way, at, index);
+        }
+        prop_assert_eq!(
+            theirs.len(),
+            ours.len(),
+            "{}: exchange {} emitted as many events",
+            way,
+            at
+        );
+    }
     Ok(())
 }
 
