@@ -2,13 +2,14 @@
 //!
 //! Random conversations (user messages, some with an image, steps of parallel tool calls that
 //! succeed, fail, are refused for invalid arguments or name no tool, persistent state and data
-//! parts written by a tool, final answers) run on the memory store, and again on SQLite (and on
-//! Postgres when `FLUE_TEST_POSTGRES_URL` names one, as the README's test command does), each
-//! both with the runtime's conversation cache kept and with a fresh runtime for every exchange
-//! (which folds the conversation again from the store). The model must be sent the very same
-//! requests, the sender get the same replies and an observer see the same events (ids,
-//! times and durations aside), every way: what the records keep, a serialization round trip
-//! and a fold from the stream lose nothing the model, the sender or an observer sees.
+//! parts written by a tool, model calls that fail and are retried, response metadata, final
+//! answers) run on the memory store, and again on SQLite (and on Postgres when
+//! `FLUE_TEST_POSTGRES_URL` names one, as the README's test command does), each both with the
+//! runtime's conversation cache kept and with a fresh runtime for every exchange (which folds
+//! the conversation again from the store). The model must be sent the very same requests, the
+//! sender get the same replies and an observer see the same events (ids, times and durations
+//! aside), every way: what the records keep, a serialization round trip and a fold from the
+//! stream lose nothing the model, the sender or an observer sees.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod harness;
@@ -20,7 +21,7 @@ use flue_runtime::AgentReply;
 use flue_runtime::events::Observation;
 use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
 use flue_runtime::prelude::*;
-use flue_runtime::provider::ModelRequest;
+use flue_runtime::provider::{ModelRequest, ProviderError, ProviderErrorKind};
 use flue_runtime::store::{MemoryStore, SqliteStore, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use proptest::prelude::*;
@@ -73,6 +74,8 @@ fn keeper() -> String {
             }
         },
     ));
+    use_response_start(|_| json!({"channel": "fold"}));
+    use_response_finish(|ctx| json!({"calls": ctx.response.tool_calls.len()}));
     format!("You keep a tally; it stands at {count}.")
 }
 
@@ -107,13 +110,15 @@ fn call() -> impl Strategy<Value = (String, Value)> {
 const IMAGES: [(&str, &str); 2] = [("image/png", "iVBORw0KGgo="), ("image/gif", "R0lGODlhAQABAAAAACw=")];
 
 /// One exchange: the user's message (with an image, or not), the model's steps of calls, its
-/// answer.
+/// answer, and how many times the model call of each step (and of the answer) fails with a
+/// server error before it answers (the runtime retries them).
 #[derive(Clone, Debug)]
 struct Exchange {
     message: String,
     image: Option<usize>,
     steps: Vec<Vec<(String, Value)>>,
     answer: String,
+    failures: Vec<u8>,
 }
 
 fn exchange() -> impl Strategy<Value = Exchange> {
@@ -122,12 +127,14 @@ fn exchange() -> impl Strategy<Value = Exchange> {
         prop::option::weighted(0.25, 0..IMAGES.len()),
         prop::collection::vec(prop::collection::vec(call(), 1..4), 0..3),
         text(),
+        prop::collection::vec(prop_oneof![6 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)], 3),
     )
-        .prop_map(|(message, image, steps, answer)| Exchange {
+        .prop_map(|(message, image, steps, answer, failures)| Exchange {
             message,
             image,
             steps,
             answer,
+            failures,
         })
 }
 
@@ -152,10 +159,20 @@ impl Exchange {
 fn script(exchanges: &[Exchange]) -> ScriptedModel {
     let model = ScriptedModel::new([]);
     for exchange in exchanges {
-        for step in &exchange.steps {
-            model.push(ScriptedReply::tool_calls(step.iter().cloned()));
+        let replies = exchange
+            .steps
+            .iter()
+            .map(|step| ScriptedReply::tool_calls(step.iter().cloned()))
+            .chain([ScriptedReply::text(exchange.answer.clone())]);
+        for (at, reply) in replies.enumerate() {
+            for _ in 0..exchange.failures.get(at).copied().unwrap_or(0) {
+                model.push(ScriptedReply::Error(ProviderError::new(
+                    ProviderErrorKind::Server,
+                    "the model is busy",
+                )));
+            }
+            model.push(reply);
         }
-        model.push(ScriptedReply::text(exchange.answer.clone()));
     }
     model
 }
