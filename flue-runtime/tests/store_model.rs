@@ -1,6 +1,6 @@
 //! The stores told apart by random use: sequences of ledger and stream operations (admissions,
 //! claims, joins, settlements, requeues, aborts, lease renewals and takeovers, appends under a
-//! fence) are made on the memory store and on SQLite (and on Postgres when
+//! fence, user values set, read and listed by prefix) are made on the memory store and on SQLite (and on Postgres when
 //! `FLUE_TEST_POSTGRES_URL` names one, as the README's test command does), and every answer,
 //! and everything a reader sees afterwards, must be the same on each. The contract suite checks chosen cases; this finds the
 //! orders of operations nobody wrote down, where one store's ledger drifts from another's.
@@ -11,6 +11,7 @@ mod scratch;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use flue_runtime::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use flue_runtime::message::DeliveredMessage;
 use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
 use flue_runtime::store::{
@@ -88,7 +89,31 @@ enum Op {
     AbortsRequested {
         submissions: Vec<u8>,
     },
+    /// Sets (or deletes) a user's value.
+    SetUserValue {
+        user: u8,
+        key: usize,
+        value: Option<i64>,
+    },
+    /// Reads a user's value.
+    UserValue {
+        user: u8,
+        key: usize,
+    },
+    /// Lists a user's values under a prefix, paged.
+    ListUserValues {
+        user: u8,
+        prefix: usize,
+        limit: Option<usize>,
+        offset: usize,
+    },
 }
+
+/// User-value keys that tell orderings and prefix matches apart: `_` and `%` (wildcards to
+/// `LIKE`), case, non-ASCII, a backslash.
+const USER_KEYS: [&str; 9] = ["a", "ab", "a_b", "aXb", "a%", "A", "é", "a\\b", "b"];
+/// Prefixes the listings ask for.
+const PREFIXES: [&str; 6] = ["", "a", "a_", "a%", "A", "é"];
 
 fn op() -> impl Strategy<Value = Op> {
     let instance = 0..INSTANCES.len();
@@ -119,6 +144,17 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (submission.clone(), prop::bool::weighted(0.2))
             .prop_map(|(submission, stale)| Op::Reclaim { submission, stale }),
         1 => prop::collection::vec(submission, 0..3).prop_map(|submissions| Op::AbortsRequested { submissions }),
+        2 => (0..2u8, 0..USER_KEYS.len(), prop::option::weighted(0.8, -3i64..3))
+            .prop_map(|(user, key, value)| Op::SetUserValue { user, key, value }),
+        1 => (0..2u8, 0..USER_KEYS.len()).prop_map(|(user, key)| Op::UserValue { user, key }),
+        2 => (0..2u8, 0..PREFIXES.len(), prop::option::of(0..4usize), 0..3usize).prop_map(
+            |(user, prefix, limit, offset)| Op::ListUserValues {
+                user,
+                prefix,
+                limit,
+                offset
+            }
+        ),
     ]
 }
 
@@ -148,6 +184,9 @@ enum Answer {
     Rows(Vec<Row>),
     Renewed(u64),
     Ids(Vec<String>),
+    Done,
+    UserValue(Option<UserValue>),
+    UserValues(UserValuePage),
     Flag(bool),
     Count(usize),
     Offset(u64),
@@ -429,6 +468,37 @@ impl Driven {
                     Err(error) => refused(error),
                 }
             }
+            &Op::SetUserValue { user, key, value } => answer(
+                self.store
+                    .set_user_value(
+                        &format!("user-{user}"),
+                        USER_KEYS[key],
+                        value.map(serde_json::Value::from),
+                        step as i64,
+                    )
+                    .await,
+                |()| Answer::Done,
+            ),
+            &Op::UserValue { user, key } => answer(
+                self.store.user_value(&format!("user-{user}"), USER_KEYS[key]).await,
+                Answer::UserValue,
+            ),
+            &Op::ListUserValues {
+                user,
+                prefix,
+                limit,
+                offset,
+            } => {
+                let query = UserValuesQuery {
+                    prefix: PREFIXES[prefix].to_owned(),
+                    limit,
+                    offset,
+                };
+                answer(
+                    self.store.list_user_values(&format!("user-{user}"), &query).await,
+                    Answer::UserValues,
+                )
+            }
             Op::AbortsRequested { submissions } => {
                 let attempts: Vec<String> = submissions
                     .iter()
@@ -443,7 +513,7 @@ impl Driven {
     }
 
     /// Everything a reader can see once the case ends: each submission's row, each
-    /// instance's queue flag and stream.
+    /// instance's queue flag and stream, each user's values.
     async fn observed(&self) -> Vec<String> {
         let mut seen = Vec::new();
         for submission in 0..SUBMISSIONS {
@@ -456,6 +526,14 @@ impl Driven {
             let batches = self.store.read(&key, None).await.unwrap();
             let last = self.store.last_offset(&key).await.unwrap();
             seen.push(format!("{key}: queued {queued}, last {last:?}, {:?}", stream(&batches)));
+        }
+        for user in 0..2 {
+            let all = self
+                .store
+                .list_user_values(&format!("user-{user}"), &UserValuesQuery::default())
+                .await
+                .unwrap();
+            seen.push(format!("user-{user}: {all:?}"));
         }
         let mut with_queued = self.store.instances_with_queued().await.unwrap();
         with_queued.sort();
