@@ -2,8 +2,8 @@
 //!
 //! Random conversations (user messages, some with an image, steps of parallel tool calls that
 //! succeed, fail, are refused for invalid arguments or name no tool, persistent state and data
-//! parts written by a tool, model calls that fail and are retried, response metadata, final
-//! answers) run on the memory store, and again on SQLite (and on Postgres when
+//! parts written by a tool, `task` children, model calls that fail and are retried, response
+//! metadata, final answers) run on the memory store, and again on SQLite (and on Postgres when
 //! `FLUE_TEST_POSTGRES_URL` names one, as the README's test command does), each both with the
 //! runtime's conversation cache kept and with a fresh runtime for every exchange (which folds
 //! the conversation again from the store). The model must be sent the very same requests, the
@@ -51,6 +51,11 @@ struct Tally {
     note: String,
 }
 
+/// The `task` child: it answers at once.
+fn helper(_: AgentProps<'_>) -> &'static str {
+    "You help with one thing."
+}
+
 /// An agent whose instruction reads its persistent state, with a tool that writes the state
 /// and a data part.
 #[agent]
@@ -73,6 +78,11 @@ fn keeper() -> String {
                 Ok::<_, ToolError>(format!("counted after {count}: {note}"))
             }
         },
+    ));
+    use_subagent(Subagent::new(
+        "helper",
+        "Helps with one thing; say what in the prompt.",
+        FnAgent::new(AgentDefinition::new("helper"), helper),
     ));
     use_response_start(|_| json!({"channel": "fold"}));
     use_response_finish(|ctx| json!({"calls": ctx.response.tool_calls.len()}));
@@ -103,7 +113,37 @@ fn call() -> impl Strategy<Value = (String, Value)> {
         text().prop_map(|note| ("tally".to_owned(), json!({"note": note}))),
         Just(("add".to_owned(), json!({"a": "two"}))),
         Just(("nope".to_owned(), json!({}))),
+        text().prop_map(|prompt| ("task".to_owned(), json!({"agent": "helper", "prompt": prompt}))),
     ]
+}
+
+/// The prompt of a `task` call that starts a child (one with an empty prompt is refused for
+/// its arguments).
+fn delegated(call: &(String, Value)) -> Option<&str> {
+    let prompt = call.1["prompt"].as_str()?;
+    (call.0 == "task" && !prompt.is_empty()).then_some(prompt)
+}
+
+/// What the child answers to `prompt`.
+fn helped(prompt: &str) -> String {
+    format!("helped with {prompt}")
+}
+
+/// A step of calls with at most one child started (children of one step run concurrently, so
+/// the order they took the model's next replies in would be theirs to race for).
+fn step() -> impl Strategy<Value = Vec<(String, Value)>> {
+    prop::collection::vec(call(), 1..4).prop_map(|mut calls| {
+        let mut children = 0;
+        for call in &mut calls {
+            if delegated(call).is_some() {
+                children += 1;
+                if children > 1 {
+                    *call = ("add".to_owned(), json!({"a": 1, "b": 1}));
+                }
+            }
+        }
+        calls
+    })
 }
 
 /// Images a user message may carry (base64 of a PNG's and a GIF's first bytes).
@@ -125,7 +165,7 @@ fn exchange() -> impl Strategy<Value = Exchange> {
     (
         text(),
         prop::option::weighted(0.25, 0..IMAGES.len()),
-        prop::collection::vec(prop::collection::vec(call(), 1..4), 0..3),
+        prop::collection::vec(step(), 0..3),
         text(),
         prop::collection::vec(prop_oneof![6 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)], 3),
     )
@@ -159,12 +199,20 @@ impl Exchange {
 fn script(exchanges: &[Exchange]) -> ScriptedModel {
     let model = ScriptedModel::new([]);
     for exchange in exchanges {
+        // Each step's reply, then its child's answer (the child calls the model while the
+        // step's calls run).
         let replies = exchange
             .steps
             .iter()
-            .map(|step| ScriptedReply::tool_calls(step.iter().cloned()))
-            .chain([ScriptedReply::text(exchange.answer.clone())]);
-        for (at, reply) in replies.enumerate() {
+            .map(|step| {
+                let child = step
+                    .iter()
+                    .find_map(delegated)
+                    .map(|prompt| ScriptedReply::text(helped(prompt)));
+                (ScriptedReply::tool_calls(step.iter().cloned()), child)
+            })
+            .chain([(ScriptedReply::text(exchange.answer.clone()), None)]);
+        for (at, (reply, child)) in replies.enumerate() {
             for _ in 0..exchange.failures.get(at).copied().unwrap_or(0) {
                 model.push(ScriptedReply::Error(ProviderError::new(
                     ProviderErrorKind::Server,
@@ -172,6 +220,9 @@ fn script(exchanges: &[Exchange]) -> ScriptedModel {
                 )));
             }
             model.push(reply);
+            if let Some(child) = child {
+                model.push(child);
+            }
         }
     }
     model
@@ -192,7 +243,10 @@ fn seen(model: &ScriptedModel, replies: Vec<AgentReply>, events: Vec<Vec<Value>>
 /// The events an exchange was observed to emit, as JSON, without what differs from run to
 /// run: generated ids become `<prefix>#<n>` in order of first appearance (so an event still
 /// names the same message as the one before it), and times, durations and the runtime's
-/// event counter go.
+/// event counter go. The root session's events come first, then each `task` child's (in the
+/// order the children started): a child runs concurrently with the other calls of its step,
+/// so how its events interleave with theirs is scheduling, not semantics (see [`in_lanes`]
+/// for the calls within a part). Each part numbers its ids on its own.
 fn observed(events: &mut tokio::sync::broadcast::Receiver<Observation>) -> Vec<Value> {
     fn generated(text: &str) -> Option<&str> {
         let (prefix, tail) = text.rsplit_once('_')?;
@@ -223,14 +277,61 @@ fn observed(events: &mut tokio::sync::broadcast::Receiver<Observation>) -> Vec<V
             _ => {}
         }
     }
-    let mut ids = Vec::new();
-    std::iter::from_fn(|| events.try_recv().ok())
-        .map(|observation| {
-            let mut value = serde_json::to_value(observation).unwrap();
-            normalize(&mut value, &mut ids);
-            value
+    let mut parts: Vec<(Option<String>, Vec<Value>)> = vec![(None, Vec::new())];
+    for observation in std::iter::from_fn(|| events.try_recv().ok()) {
+        let task = observation.task_id.clone();
+        let value = serde_json::to_value(observation).unwrap();
+        match parts.iter_mut().find(|(part, _)| *part == task) {
+            Some((_, values)) => values.push(value),
+            None => parts.push((task, vec![value])),
+        }
+    }
+    parts
+        .into_iter()
+        .flat_map(|(_, values)| {
+            let mut ids = Vec::new();
+            let mut values = in_lanes(values);
+            values.iter_mut().for_each(|value| normalize(value, &mut ids));
+            values
         })
         .collect()
+}
+
+/// A part's events with those of each tool call (and each `task`) taken out of the order they
+/// came in and put after the rest, call by call: the calls of a step run concurrently, so
+/// whether one call's end came before another's is scheduling. Each call's own events keep
+/// their order, and so do the others.
+fn in_lanes(values: Vec<Value>) -> Vec<Value> {
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    enum Lane {
+        Main,
+        /// A tool call, by its (scripted, so stable) id.
+        Call(String),
+        /// A task, by the order tasks started in.
+        Task(usize),
+    }
+    let mut tasks: Vec<String> = Vec::new();
+    let mut lanes: Vec<(Lane, Value)> = values
+        .into_iter()
+        .map(|value| {
+            let event = &value["event"];
+            let call = event["toolCallId"]
+                .as_str()
+                .or(event["message"]["tool_call_id"].as_str());
+            let lane = match (call, event["taskId"].as_str()) {
+                (Some(call), _) => Lane::Call(call.to_owned()),
+                (None, Some(task)) => Lane::Task(tasks.iter().position(|seen| seen == task).unwrap_or_else(|| {
+                    tasks.push(task.to_owned());
+                    tasks.len() - 1
+                })),
+                (None, None) => Lane::Main,
+            };
+            (lane, value)
+        })
+        .collect();
+    // Stable: each lane keeps its events' order.
+    lanes.sort_by(|(a, _), (b, _)| a.cmp(b));
+    lanes.into_iter().map(|(_, value)| value).collect()
 }
 
 /// The exchanges on one runtime over `store`, its conversation cache kept throughout.
