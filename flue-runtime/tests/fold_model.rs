@@ -25,7 +25,7 @@ use flue_runtime::provider::{ModelRequest, ProviderError, ProviderErrorKind};
 use flue_runtime::store::{MemoryStore, SqliteStore, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 use serde_json::{Value, json};
 
 /// Add two numbers.
@@ -366,24 +366,6 @@ async fn refolded<S: Store, F: Future<Output = S>>(open: impl Fn() -> F, exchang
     seen(&model, replies, emitted)
 }
 
-/// A fresh schema of the test database on Postgres, when one is configured (the README's test
-/// command starts one; under CI there must be one).
-#[cfg(feature = "postgres")]
-fn postgres_schema() -> Option<(String, String)> {
-    let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
-        .ok()
-        .filter(|url| !url.is_empty())
-    else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "FLUE_TEST_POSTGRES_URL is not set: under CI the Postgres runs must happen (use .ci/test)"
-        );
-        return None;
-    };
-    let schema = format!("flue_fold_{}", ulid::Ulid::new().to_string().to_lowercase());
-    Some((url, schema))
-}
-
 /// Fails naming the first request (or reply) `seen` differs in from the memory store's.
 fn alike(way: &str, seen: &Seen, memory: &Seen) -> Result<(), TestCaseError> {
     prop_assert_eq!(seen.0.len(), memory.0.len(), "{}: not as many model calls", way);
@@ -419,17 +401,11 @@ fn alike(way: &str, seen: &Seen, memory: &Seen) -> Result<(), TestCaseError> {
 
 #[test]
 fn a_conversation_read_back_from_its_stream_sends_the_model_what_the_kept_one_sends() {
-    let tokio = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let mut runner = TestRunner::new(Config {
-        cases: 64,
-        failure_persistence: None,
-        ..Config::default()
-    });
-    let result = runner.run(&prop::collection::vec(exchange(), 1..5), |exchanges| {
-        tokio.block_on(async {
+    harness::check_property(
+        64,
+        &prop::collection::vec(exchange(), 1..5),
+        "conversation",
+        async |exchanges| {
             let memory = kept(MemoryStore::new(), &exchanges).await;
             let sqlite = kept(
                 SqliteStore::open(scratch::dir("kept").join("flue.db")).unwrap(),
@@ -445,8 +421,9 @@ fn a_conversation_read_back_from_its_stream_sends_the_model_what_the_kept_one_se
                 &memory,
             )?;
             #[cfg(feature = "postgres")]
-            if let Some((url, schema)) = postgres_schema() {
+            if let Some(url) = harness::postgres_url("the fold model on Postgres") {
                 use flue_runtime::store::PostgresStore;
+                let schema = harness::fresh_schema("flue_fold");
                 let open = || async { PostgresStore::connect_with_schema(&url, &schema).await.unwrap() };
                 alike(
                     "Postgres, its conversation cached",
@@ -462,14 +439,6 @@ fn a_conversation_read_back_from_its_stream_sends_the_model_what_the_kept_one_se
                 )?;
             }
             Ok(())
-        })
-    });
-    if let Err(error) = result {
-        match error {
-            proptest::test_runner::TestError::Fail(reason, exchanges) => {
-                panic!("{reason}\nthe shortest conversation found that shows it:\n{exchanges:#?}")
-            }
-            abort => panic!("{abort}"),
-        }
-    }
+        },
+    );
 }

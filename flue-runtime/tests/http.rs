@@ -2282,17 +2282,10 @@ async fn sse_readers_joining_at_any_offset_while_the_instance_works_see_exactly_
 #[tokio::test]
 async fn an_sse_reader_on_one_node_sees_batches_another_node_appends() {
     use flue_runtime::store::PostgresStore;
-    let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
-        .ok()
-        .filter(|url| !url.is_empty())
-    else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "under CI the Postgres tests must run (use .ci/test)"
-        );
+    let Some(url) = harness::postgres_url("the two-node SSE test") else {
         return;
     };
-    let schema = format!("flue_test_{}", ulid::Ulid::new().to_string().to_lowercase());
+    let schema = harness::fresh_schema("flue_test");
     let node = |model: &ScriptedModel| {
         let (url, schema, model) = (url.clone(), schema.clone(), model.clone());
         async move {

@@ -21,17 +21,11 @@ use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
 
 fn url() -> Option<String> {
-    let url = std::env::var("FLUE_TEST_POSTGRES_URL")
-        .ok()
-        .filter(|url| !url.is_empty());
-    if url.is_none() {
-        eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping (run .ci/test)");
-    }
-    url
+    harness::postgres_url("the multi-node tests")
 }
 
 fn fresh_schema() -> String {
-    format!("flue_multinode_{}", ulid::Ulid::new().to_string().to_lowercase())
+    harness::fresh_schema("flue_multinode")
 }
 
 fn claim(attempt: &str, owner: &str, lease_ms: u64) -> Claim {

@@ -447,18 +447,8 @@ fn wait_for_line(child: &mut Child, wanted: impl Fn(&str) -> bool) -> String {
 fn scratch(postgres: bool) -> Option<PathBuf> {
     let dir = scratch::dir("recovery");
     if postgres {
-        let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
-            .ok()
-            .filter(|url| !url.is_empty())
-        else {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "FLUE_TEST_POSTGRES_URL is not set: under CI Postgres recovery must run"
-            );
-            eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping a Postgres recovery test (run .ci/test)");
-            return None;
-        };
-        let schema = format!("flue_recovery_{}", ulid::Ulid::new().to_string().to_lowercase());
+        let url = harness::postgres_url("Postgres recovery")?;
+        let schema = harness::fresh_schema("flue_recovery");
         std::fs::write(dir.join("backend"), format!("{url}|{schema}")).unwrap();
     }
     Some(dir)

@@ -14,18 +14,8 @@ use flue_runtime::store::{PostgresStore, Store};
 
 /// A store in a fresh schema, or `None` (outside CI) when no test database is configured.
 async fn fresh_store() -> Option<Arc<dyn Store>> {
-    let Some(url) = std::env::var("FLUE_TEST_POSTGRES_URL")
-        .ok()
-        .filter(|url| !url.is_empty())
-    else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "FLUE_TEST_POSTGRES_URL is not set: under CI the Postgres store tests must run (use .ci/test)"
-        );
-        eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping a Postgres store test (run .ci/test)");
-        return None;
-    };
-    let schema = format!("flue_test_{}", ulid::Ulid::new().to_string().to_lowercase());
+    let url = harness::postgres_url("the Postgres store tests")?;
+    let schema = harness::fresh_schema("flue_test");
     let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
     Some(Arc::new(store) as Arc<dyn Store>)
 }

@@ -254,6 +254,57 @@ macro_rules! delegate_store {
 #[allow(unused_imports)]
 pub(crate) use delegate_store;
 
+/// The test database's URL (`FLUE_TEST_POSTGRES_URL`, which `.ci/test` sets after starting a
+/// throwaway server), or `None` with a note when it is not set. Under CI it must be: a
+/// Postgres test that skipped there would check nothing, so `what` fails instead.
+pub fn postgres_url(what: &str) -> Option<String> {
+    let url = std::env::var("FLUE_TEST_POSTGRES_URL")
+        .ok()
+        .filter(|url| !url.is_empty());
+    if url.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "FLUE_TEST_POSTGRES_URL is not set: under CI {what} must run (use .ci/test)"
+        );
+        eprintln!("note: FLUE_TEST_POSTGRES_URL is not set; skipping {what} (run .ci/test)");
+    }
+    url
+}
+
+/// Runs `test` on `cases` inputs drawn from `strategy`, each in a fresh current-thread tokio
+/// runtime's `block_on`; a failure panics with its reason and the shortest failing input the
+/// shrinking found (`input` names it: "sequence", "conversation"), printed whole.
+pub fn check_property<S, F>(cases: u32, strategy: &S, input: &str, test: impl Fn(S::Value) -> F)
+where
+    S: proptest::strategy::Strategy,
+    S::Value: std::fmt::Debug,
+    F: std::future::Future<Output = Result<(), proptest::test_runner::TestCaseError>>,
+{
+    use proptest::test_runner::{Config, TestError, TestRunner};
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    match runner.run(strategy, |value| tokio.block_on(test(value))) {
+        Ok(()) => {}
+        Err(TestError::Fail(reason, shortest)) => {
+            panic!("{reason}\nthe shortest {input} found that shows it:\n{shortest:#?}")
+        }
+        Err(abort) => panic!("{abort}"),
+    }
+}
+
+/// A schema name no other test uses: `<prefix>_<a fresh ULID>`, lower case (tests run in
+/// parallel, each in schemas of its own).
+pub fn fresh_schema(prefix: &str) -> String {
+    format!("{prefix}_{}", ulid::Ulid::new().to_string().to_lowercase())
+}
+
 /// Waits (at most 10 s) for a spawned `send` that an abort ended, and checks it settled as
 /// aborted.
 pub async fn assert_settles_aborted(
