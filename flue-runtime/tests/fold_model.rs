@@ -57,7 +57,7 @@ fn helper(_: AgentProps<'_>) -> &'static str {
 }
 
 /// An agent whose instruction reads its persistent state, with a tool that writes the state
-/// and a data part.
+/// and a data part, a `task` subagent, and response metadata from its start and finish.
 #[agent]
 fn keeper() -> String {
     use_model("scripted/x");
@@ -104,7 +104,8 @@ fn text() -> impl Strategy<Value = String> {
 }
 
 /// One call of a step: to a tool that answers, fails, or writes state; with arguments the
-/// tool's schema refuses; or to a tool the agent does not have.
+/// tool's schema refuses; to a tool the agent does not have; or to `task`, starting a child
+/// (refused when its prompt is empty).
 fn call() -> impl Strategy<Value = (String, Value)> {
     prop_oneof![
         (-5i64..5, -5i64..5).prop_map(|(a, b)| ("add".to_owned(), json!({"a": a, "b": b}))),
