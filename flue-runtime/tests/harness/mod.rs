@@ -271,9 +271,10 @@ pub fn postgres_url(what: &str) -> Option<String> {
     url
 }
 
-/// Runs `test` on `cases` inputs drawn from `strategy`, each in a fresh current-thread tokio
-/// runtime's `block_on`; a failure panics with its reason and the shortest failing input the
-/// shrinking found (`input` names it: "sequence", "conversation"), printed whole.
+/// Runs `test` on `cases` inputs drawn from `strategy`, each through `block_on` of one
+/// current-thread tokio runtime made for the run; a failure panics with its reason and the
+/// shortest failing input the shrinking found (`input` names it: "sequence",
+/// "conversation"), printed whole.
 pub fn check_property<S, F>(cases: u32, strategy: &S, input: &str, test: impl Fn(S::Value) -> F)
 where
     S: proptest::strategy::Strategy,
