@@ -318,7 +318,14 @@ impl Store for MemoryStore {
         if !inner.owns(host) {
             return ready(Ok(Vec::new()));
         }
-        let Some(key) = inner.submissions.get(&host.submission_id).map(|row| row.key.clone()) else {
+        // A host being aborted takes no more deliveries: one admitted after the abort was
+        // requested is not part of what the abort ends.
+        let Some(key) = inner
+            .submissions
+            .get(&host.submission_id)
+            .filter(|row| !row.abort_requested)
+            .map(|row| row.key.clone())
+        else {
             return ready(Ok(Vec::new()));
         };
         let queued: Vec<String> = inner

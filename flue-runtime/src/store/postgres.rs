@@ -179,6 +179,10 @@ const LOCK_INSTANCE_OF: &str = "SELECT i.agent, i.instance_id FROM flue_submissi
      JOIN flue_instances i ON i.agent = s.agent AND i.instance_id = s.instance_id \
      WHERE s.id = $1 FOR NO KEY UPDATE OF i";
 const OWNS: &str = "SELECT 1 FROM flue_submissions WHERE id = $1 AND status = 'running' AND attempt_id = $2";
+/// [`OWNS`], and no abort of the attempt's submission requested (a host being aborted takes no
+/// more deliveries: one admitted after the abort was requested is not part of what it ends).
+const OWNS_UNABORTED: &str = "SELECT 1 FROM flue_submissions \
+     WHERE id = $1 AND status = 'running' AND attempt_id = $2 AND NOT abort_requested";
 /// The attempt's submission's instance, when the attempt runs it (the row held until commit).
 const OWNS_SHARED: &str = "SELECT agent, instance_id FROM flue_submissions \
      WHERE id = $1 AND status = 'running' AND attempt_id = $2 FOR SHARE";
@@ -216,7 +220,8 @@ const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
 const LAST_BATCH: &str = "SELECT MAX(batch_offset) FROM flue_batches WHERE agent = $1 AND instance_id = $2";
 /// Whether the host submission's instance has queued work (one round trip, no locks).
 const JOINABLE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h \
-     ON h.id = $1 AND s.agent = h.agent AND s.instance_id = h.instance_id WHERE s.status = 'queued')";
+     ON h.id = $1 AND NOT h.abort_requested AND s.agent = h.agent AND s.instance_id = h.instance_id \
+     WHERE s.status = 'queued')";
 const HAS_QUEUED: &str =
     "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = $1 AND instance_id = $2 AND status = 'queued')";
 const HEAD: &str = "SELECT id, status FROM flue_submissions \
@@ -1253,7 +1258,7 @@ async fn claim_joinable_tx(tx: &Transaction<'_>, host: &AttemptRef) -> Result<Ve
     let Some(key) = lock_instance_of(tx, &host.submission_id).await? else {
         return Ok(Vec::new());
     };
-    if !owns(tx, host, OWNS).await? {
+    if !owns(tx, host, OWNS_UNABORTED).await? {
         return Ok(Vec::new());
     }
     let statement = tx.prepare_cached(QUEUED).await?;

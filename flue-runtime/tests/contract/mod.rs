@@ -71,6 +71,7 @@ macro_rules! store_contract {
                     claims_nothing_for_a_stale_attempt_or_a_host_that_is_not_running,
                     claims_direct_deliveries_alongside_dispatches,
                     stops_the_prefix_at_an_abort_requested_delivery,
+                    claims_nothing_into_a_host_whose_abort_was_requested,
                     finalizes_a_claimed_join_once_and_fences_on_the_host_attempt,
                     a_taken_over_host_reverts_the_joins_its_dead_attempt_never_applied,
                     joined_deliveries_settle_with_a_completing_host_and_joining_stragglers_revert,
@@ -1311,6 +1312,26 @@ pub async fn stops_the_prefix_at_an_abort_requested_delivery(store: Factory) {
         "queued-1 is abort-flagged: the prefix stops there"
     );
     assert_eq!(row(&store, "queued-2").await.status, SubmissionStatus::Queued);
+}
+
+/// A delivery admitted after an abort of its instance was requested is not part of what the
+/// abort ends: the aborted host claims nothing more, and the delivery runs on its own after.
+pub async fn claims_nothing_into_a_host_whose_abort_was_requested(store: Factory) {
+    let host = running_host(&store).await;
+    assert_eq!(
+        store.request_abort(&key("assistant", "agent-1")).await.unwrap(),
+        ["host-1"]
+    );
+    admit(&store, dispatch("queued-1")).await;
+    assert!(
+        store.claim_joinable(&host).await.unwrap().is_empty(),
+        "the host is being aborted: it joins nothing"
+    );
+    let queued = row(&store, "queued-1").await;
+    assert_eq!(
+        (queued.status, queued.abort_requested),
+        (SubmissionStatus::Queued, false)
+    );
 }
 
 pub async fn finalizes_a_claimed_join_once_and_fences_on_the_host_attempt(store: Factory) {

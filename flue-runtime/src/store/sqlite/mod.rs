@@ -1367,7 +1367,9 @@ impl Store for SqliteStore {
             Err(error) => return ready(Err(error)),
         }
         ready(self.transaction(|tx| {
-            let Some(key) = owner_of(tx, host) else {
+            // A host being aborted takes no more deliveries: one admitted after the abort was
+            // requested is not part of what the abort ends.
+            let Some(key) = owns(tx, host)?.filter(|row| !row.abort_requested).map(|row| row.key) else {
                 return Ok(Vec::new());
             };
             let mut claimed = Vec::new();
