@@ -1,0 +1,972 @@
+//! A crash at any point of a conversation loses no accepted input, redoes no durable work,
+//! and leaves nothing half done.
+//!
+//! Random conversations run on a runtime whose store stops answering at a random one of its
+//! writes, made or not made: what is durable then is what a process killed at that moment
+//! leaves. The conversations have user messages sent one after the other or while earlier ones
+//! run (joining their response or queueing behind it), aborts requested meanwhile, and steps
+//! of parallel tool calls that succeed, fail, are refused for their arguments or name no tool,
+//! write persistent state, charge through a durable tool's step, or start a `task` child. The
+//! runtime is then dropped with everything it held in memory, and a fresh one starts on the
+//! same data: it takes the interrupted work over (its lease has lapsed), and sends the messages
+//! the last one never got to (the one in flight again, under the same idempotency key). That
+//! one may die too (up to three deaths), and a last one finishes. This runs on the memory
+//! store, on SQLite (reopened from its file) and, when `FLUE_TEST_POSTGRES_URL` names one (as
+//! under the README's test command), on Postgres. Then, whatever the crash points:
+//!
+//! - every message is in the stream once, in order (one aborted before it started is not), and
+//!   each got its answer (or a later message's that joined its response, or ended aborted
+//!   where an abort was requested while it ran);
+//! - every submission settled exactly once;
+//! - no model step was made twice once it was durable, each exchange made a prefix of its
+//!   script's steps (all of them unless a later message joined or an abort came), and every
+//!   call of every step has exactly one outcome;
+//! - no tool ran twice; a call whose outcome is not the outcome-unknown repair ran exactly once
+//!   (when its tool and arguments were valid); a durable call always has its real result and
+//!   one settled record of its step, whose work ran once, and again only after a death that
+//!   came between the work and that record;
+//! - the persistent state counts exactly the state-writing calls whose outcome committed (an
+//!   interrupted call's write is absent);
+//! - what was durable when a runtime died is still there, unchanged, at the head of the stream.
+//!
+//! The model answers from the conversation it is sent (which exchange, which step), not from a
+//! queue of replies, so a step redone after the crash gets the answer the first attempt got.
+#![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+mod harness;
+mod scratch;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flue_runtime::prelude::*;
+use flue_runtime::provider::{
+    ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderRegistry, StopReason,
+    StreamEvent,
+};
+use flue_runtime::record::{Outcome, Record, RecordBody};
+use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore, Store, StoreError};
+use flue_runtime::{Runtime, RuntimeOptions, SendRequest};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+use serde_json::{Value, json};
+
+/// How many times each tool call id ran (the tools count themselves).
+static RUNS: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
+
+fn ran(ctx: &ToolContext) {
+    *RUNS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(ctx.tool_call_id().to_owned())
+        .or_default() += 1;
+}
+
+fn runs() -> BTreeMap<String, usize> {
+    RUNS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// How many times the step of each `charge` call ran its work (the tool itself may run again
+/// after an interruption: it is durable).
+static CHARGES: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
+
+fn forget_runs() {
+    RUNS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+struct Pair {
+    a: i64,
+    b: i64,
+}
+
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+struct Note {
+    note: String,
+}
+
+/// The `task` child: it answers at once.
+fn helper(_: AgentProps<'_>) -> &'static str {
+    "You help with one thing."
+}
+
+/// An agent whose instruction shows its persistent state, with tools that answer, fail, and
+/// write the state, and a `task` subagent.
+#[agent]
+fn keeper() -> String {
+    use_model("played/x");
+    use_tool(
+        Tool::new("add")
+            .description("Add two numbers.")
+            .run(|ctx, Pair { a, b }| async move {
+                ran(&ctx);
+                Ok::<_, ToolError>((a + b).to_string())
+            }),
+    );
+    use_tool(
+        Tool::new("divide")
+            .description("Divide a by b.")
+            .run(|ctx, Pair { a, b }| async move {
+                ran(&ctx);
+                a.checked_div(b)
+                    .map(|quotient| quotient.to_string())
+                    .ok_or_else(|| ToolError::new(format!("cannot divide {a} by {b}")))
+            }),
+    );
+    let (count, set_count) = use_persistent_state("count", 0u32);
+    use_tool(
+        Tool::new("tally")
+            .description("Count one more.")
+            .run(move |ctx, Note { note }| {
+                let set_count = set_count.clone();
+                async move {
+                    ran(&ctx);
+                    set_count.update(|n| n + 1)?;
+                    Ok::<_, ToolError>(format!("counted: {note}"))
+                }
+            }),
+    );
+    use_tool(
+        Tool::new("charge")
+            .description("Charge once.")
+            .durable()
+            .run(|ctx, Note { note }| async move {
+                let receipt: String = ctx
+                    .step("issue", async {
+                        *CHARGES
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .entry(ctx.tool_call_id().to_owned())
+                            .or_default() += 1;
+                        format!("receipt {note}")
+                    })
+                    .await?;
+                Ok::<_, ToolError>(format!("charged: {receipt}"))
+            }),
+    );
+    use_subagent(Subagent::new(
+        "helper",
+        "Helps with one thing; say what in the prompt.",
+        FnAgent::new(AgentDefinition::new("helper"), helper),
+    ));
+    format!("You keep a tally; it stands at {count}.")
+}
+
+/// One call of a step: to a tool that answers, fails, or writes state; with arguments the
+/// tool's schema refuses; to a tool the agent does not have; or to `task`.
+fn call() -> impl Strategy<Value = (String, Value)> {
+    prop_oneof![
+        1 => (-5i64..5, -5i64..5).prop_map(|(a, b)| ("add".to_owned(), json!({"a": a, "b": b}))),
+        1 => (-5i64..5, 0i64..2).prop_map(|(a, b)| ("divide".to_owned(), json!({"a": a, "b": b}))),
+        2 => (0u8..10).prop_map(|n| ("tally".to_owned(), json!({"note": format!("n{n}")}))),
+        1 => (0u8..10).prop_map(|n| ("charge".to_owned(), json!({"note": format!("n{n}")}))),
+        1 => Just(("add".to_owned(), json!({"a": "two"}))),
+        1 => Just(("nope".to_owned(), json!({}))),
+        1 => (0u8..10).prop_map(|n| ("task".to_owned(), json!({"agent": "helper", "prompt": format!("job {n}")}))),
+    ]
+}
+
+/// One exchange: the model's steps of calls and its answer to the user's message, which is
+/// sent once the exchanges before it settled, or (`overlap`) while they run: it then joins
+/// their response at its next turn boundary (and the model goes on with this exchange's
+/// script there), or waits its turn. With `abort`, an abort of the instance is requested once
+/// it is admitted: it and the exchanges before it that have not settled then end aborted.
+#[derive(Clone, Debug)]
+struct Exchange {
+    steps: Vec<Vec<(String, Value)>>,
+    answer: String,
+    overlap: bool,
+    abort: bool,
+}
+
+/// Whether exchange `n` may have been aborted: an abort was requested once it, or a later
+/// exchange sent while it ran (every one between overlapping), was admitted.
+fn may_abort(exchanges: &[Exchange], n: usize) -> bool {
+    exchanges[n].abort
+        || exchanges[n + 1..]
+            .iter()
+            .take_while(|exchange| exchange.overlap)
+            .any(|exchange| exchange.abort)
+}
+
+fn exchange() -> impl Strategy<Value = Exchange> {
+    (
+        prop::collection::vec(prop::collection::vec(call(), 1..4), 0..3),
+        0u8..100,
+        prop::bool::weighted(0.3),
+        prop::bool::weighted(0.15),
+    )
+        .prop_map(|(steps, answer, overlap, abort)| Exchange {
+            steps,
+            answer: format!("answer {answer}"),
+            overlap,
+            abort,
+        })
+}
+
+/// The message of exchange `n`: the model finds its place in the script by it.
+fn message(n: usize) -> String {
+    format!("#{n} go on")
+}
+
+/// Which exchange a user message starts, if it is one of [`message`]'s.
+fn exchange_of(text: &str) -> Option<usize> {
+    text.strip_prefix('#')?.split_once(' ')?.0.parse().ok()
+}
+
+/// The model: answers from the request alone. A `task` child gets `done: <prompt>`; the
+/// keeper, in the exchange its latest user message starts, the calls of the first step it has
+/// not made yet (with ids made of the exchange and step), then the answer.
+#[derive(Clone)]
+struct Played {
+    exchanges: Arc<Vec<Exchange>>,
+    /// The keeper's latest system prompt.
+    system: Arc<Mutex<String>>,
+}
+
+impl ModelProvider for Played {
+    fn id(&self) -> &str {
+        "played"
+    }
+
+    fn stream(&self, request: &ModelRequest) -> ModelStream {
+        let system = request.system.clone().unwrap_or_default();
+        let mut users = request
+            .messages
+            .iter()
+            .enumerate()
+            .filter_map(|(at, message)| match message {
+                ModelMessage::User { content, .. } => Some((at, content.as_str())),
+                _ => None,
+            });
+        let response = if system.contains("You help with one thing.") {
+            let prompt = users.next_back().map(|(_, content)| content).unwrap_or_default();
+            text(format!("done: {prompt}"))
+        } else {
+            *self.system.lock().unwrap() = system;
+            let (start, n) = users
+                .rev()
+                .find_map(|(at, content)| Some((at, exchange_of(content)?)))
+                .expect("the keeper's request has an exchange's message");
+            let step = request.messages[start..]
+                .iter()
+                .filter(
+                    |message| matches!(message, ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty()),
+                )
+                .count();
+            let exchange = &self.exchanges[n];
+            match exchange.steps.get(step) {
+                Some(calls) => calls_of(n, step, calls),
+                None => text(exchange.answer.clone()),
+            }
+        };
+        let mut events = Vec::new();
+        for (index, call) in response.tool_calls.iter().enumerate() {
+            events.push(Ok(StreamEvent::ToolCallStarted {
+                index,
+                id: call.id.clone(),
+                name: call.name.clone(),
+            }));
+            events.push(Ok(StreamEvent::ToolCallArguments {
+                index,
+                delta: call.arguments.clone(),
+            }));
+        }
+        if !response.text.is_empty() {
+            events.push(Ok(StreamEvent::TextDelta(response.text.clone())));
+        }
+        events.push(Ok(StreamEvent::Completed(response)));
+        Box::pin(futures_util::stream::iter(events))
+    }
+}
+
+fn text(text: String) -> ModelResponse {
+    ModelResponse {
+        text,
+        reasoning: String::new(),
+        reasoning_blocks: Vec::new(),
+        tool_calls: Vec::new(),
+        stop_reason: StopReason::Stop,
+        usage: Default::default(),
+    }
+}
+
+/// The id of call `index` of step `step` of exchange `n`.
+fn call_id(n: usize, step: usize, index: usize) -> String {
+    format!("c{n}_{step}_{index}")
+}
+
+fn calls_of(n: usize, step: usize, calls: &[(String, Value)]) -> ModelResponse {
+    ModelResponse {
+        tool_calls: calls
+            .iter()
+            .enumerate()
+            .map(|(index, (name, arguments))| ModelToolCall {
+                id: call_id(n, step, index),
+                name: name.clone(),
+                arguments: arguments.to_string(),
+            })
+            .collect(),
+        stop_reason: StopReason::ToolUse,
+        ..text(String::new())
+    }
+}
+
+/// Where the store stops answering: at its `at`-th write (0-based), which is made first when
+/// `made` (then its answer is lost), or not at all. (A crash at a read leaves what a crash at
+/// the next write, not made, leaves: all the first life held in memory goes either way.)
+#[derive(Clone, Copy, Debug)]
+struct Crash {
+    at: usize,
+    made: bool,
+}
+
+/// A store that counts its writes and, from the crash point on, never answers a call again:
+/// the process "died" there (`frozen` turns true then). With `later`, it also reads leases
+/// as that much later than they are: the second life finds the first's expired at once.
+struct Dying {
+    inner: Arc<dyn Store>,
+    writes: Arc<AtomicUsize>,
+    crash: Option<Crash>,
+    frozen: tokio::sync::watch::Sender<bool>,
+    later: u64,
+}
+
+enum Gate {
+    Pass,
+    Dead,
+    /// Made, then dead.
+    Last,
+}
+
+impl Dying {
+    fn new(inner: Arc<dyn Store>, crash: Option<Crash>) -> Self {
+        Self {
+            inner,
+            writes: Arc::default(),
+            crash,
+            frozen: tokio::sync::watch::Sender::new(false),
+            later: 0,
+        }
+    }
+
+    fn gate(&self, write: bool) -> Gate {
+        if *self.frozen.borrow() {
+            return Gate::Dead;
+        }
+        if !write {
+            return Gate::Pass;
+        }
+        let at = self.writes.fetch_add(1, Ordering::SeqCst);
+        match self.crash {
+            Some(crash) if at == crash.at => {
+                self.frozen.send_replace(true);
+                if crash.made { Gate::Last } else { Gate::Dead }
+            }
+            _ => Gate::Pass,
+        }
+    }
+}
+
+/// Each listed method (a `read` or a `write`) through [`Dying::gate`]: made and answered,
+/// never made, or made with its answer lost.
+macro_rules! gated {
+    ($( $kind:ident fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $out:ty; )+) => {
+        $(
+            fn $name(&self $(, $arg: $ty)*) -> flue_runtime::BoxFuture<'_, Result<$out, StoreError>> {
+                match self.gate(stringify!($kind) == "write") {
+                    Gate::Pass => self.inner.$name($($arg),*),
+                    Gate::Dead => Box::pin(std::future::pending()),
+                    Gate::Last => {
+                        let call = self.inner.$name($($arg),*);
+                        Box::pin(async move {
+                            let _lost = call.await;
+                            std::future::pending().await
+                        })
+                    }
+                }
+            }
+        )+
+    };
+}
+
+impl Store for Dying {
+    gated! {
+        write fn admit(&self, a: flue_runtime::store::Admission) -> flue_runtime::store::Admitted;
+        read fn instance(&self, k: &InstanceKey) -> Option<flue_runtime::store::InstanceInfo>;
+        read fn submission(&self, id: &str) -> Option<flue_runtime::store::Submission>;
+        read fn has_queued(&self, k: &InstanceKey) -> bool;
+        write fn claim_next(&self, k: &InstanceKey, c: &flue_runtime::store::Claim) -> Option<flue_runtime::store::Submission>;
+        write fn renew_leases(&self, o: &str, a: &[String], l: u64) -> u64;
+        read fn aborts_requested(&self, a: &[String]) -> Vec<String>;
+        read fn instances_with_queued(&self) -> Vec<InstanceKey>;
+        write fn claim_joinable(&self, h: &flue_runtime::store::AttemptRef) -> Vec<flue_runtime::store::Submission>;
+        write fn finalize_join(&self, h: &flue_runtime::store::AttemptRef, id: &str) -> bool;
+        write fn revert_joins(&self, h: &flue_runtime::store::AttemptRef) -> usize;
+        write fn settle(
+            &self,
+            h: &flue_runtime::store::AttemptRef,
+            o: Outcome,
+            e: Option<flue_runtime::record::SettlementError>,
+            r: Vec<Record>
+        ) -> bool;
+        write fn requeue(&self, a: &flue_runtime::store::AttemptRef) -> bool;
+        write fn request_abort(&self, k: &InstanceKey) -> Vec<String>;
+        write fn append(&self, k: &InstanceKey, r: Arc<[Record]>, a: Option<&flue_runtime::store::AttemptRef>) -> u64;
+        write fn create_child(
+            &self,
+            p: &InstanceKey,
+            l: Arc<[Record]>,
+            c: &InstanceKey,
+            b: Arc<[Record]>,
+            a: Option<&flue_runtime::store::AttemptRef>
+        ) -> u64;
+        read fn read(&self, k: &InstanceKey, after: Option<u64>) -> Vec<flue_runtime::record::Batch>;
+        read fn last_offset(&self, k: &InstanceKey) -> Option<u64>;
+        write fn put_attachment(&self, k: &InstanceKey, a: flue_runtime::store::AttachmentPut) -> ();
+        read fn attachment(&self, k: &InstanceKey, id: &str) -> Option<flue_runtime::store::StoredAttachment>;
+        read fn user_value(&self, user_id: &str, key: &str) -> Option<flue_runtime::lifecycle::UserValue>;
+        write fn set_user_value(&self, user_id: &str, key: &str, value: Option<Value>, updated_at: i64) -> ();
+        read fn list_user_values(
+            &self,
+            user_id: &str,
+            query: &flue_runtime::lifecycle::UserValuesQuery
+        ) -> flue_runtime::lifecycle::UserValuePage;
+    }
+
+    fn expired(
+        &self,
+        now_ms: u64,
+    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, StoreError>> {
+        match self.gate(false) {
+            Gate::Pass => self.inner.expired(now_ms + self.later),
+            _ => Box::pin(std::future::pending()),
+        }
+    }
+
+    fn reclaim(
+        &self,
+        id: &str,
+        stale: &str,
+        claim: &flue_runtime::store::Claim,
+        now_ms: u64,
+    ) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, StoreError>> {
+        match self.gate(true) {
+            Gate::Pass => self.inner.reclaim(id, stale, claim, now_ms + self.later),
+            Gate::Dead => Box::pin(std::future::pending()),
+            Gate::Last => {
+                let call = self.inner.reclaim(id, stale, claim, now_ms + self.later);
+                Box::pin(async move {
+                    let _lost = call.await;
+                    std::future::pending().await
+                })
+            }
+        }
+    }
+
+    fn shared(&self) -> bool {
+        self.inner.shared()
+    }
+}
+
+/// Leases short enough that the second life takes the first's work over at once.
+fn options() -> RuntimeOptions {
+    RuntimeOptions {
+        lease: Duration::from_millis(150),
+        heartbeat: Duration::from_millis(30),
+        scan_interval: Duration::from_millis(30),
+        ..RuntimeOptions::default()
+    }
+}
+
+fn runtime_on(store: Dying, model: &Played) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    Runtime::builder()
+        .agent(keeper)
+        .providers(providers)
+        .store(store)
+        .options(options())
+        .build()
+        .unwrap()
+}
+
+const INSTANCE: &str = "k";
+
+/// Exchange `n`'s message, under an idempotency key of its own (so a retry after the crash
+/// converges on the submission the first life admitted, if it did).
+fn request(n: usize) -> SendRequest {
+    SendRequest::new(INSTANCE, message(n)).idempotency_key(format!("message-{n}"))
+}
+
+/// What the lives so far did.
+#[derive(Debug, Default)]
+struct Lives {
+    /// The exchanges admitted (their receipts returned), with their submission ids.
+    admitted: Vec<(usize, String)>,
+    /// The first exchange not admitted yet (the one in flight when a life died, if any: the
+    /// next life sends it again, under the same idempotency key).
+    next: usize,
+    /// How many writes the first life made (all of a whole run's when it did not die).
+    writes: usize,
+    /// Each death, in order.
+    deaths: Vec<Death>,
+    /// What the last life read back for each admitted exchange, in `admitted`'s order.
+    replies: Vec<Reply>,
+}
+
+/// A life's death: where, the instance's records then, and how often each charge's step had
+/// run by then.
+#[derive(Debug)]
+struct Death {
+    crash: Crash,
+    durable: Vec<Record>,
+    charges: BTreeMap<String, usize>,
+}
+
+/// How an exchange's submission ended, as its sender reads it.
+#[derive(Debug)]
+enum Reply {
+    Answer(String),
+    Aborted,
+    Failed(String),
+}
+
+/// Sends the exchanges from `lives.next` on to the instance, each once those before it settled
+/// or, when it overlaps, at once (requesting an abort after it when it says so), then waits
+/// for every one sent to settle.
+async fn drive(runtime: &Runtime, exchanges: &[Exchange], lives: &mut Lives) {
+    let handle = runtime.init(&keeper, INSTANCE);
+    let mut running: Vec<String> = Vec::new();
+    while let Some(exchange) = exchanges.get(lives.next) {
+        if !exchange.overlap {
+            for id in running.drain(..) {
+                let _settled = handle.read(&id).await;
+            }
+        }
+        let n = lives.next;
+        let id = runtime
+            .dispatch_request("keeper", request(n))
+            .await
+            .unwrap()
+            .submission_id;
+        lives.admitted.push((n, id.clone()));
+        lives.next = n + 1;
+        running.push(id);
+        if exchange.abort {
+            handle.abort().await.unwrap();
+        }
+    }
+    for id in running {
+        let _settled = handle.read(&id).await;
+    }
+}
+
+/// One life of the runtime over the store `open` opens: it takes over what earlier lives left
+/// (its store reads leases a lease later than they are, so theirs have lapsed), waits for
+/// their exchanges, and sends the rest ([`drive`]), until all are answered or its store dies at
+/// `crash`. The last life (no `crash`) also reads every reply. The runtime runs on a thread and
+/// a tokio runtime of its own, both gone when this returns, with every task the runtime had and
+/// every connection the store opened. Returns whether it died.
+fn life<F: Future<Output = Arc<dyn Store>>>(
+    open: &(impl Fn() -> F + Sync),
+    model: &Played,
+    crash: Option<Crash>,
+    lives: &mut Lives,
+) -> bool {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let tokio = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                tokio.block_on(async {
+                    let store = Dying {
+                        later: options().lease.as_millis() as u64,
+                        ..Dying::new(open().await, crash)
+                    };
+                    let mut frozen = store.frozen.subscribe();
+                    let writes = store.writes.clone();
+                    let runtime = runtime_on(store, model);
+                    let first = lives.deaths.is_empty();
+                    let lived = async {
+                        runtime.start().await;
+                        let handle = runtime.init(&keeper, INSTANCE);
+                        for (_, id) in lives.admitted.clone() {
+                            let _settled = handle.read(&id).await;
+                        }
+                        drive(&runtime, &model.exchanges, lives).await;
+                        if crash.is_none() {
+                            for (_, id) in &lives.admitted {
+                                let reply = tokio::time::timeout(Duration::from_secs(20), handle.read(id)).await;
+                                lives.replies.push(match reply {
+                                    Ok(Ok(reply)) => Reply::Answer(reply.text),
+                                    Ok(Err(flue_runtime::RuntimeError::Run {
+                                        outcome: "was aborted", ..
+                                    })) => Reply::Aborted,
+                                    Ok(Err(error)) => Reply::Failed(error.to_string()),
+                                    Err(_) => Reply::Failed("it never settled".into()),
+                                });
+                            }
+                        }
+                    };
+                    let died = tokio::select! {
+                        () = lived => false,
+                        _ = frozen.wait_for(|frozen| *frozen) => true,
+                    };
+                    if first {
+                        lives.writes = writes.load(Ordering::SeqCst);
+                    }
+                    died
+                })
+            })
+            .join()
+            .unwrap()
+    })
+}
+
+/// The exchanges on the store `open` opens (again each time: the same data), through a life
+/// dying at each of `crashes` in turn and a last one; then what the last one read back and the
+/// instance's stream must say what the module's doc says.
+async fn crash_and_recover<F: Future<Output = Arc<dyn Store>>>(
+    store: &str,
+    open: impl Fn() -> F + Sync,
+    exchanges: &[Exchange],
+    crashes: &[Crash],
+) -> Result<(), TestCaseError> {
+    forget_runs();
+    let model = model_of(exchanges);
+    let mut lives = Lives::default();
+    for crash in crashes {
+        if life(&open, &model, Some(*crash), &mut lives) {
+            lives.deaths.push(Death {
+                crash: *crash,
+                durable: stream(&*open().await).await,
+                charges: CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            });
+        }
+    }
+    life(&open, &model, None, &mut lives);
+    let records = stream(&*open().await).await;
+    let deaths: Vec<Crash> = lives.deaths.iter().map(|death| death.crash).collect();
+    check(&lives, &records, exchanges, &model.system.lock().unwrap())
+        .map_err(|error| TestCaseError::fail(format!("{store}, dying at {deaths:?}: {error}\n{lives:?}")))
+}
+
+/// What [`crash_and_recover`] checks.
+fn check(lives: &Lives, records: &[Record], exchanges: &[Exchange], system: &str) -> Result<(), TestCaseError> {
+    for ((n, _), reply) in lives.admitted.iter().zip(&lives.replies) {
+        match reply {
+            // Its own answer, or a later exchange's that joined its response.
+            Reply::Answer(text) => prop_assert!(
+                exchanges[*n..].iter().any(|exchange| exchange.answer == *text),
+                "exchange {}'s answer: {:?}",
+                n,
+                text
+            ),
+            Reply::Aborted => prop_assert!(may_abort(exchanges, *n), "exchange {} was aborted", n),
+            Reply::Failed(error) => prop_assert!(false, "exchange {} failed: {}", n, error),
+        }
+    }
+    prop_assert_eq!(
+        lives.replies.len(),
+        exchanges.len(),
+        "every exchange was admitted and read back"
+    );
+    // What was durable when each life died is all still there, unchanged.
+    let ids = |records: &[Record]| records.iter().map(|record| record.id.clone()).collect::<Vec<_>>();
+    for death in &lives.deaths {
+        prop_assert!(
+            records.len() >= death.durable.len() && ids(&records[..death.durable.len()]) == ids(&death.durable),
+            "the stream goes on from what the life that died at {:?} left",
+            death.crash
+        );
+    }
+    check_stream(records, &lives.deaths, exchanges, &lives.admitted, system)
+}
+
+/// The instance's records, in order.
+async fn stream(store: &dyn Store) -> Vec<Record> {
+    store
+        .read(&InstanceKey::new("keeper", INSTANCE), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().cloned())
+        .collect()
+}
+
+/// The outcome-unknown result a repaired call gets.
+fn repaired(content: &str) -> bool {
+    content.starts_with(r#"{"type":"interrupted""#)
+}
+
+/// Whether a call runs its tool: a tool the agent has, with arguments its schema takes.
+fn runs_its_tool(name: &str, arguments: &Value) -> bool {
+    match name {
+        "add" | "divide" => arguments["a"].is_i64() && arguments["b"].is_i64(),
+        "tally" => arguments["note"].is_string(),
+        _ => false,
+    }
+}
+
+fn check_stream(
+    records: &[Record],
+    deaths: &[Death],
+    exchanges: &[Exchange],
+    submissions: &[(usize, String)],
+    system: &str,
+) -> Result<(), TestCaseError> {
+    // Every message in the stream once, in order.
+    let inputs: Vec<&str> = records
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::UserMessage { body, .. } => Some(body.as_str()),
+            _ => None,
+        })
+        .collect();
+    // (A submission aborted before it started never puts its message in the stream.)
+    let sent: Vec<String> = (0..exchanges.len())
+        .filter(|n| !may_abort(exchanges, *n) || inputs.contains(&message(*n).as_str()))
+        .map(message)
+        .collect();
+    prop_assert_eq!(inputs, sent, "the stream's user messages");
+    // Every submission settled once: completed, or aborted if an abort was requested.
+    let mut settlements: BTreeMap<&str, Vec<Outcome>> = BTreeMap::new();
+    for record in records {
+        if let RecordBody::SubmissionSettled { outcome, .. } = &record.body {
+            settlements
+                .entry(record.submission_id.as_deref().unwrap_or_default())
+                .or_default()
+                .push(*outcome);
+        }
+    }
+    prop_assert_eq!(
+        settlements.keys().copied().collect::<Vec<_>>(),
+        submissions
+            .iter()
+            .map(|(_, id)| id.as_str())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>(),
+        "the submissions settled"
+    );
+    for (n, id) in submissions {
+        let outcomes = &settlements[id.as_str()];
+        let aborted = may_abort(exchanges, *n) && outcomes == &[Outcome::Aborted];
+        prop_assert!(
+            outcomes == &[Outcome::Completed] || aborted,
+            "exchange {}'s settlements: {:?}",
+            n,
+            outcomes
+        );
+    }
+    // Every scripted step made once, and each of its calls answered once.
+    let mut calls: BTreeMap<&str, (&str, Value)> = BTreeMap::new();
+    let mut outcomes: BTreeMap<&str, Vec<(bool, &str)>> = BTreeMap::new();
+    for record in records {
+        match &record.body {
+            RecordBody::AssistantToolCall {
+                tool_call_id,
+                name,
+                arguments,
+                ..
+            } => {
+                let arguments = serde_json::from_str(arguments).unwrap();
+                prop_assert!(
+                    calls.insert(tool_call_id, (name, arguments)).is_none(),
+                    "call {} was made twice: a durable step was redone",
+                    tool_call_id
+                );
+            }
+            RecordBody::ToolOutcome {
+                tool_call_id,
+                is_error,
+                content,
+                ..
+            } => outcomes.entry(tool_call_id).or_default().push((*is_error, content)),
+            _ => {}
+        }
+    }
+    // Every call is one the script made, and the steps of each exchange are a prefix of its
+    // script, each whole: all of them unless the next exchange overlapped (its message may
+    // then have joined this exchange's response, and the model went on with its script).
+    let mut made: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
+    for (id, (name, arguments)) in &calls {
+        let place: Vec<usize> = id[1..].split('_').map(|part| part.parse().unwrap()).collect();
+        let (n, step, index) = (place[0], place[1], place[2]);
+        let scripted = &exchanges[n].steps[step][index];
+        prop_assert_eq!((*name, arguments), (scripted.0.as_str(), &scripted.1), "call {}", id);
+        made.entry((n, step)).or_default().push(index);
+    }
+    for (n, exchange) in exchanges.iter().enumerate() {
+        let steps = made.range((n, 0)..(n + 1, 0)).count();
+        for (step, calls) in exchange.steps.iter().enumerate().take(steps) {
+            let indices = made.get(&(n, step)).cloned().unwrap_or_default();
+            prop_assert_eq!(
+                indices,
+                (0..calls.len()).collect::<Vec<_>>(),
+                "the calls of exchange {}'s step {}",
+                n,
+                step
+            );
+        }
+        if exchanges.get(n + 1).is_none_or(|next| !next.overlap) && !may_abort(exchanges, n) {
+            prop_assert_eq!(steps, exchange.steps.len(), "the steps exchange {} made", n);
+        }
+    }
+    let charges = CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut settled_steps: BTreeMap<&str, usize> = BTreeMap::new();
+    for record in records {
+        if let RecordBody::ToolStepSettled { tool_call_id, .. } = &record.body {
+            *settled_steps.entry(tool_call_id).or_default() += 1;
+        }
+    }
+    let runs = runs();
+    let mut counted = 0;
+    for (id, (name, arguments)) in &calls {
+        let answers = outcomes.get(id).map(Vec::as_slice).unwrap_or_default();
+        prop_assert_eq!(answers.len(), 1, "call {}'s outcomes: {:?}", id, answers);
+        let (is_error, content) = answers[0];
+        let times = runs.get(*id).copied().unwrap_or(0);
+        prop_assert!(times <= 1, "call {} ran {} times", id, times);
+        // A call of a response an abort ended may have been cut short (an error result) or
+        // left without an outcome for the next response to repair (an aborted response does
+        // not resume, so not even a durable call runs again).
+        let aborted = may_abort(exchanges, id[1..].split('_').next().unwrap().parse().unwrap()) && is_error;
+        if *name == "charge" {
+            // Durable: an interrupted call runs again, and its step's recorded value stands.
+            let expected = format!("charged: receipt {}", arguments["note"].as_str().unwrap_or_default());
+            prop_assert!(
+                (is_error, content) == (false, expected.as_str()) || aborted,
+                "charge call {}'s result: {}",
+                id,
+                content
+            );
+            // Its step's work ran once, or again after a crash before the step's record was
+            // durable; never again once it was.
+            let charged = charges.get(*id).copied().unwrap_or(0);
+            prop_assert!(
+                (1..=1 + deaths.len()).contains(&charged) || (aborted && charged == 0),
+                "charge call {} charged {} times",
+                id,
+                charged
+            );
+            for death in deaths {
+                let recorded = death.durable.iter().any(
+                    |record| matches!(&record.body, RecordBody::ToolStepSettled { tool_call_id, .. } if tool_call_id == id),
+                );
+                let then = death.charges.get(*id).copied().unwrap_or(0);
+                prop_assert!(
+                    !recorded || charged == then,
+                    "charge call {} charged {} times, {} when its step was recorded and a life died at {:?}",
+                    id,
+                    charged,
+                    then,
+                    death.crash
+                );
+            }
+            prop_assert!(
+                settled_steps.get(*id).copied() == Some(1) || (aborted && !settled_steps.contains_key(*id)),
+                "charge call {}'s settled steps: {:?}",
+                id,
+                settled_steps.get(*id)
+            );
+        } else if *name == "task" {
+            let prompt = arguments["prompt"].as_str().unwrap_or_default();
+            if !is_error {
+                prop_assert!(
+                    content.contains(&format!("done: {prompt}")),
+                    "task call {}'s result: {}",
+                    id,
+                    content
+                );
+            }
+        } else if repaired(content) {
+            prop_assert!(is_error, "call {}'s repair is an error result", id);
+        } else if !aborted {
+            let runs_it = runs_its_tool(name, arguments);
+            prop_assert_eq!(times, usize::from(runs_it), "how often call {} ran", id);
+            if *name == "tally" && runs_it {
+                prop_assert!(!is_error, "tally call {} failed: {}", id, content);
+                counted += 1;
+            }
+        }
+    }
+    let stands = format!("You keep a tally; it stands at {counted}.\n");
+    // (No instruction at all when no model call was made: everything was aborted first.)
+    prop_assert!(
+        system.starts_with(&stands) || (system.is_empty() && counted == 0),
+        "the state counts the committed tally calls ({}): the last instruction was {:?}",
+        counted,
+        system
+    );
+    Ok(())
+}
+
+/// A case: the exchanges, and where the store dies in each life but the last (a fraction of
+/// the writes a whole run makes, which a later life, with less left to do, may not reach), with
+/// whether that write is made.
+fn case() -> impl Strategy<Value = (Vec<Exchange>, Vec<(f64, bool)>)> {
+    (
+        prop::collection::vec(exchange(), 1..4),
+        prop::collection::vec((0.0..1.0f64, any::<bool>()), 1..4),
+    )
+}
+
+fn model_of(exchanges: &[Exchange]) -> Played {
+    Played {
+        exchanges: Arc::new(exchanges.to_vec()),
+        system: Arc::default(),
+    }
+}
+
+/// Opens the memory store `store` (again: the same data).
+fn memory(store: &MemoryStore) -> impl Fn() -> std::future::Ready<Arc<dyn Store>> + Sync {
+    move || std::future::ready(Arc::new(store.clone()))
+}
+
+#[test]
+fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
+    harness::check_property(64, &case(), "case", async |(exchanges, deaths)| {
+        // A whole run, to count the writes it makes (and check it too).
+        forget_runs();
+        let store = MemoryStore::new();
+        let model = model_of(&exchanges);
+        let mut whole = Lives::default();
+        life(&memory(&store), &model, None, &mut whole);
+        check(&whole, &stream(&store).await, &exchanges, &model.system.lock().unwrap())?;
+        // Truncating: each crash is at one of the writes the whole run made.
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let crashes: Vec<Crash> = deaths
+            .iter()
+            .map(|(fraction, made)| Crash {
+                at: (fraction * whole.writes as f64) as usize,
+                made: *made,
+            })
+            .collect();
+        crash_and_recover("memory store", memory(&MemoryStore::new()), &exchanges, &crashes).await?;
+        let path = scratch::dir("crash").join("flue.db");
+        let sqlite = || async { Arc::new(SqliteStore::open(&path).unwrap()) as Arc<dyn Store> };
+        crash_and_recover("SQLite", sqlite, &exchanges, &crashes).await?;
+        #[cfg(feature = "postgres")]
+        if let Some(url) = harness::postgres_url("the crash model on Postgres") {
+            use flue_runtime::store::PostgresStore;
+            let schema = harness::fresh_schema("flue_crash");
+            let postgres = || async {
+                Arc::new(PostgresStore::connect_with_schema(&url, &schema).await.unwrap()) as Arc<dyn Store>
+            };
+            crash_and_recover("Postgres", postgres, &exchanges, &crashes).await?;
+        }
+        Ok(())
+    });
+}
