@@ -6,25 +6,30 @@
 //! leaves. The conversations have user messages sent one after the other or while earlier ones
 //! run (joining their response or queueing behind it), aborts requested meanwhile, and steps
 //! of parallel tool calls that succeed, fail, are refused for their arguments or name no tool,
-//! write persistent state, charge through a durable tool's step, or start a `task` child. The
-//! runtime is then dropped with everything it held in memory, and a fresh one starts on the
-//! same data: it takes the interrupted work over (its lease has lapsed), and sends the messages
-//! the last one never got to (the one in flight again, under the same idempotency key). That
-//! one may die too (up to three deaths), and a last one finishes. This runs on the memory
-//! store, on SQLite (reopened from its file) and, when `FLUE_TEST_POSTGRES_URL` names one (as
-//! under the README's test command), on Postgres. Then, whatever the crash points:
+//! write persistent state, charge through a durable tool's step, or start a `task` child; a
+//! `use_agent_finish` hook sends each answer back once to be checked. The runtime is then
+//! dropped with everything it held in memory, and a fresh one starts on the same data: it
+//! takes the interrupted work over (its lease has lapsed), and sends the messages the last one
+//! never got to (the one in flight again, under the same idempotency key). That one may die
+//! too (up to three deaths), and a last one finishes. This runs on the memory store, on SQLite
+//! (reopened from its file) and, when `FLUE_TEST_POSTGRES_URL` names one (as under the
+//! README's test command), on Postgres. Then, whatever the crash points:
 //!
 //! - every message is in the stream once, in order (one aborted before it started is not), and
-//!   each got its answer (or a later message's that joined its response, or ended aborted
-//!   where an abort was requested while it ran);
+//!   each got its checked answer (or a later message's that joined its response, or ended
+//!   aborted where an abort was requested while it ran, or unchecked where its answer was
+//!   durable when a runtime died: a taken-over response whose answer is durable settles as it
+//!   is, reference §3.9);
+//! - each answer was sent back to be checked at most once, and a check that was sent is
+//!   answered once (unless a message joined there or an abort ended the response);
 //! - every submission settled exactly once;
 //! - no model step was made twice once it was durable, each exchange made a prefix of its
 //!   script's steps (all of them unless a later message joined or an abort came), and every
 //!   call of every step has exactly one outcome;
 //! - no tool ran twice; a call whose outcome is not the outcome-unknown repair ran exactly once
-//!   (when its tool and arguments were valid); a durable call always has its real result and
-//!   one settled record of its step, whose work ran once, and again only after a death that
-//!   came between the work and that record;
+//!   (when its tool and arguments were valid); a durable call has its real result and one
+//!   settled record of its step (unless an abort ended its response), whose work ran once, and
+//!   again only after a death that came between the work and that record;
 //! - the persistent state counts exactly the state-writing calls whose outcome committed (an
 //!   interrupted call's write is absent);
 //! - what was durable when a runtime died is still there, unchanged, at the head of the stream.
@@ -153,7 +158,24 @@ fn keeper() -> String {
         "Helps with one thing; say what in the prompt.",
         FnAgent::new(AgentDefinition::new("helper"), helper),
     ));
+    // Each answer to a message is checked once: the would-stop point after it sends the model
+    // back with a signal, and the one after the checked answer lets the response end.
+    let answering_a_message = matches!(*use_delivery(), DeliveredMessage::User(_));
+    use_agent_finish(move |ctx| async move {
+        if answering_a_message {
+            ctx.append(Signal::new("check", CHECK))?;
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
     format!("You keep a tally; it stands at {count}.")
+}
+
+/// What the finish check's signal says.
+const CHECK: &str = "Check your answer.";
+
+/// The final answer to a message once it was checked.
+fn checked(answer: &str) -> String {
+    format!("checked: {answer}")
 }
 
 /// One call of a step: to a tool that answers, fails, or writes state; with arguments the
@@ -259,7 +281,10 @@ impl ModelProvider for Played {
                 )
                 .count();
             let exchange = &self.exchanges[n];
+            let checking =
+                matches!(request.messages.last(), Some(ModelMessage::User { content, .. }) if content.contains(CHECK));
             match exchange.steps.get(step) {
+                _ if checking => text(checked(&exchange.answer)),
                 Some(calls) => calls_of(n, step, calls),
                 None => text(exchange.answer.clone()),
             }
@@ -662,9 +687,15 @@ async fn crash_and_recover<F: Future<Output = Arc<dyn Store>>>(
 fn check(lives: &Lives, records: &[Record], exchanges: &[Exchange], system: &str) -> Result<(), TestCaseError> {
     for ((n, _), reply) in lives.admitted.iter().zip(&lives.replies) {
         match reply {
-            // Its own answer, or a later exchange's that joined its response.
+            // Its own answer checked (after the response's earlier texts), or a later
+            // exchange's that joined its response. Unchecked only after a death: a response
+            // whose final answer was durable settles as it is when taken over, without its
+            // would-stop phase (reference §3.9: `completed`).
             Reply::Answer(text) => prop_assert!(
-                exchanges[*n..].iter().any(|exchange| exchange.answer == *text),
+                exchanges[*n..]
+                    .iter()
+                    .any(|exchange| text.ends_with(&checked(&exchange.answer))
+                        || (!lives.deaths.is_empty() && text.ends_with(&exchange.answer))),
                 "exchange {}'s answer: {:?}",
                 n,
                 text
@@ -736,6 +767,44 @@ fn check_stream(
         .map(message)
         .collect();
     prop_assert_eq!(inputs, sent, "the stream's user messages");
+    // Each answer to a message was checked once: a check signal follows an answer, never a
+    // checked answer or another signal (a finish seam that committed does not run again), and
+    // the answer after it is the checked one (a continuation that committed is answered, and
+    // once), unless a message joined there or an abort ended the response.
+    let interleaved = exchanges.iter().any(|exchange| exchange.overlap || exchange.abort);
+    let (mut previous, mut checking): (Option<&str>, Option<&str>) = (None, None);
+    for record in records {
+        match &record.body {
+            RecordBody::Signal { signal_type, .. } if signal_type == "check" => {
+                prop_assert!(
+                    previous.is_some_and(|text| text.starts_with("answer ")),
+                    "a check signal after {:?}",
+                    previous
+                );
+                checking = previous;
+                previous = Some(CHECK);
+            }
+            RecordBody::AssistantMessageCompleted { text, .. } if !text.is_empty() => {
+                if let Some(answer) = checking.take() {
+                    prop_assert!(
+                        *text == checked(answer) || interleaved,
+                        "{:?} after the check of {:?}",
+                        text,
+                        answer
+                    );
+                } else {
+                    prop_assert!(!text.starts_with("checked: "), "{:?} after {:?}", text, previous);
+                }
+                previous = Some(text);
+            }
+            _ => {}
+        }
+    }
+    prop_assert!(
+        checking.is_none() || interleaved,
+        "the check of {:?} was never answered",
+        checking
+    );
     // Every submission settled once: completed, or aborted if an abort was requested.
     let mut settlements: BTreeMap<&str, Vec<Outcome>> = BTreeMap::new();
     for record in records {
