@@ -576,7 +576,8 @@ pub trait Store: Send + Sync + 'static {
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>>;
 
     /// Claims the contiguous prefix of queued submissions behind a running host into its live
-    /// response (stopping at the first abort-requested row).
+    /// response (stopping at the first abort-requested row). Claims nothing while the host has
+    /// an abort requested: a delivery admitted after the abort is not part of what it ends.
     fn claim_joinable(&self, host: &AttemptRef) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>>;
 
     /// Marks a claimed join applied (`joining → joined`).
