@@ -640,9 +640,12 @@ fn life<F: Future<Output = Arc<dyn Store>>>(
                             }
                         }
                     };
+                    // A life that hangs ends here: a submission that never settles leaves the
+                    // last life's replies short, which `check` reports.
                     let died = tokio::select! {
                         () = lived => false,
                         _ = frozen.wait_for(|frozen| *frozen) => true,
+                        () = tokio::time::sleep(Duration::from_secs(60)) => false,
                     };
                     if first {
                         lives.writes = writes.load(Ordering::SeqCst);
