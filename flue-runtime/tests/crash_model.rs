@@ -7,8 +7,9 @@
 //! run (joining their response or queueing behind it), aborts requested meanwhile, and steps
 //! of parallel tool calls that succeed, fail, are refused for their arguments or name no tool,
 //! write persistent state, charge through a durable tool's step, or start a `task` child; a
-//! `use_agent_finish` hook sends each answer back once to be checked. The runtime is then
-//! dropped with everything it held in memory, and a fresh one starts on the same data: it
+//! `use_agent_finish` hook sends each answer back once to be checked. Answers stream word by
+//! word and are appended as they stream, so a death can also come mid-answer. The runtime is
+//! then dropped with everything it held in memory, and a fresh one starts on the same data: it
 //! takes the interrupted work over (its lease has lapsed), and sends the messages the last one
 //! never got to (the one in flight again, under the same idempotency key). That one may die
 //! too (up to three deaths), and a last one finishes. This runs on the memory store, on SQLite
@@ -19,7 +20,8 @@
 //!   each got its checked answer (or a later message's that joined its response, or ended
 //!   aborted where an abort was requested while it ran, or unchecked where its answer was
 //!   durable when a runtime died: a taken-over response whose answer is durable settles as it
-//!   is, reference §3.9);
+//!   is, reference §3.9), made of whole texts only (a step cut mid-stream is made again, and
+//!   its piece is not part of the reply);
 //! - each answer was sent back to be checked at most once, and a check that was sent is
 //!   answered once (unless a message joined there or an abort ended the response);
 //! - every submission settled exactly once;
@@ -301,11 +303,19 @@ impl ModelProvider for Played {
                 delta: call.arguments.clone(),
             }));
         }
-        if !response.text.is_empty() {
-            events.push(Ok(StreamEvent::TextDelta(response.text.clone())));
+        for word in response.text.split_inclusive(' ') {
+            events.push(Ok(StreamEvent::TextDelta(word.to_owned())));
         }
         events.push(Ok(StreamEvent::Completed(response)));
-        Box::pin(futures_util::stream::iter(events))
+        // Each event after a yield, as from a network: the runtime appends what streamed so
+        // far at each chance ([`options`]), so a death can come mid-answer.
+        Box::pin(futures_util::StreamExt::then(
+            futures_util::stream::iter(events),
+            |event| async {
+                tokio::task::yield_now().await;
+                event
+            },
+        ))
     }
 }
 
@@ -504,6 +514,8 @@ fn options() -> RuntimeOptions {
         lease: Duration::from_millis(150),
         heartbeat: Duration::from_millis(30),
         scan_interval: Duration::from_millis(30),
+        // Streamed text is appended at every chance: answers are durable in pieces.
+        text_flush: Some(Duration::ZERO),
         ..RuntimeOptions::default()
     }
 }
@@ -694,15 +706,30 @@ fn check(lives: &Lives, records: &[Record], exchanges: &[Exchange], system: &str
             // exchange's that joined its response. Unchecked only after a death: a response
             // whose final answer was durable settles as it is when taken over, without its
             // would-stop phase (reference §3.9: `completed`).
-            Reply::Answer(text) => prop_assert!(
-                exchanges[*n..]
-                    .iter()
-                    .any(|exchange| text.ends_with(&checked(&exchange.answer))
-                        || (!lives.deaths.is_empty() && text.ends_with(&exchange.answer))),
-                "exchange {}'s answer: {:?}",
-                n,
-                text
-            ),
+            Reply::Answer(text) => {
+                prop_assert!(
+                    exchanges[*n..]
+                        .iter()
+                        .any(|exchange| text.ends_with(&checked(&exchange.answer))
+                            || (!lives.deaths.is_empty() && text.ends_with(&exchange.answer))),
+                    "exchange {}'s answer: {:?}",
+                    n,
+                    text
+                );
+                // Whole texts only: a step a death cut mid-stream (its pieces durable) is
+                // made again, and its piece is not part of what the sender reads.
+                for part in text.split("\n\n") {
+                    prop_assert!(
+                        exchanges
+                            .iter()
+                            .any(|exchange| part == exchange.answer || part == checked(&exchange.answer)),
+                        "exchange {}'s answer has the part {:?}: {:?}",
+                        n,
+                        part,
+                        text
+                    );
+                }
+            }
             Reply::Aborted => prop_assert!(may_abort(exchanges, *n), "exchange {} was aborted", n),
             Reply::Failed(error) => prop_assert!(false, "exchange {} failed: {}", n, error),
         }
