@@ -350,7 +350,7 @@ fn calls_of(n: usize, step: usize, calls: &[(String, Value)]) -> ModelResponse {
 
 /// Where the store stops answering: at its `at`-th write (0-based), which is made first when
 /// `made` (then its answer is lost), or not at all. (A crash at a read leaves what a crash at
-/// the next write, not made, leaves: all the first life held in memory goes either way.)
+/// the next write, not made, leaves: all the dying life held in memory goes either way.)
 #[derive(Clone, Copy, Debug)]
 struct Crash {
     at: usize,
@@ -359,7 +359,7 @@ struct Crash {
 
 /// A store that counts its writes and, from the crash point on, never answers a call again:
 /// the process "died" there (`frozen` turns true then). With `later`, it also reads leases
-/// as that much later than they are: the second life finds the first's expired at once.
+/// as that much later than they are: a later life finds the dead one's expired at once.
 struct Dying {
     inner: Arc<dyn Store>,
     writes: Arc<AtomicUsize>,
@@ -505,7 +505,8 @@ impl Store for Dying {
     }
 }
 
-/// Leases short enough that the second life takes the first's work over at once.
+/// A short lease (which a later life reads as lapsed, see [`Dying`]), heartbeats and scans
+/// often, and streamed text appended at every chance.
 fn options() -> RuntimeOptions {
     RuntimeOptions {
         lease: Duration::from_millis(150),
@@ -532,7 +533,7 @@ fn runtime_on(store: Dying, model: &Played) -> Runtime {
 const INSTANCE: &str = "k";
 
 /// Exchange `n`'s message, under an idempotency key of its own (so a retry after the crash
-/// converges on the submission the first life admitted, if it did).
+/// converges on the submission the dead life admitted, if it did).
 fn request(n: usize) -> SendRequest {
     SendRequest::new(INSTANCE, message(n)).idempotency_key(format!("message-{n}"))
 }
