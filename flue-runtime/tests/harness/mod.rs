@@ -271,7 +271,8 @@ pub fn postgres_url(what: &str) -> Option<String> {
     url
 }
 
-/// Runs `test` on `cases` inputs drawn from `strategy`, each through `block_on` of one
+/// Runs `test` on `cases` inputs drawn from `strategy` (or on `FLUE_PROPERTY_CASES` inputs,
+/// when that is set: a longer hunt without editing the test), each through `block_on` of one
 /// current-thread tokio runtime made for the run; a failure panics with its reason and the
 /// shortest failing input the shrinking found (`input` names it: "sequence",
 /// "conversation"), printed whole.
@@ -286,6 +287,12 @@ where
         .enable_all()
         .build()
         .unwrap();
+    let cases = match std::env::var("FLUE_PROPERTY_CASES") {
+        Ok(count) => count
+            .parse()
+            .unwrap_or_else(|_| panic!("FLUE_PROPERTY_CASES is not a count of cases: {count:?}")),
+        Err(_) => cases,
+    };
     let mut runner = TestRunner::new(Config {
         cases,
         failure_persistence: None,
