@@ -17,6 +17,15 @@
 //! writers get distinct consecutive offsets. Transactions that Postgres aborts as deadlock or
 //! serialization victims are retried.
 //!
+//! A node that stalls inside one of those transactions (a suspended process, a node cut off
+//! from the database mid-call) would keep the instance row locked, and every other node's work
+//! on the instance, a takeover of the stalled node's lease included, would wait for as long as
+//! its connection lived. So the store's connections set `idle_in_transaction_session_timeout`
+//! ([`STALLED_TRANSACTION_TIMEOUT`], under the runtime's default 30 s lease; a URL whose
+//! `options` set it keeps its own): the server ends such a transaction and its session, which
+//! releases the locks. The store's transactions wait on the client only between statements it
+//! sends back to back.
+//!
 //! Clocks: every time stored in `flue_submissions` (`lease_until_ms`, `timeout_at_ms`) and every
 //! time a row is compared with (an expiry scan's or a takeover's `now_ms`) is in the database's
 //! clock, so nodes whose clocks disagree still agree on which leases are live. The [`Store`]
@@ -59,6 +68,10 @@ const MIGRATION_LOCK: i32 = 0x666c_7565; // "flue"
 const POOL_SIZE: usize = 16;
 /// How long to wait for a new connection, or for a free one.
 const POOL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the server lets a transaction of the store wait on the client before it ends the
+/// transaction and its session (`idle_in_transaction_session_timeout`): a node stalled inside
+/// one then holds its locks no longer (see the module's doc).
+pub const STALLED_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a transaction Postgres aborted as a deadlock or serialization victim is rerun.
 const MAX_TRIES: u32 = 8;
 /// Round trips measuring the database clock when a store opens; the most precise one counts.
@@ -533,11 +546,17 @@ impl PostgresStore {
             .map_err(|error: tokio_postgres::Error| StoreError::Other(format!("postgres: invalid URL: {error}")))?;
         if let Some(schema) = schema {
             let search_path = format!("-c search_path={}", escape_option(&quote_identifier(schema)));
-            let options = match config.get_options() {
-                Some(existing) if !existing.trim().is_empty() => format!("{existing} {search_path}"),
-                _ => search_path,
-            };
-            config.options(options);
+            add_option(&mut config, &search_path);
+        }
+        if !config
+            .get_options()
+            .is_some_and(|options| options.contains("idle_in_transaction_session_timeout"))
+        {
+            let timeout = STALLED_TRANSACTION_TIMEOUT.as_millis();
+            add_option(
+                &mut config,
+                &format!("-c idle_in_transaction_session_timeout={timeout}"),
+            );
         }
         if config.get_application_name().is_none() {
             config.application_name("flue-runtime");
@@ -702,6 +721,15 @@ impl PostgresStore {
 /// `name` as a quoted SQL identifier.
 fn quote_identifier(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Adds `option` (`-c name=value`) to the connection's `options` startup parameter.
+fn add_option(config: &mut tokio_postgres::Config, option: &str) {
+    let options = match config.get_options() {
+        Some(existing) if !existing.trim().is_empty() => format!("{existing} {option}"),
+        _ => option.to_owned(),
+    };
+    config.options(options);
 }
 
 /// `value` escaped for the `options` startup parameter (split at whitespace, `\` escapes).
@@ -2083,6 +2111,51 @@ mod tests {
             .unwrap();
         assert_eq!(batches.len(), 1);
         assert_eq!(batches[0].offset, 0);
+    }
+
+    /// `url` (of the `postgres://` form) with `-c name=value` in its `options`.
+    fn with_setting(url: &str, setting: &str) -> String {
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}options=-c%20{}", setting.replace('=', "%3D"))
+    }
+
+    async fn stalled_transaction_timeout(store: &PostgresStore) -> String {
+        let client = store.pool.get().await.unwrap();
+        let row = client
+            .query_one("SHOW idle_in_transaction_session_timeout", &[])
+            .await
+            .unwrap();
+        row.get(0)
+    }
+
+    #[tokio::test]
+    async fn a_transaction_that_stalls_on_the_client_is_ended_by_the_server_and_its_locks_released() {
+        let Some(url) = test_url() else { return };
+        let store = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
+        assert_eq!(stalled_transaction_timeout(&store).await, "10s");
+        // A URL that sets the timeout keeps its own: here a short one.
+        let url = with_setting(&url, "idle_in_transaction_session_timeout=300");
+        let store = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
+        assert_eq!(stalled_transaction_timeout(&store).await, "300ms");
+        store.admit(admission("d-1", "assistant", "held")).await.unwrap();
+        // A node that stalls holding the instance's row lock, as one suspended mid-call does…
+        let mut stalled = store.pool.get().await.unwrap();
+        let transaction = stalled.transaction().await.unwrap();
+        transaction
+            .execute(
+                "SELECT uid FROM flue_instances WHERE agent = 'assistant' AND instance_id = 'held' FOR NO KEY UPDATE",
+                &[],
+            )
+            .await
+            .unwrap();
+        // …holds up another's write to the instance only until the server ends its transaction.
+        let key = InstanceKey::new("assistant", "held");
+        let aborted = tokio::time::timeout(Duration::from_secs(10), store.request_abort(&key))
+            .await
+            .expect("the write waited for the stalled transaction's lock")
+            .unwrap();
+        assert_eq!(aborted, ["d-1"]);
+        assert!(transaction.commit().await.is_err(), "the stalled transaction was ended");
     }
 
     #[tokio::test]
