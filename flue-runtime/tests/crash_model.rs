@@ -36,6 +36,15 @@
 //!   interrupted call's write is absent);
 //! - what was durable when a runtime died is still there, unchanged, at the head of the stream.
 //!
+//! On Postgres, the store several nodes share, a life may also pause at its crash point
+//! instead of dying, as a suspended process or a node cut off from the database does: its
+//! store calls and its tools wait, the later lives take its work over, and once the last one
+//! finished it goes on (the write it had not made is made late; the one it had made answers
+//! late). What it does then must change nothing durable, neither the stream nor the ledger:
+//! every write of its attempts is fenced, and what it sends again converges on what the later
+//! lives admitted. (It may stall inside a transaction, holding the instance's row lock: the
+//! server ends that transaction, see the Postgres store's stalled-transaction timeout.)
+//!
 //! The model answers from the conversation it is sent (which exchange, which step), not from a
 //! queue of replies, so a step redone after the crash gets the answer the first attempt got.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
@@ -56,7 +65,7 @@ use flue_runtime::provider::{
 };
 use flue_runtime::record::{Outcome, Record, RecordBody};
 use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore, Store, StoreError};
-use flue_runtime::{Runtime, RuntimeOptions, SendRequest};
+use flue_runtime::{Runtime, RuntimeError, RuntimeOptions, SendRequest};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use serde_json::{Value, json};
@@ -64,7 +73,31 @@ use serde_json::{Value, json};
 /// How many times each tool call id ran (the tools count themselves).
 static RUNS: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
 
-fn ran(ctx: &ToolContext) {
+/// Each life's state, by the name of its threads: whether its store froze, and (for a paused
+/// life) whether it goes on.
+static LIVES: Mutex<BTreeMap<String, Halt>> = Mutex::new(BTreeMap::new());
+
+#[derive(Clone)]
+struct Halt {
+    frozen: tokio::sync::watch::Receiver<bool>,
+    released: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+/// Where a tool's work begins: a life whose store froze runs no more of it, as a killed or
+/// stalled process does not (a paused one goes on once it is released).
+async fn work_point() {
+    let halt = std::thread::current()
+        .name()
+        .and_then(|name| LIVES.lock().unwrap_or_else(|e| e.into_inner()).get(name).cloned());
+    if let Some(halt) = halt
+        && *halt.frozen.borrow()
+    {
+        released(halt.released).await;
+    }
+}
+
+async fn ran(ctx: &ToolContext) {
+    work_point().await;
     *RUNS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -110,7 +143,7 @@ fn keeper() -> String {
         Tool::new("add")
             .description("Add two numbers.")
             .run(|ctx, Pair { a, b }| async move {
-                ran(&ctx);
+                ran(&ctx).await;
                 Ok::<_, ToolError>((a + b).to_string())
             }),
     );
@@ -118,7 +151,7 @@ fn keeper() -> String {
         Tool::new("divide")
             .description("Divide a by b.")
             .run(|ctx, Pair { a, b }| async move {
-                ran(&ctx);
+                ran(&ctx).await;
                 a.checked_div(b)
                     .map(|quotient| quotient.to_string())
                     .ok_or_else(|| ToolError::new(format!("cannot divide {a} by {b}")))
@@ -131,7 +164,7 @@ fn keeper() -> String {
             .run(move |ctx, Note { note }| {
                 let set_count = set_count.clone();
                 async move {
-                    ran(&ctx);
+                    ran(&ctx).await;
                     set_count.update(|n| n + 1)?;
                     Ok::<_, ToolError>(format!("counted: {note}"))
                 }
@@ -144,6 +177,7 @@ fn keeper() -> String {
             .run(|ctx, Note { note }| async move {
                 let receipt: String = ctx
                     .step("issue", async {
+                        work_point().await;
                         *CHARGES
                             .lock()
                             .unwrap_or_else(|e| e.into_inner())
@@ -351,21 +385,31 @@ fn calls_of(n: usize, step: usize, calls: &[(String, Value)]) -> ModelResponse {
 /// Where the store stops answering: at its `at`-th write (0-based), which is made first when
 /// `made` (then its answer is lost), or not at all. (A crash at a read leaves what a crash at
 /// the next write, not made, leaves: all the dying life held in memory goes either way.)
+///
+/// With `paused`, the life does not die there but stalls, as a node the database cannot hear
+/// or a suspended process does: its store calls and its tools wait (the write not made is
+/// made late, the answer of the one made comes late) until every later life has finished,
+/// and then it goes on. Nothing it does then may change what is durable: its lease was taken
+/// over, so every write of its attempts is fenced.
 #[derive(Clone, Copy, Debug)]
 struct Crash {
     at: usize,
     made: bool,
+    paused: bool,
 }
 
 /// A store that counts its writes and, from the crash point on, never answers a call again:
 /// the process "died" there (`frozen` turns true then). With `later`, it also reads leases
-/// as that much later than they are: a later life finds the dead one's expired at once.
+/// as that much later than they are: a later life finds the dead one's expired at once. With
+/// `released` (a paused life, see [`Crash`]), its calls wait for that to turn true, then go
+/// through.
 struct Dying {
     inner: Arc<dyn Store>,
     writes: Arc<AtomicUsize>,
     crash: Option<Crash>,
     frozen: tokio::sync::watch::Sender<bool>,
     later: u64,
+    released: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 enum Gate {
@@ -383,7 +427,13 @@ impl Dying {
             crash,
             frozen: tokio::sync::watch::Sender::new(false),
             later: 0,
+            released: None,
         }
+    }
+
+    /// Until the paused life goes on: never, for a life that died.
+    fn until_released(&self) -> impl Future<Output = ()> + Send + 'static {
+        released(self.released.clone())
     }
 
     fn gate(&self, write: bool) -> Gate {
@@ -404,20 +454,105 @@ impl Dying {
     }
 }
 
+/// Waits for `released` to turn true (or its sender to go); forever without one.
+async fn released(released: Option<tokio::sync::watch::Receiver<bool>>) {
+    match released {
+        Some(mut released) => {
+            let _gone = released.wait_for(|released| *released).await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// An argument of a store call that a paused life makes late: kept, owned, until then.
+trait Late<'a>: Sized {
+    type Kept: Send + Sync + 'static;
+    fn keep(self) -> Self::Kept;
+    fn lend(kept: &'a Self::Kept) -> Self;
+}
+
+impl<'a, T: ?Sized + ToOwned> Late<'a> for &'a T
+where
+    T::Owned: Send + Sync + 'static,
+{
+    type Kept = T::Owned;
+
+    fn keep(self) -> T::Owned {
+        self.to_owned()
+    }
+
+    fn lend(kept: &'a T::Owned) -> &'a T {
+        std::borrow::Borrow::borrow(kept)
+    }
+}
+
+impl<'a, T: Clone + Send + Sync + 'static> Late<'a> for Option<&'a T> {
+    type Kept = Option<T>;
+
+    fn keep(self) -> Option<T> {
+        self.cloned()
+    }
+
+    fn lend(kept: &'a Option<T>) -> Self {
+        kept.as_ref()
+    }
+}
+
+macro_rules! late_by_value {
+    ($($ty:ty),+) => {
+        $(
+            impl Late<'_> for $ty {
+                type Kept = $ty;
+
+                fn keep(self) -> $ty {
+                    self
+                }
+
+                fn lend(kept: &$ty) -> $ty {
+                    kept.clone()
+                }
+            }
+        )+
+    };
+}
+
+late_by_value!(
+    u64,
+    Option<u64>,
+    i64,
+    Arc<[Record]>,
+    Vec<Record>,
+    Outcome,
+    Option<flue_runtime::record::SettlementError>,
+    Option<Value>,
+    flue_runtime::store::Admission,
+    flue_runtime::store::AttachmentPut
+);
+
 /// Each listed method (a `read` or a `write`) through [`Dying::gate`]: made and answered,
-/// never made, or made with its answer lost.
+/// not made (until a paused life goes on: then made late), or made with its answer lost (or
+/// given late).
 macro_rules! gated {
     ($( $kind:ident fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $out:ty; )+) => {
         $(
             fn $name(&self $(, $arg: $ty)*) -> flue_runtime::BoxFuture<'_, Result<$out, StoreError>> {
                 match self.gate(stringify!($kind) == "write") {
                     Gate::Pass => self.inner.$name($($arg),*),
-                    Gate::Dead => Box::pin(std::future::pending()),
+                    Gate::Dead => {
+                        let released = self.until_released();
+                        $(let $arg = <$ty as Late>::keep($arg);)*
+                        Box::pin(async move {
+                            released.await;
+                            self.inner.$name($(<$ty as Late>::lend(&$arg)),*).await
+                        })
+                    }
                     Gate::Last => {
                         let call = self.inner.$name($($arg),*);
+                        let released = self.until_released();
                         Box::pin(async move {
-                            let _lost = call.await;
-                            std::future::pending().await
+                            let answer = call.await;
+                            released.await;
+                            answer
                         })
                     }
                 }
@@ -476,7 +611,13 @@ impl Store for Dying {
     ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, StoreError>> {
         match self.gate(false) {
             Gate::Pass => self.inner.expired(now_ms + self.later),
-            _ => Box::pin(std::future::pending()),
+            _ => {
+                let released = self.until_released();
+                Box::pin(async move {
+                    released.await;
+                    self.inner.expired(now_ms + self.later).await
+                })
+            }
         }
     }
 
@@ -489,12 +630,21 @@ impl Store for Dying {
     ) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, StoreError>> {
         match self.gate(true) {
             Gate::Pass => self.inner.reclaim(id, stale, claim, now_ms + self.later),
-            Gate::Dead => Box::pin(std::future::pending()),
+            Gate::Dead => {
+                let released = self.until_released();
+                let (id, stale, claim) = (id.to_owned(), stale.to_owned(), claim.clone());
+                Box::pin(async move {
+                    released.await;
+                    self.inner.reclaim(&id, &stale, &claim, now_ms + self.later).await
+                })
+            }
             Gate::Last => {
                 let call = self.inner.reclaim(id, stale, claim, now_ms + self.later);
+                let released = self.until_released();
                 Box::pin(async move {
-                    let _lost = call.await;
-                    std::future::pending().await
+                    let answer = call.await;
+                    released.await;
+                    answer
                 })
             }
         }
@@ -539,7 +689,7 @@ fn request(n: usize) -> SendRequest {
 }
 
 /// What the lives so far did.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Lives {
     /// The exchanges admitted (their receipts returned), with their submission ids.
     admitted: Vec<(usize, String)>,
@@ -556,7 +706,7 @@ struct Lives {
 
 /// A life's death: where, the instance's records then, and how often each charge's step had
 /// run by then.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Death {
     crash: Crash,
     durable: Vec<Record>,
@@ -564,7 +714,7 @@ struct Death {
 }
 
 /// How an exchange's submission ended, as its sender reads it.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum Reply {
     Answer(String),
     Aborted,
@@ -574,106 +724,155 @@ enum Reply {
 /// Sends the exchanges from `lives.next` on to the instance, each once those before it settled
 /// or, when it overlaps, at once (requesting an abort after it when it says so), then waits
 /// for every one sent to settle.
-async fn drive(runtime: &Runtime, exchanges: &[Exchange], lives: &mut Lives) {
+/// A paused life's calls may fail once it goes on (the server ended the transaction it stalled
+/// in): the error is returned, and only a paused life's is ignored.
+async fn drive(runtime: &Runtime, exchanges: &[Exchange], lives: &Mutex<Lives>) -> Result<(), RuntimeError> {
     let handle = runtime.init(&keeper, INSTANCE);
     let mut running: Vec<String> = Vec::new();
-    while let Some(exchange) = exchanges.get(lives.next) {
+    let next = || lives.lock().unwrap_or_else(|e| e.into_inner()).next;
+    while let Some(exchange) = exchanges.get(next()) {
         if !exchange.overlap {
             for id in running.drain(..) {
                 let _settled = handle.read(&id).await;
             }
         }
-        let n = lives.next;
-        let id = runtime
-            .dispatch_request("keeper", request(n))
-            .await
-            .unwrap()
-            .submission_id;
-        lives.admitted.push((n, id.clone()));
-        lives.next = n + 1;
+        let n = next();
+        let id = runtime.dispatch_request("keeper", request(n)).await?.submission_id;
+        {
+            let mut lives = lives.lock().unwrap_or_else(|e| e.into_inner());
+            lives.admitted.push((n, id.clone()));
+            lives.next = n + 1;
+        }
         running.push(id);
         if exchange.abort {
-            handle.abort().await.unwrap();
+            handle.abort().await?;
         }
     }
     for id in running {
         let _settled = handle.read(&id).await;
     }
+    Ok(())
 }
 
 /// One life of the runtime over the store `open` opens: it takes over what earlier lives left
 /// (its store reads leases a lease later than they are, so theirs have lapsed), waits for
 /// their exchanges, and sends the rest ([`drive`]), until all are answered or its store dies at
 /// `crash`. The last life (no `crash`) also reads every reply. The runtime runs on a thread and
-/// a tokio runtime of its own, both gone when this returns, with every task the runtime had and
-/// every connection the store opened. The tokio runtime has two workers, as a server's does:
-/// the runtime's tasks run in parallel with each other and with the driving code. Returns
-/// whether it died.
-fn life<F: Future<Output = Arc<dyn Store>>>(
-    open: &(impl Fn() -> F + Sync),
-    model: &Played,
+/// a tokio runtime of its own (threads named after the life, see [`work_point`]), both gone
+/// when the life ends, with every task the runtime had and every connection the store opened.
+/// The tokio runtime has two workers, as a server's does: the runtime's tasks run in parallel
+/// with each other and with the driving code. Returns what the lives did then, and whether
+/// this one died; and for a life paused at `crash`, the life, still running, to release later.
+fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    open: &'scope (impl Fn() -> F + Sync),
+    model: &'scope Played,
     crash: Option<Crash>,
-    lives: &mut Lives,
-) -> bool {
-    std::thread::scope(|scope| {
-        scope
-            .spawn(|| {
-                let tokio = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                tokio.block_on(async {
-                    let store = Dying {
-                        later: options().lease.as_millis() as u64,
-                        ..Dying::new(open().await, crash)
-                    };
-                    let mut frozen = store.frozen.subscribe();
-                    let writes = store.writes.clone();
-                    let runtime = runtime_on(store, model);
-                    let first = lives.deaths.is_empty();
-                    let lived = async {
-                        runtime.start().await;
-                        let handle = runtime.init(&keeper, INSTANCE);
-                        for (_, id) in lives.admitted.clone() {
-                            let _settled = handle.read(&id).await;
-                        }
-                        drive(&runtime, &model.exchanges, lives).await;
-                        if crash.is_none() {
-                            for (_, id) in &lives.admitted {
-                                let reply = tokio::time::timeout(Duration::from_secs(20), handle.read(id)).await;
-                                lives.replies.push(match reply {
-                                    Ok(Ok(reply)) => Reply::Answer(reply.text),
-                                    Ok(Err(flue_runtime::RuntimeError::Run {
-                                        outcome: "was aborted", ..
-                                    })) => Reply::Aborted,
-                                    Ok(Err(error)) => Reply::Failed(error.to_string()),
-                                    Err(_) => Reply::Failed("it never settled".into()),
-                                });
-                            }
-                        }
-                    };
-                    // A life that hangs ends here: a submission that never settles leaves the
-                    // last life's replies short, which `check` reports.
-                    let died = tokio::select! {
-                        () = lived => false,
-                        _ = frozen.wait_for(|frozen| *frozen) => true,
-                        () = tokio::time::sleep(Duration::from_secs(60)) => false,
-                    };
-                    if first {
-                        lives.writes = writes.load(Ordering::SeqCst);
+    lives: Lives,
+) -> (Lives, bool, Option<Paused<'scope>>) {
+    static LIFE: AtomicUsize = AtomicUsize::new(0);
+    let name = format!("life-{}", LIFE.fetch_add(1, Ordering::Relaxed));
+    let (release, released) = tokio::sync::watch::channel(false);
+    let released = crash.filter(|crash| crash.paused).map(|_| released);
+    let (report, reported) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name(name.clone())
+        .spawn_scoped(scope, move || {
+            let tokio = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name(name.clone())
+                .enable_all()
+                .build()
+                .unwrap();
+            tokio.block_on(async {
+                let store = Dying {
+                    later: options().lease.as_millis() as u64,
+                    released: released.clone(),
+                    ..Dying::new(open().await, crash)
+                };
+                let mut frozen = store.frozen.subscribe();
+                LIVES.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                    name.clone(),
+                    Halt {
+                        frozen: frozen.clone(),
+                        released: released.clone(),
+                    },
+                );
+                let writes = store.writes.clone();
+                let runtime = runtime_on(store, model);
+                let first = lives.deaths.is_empty();
+                let lives = Mutex::new(lives);
+                let lived = async {
+                    runtime.start().await;
+                    let handle = runtime.init(&keeper, INSTANCE);
+                    let admitted = lives.lock().unwrap_or_else(|e| e.into_inner()).admitted.clone();
+                    for (_, id) in admitted {
+                        let _settled = handle.read(&id).await;
                     }
-                    died
-                })
+                    drive(&runtime, &model.exchanges, &lives).await?;
+                    if crash.is_none() {
+                        let admitted = lives.lock().unwrap_or_else(|e| e.into_inner()).admitted.clone();
+                        for (_, id) in &admitted {
+                            let reply = tokio::time::timeout(Duration::from_secs(20), handle.read(id)).await;
+                            let reply = match reply {
+                                Ok(Ok(reply)) => Reply::Answer(reply.text),
+                                Ok(Err(RuntimeError::Run {
+                                    outcome: "was aborted", ..
+                                })) => Reply::Aborted,
+                                Ok(Err(error)) => Reply::Failed(error.to_string()),
+                                Err(_) => Reply::Failed("it never settled".into()),
+                            };
+                            lives.lock().unwrap_or_else(|e| e.into_inner()).replies.push(reply);
+                        }
+                    }
+                    Ok::<_, RuntimeError>(())
+                };
+                let mut lived = std::pin::pin!(lived);
+                // A life that hangs ends here: a submission that never settles leaves the
+                // last life's replies short, which `check` reports.
+                let died = tokio::select! {
+                    lived = &mut lived => {
+                        lived.unwrap();
+                        false
+                    }
+                    _ = frozen.wait_for(|frozen| *frozen) => true,
+                    () = tokio::time::sleep(Duration::from_secs(60)) => false,
+                };
+                let mut then = lives.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                if first {
+                    then.writes = writes.load(Ordering::SeqCst);
+                }
+                report.send((then, died)).unwrap();
+                if died && let Some(released) = released {
+                    // Paused: it goes on once released, with whatever it held, until what it
+                    // sends is answered (by the lives that took its work over) and its tasks
+                    // have had their chance to write.
+                    self::released(Some(released)).await;
+                    let _ = tokio::time::timeout(Duration::from_secs(20), &mut lived).await;
+                    tokio::time::sleep(options().lease).await;
+                }
+                LIVES.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
             })
-            .join()
-            .unwrap()
-    })
+        })
+        .unwrap();
+    let (lives, died) = reported.recv().unwrap();
+    if died && crash.is_some_and(|crash| crash.paused) {
+        return (lives, true, Some(Paused { release, thread }));
+    }
+    thread.join().unwrap();
+    (lives, died, None)
+}
+
+/// A life paused at its crash point, still running ([`life`]).
+struct Paused<'scope> {
+    release: tokio::sync::watch::Sender<bool>,
+    thread: std::thread::ScopedJoinHandle<'scope, ()>,
 }
 
 /// The exchanges on the store `open` opens (again each time: the same data), through a life
-/// dying at each of `crashes` in turn and a last one; then what the last one read back and the
-/// instance's stream must say what the module's doc says.
+/// dying (or pausing) at each of `crashes` in turn and a last one; then what the last one
+/// read back and the instance's stream must say what the module's doc says. Then the paused
+/// lives go on, and must change nothing durable.
 async fn crash_and_recover<F: Future<Output = Arc<dyn Store>>>(
     store: &str,
     open: impl Fn() -> F + Sync,
@@ -682,21 +881,88 @@ async fn crash_and_recover<F: Future<Output = Arc<dyn Store>>>(
 ) -> Result<(), TestCaseError> {
     forget_runs();
     let model = model_of(exchanges);
-    let mut lives = Lives::default();
-    for crash in crashes {
-        if life(&open, &model, Some(*crash), &mut lives) {
-            lives.deaths.push(Death {
-                crash: *crash,
-                durable: stream(&*open().await).await,
-                charges: CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clone(),
-            });
-        }
+    // A store of one process (memory, SQLite) has no other node that could take a paused
+    // one's work over: there its lives die instead.
+    let shared = open().await.shared();
+    let crashes: Vec<Crash> = crashes
+        .iter()
+        .map(|crash| Crash {
+            paused: crash.paused && shared,
+            ..*crash
+        })
+        .collect();
+    let failed = |lives: &Lives, error: TestCaseError| {
+        let deaths: Vec<Crash> = lives.deaths.iter().map(|death| death.crash).collect();
+        TestCaseError::fail(format!("{store}, dying at {deaths:?}: {error}\n{lives:?}"))
+    };
+    // On a thread of its own, outside the caller's tokio runtime: this one reads the store
+    // between lives (with runtimes of its own), and the scope's other threads are the lives;
+    // the scope ends when the paused ones have gone on and ended.
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let tokio = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let mut lives = Lives::default();
+                let mut paused = Vec::new();
+                for crash in &crashes {
+                    let (then, died, pause) = life(scope, &open, &model, Some(*crash), lives);
+                    lives = then;
+                    paused.extend(pause);
+                    if died {
+                        lives.deaths.push(Death {
+                            crash: *crash,
+                            durable: tokio.block_on(async { stream(&*open().await).await }),
+                            charges: CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+                        });
+                    }
+                }
+                let (lives, _, _) = life(scope, &open, &model, None, lives);
+                let (records, rows) = tokio.block_on(async {
+                    let store = open().await;
+                    (stream(&*store).await, ledger(&*store, &lives).await)
+                });
+                let checked = check(&lives, &records, exchanges);
+                // The paused lives go on (the runs they make now are theirs alone, not counted)…
+                for life in &paused {
+                    life.release.send_replace(true);
+                }
+                for life in paused {
+                    life.thread.join().unwrap();
+                }
+                checked.map_err(|error| failed(&lives, error))?;
+                // …and change nothing durable: every write of their attempts is fenced, and what
+                // they send again converges on what the later lives admitted.
+                let (after, rows_after) = tokio.block_on(async {
+                    let store = open().await;
+                    (stream(&*store).await, ledger(&*store, &lives).await)
+                });
+                let json = |records: &[Record]| serde_json::to_value(records).unwrap();
+                if json(&after) != json(&records) {
+                    let error = format!("the paused lives changed the stream, to {after:#?}");
+                    return Err(failed(&lives, TestCaseError::fail(error)));
+                }
+                if rows_after != rows {
+                    let error = format!("the paused lives changed the ledger: {rows:#?} became {rows_after:#?}");
+                    return Err(failed(&lives, TestCaseError::fail(error)));
+                }
+                Ok(())
+            })
+            .join()
+            .unwrap()
+    })
+}
+
+/// The admitted submissions' rows, and whether the instance has queued work.
+async fn ledger(store: &dyn Store, lives: &Lives) -> (Vec<String>, bool) {
+    let mut rows = Vec::new();
+    for (_, id) in &lives.admitted {
+        rows.push(format!("{:?}", store.submission(id).await.unwrap()));
     }
-    life(&open, &model, None, &mut lives);
-    let records = stream(&*open().await).await;
-    let deaths: Vec<Crash> = lives.deaths.iter().map(|death| death.crash).collect();
-    check(&lives, &records, exchanges)
-        .map_err(|error| TestCaseError::fail(format!("{store}, dying at {deaths:?}: {error}\n{lives:?}")))
+    let queued = store.has_queued(&InstanceKey::new("keeper", INSTANCE)).await.unwrap();
+    (rows, queued)
 }
 
 /// What [`crash_and_recover`] checks.
@@ -1012,11 +1278,11 @@ fn check_stream(
 
 /// A case: the exchanges, and where the store dies in each life but the last (a fraction of
 /// the writes a whole run makes, which a later life, with less left to do, may not reach), with
-/// whether that write is made.
-fn case() -> impl Strategy<Value = (Vec<Exchange>, Vec<(f64, bool)>)> {
+/// whether that write is made and whether the life pauses there rather than dies.
+fn case() -> impl Strategy<Value = (Vec<Exchange>, Vec<(f64, bool, bool)>)> {
     (
         prop::collection::vec(exchange(), 1..4),
-        prop::collection::vec((0.0..1.0f64, any::<bool>()), 1..4),
+        prop::collection::vec((0.0..1.0f64, any::<bool>(), prop::bool::weighted(0.4)), 1..4),
     )
 }
 
@@ -1038,8 +1304,8 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
         forget_runs();
         let store = MemoryStore::new();
         let model = model_of(&exchanges);
-        let mut whole = Lives::default();
-        life(&memory(&store), &model, None, &mut whole);
+        let open = memory(&store);
+        let whole = std::thread::scope(|scope| life(scope, &open, &model, None, Lives::default()).0);
         check(&whole, &stream(&store).await, &exchanges)?;
         // Truncating: each crash is at one of the writes the whole run made.
         #[allow(
@@ -1049,9 +1315,10 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
         )]
         let crashes: Vec<Crash> = deaths
             .iter()
-            .map(|(fraction, made)| Crash {
+            .map(|(fraction, made, paused)| Crash {
                 at: (fraction * whole.writes as f64) as usize,
                 made: *made,
+                paused: *paused,
             })
             .collect();
         crash_and_recover("memory store", memory(&MemoryStore::new()), &exchanges, &crashes).await?;
@@ -1061,6 +1328,10 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
         #[cfg(feature = "postgres")]
         if let Some(url) = harness::postgres_url("the crash model on Postgres") {
             use flue_runtime::store::PostgresStore;
+            // A paused life may stall inside a transaction: the server ends it after this
+            // (the store's own default, 10 s, is for a 30 s lease).
+            let separator = if url.contains('?') { '&' } else { '?' };
+            let url = format!("{url}{separator}options=-c%20idle_in_transaction_session_timeout%3D300");
             let schema = harness::fresh_schema("flue_crash");
             let postgres = || async {
                 Arc::new(PostgresStore::connect_with_schema(&url, &schema).await.unwrap()) as Arc<dyn Store>
