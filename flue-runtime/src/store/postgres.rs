@@ -21,10 +21,10 @@
 //! from the database mid-call) would keep the instance row locked, and every other node's work
 //! on the instance, a takeover of the stalled node's lease included, would wait for as long as
 //! its connection lived. So the store's connections set `idle_in_transaction_session_timeout`
-//! ([`STALLED_TRANSACTION_TIMEOUT`], under the runtime's default 30 s lease; a URL whose
-//! `options` set it keeps its own): the server ends such a transaction and its session, which
-//! releases the locks. The store's transactions wait on the client only between statements it
-//! sends back to back.
+//! ([`PostgresStore::STALLED_TRANSACTION_TIMEOUT`], under the runtime's default 30 s lease; a
+//! URL whose `options` set it keeps its own): the server ends such a transaction and its
+//! session, which releases the locks. The store's transactions wait on the client only between
+//! statements it sends back to back.
 //!
 //! Clocks: every time stored in `flue_submissions` (`lease_until_ms`, `timeout_at_ms`) and every
 //! time a row is compared with (an expiry scan's or a takeover's `now_ms`) is in the database's
@@ -68,10 +68,6 @@ const MIGRATION_LOCK: i32 = 0x666c_7565; // "flue"
 const POOL_SIZE: usize = 16;
 /// How long to wait for a new connection, or for a free one.
 const POOL_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long the server lets a transaction of the store wait on the client before it ends the
-/// transaction and its session (`idle_in_transaction_session_timeout`): a node stalled inside
-/// one then holds its locks no longer (see the module's doc).
-pub const STALLED_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a transaction Postgres aborted as a deadlock or serialization victim is rerun.
 const MAX_TRIES: u32 = 8;
 /// Round trips measuring the database clock when a store opens; the most precise one counts.
@@ -515,6 +511,11 @@ macro_rules! retrying {
 }
 
 impl PostgresStore {
+    /// How long the server lets a transaction of the store wait on the client before it ends
+    /// the transaction and its session (`idle_in_transaction_session_timeout`): a node stalled
+    /// inside one then holds its locks no longer (see the module's doc).
+    pub const STALLED_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(10);
+
     /// Connects to the database at `url` (`postgres://user:password@host:port/database`, or a
     /// `key=value` connection string) and uses its current schema (the first existing schema of
     /// the role's `search_path`, usually `public`).
@@ -526,6 +527,11 @@ impl PostgresStore {
     /// with the legacy `schema_version = "8"` is adopted in place; any other stamp, or `flue_*`
     /// tables without a stamp, is refused without changing anything
     /// ([`StoreError::FormatVersion`]).
+    ///
+    /// Its connections end a transaction left waiting on the client for
+    /// [`Self::STALLED_TRANSACTION_TIMEOUT`] (`idle_in_transaction_session_timeout`, see the
+    /// module's doc); a URL whose `options` set that keeps its own, e.g.
+    /// `?options=-c%20idle_in_transaction_session_timeout%3D5000`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::open(url, None).await
     }
@@ -552,7 +558,7 @@ impl PostgresStore {
             .get_options()
             .is_some_and(|options| options.contains("idle_in_transaction_session_timeout"))
         {
-            let timeout = STALLED_TRANSACTION_TIMEOUT.as_millis();
+            let timeout = Self::STALLED_TRANSACTION_TIMEOUT.as_millis();
             add_option(
                 &mut config,
                 &format!("-c idle_in_transaction_session_timeout={timeout}"),
