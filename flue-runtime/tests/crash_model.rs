@@ -38,12 +38,15 @@
 //!
 //! On Postgres, the store several nodes share, a life may also pause at its crash point
 //! instead of dying, as a suspended process or a node cut off from the database does: its
-//! store calls and its tools wait, the later lives take its work over, and once the last one
-//! finished it goes on (the write it had not made is made late; the one it had made answers
-//! late). What it does then must change nothing durable, neither the stream nor the ledger:
-//! every write of its attempts is fenced, and what it sends again converges on what the later
-//! lives admitted. (It may stall inside a transaction, holding the instance's row lock: the
-//! server ends that transaction, see the Postgres store's stalled-transaction timeout.)
+//! store calls and its tools wait, the later lives take its work over, and then it goes on
+//! (the write it had not made is made late; the one it had made answers late). Either once
+//! the last life finished: what it does then, its sender included, must change nothing
+//! durable, neither the stream nor the ledger (every write of its attempts is fenced, and what
+//! it sends again converges on what the later lives admitted). Or while the last life runs,
+//! its sender gone: its runtime is then a second node on the same data, and everything above
+//! must hold of what the two did. (A paused life may stall inside a transaction, holding the
+//! instance's row lock: the server ends that transaction, see the Postgres store's
+//! stalled-transaction timeout.)
 //!
 //! The model answers from the conversation it is sent (which exchange, which step), not from a
 //! queue of replies, so a step redone after the crash gets the answer the first attempt got.
@@ -388,29 +391,39 @@ fn calls_of(n: usize, step: usize, calls: &[(String, Value)]) -> ModelResponse {
 ///
 /// With `paused`, the life does not die there but stalls, as a node the database cannot hear
 /// or a suspended process does: its store calls and its tools wait (the write not made is
-/// made late, the answer of the one made comes late) until every later life has finished,
-/// and then it goes on. Nothing it does then may change what is durable: its lease was taken
-/// over, so every write of its attempts is fenced.
+/// made late, the answer of the one made comes late) until it is released, and then it goes
+/// on. Its lease was taken over meanwhile, so every write of its attempts is fenced. It is
+/// released once every later life has finished, its sender going on too (what it sends then
+/// must change nothing durable); or, with `release`, when the last life has made that many
+/// writes (at its end if it makes fewer): then its sender is gone (the client gave up), and
+/// the runtime goes on beside the last one, as a second node on the same data.
 #[derive(Clone, Copy, Debug)]
 struct Crash {
     at: usize,
     made: bool,
     paused: bool,
+    release: Option<usize>,
 }
 
 /// A store that counts its writes and, from the crash point on, never answers a call again:
 /// the process "died" there (`frozen` turns true then). With `later`, it also reads leases
 /// as that much later than they are: a later life finds the dead one's expired at once. With
 /// `released` (a paused life, see [`Crash`]), its calls wait for that to turn true, then go
-/// through.
+/// through. At each of its `releases` (a count of its writes) it releases a paused life, and
+/// from then on both read leases as they are: two live nodes, neither taking the other's
+/// leases over.
 struct Dying {
     inner: Arc<dyn Store>,
     writes: Arc<AtomicUsize>,
     crash: Option<Crash>,
     frozen: tokio::sync::watch::Sender<bool>,
-    later: u64,
+    later: std::sync::atomic::AtomicU64,
     released: Option<tokio::sync::watch::Receiver<bool>>,
+    releases: Vec<(usize, Release)>,
 }
+
+/// Releases a paused life ([`Crash`]).
+type Release = Arc<tokio::sync::watch::Sender<bool>>;
 
 enum Gate {
     Pass,
@@ -426,8 +439,18 @@ impl Dying {
             writes: Arc::default(),
             crash,
             frozen: tokio::sync::watch::Sender::new(false),
-            later: 0,
+            later: 0.into(),
             released: None,
+            releases: Vec::new(),
+        }
+    }
+
+    /// How much later than they are leases read: not at all once this life was released.
+    fn later(&self) -> u64 {
+        if self.released.as_ref().is_some_and(|released| *released.borrow()) {
+            0
+        } else {
+            self.later.load(Ordering::SeqCst)
         }
     }
 
@@ -444,6 +467,10 @@ impl Dying {
             return Gate::Pass;
         }
         let at = self.writes.fetch_add(1, Ordering::SeqCst);
+        for (_, release) in self.releases.iter().filter(|(count, _)| *count == at) {
+            self.later.store(0, Ordering::SeqCst);
+            release.send_replace(true);
+        }
         match self.crash {
             Some(crash) if at == crash.at => {
                 self.frozen.send_replace(true);
@@ -610,12 +637,12 @@ impl Store for Dying {
         now_ms: u64,
     ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, StoreError>> {
         match self.gate(false) {
-            Gate::Pass => self.inner.expired(now_ms + self.later),
+            Gate::Pass => self.inner.expired(now_ms + self.later()),
             _ => {
                 let released = self.until_released();
                 Box::pin(async move {
                     released.await;
-                    self.inner.expired(now_ms + self.later).await
+                    self.inner.expired(now_ms + self.later()).await
                 })
             }
         }
@@ -629,17 +656,17 @@ impl Store for Dying {
         now_ms: u64,
     ) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, StoreError>> {
         match self.gate(true) {
-            Gate::Pass => self.inner.reclaim(id, stale, claim, now_ms + self.later),
+            Gate::Pass => self.inner.reclaim(id, stale, claim, now_ms + self.later()),
             Gate::Dead => {
                 let released = self.until_released();
                 let (id, stale, claim) = (id.to_owned(), stale.to_owned(), claim.clone());
                 Box::pin(async move {
                     released.await;
-                    self.inner.reclaim(&id, &stale, &claim, now_ms + self.later).await
+                    self.inner.reclaim(&id, &stale, &claim, now_ms + self.later()).await
                 })
             }
             Gate::Last => {
-                let call = self.inner.reclaim(id, stale, claim, now_ms + self.later);
+                let call = self.inner.reclaim(id, stale, claim, now_ms + self.later());
                 let released = self.until_released();
                 Box::pin(async move {
                     let answer = call.await;
@@ -769,10 +796,13 @@ fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
     model: &'scope Played,
     crash: Option<Crash>,
     lives: Lives,
+    releases: Vec<(usize, Release)>,
+    done: tokio::sync::watch::Receiver<bool>,
 ) -> (Lives, bool, Option<Paused<'scope>>) {
     static LIFE: AtomicUsize = AtomicUsize::new(0);
     let name = format!("life-{}", LIFE.fetch_add(1, Ordering::Relaxed));
     let (release, released) = tokio::sync::watch::channel(false);
+    let release = Arc::new(release);
     let released = crash.filter(|crash| crash.paused).map(|_| released);
     let (report, reported) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
@@ -786,8 +816,9 @@ fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
                 .unwrap();
             tokio.block_on(async {
                 let store = Dying {
-                    later: options().lease.as_millis() as u64,
+                    later: (options().lease.as_millis() as u64).into(),
                     released: released.clone(),
+                    releases,
                     ..Dying::new(open().await, crash)
                 };
                 let mut frozen = store.frozen.subscribe();
@@ -827,7 +858,7 @@ fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
                     }
                     Ok::<_, RuntimeError>(())
                 };
-                let mut lived = std::pin::pin!(lived);
+                let mut lived = Box::pin(lived);
                 // A life that hangs ends here: a submission that never settles leaves the
                 // last life's replies short, which `check` reports.
                 let died = tokio::select! {
@@ -844,11 +875,19 @@ fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
                 }
                 report.send((then, died)).unwrap();
                 if died && let Some(released) = released {
-                    // Paused: it goes on once released, with whatever it held, until what it
-                    // sends is answered (by the lives that took its work over) and its tasks
-                    // have had their chance to write.
+                    // Paused: it goes on once released, with whatever it held…
                     self::released(Some(released)).await;
-                    let _ = tokio::time::timeout(Duration::from_secs(20), &mut lived).await;
+                    if crash.is_some_and(|crash| crash.release.is_some()) {
+                        // …beside the last life, its sender gone: its runtime alone goes on,
+                        // until the last life has finished.
+                        drop(lived);
+                        self::released(Some(done)).await;
+                    } else {
+                        // …after the last life, until what it sends is answered (the later
+                        // lives answered it).
+                        let _ = tokio::time::timeout(Duration::from_secs(20), &mut lived).await;
+                    }
+                    // Its tasks have had their chance to write.
                     tokio::time::sleep(options().lease).await;
                 }
                 LIVES.lock().unwrap_or_else(|e| e.into_inner()).remove(&name);
@@ -856,8 +895,8 @@ fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
         })
         .unwrap();
     let (lives, died) = reported.recv().unwrap();
-    if died && crash.is_some_and(|crash| crash.paused) {
-        return (lives, true, Some(Paused { release, thread }));
+    if let Some(crash) = crash.filter(|crash| died && crash.paused) {
+        return (lives, true, Some(Paused { crash, release, thread }));
     }
     thread.join().unwrap();
     (lives, died, None)
@@ -865,7 +904,8 @@ fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
 
 /// A life paused at its crash point, still running ([`life`]).
 struct Paused<'scope> {
-    release: tokio::sync::watch::Sender<bool>,
+    crash: Crash,
+    release: Release,
     thread: std::thread::ScopedJoinHandle<'scope, ()>,
 }
 
@@ -906,9 +946,11 @@ async fn crash_and_recover<F: Future<Output = Arc<dyn Store>>>(
                     .build()
                     .unwrap();
                 let mut lives = Lives::default();
-                let mut paused = Vec::new();
+                let mut paused: Vec<Paused<'_>> = Vec::new();
+                // Turns true when the last life has finished.
+                let (finish, done) = tokio::sync::watch::channel(false);
                 for crash in &crashes {
-                    let (then, died, pause) = life(scope, &open, &model, Some(*crash), lives);
+                    let (then, died, pause) = life(scope, &open, &model, Some(*crash), lives, Vec::new(), done.clone());
                     lives = then;
                     paused.extend(pause);
                     if died {
@@ -919,13 +961,19 @@ async fn crash_and_recover<F: Future<Output = Arc<dyn Store>>>(
                         });
                     }
                 }
-                let (lives, _, _) = life(scope, &open, &model, None, lives);
+                let releases = paused
+                    .iter()
+                    .filter_map(|life| Some((life.crash.release?, life.release.clone())))
+                    .collect();
+                let (lives, _, _) = life(scope, &open, &model, None, lives, releases, done);
+                finish.send_replace(true);
                 let (records, rows) = tokio.block_on(async {
                     let store = open().await;
                     (stream(&*store).await, ledger(&*store, &lives).await)
                 });
                 let checked = check(&lives, &records, exchanges);
-                // The paused lives go on (the runs they make now are theirs alone, not counted)…
+                // The paused lives not released yet go on (the runs they make now are theirs
+                // alone, not counted)…
                 for life in &paused {
                     life.release.send_replace(true);
                 }
@@ -1278,11 +1326,23 @@ fn check_stream(
 
 /// A case: the exchanges, and where the store dies in each life but the last (a fraction of
 /// the writes a whole run makes, which a later life, with less left to do, may not reach), with
-/// whether that write is made and whether the life pauses there rather than dies.
-fn case() -> impl Strategy<Value = (Vec<Exchange>, Vec<(f64, bool, bool)>)> {
+/// whether that write is made, whether the life pauses there rather than dies, and when the
+/// last life releases it (also a fraction of the whole run's writes; none: once it finished).
+type Crashes = Vec<(f64, bool, bool, Option<f64>)>;
+
+fn case() -> impl Strategy<Value = (Vec<Exchange>, Crashes)> {
     (
         prop::collection::vec(exchange(), 1..4),
-        prop::collection::vec((0.0..1.0f64, any::<bool>(), prop::bool::weighted(0.4)), 1..4),
+        prop::collection::vec(
+            (
+                0.0..1.0f64,
+                any::<bool>(),
+                prop::bool::weighted(0.4),
+                // The last life has less left to do: early in it.
+                prop::option::weighted(0.5, 0.0..0.5f64),
+            ),
+            1..4,
+        ),
     )
 }
 
@@ -1305,7 +1365,8 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
         let store = MemoryStore::new();
         let model = model_of(&exchanges);
         let open = memory(&store);
-        let whole = std::thread::scope(|scope| life(scope, &open, &model, None, Lives::default()).0);
+        let done = tokio::sync::watch::channel(true).1;
+        let whole = std::thread::scope(|scope| life(scope, &open, &model, None, Lives::default(), Vec::new(), done).0);
         check(&whole, &stream(&store).await, &exchanges)?;
         // Truncating: each crash is at one of the writes the whole run made.
         #[allow(
@@ -1315,10 +1376,11 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
         )]
         let crashes: Vec<Crash> = deaths
             .iter()
-            .map(|(fraction, made, paused)| Crash {
+            .map(|(fraction, made, paused, release)| Crash {
                 at: (fraction * whole.writes as f64) as usize,
                 made: *made,
                 paused: *paused,
+                release: release.map(|fraction| (fraction * whole.writes as f64) as usize),
             })
             .collect();
         crash_and_recover("memory store", memory(&MemoryStore::new()), &exchanges, &crashes).await?;
