@@ -1390,13 +1390,12 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
         #[cfg(feature = "postgres")]
         if let Some(url) = harness::postgres_url("the crash model on Postgres") {
             use flue_runtime::store::PostgresStore;
-            // A paused life may stall inside a transaction: the server ends it after this
-            // (the store's own default, 10 s, is for a 30 s lease).
-            let separator = if url.contains('?') { '&' } else { '?' };
-            let url = format!("{url}{separator}options=-c%20idle_in_transaction_session_timeout%3D300");
             let schema = harness::fresh_schema("flue_crash");
             let postgres = || async {
-                Arc::new(PostgresStore::connect_with_schema(&url, &schema).await.unwrap()) as Arc<dyn Store>
+                // A paused life may stall inside a transaction: the server ends it after this
+                // (the store's own default, 10 s, is for a 30 s lease).
+                let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+                Arc::new(store.with_stalled_transaction_timeout(Duration::from_millis(300))) as Arc<dyn Store>
             };
             crash_and_recover("Postgres", postgres, &exchanges, &crashes).await?;
         }

@@ -20,11 +20,15 @@
 //! A node that stalls inside one of those transactions (a suspended process, a node cut off
 //! from the database mid-call) would keep the instance row locked, and every other node's work
 //! on the instance, a takeover of the stalled node's lease included, would wait for as long as
-//! its connection lived. So the store's connections set `idle_in_transaction_session_timeout`
-//! ([`PostgresStore::STALLED_TRANSACTION_TIMEOUT`], under the runtime's default 30 s lease; a
-//! URL whose `options` set it keeps its own): the server ends such a transaction and its
-//! session, which releases the locks. The store's transactions wait on the client only between
-//! statements it sends back to back.
+//! its connection lived. So each transaction the store opens sets
+//! `idle_in_transaction_session_timeout` for itself (`SET LOCAL`, sent with its first
+//! statement, so it costs no round trip):
+//! [`PostgresStore::STALLED_TRANSACTION_TIMEOUT`] by default, under the runtime's default 30 s
+//! lease ([`PostgresStore::with_stalled_transaction_timeout`]). The server then ends such a
+//! transaction and its session, which releases the locks. The store's transactions wait on the
+//! client only between statements it sends back to back. (A transaction-scoped setting, not
+//! the connection's: it holds behind a pooler such as PgBouncer in transaction mode, which also
+//! refuses such a setting as a startup parameter.)
 //!
 //! Clocks: every time stored in `flue_submissions` (`lease_until_ms`, `timeout_at_ms`) and every
 //! time a row is compared with (an expiry scan's or a takeover's `now_ms`) is in the database's
@@ -294,6 +298,8 @@ pub struct PostgresStore {
     pool: Pool,
     /// The database clock's offset from this node's.
     clock: Arc<Clock>,
+    /// The `SET LOCAL idle_in_transaction_session_timeout` each transaction begins with.
+    stalled_transaction: Arc<str>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -481,13 +487,17 @@ fn corrupt(what: impl fmt::Display) -> StoreError {
 
 /// Runs `$body` (an expression using the transaction `$tx`, yielding `Result<T, Failure>`) in a
 /// transaction of a pooled connection and commits it; reruns it when Postgres rolled it back as
-/// a deadlock or serialization victim.
+/// a deadlock or serialization victim. The transaction first limits how long it may wait on
+/// this node (the module's doc): that statement goes out with the body's first one.
 macro_rules! in_transaction {
     ($store:expr, |$tx:ident| $body:expr) => {
         retrying!(async {
             let mut client = $store.client().await?;
             let $tx = client.transaction().await?;
-            let value = $body?;
+            // Polled first, so sent first: the body's statements run under the limit.
+            let (limited, value) = futures_util::join!($tx.batch_execute(&$store.stalled_transaction), async { $body });
+            limited?;
+            let value = value?;
             $tx.commit().await?;
             Ok(value)
         })
@@ -511,10 +521,20 @@ macro_rules! retrying {
 }
 
 impl PostgresStore {
-    /// How long the server lets a transaction of the store wait on the client before it ends
-    /// the transaction and its session (`idle_in_transaction_session_timeout`): a node stalled
-    /// inside one then holds its locks no longer (see the module's doc).
+    /// How long the server lets a transaction of the store wait on the client, by default,
+    /// before it ends the transaction and its session (`idle_in_transaction_session_timeout`):
+    /// a node stalled inside one then holds its locks no longer (see the module's doc).
     pub const STALLED_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// Sets how long the server lets a transaction of this store wait on the client before it
+    /// ends it ([`Self::STALLED_TRANSACTION_TIMEOUT`] by default). Keep it well under the
+    /// runtime's lease, so a node that takes a stalled one's lease over does not wait on its
+    /// locks, and well over a pause a healthy node makes mid-transaction. At least a
+    /// millisecond; `Duration::ZERO` would turn the limit off.
+    pub fn with_stalled_transaction_timeout(mut self, timeout: Duration) -> Self {
+        self.stalled_transaction = stalled_transaction(timeout);
+        self
+    }
 
     /// Connects to the database at `url` (`postgres://user:password@host:port/database`, or a
     /// `key=value` connection string) and uses its current schema (the first existing schema of
@@ -528,10 +548,9 @@ impl PostgresStore {
     /// tables without a stamp, is refused without changing anything
     /// ([`StoreError::FormatVersion`]).
     ///
-    /// Its connections end a transaction left waiting on the client for
-    /// [`Self::STALLED_TRANSACTION_TIMEOUT`] (`idle_in_transaction_session_timeout`, see the
-    /// module's doc); a URL whose `options` set that keeps its own, e.g.
-    /// `?options=-c%20idle_in_transaction_session_timeout%3D5000`.
+    /// The server ends a transaction of the store left waiting on the client for
+    /// [`Self::STALLED_TRANSACTION_TIMEOUT`] (see the module's doc and
+    /// [`Self::with_stalled_transaction_timeout`]).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::open(url, None).await
     }
@@ -553,16 +572,6 @@ impl PostgresStore {
         if let Some(schema) = schema {
             let search_path = format!("-c search_path={}", escape_option(&quote_identifier(schema)));
             add_option(&mut config, &search_path);
-        }
-        if !config
-            .get_options()
-            .is_some_and(|options| options.contains("idle_in_transaction_session_timeout"))
-        {
-            let timeout = Self::STALLED_TRANSACTION_TIMEOUT.as_millis();
-            add_option(
-                &mut config,
-                &format!("-c idle_in_transaction_session_timeout={timeout}"),
-            );
         }
         if config.get_application_name().is_none() {
             config.application_name("flue-runtime");
@@ -587,6 +596,7 @@ impl PostgresStore {
         let store = Self {
             pool,
             clock: Arc::new(Clock::new(Offset { ms: 0, error_ms: 0 })),
+            stalled_transaction: stalled_transaction(Self::STALLED_TRANSACTION_TIMEOUT),
         };
         if let Some(schema) = schema {
             store.create_schema(schema).await?;
@@ -727,6 +737,13 @@ impl PostgresStore {
 /// `name` as a quoted SQL identifier.
 fn quote_identifier(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// The statement that limits how long a transaction may wait on the client (at least 1 ms:
+/// 0 would turn the limit off).
+fn stalled_transaction(timeout: Duration) -> Arc<str> {
+    let ms = timeout.as_millis().max(1);
+    format!("SET LOCAL idle_in_transaction_session_timeout = {ms}").into()
 }
 
 /// Adds `option` (`-c name=value`) to the connection's `options` startup parameter.
@@ -2119,49 +2136,66 @@ mod tests {
         assert_eq!(batches[0].offset, 0);
     }
 
-    /// `url` (of the `postgres://` form) with `-c name=value` in its `options`.
-    fn with_setting(url: &str, setting: &str) -> String {
-        let separator = if url.contains('?') { '&' } else { '?' };
-        format!("{url}{separator}options=-c%20{}", setting.replace('=', "%3D"))
-    }
-
-    async fn stalled_transaction_timeout(store: &PostgresStore) -> String {
-        let client = store.pool.get().await.unwrap();
-        let row = client
-            .query_one("SHOW idle_in_transaction_session_timeout", &[])
-            .await
-            .unwrap();
-        row.get(0)
-    }
-
     #[tokio::test]
     async fn a_transaction_that_stalls_on_the_client_is_ended_by_the_server_and_its_locks_released() {
         let Some(url) = test_url() else { return };
-        let store = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
-        assert_eq!(stalled_transaction_timeout(&store).await, "10s");
-        // A URL that sets the timeout keeps its own: here a short one.
-        let url = with_setting(&url, "idle_in_transaction_session_timeout=300");
-        let store = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
-        assert_eq!(stalled_transaction_timeout(&store).await, "300ms");
+        let store = PostgresStore::connect_with_schema(&url, &fresh_schema())
+            .await
+            .unwrap()
+            .with_stalled_transaction_timeout(Duration::from_millis(300));
         store.admit(admission("d-1", "assistant", "held")).await.unwrap();
         // A node that stalls holding the instance's row lock, as one suspended mid-call does…
-        let mut stalled = store.pool.get().await.unwrap();
-        let transaction = stalled.transaction().await.unwrap();
-        transaction
-            .execute(
-                "SELECT uid FROM flue_instances WHERE agent = 'assistant' AND instance_id = 'held' FOR NO KEY UPDATE",
-                &[],
-            )
+        let stalled = async {
+            in_transaction!(store, |tx| {
+                async {
+                let limit: String = tx
+                    .query_one("SHOW idle_in_transaction_session_timeout", &[])
+                    .await?
+                    .get(0);
+                tx.execute(
+                    "SELECT uid FROM flue_instances WHERE agent = 'assistant' AND instance_id = 'held' FOR NO KEY UPDATE",
+                    &[],
+                )
+                .await?;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                tx.execute("SELECT 1", &[]).await?;
+                Ok::<_, Failure>(limit)
+            }
             .await
-            .unwrap();
+            })
+        };
         // …holds up another's write to the instance only until the server ends its transaction.
         let key = InstanceKey::new("assistant", "held");
-        let aborted = tokio::time::timeout(Duration::from_secs(10), store.request_abort(&key))
-            .await
-            .expect("the write waited for the stalled transaction's lock")
-            .unwrap();
+        let other = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::timeout(Duration::from_millis(1500), store.request_abort(&key)).await
+        };
+        let (stalled, other) = tokio::join!(stalled, other);
+        assert!(stalled.is_err(), "the stalled transaction was ended: {stalled:?}");
+        let aborted = other.expect("the write did not wait for the stall to end").unwrap();
         assert_eq!(aborted, ["d-1"]);
-        assert!(transaction.commit().await.is_err(), "the stalled transaction was ended");
+        // Each transaction runs under the limit; the store's default one is 10 s.
+        let limit = in_transaction!(store, |tx| async {
+            Ok::<String, Failure>(
+                tx.query_one("SHOW idle_in_transaction_session_timeout", &[])
+                    .await?
+                    .get(0),
+            )
+        }
+        .await)
+        .unwrap();
+        assert_eq!(limit, "300ms");
+        let default = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
+        let limit = in_transaction!(default, |tx| async {
+            Ok::<String, Failure>(
+                tx.query_one("SHOW idle_in_transaction_session_timeout", &[])
+                    .await?
+                    .get(0),
+            )
+        }
+        .await)
+        .unwrap();
+        assert_eq!(limit, "10s");
     }
 
     #[tokio::test]
