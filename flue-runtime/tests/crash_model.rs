@@ -31,7 +31,8 @@
 //! - no tool ran twice; a call whose outcome is not the outcome-unknown repair ran exactly once
 //!   (when its tool and arguments were valid); a durable call has its real result and one
 //!   settled record of its step (unless an abort ended its response), whose work ran once, and
-//!   again only after a death that came between the work and that record;
+//!   again only after a death that came between the work and that record (or late, in a
+//!   paused life that goes on beside the last one, below);
 //! - the persistent state counts exactly the state-writing calls whose outcome committed (an
 //!   interrupted call's write is absent);
 //! - what was durable when a runtime died is still there, unchanged, at the head of the stream.
@@ -44,7 +45,10 @@
 //! durable, neither the stream nor the ledger (every write of its attempts is fenced, and what
 //! it sends again converges on what the later lives admitted). Or while the last life runs,
 //! its sender gone: its runtime is then a second node on the same data, and everything above
-//! must hold of what the two did. (A paused life may stall inside a transaction, holding the
+//! must hold of what the two did. Only its durable steps may run their work again: it found
+//! no record of the step before it stalled and cannot know that another node made one since
+//! (durable steps run at least once across nodes that cannot tell a stalled node from a dead
+//! one). (A paused life may stall inside a transaction, holding the
 //! instance's row lock: the server ends that transaction, see the Postgres store's
 //! stalled-transaction timeout.)
 //!
@@ -87,20 +91,23 @@ struct Halt {
 }
 
 /// Where a tool's work begins: a life whose store froze runs no more of it, as a killed or
-/// stalled process does not (a paused one goes on once it is released).
-async fn work_point() {
+/// stalled process does not (a paused one goes on once it is released). Whether the work
+/// runs late: in a paused life that was released.
+async fn work_point() -> bool {
     let halt = std::thread::current()
         .name()
         .and_then(|name| LIVES.lock().unwrap_or_else(|e| e.into_inner()).get(name).cloned());
-    if let Some(halt) = halt
-        && *halt.frozen.borrow()
-    {
-        released(halt.released).await;
+    match halt {
+        Some(halt) if *halt.frozen.borrow() => {
+            released(halt.released).await;
+            true
+        }
+        _ => false,
     }
 }
 
 async fn ran(ctx: &ToolContext) {
-    work_point().await;
+    let _late = work_point().await;
     *RUNS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -116,9 +123,23 @@ fn runs() -> BTreeMap<String, usize> {
 /// after an interruption: it is durable).
 static CHARGES: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
 
+/// Of [`CHARGES`], how many ran late, in a paused life once released: it had found no record
+/// of the step before it stalled, and cannot know that another node made one since. (Durable
+/// steps run at least once across nodes that cannot tell a stalled node from a dead one.)
+static LATE_CHARGES: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
+
 fn forget_runs() {
     RUNS.lock().unwrap_or_else(|e| e.into_inner()).clear();
     CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    LATE_CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+fn charged(charges: &Mutex<BTreeMap<String, usize>>, ctx: &ToolContext) {
+    *charges
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(ctx.tool_call_id().to_owned())
+        .or_default() += 1;
 }
 
 #[derive(serde::Deserialize, schemars::JsonSchema)]
@@ -180,12 +201,10 @@ fn keeper() -> String {
             .run(|ctx, Note { note }| async move {
                 let receipt: String = ctx
                     .step("issue", async {
-                        work_point().await;
-                        *CHARGES
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .entry(ctx.tool_call_id().to_owned())
-                            .or_default() += 1;
+                        if work_point().await {
+                            charged(&LATE_CHARGES, &ctx);
+                        }
+                        charged(&CHARGES, &ctx);
                         format!("receipt {note}")
                     })
                     .await?;
@@ -1234,6 +1253,7 @@ fn check_stream(
         }
     }
     let charges = CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let late_charges = LATE_CHARGES.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut settled_steps: BTreeMap<&str, usize> = BTreeMap::new();
     for record in records {
         if let RecordBody::ToolStepSettled { tool_call_id, .. } = &record.body {
@@ -1262,8 +1282,9 @@ fn check_stream(
                 content
             );
             // Its step's work ran once, or again after a crash before the step's record was
-            // durable; never again once it was.
+            // durable; never again once it was, but late in a paused life released.
             let charged = charges.get(*id).copied().unwrap_or(0);
+            let late = late_charges.get(*id).copied().unwrap_or(0);
             prop_assert!(
                 (1..=1 + deaths.len()).contains(&charged) || (aborted && charged == 0),
                 "charge call {} charged {} times",
@@ -1276,10 +1297,11 @@ fn check_stream(
                 );
                 let then = death.charges.get(*id).copied().unwrap_or(0);
                 prop_assert!(
-                    !recorded || charged == then,
-                    "charge call {} charged {} times, {} when its step was recorded and a life died at {:?}",
+                    !recorded || charged - late == then,
+                    "charge call {} charged {} times ({} late), {} when its step was recorded and a life died at {:?}",
                     id,
                     charged,
+                    late,
                     then,
                     death.crash
                 );
