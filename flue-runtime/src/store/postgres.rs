@@ -21,7 +21,7 @@
 //! from the database mid-call) would keep the instance row locked, and every other node's work
 //! on the instance, a takeover of the stalled node's lease included, would wait for as long as
 //! its connection lived. So each transaction the store opens sets
-//! `idle_in_transaction_session_timeout` for itself (`SET LOCAL`, sent with its first
+//! `idle_in_transaction_session_timeout` for itself (as `SET LOCAL` does, sent with its first
 //! statement, so it costs no round trip):
 //! [`PostgresStore::STALLED_TRANSACTION_TIMEOUT`] by default, under the runtime's default 30 s
 //! lease ([`PostgresStore::with_stalled_transaction_timeout`]). The server then ends such a
@@ -231,6 +231,9 @@ const APPEND_BATCH_FENCED: &str = "WITH bumped AS (UPDATE flue_instances SET nex
 const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
      WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
 const LAST_BATCH: &str = "SELECT MAX(batch_offset) FROM flue_batches WHERE agent = $1 AND instance_id = $2";
+/// Limits how long the current transaction may wait on the client, in milliseconds (`SET
+/// LOCAL`, as a prepared statement).
+const LIMIT_STALL: &str = "SELECT set_config('idle_in_transaction_session_timeout', $1, true)";
 /// Whether the host submission's instance has queued work (one round trip, no locks).
 const JOINABLE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h \
      ON h.id = $1 AND NOT h.abort_requested AND s.agent = h.agent AND s.instance_id = h.instance_id \
@@ -298,8 +301,9 @@ pub struct PostgresStore {
     pool: Pool,
     /// The database clock's offset from this node's.
     clock: Arc<Clock>,
-    /// The `SET LOCAL idle_in_transaction_session_timeout` each transaction begins with.
-    stalled_transaction: Arc<str>,
+    /// The `idle_in_transaction_session_timeout` each transaction sets for itself, in
+    /// milliseconds ([`LIMIT_STALL`]).
+    stalled_transaction_ms: Arc<str>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -494,8 +498,12 @@ macro_rules! in_transaction {
         retrying!(async {
             let mut client = $store.client().await?;
             let $tx = client.transaction().await?;
-            // Polled first, so sent first: the body's statements run under the limit.
-            let (limited, value) = futures_util::join!($tx.batch_execute(&$store.stalled_transaction), async { $body });
+            // Polled first, so sent first (a prepared statement: its Parse goes out once per
+            // connection): the body's statements run under the limit.
+            let limit = $tx.prepare_cached(LIMIT_STALL).await?;
+            let ms: &str = &$store.stalled_transaction_ms;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
+            let (limited, value) = futures_util::join!($tx.execute(&limit, &params), async { $body });
             limited?;
             let value = value?;
             $tx.commit().await?;
@@ -532,7 +540,7 @@ impl PostgresStore {
     /// locks, and well over a pause a healthy node makes mid-transaction. At least a
     /// millisecond; `Duration::ZERO` would turn the limit off.
     pub fn with_stalled_transaction_timeout(mut self, timeout: Duration) -> Self {
-        self.stalled_transaction = stalled_transaction(timeout);
+        self.stalled_transaction_ms = timeout.as_millis().max(1).to_string().into();
         self
     }
 
@@ -596,7 +604,7 @@ impl PostgresStore {
         let store = Self {
             pool,
             clock: Arc::new(Clock::new(Offset { ms: 0, error_ms: 0 })),
-            stalled_transaction: stalled_transaction(Self::STALLED_TRANSACTION_TIMEOUT),
+            stalled_transaction_ms: Self::STALLED_TRANSACTION_TIMEOUT.as_millis().to_string().into(),
         };
         if let Some(schema) = schema {
             store.create_schema(schema).await?;
@@ -737,13 +745,6 @@ impl PostgresStore {
 /// `name` as a quoted SQL identifier.
 fn quote_identifier(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// The statement that limits how long a transaction may wait on the client (at least 1 ms:
-/// 0 would turn the limit off).
-fn stalled_transaction(timeout: Duration) -> Arc<str> {
-    let ms = timeout.as_millis().max(1);
-    format!("SET LOCAL idle_in_transaction_session_timeout = {ms}").into()
 }
 
 /// Adds `option` (`-c name=value`) to the connection's `options` startup parameter.
