@@ -21,14 +21,14 @@
 //! from the database mid-call) would keep the instance row locked, and every other node's work
 //! on the instance, a takeover of the stalled node's lease included, would wait for as long as
 //! its connection lived. So each transaction the store opens sets
-//! `idle_in_transaction_session_timeout` for itself (as `SET LOCAL` does, sent with its first
-//! statement, so it costs no round trip):
-//! [`PostgresStore::STALLED_TRANSACTION_TIMEOUT`] by default, under the runtime's default 30 s
-//! lease ([`PostgresStore::with_stalled_transaction_timeout`]). The server then ends such a
-//! transaction and its session, which releases the locks. The store's transactions wait on the
-//! client only between statements it sends back to back. (A transaction-scoped setting, not
-//! the connection's: it holds behind a pooler such as PgBouncer in transaction mode, which also
-//! refuses such a setting as a startup parameter.)
+//! `idle_in_transaction_session_timeout` for itself (`set_config(…, true)`, which is `SET
+//! LOCAL`: prepared once per connection, then sent with the transaction's first statement, so
+//! it adds no round trip): [`PostgresStore::STALLED_TRANSACTION_TIMEOUT`] by default, under
+//! the runtime's default 30 s lease ([`PostgresStore::with_stalled_transaction_timeout`]). The
+//! server then ends such a transaction and its session, which releases the locks. The store's
+//! transactions wait on the client only between statements it sends back to back. (A
+//! transaction-scoped setting, not the connection's: it holds behind a pooler such as PgBouncer
+//! in transaction mode, which also refuses such a setting as a startup parameter.)
 //!
 //! Clocks: every time stored in `flue_submissions` (`lease_until_ms`, `timeout_at_ms`) and every
 //! time a row is compared with (an expiry scan's or a takeover's `now_ms`) is in the database's
@@ -537,8 +537,8 @@ impl PostgresStore {
     /// Sets how long the server lets a transaction of this store wait on the client before it
     /// ends it ([`Self::STALLED_TRANSACTION_TIMEOUT`] by default). Keep it well under the
     /// runtime's lease, so a node that takes a stalled one's lease over does not wait on its
-    /// locks, and well over a pause a healthy node makes mid-transaction. At least a
-    /// millisecond; `Duration::ZERO` would turn the limit off.
+    /// locks, and well over a pause a healthy node makes mid-transaction. A timeout under a
+    /// millisecond counts as one (Postgres reads 0 as no limit).
     pub fn with_stalled_transaction_timeout(mut self, timeout: Duration) -> Self {
         self.stalled_transaction_ms = timeout.as_millis().max(1).to_string().into();
         self
@@ -579,7 +579,11 @@ impl PostgresStore {
             .map_err(|error: tokio_postgres::Error| StoreError::Other(format!("postgres: invalid URL: {error}")))?;
         if let Some(schema) = schema {
             let search_path = format!("-c search_path={}", escape_option(&quote_identifier(schema)));
-            add_option(&mut config, &search_path);
+            let options = match config.get_options() {
+                Some(existing) if !existing.trim().is_empty() => format!("{existing} {search_path}"),
+                _ => search_path,
+            };
+            config.options(options);
         }
         if config.get_application_name().is_none() {
             config.application_name("flue-runtime");
@@ -745,15 +749,6 @@ impl PostgresStore {
 /// `name` as a quoted SQL identifier.
 fn quote_identifier(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// Adds `option` (`-c name=value`) to the connection's `options` startup parameter.
-fn add_option(config: &mut tokio_postgres::Config, option: &str) {
-    let options = match config.get_options() {
-        Some(existing) if !existing.trim().is_empty() => format!("{existing} {option}"),
-        _ => option.to_owned(),
-    };
-    config.options(options);
 }
 
 /// `value` escaped for the `options` startup parameter (split at whitespace, `\` escapes).
@@ -2137,66 +2132,49 @@ mod tests {
         assert_eq!(batches[0].offset, 0);
     }
 
+    /// The `idle_in_transaction_session_timeout` a transaction of `store` runs under.
+    async fn stall_limit(store: &PostgresStore) -> String {
+        in_transaction!(store, |tx| async {
+            let row = tx.query_one("SHOW idle_in_transaction_session_timeout", &[]).await?;
+            Ok::<String, Failure>(row.get(0))
+        }
+        .await)
+        .unwrap()
+    }
+
+    /// Locks the instance `held`, then stalls on the client for `stall`, in a transaction of
+    /// `store`.
+    async fn lock_and_stall(store: &PostgresStore, stall: Duration) -> Result<(), StoreError> {
+        in_transaction!(store, |tx| async {
+            let lock =
+                "SELECT uid FROM flue_instances WHERE agent = 'assistant' AND instance_id = 'held' FOR NO KEY UPDATE";
+            tx.execute(lock, &[]).await?;
+            tokio::time::sleep(stall).await;
+            tx.execute("SELECT 1", &[]).await?;
+            Ok::<(), Failure>(())
+        }
+        .await)
+    }
+
     #[tokio::test]
     async fn a_transaction_that_stalls_on_the_client_is_ended_by_the_server_and_its_locks_released() {
         let Some(url) = test_url() else { return };
-        let store = PostgresStore::connect_with_schema(&url, &fresh_schema())
-            .await
-            .unwrap()
-            .with_stalled_transaction_timeout(Duration::from_millis(300));
+        let default = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
+        assert_eq!(stall_limit(&default).await, "10s");
+        let store = default.with_stalled_transaction_timeout(Duration::from_millis(300));
+        assert_eq!(stall_limit(&store).await, "300ms");
         store.admit(admission("d-1", "assistant", "held")).await.unwrap();
-        // A node that stalls holding the instance's row lock, as one suspended mid-call does…
-        let stalled = async {
-            in_transaction!(store, |tx| {
-                async {
-                let limit: String = tx
-                    .query_one("SHOW idle_in_transaction_session_timeout", &[])
-                    .await?
-                    .get(0);
-                tx.execute(
-                    "SELECT uid FROM flue_instances WHERE agent = 'assistant' AND instance_id = 'held' FOR NO KEY UPDATE",
-                    &[],
-                )
-                .await?;
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                tx.execute("SELECT 1", &[]).await?;
-                Ok::<_, Failure>(limit)
-            }
-            .await
-            })
-        };
-        // …holds up another's write to the instance only until the server ends its transaction.
+        // A node that stalls holding the instance's row lock, as one suspended mid-call does,
+        // holds up another's write to the instance only until the server ends its transaction.
         let key = InstanceKey::new("assistant", "held");
         let other = async {
             tokio::time::sleep(Duration::from_millis(100)).await;
             tokio::time::timeout(Duration::from_millis(1500), store.request_abort(&key)).await
         };
-        let (stalled, other) = tokio::join!(stalled, other);
-        assert!(stalled.is_err(), "the stalled transaction was ended: {stalled:?}");
-        let aborted = other.expect("the write did not wait for the stall to end").unwrap();
+        let (stalled, other) = tokio::join!(lock_and_stall(&store, Duration::from_secs(2)), other);
+        assert!(stalled.is_err(), "the stalled transaction was not ended");
+        let aborted = other.expect("the write waited for the stall to end").unwrap();
         assert_eq!(aborted, ["d-1"]);
-        // Each transaction runs under the limit; the store's default one is 10 s.
-        let limit = in_transaction!(store, |tx| async {
-            Ok::<String, Failure>(
-                tx.query_one("SHOW idle_in_transaction_session_timeout", &[])
-                    .await?
-                    .get(0),
-            )
-        }
-        .await)
-        .unwrap();
-        assert_eq!(limit, "300ms");
-        let default = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
-        let limit = in_transaction!(default, |tx| async {
-            Ok::<String, Failure>(
-                tx.query_one("SHOW idle_in_transaction_session_timeout", &[])
-                    .await?
-                    .get(0),
-            )
-        }
-        .await)
-        .unwrap();
-        assert_eq!(limit, "10s");
     }
 
     #[tokio::test]
