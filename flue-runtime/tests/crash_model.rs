@@ -48,9 +48,8 @@
 //! must hold of what the two did. Only its durable steps may run their work again: it found
 //! no record of the step before it stalled and cannot know that another node made one since
 //! (durable steps run at least once across nodes that cannot tell a stalled node from a dead
-//! one). (A paused life may stall inside a transaction, holding the
-//! instance's row lock: the server ends that transaction, see the Postgres store's
-//! stalled-transaction timeout.)
+//! one). A paused life may stall inside a transaction, holding the instance's row lock: the
+//! server ends that transaction (the Postgres store's stalled-transaction timeout).
 //!
 //! The model answers from the conversation it is sent (which exchange, which step), not from a
 //! queue of replies, so a step redone after the crash gets the answer the first attempt got.
