@@ -363,6 +363,31 @@ async fn a_llama_cpp_error_line_in_the_stream_fails_the_call_as_what_it_says() {
 }
 
 #[tokio::test]
+async fn an_error_event_that_is_not_json_fails_the_call_as_what_it_says() {
+    let server = FixtureServer::start().await;
+    // Plain text where the error object would be: the server's words, not a malformed stream.
+    server.push(FixtureReply::raw_sse([
+        "event: error\ndata: upstream overloaded, try again later\n\n",
+    ]));
+    // llama.cpp's error line with its `data: [DONE]` in the same event (no blank line between).
+    server.push(FixtureReply::raw_sse([
+        "error: {\"code\":400,\"message\":\"the request exceeds the available context size, try increasing it\",\"type\":\"exceed_context_size_error\"}\n",
+        "data: [DONE]\n\n",
+    ]));
+    let provider = openai(&server, "FLUE_TEST_KEY_TEXT_ERROR").with_retry_policy(RetryPolicy::none());
+    let (_, error) = fail(&provider, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Server, "{error}");
+    assert!(
+        error.message.contains("upstream overloaded, try again later"),
+        "{error}"
+    );
+    assert!(!error.message.contains("malformed"), "{error}");
+    let (_, error) = fail(&provider, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{error}");
+    assert!(error.message.contains("exceeds the available context size"), "{error}");
+}
+
+#[tokio::test]
 async fn a_stream_done_without_any_choice_or_finished_with_error_is_no_answer() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::raw_sse(["data: [DONE]\n\n"]));

@@ -1047,15 +1047,15 @@ impl SseDecoder for ChatDecoder {
             return Ok(Flow::Continue);
         }
         if event.event == "error" {
-            // llama.cpp's `error:` line (see the SSE decoder): the error object itself.
-            let error = parse_event_json(&self.ctx, data)?;
-            return Err(map_error(
-                &self.ctx,
-                None,
-                None,
-                &ErrorDetails::from_value(error.get("error").unwrap_or(&error)),
-                data,
-            ));
+            // llama.cpp's `error:` line (see the SSE decoder) or an `error` event: the error
+            // object itself, or text that says what went wrong. A `data: [DONE]` the server
+            // sent without a blank line before it ends up in the same event.
+            let said = data.strip_suffix("\n[DONE]").unwrap_or(data);
+            let details = match serde_json::from_str::<Value>(said) {
+                Ok(error) => ErrorDetails::from_value(error.get("error").unwrap_or(&error)),
+                Err(_) => ErrorDetails::from_value(&Value::String(said.to_owned())),
+            };
+            return Err(map_error(&self.ctx, None, None, &details, said));
         }
         if let Some(chunk) = ChunkView::parse(data) {
             self.chunk(chunk, out);
