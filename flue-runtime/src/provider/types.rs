@@ -600,13 +600,19 @@ pub trait ModelProvider: Send + Sync + 'static {
 /// The context windows of well-known model families (by the model id's last `/` segment).
 pub fn known_context_window(model: &str) -> Option<u64> {
     let name = model.rsplit('/').next().unwrap_or(model).to_ascii_lowercase();
+    // ChatGPT's gpt-5 models (`gpt-5-chat-latest`, `gpt-5.1-chat-latest`) have the window of
+    // gpt-4o, not the 400,000 of the gpt-5 family.
+    if name.starts_with("gpt-5") && name.contains("-chat") {
+        return Some(128_000);
+    }
     // What the prompt may take (gpt-5's 400,000 include its 128,000 of output), first match.
-    let table: [(&str, u64); 10] = [
+    let table: [(&str, u64); 11] = [
         ("gpt-4.1", 1_047_576),
         ("gpt-5", 272_000),
         ("gpt-4o", 128_000),
         ("gpt-4-turbo", 128_000),
         ("o1-mini", 128_000),
+        ("o1-preview", 128_000),
         ("o1", 200_000),
         ("o3", 200_000),
         ("o4", 200_000),
@@ -748,6 +754,10 @@ mod tests {
         assert_eq!(known_context_window("openai/gpt-5-mini"), Some(272_000));
         assert_eq!(known_context_window("o1-mini"), Some(128_000));
         assert_eq!(known_context_window("o1"), Some(200_000));
+        assert_eq!(known_context_window("o1-preview"), Some(128_000));
+        assert_eq!(known_context_window("gpt-5-chat-latest"), Some(128_000));
+        assert_eq!(known_context_window("openai/gpt-5.1-chat"), Some(128_000));
+        assert_eq!(known_context_window("gpt-5.1"), Some(272_000));
         assert_eq!(known_context_window("llama3.2"), None);
     }
 
