@@ -23,6 +23,14 @@ pub const RESERVED_SIGNAL_TYPES: [&str; 9] = [
 /// Largest base64 image payload accepted in one attachment, in characters.
 pub const MAX_IMAGE_DATA_LENGTH: usize = 14 * 1024 * 1024;
 
+/// Whether `text` is empty or white space as JavaScript's `String.prototype.trim` sees it (the
+/// reference's rule for blank ids and bodies): Unicode spaces and the byte order mark, but not
+/// U+0085, which JavaScript does not count as white space.
+pub fn is_blank(text: &str) -> bool {
+    text.chars()
+        .all(|c| (c.is_whitespace() && c != '\u{85}') || c == '\u{feff}')
+}
+
 /// A message delivered to an agent instance: the validated shape every transport admits.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
@@ -265,6 +273,28 @@ impl fmt::Display for DeliveredMessage {
         match self {
             Self::User(user) => write!(f, "user: {}", user.body),
             Self::Signal(signal) => write!(f, "signal {}: {}", signal.signal_type, signal.body),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_blank;
+
+    #[test]
+    fn blank_is_what_javascripts_trim_empties() {
+        for blank in [
+            "",
+            " ",
+            "\t\n\r\u{b}\u{c}",
+            "\u{feff}",
+            "\u{a0}\u{2003}\u{2028}\u{2029}\u{3000}",
+        ] {
+            assert!(is_blank(blank), "{blank:?}");
+        }
+        // U+0085 is white space to Rust, not to JavaScript.
+        for text in ["a", " a ", "\u{85}", "\u{200b}"] {
+            assert!(!is_blank(text), "{text:?}");
         }
     }
 }

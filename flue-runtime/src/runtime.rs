@@ -926,7 +926,7 @@ pub const MAX_INSTANCE_ID_CHARS: usize = 512;
 /// its index's row size, and it is a URL path segment and a log field, where line breaks and
 /// escapes are never what a client meant).
 pub(crate) fn check_instance_id(id: &str) -> Result<(), String> {
-    if id.trim().is_empty() {
+    if flue_core::message::is_blank(id) {
         return Err("[flue] dispatch() requires a non-empty \"id\" target agent instance id.".into());
     }
     let length = id.chars().count();

@@ -1472,11 +1472,24 @@ async fn bad_reads_get_the_protocols_4xx_with_the_error_envelope() {
         "stream_not_found",
     )
     .await;
-    let error = assert_error(get("/%20".to_owned()).await, 400, "invalid_request").await;
-    assert_eq!(
-        error["details"],
-        "Agent conversation URLs must end with a non-empty conversation id segment."
-    );
+    // Blank as JavaScript's `trim` sees it: a byte order mark and a no-break space too.
+    for blank in ["%20", "%EF%BB%BF", "%C2%A0%20"] {
+        let error = assert_error(get(format!("/{blank}")).await, 400, "invalid_request").await;
+        assert_eq!(
+            error["details"], "Agent conversation URLs must end with a non-empty conversation id segment.",
+            "{blank}"
+        );
+        let error = assert_error(
+            server.post(blank, json!({"kind": "user", "body": "hi"})).await,
+            400,
+            "invalid_request",
+        )
+        .await;
+        assert_eq!(
+            error["details"], "Agent conversation URLs must end with a non-empty conversation id segment.",
+            "{blank}"
+        );
+    }
     // Only a 405 names the allowed methods (an empty `allow` here would say none are).
     for blank in [
         get("/".to_owned()).await,

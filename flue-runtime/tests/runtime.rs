@@ -2060,14 +2060,18 @@ async fn unknown_agents_blank_ids_and_reserved_signals_are_refused_at_admission(
         unknown.to_string(),
         "[flue] dispatch() target agent \"nope\" is not registered."
     );
-    let blank = runtime
-        .dispatch_request("calculator", SendRequest::new(" ", "hi"))
-        .await
-        .unwrap_err();
-    assert_eq!(
-        blank.to_string(),
-        "[flue] dispatch() requires a non-empty \"id\" target agent instance id."
-    );
+    // Blank as JavaScript's `trim` sees it: a byte order mark and a no-break space too.
+    for id in [" ", "\u{feff}", "\u{a0}\u{2003}"] {
+        let blank = runtime
+            .dispatch_request("calculator", SendRequest::new(id, "hi"))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            blank.to_string(),
+            "[flue] dispatch() requires a non-empty \"id\" target agent instance id.",
+            "{id:?}"
+        );
+    }
     let reserved = runtime
         .dispatch_request("calculator", SendRequest::new("a", Signal::new("compaction", "x")))
         .await

@@ -28,11 +28,8 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     let declared_empty = content_length.is_some_and(|length| length.as_bytes() == b"0");
     let undeclared = content_length.is_none() && headers.get(header::CONTENT_TYPE).is_none();
     // Blank as JavaScript's `trim` sees it: Unicode spaces (a no-break space) and byte order
-    // marks too, but not U+0085, which JavaScript does not count as white space.
-    let blank = std::str::from_utf8(body).is_ok_and(|text| {
-        text.trim_matches(|c: char| (c.is_whitespace() && c != '\u{85}') || c == '\u{feff}')
-            .is_empty()
-    });
+    // marks too.
+    let blank = std::str::from_utf8(body).is_ok_and(flue_core::message::is_blank);
     let value = if declared_empty || undeclared || blank {
         Value::Null
     } else {

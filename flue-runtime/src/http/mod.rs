@@ -162,7 +162,7 @@ impl Routes {
     /// The instance `id` names, refusing a blank id.
     fn key(&self, id: Result<Path<String>, PathRejection>) -> Result<InstanceKey, ApiError> {
         let Path(id) = id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
-        if id.trim().is_empty() {
+        if flue_core::message::is_blank(&id) {
             return Err(ApiError::invalid_request(
                 "Agent conversation URLs must end with a non-empty conversation id segment.",
             ));

@@ -626,7 +626,7 @@ pub(super) async fn get_attachment(
     // As the reference, this route does not refuse a blank id; an id admission refuses has no
     // instance (and is not sent to the store, which may not take it), and an attachment id
     // breaking the same rule is none the store made.
-    let valid_id = id.trim().is_empty() || crate::runtime::check_instance_id(&id).is_ok();
+    let valid_id = flue_core::message::is_blank(&id) || crate::runtime::check_instance_id(&id).is_ok();
     let key = InstanceKey::new(routes.agent.clone(), id);
     let store = &routes.runtime.store;
     if !valid_id

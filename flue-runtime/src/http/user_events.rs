@@ -51,7 +51,7 @@ impl Drop for Attached {
 
 fn client_field(query: &mut HashMap<String, String>, name: &str) -> Result<Option<String>, ApiError> {
     match query.remove(name) {
-        Some(value) if value.trim().is_empty() => Ok(None),
+        Some(value) if flue_core::message::is_blank(&value) => Ok(None),
         Some(value) if value.chars().count() > MAX_CLIENT_FIELD || value.chars().any(char::is_control) => {
             Err(ApiError::invalid_request(format!(
                 "The {name} parameter must be at most {MAX_CLIENT_FIELD} printable characters."
@@ -70,7 +70,7 @@ pub(super) async fn get_user_events(
 ) -> Result<Response, ApiError> {
     let mut query: HashMap<String, String> = super::reads::pairs(query.as_deref()).collect();
     let Path(user_id) = user_id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
-    if user_id.trim().is_empty() || flue_core::lifecycle::check_user_id(&user_id).is_err() {
+    if flue_core::message::is_blank(&user_id) || flue_core::lifecycle::check_user_id(&user_id).is_err() {
         return Err(ApiError::invalid_request(
             "User URLs need a user id of 1 to 512 characters, none of them a control character.",
         ));
