@@ -1164,6 +1164,62 @@ async fn a_call_an_abort_interrupted_ends_as_an_error_in_the_history() {
     );
 }
 
+/// Nested under a path with parameters of its own (a tenant's), the routers still find their
+/// instance, attachment and user ids: the handlers take their parameters by name.
+#[tokio::test]
+async fn the_routers_work_nested_under_a_path_with_parameters_of_its_own() {
+    let model = ScriptedModel::new([]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .nest(
+            "/t/{tenant}/calc",
+            flue_runtime::http::agent_router(&runtime, "calculator", HttpOptions::default()).unwrap(),
+        )
+        .nest("/all/{tenant}", flue_runtime::http::router(&runtime));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let root = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    for (base, id) in [
+        (format!("{root}/t/acme/calc"), "one"),
+        (format!("{root}/all/acme/agents/calculator"), "two"),
+    ] {
+        model.push(ScriptedReply::text("hi"));
+        let admitted = client
+            .post(format!("{base}/{id}"))
+            .json(&json!({"kind": "user", "body": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(admitted.status().as_u16(), 202, "{base}");
+        let read = client.get(format!("{base}/{id}")).send().await.unwrap();
+        assert_eq!(read.status().as_u16(), 200, "{base}");
+        let missing = client
+            .get(format!("{base}/{id}/attachments/att_nope"))
+            .send()
+            .await
+            .unwrap();
+        assert_error(missing, 404, "attachment_not_found").await;
+        let aborted = client.post(format!("{base}/{id}/abort")).send().await.unwrap();
+        assert_eq!(aborted.status().as_u16(), 200, "{base}");
+        let blank = client.get(format!("{base}/%20")).send().await.unwrap();
+        assert_error(blank, 400, "invalid_request").await;
+    }
+    let events = client
+        .head(format!("{root}/all/acme/users/u1/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(events.status().as_u16(), 200);
+}
+
 #[tokio::test]
 async fn abort_answers_whether_anything_was_unsettled() {
     let server = Server::start().await;

@@ -158,10 +158,20 @@ struct Routes {
     updates: Arc<updates_cache::UpdatesCache>,
 }
 
+/// An instance route's `{id}`, taken by name: the router may be nested under a path with
+/// parameters of its own.
+#[derive(serde::Deserialize)]
+pub(super) struct InstancePath {
+    id: String,
+}
+
+/// What an instance route's handler takes of its path.
+pub(super) type InstanceId = Result<Path<InstancePath>, PathRejection>;
+
 impl Routes {
     /// The instance `id` names, refusing a blank id.
-    fn key(&self, id: Result<Path<String>, PathRejection>) -> Result<InstanceKey, ApiError> {
-        let Path(id) = id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    fn key(&self, id: InstanceId) -> Result<InstanceKey, ApiError> {
+        let Path(InstancePath { id }) = id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
         if flue_core::message::is_blank(&id) {
             return Err(ApiError::invalid_request(
                 "Agent conversation URLs must end with a non-empty conversation id segment.",
@@ -382,7 +392,7 @@ fn not_allowed<S: Clone + Send + Sync + 'static>(allow: &'static str) -> MethodR
 /// `POST /:id`: admission only (the response is not awaited).
 async fn post_message(
     State(routes): State<Routes>,
-    id: Result<Path<String>, PathRejection>,
+    id: InstanceId,
     OriginalUri(uri): OriginalUri,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
@@ -458,10 +468,7 @@ fn stream_url(headers: &HeaderMap, uri: &axum::http::Uri) -> String {
 }
 
 /// `POST /:id/abort`: requests an abort of every unsettled submission of the instance.
-async fn post_abort(
-    State(routes): State<Routes>,
-    id: Result<Path<String>, PathRejection>,
-) -> Result<Response, ApiError> {
+async fn post_abort(State(routes): State<Routes>, id: InstanceId) -> Result<Response, ApiError> {
     let key = routes.key(id)?;
     let affected = routes
         .runtime

@@ -171,7 +171,7 @@ fn no_store(mut response: Response, next_offset: &str, up_to_date: bool) -> Resp
 /// `GET /:id`.
 pub(super) async fn get_stream(
     State(routes): State<Routes>,
-    id: Result<Path<String>, PathRejection>,
+    id: super::InstanceId,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
     let key = routes.key(id)?;
@@ -593,7 +593,7 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, afte
 }
 
 /// `HEAD /:id`: the head offset; errors without a body.
-pub(super) async fn head_stream(State(routes): State<Routes>, id: Result<Path<String>, PathRejection>) -> Response {
+pub(super) async fn head_stream(State(routes): State<Routes>, id: super::InstanceId) -> Response {
     let result = async {
         let key = routes.key(id)?;
         // The head alone: the stream is not read.
@@ -617,12 +617,20 @@ pub(super) async fn head_stream(State(routes): State<Routes>, id: Result<Path<St
     }
 }
 
+/// The attachment route's parameters, taken by name (see [`super::InstancePath`]).
+#[derive(serde::Deserialize)]
+pub(super) struct AttachmentPath {
+    id: String,
+    attachment_id: String,
+}
+
 /// `GET /:id/attachments/:attachmentId`.
 pub(super) async fn get_attachment(
     State(routes): State<Routes>,
-    path: Result<Path<(String, String)>, PathRejection>,
+    path: Result<Path<AttachmentPath>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let Path((id, attachment_id)) = path.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    let Path(AttachmentPath { id, attachment_id }) =
+        path.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
     // As the reference, this route does not refuse a blank id; an id admission refuses has no
     // instance (and is not sent to the store, which may not take it), and an attachment id
     // breaking the same rule is none the store made.

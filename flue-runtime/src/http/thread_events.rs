@@ -9,8 +9,7 @@
 use std::convert::Infallible;
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use futures_util::StreamExt;
@@ -53,10 +52,7 @@ fn thread_event(observation: &Observation) -> Option<Value> {
 }
 
 /// `GET /:id/events`.
-pub(super) async fn get_events(
-    State(routes): State<Routes>,
-    id: Result<Path<String>, PathRejection>,
-) -> Result<Response, ApiError> {
+pub(super) async fn get_events(State(routes): State<Routes>, id: super::InstanceId) -> Result<Response, ApiError> {
     let key = routes.key(id)?;
     let events = routes.runtime.observe();
     let closed = routes.runtime.closed();

@@ -61,15 +61,21 @@ fn client_field(query: &mut HashMap<String, String>, name: &str) -> Result<Optio
     }
 }
 
+/// The user route's `{user_id}`, taken by name (see [`super::InstancePath`]).
+#[derive(serde::Deserialize)]
+pub(super) struct UserPath {
+    user_id: String,
+}
+
 /// `GET /users/:userId/events`.
 pub(super) async fn get_user_events(
     State(routes): State<UserRoutes>,
     method: Method,
-    user_id: Result<Path<String>, PathRejection>,
+    user_id: Result<Path<UserPath>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
     let mut query: HashMap<String, String> = super::reads::pairs(query.as_deref()).collect();
-    let Path(user_id) = user_id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    let Path(UserPath { user_id }) = user_id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
     if flue_core::message::is_blank(&user_id) || flue_core::lifecycle::check_user_id(&user_id).is_err() {
         return Err(ApiError::invalid_request(
             "User URLs need a user id of 1 to 512 characters, none of them a control character.",
