@@ -310,7 +310,7 @@ async fn guard(
     // detach): as guarded as a write.
     let changes_state =
         user_id.is_some() || !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
-    if changes_state && !options.allow_cross_site && from_another_site(request.headers()) {
+    if changes_state && !options.allow_cross_site && from_another_site(request.headers(), request.uri()) {
         return ApiError::forbidden(
             "A browser on another site (as its Sec-Fetch-Site or Origin says) may not change state here; set HttpOptions::allow_cross_site to serve a browser app on another site.",
         )
@@ -343,9 +343,9 @@ async fn guard(
 
 /// Whether a browser sent the request from another site: as its `Sec-Fetch-Site` says, or,
 /// from a browser that sends none (an older one, or a plain-HTTP address it does not deem
-/// trustworthy), when its `Origin` names another host than the request's `Host` (an opaque
-/// `null` origin included).
-fn from_another_site(headers: &axum::http::HeaderMap) -> bool {
+/// trustworthy), when its `Origin` names another host than the one the request was sent to
+/// (an opaque `null` origin included).
+fn from_another_site(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> bool {
     if let Some(site) = headers.get("sec-fetch-site") {
         return site.as_bytes().eq_ignore_ascii_case(b"cross-site");
     }
@@ -357,10 +357,7 @@ fn from_another_site(headers: &axum::http::HeaderMap) -> bool {
         .ok()
         .and_then(|origin| origin.split_once("://"))
         .map(|(_, authority)| authority);
-    let host = headers
-        .get(axum::http::header::HOST)
-        .and_then(|host| host.to_str().ok());
-    match (authority, host) {
+    match (authority, request_host(headers, uri)) {
         (Some(authority), Some(host)) => !authority.eq_ignore_ascii_case(host),
         _ => true,
     }
@@ -451,10 +448,7 @@ async fn post_message(
 /// or in HTTP/2's `:authority`, which arrives in the URI).
 fn stream_url(headers: &HeaderMap, uri: &axum::http::Uri) -> String {
     let path = uri.path();
-    let host = headers
-        .get(header::HOST)
-        .and_then(|host| host.to_str().ok())
-        .or_else(|| uri.authority().map(axum::http::uri::Authority::as_str));
+    let host = request_host(headers, uri);
     let scheme = headers
         .get("x-forwarded-proto")
         .and_then(|proto| proto.to_str().ok())
@@ -465,6 +459,15 @@ fn stream_url(headers: &HeaderMap, uri: &axum::http::Uri) -> String {
         Some(host) => format!("{scheme}://{host}{path}"),
         None => path.to_owned(),
     }
+}
+
+/// The host a request was sent to: its `Host` header, or over HTTP/2 (which has none) its
+/// URI's authority.
+fn request_host<'a>(headers: &'a HeaderMap, uri: &'a axum::http::Uri) -> Option<&'a str> {
+    headers
+        .get(header::HOST)
+        .and_then(|host| host.to_str().ok())
+        .or_else(|| uri.authority().map(axum::http::uri::Authority::as_str))
 }
 
 /// `POST /:id/abort`: requests an abort of every unsettled submission of the instance.
@@ -496,5 +499,28 @@ mod tests {
         let h1: axum::http::Uri = "/agents/a/c1?x=1".parse().unwrap();
         assert_eq!(stream_url(&headers, &h1), "https://front.example.com/agents/a/c1");
         assert_eq!(stream_url(&HeaderMap::new(), &h1), "/agents/a/c1");
+    }
+
+    #[test]
+    fn an_origin_is_compared_with_the_host_header_or_the_http2_authority() {
+        let origin = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::ORIGIN, HeaderValue::from_static(value));
+            headers
+        };
+        // HTTP/2: no Host header, the authority is in the request's URI.
+        let h2: axum::http::Uri = "http://127.0.0.1:8080/agents/a/c1/abort".parse().unwrap();
+        assert!(!from_another_site(&origin("http://127.0.0.1:8080"), &h2));
+        assert!(from_another_site(&origin("http://evil.example"), &h2));
+        assert!(from_another_site(&origin("null"), &h2));
+        // HTTP/1.1: the Host header.
+        let h1: axum::http::Uri = "/agents/a/c1/abort".parse().unwrap();
+        let mut same = origin("http://api.example.com");
+        same.insert(header::HOST, HeaderValue::from_static("API.example.com"));
+        assert!(!from_another_site(&same, &h1));
+        // Neither names a host: nothing to compare with.
+        assert!(from_another_site(&origin("http://api.example.com"), &h1));
+        // No Origin: not a browser's cross-site request.
+        assert!(!from_another_site(&HeaderMap::new(), &h1));
     }
 }
