@@ -20,6 +20,11 @@ pub const RESERVED_SIGNAL_TYPES: [&str; 9] = [
     "memory",
 ];
 
+/// Most attachments one user message may carry. Stricter than the reference, which sets no
+/// limit: each attachment is stored on its own and sent with every later model call of the
+/// conversation, and providers cap the images of one request (Anthropic's API at 100).
+pub const MAX_ATTACHMENTS: usize = 100;
+
 /// Largest base64 image payload accepted in one attachment, in characters.
 pub const MAX_IMAGE_DATA_LENGTH: usize = 14 * 1024 * 1024;
 
@@ -175,6 +180,9 @@ impl DeliveredMessage {
     pub fn validate(&self) -> Result<(), MessageError> {
         match self {
             Self::User(user) => {
+                if user.attachments.len() > MAX_ATTACHMENTS {
+                    return Err(MessageError::TooManyAttachments(user.attachments.len()));
+                }
                 for attachment in &user.attachments {
                     let Attachment::Image { data, .. } = attachment;
                     if data.len() > MAX_IMAGE_DATA_LENGTH {
@@ -183,7 +191,9 @@ impl DeliveredMessage {
                     if !is_image_type(attachment.mime_type()) {
                         return Err(MessageError::UnsupportedImageType(attachment.mime_type().to_owned()));
                     }
-                    attachment.bytes()?;
+                    if attachment.bytes()?.is_empty() {
+                        return Err(MessageError::EmptyImage);
+                    }
                 }
                 Ok(())
             }
@@ -231,6 +241,12 @@ pub enum MessageError {
     /// Image data that is not base64.
     #[error("Image data must be base64-encoded.")]
     InvalidImageData,
+    /// An image of no bytes.
+    #[error("Image data must not be empty.")]
+    EmptyImage,
+    /// More than [`MAX_ATTACHMENTS`] attachments (how many there were).
+    #[error("A user message carries at most 100 attachments; this one has {0}.")]
+    TooManyAttachments(usize),
     /// A MIME type that is not one of [`IMAGE_TYPES`].
     #[error("Image mimeType \"{0}\" is not supported: send image/png, image/jpeg, image/gif or image/webp.")]
     UnsupportedImageType(String),
@@ -279,7 +295,34 @@ impl fmt::Display for DeliveredMessage {
 
 #[cfg(test)]
 mod tests {
-    use super::is_blank;
+    use super::{Attachment, DeliveredMessage, MessageError, UserMessage, is_blank};
+
+    #[test]
+    fn a_user_message_has_at_most_100_attachments_none_of_them_empty() {
+        let image = |data: &str| Attachment::Image {
+            data: data.into(),
+            mime_type: "image/png".into(),
+            filename: None,
+        };
+        let message = |attachments: Vec<Attachment>| {
+            DeliveredMessage::User(UserMessage {
+                body: "hi".into(),
+                attachments,
+            })
+        };
+        assert_eq!(message(vec![image("iVBORw0KGgo="); 100]).validate(), Ok(()));
+        assert_eq!(
+            message(vec![image("iVBORw0KGgo="); 101]).validate(),
+            Err(MessageError::TooManyAttachments(101))
+        );
+        for empty in ["", "  "] {
+            assert_eq!(
+                message(vec![image(empty)]).validate(),
+                Err(MessageError::EmptyImage),
+                "{empty:?}"
+            );
+        }
+    }
 
     #[test]
     fn blank_is_what_javascripts_trim_empties() {

@@ -1398,6 +1398,16 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
             json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "PHN2Zz4=", "mimeType": "image/svg+xml"}]}),
             "not supported",
         ),
+        // No picture at all, and more pictures than any provider takes in one request: each
+        // would be stored, and sent with every later call of the conversation.
+        (
+            json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": " ", "mimeType": "image/png"}]}),
+            "must not be empty",
+        ),
+        (
+            json!({"kind": "user", "body": "hi", "attachments": vec![json!({"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"}); 101]}),
+            "at most 100 attachments; this one has 101",
+        ),
     ];
     for (body, says) in cases {
         let error = assert_error(server.post("c1", body.clone()).await, 400, "invalid_request").await;
