@@ -26,7 +26,7 @@ fn silent() {
     use_model("openai/gpt-4o-mini");
 }
 
-#[derive(serde::Deserialize, schemars::JsonSchema)]
+#[derive(serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
 struct Customer {
     #[allow(dead_code)]
     plan: String,

@@ -83,10 +83,11 @@ impl AgentDefinition {
         self
     }
 
-    /// Declares the creation-data type.
+    /// Declares the creation-data type: creation data is checked against it and recorded as it
+    /// reads the data (serialized back).
     pub fn initial_data<T>(mut self) -> Self
     where
-        T: serde::de::DeserializeOwned + schemars::JsonSchema + 'static,
+        T: serde::de::DeserializeOwned + serde::Serialize + schemars::JsonSchema + 'static,
     {
         self.initial_data = Some(InitialDataSpec::of::<T>());
         self
@@ -142,12 +143,12 @@ impl InitialDataSpec {
     /// The spec of type `T`.
     pub fn of<T>() -> Self
     where
-        T: serde::de::DeserializeOwned + schemars::JsonSchema + 'static,
+        T: serde::de::DeserializeOwned + serde::Serialize + schemars::JsonSchema + 'static,
     {
-        fn parse<T: serde::de::DeserializeOwned>(value: &Value) -> Result<Value, String> {
-            T::deserialize(value)
-                .map(|_| value.clone())
-                .map_err(|error| error.to_string())
+        /// The data as `T` reads it: keys it does not know dropped, its defaults filled in.
+        fn parse<T: serde::de::DeserializeOwned + serde::Serialize>(value: &Value) -> Result<Value, String> {
+            let parsed = T::deserialize(value).map_err(|error| error.to_string())?;
+            serde_json::to_value(parsed).map_err(|error| error.to_string())
         }
         Self {
             schema: SchemaSource::of::<T>(),

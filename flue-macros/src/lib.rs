@@ -71,7 +71,7 @@ use proc_macro::TokenStream;
 /// | --- | --- |
 /// | `name = "…"` | durable identity (`^[a-z][a-z0-9_]*$`); default: the function's name |
 /// | `description = "…"` | what the agent does (catalog, delegate description); default: the doc comment, unindented as rustdoc does it |
-/// | `initial_data = Type` | creation-data type, validated when an instance is created |
+/// | `initial_data = Type` | creation-data type (`Deserialize + Serialize + JsonSchema`): validated when an instance is created, recorded as `Type` reads it |
 /// | `durability(max_attempts = N, timeout = "90s")` | attempt budget and wall-clock limit |
 /// | `max_steps = N` | cap on model steps per response |
 /// | `hooks = [a, b]` | agent-level lifecycle hooks |

@@ -694,7 +694,7 @@ impl RuntimeInner {
     pub(crate) async fn admit_claiming(
         self: &Arc<Self>,
         agent: &str,
-        request: SendRequest,
+        mut request: SendRequest,
         kind: SubmissionKind,
         claim: Option<crate::store::Claim>,
     ) -> Result<(DispatchReceipt, Option<u64>, Option<crate::store::Submission>), RuntimeError> {
@@ -714,14 +714,19 @@ impl RuntimeInner {
         }
         let key = InstanceKey::new(agent, request.id.clone());
         let definition = agent_ref.get().definition();
-        if let (Some(data), Some(spec)) = (&request.initial_data, &definition.initial_data)
-            && self.store.instance(&key).await?.is_none()
-        {
-            (spec.parse)(data).map_err(|reason| {
-                RuntimeError::InvalidRequest(format!(
-                    "initialData does not match the agent's initial_data type: {reason}"
-                ))
-            })?;
+        // Recorded as the agent's type reads it (reference: schema-parsed), whether or not the
+        // instance exists, so a replay of a keyed send carries the same data as its first
+        // admission; checked only when it creates the instance.
+        if let (Some(data), Some(spec)) = (&mut request.initial_data, &definition.initial_data) {
+            match (spec.parse)(data) {
+                Ok(parsed) => *data = parsed,
+                Err(reason) if self.store.instance(&key).await?.is_none() => {
+                    return Err(RuntimeError::InvalidRequest(format!(
+                        "initialData does not match the agent's initial_data type: {reason}"
+                    )));
+                }
+                Err(_) => {}
+            }
         }
         let (submission_id, keyed) = match &request.idempotency_key {
             Some(idempotency_key) => {

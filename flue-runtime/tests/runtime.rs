@@ -1346,11 +1346,12 @@ async fn a_failed_turn_event_carries_its_error() {
 }
 
 #[tokio::test]
-async fn initial_data_is_validated_at_creation_only() {
-    #[derive(serde::Deserialize, schemars::JsonSchema)]
-    #[allow(dead_code)]
+async fn initial_data_is_validated_at_creation_only_and_recorded_as_its_type_reads_it() {
+    #[derive(serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
     struct Plan {
         tier: String,
+        #[serde(default)]
+        seats: u32,
     }
     let agent = FnAgent::new(AgentDefinition::new("onboard").initial_data::<Plan>(), |_| {
         use_model("scripted/x");
@@ -1367,13 +1368,14 @@ async fn initial_data_is_validated_at_creation_only() {
         matches!(bad, RuntimeError::InvalidRequest(ref message) if message.contains("initial_data")),
         "{bad}"
     );
-    runtime
-        .dispatch_request(
-            "onboard",
-            SendRequest::new("o", "hi").initial_data(json!({"tier": "pro"})),
-        )
-        .await
-        .unwrap();
+    // Keys the type does not know are dropped and its defaults filled in (reference feature
+    // 25: the birth record holds the schema-parsed data).
+    let keyed = || {
+        SendRequest::new("o", "hi")
+            .initial_data(json!({"tier": "pro", "junk": "x".repeat(64)}))
+            .idempotency_key("first")
+    };
+    let first = runtime.dispatch_request("onboard", keyed()).await.unwrap();
     let info = runtime
         .store()
         .instance(&InstanceKey::new("onboard", "o"))
@@ -1381,7 +1383,27 @@ async fn initial_data_is_validated_at_creation_only() {
         .unwrap()
         .unwrap();
     assert!(info.uid.starts_with("inst_"));
-    let _ = MemoryStore::new();
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("onboard", "o"), None)
+        .await
+        .unwrap();
+    let RecordBody::ConversationCreated { initial_data, .. } = &batches[0].records[0].body else {
+        panic!("a birth record first: {:?}", batches[0].records[0].body);
+    };
+    assert_eq!(initial_data, &Some(json!({"tier": "pro", "seats": 0})));
+    // A replay of the keyed send, as it was sent, is the same admission.
+    let replay = runtime.dispatch_request("onboard", keyed()).await.unwrap();
+    assert_eq!(replay.submission_id, first.submission_id);
+    assert!(replay.deduplicated);
+    // Data for an instance that exists is not checked (it creates nothing).
+    runtime
+        .dispatch_request(
+            "onboard",
+            SendRequest::new("o", "again").initial_data(json!({"tier": 1})),
+        )
+        .await
+        .unwrap();
 }
 
 #[agent]
