@@ -386,6 +386,17 @@ fn use_hooks_rejects_selecting_one_hook_twice() {
         render_panic(&twice),
         "[flue] use_hooks() selected the lifecycle hook \"redact_emails\" twice in one render. Select each hook once; hooks of one kind run in listed order."
     );
+    // Another hook under the same id: two hooks share the id, whatever the render meant.
+    static OTHER_REDACT: ThreadHookDefinition = ThreadHookDefinition {
+        id: "redact_emails",
+        handler: ThreadHookHandler::AfterThreadCreated(|_| Box::pin(async { Ok(()) })),
+    };
+    let other = ThreadHook::new(&OTHER_REDACT);
+    let clash = agent(move |_| use_hooks([hook, other]));
+    assert_eq!(
+        render_panic(&clash),
+        "[flue] Two lifecycle hooks share the id \"redact_emails\" (before_store_tool_result and after_thread_created); hook ids must be unique across the application."
+    );
     let once = agent(move |_| use_hooks([hook]));
     let rendered = flue_core::render_bare(&once).unwrap();
     assert_eq!(

@@ -264,11 +264,8 @@ impl RuntimeBuilder {
                 if let Some(existing) = hook_ids.insert(hook.id(), *hook)
                     && existing != *hook
                 {
-                    return Err(RuntimeError::Build(format!(
-                        "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
-                        hook.id(),
-                        existing.kind(),
-                        hook.kind()
+                    return Err(RuntimeError::Build(flue_core::lifecycle::shared_id_message(
+                        &existing, hook,
                     )));
                 }
             }

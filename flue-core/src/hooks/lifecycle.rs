@@ -20,11 +20,15 @@ pub fn use_hooks(hooks: impl IntoIterator<Item = ThreadHook>) {
         )?;
         let mut rec = frame.rec.borrow_mut();
         for selected in hooks {
-            if rec.hooks.contains(&selected) {
-                return Err(format!(
-                    "[flue] use_hooks() selected the lifecycle hook \"{}\" twice in one render. Select each hook once; hooks of one kind run in listed order.",
-                    selected.id()
-                ));
+            if let Some(existing) = rec.hooks.iter().find(|hook| hook.id() == selected.id()) {
+                return Err(if *existing == selected {
+                    format!(
+                        "[flue] use_hooks() selected the lifecycle hook \"{}\" twice in one render. Select each hook once; hooks of one kind run in listed order.",
+                        selected.id()
+                    )
+                } else {
+                    crate::lifecycle::shared_id_message(existing, &selected)
+                });
             }
             rec.hooks.push(selected);
         }

@@ -210,6 +210,16 @@ impl PartialEq for UserHook {
 
 impl Eq for UserHook {}
 
+/// What two different hooks under one id are told (the runtime's builder says it too).
+pub fn shared_id_message(first: &ThreadHook, second: &ThreadHook) -> String {
+    format!(
+        "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
+        first.id(),
+        first.kind(),
+        second.kind()
+    )
+}
+
 impl PartialEq for ThreadHook {
     fn eq(&self, other: &Self) -> bool {
         std::ptr::eq(self.0, other.0)

@@ -57,13 +57,28 @@ pub(crate) struct HookSet {
 
 impl HookSet {
     /// The set of a render: `selected` (its `use_hooks`) when non-empty, else the agent's
-    /// hooks, between the required hooks of its enabled subagent relationships.
-    pub(crate) fn resolve(definition: &AgentDefinition, selected: &[ThreadHook], subagents: &[Subagent]) -> Self {
-        Self::resolve_with(definition, selected, subagents, |name| std::env::var(name).ok())
+    /// hooks, between the required hooks of its enabled subagent relationships. Refused when
+    /// two different hooks in it share an id: the builder sees only the hooks its agents
+    /// declare, not the ones a render selects or a delegate it declares requires.
+    pub(crate) fn resolve(
+        definition: &AgentDefinition,
+        selected: &[ThreadHook],
+        subagents: &[Subagent],
+    ) -> Result<Self, String> {
+        let set = Self::resolve_with(definition, selected, subagents, |name| std::env::var(name).ok());
+        for (index, hook) in set.hooks.iter().enumerate() {
+            if let Some(other) = set.hooks[..index]
+                .iter()
+                .find(|other| other.id() == hook.id() && *other != hook)
+            {
+                return Err(flue_core::lifecycle::shared_id_message(other, hook));
+            }
+        }
+        Ok(set)
     }
 
     /// The at-rest set: the agent's hooks between the required hooks of `subagents`.
-    pub(crate) fn at_rest(definition: &AgentDefinition, subagents: &[Subagent]) -> Self {
+    pub(crate) fn at_rest(definition: &AgentDefinition, subagents: &[Subagent]) -> Result<Self, String> {
         Self::resolve(definition, &[], subagents)
     }
 
@@ -202,6 +217,25 @@ mod tests {
         let subagents = [Subagent::new("helper", "helps", child).hidden()];
         let set = HookSet::resolve_with(&parent(), &[], &subagents, |_| None);
         assert_eq!(ids(&set), ["CHILD_BEFORE", "BASE", "CHILD_AFTER"]);
+    }
+
+    #[test]
+    fn a_required_hook_under_the_id_of_another_hook_of_the_set_is_refused() {
+        // Another definition under the id `BASE` (the agent's own hook).
+        static IMPOSTOR: ThreadHookDefinition = ThreadHookDefinition {
+            id: "BASE",
+            handler: ThreadHookHandler::AfterThreadCreated(noop),
+        };
+        let clashing = child("child", vec![requirement(&IMPOSTOR, HookStage::AfterParent)]);
+        let subagents = [Subagent::new("helper", "helps", clashing)];
+        assert_eq!(
+            HookSet::resolve(&parent(), &[], &subagents).map(|set| ids(&set)).unwrap_err(),
+            "[flue] Two lifecycle hooks share the id \"BASE\" (after_thread_created and after_thread_created); hook ids must be unique across the application."
+        );
+        // The same hook twice is no clash.
+        let same = child("same", vec![requirement(&BASE, HookStage::AfterParent)]);
+        let subagents = [Subagent::new("helper", "helps", same)];
+        assert!(HookSet::resolve(&parent(), &[], &subagents).is_ok());
     }
 
     #[test]

@@ -1289,7 +1289,8 @@ impl Response<'_> {
         match result {
             Ok(Ok(())) => {
                 self.data_writer_names = Some(rendered.data_writer_names());
-                self.hooks = HookSet::resolve(self.agent.definition(), &rendered.hooks, &rendered.subagents);
+                self.hooks = HookSet::resolve(self.agent.definition(), &rendered.hooks, &rendered.subagents)
+                    .map_err(|message| Failure::failed("render_failed", message))?;
                 // With hooks selected the execution's state exists from the first render on
                 // (the streaming-time `tool_call_started` hooks need it).
                 let view = match &self.thread {
@@ -1588,7 +1589,8 @@ impl Response<'_> {
 
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
         // relationships the first render declares.
-        self.at_rest_hooks = HookSet::at_rest(definition, &rendered.subagents);
+        self.at_rest_hooks = HookSet::at_rest(definition, &rendered.subagents)
+            .map_err(|message| Failure::failed("render_failed", message))?;
         self.thread_created().await?;
 
         // Input applied (once: a re-attempt finds it in the stream), then the start seam for the
