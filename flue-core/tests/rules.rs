@@ -706,6 +706,41 @@ fn use_tool_checks_a_handlers_argument_schema_as_the_reference_use_tool_does() {
         render_panic(&numeric_progress),
         "[flue] use_tool() \"count\" progress_argument \"count\" must be a string argument."
     );
+    // A handler's name and description are checked too: a reserved name would shadow the
+    // framework's own tool.
+    let unchecked = |name: &'static str, description: &'static str| {
+        UncheckedTool(ToolDefinition::from_checked(
+            name,
+            description,
+            SchemaSource::Typed(tool_input_schema_of::<CountArgs>),
+            None,
+            &[],
+            false,
+        ))
+    };
+    for (name, description, message) in [
+        (
+            "task",
+            "Delegate.",
+            "[flue] use_tool() Tool name \"task\" is reserved by the framework. Reserved names: task, activate_skill, read_skill_resource, finish, give_up.",
+        ),
+        (
+            "two words",
+            "Count.",
+            "[flue] use_tool() name \"two words\" must match ^[A-Za-z0-9_-]{1,64}$ (what every provider accepts).",
+        ),
+        (
+            "count",
+            " ",
+            "[flue] use_tool() \"count\" description must be a non-empty string.",
+        ),
+    ] {
+        let bad = agent(move |_| {
+            use_model("openai/gpt-4o");
+            use_tool(unchecked(name, description));
+        });
+        assert_eq!(render_panic(&bad), message, "{name}");
+    }
 }
 
 // ---- use_hooks --------------------------------------------------------------------------------

@@ -229,7 +229,9 @@ mod tests {
         let clashing = child("child", vec![requirement(&IMPOSTOR, HookStage::AfterParent)]);
         let subagents = [Subagent::new("helper", "helps", clashing)];
         assert_eq!(
-            HookSet::resolve(&parent(), &[], &subagents).map(|set| ids(&set)).unwrap_err(),
+            HookSet::resolve(&parent(), &[], &subagents)
+                .map(|set| ids(&set))
+                .unwrap_err(),
             "[flue] Two lifecycle hooks share the id \"BASE\" (after_thread_created and after_thread_created); hook ids must be unique across the application."
         );
         // The same hook twice is no clash.
