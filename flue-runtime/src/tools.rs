@@ -58,10 +58,15 @@ pub(crate) async fn run_batch<'c>(
                 duration_ms: begun.elapsed().as_millis() as u64,
             };
             done(&executed);
-            executed
+            (index, executed)
         }
     });
-    stream::iter(runs).buffered(concurrency.max(1)).collect().await
+    // Unordered: a call that finished frees its place at once (`buffered` would keep it until
+    // every earlier call finished). Started in call order all the same; results in call order.
+    let mut executed: Vec<(usize, Executed<'c>)> =
+        stream::iter(runs).buffer_unordered(concurrency.max(1)).collect().await;
+    executed.sort_unstable_by_key(|(index, _)| *index);
+    executed.into_iter().map(|(_, executed)| executed).collect()
 }
 
 pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> ToolOutput {

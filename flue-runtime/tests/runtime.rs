@@ -1885,6 +1885,70 @@ async fn parallel_tool_calls_of_one_response_run_concurrently() {
 }
 
 #[agent]
+fn first_and_last_meet() -> &'static str {
+    use_model("scripted/x");
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+    for name in ["first", "last"] {
+        let barrier = barrier.clone();
+        use_tool(Tool::new(name).description("Meet the other tool.").run(
+            move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+                let barrier = barrier.clone();
+                async move {
+                    barrier.wait().await;
+                    "met"
+                }
+            },
+        ));
+    }
+    use_tool(
+        Tool::new("quick")
+            .description("Returns at once.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "quick" }),
+    );
+    "Run them."
+}
+
+/// At a limit of two, a call that finished frees its place at once: `last` starts while
+/// `first` (waiting for it) still runs, whatever their order in the batch.
+#[tokio::test]
+async fn a_finished_tool_call_frees_its_place_under_the_concurrency_limit() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("first", json!({})), ("quick", json!({})), ("last", json!({}))]),
+        ScriptedReply::text("all done"),
+    ]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(first_and_last_meet)
+        .options(RuntimeOptions {
+            tool_concurrency: 2,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&first_and_last_meet, "f").send("go"),
+    )
+    .await
+    .expect("the batch does not wait for its first call to free a place");
+    assert_eq!(reply.unwrap().text, "all done");
+    // The results go back in call order.
+    let requests = model.requests();
+    let results: Vec<&str> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ModelMessage::Tool { content, .. } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results, ["met", "quick", "met"]);
+}
+
+#[agent]
 fn fragile_tool() -> &'static str {
     use_model("scripted/x");
     use_tool(Tool::new("explode").description("Panics.").run(
