@@ -289,7 +289,7 @@ impl RuntimeBuilder {
             instances: Mutex::default(),
             slot_uses: AtomicU64::new(0),
             events,
-            event_index: AtomicU64::new(0),
+            event_index: Mutex::new(0),
             correlations: Mutex::default(),
             waiters: Mutex::default(),
             shutting_down: AtomicBool::new(false),
@@ -314,7 +314,9 @@ pub(crate) struct RuntimeInner {
     /// A clock of slot uses: which cached instance was used least recently.
     slot_uses: AtomicU64,
     events: broadcast::Sender<Observation>,
-    event_index: AtomicU64,
+    /// The next observation's index, held while the observation is sent so that observers
+    /// receive indices in the order they were given, whichever thread emits.
+    event_index: Mutex<u64>,
     /// The correlation of each submission an attempt of this node processes, by submission
     /// id: what its observations are stamped with.
     correlations: Mutex<FastMap<Arc<str>, Arc<Correlation>>>,
@@ -583,17 +585,21 @@ impl RuntimeInner {
             turn_id = turn;
             task_id
         });
-        let observation = Observation {
+        let mut observation = Observation {
             agent: key.map(|key| key.agent.to_string()),
             instance_id: key.map(|key| key.id.to_string()),
             submission_id: submission_id.map(str::to_owned),
             operation_id,
             turn_id,
             task_id,
-            event_index: self.event_index.fetch_add(1, Ordering::Relaxed),
-            timestamp: now().to_string(),
+            event_index: 0,
+            timestamp: String::new(),
             event,
         };
+        let mut next_index = self.event_index.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        observation.event_index = *next_index;
+        observation.timestamp = now().to_string();
+        *next_index += 1;
         let _ = self.events.send(observation);
     }
 
@@ -1501,6 +1507,42 @@ mod tests {
             .store(crate::store::MemoryStore::new())
             .build()
             .expect("a runtime")
+    }
+
+    #[test]
+    fn observers_receive_event_indices_in_order_whatever_thread_emits_them() {
+        let runtime = idle_runtime();
+        let mut observer = runtime.observe();
+        const PER_THREAD: usize = 1_000;
+        let collected = std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let mut indices = Vec::with_capacity(2 * PER_THREAD);
+                while indices.len() < 2 * PER_THREAD {
+                    match observer.blocking_recv() {
+                        Ok(observation) => indices.push(observation.event_index),
+                        Err(error) => panic!("the observer lagged or closed: {error}"),
+                    }
+                }
+                indices
+            });
+            for _ in 0..2 {
+                scope.spawn(|| {
+                    for _ in 0..PER_THREAD {
+                        runtime.inner.emit_recovery(
+                            Concerning::Pass,
+                            crate::events::RecoveryOperation::StartSubmission,
+                            crate::events::RecoveryOutcome::Deferred,
+                            None,
+                        );
+                        // Keeps the reader within the backlog.
+                        std::thread::yield_now();
+                    }
+                });
+            }
+            reader.join().expect("the reader")
+        });
+        let out_of_order = collected.windows(2).filter(|pair| pair[1] != pair[0] + 1).count();
+        assert_eq!(out_of_order, 0, "indices arrive as they were given, one after another");
     }
 
     fn registered_waits(runtime: &Runtime) -> usize {
