@@ -122,6 +122,73 @@ impl AgentDefinition {
         self.parent_hooks = requirements.into();
         self
     }
+
+    /// The rules `#[agent]` checks at compile time, for definitions built by hand: a valid
+    /// name, a non-blank description, positive budgets, snake_case hook ids each selected
+    /// once, and parent hooks only on an exposed agent, each with a reason. The runtime's
+    /// builder refuses a definition that breaks one.
+    pub fn check(&self) -> Result<(), String> {
+        let name = &self.name;
+        if !is_identity(name) {
+            return Err(format!(
+                "[flue] Agent name \"{name}\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$."
+            ));
+        }
+        if self
+            .description
+            .as_deref()
+            .is_some_and(|description| description.trim().is_empty())
+        {
+            return Err(format!(
+                "[flue] Agent \"{name}\" has a blank description: write what the agent does, or leave it out."
+            ));
+        }
+        if self.max_steps == Some(0) {
+            return Err(format!(
+                "[flue] Agent \"{name}\": max_steps must be a positive integer."
+            ));
+        }
+        if self.durability.max_attempts == 0 {
+            return Err(format!(
+                "[flue] Agent \"{name}\": durability max_attempts must be a positive integer."
+            ));
+        }
+        if self.durability.timeout.is_zero() {
+            return Err(format!("[flue] Agent \"{name}\": durability timeout must be positive."));
+        }
+        for (index, hook) in self.hooks.iter().enumerate() {
+            crate::lifecycle::check_hook_id(hook.id())?;
+            if self.hooks[..index].contains(hook) {
+                return Err(format!(
+                    "[flue] Agent \"{name}\" selects the lifecycle hook \"{}\" twice; select each hook once (hooks of one kind run in listed order).",
+                    hook.id()
+                ));
+            }
+        }
+        if !self.parent_hooks.is_empty() && !self.expose_as_tool {
+            return Err(format!(
+                "[flue] Agent \"{name}\" declares parent hooks but is not exposed as a tool; only an exposed agent can require hooks of its parent."
+            ));
+        }
+        for (index, requirement) in self.parent_hooks.iter().enumerate() {
+            let id = requirement.hook.id();
+            crate::lifecycle::check_hook_id(id)?;
+            if self.parent_hooks[..index]
+                .iter()
+                .any(|earlier| earlier.hook == requirement.hook)
+            {
+                return Err(format!(
+                    "[flue] Agent \"{name}\" requires the parent hook \"{id}\" twice; require each hook once."
+                ));
+            }
+            if requirement.reason.trim().is_empty() {
+                return Err(format!(
+                    "[flue] Agent \"{name}\" requires the parent hook \"{id}\" without a reason; give one, shown to whoever composes this agent."
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `^[a-z][a-z0-9_]*$`: the identity rule of agent names and lifecycle-hook ids.

@@ -397,6 +397,16 @@ fn use_hooks_rejects_selecting_one_hook_twice() {
         render_panic(&clash),
         "[flue] Two lifecycle hooks share the id \"redact_emails\" (before_store_tool_result and after_thread_created); hook ids must be unique across the application."
     );
+    // A hook defined by hand under an id `#[hook]` would refuse.
+    static SHOUTING: ThreadHookDefinition = ThreadHookDefinition {
+        id: "Redact",
+        handler: ThreadHookHandler::AfterThreadCreated(|_| Box::pin(async { Ok(()) })),
+    };
+    let shouting = ThreadHook::new(&SHOUTING);
+    assert_eq!(
+        render_panic(&agent(move |_| use_hooks([shouting]))),
+        "[flue] The lifecycle hook id \"Redact\" must be snake_case: lowercase letters, digits and underscores, starting with a letter."
+    );
     let once = agent(move |_| use_hooks([hook]));
     let rendered = flue_core::render_bare(&once).unwrap();
     assert_eq!(

@@ -235,8 +235,10 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Builds the runtime. Fails when two agents share a name, or when two different
-    /// lifecycle hooks share an id (naming both).
+    /// Builds the runtime. Fails when an agent's definition breaks a rule `#[agent]` checks
+    /// at compile time ([`flue_core::agent::AgentDefinition::check`]), when a hook id is not
+    /// snake_case, when two agents share a name, or when two different lifecycle hooks share
+    /// an id (naming both).
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let store = match self.store {
             Some(store) => store,
@@ -250,6 +252,7 @@ impl RuntimeBuilder {
         let mut hook_ids: HashMap<&'static str, flue_core::lifecycle::ThreadHook> = HashMap::new();
         for agent in &self.agents {
             let definition = agent.get().definition();
+            definition.check().map_err(RuntimeError::Build)?;
             let name = definition.name.to_string();
             if agents.insert(name.clone(), agent.clone()).is_some() {
                 return Err(RuntimeError::Build(format!(

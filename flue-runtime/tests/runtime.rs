@@ -2184,6 +2184,98 @@ async fn two_agents_with_one_name_or_two_hooks_with_one_id_do_not_build() {
     );
 }
 
+#[test]
+fn a_hand_built_definition_that_breaks_a_compile_time_rule_does_not_build() {
+    use flue_core::agent::{Durability, HookStage, ParentHookRequirement};
+    use flue_core::lifecycle::{ThreadHook, ThreadHookDefinition, ThreadHookHandler};
+    static CAMEL: ThreadHookDefinition = ThreadHookDefinition {
+        id: "RedactEmails",
+        handler: ThreadHookHandler::AfterThreadCreated(|_| Box::pin(async { Ok(()) })),
+    };
+    static AUDIT: ThreadHookDefinition = ThreadHookDefinition {
+        id: "audit",
+        handler: ThreadHookHandler::AfterThreadCreated(|_| Box::pin(async { Ok(()) })),
+    };
+    let audit = ThreadHook::new(&AUDIT);
+    let required = |reason: &'static str| ParentHookRequirement {
+        hook: audit,
+        stage: HookStage::AfterParent,
+        reason,
+    };
+    let build = |definition: AgentDefinition| {
+        Runtime::builder()
+            .store(MemoryStore::new())
+            .agent(AgentRef::new(FnAgent::new(definition, |_| use_model("scripted/x"))))
+            .build()
+            .err()
+            .map(|error| error.to_string())
+    };
+    let mut renamed = AgentDefinition::new("helper");
+    renamed.name = "Helper".into();
+    let cases = [
+        (
+            renamed,
+            "[flue] Agent name \"Helper\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$.",
+        ),
+        (
+            AgentDefinition::new("helper").description(" \n"),
+            "[flue] Agent \"helper\" has a blank description: write what the agent does, or leave it out.",
+        ),
+        (
+            AgentDefinition::new("helper").max_steps(0),
+            "[flue] Agent \"helper\": max_steps must be a positive integer.",
+        ),
+        (
+            AgentDefinition::new("helper").durability(Durability {
+                max_attempts: 0,
+                ..Durability::DEFAULT
+            }),
+            "[flue] Agent \"helper\": durability max_attempts must be a positive integer.",
+        ),
+        (
+            AgentDefinition::new("helper").durability(Durability {
+                timeout: std::time::Duration::ZERO,
+                ..Durability::DEFAULT
+            }),
+            "[flue] Agent \"helper\": durability timeout must be positive.",
+        ),
+        (
+            AgentDefinition::new("helper").hooks(vec![ThreadHook::new(&CAMEL)]),
+            "[flue] The lifecycle hook id \"RedactEmails\" must be snake_case: lowercase letters, digits and underscores, starting with a letter.",
+        ),
+        (
+            AgentDefinition::new("helper").hooks(vec![audit, audit]),
+            "[flue] Agent \"helper\" selects the lifecycle hook \"audit\" twice; select each hook once (hooks of one kind run in listed order).",
+        ),
+        (
+            AgentDefinition::new("helper").parent_hooks(vec![required("audits")]),
+            "[flue] Agent \"helper\" declares parent hooks but is not exposed as a tool; only an exposed agent can require hooks of its parent.",
+        ),
+        (
+            AgentDefinition::new("helper")
+                .expose_as_tool()
+                .parent_hooks(vec![required("audits"), required("again")]),
+            "[flue] Agent \"helper\" requires the parent hook \"audit\" twice; require each hook once.",
+        ),
+        (
+            AgentDefinition::new("helper")
+                .expose_as_tool()
+                .parent_hooks(vec![required(" ")]),
+            "[flue] Agent \"helper\" requires the parent hook \"audit\" without a reason; give one, shown to whoever composes this agent.",
+        ),
+    ];
+    for (definition, message) in cases {
+        assert_eq!(build(definition).as_deref(), Some(message));
+    }
+    let sound = AgentDefinition::new("helper")
+        .description("Helps.")
+        .max_steps(1)
+        .hooks(vec![audit])
+        .expose_as_tool()
+        .parent_hooks(vec![required("audits")]);
+    assert_eq!(build(sound), None, "a definition within the rules builds");
+}
+
 /// Hand the conversation to a person.
 #[tool(terminate)]
 async fn escalate(

@@ -30,6 +30,7 @@ pub fn use_hooks(hooks: impl IntoIterator<Item = ThreadHook>) {
                     crate::lifecycle::shared_id_message(existing, &selected)
                 });
             }
+            crate::lifecycle::check_hook_id(selected.id())?;
             rec.hooks.push(selected);
         }
         Ok(())

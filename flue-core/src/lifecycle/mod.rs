@@ -210,6 +210,18 @@ impl PartialEq for UserHook {
 
 impl Eq for UserHook {}
 
+/// Refuses a lifecycle-hook id that is not snake_case (`^[a-z][a-z0-9_]*$`), the rule
+/// `#[hook]` checks at compile time, for hooks defined by hand.
+pub fn check_hook_id(id: &str) -> Result<(), String> {
+    if crate::agent::is_identity(id) {
+        Ok(())
+    } else {
+        Err(format!(
+            "[flue] The lifecycle hook id \"{id}\" must be snake_case: lowercase letters, digits and underscores, starting with a letter."
+        ))
+    }
+}
+
 /// What two different hooks under one id are told (the runtime's builder says it too).
 pub fn shared_id_message(first: &ThreadHook, second: &ThreadHook) -> String {
     format!(

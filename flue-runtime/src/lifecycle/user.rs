@@ -333,6 +333,7 @@ impl UserStateApi for RuntimeUser {
 pub(crate) fn unique_user_hooks(hooks: Vec<UserHook>) -> Result<Vec<UserHook>, String> {
     let mut unique: Vec<UserHook> = Vec::with_capacity(hooks.len());
     for hook in hooks {
+        flue_core::lifecycle::check_hook_id(hook.id())?;
         match unique.iter().find(|other| other.id() == hook.id()) {
             Some(other) if *other == hook => {}
             Some(other) => {
