@@ -762,6 +762,100 @@ async fn a_join_cut_off_before_its_input_was_saved_rejoins_in_order_after_a_take
     assert_eq!(model.requests().len(), 1);
 }
 
+static SEAMS_RUN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[agent]
+fn seam_keeper() -> &'static str {
+    use_model("scripted/x");
+    use_agent_start(|ctx| {
+        let body = ctx.delivery().body().to_owned();
+        async move {
+            SEAMS_RUN.lock().unwrap().push(body);
+        }
+    });
+    "Greet."
+}
+
+/// A node joined a delivery into its response, saved the delivery's input and died before
+/// the delivery's `use_agent_start` seam ran. The node that takes the response over runs
+/// the seam: the join is put back and rejoins, its input already in place.
+#[tokio::test]
+async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after_a_takeover() {
+    use flue_runtime::store::now_ms;
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("both answered")]);
+    let key = InstanceKey::new("seam_keeper", "g-join");
+    store
+        .admit(harness::admission(&key, "sub_host", "first"))
+        .await
+        .unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 100,
+    };
+    store.claim_next(&key, &dead).await.unwrap().unwrap();
+    store
+        .admit(harness::admission(&key, "sub_joined", "second"))
+        .await
+        .unwrap();
+    let host = AttemptRef {
+        submission_id: "sub_host".into(),
+        attempt_id: "attempt_dead".into(),
+    };
+    assert_eq!(store.claim_joinable(&host).await.unwrap().len(), 1);
+    // The dead node's durable progress: the host's input and seam, then the joined input.
+    let record = |submission: &str, body: RecordBody| Record {
+        id: format!("record_{}", ulid_like()),
+        submission_id: Some(submission.into()),
+        attempt_id: Some("attempt_dead".into()),
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        body,
+    };
+    let user = |id: &str, body: &str| RecordBody::UserMessage {
+        message_id: id.into(),
+        body: body.into(),
+        attachments: Vec::new(),
+    };
+    for batch in [
+        vec![record("sub_host", user("m1", "first"))],
+        vec![record("sub_host", RecordBody::AgentStartRun)],
+        vec![record("sub_joined", user("m2", "second"))],
+    ] {
+        store.append(&key, batch.into(), Some(&host)).await.unwrap();
+    }
+    SEAMS_RUN.lock().unwrap().clear();
+    let runtime = taking_over(&store, &model, seam_keeper).await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&seam_keeper, "g-join").read("sub_host"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(reply.text, "both answered");
+    assert_eq!(
+        *SEAMS_RUN.lock().unwrap(),
+        ["second"],
+        "the joined delivery's seam ran, once"
+    );
+    let users: Vec<String> = model.requests()[0]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ModelMessage::User { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(users, ["first", "second"], "the input is not saved twice");
+    let row = store.submission("sub_joined").await.unwrap().unwrap();
+    assert_eq!(
+        (row.joined_into.as_deref(), row.outcome),
+        (Some("sub_host"), Some(Outcome::Completed))
+    );
+    assert_eq!(model.requests().len(), 1);
+}
+
 #[tokio::test]
 async fn a_resumed_response_that_already_answered_settles_without_calling_the_model_again() {
     use flue_runtime::store::{Claim, now_ms};

@@ -2096,6 +2096,10 @@ impl Response<'_> {
             }
             match row.status {
                 SubmissionStatus::Joined => {}
+                // Its input saved but its start seam not run: left to be reverted below, it
+                // rejoins at the join point before turn 1, where the seam runs (the input is
+                // found in the stream and not saved again).
+                SubmissionStatus::Joining if !self.conversation.has_started(&id) => continue,
                 SubmissionStatus::Joining => {
                     if !self
                         .runtime
