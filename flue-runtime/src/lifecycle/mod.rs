@@ -231,7 +231,7 @@ mod tests {
         assert_eq!(
             HookSet::resolve(&parent(), &[], &subagents)
                 .map(|set| ids(&set))
-                .unwrap_err(),
+                .expect_err("a required hook under a taken id"),
             "[flue] Two lifecycle hooks share the id \"BASE\" (after_thread_created and after_thread_created); hook ids must be unique across the application."
         );
         // The same hook twice is no clash.
