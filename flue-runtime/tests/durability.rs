@@ -763,6 +763,8 @@ async fn a_join_cut_off_before_its_input_was_saved_rejoins_in_order_after_a_take
 }
 
 static SEAMS_RUN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// The tests reading [`SEAMS_RUN`] run one at a time.
+static SEAMS_SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[agent]
 fn seam_keeper() -> &'static str {
@@ -776,27 +778,22 @@ fn seam_keeper() -> &'static str {
     "Greet."
 }
 
-/// A node joined a delivery into its response, saved the delivery's input and died before
-/// the delivery's `use_agent_start` seam ran. The node that takes the response over runs
-/// the seam: the join is put back and rejoins, its input already in place.
-#[tokio::test]
-async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after_a_takeover() {
+/// What a dead node left: the host `sub_host` ("first") claimed by `attempt_dead` with its
+/// input and start seam saved, and `sub_joined` ("second") claimed into it with only its
+/// input saved (its `use_agent_start` seam never ran). The host may run `max_attempts`.
+async fn a_join_cut_off_before_its_seam(store: &FaultyStore, key: &InstanceKey, max_attempts: u32) {
     use flue_runtime::store::now_ms;
-    let store = FaultyStore::default();
-    let model = ScriptedModel::new([ScriptedReply::text("both answered")]);
-    let key = InstanceKey::new("seam_keeper", "g-join");
-    store
-        .admit(harness::admission(&key, "sub_host", "first"))
-        .await
-        .unwrap();
+    let mut host_admission = harness::admission(key, "sub_host", "first");
+    host_admission.max_attempts = max_attempts;
+    store.admit(host_admission).await.unwrap();
     let dead = Claim {
         attempt_id: "attempt_dead".into(),
         owner_id: "owner_dead".into(),
         lease_until_ms: now_ms() + 100,
     };
-    store.claim_next(&key, &dead).await.unwrap().unwrap();
+    store.claim_next(key, &dead).await.unwrap().unwrap();
     store
-        .admit(harness::admission(&key, "sub_joined", "second"))
+        .admit(harness::admission(key, "sub_joined", "second"))
         .await
         .unwrap();
     let host = AttemptRef {
@@ -804,7 +801,6 @@ async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after
         attempt_id: "attempt_dead".into(),
     };
     assert_eq!(store.claim_joinable(&host).await.unwrap().len(), 1);
-    // The dead node's durable progress: the host's input and seam, then the joined input.
     let record = |submission: &str, body: RecordBody| Record {
         id: format!("record_{}", ulid_like()),
         submission_id: Some(submission.into()),
@@ -822,8 +818,20 @@ async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after
         vec![record("sub_host", RecordBody::AgentStartRun)],
         vec![record("sub_joined", user("m2", "second"))],
     ] {
-        store.append(&key, batch.into(), Some(&host)).await.unwrap();
+        store.append(key, batch.into(), Some(&host)).await.unwrap();
     }
+}
+
+/// A node joined a delivery into its response, saved the delivery's input and died before
+/// the delivery's `use_agent_start` seam ran. The node that takes the response over runs
+/// the seam: the join is put back and rejoins, its input already in place.
+#[tokio::test]
+async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after_a_takeover() {
+    let _serial = SEAMS_SERIAL.lock().await;
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("both answered")]);
+    let key = InstanceKey::new("seam_keeper", "g-join");
+    a_join_cut_off_before_its_seam(&store, &key, 10).await;
     SEAMS_RUN.lock().unwrap().clear();
     let runtime = taking_over(&store, &model, seam_keeper).await;
     let reply = tokio::time::timeout(
@@ -854,6 +862,36 @@ async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after
         (Some("sub_host"), Some(Outcome::Completed))
     );
     assert_eq!(model.requests().len(), 1);
+}
+
+/// The same cut-off join, taken over by an attempt the budget does not allow: the response
+/// ends there, and the join settles with it (as the reference's "record exists ⇒ finalize")
+/// instead of going back to the queue for a run of its own.
+#[tokio::test]
+async fn a_join_cut_off_before_its_seam_settles_with_a_response_out_of_attempts() {
+    let _serial = SEAMS_SERIAL.lock().await;
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("never asked")]);
+    let key = InstanceKey::new("seam_keeper", "g-spent");
+    a_join_cut_off_before_its_seam(&store, &key, 1).await;
+    SEAMS_RUN.lock().unwrap().clear();
+    let runtime = taking_over(&store, &model, seam_keeper).await;
+    let error = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&seam_keeper, "g-spent").read("sub_host"),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert!(error.to_string().contains("attempt"), "{error}");
+    let row = store.submission("sub_joined").await.unwrap().unwrap();
+    assert_eq!(
+        (row.joined_into.as_deref(), row.outcome),
+        (Some("sub_host"), Some(Outcome::Failed)),
+        "settled with its host"
+    );
+    assert!(SEAMS_RUN.lock().unwrap().is_empty());
+    assert!(model.requests().is_empty());
 }
 
 #[tokio::test]

@@ -548,14 +548,14 @@ impl InstanceSlot {
             Ok(()) if answered => response.run().await,
             // Ended before the response runs: the deliveries an earlier attempt joined settle
             // with it all the same.
-            Ok(()) if abort_requested => response.resolve_earlier_joins().await.and(Err(Failure::aborted())),
+            Ok(()) if abort_requested => response.resolve_earlier_joins(false).await.and(Err(Failure::aborted())),
             // The budget counts every attempt, the interrupted ones included.
             Ok(()) if submission.attempt_count > submission.max_attempts => {
                 let mut error = budget_spent(input_applied, submission.attempt_count - 1, submission.max_attempts);
                 if let Some((_, calls)) = response.conversation.open_calls().filter(|_| input_applied) {
                     error = with_interrupted_tools(error, calls);
                 }
-                response.resolve_earlier_joins().await.and(Err(Failure {
+                response.resolve_earlier_joins(false).await.and(Err(Failure {
                     outcome: Outcome::Failed,
                     error,
                     transient: false,
@@ -1528,20 +1528,21 @@ impl Response<'_> {
     }
 
     async fn run(&mut self) -> Result<(), Failure> {
-        // Deliveries an earlier attempt joined into this response settle with it, each with
-        // its own record and event.
-        self.resolve_earlier_joins().await?;
-        self.restore_delivery_cursor().await?;
-        if self.conversation.has_stepped(&self.submission.id) {
-            self.attempt.stream_data();
-        }
         let definition = self.agent.definition();
         let deadline = deadline_of(self.submission, definition.durability.timeout);
         // A resumed response that already ended (in a final answer, or in its finish batch)
         // settles as it is.
         let already_answered = self.conversation.has_ended(&self.submission.id);
-        if !already_answered && Instant::now() >= deadline {
+        let out_of_time = !already_answered && Instant::now() >= deadline;
+        // Deliveries an earlier attempt joined into this response settle with it, each with
+        // its own record and event.
+        self.resolve_earlier_joins(!out_of_time).await?;
+        if out_of_time {
             return Err(timed_out());
+        }
+        self.restore_delivery_cursor().await?;
+        if self.conversation.has_stepped(&self.submission.id) {
+            self.attempt.stream_data();
         }
         // The init render: model, thinking level and compaction are submission-scoped.
         let rendered = self.render()?;
@@ -2078,7 +2079,12 @@ impl Response<'_> {
     /// Takes over the deliveries an earlier attempt of this response joined (their input is
     /// in the stream, unsettled): a join interrupted before it was finalized is finalized, as
     /// its record exists. They settle with this attempt, through its settlement records.
-    async fn resolve_earlier_joins(&mut self) -> Result<(), Failure> {
+    ///
+    /// When the response goes on (`rejoin`), a join whose input is saved but whose start
+    /// seam never ran is not finalized: put back in the queue, it rejoins before turn 1 and
+    /// its seam runs then. A response that ends here (aborted, out of attempts or of time)
+    /// finalizes it too, so that it settles with the response it joined.
+    async fn resolve_earlier_joins(&mut self, rejoin: bool) -> Result<(), Failure> {
         let host = self.submission.id.clone();
         let candidates: Vec<String> = self
             .conversation
@@ -2099,7 +2105,7 @@ impl Response<'_> {
                 // Its input saved but its start seam not run: left to be reverted below, it
                 // rejoins at the join point before turn 1, where the seam runs (the input is
                 // found in the stream and not saved again).
-                SubmissionStatus::Joining if !self.conversation.has_started(&id) => continue,
+                SubmissionStatus::Joining if rejoin && !self.conversation.has_started(&id) => continue,
                 SubmissionStatus::Joining => {
                     if !self
                         .runtime

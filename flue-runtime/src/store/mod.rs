@@ -585,7 +585,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Puts back in the queue every delivery still claimed into `host`'s submission but never
     /// applied (`joining`): what an earlier attempt of the response claimed before it died,
-    /// whose input is not in the stream (reference §3.9 step 10: such a join reverts). A
+    /// whose input is not in the stream (reference §3.9 step 10: such a join reverts) or
+    /// whose start seam did not run (it rejoins and runs it, its input already saved). A
     /// resumed attempt calls it after finalizing the joins whose input is in the stream and
     /// before it claims any itself, so the reverted deliveries join again ahead of later ones.
     /// Only the owning attempt can; returns how many went back.
