@@ -134,11 +134,7 @@ impl AgentDefinition {
                 "[flue] Agent name \"{name}\" is not a valid identity: use snake_case matching ^[a-z][a-z0-9_]*$."
             ));
         }
-        if self
-            .description
-            .as_deref()
-            .is_some_and(|description| description.trim().is_empty())
-        {
+        if self.description.as_deref().is_some_and(crate::message::is_blank) {
             return Err(format!(
                 "[flue] Agent \"{name}\" has a blank description: write what the agent does, or leave it out."
             ));
@@ -167,7 +163,7 @@ impl AgentDefinition {
         }
         if !self.parent_hooks.is_empty() && !self.expose_as_tool {
             return Err(format!(
-                "[flue] Agent \"{name}\" declares parent hooks but is not exposed as a tool; only an exposed agent can require hooks of its parent."
+                "[flue] Agent \"{name}\" declares parent hooks but is not exposed as a tool; only an agent with expose_as_tool can require hooks of its parents."
             ));
         }
         for (index, requirement) in self.parent_hooks.iter().enumerate() {
@@ -181,7 +177,7 @@ impl AgentDefinition {
                     "[flue] Agent \"{name}\" requires the parent hook \"{id}\" twice; require each hook once."
                 ));
             }
-            if requirement.reason.trim().is_empty() {
+            if crate::message::is_blank(requirement.reason) {
                 return Err(format!(
                     "[flue] Agent \"{name}\" requires the parent hook \"{id}\" without a reason; give one, shown to whoever composes this agent."
                 ));

@@ -194,7 +194,15 @@ impl Subagent {
                 ids.join(", ")
             ));
         }
-        Ok(())
+        // The rest of the rules `#[agent]` checks at compile time, for a delegate built by
+        // hand: it need not be registered with the runtime, whose builder checks those.
+        definition.check().map_err(|message| {
+            format!(
+                "[flue] {source} \"{}\": {}",
+                self.name,
+                message.trim_start_matches("[flue] ")
+            )
+        })
     }
 }
 

@@ -439,15 +439,34 @@ fn use_subagent_refuses_an_agent_whose_definition_selects_lifecycle_hooks() {
 }
 
 /// Standard Agents §4.3 (checklist 57, 58): parent-hook requirements fail closed, for an agent
-/// built without `#[agent]` (which checks them at compile time) too.
+/// built without `#[agent]` (which checks them at compile time) too; so do the rest of the
+/// compile-time rules, as a delegate need not be registered with the runtime.
 #[test]
-fn use_subagent_refuses_parent_hooks_of_an_unexposed_agent_a_blank_reason_or_a_repeated_hook() {
+fn use_subagent_refuses_a_hand_built_delegate_that_breaks_a_compile_time_rule() {
     let requirement = |reason: &'static str| flue_core::agent::ParentHookRequirement {
         hook: flue_core::lifecycle::ThreadHook::new(&REDACT_IN_DELEGATE),
         stage: HookStage::AfterParent,
         reason,
     };
-    let cases: [(AgentDefinition, &str); 3] = [
+    static SHOUTING: flue_core::lifecycle::ThreadHookDefinition = flue_core::lifecycle::ThreadHookDefinition {
+        id: "Redact",
+        handler: flue_core::lifecycle::ThreadHookHandler::AfterThreadCreated(|_| Box::pin(async { Ok(()) })),
+    };
+    let cases: [(AgentDefinition, &str); 5] = [
+        (
+            AgentDefinition::new("child").max_steps(0),
+            "[flue] use_subagent() \"child\": Agent \"child\": max_steps must be a positive integer.",
+        ),
+        (
+            AgentDefinition::new("child").expose_as_tool().parent_hooks(vec![
+                flue_core::agent::ParentHookRequirement {
+                    hook: flue_core::lifecycle::ThreadHook::new(&SHOUTING),
+                    stage: HookStage::AfterParent,
+                    reason: "Redacts.",
+                },
+            ]),
+            "[flue] use_subagent() \"child\": The lifecycle hook id \"Redact\" must be snake_case: lowercase letters, digits and underscores, starting with a letter.",
+        ),
         (
             AgentDefinition::new("child").parent_hooks(vec![requirement("Redacts.")]),
             "[flue] use_subagent() \"child\": its agent declares parent hooks but is not exposed as a tool; only an agent with expose_as_tool can require hooks of its parents.",

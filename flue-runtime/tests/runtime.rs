@@ -2249,7 +2249,7 @@ fn a_hand_built_definition_that_breaks_a_compile_time_rule_does_not_build() {
         ),
         (
             AgentDefinition::new("helper").parent_hooks(vec![required("audits")]),
-            "[flue] Agent \"helper\" declares parent hooks but is not exposed as a tool; only an exposed agent can require hooks of its parent.",
+            "[flue] Agent \"helper\" declares parent hooks but is not exposed as a tool; only an agent with expose_as_tool can require hooks of its parents.",
         ),
         (
             AgentDefinition::new("helper")

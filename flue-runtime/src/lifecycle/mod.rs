@@ -151,18 +151,18 @@ mod tests {
     }
 
     macro_rules! hook {
-        ($name:ident) => {
+        ($name:ident, $id:literal) => {
             static $name: ThreadHookDefinition = ThreadHookDefinition {
-                id: stringify!($name),
+                id: $id,
                 handler: ThreadHookHandler::AfterThreadCreated(noop),
             };
         };
     }
-    hook!(BASE);
-    hook!(SELECTED);
-    hook!(CHILD_BEFORE);
-    hook!(CHILD_AFTER);
-    hook!(GRANDCHILD);
+    hook!(BASE, "base");
+    hook!(SELECTED, "selected");
+    hook!(CHILD_BEFORE, "child_before");
+    hook!(CHILD_AFTER, "child_after");
+    hook!(GRANDCHILD, "grandchild");
 
     fn ids(set: &HookSet) -> Vec<&'static str> {
         set.hooks().iter().map(ThreadHook::id).collect()
@@ -197,11 +197,11 @@ mod tests {
     #[test]
     fn a_non_empty_render_selection_replaces_the_agent_hooks_and_an_empty_one_falls_back() {
         let definition = parent();
-        assert_eq!(ids(&HookSet::resolve_with(&definition, &[], &[], |_| None)), ["BASE"]);
+        assert_eq!(ids(&HookSet::resolve_with(&definition, &[], &[], |_| None)), ["base"]);
         let selected = [ThreadHook::new(&SELECTED)];
         assert_eq!(
             ids(&HookSet::resolve_with(&definition, &selected, &[], |_| None)),
-            ["SELECTED"]
+            ["selected"]
         );
     }
 
@@ -216,14 +216,14 @@ mod tests {
         );
         let subagents = [Subagent::new("helper", "helps", child).hidden()];
         let set = HookSet::resolve_with(&parent(), &[], &subagents, |_| None);
-        assert_eq!(ids(&set), ["CHILD_BEFORE", "BASE", "CHILD_AFTER"]);
+        assert_eq!(ids(&set), ["child_before", "base", "child_after"]);
     }
 
     #[test]
     fn a_required_hook_under_the_id_of_another_hook_of_the_set_is_refused() {
-        // Another definition under the id `BASE` (the agent's own hook).
+        // Another definition under the id `base` (the agent's own hook).
         static IMPOSTOR: ThreadHookDefinition = ThreadHookDefinition {
-            id: "BASE",
+            id: "base",
             handler: ThreadHookHandler::AfterThreadCreated(noop),
         };
         let clashing = child("child", vec![requirement(&IMPOSTOR, HookStage::AfterParent)]);
@@ -232,7 +232,7 @@ mod tests {
             HookSet::resolve(&parent(), &[], &subagents)
                 .map(|set| ids(&set))
                 .expect_err("a required hook under a taken id"),
-            "[flue] Two lifecycle hooks share the id \"BASE\" (after_thread_created and after_thread_created); hook ids must be unique across the application."
+            "[flue] Two lifecycle hooks share the id \"base\" (after_thread_created and after_thread_created); hook ids must be unique across the application."
         );
         // The same hook twice is no clash.
         let same = child("same", vec![requirement(&BASE, HookStage::AfterParent)]);
@@ -245,10 +245,10 @@ mod tests {
         let child = child("child", vec![requirement(&CHILD_AFTER, HookStage::AfterParent)]);
         let subagents = [Subagent::new("helper", "helps", child).optional("HELPER_ON")];
         let off = HookSet::resolve_with(&parent(), &[], &subagents, |_| None);
-        assert_eq!(ids(&off), ["BASE"]);
+        assert_eq!(ids(&off), ["base"]);
         for on in ["true", " YES ", "1"] {
             let set = HookSet::resolve_with(&parent(), &[], &subagents, |_| Some(on.to_owned()));
-            assert_eq!(ids(&set), ["BASE", "CHILD_AFTER"], "flag {on:?}");
+            assert_eq!(ids(&set), ["base", "child_after"], "flag {on:?}");
         }
     }
 
@@ -270,7 +270,7 @@ mod tests {
         let subagents = [Subagent::new("middle", "in between", middle)];
         assert_eq!(
             ids(&HookSet::resolve_with(&parent(), &[], &subagents, |_| None)),
-            ["BASE"]
+            ["base"]
         );
     }
 
@@ -290,6 +290,6 @@ mod tests {
         ];
         let selected = [ThreadHook::new(&SELECTED)];
         let set = HookSet::resolve_with(&parent(), &selected, &subagents, |_| None);
-        assert_eq!(ids(&set), ["SELECTED", "CHILD_AFTER", "GRANDCHILD", "CHILD_BEFORE"]);
+        assert_eq!(ids(&set), ["selected", "child_after", "grandchild", "child_before"]);
     }
 }
