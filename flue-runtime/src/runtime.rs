@@ -268,18 +268,19 @@ impl RuntimeBuilder {
                     && existing != *hook
                 {
                     return Err(RuntimeError::Build(flue_core::lifecycle::shared_id_message(
-                        &existing, hook,
+                        hook.id(),
+                        existing.kind(),
+                        hook.kind(),
                     )));
                 }
             }
         }
         let user_hooks = crate::lifecycle::user::unique_user_hooks(self.user_hooks).map_err(RuntimeError::Build)?;
         if let Some(clash) = user_hooks.iter().find(|hook| hook_ids.contains_key(hook.id())) {
-            return Err(RuntimeError::Build(format!(
-                "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
+            return Err(RuntimeError::Build(flue_core::lifecycle::shared_id_message(
                 clash.id(),
                 hook_ids[clash.id()].kind(),
-                clash.kind()
+                clash.kind(),
             )));
         }
         let (events, _) = broadcast::channel(OBSERVED_BACKLOG);

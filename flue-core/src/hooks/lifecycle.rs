@@ -27,7 +27,7 @@ pub fn use_hooks(hooks: impl IntoIterator<Item = ThreadHook>) {
                         selected.id()
                     )
                 } else {
-                    crate::lifecycle::shared_id_message(existing, &selected)
+                    crate::lifecycle::shared_id_message(selected.id(), existing.kind(), selected.kind())
                 });
             }
             crate::lifecycle::check_hook_id(selected.id())?;

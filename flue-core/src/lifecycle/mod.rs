@@ -222,13 +222,11 @@ pub fn check_hook_id(id: &str) -> Result<(), String> {
     }
 }
 
-/// What two different hooks under one id are told (the runtime's builder says it too).
-pub fn shared_id_message(first: &ThreadHook, second: &ThreadHook) -> String {
+/// What two different hooks under one id are told (the runtime's builder says it too):
+/// the id, then the kinds of the hook met first and of the other one.
+pub fn shared_id_message(id: &str, first: HookKind, second: HookKind) -> String {
     format!(
-        "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
-        first.id(),
-        first.kind(),
-        second.kind()
+        "[flue] Two lifecycle hooks share the id \"{id}\" ({first} and {second}); hook ids must be unique across the application."
     )
 }
 

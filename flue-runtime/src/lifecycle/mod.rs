@@ -71,7 +71,11 @@ impl HookSet {
                 .iter()
                 .find(|other| other.id() == hook.id() && *other != hook)
             {
-                return Err(flue_core::lifecycle::shared_id_message(other, hook));
+                return Err(flue_core::lifecycle::shared_id_message(
+                    hook.id(),
+                    other.kind(),
+                    hook.kind(),
+                ));
             }
         }
         Ok(set)

@@ -337,11 +337,10 @@ pub(crate) fn unique_user_hooks(hooks: Vec<UserHook>) -> Result<Vec<UserHook>, S
         match unique.iter().find(|other| other.id() == hook.id()) {
             Some(other) if *other == hook => {}
             Some(other) => {
-                return Err(format!(
-                    "[flue] Two lifecycle hooks share the id \"{}\" ({} and {}); hook ids must be unique across the application.",
+                return Err(flue_core::lifecycle::shared_id_message(
                     hook.id(),
                     other.kind(),
-                    hook.kind()
+                    hook.kind(),
                 ));
             }
             None => unique.push(hook),
