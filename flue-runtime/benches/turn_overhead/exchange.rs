@@ -10,7 +10,10 @@
 //!    multi-thread scheduler a server runs (two workers), driven from the bench's thread and
 //!    from a task on the workers (as a server's handler drives it), and again on a
 //!    current-thread scheduler, where no wake-up crosses threads. Also with the in-process
-//!    scripted model (no HTTP at all), which isolates the runtime's own cost.
+//!    scripted model (no HTTP at all), which isolates the runtime's own cost. On each
+//!    scheduler a control follows: plain reqwest with 20 µs and 60 µs of busy work (no
+//!    runtime) around its two calls, which shows what that scheduler and machine charge for
+//!    any work between the calls beyond its own length.
 //! 2. Exchanges per second at concurrency 16 over 16 instances.
 //! 3. Exchange 200 of one long conversation next to exchange 1.
 //! 4. Resident memory with 10,000 idle instances, all of their conversations cached and with
@@ -200,6 +203,68 @@ async fn plain_reqwest_exchange(client: &reqwest::Client, url: &str, bodies: &[a
     }
 }
 
+/// Keeps this thread busy for `length` without touching memory: a stand-in for work an
+/// exchange does between its HTTP calls.
+fn busy(length: Duration) {
+    let until = Instant::now() + length;
+    while Instant::now() < until {
+        std::hint::spin_loop();
+    }
+}
+
+/// Plain reqwest making the exchange's two calls with `gap` of busy work spread around them,
+/// a third before, between and after, as the runtime's work falls (admission and render; the
+/// step, the tool and its batch; the last step and the settlement).
+async fn plain_reqwest_exchange_with_gap(
+    client: &reqwest::Client,
+    url: &str,
+    bodies: &[axum::body::Bytes; 2],
+    gap: Duration,
+) {
+    busy(gap / 3);
+    for body in bodies {
+        let response = client
+            .post(url)
+            .bearer_auth("bench")
+            .header(header::ACCEPT, "text/event-stream")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .expect("send");
+        std::hint::black_box(response.bytes().await.expect("body"));
+        busy(gap / 3);
+    }
+}
+
+/// The control for the overhead figures: what `gap` of busy work, with no runtime at all,
+/// adds to plain reqwest's exchange on this scheduler, interleaved with plain reqwest alone.
+/// Where the work between the calls costs the same as its length, the overhead figures
+/// measure the runtime's work; where it costs more, the scheduler and the machine charge for
+/// the gap itself (wake-ups of a worker that went idle meanwhile), whatever code fills it.
+async fn busy_gap_control(scheduler: &str, client: &reqwest::Client, url: &str, rounds: usize) {
+    let bodies = recorded_bodies();
+    let gaps = [Duration::from_micros(20), Duration::from_micros(60)];
+    let mut plain = Vec::new();
+    let mut gapped = [Vec::new(), Vec::new()];
+    for _ in 0..rounds {
+        let started = Instant::now();
+        plain_reqwest_exchange(client, url, &bodies).await;
+        plain.push(started.elapsed());
+        for (samples, gap) in gapped.iter_mut().zip(gaps) {
+            let started = Instant::now();
+            plain_reqwest_exchange_with_gap(client, url, &bodies, gap).await;
+            samples.push(started.elapsed());
+        }
+    }
+    let plain = micros(median(plain));
+    let [twenty, sixty] = gapped.map(|samples| micros(median(samples)) - plain);
+    println!(
+        "control ({scheduler}): plain reqwest with 20 µs and 60 µs of busy work around its calls (no runtime): \
+         +{twenty:.0} µs and +{sixty:.0} µs over plain reqwest's {plain:.0} µs (medians of {rounds})"
+    );
+}
+
 fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -304,6 +369,7 @@ async fn http_overhead(
             micros(through_p99)
         );
     }
+    busy_gap_control(scheduler, &client, &url, rounds).await;
     (db, base_url, client, url)
 }
 
