@@ -3230,6 +3230,22 @@ async fn a_body_past_the_limit_is_413_request_too_large() {
 }
 
 #[tokio::test]
+async fn a_body_whose_json_would_parse_past_the_value_limits_is_413_and_creates_nothing() {
+    let server = Server::start().await;
+    // Well under the byte limit, and about 70 MiB parsed: small objects cost far more memory
+    // than their text.
+    let records = vec![json!({"n": 0}); flue_runtime::http::MAX_BODY_JSON_CONTAINERS];
+    let body = json!({"kind": "user", "body": "hi", "initialData": records});
+    let error = assert_error(server.post("many", body).await, 413, "request_too_large").await;
+    assert!(
+        error["details"].as_str().unwrap().contains("100000 JSON objects"),
+        "{error}"
+    );
+    assert!(server.model.requests().is_empty());
+    assert_eq!(server.get_json("/many").await.0, 404, "no instance was created");
+}
+
+#[tokio::test]
 async fn instance_ids_admission_refuses_are_400_and_never_reach_the_store() {
     let server = Server::start().await;
     let long = "i".repeat(flue_runtime::MAX_INSTANCE_ID_CHARS + 1);

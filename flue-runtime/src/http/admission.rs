@@ -96,6 +96,10 @@ fn declares_json(content_type: &str) -> bool {
 /// U+FFFD too (a Rust string cannot hold the surrogate itself). Both only after a failed
 /// parse: a well-formed body pays for neither.
 fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    let shape = JsonShape::of(body);
+    if shape.containers > super::MAX_BODY_JSON_CONTAINERS || shape.values > super::MAX_BODY_JSON_VALUES {
+        return Err(ApiError::json_too_large());
+    }
     serde_json::from_slice::<Value>(body).or_else(|error| {
         let text = String::from_utf8_lossy(body);
         let repaired = match without_lone_surrogates(&text) {
@@ -105,6 +109,53 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
         };
         serde_json::from_str(&repaired).map_err(|_| ApiError::invalid_json(error.to_string()))
     })
+}
+
+/// How much a JSON text holds, counted without parsing it: what its parse would allocate.
+#[derive(Debug, PartialEq, Eq)]
+struct JsonShape {
+    /// Objects and arrays.
+    containers: usize,
+    /// No fewer than the values it holds (each value but the first in a container follows a
+    /// comma): commas and containers, plus one.
+    values: usize,
+}
+
+impl JsonShape {
+    /// Counts the brackets and commas outside strings. Not a validation: text that is not JSON
+    /// is counted too, and its parse then fails.
+    fn of(text: &[u8]) -> Self {
+        let (mut containers, mut commas, mut at) = (0usize, 0usize, 0);
+        while let Some(found) = memchr::memchr3(b'"', b'{', b'[', &text[at..]) {
+            // The commas before it, outside strings (`at` is outside one).
+            commas += memchr::memchr_iter(b',', &text[at..at + found]).count();
+            at += found + 1;
+            if text[at - 1] != b'"' {
+                containers += 1;
+                continue;
+            }
+            // Inside a string: to its closing quote, past escapes (a `\"` does not close it).
+            loop {
+                match memchr::memchr2(b'"', b'\\', &text[at..]) {
+                    Some(next) if text[at + next] == b'\\' => at += next + 2,
+                    Some(next) => {
+                        at += next + 1;
+                        break;
+                    }
+                    None => {
+                        at = text.len();
+                        break;
+                    }
+                }
+                at = at.min(text.len());
+            }
+        }
+        commas += memchr::memchr_iter(b',', &text[at.min(text.len())..]).count();
+        Self {
+            containers,
+            values: commas + containers + 1,
+        }
+    }
 }
 
 /// `text` with each escape of a lone surrogate replaced by `\ufffd`; `None` when it has none.
@@ -153,6 +204,7 @@ fn message(fields: Map<String, Value>) -> Result<DeliveredMessage, ApiError> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{MAX_BODY_JSON_CONTAINERS, MAX_BODY_JSON_VALUES};
     use super::*;
 
     fn headers(content_type: Option<&'static str>, length: usize) -> HeaderMap {
@@ -198,6 +250,70 @@ mod tests {
         let body = b"{\"kind\":\"user\",\"body\":\"caf\xE9\"}";
         let request = parse("c1", &headers(Some("application/json"), body.len()), body).expect("admitted");
         assert_eq!(request.message, DeliveredMessage::user("caf\u{fffd}"));
+    }
+
+    /// A message whose `initialData` is `items` (JSON text of the array's elements, joined).
+    fn with_initial_data(items: &str) -> String {
+        format!(r#"{{"kind":"user","body":"hi","initialData":[{items}]}}"#)
+    }
+
+    fn parsed(body: &str) -> Result<SendRequest, ApiError> {
+        parse("c1", &headers(Some("application/json"), body.len()), body.as_bytes())
+    }
+
+    #[test]
+    fn a_body_past_the_json_container_limit_is_413_before_it_is_parsed() {
+        // The message object and the array are two of the containers.
+        let at_limit = with_initial_data(&vec!["{}"; MAX_BODY_JSON_CONTAINERS - 2].join(","));
+        let request = parsed(&at_limit).expect("at the limit");
+        assert_eq!(
+            request.initial_data.as_ref().and_then(Value::as_array).map(Vec::len),
+            Some(MAX_BODY_JSON_CONTAINERS - 2)
+        );
+        let past = with_initial_data(&vec!["{}"; MAX_BODY_JSON_CONTAINERS - 1].join(","));
+        let error = parsed(&past).expect_err("past the limit");
+        assert_eq!(error.status().as_u16(), 413);
+        assert_eq!(error.error_type(), "request_too_large");
+        // So is one whose excess is not JSON at all: it is refused before any parse.
+        let error = parsed(&format!("{past}!")).expect_err("past the limit");
+        assert_eq!(error.error_type(), "request_too_large");
+    }
+
+    #[test]
+    fn a_body_past_the_json_value_limit_is_413() {
+        // Four values besides the array's members: the message object, its kind, its text and
+        // the array.
+        let at_limit = with_initial_data(&vec!["0"; MAX_BODY_JSON_VALUES - 4].join(","));
+        assert_eq!(JsonShape::of(at_limit.as_bytes()).values, MAX_BODY_JSON_VALUES);
+        parsed(&at_limit).expect("at the limit");
+        let past = with_initial_data(&vec!["0"; MAX_BODY_JSON_VALUES - 3].join(","));
+        let error = parsed(&past).expect_err("past the limit");
+        assert_eq!(error.error_type(), "request_too_large");
+    }
+
+    #[test]
+    fn brackets_and_commas_inside_strings_are_not_counted() {
+        // Two commas and four brackets each, with an escaped quote and an escaped backslash:
+        // past both limits, were they counted.
+        let repeats = MAX_BODY_JSON_VALUES / 2 + 1;
+        let text = r#"[{,\"[{,\\"#.repeat(repeats);
+        let body = format!(r#"{{"kind":"user","body":"{text}"}}"#);
+        let request = parsed(&body).expect("one string");
+        assert_eq!(request.message, DeliveredMessage::user(r#"[{,"[{,\"#.repeat(repeats)));
+        assert_eq!(
+            JsonShape::of(body.as_bytes()),
+            JsonShape {
+                containers: 1,
+                values: 3
+            }
+        );
+        // An escaped backslash before the closing quote ends the string; an escaped quote
+        // does not.
+        assert_eq!(JsonShape::of(br#"["\\",[]]"#).containers, 2);
+        assert_eq!(JsonShape::of(br#"["\",[]"]"#).containers, 1);
+        // A string left open, or a backslash at the very end, ends the count.
+        assert_eq!(JsonShape::of(br#"[["abc"#).containers, 2);
+        assert_eq!(JsonShape::of(br#"["\"#).containers, 1);
     }
 
     #[test]

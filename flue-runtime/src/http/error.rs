@@ -92,6 +92,22 @@ impl ApiError {
         )
     }
 
+    /// 413 `request_too_large`: a body whose JSON holds more objects and arrays, or more
+    /// values, than [`MAX_BODY_JSON_CONTAINERS`](super::MAX_BODY_JSON_CONTAINERS) and
+    /// [`MAX_BODY_JSON_VALUES`](super::MAX_BODY_JSON_VALUES) allow.
+    pub fn json_too_large() -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            "The request body is too large.",
+            format!(
+                "Request bodies are limited to {} JSON objects and arrays and {} JSON values.",
+                super::MAX_BODY_JSON_CONTAINERS,
+                super::MAX_BODY_JSON_VALUES
+            ),
+        )
+    }
+
     /// 405 `method_not_allowed`, with the `Allow` header.
     pub fn method_not_allowed(method: &str, allow: &'static str) -> Self {
         let mut error = Self::new(
