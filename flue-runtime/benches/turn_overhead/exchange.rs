@@ -256,7 +256,7 @@ async fn busy_gap_control(scheduler: &str, client: &reqwest::Client, url: &str, 
     let [twenty, sixty] = gapped.map(|samples| micros(median(samples)) - plain);
     println!(
         "control ({scheduler}): plain reqwest with 20 µs and 60 µs of busy work around its calls (no runtime): \
-         +{twenty:.0} µs and +{sixty:.0} µs over plain reqwest's {plain:.0} µs (medians of {rounds})"
+         {twenty:+.0} µs and {sixty:+.0} µs over plain reqwest's {plain:.0} µs (medians of {rounds})"
     );
 }
 

@@ -292,6 +292,21 @@ mod tests {
     }
 
     #[test]
+    fn a_body_past_the_limit_is_refused_after_a_byte_order_mark_and_with_bytes_that_are_not_utf8() {
+        let past = with_initial_data(&vec!["{}"; MAX_BODY_JSON_CONTAINERS - 1].join(","));
+        let mut with_mark = b"\xEF\xBB\xBF".to_vec();
+        with_mark.extend_from_slice(past.as_bytes());
+        // Bytes that are not UTF-8 inside a string: its parse would take the repair path.
+        let mut not_utf8 = past.replacen("\"hi\"", "\"caf\u{1}\"", 1).into_bytes();
+        let at = not_utf8.iter().position(|&byte| byte == 1).expect("the marked byte");
+        not_utf8[at] = 0xE9;
+        for body in [with_mark, not_utf8] {
+            let error = parse("c1", &headers(Some("application/json"), body.len()), &body).expect_err("past the limit");
+            assert_eq!(error.error_type(), "request_too_large");
+        }
+    }
+
+    #[test]
     fn brackets_and_commas_inside_strings_are_not_counted() {
         // Two commas and four brackets each, with an escaped quote and an escaped backslash:
         // past both limits, were they counted.

@@ -101,7 +101,7 @@ impl ApiError {
             "request_too_large",
             "The request body is too large.",
             format!(
-                "Request bodies are limited to {} JSON objects and arrays and {} JSON values.",
+                "Request bodies are limited to {} JSON objects and arrays, and {} JSON values.",
                 super::MAX_BODY_JSON_CONTAINERS,
                 super::MAX_BODY_JSON_VALUES
             ),
