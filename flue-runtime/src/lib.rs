@@ -72,6 +72,7 @@ pub mod events;
 mod fast_map;
 mod framework;
 pub mod http;
+mod json_shape;
 pub mod lifecycle;
 pub mod mcp;
 pub mod provider;
@@ -87,6 +88,7 @@ pub mod testing;
 mod tools;
 
 pub use flue_macros::{agent, hook, tool};
+pub use json_shape::{MAX_JSON_CONTAINERS, MAX_JSON_VALUES};
 pub use runtime::{
     AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, MAX_MODEL_RETRY_WAIT, OBSERVED_BACKLOG, Runtime, RuntimeBuilder,
     RuntimeError, RuntimeOptions, SendRequest,

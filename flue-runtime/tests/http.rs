@@ -3234,7 +3234,7 @@ async fn a_body_whose_json_would_parse_past_the_value_limits_is_413_and_creates_
     let server = Server::start().await;
     // Well under the byte limit, and about 70 MiB parsed: small objects cost far more memory
     // than their text.
-    let records = vec![json!({"n": 0}); flue_runtime::http::MAX_BODY_JSON_CONTAINERS];
+    let records = vec![json!({"n": 0}); flue_runtime::MAX_JSON_CONTAINERS];
     let body = json!({"kind": "user", "body": "hi", "initialData": records});
     let error = assert_error(server.post("many", body).await, 413, "request_too_large").await;
     assert!(

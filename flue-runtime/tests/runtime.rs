@@ -3292,3 +3292,38 @@ async fn a_settled_response_keeps_nothing_it_rendered_alive() {
     assert!(rendered >= 12, "every exchange rendered twice at least: {rendered}");
     assert_eq!(held, 0, "renders whose tools are still held, of {rendered}");
 }
+
+/// A model's tool call whose arguments would parse past the JSON limits fails the call as an
+/// invalid response, not retried, before the runtime records the call or parses its
+/// arguments: 100,000 small objects are under 1 MiB of text and about 70 MiB parsed.
+#[tokio::test]
+async fn tool_call_arguments_past_the_json_limits_fail_the_call_before_anything_records_them() {
+    let records = vec![json!({}); flue_runtime::MAX_JSON_CONTAINERS];
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2, "records": records})),
+        ScriptedReply::text("never asked"),
+    ]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    match runtime.init(&calculator, "big-arguments").send("go").await {
+        Err(RuntimeError::Run {
+            error_type, message, ..
+        }) => {
+            assert_eq!(error_type, "operation_failed");
+            assert!(message.contains("100000 JSON objects"), "{message}");
+        }
+        other => panic!("expected a failed submission, got {other:?}"),
+    }
+    assert_eq!(model.requests().len(), 1, "an invalid response is not retried");
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("calculator", "big-arguments"), None)
+        .await
+        .unwrap();
+    assert!(
+        batches
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .all(|record| !matches!(record.body, RecordBody::AssistantToolCall { .. })),
+        "the call was not recorded"
+    );
+}

@@ -5,6 +5,7 @@ use flue_core::message::DeliveredMessage;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use crate::json_shape::JsonShape;
 use crate::runtime::SendRequest;
 use crate::store::{TraceContext, UidCondition};
 
@@ -96,8 +97,7 @@ fn declares_json(content_type: &str) -> bool {
 /// U+FFFD too (a Rust string cannot hold the surrogate itself). Both only after a failed
 /// parse: a well-formed body pays for neither.
 fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
-    let shape = JsonShape::of(body);
-    if shape.containers > super::MAX_BODY_JSON_CONTAINERS || shape.values > super::MAX_BODY_JSON_VALUES {
+    if !JsonShape::of(body).is_within_limits() {
         return Err(ApiError::json_too_large());
     }
     serde_json::from_slice::<Value>(body).or_else(|error| {
@@ -109,53 +109,6 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
         };
         serde_json::from_str(&repaired).map_err(|_| ApiError::invalid_json(error.to_string()))
     })
-}
-
-/// How much a JSON text holds, counted without parsing it: what its parse would allocate.
-#[derive(Debug, PartialEq, Eq)]
-struct JsonShape {
-    /// Objects and arrays.
-    containers: usize,
-    /// No fewer than the values it holds (each value but the first in a container follows a
-    /// comma): commas and containers, plus one.
-    values: usize,
-}
-
-impl JsonShape {
-    /// Counts the brackets and commas outside strings. Not a validation: text that is not JSON
-    /// is counted too, and its parse then fails.
-    fn of(text: &[u8]) -> Self {
-        let (mut containers, mut commas, mut at) = (0usize, 0usize, 0);
-        while let Some(found) = memchr::memchr3(b'"', b'{', b'[', &text[at..]) {
-            // The commas before it, outside strings (`at` is outside one).
-            commas += memchr::memchr_iter(b',', &text[at..at + found]).count();
-            at += found + 1;
-            if text[at - 1] != b'"' {
-                containers += 1;
-                continue;
-            }
-            // Inside a string: to its closing quote, past escapes (a `\"` does not close it).
-            loop {
-                match memchr::memchr2(b'"', b'\\', &text[at..]) {
-                    Some(next) if text[at + next] == b'\\' => at += next + 2,
-                    Some(next) => {
-                        at += next + 1;
-                        break;
-                    }
-                    None => {
-                        at = text.len();
-                        break;
-                    }
-                }
-                at = at.min(text.len());
-            }
-        }
-        commas += memchr::memchr_iter(b',', &text[at.min(text.len())..]).count();
-        Self {
-            containers,
-            values: commas + containers + 1,
-        }
-    }
 }
 
 /// `text` with each escape of a lone surrogate replaced by `\ufffd`; `None` when it has none.
@@ -204,8 +157,8 @@ fn message(fields: Map<String, Value>) -> Result<DeliveredMessage, ApiError> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{MAX_BODY_JSON_CONTAINERS, MAX_BODY_JSON_VALUES};
     use super::*;
+    use crate::{MAX_JSON_CONTAINERS, MAX_JSON_VALUES};
 
     fn headers(content_type: Option<&'static str>, length: usize) -> HeaderMap {
         let mut headers = HeaderMap::new();
@@ -264,13 +217,13 @@ mod tests {
     #[test]
     fn a_body_past_the_json_container_limit_is_413_before_it_is_parsed() {
         // The message object and the array are two of the containers.
-        let at_limit = with_initial_data(&vec!["{}"; MAX_BODY_JSON_CONTAINERS - 2].join(","));
+        let at_limit = with_initial_data(&vec!["{}"; MAX_JSON_CONTAINERS - 2].join(","));
         let request = parsed(&at_limit).expect("at the limit");
         assert_eq!(
             request.initial_data.as_ref().and_then(Value::as_array).map(Vec::len),
-            Some(MAX_BODY_JSON_CONTAINERS - 2)
+            Some(MAX_JSON_CONTAINERS - 2)
         );
-        let past = with_initial_data(&vec!["{}"; MAX_BODY_JSON_CONTAINERS - 1].join(","));
+        let past = with_initial_data(&vec!["{}"; MAX_JSON_CONTAINERS - 1].join(","));
         let error = parsed(&past).expect_err("past the limit");
         assert_eq!(error.status().as_u16(), 413);
         assert_eq!(error.error_type(), "request_too_large");
@@ -283,17 +236,17 @@ mod tests {
     fn a_body_past_the_json_value_limit_is_413() {
         // Four values besides the array's members: the message object, its kind, its text and
         // the array.
-        let at_limit = with_initial_data(&vec!["0"; MAX_BODY_JSON_VALUES - 4].join(","));
-        assert_eq!(JsonShape::of(at_limit.as_bytes()).values, MAX_BODY_JSON_VALUES);
+        let at_limit = with_initial_data(&vec!["0"; MAX_JSON_VALUES - 4].join(","));
+        assert_eq!(JsonShape::of(at_limit.as_bytes()).values, MAX_JSON_VALUES);
         parsed(&at_limit).expect("at the limit");
-        let past = with_initial_data(&vec!["0"; MAX_BODY_JSON_VALUES - 3].join(","));
+        let past = with_initial_data(&vec!["0"; MAX_JSON_VALUES - 3].join(","));
         let error = parsed(&past).expect_err("past the limit");
         assert_eq!(error.error_type(), "request_too_large");
     }
 
     #[test]
     fn a_body_past_the_limit_is_refused_after_a_byte_order_mark_and_with_bytes_that_are_not_utf8() {
-        let past = with_initial_data(&vec!["{}"; MAX_BODY_JSON_CONTAINERS - 1].join(","));
+        let past = with_initial_data(&vec!["{}"; MAX_JSON_CONTAINERS - 1].join(","));
         let mut with_mark = b"\xEF\xBB\xBF".to_vec();
         with_mark.extend_from_slice(past.as_bytes());
         // Bytes that are not UTF-8 inside a string: its parse would take the repair path.
@@ -310,7 +263,7 @@ mod tests {
     fn brackets_and_commas_inside_strings_are_not_counted() {
         // Two commas and four brackets each, with an escaped quote and an escaped backslash:
         // past both limits, were they counted.
-        let repeats = MAX_BODY_JSON_VALUES / 2 + 1;
+        let repeats = MAX_JSON_VALUES / 2 + 1;
         let text = r#"[{,\"[{,\\"#.repeat(repeats);
         let body = format!(r#"{{"kind":"user","body":"{text}"}}"#);
         let request = parsed(&body).expect("one string");

@@ -93,8 +93,8 @@ impl ApiError {
     }
 
     /// 413 `request_too_large`: a body whose JSON holds more objects and arrays, or more
-    /// values, than [`MAX_BODY_JSON_CONTAINERS`](super::MAX_BODY_JSON_CONTAINERS) and
-    /// [`MAX_BODY_JSON_VALUES`](super::MAX_BODY_JSON_VALUES) allow.
+    /// values, than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
+    /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow.
     pub fn json_too_large() -> Self {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -102,8 +102,8 @@ impl ApiError {
             "The request body is too large.",
             format!(
                 "Request bodies are limited to {} JSON objects and arrays, and {} JSON values.",
-                super::MAX_BODY_JSON_CONTAINERS,
-                super::MAX_BODY_JSON_VALUES
+                crate::MAX_JSON_CONTAINERS,
+                crate::MAX_JSON_VALUES
             ),
         )
     }

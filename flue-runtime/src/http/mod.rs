@@ -74,20 +74,6 @@ use crate::store::{InstanceKey, SubmissionKind};
 /// limit (14,680,064 base64 characters).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
 
-/// The most objects and arrays a request body's JSON may hold (stricter than the reference,
-/// which sets no limit). Parsed, JSON costs far more memory than its text: a body of
-/// [`MAX_BODY_BYTES`] made of small objects would take about 1.4 GiB, so a few such requests
-/// at once could exhaust a server's memory. Bodies are counted before they are parsed (text
-/// inside strings does not count), and one past a limit is refused with 413
-/// `request_too_large`. At these limits a body parses to at most about 90 MiB (objects of a
-/// dozen members are the costliest shape), plus its strings; a message, its attachments and an
-/// `initialData` of ten thousand records of a few dozen fields stay below them.
-pub const MAX_BODY_JSON_CONTAINERS: usize = 100_000;
-
-/// The most values (objects, arrays, strings, numbers, booleans and nulls) a request body's
-/// JSON may hold; see [`MAX_BODY_JSON_CONTAINERS`].
-pub const MAX_BODY_JSON_VALUES: usize = 500_000;
-
 /// Access control and the timing of live reads.
 #[derive(Clone)]
 pub struct HttpOptions {

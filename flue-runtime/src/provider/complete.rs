@@ -86,7 +86,10 @@ async fn stream_to_end(
             () = signal.aborted() => return Err(None),
         };
         match next {
-            Some(Ok(StreamEvent::Completed(response))) => return Ok(response),
+            Some(Ok(StreamEvent::Completed(response))) => {
+                response.check_tool_arguments()?;
+                return Ok(response);
+            }
             Some(Ok(event)) => observe(event),
             Some(Err(error)) => return Err(Some(error)),
             None => {
@@ -158,5 +161,68 @@ mod tests {
             *provider.allowed.lock().unwrap_or_else(|e| e.into_inner()),
             [Some(3), Some(2), Some(1), Some(0)]
         );
+    }
+
+    /// Answers every call with one tool call whose arguments are `arguments`.
+    struct Calls {
+        arguments: String,
+        calls: Mutex<u32>,
+    }
+
+    impl ModelProvider for Calls {
+        fn id(&self) -> &str {
+            "calls"
+        }
+
+        fn stream(&self, _request: &ModelRequest) -> ModelStream {
+            *self.calls.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+            let response = crate::provider::ModelResponse {
+                text: String::new(),
+                reasoning: String::new(),
+                reasoning_blocks: Vec::new(),
+                tool_calls: vec![crate::provider::ModelToolCall {
+                    id: "call_1".into(),
+                    name: "add".into(),
+                    arguments: self.arguments.clone(),
+                }],
+                stop_reason: crate::provider::StopReason::ToolUse,
+                usage: Default::default(),
+            };
+            Box::pin(futures_util::stream::iter([Ok(StreamEvent::Completed(response))]))
+        }
+    }
+
+    /// A task child's call (and a compaction's) refuses tool-call arguments past the JSON
+    /// limits as the turn loop does: an invalid response, not retried.
+    #[tokio::test]
+    async fn tool_call_arguments_past_the_json_limits_are_an_invalid_response() {
+        let request = ModelRequest {
+            model: "m".into(),
+            system: None,
+            messages: vec![crate::provider::ModelMessage::user("hi")].into(),
+            tools: Vec::new(),
+            thinking_level: flue_core::model::ThinkingLevel::Off,
+            max_output_tokens: None,
+            max_retries: Some(3),
+        };
+        let at_limit = format!("[{}]", vec!["0"; crate::MAX_JSON_VALUES - 1].join(","));
+        let past = format!("[{}]", vec!["0"; crate::MAX_JSON_VALUES].join(","));
+        for (arguments, refused) in [(at_limit, false), (past, true)] {
+            let provider = Calls {
+                arguments,
+                calls: Mutex::new(0),
+            };
+            let result = complete(&RuntimeOptions::default(), &provider, &request, &AbortSignal::new()).await;
+            match result {
+                Err(CallError::Failed(error)) => {
+                    assert!(refused, "{error}");
+                    assert_eq!(error.kind, ProviderErrorKind::InvalidResponse);
+                    assert!(error.message.contains("call_1 (add)"), "{error}");
+                }
+                Ok(response) => assert!(!refused, "{response:?}"),
+                Err(other) => panic!("{other}"),
+            }
+            assert_eq!(*provider.calls.lock().unwrap_or_else(|e| e.into_inner()), 1);
+        }
     }
 }

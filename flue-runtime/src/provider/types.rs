@@ -546,6 +546,32 @@ pub struct ModelResponse {
     pub usage: Usage,
 }
 
+impl ModelResponse {
+    /// Refuses a response whose tool-call arguments hold more JSON than
+    /// [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
+    /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow, as an invalid response (not
+    /// retried): before the runtime records the call or parses its arguments.
+    pub(crate) fn check_tool_arguments(&self) -> Result<(), ProviderError> {
+        match self
+            .tool_calls
+            .iter()
+            .find(|call| !crate::json_shape::JsonShape::of(call.arguments.as_bytes()).is_within_limits())
+        {
+            None => Ok(()),
+            Some(call) => Err(ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!(
+                    "the arguments of tool call {} ({}) hold more than {} JSON objects and arrays, or {} JSON values",
+                    call.id,
+                    call.name,
+                    crate::MAX_JSON_CONTAINERS,
+                    crate::MAX_JSON_VALUES
+                ),
+            )),
+        }
+    }
+}
+
 /// One event of a streamed model call. A stream ends with exactly one `Completed` (or an
 /// error).
 #[derive(Clone, Debug, PartialEq)]

@@ -2515,6 +2515,9 @@ impl Response<'_> {
                 }
                 Some(Err(error)) => break Err(StepError::Provider(error)),
                 Some(Ok(StreamEvent::Completed(response))) => {
+                    if let Err(error) = response.check_tool_arguments() {
+                        break Err(StepError::Provider(error));
+                    }
                     for started in observer.finish(&response) {
                         self.tool_call_started(started).await;
                     }

@@ -1,0 +1,73 @@
+//! JSON from outside (a request body, a model's tool-call arguments), sized before it is
+//! parsed.
+//!
+//! Parsed, JSON costs far more memory than its text: 16 MiB of small objects (`[{"k":0},…]`)
+//! take about 1.4 GiB as a `serde_json::Value`, so a few such texts at once could exhaust a
+//! server's memory. [`JsonShape::of`] counts a text's brackets and commas outside its strings
+//! (fast: it skips from one quote or bracket to the next), and a text past
+//! [`MAX_JSON_CONTAINERS`] or [`MAX_JSON_VALUES`] is refused before any parse.
+
+/// The most objects and arrays one JSON text from outside may hold: an HTTP request body
+/// (past it, 413 `request_too_large`) or the arguments of one tool call a model made (past it,
+/// the call fails as an invalid response). Stricter than the reference, which sets no limit.
+/// At these limits a text parses to at most about 90 MiB (objects of a dozen members are the
+/// costliest shape), plus its strings; a message, its attachments and an `initialData` of ten
+/// thousand records of a few dozen fields stay below them.
+pub const MAX_JSON_CONTAINERS: usize = 100_000;
+
+/// The most values (objects, arrays, strings, numbers, booleans and nulls) one JSON text from
+/// outside may hold; see [`MAX_JSON_CONTAINERS`].
+pub const MAX_JSON_VALUES: usize = 500_000;
+
+/// How much a JSON text holds, counted without parsing it: what its parse would allocate.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct JsonShape {
+    /// Objects and arrays.
+    pub(crate) containers: usize,
+    /// No fewer than the values it holds (each value but the first in a container follows a
+    /// comma): commas and containers, plus one.
+    pub(crate) values: usize,
+}
+
+impl JsonShape {
+    /// Counts the brackets and commas outside strings. Not a validation: text that is not JSON
+    /// is counted too, and its parse then fails.
+    pub(crate) fn of(text: &[u8]) -> Self {
+        let (mut containers, mut commas, mut at) = (0usize, 0usize, 0);
+        while let Some(found) = memchr::memchr3(b'"', b'{', b'[', &text[at..]) {
+            // The commas before it, outside strings (`at` is outside one).
+            commas += memchr::memchr_iter(b',', &text[at..at + found]).count();
+            at += found + 1;
+            if text[at - 1] != b'"' {
+                containers += 1;
+                continue;
+            }
+            // Inside a string: to its closing quote, past escapes (a `\"` does not close it).
+            loop {
+                match memchr::memchr2(b'"', b'\\', &text[at..]) {
+                    Some(next) if text[at + next] == b'\\' => at += next + 2,
+                    Some(next) => {
+                        at += next + 1;
+                        break;
+                    }
+                    None => {
+                        at = text.len();
+                        break;
+                    }
+                }
+                at = at.min(text.len());
+            }
+        }
+        commas += memchr::memchr_iter(b',', &text[at.min(text.len())..]).count();
+        Self {
+            containers,
+            values: commas + containers + 1,
+        }
+    }
+
+    /// Whether it holds at most [`MAX_JSON_CONTAINERS`] objects and arrays and at most
+    /// [`MAX_JSON_VALUES`] values.
+    pub(crate) fn is_within_limits(&self) -> bool {
+        self.containers <= MAX_JSON_CONTAINERS && self.values <= MAX_JSON_VALUES
+    }
+}
