@@ -3293,14 +3293,17 @@ async fn a_settled_response_keeps_nothing_it_rendered_alive() {
     assert_eq!(held, 0, "renders whose tools are still held, of {rendered}");
 }
 
-/// A model's tool call whose arguments would parse past the JSON limits fails the call as an
-/// invalid response, not retried, before the runtime records the call or parses its
-/// arguments: 100,000 small objects are under 1 MiB of text and about 70 MiB parsed.
+/// Tool calls whose arguments, all the response's calls together, would parse past the JSON
+/// limits fail the call as an invalid response, not retried, before the runtime records the
+/// calls or parses their arguments. Each call alone is within the limits.
 #[tokio::test]
 async fn tool_call_arguments_past_the_json_limits_fail_the_call_before_anything_records_them() {
-    let records = vec![json!({}); flue_runtime::MAX_JSON_CONTAINERS];
+    let half = vec![json!({"n": 0}); flue_runtime::MAX_JSON_CONTAINERS / 2];
     let model = ScriptedModel::new([
-        ScriptedReply::tool_call("add", json!({"a": 1, "b": 2, "records": records})),
+        ScriptedReply::tool_calls(vec![
+            ("add", json!({"a": 1, "b": 2, "records": half})),
+            ("add", json!({"a": 3, "b": 4, "records": half})),
+        ]),
         ScriptedReply::text("never asked"),
     ]);
     let runtime = runtime_with(&model, vec![calculator.into()]);

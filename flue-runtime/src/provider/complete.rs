@@ -217,7 +217,7 @@ mod tests {
                 Err(CallError::Failed(error)) => {
                     assert!(refused, "{error}");
                     assert_eq!(error.kind, ProviderErrorKind::InvalidResponse);
-                    assert!(error.message.contains("call_1 (add)"), "{error}");
+                    assert!(error.message.contains("500000 JSON values"), "{error}");
                 }
                 Ok(response) => assert!(!refused, "{response:?}"),
                 Err(other) => panic!("{other}"),

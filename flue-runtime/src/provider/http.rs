@@ -974,8 +974,22 @@ pub(crate) fn map_error(
     }
 }
 
-/// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`.
+/// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`, and so is
+/// one holding more JSON than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
+/// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow (an event may be 16 MiB long, and parsed
+/// small objects take far more memory than their text), refused before it is parsed.
 pub(crate) fn parse_event_json(ctx: &CallContext, data: &str) -> Result<Value, ProviderError> {
+    if !crate::json_shape::JsonShape::of(data.as_bytes()).is_within_limits() {
+        return Err(ProviderError::new(
+            ProviderErrorKind::InvalidResponse,
+            format!(
+                "[flue] Provider \"{}\" sent a stream event holding more than {} JSON objects and arrays, or {} JSON values.",
+                ctx.provider,
+                crate::MAX_JSON_CONTAINERS,
+                crate::MAX_JSON_VALUES
+            ),
+        ));
+    }
     serde_json::from_str(data).map_err(|error| {
         ProviderError::new(
             ProviderErrorKind::InvalidResponse,
@@ -1546,6 +1560,13 @@ mod tests {
             assert!(!error.contains("sk-v"), "{lead}: {error}");
         }
         assert_eq!(ctx().quote("ab sk-very-secret cd", 8), "ab [reda…");
+        // An event that would parse past the JSON limits is refused before it is parsed.
+        let at_limit = format!("[{}]", vec!["{}"; crate::MAX_JSON_CONTAINERS - 1].join(","));
+        assert!(parse_event_json(&ctx(), &at_limit).is_ok());
+        let past = format!("[{}]", vec!["{}"; crate::MAX_JSON_CONTAINERS].join(","));
+        let error = parse_event_json(&ctx(), &past).expect_err("past the limit");
+        assert_eq!(error.kind, ProviderErrorKind::InvalidResponse);
+        assert!(error.message.contains("100000 JSON objects"), "{}", error.message);
         assert_eq!(ctx().quote("ééé", 2), "éé…");
         assert_eq!(ctx().quote("ééé", 3), "ééé");
         assert_eq!(ctx().quote("short", 300), "short");

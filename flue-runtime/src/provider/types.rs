@@ -547,28 +547,27 @@ pub struct ModelResponse {
 }
 
 impl ModelResponse {
-    /// Refuses a response whose tool-call arguments hold more JSON than
-    /// [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
+    /// Refuses a response whose tool-call arguments, all its calls together, hold more JSON
+    /// than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
     /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow, as an invalid response (not
-    /// retried): before the runtime records the call or parses its arguments.
+    /// retried): before the runtime records the calls or parses their arguments.
     pub(crate) fn check_tool_arguments(&self) -> Result<(), ProviderError> {
-        match self
-            .tool_calls
-            .iter()
-            .find(|call| !crate::json_shape::JsonShape::of(call.arguments.as_bytes()).is_within_limits())
-        {
-            None => Ok(()),
-            Some(call) => Err(ProviderError::new(
-                ProviderErrorKind::InvalidResponse,
-                format!(
-                    "the arguments of tool call {} ({}) hold more than {} JSON objects and arrays, or {} JSON values",
-                    call.id,
-                    call.name,
-                    crate::MAX_JSON_CONTAINERS,
-                    crate::MAX_JSON_VALUES
-                ),
-            )),
+        let (containers, values) = self.tool_calls.iter().fold((0, 0), |(containers, values), call| {
+            let shape = crate::json_shape::JsonShape::of(call.arguments.as_bytes());
+            (containers + shape.containers, values + shape.values)
+        });
+        if containers <= crate::MAX_JSON_CONTAINERS && values <= crate::MAX_JSON_VALUES {
+            return Ok(());
         }
+        Err(ProviderError::new(
+            ProviderErrorKind::InvalidResponse,
+            format!(
+                "the arguments of the response's {} tool call(s) hold more than {} JSON objects and arrays, or {} JSON values",
+                self.tool_calls.len(),
+                crate::MAX_JSON_CONTAINERS,
+                crate::MAX_JSON_VALUES
+            ),
+        ))
     }
 }
 
