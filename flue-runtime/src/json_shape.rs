@@ -1,5 +1,5 @@
-//! JSON from outside (a request body, a model's tool-call arguments), sized before it is
-//! parsed.
+//! JSON from outside (a request body, a provider's stream event, a model's tool-call
+//! arguments), sized before it is parsed.
 //!
 //! Parsed, JSON costs far more memory than its text: 16 MiB of small objects (`[{"k":0},…]`)
 //! take about 1.4 GiB as a `serde_json::Value`, so a few such texts at once could exhaust a
@@ -8,8 +8,9 @@
 //! [`MAX_JSON_CONTAINERS`] or [`MAX_JSON_VALUES`] is refused before any parse.
 
 /// The most objects and arrays one JSON text from outside may hold: an HTTP request body
-/// (past it, 413 `request_too_large`) or the arguments of one tool call a model made (past it,
-/// the call fails as an invalid response). Stricter than the reference, which sets no limit.
+/// (past it, 413 `request_too_large`), one event a provider streams, or the tool-call
+/// arguments of one model response, all its calls together (past it, the model call fails as
+/// an invalid response, not retried). Stricter than the reference, which sets no limit.
 /// At these limits a text parses to at most about 90 MiB (objects of a dozen members are the
 /// costliest shape), plus its strings; a message, its attachments and an `initialData` of ten
 /// thousand records of a few dozen fields stay below them.

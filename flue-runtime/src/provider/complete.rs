@@ -136,6 +136,19 @@ mod tests {
         }
     }
 
+    /// A one-message request, with a budget of three retries.
+    fn request() -> ModelRequest {
+        ModelRequest {
+            model: "m".into(),
+            system: None,
+            messages: vec![crate::provider::ModelMessage::user("hi")].into(),
+            tools: Vec::new(),
+            thinking_level: flue_core::model::ThinkingLevel::Off,
+            max_output_tokens: None,
+            max_retries: Some(3),
+        }
+    }
+
     /// A task child's call and a compaction's summary share the one budget as a turn does:
     /// each retry leaves the provider only what the budget has left.
     #[tokio::test]
@@ -146,15 +159,7 @@ mod tests {
             ..RuntimeOptions::default()
         };
         let provider = Cut::default();
-        let request = ModelRequest {
-            model: "m".into(),
-            system: None,
-            messages: vec![crate::provider::ModelMessage::user("hi")].into(),
-            tools: Vec::new(),
-            thinking_level: flue_core::model::ThinkingLevel::Off,
-            max_output_tokens: None,
-            max_retries: Some(3),
-        };
+        let request = request();
         let result = complete(&options, &provider, &request, &AbortSignal::new()).await;
         assert!(matches!(result, Err(CallError::Failed(_))));
         assert_eq!(
@@ -196,15 +201,7 @@ mod tests {
     /// limits as the turn loop does: an invalid response, not retried.
     #[tokio::test]
     async fn tool_call_arguments_past_the_json_limits_are_an_invalid_response() {
-        let request = ModelRequest {
-            model: "m".into(),
-            system: None,
-            messages: vec![crate::provider::ModelMessage::user("hi")].into(),
-            tools: Vec::new(),
-            thinking_level: flue_core::model::ThinkingLevel::Off,
-            max_output_tokens: None,
-            max_retries: Some(3),
-        };
+        let request = request();
         let at_limit = format!("[{}]", vec!["0"; crate::MAX_JSON_VALUES - 1].join(","));
         let past = format!("[{}]", vec!["0"; crate::MAX_JSON_VALUES].join(","));
         for (arguments, refused) in [(at_limit, false), (past, true)] {
