@@ -66,6 +66,20 @@ impl JsonShape {
         }
     }
 
+    /// The shapes of `texts` added up: what parsing all of them would hold at once.
+    pub(crate) fn of_all<'a>(texts: impl IntoIterator<Item = &'a [u8]>) -> Self {
+        texts.into_iter().map(Self::of).fold(
+            Self {
+                containers: 0,
+                values: 0,
+            },
+            |all, shape| Self {
+                containers: all.containers + shape.containers,
+                values: all.values + shape.values,
+            },
+        )
+    }
+
     /// Whether it holds at most [`MAX_JSON_CONTAINERS`] objects and arrays and at most
     /// [`MAX_JSON_VALUES`] values.
     pub(crate) fn is_within_limits(&self) -> bool {

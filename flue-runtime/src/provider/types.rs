@@ -552,11 +552,8 @@ impl ModelResponse {
     /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow, as an invalid response (not
     /// retried): before the runtime records the calls or parses their arguments.
     pub(crate) fn check_tool_arguments(&self) -> Result<(), ProviderError> {
-        let (containers, values) = self.tool_calls.iter().fold((0, 0), |(containers, values), call| {
-            let shape = crate::json_shape::JsonShape::of(call.arguments.as_bytes());
-            (containers + shape.containers, values + shape.values)
-        });
-        if containers <= crate::MAX_JSON_CONTAINERS && values <= crate::MAX_JSON_VALUES {
+        let all = crate::json_shape::JsonShape::of_all(self.tool_calls.iter().map(|call| call.arguments.as_bytes()));
+        if all.is_within_limits() {
             return Ok(());
         }
         Err(ProviderError::new(
