@@ -12,7 +12,7 @@ use flue_runtime::provider::{ModelMessage, ProviderRegistry};
 use flue_runtime::record::{Outcome, Record, RecordBody};
 use flue_runtime::store::{Admission, AttemptRef, Claim, InstanceKey, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
-use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
+use flue_runtime::{AgentReply, Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
 
 use harness::Gated;
@@ -742,14 +742,7 @@ async fn a_join_cut_off_before_its_input_was_saved_rejoins_in_order_after_a_take
         .unwrap()
         .unwrap();
     assert_eq!(reply.text, "all three answered");
-    let users: Vec<String> = model.requests()[0]
-        .messages
-        .iter()
-        .filter_map(|m| match m {
-            ModelMessage::User { content, .. } => Some(content.clone()),
-            _ => None,
-        })
-        .collect();
+    let users = harness::user_texts(&model.requests()[0]);
     assert_eq!(users, ["first", "second", "third"], "deliveries in admission order");
     for id in ["sub_cut_off", "sub_later"] {
         let row = store.submission(id).await.unwrap().unwrap();
@@ -822,39 +815,43 @@ async fn a_join_cut_off_before_its_seam(store: &FaultyStore, key: &InstanceKey, 
     }
 }
 
+/// [`a_join_cut_off_before_its_seam`] on instance `id` of a fresh store, with `max_attempts`,
+/// then a runtime taking it over (its model scripted to answer `answer`) and reading the host
+/// submission's reply. Callers hold `SEAMS_SERIAL`.
+async fn a_cut_off_join_taken_over(
+    id: &str,
+    max_attempts: u32,
+    answer: &str,
+) -> (FaultyStore, ScriptedModel, Result<AgentReply, RuntimeError>) {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text(answer)]);
+    a_join_cut_off_before_its_seam(&store, &InstanceKey::new("seam_keeper", id), max_attempts).await;
+    SEAMS_RUN.lock().unwrap().clear();
+    let runtime = taking_over(&store, &model, seam_keeper).await;
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&seam_keeper, id).read("sub_host"),
+    )
+    .await
+    .unwrap();
+    (store, model, read)
+}
+
 /// A node joined a delivery into its response, saved the delivery's input and died before
 /// the delivery's `use_agent_start` seam ran. The node that takes the response over runs
 /// the seam: the join is put back and rejoins, its input already in place.
 #[tokio::test]
 async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after_a_takeover() {
     let _serial = SEAMS_SERIAL.lock().await;
-    let store = FaultyStore::default();
-    let model = ScriptedModel::new([ScriptedReply::text("both answered")]);
-    let key = InstanceKey::new("seam_keeper", "g-join");
-    a_join_cut_off_before_its_seam(&store, &key, 10).await;
-    SEAMS_RUN.lock().unwrap().clear();
-    let runtime = taking_over(&store, &model, seam_keeper).await;
-    let reply = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        runtime.init(&seam_keeper, "g-join").read("sub_host"),
-    )
-    .await
-    .unwrap()
-    .unwrap();
+    let (store, model, read) = a_cut_off_join_taken_over("g-join", 10, "both answered").await;
+    let reply = read.unwrap();
     assert_eq!(reply.text, "both answered");
     assert_eq!(
         *SEAMS_RUN.lock().unwrap(),
         ["second"],
         "the joined delivery's seam ran, once"
     );
-    let users: Vec<String> = model.requests()[0]
-        .messages
-        .iter()
-        .filter_map(|m| match m {
-            ModelMessage::User { content, .. } => Some(content.clone()),
-            _ => None,
-        })
-        .collect();
+    let users = harness::user_texts(&model.requests()[0]);
     assert_eq!(users, ["first", "second"], "the input is not saved twice");
     let row = store.submission("sub_joined").await.unwrap().unwrap();
     assert_eq!(
@@ -870,19 +867,8 @@ async fn a_join_cut_off_between_its_input_and_its_start_seam_runs_the_seam_after
 #[tokio::test]
 async fn a_join_cut_off_before_its_seam_settles_with_a_response_out_of_attempts() {
     let _serial = SEAMS_SERIAL.lock().await;
-    let store = FaultyStore::default();
-    let model = ScriptedModel::new([ScriptedReply::text("never asked")]);
-    let key = InstanceKey::new("seam_keeper", "g-spent");
-    a_join_cut_off_before_its_seam(&store, &key, 1).await;
-    SEAMS_RUN.lock().unwrap().clear();
-    let runtime = taking_over(&store, &model, seam_keeper).await;
-    let error = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        runtime.init(&seam_keeper, "g-spent").read("sub_host"),
-    )
-    .await
-    .unwrap()
-    .unwrap_err();
+    let (store, model, read) = a_cut_off_join_taken_over("g-spent", 1, "never asked").await;
+    let error = read.unwrap_err();
     assert!(error.to_string().contains("attempt"), "{error}");
     let row = store.submission("sub_joined").await.unwrap().unwrap();
     assert_eq!(

@@ -1169,14 +1169,7 @@ async fn a_call_an_abort_interrupted_ends_as_an_error_in_the_history() {
 #[tokio::test]
 async fn the_routers_work_nested_under_a_path_with_parameters_of_its_own() {
     let model = ScriptedModel::new([]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .agent(calculator)
-        .build()
-        .unwrap();
+    let runtime = harness::runtime_with(&model, vec![calculator.into()]);
     let app = axum::Router::new()
         .nest(
             "/t/{tenant}/calc",

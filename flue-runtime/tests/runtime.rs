@@ -1843,21 +1843,26 @@ async fn a_callback_deaf_to_an_abort_is_given_up_after_the_grace_and_the_instanc
 #[agent]
 fn parallel() -> &'static str {
     use_model("scripted/x");
+    use_meeting_tools(["left", "right"]);
+    "Run both."
+}
+
+/// Declares a tool named after each of `names` answering "met", which completes only once
+/// the other runs at the same time.
+fn use_meeting_tools(names: [&'static str; 2]) {
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
-    for name in ["left", "right"] {
+    for name in names {
         let barrier = barrier.clone();
         use_tool(Tool::new(name).description("Meet the other tool.").run(
             move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
                 let barrier = barrier.clone();
                 async move {
-                    // Completes only if both calls of the batch run at the same time.
                     barrier.wait().await;
                     "met"
                 }
             },
         ));
     }
-    "Run both."
 }
 
 #[tokio::test]
@@ -1873,33 +1878,16 @@ async fn parallel_tool_calls_of_one_response_run_concurrently() {
     )
     .await;
     assert_eq!(reply.unwrap().unwrap().text, "both met");
-    let messages = &model.requests()[1].messages;
-    let results: Vec<&str> = messages
-        .iter()
-        .filter_map(|m| match m {
-            ModelMessage::Tool { content, .. } => Some(content.as_str()),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(results, ["met", "met"]);
+    assert_eq!(
+        harness::tool_results(&model.requests()[1]),
+        [("met".to_owned(), false), ("met".to_owned(), false)]
+    );
 }
 
 #[agent]
 fn first_and_last_meet() -> &'static str {
     use_model("scripted/x");
-    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
-    for name in ["first", "last"] {
-        let barrier = barrier.clone();
-        use_tool(Tool::new(name).description("Meet the other tool.").run(
-            move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-                let barrier = barrier.clone();
-                async move {
-                    barrier.wait().await;
-                    "met"
-                }
-            },
-        ));
-    }
+    use_meeting_tools(["first", "last"]);
     use_tool(
         Tool::new("quick")
             .description("Returns at once.")
@@ -1936,16 +1924,14 @@ async fn a_finished_tool_call_frees_its_place_under_the_concurrency_limit() {
     .expect("the batch does not wait for its first call to free a place");
     assert_eq!(reply.unwrap().text, "all done");
     // The results go back in call order.
-    let requests = model.requests();
-    let results: Vec<&str> = requests[1]
-        .messages
-        .iter()
-        .filter_map(|m| match m {
-            ModelMessage::Tool { content, .. } => Some(content.as_str()),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(results, ["met", "quick", "met"]);
+    assert_eq!(
+        harness::tool_results(&model.requests()[1]),
+        [
+            ("met".to_owned(), false),
+            ("quick".to_owned(), false),
+            ("met".to_owned(), false)
+        ]
+    );
 }
 
 #[agent]
@@ -3082,14 +3068,7 @@ async fn deliveries_queued_behind_the_head_join_before_turn_one() {
         .await
         .unwrap()
         .unwrap();
-    let first: Vec<String> = model.requests()[0]
-        .messages
-        .iter()
-        .filter_map(|m| match m {
-            ModelMessage::User { content, .. } => Some(content.clone()),
-            _ => None,
-        })
-        .collect();
+    let first = harness::user_texts(&model.requests()[0]);
     assert_eq!(first, ["first question", "second question"], "B joined before turn 1");
     assert_eq!(model.requests().len(), 1);
 }

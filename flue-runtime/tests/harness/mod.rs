@@ -54,6 +54,18 @@ pub fn runtime_with(model: &ScriptedModel, agents: impl IntoIterator<Item = Agen
     runtime_on(MemoryStore::new(), model, agents)
 }
 
+/// The text of every user message a request carries, oldest first.
+pub fn user_texts(request: &ModelRequest) -> Vec<String> {
+    request
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::User { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Every tool result a request carries, as (content, is_error), oldest first.
 pub fn tool_results(request: &ModelRequest) -> Vec<(String, bool)> {
     request
