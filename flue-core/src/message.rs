@@ -96,7 +96,8 @@ impl Signal {
 
     /// Checks the signal rules: non-empty type, not reserved, XML-name tag.
     pub fn validate(&self) -> Result<(), MessageError> {
-        if self.signal_type.trim().is_empty() {
+        // Non-empty, as the reference's schema checks it: a type of spaces is a type.
+        if self.signal_type.is_empty() {
             return Err(MessageError::EmptySignalType);
         }
         if RESERVED_SIGNAL_TYPES.contains(&self.signal_type.as_str()) {
@@ -225,7 +226,7 @@ impl From<Signal> for DeliveredMessage {
 #[non_exhaustive]
 pub enum MessageError {
     /// A signal type that is blank.
-    #[error("Signal type must be a non-empty string.")]
+    #[error("Signal message \"type\" must not be empty.")]
     EmptySignalType,
     /// A framework-reserved signal type.
     #[error(
@@ -233,7 +234,9 @@ pub enum MessageError {
     )]
     ReservedSignalType(String),
     /// A tag name that is not an XML name.
-    #[error("Signal tagName \"{0}\" must match ^[A-Za-z_][A-Za-z0-9_.-]*$.")]
+    #[error(
+        "Signal message \"tagName\" must be a valid XML tag name (letters, digits, \"_\", \"-\", \".\"; must not start with a digit, \"-\", or \".\")."
+    )]
     InvalidTagName(String),
     /// An image over the size limit.
     #[error("Image data exceeds the 14680064 character limit.")]

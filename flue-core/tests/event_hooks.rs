@@ -125,8 +125,8 @@ fn append_rejects_reserved_signal_types_and_invalid_signals() {
         "[flue] append() signal type \"compaction\" is framework-reserved vocabulary (the runtime's own narration and recovery signals) — use an application-specific type."
     );
     assert_eq!(
-        ctx.append(Signal::new(" ", "x")).unwrap_err().to_string(),
-        "[flue] append() message is invalid: Signal type must be a non-empty string."
+        ctx.append(Signal::new("", "x")).unwrap_err().to_string(),
+        "[flue] append() message is invalid: Signal message \"type\" must not be empty."
     );
     assert!(matches!(
         ctx.append(Signal::new("ok", "x").tag_name("bad tag")),

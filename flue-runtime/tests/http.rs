@@ -1357,26 +1357,9 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
             "framework-reserved",
         ),
         (
-            json!({"kind": "signal", "type": "note", "body": "x", "tagName": "1bad"}),
-            "tagName",
-        ),
-        (json!({"kind": "signal", "type": "", "body": "x"}), "non-empty"),
-        (
             json!({"kind": "user", "body": "hi", "uid": "u", "initialData": {}}),
             "initialData",
         ),
-        (json!({"kind": "user", "body": "hi", "uid": 7}), "`uid`"),
-        (
-            json!({"kind": "user", "body": "hi", "idempotencyKey": ""}),
-            "idempotencyKey",
-        ),
-        (
-            json!({"kind": "user", "body": "hi", "idempotencyKey": "k".repeat(257)}),
-            "idempotencyKey",
-        ),
-        (json!({"kind": "robot", "body": "hi"}), "message object"),
-        (json!({"body": "hi"}), "message object"),
-        (json!({"kind": "user", "body": 5}), "message object"),
         (
             json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "!!", "mimeType": "image/png"}]}),
             "base64",
@@ -1406,12 +1389,72 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
         let error = assert_error(server.post("c1", body.clone()).await, 400, "invalid_request").await;
         assert!(error["details"].as_str().unwrap().contains(says), "{body} → {error}");
     }
+    // The reference's own words (reference §4.2): a rule's, else the message shape's.
+    const SHAPE: &str = "Delivered messages must be { kind: \"user\", body: string, attachments?: attachment[] } or { kind: \"signal\", type: string, body: string, attributes?: Record<string, string>, tagName?: string }.";
+    let exact = [
+        (
+            json!({"kind": "signal", "type": "note", "body": "x", "tagName": "1bad"}),
+            "Signal message \"tagName\" must be a valid XML tag name (letters, digits, \"_\", \"-\", \".\"; must not start with a digit, \"-\", or \".\").",
+        ),
+        (json!({"kind": "signal", "type": "", "body": "x"}), SHAPE),
+        (json!({"kind": "robot", "body": "hi"}), SHAPE),
+        (json!({"body": "hi"}), SHAPE),
+        (json!({"kind": "user", "body": 5}), SHAPE),
+        (json!({"kind": "user", "body": "hi", "attachments": null}), SHAPE),
+        (
+            json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png", "filename": null}]}),
+            SHAPE,
+        ),
+        (
+            json!({"kind": "signal", "type": "note", "body": "x", "tagName": null}),
+            SHAPE,
+        ),
+        (
+            json!({"kind": "signal", "type": "note", "body": "x", "attributes": null}),
+            SHAPE,
+        ),
+        // A rule's own words come before the shape's.
+        (
+            json!({"kind": "signal", "type": "note", "body": "x", "tagName": "1bad", "attributes": null}),
+            "Signal message \"tagName\" must be a valid XML tag name (letters, digits, \"_\", \"-\", \".\"; must not start with a digit, \"-\", or \".\").",
+        ),
+        (
+            json!({"kind": "user", "body": "hi", "uid": 7}),
+            "`uid` must be a string (continue only that incarnation) or null (create only when fresh).",
+        ),
+        (
+            json!({"kind": "user", "body": "hi", "idempotencyKey": ""}),
+            "`idempotencyKey` must be a non-empty string naming this delivery.",
+        ),
+        (
+            json!({"kind": "user", "body": "hi", "idempotencyKey": 7}),
+            "`idempotencyKey` must be a non-empty string naming this delivery.",
+        ),
+        (
+            json!({"kind": "user", "body": "hi", "idempotencyKey": "k".repeat(257)}),
+            "`idempotencyKey` must be at most 256 characters.",
+        ),
+    ];
+    for (body, says) in exact {
+        let error = assert_error(server.post("c1", body.clone()).await, 400, "invalid_request").await;
+        assert_eq!(error["details"], says, "{body}");
+    }
     // An image over the limit (14,680,064 characters of base64).
     let oversized = json!({"kind": "user", "body": "hi",
         "attachments": [{"type": "image", "data": "A".repeat(14_680_068), "mimeType": "image/png"}]});
     let error = assert_error(server.post("c1", oversized).await, 400, "invalid_request").await;
     assert_eq!(error["details"], "Image data exceeds the 14680064 character limit.");
     assert!(server.model.requests().is_empty(), "no bad input reached the model");
+    // What the reference takes: a type of spaces (it is not empty), and a field of the other
+    // kind, `null` or not (its schema drops unknown keys).
+    for body in [
+        json!({"kind": "signal", "type": " ", "body": "x"}),
+        json!({"kind": "user", "body": "hi", "tagName": null, "attributes": null}),
+        json!({"kind": "signal", "type": "note", "body": "x", "attachments": null}),
+    ] {
+        server.model.push(ScriptedReply::text("ok"));
+        assert_eq!(server.post("c2", body.clone()).await.status().as_u16(), 202, "{body}");
+    }
 }
 
 /// Reference §4.2: `idempotencyKey` is a "non-empty string ≤256 chars" — JavaScript string

@@ -1,7 +1,7 @@
 //! `POST /:id`: the body rules of an admission, checked in the protocol's order.
 
 use axum::http::{HeaderMap, header};
-use flue_core::message::DeliveredMessage;
+use flue_core::message::{DeliveredMessage, MessageError};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
@@ -13,9 +13,11 @@ use crate::store::{TraceContext, UidCondition};
 /// protocol counts it).
 const MAX_IDEMPOTENCY_KEY_UNITS: usize = 256;
 
-/// What the message fields of a body must look like (said when they do not).
-const MESSAGE_SHAPE: &str = "The body must be a message object: {\"kind\":\"user\",\"body\":\"…\"} or \
-     {\"kind\":\"signal\",\"type\":\"…\",\"body\":\"…\"}, optionally with initialData, uid and idempotencyKey.";
+/// What the message fields of a body must look like: the reference's words for any body its
+/// message schema refuses without a rule of its own (a missing or mistyped field, an empty
+/// signal type, a `null` where a field is optional).
+const MESSAGE_SHAPE: &str = "Delivered messages must be { kind: \"user\", body: string, attachments?: attachment[] } \
+     or { kind: \"signal\", type: string, body: string, attributes?: Record<string, string>, tagName?: string }.";
 
 /// Parses an admission body into a [`SendRequest`] for the instance `id`.
 pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRequest, ApiError> {
@@ -49,7 +51,7 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
         Some(Value::String(uid)) => UidCondition::Existing(uid),
         Some(_) => {
             return Err(ApiError::invalid_request(
-                "`uid` must be a string (continue that incarnation) or null (create only).",
+                "`uid` must be a string (continue only that incarnation) or null (create only when fresh).",
             ));
         }
     };
@@ -57,17 +59,19 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     // the key.
     let idempotency_key = fields.remove("idempotencyKey");
     let message = message(fields)?;
-    message
-        .validate()
-        .map_err(|error| ApiError::invalid_request(error.to_string()))?;
     let idempotency_key = match idempotency_key {
         None => None,
-        Some(Value::String(key)) if !key.is_empty() && key.encode_utf16().count() <= MAX_IDEMPOTENCY_KEY_UNITS => {
+        Some(Value::String(key)) if !key.is_empty() => {
+            if key.encode_utf16().count() > MAX_IDEMPOTENCY_KEY_UNITS {
+                return Err(ApiError::invalid_request(
+                    "`idempotencyKey` must be at most 256 characters.",
+                ));
+            }
             Some(key)
         }
         Some(_) => {
             return Err(ApiError::invalid_request(
-                "idempotencyKey must be a non-empty string of at most 256 characters (UTF-16 code units).",
+                "`idempotencyKey` must be a non-empty string naming this delivery.",
             ));
         }
     };
@@ -145,14 +149,46 @@ fn without_lone_surrogates(text: &str) -> Option<String> {
 }
 
 /// The message of the remaining fields (unknown keys are dropped, as the protocol's schema
-/// does).
-fn message(fields: Map<String, Value>) -> Result<DeliveredMessage, ApiError> {
-    match fields.get("kind").and_then(Value::as_str) {
-        Some("user" | "signal") => {}
+/// does), checked against the message rules.
+fn message(mut fields: Map<String, Value>) -> Result<DeliveredMessage, ApiError> {
+    // The optional fields of each kind, which the reference's schema takes absent but not
+    // `null` (a field of the other kind is unknown to it, and dropped whatever its value):
+    // taken out here, and refused below unless a rule with words of its own refuses first.
+    let optional: &[&str] = match fields.get("kind").and_then(Value::as_str) {
+        Some("user") => &["attachments"],
+        Some("signal") => &["attributes", "tagName"],
         _ => return Err(ApiError::invalid_request(MESSAGE_SHAPE)),
+    };
+    let mut null_optional = false;
+    for field in optional {
+        if fields.get(*field).is_some_and(Value::is_null) {
+            fields.remove(*field);
+            null_optional = true;
+        }
     }
-    serde_json::from_value::<DeliveredMessage>(Value::Object(fields))
-        .map_err(|error| ApiError::invalid_request(format!("{MESSAGE_SHAPE} ({error})")))
+    if let Some(Value::Array(attachments)) = fields.get_mut("attachments")
+        && optional.contains(&"attachments")
+    {
+        for attachment in attachments.iter_mut().filter_map(Value::as_object_mut) {
+            if attachment.get("filename").is_some_and(Value::is_null) {
+                attachment.remove("filename");
+                null_optional = true;
+            }
+        }
+    }
+    let message = serde_json::from_value::<DeliveredMessage>(Value::Object(fields))
+        .map_err(|_| ApiError::invalid_request(MESSAGE_SHAPE))?;
+    // A rule with words of its own is said first, as the reference says the first such issue
+    // of all its schema found.
+    message.validate().map_err(|error| match error {
+        // The reference's schema has no words of its own for an empty type.
+        MessageError::EmptySignalType => ApiError::invalid_request(MESSAGE_SHAPE),
+        other => ApiError::invalid_request(other.to_string()),
+    })?;
+    if null_optional {
+        return Err(ApiError::invalid_request(MESSAGE_SHAPE));
+    }
+    Ok(message)
 }
 
 #[cfg(test)]
