@@ -796,9 +796,15 @@ impl ErrorDetails {
             .and_then(Value::as_str)
             .filter(|raw| !raw.trim().is_empty());
         if let Some(raw) = raw {
-            let upstream = match serde_json::from_str::<Value>(raw) {
-                Ok(value) => Self::fields(value.get("error").unwrap_or(&value)),
-                Err(_) => Self {
+            // A string inside the error, so the shape of the event it came in did not count it:
+            // read as text when it would parse past the limits.
+            let parsed = crate::json_shape::JsonShape::of(raw.as_bytes())
+                .is_within_limits()
+                .then(|| serde_json::from_str::<Value>(raw).ok())
+                .flatten();
+            let upstream = match parsed {
+                Some(value) => Self::fields(value.get("error").unwrap_or(&value)),
+                None => Self {
                     message: Some(raw.trim().to_owned()),
                     ..Self::default()
                 },
@@ -974,22 +980,31 @@ pub(crate) fn map_error(
     }
 }
 
+/// Refuses a stream event whose JSON would parse past [`crate::MAX_JSON_CONTAINERS`] or
+/// [`crate::MAX_JSON_VALUES`]: the call fails as an invalid response. Every parse of an event's
+/// data, typed or not, comes after it: an event may be 16 MiB, and 16 MiB of small objects
+/// parse to more than a gigabyte.
+pub(crate) fn check_event_shape(ctx: &CallContext, data: &str) -> Result<(), ProviderError> {
+    if crate::json_shape::JsonShape::of(data.as_bytes()).is_within_limits() {
+        return Ok(());
+    }
+    Err(ProviderError::new(
+        ProviderErrorKind::InvalidResponse,
+        format!(
+            "[flue] Provider \"{}\" sent a stream event holding more than {} JSON objects and arrays, or {} JSON values.",
+            ctx.provider,
+            crate::MAX_JSON_CONTAINERS,
+            crate::MAX_JSON_VALUES
+        ),
+    ))
+}
+
 /// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`, and so is
 /// one holding more JSON than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
 /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow (an event may be 16 MiB long, and parsed
 /// small objects take far more memory than their text), refused before it is parsed.
 pub(crate) fn parse_event_json(ctx: &CallContext, data: &str) -> Result<Value, ProviderError> {
-    if !crate::json_shape::JsonShape::of(data.as_bytes()).is_within_limits() {
-        return Err(ProviderError::new(
-            ProviderErrorKind::InvalidResponse,
-            format!(
-                "[flue] Provider \"{}\" sent a stream event holding more than {} JSON objects and arrays, or {} JSON values.",
-                ctx.provider,
-                crate::MAX_JSON_CONTAINERS,
-                crate::MAX_JSON_VALUES
-            ),
-        ));
-    }
+    check_event_shape(ctx, data)?;
     serde_json::from_str(data).map_err(|error| {
         ProviderError::new(
             ProviderErrorKind::InvalidResponse,
@@ -1394,6 +1409,26 @@ mod tests {
 
     fn map(status: Option<u16>, body: &str) -> ProviderError {
         map_error(&ctx(), status, None, &ErrorDetails::from_body(body), body)
+    }
+
+    /// OpenRouter's `metadata.raw` is a string inside the error, which the event's own shape
+    /// did not count: past the limits it is read as text, not parsed.
+    #[test]
+    fn a_wrapped_upstream_error_past_the_json_limits_is_read_as_text() {
+        let wrapped = |raw: String| {
+            ErrorDetails::from_value(
+                &serde_json::json!({"message": "Provider returned error", "metadata": {"raw": raw}}),
+            )
+        };
+        let within = wrapped(r#"{"error":{"message":"context too long","code":"context_length_exceeded"}}"#.to_owned());
+        assert_eq!(within.code.as_deref(), Some("context_length_exceeded"));
+        let past = format!(
+            r#"{{"error":{{"code":"context_length_exceeded","pad":[{}]}}}}"#,
+            vec!["{}"; crate::MAX_JSON_CONTAINERS].join(",")
+        );
+        let details = wrapped(past.clone());
+        assert_eq!(details.code, None, "not parsed");
+        assert_eq!(details.message, Some(format!("Provider returned error: {past}")));
     }
 
     #[test]

@@ -69,7 +69,8 @@ use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
     CallContext, CallHeaders, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport,
-    ended_early, error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
+    check_event_shape, ended_early, error_stream, map_error, parse_event_json, secret_header, send_with_retries,
+    sse_stream,
 };
 use super::sse::Event;
 use super::tool_json::{Declarations, ToolJson};
@@ -890,11 +891,14 @@ impl ChatDecoder {
                     if id.is_none_or(|id| {
                         let call = &self.calls[slot];
                         let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
-                        let whole = serde_json::from_str::<serde::de::IgnoredAny>(&call.arguments).is_ok();
+                        // Read last, and only then: it reads the call's arguments so far, and a
+                        // server that repeats the id in every fragment would make that a read of
+                        // the whole text per fragment.
+                        let whole = || serde_json::from_str::<serde::de::IgnoredAny>(&call.arguments).is_ok();
                         call.id.is_empty()
                             || call.id == id
-                            || (name.is_none() && !whole)
                             || (call.generated && same_name)
+                            || (name.is_none() && !whole())
                     }) =>
                 {
                     slot
@@ -1046,6 +1050,8 @@ impl SseDecoder for ChatDecoder {
         if data.is_empty() {
             return Ok(Flow::Continue);
         }
+        // Before any parse of it: the error event's, the typed chunk's and the `Value` one's.
+        check_event_shape(&self.ctx, data)?;
         if event.event == "error" {
             // llama.cpp's `error:` line (see the SSE decoder) or an `error` event: the error
             // object itself, or text that says what went wrong. A `data: [DONE]` the server
@@ -1423,6 +1429,58 @@ mod tests {
         let whole = r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"lookup","arguments":"{\"q\":1}"}}]}}]}"#;
         let response = decode(&[whole, "[DONE]"], false).expect("decodes").expect("completes");
         assert_eq!(response.tool_calls[0].arguments, r#"{"q":1}"#);
+    }
+
+    /// Every parse of an event comes after its shape is counted: an `error` event, a chunk
+    /// the typed view reads (its `reasoning_details` and `tool_calls` are lists of any length)
+    /// and one it does not.
+    #[test]
+    fn events_past_the_json_limits_fail_the_call_before_any_parse_of_them() {
+        let objects = |count: usize| vec!["{}"; count].join(",");
+        let past = crate::MAX_JSON_CONTAINERS;
+        let feed = |event: &str, data: &str| {
+            let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true, false);
+            decoder
+                .event(
+                    &Event {
+                        event,
+                        data,
+                        ..Event::default()
+                    },
+                    &mut VecDeque::new(),
+                )
+                .map_err(|error| (error.kind, error.message))
+        };
+        for (event, data) in [
+            ("error", format!("[{}]", objects(past))),
+            (
+                "",
+                format!(
+                    r#"{{"choices":[{{"index":0,"delta":{{"reasoning_details":[{}]}}}}]}}"#,
+                    objects(past)
+                ),
+            ),
+            (
+                "",
+                format!(
+                    r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{}]}}}}]}}"#,
+                    objects(past)
+                ),
+            ),
+        ] {
+            let (kind, message) = feed(event, &data).expect_err("past the limits");
+            assert_eq!(kind, ProviderErrorKind::InvalidResponse, "{message}");
+            assert!(
+                message.contains("more than 100000 JSON objects and arrays"),
+                "{message}"
+            );
+        }
+        // At the limit the same chunk is read (three containers besides the list's elements).
+        let at = format!(
+            r#"{{"choices":[{{"index":0,"delta":{{"reasoning_details":[{}]}}}}]}}"#,
+            objects(past - 5)
+        );
+        assert_eq!(feed("", &at).ok(), Some(Flow::Continue));
     }
 
     #[test]
