@@ -36,6 +36,7 @@ use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::Value;
 
+use crate::provider::redact_secret;
 use crate::sandbox::tools::MAX_BYTES;
 
 pub use flue_core::mcp::*;
@@ -88,9 +89,13 @@ pub(crate) fn tool_name(server: &str, tool: &str) -> String {
 /// Connects to `connection` and lists its tools. Unavailable when two of the tools it mounts
 /// would have the same name (see the module documentation).
 pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Unavailable> {
+    let credentials = credentials(connection);
     let unavailable = |reason: String| Unavailable {
         name: connection.name.clone(),
-        reason: without_server_path(&without_url_secrets(&reason), &connection.url),
+        reason: without_server_path(
+            &without_url_secrets(&without_credentials(&reason, &credentials)),
+            &connection.url,
+        ),
         optional: connection.optional,
     };
     if connection.transport == McpTransport::Sse {
@@ -174,6 +179,7 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
             client: client.clone(),
             timeout: connection.timeout,
             url: connection.url.clone(),
+            credentials: credentials.clone(),
         }));
     }
     Ok(McpSession { _client: client, tools })
@@ -186,6 +192,8 @@ struct McpTool {
     timeout: Option<Duration>,
     /// The server's URL, whose path its errors' texts leave out (see [`without_server_path`]).
     url: String,
+    /// What its errors' texts leave out besides (see [`credentials`]).
+    credentials: Arc<[String]>,
 }
 
 impl ToolHandler for McpTool {
@@ -215,7 +223,10 @@ impl ToolHandler for McpTool {
                     // Cut as a result is: the server chooses the error's text and its length.
                     return ToolOutput::error(capped(format!(
                         "The MCP server failed the call: {}",
-                        without_server_path(&without_url_secrets(&error.to_string()), &self.url)
+                        without_server_path(
+                            &without_url_secrets(&without_credentials(&error.to_string(), &self.credentials)),
+                            &self.url
+                        )
                     )));
                 }
             };
@@ -237,13 +248,45 @@ impl ToolHandler for McpTool {
                 ToolOutput::error(if text.is_empty() {
                     "The MCP tool reported an error.".to_owned()
                 } else {
-                    text
+                    without_credentials(&text, &self.credentials)
                 })
             } else {
                 ToolOutput::text(text)
             }
         })
     }
+}
+
+/// A header value's words at least this long are credentials of their own (the token of
+/// `Bearer <token>`; not the scheme's name).
+const MIN_CREDENTIAL_WORD_BYTES: usize = 8;
+
+/// The credentials of `connection` that a server may echo in an error (a 401 that quotes the
+/// token it refused): its token, its headers' values (which header carries a key is not
+/// known), and the long words of those values. The errors' texts reach the model, the records,
+/// the settlement and the log, so none of them may show these.
+fn credentials(connection: &McpConnection) -> Arc<[String]> {
+    let mut credentials: Vec<String> = connection.auth.iter().map(|token| token.expose().to_owned()).collect();
+    for (_, value) in &connection.headers {
+        credentials.push(value.clone());
+        credentials.extend(
+            value
+                .split_whitespace()
+                .filter(|word| word.len() >= MIN_CREDENTIAL_WORD_BYTES && *word != value)
+                .map(str::to_owned),
+        );
+    }
+    // Longest first: a header's whole value before its words.
+    credentials.sort_by(|a, b| b.len().cmp(&a.len()));
+    credentials.dedup();
+    credentials.into()
+}
+
+/// `text` without any of `credentials`, as they are or escaped (see [`redact_secret`]).
+fn without_credentials(text: &str, credentials: &[String]) -> String {
+    credentials
+        .iter()
+        .fold(text.to_owned(), |text, credential| redact_secret(&text, credential))
 }
 
 /// `text` cut to its first [`MAX_BYTES`] bytes, the sandbox tools' output cap, so that one

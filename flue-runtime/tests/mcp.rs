@@ -521,3 +521,53 @@ async fn a_connection_error_quotes_no_userinfo_query_fragment_or_path_of_the_url
     // The path goes too: some hosted servers take their key as a path segment.
     assert!(message.contains("(http://127.0.0.1:9/…)"), "{message}");
 }
+
+static ECHOING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn echoed() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", ECHOING_URL.get().unwrap().clone())
+            .auth(Secret::new("tok_live_abc123"))
+            .header("X-Api-Key", "Key key/live-xyz789"),
+    );
+    "Needs the docs."
+}
+
+/// A server that refuses the credentials it was sent and quotes them back (as JSON, so the
+/// `/` of the escaped form shows too): its error reaches the settlement, the model, the
+/// records and the log, none of which may show them.
+#[tokio::test]
+async fn a_refusal_that_quotes_the_connections_credentials_back_is_redacted() {
+    let router = axum::Router::new().route(
+        "/mcp",
+        axum::routing::any(|headers: axum::http::HeaderMap| async move {
+            let said = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+            let body = json!({"error": format!(
+                "invalid credentials: {} / {}",
+                said("authorization"),
+                said("x-api-key")
+            )});
+            (StatusCode::FORBIDDEN, body.to_string())
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let _ = ECHOING_URL.set(format!("http://{address}/mcp"));
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [echoed.into()]);
+    let error = runtime.init(&echoed, "e").send("go").await.unwrap_err();
+    let RuntimeError::Run { message, .. } = error else {
+        panic!("a run error")
+    };
+    assert!(
+        message.contains("invalid credentials"),
+        "the server's words are kept: {message}"
+    );
+    for secret in ["tok_live_abc123", "key/live-xyz789", "key\\/live-xyz789", "live-xyz789"] {
+        assert!(!message.contains(secret), "{secret} in {message}");
+    }
+    assert!(message.contains("[redacted]"), "{message}");
+}

@@ -347,6 +347,23 @@ impl CallContext {
 /// A key shorter than this is not redacted: it would redact ordinary words.
 const MIN_REDACTED_KEY_BYTES: usize = 4;
 
+/// `text` with `secret` replaced wherever it shows, as it is or escaped as a server may echo
+/// it (see [`key_forms`] and [`redact_escaped`]): how a credential other than a provider's key
+/// (an MCP server's token or header) is kept out of the texts that quote a server. Nothing is
+/// replaced for a secret shorter than 4 bytes, which would redact ordinary words.
+pub(crate) fn redact_secret(text: &str, secret: &str) -> String {
+    if secret.len() < MIN_REDACTED_KEY_BYTES {
+        return text.to_owned();
+    }
+    let mut text = text.to_owned();
+    for form in key_forms(secret) {
+        if text.contains(form.expose()) {
+            text = text.replace(form.expose(), "[redacted]");
+        }
+    }
+    redact_escaped(&text, secret)
+}
+
 /// The forms `key` may take in a provider's text, longest first: as it is; escaped in a JSON
 /// string (`"` and `\` always, `/` by some servers, control characters); percent-encoded as in
 /// a URL's path or query (either hex case) and as a form value. Nothing for a key shorter than
