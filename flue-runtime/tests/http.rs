@@ -1105,6 +1105,82 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
     assert_eq!(allowed.status().as_u16(), 200);
 }
 
+/// DNS rebinding: a page on another site points its own name at this server's address and is
+/// then, to the browser, the same site. Without an authorization policy a browser page is
+/// answered only by an IP address, `localhost` or an allowed name; other clients by any.
+#[tokio::test]
+async fn a_browser_page_that_reaches_the_server_by_another_name_is_refused_unless_allowed() {
+    let port = |server: &Server| server.root.rsplit(':').next().unwrap().to_owned();
+    let rebound = |server: &Server, host: String, path: &str| {
+        server
+            .client
+            .get(server.url(path))
+            .header("host", host)
+            .header("sec-fetch-site", "same-origin")
+            .send()
+    };
+    let server = Server::start().await;
+    server.script_exchange("hi");
+    server.post("c1", json!({"kind": "user", "body": "one"})).await;
+    server.settled("c1", 1).await;
+    let evil = format!("evil.example:{}", port(&server));
+    let error = assert_error(rebound(&server, evil.clone(), "/c1").await.unwrap(), 403, "forbidden").await;
+    assert!(error["details"].as_str().unwrap().contains("allowed_hosts"), "{error}");
+    // Writes too, and a browser that sends only an Origin.
+    let posted = server
+        .client
+        .post(server.url("/c1/abort"))
+        .header("host", evil.clone())
+        .header("origin", format!("http://{evil}"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(posted, 403, "forbidden").await;
+    // The same request by the loopback name, from no page, or typed into the address bar.
+    assert_eq!(
+        rebound(&server, format!("localhost:{}", port(&server)), "/c1")
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+    let by_client = server.client.get(server.url("/c1")).header("host", evil.clone()).send();
+    assert_eq!(by_client.await.unwrap().status().as_u16(), 200);
+    let typed = server
+        .client
+        .get(server.url("/c1"))
+        .header("host", evil.clone())
+        .header("sec-fetch-site", "none")
+        .send();
+    assert_eq!(typed.await.unwrap().status().as_u16(), 200);
+
+    let named = Server::start_with(HttpOptions {
+        allowed_hosts: vec!["agents.example.com".to_owned()],
+        ..HttpOptions::default()
+    })
+    .await;
+    let host = format!("agents.example.com:{}", port(&named));
+    assert_eq!(rebound(&named, host, "/c1").await.unwrap().status().as_u16(), 404);
+    let evil = format!("evil.example:{}", port(&named));
+    assert_error(rebound(&named, evil, "/c1").await.unwrap(), 403, "forbidden").await;
+
+    // With an authorization policy the name is not checked: the policy decides.
+    let tokens = flue_runtime::http::BearerTokens::new().allow("token", flue_runtime::http::Access::All);
+    let guarded = Server::start_with(HttpOptions::default().authorized_by(tokens)).await;
+    let evil = format!("evil.example:{}", port(&guarded));
+    let unauthenticated = rebound(&guarded, evil.clone(), "/c1").await.unwrap();
+    assert_eq!(unauthenticated.status().as_u16(), 401);
+    let authorized = guarded
+        .client
+        .get(guarded.url("/c1"))
+        .header("host", evil)
+        .header("sec-fetch-site", "same-origin")
+        .bearer_auth("token")
+        .send();
+    assert_eq!(authorized.await.unwrap().status().as_u16(), 404);
+}
+
 /// Reference §3.9 (`recordSubmissionTerminal`): a response aborted while its tool runs
 /// settles the call with the outcome-unknown result, so the history shows the call ended, as
 /// an error, instead of running for good.

@@ -108,6 +108,16 @@ pub struct HttpOptions {
     /// JSON, needs no CORS preflight). Turn it on to serve a browser app on another site
     /// through a CORS layer.
     pub allow_cross_site: bool,
+    /// The host names a browser may reach this server by while it serves without an
+    /// [`authorization`](Self::authorization) policy, besides `localhost` (and its
+    /// subdomains) and IP addresses: compared with the request's `Host` (its port aside, ASCII
+    /// case aside). Empty by default. The guard against DNS rebinding: a page on another site
+    /// can point its own name at `127.0.0.1` and then, to the browser, be the same site as an
+    /// agent server on the developer's machine. A request from a browser (one that sends
+    /// `Origin`, or `Sec-Fetch-Site` other than `none`) by any other name is refused (403).
+    /// Requests from other clients, and every request once an authorization policy is set,
+    /// are not checked.
+    pub allowed_hosts: Vec<String>,
 }
 
 impl std::fmt::Debug for HttpOptions {
@@ -120,6 +130,7 @@ impl std::fmt::Debug for HttpOptions {
             .field("shared_store_poll", &self.shared_store_poll)
             .field("updates_cache_instances", &self.updates_cache_instances)
             .field("allow_cross_site", &self.allow_cross_site)
+            .field("allowed_hosts", &self.allowed_hosts)
             .finish()
     }
 }
@@ -142,6 +153,7 @@ impl Default for HttpOptions {
             shared_store_poll: Duration::from_millis(250),
             updates_cache_instances: 256,
             allow_cross_site: false,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -308,6 +320,16 @@ async fn guard(
 ) -> Response {
     // A user route runs the application's hooks even for a read (a client's attach and
     // detach): as guarded as a write.
+    if options.authorization.is_none()
+        && from_a_browser_page(request.headers())
+        && let Some(host) = request_host(request.headers(), request.uri())
+        && !host_allowed(host, &options.allowed_hosts)
+    {
+        return ApiError::forbidden(format!(
+            "A browser reached this server by the name {host:?}, which it does not answer to without an authorization policy (a page on another site can point its own name at this address); list the name in HttpOptions::allowed_hosts, or set HttpOptions::authorization."
+        ))
+        .into_response();
+    }
     let changes_state =
         user_id.is_some() || !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
     if changes_state && !options.allow_cross_site && from_another_site(request.headers(), request.uri()) {
@@ -361,6 +383,42 @@ fn from_another_site(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> 
         (Some(authority), Some(host)) => !authority.eq_ignore_ascii_case(host),
         _ => true,
     }
+}
+
+/// Whether a page in a browser sent the request: it carries an `Origin`, or a
+/// `Sec-Fetch-Site` other than `none` (`none` is a navigation the user made: typed, or from a
+/// bookmark).
+fn from_a_browser_page(headers: &HeaderMap) -> bool {
+    match headers.get("sec-fetch-site") {
+        Some(site) => !site.as_bytes().eq_ignore_ascii_case(b"none"),
+        None => headers.contains_key(header::ORIGIN),
+    }
+}
+
+/// Whether `host` (a `Host` header or an authority, with or without its port) is a name this
+/// server answers browsers by without an authorization policy: an IP address, `localhost` or
+/// one of its subdomains, or one of `allowed` (see [`HttpOptions::allowed_hosts`]).
+fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    // `[v6]:port`, `[v6]`, `name:port`, `v4:port`, `name`.
+    let name = match host.strip_prefix('[') {
+        Some(rest) => {
+            return rest
+                .split_once(']')
+                .is_some_and(|(ip, _)| ip.parse::<std::net::Ipv6Addr>().is_ok());
+        }
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    let name = name.strip_suffix('.').unwrap_or(name);
+    if name.parse::<std::net::Ipv4Addr>().is_ok() {
+        return true;
+    }
+    let lowercase = name.to_ascii_lowercase();
+    lowercase == "localhost"
+        || lowercase.ends_with(".localhost")
+        || allowed.iter().any(|allowed| {
+            let allowed = allowed.strip_suffix('.').unwrap_or(allowed);
+            allowed.eq_ignore_ascii_case(name)
+        })
 }
 
 async fn blank_id() -> ApiError {
@@ -499,6 +557,45 @@ mod tests {
         let h1: axum::http::Uri = "/agents/a/c1?x=1".parse().unwrap();
         assert_eq!(stream_url(&headers, &h1), "https://front.example.com/agents/a/c1");
         assert_eq!(stream_url(&HeaderMap::new(), &h1), "/agents/a/c1");
+    }
+
+    #[test]
+    fn a_browser_may_use_ip_addresses_localhost_and_the_allowed_names_only() {
+        let allowed = ["agents.example.com".to_owned()];
+        for host in [
+            "127.0.0.1:3583",
+            "127.0.0.1",
+            "10.1.2.3:80",
+            "[::1]:3583",
+            "[::1]",
+            "localhost:3583",
+            "LOCALHOST",
+            "app.localhost:5173",
+            "localhost.",
+            "agents.example.com:443",
+            "Agents.Example.com.",
+        ] {
+            assert!(host_allowed(host, &allowed), "{host}");
+        }
+        for host in [
+            "evil.example:3583",
+            "127.0.0.1.evil.example",
+            "localhost.evil.example",
+            "example.com",
+            "[not-an-ip]:80",
+            "",
+        ] {
+            assert!(!host_allowed(host, &allowed), "{host}");
+        }
+        let browser = |name: &'static str, value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(name, HeaderValue::from_static(value));
+            headers
+        };
+        assert!(from_a_browser_page(&browser("sec-fetch-site", "same-origin")));
+        assert!(from_a_browser_page(&browser("origin", "http://evil.example")));
+        assert!(!from_a_browser_page(&browser("sec-fetch-site", "none")));
+        assert!(!from_a_browser_page(&HeaderMap::new()));
     }
 
     #[test]
