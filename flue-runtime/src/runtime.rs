@@ -1424,6 +1424,22 @@ impl Drop for Correlated {
 mod tests {
     use super::*;
 
+    /// Reference Appendix A: the lease, the node's heartbeat, scan and settle grace, the model
+    /// retries and their base delay, and the delta flush delay.
+    #[test]
+    fn the_default_timings_are_the_references() {
+        let options = RuntimeOptions::default();
+        assert_eq!(options.lease, Duration::from_millis(30_000));
+        assert_eq!(options.heartbeat, Duration::from_secs(10));
+        assert_eq!(options.scan_interval, Duration::from_secs(15));
+        assert_eq!(options.settle_grace, Duration::from_secs(60));
+        assert_eq!(
+            (options.model_retries, options.model_retry_delay),
+            (3, Duration::from_millis(2000))
+        );
+        assert_eq!(options.text_flush, Some(Duration::from_millis(1000)));
+    }
+
     #[test]
     fn a_model_retry_waits_twice_as_long_as_the_last_up_to_30_s_whatever_the_count() {
         let options = RuntimeOptions {

@@ -1359,6 +1359,16 @@ async fn attachments_are_served_with_their_type_and_immutable_caching() {
         .unwrap();
     assert_eq!(header(wrong_method.headers(), "allow"), "GET");
     assert_error(wrong_method, 405, "method_not_allowed").await;
+    // HEAD too (reference §4.1: other methods than GET → 405), with headers only.
+    let head = server
+        .client
+        .head(server.url(&format!("/pics/attachments/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status().as_u16(), 405);
+    assert_eq!(header(head.headers(), "allow"), "GET");
+    assert!(head.bytes().await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -3525,4 +3535,40 @@ async fn an_admission_whose_client_went_away_after_the_commit_still_runs_at_once
         queued |= matches!(observation.event, flue_runtime::events::Event::SubmissionQueued { .. });
     }
     assert!(queued, "submission_queued was not emitted");
+}
+
+/// Reference §4.7: a failure that is not the client's answers 500 `internal_error` with the
+/// generic message (its cause stays in the log), under a reference `err_<ULID>` that the
+/// body and the `flue-error-ref` header both carry.
+#[tokio::test]
+async fn a_store_failure_answers_the_generic_500_envelope_with_its_reference() {
+    let store = harness::faulty::FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("hello")]);
+    let runtime = harness::runtime_on(store.clone(), &model, [calculator.into()]);
+    runtime.init(&calculator, "c1").send("hi").await.unwrap();
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    store
+        .failing_reads
+        .store(usize::MAX, std::sync::atomic::Ordering::SeqCst);
+    let response = reqwest::get(format!("http://{addr}/agents/calculator/c1"))
+        .await
+        .unwrap();
+    let reference = header(response.headers(), "flue-error-ref").to_owned();
+    let error = assert_error(response, 500, "internal_error").await;
+    assert_eq!(error["message"], "An internal error occurred.");
+    assert_eq!(error["details"], "");
+    assert_eq!(error["ref"], reference.as_str());
+    let ulid = reference.strip_prefix("err_").expect("an err_ reference");
+    assert_eq!(ulid.len(), 26, "{reference}");
+    assert!(
+        ulid.chars().all(|c| c.is_ascii_digit() || c.is_ascii_uppercase()),
+        "{reference}"
+    );
+    assert!(
+        !error.to_string().contains("injected"),
+        "the cause is not told: {error}"
+    );
 }

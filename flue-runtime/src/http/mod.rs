@@ -277,7 +277,10 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) ->
         )
         .route(
             "/{id}/attachments/{attachment_id}",
-            get(reads::get_attachment).fallback(not_allowed("GET")),
+            // GET only: axum's `get` answers HEAD too, which the protocol's route does not.
+            get(reads::get_attachment)
+                .head(|| async { ApiError::method_not_allowed("HEAD", "GET") })
+                .fallback(not_allowed("GET")),
         )
         .route("/", any(blank_id))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard_instance))
@@ -557,6 +560,18 @@ mod tests {
         let h1: axum::http::Uri = "/agents/a/c1?x=1".parse().unwrap();
         assert_eq!(stream_url(&headers, &h1), "https://front.example.com/agents/a/c1");
         assert_eq!(stream_url(&HeaderMap::new(), &h1), "/agents/a/c1");
+    }
+
+    /// Reference Appendix A and §4.4–§4.5: the long poll, the durable poll, the SSE heartbeat,
+    /// and the SSE stream's wait before it sends a control frame again.
+    #[test]
+    fn the_default_live_read_timings_are_the_references() {
+        let options = HttpOptions::default();
+        assert_eq!(options.long_poll_timeout, Duration::from_millis(30_000));
+        assert_eq!(options.shared_store_poll, Duration::from_millis(250));
+        assert_eq!(options.heartbeat, Duration::from_millis(15_000));
+        assert_eq!(options.sse_wait, Duration::from_secs(30));
+        assert!(options.authorization.is_none() && !options.allow_cross_site && options.allowed_hosts.is_empty());
     }
 
     #[test]

@@ -991,6 +991,50 @@ mod tests {
         projection.snapshot()["messages"][0]["parts"].clone()
     }
 
+    /// Reference §4.6 (`classifySignal`): each reserved signal type's purpose, display and
+    /// settlement; any other signal is a dispatch. The message carries neither the type nor an
+    /// empty `signal`.
+    #[test]
+    fn signals_are_classified_as_the_reference_classifies_them() {
+        let cases = [
+            ("stream_interrupted", "advisory", "hidden", None),
+            ("stream_continued", "advisory", "hidden", None),
+            ("submission_aborted", "advisory", "diagnostic", Some("aborted")),
+            ("submission_interrupted", "advisory", "diagnostic", Some("failed")),
+            ("resources", "advisory", "diagnostic", None),
+            ("instructions", "advisory", "diagnostic", None),
+            ("environment", "advisory", "diagnostic", None),
+            ("compaction", "dispatch", "diagnostic", None),
+            ("ticket_opened", "dispatch", "diagnostic", None),
+        ];
+        for (signal_type, purpose, display, settlement) in cases {
+            let mut projection = Projection::new("agents/a/i");
+            fold(
+                &mut projection,
+                vec![vec![RecordBody::Signal {
+                    message_id: "m1".into(),
+                    signal_type: signal_type.into(),
+                    body: "said".into(),
+                    attributes: Default::default(),
+                    tag_name: None,
+                }]],
+            );
+            let message = &projection.snapshot()["messages"][0];
+            let mut expected = json!({
+                "id": "m1",
+                "role": "system",
+                "purpose": purpose,
+                "display": display,
+                "parts": [{"type": "text", "text": "said", "state": "done"}],
+                "submissionId": "sub_1",
+            });
+            if let Some(outcome) = settlement {
+                expected["settlement"] = json!({"outcome": outcome});
+            }
+            assert_eq!(message, &expected, "{signal_type}");
+        }
+    }
+
     #[test]
     fn a_step_that_never_completed_loses_its_streamed_text_to_the_next_step_with_a_reset() {
         let mut projection = Projection::new("agents/a/i");
