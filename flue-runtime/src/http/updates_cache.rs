@@ -621,7 +621,7 @@ mod tests {
     }
 
     async fn append(store: &MemoryStore, key: &InstanceKey, records: Vec<Record>) {
-        store.append(key, records.into(), None).await.unwrap();
+        store.append_unfenced(key, records.into()).unwrap();
     }
 
     /// The response body of a read after `after`, as a fold of the whole stream from the start

@@ -49,6 +49,13 @@ impl MemoryStore {
         Self::default()
     }
 
+    /// Appends `records` as the attempts that wrote them would, without their authorization
+    /// (a unit test's stream of records of several submissions).
+    #[cfg(test)]
+    pub(crate) fn append_unfenced(&self, key: &InstanceKey, records: Arc<[Record]>) -> Result<u64, StoreError> {
+        self.lock().append(key, records)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -94,7 +101,13 @@ impl Inner {
 
     /// A write's fence: with `authorization`, that attempt must run its submission, and the
     /// submission's instance must be the one whose `stream` is written (or its task child's).
-    fn fence(&self, authorization: Option<&AttemptRef>, stream: &InstanceKey) -> Result<(), StoreError> {
+    fn fence(
+        &self,
+        authorization: Option<&AttemptRef>,
+        stream: &InstanceKey,
+        records: &[Record],
+    ) -> Result<(), StoreError> {
+        let joined = super::joined_submissions_of(records, authorization)?;
         let Some(attempt) = authorization else { return Ok(()) };
         if !self.owns(attempt) {
             return Err(StoreError::Fenced(format!(
@@ -103,12 +116,24 @@ impl Inner {
             )));
         }
         match self.submissions.get(&attempt.submission_id) {
-            Some(row) if stream.writable_by(&row.key.agent, &row.key.id) => Ok(()),
-            _ => Err(StoreError::Fenced(format!(
-                "submission {} does not write the stream {stream}",
-                attempt.submission_id
-            ))),
+            Some(row) if stream.writable_by(&row.key.agent, &row.key.id) => {}
+            _ => {
+                return Err(StoreError::Fenced(format!(
+                    "submission {} does not write the stream {stream}",
+                    attempt.submission_id
+                )));
+            }
         }
+        for submission in joined {
+            let claimed = self.submissions.get(submission).is_some_and(|row| {
+                row.joined_into.as_deref() == Some(attempt.submission_id.as_str())
+                    && matches!(row.status, SubmissionStatus::Joining | SubmissionStatus::Joined)
+            });
+            if !claimed {
+                return Err(super::not_joined(submission, &attempt.submission_id));
+            }
+        }
+        Ok(())
     }
 
     fn append(&mut self, key: &InstanceKey, records: Arc<[Record]>) -> Result<u64, StoreError> {
@@ -506,7 +531,7 @@ impl Store for MemoryStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
-        if let Err(fenced) = inner.fence(authorization, key) {
+        if let Err(fenced) = inner.fence(authorization, key, &records) {
             return ready(Err(fenced));
         }
         ready(inner.append(key, records))
@@ -521,7 +546,7 @@ impl Store for MemoryStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
-        if let Err(fenced) = inner.fence(authorization, parent) {
+        if let Err(fenced) = inner.fence(authorization, parent, &link) {
             return ready(Err(fenced));
         }
         if inner.instances.contains_key(child) {

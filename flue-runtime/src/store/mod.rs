@@ -398,6 +398,52 @@ pub(crate) fn check_uid(admission: &Admission, existing_uid: Option<&str>) -> Re
     }
 }
 
+/// What an append of `records` under `authorization` must find joined into the authorizing
+/// submission: the ids of the other submissions its records belong to, each once (reference
+/// §5.1, submission authorization for appends). Every record that names a submission or an
+/// attempt must be the authorizing attempt's: of its submission, or of a delivery the store
+/// finds `joining` or `joined` into it (which the caller checks). Without an authorization,
+/// no record may name either. Refused as [`StoreError::Fenced`], before the store is asked.
+pub(crate) fn joined_submissions_of<'a>(
+    records: &'a [Record],
+    authorization: Option<&AttemptRef>,
+) -> Result<Vec<&'a str>, StoreError> {
+    let mut joined: Vec<&str> = Vec::new();
+    for record in records {
+        let (submission, attempt) = (record.submission_id.as_deref(), record.attempt_id.as_deref());
+        let Some(authorized) = authorization else {
+            if submission.is_some() || attempt.is_some() {
+                return Err(StoreError::Fenced(format!(
+                    "record {} belongs to a submission or an attempt, and the append names no attempt",
+                    record.id
+                )));
+            }
+            continue;
+        };
+        if attempt.is_some_and(|attempt| attempt != authorized.attempt_id) {
+            return Err(StoreError::Fenced(format!(
+                "record {} was written by another attempt than {}",
+                record.id, authorized.attempt_id
+            )));
+        }
+        if let Some(submission) = submission
+            && submission != authorized.submission_id
+            && !joined.contains(&submission)
+        {
+            joined.push(submission);
+        }
+    }
+    Ok(joined)
+}
+
+/// The refusal of an append with a record of `submission`, which is not a delivery joined into
+/// the authorizing `host`.
+pub(crate) fn not_joined(submission: &str, host: &str) -> StoreError {
+    StoreError::Fenced(format!(
+        "submission {submission} is not a delivery joined into submission {host}"
+    ))
+}
+
 /// The birth record of a new instance: the first batch of its stream.
 pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
     Record {

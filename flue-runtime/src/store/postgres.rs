@@ -228,6 +228,9 @@ const APPEND_BATCH_FENCED: &str = "WITH bumped AS (UPDATE flue_instances SET nex
      RETURNING next_offset - 1 AS batch_offset) \
      INSERT INTO flue_batches (agent, instance_id, batch_offset, records) \
      SELECT $1, $2, batch_offset, $3 FROM bumped RETURNING batch_offset";
+/// Whether submission `$1` is a delivery claimed into host `$2`'s response (held until commit).
+const JOINED_INTO: &str = "SELECT 1 FROM flue_submissions WHERE id = $1 AND joined_into = $2 \
+     AND status IN ('joining', 'joined') FOR SHARE";
 const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
      WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
 const LAST_BATCH: &str = "SELECT MAX(batch_offset) FROM flue_batches WHERE agent = $1 AND instance_id = $2";
@@ -1449,6 +1452,28 @@ async fn request_abort_tx(tx: &Transaction<'_>, key: &InstanceKey) -> Result<Vec
     Ok(stamped.into_iter().map(|(_, id)| id).collect())
 }
 
+/// Checks, after the append of `records` under `host` took the instance lock and held the host's
+/// row, that the other submissions they belong to (`joined`, see
+/// [`super::joined_submissions_of`]) are deliveries `joining` or `joined` into it; an error rolls
+/// the append back with the transaction.
+async fn check_joined(tx: &Transaction<'_>, joined: &[&str], host: Option<&AttemptRef>) -> Result<(), Failure> {
+    let Some(host) = host else { return Ok(()) };
+    if joined.is_empty() {
+        return Ok(());
+    }
+    let statement = tx.prepare_cached(JOINED_INTO).await?;
+    for submission in joined {
+        if tx
+            .query_opt(&statement, &[submission, &host.submission_id])
+            .await?
+            .is_none()
+        {
+            return Err(super::not_joined(submission, &host.submission_id).into());
+        }
+    }
+    Ok(())
+}
+
 async fn append_tx(
     tx: &Transaction<'_>,
     key: &InstanceKey,
@@ -1494,7 +1519,9 @@ async fn create_child_tx(
     if birth.is_empty() {
         return Err(StoreError::Other("an append batch must not be empty".into()).into());
     }
+    let joined = super::joined_submissions_of(link, authorization)?;
     let offset = append_tx(tx, parent, link, authorization).await?;
+    check_joined(tx, &joined, authorization).await?;
     let (agent, id) = (&*child.agent, &*child.id);
     let (uid, created_at) = (super::birth_uid(birth), now().to_string());
     let insert_instance = tx.prepare_cached(INSERT_INSTANCE).await?;
@@ -1727,7 +1754,19 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let key = key.clone();
         let authorization = authorization.cloned();
-        Box::pin(async move { retrying!(self.append_in_one_trip(&key, &records, authorization.as_ref())) })
+        Box::pin(async move {
+            let joined = super::joined_submissions_of(&records, authorization.as_ref())?;
+            if joined.is_empty() {
+                return retrying!(self.append_in_one_trip(&key, &records, authorization.as_ref()));
+            }
+            // A host's append for a delivery it joined (rare: once per join): the joins are
+            // checked in the transaction, after the append took its locks.
+            in_transaction!(self, |tx| {
+                let offset = append_tx(&tx, &key, &records, authorization.as_ref()).await?;
+                check_joined(&tx, &joined, authorization.as_ref()).await?;
+                Ok::<_, Failure>(offset)
+            })
+        })
     }
 
     fn create_child(

@@ -85,6 +85,8 @@ macro_rules! store_contract {
                     assigns_one_indivisible_offset_to_a_multi_record_batch,
                     round_trips_a_batch_larger_than_a_backend_cell_size_cap,
                     authorizes_a_submission_owned_append_for_the_running_claimed_attempt,
+                    authorizes_a_host_append_for_a_delivery_it_claimed_for_a_turn_boundary_join,
+                    rejects_a_host_append_for_a_foreign_submission_it_has_not_claimed,
                     rejects_a_submission_owned_append_from_a_stale_attempt,
                     rejects_a_submission_owned_append_from_another_agent_sharing_the_instance_id,
                     fences_the_attempt_a_takeover_replaced_and_accepts_its_successor,
@@ -1599,6 +1601,73 @@ pub async fn authorizes_a_submission_owned_append_for_the_running_claimed_attemp
             .await
             .is_ok()
     );
+}
+
+/// §5.3: a host writes the records of a delivery it claimed into its response (its input, its
+/// start seam) while the delivery is `joining` and once it is `joined`, under its own attempt.
+pub async fn authorizes_a_host_append_for_a_delivery_it_claimed_for_a_turn_boundary_join(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("queued-1")).await;
+    assert_eq!(store.claim_joinable(&host).await.unwrap().len(), 1);
+    let stream = key("assistant", "agent-1");
+    let delivery = |body: &str| {
+        vec![
+            record(Some("queued-1"), Some("attempt-1"), user(body)),
+            record(Some("host-1"), Some("attempt-1"), user("the host's own")),
+        ]
+    };
+    let joining = store
+        .append(&stream, delivery("joining").into(), Some(&host))
+        .await
+        .unwrap();
+    assert!(store.finalize_join(&host, "queued-1").await.unwrap());
+    let joined = store
+        .append(&stream, delivery("joined").into(), Some(&host))
+        .await
+        .unwrap();
+    assert_eq!(joined, joining + 1);
+}
+
+/// §5.3: a host's append may not carry the records of a submission it has not claimed (still
+/// queued, or another instance's), nor records another attempt wrote; the stream is unchanged.
+pub async fn rejects_a_host_append_for_a_foreign_submission_it_has_not_claimed(store: Factory) {
+    let host = running_host(&store).await;
+    admit(&store, dispatch("queued-1")).await;
+    admit(
+        &store,
+        admission(
+            "elsewhere-1",
+            "assistant",
+            "agent-2",
+            SubmissionKind::Dispatch,
+            "test.event",
+        ),
+    )
+    .await;
+    let stream = key("assistant", "agent-1");
+    let head = store.last_offset(&stream).await.unwrap();
+    for foreign in [
+        record(Some("queued-1"), Some("attempt-1"), user("not claimed")),
+        record(Some("elsewhere-1"), Some("attempt-1"), user("another instance's")),
+        record(Some("never-admitted"), Some("attempt-1"), user("unknown")),
+        record(Some("host-1"), Some("attempt-0"), user("another attempt's")),
+        record(None, Some("attempt-0"), user("another attempt's, of no submission")),
+    ] {
+        let batch = vec![record(Some("host-1"), Some("attempt-1"), user("own")), foreign];
+        let refused = store.append(&stream, batch.into(), Some(&host)).await;
+        assert!(matches!(refused, Err(StoreError::Fenced(_))), "{refused:?}");
+    }
+    // Without an authorization, no record may belong to a submission or an attempt.
+    let unauthorized = store
+        .append(
+            &stream,
+            vec![record(Some("host-1"), Some("attempt-1"), user("own"))].into(),
+            None,
+        )
+        .await;
+    assert!(matches!(unauthorized, Err(StoreError::Fenced(_))), "{unauthorized:?}");
+    assert_eq!(store.last_offset(&stream).await.unwrap(), head, "nothing was appended");
+    assert_eq!(row(&store, "queued-1").await.status, SubmissionStatus::Queued);
 }
 
 /// §5.3: an attempt writes its own instance's stream and its task children's streams, never

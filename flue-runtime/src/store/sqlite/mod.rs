@@ -1024,6 +1024,29 @@ fn owns(transaction: &Tx<'_>, attempt: &AttemptRef) -> Result<Option<Submission>
     }))
 }
 
+/// Checks that `records`, appended through the trait under `authorization`, are that attempt's:
+/// of its submission or of a delivery `joining` or `joined` into it (see
+/// [`super::joined_submissions_of`]). The joined rows are read from the file: only a host's
+/// append for a delivery it joined has any.
+fn authorize_records(
+    transaction: &Tx<'_>,
+    records: &[Record],
+    authorization: Option<&AttemptRef>,
+) -> Result<(), StoreError> {
+    let joined = super::joined_submissions_of(records, authorization)?;
+    let Some(host) = authorization else { return Ok(()) };
+    for submission in joined {
+        let claimed = read_submission(transaction, submission)?.is_some_and(|row| {
+            row.joined_into.as_deref() == Some(host.submission_id.as_str())
+                && matches!(row.status, SubmissionStatus::Joining | SubmissionStatus::Joined)
+        });
+        if !claimed {
+            return Err(super::not_joined(submission, &host.submission_id));
+        }
+    }
+    Ok(())
+}
+
 /// Appends a batch at the end of `key`'s stream; returns its offset. With a `fence`, only
 /// while that attempt runs its submission (else [`StoreError::Fenced`]).
 ///
@@ -1503,7 +1526,10 @@ impl Store for SqliteStore {
         records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        ready(self.transaction(|tx| append_batch(tx, key, &records, authorization)))
+        ready(self.transaction(|tx| {
+            authorize_records(tx, &records, authorization)?;
+            append_batch(tx, key, &records, authorization)
+        }))
     }
 
     fn create_child(
@@ -1516,6 +1542,7 @@ impl Store for SqliteStore {
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         ready(self.transaction(|tx| {
             // The link first: it checks the fence and the parent's stream.
+            authorize_records(tx, &link, authorization)?;
             let offset = append_batch(tx, parent, &link, authorization)?;
             if instance_row(tx, child)?.is_some() {
                 return Err(StoreError::Other(format!("the stream {child} exists")));
