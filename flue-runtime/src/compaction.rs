@@ -380,14 +380,13 @@ async fn summarize<S: Compacting>(
         .map_err(|error| error.to_string());
     session.publish(|| {
         let aborted = session.signal().is_aborted();
-        let (stop_reason, response) = match &summary {
+        let (finish_reason, response) = match &summary {
             Ok(response) => (
                 response.stop_reason.to_string(),
                 TurnResponse {
                     text: response.text.clone(),
-                    tool_calls: Vec::new(),
                     usage: Some(response.usage),
-                    error: None,
+                    ..TurnResponse::default()
                 },
             ),
             Err(message) => (
@@ -405,11 +404,13 @@ async fn summarize<S: Compacting>(
             turn_id: turn_id.get(),
             purpose: TurnPurpose::Compaction,
             step,
-            stop_reason,
             duration_ms: started.elapsed().as_millis() as u64,
             request: turn_request(provider, &request.model, thinking),
             is_error: summary.is_err(),
-            response,
+            response: TurnResponse {
+                finish_reason,
+                ..response
+            },
         }
     });
     session.turn(None);

@@ -198,6 +198,8 @@ pub enum Event {
     },
     /// An attempt started processing a submission.
     SubmissionRunning {
+        /// How the submission arrived (as its `submission_queued` said).
+        kind: SubmissionKind,
         /// Attempts so far, this one included.
         attempt_count: u32,
         /// The budget.
@@ -283,10 +285,6 @@ pub enum Event {
         purpose: TurnPurpose,
         /// 1-based step (for a compaction's call, the step it makes room for).
         step: u32,
-        /// Why it ended, in the reference's finish reasons: `stop`, `toolUse` or `length`;
-        /// `error` or `aborted` when the call failed; `contentFilter` when the provider
-        /// filtered the output, `hookBlocked` when `prefilter_llm_history` blocked the call.
-        stop_reason: String,
         /// How long it took.
         duration_ms: u64,
         /// What the call asked for.
@@ -595,6 +593,10 @@ pub struct TurnRequest {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TurnResponse {
+    /// Why the call ended, in the reference's finish reasons: `stop`, `toolUse` or `length`;
+    /// `error` or `aborted` when the call failed; `contentFilter` when the provider filtered
+    /// the output, `hookBlocked` when `prefilter_llm_history` blocked the call.
+    pub finish_reason: String,
     /// The answer text, as the model gave it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub text: String,
@@ -626,6 +628,40 @@ mod tests {
                     step: 1,
                 },
                 json!({"type": "turn_start", "turnId": "turn_1", "purpose": "agent", "step": 1}),
+            ),
+            // Reference §7.2: `submission_running {kind, attemptCount, maxAttempts}` (the
+            // submission's id is the observation's), and the finish reason inside the turn's
+            // response.
+            (
+                Event::SubmissionRunning {
+                    kind: SubmissionKind::Direct,
+                    attempt_count: 1,
+                    max_attempts: 10,
+                },
+                json!({"type": "submission_running", "kind": "direct", "attemptCount": 1, "maxAttempts": 10}),
+            ),
+            (
+                Event::Turn {
+                    turn_id: "turn_1".into(),
+                    purpose: TurnPurpose::Agent,
+                    step: 1,
+                    duration_ms: 7,
+                    request: TurnRequest {
+                        provider: "openai".into(),
+                        model: "gpt-x".into(),
+                        thinking_level: ThinkingLevel::Off,
+                    },
+                    response: TurnResponse {
+                        finish_reason: "toolUse".into(),
+                        ..TurnResponse::default()
+                    },
+                    is_error: false,
+                },
+                json!({
+                    "type": "turn", "turnId": "turn_1", "purpose": "agent", "step": 1, "durationMs": 7,
+                    "request": {"provider": "openai", "model": "gpt-x", "thinkingLevel": "off"},
+                    "response": {"finishReason": "toolUse"}, "isError": false,
+                }),
             ),
             (
                 Event::ToolcallDelta {

@@ -904,14 +904,16 @@ async fn child_session(
                 })
                 .await;
                 deltas.end();
-                let turn = |stop_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
+                let turn = |finish_reason: String, response: TurnResponse, is_error: bool| Event::Turn {
                     turn_id: turn_id.get(),
                     purpose: TurnPurpose::Agent,
                     step,
-                    stop_reason,
                     duration_ms: started.elapsed().as_millis() as u64,
                     request: crate::session::turn_request(&*provider, &model_id, thinking),
-                    response,
+                    response: TurnResponse {
+                        finish_reason,
+                        ..response
+                    },
                     is_error,
                 };
                 let error = match called {
@@ -923,7 +925,7 @@ async fn child_session(
                                     text: response.text.clone(),
                                     tool_calls: response.tool_calls.clone(),
                                     usage: Some(response.usage),
-                                    error: None,
+                                    ..TurnResponse::default()
                                 },
                                 false,
                             )

@@ -184,10 +184,10 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
             Event::TurnRequest { purpose, .. } => seen.push(format!("turn_request {purpose:?}")),
             Event::Turn {
                 step,
-                stop_reason,
                 purpose,
+                response,
                 ..
-            } => seen.push(format!("turn {step} {stop_reason} {purpose:?}")),
+            } => seen.push(format!("turn {step} {} {purpose:?}", response.finish_reason)),
             Event::MessageStart { message } if message.role() == "assistant" => seen.push("message_start".into()),
             Event::MessageEnd { message } if message.role() == "assistant" => seen.push("message_end".into()),
             Event::CompactionStart { reason, .. } => seen.push(format!("compaction_start {reason}")),
@@ -335,10 +335,13 @@ async fn a_failed_compaction_is_reported_with_its_error_and_the_submission_goes_
             Event::Turn {
                 purpose: TurnPurpose::Compaction,
                 is_error,
-                stop_reason,
                 response,
                 ..
-            } => turns.push((is_error, stop_reason, response.error.map(|error| error.message))),
+            } => turns.push((
+                is_error,
+                response.finish_reason,
+                response.error.map(|error| error.message),
+            )),
             _ => {}
         }
     }

@@ -1966,9 +1966,7 @@ async fn a_task_childs_retried_call_is_a_turn_of_its_own() {
         }
         match observation.event {
             Event::TurnStart { turn_id, .. } => seen.push(format!("turn_start {turn_id}")),
-            Event::Turn {
-                turn_id, stop_reason, ..
-            } => seen.push(format!("turn {turn_id} {stop_reason}")),
+            Event::Turn { turn_id, response, .. } => seen.push(format!("turn {turn_id} {}", response.finish_reason)),
             _ => {}
         }
     }
@@ -2037,14 +2035,16 @@ async fn a_task_child_whose_call_overflows_compacts_and_retries_and_the_task_suc
             Event::TurnStart { step, .. } => seen.push(format!("turn_start {step}")),
             Event::Turn {
                 step,
-                stop_reason,
                 purpose,
                 response,
                 ..
             } => seen.push(match response.error {
                 // A failed call's turn names the provider's error kind, as the root's does.
-                Some(error) => format!("turn {step} {stop_reason} {purpose:?} {}", error.error_type),
-                None => format!("turn {step} {stop_reason} {purpose:?}"),
+                Some(error) => format!(
+                    "turn {step} {} {purpose:?} {}",
+                    response.finish_reason, error.error_type
+                ),
+                None => format!("turn {step} {} {purpose:?}", response.finish_reason),
             }),
             Event::CompactionStart { reason, .. } => seen.push(format!("compaction_start {reason}")),
             Event::Compaction { is_error, .. } => seen.push(format!("compaction {is_error}")),

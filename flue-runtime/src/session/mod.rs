@@ -473,6 +473,7 @@ impl InstanceSlot {
                 &self.key,
                 Some(&submission.id),
                 Event::SubmissionRunning {
+                    kind: submission.kind,
                     attempt_count: submission.attempt_count,
                     max_attempts: submission.max_attempts,
                 },
@@ -2282,10 +2283,10 @@ impl Response<'_> {
                     turn_id: turn_id.get(),
                     purpose: TurnPurpose::Agent,
                     step,
-                    stop_reason: stop_reason.to_owned(),
                     duration_ms: started.elapsed().as_millis() as u64,
                     request: turn_request(provider, model_id, thinking),
                     response: TurnResponse {
+                        finish_reason: stop_reason.to_owned(),
                         error: Some(error.describe()),
                         ..TurnResponse::default()
                     },
@@ -2322,6 +2323,8 @@ impl Response<'_> {
                         live.restart();
                         continue;
                     }
+                    // Reported as an overflow (issue 4: "recognised and reported as such"),
+                    // where the reference's settlement says `operation_failed`.
                     Failure::prompt_failed("context_overflow", &error.to_string())
                 }
                 StepError::Provider(error) if error.may_retry(retries, self.runtime.options.model_retries) => {
@@ -2353,10 +2356,10 @@ impl Response<'_> {
             turn_id: turn_id.get(),
             purpose: TurnPurpose::Agent,
             step,
-            stop_reason: response.stop_reason.to_string(),
             duration_ms: started.elapsed().as_millis() as u64,
             request: turn_request(provider, model_id, thinking),
             response: TurnResponse {
+                finish_reason: response.stop_reason.to_string(),
                 text: response.text.clone(),
                 tool_calls: response.tool_calls.clone(),
                 usage: Some(response.usage),
