@@ -298,7 +298,27 @@ impl fmt::Display for DeliveredMessage {
 
 #[cfg(test)]
 mod tests {
-    use super::{Attachment, DeliveredMessage, MessageError, UserMessage, is_blank};
+    use super::{Attachment, DeliveredMessage, MAX_IMAGE_DATA_LENGTH, MessageError, UserMessage, is_blank};
+
+    /// Reference Appendix A: an image's data is at most 14·1024·1024 characters of base64.
+    #[test]
+    fn image_data_of_the_limit_is_taken_and_one_character_group_more_is_not() {
+        assert_eq!(MAX_IMAGE_DATA_LENGTH, 14 * 1024 * 1024);
+        let with_data = |data: String| {
+            DeliveredMessage::User(UserMessage {
+                body: "look".into(),
+                attachments: vec![Attachment::Image {
+                    data,
+                    mime_type: "image/png".into(),
+                    filename: None,
+                }],
+            })
+        };
+        let at_limit = "AAAA".repeat(MAX_IMAGE_DATA_LENGTH / 4);
+        assert_eq!(with_data(at_limit).validate(), Ok(()));
+        let past = "AAAA".repeat(MAX_IMAGE_DATA_LENGTH / 4 + 1);
+        assert_eq!(with_data(past).validate(), Err(MessageError::ImageTooLarge));
+    }
 
     #[test]
     fn a_user_message_has_at_most_100_attachments_none_of_them_empty() {

@@ -1187,11 +1187,14 @@ async fn a_retried_call_is_a_turn_of_its_own() {
             Event::TurnStart { turn_id, step, .. } => seen.push(format!("turn_start {turn_id} step {step}")),
             Event::Turn {
                 turn_id,
-                stop_reason,
+                response,
                 is_error,
                 step,
                 ..
-            } => seen.push(format!("turn {turn_id} step {step} {stop_reason} error={is_error}")),
+            } => seen.push(format!(
+                "turn {turn_id} step {step} {} error={is_error}",
+                response.finish_reason
+            )),
             Event::TextDelta { .. } => seen.push(format!("text_delta {stamped}")),
             Event::TurnMessages { turn_id, .. } => seen.push(format!("turn_messages {turn_id}")),
             _ => {}
@@ -2056,6 +2059,10 @@ async fn a_self_dispatch_joins_the_live_response_at_the_next_turn_boundary() {
     }
     assert_eq!(settled.len(), 2);
     assert!(settled.iter().all(|(_, outcome)| *outcome == Outcome::Completed));
+    assert_eq!(
+        settled[1].0, reply.submission_id,
+        "a joined delivery settles before its host (reference §7.3)"
+    );
     let joined_id = settled
         .iter()
         .find(|(id, _)| *id != reply.submission_id)
@@ -3307,5 +3314,44 @@ async fn tool_call_arguments_past_the_json_limits_fail_the_call_before_anything_
             .flat_map(|batch| batch.records.iter())
             .all(|record| !matches!(record.body, RecordBody::AssistantToolCall { .. })),
         "the call was not recorded"
+    );
+}
+
+static MODEL_DECLARED_ONCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Settle the model question (marks it settled).
+#[tool]
+async fn settle_model() -> String {
+    MODEL_DECLARED_ONCE.store(true, std::sync::atomic::Ordering::SeqCst);
+    "settled".to_owned()
+}
+
+/// Declares its model only until its tool ran: a render after that omits `use_model`.
+#[agent]
+fn forgetful() -> &'static str {
+    if !MODEL_DECLARED_ONCE.load(std::sync::atomic::Ordering::SeqCst) {
+        use_model("scripted/first-model");
+    }
+    use_tool(settle_model);
+    "Settle the question."
+}
+
+/// Reference §8.2: the model is read once, at the response's first render, and is
+/// submission-scoped: a later render that omits `use_model` is not refused, and the next
+/// call is made to the first model.
+#[tokio::test]
+async fn a_rerender_that_omits_use_model_keeps_the_responses_model() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("settle_model", json!({})),
+        ScriptedReply::text("settled on the first model"),
+    ]);
+    let runtime = runtime_with(&model, vec![forgetful.into()]);
+    let reply = runtime.init(&forgetful, "f").send("go").await.unwrap();
+    assert_eq!(reply.text, "settled on the first model");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2);
+    assert!(
+        requests.iter().all(|request| request.model == "first-model"),
+        "{requests:?}"
     );
 }
