@@ -483,6 +483,36 @@ async fn updates_start_with_a_checkpoint_and_project_chunks_in_stream_order() {
         })
         .collect();
     assert!(positions.windows(2).all(|pair| pair[0] < pair[1]), "{positions:?}");
+    // Each chunk's fields, as reference §4.6 lists them (`?`: optional); every chunk also has
+    // its type, conversation and position. A delta has no timestamp.
+    for chunk in chunks {
+        let fields: &[&str] = match chunk["type"].as_str().unwrap() {
+            "conversation-reset" => &["snapshot"],
+            "message-appended" => &["message"],
+            "message-started" => &["messageId", "submissionId?", "turnId?", "metadata?", "timestamp"],
+            "tool-input" => &["messageId", "toolCallId", "toolName", "input", "timestamp"],
+            "tool-output" => &["toolCallId", "output", "durationMs?", "timestamp"],
+            "message-delta" => &["messageId", "kind", "delta"],
+            "message-completed" => &["messageId", "timestamp"],
+            "submission-settled" => &[
+                "submissionId",
+                "outcome",
+                "error?",
+                "answeredBySubmissionId?",
+                "timestamp",
+            ],
+            other => panic!("an unexpected chunk {other}"),
+        };
+        let keys: Vec<&str> = chunk.as_object().unwrap().keys().map(String::as_str).collect();
+        for key in &keys {
+            let known = ["type", "conversationId", "position"].contains(key)
+                || fields.iter().any(|field| field.trim_end_matches('?') == *key);
+            assert!(known, "{key} is no field of {chunk}");
+        }
+        for field in fields.iter().filter(|field| !field.ends_with('?')) {
+            assert!(keys.contains(field), "{field} missing from {chunk}");
+        }
+    }
 
     // From the head: the checkpoint alone, the same offset.
     let head = snapshot["offset"].as_str().unwrap();
