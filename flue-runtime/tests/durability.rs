@@ -2933,3 +2933,54 @@ async fn a_submission_given_back_is_taken_over_at_once_by_another_node() {
         .count();
     assert_eq!(settlements, 1);
 }
+
+#[agent]
+fn runaway_across_attempts() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|ctx| async move { ctx.append(Signal::new("again", "more")) });
+    "Never stop."
+}
+
+/// Reference §8.23: the finish ceiling counts the response's durable `agent_finish_cycle`
+/// records, so a restart does not give a runaway loop another 32 cycles. The commit of the
+/// 21st model step fails (a crash there, after 20 durable cycles); the re-attempt makes that
+/// call again, counts the 20 cycles and fails at the ceiling after 12 more: one model call
+/// more than an uninterrupted response makes, where a count started afresh would allow 32.
+#[tokio::test]
+async fn the_finish_ceiling_counts_the_cycles_made_before_a_restart() {
+    let store = FaultyStore::default();
+    let steps = Arc::new(AtomicUsize::new(0));
+    let counted = steps.clone();
+    store.fail_once(move |records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::AssistantMessageCompleted { .. }))
+            && counted.fetch_add(1, Ordering::SeqCst) + 1 == 21
+    });
+    let model = ScriptedModel::new((0..80).map(|_| ScriptedReply::text("ok")));
+    let runtime = runtime(&store, &model, runaway_across_attempts);
+    let error = runtime
+        .init(&runaway_across_attempts, "r")
+        .send("go")
+        .await
+        .unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error: {error}")
+    };
+    assert_eq!(error_type, "agent_finish_ceiling", "{message}");
+    assert_eq!(
+        store.failures.load(Ordering::SeqCst),
+        1,
+        "the 21st step's commit failed once"
+    );
+    assert_eq!(model.requests().len(), 34);
+    let durable = records(&store, &InstanceKey::new("runaway_across_attempts", "r"))
+        .await
+        .iter()
+        .filter(|record| matches!(record.body, RecordBody::AgentFinishCycle))
+        .count();
+    assert_eq!(durable, 32);
+}
