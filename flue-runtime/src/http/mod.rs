@@ -108,15 +108,15 @@ pub struct HttpOptions {
     /// JSON, needs no CORS preflight). Turn it on to serve a browser app on another site
     /// through a CORS layer.
     pub allow_cross_site: bool,
-    /// The host names a browser may reach this server by while it serves without an
+    /// The host names this server answers to while it serves without an
     /// [`authorization`](Self::authorization) policy, besides `localhost` (and its
     /// subdomains) and IP addresses: compared with the request's `Host` (its port aside, ASCII
     /// case aside). Empty by default. The guard against DNS rebinding: a page on another site
     /// can point its own name at `127.0.0.1` and then, to the browser, be the same site as an
-    /// agent server on the developer's machine. A request from a browser (one that sends
-    /// `Origin`, or `Sec-Fetch-Site` other than `none`) by any other name is refused (403).
-    /// Requests from other clients, and every request once an authorization policy is set,
-    /// are not checked.
+    /// agent server on the developer's machine, free to read and post. A request by any other
+    /// name is refused (403), whatever sent it: over plain HTTP a browser's same-site read
+    /// carries nothing that tells it apart from another client's. Once an authorization
+    /// policy is set, the name is not checked.
     pub allowed_hosts: Vec<String>,
 }
 
@@ -324,12 +324,11 @@ async fn guard(
     // A user route runs the application's hooks even for a read (a client's attach and
     // detach): as guarded as a write.
     if options.authorization.is_none()
-        && from_a_browser_page(request.headers())
         && let Some(host) = request_host(request.headers(), request.uri())
         && !host_allowed(host, &options.allowed_hosts)
     {
         return ApiError::forbidden(format!(
-            "A browser reached this server by the name {host:?}, which it does not answer to without an authorization policy (a page on another site can point its own name at this address); list the name in HttpOptions::allowed_hosts, or set HttpOptions::authorization."
+            "This server was reached by the name {host:?}, which it does not answer to without an authorization policy (a page on another site can point its own name at this address); list the name in HttpOptions::allowed_hosts, or set HttpOptions::authorization."
         ))
         .into_response();
     }
@@ -388,28 +387,24 @@ fn from_another_site(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> 
     }
 }
 
-/// Whether a page in a browser sent the request: it carries an `Origin`, or a
-/// `Sec-Fetch-Site` other than `none` (`none` is a navigation the user made: typed, or from a
-/// bookmark).
-fn from_a_browser_page(headers: &HeaderMap) -> bool {
-    match headers.get("sec-fetch-site") {
-        Some(site) => !site.as_bytes().eq_ignore_ascii_case(b"none"),
-        None => headers.contains_key(header::ORIGIN),
-    }
-}
-
 /// Whether `host` (a `Host` header or an authority, with or without its port) is a name this
-/// server answers browsers by without an authorization policy: an IP address, `localhost` or
-/// one of its subdomains, or one of `allowed` (see [`HttpOptions::allowed_hosts`]).
+/// server answers to without an authorization policy: an IP address, `localhost` or one of
+/// its subdomains, or one of `allowed` (see [`HttpOptions::allowed_hosts`]).
 fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    let is_port = |port: &str| !port.is_empty() && port.bytes().all(|byte| byte.is_ascii_digit());
     // `[v6]:port`, `[v6]`, `name:port`, `v4:port`, `name`.
     let name = match host.strip_prefix('[') {
         Some(rest) => {
-            return rest
-                .split_once(']')
-                .is_some_and(|(ip, _)| ip.parse::<std::net::Ipv6Addr>().is_ok());
+            return rest.split_once(']').is_some_and(|(ip, after)| {
+                ip.parse::<std::net::Ipv6Addr>().is_ok()
+                    && (after.is_empty() || after.strip_prefix(':').is_some_and(is_port))
+            });
         }
-        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+        None => match host.rsplit_once(':') {
+            Some((name, port)) if is_port(port) => name,
+            Some(_) => return false,
+            None => host,
+        },
     };
     let name = name.strip_suffix('.').unwrap_or(name);
     if name.parse::<std::net::Ipv4Addr>().is_ok() {
@@ -575,7 +570,7 @@ mod tests {
     }
 
     #[test]
-    fn a_browser_may_use_ip_addresses_localhost_and_the_allowed_names_only() {
+    fn the_server_answers_ip_addresses_localhost_and_the_allowed_names_only() {
         let allowed = ["agents.example.com".to_owned()];
         for host in [
             "127.0.0.1:3583",
@@ -598,19 +593,13 @@ mod tests {
             "localhost.evil.example",
             "example.com",
             "[not-an-ip]:80",
+            "[::1]junk",
+            "[::1]:",
+            "localhost:x",
             "",
         ] {
             assert!(!host_allowed(host, &allowed), "{host}");
         }
-        let browser = |name: &'static str, value: &'static str| {
-            let mut headers = HeaderMap::new();
-            headers.insert(name, HeaderValue::from_static(value));
-            headers
-        };
-        assert!(from_a_browser_page(&browser("sec-fetch-site", "same-origin")));
-        assert!(from_a_browser_page(&browser("origin", "http://evil.example")));
-        assert!(!from_a_browser_page(&browser("sec-fetch-site", "none")));
-        assert!(!from_a_browser_page(&HeaderMap::new()));
     }
 
     #[test]
