@@ -149,12 +149,14 @@ impl ModelOptions {
         Ok(options)
     }
 
-    /// Checks the rules the type system does not: a compaction model must be non-empty.
+    /// Checks the rules the type system does not: a compaction model must not be blank
+    /// (stricter than the reference, which takes any string and fails only when a compaction
+    /// resolves it).
     pub fn validate(&self) -> Result<(), ModelOptionsError> {
         if let Compaction::Threshold(CompactionConfig { model: Some(model), .. }) = &self.compaction
             && model.trim().is_empty()
         {
-            return Err(ModelOptionsError::CompactionModel);
+            return Err(ModelOptionsError::BlankCompactionModel);
         }
         Ok(())
     }
@@ -197,7 +199,7 @@ pub enum ModelOptionsError {
     #[error("[flue] use_model() options received unknown field \"{0}\".")]
     UnknownField(String),
     /// A thinking level that is not one of the seven.
-    #[error("[flue] use_model() options thinking_level must be one of: off, minimal, low, medium, high, xhigh, max.")]
+    #[error("[flue] use_model() options thinkingLevel must be one of: off, minimal, low, medium, high, xhigh, max.")]
     ThinkingLevel,
     /// Compaction that is neither a configuration nor `false`.
     #[error("[flue] use_model() options compaction must be a configuration object or `false`.")]
@@ -208,7 +210,12 @@ pub enum ModelOptionsError {
     /// A token count that is not a non-negative integer.
     #[error("[flue] use_model() options compaction.{0} must be a non-negative integer.")]
     CompactionTokens(&'static str),
-    /// A compaction model that is not a non-empty string.
-    #[error("[flue] use_model() options compaction.model must be a non-empty string.")]
+    /// A compaction model that is not a string.
+    #[error("[flue] use_model() options compaction.model must be a string.")]
     CompactionModel,
+    /// A compaction model that is blank.
+    #[error(
+        "[flue] use_model() options compaction.model must name a model, like 'anthropic/claude-haiku-4-5'; it is blank."
+    )]
+    BlankCompactionModel,
 }

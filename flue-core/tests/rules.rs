@@ -148,7 +148,7 @@ fn use_model_rejects_a_blank_compaction_model() {
     });
     assert_eq!(
         render_panic(&agent),
-        "[flue] use_model() options compaction.model must be a non-empty string."
+        "[flue] use_model() options compaction.model must name a model, like 'anthropic/claude-haiku-4-5'; it is blank."
     );
 }
 
@@ -161,7 +161,7 @@ fn thinking_levels_parse_including_max_and_reject_unknown_values() {
     }
     assert_eq!(
         "extreme".parse::<ThinkingLevel>().unwrap_err().to_string(),
-        "[flue] use_model() options thinking_level must be one of: off, minimal, low, medium, high, xhigh, max."
+        "[flue] use_model() options thinkingLevel must be one of: off, minimal, low, medium, high, xhigh, max."
     );
 }
 
@@ -187,6 +187,14 @@ fn model_options_from_configuration_reject_unknown_fields_with_the_reference_mes
             .unwrap_err()
             .to_string(),
         "[flue] use_model() options compaction.reserveTokens must be a non-negative integer."
+    );
+    assert_eq!(
+        parse(json!({"compaction": {"model": 5}})).unwrap_err().to_string(),
+        "[flue] use_model() options compaction.model must be a string."
+    );
+    assert_eq!(
+        parse(json!({"thinkingLevel": "huge"})).unwrap_err().to_string(),
+        "[flue] use_model() options thinkingLevel must be one of: off, minimal, low, medium, high, xhigh, max."
     );
     assert_eq!(
         parse(json!({"compaction": false})).unwrap().compaction,
