@@ -243,15 +243,17 @@ impl ToolHandler for McpTool {
             {
                 parts.push(structured.to_string());
             }
-            let text = capped(parts.join("\n"));
+            let text = parts.join("\n");
             if result.is_error == Some(true) {
                 ToolOutput::error(if text.is_empty() {
                     "The MCP tool reported an error.".to_owned()
                 } else {
-                    without_credentials(&text, &self.credentials)
+                    // Redacted before it is cut: a credential straddling the cut would survive
+                    // in part.
+                    capped(without_credentials(&text, &self.credentials))
                 })
             } else {
-                ToolOutput::text(text)
+                ToolOutput::text(capped(text))
             }
         })
     }

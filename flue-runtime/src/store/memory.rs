@@ -99,8 +99,9 @@ impl Inner {
         })
     }
 
-    /// A write's fence: with `authorization`, that attempt must run its submission, and the
-    /// submission's instance must be the one whose `stream` is written (or its task child's).
+    /// A write's fence: with `authorization`, that attempt must run its submission, the
+    /// submission's instance must be the one whose `stream` is written (or its task child's),
+    /// and `records` must be the attempt's (see [`super::joined_submissions_of`]).
     fn fence(
         &self,
         authorization: Option<&AttemptRef>,

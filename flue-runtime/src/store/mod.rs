@@ -662,7 +662,10 @@ pub trait Store: Send + Sync + 'static {
     fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
 
     /// Appends one batch atomically. With `authorization`, the attempt must still own its
-    /// submission.
+    /// submission, and every record that names a submission or an attempt must be that
+    /// attempt's, of its submission or of a delivery `joining` or `joined` into it; without
+    /// one, no record may name either (reference §5.1). A
+    /// refusal is [`StoreError::Fenced`] and leaves the stream unchanged.
     ///
     /// Dropping the returned future does not withdraw the batch: once it was polled (the
     /// SQLite and memory stores append before returning it), the batch may be in the stream
@@ -677,8 +680,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Creates the child conversation `child` (a task's stream, reference §3.3 "child
     /// creation") with `birth` as its first batch, and appends `link` to `parent`'s stream,
-    /// atomically: both or neither, so a link never names a missing child. With
-    /// `authorization`, the attempt must still own its submission. Returns the offset of the
+    /// atomically: both or neither, so a link never names a missing child. `link` is
+    /// authorized as an [`append`](Self::append) is. Returns the offset of the
     /// parent's batch. Fails when `child` exists or `parent` does not.
     ///
     /// A child stream has no submissions: it is never queued, claimed or listed, and it is

@@ -2001,7 +2001,17 @@ pub async fn creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_o
     let host = running_host(&store).await;
     let parent = key("assistant", "agent-1");
     let child = key("assistant:task", "agent-1/task_1");
-    let link = || vec![record(Some(&host.submission_id), Some(&host.attempt_id), user("link"))].into();
+    // The link as the authorizing attempt wrote it, so the store's own fence is what refuses
+    // a stale attempt (a link of another attempt's is refused before the store is asked).
+    let link_of = |attempt: &AttemptRef| {
+        vec![record(
+            Some(&attempt.submission_id),
+            Some(&attempt.attempt_id),
+            user("link"),
+        )]
+        .into()
+    };
+    let link = || link_of(&host);
     let birth = || {
         vec![record(
             None,
@@ -2018,16 +2028,19 @@ pub async fn creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_o
         .into()
     };
     let before = store.read(&parent, None).await.unwrap().len();
+    let stale_attempt = attempt("host-1", "old");
     let stale = store
-        .create_child(&parent, link(), &child, birth(), Some(&attempt("host-1", "old")))
+        .create_child(&parent, link_of(&stale_attempt), &child, birth(), Some(&stale_attempt))
         .await;
     assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
     assert!(store.read(&child, None).await.unwrap().is_empty(), "no child");
     assert_eq!(store.read(&parent, None).await.unwrap().len(), before, "no link");
+    // No parent stream: refused by the store (the link names nothing the check refuses).
+    let unowned = || vec![record(None, None, user("link"))].into();
     let missing = store
-        .create_child(&key("assistant", "nobody"), link(), &child, birth(), None)
+        .create_child(&key("assistant", "nobody"), unowned(), &child, birth(), None)
         .await;
-    assert!(missing.is_err());
+    assert!(matches!(missing, Err(StoreError::Other(_))), "{missing:?}");
     assert!(store.read(&child, None).await.unwrap().is_empty(), "no child");
 
     store
