@@ -283,6 +283,15 @@ impl RuntimeBuilder {
                 clash.kind(),
             )));
         }
+        // Every hook id the application declares, for the renders' selections to be checked
+        // against (a user hook stands for its id alone: no thread hook may share it).
+        let mut known_hooks: HashMap<&'static str, crate::lifecycle::KnownHook> = hook_ids
+            .into_iter()
+            .map(|(id, hook)| (id, crate::lifecycle::KnownHook::Thread(hook)))
+            .collect();
+        for hook in &user_hooks {
+            known_hooks.insert(hook.id(), crate::lifecycle::KnownHook::User(hook.kind()));
+        }
         let (events, _) = broadcast::channel(OBSERVED_BACKLOG);
         let (user_events, _) = broadcast::channel(1024);
         let inner = Arc::new(RuntimeInner {
@@ -304,6 +313,7 @@ impl RuntimeBuilder {
             user_hooks,
             user_chains: crate::lifecycle::user::UserChains::default(),
             user_events,
+            known_hooks: Mutex::new(known_hooks),
         });
         Ok(Runtime { inner })
     }
@@ -342,6 +352,9 @@ pub(crate) struct RuntimeInner {
     pub(crate) user_chains: crate::lifecycle::user::UserChains,
     /// `UserState::emit` events, for the user event streams.
     pub(crate) user_events: broadcast::Sender<crate::lifecycle::UserEvent>,
+    /// The hook of each id met so far: those the agents and the user scope declare, then
+    /// those renders select (see [`crate::lifecycle::HookSet::register`]).
+    pub(crate) known_hooks: Mutex<HashMap<&'static str, crate::lifecycle::KnownHook>>,
 }
 
 impl RuntimeInner {

@@ -94,7 +94,9 @@ async fn items_04_05_06_07_the_render_selection_replaces_agent_hooks_and_an_empt
         .map(|request| request.system.as_deref().unwrap())
         .collect();
     assert!(
-        systems[0].starts_with("Base.\n\n## Available Agents") && systems[0].ends_with(" +render"),
+        systems[0].starts_with("Base.\n\n## Available Agents")
+            && systems[0].ends_with(" +render")
+            && !systems[0].contains("+agent"),
         "{}",
         systems[0]
     );
@@ -607,7 +609,10 @@ async fn item_35_the_failed_status_goes_through_the_update_hooks_without_any_cre
 async fn item_23_after_create_message_finds_the_pending_assistant_row_in_the_thread() {
     let model = ScriptedModel::new([ScriptedReply::text("answer")]);
     let runtime = runtime_with(&model, vec![pending_rows.into()]);
-    runtime.init(&pending_rows, "created").send("question").await.unwrap();
+    let reply = runtime.init(&pending_rows, "created").send("question").await.unwrap();
+    // Item 35: the step's row is written with its last good value though this agent's
+    // update hook throws on every update.
+    assert_eq!(reply.text, "answer");
     let log = PENDING_LOG.lock().unwrap().clone();
     assert_eq!(
         log.iter().find(|line| line.starts_with("created ")).map(String::as_str),
@@ -1549,6 +1554,76 @@ fn item_03_two_hooks_sharing_an_id_are_refused_when_the_runtime_is_built() {
     assert!(
         text.contains("after_create_message") && text.contains("after_update_message"),
         "{text}"
+    );
+}
+
+#[agent]
+fn selects_audit_updates() -> &'static str {
+    use_model("scripted/x");
+    use_hooks([audit_updates]);
+    "A"
+}
+
+#[hook(user_value_changed, id = "audit")]
+async fn audit_user_values(_user: &UserState, _key: &str) -> Result<(), HookError> {
+    Ok(())
+}
+
+#[agent]
+fn selects_audit_rows() -> &'static str {
+    use_model("scripted/x");
+    use_hooks([audit_rows]);
+    "A"
+}
+
+/// Item 3 beyond what the builder sees: a hook a render selects may not share its id with
+/// another agent's hook, nor with a user hook. The clash fails the render that meets it,
+/// before any model call; the same hook selected again is no clash.
+#[tokio::test]
+async fn item_03_a_hook_a_render_selects_may_not_share_an_id_with_another_hook_of_the_application() {
+    let model = ScriptedModel::new([ScriptedReply::text("ok"), ScriptedReply::text("again")]);
+    let runtime = runtime_with(
+        &model,
+        vec![
+            audited_rows.into(),
+            selects_audit_updates.into(),
+            selects_audit_rows.into(),
+        ],
+    );
+    let (error_type, message) = run_error(runtime.init(&selects_audit_updates, "s").send("hi").await.unwrap_err());
+    assert_eq!(error_type, "render_failed");
+    assert!(
+        message.contains("Two lifecycle hooks share the id \"audit\""),
+        "{message}"
+    );
+    assert!(model.requests().is_empty());
+    // The declared hook itself, selected by another render: the same hook, no clash.
+    assert_eq!(
+        runtime.init(&selects_audit_rows, "r").send("hi").await.unwrap().text,
+        "ok"
+    );
+
+    let model = ScriptedModel::new([]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let with_user_hook = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(selects_audit_rows)
+        .user_hook(audit_user_values)
+        .build()
+        .unwrap();
+    let (error_type, message) = run_error(
+        with_user_hook
+            .init(&selects_audit_rows, "u")
+            .send("hi")
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(error_type, "render_failed");
+    assert!(
+        message.contains("share the id \"audit\"") && message.contains("user_value_changed"),
+        "{message}"
     );
 }
 

@@ -3355,3 +3355,53 @@ async fn a_rerender_that_omits_use_model_keeps_the_responses_model() {
         "{requests:?}"
     );
 }
+
+static START_BARRIER: std::sync::LazyLock<tokio::sync::Barrier> =
+    std::sync::LazyLock::new(|| tokio::sync::Barrier::new(2));
+
+/// Two start callbacks that each wait for the other (they finish only when they run at the
+/// same time), the first appending after the second.
+#[agent]
+fn rendezvous() -> &'static str {
+    use_model("scripted/x");
+    use_agent_start(|ctx| async move {
+        START_BARRIER.wait().await;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        ctx.append(Signal::new("first", "a"))
+    });
+    use_agent_start(|ctx| async move {
+        START_BARRIER.wait().await;
+        ctx.append(Signal::new("second", "b"))
+    });
+    "Meet."
+}
+
+/// Reference §3.4 and §3.3: a delivery's `use_agent_start` callbacks start together
+/// (`Promise.allSettled`), and their appends are committed in the callbacks' declaration
+/// order, whatever order they finished in.
+#[tokio::test]
+async fn start_callbacks_run_concurrently_and_their_appends_keep_declaration_order() {
+    let model = ScriptedModel::new([ScriptedReply::text("met")]);
+    let runtime = runtime_with(&model, vec![rendezvous.into()]);
+    let sent = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&rendezvous, "r").send("hi"),
+    )
+    .await
+    .expect("the callbacks ran at the same time (one alone waits at the barrier for good)");
+    sent.unwrap();
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("rendezvous", "r"), None)
+        .await
+        .unwrap();
+    let signals: Vec<&str> = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter_map(|record| match &record.body {
+            RecordBody::Signal { signal_type, .. } => Some(signal_type.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(signals, ["first", "second"]);
+}

@@ -55,7 +55,50 @@ pub(crate) struct HookSet {
     hooks: Vec<ThreadHook>,
 }
 
+/// What a hook id stands for in the application (see [`HookSet::register`]).
+#[derive(Clone, Copy)]
+pub(crate) enum KnownHook {
+    /// A thread hook: the same one may be selected again.
+    Thread(ThreadHook),
+    /// A user-scope hook (of its kind): no thread hook may have its id.
+    User(flue_core::lifecycle::HookKind),
+}
+
 impl HookSet {
+    /// Checks this set's hooks against every hook `known` under their ids, and records those
+    /// met for the first time: reference item 3 refuses two hooks under one id anywhere in the
+    /// application, and the builder sees only the hooks agents declare, not those a render
+    /// selects (one agent's selection may share an id with another agent's hook, or a user
+    /// hook's).
+    pub(crate) fn register(
+        &self,
+        known: &std::sync::Mutex<std::collections::HashMap<&'static str, KnownHook>>,
+    ) -> Result<(), String> {
+        if self.hooks.is_empty() {
+            return Ok(());
+        }
+        let mut known = known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for hook in &self.hooks {
+            match known.get(hook.id()).copied() {
+                None => {
+                    known.insert(hook.id(), KnownHook::Thread(*hook));
+                }
+                Some(KnownHook::Thread(first)) if first == *hook => {}
+                Some(KnownHook::Thread(first)) => {
+                    return Err(flue_core::lifecycle::shared_id_message(
+                        hook.id(),
+                        first.kind(),
+                        hook.kind(),
+                    ));
+                }
+                Some(KnownHook::User(kind)) => {
+                    return Err(flue_core::lifecycle::shared_id_message(hook.id(), kind, hook.kind()));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The set of a render: `selected` (its `use_hooks`) when non-empty, else the agent's
     /// hooks, between the required hooks of its enabled subagent relationships. Refused when
     /// two different hooks in it share an id: the builder sees only the hooks its agents

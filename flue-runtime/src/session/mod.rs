@@ -1291,6 +1291,7 @@ impl Response<'_> {
             Ok(Ok(())) => {
                 self.data_writer_names = Some(rendered.data_writer_names());
                 self.hooks = HookSet::resolve(self.agent.definition(), &rendered.hooks, &rendered.subagents)
+                    .and_then(|hooks| hooks.register(&self.runtime.known_hooks).map(|()| hooks))
                     .map_err(|message| Failure::failed("render_failed", message))?;
                 // With hooks selected the execution's state exists from the first render on
                 // (the streaming-time `tool_call_started` hooks need it).
@@ -1592,6 +1593,7 @@ impl Response<'_> {
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
         // relationships the first render declares.
         self.at_rest_hooks = HookSet::at_rest(definition, &rendered.subagents)
+            .and_then(|hooks| hooks.register(&self.runtime.known_hooks).map(|()| hooks))
             .map_err(|message| Failure::failed("render_failed", message))?;
         self.thread_created().await?;
 
