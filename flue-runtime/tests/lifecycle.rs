@@ -1462,9 +1462,12 @@ fn tool_status_and_message_status_serialize_as_the_reference_spells_them() {
 
 // ---- queued messages (items 30, 81-adjacent: queue_message) ------------------------------------
 
+static SPAM_REFUSALS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 #[hook(before_create_message)]
 async fn refuse_spam(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
     if message.content.as_deref() == Some("spam") {
+        SPAM_REFUSALS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         return Err(HookError::new("spam is not stored"));
     }
     Ok(message)
@@ -1504,7 +1507,8 @@ async fn item_30_a_prevented_queued_message_leaves_the_response_which_goes_on_wi
     let second = &model.requests()[1].messages;
     assert_eq!(second.last(), Some(&ModelMessage::user("a real follow-up")));
     assert!(!second.contains(&ModelMessage::user("spam")));
-    // The spam went back to the queue and, processed on its own, failed with the hook's error.
+    // The spam left the response and, processed on its own after it, failed with the hook's
+    // error, its hook not run again.
     let settled = tokio::time::timeout(std::time::Duration::from_secs(10), async {
         loop {
             let observation = events.recv().await.unwrap();
@@ -1518,6 +1522,11 @@ async fn item_30_a_prevented_queued_message_leaves_the_response_which_goes_on_wi
     assert_eq!(settled.error_type, "message_hook_error");
     assert_eq!(settled.message, "spam is not stored");
     assert_eq!(model.requests().len(), 2, "no turn for the prevented message");
+    assert_eq!(
+        SPAM_REFUSALS.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the hook prevented it once"
+    );
 }
 
 // ---- ids (item 3) -----------------------------------------------------------------------------

@@ -214,12 +214,41 @@ pub(crate) struct InstanceBinding {
     /// takeover waits for the worker role): their leases are this node's to renew, or they
     /// lapse before the attempts run and the scan takes them over though this node is alive.
     pub(crate) starting: Mutex<Vec<String>>,
+    /// Queued deliveries a `before_create_message` hook prevented while a response joined
+    /// them, with why (newest last, a few kept): processed on their own afterwards, they fail
+    /// with that error without their row's hooks running again (reference item 30: a
+    /// prevented queued message leaves the queue).
+    pub(crate) prevented: Mutex<std::collections::VecDeque<(String, crate::record::SettlementError)>>,
 }
 
 /// How many aborted submission ids an instance remembers for an attempt about to start.
 const PENDING_ABORTS: usize = 64;
 
+/// How many prevented deliveries an instance remembers (see [`InstanceBinding::prevented`]).
+const PREVENTED: usize = 64;
+
 impl InstanceBinding {
+    /// Remembers that a hook prevented the row of the queued delivery `submission_id`.
+    pub(crate) fn note_prevented(&self, submission_id: &str, error: crate::record::SettlementError) {
+        let mut prevented = self.prevented.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if prevented.len() == PREVENTED {
+            prevented.pop_front();
+        }
+        prevented.push_back((submission_id.to_owned(), error));
+    }
+
+    /// Why a hook prevented the row of `submission_id` while it was joined, if one did here;
+    /// forgotten when `forget` (the delivery settles with it).
+    pub(crate) fn prevented(&self, submission_id: &str, forget: bool) -> Option<crate::record::SettlementError> {
+        let mut prevented = self.prevented.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let at = prevented.iter().position(|(id, _)| id == submission_id)?;
+        if forget {
+            prevented.remove(at).map(|(_, error)| error)
+        } else {
+            prevented.get(at).map(|(_, error)| error.clone())
+        }
+    }
+
     pub(crate) fn current(&self) -> Option<Arc<Attempt>> {
         self.current
             .lock()

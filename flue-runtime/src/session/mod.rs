@@ -157,6 +157,7 @@ impl InstanceSlot {
             current: Mutex::new(None),
             pending_aborts: Mutex::default(),
             starting: Mutex::default(),
+            prevented: Mutex::default(),
         });
         Self {
             key,
@@ -1769,14 +1770,29 @@ impl Response<'_> {
         let needs_input = !self.conversation.has_input(submission_id);
         let needs_seam = !self.conversation.has_started(submission_id);
         if needs_input {
+            // Prevented while a response here joined it: its row's hooks are not run again. On
+            // its own it fails as it did; joined again, it leaves again.
+            let waking = submission_id == self.submission.id;
+            if let Some(error) = self.binding.prevented(submission_id, waking) {
+                if !waking {
+                    return Ok(false);
+                }
+                return Err(Failure {
+                    outcome: Outcome::Failed,
+                    error,
+                    transient: false,
+                });
+            }
             let input = self.input_record(submission_id, &delivery).await?;
             let (mut records, created) = match self.input_row(input).await {
                 lifecycle::InputRow::Store(records, created) => (records, created),
                 lifecycle::InputRow::Prevented(failure) if submission_id == self.submission.id => return Err(failure),
                 lifecycle::InputRow::Prevented(failure) => {
                     // A joined delivery's row was prevented: it leaves this response, which
-                    // goes on without it.
+                    // goes on without it. Its claim goes back to the queue at settlement, and
+                    // processed on its own it fails with this error.
                     tracing::warn!(instance = %self.key, submission = submission_id, error = %failure.error.message, "a queued message was not stored: a before_create_message hook prevented it");
+                    self.binding.note_prevented(submission_id, failure.error);
                     return Ok(false);
                 }
             };
