@@ -366,9 +366,25 @@ fn blocked() -> &'static str {
 async fn item_20_a_blocking_prefilter_stops_with_hook_blocked_and_stores_its_message() {
     let model = ScriptedModel::new([ScriptedReply::text("never")]);
     let runtime = runtime_with(&model, vec![blocked.into()]);
+    let mut events = runtime.observe();
     let reply = runtime.init(&blocked, "b").send("hi").await.unwrap();
     assert!(model.requests().is_empty(), "no provider request");
     assert_eq!(reply.text, "This request is over the monthly budget.");
+    // Observers see the stored message as any step's: its end, and in agent_end.
+    let said = ModelMessage::Assistant {
+        text: "This request is over the monthly budget.".into(),
+        tool_calls: Vec::new(),
+        reasoning: Vec::new(),
+    };
+    let (mut ended, mut in_agent_end) = (false, false);
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            flue_runtime::events::Event::MessageEnd { message } => ended |= message == said,
+            flue_runtime::events::Event::AgentEnd { messages } => in_agent_end = messages.contains(&said),
+            _ => {}
+        }
+    }
+    assert!(ended && in_agent_end, "message_end {ended}, agent_end {in_agent_end}");
     let stored = bodies(&runtime, "blocked", "b").await;
     assert!(stored.iter().any(|body| matches!(
         body,

@@ -353,6 +353,7 @@ impl Response<'_> {
             self.reply.add(started);
         }
         let mut records = live.into_unappended();
+        let stored_id = message_id.clone();
         records.extend([self.record(RecordBody::AssistantMessageCompleted {
             message_id,
             text: text.clone(),
@@ -362,6 +363,8 @@ impl Response<'_> {
             usage: Default::default(),
         })]);
         self.commit(records, false).await?;
+        // Observers see the step's message as they see any other (and `agent_end` carries it).
+        self.stored_message_events(Some(&stored_id));
         // The response has its message: data written before it (by a start callback, say)
         // goes now, as after a model step.
         self.attempt.stream_data();
