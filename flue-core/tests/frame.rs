@@ -25,6 +25,10 @@ fn every_hook_panics_outside_an_agent_function_with_the_reference_message() {
             Box::new(|| use_model_with("openai/gpt-4o", ModelOptions::default())),
         ),
         ("use_sandbox", Box::new(|| use_sandbox(NoSandbox))),
+        (
+            "use_sandbox",
+            Box::new(|| use_sandbox_with(NoSandbox, flue_core::sandbox::SandboxOptions::default())),
+        ),
         ("use_tool", Box::new(|| use_tool(echo_tool("echo")))),
         (
             "use_skill",
@@ -41,6 +45,13 @@ fn every_hook_panics_outside_an_agent_function_with_the_reference_message() {
         ("use_delivery", Box::new(|| drop(use_delivery()))),
         ("use_dispatch_message", Box::new(|| drop(use_dispatch_message()))),
         ("use_data_writer", Box::new(|| drop(use_data_writer::<u8>("d")))),
+        (
+            "use_data_writer",
+            Box::new(|| {
+                let schema = flue_core::data::DataSchema::new(serde_json::json!({"type": "object"})).unwrap();
+                drop(use_data_writer_with_schema("d", &schema));
+            }),
+        ),
         ("use_agent_start", Box::new(|| use_agent_start(|_| async {}))),
         ("use_agent_finish", Box::new(|| use_agent_finish(|_| async {}))),
         ("use_response_start", Box::new(|| use_response_start(|_| ()))),
