@@ -2836,9 +2836,11 @@ impl flue_runtime::store::Store for DamagedAttachments {
     > {
         let id = id.to_owned();
         Box::pin(async move {
-            Err(flue_runtime::store::StoreError::AttachmentIntegrity(format!(
-                "attachment \"{id}\" does not match its declared SHA-256 digest"
-            )))
+            Err(flue_runtime::store::StoreError::AttachmentIntegrity {
+                detail: format!("attachment \"{id}\" does not match its declared SHA-256 digest"),
+                id,
+                reason: flue_runtime::store::IntegrityFailure::Digest,
+            })
         })
     }
 }
@@ -2874,6 +2876,17 @@ async fn a_damaged_attachment_fails_the_submission_at_once_instead_of_retrying_i
         .unwrap()
         .unwrap();
     assert_eq!(row.attempt_count, 1, "not retried: damaged bytes stay damaged");
+    // Reference §6.2: `meta {attachmentId, reason}`.
+    let meta = row.error.and_then(|error| error.meta).map(serde_json::Value::Object);
+    let attachment_id = meta.as_ref().map(|meta| meta["attachmentId"].clone());
+    assert!(
+        attachment_id
+            .as_ref()
+            .and_then(|id| id.as_str())
+            .is_some_and(|id| id.starts_with("att_")),
+        "{meta:?}"
+    );
+    assert_eq!(meta.map(|meta| meta["reason"].clone()), Some(json!("digest")));
 }
 
 #[tokio::test]

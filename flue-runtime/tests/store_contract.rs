@@ -265,7 +265,10 @@ async fn an_attachment_whose_stored_bytes_were_damaged_reads_back_as_an_integrit
         .unwrap();
     for id in ["att-flipped", "att-lost"] {
         let error = store.attachment(&key, id).await.unwrap_err();
-        assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{id}: {error:?}");
+        assert!(
+            matches!(error, StoreError::AttachmentIntegrity { .. }),
+            "{id}: {error:?}"
+        );
     }
     assert_eq!(
         store.attachment(&key, "att-intact").await.unwrap().unwrap().bytes,

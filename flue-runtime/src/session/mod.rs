@@ -1880,14 +1880,20 @@ impl Response<'_> {
             let stored = match self.runtime.store.attachment(self.key, &attachment.id).await {
                 Ok(stored) => stored,
                 // Damaged bytes stay damaged: another attempt would fail the same way.
-                Err(StoreError::AttachmentIntegrity(detail)) => {
-                    return Err(Failure::failed(
+                Err(StoreError::AttachmentIntegrity { id, reason, detail }) => {
+                    let mut failure = Failure::failed(
                         "attachment_integrity",
                         format!(
                             "The attachment \"{}\" of this conversation is damaged in the store: {detail}",
                             attachment.id
                         ),
-                    ));
+                    );
+                    // Reference §6.2: `meta {attachmentId, reason}`.
+                    let mut meta = serde_json::Map::new();
+                    meta.insert("attachmentId".into(), id.into());
+                    meta.insert("reason".into(), reason.as_str().into());
+                    failure.error = failure.error.with_meta(meta);
+                    return Err(failure);
                 }
                 Err(error) => return Err(Failure::store(error)),
             };

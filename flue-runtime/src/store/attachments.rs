@@ -85,15 +85,18 @@ impl StoredAttachment {
 /// Checks `size` and `digest` (SHA-256, lowercase hex) against `bytes`.
 fn check_integrity(id: &str, size: u64, digest: &str, bytes: &[u8]) -> Result<(), StoreError> {
     if size != bytes.len() as u64 {
-        return Err(StoreError::AttachmentIntegrity(format!(
-            "attachment \"{id}\" declares {size} bytes but has {}",
-            bytes.len()
-        )));
+        return Err(StoreError::AttachmentIntegrity {
+            id: id.to_owned(),
+            reason: super::IntegrityFailure::Size,
+            detail: format!("attachment \"{id}\" declares {size} bytes but has {}", bytes.len()),
+        });
     }
     if digest != sha256_hex(bytes) {
-        return Err(StoreError::AttachmentIntegrity(format!(
-            "attachment \"{id}\" does not match its declared SHA-256 digest"
-        )));
+        return Err(StoreError::AttachmentIntegrity {
+            id: id.to_owned(),
+            reason: super::IntegrityFailure::Digest,
+            detail: format!("attachment \"{id}\" does not match its declared SHA-256 digest"),
+        });
     }
     Ok(())
 }

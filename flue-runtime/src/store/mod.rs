@@ -445,6 +445,27 @@ pub(crate) fn not_joined(submission: &str, host: &str) -> StoreError {
 }
 
 /// The birth record of a new instance: the first batch of its stream.
+/// What of an attachment did not match its bytes ([`StoreError::AttachmentIntegrity`]; the
+/// reference's `reason`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IntegrityFailure {
+    /// Its size.
+    Size,
+    /// Its SHA-256 digest.
+    Digest,
+}
+
+impl IntegrityFailure {
+    /// The reference's name of it (`size`, `digest`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Size => "size",
+            Self::Digest => "digest",
+        }
+    }
+}
+
 pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
     Record {
         id: crate::record::new_id("record"),
@@ -561,8 +582,15 @@ pub enum StoreError {
     AttachmentConflict(String),
     /// An attachment's declared size or digest does not match its bytes
     /// (`AttachmentIntegrityError`).
-    #[error("Attachment integrity check failed: {0}.")]
-    AttachmentIntegrity(String),
+    #[error("Attachment integrity check failed: {detail}.")]
+    AttachmentIntegrity {
+        /// The attachment's id.
+        id: String,
+        /// What did not match.
+        reason: IntegrityFailure,
+        /// What was found.
+        detail: String,
+    },
     /// Anything else.
     #[error("store failure: {0}")]
     Other(String),

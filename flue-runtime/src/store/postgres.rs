@@ -2318,7 +2318,10 @@ mod tests {
             .unwrap();
         for id in ["att-flipped", "att-lost"] {
             let error = store.attachment(&key, id).await.unwrap_err();
-            assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{id}: {error:?}");
+            assert!(
+                matches!(error, StoreError::AttachmentIntegrity { .. }),
+                "{id}: {error:?}"
+            );
         }
         assert_eq!(
             store.attachment(&key, "att-intact").await.unwrap().unwrap().bytes,

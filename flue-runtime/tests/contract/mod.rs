@@ -2504,7 +2504,7 @@ pub async fn throws_attachment_integrity_when_declared_size_differs_from_decoded
         ..image("att-1", vec![1, 2, 3])
     };
     let error = store.put_attachment(&conversation(), put).await.unwrap_err();
-    assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{error}");
+    assert!(matches!(error, StoreError::AttachmentIntegrity { .. }), "{error}");
     assert_eq!(store.attachment(&conversation(), "att-1").await.unwrap(), None);
 }
 
@@ -2514,7 +2514,7 @@ pub async fn throws_attachment_integrity_when_declared_digest_differs_from_decod
         ..image("att-1", vec![1, 2, 3])
     };
     let error = store.put_attachment(&conversation(), put).await.unwrap_err();
-    assert!(matches!(error, StoreError::AttachmentIntegrity(_)), "{error}");
+    assert!(matches!(error, StoreError::AttachmentIntegrity { .. }), "{error}");
     assert_eq!(store.attachment(&conversation(), "att-1").await.unwrap(), None);
 }
 
