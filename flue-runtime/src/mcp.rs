@@ -279,7 +279,7 @@ fn credentials(connection: &McpConnection) -> Arc<[String]> {
         );
     }
     // Longest first: a header's whole value before its words.
-    credentials.sort_by(|a, b| b.len().cmp(&a.len()));
+    credentials.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
     credentials.dedup();
     credentials.into()
 }

@@ -1441,14 +1441,7 @@ mod tests {
         let feed = |event: &str, data: &str| {
             let mut decoder = ChatDecoder::new(CallContext::new("fixture", "KEY", "m", None), true, false);
             decoder
-                .event(
-                    &Event {
-                        event,
-                        data,
-                        ..Event::default()
-                    },
-                    &mut VecDeque::new(),
-                )
+                .event(&Event { event, data }, &mut VecDeque::new())
                 .map_err(|error| (error.kind, error.message))
         };
         for (event, data) in [
@@ -1475,7 +1468,7 @@ mod tests {
                 "{message}"
             );
         }
-        // At the limit the same chunk is read (three containers besides the list's elements).
+        // At the limit the same chunk is read (five containers besides the list's elements).
         let at = format!(
             r#"{{"choices":[{{"index":0,"delta":{{"reasoning_details":[{}]}}}}]}}"#,
             objects(past - 5)
