@@ -12,7 +12,11 @@
 //!
 //! `serve` answers everyone who reaches its address, as the reference protocol does: it
 //! listens on loopback unless told otherwise, and warns when told to listen elsewhere without
-//! an authorization policy. Give one (and the other [`HttpOptions`]) with [`run_with`]:
+//! an authorization policy. Without one it answers only requests that name it by an IP address
+//! or `localhost` (a page on another site could otherwise point its own name at the address):
+//! a name clients use (a container's service name, a proxy's public host) is listed with
+//! `--allow-host` ([`HttpOptions::allowed_hosts`]). Give a policy (and the other
+//! [`HttpOptions`]) with [`run_with`]:
 //!
 //! ```no_run
 //! use flue_runtime::cli::Cli;
@@ -80,6 +84,11 @@ pub enum Command {
         /// The address to listen on.
         #[arg(long, default_value = "127.0.0.1:3583")]
         addr: SocketAddr,
+        /// A host name clients reach the server by, besides IP addresses and `localhost`
+        /// (repeat it for several): without an authorization policy, requests naming any
+        /// other host are refused.
+        #[arg(long = "allow-host", value_name = "NAME")]
+        allow_hosts: Vec<String>,
     },
     /// Send one message to an agent instance and print its reply.
     Run {
@@ -211,7 +220,9 @@ pub async fn execute_with(
     out: &mut (dyn Write + Send),
 ) -> Result<(), CliError> {
     match command {
-        Command::Serve { addr } => {
+        Command::Serve { addr, allow_hosts } => {
+            let mut options = options;
+            options.allowed_hosts.extend(allow_hosts);
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|error| CliError::Io(format!("cannot listen on {addr}: {error}")))?;
@@ -220,7 +231,8 @@ pub async fn execute_with(
                 tracing::warn!(
                     "serving on {local} without an authorization policy: anyone who reaches it can run \
                      the agents (on your model keys), read their conversations and abort them; give one \
-                     with `cli::run_with` and `HttpOptions::authorized_by`"
+                     with `cli::run_with` and `HttpOptions::authorized_by`. Until then it answers only \
+                     requests that name it by an IP address, `localhost` or a name given with `--allow-host`"
                 );
             }
             // Work a previous process left unfinished resumes now.

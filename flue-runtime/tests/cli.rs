@@ -272,3 +272,51 @@ async fn serve_ends_open_live_reads_and_returns_once_stopped() {
         "a stopped server's runtime admits nothing"
     );
 }
+
+/// Without an authorization policy `serve` answers only requests that name it by an IP
+/// address, `localhost` or a name given with `--allow-host`.
+#[tokio::test]
+async fn serve_answers_the_names_given_with_allow_host_and_refuses_others() {
+    let runtime = runtime(&ScriptedModel::new([]));
+    let out = Shared::default();
+    let server = {
+        let (runtime, mut out) = (runtime.clone(), out.clone());
+        tokio::spawn(async move {
+            execute(
+                &runtime,
+                command(&["serve", "--addr", "127.0.0.1:0", "--allow-host", "agents.internal"]),
+                &mut out,
+            )
+            .await
+        })
+    };
+    let base = announced(&out).await;
+    let port = base.rsplit(':').next().unwrap().to_owned();
+    let catalog = |host: String| {
+        reqwest::Client::new()
+            .get(format!("{base}/agents"))
+            .header("host", host)
+            .send()
+    };
+    assert_eq!(
+        catalog(format!("agents.internal:{port}"))
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+    assert_eq!(
+        catalog(format!("localhost:{port}")).await.unwrap().status().as_u16(),
+        200
+    );
+    assert_eq!(
+        catalog(format!("elsewhere.example:{port}"))
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        403
+    );
+    server.abort();
+}

@@ -66,10 +66,11 @@ pub(crate) enum KnownHook {
 
 impl HookSet {
     /// Checks this set's hooks against every hook `known` under their ids, and records those
-    /// met for the first time: reference item 3 refuses two hooks under one id anywhere in the
-    /// application, and the builder sees only the hooks agents declare, not those a render
-    /// selects (one agent's selection may share an id with another agent's hook, or a user
-    /// hook's).
+    /// met for the first time (none when the set is refused): reference item 3 refuses two
+    /// hooks under one id anywhere in the application, and the builder sees only the hooks
+    /// agents declare, not those a render selects (one agent's selection may share an id with
+    /// another agent's hook, or a user hook's). Two hooks that only renders select are told
+    /// apart in the order the process meets them: the one a render meets first is the id's.
     pub(crate) fn register(
         &self,
         known: &std::sync::Mutex<std::collections::HashMap<&'static str, KnownHook>>,
@@ -78,11 +79,10 @@ impl HookSet {
             return Ok(());
         }
         let mut known = known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Checked whole before any is recorded: a refused set leaves nothing behind.
         for hook in &self.hooks {
             match known.get(hook.id()).copied() {
-                None => {
-                    known.insert(hook.id(), KnownHook::Thread(*hook));
-                }
+                None => {}
                 Some(KnownHook::Thread(first)) if first == *hook => {}
                 Some(KnownHook::Thread(first)) => {
                     return Err(flue_core::lifecycle::shared_id_message(
@@ -95,6 +95,9 @@ impl HookSet {
                     return Err(flue_core::lifecycle::shared_id_message(hook.id(), kind, hook.kind()));
                 }
             }
+        }
+        for hook in &self.hooks {
+            known.entry(hook.id()).or_insert(KnownHook::Thread(*hook));
         }
         Ok(())
     }

@@ -444,7 +444,6 @@ pub(crate) fn not_joined(submission: &str, host: &str) -> StoreError {
     ))
 }
 
-/// The birth record of a new instance: the first batch of its stream.
 /// What of an attachment did not match its bytes ([`StoreError::AttachmentIntegrity`]; the
 /// reference's `reason`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -466,6 +465,7 @@ impl IntegrityFailure {
     }
 }
 
+/// The birth record of a new instance: the first batch of its stream.
 pub(crate) fn birth_record(uid: &str, initial_data: Option<Value>) -> Record {
     Record {
         id: crate::record::new_id("record"),
