@@ -151,7 +151,12 @@ fn admission(id: &str, agent: &str, instance: &str, kind: SubmissionKind, body: 
 }
 
 fn dispatch(id: &str) -> Admission {
-    admission(id, "assistant", "agent-1", SubmissionKind::Dispatch, "test.event")
+    dispatch_on(id, "agent-1")
+}
+
+/// A dispatch to `instance` of the `assistant` agent.
+fn dispatch_on(id: &str, instance: &str) -> Admission {
+    admission(id, "assistant", instance, SubmissionKind::Dispatch, "test.event")
 }
 
 fn claim(attempt: &str) -> Claim {
@@ -209,11 +214,7 @@ async fn row(store: &Factory, id: &str) -> Submission {
 /// `d-1` on `assistant/agent-1` running as `a1`, and `d-2` on `assistant/agent-2` as `a2`.
 async fn two_running(store: &Factory) {
     admit(store, dispatch("d-1")).await;
-    admit(
-        store,
-        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
-    )
-    .await;
+    admit(store, dispatch_on("d-2", "agent-2")).await;
     for (instance, attempt) in [("agent-1", "a1"), ("agent-2", "a2")] {
         store
             .claim_next(&key("assistant", instance), &claim(attempt))
@@ -1476,17 +1477,7 @@ pub async fn settling_reports_whether_a_submission_of_the_instance_is_still_queu
     };
     // Nothing else on the instance; queued work on another instance does not count.
     let host = running_host(&store).await;
-    admit(
-        &store,
-        admission(
-            "elsewhere-1",
-            "assistant",
-            "agent-2",
-            SubmissionKind::Dispatch,
-            "test.event",
-        ),
-    )
-    .await;
+    admit(&store, dispatch_on("elsewhere-1", "agent-2")).await;
     assert!(!completed(&store, host).await);
     // A submission queued behind the running host.
     admit(&store, dispatch("d-1")).await;
@@ -1633,17 +1624,7 @@ pub async fn authorizes_a_host_append_for_a_delivery_it_claimed_for_a_turn_bound
 pub async fn rejects_a_host_append_for_a_foreign_submission_it_has_not_claimed(store: Factory) {
     let host = running_host(&store).await;
     admit(&store, dispatch("queued-1")).await;
-    admit(
-        &store,
-        admission(
-            "elsewhere-1",
-            "assistant",
-            "agent-2",
-            SubmissionKind::Dispatch,
-            "test.event",
-        ),
-    )
-    .await;
+    admit(&store, dispatch_on("elsewhere-1", "agent-2")).await;
     let stream = key("assistant", "agent-1");
     let head = store.last_offset(&stream).await.unwrap();
     for foreign in [
@@ -2143,11 +2124,7 @@ pub async fn reports_a_streams_last_offset_without_reading_it(store: Factory) {
         assert_eq!(store.last_offset(&stream).await.unwrap(), Some(i));
     }
     // Another instance's stream, and a stream that does not exist, are their own.
-    admit(
-        &store,
-        admission("d-2", "assistant", "agent-2", SubmissionKind::Dispatch, "test.event"),
-    )
-    .await;
+    admit(&store, dispatch_on("d-2", "agent-2")).await;
     assert_eq!(store.last_offset(&key("assistant", "agent-2")).await.unwrap(), Some(0));
     assert_eq!(store.last_offset(&stream).await.unwrap(), Some(3));
     assert_eq!(store.last_offset(&key("assistant", "unknown")).await.unwrap(), None);
