@@ -733,10 +733,95 @@ struct PartialCall {
     id: String,
     name: String,
     arguments: String,
+    /// Where `arguments` stands, read fragment by fragment.
+    scan: ArgumentScan,
     started: bool,
     /// The id was made up here (the call started before the server gave one): an id the
     /// server sends later continues this call (which keeps the id its start reported).
     generated: bool,
+}
+
+impl PartialCall {
+    /// Appends a fragment of the arguments.
+    fn push_arguments(&mut self, fragment: &str) {
+        self.arguments.push_str(fragment);
+        self.scan.feed(fragment);
+    }
+
+    /// Whether the arguments so far are one whole JSON object or array (what tells a call's
+    /// end from its continuation, for servers that do not say). Parsed once, when their
+    /// brackets close: a server that repeats a call's name or id in every fragment does not
+    /// make each fragment a read of the whole text.
+    fn is_whole(&self) -> bool {
+        if !self.scan.may_be_whole() {
+            return false;
+        }
+        // Past the close only whitespace keeps the text whole, and it does not change
+        // whether the text parses: the first answer stands.
+        *self
+            .scan
+            .parsed
+            .get_or_init(|| serde_json::from_str::<serde::de::IgnoredAny>(&self.arguments).is_ok())
+    }
+}
+
+/// A call's arguments as their fragments arrive: how deep their brackets are (outside
+/// strings), whether the outermost one closed, and whether anything but whitespace came
+/// after it (or the text does not start with a bracket at all).
+#[derive(Debug, Default)]
+struct ArgumentScan {
+    depth: u32,
+    in_string: bool,
+    escaped: bool,
+    opened: bool,
+    closed: bool,
+    /// Text that can make no whole object or array: before the first bracket, or after the
+    /// last.
+    stray: bool,
+    /// Whether the text parsed when its brackets closed.
+    parsed: std::sync::OnceLock<bool>,
+}
+
+impl ArgumentScan {
+    fn feed(&mut self, fragment: &str) {
+        for byte in fragment.bytes() {
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if byte == b'\\' {
+                    self.escaped = true;
+                } else if byte == b'"' {
+                    self.in_string = false;
+                }
+                continue;
+            }
+            if byte.is_ascii_whitespace() {
+                continue;
+            }
+            if self.closed || (!self.opened && byte != b'{' && byte != b'[') {
+                self.stray = true;
+                continue;
+            }
+            match byte {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => {
+                    self.opened = true;
+                    self.depth += 1;
+                }
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    self.closed = self.depth == 0;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Whether the text may be one whole object or array: its outermost bracket closed and
+    /// nothing stray. Only then is it worth parsing.
+    fn may_be_whole(&self) -> bool {
+        self.closed && !self.stray
+    }
 }
 
 /// Whether a fragment without index and id that names the tool `name` begins a call after
@@ -744,9 +829,7 @@ struct PartialCall {
 /// first fragment; one that repeats the name repeats the last call's own.
 fn starts_another(last: &PartialCall, name: Option<&str>) -> bool {
     match name {
-        Some(name) if !last.name.is_empty() => {
-            name != last.name || serde_json::from_str::<serde::de::IgnoredAny>(&last.arguments).is_ok()
-        }
+        Some(name) if !last.name.is_empty() => name != last.name || last.is_whole(),
         _ => false,
     }
 }
@@ -891,14 +974,10 @@ impl ChatDecoder {
                     if id.is_none_or(|id| {
                         let call = &self.calls[slot];
                         let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
-                        // Read last, and only then: it reads the call's arguments so far, and a
-                        // server that repeats the id in every fragment would make that a read of
-                        // the whole text per fragment.
-                        let whole = || serde_json::from_str::<serde::de::IgnoredAny>(&call.arguments).is_ok();
                         call.id.is_empty()
                             || call.id == id
                             || (call.generated && same_name)
-                            || (name.is_none() && !whole())
+                            || (name.is_none() && !call.is_whole())
                     }) =>
                 {
                     slot
@@ -927,7 +1006,7 @@ impl ChatDecoder {
         if let Some(name) = name.filter(|_| entry.name.is_empty()) {
             entry.name = name.to_owned();
         }
-        entry.arguments.push_str(fragment);
+        entry.push_arguments(fragment);
         if entry.started {
             if !fragment.is_empty() {
                 out.push_back(StreamEvent::ToolCallArguments {
@@ -1474,6 +1553,67 @@ mod tests {
             objects(past - 5)
         );
         assert_eq!(feed("", &at).ok(), Some(Flow::Continue));
+    }
+
+    /// The scan says a call's arguments may be whole only once their outermost bracket closed
+    /// with nothing stray around it: brackets and quotes inside strings do not count.
+    #[test]
+    fn argument_scan_finds_the_close_of_the_outermost_bracket_outside_strings() {
+        let scan = |fragments: &[&str]| {
+            let mut call = PartialCall::default();
+            for fragment in fragments {
+                call.push_arguments(fragment);
+            }
+            (call.scan.may_be_whole(), call.is_whole())
+        };
+        assert_eq!(scan(&[r#"{"q":"#, r#""a}\"]" }"#]), (true, true));
+        assert_eq!(
+            scan(&[r#"{"q":{"#, r#""r":[1,2]}"#]),
+            (false, false),
+            "one bracket still open"
+        );
+        assert_eq!(scan(&[r#" [1, {"a": "}"}] "#]), (true, true));
+        assert_eq!(
+            scan(&[r#"{"q":1}"#, r#"{"q":2}"#]),
+            (false, false),
+            "a second value after the first"
+        );
+        assert_eq!(scan(&["5"]), (false, false), "not an object or array");
+        assert_eq!(scan(&[r#"{"q":}"#]), (true, false), "closed, yet not JSON");
+        assert_eq!(
+            scan(&[r#"{"q":"\\"}"#]),
+            (true, true),
+            "an escaped backslash ends before the quote"
+        );
+    }
+
+    /// A server that names no index and no id but repeats the call's name in every fragment
+    /// continues that call until its arguments are whole; the same name after that starts the
+    /// next call.
+    #[test]
+    fn repeated_names_without_index_or_id_continue_a_call_until_its_arguments_close() {
+        let fragment = |arguments: &str| {
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+                {"function": {"name": "lookup", "arguments": arguments}}
+            ]}}]})
+            .to_string()
+        };
+        let mut chunks: Vec<String> = vec![fragment("{\"q\":\"")];
+        chunks.extend((0..2_000).map(|_| fragment("ab")));
+        chunks.push(fragment("\"}"));
+        chunks.push(fragment("{\"q\":\"next\"}"));
+        chunks.push(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#.to_owned());
+        chunks.push("[DONE]".to_owned());
+        let chunks: Vec<&str> = chunks.iter().map(String::as_str).collect();
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        let arguments: Vec<&str> = response.tool_calls.iter().map(|call| call.arguments.as_str()).collect();
+        assert_eq!(
+            arguments,
+            [
+                format!("{{\"q\":\"{}\"}}", "ab".repeat(2_000)).as_str(),
+                r#"{"q":"next"}"#
+            ]
+        );
     }
 
     #[test]
