@@ -83,7 +83,8 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
     let (mut view, mut offsets, mut live, mut tail) = (None, Vec::new(), None, false);
     for (name, value) in pairs(query) {
         // Given twice, a parameter has no one meaning (the first? the last?): refused, as
-        // two offsets are.
+        // two offsets are. Stricter than the reference, which requires `offset` once and
+        // reads the first of the others.
         let once = |slot: &mut Option<String>, value: String| match slot.replace(value) {
             None => Ok(()),
             Some(_) => Err(ApiError::invalid_request(format!(
