@@ -309,19 +309,9 @@ impl CallContext {
     /// echo it escaped: in a JSON string or percent-encoded in a URL (see [`key_forms`]), also
     /// with escapes no list of forms foresees (see [`redact_escaped`]).
     pub fn redact(&self, text: &str) -> String {
-        let mut text = text.to_owned();
-        let secrets = self
-            .secrets
-            .get_or_init(|| self.key.as_ref().map(|key| key_forms(key.expose())).unwrap_or_default());
-        for secret in secrets {
-            if text.contains(secret.expose()) {
-                text = text.replace(secret.expose(), "[redacted]");
-            }
-        }
-        match &self.key {
-            Some(key) => redact_escaped(&text, key.expose()),
-            None => text,
-        }
+        let Some(key) = &self.key else { return text.to_owned() };
+        let forms = self.secrets.get_or_init(|| key_forms(key.expose()));
+        redact_forms(text, forms, key.expose())
     }
 
     /// The text of a reqwest `error` (with its causes) as an error message may quote it: its
@@ -355,13 +345,19 @@ pub(crate) fn redact_secret(text: &str, secret: &str) -> String {
     if secret.len() < MIN_REDACTED_KEY_BYTES {
         return text.to_owned();
     }
+    redact_forms(text, &key_forms(secret), secret)
+}
+
+/// `text` with each of `forms` (the forms of `key`, [`key_forms`]) replaced, then the escapes
+/// no list of forms foresees ([`redact_escaped`]).
+fn redact_forms(text: &str, forms: &[ApiKey], key: &str) -> String {
     let mut text = text.to_owned();
-    for form in key_forms(secret) {
+    for form in forms {
         if text.contains(form.expose()) {
             text = text.replace(form.expose(), "[redacted]");
         }
     }
-    redact_escaped(&text, secret)
+    redact_escaped(&text, key)
 }
 
 /// The forms `key` may take in a provider's text, longest first: as it is; escaped in a JSON
