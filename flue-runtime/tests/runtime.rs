@@ -234,7 +234,10 @@ async fn a_finish_hook_that_always_appends_fails_at_the_ceiling_of_32_cycles() {
     let error = runtime.init(&runaway, "r").send("go").await.unwrap_err();
     let (error_type, message) = run_error(error);
     assert_eq!(error_type, "agent_finish_ceiling");
-    assert!(message.contains("after 32 continued cycles"));
+    assert_eq!(
+        message,
+        "[flue] use_agent_finish appended a continuation signal after 32 continued cycles in one response — a runaway loop. The response is failing loudly instead of settling as a success; if the model cannot satisfy the check, make the hook give up explicitly (log and return) after a bounded number of attempts."
+    );
     assert_eq!(model.requests().len(), 33);
 }
 
@@ -3417,4 +3420,54 @@ async fn start_callbacks_run_concurrently_and_their_appends_keep_declaration_ord
         })
         .collect();
     assert_eq!(signals, ["first", "second"]);
+}
+
+static STARTED_AFTER_A_FAILED_RESPONSE_START: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn refuses_to_start(props: AgentProps) -> &'static str {
+    use_model("scripted/x");
+    if props.id() == "refusing" {
+        use_response_start(|_| Err::<serde_json::Value, _>("no metadata today"));
+    }
+    use_agent_start(|_ctx| async {
+        STARTED_AFTER_A_FAILED_RESPONSE_START.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<(), &str>(())
+    });
+    "You answer."
+}
+
+/// Reference §3.7: the input is appended (step 4) before `use_response_start` runs (step 6),
+/// and the start seam (step 9) after it. A failing response start leaves the user's message
+/// in the conversation, and no start callback has run.
+#[tokio::test]
+async fn a_failing_response_start_keeps_the_users_message_and_runs_no_start_callback() {
+    let store = MemoryStore::new();
+    let model = ScriptedModel::new([ScriptedReply::text("fine")]);
+    let runtime = harness::runtime_on(store.clone(), &model, vec![refuses_to_start.into()]);
+    let error = runtime.init(&refuses_to_start, "refusing").send("hi").await.unwrap_err();
+    assert_eq!(
+        run_error(error),
+        (
+            "response_hook_failed".to_owned(),
+            "[flue] A use_response_start callback (hook #0 in declaration order) threw: no metadata today".to_owned()
+        )
+    );
+    assert_eq!(
+        STARTED_AFTER_A_FAILED_RESPONSE_START.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the start seam comes after the response start"
+    );
+    let key = InstanceKey::new("refuses_to_start", "refusing");
+    let batches = flue_runtime::store::Store::read(&store, &key, None).await.unwrap();
+    let bodies: Vec<&str> = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter_map(|record| match &record.body {
+            RecordBody::UserMessage { body, .. } => Some(body.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(bodies, ["hi"]);
+    assert!(model.requests().is_empty(), "no model call");
 }

@@ -1560,9 +1560,22 @@ impl Response<'_> {
         self.budget = crate::compaction::Budget::new(model.options.compaction.clone());
 
         let submission_id = self.submission.id.clone();
-        // True start of the response: use_response_start metadata, once per response — skipped
-        // when a resumed response has a durable step start (completed or not), whose recorded
-        // metadata it reads back.
+
+        // At rest (the input row), the agent-level hooks run, with the required hooks of the
+        // relationships the first render declares.
+        self.at_rest_hooks = HookSet::at_rest(definition, &rendered.subagents)
+            .and_then(|hooks| hooks.register(&self.runtime.known_hooks).map(|()| hooks))
+            .map_err(|message| Failure::failed("render_failed", message))?;
+        self.thread_created().await?;
+
+        // Input applied (once: a re-attempt finds it in the stream), then the response start,
+        // then the start seam for the waking delivery (skipped when its marker committed).
+        let delivery = self.delivery.clone();
+        let seam_pending = self.store_input(&rendered, &delivery, &submission_id).await? == Some(true);
+        // True start of the response (reference §3.7, step 6: after the input is durable, before
+        // the start seam): use_response_start metadata, once per response — skipped when a
+        // resumed response has a durable step start (completed or not), whose recorded metadata
+        // it reads back.
         let opened = self.conversation.has_opened_step(&submission_id);
         let mut metadata = match self.conversation.response_metadata(&submission_id) {
             Some(recorded) if opened => recorded.clone(),
@@ -1590,18 +1603,9 @@ impl Response<'_> {
         }
         // Recorded with the response's first step start, never again.
         self.first_step_metadata = (!opened).then(|| metadata.clone());
-
-        // At rest (the input row), the agent-level hooks run, with the required hooks of the
-        // relationships the first render declares.
-        self.at_rest_hooks = HookSet::at_rest(definition, &rendered.subagents)
-            .and_then(|hooks| hooks.register(&self.runtime.known_hooks).map(|()| hooks))
-            .map_err(|message| Failure::failed("render_failed", message))?;
-        self.thread_created().await?;
-
-        // Input applied (once: a re-attempt finds it in the stream), then the start seam for the
-        // waking delivery (skipped when its marker committed).
-        self.apply_input(&rendered, self.delivery.clone(), &submission_id)
-            .await?;
+        if seam_pending {
+            self.start_seam(&rendered, delivery, &submission_id).await?;
+        }
         // A tool batch an earlier attempt left uncommitted: its durable calls run again before
         // the next model call. Then the join point before turn 1: deliveries queued behind this
         // one join before the first model call (a resumed, answered response settles as it is).
@@ -1756,17 +1760,34 @@ impl Response<'_> {
         Ok(())
     }
 
-    /// Applies a delivery's input, then runs its start seam — each once: a re-attempt finds
-    /// them in the stream. Without `use_agent_start` callbacks the seam has nothing to run and
-    /// its marker commits in the input's batch (one durability point instead of two). Returns
-    /// `false` when a `before_create_message` hook prevented a joined delivery's row (the
-    /// waking delivery's prevention fails the submission instead).
+    /// Applies a joined delivery's input, then runs its start seam (see [`Self::store_input`]).
+    /// Returns `false` when a `before_create_message` hook prevented its row.
     async fn apply_input(
         &mut self,
         rendered: &Rendered,
         delivery: Arc<DeliveredMessage>,
         submission_id: &str,
     ) -> Result<bool, Failure> {
+        let Some(seam_pending) = self.store_input(rendered, &delivery, submission_id).await? else {
+            return Ok(false);
+        };
+        if seam_pending {
+            self.start_seam(rendered, delivery, submission_id).await?;
+        }
+        Ok(true)
+    }
+
+    /// Stores a delivery's input, once: a re-attempt finds it in the stream. Without
+    /// `use_agent_start` callbacks the start seam has nothing to run and its marker commits in
+    /// the input's batch (one durability point instead of two). Returns whether the seam is
+    /// still to run, or `None` when a `before_create_message` hook prevented a joined
+    /// delivery's row (the waking delivery's prevention fails the submission instead).
+    async fn store_input(
+        &mut self,
+        rendered: &Rendered,
+        delivery: &DeliveredMessage,
+        submission_id: &str,
+    ) -> Result<Option<bool>, Failure> {
         let needs_input = !self.conversation.has_input(submission_id);
         let needs_seam = !self.conversation.has_started(submission_id);
         if needs_input {
@@ -1775,7 +1796,7 @@ impl Response<'_> {
             let waking = submission_id == self.submission.id;
             if let Some(error) = self.binding.prevented(submission_id, waking) {
                 if !waking {
-                    return Ok(false);
+                    return Ok(None);
                 }
                 return Err(Failure {
                     outcome: Outcome::Failed,
@@ -1783,7 +1804,7 @@ impl Response<'_> {
                     transient: false,
                 });
             }
-            let input = self.input_record(submission_id, &delivery).await?;
+            let input = self.input_record(submission_id, delivery).await?;
             let (mut records, created) = match self.input_row(input).await {
                 lifecycle::InputRow::Store(records, created) => (records, created),
                 lifecycle::InputRow::Prevented(failure) if submission_id == self.submission.id => return Err(failure),
@@ -1793,7 +1814,7 @@ impl Response<'_> {
                     // processed on its own it fails with this error.
                     tracing::warn!(instance = %self.key, submission = submission_id, error = %failure.error.message, "a queued message was not stored: a before_create_message hook prevented it");
                     self.binding.note_prevented(submission_id, failure.error);
-                    return Ok(false);
+                    return Ok(None);
                 }
             };
             let message_id = records.first().and_then(|record| match &record.body {
@@ -1807,16 +1828,13 @@ impl Response<'_> {
                 self.commit(records, true).await?;
                 self.stored_message_events(message_id.as_deref());
                 self.input_row_created(created).await;
-                return Ok(true);
+                return Ok(Some(false));
             }
             self.commit(records, false).await?;
             self.stored_message_events(message_id.as_deref());
             self.input_row_created(created).await;
         }
-        if needs_seam {
-            self.start_seam(rendered, delivery, submission_id).await?;
-        }
-        Ok(true)
+        Ok(Some(needs_seam))
     }
 
     fn seam_marker(&self, submission_id: &str) -> Record {
@@ -2044,7 +2062,7 @@ impl Response<'_> {
             return Err(Failure::failed(
                 "agent_finish_ceiling",
                 format!(
-                    "[flue] use_agent_finish appended a continuation signal after {MAX_AGENT_FINISH_CYCLES} continued cycles in one response — a runaway loop. Append only while work remains, and guard with persistent state."
+                    "[flue] use_agent_finish appended a continuation signal after {MAX_AGENT_FINISH_CYCLES} continued cycles in one response — a runaway loop. The response is failing loudly instead of settling as a success; if the model cannot satisfy the check, make the hook give up explicitly (log and return) after a bounded number of attempts."
                 ),
             ));
         }
