@@ -522,7 +522,7 @@ fn instance_scoped_and_client_facing_hooks_panic_in_a_subagent_render() {
             Box::new(|| use_sandbox(NoSandbox)),
         ),
         (
-            "[flue] use_mcp_connection() is not available in a subagent render. MCP connections belong to the agent instance; delegates use the tools their own render mounts.",
+            "[flue] use_mcp_connection() is not available in a subagent render. Declare the connection on the root agent and give the delegate what it needs through the parent's tools.",
             Box::new(|| use_mcp_connection(McpConnection::new("s", "https://mcp.example.com"))),
         ),
         (

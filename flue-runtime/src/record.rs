@@ -94,8 +94,9 @@ impl SettlementError {
 
     /// Whether HTTP clients are served the reference's generic `internal_error` in its place
     /// ([`SettlementError::for_clients`]), as the reference serves every error that is not one
-    /// of its typed errors (§6.4): a start, finish or response callback's failure, a render's,
-    /// a sandbox factory's, a lifecycle hook's panic. Their texts are the application's own
+    /// of its typed errors (§6.4): a start, finish or response callback's failure, a render's
+    /// (a panic, an identity change, a missing `use_model`), a model that does not resolve,
+    /// the finish ceiling, a sandbox factory's failure, a lifecycle hook's panic. Their texts are the application's own
     /// (or the framework's words around them) and may say anything: a connection string, a
     /// token in a URL. The records, the in-process API and the server's log keep them. A
     /// lifecycle hook's `message_hook_error` that is not a panic is the reason the
@@ -103,6 +104,10 @@ impl SettlementError {
     pub fn is_internal(&self) -> bool {
         match self.error_type.as_str() {
             "render_failed"
+            | "render_identity_changed"
+            | "model_required"
+            | "model_resolution"
+            | "agent_finish_ceiling"
             | "agent_start_failed"
             | "agent_finish_failed"
             | "response_hook_failed"
@@ -223,6 +228,38 @@ mod settlement_error_tests {
             serde_json::from_value(json!({"type": "submission_aborted", "message": "m", "details": null})).unwrap();
         assert_eq!(null_details.details, "", "a null detail reads as none");
         assert_eq!(SettlementError::new("internal_error", "x").name(), "Error");
+    }
+
+    /// Reference §6.4: an error the reference raises as a plain `Error` (a render's identity
+    /// change or missing model, a model that does not resolve, the finish ceiling) reaches
+    /// clients as `internal_error`; the framework's typed errors reach them as they are.
+    #[test]
+    fn untyped_framework_errors_reach_clients_as_internal_errors_and_typed_ones_as_themselves() {
+        for internal in [
+            "render_failed",
+            "render_identity_changed",
+            "model_required",
+            "model_resolution",
+            "agent_finish_ceiling",
+            "agent_start_failed",
+            "agent_finish_failed",
+            "response_hook_failed",
+            "sandbox_unavailable",
+        ] {
+            let served = SettlementError::new(internal, "detail").for_clients().into_owned();
+            assert_eq!(served.error_type, "internal_error", "{internal}");
+            assert_eq!(served.message, super::INTERNAL_ERROR_MESSAGE, "{internal}");
+        }
+        for typed in [
+            "submission_timeout",
+            "submission_retry_exhausted",
+            "submission_aborted",
+            "context_overflow",
+            "rate_limited",
+        ] {
+            let error = SettlementError::new(typed, "detail");
+            assert_eq!(*error.for_clients(), error, "{typed}");
+        }
         assert_eq!(
             SettlementError::new("message_hook_error", "x").name(),
             "MessageHookError"

@@ -10,7 +10,7 @@ pub fn use_mcp_connection(connection: McpConnection) {
     hook("use_mcp_connection", |frame| {
         root_only(
             frame,
-            "[flue] use_mcp_connection() is not available in a subagent render. MCP connections belong to the agent instance; delegates use the tools their own render mounts.",
+            "[flue] use_mcp_connection() is not available in a subagent render. Declare the connection on the root agent and give the delegate what it needs through the parent's tools.",
         )?;
         connection.check("use_mcp_connection()")?;
         let mut rec = frame.rec.borrow_mut();

@@ -24,8 +24,9 @@
 //!   message).
 //! - Chunks carry the conversation id and their position: the batch's offset and their index
 //!   within that batch's projection.
-//! - A settlement's error whose text is the application's own (a callback's, a render's, a
-//!   sandbox factory's, a lifecycle hook's panic: [`SettlementError::is_internal`]) is served
+//! - A settlement's error whose text is the application's own or that the reference raises
+//!   untyped (a callback's, a render's, a model's resolution, the finish ceiling, a sandbox
+//!   factory's, a lifecycle hook's panic: [`SettlementError::is_internal`]) is served
 //!   as the reference's generic `internal_error` (§6.4); the records and the server's log keep
 //!   it.
 //!
