@@ -3445,7 +3445,11 @@ async fn a_failing_response_start_keeps_the_users_message_and_runs_no_start_call
     let store = MemoryStore::new();
     let model = ScriptedModel::new([ScriptedReply::text("fine")]);
     let runtime = harness::runtime_on(store.clone(), &model, vec![refuses_to_start.into()]);
-    let error = runtime.init(&refuses_to_start, "refusing").send("hi").await.unwrap_err();
+    let error = runtime
+        .init(&refuses_to_start, "refusing")
+        .send("hi")
+        .await
+        .unwrap_err();
     assert_eq!(
         run_error(error),
         (
