@@ -12,8 +12,8 @@ use flue_runtime::provider::anthropic::AnthropicProvider;
 use flue_runtime::provider::openai::{OpenAiProvider, RetryPolicy};
 use flue_runtime::provider::registry::ResolveError;
 use flue_runtime::provider::{
-    ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, ProviderError, ProviderErrorKind,
-    ProviderRegistry, ReasoningBlock, StopReason, StreamEvent, ToolSpec,
+    ContentAt, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, ProviderError,
+    ProviderErrorKind, ProviderRegistry, ReasoningBlock, StopReason, StreamEvent, ToolSpec,
 };
 use flue_runtime::testing::fixture_server::{
     AnthropicEvent, FIXTURE_USAGE, FixtureReply, FixtureServer, OpenAiChunk, RecordedRequest,
@@ -291,14 +291,152 @@ async fn anthropic_thinking_keeps_its_signed_and_redacted_blocks_and_drops_unsig
         [
             ReasoningBlock::Thinking {
                 thinking: "Look it up.".into(),
-                signature: "sig-0".into()
+                signature: "sig-0".into(),
+                at: Some(ContentAt::default()),
             },
             ReasoningBlock::Redacted {
-                data: "encrypted-1".into()
+                data: "encrypted-1".into(),
+                at: Some(ContentAt::default()),
             },
         ]
     );
     assert_eq!(response.tool_calls.len(), 1);
+}
+
+/// A step that thinks between its calls, with text between them too (Claude's interleaved
+/// thinking): `[thinking, text, tool_use, thinking, text, tool_use]`.
+fn interleaved_thinking_tool_step() -> FixtureReply {
+    let thinking = |index: usize, text: &str| {
+        [
+            AnthropicEvent::ThinkingStart { index },
+            AnthropicEvent::ThinkingDelta {
+                index,
+                thinking: text.into(),
+            },
+            AnthropicEvent::SignatureDelta {
+                index,
+                signature: format!("sig-{index}"),
+            },
+            AnthropicEvent::BlockStop { index },
+        ]
+    };
+    let text = |index: usize, text: &str| {
+        [
+            AnthropicEvent::TextStart { index },
+            AnthropicEvent::TextDelta {
+                index,
+                text: text.into(),
+            },
+            AnthropicEvent::BlockStop { index },
+        ]
+    };
+    let call = |index: usize, id: &str| {
+        [
+            AnthropicEvent::ToolUseStart {
+                index,
+                id: id.into(),
+                name: "lookup".into(),
+            },
+            AnthropicEvent::InputJsonDelta {
+                index,
+                partial_json: format!("{{\"q\":{index}}}"),
+            },
+            AnthropicEvent::BlockStop { index },
+        ]
+    };
+    let mut events = vec![AnthropicEvent::MessageStart(Usage::default())];
+    events.extend(thinking(0, "First the city."));
+    events.extend(text(1, "Looking up the city. "));
+    events.extend(call(2, "call_a"));
+    events.extend(thinking(3, "Then its weather."));
+    events.extend(text(4, "And its weather."));
+    events.extend(call(5, "call_b"));
+    events.extend([
+        AnthropicEvent::MessageDelta {
+            stop_reason: "tool_use".into(),
+            output_tokens: 9,
+        },
+        AnthropicEvent::MessageStop,
+    ]);
+    FixtureReply::anthropic_events(events)
+}
+
+/// Anthropic refuses a tool loop's next call (a 400, "thinking blocks … cannot be modified")
+/// unless the step's thinking blocks come back exactly where the model wrote them.
+#[tokio::test]
+async fn anthropic_sends_a_step_that_thought_between_its_calls_back_in_the_order_it_came() {
+    let server = FixtureServer::start().await;
+    server.push(interleaved_thinking_tool_step());
+    server.push(FixtureReply::anthropic_text("Sunny."));
+    let provider = anthropic(&server);
+    let mut call = request("q");
+    call.thinking_level = ThinkingLevel::High;
+    let (_, step) = complete(&provider, call.clone()).await;
+    assert_eq!(step.text, "Looking up the city. And its weather.");
+    let mut messages = vec![
+        ModelMessage::user("q"),
+        ModelMessage::Assistant {
+            text: step.text.clone(),
+            tool_calls: step.tool_calls.clone(),
+            reasoning: step.reasoning_blocks.clone(),
+        },
+    ];
+    for id in ["call_a", "call_b"] {
+        messages.push(ModelMessage::Tool {
+            tool_call_id: id.into(),
+            name: "lookup".into(),
+            content: "42".into(),
+            is_error: false,
+        });
+    }
+    call.messages = messages.into();
+    complete(&provider, call).await;
+    assert_eq!(
+        server.requests()[1].body["messages"][1],
+        json!({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "First the city.", "signature": "sig-0"},
+            {"type": "text", "text": "Looking up the city. "},
+            {"type": "tool_use", "id": "call_a", "name": "lookup", "input": {"q": 2}},
+            {"type": "thinking", "thinking": "Then its weather.", "signature": "sig-3"},
+            {"type": "text", "text": "And its weather."},
+            {"type": "tool_use", "id": "call_b", "name": "lookup", "input": {"q": 5}},
+        ]})
+    );
+}
+
+/// A step whose text a hook rewrote no longer matches where its reasoning came: the blocks go
+/// first, as for a step recorded before positions were kept.
+#[tokio::test]
+async fn anthropic_sends_reasoning_first_when_the_step_no_longer_matches_its_positions() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_text("Sunny."));
+    let provider = anthropic(&server);
+    let mut call = request("q");
+    call.thinking_level = ThinkingLevel::High;
+    let signed = |index: usize, at: Option<ContentAt>| ReasoningBlock::Thinking {
+        thinking: format!("thought {index}"),
+        signature: format!("sig-{index}"),
+        at,
+    };
+    call.messages = vec![
+        ModelMessage::user("q"),
+        ModelMessage::Assistant {
+            text: "short".into(),
+            tool_calls: Vec::new(),
+            reasoning: vec![signed(0, None), signed(1, Some(ContentAt { text: 40, calls: 0 }))],
+        },
+        ModelMessage::user("again"),
+    ]
+    .into();
+    complete(&provider, call).await;
+    assert_eq!(
+        server.requests()[0].body["messages"][1]["content"],
+        json!([
+            {"type": "thinking", "thinking": "thought 0", "signature": "sig-0"},
+            {"type": "thinking", "thinking": "thought 1", "signature": "sig-1"},
+            {"type": "text", "text": "short"},
+        ])
+    );
 }
 
 #[tokio::test]

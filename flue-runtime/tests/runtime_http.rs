@@ -372,7 +372,8 @@ async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survive
             [
                 &vec![ReasoningBlock::Thinking {
                     thinking: "Paris, so look it up.".into(),
-                    signature: "sig-paris".into()
+                    signature: "sig-paris".into(),
+                    at: Some(flue_runtime::provider::ContentAt::default()),
                 }],
                 &vec![]
             ]
@@ -394,7 +395,8 @@ async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survive
             ended,
             Some(vec![ReasoningBlock::Thinking {
                 thinking: "Paris, so look it up.".into(),
-                signature: REASONING_DATA_OMITTED.into()
+                signature: REASONING_DATA_OMITTED.into(),
+                at: Some(flue_runtime::provider::ContentAt::default()),
             }])
         );
         runtime.shutdown();

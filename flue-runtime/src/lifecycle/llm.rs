@@ -207,6 +207,7 @@ mod tests {
                 reasoning: vec![crate::provider::ReasoningBlock::Thinking {
                     thinking: "look it up".into(),
                     signature: "sig".into(),
+                    at: None,
                 }],
             },
             ModelMessage::Tool {
@@ -234,7 +235,10 @@ mod tests {
         let step = |text: &str| ModelMessage::Assistant {
             text: text.into(),
             tool_calls: Vec::new(),
-            reasoning: vec![crate::provider::ReasoningBlock::Redacted { data: "opaque".into() }],
+            reasoning: vec![crate::provider::ReasoningBlock::Redacted {
+                data: "opaque".into(),
+                at: None,
+            }],
         };
         let mut llm = to_llm(None, &[step("original")]);
         llm[0].content = json!("rewritten");

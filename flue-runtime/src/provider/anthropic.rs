@@ -66,7 +66,7 @@ use super::sse::Event;
 use super::text::{Text, borrowed};
 use super::tool_json::{Declarations, ToolJson};
 use super::types::{
-    ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
+    ContentAt, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
     ProviderErrorKind, ReasoningBlock, StopReason, StreamEvent,
 };
 
@@ -628,26 +628,14 @@ fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<
                 tool_calls,
                 reasoning: signed,
             } => {
-                let mut blocks: Vec<Block<'_>> = Vec::new();
-                // The step's signed reasoning first, as the model wrote it, when the step sends
-                // anything else (see `role_of`).
-                if reasoning == Reasoning::Sent && role_of(message).is_some() {
-                    blocks.extend(signed.iter().filter_map(|block| match block {
-                        ReasoningBlock::Thinking { thinking, signature } => {
-                            Some(Block::Thinking { thinking, signature })
-                        }
-                        ReasoningBlock::Redacted { data } => Some(Block::RedactedThinking { data }),
-                        // Another provider's unsigned reasoning: not Anthropic's to read.
-                        ReasoningBlock::Text { .. } | ReasoningBlock::Detail { .. } => None,
-                    }));
-                }
-                blocks.extend(text_block(text));
-                blocks.extend(tool_calls.iter().map(|call| Block::ToolUse {
-                    id: &call.id,
-                    name: &call.name,
-                    input: tool_input(call),
-                }));
-                ("assistant", blocks)
+                // The step's signed reasoning, when the step sends anything else (see
+                // `role_of`), where the model wrote it among the text and calls.
+                let signed: &[ReasoningBlock] = if reasoning == Reasoning::Sent && role_of(message).is_some() {
+                    signed
+                } else {
+                    &[]
+                };
+                ("assistant", assistant_blocks(text, tool_calls, signed))
             }
             ModelMessage::Tool {
                 tool_call_id,
@@ -690,6 +678,52 @@ fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<
         }
     }
     merged
+}
+
+/// A step's content blocks: its signed reasoning blocks where they came among its text and
+/// tool calls (the text split where a block came), as Anthropic requires them back. Blocks
+/// without a position (older records), or positions the step no longer matches (a hook
+/// rewrote its text), put the reasoning first, then the text, then the calls.
+fn assistant_blocks<'a>(text: &'a str, calls: &'a [ModelToolCall], reasoning: &'a [ReasoningBlock]) -> Vec<Block<'a>> {
+    let signed: Vec<(Block<'a>, Option<ContentAt>)> = reasoning
+        .iter()
+        .filter_map(|block| match block {
+            ReasoningBlock::Thinking {
+                thinking,
+                signature,
+                at,
+            } => Some((Block::Thinking { thinking, signature }, *at)),
+            ReasoningBlock::Redacted { data, at } => Some((Block::RedactedThinking { data }, *at)),
+            // Another provider's unsigned reasoning: not Anthropic's to read.
+            ReasoningBlock::Text { .. } | ReasoningBlock::Detail { .. } => None,
+        })
+        .collect();
+    let mut last = ContentAt::default();
+    let placed = signed.iter().all(|(_, at)| {
+        let Some(at) = at else { return false };
+        let fits =
+            at.text >= last.text && at.calls >= last.calls && text.is_char_boundary(at.text) && at.calls <= calls.len();
+        last = *at;
+        fits
+    });
+    let tool_use = |call: &'a ModelToolCall| Block::ToolUse {
+        id: &call.id,
+        name: &call.name,
+        input: tool_input(call),
+    };
+    let mut blocks = Vec::with_capacity(signed.len() + calls.len() + 1);
+    let mut written = ContentAt::default();
+    for (block, at) in signed {
+        if placed && let Some(at) = at {
+            blocks.extend(text_block(&text[written.text..at.text]));
+            blocks.extend(calls[written.calls..at.calls].iter().map(tool_use));
+            written = at;
+        }
+        blocks.push(block);
+    }
+    blocks.extend(text_block(&text[written.text..]));
+    blocks.extend(calls[written.calls..].iter().map(tool_use));
+    blocks
 }
 
 impl Block<'_> {
@@ -864,6 +898,7 @@ impl MessagesDecoder {
                 self.reasoning_blocks.push(ReasoningBlock::Thinking {
                     thinking: thinking.clone(),
                     signature: text("signature").unwrap_or_default(),
+                    at: Some(self.content_at()),
                 });
                 if !thinking.is_empty() {
                     self.reasoning.push_str(&thinking);
@@ -873,7 +908,10 @@ impl MessagesDecoder {
             Some("redacted_thinking") => {
                 // Encrypted: nothing to show, only to send back.
                 if let Some(data) = text("data") {
-                    self.reasoning_blocks.push(ReasoningBlock::Redacted { data });
+                    self.reasoning_blocks.push(ReasoningBlock::Redacted {
+                        data,
+                        at: Some(self.content_at()),
+                    });
                 }
             }
             Some("tool_use") => {
@@ -952,6 +990,14 @@ impl MessagesDecoder {
     }
 
     /// The thinking block streaming at content block `index`.
+    /// Where a block starting now sits among the step's text and tool calls.
+    fn content_at(&self) -> ContentAt {
+        ContentAt {
+            text: self.text.len(),
+            calls: self.calls.len(),
+        }
+    }
+
     fn reasoning_block(&mut self, index: Option<u64>) -> Option<&mut ReasoningBlock> {
         let at = *self.reasoning_at.get(&index?)?;
         self.reasoning_blocks.get_mut(at)

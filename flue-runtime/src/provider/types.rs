@@ -76,8 +76,10 @@ fn message_size_hint(message: &ModelMessage) -> usize {
                     .iter()
                     .map(|block| {
                         (match block {
-                            ReasoningBlock::Thinking { thinking, signature } => thinking.len() + signature.len(),
-                            ReasoningBlock::Redacted { data } => data.len(),
+                            ReasoningBlock::Thinking {
+                                thinking, signature, ..
+                            } => thinking.len() + signature.len(),
+                            ReasoningBlock::Redacted { data, .. } => data.len(),
                             ReasoningBlock::Text { text } => text.len(),
                             ReasoningBlock::Detail { detail } => detail
                                 .values()
@@ -424,11 +426,17 @@ pub enum ReasoningBlock {
         thinking: String,
         /// The provider's signature of `thinking`.
         signature: String,
+        /// Where the block sat among the step's text and tool calls (`None`: before them).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at: Option<ContentAt>,
     },
     /// Reasoning the provider encrypted: only its opaque data travels.
     Redacted {
         /// The encrypted reasoning.
         data: String,
+        /// Where the block sat among the step's text and tool calls (`None`: before them).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at: Option<ContentAt>,
     },
     /// Unsigned reasoning text a provider wants back with its step (DeepSeek's
     /// `reasoning_content`, which its thinking mode requires in every call of a tool loop).
@@ -443,6 +451,18 @@ pub enum ReasoningBlock {
         /// The detail object.
         detail: serde_json::Map<String, serde_json::Value>,
     },
+}
+
+/// Where a reasoning block came among its step's other content: after the first `text` bytes
+/// of the step's text and its first `calls` tool calls. A model that thinks between its tool
+/// calls writes `[thinking, tool_use, thinking, tool_use]`, and Anthropic refuses the tool
+/// loop's next call unless the step's thinking blocks come back exactly where they were.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContentAt {
+    /// How many bytes of the step's text came before the block.
+    pub text: usize,
+    /// How many of the step's tool calls came before the block.
+    pub calls: usize,
 }
 
 impl ReasoningBlock {

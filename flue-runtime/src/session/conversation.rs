@@ -1129,7 +1129,7 @@ impl Conversation {
                 for block in reasoning {
                     match block {
                         ReasoningBlock::Thinking { signature: opaque, .. }
-                        | ReasoningBlock::Redacted { data: opaque } => {
+                        | ReasoningBlock::Redacted { data: opaque, .. } => {
                             crate::events::REASONING_DATA_OMITTED.clone_into(opaque);
                         }
                         ReasoningBlock::Detail { detail } => {
