@@ -1789,3 +1789,63 @@ async fn a_body_in_parts_follows_a_307_redirect_with_the_same_bytes() {
         assert_eq!(redirected.body["messages"].as_array().map(Vec::len), Some(3));
     }
 }
+
+/// Anthropic refuses tool-call ids outside `^[a-zA-Z0-9_-]+$` with a 400. A conversation
+/// that made a call through another provider (Kimi writes `functions.add:0`) and goes on
+/// with Claude sends the call and its result under one id Anthropic accepts, distinct from
+/// every other call's.
+#[tokio::test]
+async fn anthropic_sends_another_providers_tool_call_ids_in_a_form_it_accepts() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_text("Done."));
+    let provider = anthropic(&server);
+    let mut call = request("q");
+    let ids = ["functions.add:0", "functions.add:1", "toolu_01Ab-c_d"];
+    let mut messages = vec![
+        ModelMessage::user("q"),
+        ModelMessage::Assistant {
+            text: String::new(),
+            tool_calls: ids
+                .iter()
+                .map(|id| ModelToolCall {
+                    id: (*id).into(),
+                    name: "add".into(),
+                    arguments: "{}".into(),
+                })
+                .collect(),
+            reasoning: Vec::new(),
+        },
+    ];
+    for id in ids {
+        messages.push(ModelMessage::Tool {
+            tool_call_id: id.into(),
+            name: "add".into(),
+            content: "5".into(),
+            is_error: false,
+        });
+    }
+    call.messages = messages.into();
+    complete(&provider, call).await;
+    let body = &server.requests()[0].body;
+    let sent: Vec<&str> = body["messages"][1]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|block| block["id"].as_str().unwrap())
+        .collect();
+    let answered: Vec<&str> = body["messages"][2]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|block| block["tool_use_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(sent, answered, "each result answers its call");
+    assert_eq!(sent[2], "toolu_01Ab-c_d", "an id Anthropic accepts is sent as it is");
+    assert_ne!(sent[0], sent[1]);
+    for id in sent {
+        assert!(
+            id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'),
+            "{id}"
+        );
+    }
+}

@@ -45,6 +45,7 @@
 //! Usage: `input_tokens` is the whole prompt (Anthropic's `input_tokens` plus cache reads and
 //! cache writes), so it means the same as OpenAI's `prompt_tokens`.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -522,12 +523,12 @@ enum Block<'a> {
         text: &'a str,
     },
     ToolUse {
-        id: &'a str,
+        id: Cow<'a, str>,
         name: &'a str,
         input: &'a RawValue,
     },
     ToolResult {
-        tool_use_id: &'a str,
+        tool_use_id: Cow<'a, str>,
         content: &'a str,
         is_error: bool,
     },
@@ -539,6 +540,25 @@ struct ImageSource<'a> {
     kind: &'static str,
     media_type: &'a str,
     data: &'a str,
+}
+
+/// A tool call's id as Anthropic accepts it (`^[a-zA-Z0-9_-]+$`). Another provider's ids
+/// can have other characters (Kimi writes `functions.add:0`), and one in the history would
+/// fail every later call of the conversation with a 400. Such an id has them replaced and a
+/// hash of the whole id appended, so distinct ids stay distinct, and a call and its result
+/// (mapped alike) still match.
+fn tool_use_id(id: &str) -> Cow<'_, str> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+    if !id.is_empty() && id.chars().all(allowed) {
+        return Cow::Borrowed(id);
+    }
+    // FNV-1a: the same on every node and every run.
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    let mut mapped: String = id.chars().map(|c| if allowed(c) { c } else { '_' }).collect();
+    mapped.push_str(&format!("_{hash:016x}"));
+    Cow::Owned(mapped)
 }
 
 /// The thinking budget of a level (`None` for `Off`).
@@ -645,7 +665,7 @@ fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<
             } => (
                 "user",
                 vec![Block::ToolResult {
-                    tool_use_id: tool_call_id,
+                    tool_use_id: tool_use_id(tool_call_id),
                     // The API refuses an error result without content, and the history is
                     // sent again at every call: one such result would fail them all.
                     content: if *is_error && content.trim().is_empty() {
@@ -707,7 +727,7 @@ fn assistant_blocks<'a>(text: &'a str, calls: &'a [ModelToolCall], reasoning: &'
         fits
     });
     let tool_use = |call: &'a ModelToolCall| Block::ToolUse {
-        id: &call.id,
+        id: tool_use_id(&call.id),
         name: &call.name,
         input: tool_input(call),
     };
