@@ -23,7 +23,8 @@
 //!   Claude 3 before 3.5, whose output cap it is);
 //! - `thinking_level` (`off` sends nothing), by the model's id:
 //!   - Claude 4.6 and later (and a Claude id without a version) → `thinking: {"type":
-//!     "adaptive"}` with `output_config: {"effort"}`: minimal and low → `low`, medium →
+//!     "adaptive", "display": "summarized"}` (Opus 4.7 and later would otherwise omit the
+//!     reasoning) with `output_config: {"effort"}`: minimal and low → `low`, medium →
 //!     `medium`, high and xhigh → `high`, max → `max`; `max_tokens` is 32,000 when unset, as
 //!     thinking spends from it. Claude Opus 4.7 and later refuse a budget;
 //!   - Claude 3.7 to 4.5, and models that are not Claude → `thinking: {"type": "enabled",
@@ -332,8 +333,10 @@ struct ToolDeclaration<'a> {
 enum Thinking {
     /// A fixed budget (Claude before 4.6).
     Enabled { budget_tokens: u32 },
-    /// The model decides how much, steered by `output_config.effort` (Claude 4.6 and later).
-    Adaptive,
+    /// The model decides how much, steered by `output_config.effort` (Claude 4.6 and later),
+    /// and its reasoning is shown summarized: Claude Opus 4.7 and later omit it by default,
+    /// and then stream signatures only, so no reasoning reaches events or records.
+    Adaptive { display: &'static str },
 }
 
 /// How a model takes thinking, from its id.
@@ -400,7 +403,7 @@ fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'s
         ThinkingMode::Adaptive => match adaptive_effort(level) {
             Some(effort) => (
                 max.unwrap_or(ADAPTIVE_MAX_TOKENS),
-                Some(Thinking::Adaptive),
+                Some(Thinking::Adaptive { display: "summarized" }),
                 Some(effort),
             ),
             None => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
@@ -1423,7 +1426,11 @@ mod tests {
             let mut call = request(looping.clone(), level, None);
             call.model = "claude-opus-4-7".into();
             let body = provider.body(&call);
-            assert_eq!(body["thinking"], json!({"type": "adaptive"}), "{level:?}");
+            assert_eq!(
+                body["thinking"],
+                json!({"type": "adaptive", "display": "summarized"}),
+                "{level:?}"
+            );
             assert_eq!(body["output_config"], json!({"effort": effort}), "{level:?}");
             assert_eq!(body["max_tokens"], ADAPTIVE_MAX_TOKENS);
         }
