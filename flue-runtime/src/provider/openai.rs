@@ -435,11 +435,17 @@ fn chat_message(message: &ModelMessage, echo: Echo) -> ChatMessage<'_> {
                 Some(text)
             },
             // Kept only by a provider that echoes reasoning (see `with_reasoning_echo`), and
-            // sent only to one.
-            reasoning_content: reasoning.iter().filter(|_| echo.text).find_map(|block| match block {
-                ReasoningBlock::Text { text } => Some(text.as_str()),
-                _ => None,
-            }),
+            // sent only to one. DeepSeek's thinking mode refuses (400) a step with calls but
+            // no `reasoning_content`, so such a step that had none (or was made elsewhere)
+            // sends it empty.
+            reasoning_content: reasoning
+                .iter()
+                .filter(|_| echo.text)
+                .find_map(|block| match block {
+                    ReasoningBlock::Text { text } => Some(text.as_str()),
+                    _ => None,
+                })
+                .or_else(|| (echo.text && !tool_calls.is_empty()).then_some("")),
             // Only OpenRouter streams them, and it wants them back.
             reasoning_details: reasoning
                 .iter()
@@ -1731,6 +1737,42 @@ mod tests {
             decoded_calls(&chunks),
             [call("call_a", "lookup", "{}"), call("call_c", "fetch", "{}")]
         );
+    }
+
+    /// DeepSeek's thinking mode answers 400 ("Missing `reasoning_content` field in the
+    /// assistant message") to a step with calls that does not send its reasoning back, even
+    /// one that had none.
+    #[test]
+    fn a_step_with_calls_sends_reasoning_content_to_deepseek_even_when_it_had_none() {
+        let mut call = request("deepseek-chat", ThinkingLevel::Medium);
+        let step = |reasoning: Vec<ReasoningBlock>, calls: usize| ModelMessage::Assistant {
+            text: if calls == 0 { "Done.".into() } else { String::new() },
+            tool_calls: (0..calls)
+                .map(|index| ModelToolCall {
+                    id: format!("call_{index}"),
+                    name: "lookup".into(),
+                    arguments: "{}".into(),
+                })
+                .collect(),
+            reasoning,
+        };
+        call.messages = vec![
+            ModelMessage::user("look it up"),
+            step(Vec::new(), 1),
+            step(vec![ReasoningBlock::Text { text: "Twice.".into() }], 1),
+            step(Vec::new(), 0),
+        ]
+        .into();
+        let deepseek = OpenAiProvider::compatible("deepseek", "https://api.deepseek.com", "DEEPSEEK_API_KEY");
+        let body = deepseek.body(&call);
+        let sent: Vec<Option<&str>> = (1..=3)
+            .map(|at| body["messages"][at].get("reasoning_content").and_then(Value::as_str))
+            .collect();
+        assert_eq!(sent, [Some(""), Some("Twice."), None]);
+        assert_eq!(body["messages"][3]["content"], "Done.");
+        // A provider that does not echo reasoning gets none, calls or not.
+        let body = OpenAiProvider::openai().body(&call);
+        assert!((1..=3).all(|at| body["messages"][at].get("reasoning_content").is_none()));
     }
 
     #[test]
