@@ -194,6 +194,47 @@ async fn a_servers_tools_are_mounted_called_and_filtered() {
     );
 }
 
+static STRICT_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn strict_with_start() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("docs", "http://127.0.0.1:9/mcp"));
+    use_agent_start(|_ctx| async {
+        STRICT_STARTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<(), &str>(())
+    });
+    "Needs the docs."
+}
+
+/// Reference §3.7: connections are made at initialization (step 2), before the input is
+/// stored (step 4) and the start seam runs (step 9).
+#[tokio::test]
+async fn a_required_server_that_cannot_be_reached_fails_the_submission_before_its_input_or_start_callbacks() {
+    let store = flue_runtime::store::MemoryStore::new();
+    let model = ScriptedModel::new([]);
+    let runtime = harness::runtime_on(store.clone(), &model, [strict_with_start.into()]);
+    let error = runtime.init(&strict_with_start, "s").send("go").await.unwrap_err();
+    let RuntimeError::Run { error_type, .. } = error else {
+        panic!("a run error")
+    };
+    assert_eq!(error_type, "mcp_connection_failed");
+    assert_eq!(STRICT_STARTED.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let key = flue_runtime::store::InstanceKey::new("strict_with_start", "s");
+    let batches = flue_runtime::store::Store::read(&store, &key, None).await.unwrap();
+    let inputs = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter(|record| {
+            matches!(
+                record.body,
+                flue_runtime::record::RecordBody::UserMessage { .. } | flue_runtime::record::RecordBody::AgentStartRun
+            )
+        })
+        .count();
+    assert_eq!(inputs, 0, "no input record, no start seam marker");
+}
+
 #[tokio::test]
 async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
     let model = ScriptedModel::new([]);

@@ -3475,3 +3475,40 @@ async fn a_failing_response_start_keeps_the_users_message_and_runs_no_start_call
     assert_eq!(bodies, ["hi"]);
     assert!(model.requests().is_empty(), "no model call");
 }
+
+static STARTED_WITHOUT_A_SANDBOX: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn refused_sandbox_with_start() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(RefusedFactory);
+    use_agent_start(|_ctx| async {
+        STARTED_WITHOUT_A_SANDBOX.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<(), &str>(())
+    });
+    "Work with files."
+}
+
+/// Reference §3.7: the sandbox is made at initialization (step 2), before the input is
+/// stored (step 4) and the start seam runs (step 9): a factory that fails leaves nothing done.
+#[tokio::test]
+async fn a_sandbox_that_cannot_be_made_fails_the_submission_before_its_input_or_start_callbacks() {
+    let store = MemoryStore::new();
+    let model = ScriptedModel::new([]);
+    let runtime = harness::runtime_on(store.clone(), &model, vec![refused_sandbox_with_start.into()]);
+    let error = runtime
+        .init(&refused_sandbox_with_start, "r")
+        .send("go")
+        .await
+        .unwrap_err();
+    assert_eq!(run_error(error).0, "sandbox_unavailable");
+    assert_eq!(STARTED_WITHOUT_A_SANDBOX.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let key = InstanceKey::new("refused_sandbox_with_start", "r");
+    let batches = flue_runtime::store::Store::read(&store, &key, None).await.unwrap();
+    let inputs = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter(|record| matches!(record.body, RecordBody::UserMessage { .. } | RecordBody::AgentStartRun))
+        .count();
+    assert_eq!(inputs, 0, "no input record, no start seam marker");
+}

@@ -528,6 +528,7 @@ impl InstanceSlot {
             own_tools: 0,
             delegation: None,
             mcp: None,
+            mcp_unavailable: Vec::new(),
             budget: crate::compaction::Budget::default(),
             correlation: None,
         };
@@ -1099,6 +1100,9 @@ struct Response<'a> {
     delegation: Option<crate::subagents::Delegating>,
     /// The submission's MCP servers, once connected.
     mcp: Option<Vec<crate::mcp::McpSession>>,
+    /// The optional MCP servers that could not be reached, until the first model step's
+    /// preparation narrates them (after the input, as reference §3.7 step 8 does).
+    mcp_unavailable: Vec<crate::mcp::Unavailable>,
     /// The submission's compaction settings and the size of the latest model call.
     budget: crate::compaction::Budget,
     /// What the response's events are stamped with (its operation, the turn in progress).
@@ -1325,62 +1329,7 @@ impl Response<'_> {
         self.own_tools = rendered.tools.len();
         self.sandbox_present = false;
         if let Some(declaration) = &rendered.sandbox {
-            let environment = if let Some(sandbox) = &self.sandbox {
-                sandbox
-            } else {
-                // A factory that panics fails the submission like one that returns an error.
-                // A remote sandbox's error may quote its URL: without a key in its query.
-                let unavailable = |error: &dyn std::fmt::Display| {
-                    Failure::failed(
-                        "sandbox_unavailable",
-                        format!(
-                            "[flue] The sandbox could not be created: {}",
-                            flue_core::url::without_url_secrets(&error.to_string())
-                        ),
-                    )
-                };
-                let panicked = |payload: Box<dyn std::any::Any + Send>| {
-                    unavailable(&format_args!(
-                        "panicked: {}",
-                        flue_core::render::panic_message(payload.as_ref())
-                    ))
-                };
-                let factory = &declaration.factory;
-                let sandbox = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    factory.create_sandbox_for(&self.key.agent, &self.key.id)
-                })) {
-                    Ok(created) => match std::panic::AssertUnwindSafe(created).catch_unwind().await {
-                        Ok(created) => created.map_err(|error| unavailable(&error))?,
-                        Err(payload) => return Err(panicked(payload)),
-                    },
-                    Err(payload) => return Err(panicked(payload)),
-                };
-                let session =
-                    crate::sandbox::SandboxSession::new(sandbox, declaration.cwd.as_deref()).map_err(|error| {
-                        Failure::failed(
-                            "sandbox_unavailable",
-                            format!("[flue] The sandbox's working directory: {error}"),
-                        )
-                    })?;
-                let session = Arc::new(session);
-                let tools =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory.tools())).map_err(|payload| {
-                        Failure::failed(
-                            "sandbox_unavailable",
-                            format!(
-                                "[flue] The sandbox's tools could not be listed: panicked: {}",
-                                flue_core::render::panic_message(payload.as_ref())
-                            ),
-                        )
-                    })?;
-                // The workspace's skills: found once, when the submission's sandbox is made.
-                self.workspace = Some(Arc::new(crate::skills::Workspace::discover(&session).await));
-                let environment = match tools {
-                    Some(tools) => crate::sandbox::Environment::custom(session, tools),
-                    None => crate::sandbox::Environment::built_in(session),
-                };
-                self.sandbox.insert(environment)
-            };
+            let environment = self.create_sandbox(declaration).await?;
             let tools = &environment.tools;
             if let Some(taken) = rendered
                 .tools
@@ -1410,9 +1359,80 @@ impl Response<'_> {
         Ok(())
     }
 
-    /// Connects the submission's MCP servers (once: the first render's declarations) and
-    /// mounts their tools; an optional server that cannot be reached is narrated instead.
-    async fn mount_mcp(&mut self, rendered: &mut Rendered) -> Result<(), Failure> {
+    /// The submission's sandbox, made by `declaration`'s factory the first time a render
+    /// declares one (at initialization, when the init render does).
+    async fn create_sandbox(
+        &mut self,
+        declaration: &flue_core::render::SandboxDeclaration,
+    ) -> Result<&crate::sandbox::Environment, Failure> {
+        if self.sandbox.is_none() {
+            let environment = self.make_sandbox(declaration).await?;
+            self.sandbox = Some(environment);
+        }
+        Ok(self.sandbox.as_ref().expect("the sandbox was just made"))
+    }
+
+    /// A sandbox made by `declaration`'s factory, and the workspace's skills in it.
+    async fn make_sandbox(
+        &mut self,
+        declaration: &flue_core::render::SandboxDeclaration,
+    ) -> Result<crate::sandbox::Environment, Failure> {
+        // A factory that panics fails the submission like one that returns an error.
+        // A remote sandbox's error may quote its URL: without a key in its query.
+        let unavailable = |error: &dyn std::fmt::Display| {
+            Failure::failed(
+                "sandbox_unavailable",
+                format!(
+                    "[flue] The sandbox could not be created: {}",
+                    flue_core::url::without_url_secrets(&error.to_string())
+                ),
+            )
+        };
+        let panicked = |payload: Box<dyn std::any::Any + Send>| {
+            unavailable(&format_args!(
+                "panicked: {}",
+                flue_core::render::panic_message(payload.as_ref())
+            ))
+        };
+        let factory = &declaration.factory;
+        let sandbox = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            factory.create_sandbox_for(&self.key.agent, &self.key.id)
+        })) {
+            Ok(created) => match std::panic::AssertUnwindSafe(created).catch_unwind().await {
+                Ok(created) => created.map_err(|error| unavailable(&error))?,
+                Err(payload) => return Err(panicked(payload)),
+            },
+            Err(payload) => return Err(panicked(payload)),
+        };
+        let session = crate::sandbox::SandboxSession::new(sandbox, declaration.cwd.as_deref()).map_err(|error| {
+            Failure::failed(
+                "sandbox_unavailable",
+                format!("[flue] The sandbox's working directory: {error}"),
+            )
+        })?;
+        let session = Arc::new(session);
+        let tools = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory.tools())).map_err(|payload| {
+            Failure::failed(
+                "sandbox_unavailable",
+                format!(
+                    "[flue] The sandbox's tools could not be listed: panicked: {}",
+                    flue_core::render::panic_message(payload.as_ref())
+                ),
+            )
+        })?;
+        // The workspace's skills: found once, when the submission's sandbox is made.
+        self.workspace = Some(Arc::new(crate::skills::Workspace::discover(&session).await));
+        let environment = match tools {
+            Some(tools) => crate::sandbox::Environment::custom(session, tools),
+            None => crate::sandbox::Environment::built_in(session),
+        };
+        Ok(environment)
+    }
+
+    /// Connects the submission's MCP servers, once: at initialization, with the init
+    /// render's declarations (reference §3.7 step 2). A required server that cannot be used
+    /// fails the submission before its input is stored; an optional one is narrated later.
+    async fn connect_mcp(&mut self, rendered: &Rendered) -> Result<(), Failure> {
         if self.mcp.is_none() {
             let mut sessions = Vec::new();
             let mut unavailable = Vec::new();
@@ -1431,6 +1451,18 @@ impl Response<'_> {
                     }
                 }
             }
+            self.mcp_unavailable = unavailable;
+            self.mcp = Some(sessions);
+        }
+        Ok(())
+    }
+
+    /// Mounts the MCP servers' tools (connecting them first if initialization did not); the
+    /// optional servers that could not be reached are narrated, once.
+    async fn mount_mcp(&mut self, rendered: &mut Rendered) -> Result<(), Failure> {
+        self.connect_mcp(rendered).await?;
+        {
+            let unavailable = std::mem::take(&mut self.mcp_unavailable);
             if !unavailable.is_empty() {
                 let mut attributes = std::collections::BTreeMap::new();
                 attributes.insert("resource".to_owned(), "mcp".to_owned());
@@ -1450,7 +1482,6 @@ impl Response<'_> {
                     self.commit(vec![signal], false).await?;
                 }
             }
-            self.mcp = Some(sessions);
         }
         let tools = self.mcp.iter().flatten().flat_map(|session| session.tools.iter());
         for tool in tools {
@@ -1560,6 +1591,13 @@ impl Response<'_> {
         self.budget = crate::compaction::Budget::new(model.options.compaction.clone());
 
         let submission_id = self.submission.id.clone();
+        // Initialization (reference §3.7 step 2): the init render's MCP servers and sandbox,
+        // before the input is stored or any callback runs, so one that cannot be had fails
+        // the submission with nothing done.
+        self.connect_mcp(&rendered).await?;
+        if let Some(declaration) = &rendered.sandbox {
+            self.create_sandbox(declaration).await?;
+        }
 
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
         // relationships the first render declares.
