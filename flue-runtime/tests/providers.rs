@@ -1849,3 +1849,46 @@ async fn anthropic_sends_another_providers_tool_call_ids_in_a_form_it_accepts() 
         );
     }
 }
+
+/// Claude Fable 5.1 and later bind each thinking block to the system prompt, tools and
+/// messages before it, and answer 400 by default when one comes back after that prefix
+/// changed — which a re-rendered instruction or a compaction does. Their thinking calls ask
+/// the API to drop such blocks instead (a beta, with its header); older models' calls do not
+/// carry the field or the header.
+#[tokio::test]
+async fn a_model_that_binds_thinking_to_its_prefix_is_asked_to_drop_mismatched_blocks() {
+    let server = FixtureServer::start().await;
+    let provider = anthropic(&server);
+    let cases = [
+        ("claude-fable-5-1", ThinkingLevel::High, true),
+        ("claude-opus-5-5", ThinkingLevel::Low, true),
+        ("claude-fable", ThinkingLevel::Medium, true),
+        ("claude-fable-5", ThinkingLevel::High, false),
+        ("claude-opus-4-7", ThinkingLevel::High, false),
+        ("claude-fable-5-1", ThinkingLevel::Off, false),
+    ];
+    for (at, (model, level, binds)) in cases.into_iter().enumerate() {
+        server.push(FixtureReply::anthropic_text("ok"));
+        let mut call = request("q");
+        call.model = model.into();
+        call.thinking_level = level;
+        complete(&provider, call).await;
+        let sent = &server.requests()[at];
+        let binding = sent.body["thinking"].get("block_binding").cloned();
+        if binds {
+            assert_eq!(
+                binding,
+                Some(json!({"prefix_mismatch_behavior": "drop_block"})),
+                "{model}"
+            );
+            assert_eq!(
+                sent.header("anthropic-beta"),
+                Some("thinking-binding-controls-2026-08-01"),
+                "{model}"
+            );
+        } else {
+            assert_eq!(binding, None, "{model} {level:?}");
+            assert_eq!(sent.header("anthropic-beta"), None, "{model} {level:?}");
+        }
+    }
+}

@@ -24,7 +24,9 @@
 //! - `thinking_level` (`off` sends nothing), by the model's id:
 //!   - Claude 4.6 and later (and a Claude id without a version) → `thinking: {"type":
 //!     "adaptive", "display": "summarized"}` (Opus 4.7 and later would otherwise omit the
-//!     reasoning) with `output_config: {"effort"}`: minimal and low → `low`, medium →
+//!     reasoning; Fable 5.1 and later also get `"block_binding": {"prefix_mismatch_behavior":
+//!     "drop_block"}` with its `anthropic-beta` header, see `binds_thinking`) with
+//!     `output_config: {"effort"}`: minimal and low → `low`, medium →
 //!     `medium`, high and xhigh → `high`, max → `max`; `max_tokens` is 32,000 when unset, as
 //!     thinking spends from it. Claude Opus 4.7 and later refuse a budget;
 //!   - Claude 3.7 to 4.5, and models that are not Claude → `thinking: {"type": "enabled",
@@ -336,7 +338,36 @@ enum Thinking {
     /// The model decides how much, steered by `output_config.effort` (Claude 4.6 and later),
     /// and its reasoning is shown summarized: Claude Opus 4.7 and later omit it by default,
     /// and then stream signatures only, so no reasoning reaches events or records.
-    Adaptive { display: &'static str },
+    Adaptive {
+        display: &'static str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        block_binding: Option<BlockBinding>,
+    },
+}
+
+/// What a model that binds its thinking blocks to their prefix does with a block whose
+/// prefix changed (see [`binds_thinking`]).
+#[derive(Serialize)]
+struct BlockBinding {
+    prefix_mismatch_behavior: &'static str,
+}
+
+/// The beta that `thinking.block_binding` needs.
+const THINKING_BINDING_BETA: &str = "thinking-binding-controls-2026-08-01";
+
+/// Whether `model` binds each thinking block to its prefix (the system prompt, the tools and
+/// the messages before it): Claude Fable 5.1 and later (and a Claude id without a version, a
+/// newer model's). By default such a model answers 400 when a block comes back after its
+/// prefix changed, and accounts made since 2026-08-31 enforce it. Here the instruction is
+/// rendered again before every model call, so the system prompt and tools can change inside
+/// a tool loop, and compaction rewrites history: such calls ask the API to drop the blocks
+/// that no longer match (`drop_block`) instead. Older models run no such check.
+fn binds_thinking(model: &str) -> bool {
+    match claude_version(model) {
+        Some(Some(version)) => version >= (5, 1),
+        Some(None) => true,
+        None => false,
+    }
 }
 
 /// How a model takes thinking, from its id.
@@ -357,10 +388,33 @@ enum ThinkingMode {
 /// `claude-3-7-sonnet-latest`, `claude-sonnet-4-6`, also behind a prefix such as Bedrock's
 /// `us.anthropic.`) by its version, anything else by budget.
 fn thinking_mode(model: &str) -> ThinkingMode {
-    let model = model.to_ascii_lowercase();
-    let Some(at) = model.find("claude-") else {
+    let Some((family, version)) = claude_family_version(model) else {
         return ThinkingMode::Budget(None);
     };
+    let Some((major, minor)) = version else {
+        return ThinkingMode::Adaptive;
+    };
+    match (major, minor) {
+        (0..=2, _) | (3, 0..=4) => ThinkingMode::Unsupported(4096),
+        (3, 5..=6) => ThinkingMode::Unsupported(DEFAULT_MAX_TOKENS),
+        (3, _) => ThinkingMode::Budget(Some(64_000)),
+        (4, 0 | 1) if family == "opus" => ThinkingMode::Budget(Some(32_000)),
+        (4, 0..=5) => ThinkingMode::Budget(Some(64_000)),
+        _ => ThinkingMode::Adaptive,
+    }
+}
+
+/// A Claude id's version (`None` when it has none), `None` for another model.
+fn claude_version(model: &str) -> Option<Option<(u32, u32)>> {
+    claude_family_version(model).map(|(_, version)| version)
+}
+
+/// A Claude id's family (`opus`, …; empty when the version comes first) and version
+/// (`claude-3-7-sonnet…`, `claude-opus-4-1…`, also behind a prefix such as Bedrock's
+/// `us.anthropic.`); `None` for a model that is not Claude.
+fn claude_family_version(model: &str) -> Option<(String, Option<(u32, u32)>)> {
+    let model = model.to_ascii_lowercase();
+    let at = model.find("claude-")?;
     let parts: Vec<&str> = model[at + "claude-".len()..].split(['-', '.', '@']).collect();
     let number = |part: &str| {
         (!part.is_empty() && part.len() <= 2)
@@ -372,18 +426,11 @@ fn thinking_mode(model: &str) -> ThinkingMode {
         Some(_) => ("", &parts[..]),
         None => (parts.first().copied().unwrap_or(""), parts.get(1..).unwrap_or(&[])),
     };
-    let Some(major) = version.first().copied().and_then(number) else {
-        return ThinkingMode::Adaptive;
-    };
-    let minor = version.get(1).copied().and_then(number).unwrap_or(0);
-    match (major, minor) {
-        (0..=2, _) | (3, 0..=4) => ThinkingMode::Unsupported(4096),
-        (3, 5..=6) => ThinkingMode::Unsupported(DEFAULT_MAX_TOKENS),
-        (3, _) => ThinkingMode::Budget(Some(64_000)),
-        (4, 0 | 1) if family == "opus" => ThinkingMode::Budget(Some(32_000)),
-        (4, 0..=5) => ThinkingMode::Budget(Some(64_000)),
-        _ => ThinkingMode::Adaptive,
-    }
+    let version = version.first().copied().and_then(number).map(|major| {
+        let minor = version.get(1).copied().and_then(number).unwrap_or(0);
+        (major, minor)
+    });
+    Some((family.to_owned(), version))
 }
 
 /// `max_tokens`, `thinking` and the effort of a call.
@@ -403,7 +450,12 @@ fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'s
         ThinkingMode::Adaptive => match adaptive_effort(level) {
             Some(effort) => (
                 max.unwrap_or(ADAPTIVE_MAX_TOKENS),
-                Some(Thinking::Adaptive { display: "summarized" }),
+                Some(Thinking::Adaptive {
+                    display: "summarized",
+                    block_binding: binds_thinking(&request.model).then_some(BlockBinding {
+                        prefix_mismatch_behavior: "drop_block",
+                    }),
+                }),
                 Some(effort),
             ),
             None => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
@@ -786,6 +838,23 @@ const FIXED_HEADERS: &[(&str, &str)] = &[
     ("anthropic-version", ANTHROPIC_VERSION),
 ];
 
+/// The headers of a call whose thinking sets `block_binding`.
+const BINDING_HEADERS: &[(&str, &str)] = &[
+    ("accept", "text/event-stream"),
+    ("anthropic-version", ANTHROPIC_VERSION),
+    ("anthropic-beta", THINKING_BINDING_BETA),
+];
+
+/// The headers of `request`'s call.
+fn fixed_headers(request: &ModelRequest) -> &'static [(&'static str, &'static str)] {
+    match thinking_fields(request).1 {
+        Some(Thinking::Adaptive {
+            block_binding: Some(_), ..
+        }) => BINDING_HEADERS,
+        _ => FIXED_HEADERS,
+    }
+}
+
 impl ModelProvider for AnthropicProvider {
     fn id(&self) -> &str {
         &self.id
@@ -797,7 +866,7 @@ impl ModelProvider for AnthropicProvider {
             Err(error) => return error_stream(error),
         };
         let headers = CallHeaders {
-            fixed: FIXED_HEADERS,
+            fixed: fixed_headers(request),
             key: match key
                 .as_ref()
                 .map(|key| secret_header(key.expose(), &self.id, &self.key.env))
