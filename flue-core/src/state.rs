@@ -125,7 +125,7 @@ impl StateBuffer {
     /// Buffers a write. Returns `false` (and records nothing) when `value` equals the current
     /// value: one actual change, one record.
     pub fn write(&mut self, name: &str, value: Value) -> bool {
-        if self.current(name) == Some(&value) {
+        if self.current(name).is_some_and(|current| same_state(current, &value)) {
             return false;
         }
         self.overlay.insert(name.to_owned(), value.clone());
@@ -167,5 +167,62 @@ impl StateView for Mutex<StateBuffer> {
     fn visit(&self, name: &str, visit: &mut dyn FnMut(Option<&Value>)) {
         let buffer = self.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         visit(buffer.current(name));
+    }
+}
+
+/// Whether a state write of `next` over `current` changes nothing, as the reference decides
+/// it by comparing JSON texts (§2.6): numbers compare by value, so `1` and `1.0` are the same
+/// (JavaScript has one number type), but two integers compare exactly (a `u64` beyond 2^53
+/// is not rounded into another). Objects compare member by member, whatever their order.
+pub fn same_state(current: &Value, next: &Value) -> bool {
+    match (current, next) {
+        (Value::Number(a), Value::Number(b)) => match (a.as_i64(), b.as_i64(), a.as_u64(), b.as_u64()) {
+            (Some(a), Some(b), ..) => a == b,
+            (.., Some(a), Some(b)) => a == b,
+            _ if (a.is_f64() || b.is_f64()) => a.as_f64() == b.as_f64(),
+            _ => false,
+        },
+        (Value::Array(a), Value::Array(b)) => a.len() == b.len() && a.iter().zip(b).all(|(a, b)| same_state(a, b)),
+        (Value::Object(a), Value::Object(b)) => {
+            a.len() == b.len() && a.iter().all(|(key, a)| b.get(key).is_some_and(|b| same_state(a, b)))
+        }
+        _ => current == next,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_write_is_a_no_op_when_its_json_text_would_be_the_same_number_or_member() {
+        for (current, next) in [
+            (json!(1), json!(1.0)),
+            (json!(-2.0), json!(-2)),
+            (json!({"a": 1, "b": [2.0, "x"]}), json!({"b": [2, "x"], "a": 1.0})),
+            (json!(null), json!(null)),
+        ] {
+            assert!(same_state(&current, &next), "{current} {next}");
+        }
+        for (current, next) in [
+            (json!(1), json!(1.5)),
+            (json!(u64::MAX), json!(u64::MAX - 1)),
+            (json!(-1), json!(u64::MAX)),
+            (json!({"a": 1}), json!({"a": 1, "b": null})),
+            (json!([1]), json!([1, 1])),
+            (json!("1"), json!(1)),
+        ] {
+            assert!(!same_state(&current, &next), "{current} {next}");
+        }
+    }
+
+    #[test]
+    fn a_buffered_write_of_an_equal_number_records_nothing() {
+        let mut buffer = StateBuffer::default();
+        assert!(buffer.write("count", json!(1)));
+        assert!(!buffer.write("count", json!(1.0)));
+        assert_eq!(buffer.pending().len(), 1);
     }
 }

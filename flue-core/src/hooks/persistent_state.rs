@@ -31,7 +31,8 @@ thread_local! {
 ///
 /// The value is read from this attempt's own writes over the committed snapshot, falling back
 /// to `default` (which is never persisted itself). Values are JSON: the setter normalizes
-/// through `serde_json`; writing a value equal to the current one is a no-op. Writes made by
+/// through `serde_json`; writing a value equal to the current one as JSON (`1` and `1.0`
+/// alike, see [`crate::state::same_state`]) is a no-op. Writes made by
 /// tools become durable atomically with the tool batch that made them.
 ///
 /// Panics on a blank or duplicate name in one render, in subagent renders, and when the stored
@@ -130,7 +131,9 @@ where
         let binding = self.guard()?;
         let mut next = Some(self.normalize(&value)?);
         binding.modify_state(&self.name, &mut |current| {
-            let next = next.take().filter(|next| current != Some(next));
+            let next = next
+                .take()
+                .filter(|next| !current.is_some_and(|current| crate::state::same_state(current, next)));
             Ok(next)
         })
     }
@@ -162,7 +165,7 @@ where
                 Ok(next) => self.normalize(&next)?,
                 Err(payload) => std::panic::resume_unwind(payload),
             };
-            Ok((current != Some(&next)).then_some(next))
+            Ok((!current.is_some_and(|current| crate::state::same_state(current, &next))).then_some(next))
         })
     }
 
