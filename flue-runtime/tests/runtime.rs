@@ -3512,3 +3512,64 @@ async fn a_sandbox_that_cannot_be_made_fails_the_submission_before_its_input_or_
         .count();
     assert_eq!(inputs, 0, "no input record, no start seam marker");
 }
+
+static FINISH_SAW: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+#[agent]
+fn finish_reads_latest_render() -> &'static str {
+    use_model("scripted/x");
+    let (count, set_count) = use_persistent_state("count", 0u32);
+    use_tool(Tool::new("bump").description("Set the count to 1.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_count = set_count.clone();
+            async move {
+                set_count.set(1)?;
+                Ok::<_, ToolError>("ok")
+            }
+        },
+    ));
+    // The callback captures this render's value of `count`.
+    use_agent_finish(move |_ctx| async move {
+        FINISH_SAW.lock().unwrap().push(count);
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "Count."
+}
+
+/// Reference §8.7: a seam runs the callbacks of the latest render, so a finish callback
+/// sees what a tool wrote earlier in the same response (the render before the last model
+/// call read it), not the init render's value.
+#[tokio::test]
+async fn the_finish_seam_runs_the_callbacks_of_the_latest_render() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("bump", json!({})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![finish_reads_latest_render.into()]);
+    runtime.init(&finish_reads_latest_render, "f").send("go").await.unwrap();
+    assert_eq!(*FINISH_SAW.lock().unwrap(), [1]);
+}
+
+#[agent]
+fn phased() -> String {
+    use_model("scripted/x");
+    let (phase, set_phase) = use_persistent_state("phase", String::from("new"));
+    use_agent_start(move |_ctx| {
+        let set_phase = set_phase.clone();
+        async move { set_phase.set("started".to_owned()).map_err(|error| error.to_string()) }
+    });
+    format!("Phase: {phase}.")
+}
+
+/// Every model call renders afresh, turn 1 included (DESIGN §4): a start callback's state
+/// write already shapes turn 1's instruction. (The reference's turn 1 uses the init render.)
+#[tokio::test]
+async fn turn_one_renders_afresh_and_sees_what_the_start_seam_wrote() {
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, vec![phased.into()]);
+    runtime.init(&phased, "p").send("go").await.unwrap();
+    assert_eq!(
+        instructions_of(model.requests()[0].system.as_deref()),
+        Some("Phase: started.")
+    );
+}
