@@ -20,6 +20,21 @@ fn lifetimes_only(generics: &syn::Generics) -> bool {
         .all(|param| matches!(param, syn::GenericParam::Lifetime(_)))
 }
 
+/// The parameter of `sig` named like the function itself (`fn echo(echo: String)`), with its
+/// type, if any: the expansion puts a value of that name in scope of the body, so the parameter
+/// would be a pattern matching that value instead of a binding.
+fn parameter_named_like_item(sig: &syn::Signature) -> Option<(&syn::Ident, &syn::Type)> {
+    use syn::ext::IdentExt;
+    let name = sig.ident.unraw();
+    sig.inputs.iter().find_map(|input| match input {
+        syn::FnArg::Typed(param) => match param.pat.as_ref() {
+            syn::Pat::Ident(pat) if pat.ident.unraw() == name => Some((&pat.ident, param.ty.as_ref())),
+            _ => None,
+        },
+        syn::FnArg::Receiver(_) => None,
+    })
+}
+
 /// A flag option: `flag`, or `flag = true` / `flag = false` (what it says).
 fn flag(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<bool> {
     if meta.input.peek(syn::Token![=]) {
@@ -321,7 +336,8 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 ///
 /// rustc reads the parameter `query` as the pattern `query` (the tool) and reports
 /// `mismatched types`; name one of the two apart (`async fn lookup(search: String)`, or
-/// `#[tool(name = "query")] async fn query_tool(…)`).
+/// `#[tool(name = "query")] async fn query_tool(…)`). A parameter named like its own tool, agent
+/// or hook (`async fn echo(echo: String)`) is reported by the attribute itself.
 #[proc_macro_attribute]
 pub fn tool(args: TokenStream, item: TokenStream) -> TokenStream {
     tool::expand(args.into(), item.into()).into()

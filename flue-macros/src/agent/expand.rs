@@ -27,6 +27,8 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let argument = match (inputs.len(), inputs.first()) {
         // Type or const parameters were reported: the body cannot be called.
         _ if !crate::lifetimes_only(generics) => None,
+        // A parameter named like the agent was reported: the body is left out (below).
+        _ if crate::parameter_named_like_item(&function.sig).is_some() => None,
         (0, _) => Some(None),
         (1, Some(FnArg::Typed(param))) => Some(Some(quote_spanned!(param.ty.span()=> __flue_props))),
         // A shape error was reported; keep the item compiling without piling on errors.
@@ -56,8 +58,10 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     };
 
     // A `self` receiver is reported, and rustc would reject it on the nested body function
-    // too: the body is left out (it is not called then).
-    let body = function.sig.receiver().is_none().then(|| {
+    // too; a parameter named like the agent is reported, and rustc would read it as a pattern
+    // matching the agent: the body is left out (it is not called then).
+    let callable = function.sig.receiver().is_none() && crate::parameter_named_like_item(&function.sig).is_none();
+    let body = callable.then(|| {
         quote! {
             #(#other_attrs)*
             #[allow(dead_code, unused_variables)]
@@ -107,7 +111,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             .map(|hook| quote_spanned!(hook.span()=> { let __flue_hook: __flue::lifecycle::ThreadHook = #hook; __flue_hook }));
         statics.push(quote!(__flue_definition = __flue_definition.hooks(::std::vec![#(#hooks),*]);));
     }
-    if model.options.expose_as_tool.is_some() {
+    if model.options.exposed_as_tool() {
         statics.push(quote!(__flue_definition = __flue_definition.expose_as_tool();));
     }
     if !model.parent_hooks().is_empty() {

@@ -1,6 +1,6 @@
 //! Parsing the attribute's options. Unknown keys list the valid ones; duplicates are errors.
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::TokenStream;
 use syn::parse::Parser;
 use syn::spanned::Spanned;
 use syn::{Expr, Ident, LitInt, LitStr, Token, Type};
@@ -29,9 +29,18 @@ pub(crate) struct Options {
     pub(crate) timeout: Option<LitStr>,
     pub(crate) max_steps: Option<LitInt>,
     pub(crate) hooks: Option<Vec<Expr>>,
-    pub(crate) expose_as_tool: Option<Span>,
+    /// As written (`expose_as_tool = false` included, so a repeated flag is reported): see
+    /// [`Options::exposed_as_tool`].
+    pub(crate) expose_as_tool: Option<bool>,
     pub(crate) parent_hooks: Option<Vec<ParentHook>>,
     pub(crate) krate: Option<syn::Path>,
+}
+
+impl Options {
+    /// Whether the agent may be used as a delegate: `expose_as_tool`, or `= true`.
+    pub(crate) fn exposed_as_tool(&self) -> bool {
+        self.expose_as_tool == Some(true)
+    }
 }
 
 pub(crate) struct ParentHook {
@@ -64,11 +73,7 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
             "description" => set(&mut options.description, meta.value()?.parse()?, &key, errors),
             "initial_data" => set(&mut options.initial_data, meta.value()?.parse()?, &key, errors),
             "max_steps" => set(&mut options.max_steps, meta.value()?.parse()?, &key, errors),
-            "expose_as_tool" => {
-                if crate::flag(&meta)? {
-                    set(&mut options.expose_as_tool, Span::call_site(), &key, errors);
-                }
-            }
+            "expose_as_tool" => set(&mut options.expose_as_tool, crate::flag(&meta)?, &key, errors),
             "crate" => {
                 let path: LitStr = meta.value()?.parse()?;
                 match path.parse::<syn::Path>() {

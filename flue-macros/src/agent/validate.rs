@@ -40,6 +40,15 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
     for extra in inputs {
         errors.spanned(extra, "an agent function takes no parameters or one `AgentProps`");
     }
+    if let Some((param, _)) = crate::parameter_named_like_item(sig) {
+        errors.spanned(
+            param,
+            format!(
+                "rename the parameter: `{}` names the agent itself, which is in scope in the body, so the parameter would be a pattern matching the agent, not a binding (`props: AgentProps`)",
+                syn::ext::IdentExt::unraw(param)
+            ),
+        );
+    }
     let (name, span) = &model.name;
     if !is_identity(name) {
         errors.push(syn::Error::new(
@@ -81,7 +90,7 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
         }
     }
     let requirements = model.parent_hooks();
-    if !requirements.is_empty() && model.options.expose_as_tool.is_none() {
+    if !requirements.is_empty() && !model.options.exposed_as_tool() {
         errors.spanned(
             &requirements[0].hook,
             "only an agent with `expose_as_tool` can declare parent_hooks: add `expose_as_tool` to #[agent(..)]",

@@ -30,12 +30,16 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     body.sig.ident = format_ident!("__flue_hook_body");
     body.attrs = other_attrs.into_iter().cloned().collect();
     body.vis = syn::Visibility::Inherited;
-    // `unsafe` is reported; the body is called from safe code.
+    // `unsafe`, `const` and `extern` are reported; the body is a plain Rust function.
     body.sig.unsafety = None;
-    // A `self` receiver is reported, and rustc would reject it on the free body function too:
-    // the body is left out, and not called.
+    body.sig.constness = None;
+    body.sig.abi = None;
+    // A `self` receiver is reported, and rustc would reject it on the free body function too; a
+    // parameter named like the hook is reported, and rustc would read it as a pattern matching
+    // the hook: the body is left out, and not called.
     let receiver = function.sig.receiver().is_some();
-    let body = (!receiver).then(|| {
+    let named_like_hook = crate::parameter_named_like_item(&function.sig).is_some();
+    let body = (!receiver && !named_like_hook).then(|| {
         quote! {
             #[allow(dead_code, unused_variables)]
             #body
@@ -66,7 +70,8 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let well_formed = !model.stub
         && function.sig.inputs.len() == args.len()
         && crate::lifetimes_only(&function.sig.generics)
-        && !receiver;
+        && !receiver
+        && !named_like_hook;
     let result = match &function.sig.output {
         // The return type may be `impl Trait`, which cannot be named in a path: the helper
         // infers it from the body's value, and its call is spanned at the return type, so a

@@ -45,6 +45,14 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
     };
     for arg in parsed {
         match arg {
+            // An option written without its value, not a kind.
+            Arg::Kind(key) if key == "id" || key == "crate" => {
+                let example = if key == "id" { "\"my_hook\"" } else { "\"flue_runtime\"" };
+                errors.spanned(
+                    &key,
+                    format!("#[hook] option `{key}` takes a value: write `{key} = {example}`"),
+                );
+            }
             Arg::Kind(kind) if options.kind.is_none() => options.kind = Some(kind),
             Arg::Kind(kind) => errors.spanned(&kind, "a hook has one kind; remove the second"),
             Arg::KeyValue(key, value) => match key.to_string().as_str() {

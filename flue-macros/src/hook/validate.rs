@@ -23,6 +23,27 @@ pub(crate) fn check(model: &HookModel, errors: &Errors) {
             "a lifecycle hook cannot be `unsafe`: the runtime calls it from safe code, so nothing would uphold its safety contract; make it safe and use `unsafe` blocks inside",
         );
     }
+    if let Some(constness) = &sig.constness {
+        errors.spanned(
+            constness,
+            "a lifecycle hook cannot be `const`: the runtime calls it at run time, through its handler, never in a constant; remove `const`",
+        );
+    }
+    if let Some(abi) = &sig.abi {
+        errors.spanned(
+            abi,
+            "a lifecycle hook cannot be `extern`: the runtime calls it as a Rust function and turns a panic into a hook error, where another ABI would abort the process; remove the `extern` qualifier",
+        );
+    }
+    if let Some((param, _)) = crate::parameter_named_like_item(sig) {
+        errors.spanned(
+            param,
+            format!(
+                "rename the parameter: `{}` names the hook itself, which is in scope in the body, so the parameter would be a pattern matching the hook, not a binding",
+                syn::ext::IdentExt::unraw(param)
+            ),
+        );
+    }
     if !crate::lifetimes_only(&sig.generics) {
         errors.spanned(
             &sig.generics,

@@ -27,9 +27,15 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     body.vis = syn::Visibility::Inherited;
     // `unsafe` is reported; the body is called from safe code.
     body.sig.unsafety = None;
-    // A `self` receiver is reported, and rustc would reject it on the free body function too:
-    // the body is left out (it is never called then).
-    let body = function.sig.receiver().is_none().then(|| {
+    // An ABI changes nothing (an `async` body runs in its future's `poll`, a Rust function, so a
+    // panic still unwinds), but would warn that the arguments are not FFI-safe: it is dropped,
+    // as `#[agent]` drops it.
+    body.sig.abi = None;
+    // A `self` receiver is reported, and rustc would reject it on the free body function too;
+    // a parameter named like the tool is reported, and rustc would read it as a pattern matching
+    // the tool: the body is left out (it is never called then).
+    let callable = function.sig.receiver().is_none() && crate::parameter_named_like_item(&function.sig).is_none();
+    let body = callable.then(|| {
         quote! {
             #[allow(dead_code, unused_variables)]
             #body
@@ -136,7 +142,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         None => quote!(::core::option::Option::None),
     };
     let secrets = model.options.secrets.iter().flatten();
-    let terminate = model.options.terminate.is_some();
+    let terminate = model.options.terminate == Some(true);
     let mut definition_expr = quote!(__flue::tool::ToolDefinition::from_checked(
         #name,
         #description,
@@ -145,7 +151,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         &[#(#secrets),*],
         #terminate,
     ));
-    if model.options.durable.is_some() {
+    if model.options.durable == Some(true) {
         definition_expr = quote!(#definition_expr.into_durable());
     }
 

@@ -146,6 +146,22 @@ impl ToolModel {
         let description = Description::of(&function.attrs);
         let krate = crate::krate::runtime_path(options.krate.take());
         let mut rejected_parameter = false;
+        if let Some((param, ty)) = crate::parameter_named_like_item(&function.sig) {
+            let named = param.unraw();
+            // A plain parameter is an argument field: its JSON name can stay.
+            let keep_name = if context_kind(ty).is_none() && named != "args" && named != "_args" {
+                format!(" (`#[serde(rename = \"{named}\")]` keeps the argument's name)")
+            } else {
+                String::new()
+            };
+            errors.spanned(
+                param,
+                format!(
+                    "rename the parameter: `{named}` names the tool itself, which is in scope in the body, so the parameter would be a pattern matching the tool, not a binding{keep_name}"
+                ),
+            );
+            rejected_parameter = true;
+        }
         let mut has_context = false;
         let mut params: Vec<&mut syn::PatType> = Vec::new();
         for (index, input) in function.sig.inputs.iter_mut().enumerate() {
@@ -160,7 +176,7 @@ impl ToolModel {
                 FnArg::Typed(param) => match context_kind(&param.ty) {
                     None => params.push(param),
                     Some(Context::Shared) if index == 0 => {
-                        refuse_derive_attributes(param, Refused::Context, errors);
+                        refuse_field_attributes(param, Refused::Context, errors);
                         has_context = true;
                     }
                     Some(kind) => {
@@ -172,20 +188,28 @@ impl ToolModel {
         }
         let arguments = match &mut params[..] {
             [single] if is_args_pattern(&single.pat) => {
-                refuse_derive_attributes(single, Refused::Args, errors);
-                if let Some(borrowed) = borrowed_in(&single.ty) {
+                refuse_field_attributes(single, Refused::Args, errors);
+                if let Some(opaque) = impl_trait_in(&single.ty) {
+                    errors.spanned(
+                        opaque,
+                        "a tool's arguments cannot be `impl Trait`: they are deserialized from the model's JSON, which needs one concrete type; take a struct that derives `Deserialize` and `JsonSchema`",
+                    );
+                    rejected_parameter = true;
+                    Arguments::Struct(syn::parse_quote!(()))
+                } else if let Some(borrowed) = borrowed_in(&single.ty) {
                     errors.spanned(
                         &borrowed,
                         "a tool's arguments cannot borrow: they are deserialized from the model's JSON into owned values; take the owned type (`String`, not `&str`)",
                     );
+                    name_elided_lifetimes(&mut single.ty);
                     rejected_parameter = true;
                     Arguments::Struct(syn::parse_quote!(()))
                 } else {
-                    if let Some(scalar) = not_an_object(&single.ty) {
+                    if let Some((what, fix)) = not_an_object(&single.ty) {
                         errors.spanned(
                             &single.ty,
                             format!(
-                                "a parameter named `args` is the tool's whole argument object, which the model sends as a JSON object, but {scalar}: give the parameter another name to make it one argument field, or take a struct that derives `Deserialize` and `JsonSchema`"
+                                "a parameter named `args` is the tool's whole argument object, which the model sends as a JSON object, but {what}: {fix}"
                             ),
                         );
                     }
@@ -216,6 +240,14 @@ impl ToolModel {
                                 return None;
                             }
                         };
+                        if let Some(opaque) = impl_trait_in(&field.ty) {
+                            errors.spanned(
+                                opaque,
+                                "a tool parameter cannot be `impl Trait`: arguments are deserialized from the model's JSON, which needs one concrete type; take a concrete owned type (`String`, not `impl Into<String>`)",
+                            );
+                            rejected_parameter = true;
+                            return None;
+                        }
                         if let Some(borrowed) = borrowed_in(&field.ty) {
                             errors.spanned(
                                 &borrowed,
@@ -224,6 +256,7 @@ impl ToolModel {
                                     owned_hint(&borrowed)
                                 ),
                             );
+                            name_elided_lifetimes(&mut param.ty);
                             rejected_parameter = true;
                             return None;
                         }
@@ -417,6 +450,7 @@ fn context_kind(ty: &Type) -> Option<Context> {
 
 /// The first reference, or lifetime other than `'static`, that `ty` names: a parameter that
 /// borrows cannot be deserialized from the model's JSON (`&str`, `Vec<&str>`, `Cow<'a, str>`).
+/// A `Cow` that leaves its lifetime out (`Cow<str>`) borrows too: the lifetime is only hidden.
 fn borrowed_in(ty: &Type) -> Option<TokenStream> {
     match ty {
         Type::Reference(_) => Some(ty.to_token_stream()),
@@ -427,7 +461,14 @@ fn borrowed_in(ty: &Type) -> Option<TokenStream> {
         Type::Tuple(tuple) => tuple.elems.iter().find_map(borrowed_in),
         Type::Path(path) => {
             let qself = path.qself.as_ref().and_then(|qself| borrowed_in(&qself.ty));
-            qself.or_else(|| {
+            let elided_cow = || {
+                path.path
+                    .segments
+                    .iter()
+                    .any(|segment| segment.ident == "Cow" && !names_lifetime(&segment.arguments))
+                    .then(|| ty.to_token_stream())
+            };
+            qself.or_else(elided_cow).or_else(|| {
                 path.path
                     .segments
                     .iter()
@@ -449,6 +490,85 @@ fn borrowed_in(ty: &Type) -> Option<TokenStream> {
     }
 }
 
+/// Writes out the lifetime a `Cow` leaves out (`Cow<str>` → `Cow<'_, str>`), so the body, which
+/// keeps the rejected parameter, still compiles as an `async fn` and adds no error of its own.
+fn name_elided_lifetimes(ty: &mut Type) {
+    match ty {
+        Type::Reference(inner) => name_elided_lifetimes(&mut inner.elem),
+        Type::Paren(inner) => name_elided_lifetimes(&mut inner.elem),
+        Type::Group(inner) => name_elided_lifetimes(&mut inner.elem),
+        Type::Slice(inner) => name_elided_lifetimes(&mut inner.elem),
+        Type::Array(inner) => name_elided_lifetimes(&mut inner.elem),
+        Type::Tuple(tuple) => tuple.elems.iter_mut().for_each(name_elided_lifetimes),
+        Type::Path(path) => {
+            if let Some(qself) = &mut path.qself {
+                name_elided_lifetimes(&mut qself.ty);
+            }
+            for segment in &mut path.path.segments {
+                if segment.ident == "Cow" && !names_lifetime(&segment.arguments) {
+                    let elided = syn::Lifetime::new("'_", segment.ident.span());
+                    if let syn::PathArguments::AngleBracketed(arguments) = &mut segment.arguments {
+                        arguments.args.insert(0, syn::GenericArgument::Lifetime(elided));
+                    }
+                }
+                if let syn::PathArguments::AngleBracketed(arguments) = &mut segment.arguments {
+                    for argument in &mut arguments.args {
+                        if let syn::GenericArgument::Type(ty) = argument {
+                            name_elided_lifetimes(ty);
+                        }
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Whether a path segment's generic arguments name a lifetime (`Cow<'static, str>`).
+fn names_lifetime(arguments: &syn::PathArguments) -> bool {
+    matches!(arguments, syn::PathArguments::AngleBracketed(arguments)
+        if arguments.args.iter().any(|argument| matches!(argument, syn::GenericArgument::Lifetime(_))))
+}
+
+/// The first `impl Trait` that `ty` names (`impl Into<String>`, `Vec<impl Display>`): the
+/// argument struct cannot hold one, and the model's JSON needs one concrete type to become.
+fn impl_trait_in(ty: &Type) -> Option<&syn::TypeImplTrait> {
+    match ty {
+        Type::ImplTrait(opaque) => Some(opaque),
+        Type::Reference(inner) => impl_trait_in(&inner.elem),
+        Type::Ptr(inner) => impl_trait_in(&inner.elem),
+        Type::Paren(inner) => impl_trait_in(&inner.elem),
+        Type::Group(inner) => impl_trait_in(&inner.elem),
+        Type::Slice(inner) => impl_trait_in(&inner.elem),
+        Type::Array(inner) => impl_trait_in(&inner.elem),
+        Type::Tuple(tuple) => tuple.elems.iter().find_map(impl_trait_in),
+        Type::Path(path) => {
+            let qself = path.qself.as_ref().and_then(|qself| impl_trait_in(&qself.ty));
+            qself.or_else(|| {
+                path.path.segments.iter().find_map(|segment| match &segment.arguments {
+                    syn::PathArguments::AngleBracketed(arguments) => {
+                        arguments.args.iter().find_map(|argument| match argument {
+                            syn::GenericArgument::Type(ty) => impl_trait_in(ty),
+                            syn::GenericArgument::AssocType(assoc) => impl_trait_in(&assoc.ty),
+                            _ => None,
+                        })
+                    }
+                    syn::PathArguments::Parenthesized(arguments) => arguments
+                        .inputs
+                        .iter()
+                        .find_map(impl_trait_in)
+                        .or_else(|| match &arguments.output {
+                            syn::ReturnType::Type(_, ty) => impl_trait_in(ty),
+                            syn::ReturnType::Default => None,
+                        }),
+                    syn::PathArguments::None => None,
+                })
+            })
+        }
+        _ => None,
+    }
+}
+
 /// What to take instead of a borrowed type.
 fn owned_hint(borrowed: &TokenStream) -> &'static str {
     match syn::parse2::<Type>(borrowed.clone()) {
@@ -462,9 +582,11 @@ fn owned_hint(borrowed: &TokenStream) -> &'static str {
 }
 
 /// When `ty` is spelled as a type whose JSON Schema is surely not an object (text, a number,
-/// a list, an optional value), what it is instead, for the message. Other types (a struct, a map, a
-/// type parameter) are checked by `use_tool` when the schema exists, at run time.
-fn not_an_object(ty: &Type) -> Option<String> {
+/// a list, an optional value, any JSON value), what it is instead and what to take, for the
+/// message. Other types (a struct, a map, a type parameter) are checked by `use_tool` when the
+/// schema exists, at run time.
+fn not_an_object(ty: &Type) -> Option<(String, &'static str)> {
+    const FIX: &str = "give the parameter another name to make it one argument field, or take a struct that derives `Deserialize` and `JsonSchema`";
     const TEXT: [&str; 5] = ["String", "str", "char", "PathBuf", "OsString"];
     const NUMBERS: [&str; 14] = [
         "i8", "i16", "i32", "i64", "i128", "isize", "u8", "u16", "u32", "u64", "u128", "usize", "f32", "f64",
@@ -473,8 +595,8 @@ fn not_an_object(ty: &Type) -> Option<String> {
     match ty {
         Type::Paren(inner) => not_an_object(&inner.elem),
         Type::Group(inner) => not_an_object(&inner.elem),
-        Type::Tuple(tuple) if tuple.elems.is_empty() => Some("`()` is JSON `null`".to_owned()),
-        Type::Tuple(_) | Type::Array(_) | Type::Slice(_) => Some("a tuple or array is a JSON array".to_owned()),
+        Type::Tuple(tuple) if tuple.elems.is_empty() => Some(("`()` is JSON `null`".to_owned(), FIX)),
+        Type::Tuple(_) | Type::Array(_) | Type::Slice(_) => Some(("a tuple or array is a JSON array".to_owned(), FIX)),
         Type::Path(path) if path.qself.is_none() => {
             let last = path.path.segments.last()?;
             let name = last.ident.to_string();
@@ -488,15 +610,25 @@ fn not_an_object(ty: &Type) -> Option<String> {
                 _ => None,
             };
             if TEXT.contains(&name.as_str()) {
-                Some(format!("`{name}` is a JSON string"))
+                Some((format!("`{name}` is a JSON string"), FIX))
             } else if NUMBERS.contains(&name.as_str()) {
-                Some(format!("`{name}` is a JSON number"))
+                Some((format!("`{name}` is a JSON number"), FIX))
             } else if name == "bool" {
-                Some("`bool` is a JSON boolean".to_owned())
+                Some(("`bool` is a JSON boolean".to_owned(), FIX))
             } else if LISTS.contains(&name.as_str()) {
-                Some(format!("`{name}` is a JSON array"))
+                Some((format!("`{name}` is a JSON array"), FIX))
             } else if name == "Option" {
-                Some("`Option` is an object or `null`".to_owned())
+                Some(("`Option` is an object or `null`".to_owned(), FIX))
+            } else if name == "Value"
+                && path.path.segments.len() >= 2
+                && path.path.segments[path.path.segments.len() - 2].ident == "serde_json"
+            {
+                // Spelled `serde_json::Value`: a bare `Value` may be the application's own type
+                // (`use_tool` checks its schema at run time).
+                Some((
+                    "`Value` is any JSON value, and its schema (`true`) is no object".to_owned(),
+                    "take `serde_json::Map<String, Value>` for an object with any fields, or a struct that derives `Deserialize` and `JsonSchema`",
+                ))
             } else if matches!(name.as_str(), "Box" | "Arc" | "Rc" | "Cow") {
                 inner().and_then(not_an_object)
             } else {
@@ -514,11 +646,24 @@ enum Refused {
     Args,
 }
 
-/// Reports and takes off the `#[serde(..)]` and `#[schemars(..)]` attributes of a parameter
-/// that is no argument field, which rustc would not accept on a parameter.
-fn refuse_derive_attributes(param: &mut syn::PatType, refused: Refused, errors: &Errors) {
-    let (derive_attrs, kept): (Vec<_>, Vec<_>) = param.attrs.drain(..).partition(is_derive_attribute);
+/// Reports and takes off the doc comments, `#[serde(..)]` and `#[schemars(..)]` attributes of a
+/// parameter that is no argument field, which rustc would not accept on a parameter.
+fn refuse_field_attributes(param: &mut syn::PatType, refused: Refused, errors: &Errors) {
+    let (field_attrs, kept): (Vec<_>, Vec<_>) = param.attrs.drain(..).partition(is_field_attribute);
     param.attrs = kept;
+    let (docs, derive_attrs): (Vec<_>, Vec<_>) = field_attrs.into_iter().partition(|attr| attr.path().is_ident("doc"));
+    // One error for the whole comment, whatever its number of lines.
+    if !docs.is_empty() {
+        let message = match refused {
+            Refused::Context => {
+                "a doc comment describes an argument field, and the context is no argument, so it takes no description: take the comment off"
+            }
+            Refused::Args => {
+                "a doc comment describes one argument field, and `args` is the whole argument object: document the fields of the arguments struct instead"
+            }
+        };
+        errors.spanned(quote::quote!(#(#docs)*), message);
+    }
     for attr in derive_attrs {
         let which = if attr.path().is_ident("serde") {
             "serde"

@@ -1,6 +1,6 @@
 //! Parsing `#[tool(name = "…", progress_argument = "…", secrets = [..], terminate, durable, crate = "…")]`.
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::TokenStream;
 use syn::parse::Parser;
 use syn::{Expr, LitStr, Token};
 
@@ -13,8 +13,9 @@ pub(crate) struct Options {
     pub(crate) name: Option<LitStr>,
     pub(crate) progress_argument: Option<LitStr>,
     pub(crate) secrets: Option<Vec<LitStr>>,
-    pub(crate) terminate: Option<Span>,
-    pub(crate) durable: Option<Span>,
+    /// A flag as written (`terminate = false` included, so a repeated flag is reported).
+    pub(crate) terminate: Option<bool>,
+    pub(crate) durable: Option<bool>,
     pub(crate) krate: Option<syn::Path>,
 }
 
@@ -35,16 +36,8 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
         match name.as_str() {
             "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
             "progress_argument" => set(&mut options.progress_argument, meta.value()?.parse()?, &key, errors),
-            "terminate" => {
-                if crate::flag(&meta)? {
-                    set(&mut options.terminate, Span::call_site(), &key, errors);
-                }
-            }
-            "durable" => {
-                if crate::flag(&meta)? {
-                    set(&mut options.durable, Span::call_site(), &key, errors);
-                }
-            }
+            "terminate" => set(&mut options.terminate, crate::flag(&meta)?, &key, errors),
+            "durable" => set(&mut options.durable, crate::flag(&meta)?, &key, errors),
             "secrets" => {
                 let list: syn::ExprArray = meta.value()?.parse()?;
                 let mut secrets = Vec::new();

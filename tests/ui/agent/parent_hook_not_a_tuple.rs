@@ -1,0 +1,13 @@
+use flue_runtime::prelude::*;
+
+#[hook(after_system_message)]
+fn mail_context(_state: &ThreadState, message: String) -> String {
+    message
+}
+
+#[agent(expose_as_tool, parent_hooks = [mail_context])]
+fn mail_agent() -> &'static str {
+    "Read mail."
+}
+
+fn main() {}
