@@ -170,10 +170,12 @@ impl StateView for Mutex<StateBuffer> {
     }
 }
 
-/// Whether a state write of `next` over `current` changes nothing, as the reference decides
-/// it by comparing JSON texts (§2.6): numbers compare by value, so `1` and `1.0` are the same
-/// (JavaScript has one number type), but two integers compare exactly (a `u64` beyond 2^53
-/// is not rounded into another). Objects compare member by member, whatever their order.
+/// Whether a state write of `next` over `current` changes nothing. The reference compares
+/// JSON texts (§2.6), where JavaScript's one number type makes `1` and `1.0` the same: here
+/// an integer and a float compare as floats too, while two integers compare exactly (a `u64`
+/// beyond 2^53 is not rounded into another). Objects compare member by member whatever their
+/// order, where the reference's text compare would see reordered members as a change: maps
+/// here keep no order to compare (`serde_json` sorts them).
 pub fn same_state(current: &Value, next: &Value) -> bool {
     match (current, next) {
         (Value::Number(a), Value::Number(b)) => match (a.as_i64(), b.as_i64(), a.as_u64(), b.as_u64()) {

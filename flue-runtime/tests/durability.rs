@@ -880,8 +880,9 @@ async fn a_join_cut_off_before_its_seam_settles_with_a_response_out_of_attempts(
     assert!(model.requests().is_empty());
 }
 
-#[tokio::test]
-async fn a_resumed_response_that_already_answered_settles_without_calling_the_model_again() {
+/// A store where a first node answered `agent`'s instance `instance` (submission
+/// `sub_answered`, its final answer "the answer" durable) and died before settling it.
+async fn answered_but_unsettled(agent: &str, instance: &str) -> FaultyStore {
     use flue_runtime::store::{Claim, now_ms};
     let store = FaultyStore::default();
     // First node: answers, then its settlement append fails and the node dies before retrying.
@@ -890,8 +891,7 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
             .iter()
             .any(|r| matches!(r.body, RecordBody::SubmissionSettled { .. }))
     });
-    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
-    let key = InstanceKey::new("relay", "r-2");
+    let key = InstanceKey::new(agent, instance);
     let admitted = store
         .admit(Admission {
             key: key.clone(),
@@ -969,6 +969,13 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
         .await
         .unwrap();
     store.disarm();
+    store
+}
+
+#[tokio::test]
+async fn a_resumed_response_that_already_answered_settles_without_calling_the_model_again() {
+    let store = answered_but_unsettled("relay", "r-2").await;
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
     let runtime = taking_over(&store, &model, relay).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
@@ -979,6 +986,47 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
     .unwrap();
     assert_eq!(reply.text, "the answer");
     assert!(model.requests().is_empty(), "completed work is never redone");
+}
+
+/// A sandbox host that is down.
+struct DownSandbox;
+
+impl flue_core::sandbox::SandboxFactory for DownSandbox {
+    fn create_sandbox(
+        &self,
+        _instance_id: &str,
+    ) -> flue_core::BoxFuture<
+        'static,
+        Result<std::sync::Arc<dyn flue_core::sandbox::Sandbox>, flue_core::sandbox::SandboxError>,
+    > {
+        Box::pin(async { Err(flue_core::sandbox::SandboxError::Io("the sandbox host is down".into())) })
+    }
+}
+
+#[agent]
+fn relay_with_resources() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(DownSandbox);
+    use_mcp_connection(flue_runtime::mcp::McpConnection::new("docs", "http://127.0.0.1:9/mcp"));
+    "Relay."
+}
+
+/// Reference §3.9 step 2: a resumed response whose answer is durable settles `completed`
+/// as it is. It needs no sandbox or MCP server, so one that cannot be had does not fail it.
+#[tokio::test]
+async fn a_resumed_response_that_already_answered_sets_up_no_sandbox_or_mcp_server() {
+    let store = answered_but_unsettled("relay_with_resources", "r-3").await;
+    let model = ScriptedModel::new([]);
+    let runtime = taking_over(&store, &model, relay_with_resources).await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&relay_with_resources, "r-3").read("sub_answered"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(reply.text, "the answer");
+    assert!(model.requests().is_empty());
 }
 
 fn ulid_like() -> u64 {

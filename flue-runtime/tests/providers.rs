@@ -404,8 +404,8 @@ async fn anthropic_sends_a_step_that_thought_between_its_calls_back_in_the_order
     );
 }
 
-/// A step whose text a hook rewrote no longer matches where its reasoning came: the blocks go
-/// first, as for a step recorded before positions were kept.
+/// Positions a step cannot have (past its text) and blocks without one (recorded before
+/// positions were kept): the blocks go first, then the text.
 #[tokio::test]
 async fn anthropic_sends_reasoning_first_when_the_step_no_longer_matches_its_positions() {
     let server = FixtureServer::start().await;

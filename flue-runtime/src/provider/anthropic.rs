@@ -757,8 +757,10 @@ fn messages(conversation: &[ModelMessage], reasoning: Reasoning) -> Vec<Message<
 
 /// A step's content blocks: its signed reasoning blocks where they came among its text and
 /// tool calls (the text split where a block came), as Anthropic requires them back. Blocks
-/// without a position (older records), or positions the step no longer matches (a hook
-/// rewrote its text), put the reasoning first, then the text, then the calls.
+/// without a position (steps recorded before positions were kept), or positions the step
+/// cannot have (past its text or calls, inside a character, going back), put the reasoning
+/// first, then the text, then the calls. (A step a `prefilter_llm_history` hook changed
+/// comes without its reasoning: see `lifecycle::llm::from_llm`.)
 fn assistant_blocks<'a>(text: &'a str, calls: &'a [ModelToolCall], reasoning: &'a [ReasoningBlock]) -> Vec<Block<'a>> {
     let signed: Vec<(Block<'a>, Option<ContentAt>)> = reasoning
         .iter()
@@ -1081,7 +1083,6 @@ impl MessagesDecoder {
         Ok(())
     }
 
-    /// The thinking block streaming at content block `index`.
     /// Where a block starting now sits among the step's text and tool calls.
     fn content_at(&self) -> ContentAt {
         ContentAt {
@@ -1090,6 +1091,7 @@ impl MessagesDecoder {
         }
     }
 
+    /// The thinking block streaming at content block `index`.
     fn reasoning_block(&mut self, index: Option<u64>) -> Option<&mut ReasoningBlock> {
         let at = *self.reasoning_at.get(&index?)?;
         self.reasoning_blocks.get_mut(at)
@@ -1480,6 +1482,53 @@ mod tests {
         for (model, mode) in cases {
             assert_eq!(thinking_mode(model), mode, "{model}");
         }
+    }
+
+    /// Blocks back where they came: a whitespace-only stretch of text between two blocks is
+    /// left out (the API refuses it), a redacted block keeps its place, and calls made before
+    /// any text come before it.
+    #[test]
+    fn a_steps_blocks_are_rebuilt_in_the_order_the_model_wrote_them() {
+        let calls: Vec<ModelToolCall> = ["a", "b"]
+            .iter()
+            .map(|id| ModelToolCall {
+                id: (*id).into(),
+                name: "lookup".into(),
+                arguments: "{}".into(),
+            })
+            .collect();
+        let text = "  \nLater text.";
+        let reasoning = [
+            ReasoningBlock::Thinking {
+                thinking: "first".into(),
+                signature: "s1".into(),
+                at: Some(ContentAt { text: 0, calls: 1 }),
+            },
+            ReasoningBlock::Redacted {
+                data: "opaque".into(),
+                at: Some(ContentAt { text: 3, calls: 2 }),
+            },
+        ];
+        let kinds: Vec<String> = assistant_blocks(text, &calls, &reasoning)
+            .iter()
+            .map(|block| match block {
+                Block::Thinking { thinking, .. } => format!("thinking {thinking}"),
+                Block::RedactedThinking { data } => format!("redacted {data}"),
+                Block::Text { text } => format!("text {text}"),
+                Block::ToolUse { id, .. } => format!("call {id}"),
+                other => panic!("{}", serde_json::to_string(other).unwrap_or_default()),
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "call a",
+                "thinking first",
+                "call b",
+                "redacted opaque",
+                "text Later text."
+            ]
+        );
     }
 
     #[test]

@@ -721,10 +721,11 @@ impl InstanceSlot {
                 }
             }
         };
-        // HTTP clients are served a generic error in place of the application's own text: the
-        // log carries it, under the submission's id (reference §6.4).
+        // HTTP clients are served a generic error in place of the application's own text or an
+        // untyped framework error: the log carries it, under the submission's id (reference
+        // §6.4).
         if let Some(error) = error.as_ref().filter(|error| error.is_internal()) {
-            tracing::error!(instance = %self.key, submission = %submission.id, joined = ?joined_ids, error_type = %error.error_type, error = %error.message, details = %error.details, "the submission failed in the application's code");
+            tracing::error!(instance = %self.key, submission = %submission.id, joined = ?joined_ids, error_type = %error.error_type, error = %error.message, details = %error.details, "the submission failed with an error clients are served as internal_error");
         }
         let stamp = |body| Record {
             id: new_id("record"),
@@ -1100,8 +1101,9 @@ struct Response<'a> {
     delegation: Option<crate::subagents::Delegating>,
     /// The submission's MCP servers, once connected.
     mcp: Option<Vec<crate::mcp::McpSession>>,
-    /// The optional MCP servers that could not be reached, until the first model step's
-    /// preparation narrates them (after the input, as reference §3.7 step 8 does).
+    /// The optional MCP servers that could not be reached, until they are narrated: after the
+    /// input and the response start, before the start seam (reference §3.7 step 8), or, when a
+    /// tool batch awaits its repair, right after it.
     mcp_unavailable: Vec<crate::mcp::Unavailable>,
     /// The submission's compaction settings and the size of the latest model call.
     budget: crate::compaction::Budget,
@@ -1457,32 +1459,12 @@ impl Response<'_> {
         Ok(())
     }
 
-    /// Mounts the MCP servers' tools (connecting them first if initialization did not); the
-    /// optional servers that could not be reached are narrated, once.
+    /// Mounts the MCP servers' tools (connected at initialization; connected here only for a
+    /// render that comes before it, which none does today), narrating the unreachable optional
+    /// ones if that is still to do.
     async fn mount_mcp(&mut self, rendered: &mut Rendered) -> Result<(), Failure> {
         self.connect_mcp(rendered).await?;
-        {
-            let unavailable = std::mem::take(&mut self.mcp_unavailable);
-            if !unavailable.is_empty() {
-                let mut attributes = std::collections::BTreeMap::new();
-                attributes.insert("resource".to_owned(), "mcp".to_owned());
-                let signal = self.record(RecordBody::Signal {
-                    message_id: new_id("msg"),
-                    signal_type: "resources".to_owned(),
-                    body: crate::mcp::unavailable_body(&unavailable),
-                    attributes,
-                    tag_name: None,
-                });
-                if self.repairing {
-                    // An interrupted batch waits for its repair (this render re-runs it): a
-                    // signal folded before the repair would close its calls as interrupted and
-                    // forget their children and recorded steps. It goes right after.
-                    self.deferred.push(signal);
-                } else {
-                    self.commit(vec![signal], false).await?;
-                }
-            }
-        }
+        self.narrate_unreachable_mcp().await?;
         let tools = self.mcp.iter().flatten().flat_map(|session| session.tools.iter());
         for tool in tools {
             if rendered.tools.iter().any(|own| own.name() == tool.name()) {
@@ -1494,6 +1476,32 @@ impl Response<'_> {
             rendered.tools.push(tool.clone());
         }
         Ok(())
+    }
+
+    /// Narrates the optional MCP servers that could not be reached (once): a `resources`
+    /// signal. While a render re-runs an interrupted tool batch, the signal waits for the
+    /// repair: folded before it, it would close the batch's calls as interrupted and forget
+    /// their children and recorded steps.
+    async fn narrate_unreachable_mcp(&mut self) -> Result<(), Failure> {
+        let unavailable = std::mem::take(&mut self.mcp_unavailable);
+        if unavailable.is_empty() {
+            return Ok(());
+        }
+        let mut attributes = std::collections::BTreeMap::new();
+        attributes.insert("resource".to_owned(), "mcp".to_owned());
+        let signal = self.record(RecordBody::Signal {
+            message_id: new_id("msg"),
+            signal_type: "resources".to_owned(),
+            body: crate::mcp::unavailable_body(&unavailable),
+            attributes,
+            tag_name: None,
+        });
+        if self.repairing {
+            self.deferred.push(signal);
+            Ok(())
+        } else {
+            self.commit(vec![signal], false).await
+        }
     }
 
     /// The sandbox's tools while a render attaches it (delegates share them).
@@ -1593,10 +1601,13 @@ impl Response<'_> {
         let submission_id = self.submission.id.clone();
         // Initialization (reference §3.7 step 2): the init render's MCP servers and sandbox,
         // before the input is stored or any callback runs, so one that cannot be had fails
-        // the submission with nothing done.
-        self.connect_mcp(&rendered).await?;
-        if let Some(declaration) = &rendered.sandbox {
-            self.create_sandbox(declaration).await?;
+        // the submission with nothing done. A resumed response whose answer is durable settles
+        // as it is (reference §3.9 step 2) and needs neither.
+        if !already_answered {
+            self.connect_mcp(&rendered).await?;
+            if let Some(declaration) = &rendered.sandbox {
+                self.create_sandbox(declaration).await?;
+            }
         }
 
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
@@ -1641,6 +1652,12 @@ impl Response<'_> {
         }
         // Recorded with the response's first step start, never again.
         self.first_step_metadata = (!opened).then(|| metadata.clone());
+        // The optional MCP servers that could not be reached are narrated before the start
+        // seam (reference §3.7 step 8), unless a tool batch awaits its repair (then right
+        // after it: see `narrate_unreachable_mcp`).
+        if self.conversation.open_calls().is_none() {
+            self.narrate_unreachable_mcp().await?;
+        }
         if seam_pending {
             self.start_seam(&rendered, delivery, &submission_id).await?;
         }
