@@ -1865,7 +1865,9 @@ async fn a_model_that_binds_thinking_to_its_prefix_is_asked_to_drop_mismatched_b
         ("claude-fable", ThinkingLevel::Medium, true),
         ("claude-fable-5", ThinkingLevel::High, false),
         ("claude-opus-4-7", ThinkingLevel::High, false),
-        ("claude-fable-5-1", ThinkingLevel::Off, false),
+        // Fable always thinks: `Off` asks for the least, bound like any other level.
+        ("claude-fable-5-1", ThinkingLevel::Off, true),
+        ("claude-opus-4-7", ThinkingLevel::Off, false),
     ];
     for (at, (model, level, binds)) in cases.into_iter().enumerate() {
         server.push(FixtureReply::anthropic_text("ok"));

@@ -22,6 +22,8 @@
 //! - `max_output_tokens` → `max_tokens` (required by the API: 8192 when unset, 4096 for
 //!   Claude 3 before 3.5, whose output cap it is);
 //! - `thinking_level` (`off` sends nothing), by the model's id:
+//!   - Claude 5 and later (and a Claude id without a version) always think: `off` is sent as
+//!     the least, `low`, below;
 //!   - Claude 4.6 and later (and a Claude id without a version) → `thinking: {"type":
 //!     "adaptive", "display": "summarized"}` (Opus 4.7 and later would otherwise omit the
 //!     reasoning; Fable 5.1 and later also get `"block_binding": {"prefix_mismatch_behavior":
@@ -447,19 +449,21 @@ fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'s
     let level = request.thinking_level;
     let max = request.max_output_tokens;
     match thinking_mode(&request.model) {
-        ThinkingMode::Adaptive => match adaptive_effort(level) {
-            Some(effort) => (
-                max.unwrap_or(ADAPTIVE_MAX_TOKENS),
-                Some(Thinking::Adaptive {
-                    display: "summarized",
-                    block_binding: binds_thinking(&request.model).then_some(BlockBinding {
-                        prefix_mismatch_behavior: "drop_block",
+        ThinkingMode::Adaptive => {
+            match adaptive_effort(level).or_else(|| always_thinks(&request.model).then_some("low")) {
+                Some(effort) => (
+                    max.unwrap_or(ADAPTIVE_MAX_TOKENS),
+                    Some(Thinking::Adaptive {
+                        display: "summarized",
+                        block_binding: binds_thinking(&request.model).then_some(BlockBinding {
+                            prefix_mismatch_behavior: "drop_block",
+                        }),
                     }),
-                }),
-                Some(effort),
-            ),
-            None => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
-        },
+                    Some(effort),
+                ),
+                None => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
+            }
+        }
         ThinkingMode::Unsupported(cap) => (max.unwrap_or(DEFAULT_MAX_TOKENS.min(cap)), None, None),
         ThinkingMode::Budget(cap) => {
             let budget = thinking_budget(level).filter(|_| may_think(&request.messages));
@@ -480,6 +484,19 @@ fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'s
                 .map(|budget_tokens| Thinking::Enabled { budget_tokens });
             (max_tokens, thinking, None)
         }
+    }
+}
+
+/// Whether `model` thinks whatever the request says: Claude 5 and later (and a Claude id
+/// without a version, a newer model's) think adaptively when the request has no `thinking`,
+/// and Fable refuses `{"type": "disabled"}`. Their `Off` asks for the least thinking (`low`
+/// effort), so their thinking blocks are kept and sent back in a tool loop, which the API
+/// requires of a model that thought.
+fn always_thinks(model: &str) -> bool {
+    match claude_version(model) {
+        Some(Some((major, _))) => major >= 5,
+        Some(None) => true,
+        None => false,
     }
 }
 
@@ -1529,6 +1546,20 @@ mod tests {
                 "text Later text."
             ]
         );
+    }
+
+    /// Claude 5 and later think whatever the request says (Fable refuses `disabled`): `Off`
+    /// asks for the least, so the steps' thinking goes back in a tool loop as it must.
+    #[test]
+    fn a_model_that_always_thinks_is_asked_for_the_least_thinking_when_it_is_off() {
+        let provider = AnthropicProvider::anthropic();
+        for model in ["claude-fable-5", "claude-opus-5-5", "claude-fable"] {
+            let mut call = request(tool_loop(""), ThinkingLevel::Off, None);
+            call.model = model.into();
+            let body = provider.body(&call);
+            assert_eq!(body["thinking"]["type"], "adaptive", "{model}");
+            assert_eq!(body["output_config"], json!({"effort": "low"}), "{model}");
+        }
     }
 
     #[test]
