@@ -29,7 +29,8 @@
 //!     reasoning; Fable 5.1 and later also get `"block_binding": {"prefix_mismatch_behavior":
 //!     "drop_block"}` with its `anthropic-beta` header, see `binds_thinking`) with
 //!     `output_config: {"effort"}`: minimal and low → `low`, medium →
-//!     `medium`, high and xhigh → `high`, max → `max`; `max_tokens` is 32,000 when unset, as
+//!     `medium`, high → `high`, xhigh → `xhigh` (4.7 and later; `high` before), max → `max`;
+//!     `max_tokens` is 32,000 when unset, as
 //!     thinking spends from it. Claude Opus 4.7 and later refuse a budget;
 //!   - Claude 3.7 to 4.5, and models that are not Claude → `thinking: {"type": "enabled",
 //!     "budget_tokens"}` with budgets minimal 1024, low 2048, medium 8192, high 16384, xhigh
@@ -450,7 +451,7 @@ fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'s
     let max = request.max_output_tokens;
     match thinking_mode(&request.model) {
         ThinkingMode::Adaptive => {
-            match adaptive_effort(level).or_else(|| always_thinks(&request.model).then_some("low")) {
+            match adaptive_effort(level, &request.model).or_else(|| always_thinks(&request.model).then_some("low")) {
                 Some(effort) => (
                     max.unwrap_or(ADAPTIVE_MAX_TOKENS),
                     Some(Thinking::Adaptive {
@@ -500,13 +501,18 @@ fn always_thinks(model: &str) -> bool {
     }
 }
 
-/// The adaptive `effort` of a thinking level (`None` for `Off`).
-fn adaptive_effort(level: ThinkingLevel) -> Option<&'static str> {
+/// The adaptive `effort` of a thinking level on `model` (`None` for `Off`): `xhigh` where the
+/// model has it (Claude 4.7 and later, and a Claude id without a version), else `high`.
+fn adaptive_effort(level: ThinkingLevel, model: &str) -> Option<&'static str> {
     match level {
         ThinkingLevel::Off => None,
         ThinkingLevel::Minimal | ThinkingLevel::Low => Some("low"),
         ThinkingLevel::Medium => Some("medium"),
-        ThinkingLevel::High | ThinkingLevel::Xhigh => Some("high"),
+        ThinkingLevel::High => Some("high"),
+        ThinkingLevel::Xhigh => Some(match claude_version(model) {
+            Some(Some(version)) if version < (4, 7) => "high",
+            _ => "xhigh",
+        }),
         ThinkingLevel::Max => Some("max"),
     }
 }
@@ -1569,7 +1575,7 @@ mod tests {
         for (level, effort) in [
             (ThinkingLevel::Minimal, "low"),
             (ThinkingLevel::Medium, "medium"),
-            (ThinkingLevel::Xhigh, "high"),
+            (ThinkingLevel::Xhigh, "xhigh"),
             (ThinkingLevel::Max, "max"),
         ] {
             let mut call = request(looping.clone(), level, None);
@@ -1583,6 +1589,10 @@ mod tests {
             assert_eq!(body["output_config"], json!({"effort": effort}), "{level:?}");
             assert_eq!(body["max_tokens"], ADAPTIVE_MAX_TOKENS);
         }
+        // Claude 4.6 predates `xhigh`.
+        let mut older = request(looping.clone(), ThinkingLevel::Xhigh, None);
+        older.model = "claude-sonnet-4-6".into();
+        assert_eq!(provider.body(&older)["output_config"], json!({"effort": "high"}));
         let mut off = request(looping, ThinkingLevel::Off, Some(1000));
         off.model = "claude-opus-4-7".into();
         let body = provider.body(&off);
