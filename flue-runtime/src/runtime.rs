@@ -837,10 +837,12 @@ impl RuntimeInner {
                 waiting.retain(|sender| !sender.is_closed());
                 waiting.push(sender);
             }
+            // Another instance's submission is not this one's to read: as if there were none.
             let row = self
                 .store
                 .submission(submission_id)
                 .await?
+                .filter(|row| row.key == *key)
                 .ok_or_else(|| RuntimeError::InvalidRequest(format!("no submission \"{submission_id}\"")))?;
             if let Some(outcome) = row.outcome {
                 self.waiters
@@ -1386,7 +1388,9 @@ impl AgentHandle {
         Ok(receipt)
     }
 
-    /// Waits for the submission to settle and returns its reply.
+    /// Waits for the submission to settle and returns its reply. An id this instance never
+    /// admitted (another instance's included) is [`RuntimeError::InvalidRequest`]; an
+    /// instance never contacted is [`RuntimeError::InstanceNotFound`].
     pub async fn read(&self, submission_id: &str) -> Result<AgentReply, RuntimeError> {
         // An id admission refuses names no instance (nor could every store look it up).
         if check_instance_id(&self.key.id).is_err() || self.runtime.store.instance(&self.key).await?.is_none() {

@@ -3573,3 +3573,23 @@ async fn turn_one_renders_afresh_and_sees_what_the_start_seam_wrote() {
         Some("Phase: started.")
     );
 }
+
+/// A handle reads its own instance's submissions: another instance's id (or one never
+/// admitted) is refused, not answered with an empty reply.
+#[tokio::test]
+async fn a_handle_cannot_read_another_instances_submission() {
+    let model = ScriptedModel::new([ScriptedReply::text("mine"), ScriptedReply::text("theirs")]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let mine = runtime.init(&calculator, "mine");
+    let theirs = runtime.init(&calculator, "theirs");
+    let reply = mine.send("hi").await.unwrap();
+    theirs.send("hi").await.unwrap();
+    assert_eq!(mine.read(&reply.submission_id).await.unwrap().text, "mine");
+    for id in [reply.submission_id.as_str(), "sub_never"] {
+        let error = theirs.read(id).await.unwrap_err();
+        assert!(
+            matches!(&error, RuntimeError::InvalidRequest(message) if message.contains("no submission")),
+            "{error}"
+        );
+    }
+}
