@@ -6,7 +6,10 @@
 //! cargo run --example sandbox -- ./work  # or in a directory of yours
 //! ```
 //!
-//! Paths are sandbox paths: `/` is the directory, and nothing outside it can be reached.
+//! Paths are sandbox paths: `/` is the directory, and the file tools reach nothing outside it.
+//! `bash` runs its command as this process's user, in that directory but not confined to it
+//! (see `flue_runtime::sandbox::local`): give a model a local sandbox only where it may run
+//! what you could.
 //! Offline, the scripted model writes a file, runs a command and reads the result.
 
 mod common;

@@ -237,8 +237,10 @@ impl RuntimeBuilder {
 
     /// Builds the runtime. Fails when an agent's definition breaks a rule `#[agent]` checks
     /// at compile time ([`flue_core::agent::AgentDefinition::check`]), when a hook id is not
-    /// snake_case, when two agents share a name, or when two different lifecycle hooks share
-    /// an id (naming both).
+    /// snake_case, when two agents share a name, when two different lifecycle hooks share an
+    /// id (naming both), or, without [`store`](Self::store), when the default SQLite store
+    /// cannot be opened (another process holds `.flue/flue.db`, or its format is another
+    /// build's).
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let store = match self.store {
             Some(store) => store,

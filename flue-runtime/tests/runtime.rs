@@ -3561,7 +3561,7 @@ fn phased() -> String {
     format!("Phase: {phase}.")
 }
 
-/// Every model call renders afresh, turn 1 included (DESIGN §4): a start callback's state
+/// Every model call renders afresh, turn 1 included: a start callback's state
 /// write already shapes turn 1's instruction. (The reference's turn 1 uses the init render.)
 #[tokio::test]
 async fn turn_one_renders_afresh_and_sees_what_the_start_seam_wrote() {

@@ -1721,7 +1721,7 @@ impl Response<'_> {
             if !self.can_step(steps, max_steps) {
                 break;
             }
-            // Every model call renders afresh (DESIGN §4), turn 1 included: what the start seam
+            // Every model call renders afresh, turn 1 included: what the start seam
             // wrote already shapes turn 1's instruction and tools. (The reference's turn 1 uses
             // the init render, and the start seam's writes show from turn 2.)
             let mut rendered = self.render()?;

@@ -58,8 +58,8 @@ impl ScriptedReply {
 /// scripted reply and records every request it received.
 ///
 /// When the script runs out it answers with a provider error naming the problem, so a test
-/// that makes more calls than it scripted fails loudly. Without a script it echoes: it
-/// answers `You said: <last user message>`, which is what the examples use offline.
+/// that makes more calls than it scripted fails loudly. [`ScriptedModel::echo`] answers
+/// `You said: <last user message>` once its script is spent instead.
 #[derive(Clone)]
 pub struct ScriptedModel {
     id: String,
