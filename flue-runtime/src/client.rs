@@ -36,7 +36,7 @@ use crate::provider::sse::SseParser;
 #[non_exhaustive]
 pub enum ClientError {
     /// The server answered with the error envelope.
-    #[error("{status} {error_type}: {message} {details}")]
+    #[error("{status} {error_type}: {message} {details}{}", reference_note(.reference.as_deref()))]
     Api {
         /// HTTP status.
         status: u16,
@@ -48,6 +48,21 @@ pub enum ClientError {
         details: String,
         /// Its structured meta, when it has one.
         meta: Option<Value>,
+        /// The reference the server logged the error's cause under (the envelope's `ref`, or
+        /// its `flue-error-ref` header), to quote when reporting it.
+        reference: Option<String>,
+    },
+    /// The instance's stream was replaced while it was followed (its incarnation changed: the
+    /// instance was deleted and made again, or the server's store is another): what was read
+    /// of the old stream does not continue into the new one. Follow it again from the start.
+    #[error(
+        "the instance's stream was replaced (incarnation {previous}, now {current}): follow it again from the start"
+    )]
+    StreamReplaced {
+        /// The incarnation followed until then.
+        previous: String,
+        /// The stream's incarnation now.
+        current: String,
     },
     /// The submission failed or was aborted.
     #[error("submission {submission_id} {outcome}: {}", .error.message)]
@@ -77,6 +92,13 @@ pub enum ClientError {
     Protocol(String),
 }
 
+/// How an [`ClientError::Api`] error names its reference, if it has one.
+fn reference_note(reference: Option<&str>) -> String {
+    reference
+        .map(|reference| format!(" (ref {reference})"))
+        .unwrap_or_default()
+}
+
 impl From<reqwest::Error> for ClientError {
     fn from(error: reqwest::Error) -> Self {
         Self::Transport(transport_text(error))
@@ -89,9 +111,12 @@ impl From<reqwest::Error> for ClientError {
 fn transport_text(error: reqwest::Error) -> String {
     let url = error.url().map(|url| url_without_secrets(url.as_str()));
     let error = error.without_url();
+    // With its causes: reqwest's own text names only the kind of failure ("error sending
+    // request"), not why (refused, a name that does not resolve, a certificate, a timeout).
+    let text = flue_core::url::without_url_secrets(&crate::error_chain(&error));
     match url {
-        Some(url) => format!("{error} for url ({url})"),
-        None => error.to_string(),
+        Some(url) => format!("{text} for url ({url})"),
+        None => text,
     }
 }
 
@@ -115,6 +140,10 @@ const DEFAULT_MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
 /// Connections a followed stream may fail in a row before it ends (see
 /// [`Client::with_reconnect_limit`]).
 const DEFAULT_RECONNECT_LIMIT: u32 = 10;
+
+/// How long a connection must stay up to count as made, whatever it brought: two of the
+/// server's heartbeat intervals.
+const STABLE_CONNECTION: Duration = Duration::from_secs(30);
 
 /// A connection to a server of the protocol.
 #[derive(Clone)]
@@ -165,8 +194,12 @@ impl Client {
             return Err(invalid(&"is not an http or https URL"));
         }
         base.set_fragment(None);
+        // Redirects are not followed: a POST redirected becomes a GET without its body (so a
+        // message would be lost while the answer looked fine), and a server of the protocol
+        // answers where it is asked. A redirect is an error naming where it points.
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
+            .redirect(reqwest::redirect::Policy::none())
             .build()?;
         Ok(Self {
             http,
@@ -183,8 +216,9 @@ impl Client {
     /// Ends a followed stream (and so [`Instance::reply`] and [`Instance::prompt`]) with the
     /// last connection's error once `attempts` connections in a row failed (default: 10,
     /// about 20 s of growing pauses while the server is unreachable, more when each attempt
-    /// waits for a connection timeout). A connection that delivers anything starts the count
-    /// again.
+    /// waits for a connection timeout). A connection that brings something new (a chunk, a
+    /// later offset), or stays up for 30 s, starts the count again; one that is accepted and
+    /// dropped at once counts as failed.
     pub fn with_reconnect_limit(mut self, attempts: u32) -> Self {
         self.reconnect_limit = attempts;
         self
@@ -214,8 +248,9 @@ impl Client {
     /// Refuses an event of a followed stream larger than `bytes` (its SSE lines, line ends
     /// included; default: 64 MiB, which holds any message the server admits). The server
     /// splits catch-up batches at about 1 MiB, but one chunk (a message, a tool result, a big
-    /// data part) is sent whole in one event, however large: raise the bound when tools or
-    /// models of the followed conversations produce more. An event
+    /// data part, and a `conversation-reset` after a compaction or an edit, which carries the
+    /// whole transcript) is sent whole in one event, however large: raise the bound when
+    /// the followed conversations produce more. An event
     /// past the bound ends the stream with [`ClientError::Protocol`], after the chunks
     /// before it; the client stops buffering it as soon as it passes the bound.
     pub fn with_max_event_bytes(mut self, bytes: usize) -> Self {
@@ -289,21 +324,60 @@ impl Client {
 /// The body of a success, or the error of the envelope.
 async fn json_of(response: reqwest::Response, limit: usize) -> Result<Value, ClientError> {
     let status = response.status().as_u16();
+    if response.status().is_redirection() {
+        return Err(redirected(&response));
+    }
+    let header_reference = response
+        .headers()
+        .get("flue-error-ref")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
     let bytes = body_within(response, limit).await?;
     let body: Value = serde_json::from_slice(&bytes)
         .map_err(|error| ClientError::Transport(format!("the server answered {status} with no JSON: {error}")))?;
     if status >= 400 {
         let error = &body["error"];
+        let Some(error_type) = error["type"].as_str().filter(|error_type| !error_type.is_empty()) else {
+            // A gateway's 5xx may pass (a reader asks again); a refusal below 500 from
+            // something that is not a flue server stays one.
+            if status >= 500 {
+                return Err(ClientError::Api {
+                    status,
+                    error_type: String::new(),
+                    message: format!("the server answered {status}"),
+                    details: String::new(),
+                    meta: None,
+                    reference: header_reference,
+                });
+            }
+            return Err(ClientError::Protocol(format!(
+                "the server answered {status} without the protocol's error envelope: is the client's base URL a flue server's?"
+            )));
+        };
         let text = |field: &str| error[field].as_str().unwrap_or_default().to_owned();
         return Err(ClientError::Api {
             status,
-            error_type: text("type"),
+            error_type: error_type.to_owned(),
             message: text("message"),
             details: text("details"),
             meta: error.get("meta").cloned(),
+            reference: error["ref"].as_str().map(str::to_owned).or(header_reference),
         });
     }
     Ok(body)
+}
+
+/// The error of a redirect, which the client does not follow (see [`Client::new`]).
+fn redirected(response: &reqwest::Response) -> ClientError {
+    let location = response
+        .headers()
+        .get(reqwest::header::LOCATION)
+        .and_then(|value| value.to_str().ok())
+        .map_or_else(|| "nowhere".to_owned(), url_without_secrets);
+    ClientError::Protocol(format!(
+        "the server answered {} redirecting to {location}: give the client the base URL the server answers at",
+        response.status().as_u16()
+    ))
 }
 
 /// The whole body of `response`, refused once it passes `limit` bytes (declared or read).
@@ -409,8 +483,16 @@ impl Instance {
             .json(&body)
             .send()
             .await?;
+        let status = response.status().as_u16();
         let receipt = json_of(response, self.client.max_body_bytes).await?;
         let text = |field: &str| receipt[field].as_str().unwrap_or_default().to_owned();
+        // An admission answers 202 with the submission and its offset: anything else admitted
+        // nothing this client can follow.
+        if status != 202 || text("submissionId").is_empty() || text("offset").is_empty() {
+            return Err(ClientError::Protocol(format!(
+                "the server answered {status} without a receipt (submissionId and offset): the message may not have been admitted; is the client's base URL a flue server's?"
+            )));
+        }
         Ok(Receipt {
             submission_id: text("submissionId"),
             offset: text("offset"),
@@ -485,6 +567,8 @@ impl Instance {
     /// or a refusal without the error envelope) or an event the client cannot read (larger
     /// than [`Client::with_max_event_bytes`], not UTF-8, or not JSON): [`ClientError::Protocol`]
     /// comes once, after every chunk received before that event, as the stream's last item.
+    /// A stream the server replaced meanwhile (another incarnation of the instance) ends with
+    /// [`ClientError::StreamReplaced`].
     pub fn follow(&self, offset: &str) -> Chunks {
         let state = Follow {
             instance: self.clone(),
@@ -494,6 +578,8 @@ impl Instance {
             parser: SseParser::new(self.client.max_event_bytes),
             ready: VecDeque::new(),
             failures: 0,
+            connected_at: None,
+            incarnation: None,
             retry_after: None,
             ended: false,
             error: None,
@@ -517,8 +603,14 @@ struct Follow {
     body: Option<Body>,
     parser: SseParser,
     ready: VecDeque<Value>,
-    /// Consecutive failed connections (the backoff grows with them).
+    /// Consecutive failed connections (the backoff grows with them). A connection that
+    /// brings something new (a chunk, a later offset) or stays up for [`STABLE_CONNECTION`]
+    /// starts the count again; one that only says hello and drops does not.
     failures: u32,
+    /// When the current connection was made.
+    connected_at: Option<tokio::time::Instant>,
+    /// The stream's incarnation, from the first connection's checkpoint.
+    incarnation: Option<String>,
     /// The wait the last refusal asked for (`Retry-After`), when longer than the backoff.
     retry_after: Option<Duration>,
     /// The server refused the stream, or sent an event the client cannot read: the stream
@@ -549,7 +641,10 @@ impl Follow {
                     .await
                     .unwrap_or_else(|_| Err(ClientError::Transport("the server did not answer".into())));
                 match connected {
-                    Ok(body) => self.body = Some(body),
+                    Ok(body) => {
+                        self.body = Some(body);
+                        self.connected_at = Some(tokio::time::Instant::now());
+                    }
                     // A request timeout or a rate limit passes: asked again after the backoff.
                     Err(error @ ClientError::Api { status: 408 | 429, .. }) => self.failed(error),
                     // What the server refuses (404, 416, …) stays refused, and an answer that
@@ -575,11 +670,14 @@ impl Follow {
             };
             match next {
                 Some(Ok(bytes)) => {
-                    self.failures = 0;
                     self.parser.push(&bytes);
                     // The same offset would bring the same event again: end the stream
                     // rather than reconnect to it forever.
-                    if let Err(error) = self.take_events() {
+                    let taken = self.take_events();
+                    if matches!(taken, Ok(true)) {
+                        self.failures = 0;
+                    }
+                    if let Err(error) = taken {
                         self.body = None;
                         // Frees the event's buffer.
                         self.parser = SseParser::default();
@@ -596,6 +694,15 @@ impl Follow {
 
     fn reconnect(&mut self, error: ClientError) {
         self.body = None;
+        // A connection that stayed up a while was not a failure to connect: the count starts
+        // again (a proxy that cuts long connections now and then ends nothing).
+        if self
+            .connected_at
+            .take()
+            .is_some_and(|at| at.elapsed() >= STABLE_CONNECTION)
+        {
+            self.failures = 0;
+        }
         self.parser = SseParser::new(self.instance.client.max_event_bytes);
         self.failed(error);
     }
@@ -611,16 +718,18 @@ impl Follow {
     }
 
     /// Moves the complete events out of the parser: chunks not seen before into `ready`, the
-    /// confirmed offset from control frames. The error of an event that cannot be read; the
-    /// events before it are taken.
-    fn take_events(&mut self) -> Result<(), ClientError> {
+    /// confirmed offset from control frames. Returns whether anything new came (a chunk, a
+    /// later offset); the error of an event that cannot be read (the events before it are
+    /// taken), or of a checkpoint naming another incarnation than the stream's.
+    fn take_events(&mut self) -> Result<bool, ClientError> {
+        let mut progressed = false;
         let unreadable = |offset: &str, why: &dyn std::fmt::Display| {
             ClientError::Protocol(format!("cannot read the stream after offset {offset}: {why}"))
         };
         loop {
             let event = match self.parser.next_event() {
                 Ok(Some(event)) => event,
-                Ok(None) => return Ok(()),
+                Ok(None) => return Ok(progressed),
                 Err(error) => return Err(unreadable(&self.offset, &error)),
             };
             let payload: Value = match serde_json::from_str(event.data) {
@@ -633,6 +742,20 @@ impl Follow {
             match event.event {
                 "data" => {
                     for chunk in payload.as_array().into_iter().flatten() {
+                        if chunk["type"] == "stream-checkpoint"
+                            && let Some(current) = chunk["incarnation"].as_str()
+                        {
+                            match &self.incarnation {
+                                Some(previous) if previous != current => {
+                                    return Err(ClientError::StreamReplaced {
+                                        previous: previous.clone(),
+                                        current: current.to_owned(),
+                                    });
+                                }
+                                Some(_) => {}
+                                None => self.incarnation = Some(current.to_owned()),
+                            }
+                        }
                         let position = (chunk["position"]["batch"].as_u64(), chunk["position"]["index"].as_u64());
                         // The checkpoint has no position; the rest are delivered once.
                         let (Some(batch), Some(index)) = position else { continue };
@@ -641,11 +764,15 @@ impl Follow {
                         }
                         self.last = Some((batch, index));
                         self.ready.push_back(chunk.clone());
+                        progressed = true;
                     }
                 }
                 "control" => {
-                    if let Some(offset) = payload["streamNextOffset"].as_str() {
+                    if let Some(offset) = payload["streamNextOffset"].as_str()
+                        && offset != self.offset
+                    {
                         offset.clone_into(&mut self.offset);
+                        progressed = true;
                     }
                 }
                 _ => {}
@@ -709,7 +836,9 @@ async fn connected(response: reqwest::Response, status: u16, limit: usize) -> Re
             message: format!("the server answered {status}"),
             details: String::new(),
             meta: None,
+            reference: None,
         }),
+        Err(error @ ClientError::Protocol(_)) => Err(error),
         Err(_) if status < 500 => Err(ClientError::Protocol(format!(
             "the server answered {status} without the protocol's error envelope: is the client's base URL a flue server's?"
         ))),
@@ -903,6 +1032,147 @@ mod tests {
             }
         });
         base
+    }
+
+    /// A loopback server answering its connections with `responses` in turn (the last one
+    /// from then on); its base URL.
+    async fn answering_in_turn(responses: Vec<&'static str>) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut turn = 0;
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut request = [0u8; 4096];
+                let _ = socket.read(&mut request).await;
+                let response = responses[turn.min(responses.len() - 1)];
+                turn += 1;
+                let _ = socket.write_all(response.as_bytes()).await;
+            }
+        });
+        base
+    }
+
+    /// An admission the client did not see admitted is an error, never a receipt: a POST a
+    /// proxy redirects (which a client following it would resend as a GET, without its
+    /// body), and a success that is not a receipt (a base URL of another JSON API).
+    #[tokio::test]
+    async fn an_admission_answered_without_a_receipt_is_an_error() {
+        let redirected = answering(
+            "HTTP/1.1 301 Moved Permanently\r\nlocation: https://agents.example.com/elsewhere?key=hunter2\r\n\
+             content-length: 0\r\nconnection: close\r\n\r\n",
+        )
+        .await;
+        let error = Client::new(redirected)
+            .unwrap()
+            .instance("assistant", "i")
+            .send("hi")
+            .await
+            .unwrap_err();
+        let text = error.to_string();
+        assert!(matches!(error, ClientError::Protocol(_)), "{error:?}");
+        assert!(
+            text.contains("redirecting to https://agents.example.com/elsewhere"),
+            "{text}"
+        );
+        assert!(!text.contains("hunter2"), "{text}");
+        let other_api = answering(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 8\r\n\
+             connection: close\r\n\r\n{\"v\": 1}",
+        )
+        .await;
+        let error = Client::new(other_api)
+            .unwrap()
+            .instance("assistant", "i")
+            .send("hi")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&error, ClientError::Protocol(text) if text.contains("without a receipt")),
+            "{error:?}"
+        );
+    }
+
+    /// A server that accepts the stream and drops it at once brings nothing new: the
+    /// connections count as failed, and the stream ends at its limit instead of reconnecting
+    /// five times a second forever.
+    #[tokio::test]
+    async fn a_stream_accepted_and_dropped_at_once_ends_after_its_reconnect_limit() {
+        let base = answering(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"a\"}]\n\n",
+        )
+        .await;
+        let client = Client::new(base).unwrap().with_reconnect_limit(3);
+        let items = tokio::time::timeout(
+            Duration::from_secs(20),
+            client.instance("assistant", "i").follow("-1").collect::<Vec<_>>(),
+        )
+        .await
+        .expect("the stream ends");
+        assert!(
+            matches!(items.as_slice(), [Err(ClientError::Transport(_))]),
+            "{items:?}"
+        );
+    }
+
+    /// A stream replaced while it was followed (another incarnation) does not go on as if it
+    /// were the same: what was read of the old one does not continue into the new one.
+    #[tokio::test]
+    async fn a_stream_replaced_while_followed_ends_with_its_new_incarnation() {
+        let base = answering_in_turn(vec![
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"position\":{\"batch\":0,\"index\":0}}]\n\n\
+             event: control\ndata:{\"streamNextOffset\":\"0000000000000000_0000000000000001\"}\n\n",
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_b\"}]\n\n",
+        ])
+        .await;
+        let client = Client::new(base).unwrap();
+        let items = tokio::time::timeout(
+            Duration::from_secs(10),
+            client.instance("assistant", "i").follow("-1").collect::<Vec<_>>(),
+        )
+        .await
+        .expect("the stream ends");
+        assert_eq!(items.len(), 2, "{items:?}");
+        assert!(items[0].is_ok());
+        assert!(
+            matches!(&items[1], Err(ClientError::StreamReplaced { previous, current }) if previous == "inst_a" && current == "inst_b"),
+            "{items:?}"
+        );
+    }
+
+    /// The error envelope reaches the caller whole, with the reference the server logged the
+    /// cause under; a refusal that is not the envelope is not taken for one.
+    #[tokio::test]
+    async fn an_error_envelope_keeps_its_reference_and_a_foreign_refusal_is_a_protocol_error() {
+        let failing = answering(
+            "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n\
+             flue-error-ref: err_01\r\ncontent-length: 94\r\nconnection: close\r\n\r\n\
+             {\"error\":{\"type\":\"internal_error\",\"message\":\"An internal error.\",\"details\":\"\",\"ref\":\"err_01\"}}",
+        )
+        .await;
+        let error = Client::new(failing).unwrap().catalog().await.unwrap_err();
+        assert!(
+            matches!(&error, ClientError::Api { status: 500, reference: Some(reference), .. } if reference == "err_01"),
+            "{error:?}"
+        );
+        assert!(error.to_string().ends_with("(ref err_01)"), "{error}");
+        let gateway = answering(
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\
+             connection: close\r\n\r\n{}",
+        )
+        .await;
+        let error = Client::new(gateway).unwrap().catalog().await.unwrap_err();
+        assert!(matches!(error, ClientError::Protocol(_)), "{error:?}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_says_why() {
+        let error = Client::new("http://127.0.0.1:1").unwrap().catalog().await.unwrap_err();
+        assert!(error.to_string().to_lowercase().contains("refused"), "{error}");
     }
 
     #[tokio::test]

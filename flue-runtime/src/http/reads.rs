@@ -366,6 +366,16 @@ struct SseStream {
 }
 
 impl SseStream {
+    /// `result`'s value, or `None` (which ends the response) with its error logged: the
+    /// client reconnects from its last offset, and the server's log says why it had to.
+    fn logged<T, E: std::fmt::Display>(&self, result: Result<T, E>) -> Option<T> {
+        result
+            .inspect_err(|error| {
+                tracing::warn!(instance = %self.key, %error, "an SSE stream ended: reading the store failed");
+            })
+            .ok()
+    }
+
     /// The next frames to send; `None` ends the response (the store failed: the client
     /// reconnects from its last offset).
     async fn next(&mut self) -> Option<String> {
@@ -389,7 +399,7 @@ impl SseStream {
             appended.as_mut().enable();
             let appends = self.slot.appends();
             let poll = self.options.shared_store_poll;
-            match self.feed.after(&self.runtime, self.offset, appends, poll).await.ok()? {
+            match self.logged(self.feed.after(&self.runtime, self.offset, appends, poll).await)? {
                 Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
                     self.own = None;
                     self.offset = offset;
@@ -429,16 +439,16 @@ impl SseStream {
                     // The cache's window first: a reader a few batches behind reads them
                     // without folding the stream.
                     if self.own.is_none()
-                        && let Some(Lookup::Page(page)) = self
-                            .updates
-                            .cached(
-                                self.runtime.store.as_ref(),
-                                &self.key,
-                                Some(&self.incarnation),
-                                self.offset,
-                            )
-                            .await
-                            .ok()?
+                        && let Some(Lookup::Page(page)) = self.logged(
+                            self.updates
+                                .cached(
+                                    self.runtime.store.as_ref(),
+                                    &self.key,
+                                    Some(&self.incarnation),
+                                    self.offset,
+                                )
+                                .await,
+                        )?
                     {
                         self.page = Some(page);
                         continue;
@@ -446,14 +456,14 @@ impl SseStream {
                     if self.own.is_none() {
                         // Far behind the feed: fold the stream up to this reader's offset again.
                         let mut own = Projection::new(&self.key.stream_path());
-                        for batch in self.runtime.store.read(&self.key, None).await.ok()? {
+                        for batch in self.logged(self.runtime.store.read(&self.key, None).await)? {
                             if self.offset.is_some_and(|offset| batch.offset <= offset) {
                                 own.apply(&batch, None);
                             }
                         }
                         self.own = Some(own);
                     }
-                    self.pending = self.runtime.store.read(&self.key, self.offset).await.ok()?;
+                    self.pending = self.logged(self.runtime.store.read(&self.key, self.offset).await)?;
                 }
             }
         }
