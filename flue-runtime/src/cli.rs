@@ -45,7 +45,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use serde_json::json;
 
 use crate::Runtime;
@@ -63,7 +63,7 @@ pub struct Cli {
 impl Cli {
     /// Parses the process's arguments (printing help or an error and exiting on bad ones).
     pub fn from_env() -> Self {
-        Self::parse()
+        Self::try_from_args(std::env::args_os()).unwrap_or_else(|error| error.exit())
     }
 
     /// Parses `args` (the first is the program name).
@@ -72,8 +72,56 @@ impl Cli {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        Self::try_parse_from(args)
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+        let cli = Self::try_parse_from(&args)?;
+        // `run`'s message may start with `-` ("-5 is negative?"), so clap takes an unknown
+        // option in its place for the message: `run assistant --verbose` would send
+        // "--verbose" to the model. A message that is one option-like word is refused unless
+        // it comes after `--`.
+        if let Some(Command::Run { message, .. }) = &cli.command
+            && looks_like_an_option(message)
+            && !args.iter().any(|arg| arg == "--")
+        {
+            return Err(Self::command().error(
+                clap::error::ErrorKind::UnknownArgument,
+                format!("unexpected option '{message}' (a message that is one word starting with '-' goes after '--': run AGENT -- {message})"),
+            ));
+        }
+        Ok(cli)
     }
+}
+
+/// An `--allow-host` value: a host name as a request's `Host` names it, without its port
+/// (any port is allowed). A port, a list or a wildcard would match no request, so that every
+/// request by that name would be refused without a word: they are refused here instead.
+fn host_name(value: &str) -> Result<String, String> {
+    let name = value.strip_suffix('.').unwrap_or(value);
+    if name.is_empty() {
+        return Err("give a host name".into());
+    }
+    if let Some(bad) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_')))
+    {
+        let hint = match bad {
+            ':' => " (give the name without a port: every port is allowed)",
+            ',' => " (repeat --allow-host for several names)",
+            '*' => " (wildcards are not supported: give each name)",
+            _ => "",
+        };
+        return Err(format!("'{value}' is not a host name: '{bad}'{hint}"));
+    }
+    Ok(value.to_owned())
+}
+
+/// Whether `message` reads as a command-line option (`-v`, `--verbose`, `--id=x`) rather
+/// than text.
+fn looks_like_an_option(message: &str) -> bool {
+    let name = message.strip_prefix("--").or_else(|| message.strip_prefix('-'));
+    name.and_then(|name| name.split('=').next()).is_some_and(|name| {
+        name.starts_with(|c: char| c.is_ascii_alphabetic())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    })
 }
 
 /// A command.
@@ -87,7 +135,7 @@ pub enum Command {
         /// A host name clients reach the server by, besides IP addresses and `localhost`
         /// (repeat it for several): without an authorization policy, requests naming any
         /// other host are refused.
-        #[arg(long = "allow-host", value_name = "NAME")]
+        #[arg(long = "allow-host", value_name = "NAME", value_parser = host_name)]
         allow_hosts: Vec<String>,
     },
     /// Send one message to an agent instance and print its reply.
@@ -97,7 +145,8 @@ pub enum Command {
         /// The instance id.
         #[arg(long, default_value = "cli")]
         id: String,
-        /// The message (it may start with `-`).
+        /// The message (it may start with `-`; one word that reads as an option goes after
+        /// `--`).
         #[arg(allow_hyphen_values = true)]
         message: String,
         /// Print the whole reply (text, data, metadata, submission id) as JSON.
@@ -235,6 +284,9 @@ pub async fn execute_with(
                      requests that name it by an IP address, `localhost` or a name given with `--allow-host`"
                 );
             }
+            // Listening for the stop signals from here, before any work resumes: a SIGTERM sent
+            // once the server says it serves (or while it starts) stops it gracefully.
+            let stop = StopSignals::install();
             // Work a previous process left unfinished resumes now.
             runtime.start().await;
             writeln!(
@@ -244,8 +296,8 @@ pub async fn execute_with(
                 runtime.agent_names().join(", ")
             )?;
             out.flush()?;
-            let interrupted = async {
-                stop_requested().await;
+            let interrupted = async move {
+                stop.requested().await;
                 // A second Ctrl-C stops waiting for open responses.
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
@@ -273,8 +325,9 @@ pub async fn execute_with(
                     known: names.join(", "),
                 });
             }
+            let stop = StopSignals::install();
             runtime.start().await;
-            let reply = runtime.handle(&agent, id)?.send(message).await?;
+            let reply = send_until(runtime, &agent, id, message, stop.requested()).await?;
             if json {
                 let reply = json!({
                     "text": reply.text,
@@ -295,28 +348,75 @@ pub async fn execute_with(
     }
 }
 
-/// Ctrl-C, or (on Unix) SIGTERM, which `docker stop`, systemd and Kubernetes send to stop a
-/// server: either shuts it down gracefully.
-async fn stop_requested() {
-    #[cfg(unix)]
-    {
-        let terminate = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut terminate) => {
-                    terminate.recv().await;
-                }
-                // No handler could be installed: only Ctrl-C stops the server.
-                Err(_) => std::future::pending::<()>().await,
+/// Sends `message` to `agent`'s instance `id` and waits for its reply, unless `stop` comes
+/// first: then the instance's unsettled work is aborted (what the user meant by stopping: a
+/// later process would otherwise finish it, spending model and tool calls) and the command
+/// ends as [`CliError::Interrupted`].
+async fn send_until(
+    runtime: &Runtime,
+    agent: &str,
+    id: String,
+    message: String,
+    stop: impl Future<Output = ()>,
+) -> Result<crate::AgentReply, CliError> {
+    let handle = runtime.handle(agent, id)?;
+    tokio::select! {
+        reply = handle.send(message) => Ok(reply?),
+        () = stop => {
+            if let Err(error) = handle.abort().await {
+                tracing::warn!(%error, "aborting the interrupted message failed");
             }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            () = terminate => {}
+            Err(CliError::Interrupted)
         }
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Ctrl-C, or (on Unix) SIGTERM, which `docker stop`, systemd and Kubernetes send to stop a
+/// server. The handlers are installed when made, so a signal that comes before anyone waits
+/// is not missed (nor kills the process).
+struct StopSignals {
+    #[cfg(unix)]
+    interrupt: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+impl StopSignals {
+    fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Self {
+                interrupt: signal(SignalKind::interrupt()).ok(),
+                terminate: signal(SignalKind::terminate()).ok(),
+            }
+        }
+        #[cfg(not(unix))]
+        Self {}
+    }
+
+    /// Completes at the first stop signal.
+    async fn requested(self) {
+        #[cfg(unix)]
+        {
+            let wait = |signal: Option<tokio::signal::unix::Signal>| async move {
+                match signal {
+                    Some(mut signal) => {
+                        signal.recv().await;
+                    }
+                    // No handler could be installed: the other signal stops it.
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                () = wait(self.interrupt) => {}
+                () = wait(self.terminate) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -345,6 +445,9 @@ pub enum CliError {
     /// Listening or writing failed.
     #[error("{0}")]
     Io(String),
+    /// `run` was interrupted (Ctrl-C, SIGTERM) before the reply came: the message was aborted.
+    #[error("interrupted: the message was aborted")]
+    Interrupted,
 }
 
 impl CliError {
@@ -357,6 +460,8 @@ impl CliError {
         match self {
             Self::UnknownAgent { .. }
             | Self::Runtime(R::UnknownAgent(_) | R::InvalidRequest(_) | R::InvalidMessage(_)) => 2,
+            // As a shell reports a process Ctrl-C ended.
+            Self::Interrupted => 130,
             _ => 1,
         }
     }
@@ -365,5 +470,72 @@ impl CliError {
 impl From<std::io::Error> for CliError {
     fn from(error: std::io::Error) -> Self {
         Self::Io(error.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests assert by unwrapping
+
+    use super::*;
+    use crate::prelude::*;
+    use crate::testing::{ScriptedModel, ScriptedReply};
+
+    /// Never answers.
+    #[crate::tool(crate = "crate")]
+    async fn wait_forever() -> String {
+        std::future::pending::<String>().await
+    }
+
+    #[crate::agent(crate = "crate")]
+    fn waiter() -> &'static str {
+        use_model("scripted/w");
+        use_tool(wait_forever);
+        "Wait."
+    }
+
+    /// Stopping `run` (Ctrl-C, SIGTERM) before the reply aborts the message rather than leave
+    /// it for a later process to finish, and ends the command with 130.
+    #[tokio::test]
+    async fn a_run_stopped_before_its_reply_aborts_its_message() {
+        let model = ScriptedModel::new([ScriptedReply::tool_call("wait_forever", serde_json::json!({}))]);
+        let mut providers = crate::provider::ProviderRegistry::new();
+        providers.register(model.clone());
+        let runtime = Runtime::builder()
+            .store(crate::store::MemoryStore::new())
+            .providers(providers)
+            .agent(waiter)
+            .build()
+            .unwrap();
+        let mut events = runtime.observe();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stopping = async move {
+            // Stopped once the tool runs.
+            while model.requests().is_empty() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let _ = stop.send(());
+        };
+        let (result, ()) = tokio::join!(
+            send_until(&runtime, "waiter", "w".into(), "go".into(), async {
+                let _ = stopped.await;
+            }),
+            stopping
+        );
+        let error = result.unwrap_err();
+        assert!(matches!(error, CliError::Interrupted), "{error}");
+        assert_eq!(error.exit_code(), 130);
+        let settled = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Ok(observation) = events.recv().await
+                    && let crate::events::Event::SubmissionSettled { outcome, .. } = observation.event
+                {
+                    return outcome;
+                }
+            }
+        })
+        .await
+        .expect("the message settles");
+        assert_eq!(settled, crate::record::Outcome::Aborted);
     }
 }

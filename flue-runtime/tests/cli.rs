@@ -106,6 +106,11 @@ fn bad_arguments_are_refused_as_errors() {
         &["run"][..],
         &["run", "greeter"],
         &["serve", "--addr", "not-an-address"],
+        // A port, a list or a wildcard would match no request: refused, not silently kept.
+        &["serve", "--allow-host", "api.example.com:8080"],
+        &["serve", "--allow-host", "a.example.com,b.example.com"],
+        &["serve", "--allow-host", "*.example.com"],
+        &["serve", "--allow-host", ""],
         &["launch"],
     ] {
         let error = Cli::try_from_args(std::iter::once("agents").chain(args.iter().copied())).unwrap_err();
@@ -115,6 +120,32 @@ fn bad_arguments_are_refused_as_errors() {
         Cli::try_from_args(["agents"]).unwrap().command.is_none(),
         "no command: the binary's default"
     );
+}
+
+/// `run`'s message may start with `-`, but an option `run` does not have is not taken for
+/// the message (it would be sent to the model): one option-like word goes after `--`.
+#[test]
+fn an_unknown_option_in_runs_message_place_is_refused_unless_after_a_double_dash() {
+    let parse = |args: &[&str]| Cli::try_from_args(std::iter::once("agents").chain(args.iter().copied()));
+    for args in [
+        &["run", "greeter", "--verbose"][..],
+        &["run", "greeter", "-v"],
+        &["run", "greeter", "--jsno=1"],
+    ] {
+        let error = parse(args).unwrap_err();
+        assert_eq!(error.kind(), clap::error::ErrorKind::UnknownArgument, "{args:?}");
+        assert!(error.to_string().contains("goes after '--'"), "{error}");
+    }
+    for (args, message) in [
+        (&["run", "greeter", "--", "--verbose"][..], "--verbose"),
+        (&["run", "greeter", "-5 is negative?"], "-5 is negative?"),
+        (&["run", "greeter", "-42"], "-42"),
+    ] {
+        let Some(Command::Run { message: parsed, .. }) = parse(args).unwrap().command else {
+            panic!("a run")
+        };
+        assert_eq!(parsed, message);
+    }
 }
 
 /// A `Write` the test can read while `serve` runs.
