@@ -46,8 +46,8 @@ pub enum ClientError {
         message: String,
         /// Its details.
         details: String,
-        /// Its structured meta, when it has one.
-        meta: Option<Value>,
+        /// Its structured meta, when it has one (boxed: an error should be small to return).
+        meta: Option<Box<Value>>,
         /// The reference the server logged the error's cause under (the envelope's `ref`, or
         /// its `flue-error-ref` header), to quote when reporting it.
         reference: Option<String>,
@@ -360,7 +360,7 @@ async fn json_of(response: reqwest::Response, limit: usize) -> Result<Value, Cli
             error_type: error_type.to_owned(),
             message: text("message"),
             details: text("details"),
-            meta: error.get("meta").cloned(),
+            meta: error.get("meta").cloned().map(Box::new),
             reference: error["ref"].as_str().map(str::to_owned).or(header_reference),
         });
     }
