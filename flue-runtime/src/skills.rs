@@ -72,6 +72,21 @@ pub(crate) fn tools(skills: &[Skill], workspace: Option<&Arc<Workspace>>) -> Vec
     tools
 }
 
+/// `bytes` in standard base64, in lines of [`BASE64_LINE`] characters.
+fn base64_lines(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(bytes);
+    let lines: Vec<&str> = encoded
+        .as_bytes()
+        .chunks(BASE64_LINE)
+        .map(|line| std::str::from_utf8(line).unwrap_or_default())
+        .collect();
+    lines.join("\n")
+}
+
+/// How long a line of a binary resource's base64 is, as MIME writes it.
+const BASE64_LINE: usize = 76;
+
 fn names(skills: &[Skill]) -> String {
     let names: Vec<&str> = skills.iter().map(Skill::name).collect();
     if names.is_empty() {
@@ -104,7 +119,7 @@ impl ToolHandler for ActivateSkill {
             Err(error) => ToolOutput::error(format!("Tool argument validation failed: [root] {error}")),
             Ok(args) => match self.skills.iter().find(|skill| skill.name() == args.name) {
                 None => ToolOutput::text(format!(
-                    "No skill named \"{}\" is available. Available skills: {}.",
+                    "Skill \"{}\" is not available. Available skills: {}.",
                     args.name,
                     names(&self.skills)
                 )),
@@ -175,7 +190,7 @@ impl ToolHandler for ReadSkillResource {
 fn read(skills: &[Skill], workspace: Option<&Workspace>, args: &ReadArgs) -> ToolOutput {
     let Some(skill) = skills.iter().find(|skill| skill.name() == args.skill) else {
         return ToolOutput::error(format!(
-            "No skill named \"{}\" is available. Available skills: {}.",
+            "Skill \"{}\" is not available. Available skills: {}.",
             args.skill,
             names(skills)
         ));
@@ -200,12 +215,15 @@ fn read(skills: &[Skill], workspace: Option<&Workspace>, args: &ReadArgs) -> Too
             }
         ));
     };
-    let Ok(text) = std::str::from_utf8(bytes) else {
-        return ToolOutput::error(format!(
-            "\"{}\" is a binary file ({} bytes); only text files can be read.",
-            args.path,
-            bytes.len()
-        ));
+    // A binary file (not UTF-8, or with a NUL byte) reads as its base64, in lines of 76
+    // characters that `offset` and `limit` window like any text.
+    let binary;
+    let text = match std::str::from_utf8(bytes) {
+        Ok(text) if !text.contains('\0') => text,
+        _ => {
+            binary = base64_lines(bytes);
+            &binary
+        }
     };
     match crate::sandbox::tools::line_window(text, args.offset, args.limit) {
         Ok(window) => ToolOutput::text(window),

@@ -537,19 +537,17 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     };
     let Some(subagent) = found else {
         return ToolOutput::text(format!(
-            "No agent named \"{}\" is available for delegation. Available agents: {}.",
+            "Subagent \"{}\" is not declared. Available subagents: {}.",
             args.agent,
             if names.is_empty() {
-                "none".to_owned()
+                "(none)".to_owned()
             } else {
                 names.join(", ")
             }
         ));
     };
     if delegation.depth >= MAX_DELEGATION_DEPTH {
-        return ToolOutput::error(format!(
-            "delegation_depth_exceeded: delegation is limited to {MAX_DELEGATION_DEPTH} nested levels."
-        ));
+        return ToolOutput::error(format!("Maximum delegation depth ({MAX_DELEGATION_DEPTH}) exceeded."));
     }
     let _running = {
         let mut running = delegation

@@ -77,7 +77,7 @@ async fn skills_are_cataloged_activated_as_tool_results_and_their_files_read_on_
     assert_eq!(
         activated[1],
         (
-            "No skill named \"billing\" is available. Available skills: refunds, escalation.".to_owned(),
+            "Skill \"billing\" is not available. Available skills: refunds, escalation.".to_owned(),
             false
         )
     );
@@ -311,7 +311,7 @@ async fn a_malformed_workspace_skill_is_skipped_with_a_warning_and_the_others_lo
     assert!(results[0].0.starts_with("Do good work."), "{results:?}");
     assert_eq!(
         results[1].0,
-        "No skill named \"frontless\" is available. Available skills: good."
+        "Skill \"frontless\" is not available. Available skills: good."
     );
     let lines = logs.all();
     for (skipped, why) in [
@@ -510,7 +510,7 @@ async fn workspace_skills_are_discovered_through_the_in_memory_sandbox_once_per_
     // Discovery ran when the submission started: a skill written since is not there yet.
     assert_eq!(
         results[3].0,
-        "No skill named \"later\" is available. Available skills: summarize."
+        "Skill \"later\" is not available. Available skills: summarize."
     );
 
     // The next submission discovers it, and the model is told (the catalog stays as it was).
@@ -592,4 +592,38 @@ async fn a_delegate_discovers_the_workspace_skills_of_its_own_cwd() {
     assert!(!is_error, "{activated}");
     assert!(activated.starts_with("Run the linter first."), "{activated}");
     assert!(activated.contains("/team/.agents/skills/lint"), "{activated}");
+}
+
+/// A PNG's first bytes and more: not UTF-8, with a NUL.
+const LOGO: &[u8] = &[
+    0x89, b'P', b'N', b'G', 0x0d, 0x0a, 0x1a, 0x0a, 0, 0, 0, 0x0d, 0xff, 0xfe,
+];
+
+#[agent]
+fn brander() -> &'static str {
+    use_model("scripted/x");
+    use_skill(
+        Skill::from_skill_md(
+            None,
+            "---\nname: branding\ndescription: Brand assets. Use for logos.\n---\nUse the logo.",
+            [("logo.png", LOGO)],
+        )
+        .unwrap(),
+    );
+    "Brand things."
+}
+
+/// The reference reads a skill's binary file as its base64 (in lines of 76): the model can
+/// pass it on, where refusing it left the file unusable.
+#[tokio::test]
+async fn a_binary_skill_resource_reads_as_its_base64() {
+    use base64::Engine as _;
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("read_skill_resource", json!({"skill": "branding", "path": "logo.png"})),
+        ScriptedReply::text("Here it is."),
+    ]);
+    let runtime = runtime_with(&model, [brander.into()]);
+    runtime.init(&brander, "b").send("The logo?").await.unwrap();
+    let read = tool_results(&model.requests()[1]);
+    assert_eq!(read[0], (base64::engine::general_purpose::STANDARD.encode(LOGO), false));
 }

@@ -362,7 +362,7 @@ async fn without_delegates_the_task_tool_stays_in_the_tool_block_and_the_roster_
     assert_eq!(
         tool_result(&requests[1]),
         (
-            "No agent named \"anyone\" is available for delegation. Available agents: none.".to_owned(),
+            "Subagent \"anyone\" is not declared. Available subagents: (none).".to_owned(),
             false
         )
     );
@@ -379,7 +379,7 @@ async fn an_agent_outside_the_roster_gets_a_factual_miss_not_an_error() {
     assert_eq!(
         tool_result(&model.requests()[1]),
         (
-            "No agent named \"auditor\" is available for delegation. Available agents: summarizer.".to_owned(),
+            "Subagent \"auditor\" is not declared. Available subagents: summarizer.".to_owned(),
             false
         )
     );
@@ -483,10 +483,7 @@ async fn delegation_stops_at_four_levels_with_delegation_depth_exceeded() {
     let deepest = &requests[MAX_DELEGATION_DEPTH as usize + 1];
     let (content, is_error) = tool_result(deepest);
     assert!(is_error);
-    assert_eq!(
-        content,
-        "delegation_depth_exceeded: delegation is limited to 4 nested levels."
-    );
+    assert_eq!(content, "Maximum delegation depth (4) exceeded.");
 }
 
 // ---- max_instances and after_subagent_created -------------------------------------------------

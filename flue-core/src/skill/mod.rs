@@ -41,7 +41,11 @@ pub struct SkillDefinition {
 impl Skill {
     /// Validates `definition` (trimming its text fields) into a skill.
     pub fn define(definition: SkillDefinition) -> Result<Self, SkillDefinitionError> {
-        let definition = normalize(definition)?;
+        Self::validated(definition, Instructions::Required)
+    }
+
+    fn validated(definition: SkillDefinition, instructions: Instructions) -> Result<Self, SkillDefinitionError> {
+        let definition = normalize(definition, instructions)?;
         Ok(Self {
             inner: Arc::new(definition),
         })
@@ -61,19 +65,24 @@ impl Skill {
             issues: vec![issue(&["SKILL.md"], &message)],
         })?;
         let mut fields = parsed.fields;
-        let skill = Self::define(SkillDefinition {
-            name: fields.remove("name").unwrap_or_default(),
-            description: fields.remove("description").unwrap_or_default(),
-            instructions: parsed.body,
-            license: fields.remove("license"),
-            compatibility: fields.remove("compatibility"),
-            metadata: parsed.metadata,
-            allowed_tools: fields.remove("allowed-tools"),
-            files: files
-                .into_iter()
-                .map(|(path, bytes)| (path.to_owned(), bytes.to_vec()))
-                .collect(),
-        })?;
+        // A `SKILL.md` may be front matter alone (the reference reads it so): its name and
+        // description are the skill, and its files may say the rest.
+        let skill = Self::validated(
+            SkillDefinition {
+                name: fields.remove("name").unwrap_or_default(),
+                description: fields.remove("description").unwrap_or_default(),
+                instructions: parsed.body,
+                license: fields.remove("license"),
+                compatibility: fields.remove("compatibility"),
+                metadata: parsed.metadata,
+                allowed_tools: fields.remove("allowed-tools"),
+                files: files
+                    .into_iter()
+                    .map(|(path, bytes)| (path.to_owned(), bytes.to_vec()))
+                    .collect(),
+            },
+            Instructions::Optional,
+        )?;
         if let Some(directory) = directory {
             let directory = directory.trim_end_matches('/').rsplit('/').next().unwrap_or(directory);
             if skill.name() != directory {
@@ -170,7 +179,18 @@ fn issue(path: &[&str], message: &str) -> ValidationIssue {
     }
 }
 
-fn normalize(mut definition: SkillDefinition) -> Result<SkillDefinition, SkillDefinitionError> {
+/// Whether a skill must have instructions: one defined in code must; a `SKILL.md` may be
+/// front matter alone.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Instructions {
+    Required,
+    Optional,
+}
+
+fn normalize(
+    mut definition: SkillDefinition,
+    instructions: Instructions,
+) -> Result<SkillDefinition, SkillDefinitionError> {
     let mut issues = Vec::new();
     for (field, value) in [
         ("name", &mut definition.name),
@@ -178,7 +198,7 @@ fn normalize(mut definition: SkillDefinition) -> Result<SkillDefinition, SkillDe
         ("instructions", &mut definition.instructions),
     ] {
         *value = value.trim().to_owned();
-        if value.is_empty() {
+        if value.is_empty() && !(field == "instructions" && instructions == Instructions::Optional) {
             issues.push(issue(&[field], "Must be a non-empty string."));
         }
     }
@@ -289,7 +309,15 @@ mod tests {
         assert_eq!(error.issues[0].path, ["name"]);
         let error = Skill::from_skill_md(None, "---\nname: Bad--Name\n---\n", []).unwrap_err();
         let paths: Vec<String> = error.issues.iter().map(|issue| issue.path.join(".")).collect();
-        assert_eq!(paths, ["description", "instructions", "name"]);
+        assert_eq!(paths, ["description", "name"], "a SKILL.md may have no body");
+        let bodiless = Skill::from_skill_md(None, "---\nname: refunds\ndescription: d\n---\n", []).unwrap();
+        assert_eq!(bodiless.definition().instructions, "");
+        let error = Skill::new("refunds", "d", " ").unwrap_err();
+        assert_eq!(
+            error.issues[0].path,
+            ["instructions"],
+            "a skill defined in code needs them"
+        );
         let error = Skill::from_skill_md(None, text, [("../escape", &b""[..])]).unwrap_err();
         assert_eq!(error.issues[0].path, ["files", "../escape"]);
         let error = Skill::from_skill_md(None, "no front matter", []).unwrap_err();
