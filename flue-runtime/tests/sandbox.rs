@@ -624,3 +624,52 @@ async fn a_huge_file_is_read_and_searched_only_as_far_as_the_tools_show() {
     assert_eq!(last_batch_results(&requests[2]), [("No matches.".to_owned(), false)]);
     assert!(grown < 100 * 1024, "a 1 GB file grew the peak by {grown} KiB");
 }
+
+/// The virtual sandbox, with a tool set of its own that names one tool twice.
+struct TwiceNamedTools;
+
+impl flue_core::sandbox::SandboxFactory for TwiceNamedTools {
+    fn create_sandbox(
+        &self,
+        instance_id: &str,
+    ) -> flue_runtime::BoxFuture<
+        'static,
+        Result<std::sync::Arc<dyn flue_core::sandbox::Sandbox>, flue_core::sandbox::SandboxError>,
+    > {
+        flue_core::sandbox::SandboxFactory::create_sandbox(&sandbox::virtual_sandbox(), instance_id)
+    }
+
+    fn tools(&self) -> Option<Vec<Tool>> {
+        let lookup = || {
+            Tool::new("lookup")
+                .description("Look it up.")
+                .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { Ok::<_, ToolError>("found") })
+        };
+        Some(vec![lookup(), lookup()])
+    }
+}
+
+#[agent]
+fn twice_named() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(TwiceNamedTools);
+    "Work."
+}
+
+/// A sandbox factory's own tools go to the provider with the render's: two sharing a name
+/// would have every call refused. The submission fails with `tool_name_conflict` first.
+#[tokio::test]
+async fn a_sandbox_factorys_tools_sharing_a_name_fail_the_submission_before_any_call() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = runtime_with(&model, [twice_named.into()]);
+    let error = runtime.init(&twice_named, "t").send("go").await.unwrap_err();
+    let flue_runtime::RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error: {error}")
+    };
+    assert_eq!(error_type, "tool_name_conflict");
+    assert!(message.contains("lookup"), "{message}");
+    assert!(model.requests().is_empty());
+}

@@ -1422,6 +1422,26 @@ impl Response<'_> {
                 ),
             )
         })?;
+        // A factory's own tools are built by hand (`Tool::from_handler` checks no name): one
+        // named like a framework tool, or two sharing a name, would reach the provider, which
+        // refuses every call then. The submission fails here instead (reference
+        // `ToolNameConflictError`), before anything runs; delegates share these tools.
+        if let Some(tools) = &tools {
+            let mut names = std::collections::HashSet::new();
+            for tool in tools {
+                let conflict = if flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()) {
+                    flue_core::ToolNameConflictError::reserved(tool.name())
+                } else if !names.insert(tool.name()) {
+                    flue_core::ToolNameConflictError::duplicate(tool.name())
+                } else {
+                    continue;
+                };
+                return Err(Failure::failed(
+                    flue_core::ToolNameConflictError::TYPE,
+                    conflict.to_string(),
+                ));
+            }
+        }
         // The workspace's skills: found once, when the submission's sandbox is made.
         self.workspace = Some(Arc::new(crate::skills::Workspace::discover(&session).await));
         let environment = match tools {
