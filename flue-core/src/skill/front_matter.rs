@@ -1,8 +1,11 @@
 //! `SKILL.md`: YAML front matter between `---` lines, then the markdown body (the
 //! instructions). The front matter is read as the Agent Skills format uses YAML: a mapping of
-//! scalar fields (plain, single- or double-quoted, or `|` / `>` block scalars) and a
-//! one-level `metadata` mapping of strings. Unknown fields are ignored; anything else YAML
-//! allows (anchors, flow collections, nested mappings) is refused with its line.
+//! scalar fields (plain, single- or double-quoted (also over several lines), or `|` / `>`
+//! block scalars with their chomping and indentation indicators) and a one-level `metadata`
+//! mapping of strings. Unknown fields are skipped whatever their value (a list, a flow
+//! collection, a nested mapping), as the reference ignores them; a field this format knows
+//! whose value is something else YAML allows (anchors, flow collections) is refused with its
+//! line.
 
 use std::collections::BTreeMap;
 
@@ -50,6 +53,14 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             return Err(format!("line {number}: unexpected indentation."));
         }
         let (key, rest) = split_key(line).ok_or_else(|| format!("line {number}: expected `key: value`."))?;
+        let key = unquote_key(key, number)?;
+        if !KNOWN_FIELDS.contains(&key.as_str()) {
+            // Skipped with whatever it holds, on this line and the indented ones under it.
+            while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
+                index += 1;
+            }
+            continue;
+        }
         let rest = strip_comment(rest).trim();
         if key == "metadata" && rest.is_empty() {
             while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
@@ -66,7 +77,7 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             }
             continue;
         }
-        let value = if rest == "|" || rest == ">" || rest == "|-" || rest == ">-" {
+        let value = if is_block_header(rest) {
             let mut block = Vec::new();
             while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
                 block.push(front[index].trim());
@@ -78,6 +89,17 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
                 fold(&block)
             };
             joined.trim_end().to_owned()
+        } else if rest.starts_with(['"', '\'']) && closing_quote(rest).is_none() {
+            // A quoted string that goes on over the next lines, folded as YAML folds them.
+            let mut lines = vec![rest];
+            while index < front.len() && closing_quote(&lines.join(" ")).is_none() {
+                if !front[index].starts_with([' ', '\t']) && !front[index].trim().is_empty() {
+                    break;
+                }
+                lines.push(front[index].trim());
+                index += 1;
+            }
+            scalar(&fold(&lines), number)?
         } else {
             let mut value = scalar(rest, number)?;
             // A plain scalar may continue on indented lines (folded with spaces).
@@ -90,9 +112,57 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             }
             value
         };
-        document.fields.insert(unquote_key(key, number)?, value);
+        document.fields.insert(key, value);
     }
     Ok(document)
+}
+
+/// The fields this format reads; any other is skipped.
+const KNOWN_FIELDS: [&str; 6] = [
+    "name",
+    "description",
+    "license",
+    "compatibility",
+    "allowed-tools",
+    "metadata",
+];
+
+/// Whether `header` opens a block scalar: `|` or `>`, with an optional chomping indicator
+/// (`-`, `+`) and indentation indicator (a digit), in either order.
+fn is_block_header(header: &str) -> bool {
+    let mut rest = header.chars();
+    if !matches!(rest.next(), Some('|' | '>')) {
+        return false;
+    }
+    let indicators: Vec<char> = rest.collect();
+    match indicators.as_slice() {
+        [] => true,
+        [one] => matches!(one, '-' | '+' | '1'..='9'),
+        [a, b] => {
+            (matches!(a, '-' | '+') && matches!(b, '1'..='9')) || (matches!(a, '1'..='9') && matches!(b, '-' | '+'))
+        }
+        _ => false,
+    }
+}
+
+/// The byte position of the quote that closes the quoted string `value` starts with, if it
+/// has one (a doubled `''` in single quotes and `\"` in double quotes are not it).
+fn closing_quote(value: &str) -> Option<usize> {
+    let quote = value.chars().next()?;
+    let mut chars = value.char_indices().skip(1).peekable();
+    while let Some((at, c)) = chars.next() {
+        match (quote, c) {
+            ('"', '\\') => {
+                chars.next();
+            }
+            ('\'', '\'') if chars.peek().is_some_and(|(_, next)| *next == '\'') => {
+                chars.next();
+            }
+            (quote, c) if c == quote => return Some(at),
+            _ => {}
+        }
+    }
+    None
 }
 
 fn split_key(line: &str) -> Option<(&str, &str)> {
@@ -108,11 +178,18 @@ fn unquote_key(key: &str, number: usize) -> Result<String, String> {
     }
 }
 
-/// Drops a ` #` comment outside quotes.
+/// Drops a ` #` comment outside quotes (after a quoted string's closing quote too).
 fn strip_comment(value: &str) -> &str {
     let trimmed = value.trim_start();
     if trimmed.starts_with(['"', '\'']) {
-        return value;
+        let Some(close) = closing_quote(trimmed) else {
+            return value;
+        };
+        let after = &trimmed[close + 1..];
+        return match after.trim_start().starts_with('#') || after.trim().is_empty() {
+            true => &trimmed[..=close],
+            false => value,
+        };
     }
     match value.find(" #") {
         Some(at) => &value[..at],
@@ -154,9 +231,31 @@ fn scalar(value: &str, number: usize) -> Result<String, String> {
                 out.push(c);
                 continue;
             }
+            let hex = |chars: &mut std::str::Chars<'_>, digits: usize| {
+                let code: String = chars.take(digits).collect();
+                (code.len() == digits)
+                    .then(|| u32::from_str_radix(&code, 16).ok().and_then(char::from_u32))
+                    .flatten()
+                    .ok_or_else(|| format!("line {number}: invalid escape in a double-quoted string."))
+            };
             match chars.next() {
                 Some('n') => out.push('\n'),
-                Some('t') => out.push('\t'),
+                Some('t' | '\t') => out.push('\t'),
+                Some('r') => out.push('\r'),
+                Some('0') => out.push('\0'),
+                Some('a') => out.push('\u{7}'),
+                Some('b') => out.push('\u{8}'),
+                Some('v') => out.push('\u{b}'),
+                Some('f') => out.push('\u{c}'),
+                Some('e') => out.push('\u{1b}'),
+                Some(' ') => out.push(' '),
+                Some('N') => out.push('\u{85}'),
+                Some('_') => out.push('\u{a0}'),
+                Some('L') => out.push('\u{2028}'),
+                Some('P') => out.push('\u{2029}'),
+                Some('x') => out.push(hex(&mut chars, 2)?),
+                Some('u') => out.push(hex(&mut chars, 4)?),
+                Some('U') => out.push(hex(&mut chars, 8)?),
                 Some('"') => out.push('"'),
                 Some('\\') => out.push('\\'),
                 Some('/') => out.push('/'),
@@ -194,7 +293,7 @@ mod tests {
         assert_eq!(parsed.fields["license"], "It's MIT");
         assert_eq!(parsed.fields["compatibility"], "Needs network access.");
         assert_eq!(parsed.fields["allowed-tools"], "Bash(git:*) Read");
-        assert_eq!(parsed.fields["unknown"], "kept out");
+        assert!(!parsed.fields.contains_key("unknown"), "unknown fields are skipped");
         assert_eq!(parsed.metadata["author"], "ada");
         assert_eq!(parsed.metadata["version"], "1.0");
         assert_eq!(parsed.body, "Step one.\n\nStep two.");
@@ -205,6 +304,33 @@ mod tests {
         let parsed = parse("---\ndescription: |\n  one\n  two\nname: long\n  name\n---\nbody").unwrap();
         assert_eq!(parsed.fields["description"], "one\ntwo");
         assert_eq!(parsed.fields["name"], "long name");
+    }
+
+    /// What the reference's YAML reads, and skills in the wild write: unknown fields holding
+    /// anything, a comment after a quoted value, a quoted string over several lines, YAML's
+    /// escapes, and block indicators.
+    #[test]
+    fn reads_third_party_front_matter_the_reference_reads() {
+        let parsed = parse(concat!(
+            "---\n",
+            "name: \"refunds\"  # the id\n",
+            "tags: [git, review]\n",
+            "extra: {a: 1}\n",
+            "nested:\n  - one\n  - two: [x]\n",
+            "anchor: &a value\n",
+            "description: \"Process a refund \\u00e9t\\x41 and\n  more\"\n",
+            "license: 'It''s\n  MIT'\n",
+            "compatibility: |+\n  keep\n",
+            "allowed-tools: >2-\n  Bash\n  Read\n",
+            "---\nbody",
+        ))
+        .unwrap();
+        assert_eq!(parsed.fields["name"], "refunds");
+        assert_eq!(parsed.fields["description"], "Process a refund \u{e9}tA and more");
+        assert_eq!(parsed.fields["license"], "It's MIT");
+        assert_eq!(parsed.fields["compatibility"], "keep");
+        assert_eq!(parsed.fields["allowed-tools"], "Bash Read");
+        assert_eq!(parsed.fields.len(), 5, "{:?}", parsed.fields);
     }
 
     #[test]
