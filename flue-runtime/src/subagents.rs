@@ -581,6 +581,13 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         .map_or_else(|| new_id("task"), |child| child.task_id.clone());
     emit(task_start(&task_id));
     let started = Instant::now();
+    let mut cancelled = TaskEndOnDrop {
+        emit: &emit,
+        task_id: task_id.clone(),
+        agent: subagent.name().to_owned(),
+        started,
+        armed: true,
+    };
     let task = Task {
         id: &task_id,
         args: &args,
@@ -590,6 +597,7 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     let result = child_session(&runtime, delegation, &subagent, parent, environment, &journal, task)
         .await
         .map(answer_text);
+    cancelled.armed = false;
     emit(Event::Task {
         task_id,
         agent: subagent.name().to_owned(),
@@ -811,8 +819,10 @@ async fn child_session(
         ended: Mutex::default(),
     };
     // The child's session begins as the root's does: `agent_start`, then its input (the
-    // prompt) the first time it runs.
+    // prompt) the first time it runs. Its `agent_end` comes however it ends, also when an
+    // abort drops this future mid-way (the guard, dropped last).
     events.emit(|| Event::AgentStart);
+    let _agent_end = AgentEndOnDrop(&events);
     if created && runtime.observed() {
         let prompt = ModelMessage::user(args.prompt.clone());
         events.emit(|| Event::MessageStart {
@@ -1022,9 +1032,42 @@ async fn child_session(
     }
     .await;
     events.scope.set_turn(None);
-    let messages = std::mem::take(&mut *events.ended.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
-    events.emit(|| Event::AgentEnd { messages });
     result
+}
+
+/// Emits a child session's `agent_end`, with the messages it ended, when dropped.
+struct AgentEndOnDrop<'e, 'a>(&'e ChildEvents<'a>);
+
+impl Drop for AgentEndOnDrop<'_, '_> {
+    fn drop(&mut self) {
+        let messages = std::mem::take(&mut *self.0.ended.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        self.0.emit(|| Event::AgentEnd { messages });
+    }
+}
+
+/// Emits a task's `task` event as failed when dropped armed: the call's future was dropped
+/// (an abort cancels the running tools) before the task ended, and observers still see the
+/// `task_start` closed, as the reference's `catch` closes it.
+struct TaskEndOnDrop<F: Fn(Event)> {
+    emit: F,
+    task_id: String,
+    agent: String,
+    started: Instant,
+    armed: bool,
+}
+
+impl<F: Fn(Event)> Drop for TaskEndOnDrop<F> {
+    fn drop(&mut self) {
+        if self.armed {
+            (self.emit)(Event::Task {
+                task_id: std::mem::take(&mut self.task_id),
+                agent: std::mem::take(&mut self.agent),
+                is_error: true,
+                result: Some("The task was cancelled before it finished.".to_owned()),
+                duration_ms: self.started.elapsed().as_millis() as u64,
+            });
+        }
+    }
 }
 
 /// Publishes a child session's events: each stamped with the task's id and the child's

@@ -1388,6 +1388,67 @@ fn waiting_delegate() -> Subagent {
     )
 }
 
+/// An `after_subagent_created` hook that never returns (nor watches the abort signal).
+#[hook(after_subagent_created, id = "hang_on_creation")]
+async fn hang_on_creation(_parent: &ThreadState, _child: &ThreadState) {
+    std::future::pending::<()>().await;
+}
+
+#[agent(hooks = [hang_on_creation])]
+fn desk_hanging() -> &'static str {
+    use_model("scripted/x");
+    use_subagent(Subagent::new(
+        "summarizer",
+        "Summarizes.",
+        FnAgent::new(AgentDefinition::new("summarizer"), slow_summarizer),
+    ));
+    "D"
+}
+
+/// An abort drops a running task while its child session waits on something that does not
+/// watch the signal (here a hook): observers still see the task end, failed, and a child
+/// session that started end, as the reference's `catch` closes them.
+#[tokio::test]
+async fn an_abort_that_drops_a_running_task_still_ends_the_task_and_its_child_session() {
+    let model = ScriptedModel::new([ScriptedReply::tool_call(
+        "task",
+        json!({"agent": "summarizer", "prompt": "Sum up."}),
+    )]);
+    let runtime = runtime_with(&model, vec![desk_hanging.into()]);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&desk_hanging, "d-5");
+    let receipt = handle.dispatch("go").await.unwrap();
+    let task_id = loop {
+        let observation = events.recv().await.unwrap();
+        if let Event::TaskStart { task_id, .. } = &observation.event {
+            break task_id.clone();
+        }
+    };
+    // The child is being created: its hook hangs.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(handle.abort().await.unwrap());
+    let aborted = tokio::time::timeout(std::time::Duration::from_secs(20), handle.read(&receipt.submission_id))
+        .await
+        .expect("the abort ended the submission");
+    assert!(aborted.is_err());
+    let (mut task_ended, mut child_started, mut child_ended) = (None, false, false);
+    while let Ok(observation) = events.try_recv() {
+        let in_task = observation.task_id.as_deref() == Some(task_id.as_str());
+        match &observation.event {
+            Event::Task {
+                task_id: ended,
+                is_error,
+                ..
+            } if *ended == task_id => task_ended = Some(*is_error),
+            Event::AgentStart if in_task => child_started = true,
+            Event::AgentEnd { .. } if in_task => child_ended = true,
+            _ => {}
+        }
+    }
+    assert_eq!(task_ended, Some(true), "the task ended, failed");
+    assert_eq!(child_ended, child_started, "a child session that started ended");
+}
+
 /// Reference §3.10 + §8 item 20: an abort reaches the running task, and the task call left
 /// without an outcome gets the outcome-unknown result naming the child conversation
 /// (`childConversationId`): the parent's model learns the child exists (its work may be
