@@ -210,7 +210,7 @@ pub async fn serve_with(
 
 /// Runs `command`, printing to stdout (errors to stderr); the process exit code: 0, 2 for
 /// what the command line asked wrong ([`CliError::exit_code`], as clap's own usage errors),
-/// 1 for the rest. The process is to exit next: what still runs then is given back to the
+/// 130 when a stop signal interrupted `run`, 1 for the rest. The process is to exit next: what still runs then is given back to the
 /// queue ([`Runtime::release`]).
 ///
 /// The runtime's warnings and errors are logged to stderr (among them the cause of every 500
@@ -327,7 +327,17 @@ pub async fn execute_with(
             }
             let stop = StopSignals::install();
             runtime.start().await;
-            let reply = send_until(runtime, &agent, id, message, stop.requested()).await?;
+            let stopped = async {
+                stop.requested().await;
+                // A second Ctrl-C stops waiting for the abort.
+                tokio::spawn(async {
+                    if tokio::signal::ctrl_c().await.is_ok() {
+                        eprintln!("interrupted again: exiting now");
+                        std::process::exit(130);
+                    }
+                });
+            };
+            let reply = send_until(runtime, &agent, id, message, stopped).await?;
             if json {
                 let reply = json!({
                     "text": reply.text,
@@ -350,8 +360,9 @@ pub async fn execute_with(
 
 /// Sends `message` to `agent`'s instance `id` and waits for its reply, unless `stop` comes
 /// first: then the instance's unsettled work is aborted (what the user meant by stopping: a
-/// later process would otherwise finish it, spending model and tool calls) and the command
-/// ends as [`CliError::Interrupted`].
+/// later process would otherwise finish it, spending model and tool calls; the store is this
+/// process's, so that work is this command's) and the command ends as
+/// [`CliError::Interrupted`]. A stop before the message was sent sends nothing.
 async fn send_until(
     runtime: &Runtime,
     agent: &str,
@@ -359,21 +370,38 @@ async fn send_until(
     message: String,
     stop: impl Future<Output = ()>,
 ) -> Result<crate::AgentReply, CliError> {
+    use futures_util::FutureExt as _;
     let handle = runtime.handle(agent, id)?;
+    let send = handle.send(message);
+    tokio::pin!(send, stop);
+    if stop.as_mut().now_or_never().is_some() {
+        return Err(CliError::Interrupted);
+    }
     tokio::select! {
-        reply = handle.send(message) => Ok(reply?),
-        () = stop => {
-            if let Err(error) = handle.abort().await {
-                tracing::warn!(%error, "aborting the interrupted message failed");
-            }
-            Err(CliError::Interrupted)
+        biased;
+        () = &mut stop => {}
+        reply = &mut send => return Ok(reply?),
+    }
+    // Aborted while the send is still alive, so its admission (which may be committing) and
+    // its processing end here, settled, rather than being given back to the queue; asked
+    // again while it has not settled, for an admission that committed after the first ask.
+    for _ in 0..10 {
+        if let Err(error) = handle.abort().await {
+            tracing::warn!(%error, "aborting the interrupted message failed");
+        }
+        if tokio::time::timeout(Duration::from_millis(500), &mut send)
+            .await
+            .is_ok()
+        {
+            break;
         }
     }
+    Err(CliError::Interrupted)
 }
 
 /// Ctrl-C, or (on Unix) SIGTERM, which `docker stop`, systemd and Kubernetes send to stop a
-/// server. The handlers are installed when made, so a signal that comes before anyone waits
-/// is not missed (nor kills the process).
+/// server. On Unix the handlers are installed when made, so a signal that comes before anyone
+/// waits is not missed (nor kills the process); elsewhere Ctrl-C is heard once waited for.
 struct StopSignals {
     #[cfg(unix)]
     interrupt: Option<tokio::signal::unix::Signal>,
@@ -453,8 +481,9 @@ pub enum CliError {
 impl CliError {
     /// The process exit code this error ends a command with: 2 when the command line asked
     /// for something that cannot be (an agent that does not exist, an invalid instance id or
-    /// message), as clap's usage errors do; 1 for a failure (the submission failed or was
-    /// aborted, the store or the network failed).
+    /// message), as clap's usage errors do; 130 when a stop signal (Ctrl-C, SIGTERM)
+    /// interrupted `run`, as a shell reports Ctrl-C; 1 for a failure (the submission failed or
+    /// was aborted, the store or the network failed).
     pub fn exit_code(&self) -> i32 {
         use crate::RuntimeError as R;
         match self {

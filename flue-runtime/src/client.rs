@@ -35,7 +35,8 @@ use crate::provider::sse::SseParser;
 #[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    /// The server answered with the error envelope.
+    /// The server refused with the error envelope (or answered a 5xx without one: then the type
+    /// is empty and the message says the status).
     #[error("{status} {error_type}: {message} {details}{}", reference_note(.reference.as_deref()))]
     Api {
         /// HTTP status.
@@ -83,11 +84,12 @@ pub enum ClientError {
     /// a tab or a line break, which URL parsers drop).
     #[error("{0}")]
     InvalidRequest(String),
-    /// A followed stream sent an event the client cannot read (larger than the client's
-    /// bound ([`Client::with_max_event_bytes`]), not UTF-8, or whose data is not JSON), or the
-    /// server answered it with something that is not the protocol (a success that is not an
-    /// event stream, a refusal without the error envelope). Reading the stream again would
-    /// meet the same, so this error ends the stream rather than a reconnection.
+    /// The server answered something that is not the protocol: a redirect (the client does
+    /// not follow them), an admission without a receipt, a refusal below 500 without the
+    /// error envelope, a followed stream's success that is not an event stream, or an event
+    /// the client cannot read (larger than [`Client::with_max_event_bytes`], not UTF-8, or
+    /// whose data is not JSON). Asking again would meet the same, so this error also ends a
+    /// followed stream rather than a reconnection.
     #[error("{0}")]
     Protocol(String),
 }
@@ -333,8 +335,20 @@ async fn json_of(response: reqwest::Response, limit: usize) -> Result<Value, Cli
         .and_then(|value| value.to_str().ok())
         .map(str::to_owned);
     let bytes = body_within(response, limit).await?;
-    let body: Value = serde_json::from_slice(&bytes)
-        .map_err(|error| ClientError::Transport(format!("the server answered {status} with no JSON: {error}")))?;
+    let body: Value = match serde_json::from_slice(&bytes) {
+        Ok(body) => body,
+        // A refusal below 500 that is not JSON (a proxy's HTML page) is not the protocol.
+        Err(_) if (400..500).contains(&status) => {
+            return Err(ClientError::Protocol(format!(
+                "the server answered {status} without the protocol's error envelope: is the client's base URL a flue server's?"
+            )));
+        }
+        Err(error) => {
+            return Err(ClientError::Transport(format!(
+                "the server answered {status} with no JSON: {error}"
+            )));
+        }
+    };
     if status >= 400 {
         let error = &body["error"];
         let Some(error_type) = error["type"].as_str().filter(|error_type| !error_type.is_empty()) else {
@@ -665,6 +679,8 @@ impl Follow {
             // The server sends at least a heartbeat every 15 s: a longer silence is a
             // connection that died without a reset (a dropped network, a NAT that forgot it).
             let Ok(next) = tokio::time::timeout(self.instance.client.idle_timeout, body.next()).await else {
+                // Up for long, but silent: no sign it was ever a working connection.
+                self.connected_at = None;
                 self.reconnect(ClientError::Transport("the stream went silent".into()));
                 continue;
             };
@@ -743,7 +759,7 @@ impl Follow {
                 "data" => {
                     for chunk in payload.as_array().into_iter().flatten() {
                         if chunk["type"] == "stream-checkpoint"
-                            && let Some(current) = chunk["incarnation"].as_str()
+                            && let Some(current) = chunk["incarnation"].as_str().filter(|current| !current.is_empty())
                         {
                             match &self.incarnation {
                                 Some(previous) if previous != current => {
@@ -1116,6 +1132,34 @@ mod tests {
         );
     }
 
+    /// A connection that stays up but silent (a hung server, a proxy that holds the stream
+    /// back) is no working connection, however long it stays: it counts as failed, and the
+    /// stream ends at its limit.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_stays_silent_ends_after_its_reconnect_limit() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut request = [0u8; 4096];
+                let _ = socket.read(&mut request).await;
+                let _ = socket
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+                    .await;
+                // Kept open, and silent.
+                held.push(socket);
+            }
+        });
+        let client = Client::new(base).unwrap().with_reconnect_limit(3);
+        let items: Vec<_> = client.instance("assistant", "i").follow("-1").collect().await;
+        assert!(
+            matches!(items.as_slice(), [Err(ClientError::Transport(message))] if message.contains("silent")),
+            "{items:?}"
+        );
+    }
+
     /// A stream replaced while it was followed (another incarnation) does not go on as if it
     /// were the same: what was read of the old one does not continue into the new one.
     #[tokio::test]
@@ -1177,7 +1221,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_redirect_to_a_url_with_a_key_leaves_the_key_out_of_the_error() {
-        // The redirect's target fails (nothing listens on port 1): its key must not be quoted.
+        // The redirect is not followed; the error names where it points, without its key.
         let base = answering(
             "HTTP/1.1 302 Found\r\nlocation: http://user:hunter2@127.0.0.1:1/next?key=hunter2\r\n\
              content-length: 0\r\nconnection: close\r\n\r\n",

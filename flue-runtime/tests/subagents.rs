@@ -1405,11 +1405,11 @@ fn desk_hanging() -> &'static str {
     "D"
 }
 
-/// An abort drops a running task while its child session waits on something that does not
-/// watch the signal (here a hook): observers still see the task end, failed, and a child
-/// session that started end, as the reference's `catch` closes them.
+/// An abort drops a running task while it waits on something that does not watch the signal
+/// (here the `after_subagent_created` hook, before the child session starts): observers still
+/// see the task end, failed, as the reference's `catch` closes it.
 #[tokio::test]
-async fn an_abort_that_drops_a_running_task_still_ends_the_task_and_its_child_session() {
+async fn an_abort_that_drops_a_running_task_still_ends_the_task() {
     let model = ScriptedModel::new([ScriptedReply::tool_call(
         "task",
         json!({"agent": "summarizer", "prompt": "Sum up."}),
@@ -1446,7 +1446,8 @@ async fn an_abort_that_drops_a_running_task_still_ends_the_task_and_its_child_se
         }
     }
     assert_eq!(task_ended, Some(true), "the task ended, failed");
-    assert_eq!(child_ended, child_started, "a child session that started ended");
+    // The hook runs before the child session starts: it has no `agent_end` to owe.
+    assert_eq!((child_started, child_ended), (false, false));
 }
 
 /// Reference §3.10 + §8 item 20: an abort reaches the running task, and the task call left

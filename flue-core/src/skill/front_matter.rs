@@ -55,8 +55,10 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
         let (key, rest) = split_key(line).ok_or_else(|| format!("line {number}: expected `key: value`."))?;
         let key = unquote_key(key, number)?;
         if !KNOWN_FIELDS.contains(&key.as_str()) {
-            // Skipped with whatever it holds, on this line and the indented ones under it.
-            while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
+            // Skipped with whatever it holds, on this line and the indented ones under it (and
+            // the items of a list written at the key's own indentation).
+            while index < front.len() && (front[index].starts_with([' ', '\t', '-']) || front[index].trim().is_empty())
+            {
                 index += 1;
             }
             continue;
@@ -99,9 +101,22 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
                 lines.push(front[index].trim());
                 index += 1;
             }
-            scalar(&fold(&lines), number)?
+            let folded = fold(&lines);
+            // A comment may follow the closing quote, as on one line.
+            let value = match closing_quote(&folded) {
+                Some(close)
+                    if folded[close + 1..].trim().is_empty() || folded[close + 1..].trim_start().starts_with('#') =>
+                {
+                    &folded[..=close]
+                }
+                _ => folded.as_str(),
+            };
+            scalar(value, number)?
         } else {
             let mut value = scalar(rest, number)?;
+            if rest.is_empty() && front.get(index).is_some_and(|next| next.trim_start().starts_with("- ")) {
+                return Err(format!("line {}: `{key}` must be a string, not a list.", index + 2));
+            }
             // A plain scalar may continue on indented lines (folded with spaces).
             if !rest.starts_with(['"', '\'']) {
                 while index < front.len() && front[index].starts_with([' ', '\t']) && !front[index].trim().is_empty() {
@@ -318,10 +333,11 @@ mod tests {
             "extra: {a: 1}\n",
             "nested:\n  - one\n  - two: [x]\n",
             "anchor: &a value\n",
-            "description: \"Process a refund \\u00e9t\\x41 and\n  more\"\n",
+            "description: \"Process a refund \\u00e9t\\x41 and\n  more\" # folded\n",
             "license: 'It''s\n  MIT'\n",
             "compatibility: |+\n  keep\n",
             "allowed-tools: >2-\n  Bash\n  Read\n",
+            "keywords:\n- one\n- two\n",
             "---\nbody",
         ))
         .unwrap();
@@ -331,6 +347,14 @@ mod tests {
         assert_eq!(parsed.fields["compatibility"], "keep");
         assert_eq!(parsed.fields["allowed-tools"], "Bash Read");
         assert_eq!(parsed.fields.len(), 5, "{:?}", parsed.fields);
+    }
+
+    #[test]
+    fn a_known_field_written_as_a_list_is_refused_with_its_line() {
+        assert_eq!(
+            parse("---\nname: x\nallowed-tools:\n  - Bash\n  - Read\n---\n").unwrap_err(),
+            "line 4: `allowed-tools` must be a string, not a list."
+        );
     }
 
     #[test]

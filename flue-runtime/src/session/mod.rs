@@ -1429,17 +1429,21 @@ impl Response<'_> {
         if let Some(tools) = &tools {
             let mut names = std::collections::HashSet::new();
             for tool in tools {
-                let conflict = if flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()) {
-                    flue_core::ToolNameConflictError::reserved(tool.name())
-                } else if !names.insert(tool.name()) {
-                    flue_core::ToolNameConflictError::duplicate(tool.name())
-                } else {
-                    continue;
-                };
-                return Err(Failure::failed(
-                    flue_core::ToolNameConflictError::TYPE,
-                    conflict.to_string(),
-                ));
+                // Every rule a declared tool's name meets (a provider refuses the rest).
+                if let Err(message) = flue_core::tool::check_tool_name(tool.name(), "The sandbox's tool") {
+                    let error_type = if flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()) {
+                        flue_core::ToolNameConflictError::TYPE
+                    } else {
+                        "sandbox_unavailable"
+                    };
+                    return Err(Failure::failed(error_type, message));
+                }
+                if !names.insert(tool.name()) {
+                    return Err(Failure::failed(
+                        flue_core::ToolNameConflictError::TYPE,
+                        flue_core::ToolNameConflictError::duplicate(tool.name()).to_string(),
+                    ));
+                }
             }
         }
         // The workspace's skills: found once, when the submission's sandbox is made.
