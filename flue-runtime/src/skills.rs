@@ -444,8 +444,12 @@ mod tests {
         );
         let past = read(&skills, None, &args("POLICY.md", Some(9), None));
         assert!(past.is_error);
+        // A binary file reads as its base64, in lines of 76 that `offset` and `limit` window.
         let binary = read(&skills, None, &args("logo.png", None, None));
-        assert!(binary.is_error && binary.to_text().contains("binary file (3 bytes)"));
+        assert!(!binary.is_error);
+        assert_eq!(binary.to_text(), base64_lines(&[0xff, 0xfe, 0x00]));
+        let long = base64_lines(&[0xff; 120]);
+        assert_eq!(long.lines().map(str::len).collect::<Vec<_>>(), [76, 76, 8]);
         let missing = read(&skills, None, &args("NOPE.md", None, None));
         assert_eq!(
             missing.to_text(),
