@@ -473,8 +473,9 @@ pub enum CliError {
     /// Listening or writing failed.
     #[error("{0}")]
     Io(String),
-    /// `run` was interrupted (Ctrl-C, SIGTERM) before the reply came: the message was aborted.
-    #[error("interrupted: the message was aborted")]
+    /// `run` was interrupted (Ctrl-C, SIGTERM) before the reply came: the message was aborted,
+    /// or not sent when the stop came first.
+    #[error("interrupted before the reply: the message, if it was sent, was aborted")]
     Interrupted,
 }
 
