@@ -12,7 +12,8 @@ pub const GENERAL_SUBAGENT_NAME: &str = "flue-general";
 /// relationship options of Standard Agents.
 ///
 /// A task runs the delegate in a child session of its own (a fresh context: the task's prompt
-/// is its only message) and returns its final answer. The delegate shares the parent's
+/// is its only message, with the images of the parent's conversation the call names by
+/// attachment id) and returns its final answer. The delegate shares the parent's
 /// sandbox; the `task` call's `cwd` moves its working directory. Its session runs no lifecycle
 /// hooks: its render cannot select any (`use_hooks`), and `use_subagent` refuses an agent
 /// whose definition selects some rather than have it run without them.

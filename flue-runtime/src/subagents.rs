@@ -53,10 +53,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
+use base64::Engine as _;
 use flue_core::abort::AbortSignal;
 use flue_core::data::SchemaSource;
 use flue_core::lifecycle::{ThreadIdentity, ThreadState, ThreadStateApi};
-use flue_core::message::DeliveredMessage;
+use flue_core::message::{Attachment, DeliveredMessage, UserMessage};
 use flue_core::model::{Compaction, ThinkingLevel};
 use flue_core::render::{RenderState, Rendered};
 use flue_core::subagent::Subagent;
@@ -70,18 +71,19 @@ use crate::compaction::{Budget, Compacting, Failed};
 use crate::events::{Event, LazyId, TaskScope, TurnPurpose, TurnResponse};
 use crate::lifecycle::thread::ThreadWriter;
 use crate::lifecycle::{HookSet, chain};
-use crate::provider::{ModelMessage, ModelRequest, ModelToolCall, StreamEvent, ToolSpec};
-use crate::record::{Batch, ConversationKind, Record, RecordBody, SettlementError, new_id, now};
+use crate::provider::{ModelImage, ModelMessage, ModelRequest, ModelToolCall, StreamEvent, ToolSpec};
+use crate::record::{AttachmentRef, Batch, ConversationKind, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
 use crate::sandbox::Environment;
 use crate::session::{Attempt, Conversation, RetainedChild};
-use crate::store::{InstanceKey, StoreError};
+use crate::store::{AttachmentPut, InstanceKey, StoreError};
 
 /// How deep delegation may nest (a task's child delegating, and so on).
 pub const MAX_DELEGATION_DEPTH: u32 = 4;
 
 const TASK_DESCRIPTION: &str = "Hand a focused piece of work to one of the agents listed under \"Available Agents\" in the system prompt. \
 The agent starts with a fresh context: it sees only your prompt, so make the prompt a complete briefing. \
+To show it images of this conversation, pass their attachment ids. \
 Only its final answer comes back. Several tasks in one turn run in parallel.";
 
 /// The roster section while no delegate is offered (the `task` tool is there all the same).
@@ -104,6 +106,18 @@ struct TaskArgs {
     #[serde(default)]
     #[schemars(length(min = 1))]
     cwd: Option<String>,
+    /// Images of this conversation for the agent to see with the prompt, by the ids listed
+    /// under `<attachments>` in the messages that carry them.
+    #[serde(default)]
+    attachments: Option<Vec<TaskAttachment>>,
+}
+
+/// An image of the delegating conversation handed to a task.
+#[derive(Deserialize, JsonSchema)]
+struct TaskAttachment {
+    /// The image's id, as listed under `<attachments>`.
+    #[schemars(length(min = 1))]
+    id: String,
 }
 
 /// The delegates a render offers: enabled relationships that are not hidden.
@@ -312,6 +326,8 @@ struct Live {
     parent: Option<(ThreadState, HookSet)>,
     /// The parent's sandbox tools: children share the environment.
     environment: Environment,
+    /// The images in front of the delegating session's model: those a task may hand on.
+    attachments: Vec<AttachmentRef>,
 }
 
 impl Delegation {
@@ -394,8 +410,72 @@ impl Delegation {
             offered,
             parent,
             environment,
+            attachments: Vec::new(),
         };
     }
+
+    /// The images in front of the delegating session's model after its latest render (call
+    /// after [`Delegation::update`]).
+    pub(crate) fn show_attachments(&self, attachments: Vec<AttachmentRef>) {
+        self.live().attachments = attachments;
+    }
+
+    /// Reads the images `wanted` (attachment ids, repeats ignored) from the delegating
+    /// conversation's stream `from`, before the task creates anything: an id not in front of
+    /// the delegating model, or not in the store, refuses the task.
+    async fn images_for_task(
+        &self,
+        runtime: &RuntimeInner,
+        from: &InstanceKey,
+        wanted: &[TaskAttachment],
+    ) -> Result<Vec<TaskImage>, String> {
+        let mut ids: Vec<&str> = Vec::with_capacity(wanted.len());
+        for attachment in wanted {
+            if !ids.contains(&attachment.id.as_str()) {
+                ids.push(&attachment.id);
+            }
+        }
+        let shown: Vec<AttachmentRef> = {
+            let live = self.live();
+            ids.iter()
+                .map(|id| {
+                    live.attachments
+                        .iter()
+                        .find(|shown| shown.id == *id)
+                        .cloned()
+                        .ok_or_else(|| attachment_not_available(id))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let mut images = Vec::with_capacity(shown.len());
+        for attachment in shown {
+            let stored = runtime
+                .store
+                .attachment(from, &attachment.id)
+                .await
+                .map_err(|error| format!("The attachment \"{}\" could not be read: {error}", attachment.id))?
+                .ok_or_else(|| attachment_not_available(&attachment.id))?;
+            images.push(TaskImage {
+                media_type: stored.media_type,
+                filename: attachment.filename,
+                bytes: stored.bytes,
+            });
+        }
+        Ok(images)
+    }
+}
+
+/// An image a task hands to its child: stored again under the child's stream (an attachment
+/// belongs to one conversation).
+struct TaskImage {
+    media_type: String,
+    filename: Option<String>,
+    bytes: Vec<u8>,
+}
+
+/// Reference §6.2 `attachment_not_available`.
+fn attachment_not_available(id: &str) -> String {
+    format!("Attachment \"{id}\" is not available in this session.")
 }
 
 /// A root session's delegation and its `task` tool, for as long as its response runs.
@@ -549,6 +629,16 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     if delegation.depth >= MAX_DELEGATION_DEPTH {
         return ToolOutput::error(format!("Maximum delegation depth ({MAX_DELEGATION_DEPTH}) exceeded."));
     }
+    // A child an earlier run created has its images already.
+    let images = match &args.attachments {
+        Some(wanted) if retained.is_none() && !wanted.is_empty() => {
+            match delegation.images_for_task(&runtime, &journal.key(), wanted).await {
+                Ok(images) => images,
+                Err(error) => return ToolOutput::error(error),
+            }
+        }
+        _ => Vec::new(),
+    };
     let _running = {
         let mut running = delegation
             .running
@@ -593,6 +683,7 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         args: &args,
         tool_call_id,
         reopened,
+        images,
     };
     let result = child_session(&runtime, delegation, &subagent, parent, environment, &journal, task)
         .await
@@ -620,6 +711,8 @@ struct Task<'a> {
     args: &'a TaskArgs,
     tool_call_id: &'a str,
     reopened: Option<(InstanceKey, Conversation)>,
+    /// The images the call hands on (none for a reopened child: it has them).
+    images: Vec<TaskImage>,
 }
 
 /// The `ThreadState` of a child session (its identity: hooks see the task, not its stream).
@@ -672,6 +765,32 @@ async fn create_child(
     let mut conversation = Conversation::default();
     let parent = journal.key();
     let key = child_key(&parent, task.id);
+    // The images first: the prompt's record names them. Their ids derive from the task, so a
+    // put that is tried again is an exact retry.
+    let mut attachments = Vec::with_capacity(task.images.len());
+    for (index, image) in task.images.iter().enumerate() {
+        let put = AttachmentPut::new(
+            format!("att_{}_{index}", task.id),
+            image.media_type.clone(),
+            image.bytes.clone(),
+        );
+        let reference = AttachmentRef {
+            id: put.id.clone(),
+            media_type: put.media_type.clone(),
+            size: put.size,
+            filename: image.filename.clone(),
+        };
+        runtime
+            .store
+            .put_attachment(&key, put)
+            .await
+            .map_err(|error| journal.failed(error))?;
+        conversation.keep_image(
+            reference.id.clone(),
+            ModelImage::from_bytes(&image.media_type, &image.bytes),
+        );
+        attachments.push(reference);
+    }
     let birth: Arc<[Record]> = vec![
         journal.child_record(RecordBody::ConversationCreated {
             uid: new_id("inst"),
@@ -684,7 +803,7 @@ async fn create_child(
         journal.child_record(RecordBody::UserMessage {
             message_id: new_id("msg"),
             body: task.args.prompt.clone(),
-            attachments: Vec::new(),
+            attachments,
         }),
     ]
     .into();
@@ -702,6 +821,24 @@ async fn create_child(
     Ok((key, conversation))
 }
 
+/// Loads the images of a reopened child's conversation from its stream's attachments.
+async fn load_images(
+    runtime: &RuntimeInner,
+    child: &InstanceKey,
+    conversation: &mut Conversation,
+) -> Result<(), String> {
+    for attachment in conversation.missing_images() {
+        let stored = runtime
+            .store
+            .attachment(child, &attachment.id)
+            .await
+            .map_err(|error| format!("The task's image \"{}\" could not be read: {error}", attachment.id))?
+            .ok_or_else(|| format!("The task's image \"{}\" is not in the store.", attachment.id))?;
+        conversation.keep_image(attachment.id, ModelImage::from_bytes(&stored.media_type, &stored.bytes));
+    }
+    Ok(())
+}
+
 /// Runs one task to its final answer, recording the child's conversation as it goes (or
 /// going on from what an earlier run recorded).
 async fn child_session(
@@ -715,7 +852,19 @@ async fn child_session(
 ) -> Result<String, String> {
     let args = task.args;
     let reopened = task.reopened.take();
-    let delivery = Arc::new(DeliveredMessage::user(args.prompt.clone()));
+    // The delegate's render sees the prompt as its delivered message, with the images.
+    let delivery = Arc::new(DeliveredMessage::User(UserMessage {
+        body: args.prompt.clone(),
+        attachments: task
+            .images
+            .iter()
+            .map(|image| Attachment::Image {
+                data: base64::engine::general_purpose::STANDARD.encode(&image.bytes),
+                mime_type: image.media_type.clone(),
+                filename: image.filename.clone(),
+            })
+            .collect(),
+    }));
     // A delegate's session runs no lifecycle hooks: its render cannot select any, and
     // `use_subagent` refuses an agent whose definition does.
     let agent = subagent.agent().get();
@@ -767,7 +916,10 @@ async fn child_session(
     };
     let created = reopened.is_none();
     let (child, mut conversation) = match reopened {
-        Some(reopened) => reopened,
+        Some((child, mut conversation)) => {
+            load_images(runtime, &child, &mut conversation).await?;
+            (child, conversation)
+        }
         None => create_child(runtime, journal, subagent, &task).await?,
     };
 
@@ -805,6 +957,8 @@ async fn child_session(
         workspace.as_ref(),
         &mut sections,
     );
+    // The child's images (its prompt's) are the ones its own tasks may hand on.
+    nested.show_attachments(conversation.visible_attachments());
     let system = crate::framework::system(rendered.instruction.as_deref(), sections.text());
     let system_len = system.as_deref().map_or(0, str::len);
     let mut budget = Budget::new(delegation.compaction.clone());

@@ -21,7 +21,7 @@ use flue_runtime::AgentReply;
 use flue_runtime::events::Observation;
 use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelRequest, ProviderError, ProviderErrorKind};
+use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderError, ProviderErrorKind};
 use flue_runtime::store::{MemoryStore, SqliteStore, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use proptest::prelude::*;
@@ -238,7 +238,39 @@ fn seen(model: &ScriptedModel, replies: Vec<AgentReply>, events: Vec<Vec<Value>>
         .into_iter()
         .map(|reply| (reply.text, json!(reply.data), json!(reply.metadata)))
         .collect();
-    (model.requests(), replies, events)
+    let mut requests = model.requests();
+    requests.iter_mut().for_each(number_attachment_ids);
+    (requests, replies, events)
+}
+
+/// `request` with the attachment ids its user messages list (they derive from submission ids,
+/// which differ from run to run) numbered `att#<n>` in order of first appearance.
+fn number_attachment_ids(request: &mut ModelRequest) {
+    const ID: &str = "<image id=\"";
+    let mut ids: Vec<String> = Vec::new();
+    let mut messages = request.messages.to_vec();
+    for message in &mut messages {
+        let ModelMessage::User { content, .. } = message else {
+            continue;
+        };
+        let mut numbered = String::with_capacity(content.len());
+        let mut rest = content.as_str();
+        while let Some(at) = rest.find(ID) {
+            let (before, after) = rest.split_at(at + ID.len());
+            let end = after.find('"').unwrap();
+            let id = &after[..end];
+            let n = ids.iter().position(|seen| seen == id).unwrap_or_else(|| {
+                ids.push(id.to_owned());
+                ids.len() - 1
+            });
+            numbered.push_str(before);
+            numbered.push_str(&format!("att#{n}"));
+            rest = &after[end..];
+        }
+        numbered.push_str(rest);
+        *content = numbered;
+    }
+    request.messages = messages.into();
 }
 
 /// The events an exchange was observed to emit, as JSON, without what differs from run to

@@ -2772,11 +2772,6 @@ async fn images_reach_the_model_are_kept_in_the_attachment_store_and_survive_evi
     };
     let handle = runtime.init(&calculator, "eyes");
     handle.send(with_image("What is in this chart?", &png)).await.unwrap();
-    let first = &model.requests()[0].messages[0];
-    assert!(
-        matches!(first, ModelMessage::User { content, images } if content == "What is in this chart?" && images == std::slice::from_ref(&expected)),
-        "{first:?}"
-    );
     // The record names the attachment; the bytes are in the store.
     let key = InstanceKey::new("calculator", "eyes");
     let batches = flue_runtime::store::Store::read(&store, &key, None).await.unwrap();
@@ -2797,6 +2792,16 @@ async fn images_reach_the_model_are_kept_in_the_attachment_store_and_survive_evi
         .unwrap()
         .unwrap();
     assert_eq!(stored.bytes, png);
+    // The model saw the image, and its id listed after the text.
+    let first = &model.requests()[0].messages[0];
+    let listed = format!(
+        "What is in this chart?\n\n<attachments>\n<image id=\"{}\" mimeType=\"image/png\" />\n</attachments>",
+        attachment.id
+    );
+    assert!(
+        matches!(first, ModelMessage::User { content, images } if *content == listed && images == std::slice::from_ref(&expected)),
+        "{first:?}"
+    );
     // With no cache the instance is folded again for the next message: the image is loaded
     // from the store and sent again with its message.
     for other in 0..2 {

@@ -2348,3 +2348,162 @@ async fn a_settled_delegating_response_keeps_nothing_its_children_rendered_alive
     assert!(rendered >= 2, "each child rendered: {rendered}");
     assert_eq!(held, 0, "child renders whose tools are still held, of {rendered}");
 }
+
+/// The ids the `<attachments>` list after a user message's text names, in order.
+fn listed_attachment_ids(content: &str) -> Vec<String> {
+    let Some((_, list)) = content.rsplit_once("\n\n<attachments>\n") else {
+        return Vec::new();
+    };
+    list.lines()
+        .filter_map(|line| line.strip_prefix("<image id=\""))
+        .map(|rest| rest.split('"').next().unwrap().to_owned())
+        .collect()
+}
+
+fn photo_message(body: &str, data: &str) -> DeliveredMessage {
+    DeliveredMessage::User(flue_runtime::message::UserMessage {
+        body: body.into(),
+        attachments: vec![flue_runtime::message::Attachment::Image {
+            data: data.into(),
+            mime_type: "image/png".into(),
+            filename: Some("photo.png".into()),
+        }],
+    })
+}
+
+/// Reference: the model reads the ids of a message's images (listed after its text) and
+/// hands an image to a delegate by passing its id to `task`; the delegate's prompt carries
+/// the image, stored again under the child's own conversation.
+#[tokio::test]
+async fn a_task_hands_an_image_of_the_conversation_to_its_delegate_by_its_listed_id() {
+    let model = ScriptedModel::new([ScriptedReply::text("A photo, noted.")]);
+    let runtime = runtime_with(&model, vec![case_agent.into()]);
+    let handle = runtime.init(&case_agent, "case-photo");
+    handle
+        .send(photo_message("Here is the printer.", "iVBORw0KGgo="))
+        .await
+        .unwrap();
+    let first = model.requests();
+    let ModelMessage::User { content, images } = &first[0].messages[0] else {
+        panic!("{:?}", first[0].messages)
+    };
+    assert!(
+        content.starts_with("Here is the printer.\n\n<attachments>\n<image id=\""),
+        "{content}"
+    );
+    assert!(
+        content.ends_with(" mimeType=\"image/png\" />\n</attachments>"),
+        "{content}"
+    );
+    let ids = listed_attachment_ids(content);
+    assert_eq!(ids.len(), 1, "{content}");
+    let parent_image = images[0].clone();
+
+    model.push(ScriptedReply::tool_call(
+        "task",
+        json!({"agent": "summarizer", "prompt": "Describe the printer in the photo.",
+               "attachments": [{"id": ids[0]}, {"id": ids[0]}]}),
+    ));
+    model.push(ScriptedReply::text("A printer, on fire."));
+    model.push(ScriptedReply::text("Done."));
+    let reply = handle.send("Have it described.").await.unwrap();
+    assert_eq!(reply.text, "Done.");
+    let requests = model.requests();
+    // The parent's history still lists the image once, on its own message.
+    let ModelMessage::User { content, .. } = &requests[1].messages[0] else {
+        panic!("{:?}", requests[1].messages)
+    };
+    assert_eq!(listed_attachment_ids(content), ids);
+    // The child: the prompt with the image (a repeated id handed once), under an id of its own.
+    let child = &requests[2];
+    let [ModelMessage::User { content, images }] = &child.messages[..] else {
+        panic!("{:?}", child.messages)
+    };
+    assert!(
+        content.starts_with("Describe the printer in the photo.\n\n<attachments>\n"),
+        "{content}"
+    );
+    let child_ids = listed_attachment_ids(content);
+    assert_eq!(child_ids.len(), 1, "{content}");
+    assert_ne!(child_ids, ids, "an attachment belongs to one conversation");
+    assert_eq!(images.as_slice(), [parent_image]);
+    assert_eq!(tool_result(&requests[3]), ("A printer, on fire.".to_owned(), false));
+}
+
+/// An id not in front of the delegating model refuses the task before any child exists.
+#[tokio::test]
+async fn a_task_naming_an_attachment_the_conversation_does_not_show_is_refused() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "task",
+            json!({"agent": "summarizer", "prompt": "Describe it.", "attachments": [{"id": "att_elsewhere_0"}]}),
+        ),
+        ScriptedReply::text("I could not hand it on."),
+    ]);
+    let runtime = runtime_with(&model, vec![case_agent.into()]);
+    let mut events = runtime.observe();
+    let reply = runtime
+        .init(&case_agent, "case-no-photo")
+        .send("Describe the photo.")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "I could not hand it on.");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2, "no child ran");
+    assert_eq!(
+        tool_result(&requests[1]),
+        (
+            "Attachment \"att_elsewhere_0\" is not available in this session.".to_owned(),
+            true
+        )
+    );
+    while let Ok(observation) = events.try_recv() {
+        assert!(
+            !matches!(observation.event, Event::TaskStart { .. }),
+            "no task started: {:?}",
+            observation.event
+        );
+    }
+}
+
+/// A child reattached after a crash reads its images back from its own conversation's
+/// attachments: the model sees the prompt's image on every step.
+#[tokio::test]
+async fn a_reattached_task_child_still_shows_its_delegate_the_image_it_was_handed() {
+    for (name, backend) in backends() {
+        let model = ScriptedModel::new([ScriptedReply::text("Noted.")]);
+        let store = crashing(backend, commits_calls_of("tally"));
+        let failures = store.failures.clone();
+        let agent = FnAgent::new(AgentDefinition::new("ledger"), tallying_parent(3, false)).into();
+        let runtime = harness::runtime_on(store, &model, vec![agent]);
+        let handle = runtime.handle("ledger", "l-photo").unwrap();
+        handle.send(photo_message("A receipt.", "iVBORw0KGgo=")).await.unwrap();
+        let ModelMessage::User { content, images } = &model.requests()[0].messages[0] else {
+            panic!("{name}")
+        };
+        let (ids, photo) = (listed_attachment_ids(content), images[0].clone());
+        model.push(ScriptedReply::tool_call(
+            "task",
+            json!({"agent": "tallier", "prompt": "Tally the receipt.", "attachments": [{"id": ids[0]}]}),
+        ));
+        model.push(ScriptedReply::tool_call("tally", json!({})));
+        model.push(ScriptedReply::text("Seven words."));
+        model.push(ScriptedReply::text("The tally is seven."));
+        let reply = handle.send("Tally it.").await.unwrap();
+        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}: the crash happened");
+        assert_eq!(reply.text, "The tally is seven.", "{name}");
+        let requests = model.requests();
+        assert_eq!(requests.len(), 5, "{name}");
+        // The child's first step, and its step after the reattach.
+        for child in [&requests[2], &requests[3]] {
+            let ModelMessage::User { content, images } = &child.messages[0] else {
+                panic!("{name}: {:?}", child.messages)
+            };
+            assert!(
+                content.starts_with("Tally the receipt.\n\n<attachments>\n"),
+                "{name}: {content}"
+            );
+            assert_eq!(images.as_slice(), [photo.clone()], "{name}");
+        }
+    }
+}

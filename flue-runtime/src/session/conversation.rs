@@ -1192,16 +1192,32 @@ impl Conversation {
         messages.into()
     }
 
+    /// Gives each user message that attaches images those images (once loaded) and, after its
+    /// text, the list of their ids: the model passes an id to the `task` tool to hand that
+    /// image to a delegate.
     fn attach_images(&self, messages: &mut [ModelMessage], position: impl Fn(usize) -> Option<usize>) {
         for (index, refs) in &self.image_refs {
             let Some(at) = position(*index) else { continue };
-            if let Some(ModelMessage::User { images, .. }) = messages.get_mut(at) {
+            if let Some(ModelMessage::User { images, content }) = messages.get_mut(at) {
                 images.extend(
                     refs.iter()
                         .filter_map(|attachment| self.images.get(&attachment.id).cloned()),
                 );
+                append_attachment_list(content, refs);
             }
         }
+    }
+
+    /// The attachments of the messages in front of the model (those a compaction summarized
+    /// away are not), each once: what a `task` call may hand to its delegate.
+    pub(crate) fn visible_attachments(&self) -> Vec<AttachmentRef> {
+        let mut seen = HashSet::new();
+        self.image_refs
+            .iter()
+            .flat_map(|(_, refs)| refs)
+            .filter(|attachment| seen.insert(attachment.id.as_str()))
+            .cloned()
+            .collect()
     }
 
     fn close_open_calls(&self, messages: &mut Vec<ModelMessage>) {
@@ -1424,6 +1440,34 @@ pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
     reply
 }
 
+/// Appends to a user message's text the list of its attachments, as the model reads it:
+///
+/// ```text
+/// <attachments>
+/// <image id="att_…" mimeType="image/png" />
+/// </attachments>
+/// ```
+///
+/// after a blank line (the list alone when the message has no text). Ids are the runtime's
+/// and media types were checked on admission; both are escaped all the same, so no value
+/// can end the attribute or the list.
+fn append_attachment_list(content: &mut String, refs: &[AttachmentRef]) {
+    use std::fmt::Write as _;
+    if refs.is_empty() {
+        return;
+    }
+    content.push_str("\n\n<attachments>\n");
+    for attachment in refs {
+        let _ = writeln!(
+            content,
+            "<image id=\"{}\" mimeType=\"{}\" />",
+            escape_attribute(&attachment.id),
+            escape_attribute(&attachment.media_type)
+        );
+    }
+    content.push_str("</attachments>");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1580,6 +1624,52 @@ mod tests {
         });
         assert!(conversation.images.is_empty(), "the compacted-away photo stays loaded");
         assert!(conversation.estimated_tokens() < crate::compaction::IMAGE_TOKENS);
+    }
+
+    /// The ids of a message's images follow its text, in attachment order, on every request
+    /// (built on a copy: the stored history and other messages are untouched).
+    #[test]
+    fn a_messages_image_ids_are_listed_after_its_text_on_every_request() {
+        let mut conversation = Conversation::default();
+        let photo = |id: &str, media_type: &str| AttachmentRef {
+            id: id.into(),
+            media_type: media_type.into(),
+            size: 3,
+            filename: None,
+        };
+        conversation.apply(&Batch {
+            offset: 0,
+            records: vec![
+                record(RecordBody::UserMessage {
+                    message_id: "user-photos".into(),
+                    body: "two photos".into(),
+                    attachments: vec![photo("att_a", "image/png"), photo("att_b", "image/jpeg")],
+                }),
+                record(RecordBody::UserMessage {
+                    message_id: "user-plain".into(),
+                    body: "no photo".into(),
+                    attachments: Vec::new(),
+                }),
+            ]
+            .into(),
+        });
+        let listed = "two photos\n\n<attachments>\n<image id=\"att_a\" mimeType=\"image/png\" />\n\
+                      <image id=\"att_b\" mimeType=\"image/jpeg\" />\n</attachments>";
+        for _ in 0..2 {
+            let messages = conversation.model_messages();
+            let texts: Vec<&str> = messages
+                .iter()
+                .map(|message| match message {
+                    ModelMessage::User { content, .. } => content.as_str(),
+                    other => panic!("{other:?}"),
+                })
+                .collect();
+            assert_eq!(texts, [listed, "no photo"]);
+        }
+        assert_eq!(
+            conversation.visible_attachments(),
+            [photo("att_a", "image/png"), photo("att_b", "image/jpeg")]
+        );
     }
 
     /// A task's child counts its steps for `max_steps` and numbers its turns by them: a

@@ -1577,6 +1577,11 @@ impl Response<'_> {
             workspace,
             &mut self.framework_sections,
         );
+        if let Some(delegating) = &self.delegation {
+            delegating
+                .delegation
+                .show_attachments(self.conversation.visible_attachments());
+        }
     }
 
     /// Whether the response may make another model step: its step budget is not spent and
