@@ -210,7 +210,7 @@ pub async fn serve_with(
 
 /// Runs `command`, printing to stdout (errors to stderr); the process exit code: 0, 2 for
 /// what the command line asked wrong ([`CliError::exit_code`], as clap's own usage errors),
-/// 130 when a stop signal interrupted `run`, 1 for the rest. The process is to exit next: what still runs then is given back to the
+/// 130 when Ctrl-C interrupted `run` (143 for SIGTERM), 1 for the rest. The process is to exit next: what still runs then is given back to the
 /// queue ([`Runtime::release`]).
 ///
 /// The runtime's warnings and errors are logged to stderr (among them the cause of every 500
@@ -328,7 +328,7 @@ pub async fn execute_with(
             let stop = StopSignals::install();
             runtime.start().await;
             let stopped = async {
-                stop.requested().await;
+                let signal = stop.requested().await;
                 // A second Ctrl-C stops waiting for the abort.
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
@@ -336,6 +336,7 @@ pub async fn execute_with(
                         std::process::exit(130);
                     }
                 });
+                signal
             };
             let reply = send_until(runtime, &agent, id, message, stopped).await?;
             if json {
@@ -362,26 +363,27 @@ pub async fn execute_with(
 /// first: then the instance's unsettled work is aborted (what the user meant by stopping: a
 /// later process would otherwise finish it, spending model and tool calls; the store is this
 /// process's, so that work is this command's) and the command ends as
-/// [`CliError::Interrupted`]. A stop before the message was sent sends nothing.
+/// [`CliError::Interrupted`] (or [`CliError::Terminated`], for SIGTERM). A stop before the
+/// message was sent sends nothing.
 async fn send_until(
     runtime: &Runtime,
     agent: &str,
     id: String,
     message: String,
-    stop: impl Future<Output = ()>,
+    stop: impl Future<Output = StopSignal>,
 ) -> Result<crate::AgentReply, CliError> {
     use futures_util::FutureExt as _;
     let handle = runtime.handle(agent, id)?;
     let send = handle.send(message);
     tokio::pin!(send, stop);
-    if stop.as_mut().now_or_never().is_some() {
-        return Err(CliError::Interrupted);
+    if let Some(signal) = stop.as_mut().now_or_never() {
+        return Err(signal.into());
     }
-    tokio::select! {
+    let signal = tokio::select! {
         biased;
-        () = &mut stop => {}
+        signal = &mut stop => signal,
         reply = &mut send => return Ok(reply?),
-    }
+    };
     // Aborted while the send is still alive, so its admission (which may be committing) and
     // its processing end here, settled, rather than being given back to the queue; asked
     // again while it has not settled, for an admission that committed after the first ask.
@@ -396,7 +398,25 @@ async fn send_until(
             break;
         }
     }
-    Err(CliError::Interrupted)
+    Err(signal.into())
+}
+
+/// Which stop signal came.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StopSignal {
+    /// Ctrl-C (SIGINT).
+    Interrupt,
+    /// SIGTERM (Unix).
+    Terminate,
+}
+
+impl From<StopSignal> for CliError {
+    fn from(signal: StopSignal) -> Self {
+        match signal {
+            StopSignal::Interrupt => Self::Interrupted,
+            StopSignal::Terminate => Self::Terminated,
+        }
+    }
 }
 
 /// Ctrl-C, or (on Unix) SIGTERM, which `docker stop`, systemd and Kubernetes send to stop a
@@ -423,8 +443,8 @@ impl StopSignals {
         Self {}
     }
 
-    /// Completes at the first stop signal.
-    async fn requested(self) {
+    /// Completes at the first stop signal, with which it was.
+    async fn requested(self) -> StopSignal {
         #[cfg(unix)]
         {
             let wait = |signal: Option<tokio::signal::unix::Signal>| async move {
@@ -437,13 +457,14 @@ impl StopSignals {
                 }
             };
             tokio::select! {
-                () = wait(self.interrupt) => {}
-                () = wait(self.terminate) => {}
+                () = wait(self.interrupt) => StopSignal::Interrupt,
+                () = wait(self.terminate) => StopSignal::Terminate,
             }
         }
         #[cfg(not(unix))]
         {
             let _ = tokio::signal::ctrl_c().await;
+            StopSignal::Interrupt
         }
     }
 }
@@ -473,25 +494,29 @@ pub enum CliError {
     /// Listening or writing failed.
     #[error("{0}")]
     Io(String),
-    /// `run` was interrupted (Ctrl-C, SIGTERM) before the reply came: the message was aborted,
-    /// or not sent when the stop came first.
+    /// `run` was interrupted (Ctrl-C) before the reply came: the message was aborted, or not
+    /// sent when the stop came first.
     #[error("interrupted before the reply: the message, if it was sent, was aborted")]
     Interrupted,
+    /// As [`CliError::Interrupted`], by SIGTERM.
+    #[error("terminated before the reply: the message, if it was sent, was aborted")]
+    Terminated,
 }
 
 impl CliError {
     /// The process exit code this error ends a command with: 2 when the command line asked
     /// for something that cannot be (an agent that does not exist, an invalid instance id or
-    /// message), as clap's usage errors do; 130 when a stop signal (Ctrl-C, SIGTERM)
-    /// interrupted `run`, as a shell reports Ctrl-C; 1 for a failure (the submission failed or
-    /// was aborted, the store or the network failed).
+    /// message), as clap's usage errors do; when a stop signal interrupted `run`, 128 plus
+    /// its number, as a shell reports a process the signal ended (130 for Ctrl-C, 143 for
+    /// SIGTERM); 1 for a failure (the submission failed or was aborted, the store or the
+    /// network failed).
     pub fn exit_code(&self) -> i32 {
         use crate::RuntimeError as R;
         match self {
             Self::UnknownAgent { .. }
             | Self::Runtime(R::UnknownAgent(_) | R::InvalidRequest(_) | R::InvalidMessage(_)) => 2,
-            // As a shell reports a process Ctrl-C ended.
             Self::Interrupted => 130,
+            Self::Terminated => 143,
             _ => 1,
         }
     }
@@ -525,9 +550,16 @@ mod tests {
     }
 
     /// Stopping `run` (Ctrl-C, SIGTERM) before the reply aborts the message rather than leave
-    /// it for a later process to finish, and ends the command with 130.
+    /// it for a later process to finish, and ends the command with 128 plus the signal's
+    /// number.
     #[tokio::test]
     async fn a_run_stopped_before_its_reply_aborts_its_message() {
+        for (signal, code) in [(StopSignal::Interrupt, 130), (StopSignal::Terminate, 143)] {
+            a_run_stopped_by(signal, code).await;
+        }
+    }
+
+    async fn a_run_stopped_by(signal: StopSignal, code: i32) {
         let model = ScriptedModel::new([ScriptedReply::tool_call("wait_forever", serde_json::json!({}))]);
         let mut providers = crate::provider::ProviderRegistry::new();
         providers.register(model.clone());
@@ -549,12 +581,12 @@ mod tests {
         let (result, ()) = tokio::join!(
             send_until(&runtime, "waiter", "w".into(), "go".into(), async {
                 let _ = stopped.await;
+                signal
             }),
             stopping
         );
         let error = result.unwrap_err();
-        assert!(matches!(error, CliError::Interrupted), "{error}");
-        assert_eq!(error.exit_code(), 130);
+        assert_eq!(error.exit_code(), code, "{error}");
         let settled = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
                 if let Ok(observation) = events.recv().await
