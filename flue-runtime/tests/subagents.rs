@@ -1465,8 +1465,12 @@ async fn an_aborted_task_calls_unknown_outcome_names_its_child_conversation() {
     let mut events = runtime.observe();
     let handle = runtime.handle("desk_wait", "d-4").unwrap();
     let receipt = handle.dispatch("go").await.unwrap();
+    let mut task_id = None;
     loop {
         let observation = events.recv().await.unwrap();
+        if let Event::TaskStart { task_id: started, .. } = &observation.event {
+            task_id = Some(started.clone());
+        }
         if matches!(&observation.event, Event::ToolStart { tool_name, .. } if tool_name == "wait_forever") {
             break;
         }
@@ -1476,6 +1480,13 @@ async fn an_aborted_task_calls_unknown_outcome_names_its_child_conversation() {
         .await
         .expect("the abort reached the running task");
     assert!(aborted.is_err(), "the submission settled aborted");
+    // The child session the abort dropped mid-tool still ends: one `agent_end` in the task.
+    let child_ends = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|observation| {
+            observation.task_id == task_id && matches!(observation.event, Event::AgentEnd { .. })
+        })
+        .count();
+    assert_eq!(child_ends, 1);
     handle.send("And now?").await.unwrap();
     let store = runtime.store().clone();
     let (_, child) = the_child(&store, &InstanceKey::new("desk_wait", "d-4")).await;
