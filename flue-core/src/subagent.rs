@@ -16,7 +16,8 @@ pub const GENERAL_SUBAGENT_NAME: &str = "flue-general";
 /// attachment id) and returns its final answer. The delegate shares the parent's
 /// sandbox; the `task` call's `cwd` moves its working directory. Its session runs no lifecycle
 /// hooks: its render cannot select any (`use_hooks`), and `use_subagent` refuses an agent
-/// whose definition selects some rather than have it run without them.
+/// whose definition selects some rather than have it run without them. For the same reason a
+/// task is refused when its delegate offers a delegate of its own that requires parent hooks.
 #[derive(Clone)]
 pub struct Subagent {
     pub(crate) name: String,

@@ -821,6 +821,31 @@ async fn create_child(
     Ok((key, conversation))
 }
 
+/// Fails closed when the delegate's render offers a delegate of its own (enabled) whose agent
+/// requires hooks of its parent: the delegate's session runs no lifecycle hooks, and a parent
+/// never runs with part of its required set (reference §4.3), so the task is refused rather
+/// than run without them.
+fn refuse_required_hooks(subagent: &Subagent, rendered: &Rendered) -> Result<(), String> {
+    let requiring = rendered.subagents.iter().find(|nested| {
+        nested.is_enabled(|name| std::env::var(name).ok()) && !nested.agent().get().definition().parent_hooks.is_empty()
+    });
+    let Some(nested) = requiring else { return Ok(()) };
+    let hooks: Vec<&str> = nested
+        .agent()
+        .get()
+        .definition()
+        .parent_hooks
+        .iter()
+        .map(|requirement| requirement.hook.id())
+        .collect();
+    Err(format!(
+        "The \"{}\" agent cannot run as a task: it delegates to \"{}\", whose agent requires hooks of its parent ({}), and a task's session runs no lifecycle hooks.",
+        subagent.name(),
+        nested.name(),
+        hooks.join(", ")
+    ))
+}
+
 /// Loads the images of a reopened child's conversation from its stream's attachments.
 async fn load_images(
     runtime: &RuntimeInner,
@@ -891,6 +916,7 @@ async fn child_session(
         .map_err(|error| format!("The \"{}\" agent's model: {error}", subagent.name()))?;
 
     // Refused before the child exists (no child is left behind).
+    refuse_required_hooks(subagent, &rendered)?;
     if let Some(taken) = rendered
         .tools
         .iter()

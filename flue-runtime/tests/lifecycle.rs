@@ -1430,6 +1430,54 @@ fn parent_agent() -> &'static str {
     "P"
 }
 
+/// A delegate whose own delegate requires parent hooks: the delegate is that parent, and a
+/// task's session runs no hooks.
+fn mail_desk(_: AgentProps<'_>) -> &'static str {
+    use_subagent(Subagent::new("mail", "Syncs mail.", mail_child));
+    "You handle the mail desk."
+}
+
+#[agent]
+fn front_office() -> &'static str {
+    use_model("scripted/x");
+    use_subagent(Subagent::new(
+        "desk",
+        "Handles the mail desk.",
+        FnAgent::new(AgentDefinition::new("mail_desk"), mail_desk),
+    ));
+    "Delegate the mail."
+}
+
+/// Items 69 + §4.1.4: a requirement binds the direct parent, and the parent never runs with
+/// part of its required set. A task's child is that parent for its own delegates but runs no
+/// hooks, so the task is refused (before its child exists) instead of running without them.
+#[tokio::test]
+async fn a_task_whose_delegate_offers_a_child_requiring_parent_hooks_is_refused() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "desk", "prompt": "Sync the mail."})),
+        ScriptedReply::text("The desk cannot run."),
+    ]);
+    let runtime = runtime_with(&model, vec![front_office.into()]);
+    let reply = runtime.init(&front_office, "office-1").send("Mail?").await.unwrap();
+    assert_eq!(reply.text, "The desk cannot run.");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2, "the desk's model was never called");
+    let (content, is_error) = requests[1]
+        .messages
+        .iter()
+        .find_map(|message| match message {
+            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .unwrap();
+    assert!(is_error);
+    assert_eq!(
+        content,
+        "The \"desk\" agent cannot run as a task: it delegates to \"mail\", whose agent requires hooks of \
+         its parent (child_after, child_before), and a task's session runs no lifecycle hooks."
+    );
+}
+
 #[tokio::test]
 async fn items_60_63_65_70_required_child_hooks_surround_the_parent_hooks_on_the_parent_thread() {
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);

@@ -1482,9 +1482,7 @@ async fn an_aborted_task_calls_unknown_outcome_names_its_child_conversation() {
     assert!(aborted.is_err(), "the submission settled aborted");
     // The child session the abort dropped mid-tool still ends: one `agent_end` in the task.
     let child_ends = std::iter::from_fn(|| events.try_recv().ok())
-        .filter(|observation| {
-            observation.task_id == task_id && matches!(observation.event, Event::AgentEnd { .. })
-        })
+        .filter(|observation| observation.task_id == task_id && matches!(observation.event, Event::AgentEnd { .. }))
         .count();
     assert_eq!(child_ends, 1);
     handle.send("And now?").await.unwrap();
