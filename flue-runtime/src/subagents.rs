@@ -949,8 +949,11 @@ async fn child_session(
         None => create_child(runtime, journal, subagent, &task).await?,
     };
 
-    // Before the child's first model call (again when a re-run finds it has none yet).
+    // Before the child's first model call, once per child: a marker in the child's stream
+    // records that it ran, so a re-run that reattaches does not run it again (a crash between
+    // the hook and its marker runs it again: callbacks are at least once).
     if conversation.model_steps() == 0
+        && !conversation.thread_created_hooks_ran
         && let Some((parent, hooks)) = &parent
         && hooks.has(flue_core::lifecycle::HookKind::AfterSubagentCreated)
     {
@@ -959,14 +962,18 @@ async fn child_session(
         if let Some(description) = &args.description {
             arguments.insert("description".into(), json!(description));
         }
-        let child = ThreadState::new(Arc::new(ChildThread(ThreadIdentity {
+        let child_state = ThreadState::new(Arc::new(ChildThread(ThreadIdentity {
             thread_id: task.id.to_owned(),
             agent_id: subagent.name().to_owned(),
             user_id: parent.user_id().map(str::to_owned),
-            created_at: crate::session::micros_of(&crate::record::now()),
+            created_at: conversation.identity(&child).created_at,
             arguments,
         })));
-        chain::after_subagent_created(hooks, parent, &child).await;
+        chain::after_subagent_created(hooks, parent, &child_state).await;
+        let marker = journal.child_record(RecordBody::ThreadCreatedHooksRan);
+        journal
+            .append_child(runtime, &child, vec![marker], &mut conversation)
+            .await?;
     }
 
     // The parent's environment, then the child's own skills and delegates (one level deeper).

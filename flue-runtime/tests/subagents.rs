@@ -2516,3 +2516,58 @@ async fn a_reattached_task_child_still_shows_its_delegate_the_image_it_was_hande
         }
     }
 }
+
+/// The children `count_child` saw created, by parent thread.
+static CHILDREN_SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(after_subagent_created)]
+async fn count_child(parent: &ThreadState, _child: &ThreadState) {
+    CHILDREN_SEEN.lock().unwrap().push(parent.thread_id().to_owned());
+}
+
+#[agent(hooks = [count_child])]
+fn noting_ledger() -> &'static str {
+    use_model("scripted/parent-model");
+    use_subagent(tallying_delegate(3));
+    "Delegate the tally."
+}
+
+/// `after_subagent_created` runs once per child, as `after_thread_created` runs once per
+/// thread: a re-attempt that reattaches to a child whose first step never committed does not
+/// run it again (a marker in the child's stream records that it ran).
+#[tokio::test]
+async fn after_subagent_created_runs_once_for_a_child_a_re_attempt_reattaches_to() {
+    for (name, backend) in backends() {
+        let id = format!("noted-{name}");
+        let model = ScriptedModel::new([
+            ScriptedReply::tool_call("task", json!({"agent": "tallier", "prompt": "Tally: one two."})),
+            // The child's first step: its commit fails, and the parent's attempt with it.
+            ScriptedReply::tool_call("tally", json!({})),
+            ScriptedReply::tool_call("tally", json!({})),
+            ScriptedReply::text("Two words."),
+            ScriptedReply::text("The tally is two."),
+        ]);
+        let store = crashing(backend, |key, records| {
+            key.agent.ends_with(":task")
+                && records
+                    .iter()
+                    .any(|record| serde_json::to_value(record).unwrap()["type"] == "assistant_message_completed")
+        });
+        let failures = store.failures.clone();
+        let runtime = harness::runtime_on(store, &model, vec![noting_ledger.into()]);
+        let reply = runtime
+            .init(&noting_ledger, id.clone())
+            .send("Tally it.")
+            .await
+            .unwrap();
+        assert_eq!(failures.load(Ordering::SeqCst), 1, "{name}: the crash happened");
+        assert_eq!(reply.text, "The tally is two.", "{name}");
+        let runs = CHILDREN_SEEN
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|parent| **parent == id)
+            .count();
+        assert_eq!(runs, 1, "{name}");
+    }
+}
