@@ -3032,3 +3032,53 @@ async fn the_finish_ceiling_counts_the_cycles_made_before_a_restart() {
         .count();
     assert_eq!(durable, 32);
 }
+
+#[agent(durability(max_attempts = 1))]
+fn one_shot_noter() -> &'static str {
+    use_model("scripted/x");
+    "You answer once."
+}
+
+/// Reference §3.9: a response that ended durably settles completed even past its budget. A
+/// takeover whose budget is spent and whose read of the stream fails cannot see that the
+/// response ended: it does not settle it failed, but gives it back for an attempt that reads
+/// the stream, which settles it completed.
+#[tokio::test]
+async fn a_spent_budgets_failed_read_does_not_settle_an_ended_response_as_failed() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("done")]);
+    let runtime = taking_over(&store, &model, one_shot_noter).await;
+    let mut events = runtime.observe();
+    let handle = runtime.init(&one_shot_noter, "once-1");
+    let receipt = handle.dispatch("hello").await.unwrap();
+    // The answer is durable, its settlement failed: the next read (the takeover's) fails too.
+    for _ in 0..1000 {
+        if store.failures.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the settlement failed");
+    store.failing_reads.store(1, Ordering::SeqCst);
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while store.failing_reads.load(Ordering::SeqCst) > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        handle.read(&receipt.submission_id).await
+    })
+    .await
+    .expect("the submission settles")
+    .unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 2, "a takeover's read failed");
+    assert_eq!(reply.text, "done");
+    assert_eq!(model.requests().len(), 1, "the answer was not made again");
+    assert_eq!(
+        settlements_of(&mut events, &receipt.submission_id),
+        [Outcome::Completed]
+    );
+}

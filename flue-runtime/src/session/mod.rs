@@ -453,6 +453,9 @@ impl InstanceSlot {
         // A response that ended durably (an attempt died before settling it) settles as
         // completed: even past its budget, after an abort request or with its attempts used.
         let answered = refreshed.is_ok() && conversation.has_ended(&submission.id);
+        // The attempt could not read the stream: it did no work, and how the submission ended
+        // is not known yet (see the settlement below).
+        let unread = refreshed.is_err();
         // Whether the submission's input is in the stream: a budget spent before it was is an
         // interruption before input (unknown when the stream could not be read).
         let input_applied = refreshed.is_err() || conversation.has_input(&submission.id);
@@ -654,7 +657,36 @@ impl InstanceSlot {
             Ok(()) => (Outcome::Completed, None),
             Err(failure) => {
                 attempt.buffer().discard_pending();
-                if failure.transient && submission.attempt_count < submission.max_attempts {
+                // An attempt that could not read the stream cannot tell a spent budget from a
+                // response that ended (an attempt died before settling it) or an abort, which
+                // §3.9 settles first whatever the budget: it reads again, and gives a submission
+                // that ended or is to abort back to the queue, for an attempt that reads the
+                // stream to settle it so. When it still cannot read, the submission is left to
+                // a takeover (the lease lapses unrenewed) rather than settled as failed.
+                let mut classify_later = false;
+                if unread && failure.transient && submission.attempt_count >= submission.max_attempts {
+                    match runtime.store.read(&self.key, conversation.last_offset).await {
+                        Ok(batches) => {
+                            for batch in &batches {
+                                conversation.apply(batch);
+                            }
+                            classify_later = conversation.has_ended(&submission.id) || abort_requested;
+                        }
+                        Err(error) => {
+                            tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read to settle a spent budget; the lease lapses");
+                            runtime.emit_recovery(
+                                Concerning::Row(&submission),
+                                RecoveryOperation::ProcessSubmission,
+                                RecoveryOutcome::Deferred,
+                                Some(&error),
+                            );
+                            self.binding.set_current(None);
+                            *conversation = Conversation::default();
+                            return (None, None);
+                        }
+                    }
+                }
+                if failure.transient && (submission.attempt_count < submission.max_attempts || classify_later) {
                     tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "re-attempting after a store failure");
                     self.binding.set_current(None);
                     // Forget the cached fold: the next attempt re-reads what is durable.
