@@ -1444,6 +1444,13 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
         "invalid_request",
     )
     .await;
+    // The type is checked before the text: a blank body sent as text is not JSON.
+    assert_error(
+        raw(Some("text/plain"), "   ").send().await.unwrap(),
+        415,
+        "unsupported_media_type",
+    )
+    .await;
     let wait = client
         .post(format!("{url}?wait=true"))
         .json(&json!({"kind": "user", "body": "hi"}))

@@ -26,19 +26,20 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let content_length = headers.get(header::CONTENT_LENGTH);
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|value| value.to_str().ok());
-    // No body at all (declared empty, or nothing declares one) or a blank one is no message:
-    // the message rules refuse it below.
+    // No body at all (declared empty, or nothing declares one) is no message: the message
+    // rules refuse it below. A body declared otherwise must be JSON, and a blank JSON body is
+    // no message either (the reference's order: the type is checked before the text).
     let declared_empty = content_length.is_some_and(|length| length.as_bytes() == b"0");
     let undeclared = content_length.is_none() && headers.get(header::CONTENT_TYPE).is_none();
-    // Blank as JavaScript's `trim` sees it: Unicode spaces (a no-break space) and byte order
-    // marks too.
-    let blank = std::str::from_utf8(body).is_ok_and(flue_core::message::is_blank);
-    let value = if declared_empty || undeclared || blank {
+    let value = if declared_empty || undeclared {
+        Value::Null
+    } else if !content_type.is_some_and(declares_json) {
+        return Err(ApiError::unsupported_media_type(content_type));
+    } else if std::str::from_utf8(body).is_ok_and(flue_core::message::is_blank) {
+        // Blank as JavaScript's `trim` sees it: Unicode spaces (a no-break space) and byte
+        // order marks too.
         Value::Null
     } else {
-        if !content_type.is_some_and(declares_json) {
-            return Err(ApiError::unsupported_media_type(content_type));
-        }
         parse_json(body)?
     };
     let Value::Object(mut fields) = value else {
@@ -320,15 +321,24 @@ mod tests {
         assert_eq!(JsonShape::of(br#"["\"#).containers, 1);
     }
 
+    /// The reference checks the declared type before it reads the text: a blank body sent as
+    /// JSON is no message (400), one sent as anything else (or as nothing, with a length) is
+    /// an unsupported media type (415).
     #[test]
-    fn a_body_of_unicode_spaces_is_blank_not_an_unsupported_media_type() {
-        for body in ["\u{a0}", "\u{feff}", " \u{2003}\n"] {
-            let error = parse("c1", &headers(None, body.len()), body.as_bytes()).expect_err("no message");
+    fn a_blank_body_is_no_message_as_json_and_an_unsupported_media_type_otherwise() {
+        for body in ["   ", "\u{a0}", "\u{feff}", " \u{2003}\n"] {
+            let error =
+                parse("c1", &headers(Some("application/json"), body.len()), body.as_bytes()).expect_err("no message");
             assert_eq!(error.status().as_u16(), 400, "{body:?}");
             assert_eq!(error.error_type(), "invalid_request", "{body:?}");
+            for content_type in [None, Some("text/plain")] {
+                let error = parse("c1", &headers(content_type, body.len()), body.as_bytes()).expect_err("not JSON");
+                assert_eq!(error.status().as_u16(), 415, "{body:?} as {content_type:?}");
+                assert_eq!(error.error_type(), "unsupported_media_type", "{body:?}");
+            }
         }
-        // U+0085 is no white space to JavaScript: a body of it is a body, without a JSON type.
-        let error = parse("c1", &headers(None, 2), "\u{85}".as_bytes()).expect_err("no JSON");
-        assert_eq!(error.error_type(), "unsupported_media_type");
+        // U+0085 is no white space to JavaScript: a body of it is a body, and not JSON.
+        let error = parse("c1", &headers(Some("application/json"), 2), "\u{85}".as_bytes()).expect_err("no JSON");
+        assert_eq!(error.error_type(), "invalid_json");
     }
 }
