@@ -3082,3 +3082,48 @@ async fn a_spent_budgets_failed_read_does_not_settle_an_ended_response_as_failed
         [Outcome::Completed]
     );
 }
+
+static STEPS_SEEN: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+#[agent]
+fn step_counter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("note_step").description("Notes the step.").run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            let step = ctx
+                .thread()
+                .and_then(|thread| thread.execution())
+                .map(|execution| execution.step_count());
+            STEPS_SEEN.lock().unwrap().push(step.unwrap_or(0));
+            Ok::<_, ToolError>("noted")
+        },
+    ));
+    "You count steps."
+}
+
+/// `ExecutionState::step_count` is the response's, as its step budget is: a re-attempt after a
+/// crash counts on from the durable steps instead of starting again from 0.
+#[tokio::test]
+async fn a_re_attempts_step_count_goes_on_from_the_durable_steps() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("note_step", json!({})),
+        ScriptedReply::tool_call("note_step", json!({})),
+        ScriptedReply::text("counted"),
+    ]);
+    let runtime = runtime(&store, &model, step_counter);
+    let reply = runtime.init(&step_counter, "steps-1").send("count").await.unwrap();
+    assert_eq!(reply.text, "counted");
+    assert_eq!(
+        store.failures.load(Ordering::SeqCst),
+        1,
+        "the first batch's commit failed"
+    );
+    // Step 1's tool ran in the first attempt; the re-attempt's first model call is step 2.
+    assert_eq!(*STEPS_SEEN.lock().unwrap(), [1, 2]);
+}

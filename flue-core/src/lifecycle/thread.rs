@@ -173,10 +173,18 @@ struct ExecutionInner {
 impl ExecutionState {
     /// A fresh execution of `submission_id`, aborted through `signal`.
     pub fn new(submission_id: impl Into<Arc<str>>, signal: AbortSignal) -> Self {
+        Self::resumed(submission_id, signal, 0)
+    }
+
+    /// An execution of `submission_id` that goes on after the `steps` model steps an earlier
+    /// attempt made durable (a re-attempt after a crash): [`step_count`](Self::step_count)
+    /// counts on from them. A [`stop`](Self::stop) request is not durable: it was the earlier
+    /// attempt's.
+    pub fn resumed(submission_id: impl Into<Arc<str>>, signal: AbortSignal, steps: u32) -> Self {
         Self {
             inner: Arc::new(ExecutionInner {
                 submission_id: submission_id.into(),
-                steps: AtomicU32::new(0),
+                steps: AtomicU32::new(steps),
                 stopped: AtomicBool::new(false),
                 signal,
             }),
@@ -188,7 +196,8 @@ impl ExecutionState {
         &self.inner.submission_id
     }
 
-    /// Model steps taken so far in this execution.
+    /// Model steps taken so far in this execution (the durable ones of earlier attempts of
+    /// the submission included).
     pub fn step_count(&self) -> u32 {
         self.inner.steps.load(Ordering::Acquire)
     }

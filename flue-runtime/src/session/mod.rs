@@ -492,7 +492,13 @@ impl InstanceSlot {
             record_ids.clone(),
         ));
         let _ = attempt.writer.set(writer.clone());
-        let execution = ExecutionState::new(record_ids.0.clone(), attempt.signal.clone());
+        // A re-attempt's execution counts on from the response's durable steps, as its step
+        // budget does.
+        let execution = ExecutionState::resumed(
+            record_ids.0.clone(),
+            attempt.signal.clone(),
+            conversation.steps(&submission.id),
+        );
         let mut response = Response {
             runtime,
             key: &self.key,
