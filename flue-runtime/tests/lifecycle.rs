@@ -535,6 +535,59 @@ async fn items_22_23_24_25_36_create_and_update_hooks_shape_the_stored_rows() {
     )));
 }
 
+static TRACED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Tags the running step's row as soon as it exists, through `update_message`.
+#[hook(after_create_message)]
+async fn trace_assistant_rows(state: &ThreadState, message: &Message) -> Result<(), HookError> {
+    if message.role != MessageRole::Assistant {
+        return Ok(());
+    }
+    let mut updates = MessageUpdates::new();
+    updates.insert("metadata".into(), json!({"trace": "t-1"}));
+    let updated = state
+        .update_message(&message.id, updates)
+        .await
+        .map_err(|error| HookError::new(error.to_string()))?;
+    let read = state.get_message(&message.id).await.unwrap().unwrap();
+    TRACED.lock().unwrap().push(format!(
+        "{:?} {:?} {:?}",
+        updated.status,
+        updated.metadata.get("trace"),
+        read.metadata.get("trace")
+    ));
+    Ok(())
+}
+
+#[agent(hooks = [trace_assistant_rows])]
+fn tracer() -> &'static str {
+    use_model("scripted/x");
+    "T"
+}
+
+/// `after_create_message` hands hooks the running step's row, which `get_message` reads: an
+/// `update_message` of it applies to it at once and is stored with its step (under the step's
+/// own fields), rather than failing as an unknown message.
+#[tokio::test]
+async fn the_running_steps_row_takes_updates_stored_with_its_step() {
+    let model = ScriptedModel::new([ScriptedReply::text("traced")]);
+    let runtime = runtime_with(&model, vec![tracer.into()]);
+    let reply = runtime.init(&tracer, "tr-1").send("hi").await.unwrap();
+    assert_eq!(reply.text, "traced");
+    assert_eq!(
+        *TRACED.lock().unwrap(),
+        [r#"Some(Pending) Some(String("t-1")) Some(String("t-1"))"#]
+    );
+    let stored = bodies(&runtime, "tracer", "tr-1").await;
+    assert!(
+        stored.iter().any(|body| matches!(
+            body,
+            RecordBody::MessageUpdated { updates, .. } if updates.get("metadata") == Some(&json!({"trace": "t-1"}))
+        )),
+        "{stored:?}"
+    );
+}
+
 static PENDING_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// Reads the thread from inside the assistant row's hooks: the row is there, as stored.

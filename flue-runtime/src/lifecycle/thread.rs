@@ -49,6 +49,9 @@ pub(crate) struct ThreadWriter {
     /// failure's update hooks): a row of the thread for reads, though only a completed step
     /// is stored.
     pending_row: Mutex<Option<Message>>,
+    /// What `update_message` set on the pending row: stored with its step, under the step's
+    /// own updates (dropped with the row when the step fails).
+    pending_updates: Mutex<MessageUpdates>,
 }
 
 impl ThreadWriter {
@@ -81,20 +84,47 @@ impl ThreadWriter {
             unfolded: Mutex::new(Vec::new()),
             folded: tokio::sync::Mutex::new(None),
             pending_row: Mutex::new(None),
+            pending_updates: Mutex::default(),
         }
     }
 
     /// Shows `row` as the thread's last row (the running step's), or no such row.
     pub(crate) fn set_pending_row(&self, row: Option<Message>) {
-        *self.pending_row.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = row;
+        let mut pending = self.pending_row.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if row.as_ref().map(|row| &row.id) != pending.as_ref().map(|row| &row.id) {
+            self.pending_updates().clear();
+        }
+        *pending = row;
     }
 
     /// Takes the running step's row out of the thread.
     pub(crate) fn take_pending_row(&self) -> Option<Message> {
+        self.pending_updates().clear();
         self.pending_row
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
+    }
+
+    fn pending_updates(&self) -> std::sync::MutexGuard<'_, MessageUpdates> {
+        self.pending_updates
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Applies `updates` to the running step's row when its id is `id`: returns the row as
+    /// updated (`None` when no such row runs).
+    fn update_pending_row(&self, id: &str, updates: MessageUpdates) -> Option<Message> {
+        let mut pending = self.pending_row.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let row = pending.as_mut().filter(|row| row.id == id)?;
+        apply_updates(row, updates.clone());
+        self.pending_updates().extend(updates);
+        Some(row.clone())
+    }
+
+    /// What `update_message` set on the running step's row, for its step's commit.
+    pub(crate) fn take_pending_updates(&self) -> MessageUpdates {
+        std::mem::take(&mut *self.pending_updates())
     }
 
     /// The running step's row, if its id is `id`.
@@ -288,6 +318,26 @@ impl RuntimeThread {
     }
 }
 
+/// `updates` (checked) applied to `row`, as the stream applies a stored row's update.
+pub(crate) fn apply_updates(row: &mut Message, updates: MessageUpdates) {
+    for (field, value) in updates {
+        match (field.as_str(), value) {
+            ("content", Value::String(content)) => row.content = Some(content),
+            ("silent", Value::Bool(silent)) => row.silent = silent,
+            ("metadata", Value::Object(metadata)) => row.metadata = metadata,
+            ("metadata", Value::Null) => row.metadata.clear(),
+            ("name", Value::String(name)) => row.name = Some(name),
+            ("name", Value::Null) => row.name = None,
+            ("status", status) => {
+                if let Ok(status) = serde_json::from_value(status) {
+                    row.status = Some(status);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Checks the fields of a row update: `content` (string), `silent` (bool), `metadata`
 /// (object or null), `name` (string or null), `status` (`pending`, `completed`, `failed`).
 pub(crate) fn check_updates(updates: &MessageUpdates) -> Result<(), ThreadError> {
@@ -408,11 +458,13 @@ impl ThreadStateApi for RuntimeThread {
     ) -> BoxFuture<'a, Result<Message, ThreadError>> {
         Box::pin(async move {
             check_updates(&updates)?;
-            if !self
+            let stored = self
                 .writer
                 .with_fold(|conversation| conversation.find_row(id).is_some())
-                .await?
-            {
+                .await?;
+            // The running step's row (shown by the reads) takes updates too: they are stored
+            // with its step.
+            if !stored && self.writer.pending_row_with_id(id).is_none() {
                 return Err(ThreadError::MessageNotFound(id.to_owned()));
             }
             let hooks = self.hooks();
@@ -421,6 +473,10 @@ impl ThreadStateApi for RuntimeThread {
                 .await
                 .map_err(|prevented| ThreadError::Hook(prevented.error))?;
             check_updates(&updates)?;
+            if !stored && let Some(row) = self.writer.update_pending_row(id, updates.clone()) {
+                chain::after_update_message(&hooks, &state, &row).await;
+                return Ok(row);
+            }
             self.append(vec![self.writer.record(RecordBody::MessageUpdated {
                 message_id: id.to_owned(),
                 updates,

@@ -8,6 +8,7 @@ use serde_json::{Map, Value, json};
 
 use super::{Failure, Response};
 use crate::lifecycle::chain::{self, Blocked};
+use crate::lifecycle::thread::apply_updates;
 use crate::lifecycle::{HookSet, llm, outcome_of, tool_result_of};
 use crate::provider::{Messages, StopReason};
 use crate::record::{Record, RecordBody, now};
@@ -31,26 +32,6 @@ fn changed_fields(original: &Message, changed: &Message, updates: &mut MessageUp
     }
     if changed.status != original.status && changed.status.is_some() {
         updates.insert("status".into(), json!(changed.status));
-    }
-}
-
-/// `updates` (checked) applied to `row`, as the stream applies a stored row's update.
-fn apply_updates(row: &mut Message, updates: MessageUpdates) {
-    for (field, value) in updates {
-        match (field.as_str(), value) {
-            ("content", Value::String(content)) => row.content = Some(content),
-            ("silent", Value::Bool(silent)) => row.silent = silent,
-            ("metadata", Value::Object(metadata)) => row.metadata = metadata,
-            ("metadata", Value::Null) => row.metadata.clear(),
-            ("name", Value::String(name)) => row.name = Some(name),
-            ("name", Value::Null) => row.name = None,
-            ("status", status) => {
-                if let Ok(status) = serde_json::from_value(status) {
-                    row.status = Some(status);
-                }
-            }
-            _ => {}
-        }
     }
 }
 

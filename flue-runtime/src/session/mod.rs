@@ -2556,6 +2556,12 @@ impl Response<'_> {
             None => Vec::new(),
         };
         records.extend(crate::record::model_step_ending(&message_id, &response).map(|body| self.record(body)));
+        // What `update_message` set on the row while the step ran, under the step's own.
+        let row_updates = {
+            let mut updates = self.writer.take_pending_updates();
+            updates.extend(row_updates);
+            updates
+        };
         if !row_updates.is_empty() {
             records.push(self.record(RecordBody::MessageUpdated {
                 message_id: message_id.clone(),
