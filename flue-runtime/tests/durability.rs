@@ -3127,3 +3127,67 @@ async fn a_re_attempts_step_count_goes_on_from_the_durable_steps() {
     // Step 1's tool ran in the first attempt; the re-attempt's first model call is step 2.
     assert_eq!(*STEPS_SEEN.lock().unwrap(), [1, 2]);
 }
+
+static HOLD_RUNS: AtomicUsize = AtomicUsize::new(0);
+static HOLD_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[agent]
+fn queue_holder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("hold").description("Holds until let go.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            HOLD_RUNS.fetch_add(1, Ordering::SeqCst);
+            while !HOLD_OPEN.load(Ordering::SeqCst) {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            Ok::<_, ToolError>("let go")
+        },
+    ));
+    "You hold."
+}
+
+/// A send whose instance has another's submission at the head of its queue (another node's
+/// admission, say) does not run that one on its own task: cancelling the send would give that
+/// attempt back, run its tools again and spend its budget. A spawned worker runs the queue;
+/// the send waits for its own settlement.
+#[tokio::test]
+async fn a_cancelled_send_does_not_give_back_the_attempt_of_a_submission_ahead_of_it() {
+    let store = FaultyStore::default();
+    let key = InstanceKey::new("queue_holder", "h-1");
+    store
+        .admit(Admission {
+            key: key.clone(),
+            submission_id: "sub_ahead".into(),
+            keyed: false,
+            kind: flue_runtime::store::SubmissionKind::Dispatch,
+            message: DeliveredMessage::user("hold on"),
+            initial_data: None,
+            uid: flue_runtime::store::UidCondition::Any,
+            max_attempts: 3,
+            timeout_ms: 3_600_000,
+            claim: None,
+            trace: None,
+        })
+        .await
+        .unwrap();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("hold", json!({})),
+        ScriptedReply::text("held"),
+        ScriptedReply::text("mine"),
+    ]);
+    let runtime = runtime(&store, &model, queue_holder);
+    let handle = runtime.init(&queue_holder, "h-1");
+    // The send is cancelled while the submission ahead of it holds.
+    let cancelled = tokio::time::timeout(std::time::Duration::from_millis(200), handle.send("me next")).await;
+    assert!(cancelled.is_err(), "the send was still waiting");
+    assert_eq!(HOLD_RUNS.load(Ordering::SeqCst), 1, "the submission ahead runs");
+    HOLD_OPEN.store(true, Ordering::SeqCst);
+    let ahead = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read("sub_ahead"))
+        .await
+        .expect("the submission ahead settles")
+        .unwrap();
+    assert_eq!(ahead.text, "held");
+    assert_eq!(HOLD_RUNS.load(Ordering::SeqCst), 1, "its tool ran once");
+    let row = store.submission("sub_ahead").await.unwrap().unwrap();
+    assert_eq!(row.attempt_count, 1, "no attempt was given back");
+}

@@ -231,6 +231,17 @@ impl InstanceSlot {
         }
     }
 
+    /// Runs `submission`, just claimed by a caller that holds the worker role, on a spawned
+    /// worker that takes the role over and carries on with the instance's queue.
+    fn hand_over(self: &Arc<Self>, mut submission: Submission, attempt_id: String) {
+        self.binding.hold(attempt_id.clone());
+        submission.attempt_id = Some(attempt_id);
+        let slot = self.clone();
+        tokio::spawn(async move {
+            slot.run(Some(submission), None).await;
+        });
+    }
+
     /// Runs a submission this node took over from an expired lease (the claim is held), then
     /// carries on with the instance's queue.
     pub(crate) fn resume(self: &Arc<Self>, mut submission: Submission, attempt_id: String) {
@@ -337,6 +348,15 @@ impl InstanceSlot {
                 }
             };
             match next {
+                // Another's submission heads the queue (another node's admission, one given
+                // back): a spawned worker runs it and the rest of the queue, this caller's
+                // submission included, which the caller then waits for. Run on the caller's
+                // task, it would be given back (its tools run again, its budget spent) when
+                // the caller cancels its send.
+                Ok(Some((submission, attempt_id))) if until.is_some_and(|until| until != submission.id) => {
+                    self.hand_over(submission, attempt_id);
+                    return None;
+                }
                 Ok(Some((submission, attempt_id))) => {
                     let done = until == Some(submission.id.as_str());
                     // Held from its claim: the lease is renewed while the attempt gets ready to
