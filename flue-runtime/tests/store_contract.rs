@@ -150,6 +150,45 @@ fn rejects_a_store_stamped_schema_version_7_without_adopting_it() {
     );
 }
 
+/// Reference §5.1: only `flue_` tables other than `flue_meta` make an unstamped database
+/// unversioned. An empty `flue_meta` alone (a crash right after creating it) is fresh.
+#[test]
+fn stamps_a_database_holding_only_an_empty_flue_meta_as_fresh() {
+    let path = scratch_db();
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    raw(&path)
+        .execute_batch("CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);")
+        .unwrap();
+    SqliteStore::open(&path).unwrap();
+    assert_eq!(meta(&path), [("format_version".to_owned(), "1".to_owned())]);
+}
+
+/// A database under our stamp whose `flue_` tables are another implementation's layout (its
+/// history lives there) is refused without change, not adopted with an empty ledger beside.
+#[test]
+fn refuses_a_stamped_database_holding_another_layouts_tables_without_changing_it() {
+    for (key, value) in [("format_version", "1"), ("schema_version", "8")] {
+        let path = scratch_db();
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        raw(&path)
+            .execute_batch(&format!(
+                "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL); \
+                 INSERT INTO flue_meta VALUES ('{key}', '{value}'); \
+                 CREATE TABLE flue_conversation_streams (path TEXT PRIMARY KEY);"
+            ))
+            .unwrap();
+        let error = SqliteStore::open(&path).err().expect("refused");
+        assert!(error.to_string().contains("(flue_conversation_streams)"), "{error}");
+        assert_eq!(meta(&path), [(key.to_owned(), value.to_owned())], "nothing changed");
+        let tables: i64 = raw(&path)
+            .query_row("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'", [], |row| {
+                row.get(0)
+            })
+            .unwrap();
+        assert_eq!(tables, 2, "nothing was made");
+    }
+}
+
 #[test]
 fn rejects_unstamped_flue_tables() {
     let path = scratch_db();

@@ -784,9 +784,31 @@ async fn prepare_format(tx: &Transaction<'_>) -> Result<(), Failure> {
         .iter()
         .map(|row| row.try_get(0))
         .collect::<Result<_, _>>()?;
-    if tables.is_empty() {
-        // The stamp comes first, before any other table.
-        tx.batch_execute(CREATE_META).await?;
+    let mut format_version = None;
+    let mut schema_version = None;
+    if tables.iter().any(|table| table == "flue_meta") {
+        for row in tx
+            .query(
+                "SELECT key, value FROM flue_meta WHERE key IN ('format_version', 'schema_version')",
+                &[],
+            )
+            .await?
+        {
+            let key: String = row.try_get(0)?;
+            let value: String = row.try_get(1)?;
+            if key == "format_version" {
+                format_version = Some(value);
+            } else {
+                schema_version = Some(value);
+            }
+        }
+    }
+    if crate::store::sqlite::is_fresh(&tables) && format_version.is_none() && schema_version.is_none() {
+        // The stamp comes first, before any other table (into an empty `flue_meta` a crash
+        // left right after creating it).
+        if tables.is_empty() {
+            tx.batch_execute(CREATE_META).await?;
+        }
         tx.execute(
             "INSERT INTO flue_meta (key, value) VALUES ('format_version', $1)",
             &[&FORMAT_VERSION],
@@ -797,30 +819,11 @@ async fn prepare_format(tx: &Transaction<'_>) -> Result<(), Failure> {
         }
         return Ok(());
     }
-    if !tables.iter().any(|table| table == "flue_meta") {
-        return Err(unsupported("unversioned").into());
-    }
-    let mut format_version = None;
-    let mut schema_version = None;
-    for row in tx
-        .query(
-            "SELECT key, value FROM flue_meta WHERE key IN ('format_version', 'schema_version')",
-            &[],
-        )
-        .await?
-    {
-        let key: String = row.try_get(0)?;
-        let value: String = row.try_get(1)?;
-        if key == "format_version" {
-            format_version = Some(value);
-        } else {
-            schema_version = Some(value);
-        }
-    }
     match (format_version, schema_version) {
-        (Some(version), _) if version == FORMAT_VERSION => {}
+        (Some(version), _) if version == FORMAT_VERSION => crate::store::sqlite::check_own_layout(&tables)?,
         (Some(version), _) => return Err(unsupported(&version).into()),
         (None, Some(version)) if version == LEGACY_SCHEMA_VERSION => {
+            crate::store::sqlite::check_own_layout(&tables)?;
             tx.execute(
                 "UPDATE flue_meta SET key = 'format_version', value = $1 WHERE key = 'schema_version'",
                 &[&FORMAT_VERSION],
@@ -2419,6 +2422,36 @@ mod tests {
             }
         );
         assert_eq!(tables(&client).await, ["flue_legacy", "flue_meta"]);
+    }
+
+    /// Reference §5.1: an empty `flue_meta` alone is fresh; a stamped schema holding another
+    /// layout's `flue_` tables is refused without change.
+    #[tokio::test]
+    async fn stamps_an_empty_flue_meta_as_fresh_and_refuses_another_layouts_tables() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let client = raw(&url, &schema).await;
+        client.batch_execute(CREATE_META).await.unwrap();
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        assert_eq!(meta(&client).await, stamp("format_version", "1"));
+
+        let schema = fresh_schema();
+        let client = raw(&url, &schema).await;
+        client
+            .batch_execute(
+                "CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL); \
+                 INSERT INTO flue_meta VALUES ('format_version', '1'); \
+                 CREATE TABLE flue_conversation_streams (path TEXT PRIMARY KEY)",
+            )
+            .await
+            .unwrap();
+        let error = PostgresStore::connect_with_schema(&url, &schema).await.unwrap_err();
+        assert!(error.to_string().contains("(flue_conversation_streams)"), "{error}");
+        assert_eq!(
+            tables(&client).await,
+            ["flue_conversation_streams", "flue_meta"],
+            "nothing created"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,6 +54,42 @@ use index::{Index, IndexTx};
 /// The persisted format this build reads and writes.
 pub const FORMAT_VERSION: &str = "1";
 
+/// The `flue_` tables of this build's layout of the format (SQLite and Postgres alike).
+pub(crate) const OWN_TABLES: [&str; 7] = [
+    "flue_meta",
+    "flue_instances",
+    "flue_submissions",
+    "flue_batches",
+    "flue_attachments",
+    "flue_attachment_chunks",
+    "flue_user_values",
+];
+
+/// Refuses a database stamped with a format this build reads that also holds `flue_` tables
+/// of another layout (another implementation of the format wrote it, under the same stamp):
+/// adopting it would create an empty ledger beside that one's history. Nothing is changed.
+pub(crate) fn check_own_layout(tables: &[String]) -> Result<(), StoreError> {
+    let foreign: Vec<&str> = tables
+        .iter()
+        .map(String::as_str)
+        .filter(|table| !OWN_TABLES.contains(table))
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    Err(StoreError::Other(format!(
+        "the database holds tables of another layout of the persisted format ({}): another implementation \
+         wrote it, and this store cannot read it; nothing was changed",
+        foreign.join(", ")
+    )))
+}
+
+/// Whether a database with these `flue_` tables and no format stamp is fresh: none but an
+/// empty `flue_meta` (a crash right after creating it), which the stamp then goes into.
+pub(crate) fn is_fresh(tables: &[String]) -> bool {
+    tables.iter().all(|table| table == "flue_meta")
+}
+
 /// A [`Store`] in one SQLite file.
 pub struct SqliteStore {
     db: Mutex<Db>,
@@ -827,9 +863,21 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
         let rows = statement.query_map([], |row| row.get::<_, String>(0)).map_err(sql)?;
         rows.collect::<Result<_, _>>().map_err(sql)?
     };
-    if tables.is_empty() {
+    let stamp = |key: &str| -> Result<Option<String>, StoreError> {
+        if !tables.iter().any(|table| table == "flue_meta") {
+            return Ok(None);
+        }
         transaction
-            .execute_batch("CREATE TABLE flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);")
+            .query_row("SELECT value FROM flue_meta WHERE key = ?1", params![key], |row| {
+                row.get(0)
+            })
+            .optional()
+            .map_err(sql)
+    };
+    let stamps = (stamp("format_version")?, stamp("schema_version")?);
+    if is_fresh(&tables) && stamps == (None, None) {
+        transaction
+            .execute_batch("CREATE TABLE IF NOT EXISTS flue_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);")
             .map_err(sql)?;
         transaction
             .execute(
@@ -843,23 +891,14 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
         transaction.execute_batch(UNSETTLED_INDEX).map_err(sql)?;
         return transaction.commit().map_err(sql);
     }
-    let stamp = |key: &str| -> Result<Option<String>, StoreError> {
-        if !tables.iter().any(|table| table == "flue_meta") {
-            return Ok(None);
-        }
-        transaction
-            .query_row("SELECT value FROM flue_meta WHERE key = ?1", params![key], |row| {
-                row.get(0)
-            })
-            .optional()
-            .map_err(sql)
-    };
-    match (stamp("format_version")?, stamp("schema_version")?) {
+    match stamps {
         (Some(version), _) if version == FORMAT_VERSION => {
+            check_own_layout(&tables)?;
             upgrade_layout(&transaction)?;
             transaction.commit().map_err(sql)
         }
         (None, Some(legacy)) if legacy == "8" => {
+            check_own_layout(&tables)?;
             transaction
                 .execute(
                     "UPDATE flue_meta SET key = 'format_version', value = ?1 WHERE key = 'schema_version'",
