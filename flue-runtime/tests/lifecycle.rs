@@ -1242,6 +1242,45 @@ async fn items_47_48_51_tool_call_started_fires_once_per_parallel_call_before_an
     assert_ne!(started[0], started[1], "one per call id");
 }
 
+static SLOW_STARTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(tool_call_started)]
+async fn slow_started(_state: &ThreadState, call: &ToolCall, _progress: Option<&str>) {
+    tokio::time::sleep(std::time::Duration::from_secs(40)).await;
+    SLOW_STARTED
+        .lock()
+        .unwrap()
+        .push(format!("finished for {}", call.function.name));
+}
+
+#[agent(hooks = [slow_started])]
+fn slow_observer() -> &'static str {
+    use_model("scripted/x");
+    use_tool(marks_context);
+    "O"
+}
+
+/// Standard Agents §1.3: each `tool_call_started` await is bounded to 30 s; on timeout the
+/// hook is left running and the stream goes on (it is not cancelled).
+#[tokio::test(start_paused = true)]
+async fn a_tool_call_started_hook_past_30_s_is_left_running_while_the_response_goes_on() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("marks_context", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![slow_observer.into()]);
+    let started = tokio::time::Instant::now();
+    let reply = runtime.init(&slow_observer, "slow").send("go").await.unwrap();
+    assert_eq!(reply.text, "done");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(40),
+        "the response did not wait for the hook"
+    );
+    assert!(SLOW_STARTED.lock().unwrap().is_empty());
+    tokio::time::sleep(std::time::Duration::from_secs(20)).await;
+    assert_eq!(*SLOW_STARTED.lock().unwrap(), ["finished for marks_context"]);
+}
+
 // ---- after_thread_created, execution, context, values (items 55, 77, 78, 79, 82) ---------------
 
 static CREATED: Mutex<Vec<String>> = Mutex::new(Vec::new());

@@ -427,19 +427,23 @@ impl Response<'_> {
         }
     }
 
-    /// `tool_call_started` hooks for a call that appeared in the stream (bounded: a hook that
-    /// takes longer than 30 s is abandoned and the stream goes on).
+    /// `tool_call_started` hooks for a call that appeared in the stream, waited for at most
+    /// 30 s: hooks still running then are left running (on a task of their own, in order)
+    /// and the stream goes on (standard-agents §1.3).
     pub(super) async fn tool_call_started_hooks(&self, id: &str, name: &str, arguments: &str, progress: Option<&str>) {
         if !self.hooks.has(HookKind::ToolCallStarted) {
             return;
         }
         // The view exists: a render with hooks made it.
         let Some(view) = &self.thread else { return };
-        let call = ToolCall::new(id, name, arguments);
-        let state = view.state();
-        let run = chain::tool_call_started(&self.hooks, &state, &call, progress);
-        if tokio::time::timeout(STARTED_HOOK_BUDGET, run).await.is_err() {
-            tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on without them");
+        let (hooks, state) = (self.hooks.clone(), view.state());
+        let (call, progress) = (ToolCall::new(id, name, arguments), progress.map(str::to_owned));
+        let mut run = Box::pin(async move {
+            chain::tool_call_started(&hooks, &state, &call, progress.as_deref()).await;
+        });
+        if tokio::time::timeout(STARTED_HOOK_BUDGET, &mut run).await.is_err() {
+            tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on, and they go on running");
+            tokio::spawn(run);
         }
     }
 }
