@@ -693,7 +693,8 @@ async fn item_23_after_create_message_finds_the_pending_assistant_row_in_the_thr
 #[tokio::test]
 async fn item_35_a_failed_model_step_gets_its_failed_status_through_the_update_hooks() {
     let logs = harness::logs::capture();
-    // The update chain failed: the failed status is still written, its last good value.
+    // The update chain failed: the failed status still goes on with its last good value (what
+    // `after_update_message` reads; only completed steps are stored, so the row is not kept).
     assert_eq!(
         failed_step_updates(pending_rows, "failed").await,
         [
