@@ -389,15 +389,27 @@ impl RuntimeInner {
         if self.background.swap(true, Ordering::SeqCst) {
             return;
         }
+        // Two loops: a scan that takes long (many leases to take over, a saturated pool) must
+        // not hold up the renewal of this node's own leases past their lease.
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
-            let mut since_scan = Duration::ZERO;
+            loop {
+                let Some(scan_interval) = weak.upgrade().map(|runtime| runtime.options.scan_interval) else {
+                    return;
+                };
+                tokio::time::sleep(scan_interval).await;
+                let Some(runtime) = weak.upgrade() else { return };
+                runtime.scan().await;
+            }
+        });
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
             loop {
                 let Some(runtime) = weak.upgrade() else { return };
                 let heartbeat = runtime.options.heartbeat;
-                // Renewed before the scan: leases that lapsed while renewals failed (a
-                // database failover, a stalled or suspended node) are this node's again before
-                // the scan looks for expired ones.
+                // Leases that lapsed while renewals failed (a database failover, a stalled or
+                // suspended node) are this node's again at the next renewal; the scan never
+                // takes over an attempt running here meanwhile (it leaves held ones alone).
                 let lease_until = crate::store::now_ms() + runtime.options.lease.as_millis() as u64;
                 let running = runtime.running_attempts();
                 if !running.is_empty() {
@@ -420,13 +432,8 @@ impl RuntimeInner {
                         }
                     }
                 }
-                if since_scan >= runtime.options.scan_interval {
-                    since_scan = Duration::ZERO;
-                    runtime.scan().await;
-                }
                 drop(runtime);
                 tokio::time::sleep(heartbeat).await;
-                since_scan += heartbeat;
             }
         });
     }

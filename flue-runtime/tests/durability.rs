@@ -3191,3 +3191,48 @@ async fn a_cancelled_send_does_not_give_back_the_attempt_of_a_submission_ahead_o
     let row = store.submission("sub_ahead").await.unwrap().unwrap();
     assert_eq!(row.attempt_count, 1, "no attempt was given back");
 }
+
+static CRUNCHES: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn long_cruncher() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("crunch").description("Crunch numbers.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            CRUNCHES.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+            "crunched"
+        },
+    ));
+    "You crunch numbers."
+}
+
+/// A node whose scan is slow (many leases to take over, a saturated pool) still renews its
+/// own leases on time: another node sharing the store never takes over its live attempt, so
+/// the running tool is not run a second time.
+#[tokio::test]
+async fn a_slow_scan_does_not_hold_up_the_renewal_of_a_nodes_own_leases() {
+    let shared: Arc<dyn Store> = Arc::new(flue_runtime::store::MemoryStore::new());
+    let slow = FaultyStore::on(shared.clone());
+    *slow.stall_scans.lock().unwrap() = Some(std::time::Duration::from_millis(600));
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("crunch", json!({})),
+        ScriptedReply::text("crunched it"),
+        ScriptedReply::text("crunched it again"),
+    ]);
+    let first = taking_over(&slow, &model, long_cruncher).await;
+    let other = taking_over(&FaultyStore::on(shared), &model, long_cruncher).await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        first.init(&long_cruncher, "lc-1").send("crunch"),
+    )
+    .await
+    .expect("the submission settles")
+    .unwrap();
+    assert_eq!(reply.text, "crunched it");
+    assert_eq!(CRUNCHES.load(Ordering::SeqCst), 1, "the tool ran once");
+    let row = slow.submission(&reply.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.attempt_count, 1, "no other node took the live attempt over");
+    assert_eq!(model.requests().len(), 2, "no step was made again");
+    drop(other);
+}

@@ -34,6 +34,8 @@ pub struct FaultyStore {
     pub stall_next_read: Arc<Mutex<Option<std::time::Duration>>>,
     /// How many of the next reads of a stream fail.
     pub failing_reads: Arc<AtomicUsize>,
+    /// How long each listing of expired leases takes while set (a slow scan).
+    pub stall_scans: Arc<Mutex<Option<std::time::Duration>>>,
 }
 
 impl Default for FaultyStore {
@@ -55,6 +57,7 @@ impl FaultyStore {
             failing_requeues: Arc::default(),
             stall_next_read: Arc::default(),
             failing_reads: Arc::default(),
+            stall_scans: Arc::default(),
         }
     }
 
@@ -139,7 +142,13 @@ impl Store for FaultyStore {
         if self.failing_scans.load(Ordering::SeqCst) {
             return Box::pin(std::future::ready(Err(injected("scan"))));
         }
-        self.inner.expired(now_ms)
+        let stall = *self.stall_scans.lock().unwrap();
+        Box::pin(async move {
+            if let Some(stall) = stall {
+                tokio::time::sleep(stall).await;
+            }
+            self.inner.expired(now_ms).await
+        })
     }
 
     fn renew_leases(
