@@ -3236,3 +3236,27 @@ async fn a_slow_scan_does_not_hold_up_the_renewal_of_a_nodes_own_leases() {
     assert_eq!(model.requests().len(), 2, "no step was made again");
     drop(other);
 }
+
+/// `release` gives back the running attempts; one claimed but still getting ready (its first
+/// read stalled) gives itself back when it finds the node releasing, instead of running on a
+/// node about to exit (whose lease would then have to lapse, and whose attempt would count).
+#[tokio::test]
+async fn an_attempt_getting_ready_when_its_node_releases_its_work_is_given_back_too() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("answered")]);
+    let runtime = runtime(&store, &model, noter);
+    *store.stall_next_read.lock().unwrap() = Some(std::time::Duration::from_millis(300));
+    let receipt = runtime.init(&noter, "r-1").dispatch("hello").await.unwrap();
+    // The attempt is claimed and reading the stream.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(runtime.release().await, 0, "nothing was running yet");
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert!(model.requests().is_empty(), "the released node made no model call");
+    let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.outcome, None, "not settled");
+    assert_eq!(
+        row.status,
+        flue_runtime::store::SubmissionStatus::Queued,
+        "back in the queue for the next node"
+    );
+}

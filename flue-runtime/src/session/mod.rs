@@ -470,6 +470,16 @@ impl InstanceSlot {
         // An abort requested between the claim and now reached no signal: it counts as
         // requested before the attempt ran.
         let abort_requested = self.binding.start(attempt.clone()) || submission.abort_requested;
+        // The node began giving its work back while the attempt got ready (`release` gives back
+        // the running attempts only): it gives this one back too, before it does anything.
+        if runtime.draining() {
+            self.binding.set_current(None);
+            *conversation = Conversation::default();
+            if let Err(error) = runtime.store.requeue(&attempt_ref).await {
+                tracing::warn!(instance = %self.key, submission = %submission.id, %error, "giving an attempt back to the queue failed; its lease lapses");
+            }
+            return (None, None);
+        }
         // A response that ended durably (an attempt died before settling it) settles as
         // completed: even past its budget, after an abort request or with its attempts used.
         let answered = refreshed.is_ok() && conversation.has_ended(&submission.id);
