@@ -673,3 +673,25 @@ async fn a_sandbox_factorys_tools_sharing_a_name_fail_the_submission_before_any_
     assert!(message.contains("lookup"), "{message}");
     assert!(model.requests().is_empty());
 }
+
+/// In the virtual sandbox a path is a file or a directory, never both: a write under a file
+/// is refused (it would be invisible to `glob`, `grep` and listings), as is a file over a
+/// directory.
+#[tokio::test]
+async fn the_virtual_sandbox_refuses_a_file_under_a_file_and_a_file_over_a_directory() {
+    let sandbox = flue_core::sandbox::SandboxFactory::create_sandbox(&sandbox::virtual_sandbox(), "v")
+        .await
+        .unwrap();
+    sandbox.write_file("/a", b"file a".to_vec()).await.unwrap();
+    let error = sandbox.write_file("/a/b", b"file b".to_vec()).await.unwrap_err();
+    assert!(error.to_string().contains("/a is a file"), "{error}");
+    sandbox.write_file("/d/e/f", b"deep".to_vec()).await.unwrap();
+    let error = sandbox.write_file("/d/e/f/g", b"deeper".to_vec()).await.unwrap_err();
+    assert!(error.to_string().contains("/d/e/f is a file"), "{error}");
+    let error = sandbox.write_file("/d", b"over".to_vec()).await.unwrap_err();
+    assert!(error.to_string().contains("/d is a directory"), "{error}");
+    // Siblings that share a prefix are neither.
+    sandbox.write_file("/ab", b"beside".to_vec()).await.unwrap();
+    sandbox.write_file("/d/e2", b"beside".to_vec()).await.unwrap();
+    assert_eq!(sandbox.read_file("/a").await.unwrap(), b"file a");
+}

@@ -91,8 +91,21 @@ impl Sandbox for VirtualSandbox {
             }
             let mut files = self.files();
             let prefix = format!("{path}/");
-            if files.keys().any(|existing| existing.starts_with(&prefix)) {
+            if files
+                .range(prefix.clone()..)
+                .next()
+                .is_some_and(|(existing, _)| existing.starts_with(&prefix))
+            {
                 return Err(SandboxError::Io(format!("{path} is a directory")));
+            }
+            // A path is a file or a directory, not both: no parent of it may be a file.
+            if let Some(parent) = path
+                .match_indices('/')
+                .skip(1)
+                .map(|(at, _)| &path[..at])
+                .find(|parent| files.contains_key(*parent))
+            {
+                return Err(SandboxError::Io(format!("{parent} is a file, not a directory")));
             }
             files.insert(path, contents);
             Ok(())
