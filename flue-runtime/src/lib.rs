@@ -94,7 +94,7 @@ pub use runtime::{
     RuntimeError, RuntimeOptions, SendRequest,
 };
 pub use session::MAX_AGENT_FINISH_CYCLES;
-pub use skills::MAX_WORKSPACE_SKILLS;
+pub use skills::{MAX_WORKSPACE_SKILL_ENTRIES, MAX_WORKSPACE_SKILLS};
 pub use subagents::MAX_DELEGATION_DEPTH;
 
 /// An error and its sources, joined with `: ` (a source already quoted by its parent is not

@@ -255,6 +255,10 @@ pub(crate) struct Workspace {
 /// warning.
 pub const MAX_WORKSPACE_SKILLS: usize = 100;
 
+/// The most entries of a workspace's skills directory looked at (skills or not) when a
+/// session starts: each one is a read, and the directory is the model's to fill.
+pub const MAX_WORKSPACE_SKILL_ENTRIES: usize = 1_000;
+
 impl Workspace {
     /// The skills in `session`'s working directory. A directory without a `SKILL.md` is not a
     /// skill; one whose `SKILL.md` cannot be read or is invalid is skipped with a warning (a
@@ -285,6 +289,15 @@ impl Workspace {
                 tracing::warn!(
                     directory = %workspace.directory,
                     "[flue] Skipping the workspace skills after the first {MAX_WORKSPACE_SKILLS} (in name order): {} entries of {} were not looked at.",
+                    entries.len() - at,
+                    workspace.directory
+                );
+                break;
+            }
+            if at == MAX_WORKSPACE_SKILL_ENTRIES {
+                tracing::warn!(
+                    directory = %workspace.directory,
+                    "[flue] Skipping the rest of the workspace skills directory after its first {MAX_WORKSPACE_SKILL_ENTRIES} entries (in name order): {} entries of {} were not looked at.",
                     entries.len() - at,
                     workspace.directory
                 );

@@ -367,6 +367,47 @@ async fn a_workspace_provides_at_most_a_hundred_skills_and_warns_of_the_rest() {
     );
 }
 
+static CLUTTERED_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let root = scratch::dir("workspace-skills-cluttered");
+    for n in 0..flue_runtime::MAX_WORKSPACE_SKILL_ENTRIES + 5 {
+        std::fs::create_dir_all(root.join(format!(".agents/skills/clutter-{n:04}"))).unwrap();
+    }
+    write_tree(
+        &root,
+        &[(
+            ".agents/skills/late/SKILL.md",
+            b"---\nname: late\ndescription: Listed after the clutter.\n---\nToo late.",
+        )],
+    );
+    root
+});
+
+#[agent]
+fn cluttered_workspace() -> &'static str {
+    use_model("scripted/x");
+    use_sandbox(sandbox::local(CLUTTERED_ROOT.clone()));
+    "Work."
+}
+
+/// The model can fill the skills directory with entries that are no skills: discovery looks
+/// at a bounded number of them per session start, and says what it left.
+#[tokio::test]
+async fn a_workspace_skills_directory_is_looked_at_up_to_its_entry_limit() {
+    let logs = harness::logs::capture();
+    let model = ScriptedModel::new([ScriptedReply::text("done")]);
+    let runtime = runtime_with(&model, [cluttered_workspace.into()]);
+    runtime.init(&cluttered_workspace, "c").send("go").await.unwrap();
+    let system = model.requests()[0].system.clone().unwrap_or_default();
+    assert!(!system.contains("**late**"), "{system}");
+    assert!(
+        logs.all().iter().any(|line| line.starts_with(
+            "[flue] Skipping the rest of the workspace skills directory after its first 1000 entries (in name order): 6 entries"
+        )),
+        "{:?}",
+        logs.all()
+    );
+}
+
 static CLASH_ROOT: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
     let root = scratch::dir("workspace-skills-clash");
     write_tree(
