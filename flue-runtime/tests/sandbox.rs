@@ -695,3 +695,26 @@ async fn the_virtual_sandbox_refuses_a_file_under_a_file_and_a_file_over_a_direc
     sandbox.write_file("/d/e2", b"beside".to_vec()).await.unwrap();
     assert_eq!(sandbox.read_file("/a").await.unwrap(), b"file a");
 }
+
+/// A descriptor the runtime's process holds without close-on-exec (inherited from what
+/// launched it) does not reach the commands the model runs.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_command_inherits_no_descriptor_of_the_runtimes_process_past_stdio() {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open("/proc/self/status").unwrap();
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is open (held by `file` until the end); clearing its flags is all it does.
+    assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }, 0);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "bash",
+            json!({"command": format!("[ -e /proc/$$/fd/{fd} ] && echo inherited || echo closed")}),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [on_disk.into()]);
+    runtime.init(&on_disk, "fds").send("go").await.unwrap();
+    assert_eq!(last_batch_results(&model.requests()[1]), [("closed".to_owned(), false)]);
+    drop(file);
+}

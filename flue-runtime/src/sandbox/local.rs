@@ -631,6 +631,10 @@ async fn start_in(
     shown: String,
 ) -> Result<(), SandboxError> {
     use std::os::fd::AsRawFd;
+    /// `close_range`'s flag that marks the descriptors close-on-exec rather than closing them
+    /// (the pipe through which the child reports a failed exec stays open until the exec).
+    #[cfg(target_os = "linux")]
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
     let dir = blocking(move || {
         open_dir_beneath(&root, &path).map_err(|error| match error {
             OpenError::Io(error) => io(error),
@@ -644,11 +648,20 @@ async fn start_in(
         if unsafe { libc::fchdir(dir.as_raw_fd()) } < 0 {
             return Err(std::io::Error::last_os_error());
         }
+        // Descriptors the runtime's own process inherited without close-on-exec (from what
+        // launched it) are no business of the command's: every one past stdio closes at exec.
+        // Best effort: a kernel before 5.11 refuses the flag, and they stay open.
+        #[cfg(target_os = "linux")]
+        // SAFETY: `close_range` with `CLOSE_RANGE_CLOEXEC` only marks descriptors; its
+        // arguments are plain integers.
+        unsafe {
+            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC);
+        }
         Ok(())
     };
     // SAFETY: the closure runs in the child between fork and exec, where only
-    // async-signal-safe calls are sound: it makes one system call (`fchdir`), reads `errno`
-    // on failure, and neither allocates nor takes a lock.
+    // async-signal-safe calls are sound: it makes two system calls (`fchdir`, `close_range`),
+    // reads `errno` on failure, and neither allocates nor takes a lock.
     unsafe {
         command.pre_exec(change_into);
     }
