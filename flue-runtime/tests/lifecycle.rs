@@ -545,6 +545,8 @@ async fn trace_assistant_rows(state: &ThreadState, message: &Message) -> Result<
     }
     let mut updates = MessageUpdates::new();
     updates.insert("metadata".into(), json!({"trace": "t-1"}));
+    // The content is the step's to set when it completes: this one is superseded.
+    updates.insert("content".into(), json!("placeholder"));
     let updated = state
         .update_message(&message.id, updates)
         .await
@@ -579,12 +581,27 @@ async fn the_running_steps_row_takes_updates_stored_with_its_step() {
         [r#"Some(Pending) Some(String("t-1")) Some(String("t-1"))"#]
     );
     let stored = bodies(&runtime, "tracer", "tr-1").await;
+    let updates: Vec<_> = stored
+        .iter()
+        .filter_map(|body| match body {
+            RecordBody::MessageUpdated { updates, .. } => Some(updates.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(updates.len(), 1, "{stored:?}");
+    assert_eq!(
+        serde_json::Value::Object(updates[0].clone()),
+        json!({"metadata": {"trace": "t-1"}})
+    );
+    // The next request shows the step's own answer.
+    model.push(ScriptedReply::text("again"));
+    runtime.init(&tracer, "tr-1").send("more").await.unwrap();
+    let history = &model.requests()[1].messages;
     assert!(
-        stored.iter().any(|body| matches!(
-            body,
-            RecordBody::MessageUpdated { updates, .. } if updates.get("metadata") == Some(&json!({"trace": "t-1"}))
-        )),
-        "{stored:?}"
+        history
+            .iter()
+            .any(|message| matches!(message, ModelMessage::Assistant { text, .. } if text == "traced")),
+        "{history:?}"
     );
 }
 

@@ -122,8 +122,21 @@ impl ThreadWriter {
         Some(row.clone())
     }
 
-    /// What `update_message` set on the running step's row, for its step's commit.
+    /// What `update_message` set on the running step's row, for its step's commit: all but
+    /// its content and status, which the step's completion sets after them.
     pub(crate) fn take_pending_updates(&self) -> MessageUpdates {
+        let mut updates = std::mem::take(&mut *self.pending_updates());
+        updates.remove("content");
+        updates.remove("status");
+        updates
+    }
+
+    /// Takes the step's row out of the thread once its step committed (the stream holds it):
+    /// returns what `update_message` set on it since [`Self::take_pending_updates`], to store
+    /// after the step.
+    pub(crate) fn finish_pending_row(&self) -> MessageUpdates {
+        let mut pending = self.pending_row.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        *pending = None;
         std::mem::take(&mut *self.pending_updates())
     }
 

@@ -2586,7 +2586,8 @@ impl Response<'_> {
             None => Vec::new(),
         };
         records.extend(crate::record::model_step_ending(&message_id, &response).map(|body| self.record(body)));
-        // What `update_message` set on the row while the step ran, under the step's own.
+        // What `update_message` set on the row while the step ran, under the step's own (its
+        // content and status are the step's: they came later).
         let row_updates = {
             let mut updates = self.writer.take_pending_updates();
             updates.extend(row_updates);
@@ -2599,8 +2600,16 @@ impl Response<'_> {
             }));
         }
         self.commit(records, false).await?;
-        // The stream holds the step's row now.
-        self.writer.set_pending_row(None);
+        // The stream holds the step's row now; an update made while it committed (by a task
+        // a hook spawned) is stored after it.
+        let late = self.writer.finish_pending_row();
+        if !late.is_empty() {
+            let update = self.record(RecordBody::MessageUpdated {
+                message_id: message_id.clone(),
+                updates: late,
+            });
+            self.commit(vec![update], false).await?;
+        }
         // The response has a message now: data writes stream from here on (the ones made
         // before it flush now).
         self.attempt.stream_data();
