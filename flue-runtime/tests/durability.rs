@@ -3260,3 +3260,34 @@ async fn an_attempt_getting_ready_when_its_node_releases_its_work_is_given_back_
         "back in the queue for the next node"
     );
 }
+
+/// A stream that stays unreadable past the budget leaves the submission to a few takeovers
+/// (one of them may read it), then settles it as failed: it does not hold the instance's
+/// queue for ever.
+#[tokio::test]
+async fn a_stream_that_stays_unreadable_past_the_budget_settles_after_a_few_takeovers() {
+    let store = FaultyStore::default();
+    store.failing_reads.store(usize::MAX, Ordering::SeqCst);
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = taking_over(&store, &model, one_shot_noter).await;
+    let receipt = runtime
+        .init(&one_shot_noter, "unread-1")
+        .dispatch("hello")
+        .await
+        .unwrap();
+    let row = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+            if row.outcome.is_some() {
+                return row;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the submission settles");
+    store.failing_reads.store(0, Ordering::SeqCst);
+    assert_eq!(row.outcome, Some(Outcome::Failed));
+    assert_eq!(row.attempt_count, 4, "the last attempt and three takeovers");
+    assert!(model.requests().is_empty());
+}

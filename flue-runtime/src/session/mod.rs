@@ -62,6 +62,10 @@ use live_text::LiveText;
 pub(crate) use binding::{Attempt, InstanceBinding};
 pub(crate) use conversation::{Conversation, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from};
 
+/// How many takeovers past its budget a submission whose stream cannot be read is left to
+/// (the lease lapsing each time) before it settles as failed without knowing how it ended.
+const UNREAD_DEFERRALS: u32 = 3;
+
 /// The framework ceiling of continued finish cycles per response.
 pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
 
@@ -699,6 +703,8 @@ impl InstanceSlot {
                 // that ended or is to abort back to the queue, for an attempt that reads the
                 // stream to settle it so. When it still cannot read, the submission is left to
                 // a takeover (the lease lapses unrenewed) rather than settled as failed.
+                // A stream that stays unreadable (past a few takeovers) settles as before, so
+                // the instance's queue does not wait on it for ever.
                 let mut classify_later = false;
                 if unread && failure.transient && submission.attempt_count >= submission.max_attempts {
                     match runtime.store.read(&self.key, conversation.last_offset).await {
@@ -708,7 +714,7 @@ impl InstanceSlot {
                             }
                             classify_later = conversation.has_ended(&submission.id) || abort_requested;
                         }
-                        Err(error) => {
+                        Err(error) if submission.attempt_count < submission.max_attempts + UNREAD_DEFERRALS => {
                             tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read to settle a spent budget; the lease lapses");
                             runtime.emit_recovery(
                                 Concerning::Row(&submission),
@@ -719,6 +725,9 @@ impl InstanceSlot {
                             self.binding.set_current(None);
                             *conversation = Conversation::default();
                             return (None, None);
+                        }
+                        Err(error) => {
+                            tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream stayed unreadable past its budget; settling the submission as failed");
                         }
                     }
                 }
