@@ -426,9 +426,10 @@ impl Delegation {
     async fn images_for_task(
         &self,
         runtime: &RuntimeInner,
-        from: &InstanceKey,
+        journal: &Journal,
         wanted: &[TaskAttachment],
     ) -> Result<Vec<TaskImage>, String> {
+        let from = &journal.key();
         let mut ids: Vec<&str> = Vec::with_capacity(wanted.len());
         for attachment in wanted {
             if !ids.contains(&attachment.id.as_str()) {
@@ -453,7 +454,7 @@ impl Delegation {
                 .store
                 .attachment(from, &attachment.id)
                 .await
-                .map_err(|error| format!("The attachment \"{}\" could not be read: {error}", attachment.id))?
+                .map_err(|error| read_failure(journal, &attachment.id, error))?
                 .ok_or_else(|| attachment_not_available(&attachment.id))?;
             images.push(TaskImage {
                 media_type: stored.media_type,
@@ -471,6 +472,17 @@ struct TaskImage {
     media_type: String,
     filename: Option<String>,
     bytes: Vec<u8>,
+}
+
+/// A failed read of the attachment `id`: damaged bytes stay damaged (the task fails); any
+/// other store failure fails the attempt, which is tried again from what is durable.
+fn read_failure(journal: &Journal, id: &str, error: StoreError) -> String {
+    match error {
+        StoreError::AttachmentIntegrity { detail, .. } => {
+            format!("The attachment \"{id}\" is damaged in the store: {detail}")
+        }
+        error => journal.failed(error),
+    }
 }
 
 /// Reference §6.2 `attachment_not_available`.
@@ -629,16 +641,6 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     if delegation.depth >= MAX_DELEGATION_DEPTH {
         return ToolOutput::error(format!("Maximum delegation depth ({MAX_DELEGATION_DEPTH}) exceeded."));
     }
-    // A child an earlier run created has its images already.
-    let images = match &args.attachments {
-        Some(wanted) if retained.is_none() && !wanted.is_empty() => {
-            match delegation.images_for_task(&runtime, &journal.key(), wanted).await {
-                Ok(images) => images,
-                Err(error) => return ToolOutput::error(error),
-            }
-        }
-        _ => Vec::new(),
-    };
     let _running = {
         let mut running = delegation
             .running
@@ -665,6 +667,16 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
             Err(error) => return ToolOutput::error(error),
         },
         None => environment,
+    };
+    // Read once the task may run (a child an earlier run created has its images already).
+    let images = match &args.attachments {
+        Some(wanted) if retained.is_none() && !wanted.is_empty() => {
+            match delegation.images_for_task(&runtime, &journal, wanted).await {
+                Ok(images) => images,
+                Err(error) => return ToolOutput::error(error),
+            }
+        }
+        _ => Vec::new(),
     };
     let task_id = retained
         .as_ref()
@@ -849,6 +861,7 @@ fn refuse_required_hooks(subagent: &Subagent, rendered: &Rendered) -> Result<(),
 /// Loads the images of a reopened child's conversation from its stream's attachments.
 async fn load_images(
     runtime: &RuntimeInner,
+    journal: &Journal,
     child: &InstanceKey,
     conversation: &mut Conversation,
 ) -> Result<(), String> {
@@ -857,7 +870,7 @@ async fn load_images(
             .store
             .attachment(child, &attachment.id)
             .await
-            .map_err(|error| format!("The task's image \"{}\" could not be read: {error}", attachment.id))?
+            .map_err(|error| read_failure(journal, &attachment.id, error))?
             .ok_or_else(|| format!("The task's image \"{}\" is not in the store.", attachment.id))?;
         conversation.keep_image(attachment.id, ModelImage::from_bytes(&stored.media_type, &stored.bytes));
     }
@@ -876,11 +889,16 @@ async fn child_session(
     mut task: Task<'_>,
 ) -> Result<String, String> {
     let args = task.args;
-    let reopened = task.reopened.take();
+    let mut reopened = task.reopened.take();
+    // A reattached child's images are loaded before its render, which sees them as its first
+    // run's did.
+    if let Some((child, conversation)) = &mut reopened {
+        load_images(runtime, journal, child, conversation).await?;
+    }
     // The delegate's render sees the prompt as its delivered message, with the images.
-    let delivery = Arc::new(DeliveredMessage::User(UserMessage {
-        body: args.prompt.clone(),
-        attachments: task
+    let attachments = match &reopened {
+        Some((_, conversation)) => conversation.prompt_attachments(),
+        None => task
             .images
             .iter()
             .map(|image| Attachment::Image {
@@ -889,6 +907,10 @@ async fn child_session(
                 filename: image.filename.clone(),
             })
             .collect(),
+    };
+    let delivery = Arc::new(DeliveredMessage::User(UserMessage {
+        body: args.prompt.clone(),
+        attachments,
     }));
     // A delegate's session runs no lifecycle hooks: its render cannot select any, and
     // `use_subagent` refuses an agent whose definition does.
@@ -942,12 +964,11 @@ async fn child_session(
     };
     let created = reopened.is_none();
     let (child, mut conversation) = match reopened {
-        Some((child, mut conversation)) => {
-            load_images(runtime, &child, &mut conversation).await?;
-            (child, conversation)
-        }
+        Some(reopened) => reopened,
         None => create_child(runtime, journal, subagent, &task).await?,
     };
+    // Stored and kept by the conversation now: the call's own copies go.
+    drop(std::mem::take(&mut task.images));
 
     // Before the child's first model call, once per child: a marker in the child's stream
     // records that it ran, so a re-run that reattaches does not run it again (a crash between

@@ -2571,3 +2571,105 @@ async fn after_subagent_created_runs_once_for_a_child_a_re_attempt_reattaches_to
         assert_eq!(runs, 1, "{name}");
     }
 }
+
+/// What each render of the `viewer` delegate was delivered (how many images), per test.
+static VIEWER_DELIVERIES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+static LOOKER_DELIVERIES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// A parent delegating to `viewer`, whose renders note into `deliveries` how many images
+/// they were delivered.
+fn viewing_parent(
+    deliveries: &'static Mutex<Vec<usize>>,
+) -> impl Fn(AgentProps<'_>) -> &'static str + Send + Sync + 'static {
+    move |_| {
+        use_model("scripted/parent-model");
+        use_subagent(Subagent::new(
+            "viewer",
+            "Looks at images and tallies.",
+            FnAgent::new(AgentDefinition::new("viewer"), move |_: AgentProps<'_>| {
+                let images = match &*use_delivery() {
+                    DeliveredMessage::User(message) => message.attachments.len(),
+                    DeliveredMessage::Signal(_) => 0,
+                };
+                deliveries.lock().unwrap().push(images);
+                use_tool(
+                    Tool::new("tally")
+                        .description("Tally the words.")
+                        .run(|_ctx, _: serde_json::Map<String, Value>| async { Ok::<_, ToolError>("7 words") }),
+                );
+                "You look and tally."
+            }),
+        ));
+        "Delegate the looking."
+    }
+}
+
+/// A photo message, then the script that hands its image to `viewer` (its id read from the
+/// first request), with the viewer's tool call, its answer and the parent's.
+async fn photo_then_viewing_task(
+    handle: &flue_runtime::AgentHandle,
+    model: &ScriptedModel,
+) -> flue_runtime::provider::ModelImage {
+    handle.send(photo_message("A receipt.", "iVBORw0KGgo=")).await.unwrap();
+    let ModelMessage::User { content, images } = &model.requests()[0].messages[0] else {
+        panic!("{:?}", model.requests()[0].messages)
+    };
+    let id = listed_attachment_ids(content).remove(0);
+    model.push(ScriptedReply::tool_call(
+        "task",
+        json!({"agent": "viewer", "prompt": "Tally the receipt.", "attachments": [{"id": id}]}),
+    ));
+    model.push(ScriptedReply::tool_call("tally", json!({})));
+    model.push(ScriptedReply::text("Seven words."));
+    model.push(ScriptedReply::text("The tally is seven."));
+    images[0].clone()
+}
+
+/// A reattached child renders with the images its prompt was handed, as its first run did.
+#[tokio::test]
+async fn a_reattached_task_childs_render_is_delivered_its_images_again() {
+    let model = ScriptedModel::new([ScriptedReply::text("Noted.")]);
+    let store = crashing(Box::new(MemoryStore::new()), commits_calls_of("tally"));
+    let agent = FnAgent::new(AgentDefinition::new("viewing"), viewing_parent(&VIEWER_DELIVERIES)).into();
+    let runtime = harness::runtime_on(store.clone(), &model, vec![agent]);
+    let handle = runtime.handle("viewing", "v-1").unwrap();
+    photo_then_viewing_task(&handle, &model).await;
+    let reply = handle.send("Tally it.").await.unwrap();
+    assert_eq!(reply.text, "The tally is seven.");
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the crash happened");
+    assert_eq!(
+        *VIEWER_DELIVERIES.lock().unwrap(),
+        [1, 1],
+        "first run, then the reattach"
+    );
+}
+
+/// A store failure reading the image to hand on fails the attempt (tried again from what is
+/// durable), not the task: the re-run hands the image on.
+#[tokio::test]
+async fn a_failed_read_of_an_image_to_hand_on_is_tried_again_not_answered_as_an_error() {
+    let model = ScriptedModel::new([ScriptedReply::text("Noted.")]);
+    let store = FaultyStore::on(Arc::new(MemoryStore::new()));
+    let agent = FnAgent::new(AgentDefinition::new("looking"), viewing_parent(&LOOKER_DELIVERIES)).into();
+    let runtime = harness::runtime_on(store.clone(), &model, vec![agent]);
+    let handle = runtime.handle("looking", "l-1").unwrap();
+    let photo = photo_then_viewing_task(&handle, &model).await;
+    store.failing_attachment_reads.store(1, Ordering::SeqCst);
+    let reply = handle.send("Tally it.").await.unwrap();
+    assert_eq!(reply.text, "The tally is seven.");
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the read failed once");
+    let requests = model.requests();
+    let child = requests
+        .iter()
+        .find(|request| request.model == "parent-model" && request.messages.len() == 1
+            && matches!(&request.messages[0], ModelMessage::User { content, .. } if content.starts_with("Tally the receipt.")))
+        .expect("the child ran");
+    let ModelMessage::User { images, .. } = &child.messages[0] else {
+        unreachable!()
+    };
+    assert_eq!(images.as_slice(), [photo]);
+    assert_eq!(
+        tool_result(requests.last().unwrap()),
+        ("Seven words.".to_owned(), false)
+    );
+}

@@ -1208,6 +1208,24 @@ impl Conversation {
         }
     }
 
+    /// The images of the conversation's first message (a task child's prompt), as delivered:
+    /// base64 with their media types and file names (those loaded).
+    pub(crate) fn prompt_attachments(&self) -> Vec<flue_core::message::Attachment> {
+        self.image_refs
+            .iter()
+            .filter(|(at, _)| *at == 0)
+            .flat_map(|(_, refs)| refs)
+            .filter_map(|attachment| {
+                let image = self.images.get(&attachment.id)?;
+                Some(flue_core::message::Attachment::Image {
+                    data: image.data.to_string(),
+                    mime_type: attachment.media_type.clone(),
+                    filename: attachment.filename.clone(),
+                })
+            })
+            .collect()
+    }
+
     /// The attachments of the messages in front of the model (those a compaction summarized
     /// away are not), each once: what a `task` call may hand to its delegate.
     pub(crate) fn visible_attachments(&self) -> Vec<AttachmentRef> {
@@ -1448,7 +1466,7 @@ pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
 /// </attachments>
 /// ```
 ///
-/// after a blank line (the list alone when the message has no text). Ids are the runtime's
+/// after a blank line (also when the message has no text). Ids are the runtime's
 /// and media types were checked on admission; both are escaped all the same, so no value
 /// can end the attribute or the list.
 fn append_attachment_list(content: &mut String, refs: &[AttachmentRef]) {

@@ -36,6 +36,8 @@ pub struct FaultyStore {
     pub failing_reads: Arc<AtomicUsize>,
     /// How long each listing of expired leases takes while set (a slow scan).
     pub stall_scans: Arc<Mutex<Option<std::time::Duration>>>,
+    /// How many of the next reads of an attachment fail.
+    pub failing_attachment_reads: Arc<AtomicUsize>,
 }
 
 impl Default for FaultyStore {
@@ -58,6 +60,7 @@ impl FaultyStore {
             stall_next_read: Arc::default(),
             failing_reads: Arc::default(),
             stall_scans: Arc::default(),
+            failing_attachment_reads: Arc::default(),
         }
     }
 
@@ -105,7 +108,7 @@ impl Store for FaultyStore {
         inner;
         instance, submission, has_queued, claim_next, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins,
-        request_abort, put_attachment, attachment, user_value, set_user_value,
+        request_abort, put_attachment, user_value, set_user_value,
         list_user_values, create_child,
     );
 
@@ -136,6 +139,21 @@ impl Store for FaultyStore {
             return Box::pin(std::future::ready(Err(injected("requeue"))));
         }
         self.inner.requeue(attempt)
+    }
+
+    fn attachment(
+        &self,
+        key: &InstanceKey,
+        id: &str,
+    ) -> BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, StoreError>> {
+        let failing = self
+            .failing_attachment_reads
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1));
+        if failing.is_ok() {
+            self.failures.fetch_add(1, Ordering::SeqCst);
+            return Box::pin(std::future::ready(Err(injected("attachment read"))));
+        }
+        self.inner.attachment(key, id)
     }
 
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
