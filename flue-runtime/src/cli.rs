@@ -479,6 +479,7 @@ fn plural(count: usize, noun: &str) -> String {
 
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CliError {
     /// The runtime refused or the submission did not complete.
     #[error(transparent)]

@@ -189,6 +189,18 @@ fn refuses_a_stamped_database_holding_another_layouts_tables_without_changing_it
     }
 }
 
+/// The application's own `flue_`-named tables beside this store's ledger are no other
+/// layout: the store opens.
+#[test]
+fn opens_a_store_beside_the_applications_own_flue_tables() {
+    let path = scratch_db();
+    SqliteStore::open(&path).unwrap();
+    raw(&path)
+        .execute_batch("CREATE TABLE flue_sessions (id TEXT);")
+        .unwrap();
+    SqliteStore::open(&path).unwrap();
+}
+
 #[test]
 fn rejects_unstamped_flue_tables() {
     let path = scratch_db();

@@ -1481,6 +1481,7 @@ async fn an_aborted_task_calls_unknown_outcome_names_its_child_conversation() {
         .expect("the abort reached the running task");
     assert!(aborted.is_err(), "the submission settled aborted");
     // The child session the abort dropped mid-tool still ends: one `agent_end` in the task.
+    assert!(task_id.is_some(), "the task started");
     let child_ends = std::iter::from_fn(|| events.try_recv().ok())
         .filter(|observation| observation.task_id == task_id && matches!(observation.event, Event::AgentEnd { .. }))
         .count();

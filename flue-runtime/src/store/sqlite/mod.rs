@@ -65,10 +65,16 @@ pub(crate) const OWN_TABLES: [&str; 7] = [
     "flue_user_values",
 ];
 
-/// Refuses a database stamped with a format this build reads that also holds `flue_` tables
-/// of another layout (another implementation of the format wrote it, under the same stamp):
-/// adopting it would create an empty ledger beside that one's history. Nothing is changed.
+/// Refuses a database stamped with a format this build reads that holds `flue_` tables of
+/// another layout instead of this one's ledger (another implementation of the format wrote
+/// it, under the same stamp): adopting it would create an empty ledger beside that one's
+/// history. Tables of the application's own beside this build's ledger are left alone.
+/// Nothing is changed.
 pub(crate) fn check_own_layout(tables: &[String]) -> Result<(), StoreError> {
+    const LEDGER: [&str; 3] = ["flue_instances", "flue_submissions", "flue_batches"];
+    if tables.iter().any(|table| LEDGER.contains(&table.as_str())) {
+        return Ok(());
+    }
     let foreign: Vec<&str> = tables
         .iter()
         .map(String::as_str)
