@@ -397,7 +397,8 @@ impl RuntimeInner {
                 let Some(scan_interval) = weak.upgrade().map(|runtime| runtime.options.scan_interval) else {
                     return;
                 };
-                tokio::time::sleep(scan_interval).await;
+                // At least a millisecond apart: a zero interval must not spin.
+                tokio::time::sleep(scan_interval.max(Duration::from_millis(1))).await;
                 let Some(runtime) = weak.upgrade() else { return };
                 runtime.scan().await;
             }
@@ -433,7 +434,7 @@ impl RuntimeInner {
                     }
                 }
                 drop(runtime);
-                tokio::time::sleep(heartbeat).await;
+                tokio::time::sleep(heartbeat.max(Duration::from_millis(1))).await;
             }
         });
     }

@@ -1263,12 +1263,15 @@ async fn items_47_48_51_tool_call_started_fires_once_per_parallel_call_before_an
 static SLOW_STARTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[hook(tool_call_started)]
-async fn slow_started(_state: &ThreadState, call: &ToolCall, _progress: Option<&str>) {
+async fn slow_started(state: &ThreadState, call: &ToolCall, _progress: Option<&str>) {
     tokio::time::sleep(std::time::Duration::from_secs(40)).await;
-    SLOW_STARTED
-        .lock()
-        .unwrap()
-        .push(format!("finished for {}", call.function.name));
+    // The response is over: the thread state refuses writes now.
+    let write = state.set_value("late", Some(json!(true))).await;
+    SLOW_STARTED.lock().unwrap().push(format!(
+        "finished for {}, write refused: {}",
+        call.function.name,
+        matches!(write, Err(ThreadError::Unavailable(_)))
+    ));
 }
 
 #[agent(hooks = [slow_started])]
@@ -1296,7 +1299,10 @@ async fn a_tool_call_started_hook_past_30_s_is_left_running_while_the_response_g
     );
     assert!(SLOW_STARTED.lock().unwrap().is_empty());
     tokio::time::sleep(std::time::Duration::from_secs(20)).await;
-    assert_eq!(*SLOW_STARTED.lock().unwrap(), ["finished for marks_context"]);
+    assert_eq!(
+        *SLOW_STARTED.lock().unwrap(),
+        ["finished for marks_context, write refused: true"]
+    );
 }
 
 // ---- after_thread_created, execution, context, values (items 55, 77, 78, 79, 82) ---------------

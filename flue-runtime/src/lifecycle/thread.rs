@@ -52,6 +52,10 @@ pub(crate) struct ThreadWriter {
     /// What `update_message` set on the pending row: stored with its step, under the step's
     /// own updates (dropped with the row when the step fails).
     pending_updates: Mutex<MessageUpdates>,
+    /// The response is over: what a hook or tool still running (one left past its bound, a
+    /// task it spawned) asks of the thread state after it is refused, not written after the
+    /// response's events or its settlement.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl ThreadWriter {
@@ -85,7 +89,23 @@ impl ThreadWriter {
             folded: tokio::sync::Mutex::new(None),
             pending_row: Mutex::new(None),
             pending_updates: Mutex::default(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Ends the response's use of the thread state (see `closed`).
+    pub(crate) fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Refuses a write through the thread state once the response is over.
+    fn check_open(&self, what: &str) -> Result<(), ThreadError> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(ThreadError::Unavailable(format!(
+                "{what}: the response this thread state belongs to has ended."
+            )));
+        }
+        Ok(())
     }
 
     /// Shows `row` as the thread's last row (the running step's), or no such row.
@@ -125,19 +145,16 @@ impl ThreadWriter {
     /// What `update_message` set on the running step's row, for its step's commit: all but
     /// its content and status, which the step's completion sets after them.
     pub(crate) fn take_pending_updates(&self) -> MessageUpdates {
-        let mut updates = std::mem::take(&mut *self.pending_updates());
-        updates.remove("content");
-        updates.remove("status");
-        updates
+        step_owned_removed(std::mem::take(&mut *self.pending_updates()))
     }
 
     /// Takes the step's row out of the thread once its step committed (the stream holds it):
-    /// returns what `update_message` set on it since [`Self::take_pending_updates`], to store
-    /// after the step.
+    /// returns what `update_message` set on it since [`Self::take_pending_updates`] (all but
+    /// its content and status, the step's as well), to store after the step.
     pub(crate) fn finish_pending_row(&self) -> MessageUpdates {
         let mut pending = self.pending_row.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         *pending = None;
-        std::mem::take(&mut *self.pending_updates())
+        step_owned_removed(std::mem::take(&mut *self.pending_updates()))
     }
 
     /// The running step's row, if its id is `id`.
@@ -320,15 +337,31 @@ impl RuntimeThread {
     }
 
     async fn append(&self, records: Vec<Record>) -> Result<(), ThreadError> {
+        self.writer.check_open("A write to the thread")?;
         self.writer.append(records.into()).await.map(drop).map_err(store_error)
     }
 
     fn emit_event(&self, event_type: &str, data: Value) {
+        if self.writer.check_open("emit").is_err() {
+            tracing::warn!(
+                event_type,
+                "a thread event emitted after its response ended was dropped"
+            );
+            return;
+        }
         self.writer.emit_with(|| Event::ThreadEvent {
             event_type: event_type.to_owned(),
             data,
         });
     }
+}
+
+/// `updates` made to a running step's row without the fields the step's completion sets
+/// (its content and status): whenever they were made, the step's own values win.
+fn step_owned_removed(mut updates: MessageUpdates) -> MessageUpdates {
+    updates.remove("content");
+    updates.remove("status");
+    updates
 }
 
 /// `updates` (checked) applied to `row`, as the stream applies a stored row's update.
@@ -535,6 +568,7 @@ impl ThreadStateApi for RuntimeThread {
 
     fn invoke_tool<'a>(&'a self, name: &'a str, args: Value) -> BoxFuture<'a, Result<ToolResult, ThreadError>> {
         Box::pin(async move {
+            self.writer.check_open("invoke_tool")?;
             let tool = self
                 .tools
                 .lock()
@@ -563,6 +597,7 @@ impl ThreadStateApi for RuntimeThread {
     }
 
     fn queue_tool(&self, tool: Tool, args: Value) -> Result<(), ThreadError> {
+        self.writer.check_open("queue_tool")?;
         if self.execution.is_none() {
             return Err(ThreadError::Unavailable(
                 "queue_tool needs a running execution; this ThreadState is at rest.".into(),

@@ -119,6 +119,9 @@ pub(crate) struct Conversation {
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
     images: FastMap<String, ModelImage>,
+    /// The attachments of the stream's first user message (a task child's prompt), once it
+    /// is folded.
+    first_message_images: Option<Vec<AttachmentRef>>,
     /// The latest delivered message in front of the model (the `use_delivery` cursor), as
     /// the stream records it.
     cursor: Option<DeliveryCursor>,
@@ -538,6 +541,9 @@ impl Conversation {
                 self.close_dangling_calls();
                 let row = Row::new(message_id.clone(), MessageRole::User, record.timestamp.clone());
                 self.push(ModelMessage::user(body.clone()), row);
+                if self.first_message_images.is_none() {
+                    self.first_message_images = Some(attachments.clone());
+                }
                 if !attachments.is_empty() {
                     self.image_refs.push((self.messages.len() - 1, attachments.clone()));
                 }
@@ -1211,10 +1217,9 @@ impl Conversation {
     /// The images of the conversation's first message (a task child's prompt), as delivered:
     /// base64 with their media types and file names (those loaded).
     pub(crate) fn prompt_attachments(&self) -> Vec<flue_core::message::Attachment> {
-        self.image_refs
+        self.first_message_images
             .iter()
-            .filter(|(at, _)| *at == 0)
-            .flat_map(|(_, refs)| refs)
+            .flatten()
             .filter_map(|attachment| {
                 let image = self.images.get(&attachment.id)?;
                 Some(flue_core::message::Attachment::Image {
