@@ -3178,9 +3178,19 @@ async fn a_cancelled_send_does_not_give_back_the_attempt_of_a_submission_ahead_o
     let runtime = runtime(&store, &model, queue_holder);
     let handle = runtime.init(&queue_holder, "h-1");
     // The send is cancelled while the submission ahead of it holds.
-    let cancelled = tokio::time::timeout(std::time::Duration::from_millis(200), handle.send("me next")).await;
-    assert!(cancelled.is_err(), "the send was still waiting");
-    assert_eq!(HOLD_RUNS.load(Ordering::SeqCst), 1, "the submission ahead runs");
+    let sending = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.send("me next").await }
+    });
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while HOLD_RUNS.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the submission ahead runs");
+    sending.abort();
+    assert!(sending.await.unwrap_err().is_cancelled(), "the send was still waiting");
     HOLD_OPEN.store(true, Ordering::SeqCst);
     let ahead = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read("sub_ahead"))
         .await
@@ -3200,11 +3210,32 @@ fn long_cruncher() -> &'static str {
     use_tool(Tool::new("crunch").description("Crunch numbers.").run(
         |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
             CRUNCHES.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+            tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
             "crunched"
         },
     ));
     "You crunch numbers."
+}
+
+/// A started runtime with a 1 s lease renewed every 50 ms and a scan every 50 ms: leases
+/// long enough that a loaded machine's stalls do not lapse them, short beside the 3 s scan.
+async fn scanning_slowly_with(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(agent)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            lease: std::time::Duration::from_secs(1),
+            heartbeat: std::time::Duration::from_millis(50),
+            scan_interval: std::time::Duration::from_millis(50),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    runtime.start().await;
+    runtime
 }
 
 /// A node whose scan is slow (many leases to take over, a saturated pool) still renews its
@@ -3214,14 +3245,14 @@ fn long_cruncher() -> &'static str {
 async fn a_slow_scan_does_not_hold_up_the_renewal_of_a_nodes_own_leases() {
     let shared: Arc<dyn Store> = Arc::new(flue_runtime::store::MemoryStore::new());
     let slow = FaultyStore::on(shared.clone());
-    *slow.stall_scans.lock().unwrap() = Some(std::time::Duration::from_millis(600));
+    *slow.stall_scans.lock().unwrap() = Some(std::time::Duration::from_secs(3));
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("crunch", json!({})),
         ScriptedReply::text("crunched it"),
         ScriptedReply::text("crunched it again"),
     ]);
-    let first = taking_over(&slow, &model, long_cruncher).await;
-    let other = taking_over(&FaultyStore::on(shared), &model, long_cruncher).await;
+    let first = scanning_slowly_with(&slow, &model, long_cruncher).await;
+    let other = scanning_slowly_with(&FaultyStore::on(shared), &model, long_cruncher).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         first.init(&long_cruncher, "lc-1").send("crunch"),
@@ -3245,20 +3276,28 @@ async fn an_attempt_getting_ready_when_its_node_releases_its_work_is_given_back_
     let store = FaultyStore::default();
     let model = ScriptedModel::new([ScriptedReply::text("answered")]);
     let runtime = runtime(&store, &model, noter);
-    *store.stall_next_read.lock().unwrap() = Some(std::time::Duration::from_millis(300));
+    *store.stall_next_read.lock().unwrap() = Some(std::time::Duration::from_secs(1));
     let receipt = runtime.init(&noter, "r-1").dispatch("hello").await.unwrap();
-    // The attempt is claimed and reading the stream.
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let status = || async { store.submission(&receipt.submission_id).await.unwrap().unwrap().status };
+    // The attempt is claimed and reading the stream (its read stalls for a second).
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while status().await != flue_runtime::store::SubmissionStatus::Running {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the attempt is claimed");
     assert_eq!(runtime.release().await, 0, "nothing was running yet");
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while status().await != flue_runtime::store::SubmissionStatus::Queued {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("back in the queue for the next node");
     assert!(model.requests().is_empty(), "the released node made no model call");
     let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
     assert_eq!(row.outcome, None, "not settled");
-    assert_eq!(
-        row.status,
-        flue_runtime::store::SubmissionStatus::Queued,
-        "back in the queue for the next node"
-    );
 }
 
 /// A stream that stays unreadable past the budget leaves the submission to a few takeovers
