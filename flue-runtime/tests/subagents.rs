@@ -2513,7 +2513,7 @@ async fn a_reattached_task_child_still_shows_its_delegate_the_image_it_was_hande
                 content.starts_with("Tally the receipt.\n\n<attachments>\n"),
                 "{name}: {content}"
             );
-            assert_eq!(images.as_slice(), [photo.clone()], "{name}");
+            assert_eq!(images.as_slice(), std::slice::from_ref(&photo), "{name}");
         }
     }
 }
