@@ -16,7 +16,7 @@ use flue_runtime::{AgentReply, Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
 
 use harness::Gated;
-use harness::faulty::FaultyStore;
+use harness::faulty::{self, FaultyStore};
 
 fn runtime(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<AgentRef>) -> Runtime {
     let mut providers = ProviderRegistry::new();
@@ -91,11 +91,7 @@ fn billing() -> &'static str {
 #[tokio::test]
 async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_state_writes_absent() {
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
-    });
+    store.fail_once(faulty::commits_a_tool_batch);
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("charge", json!({})),
         ScriptedReply::text("I could not confirm the charge."),
@@ -182,11 +178,7 @@ fn one_shot_billing() -> &'static str {
 #[tokio::test]
 async fn a_batch_a_failed_submission_left_uncommitted_is_settled_with_its_settlement() {
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
-    });
+    store.fail_once(faulty::commits_a_tool_batch);
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("charge", json!({})),
         ScriptedReply::text("The last charge may not have gone through."),
@@ -1682,11 +1674,7 @@ async fn finish_once_after_a_failed_settlement(
     reply: ScriptedReply,
 ) -> flue_runtime::AgentReply {
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
-    });
+    store.fail_once(faulty::settles);
     let model = ScriptedModel::new([reply]);
     let runtime = taking_over(&store, &model, agent).await;
     let reply = tokio::time::timeout(
@@ -1864,11 +1852,7 @@ fn metered() -> &'static str {
 async fn response_finish_usage_counts_the_steps_of_earlier_attempts() {
     let store = FaultyStore::default();
     // The first step's tool batch fails once: the re-attempt resumes after step 1.
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|r| matches!(r.body, RecordBody::ToolResultsCommitted { .. }))
-    });
+    store.fail_once(faulty::commits_a_tool_batch);
     let model = ScriptedModel::new([ScriptedReply::tool_call("look", json!({})), ScriptedReply::text("done")]);
     let runtime = runtime(&store, &model, metered);
     runtime.init(&metered, "m-1").send("go").await.unwrap();
@@ -2669,11 +2653,7 @@ async fn a_scan_that_cannot_list_expired_leases_is_reported_as_a_deferred_pass_n
 async fn a_settlement_that_fails_is_reported_and_settles_once_its_lease_is_taken_over() {
     use flue_runtime::events::{Event, RecoveryOperation, RecoveryOutcome};
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
-    });
+    store.fail_once(faulty::settles);
     let model = ScriptedModel::new([ScriptedReply::text("answered once")]);
     let runtime = taking_over(&store, &model, relay).await;
     let mut events = runtime.observe();
@@ -2725,11 +2705,7 @@ async fn a_settlement_that_fails_is_reported_and_settles_once_its_lease_is_taken
 async fn an_attempt_abandoned_for_a_store_failure_is_reported_before_it_is_re_attempted() {
     use flue_runtime::events::{Event, RecoveryOperation, RecoveryOutcome};
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
-    });
+    store.fail_once(faulty::commits_a_tool_batch);
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("charge", json!({})),
         ScriptedReply::text("I could not confirm the charge."),
@@ -2805,11 +2781,7 @@ fn settlements_of(
 #[tokio::test]
 async fn a_requeue_that_fails_after_a_store_failure_leaves_the_submission_to_a_takeover() {
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
-    });
+    store.fail_once(faulty::commits_a_tool_batch);
     store.failing_requeues.store(1, Ordering::SeqCst);
     let model = ScriptedModel::new([ScriptedReply::tool_call("note", json!({})), ScriptedReply::text("done")]);
     let runtime = taking_over(&store, &model, noter).await;
@@ -2834,11 +2806,7 @@ async fn a_requeue_that_fails_after_a_store_failure_leaves_the_submission_to_a_t
 #[tokio::test]
 async fn a_settlement_that_fails_is_not_reported_settled() {
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
-    });
+    store.fail_once(faulty::settles);
     let model = ScriptedModel::new([ScriptedReply::text("done"), ScriptedReply::text("done again")]);
     let runtime = taking_over(&store, &model, noter).await;
     let mut events = runtime.observe();
@@ -3046,11 +3014,7 @@ fn one_shot_noter() -> &'static str {
 #[tokio::test]
 async fn a_spent_budgets_failed_read_does_not_settle_an_ended_response_as_failed() {
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }))
-    });
+    store.fail_once(faulty::settles);
     let model = ScriptedModel::new([ScriptedReply::text("done")]);
     let runtime = taking_over(&store, &model, one_shot_noter).await;
     let mut events = runtime.observe();
@@ -3106,11 +3070,7 @@ fn step_counter() -> &'static str {
 #[tokio::test]
 async fn a_re_attempts_step_count_goes_on_from_the_durable_steps() {
     let store = FaultyStore::default();
-    store.fail_once(|records| {
-        records
-            .iter()
-            .any(|record| matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
-    });
+    store.fail_once(faulty::commits_a_tool_batch);
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("note_step", json!({})),
         ScriptedReply::tool_call("note_step", json!({})),

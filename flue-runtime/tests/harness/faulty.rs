@@ -99,6 +99,24 @@ impl FaultyStore {
     }
 }
 
+/// Whether `records` commit a tool batch: the write a crash "between a tool outcome and its
+/// batch commit" fails.
+pub fn commits_a_tool_batch(records: &[Record]) -> bool {
+    records.iter().any(|record| {
+        matches!(
+            record.body,
+            flue_runtime::record::RecordBody::ToolResultsCommitted { .. }
+        )
+    })
+}
+
+/// Whether `records` settle a submission.
+pub fn settles(records: &[Record]) -> bool {
+    records
+        .iter()
+        .any(|record| matches!(record.body, flue_runtime::record::RecordBody::SubmissionSettled { .. }))
+}
+
 fn injected(what: &str) -> StoreError {
     StoreError::Other(format!("injected {what} failure"))
 }
