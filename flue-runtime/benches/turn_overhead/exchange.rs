@@ -377,6 +377,29 @@ fn scheduler_tag(scheduler: &str) -> &'static str {
 }
 
 /// Where this run's SQLite files go (removed when it ends).
+/// How this (virtual) machine's CPUs idle, when Linux's `cpuidle` says: the multi-thread
+/// figures depend on it. An idle vCPU that halts at once (the `haltpoll` driver with
+/// `guest_halt_poll_ns` 0, as Firecracker guests are often booted) leaves the processor to the
+/// host, so every wake-up that crosses threads waits for the hypervisor and then runs on cold
+/// caches; with Linux's default (polling up to 200 µs before halting) the same exchange's
+/// multi-thread figures come close to the current-thread ones. The current-thread figures do
+/// not depend on it (no wake-up crosses threads).
+fn idle_policy() -> Option<String> {
+    let read = |path: &str| std::fs::read_to_string(path).ok().map(|text| text.trim().to_owned());
+    let driver = read("/sys/devices/system/cpu/cpuidle/current_driver")?;
+    Some(match read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
+        Some(poll) if driver == "haltpoll" => format!(
+            "cpuidle: {driver}, guest_halt_poll_ns {poll}{}",
+            if poll == "0" {
+                " (an idle vCPU halts at once: the multi-thread figures include a hypervisor wake-up for each hand-over between threads)"
+            } else {
+                ""
+            }
+        ),
+        _ => format!("cpuidle: {driver}"),
+    })
+}
+
 fn scratch_dir() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("flue-bench-{}", std::process::id()))
 }
@@ -396,6 +419,9 @@ pub fn main(allocator: &str) {
     let profiling = std::env::var("FLUE_BENCH_PROFILE").is_ok() || std::env::var("FLUE_BENCH_MEMORY").is_ok();
     if !profiling {
         println!("allocator: {allocator}");
+        if let Some(idle) = idle_policy() {
+            println!("{idle}");
+        }
     }
     multi.block_on(bench());
     drop(multi);
