@@ -1,23 +1,34 @@
 //! MCP connections (`use_mcp_connection`; the definitions of [`flue_core::mcp`], re-exported):
 //! at the start of a submission the runtime connects to
 //! each declared server over streamable HTTP (rmcp), lists its tools, and mounts them as
-//! `mcp__<server>__<tool>` (characters a tool name cannot hold become `_`). A call goes to the
-//! server; its text content is the result (other content is named in brackets; structured
-//! content is used when there is no text), and an error result stays an error. The text is
-//! cut to its first 50 KB (the sandbox tools' output cap), on a character boundary, with a
-//! line saying so.
+//! `mcp__<server>__<tool>` (characters a tool name cannot hold become `_`). A server that
+//! repeats a `tools/list` cursor is refused (its listing would never end). A connection's
+//! `tools` list mounts those tools, in its order: a name the server does not list, or one named
+//! twice, refuses the server (a typo must not quietly leave the model without the tool).
+//! A tool's input schema without `type` is an object's, and one without `properties` has none
+//! (as the reference reads them). A call goes to the
+//! server; its text content is the result, an embedded resource's text under a line naming its
+//! URI, a resource link as its name, URI and description, and images, audio and binary
+//! resources are named in brackets with their type and size; structured content is added when
+//! no block is text (servers send its JSON as text too). An error result stays an error. The
+//! text is cut to its first 50 KB (the sandbox tools' output cap), on a character boundary,
+//! with a line saying so.
 //!
 //! Two tools of one server whose mounted names are the same (`a.b` and `a_b`, or names alike
-//! in their first 64 characters) make the server unusable, as a tool with an invalid schema
-//! does, with a reason naming both; the connection's `tools` then picks one. Neither is
+//! in their first 64 characters) make the server unusable, with a reason naming both; the
+//! connection's `tools` then picks one. A tool whose input schema is not a valid JSON Schema, or
+//! whose root is not an object, refuses the server when the connection names it, and is
+//! otherwise left out with a warning (the server's other tools are mounted). Neither is
 //! dropped nor renamed (`…_2`): which one a name meant would then hang on the order the server
 //! lists them, and could change between the attempts of a durable response. Tools of two
 //! servers that mount alike (servers `a b` and `a_b`) fail the submission as any taken tool
 //! name does (`tool_name_conflict`): the server names are the agent's to change.
 //!
-//! A server that cannot be reached fails the submission (`mcp_connection_failed`), unless it
-//! is `optional`: then its tools are not mounted for this response and the model is told so
-//! with a `resources` signal (attribute `resource="mcp"`) before its first call. The bearer
+//! A response connects its servers together, and an abort stops the connecting. A server that
+//! cannot be used fails the submission (`mcp_connection_failed`), unless it is `optional`: then
+//! its tools are not mounted for this response, observers get a `warn` log event naming it,
+//! and the model is told so with a `resources` signal (attribute `resource="mcp"`) before its
+//! first call. The bearer
 //! token (`auth`) goes only into the requests' `Authorization` header, and a URL quoted in an
 //! error (the server's own, as a connection error names it) is quoted without its userinfo,
 //! query and fragment, where a token may sit too.
@@ -29,7 +40,7 @@ use flue_core::data::{DataSchema, SchemaSource};
 use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
 use flue_core::url::without_url_secrets;
 use flue_core::{BoxFuture, Tool};
-use rmcp::model::{CallToolRequestParams, ContentBlock};
+use rmcp::model::{CallToolRequestParams, ContentBlock, PaginatedRequestParams, ResourceContents};
 use rmcp::service::RunningService;
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
@@ -119,22 +130,41 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         .await
         .map_err(|_| unavailable(format!("no answer within {} s", timeout.as_secs())))?
         .map_err(|error| unavailable(readable(&error.to_string())))?;
-    let listed = tokio::time::timeout(timeout, client.list_all_tools())
+    let listed = tokio::time::timeout(timeout, list_tools(&client))
         .await
         .map_err(|_| unavailable(format!("listing its tools took longer than {} s", timeout.as_secs())))?
-        .map_err(|error| unavailable(error.to_string()))?;
+        .map_err(unavailable)?;
+    let listed = match &connection.tools {
+        Some(wanted) => select_tools(wanted, listed).map_err(unavailable)?,
+        None => listed,
+    };
     let client = Arc::new(client);
     let mut tools = Vec::new();
     // Mounted name → the server's name of the tool mounted under it.
     let mut mounted = std::collections::HashMap::new();
     for listed in listed {
-        if let Some(wanted) = &connection.tools
-            && !wanted.iter().any(|name| **name == *listed.name)
-        {
-            continue;
-        }
-        let schema = DataSchema::new(Value::Object((*listed.input_schema).clone()))
-            .map_err(|error| unavailable(format!("tool {:?} has an invalid input schema: {error}", listed.name)))?;
+        // A tool the connection names is needed: a schema it cannot be called with refuses the
+        // server. One it does not name (no list: every tool) is left out with a warning, and
+        // the server's others mounted.
+        let leave_out = |error: String| -> Result<(), Unavailable> {
+            let error = format!("tool {:?}: {}", listed.name, error.trim_start_matches("[flue] "));
+            if connection.tools.is_some() {
+                return Err(unavailable(error));
+            }
+            tracing::warn!(
+                server = %connection.name,
+                "[flue] MCP server \"{}\": leaving out {error}",
+                connection.name
+            );
+            Ok(())
+        };
+        let schema = match DataSchema::new(input_schema(&listed.input_schema)) {
+            Ok(schema) => schema,
+            Err(error) => {
+                leave_out(format!("its input schema is not valid: {error}"))?;
+                continue;
+            }
+        };
         let name = tool_name(&connection.name, &listed.name);
         if let Some(first) = mounted.insert(name.clone(), listed.name.to_string()) {
             let (a, b) = if *first <= *listed.name {
@@ -157,19 +187,9 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
             );
         let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
         // The rules a local tool's definition is held to: a schema whose root is not an object
-        // would fail every model request of the response, not only calls to this server. A
-        // tool the connection names is needed: the server is refused. One it does not name
-        // (no list: every tool) is left out with a warning, and the server's others mounted.
+        // would fail every model request of the response, not only calls to this server.
         if let Err(error) = definition.validate_input_schema("MCP tool") {
-            let error = format!("tool {:?}: {}", listed.name, error.trim_start_matches("[flue] "));
-            if connection.tools.is_some() {
-                return Err(unavailable(error));
-            }
-            tracing::warn!(
-                server = %connection.name,
-                "[flue] MCP server \"{}\": leaving out {error}",
-                connection.name
-            );
+            leave_out(error)?;
             mounted.remove(definition.name.as_ref());
             continue;
         }
@@ -183,6 +203,107 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         }));
     }
     Ok(McpSession { _client: client, tools })
+}
+
+/// Every page of the server's tools. A server that repeats a cursor would be listed for ever
+/// (each page kept): it is refused.
+async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp::model::Tool>, String> {
+    let mut tools = Vec::new();
+    let mut cursors = std::collections::HashSet::new();
+    let mut cursor = None;
+    loop {
+        let params = cursor.map(|cursor| PaginatedRequestParams::default().with_cursor(Some(cursor)));
+        let page = client.list_tools(params).await.map_err(|error| error.to_string())?;
+        tools.extend(page.tools);
+        match page.next_cursor {
+            None => return Ok(tools),
+            Some(next) if !cursors.insert(next.clone()) => {
+                return Err(format!(
+                    "it repeated the tools/list cursor {:?} while its tools were listed",
+                    short(&next)
+                ));
+            }
+            Some(next) => cursor = Some(next),
+        }
+    }
+}
+
+/// The tools a connection's `tools` list names, in its order. A name the server does not
+/// list, or one the list repeats, is an error naming them (and the tools the server lists).
+fn select_tools(wanted: &[String], listed: Vec<rmcp::model::Tool>) -> Result<Vec<rmcp::model::Tool>, String> {
+    let quoted = |names: &[&str]| -> String {
+        names
+            .iter()
+            .map(|name| format!("{:?}", short(name)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut repeated: Vec<&str> = wanted
+        .iter()
+        .enumerate()
+        .filter(|(index, name)| wanted[..*index].contains(name))
+        .map(|(_, name)| name.as_str())
+        .collect();
+    repeated.dedup();
+    if !repeated.is_empty() {
+        return Err(format!(
+            "the connection's tools list names {} more than once",
+            quoted(&repeated)
+        ));
+    }
+    let unknown: Vec<&str> = wanted
+        .iter()
+        .map(String::as_str)
+        .filter(|name| !listed.iter().any(|tool| *tool.name == **name))
+        .collect();
+    if !unknown.is_empty() {
+        const SHOWN: usize = 20;
+        let mut names: Vec<String> = listed.iter().take(SHOWN).map(|tool| short(&tool.name)).collect();
+        if listed.len() > SHOWN {
+            names.push(format!("and {} more", listed.len() - SHOWN));
+        }
+        return Err(format!(
+            "it has no tool named {} (named in the connection's tools list); it lists: {}",
+            quoted(&unknown),
+            if names.is_empty() {
+                "no tools".to_owned()
+            } else {
+                names.join(", ")
+            }
+        ));
+    }
+    let mut listed: Vec<Option<rmcp::model::Tool>> = listed.into_iter().map(Some).collect();
+    Ok(wanted
+        .iter()
+        .filter_map(|name| {
+            listed
+                .iter_mut()
+                .find(|tool| tool.as_ref().is_some_and(|tool| *tool.name == **name))
+                .and_then(Option::take)
+        })
+        .collect())
+}
+
+/// A name or cursor the server chose, as an error quotes it: its first 100 characters.
+fn short(text: &str) -> String {
+    const MAX: usize = 100;
+    match text.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
+    }
+}
+
+/// A tool's input schema as the reference reads it: without `type`, an object's; an object's
+/// without `properties`, with none.
+fn input_schema(listed: &serde_json::Map<String, Value>) -> Value {
+    let mut schema = listed.clone();
+    let kind = schema.entry("type").or_insert_with(|| Value::from("object"));
+    if kind == "object" {
+        schema
+            .entry("properties")
+            .or_insert_with(|| Value::Object(serde_json::Map::new()));
+    }
+    Value::Object(schema)
 }
 
 struct McpTool {
@@ -230,15 +351,13 @@ impl ToolHandler for McpTool {
                     )));
                 }
             };
-            let mut parts: Vec<String> = result
+            let mut parts: Vec<String> = result.content.iter().map(content_text).collect();
+            // Servers send structured content's JSON as a text block too (the MCP spec asks
+            // them to): added only when no block is text.
+            if !result
                 .content
                 .iter()
-                .map(|block| match block {
-                    ContentBlock::Text(text) => text.text.clone(),
-                    other => format!("[{} content]", content_kind(other)),
-                })
-                .collect();
-            if parts.is_empty()
+                .any(|block| matches!(block, ContentBlock::Text(_)))
                 && let Some(structured) = &result.structured_content
             {
                 parts.push(structured.to_string());
@@ -345,12 +464,44 @@ fn readable(error: &str) -> String {
     out.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-fn content_kind(block: &ContentBlock) -> &'static str {
+/// A result's content block as the model reads it: text as it is, an embedded resource's text
+/// under a line naming its URI, a resource link as its name, URI and description, and what the
+/// model cannot read here (images, audio, binary resources) named with its type and size.
+fn content_text(block: &ContentBlock) -> String {
     match block {
-        ContentBlock::Text(_) => "text",
-        ContentBlock::Image(_) => "image",
-        ContentBlock::Audio(_) => "audio",
-        _ => "other",
+        ContentBlock::Text(text) => text.text.clone(),
+        ContentBlock::Image(image) => format!(
+            "[image content: {}, {} bytes of base64]",
+            short(&image.mime_type),
+            image.data.len()
+        ),
+        ContentBlock::Audio(audio) => format!(
+            "[audio content: {}, {} bytes of base64]",
+            short(&audio.mime_type),
+            audio.data.len()
+        ),
+        ContentBlock::Resource(embedded) => match &embedded.resource {
+            ResourceContents::TextResourceContents { uri, text, .. } => format!("[resource {}]\n{text}", short(uri)),
+            ResourceContents::BlobResourceContents {
+                uri, mime_type, blob, ..
+            } => format!(
+                "[resource {}: {}, {} bytes of base64]",
+                short(uri),
+                mime_type.as_deref().map_or_else(|| "binary".to_owned(), short),
+                blob.len()
+            ),
+            _ => "[resource content]".to_owned(),
+        },
+        ContentBlock::ResourceLink(link) => {
+            let description = link
+                .description
+                .as_deref()
+                .filter(|description| !description.trim().is_empty())
+                .map(|description| format!(": {description}"))
+                .unwrap_or_default();
+            format!("[resource link {} ({}){description}]", link.name, short(&link.uri))
+        }
+        _ => "[other content]".to_owned(),
     }
 }
 

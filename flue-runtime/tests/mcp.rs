@@ -612,3 +612,370 @@ async fn a_refusal_that_quotes_the_connections_credentials_back_is_redacted() {
     }
     assert!(message.contains("[redacted]"), "{message}");
 }
+
+/// A server whose tools list comes in pages and whose results carry resources, images and
+/// structured content.
+#[derive(Clone)]
+struct Library {
+    /// The cursor its last page names again (a server that would be listed for ever).
+    repeats_cursor: bool,
+}
+
+impl ServerHandler for Library {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let cursor = request.and_then(|request| request.cursor);
+        let (tool, next) = match cursor.as_deref() {
+            None => (
+                // No `type`, no `properties`: an object's schema with none.
+                McpTool::new("fetch", "Fetch a page.", schema(json!({}))),
+                Some("page-2"),
+            ),
+            Some("page-2") => (
+                McpTool::new("look", "Look at a picture.", schema(json!({"type": "object"}))),
+                self.repeats_cursor.then_some("page-2"),
+            ),
+            Some(other) => return Err(ErrorData::invalid_params(format!("no cursor {other}"), None)),
+        };
+        let mut result = ListToolsResult::with_all_items(vec![
+            tool,
+            // Not a JSON Schema at all: left out when the connection does not name it.
+            McpTool::new(
+                format!("broken-{}", cursor.as_deref().unwrap_or("page-1")),
+                "Broken.",
+                schema(json!({"type": "object", "properties": {"n": {"type": "int"}}})),
+            ),
+        ]);
+        result.next_cursor = next.map(str::to_owned);
+        Ok(result)
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let mut result = match &*request.name {
+            "fetch" => CallToolResult::success(vec![
+                ContentBlock::embedded_text("https://example.org/guide", "Chapter one."),
+                ContentBlock::resource_link(
+                    rmcp::model::Resource::new("https://example.org/next", "next chapter")
+                        .with_description("Chapter two."),
+                ),
+            ]),
+            _ => CallToolResult::success(vec![ContentBlock::image("aGVsbG8=", "image/png")]),
+        };
+        if &*request.name == "look" {
+            result.structured_content = Some(json!({"faces": 2}));
+        }
+        Ok(result.into())
+    }
+}
+
+static LIBRARY_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+static LOOPING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn librarian() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("library", LIBRARY_URL.get().unwrap().clone()).auth(Secret::new("t0ken")));
+    "Read."
+}
+
+#[tokio::test]
+async fn every_page_of_tools_is_mounted_and_resources_images_and_structured_content_reach_the_model() {
+    let _ = LIBRARY_URL.set(serve(Library { repeats_cursor: false }).await);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("mcp__library__fetch", json!({})), ("mcp__library__look", json!({}))]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [librarian.into()]);
+    runtime.init(&librarian, "l").send("read").await.unwrap();
+    let requests = model.requests();
+    let mounted: Vec<&str> = requests[0]
+        .tools
+        .iter()
+        .map(|tool| &*tool.name)
+        .filter(|name| name.starts_with("mcp__"))
+        .collect();
+    // Both pages; the tools whose schemas are not JSON Schemas left out.
+    assert_eq!(mounted, ["mcp__library__fetch", "mcp__library__look"]);
+    assert_eq!(
+        *requests[0].tools[0].parameters,
+        json!({"type": "object", "properties": {}}),
+        "a schema without type or properties is an object's with none"
+    );
+    assert_eq!(
+        tool_results(&requests[1]),
+        [
+            (
+                "[resource https://example.org/guide]\nChapter one.\n[resource link next chapter (https://example.org/next): Chapter two.]"
+                    .to_owned(),
+                false
+            ),
+            (
+                "[image content: image/png, 8 bytes of base64]\n{\"faces\":2}".to_owned(),
+                false
+            ),
+        ]
+    );
+}
+
+#[agent]
+fn looping() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("library", LOOPING_URL.get().unwrap().clone()).auth(Secret::new("t0ken")));
+    "Read."
+}
+
+#[tokio::test]
+async fn a_server_that_repeats_a_tools_list_cursor_is_refused() {
+    let _ = LOOPING_URL.set(serve(Library { repeats_cursor: true }).await);
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [looping.into()]);
+    let error = runtime.init(&looping, "l").send("read").await.unwrap_err();
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = error
+    else {
+        panic!("a run error")
+    };
+    assert_eq!(error_type, "mcp_connection_failed", "{message}");
+    assert_eq!(
+        message,
+        "[flue] The MCP server \"library\" could not be used: it repeated the tools/list cursor \"page-2\" while its tools were listed"
+    );
+}
+
+static ALLOWLIST_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+static ALLOWLIST: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+
+#[agent]
+fn picky() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("docs", ALLOWLIST_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(ALLOWLIST.lock().unwrap().clone()),
+    );
+    "Research."
+}
+
+#[tokio::test]
+async fn a_tools_list_mounts_in_its_order_and_a_name_the_server_lacks_or_named_twice_refuses_the_server() {
+    let _ = ALLOWLIST_URL.set(serve_docs().await);
+    let refusal = |names: Vec<&'static str>| async move {
+        *ALLOWLIST.lock().unwrap() = names;
+        let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+        let runtime = runtime_with(&model, [picky.into()]);
+        let outcome = runtime.init(&picky, "p").send("go").await;
+        (outcome, model)
+    };
+
+    let (outcome, model) = refusal(vec!["fail", "search"]).await;
+    outcome.unwrap();
+    let mounted: Vec<String> = model.requests()[0]
+        .tools
+        .iter()
+        .map(|tool| tool.name.to_string())
+        .filter(|name| name.starts_with("mcp__"))
+        .collect();
+    assert_eq!(mounted, ["mcp__docs__fail", "mcp__docs__search"], "the list's order");
+
+    for (names, expected) in [
+        (
+            vec!["search", "serach"],
+            "[flue] The MCP server \"docs\" could not be used: it has no tool named \"serach\" (named in the connection's tools list); it lists: search, fail, admin.purge, hang, dump, search.issues, search_issues, listing, rude",
+        ),
+        (
+            vec!["search", "fail", "search"],
+            "[flue] The MCP server \"docs\" could not be used: the connection's tools list names \"search\" more than once",
+        ),
+    ] {
+        let (outcome, model) = refusal(names).await;
+        let Err(RuntimeError::Run {
+            error_type, message, ..
+        }) = outcome
+        else {
+            panic!("a run error")
+        };
+        assert_eq!(error_type, "mcp_connection_failed", "{message}");
+        assert_eq!(message, expected);
+        assert!(model.requests().is_empty(), "no model request was made");
+    }
+}
+
+/// A server whose `initialize` answers only once every server of the barrier was asked: if
+/// the runtime connected its servers one after the other, the first would never answer.
+#[derive(Clone)]
+struct Together(Arc<tokio::sync::Barrier>);
+
+impl ServerHandler for Together {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn initialize(
+        &self,
+        request: rmcp::model::InitializeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::InitializeResult, ErrorData> {
+        self.0.wait().await;
+        if context.peer.peer_info().is_none() {
+            context.peer.set_peer_info(request);
+        }
+        Ok(self.get_info())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(vec![McpTool::new(
+            "ping",
+            "Ping.",
+            schema(json!({"type": "object"})),
+        )]))
+    }
+}
+
+static TOGETHER_URLS: std::sync::OnceLock<[String; 2]> = std::sync::OnceLock::new();
+
+#[agent]
+fn two_servers() -> &'static str {
+    use_model("scripted/x");
+    let [first, second] = TOGETHER_URLS.get().unwrap().clone();
+    // Long timeouts: one after the other, the first connection would wait its whole timeout.
+    use_mcp_connection(
+        McpConnection::new("first", first)
+            .auth(Secret::new("t0ken"))
+            .timeout(std::time::Duration::from_secs(600)),
+    );
+    use_mcp_connection(
+        McpConnection::new("second", second)
+            .auth(Secret::new("t0ken"))
+            .timeout(std::time::Duration::from_secs(600)),
+    );
+    "Use both."
+}
+
+#[tokio::test]
+async fn a_responses_servers_are_connected_together() {
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let _ = TOGETHER_URLS.set([serve(Together(barrier.clone())).await, serve(Together(barrier)).await]);
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, [two_servers.into()]);
+    tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        runtime.init(&two_servers, "t").send("go"),
+    )
+    .await
+    .expect("both servers answered: they were connected together")
+    .unwrap();
+    let mounted: Vec<String> = model.requests()[0]
+        .tools
+        .iter()
+        .map(|tool| tool.name.to_string())
+        .filter(|name| name.starts_with("mcp__"))
+        .collect();
+    assert_eq!(mounted, ["mcp__first__ping", "mcp__second__ping"]);
+}
+
+static SILENT_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// A loopback address that accepts connections and never answers; its URL.
+async fn silent_server() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    format!("http://{address}/mcp")
+}
+
+#[agent]
+fn waiting() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("silent", SILENT_URL.get().unwrap().clone()).timeout(std::time::Duration::from_secs(600)),
+    );
+    "Wait."
+}
+
+#[tokio::test]
+async fn an_abort_stops_a_response_connecting_its_servers() {
+    let _ = SILENT_URL.set(silent_server().await);
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [waiting.into()]);
+    let handle = runtime.init(&waiting, "w");
+    let sending = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.send("go").await }
+    });
+    // Wait until the submission runs (it is connecting), then abort it.
+    let mut events = runtime.observe();
+    loop {
+        let observation = events.recv().await.unwrap();
+        if matches!(observation.event, flue_runtime::events::Event::SubmissionRunning { .. }) {
+            break;
+        }
+    }
+    handle.abort().await.unwrap();
+    let outcome = tokio::time::timeout(std::time::Duration::from_secs(120), sending)
+        .await
+        .expect("the abort ended the connecting")
+        .unwrap();
+    let Err(RuntimeError::Run { error_type, .. }) = outcome else {
+        panic!("an aborted run: {outcome:?}")
+    };
+    assert_eq!(error_type, "submission_aborted");
+    assert!(model.requests().is_empty());
+    // The response itself ended at the abort: it was not given up on after its grace.
+    while let Ok(observation) = events.try_recv() {
+        assert!(
+            !matches!(
+                observation.event,
+                flue_runtime::events::Event::SubmissionRecovery {
+                    operation: flue_runtime::events::RecoveryOperation::EnforceDeadline,
+                    ..
+                }
+            ),
+            "{:?}",
+            observation.event
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_optional_server_that_cannot_be_used_is_a_warning_to_observers() {
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, [tolerant.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&tolerant, "t").send("go").await.unwrap();
+    let mut warnings = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::Log { level, message, .. } = observation.event
+            && level == "warn"
+        {
+            warnings.push(message);
+        }
+    }
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with(
+            "[flue] The optional MCP server \"docs\" could not be used; its tools are not mounted for this response: "
+        ),
+        "{warnings:?}"
+    );
+}

@@ -1536,16 +1536,30 @@ impl Response<'_> {
     }
 
     /// Connects the submission's MCP servers, once: at initialization, with the init
-    /// render's declarations (reference §3.7 step 2). A required server that cannot be used
-    /// fails the submission before its input is stored; an optional one is narrated later.
+    /// render's declarations (reference §3.7 step 2), all at once (an abort stops the
+    /// connecting). A required server that cannot be used fails the submission before its
+    /// input is stored; an optional one is a `warn` log event now and narrated later.
     async fn connect_mcp(&mut self, rendered: &Rendered) -> Result<(), Failure> {
         if self.mcp.is_none() {
+            let connecting = futures_util::future::join_all(rendered.mcp_connections.iter().map(crate::mcp::connect));
+            let connected = tokio::select! {
+                connected = connecting => connected,
+                () = self.attempt.signal.aborted() => return Err(Failure::aborted()),
+            };
             let mut sessions = Vec::new();
             let mut unavailable = Vec::new();
-            for connection in &rendered.mcp_connections {
-                match crate::mcp::connect(connection).await {
+            for connected in connected {
+                match connected {
                     Ok(session) => sessions.push(session),
-                    Err(failure) if failure.optional => unavailable.push(failure),
+                    Err(failure) if failure.optional => {
+                        let message = format!(
+                            "[flue] The optional MCP server \"{}\" could not be used; its tools are not mounted for this response: {}",
+                            failure.name, failure.reason
+                        );
+                        tracing::warn!(instance = %self.key, submission = %self.submission.id, "{message}");
+                        self.logger().warn(message);
+                        unavailable.push(failure);
+                    }
                     Err(failure) => {
                         return Err(Failure::failed(
                             "mcp_connection_failed",
