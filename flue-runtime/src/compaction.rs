@@ -9,8 +9,12 @@
 //!   context window (`ModelProvider::context_window`); `Compaction::Disabled` turns it off.
 //! - **Overflow recovery**: a call the provider refuses as a context overflow compacts and is
 //!   retried once — also with threshold compaction off.
-//! - Both are best-effort: a summary that cannot be made (the call refused, an empty summary, a
-//!   compaction model that does not resolve) is reported as a failed `compaction` event and a
+//! - The summary may be as long as four fifths of the reserve, at most 16,000 tokens (20,000
+//!   reserved without a known window), and is asked for with low reasoning effort, or none when
+//!   the session's thinking level is off (a model or endpoint that takes no reasoning setting
+//!   would refuse it).
+//! - Both are best-effort: a summary that cannot be made (the call refused, an empty summary, one
+//!   the output limit cut off, a compaction model that does not resolve) is reported as a failed `compaction` event and a
 //!   warning, and the session goes on uncompacted (an overflow is then the call's failure).
 //!   The summary's transcript shows at most 2,000 characters of each tool result, and a cut
 //!   always takes more than the previous compaction's summary.
@@ -38,7 +42,7 @@ use flue_core::model::{Compaction, CompactionConfig, ThinkingLevel};
 use flue_core::usage::Usage;
 
 use crate::events::{Event, LazyId, TurnPurpose, TurnResponse};
-use crate::provider::{ModelMessage, ModelProvider, ModelRequest, ModelResponse};
+use crate::provider::{ModelMessage, ModelProvider, ModelRequest, ModelResponse, StopReason};
 use crate::record::{RecordBody, SettlementError};
 use crate::runtime::RuntimeInner;
 use crate::session::{Conversation, turn_request};
@@ -221,6 +225,7 @@ pub(crate) async fn compact_if_needed<S: Compacting>(
     session: &mut S,
     provider: &dyn ModelProvider,
     model_id: &str,
+    thinking: ThinkingLevel,
     system_len: usize,
     step: u32,
 ) -> Result<(), S::Failure> {
@@ -231,10 +236,7 @@ pub(crate) async fn compact_if_needed<S: Compacting>(
     let Some(window) = provider.context_window(model_id) else {
         return Ok(());
     };
-    let reserve = budget.config().reserve_tokens.map_or(
-        (window / 4).min(u64::from(CompactionConfig::MAX_DEFAULT_RESERVE_TOKENS)),
-        u64::from,
-    );
+    let reserve = reserve_tokens(&budget.config(), Some(window));
     let (last_call_tokens, last_call_at) = (budget.last_call_tokens, budget.last_call_at);
     let conversation = session.conversation();
     let estimate = conversation.estimated_tokens() + system_len as u64 / 4;
@@ -262,22 +264,40 @@ pub(crate) async fn compact_if_needed<S: Compacting>(
         }
     };
     if estimate.max(counted) > window.saturating_sub(reserve) {
-        compact(session, Reason::Threshold, provider, model_id, step).await?;
+        compact(session, Reason::Threshold, provider, model_id, thinking, step).await?;
     }
     Ok(())
 }
 
+/// The tokens kept free of history for the model's answer: the configured reserve, else a
+/// quarter of the `window`, at most [`CompactionConfig::MAX_DEFAULT_RESERVE_TOKENS`] (that
+/// most when the window is not known).
+fn reserve_tokens(config: &CompactionConfig, window: Option<u64>) -> u64 {
+    let most = u64::from(CompactionConfig::MAX_DEFAULT_RESERVE_TOKENS);
+    config
+        .reserve_tokens
+        .map_or_else(|| window.map_or(most, |window| (window / 4).min(most)), u64::from)
+}
+
+/// The most a summary may take: four fifths of the reserve, at most 16,000 tokens, at least
+/// 1,000.
+fn summary_tokens(reserve: u64) -> u32 {
+    u32::try_from((reserve * 4 / 5).clamp(1_000, 16_000)).unwrap_or(16_000)
+}
+
 /// Summarizes the older history before the session's `step`th model call (with the
-/// compaction model, or `provider`'s `model_id`) and records the compaction; returns whether
-/// anything was compacted.
+/// compaction model, or `provider`'s `model_id`, at the session's `thinking` level) and
+/// records the compaction; returns whether anything was compacted.
 pub(crate) async fn compact<S: Compacting>(
     session: &mut S,
     reason: Reason,
     provider: &dyn ModelProvider,
     model_id: &str,
+    thinking: ThinkingLevel,
     step: u32,
 ) -> Result<bool, S::Failure> {
     let config = session.budget().config();
+    let max_output_tokens = summary_tokens(reserve_tokens(&config, provider.context_window(model_id)));
     let keep = u64::from(
         config
             .keep_recent_tokens
@@ -297,8 +317,12 @@ pub(crate) async fn compact<S: Compacting>(
         system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
         messages: vec![ModelMessage::user(transcript(session.conversation().before(cut)))].into(),
         tools: Vec::new(),
-        thinking_level: ThinkingLevel::Low,
-        max_output_tokens: Some(4_000),
+        thinking_level: if thinking == ThinkingLevel::Off {
+            ThinkingLevel::Off
+        } else {
+            ThinkingLevel::Low
+        },
+        max_output_tokens: Some(max_output_tokens),
         max_retries: Some(session.runtime().options.model_retries),
     };
     let summary = match &config.model {
@@ -314,9 +338,18 @@ pub(crate) async fn compact<S: Compacting>(
     // call's failure. Failing the session instead would fail every later one too (the history
     // only grows).
     let (summary, usage) = match summary {
-        Ok(response) if !response.text.trim().is_empty() => (response.text, response.usage),
+        Ok(response) if !response.text.trim().is_empty() && response.stop_reason != StopReason::Length => {
+            (response.text, response.usage)
+        }
         Ok(response) => {
-            let failure = session.failure(summary_failed("the summary was empty"));
+            // A summary the output limit cut off would replace the history for good with
+            // part of what it should say.
+            let why = if response.stop_reason == StopReason::Length {
+                "the summary was cut off at its output limit"
+            } else {
+                "the summary was empty"
+            };
+            let failure = session.failure(summary_failed(why));
             gave_up(session, started, failure, Some(response.usage));
             return Ok(false);
         }

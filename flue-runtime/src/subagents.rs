@@ -1078,6 +1078,7 @@ async fn child_session(
                 &mut session.compacting(&mut conversation, &mut budget),
                 &*provider,
                 &model_id,
+                thinking,
                 system_len,
                 step,
             )
@@ -1197,6 +1198,7 @@ async fn child_session(
                         crate::compaction::Reason::Overflow,
                         &*provider,
                         &model_id,
+                        thinking,
                         step,
                     )
                     .await

@@ -542,3 +542,195 @@ async fn after_a_failed_compaction_the_submissions_later_steps_try_no_other() {
         .count();
     assert_eq!(summaries, 1, "one summary attempt in the submission");
 }
+
+/// A model with a 200,000-token window that overflows on its second call, then summarizes
+/// (its summaries cut off at their output limit when `cuts_summaries`), then answers; it
+/// records every request.
+struct Overflowing {
+    cuts_summaries: bool,
+    requests: std::sync::Mutex<Vec<flue_runtime::provider::ModelRequest>>,
+}
+
+impl flue_runtime::provider::ModelProvider for Overflowing {
+    fn id(&self) -> &str {
+        "overflowing"
+    }
+
+    fn context_window(&self, _model: &str) -> Option<u64> {
+        Some(200_000)
+    }
+
+    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+        let mut requests = self.requests.lock().unwrap();
+        requests.push(request.clone());
+        let answer = |text: &str, stop_reason| {
+            Ok(StreamEvent::Completed(ModelResponse {
+                text: text.into(),
+                reasoning: String::new(),
+                tool_calls: Vec::new(),
+                stop_reason,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            }))
+        };
+        let event = match requests.len() {
+            1 => answer("first answer", StopReason::Stop),
+            2 => Err(ProviderError::new(
+                ProviderErrorKind::ContextOverflow,
+                "prompt is too long",
+            )),
+            3 if self.cuts_summaries => answer("The user greeted the agent and", StopReason::Length),
+            3 => answer("The user greeted the agent.", StopReason::Stop),
+            _ => answer("second answer", StopReason::Stop),
+        };
+        Box::pin(futures_util::stream::iter([event]))
+    }
+}
+
+#[agent]
+fn overflowing() -> &'static str {
+    use_model("overflowing/x");
+    "Be brief."
+}
+
+#[agent]
+fn overflowing_without_thinking() -> &'static str {
+    use_model_with(
+        "overflowing/x",
+        ModelOptions {
+            thinking_level: Some(ThinkingLevel::Off),
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+/// Runs two exchanges of `agent` on an [`Overflowing`] model; the second's reply (or its
+/// failure), the requests, and the stored records.
+async fn overflow_exchanges<A: Agent + Copy + Into<AgentRef>>(
+    agent: A,
+    cuts_summaries: bool,
+) -> (
+    Result<String, flue_runtime::RuntimeError>,
+    Vec<flue_runtime::provider::ModelRequest>,
+    Vec<RecordBody>,
+) {
+    let model = std::sync::Arc::new(Overflowing {
+        cuts_summaries,
+        requests: std::sync::Mutex::default(),
+    });
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register_arc(model.clone());
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(agent)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&agent, "o");
+    handle.send(long("hello")).await.unwrap();
+    let second = handle.send("and again").await.map(|reply| reply.text);
+    let stored = runtime
+        .store()
+        .read(&InstanceKey::new(&*agent.definition().name, "o"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
+        .collect();
+    let requests = model.requests.lock().unwrap().clone();
+    (second, requests, stored)
+}
+
+#[tokio::test]
+async fn a_summary_may_take_four_fifths_of_the_reserve_up_to_16000_tokens_with_low_reasoning_unless_thinking_is_off() {
+    let (second, requests, _) = overflow_exchanges(overflowing, false).await;
+    assert_eq!(second.unwrap(), "second answer");
+    let summary = &requests[2];
+    assert!(summary.tools.is_empty(), "the summary call");
+    // A 200,000-token window reserves 20,000 tokens by default.
+    assert_eq!(summary.max_output_tokens, Some(16_000));
+    assert_eq!(summary.thinking_level, ThinkingLevel::Low);
+
+    let (second, requests, _) = overflow_exchanges(overflowing_without_thinking, false).await;
+    assert_eq!(second.unwrap(), "second answer");
+    assert_eq!(requests[2].thinking_level, ThinkingLevel::Off);
+}
+
+#[tokio::test]
+async fn a_summary_cut_off_at_its_output_limit_does_not_replace_the_history() {
+    let (second, requests, stored) = overflow_exchanges(overflowing, true).await;
+    assert_eq!(requests.len(), 3, "the overflowing call, the summary, and no retry");
+    let Err(flue_runtime::RuntimeError::Run { error_type, .. }) = second else {
+        panic!("the overflow is the call's failure: {second:?}")
+    };
+    assert_eq!(error_type, "context_overflow");
+    assert!(
+        !stored.iter().any(|body| matches!(body, RecordBody::Compaction { .. })),
+        "no compaction was recorded"
+    );
+}
+
+static UPDATED_STATUSES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+#[hook(after_update_message)]
+async fn note_updated_status(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    message: &flue_runtime::lifecycle::Message,
+) {
+    UPDATED_STATUSES.lock().unwrap().push(format!("{:?}", message.status));
+}
+
+#[agent(hooks = [note_updated_status])]
+fn stuck_on_overflow() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: None,
+                keep_recent_tokens: None,
+                model: Some("stuck/summarizer".into()),
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+#[tokio::test]
+async fn an_abort_during_an_overflows_summary_gives_the_steps_row_its_failed_status() {
+    // No context window: only the overflow compacts.
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+    ]);
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    providers.register(Stuck);
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(stuck_on_overflow)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&stuck_on_overflow, "s");
+    handle.send(long("first")).await.unwrap();
+    UPDATED_STATUSES.lock().unwrap().clear();
+    let mut events = runtime.observe();
+    let second = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.send("again").await }
+    });
+    loop {
+        if let Event::CompactionStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    assert!(handle.abort().await.unwrap());
+    harness::assert_settles_aborted(second).await;
+    assert_eq!(*UPDATED_STATUSES.lock().unwrap(), ["Some(Failed)"]);
+}

@@ -2440,7 +2440,7 @@ impl Response<'_> {
         let instruction = rendered.instruction.as_deref();
         let mut tools: Vec<ToolSpec> = rendered.tools.iter().map(ToolSpec::from).collect();
         let system_len = crate::framework::system_len(instruction, self.sections());
-        crate::compaction::compact_if_needed(self, provider, model_id, system_len, step).await?;
+        crate::compaction::compact_if_needed(self, provider, model_id, thinking, system_len, step).await?;
         let mut row_updates = None;
         let mut live: Option<LiveText> = None;
         let mut compacted_for_overflow = false;
@@ -2529,16 +2529,29 @@ impl Response<'_> {
                 StepError::Provider(error) if error.kind == crate::provider::ProviderErrorKind::ContextOverflow => {
                     // Overflow recovery: compact and retry the call once, also with threshold
                     // compaction off.
-                    if !compacted_for_overflow
-                        && crate::compaction::compact(
+                    let compacted = if compacted_for_overflow {
+                        false
+                    } else {
+                        match crate::compaction::compact(
                             self,
                             crate::compaction::Reason::Overflow,
                             provider,
                             model_id,
+                            thinking,
                             step,
                         )
-                        .await?
-                    {
+                        .await
+                        {
+                            Ok(compacted) => compacted,
+                            Err(failure) => {
+                                // An abort, or the summary's record not stored: the step
+                                // failed, as any other of its failures.
+                                self.assistant_row_failed(&message_id).await;
+                                return Err(failure);
+                            }
+                        }
+                    };
+                    if compacted {
                         compacted_for_overflow = true;
                         // The compaction recorded the conversation's snapshot, and the call
                         // made again streams its own text.
