@@ -24,7 +24,12 @@
 //! servers that mount alike (servers `a b` and `a_b`) fail the submission as any taken tool
 //! name does (`tool_name_conflict`): the server names are the agent's to change.
 //!
-//! A response connects its servers together, and an abort stops the connecting. A server that
+//! An instance keeps its live connections while it stays in memory, and its later responses
+//! reuse them (so a server keeps its session state between messages, and nobody pays for its
+//! handshake and listing again): one whose definition is the same as the one declared, and
+//! whose transport is still open. A connection that failed is not kept, so the next response
+//! tries again. A response connects the servers it does not have together, and an abort stops
+//! the connecting. A server that
 //! cannot be used fails the submission (`mcp_connection_failed`), unless it is `optional`: then
 //! its tools are not mounted for this response, observers get a `warn` log event naming it,
 //! and the model is told so with a `resources` signal (attribute `resource="mcp"`) before its
@@ -56,9 +61,56 @@ pub use flue_core::mcp::*;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One connected server: its client and the tools it offers.
+#[derive(Clone)]
 pub(crate) struct McpSession {
     _client: Arc<RunningService<RoleClient, ()>>,
     pub(crate) tools: Vec<Tool>,
+}
+
+impl McpSession {
+    /// Whether the client can still reach the server (its transport is open).
+    fn is_open(&self) -> bool {
+        !self._client.is_closed() && !self._client.is_transport_closed()
+    }
+}
+
+/// An instance's live connections, for its later responses (see the module documentation).
+#[derive(Default)]
+pub(crate) struct McpConnections(std::sync::Mutex<Vec<(McpConnection, McpSession)>>);
+
+impl McpConnections {
+    /// A session for each of `connections`, in their order: the kept one of an equal
+    /// definition whose transport is open, else a new connection (those connected together).
+    /// New sessions are kept, each in place of the one of its name.
+    pub(crate) async fn resolve(&self, connections: &[McpConnection]) -> Vec<Result<McpSession, Unavailable>> {
+        let kept: Vec<Option<McpSession>> = {
+            let kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            connections
+                .iter()
+                .map(|connection| {
+                    kept.iter()
+                        .find(|(definition, session)| definition == connection && session.is_open())
+                        .map(|(_, session)| session.clone())
+                })
+                .collect()
+        };
+        let resolved =
+            futures_util::future::join_all(connections.iter().zip(kept).map(|(connection, kept)| async move {
+                match kept {
+                    Some(session) => Ok(session),
+                    None => connect(connection).await,
+                }
+            }))
+            .await;
+        let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (connection, resolved) in connections.iter().zip(&resolved) {
+            if let Ok(session) = resolved {
+                kept.retain(|(definition, _)| definition.name != connection.name);
+                kept.push((connection.clone(), session.clone()));
+            }
+        }
+        resolved
+    }
 }
 
 /// Why a server could not be used.

@@ -979,3 +979,87 @@ async fn an_optional_server_that_cannot_be_used_is_a_warning_to_observers() {
         "{warnings:?}"
     );
 }
+
+/// A server counting the sessions clients open with it (their `initialize` requests).
+#[derive(Clone)]
+struct Counting(Arc<std::sync::atomic::AtomicUsize>);
+
+impl ServerHandler for Counting {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn initialize(
+        &self,
+        request: rmcp::model::InitializeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::InitializeResult, ErrorData> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if context.peer.peer_info().is_none() {
+            context.peer.set_peer_info(request);
+        }
+        Ok(self.get_info())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(vec![McpTool::new(
+            "ping",
+            "Ping.",
+            schema(json!({"type": "object"})),
+        )]))
+    }
+
+    async fn call_tool(
+        &self,
+        _request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        Ok(CallToolResult::success(vec![ContentBlock::text("pong")]).into())
+    }
+}
+
+static COUNTING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn pinger() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("counting", COUNTING_URL.get().unwrap().clone()).auth(Secret::new("t0ken")));
+    "Ping."
+}
+
+#[tokio::test]
+async fn an_instances_later_responses_reuse_its_connection_and_other_instances_open_their_own() {
+    let sessions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let _ = COUNTING_URL.set(serve(Counting(sessions.clone())).await);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("mcp__counting__ping", json!({})),
+        ScriptedReply::text("one"),
+        ScriptedReply::tool_call("mcp__counting__ping", json!({})),
+        ScriptedReply::text("two"),
+        ScriptedReply::text("three"),
+    ]);
+    let runtime = runtime_with(&model, [pinger.into()]);
+    let handle = runtime.init(&pinger, "a");
+    handle.send("ping").await.unwrap();
+    handle.send("ping again").await.unwrap();
+    assert_eq!(
+        tool_results(&model.requests()[3]),
+        [("pong".to_owned(), false), ("pong".to_owned(), false)],
+        "the kept connection still calls"
+    );
+    assert_eq!(
+        sessions.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one session for the instance"
+    );
+    runtime.init(&pinger, "b").send("ping").await.unwrap();
+    assert_eq!(
+        sessions.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "another instance, its own session"
+    );
+}

@@ -79,6 +79,8 @@ pub(crate) struct InstanceSlot {
     last_used: AtomicU64,
     binding: Arc<InstanceBinding>,
     conversation: tokio::sync::Mutex<Conversation>,
+    /// The instance's live MCP connections, which its responses reuse.
+    mcp: crate::mcp::McpConnections,
 }
 
 /// The worker role of an instance, taken before admitting (see [`InstanceSlot::acquire`]).
@@ -171,6 +173,7 @@ impl InstanceSlot {
             last_used: AtomicU64::new(0),
             binding,
             conversation: tokio::sync::Mutex::new(Conversation::default()),
+            mcp: crate::mcp::McpConnections::default(),
         }
     }
 
@@ -571,6 +574,7 @@ impl InstanceSlot {
             own_tools: 0,
             delegation: None,
             mcp: None,
+            mcp_connections: &self.mcp,
             mcp_unavailable: Vec::new(),
             budget: crate::compaction::Budget::default(),
             correlation: None,
@@ -1181,6 +1185,8 @@ struct Response<'a> {
     delegation: Option<crate::subagents::Delegating>,
     /// The submission's MCP servers, once connected.
     mcp: Option<Vec<crate::mcp::McpSession>>,
+    /// The instance's live MCP connections (reused from its earlier responses).
+    mcp_connections: &'a crate::mcp::McpConnections,
     /// The optional MCP servers that could not be reached, until they are narrated: after the
     /// input and the response start, before the start seam (reference §3.7 step 8), or, when a
     /// tool batch awaits its repair, right after it.
@@ -1536,12 +1542,12 @@ impl Response<'_> {
     }
 
     /// Connects the submission's MCP servers, once: at initialization, with the init
-    /// render's declarations (reference §3.7 step 2), all at once (an abort stops the
-    /// connecting). A required server that cannot be used fails the submission before its
+    /// render's declarations (reference §3.7 step 2), reusing the instance's live
+    /// connections and connecting the others together (an abort stops the connecting). A required server that cannot be used fails the submission before its
     /// input is stored; an optional one is a `warn` log event now and narrated later.
     async fn connect_mcp(&mut self, rendered: &Rendered) -> Result<(), Failure> {
         if self.mcp.is_none() {
-            let connecting = futures_util::future::join_all(rendered.mcp_connections.iter().map(crate::mcp::connect));
+            let connecting = self.mcp_connections.resolve(&rendered.mcp_connections);
             let connected = tokio::select! {
                 connected = connecting => connected,
                 () = self.attempt.signal.aborted() => return Err(Failure::aborted()),
