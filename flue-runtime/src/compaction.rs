@@ -51,7 +51,8 @@ use crate::session::{Conversation, turn_request};
 pub(crate) const SUMMARY_INSTRUCTIONS: &str = "You compress a conversation between a user, an AI agent and its tools so the agent can continue it without the original messages. \
 Write a concise summary that keeps: the user's goals and constraints, decisions made, facts learned (names, numbers, identifiers, file paths), \
 the results of tool calls that still matter, and what remains to do. Leave out pleasantries and anything superseded. \
-Write it as notes, in the language of the conversation.";
+Write it as notes, in the language of the conversation. \
+When an earlier summary comes first, yours replaces it: carry over everything in it that still matters, then add what came after.";
 
 /// The estimated tokens of one image.
 pub(crate) const IMAGE_TOKENS: u64 = 1_000;
@@ -115,6 +116,20 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
         out.push_str("\n\n");
     }
     out
+}
+
+/// What the summary call reads: the messages before `cut` as a transcript, after the summary of
+/// the previous compaction (which the cut takes, see [`Conversation::compaction_cut`]) set apart
+/// as the earlier summary.
+fn summary_input(conversation: &Conversation, cut: usize) -> String {
+    let older = conversation.before(cut);
+    match conversation.previous_summary() {
+        Some(previous) if !older.is_empty() => format!(
+            "Earlier summary:\n{previous}\n\nThe conversation since:\n\n{}",
+            transcript(&older[1..])
+        ),
+        _ => transcript(older),
+    }
 }
 
 /// Why a compaction runs.
@@ -315,7 +330,7 @@ pub(crate) async fn compact<S: Compacting>(
     let request = |model: String| ModelRequest {
         model,
         system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
-        messages: vec![ModelMessage::user(transcript(session.conversation().before(cut)))].into(),
+        messages: vec![ModelMessage::user(summary_input(session.conversation(), cut))].into(),
         tools: Vec::new(),
         thinking_level: if thinking == ThinkingLevel::Off {
             ThinkingLevel::Off

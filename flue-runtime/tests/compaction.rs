@@ -734,3 +734,85 @@ async fn an_abort_during_an_overflows_summary_gives_the_steps_row_its_failed_sta
     harness::assert_settles_aborted(second).await;
     assert_eq!(*UPDATED_STATUSES.lock().unwrap(), ["Some(Failed)"]);
 }
+
+/// A model that overflows on its second and fifth calls and summarizes after each: `S1`, then
+/// `S2`. It records every request.
+struct OverflowsTwice(std::sync::Mutex<Vec<flue_runtime::provider::ModelRequest>>);
+
+impl flue_runtime::provider::ModelProvider for OverflowsTwice {
+    fn id(&self) -> &str {
+        "twice"
+    }
+
+    fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+        let mut requests = self.0.lock().unwrap();
+        requests.push(request.clone());
+        let answer = |text: &str| {
+            Ok(StreamEvent::Completed(ModelResponse {
+                text: text.into(),
+                reasoning: String::new(),
+                tool_calls: Vec::new(),
+                stop_reason: StopReason::Stop,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            }))
+        };
+        let event = match requests.len() {
+            2 | 5 => Err(ProviderError::new(
+                ProviderErrorKind::ContextOverflow,
+                "prompt is too long",
+            )),
+            3 => answer("S1: the user said hello."),
+            6 => answer("S2: the user said hello and again."),
+            n => answer(&format!("answer {n}")),
+        };
+        Box::pin(futures_util::stream::iter([event]))
+    }
+}
+
+#[agent]
+fn twice() -> &'static str {
+    use_model("twice/x");
+    "Be brief."
+}
+
+#[tokio::test]
+async fn a_later_compaction_is_given_the_earlier_summary_apart_to_carry_over() {
+    let model = std::sync::Arc::new(OverflowsTwice(std::sync::Mutex::default()));
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register_arc(model.clone());
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(twice)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&twice, "t");
+    handle.send("hello").await.unwrap();
+    handle.send("and again").await.unwrap();
+    handle.send("once more").await.unwrap();
+    let requests = model.0.lock().unwrap().clone();
+    assert_eq!(requests.len(), 7);
+    let input = |request: &flue_runtime::provider::ModelRequest| match &request.messages[0] {
+        ModelMessage::User { content, .. } => content.clone(),
+        other => panic!("a transcript: {other:?}"),
+    };
+    assert!(
+        input(&requests[2]).starts_with("User: hello"),
+        "{}",
+        input(&requests[2])
+    );
+    let second = input(&requests[5]);
+    assert!(
+        second.starts_with("Earlier summary:\nS1: the user said hello.\n\nThe conversation since:\n\n"),
+        "{second}"
+    );
+    assert!(!second.contains("<conversation-summary"), "{second}");
+    assert!(
+        requests[5]
+            .system
+            .as_deref()
+            .is_some_and(|system| system.contains("carry over everything in it that still matters")),
+    );
+}

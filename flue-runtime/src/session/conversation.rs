@@ -993,6 +993,16 @@ impl Conversation {
         &self.messages[..cut.min(self.messages.len())]
     }
 
+    /// The summary of the latest compaction, while it opens the history (a later compaction's
+    /// cut always takes it).
+    pub(crate) fn previous_summary(&self) -> Option<&str> {
+        self.rows
+            .first()
+            .and_then(|row| row.rendered.as_ref())
+            .filter(|rendered| rendered.signal_type == "compaction")
+            .map(|rendered| rendered.content.as_str())
+    }
+
     /// The estimated tokens of the whole history.
     pub(crate) fn estimated_tokens(&self) -> u64 {
         let images: usize = self.image_refs.iter().map(|(_, refs)| refs.len()).sum();
