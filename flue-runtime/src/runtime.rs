@@ -728,7 +728,9 @@ impl RuntimeInner {
         kind: SubmissionKind,
         claim: Option<crate::store::Claim>,
     ) -> Result<(DispatchReceipt, Option<u64>, Option<crate::store::Submission>), RuntimeError> {
-        if self.shutting_down.load(Ordering::Acquire) {
+        // A node that gave its work back (`release`) would never run what it admitted: it
+        // claims nothing any more.
+        if self.shutting_down.load(Ordering::Acquire) || self.draining() {
             return Err(RuntimeError::ShuttingDown);
         }
         let agent_ref = self
@@ -746,16 +748,32 @@ impl RuntimeInner {
         let definition = agent_ref.get().definition();
         // Recorded as the agent's type reads it (reference: schema-parsed), whether or not the
         // instance exists, so a replay of a keyed send carries the same data as its first
-        // admission; checked only when it creates the instance.
-        if let (Some(data), Some(spec)) = (&mut request.initial_data, &definition.initial_data) {
-            match (spec.parse)(data) {
-                Ok(parsed) => *data = parsed,
-                Err(reason) if self.store.instance(&key).await?.is_none() => {
-                    return Err(RuntimeError::InvalidRequest(format!(
-                        "initialData does not match the agent's initial_data type: {reason}"
-                    )));
+        // admission; checked only when it creates the instance. A send that would create the
+        // instance without data is checked too (the type may accept none, an `Option`): the
+        // data is recorded at creation only, so an instance created without the data its
+        // type requires could never be given it. A send that continues an instance (`uid`)
+        // creates none: the store answers it.
+        if let Some(spec) = &definition.initial_data {
+            match &mut request.initial_data {
+                Some(data) => match (spec.parse)(data) {
+                    Ok(parsed) => *data = parsed,
+                    Err(reason) if self.store.instance(&key).await?.is_none() => {
+                        return Err(RuntimeError::InvalidRequest(format!(
+                            "initialData does not match the agent's initial_data type: {reason}"
+                        )));
+                    }
+                    Err(_) => {}
+                },
+                None if !matches!(request.uid, UidCondition::Existing(_)) => {
+                    if let Err(reason) = (spec.parse)(&Value::Null)
+                        && self.store.instance(&key).await?.is_none()
+                    {
+                        return Err(RuntimeError::InvalidRequest(format!(
+                            "This send creates the instance, and the agent requires initialData matching its initial_data type: {reason}"
+                        )));
+                    }
                 }
-                Err(_) => {}
+                None => {}
             }
         }
         let (submission_id, keyed) = match &request.idempotency_key {
@@ -1222,7 +1240,9 @@ impl Runtime {
     }
 
     /// Gives every submission this node is running back to the queue, and stops running
-    /// them here; from then on (for good) this node claims no work and takes over none. Another node, or
+    /// them here; from then on (for good) this node claims no work, takes over none and
+    /// admits none (a send is refused with [`RuntimeError::ShuttingDown`], over HTTP 503
+    /// `runtime_unavailable`, so its client tries another node). Another node, or
     /// this one's next process, takes them over at once instead of once their leases expire.
     /// For a process about to exit with work still running: a server at the end of its
     /// shutdown's grace (`cli::serve` calls it), a command-line `run` whose background scan

@@ -898,8 +898,8 @@ async fn one_tool_calling_submission_emits_the_reference_canonical_order() {
 /// Reference §7.1 (the envelope's correlation): every event of a submission's processing
 /// carries its operation's id, and the events of a model turn (deltas and tool events
 /// included, which name no turn themselves) carry that turn's id; the submission's own
-/// lifecycle events (and `idle`, after the operation) carry neither, the events between turns
-/// no turn.
+/// lifecycle events carry neither, the events between turns no turn. `idle` ends the operation
+/// and carries its id (the reference emits it before it clears the operation).
 #[tokio::test]
 async fn observations_carry_the_operation_and_the_turn_they_happened_in() {
     let (runtime, mut events) = observed_calculator_exchange("correlated").await;
@@ -918,10 +918,7 @@ async fn observations_carry_the_operation_and_the_turn_they_happened_in() {
     for observation in &observed {
         let in_operation = !matches!(
             observation.event,
-            Event::SubmissionQueued { .. }
-                | Event::SubmissionRunning { .. }
-                | Event::Idle
-                | Event::SubmissionSettled { .. }
+            Event::SubmissionQueued { .. } | Event::SubmissionRunning { .. } | Event::SubmissionSettled { .. }
         );
         assert_eq!(
             observation.operation_id.as_deref(),
@@ -1410,6 +1407,68 @@ async fn initial_data_is_validated_at_creation_only_and_recorded_as_its_type_rea
         )
         .await
         .unwrap();
+    // Nor is its absence.
+    runtime
+        .dispatch_request("onboard", SendRequest::new("o", "once more"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_send_that_would_create_an_instance_without_the_initial_data_its_type_requires_is_refused() {
+    #[derive(serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
+    struct Plan {
+        tier: String,
+    }
+    let required = FnAgent::new(AgentDefinition::new("onboard").initial_data::<Plan>(), |_| {
+        use_model("scripted/x");
+        "Onboard."
+    });
+    let optional = FnAgent::new(AgentDefinition::new("welcome").initial_data::<Option<Plan>>(), |_| {
+        use_model("scripted/x");
+        "Welcome."
+    });
+    let model = ScriptedModel::echo();
+    let runtime = runtime_with(&model, vec![AgentRef::new(required), AgentRef::new(optional)]);
+    let refused = runtime
+        .dispatch_request("onboard", SendRequest::new("o", "hi"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, RuntimeError::InvalidRequest(ref message) if message.starts_with("This send creates the instance, and the agent requires initialData")),
+        "{refused}"
+    );
+    assert!(
+        runtime
+            .store()
+            .instance(&InstanceKey::new("onboard", "o"))
+            .await
+            .unwrap()
+            .is_none(),
+        "no instance was created"
+    );
+    // A type that accepts no data creates the instance without it.
+    runtime
+        .dispatch_request("welcome", SendRequest::new("w", "hi"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_node_that_gave_its_work_back_admits_nothing_new() {
+    let model = ScriptedModel::echo();
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    runtime.init(&calculator, "before").send("1+2").await.unwrap();
+    assert_eq!(runtime.release().await, 0);
+    // Admitted, the send would wait for ever: this node claims nothing any more.
+    let refused = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        runtime.init(&calculator, "after").send("1+2"),
+    )
+    .await
+    .expect("the send is answered")
+    .unwrap_err();
+    assert!(matches!(refused, RuntimeError::ShuttingDown), "{refused}");
 }
 
 #[agent]

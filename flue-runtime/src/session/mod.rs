@@ -671,10 +671,11 @@ impl InstanceSlot {
                 usage: Some(response.conversation.usage(&submission.id)),
             });
         }
-        drop(correlated);
+        // `idle` ends the operation: it carries the operation's id, as its other events do.
         if operates {
             runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         }
+        drop(correlated);
         attempt.responding.store(false, Ordering::Release);
         // Nothing appends for the attempt after its response: a write queued after the final
         // flush (or by a failed attempt) is dropped, and the thread state refuses writes.
