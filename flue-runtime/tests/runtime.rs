@@ -404,6 +404,48 @@ async fn use_agent_start_appends_reach_the_model_before_its_first_turn() {
     );
 }
 
+static ANNOUNCING_CYCLES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn announcing() -> &'static str {
+    use_model("scripted/x");
+    use_agent_start(|ctx| async move { ctx.append(Signal::new("profile", "Short answers, please.")) });
+    use_agent_finish(|ctx| async move {
+        if ANNOUNCING_CYCLES.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            ctx.append(Signal::new("todo", "Check the totals."))?;
+        }
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "Answer."
+}
+
+#[tokio::test]
+async fn appended_signals_are_announced_to_observers_and_in_agent_end() {
+    let model = ScriptedModel::new([ScriptedReply::text("first"), ScriptedReply::text("checked")]);
+    let runtime = runtime_with(&model, vec![announcing.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&announcing, "a").send("go").await.unwrap();
+    let user_text = |message: &ModelMessage| match message {
+        ModelMessage::User { content, .. } => Some(content.clone()),
+        _ => None,
+    };
+    let (mut started, mut ended, mut at_end) = (Vec::new(), Vec::new(), Vec::new());
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::MessageStart { message } => started.extend(user_text(&message)),
+            Event::MessageEnd { message } => ended.extend(user_text(&message)),
+            Event::AgentEnd { messages } => at_end.extend(messages.iter().filter_map(user_text)),
+            _ => {}
+        }
+    }
+    assert_eq!(started.len(), 3, "{started:?}");
+    assert_eq!(started[0], "go");
+    assert!(started[1].starts_with("<signal type=\"profile\">"), "{started:?}");
+    assert!(started[2].starts_with("<signal type=\"todo\">"), "{started:?}");
+    assert_eq!(ended, started);
+    assert_eq!(at_end, started, "agent_end carries them too");
+}
+
 #[agent]
 fn crashing() -> &'static str {
     use_model("scripted/x");

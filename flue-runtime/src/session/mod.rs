@@ -1240,6 +1240,25 @@ impl Response<'_> {
         self.end_message(message);
     }
 
+    /// Commits `records` ([`Response::commit`]), then announces the signals among them as a
+    /// stored delivery is announced (`message_start`, `message_end`, and `agent_end`'s
+    /// messages): an append of `use_agent_start` or `use_agent_finish`, a narration. Observers
+    /// see what the model is answering.
+    async fn commit_signals(&mut self, records: Vec<Record>, with_state: bool) -> Result<(), Failure> {
+        let signals: Vec<String> = records
+            .iter()
+            .filter_map(|record| match &record.body {
+                RecordBody::Signal { message_id, .. } => Some(message_id.clone()),
+                _ => None,
+            })
+            .collect();
+        self.commit(records, with_state).await?;
+        for message_id in &signals {
+            self.stored_message_events(Some(message_id));
+        }
+        Ok(())
+    }
+
     /// A `message_end`, whose message `agent_end` carries too.
     fn end_message(&mut self, message: ModelMessage) {
         self.ended.push(message.clone());
@@ -1625,7 +1644,7 @@ impl Response<'_> {
             self.deferred.push(signal);
             Ok(())
         } else {
-            self.commit(vec![signal], false).await
+            self.commit_signals(vec![signal], false).await
         }
     }
 
@@ -1817,7 +1836,7 @@ impl Response<'_> {
             // The repair is done: what waited for it goes now.
             let deferred = std::mem::take(&mut self.deferred);
             if !deferred.is_empty() {
-                self.commit(deferred, false).await?;
+                self.commit_signals(deferred, false).await?;
             }
             let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
             stopping = terminated && !joined;
@@ -2209,7 +2228,7 @@ impl Response<'_> {
         let mut records: Vec<Record> = signals.iter().map(|signal| self.signal_record(signal)).collect();
         let appended = signals;
         records.push(self.seam_marker(submission_id));
-        self.commit(records, true).await?;
+        self.commit_signals(records, true).await?;
         self.advance_delivery(&appended);
         Ok(())
     }
@@ -2256,7 +2275,7 @@ impl Response<'_> {
         }
         let mut records: Vec<Record> = appended.iter().map(|signal| self.signal_record(signal)).collect();
         records.push(self.record(RecordBody::AgentFinishCycle));
-        self.commit(records, true).await?;
+        self.commit_signals(records, true).await?;
         self.advance_delivery(&appended);
         Ok(true)
     }

@@ -55,7 +55,7 @@ impl Response<'_> {
                     snapshot: current.clone(),
                     baseline: None,
                 }));
-                self.commit(records, false).await?;
+                self.commit_signals(records, false).await?;
             }
         }
         self.declared = Some((fingerprint, current));
