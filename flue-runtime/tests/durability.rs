@@ -968,7 +968,9 @@ async fn answered_but_unsettled(agent: &str, instance: &str) -> FaultyStore {
 async fn a_resumed_response_that_already_answered_settles_without_calling_the_model_again() {
     let store = answered_but_unsettled("relay", "r-2").await;
     let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
-    let runtime = taking_over(&store, &model, relay).await;
+    let runtime = fast_scanning(&store, &model, relay);
+    let mut events = runtime.observe();
+    runtime.start().await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         runtime.init(&relay, "r-2").read("sub_answered"),
@@ -978,6 +980,19 @@ async fn a_resumed_response_that_already_answered_settles_without_calling_the_mo
     .unwrap();
     assert_eq!(reply.text, "the answer");
     assert!(model.requests().is_empty(), "completed work is never redone");
+    // It settles without an attempt (§3.9 step 2): none of an attempt's events.
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if observation.submission_id.as_deref() == Some("sub_answered") {
+            seen.push(
+                serde_json::to_value(&observation.event).unwrap()["type"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned(),
+            );
+        }
+    }
+    assert_eq!(seen, ["submission_settled"]);
 }
 
 /// A sandbox host that is down.

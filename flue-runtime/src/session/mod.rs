@@ -508,8 +508,11 @@ impl InstanceSlot {
         // An abort the attempt finds before it runs (§3.7 step 1): reported running, then
         // settled aborted, without an operation (no prompt runs), so without its events.
         let aborted_before_running = refreshed.is_ok() && !answered && abort_requested;
-        let operates = !settles_unrun && !aborted_before_running;
-        if !settles_unrun {
+        // A response that ended durably settles as it is (§3.9 step 2; its missing finish
+        // batch, if any, is written first): no attempt runs, so none of an attempt's events is
+        // emitted either, and observers counting attempts count none.
+        let operates = !settles_unrun && !aborted_before_running && !answered;
+        if !settles_unrun && !answered {
             runtime.emit(
                 &self.key,
                 Some(&submission.id),
