@@ -1,4 +1,6 @@
-//! The local environment: a directory on the real filesystem, with commands run by `sh -c`.
+//! The local environment: a directory on the real filesystem, with commands run by `bash -c`
+//! (by `sh -c` where no `bash` is installed: the model's tool is named `bash` and writes bash,
+//! `[[ ]]`, arrays, `set -o pipefail`, which a POSIX `sh` such as dash refuses).
 //! Sandbox paths map onto the root (`/` is the root); a path that leaves it — through `..` or
 //! through a symbolic link — is refused.
 
@@ -19,6 +21,33 @@ use super::normalize;
 /// no core dump and a debugger needs root to attach. It hides this process only: the user's
 /// other processes (the shell that started this one) stay readable, and a command running as
 /// root reads anything. Run untrusted models as a user of their own (or in a container).
+/// The shell commands run in: the first executable `bash` on the process's `PATH` (an
+/// absolute path, found once; the command's own environment is cleared), else `sh`.
+fn shell() -> &'static std::ffi::OsStr {
+    static SHELL: std::sync::OnceLock<std::ffi::OsString> = std::sync::OnceLock::new();
+    SHELL.get_or_init(|| {
+        let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+        std::env::split_paths(&path)
+            .filter(|directory| directory.is_absolute())
+            .map(|directory| directory.join("bash"))
+            .find(|candidate| is_executable(candidate))
+            .map_or_else(|| "sh".into(), std::path::PathBuf::into_os_string)
+    })
+}
+
+/// Whether `path` is a file this process may execute.
+fn is_executable(path: &std::path::Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).is_ok_and(|metadata| metadata.is_file() && metadata.permissions().mode() & 0o111 != 0)
+    }
+    #[cfg(not(unix))]
+    {
+        path.is_file()
+    }
+}
+
 fn hide_process_environment() {
     #[cfg(target_os = "linux")]
     {
@@ -892,7 +921,7 @@ impl Sandbox for LocalSandbox {
         Box::pin(async move {
             let (cwd, normalized) = checked?;
             hide_process_environment();
-            let mut command = tokio::process::Command::new("sh");
+            let mut command = tokio::process::Command::new(shell());
             // Where it starts: the directory opened beneath the root, not the path `cwd`
             // resolved again (see `start_in`). The command itself is not confined: it may
             // name any path the process can reach.
@@ -1243,6 +1272,36 @@ mod tests {
             "the command ran outside the root: {ran:?}"
         );
         assert_eq!(ran, Err(SandboxError::OutsideRoot("/sub".into())));
+    }
+
+    #[tokio::test]
+    async fn commands_run_in_bash_where_it_is_installed() {
+        let dirs = scratch("bashisms");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let has_bash = std::process::Command::new("bash")
+            .arg("-c")
+            .arg("true")
+            .status()
+            .is_ok_and(|status| status.success());
+        let ran = run(
+            &sandbox,
+            "/",
+            "set -o pipefail; words=(one two); [[ ${words[1]} == two ]] && echo bash",
+        )
+        .await;
+        if has_bash {
+            let output = ran.expect("the command ran");
+            assert_eq!(
+                (output.exit_code, output.stdout.as_str()),
+                (Some(0), "bash\n"),
+                "{output:?}"
+            );
+            assert!(std::path::Path::new(shell()).is_absolute(), "{:?}", shell());
+        } else {
+            assert_eq!(shell(), "sh");
+        }
     }
 
     #[tokio::test]

@@ -684,7 +684,7 @@ fn edit(session: &SandboxSession, args: EditArgs) -> BoxFuture<'_, ToolOutput> {
 /// `bash`'s arguments.
 #[derive(Deserialize, JsonSchema)]
 struct BashArgs {
-    /// The command line (run by `sh -c` in the working directory).
+    /// The command line (run by `bash -c` in the working directory, `sh -c` where bash is not installed).
     command: String,
     /// Seconds the command may run (default 120).
     #[serde(default)]
