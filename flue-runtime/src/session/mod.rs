@@ -1569,6 +1569,10 @@ impl Response<'_> {
     /// connections and connecting the others together (an abort stops the connecting). A required server that cannot be used fails the submission before its
     /// input is stored; an optional one is a `warn` log event now and narrated later.
     async fn connect_mcp(&mut self, rendered: &Rendered) -> Result<(), Failure> {
+        if self.mcp.is_none() && rendered.mcp_connections.is_empty() {
+            // Nothing to connect (most agents): nothing to wait for.
+            self.mcp = Some(Vec::new());
+        }
         if self.mcp.is_none() {
             let connecting = self.mcp_connections.resolve(&rendered.mcp_connections);
             let connected = tokio::select! {
