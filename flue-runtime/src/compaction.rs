@@ -9,10 +9,12 @@
 //!   context window (`ModelProvider::context_window`); `Compaction::Disabled` turns it off.
 //! - **Overflow recovery**: a call the provider refuses as a context overflow compacts and is
 //!   retried once — also with threshold compaction off.
-//! - The summary may be as long as four fifths of the reserve, at most 16,000 tokens (20,000
-//!   reserved without a known window), and is asked for with low reasoning effort, or none when
-//!   the session's thinking level is off (a model or endpoint that takes no reasoning setting
-//!   would refuse it).
+//! - The summary may be as long as four fifths of the reserve, at most 16,000 tokens and at
+//!   most what the summarizing model may answer ([`ModelProvider::max_output_tokens`]); 4,000
+//!   when neither the reserve nor the session model's window is known (an endpoint's own limit
+//!   may be small). It is asked for with low reasoning effort, or none when the session's
+//!   thinking level is off (a model or endpoint that takes no reasoning setting would refuse
+//!   it).
 //! - Both are best-effort: a summary that cannot be made (the call refused, an empty summary, one
 //!   the output limit cut off, a compaction model that does not resolve) is reported as a failed `compaction` event and a
 //!   warning, and the session goes on uncompacted (an overflow is then the call's failure).
@@ -294,10 +296,17 @@ fn reserve_tokens(config: &CompactionConfig, window: Option<u64>) -> u64 {
         .map_or_else(|| window.map_or(most, |window| (window / 4).min(most)), u64::from)
 }
 
-/// The most a summary may take: four fifths of the reserve, at most 16,000 tokens, at least
-/// 1,000.
-fn summary_tokens(reserve: u64) -> u32 {
-    u32::try_from((reserve * 4 / 5).clamp(1_000, 16_000)).unwrap_or(16_000)
+/// The most a summary may take: four fifths of the reserve (with the session model's `window`,
+/// see [`reserve_tokens`]), at most 16,000 tokens, at least 1,000, and at most the summarizing
+/// model's output cap `most` when known. 4,000 (within that cap) when neither the configured
+/// reserve nor the window is known.
+fn summary_tokens(config: &CompactionConfig, window: Option<u64>, most: Option<u64>) -> u32 {
+    let budget = if config.reserve_tokens.is_none() && window.is_none() {
+        4_000
+    } else {
+        (reserve_tokens(config, window) * 4 / 5).clamp(1_000, 16_000)
+    };
+    u32::try_from(budget.min(most.unwrap_or(u64::MAX))).unwrap_or(4_000)
 }
 
 /// Summarizes the older history before the session's `step`th model call (with the
@@ -312,7 +321,7 @@ pub(crate) async fn compact<S: Compacting>(
     step: u32,
 ) -> Result<bool, S::Failure> {
     let config = session.budget().config();
-    let max_output_tokens = summary_tokens(reserve_tokens(&config, provider.context_window(model_id)));
+    let window = provider.context_window(model_id);
     let keep = u64::from(
         config
             .keep_recent_tokens
@@ -327,7 +336,8 @@ pub(crate) async fn compact<S: Compacting>(
         estimated_tokens: tokens_before,
     });
     let started = Instant::now();
-    let request = |model: String| ModelRequest {
+    let request = |summarizer: &dyn ModelProvider, model: String| ModelRequest {
+        max_output_tokens: Some(summary_tokens(&config, window, summarizer.max_output_tokens(&model))),
         model,
         system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
         messages: vec![ModelMessage::user(summary_input(session.conversation(), cut))].into(),
@@ -337,15 +347,16 @@ pub(crate) async fn compact<S: Compacting>(
         } else {
             ThinkingLevel::Low
         },
-        max_output_tokens: Some(max_output_tokens),
         max_retries: Some(session.runtime().options.model_retries),
     };
     let summary = match &config.model {
         Some(spec) => match session.runtime().providers.resolve(spec) {
-            Ok((summarizer, summary_model)) => summarize(&*session, &*summarizer, request(summary_model), step).await,
+            Ok((summarizer, summary_model)) => {
+                summarize(&*session, &*summarizer, request(&*summarizer, summary_model), step).await
+            }
             Err(error) => Err(format!("The compaction model: {error}")),
         },
-        None => summarize(&*session, provider, request(model_id.to_owned()), step).await,
+        None => summarize(&*session, provider, request(provider, model_id.to_owned()), step).await,
     };
     // Compaction is best-effort (it runs on its own, at a threshold or after an overflow): a
     // summary that could not be made is reported (a failed `compaction` event and a warning)
@@ -503,6 +514,24 @@ fn summary_failed(error: &str) -> Failed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_summary_takes_four_fifths_of_the_reserve_within_the_models_cap_and_4000_knowing_nothing() {
+        let default = CompactionConfig::default();
+        let reserved = |tokens| CompactionConfig {
+            reserve_tokens: Some(tokens),
+            ..CompactionConfig::default()
+        };
+        // Neither a reserve nor a window: an endpoint's limit may be small.
+        assert_eq!(summary_tokens(&default, None, None), 4_000);
+        assert_eq!(summary_tokens(&default, None, Some(2_048)), 2_048);
+        // A 200,000-token window reserves 20,000: four fifths, at most 16,000.
+        assert_eq!(summary_tokens(&default, Some(200_000), None), 16_000);
+        assert_eq!(summary_tokens(&default, Some(200_000), Some(8_192)), 8_192);
+        assert_eq!(summary_tokens(&default, Some(32_000), None), 6_400);
+        assert_eq!(summary_tokens(&reserved(10_000), None, None), 8_000);
+        assert_eq!(summary_tokens(&reserved(100), Some(600), None), 1_000);
+    }
 
     #[test]
     fn a_summary_transcript_shows_the_start_of_a_long_tool_result_and_how_much_was_left_out() {

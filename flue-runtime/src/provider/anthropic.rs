@@ -407,6 +407,14 @@ fn thinking_mode(model: &str) -> ThinkingMode {
     }
 }
 
+/// The output cap of a Claude `model` whose cap this provider knows (by its version).
+pub(crate) fn output_cap(model: &str) -> Option<u64> {
+    match thinking_mode(model) {
+        ThinkingMode::Unsupported(cap) | ThinkingMode::Budget(Some(cap)) => Some(u64::from(cap)),
+        ThinkingMode::Budget(None) | ThinkingMode::Adaptive => None,
+    }
+}
+
 /// A Claude id's version (`None` when it has none), `None` for another model.
 fn claude_version(model: &str) -> Option<Option<(u32, u32)>> {
     claude_family_version(model).map(|(_, version)| version)
@@ -465,8 +473,10 @@ fn thinking_fields(request: &ModelRequest) -> (u32, Option<Thinking>, Option<&'s
                 None => (max.unwrap_or(DEFAULT_MAX_TOKENS), None, None),
             }
         }
-        ThinkingMode::Unsupported(cap) => (max.unwrap_or(DEFAULT_MAX_TOKENS.min(cap)), None, None),
+        // An explicit limit stays within the model's cap too (the API refuses one past it).
+        ThinkingMode::Unsupported(cap) => (max.map_or(DEFAULT_MAX_TOKENS.min(cap), |max| max.min(cap)), None, None),
         ThinkingMode::Budget(cap) => {
+            let max = max.map(|max| max.min(cap.unwrap_or(u32::MAX)));
             let budget = thinking_budget(level).filter(|_| may_think(&request.messages));
             let (max_tokens, budget) = match (max, budget) {
                 (None, None) => (DEFAULT_MAX_TOKENS.min(cap.unwrap_or(u32::MAX)), None),
@@ -1622,6 +1632,25 @@ mod tests {
                 "{model} {level:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_explicit_output_limit_past_the_models_cap_is_held_to_it() {
+        let provider = AnthropicProvider::anthropic();
+        let cases = [
+            ("claude-3-5-haiku-latest", ThinkingLevel::Off, 8192),
+            ("claude-3-haiku-20240307", ThinkingLevel::Low, 4096),
+            ("claude-opus-4-1-20250805", ThinkingLevel::Off, 16_000),
+            ("claude-opus-4-1-20250805", ThinkingLevel::Low, 16_000),
+        ];
+        for (model, level, want_max) in cases {
+            let mut call = request(vec![user("hi")], level, Some(16_000));
+            call.model = model.into();
+            assert_eq!(provider.body(&call)["max_tokens"], want_max, "{model} {level:?}");
+        }
+        let mut call = request(vec![user("hi")], ThinkingLevel::Off, Some(40_000));
+        call.model = "claude-opus-4-1-20250805".into();
+        assert_eq!(provider.body(&call)["max_tokens"], 32_000);
     }
 
     #[test]

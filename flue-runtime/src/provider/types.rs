@@ -637,6 +637,39 @@ pub trait ModelProvider: Send + Sync + 'static {
     fn context_window(&self, model: &str) -> Option<u64> {
         known_context_window(model)
     }
+
+    /// The most output tokens `model` may be asked for, when known: a compaction's summary
+    /// asks for no more. Default: the well-known model families.
+    fn max_output_tokens(&self, model: &str) -> Option<u64> {
+        known_max_output_tokens(model)
+    }
+}
+
+/// The output caps of well-known model families (by the model id's last `/` segment): Claude's
+/// by its version (see the Anthropic provider), the others' from a table.
+pub fn known_max_output_tokens(model: &str) -> Option<u64> {
+    if let Some(cap) = crate::provider::anthropic::output_cap(model) {
+        return Some(cap);
+    }
+    let name = model.rsplit('/').next().unwrap_or(model).to_ascii_lowercase();
+    // First match: the longer prefixes of a family first.
+    let table: [(&str, u64); 11] = [
+        ("gpt-4.1", 32_768),
+        ("gpt-4o", 16_384),
+        ("gpt-4-turbo", 4_096),
+        ("gpt-4", 8_192),
+        ("gpt-3.5", 4_096),
+        ("gpt-5", 128_000),
+        ("o1-mini", 65_536),
+        ("o1-preview", 32_768),
+        ("o1", 100_000),
+        ("o3", 100_000),
+        ("o4", 100_000),
+    ];
+    table
+        .iter()
+        .find(|(prefix, _)| name.starts_with(prefix))
+        .map(|(_, cap)| *cap)
 }
 
 /// The context windows of well-known model families (by the model id's last `/` segment).
@@ -770,6 +803,25 @@ impl fmt::Display for StopReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_output_caps_of_well_known_models_are_known_and_others_are_not() {
+        let cases = [
+            ("claude-3-5-haiku-latest", Some(8192)),
+            ("us.anthropic.claude-sonnet-4-5-20250929-v1:0", Some(64_000)),
+            ("claude-sonnet-4-6", None),
+            ("openai/gpt-4-turbo", Some(4096)),
+            ("gpt-4-0613", Some(8192)),
+            ("gpt-4o-mini", Some(16_384)),
+            ("gpt-4.1-nano", Some(32_768)),
+            ("o1-mini", Some(65_536)),
+            ("o3", Some(100_000)),
+            ("meta-llama/llama-3.1-8b-instruct", None),
+        ];
+        for (model, cap) in cases {
+            assert_eq!(known_max_output_tokens(model), cap, "{model}");
+        }
+    }
 
     #[test]
     fn stop_reasons_read_as_the_reference_finish_reasons_in_events_and_snake_case_in_records() {
