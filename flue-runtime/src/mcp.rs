@@ -26,9 +26,10 @@
 //!
 //! An instance keeps its live connections while it stays in memory, and its later responses
 //! reuse them (so a server keeps its session state between messages, and nobody pays for its
-//! handshake and listing again): one whose definition is the same as the one declared, and
-//! whose transport is still open. A connection that failed is not kept, so the next response
-//! tries again. A response connects the servers it does not have together, and an abort stops
+//! handshake and listing again): one whose definition is the same as the one declared, whose
+//! transport is still open and which answers a `ping` (a server that went away is connected
+//! afresh, and so found unavailable as at a first connect). A connection that failed is not
+//! kept, so the next response tries again, and one the render no longer declares is closed. A response connects the servers it does not have together, and an abort stops
 //! the connecting. A server that
 //! cannot be used fails the submission (`mcp_connection_failed`), unless it is `optional`: then
 //! its tools are not mounted for this response, observers get a `warn` log event naming it,
@@ -68,9 +69,16 @@ pub(crate) struct McpSession {
 }
 
 impl McpSession {
-    /// Whether the client can still reach the server (its transport is open).
-    fn is_open(&self) -> bool {
-        !self._client.is_closed() && !self._client.is_transport_closed()
+    /// Whether the client can still reach the server: its transport is open and the server
+    /// answers a `ping` within `timeout`.
+    async fn is_live(&self, timeout: Duration) -> bool {
+        if self._client.is_closed() || self._client.is_transport_closed() {
+            return false;
+        }
+        let ping = self
+            ._client
+            .send_request(rmcp::model::ClientRequest::PingRequest(Default::default()));
+        matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_)))
     }
 }
 
@@ -80,16 +88,18 @@ pub(crate) struct McpConnections(std::sync::Mutex<Vec<(McpConnection, McpSession
 
 impl McpConnections {
     /// A session for each of `connections`, in their order: the kept one of an equal
-    /// definition whose transport is open, else a new connection (those connected together).
-    /// New sessions are kept, each in place of the one of its name.
+    /// definition that is still live, else a new connection (all checked or connected
+    /// together). New sessions are kept, each in place of the one of its name; kept sessions
+    /// of servers `connections` does not name are closed.
     pub(crate) async fn resolve(&self, connections: &[McpConnection]) -> Vec<Result<McpSession, Unavailable>> {
         let kept: Vec<Option<McpSession>> = {
-            let kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            kept.retain(|(definition, _)| connections.iter().any(|connection| connection.name == definition.name));
             connections
                 .iter()
                 .map(|connection| {
                     kept.iter()
-                        .find(|(definition, session)| definition == connection && session.is_open())
+                        .find(|(definition, _)| definition == connection)
                         .map(|(_, session)| session.clone())
                 })
                 .collect()
@@ -97,19 +107,30 @@ impl McpConnections {
         let resolved =
             futures_util::future::join_all(connections.iter().zip(kept).map(|(connection, kept)| async move {
                 match kept {
-                    Some(session) => Ok(session),
-                    None => connect(connection).await,
+                    Some(session) if session.is_live(connection.timeout.unwrap_or(DEFAULT_TIMEOUT)).await => {
+                        Ok(session)
+                    }
+                    _ => connect(connection).await,
                 }
             }))
             .await;
         let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for (connection, resolved) in connections.iter().zip(&resolved) {
+            // A server that could not be used is not kept: the next response tries again.
+            kept.retain(|(definition, _)| definition.name != connection.name);
             if let Ok(session) = resolved {
-                kept.retain(|(definition, _)| definition.name != connection.name);
                 kept.push((connection.clone(), session.clone()));
             }
         }
         resolved
+    }
+
+    /// Closes every kept session (a response that declares no server).
+    pub(crate) fn clear(&self) {
+        let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !kept.is_empty() {
+            kept.clear();
+        }
     }
 }
 
@@ -290,13 +311,13 @@ fn select_tools(wanted: &[String], listed: Vec<rmcp::model::Tool>) -> Result<Vec
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let mut repeated: Vec<&str> = wanted
-        .iter()
-        .enumerate()
-        .filter(|(index, name)| wanted[..*index].contains(name))
-        .map(|(_, name)| name.as_str())
-        .collect();
-    repeated.dedup();
+    // Each repeated name once, in the order of its second mention.
+    let mut repeated: Vec<&str> = Vec::new();
+    for (index, name) in wanted.iter().enumerate() {
+        if wanted[..index].contains(name) && !repeated.contains(&name.as_str()) {
+            repeated.push(name);
+        }
+    }
     if !repeated.is_empty() {
         return Err(format!(
             "the connection's tools list names {} more than once",
@@ -557,15 +578,19 @@ fn content_text(block: &ContentBlock) -> String {
     }
 }
 
+/// Why a server could not be used, as the model and observers are told: on one line, its
+/// first 300 characters (the text may quote what the server sent, an HTML error page).
+pub(crate) fn shown_reason(text: &str) -> String {
+    let mut text = text.replace('\n', " ");
+    if text.chars().count() > 300 {
+        text = text.chars().take(300).collect::<String>() + "…";
+    }
+    text
+}
+
 /// The `resources` signal body for servers unavailable to this response.
 pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
-    let reason = |text: &str| -> String {
-        let mut text = text.replace('\n', " ");
-        if text.chars().count() > 300 {
-            text = text.chars().take(300).collect::<String>() + "…";
-        }
-        text
-    };
+    let reason = shown_reason;
     match unavailable {
         [one] => format!(
             "The MCP server \"{}\" is unavailable for this response ({}); its tools are not mounted.",
@@ -587,6 +612,14 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reason_shown_to_the_model_and_observers_is_one_line_of_300_characters_at_most() {
+        assert_eq!(shown_reason("refused\n<html>\n</html>"), "refused <html> </html>");
+        let long = shown_reason(&"é".repeat(400));
+        assert_eq!(long.chars().count(), 301);
+        assert!(long.ends_with('…'));
+    }
 
     #[test]
     fn a_key_in_the_servers_url_path_is_not_quoted() {

@@ -684,6 +684,14 @@ impl RuntimeInner {
         Ok(affected)
     }
 
+    /// Whether this node knows the instance `key` exists, without asking the store (its slot
+    /// holds its conversation): a later message to an instance needs no store read to tell
+    /// it does not create one.
+    fn known_instance(&self, key: &InstanceKey) -> bool {
+        let instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        instances.get(key).is_some_and(|slot| slot.known_to_exist())
+    }
+
     pub(crate) fn slot(self: &Arc<Self>, key: &InstanceKey) -> Arc<InstanceSlot> {
         let used = self.slot_uses.fetch_add(1, Ordering::Relaxed);
         let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -766,6 +774,7 @@ impl RuntimeInner {
                 },
                 None if !matches!(request.uid, UidCondition::Existing(_)) => {
                     if let Err(reason) = (spec.parse)(&Value::Null)
+                        && !self.known_instance(&key)
                         && self.store.instance(&key).await?.is_none()
                     {
                         return Err(RuntimeError::InvalidRequest(format!(

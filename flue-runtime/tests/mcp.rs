@@ -798,6 +798,10 @@ async fn a_tools_list_mounts_in_its_order_and_a_name_the_server_lacks_or_named_t
             vec!["search", "fail", "search"],
             "[flue] The MCP server \"docs\" could not be used: the connection's tools list names \"search\" more than once",
         ),
+        (
+            vec!["search", "fail", "search", "fail", "search"],
+            "[flue] The MCP server \"docs\" could not be used: the connection's tools list names \"search\", \"fail\" more than once",
+        ),
     ] {
         let (outcome, model) = refusal(names).await;
         let Err(RuntimeError::Run {
@@ -1062,4 +1066,52 @@ async fn an_instances_later_responses_reuse_its_connection_and_other_instances_o
         2,
         "another instance, its own session"
     );
+}
+
+static FLEETING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn fleeting() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("counting", FLEETING_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .optional(),
+    );
+    "Ping if you can."
+}
+
+#[tokio::test]
+async fn a_kept_connection_to_a_server_that_went_away_is_not_reused() {
+    let sessions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = Counting(sessions.clone());
+    let service: StreamableHttpService<Counting, LocalSessionManager> = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Default::default(),
+        StreamableHttpServerConfig::default(),
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let _ = FLEETING_URL.set(format!("http://{address}/mcp"));
+    let model = ScriptedModel::new([ScriptedReply::text("pinged"), ScriptedReply::text("without it")]);
+    let runtime = runtime_with(&model, [fleeting.into()]);
+    let handle = runtime.init(&fleeting, "f");
+    handle.send("one").await.unwrap();
+    assert_eq!(sessions.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // The server goes away (its connections with it) before the next message.
+    server.abort();
+    let _ = server.await;
+    handle.send("two").await.unwrap();
+    let requests = model.requests();
+    assert!(
+        requests[1].tools.iter().all(|tool| !tool.name.starts_with("mcp__")),
+        "the dead server's tools are not mounted"
+    );
+    let told = requests[1].messages.iter().any(|message| {
+        matches!(message, ModelMessage::User { content, .. }
+            if content.contains("The MCP server \"counting\" is unavailable for this response"))
+    });
+    assert!(told, "{:?}", requests[1].messages);
 }

@@ -376,7 +376,6 @@ fn scheduler_tag(scheduler: &str) -> &'static str {
     }
 }
 
-/// Where this run's SQLite files go (removed when it ends).
 /// How this (virtual) machine's CPUs idle, when Linux's `cpuidle` says: the multi-thread
 /// figures depend on it. An idle vCPU that halts at once (the `haltpoll` driver with
 /// `guest_halt_poll_ns` 0, as Firecracker guests are often booted) leaves the processor to the
@@ -400,6 +399,7 @@ fn idle_policy() -> Option<String> {
     })
 }
 
+/// Where this run's SQLite files go (removed when it ends).
 fn scratch_dir() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("flue-bench-{}", std::process::id()))
 }

@@ -13,14 +13,6 @@ use flue_core::sandbox::{DirEntry, ExecOutput, ExecRequest, Sandbox, SandboxErro
 
 use super::normalize;
 
-/// Makes this process's own environment, memory and file descriptors unreadable by other
-/// processes of its user (Linux: not dumpable, as `ssh-agent` and `gpg-agent` make
-/// themselves), once, before the first command. A command gets a cleared environment, but it
-/// runs as this process's user and could otherwise read this process's whole launch
-/// environment, provider keys included, from `/proc/$PPID/environ`. The process then leaves
-/// no core dump and a debugger needs root to attach. It hides this process only: the user's
-/// other processes (the shell that started this one) stay readable, and a command running as
-/// root reads anything. Run untrusted models as a user of their own (or in a container).
 /// The shell commands run in: the first executable `bash` on the process's `PATH` (an
 /// absolute path, found once; the command's own environment is cleared), else `sh`.
 fn shell() -> &'static std::ffi::OsStr {
@@ -48,6 +40,14 @@ fn is_executable(path: &std::path::Path) -> bool {
     }
 }
 
+/// Makes this process's own environment, memory and file descriptors unreadable by other
+/// processes of its user (Linux: not dumpable, as `ssh-agent` and `gpg-agent` make
+/// themselves), once, before the first command. A command gets a cleared environment, but it
+/// runs as this process's user and could otherwise read this process's whole launch
+/// environment, provider keys included, from `/proc/$PPID/environ`. The process then leaves
+/// no core dump and a debugger needs root to attach. It hides this process only: the user's
+/// other processes (the shell that started this one) stay readable, and a command running as
+/// root reads anything. Run untrusted models as a user of their own (or in a container).
 fn hide_process_environment() {
     #[cfg(target_os = "linux")]
     {

@@ -177,6 +177,14 @@ impl InstanceSlot {
         }
     }
 
+    /// Whether this node knows the instance exists (its conversation was read from a stream),
+    /// without waiting: `false` when it does not know (or the conversation is in use).
+    pub(crate) fn known_to_exist(&self) -> bool {
+        self.conversation
+            .try_lock()
+            .is_ok_and(|conversation| conversation.last_offset.is_some())
+    }
+
     pub(crate) fn touch(&self, used: u64) {
         self.last_used.fetch_max(used, Ordering::Relaxed);
     }
@@ -586,8 +594,12 @@ impl InstanceSlot {
         // just after `agent_end`. Its id is made only when an event needs it; every event of
         // the processing carries it (and the turn's id while a turn runs).
         let correlation = Arc::new(Correlation::new());
-        let correlated = runtime.correlate(&response.record_ids.0, correlation.clone());
-        response.correlation = Some(correlation.clone());
+        // Without an operation (a settlement that runs no attempt), events are stamped with
+        // none: an id no `operation_start` announced would group them under nothing.
+        let correlated = operates.then(|| runtime.correlate(&response.record_ids.0, correlation.clone()));
+        if operates {
+            response.correlation = Some(correlation.clone());
+        }
         let operation_started = Instant::now();
         if operates {
             runtime.emit_with(&self.key, Some(&submission.id), || Event::OperationStart {
@@ -1570,7 +1582,9 @@ impl Response<'_> {
     /// input is stored; an optional one is a `warn` log event now and narrated later.
     async fn connect_mcp(&mut self, rendered: &Rendered) -> Result<(), Failure> {
         if self.mcp.is_none() && rendered.mcp_connections.is_empty() {
-            // Nothing to connect (most agents): nothing to wait for.
+            // Nothing to connect (most agents): nothing to wait for. Servers an earlier render
+            // declared are closed.
+            self.mcp_connections.clear();
             self.mcp = Some(Vec::new());
         }
         if self.mcp.is_none() {
@@ -1587,7 +1601,8 @@ impl Response<'_> {
                     Err(failure) if failure.optional => {
                         let message = format!(
                             "[flue] The optional MCP server \"{}\" could not be used; its tools are not mounted for this response: {}",
-                            failure.name, failure.reason
+                            failure.name,
+                            crate::mcp::shown_reason(&failure.reason)
                         );
                         tracing::warn!(instance = %self.key, submission = %self.submission.id, "{message}");
                         self.logger().warn(message);
