@@ -543,6 +543,23 @@ async fn after_a_failed_compaction_the_submissions_later_steps_try_no_other() {
     assert_eq!(summaries, 1, "one summary attempt in the submission");
 }
 
+/// A completed answer of `text` (no calls, no usage), as a provider's stream ends it.
+fn answer(
+    text: &str,
+    stop_reason: flue_runtime::provider::StopReason,
+) -> Result<flue_runtime::provider::StreamEvent, ProviderError> {
+    Ok(flue_runtime::provider::StreamEvent::Completed(
+        flue_runtime::provider::ModelResponse {
+            text: text.into(),
+            reasoning: String::new(),
+            tool_calls: Vec::new(),
+            stop_reason,
+            usage: Default::default(),
+            reasoning_blocks: Vec::new(),
+        },
+    ))
+}
+
 /// A model with a 200,000-token window that overflows on its second call, then summarizes
 /// (its summaries cut off at their output limit when `cuts_summaries`), then answers; it
 /// records every request.
@@ -561,19 +578,9 @@ impl flue_runtime::provider::ModelProvider for Overflowing {
     }
 
     fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
-        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+        use flue_runtime::provider::StopReason;
         let mut requests = self.requests.lock().unwrap();
         requests.push(request.clone());
-        let answer = |text: &str, stop_reason| {
-            Ok(StreamEvent::Completed(ModelResponse {
-                text: text.into(),
-                reasoning: String::new(),
-                tool_calls: Vec::new(),
-                stop_reason,
-                usage: Default::default(),
-                reasoning_blocks: Vec::new(),
-            }))
-        };
         let event = match requests.len() {
             1 => answer("first answer", StopReason::Stop),
             2 => Err(ProviderError::new(
@@ -745,27 +752,17 @@ impl flue_runtime::provider::ModelProvider for OverflowsTwice {
     }
 
     fn stream(&self, request: &flue_runtime::provider::ModelRequest) -> flue_runtime::provider::ModelStream {
-        use flue_runtime::provider::{ModelResponse, StopReason, StreamEvent};
+        use flue_runtime::provider::StopReason;
         let mut requests = self.0.lock().unwrap();
         requests.push(request.clone());
-        let answer = |text: &str| {
-            Ok(StreamEvent::Completed(ModelResponse {
-                text: text.into(),
-                reasoning: String::new(),
-                tool_calls: Vec::new(),
-                stop_reason: StopReason::Stop,
-                usage: Default::default(),
-                reasoning_blocks: Vec::new(),
-            }))
-        };
         let event = match requests.len() {
             2 | 5 => Err(ProviderError::new(
                 ProviderErrorKind::ContextOverflow,
                 "prompt is too long",
             )),
-            3 => answer("S1: the user said hello."),
-            6 => answer("S2: the user said hello and again."),
-            n => answer(&format!("answer {n}")),
+            3 => answer("S1: the user said hello.", StopReason::Stop),
+            6 => answer("S2: the user said hello and again.", StopReason::Stop),
+            n => answer(&format!("answer {n}"), StopReason::Stop),
         };
         Box::pin(futures_util::stream::iter([event]))
     }

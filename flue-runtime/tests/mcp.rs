@@ -816,12 +816,17 @@ async fn a_tools_list_mounts_in_its_order_and_a_name_the_server_lacks_or_named_t
     }
 }
 
-/// A server whose `initialize` answers only once every server of the barrier was asked: if
-/// the runtime connected its servers one after the other, the first would never answer.
-#[derive(Clone)]
-struct Together(Arc<tokio::sync::Barrier>);
+/// A server with one tool, `ping` (answering `pong`), that counts the sessions clients open
+/// with it (their `initialize` requests) and, given a barrier, answers `initialize` only once
+/// every server of the barrier was asked: a runtime connecting its servers one after the other
+/// would never get the first answer.
+#[derive(Clone, Default)]
+struct Pinging {
+    sessions: Arc<std::sync::atomic::AtomicUsize>,
+    together: Option<Arc<tokio::sync::Barrier>>,
+}
 
-impl ServerHandler for Together {
+impl ServerHandler for Pinging {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
     }
@@ -831,7 +836,10 @@ impl ServerHandler for Together {
         request: rmcp::model::InitializeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<rmcp::model::InitializeResult, ErrorData> {
-        self.0.wait().await;
+        self.sessions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if let Some(together) = &self.together {
+            together.wait().await;
+        }
         if context.peer.peer_info().is_none() {
             context.peer.set_peer_info(request);
         }
@@ -848,6 +856,14 @@ impl ServerHandler for Together {
             "Ping.",
             schema(json!({"type": "object"})),
         )]))
+    }
+
+    async fn call_tool(
+        &self,
+        _request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        Ok(CallToolResult::success(vec![ContentBlock::text("pong")]).into())
     }
 }
 
@@ -874,7 +890,11 @@ fn two_servers() -> &'static str {
 #[tokio::test]
 async fn a_responses_servers_are_connected_together() {
     let barrier = Arc::new(tokio::sync::Barrier::new(2));
-    let _ = TOGETHER_URLS.set([serve(Together(barrier.clone())).await, serve(Together(barrier)).await]);
+    let together = |barrier| Pinging {
+        together: Some(barrier),
+        ..Pinging::default()
+    };
+    let _ = TOGETHER_URLS.set([serve(together(barrier.clone())).await, serve(together(barrier)).await]);
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, [two_servers.into()]);
     tokio::time::timeout(
@@ -984,48 +1004,6 @@ async fn an_optional_server_that_cannot_be_used_is_a_warning_to_observers() {
     );
 }
 
-/// A server counting the sessions clients open with it (their `initialize` requests).
-#[derive(Clone)]
-struct Counting(Arc<std::sync::atomic::AtomicUsize>);
-
-impl ServerHandler for Counting {
-    fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
-    }
-
-    async fn initialize(
-        &self,
-        request: rmcp::model::InitializeRequestParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<rmcp::model::InitializeResult, ErrorData> {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if context.peer.peer_info().is_none() {
-            context.peer.set_peer_info(request);
-        }
-        Ok(self.get_info())
-    }
-
-    async fn list_tools(
-        &self,
-        _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
-    ) -> Result<ListToolsResult, ErrorData> {
-        Ok(ListToolsResult::with_all_items(vec![McpTool::new(
-            "ping",
-            "Ping.",
-            schema(json!({"type": "object"})),
-        )]))
-    }
-
-    async fn call_tool(
-        &self,
-        _request: CallToolRequestParams,
-        _context: RequestContext<RoleServer>,
-    ) -> Result<CallToolResponse, ErrorData> {
-        Ok(CallToolResult::success(vec![ContentBlock::text("pong")]).into())
-    }
-}
-
 static COUNTING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 #[agent]
@@ -1038,7 +1016,13 @@ fn pinger() -> &'static str {
 #[tokio::test]
 async fn an_instances_later_responses_reuse_its_connection_and_other_instances_open_their_own() {
     let sessions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let _ = COUNTING_URL.set(serve(Counting(sessions.clone())).await);
+    let _ = COUNTING_URL.set(
+        serve(Pinging {
+            sessions: sessions.clone(),
+            together: None,
+        })
+        .await,
+    );
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("mcp__counting__ping", json!({})),
         ScriptedReply::text("one"),
@@ -1084,8 +1068,11 @@ fn fleeting() -> &'static str {
 #[tokio::test]
 async fn a_kept_connection_to_a_server_that_went_away_is_not_reused() {
     let sessions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let handler = Counting(sessions.clone());
-    let service: StreamableHttpService<Counting, LocalSessionManager> = StreamableHttpService::new(
+    let handler = Pinging {
+        sessions: sessions.clone(),
+        together: None,
+    };
+    let service: StreamableHttpService<Pinging, LocalSessionManager> = StreamableHttpService::new(
         move || Ok(handler.clone()),
         Default::default(),
         StreamableHttpServerConfig::default(),
