@@ -15,9 +15,10 @@
 //!   may be small). It is asked for with low reasoning effort, or none when the session's
 //!   thinking level is off (a model or endpoint that takes no reasoning setting would refuse
 //!   it).
-//! - Both are best-effort: a summary that cannot be made (the call refused, an empty summary, one
-//!   the output limit cut off, a compaction model that does not resolve) is reported as a failed `compaction` event and a
-//!   warning, and the session goes on uncompacted (an overflow is then the call's failure).
+//! - Both are best-effort: a summary that cannot be made (the call refused, an empty summary,
+//!   one the output limit cut off, a compaction model that does not resolve) is reported as a
+//!   failed `compaction` event and a warning, and the session goes on uncompacted (an overflow
+//!   is then the call's failure).
 //!   The summary's transcript shows at most 2,000 characters of each tool result, and a cut
 //!   always takes more than the previous compaction's summary.
 //! - After a compaction the system prompt's catalogs take a new baseline (the then-current

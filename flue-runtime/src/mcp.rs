@@ -1,43 +1,44 @@
 //! MCP connections (`use_mcp_connection`; the definitions of [`flue_core::mcp`], re-exported):
-//! at the start of a submission the runtime connects to
-//! each declared server over streamable HTTP (rmcp), lists its tools, and mounts them as
-//! `mcp__<server>__<tool>` (characters a tool name cannot hold become `_`). A server that
-//! repeats a `tools/list` cursor is refused (its listing would never end). A connection's
-//! `tools` list mounts those tools, in its order: a name the server does not list, or one named
-//! twice, refuses the server (a typo must not quietly leave the model without the tool).
-//! A tool's input schema without `type` is an object's, and one without `properties` has none
-//! (as the reference reads them). A call goes to the
-//! server; its text content is the result, an embedded resource's text under a line naming its
-//! URI, a resource link as its name, URI and description, and images, audio and binary
-//! resources are named in brackets with their type and size; structured content is added when
-//! no block is text (servers send its JSON as text too). An error result stays an error. The
-//! text is cut to its first 50 KB (the sandbox tools' output cap), on a character boundary,
-//! with a line saying so.
+//! at the start of a submission the runtime connects to each declared server over streamable
+//! HTTP (rmcp), lists its tools, and mounts them as `mcp__<server>__<tool>` (characters a tool
+//! name cannot hold become `_`).
 //!
-//! Two tools of one server whose mounted names are the same (`a.b` and `a_b`, or names alike
-//! in their first 64 characters) make the server unusable, with a reason naming both; the
-//! connection's `tools` then picks one. A tool whose input schema is not a valid JSON Schema, or
-//! whose root is not an object, refuses the server when the connection names it, and is
-//! otherwise left out with a warning (the server's other tools are mounted). Neither is
-//! dropped nor renamed (`…_2`): which one a name meant would then hang on the order the server
-//! lists them, and could change between the attempts of a durable response. Tools of two
-//! servers that mount alike (servers `a b` and `a_b`) fail the submission as any taken tool
-//! name does (`tool_name_conflict`): the server names are the agent's to change.
-//!
-//! An instance keeps its live connections while it stays in memory, and its later responses
-//! reuse them (so a server keeps its session state between messages, and nobody pays for its
-//! handshake and listing again): one whose definition is the same as the one declared, whose
-//! transport is still open and which answers a `ping` (a server that went away is connected
-//! afresh, and so found unavailable as at a first connect). A connection that failed is not
-//! kept, so the next response tries again, and one the render no longer declares is closed. A response connects the servers it does not have together, and an abort stops
-//! the connecting. A server that
-//! cannot be used fails the submission (`mcp_connection_failed`), unless it is `optional`: then
-//! its tools are not mounted for this response, observers get a `warn` log event naming it,
-//! and the model is told so with a `resources` signal (attribute `resource="mcp"`) before its
-//! first call. The bearer
-//! token (`auth`) goes only into the requests' `Authorization` header, and a URL quoted in an
-//! error (the server's own, as a connection error names it) is quoted without its userinfo,
-//! query and fragment, where a token may sit too.
+//! - **Listing.** A server that repeats a `tools/list` cursor is refused (its listing would
+//!   never end). A connection's `tools` list mounts those tools, in its order: a name the
+//!   server does not list, or one named twice, refuses the server (a typo must not quietly
+//!   leave the model without the tool).
+//! - **Schemas.** A tool's input schema without `type` is an object's, and one without
+//!   `properties` has none (as the reference reads them). A tool whose schema is not a valid
+//!   JSON Schema, or whose root is not an object, refuses the server when the connection names
+//!   it, and is otherwise left out with a warning (the server's other tools are mounted).
+//! - **Names.** Two tools of one server whose mounted names are the same (`a.b` and `a_b`, or
+//!   names alike in their first 64 characters) make the server unusable, with a reason naming
+//!   both; the connection's `tools` then picks one. Neither is dropped nor renamed (`…_2`):
+//!   which one a name meant would then hang on the order the server lists them, and could
+//!   change between the attempts of a durable response. Tools of two servers that mount alike
+//!   (servers `a b` and `a_b`) fail the submission as any taken tool name does
+//!   (`tool_name_conflict`): the server names are the agent's to change.
+//! - **Calls.** A call goes to the server; its text content is the result, an embedded
+//!   resource's text under a line naming its URI, a resource link as its name, URI and
+//!   description, and images, audio and binary resources are named in brackets with their type
+//!   and size; structured content is added when no block is text (servers send its JSON as text
+//!   too). An error result stays an error. The text is cut to its first 50 KB (the sandbox
+//!   tools' output cap), on a character boundary, with a line saying so.
+//! - **Reuse.** An instance keeps its live connections while it stays in memory, and its later
+//!   responses reuse them (so a server keeps its session state between messages, and nobody
+//!   pays for its handshake and listing again): one whose definition is the same as the one
+//!   declared, whose transport is still open and which answers a `ping` (a server that went
+//!   away is connected afresh, and so found unavailable as at a first connect). A connection
+//!   that failed is not kept, so the next response tries again, and one the render no longer
+//!   declares is closed. A response connects the servers it does not have together, and an
+//!   abort stops the connecting.
+//! - **Failures.** A server that cannot be used fails the submission (`mcp_connection_failed`),
+//!   unless it is `optional`: then its tools are not mounted for this response, observers get a
+//!   `warn` log event naming it, and the model is told so with a `resources` signal (attribute
+//!   `resource="mcp"`) before its first call.
+//! - **Secrets.** The bearer token (`auth`) goes only into the requests' `Authorization`
+//!   header, and a URL quoted in an error (the server's own, as a connection error names it) is
+//!   quoted without its userinfo, query and fragment, where a token may sit too.
 
 use std::sync::{Arc, Once};
 use std::time::Duration;

@@ -3,9 +3,10 @@
 //!
 //! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the process's
 //!   lifetime, not across restarts), no commands. [`local`]: a directory on the real
-//!   filesystem, commands through `bash -c` (`sh -c` without bash) with a cleared environment (only `PATH`, `HOME` = the
-//!   working directory, `LANG`), and on Linux this process made non-dumpable before the first
-//!   one, so a command cannot read this process's own launch environment from `/proc` either.
+//!   filesystem, commands through `bash -c` (`sh -c` without bash) with a cleared
+//!   environment (only `PATH`, `HOME` = the working directory, `LANG`), and on Linux this
+//!   process made non-dumpable before the first one, so a command cannot read this process's
+//!   own launch environment from `/proc` either.
 //!   That is all it hides: a command runs as this process's user, so it can read the
 //!   environment of the user's other processes (the shell or supervisor that started this
 //!   one, siblings given the same keys), anything the user can read (as root, anything at

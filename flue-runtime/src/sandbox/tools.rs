@@ -684,7 +684,8 @@ fn edit(session: &SandboxSession, args: EditArgs) -> BoxFuture<'_, ToolOutput> {
 /// `bash`'s arguments.
 #[derive(Deserialize, JsonSchema)]
 struct BashArgs {
-    /// The command line (run by `bash -c` in the working directory, `sh -c` where bash is not installed).
+    /// The command line (run by `bash -c` in the working directory; `sh -c` where bash is not
+    /// installed).
     command: String,
     /// Seconds the command may run (default 120).
     #[serde(default)]

@@ -1578,8 +1578,9 @@ impl Response<'_> {
 
     /// Connects the submission's MCP servers, once: at initialization, with the init
     /// render's declarations (reference §3.7 step 2), reusing the instance's live
-    /// connections and connecting the others together (an abort stops the connecting). A required server that cannot be used fails the submission before its
-    /// input is stored; an optional one is a `warn` log event now and narrated later.
+    /// connections and connecting the others together (an abort stops the connecting). A
+    /// required server that cannot be used fails the submission before its input is stored;
+    /// an optional one is a `warn` log event now and narrated later.
     async fn connect_mcp(&mut self, rendered: &Rendered) -> Result<(), Failure> {
         if self.mcp.is_none() && rendered.mcp_connections.is_empty() {
             // Nothing to connect (most agents): nothing to wait for. Servers an earlier render
