@@ -438,8 +438,8 @@ impl flue_runtime::provider::ModelProvider for CountsMore {
         use flue_runtime::provider::{ModelResponse, ModelToolCall, StopReason, StreamEvent};
         let mut requests = self.requests.lock().unwrap();
         requests.push(request.clone());
-        let response = if requests.len() == 1 {
-            ModelResponse {
+        let event = if requests.len() == 1 {
+            Ok(StreamEvent::Completed(ModelResponse {
                 text: String::new(),
                 reasoning: String::new(),
                 tool_calls: vec![ModelToolCall {
@@ -454,23 +454,13 @@ impl flue_runtime::provider::ModelProvider for CountsMore {
                     ..Default::default()
                 },
                 reasoning_blocks: Vec::new(),
-            }
+            }))
+        } else if request.tools.is_empty() {
+            answer("A page was fetched.", StopReason::Stop)
         } else {
-            let text = if request.tools.is_empty() {
-                "A page was fetched."
-            } else {
-                "done"
-            };
-            ModelResponse {
-                text: text.into(),
-                reasoning: String::new(),
-                tool_calls: Vec::new(),
-                stop_reason: StopReason::Stop,
-                usage: Default::default(),
-                reasoning_blocks: Vec::new(),
-            }
+            answer("done", StopReason::Stop)
         };
-        Box::pin(futures_util::stream::iter([Ok(StreamEvent::Completed(response))]))
+        Box::pin(futures_util::stream::iter([event]))
     }
 }
 

@@ -5,6 +5,7 @@
 
 use std::sync::Mutex;
 
+use flue_runtime::Runtime;
 use flue_runtime::lifecycle::{
     InjectMessage, MessageOrder, MessageRole, MessageStatus, MessagesQuery, ThreadError, ToolStatus, UserValuesQuery,
 };
@@ -13,12 +14,11 @@ use flue_runtime::provider::{ModelMessage, ProviderRegistry, StopReason};
 use flue_runtime::record::RecordBody;
 use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
-use flue_runtime::{Runtime, RuntimeError};
 use serde_json::{Value, json};
 
 mod harness;
 mod scratch;
-use harness::{runtime_on, runtime_with};
+use harness::{run_error, runtime_on, runtime_with};
 
 /// A fresh database file for a test that restarts its runtime.
 fn scratch_db(name: &str) -> std::path::PathBuf {
@@ -35,15 +35,6 @@ async fn bodies(runtime: &Runtime, agent: &str, id: &str) -> Vec<RecordBody> {
         .iter()
         .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
         .collect()
-}
-
-fn run_error(error: RuntimeError) -> (String, String) {
-    match error {
-        RuntimeError::Run {
-            error_type, message, ..
-        } => (error_type, message),
-        other => panic!("expected a run error, got {other}"),
-    }
 }
 
 // ---- scoping (items 4–10, 60, 63) -------------------------------------------------------------

@@ -25,7 +25,7 @@ use rmcp::{ErrorData, RoleServer, ServerHandler};
 use serde_json::json;
 
 mod harness;
-use harness::{runtime_with, tool_results};
+use harness::{run_error, runtime_with, tool_results};
 
 #[derive(Clone)]
 struct Docs;
@@ -215,9 +215,7 @@ async fn a_required_server_that_cannot_be_reached_fails_the_submission_before_it
     let model = ScriptedModel::new([]);
     let runtime = harness::runtime_on(store.clone(), &model, [strict_with_start.into()]);
     let error = runtime.init(&strict_with_start, "s").send("go").await.unwrap_err();
-    let RuntimeError::Run { error_type, .. } = error else {
-        panic!("a run error")
-    };
+    let (error_type, _) = run_error(error);
     assert_eq!(error_type, "mcp_connection_failed");
     assert_eq!(STRICT_STARTED.load(std::sync::atomic::Ordering::SeqCst), 0);
     let key = flue_runtime::store::InstanceKey::new("strict_with_start", "s");
@@ -240,12 +238,7 @@ async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, [strict.into()]);
     let error = runtime.init(&strict, "s").send("go").await.unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("a run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(error_type, "mcp_connection_failed");
     assert!(
         message.starts_with("[flue] The MCP server \"docs\" could not be used: "),
@@ -385,12 +378,7 @@ async fn tools_whose_names_clean_to_the_same_name_refuse_the_server_naming_both(
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, [clashing.into()]);
     let error = runtime.init(&clashing, "c").send("go").await.unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("a run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(error_type, "mcp_connection_failed", "{message}");
     assert_eq!(
         message,
@@ -491,12 +479,7 @@ async fn a_tool_whose_schema_root_is_not_an_object_refuses_the_server() {
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, [listing.into()]);
     let error = runtime.init(&listing, "l").send("go").await.unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("a run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(error_type, "mcp_connection_failed", "{message}");
     assert_eq!(
         message,
@@ -550,9 +533,7 @@ async fn a_connection_error_quotes_no_userinfo_query_fragment_or_path_of_the_url
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, [indiscreet.into()]);
     let error = runtime.init(&indiscreet, "i").send("go").await.unwrap_err();
-    let RuntimeError::Run { message, .. } = error else {
-        panic!("a run error")
-    };
+    let (_, message) = run_error(error);
     assert!(
         message.starts_with("[flue] The MCP server \"docs\" could not be used: "),
         "{message}"
@@ -600,9 +581,7 @@ async fn a_refusal_that_quotes_the_connections_credentials_back_is_redacted() {
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, [echoed.into()]);
     let error = runtime.init(&echoed, "e").send("go").await.unwrap_err();
-    let RuntimeError::Run { message, .. } = error else {
-        panic!("a run error")
-    };
+    let (_, message) = run_error(error);
     assert!(
         message.contains("invalid credentials"),
         "the server's words are kept: {message}"
@@ -741,12 +720,7 @@ async fn a_server_that_repeats_a_tools_list_cursor_is_refused() {
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, [looping.into()]);
     let error = runtime.init(&looping, "l").send("read").await.unwrap_err();
-    let RuntimeError::Run {
-        error_type, message, ..
-    } = error
-    else {
-        panic!("a run error")
-    };
+    let (error_type, message) = run_error(error);
     assert_eq!(error_type, "mcp_connection_failed", "{message}");
     assert_eq!(
         message,
@@ -804,12 +778,7 @@ async fn a_tools_list_mounts_in_its_order_and_a_name_the_server_lacks_or_named_t
         ),
     ] {
         let (outcome, model) = refusal(names).await;
-        let Err(RuntimeError::Run {
-            error_type, message, ..
-        }) = outcome
-        else {
-            panic!("a run error")
-        };
+        let (error_type, message) = run_error(outcome.unwrap_err());
         assert_eq!(error_type, "mcp_connection_failed", "{message}");
         assert_eq!(message, expected);
         assert!(model.requests().is_empty(), "no model request was made");

@@ -16,17 +16,7 @@ use flue_runtime::{Runtime, RuntimeError, RuntimeOptions, SendRequest};
 use serde_json::json;
 
 mod harness;
-use harness::{Renders, runtime_with};
-
-/// The type and message of a failed run; panics on any other error.
-fn run_error(error: RuntimeError) -> (String, String) {
-    match error {
-        RuntimeError::Run {
-            error_type, message, ..
-        } => (error_type, message),
-        other => panic!("expected a run error, got {other}"),
-    }
-}
+use harness::{Renders, run_error, runtime_with};
 
 /// Add two numbers.
 #[tool]

@@ -49,6 +49,16 @@ pub fn runtime_on(store: impl Store, model: &ScriptedModel, agents: impl IntoIte
     builder.build().unwrap()
 }
 
+/// The type and message of a failed run; panics on any other error.
+pub fn run_error(error: flue_runtime::RuntimeError) -> (String, String) {
+    match error {
+        flue_runtime::RuntimeError::Run {
+            error_type, message, ..
+        } => (error_type, message),
+        other => panic!("expected a run error, got {other}"),
+    }
+}
+
 /// [`runtime_on`] the memory store.
 pub fn runtime_with(model: &ScriptedModel, agents: impl IntoIterator<Item = AgentRef>) -> Runtime {
     runtime_on(MemoryStore::new(), model, agents)
