@@ -1012,6 +1012,20 @@ impl ChatDecoder {
         if let Some(name) = name.filter(|_| entry.name.is_empty()) {
             entry.name = name.to_owned();
         }
+        // A server that gives two calls of one step the same id (every call `call_0`, say):
+        // the later one gets an id of its own, else both results would answer the first call.
+        let taken = !entry.started
+            && !entry.name.is_empty()
+            && !entry.id.is_empty()
+            && self.calls[..slot]
+                .iter()
+                .chain(&self.calls[slot + 1..])
+                .any(|other| other.started && other.id == self.calls[slot].id);
+        let entry = &mut self.calls[slot];
+        if taken {
+            entry.id = format!("call_{}", ulid::Ulid::new());
+            entry.generated = true;
+        }
         entry.push_arguments(fragment);
         if entry.started {
             if !fragment.is_empty() {
@@ -1737,6 +1751,30 @@ mod tests {
             decoded_calls(&chunks),
             [call("call_a", "lookup", "{}"), call("call_c", "fetch", "{}")]
         );
+    }
+
+    /// Two calls of one step under one id (a server that numbers ids per step, or repeats
+    /// one) keep their own results: the later call gets an id of its own when it starts, and
+    /// its later fragments still reach it.
+    #[test]
+    fn a_call_whose_id_an_earlier_call_of_the_step_has_gets_its_own() {
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","function":{"arguments":"\"Paris\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"id":"call_0","function":{"arguments":"\"Tokyo\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let calls = decoded_calls(&chunks);
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert_eq!(
+            (calls[0].0.as_str(), calls[0].2.as_str()),
+            ("call_0", r#"{"city":"Paris"}"#)
+        );
+        assert_ne!(calls[1].0, "call_0", "{calls:?}");
+        assert!(calls[1].0.starts_with("call_"), "{calls:?}");
+        assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
     }
 
     /// DeepSeek's thinking mode answers 400 ("Missing `reasoning_content` field in the
