@@ -397,7 +397,10 @@ pub enum RecordBody {
         /// Usage.
         usage: Usage,
     },
-    /// One tool's outcome (real only once its batch commits).
+    /// One tool's outcome, appended as the tool ends (the batch's last with the commit). It
+    /// stands once appended: a call with an outcome is never run again, and a batch that never
+    /// commits is settled with it (first write wins). The tool's state writes are real only
+    /// once the batch commits.
     ToolOutcome {
         /// The step that called it.
         assistant_message_id: String,

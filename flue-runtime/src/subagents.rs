@@ -279,6 +279,19 @@ impl Journal {
         records: Vec<Record>,
         conversation: &mut Conversation,
     ) -> Result<(), String> {
+        let batch = self.append_to_child(runtime, child, records).await?;
+        conversation.apply(&batch);
+        Ok(())
+    }
+
+    /// Appends one batch to the child `child`'s stream, fenced by the parent's attempt; the
+    /// caller folds it.
+    async fn append_to_child(
+        &self,
+        runtime: &RuntimeInner,
+        child: &InstanceKey,
+        records: Vec<Record>,
+    ) -> Result<Batch, String> {
         self.check_live()?;
         let records: Arc<[Record]> = records.into();
         let offset = runtime
@@ -286,8 +299,7 @@ impl Journal {
             .append(child, records.clone(), Some(&self.attempt.attempt))
             .await
             .map_err(|error| self.failed(error))?;
-        conversation.apply(&Batch { offset, records });
-        Ok(())
+        Ok(Batch { offset, records })
     }
 }
 
@@ -1050,10 +1062,11 @@ async fn child_session(
     };
     let result = async {
         loop {
-            // A batch an earlier run left uncommitted: its durable calls (nested tasks included)
-            // run again, the others get the outcome-unknown result.
-            if let Some((step, calls)) = conversation.open_calls() {
-                let (step, calls) = (step.to_owned(), calls.to_vec());
+            // A batch an earlier run left uncommitted: its calls without a recorded outcome run
+            // again when durable (nested tasks included), the others get the outcome-unknown
+            // result.
+            if let Some((step, _)) = conversation.open_calls() {
+                let (step, calls) = (step.to_owned(), conversation.unresolved_calls());
                 let (rerun, unknown): (Vec<ModelToolCall>, Vec<ModelToolCall>) = calls.into_iter().partition(|call| {
                     tools
                         .iter()
@@ -1317,6 +1330,19 @@ impl ChildEvents<'_> {
     }
 }
 
+/// The outcome record of a child's executed call of the step `assistant_message_id`.
+fn outcome_of(assistant_message_id: &str, run: &crate::tools::Executed) -> RecordBody {
+    RecordBody::ToolOutcome {
+        assistant_message_id: assistant_message_id.to_owned(),
+        tool_call_id: run.call.id.clone(),
+        tool_name: run.call.name.clone(),
+        is_error: run.output.is_error,
+        content: run.output.to_text(),
+        terminate: run.output.terminate,
+        duration_ms: run.duration_ms,
+    }
+}
+
 /// What a child's model call streams, as the turn loop publishes the root's: text and
 /// thinking deltas (a `thinking_start` before the first reasoning, a `thinking_end` when
 /// anything else follows) and tool-call argument fragments. A retry is a call (and a turn) of
@@ -1423,7 +1449,7 @@ impl ChildSession<'_> {
             Some(self.events.scope.clone()),
         );
         let executed = {
-            let conversation = &*conversation;
+            let (conversation, step) = (&*conversation, assistant_message_id.as_str());
             crate::tools::run_batch(
                 self.tools,
                 calls,
@@ -1467,9 +1493,44 @@ impl ChildSession<'_> {
                         self.events.emit(|| Event::MessageEnd { message });
                     }
                 },
+                |run: crate::tools::Executed, last| async move {
+                    // The outcome is durable as the tool ends, as the root's (the batch's last
+                    // goes with the commit; a call the abort stopped has none).
+                    if last || run.interrupted {
+                        return (run, None);
+                    }
+                    let outcome = self.journal.child_record(outcome_of(step, &run));
+                    let appended = self
+                        .journal
+                        .append_to_child(self.runtime, self.key, vec![outcome])
+                        .await;
+                    (run, Some(appended))
+                },
             )
             .await
         };
+        // The outcomes appended as their tools ended, folded in the stream's order.
+        let mut appended = Vec::new();
+        let executed: Vec<crate::tools::Executed> = executed
+            .into_iter()
+            .map(|(run, batch)| {
+                appended.extend(batch);
+                run
+            })
+            .collect();
+        let mut batches = appended.into_iter().collect::<Result<Vec<Batch>, String>>()?;
+        batches.sort_unstable_by_key(|batch| batch.offset);
+        let recorded: Vec<String> = batches
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .filter_map(|record| match &record.body {
+                RecordBody::ToolOutcome { tool_call_id, .. } => Some(tool_call_id.clone()),
+                _ => None,
+            })
+            .collect();
+        for batch in &batches {
+            conversation.apply(batch);
+        }
         if self.signal.is_aborted() {
             return Err("The task was aborted.".into());
         }
@@ -1495,15 +1556,9 @@ impl ChildSession<'_> {
                     },
                 ));
             }
-            records.push(self.journal.child_record(RecordBody::ToolOutcome {
-                assistant_message_id: assistant_message_id.clone(),
-                tool_call_id: run.call.id.clone(),
-                tool_name: run.call.name.clone(),
-                is_error: run.output.is_error,
-                content: run.output.to_text(),
-                terminate: run.output.terminate,
-                duration_ms: run.duration_ms,
-            }));
+            if !recorded.contains(&run.call.id) {
+                records.push(self.journal.child_record(outcome_of(&assistant_message_id, &run)));
+            }
         }
         for call in unknown {
             records.push(self.journal.child_record(RecordBody::ToolOutcome {

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::Instant;
 
@@ -20,11 +21,17 @@ pub(crate) struct Executed<'c> {
     pub(crate) call: &'c ModelToolCall,
     pub(crate) output: ToolOutput,
     pub(crate) duration_ms: u64,
+    /// The call ended after the attempt's abort (stopped by it, never started, or ended as it
+    /// was told to stop): its output is no outcome, the tool's outcome is unknown.
+    pub(crate) interrupted: bool,
 }
 
-/// Runs `calls` against `tools`, at most `concurrency` at a time, returning outcomes in call
-/// order. `started` is told about each call as it starts, `done` as it ends.
-pub(crate) async fn run_batch<'c>(
+/// Runs `calls` against `tools`, at most `concurrency` at a time. `started` is told about each
+/// call as it starts, `done` as it ends; then `settle` takes the call over while the others run
+/// on (it makes the outcome durable, say), told whether the call is the batch's last to end.
+/// Returns what `settle` made of each call, in call order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_batch<'c, T, Settled: Future<Output = T>>(
     tools: &[Tool],
     calls: &'c [ModelToolCall],
     concurrency: usize,
@@ -32,8 +39,10 @@ pub(crate) async fn run_batch<'c>(
     context: impl Fn(&Tool, &ModelToolCall) -> ToolContext,
     started: impl Fn(&ModelToolCall),
     done: impl Fn(&Executed<'c>) + Sync,
-) -> Vec<Executed<'c>> {
-    let done = &done;
+    settle: impl Fn(Executed<'c>, bool) -> Settled,
+) -> Vec<T> {
+    let (done, settle) = (&done, &settle);
+    let running = &AtomicUsize::new(calls.len());
     // By index: a closure taking the call by reference makes the batch's future fail the
     // higher-ranked `Send` check of the tasks that await it.
     let runs = (0..calls.len()).map(|index| {
@@ -43,37 +52,47 @@ pub(crate) async fn run_batch<'c>(
         started(call);
         async move {
             let begun = Instant::now();
-            let output = match (tool, ctx) {
+            let (output, interrupted) = match (tool, ctx) {
                 (Some(tool), Some(ctx)) => {
-                    let mut output = run_one(&tool, ctx, &call.arguments, signal).await;
+                    let (mut output, interrupted) = run_guarded(&tool, ctx, &call.arguments, signal).await;
                     // A `terminate` tool's successful results ask to end the turn.
                     output.terminate |= tool.definition().terminate && !output.is_error;
-                    output
+                    (output, interrupted)
                 }
-                _ => ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
+                _ => (
+                    ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
+                    false,
+                ),
             };
             let executed = Executed {
                 call,
                 output,
                 duration_ms: begun.elapsed().as_millis() as u64,
+                interrupted: interrupted || signal.is_aborted(),
             };
             done(&executed);
-            (index, executed)
+            let last = running.fetch_sub(1, Ordering::AcqRel) == 1;
+            (index, settle(executed, last).await)
         }
     });
     // Unordered: a call that finished frees its place at once (`buffered` would keep it until
     // every earlier call finished). Started in call order all the same; results in call order.
-    let mut executed: Vec<(usize, Executed<'c>)> =
-        stream::iter(runs).buffer_unordered(concurrency.max(1)).collect().await;
-    executed.sort_unstable_by_key(|(index, _)| *index);
-    executed.into_iter().map(|(_, executed)| executed).collect()
+    let mut settled: Vec<(usize, T)> = stream::iter(runs).buffer_unordered(concurrency.max(1)).collect().await;
+    settled.sort_unstable_by_key(|(index, _)| *index);
+    settled.into_iter().map(|(_, settled)| settled).collect()
 }
 
 pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> ToolOutput {
+    run_guarded(tool, ctx, arguments, signal).await.0
+}
+
+/// [`run_one`], and whether its output is the abort's.
+async fn run_guarded(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> (ToolOutput, bool) {
     let args: Value = match serde_json::from_str(if arguments.trim().is_empty() { "{}" } else { arguments }) {
         Ok(args) => args,
         Err(error) => {
-            return ToolOutput::error(format!("Tool argument validation failed: [root] invalid JSON: {error}"));
+            let message = format!("Tool argument validation failed: [root] invalid JSON: {error}");
+            return (ToolOutput::error(message), false);
         }
     };
     if let Err(issues) = tool.input_schema().validate(&args) {
@@ -84,16 +103,17 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
                 None => issue.clone(),
             })
             .collect();
-        return ToolOutput::error(format!("Tool argument validation failed: {}", issues.join("; ")));
+        let message = format!("Tool argument validation failed: {}", issues.join("; "));
+        return (ToolOutput::error(message), false);
     }
     if signal.is_aborted() {
-        return ToolOutput::error("Tool execution was aborted before it started.");
+        return (ToolOutput::error("Tool execution was aborted before it started."), true);
     }
     // A closure tool runs the user's code before its future exists: a panic there is the
     // tool's too.
     let run = match std::panic::catch_unwind(AssertUnwindSafe(|| tool.call(ctx, args))) {
         Ok(future) => AssertUnwindSafe(future).catch_unwind(),
-        Err(payload) => return panicked(tool, payload.as_ref()),
+        Err(payload) => return (panicked(tool, payload.as_ref()), false),
     };
     // The tool first: one that finishes at its first poll never registers with the signal.
     // (Not `tokio::select!`: it answers `Pending` without polling anything when the task's
@@ -105,14 +125,14 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
     std::future::poll_fn(|cx| {
         if let Poll::Ready(result) = run.as_mut().poll(cx) {
             return Poll::Ready(match result {
-                Ok(output) => output,
-                Err(payload) => panicked(tool, payload.as_ref()),
+                Ok(output) => (output, false),
+                Err(payload) => (panicked(tool, payload.as_ref()), false),
             });
         }
         aborted
             .as_mut()
             .poll(cx)
-            .map(|()| ToolOutput::error("Tool execution was aborted."))
+            .map(|()| (ToolOutput::error("Tool execution was aborted."), true))
     })
     .await
 }
@@ -172,6 +192,7 @@ mod tests {
             |tool, call| ToolContext::new(tool, call.id.clone()),
             |_| {},
             |_| {},
+            |executed, _| std::future::ready(executed.output),
         );
         let mut batch = std::pin::pin!(batch);
         // The batch is first polled by a task that has spent its cooperative budget (as a

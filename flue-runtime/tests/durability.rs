@@ -2115,14 +2115,23 @@ fn refunder() -> &'static str {
     "You refund orders."
 }
 
-/// Reference checklist item 14 and §3.9 step 7: a durable tool's call whose batch never
-/// committed runs again on recovery; its settled steps replay instead of running again, and
+/// The first append of a tool outcome (a call's own, as it ended, or the batch's commit).
+fn has_outcome(records: &[Record]) -> bool {
+    records
+        .iter()
+        .any(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+}
+
+/// Reference checklist item 14 and §3.9 step 7: a durable tool's call whose outcome was never
+/// recorded runs again on recovery; its settled steps replay instead of running again, and
 /// the model sees the re-run's real result. A non-durable call of the same batch gets the
 /// outcome-unknown result and does not run again.
 #[tokio::test]
 async fn an_interrupted_durable_call_runs_again_replaying_its_settled_steps() {
     let store = FaultyStore::default();
-    store.fail_once(is_batch_commit);
+    // The refund ends first: its outcome's own append is lost (the note's goes with the
+    // commit that never comes).
+    store.fail_once(has_outcome);
     let model = ScriptedModel::new([
         ScriptedReply::tool_calls([("refund", json!({})), ("note", json!({}))]),
         ScriptedReply::text("Refunded."),
@@ -2283,11 +2292,13 @@ fn pair_refunder() -> &'static str {
 }
 
 /// Two durable calls of one batch run concurrently and record their steps under their own call
-/// ids: after the lost commit, each re-run replays its own settled steps and nothing runs twice.
+/// ids: when neither outcome was recorded, each re-run replays its own settled steps and
+/// nothing runs twice.
 #[tokio::test]
 async fn two_durable_calls_of_one_batch_each_replay_their_own_steps() {
     let store = FaultyStore::default();
-    store.fail_once(is_batch_commit);
+    // The first call's outcome is lost, and the attempt with it (the second's never lands).
+    store.fail_once(has_outcome);
     let model = ScriptedModel::new([
         ScriptedReply::tool_calls([("refund", json!({})), ("refund", json!({}))]),
         ScriptedReply::text("Refunded."),
@@ -2296,6 +2307,56 @@ async fn two_durable_calls_of_one_batch_each_replay_their_own_steps() {
     let reply = runtime.init(&pair_refunder, "pp-1").send("refund me").await.unwrap();
     assert_eq!(reply.text, "Refunded.");
     assert_eq!(PAIR.get(), (4, 2, 2));
+}
+
+static KEPT: Runs = Runs::new();
+
+#[agent]
+fn kept_refunder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(two_step_tool("refund", true, &KEPT));
+    "You refund orders."
+}
+
+/// Reference §3.3 and §3.9 step 7: each call's outcome is durable as its tool ends, before
+/// the batch commits. When the commit is lost, the call that ended first keeps its outcome and
+/// does not run again (first write wins); only the call whose outcome went with the commit
+/// runs again. The model sees both real results, and the stream one outcome per call.
+#[tokio::test]
+async fn a_call_whose_outcome_was_recorded_does_not_run_again_when_the_batch_commit_is_lost() {
+    let store = FaultyStore::default();
+    store.fail_once(is_batch_commit);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("refund", json!({})), ("refund", json!({}))]),
+        ScriptedReply::text("Refunded."),
+    ]);
+    let runtime = runtime(&store, &model, kept_refunder);
+    let reply = runtime.init(&kept_refunder, "kr-1").send("refund me").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "Refunded.");
+    // Three runs of the tool: both calls, then the second again (replaying its steps).
+    assert_eq!(KEPT.get(), (3, 2, 2));
+    let results: Vec<(String, bool)> = model.requests()[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            ("refund re_1, email 1".to_owned(), false),
+            ("refund re_2, email 2".to_owned(), false)
+        ]
+    );
+    let all = records(&store, &InstanceKey::new("kept_refunder", "kr-1")).await;
+    let outcomes = all
+        .iter()
+        .filter(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+        .count();
+    assert_eq!(outcomes, 2, "one outcome per call");
 }
 
 static TWICE: Runs = Runs::new();

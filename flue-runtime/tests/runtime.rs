@@ -1551,6 +1551,105 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
     assert_eq!(model.requests().len(), 1, "no model call after the abort");
 }
 
+#[agent]
+fn charger() -> &'static str {
+    use_tool(
+        Tool::new("charge")
+            .description("Charge the card.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async move { "charged" }),
+    );
+    waiting_body()
+}
+
+/// Reference §3.3 and §3.9: a call's outcome is durable as its tool ends, before its batch
+/// commits. An abort while another call of the batch runs keeps it: the stream, the advisory
+/// and the next response's model give the call that ended its real result, and only the call
+/// the abort stopped the outcome-unknown one.
+#[tokio::test]
+async fn an_abort_keeps_the_outcome_of_a_call_that_ended_before_it() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("charge", json!({})), ("wait_forever", json!({}))]),
+        ScriptedReply::text("starting over"),
+    ]);
+    let store = MemoryStore::new();
+    let runtime = harness::runtime_on(store.clone(), &model, vec![charger.into()]);
+    let handle = runtime.init(&charger, "charged");
+    let key = InstanceKey::new("charger", "charged");
+    let outcomes = |store: MemoryStore| {
+        let key = key.clone();
+        async move {
+            flue_runtime::store::Store::read(&store, &key, None)
+                .await
+                .unwrap()
+                .into_iter()
+                .flat_map(|batch| batch.records.to_vec())
+                .filter_map(|record| match record.body {
+                    RecordBody::ToolOutcome {
+                        tool_name,
+                        content,
+                        is_error,
+                        ..
+                    } => Some((tool_name, content, is_error)),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let mut events = runtime.observe();
+    let receipt = handle.dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolCallDone { tool_name, .. } = events.recv().await.unwrap().event
+            && tool_name == "charge"
+        {
+            break;
+        }
+    }
+    // Durable while the other call still runs (nothing has committed the batch).
+    let mut waited = 0;
+    while outcomes(store.clone()).await.is_empty() {
+        waited += 1;
+        assert!(waited < 500, "the ended call's outcome was never recorded on its own");
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    handle.read(&receipt.submission_id).await.unwrap_err();
+    let unknown = r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#;
+    assert_eq!(
+        outcomes(store.clone()).await,
+        [
+            ("charge".to_owned(), "charged".to_owned(), false),
+            ("wait_forever".to_owned(), unknown.to_owned(), true)
+        ]
+    );
+    let advised = advisories(&store, &key).await;
+    let [(record, _)] = &advised[..] else {
+        panic!("one advisory: {advised:?}")
+    };
+    let RecordBody::Signal { body, .. } = &record.body else {
+        unreachable!()
+    };
+    assert_eq!(
+        body,
+        "Submission was aborted.\n\nInterrupted tool call(s):\n  - wait_forever (call_1_1)"
+    );
+    handle.send("again").await.unwrap();
+    let results: Vec<(String, String)> = model.requests()[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { name, content, .. } => Some((name.clone(), content.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            ("charge".to_owned(), "charged".to_owned()),
+            ("wait_forever".to_owned(), unknown.to_owned())
+        ]
+    );
+}
+
 /// The advisory signal records of `key`'s stream (a submission's terminal settlement leaves
 /// one), with the record that follows each.
 async fn advisories(store: &MemoryStore, key: &InstanceKey) -> Vec<(flue_runtime::record::Record, Option<RecordBody>)> {

@@ -1016,6 +1016,80 @@ async fn a_durable_tool_in_a_task_child_re_runs_on_reattach_replaying_its_record
     }
 }
 
+static KEPT_RUNS: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+
+/// Reference §3.3: a child's call outcome is durable as its tool ends, as the root's. The
+/// child's batch of two durable calls loses its commit (with the second call's outcome): on
+/// reattach only the second runs again, and the child's stream holds one outcome per call.
+#[tokio::test]
+async fn a_task_childs_call_whose_outcome_was_recorded_does_not_run_again_on_reattach() {
+    for (name, backend) in backends() {
+        let before = (KEPT_RUNS[0].load(Ordering::SeqCst), KEPT_RUNS[1].load(Ordering::SeqCst));
+        let model = ScriptedModel::new([
+            ScriptedReply::tool_call(
+                "task",
+                json!({"agent": "refunder", "prompt": "Refund orders 9 and 10."}),
+            ),
+            ScriptedReply::tool_calls([("refund", json!({})), ("refund", json!({}))]),
+            ScriptedReply::text("Refunded both."),
+            ScriptedReply::text("Done."),
+        ]);
+        let delegate = Subagent::new(
+            "refunder",
+            "Refunds orders.",
+            FnAgent::new(AgentDefinition::new("refunder"), |_: AgentProps<'_>| {
+                use_tool(Tool::new("refund").description("Refund the order.").durable().run(
+                    |ctx, _: serde_json::Map<String, Value>| async move {
+                        KEPT_RUNS[1].fetch_add(1, Ordering::SeqCst);
+                        let refund: String = ctx
+                            .step("issue-refund", async {
+                                format!("re_{}", KEPT_RUNS[0].fetch_add(1, Ordering::SeqCst) + 1)
+                            })
+                            .await?;
+                        Ok::<_, ToolError>(format!("refunded as {refund}"))
+                    },
+                ));
+                "You refund orders."
+            }),
+        );
+        let agent: AgentRef = FnAgent::new(AgentDefinition::new("shop"), move |_: AgentProps<'_>| {
+            use_model("scripted/parent-model");
+            use_subagent(delegate.clone());
+            "Delegate refunds."
+        })
+        .into();
+        let store = crashing(backend, commits_calls_of("refund"));
+        let runtime = harness::runtime_on(store, &model, vec![agent]);
+        let reply = runtime
+            .handle("shop", "s-2")
+            .unwrap()
+            .send("Refund 9 and 10.")
+            .await
+            .unwrap();
+        assert_eq!(reply.text, "Done.", "{name}");
+        let runs = (
+            KEPT_RUNS[0].load(Ordering::SeqCst) - before.0,
+            KEPT_RUNS[1].load(Ordering::SeqCst) - before.1,
+        );
+        assert_eq!(runs, (2, 3), "{name}: (step runs, tool runs)");
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("shop", "s-2")).await;
+        let records = stream_json(&store, &child).await;
+        let outcomes: Vec<&str> = of_type(&records, "tool_outcome")
+            .iter()
+            .map(|record| record["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            outcomes,
+            [
+                format!("refunded as re_{}", before.0 + 1),
+                format!("refunded as re_{}", before.0 + 2)
+            ],
+            "{name}: one outcome per call, each its first run's"
+        );
+    }
+}
+
 static NESTED_TALLIES: AtomicUsize = AtomicUsize::new(0);
 
 #[tokio::test]

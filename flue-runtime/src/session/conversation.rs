@@ -652,35 +652,7 @@ impl Conversation {
                     },
                 );
             }
-            RecordBody::ToolResultsCommitted { .. } => {
-                // The calls have their outcomes: their steps will not be replayed, their
-                // children not reattached (once a call without an outcome has been named its).
-                self.tool_steps.clear();
-                let outcomes = std::mem::take(&mut self.outcomes);
-                for call in std::mem::take(&mut self.open_calls) {
-                    match outcomes.iter().find(|outcome| outcome.tool_call_id == call.id) {
-                        Some(outcome) => {
-                            let mut row =
-                                Row::new(outcome.record_id.clone(), MessageRole::Tool, outcome.timestamp.clone());
-                            row.name = Some(call.name.clone());
-                            self.insert_result(
-                                ModelMessage::Tool {
-                                    tool_call_id: call.id,
-                                    name: call.name,
-                                    content: outcome.content.clone(),
-                                    is_error: outcome.is_error,
-                                },
-                                row,
-                            );
-                        }
-                        None => {
-                            let content = self.interrupted(&call.id);
-                            self.push_interrupted(call, record.timestamp.clone(), content);
-                        }
-                    }
-                }
-                self.children.clear();
-            }
+            RecordBody::ToolResultsCommitted { .. } => self.close_batch(record.timestamp.clone()),
             RecordBody::StateWrite { name, value } => self.state.apply(name.clone(), value.clone()),
             RecordBody::MessageInjected {
                 message_id,
@@ -845,39 +817,94 @@ impl Conversation {
     }
 
     /// What settles the last step's uncommitted batch in the stream: an outcome-unknown result
-    /// for each of its calls, then the batch's marker. Empty when every call has its outcome.
+    /// for each of its calls without a recorded outcome, then the batch's marker. Empty when
+    /// the batch committed.
     pub(crate) fn interrupted_batch(&self) -> Vec<RecordBody> {
-        let Some((step, calls)) = self.open_calls() else {
+        let Some((step, _)) = self.open_calls() else {
             return Vec::new();
         };
-        let mut bodies: Vec<RecordBody> = calls.iter().map(|call| self.interrupted_outcome(step, call)).collect();
+        let mut bodies: Vec<RecordBody> = self
+            .unresolved_calls()
+            .iter()
+            .map(|call| self.interrupted_outcome(step, call))
+            .collect();
         bodies.push(RecordBody::ToolResultsCommitted {
             assistant_message_id: step.to_owned(),
         });
         bodies
     }
 
-    /// Calls whose batch never committed (an interrupted attempt) get an outcome-unknown
-    /// error result, so the history stays a valid call/result pairing and nothing re-runs.
+    /// Calls whose batch never committed (an interrupted attempt) keep the outcomes recorded
+    /// as they finished; the others get an outcome-unknown error result, so the history stays
+    /// a valid call/result pairing and nothing re-runs.
     fn close_dangling_calls(&mut self) {
-        self.outcomes.clear();
-        self.tool_steps.clear();
+        if self.open_calls.is_empty() {
+            self.outcomes.clear();
+            self.tool_steps.clear();
+            self.children.clear();
+            return;
+        }
         let created = self
             .rows
             .last()
             .map(|row| row.created.clone())
             .unwrap_or_else(|| "".into());
+        self.close_batch(created);
+    }
+
+    /// Ends the open step's batch: each call gets its first recorded outcome (a call's
+    /// outcome is kept from the moment its tool finished, first write wins), or the
+    /// outcome-unknown result stamped `created`. Their steps will not be replayed, their
+    /// children not reattached (once a call without an outcome has been named its).
+    fn close_batch(&mut self, created: Arc<str>) {
+        self.tool_steps.clear();
+        let outcomes = std::mem::take(&mut self.outcomes);
         for call in std::mem::take(&mut self.open_calls) {
-            let content = self.interrupted(&call.id);
-            self.push_interrupted(call, created.clone(), content);
+            match outcomes.iter().find(|outcome| outcome.tool_call_id == call.id) {
+                Some(outcome) => {
+                    let mut row = Row::new(outcome.record_id.clone(), MessageRole::Tool, outcome.timestamp.clone());
+                    row.name = Some(call.name.clone());
+                    self.insert_result(
+                        ModelMessage::Tool {
+                            tool_call_id: call.id,
+                            name: call.name,
+                            content: outcome.content.clone(),
+                            is_error: outcome.is_error,
+                        },
+                        row,
+                    );
+                }
+                None => {
+                    let content = self.interrupted(&call.id);
+                    self.push_interrupted(call, created.clone(), content);
+                }
+            }
         }
         self.children.clear();
     }
 
     /// The tool calls of the last completed step whose batch never committed (an interrupted
-    /// attempt), with that step's message id; `None` when every call has its outcome.
+    /// attempt), with that step's message id; `None` when the batch committed. Calls among
+    /// them may have their outcomes already (see [`Conversation::unresolved_calls`]).
     pub(crate) fn open_calls(&self) -> Option<(&str, &[ModelToolCall])> {
         (!self.open_calls.is_empty()).then_some((self.open_calls_step.as_str(), &self.open_calls[..]))
+    }
+
+    /// Whether the last batch that committed ended the response: every call of it asked to
+    /// terminate (see [`Conversation::terminated_answer`]).
+    pub(crate) fn batch_terminated(&self) -> bool {
+        self.terminated
+    }
+
+    /// The calls of the uncommitted batch (see [`Conversation::open_calls`]) with no outcome
+    /// recorded: those whose tools did not finish, or finished unrecorded. The others' outcomes
+    /// stand (reference §3.3: each outcome is appended as its tool finishes).
+    pub(crate) fn unresolved_calls(&self) -> Vec<ModelToolCall> {
+        self.open_calls
+            .iter()
+            .filter(|call| !self.outcomes.iter().any(|outcome| outcome.tool_call_id == call.id))
+            .cloned()
+            .collect()
     }
 
     /// The child conversations the uncommitted batch's `task` calls created, by call id.

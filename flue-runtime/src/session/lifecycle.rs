@@ -3,7 +3,9 @@
 //! `prefilter_llm_history`), the assistant row, and each tool call's chain. Every point costs
 //! nothing when no hook of its kinds is selected.
 
-use flue_core::lifecycle::{HookKind, Message, MessageRole, MessageStatus, MessageUpdates, ToolCall, ToolStatus};
+use flue_core::lifecycle::{
+    HookKind, Message, MessageRole, MessageStatus, MessageUpdates, ThreadState, ToolCall, ToolStatus,
+};
 use serde_json::{Map, Value, json};
 
 use super::{Failure, Response};
@@ -374,46 +376,6 @@ impl Response<'_> {
         .any(|kind| self.hooks.has(kind))
     }
 
-    /// One executed call's chain: `tool_call_done` (the raw result), `after_tool_call_success`
-    /// or `_failure`, `before_store_tool_result`, then the tool row's `before_create_message`
-    /// (whose errors continue with the last good row: a tool result is always stored).
-    pub(super) async fn tool_outcome(&mut self, run: &Executed<'_>, row_id: &str) -> StoredOutcome {
-        let call = ToolCall::new(run.call.id.clone(), run.call.name.clone(), run.call.arguments.clone());
-        let raw = tool_result_of(&run.output.to_text(), run.output.is_error);
-        let state = self.thread_view().state();
-        chain::tool_call_done(&self.hooks, &state, &call, &raw).await;
-        let result = chain::after_tool_call(&self.hooks, &state, &call, raw).await;
-        let result = chain::before_store_tool_result(&self.hooks, &state, &call, result).await;
-        let (mut content, mut is_error) = outcome_of(&result);
-        let mut updates = MessageUpdates::new();
-        if self.hooks.has(HookKind::BeforeCreateMessage) {
-            let mut original = row(row_id.to_owned(), MessageRole::Tool, content.clone());
-            original.name = Some(call.function.name.clone());
-            original.tool_call_id = Some(call.id.clone());
-            original.tool_status = Some(if is_error {
-                ToolStatus::Error
-            } else {
-                ToolStatus::Success
-            });
-            let created = match chain::before_create_message(&self.hooks, &state, original.clone()).await {
-                Ok(created) => created,
-                Err(prevented) => prevented.last_good,
-            };
-            content = created.content.clone().unwrap_or_default();
-            if let Some(status) = created.tool_status {
-                is_error = status == ToolStatus::Error;
-            }
-            let mut compared = created;
-            compared.name = original.name.clone().or(compared.name);
-            changed_fields(&original, &compared, &mut updates);
-        }
-        StoredOutcome {
-            content,
-            is_error,
-            updates,
-        }
-    }
-
     /// `after_create_message` for the tool rows a batch stored.
     pub(super) async fn tool_rows_created(&mut self, row_ids: &[String]) {
         if !self.hooks.has(HookKind::AfterCreateMessage) {
@@ -445,6 +407,51 @@ impl Response<'_> {
             tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on, and they go on running");
             tokio::spawn(run);
         }
+    }
+}
+
+/// One executed call's chain: `tool_call_done` (the raw result), `after_tool_call_success` or
+/// `_failure`, `before_store_tool_result`, then the tool row's `before_create_message` (whose
+/// errors continue with the last good row: a tool result is always stored). Runs as the call
+/// finishes, while the batch's other calls run on.
+pub(super) async fn tool_outcome(
+    hooks: &HookSet,
+    state: &ThreadState,
+    run: &Executed<'_>,
+    row_id: &str,
+) -> StoredOutcome {
+    let call = ToolCall::new(run.call.id.clone(), run.call.name.clone(), run.call.arguments.clone());
+    let raw = tool_result_of(&run.output.to_text(), run.output.is_error);
+    chain::tool_call_done(hooks, state, &call, &raw).await;
+    let result = chain::after_tool_call(hooks, state, &call, raw).await;
+    let result = chain::before_store_tool_result(hooks, state, &call, result).await;
+    let (mut content, mut is_error) = outcome_of(&result);
+    let mut updates = MessageUpdates::new();
+    if hooks.has(HookKind::BeforeCreateMessage) {
+        let mut original = row(row_id.to_owned(), MessageRole::Tool, content.clone());
+        original.name = Some(call.function.name.clone());
+        original.tool_call_id = Some(call.id.clone());
+        original.tool_status = Some(if is_error {
+            ToolStatus::Error
+        } else {
+            ToolStatus::Success
+        });
+        let created = match chain::before_create_message(hooks, state, original.clone()).await {
+            Ok(created) => created,
+            Err(prevented) => prevented.last_good,
+        };
+        content = created.content.clone().unwrap_or_default();
+        if let Some(status) = created.tool_status {
+            is_error = status == ToolStatus::Error;
+        }
+        let mut compared = created;
+        compared.name = original.name.clone().or(compared.name);
+        changed_fields(&original, &compared, &mut updates);
+    }
+    StoredOutcome {
+        content,
+        is_error,
+        updates,
     }
 }
 

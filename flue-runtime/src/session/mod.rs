@@ -617,8 +617,9 @@ impl InstanceSlot {
             // The budget counts every attempt, the interrupted ones included.
             Ok(()) if submission.attempt_count > submission.max_attempts => {
                 let mut error = budget_spent(input_applied, submission.attempt_count - 1, submission.max_attempts);
-                if let Some((_, calls)) = response.conversation.open_calls().filter(|_| input_applied) {
-                    error = with_interrupted_tools(error, calls);
+                let calls = response.conversation.unresolved_calls();
+                if input_applied && !calls.is_empty() {
+                    error = with_interrupted_tools(error, &calls);
                 }
                 response.resolve_earlier_joins(false).await.and(Err(Failure {
                     outcome: Outcome::Failed,
@@ -799,10 +800,8 @@ impl InstanceSlot {
                             for batch in &batches {
                                 conversation.apply(batch);
                             }
-                            if let Some((_, calls)) = conversation.open_calls() {
-                                interrupted = conversation.interrupted_batch();
-                                interrupted_calls = calls.to_vec();
-                            }
+                            interrupted = conversation.interrupted_batch();
+                            interrupted_calls = conversation.unresolved_calls();
                         }
                         Err(error) => {
                             tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read to settle an uncommitted tool batch; the settlement leaves it open");
@@ -2965,10 +2964,11 @@ impl Response<'_> {
     /// here: the next model call sees every call's outcome-unknown result. `None` when there
     /// was nothing to re-run, else whether the batch ended the turn.
     async fn rerun_durable_calls(&mut self, rendered: &Rendered) -> Result<Option<bool>, Failure> {
-        let Some((step, calls)) = self.conversation.open_calls() else {
+        let Some((step, _)) = self.conversation.open_calls() else {
             return Ok(None);
         };
-        let (step, calls) = (step.to_owned(), calls.to_vec());
+        // The calls whose outcomes were recorded as they finished keep them (first write wins).
+        let (step, calls) = (step.to_owned(), self.conversation.unresolved_calls());
         // The init render has no `task` tool (it waits for the model): an interrupted task
         // call re-runs — reattaching to its child — with the tools a turn's render mounts.
         let prepared;
@@ -3040,13 +3040,15 @@ impl Response<'_> {
         // With tool hooks selected, what is stored (and shown) is what their chain makes of
         // the result, which may redact it: its message events wait for the chain.
         let hooked = self.has_tool_hooks();
-        let executed = {
+        let settled: Vec<SettledCall> = {
             let runtime = self.runtime;
             let key = self.key;
             let submission_id = self.submission.id.as_str();
             let log = self.log_base();
             let signal = &self.attempt.signal;
             let (attempt, conversation) = (self.attempt, &*self.conversation);
+            let (hooks, writer, thread) = (&self.hooks, &self.writer, &thread);
+            let assistant_message_id = assistant_message_id.as_str();
             tools::run_batch(
                 tools,
                 calls,
@@ -3097,70 +3099,110 @@ impl Response<'_> {
                         );
                     }
                 },
+                |run: tools::Executed, last| async move {
+                    // The tool row's id is its outcome record's.
+                    let row_id = hooked.then(|| new_id("record"));
+                    let (content, is_error, updates) = match &row_id {
+                        Some(row_id) => {
+                            let stored = lifecycle::tool_outcome(hooks, thread, &run, row_id).await;
+                            if runtime.observed() {
+                                emit_tool_message(
+                                    runtime,
+                                    key,
+                                    submission_id,
+                                    ModelMessage::Tool {
+                                        tool_call_id: run.call.id.clone(),
+                                        name: run.call.name.clone(),
+                                        content: stored.content.clone(),
+                                        is_error: stored.is_error,
+                                    },
+                                );
+                            }
+                            (stored.content, stored.is_error, stored.updates)
+                        }
+                        None => (run.output.to_text(), run.output.is_error, Default::default()),
+                    };
+                    let mut outcome = writer.record(RecordBody::ToolOutcome {
+                        assistant_message_id: assistant_message_id.to_owned(),
+                        tool_call_id: run.call.id.clone(),
+                        tool_name: run.call.name.clone(),
+                        is_error,
+                        content: content.clone(),
+                        terminate: run.output.terminate,
+                        duration_ms: run.duration_ms,
+                    });
+                    let mut batch = Vec::with_capacity(2);
+                    if let Some(row_id) = &row_id {
+                        outcome.id.clone_from(row_id);
+                    }
+                    batch.push(outcome);
+                    // What the row's create hooks set goes with the row: a crash cannot keep the
+                    // outcome and lose the changes (the hooks do not run again).
+                    if let Some(row_id) = row_id.as_ref().filter(|_| !updates.is_empty()) {
+                        batch.push(writer.record(RecordBody::MessageUpdated {
+                            message_id: row_id.clone(),
+                            updates,
+                        }));
+                    }
+                    // The outcome is durable as the tool ends, while the others run on (reference
+                    // §3.3): an attempt that ends before the batch commits keeps it, and the call
+                    // is never run again. The batch's last call goes with the commit (one append
+                    // fewer), and an aborted call's output is no outcome (it stays unknown).
+                    let mut failed = None;
+                    let held = if last || run.interrupted {
+                        batch
+                    } else {
+                        if let Err(error) = writer.append(batch.into()).await {
+                            failed = Some(error);
+                        }
+                        Vec::new()
+                    };
+                    SettledCall {
+                        call: run.call,
+                        interrupted: run.interrupted,
+                        duration_ms: run.duration_ms,
+                        content,
+                        is_error,
+                        row_id,
+                        held,
+                        failed,
+                    }
+                },
             )
             .await
         };
-        self.check_abort()?;
-        let terminate = !executed.is_empty() && unknown.is_empty() && executed.iter().all(|run| run.output.terminate);
-        let mut records = Vec::with_capacity(executed.len() + unknown.len() + 1);
+        if let Some(error) = settled.iter().find_map(|call| call.failed.clone()) {
+            return Err(Failure::store(error));
+        }
+        if let Err(failure) = self.check_abort() {
+            // The calls that ended before the abort keep their outcomes (the batch is settled
+            // with the submission, the others' outcomes unknown).
+            let ended: Vec<Record> = settled
+                .iter()
+                .filter(|call| !call.interrupted)
+                .flat_map(|call| call.held.iter().cloned())
+                .collect();
+            if !ended.is_empty() {
+                self.commit(ended, false).await?;
+            }
+            return Err(failure);
+        }
+        let mut records = Vec::with_capacity(settled.len() + unknown.len() + 1);
         let mut rows = Vec::new();
-        let mut row_updates = Vec::new();
-        let mut errors = Vec::with_capacity(executed.len());
         // The results as `turn_messages` and `agent_end` report them: copied only when someone
         // observes (an observer subscribing mid-batch gets no `turn_messages` for it).
-        let mut results = self.runtime.observed().then(|| Vec::with_capacity(executed.len()));
-        for run in &executed {
-            // The tool row's id is its outcome record's.
-            let row_id = hooked.then(|| new_id("record"));
-            let (content, is_error) = match &row_id {
-                Some(row_id) => {
-                    let stored = self.tool_outcome(run, row_id).await;
-                    if !stored.updates.is_empty() {
-                        row_updates.push(self.record(RecordBody::MessageUpdated {
-                            message_id: row_id.clone(),
-                            updates: stored.updates,
-                        }));
-                    }
-                    rows.push(row_id.clone());
-                    if self.runtime.observed() {
-                        emit_tool_message(
-                            self.runtime,
-                            self.key,
-                            &self.submission.id,
-                            ModelMessage::Tool {
-                                tool_call_id: run.call.id.clone(),
-                                name: run.call.name.clone(),
-                                content: stored.content.clone(),
-                                is_error: stored.is_error,
-                            },
-                        );
-                    }
-                    (stored.content, stored.is_error)
-                }
-                None => (run.output.to_text(), run.output.is_error),
-            };
-            errors.push(is_error);
+        let mut results = self.runtime.observed().then(|| Vec::with_capacity(settled.len()));
+        for call in &settled {
+            rows.extend(call.row_id.iter().cloned());
             if let Some(results) = &mut results {
                 results.push(ModelMessage::Tool {
-                    tool_call_id: run.call.id.clone(),
-                    name: run.call.name.clone(),
-                    content: content.clone(),
-                    is_error,
+                    tool_call_id: call.call.id.clone(),
+                    name: call.call.name.clone(),
+                    content: call.content.clone(),
+                    is_error: call.is_error,
                 });
             }
-            let mut record = self.record(RecordBody::ToolOutcome {
-                assistant_message_id: assistant_message_id.clone(),
-                tool_call_id: run.call.id.clone(),
-                tool_name: run.call.name.clone(),
-                is_error,
-                content,
-                terminate: run.output.terminate,
-                duration_ms: run.duration_ms,
-            });
-            if let Some(row_id) = row_id {
-                record.id = row_id;
-            }
-            records.push(record);
+            records.extend(call.held.iter().cloned());
         }
         for call in unknown {
             let outcome = self.record(self.conversation.interrupted_outcome(&assistant_message_id, call));
@@ -3174,26 +3216,17 @@ impl Response<'_> {
             }
             records.push(outcome);
         }
-        // What the rows' create hooks set goes in the same batch, after the rows: a crash
-        // cannot keep the outcomes and lose the changes (the hooks do not run again).
-        records.append(&mut row_updates);
         records.push(self.record(RecordBody::ToolResultsCommitted { assistant_message_id }));
         self.commit(records, true).await?;
         self.tool_rows_created(&rows).await;
-        // The executed calls' results come first in `results`, in the same order.
-        let mut stored = results.as_deref().unwrap_or_default().iter();
-        for (run, is_error) in executed.into_iter().zip(errors) {
-            let result = match stored.next() {
-                Some(ModelMessage::Tool { content, .. }) => Some(content.clone()),
-                _ => None,
-            };
+        for call in &settled {
             self.runtime
                 .emit_with(self.key, Some(&self.submission.id), || Event::Tool {
-                    tool_name: run.call.name.clone(),
-                    tool_call_id: run.call.id.clone(),
-                    is_error,
-                    result,
-                    duration_ms: run.duration_ms,
+                    tool_name: call.call.name.clone(),
+                    tool_call_id: call.call.id.clone(),
+                    is_error: call.is_error,
+                    result: Some(call.content.clone()),
+                    duration_ms: call.duration_ms,
                 });
         }
         if let Some(tool_results) = &results {
@@ -3206,8 +3239,25 @@ impl Response<'_> {
             // The model turn ends with its batch.
             self.set_turn(None);
         }
-        Ok(terminate)
+        Ok(self.conversation.batch_terminated())
     }
+}
+
+/// A call of a tool batch once its tool ended and its outcome went through the hooks.
+struct SettledCall<'c> {
+    call: &'c ModelToolCall,
+    /// Its output is the abort's: no outcome of it is recorded.
+    interrupted: bool,
+    duration_ms: u64,
+    /// The result as stored.
+    content: String,
+    is_error: bool,
+    /// Its tool row's id, when the tool hooks ran (the row's hooks follow the commit).
+    row_id: Option<String>,
+    /// Its outcome's records, when they go with the batch's commit (the last call's).
+    held: Vec<Record>,
+    /// Why its outcome's own append failed.
+    failed: Option<crate::store::StoreError>,
 }
 
 /// A tool result's `message_start` and `message_end`.
