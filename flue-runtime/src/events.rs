@@ -157,10 +157,12 @@ impl TurnSlot {
     }
 }
 
-/// A task's child session while it runs: its events are stamped with the task's id and the
-/// child's model turn in progress (the parent's operation stays theirs).
+/// A task's child session while it runs: its events are stamped with the task's id, the
+/// child's own operation (its prompt, from its `operation_start` to its `idle`) and the
+/// child's model turn in progress.
 pub(crate) struct TaskScope {
     task_id: String,
+    operation_id: String,
     turn: TurnSlot,
 }
 
@@ -168,8 +170,14 @@ impl TaskScope {
     pub(crate) fn new(task_id: &str) -> Self {
         Self {
             task_id: task_id.to_owned(),
+            operation_id: crate::record::new_id("op"),
             turn: TurnSlot::default(),
         }
+    }
+
+    /// The child's operation's id (`op_…`).
+    pub(crate) fn operation_id(&self) -> &str {
+        &self.operation_id
     }
 
     /// The child's turn the events from now on belong to (`None`: none is in progress).
@@ -205,7 +213,8 @@ pub enum Event {
         /// The budget.
         max_attempts: u32,
     },
-    /// The processing of one submission began (right before `agent_start`).
+    /// The processing of one submission began (right before `agent_start`), or a task's child
+    /// session began its prompt (its events carry the task's id).
     OperationStart {
         /// The operation's id (`op_…`), shared with its `operation`.
         operation_id: String,
@@ -446,7 +455,8 @@ pub enum Event {
         /// completion order).
         messages: Vec<ModelMessage>,
     },
-    /// The processing of one submission ended (after `agent_end`, before `idle`).
+    /// The processing of one submission, or a task child's prompt, ended (after `agent_end`,
+    /// before `idle`).
     Operation {
         /// The operation's id, as its `operation_start` gave it.
         operation_id: String,
@@ -463,8 +473,14 @@ pub enum Event {
         /// included; a compaction's summarization calls are on their `compaction` events).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         usage: Option<Usage>,
+        /// What the operation returned, when it returns something: a task child's prompt
+        /// gives `{text, usage, model}` (its answer, the usage of its model calls in this run
+        /// and its model). A submission's processing returns nothing (none).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        result: Option<Value>,
     },
-    /// The instance has nothing running (after every response).
+    /// The instance has nothing running (after every response), or a task's child session
+    /// ended its prompt (its `taskId` set).
     Idle,
     /// A recovery or coordination step failed, or skipped work, and was contained instead of
     /// settling a submission: the step is tried again at the next scan, heartbeat or wake, and
@@ -700,6 +716,7 @@ mod tests {
                     is_error: false,
                     error: None,
                     usage: None,
+                    result: None,
                 },
                 json!({
                     "type": "operation", "operationId": "op_1", "operationKind": "prompt",

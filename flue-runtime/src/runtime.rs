@@ -606,12 +606,14 @@ impl RuntimeInner {
                 let (operation, turn) = correlation.ids();
                 (Some(operation), turn)
             });
-        // A child's events belong to its turn, not to the parent's turn that called the task.
+        // A child's events belong to its operation and turn, not to the parent's that called
+        // the task.
         let task_id = task.map(|task| {
             let (task_id, turn) = task.ids();
             turn_id = turn;
             task_id
         });
+        let operation_id = task.map_or(operation_id, |task| Some(task.operation_id().to_owned()));
         let mut observation = Observation {
             agent: key.map(|key| key.agent.to_string()),
             instance_id: key.map(|key| key.id.to_string()),

@@ -68,7 +68,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::compaction::{Budget, Compacting, Failed};
-use crate::events::{Event, LazyId, TaskScope, TurnPurpose, TurnResponse};
+use crate::events::{Event, LazyId, OperationKind, TaskScope, TurnPurpose, TurnResponse};
 use crate::lifecycle::thread::ThreadWriter;
 use crate::lifecycle::{HookSet, chain};
 use crate::provider::{ModelImage, ModelMessage, ModelRequest, ModelToolCall, StreamEvent, ToolSpec};
@@ -77,6 +77,7 @@ use crate::runtime::RuntimeInner;
 use crate::sandbox::Environment;
 use crate::session::{Attempt, Conversation, RetainedChild};
 use crate::store::{AttachmentPut, InstanceKey, StoreError};
+use flue_core::usage::Usage;
 
 /// How deep delegation may nest (a task's child delegating, and so on).
 pub const MAX_DELEGATION_DEPTH: u32 = 4;
@@ -1038,11 +1039,20 @@ async fn child_session(
         scope,
         ended: Mutex::default(),
     };
-    // The child's session begins as the root's does: `agent_start`, then its input (the
-    // prompt) the first time it runs. Its `agent_end` comes however it ends, also when an
-    // abort drops this future mid-way (the guard, dropped last).
+    // The child's session begins as the root's does: its own operation (its prompt, as the
+    // reference's child `prompt()` is one), `agent_start`, then its input (the prompt) the
+    // first time it runs. Its `agent_end`, `operation` and `idle` come however it ends, also
+    // when an abort drops this future mid-way (the guard, dropped last).
+    events.emit(|| Event::OperationStart {
+        operation_id: events.scope.operation_id().to_owned(),
+        operation_kind: OperationKind::Prompt,
+    });
     events.emit(|| Event::AgentStart);
-    let _agent_end = AgentEndOnDrop(&events);
+    let mut operation = OperationEndOnDrop {
+        events: &events,
+        started: Instant::now(),
+        ended: None,
+    };
     if created && runtime.observed() {
         let prompt = ModelMessage::user(args.prompt.clone());
         events.emit(|| Event::MessageStart {
@@ -1060,6 +1070,7 @@ async fn child_session(
         nested: &nested,
         events: &events,
     };
+    let mut usage = Usage::default();
     let result = async {
         loop {
             // A batch an earlier run left uncommitted: its calls without a recorded outcome run
@@ -1223,6 +1234,7 @@ async fn child_session(
                 return Err(error.to_string());
             };
             budget.called(&response.usage, conversation.messages.len());
+            usage += response.usage;
             let message_id = new_id("msg");
             let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
                 .map(|body| journal.child_record(body))
@@ -1255,16 +1267,48 @@ async fn child_session(
     }
     .await;
     events.scope.set_turn(None);
+    operation.ended = Some(match &result {
+        Ok(answer) => Ok((json!({"text": answer, "usage": usage, "model": model}), usage)),
+        Err(message) => Err(SettlementError::new("task_failed", message.clone())),
+    });
     result
 }
 
-/// Emits a child session's `agent_end`, with the messages it ended, when dropped.
-struct AgentEndOnDrop<'e, 'a>(&'e ChildEvents<'a>);
+/// Ends a child session's operation when dropped: its `agent_end` (with the messages it
+/// ended), its `operation` (with what it returned, or why it failed: an abort when dropped
+/// before it ended) and its `idle`.
+struct OperationEndOnDrop<'e, 'a> {
+    events: &'e ChildEvents<'a>,
+    started: Instant,
+    /// What the operation returned and the usage of its model calls, or why it failed.
+    ended: Option<Result<(Value, Usage), SettlementError>>,
+}
 
-impl Drop for AgentEndOnDrop<'_, '_> {
+impl Drop for OperationEndOnDrop<'_, '_> {
     fn drop(&mut self) {
-        let messages = std::mem::take(&mut *self.0.ended.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
-        self.0.emit(|| Event::AgentEnd { messages });
+        let events = self.events;
+        let messages = std::mem::take(&mut *events.ended.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        events.emit(|| Event::AgentEnd { messages });
+        let ended = self
+            .ended
+            .take()
+            .unwrap_or_else(|| Err(SettlementError::new("aborted", "The task was aborted.")));
+        events.emit(|| {
+            let (result, usage, error) = match ended {
+                Ok((result, usage)) => (Some(result), Some(usage), None),
+                Err(error) => (None, None, Some(error)),
+            };
+            Event::Operation {
+                operation_id: events.scope.operation_id().to_owned(),
+                operation_kind: OperationKind::Prompt,
+                duration_ms: self.started.elapsed().as_millis() as u64,
+                is_error: error.is_some(),
+                error,
+                usage,
+                result,
+            }
+        });
+        events.emit(|| Event::Idle);
     }
 }
 

@@ -197,10 +197,11 @@ async fn a_task_whose_child_ended_without_text_answers_with_a_line_saying_so() {
     );
 }
 
-/// Reference §7.1: a task's child session publishes its own `agent_start`, input, turns,
-/// deltas, tool events and `agent_end`, each observation correlated with the task (`taskId`)
-/// and the child's turn (`turnId`), within the parent's operation. The parent's own events
-/// carry no task id.
+/// Reference §7.1: a task's child session publishes its own operation (`operation_start`,
+/// `agent_start`, input, turns, deltas, tool events, `agent_end`, `operation` with what the
+/// prompt returned, `idle`), each observation correlated with the task (`taskId`), the child's
+/// operation (`operationId`, not the parent's) and the child's turn (`turnId`). The parent's
+/// own events carry no task id.
 #[tokio::test]
 async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
     let model = ScriptedModel::new([
@@ -259,6 +260,7 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
     assert_eq!(
         names,
         [
+            "operation_start",
             "agent_start",
             "message_start",
             "message_end",
@@ -281,8 +283,40 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
             "message_end",
             "turn_messages",
             "agent_end",
+            "operation",
+            "idle",
         ]
     );
+    // The child's operation is its own, and returns its answer, usage and model.
+    let Event::OperationStart { operation_id, .. } = &child[0].1.event else {
+        unreachable!()
+    };
+    assert!(operation_id.starts_with("op_"), "{operation_id}");
+    assert_ne!(
+        Some(operation_id),
+        seen[start].operation_id.as_ref(),
+        "not the parent's"
+    );
+    assert!(
+        child
+            .iter()
+            .all(|(_, observation)| observation.operation_id.as_ref() == Some(operation_id)),
+        "every child event is of the child's operation"
+    );
+    let Event::Operation {
+        operation_id: ended,
+        is_error: false,
+        result: Some(result),
+        usage: Some(_),
+        ..
+    } = &child[child.len() - 2].1.event
+    else {
+        panic!("the child's operation: {:?}", child[child.len() - 2].1.event)
+    };
+    assert_eq!(ended, operation_id);
+    assert_eq!(result["text"], "Case 7: a broken hinge.");
+    assert_eq!(result["model"], "scripted/parent-model", "{result}");
+    assert!(result["usage"].is_object(), "{result}");
     // The child's agent_end carries its messages: the prompt, its two steps, its tool result.
     let child_end = child
         .iter()
@@ -304,9 +338,9 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
         .collect();
     let mut current = None;
     let mut child_turns = Vec::new();
-    // The session's own events (its start, input and end) belong to no turn.
-    let (outside, turns) = (&child[..3], &child[3..child.len() - 1]);
-    for (_, observation) in outside.iter().chain(child.last()) {
+    // The session's own events (its operation's start and end, input) belong to no turn.
+    let (outside, turns) = (&child[..4], &child[4..child.len() - 3]);
+    for (_, observation) in outside.iter().chain(&child[child.len() - 3..]) {
         assert_eq!(observation.turn_id, None, "{:?}", observation.event);
     }
     for (_, observation) in turns {
@@ -316,10 +350,6 @@ async fn a_tasks_child_session_is_observed_turn_by_turn_under_the_tasks_id() {
         }
         assert_eq!(observation.turn_id, current, "{:?}", observation.event);
         assert!(!parent_turns.contains(observation.turn_id.as_ref().unwrap()));
-        assert_eq!(
-            observation.operation_id, seen[start].operation_id,
-            "the parent's operation"
-        );
     }
     assert_eq!(child_turns.iter().map(|(_, step)| *step).collect::<Vec<_>>(), [1, 2]);
     assert_ne!(child_turns[0].0, child_turns[1].0);

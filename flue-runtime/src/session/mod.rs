@@ -685,6 +685,7 @@ impl InstanceSlot {
                 is_error: result.is_err(),
                 error: result.as_ref().err().map(|failure| failure.error.clone()),
                 usage: Some(response.conversation.usage(&submission.id)),
+                result: None,
             });
         }
         // `idle` ends the operation: it carries the operation's id, as its other events do.
