@@ -745,6 +745,9 @@ struct PartialCall {
     /// The id was made up here (the call started before the server gave one): an id the
     /// server sends later continues this call (which keeps the id its start reported).
     generated: bool,
+    /// The server's id for a call that started under another (an earlier call of the step
+    /// had it): its later fragments still name this one.
+    server_id: String,
 }
 
 impl PartialCall {
@@ -982,6 +985,7 @@ impl ChatDecoder {
                         let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
                         call.id.is_empty()
                             || call.id == id
+                            || call.server_id == id
                             || (call.generated && same_name)
                             || (name.is_none() && !call.is_whole())
                     }) =>
@@ -994,7 +998,11 @@ impl ChatDecoder {
                     slot
                 }
             },
-            None => match id.and_then(|id| self.calls.iter().position(|c| c.id == id)) {
+            // By id: the latest call under it (two calls of a step may share one), unless this
+            // fragment opens another (it names a tool and brings arguments once that call's
+            // are whole).
+            None => match id.and_then(|id| self.calls.iter().rposition(|c| c.id == id || c.server_id == id)) {
+                Some(slot) if !fragment.is_empty() && starts_another(&self.calls[slot], name) => self.new_call(),
                 Some(slot) => slot,
                 // Neither index nor id: a fragment continues the last call, unless it names
                 // a call the last one cannot be (another tool, or the same tool once the last
@@ -1023,8 +1031,7 @@ impl ChatDecoder {
                 .any(|other| other.started && other.id == self.calls[slot].id);
         let entry = &mut self.calls[slot];
         if taken {
-            entry.id = format!("call_{}", ulid::Ulid::new());
-            entry.generated = true;
+            entry.server_id = std::mem::replace(&mut entry.id, format!("call_{}", ulid::Ulid::new()));
         }
         entry.push_arguments(fragment);
         if entry.started {
@@ -1774,6 +1781,20 @@ mod tests {
         );
         assert_ne!(calls[1].0, "call_0", "{calls:?}");
         assert!(calls[1].0.starts_with("call_"), "{calls:?}");
+        assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
+        // Without indices: the second call's opening fragment (a name and arguments, once the
+        // first call's are whole) starts a call of its own, whose later fragments reach it.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_0","function":{"arguments":"\"Tokyo\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let calls = decoded_calls(&chunks);
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert_eq!(calls[0].2, r#"{"city":"Paris"}"#);
+        assert_ne!(calls[1].0, "call_0", "{calls:?}");
         assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
     }
 
