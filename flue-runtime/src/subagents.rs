@@ -1269,6 +1269,7 @@ async fn child_session(
     events.scope.set_turn(None);
     operation.ended = Some(match &result {
         Ok(answer) => Ok((json!({"text": answer, "usage": usage, "model": model}), usage)),
+        Err(message) if delegation.signal.is_aborted() => Err(SettlementError::new("aborted", message.clone())),
         Err(message) => Err(SettlementError::new("task_failed", message.clone())),
     });
     result
@@ -1287,6 +1288,8 @@ struct OperationEndOnDrop<'e, 'a> {
 impl Drop for OperationEndOnDrop<'_, '_> {
     fn drop(&mut self) {
         let events = self.events;
+        // Dropped mid-turn (an abort): the session's end belongs to no turn.
+        events.scope.set_turn(None);
         let messages = std::mem::take(&mut *events.ended.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
         events.emit(|| Event::AgentEnd { messages });
         let ended = self
@@ -1337,8 +1340,8 @@ impl<F: Fn(Event)> Drop for TaskEndOnDrop<F> {
     }
 }
 
-/// Publishes a child session's events: each stamped with the task's id and the child's
-/// turn in progress (and the root submission's operation).
+/// Publishes a child session's events: each stamped with the task's id, the child's own
+/// operation and its turn in progress.
 struct ChildEvents<'a> {
     runtime: &'a Arc<RuntimeInner>,
     /// The root instance the task runs for.
@@ -1576,6 +1579,18 @@ impl ChildSession<'_> {
             conversation.apply(batch);
         }
         if self.signal.is_aborted() {
+            // The calls that ended before the abort keep their outcomes (the batch's last
+            // one's was to go with the commit).
+            let ended: Vec<Record> = executed
+                .iter()
+                .filter(|run| !run.interrupted && !recorded.contains(&run.call.id))
+                .map(|run| self.journal.child_record(outcome_of(&assistant_message_id, run)))
+                .collect();
+            if !ended.is_empty() {
+                self.journal
+                    .append_child(self.runtime, self.key, ended, conversation)
+                    .await?;
+            }
             return Err("The task was aborted.".into());
         }
         // Published once the batch committed, as the root's are.

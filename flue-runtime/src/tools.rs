@@ -75,8 +75,9 @@ pub(crate) async fn run_batch<'c, T, Settled: Future<Output = T>>(
             (index, settle(executed, last).await)
         }
     });
-    // Unordered: a call that finished frees its place at once (`buffered` would keep it until
-    // every earlier call finished). Started in call order all the same; results in call order.
+    // Unordered: a call that was settled frees its place at once (`buffered` would keep it
+    // until every earlier call finished). Started in call order all the same; results in call
+    // order.
     let mut settled: Vec<(usize, T)> = stream::iter(runs).buffer_unordered(concurrency.max(1)).collect().await;
     settled.sort_unstable_by_key(|(index, _)| *index);
     settled.into_iter().map(|(_, settled)| settled).collect()

@@ -2435,6 +2435,50 @@ async fn a_tool_ignoring_its_steps_failed_append_does_not_commit_its_result() {
     assert_eq!(tool_result(&model, 1, "charge"), ("charged 2".to_owned(), false));
 }
 
+static SWALLOWED_BESIDE: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn swallower_beside() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("charge").description("Charge.").durable().run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            let n: usize = ctx
+                .step("charge", async { SWALLOWED_BESIDE.fetch_add(1, Ordering::SeqCst) + 1 })
+                .await
+                .unwrap_or(0);
+            Ok::<_, ToolError>(format!("charged {n}"))
+        },
+    ));
+    use_tool(
+        Tool::new("note")
+            .description("Note.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async move { "noted" }),
+    );
+    "You charge."
+}
+
+/// The same within a batch, where the call ends before another (its outcome would be recorded
+/// as it ends): an attempt one of whose appends failed records no outcome, so the call is not
+/// taken as done; the re-attempt runs it again and the model reads the re-run's result.
+#[tokio::test]
+async fn a_call_whose_step_append_failed_records_no_outcome_and_runs_again() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ToolStepSettled { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("charge", json!({})), ("note", json!({}))]),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime(&store, &model, swallower_beside);
+    let reply = runtime.init(&swallower_beside, "swb-1").send("charge").await.unwrap();
+    assert_eq!(reply.text, "Done.");
+    assert_eq!(model.requests().len(), 2);
+    assert_eq!(tool_result(&model, 1, "charge"), ("charged 2".to_owned(), false));
+}
+
 static CLOSING: AtomicUsize = AtomicUsize::new(0);
 static CLOSING_STEPS: AtomicUsize = AtomicUsize::new(0);
 

@@ -420,15 +420,16 @@ impl Projection {
                 ..
             } => {
                 self.tool_rows.insert(record.id.clone(), tool_call_id.clone());
-                self.outcomes.insert(
-                    tool_call_id.clone(),
-                    PendingOutcome {
+                // A call's first outcome stands (its batch is settled with it), as the
+                // conversation reads it.
+                self.outcomes
+                    .entry(tool_call_id.clone())
+                    .or_insert_with(|| PendingOutcome {
                         is_error: *is_error,
                         content: content.clone(),
                         duration_ms: *duration_ms,
                         timestamp: timestamp.to_owned(),
-                    },
-                );
+                    });
             }
             RecordBody::ToolResultsCommitted { assistant_message_id } => {
                 let calls = self.step_calls.get(assistant_message_id).cloned().unwrap_or_default();

@@ -1280,13 +1280,18 @@ impl Conversation {
             .collect()
     }
 
+    /// Each call of the uncommitted batch with its recorded outcome, or the unknown one.
     fn close_open_calls(&self, messages: &mut Vec<ModelMessage>) {
         for call in &self.open_calls {
+            let (content, is_error) = match self.outcomes.iter().find(|outcome| outcome.tool_call_id == call.id) {
+                Some(outcome) => (outcome.content.clone(), outcome.is_error),
+                None => (self.interrupted(&call.id), true),
+            };
             messages.push(ModelMessage::Tool {
                 tool_call_id: call.id.clone(),
                 name: call.name.clone(),
-                content: self.interrupted(&call.id),
-                is_error: true,
+                content,
+                is_error,
             });
         }
     }

@@ -713,9 +713,10 @@ impl InstanceSlot {
             *conversation = Conversation::default();
             return (None, None);
         }
-        // A tool batch the response left uncommitted (the fold holds only what committed; calls
-        // open before the input was applied are an earlier submission's): settled in the
-        // settlement's batch, first, so no call rests without an outcome (reference §3.9).
+        // A tool batch the response left uncommitted (calls open before the input was applied
+        // are an earlier submission's): settled in the settlement's batch, first, the calls
+        // without a recorded outcome getting the unknown one, so no call rests without an
+        // outcome (reference §3.9).
         let mut interrupted = Vec::new();
         let mut interrupted_calls = Vec::new();
         let (outcome, error) = match result {
@@ -3101,6 +3102,20 @@ impl Response<'_> {
                     }
                 },
                 |run: tools::Executed, last| async move {
+                    // A call the abort ended records nothing: no chain runs for a result that is
+                    // never stored (its outcome stays unknown).
+                    if run.interrupted {
+                        return SettledCall {
+                            call: run.call,
+                            interrupted: true,
+                            duration_ms: run.duration_ms,
+                            content: run.output.to_text(),
+                            is_error: run.output.is_error,
+                            row_id: None,
+                            held: Vec::new(),
+                            failed: None,
+                        };
+                    }
                     // The tool row's id is its outcome record's.
                     let row_id = hooked.then(|| new_id("record"));
                     let (content, is_error, updates) = match &row_id {
@@ -3148,19 +3163,26 @@ impl Response<'_> {
                     // The outcome is durable as the tool ends, while the others run on (reference
                     // §3.3): an attempt that ends before the batch commits keeps it, and the call
                     // is never run again. The batch's last call goes with the commit (one append
-                    // fewer), and an aborted call's output is no outcome (it stays unknown).
+                    // fewer). The data the tool wrote lands first; an attempt one of whose
+                    // appends failed (a durable step's) records nothing more: it is re-attempted
+                    // from what is durable, and the call runs again.
                     let mut failed = None;
-                    let held = if last || run.interrupted {
+                    let held = if last {
                         batch
                     } else {
-                        if let Err(error) = writer.append(batch.into()).await {
-                            failed = Some(error);
+                        match attempt.flush_data().await {
+                            Err(error) => failed = Some(error),
+                            Ok(()) => {
+                                if let Err(error) = writer.append(batch.into()).await {
+                                    failed = Some(error.to_string());
+                                }
+                            }
                         }
                         Vec::new()
                     };
                     SettledCall {
                         call: run.call,
-                        interrupted: run.interrupted,
+                        interrupted: false,
                         duration_ms: run.duration_ms,
                         content,
                         is_error,
@@ -3257,8 +3279,8 @@ struct SettledCall<'c> {
     row_id: Option<String>,
     /// Its outcome's records, when they go with the batch's commit (the last call's).
     held: Vec<Record>,
-    /// Why its outcome's own append failed.
-    failed: Option<crate::store::StoreError>,
+    /// Why its outcome's own append failed (or was not made).
+    failed: Option<String>,
 }
 
 /// A tool result's `message_start` and `message_end`.

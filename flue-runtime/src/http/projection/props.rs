@@ -397,7 +397,9 @@ impl Generator<'_, '_> {
                 },
             );
             if self.choices.chance(15) {
-                // The attempt died before the commit: the next one runs the calls again.
+                // The attempt died before the commit and its outcomes are answered again (a
+                // stream of an earlier build, or a settlement that raced a late append): the
+                // first outcome of each call stands.
                 self.push(outcomes.clone());
                 let again = outcomes
                     .into_iter()
@@ -704,8 +706,10 @@ impl Model {
                 duration_ms,
                 ..
             } => {
+                // First write wins, as the conversation reads a call's outcomes.
                 self.outcomes
-                    .insert(tool_call_id.clone(), (*is_error, content.clone(), *duration_ms));
+                    .entry(tool_call_id.clone())
+                    .or_insert_with(|| (*is_error, content.clone(), *duration_ms));
             }
             RecordBody::ToolResultsCommitted { assistant_message_id } => {
                 let calls = self
