@@ -820,6 +820,11 @@ impl RuntimeInner {
                 message: request.message,
                 initial_data: request.initial_data,
                 uid: request.uid,
+                // The agent's budget from admission on. The reference stamps 10 at every claim
+                // and the agent's budget only once the input is applied (its §8 item 19), so a
+                // submission that keeps dying before that is judged against 10 and its
+                // `submission_running` says 10: here the agent's `durability` bounds every
+                // attempt, as the agent declared, and the event reports that budget.
                 max_attempts: definition.durability.max_attempts,
                 timeout_ms: u64::try_from(definition.durability.timeout.as_millis()).unwrap_or(u64::MAX),
                 claim,
