@@ -130,22 +130,39 @@ pub enum Attachment {
 }
 
 impl Attachment {
-    /// The decoded bytes (standard base64, padded or not).
+    /// The decoded bytes (standard base64, padded or not, ASCII whitespace anywhere skipped,
+    /// unused trailing bits ignored: what a browser's `atob` takes, so line-wrapped output of
+    /// `base64` decodes).
     pub fn bytes(&self) -> Result<Vec<u8>, MessageError> {
         use base64::Engine as _;
         let Self::Image { data, .. } = self;
         let engine = base64::engine::GeneralPurpose::new(
             &base64::alphabet::STANDARD,
             base64::engine::GeneralPurposeConfig::new()
-                .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+                .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent)
+                .with_decode_allow_trailing_bits(true),
         );
-        engine.decode(data.trim()).map_err(|_| MessageError::InvalidImageData)
+        let data: std::borrow::Cow<'_, str> = if data.bytes().any(|byte| byte.is_ascii_whitespace()) {
+            data.chars()
+                .filter(|c| !c.is_ascii_whitespace())
+                .collect::<String>()
+                .into()
+        } else {
+            data.into()
+        };
+        engine.decode(&*data).map_err(|_| MessageError::InvalidImageData)
     }
 
-    /// The MIME type.
+    /// The MIME type: one of [`IMAGE_TYPES`] as spelled there when it is one in another case
+    /// (`IMAGE/PNG` is `image/png`: providers, and clients reading it back, take only that),
+    /// else as sent.
     pub fn mime_type(&self) -> &str {
         let Self::Image { mime_type, .. } = self;
-        mime_type
+        IMAGE_TYPES
+            .iter()
+            .find(|image| image.eq_ignore_ascii_case(mime_type))
+            .copied()
+            .unwrap_or(mime_type)
     }
 
     /// The file name, when given.
@@ -345,6 +362,43 @@ mod tests {
                 "{empty:?}"
             );
         }
+    }
+
+    /// The reference decodes with `atob`: whitespace anywhere (a `base64` tool wraps lines at
+    /// 76 characters) and unused trailing bits are taken.
+    #[test]
+    fn image_data_decodes_with_whitespace_anywhere_and_trailing_bits() {
+        let image = |data: &str| Attachment::Image {
+            data: data.into(),
+            mime_type: "image/png".into(),
+            filename: None,
+        };
+        let plain = image("iVBORw0KGgo=").bytes().unwrap();
+        assert_eq!(image("iVBO\nRw0K\r\nGgo=").bytes().unwrap(), plain);
+        assert_eq!(image(" iVBORw0KGgo= \n").bytes().unwrap(), plain);
+        // `iVBORw0KGgp=`: the last character's low bits are not zero.
+        assert_eq!(image("iVBORw0KGgp=").bytes().unwrap(), plain);
+        assert_eq!(image("iVB*ORw0KGgo=").bytes(), Err(MessageError::InvalidImageData));
+    }
+
+    /// A type in another case is admitted as the type it names, and read back as spelled in
+    /// [`IMAGE_TYPES`] (providers take only that spelling).
+    #[test]
+    fn an_image_type_in_another_case_reads_as_its_canonical_spelling() {
+        let image = |mime_type: &str| Attachment::Image {
+            data: "iVBORw0KGgo=".into(),
+            mime_type: mime_type.into(),
+            filename: None,
+        };
+        assert_eq!(image("IMAGE/PNG").mime_type(), "image/png");
+        assert_eq!(image("Image/Jpeg").mime_type(), "image/jpeg");
+        assert_eq!(image("image/webp").mime_type(), "image/webp");
+        assert_eq!(image("image/bmp").mime_type(), "image/bmp");
+        let message = DeliveredMessage::User(UserMessage {
+            body: "look".into(),
+            attachments: vec![image("IMAGE/PNG")],
+        });
+        assert_eq!(message.validate(), Ok(()));
     }
 
     #[test]
