@@ -1625,6 +1625,62 @@ async fn execution_stop_ends_the_response_without_another_model_call() {
     assert_eq!(model.requests().len(), 1);
 }
 
+#[hook(before_create_message)]
+async fn refuse_forbidden(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
+    if message.content.as_deref() == Some("forbidden") {
+        return Err(HookError::new("not allowed here"));
+    }
+    Ok(message)
+}
+
+#[agent(hooks = [refuse_forbidden])]
+fn guarded() -> &'static str {
+    use_model("scripted/x");
+    "G"
+}
+
+/// Item 29: a user message a pre-write hook refused is not stored, its images included (they
+/// would be served to anyone reading the instance); an accepted message's are.
+#[tokio::test]
+async fn item_29_a_refused_message_leaves_none_of_its_images_stored() {
+    use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let store = MemoryStore::new();
+    let runtime = runtime_on(store.clone(), &model, vec![guarded.into()]);
+    let handle = runtime.init(&guarded, "g");
+    let with_image = |body: &str| {
+        DeliveredMessage::User(UserMessage {
+            body: body.into(),
+            attachments: vec![Attachment::Image {
+                data: "iVBORw0KGgo=".into(),
+                mime_type: "image/png".into(),
+                filename: None,
+            }],
+        })
+    };
+    let key = InstanceKey::new("guarded", "g");
+    let refused = handle.dispatch(with_image("forbidden")).await.unwrap();
+    let error = handle.read(&refused.submission_id).await.unwrap_err();
+    assert_eq!(run_error(error).0, "message_hook_error");
+    let image = format!("att_{}_0", refused.submission_id);
+    assert!(
+        flue_runtime::store::Store::attachment(&store, &key, &image)
+            .await
+            .unwrap()
+            .is_none(),
+        "the refused message's image is not stored"
+    );
+    let accepted = handle.dispatch(with_image("fine")).await.unwrap();
+    handle.read(&accepted.submission_id).await.unwrap();
+    let image = format!("att_{}_0", accepted.submission_id);
+    assert!(
+        flue_runtime::store::Store::attachment(&store, &key, &image)
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
 #[test]
 fn tool_status_and_message_status_serialize_as_the_reference_spells_them() {
     assert_eq!(serde_json::to_value(ToolStatus::Error).unwrap(), json!("error"));

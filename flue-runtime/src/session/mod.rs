@@ -2035,9 +2035,14 @@ impl Response<'_> {
                     transient: false,
                 });
             }
-            let input = self.input_record(submission_id, delivery).await?;
+            let (input, attachments) = self.input_record(submission_id, delivery)?;
             let (mut records, created) = match self.input_row(input).await {
-                lifecycle::InputRow::Store(records, created) => (records, created),
+                lifecycle::InputRow::Store(records, created) => {
+                    // The images are stored once the row is: a message a hook refused leaves
+                    // none behind (they would be served).
+                    self.store_attachments(attachments).await?;
+                    (records, created)
+                }
                 lifecycle::InputRow::Prevented(failure) if submission_id == self.submission.id => return Err(failure),
                 lifecycle::InputRow::Prevented(failure) => {
                     // A joined delivery's row was prevented: it leaves this response, which
@@ -2074,52 +2079,43 @@ impl Response<'_> {
         marker
     }
 
-    async fn input_record(&mut self, submission_id: &str, message: &DeliveredMessage) -> Result<Record, Failure> {
-        let mut record = match message {
+    /// The input's record, and the images it names (stored with [`Self::store_attachments`]
+    /// once its row may be).
+    fn input_record(
+        &mut self,
+        submission_id: &str,
+        message: &DeliveredMessage,
+    ) -> Result<(Record, Vec<(AttachmentPut, ModelImage)>), Failure> {
+        let (mut record, images) = match message {
             DeliveredMessage::User(user) => {
-                let attachments = self.store_attachments(submission_id, &user.attachments).await?;
-                self.record(RecordBody::UserMessage {
+                let (refs, images) = attachments_of(submission_id, &user.attachments)?;
+                let record = self.record(RecordBody::UserMessage {
                     message_id: new_id("msg"),
                     body: user.body.clone(),
-                    attachments,
-                })
+                    attachments: refs,
+                });
+                (record, images)
             }
-            DeliveredMessage::Signal(signal) => self.signal_record(signal),
+            DeliveredMessage::Signal(signal) => (self.signal_record(signal), Vec::new()),
         };
         record.submission_id = Some(submission_id.into());
-        Ok(record)
+        Ok((record, images))
     }
 
     /// Puts a user message's images into the attachment store (before its input record names
     /// them; ids derive from the submission, so a re-attempt's put is an exact retry) and keeps
     /// them for the model calls of this conversation.
-    async fn store_attachments(
-        &mut self,
-        submission_id: &str,
-        attachments: &[flue_core::message::Attachment],
-    ) -> Result<Vec<AttachmentRef>, Failure> {
-        let mut refs = Vec::with_capacity(attachments.len());
-        for (index, attachment) in attachments.iter().enumerate() {
-            let bytes = attachment
-                .bytes()
-                .map_err(|error| Failure::failed("invalid_request", error.to_string()))?;
-            let image = ModelImage::from_bytes(attachment.mime_type(), &bytes);
-            let put = AttachmentPut::new(format!("att_{submission_id}_{index}"), attachment.mime_type(), bytes);
-            let reference = AttachmentRef {
-                id: put.id.clone(),
-                media_type: put.media_type.clone(),
-                size: put.size,
-                filename: attachment.filename().map(str::to_owned),
-            };
+    async fn store_attachments(&mut self, images: Vec<(AttachmentPut, ModelImage)>) -> Result<(), Failure> {
+        for (put, image) in images {
+            let id = put.id.clone();
             self.runtime
                 .store
                 .put_attachment(self.key, put)
                 .await
                 .map_err(Failure::store)?;
-            self.conversation.keep_image(reference.id.clone(), image);
-            refs.push(reference);
+            self.conversation.keep_image(id, image);
         }
-        Ok(refs)
+        Ok(())
     }
 
     /// Loads the images of the history that are not in memory (an instance folded again from
@@ -3281,6 +3277,32 @@ struct SettledCall<'c> {
     held: Vec<Record>,
     /// Why its outcome's own append failed (or was not made).
     failed: Option<String>,
+}
+
+/// A user message's images as its record names them (ids from the submission, in order) and
+/// as they are stored and shown to the model.
+#[allow(clippy::type_complexity)]
+fn attachments_of(
+    submission_id: &str,
+    attachments: &[flue_core::message::Attachment],
+) -> Result<(Vec<AttachmentRef>, Vec<(AttachmentPut, ModelImage)>), Failure> {
+    let mut refs = Vec::with_capacity(attachments.len());
+    let mut images = Vec::with_capacity(attachments.len());
+    for (index, attachment) in attachments.iter().enumerate() {
+        let bytes = attachment
+            .bytes()
+            .map_err(|error| Failure::failed("invalid_request", error.to_string()))?;
+        let image = ModelImage::from_bytes(attachment.mime_type(), &bytes);
+        let put = AttachmentPut::new(format!("att_{submission_id}_{index}"), attachment.mime_type(), bytes);
+        refs.push(AttachmentRef {
+            id: put.id.clone(),
+            media_type: put.media_type.clone(),
+            size: put.size,
+            filename: attachment.filename().map(str::to_owned),
+        });
+        images.push((put, image));
+    }
+    Ok((refs, images))
 }
 
 /// A tool result's `message_start` and `message_end`.
