@@ -1543,6 +1543,14 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
     let handle = runtime.init(&waiter, "w");
     let submission_id = abort_once_its_tool_runs(&runtime, &handle).await;
     let error = handle.read(&submission_id).await.unwrap_err();
+    let RuntimeError::Run { details, .. } = &error else {
+        panic!("{error}")
+    };
+    // The reference's details (errors.ts `SubmissionAbortedError`).
+    assert_eq!(
+        details,
+        "The operation was stopped before it produced a completed response."
+    );
     let (error_type, message) = run_error(error);
     assert_eq!(
         (error_type.as_str(), message.as_str()),
@@ -1835,6 +1843,14 @@ async fn the_timeout_aborts_a_live_attempt_wherever_it_waits_and_settles_it_as_t
         .await
         .expect("the deadline ended the attempt")
         .unwrap_err();
+    let RuntimeError::Run { details, .. } = &error else {
+        panic!("{error}")
+    };
+    // The reference's details (errors.ts `SubmissionTimeoutError`).
+    assert_eq!(
+        details,
+        "The operation ran longer than the configured durability timeout."
+    );
     let (error_type, message) = run_error(error);
     assert_eq!(
         (error_type.as_str(), message.as_str()),

@@ -998,7 +998,9 @@ impl Failure {
 
 /// The error of a submission an abort ended (and of what its sessions were doing).
 pub(crate) fn submission_aborted() -> SettlementError {
-    SettlementError::new("submission_aborted", binding::ABORTED)
+    let mut error = SettlementError::new("submission_aborted", binding::ABORTED);
+    error.details = "The operation was stopped before it produced a completed response.".to_owned();
+    error
 }
 
 impl From<RenderError> for Failure {
@@ -3488,7 +3490,9 @@ fn retry_exhausted(attempts: u32, max: u32) -> SettlementError {
 
 /// The failure of a submission whose budget ran out.
 fn timed_out() -> Failure {
-    Failure::failed("submission_timeout", TIMEOUT_MESSAGE)
+    let mut failure = Failure::failed("submission_timeout", TIMEOUT_MESSAGE);
+    failure.error.details = "The operation ran longer than the configured durability timeout.".to_owned();
+    failure
 }
 
 const TIMEOUT_MESSAGE: &str = "Submission exceeded the configured timeout.";
