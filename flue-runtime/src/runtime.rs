@@ -913,6 +913,11 @@ impl RuntimeInner {
                     },
                 );
             }
+            // A node that gave its work back settles nothing more here: on a store of its own
+            // no other node will either while this process runs (the next one takes it over).
+            if self.draining.load(Ordering::Acquire) && !self.store.shared() {
+                return Err(RuntimeError::ShuttingDown);
+            }
             // A dropped sender (the runtime going away) also ends the wait; the loop re-reads.
             if self.store.shared() {
                 // Only the node that settles a submission wakes its waiters, and on a shared
@@ -1265,7 +1270,9 @@ impl Runtime {
     /// took over other instances' work. Returns how many were given back.
     ///
     /// What the attempts committed stays: the next attempt resumes from it, as after a crash
-    /// (a tool batch they were running is repaired with outcome-unknown results).
+    /// (a tool batch they were running is repaired with outcome-unknown results). On a store
+    /// that is not shared, the sends and reads waiting on this node for a submission that is
+    /// not settled end with [`RuntimeError::ShuttingDown`].
     pub async fn release(&self) -> usize {
         self.inner.draining.store(true, Ordering::Release);
         let running: Vec<_> = self
@@ -1290,6 +1297,15 @@ impl Runtime {
                 }
             }
         }
+        // The sends and reads waiting here look again (and, on a store of this node's own, are
+        // told the node is stopping: nothing here will settle what they wait for).
+        drop(std::mem::take(
+            &mut *self
+                .inner
+                .waiters
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        ));
         released
     }
 

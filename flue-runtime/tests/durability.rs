@@ -3070,6 +3070,33 @@ async fn a_submission_given_back_is_taken_over_at_once_by_another_node() {
     assert_eq!(settlements, 1);
 }
 
+/// A send waiting for a submission its node gave back is told the node is stopping: on a
+/// store of its own nothing in this process settles it any more (it waited for ever).
+#[tokio::test]
+async fn a_send_waiting_when_its_node_gives_its_work_back_ends_with_shutting_down() {
+    use flue_runtime::events::Event;
+    let store = flue_runtime::store::MemoryStore::new();
+    let model = ScriptedModel::new([ScriptedReply::tool_call("hold_forever", json!({}))]);
+    let runtime = harness::runtime_on(store, &model, vec![holder.into()]);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&holder, "h-2");
+    let sent = tokio::spawn(async move { handle.send("go").await });
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    assert_eq!(runtime.release().await, 1);
+    let outcome = tokio::time::timeout(std::time::Duration::from_secs(5), sent)
+        .await
+        .expect("the send ends")
+        .unwrap();
+    assert!(
+        matches!(outcome, Err(flue_runtime::RuntimeError::ShuttingDown)),
+        "{outcome:?}"
+    );
+}
+
 #[agent]
 fn runaway_across_attempts() -> &'static str {
     use_model("scripted/x");
