@@ -22,7 +22,8 @@ use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
 use crate::session::{self, InstanceSlot, ReplyParts, Settled};
 use crate::store::{
-    Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, TraceContext, UidCondition,
+    Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, SubmissionStatus, TraceContext,
+    UidCondition,
 };
 
 /// Everything that can go wrong talking to the runtime.
@@ -439,15 +440,37 @@ impl RuntimeInner {
         });
     }
 
-    /// Takes over submissions whose lease expired (their node died) and wakes every instance
-    /// with queued work.
     /// Whether this node gives its work back ([`Runtime::release`]) rather than take more.
     pub(crate) fn draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
 
+    /// Whether this node takes no more work: it is shutting down ([`Runtime::shutdown`]: what
+    /// runs may finish, nothing more starts; reference §3.9) or gives its work back.
+    pub(crate) fn claims_stopped(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire) || self.draining()
+    }
+
+    /// Makes every send and read waiting on this node look at its submission again.
+    pub(crate) fn wake_waiters(&self) {
+        drop(std::mem::take(
+            &mut *self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner()),
+        ));
+    }
+
+    /// Whether a worker of this node runs the instance `key`.
+    fn busy_here(&self, key: &InstanceKey) -> bool {
+        self.instances
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(key)
+            .is_some_and(|slot| !slot.is_idle())
+    }
+
+    /// Takes over submissions whose lease expired (their node died) and wakes every instance
+    /// with queued work.
     pub(crate) async fn scan(self: &Arc<Self>) {
-        if self.draining() {
+        if self.claims_stopped() {
             return;
         }
         match self.store.expired(crate::store::now_ms()).await {
@@ -913,9 +936,13 @@ impl RuntimeInner {
                     },
                 );
             }
-            // A node that gave its work back settles nothing more here: on a store of its own
-            // no other node will either while this process runs (the next one takes it over).
-            if self.draining.load(Ordering::Acquire) && !self.store.shared() {
+            // A node that gave its work back settles nothing more here, and one shutting down
+            // starts nothing queued (a response running here may still join it): on a store of
+            // its own no other node will either while this process runs (the next one takes it
+            // over).
+            let stranded = self.draining()
+                || (self.claims_stopped() && row.status == SubmissionStatus::Queued && !self.busy_here(key));
+            if stranded && !self.store.shared() {
                 return Err(RuntimeError::ShuttingDown);
             }
             // A dropped sender (the runtime going away) also ends the wait; the loop re-reads.
@@ -1299,23 +1326,22 @@ impl Runtime {
         }
         // The sends and reads waiting here look again (and, on a store of this node's own, are
         // told the node is stopping: nothing here will settle what they wait for).
-        drop(std::mem::take(
-            &mut *self
-                .inner
-                .waiters
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        ));
+        self.inner.wake_waiters();
         released
     }
 
-    /// Stops admitting new messages, and ends the live reads of the HTTP router
-    /// ([`crate::http::router`]): SSE streams and event streams end (a client reconnects, to
-    /// another node or to the next process) and a waiting long poll answers at once, so a
-    /// server's graceful shutdown, which waits for every open response, can finish.
+    /// Stops admitting new messages and claiming queued work (the attempts running go on, and
+    /// may finish; what is queued waits for another node or the next process), and ends the
+    /// live reads of the HTTP router ([`crate::http::router`]): SSE streams and event streams
+    /// end (a client reconnects, to another node or to the next process) and a waiting long
+    /// poll answers at once, so a server's graceful shutdown, which waits for every open
+    /// response, can finish.
     pub fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::Release);
         self.inner.closed.send_replace(true);
+        // The sends and reads waiting here look again: one whose submission is queued here, on
+        // an instance nothing runs here, is told the node is stopping.
+        self.inner.wake_waiters();
     }
 }
 

@@ -3097,6 +3097,101 @@ async fn a_send_waiting_when_its_node_gives_its_work_back_ends_with_shutting_dow
     );
 }
 
+static GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Runs until [`GATE_OPEN`] is set.
+#[tool]
+async fn gate() -> String {
+    while !GATE_OPEN.load(Ordering::SeqCst) {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    "open".to_owned()
+}
+
+#[agent]
+fn gate_keeper() -> &'static str {
+    use_model("scripted/x");
+    use_tool(gate);
+    "Wait for the gate."
+}
+
+/// Reference §3.9 (graceful shutdown stops claiming first): a node shutting down lets what
+/// runs finish but starts nothing queued (each claim spends an attempt, and the work would
+/// be given back at the end of the grace), and a read waiting for a queued submission is
+/// told the node is stopping.
+#[tokio::test]
+async fn a_node_shutting_down_finishes_what_runs_and_claims_nothing_queued() {
+    use flue_runtime::events::Event;
+    use flue_runtime::store::{Admission, Store as _, SubmissionKind, SubmissionStatus, UidCondition};
+    let store = flue_runtime::store::MemoryStore::new();
+    let model = ScriptedModel::new([ScriptedReply::tool_call("gate", json!({})), ScriptedReply::text("done")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(gate_keeper)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            scan_interval: std::time::Duration::from_millis(20),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    runtime.start().await;
+    let mut events = runtime.observe();
+    let handle = runtime.init(&gate_keeper, "g-1");
+    let first = handle.dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    runtime.shutdown();
+    // Work queued once the node is stopping (another node's admission, say), on an instance
+    // nothing runs here: the scans that follow do not start it.
+    let key = InstanceKey::new("gate_keeper", "g-2");
+    store
+        .admit(Admission {
+            key: key.clone(),
+            submission_id: "sub_queued_late".into(),
+            keyed: false,
+            kind: SubmissionKind::Dispatch,
+            message: "later".into(),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 10,
+            timeout_ms: 3_600_000,
+            claim: None,
+            trace: None,
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let row = store.submission("sub_queued_late").await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.attempt_count),
+        (SubmissionStatus::Queued, 0),
+        "nothing queued was claimed"
+    );
+    let waited = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        runtime.init(&gate_keeper, "g-2").read("sub_queued_late"),
+    )
+    .await
+    .expect("the read ends");
+    assert!(
+        matches!(waited, Err(flue_runtime::RuntimeError::ShuttingDown)),
+        "{waited:?}"
+    );
+    // What was running finishes.
+    GATE_OPEN.store(true, Ordering::SeqCst);
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(5), handle.read(&first.submission_id))
+        .await
+        .expect("what ran finishes")
+        .unwrap();
+    assert_eq!(reply.text, "done");
+}
+
 #[agent]
 fn runaway_across_attempts() -> &'static str {
     use_model("scripted/x");

@@ -1984,6 +1984,46 @@ async fn a_start_callback_failing_on_its_abort_signal_settles_the_submission_abo
     assert!(model.requests().is_empty(), "no model call after either");
 }
 
+#[agent(durability(timeout = "300ms"))]
+fn answered_then_stuck() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|_ctx| async {
+        // Deaf to the deadline's abort, after the final answer was committed.
+        std::future::pending::<()>().await;
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "Answer."
+}
+
+/// Reference §3.9 step 2: settling over an attempt given up after its grace is a
+/// reconciliation, and completed work wins: a response whose final answer is durable settles
+/// as completed (with its answer), not as timed out, and leaves no advisory.
+#[tokio::test]
+async fn an_attempt_given_up_after_its_answer_was_durable_settles_as_completed() {
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .agent(answered_then_stuck)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            settle_grace: std::time::Duration::from_millis(100),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let handle = runtime.init(&answered_then_stuck, "a");
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("go"))
+        .await
+        .expect("settled over the hung callback")
+        .unwrap();
+    assert_eq!(reply.text, "the answer");
+    let advised = advisories(&store, &InstanceKey::new("answered_then_stuck", "a")).await;
+    assert!(advised.is_empty(), "{advised:?}");
+}
+
 static STUCK_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 #[agent]

@@ -354,8 +354,8 @@ impl InstanceSlot {
             let runtime = self.runtime.upgrade()?;
             let next = match first.take() {
                 Some(claimed) => Ok(claimed.attempt_id.clone().map(|attempt_id| (claimed, attempt_id))),
-                // A node giving its work back claims no more.
-                None if runtime.draining() => Ok(None),
+                // A node shutting down, or giving its work back, claims no more.
+                None if runtime.claims_stopped() => Ok(None),
                 None => {
                     let claim = runtime.claim();
                     let claimed = runtime.store.claim_next(&self.key, &claim).await;
@@ -427,6 +427,11 @@ impl InstanceSlot {
                     if now_seen != seen && !self.busy.swap(true, Ordering::SeqCst) {
                         seen = now_seen;
                         continue;
+                    }
+                    if runtime.claims_stopped() {
+                        // What is left queued here waits for another node: its waiters learn
+                        // that now that nothing here runs the instance.
+                        runtime.wake_waiters();
                     }
                     return None;
                 }
@@ -656,7 +661,21 @@ impl InstanceSlot {
                                 ),
                             )),
                         );
-                        Err(Failure::aborted())
+                        // Settled over as the reference's reconciliation settles a hung attempt
+                        // (§3.9 step 2): a response that ended durably (its final answer was
+                        // committed before a finish callback hung, say) settles as completed,
+                        // never as aborted or timed out.
+                        let ended = match runtime.store.read(&self.key, None).await {
+                            Ok(batches) => {
+                                let mut durable = Conversation::default();
+                                for batch in &batches {
+                                    durable.apply(batch);
+                                }
+                                durable.has_ended(&submission.id)
+                            }
+                            Err(_) => false,
+                        };
+                        if ended { Ok(()) } else { Err(Failure::aborted()) }
                     }
                 }
             }
@@ -911,7 +930,9 @@ impl InstanceSlot {
         }
         drop(conversation);
         runtime.notify_settled(joined_ids.iter().chain(std::iter::once(&submission.id)));
-        let settled = (left.is_some() && submission.attempt_count == 1).then_some(Settled { outcome, error, reply });
+        // A response given up on kept in memory what it had: its sender reads the settlement.
+        let settled =
+            (left.is_some() && submission.attempt_count == 1 && !given_up).then_some(Settled { outcome, error, reply });
         (settled, left)
     }
 }
