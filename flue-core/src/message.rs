@@ -373,11 +373,12 @@ mod tests {
             mime_type: "image/png".into(),
             filename: None,
         };
-        let plain = image("iVBORw0KGgo=").bytes().unwrap();
-        assert_eq!(image("iVBO\nRw0K\r\nGgo=").bytes().unwrap(), plain);
-        assert_eq!(image(" iVBORw0KGgo= \n").bytes().unwrap(), plain);
+        let plain = image("iVBORw0KGgo=").bytes();
+        assert_eq!(plain, Ok(vec![0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n']));
+        assert_eq!(image("iVBO\nRw0K\r\nGgo=").bytes(), plain);
+        assert_eq!(image(" iVBORw0KGgo= \n").bytes(), plain);
         // `iVBORw0KGgp=`: the last character's low bits are not zero.
-        assert_eq!(image("iVBORw0KGgp=").bytes().unwrap(), plain);
+        assert_eq!(image("iVBORw0KGgp=").bytes(), plain);
         assert_eq!(image("iVB*ORw0KGgo=").bytes(), Err(MessageError::InvalidImageData));
     }
 
