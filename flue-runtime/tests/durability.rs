@@ -3192,6 +3192,70 @@ async fn a_node_shutting_down_finishes_what_runs_and_claims_nothing_queued() {
     assert_eq!(reply.text, "done");
 }
 
+#[agent(durability(timeout = "100ms"))]
+fn hasty() -> &'static str {
+    use_model("scripted/x");
+    "Be quick."
+}
+
+/// Reference §3.9 step 5: a takeover that finds the submission's deadline passed settles it as
+/// timed out without an attempt: none of an attempt's events (`submission_running`, the
+/// operation, the agent's start and end) is emitted, and no model call is made.
+#[tokio::test]
+async fn a_takeover_past_the_deadline_settles_timed_out_without_an_attempt() {
+    use flue_runtime::events::Event;
+    use flue_runtime::store::{Admission, Claim, Store as _, SubmissionKind, UidCondition};
+    let store = FaultyStore::default();
+    // A node that died holding the submission: its lease and the 100 ms budget both run out.
+    store
+        .admit(Admission {
+            key: InstanceKey::new("hasty", "h-1"),
+            submission_id: "sub_of_a_dead_node".into(),
+            keyed: false,
+            kind: SubmissionKind::Dispatch,
+            message: "hello".into(),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 10,
+            timeout_ms: 100,
+            claim: Some(Claim {
+                attempt_id: "attempt_of_a_dead_node".into(),
+                owner_id: "a-dead-node".into(),
+                lease_until_ms: flue_runtime::store::now_ms() + 50,
+            }),
+            trace: None,
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let model = ScriptedModel::new([ScriptedReply::text("too late")]);
+    let runtime = fast_scanning(&store, &model, hasty);
+    let mut events = runtime.observe();
+    runtime.start().await;
+    let error = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&hasty, "h-1").read("sub_of_a_dead_node"),
+    )
+    .await
+    .expect("taken over and settled")
+    .unwrap_err();
+    let RuntimeError::Run { error_type, .. } = &error else {
+        panic!("{error}")
+    };
+    assert_eq!(error_type, "submission_timeout");
+    assert!(model.requests().is_empty(), "no model call");
+    let mut attempted = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if matches!(
+            observation.event,
+            Event::SubmissionRunning { .. } | Event::OperationStart { .. } | Event::AgentStart
+        ) {
+            attempted.push(observation.event);
+        }
+    }
+    assert!(attempted.is_empty(), "{attempted:?}");
+}
+
 #[agent]
 fn runaway_across_attempts() -> &'static str {
     use_model("scripted/x");

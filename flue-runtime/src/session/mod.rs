@@ -516,8 +516,12 @@ impl InstanceSlot {
         // (§3.9 step 4), so none of an attempt's events (running, the operation, the agent's
         // start and end) is emitted. (An abort requested before the attempt ran is the
         // attempt's pre-execution check, after its `submission_running`, §3.7.)
-        let settles_unrun =
+        let budget_spent_unrun =
             refreshed.is_ok() && !answered && !abort_requested && submission.attempt_count > submission.max_attempts;
+        // So does a deadline a takeover finds passed (§3.9 step 5): it settles as timed out.
+        let past_deadline_unrun =
+            refreshed.is_ok() && !answered && !abort_requested && !budget_spent_unrun && Instant::now() >= deadline;
+        let settles_unrun = budget_spent_unrun || past_deadline_unrun;
         // An abort the attempt finds before it runs (§3.7 step 1): reported running, then
         // settled aborted, without an operation (no prompt runs), so without its events.
         let aborted_before_running = refreshed.is_ok() && !answered && abort_requested;
@@ -632,6 +636,8 @@ impl InstanceSlot {
                     transient: false,
                 }))
             }
+            // The deliveries an earlier attempt joined settle with it.
+            Ok(()) if past_deadline_unrun => response.resolve_earlier_joins(false).await.and(Err(timed_out())),
             // Boxed: the response's state machine is kilobytes, and the futures that await this
             // one would otherwise carry (and move) it inline.
             Ok(()) => {
