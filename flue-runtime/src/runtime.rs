@@ -79,6 +79,16 @@ pub enum RuntimeError {
     /// The runtime is shutting down and admits nothing new.
     #[error("[flue] The runtime is shutting down: it admits no new messages.")]
     ShuttingDown,
+    /// The submission was admitted, but this node is stopping and will not process it: it
+    /// runs when another node, or this one's next process, takes it over (read it there; do
+    /// not send it again, unless under the same idempotency key).
+    #[error(
+        "[flue] Submission \"{submission_id}\" was admitted but not processed here: the runtime is stopping. Another node, or the next process, runs it."
+    )]
+    NotProcessedHere {
+        /// The admitted submission.
+        submission_id: String,
+    },
 }
 
 impl From<StoreError> for RuntimeError {
@@ -468,7 +478,7 @@ impl RuntimeInner {
     }
 
     /// Takes over submissions whose lease expired (their node died) and wakes every instance
-    /// with queued work.
+    /// with queued work; nothing once the node stops taking work ([`Self::claims_stopped`]).
     pub(crate) async fn scan(self: &Arc<Self>) {
         if self.claims_stopped() {
             return;
@@ -941,12 +951,27 @@ impl RuntimeInner {
             // its own no other node will either while this process runs (the next one takes it
             // over).
             let stranded = self.draining()
-                || (self.claims_stopped() && row.status == SubmissionStatus::Queued && !self.busy_here(key));
+                || (self.claims_stopped()
+                    && match row.status {
+                        SubmissionStatus::Queued => !self.busy_here(key),
+                        // Running, but not here (an attempt whose settlement failed): nothing
+                        // here takes it over.
+                        SubmissionStatus::Running => row
+                            .attempt_id
+                            .as_ref()
+                            .is_none_or(|attempt| !self.running_attempts().contains(attempt)),
+                        _ => false,
+                    });
             if stranded && !self.store.shared() {
-                return Err(RuntimeError::ShuttingDown);
+                return Err(RuntimeError::NotProcessedHere {
+                    submission_id: submission_id.to_owned(),
+                });
             }
             // A dropped sender (the runtime going away) also ends the wait; the loop re-reads.
-            if self.store.shared() {
+            // While the node stops, the wait also looks again now and then: what it waits on
+            // may end without a settlement to wake it (an admission that failed while holding
+            // the instance).
+            if self.store.shared() || self.claims_stopped() {
                 // Only the node that settles a submission wakes its waiters, and on a shared
                 // store another node may run this one (its instance was busy there).
                 let _ = tokio::time::timeout(SHARED_SETTLEMENT_POLL, settled).await;
@@ -1299,7 +1324,7 @@ impl Runtime {
     /// What the attempts committed stays: the next attempt resumes from it, as after a crash
     /// (a tool batch they were running is repaired with outcome-unknown results). On a store
     /// that is not shared, the sends and reads waiting on this node for a submission that is
-    /// not settled end with [`RuntimeError::ShuttingDown`].
+    /// not settled end with [`RuntimeError::NotProcessedHere`].
     pub async fn release(&self) -> usize {
         self.inner.draining.store(true, Ordering::Release);
         let running: Vec<_> = self
@@ -1422,7 +1447,9 @@ pub struct AgentHandle {
 }
 
 impl AgentHandle {
-    /// Sends `message` and waits for the reply.
+    /// Sends `message` and waits for the reply. A runtime shutting down refuses it
+    /// ([`RuntimeError::ShuttingDown`]); one that stops before processing it, once admitted,
+    /// says so ([`RuntimeError::NotProcessedHere`]: it runs later, elsewhere).
     pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<AgentReply, RuntimeError> {
         self.send_request(SendRequest::new(self.key.id.to_string(), message))
             .await
@@ -1478,7 +1505,9 @@ impl AgentHandle {
 
     /// Waits for the submission to settle and returns its reply. An id this instance never
     /// admitted (another instance's included) is [`RuntimeError::InvalidRequest`]; an
-    /// instance never contacted is [`RuntimeError::InstanceNotFound`].
+    /// instance never contacted is [`RuntimeError::InstanceNotFound`]; a submission this node,
+    /// stopping, will not process (on a store of its own) is
+    /// [`RuntimeError::NotProcessedHere`].
     pub async fn read(&self, submission_id: &str) -> Result<AgentReply, RuntimeError> {
         // An id admission refuses names no instance (nor could every store look it up).
         if check_instance_id(&self.key.id).is_err() || self.runtime.store.instance(&self.key).await?.is_none() {

@@ -3073,7 +3073,7 @@ async fn a_submission_given_back_is_taken_over_at_once_by_another_node() {
 /// A send waiting for a submission its node gave back is told the node is stopping: on a
 /// store of its own nothing in this process settles it any more (it waited for ever).
 #[tokio::test]
-async fn a_send_waiting_when_its_node_gives_its_work_back_ends_with_shutting_down() {
+async fn a_send_waiting_when_its_node_gives_its_work_back_ends_not_processed_here() {
     use flue_runtime::events::Event;
     let store = flue_runtime::store::MemoryStore::new();
     let model = ScriptedModel::new([ScriptedReply::tool_call("hold_forever", json!({}))]);
@@ -3092,7 +3092,7 @@ async fn a_send_waiting_when_its_node_gives_its_work_back_ends_with_shutting_dow
         .expect("the send ends")
         .unwrap();
     assert!(
-        matches!(outcome, Err(flue_runtime::RuntimeError::ShuttingDown)),
+        matches!(outcome, Err(flue_runtime::RuntimeError::NotProcessedHere { .. })),
         "{outcome:?}"
     );
 }
@@ -3180,7 +3180,7 @@ async fn a_node_shutting_down_finishes_what_runs_and_claims_nothing_queued() {
     .await
     .expect("the read ends");
     assert!(
-        matches!(waited, Err(flue_runtime::RuntimeError::ShuttingDown)),
+        matches!(waited, Err(flue_runtime::RuntimeError::NotProcessedHere { .. })),
         "{waited:?}"
     );
     // What was running finishes.

@@ -297,6 +297,9 @@ impl From<RuntimeError> for ApiError {
             )
             .with_meta(json!({"submissionId": submission_id})),
             RuntimeError::ShuttingDown => Self::runtime_unavailable("draining"),
+            RuntimeError::NotProcessedHere { submission_id } => {
+                Self::runtime_unavailable("draining").with_meta(json!({"state": "draining", "submissionId": submission_id}))
+            }
             other => Self::internal(&other),
         }
     }

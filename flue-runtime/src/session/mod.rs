@@ -302,9 +302,10 @@ impl InstanceSlot {
     }
 
     /// Processes the instance's queue on the calling task until `submission_id` has been
-    /// processed (then hands any remaining work to a spawned worker). Returns at once when a
-    /// worker is already running: the caller then just waits for the settlement. Call it once
-    /// the submission is admitted (a running worker re-checks the queue when woken after that).
+    /// processed (then hands any remaining work to a spawned worker), or until the node stops
+    /// taking work. Returns at once when a worker is already running: the caller then just
+    /// waits for the settlement. Call it once the submission is admitted (a running worker
+    /// re-checks the queue when woken after that).
     pub(crate) async fn drive(self: &Arc<Self>, submission_id: &str) -> Option<Settled> {
         self.wakes.fetch_add(1, Ordering::SeqCst);
         if self.busy.swap(true, Ordering::SeqCst) {
@@ -452,7 +453,7 @@ impl InstanceSlot {
 
     /// Runs one claimed submission to its settlement. Returns the settlement when this call
     /// made it durable and the reply is complete in what this attempt committed (its first
-    /// attempt): the sender then needs no read of the store. With it, the queue as the
+    /// attempt, not given up on): the sender then needs no read of the store. With it, the queue as the
     /// settlement left it, when the settlement committed (and whether `until` settled with it).
     async fn process(
         &self,
@@ -518,9 +519,14 @@ impl InstanceSlot {
         // attempt's pre-execution check, after its `submission_running`, §3.7.)
         let budget_spent_unrun =
             refreshed.is_ok() && !answered && !abort_requested && submission.attempt_count > submission.max_attempts;
-        // So does a deadline a takeover finds passed (§3.9 step 5): it settles as timed out.
-        let past_deadline_unrun =
-            refreshed.is_ok() && !answered && !abort_requested && !budget_spent_unrun && Instant::now() >= deadline;
+        // So does a deadline a re-attempt (a takeover, a retry) finds passed (§3.9 step 5): it
+        // settles as timed out. (A first attempt runs, and its deadline fires at once.)
+        let past_deadline_unrun = refreshed.is_ok()
+            && !answered
+            && !abort_requested
+            && !budget_spent_unrun
+            && submission.attempt_count > 1
+            && Instant::now() >= deadline;
         let settles_unrun = budget_spent_unrun || past_deadline_unrun;
         // An abort the attempt finds before it runs (§3.7 step 1): reported running, then
         // settled aborted, without an operation (no prompt runs), so without its events.
