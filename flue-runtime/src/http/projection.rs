@@ -146,12 +146,21 @@ impl Projection {
         // projects to a reset too: the protocol has no chunk that changes a past message's
         // parts. A row's metadata goes as a `message-metadata` chunk; its status and name are
         // not shown.
+        // A tool row's create hooks' updates go in the batch of its outcome (appended as its
+        // tool ends): its creation, not an edit of history.
+        let created: HashSet<&str> = batch
+            .records
+            .iter()
+            .filter(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+            .map(|record| record.id.as_str())
+            .collect();
         let resets = batch.records.iter().any(|record| match &record.body {
             RecordBody::ConversationCreated { .. }
             | RecordBody::MessageDeleted { .. }
             | RecordBody::Compaction { .. } => true,
-            RecordBody::MessageUpdated { updates, .. } => {
-                updates.contains_key("content") || updates.contains_key("silent")
+            RecordBody::MessageUpdated { message_id, updates } => {
+                !created.contains(message_id.as_str())
+                    && (updates.contains_key("content") || updates.contains_key("silent"))
             }
             _ => false,
         });
@@ -590,8 +599,13 @@ impl Projection {
     fn update_message(&mut self, id: &str, updates: &Map<String, Value>) -> Option<String> {
         if let Some(call) = self.tool_call_of_row(id) {
             // A tool row's content is its call's output (or error text): an edit redacting
-            // it reaches the view.
+            // it reaches the view (and an outcome its batch has not committed yet, which the
+            // view shows once it does).
             if let Some(Value::String(content)) = updates.get("content")
+                && let Some(pending) = self.outcomes.get_mut(&call)
+            {
+                pending.content.clone_from(content);
+            } else if let Some(Value::String(content)) = updates.get("content")
                 && let Some(part) = self.tool_part_mut(&call)
             {
                 let field = if part["state"] == "output-error" {
@@ -1161,6 +1175,67 @@ mod tests {
             vec![vec![RecordBody::MessageDeleted { message_id: row }]],
         );
         assert_eq!(parts(&projection), json!([]));
+    }
+
+    /// A call's outcome is appended as its tool ends, with what its row's create hooks set
+    /// (the redacted content, say): that is the row's creation, not a reset, and the view shows
+    /// the hooks' content once the batch commits.
+    #[test]
+    fn a_tool_rows_create_hook_update_beside_its_outcome_is_no_reset() {
+        let mut projection = Projection::new("agents/a/i");
+        let call = RecordBody::AssistantToolCall {
+            message_id: "step_1".into(),
+            tool_call_id: "call_1".into(),
+            name: "lookup".into(),
+            arguments: "{}".into(),
+        };
+        fold(
+            &mut projection,
+            vec![vec![started("step_1"), call, completed("step_1", "")]],
+        );
+        let outcome = record(
+            "sub_1",
+            RecordBody::ToolOutcome {
+                assistant_message_id: "step_1".into(),
+                tool_call_id: "call_1".into(),
+                tool_name: "lookup".into(),
+                is_error: false,
+                content: "card 4242 4242 4242 4242".into(),
+                terminate: false,
+                duration_ms: 3,
+            },
+        );
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), json!("card [redacted]"));
+        let update = record(
+            "sub_1",
+            RecordBody::MessageUpdated {
+                message_id: outcome.id.clone(),
+                updates,
+            },
+        );
+        let mut chunks = Vec::new();
+        projection.apply(
+            &Batch {
+                offset: 1,
+                records: Arc::from(vec![outcome, update]),
+            },
+            Some(&mut chunks),
+        );
+        assert!(
+            chunks.iter().all(|chunk| chunk["type"] != "conversation-reset"),
+            "{chunks:?}"
+        );
+        assert_eq!(parts(&projection)[0]["state"], "input-available");
+        assert!(parts(&projection)[0].get("output").is_none());
+        let chunks = fold(
+            &mut projection,
+            vec![vec![RecordBody::ToolResultsCommitted {
+                assistant_message_id: "step_1".into(),
+            }]],
+        );
+        assert_eq!(chunks, [vec!["tool-output"]]);
+        assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
     }
 
     #[test]
