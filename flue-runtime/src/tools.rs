@@ -52,23 +52,20 @@ pub(crate) async fn run_batch<'c, T, Settled: Future<Output = T>>(
         started(call);
         async move {
             let begun = Instant::now();
-            let (output, interrupted) = match (tool, ctx) {
+            let output = match (tool, ctx) {
                 (Some(tool), Some(ctx)) => {
-                    let (mut output, interrupted) = run_guarded(&tool, ctx, &call.arguments, signal).await;
+                    let mut output = run_one(&tool, ctx, &call.arguments, signal).await;
                     // A `terminate` tool's successful results ask to end the turn.
                     output.terminate |= tool.definition().terminate && !output.is_error;
-                    (output, interrupted)
+                    output
                 }
-                _ => (
-                    ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
-                    false,
-                ),
+                _ => ToolOutput::error(format!("Tool \"{}\" is not available.", call.name)),
             };
             let executed = Executed {
                 call,
                 output,
                 duration_ms: begun.elapsed().as_millis() as u64,
-                interrupted: interrupted || signal.is_aborted(),
+                interrupted: signal.is_aborted(),
             };
             done(&executed);
             let last = running.fetch_sub(1, Ordering::AcqRel) == 1;
@@ -84,16 +81,10 @@ pub(crate) async fn run_batch<'c, T, Settled: Future<Output = T>>(
 }
 
 pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> ToolOutput {
-    run_guarded(tool, ctx, arguments, signal).await.0
-}
-
-/// [`run_one`], and whether its output is the abort's.
-async fn run_guarded(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &AbortSignal) -> (ToolOutput, bool) {
     let args: Value = match serde_json::from_str(if arguments.trim().is_empty() { "{}" } else { arguments }) {
         Ok(args) => args,
         Err(error) => {
-            let message = format!("Tool argument validation failed: [root] invalid JSON: {error}");
-            return (ToolOutput::error(message), false);
+            return ToolOutput::error(format!("Tool argument validation failed: [root] invalid JSON: {error}"));
         }
     };
     if let Err(issues) = tool.input_schema().validate(&args) {
@@ -104,17 +95,16 @@ async fn run_guarded(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &Ab
                 None => issue.clone(),
             })
             .collect();
-        let message = format!("Tool argument validation failed: {}", issues.join("; "));
-        return (ToolOutput::error(message), false);
+        return ToolOutput::error(format!("Tool argument validation failed: {}", issues.join("; ")));
     }
     if signal.is_aborted() {
-        return (ToolOutput::error("Tool execution was aborted before it started."), true);
+        return ToolOutput::error("Tool execution was aborted before it started.");
     }
     // A closure tool runs the user's code before its future exists: a panic there is the
     // tool's too.
     let run = match std::panic::catch_unwind(AssertUnwindSafe(|| tool.call(ctx, args))) {
         Ok(future) => AssertUnwindSafe(future).catch_unwind(),
-        Err(payload) => return (panicked(tool, payload.as_ref()), false),
+        Err(payload) => return panicked(tool, payload.as_ref()),
     };
     // The tool first: one that finishes at its first poll never registers with the signal.
     // (Not `tokio::select!`: it answers `Pending` without polling anything when the task's
@@ -126,14 +116,14 @@ async fn run_guarded(tool: &Tool, ctx: ToolContext, arguments: &str, signal: &Ab
     std::future::poll_fn(|cx| {
         if let Poll::Ready(result) = run.as_mut().poll(cx) {
             return Poll::Ready(match result {
-                Ok(output) => (output, false),
-                Err(payload) => (panicked(tool, payload.as_ref()), false),
+                Ok(output) => output,
+                Err(payload) => panicked(tool, payload.as_ref()),
             });
         }
         aborted
             .as_mut()
             .poll(cx)
-            .map(|()| (ToolOutput::error("Tool execution was aborted."), true))
+            .map(|()| ToolOutput::error("Tool execution was aborted."))
     })
     .await
 }

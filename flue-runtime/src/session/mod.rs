@@ -3119,17 +3119,8 @@ impl Response<'_> {
                     // The tool-result message, when the tool is done (its terminal `tool`
                     // event follows the batch's commit).
                     if !hooked && runtime.observed() {
-                        emit_tool_message(
-                            runtime,
-                            key,
-                            submission_id,
-                            ModelMessage::Tool {
-                                tool_call_id: run.call.id.clone(),
-                                name: run.call.name.clone(),
-                                content: run.output.to_text(),
-                                is_error: run.output.is_error,
-                            },
-                        );
+                        let message = tool_message(run.call, run.output.to_text(), run.output.is_error);
+                        emit_tool_message(runtime, key, submission_id, message);
                     }
                 },
                 |run: tools::Executed, last| async move {
@@ -3138,7 +3129,6 @@ impl Response<'_> {
                     if run.interrupted {
                         return SettledCall {
                             call: run.call,
-                            interrupted: true,
                             duration_ms: run.duration_ms,
                             content: run.output.to_text(),
                             is_error: run.output.is_error,
@@ -3153,17 +3143,8 @@ impl Response<'_> {
                         Some(row_id) => {
                             let stored = lifecycle::tool_outcome(hooks, thread, &run, row_id).await;
                             if runtime.observed() {
-                                emit_tool_message(
-                                    runtime,
-                                    key,
-                                    submission_id,
-                                    ModelMessage::Tool {
-                                        tool_call_id: run.call.id.clone(),
-                                        name: run.call.name.clone(),
-                                        content: stored.content.clone(),
-                                        is_error: stored.is_error,
-                                    },
-                                );
+                                let message = tool_message(run.call, stored.content.clone(), stored.is_error);
+                                emit_tool_message(runtime, key, submission_id, message);
                             }
                             (stored.content, stored.is_error, stored.updates)
                         }
@@ -3213,7 +3194,6 @@ impl Response<'_> {
                     };
                     SettledCall {
                         call: run.call,
-                        interrupted: false,
                         duration_ms: run.duration_ms,
                         content,
                         is_error,
@@ -3230,12 +3210,9 @@ impl Response<'_> {
         }
         if let Err(failure) = self.check_abort() {
             // The calls that ended before the abort keep their outcomes (the batch is settled
-            // with the submission, the others' outcomes unknown).
-            let ended: Vec<Record> = settled
-                .iter()
-                .filter(|call| !call.interrupted)
-                .flat_map(|call| call.held.iter().cloned())
-                .collect();
+            // with the submission, the others' outcomes unknown; a call the abort ended holds
+            // none).
+            let ended: Vec<Record> = settled.iter().flat_map(|call| call.held.iter().cloned()).collect();
             if !ended.is_empty() {
                 self.commit(ended, false).await?;
             }
@@ -3249,24 +3226,14 @@ impl Response<'_> {
         for call in &settled {
             rows.extend(call.row_id.iter().cloned());
             if let Some(results) = &mut results {
-                results.push(ModelMessage::Tool {
-                    tool_call_id: call.call.id.clone(),
-                    name: call.call.name.clone(),
-                    content: call.content.clone(),
-                    is_error: call.is_error,
-                });
+                results.push(tool_message(call.call, call.content.clone(), call.is_error));
             }
             records.extend(call.held.iter().cloned());
         }
         for call in unknown {
             let outcome = self.record(self.conversation.interrupted_outcome(&assistant_message_id, call));
             if let (Some(results), RecordBody::ToolOutcome { content, .. }) = (&mut results, &outcome.body) {
-                results.push(ModelMessage::Tool {
-                    tool_call_id: call.id.clone(),
-                    name: call.name.clone(),
-                    content: content.clone(),
-                    is_error: true,
-                });
+                results.push(tool_message(call, content.clone(), true));
             }
             records.push(outcome);
         }
@@ -3300,8 +3267,6 @@ impl Response<'_> {
 /// A call of a tool batch once its tool ended and its outcome went through the hooks.
 struct SettledCall<'c> {
     call: &'c ModelToolCall,
-    /// Its output is the abort's: no outcome of it is recorded.
-    interrupted: bool,
     duration_ms: u64,
     /// The result as stored.
     content: String,
@@ -3338,6 +3303,16 @@ fn attachments_of(
         images.push((put, image));
     }
     Ok((refs, images))
+}
+
+/// The tool-result message answering `call`.
+fn tool_message(call: &ModelToolCall, content: String, is_error: bool) -> ModelMessage {
+    ModelMessage::Tool {
+        tool_call_id: call.id.clone(),
+        name: call.name.clone(),
+        content,
+        is_error,
+    }
 }
 
 /// A tool result's `message_start` and `message_end`.
