@@ -221,7 +221,9 @@ pub enum Event {
         /// What the operation does.
         operation_kind: OperationKind,
     },
-    /// The agent started working on a submission (after `operation_start`).
+    /// A run of the agent began: right after `operation_start`, and again when the response
+    /// goes on after the model would have stopped (a `use_agent_finish` append, a delivery
+    /// joined then), as the reference's agent loop runs again (`continue()`).
     AgentStart,
     /// A message began: the applied input (a user message), a model step (an assistant
     /// message, empty while it streams: its deltas follow), or a tool's result once it ran.
@@ -445,9 +447,10 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         attributes: Option<std::sync::Arc<serde_json::Map<String, Value>>>,
     },
-    /// The agent finished working on the submission (before its `operation`).
+    /// A run of the agent ended: where the model would stop (before the finish callbacks
+    /// run), or where the response ended otherwise (before its `operation`).
     AgentEnd {
-        /// The messages the submission's processing added while someone observed, in order:
+        /// The messages the run added while someone observed, in order:
         /// the input (and joined deliveries) and each completed model step as their
         /// `message_end` gave them, then each step's tool results as stored (after the
         /// tool-result hooks, in call order, an interrupted call's outcome-unknown result

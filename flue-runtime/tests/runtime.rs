@@ -420,11 +420,36 @@ async fn appended_signals_are_announced_to_observers_and_in_agent_end() {
         _ => None,
     };
     let (mut started, mut ended, mut at_end) = (Vec::new(), Vec::new(), Vec::new());
+    // The agent's runs: each `agent_start` opens one, each `agent_end` closes it with its
+    // messages (user texts and assistant texts).
+    let mut runs: Vec<Vec<String>> = Vec::new();
+    let mut open = false;
     while let Ok(observation) = events.try_recv() {
         match observation.event {
-            Event::MessageStart { message } => started.extend(user_text(&message)),
+            Event::MessageStart { message } => {
+                assert!(open || user_text(&message).is_none(), "a message outside a run");
+                started.extend(user_text(&message));
+            }
             Event::MessageEnd { message } => ended.extend(user_text(&message)),
-            Event::AgentEnd { messages } => at_end.extend(messages.iter().filter_map(user_text)),
+            Event::AgentStart => {
+                assert!(!open, "runs do not nest");
+                open = true;
+            }
+            Event::AgentEnd { messages } => {
+                assert!(open);
+                open = false;
+                at_end.extend(messages.iter().filter_map(user_text));
+                runs.push(
+                    messages
+                        .iter()
+                        .map(|message| match message {
+                            ModelMessage::User { content, .. } => content.clone(),
+                            ModelMessage::Assistant { text, .. } => text.clone(),
+                            other => format!("{other:?}"),
+                        })
+                        .collect(),
+                );
+            }
             _ => {}
         }
     }
@@ -434,6 +459,15 @@ async fn appended_signals_are_announced_to_observers_and_in_agent_end() {
     assert!(started[2].starts_with("<signal type=\"todo\">"), "{started:?}");
     assert_eq!(ended, started);
     assert_eq!(at_end, started, "agent_end carries them too");
+    // Reference §7: `agent_start`/`agent_end` come from the agent loop, once per run: the
+    // finish callback's append continues the response in a run of its own, whose `agent_end`
+    // carries what it added (the signal and the second answer).
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(runs[0].len(), 3, "{runs:?}");
+    assert_eq!((runs[0][0].as_str(), runs[0][2].as_str()), ("go", "first"));
+    assert_eq!(runs[1].len(), 2, "{runs:?}");
+    assert!(runs[1][0].starts_with("<signal type=\"todo\">"), "{runs:?}");
+    assert_eq!(runs[1][1], "checked");
 }
 
 #[agent]

@@ -573,6 +573,7 @@ impl InstanceSlot {
             submission: &submission,
             first_step_metadata: None,
             ended: Vec::new(),
+            agent_open: false,
             data_writer_names: None,
             joined: Vec::new(),
             spare: None,
@@ -622,6 +623,7 @@ impl InstanceSlot {
                 operation_kind: OperationKind::Prompt,
             });
             runtime.emit(&self.key, Some(&submission.id), Event::AgentStart);
+            response.agent_open = true;
         }
         let mut given_up = false;
         let result = match refreshed {
@@ -706,9 +708,9 @@ impl InstanceSlot {
         };
         // A turn a failure broke off ends with the response.
         response.set_turn(None);
-        let messages = std::mem::take(&mut response.ended);
         if operates {
-            runtime.emit_with(&self.key, Some(&submission.id), || Event::AgentEnd { messages });
+            // The run the response ended in (unless it ended where the model would stop).
+            response.end_agent_run();
             runtime.emit_with(&self.key, Some(&submission.id), || Event::Operation {
                 operation_id: correlation.operation_id(),
                 operation_kind: OperationKind::Prompt,
@@ -1247,8 +1249,13 @@ struct Response<'a> {
     budget: crate::compaction::Budget,
     /// What the response's events are stamped with (its operation, the turn in progress).
     correlation: Option<Arc<Correlation>>,
-    /// The messages of the `message_end` events someone observed: what `agent_end` carries.
+    /// The messages of the `message_end` events someone observed since the agent's run began:
+    /// what its `agent_end` carries.
     ended: Vec<ModelMessage>,
+    /// Whether the agent's run is open: its `agent_start` was emitted, its `agent_end` not yet.
+    /// A run ends where the model would stop; a continuation (a finish callback's appends, a
+    /// late join) is a run of its own (the reference's loop `continue()`).
+    agent_open: bool,
 }
 
 impl Response<'_> {
@@ -1279,6 +1286,9 @@ impl Response<'_> {
     /// The `message_start` and `message_end` of a stored message (an input, once committed),
     /// as the conversation holds it.
     fn stored_message_events(&mut self, message_id: Option<&str>) {
+        // A delivery joined, or a signal appended, after the model would have stopped
+        // continues the response in a run of its own.
+        self.open_agent_run();
         if !self.runtime.observed() {
             return;
         }
@@ -1308,6 +1318,23 @@ impl Response<'_> {
             self.stored_message_events(Some(message_id));
         }
         Ok(())
+    }
+
+    /// Opens a run of the agent (its `agent_start`) unless one is open: a continuation after
+    /// the model would have stopped. Only a response that operates has runs.
+    fn open_agent_run(&mut self) {
+        if !self.agent_open && self.correlation.is_some() {
+            self.agent_open = true;
+            self.emit(Event::AgentStart);
+        }
+    }
+
+    /// Ends the agent's open run (its `agent_end`, with the messages that ended in it).
+    fn end_agent_run(&mut self) {
+        if std::mem::take(&mut self.agent_open) {
+            let messages = std::mem::take(&mut self.ended);
+            self.emit_with(|| Event::AgentEnd { messages });
+        }
     }
 
     /// A `message_end`, whose message `agent_end` carries too.
@@ -1908,6 +1935,9 @@ impl Response<'_> {
                 break;
             }
             if std::mem::take(&mut stopping) {
+                // The agent's run ends where the model would stop; what follows (a finish
+                // callback's appends, a late join) continues in a run of its own.
+                self.end_agent_run();
                 let rendered = self.spare.take().unwrap_or_default();
                 let steps_again = self
                     .would_stop(
@@ -2515,6 +2545,7 @@ impl Response<'_> {
         rendered: &Rendered,
         step: u32,
     ) -> Result<(ModelResponse, String, LazyId), Failure> {
+        self.open_agent_run();
         self.load_images().await?;
         let message_id = new_id("msg");
         self.narrate_resources(rendered).await?;
@@ -2951,6 +2982,7 @@ impl Response<'_> {
         if queued.is_empty() {
             return Ok(None);
         }
+        self.open_agent_run();
         let message_id = new_id("msg");
         let calls: Vec<ModelToolCall> = queued
             .iter()
