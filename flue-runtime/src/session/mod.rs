@@ -2698,7 +2698,8 @@ impl Response<'_> {
             self.assistant_row_failed(&message_id).await;
             return Err(failure);
         };
-        let mut row_updates = row_updates.unwrap_or_default();
+        // What the row's create hooks set before the model was called.
+        let created_updates = row_updates.unwrap_or_default();
         self.budget.called(&response.usage, history_len);
         self.emit_with(|| Event::Turn {
             turn_id: turn_id.get(),
@@ -2720,8 +2721,9 @@ impl Response<'_> {
             // The row hooks never see reasoning: it is not kept where they cannot redact it.
             response.reasoning.clear();
         }
+        let mut completion_updates = flue_core::lifecycle::MessageUpdates::new();
         response.text = self
-            .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut row_updates)
+            .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut completion_updates)
             .await;
         // The step's start (unless its text streamed into the stream already), its calls and
         // its completion.
@@ -2737,11 +2739,13 @@ impl Response<'_> {
             None => Vec::new(),
         };
         records.extend(crate::record::model_step_ending(&message_id, &response).map(|body| self.record(body)));
-        // What `update_message` set on the row while the step ran, under the step's own (its
-        // content and status are the step's: they came later).
+        // The row's fields oldest first, each later change over the earlier: what its create
+        // hooks set, then what `update_message` set while the step ran, then what the update
+        // hooks of its completion set (its content and status are the step's: they came last).
         let row_updates = {
-            let mut updates = self.writer.take_pending_updates();
-            updates.extend(row_updates);
+            let mut updates = created_updates;
+            updates.extend(self.writer.take_pending_updates());
+            updates.extend(completion_updates);
             updates
         };
         if !row_updates.is_empty() {
