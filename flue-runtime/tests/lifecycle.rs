@@ -1296,6 +1296,53 @@ async fn a_tool_call_started_hook_past_30_s_is_left_running_while_the_response_g
     );
 }
 
+static LATE_CREATES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static LATE_INJECTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Counts the create hooks run for the late row.
+#[hook(before_create_message)]
+async fn count_late_creates(_state: &ThreadState, message: Message) -> Message {
+    if message.content.as_deref() == Some("late") {
+        LATE_CREATES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+    message
+}
+
+/// Injects a row once its response is long over.
+#[hook(tool_call_started)]
+async fn inject_late(state: &ThreadState, _call: &ToolCall, _progress: Option<&str>) {
+    tokio::time::sleep(std::time::Duration::from_secs(40)).await;
+    let injected = state
+        .inject_message(InjectMessage::new(MessageRole::User, "late"))
+        .await;
+    LATE_INJECTED.lock().unwrap().push(format!(
+        "refused: {}",
+        matches!(injected, Err(ThreadError::Unavailable(_)))
+    ));
+}
+
+#[agent(hooks = [count_late_creates, inject_late])]
+fn late_writer() -> &'static str {
+    use_model("scripted/x");
+    use_tool(marks_context);
+    "L"
+}
+
+/// A thread state used after its response ended refuses a row before the row's hooks run
+/// (they would run for a write that is refused).
+#[tokio::test(start_paused = true)]
+async fn a_row_written_after_the_response_ended_is_refused_before_its_hooks_run() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("marks_context", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![late_writer.into()]);
+    runtime.init(&late_writer, "late").send("go").await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(20)).await;
+    assert_eq!(*LATE_INJECTED.lock().unwrap(), ["refused: true"]);
+    assert_eq!(LATE_CREATES.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
 // ---- after_thread_created, execution, context, values (items 55, 77, 78, 79, 82) ---------------
 
 static CREATED: Mutex<Vec<String>> = Mutex::new(Vec::new());
@@ -1678,6 +1725,71 @@ async fn item_29_a_refused_message_leaves_none_of_its_images_stored() {
             .await
             .unwrap()
             .is_some()
+    );
+}
+
+/// Tags assistant rows as they are created.
+#[hook(before_create_message)]
+async fn tag_assistant_rows(_state: &ThreadState, mut message: Message) -> Message {
+    if message.role == MessageRole::Assistant {
+        message.metadata.insert("tag".into(), json!("x"));
+    }
+    message
+}
+
+/// While the step streams its call, notes progress on the step's (pending) row.
+#[hook(tool_call_started)]
+async fn note_progress(state: &ThreadState, _call: &ToolCall, _progress: Option<&str>) {
+    let rows = state.get_messages(MessagesQuery::default()).await.unwrap();
+    let pending = rows
+        .messages
+        .iter()
+        .find(|row| row.role == MessageRole::Assistant && row.status == Some(MessageStatus::Pending))
+        .expect("the step's pending row");
+    let mut updates = serde_json::Map::new();
+    updates.insert("metadata".into(), json!({"tag": "x", "progress": "y"}));
+    state.update_message(&pending.id, updates).await.unwrap();
+}
+
+/// Does nothing.
+#[tool]
+async fn noop() -> String {
+    "ok".into()
+}
+
+#[agent(hooks = [tag_assistant_rows, note_progress])]
+fn progressing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(noop);
+    "P"
+}
+
+/// Standard Agents §2.1 `updateMessage`: a change made to the running step's row while it
+/// streams is stored over what its create hooks set earlier, not under it.
+#[tokio::test]
+async fn an_update_of_the_running_steps_row_outlasts_its_create_hooks_fields() {
+    let model = ScriptedModel::new([ScriptedReply::tool_call("noop", json!({})), ScriptedReply::text("done")]);
+    let runtime = runtime_with(&model, vec![progressing.into()]);
+    runtime.init(&progressing, "p").send("go").await.unwrap();
+    let stored = bodies(&runtime, "progressing", "p").await;
+    let step = stored
+        .iter()
+        .find_map(|body| match body {
+            RecordBody::AssistantToolCall { message_id, .. } => Some(message_id.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let metadata: Vec<&Value> = stored
+        .iter()
+        .filter_map(|body| match body {
+            RecordBody::MessageUpdated { message_id, updates } if *message_id == step => updates.get("metadata"),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        metadata.last(),
+        Some(&&json!({"tag": "x", "progress": "y"})),
+        "{metadata:?}"
     );
 }
 

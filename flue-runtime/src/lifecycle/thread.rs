@@ -442,6 +442,8 @@ impl ThreadStateApi for RuntimeThread {
 
     fn inject_message(&self, input: InjectMessage) -> BoxFuture<'_, Result<Message, ThreadError>> {
         Box::pin(async move {
+            // Refused before the row's hooks run: they would run for a write that is refused.
+            self.writer.check_open("inject_message")?;
             if input.role == MessageRole::Tool {
                 return Err(ThreadError::Invalid(
                     "inject_message cannot write a tool row: a tool row answers a tool call of the model.".into(),
@@ -503,6 +505,7 @@ impl ThreadStateApi for RuntimeThread {
         updates: MessageUpdates,
     ) -> BoxFuture<'a, Result<Message, ThreadError>> {
         Box::pin(async move {
+            self.writer.check_open("update_message")?;
             check_updates(&updates)?;
             let stored = self
                 .writer
@@ -540,6 +543,7 @@ impl ThreadStateApi for RuntimeThread {
 
     fn delete_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, ThreadError>> {
         Box::pin(async move {
+            self.writer.check_open("delete_message")?;
             if !self
                 .writer
                 .with_fold(|conversation| conversation.find_row(id).is_some())
