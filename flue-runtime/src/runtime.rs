@@ -955,11 +955,15 @@ impl RuntimeInner {
                     && match row.status {
                         SubmissionStatus::Queued => !self.busy_here(key),
                         // Running, but not here (an attempt whose settlement failed): nothing
-                        // here takes it over.
-                        SubmissionStatus::Running => row
-                            .attempt_id
-                            .as_ref()
-                            .is_none_or(|attempt| !self.running_attempts().contains(attempt)),
+                        // here takes it over. (A send that claimed it with its admission runs
+                        // it while holding the instance, before its attempt is held.)
+                        SubmissionStatus::Running => {
+                            !self.busy_here(key)
+                                && row
+                                    .attempt_id
+                                    .as_ref()
+                                    .is_none_or(|attempt| !self.running_attempts().contains(attempt))
+                        }
                         _ => false,
                     });
             if stranded && !self.store.shared() {
