@@ -1507,6 +1507,61 @@ async fn a_re_attempt_counts_only_model_steps_against_max_steps() {
     assert_eq!(reply.text, "Found it.");
 }
 
+/// Standard Agents §2.1 `queueTool` (durable: accepted work is never lost): calls a tool
+/// queued are recorded with the batch that queued them. An attempt that dies before running
+/// them leaves them an open batch that the re-attempt settles (outcome unknown, the call not
+/// durable), where they were lost with the attempt.
+#[tokio::test]
+async fn a_call_queued_by_a_tool_is_recorded_with_its_batch_and_not_lost_with_the_attempt() {
+    let store = FaultyStore::default();
+    // The append after the batch that committed the queuing call's outcome fails.
+    let armed = std::sync::atomic::AtomicBool::new(false);
+    store.fail_once(move |records: &[Record]| {
+        if armed.load(Ordering::SeqCst) {
+            return true;
+        }
+        if records.iter().any(
+            |record| matches!(&record.body, RecordBody::ToolOutcome { tool_name, .. } if tool_name == "audited_look"),
+        ) {
+            armed.store(true, Ordering::SeqCst);
+        }
+        false
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("audited_look", json!({})),
+        ScriptedReply::text("Found it."),
+    ]);
+    let runtime = runtime(&store, &model, audited_looker);
+    let reply = runtime
+        .init(&audited_looker, "a-2")
+        .send("Where is order 8?")
+        .await
+        .unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "Found it.");
+    let all = records(&store, &InstanceKey::new("audited_looker", "a-2")).await;
+    let audit_calls: Vec<&str> = all
+        .iter()
+        .filter_map(|record| match &record.body {
+            RecordBody::AssistantToolCall { tool_call_id, name, .. } if name == "audit" => Some(tool_call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(audit_calls.len(), 1, "the queued call is in the stream");
+    let outcomes = all
+        .iter()
+        .filter(|record| matches!(&record.body, RecordBody::ToolOutcome { tool_call_id, .. } if tool_call_id == audit_calls[0]))
+        .count();
+    assert_eq!(outcomes, 1, "and settled once");
+    assert!(
+        model.requests()[1]
+            .messages
+            .iter()
+            .any(|message| matches!(message, ModelMessage::Tool { name, .. } if name == "audit")),
+        "the model reads its result"
+    );
+}
+
 /// Repeat the text.
 #[tool]
 async fn echo(

@@ -573,6 +573,7 @@ impl InstanceSlot {
             submission: &submission,
             first_step_metadata: None,
             ended: Vec::new(),
+            queued_step: None,
             agent_open: false,
             data_writer_names: None,
             joined: Vec::new(),
@@ -1252,6 +1253,9 @@ struct Response<'a> {
     /// The messages of the `message_end` events someone observed since the agent's run began:
     /// what its `agent_end` carries.
     ended: Vec<ModelMessage>,
+    /// Calls `queue_tool` queued while a tool batch ran, recorded as a step of their own with
+    /// that batch's commit: the next [`Self::run_queued_tools`] runs them.
+    queued_step: Option<QueuedStep>,
     /// Whether the agent's run is open: its `agent_start` was emitted, its `agent_end` not yet.
     /// A run ends where the model would stop; a continuation (a finish callback's appends, a
     /// late join) is a run of its own (the reference's loop `continue()`).
@@ -1365,7 +1369,17 @@ impl Response<'_> {
 
     /// Appends one batch (plus the attempt's pending state writes and data writes, which
     /// become durable with it) and folds it into the conversation.
-    async fn commit(&mut self, mut records: Vec<Record>, with_state: bool) -> Result<(), Failure> {
+    async fn commit(&mut self, records: Vec<Record>, with_state: bool) -> Result<(), Failure> {
+        self.commit_then(records, with_state, Vec::new()).await
+    }
+
+    /// [`Self::commit`], with `tail` after the batch's marker in the same append.
+    async fn commit_then(
+        &mut self,
+        mut records: Vec<Record>,
+        with_state: bool,
+        tail: Vec<Record>,
+    ) -> Result<(), Failure> {
         // Data writes made so far land before the batch (each its own batch).
         self.flush_data().await?;
         self.fold_thread_writes();
@@ -1386,6 +1400,7 @@ impl Response<'_> {
             }));
             records.extend(marker);
         }
+        records.extend(tail);
         if records.is_empty() {
             return Ok(());
         }
@@ -2961,13 +2976,20 @@ impl Response<'_> {
 
     /// Logs (a `warn` event and the log) the calls `queue_tool` asked for that the response
     /// ended without running, and forgets them.
-    fn warn_unrun_queued_tools(&self) {
+    fn warn_unrun_queued_tools(&mut self) {
         let Some(view) = &self.thread else { return };
         let queued = view.take_queued_tools();
-        if queued.is_empty() {
+        // A step recorded with its batch and never run stays open in the stream: the next
+        // response reads its calls' outcomes as unknown.
+        let recorded = self.queued_step.take();
+        let names: Vec<&str> = recorded
+            .iter()
+            .flat_map(|step| step.tools.iter().map(flue_core::Tool::name))
+            .chain(queued.iter().map(|(tool, _)| tool.name()))
+            .collect();
+        if names.is_empty() {
             return;
         }
-        let names: Vec<&str> = queued.iter().map(|(tool, _)| tool.name()).collect();
         let message = format!(
             "[flue] The response ended before running the tool calls queued with queue_tool: {}. Queue calls while the response can still run them (not after its last step).",
             names.join(", ")
@@ -2981,12 +3003,31 @@ impl Response<'_> {
     /// against `max_steps`); `None` when nothing was queued, else whether every result asked to
     /// end the turn.
     async fn run_queued_tools(&mut self, rendered: &Rendered, spec: &str) -> Result<Option<bool>, Failure> {
-        let Some(view) = &self.thread else { return Ok(None) };
+        let step = match self.queued_step.take() {
+            // Recorded with the batch that queued them.
+            Some(step) => step,
+            None => {
+                let Some((records, step)) = self.queued_step_of(spec) else {
+                    return Ok(None);
+                };
+                self.commit(records, false).await?;
+                step
+            }
+        };
+        self.open_agent_run();
+        self.tool_batch(rendered, &step.tools, &step.calls, step.message_id, &[], None)
+            .await
+            .map(Some)
+    }
+
+    /// The calls queued with `queue_tool` (taken from the thread) as the records of a step of
+    /// their own, and the step; `None` when nothing was queued.
+    fn queued_step_of(&mut self, spec: &str) -> Option<(Vec<Record>, QueuedStep)> {
+        let view = self.thread.as_ref()?;
         let queued = view.take_queued_tools();
         if queued.is_empty() {
-            return Ok(None);
+            return None;
         }
-        self.open_agent_run();
         let message_id = new_id("msg");
         let calls: Vec<ModelToolCall> = queued
             .iter()
@@ -3018,11 +3059,15 @@ impl Response<'_> {
             stop_reason: crate::provider::StopReason::ToolUse,
             usage: Usage::default(),
         }));
-        self.commit(records, false).await?;
         let tools: Vec<flue_core::Tool> = queued.into_iter().map(|(tool, _)| tool).collect();
-        self.tool_batch(rendered, &tools, &calls, message_id, &[], None)
-            .await
-            .map(Some)
+        Some((
+            records,
+            QueuedStep {
+                message_id,
+                calls,
+                tools,
+            },
+        ))
     }
 
     /// Repairs a tool batch an earlier attempt left uncommitted (reference §3.9 step 7): when
@@ -3274,7 +3319,22 @@ impl Response<'_> {
             records.push(outcome);
         }
         records.push(self.record(RecordBody::ToolResultsCommitted { assistant_message_id }));
-        self.commit(records, true).await?;
+        // Calls the batch's tools queued (`queue_tool`) commit with it, as a step of their own
+        // that runs next: a crash before they run leaves them an open batch that recovery
+        // settles, where in memory they were lost.
+        let spec = self.model_spec.as_ref().map(|(spec, _)| spec.clone());
+        let queued = match spec {
+            Some(spec) if self.queued_step.is_none() => self.queued_step_of(&spec),
+            _ => None,
+        };
+        let tail = match queued {
+            Some((records, step)) => {
+                self.queued_step = Some(step);
+                records
+            }
+            None => Vec::new(),
+        };
+        self.commit_then(records, true, tail).await?;
         self.tool_rows_created(&rows).await;
         for call in &settled {
             self.runtime
@@ -3298,6 +3358,13 @@ impl Response<'_> {
         }
         Ok(self.conversation.batch_terminated())
     }
+}
+
+/// Calls queued with `queue_tool`, stored as an assistant step of their own (its id), to run.
+struct QueuedStep {
+    message_id: String,
+    calls: Vec<ModelToolCall>,
+    tools: Vec<flue_core::Tool>,
 }
 
 /// A call of a tool batch once its tool ended and its outcome went through the hooks.
