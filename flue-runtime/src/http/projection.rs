@@ -1116,8 +1116,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_tool_rows_edit_and_deletion_reach_its_calls_part() {
+    /// A projection of a step that called `lookup` (`call_1`), and that call's outcome record,
+    /// not folded yet.
+    fn a_step_calling_lookup() -> (Projection, Record) {
         let mut projection = Projection::new("agents/a/i");
         let call = RecordBody::AssistantToolCall {
             message_id: "step_1".into(),
@@ -1141,6 +1142,12 @@ mod tests {
                 duration_ms: 3,
             },
         );
+        (projection, outcome)
+    }
+
+    #[test]
+    fn a_tool_rows_edit_and_deletion_reach_its_calls_part() {
+        let (mut projection, outcome) = a_step_calling_lookup();
         let row = outcome.id.clone();
         let committed = record(
             "sub_1",
@@ -1182,29 +1189,7 @@ mod tests {
     /// the hooks' content once the batch commits.
     #[test]
     fn a_tool_rows_create_hook_update_beside_its_outcome_is_no_reset() {
-        let mut projection = Projection::new("agents/a/i");
-        let call = RecordBody::AssistantToolCall {
-            message_id: "step_1".into(),
-            tool_call_id: "call_1".into(),
-            name: "lookup".into(),
-            arguments: "{}".into(),
-        };
-        fold(
-            &mut projection,
-            vec![vec![started("step_1"), call, completed("step_1", "")]],
-        );
-        let outcome = record(
-            "sub_1",
-            RecordBody::ToolOutcome {
-                assistant_message_id: "step_1".into(),
-                tool_call_id: "call_1".into(),
-                tool_name: "lookup".into(),
-                is_error: false,
-                content: "card 4242 4242 4242 4242".into(),
-                terminate: false,
-                duration_ms: 3,
-            },
-        );
+        let (mut projection, outcome) = a_step_calling_lookup();
         let mut updates = serde_json::Map::new();
         updates.insert("content".into(), json!("card [redacted]"));
         let update = record(
