@@ -2391,16 +2391,8 @@ async fn a_call_whose_outcome_was_recorded_does_not_run_again_when_the_batch_com
     assert_eq!(reply.text, "Refunded.");
     // Three runs of the tool: both calls, then the second again (replaying its steps).
     assert_eq!(KEPT.get(), (3, 2, 2));
-    let results: Vec<(String, bool)> = model.requests()[1]
-        .messages
-        .iter()
-        .filter_map(|message| match message {
-            ModelMessage::Tool { content, is_error, .. } => Some((content.clone(), *is_error)),
-            _ => None,
-        })
-        .collect();
     assert_eq!(
-        results,
+        harness::tool_results(&model.requests()[1]),
         [
             ("refund re_1, email 1".to_owned(), false),
             ("refund re_2, email 2".to_owned(), false)
@@ -3177,7 +3169,7 @@ fn gate_keeper() -> &'static str {
 #[tokio::test]
 async fn a_node_shutting_down_finishes_what_runs_and_claims_nothing_queued() {
     use flue_runtime::events::Event;
-    use flue_runtime::store::{Admission, Store as _, SubmissionKind, SubmissionStatus, UidCondition};
+    use flue_runtime::store::{Store as _, SubmissionStatus};
     let store = flue_runtime::store::MemoryStore::new();
     let model = ScriptedModel::new([ScriptedReply::tool_call("gate", json!({})), ScriptedReply::text("done")]);
     let mut providers = ProviderRegistry::new();
@@ -3206,19 +3198,7 @@ async fn a_node_shutting_down_finishes_what_runs_and_claims_nothing_queued() {
     // nothing runs here: the scans that follow do not start it.
     let key = InstanceKey::new("gate_keeper", "g-2");
     store
-        .admit(Admission {
-            key: key.clone(),
-            submission_id: "sub_queued_late".into(),
-            keyed: false,
-            kind: SubmissionKind::Dispatch,
-            message: "later".into(),
-            initial_data: None,
-            uid: UidCondition::Any,
-            max_attempts: 10,
-            timeout_ms: 3_600_000,
-            claim: None,
-            trace: None,
-        })
+        .admit(harness::admission(&key, "sub_queued_late", "later"))
         .await
         .unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -3259,26 +3239,18 @@ fn hasty() -> &'static str {
 #[tokio::test]
 async fn a_takeover_past_the_deadline_settles_timed_out_without_an_attempt() {
     use flue_runtime::events::Event;
-    use flue_runtime::store::{Admission, Claim, Store as _, SubmissionKind, UidCondition};
+    use flue_runtime::store::{Admission, Claim, Store as _};
     let store = FaultyStore::default();
     // A node that died holding the submission: its lease and the 100 ms budget both run out.
     store
         .admit(Admission {
-            key: InstanceKey::new("hasty", "h-1"),
-            submission_id: "sub_of_a_dead_node".into(),
-            keyed: false,
-            kind: SubmissionKind::Dispatch,
-            message: "hello".into(),
-            initial_data: None,
-            uid: UidCondition::Any,
-            max_attempts: 10,
             timeout_ms: 100,
             claim: Some(Claim {
                 attempt_id: "attempt_of_a_dead_node".into(),
                 owner_id: "a-dead-node".into(),
                 lease_until_ms: flue_runtime::store::now_ms() + 50,
             }),
-            trace: None,
+            ..harness::admission(&InstanceKey::new("hasty", "h-1"), "sub_of_a_dead_node", "hello")
         })
         .await
         .unwrap();
