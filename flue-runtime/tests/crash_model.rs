@@ -58,7 +58,7 @@
 mod harness;
 mod scratch;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -985,11 +985,11 @@ async fn crash_and_recover<F: Future<Output = Arc<dyn Store>>>(
                     .collect();
                 let (lives, _, _) = life(scope, &open, &model, None, lives, releases, done);
                 finish.send_replace(true);
-                let (records, rows) = tokio.block_on(async {
+                let ((records, closings), rows) = tokio.block_on(async {
                     let store = open().await;
-                    (stream(&*store).await, ledger(&*store, &lives).await)
+                    (stream_and_closings(&*store).await, ledger(&*store, &lives).await)
                 });
-                let checked = check(&lives, &records, exchanges);
+                let checked = check(&lives, (&records, &closings), exchanges);
                 // The paused lives not released yet go on (the runs they make now are theirs
                 // alone, not counted)…
                 for life in &paused {
@@ -1032,7 +1032,13 @@ async fn ledger(store: &dyn Store, lives: &Lives) -> (Vec<String>, bool) {
 }
 
 /// What [`crash_and_recover`] checks.
-fn check(lives: &Lives, records: &[Record], exchanges: &[Exchange]) -> Result<(), TestCaseError> {
+/// Checks what the lives read back and the instance's stream (`records`, and the markers of
+/// the batches settlements closed, see [`stream_and_closings`]).
+fn check(
+    lives: &Lives,
+    (records, closings): (&[Record], &BTreeSet<String>),
+    exchanges: &[Exchange],
+) -> Result<(), TestCaseError> {
     for ((n, _), reply) in lives.admitted.iter().zip(&lives.replies) {
         match reply {
             // Its own answer checked (after the response's earlier texts), or a later
@@ -1081,18 +1087,35 @@ fn check(lives: &Lives, records: &[Record], exchanges: &[Exchange]) -> Result<()
             death.crash
         );
     }
-    check_stream(records, &lives.deaths, exchanges, &lives.admitted)
+    check_stream((records, closings), &lives.deaths, exchanges, &lives.admitted)
 }
 
 /// The instance's records, in order.
 async fn stream(store: &dyn Store) -> Vec<Record> {
-    store
-        .read(&InstanceKey::new("keeper", INSTANCE), None)
-        .await
-        .unwrap()
-        .iter()
-        .flat_map(|batch| batch.records.iter().cloned())
-        .collect()
+    stream_and_closings(store).await.0
+}
+
+/// The instance's records, in order, and the ids of the batch markers a settlement wrote: a
+/// batch that no attempt committed, closed with its submission (the outcomes its calls
+/// recorded stand; their state writes are absent, reference §3.3).
+async fn stream_and_closings(store: &dyn Store) -> (Vec<Record>, BTreeSet<String>) {
+    let batches = store.read(&InstanceKey::new("keeper", INSTANCE), None).await.unwrap();
+    let mut closings = BTreeSet::new();
+    for batch in &batches {
+        let settles = batch
+            .records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::SubmissionSettled { .. }));
+        closings.extend(
+            batch
+                .records
+                .iter()
+                .filter(|record| settles && matches!(record.body, RecordBody::ToolResultsCommitted { .. }))
+                .map(|record| record.id.clone()),
+        );
+    }
+    let records = batches.iter().flat_map(|batch| batch.records.iter().cloned()).collect();
+    (records, closings)
 }
 
 /// The outcome-unknown result a repaired call gets.
@@ -1110,7 +1133,7 @@ fn runs_its_tool(name: &str, arguments: &Value) -> bool {
 }
 
 fn check_stream(
-    records: &[Record],
+    (records, closings): (&[Record], &BTreeSet<String>),
     deaths: &[Death],
     exchanges: &[Exchange],
     submissions: &[(usize, String)],
@@ -1182,7 +1205,7 @@ fn check_stream(
         submissions
             .iter()
             .map(|(_, id)| id.as_str())
-            .collect::<std::collections::BTreeSet<_>>()
+            .collect::<BTreeSet<_>>()
             .into_iter()
             .collect::<Vec<_>>(),
         "the submissions settled"
@@ -1201,7 +1224,8 @@ fn check_stream(
     let mut calls: BTreeMap<&str, (&str, Value)> = BTreeMap::new();
     let mut outcomes: BTreeMap<&str, Vec<(bool, &str)>> = BTreeMap::new();
     // Which attempt appended each call's outcome (as its tool ended, or with the commit), and
-    // which committed each step's batch: a tool's state writes go with its attempt's commit.
+    // which committed each step's batch: a tool's state writes go with its attempt's commit,
+    // not with the marker a settlement closes the batch with (an abort during the batch).
     let mut answered_by: BTreeMap<&str, (&str, Option<&str>)> = BTreeMap::new();
     let mut committed_by: BTreeMap<&str, Option<&str>> = BTreeMap::new();
     for record in records {
@@ -1215,7 +1239,7 @@ fn check_stream(
                     .entry(tool_call_id)
                     .or_insert((assistant_message_id, record.attempt_id.as_deref()));
             }
-            RecordBody::ToolResultsCommitted { assistant_message_id } => {
+            RecordBody::ToolResultsCommitted { assistant_message_id } if !closings.contains(&record.id) => {
                 committed_by.insert(assistant_message_id, record.attempt_id.as_deref());
             }
             _ => {}
@@ -1418,7 +1442,8 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
         let open = memory(&store);
         let done = tokio::sync::watch::channel(true).1;
         let whole = std::thread::scope(|scope| life(scope, &open, &model, None, Lives::default(), Vec::new(), done).0);
-        check(&whole, &stream(&store).await, &exchanges)?;
+        let (records, closings) = stream_and_closings(&store).await;
+        check(&whole, (&records, &closings), &exchanges)?;
         // Truncating: each crash is at one of the writes the whole run made.
         #[allow(
             clippy::cast_possible_truncation,

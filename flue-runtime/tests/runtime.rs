@@ -1595,18 +1595,24 @@ async fn abort_cancels_a_running_tool_and_settles_the_submission_as_aborted() {
 
 #[agent]
 fn charger() -> &'static str {
-    use_tool(
-        Tool::new("charge")
-            .description("Charge the card.")
-            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async move { "charged" }),
-    );
+    let (_, set_charges) = use_persistent_state("charges", 0u32);
+    use_tool(Tool::new("charge").description("Charge the card.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_charges = set_charges.clone();
+            async move {
+                set_charges.update(|n| n + 1)?;
+                Ok::<_, ToolError>("charged")
+            }
+        },
+    ));
     waiting_body()
 }
 
 /// Reference §3.3 and §3.9: a call's outcome is durable as its tool ends, before its batch
 /// commits. An abort while another call of the batch runs keeps it: the stream, the advisory
 /// and the next response's model give the call that ended its real result, and only the call
-/// the abort stopped the outcome-unknown one.
+/// the abort stopped the outcome-unknown one. Its state write is not kept: only the attempt's
+/// commit of the batch makes state writes real, and the settlement closes the batch without.
 #[tokio::test]
 async fn an_abort_keeps_the_outcome_of_a_call_that_ended_before_it() {
     let model = ScriptedModel::new([
@@ -1673,6 +1679,22 @@ async fn an_abort_keeps_the_outcome_of_a_call_that_ended_before_it() {
     assert_eq!(
         body,
         "Submission was aborted.\n\nInterrupted tool call(s):\n  - wait_forever (call_1_1)"
+    );
+    let records: Vec<RecordBody> = flue_runtime::store::Store::read(&store, &key, None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
+        .collect();
+    assert!(
+        records
+            .iter()
+            .any(|body| matches!(body, RecordBody::ToolResultsCommitted { .. })),
+        "the settlement closes the batch: {records:?}"
+    );
+    assert!(
+        !records.iter().any(|body| matches!(body, RecordBody::StateWrite { .. })),
+        "the aborted batch's state write is absent: {records:?}"
     );
     handle.send("again").await.unwrap();
     let results: Vec<(String, String)> = model.requests()[1]
