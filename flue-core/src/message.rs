@@ -209,8 +209,18 @@ impl DeliveredMessage {
                     if !is_image_type(attachment.mime_type()) {
                         return Err(MessageError::UnsupportedImageType(attachment.mime_type().to_owned()));
                     }
-                    if attachment.bytes()?.is_empty() {
+                    let bytes = attachment.bytes()?;
+                    if bytes.is_empty() {
                         return Err(MessageError::EmptyImage);
+                    }
+                    // Stored as sent and sent to the model with every later request of the
+                    // conversation: bytes a provider refuses would fail each of them.
+                    let found = image_type_of(&bytes);
+                    if found != Some(attachment.mime_type()) {
+                        return Err(MessageError::ImageTypeMismatch {
+                            declared: attachment.mime_type().to_owned(),
+                            found,
+                        });
                     }
                 }
                 Ok(())
@@ -270,6 +280,17 @@ pub enum MessageError {
     /// A MIME type that is not one of [`IMAGE_TYPES`].
     #[error("Image mimeType \"{0}\" is not supported: send image/png, image/jpeg, image/gif or image/webp.")]
     UnsupportedImageType(String),
+    /// Image data whose bytes are not of its declared type.
+    #[error("Image data is not of its mimeType \"{declared}\": {}", match found {
+        Some(found) => format!("its bytes are {found}."),
+        None => "its bytes are none of image/png, image/jpeg, image/gif or image/webp.".to_owned(),
+    })]
+    ImageTypeMismatch {
+        /// The declared type (canonical spelling).
+        declared: String,
+        /// The type the bytes are, when one of [`IMAGE_TYPES`].
+        found: Option<&'static str>,
+    },
 }
 
 /// The image types an attachment may have: the ones every model provider of the runtime takes.
@@ -280,6 +301,22 @@ pub const IMAGE_TYPES: [&str; 4] = ["image/png", "image/jpeg", "image/gif", "ima
 /// Whether `mime_type` is one of [`IMAGE_TYPES`] (ASCII case aside).
 pub fn is_image_type(mime_type: &str) -> bool {
     IMAGE_TYPES.iter().any(|image| image.eq_ignore_ascii_case(mime_type))
+}
+
+/// The one of [`IMAGE_TYPES`] whose signature `bytes` begin with: PNG's eight bytes, JPEG's
+/// start-of-image marker, `GIF87a`/`GIF89a`, or a RIFF container of `WEBP`.
+pub fn image_type_of(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.starts_with(b"\x89PNG\r\n\x1a\n") {
+        Some("image/png")
+    } else if bytes.starts_with(&[0xff, 0xd8, 0xff]) {
+        Some("image/jpeg")
+    } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+        Some("image/gif")
+    } else if bytes.len() >= 12 && bytes.starts_with(b"RIFF") && &bytes[8..12] == b"WEBP" {
+        Some("image/webp")
+    } else {
+        None
+    }
 }
 
 /// `^[A-Za-z_][A-Za-z0-9_.-]*$`
@@ -331,9 +368,11 @@ mod tests {
                 }],
             })
         };
-        let at_limit = "AAAA".repeat(MAX_IMAGE_DATA_LENGTH / 4);
+        // A PNG's signature, then zeros.
+        let at_limit = format!("iVBORw0KGgoA{}", "AAAA".repeat(MAX_IMAGE_DATA_LENGTH / 4 - 3));
+        assert_eq!(at_limit.len(), MAX_IMAGE_DATA_LENGTH);
         assert_eq!(with_data(at_limit).validate(), Ok(()));
-        let past = "AAAA".repeat(MAX_IMAGE_DATA_LENGTH / 4 + 1);
+        let past = format!("iVBORw0KGgoA{}", "AAAA".repeat(MAX_IMAGE_DATA_LENGTH / 4 - 2));
         assert_eq!(with_data(past).validate(), Err(MessageError::ImageTooLarge));
     }
 
@@ -400,6 +439,64 @@ mod tests {
             attachments: vec![image("IMAGE/PNG")],
         });
         assert_eq!(message.validate(), Ok(()));
+    }
+
+    /// An image is admitted only as the type its bytes are: a provider refuses a PNG sent as
+    /// a JPEG (or bytes that are no image), and the image is in every later request.
+    #[test]
+    fn an_image_is_admitted_only_as_the_type_its_bytes_are() {
+        use base64::Engine as _;
+        let image = |mime_type: &str, bytes: &[u8]| {
+            DeliveredMessage::User(UserMessage {
+                body: "look".into(),
+                attachments: vec![Attachment::Image {
+                    data: base64::engine::general_purpose::STANDARD.encode(bytes),
+                    mime_type: mime_type.into(),
+                    filename: None,
+                }],
+            })
+        };
+        let png: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR";
+        let jpeg: &[u8] = &[0xff, 0xd8, 0xff, 0xe0, 0, 0x10, b'J', b'F', b'I', b'F'];
+        let webp: &[u8] = b"RIFF\x24\0\0\0WEBPVP8 ";
+        for (mime_type, bytes) in [
+            ("image/png", png),
+            ("IMAGE/PNG", png),
+            ("image/jpeg", jpeg),
+            ("image/gif", b"GIF89a\x01\0\x01\0".as_slice()),
+            ("image/gif", b"GIF87a\x01\0\x01\0".as_slice()),
+            ("image/webp", webp),
+        ] {
+            assert_eq!(image(mime_type, bytes).validate(), Ok(()), "{mime_type}");
+        }
+        assert_eq!(
+            image("image/jpeg", png).validate(),
+            Err(MessageError::ImageTypeMismatch {
+                declared: "image/jpeg".into(),
+                found: Some("image/png"),
+            })
+        );
+        let mismatch = image("image/png", b"<svg xmlns='http://www.w3.org/2000/svg'/>").validate();
+        assert_eq!(
+            mismatch,
+            Err(MessageError::ImageTypeMismatch {
+                declared: "image/png".into(),
+                found: None,
+            })
+        );
+        assert_eq!(
+            mismatch.map_err(|error| error.to_string()),
+            Err("Image data is not of its mimeType \"image/png\": its bytes are none of image/png, image/jpeg, image/gif or image/webp.".to_owned())
+        );
+        // A RIFF container of something else (a WAV file) is no WebP.
+        assert_eq!(
+            image("image/webp", b"RIFF\x24\0\0\0WAVEfmt ").validate(),
+            Err(MessageError::ImageTypeMismatch {
+                declared: "image/webp".into(),
+                found: None,
+            })
+        );
+        assert!(image("image/webp", b"RIFF").validate().is_err());
     }
 
     #[test]

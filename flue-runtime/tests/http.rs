@@ -1497,6 +1497,11 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
             json!({"kind": "user", "body": "hi", "attachments": vec![json!({"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"}); 101]}),
             "at most 100 attachments; this one has 101",
         ),
+        // A PNG sent as a JPEG: a provider refuses it, in every later call too.
+        (
+            json!({"kind": "user", "body": "hi", "attachments": [{"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/jpeg"}]}),
+            "Image data is not of its mimeType \"image/jpeg\": its bytes are image/png.",
+        ),
     ];
     for (body, says) in cases {
         let error = assert_error(server.post("c1", body.clone()).await, 400, "invalid_request").await;

@@ -3163,7 +3163,7 @@ async fn a_damaged_attachment_fails_the_submission_at_once_instead_of_retrying_i
     let runtime = harness::runtime_on(DamagedAttachments { inner: rows.clone() }, &model, [calculator.into()]);
     runtime
         .init(&calculator, "damaged")
-        .send(with_image("What is in this chart?", &[1, 2, 3]))
+        .send(with_image("What is in this chart?", b"\x89PNG\r\n\x1a\n\x01\x02\x03"))
         .await
         .unwrap();
     // Another process folds the conversation afresh and must load the image from the store.
