@@ -429,9 +429,11 @@ struct Crash {
 /// `released` (a paused life, see [`Crash`]), its calls wait for that to turn true, then go
 /// through. At each of its `releases` (a count of its writes) it releases a paused life, and
 /// from then on both read leases as they are: two live nodes, neither taking the other's
-/// leases over.
+/// leases over. The leases of the attempts it claimed itself (`own`) it reads as they are: a
+/// row its worker just claimed, and does not run yet, is not lapsed to its own scan.
 struct Dying {
     inner: Arc<dyn Store>,
+    own: Mutex<BTreeSet<String>>,
     writes: Arc<AtomicUsize>,
     crash: Option<Crash>,
     frozen: tokio::sync::watch::Sender<bool>,
@@ -454,6 +456,7 @@ impl Dying {
     fn new(inner: Arc<dyn Store>, crash: Option<Crash>) -> Self {
         Self {
             inner,
+            own: Mutex::default(),
             writes: Arc::default(),
             crash,
             frozen: tokio::sync::watch::Sender::new(false),
@@ -470,6 +473,26 @@ impl Dying {
         } else {
             self.later.load(Ordering::SeqCst)
         }
+    }
+
+    /// Notes an attempt this life claims.
+    fn own(&self, claim: &flue_runtime::store::Claim) {
+        self.own
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(claim.attempt_id.clone());
+    }
+
+    /// The rows `expired` read (their leases read `later`), but those of this life's own
+    /// attempts only when their leases lapsed indeed by `now_ms`.
+    fn lapsed(&self, rows: Vec<flue_runtime::store::Submission>, now_ms: u64) -> Vec<flue_runtime::store::Submission> {
+        let own = self.own.lock().unwrap_or_else(|e| e.into_inner());
+        rows.into_iter()
+            .filter(|row| {
+                row.attempt_id.as_ref().is_none_or(|attempt| !own.contains(attempt))
+                    || (row.lease_until_ms > 0 && row.lease_until_ms < now_ms)
+            })
+            .collect()
     }
 
     /// Until the paused life goes on: never, for a life that died.
@@ -578,22 +601,23 @@ late_by_value!(
 /// not made (until a paused life goes on: then made late), or made with its answer lost (or
 /// given late).
 macro_rules! gated {
-    ($( $kind:ident fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $out:ty; )+) => {
+    ($( $kind:ident fn $name:ident(&$me:ident $(, $arg:ident: $ty:ty)*) -> $out:ty $(=> $before:block)?; )+) => {
         $(
-            fn $name(&self $(, $arg: $ty)*) -> flue_runtime::BoxFuture<'_, Result<$out, StoreError>> {
-                match self.gate(stringify!($kind) == "write") {
-                    Gate::Pass => self.inner.$name($($arg),*),
+            fn $name(&$me $(, $arg: $ty)*) -> flue_runtime::BoxFuture<'_, Result<$out, StoreError>> {
+                $($before)?
+                match $me.gate(stringify!($kind) == "write") {
+                    Gate::Pass => $me.inner.$name($($arg),*),
                     Gate::Dead => {
-                        let released = self.until_released();
+                        let released = $me.until_released();
                         $(let $arg = <$ty as Late>::keep($arg);)*
                         Box::pin(async move {
                             released.await;
-                            self.inner.$name($(<$ty as Late>::lend(&$arg)),*).await
+                            $me.inner.$name($(<$ty as Late>::lend(&$arg)),*).await
                         })
                     }
                     Gate::Last => {
-                        let call = self.inner.$name($($arg),*);
-                        let released = self.until_released();
+                        let call = $me.inner.$name($($arg),*);
+                        let released = $me.until_released();
                         Box::pin(async move {
                             let answer = call.await;
                             released.await;
@@ -612,7 +636,9 @@ impl Store for Dying {
         read fn instance(&self, k: &InstanceKey) -> Option<flue_runtime::store::InstanceInfo>;
         read fn submission(&self, id: &str) -> Option<flue_runtime::store::Submission>;
         read fn has_queued(&self, k: &InstanceKey) -> bool;
-        write fn claim_next(&self, k: &InstanceKey, c: &flue_runtime::store::Claim) -> Option<flue_runtime::store::Submission>;
+        write fn claim_next(&self, k: &InstanceKey, c: &flue_runtime::store::Claim) -> Option<flue_runtime::store::Submission> => {
+            self.own(c);
+        };
         write fn renew_leases(&self, o: &str, a: &[String], l: u64) -> u64;
         read fn aborts_requested(&self, a: &[String]) -> Vec<String>;
         read fn instances_with_queued(&self) -> Vec<InstanceKey>;
@@ -654,16 +680,15 @@ impl Store for Dying {
         &self,
         now_ms: u64,
     ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::store::Submission>, StoreError>> {
-        match self.gate(false) {
-            Gate::Pass => self.inner.expired(now_ms + self.later()),
-            _ => {
-                let released = self.until_released();
-                Box::pin(async move {
-                    released.await;
-                    self.inner.expired(now_ms + self.later()).await
-                })
+        let pass = matches!(self.gate(false), Gate::Pass);
+        let released = self.until_released();
+        Box::pin(async move {
+            if !pass {
+                released.await;
             }
-        }
+            let rows = self.inner.expired(now_ms + self.later()).await?;
+            Ok(self.lapsed(rows, now_ms))
+        })
     }
 
     fn reclaim(
@@ -673,6 +698,7 @@ impl Store for Dying {
         claim: &flue_runtime::store::Claim,
         now_ms: u64,
     ) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, StoreError>> {
+        self.own(claim);
         match self.gate(true) {
             Gate::Pass => self.inner.reclaim(id, stale, claim, now_ms + self.later()),
             Gate::Dead => {
@@ -778,7 +804,7 @@ async fn drive(runtime: &Runtime, exchanges: &[Exchange], lives: &Mutex<Lives>) 
     while let Some(exchange) = exchanges.get(next()) {
         if !exchange.overlap {
             for id in running.drain(..) {
-                let _settled = handle.read(&id).await;
+                settled(&handle, &id).await;
             }
         }
         let n = next();
@@ -794,9 +820,17 @@ async fn drive(runtime: &Runtime, exchanges: &[Exchange], lives: &Mutex<Lives>) 
         }
     }
     for id in running {
-        let _settled = handle.read(&id).await;
+        settled(&handle, &id).await;
     }
     Ok(())
+}
+
+/// Waits until the submission `id` settled, however it did: a store error while waiting (a
+/// connection the server dropped) is no answer, and it reads again.
+async fn settled(handle: &flue_runtime::AgentHandle, id: &str) {
+    while let Err(RuntimeError::Store(_)) = handle.read(id).await {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// One life of the runtime over the store `open` opens: it takes over what earlier lives left
@@ -856,7 +890,7 @@ fn life<'scope, F: Future<Output = Arc<dyn Store>>>(
                     let handle = runtime.init(&keeper, INSTANCE);
                     let admitted = lives.lock().unwrap_or_else(|e| e.into_inner()).admitted.clone();
                     for (_, id) in admitted {
-                        let _settled = handle.read(&id).await;
+                        settled(&handle, &id).await;
                     }
                     drive(&runtime, &model.exchanges, &lives).await?;
                     if crash.is_none() {
@@ -1469,9 +1503,10 @@ fn a_crash_at_any_store_write_loses_no_input_and_redoes_no_durable_work() {
             let schema = harness::fresh_schema("flue_crash");
             let postgres = || async {
                 // A paused life may stall inside a transaction: the server ends it after this
-                // (the store's own default, 10 s, is for a 30 s lease).
+                // (the store's own default, 10 s, is for a 30 s lease; a live life's
+                // statements on a loaded machine must not be cut short).
                 let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
-                Arc::new(store.with_stalled_transaction_timeout(Duration::from_millis(300))) as Arc<dyn Store>
+                Arc::new(store.with_stalled_transaction_timeout(Duration::from_secs(1))) as Arc<dyn Store>
             };
             crash_and_recover("Postgres", postgres, &exchanges, &crashes).await?;
         }
