@@ -540,7 +540,16 @@ async fn a_long_poll_waits_for_the_next_batch_and_times_out_with_the_checkpoint_
     assert_eq!(header(&headers, "stream-next-offset"), head);
     assert_eq!(header(&headers, "stream-up-to-date"), "true");
 
-    // A message admitted while the poll waits ends the wait with its chunks.
+    // A message admitted while the poll waits ends the wait with its chunks (on a server whose
+    // polls outlast the admission however slow the machine).
+    let server = Server::start_with(HttpOptions {
+        long_poll_timeout: Duration::from_secs(20),
+        ..HttpOptions::default()
+    })
+    .await;
+    server.script_exchange("first");
+    server.post("c1", json!({"kind": "user", "body": "one"})).await;
+    let head = server.settled("c1", 1).await["offset"].as_str().unwrap().to_owned();
     let server = std::sync::Arc::new(server);
     let poll = {
         let server = server.clone();

@@ -477,7 +477,15 @@ async fn an_agent_whose_hook_rewrites_answers_never_streams_raw_text_into_the_st
     ]]);
     let served = serve(&model, Some(Duration::from_millis(1))).await;
     served.admit("redacting_narrator", "r1", "tell").await;
-    // Well past the interval while the model is held: nothing of the step is in the stream.
+    // The model is called (the message is in the stream by then)…
+    for _ in 0..1000 {
+        if !model.requests.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!model.requests.lock().unwrap().is_empty(), "the model was never called");
+    // …and well past the interval while it is held, nothing of the step is in the stream.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let chunks = served.updates("redacting_narrator", "r1").await;
     assert_eq!(types(&chunks), ["conversation-reset", "message-appended"]);

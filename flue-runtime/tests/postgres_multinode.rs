@@ -148,11 +148,16 @@ async fn dispatch_and_wait_for_the_tool(runtime: &Runtime, instance: &str) -> St
     let mut events = runtime.observe();
     let handle = runtime.init(&waiter, instance);
     let receipt = handle.dispatch("go").await.unwrap();
-    loop {
-        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
-            break;
+    let started = async {
+        loop {
+            if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+                break;
+            }
         }
-    }
+    };
+    tokio::time::timeout(Duration::from_secs(10), started)
+        .await
+        .expect("the tool started on this node within 10 s");
     receipt.submission_id
 }
 
@@ -184,8 +189,9 @@ async fn an_abort_requested_through_another_node_reaches_the_running_attempt() {
         PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
         &waiting_model(),
     );
-    b.start().await;
+    // B starts once A runs the submission: started before, its scan could claim it first.
     let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    b.start().await;
     assert!(
         b.init(&waiter, "w").abort().await.unwrap(),
         "node B stamped the abort intent"

@@ -1880,7 +1880,9 @@ async fn log_lines_say_which_tool_call_or_callback_logged_them() {
     );
 }
 
-#[agent(durability(timeout = "300ms"))]
+/// Its budget outlasts the first model call and the tool call's commit on a loaded machine:
+/// what the tests check is where the deadline finds the attempt, waiting in the tool.
+#[agent(durability(timeout = "2s"))]
 fn impatient_waiter() -> &'static str {
     waiting_body()
 }
@@ -1894,7 +1896,7 @@ async fn the_timeout_aborts_a_live_attempt_wherever_it_waits_and_settles_it_as_t
     let runtime = runtime_with(&model, vec![impatient_waiter.into()]);
     let handle = runtime.init(&impatient_waiter, "t");
     let receipt = handle.dispatch("go").await.unwrap();
-    // Nothing but the 300 ms budget ends the tool: it waits for an abort that nobody requests.
+    // Nothing but the 2 s budget ends the tool: it waits for an abort that nobody requests.
     let error = tokio::time::timeout(std::time::Duration::from_secs(20), handle.read(&receipt.submission_id))
         .await
         .expect("the deadline ended the attempt")
@@ -2040,7 +2042,8 @@ async fn a_start_callback_failing_on_its_abort_signal_settles_the_submission_abo
     assert!(model.requests().is_empty(), "no model call after either");
 }
 
-#[agent(durability(timeout = "300ms"))]
+/// Its budget outlasts the one model call and the answer's commit on a loaded machine.
+#[agent(durability(timeout = "2s"))]
 fn answered_then_stuck() -> &'static str {
     use_model("scripted/x");
     use_agent_finish(|_ctx| async {
@@ -2864,8 +2867,24 @@ async fn a_send_dropped_while_it_drives_the_instance_hands_its_submission_to_a_w
     let runtime = runtime_with(&model, vec![waiter.into()]);
     let handle = runtime.init(&waiter, "dropped");
     // The send runs the idle instance on this task and waits in the tool: it is dropped there.
-    let dropped = tokio::time::timeout(std::time::Duration::from_millis(200), handle.send("first")).await;
-    assert!(dropped.is_err(), "the tool waits until aborted");
+    let mut events = runtime.observe();
+    let started = async {
+        loop {
+            if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+                break;
+            }
+        }
+    };
+    let send = handle.send("first");
+    let dropped = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        tokio::select! {
+            reply = send => Some(reply),
+            () = started => None,
+        }
+    })
+    .await
+    .expect("the tool started within 10 s");
+    assert!(dropped.is_none(), "the tool waits until aborted: {dropped:?}");
     // The abandoned attempt is requeued and run again by a worker; the next send follows it.
     let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("again"))
         .await
