@@ -233,6 +233,7 @@ fn message(id: &str, role: flue_runtime::lifecycle::MessageRole) -> Message {
         created_at: 0,
         silent: false,
         metadata: serde_json::Map::new(),
+        attachments: Vec::new(),
     }
 }
 

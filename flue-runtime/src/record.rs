@@ -584,6 +584,18 @@ pub struct AttachmentRef {
     pub filename: Option<String>,
 }
 
+impl AttachmentRef {
+    /// The attachment as a message row names it (lifecycle hooks, `ThreadState`).
+    pub fn to_message_attachment(&self) -> flue_core::lifecycle::MessageAttachment {
+        flue_core::lifecycle::MessageAttachment {
+            id: self.id.clone(),
+            mime_type: self.media_type.clone(),
+            size: self.size,
+            name: self.filename.clone(),
+        }
+    }
+}
+
 /// The current time as a record timestamp (RFC 3339, milliseconds). Records written within
 /// one millisecond on a thread share one string.
 pub(crate) fn now() -> Arc<str> {

@@ -1728,6 +1728,70 @@ async fn item_29_a_refused_message_leaves_none_of_its_images_stored() {
     );
 }
 
+/// Refuses a user message of more than one image.
+#[hook(before_create_message)]
+async fn one_image_at_most(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
+    if message.attachments.len() > 1 {
+        return Err(HookError::new("one picture at a time"));
+    }
+    Ok(message)
+}
+
+static IMAGES_SEEN: Mutex<Vec<Vec<flue_runtime::lifecycle::MessageAttachment>>> = Mutex::new(Vec::new());
+
+/// Notes the images of the user rows the model is shown.
+#[hook(filter_messages)]
+async fn note_images(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    IMAGES_SEEN.lock().unwrap().extend(
+        messages
+            .iter()
+            .filter(|row| row.role == MessageRole::User)
+            .map(|row| row.attachments.clone()),
+    );
+    messages
+}
+
+#[agent(hooks = [one_image_at_most, note_images])]
+fn picture_taker() -> &'static str {
+    use_model("scripted/x");
+    "P"
+}
+
+/// A user row names its images (id, type, size, file name) to the hooks that create it and
+/// to every later reader of the rows, as the reference's `attachments` field.
+#[tokio::test]
+async fn a_user_row_names_its_images_to_its_create_hooks_and_its_readers() {
+    use flue_runtime::lifecycle::MessageAttachment;
+    use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
+    let model = ScriptedModel::new([ScriptedReply::text("a dot")]);
+    let runtime = runtime_with(&model, vec![picture_taker.into()]);
+    let handle = runtime.init(&picture_taker, "p");
+    let png = |filename: Option<&str>| Attachment::Image {
+        data: "iVBORw0KGgoA".into(),
+        mime_type: "image/png".into(),
+        filename: filename.map(Into::into),
+    };
+    let two = DeliveredMessage::User(UserMessage {
+        body: "two".into(),
+        attachments: vec![png(None), png(None)],
+    });
+    assert_eq!(run_error(handle.send(two).await.unwrap_err()).0, "message_hook_error");
+    let one = DeliveredMessage::User(UserMessage {
+        body: "one".into(),
+        attachments: vec![png(Some("dot.png"))],
+    });
+    let reply = handle.send(one).await.unwrap();
+    assert_eq!(
+        IMAGES_SEEN.lock().unwrap().clone(),
+        [vec![MessageAttachment {
+            id: format!("att_{}_0", reply.submission_id),
+            mime_type: "image/png".into(),
+            size: 9,
+            name: Some("dot.png".into()),
+        }]]
+    );
+}
+
 /// Tags assistant rows as they are created.
 #[hook(before_create_message)]
 async fn tag_assistant_rows(_state: &ThreadState, mut message: Message) -> Message {

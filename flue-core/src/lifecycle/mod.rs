@@ -17,8 +17,8 @@ pub use thread::{
     ThreadIdentity, ThreadState, ThreadStateApi,
 };
 pub use types::{
-    ClientInfo, HookError, LlmMessage, Message, MessageRole, MessageStatus, MessageUpdates, ToolCall, ToolCallFunction,
-    ToolResult, ToolStatus,
+    ClientInfo, HookError, LlmMessage, Message, MessageAttachment, MessageRole, MessageStatus, MessageUpdates,
+    ToolCall, ToolCallFunction, ToolResult, ToolStatus,
 };
 pub use user::{
     MAX_USER_KEY_LEN, UserState, UserStateApi, UserValue, UserValuePage, UserValuesQuery, check_user_id, check_user_key,

@@ -523,6 +523,7 @@ mod tests {
             created_at: id as i64,
             silent,
             metadata: Map::new(),
+            attachments: Vec::new(),
         }
     }
 

@@ -73,6 +73,25 @@ pub struct Message {
     /// Free-form metadata.
     #[serde(default, skip_serializing_if = "Map::is_empty")]
     pub metadata: Map<String, Value>,
+    /// The images a user row carries, by reference (their bytes are stored apart). Read-only:
+    /// a hook that changes them changes nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attachments: Vec<MessageAttachment>,
+}
+
+/// An image of a user message row, by reference.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MessageAttachment {
+    /// The attachment id (`att_…`), under which the instance serves its bytes.
+    pub id: String,
+    /// Its media type, one of [`IMAGE_TYPES`](crate::message::IMAGE_TYPES).
+    #[serde(rename = "mimeType")]
+    pub mime_type: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its file name, when the sender gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// Field updates of a message row (`before_update_message` may rewrite them).

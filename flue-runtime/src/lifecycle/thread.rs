@@ -461,6 +461,7 @@ impl ThreadStateApi for RuntimeThread {
                 created_at: crate::session::micros_of(&now()),
                 silent: input.silent,
                 metadata: input.metadata,
+                attachments: Vec::new(),
             };
             let hooks = self.hooks();
             let state = self.state();

@@ -1146,6 +1146,17 @@ impl Conversation {
             created_at: micros_of(&row.created),
             silent: row.silent,
             metadata: row.metadata.clone(),
+            attachments: self
+                .image_refs
+                .binary_search_by_key(&index, |(at, _)| *at)
+                .map(|found| {
+                    self.image_refs[found]
+                        .1
+                        .iter()
+                        .map(AttachmentRef::to_message_attachment)
+                        .collect()
+                })
+                .unwrap_or_default(),
         }
     }
 

@@ -13,7 +13,7 @@ use crate::lifecycle::chain::{self, Blocked};
 use crate::lifecycle::thread::apply_updates;
 use crate::lifecycle::{HookSet, llm, outcome_of, tool_result_of};
 use crate::provider::{Messages, StopReason};
-use crate::record::{Record, RecordBody, now};
+use crate::record::{AttachmentRef, Record, RecordBody, now};
 use crate::session::conversation::micros_of;
 use crate::tools::Executed;
 
@@ -50,6 +50,7 @@ fn row(id: String, role: MessageRole, content: String) -> Message {
         created_at: micros_of(&now()),
         silent: false,
         metadata: Map::new(),
+        attachments: Vec::new(),
     }
 }
 
@@ -102,8 +103,14 @@ impl Response<'_> {
             return InputRow::Store(input_batch(input), CreatedRow(None));
         }
         let original = match &input.body {
-            RecordBody::UserMessage { message_id, body, .. } => {
-                row(message_id.clone(), MessageRole::User, body.clone())
+            RecordBody::UserMessage {
+                message_id,
+                body,
+                attachments,
+            } => {
+                let mut row = row(message_id.clone(), MessageRole::User, body.clone());
+                row.attachments = attachments.iter().map(AttachmentRef::to_message_attachment).collect();
+                row
             }
             RecordBody::Signal {
                 message_id,
