@@ -1113,7 +1113,32 @@ async fn review_tool_rows(_state: &ThreadState, mut message: Message) -> Message
     message
 }
 
-#[agent(hooks = [review_tool_rows])]
+static REVIEWED_ROWS: Mutex<Vec<(&'static str, Option<serde_json::Value>)>> = Mutex::new(Vec::new());
+
+/// Notes what a created tool row says it is.
+#[hook(after_create_message)]
+async fn note_created_tool_rows(_state: &ThreadState, message: &Message) {
+    if message.role == MessageRole::Tool {
+        REVIEWED_ROWS
+            .lock()
+            .unwrap()
+            .push(("created", message.metadata.get("reviewed").cloned()));
+    }
+}
+
+/// Notes what the tool rows the model is shown say they are.
+#[hook(filter_messages)]
+async fn note_shown_tool_rows(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    REVIEWED_ROWS.lock().unwrap().extend(
+        messages
+            .iter()
+            .filter(|row| row.role == MessageRole::Tool)
+            .map(|row| ("shown", row.metadata.get("reviewed").cloned())),
+    );
+    messages
+}
+
+#[agent(hooks = [review_tool_rows, note_created_tool_rows, note_shown_tool_rows])]
 fn reviewing() -> &'static str {
     use_model("scripted/x");
     use_tool(flaky);
@@ -1156,6 +1181,11 @@ async fn what_a_tool_rows_create_hook_changes_commits_with_the_tool_batch() {
         })
         .collect();
     assert_eq!(kinds, ["outcome", "updated", "committed"]);
+    // The row is what its create hook made it, to its `after_create_message` and every reader.
+    assert_eq!(
+        REVIEWED_ROWS.lock().unwrap().clone(),
+        [("created", Some(json!(true))), ("shown", Some(json!(true)))]
+    );
 }
 
 #[tokio::test]

@@ -151,6 +151,9 @@ struct PendingOutcome {
     content: String,
     is_error: bool,
     terminate: bool,
+    /// Updates of its row recorded before the row exists (its create hooks' fields, beside
+    /// the outcome), applied in order once the batch creates it.
+    updates: Vec<Map<String, Value>>,
 }
 
 /// What a message row holds beyond its model message.
@@ -625,6 +628,7 @@ impl Conversation {
                     content: content.clone(),
                     is_error: *is_error,
                     terminate: *terminate,
+                    updates: Vec::new(),
                 });
             }
             RecordBody::ToolStepSettled {
@@ -683,6 +687,13 @@ impl Conversation {
             RecordBody::MessageUpdated { message_id, updates } => {
                 if let Some(index) = self.row_index(message_id) {
                     self.update_row(index, updates);
+                } else if let Some(outcome) = self
+                    .outcomes
+                    .iter_mut()
+                    .find(|outcome| outcome.record_id == *message_id)
+                {
+                    // A tool row its batch has not created yet.
+                    outcome.updates.push(updates.clone());
                 }
             }
             RecordBody::MessageDeleted { message_id } => {
@@ -762,7 +773,8 @@ impl Conversation {
 
     /// Puts a tool result after its step's earlier results (rows injected while the calls ran
     /// move after it).
-    fn insert_result(&mut self, message: ModelMessage, row: Row) {
+    /// Inserts a tool result after the step's earlier ones; returns its index.
+    fn insert_result(&mut self, message: ModelMessage, row: Row) -> usize {
         let at = self.results_at.min(self.messages.len());
         if at == self.messages.len() {
             // The usual case: an addition keeps the history's encodings.
@@ -777,6 +789,7 @@ impl Conversation {
             }
         }
         self.results_at = at + 1;
+        at
     }
 
     fn push_interrupted(&mut self, call: ModelToolCall, created: Arc<str>, content: String) {
@@ -864,7 +877,7 @@ impl Conversation {
                 Some(outcome) => {
                     let mut row = Row::new(outcome.record_id.clone(), MessageRole::Tool, outcome.timestamp.clone());
                     row.name = Some(call.name.clone());
-                    self.insert_result(
+                    let at = self.insert_result(
                         ModelMessage::Tool {
                             tool_call_id: call.id,
                             name: call.name,
@@ -873,6 +886,9 @@ impl Conversation {
                         },
                         row,
                     );
+                    for updates in &outcome.updates {
+                        self.update_row(at, updates);
+                    }
                 }
                 None => {
                     let content = self.interrupted(&call.id);

@@ -73,8 +73,8 @@ pub(super) enum InputRow {
 pub(super) struct StoredOutcome {
     pub(super) content: String,
     pub(super) is_error: bool,
-    /// Fields the create hooks set beyond the content (a `MessageUpdated` after the batch's
-    /// commit marker, when the row exists).
+    /// Fields the create hooks set beyond the content: a `MessageUpdated` beside the outcome,
+    /// which the fold applies when the batch's marker creates the row.
     pub(super) updates: MessageUpdates,
 }
 
