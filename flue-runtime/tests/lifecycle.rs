@@ -2628,8 +2628,12 @@ fn one_step_auditing() -> &'static str {
     "A"
 }
 
+/// Reference item 81: a queued call runs later in the same flow, and so do the calls it
+/// queues, before the next model call and past the step budget (queued steps are no model
+/// steps): none is left recorded and unrun, which the next model call would be told was
+/// interrupted.
 #[tokio::test]
-async fn a_call_queued_after_the_responses_last_step_is_reported_not_dropped_silently() {
+async fn calls_queued_by_a_queued_call_run_in_the_same_flow_past_the_step_budget() {
     let model = ScriptedModel::new([ScriptedReply::tool_call("queue_chain", json!({}))]);
     let runtime = runtime_with(&model, vec![one_step_auditing.into()]);
     let mut events = runtime.observe();
@@ -2643,15 +2647,38 @@ async fn a_call_queued_after_the_responses_last_step_is_reported_not_dropped_sil
             _ => {}
         }
     }
-    // The chained call ran (queued by the batch); the audit it queued came after the step
-    // budget was spent.
-    assert_eq!(ran, ["queue_chain", "chain_audit"]);
+    assert_eq!(ran, ["queue_chain", "chain_audit", "audit_trail"]);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    // With steps to spare, the next model call sees each chained call's own result.
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("queue_chain", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![chain_auditing.into()]);
+    runtime.init(&chain_auditing, "a").send("audit").await.unwrap();
+    let results: Vec<(String, String)> = model.requests()[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { name, content, .. } => Some((name.clone(), content.clone())),
+            _ => None,
+        })
+        .collect();
     assert_eq!(
-        warnings,
+        results,
         [
-            "[flue] The response ended before running the tool calls queued with queue_tool: audit_trail. Queue calls while the response can still run them (not after its last step)."
+            ("queue_chain".to_owned(), "queued".to_owned()),
+            ("chain_audit".to_owned(), "chained".to_owned()),
+            ("audit_trail".to_owned(), "audited chained".to_owned()),
         ]
     );
+}
+
+#[agent]
+fn chain_auditing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(queue_chain);
+    "A"
 }
 
 // ---- env (item 80) ----------------------------------------------------------------------------

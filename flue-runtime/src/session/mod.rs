@@ -2017,9 +2017,8 @@ impl Response<'_> {
             stopping = terminate && !joined;
         }
 
-        // Calls queued when the response could run no more (its step budget spent, its
-        // execution stopped, a terminating batch ended it) are not run: said, not dropped
-        // silently.
+        // Calls queued when the response could run no more (by a hook of its last commit, or
+        // of a step `prefilter_llm_history` blocked) are not run: said, not dropped silently.
         self.warn_unrun_queued_tools();
         // The true end: use_response_finish with final usage and tool calls — once: a resumed,
         // answered response whose finish batch committed settles as it is (durable effects
@@ -3000,24 +2999,30 @@ impl Response<'_> {
 
     /// Runs the calls queued with `queue_tool` as a step of their own (stored as the calls of
     /// an assistant step without text or turn, then a tool batch; no model step, so not counted
-    /// against `max_steps`); `None` when nothing was queued, else whether every result asked to
-    /// end the turn.
+    /// against `max_steps`), and then the calls those queued, until none is left (reference:
+    /// the running tool queue, in the same flow); `None` when nothing was queued, else whether
+    /// every result of the last batch asked to end the turn.
     async fn run_queued_tools(&mut self, rendered: &Rendered, spec: &str) -> Result<Option<bool>, Failure> {
-        let step = match self.queued_step.take() {
-            // Recorded with the batch that queued them.
-            Some(step) => step,
-            None => {
-                let Some((records, step)) = self.queued_step_of(spec) else {
-                    return Ok(None);
-                };
-                self.commit(records, false).await?;
-                step
-            }
-        };
-        self.open_agent_run();
-        self.tool_batch(rendered, &step.tools, &step.calls, step.message_id, &[], None)
-            .await
-            .map(Some)
+        let mut terminated = None;
+        loop {
+            let step = match self.queued_step.take() {
+                // Recorded with the batch that queued them.
+                Some(step) => step,
+                None => {
+                    let Some((records, step)) = self.queued_step_of(spec) else {
+                        return Ok(terminated);
+                    };
+                    self.commit(records, false).await?;
+                    step
+                }
+            };
+            self.check_abort()?;
+            self.open_agent_run();
+            terminated = Some(
+                self.tool_batch(rendered, &step.tools, &step.calls, step.message_id, &[], None)
+                    .await?,
+            );
+        }
     }
 
     /// The calls queued with `queue_tool` (taken from the thread) as the records of a step of
