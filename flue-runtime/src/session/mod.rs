@@ -3080,8 +3080,9 @@ impl Response<'_> {
     /// declares some of their tools durable, those calls run again (the steps they settled
     /// replay their recorded values) and the batch commits with their outcomes, each other
     /// call getting the outcome-unknown result. Without a durable tool among them nothing runs
-    /// here: the next model call sees every call's outcome-unknown result. `None` when there
-    /// was nothing to re-run, else whether the batch ended the turn.
+    /// here: the next model call sees every call's outcome-unknown result. `None` when no
+    /// batch was open, else whether the batch ended the turn (every call's recorded outcome
+    /// asked to terminate, reference §8.20).
     async fn rerun_durable_calls(&mut self, rendered: &Rendered) -> Result<Option<bool>, Failure> {
         let Some((step, _)) = self.conversation.open_calls() else {
             return Ok(None);
@@ -3125,7 +3126,7 @@ impl Response<'_> {
                 .map(|body| self.record(body))
                 .collect();
             self.commit(records, false).await?;
-            return Ok(None);
+            return Ok(Some(self.conversation.batch_terminated()));
         }
         self.tool_batch(rendered, &durable, &rerun, step, &unknown, None)
             .await
