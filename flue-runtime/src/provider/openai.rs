@@ -975,20 +975,23 @@ impl ChatDecoder {
         let slot = match call.index {
             Some(index) => match self.slots.get(&index) {
                 // A known index, unless a new call reuses it (servers that number every call
-                // 0). A fragment with another id starts one when it names a tool (unless the
+                // 0): a fragment that opens another call (it names a tool and brings arguments
+                // once that call's are whole) starts one, whatever its id. A fragment with
+                // another id also starts one when it names a tool (unless the
                 // call's id was made up here and the name is the call's own: the server's id
                 // for it, arriving late), or when the call's arguments are already whole JSON;
                 // without a name it continues the call otherwise.
                 Some(&slot)
-                    if id.is_none_or(|id| {
-                        let call = &self.calls[slot];
-                        let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
-                        call.id.is_empty()
-                            || call.id == id
-                            || call.server_id == id
-                            || (call.generated && same_name)
-                            || (name.is_none() && !call.is_whole())
-                    }) =>
+                    if !(!fragment.is_empty() && starts_another(&self.calls[slot], name))
+                        && id.is_none_or(|id| {
+                            let call = &self.calls[slot];
+                            let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
+                            call.id.is_empty()
+                                || call.id == id
+                                || call.server_id == id
+                                || (call.generated && same_name)
+                                || (name.is_none() && !call.is_whole())
+                        }) =>
                 {
                     slot
                 }
@@ -1796,6 +1799,32 @@ mod tests {
         assert_eq!(calls[0].2, r#"{"city":"Paris"}"#);
         assert_ne!(calls[1].0, "call_0", "{calls:?}");
         assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
+        // Every call at index 0 under one id: the same, by the opening fragment.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","function":{"arguments":"\"Tokyo\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let calls = decoded_calls(&chunks);
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert_eq!(calls[0].2, r#"{"city":"Paris"}"#);
+        assert_ne!(calls[1].0, "call_0", "{calls:?}");
+        assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
+        // A server that repeats the call's name in every fragment continues the call.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","function":{"name":"weather","arguments":"\"Tokyo\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let calls = decoded_calls(&chunks);
+        assert_eq!(calls.len(), 1, "{calls:?}");
+        assert_eq!(
+            (calls[0].0.as_str(), calls[0].2.as_str()),
+            ("call_0", r#"{"city":"Tokyo"}"#)
+        );
     }
 
     /// DeepSeek's thinking mode answers 400 ("Missing `reasoning_content` field in the
