@@ -950,22 +950,27 @@ impl RuntimeInner {
             // starts nothing queued (a response running here may still join it): on a store of
             // its own no other node will either while this process runs (the next one takes it
             // over).
-            let stranded = self.draining()
-                || (self.claims_stopped()
-                    && match row.status {
-                        SubmissionStatus::Queued => !self.busy_here(key),
-                        // Running, but not here (an attempt whose settlement failed): nothing
-                        // here takes it over. (A send that claimed it with its admission runs
-                        // it while holding the instance, before its attempt is held.)
-                        SubmissionStatus::Running => {
-                            !self.busy_here(key)
-                                && row
-                                    .attempt_id
-                                    .as_ref()
-                                    .is_none_or(|attempt| !self.running_attempts().contains(attempt))
-                        }
-                        _ => false,
-                    });
+            // (`claims_stopped` includes a node draining: while `release` gives the attempts back
+            // one by one, one still running here may yet settle here.)
+            let stranded = self.claims_stopped()
+                && match row.status {
+                    // Joined into a response (or being joined): it settles with its host, which
+                    // runs nowhere here once the instance is not busy here.
+                    SubmissionStatus::Queued | SubmissionStatus::Joining | SubmissionStatus::Joined => {
+                        !self.busy_here(key)
+                    }
+                    // Running, but not here (an attempt whose settlement failed): nothing
+                    // here takes it over. (A send that claimed it with its admission runs
+                    // it while holding the instance, before its attempt is held.)
+                    SubmissionStatus::Running => {
+                        !self.busy_here(key)
+                            && row
+                                .attempt_id
+                                .as_ref()
+                                .is_none_or(|attempt| !self.running_attempts().contains(attempt))
+                    }
+                    SubmissionStatus::Settled => false,
+                };
             if stranded && !self.store.shared() {
                 return Err(RuntimeError::NotProcessedHere {
                     submission_id: submission_id.to_owned(),

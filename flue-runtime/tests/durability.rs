@@ -3144,6 +3144,71 @@ async fn a_send_waiting_when_its_node_gives_its_work_back_ends_not_processed_her
     );
 }
 
+static JOIN_GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Runs until [`JOIN_GATE_OPEN`] is set.
+#[tool]
+async fn join_gate() -> String {
+    while !JOIN_GATE_OPEN.load(Ordering::SeqCst) {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    "open".to_owned()
+}
+
+#[agent]
+fn join_keeper() -> &'static str {
+    use_model("scripted/x");
+    use_tool(join_gate);
+    "Wait for the gate."
+}
+
+/// A delivery joined into a response settles with it: when the response's settlement failed
+/// (its row left running, nothing here running it), a read of the delivery waiting on a node
+/// that stops is told so, as one of the host is, instead of waiting for ever.
+#[tokio::test]
+async fn a_read_of_a_delivery_joined_into_an_unsettled_response_ends_when_its_node_stops() {
+    use flue_runtime::events::Event;
+    use flue_runtime::store::SubmissionStatus;
+    let store = FaultyStore::default();
+    // The response's settlement fails once: its row stays running, the joined delivery joined.
+    store.fail_once(faulty::settles);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("join_gate", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime(&store, &model, join_keeper);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&join_keeper, "j-1");
+    let host = handle.dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    let joined = handle.dispatch("and this too").await.unwrap();
+    JOIN_GATE_OPEN.store(true, Ordering::SeqCst);
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while store.failures.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the settlement was tried");
+    let row = store.submission(&joined.submission_id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.joined_into.as_deref()),
+        (SubmissionStatus::Joined, Some(host.submission_id.as_str()))
+    );
+    runtime.shutdown();
+    let waited = tokio::time::timeout(std::time::Duration::from_secs(5), handle.read(&joined.submission_id))
+        .await
+        .expect("the read ends");
+    assert!(
+        matches!(waited, Err(flue_runtime::RuntimeError::NotProcessedHere { .. })),
+        "{waited:?}"
+    );
+}
+
 static GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Runs until [`GATE_OPEN`] is set.
