@@ -430,15 +430,23 @@ impl Projection {
             } => {
                 self.tool_rows.insert(record.id.clone(), tool_call_id.clone());
                 // A call's first outcome stands (its batch is settled with it), as the
-                // conversation reads it.
-                self.outcomes
-                    .entry(tool_call_id.clone())
-                    .or_insert_with(|| PendingOutcome {
-                        is_error: *is_error,
-                        content: content.clone(),
-                        duration_ms: *duration_ms,
-                        timestamp: timestamp.to_owned(),
-                    });
+                // conversation reads it: one after its batch committed waits for nothing (kept,
+                // it would take the edits of the row the view shows).
+                let settled = self.tool_part_mut(tool_call_id).is_some_and(|part| {
+                    part["state"]
+                        .as_str()
+                        .is_some_and(|state| state.starts_with("output-"))
+                });
+                if !settled {
+                    self.outcomes
+                        .entry(tool_call_id.clone())
+                        .or_insert_with(|| PendingOutcome {
+                            is_error: *is_error,
+                            content: content.clone(),
+                            duration_ms: *duration_ms,
+                            timestamp: timestamp.to_owned(),
+                        });
+                }
             }
             RecordBody::ToolResultsCommitted { assistant_message_id } => {
                 let calls = self.step_calls.get(assistant_message_id).cloned().unwrap_or_default();
@@ -1176,6 +1184,27 @@ mod tests {
         assert_eq!(chunks, [vec!["conversation-reset"]]);
         assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
         assert_eq!(parts(&projection)[0]["state"], "output-available");
+        // An outcome of the call after its batch committed changes nothing, and a later edit
+        // of the row still reaches the part.
+        let (_, late) = a_step_calling_lookup();
+        projection.apply(
+            &Batch {
+                offset: 3,
+                records: Arc::from(vec![late]),
+            },
+            None,
+        );
+        assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), json!("card [gone]"));
+        fold(
+            &mut projection,
+            vec![vec![RecordBody::MessageUpdated {
+                message_id: row.clone(),
+                updates,
+            }]],
+        );
+        assert_eq!(parts(&projection)[0]["output"], "card [gone]");
         // Deleted, the result goes, and the call it answered with it.
         fold(
             &mut projection,
