@@ -336,9 +336,12 @@ impl ToolBuilder {
         self
     }
 
-    /// Marks the tool durable: a call interrupted before its batch committed runs again when
-    /// the response resumes, and the [`ToolContext::step`]s that settled before the
-    /// interruption return their recorded values instead of running again.
+    /// Marks the tool durable: a call interrupted before it ended runs again when the response
+    /// resumes, and the [`ToolContext::step`]s that settled before the interruption return
+    /// their recorded values instead of running again. A call that ended has its outcome
+    /// recorded at once and never runs again; its persistent-state writes, though, count only
+    /// if its batch commits (an attempt that ends in between loses them, as the reference's
+    /// rollback does): what must survive belongs in a step's value.
     pub fn durable(mut self) -> Self {
         self.durable = true;
         self
