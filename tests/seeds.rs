@@ -142,14 +142,23 @@ fn remove_system(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
 
 // ---- tool call observation hooks (seed 000) ---------------------------------------------------
 
+/// What the tool observation hooks logged.
+static TOOL_LOG: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
 #[hook(tool_call_started)]
 async fn log_tool_start(_state: &ThreadState, call: &ToolCall, progress: Option<&str>) {
-    let _ = format!("Started {} {}", call.function.name, progress.unwrap_or(""));
+    TOOL_LOG
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(format!("Started {} {}", call.function.name, progress.unwrap_or("")));
 }
 
 #[hook(tool_call_done)]
 async fn log_tool_done(_state: &ThreadState, call: &ToolCall, result: &ToolResult) -> Result<(), HookError> {
-    let _ = format!("Finished {}: {:?}", call.function.name, result.status);
+    TOOL_LOG
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(format!("Finished {}: {:?}", call.function.name, result.status));
     Ok(())
 }
 
@@ -384,7 +393,7 @@ fn two_filter_messages_hooks_keep_their_ids_and_listed_order() {
 }
 
 #[test]
-fn tool_observation_hooks_run_and_their_return_values_are_unit() {
+fn tool_observation_hooks_log_the_call_as_it_starts_and_ends() {
     let ThreadHookHandler::ToolCallStarted(started) = log_tool_start.handler() else {
         panic!("wrong kind")
     };
@@ -393,8 +402,15 @@ fn tool_observation_hooks_run_and_their_return_values_are_unit() {
     };
     let state = thread();
     let call = ToolCall::new("c", "search_github_issues", "{\"query\":\"x\"");
-    poll_ready(started(&state, &call, Some("x"))).unwrap();
-    poll_ready(done(&state, &call, &ToolResult::success("ok"))).unwrap();
+    let () = poll_ready(started(&state, &call, Some("x"))).unwrap();
+    let () = poll_ready(done(&state, &call, &ToolResult::success("ok"))).unwrap();
+    assert_eq!(
+        *TOOL_LOG.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+        [
+            "Started search_github_issues x",
+            "Finished search_github_issues: Success"
+        ]
+    );
 }
 
 #[test]

@@ -1785,11 +1785,12 @@ fn tallied_short() -> &'static str {
 }
 
 /// The same for a response its step budget ended after a tool batch, with no final answer:
-/// the re-attempt settles it as it is, without running the finish callback again (nor taking
-/// a queued delivery into a response that has finished).
+/// the re-attempt settles it as it is (completed, without text), without running the finish
+/// callback again or calling the model.
 #[tokio::test]
 async fn a_finish_batch_of_a_response_without_a_final_answer_is_not_made_again_by_a_re_attempt() {
-    finish_once_after_a_failed_settlement(tallied_short, ScriptedReply::tool_call("note", json!({}))).await;
+    let reply = finish_once_after_a_failed_settlement(tallied_short, ScriptedReply::tool_call("note", json!({}))).await;
+    assert_eq!(reply.text, "", "no final answer");
 }
 
 // ---- the delivery cursor and data writes ---------------------------------------------------

@@ -1027,14 +1027,24 @@ async fn observations_carry_the_operation_and_the_turn_they_happened_in() {
         .filter_map(|observation| observation.turn_id.as_deref())
         .collect();
     assert_eq!(stamped.len(), 2, "{stamped:?}");
-    // Nothing stays correlated once the submission settled: the next one has its own.
-    runtime.init(&calculator, "correlated").send("again").await.ok();
+    // Nothing stays correlated once the submission settled: the next one has its own (it
+    // fails, the scripted model having no more replies, but runs as an operation all the same).
+    let again = runtime.init(&calculator, "correlated").send("again").await;
+    assert!(matches!(again, Err(RuntimeError::Run { .. })), "{again:?}");
     let next: Vec<_> = std::iter::from_fn(|| events.try_recv().ok()).collect();
+    let next_operation = next
+        .iter()
+        .find_map(|observation| match &observation.event {
+            Event::OperationStart { operation_id, .. } => Some(operation_id.clone()),
+            _ => None,
+        })
+        .expect("the next submission's operation_start");
+    assert_ne!(next_operation, operation, "the next submission reused the operation id");
     assert!(
         next.iter()
             .filter_map(|observation| observation.operation_id.as_deref())
-            .all(|id| id != operation),
-        "the next submission reused the operation id"
+            .all(|id| id == next_operation),
+        "the next submission's events carry its own operation id"
     );
 }
 

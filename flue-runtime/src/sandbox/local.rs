@@ -1373,6 +1373,11 @@ mod tests {
         .unwrap();
         assert_eq!(output.exit_code, Some(0), "{output:?}");
         let sub = dirs.root.join("sub").display().to_string();
+        // The listing worked: the command's own output pipe is among the descriptors read.
+        assert!(
+            output.stdout.lines().any(|target| target.starts_with("pipe:")),
+            "no descriptor listed: {output:?}"
+        );
         assert!(
             !output.stdout.lines().any(|target| target == sub),
             "the cwd's descriptor is open in the command: {output:?}"

@@ -323,7 +323,7 @@ mod tests {
         let arguments = r#"{"note": {"a": [1, "}"]}, "count": 12, "order": "A-10\"01", "rest": "…"}"#;
         // The index just past the value's closing quote.
         let value_end = arguments.find(r#"01""#).map(|at| at + 3).unwrap_or_default();
-        for split in (1..arguments.len()).filter(|split| arguments.is_char_boundary(*split)) {
+        for split in (1..=arguments.len()).filter(|split| arguments.is_char_boundary(*split)) {
             let mut observer = ToolCallObserver::new(&tools());
             assert_eq!(observer.started(0, "c1", "lookup"), None, "not before the value");
             let first = observer.arguments(0, &arguments[..split]);
@@ -346,6 +346,17 @@ mod tests {
             }
             assert!(observer.finish(&response(&[("c1", "lookup", arguments)])).is_empty());
         }
+        // One character at a time: it starts with the closing quote's, and only then.
+        let mut observer = ToolCallObserver::new(&tools());
+        assert_eq!(observer.started(0, "c1", "lookup"), None);
+        let mut fired_at = Vec::new();
+        for (at, character) in arguments.char_indices() {
+            if let Some(started) = observer.arguments(0, character.encode_utf8(&mut [0; 4])) {
+                assert_eq!(started.progress.as_deref(), Some("A-10\"01"));
+                fired_at.push(at + character.len_utf8());
+            }
+        }
+        assert_eq!(fired_at, [value_end]);
     }
 
     #[test]

@@ -3200,17 +3200,23 @@ mod tests {
             .map(|t| {
                 let (store, stream, owner) = (store.clone(), stream.clone(), owner.clone());
                 tokio::spawn(async move {
-                    let mut completed = 0_usize;
+                    let (mut completed, mut dropped) = (0_usize, 0_usize);
                     for n in 0..100_u32 {
                         let mut append =
                             store.append(&stream, vec![user_record(&format!("A:{t}:{n}"))].into(), Some(&owner));
+                        let mut done = false;
                         for _ in 0..1 + (n + t) % 6 {
                             if let Some(result) = futures_util::FutureExt::now_or_never(&mut append) {
                                 result.unwrap();
-                                completed += 1;
+                                done = true;
                                 break;
                             }
                             tokio::task::yield_now().await;
+                        }
+                        if done {
+                            completed += 1;
+                        } else {
+                            dropped += 1;
                         }
                         drop(append);
                         // An ordinary transaction, perhaps on a connection a dropped append left.
@@ -3221,14 +3227,22 @@ mod tests {
                                 .unwrap();
                         }
                     }
-                    completed
+                    // One awaited to its end: the stream holds it whatever the races did.
+                    store
+                        .append(&stream, vec![user_record(&format!("A:{t}:last"))].into(), Some(&owner))
+                        .await
+                        .unwrap();
+                    (completed + 1, dropped)
                 })
             })
             .collect();
-        let mut completed = 0;
+        let (mut completed, mut dropped) = (0, 0);
         for task in tasks {
-            completed += task.await.unwrap();
+            let (done, gone) = task.await.unwrap();
+            completed += done;
+            dropped += gone;
         }
+        assert!(dropped > 0, "no append was dropped mid-flight: the test raced nothing");
         // A dropped append still queued on a connection runs to its commit.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let raw = raw(&url, &schema).await;
