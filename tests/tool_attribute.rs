@@ -127,7 +127,7 @@ fn a_tool_without_parameters_takes_an_empty_object_and_returns_empty_text() {
 }
 
 #[test]
-fn a_tool_item_is_zero_sized_and_mounts_without_allocating_a_handle() {
+fn a_tool_item_is_zero_sized_and_mounts_by_its_name() {
     assert_eq!(std::mem::size_of_val(&escalate), 0);
     let agent = FnAgent::new(AgentDefinition::new("desk"), |_| {
         use_model("openai/gpt-4o-mini");

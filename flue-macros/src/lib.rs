@@ -316,9 +316,9 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 ///
 /// **Its name is a value**: like any unit struct, it is a pattern wherever it is in scope, so a
 /// `let` or a parameter of the same name there does not compile. Here a second tool's
-/// parameter is named like the first tool:
+/// parameter is named like the first tool (the parameter is read as the unit struct: E0308):
 ///
-/// ```compile_fail
+/// ```compile_fail,E0308
 /// use flue_runtime::prelude::*;
 ///
 /// /// Search.

@@ -39,9 +39,9 @@ fn claim(attempt: &str, owner: &str, lease_ms: u64) -> Claim {
 // ---- renew_leases vs reclaim ------------------------------------------------------------------
 
 /// A heartbeat that lands just after another node listed the lease as expired: the renewal
-/// reports success (the owner believes it holds the instance for another lease), yet the other
-/// node's reclaim still takes the submission over, because `RECLAIM` compares only the attempt
-/// id, never the lease it is supposed to be taking over. Two nodes then run one instance.
+/// succeeds (the owner holds the instance for another lease), so the other node's reclaim is
+/// refused: it checks the lease it takes over, not only the attempt id. (Regression: `RECLAIM`
+/// compared the attempt id alone, and two nodes then ran one instance.)
 #[tokio::test]
 async fn a_lease_renewed_after_the_expiry_scan_is_not_taken_over() {
     let Some(url) = url() else { return };
@@ -177,8 +177,9 @@ async fn an_abort_on_the_owning_node_settles_the_running_submission_aborted() {
 
 /// §3.9/§3.10: an abort intent stamped on a running row aborts the live attempt (the lease scan
 /// enforces abort intents and deadlines on live attempts). Requested through another node, the
-/// intent is stamped (`abort()` answers true) but the node running the attempt never learns
-/// of it: only the requesting node's in-process attempt is signalled.
+/// intent is stamped (`abort()` answers true) and the node running the attempt acts on it: the
+/// submission settles aborted. (Regression: only the requesting node's in-process attempts were
+/// signalled, and the running one never learnt of it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_requested_through_another_node_reaches_the_running_attempt() {
     let Some(url) = url() else { return };
@@ -242,8 +243,8 @@ impl Store for SlowRead {
 
 /// §3.7 step 1 / §3.10: an abort requested once the row is `running` (claimed) but before the
 /// attempt has installed its abort signal is stamped on the row and answered `aborted: true`,
-/// yet the attempt runs to completion: it decides on the `abort_requested` of its claim
-/// snapshot, and `abort_running` found no current attempt to signal.
+/// and the attempt settles aborted. (Regression: the attempt ran to completion, deciding on the
+/// `abort_requested` of its claim snapshot, while `abort_running` found no attempt to signal.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
     let Some(url) = url() else { return };

@@ -681,7 +681,7 @@ async fn openai_two_parallel_tool_calls_interleaved_by_index_stay_apart_and_orde
 }
 
 #[tokio::test]
-async fn openai_sequential_parallel_tool_calls_complete_in_index_order() {
+async fn openai_two_whole_tool_calls_streamed_one_after_the_other_complete_as_two_in_order() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_tool_calls(vec![
         ("c1", "a", r#"{"n":1}"#),

@@ -1,7 +1,7 @@
 use flue_runtime::prelude::*;
 
 /// Look something up.
-#[tool(terminate, terminate)]
+#[tool(name = "look", name = "find")]
 async fn lookup(query: String) -> String {
     query
 }
