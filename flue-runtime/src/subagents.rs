@@ -75,7 +75,7 @@ use crate::provider::{ModelImage, ModelMessage, ModelRequest, ModelToolCall, Str
 use crate::record::{AttachmentRef, Batch, ConversationKind, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::RuntimeInner;
 use crate::sandbox::Environment;
-use crate::session::{Attempt, Conversation, RetainedChild};
+use crate::session::{Attempt, CallIds, Conversation, RetainedChild};
 use crate::store::{AttachmentPut, InstanceKey, StoreError};
 use flue_core::usage::Usage;
 
@@ -1139,7 +1139,8 @@ async fn child_session(
                     message: ModelMessage::empty_assistant(),
                 });
                 let started = Instant::now();
-                let mut deltas = ChildDeltas::new(&events);
+                let mut call_ids = CallIds::default();
+                let mut deltas = ChildDeltas::new(&events, &conversation, &mut call_ids);
                 let called = crate::provider::call_observed(&*provider, &request, &delegation.signal, |streamed| {
                     deltas.on(streamed)
                 })
@@ -1158,7 +1159,8 @@ async fn child_session(
                     is_error,
                 };
                 let error = match called {
-                    Ok(response) => {
+                    Ok(mut response) => {
+                        call_ids.rename(&conversation, &mut response.tool_calls);
                         events.emit(|| {
                             turn(
                                 response.stop_reason.to_string(),
@@ -1401,15 +1403,20 @@ struct ChildDeltas<'e, 'a> {
     thought: String,
     /// The calls' ids and tool names by index, as their starts named them.
     ids: Vec<(String, String)>,
+    /// The child's conversation, and the ids its calls go by (see [`CallIds`]).
+    conversation: &'e Conversation,
+    call_ids: &'e mut CallIds,
 }
 
 impl<'e, 'a> ChildDeltas<'e, 'a> {
-    fn new(events: &'e ChildEvents<'a>) -> Self {
+    fn new(events: &'e ChildEvents<'a>, conversation: &'e Conversation, call_ids: &'e mut CallIds) -> Self {
         Self {
             events,
             thinking: false,
             thought: String::new(),
             ids: Vec::new(),
+            conversation,
+            call_ids,
         }
     }
 
@@ -1433,7 +1440,7 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
                 if self.ids.len() <= index {
                     self.ids.resize(index + 1, Default::default());
                 }
-                self.ids[index] = (id, name);
+                self.ids[index] = (self.call_ids.own(self.conversation, id), name);
             }
             StreamEvent::ToolCallArguments { index, delta } => {
                 let (tool_call_id, tool_name) = self.ids.get(index).cloned().unwrap_or_default();

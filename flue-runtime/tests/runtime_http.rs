@@ -52,6 +52,145 @@ fn runtime(server: &FixtureServer) -> Runtime {
         .unwrap()
 }
 
+/// A server that numbers its call ids per step (`call_0` in every step): the later step's call
+/// gets an id of its own, everywhere (stream, events, the next request), else its result would
+/// answer the earlier call in every view that finds a call by its id.
+#[tokio::test]
+async fn a_call_id_an_earlier_step_used_gets_one_of_its_own() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_tool_calls([(
+        "call_0",
+        "get_weather",
+        r#"{"city":"Paris"}"#,
+    )]));
+    server.push(FixtureReply::openai_tool_calls([(
+        "call_0",
+        "get_weather",
+        r#"{"city":"Tokyo"}"#,
+    )]));
+    server.push(FixtureReply::openai_text("Sunny in both."));
+    let runtime = runtime(&server);
+    let mut events = runtime.observe();
+    runtime
+        .init(&forecaster, "f-ids")
+        .send("Paris, then Tokyo?")
+        .await
+        .unwrap();
+    let mut started = Vec::new();
+    let mut ended = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::ToolCallStarted { tool_call_id, .. } => started.push(tool_call_id),
+            Event::Tool { tool_call_id, .. } => ended.push(tool_call_id),
+            _ => {}
+        }
+    }
+    assert_eq!(started.len(), 2, "{started:?}");
+    assert_eq!(started[0], "call_0");
+    assert_ne!(started[1], "call_0");
+    assert_eq!(ended, started, "each call's tool events name it as it started");
+    let requests = server.requests();
+    let messages = requests[2].body["messages"].as_array().unwrap();
+    let answered: Vec<(&str, &str)> = messages
+        .iter()
+        .filter(|message| message["role"] == "tool")
+        .map(|message| {
+            (
+                message["tool_call_id"].as_str().unwrap(),
+                message["content"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        answered,
+        [("call_0", "Sunny in Paris."), (started[1].as_str(), "Sunny in Tokyo.")]
+    );
+    let called: Vec<&str> = messages
+        .iter()
+        .filter_map(|message| message["tool_calls"].as_array())
+        .flatten()
+        .map(|call| call["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(called, ["call_0", started[1].as_str()]);
+}
+
+#[agent]
+fn weather_desk() -> &'static str {
+    use_model("fixture/gpt-test");
+    use_subagent(Subagent::new(
+        "forecaster",
+        "Reports the weather of cities.",
+        FnAgent::new(AgentDefinition::new("forecaster"), |_: AgentProps<'_>| {
+            use_tool(get_weather);
+            "You report the weather."
+        }),
+    ));
+    "Delegate the weather."
+}
+
+/// The same in a task's child conversation.
+#[tokio::test]
+async fn a_childs_call_id_an_earlier_step_of_the_child_used_gets_one_of_its_own() {
+    let server = FixtureServer::start().await;
+    let task = r#"{"agent":"forecaster","prompt":"Paris, then Tokyo."}"#;
+    server.push(FixtureReply::openai_tool_calls([("call_0", "task", task)]));
+    server.push(FixtureReply::openai_tool_calls([(
+        "call_0",
+        "get_weather",
+        r#"{"city":"Paris"}"#,
+    )]));
+    server.push(FixtureReply::openai_tool_calls([(
+        "call_0",
+        "get_weather",
+        r#"{"city":"Tokyo"}"#,
+    )]));
+    server.push(FixtureReply::openai_text("Sunny in both."));
+    server.push(FixtureReply::openai_text("Sunny in Paris and Tokyo."));
+    let mut providers = ProviderRegistry::new();
+    providers.register(
+        OpenAiProvider::compatible("fixture", server.base_url(), "FLUE_FIXTURE_KEY").with_api_key("test-key"),
+    );
+    let runtime = Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .agent(weather_desk)
+        .providers(providers)
+        .build()
+        .unwrap();
+    let reply = runtime
+        .init(&weather_desk, "w-1")
+        .send("Paris, then Tokyo?")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "Sunny in Paris and Tokyo.");
+    let requests = server.requests();
+    assert_eq!(requests.len(), 5);
+    // The child's last request: its two calls under two ids, each answered by its own result.
+    let messages = requests[3].body["messages"].as_array().unwrap();
+    let called: Vec<&str> = messages
+        .iter()
+        .filter_map(|message| message["tool_calls"].as_array())
+        .flatten()
+        .map(|call| call["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(called.len(), 2, "{called:?}");
+    assert_eq!(called[0], "call_0");
+    assert_ne!(called[1], "call_0");
+    let answered: Vec<(&str, &str)> = messages
+        .iter()
+        .filter(|message| message["role"] == "tool")
+        .map(|message| {
+            (
+                message["tool_call_id"].as_str().unwrap(),
+                message["content"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        answered,
+        [("call_0", "Sunny in Paris."), (called[1], "Sunny in Tokyo.")]
+    );
+}
+
 #[tokio::test]
 async fn an_exchange_with_a_tool_call_split_across_many_chunks_runs_over_http() {
     let server = FixtureServer::start().await;

@@ -156,6 +156,37 @@ struct PendingOutcome {
     updates: Vec<Map<String, Value>>,
 }
 
+/// The call ids of one streamed step: a call id an earlier step of the conversation has (a
+/// server that numbers its ids per step, `call_0` in each) gets one of its own, from the call's
+/// first event on. Else its result would answer the earlier call wherever a call is found by
+/// its id (the HTTP view, a provider that refuses a repeated id once the model is switched).
+#[derive(Default)]
+pub(crate) struct CallIds {
+    renamed: HashMap<String, String>,
+}
+
+impl CallIds {
+    /// The id the step's call the server named `id` goes by.
+    pub(crate) fn own(&mut self, conversation: &Conversation, id: String) -> String {
+        if let Some(fresh) = self.renamed.get(&id) {
+            return fresh.clone();
+        }
+        if !conversation.has_call(&id) {
+            return id;
+        }
+        let fresh = format!("call_{}", ulid::Ulid::new());
+        self.renamed.insert(id, fresh.clone());
+        fresh
+    }
+
+    /// The step's complete calls, each under the id it goes by.
+    pub(crate) fn rename(&mut self, conversation: &Conversation, calls: &mut [ModelToolCall]) {
+        for call in calls {
+            call.id = self.own(conversation, std::mem::take(&mut call.id));
+        }
+    }
+}
+
 /// What a message row holds beyond its model message.
 struct Row {
     id: String,
@@ -910,6 +941,14 @@ impl Conversation {
     /// terminate (see [`Conversation::terminated_answer`]).
     pub(crate) fn batch_terminated(&self) -> bool {
         self.terminated
+    }
+
+    /// Whether a step of the conversation made a call with the id `id`.
+    fn has_call(&self, id: &str) -> bool {
+        self.messages.iter().any(|message| match message {
+            ModelMessage::Assistant { tool_calls, .. } => tool_calls.iter().any(|call| call.id == id),
+            _ => false,
+        })
     }
 
     /// The calls of the uncommitted batch (see [`Conversation::open_calls`]) with no outcome

@@ -60,7 +60,7 @@ use deadline::Deadline;
 use live_text::LiveText;
 
 pub(crate) use binding::{Attempt, InstanceBinding};
-pub(crate) use conversation::{Conversation, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from};
+pub(crate) use conversation::{CallIds, Conversation, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from};
 
 /// How many takeovers past its budget a submission whose stream cannot be read is left to
 /// (the lease lapsing each time) before it settles as failed without knowing how it ended.
@@ -2856,6 +2856,8 @@ impl Response<'_> {
     ) -> Result<ModelResponse, StepError> {
         let mut stream = provider.stream(request);
         let mut observer = observation::ToolCallObserver::new(tools);
+        let mut ids = CallIds::default();
+        let mut own_id = |id: String| ids.own(&self.conversation, id);
         // Whether a `thinking_start` is open, and the reasoning since: anything but more
         // reasoning ends it, and so does the call's end, however it ends.
         let mut thinking = false;
@@ -2898,9 +2900,12 @@ impl Response<'_> {
                     )));
                 }
                 Some(Err(error)) => break Err(StepError::Provider(error)),
-                Some(Ok(StreamEvent::Completed(response))) => {
+                Some(Ok(StreamEvent::Completed(mut response))) => {
                     if let Err(error) = response.check_tool_arguments() {
                         break Err(StepError::Provider(error));
+                    }
+                    for call in &mut response.tool_calls {
+                        call.id = own_id(std::mem::take(&mut call.id));
                     }
                     for started in observer.finish(&response) {
                         self.tool_call_started(started).await;
@@ -2921,6 +2926,7 @@ impl Response<'_> {
                     self.emit_with(|| Event::ThinkingDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
+                    let id = own_id(id);
                     if let Some(started) = observer.started(index, &id, &name) {
                         self.tool_call_started(started).await;
                     }
