@@ -428,24 +428,25 @@ impl Projection {
                 duration_ms,
                 ..
             } => {
-                self.tool_rows.insert(record.id.clone(), tool_call_id.clone());
                 // A call's first outcome stands (its batch is settled with it), as the
-                // conversation reads it: one after its batch committed waits for nothing (kept,
-                // it would take the edits of the row the view shows).
+                // conversation reads it: a later one (before or after the commit) is no row of
+                // the view, and the edits of its row change nothing shown.
                 let settled = self.tool_part_mut(tool_call_id).is_some_and(|part| {
                     part["state"]
                         .as_str()
                         .is_some_and(|state| state.starts_with("output-"))
                 });
-                if !settled {
-                    self.outcomes
-                        .entry(tool_call_id.clone())
-                        .or_insert_with(|| PendingOutcome {
+                if !settled && !self.outcomes.contains_key(tool_call_id) {
+                    self.tool_rows.insert(record.id.clone(), tool_call_id.clone());
+                    self.outcomes.insert(
+                        tool_call_id.clone(),
+                        PendingOutcome {
                             is_error: *is_error,
                             content: content.clone(),
                             duration_ms: *duration_ms,
                             timestamp: timestamp.to_owned(),
-                        });
+                        },
+                    );
                 }
             }
             RecordBody::ToolResultsCommitted { assistant_message_id } => {
@@ -1184,13 +1185,22 @@ mod tests {
         assert_eq!(chunks, [vec!["conversation-reset"]]);
         assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
         assert_eq!(parts(&projection)[0]["state"], "output-available");
-        // An outcome of the call after its batch committed changes nothing, and a later edit
-        // of the row still reaches the part.
+        // An outcome of the call after its batch committed changes nothing (nor do the edits of
+        // its own row), and a later edit of the row still reaches the part.
         let (_, late) = a_step_calling_lookup();
+        let mut late_edit = serde_json::Map::new();
+        late_edit.insert("content".into(), json!("card 4242 [late]"));
+        let late_edit = record(
+            "sub_1",
+            RecordBody::MessageUpdated {
+                message_id: late.id.clone(),
+                updates: late_edit,
+            },
+        );
         projection.apply(
             &Batch {
                 offset: 3,
-                records: Arc::from(vec![late]),
+                records: Arc::from(vec![late, late_edit]),
             },
             None,
         );
