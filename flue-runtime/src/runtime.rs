@@ -972,6 +972,16 @@ impl RuntimeInner {
                     SubmissionStatus::Settled => false,
                 };
             if stranded && !self.store.shared() {
+                // The row was read before the node was looked at: a submission that settled
+                // here in between (its worker then idle) is answered, not called stranded.
+                let settled_since = self
+                    .store
+                    .submission(submission_id)
+                    .await?
+                    .is_some_and(|row| row.outcome.is_some());
+                if settled_since {
+                    continue;
+                }
                 return Err(RuntimeError::NotProcessedHere {
                     submission_id: submission_id.to_owned(),
                 });
