@@ -93,7 +93,7 @@ pub use runtime::{
     AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, MAX_MODEL_RETRY_WAIT, OBSERVED_BACKLOG, Runtime, RuntimeBuilder,
     RuntimeError, RuntimeOptions, SendRequest,
 };
-pub use session::MAX_AGENT_FINISH_CYCLES;
+pub use session::{MAX_AGENT_FINISH_CYCLES, MAX_QUEUED_TOOL_STEPS};
 pub use skills::{MAX_WORKSPACE_SKILL_ENTRIES, MAX_WORKSPACE_SKILLS};
 pub use subagents::MAX_DELEGATION_DEPTH;
 

@@ -2674,6 +2674,47 @@ async fn calls_queued_by_a_queued_call_run_in_the_same_flow_past_the_step_budget
     );
 }
 
+static REQUEUES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Queues itself again, every time.
+#[tool]
+async fn requeue_self(ctx: &ToolContext) -> Result<String, ToolError> {
+    REQUEUES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    ctx.thread()
+        .unwrap()
+        .queue_tool(requeue_self, json!({}))
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok("again".into())
+}
+
+#[agent]
+fn requeuing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(requeue_self);
+    "R"
+}
+
+/// A call that queues itself would run until the submission's deadline: after
+/// `MAX_QUEUED_TOOL_STEPS` queued steps in a row the response fails, saying why.
+#[tokio::test]
+async fn calls_that_queue_themselves_for_ever_fail_the_response_at_the_ceiling() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("requeue_self", json!({})),
+        ScriptedReply::text("never"),
+    ]);
+    let runtime = runtime_with(&model, vec![requeuing.into()]);
+    let error = runtime.init(&requeuing, "r").send("go").await.unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(error_type, "queued_tool_ceiling", "{message}");
+    assert!(message.contains("64 steps in a row"), "{message}");
+    assert_eq!(
+        REQUEUES.load(std::sync::atomic::Ordering::SeqCst),
+        1 + flue_runtime::MAX_QUEUED_TOOL_STEPS,
+        "the model's call, then the queued steps up to the ceiling"
+    );
+    assert_eq!(model.requests().len(), 1);
+}
+
 #[agent]
 fn chain_auditing() -> &'static str {
     use_model("scripted/x");

@@ -69,6 +69,11 @@ const UNREAD_DEFERRALS: u32 = 3;
 /// The framework ceiling of continued finish cycles per response.
 pub const MAX_AGENT_FINISH_CYCLES: u32 = 32;
 
+/// The framework ceiling of steps of `queue_tool` calls run in a row, without a model step
+/// between them (calls that queue calls: a tool that queues itself would run until the
+/// submission's deadline).
+pub const MAX_QUEUED_TOOL_STEPS: u32 = 64;
+
 /// One instance's worker state.
 pub(crate) struct InstanceSlot {
     key: InstanceKey,
@@ -3010,6 +3015,7 @@ impl Response<'_> {
     /// every result of the last batch asked to end the turn.
     async fn run_queued_tools(&mut self, rendered: &Rendered, spec: &str) -> Result<Option<bool>, Failure> {
         let mut terminated = None;
+        let mut rounds = 0;
         loop {
             let step = match self.queued_step.take() {
                 // Recorded with the batch that queued them.
@@ -3023,6 +3029,15 @@ impl Response<'_> {
                 }
             };
             self.check_abort()?;
+            rounds += 1;
+            if rounds > MAX_QUEUED_TOOL_STEPS {
+                return Err(Failure::failed(
+                    "queued_tool_ceiling",
+                    format!(
+                        "[flue] queue_tool calls queued more calls for {MAX_QUEUED_TOOL_STEPS} steps in a row without a model step — a runaway loop (a tool that queues itself?). The response is failing loudly instead of running until its deadline; queue a call only when it has new work to do."
+                    ),
+                ));
+            }
             self.open_agent_run();
             terminated = Some(
                 self.tool_batch(rendered, &step.tools, &step.calls, step.message_id, &[], None)
