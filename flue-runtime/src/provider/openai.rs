@@ -982,7 +982,7 @@ impl ChatDecoder {
                 // for it, arriving late), or when the call's arguments are already whole JSON;
                 // without a name it continues the call otherwise.
                 Some(&slot)
-                    if !(!fragment.is_empty() && starts_another(&self.calls[slot], name))
+                    if !(!fragment.trim().is_empty() && starts_another(&self.calls[slot], name))
                         && id.is_none_or(|id| {
                             let call = &self.calls[slot];
                             let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
@@ -1005,7 +1005,7 @@ impl ChatDecoder {
             // fragment opens another (it names a tool and brings arguments once that call's
             // are whole).
             None => match id.and_then(|id| self.calls.iter().rposition(|c| c.id == id || c.server_id == id)) {
-                Some(slot) if !fragment.is_empty() && starts_another(&self.calls[slot], name) => self.new_call(),
+                Some(slot) if !fragment.trim().is_empty() && starts_another(&self.calls[slot], name) => self.new_call(),
                 Some(slot) => slot,
                 // Neither index nor id: a fragment continues the last call, unless it names
                 // a call the last one cannot be (another tool, or the same tool once the last
@@ -1825,6 +1825,16 @@ mod tests {
             (calls[0].0.as_str(), calls[0].2.as_str()),
             ("call_0", r#"{"city":"Tokyo"}"#)
         );
+        // …also with a trailing fragment of white space once its arguments are whole.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Tokyo\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","function":{"name":"weather","arguments":"\n"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let calls = decoded_calls(&chunks);
+        assert_eq!(calls.len(), 1, "{calls:?}");
+        assert_eq!(calls[0].0, "call_0");
     }
 
     /// DeepSeek's thinking mode answers 400 ("Missing `reasoning_content` field in the
