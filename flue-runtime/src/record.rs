@@ -109,6 +109,7 @@ impl SettlementError {
             | "model_required"
             | "model_resolution"
             | "agent_finish_ceiling"
+            | "queued_tool_ceiling"
             | "mcp_connection_failed"
             | "skill_name_conflict"
             | "compaction_failed"

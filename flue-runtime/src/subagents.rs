@@ -1160,7 +1160,7 @@ async fn child_session(
                 };
                 let error = match called {
                     Ok(mut response) => {
-                        call_ids.rename(&conversation, &mut response.tool_calls);
+                        call_ids.rename(&conversation, &mut response.tool_calls, &mut response.reasoning_blocks);
                         events.emit(|| {
                             turn(
                                 response.stop_reason.to_string(),

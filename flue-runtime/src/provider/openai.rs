@@ -843,6 +843,16 @@ fn starts_another(last: &PartialCall, name: Option<&str>) -> bool {
     }
 }
 
+/// Whether a fragment naming `name` and bringing `fragment` opens a call after `last`: it names
+/// another tool, or the same one with arguments (more than white space) once `last`'s are
+/// whole. (A server may repeat a call's name in each of its fragments.)
+fn opens_another(last: &PartialCall, name: Option<&str>, fragment: &str) -> bool {
+    match name {
+        Some(name) if !last.name.is_empty() && name != last.name => true,
+        _ => !fragment.trim().is_empty() && starts_another(last, name),
+    }
+}
+
 /// Decodes `chat.completion.chunk` events.
 struct ChatDecoder {
     ctx: CallContext,
@@ -982,7 +992,7 @@ impl ChatDecoder {
                 // for it, arriving late), or when the call's arguments are already whole JSON;
                 // without a name it continues the call otherwise.
                 Some(&slot)
-                    if !(!fragment.trim().is_empty() && starts_another(&self.calls[slot], name))
+                    if !opens_another(&self.calls[slot], name, fragment)
                         && id.is_none_or(|id| {
                             let call = &self.calls[slot];
                             let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
@@ -1005,7 +1015,7 @@ impl ChatDecoder {
             // fragment opens another (it names a tool and brings arguments once that call's
             // are whole).
             None => match id.and_then(|id| self.calls.iter().rposition(|c| c.id == id || c.server_id == id)) {
-                Some(slot) if !fragment.trim().is_empty() && starts_another(&self.calls[slot], name) => self.new_call(),
+                Some(slot) if opens_another(&self.calls[slot], name, fragment) => self.new_call(),
                 Some(slot) => slot,
                 // Neither index nor id: a fragment continues the last call, unless it names
                 // a call the last one cannot be (another tool, or the same tool once the last
@@ -1835,6 +1845,22 @@ mod tests {
         let calls = decoded_calls(&chunks);
         assert_eq!(calls.len(), 1, "{calls:?}");
         assert_eq!(calls[0].0, "call_0");
+        // Another tool's name opens a call, whatever its first fragment brings.
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Tokyo\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","function":{"name":"time","arguments":" "}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"zone\":\"UTC\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let calls = decoded_calls(&chunks);
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert_eq!(
+            (calls[0].1.as_str(), calls[0].2.as_str()),
+            ("weather", r#"{"city":"Tokyo"}"#)
+        );
+        assert_eq!(calls[1].1, "time");
+        assert_eq!(calls[1].2.trim(), r#"{"zone":"UTC"}"#);
     }
 
     /// DeepSeek's thinking mode answers 400 ("Missing `reasoning_content` field in the

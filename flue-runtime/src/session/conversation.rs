@@ -117,6 +117,9 @@ pub(crate) struct Conversation {
     tool_calls: FastMap<Arc<str>, Vec<ToolCallSummary>>,
     /// User messages with images: their position in `messages` and their attachments.
     image_refs: Vec<(usize, Vec<AttachmentRef>)>,
+    /// The ids of calls whose steps left `messages` (compacted or deleted): still the stream's,
+    /// so no later call may take them (see [`CallIds`]).
+    retired_call_ids: HashSet<String>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
     images: FastMap<String, ModelImage>,
     /// The attachments of the stream's first user message (a task child's prompt), once it
@@ -179,10 +182,25 @@ impl CallIds {
         fresh
     }
 
-    /// The step's complete calls, each under the id it goes by.
-    pub(crate) fn rename(&mut self, conversation: &Conversation, calls: &mut [ModelToolCall]) {
+    /// The step's complete calls, each under the id it goes by, and the reasoning details that
+    /// name a renamed call (OpenRouter's encrypted reasoning carries its call's id: sent back
+    /// under the old one, the call would lose its signature).
+    pub(crate) fn rename(
+        &mut self,
+        conversation: &Conversation,
+        calls: &mut [ModelToolCall],
+        reasoning: &mut [crate::provider::ReasoningBlock],
+    ) {
         for call in calls {
             call.id = self.own(conversation, std::mem::take(&mut call.id));
+        }
+        for block in reasoning {
+            if let crate::provider::ReasoningBlock::Detail { detail } = block
+                && let Some(serde_json::Value::String(id)) = detail.get_mut("id")
+                && let Some(fresh) = self.renamed.get(id.as_str())
+            {
+                id.clone_from(fresh);
+            }
         }
     }
 }
@@ -729,6 +747,7 @@ impl Conversation {
             }
             RecordBody::MessageDeleted { message_id } => {
                 if let Some(index) = self.row_index(message_id) {
+                    self.retire_call_ids(index..index + 1);
                     self.messages.make_mut().remove(index);
                     self.rows.remove(index);
                     if index < self.results_at {
@@ -765,6 +784,7 @@ impl Conversation {
                 ..
             } => {
                 if let Some(cut) = self.row_index(first_kept_message_id) {
+                    self.retire_call_ids(0..cut);
                     self.messages.make_mut().drain(..cut);
                     self.rows.drain(..cut);
                     self.image_refs.retain(|(at, _)| *at >= cut);
@@ -943,12 +963,24 @@ impl Conversation {
         self.terminated
     }
 
-    /// Whether a step of the conversation made a call with the id `id`.
+    /// Whether a step of the conversation made a call with the id `id` (also one that left the
+    /// history since).
     fn has_call(&self, id: &str) -> bool {
-        self.messages.iter().any(|message| match message {
-            ModelMessage::Assistant { tool_calls, .. } => tool_calls.iter().any(|call| call.id == id),
-            _ => false,
-        })
+        self.retired_call_ids.contains(id)
+            || self.messages.iter().any(|message| match message {
+                ModelMessage::Assistant { tool_calls, .. } => tool_calls.iter().any(|call| call.id == id),
+                _ => false,
+            })
+    }
+
+    /// Keeps the call ids of the messages at `range`, which leave the history.
+    fn retire_call_ids(&mut self, range: std::ops::Range<usize>) {
+        for message in &self.messages[range] {
+            if let ModelMessage::Assistant { tool_calls, .. } = message {
+                self.retired_call_ids
+                    .extend(tool_calls.iter().map(|call| call.id.clone()));
+            }
+        }
     }
 
     /// The calls of the uncommitted batch (see [`Conversation::open_calls`]) with no outcome
@@ -1672,6 +1704,87 @@ mod tests {
             reasoning_blocks: Vec::new(),
         }));
         records
+    }
+
+    /// A call id an earlier step used is renamed (see [`CallIds`]), also once that step was
+    /// compacted away; a fresh id is kept, and a renamed one's reasoning detail follows it.
+    #[test]
+    fn a_call_id_the_stream_used_is_renamed_even_once_compacted_away() {
+        let mut conversation = Conversation::default();
+        let mut records = vec![record(RecordBody::UserMessage {
+            message_id: "u-1".into(),
+            body: "first".into(),
+            attachments: Vec::new(),
+        })];
+        records.extend(calling_step(&[("call_0", "lookup")]));
+        records.push(record(RecordBody::ToolOutcome {
+            assistant_message_id: "step-1".into(),
+            tool_call_id: "call_0".into(),
+            tool_name: "lookup".into(),
+            is_error: false,
+            content: "found".into(),
+            terminate: false,
+            duration_ms: 1,
+        }));
+        records.push(record(RecordBody::ToolResultsCommitted {
+            assistant_message_id: "step-1".into(),
+        }));
+        records.push(record(RecordBody::UserMessage {
+            message_id: "u-2".into(),
+            body: "second".into(),
+            attachments: Vec::new(),
+        }));
+        conversation.apply(&Batch {
+            offset: 0,
+            records: records.into(),
+        });
+        let renamed = |conversation: &Conversation| {
+            let mut ids = CallIds::default();
+            let mut calls = vec![ModelToolCall {
+                id: "call_0".into(),
+                name: "lookup".into(),
+                arguments: "{}".into(),
+            }];
+            let mut reasoning = vec![crate::provider::ReasoningBlock::Detail {
+                detail: serde_json::json!({"type": "reasoning.encrypted", "id": "call_0", "data": "x"})
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default(),
+            }];
+            ids.rename(conversation, &mut calls, &mut reasoning);
+            let crate::provider::ReasoningBlock::Detail { detail } = &reasoning[0] else {
+                unreachable!()
+            };
+            assert_eq!(
+                detail["id"],
+                serde_json::json!(calls[0].id),
+                "the detail follows its call"
+            );
+            (calls[0].id.clone(), ids.own(conversation, "call_9".into()))
+        };
+        let (id, fresh) = renamed(&conversation);
+        assert_ne!(id, "call_0");
+        assert_eq!(fresh, "call_9");
+        conversation.apply(&Batch {
+            offset: 1,
+            records: vec![record(RecordBody::Compaction {
+                summary: "A lookup was made.".into(),
+                first_kept_message_id: "u-2".into(),
+                tokens_before: 1_000,
+                reason: "threshold".into(),
+                usage: None,
+            })]
+            .into(),
+        });
+        assert!(
+            !conversation.model_messages().iter().any(|message| matches!(
+                message,
+                ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty()
+            )),
+            "the step was compacted away"
+        );
+        let (id, _) = renamed(&conversation);
+        assert_ne!(id, "call_0");
     }
 
     #[test]

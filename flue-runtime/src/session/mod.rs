@@ -2862,7 +2862,6 @@ impl Response<'_> {
         let mut stream = provider.stream(request);
         let mut observer = observation::ToolCallObserver::new(tools);
         let mut ids = CallIds::default();
-        let mut own_id = |id: String| ids.own(&self.conversation, id);
         // Whether a `thinking_start` is open, and the reasoning since: anything but more
         // reasoning ends it, and so does the call's end, however it ends.
         let mut thinking = false;
@@ -2909,9 +2908,11 @@ impl Response<'_> {
                     if let Err(error) = response.check_tool_arguments() {
                         break Err(StepError::Provider(error));
                     }
-                    for call in &mut response.tool_calls {
-                        call.id = own_id(std::mem::take(&mut call.id));
-                    }
+                    ids.rename(
+                        &self.conversation,
+                        &mut response.tool_calls,
+                        &mut response.reasoning_blocks,
+                    );
                     for started in observer.finish(&response) {
                         self.tool_call_started(started).await;
                     }
@@ -2931,7 +2932,7 @@ impl Response<'_> {
                     self.emit_with(|| Event::ThinkingDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
-                    let id = own_id(id);
+                    let id = ids.own(&self.conversation, id);
                     if let Some(started) = observer.started(index, &id, &name) {
                         self.tool_call_started(started).await;
                     }
