@@ -2909,7 +2909,7 @@ impl Response<'_> {
                         break Err(StepError::Provider(error));
                     }
                     ids.rename(
-                        &self.conversation,
+                        self.conversation,
                         &mut response.tool_calls,
                         &mut response.reasoning_blocks,
                     );
@@ -2932,7 +2932,7 @@ impl Response<'_> {
                     self.emit_with(|| Event::ThinkingDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
-                    let id = ids.own(&self.conversation, id);
+                    let id = ids.own(self.conversation, id);
                     if let Some(started) = observer.started(index, &id, &name) {
                         self.tool_call_started(started).await;
                     }
