@@ -467,6 +467,10 @@ impl ThreadState {
     /// Queues a call of `tool` with `args` for later in this execution — after the current
     /// tool batch, or before the response would stop — whether or not the render mounts the
     /// tool. Its call and result are stored like the model's. Fails at rest (no execution).
+    ///
+    /// A queued call may queue calls in turn: they run next, before any model step, and are
+    /// not counted against `max_steps`; more than `MAX_QUEUED_TOOL_STEPS` (64, in
+    /// `flue_runtime`) such steps in a row fail the response (`queued_tool_ceiling`).
     pub fn queue_tool(&self, tool: impl crate::tool::IntoTool, args: Value) -> Result<(), ThreadError> {
         self.api.queue_tool(tool.into_tool(), args)
     }
