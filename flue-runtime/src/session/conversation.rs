@@ -823,8 +823,7 @@ impl Conversation {
     }
 
     /// Puts a tool result after its step's earlier results (rows injected while the calls ran
-    /// move after it).
-    /// Inserts a tool result after the step's earlier ones; returns its index.
+    /// move after it); returns its index.
     fn insert_result(&mut self, message: ModelMessage, row: Row) -> usize {
         let at = self.results_at.min(self.messages.len());
         if at == self.messages.len() {
