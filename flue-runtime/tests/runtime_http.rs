@@ -52,6 +52,30 @@ fn runtime(server: &FixtureServer) -> Runtime {
         .unwrap()
 }
 
+/// The ids of the tool calls in a request's `messages`, in order.
+fn call_ids(messages: &[serde_json::Value]) -> Vec<&str> {
+    messages
+        .iter()
+        .filter_map(|message| message["tool_calls"].as_array())
+        .flatten()
+        .map(|call| call["id"].as_str().unwrap())
+        .collect()
+}
+
+/// The tool results in a request's `messages` (call id, content), in order.
+fn tool_results(messages: &[serde_json::Value]) -> Vec<(&str, &str)> {
+    messages
+        .iter()
+        .filter(|message| message["role"] == "tool")
+        .map(|message| {
+            (
+                message["tool_call_id"].as_str().unwrap(),
+                message["content"].as_str().unwrap(),
+            )
+        })
+        .collect()
+}
+
 /// A server that numbers its call ids per step (`call_0` in every step): the later step's call
 /// gets an id of its own, everywhere (stream, events, the next request), else its result would
 /// answer the earlier call in every view that finds a call by its id.
@@ -91,26 +115,12 @@ async fn a_call_id_an_earlier_step_used_gets_one_of_its_own() {
     assert_eq!(ended, started, "each call's tool events name it as it started");
     let requests = server.requests();
     let messages = requests[2].body["messages"].as_array().unwrap();
-    let answered: Vec<(&str, &str)> = messages
-        .iter()
-        .filter(|message| message["role"] == "tool")
-        .map(|message| {
-            (
-                message["tool_call_id"].as_str().unwrap(),
-                message["content"].as_str().unwrap(),
-            )
-        })
-        .collect();
+    let answered = tool_results(messages);
     assert_eq!(
         answered,
         [("call_0", "Sunny in Paris."), (started[1].as_str(), "Sunny in Tokyo.")]
     );
-    let called: Vec<&str> = messages
-        .iter()
-        .filter_map(|message| message["tool_calls"].as_array())
-        .flatten()
-        .map(|call| call["id"].as_str().unwrap())
-        .collect();
+    let called = call_ids(messages);
     assert_eq!(called, ["call_0", started[1].as_str()]);
 }
 
@@ -166,25 +176,11 @@ async fn a_childs_call_id_an_earlier_step_of_the_child_used_gets_one_of_its_own(
     assert_eq!(requests.len(), 5);
     // The child's last request: its two calls under two ids, each answered by its own result.
     let messages = requests[3].body["messages"].as_array().unwrap();
-    let called: Vec<&str> = messages
-        .iter()
-        .filter_map(|message| message["tool_calls"].as_array())
-        .flatten()
-        .map(|call| call["id"].as_str().unwrap())
-        .collect();
+    let called = call_ids(messages);
     assert_eq!(called.len(), 2, "{called:?}");
     assert_eq!(called[0], "call_0");
     assert_ne!(called[1], "call_0");
-    let answered: Vec<(&str, &str)> = messages
-        .iter()
-        .filter(|message| message["role"] == "tool")
-        .map(|message| {
-            (
-                message["tool_call_id"].as_str().unwrap(),
-                message["content"].as_str().unwrap(),
-            )
-        })
-        .collect();
+    let answered = tool_results(messages);
     assert_eq!(
         answered,
         [("call_0", "Sunny in Paris."), (called[1], "Sunny in Tokyo.")]
