@@ -748,6 +748,10 @@ struct PartialCall {
     /// The server's id for a call that started under another (an earlier call of the step
     /// had it): its later fragments still name this one.
     server_id: String,
+    /// The call's name came again with no arguments once its own were whole: a server that
+    /// opens each call with a fragment naming it (`"arguments": ""`) and sends the arguments
+    /// without a name, under the same index and id. Text after that opens the next call.
+    named_again: bool,
 }
 
 impl PartialCall {
@@ -845,11 +849,14 @@ fn starts_another(last: &PartialCall, name: Option<&str>) -> bool {
 
 /// Whether a fragment naming `name` and bringing `fragment` opens a call after `last`: it names
 /// another tool, or the same one with arguments (more than white space) once `last`'s are
-/// whole. (A server may repeat a call's name in each of its fragments.)
+/// whole (a server may repeat a call's name in each of its fragments), or it brings arguments
+/// without a name after `last`'s name came again once its arguments were whole
+/// (`PartialCall::named_again`; the new call is of that tool).
 fn opens_another(last: &PartialCall, name: Option<&str>, fragment: &str) -> bool {
     match name {
         Some(name) if !last.name.is_empty() && name != last.name => true,
-        _ => !fragment.trim().is_empty() && starts_another(last, name),
+        Some(_) => !fragment.trim().is_empty() && starts_another(last, name),
+        None => !fragment.trim().is_empty() && last.named_again && last.is_whole(),
     }
 }
 
@@ -991,17 +998,21 @@ impl ChatDecoder {
                 // call's id was made up here and the name is the call's own: the server's id
                 // for it, arriving late), or when the call's arguments are already whole JSON;
                 // without a name it continues the call otherwise.
+                Some(&slot) if opens_another(&self.calls[slot], name, fragment) => {
+                    let slot = self.new_call_after(slot, name);
+                    self.slots.insert(index, slot);
+                    slot
+                }
                 Some(&slot)
-                    if !opens_another(&self.calls[slot], name, fragment)
-                        && id.is_none_or(|id| {
-                            let call = &self.calls[slot];
-                            let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
-                            call.id.is_empty()
-                                || call.id == id
-                                || call.server_id == id
-                                || (call.generated && same_name)
-                                || (name.is_none() && !call.is_whole())
-                        }) =>
+                    if id.is_none_or(|id| {
+                        let call = &self.calls[slot];
+                        let same_name = name.is_none_or(|name| call.name.is_empty() || call.name == name);
+                        call.id.is_empty()
+                            || call.id == id
+                            || call.server_id == id
+                            || (call.generated && same_name)
+                            || (name.is_none() && !call.is_whole())
+                    }) =>
                 {
                     slot
                 }
@@ -1015,18 +1026,29 @@ impl ChatDecoder {
             // fragment opens another (it names a tool and brings arguments once that call's
             // are whole).
             None => match id.and_then(|id| self.calls.iter().rposition(|c| c.id == id || c.server_id == id)) {
-                Some(slot) if opens_another(&self.calls[slot], name, fragment) => self.new_call(),
+                Some(slot) if opens_another(&self.calls[slot], name, fragment) => self.new_call_after(slot, name),
                 Some(slot) => slot,
-                // Neither index nor id: a fragment continues the last call, unless it names
-                // a call the last one cannot be (another tool, or the same tool once the last
-                // call's arguments are whole).
-                None if id.is_none() && self.calls.last().is_some_and(|last| !starts_another(last, name)) => {
-                    self.calls.len() - 1
+                // Neither index nor id: a fragment continues the last call, unless it opens
+                // another (the same rule).
+                None if id.is_none() && !self.calls.is_empty() => {
+                    let last = self.calls.len() - 1;
+                    if opens_another(&self.calls[last], name, fragment) {
+                        self.new_call_after(last, name)
+                    } else {
+                        last
+                    }
                 }
                 None => self.new_call(),
             },
         };
         let entry = &mut self.calls[slot];
+        if entry.started
+            && name.is_some_and(|name| name == entry.name)
+            && fragment.trim().is_empty()
+            && entry.is_whole()
+        {
+            entry.named_again = true;
+        }
         if let Some(id) = id.filter(|_| entry.id.is_empty()) {
             entry.id = id.to_owned();
         }
@@ -1077,6 +1099,16 @@ impl ChatDecoder {
     fn new_call(&mut self) -> usize {
         self.calls.push(PartialCall::default());
         self.calls.len() - 1
+    }
+
+    /// Starts the call a fragment opens after the one at `prev` (`opens_another`): without a
+    /// name of its own it is a call of `prev`'s tool, whose name came again to open it.
+    fn new_call_after(&mut self, prev: usize, name: Option<&str>) -> usize {
+        let slot = self.new_call();
+        if name.is_none() {
+            self.calls[slot].name = self.calls[prev].name.clone();
+        }
+        slot
     }
 
     fn complete(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
@@ -1835,16 +1867,6 @@ mod tests {
             (calls[0].0.as_str(), calls[0].2.as_str()),
             ("call_0", r#"{"city":"Tokyo"}"#)
         );
-        // …also with a trailing fragment of white space once its arguments are whole.
-        let chunks = [
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Tokyo\"}"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","function":{"name":"weather","arguments":"\n"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
-            "[DONE]",
-        ];
-        let calls = decoded_calls(&chunks);
-        assert_eq!(calls.len(), 1, "{calls:?}");
-        assert_eq!(calls[0].0, "call_0");
         // Another tool's name opens a call, whatever its first fragment brings.
         let chunks = [
             r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Tokyo\"}"}}]}}]}"#,
@@ -1861,6 +1883,70 @@ mod tests {
         );
         assert_eq!(calls[1].1, "time");
         assert_eq!(calls[1].2.trim(), r#"{"zone":"UTC"}"#);
+    }
+
+    /// A server that opens each call with a fragment naming it and no arguments, and sends the
+    /// arguments without a name under the same index and id (or with neither), gives each
+    /// call its own arguments.
+    #[test]
+    fn a_fragment_naming_only_the_tool_opens_a_call_once_the_last_one_is_whole() {
+        let opening = |key: &str| {
+            format!(
+                r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{{{key}"type":"function","function":{{"name":"weather","arguments":""}}}}]}}}}]}}"#
+            )
+        };
+        let arguments = |key: &str, city: &str| {
+            format!(
+                r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{{{key}"function":{{"arguments":"{{\"city\":\"{city}\"}}"}}}}]}}}}]}}"#
+            )
+        };
+        for key in [r#""index":0,"id":"call_0","#, r#""id":"call_0","#, ""] {
+            let chunks = [
+                opening(key),
+                arguments(key, "Paris"),
+                opening(key),
+                arguments(key, "Tokyo"),
+                r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#.to_owned(),
+                "[DONE]".to_owned(),
+            ];
+            let chunks: Vec<&str> = chunks.iter().map(String::as_str).collect();
+            let calls = decoded_calls(&chunks);
+            assert_eq!(calls.len(), 2, "{key}: {calls:?}");
+            assert_eq!(
+                (calls[0].1.as_str(), calls[0].2.as_str()),
+                ("weather", r#"{"city":"Paris"}"#),
+                "{key}"
+            );
+            assert_eq!(
+                (calls[1].1.as_str(), calls[1].2.as_str()),
+                ("weather", r#"{"city":"Tokyo"}"#),
+                "{key}"
+            );
+            assert_ne!(calls[0].0, calls[1].0, "{key}");
+        }
+    }
+
+    /// A server that repeats the call's name in every fragment and ends with a fragment of
+    /// white space once the arguments are whole makes one call, whether it numbers its
+    /// calls, names their ids, or neither.
+    #[test]
+    fn a_repeated_name_with_only_white_space_opens_no_call() {
+        for key in [r#""index":0,"id":"call_0","#, r#""id":"call_0","#, ""] {
+            let chunks = [
+                format!(
+                    r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{{{key}"type":"function","function":{{"name":"weather","arguments":"{{\"city\":\"Tokyo\"}}"}}}}]}}}}]}}"#
+                ),
+                format!(
+                    r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{{{key}"function":{{"name":"weather","arguments":"\n"}}}}]}}}}]}}"#
+                ),
+                r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#.to_owned(),
+                "[DONE]".to_owned(),
+            ];
+            let chunks: Vec<&str> = chunks.iter().map(String::as_str).collect();
+            let calls = decoded_calls(&chunks);
+            assert_eq!(calls.len(), 1, "{key}: {calls:?}");
+            assert_eq!(calls[0].2.trim(), r#"{"city":"Tokyo"}"#, "{key}");
+        }
     }
 
     /// DeepSeek's thinking mode answers 400 ("Missing `reasoning_content` field in the
