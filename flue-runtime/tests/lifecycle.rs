@@ -2713,6 +2713,23 @@ async fn calls_that_queue_themselves_for_ever_fail_the_response_at_the_ceiling()
         "the model's call, then the queued steps up to the ceiling"
     );
     assert_eq!(model.requests().len(), 1);
+    // The stream holds the steps that ran, each with its outcome, and no step that never ran
+    // (its calls would read as interrupted in every later request).
+    let stored = bodies(&runtime, "requeuing", "r").await;
+    let calls = stored
+        .iter()
+        .filter(|body| matches!(body, RecordBody::AssistantToolCall { .. }))
+        .count();
+    let outcomes: Vec<&str> = stored
+        .iter()
+        .filter_map(|body| match body {
+            RecordBody::ToolOutcome { content, .. } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls, 1 + flue_runtime::MAX_QUEUED_TOOL_STEPS as usize);
+    assert_eq!(outcomes.len(), calls);
+    assert!(outcomes.iter().all(|content| *content == "again"), "{outcomes:?}");
 }
 
 #[agent]

@@ -579,6 +579,7 @@ impl InstanceSlot {
             first_step_metadata: None,
             ended: Vec::new(),
             queued_step: None,
+            queued_rounds: 0,
             agent_open: false,
             data_writer_names: None,
             joined: Vec::new(),
@@ -1261,6 +1262,10 @@ struct Response<'a> {
     /// Calls `queue_tool` queued while a tool batch ran, recorded as a step of their own with
     /// that batch's commit: the next [`Self::run_queued_tools`] runs them.
     queued_step: Option<QueuedStep>,
+    /// How many queued steps [`Self::run_queued_tools`] has run in a row, without a model step
+    /// between them. At `MAX_QUEUED_TOOL_STEPS` a batch records no further step: the response
+    /// fails at the ceiling instead of leaving a step in the stream that never runs.
+    queued_rounds: u32,
     /// Whether the agent's run is open: its `agent_start` was emitted, its `agent_end` not yet.
     /// A run ends where the model would stop; a continuation (a finish callback's appends, a
     /// late join) is a run of its own (the reference's loop `continue()`).
@@ -3016,29 +3021,31 @@ impl Response<'_> {
     /// every result of the last batch asked to end the turn.
     async fn run_queued_tools(&mut self, rendered: &Rendered, spec: &str) -> Result<Option<bool>, Failure> {
         let mut terminated = None;
-        let mut rounds = 0;
+        self.queued_rounds = 0;
         loop {
             let step = match self.queued_step.take() {
-                // Recorded with the batch that queued them.
+                // Recorded with the batch that queued them (never past the ceiling).
                 Some(step) => step,
                 None => {
                     let Some((records, step)) = self.queued_step_of(spec) else {
+                        self.queued_rounds = 0;
                         return Ok(terminated);
                     };
+                    // Past the ceiling the calls are taken from the queue and not recorded.
+                    if self.queued_rounds >= MAX_QUEUED_TOOL_STEPS {
+                        return Err(Failure::failed(
+                            "queued_tool_ceiling",
+                            format!(
+                                "[flue] queue_tool calls queued more calls for {MAX_QUEUED_TOOL_STEPS} steps in a row without a model step — a runaway loop (a tool that queues itself?). The response is failing loudly instead of running until its deadline; queue a call only when it has new work to do."
+                            ),
+                        ));
+                    }
                     self.commit(records, false).await?;
                     step
                 }
             };
             self.check_abort()?;
-            rounds += 1;
-            if rounds > MAX_QUEUED_TOOL_STEPS {
-                return Err(Failure::failed(
-                    "queued_tool_ceiling",
-                    format!(
-                        "[flue] queue_tool calls queued more calls for {MAX_QUEUED_TOOL_STEPS} steps in a row without a model step — a runaway loop (a tool that queues itself?). The response is failing loudly instead of running until its deadline; queue a call only when it has new work to do."
-                    ),
-                ));
-            }
+            self.queued_rounds += 1;
             self.open_agent_run();
             terminated = Some(
                 self.tool_batch(rendered, &step.tools, &step.calls, step.message_id, &[], None)
@@ -3352,7 +3359,9 @@ impl Response<'_> {
         // settles, where in memory they were lost.
         let spec = self.model_spec.as_ref().map(|(spec, _)| spec.clone());
         let queued = match spec {
-            Some(spec) if self.queued_step.is_none() => self.queued_step_of(&spec),
+            Some(spec) if self.queued_step.is_none() && self.queued_rounds < MAX_QUEUED_TOOL_STEPS => {
+                self.queued_step_of(&spec)
+            }
             _ => None,
         };
         let tail = match queued {
