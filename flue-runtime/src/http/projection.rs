@@ -893,9 +893,12 @@ impl Projection {
     /// The part of the call `call` in its response message.
     fn tool_part_mut(&mut self, call: &str) -> Option<&mut Value> {
         let response_id = self.calls.get(call).cloned()?;
+        // The latest: in a stream written before a step's reused call ids were renamed
+        // (`CallIds`), a later step's call may have an earlier one's id, and the outcome that
+        // comes next answers the later call.
         self.parts_mut(&response_id)?
             .iter_mut()
-            .find(|part| part["toolCallId"] == call)
+            .rfind(|part| part["toolCallId"] == call)
     }
 
     /// Removes the part of the call `call` (the steps after it move up).
@@ -1221,6 +1224,47 @@ mod tests {
             vec![vec![RecordBody::MessageDeleted { message_id: row }]],
         );
         assert_eq!(parts(&projection), json!([]));
+    }
+
+    /// A stream written before reused call ids were renamed (`CallIds`): two steps of one
+    /// response called `call_0`. Each step's part shows its own outcome.
+    #[test]
+    fn steps_of_a_response_that_reused_a_call_id_each_show_their_own_outcome() {
+        let mut projection = Projection::new("agents/a/i");
+        let step = |id: &str, output: &str| {
+            vec![
+                started(id),
+                RecordBody::AssistantToolCall {
+                    message_id: id.into(),
+                    tool_call_id: "call_0".into(),
+                    name: "lookup".into(),
+                    arguments: "{}".into(),
+                },
+                completed(id, ""),
+                RecordBody::ToolOutcome {
+                    assistant_message_id: id.into(),
+                    tool_call_id: "call_0".into(),
+                    tool_name: "lookup".into(),
+                    is_error: false,
+                    content: output.into(),
+                    terminate: false,
+                    duration_ms: 1,
+                },
+                RecordBody::ToolResultsCommitted {
+                    assistant_message_id: id.into(),
+                },
+            ]
+        };
+        fold(&mut projection, vec![step("step_1", "first"), step("step_2", "second")]);
+        let parts = parts(&projection);
+        let shown: Vec<(&str, &str)> = parts
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|part| part["type"] == "dynamic-tool")
+            .map(|part| (part["state"].as_str().unwrap(), part["output"].as_str().unwrap_or("")))
+            .collect();
+        assert_eq!(shown, [("output-available", "first"), ("output-available", "second")]);
     }
 
     /// A call's outcome is appended as its tool ends, with what its row's create hooks set
