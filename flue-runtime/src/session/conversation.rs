@@ -561,12 +561,14 @@ impl Conversation {
             }
             RecordBody::ToolResultsCommitted { .. } => {
                 // A complete batch whose every tool asked to terminate ends the response (no
-                // further turn): it is a final answer, never run again on resume.
+                // further turn): it is a final answer, never run again on resume. A call's first
+                // outcome is the one that stands, as in its result.
                 let terminated = !self.open_calls.is_empty()
                     && self.open_calls.iter().all(|call| {
                         self.outcomes
                             .iter()
-                            .any(|outcome| outcome.tool_call_id == call.id && outcome.terminate)
+                            .find(|outcome| outcome.tool_call_id == call.id)
+                            .is_some_and(|outcome| outcome.terminate)
                     });
                 self.terminated = terminated;
                 if let Some(id) = submission {
@@ -2031,6 +2033,37 @@ mod tests {
         });
         assert_eq!(result(&conversation.model_messages()), named);
         assert!(conversation.retained_children().is_empty());
+    }
+
+    #[test]
+    fn a_batch_ends_the_turn_by_its_calls_first_outcomes_only() {
+        let outcome = |id: &str, terminate: bool| {
+            record(RecordBody::ToolOutcome {
+                assistant_message_id: "step-1".into(),
+                tool_call_id: id.into(),
+                tool_name: "finish".into(),
+                is_error: false,
+                content: "done".into(),
+                terminate,
+                duration_ms: 1,
+            })
+        };
+        let commit = || {
+            record(RecordBody::ToolResultsCommitted {
+                assistant_message_id: "step-1".into(),
+            })
+        };
+        // A late second outcome asking to terminate does not end a turn the first did not.
+        for (first, second, ends) in [(false, true, false), (true, false, true), (true, true, true)] {
+            let mut conversation = answered(1);
+            let mut records = calling_step(&[("call-a", "finish")]);
+            records.extend([outcome("call-a", first), outcome("call-a", second), commit()]);
+            conversation.apply(&Batch {
+                offset: 1,
+                records: records.into(),
+            });
+            assert_eq!(conversation.batch_terminated(), ends, "first {first}, second {second}");
+        }
     }
 
     #[test]
