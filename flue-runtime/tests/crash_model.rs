@@ -826,7 +826,8 @@ async fn drive(runtime: &Runtime, exchanges: &[Exchange], lives: &Mutex<Lives>) 
 }
 
 /// Waits until the submission `id` settled, however it did: a store error while waiting (a
-/// connection the server dropped) is no answer, and it reads again.
+/// connection the server dropped) is no answer, and it reads again. A store that keeps failing
+/// does not hang the test: the life ends at its 60 s bound (see [`life`]), its replies short.
 async fn settled(handle: &flue_runtime::AgentHandle, id: &str) {
     while let Err(RuntimeError::Store(_)) = handle.read(id).await {
         tokio::time::sleep(Duration::from_millis(10)).await;
