@@ -98,13 +98,17 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         #vis const #ident: #krate::__private::flue_core::lifecycle::#reference = {
             use #krate::__private::flue_core as __flue;
             #body
-            static DEFINITION: __flue::lifecycle::#definition = __flue::lifecycle::#definition {
-                id: #id,
-                handler: __flue::lifecycle::#handler::#variant(|#(#args),*| {
-                    ::std::boxed::Box::pin(async move { #result })
-                }),
-            };
-            __flue::lifecycle::#reference::new(&DEFINITION)
+            // In a block of its own: the body (an item of the outer block) sees the user's
+            // items named `DEFINITION`, not this one.
+            {
+                static DEFINITION: __flue::lifecycle::#definition = __flue::lifecycle::#definition {
+                    id: #id,
+                    handler: __flue::lifecycle::#handler::#variant(|#(#args),*| {
+                        ::std::boxed::Box::pin(async move { #result })
+                    }),
+                };
+                __flue::lifecycle::#reference::new(&DEFINITION)
+            }
         };
     }
 }

@@ -1,6 +1,9 @@
 //! An item may have any name, including the names of its expansion's locals (`args`, `ctx`,
-//! `output`, `definition`, `props`, `hook`).
+//! `output`, `definition`, `props`, `hook`), and a body sees the user's items named like the
+//! expansion's (`DEFINITION`).
 use flue_runtime::prelude::*;
+
+const DEFINITION: &str = "the user's";
 
 /// Print the text.
 #[tool]
@@ -23,6 +26,12 @@ async fn ctx(text: String) -> String {
 #[hook(after_thread_created)]
 fn hook(_state: &ThreadState) {}
 
+#[hook(after_thread_created)]
+fn greet(_state: &ThreadState) {
+    let user: &str = DEFINITION;
+    assert_eq!(user, "the user's");
+}
+
 #[agent(hooks = [hook])]
 fn definition() -> &'static str {
     use_tool(output);
@@ -41,4 +50,5 @@ fn main() {
     assert_eq!(props.definition().name, "props");
     assert_eq!(output.into_tool().name(), "output");
     assert_eq!(hook.id(), "hook");
+    assert_eq!(greet.id(), "greet");
 }
