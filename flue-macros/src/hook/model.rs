@@ -21,6 +21,8 @@ impl HookModel {
     /// The model; a stub when the kind is missing or unknown.
     pub(crate) fn build(function: ItemFn, options: Options, errors: &Errors) -> Self {
         let kind = match &options.kind {
+            // The arguments did not parse before a kind: that error is the one to fix.
+            None if options.malformed => None,
             None => {
                 errors.push(syn::Error::new(
                     Span::call_site(),

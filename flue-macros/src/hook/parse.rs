@@ -2,7 +2,6 @@
 
 use proc_macro2::TokenStream;
 use syn::parse::{Parse, ParseStream, Parser};
-use syn::punctuated::Punctuated;
 use syn::{Ident, LitStr, Token};
 
 use crate::errors::Errors;
@@ -11,6 +10,9 @@ pub(crate) struct Options {
     pub(crate) kind: Option<Ident>,
     pub(crate) id: Option<LitStr>,
     pub(crate) krate: Option<syn::Path>,
+    /// The arguments did not parse (reported): what came before the error is kept, and no
+    /// missing kind is reported on top of it.
+    pub(crate) malformed: bool,
 }
 
 enum Arg {
@@ -23,7 +25,14 @@ impl Parse for Arg {
         let key: Ident = input.call(syn::ext::IdentExt::parse_any)?;
         if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
-            Ok(Arg::KeyValue(key, input.parse()?))
+            let value = input.parse::<LitStr>().map_err(|error| {
+                let example = if key == "crate" { "flue_runtime" } else { "my_hook" };
+                syn::Error::new(
+                    error.span(),
+                    format!("#[hook] option `{key}` takes a string: write `{key} = \"{example}\"`"),
+                )
+            })?;
+            Ok(Arg::KeyValue(key, value))
         } else {
             Ok(Arg::Kind(key))
         }
@@ -35,14 +44,23 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
         kind: None,
         id: None,
         krate: None,
+        malformed: false,
     };
-    let parsed = match Punctuated::<Arg, Token![,]>::parse_terminated.parse2(args) {
-        Ok(parsed) => parsed,
-        Err(error) => {
-            errors.push(error);
-            return options;
+    // One argument at a time, so a malformed one keeps those before it (the kind).
+    let mut parsed = Vec::new();
+    let parser = |input: ParseStream<'_>| -> syn::Result<()> {
+        while !input.is_empty() {
+            parsed.push(input.parse::<Arg>()?);
+            if !input.is_empty() {
+                input.parse::<Token![,]>()?;
+            }
         }
+        Ok(())
     };
+    if let Err(error) = parser.parse2(args) {
+        errors.push(error);
+        options.malformed = true;
+    }
     for arg in parsed {
         match arg {
             // An option written without its value, not a kind.
