@@ -93,7 +93,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     }
     if model.options.max_attempts.is_some() || model.timeout_ms.is_some() {
         let attempts = match &model.options.max_attempts {
-            Some(attempts) => quote!(#attempts),
+            Some(attempts) => count(attempts),
             None => quote!(__flue::agent::Durability::DEFAULT.max_attempts),
         };
         let timeout = match model.timeout_ms {
@@ -103,6 +103,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         statics.push(quote!(__flue_definition = __flue_definition.durability(__flue::agent::Durability { max_attempts: #attempts, timeout: #timeout });));
     }
     if let Some(steps) = &model.options.max_steps {
+        let steps = count(steps);
         statics.push(quote!(__flue_definition = __flue_definition.max_steps(#steps);));
     }
     if let Some(hooks) = &model.options.hooks {
@@ -161,4 +162,12 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             }
         };
     }
+}
+
+/// A count option's value as an unsuffixed `u32` literal at its span: a suffix or a value out
+/// of range is reported by validation, and this keeps it from adding a type error of its own.
+fn count(literal: &syn::LitInt) -> TokenStream {
+    let mut value = proc_macro2::Literal::u32_unsuffixed(literal.base10_parse().unwrap_or(1));
+    value.set_span(literal.span());
+    quote!(#value)
 }

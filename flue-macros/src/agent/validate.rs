@@ -64,15 +64,11 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
             "an agent's description cannot be blank: write what the agent does, or leave `description` out",
         );
     }
-    if let Some(steps) = &model.options.max_steps
-        && steps.base10_parse::<u32>().map_or(true, |steps| steps == 0)
-    {
-        errors.spanned(steps, "max_steps must be a positive integer");
+    if let Some(steps) = &model.options.max_steps {
+        check_count(steps, "max_steps", errors);
     }
-    if let Some(attempts) = &model.options.max_attempts
-        && attempts.base10_parse::<u32>().map_or(true, |attempts| attempts == 0)
-    {
-        errors.spanned(attempts, "max_attempts must be a positive integer");
+    if let Some(attempts) = &model.options.max_attempts {
+        check_count(attempts, "max_attempts", errors);
     }
     let hooks = model.options.hooks.as_deref().unwrap_or_default();
     for (index, hook) in hooks.iter().enumerate() {
@@ -126,4 +122,24 @@ pub(crate) fn check(model: &AgentModel, errors: &Errors) {
 fn is_identity(name: &str) -> bool {
     let mut bytes = name.bytes();
     matches!(bytes.next(), Some(b'a'..=b'z')) && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+}
+
+/// A count option (`max_steps`, `max_attempts`): a positive `u32`, written without a suffix
+/// or with `u32`.
+fn check_count(count: &syn::LitInt, option: &str, errors: &Errors) {
+    if !matches!(count.suffix(), "" | "u32") {
+        errors.spanned(
+            count,
+            format!(
+                "{option} is a u32: write it without a suffix, like `{option} = {}`",
+                count.base10_digits()
+            ),
+        );
+        return;
+    }
+    match count.base10_parse::<u32>() {
+        Ok(0) => errors.spanned(count, format!("{option} must be a positive integer")),
+        Ok(_) => {}
+        Err(_) => errors.spanned(count, format!("{option} must fit in a u32 (at most {})", u32::MAX)),
+    }
 }
