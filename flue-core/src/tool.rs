@@ -650,6 +650,11 @@ impl ToolOutput {
 /// also fail with text (`Result<T, String>`, `Result<T, &'static str>`) or with any error that
 /// displays (`anyhow::Error`, `Box<dyn Error + Send + Sync>`), which the attribute converts
 /// itself: coherence rules out an impl of this trait for those.
+#[diagnostic::on_unimplemented(
+    message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",
+    label = "not a tool result",
+    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one whose error is a `ToolError`, text, or any error that displays"
+)]
 pub trait IntoToolOutput {
     /// Converts into a result.
     fn into_tool_output(self) -> ToolOutput;
