@@ -9,28 +9,30 @@ const redact_emails: ::flue_runtime::__private::flue_core::lifecycle::ThreadHook
     ) -> ToolResult {
         result
     }
-    static DEFINITION: __flue::lifecycle::ThreadHookDefinition = __flue::lifecycle::ThreadHookDefinition {
-        id: "redact_emails",
-        handler: __flue::lifecycle::ThreadHookHandler::BeforeStoreToolResult(|
-            __flue_arg0,
-            __flue_arg1,
-            __flue_arg2|
-        {
-            ::std::boxed::Box::pin(async move {
-                {
-                    let __flue_returned = __flue_hook_body(
-                            __flue_arg0,
-                            __flue_arg1,
-                            __flue_arg2,
-                        )
-                        .await;
-                    __flue::lifecycle::hook_return::<
-                        __flue::lifecycle::ToolResult,
-                        _,
-                    >(__flue_returned)
-                }
-            })
-        }),
-    };
-    __flue::lifecycle::ThreadHook::new(&DEFINITION)
+    {
+        static DEFINITION: __flue::lifecycle::ThreadHookDefinition = __flue::lifecycle::ThreadHookDefinition {
+            id: "redact_emails",
+            handler: __flue::lifecycle::ThreadHookHandler::BeforeStoreToolResult(|
+                __flue_arg0,
+                __flue_arg1,
+                __flue_arg2|
+            {
+                ::std::boxed::Box::pin(async move {
+                    {
+                        let __flue_returned = __flue_hook_body(
+                                __flue_arg0,
+                                __flue_arg1,
+                                __flue_arg2,
+                            )
+                            .await;
+                        __flue::lifecycle::hook_return::<
+                            __flue::lifecycle::ToolResult,
+                            _,
+                        >(__flue_returned)
+                    }
+                })
+            }),
+        };
+        __flue::lifecycle::ThreadHook::new(&DEFINITION)
+    }
 };
