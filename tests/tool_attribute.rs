@@ -324,6 +324,31 @@ macro_rules! echo_items {
 
 echo_items!(macro_echo, macro_hook, macro_agent, String, AgentProps);
 
+// The same with the types passed as `ident` and `tt` fragments, whose tokens keep the
+// invoking code's hygiene (a `ty` fragment arrives as a group of the macro's own).
+macro_rules! echo_items_by_token {
+    ($tool:ident, $hook:ident, $agent:ident, $text:ident, $props:tt) => {
+        /// Echo.
+        #[tool]
+        async fn $tool(q: $text) -> $text {
+            q
+        }
+
+        #[hook(after_system_message)]
+        fn $hook(_state: &ThreadState, system: $text) -> $text {
+            system
+        }
+
+        #[agent(initial_data = $text, hooks = [$hook])]
+        fn $agent(props: $props) -> $text {
+            use_tool($tool);
+            format!("{}", props.id())
+        }
+    };
+}
+
+echo_items_by_token!(token_echo, token_hook, token_agent, String, AgentProps);
+
 #[test]
 fn items_declared_by_a_macro_rules_with_fragment_types_expand() {
     let tool = macro_echo.into_tool();
@@ -332,6 +357,12 @@ fn items_declared_by_a_macro_rules_with_fragment_types_expand() {
     assert_eq!(macro_hook.id(), "macro_hook");
     let rendered = flue_runtime::render(&macro_agent, &RenderState::root("inbox-1")).unwrap();
     assert_eq!(rendered.instruction.as_deref(), Some("inbox-1"));
+    let tool = token_echo.into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"q": "hi"})));
+    assert_eq!(output, ToolOutput::text("hi"));
+    assert_eq!(token_hook.id(), "token_hook");
+    let rendered = flue_runtime::render(&token_agent, &RenderState::root("inbox-2")).unwrap();
+    assert_eq!(rendered.instruction.as_deref(), Some("inbox-2"));
 }
 
 /// Hand the conversation over.

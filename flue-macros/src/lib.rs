@@ -12,6 +12,13 @@ mod hook;
 mod krate;
 mod tool;
 
+/// A span that points at `tokens` (errors are reported there) and resolves names as the
+/// expansion's own: the user's tokens may come from a `macro_rules!` fragment whose hygiene
+/// would hide the expansion's locals (`__flue_returned`) from code spanned with them.
+fn located_at(tokens: &impl syn::spanned::Spanned) -> proc_macro2::Span {
+    proc_macro2::Span::call_site().located_at(tokens.span())
+}
+
 /// Whether `generics` declares lifetimes and nothing else (none at all included).
 fn lifetimes_only(generics: &syn::Generics) -> bool {
     generics

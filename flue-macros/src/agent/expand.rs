@@ -30,7 +30,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         // A parameter named like the agent was reported: the body is left out (below).
         _ if crate::parameter_named_like_item(&function.sig).is_some() => None,
         (0, _) => Some(None),
-        (1, Some(FnArg::Typed(param))) => Some(Some(quote_spanned!(param.ty.span()=> __flue_props))),
+        (1, Some(FnArg::Typed(param))) => Some(Some(quote_spanned!(crate::located_at(&param.ty)=> __flue_props))),
         // A shape error was reported; keep the item compiling without piling on errors.
         _ => None,
     };
@@ -41,7 +41,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         (Some(argument), ReturnType::Type(_, ty)) => {
             // Picked by method resolution (see `flue_core::agent::ReturnedValue`): a value
             // that is no instruction is reported with what an agent returns.
-            let convert = quote_spanned!(ty.span()=> (&__flue::agent::ReturnedValue(&__flue_returned))
+            let convert = quote_spanned!(crate::located_at(ty)=> (&__flue::agent::ReturnedValue(&__flue_returned))
                 .__flue_instruction()
                 .convert(__flue_returned));
             quote!({
@@ -89,7 +89,8 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         (_, None) => {}
     }
     if let Some(ty) = &model.options.initial_data {
-        statics.push(quote_spanned!(ty.span()=> __flue_definition = __flue_definition.initial_data::<#ty>();));
+        statics
+            .push(quote_spanned!(crate::located_at(ty)=> __flue_definition = __flue_definition.initial_data::<#ty>();));
     }
     if model.options.max_attempts.is_some() || model.timeout_ms.is_some() {
         let attempts = match &model.options.max_attempts {
@@ -109,7 +110,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     if let Some(hooks) = &model.options.hooks {
         let hooks = hooks
             .iter()
-            .map(|hook| quote_spanned!(hook.span()=> { let __flue_hook: __flue::lifecycle::ThreadHook = #hook; __flue_hook }));
+            .map(|hook| quote_spanned!(crate::located_at(hook)=> { let __flue_hook: __flue::lifecycle::ThreadHook = #hook; __flue_hook }));
         statics.push(quote!(__flue_definition = __flue_definition.hooks(::std::vec![#(#hooks),*]);));
     }
     if model.options.exposed_as_tool() {

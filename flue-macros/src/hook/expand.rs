@@ -57,7 +57,7 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         .zip(&args)
         .map(|(input, arg)| match input {
             FnArg::Typed(param) => {
-                let arg = syn::Ident::new(&arg.to_string(), param.ty.span());
+                let arg = syn::Ident::new(&arg.to_string(), crate::located_at(&param.ty));
                 quote!(#arg)
             }
             FnArg::Receiver(_) => quote!(#arg),
@@ -77,7 +77,8 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         // infers it from the body's value, and its call is spanned at the return type, so a
         // type the kind does not return is reported there.
         ReturnType::Type(_, ty) if well_formed => {
-            let convert = quote_spanned!(ty.span()=> __flue::lifecycle::hook_return::<#expected, _>(__flue_returned));
+            let convert =
+                quote_spanned!(crate::located_at(ty)=> __flue::lifecycle::hook_return::<#expected, _>(__flue_returned));
             quote!({
                 let __flue_returned = __flue_hook_body(#(#call_args),*) #await_;
                 #convert

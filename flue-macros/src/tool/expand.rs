@@ -87,7 +87,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         // text, or displays without being a `std::error::Error`, gets a `ToolError` instead,
         // which no trait impl can do (see `flue_core::tool::Returned`).
         ReturnType::Type(_, ty) => {
-            let convert = quote_spanned!(ty.span()=> __flue::tool::tool_return(__flue_returned));
+            let convert = quote_spanned!(crate::located_at(ty)=> __flue::tool::tool_return(__flue_returned));
             quote!({
                 use __flue::tool::{
                     ConvertibleReturn as _, DisplayErrorReturn as _, OtherReturn as _, TextErrorReturn as _,
