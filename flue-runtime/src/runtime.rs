@@ -1088,6 +1088,12 @@ pub(crate) fn check_instance_id(id: &str) -> Result<(), String> {
             u32::from(control)
         ));
     }
+    if id.contains(crate::store::TASK_SEPARATOR) {
+        return Err(format!(
+            "[flue] An agent instance id cannot contain \"{}\": it separates a task's conversation from its parent's.",
+            crate::store::TASK_SEPARATOR
+        ));
+    }
     Ok(())
 }
 

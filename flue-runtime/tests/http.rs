@@ -3416,6 +3416,7 @@ async fn instance_ids_admission_refuses_are_400_and_never_reach_the_store() {
         ("a%00b", "control characters"),
         ("a%0Ab", "U+000A"),
         (long.as_str(), "at most 512"),
+        ("acme%2Ftask_1", "separates a task's conversation"),
     ] {
         let error = assert_error(
             server.post(id, json!({"kind": "user", "body": "hi"})).await,

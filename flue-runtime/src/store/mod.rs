@@ -50,17 +50,25 @@ impl InstanceKey {
     }
 }
 
+/// What separates a task child's id from its parent's (`subagents::child_key`, task ids are
+/// `task_…`). An instance id cannot contain it (`Runtime` refuses one at admission), so a child
+/// stream's id names its root instance unambiguously.
+pub(crate) const TASK_SEPARATOR: &str = "/task_";
+
 impl InstanceKey {
     /// Whether an attempt of a submission of the instance `agent`/`id` may write this stream:
     /// the instance's own, or one of its task children's (`subagents::child_key`: the agent
-    /// with a `:task` suffix, the id followed by `/<task id>`). A write fence checks it, so an
-    /// attempt of one agent's instance cannot write another agent's instance of the same id.
+    /// with a `:task` suffix, the id followed by `/<task id>` once or more). A write fence
+    /// checks it, so an attempt of one agent's instance cannot write another agent's instance
+    /// of the same id, nor the children of another instance whose id starts with its own
+    /// (`acme` and `acme/eu`): a child's root is the part of its id before the first
+    /// [`TASK_SEPARATOR`], which no instance id contains.
     pub(crate) fn writable_by(&self, agent: &str, id: &str) -> bool {
         if *self.agent == *agent {
             return *self.id == *id;
         }
         self.agent.strip_suffix(":task") == Some(agent)
-            && self.id.strip_prefix(id).is_some_and(|rest| rest.starts_with('/'))
+            && self.id.find(TASK_SEPARATOR).is_some_and(|at| self.id[..at] == *id)
     }
 }
 
@@ -184,6 +192,25 @@ mod submission_tests {
         null.initial_data = Some(json!(null));
         let text = serde_json::to_string(&null).unwrap();
         assert_eq!(serde_json::from_str::<Submission>(&text).unwrap(), null, "{text}");
+    }
+}
+
+#[cfg(test)]
+mod fence_tests {
+    use super::InstanceKey;
+
+    #[test]
+    fn an_instance_writes_its_own_stream_and_its_task_childrens_only() {
+        let writable = |agent: &str, id: &str| InstanceKey::new(agent, id).writable_by("assistant", "acme");
+        assert!(writable("assistant", "acme"));
+        assert!(writable("assistant:task", "acme/task_1"));
+        assert!(writable("assistant:task", "acme/task_1/task_2"), "a child's child");
+        assert!(!writable("assistant", "acme/eu"));
+        assert!(!writable("assistant:task", "acme/eu/task_1"), "a child of acme/eu");
+        assert!(!writable("assistant:task", "acmex/task_1"));
+        assert!(!writable("assistant:task", "acme"));
+        assert!(!writable("concierge:task", "acme/task_1"));
+        assert!(!writable("assistant:task", "acme/other"));
     }
 }
 

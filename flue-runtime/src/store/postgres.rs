@@ -223,7 +223,8 @@ const APPEND_BATCH: &str = "WITH bumped AS (UPDATE flue_instances SET next_offse
 const APPEND_BATCH_FENCED: &str = "WITH bumped AS (UPDATE flue_instances SET next_offset = next_offset + 1 \
      WHERE agent = $1 AND instance_id = $2 AND ($4::TEXT IS NULL OR EXISTS (SELECT 1 FROM flue_submissions \
      WHERE id = $4::TEXT AND status = 'running' AND attempt_id = $5::TEXT \
-     AND ((agent = $1 AND instance_id = $2) OR ($1 = agent || ':task' AND starts_with($2, instance_id || '/'))) \
+     AND ((agent = $1 AND instance_id = $2) OR ($1 = agent || ':task' AND strpos($2, '/task_') > 0 \
+     AND left($2, strpos($2, '/task_') - 1) = instance_id)) \
      FOR SHARE)) \
      RETURNING next_offset - 1 AS batch_offset) \
      INSERT INTO flue_batches (agent, instance_id, batch_offset, records) \
@@ -3153,7 +3154,7 @@ mod tests {
         for round in 0..40_u64 {
             let instance = format!("parent-{round}");
             let parent = InstanceKey::new("assistant", instance.as_str());
-            let child = InstanceKey::new("assistant:task", format!("{instance}/task"));
+            let child = InstanceKey::new("assistant:task", format!("{instance}/task_1"));
             let submission = format!("p-{round}");
             a.admit(admission(&submission, "assistant", &instance)).await.unwrap();
             a.claim_next(&parent, &claim("attempt-a", "node-a"))

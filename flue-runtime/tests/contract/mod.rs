@@ -1652,8 +1652,8 @@ pub async fn rejects_a_host_append_for_a_foreign_submission_it_has_not_claimed(s
 }
 
 /// §5.3: an attempt writes its own instance's stream and its task children's streams, never
-/// another agent's instance that shares the id, another instance of its own agent, or a child
-/// of either.
+/// another agent's instance that shares the id, another instance of its own agent (one whose
+/// id begins with its own included), or a child of either.
 pub async fn rejects_a_submission_owned_append_from_another_agent_sharing_the_instance_id(store: Factory) {
     let host = running_host(&store).await;
     admit(
@@ -1704,6 +1704,10 @@ pub async fn rejects_a_submission_owned_append_from_another_agent_sharing_the_in
     let nowhere = key("assistant", "nowhere");
     let result = store.append(&nowhere, owned("intruding").into(), Some(&host)).await;
     assert!(matches!(result, Err(StoreError::Fenced(_))), "{nowhere}: {result:?}");
+    // Nor a task child of another instance whose id begins with its own and a `/`.
+    let cousin = key("assistant:task", "agent-1/eu/task_x");
+    let result = store.append(&cousin, owned("intruding").into(), Some(&host)).await;
+    assert!(matches!(result, Err(StoreError::Fenced(_))), "{cousin}: {result:?}");
     // Its own instance's stream takes the append.
     assert!(
         store
