@@ -525,6 +525,38 @@ async fn an_error_event_that_is_not_json_fails_the_call_as_what_it_says() {
     assert!(error.message.contains("exceeds the available context size"), "{error}");
 }
 
+/// An Anthropic-compatible proxy's `error` event whose data is the bare error object (its
+/// `type` not `"error"`), text, or llama.cpp's error line before `data: [DONE]`: each fails the
+/// call as what it says.
+#[tokio::test]
+async fn an_anthropic_error_event_fails_the_call_as_what_it_says_whatever_its_data() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::raw_sse([
+        "event: error\ndata: {\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}\n\n",
+    ]));
+    server.push(FixtureReply::raw_sse([
+        "event: error\ndata: upstream overloaded, try again later\n\n",
+    ]));
+    server.push(FixtureReply::raw_sse([
+        "error: {\"code\":400,\"message\":\"the request exceeds the available context size, try increasing it\",\"type\":\"exceed_context_size_error\"}\n\n",
+        "data: [DONE]\n\n",
+    ]));
+    let provider = anthropic(&server).with_retry_policy(RetryPolicy::none());
+    let (_, error) = fail(&provider, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Server, "{error}");
+    assert!(error.message.contains("Overloaded"), "{error}");
+    let (_, error) = fail(&provider, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Server, "{error}");
+    assert!(error.message.contains("upstream overloaded"), "{error}");
+    let (_, error) = fail(&provider, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::ContextOverflow, "{error}");
+    // A `data: [DONE]` alone ends an Anthropic stream as it ends (cut short without a stop).
+    server.push(FixtureReply::raw_sse(["data: [DONE]\n\n"]));
+    let (_, error) = fail(&provider, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Network, "{error}");
+    assert!(!error.message.contains("malformed"), "{error}");
+}
+
 #[tokio::test]
 async fn a_stream_done_without_any_choice_or_finished_with_error_is_no_answer() {
     let server = FixtureServer::start().await;

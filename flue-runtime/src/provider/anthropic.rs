@@ -67,7 +67,7 @@ use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
     CallContext, CallHeaders, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport,
-    ended_early, error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
+    ended_early, error_event, error_stream, map_error, parse_event_json, secret_header, send_with_retries, sse_stream,
 };
 use super::sse::Event;
 use super::text::{Text, borrowed};
@@ -1217,6 +1217,16 @@ impl SseDecoder for MessagesDecoder {
         {
             self.block_delta(delta.index, &delta.delta, out)?;
             return Ok(Flow::Continue);
+        }
+        // An `error` event, whatever its data's `type` (a proxy may send the bare error object,
+        // `{"type": "overloaded_error", …}`, or text).
+        if event.event == "error" {
+            return Err(error_event(&self.ctx, data));
+        }
+        // A stream ended the OpenAI way (a compatible server): the end of the stream.
+        if data == "[DONE]" {
+            self.end(out)?;
+            return Ok(Flow::Done);
         }
         let data = parse_event_json(&self.ctx, data)?;
         let kind = data.get("type").and_then(Value::as_str).unwrap_or(event.event);

@@ -1012,6 +1012,22 @@ pub(crate) fn check_event_shape(ctx: &CallContext, data: &str) -> Result<(), Pro
     ))
 }
 
+/// The error an SSE `error` event reports (its payload's shape checked first): llama.cpp's
+/// `error:` line (see the SSE decoder) or an `error` event, whose data is the error object,
+/// an envelope holding it under `error`, or text that says what went wrong. A `data: [DONE]`
+/// the server sent without a blank line before it ends up in the same event.
+pub(crate) fn error_event(ctx: &CallContext, data: &str) -> ProviderError {
+    if let Err(error) = check_event_shape(ctx, data) {
+        return error;
+    }
+    let said = data.strip_suffix("\n[DONE]").unwrap_or(data);
+    let details = match serde_json::from_str::<Value>(said) {
+        Ok(error) => ErrorDetails::from_value(error.get("error").unwrap_or(&error)),
+        Err(_) => ErrorDetails::from_value(&Value::String(said.to_owned())),
+    };
+    map_error(ctx, None, None, &details, said)
+}
+
 /// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`, and so is
 /// one holding more JSON than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
 /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow (an event may be 16 MiB long, and parsed

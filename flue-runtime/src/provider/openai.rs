@@ -69,8 +69,8 @@ use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
     CallContext, CallHeaders, Endpoint, ErrorDetails, Flow, KeySource, SharedClient, SseDecoder, Transport,
-    check_event_shape, ended_early, error_stream, map_error, parse_event_json, secret_header, send_with_retries,
-    sse_stream,
+    check_event_shape, ended_early, error_event, error_stream, map_error, parse_event_json, secret_header,
+    send_with_retries, sse_stream,
 };
 use super::sse::Event;
 use super::tool_json::{Declarations, ToolJson};
@@ -1204,15 +1204,7 @@ impl SseDecoder for ChatDecoder {
         // Before any parse of it: the error event's, the typed chunk's and the `Value` one's.
         check_event_shape(&self.ctx, data)?;
         if event.event == "error" {
-            // llama.cpp's `error:` line (see the SSE decoder) or an `error` event: the error
-            // object itself, or text that says what went wrong. A `data: [DONE]` the server
-            // sent without a blank line before it ends up in the same event.
-            let said = data.strip_suffix("\n[DONE]").unwrap_or(data);
-            let details = match serde_json::from_str::<Value>(said) {
-                Ok(error) => ErrorDetails::from_value(error.get("error").unwrap_or(&error)),
-                Err(_) => ErrorDetails::from_value(&Value::String(said.to_owned())),
-            };
-            return Err(map_error(&self.ctx, None, None, &details, said));
+            return Err(error_event(&self.ctx, data));
         }
         if let Some(chunk) = ChunkView::parse(data) {
             self.chunk(chunk, out);
