@@ -23,12 +23,23 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let generics = &function.sig.generics;
     let where_clause = &generics.where_clause;
 
+    // A `self` receiver is reported, and rustc would reject it on the nested body function
+    // too; a parameter named like the agent is reported, and rustc would read it as a pattern
+    // matching the agent; `async` and `unsafe` are reported, and the synchronous, safe body
+    // function would add errors of its own (`.await` outside async, unsafe calls): the body is
+    // left out (it is not called then).
+    let callable = function.sig.receiver().is_none()
+        && crate::parameter_named_like_item(&function.sig).is_none()
+        && function.sig.asyncness.is_none()
+        && function.sig.unsafety.is_none();
+
     // The argument the body gets, spanned at its parameter's type so a mismatch points there.
     let argument = match (inputs.len(), inputs.first()) {
         // Type or const parameters were reported: the body cannot be called.
         _ if !crate::lifetimes_only(generics) => None,
-        // A parameter named like the agent was reported: the body is left out (below).
-        _ if crate::parameter_named_like_item(&function.sig).is_some() => None,
+        // A parameter named like the agent, `async` or `unsafe` was reported: the body is left
+        // out (below).
+        _ if !callable => None,
         (0, _) => Some(None),
         (1, Some(FnArg::Typed(param))) => Some(Some(quote_spanned!(crate::located_at(&param.ty)=> __flue_props))),
         // A shape error was reported; keep the item compiling without piling on errors.
@@ -57,10 +68,6 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         (None, _) => quote!(__flue::Instruction::NONE),
     };
 
-    // A `self` receiver is reported, and rustc would reject it on the nested body function
-    // too; a parameter named like the agent is reported, and rustc would read it as a pattern
-    // matching the agent: the body is left out (it is not called then).
-    let callable = function.sig.receiver().is_none() && crate::parameter_named_like_item(&function.sig).is_none();
     let body = callable.then(|| {
         quote! {
             #(#other_attrs)*

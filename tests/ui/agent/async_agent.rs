@@ -1,8 +1,12 @@
 use flue_runtime::prelude::*;
 
+async fn plan() -> &'static str {
+    "Help."
+}
+
 #[agent]
 async fn assistant() -> &'static str {
-    "Help."
+    plan().await
 }
 
 fn main() {}

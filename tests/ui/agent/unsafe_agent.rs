@@ -1,8 +1,12 @@
 use flue_runtime::prelude::*;
 
+unsafe fn instruction() -> &'static str {
+    "Help."
+}
+
 #[agent]
 unsafe fn assistant() -> &'static str {
-    "Help."
+    instruction()
 }
 
 fn main() {}
