@@ -2,7 +2,6 @@
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
-use syn::spanned::Spanned;
 use syn::{FnArg, ReturnType};
 
 use super::model::HookModel;
