@@ -998,7 +998,13 @@ impl ChatDecoder {
                 // call's id was made up here and the name is the call's own: the server's id
                 // for it, arriving late), or when the call's arguments are already whole JSON;
                 // without a name it continues the call otherwise.
-                Some(&slot) if opens_another(&self.calls[slot], name, fragment) => {
+                // (A fragment without a name opens a call of the one it follows only under that
+                // call's id, or none: under another id it is the next rule's.)
+                Some(&slot)
+                    if opens_another(&self.calls[slot], name, fragment)
+                        && (name.is_some()
+                            || id.is_none_or(|id| self.calls[slot].id == id || self.calls[slot].server_id == id)) =>
+                {
                     let slot = self.new_call_after(slot, name);
                     self.slots.insert(index, slot);
                     slot
@@ -1916,6 +1922,29 @@ mod tests {
             );
             assert_ne!(calls[0].0, calls[1].0, "{key}");
         }
+        // At index 0, a nameless fragment under another id after the repeated name is another
+        // call whose name comes later: it takes that name, not the earlier call's.
+        let chunks = [
+            opening(r#""index":0,"id":"call_0","#),
+            arguments(r#""index":0,"id":"call_0","#, "Paris"),
+            opening(r#""index":0,"id":"call_0","#),
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"arguments":"{\"zone\":\"UTC\"}"}}]}}]}"#.to_owned(),
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"time","arguments":""}}]}}]}"#.to_owned(),
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#.to_owned(),
+            "[DONE]".to_owned(),
+        ];
+        let chunks: Vec<&str> = chunks.iter().map(String::as_str).collect();
+        assert_eq!(
+            decoded_calls(&chunks),
+            [
+                (
+                    "call_0".to_owned(),
+                    "weather".to_owned(),
+                    r#"{"city":"Paris"}"#.to_owned()
+                ),
+                ("call_1".to_owned(), "time".to_owned(), r#"{"zone":"UTC"}"#.to_owned())
+            ]
+        );
     }
 
     /// A server that repeats the call's name in every fragment and ends with a fragment of
