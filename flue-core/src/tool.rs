@@ -653,7 +653,7 @@ impl ToolOutput {
 #[diagnostic::on_unimplemented(
     message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",
     label = "not a tool result",
-    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one whose error is a `ToolError`, text, or any error that displays"
+    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one; its error may be a `ToolError` or any `std::error::Error` (a `#[tool]` function's also text, or any error that displays)"
 )]
 pub trait IntoToolOutput {
     /// Converts into a result.

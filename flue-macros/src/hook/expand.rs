@@ -35,10 +35,12 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     body.sig.abi = None;
     // A `self` receiver is reported, and rustc would reject it on the free body function too; a
     // parameter named like the hook is reported, and rustc would read it as a pattern matching
-    // the hook: the body is left out, and not called.
+    // the hook; `unsafe` is reported, and the safe body function would add an error per unsafe
+    // call in it: the body is left out, and not called.
     let receiver = function.sig.receiver().is_some();
     let named_like_hook = crate::parameter_named_like_item(&function.sig).is_some();
-    let body = (!receiver && !named_like_hook).then(|| {
+    let unsafe_fn = function.sig.unsafety.is_some();
+    let body = (!receiver && !named_like_hook && !unsafe_fn).then(|| {
         quote! {
             #[allow(dead_code, unused_variables)]
             #body
@@ -70,7 +72,8 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         && function.sig.inputs.len() == args.len()
         && crate::lifetimes_only(&function.sig.generics)
         && !receiver
-        && !named_like_hook;
+        && !named_like_hook
+        && !unsafe_fn;
     let result = match &function.sig.output {
         // The return type may be `impl Trait`, which cannot be named in a path: the helper
         // infers it from the body's value, and its call is spanned at the return type, so a

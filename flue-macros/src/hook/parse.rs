@@ -26,10 +26,18 @@ impl Parse for Arg {
         if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
             let value = input.parse::<LitStr>().map_err(|error| {
-                let example = if key == "crate" { "flue_runtime" } else { "my_hook" };
+                let message = match key.to_string().as_str() {
+                    "id" => "#[hook] option `id` takes a string: write `id = \"my_hook\"`".to_owned(),
+                    "crate" => "#[hook] option `crate` takes a string: write `crate = \"flue_runtime\"`".to_owned(),
+                    _ => format!("unknown #[hook] option `{key}`; expected one of: `id`, `crate`"),
+                };
                 syn::Error::new(
-                    error.span(),
-                    format!("#[hook] option `{key}` takes a string: write `{key} = \"{example}\"`"),
+                    if key == "id" || key == "crate" {
+                        error.span()
+                    } else {
+                        key.span()
+                    },
+                    message,
                 )
             })?;
             Ok(Arg::KeyValue(key, value))

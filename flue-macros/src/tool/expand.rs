@@ -33,8 +33,11 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     body.sig.abi = None;
     // A `self` receiver is reported, and rustc would reject it on the free body function too;
     // a parameter named like the tool is reported, and rustc would read it as a pattern matching
-    // the tool: the body is left out (it is never called then).
-    let callable = function.sig.receiver().is_none() && crate::parameter_named_like_item(&function.sig).is_none();
+    // the tool; `unsafe` is reported, and the safe body function would add an error per unsafe
+    // call in it: the body is left out (it is never called then).
+    let callable = function.sig.receiver().is_none()
+        && crate::parameter_named_like_item(&function.sig).is_none()
+        && function.sig.unsafety.is_none();
     let body = callable.then(|| {
         quote! {
             #[allow(dead_code, unused_variables)]
@@ -78,7 +81,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     // body uncallable from it: the tool still expands, so the rest of the crate type-checks,
     // but never runs.
     let output = match &function.sig.output {
-        _ if model.rejected_parameter || !model.misplaced_lifetimes().is_empty() => {
+        _ if model.rejected_parameter || !model.misplaced_lifetimes().is_empty() || !callable => {
             quote!(::core::unreachable!("this tool failed to compile"))
         }
         // The return type may be `impl Trait`, which cannot be named in a path: the helper

@@ -1,6 +1,10 @@
 use flue_runtime::prelude::*;
 
+unsafe fn announce() {}
+
 #[hook(after_thread_created)]
-unsafe fn greet(_state: &ThreadState) {}
+unsafe fn greet(_state: &ThreadState) {
+    announce();
+}
 
 fn main() {}

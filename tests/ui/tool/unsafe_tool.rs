@@ -1,9 +1,13 @@
 use flue_runtime::prelude::*;
 
+unsafe fn normalize(query: String) -> String {
+    query
+}
+
 /// Look something up.
 #[tool]
 async unsafe fn lookup(query: String) -> String {
-    query
+    normalize(query)
 }
 
 fn main() {}
