@@ -1704,10 +1704,31 @@ pub async fn rejects_a_submission_owned_append_from_another_agent_sharing_the_in
     let nowhere = key("assistant", "nowhere");
     let result = store.append(&nowhere, owned("intruding").into(), Some(&host)).await;
     assert!(matches!(result, Err(StoreError::Fenced(_))), "{nowhere}: {result:?}");
-    // Nor a task child of another instance whose id begins with its own and a `/`.
+    // Nor a task child of another instance whose id begins with its own and a `/` (one that
+    // exists: its own attempt created it).
+    admit(
+        &store,
+        admission("eu-1", "assistant", "agent-1/eu", SubmissionKind::Dispatch, "hi"),
+    )
+    .await;
+    let eu = key("assistant", "agent-1/eu");
+    store.claim_next(&eu, &claim("attempt-eu")).await.unwrap().unwrap();
+    let eu_attempt = attempt("eu-1", "attempt-eu");
     let cousin = key("assistant:task", "agent-1/eu/task_x");
+    let link = vec![record(Some("eu-1"), Some("attempt-eu"), user("link"))];
+    let birth = vec![record(None, Some("attempt-eu"), user("child"))];
+    store
+        .create_child(&eu, link.into(), &cousin, birth.into(), Some(&eu_attempt))
+        .await
+        .unwrap();
+    let before = store.read(&cousin, None).await.unwrap().len();
     let result = store.append(&cousin, owned("intruding").into(), Some(&host)).await;
     assert!(matches!(result, Err(StoreError::Fenced(_))), "{cousin}: {result:?}");
+    assert_eq!(
+        store.read(&cousin, None).await.unwrap().len(),
+        before,
+        "{cousin}: unchanged"
+    );
     // Its own instance's stream takes the append.
     assert!(
         store
