@@ -97,7 +97,7 @@ pub(crate) struct Projection {
     calls: HashMap<String, String>,
     /// Tool row id (its outcome record's) → its call id: a row edit or deletion reaches the
     /// call's part.
-    tool_rows: HashMap<String, String>,
+    tool_rows: HashMap<String, (String, String)>,
     outcomes: HashMap<String, PendingOutcome>,
     /// Data parts written before their response's first step (a start callback's writes),
     /// by submission: they join the response message when it starts.
@@ -422,6 +422,7 @@ impl Projection {
                 out.push(json!({"type": "message-completed", "messageId": response_id, "timestamp": timestamp}));
             }
             RecordBody::ToolOutcome {
+                assistant_message_id,
                 tool_call_id,
                 is_error,
                 content,
@@ -431,13 +432,14 @@ impl Projection {
                 // A call's first outcome stands (its batch is settled with it), as the
                 // conversation reads it: a later one (before or after the commit) is no row of
                 // the view, and the edits of its row change nothing shown.
-                let settled = self.tool_part_mut(tool_call_id).is_some_and(|part| {
+                let settled = self.tool_part_mut(tool_call_id, Some(assistant_message_id)).is_some_and(|part| {
                     part["state"]
                         .as_str()
                         .is_some_and(|state| state.starts_with("output-"))
                 });
                 if !settled && !self.outcomes.contains_key(tool_call_id) {
-                    self.tool_rows.insert(record.id.clone(), tool_call_id.clone());
+                    self.tool_rows
+                        .insert(record.id.clone(), (tool_call_id.clone(), assistant_message_id.clone()));
                     self.outcomes.insert(
                         tool_call_id.clone(),
                         PendingOutcome {
@@ -472,7 +474,7 @@ impl Projection {
                             "timestamp": outcome.timestamp,
                         })
                     };
-                    self.settle_tool_part(&call, &outcome);
+                    self.settle_tool_part(&call, assistant_message_id, &outcome);
                     out.push(chunk);
                 }
             }
@@ -557,10 +559,10 @@ impl Projection {
                 }
             }
             RecordBody::MessageDeleted { message_id } => {
-                if let Some(call) = self.tool_call_of_row(message_id) {
+                if let Some((call, step)) = self.tool_call_of_row(message_id) {
                     // A tool row: its result goes from the view with the call it answers, as
                     // the model no longer sees the call without it.
-                    self.remove_tool_part(&call);
+                    self.remove_tool_part(&call, step.as_deref());
                 } else if let Some(response_id) = self.steps.get(message_id).cloned() {
                     // A model step folded into its response message (the first one's id is the
                     // message's): its text and reasoning go, the other steps' parts stay.
@@ -606,7 +608,7 @@ impl Projection {
     /// Returns the id of the message that shows the row (a step's: its response's), unless
     /// the row is a tool result or not shown.
     fn update_message(&mut self, id: &str, updates: &Map<String, Value>) -> Option<String> {
-        if let Some(call) = self.tool_call_of_row(id) {
+        if let Some((call, step)) = self.tool_call_of_row(id) {
             // A tool row's content is its call's output (or error text): an edit redacting
             // it reaches the view (and an outcome its batch has not committed yet, which the
             // view shows once it does).
@@ -615,7 +617,7 @@ impl Projection {
             {
                 pending.content.clone_from(content);
             } else if let Some(Value::String(content)) = updates.get("content")
-                && let Some(part) = self.tool_part_mut(&call)
+                && let Some(part) = self.tool_part_mut(&call, step.as_deref())
             {
                 let field = if part["state"] == "output-error" {
                     "errorText"
@@ -880,51 +882,67 @@ impl Projection {
         }
     }
 
-    /// The call a tool row answers: rows are named by their outcome record, or `tool_<call>`
-    /// for a result the runtime wrote itself (an interrupted call's).
-    fn tool_call_of_row(&self, id: &str) -> Option<String> {
-        self.tool_rows.get(id).cloned().or_else(|| {
-            id.strip_prefix("tool_")
+    /// The call a tool row answers, and the step that made the call when known: rows are named
+    /// by their outcome record, or `tool_<call>` for a result the runtime wrote itself (an
+    /// interrupted call's).
+    fn tool_call_of_row(&self, id: &str) -> Option<(String, Option<String>)> {
+        match self.tool_rows.get(id) {
+            Some((call, step)) => Some((call.clone(), Some(step.clone()))),
+            None => id
+                .strip_prefix("tool_")
                 .filter(|call| self.calls.contains_key(*call))
-                .map(str::to_owned)
-        })
+                .map(|call| (call.to_owned(), None)),
+        }
     }
 
-    /// The part of the call `call` in its response message.
-    fn tool_part_mut(&mut self, call: &str) -> Option<&mut Value> {
-        let response_id = self.calls.get(call).cloned()?;
-        // The latest: in a stream written before a step's reused call ids were renamed
-        // (`CallIds`), a later step's call may have an earlier one's id, and the outcome that
-        // comes next answers the later call.
-        self.parts_mut(&response_id)?
-            .iter_mut()
-            .rfind(|part| part["toolCallId"] == call)
+    /// Where the part of the call `call` that the step `step` made is: its response message and
+    /// its index there. A stream written before reused call ids were renamed (`CallIds`) may
+    /// have several steps of a response calling one id: the step's own is the first part under
+    /// that id from the step's first part on; without a step, the latest.
+    fn tool_part_at(&mut self, call: &str, step: Option<&str>) -> Option<(String, usize)> {
+        let response_id = step
+            .and_then(|step| self.steps.get(step))
+            .or_else(|| self.calls.get(call))
+            .cloned()?;
+        let start = step.and_then(|step| self.step_parts.get(step)).copied();
+        let parts = self.parts_mut(&response_id)?;
+        let at = match start {
+            Some(start) => (start..parts.len()).find(|&at| parts[at]["toolCallId"] == call),
+            None => parts.iter().rposition(|part| part["toolCallId"] == call),
+        }?;
+        Some((response_id, at))
     }
 
-    /// Removes the part of the call `call` (the steps after it move up).
-    fn remove_tool_part(&mut self, call: &str) {
-        let Some(response_id) = self.calls.get(call).cloned() else {
+    /// The part of the call `call` the step `step` made (see [`Self::tool_part_at`]).
+    fn tool_part_mut(&mut self, call: &str, step: Option<&str>) -> Option<&mut Value> {
+        let (response_id, at) = self.tool_part_at(call, step)?;
+        self.parts_mut(&response_id)?.get_mut(at)
+    }
+
+    /// Removes the part of the call `call` the step `step` made (the steps after it move up).
+    fn remove_tool_part(&mut self, call: &str, step: Option<&str>) {
+        // Without a step, the latest of the call's response that made it.
+        let step = step.map(str::to_owned).or_else(|| {
+            let response = self.calls.get(call);
+            self.step_calls
+                .iter()
+                .filter(|(step, calls)| calls.iter().any(|other| other == call) && self.steps.get(*step) == response)
+                .max_by_key(|(step, _)| self.step_parts.get(*step).copied())
+                .map(|(step, _)| step.clone())
+        });
+        let Some((response_id, at)) = self.tool_part_at(call, step.as_deref()) else {
             return;
         };
-        let step = self
-            .step_calls
-            .iter()
-            .find(|(_, calls)| calls.iter().any(|other| other == call))
-            .map(|(step, _)| step.clone());
-        let Some(parts) = self.parts_mut(&response_id) else {
-            return;
-        };
-        let Some(at) = parts.iter().position(|part| part["toolCallId"] == call) else {
-            return;
-        };
-        parts.remove(at);
+        if let Some(parts) = self.parts_mut(&response_id) {
+            parts.remove(at);
+        }
         if let Some(step) = step {
             self.shift_steps(&response_id, &step, at, false);
         }
     }
 
-    fn settle_tool_part(&mut self, call: &str, outcome: &PendingOutcome) {
-        let Some(part) = self.tool_part_mut(call) else {
+    fn settle_tool_part(&mut self, call: &str, step: &str, outcome: &PendingOutcome) {
+        let Some(part) = self.tool_part_mut(call, Some(step)) else {
             return;
         };
         if outcome.is_error {
@@ -1227,9 +1245,10 @@ mod tests {
     }
 
     /// A stream written before reused call ids were renamed (`CallIds`): two steps of one
-    /// response called `call_0`. Each step's part shows its own outcome.
+    /// response called `call_0`. Each step's part shows its own outcome, and the edits and
+    /// deletions of each step's tool row reach that step's part.
     #[test]
-    fn steps_of_a_response_that_reused_a_call_id_each_show_their_own_outcome() {
+    fn steps_of_a_response_that_reused_a_call_id_each_keep_their_own_outcome() {
         let mut projection = Projection::new("agents/a/i");
         let step = |id: &str, output: &str| {
             vec![
@@ -1255,16 +1274,52 @@ mod tests {
                 },
             ]
         };
-        fold(&mut projection, vec![step("step_1", "first"), step("step_2", "second")]);
-        let parts = parts(&projection);
-        let shown: Vec<(&str, &str)> = parts
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|part| part["type"] == "dynamic-tool")
-            .map(|part| (part["state"].as_str().unwrap(), part["output"].as_str().unwrap_or("")))
+        let batches: Vec<Vec<Record>> = [step("step_1", "first"), step("step_2", "second")]
+            .into_iter()
+            .map(|bodies| bodies.into_iter().map(|body| record("sub_1", body)).collect())
             .collect();
-        assert_eq!(shown, [("output-available", "first"), ("output-available", "second")]);
+        let rows: Vec<String> = batches.iter().map(|records| records[3].id.clone()).collect();
+        for (offset, records) in batches.into_iter().enumerate() {
+            let batch = Batch {
+                offset: offset as u64,
+                records: Arc::from(records),
+            };
+            projection.apply(&batch, None);
+        }
+        let shown = |projection: &Projection| -> Vec<(String, String)> {
+            parts(projection)
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|part| part["type"] == "dynamic-tool")
+                .map(|part| {
+                    let state = part["state"].as_str().unwrap().to_owned();
+                    (state, part["output"].as_str().unwrap_or("").to_owned())
+                })
+                .collect()
+        };
+        let pair = |state: &str, output: &str| (state.to_owned(), output.to_owned());
+        assert_eq!(
+            shown(&projection),
+            [pair("output-available", "first"), pair("output-available", "second")]
+        );
+        // An edit of the first step's row reaches its part; a deletion of the second step's
+        // row removes its part.
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), json!("first [redacted]"));
+        fold(
+            &mut projection,
+            vec![
+                vec![RecordBody::MessageUpdated {
+                    message_id: rows[0].clone(),
+                    updates,
+                }],
+                vec![RecordBody::MessageDeleted {
+                    message_id: rows[1].clone(),
+                }],
+            ],
+        );
+        assert_eq!(shown(&projection), [pair("output-available", "first [redacted]")]);
     }
 
     /// A call's outcome is appended as its tool ends, with what its row's create hooks set
