@@ -1071,7 +1071,10 @@ pub const MAX_INSTANCE_ID_CHARS: usize = 512;
 /// [`MAX_INSTANCE_ID_CHARS`] or holding a control character (stricter than the reference: an
 /// id keys every store's instance index, where Postgres takes neither a NUL nor a key past
 /// its index's row size, and it is a URL path segment and a log field, where line breaks and
-/// escapes are never what a client meant).
+/// escapes are never what a client meant); or holding `/task_`, which separates a task's
+/// conversation from its parent's in the child's stream id (see `InstanceKey::writable_by`:
+/// the write fence reads a child's root from it). Ids stored before this rule that hold it are
+/// no longer reachable through the runtime's API.
 pub(crate) fn check_instance_id(id: &str) -> Result<(), String> {
     if flue_core::message::is_blank(id) {
         return Err("[flue] dispatch() requires a non-empty \"id\" target agent instance id.".into());

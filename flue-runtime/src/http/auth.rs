@@ -103,7 +103,8 @@ pub enum Access {
     IdPrefix(String),
     /// The user's event stream (`/users/<id>/events`) and instances whose id starts with
     /// `<id>:`, and the catalog. A user id that itself contains `:` reaches no instance: its
-    /// namespace would lie inside another user's (`u:admin:notes` is user `u`'s instance).
+    /// namespace would lie inside another user's (`u:admin:notes` is user `u`'s instance). Nor
+    /// does one containing `/task_`, which no instance id may hold.
     User(String),
 }
 
