@@ -1635,11 +1635,21 @@ impl Store for PostgresStore {
             let measured = self.clock_offset().await?;
             self.clock.update(measured, false);
             let now = self.clock.to_database(now_ms).to_string();
-            self.query(EXPIRED, &[&now])
+            // A row this build cannot read (a newer build's, a damaged one) is left out, with a
+            // warning: it must not stop the takeovers of every other instance.
+            Ok(self
+                .query(EXPIRED, &[&now])
                 .await?
                 .iter()
-                .map(|row| self.submission_from_row(row))
-                .collect()
+                .filter_map(|row| match self.submission_from_row(row) {
+                    Ok(submission) => Some(submission),
+                    Err(error) => {
+                        let id = row.try_get::<_, String>("id").unwrap_or_default();
+                        tracing::warn!(submission = %id, "postgres: a submission row this build cannot read is left out of a scan: {error}");
+                        None
+                    }
+                })
+                .collect())
         })
     }
 

@@ -1014,6 +1014,34 @@ fn submissions(
         .collect()
 }
 
+/// The submissions a node-wide scan's query of their `id` and `data` returns, in its order,
+/// leaving out (with a warning) a row whose JSON this build cannot read: one such row (a
+/// newer build's, a damaged one) must not stop the scan's work for every other instance. Its
+/// own instance's reads still fail on it, saying why.
+fn readable_submissions(
+    transaction: &Connection,
+    query: &str,
+    parameters: impl rusqlite::Params,
+) -> Result<Vec<Submission>, StoreError> {
+    let mut statement = transaction.prepare_cached(query).map_err(sql)?;
+    let rows = statement
+        .query_map(parameters, |row| {
+            Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?))
+        })
+        .map_err(sql)?;
+    let mut readable = Vec::new();
+    for row in rows {
+        let (id, data) = row.map_err(sql)?;
+        match serde_json::from_str(&data) {
+            Ok(submission) => readable.push(submission),
+            Err(error) => {
+                tracing::warn!(submission = %id, "sqlite: a submission row this build cannot read is left out of a scan: {error}")
+            }
+        }
+    }
+    Ok(readable)
+}
+
 /// The instance's submissions in `status`, in admission order. (`status <> 'settled'` lets
 /// SQLite use the unsettled index, whose condition a query must state.)
 fn unsettled_in(
@@ -1356,9 +1384,9 @@ impl Store for SqliteStore {
 
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
         ready(self.read_transaction(|tx| {
-            submissions(
+            readable_submissions(
                 tx,
-                "SELECT data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND lease_until_ms > 0 AND lease_until_ms < ?1 ORDER BY sequence",
+                "SELECT id, data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND lease_until_ms > 0 AND lease_until_ms < ?1 ORDER BY sequence",
                 params![now_ms as i64],
             )
         }))
@@ -1392,9 +1420,9 @@ impl Store for SqliteStore {
 
     fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
         ready(self.read_transaction(|tx| {
-            let running = submissions(
+            let running = readable_submissions(
                 tx,
-                "SELECT data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' ORDER BY sequence",
+                "SELECT id, data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' ORDER BY sequence",
                 [],
             )?;
             Ok(running
@@ -2260,6 +2288,36 @@ mod tests {
         assert_eq!(settled.attempt_id.as_deref(), Some("at-1"));
         let requeued = now(store.submission("s-2")).unwrap().unwrap();
         assert_eq!(requeued.status, SubmissionStatus::Queued);
+        drop(store);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A running row whose JSON this build cannot read is left out of the node-wide scans (the
+    /// leases to take over, the aborts to deliver): the other instances' work goes on.
+    #[test]
+    fn an_unreadable_row_is_left_out_of_the_node_wide_scans() {
+        let dir = std::env::temp_dir().join(format!("flue-sqlite-unreadable-{}", new_id("t")));
+        let path = dir.join("flue.db");
+        let store = SqliteStore::open(&path).unwrap();
+        let lapsing = |attempt: &str| Claim {
+            lease_until_ms: 5,
+            ..claim(attempt)
+        };
+        now(store.admit(admission("a", "s-1", Some(lapsing("at-1"))))).unwrap();
+        now(store.admit(admission("b", "s-2", Some(lapsing("at-2"))))).unwrap();
+        now(store.request_abort(&InstanceKey::new("a", "b"))).unwrap();
+        // Another connection damages the first row (a newer build's, say).
+        let other = rusqlite::Connection::open(&path).unwrap();
+        other
+            .execute("UPDATE flue_submissions SET data = '{\"id\": 7}' WHERE id = 's-1'", [])
+            .unwrap();
+        drop(other);
+        let expired: Vec<String> = now(store.expired(10)).unwrap().into_iter().map(|row| row.id).collect();
+        assert_eq!(expired, ["s-2"]);
+        let attempts = ["at-1".to_owned(), "at-2".to_owned()];
+        assert_eq!(now(store.aborts_requested(&attempts)), Ok(vec!["at-2".to_owned()]));
+        // Its own reads say why.
+        assert!(now(store.submission("s-1")).is_err());
         drop(store);
         let _ = std::fs::remove_dir_all(dir);
     }
