@@ -1825,33 +1825,27 @@ mod tests {
         assert_ne!(calls[1].0, "call_0", "{calls:?}");
         assert!(calls[1].0.starts_with("call_"), "{calls:?}");
         assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
-        // Without indices: the second call's opening fragment (a name and arguments, once the
-        // first call's are whole) starts a call of its own, whose later fragments reach it.
-        let chunks = [
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_0","function":{"arguments":"\"Tokyo\"}"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
-            "[DONE]",
-        ];
-        let calls = decoded_calls(&chunks);
-        assert_eq!(calls.len(), 2, "{calls:?}");
-        assert_eq!(calls[0].2, r#"{"city":"Paris"}"#);
-        assert_ne!(calls[1].0, "call_0", "{calls:?}");
-        assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
-        // Every call at index 0 under one id: the same, by the opening fragment.
-        let chunks = [
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","function":{"arguments":"\"Tokyo\"}"}}]}}]}"#,
-            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
-            "[DONE]",
-        ];
-        let calls = decoded_calls(&chunks);
-        assert_eq!(calls.len(), 2, "{calls:?}");
-        assert_eq!(calls[0].2, r#"{"city":"Paris"}"#);
-        assert_ne!(calls[1].0, "call_0", "{calls:?}");
-        assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#);
+        // Without indices, or every call at index 0 under one id: the second call's opening
+        // fragment (a name and arguments, once the first call's are whole) starts a call of
+        // its own, whose later fragments reach it.
+        for key in [r#""id":"call_0","#, r#""index":0,"id":"call_0","#] {
+            let fragment = |function: &str| {
+                format!(r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{{{key}"function":{function}}}]}}}}]}}"#)
+            };
+            let chunks = [
+                fragment(r#"{"name":"weather","arguments":"{\"city\":\"Paris\"}"}"#),
+                fragment(r#"{"name":"weather","arguments":"{\"city\":"}"#),
+                fragment(r#"{"arguments":"\"Tokyo\"}"}"#),
+                r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#.to_owned(),
+                "[DONE]".to_owned(),
+            ];
+            let chunks: Vec<&str> = chunks.iter().map(String::as_str).collect();
+            let calls = decoded_calls(&chunks);
+            assert_eq!(calls.len(), 2, "{key}: {calls:?}");
+            assert_eq!(calls[0].2, r#"{"city":"Paris"}"#, "{key}");
+            assert_ne!(calls[1].0, "call_0", "{key}: {calls:?}");
+            assert_eq!(calls[1].2, r#"{"city":"Tokyo"}"#, "{key}");
+        }
         // A server that repeats the call's name in every fragment continues the call.
         let chunks = [
             r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_0","type":"function","function":{"name":"weather","arguments":"{\"city\":"}}]}}]}"#,
