@@ -1005,13 +1005,19 @@ impl ToolContext {
                 "[flue] Tool \"{tool}\" step \"{name}\" returned a value that is not JSON: {error}"
             ))
         })?;
-        steps.record(name, value.clone()).await.map_err(|error| {
+        // The first run returns what a re-run would read back, and a value that would not read
+        // back (JSON has no NaN: serde_json writes `null`) is not recorded.
+        let settled = T::deserialize(&value).map_err(|error| {
+            ToolError::new(format!(
+                "[flue] Tool \"{tool}\" step \"{name}\" returned a value that does not read back as its type after the JSON round trip ({error}), so it was not recorded"
+            ))
+        })?;
+        steps.record(name, value).await.map_err(|error| {
             ToolError::new(format!(
                 "[flue] Tool \"{tool}\" step \"{name}\" could not be recorded: {error}"
             ))
         })?;
-        // The first run returns what a re-run would read back.
-        parse(value)
+        Ok(settled)
     }
 
     /// The thread the call runs in (`None` for standalone runs): its rows, durable values,

@@ -178,6 +178,37 @@ fn values_are_normalized_through_json_and_non_json_values_are_refused() {
 }
 
 #[test]
+fn a_value_that_would_not_read_back_is_refused_and_the_next_render_still_works() {
+    // JSON has no NaN or infinity: serde_json writes them as null, which an f64 cannot read.
+    // Stored, such a value would fail every later render of the instance.
+    let slot: Arc<Mutex<Option<StateSetter<f64>>>> = Arc::default();
+    let agent = agent({
+        let slot = Arc::clone(&slot);
+        move |_| {
+            let (average, set) = use_persistent_state("average", 0.5f64);
+            *slot.lock().unwrap() = Some(set);
+            format!("{average}")
+        }
+    });
+    let binding = TestBinding::new();
+    render_with(&agent, &binding);
+    let set = slot.lock().unwrap().take().unwrap();
+    for value in [f64::NAN, f64::INFINITY] {
+        let error = set.set(value).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "[flue] State \"average\" value is not JSON-serializable: it does not read back as its type \
+             after the JSON round trip (invalid type: null, expected f64)."
+        );
+        let error = set.update(move |_| value).unwrap_err();
+        assert!(error.to_string().contains("does not read back"), "{error}");
+    }
+    assert!(binding.state().pending().is_empty(), "a refused write records nothing");
+    set.set(2.5).unwrap();
+    assert_eq!(render_with(&agent, &binding).instruction.as_deref(), Some("2.5"));
+}
+
+#[test]
 fn a_stored_value_of_another_type_fails_the_render_with_a_clear_message() {
     let agent = agent(|_| {
         let (count, _) = use_persistent_state("count", 0u32);

@@ -2338,6 +2338,46 @@ async fn a_step_name_used_twice_in_one_call_is_an_error_result() {
     assert_eq!(steps, 1, "the first step settled");
 }
 
+#[agent]
+fn averager() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("average").description("Average nothing.").durable().run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            let average: f64 = ctx.step("average", async { f64::NAN }).await?;
+            Ok::<_, ToolError>(format!("{average}"))
+        },
+    ));
+    "You average."
+}
+
+/// A step's value is recorded as JSON, which has no NaN (serde_json writes `null`, which an
+/// `f64` cannot read): a value a re-run could not read back is an error result and is not
+/// recorded, rather than recorded and then failing to parse.
+#[tokio::test]
+async fn a_step_value_that_would_not_read_back_is_an_error_result_and_not_recorded() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("average", json!({})),
+        ScriptedReply::text("Failed."),
+    ]);
+    let runtime = runtime(&store, &model, averager);
+    runtime.init(&averager, "a-1").send("average").await.unwrap();
+    let (content, is_error) = tool_result(&model, 1, "average");
+    assert!(is_error);
+    assert!(
+        content.contains(
+            "step \"average\" returned a value that does not read back as its type after the JSON round trip"
+        ),
+        "{content}"
+    );
+    let steps = records(&store, &InstanceKey::new("averager", "a-1"))
+        .await
+        .into_iter()
+        .filter(|record| matches!(record.body, RecordBody::ToolStepSettled { .. }))
+        .count();
+    assert_eq!(steps, 0, "nothing a re-run could not read is recorded");
+}
+
 static PAIR: Runs = Runs::new();
 
 #[agent]

@@ -188,11 +188,22 @@ where
         })
     }
 
+    /// The value as it is stored: its JSON form, which must read back as `T`. JSON has no NaN
+    /// or infinity (serde_json writes them as `null`) and a type may write what it cannot read
+    /// (a skipped field without a default); stored, such a value would fail every later render
+    /// of the instance, so the write is refused instead.
     fn normalize(&self, value: &T) -> Result<Value, StateWriteError> {
-        serde_json::to_value(value).map_err(|error| StateWriteError::NotJson {
+        let not_json = |reason: String| StateWriteError::NotJson {
             name: self.name.to_string(),
-            reason: error.to_string(),
-        })
+            reason,
+        };
+        let value = serde_json::to_value(value).map_err(|error| not_json(error.to_string()))?;
+        T::deserialize(&value).map_err(|error| {
+            not_json(format!(
+                "it does not read back as its type after the JSON round trip ({error})"
+            ))
+        })?;
+        Ok(value)
     }
 }
 
