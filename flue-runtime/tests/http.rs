@@ -868,6 +868,136 @@ async fn an_sse_catch_up_over_big_resets_sends_a_bounded_round_between_control_f
     );
 }
 
+/// A memory store that remembers the most batches one read returned.
+struct LargestRead {
+    inner: MemoryStore,
+    largest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LargestRead {
+    fn note(
+        &self,
+        read: Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>,
+    ) -> Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError> {
+        if let Ok(batches) = &read {
+            self.largest
+                .fetch_max(batches.len(), std::sync::atomic::Ordering::SeqCst);
+        }
+        read
+    }
+}
+
+impl flue_runtime::store::Store for LargestRead {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, last_offset, put_attachment, attachment, user_value,
+        set_user_value, list_user_values,
+    );
+
+    fn read(
+        &self,
+        key: &flue_runtime::store::InstanceKey,
+        after: Option<u64>,
+    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
+        let read = self.inner.read(key, after);
+        Box::pin(async move { self.note(read.await) })
+    }
+
+    fn read_page(
+        &self,
+        key: &flue_runtime::store::InstanceKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
+        let read = self.inner.read_page(key, after, limit);
+        Box::pin(async move { self.note(read.await) })
+    }
+}
+
+/// An SSE reader catching up on a long stream reads it a page at a time and holds one page,
+/// never the whole stream (from the start and from an offset far back), and so does the
+/// instance's live feed when it first folds the stream. Idle connections on a long
+/// conversation would otherwise hold a copy of it each.
+#[tokio::test]
+async fn an_sse_reader_catches_up_on_a_long_stream_a_page_at_a_time() {
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{InstanceKey, Store};
+    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let (store, largest) = (
+        MemoryStore::new(),
+        std::sync::Arc::<std::sync::atomic::AtomicUsize>::default(),
+    );
+    let runtime = Runtime::builder()
+        .store(LargestRead {
+            inner: store.clone(),
+            largest: std::sync::Arc::clone(&largest),
+        })
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    // No updates cache: its own reads are not this reader's.
+    let app = flue_runtime::http::router_with(
+        &runtime,
+        HttpOptions {
+            updates_cache_instances: 0,
+            ..HttpOptions::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    runtime.init(&calculator, "long").send("hi").await.unwrap();
+    let key = InstanceKey::new("calculator", "long");
+    let batches = 3000;
+    for n in 0..batches {
+        let record = Record {
+            id: format!("record_{n}"),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-01-01T00:00:00.000Z".into(),
+            body: RecordBody::UserMessage {
+                message_id: format!("user_{n}"),
+                body: format!("m{n}"),
+                attachments: Vec::new(),
+            },
+        };
+        store.append(&key, vec![record].into(), None).await.unwrap();
+    }
+    let head = store.last_offset(&key).await.unwrap().unwrap();
+    largest.store(0, std::sync::atomic::Ordering::SeqCst);
+    let client = reqwest::Client::new();
+    for offset in ["-1".to_owned(), format!("0000000000000000_{:016}", head - 2500)] {
+        let response = client
+            .get(format!(
+                "http://{addr}/agents/calculator/long?view=updates&offset={offset}&live=sse"
+            ))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let head = format!("0000000000000000_{head:016}");
+        let frames = sse_frames(response, |frames| {
+            frames
+                .iter()
+                .any(|(event, data)| event == "control" && data.contains(&head))
+        })
+        .await;
+        let messages = frames
+            .iter()
+            .filter(|(event, _)| event == "data")
+            .map(|(_, data)| data.matches("\"m").count())
+            .sum::<usize>();
+        assert!(messages >= 2500, "the reader got the stream ({messages} messages)");
+    }
+    let largest = largest.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(largest <= 1000, "a read of {largest} batches");
+}
+
 /// Reads SSE frames (event name or comment, data) until `until` holds for the frames read.
 async fn sse_frames(response: reqwest::Response, until: impl Fn(&[(String, String)]) -> bool) -> Vec<(String, String)> {
     let mut body = response.bytes_stream();

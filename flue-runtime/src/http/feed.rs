@@ -86,12 +86,12 @@ impl Feed {
         if unchanged {
             // Another reader already read what this wake-up announced.
         } else if !state.started {
-            // Fold everything there is now; frames start with the batches after it.
-            let batches = runtime.store.read(&self.key, None).await?;
-            for batch in &batches {
-                state.projection.apply(batch, None);
-                state.offset = Some(batch.offset);
-            }
+            // Fold everything there is now (a page at a time); frames start with the batches
+            // after it.
+            state.offset = state
+                .projection
+                .fold_stream(runtime.store.as_ref(), &self.key, u64::MAX)
+                .await?;
             state.started = true;
         } else {
             let batches = runtime.store.read(&self.key, state.offset).await?;

@@ -37,6 +37,11 @@ use std::collections::{HashMap, HashSet};
 use serde_json::{Map, Value, json};
 
 use crate::record::{Batch, Record, RecordBody, format_offset};
+use crate::store::{InstanceKey, Store, StoreError};
+
+/// How many batches a fold or a catching-up reader reads from the store at a time: it holds
+/// one page, never the whole stream (reference §4.3: store reads are paged).
+pub(crate) const READ_PAGE: usize = 256;
 
 /// The wire-only first element of every updates read.
 pub(crate) fn checkpoint(incarnation: &str) -> Value {
@@ -121,6 +126,27 @@ impl Projection {
             conversation_id: conversation_id.to_owned(),
             ..Self::default()
         }
+    }
+
+    /// Folds the stream `key`'s batches after those folded already, through the batch at
+    /// `through` (`u64::MAX`: all there is), reading [`READ_PAGE`] batches at a time: a fold
+    /// of a long stream never holds it whole. The offset of the last batch folded.
+    pub(crate) async fn fold_stream(
+        &mut self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        through: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        while self.offset.is_none_or(|offset| offset < through) {
+            let page = store.read_page(key, self.offset, READ_PAGE).await?;
+            for batch in page.iter().take_while(|batch| batch.offset <= through) {
+                self.apply(batch, None);
+            }
+            if page.len() < READ_PAGE {
+                break;
+            }
+        }
+        Ok(self.offset)
     }
 
     /// The offset of the last batch folded, in wire format (`-1` before the first).

@@ -15,13 +15,13 @@ use tokio::time::Instant;
 
 use super::error::ApiError;
 use super::feed::{Delivery, Feed};
-use super::projection::{Projection, checkpoint};
+use super::projection::{Projection, READ_PAGE, checkpoint};
 use super::updates_cache::{Lookup, Page, UpdatesCache, page_is_full};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
 use crate::runtime::RuntimeInner;
 use crate::session::InstanceSlot;
-use crate::store::InstanceKey;
+use crate::store::{InstanceKey, Store, StoreError};
 
 /// The size past which an SSE reader catching up gets its chunks in more than one data frame
 /// (one chunk is never split: a message at the request body limit is one frame that large,
@@ -144,17 +144,11 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
     }
 }
 
-/// The instance's whole stream; 404 when it was never created.
-async fn stream(runtime: &RuntimeInner, key: &InstanceKey) -> Result<Vec<Batch>, ApiError> {
-    let batches = runtime
-        .store
-        .read(key, None)
-        .await
-        .map_err(|error| ApiError::internal(&error))?;
-    if batches.is_empty() {
-        return Err(ApiError::stream_not_found(&key.stream_path()));
-    }
-    Ok(batches)
+/// A catching-up reader's next page after `after`, and whether the stream may hold more.
+async fn next_page(store: &dyn Store, key: &InstanceKey, after: Option<u64>) -> Result<(Vec<Batch>, bool), StoreError> {
+    let page = store.read_page(key, after, READ_PAGE).await?;
+    let more = page.len() == READ_PAGE;
+    Ok((page, more))
 }
 
 fn no_store(mut response: Response, next_offset: &str, up_to_date: bool) -> Response {
@@ -227,17 +221,29 @@ pub(super) async fn get_stream(
                     }
                     Some(Lookup::Missing) | None => {}
                 }
-                let batches = stream(&routes.runtime, &key).await?;
-                let head = batches.last().map(|batch| batch.offset);
-                if after > head {
+                let store = routes.runtime.store.as_ref();
+                let internal = |error: StoreError| ApiError::internal(&error);
+                let Some(head) = store.last_offset(&key).await.map_err(internal)? else {
+                    return Err(ApiError::stream_not_found(&key.stream_path()));
+                };
+                if after > Some(head) {
                     // The offset as the client wrote it (`5_9` stays `5_9`).
-                    return Err(ApiError::stream_offset_gone(&requested, &wire_offset(head)));
+                    return Err(ApiError::stream_offset_gone(&requested, &wire_offset(Some(head))));
                 }
+                let mut projection = Projection::new(&key.stream_path());
+                if let Some(after) = after {
+                    projection.fold_stream(store, &key, after).await.map_err(internal)?;
+                }
+                let (pending, more) = next_page(store, &key, after).await.map_err(internal)?;
                 return Ok(sse(
                     routes,
                     key,
                     incarnation.unwrap_or_default(),
-                    Catch::Batches(batches),
+                    Catch::Fold {
+                        projection,
+                        pending,
+                        more,
+                    },
                     after,
                 ));
             }
@@ -312,10 +318,10 @@ async fn wait_for_batches(
         let appended = slot.appended().notified();
         tokio::pin!(appended);
         appended.as_mut().enable();
-        // Only what is new is read to look.
+        // One batch tells whether there is anything new.
         let newer = runtime
             .store
-            .read(key, after)
+            .read_page(key, after, 1)
             .await
             .map_err(|error| ApiError::internal(&error))?;
         if !newer.is_empty() || Instant::now() >= deadline || runtime.is_closed() {
@@ -352,8 +358,11 @@ struct SseStream {
     /// This reader's own fold, while it catches up (dropped once the feed serves it).
     own: Option<Projection>,
     incarnation: String,
-    /// Batches read but not yet sent (catching up with its own fold).
+    /// Batches read but not yet sent (catching up with its own fold): one page of the store.
     pending: Vec<Batch>,
+    /// Whether the store may hold batches after `pending` (its page was full): the next page
+    /// is read once `pending` is sent.
+    more: bool,
     /// A page of the updates cache's window not yet sent (catching up from the cache).
     page: Option<Page>,
     offset: Option<u64>,
@@ -387,6 +396,10 @@ impl SseStream {
         loop {
             if let Some(page) = self.page.take() {
                 return Some(self.send_page(page));
+            }
+            if self.pending.is_empty() && self.more {
+                let page = next_page(self.runtime.store.as_ref(), &self.key, self.offset).await;
+                (self.pending, self.more) = self.logged(page)?;
             }
             if !self.pending.is_empty() {
                 return Some(self.catch_up());
@@ -453,17 +466,16 @@ impl SseStream {
                         self.page = Some(page);
                         continue;
                     }
+                    let store = self.runtime.store.as_ref();
                     if self.own.is_none() {
                         // Far behind the feed: fold the stream up to this reader's offset again.
                         let mut own = Projection::new(&self.key.stream_path());
-                        for batch in self.logged(self.runtime.store.read(&self.key, None).await)? {
-                            if self.offset.is_some_and(|offset| batch.offset <= offset) {
-                                own.apply(&batch, None);
-                            }
+                        if let Some(offset) = self.offset {
+                            self.logged(own.fold_stream(store, &self.key, offset).await)?;
                         }
                         self.own = Some(own);
                     }
-                    self.pending = self.logged(self.runtime.store.read(&self.key, self.offset).await)?;
+                    (self.pending, self.more) = self.logged(next_page(store, &self.key, self.offset).await)?;
                 }
             }
         }
@@ -507,7 +519,7 @@ impl SseStream {
         if !frame.is_empty() {
             frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
         }
-        let up_to_date = self.pending.is_empty();
+        let up_to_date = self.pending.is_empty() && !self.more;
         frames.push_str(&self.control(up_to_date));
         frames
     }
@@ -552,26 +564,24 @@ impl SseStream {
 enum Catch {
     /// The updates cache's page after its offset.
     Page(Page),
-    /// The whole stream, to fold itself.
-    Batches(Vec<Batch>),
+    /// The reader's own fold through its offset, the first page after it, and whether the
+    /// stream may hold more.
+    Fold {
+        projection: Projection,
+        pending: Vec<Batch>,
+        more: bool,
+    },
 }
 
 /// `live=sse`: checkpoint, then data and control frames for ever.
 fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, after: Option<u64>) -> Response {
-    let (own, pending, page) = match catch {
-        Catch::Page(page) => (None, Vec::new(), Some(page)),
-        Catch::Batches(batches) => {
-            let mut projection = Projection::new(&key.stream_path());
-            let mut pending = Vec::new();
-            for batch in batches {
-                if after.is_some_and(|after| batch.offset <= after) {
-                    projection.apply(&batch, None);
-                } else {
-                    pending.push(batch);
-                }
-            }
-            (Some(projection), pending, None)
-        }
+    let (own, pending, more, page) = match catch {
+        Catch::Page(page) => (None, Vec::new(), false, Some(page)),
+        Catch::Fold {
+            projection,
+            pending,
+            more,
+        } => (Some(projection), pending, more, None),
     };
     let state = SseStream {
         updates: routes.updates.clone(),
@@ -584,6 +594,7 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, afte
         own,
         incarnation,
         pending,
+        more,
         offset: after,
         started: false,
         last_sent: Instant::now(),

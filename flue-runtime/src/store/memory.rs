@@ -587,6 +587,15 @@ impl Store for MemoryStore {
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        self.read_page(key, after, usize::MAX)
+    }
+
+    fn read_page(
+        &self,
+        key: &InstanceKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         let inner = self.lock();
         let batches = inner
             .instances
@@ -596,7 +605,7 @@ impl Store for MemoryStore {
                 let start = after.map_or(Some(0), |after| usize::try_from(after).ok()?.checked_add(1));
                 start
                     .and_then(|start| instance.batches.get(start..))
-                    .map(<[Batch]>::to_vec)
+                    .map(|rest| rest[..rest.len().min(limit)].to_vec())
                     .unwrap_or_default()
             })
             .unwrap_or_default();

@@ -753,6 +753,24 @@ pub trait Store: Send + Sync + 'static {
     /// Batches strictly after `after` (all when `None`).
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>>;
 
+    /// The first `limit` batches strictly after `after` (all of them when fewer), in order: a
+    /// reader paging through a long stream (an HTTP catch-up) holds one page at a time. Fewer
+    /// than `limit` means the stream has no more for now. The default reads the rest of the
+    /// stream and keeps the page; the stores of this crate read only the page.
+    fn read_page(
+        &self,
+        key: &InstanceKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        let read = self.read(key, after);
+        Box::pin(async move {
+            let mut batches = read.await?;
+            batches.truncate(limit);
+            Ok(batches)
+        })
+    }
+
     /// The offset of the stream's last batch (`None`: no stream), without reading the stream.
     /// The default reads it whole; the stores of this crate answer from their indexes.
     fn last_offset(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {

@@ -232,8 +232,9 @@ const APPEND_BATCH_FENCED: &str = "WITH bumped AS (UPDATE flue_instances SET nex
 /// Whether submission `$1` is a delivery claimed into host `$2`'s response (held until commit).
 const JOINED_INTO: &str = "SELECT 1 FROM flue_submissions WHERE id = $1 AND joined_into = $2 \
      AND status IN ('joining', 'joined') FOR SHARE";
+/// `$4`: at most that many (`NULL`: all).
 const SELECT_BATCHES: &str = "SELECT batch_offset, records FROM flue_batches \
-     WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset";
+     WHERE agent = $1 AND instance_id = $2 AND batch_offset > $3 ORDER BY batch_offset LIMIT $4";
 const LAST_BATCH: &str = "SELECT MAX(batch_offset) FROM flue_batches WHERE agent = $1 AND instance_id = $2";
 /// Limits how long the current transaction may wait on the client, in milliseconds (`SET
 /// LOCAL`, as a prepared statement).
@@ -1807,7 +1808,18 @@ impl Store for PostgresStore {
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        self.read_page(key, after, usize::MAX)
+    }
+
+    fn read_page(
+        &self,
+        key: &InstanceKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
         let key = key.clone();
+        // Beyond `i64::MAX`, no limit (no stream holds that many batches).
+        let limit = i64::try_from(limit).ok();
         Box::pin(async move {
             let after = match after {
                 None => -1,
@@ -1817,7 +1829,7 @@ impl Store for PostgresStore {
                     Err(_) => return Ok(Vec::new()),
                 },
             };
-            self.query(SELECT_BATCHES, &[&&*key.agent, &&*key.id, &after])
+            self.query(SELECT_BATCHES, &[&&*key.agent, &&*key.id, &after, &limit])
                 .await?
                 .iter()
                 .map(batch_from_row)

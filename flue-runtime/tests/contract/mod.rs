@@ -96,6 +96,7 @@ macro_rules! store_contract {
                     keeps_the_streams_of_several_children_and_grandchildren_apart,
                     creates_neither_the_child_nor_the_link_when_the_attempt_is_fenced_or_the_child_exists,
                     replays_strictly_after_a_batch_offset,
+                    reads_a_page_of_the_batches_after_an_offset,
                     reports_a_streams_last_offset_without_reading_it,
                     gives_concurrent_appends_distinct_consecutive_offsets,
                     settles_with_its_records_in_the_same_step,
@@ -2171,6 +2172,41 @@ pub async fn replays_strictly_after_a_batch_offset(store: Factory) {
     // After the last offset there can be, nothing (no overflow on the way).
     assert!(store.read(&stream, Some(u64::MAX)).await.unwrap().is_empty());
     assert!(store.read(&stream, Some(u64::MAX - 1)).await.unwrap().is_empty());
+}
+
+/// A page: the first `limit` batches after the offset, in order; fewer at the end of the
+/// stream, none past it or for an unknown stream.
+pub async fn reads_a_page_of_the_batches_after_an_offset(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    for i in 0..6 {
+        store
+            .append(&stream, vec![record(None, None, user(&format!("m{i}")))].into(), None)
+            .await
+            .unwrap();
+    }
+    let offsets =
+        |batches: Vec<flue_runtime::record::Batch>| batches.iter().map(|batch| batch.offset).collect::<Vec<_>>();
+    assert_eq!(offsets(store.read_page(&stream, None, 3).await.unwrap()), [0, 1, 2]);
+    assert_eq!(offsets(store.read_page(&stream, Some(2), 3).await.unwrap()), [3, 4, 5]);
+    assert_eq!(offsets(store.read_page(&stream, Some(4), 3).await.unwrap()), [5, 6]);
+    assert_eq!(
+        offsets(store.read_page(&stream, Some(1), usize::MAX).await.unwrap()),
+        [2, 3, 4, 5, 6]
+    );
+    assert!(store.read_page(&stream, Some(1), 0).await.unwrap().is_empty());
+    assert!(store.read_page(&stream, Some(6), 3).await.unwrap().is_empty());
+    assert!(store.read_page(&stream, Some(u64::MAX), 3).await.unwrap().is_empty());
+    assert!(
+        store
+            .read_page(&key("assistant", "unknown"), None, 3)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // A page holds the records its batches were appended with.
+    let page = store.read_page(&stream, Some(3), 1).await.unwrap();
+    assert_eq!(page[0].records, store.read(&stream, Some(3)).await.unwrap()[0].records);
 }
 
 pub async fn gives_concurrent_appends_distinct_consecutive_offsets(store: Factory) {

@@ -242,6 +242,16 @@ macro_rules! delegate_store {
             self.$inner.read(k, after)
         }
     };
+    (@one $inner:ident read_page) => {
+        fn read_page(&self, k: &flue_runtime::store::InstanceKey, after: Option<u64>, limit: usize) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
+            self.$inner.read_page(k, after, limit)
+        }
+    };
+    (@one $inner:ident last_offset) => {
+        fn last_offset(&self, k: &flue_runtime::store::InstanceKey) -> flue_runtime::BoxFuture<'_, Result<Option<u64>, flue_runtime::store::StoreError>> {
+            self.$inner.last_offset(k)
+        }
+    };
     (@one $inner:ident put_attachment) => {
         fn put_attachment(&self, k: &flue_runtime::store::InstanceKey, a: flue_runtime::store::AttachmentPut) -> flue_runtime::BoxFuture<'_, Result<(), flue_runtime::store::StoreError>> {
             self.$inner.put_attachment(k, a)

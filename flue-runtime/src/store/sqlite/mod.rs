@@ -1670,6 +1670,17 @@ impl Store for SqliteStore {
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        self.read_page(key, after, usize::MAX)
+    }
+
+    fn read_page(
+        &self,
+        key: &InstanceKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
+        // SQLite reads a negative limit as none.
+        let limit = i64::try_from(limit).unwrap_or(-1);
         // One statement (its own snapshot, so no transaction around it): the instance's stream
         // and its batches after `after`. Every submission and every catching-up reader reads.
         let first = after.map_or(0, |after| after.saturating_add(1)).min(STREAM_CAPACITY) as i64;
@@ -1691,12 +1702,12 @@ impl Store for SqliteStore {
                  FROM flue_instances i JOIN flue_batches b
                      ON b.position >= (i.stream << 32) + ?3 AND b.position < ((i.stream + 1) << 32)
                  WHERE i.agent = ?1 AND i.id = ?2
-                 ORDER BY b.position",
+                 ORDER BY b.position LIMIT ?4",
             )
             .map_err(sql)
             .and_then(|mut statement| {
                 let rows = statement
-                    .query_map(params![key.agent, key.id, first], |row| {
+                    .query_map(params![key.agent, key.id, first, limit], |row| {
                         Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?))
                     })
                     .map_err(sql)?;
