@@ -40,7 +40,7 @@
 //! # fn main() {}
 //! ```
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -174,8 +174,8 @@ pub async fn serve(
     serve_with(runtime, listener, HttpOptions::default(), stop, grace).await
 }
 
-/// [`serve`] with `options` ([`crate::http::router_with`]): an authorization policy, the
-/// timing of live reads.
+/// [`serve`] with `options` ([`crate::http::router_with`], [`crate::http::serve`]): an
+/// authorization policy, the timing of live reads, the limits on connections and requests.
 pub async fn serve_with(
     runtime: &Runtime,
     listener: tokio::net::TcpListener,
@@ -190,7 +190,8 @@ pub async fn serve_with(
         stopping_runtime.shutdown();
         let _ = stopping.send(());
     };
-    let server = axum::serve(listener, crate::http::router_with(runtime, options)).with_graceful_shutdown(signal);
+    let router = crate::http::router_with(runtime, options.clone());
+    let server = crate::http::serve(listener, router, &options, signal);
     let grace_over = async {
         if stopped.await.is_err() {
             // The server ended without being asked to: its own result decides.
@@ -199,7 +200,7 @@ pub async fn serve_with(
         tokio::time::sleep(grace).await;
     };
     let served = tokio::select! {
-        result = server.into_future() => result,
+        result = server => result,
         () = grace_over => Ok(()),
     };
     // What still runs (work dispatched in the background, responses past the grace) goes back

@@ -208,11 +208,15 @@ impl Server {
             })
             .build()
             .unwrap();
-        let app = flue_runtime::http::router_with(&runtime, options);
+        let app = flue_runtime::http::router_with(&runtime, options.clone());
         let runtime = runtime.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr: SocketAddr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        tokio::spawn(async move {
+            flue_runtime::http::serve(listener, app, &options, std::future::pending())
+                .await
+                .unwrap()
+        });
         Self {
             runtime,
             store,
@@ -1896,6 +1900,96 @@ async fn a_well_formed_offset_too_large_for_u64_is_beyond_the_head() {
         error["meta"],
         json!({"offset": "0_99999999999999999999", "nextOffset": head})
     );
+}
+
+/// What a client can hold of a server: a stalled body, a stalled head, connections.
+mod limits {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// Reads what the server sends on `socket` until it closes the connection (or 10 s pass).
+    async fn until_closed(socket: &mut tokio::net::TcpStream) -> String {
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer))
+            .await
+            .expect("the server closes the connection")
+            .unwrap();
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    fn root(server: &Server) -> String {
+        server.root.trim_start_matches("http://").to_owned()
+    }
+
+    /// A client that sends part of a message's body and stalls is answered 408, and the
+    /// message is not admitted.
+    #[tokio::test]
+    async fn a_body_that_stalls_is_answered_408_request_timeout() {
+        let server = Server::start_with(HttpOptions {
+            request_body_timeout: Duration::from_millis(300),
+            ..HttpOptions::default()
+        })
+        .await;
+        let mut socket = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
+        let head = format!(
+            "POST /agents/calculator/slow HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"kind\":\"user\",",
+            root(&server)
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        let answer = until_closed(&mut socket).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("\"type\":\"request_timeout\""), "{answer}");
+        let response = server.get("/slow").await;
+        assert_eq!(response.status(), 404, "nothing was admitted");
+    }
+
+    /// A connection that sends part of a request head and stalls is closed.
+    #[tokio::test]
+    async fn a_head_that_stalls_closes_the_connection() {
+        let server = Server::start_with(HttpOptions {
+            request_head_timeout: Duration::from_millis(300),
+            ..HttpOptions::default()
+        })
+        .await;
+        let mut socket = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
+        socket.write_all(b"GET /agents HTTP/1.1\r\nHost: loc").await.unwrap();
+        let answer = until_closed(&mut socket).await;
+        assert!(!answer.contains("200 OK"), "{answer}");
+        // The server serves on.
+        let response = server
+            .client
+            .get(format!("{}/agents", server.root))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+    }
+
+    /// Past `max_connections`, a client waits until a connection closes, then is served.
+    #[tokio::test]
+    async fn a_connection_past_the_cap_waits_for_one_to_close() {
+        let server = Server::start_with(HttpOptions {
+            max_connections: 1,
+            ..HttpOptions::default()
+        })
+        .await;
+        let mut holder = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
+        holder.write_all(b"GET /agents HTTP/1.1\r\nHost: loc").await.unwrap();
+        let client = reqwest::Client::new();
+        let waiting = tokio::spawn({
+            let url = format!("{}/agents", server.root);
+            async move { client.get(url).send().await.unwrap().status() }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "served while the only connection was taken");
+        drop(holder);
+        let status = tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("served once the connection closed")
+            .unwrap();
+        assert_eq!(status, 200);
+    }
 }
 
 mod random_input {

@@ -92,6 +92,21 @@ impl ApiError {
         )
     }
 
+    /// 408 `request_timeout`: the body did not arrive within
+    /// [`HttpOptions::request_body_timeout`](super::HttpOptions::request_body_timeout) (a type
+    /// the reference's status map does not list).
+    pub fn request_timeout(timeout: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "The request body did not arrive in time.",
+            format!(
+                "A request's body must arrive within {} ms of the request.",
+                timeout.as_millis()
+            ),
+        )
+    }
+
     /// 413 `request_too_large`: a body whose JSON holds more objects and arrays, or more
     /// values, than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
     /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow.

@@ -28,14 +28,22 @@
 //!
 //! ```no_run
 //! # async fn serve(runtime: flue_runtime::Runtime) -> std::io::Result<()> {
-//! let app = flue_runtime::http::router(&runtime);
+//! use flue_runtime::http::HttpOptions;
+//! let options = HttpOptions::default();
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3583").await?;
-//! axum::serve(listener, app).await
+//! let app = flue_runtime::http::router_with(&runtime, options.clone());
+//! flue_runtime::http::serve(listener, app, &options, std::future::pending()).await
 //! # }
 //! ```
 //!
-//! Live reads (SSE streams, event streams, long polls) never end on their own, and axum's
-//! graceful shutdown waits for every open response: call [`Runtime::shutdown`](crate::Runtime::shutdown)
+//! [`serve`] bounds what a client can hold: a deadline on each request head, a connection
+//! cap ([`HttpOptions::request_head_timeout`], [`HttpOptions::max_connections`]); the router
+//! itself bounds a message body's size and the time it takes to arrive. Served another way
+//! (`axum::serve`, which runs hyper without a timer), the head deadline and the cap are the
+//! server's to set.
+//!
+//! Live reads (SSE streams, event streams, long polls) never end on their own, and a graceful
+//! shutdown waits for every open response: call [`Runtime::shutdown`](crate::Runtime::shutdown)
 //! in the shutdown signal, which ends them, or serve with [`crate::cli::serve`], which does.
 
 mod admission;
@@ -45,6 +53,7 @@ mod error;
 mod feed;
 mod projection;
 mod reads;
+mod server;
 mod thread_events;
 mod updates_cache;
 mod user_events;
@@ -54,8 +63,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, OriginalUri, Path, RawQuery, Request, State};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{DefaultBodyLimit, FromRequest, OriginalUri, Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -64,6 +73,7 @@ use serde_json::json;
 
 pub use auth::{Access, AccessRequest, Authorize, BearerTokens, Denied};
 pub use error::ApiError;
+pub use server::serve;
 
 use crate::Runtime;
 use crate::record::format_offset;
@@ -118,6 +128,16 @@ pub struct HttpOptions {
     /// carries nothing that tells it apart from another client's. Once an authorization
     /// policy is set, the name is not checked.
     pub allowed_hosts: Vec<String>,
+    /// How long a message's body may take to arrive, from the request (60 s): a client that
+    /// sends part of a body and stalls is answered 408 `request_timeout` and no longer holds
+    /// what it sent.
+    pub request_body_timeout: Duration,
+    /// How long a connection served by [`serve`] may take to send a request's head, and how
+    /// long it may stay idle between requests (30 s); then it is closed.
+    pub request_head_timeout: Duration,
+    /// How many connections [`serve`] serves at once (4096; live reads are connections too):
+    /// further clients wait in the listener's backlog until one closes.
+    pub max_connections: usize,
 }
 
 impl std::fmt::Debug for HttpOptions {
@@ -131,6 +151,9 @@ impl std::fmt::Debug for HttpOptions {
             .field("updates_cache_instances", &self.updates_cache_instances)
             .field("allow_cross_site", &self.allow_cross_site)
             .field("allowed_hosts", &self.allowed_hosts)
+            .field("request_body_timeout", &self.request_body_timeout)
+            .field("request_head_timeout", &self.request_head_timeout)
+            .field("max_connections", &self.max_connections)
             .finish()
     }
 }
@@ -154,6 +177,9 @@ impl Default for HttpOptions {
             updates_cache_instances: 256,
             allow_cross_site: false,
             allowed_hosts: Vec::new(),
+            request_body_timeout: Duration::from_secs(60),
+            request_head_timeout: Duration::from_secs(30),
+            max_connections: 4096,
         }
     }
 }
@@ -449,7 +475,7 @@ async fn post_message(
     OriginalUri(uri): OriginalUri,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    request: Request,
 ) -> Result<Response, ApiError> {
     let key = routes.key(id)?;
     if reads::pairs(query.as_deref()).any(|(name, _)| name == "wait") {
@@ -457,10 +483,15 @@ async fn post_message(
             "The `wait` parameter is not supported: admission is fire-and-forget. Read the reply from the stream.",
         ));
     }
-    let body = body.map_err(|rejection| match rejection.status() {
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),
-        _ => ApiError::invalid_request(rejection.body_text()),
-    })?;
+    // Read here, not by an extractor, to bound how long it may take.
+    let timeout = routes.options.request_body_timeout;
+    let body = tokio::time::timeout(timeout, Bytes::from_request(request, &()))
+        .await
+        .map_err(|_| ApiError::request_timeout(timeout))?
+        .map_err(|rejection| match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),
+            _ => ApiError::invalid_request(rejection.body_text()),
+        })?;
     let request = admission::parse(&key.id, &headers, &body)?;
     // A direct send, as `send()` is (only the caller does not wait here for the reply). On a
     // task of its own: a client that goes away drops this handler, and an admission the store

@@ -240,7 +240,7 @@ pub(super) async fn get_stream(
                     key,
                     incarnation.unwrap_or_default(),
                     Catch::Fold {
-                        projection,
+                        projection: Box::new(projection),
                         pending,
                         more,
                     },
@@ -567,7 +567,7 @@ enum Catch {
     /// The reader's own fold through its offset, the first page after it, and whether the
     /// stream may hold more.
     Fold {
-        projection: Projection,
+        projection: Box<Projection>,
         pending: Vec<Batch>,
         more: bool,
     },
@@ -581,7 +581,7 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, afte
             projection,
             pending,
             more,
-        } => (Some(projection), pending, more, None),
+        } => (Some(*projection), pending, more, None),
     };
     let state = SseStream {
         updates: routes.updates.clone(),
