@@ -25,7 +25,8 @@
 //! task on the workers, as a server's handler does);
 //! `long` one conversation of that many HTTP exchanges; `plain` the baseline alone, `provider`
 //! the provider path alone, `store` the stores alone,
-//! `interleaved` the runtime's own work and the provider path alone and then in turn.
+//! `interleaved` the runtime's own work and the provider path alone and then in turn,
+//! `idle-gap` the runtime's own work after busy work and after the CPU went idle.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -478,6 +479,10 @@ async fn bench() {
             interleaved().await;
             return;
         }
+        if target.starts_with("idle-gap") {
+            idle_gap().await;
+            return;
+        }
         if target.starts_with("long") {
             // Profiling aid: one conversation of as many exchanges over HTTP (memory store).
             let addr = start_responder().await;
@@ -831,6 +836,44 @@ async fn interleaved() {
         "interleaved: alone, scripted exchange {alone_runtime:.1} µs + provider calls {alone_provider:.1} µs; \
          alternating, {runtime_part:.1} µs + {provider_part:.1} µs: {:.1} µs more per exchange (medians of {rounds})",
         runtime_part + provider_part - alone_runtime - alone_provider
+    );
+}
+
+/// Profiling aid (`FLUE_BENCH_PROFILE=idle-gap`): the scripted exchange (no HTTP) run back to
+/// back, after 60 µs of busy work, and after 60 µs in which the thread sleeps (its CPU goes
+/// idle, as it does while an HTTP exchange waits for the server). What the exchange costs after
+/// an idle wait beyond what it costs after a busy one is what this machine charges for going
+/// idle (caches and predictors lost meanwhile), which no change to the runtime's code removes
+/// and every wait on the network pays.
+async fn idle_gap() {
+    let model = ScriptedModel::new([]);
+    let scripted = scripted_runtime(&model);
+    let rounds = profile_rounds();
+    let mut next = 0;
+    let mut exchange = async || {
+        exchange_script(&model);
+        next += 1;
+        let started = Instant::now();
+        scripted
+            .init(&scripted_agent, format!("g-{next}"))
+            .send("2+3?")
+            .await
+            .expect("exchange");
+        started.elapsed()
+    };
+    let gap = Duration::from_micros(60);
+    let (mut back_to_back, mut after_busy, mut after_idle) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        back_to_back.push(exchange().await);
+        busy(gap);
+        after_busy.push(exchange().await);
+        std::thread::sleep(gap);
+        after_idle.push(exchange().await);
+    }
+    let [back_to_back, after_busy, after_idle] = [back_to_back, after_busy, after_idle].map(|s| micros(median(s)));
+    println!(
+        "idle gap: the scripted exchange takes {back_to_back:.1} µs back to back, {after_busy:.1} µs after 60 µs of \
+         busy work, {after_idle:.1} µs after 60 µs asleep (medians of {rounds})"
     );
 }
 
