@@ -920,12 +920,19 @@ impl flue_runtime::store::Store for LargestRead {
     }
 }
 
-/// An SSE reader catching up on a long stream reads it a page at a time and holds one page,
-/// never the whole stream (from the start and from an offset far back), and so does the
-/// instance's live feed when it first folds the stream. Idle connections on a long
-/// conversation would otherwise hold a copy of it each.
+/// Every read of a long stream reads it a page at a time and holds one page, never the whole
+/// stream, with the updates cache and without: an SSE reader catching up (from the start and
+/// from an offset far back) and the instance's live feed when it first folds the stream, a
+/// JSON read of updates, the history. Idle connections on a long conversation would otherwise
+/// hold a copy of it each.
 #[tokio::test]
-async fn an_sse_reader_catches_up_on_a_long_stream_a_page_at_a_time() {
+async fn reads_of_a_long_stream_read_it_a_page_at_a_time() {
+    for cached in [0, HttpOptions::default().updates_cache_instances] {
+        reads_of_a_long_stream(cached).await;
+    }
+}
+
+async fn reads_of_a_long_stream(cached: usize) {
     use flue_runtime::record::{Record, RecordBody};
     use flue_runtime::store::{InstanceKey, Store};
     let model = ScriptedModel::new([ScriptedReply::text("hi")]);
@@ -944,11 +951,10 @@ async fn an_sse_reader_catches_up_on_a_long_stream_a_page_at_a_time() {
         .agent(calculator)
         .build()
         .unwrap();
-    // No updates cache: its own reads are not this reader's.
     let app = flue_runtime::http::router_with(
         &runtime,
         HttpOptions {
-            updates_cache_instances: 0,
+            updates_cache_instances: cached,
             ..HttpOptions::default()
         },
     );
@@ -957,8 +963,7 @@ async fn an_sse_reader_catches_up_on_a_long_stream_a_page_at_a_time() {
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     runtime.init(&calculator, "long").send("hi").await.unwrap();
     let key = InstanceKey::new("calculator", "long");
-    let batches = 3000;
-    for n in 0..batches {
+    for n in 0..3000 {
         let record = Record {
             id: format!("record_{n}"),
             submission_id: None,
@@ -975,11 +980,10 @@ async fn an_sse_reader_catches_up_on_a_long_stream_a_page_at_a_time() {
     let head = store.last_offset(&key).await.unwrap().unwrap();
     largest.store(0, std::sync::atomic::Ordering::SeqCst);
     let client = reqwest::Client::new();
+    let url = format!("http://{addr}/agents/calculator/long");
     for offset in ["-1".to_owned(), format!("0000000000000000_{:016}", head - 2500)] {
         let response = client
-            .get(format!(
-                "http://{addr}/agents/calculator/long?view=updates&offset={offset}&live=sse"
-            ))
+            .get(format!("{url}?view=updates&offset={offset}&live=sse"))
             .send()
             .await
             .unwrap();
@@ -998,8 +1002,14 @@ async fn an_sse_reader_catches_up_on_a_long_stream_a_page_at_a_time() {
             .sum::<usize>();
         assert!(messages >= 2500, "the reader got the stream ({messages} messages)");
     }
+    for query in ["view=updates&offset=-1", "view=history"] {
+        let response = client.get(format!("{url}?{query}")).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{query}");
+        let body = response.text().await.unwrap();
+        assert!(body.contains("\"m0\""), "{query}: {body:.200}");
+    }
     let largest = largest.load(std::sync::atomic::Ordering::SeqCst);
-    assert!(largest <= 1000, "a read of {largest} batches");
+    assert!(largest <= 1000, "a read of {largest} batches (cache of {cached})");
 }
 
 /// Reads SSE frames (event name or comment, data) until `until` holds for the frames read.

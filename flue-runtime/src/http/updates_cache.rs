@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use axum::body::Bytes;
 use serde_json::Value;
 
-use super::projection::{Projection, checkpoint};
+use super::projection::{Projection, READ_PAGE, checkpoint};
 use crate::record::Batch;
 use crate::store::{InstanceKey, Store, StoreError};
 
@@ -39,6 +39,9 @@ pub(super) const BATCHES_PER_READ: usize = 100;
 pub(super) const PAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// Whether a page of `projected` batches holding `bytes` of chunks takes no further batch.
+// A read's page, by count, is within one store page.
+const _: () = assert!(READ_PAGE > BATCHES_PER_READ);
+
 pub(super) fn page_is_full(projected: usize, bytes: usize) -> bool {
     projected == BATCHES_PER_READ || (projected > 0 && bytes >= PAGE_BYTES)
 }
@@ -314,15 +317,12 @@ impl UpdatesCache {
                 return Ok(Some(answer(&entry.projection)));
             }
         }
-        let batches = store.read(key, None).await?;
-        let Some(head) = batches.last().map(|batch| batch.offset) else {
+        let mut projection = Projection::new(&key.stream_path());
+        let Some(head) = projection.fold_stream(store, key, u64::MAX).await? else {
             return Ok(None);
         };
-        let mut projection = Projection::new(&key.stream_path());
-        for batch in &batches {
-            projection.apply(batch, None);
-            self.folded.fetch_add(1, Ordering::Relaxed);
-        }
+        // Offsets count from 0: a fold from the start folded `head + 1` batches.
+        self.count_folded(head.saturating_add(1));
         let answered = answer(&projection);
         if let Some((incarnation, slot)) = slot {
             let mut entry = Entry::new(key, incarnation);
@@ -401,8 +401,8 @@ impl UpdatesCache {
         }
     }
 
-    /// A read that finds no entry of `incarnation`: the whole stream is read, and folded into
-    /// a new entry when the read falls within what the entry's window will hold.
+    /// A read that finds no entry of `incarnation`: the stream is folded (a store page at a
+    /// time) into a new entry when the read falls within what the entry's window will hold.
     async fn fill(
         &self,
         store: &dyn Store,
@@ -411,81 +411,76 @@ impl UpdatesCache {
         slot: &tokio::sync::Mutex<Option<Entry>>,
         after: Option<u64>,
     ) -> Result<Lookup, StoreError> {
-        let batches = store.read(key, None).await?;
-        let Some(head) = batches.last().map(|batch| batch.offset) else {
+        let Some(head) = store.last_offset(key).await? else {
             return Ok(Lookup::Missing);
         };
         if after > Some(head) {
             return Ok(Lookup::Gone(Some(head)));
         }
         // The first batch the window would hold (counting only the batch bound: the byte bound
-        // may keep fewer, and then the read is answered afresh).
-        let start = batches.len().saturating_sub(self.window_batches);
-        let before = |start: usize| {
-            start
-                .checked_sub(1)
-                .and_then(|last| batches.get(last))
-                .map(|batch| batch.offset)
-        };
-        if after < before(start) {
-            return Ok(Lookup::Page(self.project(key, &batches, after)));
+        // may keep fewer, and then the read is answered afresh). Offsets count from 0.
+        let start = (head + 1).saturating_sub(self.window_batches as u64);
+        let base = start.checked_sub(1);
+        if after < base {
+            return self.fresh(store, key, after).await;
         }
         // Chunks only from the read's offset on, so a first read costs what an uncached one
         // does; reads further back fold afresh.
-        let start = start.max(batches.partition_point(|batch| after.is_some_and(|after| batch.offset <= after)));
-        let base = before(start);
+        let base = base.max(after);
         let mut entry = Entry::new(key, incarnation);
-        for batch in &batches[..start] {
-            entry.projection.apply(batch, None);
-            self.folded.fetch_add(1, Ordering::Relaxed);
+        if let Some(base) = base {
+            entry.projection.fold_stream(store, key, base).await?;
+            self.count_folded(base + 1);
         }
         entry.offset = base;
         entry.base = base;
-        self.extend(&mut entry, batches[start..].iter());
+        loop {
+            let page = store.read_page(key, entry.offset, READ_PAGE).await?;
+            self.extend(&mut entry, page.iter());
+            if page.len() < READ_PAGE {
+                break;
+            }
+        }
         let page = entry.page(after);
         // The entry folded furthest stays, unless it is another incarnation's.
         Self::keep(slot, entry).await;
-        Ok(Lookup::Page(match page {
-            Some(page) => page,
-            None => self.project(key, &batches, after),
-        }))
+        match page {
+            Some(page) => Ok(Lookup::Page(page)),
+            None => self.fresh(store, key, after).await,
+        }
     }
 
-    /// A read that the cache does not serve: the whole stream read and folded.
+    /// A read that the cache does not serve: the stream folded through `after` (a store page
+    /// at a time) and the batches after it projected until the page is full
+    /// ([`page_is_full`]).
     async fn fresh(&self, store: &dyn Store, key: &InstanceKey, after: Option<u64>) -> Result<Lookup, StoreError> {
-        let batches = store.read(key, None).await?;
-        let Some(head) = batches.last().map(|batch| batch.offset) else {
+        let Some(head) = store.last_offset(key).await? else {
             return Ok(Lookup::Missing);
         };
         if after > Some(head) {
             return Ok(Lookup::Gone(Some(head)));
         }
-        Ok(Lookup::Page(self.project(key, &batches, after)))
-    }
-
-    /// Folds `batches` up to `after` from the start and projects the batches after it until
-    /// the page is full ([`page_is_full`]).
-    fn project(&self, key: &InstanceKey, batches: &[Batch], after: Option<u64>) -> Page {
         let mut projection = Projection::new(&key.stream_path());
+        if let Some(after) = after {
+            projection.fold_stream(store, key, after).await?;
+            self.count_folded(after + 1);
+        }
+        // One store page holds a full page of the read (by count), and more.
+        let batches = store.read_page(key, after, READ_PAGE).await?;
         let mut page = Page {
             chunks: Vec::new(),
             next: after,
-            up_to_date: true,
+            up_to_date: batches.len() < READ_PAGE,
         };
         let (mut projected, mut bytes) = (0, 0);
-        for batch in batches {
-            if after.is_some_and(|after| batch.offset <= after) {
-                projection.apply(batch, None);
-                self.folded.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
+        for batch in &batches {
             if page_is_full(projected, bytes) {
                 page.up_to_date = false;
                 break;
             }
             let mut chunks = Vec::new();
             projection.apply(batch, Some(&mut chunks));
-            self.folded.fetch_add(1, Ordering::Relaxed);
+            self.count_folded(1);
             let chunks = serialize(chunks);
             bytes += chunks.len();
             if !chunks.is_empty() {
@@ -494,7 +489,11 @@ impl UpdatesCache {
             page.next = Some(batch.offset);
             projected += 1;
         }
-        page
+        Ok(Lookup::Page(page))
+    }
+
+    fn count_folded(&self, batches: u64) {
+        self.folded.fetch_add(batches, Ordering::Relaxed);
     }
 }
 
