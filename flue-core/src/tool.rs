@@ -1000,15 +1000,20 @@ impl ToolContext {
         if let Some(value) = steps.recorded(name) {
             return parse(value);
         }
+        // A value refused here records nothing: the name stays free for another try.
+        let refused = |message: String| {
+            names().remove(name);
+            ToolError::new(message)
+        };
         let value = serde_json::to_value(run.await?).map_err(|error| {
-            ToolError::new(format!(
+            refused(format!(
                 "[flue] Tool \"{tool}\" step \"{name}\" returned a value that is not JSON: {error}"
             ))
         })?;
         // The first run returns what a re-run would read back, and a value that would not read
         // back (JSON has no NaN: serde_json writes `null`) is not recorded.
         let settled = T::deserialize(&value).map_err(|error| {
-            ToolError::new(format!(
+            refused(format!(
                 "[flue] Tool \"{tool}\" step \"{name}\" returned a value that does not read back as its type after the JSON round trip ({error}), so it was not recorded"
             ))
         })?;
