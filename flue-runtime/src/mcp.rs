@@ -26,9 +26,11 @@
 //!   tools' output cap), on a character boundary, with a line saying so.
 //! - **Reuse.** An instance keeps its live connections while it stays in memory, and its later
 //!   responses reuse them (so a server keeps its session state between messages, and nobody
-//!   pays for its handshake and listing again): one whose definition is the same as the one
-//!   declared, whose transport is still open and which answers a `ping` (a server that went
-//!   away is connected afresh, and so found unavailable as at a first connect). A connection
+//!   pays for its handshake again): one whose definition is the same as the one declared,
+//!   whose transport is still open and which lists its tools again, which each response
+//!   mounts as listed then (reference §3.7: a submission's init connects, so a server's
+//!   changes show from the next message on). A server that went away, or whose new list
+//!   cannot be mounted, is connected afresh, and so found unavailable as at a first connect. A connection
 //!   that failed is not kept, so the next response tries again, and one the render no longer
 //!   declares is closed. A response connects the servers it does not have together, and an
 //!   abort stops the connecting.
@@ -70,16 +72,16 @@ pub(crate) struct McpSession {
 }
 
 impl McpSession {
-    /// Whether the client can still reach the server: its transport is open and the server
-    /// answers a `ping` within `timeout`.
-    async fn is_live(&self, timeout: Duration) -> bool {
+    /// This session again for a new response, with the tools the server lists now (reference
+    /// §3.7: a submission's init connects, and sees the server's changes since the last); `None`
+    /// when the client can no longer reach the server (its transport closed, or the listing
+    /// failed or took longer than the connection's timeout) or the tools it lists now cannot
+    /// be mounted: then the server is connected afresh, as at a first connect.
+    async fn relisted(&self, connection: &McpConnection) -> Option<Self> {
         if self._client.is_closed() || self._client.is_transport_closed() {
-            return false;
+            return None;
         }
-        let ping = self
-            ._client
-            .send_request(rmcp::model::ClientRequest::PingRequest(Default::default()));
-        matches!(tokio::time::timeout(timeout, ping).await, Ok(Ok(_)))
+        mount(connection, Arc::clone(&self._client)).await.ok()
     }
 }
 
@@ -107,11 +109,13 @@ impl McpConnections {
         };
         let resolved =
             futures_util::future::join_all(connections.iter().zip(kept).map(|(connection, kept)| async move {
-                match kept {
-                    Some(session) if session.is_live(connection.timeout.unwrap_or(DEFAULT_TIMEOUT)).await => {
-                        Ok(session)
-                    }
-                    _ => connect(connection).await,
+                let relisted = match kept {
+                    Some(session) => session.relisted(connection).await,
+                    None => None,
+                };
+                match relisted {
+                    Some(session) => Ok(session),
+                    None => connect(connection).await,
                 }
             }))
             .await;
@@ -204,6 +208,25 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         .await
         .map_err(|_| unavailable(format!("no answer within {} s", timeout.as_secs())))?
         .map_err(|error| unavailable(readable(&error.to_string())))?;
+    mount(connection, Arc::new(client)).await
+}
+
+/// The session of `client`: the server's tools listed now and mounted as the connection
+/// says (see the module documentation).
+async fn mount(
+    connection: &McpConnection,
+    client: Arc<RunningService<RoleClient, ()>>,
+) -> Result<McpSession, Unavailable> {
+    let credentials = credentials(connection);
+    let unavailable = |reason: String| Unavailable {
+        name: connection.name.clone(),
+        reason: without_server_path(
+            &without_url_secrets(&without_credentials(&reason, &credentials)),
+            &connection.url,
+        ),
+        optional: connection.optional,
+    };
+    let timeout = connection.timeout.unwrap_or(DEFAULT_TIMEOUT);
     let listed = tokio::time::timeout(timeout, list_tools(&client))
         .await
         .map_err(|_| unavailable(format!("listing its tools took longer than {} s", timeout.as_secs())))?
@@ -212,7 +235,6 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         Some(wanted) => select_tools(wanted, listed).map_err(unavailable)?,
         None => listed,
     };
-    let client = Arc::new(client);
     let mut tools = Vec::new();
     // Mounted name → the server's name of the tool mounted under it.
     let mut mounted = std::collections::HashMap::new();

@@ -1071,3 +1071,85 @@ async fn a_kept_connection_to_a_server_that_went_away_is_not_reused() {
     });
     assert!(told, "{:?}", requests[1].messages);
 }
+
+/// A server whose tool list the test changes between messages.
+#[derive(Clone, Default)]
+struct Changing {
+    sessions: Arc<std::sync::atomic::AtomicUsize>,
+    tools: Arc<std::sync::Mutex<Vec<&'static str>>>,
+}
+
+impl ServerHandler for Changing {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn initialize(
+        &self,
+        request: rmcp::model::InitializeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::InitializeResult, ErrorData> {
+        self.sessions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if context.peer.peer_info().is_none() {
+            context.peer.set_peer_info(request);
+        }
+        Ok(self.get_info())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let tools = self.tools.lock().unwrap().clone();
+        Ok(ListToolsResult::with_all_items(
+            tools
+                .into_iter()
+                .map(|name| McpTool::new(name, "A tool.", schema(json!({"type": "object"}))))
+                .collect(),
+        ))
+    }
+}
+
+static CHANGING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn changing() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("changing", CHANGING_URL.get().unwrap().clone()).auth(Secret::new("t0ken")));
+    "Use what there is."
+}
+
+/// Reference §3.7: each submission's init connects its servers, so a later message sees the
+/// tools the server lists then, though the instance keeps its connection (one session).
+#[tokio::test]
+async fn a_kept_connection_mounts_the_tools_the_server_lists_at_each_message() {
+    let handler = Changing::default();
+    *handler.tools.lock().unwrap() = vec!["a"];
+    let _ = CHANGING_URL.set(serve(handler.clone()).await);
+    let model = ScriptedModel::new([ScriptedReply::text("one"), ScriptedReply::text("two")]);
+    let runtime = runtime_with(&model, [changing.into()]);
+    let handle = runtime.init(&changing, "c");
+    handle.send("one").await.unwrap();
+    *handler.tools.lock().unwrap() = vec!["b"];
+    handle.send("two").await.unwrap();
+    let mounted = |at: usize| {
+        model.requests()[at]
+            .tools
+            .iter()
+            .map(|tool| tool.name.to_string())
+            .filter(|name| name.starts_with("mcp__"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(mounted(0), ["mcp__changing__a"]);
+    assert_eq!(
+        mounted(1),
+        ["mcp__changing__b"],
+        "the second message sees the server's new list"
+    );
+    assert_eq!(
+        handler.sessions.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "on the kept connection"
+    );
+}
