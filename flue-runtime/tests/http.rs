@@ -1012,6 +1012,53 @@ async fn reads_of_a_long_stream(cached: usize) {
     assert!(largest <= 1000, "a read of {largest} batches (cache of {cached})");
 }
 
+/// A reader whose catch-up ends exactly at a store page's end learns it is up to date with
+/// that page's control frame, not a keep-alive later.
+#[tokio::test]
+async fn an_sse_catch_up_ending_on_a_page_boundary_is_up_to_date_at_once() {
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{InstanceKey, Store};
+    let server = Server::start_with(HttpOptions {
+        updates_cache_instances: 0,
+        ..HttpOptions::default()
+    })
+    .await;
+    server.model.push(ScriptedReply::text("hi"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    server.settled("c1", 1).await;
+    let key = InstanceKey::new("calculator", "c1");
+    // 256 batches in all (the readers' store page), then 512.
+    for total in [256, 512] {
+        let mut head = server.store.last_offset(&key).await.unwrap().unwrap();
+        while head + 1 < total {
+            let record = Record {
+                id: format!("record_{head}"),
+                submission_id: None,
+                attempt_id: None,
+                timestamp: "2026-01-01T00:00:00.000Z".into(),
+                body: RecordBody::UserMessage {
+                    message_id: format!("user_{head}"),
+                    body: "m".into(),
+                    attachments: Vec::new(),
+                },
+            };
+            head = server.store.append(&key, vec![record].into(), None).await.unwrap();
+        }
+        let response = server.get("/c1?view=updates&offset=-1&live=sse").await;
+        assert_eq!(response.status(), 200);
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            sse_frames(response, |frames| {
+                frames
+                    .iter()
+                    .any(|(event, data)| event == "control" && data.contains("upToDate"))
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("up to date at once over {total} batches"));
+    }
+}
+
 /// Reads SSE frames (event name or comment, data) until `until` holds for the frames read.
 async fn sse_frames(response: reqwest::Response, until: impl Fn(&[(String, String)]) -> bool) -> Vec<(String, String)> {
     let mut body = response.bytes_stream();
@@ -1952,6 +1999,49 @@ mod limits {
         assert!(answer.contains("\"type\":\"request_timeout\""), "{answer}");
         let response = server.get("/slow").await;
         assert_eq!(response.status(), 404, "nothing was admitted");
+    }
+
+    /// The body timeout is between reads, not for the whole body: a large body on a slow
+    /// link that keeps arriving is admitted however long it takes.
+    #[tokio::test]
+    async fn a_body_that_keeps_arriving_slowly_is_admitted() {
+        let server = Server::start_with(HttpOptions {
+            request_body_timeout: Duration::from_millis(300),
+            ..HttpOptions::default()
+        })
+        .await;
+        let mut socket = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
+        let body = format!("{{\"kind\":\"user\",\"body\":\"{}\"}}", "x".repeat(2000));
+        let head = format!(
+            "POST /agents/calculator/trickle HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            root(&server),
+            body.len()
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        // About a second in all, a part every 100 ms.
+        for part in body.as_bytes().chunks(body.len() / 10 + 1) {
+            socket.write_all(part).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let answer = until_closed(&mut socket).await;
+        assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
+    }
+
+    /// `max_connections: usize::MAX` caps nothing (a semaphore counts less: it is clamped).
+    #[tokio::test]
+    async fn the_largest_connection_cap_serves() {
+        let server = Server::start_with(HttpOptions {
+            max_connections: usize::MAX,
+            ..HttpOptions::default()
+        })
+        .await;
+        let response = server
+            .client
+            .get(format!("{}/agents", server.root))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
     }
 
     /// A connection that sends part of a request head and stalls is closed.

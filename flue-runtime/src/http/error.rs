@@ -92,18 +92,15 @@ impl ApiError {
         )
     }
 
-    /// 408 `request_timeout`: the body did not arrive within
+    /// 408 `request_timeout`: the body stopped arriving for
     /// [`HttpOptions::request_body_timeout`](super::HttpOptions::request_body_timeout) (a type
     /// the reference's status map does not list).
     pub fn request_timeout(timeout: std::time::Duration) -> Self {
         Self::new(
             StatusCode::REQUEST_TIMEOUT,
             "request_timeout",
-            "The request body did not arrive in time.",
-            format!(
-                "A request's body must arrive within {} ms of the request.",
-                timeout.as_millis()
-            ),
+            "The request body stopped arriving.",
+            format!("No part of the request's body arrived for {} ms.", timeout.as_millis()),
         )
     }
 

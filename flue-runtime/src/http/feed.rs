@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, Weak};
 use axum::body::Bytes;
 use serde_json::Value;
 
-use super::projection::Projection;
+use super::projection::{Projection, READ_PAGE};
 use crate::record::Batch;
 use crate::runtime::RuntimeInner;
 use crate::store::InstanceKey;
@@ -94,8 +94,14 @@ impl Feed {
                 .await?;
             state.started = true;
         } else {
-            let batches = runtime.store.read(&self.key, state.offset).await?;
-            state.push(&batches);
+            // What was appended since, a store page at a time.
+            loop {
+                let batches = runtime.store.read_page(&self.key, state.offset, READ_PAGE).await?;
+                state.push(&batches);
+                if batches.len() < READ_PAGE {
+                    break;
+                }
+            }
         }
         // Counted as seen only once read: a read that failed (or was dropped with its reader)
         // leaves the next reader to read what the appends announced.

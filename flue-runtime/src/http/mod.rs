@@ -128,15 +128,18 @@ pub struct HttpOptions {
     /// carries nothing that tells it apart from another client's. Once an authorization
     /// policy is set, the name is not checked.
     pub allowed_hosts: Vec<String>,
-    /// How long a message's body may take to arrive, from the request (60 s): a client that
-    /// sends part of a body and stalls is answered 408 `request_timeout` and no longer holds
-    /// what it sent.
+    /// How long a message's body may go without any of it arriving (60 s, between two reads
+    /// as nginx's `client_body_timeout`): a client that sends part of a body and stalls is
+    /// answered 408 `request_timeout` and no longer holds what it sent, while a large body on
+    /// a slow link arrives in its own time.
     pub request_body_timeout: Duration,
     /// How long a connection served by [`serve`] may take to send a request's head, and how
-    /// long it may stay idle between requests (30 s); then it is closed.
+    /// long it may stay idle between requests (30 s); then it is closed. Keep it well above a
+    /// client's round trip: a zero closes every connection before its head arrives.
     pub request_head_timeout: Duration,
     /// How many connections [`serve`] serves at once (4096; live reads are connections too):
-    /// further clients wait in the listener's backlog until one closes.
+    /// further clients wait in the listener's backlog until one closes. At least one;
+    /// `usize::MAX` caps nothing.
     pub max_connections: usize,
 }
 
@@ -468,6 +471,45 @@ fn not_allowed<S: Clone + Send + Sync + 'static>(allow: &'static str) -> MethodR
         .fallback(move |method: Method| async move { ApiError::method_not_allowed(method.as_str(), allow) })
 }
 
+/// A request body that fails with [`Stalled`] once `timeout` passes without any of it
+/// arriving.
+fn stalls_after(body: axum::body::Body, timeout: Duration) -> axum::body::Body {
+    use futures_util::StreamExt;
+    let chunks = futures_util::stream::unfold(Some(body.into_data_stream()), move |chunks| async move {
+        let mut chunks = chunks?;
+        match tokio::time::timeout(timeout, chunks.next()).await {
+            Ok(Some(chunk)) => Some((chunk.map_err(axum::BoxError::from), Some(chunks))),
+            Ok(None) => None,
+            Err(_) => Some((Err(axum::BoxError::from(Stalled)), None)),
+        }
+    });
+    axum::body::Body::from_stream(chunks)
+}
+
+/// A request body stopped arriving ([`stalls_after`]).
+#[derive(Debug)]
+struct Stalled;
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request body stopped arriving")
+    }
+}
+
+impl std::error::Error for Stalled {}
+
+/// Whether reading a body failed because it stalled.
+fn stalled(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(error) = source {
+        if error.is::<Stalled>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
 /// `POST /:id`: admission only (the response is not awaited).
 async fn post_message(
     State(routes): State<Routes>,
@@ -483,15 +525,18 @@ async fn post_message(
             "The `wait` parameter is not supported: admission is fire-and-forget. Read the reply from the stream.",
         ));
     }
-    // Read here, not by an extractor, to bound how long it may take.
+    // Read here, not by an extractor, to bound how long it may stall.
     let timeout = routes.options.request_body_timeout;
-    let body = tokio::time::timeout(timeout, Bytes::from_request(request, &()))
-        .await
-        .map_err(|_| ApiError::request_timeout(timeout))?
-        .map_err(|rejection| match rejection.status() {
+    let request = request.map(|body| stalls_after(body, timeout));
+    let body = Bytes::from_request(request, &()).await.map_err(|rejection| {
+        if stalled(&rejection) {
+            return ApiError::request_timeout(timeout);
+        }
+        match rejection.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),
             _ => ApiError::invalid_request(rejection.body_text()),
-        })?;
+        }
+    })?;
     let request = admission::parse(&key.id, &headers, &body)?;
     // A direct send, as `send()` is (only the caller does not wait here for the reply). On a
     // task of its own: a client that goes away drops this handler, and an admission the store

@@ -144,10 +144,13 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
     }
 }
 
-/// A catching-up reader's next page after `after`, and whether the stream may hold more.
+/// A catching-up reader's next page after `after`, and whether the stream holds more (one
+/// batch more is read to tell: a reader whose last page ends at the head learns it is up to
+/// date with that page, not after a read that finds nothing).
 async fn next_page(store: &dyn Store, key: &InstanceKey, after: Option<u64>) -> Result<(Vec<Batch>, bool), StoreError> {
-    let page = store.read_page(key, after, READ_PAGE).await?;
-    let more = page.len() == READ_PAGE;
+    let mut page = store.read_page(key, after, READ_PAGE + 1).await?;
+    let more = page.len() > READ_PAGE;
+    page.truncate(READ_PAGE);
     Ok((page, more))
 }
 

@@ -33,7 +33,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let head_timeout = options.request_head_timeout;
-    let permits = Arc::new(Semaphore::new(options.max_connections.max(1)));
+    // At least one; `usize::MAX` (more than a semaphore counts) caps nothing.
+    let permits = Arc::new(Semaphore::new(options.max_connections.clamp(1, Semaphore::MAX_PERMITS)));
     // Dropped to tell every connection to close after its response; each holds a receiver of
     // `closed`, whose sender learns when the last is gone.
     let (closing, closing_seen) = watch::channel(());

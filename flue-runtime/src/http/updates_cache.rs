@@ -299,23 +299,15 @@ impl UpdatesCache {
         let slot = incarnation
             .filter(|_| self.capacity > 0)
             .map(|incarnation| (incarnation, self.slot(key)));
-        let held = match &slot {
-            Some((incarnation, slot)) => slot
+        if let Some((incarnation, slot)) = &slot
+            && self.bring_up_to_date(store, key, incarnation, slot).await?
+            && let Some(entry) = slot
                 .lock()
                 .await
                 .as_ref()
                 .filter(|entry| entry.incarnation == *incarnation)
-                .map(|entry| entry.offset),
-            None => None,
-        };
-        if let (Some((incarnation, slot)), Some(folded)) = (&slot, held) {
-            let batches = store.read(key, folded).await?;
-            let mut guard = slot.lock().await;
-            if let Some(entry) = guard.as_mut().filter(|entry| entry.incarnation == *incarnation) {
-                let folded = entry.offset;
-                self.extend(entry, batches.iter().filter(|batch| Some(batch.offset) > folded));
-                return Ok(Some(answer(&entry.projection)));
-            }
+        {
+            return Ok(Some(answer(&entry.projection)));
         }
         let mut projection = Projection::new(&key.stream_path());
         let Some(head) = projection.fold_stream(store, key, u64::MAX).await? else {
@@ -344,21 +336,12 @@ impl UpdatesCache {
         slot: &tokio::sync::Mutex<Option<Entry>>,
         after: Option<u64>,
     ) -> Result<Served, StoreError> {
-        let folded = slot
-            .lock()
-            .await
-            .as_ref()
-            .filter(|entry| entry.incarnation == incarnation)
-            .map(|entry| entry.offset);
-        let Some(folded) = folded else {
+        if !self.bring_up_to_date(store, key, incarnation, slot).await? {
             return Ok(Served::NoEntry);
-        };
-        let batches = store.read(key, folded).await?;
-        let mut guard = slot.lock().await;
+        }
+        let guard = slot.lock().await;
         // Another read may have filled it again meanwhile, with another incarnation.
-        if let Some(entry) = guard.as_mut().filter(|entry| entry.incarnation == incarnation) {
-            let folded = entry.offset;
-            self.extend(entry, batches.iter().filter(|batch| Some(batch.offset) > folded));
+        if let Some(entry) = guard.as_ref().filter(|entry| entry.incarnation == incarnation) {
             if after > entry.offset {
                 return Ok(Served::Answered(Lookup::Gone(entry.offset)));
             }
@@ -367,6 +350,40 @@ impl UpdatesCache {
             }
         }
         Ok(Served::BeforeWindow)
+    }
+
+    /// Folds what was appended since the entry of `incarnation` last read into it, a store
+    /// page at a time (the lock is not held while the store reads); `false` when `slot` holds
+    /// no entry of `incarnation` (or another read replaced it meanwhile).
+    async fn bring_up_to_date(
+        &self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        incarnation: &str,
+        slot: &tokio::sync::Mutex<Option<Entry>>,
+    ) -> Result<bool, StoreError> {
+        let held = |guard: &Option<Entry>| {
+            guard
+                .as_ref()
+                .filter(|entry| entry.incarnation == incarnation)
+                .map(|entry| entry.offset)
+        };
+        let Some(mut folded) = held(&*slot.lock().await) else {
+            return Ok(false);
+        };
+        loop {
+            let page = store.read_page(key, folded, READ_PAGE).await?;
+            let mut guard = slot.lock().await;
+            let Some(entry) = guard.as_mut().filter(|entry| entry.incarnation == incarnation) else {
+                return Ok(false);
+            };
+            let before = entry.offset;
+            self.extend(entry, page.iter().filter(|batch| Some(batch.offset) > before));
+            if page.len() < READ_PAGE {
+                return Ok(true);
+            }
+            folded = entry.offset;
+        }
     }
 
     /// Holds `entry` in `slot`, unless the entry held is of the same incarnation and folded

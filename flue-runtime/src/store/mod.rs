@@ -756,7 +756,9 @@ pub trait Store: Send + Sync + 'static {
     /// The first `limit` batches strictly after `after` (all of them when fewer), in order: a
     /// reader paging through a long stream (an HTTP catch-up) holds one page at a time. Fewer
     /// than `limit` means the stream has no more for now. The default reads the rest of the
-    /// stream and keeps the page; the stores of this crate read only the page.
+    /// stream and keeps the page: a store of another crate should read only the page (the
+    /// stores of this crate do), or paging through a stream of n batches reads about
+    /// n² / (2 × limit) of them.
     fn read_page(
         &self,
         key: &InstanceKey,
