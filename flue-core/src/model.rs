@@ -77,7 +77,8 @@ pub struct CompactionConfig {
     /// exceed `context_window - reserve_tokens`. Default: model-aware, capped at 20,000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserve_tokens: Option<u32>,
-    /// Recent tokens kept verbatim after compaction. Default 8,000.
+    /// Recent tokens kept verbatim after compaction. Default 8,000; at most half of the
+    /// context window less the reserve (the runtime's cap, so a small window is compacted too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_recent_tokens: Option<u32>,
     /// Model specifier for summarisation calls. Default: the session's model.

@@ -4,7 +4,8 @@
 //!
 //! - **Threshold compaction** (per `use_model` options): before a model call whose estimated
 //!   input exceeds the window minus `reserve_tokens` (default: a quarter of the window, at most
-//!   20,000), keeping about `keep_recent_tokens` (default 8,000) of the newest history verbatim,
+//!   20,000), keeping about `keep_recent_tokens` (default 8,000; at most half of the window
+//!   less the reserve, so a small window is compacted too) of the newest history verbatim,
 //!   summarized with `CompactionConfig::model` or the session's model. It needs the model's
 //!   context window (`ModelProvider::context_window`); `Compaction::Disabled` turns it off.
 //! - **Overflow recovery**: a call the provider refuses as a context overflow compacts and is
@@ -297,6 +298,22 @@ fn reserve_tokens(config: &CompactionConfig, window: Option<u64>) -> u64 {
         .map_or_else(|| window.map_or(most, |window| (window / 4).min(most)), u64::from)
 }
 
+/// How much of the newest history a compaction keeps verbatim: `keep_recent_tokens` (8,000 by
+/// default), at most half of the room the `window` leaves for history (the window less the
+/// reserve). A model whose window is smaller than what is to be kept would otherwise never be
+/// compacted: the whole history would be kept, and an overflow fail again after its recovery.
+fn kept_tokens(config: &CompactionConfig, window: Option<u64>) -> u64 {
+    let keep = u64::from(
+        config
+            .keep_recent_tokens
+            .unwrap_or(CompactionConfig::DEFAULT_KEEP_RECENT_TOKENS),
+    );
+    match window {
+        Some(window) => keep.min(window.saturating_sub(reserve_tokens(config, Some(window))) / 2),
+        None => keep,
+    }
+}
+
 /// The most a summary may take: four fifths of the reserve (with the session model's `window`,
 /// see [`reserve_tokens`]), at most 16,000 tokens, at least 1,000, and at most the summarizing
 /// model's output cap `most` when known. 4,000 (within that cap) when neither the configured
@@ -323,11 +340,7 @@ pub(crate) async fn compact<S: Compacting>(
 ) -> Result<bool, S::Failure> {
     let config = session.budget().config();
     let window = provider.context_window(model_id);
-    let keep = u64::from(
-        config
-            .keep_recent_tokens
-            .unwrap_or(CompactionConfig::DEFAULT_KEEP_RECENT_TOKENS),
-    );
+    let keep = kept_tokens(&config, window);
     let Some((cut, first_kept)) = session.conversation().compaction_cut(keep, reason == Reason::Overflow) else {
         return Ok(false);
     };

@@ -100,6 +100,44 @@ async fn a_call_that_would_not_fit_is_preceded_by_a_summary_of_the_older_history
 }
 
 #[agent]
+fn defaulted() -> &'static str {
+    use_model("scripted/x");
+    "Be brief."
+}
+
+/// With the default settings (8,000 tokens kept) on a model whose window is far smaller, a
+/// compaction keeps at most half of the room for history (window less reserve), so the older
+/// history is summarized rather than kept whole.
+#[tokio::test]
+async fn a_window_smaller_than_keep_recent_tokens_is_still_compacted() {
+    // A 1,200-token window: a 300-token reserve, 900 for history, 450 kept at most.
+    let model = ScriptedModel::new((0..8).map(|_| ScriptedReply::text(long("answer")))).with_context_window(1_200);
+    let runtime = runtime_with(&model, [defaulted.into()]);
+    let handle = runtime.init(&defaulted, "d");
+    for turn in 0..6 {
+        handle.send(long(&format!("q{turn}"))).await.unwrap();
+    }
+    let requests = model.requests();
+    let summarized = requests
+        .iter()
+        .filter(|request| matches!(&request.messages[..], [ModelMessage::User { content, .. }] if content.starts_with("User: q0")))
+        .count();
+    assert_eq!(summarized, 1, "one summary of the older history");
+    let last = requests.last().unwrap();
+    let estimate: usize = last
+        .messages
+        .iter()
+        .map(|message| match message {
+            ModelMessage::User { content, .. } => content.len(),
+            ModelMessage::Assistant { text, .. } => text.len(),
+            ModelMessage::Tool { content, .. } => content.len(),
+        })
+        .sum::<usize>()
+        / 4;
+    assert!(estimate < 900, "the last call reads {estimate} estimated tokens");
+}
+
+#[agent]
 fn unbounded() -> &'static str {
     use_model_with(
         "scripted/x",
