@@ -21,7 +21,10 @@
 //!   failed `compaction` event and a warning, and the session goes on uncompacted (an overflow
 //!   is then the call's failure).
 //!   The summary's transcript shows at most 2,000 characters of each tool result, and a cut
-//!   always takes more than the previous compaction's summary.
+//!   always takes more than the previous compaction's summary. It is of the history as the
+//!   message hooks (`filter_messages`, `prefilter_llm_history`) let the model read it: what a
+//!   hook withholds from the model does not reach it through a summary (a hook that blocks
+//!   it leaves the session uncompacted, as a failed summary does).
 //! - After a compaction the system prompt's catalogs take a new baseline (the then-current
 //!   skills and delegates), and the stream shows a `conversation-reset`.
 //! - A task's child session compacts the same way, with the submission's settings (a
@@ -122,17 +125,16 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
     out
 }
 
-/// What the summary call reads: the messages before `cut` as a transcript, after the summary of
-/// the previous compaction (which the cut takes, see [`Conversation::compaction_cut`]) set apart
-/// as the earlier summary.
-fn summary_input(conversation: &Conversation, cut: usize) -> String {
-    let older = conversation.before(cut);
-    match conversation.previous_summary() {
-        Some(previous) if !older.is_empty() => format!(
+/// What the summary call reads: the `older` messages (those the cut takes after the previous
+/// compaction's summary, see [`Conversation::compaction_cut`]) as a transcript, after that
+/// summary set apart as the earlier summary.
+fn summary_input(previous: Option<&str>, older: &[ModelMessage]) -> String {
+    match previous {
+        Some(previous) => format!(
             "Earlier summary:\n{previous}\n\nThe conversation since:\n\n{}",
-            transcript(&older[1..])
+            transcript(older)
         ),
-        _ => transcript(older),
+        None => transcript(older),
     }
 }
 
@@ -229,6 +231,19 @@ pub(crate) trait Compacting {
     /// Records `compaction` durably in the session's stream (with what the session keeps
     /// beside it) and folds it into the conversation.
     fn record_compaction(&mut self, compaction: RecordBody) -> impl Future<Output = Result<(), Self::Failure>> + Send;
+
+    /// The messages `from..cut` as the session's message hooks let the model read them: what a
+    /// summary may read (a summary must not pass a hook's redaction on to the model, nor keep
+    /// it for good). `Err` says why there are none (a hook blocked them). A session without
+    /// message hooks (a task's child) reads them as stored.
+    fn summarized(
+        &mut self,
+        from: usize,
+        cut: usize,
+    ) -> impl Future<Output = Result<Vec<ModelMessage>, String>> + Send {
+        let older = self.conversation().before(cut).get(from..).unwrap_or_default().to_vec();
+        std::future::ready(Ok(older))
+    }
 
     /// The session's failure for a compaction that `failed`.
     fn failure(&self, failed: Failed) -> Self::Failure;
@@ -350,11 +365,21 @@ pub(crate) async fn compact<S: Compacting>(
         estimated_tokens: tokens_before,
     });
     let started = Instant::now();
+    let previous = session.conversation().previous_summary().map(str::to_owned);
+    let older = match session.summarized(usize::from(previous.is_some()), cut).await {
+        Ok(older) => older,
+        Err(why) => {
+            let failure = session.failure(summary_failed(&why));
+            gave_up(session, started, failure, None);
+            return Ok(false);
+        }
+    };
+    let input = summary_input(previous.as_deref(), &older);
     let request = |summarizer: &dyn ModelProvider, model: String| ModelRequest {
         max_output_tokens: Some(summary_tokens(&config, window, summarizer.max_output_tokens(&model))),
         model,
         system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
-        messages: vec![ModelMessage::user(summary_input(session.conversation(), cut))].into(),
+        messages: vec![ModelMessage::user(input.clone())].into(),
         tools: Vec::new(),
         thinking_level: if thinking == ThinkingLevel::Off {
             ThinkingLevel::Off

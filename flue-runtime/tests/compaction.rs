@@ -137,6 +137,60 @@ async fn a_window_smaller_than_keep_recent_tokens_is_still_compacted() {
     assert!(estimate < 900, "the last call reads {estimate} estimated tokens");
 }
 
+/// Redacts every "SECRET" the model would read.
+#[hook(prefilter_llm_history)]
+async fn redacts(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    mut messages: Vec<flue_runtime::lifecycle::LlmMessage>,
+) -> Vec<flue_runtime::lifecycle::LlmMessage> {
+    for message in &mut messages {
+        if let Some(text) = message.content.as_str() {
+            message.content = serde_json::Value::String(text.replace("SECRET", "[redacted]"));
+        }
+    }
+    messages
+}
+
+#[agent(hooks = [redacts])]
+fn redacting() -> &'static str {
+    use_tight_model("scripted/x", 150);
+    "Be brief."
+}
+
+/// The summary reads the older history as the message hooks let the model read it: a
+/// redaction of `prefilter_llm_history` holds for the summary call too (and so for the
+/// summary, which the model reads from then on).
+#[tokio::test]
+async fn the_summary_reads_the_history_as_the_message_hooks_show_it() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("The user said things."),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [redacting.into()]);
+    let handle = runtime.init(&redacting, "r");
+    handle.send(format!("SECRET {}", long("first"))).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    handle.send(long("third")).await.unwrap();
+    let requests = model.requests();
+    let ModelMessage::User { content, .. } = &requests[2].messages[0] else {
+        panic!("a transcript")
+    };
+    assert!(content.starts_with("User: [redacted] first"), "{content}");
+    for request in &requests {
+        for message in request.messages.iter() {
+            let text = match message {
+                ModelMessage::User { content, .. } => content,
+                ModelMessage::Assistant { text, .. } => text,
+                ModelMessage::Tool { content, .. } => content,
+            };
+            assert!(!text.contains("SECRET"), "the model read {text:.60}");
+        }
+    }
+}
+
 #[agent]
 fn unbounded() -> &'static str {
     use_model_with(

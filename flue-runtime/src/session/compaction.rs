@@ -7,6 +7,7 @@ use flue_core::abort::AbortSignal;
 use super::{Conversation, Failure, Response};
 use crate::compaction::{Budget, Compacting, Failed};
 use crate::events::{Event, LazyId};
+use crate::provider::ModelMessage;
 use crate::record::{RecordBody, SettlementError};
 use crate::runtime::RuntimeInner;
 
@@ -48,6 +49,10 @@ impl Compacting for Response<'_> {
             self.first_snapshot = None;
         }
         self.commit(records, false).await
+    }
+
+    async fn summarized(&mut self, from: usize, cut: usize) -> Result<Vec<ModelMessage>, String> {
+        self.older_history(from, cut).await
     }
 
     fn failure(&self, failed: Failed) -> Failure {

@@ -12,7 +12,7 @@ use super::{Failure, Response};
 use crate::lifecycle::chain::{self, Blocked};
 use crate::lifecycle::thread::apply_updates;
 use crate::lifecycle::{HookSet, llm, outcome_of, tool_result_of};
-use crate::provider::{Messages, StopReason};
+use crate::provider::{Messages, ModelMessage, StopReason};
 use crate::record::{AttachmentRef, Record, RecordBody, now};
 use crate::session::conversation::micros_of;
 use crate::tools::Executed;
@@ -202,6 +202,36 @@ impl Response<'_> {
             (system, messages) = (prefiltered, history.into());
         }
         Ok((system, messages))
+    }
+
+    /// The history's messages `from..cut` after the message hooks, as [`request`](Self::request)
+    /// shows the model its history (`filter_messages` on the rows, then
+    /// `prefilter_llm_history` on the provider format): what a compaction may summarize. `Err`
+    /// when `prefilter_llm_history` blocked them.
+    pub(super) async fn older_history(&mut self, from: usize, cut: usize) -> Result<Vec<ModelMessage>, String> {
+        let stored =
+            |conversation: &super::Conversation| conversation.before(cut).get(from..).unwrap_or_default().to_vec();
+        if self.hooks.is_empty() {
+            return Ok(stored(self.conversation));
+        }
+        self.fold_thread_writes();
+        let hooks = self.hooks.clone();
+        let state = self.thread_view().state();
+        let messages = if hooks.has(HookKind::FilterMessages) {
+            let rows: Vec<Message> = self.conversation.rows().into_iter().take(cut).skip(from).collect();
+            let rows = chain::filter_messages(&hooks, &state, rows).await;
+            self.conversation.model_messages_of(&rows)
+        } else {
+            stored(self.conversation)
+        };
+        if !hooks.has(HookKind::PrefilterLlmHistory) {
+            return Ok(messages);
+        }
+        let provider_format = llm::to_llm(None, &messages);
+        let dispatched = chain::prefilter_llm_history(&hooks, &state, provider_format)
+            .await
+            .map_err(|_| "prefilter_llm_history blocked the history the summary was to read".to_owned())?;
+        Ok(llm::from_llm(dispatched, &messages).1)
     }
 
     /// The pending assistant row's create hooks, before the model is called: returns the
