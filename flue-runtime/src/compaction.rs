@@ -20,8 +20,10 @@
 //!   one the output limit cut off, a compaction model that does not resolve) is reported as a
 //!   failed `compaction` event and a warning, and the session goes on uncompacted (an overflow
 //!   is then the call's failure).
-//!   The summary's transcript shows at most 2,000 characters of each tool result, and a cut
-//!   always takes more than the previous compaction's summary. It is of the history as the
+//!   The summary's transcript shows at most 2,000 characters of each tool result and of each
+//!   call's arguments, and of a transcript longer than the summarizing model's window holds
+//!   beside the instructions (when it is known) its newest part, saying so. A cut always takes more than the
+//!   previous compaction's summary. It is of the history as the
 //!   message hooks (`filter_messages`, `prefilter_llm_history`) let the model read it: what a
 //!   hook withholds from the model does not reach it through a summary (a hook that blocks
 //!   it leaves the session uncompacted, as a failed summary does).
@@ -80,10 +82,22 @@ pub(crate) fn estimate_message(message: &ModelMessage) -> u64 {
     (chars as u64).div_ceil(4) + 4
 }
 
-/// How many characters of one tool result a summary transcript shows: the call's request
-/// carries the gist, and a transcript of whole results (files, pages) could overflow the very
-/// window the compaction is to make room in.
+/// How many characters of one tool result (and of one call's arguments) a summary transcript
+/// shows: the call's request carries the gist, and a transcript of whole results (files,
+/// pages) or written contents could overflow the very window the compaction is to make room
+/// in.
 const TRANSCRIPT_TOOL_RESULT_CHARS: usize = 2_000;
+
+/// `text`'s first [`TRANSCRIPT_TOOL_RESULT_CHARS`] characters, saying how many more it has.
+fn push_cut(out: &mut String, text: &str) {
+    match text.char_indices().nth(TRANSCRIPT_TOOL_RESULT_CHARS) {
+        Some((cut, _)) => {
+            out.push_str(&text[..cut]);
+            out.push_str(&format!(" [… {} more characters]", text[cut..].chars().count()));
+        }
+        None => out.push_str(text),
+    }
+}
 
 /// The messages to summarize as one transcript.
 pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
@@ -101,7 +115,9 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
                 out.push_str("Agent: ");
                 out.push_str(text);
                 for call in tool_calls {
-                    out.push_str(&format!("\n[called {} with {}]", call.name, call.arguments));
+                    out.push_str(&format!("\n[called {} with ", call.name));
+                    push_cut(&mut out, &call.arguments);
+                    out.push(']');
                 }
             }
             ModelMessage::Tool {
@@ -111,13 +127,7 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
                 ..
             } => {
                 out.push_str(&format!("Tool {name}{}: ", if *is_error { " (error)" } else { "" }));
-                match content.char_indices().nth(TRANSCRIPT_TOOL_RESULT_CHARS) {
-                    Some((cut, _)) => {
-                        out.push_str(&content[..cut]);
-                        out.push_str(&format!(" [… {} more characters]", content[cut..].chars().count()));
-                    }
-                    None => out.push_str(content),
-                }
+                push_cut(&mut out, content);
             }
         }
         out.push_str("\n\n");
@@ -127,15 +137,41 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
 
 /// What the summary call reads: the `older` messages (those the cut takes after the previous
 /// compaction's summary, see [`Conversation::compaction_cut`]) as a transcript, after that
-/// summary set apart as the earlier summary.
-fn summary_input(previous: Option<&str>, older: &[ModelMessage]) -> String {
-    match previous {
-        Some(previous) => format!(
-            "Earlier summary:\n{previous}\n\nThe conversation since:\n\n{}",
-            transcript(older)
-        ),
-        None => transcript(older),
+/// summary set apart as the earlier summary; with `room` (the characters the summarizing model
+/// can read), the transcript's newest part that fits, saying that its start is left out (a
+/// summary of what fits, rather than a summary call that overflows and no compaction).
+fn summary_input(previous: Option<&str>, older: &[ModelMessage], room: Option<usize>) -> String {
+    let head = previous.map_or_else(String::new, |previous| {
+        format!("Earlier summary:\n{previous}\n\nThe conversation since:\n\n")
+    });
+    let mut transcript = transcript(older);
+    if let Some(room) = room.map(|room| room.saturating_sub(head.len() + LEFT_OUT.len()))
+        && transcript.len() > room
+    {
+        let mut from = transcript.len() - room;
+        while !transcript.is_char_boundary(from) {
+            from += 1;
+        }
+        // From the next message's start, when there is one in what fits.
+        if let Some(next) = transcript[from..].find("\n\n") {
+            from += next + 2;
+        }
+        transcript = format!("{LEFT_OUT}{}", &transcript[from..]);
     }
+    head + &transcript
+}
+
+/// What a transcript cut to fit the summarizing model starts with.
+const LEFT_OUT: &str = "[The conversation's start is left out: it does not fit the summarizing model's window.]\n\n";
+
+/// The characters of transcript a summarizing model with a `window` can read beside the
+/// instructions (estimates are characters / 4); `None` when its window is not known. What the
+/// answer takes is not counted: a transcript past this would overflow whatever the answer,
+/// one within it may still, which the summary call then reports.
+fn transcript_room(window: Option<u64>) -> Option<usize> {
+    let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
+    let tokens = window?.saturating_sub(instructions);
+    Some(usize::try_from(tokens.saturating_mul(4)).unwrap_or(usize::MAX))
 }
 
 /// Why a compaction runs.
@@ -374,19 +410,22 @@ pub(crate) async fn compact<S: Compacting>(
             return Ok(false);
         }
     };
-    let input = summary_input(previous.as_deref(), &older);
-    let request = |summarizer: &dyn ModelProvider, model: String| ModelRequest {
-        max_output_tokens: Some(summary_tokens(&config, window, summarizer.max_output_tokens(&model))),
-        model,
-        system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
-        messages: vec![ModelMessage::user(input.clone())].into(),
-        tools: Vec::new(),
-        thinking_level: if thinking == ThinkingLevel::Off {
-            ThinkingLevel::Off
-        } else {
-            ThinkingLevel::Low
-        },
-        max_retries: Some(session.runtime().options.model_retries),
+    let request = |summarizer: &dyn ModelProvider, model: String| {
+        let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
+        let room = transcript_room(summarizer.context_window(&model));
+        ModelRequest {
+            max_output_tokens: Some(answer),
+            messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, room))].into(),
+            model,
+            system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
+            tools: Vec::new(),
+            thinking_level: if thinking == ThinkingLevel::Off {
+                ThinkingLevel::Off
+            } else {
+                ThinkingLevel::Low
+            },
+            max_retries: Some(session.runtime().options.model_retries),
+        }
     };
     let summary = match &config.model {
         Some(spec) => match session.runtime().providers.resolve(spec) {

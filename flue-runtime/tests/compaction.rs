@@ -192,6 +192,67 @@ async fn the_summary_reads_the_history_as_the_message_hooks_show_it() {
 }
 
 #[agent]
+fn small_summarizer() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(150),
+                model: Some("small/x".into()),
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+/// A summarizing model whose window cannot hold the whole transcript reads its newest part,
+/// told that the start is left out, rather than overflowing (and leaving the session
+/// uncompacted).
+#[tokio::test]
+async fn a_transcript_longer_than_the_summarizers_window_is_cut_to_its_newest_part() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    // Room for the instructions and about 900 characters.
+    let small = ScriptedModel::new([ScriptedReply::text("The user said two.")])
+        .with_id("small")
+        .with_context_window(400);
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    providers.register(small.clone());
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(small_summarizer)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&small_summarizer, "s");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    assert_eq!(handle.send(long("third")).await.unwrap().text, "three it is");
+    let summary = &small.requests()[0];
+    let ModelMessage::User { content, .. } = &summary.messages[0] else {
+        panic!("a transcript")
+    };
+    assert!(
+        content.starts_with("[The conversation's start is left out: it does not fit the summarizing model's window.]"),
+        "{content}"
+    );
+    assert!(content.contains("User: second"), "the newest part: {content}");
+    assert!(
+        !content.contains("User: first"),
+        "the oldest part is left out: {content}"
+    );
+    let estimate = (content.len() + summary.system.as_ref().unwrap().len()) / 4;
+    assert!(estimate <= 400, "{estimate} estimated tokens");
+}
+
+#[agent]
 fn unbounded() -> &'static str {
     use_model_with(
         "scripted/x",
