@@ -268,17 +268,19 @@ pub(crate) trait Compacting {
     /// beside it) and folds it into the conversation.
     fn record_compaction(&mut self, compaction: RecordBody) -> impl Future<Output = Result<(), Self::Failure>> + Send;
 
-    /// The messages `from..cut` as the session's message hooks let the model read them: what a
-    /// summary may read (a summary must not pass a hook's redaction on to the model, nor keep
-    /// it for good). `Err` says why there are none (a hook blocked them). A session without
+    /// The messages of the rows `from..cut` that the session's `filter_messages` hooks leave
+    /// (run on the history as for a model request): what a summary may read. A session without
     /// message hooks (a task's child) reads them as stored.
-    fn summarized(
-        &mut self,
-        from: usize,
-        cut: usize,
-    ) -> impl Future<Output = Result<Vec<ModelMessage>, String>> + Send {
-        let older = self.conversation().before(cut).get(from..).unwrap_or_default().to_vec();
-        std::future::ready(Ok(older))
+    fn summarized(&mut self, from: usize, cut: usize) -> impl Future<Output = Vec<ModelMessage>> + Send {
+        std::future::ready(self.conversation().before(cut).get(from..).unwrap_or_default().to_vec())
+    }
+
+    /// The summary call's `request` after the session's `prefilter_llm_history` hooks, which
+    /// every model request of the session goes through (so a hook's redaction holds for the
+    /// summary, and for the summary the model reads from then on); `Err` says why it may not
+    /// be made (a hook blocked it). A session without message hooks sends it as it is.
+    fn prefiltered(&mut self, request: ModelRequest) -> impl Future<Output = Result<ModelRequest, String>> + Send {
+        std::future::ready(Ok(request))
     }
 
     /// The session's failure for a compaction that `failed`.
@@ -402,14 +404,8 @@ pub(crate) async fn compact<S: Compacting>(
     });
     let started = Instant::now();
     let previous = session.conversation().previous_summary().map(str::to_owned);
-    let older = match session.summarized(usize::from(previous.is_some()), cut).await {
-        Ok(older) => older,
-        Err(why) => {
-            let failure = session.failure(summary_failed(&why));
-            gave_up(session, started, failure, None);
-            return Ok(false);
-        }
-    };
+    let older = session.summarized(usize::from(previous.is_some()), cut).await;
+    let retries = session.runtime().options.model_retries;
     let request = |summarizer: &dyn ModelProvider, model: String| {
         let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
         let room = transcript_room(summarizer.context_window(&model));
@@ -424,17 +420,27 @@ pub(crate) async fn compact<S: Compacting>(
             } else {
                 ThinkingLevel::Low
             },
-            max_retries: Some(session.runtime().options.model_retries),
+            max_retries: Some(retries),
         }
     };
-    let summary = match &config.model {
-        Some(spec) => match session.runtime().providers.resolve(spec) {
-            Ok((summarizer, summary_model)) => {
-                summarize(&*session, &*summarizer, request(&*summarizer, summary_model), step).await
+    let resolved = match &config.model {
+        Some(spec) => session
+            .runtime()
+            .providers
+            .resolve(spec)
+            .map(|(summarizer, model)| (Some(summarizer), model))
+            .map_err(|error| format!("The compaction model: {error}")),
+        None => Ok((None, model_id.to_owned())),
+    };
+    let summary = match resolved {
+        Ok((summarizer, model)) => {
+            let summarizer = summarizer.as_deref().unwrap_or(provider);
+            match session.prefiltered(request(summarizer, model)).await {
+                Ok(request) => summarize(&*session, summarizer, request, step).await,
+                Err(blocked) => Err(blocked),
             }
-            Err(error) => Err(format!("The compaction model: {error}")),
-        },
-        None => summarize(&*session, provider, request(provider, model_id.to_owned()), step).await,
+        }
+        Err(error) => Err(error),
     };
     // Compaction is best-effort (it runs on its own, at a threshold or after an overflow): a
     // summary that could not be made is reported (a failed `compaction` event and a warning)

@@ -191,6 +191,56 @@ async fn the_summary_reads_the_history_as_the_message_hooks_show_it() {
     }
 }
 
+/// Drops every row that says "PRIVATE" from what the model reads, and adds a context row.
+#[hook(filter_messages)]
+async fn withholds(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    rows: Vec<flue_runtime::lifecycle::Message>,
+) -> Vec<flue_runtime::lifecycle::Message> {
+    let mut kept: Vec<flue_runtime::lifecycle::Message> = rows
+        .into_iter()
+        .filter(|row| !row.content.as_deref().unwrap_or_default().contains("PRIVATE"))
+        .collect();
+    if let Some(first) = kept.first() {
+        let mut context = first.clone();
+        context.id = "context_row".into();
+        context.content = Some("CONTEXT for this request".into());
+        kept.insert(0, context);
+    }
+    kept
+}
+
+#[agent(hooks = [withholds])]
+fn withholding() -> &'static str {
+    use_tight_model("scripted/x", 150);
+    "Be brief."
+}
+
+/// The summary reads the rows `filter_messages` leaves of the older history, and not the
+/// context rows it adds (context for a request, not history to keep for good).
+#[tokio::test]
+async fn the_summary_reads_the_rows_filter_messages_leaves_and_not_those_it_adds() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("The user said things."),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [withholding.into()]);
+    let handle = runtime.init(&withholding, "w");
+    handle.send(format!("PRIVATE {}", long("first"))).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    handle.send(long("third")).await.unwrap();
+    let requests = model.requests();
+    let ModelMessage::User { content, .. } = &requests[2].messages[0] else {
+        panic!("a transcript")
+    };
+    assert!(content.starts_with("Agent: one"), "{content}");
+    assert!(!content.contains("PRIVATE"), "{content}");
+    assert!(!content.contains("CONTEXT"), "{content}");
+}
+
 #[agent]
 fn small_summarizer() -> &'static str {
     use_model_with(
