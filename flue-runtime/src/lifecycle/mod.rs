@@ -13,7 +13,10 @@
 //! Hooks are typed references (`ThreadHook`), so the resolution errors of the reference — an
 //! unknown id, a definition exporting another id, a user-scope hook where a thread hook is
 //! required — cannot be written: they fail to compile. Two definitions sharing an id are
-//! refused when the runtime is built.
+//! refused when the runtime is built, among the hooks it can see then (the agents' `hooks`
+//! and `parent_hooks`, the user hooks); among those a render selects (`use_hooks`, a
+//! delegate's), when a render first meets them, which fails that submission
+//! (`render_failed`).
 
 pub(crate) mod chain;
 pub(crate) mod llm;
