@@ -29,8 +29,9 @@
 //!   pays for its handshake again): one whose definition is the same as the one declared,
 //!   whose transport is still open and which lists its tools again, which each response
 //!   mounts as listed then (reference §3.7: a submission's init connects, so a server's
-//!   changes show from the next message on). A server that went away, or whose new list
-//!   cannot be mounted, is connected afresh, and so found unavailable as at a first connect. A connection
+//!   changes show from the next message on). A server that went away is connected afresh, and
+//!   so found unavailable as at a first connect; one whose new list cannot be mounted is
+//!   unavailable for that response, its connection kept for the next to list again. A connection
 //!   that failed is not kept, so the next response tries again, and one the render no longer
 //!   declares is closed. A response connects the servers it does not have together, and an
 //!   abort stops the connecting.
@@ -71,17 +72,31 @@ pub(crate) struct McpSession {
     pub(crate) tools: Vec<Tool>,
 }
 
+/// A kept session, asked for its tools again ([`McpSession::relisted`]).
+enum Relisted {
+    /// The session with the tools the server lists now.
+    Session(McpSession),
+    /// The client can no longer reach the server: it is connected afresh.
+    Unreachable,
+    /// The server answered with tools that cannot be mounted: it is unavailable for this
+    /// response, and its connection is kept (the next response lists again).
+    Refused(Unavailable),
+}
+
 impl McpSession {
     /// This session again for a new response, with the tools the server lists now (reference
-    /// §3.7: a submission's init connects, and sees the server's changes since the last); `None`
-    /// when the client can no longer reach the server (its transport closed, or the listing
-    /// failed or took longer than the connection's timeout) or the tools it lists now cannot
-    /// be mounted: then the server is connected afresh, as at a first connect.
-    async fn relisted(&self, connection: &McpConnection) -> Option<Self> {
+    /// §3.7: a submission's init connects, and sees the server's changes since the last).
+    async fn relisted(&self, connection: &McpConnection) -> Relisted {
         if self._client.is_closed() || self._client.is_transport_closed() {
-            return None;
+            return Relisted::Unreachable;
         }
-        mount(connection, Arc::clone(&self._client)).await.ok()
+        let Ok(listed) = list_for(connection, &self._client).await else {
+            return Relisted::Unreachable;
+        };
+        match mount(connection, Arc::clone(&self._client), listed) {
+            Ok(session) => Relisted::Session(session),
+            Err(refused) => Relisted::Refused(refused),
+        }
     }
 }
 
@@ -107,27 +122,33 @@ impl McpConnections {
                 })
                 .collect()
         };
+        // Each server's result for this response, and the session to keep for the next.
         let resolved =
             futures_util::future::join_all(connections.iter().zip(kept).map(|(connection, kept)| async move {
                 let relisted = match kept {
-                    Some(session) => session.relisted(connection).await,
-                    None => None,
+                    Some(session) => match session.relisted(connection).await {
+                        Relisted::Refused(refused) => return (Err(refused), Some(session)),
+                        relisted => relisted,
+                    },
+                    None => Relisted::Unreachable,
                 };
-                match relisted {
-                    Some(session) => Ok(session),
-                    None => connect(connection).await,
-                }
+                let resolved = match relisted {
+                    Relisted::Session(session) => Ok(session),
+                    _ => connect(connection).await,
+                };
+                let keep = resolved.as_ref().ok().cloned();
+                (resolved, keep)
             }))
             .await;
         let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for (connection, resolved) in connections.iter().zip(&resolved) {
-            // A server that could not be used is not kept: the next response tries again.
+        for (connection, (_, keep)) in connections.iter().zip(&resolved) {
+            // A server that could not be reached is not kept: the next response connects again.
             kept.retain(|(definition, _)| definition.name != connection.name);
-            if let Ok(session) = resolved {
+            if let Some(session) = keep {
                 kept.push((connection.clone(), session.clone()));
             }
         }
-        resolved
+        resolved.into_iter().map(|(resolved, _)| resolved).collect()
     }
 
     /// Closes every kept session (a response that declares no server).
@@ -178,15 +199,7 @@ pub(crate) fn tool_name(server: &str, tool: &str) -> String {
 /// Connects to `connection` and lists its tools. Unavailable when two of the tools it mounts
 /// would have the same name (see the module documentation).
 pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Unavailable> {
-    let credentials = credentials(connection);
-    let unavailable = |reason: String| Unavailable {
-        name: connection.name.clone(),
-        reason: without_server_path(
-            &without_url_secrets(&without_credentials(&reason, &credentials)),
-            &connection.url,
-        ),
-        optional: connection.optional,
-    };
+    let unavailable = unavailable_for(connection);
     if connection.transport == McpTransport::Sse {
         return Err(unavailable(
             "the legacy SSE transport is not supported; serve the MCP endpoint over streamable HTTP".into(),
@@ -208,31 +221,48 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         .await
         .map_err(|_| unavailable(format!("no answer within {} s", timeout.as_secs())))?
         .map_err(|error| unavailable(readable(&error.to_string())))?;
-    mount(connection, Arc::new(client)).await
+    let listed = list_for(connection, &client).await?;
+    mount(connection, Arc::new(client), listed)
 }
 
-/// The session of `client`: the server's tools listed now and mounted as the connection
-/// says (see the module documentation).
-async fn mount(
-    connection: &McpConnection,
-    client: Arc<RunningService<RoleClient, ()>>,
-) -> Result<McpSession, Unavailable> {
+/// What `connection`'s server is unavailable for, said without its credentials, its URL's
+/// secrets or its path.
+fn unavailable_for(connection: &McpConnection) -> impl Fn(String) -> Unavailable + '_ {
     let credentials = credentials(connection);
-    let unavailable = |reason: String| Unavailable {
+    move |reason: String| Unavailable {
         name: connection.name.clone(),
         reason: without_server_path(
             &without_url_secrets(&without_credentials(&reason, &credentials)),
             &connection.url,
         ),
         optional: connection.optional,
-    };
+    }
+}
+
+/// Every tool `client`'s server lists now, within the connection's timeout.
+async fn list_for(
+    connection: &McpConnection,
+    client: &RunningService<RoleClient, ()>,
+) -> Result<Vec<rmcp::model::Tool>, Unavailable> {
+    let unavailable = unavailable_for(connection);
     let timeout = connection.timeout.unwrap_or(DEFAULT_TIMEOUT);
-    let listed = tokio::time::timeout(timeout, list_tools(&client))
+    tokio::time::timeout(timeout, list_tools(client))
         .await
         .map_err(|_| unavailable(format!("listing its tools took longer than {} s", timeout.as_secs())))?
-        .map_err(unavailable)?;
+        .map_err(&unavailable)
+}
+
+/// The session of `client` with the `listed` tools mounted as the connection says (see the
+/// module documentation).
+fn mount(
+    connection: &McpConnection,
+    client: Arc<RunningService<RoleClient, ()>>,
+    listed: Vec<rmcp::model::Tool>,
+) -> Result<McpSession, Unavailable> {
+    let credentials = credentials(connection);
+    let unavailable = unavailable_for(connection);
     let listed = match &connection.tools {
-        Some(wanted) => select_tools(wanted, listed).map_err(unavailable)?,
+        Some(wanted) => select_tools(wanted, listed).map_err(&unavailable)?,
         None => listed,
     };
     let mut tools = Vec::new();

@@ -1153,3 +1153,55 @@ async fn a_kept_connection_mounts_the_tools_the_server_lists_at_each_message() {
         "on the kept connection"
     );
 }
+
+static NAMING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn naming() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("naming", NAMING_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["a"])
+            .optional(),
+    );
+    "Use a."
+}
+
+/// A kept connection whose server now lists tools the connection cannot mount (the tool it
+/// names is gone) is unavailable for that response, and is kept: the next response lists
+/// again on it, with no new session.
+#[tokio::test]
+async fn a_kept_connection_whose_new_list_cannot_be_mounted_is_kept_for_the_next_response() {
+    let handler = Changing::default();
+    *handler.tools.lock().unwrap() = vec!["a"];
+    let _ = NAMING_URL.set(serve(handler.clone()).await);
+    let model = ScriptedModel::new([
+        ScriptedReply::text("one"),
+        ScriptedReply::text("two"),
+        ScriptedReply::text("three"),
+    ]);
+    let runtime = runtime_with(&model, [naming.into()]);
+    let handle = runtime.init(&naming, "p");
+    handle.send("one").await.unwrap();
+    *handler.tools.lock().unwrap() = vec!["b"];
+    handle.send("two").await.unwrap();
+    *handler.tools.lock().unwrap() = vec!["a"];
+    handle.send("three").await.unwrap();
+    let mounted = |at: usize| {
+        model.requests()[at]
+            .tools
+            .iter()
+            .map(|tool| tool.name.to_string())
+            .filter(|name| name.starts_with("mcp__"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(mounted(0), ["mcp__naming__a"]);
+    assert!(mounted(1).is_empty(), "unavailable while its list lacks a");
+    assert_eq!(mounted(2), ["mcp__naming__a"]);
+    assert_eq!(
+        handler.sessions.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the connection was kept throughout"
+    );
+}
