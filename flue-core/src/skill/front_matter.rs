@@ -92,13 +92,19 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             };
             joined.trim_end().to_owned()
         } else if rest.starts_with(['"', '\'']) && closing_quote(rest).is_none() {
-            // A quoted string that goes on over the next lines, folded as YAML folds them.
+            // A quoted string that goes on over the next lines, folded as YAML folds them. The
+            // lines joined grow as they are taken, and the closing quote is looked for in what
+            // each adds only: a value of many lines costs what its length does.
             let mut lines = vec![rest];
-            while index < front.len() && closing_quote(&lines.join(" ")).is_none() {
+            let mut joined = rest.to_owned();
+            let mut closing = Closing::of(rest);
+            while index < front.len() && closing.find(&joined).is_none() {
                 if !front[index].starts_with([' ', '\t']) && !front[index].trim().is_empty() {
                     break;
                 }
                 lines.push(front[index].trim());
+                joined.push(' ');
+                joined.push_str(front[index].trim());
                 index += 1;
             }
             let folded = fold(&lines);
@@ -178,6 +184,47 @@ fn closing_quote(value: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// [`closing_quote`] over a text that grows at its end, each character looked at once.
+struct Closing {
+    quote: char,
+    /// Where the next look starts.
+    next: usize,
+    /// Whether the character at `next` is escaped (a `\` ended the text looked at).
+    escaped: bool,
+}
+
+impl Closing {
+    /// For the quoted string `value` starts with.
+    fn of(value: &str) -> Self {
+        let quote = value.chars().next().unwrap_or('"');
+        Self {
+            quote,
+            next: quote.len_utf8(),
+            escaped: false,
+        }
+    }
+
+    /// The closing quote's byte position in `text` (what was looked at before, and more).
+    fn find(&mut self, text: &str) -> Option<usize> {
+        let mut chars = text.get(self.next..)?.char_indices().peekable();
+        while let Some((offset, c)) = chars.next() {
+            if std::mem::take(&mut self.escaped) {
+                continue;
+            }
+            match (self.quote, c) {
+                ('"', '\\') => self.escaped = true,
+                ('\'', '\'') if chars.peek().is_some_and(|(_, next)| *next == '\'') => {
+                    chars.next();
+                }
+                (quote, c) if c == quote => return Some(self.next + offset),
+                _ => {}
+            }
+        }
+        self.next = text.len();
+        None
+    }
 }
 
 fn split_key(line: &str) -> Option<(&str, &str)> {
@@ -296,6 +343,28 @@ fn scalar(value: &str, number: usize) -> Result<String, String> {
 #[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
     use super::*;
+
+    /// A quoted value of many lines is read in time linear in its length: the closing quote is
+    /// looked for in what each line adds, never in all the lines again.
+    #[test]
+    fn a_quoted_value_over_many_lines_is_looked_at_once() {
+        let parsed = parse(&format!("---\nname: \"x{}\n  y\"\n---\nbody", "\n".repeat(250_000)));
+        assert!(parsed.unwrap().fields["name"].ends_with('y'));
+        let unterminated = parse(&format!("---\nname: \"x{}\n---\n", "\n".repeat(250_000)));
+        assert!(unterminated.is_err());
+        // The incremental look agrees with the whole one, escapes across the joins included.
+        for value in ["\"a\\", "\"a\\\"", "'it''", "'it'' s", "\"é\\\\", "'x'"] {
+            let mut closing = Closing::of(value);
+            let mut text = value.to_owned();
+            for more in ["", " b", "\"", " c'", "'", " d"] {
+                text.push_str(more);
+                assert_eq!(closing.find(&text), closing_quote(&text), "{text:?}");
+                if closing_quote(&text).is_some() {
+                    break;
+                }
+            }
+        }
+    }
 
     #[test]
     fn reads_scalars_quotes_blocks_and_metadata() {
