@@ -490,6 +490,28 @@ async fn a_timed_out_command_leaves_no_process_behind() {
     );
 }
 
+/// A process that moved to a process group of its own (GNU `timeout` does) is killed with
+/// the command at its timeout, and so are its children.
+#[tokio::test]
+async fn a_timed_out_command_leaves_no_process_behind_in_another_group() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "bash",
+            json!({"command": "timeout 30 sh -c 'sleep 2; touch regrouped.txt'; echo never", "timeout_seconds": 1}),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [timed.into()]);
+    runtime.init(&timed, "regrouped").send("go").await.unwrap();
+    let results = last_batch_results(&model.requests()[1]);
+    assert!(results[0].1 && results[0].0.contains("killed after 1 s"), "{results:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert!(
+        !TIMEOUT_ROOT.join("regrouped.txt").exists(),
+        "a process in a group of its own outlived the command's timeout"
+    );
+}
+
 #[tokio::test]
 async fn a_timed_out_command_still_shows_the_output_it_printed() {
     let model = ScriptedModel::new([

@@ -809,13 +809,34 @@ impl<R: tokio::io::AsyncRead + Unpin> Captured<R> {
     }
 }
 
-/// A command's process group, killed when dropped (whatever of it still runs).
+/// A command's process group, killed when dropped (whatever of it still runs), with the
+/// groups of the shell's descendants that left it (GNU `timeout`, `setsid`, job control move
+/// a process to a group of its own, which killing the command's group would miss).
 struct ProcessGroup(u32);
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         #[cfg(unix)]
         if let Ok(group) = libc::pid_t::try_from(self.0) {
+            // Found while the shell (the group's leader) still runs and they are its
+            // descendants; a process that forks meanwhile is in a group killed here, or is
+            // found by the next look.
+            #[cfg(target_os = "linux")]
+            for _ in 0..3 {
+                let others: Vec<libc::pid_t> = descendant_groups(group)
+                    .into_iter()
+                    .filter(|other| *other != group)
+                    .collect();
+                if others.is_empty() {
+                    break;
+                }
+                for other in others {
+                    // SAFETY: killpg only sends a signal; a group already gone returns ESRCH.
+                    unsafe {
+                        libc::killpg(other, libc::SIGKILL);
+                    }
+                }
+            }
             // SAFETY: killpg only sends a signal; a group already gone returns ESRCH, which
             // is no error here.
             unsafe {
@@ -823,6 +844,48 @@ impl Drop for ProcessGroup {
             }
         }
     }
+}
+
+/// The process groups of `root`'s descendants (from `/proc`: each process's parent and group).
+#[cfg(target_os = "linux")]
+fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeSet<libc::pid_t> {
+    let mut children: std::collections::HashMap<libc::pid_t, Vec<(libc::pid_t, libc::pid_t)>> =
+        std::collections::HashMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Default::default();
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid pgrp …`; the command name may hold spaces and parentheses.
+        let Some((_, after)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut fields = after.split_whitespace().skip(1);
+        if let (Some(Ok(parent)), Some(Ok(group))) = (
+            fields.next().map(str::parse::<libc::pid_t>),
+            fields.next().map(str::parse::<libc::pid_t>),
+        ) {
+            children.entry(parent).or_default().push((pid, group));
+        }
+    }
+    let mut groups = std::collections::BTreeSet::new();
+    let mut pending = vec![root];
+    while let Some(parent) = pending.pop() {
+        for &(pid, group) in children.get(&parent).into_iter().flatten() {
+            groups.insert(group);
+            pending.push(pid);
+        }
+    }
+    groups
 }
 
 impl Sandbox for LocalSandbox {
