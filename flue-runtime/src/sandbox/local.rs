@@ -823,9 +823,12 @@ impl Drop for ProcessGroup {
             // found by the next look.
             #[cfg(target_os = "linux")]
             for _ in 0..3 {
+                // SAFETY: getpgrp has no preconditions and cannot fail.
+                let own = unsafe { libc::getpgrp() };
+                // Never this process's own group (a descendant may join it), nor init's.
                 let others: Vec<libc::pid_t> = descendant_groups(group)
                     .into_iter()
-                    .filter(|other| *other != group)
+                    .filter(|other| *other != group && *other != own && *other > 1)
                     .collect();
                 if others.is_empty() {
                     break;
