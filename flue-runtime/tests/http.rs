@@ -1975,6 +1975,12 @@ mod limits {
         String::from_utf8_lossy(&answer).into_owned()
     }
 
+    /// The status of `GET /agents` on a connection of its own.
+    async fn catalog_status(server: &Server) -> reqwest::StatusCode {
+        let response = server.client.get(format!("{}/agents", server.root)).send().await;
+        response.unwrap().status()
+    }
+
     fn root(server: &Server) -> String {
         server.root.trim_start_matches("http://").to_owned()
     }
@@ -2035,13 +2041,7 @@ mod limits {
             ..HttpOptions::default()
         })
         .await;
-        let response = server
-            .client
-            .get(format!("{}/agents", server.root))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
+        assert_eq!(catalog_status(&server).await, 200);
     }
 
     /// A connection that sends part of a request head and stalls is closed.
@@ -2057,13 +2057,7 @@ mod limits {
         let answer = until_closed(&mut socket).await;
         assert!(!answer.contains("200 OK"), "{answer}");
         // The server serves on.
-        let response = server
-            .client
-            .get(format!("{}/agents", server.root))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
+        assert_eq!(catalog_status(&server).await, 200);
     }
 
     /// Past `max_connections`, a client waits until a connection closes, then is served.
