@@ -21,12 +21,17 @@
 //!   failed `compaction` event and a warning, and the session goes on uncompacted (an overflow
 //!   is then the call's failure).
 //!   The summary's transcript shows at most 2,000 characters of each tool result and of each
-//!   call's arguments, and of a transcript longer than the summarizing model's window holds
-//!   beside the instructions (when it is known) its newest part, saying so. A cut always takes more than the
-//!   previous compaction's summary. It is of the history as the
-//!   message hooks (`filter_messages`, `prefilter_llm_history`) let the model read it: what a
-//!   hook withholds from the model does not reach it through a summary (a hook that blocks
-//!   it leaves the session uncompacted, as a failed summary does).
+//!   call's arguments; an input the summarizing model's window could not hold beside the
+//!   instructions (when it is known) is cut to leave room for the answer too, keeping the
+//!   earlier summary's start (in at most half of it) and the transcript's newest part,
+//!   saying so. A cut always takes more than the previous compaction's summary.
+//! - The transcript is of the history as the message hooks let the model read it: the older
+//!   rows `filter_messages` leaves (run on the history as for a request; rows it adds are
+//!   context, not history, and left out), after `prefilter_llm_history` in the provider format
+//!   (the summary instructions as its system message). What a hook withholds from the model
+//!   does not reach it through a summary; a hook that blocks leaves the session uncompacted,
+//!   as a failed summary does. An earlier summary is carried over as it was made (one made
+//!   before a hook existed is not filtered again).
 //! - After a compaction the system prompt's catalogs take a new baseline (the then-current
 //!   skills and delegates), and the stream shows a `conversation-reset`.
 //! - A task's child session compacts the same way, with the submission's settings (a
@@ -137,41 +142,78 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
 
 /// What the summary call reads: the `older` messages (those the cut takes after the previous
 /// compaction's summary, see [`Conversation::compaction_cut`]) as a transcript, after that
-/// summary set apart as the earlier summary; with `room` (the characters the summarizing model
-/// can read), the transcript's newest part that fits, saying that its start is left out (a
-/// summary of what fits, rather than a summary call that overflows and no compaction).
-fn summary_input(previous: Option<&str>, older: &[ModelMessage], room: Option<usize>) -> String {
-    let head = previous.map_or_else(String::new, |previous| {
-        format!("Earlier summary:\n{previous}\n\nThe conversation since:\n\n")
-    });
-    let mut transcript = transcript(older);
-    if let Some(room) = room.map(|room| room.saturating_sub(head.len() + LEFT_OUT.len()))
-        && transcript.len() > room
-    {
-        let mut from = transcript.len() - room;
-        while !transcript.is_char_boundary(from) {
-            from += 1;
-        }
-        // From the next message's start, when there is one in what fits.
-        if let Some(next) = transcript[from..].find("\n\n") {
-            from += next + 2;
-        }
-        transcript = format!("{LEFT_OUT}{}", &transcript[from..]);
+/// summary set apart as the earlier summary; cut to `fit` when it does not fit the summarizing
+/// model's window (a summary of what fits, rather than a summary call that overflows and no
+/// compaction).
+fn summary_input(previous: Option<&str>, older: &[ModelMessage], fit: Option<Fit>) -> String {
+    let head = |previous: &str| format!("Earlier summary:\n{previous}\n\nThe conversation since:\n\n");
+    let transcript = transcript(older);
+    let whole = previous.map_or(0, |previous| head(previous).len()) + transcript.len();
+    let Some(fit) = fit.filter(|fit| whole > fit.past) else {
+        return previous.map_or_else(String::new, head) + &transcript;
+    };
+    // The earlier summary takes at most half of the room, its start kept; the transcript what
+    // is left, its newest part kept.
+    let head = previous.map_or_else(String::new, |previous| head(&keep_start(previous, fit.room / 2)));
+    let room = fit.room.saturating_sub(head.len() + LEFT_OUT.len());
+    let mut from = transcript.len().saturating_sub(room);
+    while !transcript.is_char_boundary(from) {
+        from += 1;
     }
-    head + &transcript
+    // From the next message's start, when one starts in what fits (else the newest message's
+    // end is what fits of it).
+    if from > 0
+        && let Some(next) = transcript[from..].find("\n\n")
+        && from + next + 2 < transcript.len()
+    {
+        from += next + 2;
+    }
+    if from == 0 {
+        return head + &transcript;
+    }
+    format!("{head}{LEFT_OUT}{}", &transcript[from..])
+}
+
+/// `text`'s first `most` bytes (at a character boundary), saying the rest is left out.
+fn keep_start(text: &str, most: usize) -> String {
+    if text.len() <= most {
+        return text.to_owned();
+    }
+    let mut end = most.saturating_sub(EARLIER_LEFT_OUT.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{EARLIER_LEFT_OUT}", &text[..end])
 }
 
 /// What a transcript cut to fit the summarizing model starts with.
 const LEFT_OUT: &str = "[The conversation's start is left out: it does not fit the summarizing model's window.]\n\n";
 
-/// The characters of transcript a summarizing model with a `window` can read beside the
-/// instructions (estimates are characters / 4); `None` when its window is not known. What the
-/// answer takes is not counted: a transcript past this would overflow whatever the answer,
-/// one within it may still, which the summary call then reports.
-fn transcript_room(window: Option<u64>) -> Option<usize> {
-    let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
-    let tokens = window?.saturating_sub(instructions);
-    Some(usize::try_from(tokens.saturating_mul(4)).unwrap_or(usize::MAX))
+/// What an earlier summary cut to fit the summarizing model ends with.
+const EARLIER_LEFT_OUT: &str = " [The rest of the earlier summary is left out: it does not fit.]";
+
+/// When and how far a summary's input is cut to fit the summarizing model's window (in
+/// characters; estimates are characters / 4).
+#[derive(Clone, Copy, Debug)]
+struct Fit {
+    /// An input longer than this could not be read even without an answer: it is cut.
+    past: usize,
+    /// What a cut input keeps: room for the instructions and the answer beside it.
+    room: usize,
+}
+
+impl Fit {
+    /// For a summarizing model with a `window` (`None` when it is not known) answering in at
+    /// most `answer` tokens.
+    fn of(window: Option<u64>, answer: u32) -> Option<Self> {
+        let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
+        let chars = |tokens: u64| usize::try_from(tokens.saturating_mul(4)).unwrap_or(usize::MAX);
+        let readable = window?.saturating_sub(instructions);
+        Some(Self {
+            past: chars(readable),
+            room: chars(readable.saturating_sub(u64::from(answer))),
+        })
+    }
 }
 
 /// Why a compaction runs.
@@ -268,19 +310,21 @@ pub(crate) trait Compacting {
     /// beside it) and folds it into the conversation.
     fn record_compaction(&mut self, compaction: RecordBody) -> impl Future<Output = Result<(), Self::Failure>> + Send;
 
-    /// The messages of the rows `from..cut` that the session's `filter_messages` hooks leave
-    /// (run on the history as for a model request): what a summary may read. A session without
-    /// message hooks (a task's child) reads them as stored.
-    fn summarized(&mut self, from: usize, cut: usize) -> impl Future<Output = Vec<ModelMessage>> + Send {
-        std::future::ready(self.conversation().before(cut).get(from..).unwrap_or_default().to_vec())
-    }
-
-    /// The summary call's `request` after the session's `prefilter_llm_history` hooks, which
-    /// every model request of the session goes through (so a hook's redaction holds for the
-    /// summary, and for the summary the model reads from then on); `Err` says why it may not
-    /// be made (a hook blocked it). A session without message hooks sends it as it is.
-    fn prefiltered(&mut self, request: ModelRequest) -> impl Future<Output = Result<ModelRequest, String>> + Send {
-        std::future::ready(Ok(request))
+    /// The messages of the rows `from..cut` as the session's message hooks let the model read
+    /// them: what a summary may read (a summary must not pass what a hook withholds on to the
+    /// model, nor keep it for good). `Err` says why there are none (a hook blocked them). A
+    /// session without message hooks (a task's child) reads them as stored.
+    fn summarized(
+        &mut self,
+        from: usize,
+        cut: usize,
+    ) -> impl Future<Output = Result<Vec<ModelMessage>, String>> + Send {
+        std::future::ready(Ok(self
+            .conversation()
+            .before(cut)
+            .get(from..)
+            .unwrap_or_default()
+            .to_vec()))
     }
 
     /// The session's failure for a compaction that `failed`.
@@ -404,14 +448,24 @@ pub(crate) async fn compact<S: Compacting>(
     });
     let started = Instant::now();
     let previous = session.conversation().previous_summary().map(str::to_owned);
-    let older = session.summarized(usize::from(previous.is_some()), cut).await;
+    let older = match session.summarized(usize::from(previous.is_some()), cut).await {
+        Ok(older) => older,
+        Err(why) => {
+            let failure = session.failure(summary_failed(&why));
+            gave_up(session, started, failure, None);
+            return Ok(false);
+        }
+    };
     let retries = session.runtime().options.model_retries;
     let request = |summarizer: &dyn ModelProvider, model: String| {
-        let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
-        let room = transcript_room(summarizer.context_window(&model));
+        let summarizer_window = summarizer.context_window(&model);
+        // At most half the summarizing model's window: the rest is the input's.
+        let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model))
+            .min(summarizer_window.map_or(u32::MAX, |window| u32::try_from(window / 2).unwrap_or(u32::MAX)));
+        let fit = Fit::of(summarizer_window, answer);
         ModelRequest {
             max_output_tokens: Some(answer),
-            messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, room))].into(),
+            messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, fit))].into(),
             model,
             system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
             tools: Vec::new(),
@@ -435,10 +489,7 @@ pub(crate) async fn compact<S: Compacting>(
     let summary = match resolved {
         Ok((summarizer, model)) => {
             let summarizer = summarizer.as_deref().unwrap_or(provider);
-            match session.prefiltered(request(summarizer, model)).await {
-                Ok(request) => summarize(&*session, summarizer, request, step).await,
-                Err(blocked) => Err(blocked),
-            }
+            summarize(&*session, summarizer, request(summarizer, model), step).await
         }
         Err(error) => Err(error),
     };
@@ -598,6 +649,32 @@ fn summary_failed(error: &str) -> Failed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An earlier summary too long for the summarizing model keeps its start in half the room,
+    /// and the newest messages still fit beside it.
+    #[test]
+    fn a_long_earlier_summary_leaves_room_for_the_newest_messages() {
+        let fit = Some(Fit {
+            past: 1_000,
+            room: 1_000,
+        });
+        let input = summary_input(Some(&"x".repeat(5_000)), &[ModelMessage::user("new fact")], fit);
+        assert!(input.len() <= 1_000, "{} characters", input.len());
+        assert!(
+            input.contains("[The rest of the earlier summary is left out: it does not fit.]"),
+            "{input}"
+        );
+        assert!(input.contains("User: new fact"), "{input}");
+        // What fits is not cut.
+        let input = summary_input(Some("short"), &[ModelMessage::user("new fact")], fit);
+        assert_eq!(
+            input,
+            "Earlier summary:\nshort\n\nThe conversation since:\n\nUser: new fact\n\n"
+        );
+        // Multi-byte text is cut at a character boundary.
+        let input = summary_input(Some(&"é".repeat(3_000)), &[ModelMessage::user(&"ü".repeat(3_000))], fit);
+        assert!(input.len() <= 1_000, "{} characters", input.len());
+    }
 
     #[test]
     fn a_summary_takes_four_fifths_of_the_reserve_within_the_models_cap_and_4000_knowing_nothing() {

@@ -7,7 +7,7 @@ use flue_core::abort::AbortSignal;
 use super::{Conversation, Failure, Response};
 use crate::compaction::{Budget, Compacting, Failed};
 use crate::events::{Event, LazyId};
-use crate::provider::{ModelMessage, ModelRequest};
+use crate::provider::ModelMessage;
 use crate::record::{RecordBody, SettlementError};
 use crate::runtime::RuntimeInner;
 
@@ -51,12 +51,8 @@ impl Compacting for Response<'_> {
         self.commit(records, false).await
     }
 
-    async fn summarized(&mut self, from: usize, cut: usize) -> Vec<ModelMessage> {
+    async fn summarized(&mut self, from: usize, cut: usize) -> Result<Vec<ModelMessage>, String> {
         self.older_history(from, cut).await
-    }
-
-    async fn prefiltered(&mut self, request: ModelRequest) -> Result<ModelRequest, String> {
-        self.prefilter_summary(request).await
     }
 
     fn failure(&self, failed: Failed) -> Failure {

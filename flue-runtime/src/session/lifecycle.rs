@@ -12,7 +12,7 @@ use super::{Failure, Response};
 use crate::lifecycle::chain::{self, Blocked};
 use crate::lifecycle::thread::apply_updates;
 use crate::lifecycle::{HookSet, llm, outcome_of, tool_result_of};
-use crate::provider::{Messages, ModelMessage, ModelRequest, StopReason};
+use crate::provider::{Messages, ModelMessage, StopReason};
 use crate::record::{AttachmentRef, Record, RecordBody, now};
 use crate::session::conversation::micros_of;
 use crate::tools::Executed;
@@ -204,48 +204,45 @@ impl Response<'_> {
         Ok((system, messages))
     }
 
-    /// The messages of the rows `from..cut` that `filter_messages` leaves, run on the history
-    /// as [`request`](Self::request) runs it (pending rows excluded): what a compaction may
-    /// summarize. Rows a hook adds are not among them (they are context, not history), and the
-    /// thread's writes are not folded here (the compaction's cut was taken before them).
-    pub(super) async fn older_history(&mut self, from: usize, cut: usize) -> Vec<ModelMessage> {
-        if !self.hooks.has(HookKind::FilterMessages) {
-            return self.conversation.before(cut).get(from..).unwrap_or_default().to_vec();
-        }
-        let rows = self.conversation.rows();
-        let older = rows.get(from..cut.min(rows.len())).unwrap_or_default();
-        let ids: std::collections::HashSet<&str> = older.iter().map(|row| row.id.as_str()).collect();
-        let hooks = self.hooks.clone();
-        let state = self.thread_view().state();
-        let visible: Vec<Message> = rows
-            .iter()
-            .filter(|row| row.status != Some(MessageStatus::Pending))
-            .cloned()
-            .collect();
-        let kept: Vec<Message> = chain::filter_messages(&hooks, &state, visible)
-            .await
-            .into_iter()
-            .filter(|row| ids.contains(row.id.as_str()))
-            .collect();
-        self.conversation.model_messages_of(&kept)
-    }
-
-    /// A summary call's `request` after `prefilter_llm_history`, as every model request of the
-    /// session goes (its system message first, in the provider format); `Err` when a hook
-    /// blocked it.
-    pub(super) async fn prefilter_summary(&mut self, mut request: ModelRequest) -> Result<ModelRequest, String> {
-        if !self.hooks.has(HookKind::PrefilterLlmHistory) {
-            return Ok(request);
+    /// The messages of the rows `from..cut` as the message hooks let the model read them: what
+    /// a compaction may summarize. `filter_messages` runs on the history as
+    /// [`request`](Self::request) runs it (pending rows excluded), and of the rows it returns
+    /// those among `from..cut` are kept (rows it adds are context, not history); then
+    /// `prefilter_llm_history` runs on them in the provider format, the summary instructions
+    /// as its system message. The thread's writes are not folded here (the compaction's cut
+    /// was taken before them). `Err` when `prefilter_llm_history` blocked them.
+    pub(super) async fn older_history(&mut self, from: usize, cut: usize) -> Result<Vec<ModelMessage>, String> {
+        if self.hooks.is_empty() {
+            return Ok(self.conversation.before(cut).get(from..).unwrap_or_default().to_vec());
         }
         let hooks = self.hooks.clone();
         let state = self.thread_view().state();
-        let provider_format = llm::to_llm(request.system.as_deref(), &request.messages);
+        let messages = if hooks.has(HookKind::FilterMessages) {
+            let rows = self.conversation.rows();
+            let older = rows.get(from..cut.min(rows.len())).unwrap_or_default();
+            let ids: std::collections::HashSet<&str> = older.iter().map(|row| row.id.as_str()).collect();
+            let visible: Vec<Message> = rows
+                .iter()
+                .filter(|row| row.status != Some(MessageStatus::Pending))
+                .cloned()
+                .collect();
+            let kept: Vec<Message> = chain::filter_messages(&hooks, &state, visible)
+                .await
+                .into_iter()
+                .filter(|row| ids.contains(row.id.as_str()))
+                .collect();
+            self.conversation.model_messages_of(&kept)
+        } else {
+            self.conversation.before(cut).get(from..).unwrap_or_default().to_vec()
+        };
+        if !hooks.has(HookKind::PrefilterLlmHistory) {
+            return Ok(messages);
+        }
+        let provider_format = llm::to_llm(Some(crate::compaction::SUMMARY_INSTRUCTIONS), &messages);
         let dispatched = chain::prefilter_llm_history(&hooks, &state, provider_format)
             .await
-            .map_err(|_| "prefilter_llm_history blocked the summary call".to_owned())?;
-        let (system, messages) = llm::from_llm(dispatched, &request.messages);
-        (request.system, request.messages) = (system, messages.into());
-        Ok(request)
+            .map_err(|_| "prefilter_llm_history blocked the history the summary was to read".to_owned())?;
+        Ok(llm::from_llm(dispatched, &messages).1)
     }
 
     /// The pending assistant row's create hooks, before the model is called: returns the
