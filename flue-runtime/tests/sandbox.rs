@@ -491,13 +491,18 @@ async fn a_timed_out_command_leaves_no_process_behind() {
 }
 
 /// A process that moved to a process group of its own (GNU `timeout` does) is killed with
-/// the command at its timeout, and so are its children.
+/// the command at its timeout, and so are its children, also when the command would start
+/// another such process as soon as one is killed.
+#[cfg(target_os = "linux")]
 #[tokio::test]
 async fn a_timed_out_command_leaves_no_process_behind_in_another_group() {
     let model = ScriptedModel::new([
         ScriptedReply::tool_call(
             "bash",
-            json!({"command": "timeout 30 sh -c 'sleep 2; touch regrouped.txt'; echo never", "timeout_seconds": 1}),
+            json!({
+                "command": "for i in 1 2 3 4; do timeout 30 sh -c 'sleep 2; touch regrouped.txt'; done; echo never",
+                "timeout_seconds": 1
+            }),
         ),
         ScriptedReply::text("done"),
     ]);

@@ -819,8 +819,14 @@ impl Drop for ProcessGroup {
         #[cfg(unix)]
         if let Ok(group) = libc::pid_t::try_from(self.0) {
             // Found while the shell (the group's leader) still runs and they are its
-            // descendants; a process that forks meanwhile is in a group killed here, or is
-            // found by the next look.
+            // descendants. The command's group is stopped first, so it starts no more of them
+            // meanwhile; a process of another group that forks meanwhile is in a group killed
+            // here, or is found by the next look.
+            #[cfg(target_os = "linux")]
+            // SAFETY: killpg only sends a signal; a group already gone returns ESRCH.
+            unsafe {
+                libc::killpg(group, libc::SIGSTOP);
+            }
             #[cfg(target_os = "linux")]
             for _ in 0..3 {
                 // SAFETY: getpgrp has no preconditions and cannot fail.
@@ -872,7 +878,11 @@ fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeSet<libc::pid_
         let Some((_, after)) = stat.rsplit_once(')') else {
             continue;
         };
-        let mut fields = after.split_whitespace().skip(1);
+        let mut fields = after.split_whitespace();
+        // A zombie is dead already (and its group kept only until it is reaped).
+        if fields.next() == Some("Z") {
+            continue;
+        }
         if let (Some(Ok(parent)), Some(Ok(group))) = (
             fields.next().map(str::parse::<libc::pid_t>),
             fields.next().map(str::parse::<libc::pid_t>),
