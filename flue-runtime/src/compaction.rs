@@ -672,7 +672,7 @@ mod tests {
             "Earlier summary:\nshort\n\nThe conversation since:\n\nUser: new fact\n\n"
         );
         // Multi-byte text is cut at a character boundary.
-        let input = summary_input(Some(&"é".repeat(3_000)), &[ModelMessage::user(&"ü".repeat(3_000))], fit);
+        let input = summary_input(Some(&"é".repeat(3_000)), &[ModelMessage::user("ü".repeat(3_000))], fit);
         assert!(input.len() <= 1_000, "{} characters", input.len());
     }
 
