@@ -140,23 +140,19 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
     out
 }
 
-/// What the summary call reads: the `older` messages (those the cut takes after the previous
-/// compaction's summary, see [`Conversation::compaction_cut`]) as a transcript, after that
-/// summary set apart as the earlier summary; cut to `fit` when it does not fit the summarizing
-/// model's window (a summary of what fits, rather than a summary call that overflows and no
-/// compaction).
-fn summary_input(previous: Option<&str>, older: &[ModelMessage], fit: Option<Fit>) -> String {
+/// What the summary call reads: the `older` messages' `transcript` (of those the cut takes
+/// after the previous compaction's summary, see [`Conversation::compaction_cut`]), after that
+/// summary set apart as the earlier summary; cut to `room` characters when it must be (see
+/// [`plan`]): the earlier summary keeps its start in at most half of it, the transcript its
+/// newest part in the rest, each saying so.
+fn summary_input(previous: Option<&str>, transcript: &str, room: Option<usize>) -> String {
     let head = |previous: &str| format!("Earlier summary:\n{previous}\n\nThe conversation since:\n\n");
-    let transcript = transcript(older);
-    let whole = previous.map_or(0, |previous| head(previous).len()) + transcript.len();
-    let Some(fit) = fit.filter(|fit| whole > fit.past) else {
-        return previous.map_or_else(String::new, head) + &transcript;
+    let Some(room) = room else {
+        return previous.map_or_else(String::new, head) + transcript;
     };
-    // The earlier summary takes at most half of the room, its start kept; the transcript what
-    // is left, its newest part kept.
-    let head = previous.map_or_else(String::new, |previous| head(&keep_start(previous, fit.room / 2)));
-    let room = fit.room.saturating_sub(head.len() + LEFT_OUT.len());
-    let mut from = transcript.len().saturating_sub(room);
+    let head = previous.map_or_else(String::new, |previous| head(&keep_start(previous, room / 2)));
+    let left = room.saturating_sub(head.len() + LEFT_OUT.len());
+    let mut from = transcript.len().saturating_sub(left);
     while !transcript.is_char_boundary(from) {
         from += 1;
     }
@@ -169,7 +165,7 @@ fn summary_input(previous: Option<&str>, older: &[ModelMessage], fit: Option<Fit
         from += next + 2;
     }
     if from == 0 {
-        return head + &transcript;
+        return head + transcript;
     }
     format!("{head}{LEFT_OUT}{}", &transcript[from..])
 }
@@ -192,28 +188,30 @@ const LEFT_OUT: &str = "[The conversation's start is left out: it does not fit t
 /// What an earlier summary cut to fit the summarizing model ends with.
 const EARLIER_LEFT_OUT: &str = " [The rest of the earlier summary is left out: it does not fit.]";
 
-/// When and how far a summary's input is cut to fit the summarizing model's window (in
-/// characters; estimates are characters / 4).
-#[derive(Clone, Copy, Debug)]
-struct Fit {
-    /// An input longer than this could not be read even without an answer: it is cut.
-    past: usize,
-    /// What a cut input keeps: room for the instructions and the answer beside it.
-    room: usize,
-}
-
-impl Fit {
-    /// For a summarizing model with a `window` (`None` when it is not known) answering in at
-    /// most `answer` tokens.
-    fn of(window: Option<u64>, answer: u32) -> Option<Self> {
-        let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
-        let chars = |tokens: u64| usize::try_from(tokens.saturating_mul(4)).unwrap_or(usize::MAX);
-        let readable = window?.saturating_sub(instructions);
-        Some(Self {
-            past: chars(readable),
-            room: chars(readable.saturating_sub(u64::from(answer))),
-        })
+/// How a summary call fits the summarizing model's `window` (in tokens; `None` when it is not
+/// known: nothing changes): the answer it may give, from `answer` (at most half the window),
+/// and the characters its input keeps when it must be cut (`None`: it is sent whole). An input
+/// of `input` characters too long beside the answer makes the answer shorter first, down to a
+/// quarter (a shorter summary of everything is worth more than a longer one of a part); past
+/// that, the input is cut. Estimates are characters / 4.
+fn plan(window: Option<u64>, answer: u32, input: usize) -> (u32, Option<usize>) {
+    let Some(window) = window else {
+        return (answer, None);
+    };
+    let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
+    let readable = window.saturating_sub(instructions);
+    let answer = u64::from(answer).min(window / 2).max(1);
+    let input = (input as u64).div_ceil(4);
+    let tokens = |tokens: u64| u32::try_from(tokens).unwrap_or(u32::MAX);
+    if input + answer <= readable {
+        return (tokens(answer), None);
     }
+    let least = (answer / 4).max(1);
+    if input + least <= readable {
+        return (tokens(readable - input), None);
+    }
+    let room = usize::try_from(readable.saturating_sub(least).saturating_mul(4)).unwrap_or(usize::MAX);
+    (tokens(least), Some(room))
 }
 
 /// Why a compaction runs.
@@ -449,7 +447,13 @@ pub(crate) async fn compact<S: Compacting>(
     let started = Instant::now();
     let previous = session.conversation().previous_summary().map(str::to_owned);
     let older = match session.summarized(usize::from(previous.is_some()), cut).await {
-        Ok(older) => older,
+        Ok(older) => transcript(&older),
+        // An abort (or the deadline's) that came while the hooks ran ends the session as
+        // aborted (or timed out).
+        Err(_) if session.signal().is_aborted() => {
+            let failure = session.failure(Failed::Aborted);
+            return Err(compaction_failed(&*session, started, failure, None));
+        }
         Err(why) => {
             let failure = session.failure(summary_failed(&why));
             gave_up(session, started, failure, None);
@@ -458,14 +462,12 @@ pub(crate) async fn compact<S: Compacting>(
     };
     let retries = session.runtime().options.model_retries;
     let request = |summarizer: &dyn ModelProvider, model: String| {
-        let summarizer_window = summarizer.context_window(&model);
-        // At most half the summarizing model's window: the rest is the input's.
-        let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model))
-            .min(summarizer_window.map_or(u32::MAX, |window| u32::try_from(window / 2).unwrap_or(u32::MAX)));
-        let fit = Fit::of(summarizer_window, answer);
+        let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
+        let whole = previous.as_ref().map_or(0, |previous| previous.len() + 48) + older.len();
+        let (answer, room) = plan(summarizer.context_window(&model), answer, whole);
         ModelRequest {
             max_output_tokens: Some(answer),
-            messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, fit))].into(),
+            messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, room))].into(),
             model,
             system: Some(SUMMARY_INSTRUCTIONS.to_owned()),
             tools: Vec::new(),
@@ -654,26 +656,52 @@ mod tests {
     /// and the newest messages still fit beside it.
     #[test]
     fn a_long_earlier_summary_leaves_room_for_the_newest_messages() {
-        let fit = Some(Fit {
-            past: 1_000,
-            room: 1_000,
-        });
-        let input = summary_input(Some(&"x".repeat(5_000)), &[ModelMessage::user("new fact")], fit);
+        let room = Some(1_000);
+        let fact = transcript(&[ModelMessage::user("new fact")]);
+        let input = summary_input(Some(&"x".repeat(5_000)), &fact, room);
         assert!(input.len() <= 1_000, "{} characters", input.len());
         assert!(
             input.contains("[The rest of the earlier summary is left out: it does not fit.]"),
             "{input}"
         );
         assert!(input.contains("User: new fact"), "{input}");
-        // What fits is not cut.
-        let input = summary_input(Some("short"), &[ModelMessage::user("new fact")], fit);
+        // Not cut: as it is.
+        let input = summary_input(Some("short"), &fact, None);
         assert_eq!(
             input,
             "Earlier summary:\nshort\n\nThe conversation since:\n\nUser: new fact\n\n"
         );
         // Multi-byte text is cut at a character boundary.
-        let input = summary_input(Some(&"é".repeat(3_000)), &[ModelMessage::user("ü".repeat(3_000))], fit);
+        let long = transcript(&[ModelMessage::user("ü".repeat(3_000))]);
+        let input = summary_input(Some(&"é".repeat(3_000)), &long, room);
         assert!(input.len() <= 1_000, "{} characters", input.len());
+    }
+
+    /// The answer takes at most half the window; an input too long beside it shortens the
+    /// answer first (down to a quarter), then is cut so that it and the answer fit.
+    #[test]
+    fn a_summary_call_fits_the_summarizing_models_window() {
+        let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
+        assert_eq!(
+            plan(None, 16_000, 1_000_000),
+            (16_000, None),
+            "no window known: unchanged"
+        );
+        assert_eq!(plan(Some(200_000), 16_000, 40_000), (16_000, None), "room for both");
+        assert_eq!(
+            plan(Some(10_000), 16_000, 4_000),
+            (5_000, None),
+            "half the window at most"
+        );
+        // Just under what the window reads beside a quarter of the answer: a shorter answer,
+        // no cut.
+        let input = 4 * (10_000 - instructions as usize - 2_000);
+        assert_eq!(plan(Some(10_000), 4_000, input), (2_000, None));
+        // Past that: cut, and both fit.
+        let (answer, room) = plan(Some(10_000), 4_000, 4 * 10_000);
+        assert_eq!(answer, 1_000);
+        let room = room.unwrap() as u64;
+        assert!(room / 4 + instructions + u64::from(answer) <= 10_000);
     }
 
     #[test]
