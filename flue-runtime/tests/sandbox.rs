@@ -517,6 +517,29 @@ async fn a_timed_out_command_leaves_no_process_behind_in_another_group() {
     );
 }
 
+/// A group whose leader exited unreaped (a zombie) may still have members: it is killed too.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_timed_out_commands_group_behind_a_zombie_is_killed_too() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call(
+            "bash",
+            json!({
+                "command": "(setsid sh -c '(sleep 2; touch behind_zombie.txt) & exit 0' & exec sleep 60)",
+                "timeout_seconds": 1
+            }),
+        ),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, [timed.into()]);
+    runtime.init(&timed, "zombie").send("go").await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert!(
+        !TIMEOUT_ROOT.join("behind_zombie.txt").exists(),
+        "a member of a zombie's group outlived the command's timeout"
+    );
+}
+
 #[tokio::test]
 async fn a_timed_out_command_still_shows_the_output_it_printed() {
     let model = ScriptedModel::new([

@@ -832,18 +832,20 @@ impl Drop for ProcessGroup {
                 // SAFETY: getpgrp has no preconditions and cannot fail.
                 let own = unsafe { libc::getpgrp() };
                 // Never this process's own group (a descendant may join it), nor init's.
-                let others: Vec<libc::pid_t> = descendant_groups(group)
+                let others: Vec<(libc::pid_t, bool)> = descendant_groups(group)
                     .into_iter()
-                    .filter(|other| *other != group && *other != own && *other > 1)
+                    .filter(|(other, _)| *other != group && *other != own && *other > 1)
                     .collect();
-                if others.is_empty() {
-                    break;
-                }
-                for other in others {
+                for &(other, _) in &others {
                     // SAFETY: killpg only sends a signal; a group already gone returns ESRCH.
                     unsafe {
                         libc::killpg(other, libc::SIGKILL);
                     }
+                }
+                // A zombie's group is killed (its members may live on: the zombie keeps the
+                // group id from reuse), but only a live process found is worth another look.
+                if !others.iter().any(|&(_, live)| live) {
+                    break;
                 }
             }
             // SAFETY: killpg only sends a signal; a group already gone returns ESRCH, which
@@ -855,10 +857,11 @@ impl Drop for ProcessGroup {
     }
 }
 
-/// The process groups of `root`'s descendants (from `/proc`: each process's parent and group).
+/// The process groups of `root`'s descendants (from `/proc`: each process's parent and group),
+/// each with whether a live process (not a zombie) of it was found.
 #[cfg(target_os = "linux")]
-fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeSet<libc::pid_t> {
-    let mut children: std::collections::HashMap<libc::pid_t, Vec<(libc::pid_t, libc::pid_t)>> =
+fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeMap<libc::pid_t, bool> {
+    let mut children: std::collections::HashMap<libc::pid_t, Vec<(libc::pid_t, libc::pid_t, bool)>> =
         std::collections::HashMap::new();
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Default::default();
@@ -879,22 +882,19 @@ fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeSet<libc::pid_
             continue;
         };
         let mut fields = after.split_whitespace();
-        // A zombie is dead already (and its group kept only until it is reaped).
-        if fields.next() == Some("Z") {
-            continue;
-        }
+        let live = fields.next() != Some("Z");
         if let (Some(Ok(parent)), Some(Ok(group))) = (
             fields.next().map(str::parse::<libc::pid_t>),
             fields.next().map(str::parse::<libc::pid_t>),
         ) {
-            children.entry(parent).or_default().push((pid, group));
+            children.entry(parent).or_default().push((pid, group, live));
         }
     }
-    let mut groups = std::collections::BTreeSet::new();
+    let mut groups = std::collections::BTreeMap::new();
     let mut pending = vec![root];
     while let Some(parent) = pending.pop() {
-        for &(pid, group) in children.get(&parent).into_iter().flatten() {
-            groups.insert(group);
+        for &(pid, group, live) in children.get(&parent).into_iter().flatten() {
+            *groups.entry(group).or_insert(false) |= live;
             pending.push(pid);
         }
     }
