@@ -700,7 +700,7 @@ mod tests {
         // Past that: cut, and both fit.
         let (answer, room) = plan(Some(10_000), 4_000, 4 * 10_000);
         assert_eq!(answer, 1_000);
-        let room = room.unwrap() as u64;
+        let room = room.expect("a cut") as u64;
         assert!(room / 4 + instructions + u64::from(answer) <= 10_000);
     }
 
