@@ -146,11 +146,16 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
 /// [`plan`]): the earlier summary keeps its start in at most half of it, the transcript its
 /// newest part in the rest, each saying so.
 fn summary_input(previous: Option<&str>, transcript: &str, room: Option<usize>) -> String {
-    let head = |previous: &str| format!("Earlier summary:\n{previous}\n\nThe conversation since:\n\n");
     let Some(room) = room else {
-        return previous.map_or_else(String::new, head) + transcript;
+        return previous.map_or_else(String::new, earlier) + transcript;
     };
-    let head = previous.map_or_else(String::new, |previous| head(&keep_start(previous, room / 2)));
+    // The earlier summary gets what the transcript leaves, and at least half the room when
+    // both are long.
+    let transcript_needs = (transcript.len() + LEFT_OUT.len()).min(room / 2);
+    let head = previous.map_or_else(String::new, |previous| {
+        let framing = earlier("").len();
+        earlier(&keep_start(previous, room.saturating_sub(transcript_needs + framing)))
+    });
     let left = room.saturating_sub(head.len() + LEFT_OUT.len());
     let mut from = transcript.len().saturating_sub(left);
     while !transcript.is_char_boundary(from) {
@@ -168,6 +173,11 @@ fn summary_input(previous: Option<&str>, transcript: &str, room: Option<usize>) 
         return head + transcript;
     }
     format!("{head}{LEFT_OUT}{}", &transcript[from..])
+}
+
+/// The earlier summary as the summary call reads it, before the conversation since.
+fn earlier(previous: &str) -> String {
+    format!("Earlier summary:\n{previous}\n\nThe conversation since:\n\n")
 }
 
 /// `text`'s first `most` bytes (at a character boundary), saying the rest is left out.
@@ -194,9 +204,9 @@ const EARLIER_LEFT_OUT: &str = " [The rest of the earlier summary is left out: i
 /// of `input` characters too long beside the answer makes the answer shorter first, down to a
 /// quarter (a shorter summary of everything is worth more than a longer one of a part); past
 /// that, the input is cut. Estimates are characters / 4.
-fn plan(window: Option<u64>, answer: u32, input: usize) -> (u32, Option<usize>) {
+fn plan(window: Option<u64>, answer: u32, input: usize) -> Result<(u32, Option<usize>), String> {
     let Some(window) = window else {
-        return (answer, None);
+        return Ok((answer, None));
     };
     let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
     let readable = window.saturating_sub(instructions);
@@ -204,15 +214,24 @@ fn plan(window: Option<u64>, answer: u32, input: usize) -> (u32, Option<usize>) 
     let input = (input as u64).div_ceil(4);
     let tokens = |tokens: u64| u32::try_from(tokens).unwrap_or(u32::MAX);
     if input + answer <= readable {
-        return (tokens(answer), None);
+        return Ok((tokens(answer), None));
     }
     let least = (answer / 4).max(1);
     if input + least <= readable {
-        return (tokens(readable - input), None);
+        return Ok((tokens(readable - input), None));
     }
     let room = usize::try_from(readable.saturating_sub(least).saturating_mul(4)).unwrap_or(usize::MAX);
-    (tokens(least), Some(room))
+    // Room for the notes of a cut and some of the conversation, or no summary worth making.
+    if room < MIN_CUT_ROOM {
+        return Err(format!(
+            "the summarizing model's context window ({window} tokens) is too small to summarize in"
+        ));
+    }
+    Ok((tokens(least), Some(room)))
 }
+
+/// The fewest characters a cut summary input may keep (its notes and some conversation).
+const MIN_CUT_ROOM: usize = 1_000;
 
 /// Why a compaction runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -463,9 +482,9 @@ pub(crate) async fn compact<S: Compacting>(
     let retries = session.runtime().options.model_retries;
     let request = |summarizer: &dyn ModelProvider, model: String| {
         let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
-        let whole = previous.as_ref().map_or(0, |previous| previous.len() + 48) + older.len();
-        let (answer, room) = plan(summarizer.context_window(&model), answer, whole);
-        ModelRequest {
+        let whole = previous.as_deref().map_or(0, |previous| earlier(previous).len()) + older.len();
+        let (answer, room) = plan(summarizer.context_window(&model), answer, whole)?;
+        Ok(ModelRequest {
             max_output_tokens: Some(answer),
             messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, room))].into(),
             model,
@@ -477,7 +496,7 @@ pub(crate) async fn compact<S: Compacting>(
                 ThinkingLevel::Low
             },
             max_retries: Some(retries),
-        }
+        })
     };
     let resolved = match &config.model {
         Some(spec) => session
@@ -491,7 +510,10 @@ pub(crate) async fn compact<S: Compacting>(
     let summary = match resolved {
         Ok((summarizer, model)) => {
             let summarizer = summarizer.as_deref().unwrap_or(provider);
-            summarize(&*session, summarizer, request(summarizer, model), step).await
+            match request(summarizer, model) {
+                Ok(request) => summarize(&*session, summarizer, request, step).await,
+                Err(too_small) => Err(too_small),
+            }
         }
         Err(error) => Err(error),
     };
@@ -665,6 +687,10 @@ mod tests {
             "{input}"
         );
         assert!(input.contains("User: new fact"), "{input}");
+        // A short conversation leaves the earlier summary the rest of the room.
+        let input = summary_input(Some(&"x".repeat(1_100)), &fact, room);
+        assert!(input.len() <= 1_000 && input.len() > 900, "{} characters", input.len());
+        assert!(input.contains("User: new fact"), "{input}");
         // Not cut: as it is.
         let input = summary_input(Some("short"), &fact, None);
         assert_eq!(
@@ -684,24 +710,26 @@ mod tests {
         let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
         assert_eq!(
             plan(None, 16_000, 1_000_000),
-            (16_000, None),
+            Ok((16_000, None)),
             "no window known: unchanged"
         );
-        assert_eq!(plan(Some(200_000), 16_000, 40_000), (16_000, None), "room for both");
+        assert_eq!(plan(Some(200_000), 16_000, 40_000), Ok((16_000, None)), "room for both");
         assert_eq!(
             plan(Some(10_000), 16_000, 4_000),
-            (5_000, None),
+            Ok((5_000, None)),
             "half the window at most"
         );
         // Just under what the window reads beside a quarter of the answer: a shorter answer,
         // no cut.
         let input = 4 * (10_000 - instructions as usize - 2_000);
-        assert_eq!(plan(Some(10_000), 4_000, input), (2_000, None));
+        assert_eq!(plan(Some(10_000), 4_000, input), Ok((2_000, None)));
         // Past that: cut, and both fit.
-        let (answer, room) = plan(Some(10_000), 4_000, 4 * 10_000);
+        let (answer, room) = plan(Some(10_000), 4_000, 4 * 10_000).expect("a plan");
         assert_eq!(answer, 1_000);
         let room = room.expect("a cut") as u64;
         assert!(room / 4 + instructions + u64::from(answer) <= 10_000);
+        // A window too small to summarize in: no call.
+        assert!(plan(Some(300), 4_000, 40_000).is_err());
     }
 
     #[test]

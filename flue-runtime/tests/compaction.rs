@@ -312,10 +312,11 @@ async fn a_transcript_longer_than_the_summarizers_window_is_cut_to_its_newest_pa
         ScriptedReply::text("three it is"),
     ])
     .with_context_window(600);
-    // Room for the instructions and about 900 characters.
+    // A 500-token window: the instructions, a short answer and about 1,100 characters of
+    // transcript.
     let small = ScriptedModel::new([ScriptedReply::text("The user said two.")])
         .with_id("small")
-        .with_context_window(400);
+        .with_context_window(500);
     let mut providers = flue_runtime::provider::ProviderRegistry::new();
     providers.register(model.clone());
     providers.register(small.clone());
@@ -371,7 +372,9 @@ async fn an_overflowing_call_compacts_and_retries_even_with_threshold_compaction
         ScriptedReply::text("Summary: a first exchange."),
         ScriptedReply::text("second answer"),
     ])
-    .with_context_window(100);
+    // Room for the summary call's instructions and answer (a smaller window could not
+    // summarize at all).
+    .with_context_window(1_000);
     let runtime = runtime_with(&model, [unbounded.into()]);
     let handle = runtime.init(&unbounded, "o");
     handle.send(long("hello")).await.unwrap();
@@ -414,7 +417,9 @@ async fn an_overflowing_turn_is_closed_by_its_turn_event_before_the_compaction()
         ScriptedReply::text("Summary: a first exchange."),
         ScriptedReply::text("second answer"),
     ])
-    .with_context_window(100);
+    // Room for the summary call's instructions and answer (a smaller window could not
+    // summarize at all).
+    .with_context_window(1_000);
     let runtime = runtime_with(&model, [unbounded.into()]);
     let handle = runtime.init(&unbounded, "oe");
     handle.send(long("hello")).await.unwrap();
