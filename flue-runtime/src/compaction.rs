@@ -21,10 +21,12 @@
 //!   failed `compaction` event and a warning, and the session goes on uncompacted (an overflow
 //!   is then the call's failure).
 //!   The summary's transcript shows at most 2,000 characters of each tool result and of each
-//!   call's arguments; an input the summarizing model's window could not hold beside the
-//!   instructions (when it is known) is cut to leave room for the answer too, keeping the
-//!   earlier summary's start (in at most half of it) and the transcript's newest part,
-//!   saying so. A cut always takes more than the previous compaction's summary.
+//!   call's arguments. When the summarizing model's window is known, the summary call fits
+//!   it: the answer takes at most half the window, and is made shorter (down to a quarter)
+//!   before an input too long beside it is cut, keeping the earlier summary's start (in what
+//!   the conversation since leaves, at least half the room when both are long) and the
+//!   transcript's newest part, each saying so; a window too small to summarize in leaves the
+//!   session uncompacted. A cut always takes more than the previous compaction's summary.
 //! - The transcript is of the history as the message hooks let the model read it: the older
 //!   rows `filter_messages` leaves (run on the history as for a request; rows it adds are
 //!   context, not history, and left out), after `prefilter_llm_history` in the provider format
@@ -143,8 +145,8 @@ pub(crate) fn transcript(messages: &[ModelMessage]) -> String {
 /// What the summary call reads: the `older` messages' `transcript` (of those the cut takes
 /// after the previous compaction's summary, see [`Conversation::compaction_cut`]), after that
 /// summary set apart as the earlier summary; cut to `room` characters when it must be (see
-/// [`plan`]): the earlier summary keeps its start in at most half of it, the transcript its
-/// newest part in the rest, each saying so.
+/// [`plan`]): the earlier summary keeps its start in what the transcript leaves (at least half
+/// the room when both are long), the transcript its newest part in the rest, each saying so.
 fn summary_input(previous: Option<&str>, transcript: &str, room: Option<usize>) -> String {
     let Some(room) = room else {
         return previous.map_or_else(String::new, earlier) + transcript;

@@ -4,7 +4,7 @@
 
 use flue_runtime::events::{Event, TurnPurpose};
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ProviderError, ProviderErrorKind};
+use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderError, ProviderErrorKind};
 use flue_runtime::record::RecordBody;
 use flue_runtime::store::InstanceKey;
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
@@ -157,11 +157,10 @@ fn redacting() -> &'static str {
     "Be brief."
 }
 
-/// The summary reads the older history as the message hooks let the model read it: a
-/// redaction of `prefilter_llm_history` holds for the summary call too (and so for the
-/// summary, which the model reads from then on).
-#[tokio::test]
-async fn the_summary_reads_the_history_as_the_message_hooks_show_it() {
+/// Three exchanges of `agent` (a tight model in a 600-token window) whose first message
+/// starts with `tag`: the third is preceded by a summary. Every request the model got, and
+/// the summary call's transcript.
+async fn three_exchanges<A: Agent + Copy + Into<AgentRef>>(agent: A, tag: &str) -> (Vec<ModelRequest>, String) {
     let model = ScriptedModel::new([
         ScriptedReply::text(long("one")),
         ScriptedReply::text(long("two")),
@@ -169,15 +168,25 @@ async fn the_summary_reads_the_history_as_the_message_hooks_show_it() {
         ScriptedReply::text("three it is"),
     ])
     .with_context_window(600);
-    let runtime = runtime_with(&model, [redacting.into()]);
-    let handle = runtime.init(&redacting, "r");
-    handle.send(format!("SECRET {}", long("first"))).await.unwrap();
+    let runtime = runtime_with(&model, [agent.into()]);
+    let handle = runtime.init(&agent, "three");
+    handle.send(format!("{tag}{}", long("first"))).await.unwrap();
     handle.send(long("second")).await.unwrap();
     handle.send(long("third")).await.unwrap();
     let requests = model.requests();
     let ModelMessage::User { content, .. } = &requests[2].messages[0] else {
         panic!("a transcript")
     };
+    let transcript = content.clone();
+    (requests, transcript)
+}
+
+/// The summary reads the older history as the message hooks let the model read it: a
+/// redaction of `prefilter_llm_history` holds for the summary call too (and so for the
+/// summary, which the model reads from then on).
+#[tokio::test]
+async fn the_summary_reads_the_history_as_the_message_hooks_show_it() {
+    let (requests, content) = three_exchanges(redacting, "SECRET ").await;
     assert!(content.starts_with("User: [redacted] first"), "{content}");
     for request in &requests {
         for message in request.messages.iter() {
@@ -220,22 +229,7 @@ fn withholding() -> &'static str {
 /// context rows it adds (context for a request, not history to keep for good).
 #[tokio::test]
 async fn the_summary_reads_the_rows_filter_messages_leaves_and_not_those_it_adds() {
-    let model = ScriptedModel::new([
-        ScriptedReply::text(long("one")),
-        ScriptedReply::text(long("two")),
-        ScriptedReply::text("The user said things."),
-        ScriptedReply::text("three it is"),
-    ])
-    .with_context_window(600);
-    let runtime = runtime_with(&model, [withholding.into()]);
-    let handle = runtime.init(&withholding, "w");
-    handle.send(format!("PRIVATE {}", long("first"))).await.unwrap();
-    handle.send(long("second")).await.unwrap();
-    handle.send(long("third")).await.unwrap();
-    let requests = model.requests();
-    let ModelMessage::User { content, .. } = &requests[2].messages[0] else {
-        panic!("a transcript")
-    };
+    let (_, content) = three_exchanges(withholding, "PRIVATE ").await;
     assert!(content.starts_with("Agent: one"), "{content}");
     assert!(!content.contains("PRIVATE"), "{content}");
     assert!(!content.contains("CONTEXT"), "{content}");
@@ -265,22 +259,7 @@ fn hiding() -> &'static str {
 /// its role, so a hook that works by role holds for the summary too.
 #[tokio::test]
 async fn a_prefilter_working_by_role_holds_for_the_summary() {
-    let model = ScriptedModel::new([
-        ScriptedReply::text(long("one")),
-        ScriptedReply::text(long("two")),
-        ScriptedReply::text("The user said things."),
-        ScriptedReply::text("three it is"),
-    ])
-    .with_context_window(600);
-    let runtime = runtime_with(&model, [hiding.into()]);
-    let handle = runtime.init(&hiding, "h");
-    handle.send(long("first")).await.unwrap();
-    handle.send(long("second")).await.unwrap();
-    handle.send(long("third")).await.unwrap();
-    let requests = model.requests();
-    let ModelMessage::User { content, .. } = &requests[2].messages[0] else {
-        panic!("a transcript")
-    };
+    let (_, content) = three_exchanges(hiding, "").await;
     assert!(content.contains("Agent: [hidden]"), "{content}");
     assert!(!content.contains("one one"), "{content}");
 }
