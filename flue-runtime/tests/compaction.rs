@@ -19,13 +19,18 @@ fn long(word: &str) -> String {
 
 /// `spec` with threshold compaction at a 100-token reserve, keeping `keep_recent` tokens.
 fn use_tight_model(spec: &'static str, keep_recent: u32) {
+    use_tight_model_summarized_by(spec, keep_recent, None);
+}
+
+/// [`use_tight_model`] whose summaries the model `summarizer` makes (`None`: `spec`'s).
+fn use_tight_model_summarized_by(spec: &'static str, keep_recent: u32, summarizer: Option<&str>) {
     use_model_with(
         spec,
         ModelOptions {
             compaction: Compaction::Threshold(CompactionConfig {
                 reserve_tokens: Some(100),
                 keep_recent_tokens: Some(keep_recent),
-                model: None,
+                model: summarizer.map(str::to_owned),
             }),
             ..ModelOptions::default()
         },
@@ -266,17 +271,7 @@ async fn a_prefilter_working_by_role_holds_for_the_summary() {
 
 #[agent]
 fn small_summarizer() -> &'static str {
-    use_model_with(
-        "scripted/x",
-        ModelOptions {
-            compaction: Compaction::Threshold(CompactionConfig {
-                reserve_tokens: Some(100),
-                keep_recent_tokens: Some(150),
-                model: Some("small/x".into()),
-            }),
-            ..ModelOptions::default()
-        },
-    );
+    use_tight_model_summarized_by("scripted/x", 150, Some("small/x"));
     "Be brief."
 }
 
@@ -608,17 +603,7 @@ impl flue_runtime::provider::ModelProvider for Stuck {
 
 #[agent]
 fn slow_summaries() -> &'static str {
-    use_model_with(
-        "scripted/x",
-        ModelOptions {
-            compaction: Compaction::Threshold(CompactionConfig {
-                reserve_tokens: Some(100),
-                keep_recent_tokens: Some(150),
-                model: Some("stuck/summarizer".into()),
-            }),
-            ..ModelOptions::default()
-        },
-    );
+    use_tight_model_summarized_by("scripted/x", 150, Some("stuck/summarizer"));
     "Be brief."
 }
 
