@@ -96,12 +96,13 @@ impl SettlementError {
     /// ([`SettlementError::for_clients`]), as the reference serves every error that is not one
     /// of its typed errors (§6.4): a start, finish or response callback's failure, a render's
     /// (a panic, an identity change, a missing `use_model`), a model that does not resolve,
-    /// the finish ceiling, a sandbox factory's failure, a required MCP server that cannot be
-    /// used, a skill name conflict, a failed compaction, a lifecycle hook's panic. Their texts are the application's own
-    /// (or the framework's words around them) and may say anything: a connection string, a
-    /// token in a URL. The records, the in-process API and the server's log keep them. A
-    /// lifecycle hook's `message_hook_error` that is not a panic is the reason the
-    /// application gives clients for refusing a message: it stays.
+    /// the finish ceiling or a finish append no step can answer, a sandbox factory's failure,
+    /// a required MCP server that cannot be used, a skill name conflict, a failed compaction,
+    /// a lifecycle hook's panic. Their texts are the application's own (or the framework's
+    /// words around them) and may say anything: a connection string, a token in a URL. The
+    /// records, the in-process API and the server's log keep them. A lifecycle hook's
+    /// `message_hook_error` that is not a panic is the reason the application gives clients
+    /// for refusing a message: it stays.
     pub fn is_internal(&self) -> bool {
         match self.error_type.as_str() {
             "render_failed"
@@ -109,6 +110,7 @@ impl SettlementError {
             | "model_required"
             | "model_resolution"
             | "agent_finish_ceiling"
+            | "agent_finish_unanswerable"
             | "queued_tool_ceiling"
             | "mcp_connection_failed"
             | "skill_name_conflict"
@@ -246,6 +248,7 @@ mod settlement_error_tests {
             "model_required",
             "model_resolution",
             "agent_finish_ceiling",
+            "agent_finish_unanswerable",
             "mcp_connection_failed",
             "skill_name_conflict",
             "compaction_failed",

@@ -159,6 +159,53 @@ async fn max_steps_caps_the_model_calls_of_one_response() {
     assert_eq!(model.requests().len(), 2);
 }
 
+/// Sends the model back once more, whatever it answered.
+#[agent(max_steps = 1)]
+fn never_satisfied() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|ctx| async move {
+        ctx.append(Signal::new("todo", "Check your answer again."))?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "Answer."
+}
+
+/// A finish callback's append at the would-stop point of a response whose `max_steps` are
+/// spent cannot be answered: the response fails loudly, and the stream keeps no unanswered
+/// signal for the next response's model to read as its own.
+#[tokio::test]
+async fn a_finish_append_when_no_step_is_left_fails_loudly_and_is_not_committed() {
+    let model = ScriptedModel::new([ScriptedReply::text("the answer"), ScriptedReply::text("never asked")]);
+    let store = MemoryStore::new();
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(never_satisfied)
+        .providers(providers)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let error = runtime.init(&never_satisfied, "n").send("go").await.unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(
+        (error_type.as_str(), message.as_str()),
+        (
+            "agent_finish_unanswerable",
+            "[flue] use_agent_finish appended a continuation signal, but the response can make no further model call (its max_steps are spent). The response is failing loudly instead of settling with the check unmet; raise max_steps, or make the hook accept the answer when no step is left."
+        )
+    );
+    assert_eq!(model.requests().len(), 1);
+    let batches = flue_runtime::store::Store::read(&store, &InstanceKey::new("never_satisfied", "n"), None)
+        .await
+        .unwrap();
+    let signals = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter(|record| matches!(record.body, RecordBody::Signal { .. } | RecordBody::AgentFinishCycle))
+        .count();
+    assert_eq!(signals, 0, "no unanswered signal in the stream");
+}
+
 static FINISH_LOG: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
 #[agent]
@@ -2091,6 +2138,50 @@ async fn an_attempt_given_up_after_its_answer_was_durable_settles_as_completed()
     assert_eq!(reply.text, "the answer");
     let advised = advisories(&store, &InstanceKey::new("answered_then_stuck", "a")).await;
     assert!(advised.is_empty(), "{advised:?}");
+}
+
+static LISTENING_FINISHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn answered_then_listening() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|ctx| async move {
+        // Listens to the signal, after the final answer was committed, and fails with it.
+        LISTENING_FINISHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ctx.signal().aborted().await;
+        Err::<(), _>(format!("stopped: {}", ctx.signal().reason().unwrap_or_default()))
+    });
+    "Answer."
+}
+
+/// Reference §3.10: an abort that loses the race to completion settles completed. A finish
+/// callback that listens to the signal and fails with it, after the final answer was
+/// committed, ends as one deaf to it does (given up after the grace): completed, with its
+/// answer, not aborted.
+#[tokio::test]
+async fn an_abort_while_a_finish_callback_runs_after_a_durable_answer_settles_completed() {
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .agent(answered_then_listening)
+        .providers(providers)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let handle = runtime.init(&answered_then_listening, "a");
+    let receipt = handle.dispatch("go").await.unwrap();
+    while LISTENING_FINISHES.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
+        .await
+        .expect("settled")
+        .expect("completed, not aborted");
+    assert_eq!(reply.text, "the answer");
+    assert_eq!(model.requests().len(), 1, "one model call");
 }
 
 static STUCK_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

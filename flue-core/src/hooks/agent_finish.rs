@@ -9,6 +9,11 @@ use crate::event_hooks::{AgentFinishContext, AgentFinishHook, IntoCallbackResult
 /// hook runs again at the next would-stop point. Callbacks run sequentially in declaration
 /// order; 32 continued cycles per response is the ceiling. A returned error fails the
 /// submission. Panics in subagent renders.
+///
+/// A response whose `max_steps` run out in a tool batch (or whose execution a hook stopped)
+/// ends without a would-stop point. When the model stops on the last step it may take, the
+/// callbacks run, and an append, which nothing could answer, fails the submission
+/// (`agent_finish_unanswerable`) instead of being committed.
 #[track_caller]
 pub fn use_agent_finish<F, Fut>(run: F)
 where

@@ -706,7 +706,19 @@ impl InstanceSlot {
         // hook or tool that failed because of the signal (it listened to it) fails with the
         // abort, not with an error of its own. An abort the deadline fired (the first reason
         // wins) is the timeout. (A node giving the attempt back is handled below.)
+        //
+        // An abort or a deadline that loses the race to the response's end settles completed
+        // (reference §3.10), whatever a finish callback still running then did with the
+        // signal: its final answer (or finish batch) is durable, as when a callback deaf to it
+        // is given up above.
         let result = match result {
+            Err(_)
+                if attempt.signal.is_aborted()
+                    && attempt.signal.reason() != Some(binding::RELEASED)
+                    && response.conversation.has_ended(&submission.id) =>
+            {
+                Ok(())
+            }
             Err(_) if attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => Err(timed_out()),
             Err(_) if attempt.signal.is_aborted() && attempt.signal.reason() != Some(binding::RELEASED) => {
                 Err(Failure::aborted())
@@ -2372,6 +2384,21 @@ impl Response<'_> {
             // Joins again after a no-append cycle, in case a hook dispatched: a joined delivery
             // drives another turn (not a counted cycle).
             return Ok(can_step && self.join_queued().await?);
+        }
+        if !can_step {
+            // Nothing could answer the append: committed, it would sit unanswered in the
+            // stream and the next response's model would read it as meant for its own answer.
+            let why = if self.execution.stopped() {
+                "the execution was stopped"
+            } else {
+                "its max_steps are spent"
+            };
+            return Err(Failure::failed(
+                "agent_finish_unanswerable",
+                format!(
+                    "[flue] use_agent_finish appended a continuation signal, but the response can make no further model call ({why}). The response is failing loudly instead of settling with the check unmet; raise max_steps, or make the hook accept the answer when no step is left."
+                ),
+            ));
         }
         *finish_cycles += 1;
         if *finish_cycles > MAX_AGENT_FINISH_CYCLES {
