@@ -259,7 +259,10 @@ pub enum Event {
         /// The model asked for.
         request: TurnRequest,
     },
-    /// Streamed answer text.
+    /// Streamed answer text. When a selected `before_update_message` or
+    /// `before_create_message` hook shapes the assistant rows, the step's text comes once,
+    /// as those hooks left it, after the step's stream ended (and its reasoning does not come
+    /// at all): observers never see what a hook redacted.
     TextDelta {
         /// The fragment.
         text: String,

@@ -473,6 +473,48 @@ fn row_hooks() -> &'static str {
     "R"
 }
 
+#[hook(before_update_message)]
+async fn redact_tokens(_state: &ThreadState, _id: &str, mut updates: MessageUpdates) -> MessageUpdates {
+    if let Some(Value::String(content)) = updates.get("content").cloned() {
+        updates.insert("content".into(), json!(content.replace("SECRET", "[redacted]")));
+    }
+    updates
+}
+
+#[agent(hooks = [redact_tokens])]
+fn token_redacting() -> &'static str {
+    use_model("scripted/x");
+    "R"
+}
+
+/// A `before_update_message` hook that redacts the answer redacts it for observers too:
+/// no live event carries the raw text (its deltas are held back, and the hooked text follows
+/// the hooks in one delta, before the turn's event, which carries it too).
+#[tokio::test]
+async fn a_redacting_update_hook_keeps_the_raw_text_out_of_the_live_events() {
+    let model = ScriptedModel::new([ScriptedReply::text("the token is SECRET, keep it")]);
+    let runtime = runtime_with(&model, vec![token_redacting.into()]);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&token_redacting, "r").send("the token?").await.unwrap();
+    assert_eq!(reply.text, "the token is [redacted], keep it");
+    let mut deltas = String::new();
+    let mut turns = Vec::new();
+    let mut seen = 0;
+    while let Ok(observation) = events.try_recv() {
+        seen += 1;
+        let shown = format!("{:?}", observation.event);
+        assert!(!shown.contains("SECRET"), "{shown}");
+        match observation.event {
+            flue_runtime::events::Event::TextDelta { text } => deltas.push_str(&text),
+            flue_runtime::events::Event::Turn { response, .. } => turns.push(response.text),
+            _ => {}
+        }
+    }
+    assert!(seen > 5, "the events were observed ({seen})");
+    assert_eq!(deltas, "the token is [redacted], keep it");
+    assert_eq!(turns, ["the token is [redacted], keep it"]);
+}
+
 #[tokio::test]
 async fn items_22_23_24_25_36_create_and_update_hooks_shape_the_stored_rows() {
     let model = ScriptedModel::new([ScriptedReply::text("answer")]);

@@ -2752,6 +2752,22 @@ impl Response<'_> {
         // What the row's create hooks set before the model was called.
         let created_updates = row_updates.unwrap_or_default();
         self.budget.called(&response.usage, history_len);
+        let mut response = response;
+        let mut completion_updates = flue_core::lifecycle::MessageUpdates::new();
+        if self.shapes_assistant_rows() {
+            // The row hooks never see reasoning: it is not kept where they cannot redact it.
+            response.reasoning.clear();
+            response.text = self
+                .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut completion_updates)
+                .await;
+            // The text the hooks let through, in one delta: observers never saw the raw one
+            // (`stream_once` held its deltas back).
+            if !response.text.is_empty() {
+                self.emit_with(|| Event::TextDelta {
+                    text: response.text.clone(),
+                });
+            }
+        }
         self.emit_with(|| Event::Turn {
             turn_id: turn_id.get(),
             purpose: TurnPurpose::Agent,
@@ -2767,15 +2783,6 @@ impl Response<'_> {
             },
             is_error: false,
         });
-        let mut response = response;
-        if self.shapes_assistant_rows() {
-            // The row hooks never see reasoning: it is not kept where they cannot redact it.
-            response.reasoning.clear();
-        }
-        let mut completion_updates = flue_core::lifecycle::MessageUpdates::new();
-        response.text = self
-            .assistant_row_updating(&message_id, std::mem::take(&mut response.text), &mut completion_updates)
-            .await;
         // The step's start (unless its text streamed into the stream already), its calls and
         // its completion.
         let mut records = match live {
@@ -2894,6 +2901,9 @@ impl Response<'_> {
         let mut stream = provider.stream(request);
         let mut observer = observation::ToolCallObserver::new(tools);
         let mut ids = CallIds::default();
+        // Row hooks may redact the text, and never see the reasoning: observers get neither
+        // raw (the step's text follows its hooks, in one delta).
+        let held = self.shapes_assistant_rows();
         // Whether a `thinking_start` is open, and the reasoning since: anything but more
         // reasoning ends it, and so does the call's end, however it ends.
         let mut thinking = false;
@@ -2952,9 +2962,15 @@ impl Response<'_> {
                 }
                 Some(Ok(StreamEvent::TextDelta(delta))) => {
                     live.push_text(&delta);
-                    self.emit_with(|| Event::TextDelta { text: delta });
+                    if !held {
+                        self.emit_with(|| Event::TextDelta { text: delta });
+                    }
                 }
                 Some(Ok(StreamEvent::ReasoningDelta(delta))) => {
+                    if held {
+                        live.push_reasoning(&delta);
+                        continue;
+                    }
                     if !thinking {
                         thinking = true;
                         self.emit_with(|| Event::ThinkingStart);
