@@ -511,6 +511,9 @@ impl Conversation {
             }
             RecordBody::SubmissionSettled { .. } => {
                 if let Some(id) = submission {
+                    // What the response's progress was is no one's concern once it settled
+                    // (a cached conversation lives as long as its instance is used).
+                    self.progress.remove(&**id);
                     self.unsettled_inputs.retain(|unsettled| unsettled != id);
                     self.response_metadata.remove(&**id);
                     self.tool_calls.remove(&**id);
@@ -1678,6 +1681,41 @@ mod tests {
             });
         }
         conversation
+    }
+
+    /// A settled submission leaves nothing of its progress behind: an instance used for a
+    /// long time keeps only its unsettled submissions' (one entry each grew without bound).
+    #[test]
+    fn a_settled_submission_leaves_no_progress_behind() {
+        let mut conversation = Conversation::default();
+        for exchange in 0..1000u64 {
+            let id = format!("sub-{exchange}");
+            let of = |body| Record {
+                submission_id: Some(id.as_str().into()),
+                ..record(body)
+            };
+            let mut records = vec![
+                of(RecordBody::UserMessage {
+                    message_id: format!("user-{exchange}"),
+                    body: "question".into(),
+                    attachments: Vec::new(),
+                }),
+                of(RecordBody::AgentStartRun),
+            ];
+            if exchange < 999 {
+                records.push(of(RecordBody::SubmissionSettled {
+                    outcome: crate::record::Outcome::Completed,
+                    error: None,
+                }));
+            }
+            conversation.apply(&Batch {
+                offset: exchange,
+                records: records.into(),
+            });
+        }
+        assert_eq!(conversation.progress.len(), 1, "the unsettled one's");
+        assert!(conversation.has_started("sub-999") && conversation.has_input("sub-999"));
+        assert!(!conversation.has_started("sub-0"));
     }
 
     /// The records of a completed step `step-1` calling `calls` (id, tool name).

@@ -28,6 +28,8 @@ pub(crate) struct Started {
 }
 
 struct Call {
+    /// Its stream index (a provider's own numbering: not necessarily dense).
+    index: usize,
     id: String,
     name: String,
     arguments: String,
@@ -40,7 +42,8 @@ struct Call {
 pub(crate) struct ToolCallObserver {
     /// Tool name → its progress argument.
     progress_arguments: HashMap<String, String>,
-    /// By stream index.
+    /// In the order the stream showed them, each under its index: a provider that numbers
+    /// its calls sparsely (or absurdly) costs a call each, never a slot per number.
     calls: Vec<Call>,
 }
 
@@ -59,10 +62,20 @@ impl ToolCallObserver {
         }
     }
 
+    fn call(&self, index: usize) -> Option<&Call> {
+        self.calls.iter().find(|call| call.index == index)
+    }
+
+    fn call_mut(&mut self, index: usize) -> Option<&mut Call> {
+        self.calls.iter_mut().find(|call| call.index == index)
+    }
+
     /// A call appeared at stream `index`.
     pub(crate) fn started(&mut self, index: usize, id: &str, name: &str) -> Option<Started> {
-        if self.calls.len() <= index {
-            self.calls.resize_with(index + 1, || Call {
+        let progress_argument = self.progress_arguments.get(name).cloned();
+        if self.call(index).is_none() {
+            self.calls.push(Call {
+                index,
                 id: String::new(),
                 name: String::new(),
                 arguments: String::new(),
@@ -70,8 +83,7 @@ impl ToolCallObserver {
                 fired: false,
             });
         }
-        let progress_argument = self.progress_arguments.get(name).cloned();
-        let call = &mut self.calls[index];
+        let call = self.call_mut(index)?;
         if call.fired || !call.id.is_empty() {
             return None;
         }
@@ -92,7 +104,7 @@ impl ToolCallObserver {
 
     /// More argument text for the call at stream `index`.
     pub(crate) fn arguments(&mut self, index: usize, delta: &str) -> Option<Started> {
-        let call = self.calls.get_mut(index)?;
+        let call = self.call_mut(index)?;
         call.arguments.push_str(delta);
         if call.fired || call.progress_argument.is_none() {
             return None;
@@ -102,12 +114,12 @@ impl ToolCallObserver {
 
     /// The id of the call at stream `index`; empty while the stream has not named it.
     pub(crate) fn id_of(&self, index: usize) -> &str {
-        self.calls.get(index).map_or("", |call| call.id.as_str())
+        self.call(index).map_or("", |call| call.id.as_str())
     }
 
     /// The tool the call at stream `index` calls; empty while the stream has not named it.
     pub(crate) fn name_of(&self, index: usize) -> &str {
-        self.calls.get(index).map_or("", |call| call.name.as_str())
+        self.call(index).map_or("", |call| call.name.as_str())
     }
 
     fn check(call: &mut Call) -> Option<Started> {
@@ -316,6 +328,30 @@ mod tests {
             observer.finish(&response(&[("c1", "plain", "{\"x\":1}")])).is_empty(),
             "once"
         );
+    }
+
+    /// A provider of the registry (a user's) may number its calls as it likes: a huge or
+    /// sparse index is one call, found again by its number, never a slot per number (which
+    /// allocated without bound, or wrapped at `usize::MAX` and panicked).
+    #[test]
+    fn a_sparse_or_huge_stream_index_is_one_call_found_by_its_number() {
+        let mut observer = ToolCallObserver::new(&tools());
+        assert!(observer.started(usize::MAX, "c1", "plain").is_some());
+        assert_eq!(
+            observer.started(1 << 40, "c2", "lookup"),
+            None,
+            "waits for its progress"
+        );
+        assert_eq!(
+            (observer.id_of(usize::MAX), observer.name_of(1 << 40)),
+            ("c1", "lookup")
+        );
+        let started = observer.arguments(1 << 40, r#"{"order": "A-1"}"#).expect("started");
+        assert_eq!((started.id.as_str(), started.progress.as_deref()), ("c2", Some("A-1")));
+        assert_eq!(observer.arguments(7, "{}"), None, "no call at 7");
+        assert_eq!(observer.id_of(7), "");
+        let announced: Vec<_> = observer.announced().collect();
+        assert_eq!(announced, [("c1", "plain"), ("c2", "lookup")]);
     }
 
     #[test]
