@@ -361,11 +361,15 @@ pub async fn execute_with(
 }
 
 /// Sends `message` to `agent`'s instance `id` and waits for its reply, unless `stop` comes
-/// first: then the instance's unsettled work is aborted (what the user meant by stopping: a
-/// later process would otherwise finish it, spending model and tool calls; the store is this
-/// process's, so that work is this command's) and the command ends as
-/// [`CliError::Interrupted`] (or [`CliError::Terminated`], for SIGTERM). A stop before the
-/// message was sent sends nothing.
+/// first: then the command ends as [`CliError::Interrupted`] (or [`CliError::Terminated`],
+/// for SIGTERM), and a stop before the message was sent sends nothing.
+///
+/// A stop after it aborts the instance's unsettled work, what the user meant by stopping (a
+/// later process would otherwise finish it, spending model and tool calls): on a store of this
+/// process alone, that work is this command's. On a [shared](crate::store::Store::shared)
+/// store (several nodes on one Postgres) it may be other clients' messages too, and an abort
+/// is instance-wide (reference §3.10), so nothing is aborted there: the message is given back
+/// to the queue as the process stops, and another node finishes it.
 async fn send_until(
     runtime: &Runtime,
     agent: &str,
@@ -385,6 +389,12 @@ async fn send_until(
         signal = &mut stop => signal,
         reply = &mut send => return Ok(reply?),
     };
+    if runtime.store().shared() {
+        tracing::warn!(
+            "stopped: the message is not aborted on a shared store (it may hold other clients' messages); another node finishes it"
+        );
+        return Err(signal.into());
+    }
     // Aborted while the send is still alive, so its admission (which may be committing) and
     // its processing end here, settled, rather than being given back to the queue; asked
     // again while it has not settled, for an admission that committed after the first ask.
@@ -496,12 +506,16 @@ pub enum CliError {
     /// Listening or writing failed.
     #[error("{0}")]
     Io(String),
-    /// `run` was interrupted (Ctrl-C) before the reply came: the message was aborted, or not
-    /// sent when the stop came first.
-    #[error("interrupted before the reply: the message, if it was sent, was aborted")]
+    /// `run` was interrupted (Ctrl-C) before the reply came: the message was aborted (given
+    /// back to the queue on a shared store), or not sent when the stop came first.
+    #[error(
+        "interrupted before the reply: the message, if it was sent, was aborted (on a shared store, left to another node)"
+    )]
     Interrupted,
     /// As [`CliError::Interrupted`], by SIGTERM.
-    #[error("terminated before the reply: the message, if it was sent, was aborted")]
+    #[error(
+        "terminated before the reply: the message, if it was sent, was aborted (on a shared store, left to another node)"
+    )]
     Terminated,
 }
 
@@ -559,6 +573,59 @@ mod tests {
         for (signal, code) in [(StopSignal::Interrupt, 130), (StopSignal::Terminate, 143)] {
             a_run_stopped_by(signal, code).await;
         }
+    }
+
+    /// On a shared store (several nodes), the instance may hold other clients' messages, and
+    /// an abort is instance-wide: stopping `run` aborts none of them, its own included (given
+    /// back to the queue, another node finishes it).
+    #[tokio::test]
+    async fn a_run_stopped_on_a_shared_store_aborts_no_message_of_the_instance() {
+        let model = ScriptedModel::new([ScriptedReply::tool_call("wait_forever", serde_json::json!({}))]);
+        let mut providers = crate::provider::ProviderRegistry::new();
+        providers.register(model.clone());
+        let store = crate::store::MemoryStore::new().as_if_shared();
+        let runtime = Runtime::builder()
+            .store(store.clone())
+            .providers(providers)
+            .agent(waiter)
+            .build()
+            .unwrap();
+        // Another client's message, queued on the instance.
+        let key = crate::store::InstanceKey::new("waiter", "w");
+        let admission = crate::store::Admission {
+            key,
+            submission_id: "sub_other".into(),
+            keyed: false,
+            kind: crate::store::SubmissionKind::Dispatch,
+            message: flue_core::message::DeliveredMessage::user("another client's"),
+            initial_data: None,
+            uid: crate::store::UidCondition::Any,
+            max_attempts: 1,
+            timeout_ms: 60_000,
+            claim: None,
+            trace: None,
+        };
+        let other = crate::store::Store::admit(&store, admission).await.unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stopping = async move {
+            while model.requests().is_empty() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let _ = stop.send(());
+        };
+        let (result, ()) = tokio::join!(
+            send_until(&runtime, "waiter", "w".into(), "go".into(), async {
+                let _ = stopped.await;
+                StopSignal::Interrupt
+            }),
+            stopping
+        );
+        assert_eq!(result.unwrap_err().exit_code(), 130);
+        let row = crate::store::Store::submission(&store, &other.submission.id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(!row.abort_requested, "another client's message is not aborted");
     }
 
     async fn a_run_stopped_by(signal: StopSignal, code: i32) {

@@ -23,6 +23,9 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
+    /// See [`MemoryStore::as_if_shared`].
+    #[cfg(test)]
+    shared: bool,
     sequence: u64,
     submissions: FastMap<String, Submission>,
     /// Hashed, not ordered: every exchange looks its instance up several times, and a lookup
@@ -47,6 +50,14 @@ impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The store, saying it is [shared](Store::shared) with other nodes (a unit test's
+    /// stand-in for a Postgres store).
+    #[cfg(test)]
+    pub(crate) fn as_if_shared(self) -> Self {
+        self.lock().shared = true;
+        self
     }
 
     /// Appends `records` as the attempts that wrote them would, without their authorization
@@ -682,6 +693,11 @@ impl Store for MemoryStore {
             }
         }
         ready(Ok(()))
+    }
+
+    #[cfg(test)]
+    fn shared(&self) -> bool {
+        self.lock().shared
     }
 
     fn list_user_values(
