@@ -1025,8 +1025,10 @@ impl ToolContext {
         Ok(settled)
     }
 
-    /// The thread the call runs in (`None` for standalone runs): its rows, durable values,
-    /// execution context and live events.
+    /// The thread the call runs in: its rows, durable values, execution context and live
+    /// events. `None` for standalone runs, and for a call a delegate makes inside a task: a
+    /// task's child conversation is not a thread of lifecycle hooks (a delegate runs none),
+    /// so a tool meant for delegates too takes `None` as "no thread here".
     pub fn thread(&self) -> Option<&crate::lifecycle::ThreadState> {
         self.inner.thread.as_ref()
     }

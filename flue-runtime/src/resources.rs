@@ -131,6 +131,9 @@ pub(crate) fn fingerprint(rendered: &Rendered, own_tools: usize, environment: Op
         subagent.description().hash(&mut hasher);
         subagent.is_hidden().hash(&mut hasher);
         subagent.optional_flag().hash(&mut hasher);
+        // Whether its flag is on now: a delegate the environment turned on mid-response is
+        // narrated before the next call, as the `task` tool accepts it from then on.
+        subagent.is_enabled(|name| std::env::var(name).ok()).hash(&mut hasher);
     }
     rendered.instruction.as_deref().hash(&mut hasher);
     // A static tool's identity is its definition's, which lives as long as the process.
@@ -389,6 +392,31 @@ mod tests {
             instructions: "i".into(),
             environment: None,
         }
+    }
+
+    /// An optional delegate whose flag the environment turned on (or off) changes what the
+    /// render offers, so its fingerprint: the roster is narrated again before the next call.
+    #[test]
+    fn an_optional_delegate_turned_on_or_off_changes_the_fingerprint() {
+        let flag = "FLUE_TEST_FINGERPRINT_DELEGATE_FLAG";
+        let mut rendered = Rendered::default();
+        rendered.subagents.push(
+            Subagent::new(
+                "helper",
+                "Helps.",
+                flue_core::agent::FnAgent::new(flue_core::AgentDefinition::new("helper"), |_| "Help."),
+            )
+            .optional(flag),
+        );
+        let off = fingerprint(&rendered, 0, None);
+        // SAFETY: a variable of this test alone, read by no other thread.
+        unsafe { std::env::set_var(flag, "1") };
+        let on = fingerprint(&rendered, 0, None);
+        // SAFETY: as above.
+        unsafe { std::env::remove_var(flag) };
+        let off_again = fingerprint(&rendered, 0, None);
+        assert!(off != on, "turned on");
+        assert!(off == off_again, "turned off");
     }
 
     #[test]

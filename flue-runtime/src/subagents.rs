@@ -14,7 +14,8 @@
 //!   answer returns, as the tool result: its final text, or for a run that a tool batch ended
 //!   (every tool of it asked to terminate) that step's text, else what the tools returned.
 //!   A delegate runs no lifecycle hooks: `use_subagent` refuses an agent whose definition
-//!   selects some, and its render cannot select any.
+//!   selects some, and its render cannot select any. Nor do its tools get a thread
+//!   ([`ToolContext::thread`](flue_core::ToolContext::thread) is `None` in a task).
 //! - Delegation is capped at four levels (`delegation_depth_exceeded`); `max_instances` caps
 //!   the tasks of one relationship running at once; `after_subagent_created` runs on the
 //!   parent before the child's first model call.
