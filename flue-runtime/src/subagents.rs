@@ -1534,8 +1534,9 @@ impl ChildSession<'_> {
                     });
                 },
                 |run: &crate::tools::Executed| {
-                    // The tool-result message, when the tool is done (as the root's).
-                    if self.runtime.observed() {
+                    // The tool-result message, when the tool is done (as the root's; none for a
+                    // call the abort ended, whose result is never stored).
+                    if !run.interrupted && self.runtime.observed() {
                         let message = ModelMessage::Tool {
                             tool_call_id: run.call.id.clone(),
                             name: run.call.name.clone(),

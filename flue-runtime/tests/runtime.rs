@@ -2184,6 +2184,53 @@ async fn an_abort_while_a_finish_callback_runs_after_a_durable_answer_settles_co
     assert_eq!(model.requests().len(), 1, "one model call");
 }
 
+static ABORTABLE_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Waits for the abort, then says it stopped.
+#[tool]
+async fn until_aborted(ctx: &ToolContext) -> String {
+    ABORTABLE_STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    ctx.signal().aborted().await;
+    "stopped halfway".to_owned()
+}
+
+#[agent]
+fn abortable_worker() -> &'static str {
+    use_model("scripted/x");
+    use_tool(until_aborted);
+    "Work."
+}
+
+/// A call the abort ended has no stored result (the settlement gives it the unknown
+/// outcome): observers get no tool-result message for it, which a transcript built from
+/// `message_end` would show but the stream never holds.
+#[tokio::test]
+async fn a_tool_the_abort_ended_has_no_result_message_for_observers() {
+    let model = ScriptedModel::new([ScriptedReply::tool_call("until_aborted", json!({}))]);
+    let runtime = runtime_with(&model, vec![abortable_worker.into()]);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&abortable_worker, "w");
+    let receipt = handle.dispatch("go").await.unwrap();
+    while ABORTABLE_STARTS.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    let _ = handle.read(&receipt.submission_id).await.unwrap_err();
+    let mut tool_messages = Vec::new();
+    let mut done = 0;
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::MessageEnd {
+                message: message @ ModelMessage::Tool { .. },
+            } => tool_messages.push(message),
+            Event::ToolCallDone { .. } => done += 1,
+            _ => {}
+        }
+    }
+    assert_eq!(done, 1, "the tool's start has its end");
+    assert!(tool_messages.is_empty(), "{tool_messages:?}");
+}
+
 static STUCK_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 #[agent]

@@ -3276,8 +3276,9 @@ impl Response<'_> {
                         status: if run.output.is_error { "error" } else { "success" }.to_owned(),
                     });
                     // The tool-result message, when the tool is done (its terminal `tool`
-                    // event follows the batch's commit).
-                    if !hooked && runtime.observed() {
+                    // event follows the batch's commit). A call the abort ended has none: its
+                    // result is never stored (the settlement gives it the unknown outcome).
+                    if !hooked && !run.interrupted && runtime.observed() {
                         let message = tool_message(run.call, run.output.to_text(), run.output.is_error);
                         emit_tool_message(runtime, key, submission_id, message);
                     }
