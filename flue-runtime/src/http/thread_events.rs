@@ -60,29 +60,45 @@ fn thread_event(observation: &Observation) -> Option<Value> {
 }
 
 /// The thread events of the instance `key` among `events`, taken off the broadcast as they
-/// come by a task of their own (which ends with the receiver, or with the broadcast): a
-/// reader of the channel falls behind its instance's events only. Beyond [`BACKLOG`] unread,
-/// the newest are dropped (live only, at most once).
-fn instance_events(mut events: broadcast::Receiver<Observation>, key: InstanceKey) -> mpsc::Receiver<Value> {
-    let (sender, receiver) = mpsc::channel(BACKLOG);
+/// come (see [`forwarded`]): a reader falls behind its instance's events only.
+fn instance_events(events: broadcast::Receiver<Observation>, key: InstanceKey) -> mpsc::Receiver<Value> {
+    forwarded(events, BACKLOG, move |observation| {
+        if observation.agent.as_deref() != Some(&*key.agent) || observation.instance_id.as_deref() != Some(&*key.id) {
+            return None;
+        }
+        thread_event(&observation)
+    })
+}
+
+/// What `pick` keeps of `events`, taken off the broadcast as they come by a task of their own
+/// (which ends with the receiver, or with the broadcast), for a reader that may stall (an
+/// SSE connection whose socket is full): read from the broadcast only when the reader goes
+/// on, what it keeps would be skipped with everything else the broadcast's backlog lost
+/// meanwhile. Beyond `backlog` unread, the newest are dropped (live only, at most once).
+pub(super) fn forwarded<T, U>(
+    mut events: broadcast::Receiver<T>,
+    backlog: usize,
+    mut pick: impl FnMut(T) -> Option<U> + Send + 'static,
+) -> mpsc::Receiver<U>
+where
+    T: Clone + Send + 'static,
+    U: Send + 'static,
+{
+    let (sender, receiver) = mpsc::channel(backlog);
     tokio::spawn(async move {
         loop {
-            let observation = tokio::select! {
+            let event = tokio::select! {
                 () = sender.closed() => return,
                 received = events.recv() => match received {
-                    Ok(observation) => observation,
+                    Ok(event) => event,
                     // Only the broadcast's own backlog overran: this task was not scheduled
                     // for that long.
                     Err(RecvError::Lagged(_)) => continue,
                     Err(RecvError::Closed) => return,
                 },
             };
-            if observation.agent.as_deref() != Some(&*key.agent) || observation.instance_id.as_deref() != Some(&*key.id)
-            {
-                continue;
-            }
-            if let Some(event) = thread_event(&observation) {
-                let _ = sender.try_send(event);
+            if let Some(kept) = pick(event) {
+                let _ = sender.try_send(kept);
             }
         }
     });

@@ -3,7 +3,8 @@
 //! as `{"event","data"}`, with heartbeat comments. Connecting runs the `user_client_attached`
 //! hooks and disconnecting the `user_client_detached` hooks, with `{id, kind}` from the
 //! `client_id` (a fresh id when absent) and `client_kind` query parameters. Live only, at most
-//! once: a reader that falls behind skips what it missed.
+//! once: a reader that falls behind its user's events by more than [`BACKLOG`] skips what it
+//! missed (other users' events never make it skip: see [`super::thread_events::forwarded`]).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -17,17 +18,20 @@ use axum::response::Response;
 use flue_core::lifecycle::ClientInfo;
 use futures_util::StreamExt;
 use serde_json::json;
-use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
 
 use super::HttpOptions;
 use super::error::ApiError;
+use crate::lifecycle::UserEvent;
 use crate::lifecycle::user::{UserHookEvent, dispatch};
 use crate::record::new_id;
 use crate::runtime::RuntimeInner;
 
 /// The longest client id or kind accepted.
 const MAX_CLIENT_FIELD: usize = 256;
+
+/// How many of its user's events a reader may fall behind by before it skips some.
+const BACKLOG: usize = 256;
 
 #[derive(Clone)]
 pub(super) struct UserRoutes {
@@ -91,7 +95,17 @@ pub(super) async fn get_user_events(
         return Ok(event_stream(Body::empty()));
     }
     // Subscribed before the hooks hear of the client: nothing it emits in reply is missed.
-    let events = routes.runtime.user_events.subscribe();
+    let events = {
+        let user_id = user_id.clone();
+        super::thread_events::forwarded(
+            routes.runtime.user_events.subscribe(),
+            BACKLOG,
+            move |event: UserEvent| {
+                (*event.user_id == *user_id)
+                    .then(|| format!("data:{}\n\n", json!({"event": event.event, "data": event.data})))
+            },
+        )
+    };
     dispatch(&routes.runtime, &user_id, UserHookEvent::ClientAttached(client.clone()));
     let ready = json!({"event": "stream_ready", "data": {"client_id": client.id}});
     let attached = Attached {
@@ -107,23 +121,15 @@ pub(super) async fn get_user_events(
         if let Some(first) = first {
             return Some((Ok::<_, Infallible>(first), (events, attached, beat, None)));
         }
-        loop {
-            let frame = match tokio::time::timeout_at(beat, events.recv()).await {
-                Err(_) => {
-                    beat = Instant::now() + heartbeat;
-                    ": heartbeat\n\n".to_owned()
-                }
-                Ok(Ok(event)) => {
-                    if *event.user_id != *attached.user_id {
-                        continue;
-                    }
-                    format!("data:{}\n\n", json!({"event": event.event, "data": event.data}))
-                }
-                Ok(Err(RecvError::Lagged(_))) => continue,
-                Ok(Err(RecvError::Closed)) => return None,
-            };
-            return Some((Ok(Bytes::from(frame)), (events, attached, beat, None)));
-        }
+        let frame = match tokio::time::timeout_at(beat, events.recv()).await {
+            Err(_) => {
+                beat = Instant::now() + heartbeat;
+                ": heartbeat\n\n".to_owned()
+            }
+            Ok(Some(frame)) => frame,
+            Ok(None) => return None,
+        };
+        Some((Ok(Bytes::from(frame)), (events, attached, beat, None)))
     })
     // A runtime shutting down ends the stream.
     .take_until(closed);
