@@ -583,7 +583,7 @@ mod tests {
         let model = ScriptedModel::new([ScriptedReply::tool_call("wait_forever", serde_json::json!({}))]);
         let mut providers = crate::provider::ProviderRegistry::new();
         providers.register(model.clone());
-        let store = crate::store::MemoryStore::new().as_if_shared();
+        let store = crate::store::MemoryStore::new().pretending_shared();
         let runtime = Runtime::builder()
             .store(store.clone())
             .providers(providers)

@@ -23,7 +23,7 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
-    /// See [`MemoryStore::as_if_shared`].
+    /// See [`MemoryStore::pretending_shared`].
     #[cfg(test)]
     shared: bool,
     sequence: u64,
@@ -55,7 +55,7 @@ impl MemoryStore {
     /// The store, saying it is [shared](Store::shared) with other nodes (a unit test's
     /// stand-in for a Postgres store).
     #[cfg(test)]
-    pub(crate) fn as_if_shared(self) -> Self {
+    pub(crate) fn pretending_shared(self) -> Self {
         self.lock().shared = true;
         self
     }
