@@ -369,7 +369,7 @@ pub async fn execute_with(
 /// process alone, that work is this command's. On a [shared](crate::store::Store::shared)
 /// store (several nodes on one Postgres) it may be other clients' messages too, and an abort
 /// is instance-wide (reference §3.10), so nothing is aborted there: the message is given back
-/// to the queue as the process stops, and another node finishes it.
+/// to the queue as the process stops, for the next node that runs the instance.
 async fn send_until(
     runtime: &Runtime,
     agent: &str,
@@ -391,7 +391,7 @@ async fn send_until(
     };
     if runtime.store().shared() {
         tracing::warn!(
-            "stopped: the message is not aborted on a shared store (it may hold other clients' messages); another node finishes it"
+            "stopped: on a shared store the message is not aborted (the instance may hold other clients' messages); it is left queued for the next node that runs the instance"
         );
         return Err(signal.into());
     }
@@ -509,12 +509,12 @@ pub enum CliError {
     /// `run` was interrupted (Ctrl-C) before the reply came: the message was aborted (given
     /// back to the queue on a shared store), or not sent when the stop came first.
     #[error(
-        "interrupted before the reply: the message, if it was sent, was aborted (on a shared store, left to another node)"
+        "interrupted before the reply: the message, if it was sent, was aborted (or, on a shared store, left queued)"
     )]
     Interrupted,
     /// As [`CliError::Interrupted`], by SIGTERM.
     #[error(
-        "terminated before the reply: the message, if it was sent, was aborted (on a shared store, left to another node)"
+        "terminated before the reply: the message, if it was sent, was aborted (or, on a shared store, left queued)"
     )]
     Terminated,
 }

@@ -619,7 +619,8 @@ pub struct TurnResponse {
     /// `error` or `aborted` when the call failed; `contentFilter` when the provider filtered
     /// the output, `hookBlocked` when `prefilter_llm_history` blocked the call.
     pub finish_reason: String,
-    /// The answer text, as the model gave it.
+    /// The answer text, as the model gave it, or as the selected `before_update_message`
+    /// hooks left it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub text: String,
     /// The tool calls, in order.

@@ -112,6 +112,17 @@ impl PartialEq for Fingerprint {
 
 /// The [`Fingerprint`] of `rendered` (allocates only to hold rebuilt tools and skills).
 pub(crate) fn fingerprint(rendered: &Rendered, own_tools: usize, environment: Option<&str>) -> Fingerprint {
+    fingerprint_under(rendered, own_tools, environment, |name| std::env::var(name).ok())
+}
+
+/// [`fingerprint`], with the process's environment read through `env` (whether an optional
+/// delegate's flag is on).
+fn fingerprint_under(
+    rendered: &Rendered,
+    own_tools: usize,
+    environment: Option<&str>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Fingerprint {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     // The sandbox's and the framework's tools follow the agent's; the environment and the
@@ -133,7 +144,7 @@ pub(crate) fn fingerprint(rendered: &Rendered, own_tools: usize, environment: Op
         subagent.optional_flag().hash(&mut hasher);
         // Whether its flag is on now: a delegate the environment turned on mid-response is
         // narrated before the next call, as the `task` tool accepts it from then on.
-        subagent.is_enabled(|name| std::env::var(name).ok()).hash(&mut hasher);
+        subagent.is_enabled(&env).hash(&mut hasher);
     }
     rendered.instruction.as_deref().hash(&mut hasher);
     // A static tool's identity is its definition's, which lives as long as the process.
@@ -408,13 +419,11 @@ mod tests {
             )
             .optional(flag),
         );
-        let off = fingerprint(&rendered, 0, None);
-        // SAFETY: a variable of this test alone, read by no other thread.
-        unsafe { std::env::set_var(flag, "1") };
-        let on = fingerprint(&rendered, 0, None);
-        // SAFETY: as above.
-        unsafe { std::env::remove_var(flag) };
-        let off_again = fingerprint(&rendered, 0, None);
+        let unset = |_: &str| None;
+        let set = |name: &str| (name == flag).then(|| "1".to_owned());
+        let off = fingerprint_under(&rendered, 0, None, unset);
+        let on = fingerprint_under(&rendered, 0, None, set);
+        let off_again = fingerprint_under(&rendered, 0, None, unset);
         assert!(off != on, "turned on");
         assert!(off == off_again, "turned off");
     }

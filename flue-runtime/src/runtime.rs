@@ -1545,7 +1545,9 @@ impl AgentHandle {
     }
 
     /// Requests an abort of every unsettled submission of the instance. Returns whether any
-    /// was affected; settlement as aborted happens asynchronously.
+    /// was affected; settlement as aborted happens asynchronously. A response whose end was
+    /// already durable (its final answer committed, its finish callbacks still running) wins
+    /// the race and settles completed (reference §3.10).
     pub async fn abort(&self) -> Result<bool, RuntimeError> {
         if check_instance_id(&self.key.id).is_err() {
             return Ok(false);

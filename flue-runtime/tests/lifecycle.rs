@@ -1744,6 +1744,45 @@ async fn execution_stop_ends_the_response_without_another_model_call() {
     assert_eq!(model.requests().len(), 1);
 }
 
+/// Ends the execution, and the turn (a batch of only terminating tools ends it).
+#[tool(terminate)]
+async fn halt_here(ctx: &ToolContext) -> String {
+    ctx.thread().unwrap().execution().unwrap().stop();
+    "handed over".into()
+}
+
+#[agent]
+fn halting_checked() -> &'static str {
+    use_model("scripted/x");
+    use_tool(halt_here);
+    use_agent_finish(|ctx| async move {
+        ctx.append(Signal::new("todo", "Check once more."))?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "H"
+}
+
+/// `stop()` ends the response with what it has: a finish callback's append at its would-stop
+/// point, which no model call could answer, is not stored, and the response completes (it
+/// does not fail as an append at a spent `max_steps` does).
+#[tokio::test]
+async fn a_finish_append_after_a_stop_is_not_stored_and_the_response_completes() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("halt_here", json!({})),
+        ScriptedReply::text("never"),
+    ]);
+    let runtime = runtime_with(&model, vec![halting_checked.into()]);
+    runtime.init(&halting_checked, "h").send("go").await.unwrap();
+    assert_eq!(model.requests().len(), 1);
+    let stored = bodies(&runtime, "halting_checked", "h").await;
+    assert!(
+        !stored
+            .iter()
+            .any(|body| matches!(body, RecordBody::Signal { .. } | RecordBody::AgentFinishCycle)),
+        "{stored:?}"
+    );
+}
+
 #[hook(before_create_message)]
 async fn refuse_forbidden(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
     if message.content.as_deref() == Some("forbidden") {

@@ -10,10 +10,14 @@ use crate::event_hooks::{AgentFinishContext, AgentFinishHook, IntoCallbackResult
 /// order; 32 continued cycles per response is the ceiling. A returned error fails the
 /// submission. Panics in subagent renders.
 ///
-/// A response whose `max_steps` run out in a tool batch (or whose execution a hook stopped)
-/// ends without a would-stop point. When the model stops on the last step it may take, the
-/// callbacks run, and an append, which nothing could answer, fails the submission
-/// (`agent_finish_unanswerable`) instead of being committed.
+/// A response whose `max_steps` run out in a tool batch, or whose execution was stopped
+/// (`ExecutionState::stop`) before its turns ended, has no would-stop point. At one where no
+/// model call may follow (the model stopped on the last step it may take, or the execution
+/// was stopped in the last batch), the callbacks run and an append is not stored, since
+/// nothing could answer it: at a spent `max_steps` it fails the submission
+/// (`agent_finish_unanswerable`); after a stop the response completes with what it has. A
+/// callback that fails because the abort signal fired after the response's end was durable
+/// does not fail the submission: the response ends as it is, completed.
 #[track_caller]
 pub fn use_agent_finish<F, Fut>(run: F)
 where

@@ -96,8 +96,9 @@ pub(crate) struct Conversation {
     results_at: usize,
     open_step: Option<OpenStep>,
     outcomes: Vec<PendingOutcome>,
-    /// What the stream says about each submission it mentions (one entry per submission, so
-    /// a record updates one map).
+    /// What the stream says about each unsettled submission it mentions (one entry per
+    /// submission, so a record updates one map; dropped at its settlement). The questions
+    /// below that read it are asked of unsettled submissions only.
     progress: FastMap<Arc<str>, Progress>,
     /// Whether any input record is in the stream.
     any_input: bool,

@@ -706,19 +706,9 @@ impl InstanceSlot {
         // hook or tool that failed because of the signal (it listened to it) fails with the
         // abort, not with an error of its own. An abort the deadline fired (the first reason
         // wins) is the timeout. (A node giving the attempt back is handled below.)
-        //
-        // An abort or a deadline that loses the race to the response's end settles completed
-        // (reference §3.10), whatever a finish callback still running then did with the
-        // signal: its final answer (or finish batch) is durable, as when a callback deaf to it
-        // is given up above.
+        // (An abort that lost the race to the response's end, a finish callback failing
+        // because of it, ended the response as it is: see `would_stop`.)
         let result = match result {
-            Err(_)
-                if attempt.signal.is_aborted()
-                    && attempt.signal.reason() != Some(binding::RELEASED)
-                    && response.conversation.has_ended(&submission.id) =>
-            {
-                Ok(())
-            }
             Err(_) if attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => Err(timed_out()),
             Err(_) if attempt.signal.is_aborted() && attempt.signal.reason() != Some(binding::RELEASED) => {
                 Err(Failure::aborted())
@@ -1977,12 +1967,7 @@ impl Response<'_> {
                 self.end_agent_run();
                 let rendered = self.spare.take().unwrap_or_default();
                 let steps_again = self
-                    .would_stop(
-                        &rendered,
-                        &model.spec,
-                        self.can_step(steps, max_steps),
-                        &mut finish_cycles,
-                    )
+                    .would_stop(&rendered, &model.spec, (steps, max_steps), &mut finish_cycles)
                     .await;
                 self.spare = Some(rendered);
                 if !steps_again? {
@@ -2364,16 +2349,30 @@ impl Response<'_> {
         &mut self,
         rendered: &Rendered,
         spec: &str,
-        can_step: bool,
+        (steps, max_steps): (u32, u32),
         finish_cycles: &mut u32,
     ) -> Result<bool, Failure> {
         if self.run_queued_tools(rendered, spec).await?.is_some() {
             return Ok(true);
         }
-        if can_step && self.join_queued().await? {
+        // Read afresh at each use: a hook that ran meanwhile may have stopped the execution.
+        if self.can_step(steps, max_steps) && self.join_queued().await? {
             return Ok(true);
         }
-        let appended = self.finish_cycle(rendered).await?;
+        let appended = match self.finish_cycle(rendered).await {
+            Ok(appended) => appended,
+            // The abort (or the deadline) fired while a callback ran, after the response's end
+            // was durable: it lost the race to completion (reference §3.10), and a callback
+            // that failed because of it (it listened) fails with it, not on its own. The
+            // response ends as it is, through its finish callbacks and batch, as when the
+            // callbacks append nothing (what an earlier callback of the cycle appended is not
+            // answered: the response is not continued after an abort).
+            Err(failure) if self.attempt.signal.is_aborted() && self.conversation.has_ended(&self.submission.id) => {
+                tracing::debug!(instance = %self.key, submission = %self.submission.id, error = %failure.error.message, "a use_agent_finish callback failed after the abort signal fired; the response ends as it is");
+                return Ok(false);
+            }
+            Err(failure) => return Err(failure),
+        };
         if appended.is_empty() {
             self.commit(Vec::new(), true).await?;
             // Calls a finish callback or a hook of that commit queued run now (the model sees
@@ -2383,20 +2382,21 @@ impl Response<'_> {
             }
             // Joins again after a no-append cycle, in case a hook dispatched: a joined delivery
             // drives another turn (not a counted cycle).
-            return Ok(can_step && self.join_queued().await?);
+            return Ok(self.can_step(steps, max_steps) && self.join_queued().await?);
         }
-        if !can_step {
-            // Nothing could answer the append: committed, it would sit unanswered in the
-            // stream and the next response's model would read it as meant for its own answer.
-            let why = if self.execution.stopped() {
-                "the execution was stopped"
-            } else {
-                "its max_steps are spent"
-            };
+        if self.execution.stopped() {
+            // Stopped on purpose: the response completes with what it has, and no model call
+            // could answer the append, which committed would sit unanswered in the stream (the
+            // next response's model would read it as meant for its own answer).
+            tracing::warn!(instance = %self.key, submission = %self.submission.id, signals = appended.len(), "use_agent_finish appended a continuation signal after the execution was stopped; the signal is not stored and the response completes");
+            return Ok(false);
+        }
+        if steps >= max_steps {
+            // Nothing could answer the append either; but the check it makes was not met.
             return Err(Failure::failed(
                 "agent_finish_unanswerable",
                 format!(
-                    "[flue] use_agent_finish appended a continuation signal, but the response can make no further model call ({why}). The response is failing loudly instead of settling with the check unmet; raise max_steps, or make the hook accept the answer when no step is left."
+                    "[flue] use_agent_finish appended a continuation signal, but the response has spent its max_steps ({max_steps}) and can make no further model call; the signal was not stored. The response is failing loudly instead of settling with the check unmet: raise max_steps, or make the hook give up after a bounded number of attempts."
                 ),
             ));
         }
@@ -2752,6 +2752,8 @@ impl Response<'_> {
         // What the row's create hooks set before the model was called.
         let created_updates = row_updates.unwrap_or_default();
         self.budget.called(&response.usage, history_len);
+        // The call's own duration (the row hooks below are not the model's time).
+        let duration_ms = started.elapsed().as_millis() as u64;
         let mut response = response;
         let mut completion_updates = flue_core::lifecycle::MessageUpdates::new();
         if self.shapes_assistant_rows() {
@@ -2772,7 +2774,7 @@ impl Response<'_> {
             turn_id: turn_id.get(),
             purpose: TurnPurpose::Agent,
             step,
-            duration_ms: started.elapsed().as_millis() as u64,
+            duration_ms,
             request: turn_request(provider, model_id, thinking),
             response: TurnResponse {
                 finish_reason: response.stop_reason.to_string(),
@@ -3273,7 +3275,14 @@ impl Response<'_> {
                     runtime.emit_with(key, Some(submission_id), || Event::ToolCallDone {
                         tool_call_id: run.call.id.clone(),
                         tool_name: run.call.name.clone(),
-                        status: if run.output.is_error { "error" } else { "success" }.to_owned(),
+                        // A call the abort ended has no result: whatever it returned, it is
+                        // not a success the conversation keeps.
+                        status: if run.output.is_error || run.interrupted {
+                            "error"
+                        } else {
+                            "success"
+                        }
+                        .to_owned(),
                     });
                     // The tool-result message, when the tool is done (its terminal `tool`
                     // event follows the batch's commit). A call the abort ended has none: its
