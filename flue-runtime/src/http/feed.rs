@@ -12,6 +12,7 @@ use axum::body::Bytes;
 use serde_json::Value;
 
 use super::projection::{Projection, READ_PAGE};
+use super::reads::DataFrames;
 use crate::record::Batch;
 use crate::runtime::RuntimeInner;
 use crate::store::InstanceKey;
@@ -24,9 +25,15 @@ const WINDOW: usize = 1024;
 /// window no longer covers projects for itself.
 const WINDOW_BYTES: usize = 8 * 1024 * 1024;
 
-/// One SSE data frame of `chunks` (none when the batch projects to nothing).
+/// The SSE data frames of one batch's `chunks` (none when the batch projects to nothing),
+/// split as a reader catching up gets them ([`DataFrames`]): a batch of several large chunks
+/// (a step's parallel tool outputs) is more than one event, none past what a client buffers.
 pub(super) fn data_frame(chunks: Vec<Value>) -> Option<String> {
-    (!chunks.is_empty()).then(|| format!("event: data\ndata:{}\n\n", Value::Array(chunks)))
+    let mut frames = DataFrames::default();
+    for chunk in &chunks {
+        frames.push(&chunk.to_string());
+    }
+    Some(frames.finish()).filter(|frames| !frames.is_empty())
 }
 
 /// What the feed holds: the fold of the stream through `offset`, and the frames of the
@@ -186,6 +193,26 @@ impl Feeds {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch of several large chunks (a step's parallel tool outputs) reaches live readers
+    /// in several data events, each a whole number of chunks and none past what a client
+    /// buffers for one unless a chunk alone is that large; small batches stay one event.
+    #[test]
+    fn a_batch_of_large_chunks_is_several_data_events_of_whole_chunks() {
+        let output =
+            |fill: char| serde_json::json!({"type": "tool-output", "output": fill.to_string().repeat(600 * 1024)});
+        let frames = data_frame(vec![output('a'), output('b'), output('c')]).unwrap();
+        let events: Vec<&str> = frames.split_terminator("\n\n").collect();
+        assert_eq!(events.len(), 3, "one event per 600 KiB chunk");
+        for (event, fill) in events.iter().zip(['a', 'b', 'c']) {
+            let data = event.strip_prefix("event: data\ndata:").unwrap();
+            let chunks: Vec<Value> = serde_json::from_str(data).unwrap();
+            assert_eq!(chunks, [output(fill)]);
+        }
+        let small = data_frame(vec![serde_json::json!({"type": "a"}), serde_json::json!({"type": "b"})]).unwrap();
+        assert_eq!(small, "event: data\ndata:[{\"type\":\"a\"},{\"type\":\"b\"}]\n\n");
+        assert_eq!(data_frame(Vec::new()), None);
+    }
 
     fn window(sizes: &[usize]) -> (VecDeque<(u64, Bytes)>, usize) {
         let frames: VecDeque<(u64, Bytes)> = sizes

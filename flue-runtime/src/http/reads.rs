@@ -23,10 +23,47 @@ use crate::runtime::RuntimeInner;
 use crate::session::InstanceSlot;
 use crate::store::{InstanceKey, Store, StoreError};
 
-/// The size past which an SSE reader catching up gets its chunks in more than one data frame
-/// (one chunk is never split: a message at the request body limit is one frame that large,
-/// which a client of this crate reads by default).
+/// The size past which an SSE reader gets its chunks in more than one data frame (one chunk is
+/// never split: a message at the request body limit is one frame that large, which a client
+/// of this crate reads by default).
 const FRAME_BYTES: usize = 1024 * 1024;
+
+/// SSE data frames of serialized chunks, in order: a frame is closed before it would pass
+/// [`FRAME_BYTES`] (a frame of many big chunks would pass what a client may buffer for one
+/// event, and it could never get past it), one chunk alone being as large as it is.
+#[derive(Default)]
+pub(super) struct DataFrames {
+    frames: String,
+    frame: String,
+}
+
+impl DataFrames {
+    /// Adds one serialized chunk (or several, already joined with commas).
+    pub(super) fn push(&mut self, chunk: &str) {
+        if !self.frame.is_empty() && self.frame.len() + chunk.len() > FRAME_BYTES {
+            self.close();
+        }
+        if !self.frame.is_empty() {
+            self.frame.push(',');
+        }
+        self.frame.push_str(chunk);
+    }
+
+    fn close(&mut self) {
+        self.frames.push_str("event: data\ndata:[");
+        self.frames.push_str(&self.frame);
+        self.frames.push_str("]\n\n");
+        self.frame.clear();
+    }
+
+    /// The frames (empty when no chunk was pushed).
+    pub(super) fn finish(mut self) -> String {
+        if !self.frame.is_empty() {
+            self.close();
+        }
+        self.frames
+    }
+}
 
 /// The query's pairs, decoded, in order.
 pub(super) fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String)> + '_ {
@@ -507,45 +544,25 @@ impl SseStream {
             taken += 1;
         }
         self.pending.drain(..taken);
-        let mut frames = String::new();
-        let mut frame = String::new();
-        for chunk in serialized {
-            if !frame.is_empty() && frame.len() + chunk.len() > FRAME_BYTES {
-                frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
-                frame.clear();
-            }
-            if !frame.is_empty() {
-                frame.push(',');
-            }
-            frame.push_str(&chunk);
+        let mut frames = DataFrames::default();
+        for chunk in &serialized {
+            frames.push(chunk);
         }
-        if !frame.is_empty() {
-            frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
-        }
+        let mut frames = frames.finish();
         let up_to_date = self.pending.is_empty() && !self.more;
         frames.push_str(&self.control(up_to_date));
         frames
     }
 
     /// Sends a page of the cache's window: its batches' chunks in data frames (split between
-    /// batches before a frame passes [`FRAME_BYTES`]; a window holds far less than one).
+    /// batches before a frame passes [`FRAME_BYTES`]; the window keeps no batch of more than
+    /// a fraction of one).
     fn send_page(&mut self, page: Page) -> String {
-        let mut frames = String::new();
-        let mut frame = String::new();
+        let mut frames = DataFrames::default();
         for chunks in &page.chunks {
-            let chunks = std::str::from_utf8(chunks).unwrap_or_default();
-            if !frame.is_empty() && frame.len() + chunks.len() > FRAME_BYTES {
-                frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
-                frame.clear();
-            }
-            if !frame.is_empty() {
-                frame.push(',');
-            }
-            frame.push_str(chunks);
+            frames.push(std::str::from_utf8(chunks).unwrap_or_default());
         }
-        if !frame.is_empty() {
-            frames.push_str(&format!("event: data\ndata:[{frame}]\n\n"));
-        }
+        let mut frames = frames.finish();
         self.offset = page.next;
         frames.push_str(&self.control(page.up_to_date));
         frames
