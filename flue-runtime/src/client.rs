@@ -54,8 +54,10 @@ pub enum ClientError {
         reference: Option<String>,
     },
     /// The instance's stream was replaced while it was followed (its incarnation changed: the
-    /// instance was deleted and made again, or the server's store is another): what was read
-    /// of the old stream does not continue into the new one. Follow it again from the start.
+    /// instance was deleted and made again, or the server's store is another), told by a
+    /// checkpoint, or by a 416 of the new incarnation when the new stream is shorter than what
+    /// was read: what was read of the old stream does not continue into the new one. Follow
+    /// it again from the start.
     #[error(
         "the instance's stream was replaced (incarnation {previous}, now {current}): follow it again from the start"
     )]
@@ -661,6 +663,16 @@ impl Follow {
                     }
                     // A request timeout or a rate limit passes: asked again after the backoff.
                     Err(error @ ClientError::Api { status: 408 | 429, .. }) => self.failed(error),
+                    // Beyond the head of another incarnation: the stream was replaced by a
+                    // shorter one (an append-only stream never shrinks).
+                    Err(ClientError::Api {
+                        status: 416,
+                        meta: Some(meta),
+                        ..
+                    }) if self.replaced_by(&meta).is_some() => {
+                        self.ended = true;
+                        return self.replaced_by(&meta).map(Err);
+                    }
                     // What the server refuses (404, 416, …) stays refused, and an answer that
                     // is not the protocol stays so: the stream ends with the error (asking
                     // again would only hammer the server). It retries the rest.
@@ -721,6 +733,17 @@ impl Follow {
         }
         self.parser = SseParser::new(self.instance.client.max_event_bytes);
         self.failed(error);
+    }
+
+    /// The replacement a 416's `meta` tells of: the stream's incarnation there, when it is not
+    /// the one followed until then.
+    fn replaced_by(&self, meta: &Value) -> Option<ClientError> {
+        let previous = self.incarnation.as_deref()?;
+        let current = meta["incarnation"].as_str().filter(|current| !current.is_empty())?;
+        (current != previous).then(|| ClientError::StreamReplaced {
+            previous: previous.to_owned(),
+            current: current.to_owned(),
+        })
     }
 
     /// A connection failed with `error`: the next is made after a pause, unless too many in a
@@ -1186,6 +1209,51 @@ mod tests {
             matches!(&items[1], Err(ClientError::StreamReplaced { previous, current }) if previous == "inst_a" && current == "inst_b"),
             "{items:?}"
         );
+    }
+
+    /// A stream replaced by a shorter one (the server's store started over, the instance was
+    /// made again with fewer batches) answers the reconnection 416: with another incarnation
+    /// in its meta, that is the replacement, not an offset the client got wrong; with the one
+    /// followed, it stays the server's refusal.
+    #[tokio::test]
+    async fn a_replacement_shorter_than_the_offset_read_is_reported_replaced() {
+        let gone = |incarnation: &str| {
+            let body = format!(
+                "{{\"error\":{{\"type\":\"stream_offset_gone\",\"message\":\"The requested offset is beyond the end of the stream.\",\"details\":\"\",\"meta\":{{\"offset\":\"0000000000000000_0000000000000040\",\"nextOffset\":\"0000000000000000_0000000000000002\",\"incarnation\":\"{incarnation}\"}}}}}}"
+            );
+            format!(
+                "HTTP/1.1 416 Range Not Satisfiable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+        };
+        let followed = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"position\":{\"batch\":40,\"index\":0}}]\n\n\
+             event: control\ndata:{\"streamNextOffset\":\"0000000000000000_0000000000000040\"}\n\n";
+        for (incarnation, replaced) in [("inst_b", true), ("inst_a", false)] {
+            // Leaked: the test server serves `'static` answers (a few hundred bytes, twice).
+            let gone: &'static str = Box::leak(gone(incarnation).into_boxed_str());
+            let base = answering_in_turn(vec![followed, gone]).await;
+            let client = Client::new(base).unwrap();
+            let items = tokio::time::timeout(
+                Duration::from_secs(10),
+                client.instance("assistant", "i").follow("-1").collect::<Vec<_>>(),
+            )
+            .await
+            .expect("the stream ends");
+            assert_eq!(items.len(), 2, "{items:?}");
+            if replaced {
+                assert!(
+                    matches!(&items[1], Err(ClientError::StreamReplaced { previous, current }) if previous == "inst_a" && current == "inst_b"),
+                    "{items:?}"
+                );
+            } else {
+                assert!(
+                    matches!(&items[1], Err(ClientError::Api { status: 416, .. })),
+                    "{items:?}"
+                );
+            }
+        }
     }
 
     /// The error envelope reaches the caller whole, with the reference the server logged the

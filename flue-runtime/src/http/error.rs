@@ -182,15 +182,22 @@ impl ApiError {
         )
     }
 
-    /// 416 `stream_offset_gone`: a read from beyond the stream's head.
-    pub fn stream_offset_gone(offset: &str, next_offset: &str) -> Self {
+    /// 416 `stream_offset_gone`: a read from beyond the stream's head. Its meta has the
+    /// reference's `offset` and `nextOffset`, and the stream's `incarnation` (this server's
+    /// addition): a reader that followed another incarnation tells its stream was replaced by
+    /// a shorter one, not that it asked for too much.
+    pub fn stream_offset_gone(offset: &str, next_offset: &str, incarnation: Option<&str>) -> Self {
+        let mut meta = json!({"offset": offset, "nextOffset": next_offset});
+        if let Some(incarnation) = incarnation {
+            meta["incarnation"] = json!(incarnation);
+        }
         Self::new(
             StatusCode::RANGE_NOT_SATISFIABLE,
             "stream_offset_gone",
             "The requested offset is beyond the end of the stream.",
             format!("Read from {next_offset} or earlier."),
         )
-        .with_meta(json!({"offset": offset, "nextOffset": next_offset}))
+        .with_meta(meta)
     }
 
     /// 503 `runtime_unavailable` (with `Retry-After: 1`).

@@ -257,7 +257,11 @@ pub(super) async fn get_stream(
                         ));
                     }
                     Some(Lookup::Gone(head)) => {
-                        return Err(ApiError::stream_offset_gone(&requested, &wire_offset(head)));
+                        return Err(ApiError::stream_offset_gone(
+                            &requested,
+                            &wire_offset(head),
+                            incarnation.as_deref(),
+                        ));
                     }
                     Some(Lookup::Missing) | None => {}
                 }
@@ -268,7 +272,11 @@ pub(super) async fn get_stream(
                 };
                 if after > Some(head) {
                     // The offset as the client wrote it (`5_9` stays `5_9`).
-                    return Err(ApiError::stream_offset_gone(&requested, &wire_offset(Some(head))));
+                    return Err(ApiError::stream_offset_gone(
+                        &requested,
+                        &wire_offset(Some(head)),
+                        incarnation.as_deref(),
+                    ));
                 }
                 let mut projection = Projection::new(&key.stream_path());
                 if let Some(after) = after {
@@ -330,7 +338,9 @@ async fn updates(
             Lookup::Page(page) => page,
             Lookup::Missing => return Err(ApiError::stream_not_found(&key.stream_path())),
             // The offset as the client wrote it (`5_9` stays `5_9`).
-            Lookup::Gone(head) => return Err(ApiError::stream_offset_gone(requested, &wire_offset(head))),
+            Lookup::Gone(head) => {
+                return Err(ApiError::stream_offset_gone(requested, &wire_offset(head), incarnation));
+            }
         };
         if page.next != after || !long_poll || Instant::now() >= deadline || runtime.is_closed() {
             let mut response = page.body(incarnation.unwrap_or_default()).into_response();
