@@ -345,6 +345,17 @@ async fn json_of(response: reqwest::Response, limit: usize) -> Result<Value, Cli
                 "the server answered {status} without the protocol's error envelope: is the client's base URL a flue server's?"
             )));
         }
+        // A gateway's 5xx page (HTML): the server's failure all the same, as the error says.
+        Err(_) if status >= 500 => {
+            return Err(ClientError::Api {
+                status,
+                error_type: String::new(),
+                message: format!("the server answered {status}"),
+                details: String::new(),
+                meta: None,
+                reference: header_reference,
+            });
+        }
         Err(error) => {
             return Err(ClientError::Transport(format!(
                 "the server answered {status} with no JSON: {error}"
@@ -1279,6 +1290,17 @@ mod tests {
         .await;
         let error = Client::new(gateway).unwrap().catalog().await.unwrap_err();
         assert!(matches!(error, ClientError::Protocol(_)), "{error:?}");
+        // A gateway's HTML 502 is the server's failure, with its status (a caller retries it).
+        let html = answering(
+            "HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/html\r\nflue-error-ref: err_02\r\n\
+             content-length: 13\r\nconnection: close\r\n\r\n<h1>502</h1>\n",
+        )
+        .await;
+        let error = Client::new(html).unwrap().catalog().await.unwrap_err();
+        assert!(
+            matches!(&error, ClientError::Api { status: 502, error_type, reference: Some(reference), .. } if error_type.is_empty() && reference == "err_02"),
+            "{error:?}"
+        );
     }
 
     #[tokio::test]

@@ -967,6 +967,37 @@ async fn unauthorized_names_the_key_variable_and_never_shows_the_key() {
     assert!(error.message.contains("FLUE_TEST_ANTHROPIC_KEY"), "{}", error.message);
 }
 
+/// A scripted header replaces the fixture's own of that name: a reply scripted as HTML is
+/// served as HTML alone (two content types would leave a test of a provider's content-type
+/// check reading the fixture's default); several scripted values of one name all go.
+#[tokio::test]
+async fn a_scripted_header_replaces_the_fixtures_own_of_that_name() {
+    let server = FixtureServer::start().await;
+    server.push(
+        FixtureReply::status(502, "<h1>502</h1>")
+            .header("content-type", "text/html")
+            .header("x-seen", "a")
+            .header("x-seen", "b"),
+    );
+    let response = reqwest::Client::new()
+        .post(format!("{}/chat/completions", server.base_url()))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    let values = |name: &str| -> Vec<String> {
+        response
+            .headers()
+            .get_all(name)
+            .iter()
+            .map(|value| value.to_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(values("content-type"), ["text/html"]);
+    assert_eq!(values("x-seen"), ["a", "b"]);
+    assert_eq!(values("cache-control"), ["no-cache"]);
+}
+
 #[tokio::test]
 async fn a_key_straddling_the_end_of_the_quoted_error_page_is_not_partly_shown() {
     let server = FixtureServer::start().await;

@@ -84,7 +84,9 @@ pub const FIXTURE_USAGE: Usage = Usage {
 /// How many characters a convenience reply puts in one tool-argument chunk.
 const DEFAULT_ARGUMENT_CHUNK: usize = 5;
 
-/// A running fixture server. It stops when dropped.
+/// A running fixture server. Dropped, it stops accepting connections; a reply already being
+/// sent runs to its end (a connection a test wants cut mid-stream is scripted with
+/// [`FixtureReply::abort`]).
 pub struct FixtureServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
@@ -583,7 +585,8 @@ impl FixtureReply {
         self.header("retry-after", seconds.to_string())
     }
 
-    /// Adds a response header.
+    /// Adds a response header. The first scripted value of a name replaces the fixture's own
+    /// (`content-type`, `cache-control`); more values of that name are added.
     pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), value.into()));
         self
@@ -867,6 +870,9 @@ fn respond(reply: FixtureReply) -> Response {
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // A scripted header replaces the fixture's own of that name (its content type, say);
+    // several scripted values of one name are all sent.
+    let mut scripted = Vec::new();
     for (name, value) in reply.headers {
         let (Ok(name), Ok(value)) = (
             HeaderName::try_from(name.as_str()),
@@ -878,6 +884,10 @@ fn respond(reply: FixtureReply) -> Response {
                 error_json("fixture_invalid_reply", message),
             );
         };
+        if !scripted.contains(&name) {
+            headers.remove(&name);
+            scripted.push(name.clone());
+        }
         headers.append(name, value);
     }
     response
