@@ -327,10 +327,11 @@ pub enum Event {
         /// Its data.
         data: serde_json::Value,
     },
-    /// A tool call finished running (`tool_call_done`), before its batch commits. Also, with
-    /// status `error`, a call announced (`tool_call_started`) by a model response that then
-    /// failed: it will not run (a retried response announces its own calls). No hook runs
-    /// for such a call: it has no result.
+    /// A tool call finished running (`tool_call_done`), before its batch commits; with status
+    /// `error` when the attempt's abort ended it (whatever it returned: its result is never
+    /// stored). Also, with status `error`, a call announced (`tool_call_started`) by a model
+    /// response that then failed: it will not run (a retried response announces its own
+    /// calls). No hook runs for such a call: it has no result.
     ToolCallDone {
         /// Call id.
         tool_call_id: String,

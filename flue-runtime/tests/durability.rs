@@ -161,6 +161,34 @@ async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_
 }
 
 #[agent(durability(max_attempts = 1))]
+fn one_shot_answer() -> &'static str {
+    use_model("scripted/x");
+    use_response_finish(|_ctx| json!({"finished": true}));
+    "Answer."
+}
+
+/// A store failure after the response's end is durable (its finish batch's write) spends no
+/// attempt: another attempt settles the response as it is, completed with its answer and its
+/// finish metadata, even when the budget was one attempt (it used to settle as a spent
+/// budget, an answered response reported failed).
+#[tokio::test]
+async fn a_store_failure_after_a_durable_answer_is_settled_completed_by_another_attempt() {
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::MessageMetadata { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let runtime = runtime(&store, &model, one_shot_answer);
+    let reply = runtime.init(&one_shot_answer, "osa").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "the answer");
+    assert_eq!(reply.metadata.get("finished"), Some(&json!(true)));
+    assert_eq!(model.requests().len(), 1, "completed work is never redone");
+}
+
+#[agent(durability(max_attempts = 1))]
 fn one_shot_billing() -> &'static str {
     use_model("scripted/x");
     use_tool(

@@ -2191,6 +2191,62 @@ async fn an_abort_while_a_finish_callback_runs_after_a_durable_answer_settles_co
     assert_eq!(model.requests().len(), 1, "one model call");
 }
 
+static DEAF_FINISHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn answered_then_appending() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|ctx| async move {
+        // Waits for the abort without failing, then asks for more work as if nothing happened.
+        DEAF_FINISHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        while !ctx.signal().is_aborted() {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        ctx.append(Signal::new("todo", "One more thing."))?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "Answer."
+}
+
+/// Reference §3.10, as above for a callback that does not fail: one that appends after the
+/// abort fired does not continue the response (its signal is not stored, to sit unanswered):
+/// the response, whose answer was durable, settles completed.
+#[tokio::test]
+async fn a_finish_append_made_after_the_abort_fired_is_not_stored_and_the_response_completes() {
+    let model = ScriptedModel::new([ScriptedReply::text("the answer"), ScriptedReply::text("never asked")]);
+    let store = MemoryStore::new();
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(answered_then_appending)
+        .providers(providers)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let handle = runtime.init(&answered_then_appending, "a");
+    let receipt = handle.dispatch("go").await.unwrap();
+    while DEAF_FINISHES.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
+        .await
+        .expect("settled")
+        .expect("completed, not aborted");
+    assert_eq!(reply.text, "the answer");
+    assert_eq!(model.requests().len(), 1);
+    let batches = flue_runtime::store::Store::read(&store, &InstanceKey::new("answered_then_appending", "a"), None)
+        .await
+        .unwrap();
+    assert!(
+        !batches
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .any(|record| matches!(record.body, RecordBody::Signal { .. } | RecordBody::AgentFinishCycle)),
+        "no unanswered signal"
+    );
+}
+
 static ABORTABLE_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Waits for the abort, then says it stopped.

@@ -15,9 +15,10 @@ use crate::event_hooks::{AgentFinishContext, AgentFinishHook, IntoCallbackResult
 /// model call may follow (the model stopped on the last step it may take, or the execution
 /// was stopped in the last batch), the callbacks run and an append is not stored, since
 /// nothing could answer it: at a spent `max_steps` it fails the submission
-/// (`agent_finish_unanswerable`); after a stop the response completes with what it has. A
-/// callback that fails because the abort signal fired after the response's end was durable
-/// does not fail the submission: the response ends as it is, completed.
+/// (`agent_finish_unanswerable`); after a stop the response completes with what it has.
+/// When the abort signal fires after the response's end was durable, nothing a callback does
+/// then continues or fails it (an append is not stored, an error only logged): the response
+/// ends as it is, completed.
 #[track_caller]
 pub fn use_agent_finish<F, Fut>(run: F)
 where

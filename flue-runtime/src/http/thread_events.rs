@@ -1,7 +1,8 @@
 //! `GET /:id/events`: the instance's live thread events over SSE — frames
 //! `{"type":"event","eventType","data","timestamp"}` for `tool_call_started {id, name,
 //! progress}` (while the response streams, at the moment the reference gives: see
-//! `session/observation.rs`) and `tool_call_done {id, name, status}` (when the tool has run),
+//! `session/observation.rs`) and `tool_call_done {id, name, status}` (when the tool has run;
+//! `error` for a call the abort ended),
 //! sent whether or not any lifecycle hook is selected, and the events hooks and tools send
 //! with `ThreadState::emit` (and `kv_changed` after `set_value`). Live only, at most once: a
 //! reader that falls behind its own instance's events by more than [`BACKLOG`] skips what it

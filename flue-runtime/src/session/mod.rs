@@ -709,6 +709,17 @@ impl InstanceSlot {
         // (An abort that lost the race to the response's end, a finish callback failing
         // because of it, ended the response as it is: see `would_stop`.)
         let result = match result {
+            // A transient failure after the response's end was durable (a store write of its
+            // finish batch, say) stays transient, the signal fired or not: another attempt
+            // settles the response as it is (completed), which the abort or the deadline lost.
+            Err(failure)
+                if failure.transient
+                    && !given_up
+                    && attempt.signal.reason() != Some(binding::RELEASED)
+                    && response.conversation.has_ended(&submission.id) =>
+            {
+                Err(failure)
+            }
             Err(_) if attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => Err(timed_out()),
             Err(_) if attempt.signal.is_aborted() && attempt.signal.reason() != Some(binding::RELEASED) => {
                 Err(Failure::aborted())
@@ -799,7 +810,14 @@ impl InstanceSlot {
                         }
                     }
                 }
-                if failure.transient && (submission.attempt_count < submission.max_attempts || classify_later) {
+                // A response whose end is durable is settled as it is (completed) by another
+                // attempt, whatever the budget: a failure after its end spends none of it (a
+                // few deferrals at most, as for an unreadable stream).
+                let ended = !given_up
+                    && conversation.has_ended(&submission.id)
+                    && submission.attempt_count < submission.max_attempts + UNREAD_DEFERRALS;
+                if failure.transient && (submission.attempt_count < submission.max_attempts || classify_later || ended)
+                {
                     tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "re-attempting after a store failure");
                     self.binding.set_current(None);
                     // Forget the cached fold: the next attempt re-reads what is durable.
@@ -1823,6 +1841,14 @@ impl Response<'_> {
         steps < max_steps && !self.execution.stopped()
     }
 
+    /// Whether the attempt's abort signal fired (not to give the attempt back to the queue)
+    /// after the response's end was durable: the abort lost the race to completion.
+    fn lost_race_to_abort(&self) -> bool {
+        self.attempt.signal.is_aborted()
+            && self.attempt.signal.reason() != Some(binding::RELEASED)
+            && self.conversation.has_ended(&self.submission.id)
+    }
+
     fn check_abort(&self) -> Result<(), Failure> {
         if self.attempt.signal.is_aborted() {
             Err(Failure::aborted())
@@ -2352,6 +2378,13 @@ impl Response<'_> {
         (steps, max_steps): (u32, u32),
         finish_cycles: &mut u32,
     ) -> Result<bool, Failure> {
+        // The abort (or the deadline) fired after the response's end was durable: it lost the
+        // race to completion (reference §3.10). Nothing continues the response (no queued
+        // call, no join, no finish cycle): it ends as it is, through its finish callbacks and
+        // batch.
+        if self.lost_race_to_abort() {
+            return Ok(false);
+        }
         if self.run_queued_tools(rendered, spec).await?.is_some() {
             return Ok(true);
         }
@@ -2359,20 +2392,24 @@ impl Response<'_> {
         if self.can_step(steps, max_steps) && self.join_queued().await? {
             return Ok(true);
         }
-        let appended = match self.finish_cycle(rendered).await {
-            Ok(appended) => appended,
-            // The abort (or the deadline) fired while a callback ran, after the response's end
-            // was durable: it lost the race to completion (reference §3.10), and a callback
-            // that failed because of it (it listened) fails with it, not on its own. The
-            // response ends as it is, through its finish callbacks and batch, as when the
-            // callbacks append nothing (what an earlier callback of the cycle appended is not
-            // answered: the response is not continued after an abort).
-            Err(failure) if self.attempt.signal.is_aborted() && self.conversation.has_ended(&self.submission.id) => {
-                tracing::debug!(instance = %self.key, submission = %self.submission.id, error = %failure.error.message, "a use_agent_finish callback failed after the abort signal fired; the response ends as it is");
-                return Ok(false);
+        let finished = self.finish_cycle(rendered).await;
+        // The signal fired while the callbacks ran: whether one failed because of it (it
+        // listened) or returned as if nothing happened, with or without appends, the response
+        // ends as it is (an append would continue it after the abort).
+        if self.lost_race_to_abort() {
+            if let Err(failure) = &finished {
+                tracing::warn!(instance = %self.key, submission = %self.submission.id, error = %failure.error.message, "a use_agent_finish callback failed after the abort signal fired; the response ends as it is");
             }
-            Err(failure) => return Err(failure),
-        };
+            return Ok(false);
+        }
+        let mut appended = finished?;
+        if !appended.is_empty() && self.execution.stopped() {
+            // Stopped on purpose: the response completes with what it has, and no model call
+            // could answer the append, which committed would sit unanswered in the stream (the
+            // next response's model would read it as meant for its own answer).
+            tracing::warn!(instance = %self.key, submission = %self.submission.id, signals = appended.len(), "use_agent_finish appended a continuation signal after the execution was stopped; the signal is not stored and the response completes");
+            appended.clear();
+        }
         if appended.is_empty() {
             self.commit(Vec::new(), true).await?;
             // Calls a finish callback or a hook of that commit queued run now (the model sees
@@ -2383,13 +2420,6 @@ impl Response<'_> {
             // Joins again after a no-append cycle, in case a hook dispatched: a joined delivery
             // drives another turn (not a counted cycle).
             return Ok(self.can_step(steps, max_steps) && self.join_queued().await?);
-        }
-        if self.execution.stopped() {
-            // Stopped on purpose: the response completes with what it has, and no model call
-            // could answer the append, which committed would sit unanswered in the stream (the
-            // next response's model would read it as meant for its own answer).
-            tracing::warn!(instance = %self.key, submission = %self.submission.id, signals = appended.len(), "use_agent_finish appended a continuation signal after the execution was stopped; the signal is not stored and the response completes");
-            return Ok(false);
         }
         if steps >= max_steps {
             // Nothing could answer the append either; but the check it makes was not met.
