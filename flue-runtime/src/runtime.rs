@@ -390,7 +390,7 @@ impl RuntimeInner {
         crate::store::Claim {
             attempt_id: new_id("attempt"),
             owner_id: self.owner_id.clone(),
-            lease_until_ms: crate::store::now_ms() + self.options.lease.as_millis() as u64,
+            lease_until_ms: lease_until(self.options.lease),
         }
     }
 
@@ -422,7 +422,7 @@ impl RuntimeInner {
                 // Leases that lapsed while renewals failed (a database failover, a stalled or
                 // suspended node) are this node's again at the next renewal; the scan never
                 // takes over an attempt running here meanwhile (it leaves held ones alone).
-                let lease_until = crate::store::now_ms() + runtime.options.lease.as_millis() as u64;
+                let lease_until = lease_until(runtime.options.lease);
                 let running = runtime.running_attempts();
                 if !running.is_empty() {
                     if let Err(error) = runtime
@@ -1582,6 +1582,12 @@ impl Drop for Correlated {
                 .remove(&self.submission_id);
         }
     }
+}
+
+/// When a lease taken now for `lease` ends, in ms since the epoch (a lease too long to add
+/// never ends, rather than wrapping).
+fn lease_until(lease: Duration) -> u64 {
+    crate::store::now_ms().saturating_add(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]

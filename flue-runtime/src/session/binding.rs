@@ -324,7 +324,14 @@ impl InstanceBinding {
             .pending_aborts
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        for id in submissions.iter().filter(|id| Some(id.as_str()) != running) {
+        // The oldest of them first (the store lists them in admission order): the queue's
+        // head, which an attempt may be about to start, is kept when there are more than the
+        // memory holds (the others are claimed later, their rows already stamped).
+        for id in submissions
+            .iter()
+            .filter(|id| Some(id.as_str()) != running)
+            .take(PENDING_ABORTS)
+        {
             if !pending.contains(id) {
                 pending.push_back(id.clone());
             }

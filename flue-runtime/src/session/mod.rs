@@ -124,11 +124,21 @@ struct Abandoned {
     /// The attempt in progress.
     attempt: Option<AttemptRef>,
     armed: bool,
+    /// Whether the task still holds the instance's worker role. Once it gave the role up
+    /// (to look at the queue a last time), another worker may run the instance and make its
+    /// own attempt current: a drop then only makes up for the look it cut short.
+    holds_role: bool,
 }
 
 impl Drop for Abandoned {
     fn drop(&mut self) {
         if !self.armed {
+            return;
+        }
+        if !self.holds_role {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                self.slot.wake();
+            }
             return;
         }
         self.slot.binding.set_current(None);
@@ -343,15 +353,16 @@ impl InstanceSlot {
             slot: self.clone(),
             attempt: None,
             armed: true,
+            holds_role: true,
         };
-        let settled = self.run_loop(&mut guard.attempt, first, until).await;
+        let settled = self.run_loop(&mut guard, first, until).await;
         guard.armed = false;
         settled
     }
 
     async fn run_loop(
         self: &Arc<Self>,
-        running: &mut Option<AttemptRef>,
+        guard: &mut Abandoned,
         mut first: Option<Submission>,
         until: Option<&str>,
     ) -> Option<Settled> {
@@ -384,7 +395,7 @@ impl InstanceSlot {
                     // start (a stalled store can take longer than the lease), and the scan does
                     // not take over what this node is about to run.
                     self.binding.hold(attempt_id.clone());
-                    *running = Some(AttemptRef {
+                    guard.attempt = Some(AttemptRef {
                         submission_id: submission.id.clone(),
                         attempt_id: attempt_id.clone(),
                     });
@@ -408,9 +419,13 @@ impl InstanceSlot {
                         (left.is_some_and(|left| left.settled_until), None)
                     };
                     self.binding.release(&attempt_id);
-                    *running = None;
+                    guard.attempt = None;
                     seen = self.wakes.load(Ordering::SeqCst);
                     if done {
+                        // The worker's role is given up here: from now on another worker may
+                        // run the instance (and make its attempt current), which a drop of
+                        // this task while it looks at the queue below must leave alone.
+                        guard.holds_role = false;
                         self.busy.store(false, Ordering::SeqCst);
                         // An admitter that found this worker busy counted its admission after
                         // committing it: what the settlement did not see, the count shows.
@@ -450,6 +465,13 @@ impl InstanceSlot {
                         Some(&error),
                     );
                     self.busy.store(false, Ordering::SeqCst);
+                    // A wake while the claim failed (an admission committed meanwhile) is not
+                    // left to the next scan: one more claim, as after an empty one.
+                    let now_seen = self.wakes.load(Ordering::SeqCst);
+                    if now_seen != seen && !self.busy.swap(true, Ordering::SeqCst) {
+                        seen = now_seen;
+                        continue;
+                    }
                     return None;
                 }
             }
@@ -3744,4 +3766,66 @@ pub(crate) fn later_by(wait: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(wait)
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    fn attempt(id: &str) -> Arc<Attempt> {
+        Arc::new(Attempt {
+            attempt: AttemptRef {
+                submission_id: format!("sub_{id}"),
+                attempt_id: id.to_owned(),
+            },
+            buffer: Mutex::new(StateBuffer::new(Arc::default())),
+            data: Mutex::default(),
+            data_order: tokio::sync::Mutex::new(()),
+            writer: std::sync::OnceLock::new(),
+            signal: AbortSignal::new(),
+            responding: AtomicBool::new(true),
+        })
+    }
+
+    /// An abort of more unsettled submissions than the slot remembers still reaches the
+    /// attempt about to start: the queue's head, the oldest of them.
+    #[tokio::test]
+    async fn an_abort_of_many_submissions_reaches_the_head_about_to_start() {
+        let slot = Arc::new(InstanceSlot::new(InstanceKey::new("a", "i"), Weak::new()));
+        let ids: Vec<String> = (0..70).map(|n| format!("sub_{n}")).collect();
+        slot.binding.abort_submissions(&ids);
+        assert!(slot.binding.start(attempt("0")), "the head's abort was remembered");
+    }
+
+    /// A task dropped after it gave the instance's worker role up (a send cancelled while it
+    /// looked at the queue a last time) leaves alone the worker that took the role over: its
+    /// attempt stays current (held for the heartbeat, reachable by aborts) and the role stays
+    /// its own. A task dropped while it holds the role gives both back.
+    #[tokio::test]
+    async fn a_task_dropped_after_giving_up_the_worker_role_leaves_the_next_worker_alone() {
+        let slot = Arc::new(InstanceSlot::new(InstanceKey::new("a", "i"), Weak::new()));
+        // Another worker took the role over and started its attempt.
+        slot.busy.store(true, Ordering::SeqCst);
+        slot.binding.set_current(Some(attempt("attempt_w")));
+        drop(Abandoned {
+            slot: slot.clone(),
+            attempt: None,
+            armed: true,
+            holds_role: false,
+        });
+        assert!(slot.busy.load(Ordering::SeqCst), "the role stays the other worker's");
+        assert_eq!(
+            slot.binding.current().map(|current| current.attempt.attempt_id.clone()),
+            Some("attempt_w".to_owned())
+        );
+        drop(Abandoned {
+            slot: slot.clone(),
+            attempt: None,
+            armed: true,
+            holds_role: true,
+        });
+        assert!(!slot.busy.load(Ordering::SeqCst), "given back by the task that held it");
+        assert!(slot.binding.current().is_none());
+    }
 }
