@@ -191,6 +191,7 @@ impl Feeds {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
     use super::*;
 
