@@ -188,6 +188,34 @@ async fn a_store_failure_after_a_durable_answer_is_settled_completed_by_another_
     assert_eq!(model.requests().len(), 1, "completed work is never redone");
 }
 
+/// Past its few deferrals, a response whose end is durable still settles completed with its
+/// answer when the store keeps refusing what follows the end (its finish batch): only the
+/// finish's metadata is missing. (It used to settle as a spent budget, an answered response
+/// reported failed.)
+#[tokio::test]
+async fn a_finish_batch_the_store_keeps_refusing_leaves_the_answered_response_completed() {
+    let store = FaultyStore::default();
+    store.fail_always(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::MessageMetadata { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let runtime = runtime(&store, &model, one_shot_answer);
+    let reply = runtime.init(&one_shot_answer, "refused").send("go").await.unwrap();
+    assert!(
+        store.failures.load(Ordering::SeqCst) > 1,
+        "re-attempted before giving up"
+    );
+    assert_eq!(reply.text, "the answer");
+    assert_eq!(
+        reply.metadata.get("finished"),
+        None,
+        "the finish batch was never stored"
+    );
+    assert_eq!(model.requests().len(), 1, "completed work is never redone");
+}
+
 #[agent(durability(max_attempts = 1))]
 fn one_shot_billing() -> &'static str {
     use_model("scripted/x");

@@ -2191,6 +2191,182 @@ async fn an_abort_while_a_finish_callback_runs_after_a_durable_answer_settles_co
     assert_eq!(model.requests().len(), 1, "one model call");
 }
 
+static BROKEN_FINISHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn answered_then_broken_finish() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|ctx| async move {
+        BROKEN_FINISHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ctx.signal().aborted().await;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    use_response_finish(|_ctx| Err::<serde_json::Value, _>("the ledger is closed"));
+    "Answer."
+}
+
+/// A `use_response_finish` callback is given no signal: when it fails after an abort that
+/// lost the race to the durable answer, the failure is its own, reported with its message,
+/// not hidden under `submission_aborted`.
+#[tokio::test]
+async fn a_response_finish_failure_after_a_lost_abort_race_is_reported_as_its_own() {
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let runtime = runtime_with(&model, [answered_then_broken_finish.into()]);
+    let handle = runtime.init(&answered_then_broken_finish, "a");
+    let receipt = handle.dispatch("go").await.unwrap();
+    while BROKEN_FINISHES.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(handle.abort().await.unwrap());
+    let error = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
+        .await
+        .expect("settled")
+        .expect_err("the finish callback failed");
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = &error
+    else {
+        panic!("a run error: {error}")
+    };
+    assert_eq!(error_type, "response_hook_failed", "{error}");
+    assert!(message.contains("the ledger is closed"), "{message}");
+}
+
+static CAPTURED_THREAD: Mutex<Option<flue_core::lifecycle::ThreadState>> = Mutex::new(None);
+static AUDITS_RUN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Keeps the thread, for the test to queue a call through later.
+#[tool]
+async fn keep_thread(ctx: &ToolContext) -> String {
+    *CAPTURED_THREAD.lock().unwrap() = ctx.thread().cloned();
+    "kept".into()
+}
+
+/// Audits.
+#[tool]
+async fn late_audit() -> String {
+    AUDITS_RUN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    "audited".into()
+}
+
+#[agent]
+fn answered_then_closing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(keep_thread);
+    use_tool(late_audit);
+    let (_closed, set_closed) = use_persistent_state("closed", false);
+    use_agent_finish(move |_ctx| {
+        let set_closed = set_closed.clone();
+        async move {
+            set_closed.set(true)?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        }
+    });
+    "Answer."
+}
+
+type Trigger = std::sync::Arc<Mutex<Option<flue_runtime::BoxFuture<'static, ()>>>>;
+
+/// The memory store, running `trigger` (once) while the finish cycle's state write waits to
+/// be appended.
+struct FiresDuringFinishCommit {
+    inner: MemoryStore,
+    trigger: Trigger,
+}
+
+impl flue_runtime::store::Store for FiresDuringFinishCommit {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, requeue,
+        request_abort, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values, create_child, settle,
+    );
+
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: std::sync::Arc<[flue_runtime::record::Record]>,
+        attempt: Option<&flue_runtime::store::AttemptRef>,
+    ) -> flue_runtime::BoxFuture<'_, Result<u64, flue_runtime::store::StoreError>> {
+        let finishing = records
+            .iter()
+            .any(|record| matches!(&record.body, RecordBody::StateWrite { name, .. } if name == "closed"));
+        let fire = if finishing {
+            self.trigger.lock().unwrap().take()
+        } else {
+            None
+        };
+        let (key, attempt) = (key.clone(), attempt.cloned());
+        Box::pin(async move {
+            if let Some(fire) = fire {
+                fire.await;
+            }
+            self.inner.append(&key, records, attempt.as_ref()).await
+        })
+    }
+}
+
+/// Reference §3.10: an abort that fires while the finish cycle's writes are being committed,
+/// after the final answer was durable, lost the race: the response completes as it is. A call
+/// queued meanwhile does not start (nor is it recorded as a step whose outcome would be
+/// unknown), and the response is not settled aborted.
+#[tokio::test]
+async fn an_abort_during_the_finish_commit_of_an_answered_response_runs_no_queued_call_and_completes() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("keep_thread", json!({})),
+        ScriptedReply::text("the answer"),
+    ]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let trigger = Trigger::default();
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .agent(answered_then_closing)
+        .providers(providers)
+        .store(FiresDuringFinishCommit {
+            inner: store.clone(),
+            trigger: trigger.clone(),
+        })
+        .build()
+        .unwrap();
+    let handle = runtime.init(&answered_then_closing, "a");
+    let firing = handle.clone();
+    *trigger.lock().unwrap() = Some(Box::pin(async move {
+        let thread = CAPTURED_THREAD
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("the tool kept the thread");
+        thread.queue_tool(late_audit, json!({})).unwrap();
+        assert!(firing.abort().await.unwrap(), "the response was running");
+    }));
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("go"))
+        .await
+        .expect("settled")
+        .expect("completed, not aborted");
+    assert_eq!(reply.text, "the answer");
+    assert!(
+        trigger.lock().unwrap().is_none(),
+        "the abort fired during the finish commit"
+    );
+    assert_eq!(
+        AUDITS_RUN.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "no call starts after the abort"
+    );
+    let batches = flue_runtime::store::Store::read(&store, &InstanceKey::new("answered_then_closing", "a"), None)
+        .await
+        .unwrap();
+    let calls = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter(|record| matches!(&record.body, RecordBody::ToolOutcome { tool_name, .. } if tool_name == "late_audit"))
+        .count();
+    assert_eq!(calls, 0, "no step was recorded for the queued call");
+    assert_eq!(model.requests().len(), 2);
+}
+
 static DEAF_FINISHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 #[agent]

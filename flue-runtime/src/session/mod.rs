@@ -730,18 +730,19 @@ impl InstanceSlot {
         // wins) is the timeout. (A node giving the attempt back is handled below.)
         // (An abort that lost the race to the response's end, a finish callback failing
         // because of it, ended the response as it is: see `would_stop`.)
+        // Whether the response's end was durable before it failed (a response given up on is
+        // not trusted: its settlement above read the stream).
+        let ended_first = !given_up && response.conversation.has_ended(&submission.id);
         let result = match result {
             // A transient failure after the response's end was durable (a store write of its
             // finish batch, say) stays transient, the signal fired or not: another attempt
             // settles the response as it is (completed), which the abort or the deadline lost.
-            Err(failure)
-                if failure.transient
-                    && !given_up
-                    && attempt.signal.reason() != Some(binding::RELEASED)
-                    && response.conversation.has_ended(&submission.id) =>
-            {
+            Err(failure) if failure.transient && ended_first && attempt.signal.reason() != Some(binding::RELEASED) => {
                 Err(failure)
             }
+            // Any other failure after the end is the response's own (a `use_response_finish`
+            // callback's, which is given no signal to listen to): the abort lost the race.
+            Err(failure) if ended_first => Err(failure),
             Err(_) if attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => Err(timed_out()),
             Err(_) if attempt.signal.is_aborted() && attempt.signal.reason() != Some(binding::RELEASED) => {
                 Err(Failure::aborted())
@@ -872,35 +873,43 @@ impl InstanceSlot {
                         }
                     }
                 }
-                // Applied now, if not before: this attempt may have applied it.
-                let applied = input_applied || conversation.has_input(&submission.id);
-                if applied && conversation.open_calls().is_some() {
-                    // The fold may lag the stream (a response given up mid-append, a commit
-                    // whose answer was lost, a read that failed at the start): it is brought
-                    // up to date before it names calls uncommitted, and nothing is written
-                    // for them when it cannot be.
-                    match runtime.store.read(&self.key, conversation.last_offset).await {
-                        Ok(batches) => {
-                            for batch in &batches {
-                                conversation.apply(batch);
-                            }
-                            interrupted = conversation.interrupted_batch();
-                            interrupted_calls = conversation.unresolved_calls();
-                        }
-                        Err(error) => {
-                            tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read to settle an uncommitted tool batch; the settlement leaves it open");
-                        }
-                    }
-                }
-                if failure.transient {
-                    let mut exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);
-                    if !interrupted_calls.is_empty() {
-                        exhausted = with_interrupted_tools(exhausted, &interrupted_calls);
-                    }
-                    *conversation = Conversation::default();
-                    (Outcome::Failed, Some(exhausted))
+                if failure.transient && !given_up && conversation.has_ended(&submission.id) {
+                    // Past its deferrals, a response whose end is durable settles as it is, as
+                    // any other attempt would settle it (§3.9): its answer stands, and only
+                    // what its finish would have stored after it is missing.
+                    tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "the response's end is durable but what followed it could not be stored after repeated attempts; settling it completed as it is");
+                    (Outcome::Completed, None)
                 } else {
-                    (failure.outcome, Some(failure.error))
+                    // Applied now, if not before: this attempt may have applied it.
+                    let applied = input_applied || conversation.has_input(&submission.id);
+                    if applied && conversation.open_calls().is_some() {
+                        // The fold may lag the stream (a response given up mid-append, a commit
+                        // whose answer was lost, a read that failed at the start): it is brought
+                        // up to date before it names calls uncommitted, and nothing is written
+                        // for them when it cannot be.
+                        match runtime.store.read(&self.key, conversation.last_offset).await {
+                            Ok(batches) => {
+                                for batch in &batches {
+                                    conversation.apply(batch);
+                                }
+                                interrupted = conversation.interrupted_batch();
+                                interrupted_calls = conversation.unresolved_calls();
+                            }
+                            Err(error) => {
+                                tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read to settle an uncommitted tool batch; the settlement leaves it open");
+                            }
+                        }
+                    }
+                    if failure.transient {
+                        let mut exhausted = budget_spent(applied, submission.attempt_count, submission.max_attempts);
+                        if !interrupted_calls.is_empty() {
+                            exhausted = with_interrupted_tools(exhausted, &interrupted_calls);
+                        }
+                        *conversation = Conversation::default();
+                        (Outcome::Failed, Some(exhausted))
+                    } else {
+                        (failure.outcome, Some(failure.error))
+                    }
                 }
             }
         };
@@ -2434,6 +2443,11 @@ impl Response<'_> {
         }
         if appended.is_empty() {
             self.commit(Vec::new(), true).await?;
+            // The signal fired while the commit awaited the store: nothing continues the
+            // response, as above.
+            if self.lost_race_to_abort() {
+                return Ok(false);
+            }
             // Calls a finish callback or a hook of that commit queued run now (the model sees
             // their results), as at the would-stop point.
             if self.run_queued_tools(rendered, spec).await?.is_some() {
@@ -2597,6 +2611,11 @@ impl Response<'_> {
 
     /// Claims queued deliveries into this response; returns whether any joined.
     async fn join_queued(&mut self) -> Result<bool, Failure> {
+        // After the abort nothing joins: a delivery the abort did not stamp (admitted after it)
+        // is processed on its own, not settled aborted with this response.
+        if self.attempt.signal.is_aborted() {
+            return Ok(false);
+        }
         // Loaded before the store is asked: an admission committed after the question bumps
         // the count after it, so the next boundary asks again.
         let admissions = self.admissions.load(Ordering::SeqCst);
@@ -3124,6 +3143,15 @@ impl Response<'_> {
                 // Recorded with the batch that queued them (never past the ceiling).
                 Some(step) => step,
                 None => {
+                    // After the abort no queued call starts (nor is recorded as a step): they
+                    // stay queued, and are reported unrun. A response whose end was durable
+                    // ends as it is (the abort lost the race); any other fails aborted.
+                    if self.attempt.signal.is_aborted() {
+                        if self.lost_race_to_abort() {
+                            return Ok(terminated);
+                        }
+                        return Err(Failure::aborted());
+                    }
                     let Some((records, step)) = self.queued_step_of(spec) else {
                         self.queued_rounds = 0;
                         return Ok(terminated);
