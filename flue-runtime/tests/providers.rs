@@ -1536,7 +1536,7 @@ async fn openai_thinking_off_sends_no_reasoning_and_openrouter_uses_its_reasonin
     let requests = server.requests();
     assert!(requests[0].body.get("reasoning_effort").is_none());
     assert!(requests[0].body.get("reasoning").is_none());
-    assert_eq!(requests[1].body["reasoning"], json!({"effort": "high"}));
+    assert_eq!(requests[1].body["reasoning"], json!({"effort": "xhigh"}));
     assert!(requests[1].body.get("reasoning_effort").is_none());
 }
 

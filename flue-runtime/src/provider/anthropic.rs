@@ -1005,6 +1005,12 @@ impl MessagesDecoder {
         let block = data
             .get("content_block")
             .ok_or_else(|| self.invalid("a block start without content_block"))?;
+        if self.calls.len() + self.reasoning_blocks.len() >= super::MAX_STREAMED_PARTS {
+            return Err(self.invalid(&format!(
+                "more than {} tool calls and thinking blocks in one answer",
+                super::MAX_STREAMED_PARTS
+            )));
+        }
         let text = |key: &str| {
             block
                 .get(key)
@@ -1821,5 +1827,32 @@ mod tests {
             })
             .collect();
         assert_eq!(deltas, ["a \"b\"\n", "a \"b\"\n"]);
+    }
+
+    /// An answer opening tool calls and thinking blocks without end fails as an invalid
+    /// response once past `MAX_STREAMED_PARTS` of them; text blocks keep nothing of their own.
+    #[test]
+    fn an_answer_past_the_most_tool_calls_and_thinking_blocks_fails() {
+        let mut decoder = MessagesDecoder::new(CallContext::new("anthropic", "KEY", "m", None));
+        let mut out = VecDeque::new();
+        let limit = super::super::MAX_STREAMED_PARTS;
+        for index in 0..limit + 10 {
+            let text =
+                json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}});
+            feed(&mut decoder, &mut out, "content_block_start", text).expect("text blocks are not counted");
+        }
+        for index in 0..limit {
+            let block = if index % 2 == 0 {
+                json!({"type": "tool_use", "id": format!("toolu_{index}"), "name": "f", "input": {}})
+            } else {
+                json!({"type": "thinking", "thinking": "", "signature": ""})
+            };
+            let start = json!({"type": "content_block_start", "index": index, "content_block": block});
+            feed(&mut decoder, &mut out, "content_block_start", start).expect("at the bound");
+        }
+        let one_more = json!({"type": "content_block_start", "index": limit, "content_block": {"type": "tool_use", "id": "toolu_x", "name": "f", "input": {}}});
+        let error = feed(&mut decoder, &mut out, "content_block_start", one_more).expect_err("past the bound");
+        assert_eq!(error.kind, ProviderErrorKind::InvalidResponse);
+        assert!(error.message.contains("more than 4096"), "{}", error.message);
     }
 }

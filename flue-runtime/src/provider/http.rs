@@ -325,8 +325,23 @@ impl CallContext {
     /// removed before the text is cut: cut first, a key straddling the cut would survive in
     /// part. So are the userinfo, query and fragment of the URLs in it (a gateway that echoes
     /// the request's URL would quote a key passed in its query).
+    ///
+    /// Only a prefix of a long text is redacted, one long enough that what shows of it cannot
+    /// change: the `max_chars` shown are at most 4 bytes each, or `[redacted]` in place of at
+    /// most [`LONGEST_FORM_PER_KEY_BYTE`] bytes per byte of the key, so a form of the key the
+    /// prefix cuts in two starts past anything shown. (Redaction decodes escapes into buffers
+    /// many times the text's size: a 16 MiB event is not decoded to quote 120 characters.)
     pub fn quote(&self, text: &str, max_chars: usize) -> String {
-        let redacted = self.redact(&without_url_secrets(text));
+        let text = without_url_secrets(text);
+        let mut shown: &str = &text;
+        if let Some(key) = &self.key {
+            let redactions = max_chars / "[redacted]".len() + 2;
+            let enough = 4 * max_chars + redactions * LONGEST_FORM_PER_KEY_BYTE * key.expose().len();
+            if shown.len() > enough {
+                shown = &shown[..shown.floor_char_boundary(enough)];
+            }
+        }
+        let redacted = self.redact(shown);
         match redacted.char_indices().nth(max_chars) {
             Some((end, _)) => format!("{}…", &redacted[..end]),
             None => redacted,
@@ -336,6 +351,10 @@ impl CallContext {
 
 /// A key shorter than this is not redacted: it would redact ordinary words.
 const MIN_REDACTED_KEY_BYTES: usize = 4;
+
+/// The most bytes one byte of a key takes in a form of it a server may echo: a JSON `\uXXXX`
+/// escape (six bytes for one ASCII byte; more bytes of the key share one for other characters).
+const LONGEST_FORM_PER_KEY_BYTE: usize = 6;
 
 /// `text` with `secret` replaced wherever it shows, as it is or escaped as a server may echo
 /// it (see [`key_forms`] and [`redact_escaped`]): how a credential other than a provider's key
@@ -1603,6 +1622,38 @@ mod tests {
             format!("{:?}", ApiKey("sk-very-secret".to_owned())),
             "ApiKey(<redacted>)"
         );
+    }
+
+    /// Quoting redacts a prefix of a long text only: what it shows is what redacting the whole
+    /// text would show, wherever a form of the key sits (cut by the prefix or not).
+    #[test]
+    fn a_quote_of_a_long_text_shows_what_redacting_all_of_it_would() {
+        let ctx = ctx();
+        let whole = |text: &str, max_chars: usize| {
+            let redacted = ctx.redact(&without_url_secrets(text));
+            match redacted.char_indices().nth(max_chars) {
+                Some((end, _)) => format!("{}…", &redacted[..end]),
+                None => redacted,
+            }
+        };
+        let key = "sk-very-secret";
+        let escaped: String = key.bytes().map(|byte| format!("\\u{byte:04x}")).collect();
+        let percent: String = key.bytes().map(|byte| format!("%{byte:02X}")).collect();
+        let mut quoted = 0;
+        for form in [key, escaped.as_str(), percent.as_str()] {
+            for lead in (0..700).step_by(7) {
+                for filler in ["x", "é", "%"] {
+                    let text = format!("{}{form}{}", filler.repeat(lead), "%".repeat(4000));
+                    for max_chars in [8, 120] {
+                        let shown = ctx.quote(&text, max_chars);
+                        assert_eq!(shown, whole(&text, max_chars), "{form} after {lead} {filler}");
+                        assert!(!shown.contains("sk-v") && !shown.contains("\\u0073\\u006b"), "{shown}");
+                        quoted += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(quoted, 3 * 100 * 3 * 2);
     }
 
     #[test]

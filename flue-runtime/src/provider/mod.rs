@@ -19,3 +19,9 @@ pub use http::RetryPolicy;
 pub(crate) use http::{jitter_fraction, parse_retry_after, redact_secret};
 pub use registry::ProviderRegistry;
 pub use types::*;
+
+/// The most tool calls, and the most reasoning parts (details, thinking blocks), one streamed
+/// answer may bring: far beyond any real answer, a bound on what a server streaming them
+/// without end makes the call keep (each its own allocations, where the response's byte budget
+/// counts bytes). Past it the call fails as an invalid response.
+pub(crate) const MAX_STREAMED_PARTS: usize = 4096;

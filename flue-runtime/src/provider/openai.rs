@@ -26,7 +26,8 @@
 //!   `gpt-3.5*`, `chatgpt-*`, `gpt-5-chat*`, `o1-mini`, `o1-preview`, fine-tuned ones too),
 //!   which get no reasoning parameter; the o-series gets `low` for `minimal`;
 //! - `openrouter`: OpenRouter's unified `reasoning: {"effort"}` object only (OpenRouter translates
-//!   it for every upstream, including non-OpenAI ones);
+//!   it for every upstream, including non-OpenAI ones), which also takes `none` (for `off`, so
+//!   a model that reasons by default does not) and `xhigh` (for `xhigh` and `max`);
 //! - compatible servers: nothing, unless
 //!   [`with_reasoning_effort`](OpenAiProvider::with_reasoning_effort) turns `reasoning_effort`
 //!   on (many compatible servers refuse it, or refuse it for a model that cannot reason).
@@ -54,7 +55,7 @@
 
 mod chunk;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,6 +66,7 @@ use reqwest::header::AUTHORIZATION;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::MAX_STREAMED_PARTS;
 use super::body::{BodyWriter, Payload};
 pub use super::http::RetryPolicy;
 use super::http::{
@@ -594,20 +596,36 @@ struct ChatToolFunction<'a> {
 
 impl OpenAiProvider {
     /// What a call sends of its thinking level: OpenRouter's `reasoning` object, or
-    /// `reasoning_effort` (neither for `Off`, a model that refuses it, or a compatible server
-    /// not asked to).
+    /// `reasoning_effort` (not for `Off` but to OpenAI's models that reason by default, nor to a
+    /// model that refuses it or a compatible server not asked to).
     fn reasoning_fields(&self, request: &ModelRequest) -> (Option<ReasoningOption>, Option<&'static str>) {
         if !self.reasoning_effort {
             return (None, None);
         }
         match (reasoning_effort(request.thinking_level), self.flavor) {
-            (Some(effort), Flavor::OpenRouter) => (Some(ReasoningOption { effort }), None),
+            (_, Flavor::OpenRouter) => (
+                Some(ReasoningOption {
+                    effort: openrouter_effort(request.thinking_level),
+                }),
+                None,
+            ),
             (Some(effort), Flavor::OpenAi) => (None, openai_effort(&request.model, effort)),
             (Some(effort), Flavor::Compatible) => (None, Some(effort)),
             // Nothing would leave an OpenAI reasoning model at its default (medium) effort.
             (None, Flavor::OpenAi) => (None, openai_least_effort(&request.model)),
             (None, _) => (None, None),
         }
+    }
+}
+
+/// OpenRouter's `reasoning.effort` of a thinking level: it takes `none` (no reasoning, where
+/// nothing would leave a reasoning model at its default effort) and `xhigh` beside OpenAI's
+/// levels, and translates them for every upstream.
+fn openrouter_effort(level: ThinkingLevel) -> &'static str {
+    match level {
+        ThinkingLevel::Off => "none",
+        ThinkingLevel::Xhigh | ThinkingLevel::Max => "xhigh",
+        level => reasoning_effort(level).unwrap_or("medium"),
     }
 }
 
@@ -882,6 +900,14 @@ struct ChatDecoder {
     reasoning_echo: bool,
     /// OpenRouter's reasoning details so far, built up by their `index`.
     details: Vec<serde_json::Map<String, Value>>,
+    /// The detail of each `index` and `type` (as JSON) in `details`.
+    details_at: HashMap<(u64, Option<String>), usize>,
+    /// The latest call in `calls` under each id (its own or the server's).
+    by_id: HashMap<String, usize>,
+    /// The ids of the calls started so far.
+    started_ids: HashSet<String>,
+    /// What the answer brought more of than [`MAX_STREAMED_PARTS`]: it fails.
+    too_many: Option<&'static str>,
 }
 
 impl ChatDecoder {
@@ -900,19 +926,29 @@ impl ChatDecoder {
             failed: false,
             reasoning_echo,
             details: Vec::new(),
+            details_at: HashMap::new(),
+            by_id: HashMap::new(),
+            started_ids: HashSet::new(),
+            too_many: None,
         }
     }
 
     /// Takes one streamed reasoning detail: a continuation of the detail of its `index` and
     /// `type` (its text, summary or data appended, other fields set), or a new one.
     fn reasoning_detail(&mut self, item: serde_json::Map<String, Value>) {
-        let index = item.get("index").and_then(Value::as_u64);
-        let same = index.and_then(|index| {
-            self.details.iter_mut().find(|detail| {
-                detail.get("index").and_then(Value::as_u64) == Some(index) && detail.get("type") == item.get("type")
-            })
-        });
-        let Some(detail) = same else {
+        let key = item
+            .get("index")
+            .and_then(Value::as_u64)
+            .map(|index| (index, item.get("type").map(Value::to_string)));
+        let same = key.as_ref().and_then(|key| self.details_at.get(key)).copied();
+        let Some(detail) = same.map(|at| &mut self.details[at]) else {
+            if self.details.len() >= MAX_STREAMED_PARTS {
+                self.too_many = Some("reasoning details");
+                return;
+            }
+            if let Some(key) = key {
+                self.details_at.insert(key, self.details.len());
+            }
             self.details.push(item);
             return;
         };
@@ -947,9 +983,15 @@ impl ChatDecoder {
                 out.push_back(StreamEvent::ReasoningDelta(reasoning.to_owned()));
             }
             for call in delta.tool_calls.into_iter().flatten() {
+                if self.too_many.is_some() {
+                    return;
+                }
                 self.tool_call(call, out);
             }
             for detail in delta.reasoning_details.into_iter().flatten() {
+                if self.too_many.is_some() {
+                    return;
+                }
                 self.reasoning_detail(detail);
             }
         }
@@ -968,6 +1010,15 @@ impl ChatDecoder {
     /// not the answer (OpenRouter ends so when the upstream failed mid-way), and the call may be
     /// made again.
     fn failed_finish(&self) -> Result<Flow, ProviderError> {
+        if let Some(what) = self.too_many {
+            return Err(ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!(
+                    "[flue] Provider \"{}\" streamed more than {MAX_STREAMED_PARTS} {what} in one answer.",
+                    self.ctx.provider
+                ),
+            ));
+        }
         if !self.failed {
             return Ok(Flow::Continue);
         }
@@ -1031,7 +1082,7 @@ impl ChatDecoder {
             // By id: the latest call under it (two calls of a step may share one), unless this
             // fragment opens another (it names a tool and brings arguments once that call's
             // are whole).
-            None => match id.and_then(|id| self.calls.iter().rposition(|c| c.id == id || c.server_id == id)) {
+            None => match id.and_then(|id| self.by_id.get(id).copied()) {
                 Some(slot) if opens_another(&self.calls[slot], name, fragment) => self.new_call_after(slot, name),
                 Some(slot) => slot,
                 // Neither index nor id: a fragment continues the last call, unless it opens
@@ -1057,22 +1108,18 @@ impl ChatDecoder {
         }
         if let Some(id) = id.filter(|_| entry.id.is_empty()) {
             entry.id = id.to_owned();
+            note_id(&mut self.by_id, id, slot);
         }
         if let Some(name) = name.filter(|_| entry.name.is_empty()) {
             entry.name = name.to_owned();
         }
         // A server that gives two calls of one step the same id (every call `call_0`, say):
         // the later one gets an id of its own, else both results would answer the first call.
-        let taken = !entry.started
-            && !entry.name.is_empty()
-            && !entry.id.is_empty()
-            && self.calls[..slot]
-                .iter()
-                .chain(&self.calls[slot + 1..])
-                .any(|other| other.started && other.id == self.calls[slot].id);
-        let entry = &mut self.calls[slot];
+        let taken =
+            !entry.started && !entry.name.is_empty() && !entry.id.is_empty() && self.started_ids.contains(&entry.id);
         if taken {
             entry.server_id = std::mem::replace(&mut entry.id, format!("call_{}", ulid::Ulid::new()));
+            note_id(&mut self.by_id, &entry.id, slot);
         }
         entry.push_arguments(fragment);
         if entry.started {
@@ -1086,8 +1133,10 @@ impl ChatDecoder {
             if entry.id.is_empty() {
                 entry.id = format!("call_{}", ulid::Ulid::new());
                 entry.generated = true;
+                note_id(&mut self.by_id, &entry.id, slot);
             }
             entry.started = true;
+            self.started_ids.insert(entry.id.clone());
             out.push_back(StreamEvent::ToolCallStarted {
                 index: slot,
                 id: entry.id.clone(),
@@ -1103,6 +1152,10 @@ impl ChatDecoder {
     }
 
     fn new_call(&mut self) -> usize {
+        if self.calls.len() >= MAX_STREAMED_PARTS {
+            // The chunk's other calls are not read, and the answer fails after it.
+            self.too_many = Some("tool calls");
+        }
         self.calls.push(PartialCall::default());
         self.calls.len() - 1
     }
@@ -1175,6 +1228,17 @@ impl ChatDecoder {
             usage: self.usage,
         }));
         Ok(())
+    }
+}
+
+/// Notes that the call at `slot` goes by `id`: the latest call under an id is the one its
+/// fragments without an index continue.
+fn note_id(by_id: &mut HashMap<String, usize>, id: &str, slot: usize) {
+    match by_id.get_mut(id) {
+        Some(latest) => *latest = (*latest).max(slot),
+        None => {
+            by_id.insert(id.to_owned(), slot);
+        }
     }
 }
 
@@ -1364,6 +1428,10 @@ mod tests {
         let body = router.body(&request("anthropic/claude-sonnet-4.5", ThinkingLevel::Minimal));
         assert_eq!(body["reasoning"], json!({"effort": "minimal"}));
         assert!(body.get("reasoning_effort").is_none());
+        let body = router.body(&request("openai/gpt-5", ThinkingLevel::Off));
+        assert_eq!(body["reasoning"], json!({"effort": "none"}));
+        let body = router.body(&request("openai/gpt-5", ThinkingLevel::Max));
+        assert_eq!(body["reasoning"], json!({"effort": "xhigh"}));
     }
 
     #[test]
@@ -1580,6 +1648,51 @@ mod tests {
         assert_eq!(response.tool_calls[0].arguments, r#"{"q":1}"#);
     }
 
+    /// An answer streaming tool calls or reasoning details without end fails as an invalid
+    /// response once past [`MAX_STREAMED_PARTS`] of them, spread over many events or in one;
+    /// continuations of the ones it has do not count.
+    #[test]
+    fn an_answer_past_the_most_tool_calls_or_reasoning_details_fails() {
+        let calls = |from: usize, count: usize| {
+            let calls: Vec<String> = (from..from + count)
+                .map(|i| format!(r#"{{"index":{i},"id":"c{i}","function":{{"name":"f","arguments":"{{}}"}}}}"#))
+                .collect();
+            format!(
+                r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{}]}}}}]}}"#,
+                calls.join(",")
+            )
+        };
+        let details = |from: usize, count: usize| {
+            let details: Vec<String> = (from..from + count)
+                .map(|i| format!(r#"{{"type":"reasoning.text","index":{i},"text":"t"}}"#))
+                .collect();
+            format!(
+                r#"{{"choices":[{{"index":0,"delta":{{"reasoning_details":[{}]}}}}]}}"#,
+                details.join(",")
+            )
+        };
+        let finish = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#;
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
+        // Continuations of the first: no more parts.
+        let call_again =
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":""}}]}}]}"#;
+        let detail_again = details(0, 1);
+        for (parts, again) in [
+            (&calls as &dyn Fn(usize, usize) -> String, call_again),
+            (&details, detail_again.as_str()),
+        ] {
+            let at_most: Vec<String> = (0..MAX_STREAMED_PARTS / 512).map(|n| parts(n * 512, 512)).collect();
+            let mut events: Vec<&str> = at_most.iter().map(String::as_str).collect();
+            events.extend([again, finish, usage, "[DONE]"]);
+            assert!(decode(&events, false).expect("at the bound").is_some());
+            let one_more = parts(MAX_STREAMED_PARTS, 1);
+            events.insert(events.len() - 3, &one_more);
+            assert_eq!(decode(&events, false), Err(ProviderErrorKind::InvalidResponse));
+            let all_in_one = parts(0, MAX_STREAMED_PARTS + 1000);
+            assert_eq!(decode(&[&all_in_one], false), Err(ProviderErrorKind::InvalidResponse));
+        }
+    }
+
     /// Every parse of an event comes after its shape is counted: an `error` event, a chunk
     /// the typed view reads (its `reasoning_details` and `tool_calls` are lists of any length)
     /// and one it does not.
@@ -1617,10 +1730,11 @@ mod tests {
                 "{message}"
             );
         }
-        // At the limit the same chunk is read (five containers besides the list's elements).
+        // At the limit the same chunk is read (seven containers besides the list's elements:
+        // one detail holding them, as more details than `MAX_STREAMED_PARTS` fail the call).
         let at = format!(
-            r#"{{"choices":[{{"index":0,"delta":{{"reasoning_details":[{}]}}}}]}}"#,
-            objects(past - 5)
+            r#"{{"choices":[{{"index":0,"delta":{{"reasoning_details":[{{"data":[{}]}}]}}}}]}}"#,
+            objects(past - 7)
         );
         assert_eq!(feed("", &at).ok(), Some(Flow::Continue));
     }

@@ -60,6 +60,9 @@ pub(crate) struct SseParser {
     after_cr: bool,
     /// Whether the stream's first bytes were checked for a byte order mark.
     started: bool,
+    /// Bytes from `position` on already searched for a line end (an unfinished line): a
+    /// line arriving a byte at a time is searched once, not once per byte.
+    scanned: usize,
     /// The event being built.
     event_type: String,
     data: String,
@@ -87,6 +90,7 @@ impl SseParser {
             position: 0,
             after_cr: false,
             started: false,
+            scanned: 0,
             event_type: String::new(),
             data: String::new(),
             has_data: false,
@@ -128,12 +132,14 @@ impl SseParser {
                 }
             }
             let rest = &self.buffer[self.position..];
-            let Some(end) = memchr::memchr2(b'\n', b'\r', rest) else {
+            let Some(found) = memchr::memchr2(b'\n', b'\r', &rest[self.scanned..]) else {
                 if self.event_bytes + rest.len() > self.max_event_bytes {
                     return Err(self.too_large());
                 }
+                self.scanned = rest.len();
                 return Ok(None);
             };
+            let end = std::mem::take(&mut self.scanned) + found;
             let line_start = self.position;
             self.position += end + 1;
             if rest[end] == b'\r' {
@@ -262,6 +268,25 @@ mod tests {
             events_in_chunks(stream, 64),
             Ok(owned(&[("message", " two spaces\nnone")]))
         );
+    }
+
+    /// A line arriving in many small chunks is searched for its end once overall, from where
+    /// the last search stopped, not again from its start at each chunk (which made a long line
+    /// sent a byte at a time cost its length squared).
+    #[test]
+    fn an_unfinished_line_is_searched_only_in_its_new_bytes() {
+        let mut parser = SseParser::default();
+        parser.push(b"data: ");
+        assert_eq!(parser.next_event(), Ok(None));
+        for pushed in 1..=1000 {
+            parser.push(b"x");
+            assert_eq!(parser.next_event(), Ok(None));
+            assert_eq!(parser.scanned, "data: ".len() + pushed, "searched up to the end, once");
+        }
+        parser.push(b"\n\n");
+        let event = parser.next_event().unwrap().expect("the event");
+        assert_eq!(event.data, "x".repeat(1000));
+        assert_eq!(parser.scanned, 0);
     }
 
     #[test]
