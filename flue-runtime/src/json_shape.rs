@@ -85,4 +85,60 @@ impl JsonShape {
     pub(crate) fn is_within_limits(&self) -> bool {
         self.containers <= MAX_JSON_CONTAINERS && self.values <= MAX_JSON_VALUES
     }
+
+    /// Whether `texts` together are within the limits ([`Self::is_within_limits`]), counted
+    /// only when they are long enough to be past them: each bracket and comma is a byte, so
+    /// texts of at most [`MAX_JSON_CONTAINERS`] bytes hold at most that many containers and
+    /// one value more than that (the hot path: a provider's stream events are small).
+    pub(crate) fn fits<'a>(texts: impl IntoIterator<Item = &'a [u8]> + Clone) -> bool {
+        const { assert!(MAX_JSON_CONTAINERS < MAX_JSON_VALUES) };
+        let bytes: usize = texts.clone().into_iter().map(<[u8]>::len).sum();
+        bytes <= MAX_JSON_CONTAINERS || Self::of_all(texts).is_within_limits()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counted<'a>(texts: impl IntoIterator<Item = &'a [u8]>) -> bool {
+        JsonShape::of_all(texts).is_within_limits()
+    }
+
+    /// `fits` answers as counting would, on both sides of the length under which it does not
+    /// count: the densest texts (every byte a bracket, or a value and a comma) included, and
+    /// texts whose lengths only add up past it.
+    #[test]
+    fn fits_answers_as_counting_would_whatever_the_length() {
+        let brackets = |count: usize| vec![b'['; count];
+        let values = |count: usize| {
+            let mut text = b"[".to_vec();
+            text.extend(std::iter::repeat_n(b"0,".as_slice(), count - 1).flatten());
+            text.extend_from_slice(b"0]");
+            text
+        };
+        let cases = [
+            brackets(MAX_JSON_CONTAINERS),
+            brackets(MAX_JSON_CONTAINERS + 1),
+            values(MAX_JSON_VALUES - 1),
+            values(MAX_JSON_VALUES),
+            values(10),
+            br#"{"a":"[[[[,,,,"}"#.to_vec(),
+        ];
+        for text in &cases {
+            assert_eq!(
+                JsonShape::fits([text.as_slice()]),
+                counted([text.as_slice()]),
+                "{} bytes",
+                text.len()
+            );
+        }
+        assert!(JsonShape::fits([brackets(MAX_JSON_CONTAINERS).as_slice()]));
+        assert!(!JsonShape::fits([brackets(MAX_JSON_CONTAINERS + 1).as_slice()]));
+        assert!(!JsonShape::fits([values(MAX_JSON_VALUES).as_slice()]));
+        let half = brackets(MAX_JSON_CONTAINERS / 2 + 1);
+        assert!(!JsonShape::fits([half.as_slice(), half.as_slice()]), "added up");
+        assert!(JsonShape::fits([half.as_slice()]));
+        assert!(JsonShape::fits(std::iter::empty::<&[u8]>()));
+    }
 }

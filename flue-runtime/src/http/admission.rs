@@ -102,7 +102,7 @@ fn declares_json(content_type: &str) -> bool {
 /// U+FFFD too (a Rust string cannot hold the surrogate itself). Both only after a failed
 /// parse: a well-formed body pays for neither.
 fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
-    if !JsonShape::of(body).is_within_limits() {
+    if !JsonShape::fits([body]) {
         return Err(ApiError::json_too_large());
     }
     serde_json::from_slice::<Value>(body).or_else(|error| {

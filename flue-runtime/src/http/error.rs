@@ -200,6 +200,18 @@ impl ApiError {
         .with_meta(meta)
     }
 
+    /// 503 `server_busy` (with `Retry-After: 1`): a message body found no room among the
+    /// bodies the server holds at once
+    /// ([`HttpOptions::max_buffered_request_bytes`](super::HttpOptions::max_buffered_request_bytes)).
+    pub fn server_busy() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_busy",
+            "The server is reading as many request bodies as it may hold.",
+            "Retry shortly.",
+        )
+    }
+
     /// 503 `runtime_unavailable` (with `Retry-After: 1`).
     pub fn runtime_unavailable(state: &str) -> Self {
         Self::new(

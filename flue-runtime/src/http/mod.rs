@@ -36,11 +36,13 @@
 //! # }
 //! ```
 //!
-//! [`serve`] bounds what a client can hold: a deadline on each request head, a connection
-//! cap ([`HttpOptions::request_head_timeout`], [`HttpOptions::max_connections`]); the router
-//! itself bounds a message body's size and the time it takes to arrive. Served another way
-//! (`axum::serve`, which runs hyper without a timer), the head deadline and the cap are the
-//! server's to set.
+//! [`serve`] bounds what a client can hold: a deadline on each request head, a deadline on
+//! each stalled write of a response, a connection cap
+//! ([`HttpOptions::request_head_timeout`], [`HttpOptions::response_write_timeout`],
+//! [`HttpOptions::max_connections`]); the router itself bounds a message body's size, the time
+//! it takes to arrive, and the bytes of all the bodies it holds at once
+//! ([`HttpOptions::max_buffered_request_bytes`]). Served another way (`axum::serve`, which runs
+//! hyper without a timer), the head and write deadlines and the cap are the server's to set.
 //!
 //! Live reads (SSE streams, event streams, long polls) never end on their own, and a graceful
 //! shutdown waits for every open response: call [`Runtime::shutdown`](crate::Runtime::shutdown)
@@ -133,10 +135,23 @@ pub struct HttpOptions {
     /// answered 408 `request_timeout` and no longer holds what it sent, while a large body on
     /// a slow link arrives in its own time.
     pub request_body_timeout: Duration,
+    /// How many bytes of message bodies the router holds at once, all requests together
+    /// (256 MiB; at least one body of [`MAX_BODY_BYTES`] fits). A body that finds no room waits
+    /// for it, as one that stalls, up to [`request_body_timeout`](Self::request_body_timeout),
+    /// and is then answered 503 `server_busy`: many clients sending large bodies slowly cannot
+    /// make the server hold more than this (nor parse more than this at once). Shared by the
+    /// agents of one [`router_with`]; each [`agent_router`] has its own.
+    pub max_buffered_request_bytes: usize,
     /// How long a connection served by [`serve`] may take to send a request's head, and how
     /// long it may stay idle between requests (30 s); then it is closed. Keep it well above a
     /// client's round trip: a zero closes every connection before its head arrives.
     pub request_head_timeout: Duration,
+    /// How long a connection served by [`serve`] may go without its client taking any byte of
+    /// a response being written (60 s, as nginx's `send_timeout`); then it is closed. A
+    /// client that stops reading a live stream would otherwise hold it, and what it buffers,
+    /// while the connection stays open. A slow client that keeps reading is served in its own
+    /// time.
+    pub response_write_timeout: Duration,
     /// How many connections [`serve`] serves at once (4096; live reads are connections too):
     /// further clients wait in the listener's backlog until one closes. At least one;
     /// `usize::MAX` caps nothing.
@@ -155,7 +170,9 @@ impl std::fmt::Debug for HttpOptions {
             .field("allow_cross_site", &self.allow_cross_site)
             .field("allowed_hosts", &self.allowed_hosts)
             .field("request_body_timeout", &self.request_body_timeout)
+            .field("max_buffered_request_bytes", &self.max_buffered_request_bytes)
             .field("request_head_timeout", &self.request_head_timeout)
+            .field("response_write_timeout", &self.response_write_timeout)
             .field("max_connections", &self.max_connections)
             .finish()
     }
@@ -181,7 +198,9 @@ impl Default for HttpOptions {
             allow_cross_site: false,
             allowed_hosts: Vec::new(),
             request_body_timeout: Duration::from_secs(60),
+            max_buffered_request_bytes: 256 * 1024 * 1024,
             request_head_timeout: Duration::from_secs(30),
+            response_write_timeout: Duration::from_secs(60),
             max_connections: 4096,
         }
     }
@@ -197,6 +216,9 @@ struct Routes {
     feeds: Arc<feed::Feeds>,
     /// What this agent's instances' `view=updates` reads projected.
     updates: Arc<updates_cache::UpdatesCache>,
+    /// Room for the bytes of message bodies being read and parsed, in bytes
+    /// ([`HttpOptions::max_buffered_request_bytes`]).
+    bodies: Arc<tokio::sync::Semaphore>,
 }
 
 /// An instance route's `{id}`, taken by name: the router may be nested under a path with
@@ -237,6 +259,7 @@ pub fn router(runtime: &Runtime) -> Router {
 /// [`router`] with `options`.
 pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
     let options = Arc::new(options);
+    let bodies = body_room(&options);
     let inner = runtime.inner().clone();
     let guard_options = options.clone();
     let mut app = Router::new().route(
@@ -266,7 +289,7 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
         app = app
             .nest(
                 &format!("/agents/{name}"),
-                routes(runtime.inner().clone(), name, options.clone()),
+                routes(runtime.inner().clone(), name, options.clone(), bodies.clone()),
             )
             .route(&format!("/agents/{name}/"), any(blank_id));
     }
@@ -276,15 +299,30 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
 /// One agent's routes at the router's root (`/:id`, …); `None` when `runtime` has no agent
 /// named `agent`.
 pub fn agent_router(runtime: &Runtime, agent: &str, options: HttpOptions) -> Option<Router> {
-    runtime
-        .inner()
-        .agents
-        .contains_key(agent)
-        .then(|| finish(routes(runtime.inner().clone(), agent, Arc::new(options))))
+    runtime.inner().agents.contains_key(agent).then(|| {
+        let options = Arc::new(options);
+        let bodies = body_room(&options);
+        finish(routes(runtime.inner().clone(), agent, options, bodies))
+    })
 }
 
-fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>) -> Router {
+/// The room [`HttpOptions::max_buffered_request_bytes`] gives message bodies: at least one
+/// body of [`MAX_BODY_BYTES`], at most what a semaphore counts.
+fn body_room(options: &HttpOptions) -> Arc<tokio::sync::Semaphore> {
+    let bytes = options
+        .max_buffered_request_bytes
+        .clamp(MAX_BODY_BYTES, tokio::sync::Semaphore::MAX_PERMITS);
+    Arc::new(tokio::sync::Semaphore::new(bytes))
+}
+
+fn routes(
+    runtime: Arc<RuntimeInner>,
+    agent: &str,
+    options: Arc<HttpOptions>,
+    bodies: Arc<tokio::sync::Semaphore>,
+) -> Router {
     let state = Routes {
+        bodies,
         runtime,
         agent: agent.into(),
         updates: Arc::new(updates_cache::UpdatesCache::new(options.updates_cache_instances)),
@@ -472,21 +510,57 @@ fn not_allowed<S: Clone + Send + Sync + 'static>(allow: &'static str) -> MethodR
 }
 
 /// A request body that fails with [`Stalled`] once `timeout` passes without any of it
-/// arriving.
-fn stalls_after(body: axum::body::Body, timeout: Duration) -> axum::body::Body {
+/// arriving, and whose bytes take room in `bodies` (one permit a byte) until `held` is
+/// dropped: a chunk that finds no room within `timeout` fails the body with [`NoRoom`].
+fn bounded_body(
+    body: axum::body::Body,
+    timeout: Duration,
+    bodies: Arc<tokio::sync::Semaphore>,
+    held: Arc<std::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>,
+) -> axum::body::Body {
     use futures_util::StreamExt;
-    let chunks = futures_util::stream::unfold(Some(body.into_data_stream()), move |chunks| async move {
-        let mut chunks = chunks?;
-        match tokio::time::timeout(timeout, chunks.next()).await {
-            Ok(Some(chunk)) => Some((chunk.map_err(axum::BoxError::from), Some(chunks))),
-            Ok(None) => None,
-            Err(_) => Some((Err(axum::BoxError::from(Stalled)), None)),
+    let chunks = futures_util::stream::unfold(Some(body.into_data_stream()), move |chunks| {
+        let (bodies, held) = (bodies.clone(), held.clone());
+        async move {
+            let mut chunks = chunks?;
+            let chunk = match tokio::time::timeout(timeout, chunks.next()).await {
+                Ok(Some(Ok(chunk))) => chunk,
+                Ok(Some(Err(error))) => return Some((Err(axum::BoxError::from(error)), None)),
+                Ok(None) => return None,
+                Err(_) => return Some((Err(axum::BoxError::from(Stalled)), None)),
+            };
+            // A chunk past what a semaphore counts at once could never find room: the body
+            // limit refuses it anyway.
+            let bytes = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            match tokio::time::timeout(timeout, bodies.acquire_many_owned(bytes)).await {
+                Ok(Ok(room)) => {
+                    let mut held = held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    match held.as_mut() {
+                        Some(taken) => taken.merge(room),
+                        None => *held = Some(room),
+                    }
+                }
+                _ => return Some((Err(axum::BoxError::from(NoRoom)), None)),
+            }
+            Some((Ok(chunk), Some(chunks)))
         }
     });
     axum::body::Body::from_stream(chunks)
 }
 
-/// A request body stopped arriving ([`stalls_after`]).
+/// A request body found no room among the bodies being read ([`bounded_body`]).
+#[derive(Debug)]
+struct NoRoom;
+
+impl std::fmt::Display for NoRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the server holds as many request bodies as it may")
+    }
+}
+
+impl std::error::Error for NoRoom {}
+
+/// A request body stopped arriving ([`bounded_body`]).
 #[derive(Debug)]
 struct Stalled;
 
@@ -498,11 +572,11 @@ impl std::fmt::Display for Stalled {
 
 impl std::error::Error for Stalled {}
 
-/// Whether reading a body failed because it stalled.
-fn stalled(error: &(dyn std::error::Error + 'static)) -> bool {
+/// Whether reading a body failed with `E` ([`Stalled`], [`NoRoom`]).
+fn failed_with<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut source = Some(error);
     while let Some(error) = source {
-        if error.is::<Stalled>() {
+        if error.is::<E>() {
             return true;
         }
         source = error.source();
@@ -525,12 +599,17 @@ async fn post_message(
             "The `wait` parameter is not supported: admission is fire-and-forget. Read the reply from the stream.",
         ));
     }
-    // Read here, not by an extractor, to bound how long it may stall.
+    // Read here, not by an extractor, to bound how long it may stall and what it holds. The
+    // room its bytes take is held until the admission is made (its parse included).
     let timeout = routes.options.request_body_timeout;
-    let request = request.map(|body| stalls_after(body, timeout));
+    let room = Arc::default();
+    let request = request.map(|body| bounded_body(body, timeout, routes.bodies.clone(), Arc::clone(&room)));
     let body = Bytes::from_request(request, &()).await.map_err(|rejection| {
-        if stalled(&rejection) {
+        if failed_with::<Stalled>(&rejection) {
             return ApiError::request_timeout(timeout);
+        }
+        if failed_with::<NoRoom>(&rejection) {
+            return ApiError::server_busy();
         }
         match rejection.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),

@@ -830,8 +830,7 @@ impl ErrorDetails {
         if let Some(raw) = raw {
             // A string inside the error, so the shape of the event it came in did not count it:
             // read as text when it would parse past the limits.
-            let parsed = crate::json_shape::JsonShape::of(raw.as_bytes())
-                .is_within_limits()
+            let parsed = crate::json_shape::JsonShape::fits([raw.as_bytes()])
                 .then(|| serde_json::from_str::<Value>(raw).ok())
                 .flatten();
             let upstream = match parsed {
@@ -1017,7 +1016,7 @@ pub(crate) fn map_error(
 /// data, typed or not, comes after it: an event may be 16 MiB, and 16 MiB of small objects
 /// parse to more than a gigabyte.
 pub(crate) fn check_event_shape(ctx: &CallContext, data: &str) -> Result<(), ProviderError> {
-    if crate::json_shape::JsonShape::of(data.as_bytes()).is_within_limits() {
+    if crate::json_shape::JsonShape::fits([data.as_bytes()]) {
         return Ok(());
     }
     Err(ProviderError::new(
@@ -1398,11 +1397,16 @@ fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: Call
     }
 }
 
+/// The driver is boxed: `unfold` moves its state in and out of each step's future, once per
+/// event, and the driver (decoder, parser, buffers) is hundreds of bytes.
 fn driven<D: SseDecoder>(driver: Driver<D>) -> ModelStream {
-    Box::pin(futures_util::stream::unfold(driver, |mut driver| async move {
-        let item = driver.next().await?;
-        Some((item, driver))
-    }))
+    Box::pin(futures_util::stream::unfold(
+        Box::new(driver),
+        |mut driver| async move {
+            let item = driver.next().await?;
+            Some((item, driver))
+        },
+    ))
 }
 
 #[cfg(test)]

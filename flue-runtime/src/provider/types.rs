@@ -572,8 +572,7 @@ impl ModelResponse {
     /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow, as an invalid response (not
     /// retried): before the runtime records the calls or parses their arguments.
     pub(crate) fn check_tool_arguments(&self) -> Result<(), ProviderError> {
-        let all = crate::json_shape::JsonShape::of_all(self.tool_calls.iter().map(|call| call.arguments.as_bytes()));
-        if all.is_within_limits() {
+        if crate::json_shape::JsonShape::fits(self.tool_calls.iter().map(|call| call.arguments.as_bytes())) {
             return Ok(());
         }
         Err(ProviderError::new(
