@@ -1523,6 +1523,138 @@ async fn abort_answers_whether_anything_was_unsettled() {
     assert_error(response, 405, "method_not_allowed").await;
 }
 
+/// The memory store, whose first look at an instance misses it (a read racing the
+/// admission that creates it, whose stream the next look finds).
+struct LateInstance {
+    inner: MemoryStore,
+    /// Cleared to make the next look miss.
+    missed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl flue_runtime::store::Store for LateInstance {
+    harness::delegate_store!(
+        inner;
+        admit, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, last_offset, put_attachment, attachment, read,
+        read_page, user_value, set_user_value, list_user_values,
+    );
+
+    fn instance(
+        &self,
+        key: &flue_runtime::store::InstanceKey,
+    ) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::InstanceInfo>, flue_runtime::store::StoreError>>
+    {
+        if !self.missed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async { Ok(None) });
+        }
+        self.inner.instance(key)
+    }
+}
+
+/// A read that looked for the instance just before the admission creating it committed, and
+/// then found its stream, still names the instance's incarnation in its checkpoint (it used to
+/// be empty, and a live reader kept it so for the life of its stream).
+#[tokio::test]
+async fn a_read_racing_the_instances_creation_names_its_incarnation() {
+    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let store = MemoryStore::new();
+    let missed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let runtime = Runtime::builder()
+        .store(LateInstance {
+            inner: store.clone(),
+            missed: missed.clone(),
+        })
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&calculator, "raced");
+    handle.send("hi").await.unwrap();
+    let uid = flue_runtime::store::Store::instance(&store, handle.key())
+        .await
+        .unwrap()
+        .unwrap()
+        .uid;
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    missed.store(false, std::sync::atomic::Ordering::SeqCst);
+    let body: Value = reqwest::get(format!("http://{addr}/agents/calculator/raced?view=updates&offset=-1"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        body[0],
+        json!({"type": "stream-checkpoint", "incarnation": uid}),
+        "{body}"
+    );
+}
+
+/// The memory store, whose attachments all fail their integrity check.
+struct DamagedAttachments {
+    inner: MemoryStore,
+}
+
+impl flue_runtime::store::Store for DamagedAttachments {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, last_offset, put_attachment, read, read_page,
+        user_value, set_user_value, list_user_values,
+    );
+
+    fn attachment(
+        &self,
+        _key: &flue_runtime::store::InstanceKey,
+        id: &str,
+    ) -> flue_runtime::BoxFuture<
+        '_,
+        Result<Option<flue_runtime::store::StoredAttachment>, flue_runtime::store::StoreError>,
+    > {
+        let error = flue_runtime::store::StoreError::AttachmentIntegrity {
+            id: id.to_owned(),
+            reason: flue_runtime::store::IntegrityFailure::Digest,
+            detail: "sha-256 0f…".to_owned(),
+        };
+        Box::pin(async move { Err(error) })
+    }
+}
+
+/// Reference §6.2: an attachment whose stored bytes fail their integrity check is answered
+/// 500 `attachment_integrity` with `meta {attachmentId, reason}`, not a bare internal error.
+#[tokio::test]
+async fn an_attachment_failing_its_integrity_check_is_500_attachment_integrity() {
+    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(DamagedAttachments {
+            inner: MemoryStore::new(),
+        })
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    runtime.init(&calculator, "pics").send("hi").await.unwrap();
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let response = reqwest::get(format!("http://{addr}/agents/calculator/pics/attachments/att_1"))
+        .await
+        .unwrap();
+    let error = assert_error(response, 500, "attachment_integrity").await;
+    assert_eq!(error["meta"], json!({"attachmentId": "att_1", "reason": "digest"}));
+    assert!(!error.to_string().contains("sha-256"), "{error}");
+}
+
 #[tokio::test]
 async fn attachments_are_served_with_their_type_and_immutable_caching() {
     use base64::Engine as _;

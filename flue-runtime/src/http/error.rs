@@ -182,6 +182,22 @@ impl ApiError {
         )
     }
 
+    /// 500 `attachment_integrity` (reference §6.2: a framework error that reaches a route
+    /// renders as 500 with its own type): the stored bytes of an attachment do not match its
+    /// recorded size or digest. `meta {attachmentId, reason}`.
+    pub fn attachment_integrity(id: &str, reason: crate::store::IntegrityFailure) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "attachment_integrity",
+            format!("Attachment \"{id}\" failed its integrity check."),
+            format!(
+                "The stored bytes do not match the attachment's recorded {}.",
+                reason.as_str()
+            ),
+        )
+        .with_meta(json!({"attachmentId": id, "reason": reason.as_str()}))
+    }
+
     /// 416 `stream_offset_gone`: a read from beyond the stream's head. Its meta has the
     /// reference's `offset` and `nextOffset`, and the stream's `incarnation` (this server's
     /// addition): a reader that followed another incarnation tells its stream was replaced by

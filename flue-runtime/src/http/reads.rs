@@ -203,6 +203,29 @@ fn no_store(mut response: Response, next_offset: &str, up_to_date: bool) -> Resp
     response
 }
 
+/// The incarnation (`uid`) of the instance `key`, if it exists. An instance is created with
+/// its stream, so a stream found after the instance was not is one created meanwhile: its
+/// instance is read again, and a read never goes on with a stream but no incarnation (an
+/// empty one in its checkpoint, kept by a live reader for the life of its stream).
+async fn incarnation_of(routes: &Routes, key: &InstanceKey) -> Result<Option<String>, ApiError> {
+    let store = routes.runtime.store.as_ref();
+    let uid = |instance: Option<crate::store::InstanceInfo>| instance.map(|instance| instance.uid);
+    let incarnation = uid(store.instance(key).await.map_err(|error| ApiError::internal(&error))?);
+    if incarnation.is_some()
+        || store
+            .last_offset(key)
+            .await
+            .map_err(|error| ApiError::internal(&error))?
+            .is_none()
+    {
+        return Ok(incarnation);
+    }
+    Ok(uid(store
+        .instance(key)
+        .await
+        .map_err(|error| ApiError::internal(&error))?))
+}
+
 /// `GET /:id`.
 pub(super) async fn get_stream(
     State(routes): State<Routes>,
@@ -211,13 +234,7 @@ pub(super) async fn get_stream(
 ) -> Result<Response, ApiError> {
     let key = routes.key(id)?;
     let read = read_of(query.as_deref())?;
-    let incarnation = routes
-        .runtime
-        .store
-        .instance(&key)
-        .await
-        .map_err(|error| ApiError::internal(&error))?
-        .map(|instance| instance.uid);
+    let incarnation = incarnation_of(&routes, &key).await?;
     match read {
         Read::History => {
             let (snapshot, offset) = routes
@@ -704,7 +721,13 @@ pub(super) async fn get_attachment(
     let attachment = store
         .attachment(&key, &attachment_id)
         .await
-        .map_err(|error| ApiError::internal(&error))?
+        .map_err(|error| match error {
+            crate::store::StoreError::AttachmentIntegrity { id, reason, detail } => {
+                tracing::error!(instance = %key, attachment = %id, %detail, "a stored attachment failed its integrity check");
+                ApiError::attachment_integrity(&id, reason)
+            }
+            error => ApiError::internal(&error),
+        })?
         .ok_or_else(|| ApiError::attachment_not_found(&attachment_id))?;
     // An image is served as itself, inline; anything else an older build admitted is served
     // as bytes to download, never as a document a browser would render.
