@@ -57,7 +57,7 @@ use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::Value;
 
-use crate::provider::redact_secret;
+use crate::provider::{redact_prefix, redact_secret};
 use crate::sandbox::tools::MAX_BYTES;
 
 pub use flue_core::mcp::*;
@@ -331,16 +331,26 @@ fn mount(
     Ok(McpSession { _client: client, tools })
 }
 
+/// The most tools one MCP server may list, and the most pages it may list them in: far
+/// beyond a real server's, a bound on what one that lists without end makes the runtime keep
+/// (every tool is parsed, kept and declared in each model request).
+const MAX_LISTED_TOOLS: usize = 1000;
+const MAX_LISTED_PAGES: usize = 100;
+
 /// Every page of the server's tools. A server that repeats a cursor would be listed for ever
-/// (each page kept): it is refused.
+/// (each page kept): it is refused, as one listing more than [`MAX_LISTED_TOOLS`] tools or
+/// [`MAX_LISTED_PAGES`] pages.
 async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp::model::Tool>, String> {
     let mut tools = Vec::new();
     let mut cursors = std::collections::HashSet::new();
     let mut cursor = None;
-    loop {
+    for _ in 0..MAX_LISTED_PAGES {
         let params = cursor.map(|cursor| PaginatedRequestParams::default().with_cursor(Some(cursor)));
         let page = client.list_tools(params).await.map_err(|error| error.to_string())?;
         tools.extend(page.tools);
+        if tools.len() > MAX_LISTED_TOOLS {
+            return Err(format!("it lists more than {MAX_LISTED_TOOLS} tools"));
+        }
         match page.next_cursor {
             None => return Ok(tools),
             Some(next) if !cursors.insert(next.clone()) => {
@@ -352,6 +362,7 @@ async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp:
             Some(next) => cursor = Some(next),
         }
     }
+    Err(format!("it lists its tools in more than {MAX_LISTED_PAGES} pages"))
 }
 
 /// The tools a connection's `tools` list names, in its order. A name the server does not
@@ -493,12 +504,12 @@ impl ToolHandler for McpTool {
                 ToolOutput::error(if text.is_empty() {
                     "The MCP tool reported an error.".to_owned()
                 } else {
-                    // Redacted before it is cut: a credential straddling the cut would survive
-                    // in part.
-                    capped(without_credentials(&text, &self.credentials))
+                    redacted_capped(text, &self.credentials)
                 })
             } else {
-                ToolOutput::text(capped(text))
+                // A server (or a gateway before it) may echo the request's headers in a
+                // result as well as in an error.
+                ToolOutput::text(redacted_capped(text, &self.credentials))
             }
         })
     }
@@ -534,6 +545,24 @@ fn without_credentials(text: &str, credentials: &[String]) -> String {
     credentials
         .iter()
         .fold(text.to_owned(), |text, credential| redact_secret(&text, credential))
+}
+
+/// `text` without `credentials` ([`without_credentials`]), then cut as [`capped`] cuts it.
+/// Redacted before it is cut (a credential straddling the cut would survive in part), but
+/// only as much of it as shows ([`redact_prefix`]): redaction decodes escapes into buffers
+/// many times the text's size, and a server's 16 MB result is not decoded whole to show 50 KB.
+fn redacted_capped(text: String, credentials: &[String]) -> String {
+    let total = text.len();
+    let longest = credentials.iter().map(String::len).max().unwrap_or(0);
+    let (redacted, whole) = redact_prefix(&text, MAX_BYTES, longest, |text| without_credentials(text, credentials));
+    if whole && redacted.len() <= MAX_BYTES {
+        return redacted;
+    }
+    let end = redacted.floor_char_boundary(MAX_BYTES.min(redacted.len()));
+    format!(
+        "{}\n[Output truncated: the first {end} of {total} bytes.]",
+        &redacted[..end]
+    )
 }
 
 /// `text` cut to its first [`MAX_BYTES`] bytes, the sandbox tools' output cap, so that one
@@ -710,6 +739,52 @@ mod tests {
             readable("Send message error Transport [a::B<c::D>] error: Client error: refused"),
             "Send message error Transport error: Client error: refused"
         );
+    }
+
+    /// A result is redacted as an error is, and only the prefix that can show is: what shows
+    /// is what redacting all of it shows, wherever a credential (plain or escaped) sits, also
+    /// after runs of credentials that redaction shortens to one `[redacted]`.
+    #[test]
+    fn a_result_is_shown_without_credentials_redacting_only_what_can_show() {
+        let credential = "tok-0123456789abcdef".to_owned();
+        let credentials = [credential.clone()];
+        let escaped: String = credential.bytes().map(|byte| format!("\\u{byte:04x}")).collect();
+        let whole = |text: &str| {
+            let redacted = without_credentials(text, &credentials);
+            if redacted.len() <= MAX_BYTES {
+                return redacted;
+            }
+            let end = redacted.floor_char_boundary(MAX_BYTES);
+            redacted[..end].to_owned()
+        };
+        assert_eq!(
+            redacted_capped(format!("Authorization: Bearer {credential}"), &credentials),
+            "Authorization: Bearer [redacted]"
+        );
+        // Where a first prefix would end, and past it.
+        let enough = 2 * (MAX_BYTES + 18 * credential.len());
+        for form in [credential.as_str(), escaped.as_str()] {
+            for at in [
+                0,
+                MAX_BYTES - 5,
+                MAX_BYTES + 3,
+                enough - 40,
+                enough - 3,
+                enough + 10,
+                3 * enough,
+            ] {
+                // Credentials all along, so that redaction shortens what shows the most.
+                let dense = format!("{}{}", form.repeat(at / form.len()), "é".repeat(at % form.len()));
+                let text = format!("{dense}{form}{}", "x".repeat(enough));
+                let shown = redacted_capped(text.clone(), &credentials);
+                let (body, note) = shown.rsplit_once("\n[Output truncated").expect("cut");
+                let expected = whole(&text);
+                // Compared by length first: the texts are hundreds of kilobytes.
+                assert_eq!((body.len(), body == expected), (expected.len(), true), "{at}");
+                assert!(note.ends_with(&format!("of {} bytes.]", text.len())), "{note}");
+                assert!(!body.contains("tok-0") && !body.contains("\\u0074\\u006f"), "{at}");
+            }
+        }
     }
 
     #[test]

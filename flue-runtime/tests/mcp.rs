@@ -728,6 +728,64 @@ async fn a_server_that_repeats_a_tools_list_cursor_is_refused() {
     );
 }
 
+/// A server that lists tools without end: a new page after every page, or ever more tools on
+/// its one page.
+#[derive(Clone)]
+struct Endless {
+    /// How many tools its one page lists; `None`: one tool a page, pages without end.
+    tools: Option<usize>,
+}
+
+impl ServerHandler for Endless {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let page: usize = request
+            .and_then(|request| request.cursor)
+            .map_or(0, |cursor| cursor.parse().unwrap());
+        let tools = (0..self.tools.unwrap_or(1))
+            .map(|n| McpTool::new(format!("t{page}_{n}"), "A tool.", schema(json!({"type": "object"}))))
+            .collect();
+        let mut result = ListToolsResult::with_all_items(tools);
+        result.next_cursor = self.tools.is_none().then(|| (page + 1).to_string());
+        Ok(result)
+    }
+}
+
+static ENDLESS_URL: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+#[agent]
+fn endless() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("endless", ENDLESS_URL.lock().unwrap().clone().unwrap()).auth(Secret::new("t0ken")),
+    );
+    "Read."
+}
+
+/// A server listing tools without end (pages after pages, or one page of ever more tools) is
+/// refused past a bound, not listed until memory runs out.
+#[tokio::test]
+async fn a_server_listing_tools_without_end_is_refused() {
+    for (tools, says) in [
+        (None, "it lists its tools in more than 100 pages"),
+        (Some(1001), "it lists more than 1000 tools"),
+    ] {
+        *ENDLESS_URL.lock().unwrap() = Some(serve(Endless { tools }).await);
+        let runtime = runtime_with(&ScriptedModel::new([]), [endless.into()]);
+        let error = runtime.init(&endless, "e").send("read").await.unwrap_err();
+        let (error_type, message) = run_error(error);
+        assert_eq!(error_type, "mcp_connection_failed", "{message}");
+        assert!(message.ends_with(says), "{message}");
+    }
+}
+
 static ALLOWLIST_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 static ALLOWLIST: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
 

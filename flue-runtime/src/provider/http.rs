@@ -326,22 +326,16 @@ impl CallContext {
     /// part. So are the userinfo, query and fragment of the URLs in it (a gateway that echoes
     /// the request's URL would quote a key passed in its query).
     ///
-    /// Only a prefix of a long text is redacted, one long enough that what shows of it cannot
-    /// change: the `max_chars` shown are at most 4 bytes each, or `[redacted]` in place of at
-    /// most [`LONGEST_FORM_PER_KEY_BYTE`] bytes per byte of the key, so a form of the key the
-    /// prefix cuts in two starts past anything shown. (Redaction decodes escapes into buffers
-    /// many times the text's size: a 16 MiB event is not decoded to quote 120 characters.)
+    /// Only a prefix of a long text is redacted when that shows the same ([`redact_prefix`]):
+    /// redaction decodes escapes into buffers many times the text's size, and a 16 MiB event
+    /// is not decoded to quote 120 characters.
     pub fn quote(&self, text: &str, max_chars: usize) -> String {
         let text = without_url_secrets(text);
-        let mut shown: &str = &text;
-        if let Some(key) = &self.key {
-            let redactions = max_chars / "[redacted]".len() + 2;
-            let enough = 4 * max_chars + redactions * LONGEST_FORM_PER_KEY_BYTE * key.expose().len();
-            if shown.len() > enough {
-                shown = &shown[..shown.floor_char_boundary(enough)];
-            }
-        }
-        let redacted = self.redact(shown);
+        let redacted = match &self.key {
+            // The first `max_chars` characters are within the first `4 * max_chars` bytes.
+            Some(key) => redact_prefix(&text, 4 * max_chars, key.expose().len(), |text| self.redact(text)).0,
+            None => text,
+        };
         match redacted.char_indices().nth(max_chars) {
             Some((end, _)) => format!("{}…", &redacted[..end]),
             None => redacted,
@@ -355,6 +349,39 @@ const MIN_REDACTED_KEY_BYTES: usize = 4;
 /// The most bytes one byte of a key takes in a form of it a server may echo: a JSON `\uXXXX`
 /// escape (six bytes for one ASCII byte; more bytes of the key share one for other characters).
 const LONGEST_FORM_PER_KEY_BYTE: usize = 6;
+
+/// What `redact` (a redaction of secrets of at most `secret_bytes` bytes) makes of `text`, as
+/// far as its first `keep` bytes go, computed on a prefix of a long text: the result agrees
+/// with `redact(text)` on its first `keep` bytes (it may be shorter than the whole's, or end
+/// differently past them).
+///
+/// A form of a secret the prefix cuts in two starts no more than its longest form
+/// ([`LONGEST_FORM_PER_KEY_BYTE`] bytes per byte) before the cut, and what the prefix makes of
+/// the bytes from there is at most two and a half times as long (text as it is, or
+/// `[redacted]` in place of at least 4 bytes). So once the redacted prefix is that much longer
+/// than `keep`, its first `keep` bytes came from text before any such form, and are the
+/// whole's. Redaction may make text much shorter (adjacent forms become one `[redacted]`):
+/// the prefix then doubles until it is long enough, or is the whole text. Also says whether it
+/// redacted the whole text (then the result is `redact(text)`).
+pub(crate) fn redact_prefix(
+    text: &str,
+    keep: usize,
+    secret_bytes: usize,
+    redact: impl Fn(&str) -> String,
+) -> (String, bool) {
+    let margin = 3 * LONGEST_FORM_PER_KEY_BYTE * secret_bytes.max(MIN_REDACTED_KEY_BYTES);
+    let mut end = keep.saturating_add(margin).saturating_mul(2);
+    loop {
+        if end >= text.len() {
+            return (redact(text), true);
+        }
+        let redacted = redact(&text[..text.floor_char_boundary(end)]);
+        if redacted.len() >= keep.saturating_add(margin) {
+            return (redacted, false);
+        }
+        end = end.saturating_mul(2);
+    }
+}
 
 /// `text` with `secret` replaced wherever it shows, as it is or escaped as a server may echo
 /// it (see [`key_forms`] and [`redact_escaped`]): how a credential other than a provider's key
@@ -1646,7 +1673,8 @@ mod tests {
         let mut quoted = 0;
         for form in [key, escaped.as_str(), percent.as_str()] {
             for lead in (0..700).step_by(7) {
-                for filler in ["x", "é", "%"] {
+                // Runs of the key, which redaction shortens to one `[redacted]`, too.
+                for filler in ["x", "é", "%", form] {
                     let text = format!("{}{form}{}", filler.repeat(lead), "%".repeat(4000));
                     for max_chars in [8, 120] {
                         let shown = ctx.quote(&text, max_chars);
@@ -1657,7 +1685,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(quoted, 3 * 100 * 3 * 2);
+        assert_eq!(quoted, 3 * 100 * 4 * 2);
     }
 
     #[test]

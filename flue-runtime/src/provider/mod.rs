@@ -16,7 +16,7 @@ mod tool_json;
 
 pub(crate) use complete::{CallError, call_observed, complete};
 pub use http::RetryPolicy;
-pub(crate) use http::{jitter_fraction, parse_retry_after, redact_secret};
+pub(crate) use http::{jitter_fraction, parse_retry_after, redact_prefix, redact_secret};
 pub use registry::ProviderRegistry;
 pub use types::*;
 
