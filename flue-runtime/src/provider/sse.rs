@@ -284,7 +284,7 @@ mod tests {
             assert_eq!(parser.scanned, "data: ".len() + pushed, "searched up to the end, once");
         }
         parser.push(b"\n\n");
-        let event = parser.next_event().unwrap().expect("the event");
+        let event = parser.next_event().expect("parses").expect("the event");
         assert_eq!(event.data, "x".repeat(1000));
         assert_eq!(parser.scanned, 0);
     }

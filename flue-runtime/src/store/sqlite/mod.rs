@@ -325,6 +325,14 @@ impl Checkpointer {
     }
 }
 
+/// Whether the SQLite of `version` ([`rusqlite::version_number`]) may checkpoint on a thread
+/// of its own beside the writer: from 3.51.3 on (see [`Checkpointer`]). The bundled SQLite is
+/// that new; one linked from the system instead (`LIBSQLITE3_SYS_USE_PKG_CONFIG`, or a crate
+/// of the build turning on `libsqlite3-sys`'s `sqlcipher`) may not be.
+fn checkpoints_in_background(version: i32) -> bool {
+    version >= 3_051_003
+}
+
 /// The writing connection's WAL hook: notes the WAL's length for [`Checkpointer::committed`].
 fn note_wal_frames(_wal: &rusqlite::hooks::Wal, frames: std::ffi::c_int) -> rusqlite::Result<()> {
     WAL_FRAMES.set(frames);
@@ -681,6 +689,15 @@ impl SqliteStore {
             )),
             other => other,
         })?;
+        if !checkpoints_in_background(rusqlite::version_number()) {
+            // SQLite's own automatic checkpoint, on the committing connection: no checkpoint
+            // then runs beside a writer that starts the WAL over.
+            tracing::warn!(
+                sqlite = rusqlite::version(),
+                "the SQLite this build links (not the bundled one) predates 3.51.3, whose fix a background checkpoint needs: checkpoints run on the committing thread"
+            );
+            return Ok(store);
+        }
         // Replaces SQLite's own automatic checkpoint (itself a WAL hook).
         store.lock().connection.wal_hook(Some(note_wal_frames));
         store.checkpointer = Some(Checkpointer::start(path)?);
@@ -1204,8 +1221,15 @@ fn root_stream(transaction: &Connection, sequence: i64) -> Result<i64, StoreErro
     if sequence < SEQUENCE_NUMBERED_STREAMS {
         return Ok(sequence);
     }
-    let highest = stream_counter(transaction, "highest_stream", "SELECT MAX(stream) FROM flue_instances")?;
-    let stream = highest.max(SEQUENCE_NUMBERED_STREAMS - 1) + 1;
+    const SCAN: &str = "SELECT MAX(stream) FROM flue_instances";
+    let highest = stream_counter(transaction, "highest_stream", SCAN)?;
+    let mut stream = highest.max(SEQUENCE_NUMBERED_STREAMS - 1) + 1;
+    if !stream_is_free(transaction, stream)? {
+        stream = scanned(transaction, SCAN)?
+            .max(highest)
+            .max(SEQUENCE_NUMBERED_STREAMS - 1)
+            + 1;
+    }
     if stream >= (1 << 31) - 1 {
         return Err(StoreError::Other(
             "sqlite: 2^31 - 2 instances were created; no stream number is left for a new one".into(),
@@ -1227,13 +1251,36 @@ fn stream_counter(transaction: &Connection, name: &str, scan: &str) -> Result<i6
         .map_err(sql)?;
     match kept.and_then(|kept| kept.parse::<i64>().ok()) {
         Some(kept) => Ok(kept),
-        None => Ok(transaction
-            .prepare_cached(scan)
-            .map_err(sql)?
-            .query_row([], |row| row.get::<_, Option<i64>>(0))
-            .map_err(sql)?
-            .unwrap_or(0)),
+        None => scanned(transaction, scan),
     }
+}
+
+/// What `scan` (a `MIN` or `MAX` of the instances' stream numbers) finds; 0 when there are no
+/// instances.
+fn scanned(transaction: &Connection, scan: &str) -> Result<i64, StoreError> {
+    Ok(transaction
+        .prepare_cached(scan)
+        .map_err(sql)?
+        .query_row([], |row| row.get::<_, Option<i64>>(0))
+        .map_err(sql)?
+        .unwrap_or(0))
+}
+
+/// Whether no stream holds batches under the number `stream` (every stream has its birth
+/// batch at offset 0): a counter is trusted only for a number that is free. A build of the
+/// same format before the counters (one rolled back to, say) gives numbers without keeping
+/// them, and the counter then names a number taken, whose birth batch could never be written
+/// again: the numbers are scanned instead. One lookup of the batches' rowid range.
+fn stream_is_free(transaction: &Connection, stream: i64) -> Result<bool, StoreError> {
+    let start = stream << 32;
+    transaction
+        .prepare_cached("SELECT 1 FROM flue_batches WHERE position BETWEEN ?1 AND ?2 LIMIT 1")
+        .map_err(sql)?
+        // The range's last position, which fits in 64 bits also for the last number.
+        .query_row(params![start, start + ((1 << 32) - 1)], |_| Ok(()))
+        .optional()
+        .map(|taken| taken.is_none())
+        .map_err(sql)
 }
 
 /// Keeps `value` as the stream-number counter `name`.
@@ -1626,8 +1673,12 @@ impl Store for SqliteStore {
             // given is kept in `flue_meta`, so a task's creation does not scan every
             // instance; a database without it (or with a value that does not parse) is
             // scanned once.
-            let lowest = stream_counter(tx, "lowest_stream", "SELECT MIN(stream) FROM flue_instances")?;
-            let stream = lowest.min(0) - 1;
+            const SCAN: &str = "SELECT MIN(stream) FROM flue_instances";
+            let lowest = stream_counter(tx, "lowest_stream", SCAN)?;
+            let mut stream = lowest.min(0) - 1;
+            if !stream_is_free(tx, stream)? {
+                stream = scanned(tx, SCAN)?.min(lowest).min(0) - 1;
+            }
             if stream <= -(1 << 31) {
                 return Err(StoreError::Other(
                     "sqlite: 2^31 child conversations were created; no stream number is left".into(),
@@ -1916,6 +1967,25 @@ impl Store for SqliteStore {
 mod tests {
     use super::*;
 
+    /// Checkpoints run beside the writer only on a SQLite with the WAL-reset fix (3.51.3), as
+    /// the bundled one is; a file store of this build checkpoints so.
+    #[test]
+    fn only_a_sqlite_with_the_wal_reset_fix_checkpoints_in_the_background() {
+        assert!(!checkpoints_in_background(3_051_002));
+        assert!(!checkpoints_in_background(3_045_000));
+        assert!(checkpoints_in_background(3_051_003));
+        assert!(checkpoints_in_background(3_052_000));
+        assert!(
+            checkpoints_in_background(rusqlite::version_number()),
+            "the bundled SQLite"
+        );
+        let dir = std::env::temp_dir().join(format!("flue-sqlite-checkpoints-{}", new_id("t")));
+        let store = SqliteStore::open(dir.join("flue.db")).unwrap();
+        assert!(store.checkpointer.is_some());
+        drop(store);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     fn instance_count(store: &SqliteStore) -> i64 {
         store
             .read_transaction(|connection| {
@@ -2166,6 +2236,28 @@ mod tests {
         assert_eq!(stream_of("child-3"), Some(-6));
         assert!(create("child-3").is_err(), "a child is created once");
         assert_eq!(kept().as_deref(), Some("-6"));
+        // A build before the counter (rolled back to) created a child at the next number and
+        // left the counter as it was: the number is seen taken, and the next below the
+        // lowest is given (not the taken one, whose birth batch would fail for ever).
+        store
+            .transaction(|tx| {
+                tx.execute(
+                    "INSERT INTO flue_instances (agent, id, uid, next_offset, stream) VALUES ('a', 'old-child', 'u', 0, -7)",
+                    [],
+                )
+                .map_err(sql)?;
+                tx.execute(
+                    "INSERT INTO flue_batches (position, records) VALUES (?1, '[]')",
+                    [-7_i64 << 32],
+                )
+                .map(drop)
+                .map_err(sql)
+            })
+            .unwrap();
+        store.reload_index();
+        create("child-4").unwrap();
+        assert_eq!(stream_of("child-4"), Some(-8));
+        assert_eq!(kept().as_deref(), Some("-8"));
     }
 
     #[test]
