@@ -214,6 +214,18 @@ fn remove_beneath(root: &Path, path: &str) -> Result<(), OpenError> {
     Ok(())
 }
 
+/// The most entries a directory listing reads: past it the listing fails (with
+/// [`TOO_MANY_ENTRIES`] in its error) rather than read on, each entry kept with its status, in
+/// a directory a command filled with millions of files.
+pub(crate) const MAX_LISTED_ENTRIES: usize = 100_000;
+
+/// What the error of a listing stopped at [`MAX_LISTED_ENTRIES`] says.
+pub(crate) const TOO_MANY_ENTRIES: &str = "entries: list a narrower path";
+
+fn too_many_entries(limit: usize) -> std::io::Error {
+    std::io::Error::other(format!("the directory holds more than {limit} {TOO_MANY_ENTRIES}"))
+}
+
 /// The entries of the directory at the normalized sandbox path `path` under `root`: opened by
 /// [`walk_beneath`] and listed from that descriptor, so no directory swapped for a link on the
 /// way (or the listed one itself) leads the listing out of the root. Entries are described as
@@ -225,7 +237,7 @@ fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
         make_dirs: false,
     };
     let (dir, _) = walk_beneath(root, path, end)?;
-    let entries = beneath::entries(dir)?
+    let entries = beneath::entries(dir, MAX_LISTED_ENTRIES)?
         .into_iter()
         .filter_map(|(name, status)| {
             let name = name.into_string().ok()?;
@@ -528,7 +540,8 @@ mod beneath {
 
     /// The entries of the directory `dir` (opened for reading), `.` and `..` left out, each
     /// with its status (a link described itself). An entry removed while listed is left out.
-    pub(super) fn entries(dir: OwnedFd) -> std::io::Result<Vec<(OsString, libc::stat)>> {
+    /// More than `limit` entries fail the listing (with [`super::TOO_MANY_ENTRIES`]).
+    pub(super) fn entries(dir: OwnedFd, limit: usize) -> std::io::Result<Vec<(OsString, libc::stat)>> {
         let raw = dir.into_raw_fd();
         // SAFETY: `raw` is an open directory descriptor owned here; on success the stream owns
         // it (closedir closes it).
@@ -559,6 +572,9 @@ mod beneath {
             let name = OsStr::from_bytes(name.to_bytes()).to_owned();
             if name == "." || name == ".." {
                 continue;
+            }
+            if entries.len() >= limit {
+                return Err(super::too_many_entries(limit));
             }
             match status_at(&dir, &name) {
                 Ok(status) => entries.push((name, status)),
@@ -626,6 +642,9 @@ fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
     let mut entries = Vec::new();
     for entry in std::fs::read_dir(root.join(path.trim_start_matches('/')))? {
         let entry = entry?;
+        if entries.len() >= MAX_LISTED_ENTRIES {
+            return Err(too_many_entries(MAX_LISTED_ENTRIES).into());
+        }
         let Ok(name) = entry.file_name().into_string() else {
             continue;
         };
@@ -1102,6 +1121,24 @@ mod tests {
         std::fs::create_dir_all(&outside).unwrap();
         let root = std::fs::canonicalize(root).unwrap();
         Scratch { base, root, outside }
+    }
+
+    /// A listing reads at most its limit of entries: one more fails it, saying so (a walk
+    /// then says it was cut), rather than reading on and keeping every entry.
+    #[cfg(unix)]
+    #[test]
+    fn a_listing_past_its_limit_of_entries_fails_saying_so() {
+        let scratch = scratch("many-entries");
+        for n in 0..5 {
+            std::fs::write(scratch.root.join(format!("f{n}")), "").unwrap();
+        }
+        let open = || std::fs::File::open(&scratch.root).unwrap().into();
+        assert_eq!(beneath::entries(open(), 5).unwrap().len(), 5);
+        let error = beneath::entries(open(), 4).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            format!("the directory holds more than 4 {TOO_MANY_ENTRIES}")
+        );
     }
 
     // The race's end state: `resolve` checked the path while it was inside the root, then a

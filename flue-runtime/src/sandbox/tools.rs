@@ -733,6 +733,7 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxErr
     let mut files = Vec::new();
     let mut pending = vec![base.to_owned()];
     let mut visited = 0usize;
+    let mut cut = false;
     while let Some(directory) = pending.pop() {
         visited += 1;
         if visited + files.len() > MAX_WALK {
@@ -748,6 +749,11 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxErr
                 });
             }
             Err(error) if directory == base => return Err(error),
+            // A directory too large to list is not searched: said, as a walk cut short is.
+            Err(SandboxError::Io(message)) if message.contains(super::local::TOO_MANY_ENTRIES) => {
+                cut = true;
+                continue;
+            }
             Err(_) => continue,
         };
         let mut directories = Vec::new();
@@ -771,7 +777,7 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxErr
         }
         pending.extend(directories.into_iter().rev());
     }
-    Ok(Walked { files, cut: false })
+    Ok(Walked { files, cut })
 }
 
 /// The files a walk found, and whether it stopped at [`MAX_WALK`] before the end.
