@@ -205,15 +205,18 @@ const EARLIER_LEFT_OUT: &str = " [The rest of the earlier summary is left out: i
 /// and the characters its input keeps when it must be cut (`None`: it is sent whole). An input
 /// of `input` characters too long beside the answer makes the answer shorter first, down to a
 /// quarter (a shorter summary of everything is worth more than a longer one of a part); past
-/// that, the input is cut. Estimates are characters / 4.
-fn plan(window: Option<u64>, answer: u32, input: usize) -> Result<(u32, Option<usize>), String> {
+/// that, the input is cut. Estimates are characters / `per_token` (4 at first; a text whose
+/// tokens are shorter, CJK or base64, takes more tokens than that says, and a summary call the
+/// model refuses as too long is planned again at 2, then 1).
+fn plan(window: Option<u64>, answer: u32, input: usize, per_token: u64) -> Result<(u32, Option<usize>), String> {
     let Some(window) = window else {
         return Ok((answer, None));
     };
-    let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
+    let per_token = per_token.max(1);
+    let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(per_token) + 16;
     let readable = window.saturating_sub(instructions);
     let answer = u64::from(answer).min(window / 2).max(1);
-    let input = (input as u64).div_ceil(4);
+    let input = (input as u64).div_ceil(per_token);
     let tokens = |tokens: u64| u32::try_from(tokens).unwrap_or(u32::MAX);
     if input + answer <= readable {
         return Ok((tokens(answer), None));
@@ -222,7 +225,7 @@ fn plan(window: Option<u64>, answer: u32, input: usize) -> Result<(u32, Option<u
     if input + least <= readable {
         return Ok((tokens(readable - input), None));
     }
-    let room = usize::try_from(readable.saturating_sub(least).saturating_mul(4)).unwrap_or(usize::MAX);
+    let room = usize::try_from(readable.saturating_sub(least).saturating_mul(per_token)).unwrap_or(usize::MAX);
     // Room for the notes of a cut and some of the conversation, or no summary worth making.
     if room < MIN_CUT_ROOM {
         return Err(format!(
@@ -482,10 +485,10 @@ pub(crate) async fn compact<S: Compacting>(
         }
     };
     let retries = session.runtime().options.model_retries;
-    let request = |summarizer: &dyn ModelProvider, model: String| {
+    let request = |summarizer: &dyn ModelProvider, model: String, per_token: u64| {
         let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
         let whole = previous.as_deref().map_or(0, |previous| earlier(previous).len()) + older.len();
-        let (answer, room) = plan(summarizer.context_window(&model), answer, whole)?;
+        let (answer, room) = plan(summarizer.context_window(&model), answer, whole, per_token)?;
         Ok(ModelRequest {
             max_output_tokens: Some(answer),
             messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, room))].into(),
@@ -512,10 +515,30 @@ pub(crate) async fn compact<S: Compacting>(
     let summary = match resolved {
         Ok((summarizer, model)) => {
             let summarizer = summarizer.as_deref().unwrap_or(provider);
-            match request(summarizer, model) {
-                Ok(request) => summarize(&*session, summarizer, request, step).await,
-                Err(too_small) => Err(too_small),
+            // Planned at 4 characters a token; a call the model refuses as too long, again at
+            // 2, then 1 (a known window only: without one the input is not cut).
+            let known = summarizer.context_window(&model).is_some();
+            let mut summary = Err(String::new());
+            for per_token in [4, 2, 1] {
+                let request = match request(summarizer, model.clone(), per_token) {
+                    Ok(request) => request,
+                    Err(too_small) => {
+                        summary = Err(too_small);
+                        break;
+                    }
+                };
+                match summarize(&*session, summarizer, request, step).await {
+                    Err(error) if error.is_context_overflow() && known && per_token > 1 => {
+                        tracing::debug!(%error, per_token, "the summary call was too long for the summarizing model; planning it again");
+                        summary = Err(error.to_string());
+                    }
+                    outcome => {
+                        summary = outcome.map_err(|error| error.to_string());
+                        break;
+                    }
+                }
             }
+            summary
         }
         Err(error) => Err(error),
     };
@@ -585,7 +608,7 @@ async fn summarize<S: Compacting>(
     provider: &dyn ModelProvider,
     request: ModelRequest,
     step: u32,
-) -> Result<ModelResponse, String> {
+) -> Result<ModelResponse, crate::provider::CallError> {
     let turn_id = LazyId::new("turn");
     session.turn(Some(&turn_id));
     let thinking = request.thinking_level;
@@ -595,9 +618,7 @@ async fn summarize<S: Compacting>(
         request: turn_request(provider, &request.model, thinking),
     });
     let started = Instant::now();
-    let summary = crate::provider::complete(&session.runtime().options, provider, &request, session.signal())
-        .await
-        .map_err(|error| error.to_string());
+    let summary = crate::provider::complete(&session.runtime().options, provider, &request, session.signal()).await;
     session.publish(|| {
         let aborted = session.signal().is_aborted();
         let (finish_reason, response) = match &summary {
@@ -609,12 +630,12 @@ async fn summarize<S: Compacting>(
                     ..TurnResponse::default()
                 },
             ),
-            Err(message) => (
+            Err(error) => (
                 if aborted { "aborted" } else { "error" }.to_owned(),
                 TurnResponse {
                     error: Some(SettlementError::new(
                         if aborted { "aborted" } else { "model_call_failed" },
-                        message.clone(),
+                        error.to_string(),
                     )),
                     ..TurnResponse::default()
                 },
@@ -711,27 +732,31 @@ mod tests {
     fn a_summary_call_fits_the_summarizing_models_window() {
         let instructions = (SUMMARY_INSTRUCTIONS.len() as u64).div_ceil(4) + 16;
         assert_eq!(
-            plan(None, 16_000, 1_000_000),
+            plan(None, 16_000, 1_000_000, 4),
             Ok((16_000, None)),
             "no window known: unchanged"
         );
-        assert_eq!(plan(Some(200_000), 16_000, 40_000), Ok((16_000, None)), "room for both");
         assert_eq!(
-            plan(Some(10_000), 16_000, 4_000),
+            plan(Some(200_000), 16_000, 40_000, 4),
+            Ok((16_000, None)),
+            "room for both"
+        );
+        assert_eq!(
+            plan(Some(10_000), 16_000, 4_000, 4),
             Ok((5_000, None)),
             "half the window at most"
         );
         // Just under what the window reads beside a quarter of the answer: a shorter answer,
         // no cut.
         let input = 4 * (10_000 - instructions as usize - 2_000);
-        assert_eq!(plan(Some(10_000), 4_000, input), Ok((2_000, None)));
+        assert_eq!(plan(Some(10_000), 4_000, input, 4), Ok((2_000, None)));
         // Past that: cut, and both fit.
-        let (answer, room) = plan(Some(10_000), 4_000, 4 * 10_000).expect("a plan");
+        let (answer, room) = plan(Some(10_000), 4_000, 4 * 10_000, 4).expect("a plan");
         assert_eq!(answer, 1_000);
         let room = room.expect("a cut") as u64;
         assert!(room / 4 + instructions + u64::from(answer) <= 10_000);
         // A window too small to summarize in: no call.
-        assert!(plan(Some(300), 4_000, 40_000).is_err());
+        assert!(plan(Some(300), 4_000, 40_000, 4).is_err());
     }
 
     #[test]

@@ -323,6 +323,60 @@ async fn a_transcript_longer_than_the_summarizers_window_is_cut_to_its_newest_pa
     );
 }
 
+/// A summary call the summarizing model refuses as too long (its text takes more tokens than
+/// four characters each, as CJK or base64 does) is planned again on a more careful estimate,
+/// with less of the transcript, and the compaction goes through.
+#[tokio::test]
+async fn a_summary_call_refused_as_too_long_is_made_again_with_less_of_the_transcript() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let small = ScriptedModel::new([
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("The user said two."),
+    ])
+    .with_id("small")
+    // The transcript fits at four characters a token, and is cut at two.
+    .with_context_window(1_000);
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    providers.register(small.clone());
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(small_summarizer)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&small_summarizer, "s");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    assert_eq!(handle.send(long("third")).await.unwrap().text, "three it is");
+    let requests = small.requests();
+    assert_eq!(requests.len(), 2, "refused, then made again");
+    let transcript = |request: &flue_runtime::provider::ModelRequest| match &request.messages[0] {
+        ModelMessage::User { content, .. } => content.len(),
+        other => panic!("a transcript: {other:?}"),
+    };
+    assert!(
+        transcript(&requests[1]) < transcript(&requests[0]),
+        "{} then {} characters",
+        transcript(&requests[0]),
+        transcript(&requests[1])
+    );
+    let summarized = model
+        .requests()
+        .last()
+        .map(|request| format!("{:?}", request.messages))
+        .unwrap();
+    assert!(summarized.contains("The user said two."), "{summarized}");
+}
+
 #[agent]
 fn unbounded() -> &'static str {
     use_model_with(
