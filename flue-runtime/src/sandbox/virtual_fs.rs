@@ -1,6 +1,7 @@
 //! The in-memory environment: a filesystem per instance (per agent and id: two agents'
 //! instances of one id do not share files), kept for the process's lifetime (so a later
-//! submission of the instance finds its files), without command execution. Not
+//! submission of the instance finds its files), without command execution, holding at most
+//! [`MAX_VIRTUAL_BYTES`] of files and [`MAX_VIRTUAL_FILES`] files per instance. Not
 //! durable: a restart starts every instance's workspace empty (use `sandbox::local` for files
 //! that last).
 
@@ -45,15 +46,64 @@ impl SandboxFactory for VirtualSandboxFactory {
     }
 }
 
+/// The most bytes of files one instance's in-memory filesystem holds, and the most files: a
+/// model writing ever more (or larger) files fails its writes past them, rather than growing
+/// the process's memory for its lifetime.
+pub(crate) const MAX_VIRTUAL_BYTES: usize = 256 * 1024 * 1024;
+/// See [`MAX_VIRTUAL_BYTES`].
+pub(crate) const MAX_VIRTUAL_FILES: usize = 100_000;
+
 /// One instance's in-memory filesystem: files by normalized absolute path (directories are
 /// implied by the files under them, plus those made explicit by writes).
 #[derive(Default)]
 pub struct VirtualSandbox {
-    files: Mutex<BTreeMap<String, Vec<u8>>>,
+    files: Mutex<Files>,
+}
+
+/// The files, and their bytes in all.
+#[derive(Default)]
+struct Files {
+    by_path: BTreeMap<String, Vec<u8>>,
+    bytes: usize,
+}
+
+impl std::ops::Deref for Files {
+    type Target = BTreeMap<String, Vec<u8>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.by_path
+    }
+}
+
+impl Files {
+    /// Writes `contents` at `path`, within [`MAX_VIRTUAL_BYTES`] and [`MAX_VIRTUAL_FILES`].
+    fn insert(&mut self, path: String, contents: Vec<u8>) -> Result<(), SandboxError> {
+        let replaced = self.by_path.get(&path).map(Vec::len);
+        let bytes = self.bytes - replaced.unwrap_or(0) + contents.len();
+        if bytes > MAX_VIRTUAL_BYTES {
+            return Err(SandboxError::Io(format!(
+                "the in-memory sandbox holds at most {MAX_VIRTUAL_BYTES} bytes of files; this write would make {bytes}"
+            )));
+        }
+        if replaced.is_none() && self.by_path.len() >= MAX_VIRTUAL_FILES {
+            return Err(SandboxError::Io(format!(
+                "the in-memory sandbox holds at most {MAX_VIRTUAL_FILES} files"
+            )));
+        }
+        self.bytes = bytes;
+        self.by_path.insert(path, contents);
+        Ok(())
+    }
+
+    fn remove(&mut self, path: &str) -> Option<Vec<u8>> {
+        let removed = self.by_path.remove(path)?;
+        self.bytes -= removed.len();
+        Some(removed)
+    }
 }
 
 impl VirtualSandbox {
-    fn files(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<u8>>> {
+    fn files(&self) -> std::sync::MutexGuard<'_, Files> {
         self.files.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
@@ -107,8 +157,7 @@ impl Sandbox for VirtualSandbox {
             {
                 return Err(SandboxError::Io(format!("{parent} is a file, not a directory")));
             }
-            files.insert(path, contents);
-            Ok(())
+            files.insert(path, contents)
         });
         Box::pin(std::future::ready(result))
     }
@@ -166,5 +215,49 @@ impl Sandbox for VirtualSandbox {
         Box::pin(std::future::ready(Err(SandboxError::Unsupported(
             "commands (the in-memory sandbox has no shell; use sandbox::local for one)",
         ))))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    fn write(sandbox: &VirtualSandbox, path: &str, bytes: usize) -> Result<(), SandboxError> {
+        futures_util::FutureExt::now_or_never(sandbox.write_file(path, vec![0; bytes])).unwrap()
+    }
+
+    /// Writes past the bytes or the files an instance's in-memory filesystem holds fail, the
+    /// files kept as they were; a replaced file counts as its new size, and a removed one
+    /// frees its room.
+    #[test]
+    fn writes_past_the_room_of_the_in_memory_sandbox_fail_and_removals_free_it() {
+        let sandbox = VirtualSandbox::default();
+        let quarter = MAX_VIRTUAL_BYTES / 4;
+        for n in 0..4 {
+            write(&sandbox, &format!("/big/{n}"), quarter).unwrap();
+        }
+        let error = write(&sandbox, "/one-more", 1).unwrap_err();
+        assert!(error.to_string().contains("at most"), "{error}");
+        assert!(!sandbox.files().contains_key("/one-more"));
+        // A file replaced by a smaller one makes room.
+        write(&sandbox, "/big/0", quarter - 10).unwrap();
+        write(&sandbox, "/one-more", 10).unwrap();
+        assert!(
+            write(&sandbox, "/big/1", quarter + 1).is_err(),
+            "replaced larger: past the room"
+        );
+        futures_util::FutureExt::now_or_never(sandbox.remove("/big/1"))
+            .unwrap()
+            .unwrap();
+        write(&sandbox, "/big/1", quarter).unwrap();
+        assert_eq!(sandbox.files().bytes, MAX_VIRTUAL_BYTES);
+
+        let sandbox = VirtualSandbox::default();
+        for n in 0..MAX_VIRTUAL_FILES {
+            write(&sandbox, &format!("/f{n}"), 0).unwrap();
+        }
+        assert!(write(&sandbox, "/one-too-many", 0).is_err());
+        write(&sandbox, "/f0", 1).unwrap();
     }
 }
