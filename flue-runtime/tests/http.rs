@@ -2173,41 +2173,35 @@ mod limits {
         assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
     }
 
-    /// The bodies being read together have a bound: while a client holds the room (a
-    /// large body that keeps arriving slowly), another body waits for room up to the body
-    /// timeout and is answered 503 `server_busy`; once the first stalls and is answered (408),
-    /// its room is freed and the next body is admitted.
+    /// The bodies being read together have a bound: while a client holds the room (a large
+    /// body that keeps arriving slowly), another body waits for room up to the body timeout
+    /// and is answered 503 `server_busy`. A body that keeps arriving but not all of it within
+    /// the body deadline is answered 408, and its room freed: the next body is admitted.
     #[tokio::test]
-    async fn bodies_past_the_room_for_buffered_bodies_wait_and_are_answered_503() {
+    async fn bodies_past_the_room_for_buffered_bodies_wait_and_a_trickling_one_is_cut_off() {
         let server = Server::start_with(HttpOptions {
             request_body_timeout: Duration::from_secs(1),
+            request_body_deadline: Duration::from_secs(4),
             // Clamped up to room for one body of the largest size.
             max_buffered_request_bytes: 0,
             ..HttpOptions::default()
         })
         .await;
-        let mut hog = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
+        let hog = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
+        let (mut answer, mut sending) = hog.into_split();
         let head = format!(
             "POST /agents/calculator/hog HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             root(&server),
             flue_runtime::http::MAX_BODY_BYTES
         );
-        hog.write_all(head.as_bytes()).await.unwrap();
-        // All but the last 100 bytes, then a byte now and then, until told to stop.
-        hog.write_all(&vec![b' '; flue_runtime::http::MAX_BODY_BYTES - 100])
-            .await
-            .unwrap();
-        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
-        let trickle = tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = &mut stopped => return hog,
-                    () = tokio::time::sleep(Duration::from_millis(200)) => hog.write_all(b" ").await.unwrap(),
-                }
+        sending.write_all(head.as_bytes()).await.unwrap();
+        // A byte every 200 ms: it never stalls, and never ends.
+        tokio::spawn(async move {
+            while sending.write_all(b" ").await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         });
-        // Time for the server to read what was sent (a debug build on a busy machine).
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let waiting = server
             .post("waits", json!({"kind": "user", "body": "x".repeat(200)}))
             .await;
@@ -2215,14 +2209,34 @@ mod limits {
         assert_eq!(waiting.headers()["retry-after"], "1");
         let body: serde_json::Value = waiting.json().await.unwrap();
         assert_eq!(body["error"]["type"], "server_busy", "{body}");
-        stop.send(()).unwrap();
-        let mut hog = trickle.await.unwrap();
-        let answer = until_closed(&mut hog).await;
-        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        let mut said = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), answer.read_to_end(&mut said))
+            .await
+            .expect("the server closes the connection")
+            .unwrap();
+        let said = String::from_utf8_lossy(&said);
+        assert!(said.starts_with("HTTP/1.1 408"), "{said}");
+        assert!(said.contains("took too long"), "{said}");
         let admitted = server
             .post("after", json!({"kind": "user", "body": "x".repeat(200)}))
             .await;
         assert_eq!(admitted.status(), 202);
+    }
+
+    /// A body declaring a length past the body limit is refused at once, before any of it is
+    /// read (or room taken for it).
+    #[tokio::test]
+    async fn a_body_declaring_more_than_the_limit_is_refused_before_it_is_read() {
+        let server = Server::start().await;
+        let mut socket = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
+        let head = format!(
+            "POST /agents/calculator/huge HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            root(&server),
+            flue_runtime::http::MAX_BODY_BYTES + 1
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        let answer = until_closed(&mut socket).await;
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     }
 
     /// `max_connections: usize::MAX` caps nothing (a semaphore counts less: it is clamped).

@@ -104,6 +104,17 @@ impl ApiError {
         )
     }
 
+    /// 408 `request_timeout`: the body kept arriving, but not all of it within
+    /// [`HttpOptions::request_body_deadline`](super::HttpOptions::request_body_deadline).
+    pub fn body_too_slow(deadline: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "The request body took too long to arrive.",
+            format!("The whole request body must arrive within {} ms.", deadline.as_millis()),
+        )
+    }
+
     /// 413 `request_too_large`: a body whose JSON holds more objects and arrays, or more
     /// values, than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
     /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow.

@@ -135,12 +135,19 @@ pub struct HttpOptions {
     /// answered 408 `request_timeout` and no longer holds what it sent, while a large body on
     /// a slow link arrives in its own time.
     pub request_body_timeout: Duration,
+    /// How long a message's whole body may take to arrive (5 min; 16 MiB at 56 KB/s): a client
+    /// that keeps sending a little at a time, within
+    /// [`request_body_timeout`](Self::request_body_timeout), is answered 408 `request_timeout`
+    /// once this has passed, and no longer holds the room its body took.
+    pub request_body_deadline: Duration,
     /// How many bytes of message bodies the router holds at once, all requests together
-    /// (256 MiB; at least one body of [`MAX_BODY_BYTES`] fits). A body that finds no room waits
-    /// for it, as one that stalls, up to [`request_body_timeout`](Self::request_body_timeout),
-    /// and is then answered 503 `server_busy`: many clients sending large bodies slowly cannot
-    /// make the server hold more than this (nor parse more than this at once). Shared by the
-    /// agents of one [`router_with`]; each [`agent_router`] has its own.
+    /// (256 MiB; at least one body of [`MAX_BODY_BYTES`] fits). A body takes room for its
+    /// declared length (the largest body's when it declares none) before any of it is read,
+    /// and holds it until its admission is made; one that finds no room waits for it up to
+    /// [`request_body_timeout`](Self::request_body_timeout), and is then answered 503
+    /// `server_busy`: many clients sending large bodies slowly cannot make the server hold more
+    /// than this (nor parse more than this at once). Shared by the agents of one
+    /// [`router_with`]; each [`agent_router`] has its own.
     pub max_buffered_request_bytes: usize,
     /// How long a connection served by [`serve`] may take to send a request's head, and how
     /// long it may stay idle between requests (30 s); then it is closed. Keep it well above a
@@ -150,7 +157,8 @@ pub struct HttpOptions {
     /// a response being written (60 s, as nginx's `send_timeout`); then it is closed. A
     /// client that stops reading a live stream would otherwise hold it, and what it buffers,
     /// while the connection stays open. A slow client that keeps reading is served in its own
-    /// time.
+    /// time. Keep it well above a client's round trip: a zero closes every connection whose
+    /// response does not fit the socket's buffer at once.
     pub response_write_timeout: Duration,
     /// How many connections [`serve`] serves at once (4096; live reads are connections too):
     /// further clients wait in the listener's backlog until one closes. At least one;
@@ -170,6 +178,7 @@ impl std::fmt::Debug for HttpOptions {
             .field("allow_cross_site", &self.allow_cross_site)
             .field("allowed_hosts", &self.allowed_hosts)
             .field("request_body_timeout", &self.request_body_timeout)
+            .field("request_body_deadline", &self.request_body_deadline)
             .field("max_buffered_request_bytes", &self.max_buffered_request_bytes)
             .field("request_head_timeout", &self.request_head_timeout)
             .field("response_write_timeout", &self.response_write_timeout)
@@ -198,6 +207,7 @@ impl Default for HttpOptions {
             allow_cross_site: false,
             allowed_hosts: Vec::new(),
             request_body_timeout: Duration::from_secs(60),
+            request_body_deadline: Duration::from_secs(300),
             max_buffered_request_bytes: 256 * 1024 * 1024,
             request_head_timeout: Duration::from_secs(30),
             response_write_timeout: Duration::from_secs(60),
@@ -510,57 +520,21 @@ fn not_allowed<S: Clone + Send + Sync + 'static>(allow: &'static str) -> MethodR
 }
 
 /// A request body that fails with [`Stalled`] once `timeout` passes without any of it
-/// arriving, and whose bytes take room in `bodies` (one permit a byte) until `held` is
-/// dropped: a chunk that finds no room within `timeout` fails the body with [`NoRoom`].
-fn bounded_body(
-    body: axum::body::Body,
-    timeout: Duration,
-    bodies: Arc<tokio::sync::Semaphore>,
-    held: Arc<std::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>,
-) -> axum::body::Body {
+/// arriving.
+fn stalls_after(body: axum::body::Body, timeout: Duration) -> axum::body::Body {
     use futures_util::StreamExt;
-    let chunks = futures_util::stream::unfold(Some(body.into_data_stream()), move |chunks| {
-        let (bodies, held) = (bodies.clone(), held.clone());
-        async move {
-            let mut chunks = chunks?;
-            let chunk = match tokio::time::timeout(timeout, chunks.next()).await {
-                Ok(Some(Ok(chunk))) => chunk,
-                Ok(Some(Err(error))) => return Some((Err(axum::BoxError::from(error)), None)),
-                Ok(None) => return None,
-                Err(_) => return Some((Err(axum::BoxError::from(Stalled)), None)),
-            };
-            // A chunk past what a semaphore counts at once could never find room: the body
-            // limit refuses it anyway.
-            let bytes = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
-            match tokio::time::timeout(timeout, bodies.acquire_many_owned(bytes)).await {
-                Ok(Ok(room)) => {
-                    let mut held = held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                    match held.as_mut() {
-                        Some(taken) => taken.merge(room),
-                        None => *held = Some(room),
-                    }
-                }
-                _ => return Some((Err(axum::BoxError::from(NoRoom)), None)),
-            }
-            Some((Ok(chunk), Some(chunks)))
+    let chunks = futures_util::stream::unfold(Some(body.into_data_stream()), move |chunks| async move {
+        let mut chunks = chunks?;
+        match tokio::time::timeout(timeout, chunks.next()).await {
+            Ok(Some(chunk)) => Some((chunk.map_err(axum::BoxError::from), Some(chunks))),
+            Ok(None) => None,
+            Err(_) => Some((Err(axum::BoxError::from(Stalled)), None)),
         }
     });
     axum::body::Body::from_stream(chunks)
 }
 
-/// A request body found no room among the bodies being read ([`bounded_body`]).
-#[derive(Debug)]
-struct NoRoom;
-
-impl std::fmt::Display for NoRoom {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the server holds as many request bodies as it may")
-    }
-}
-
-impl std::error::Error for NoRoom {}
-
-/// A request body stopped arriving ([`bounded_body`]).
+/// A request body stopped arriving ([`stalls_after`]).
 #[derive(Debug)]
 struct Stalled;
 
@@ -572,7 +546,7 @@ impl std::fmt::Display for Stalled {
 
 impl std::error::Error for Stalled {}
 
-/// Whether reading a body failed with `E` ([`Stalled`], [`NoRoom`]).
+/// Whether reading a body failed with `E` ([`Stalled`]).
 fn failed_with<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut source = Some(error);
     while let Some(error) = source {
@@ -599,23 +573,43 @@ async fn post_message(
             "The `wait` parameter is not supported: admission is fire-and-forget. Read the reply from the stream.",
         ));
     }
-    // Read here, not by an extractor, to bound how long it may stall and what it holds. The
-    // room its bytes take is held until the admission is made (its parse included).
-    let timeout = routes.options.request_body_timeout;
-    let room = Arc::default();
-    let request = request.map(|body| bounded_body(body, timeout, routes.bodies.clone(), Arc::clone(&room)));
-    let body = Bytes::from_request(request, &()).await.map_err(|rejection| {
-        if failed_with::<Stalled>(&rejection) {
-            return ApiError::request_timeout(timeout);
-        }
-        if failed_with::<NoRoom>(&rejection) {
-            return ApiError::server_busy();
-        }
-        match rejection.status() {
-            StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),
-            _ => ApiError::invalid_request(rejection.body_text()),
-        }
-    })?;
+    // Read here, not by an extractor, to bound how long it may take and what it holds.
+    let options = &routes.options;
+    // Room for the whole body, taken before any of it is read and held until the admission is
+    // made (its parse included): its declared length, or the largest body when it declares
+    // none. Taken at once, so bodies waiting for room hold none of it (bodies taking it a
+    // chunk at a time could each hold part of it, and all wait for ever).
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<u64>().ok());
+    if declared.is_some_and(|declared| declared > MAX_BODY_BYTES as u64) {
+        return Err(ApiError::request_too_large());
+    }
+    let bytes = declared.map_or(MAX_BODY_BYTES, |declared| declared as usize);
+    let room = routes
+        .bodies
+        .clone()
+        .acquire_many_owned(u32::try_from(bytes).unwrap_or(u32::MAX));
+    let _room = match tokio::time::timeout(options.request_body_timeout, room).await {
+        Ok(Ok(room)) => room,
+        _ => return Err(ApiError::server_busy()),
+    };
+    let timeout = options.request_body_timeout;
+    let request = request.map(|body| stalls_after(body, timeout));
+    let read = tokio::time::timeout(options.request_body_deadline, Bytes::from_request(request, &()));
+    let body = read
+        .await
+        .map_err(|_| ApiError::body_too_slow(options.request_body_deadline))?
+        .map_err(|rejection| {
+            if failed_with::<Stalled>(&rejection) {
+                return ApiError::request_timeout(timeout);
+            }
+            match rejection.status() {
+                StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),
+                _ => ApiError::invalid_request(rejection.body_text()),
+            }
+        })?;
     let request = admission::parse(&key.id, &headers, &body)?;
     // A direct send, as `send()` is (only the caller does not wait here for the reply). On a
     // task of its own: a client that goes away drops this handler, and an admission the store
