@@ -488,8 +488,9 @@ pub(crate) async fn compact<S: Compacting>(
     let request = |summarizer: &dyn ModelProvider, model: String, per_token: u64| {
         let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
         let whole = previous.as_deref().map_or(0, |previous| earlier(previous).len()) + older.len();
-        let (answer, room) = plan(summarizer.context_window(&model), answer, whole, per_token)?;
-        Ok(ModelRequest {
+        let planned = plan(summarizer.context_window(&model), answer, whole, per_token)?;
+        let (answer, room) = planned;
+        let request = ModelRequest {
             max_output_tokens: Some(answer),
             messages: vec![ModelMessage::user(summary_input(previous.as_deref(), &older, room))].into(),
             model,
@@ -501,7 +502,8 @@ pub(crate) async fn compact<S: Compacting>(
                 ThinkingLevel::Low
             },
             max_retries: Some(retries),
-        })
+        };
+        Ok((request, planned))
     };
     let resolved = match &config.model {
         Some(spec) => session
@@ -519,9 +521,15 @@ pub(crate) async fn compact<S: Compacting>(
             // 2, then 1 (a known window only: without one the input is not cut).
             let known = summarizer.context_window(&model).is_some();
             let mut summary = Err(String::new());
+            let mut made = None;
             for per_token in [4, 2, 1] {
                 let request = match request(summarizer, model.clone(), per_token) {
-                    Ok(request) => request,
+                    // The same call as the one refused: it would be refused again.
+                    Ok((_, planned)) if made == Some(planned) => continue,
+                    Ok((request, planned)) => {
+                        made = Some(planned);
+                        request
+                    }
                     Err(too_small) => {
                         summary = Err(too_small);
                         break;

@@ -87,13 +87,17 @@ impl JsonShape {
     }
 
     /// Whether `texts` together are within the limits ([`Self::is_within_limits`]), counted
-    /// only when they are long enough to be past them: each bracket and comma is a byte, so
-    /// texts of at most [`MAX_JSON_CONTAINERS`] bytes hold at most that many containers and
-    /// one value more than that (the hot path: a provider's stream events are small).
+    /// only when they are long enough to be past them: each bracket and comma is a byte, and
+    /// each text counts one value more, so texts whose bytes and number together are at most
+    /// [`MAX_JSON_CONTAINERS`] hold at most that many containers and values (the hot path: a
+    /// provider's stream events are small).
     pub(crate) fn fits<'a>(texts: impl IntoIterator<Item = &'a [u8]> + Clone) -> bool {
         const { assert!(MAX_JSON_CONTAINERS < MAX_JSON_VALUES) };
-        let bytes: usize = texts.clone().into_iter().map(<[u8]>::len).sum();
-        bytes <= MAX_JSON_CONTAINERS || Self::of_all(texts).is_within_limits()
+        let (count, bytes) = texts
+            .clone()
+            .into_iter()
+            .fold((0usize, 0usize), |(count, bytes), text| (count + 1, bytes + text.len()));
+        count + bytes <= MAX_JSON_CONTAINERS || Self::of_all(texts).is_within_limits()
     }
 }
 
@@ -140,5 +144,12 @@ mod tests {
         assert!(!JsonShape::fits([half.as_slice(), half.as_slice()]), "added up");
         assert!(JsonShape::fits([half.as_slice()]));
         assert!(JsonShape::fits(std::iter::empty::<&[u8]>()));
+        // Many empty texts are a value each: counted, not waved through by their bytes.
+        let empties = vec![b"".as_slice(); MAX_JSON_VALUES + 1];
+        assert_eq!(
+            JsonShape::fits(empties.iter().copied()),
+            counted(empties.iter().copied())
+        );
+        assert!(!JsonShape::fits(empties.iter().copied()));
     }
 }

@@ -1005,7 +1005,11 @@ impl MessagesDecoder {
         let block = data
             .get("content_block")
             .ok_or_else(|| self.invalid("a block start without content_block"))?;
-        if self.calls.len() + self.reasoning_blocks.len() >= super::MAX_STREAMED_PARTS {
+        let kept = matches!(
+            block.get("type").and_then(Value::as_str),
+            Some("tool_use" | "thinking" | "redacted_thinking")
+        );
+        if kept && self.calls.len() + self.reasoning_blocks.len() >= super::MAX_STREAMED_PARTS {
             return Err(self.invalid(&format!(
                 "more than {} tool calls and thinking blocks in one answer",
                 super::MAX_STREAMED_PARTS
@@ -1851,6 +1855,9 @@ mod tests {
             feed(&mut decoder, &mut out, "content_block_start", start).expect("at the bound");
         }
         let one_more = json!({"type": "content_block_start", "index": limit, "content_block": {"type": "tool_use", "id": "toolu_x", "name": "f", "input": {}}});
+        let text =
+            json!({"type": "content_block_start", "index": limit, "content_block": {"type": "text", "text": ""}});
+        feed(&mut decoder, &mut out, "content_block_start", text).expect("a text block at the bound");
         let error = feed(&mut decoder, &mut out, "content_block_start", one_more).expect_err("past the bound");
         assert_eq!(error.kind, ProviderErrorKind::InvalidResponse);
         assert!(error.message.contains("more than 4096"), "{}", error.message);

@@ -77,9 +77,10 @@ impl std::ops::Deref for Files {
 
 impl Files {
     /// Writes `contents` at `path`, within [`MAX_VIRTUAL_BYTES`] and [`MAX_VIRTUAL_FILES`].
+    /// (The bytes counted are those allocated for the files, their capacities.)
     fn insert(&mut self, path: String, contents: Vec<u8>) -> Result<(), SandboxError> {
-        let replaced = self.by_path.get(&path).map(Vec::len);
-        let bytes = self.bytes - replaced.unwrap_or(0) + contents.len();
+        let replaced = self.by_path.get(&path).map(Vec::capacity);
+        let bytes = self.bytes - replaced.unwrap_or(0) + contents.capacity();
         if bytes > MAX_VIRTUAL_BYTES {
             return Err(SandboxError::Io(format!(
                 "the in-memory sandbox holds at most {MAX_VIRTUAL_BYTES} bytes of files; this write would make {bytes}"
@@ -97,7 +98,7 @@ impl Files {
 
     fn remove(&mut self, path: &str) -> Option<Vec<u8>> {
         let removed = self.by_path.remove(path)?;
-        self.bytes -= removed.len();
+        self.bytes -= removed.capacity();
         Some(removed)
     }
 }
