@@ -275,6 +275,23 @@ fn small_summarizer() -> &'static str {
     "Be brief."
 }
 
+/// Three exchanges of `small_summarizer` with `model`, compacted by `small` before the third.
+async fn three_exchanges_summarized_by(model: &ScriptedModel, small: &ScriptedModel) {
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    providers.register(small.clone());
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(small_summarizer)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&small_summarizer, "s");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    assert_eq!(handle.send(long("third")).await.unwrap().text, "three it is");
+}
+
 /// A summarizing model whose window cannot hold the whole transcript reads its newest part,
 /// told that the start is left out, rather than overflowing (and leaving the session
 /// uncompacted).
@@ -291,19 +308,7 @@ async fn a_transcript_longer_than_the_summarizers_window_is_cut_to_its_newest_pa
     let small = ScriptedModel::new([ScriptedReply::text("The user said two.")])
         .with_id("small")
         .with_context_window(500);
-    let mut providers = flue_runtime::provider::ProviderRegistry::new();
-    providers.register(model.clone());
-    providers.register(small.clone());
-    let runtime = flue_runtime::Runtime::builder()
-        .store(flue_runtime::store::MemoryStore::new())
-        .providers(providers)
-        .agent(small_summarizer)
-        .build()
-        .unwrap();
-    let handle = runtime.init(&small_summarizer, "s");
-    handle.send(long("first")).await.unwrap();
-    handle.send(long("second")).await.unwrap();
-    assert_eq!(handle.send(long("third")).await.unwrap().text, "three it is");
+    three_exchanges_summarized_by(&model, &small).await;
     let summary = &small.requests()[0];
     let ModelMessage::User { content, .. } = &summary.messages[0] else {
         panic!("a transcript")
@@ -344,19 +349,7 @@ async fn a_summary_call_refused_as_too_long_is_made_again_with_less_of_the_trans
     .with_id("small")
     // The transcript fits at four characters a token, and is cut at two.
     .with_context_window(1_000);
-    let mut providers = flue_runtime::provider::ProviderRegistry::new();
-    providers.register(model.clone());
-    providers.register(small.clone());
-    let runtime = flue_runtime::Runtime::builder()
-        .store(flue_runtime::store::MemoryStore::new())
-        .providers(providers)
-        .agent(small_summarizer)
-        .build()
-        .unwrap();
-    let handle = runtime.init(&small_summarizer, "s");
-    handle.send(long("first")).await.unwrap();
-    handle.send(long("second")).await.unwrap();
-    assert_eq!(handle.send(long("third")).await.unwrap().text, "three it is");
+    three_exchanges_summarized_by(&model, &small).await;
     let requests = small.requests();
     assert_eq!(requests.len(), 2, "refused, then made again");
     let transcript = |request: &flue_runtime::provider::ModelRequest| match &request.messages[0] {
@@ -375,6 +368,30 @@ async fn a_summary_call_refused_as_too_long_is_made_again_with_less_of_the_trans
         .map(|request| format!("{:?}", request.messages))
         .unwrap();
     assert!(summarized.contains("The user said two."), "{summarized}");
+}
+
+/// A summary call refused as too long whose input a more careful estimate would not change
+/// (it fits the window by any of them) is not made again, the same call, to be refused again:
+/// the compaction gives up, and the session goes on.
+#[tokio::test]
+async fn a_refused_summary_call_no_estimate_would_change_is_not_made_again() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let small = ScriptedModel::new([
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("never asked"),
+    ])
+    .with_id("small")
+    .with_context_window(1_000_000);
+    three_exchanges_summarized_by(&model, &small).await;
+    assert_eq!(small.requests().len(), 1, "the same call is not made again");
 }
 
 #[agent]

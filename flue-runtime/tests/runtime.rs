@@ -177,14 +177,7 @@ fn never_satisfied() -> &'static str {
 async fn a_finish_append_when_no_step_is_left_fails_loudly_and_is_not_committed() {
     let model = ScriptedModel::new([ScriptedReply::text("the answer"), ScriptedReply::text("never asked")]);
     let store = MemoryStore::new();
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .agent(never_satisfied)
-        .providers(providers)
-        .store(store.clone())
-        .build()
-        .unwrap();
+    let runtime = harness::runtime_on(store.clone(), &model, [never_satisfied.into()]);
     let error = runtime.init(&never_satisfied, "n").send("go").await.unwrap_err();
     let (error_type, message) = run_error(error);
     assert_eq!(
@@ -2162,15 +2155,8 @@ fn answered_then_listening() -> &'static str {
 #[tokio::test]
 async fn an_abort_while_a_finish_callback_runs_after_a_durable_answer_settles_completed() {
     let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
     let store = MemoryStore::new();
-    let runtime = Runtime::builder()
-        .agent(answered_then_listening)
-        .providers(providers)
-        .store(store.clone())
-        .build()
-        .unwrap();
+    let runtime = harness::runtime_on(store.clone(), &model, [answered_then_listening.into()]);
     let handle = runtime.init(&answered_then_listening, "a");
     let receipt = handle.dispatch("go").await.unwrap();
     while LISTENING_FINISHES.load(std::sync::atomic::Ordering::SeqCst) == 0 {
@@ -2317,19 +2303,16 @@ async fn an_abort_during_the_finish_commit_of_an_answered_response_runs_no_queue
         ScriptedReply::tool_call("keep_thread", json!({})),
         ScriptedReply::text("the answer"),
     ]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
     let trigger = Trigger::default();
     let store = MemoryStore::new();
-    let runtime = Runtime::builder()
-        .agent(answered_then_closing)
-        .providers(providers)
-        .store(FiresDuringFinishCommit {
+    let runtime = harness::runtime_on(
+        FiresDuringFinishCommit {
             inner: store.clone(),
             trigger: trigger.clone(),
-        })
-        .build()
-        .unwrap();
+        },
+        &model,
+        [answered_then_closing.into()],
+    );
     let handle = runtime.init(&answered_then_closing, "a");
     let firing = handle.clone();
     *trigger.lock().unwrap() = Some(Box::pin(async move {
@@ -2391,14 +2374,7 @@ fn answered_then_appending() -> &'static str {
 async fn a_finish_append_made_after_the_abort_fired_is_not_stored_and_the_response_completes() {
     let model = ScriptedModel::new([ScriptedReply::text("the answer"), ScriptedReply::text("never asked")]);
     let store = MemoryStore::new();
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .agent(answered_then_appending)
-        .providers(providers)
-        .store(store.clone())
-        .build()
-        .unwrap();
+    let runtime = harness::runtime_on(store.clone(), &model, [answered_then_appending.into()]);
     let handle = runtime.init(&answered_then_appending, "a");
     let receipt = handle.dispatch("go").await.unwrap();
     while DEAF_FINISHES.load(std::sync::atomic::Ordering::SeqCst) == 0 {
@@ -3528,52 +3504,27 @@ async fn images_reach_the_model_are_kept_in_the_attachment_store_and_survive_evi
     );
 }
 
-/// A memory store whose attachments all read back damaged.
-struct DamagedAttachments {
-    inner: MemoryStore,
-}
-
-impl flue_runtime::store::Store for DamagedAttachments {
-    harness::delegate_store!(
-        inner;
-        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
-        requeue, request_abort, append, create_child, read, put_attachment, user_value,
-        set_user_value, list_user_values,
-    );
-
-    fn attachment(
-        &self,
-        _key: &InstanceKey,
-        id: &str,
-    ) -> flue_runtime::BoxFuture<
-        '_,
-        Result<Option<flue_runtime::store::StoredAttachment>, flue_runtime::store::StoreError>,
-    > {
-        let id = id.to_owned();
-        Box::pin(async move {
-            Err(flue_runtime::store::StoreError::AttachmentIntegrity {
-                detail: format!("attachment \"{id}\" does not match its declared SHA-256 digest"),
-                id,
-                reason: flue_runtime::store::IntegrityFailure::Digest,
-            })
-        })
-    }
-}
-
 #[tokio::test]
 async fn a_damaged_attachment_fails_the_submission_at_once_instead_of_retrying_it() {
     let model = ScriptedModel::new([ScriptedReply::text("a chart"), ScriptedReply::text("never")]);
     let rows = MemoryStore::new();
     // The image reaches the model with its message; its bytes are stored (and then damaged).
-    let runtime = harness::runtime_on(DamagedAttachments { inner: rows.clone() }, &model, [calculator.into()]);
+    let runtime = harness::runtime_on(
+        harness::DamagedAttachments { inner: rows.clone() },
+        &model,
+        [calculator.into()],
+    );
     runtime
         .init(&calculator, "damaged")
         .send(with_image("What is in this chart?", b"\x89PNG\r\n\x1a\n\x01\x02\x03"))
         .await
         .unwrap();
     // Another process folds the conversation afresh and must load the image from the store.
-    let runtime = harness::runtime_on(DamagedAttachments { inner: rows.clone() }, &model, [calculator.into()]);
+    let runtime = harness::runtime_on(
+        harness::DamagedAttachments { inner: rows.clone() },
+        &model,
+        [calculator.into()],
+    );
     let error = runtime.init(&calculator, "damaged").send("And now?").await.unwrap_err();
     let RuntimeError::Run {
         error_type,

@@ -451,3 +451,36 @@ impl Renders {
         (self.0.lock().unwrap().len(), held)
     }
 }
+
+/// A memory store whose attachments all read back damaged (their digest does not match).
+pub struct DamagedAttachments {
+    pub inner: MemoryStore,
+}
+
+impl Store for DamagedAttachments {
+    delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, last_offset, read, read_page, put_attachment,
+        user_value, set_user_value, list_user_values,
+    );
+
+    fn attachment(
+        &self,
+        _key: &flue_runtime::store::InstanceKey,
+        id: &str,
+    ) -> flue_runtime::BoxFuture<
+        '_,
+        Result<Option<flue_runtime::store::StoredAttachment>, flue_runtime::store::StoreError>,
+    > {
+        let id = id.to_owned();
+        Box::pin(async move {
+            Err(flue_runtime::store::StoreError::AttachmentIntegrity {
+                detail: format!("attachment \"{id}\" does not match its declared SHA-256 digest"),
+                id,
+                reason: flue_runtime::store::IntegrityFailure::Digest,
+            })
+        })
+    }
+}
