@@ -275,6 +275,29 @@ fn small_summarizer() -> &'static str {
     "Be brief."
 }
 
+/// The main model of the `small_summarizer` tests: two long answers, then a short one, in a
+/// window that makes the third exchange compact.
+fn three_answers() -> ScriptedModel {
+    ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600)
+}
+
+/// A summarizing model (`small`) that refuses its first call as too long, then answers `text`.
+fn refusing_then(text: &str) -> ScriptedModel {
+    ScriptedModel::new([
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text(text),
+    ])
+    .with_id("small")
+}
+
 /// Three exchanges of `small_summarizer` with `model`, compacted by `small` before the third.
 async fn three_exchanges_summarized_by(model: &ScriptedModel, small: &ScriptedModel) {
     let mut providers = flue_runtime::provider::ProviderRegistry::new();
@@ -297,12 +320,7 @@ async fn three_exchanges_summarized_by(model: &ScriptedModel, small: &ScriptedMo
 /// uncompacted).
 #[tokio::test]
 async fn a_transcript_longer_than_the_summarizers_window_is_cut_to_its_newest_part() {
-    let model = ScriptedModel::new([
-        ScriptedReply::text(long("one")),
-        ScriptedReply::text(long("two")),
-        ScriptedReply::text("three it is"),
-    ])
-    .with_context_window(600);
+    let model = three_answers();
     // A 500-token window: the instructions, a short answer and about 1,100 characters of
     // transcript.
     let small = ScriptedModel::new([ScriptedReply::text("The user said two.")])
@@ -333,22 +351,10 @@ async fn a_transcript_longer_than_the_summarizers_window_is_cut_to_its_newest_pa
 /// with less of the transcript, and the compaction goes through.
 #[tokio::test]
 async fn a_summary_call_refused_as_too_long_is_made_again_with_less_of_the_transcript() {
-    let model = ScriptedModel::new([
-        ScriptedReply::text(long("one")),
-        ScriptedReply::text(long("two")),
-        ScriptedReply::text("three it is"),
-    ])
-    .with_context_window(600);
-    let small = ScriptedModel::new([
-        ScriptedReply::Error(ProviderError::new(
-            ProviderErrorKind::ContextOverflow,
-            "prompt is too long",
-        )),
-        ScriptedReply::text("The user said two."),
-    ])
-    .with_id("small")
-    // The transcript fits at four characters a token, and is cut at two.
-    .with_context_window(1_000);
+    let model = three_answers();
+    let small = refusing_then("The user said two.")
+        // The transcript fits at four characters a token, and is cut at two.
+        .with_context_window(1_000);
     three_exchanges_summarized_by(&model, &small).await;
     let requests = small.requests();
     assert_eq!(requests.len(), 2, "refused, then made again");
@@ -375,21 +381,8 @@ async fn a_summary_call_refused_as_too_long_is_made_again_with_less_of_the_trans
 /// the compaction gives up, and the session goes on.
 #[tokio::test]
 async fn a_refused_summary_call_no_estimate_would_change_is_not_made_again() {
-    let model = ScriptedModel::new([
-        ScriptedReply::text(long("one")),
-        ScriptedReply::text(long("two")),
-        ScriptedReply::text("three it is"),
-    ])
-    .with_context_window(600);
-    let small = ScriptedModel::new([
-        ScriptedReply::Error(ProviderError::new(
-            ProviderErrorKind::ContextOverflow,
-            "prompt is too long",
-        )),
-        ScriptedReply::text("never asked"),
-    ])
-    .with_id("small")
-    .with_context_window(1_000_000);
+    let model = three_answers();
+    let small = refusing_then("never asked").with_context_window(1_000_000);
     three_exchanges_summarized_by(&model, &small).await;
     assert_eq!(small.requests().len(), 1, "the same call is not made again");
 }
