@@ -670,7 +670,7 @@ impl PostgresStore {
         }
     }
 
-    /// [`Store::append`] in one round trip: `BEGIN`, the instance lock, the owner check (which
+    /// [`Store::append`] in one round trip: `BEGIN`, the stall limit, the instance lock, the owner check (which
     /// holds the submission row until the commit), the fenced append and `COMMIT` go out
     /// together, and the server runs them in that order. The fence is in the append statement
     /// itself ([`APPEND_BATCH_FENCED`]), so a commit sent before the check's answer writes
@@ -686,7 +686,8 @@ impl PostgresStore {
     ) -> Result<u64, Failure> {
         let json = batch_json(records)?;
         let client = self.client().await?;
-        let (lock, owner, append) = (
+        let (limit, lock, owner, append) = (
+            client.prepare_cached(LIMIT_STALL).await?,
             client.prepare_cached(LOCK_INSTANCE).await?,
             client.prepare_cached(OWNS_SHARED).await?,
             client.prepare_cached(APPEND_BATCH_FENCED).await?,
@@ -709,8 +710,14 @@ impl PostgresStore {
             &[&(dyn tokio_postgres::types::ToSql + Sync)],
             &[&(dyn tokio_postgres::types::ToSql + Sync)],
         ) = (&[&agent, &id], &[&agent, &id, &json, &submission, &attempt]);
-        let (begun, locked, owned, appended, committed) = futures_util::join!(
+        let ms: &str = &self.stalled_transaction_ms;
+        let limit_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
+        // The stall limit goes out right after `BEGIN`, before the lock: a node cut off once
+        // the lock statement reached the server (a batch split across TCP segments) holds the
+        // instance only until the server ends the transaction, as in any other.
+        let (begun, limited, locked, owned, appended, committed) = futures_util::join!(
             client.batch_execute("BEGIN"),
+            client.execute(&limit, &limit_params),
             client.query_opt(&lock, lock_params),
             owned,
             client.query_opt(&append, append_params),
@@ -718,6 +725,7 @@ impl PostgresStore {
         );
         // The first failure is the cause; the statements after it failed for it.
         begun?;
+        limited?;
         let (stream, owned, appended) = (locked?, owned?, appended?);
         committed?;
         append_outcome(key, authorization, stream.is_some(), owned, appended)
@@ -2240,6 +2248,85 @@ mod tests {
         assert!(stalled.is_err(), "the stalled transaction was not ended");
         let aborted = other.expect("the write waited for the stall to end").unwrap();
         assert_eq!(aborted, ["d-1"]);
+    }
+
+    /// A TCP proxy to the database at `url` (the URL through it, returned) that forwards what a
+    /// client sends until `marker` shows up in it, then forwards nothing more and keeps the
+    /// connection open: a node cut off from the database mid-call. The server's answers go
+    /// through.
+    async fn cutting_proxy(url: &str, marker: &'static [u8]) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut through = reqwest::Url::parse(url).unwrap();
+        let server = format!("{}:{}", through.host_str().unwrap(), through.port().unwrap_or(5432));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        through.set_port(Some(listener.local_addr().unwrap().port())).unwrap();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = tokio::net::TcpStream::connect(&server).await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    let (mut client_read, mut client_write) = client.into_split();
+                    let (mut server_read, mut server_write) = upstream.into_split();
+                    tokio::spawn(async move { tokio::io::copy(&mut server_read, &mut client_write).await });
+                    let (mut sent, mut buffer) = (Vec::new(), vec![0; 64 * 1024]);
+                    loop {
+                        let read = match client_read.read(&mut buffer).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(read) => read,
+                        };
+                        let from = sent.len();
+                        sent.extend_from_slice(&buffer[..read]);
+                        let cut = sent.windows(marker.len()).position(|window| window == marker);
+                        let until = cut.map_or(sent.len(), |at| at.max(from));
+                        if server_write.write_all(&sent[from..until]).await.is_err() {
+                            return;
+                        }
+                        if cut.is_some() {
+                            break;
+                        }
+                    }
+                    // Cut off: the connection stays open, silent.
+                    let _held = (client_read, server_write);
+                    std::future::pending::<()>().await;
+                });
+            }
+        });
+        through.to_string()
+    }
+
+    #[tokio::test]
+    async fn an_append_cut_off_mid_call_holds_the_instance_only_until_the_server_ends_it() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let direct = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        direct.admit(admission("d-1", "assistant", "held")).await.unwrap();
+        let proxied = PostgresStore::connect_with_schema(&cutting_proxy(&url, b"cut-off-here").await, &schema)
+            .await
+            .unwrap()
+            .with_stalled_transaction_timeout(Duration::from_millis(300));
+        let key = InstanceKey::new("assistant", "held");
+        // The append's statements are cut off inside its batch's JSON: the server has `BEGIN`
+        // and the instance's lock, and waits for the rest.
+        let cut = tokio::spawn({
+            let key = key.clone();
+            async move {
+                proxied
+                    .append(&key, vec![user_record("cut-off-here")].into(), None)
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let aborted = tokio::time::timeout(Duration::from_secs(3), direct.request_abort(&key))
+            .await
+            .expect("another node's write to the instance waited for the cut-off append's lock");
+        assert_eq!(aborted.unwrap(), ["d-1"]);
+        assert_eq!(
+            direct.read(&key, None).await.unwrap().len(),
+            1,
+            "the cut-off batch is not in the stream"
+        );
+        cut.abort();
     }
 
     #[tokio::test]
