@@ -115,10 +115,11 @@ impl ToolDefinition {
             return Err(format!("[flue] {source} input must be a top-level object schema."));
         }
         if let Some(argument) = &self.progress_argument {
-            let property = schema
-                .json()
+            let root = schema.json();
+            let property = root
                 .get("properties")
-                .and_then(|properties| properties.get(argument.as_ref()));
+                .and_then(|properties| properties.get(argument.as_ref()))
+                .map(|property| referenced(root, property));
             match property {
                 None => {
                     return Err(format!(
@@ -137,6 +138,24 @@ impl ToolDefinition {
         }
         Ok(())
     }
+}
+
+/// The schema `node` stands for: the definition its local `$ref` (`#/$defs/…`) names, followed
+/// a few hops (schemars describes a derived type, a unit-only enum say, by reference), or
+/// `node` itself.
+fn referenced<'a>(root: &'a Value, mut node: &'a Value) -> &'a Value {
+    for _ in 0..8 {
+        let Some(target) = node
+            .get("$ref")
+            .and_then(Value::as_str)
+            .and_then(|reference| reference.strip_prefix('#'))
+            .and_then(|pointer| root.pointer(pointer))
+        else {
+            break;
+        };
+        node = target;
+    }
+    node
 }
 
 /// Checks a tool name: non-empty, `^[A-Za-z0-9_-]{1,64}$`, not reserved.
@@ -1287,6 +1306,25 @@ mod tests {
         assert_eq!(progress_argument::<Cow<'static, str>>(), Ok(()));
         assert_eq!(
             mounted::<Option<String>>(),
+            Err("[flue] use_tool() \"t\" progress_argument \"progress\" must be a string argument.".to_owned())
+        );
+        // What the trait's doc invites: a unit-only enum, which schemars describes by `$ref`.
+        #[derive(serde::Deserialize, JsonSchema)]
+        #[allow(dead_code)]
+        enum Mode {
+            Fast,
+            Slow,
+        }
+        impl ProgressArgument for Mode {}
+        assert_eq!(progress_argument::<Mode>(), Ok(()));
+        // A referenced definition that is not a string is still refused.
+        #[derive(serde::Deserialize, JsonSchema)]
+        #[allow(dead_code)]
+        struct Pair {
+            a: u32,
+        }
+        assert_eq!(
+            mounted::<Pair>(),
             Err("[flue] use_tool() \"t\" progress_argument \"progress\" must be a string argument.".to_owned())
         );
     }
