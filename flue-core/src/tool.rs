@@ -25,7 +25,7 @@ pub const RESERVED_TOOL_NAMES: [&str; 5] = ["task", "activate_skill", "read_skil
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ToolDefinition {
-    /// `^[A-Za-z0-9_-]{1,64}$`, not reserved.
+    /// `^[A-Za-z0-9_-]{1,64}$`; a reserved name fails the render that mounts it.
     pub name: Cow<'static, str>,
     /// What the tool does, shown to the model.
     pub description: Cow<'static, str>,
@@ -93,9 +93,12 @@ impl ToolDefinition {
         }
     }
 
-    /// Checks every definition rule; `source` labels the message (e.g. `Tool::new()`).
+    /// Checks every definition rule; `source` labels the message (e.g. `Tool::new()`). A
+    /// reserved name is not one of them: as in the reference, it conflicts with the
+    /// framework's tools where the render's tools are assembled (the render fails with a
+    /// `ToolNameConflictError`, as for a duplicate name).
     pub fn validate(&self, source: &str) -> Result<(), String> {
-        check_tool_name(&self.name, source)?;
+        check_tool_name_format(&self.name, source)?;
         if self.description.trim().is_empty() {
             return Err(format!(
                 "[flue] {source} \"{}\" description must be a non-empty string.",
@@ -160,6 +163,16 @@ fn referenced<'a>(root: &'a Value, mut node: &'a Value) -> &'a Value {
 
 /// Checks a tool name: non-empty, `^[A-Za-z0-9_-]{1,64}$`, not reserved.
 pub fn check_tool_name(name: &str, source: &str) -> Result<(), String> {
+    check_tool_name_format(name, source)?;
+    if RESERVED_TOOL_NAMES.contains(&name) {
+        return Err(format!("[flue] {source} {}", ToolNameConflictError::reserved(name)));
+    }
+    Ok(())
+}
+
+/// Checks a tool name's form: non-empty, `^[A-Za-z0-9_-]{1,64}$` (what every provider
+/// accepts).
+pub fn check_tool_name_format(name: &str, source: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err(format!("[flue] {source} name must be a non-empty string."));
     }
@@ -171,9 +184,6 @@ pub fn check_tool_name(name: &str, source: &str) -> Result<(), String> {
         return Err(format!(
             "[flue] {source} name \"{name}\" must match ^[A-Za-z0-9_-]{{1,64}}$ (what every provider accepts)."
         ));
-    }
-    if RESERVED_TOOL_NAMES.contains(&name) {
-        return Err(format!("[flue] {source} {}", ToolNameConflictError::reserved(name)));
     }
     Ok(())
 }

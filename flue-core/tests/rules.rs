@@ -662,12 +662,7 @@ fn data_writer_identity_compares_sets_so_reordering_is_allowed() {
 // ---- tool definitions ---------------------------------------------------------------------
 
 #[test]
-fn inline_tools_reject_reserved_and_invalid_names_and_non_object_arguments() {
-    let reserved = common::panic_message_of(|| echo_tool("task"));
-    assert_eq!(
-        reserved,
-        "[flue] Tool::new() Tool name \"task\" is reserved by the framework. Reserved names: task, activate_skill, read_skill_resource, finish, give_up."
-    );
+fn inline_tools_reject_invalid_names_and_non_object_arguments() {
     let invalid = common::panic_message_of(|| echo_tool("has space"));
     assert_eq!(
         invalid,
@@ -757,11 +752,6 @@ fn use_tool_checks_a_handlers_argument_schema_as_the_reference_use_tool_does() {
     };
     for (name, description, message) in [
         (
-            "task",
-            "Delegate.",
-            "[flue] use_tool() Tool name \"task\" is reserved by the framework. Reserved names: task, activate_skill, read_skill_resource, finish, give_up.",
-        ),
-        (
             "two words",
             "Count.",
             "[flue] use_tool() name \"two words\" must match ^[A-Za-z0-9_-]{1,64}$ (what every provider accepts).",
@@ -778,6 +768,47 @@ fn use_tool_checks_a_handlers_argument_schema_as_the_reference_use_tool_does() {
         });
         assert_eq!(render_panic(&bad), message, "{name}");
     }
+}
+
+/// Reference: a custom tool using a name the framework reserves (`task`, `activate_skill`, …)
+/// is a `ToolNameConflictError` where the render's tools are assembled, as a duplicate name is:
+/// an inline tool, a hand-written handler, mounted conditionally or not.
+#[test]
+fn a_tool_with_a_reserved_name_fails_the_render_with_a_tool_name_conflict() {
+    for name in flue_core::tool::RESERVED_TOOL_NAMES {
+        let inline = agent(move |_| {
+            use_model("openai/gpt-4o");
+            use_tool(echo_tool("echo"));
+            use_tool(echo_tool(name));
+        });
+        match flue_core::render_bare(&inline) {
+            Err(flue_core::RenderError::ToolNameConflict(conflict)) => {
+                assert_eq!(conflict.conflict(), flue_core::ToolNameConflict::Reserved, "{name}");
+                assert_eq!(
+                    conflict.to_string(),
+                    format!(
+                        "Tool name \"{name}\" is reserved by the framework. Reserved names: task, activate_skill, read_skill_resource, finish, give_up."
+                    )
+                );
+            }
+            other => panic!("{name}: {:?}", other.map(|_| ())),
+        }
+    }
+    let handler = agent(|_| {
+        use_model("openai/gpt-4o");
+        use_tool(UncheckedTool(flue_core::tool::ToolDefinition::from_checked(
+            "finish",
+            "Finish.",
+            flue_core::data::SchemaSource::Typed(flue_core::data::tool_input_schema_of::<CountArgs>),
+            None,
+            &[],
+            false,
+        )));
+    });
+    assert!(matches!(
+        flue_core::render_bare(&handler),
+        Err(flue_core::RenderError::ToolNameConflict(conflict)) if conflict.conflict() == flue_core::ToolNameConflict::Reserved
+    ));
 }
 
 // ---- use_hooks --------------------------------------------------------------------------------

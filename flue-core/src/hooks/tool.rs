@@ -5,9 +5,9 @@ use crate::tool::IntoTool;
 /// with `Tool::new(..)`, or a clone of either.
 ///
 /// Mounts may be conditional (set changes are narrated to the model). Duplicate names across
-/// the render fail the render with `ToolNameConflictError` after it returns. As the
-/// reference's `useTool()` does, the mount checks the tool's definition: a name that is not a
-/// provider-safe name or is reserved by the framework, a blank description, an argument
+/// the render, and a name the framework reserves for its own tools, fail the render with
+/// `ToolNameConflictError` after it returns. As the reference's `useTool()` does, the mount
+/// checks the tool's definition: a name that is not a provider-safe name, a blank description, an argument
 /// schema whose root is not an object, or a progress argument that is not a string property
 /// panics with the definition message labelled `use_tool()` (a `#[tool]` item's schema exists
 /// only at run time, and a hand-written handler's definition is checked nowhere else).

@@ -30,8 +30,8 @@ use crate::error::{RenderError, ToolNameConflictError};
 ///
 /// Rules-of-hooks violations inside the agent body panic with the reference's `[flue] …`
 /// message (use [`try_render`] to receive them as [`RenderError::Panicked`]). After the body
-/// returns, the render-level rules are checked in the reference's order: duplicate tool
-/// names ([`RenderError::ToolNameConflict`]), then data-writer identity against
+/// returns, the render-level rules are checked in the reference's order: reserved and
+/// duplicate tool names ([`RenderError::ToolNameConflict`]), then data-writer identity against
 /// [`RenderState::previous_data_writers`] ([`RenderError::IdentityChanged`]).
 #[track_caller]
 pub fn render<A: Agent + ?Sized>(agent: &A, state: &RenderState<'_>) -> Result<Rendered, RenderError> {
@@ -114,6 +114,11 @@ fn check_unique_tool_names(rendered: &Rendered) -> Result<(), ToolNameConflictEr
     let mut spilled: Vec<&str> = Vec::new();
     for (index, tool) in rendered.tools.iter().enumerate() {
         let name = tool.name();
+        // The framework's own tools are assembled with these (reference: a custom tool using a
+        // reserved name is a `tool_name_conflict`).
+        if crate::tool::RESERVED_TOOL_NAMES.contains(&name) {
+            return Err(ToolNameConflictError::reserved(name));
+        }
         let earlier = if index <= INLINE {
             &inline[..index]
         } else {
