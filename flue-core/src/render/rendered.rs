@@ -153,7 +153,9 @@ impl Rendered {
 
     pub(crate) fn compose_instruction(&mut self, returned: Option<Cow<'static, str>>) {
         let returned = returned.filter(|text| !text.is_empty());
-        let parts = std::mem::take(&mut self.instruction_parts);
+        // Taken for the composition, then given back empty: the next render into this value
+        // reuses its capacity.
+        let mut parts = std::mem::take(&mut self.instruction_parts);
         self.instruction = match (returned, parts.is_empty()) {
             (None, true) => None,
             (Some(text), true) => Some(text),
@@ -168,6 +170,8 @@ impl Rendered {
                 Some(Cow::Owned(composed))
             }
         };
+        parts.clear();
+        self.instruction_parts = parts;
     }
 }
 

@@ -151,16 +151,20 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         const _: () = {
             use #krate::__private::flue_core as __flue;
 
+            // Out of the scope of `definition`'s static: the options' expressions (a hook list
+            // naming a user's `DEFINITION`) see the user's items.
+            fn __flue_definition_of() -> __flue::AgentDefinition {
+                #[allow(unused_mut)]
+                let mut __flue_definition = __flue::AgentDefinition::from_checked(::std::borrow::Cow::Borrowed(#name));
+                #(#statics)*
+                __flue_definition
+            }
+
             #[automatically_derived]
             impl __flue::Agent for #ident {
                 fn definition(&self) -> &__flue::AgentDefinition {
                     static DEFINITION: ::std::sync::OnceLock<__flue::AgentDefinition> = ::std::sync::OnceLock::new();
-                    DEFINITION.get_or_init(|| {
-                        #[allow(unused_mut)]
-                        let mut __flue_definition = __flue::AgentDefinition::from_checked(::std::borrow::Cow::Borrowed(#name));
-                        #(#statics)*
-                        __flue_definition
-                    })
+                    DEFINITION.get_or_init(__flue_definition_of)
                 }
 
                 fn render_body(&self, __flue_props: __flue::AgentProps<'_>) -> __flue::Instruction {
