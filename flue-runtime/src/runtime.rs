@@ -414,29 +414,51 @@ impl RuntimeInner {
                 runtime.scan().await;
             }
         });
+        // The heartbeat: renewals in a loop of their own, so that a slow look for abort
+        // requests never delays one; each beat counts from the start of the last, so a slow
+        // renewal does not push the next one a whole period later.
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
                 let Some(runtime) = weak.upgrade() else { return };
-                let heartbeat = runtime.options.heartbeat;
+                let beat = tokio::time::Instant::now() + runtime.options.heartbeat.max(Duration::from_millis(1));
                 // Leases that lapsed while renewals failed (a database failover, a stalled or
-                // suspended node) are this node's again at the next renewal; the scan never
-                // takes over an attempt running here meanwhile (it leaves held ones alone).
+                // suspended node) are this node's again at the next renewal, unless another
+                // node took them over meanwhile: those attempts stop here. The scan never takes
+                // over an attempt running here (it leaves held ones alone).
                 let lease_until = lease_until(runtime.options.lease);
                 let running = runtime.running_attempts();
                 if !running.is_empty() {
-                    if let Err(error) = runtime
+                    match runtime
                         .store
                         .renew_leases(&runtime.owner_id, &running, lease_until)
                         .await
                     {
-                        tracing::warn!(%error, "renewing leases failed");
-                        runtime.emit_recovery(Concerning::Pass, ProcessSubmission, Deferred, Some(&error));
+                        Ok(renewed) if renewed < running.len() as u64 => {
+                            runtime.stop_lost_leases(&running, lease_until).await;
+                        }
+                        Ok(_) => {}
+                        Err(error) => {
+                            tracing::warn!(%error, "renewing leases failed");
+                            runtime.emit_recovery(Concerning::Pass, ProcessSubmission, Deferred, Some(&error));
+                        }
                     }
+                }
+                drop(runtime);
+                tokio::time::sleep_until(beat).await;
+            }
+        });
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(runtime) = weak.upgrade() else { return };
+                let beat = tokio::time::Instant::now() + runtime.options.heartbeat.max(Duration::from_millis(1));
+                let running = runtime.running_attempts();
+                if !running.is_empty() {
                     // An abort requested through another node (or that missed this one's
                     // attempt as it started) reaches the attempt here.
                     match runtime.store.aborts_requested(&running).await {
-                        Ok(aborting) if !aborting.is_empty() => runtime.abort_attempts(&aborting),
+                        Ok(aborting) if !aborting.is_empty() => runtime.stop_attempts(&aborting, session::ABORTED),
                         Ok(_) => {}
                         Err(error) => {
                             tracing::warn!(%error, "reading abort requests failed");
@@ -445,7 +467,7 @@ impl RuntimeInner {
                     }
                 }
                 drop(runtime);
-                tokio::time::sleep(heartbeat.max(Duration::from_millis(1))).await;
+                tokio::time::sleep_until(beat).await;
             }
         });
     }
@@ -678,20 +700,46 @@ impl RuntimeInner {
         }
     }
 
-    /// Fires the abort signal of each of `attempt_ids` this node runs.
-    fn abort_attempts(&self, attempt_ids: &[String]) {
-        let slots: Vec<(Arc<InstanceSlot>, String)> = self
+    /// Stops each of `attempt_ids` this node holds, for `reason`: a running attempt's signal
+    /// fires; one about to start learns why as it starts.
+    fn stop_attempts(&self, attempt_ids: &[String], reason: &'static str) {
+        let held: Vec<(Arc<InstanceSlot>, String)> = self
             .instances
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .values()
-            .filter_map(|slot| {
-                let attempt = slot.running_attempt()?;
-                attempt_ids.contains(&attempt).then(|| (slot.clone(), attempt))
+            .flat_map(|slot| {
+                slot.held_attempts()
+                    .into_iter()
+                    .filter(|attempt| attempt_ids.contains(attempt))
+                    .map(|attempt| (slot.clone(), attempt))
             })
             .collect();
-        for (slot, attempt) in slots {
-            slot.abort_attempt(&attempt);
+        for (slot, attempt) in held {
+            slot.stop_attempt(&attempt, reason);
+        }
+    }
+
+    /// After a renewal that renewed fewer leases than it asked for: which of `attempts` this
+    /// node no longer holds (asked one by one; an attempt that settled meanwhile counts, and
+    /// stopping it then does nothing), stopped as another node's now.
+    async fn stop_lost_leases(&self, attempts: &[String], lease_until_ms: u64) {
+        let mut lost = Vec::new();
+        for attempt in attempts {
+            match self
+                .store
+                .renew_leases(&self.owner_id, std::slice::from_ref(attempt), lease_until_ms)
+                .await
+            {
+                Ok(0) => lost.push(attempt.clone()),
+                Ok(_) => {}
+                // Asked again at the next heartbeat.
+                Err(error) => tracing::warn!(%error, attempt = %attempt, "renewing a lease failed"),
+            }
+        }
+        if !lost.is_empty() {
+            tracing::warn!(attempts = ?lost, "another node took over leases this node held; their attempts stop here");
+            self.stop_attempts(&lost, session::LEASE_LOST);
         }
     }
 

@@ -7,7 +7,7 @@
 mod harness;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use flue_runtime::BoxFuture;
@@ -105,6 +105,22 @@ fn pauser() -> &'static str {
     "Pause."
 }
 
+/// How many `hold` calls saw their abort signal fire.
+static HOLDS_STOPPED: AtomicUsize = AtomicUsize::new(0);
+
+#[agent]
+fn holder() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("hold").description("Hold until stopped.").run(
+        |ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            ctx.signal().aborted().await;
+            HOLDS_STOPPED.fetch_add(1, Ordering::SeqCst);
+            "stopped"
+        },
+    ));
+    "Hold."
+}
+
 fn node(store: impl Store, model: &ScriptedModel) -> Runtime {
     node_scanning_every(store, model, Duration::from_millis(100))
 }
@@ -117,6 +133,7 @@ fn node_scanning_every(store: impl Store, model: &ScriptedModel, scan_interval: 
         .providers(providers)
         .agent(waiter)
         .agent(pauser)
+        .agent(holder)
         .options(RuntimeOptions {
             model_retry_delay: Duration::from_millis(1),
             lease: Duration::from_secs(2),
@@ -274,6 +291,196 @@ async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
     );
     let result = tokio::time::timeout(Duration::from_secs(10), handle.read(&receipt.submission_id)).await;
     assert_eq!(outcome(result), "submission_aborted");
+}
+
+/// The same race, the abort requested through another node: the running node learns of it
+/// from its heartbeat while its attempt is claimed but not started, and the attempt settles
+/// aborted without running. (Regression: the heartbeat signalled running attempts only, and
+/// the answer for one about to start was dropped; the attempt ran to completion.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_requested_through_another_node_before_the_attempt_starts_is_not_lost() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let hold = Arc::new(AtomicBool::new(false));
+    let store = SlowRead {
+        inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        hold: hold.clone(),
+    };
+    let model = ScriptedModel::new([ScriptedReply::text("done")]);
+    let a = node(store, &model);
+    let b = node(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("done on b")]),
+    );
+    let observer = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    hold.store(true, Ordering::SeqCst);
+    let receipt = a.init(&waiter, "racing").dispatch("go").await.unwrap();
+    loop {
+        let row = observer.submission(&receipt.submission_id).await.unwrap().unwrap();
+        if row.status == SubmissionStatus::Running {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        b.init(&waiter, "racing").abort().await.unwrap(),
+        "node B stamped the abort intent"
+    );
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        a.init(&waiter, "racing").read(&receipt.submission_id),
+    )
+    .await;
+    assert_eq!(outcome(result), "submission_aborted");
+}
+
+// ---- a lease lost to another node -------------------------------------------------------------
+
+/// The Postgres store, whose lease renewals fail while `cut` is set (a node cut off from the
+/// database, or suspended, past its lease).
+struct CutRenewals {
+    inner: PostgresStore,
+    cut: Arc<AtomicBool>,
+}
+
+impl Store for CutRenewals {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, expired, reclaim, aborts_requested,
+        instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
+        request_abort, append, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values, create_child,
+    );
+
+    fn renew_leases(&self, owner: &str, attempts: &[String], until: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
+        if self.cut.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(StoreError::Other(
+                "cut off from the database".into(),
+            ))));
+        }
+        self.inner.renew_leases(owner, attempts, until)
+    }
+    fn shared(&self) -> bool {
+        true
+    }
+}
+
+/// A node whose renewals failed past its lease finds, once it reaches the database again,
+/// that another node took the lease over: its attempt stops (its tool sees the abort signal)
+/// instead of running on beside the other node's. (Regression: the renewal's count was
+/// ignored, and the attempt ran until its next fenced write.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_whose_lease_another_node_took_over_stops_at_its_next_renewal() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let cut = Arc::new(AtomicBool::new(false));
+    let a = node(
+        CutRenewals {
+            inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+            cut: cut.clone(),
+        },
+        &ScriptedModel::new([
+            ScriptedReply::tool_call("hold", json!({})),
+            ScriptedReply::text("never"),
+        ]),
+    );
+    let mut events = a.observe();
+    let receipt = a.init(&holder, "held").dispatch("go").await.unwrap();
+    let started = async {
+        loop {
+            if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), started)
+        .await
+        .expect("the tool started on node A within 10 s");
+    let stopped_before = HOLDS_STOPPED.load(Ordering::SeqCst);
+    cut.store(true, Ordering::SeqCst);
+    // Node B takes the expired lease over (2 s) and answers the submission.
+    let b = node(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("answered by b")]),
+    );
+    b.start().await;
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.init(&holder, "held").read(&receipt.submission_id),
+    )
+    .await;
+    assert_eq!(outcome(read), "completed: \"answered by b\"");
+    assert_eq!(
+        HOLDS_STOPPED.load(Ordering::SeqCst),
+        stopped_before,
+        "node A's tool still runs"
+    );
+    cut.store(false, Ordering::SeqCst);
+    let stopped = async {
+        while HOLDS_STOPPED.load(Ordering::SeqCst) == stopped_before {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), stopped)
+        .await
+        .expect("node A's attempt stopped once its renewal found the lease taken over");
+}
+
+/// The Postgres store, whose look for abort requests takes longer than a lease.
+struct SlowAbortLook {
+    inner: PostgresStore,
+}
+
+impl Store for SlowAbortLook {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
+        request_abort, append, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values, create_child,
+    );
+
+    fn aborts_requested(&self, attempts: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        let look = self.inner.aborts_requested(attempts);
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            look.await
+        })
+    }
+    fn shared(&self) -> bool {
+        true
+    }
+}
+
+/// A slow look for abort requests (a saturated pool) does not delay the heartbeat's lease
+/// renewals: the lease stays the running node's, and no other node takes it over.
+/// (Regression: both went one after the other in one loop, and a look longer than the lease
+/// let the lease lapse between two successful renewals.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_look_for_abort_requests_does_not_let_a_live_lease_lapse() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let a = node(
+        SlowAbortLook {
+            inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        },
+        &waiting_model(),
+    );
+    let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    let b = node(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &waiting_model(),
+    );
+    b.start().await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let store = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let row = store.submission(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.attempt_count),
+        (SubmissionStatus::Running, 1),
+        "{row:?}"
+    );
+    assert!(a.init(&waiter, "w").abort().await.unwrap());
 }
 
 // ---- waiting for a submission another node runs -------------------------------------------------

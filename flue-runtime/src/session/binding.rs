@@ -198,6 +198,25 @@ pub(crate) const ABORTED: &str = "Submission was aborted.";
 /// submission runs again elsewhere, so this attempt settles nothing.
 pub(crate) const RELEASED: &str = "The attempt was given back to the queue.";
 
+/// Why an attempt whose lease another node took over (this node's renewals failed past the
+/// lease: a partition, a suspended process) stops here: the other node runs its submission
+/// from what is durable, and this attempt settles nothing.
+pub(crate) const LEASE_LOST: &str = "The attempt's lease was taken over by another node.";
+
+/// Whether an attempt stopped for `reason` hands its submission over (given back to the
+/// queue, or taken over by another node) rather than ending it: it settles nothing.
+pub(crate) fn hands_over(reason: Option<&str>) -> bool {
+    matches!(reason, Some(RELEASED | LEASE_LOST))
+}
+
+/// An attempt this node claimed or took over that has not started, with why it was stopped
+/// before it could be signalled (an abort another node requested, a lease lost), if it was.
+#[derive(Clone, Debug)]
+pub(crate) struct Starting {
+    attempt_id: String,
+    stopped: Option<&'static str>,
+}
+
 /// The binding every render of one instance gets.
 pub(crate) struct InstanceBinding {
     pub(crate) key: InstanceKey,
@@ -213,7 +232,7 @@ pub(crate) struct InstanceBinding {
     /// Attempts of the instance this node claimed or took over that have not started (a
     /// takeover waits for the worker role): their leases are this node's to renew, or they
     /// lapse before the attempts run and the scan takes them over though this node is alive.
-    pub(crate) starting: Mutex<Vec<String>>,
+    pub(crate) starting: Mutex<Vec<Starting>>,
     /// Queued deliveries a `before_create_message` hook prevented while a response joined
     /// them, with why (newest last, a few kept): processed on their own afterwards, they fail
     /// with that error without their row's hooks running again (reference item 30: a
@@ -266,11 +285,13 @@ impl InstanceBinding {
         // Read under the lock `start` moves an attempt from starting to running under: an
         // attempt is seen in one of the two, never in neither.
         let current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut held = self
+        let mut held: Vec<String> = self
             .starting
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone();
+            .iter()
+            .map(|starting| starting.attempt_id.clone())
+            .collect();
         held.extend(current.as_ref().map(|attempt| attempt.attempt.attempt_id.clone()));
         held
     }
@@ -279,8 +300,11 @@ impl InstanceBinding {
     /// [`release`](Self::release)).
     pub(crate) fn hold(&self, attempt_id: String) {
         let mut starting = self.starting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if !starting.contains(&attempt_id) {
-            starting.push(attempt_id);
+        if !starting.iter().any(|held| held.attempt_id == attempt_id) {
+            starting.push(Starting {
+                attempt_id,
+                stopped: None,
+            });
         }
     }
 
@@ -289,25 +313,35 @@ impl InstanceBinding {
         self.starting
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .retain(|held| held != attempt_id);
+            .retain(|held| held.attempt_id != attempt_id);
     }
 
-    /// Makes `attempt` the running one; returns whether an abort of its submission was
-    /// requested since its claim (before it ran, so no signal reached it).
-    pub(crate) fn start(&self, attempt: Arc<Attempt>) -> bool {
+    /// Makes `attempt` the running one; returns why it was stopped since its claim, before
+    /// it ran (so no signal reached it): [`ABORTED`] when an abort of its submission was
+    /// requested, through this node or another; [`LEASE_LOST`] when another node took its
+    /// lease over.
+    pub(crate) fn start(&self, attempt: Arc<Attempt>) -> Option<&'static str> {
         let mut current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let submission = attempt.attempt.submission_id.clone();
+        let mut stopped = None;
         self.starting
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .retain(|held| *held != attempt.attempt.attempt_id);
+            .retain(|held| {
+                let started = held.attempt_id == attempt.attempt.attempt_id;
+                if started {
+                    stopped = held.stopped;
+                }
+                !started
+            });
         *current = Some(attempt);
         let mut pending = self
             .pending_aborts
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let requested = pending.iter().position(|id| *id == submission);
-        requested.and_then(|at| pending.remove(at)).is_some()
+        let requested = requested.and_then(|at| pending.remove(at)).is_some();
+        stopped.or(requested.then_some(ABORTED))
     }
 
     /// An abort was requested for `submissions`: the running attempt is signalled when its
@@ -341,12 +375,21 @@ impl InstanceBinding {
         }
     }
 
-    /// Fires the abort signal of `attempt_id` when it is the running attempt.
-    pub(crate) fn abort_attempt(&self, attempt_id: &str) {
-        if let Some(attempt) = self.current()
+    /// Stops the attempt `attempt_id` for `reason` ([`ABORTED`], [`LEASE_LOST`]): fires its
+    /// signal when it runs; remembers why when it is about to start (see [`Self::start`]).
+    pub(crate) fn stop_attempt(&self, attempt_id: &str, reason: &'static str) {
+        // Under the lock `start` moves an attempt from starting to running under: the stop
+        // reaches it in one of the two.
+        let current = self.current.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(attempt) = current.as_ref()
             && attempt.attempt.attempt_id == attempt_id
         {
-            attempt.signal.abort(ABORTED);
+            attempt.signal.abort(reason);
+            return;
+        }
+        let mut starting = self.starting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(held) = starting.iter_mut().find(|held| held.attempt_id == attempt_id) {
+            held.stopped.get_or_insert(reason);
         }
     }
 

@@ -59,7 +59,7 @@ use crate::tools;
 use deadline::Deadline;
 use live_text::LiveText;
 
-pub(crate) use binding::{Attempt, InstanceBinding};
+pub(crate) use binding::{ABORTED, Attempt, InstanceBinding, LEASE_LOST};
 pub(crate) use conversation::{CallIds, Conversation, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from};
 
 /// How many takeovers past its budget a submission whose stream cannot be read is left to
@@ -208,11 +208,6 @@ impl InstanceSlot {
         self.last_used.load(Ordering::Relaxed)
     }
 
-    /// The attempt running on this instance, if one is.
-    pub(crate) fn running_attempt(&self) -> Option<String> {
-        self.binding.current().map(|attempt| attempt.attempt.attempt_id.clone())
-    }
-
     /// The attempts whose leases this node holds for the instance: the running one and those
     /// about to start.
     pub(crate) fn held_attempts(&self) -> Vec<String> {
@@ -297,9 +292,10 @@ impl InstanceSlot {
         self.binding.abort_submissions(submissions);
     }
 
-    /// Fires the abort signal of `attempt_id` when it runs here.
-    pub(crate) fn abort_attempt(&self, attempt_id: &str) {
-        self.binding.abort_attempt(attempt_id);
+    /// Stops the attempt `attempt_id` for `reason` when this node holds it: running, or
+    /// about to start (see [`InstanceBinding::stop_attempt`]).
+    pub(crate) fn stop_attempt(&self, attempt_id: &str, reason: &'static str) {
+        self.binding.stop_attempt(attempt_id, reason);
     }
 
     /// Stops the running attempt `attempt_id` here; its submission was given back to the queue.
@@ -517,7 +513,15 @@ impl InstanceSlot {
         });
         // An abort requested between the claim and now reached no signal: it counts as
         // requested before the attempt ran.
-        let abort_requested = self.binding.start(attempt.clone()) || submission.abort_requested;
+        let stopped = self.binding.start(attempt.clone());
+        let abort_requested = stopped == Some(binding::ABORTED) || submission.abort_requested;
+        // Another node took the lease over while the attempt got ready: the submission is
+        // that node's to run.
+        if binding::hands_over(stopped) {
+            self.binding.set_current(None);
+            *conversation = Conversation::default();
+            return (None, None);
+        }
         // The node began giving its work back while the attempt got ready (`release` gives back
         // the running attempts only): it gives this one back too, before it does anything.
         if runtime.draining() {
@@ -737,14 +741,14 @@ impl InstanceSlot {
             // A transient failure after the response's end was durable (a store write of its
             // finish batch, say) stays transient, the signal fired or not: another attempt
             // settles the response as it is (completed), which the abort or the deadline lost.
-            Err(failure) if failure.transient && ended_first && attempt.signal.reason() != Some(binding::RELEASED) => {
+            Err(failure) if failure.transient && ended_first && !binding::hands_over(attempt.signal.reason()) => {
                 Err(failure)
             }
             // Any other failure after the end is the response's own (a `use_response_finish`
             // callback's, which is given no signal to listen to): the abort lost the race.
             Err(failure) if ended_first => Err(failure),
             Err(_) if attempt.signal.reason() == Some(TIMEOUT_MESSAGE) => Err(timed_out()),
-            Err(_) if attempt.signal.is_aborted() && attempt.signal.reason() != Some(binding::RELEASED) => {
+            Err(_) if attempt.signal.is_aborted() && !binding::hands_over(attempt.signal.reason()) => {
                 Err(Failure::aborted())
             }
             other => other,
@@ -781,9 +785,9 @@ impl InstanceSlot {
         response.fold_thread_writes();
         let joined_ids = std::mem::take(&mut response.joined);
         let reply = std::mem::take(&mut response.reply);
-        if attempt.signal.reason() == Some(binding::RELEASED) {
-            // Given back to the queue (the node is stopping): another attempt runs the
-            // submission from what is durable, and settles it.
+        if binding::hands_over(attempt.signal.reason()) {
+            // Given back to the queue (the node is stopping), or taken over by another node:
+            // another attempt runs the submission from what is durable, and settles it.
             attempt.buffer().discard_pending();
             self.binding.set_current(None);
             *conversation = Conversation::default();
@@ -1876,7 +1880,7 @@ impl Response<'_> {
     /// after the response's end was durable: the abort lost the race to completion.
     fn lost_race_to_abort(&self) -> bool {
         self.attempt.signal.is_aborted()
-            && self.attempt.signal.reason() != Some(binding::RELEASED)
+            && !binding::hands_over(self.attempt.signal.reason())
             && self.conversation.has_ended(&self.submission.id)
     }
 
@@ -3823,7 +3827,34 @@ mod tests {
         let slot = Arc::new(InstanceSlot::new(InstanceKey::new("a", "i"), Weak::new()));
         let ids: Vec<String> = (0..70).map(|n| format!("sub_{n}")).collect();
         slot.binding.abort_submissions(&ids);
-        assert!(slot.binding.start(attempt("0")), "the head's abort was remembered");
+        assert_eq!(
+            slot.binding.start(attempt("0")),
+            Some(binding::ABORTED),
+            "the head's abort was remembered"
+        );
+    }
+
+    /// A stop (an abort another node requested, a lease another node took over) for an
+    /// attempt held here but not started reaches it as it starts, the first reason kept; a
+    /// running attempt's signal fires; an attempt no longer held is left alone.
+    #[tokio::test]
+    async fn a_stop_for_an_attempt_about_to_start_is_seen_as_it_starts() {
+        let slot = Arc::new(InstanceSlot::new(InstanceKey::new("a", "i"), Weak::new()));
+        slot.binding.hold("0".to_owned());
+        slot.stop_attempt("0", binding::ABORTED);
+        assert_eq!(slot.binding.start(attempt("0")), Some(binding::ABORTED));
+        slot.binding.hold("1".to_owned());
+        slot.stop_attempt("1", binding::LEASE_LOST);
+        slot.stop_attempt("1", binding::ABORTED);
+        assert_eq!(slot.binding.start(attempt("1")), Some(binding::LEASE_LOST));
+        let running = slot.binding.current().unwrap();
+        assert!(!running.signal.is_aborted());
+        slot.stop_attempt("1", binding::ABORTED);
+        assert_eq!(running.signal.reason(), Some(binding::ABORTED));
+        slot.binding.hold("2".to_owned());
+        slot.binding.release("2");
+        slot.stop_attempt("2", binding::ABORTED);
+        assert_eq!(slot.binding.start(attempt("2")), None);
     }
 
     /// A task dropped after it gave the instance's worker role up (a send cancelled while it
