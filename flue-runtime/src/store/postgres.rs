@@ -1977,28 +1977,32 @@ impl Store for PostgresStore {
             in_transaction!(self, |tx| {
                 async {
                     // `starts_with` compares exactly (`LIKE` would treat `%` and `_` as wildcards);
-                    // keys sort bytewise (`COLLATE "C"`), as the other stores order them.
+                    // keys sort bytewise (`COLLATE "C"`), as the other stores order them. One
+                    // statement, so one snapshot: the total counts the entries the page is cut
+                    // from (two statements would each see the writes committed before them). An
+                    // empty page is one row without a key.
                     let statement = tx
                         .prepare_cached(
-                            "SELECT count(*) FROM flue_user_values WHERE user_id = $1 AND starts_with(key, $2)",
+                            "WITH matching AS (SELECT key, value, updated_at FROM flue_user_values \
+                                 WHERE user_id = $1 AND starts_with(key, $2)), \
+                             page AS (SELECT key, value, updated_at FROM matching ORDER BY key LIMIT $3 OFFSET $4) \
+                             SELECT (SELECT count(*) FROM matching), page.key, page.value, page.updated_at \
+                             FROM (SELECT 1) AS one LEFT JOIN page ON true ORDER BY page.key",
                         )
                         .await?;
-                    let total: i64 = tx.query_one(&statement, &[&user_id, &prefix]).await?.try_get(0)?;
-                    let statement = tx
-                        .prepare_cached(
-                            "SELECT key, value, updated_at FROM flue_user_values \
-                             WHERE user_id = $1 AND starts_with(key, $2) ORDER BY key LIMIT $3 OFFSET $4",
-                        )
-                        .await?;
+                    let mut total = 0i64;
                     let mut entries = Vec::new();
                     for row in tx.query(&statement, &[&user_id, &prefix, &limit, &offset]).await? {
-                        let key: String = row.try_get(0)?;
-                        let value: String = row.try_get(1)?;
+                        total = row.try_get(0)?;
+                        let Some(key) = row.try_get::<_, Option<String>>(1)? else {
+                            continue;
+                        };
+                        let value: String = row.try_get(2)?;
                         entries.push(UserValue {
                             value: serde_json::from_str(&value)
                                 .map_err(|_| corrupt(format_args!("user value {key:?}")))?,
                             key,
-                            updated_at: row.try_get(2)?,
+                            updated_at: row.try_get(3)?,
                         });
                     }
                     Ok::<_, Failure>(UserValuePage {

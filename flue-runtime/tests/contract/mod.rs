@@ -2646,6 +2646,9 @@ pub async fn lists_user_values_by_literal_prefix_in_key_order_with_the_total(sto
     let second = store.list_user_values(&user, &page("pref:", Some(1), 1)).await.unwrap();
     assert_eq!(second.entries.len(), 1);
     assert_eq!((second.entries[0].key.as_str(), second.total), ("pref:b", 3));
+    // A page past the end is empty, and still says the total.
+    let past = store.list_user_values(&user, &page("pref:", Some(2), 5)).await.unwrap();
+    assert_eq!((past.entries.len(), past.total), (0, 3));
     // `%` and `_` are characters, not wildcards.
     let literal = store.list_user_values(&user, &page("pref%", None, 0)).await.unwrap();
     assert_eq!(
