@@ -707,6 +707,12 @@ impl Projection {
 
     fn add_step_part(&mut self, response_id: &str, step: &str, stream: Stream, text: &str, state: &str) {
         let at = self.part_index(step, stream);
+        // A part that lands before others (a data write appended while the step streamed
+        // comes after the step's parts): a client appending it would show it after them, so
+        // the batch projects to a reset.
+        if self.parts_mut(response_id).is_some_and(|parts| at < parts.len()) {
+            self.rewritten = true;
+        }
         self.insert_part(
             response_id,
             at,

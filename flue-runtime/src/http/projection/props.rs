@@ -75,7 +75,8 @@ struct Features {
     partless_history_edits: bool,
     /// Data writes anywhere: before the response's first step, in a step's delta or completion
     /// batches. The runtime appends each write as a batch of its own, and only once the
-    /// response has a completed step (`Attempt::flush_data`).
+    /// response has a completed step (`Attempt::flush_data`): between steps, or between two
+    /// streaming batches of a later step.
     data_anywhere: bool,
 }
 
@@ -270,6 +271,12 @@ impl Generator<'_, '_> {
                     batch.push(write);
                 }
                 self.push(batch);
+                // Once the response has a completed step, a data write is appended as it is
+                // made: between two of a later step's streaming batches too.
+                if !self.features.data_anywhere && self.stepped && self.choices.chance(10) {
+                    let write = self.data_write(sub);
+                    self.push(vec![write]);
+                }
             }
             match self.choices.below(5) {
                 // A retried call: the same step again (its next append starts it again).
@@ -1072,6 +1079,7 @@ fn check_chunks(stream: &Stream) -> Result<(), TestCaseError> {
 #[test]
 fn projection_chunks_applied_by_a_client_show_the_snapshot() {
     run(REALISTIC, check_chunks);
+    run(ALL, check_chunks);
 }
 
 /// The properties see compactions where the runtime writes them: a threshold one, and an
