@@ -661,6 +661,38 @@ fn relay() -> &'static str {
     "Relay."
 }
 
+/// Reference §7.3: an assistant `message_start` is followed by its `message_end`, also when
+/// the step's completion could not be stored (the attempt fails, and the next one answers).
+/// (Regression: the failed commit returned before the step's `message_end`.)
+#[tokio::test]
+async fn an_assistant_message_whose_completion_was_not_stored_still_ends() {
+    use flue_runtime::events::Event;
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::AssistantMessageCompleted { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("lost"), ScriptedReply::text("answered")]);
+    let runtime = runtime(&store, &model, relay);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&relay, "r-commit").send("hello").await.unwrap();
+    assert_eq!(reply.text, "answered");
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::MessageStart {
+                message: ModelMessage::Assistant { .. },
+            } => seen.push("start"),
+            Event::MessageEnd {
+                message: ModelMessage::Assistant { .. },
+            } => seen.push("end"),
+            _ => {}
+        }
+    }
+    assert_eq!(seen, ["start", "end", "start", "end"]);
+}
+
 #[tokio::test]
 async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires() {
     use flue_runtime::store::{Claim, now_ms};

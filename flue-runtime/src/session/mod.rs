@@ -2889,7 +2889,14 @@ impl Response<'_> {
                 updates: row_updates,
             }));
         }
-        self.commit(records, false).await?;
+        if let Err(failure) = self.commit(records, false).await {
+            // The step's message ends with the step (observers saw it start), though nothing of
+            // it is stored: the attempt fails, and the next one makes the step again.
+            self.emit_with(|| Event::MessageEnd {
+                message: ModelMessage::empty_assistant(),
+            });
+            return Err(failure);
+        }
         // The stream holds the step's row now; an update made while it committed (by a task
         // a hook spawned) is stored after it.
         let late = self.writer.finish_pending_row();
