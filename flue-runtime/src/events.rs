@@ -618,7 +618,8 @@ pub struct TurnRequest {
 pub struct TurnResponse {
     /// Why the call ended, in the reference's finish reasons: `stop`, `toolUse` or `length`;
     /// `error` or `aborted` when the call failed; `contentFilter` when the provider filtered
-    /// the output, `hookBlocked` when `prefilter_llm_history` blocked the call.
+    /// the output. (A step `prefilter_llm_history` blocked makes no call, so it has no turn:
+    /// its assistant message starts and ends on its own.)
     pub finish_reason: String,
     /// The answer text, as the model gave it, or as the selected `before_update_message`
     /// hooks left it.

@@ -2756,6 +2756,9 @@ impl Response<'_> {
                 self.emit_with(|| Event::MessageEnd {
                     message: ModelMessage::empty_assistant(),
                 });
+                // The turn ended: what follows (a retry's backoff, a recovery, a step the
+                // request's hooks block) is not part of it.
+                self.set_turn(None);
             }
             let error = match streamed {
                 Ok(response) => break (response, started, turn_id),
