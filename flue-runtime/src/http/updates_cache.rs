@@ -408,7 +408,13 @@ impl UpdatesCache {
             let chunks = serialize(chunks);
             entry.bytes += chunks.len();
             entry.window.push_back((batch.offset, chunks));
-            while entry.window.len() > self.window_batches || entry.bytes > self.window_bytes {
+            // The newest batch stays, whatever its size: a reader at the previous head (a long
+            // poll, a client following the stream) is served from the window, where evicting
+            // it would send every such reader to fold the stream from the start (a reset
+            // batch of a long conversation carries its whole snapshot).
+            while entry.window.len() > 1
+                && (entry.window.len() > self.window_batches || entry.bytes > self.window_bytes)
+            {
                 let Some((offset, chunks)) = entry.window.pop_front() else {
                     break;
                 };
@@ -933,6 +939,36 @@ mod tests {
                 "13 batches of a MiB or more take several pages, not {pages}"
             );
         }
+    }
+
+    /// A batch larger than the window's bytes (an edit's reset of a long conversation) stays
+    /// in the window as its newest: a reader at the previous head reads it from there, without
+    /// folding the stream from the start.
+    #[tokio::test]
+    async fn a_batch_larger_than_the_window_is_kept_as_its_newest() {
+        let store = MemoryStore::new();
+        let (key, uid, head) = conversation(&store, "large", 3).await;
+        let cache = UpdatesCache::with_window(8, 8, 1024);
+        read(&cache, &store, &key, &uid, None).await;
+        read(&cache, &store, &key, &uid, Some(head)).await;
+        let folded = cache.folded();
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), json!("x".repeat(4096)));
+        append(
+            &store,
+            &key,
+            vec![record(
+                "sub_0",
+                RecordBody::MessageUpdated {
+                    message_id: "user_0".into(),
+                    updates,
+                },
+            )],
+        )
+        .await;
+        let page = read(&cache, &store, &key, &uid, Some(head)).await;
+        assert_eq!(page.body(&uid), from_scratch(&store, &key, &uid, Some(head)).await);
+        assert_eq!(cache.folded() - folded, 1, "only the new batch was folded");
     }
 
     #[tokio::test]
