@@ -782,15 +782,31 @@ impl Projection {
             // that follow it (until text streams again) extend it as they are.
             self.rewritten = true;
         }
-        let streamed = self.streamed.entry((step.to_owned(), stream)).or_default();
+        let key = (step.to_owned(), stream);
+        let streamed = self.streamed.entry(key.clone()).or_default();
         let first = streamed.is_empty();
         streamed.push_str(delta);
-        let text = streamed.clone();
+        let streamed_len = streamed.len();
         if first {
+            let text = streamed.clone();
             self.add_step_part(&response_id, step, stream, &text, "streaming");
         } else if let Some(part) = self.step_part(&response_id, step, stream) {
-            part["text"] = json!(text);
+            // The part holds what streamed before this delta: the delta extends it in place
+            // (a copy of the whole text per delta made a step of many deltas quadratic).
             part["state"] = json!("streaming");
+            let extended = match &mut part["text"] {
+                Value::String(text) if text.len() + delta.len() == streamed_len => {
+                    text.push_str(delta);
+                    true
+                }
+                _ => false,
+            };
+            if !extended {
+                let text = self.streamed.get(&key).cloned().unwrap_or_default();
+                if let Some(part) = self.step_part(&response_id, step, stream) {
+                    part["text"] = json!(text);
+                }
+            }
         }
         if stream == Stream::Text
             && let Some(reasoning) = self.step_part(&response_id, step, Stream::Reasoning)
