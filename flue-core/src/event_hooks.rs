@@ -23,6 +23,11 @@ use crate::usage::Usage;
 pub type CallbackError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// What an event-hook callback may return: `()` or `Result<(), E>`.
+#[diagnostic::on_unimplemented(
+    message = "a `use_agent_start` or `use_agent_finish` callback's future yields `()` or `Result<(), E>`, not `{Self}`",
+    label = "the callback's future yields this",
+    note = "report a failure as an error (`Err(..)`, which fails the seam); return nothing otherwise"
+)]
 pub trait IntoCallbackResult {
     /// Converts into the callback's outcome.
     fn into_callback_result(self) -> Result<(), CallbackError>;
