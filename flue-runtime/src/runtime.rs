@@ -170,6 +170,10 @@ pub const MAX_MODEL_RETRY_WAIT: Duration = Duration::from_secs(30);
 /// How many events [`Runtime::observe`] keeps for its slowest subscriber.
 pub const OBSERVED_BACKLOG: usize = 4096;
 
+/// How many thread events the broadcast of their HTTP readers keeps (each reader takes its
+/// instance's off it as they come, see `http::thread_events`).
+const THREAD_EVENTS_BACKLOG: usize = 1024;
+
 impl RuntimeOptions {
     /// The wait before the `retry`-th retry (from 1) of a model call: `model_retry_delay`
     /// doubled for each retry before it, at most [`MAX_MODEL_RETRY_WAIT`] (never an overflow,
@@ -306,6 +310,7 @@ impl RuntimeBuilder {
             known_hooks.insert(hook.id(), crate::lifecycle::KnownHook::User(hook.kind()));
         }
         let (events, _) = broadcast::channel(OBSERVED_BACKLOG);
+        let (thread_events, _) = broadcast::channel(THREAD_EVENTS_BACKLOG);
         let (user_events, _) = broadcast::channel(1024);
         let inner = Arc::new(RuntimeInner {
             agents,
@@ -315,6 +320,7 @@ impl RuntimeBuilder {
             instances: Mutex::default(),
             slot_uses: AtomicU64::new(0),
             events,
+            thread_events,
             event_index: Mutex::new(0),
             correlations: Mutex::default(),
             waiters: Mutex::default(),
@@ -341,6 +347,10 @@ pub(crate) struct RuntimeInner {
     /// A clock of slot uses: which cached instance was used least recently.
     slot_uses: AtomicU64,
     events: broadcast::Sender<Observation>,
+    /// The thread events alone (`tool_call_started`, `tool_call_done`, `ThreadState::emit`)
+    /// for their HTTP readers: a reader of them does not make every other event observed
+    /// (built, and copied for it only to be dropped).
+    thread_events: broadcast::Sender<Observation>,
     /// The next observation's index, held while the observation is sent so that observers
     /// receive indices in the order they were given, whichever thread emits.
     event_index: Mutex<u64>,
@@ -579,6 +589,22 @@ impl RuntimeInner {
         self.events.receiver_count() > 0
     }
 
+    /// Live thread events of every instance (what [`Self::emit_thread_event`] publishes).
+    pub(crate) fn observe_thread_events(&self) -> broadcast::Receiver<Observation> {
+        self.thread_events.subscribe()
+    }
+
+    /// [`emit_with`](Self::emit_with) for a thread event: observers get it, and so do the
+    /// readers of [`Self::observe_thread_events`].
+    pub(crate) fn emit_thread_event(
+        &self,
+        key: &InstanceKey,
+        submission_id: Option<&str>,
+        event: impl FnOnce() -> Event,
+    ) {
+        self.publish_to(Some(key), submission_id, None, true, event);
+    }
+
     pub(crate) fn emit(&self, key: &InstanceKey, submission_id: Option<&str>, event: Event) {
         self.emit_with(key, submission_id, || event);
     }
@@ -645,7 +671,22 @@ impl RuntimeInner {
         task: Option<&crate::events::TaskScope>,
         event: impl FnOnce() -> Event,
     ) {
-        if !self.observed() {
+        self.publish_to(key, submission_id, task, false, event);
+    }
+
+    /// Publishes to the observers, and a thread event (`thread`) to the readers of thread
+    /// events too.
+    fn publish_to(
+        &self,
+        key: Option<&InstanceKey>,
+        submission_id: Option<&str>,
+        task: Option<&crate::events::TaskScope>,
+        thread: bool,
+        event: impl FnOnce() -> Event,
+    ) {
+        let observed = self.observed();
+        let threaded = thread && self.thread_events.receiver_count() > 0;
+        if !observed && !threaded {
             return;
         }
         let event = event();
@@ -684,7 +725,18 @@ impl RuntimeInner {
         observation.event_index = *next_index;
         observation.timestamp = now().to_string();
         *next_index += 1;
-        let _ = self.events.send(observation);
+        match (observed, threaded) {
+            (true, true) => {
+                let _ = self.thread_events.send(observation.clone());
+                let _ = self.events.send(observation);
+            }
+            (false, _) => {
+                let _ = self.thread_events.send(observation);
+            }
+            (true, false) => {
+                let _ = self.events.send(observation);
+            }
+        }
     }
 
     /// Stamps the observations of `submission_id` with `correlation` until the returned
@@ -1745,6 +1797,43 @@ mod tests {
             .store(crate::store::MemoryStore::new())
             .build()
             .expect("a runtime")
+    }
+
+    /// A reader of thread events (`GET /:id/events`) gets them without making every other
+    /// event observed: those are not even built; an observer gets both kinds.
+    #[test]
+    fn a_thread_event_reader_gets_thread_events_and_leaves_the_rest_unbuilt() {
+        let runtime = idle_runtime();
+        let key = InstanceKey::new("desk", "a");
+        let mut thread_events = runtime.inner.observe_thread_events();
+        assert!(!runtime.inner.observed());
+        let built = AtomicBool::new(false);
+        runtime.inner.emit_with(&key, None, || {
+            built.store(true, Ordering::SeqCst);
+            Event::Idle
+        });
+        assert!(!built.load(Ordering::SeqCst), "an event nobody observes is not built");
+        let done = || Event::ToolCallDone {
+            tool_call_id: "call_1".into(),
+            tool_name: "add".into(),
+            status: "success".into(),
+        };
+        runtime.inner.emit_thread_event(&key, None, done);
+        let received = thread_events.try_recv().expect("the thread event");
+        assert!(matches!(received.event, Event::ToolCallDone { .. }));
+        let mut observer = runtime.observe();
+        runtime.inner.emit_thread_event(&key, None, done);
+        runtime.inner.emit(&key, None, Event::Idle);
+        assert!(matches!(
+            thread_events.try_recv().unwrap().event,
+            Event::ToolCallDone { .. }
+        ));
+        assert!(
+            thread_events.try_recv().is_err(),
+            "only thread events reach their readers"
+        );
+        assert!(matches!(observer.try_recv().unwrap().event, Event::ToolCallDone { .. }));
+        assert!(matches!(observer.try_recv().unwrap().event, Event::Idle));
     }
 
     #[test]

@@ -239,6 +239,13 @@ impl ThreadWriter {
         }
     }
 
+    /// [`Self::emit_with`] for a thread event (its HTTP readers get it too).
+    pub(crate) fn emit_thread_event(&self, event: impl FnOnce() -> Event) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.emit_thread_event(&self.key, Some(&self.attempt.submission_id), event);
+        }
+    }
+
     /// Moves the batches appended since the last call into `into`, in stream order.
     pub(crate) fn take_unfolded(&self, into: &mut Vec<Batch>) {
         into.extend(
@@ -349,7 +356,7 @@ impl RuntimeThread {
             );
             return;
         }
-        self.writer.emit_with(|| Event::ThreadEvent {
+        self.writer.emit_thread_event(|| Event::ThreadEvent {
             event_type: event_type.to_owned(),
             data,
         });

@@ -1352,6 +1352,12 @@ impl Response<'_> {
         self.runtime.emit_with(self.key, Some(&self.submission.id), event);
     }
 
+    /// [`Self::emit_with`] for a thread event (its HTTP readers get it too).
+    fn emit_thread_event(&self, event: impl FnOnce() -> Event) {
+        self.runtime
+            .emit_thread_event(self.key, Some(&self.submission.id), event);
+    }
+
     /// The `message_start` and `message_end` of a stored message (an input, once committed),
     /// as the conversation holds it.
     fn stored_message_events(&mut self, message_id: Option<&str>) {
@@ -3094,7 +3100,7 @@ impl Response<'_> {
             // The calls announced while it streamed will not run (a retry streams its own):
             // whoever shows them running hears they ended.
             for (id, name) in observer.announced() {
-                self.emit_with(|| Event::ToolCallDone {
+                self.emit_thread_event(|| Event::ToolCallDone {
                     tool_call_id: id.to_owned(),
                     tool_name: name.to_owned(),
                     status: "error".to_owned(),
@@ -3106,7 +3112,7 @@ impl Response<'_> {
 
     /// Publishes a `tool_call_started` (the event, always; then the selected hooks).
     async fn tool_call_started(&self, started: observation::Started) {
-        self.emit_with(|| Event::ToolCallStarted {
+        self.emit_thread_event(|| Event::ToolCallStarted {
             tool_call_id: started.id.clone(),
             tool_name: started.name.clone(),
             progress: started.progress.clone(),
@@ -3366,7 +3372,7 @@ impl Response<'_> {
                     });
                 },
                 |run: &tools::Executed| {
-                    runtime.emit_with(key, Some(submission_id), || Event::ToolCallDone {
+                    runtime.emit_thread_event(key, Some(submission_id), || Event::ToolCallDone {
                         tool_call_id: run.call.id.clone(),
                         tool_name: run.call.name.clone(),
                         // A call the abort ended has no result: whatever it returned, it is
