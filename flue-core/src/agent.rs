@@ -42,7 +42,9 @@ pub struct AgentDefinition {
     /// Agent-level lifecycle hooks: used when the render's `use_hooks` selection is empty, and
     /// for at-rest operations.
     pub hooks: Cow<'static, [ThreadHook]>,
-    /// Whether other agents may use this agent as a delegate (and it may declare parent hooks).
+    /// Whether the agent is meant as a delegate of other agents (Standard Agents'
+    /// `exposeAsTool`): only then may it declare parent hooks. Delegating to an agent
+    /// (`use_subagent`) does not require it, as in Flue, whose general delegate is not one.
     pub expose_as_tool: bool,
     /// Lifecycle hooks this agent requires on any parent that delegates to it.
     pub parent_hooks: Cow<'static, [ParentHookRequirement]>,

@@ -1443,8 +1443,9 @@ impl Runtime {
     /// Gives every submission this node is running back to the queue, and stops running
     /// them here; from then on (for good) this node claims no work, takes over none and
     /// admits none (a send is refused with [`RuntimeError::ShuttingDown`], over HTTP 503
-    /// `runtime_unavailable`, so its client tries another node). Another node, or
-    /// this one's next process, takes them over at once instead of once their leases expire.
+    /// `runtime_unavailable`, so its client tries another node). Another node takes them over
+    /// at its next scan ([`RuntimeOptions::scan_interval`]), this one's next process as it
+    /// starts, instead of once their leases expire.
     /// For a process about to exit with work still running: a server at the end of its
     /// shutdown's grace (`cli::serve` calls it), a command-line `run` whose background scan
     /// took over other instances' work. Returns how many were given back.
