@@ -578,11 +578,6 @@ impl RuntimeInner {
         names
     }
 
-    /// Live events of every instance (see [`Runtime::observe`]).
-    pub(crate) fn observe(&self) -> broadcast::Receiver<Observation> {
-        self.events.subscribe()
-    }
-
     /// Whether anyone observes now: work done only for an event (copies it alone needs) can
     /// be skipped when nobody does.
     pub(crate) fn observed(&self) -> bool {

@@ -9,28 +9,28 @@
 struct duplicate_finder;
 const _: () = {
     use ::flue_runtime::__private::flue_core as __flue;
+    fn __flue_definition_of() -> __flue::AgentDefinition {
+        #[allow(unused_mut)]
+        let mut __flue_definition = __flue::AgentDefinition::from_checked(
+            ::std::borrow::Cow::Borrowed("duplicate_finder"),
+        );
+        __flue_definition = __flue_definition
+            .description("Finds duplicate GitHub issues.");
+        __flue_definition = __flue_definition.max_steps(6);
+        __flue_definition = __flue_definition
+            .hooks(
+                ::std::vec![
+                    { let __flue_hook : __flue::lifecycle::ThreadHook = redact_emails;
+                    __flue_hook }
+                ],
+            );
+        __flue_definition
+    }
     #[automatically_derived]
     impl __flue::Agent for duplicate_finder {
         fn definition(&self) -> &__flue::AgentDefinition {
             static DEFINITION: ::std::sync::OnceLock<__flue::AgentDefinition> = ::std::sync::OnceLock::new();
-            DEFINITION
-                .get_or_init(|| {
-                    #[allow(unused_mut)]
-                    let mut __flue_definition = __flue::AgentDefinition::from_checked(
-                        ::std::borrow::Cow::Borrowed("duplicate_finder"),
-                    );
-                    __flue_definition = __flue_definition
-                        .description("Finds duplicate GitHub issues.");
-                    __flue_definition = __flue_definition.max_steps(6);
-                    __flue_definition = __flue_definition
-                        .hooks(
-                            ::std::vec![
-                                { let __flue_hook : __flue::lifecycle::ThreadHook =
-                                redact_emails; __flue_hook }
-                            ],
-                        );
-                    __flue_definition
-                })
+            DEFINITION.get_or_init(__flue_definition_of)
         }
         fn render_body(
             &self,
