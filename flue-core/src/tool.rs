@@ -379,7 +379,9 @@ impl ToolBuilder {
     /// Finishes the tool with its run function.
     ///
     /// Panics with a `[flue] Tool::new() …` message when the definition breaks a rule
-    /// (name, reserved name, description, object argument schema, progress argument).
+    /// (name, description, object argument schema, progress argument). A name the framework
+    /// reserves is refused where the tool is used: the render that mounts it fails with a
+    /// `ToolNameConflictError`, and `queue_tool` refuses it.
     #[track_caller]
     pub fn run<A, F, Fut>(self, run: F) -> Tool
     where

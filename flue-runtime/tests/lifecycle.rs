@@ -2682,6 +2682,51 @@ async fn item_81_a_queued_tool_runs_later_in_the_same_flow_even_when_not_mounted
     );
 }
 
+/// Queues a tool named like the framework's `task`.
+#[tool]
+async fn queue_reserved(ctx: &ToolContext) -> String {
+    let named_task = Tool::new("task")
+        .description("Not the framework's.")
+        .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "ran" });
+    match ctx.thread().unwrap().queue_tool(named_task, json!({})) {
+        Ok(()) => "queued".into(),
+        Err(error) => format!("refused: {error}"),
+    }
+}
+
+#[agent]
+fn reserving() -> &'static str {
+    use_model("scripted/x");
+    use_tool(queue_reserved);
+    "A"
+}
+
+/// A queued tool is not rendered, so the render's check of reserved names does not see it:
+/// `queue_tool` refuses a tool named like a framework tool (its call would be stored as the
+/// framework tool's, and a re-attempt would run that tool on it).
+#[tokio::test]
+async fn queue_tool_refuses_a_tool_named_like_a_framework_tool() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("queue_reserved", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![reserving.into()]);
+    let reply = runtime.init(&reserving, "r").send("go").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let requests = model.requests();
+    let ModelMessage::Tool { content, .. } = requests[1].messages.last().unwrap() else {
+        panic!("the tool's result: {:?}", requests[1].messages)
+    };
+    assert!(
+        content.starts_with("refused: ") && content.contains("Tool name \"task\" is reserved by the framework."),
+        "{content}"
+    );
+    assert!(
+        requests[1].messages.iter().all(|message| !matches!(message, ModelMessage::Assistant { tool_calls, .. } if tool_calls.iter().any(|call| call.name == "task"))),
+        "no call of the reserved name was stored"
+    );
+}
+
 /// Queues an audit when it runs (itself queued).
 #[tool]
 async fn chain_audit(ctx: &ToolContext) -> Result<String, ToolError> {

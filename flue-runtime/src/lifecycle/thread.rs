@@ -615,6 +615,14 @@ impl ThreadStateApi for RuntimeThread {
                 "queue_tool needs a running execution; this ThreadState is at rest.".into(),
             ));
         }
+        // A queued tool is never rendered, so the render's check of reserved names does not
+        // see it: one named like a framework tool would be stored as that tool's call (and a
+        // re-attempt would run the framework's tool on it).
+        if flue_core::tool::RESERVED_TOOL_NAMES.contains(&tool.name()) {
+            return Err(ThreadError::Invalid(
+                flue_core::ToolNameConflictError::reserved(tool.name()).to_string(),
+            ));
+        }
         self.queued_tools
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
