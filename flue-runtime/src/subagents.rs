@@ -1242,9 +1242,13 @@ async fn child_session(
             let records: Vec<Record> = crate::record::model_step_bodies(&message_id, &model, None, &response)
                 .map(|body| journal.child_record(body))
                 .collect();
-            journal
-                .append_child(runtime, &child, records, &mut conversation)
-                .await?;
+            if let Err(error) = journal.append_child(runtime, &child, records, &mut conversation).await {
+                // The step's message ends with it (observers saw it start).
+                events.emit(|| Event::MessageEnd {
+                    message: ModelMessage::empty_assistant(),
+                });
+                return Err(error);
+            }
             if runtime.observed() {
                 events.message_end(ModelMessage::Assistant {
                     text: response.text.clone(),

@@ -693,6 +693,37 @@ async fn an_assistant_message_whose_completion_was_not_stored_still_ends() {
     assert_eq!(seen, ["start", "end", "start", "end"]);
 }
 
+/// The calls a step announced (`tool_call_started`) end (`tool_call_done`, an error) when the
+/// step could not be stored: they will not run, and thread-event readers are not left showing
+/// them running.
+#[tokio::test]
+async fn the_calls_of_a_step_that_was_not_stored_are_done() {
+    use flue_runtime::events::Event;
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::AssistantMessageCompleted { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("lookup", json!({})),
+        ScriptedReply::text("answered"),
+    ]);
+    let runtime = runtime(&store, &model, relay);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&relay, "r-calls").send("hello").await.unwrap();
+    assert_eq!(reply.text, "answered");
+    let mut seen = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::ToolCallStarted { tool_name, .. } => seen.push(format!("started {tool_name}")),
+            Event::ToolCallDone { tool_name, status, .. } => seen.push(format!("done {tool_name} {status}")),
+            _ => {}
+        }
+    }
+    assert_eq!(seen, ["started lookup", "done lookup error"]);
+}
+
 #[tokio::test]
 async fn a_submission_held_by_a_dead_node_is_taken_over_after_its_lease_expires() {
     use flue_runtime::store::{Claim, now_ms};

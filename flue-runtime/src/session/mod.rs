@@ -2898,28 +2898,22 @@ impl Response<'_> {
                 updates: row_updates,
             }));
         }
-        if let Err(failure) = self.commit(records, false).await {
-            // The step's message ends with the step (observers saw it start), though nothing of
-            // it is stored: the attempt fails, and the next one makes the step again.
+        if let Err(failure) = self.store_step(records, &message_id).await {
+            // The step's message ends with the step (observers saw it start), and the calls
+            // announced while it streamed will not run: the attempt fails, and the next one
+            // makes the step again (or takes it from what was stored).
             self.emit_with(|| Event::MessageEnd {
                 message: ModelMessage::empty_assistant(),
             });
+            for call in &response.tool_calls {
+                self.emit_thread_event(|| Event::ToolCallDone {
+                    tool_call_id: call.id.clone(),
+                    tool_name: call.name.clone(),
+                    status: "error".to_owned(),
+                });
+            }
             return Err(failure);
         }
-        // The stream holds the step's row now; an update made while it committed (by a task
-        // a hook spawned) is stored after it.
-        let late = self.writer.finish_pending_row();
-        if !late.is_empty() {
-            let update = self.record(RecordBody::MessageUpdated {
-                message_id: message_id.clone(),
-                updates: late,
-            });
-            self.commit(vec![update], false).await?;
-        }
-        // The response has a message now: data writes stream from here on (the ones made
-        // before it flush now).
-        self.attempt.stream_data();
-        self.flush_data().await?;
         self.fold_thread_writes();
         if self.runtime.observed() {
             // As stored: after the message hooks.
@@ -2941,6 +2935,26 @@ impl Response<'_> {
         }
         self.assistant_row_updated(&message_id).await;
         Ok((response, message_id, turn_id))
+    }
+
+    /// Stores a model step's records, then an update of its row made while they committed,
+    /// then the data writes made before the response had a message.
+    async fn store_step(&mut self, records: Vec<Record>, message_id: &str) -> Result<(), Failure> {
+        self.commit(records, false).await?;
+        // The stream holds the step's row now; an update made while it committed (by a task
+        // a hook spawned) is stored after it.
+        let late = self.writer.finish_pending_row();
+        if !late.is_empty() {
+            let update = self.record(RecordBody::MessageUpdated {
+                message_id: message_id.to_owned(),
+                updates: late,
+            });
+            self.commit(vec![update], false).await?;
+        }
+        // The response has a message now: data writes stream from here on (the ones made
+        // before it flush now).
+        self.attempt.stream_data();
+        self.flush_data().await
     }
 
     /// The step `message_id`'s start, with what the response's first step carries (the
