@@ -1979,15 +1979,18 @@ impl Store for PostgresStore {
                     // `starts_with` compares exactly (`LIKE` would treat `%` and `_` as wildcards);
                     // keys sort bytewise (`COLLATE "C"`), as the other stores order them. One
                     // statement, so one snapshot: the total counts the entries the page is cut
-                    // from (two statements would each see the writes committed before them). An
-                    // empty page is one row without a key.
+                    // from (two statements would each see the writes committed before them). The
+                    // keys alone are counted and cut (from the primary key); only the page's
+                    // values are read. An empty page is one row without a key.
                     let statement = tx
                         .prepare_cached(
-                            "WITH matching AS (SELECT key, value, updated_at FROM flue_user_values \
+                            "WITH matching AS (SELECT key FROM flue_user_values \
                                  WHERE user_id = $1 AND starts_with(key, $2)), \
-                             page AS (SELECT key, value, updated_at FROM matching ORDER BY key LIMIT $3 OFFSET $4) \
-                             SELECT (SELECT count(*) FROM matching), page.key, page.value, page.updated_at \
-                             FROM (SELECT 1) AS one LEFT JOIN page ON true ORDER BY page.key",
+                             page AS (SELECT key FROM matching ORDER BY key LIMIT $3 OFFSET $4) \
+                             SELECT (SELECT count(*) FROM matching), v.key, v.value, v.updated_at \
+                             FROM (SELECT 1) AS one LEFT JOIN \
+                                 (page JOIN flue_user_values v ON v.user_id = $1 AND v.key = page.key) ON true \
+                             ORDER BY v.key",
                         )
                         .await?;
                     let mut total = 0i64;
