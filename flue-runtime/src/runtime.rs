@@ -445,7 +445,16 @@ impl RuntimeInner {
                         .await
                     {
                         Ok(renewed) if renewed < running.len() as u64 => {
-                            runtime.stop_lost_leases(&running, lease_until).await;
+                            // An attempt that settled (or was given back) since the list was
+                            // taken is not renewed, and routinely so: only the attempts still
+                            // held count. (One renewed and settled since may hide a lost one
+                            // for a beat: the next renewal, without it, finds that.)
+                            let held = runtime.running_attempts();
+                            let still_held: Vec<String> =
+                                running.into_iter().filter(|attempt| held.contains(attempt)).collect();
+                            if renewed < still_held.len() as u64 {
+                                runtime.stop_lost_leases(&still_held, lease_until).await;
+                            }
                         }
                         Ok(_) => {}
                         Err(error) => {
