@@ -51,8 +51,14 @@ const WINDOW_BATCHES: usize = 1024;
 
 /// The most serialized chunk bytes an entry keeps (the newest batches' first): enough for a
 /// poller's usual distance behind the head, small enough that a full cache of the default
-/// 256 entries keeps at most 64 MiB of chunks.
+/// 256 entries keeps at most 64 MiB of chunks — and at most [`NEWEST_KEPT`] times that when
+/// each holds one larger batch alone.
 const WINDOW_BYTES: usize = 256 * 1024;
+
+/// How many times its window's bytes an entry's newest batch may take and still be kept
+/// alone (a reset of a long conversation carries its whole snapshot): a reader at the
+/// previous head reads it from the window instead of folding the stream from the start.
+const NEWEST_KEPT: usize = 4;
 
 /// One updates response's projection: the chunks of the batches after the read's offset.
 #[derive(Debug, PartialEq, Eq)]
@@ -408,11 +414,12 @@ impl UpdatesCache {
             let chunks = serialize(chunks);
             entry.bytes += chunks.len();
             entry.window.push_back((batch.offset, chunks));
-            // The newest batch stays, whatever its size: a reader at the previous head (a long
-            // poll, a client following the stream) is served from the window, where evicting
-            // it would send every such reader to fold the stream from the start (a reset
-            // batch of a long conversation carries its whole snapshot).
-            while entry.window.len() > 1
+            // The newest batch stays when it is larger than the window but not past
+            // [`NEWEST_KEPT`] times it: a reader at the previous head (a long poll, a client
+            // following the stream) is served from the window, where evicting it would send
+            // every such reader to fold the stream from the start.
+            let newest_kept = entry.bytes <= self.window_bytes.saturating_mul(NEWEST_KEPT);
+            while (entry.window.len() > 1 || !newest_kept)
                 && (entry.window.len() > self.window_batches || entry.bytes > self.window_bytes)
             {
                 let Some((offset, chunks)) = entry.window.pop_front() else {
@@ -943,32 +950,41 @@ mod tests {
 
     /// A batch larger than the window's bytes (an edit's reset of a long conversation) stays
     /// in the window as its newest: a reader at the previous head reads it from there, without
-    /// folding the stream from the start.
+    /// folding the stream from the start. One past [`NEWEST_KEPT`] times the window is not
+    /// kept (the window's memory stays bounded).
     #[tokio::test]
-    async fn a_batch_larger_than_the_window_is_kept_as_its_newest() {
+    async fn a_batch_larger_than_the_window_is_kept_as_its_newest_within_a_bound() {
         let store = MemoryStore::new();
-        let (key, uid, head) = conversation(&store, "large", 3).await;
-        let cache = UpdatesCache::with_window(8, 8, 1024);
+        let (key, uid, mut head) = conversation(&store, "large", 3).await;
+        let cache = UpdatesCache::with_window(8, 8, 4096);
         read(&cache, &store, &key, &uid, None).await;
-        read(&cache, &store, &key, &uid, Some(head)).await;
-        let folded = cache.folded();
-        let mut updates = serde_json::Map::new();
-        updates.insert("content".into(), json!("x".repeat(4096)));
-        append(
-            &store,
-            &key,
-            vec![record(
-                "sub_0",
-                RecordBody::MessageUpdated {
-                    message_id: "user_0".into(),
-                    updates,
-                },
-            )],
-        )
-        .await;
-        let page = read(&cache, &store, &key, &uid, Some(head)).await;
-        assert_eq!(page.body(&uid), from_scratch(&store, &key, &uid, Some(head)).await);
-        assert_eq!(cache.folded() - folded, 1, "only the new batch was folded");
+        for (size, kept) in [(8 * 1024, true), (64 * 1024, false)] {
+            read(&cache, &store, &key, &uid, Some(head)).await;
+            let folded = cache.folded();
+            let mut updates = serde_json::Map::new();
+            updates.insert("content".into(), json!("x".repeat(size)));
+            append(
+                &store,
+                &key,
+                vec![record(
+                    "sub_0",
+                    RecordBody::MessageUpdated {
+                        message_id: "user_0".into(),
+                        updates,
+                    },
+                )],
+            )
+            .await;
+            let page = read(&cache, &store, &key, &uid, Some(head)).await;
+            assert_eq!(page.body(&uid), from_scratch(&store, &key, &uid, Some(head)).await);
+            let refolded = cache.folded() - folded;
+            if kept {
+                assert_eq!(refolded, 1, "only the new batch was folded");
+            } else {
+                assert!(refolded > 1, "a batch past the bound left the window: {refolded}");
+            }
+            head = page.next.unwrap();
+        }
     }
 
     #[tokio::test]
