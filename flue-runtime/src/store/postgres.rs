@@ -2308,10 +2308,14 @@ mod tests {
         let schema = fresh_schema();
         let direct = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
         direct.admit(admission("d-1", "assistant", "held")).await.unwrap();
-        let proxied = PostgresStore::connect_with_schema(&cutting_proxy(&url, b"cut-off-here").await, &schema)
+        let mut through = reqwest::Url::parse(&cutting_proxy(&url, b"cut-off-here").await).unwrap();
+        through
+            .query_pairs_mut()
+            .append_pair("application_name", "flue_cut_off");
+        let proxied = PostgresStore::connect_with_schema(through.as_str(), &schema)
             .await
             .unwrap()
-            .with_stalled_transaction_timeout(Duration::from_millis(300));
+            .with_stalled_transaction_timeout(Duration::from_secs(1));
         let key = InstanceKey::new("assistant", "held");
         // The append's statements are cut off inside its batch's JSON: the server has `BEGIN`
         // and the instance's lock, and waits for the rest.
@@ -2323,8 +2327,27 @@ mod tests {
                     .await
             }
         });
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let aborted = tokio::time::timeout(Duration::from_secs(3), direct.request_abort(&key))
+        // The server holds the cut-off transaction open (with the instance's lock) before the
+        // other write is tried.
+        let observer = raw(&url, &schema).await;
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let row = observer
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'flue_cut_off' AND state = 'idle in transaction'",
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                if row.get::<_, i64>(0) > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the cut-off append's transaction is open on the server");
+        let aborted = tokio::time::timeout(Duration::from_secs(6), direct.request_abort(&key))
             .await
             .expect("another node's write to the instance waited for the cut-off append's lock");
         assert_eq!(aborted.unwrap(), ["d-1"]);
