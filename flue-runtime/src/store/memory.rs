@@ -336,12 +336,13 @@ impl Store for MemoryStore {
             .instances
             .iter()
             .filter(|(_, instance)| {
-                instance.unsettled.iter().any(|id| {
-                    inner
-                        .submissions
-                        .get(id)
-                        .is_some_and(|row| row.status == SubmissionStatus::Queued)
-                })
+                !instance.unsettled.is_empty()
+                    && instance.unsettled.iter().all(|id| {
+                        inner
+                            .submissions
+                            .get(id)
+                            .is_some_and(|row| row.status == SubmissionStatus::Queued)
+                    })
             })
             .map(|(key, _)| key.clone())
             .collect::<Vec<_>>();

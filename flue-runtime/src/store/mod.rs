@@ -673,7 +673,11 @@ pub trait Store: Send + Sync + 'static {
     /// node running the attempt learns of it here (its heartbeat asks).
     fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
 
-    /// Instances with a queued submission (what a starting or polling node picks up).
+    /// Instances whose queue waits for a node: a submission is queued, and every unsettled
+    /// submission of the instance is (what a starting or polling node picks up). One behind a
+    /// running submission is not listed: whichever node runs that one carries on with the
+    /// queue (or takes it over with the expired lease), and another node's claim would find
+    /// nothing runnable.
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>>;
 
     /// Claims the contiguous prefix of queued submissions behind a running host into its live

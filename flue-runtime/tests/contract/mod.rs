@@ -2275,6 +2275,16 @@ pub async fn lists_instances_with_queued_work(store: Factory) {
         store.instances_with_queued().await.unwrap(),
         [key("assistant", "agent-1")]
     );
+    // Queued behind a running submission: the node running it carries on with the queue.
+    admit(&store, admission("o-2", "other", "x", SubmissionKind::Dispatch, "y")).await;
+    assert_eq!(
+        store.instances_with_queued().await.unwrap(),
+        [key("assistant", "agent-1")]
+    );
+    settle(&store, &attempt("o-1", "a"), Outcome::Completed, None).await;
+    let mut keys = store.instances_with_queued().await.unwrap();
+    keys.sort();
+    assert_eq!(keys, [key("assistant", "agent-1"), key("other", "x")]);
 }
 
 pub async fn stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts(store: Factory) {
