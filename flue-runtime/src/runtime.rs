@@ -1830,15 +1830,21 @@ mod tests {
         runtime.inner.emit_thread_event(&key, None, done);
         runtime.inner.emit(&key, None, Event::Idle);
         assert!(matches!(
-            thread_events.try_recv().unwrap().event,
+            thread_events.try_recv().expect("the thread event").event,
             Event::ToolCallDone { .. }
         ));
         assert!(
             thread_events.try_recv().is_err(),
             "only thread events reach their readers"
         );
-        assert!(matches!(observer.try_recv().unwrap().event, Event::ToolCallDone { .. }));
-        assert!(matches!(observer.try_recv().unwrap().event, Event::Idle));
+        assert!(matches!(
+            observer.try_recv().expect("the thread event").event,
+            Event::ToolCallDone { .. }
+        ));
+        assert!(matches!(
+            observer.try_recv().expect("the other event").event,
+            Event::Idle
+        ));
     }
 
     #[test]
