@@ -336,13 +336,14 @@ impl Store for MemoryStore {
             .instances
             .iter()
             .filter(|(_, instance)| {
-                !instance.unsettled.is_empty()
-                    && instance.unsettled.iter().all(|id| {
-                        inner
-                            .submissions
-                            .get(id)
-                            .is_some_and(|row| row.status == SubmissionStatus::Queued)
-                    })
+                let statuses = || {
+                    instance
+                        .unsettled
+                        .iter()
+                        .filter_map(|id| inner.submissions.get(id).map(|row| row.status))
+                };
+                statuses().any(|status| status == SubmissionStatus::Queued)
+                    && !statuses().any(|status| status == SubmissionStatus::Running)
             })
             .map(|(key, _)| key.clone())
             .collect::<Vec<_>>();

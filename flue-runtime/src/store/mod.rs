@@ -673,11 +673,12 @@ pub trait Store: Send + Sync + 'static {
     /// node running the attempt learns of it here (its heartbeat asks).
     fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
 
-    /// Instances whose queue waits for a node: a submission is queued, and every unsettled
-    /// submission of the instance is (what a starting or polling node picks up). One behind a
-    /// running submission is not listed: whichever node runs that one carries on with the
-    /// queue (or takes it over with the expired lease), and another node's claim would find
-    /// nothing runnable.
+    /// Instances whose queue waits for a node: a submission is queued and none runs (what a
+    /// starting or polling node picks up). One behind a running submission is not listed:
+    /// whichever node runs that one carries on with the queue (or takes it over with the
+    /// expired lease), and another node's claim would find nothing runnable. (A host given
+    /// back to the queue with a delivery it joined counts as waiting: the delivery stays
+    /// `joined` until the host settles.)
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>>;
 
     /// Claims the contiguous prefix of queued submissions behind a running host into its live

@@ -273,7 +273,7 @@ const RECLAIM: &str = concat!(
 const ABORTS_REQUESTED: &str = "SELECT attempt_id FROM flue_submissions \
      WHERE status = 'running' AND abort_requested AND attempt_id = ANY($1)";
 const INSTANCES_WITH_QUEUED: &str = "SELECT agent, instance_id FROM flue_submissions WHERE status <> 'settled' \
-     GROUP BY agent, instance_id HAVING bool_and(status = 'queued') \
+     GROUP BY agent, instance_id HAVING bool_or(status = 'queued') AND NOT bool_or(status = 'running') \
      ORDER BY agent COLLATE \"C\", instance_id COLLATE \"C\"";
 const QUEUED: &str = "SELECT id, abort_requested FROM flue_submissions \
      WHERE agent = $1 AND instance_id = $2 AND status = 'queued' ORDER BY admission_seq";

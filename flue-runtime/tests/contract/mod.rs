@@ -2285,6 +2285,24 @@ pub async fn lists_instances_with_queued_work(store: Factory) {
     let mut keys = store.instances_with_queued().await.unwrap();
     keys.sort();
     assert_eq!(keys, [key("assistant", "agent-1"), key("other", "x")]);
+    // A host given back to the queue with a delivery it joined (which stays joined until the
+    // host settles) waits for a node again.
+    let host = store
+        .claim_next(&key("other", "x"), &claim("b"))
+        .await
+        .unwrap()
+        .unwrap();
+    let host = attempt(&host.id, "b");
+    admit(&store, admission("o-3", "other", "x", SubmissionKind::Dispatch, "z")).await;
+    let joined = store.claim_joinable(&host).await.unwrap();
+    assert!(!joined.is_empty());
+    for delivery in &joined {
+        assert!(store.finalize_join(&host, &delivery.id).await.unwrap());
+    }
+    assert!(store.requeue(&host).await.unwrap());
+    let mut keys = store.instances_with_queued().await.unwrap();
+    keys.sort();
+    assert_eq!(keys, [key("assistant", "agent-1"), key("other", "x")]);
 }
 
 pub async fn stamps_the_timeout_deadline_at_the_first_claim_and_keeps_it_across_attempts(store: Factory) {

@@ -1484,7 +1484,7 @@ impl Store for SqliteStore {
     fn instances_with_queued(&self) -> BoxFuture<'_, Result<Vec<InstanceKey>, StoreError>> {
         ready(self.read_transaction(|tx| {
             let mut statement = tx
-                .prepare_cached("SELECT agent, instance_id FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' GROUP BY agent, instance_id HAVING min(status = 'queued') = 1 ORDER BY agent, instance_id")
+                .prepare_cached("SELECT agent, instance_id FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' GROUP BY agent, instance_id HAVING max(status = 'queued') = 1 AND max(status = 'running') = 0 ORDER BY agent, instance_id")
                 .map_err(sql)?;
             let rows = statement
                 .query_map([], |row| Ok(InstanceKey::new(row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
