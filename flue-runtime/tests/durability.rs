@@ -2109,6 +2109,36 @@ async fn a_data_write_a_failed_attempt_dropped_is_never_observed() {
     assert_eq!(observed_data_parts(&mut events), Vec::<serde_json::Value>::new());
 }
 
+/// A step stored before what follows it failed (here the first flush of the data writes made
+/// before it): its message ends as stored, not as a step that was lost, and the response
+/// settles with it.
+#[tokio::test]
+async fn a_step_stored_before_its_data_flush_failed_ends_as_stored() {
+    use flue_runtime::events::Event;
+    let store = FaultyStore::default();
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|r| matches!(r.body, RecordBody::MessageDataWrite { .. }))
+    });
+    let model = ScriptedModel::new([ScriptedReply::text("first"), ScriptedReply::text("second")]);
+    let runtime = runtime(&store, &model, early_writer);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&early_writer, "e-2").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "first");
+    let mut ended = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::MessageEnd {
+            message: ModelMessage::Assistant { text, .. },
+        } = observation.event
+        {
+            ended.push(text);
+        }
+    }
+    assert_eq!(ended, ["first"]);
+}
+
 #[agent]
 fn counted_writer() -> &'static str {
     use_model("scripted/x");

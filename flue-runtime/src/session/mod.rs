@@ -2898,10 +2898,10 @@ impl Response<'_> {
                 updates: row_updates,
             }));
         }
-        if let Err(failure) = self.store_step(records, &message_id).await {
+        if let Err(failure) = self.commit(records, false).await {
             // The step's message ends with the step (observers saw it start), and the calls
             // announced while it streamed will not run: the attempt fails, and the next one
-            // makes the step again (or takes it from what was stored).
+            // makes the step again.
             self.emit_with(|| Event::MessageEnd {
                 message: ModelMessage::empty_assistant(),
             });
@@ -2914,6 +2914,9 @@ impl Response<'_> {
             }
             return Err(failure);
         }
+        // The step is stored: whatever fails after it, its message ends as stored (a re-attempt
+        // resumes from it, and runs its calls).
+        let after = self.after_step_stored(&message_id).await;
         self.fold_thread_writes();
         if self.runtime.observed() {
             // As stored: after the message hooks.
@@ -2927,6 +2930,7 @@ impl Response<'_> {
                 });
             self.end_message(message);
         }
+        after?;
         if response.tool_calls.is_empty() {
             // A turn without calls added its message alone, durable now (a turn with calls
             // reports its messages once its tool batch committed).
@@ -2937,10 +2941,9 @@ impl Response<'_> {
         Ok((response, message_id, turn_id))
     }
 
-    /// Stores a model step's records, then an update of its row made while they committed,
-    /// then the data writes made before the response had a message.
-    async fn store_step(&mut self, records: Vec<Record>, message_id: &str) -> Result<(), Failure> {
-        self.commit(records, false).await?;
+    /// After a model step's records are stored: an update of its row made while they
+    /// committed, then the data writes made before the response had a message.
+    async fn after_step_stored(&mut self, message_id: &str) -> Result<(), Failure> {
         // The stream holds the step's row now; an update made while it committed (by a task
         // a hook spawned) is stored after it.
         let late = self.writer.finish_pending_row();
