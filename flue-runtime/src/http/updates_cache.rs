@@ -418,7 +418,10 @@ impl UpdatesCache {
             // [`NEWEST_KEPT`] times it: a reader at the previous head (a long poll, a client
             // following the stream) is served from the window, where evicting it would send
             // every such reader to fold the stream from the start.
-            let newest_kept = entry.bytes <= self.window_bytes.saturating_mul(NEWEST_KEPT);
+            let newest_kept = entry
+                .window
+                .back()
+                .is_none_or(|(_, newest)| newest.len() <= self.window_bytes.saturating_mul(NEWEST_KEPT));
             while (entry.window.len() > 1 || !newest_kept)
                 && (entry.window.len() > self.window_batches || entry.bytes > self.window_bytes)
             {
@@ -958,7 +961,9 @@ mod tests {
         let (key, uid, mut head) = conversation(&store, "large", 3).await;
         let cache = UpdatesCache::with_window(8, 8, 4096);
         read(&cache, &store, &key, &uid, None).await;
-        for (size, kept) in [(8 * 1024, true), (64 * 1024, false)] {
+        // The second large batch comes while the first is still in the window: the newest
+        // batch's own size counts, not the window's.
+        for (size, kept) in [(12 * 1024, true), (12 * 1024, true), (64 * 1024, false)] {
             read(&cache, &store, &key, &uid, Some(head)).await;
             let folded = cache.folded();
             let mut updates = serde_json::Map::new();
