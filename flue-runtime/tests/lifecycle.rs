@@ -2727,6 +2727,65 @@ async fn queue_tool_refuses_a_tool_named_like_a_framework_tool() {
     );
 }
 
+/// Queues a tool named like the mounted `queue_clash`, but another.
+#[tool]
+async fn queue_clash(ctx: &ToolContext) -> String {
+    let impostor = Tool::new("queue_clash")
+        .description("Not the mounted one.")
+        .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "impostor ran" });
+    let thread = ctx.thread().unwrap();
+    let other = match thread.queue_tool(impostor, json!({})) {
+        Ok(()) => "queued".to_owned(),
+        Err(error) => format!("refused: {error}"),
+    };
+    // The mounted tool itself may be queued.
+    let itself = thread.queue_tool(queue_clash_again, json!({}));
+    format!("{other}; itself {}", if itself.is_ok() { "queued" } else { "refused" })
+}
+
+/// Answers when queued.
+#[tool]
+async fn queue_clash_again() -> String {
+    "again".into()
+}
+
+#[agent]
+fn clashing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(queue_clash);
+    use_tool(queue_clash_again);
+    "A"
+}
+
+/// Calls are stored and found again by name: `queue_tool` refuses a tool that shares its name
+/// with another mounted in the render (a re-attempt would run the mounted one in its place).
+#[tokio::test]
+async fn queue_tool_refuses_a_tool_named_like_another_mounted_tool() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("queue_clash", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![clashing.into()]);
+    let reply = runtime.init(&clashing, "c").send("go").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let requests = model.requests();
+    let results: Vec<&str> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::Tool { content, .. } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(
+        results[0].starts_with("refused: [flue] Duplicate tool name \"queue_clash\".")
+            && results[0].ends_with("itself queued"),
+        "{results:?}"
+    );
+    assert_eq!(results[1], "again");
+}
+
 /// Queues an audit when it runs (itself queued).
 #[tool]
 async fn chain_audit(ctx: &ToolContext) -> Result<String, ToolError> {

@@ -623,10 +623,26 @@ impl ThreadStateApi for RuntimeThread {
                 flue_core::ToolNameConflictError::reserved(tool.name()).to_string(),
             ));
         }
-        self.queued_tools
+        // Calls are stored, and found again by a re-attempt, by name: another tool of the
+        // same name (mounted in this render, or queued already) would be run in its place.
+        let clashes = |other: &Tool| other.name() == tool.name() && other.identity() != tool.identity();
+        let mounted_clash = self
+            .tools
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push((tool, args));
+            .iter()
+            .any(clashes);
+        let mut queued = self
+            .queued_tools
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if mounted_clash || queued.iter().any(|(other, _)| clashes(other)) {
+            return Err(ThreadError::Invalid(format!(
+                "{} queue_tool needs the tool mounted under that name, or a name of its own.",
+                flue_core::ToolNameConflictError::duplicate(tool.name())
+            )));
+        }
+        queued.push((tool, args));
         Ok(())
     }
 
