@@ -258,25 +258,19 @@ impl Store for SlowRead {
     }
 }
 
-/// §3.7 step 1 / §3.10: an abort requested once the row is `running` (claimed) but before the
-/// attempt has installed its abort signal is stamped on the row and answered `aborted: true`,
-/// and the attempt settles aborted. (Regression: the attempt ran to completion, deciding on the
-/// `abort_requested` of its claim snapshot, while `abort_running` found no attempt to signal.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
-    let Some(url) = url() else { return };
-    let schema = fresh_schema();
+/// A node whose first store read after its claim is held (see [`SlowRead`]), and a dispatch
+/// to its instance `racing`, returned once the claim committed: the attempt is claimed but
+/// not started. Its model answers `done`.
+async fn claimed_not_started(url: &str, schema: &str) -> (Runtime, String) {
     let hold = Arc::new(AtomicBool::new(false));
     let store = SlowRead {
-        inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        inner: PostgresStore::connect_with_schema(url, schema).await.unwrap(),
         hold: hold.clone(),
     };
-    let model = ScriptedModel::new([ScriptedReply::text("done")]);
-    let runtime = node(store, &model);
-    let observer = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
-    let handle = runtime.init(&waiter, "racing");
+    let runtime = node(store, &ScriptedModel::new([ScriptedReply::text("done")]));
+    let observer = PostgresStore::connect_with_schema(url, schema).await.unwrap();
     hold.store(true, Ordering::SeqCst);
-    let receipt = handle.dispatch("go").await.unwrap();
+    let receipt = runtime.init(&waiter, "racing").dispatch("go").await.unwrap();
     // Wait until the worker's claim committed (its store read is now held).
     loop {
         let row = observer.submission(&receipt.submission_id).await.unwrap().unwrap();
@@ -285,11 +279,23 @@ async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    (runtime, receipt.submission_id)
+}
+
+/// §3.7 step 1 / §3.10: an abort requested once the row is `running` (claimed) but before the
+/// attempt has installed its abort signal is stamped on the row and answered `aborted: true`,
+/// and the attempt settles aborted. (Regression: the attempt ran to completion, deciding on the
+/// `abort_requested` of its claim snapshot, while `abort_running` found no attempt to signal.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
+    let Some(url) = url() else { return };
+    let (runtime, id) = claimed_not_started(&url, &fresh_schema()).await;
+    let handle = runtime.init(&waiter, "racing");
     assert!(
         handle.abort().await.unwrap(),
         "the abort intent was stamped on the running row"
     );
-    let result = tokio::time::timeout(Duration::from_secs(10), handle.read(&receipt.submission_id)).await;
+    let result = tokio::time::timeout(Duration::from_secs(10), handle.read(&id)).await;
     assert_eq!(outcome(result), "submission_aborted");
 }
 
@@ -301,36 +307,16 @@ async fn an_abort_landing_between_claim_and_attempt_start_is_not_lost() {
 async fn an_abort_requested_through_another_node_before_the_attempt_starts_is_not_lost() {
     let Some(url) = url() else { return };
     let schema = fresh_schema();
-    let hold = Arc::new(AtomicBool::new(false));
-    let store = SlowRead {
-        inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
-        hold: hold.clone(),
-    };
-    let model = ScriptedModel::new([ScriptedReply::text("done")]);
-    let a = node(store, &model);
+    let (a, id) = claimed_not_started(&url, &schema).await;
     let b = node(
         PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
         &ScriptedModel::new([ScriptedReply::text("done on b")]),
     );
-    let observer = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
-    hold.store(true, Ordering::SeqCst);
-    let receipt = a.init(&waiter, "racing").dispatch("go").await.unwrap();
-    loop {
-        let row = observer.submission(&receipt.submission_id).await.unwrap().unwrap();
-        if row.status == SubmissionStatus::Running {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     assert!(
         b.init(&waiter, "racing").abort().await.unwrap(),
         "node B stamped the abort intent"
     );
-    let result = tokio::time::timeout(
-        Duration::from_secs(10),
-        a.init(&waiter, "racing").read(&receipt.submission_id),
-    )
-    .await;
+    let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "racing").read(&id)).await;
     assert_eq!(outcome(result), "submission_aborted");
 }
 
