@@ -322,35 +322,6 @@ async fn an_abort_requested_through_another_node_before_the_attempt_starts_is_no
 
 // ---- a lease lost to another node -------------------------------------------------------------
 
-/// The Postgres store, whose lease renewals fail while `cut` is set (a node cut off from the
-/// database, or suspended, past its lease).
-struct CutRenewals {
-    inner: PostgresStore,
-    cut: Arc<AtomicBool>,
-}
-
-impl Store for CutRenewals {
-    harness::delegate_store!(
-        inner;
-        admit, instance, submission, has_queued, claim_next, expired, reclaim, aborts_requested,
-        instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
-        request_abort, append, read, put_attachment, attachment, user_value, set_user_value,
-        list_user_values, create_child,
-    );
-
-    fn renew_leases(&self, owner: &str, attempts: &[String], until: u64) -> BoxFuture<'_, Result<u64, StoreError>> {
-        if self.cut.load(Ordering::SeqCst) {
-            return Box::pin(std::future::ready(Err(StoreError::Other(
-                "cut off from the database".into(),
-            ))));
-        }
-        self.inner.renew_leases(owner, attempts, until)
-    }
-    fn shared(&self) -> bool {
-        true
-    }
-}
-
 /// A node whose renewals failed past its lease finds, once it reaches the database again,
 /// that another node took the lease over: its attempt stops (its tool sees the abort signal)
 /// instead of running on beside the other node's. (Regression: the renewal's count was
@@ -359,12 +330,14 @@ impl Store for CutRenewals {
 async fn an_attempt_whose_lease_another_node_took_over_stops_at_its_next_renewal() {
     let Some(url) = url() else { return };
     let schema = fresh_schema();
-    let cut = Arc::new(AtomicBool::new(false));
+    // Node A's renewals fail while `cut` is set (a node cut off from the database, or
+    // suspended, past its lease).
+    let faulty = harness::faulty::FaultyStore::on(Arc::new(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+    ));
+    let cut = faulty.failing_renewals.clone();
     let a = node(
-        CutRenewals {
-            inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
-            cut: cut.clone(),
-        },
+        faulty,
         &ScriptedModel::new([
             ScriptedReply::tool_call("hold", json!({})),
             ScriptedReply::text("never"),

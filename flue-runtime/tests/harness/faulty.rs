@@ -187,6 +187,11 @@ impl Store for FaultyStore {
         })
     }
 
+    /// As the wrapped store: one shared by several nodes stays one.
+    fn shared(&self) -> bool {
+        self.inner.shared()
+    }
+
     fn renew_leases(
         &self,
         owner_id: &str,
