@@ -571,10 +571,10 @@ async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
     for i in 0..commits {
         store.append(&key, vec![state_record(i)].into(), None).await.unwrap();
     }
-    // Each commit adds at least one 4 KiB page frame; without checkpoints the WAL would hold
-    // them all. Checkpointed every few hundred commits, it is reused from its start instead.
+    // Each commit adds at least one page frame; without checkpoints the WAL would hold them
+    // all. Checkpointed every few hundred commits, it is reused from its start instead.
     let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
-    let unbounded = commits as u64 * 4096;
+    let unbounded = commits as u64 * u64::from(SqliteStore::PAGE_SIZE);
     assert!(
         wal < unbounded * 2 / 3,
         "the WAL is {wal} bytes after {commits} commits"
