@@ -27,6 +27,8 @@
 //! the provider path alone, `store` the stores alone,
 //! `interleaved` the runtime's own work and the provider path alone and then in turn,
 //! `idle-gap` the runtime's own work after busy work and after the CPU went idle.
+//! `FLUE_BENCH_SQLITE=memory` runs the SQLite profiles on an in-memory database (SQLite's own
+//! work without the WAL's writes and checkpoints).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -500,7 +502,7 @@ async fn bench() {
             let base_url = format!("http://{addr}/v1");
             let runtime = if target.starts_with("http-sqlite") {
                 let db = scratch_dir().join("profile").join("flue.db");
-                http_runtime_on(&base_url, flue_runtime::store::SqliteStore::open(&db).expect("sqlite"))
+                http_runtime_on(&base_url, profile_sqlite(&db))
             } else {
                 http_runtime(&base_url)
             };
@@ -528,7 +530,7 @@ async fn bench() {
             let mut providers = ProviderRegistry::new();
             providers.register(model.clone());
             Runtime::builder()
-                .store(flue_runtime::store::SqliteStore::open(&db).expect("sqlite"))
+                .store(profile_sqlite(&db))
                 .agent(scripted_agent)
                 .providers(providers)
                 .build()
@@ -1091,6 +1093,15 @@ fn sqlite_commit_floor(path: &std::path::Path) {
 }
 
 /// How many exchanges a profiling run makes (`FLUE_BENCH_ROUNDS`, default 20,000).
+/// The SQLite store of a profile: at `db`, or in memory with `FLUE_BENCH_SQLITE=memory` (no
+/// WAL, no file, no checkpointer: what SQLite's own work costs without the I/O).
+fn profile_sqlite(db: &std::path::Path) -> flue_runtime::store::SqliteStore {
+    if std::env::var("FLUE_BENCH_SQLITE").is_ok_and(|kind| kind == "memory") {
+        return flue_runtime::store::SqliteStore::in_memory().expect("sqlite in memory");
+    }
+    flue_runtime::store::SqliteStore::open(db).expect("sqlite")
+}
+
 fn profile_rounds() -> usize {
     std::env::var("FLUE_BENCH_ROUNDS")
         .ok()
