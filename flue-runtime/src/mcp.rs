@@ -9,8 +9,9 @@
 //!   leave the model without the tool).
 //! - **Schemas.** A tool's input schema without `type` is an object's, and one without
 //!   `properties` has none (as the reference reads them). A tool whose schema is not a valid
-//!   JSON Schema, or whose root is not an object, refuses the server when the connection names
-//!   it, and is otherwise left out with a warning (the server's other tools are mounted).
+//!   JSON Schema, whose root is not an object, or which is larger than 64 KiB (declared in every
+//!   model request), refuses the server when the connection names it, and is otherwise left
+//!   out with a warning (the server's other tools are mounted). A description is cut to 8 KiB.
 //! - **Names.** Two tools of one server whose mounted names are the same (`a.b` and `a_b`, or
 //!   names alike in their first 64 characters) make the server unusable, with a reason naming
 //!   both; the connection's `tools` then picks one. Neither is dropped nor renamed (`…_2`):
@@ -284,6 +285,15 @@ fn mount(
             );
             Ok(())
         };
+        // Declared in every model request of the response, and compiled before that: a bound
+        // first, on what the server sent.
+        let schema_bytes = json_bytes(&*listed.input_schema);
+        if schema_bytes > MAX_SCHEMA_BYTES {
+            leave_out(format!(
+                "its input schema is {schema_bytes} bytes, more than the {MAX_SCHEMA_BYTES} a tool's may be"
+            ))?;
+            continue;
+        }
         let schema = match DataSchema::new(input_schema(&listed.input_schema)) {
             Ok(schema) => schema,
             Err(error) => {
@@ -309,7 +319,7 @@ fn mount(
             .filter(|description| !description.trim().is_empty())
             .map_or_else(
                 || format!("{} (MCP server {})", listed.name, connection.name),
-                str::to_owned,
+                |description| cut_description(&connection.name, &listed.name, description),
             );
         let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
         // The rules a local tool's definition is held to: a schema whose root is not an object
@@ -329,6 +339,47 @@ fn mount(
         }));
     }
     Ok(McpSession { _client: client, tools })
+}
+
+/// The largest input schema (serialized) a listed tool may have: far beyond a real tool's
+/// arguments. A larger one is treated as a schema the tool cannot be called with.
+const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+
+/// The longest description a listed tool keeps; a longer one is cut (with a warning).
+const MAX_DESCRIPTION_BYTES: usize = 8 * 1024;
+
+/// The bytes of `value` as JSON, counted without keeping them.
+fn json_bytes(value: &impl serde::Serialize) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // A `Map` of `Value`s always serializes.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
+/// A listed tool's description, cut to [`MAX_DESCRIPTION_BYTES`] (on a character boundary).
+fn cut_description(server: &str, tool: &str, description: &str) -> String {
+    if description.len() <= MAX_DESCRIPTION_BYTES {
+        return description.to_owned();
+    }
+    tracing::warn!(
+        server,
+        "[flue] MCP server \"{server}\": tool {tool:?}'s description is {} bytes; it is cut to {MAX_DESCRIPTION_BYTES}",
+        description.len()
+    );
+    format!(
+        "{}…",
+        &description[..description.floor_char_boundary(MAX_DESCRIPTION_BYTES)]
+    )
 }
 
 /// The most tools one MCP server may list, and the most pages it may list them in: far

@@ -405,9 +405,23 @@ async fn tools_whose_names_clean_to_the_same_name_refuse_the_server_naming_both(
     assert!(content.contains("would both be mounted as"), "{content}");
 }
 
-/// A server listing one good tool and one whose arguments are not an object.
+/// A server listing one good tool, one whose arguments are not an object, one whose schema is
+/// larger than a tool's may be and one with a description longer than a tool keeps.
 #[derive(Clone)]
 struct Mixed;
+
+/// An object schema of about 70 KiB: a thousand documented properties.
+fn huge_schema() -> serde_json::Value {
+    let properties: serde_json::Map<String, serde_json::Value> = (0..1000)
+        .map(|i| {
+            (
+                format!("p{i}"),
+                json!({"type": "string", "description": "x".repeat(64)}),
+            )
+        })
+        .collect();
+    json!({"type": "object", "properties": properties})
+}
 
 impl ServerHandler for Mixed {
     fn get_info(&self) -> ServerConfig {
@@ -422,6 +436,8 @@ impl ServerHandler for Mixed {
         Ok(ListToolsResult::with_all_items(vec![
             McpTool::new("search", "Search the docs.", schema(json!({"type": "object"}))),
             McpTool::new("listing", "Takes a list.", schema(json!({"type": "array"}))),
+            McpTool::new("huge", "Takes everything.", schema(huge_schema())),
+            McpTool::new("wordy", "é".repeat(5000), schema(json!({"type": "object"}))),
         ]))
     }
 }
@@ -436,7 +452,7 @@ fn unfiltered() -> &'static str {
 }
 
 #[tokio::test]
-async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_root_is_not_an_object() {
+async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_is_unusable_and_a_long_description_is_cut() {
     let logs = harness::logs::capture();
     let _ = MIXED_URL.set(serve(Mixed).await);
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
@@ -448,13 +464,30 @@ async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_root_is
         .map(|tool| tool.name.to_string())
         .filter(|name| name.starts_with("mcp__"))
         .collect();
-    assert_eq!(names, ["mcp__mixed__search"]);
+    assert_eq!(names, ["mcp__mixed__search", "mcp__mixed__wordy"]);
+    let lines = logs.all();
     assert!(
-        logs.all()
+        lines.iter().any(|line| line.contains("leaving out tool \"listing\"")),
+        "{lines:?}"
+    );
+    assert!(
+        lines
             .iter()
-            .any(|line| line.contains("leaving out tool \"listing\"")),
-        "{:?}",
-        logs.all()
+            .any(|line| line.contains("leaving out tool \"huge\"")
+                && line.contains("more than the 65536 a tool's may be")),
+        "{lines:?}"
+    );
+    // 10,000 bytes of two-byte characters, cut on a character boundary at 8 KiB.
+    let wordy = model.requests()[0]
+        .tools
+        .iter()
+        .find(|tool| tool.name == "mcp__mixed__wordy")
+        .map(|tool| tool.description.to_string())
+        .unwrap();
+    assert_eq!(wordy, format!("{}…", "é".repeat(4096)));
+    assert!(
+        lines.iter().any(|line| line.contains("description is 10000 bytes")),
+        "{lines:?}"
     );
 }
 
