@@ -22,8 +22,9 @@
 //! Browsers on other sites: a message's body must be declared JSON by its media type (a body
 //! declared `text/plain` is refused, though a browser sends one cross-site without a CORS
 //! preflight), and a request that changes state (or runs hooks: the user routes) sent by a
-//! browser from another site (`Sec-Fetch-Site: cross-site`, or without it an `Origin` that is
-//! not the request's `Host`) is refused (403) unless [`HttpOptions::allow_cross_site`] is set.
+//! browser from another site (`Sec-Fetch-Site: cross-site`; `same-site`, or no
+//! `Sec-Fetch-Site`, with an `Origin` that is not the request's `Host`: a page on another port
+//! of `localhost` included) is refused (403) unless [`HttpOptions::allow_cross_site`] is set.
 //! A web page a developer happens to open cannot drive the agents served on their machine.
 //!
 //! ```no_run
@@ -113,8 +114,9 @@ pub struct HttpOptions {
     pub updates_cache_instances: usize,
     /// Whether a browser may send requests that change state (any method but `GET` and
     /// `HEAD`, and any request of the user routes, whose reads run the application's hooks)
-    /// from another site (`Sec-Fetch-Site: cross-site`; from a browser that sends none, an
-    /// `Origin` that is not the request's `Host`). Off by default: a web page a
+    /// from another site (`Sec-Fetch-Site: cross-site`; with `same-site`, or from a browser
+    /// that sends none, an `Origin` that is not the request's `Host`, such as a page on another
+    /// port of `localhost`). Off by default: a web page a
     /// developer happens to open could otherwise abort, or post messages to, the agents
     /// served on their machine (a request with no body, or one whose body is not declared
     /// JSON, needs no CORS preflight). Turn it on to serve a browser app on another site
@@ -445,10 +447,20 @@ async fn guard(
 /// Whether a browser sent the request from another site: as its `Sec-Fetch-Site` says, or,
 /// from a browser that sends none (an older one, or a plain-HTTP address it does not deem
 /// trustworthy), when its `Origin` names another host than the one the request was sent to
-/// (an opaque `null` origin included).
+/// (an opaque `null` origin included). `same-site` is decided by the `Origin` too: a site is
+/// a scheme and a registrable domain, ports aside, so a page another server on `localhost`
+/// serves (or a sibling subdomain) is `same-site` while it is as foreign to this server as
+/// any other page.
 fn from_another_site(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> bool {
     if let Some(site) = headers.get("sec-fetch-site") {
-        return site.as_bytes().eq_ignore_ascii_case(b"cross-site");
+        let site = site.as_bytes();
+        if site.eq_ignore_ascii_case(b"cross-site") {
+            return true;
+        }
+        if !site.eq_ignore_ascii_case(b"same-site") {
+            // `same-origin`, or `none` (the user's own navigation).
+            return false;
+        }
     }
     let Some(origin) = headers.get(axum::http::header::ORIGIN) else {
         return false;
@@ -772,5 +784,19 @@ mod tests {
         assert!(from_another_site(&origin("http://api.example.com"), &h1));
         // No Origin: not a browser's cross-site request.
         assert!(!from_another_site(&HeaderMap::new(), &h1));
+        // `same-site` (ports aside): the Origin decides. Another server on localhost is
+        // another site here; the scheme aside, the same host is this one.
+        let same_site = |origin_value: &'static str| {
+            let mut headers = origin(origin_value);
+            headers.insert("sec-fetch-site", HeaderValue::from_static("same-site"));
+            headers.insert(header::HOST, HeaderValue::from_static("localhost:3583"));
+            headers
+        };
+        assert!(from_another_site(&same_site("http://localhost:5173"), &h1));
+        assert!(from_another_site(&same_site("https://docs.localhost:3583"), &h1));
+        assert!(!from_another_site(&same_site("https://localhost:3583"), &h1));
+        let mut cross = origin("http://localhost:3583");
+        cross.insert("sec-fetch-site", HeaderValue::from_static("cross-site"));
+        assert!(from_another_site(&cross, &h1));
     }
 }
