@@ -415,7 +415,7 @@ async fn guard(
         user_id.is_some() || !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
     if changes_state && !options.allow_cross_site && from_another_site(request.headers(), request.uri()) {
         return ApiError::forbidden(
-            "A browser on another site (as its Sec-Fetch-Site or Origin says) may not change state here; set HttpOptions::allow_cross_site to serve a browser app on another site.",
+            "A browser page from another site, or from another port of this host (as its Sec-Fetch-Site or Origin says), may not change state here; set HttpOptions::allow_cross_site to serve a browser app from there.",
         )
         .into_response();
     }
