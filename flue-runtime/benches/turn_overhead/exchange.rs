@@ -1092,7 +1092,6 @@ fn sqlite_commit_floor(path: &std::path::Path) {
     );
 }
 
-/// How many exchanges a profiling run makes (`FLUE_BENCH_ROUNDS`, default 20,000).
 /// The SQLite store of a profile: at `db`, or in memory with `FLUE_BENCH_SQLITE=memory` (no
 /// WAL, no file, no checkpointer: what SQLite's own work costs without the I/O).
 fn profile_sqlite(db: &std::path::Path) -> flue_runtime::store::SqliteStore {
@@ -1102,6 +1101,7 @@ fn profile_sqlite(db: &std::path::Path) -> flue_runtime::store::SqliteStore {
     flue_runtime::store::SqliteStore::open(db).expect("sqlite")
 }
 
+/// How many exchanges a profiling run makes (`FLUE_BENCH_ROUNDS`, default 20,000).
 fn profile_rounds() -> usize {
     std::env::var("FLUE_BENCH_ROUNDS")
         .ok()

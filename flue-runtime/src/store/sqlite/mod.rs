@@ -7,7 +7,7 @@
 //! checkpointer thread with its own connection, so a commit waits for a disk flush only in the
 //! checkpoint the writer runs itself once per [`SqliteStore::WAL_RESTART_FRAMES`] WAL frames
 //! (see [`Checkpointer`]): a stall of two fsyncs, a few milliseconds on a virtual disk, about
-//! once per 130 exchanges of the `turn_overhead` benchmark. Statements are
+//! once per 125 exchanges of the `turn_overhead` benchmark. Statements are
 //! prepared once per connection (rusqlite's statement cache), `BEGIN` and `COMMIT` included.
 //! [`SqliteStore::with_full_sync`] makes every commit wait for its WAL frames to reach the
 //! disk (`synchronous = FULL`), so a committed transaction survives a power loss or an OS
@@ -248,8 +248,8 @@ impl std::ops::Deref for Tx<'_> {
     }
 }
 
-/// Commits between checkpoint requests: roughly 600–900 WAL frames at two or three dirtied
-/// pages per commit.
+/// Commits between checkpoint requests: roughly 1,000 WAL frames at the three or four frames
+/// of an exchange's average commit.
 const COMMITS_PER_CHECKPOINT: u32 = 300;
 
 thread_local! {
@@ -386,7 +386,8 @@ fn checkpoint(connection: &Connection, pragma: &str) {
 /// plus a key index). Each instance has a `stream` number (the admission sequence of the
 /// submission that created it, so unique), and its batches are the rows of one rowid table
 /// keyed `stream << 32 | offset`: an append touches one B-tree, and the rows stay in a table
-/// leaf's roomy payload (a clustered text key would push a 1 KiB batch into an overflow page).
+/// leaf's roomy payload (up to 989 bytes of a row in a 1 KiB page, where a clustered text
+/// key's row overflows past about 230).
 /// A submission's admission order is its rowid. Settled submissions leave the one partial
 /// index (the ledger's queries — an instance's queue, the node-wide scans for queued work and
 /// expired leases — read unsettled rows only). An instance's next offset is one past its last
@@ -666,12 +667,14 @@ fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
 
 impl SqliteStore {
     /// The WAL's length in frames (pages) at which a commit restarts it: the bound on its size
-    /// (about 2 MiB of [`Self::PAGE_SIZE`] pages). The commit that restarts the WAL waits for two fsyncs; a
-    /// larger bound makes that rarer, but every commit until the WAL first wraps extends the
-    /// file, and on ext4 an extending write costs more than overwriting the file in place.
-    /// Measured with the `turn_overhead` benchmark, 8,192 frames bought 2% on the mean exchange
-    /// of a long run and lost 10% on the median exchange of a fresh database.
-    pub const WAL_RESTART_FRAMES: i32 = 2000;
+    /// (about 4 MiB of [`Self::PAGE_SIZE`] pages). The commit that restarts the WAL waits for
+    /// two fsyncs; a larger bound makes that rarer, but every commit until the WAL first wraps
+    /// extends the file, and on ext4 an extending write costs more than overwriting the file in
+    /// place. Measured with the `turn_overhead` benchmark at 4 KiB pages, 8,192 frames (32 MiB)
+    /// bought 2% on the mean exchange of a long run and lost 10% on the median exchange of a
+    /// fresh database; at 1 KiB pages an exchange writes about 20 frames, and 4,000 frames
+    /// (a restart about every 125 exchanges) did better than 2,000 (every 45).
+    pub const WAL_RESTART_FRAMES: i32 = 4000;
 
     /// The page size of a database this store creates, in bytes (SQLite's default is 4 KiB; a
     /// database created with another size keeps it). A commit writes each page it changed

@@ -632,6 +632,12 @@ mod tests {
         every_commit_size_survives_a_crash("sizes", 4096, 80);
     }
 
+    /// The store's own pages: a commit of many frames passes the gather's bound mid-way.
+    #[test]
+    fn a_commit_of_the_stores_small_pages_is_whole_after_a_crash() {
+        every_commit_size_survives_a_crash("small-pages", i64::from(super::super::SqliteStore::PAGE_SIZE), 200);
+    }
+
     #[test]
     fn a_commit_of_large_pages_is_whole_after_a_crash() {
         every_commit_size_survives_a_crash("large-pages", 65536, 12);
