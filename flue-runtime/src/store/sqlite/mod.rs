@@ -490,17 +490,25 @@ fn upgrade_layout(transaction: &rusqlite::Transaction<'_>) -> Result<(), StoreEr
             .map_err(sql)?;
     }
     if rebuilt || !attempt_column {
-        // The column the append fence reads, from the rows' own state.
+        // The column the append fence reads, from the rows' own state (a damaged row, whose
+        // state SQLite cannot read, gets none: the store reads it as unreadable anyway).
         transaction
-            .execute_batch("UPDATE flue_submissions SET attempt_id = json_extract(data, '$.attempt_id');")
+            .execute_batch(
+                "UPDATE flue_submissions
+                 SET attempt_id = CASE WHEN json_valid(data) THEN json_extract(data, '$.attempt_id') END;",
+            )
             .map_err(sql)?;
     } else {
         // A build from before the column may have written the file since: it claimed and
         // settled through the rows' state alone. The unsettled rows' fence follows their state.
+        // A damaged row is left as it is (`json_extract` fails the statement on text that is
+        // not JSON, and the store would not open): the store reads it as unreadable.
         transaction
             .execute_batch(
-                "UPDATE flue_submissions SET attempt_id = json_extract(data, '$.attempt_id')
-                 WHERE status <> 'settled' AND attempt_id IS NOT json_extract(data, '$.attempt_id');",
+                "UPDATE flue_submissions
+                 SET attempt_id = CASE WHEN json_valid(data) THEN json_extract(data, '$.attempt_id') ELSE attempt_id END
+                 WHERE status <> 'settled'
+                   AND attempt_id IS NOT CASE WHEN json_valid(data) THEN json_extract(data, '$.attempt_id') ELSE attempt_id END;",
             )
             .map_err(sql)?;
     }
@@ -2486,6 +2494,33 @@ mod tests {
         assert_eq!(now(store.aborts_requested(&attempts)), Ok(vec!["at-2".to_owned()]));
         // Its own reads say why.
         assert!(now(store.submission("s-1")).is_err());
+        drop(store);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// An unsettled row whose state is not JSON at all (damaged by hand, cut short) does not
+    /// keep the store from opening: the layout's refill of the fence column skips it, and the
+    /// store reads it as unreadable.
+    #[test]
+    fn a_row_whose_state_is_not_json_does_not_keep_the_store_from_opening() {
+        let dir = std::env::temp_dir().join(format!("flue-sqlite-damaged-{}", new_id("t")));
+        let path = dir.join("flue.db");
+        let store = SqliteStore::open(&path).unwrap();
+        now(store.admit(admission("a", "s-1", None))).unwrap();
+        now(store.admit(admission("b", "s-2", None))).unwrap();
+        drop(store);
+        let other = open_exclusive(&path).unwrap();
+        other.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+        other
+            .execute(
+                "UPDATE flue_submissions SET data = '{\"id\": \"s-1\", \"sta' WHERE id = 's-1'",
+                [],
+            )
+            .unwrap();
+        drop(other);
+        let store = SqliteStore::open(&path).unwrap();
+        assert!(now(store.submission("s-1")).is_err());
+        assert!(now(store.submission("s-2")).unwrap().is_some());
         drop(store);
         let _ = std::fs::remove_dir_all(dir);
     }
