@@ -11,7 +11,7 @@ use flue_core::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use super::attachments::{AttachmentPut, StoredAttachment, conflict};
 use super::{
     Admission, Admitted, AttemptRef, Claim, InstanceInfo, InstanceKey, Store, StoreError, Submission, SubmissionStatus,
-    lease_expired,
+    empty_batch, lease_expired,
 };
 use crate::record::{Batch, Outcome, Record, SettlementError, new_id};
 
@@ -150,7 +150,7 @@ impl Inner {
 
     fn append(&mut self, key: &InstanceKey, records: Arc<[Record]>) -> Result<u64, StoreError> {
         if records.is_empty() {
-            return Err(StoreError::Other("an append batch must not be empty".into()));
+            return Err(empty_batch());
         }
         let instance = self
             .instances
@@ -544,6 +544,10 @@ impl Store for MemoryStore {
         records: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        // A malformed call is refused before the fence is looked at, as the other stores do.
+        if records.is_empty() {
+            return ready(Err(empty_batch()));
+        }
         let mut inner = self.lock();
         if let Err(fenced) = inner.fence(authorization, key, &records) {
             return ready(Err(fenced));
@@ -559,15 +563,15 @@ impl Store for MemoryStore {
         birth: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        if link.is_empty() || birth.is_empty() {
+            return ready(Err(empty_batch()));
+        }
         let mut inner = self.lock();
         if let Err(fenced) = inner.fence(authorization, parent, &link) {
             return ready(Err(fenced));
         }
         if inner.instances.contains_key(child) {
             return ready(Err(StoreError::Other(format!("the stream {child} exists"))));
-        }
-        if birth.is_empty() {
-            return ready(Err(StoreError::Other("an append batch must not be empty".into())));
         }
         // The link first: it fails (changing nothing) when the parent has no stream.
         let offset = match inner.append(parent, link) {

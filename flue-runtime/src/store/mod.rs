@@ -463,6 +463,12 @@ pub(crate) fn joined_submissions_of<'a>(
     Ok(joined)
 }
 
+/// The refusal of an empty batch: a malformed call, refused by every store before it looks at
+/// the fence or the stream.
+pub(crate) fn empty_batch() -> StoreError {
+    StoreError::Other("an append batch must not be empty".into())
+}
+
 /// The refusal of an append with a record of `submission`, which is not a delivery joined into
 /// the authorizing `host`.
 pub(crate) fn not_joined(submission: &str, host: &str) -> StoreError {

@@ -1024,7 +1024,7 @@ async fn owns(tx: &Transaction<'_>, attempt: &AttemptRef, sql: &str) -> Result<b
 /// An append's batch as JSON; an empty batch is refused.
 fn batch_json(records: &[Record]) -> Result<String, Failure> {
     if records.is_empty() {
-        return Err(StoreError::Other("an append batch must not be empty".into()).into());
+        return Err(super::empty_batch().into());
     }
     Ok(to_json(records, "records")?)
 }
@@ -1530,8 +1530,8 @@ async fn create_child_tx(
     birth: &[Record],
     authorization: Option<&AttemptRef>,
 ) -> Result<u64, Failure> {
-    if birth.is_empty() {
-        return Err(StoreError::Other("an append batch must not be empty".into()).into());
+    if link.is_empty() || birth.is_empty() {
+        return Err(super::empty_batch().into());
     }
     let joined = super::joined_submissions_of(link, authorization)?;
     let offset = append_tx(tx, parent, link, authorization).await?;

@@ -2127,14 +2127,22 @@ pub async fn keeps_the_streams_of_several_children_and_grandchildren_apart(store
     );
 }
 
+/// An empty batch is a malformed call: refused as such, before the fence (a stale attempt's
+/// empty batch is not reported fenced) and whether or not the stream exists.
 pub async fn rejects_an_empty_batch(store: Factory) {
     admit(&store, dispatch("d-1")).await;
-    assert!(
-        store
-            .append(&key("assistant", "agent-1"), Vec::new().into(), None)
-            .await
-            .is_err()
-    );
+    let stale = attempt("d-1", "no-such-attempt");
+    for (stream, authorization) in [
+        (key("assistant", "agent-1"), None),
+        (key("assistant", "agent-1"), Some(&stale)),
+        (key("assistant", "never-admitted"), Some(&stale)),
+    ] {
+        let refused = store.append(&stream, Vec::new().into(), authorization).await;
+        assert!(
+            matches!(&refused, Err(StoreError::Other(message)) if message.contains("must not be empty")),
+            "{stream}: {refused:?}"
+        );
+    }
 }
 
 pub async fn reports_a_streams_last_offset_without_reading_it(store: Factory) {

@@ -1175,10 +1175,11 @@ fn append_batch(
     records: &[Record],
     fence: Option<&AttemptRef>,
 ) -> Result<u64, StoreError> {
+    // A malformed call first, then the fence, whether or not the stream exists, as the other
+    // stores do.
     if records.is_empty() {
-        return Err(StoreError::Other("an append batch must not be empty".into()));
+        return Err(super::empty_batch());
     }
-    // The fence is reported first, whether or not the stream exists, as the other stores do.
     if let Some(attempt) = fence {
         let refused = match owner_of(transaction, attempt) {
             Some(owner) if key.writable_by(&owner.agent, &owner.id) => None,
@@ -1686,6 +1687,9 @@ impl Store for SqliteStore {
         birth: Arc<[Record]>,
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        if link.is_empty() || birth.is_empty() {
+            return ready(Err(super::empty_batch()));
+        }
         ready(self.transaction(|tx| {
             // The link first: it checks the fence and the parent's stream.
             authorize_records(tx, &link, authorization)?;
