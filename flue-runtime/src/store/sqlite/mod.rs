@@ -99,7 +99,8 @@ pub(crate) fn is_fresh(tables: &[String]) -> bool {
 /// A [`Store`] in one SQLite file.
 pub struct SqliteStore {
     db: Mutex<Db>,
-    /// Nudges the checkpointer thread (file databases only); dropping it stops the thread.
+    /// Nudges the checkpointer thread (file databases only); dropping it (after the writing
+    /// connection) stops the thread and waits for its last checkpoint.
     checkpointer: Option<Checkpointer>,
 }
 
@@ -276,10 +277,24 @@ thread_local! {
 /// every connection then read later commits' pages stale from the database file (SQLite's
 /// "WAL-reset bug"; `vfs`'s tests check the version and the race).
 struct Checkpointer {
-    requests: std::sync::mpsc::SyncSender<()>,
+    /// `None` once dropped: the thread then makes its last checkpoint and ends.
+    requests: Option<std::sync::mpsc::SyncSender<()>>,
     commits: std::sync::atomic::AtomicU32,
     /// The checkpointing connection, held while it checkpoints.
     connection: Arc<Mutex<Connection>>,
+    /// Joined on drop: a store dropped has closed the file (another process, or a store opened
+    /// next in this one, finds it free).
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        drop(self.requests.take());
+        if let Some(thread) = self.thread.take() {
+            // A panic of the thread (a poisoned lock) was already reported by it.
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Checkpointer {
@@ -291,7 +306,7 @@ impl Checkpointer {
         let connection = Arc::new(Mutex::new(connection));
         let (requests, pending) = std::sync::mpsc::sync_channel::<()>(1);
         let checkpointing = connection.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("flue-sqlite-checkpoint".into())
             .spawn(move || {
                 // Ends when the store (the sender) is dropped, after a last checkpoint.
@@ -302,9 +317,10 @@ impl Checkpointer {
             })
             .map_err(|error| StoreError::Other(format!("sqlite: cannot start the checkpointer: {error}")))?;
         Ok(Self {
-            requests,
+            requests: Some(requests),
             commits: std::sync::atomic::AtomicU32::new(0),
             connection,
+            thread: Some(thread),
         })
     }
 
@@ -320,7 +336,9 @@ impl Checkpointer {
         let commits = self.commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         if commits.is_multiple_of(COMMITS_PER_CHECKPOINT) {
             // Full means a request is already pending: that checkpoint covers this one too.
-            let _ = self.requests.try_send(());
+            if let Some(requests) = &self.requests {
+                let _ = requests.try_send(());
+            }
         }
     }
 }
@@ -2015,6 +2033,26 @@ mod tests {
             rusqlite::version()
         );
         drop(store);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A dropped store has let go of its file: the checkpointer's connection is closed too,
+    /// so a connection opened right after can take the file over (leave WAL mode, which needs
+    /// every other connection gone).
+    #[test]
+    fn a_dropped_store_has_closed_its_file() {
+        let dir = std::env::temp_dir().join(format!("flue-sqlite-dropped-{}", new_id("t")));
+        for round in 0..10 {
+            let path = dir.join(format!("flue-{round}.db"));
+            let store = SqliteStore::open(&path).unwrap();
+            now(store.admit(admission("a", "s-1", None))).unwrap();
+            drop(store);
+            let next = Connection::open(&path).unwrap();
+            let mode: String = next
+                .query_row("PRAGMA journal_mode = DELETE", [], |row| row.get(0))
+                .unwrap();
+            assert_eq!(mode, "delete", "round {round}");
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 
