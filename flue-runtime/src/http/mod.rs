@@ -452,18 +452,22 @@ async fn guard(
 /// serves (or a sibling subdomain) is `same-site` while it is as foreign to this server as
 /// any other page.
 fn from_another_site(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> bool {
-    if let Some(site) = headers.get("sec-fetch-site") {
-        let site = site.as_bytes();
-        if site.eq_ignore_ascii_case(b"cross-site") {
-            return true;
-        }
-        if !site.eq_ignore_ascii_case(b"same-site") {
-            // `same-origin`, or `none` (the user's own navigation).
+    // A browser that says where the request comes from: `same-origin`, or `none` (the user's
+    // own navigation), passes; `cross-site` does not; `same-site` (or a value this build does
+    // not know) is another origin than this server's own, which only a matching `Origin` can
+    // tell apart from another port or subdomain (a browser sends none with a no-CORS `GET`,
+    // an `<img>`'s, which the user routes' reads must not take either).
+    let site = headers.get("sec-fetch-site").map(axum::http::HeaderValue::as_bytes);
+    match site {
+        Some(site) if site.eq_ignore_ascii_case(b"same-origin") || site.eq_ignore_ascii_case(b"none") => {
             return false;
         }
+        Some(site) if site.eq_ignore_ascii_case(b"cross-site") => return true,
+        _ => {}
     }
     let Some(origin) = headers.get(axum::http::header::ORIGIN) else {
-        return false;
+        // Without `Sec-Fetch-Site` either: not a browser's cross-site request.
+        return site.is_some();
     };
     let authority = origin
         .to_str()
@@ -795,6 +799,11 @@ mod tests {
         assert!(from_another_site(&same_site("http://localhost:5173"), &h1));
         assert!(from_another_site(&same_site("https://docs.localhost:3583"), &h1));
         assert!(!from_another_site(&same_site("https://localhost:3583"), &h1));
+        // `same-site` without an Origin (an `<img>`'s `GET`): another origin's all the same.
+        let mut bare = HeaderMap::new();
+        bare.insert("sec-fetch-site", HeaderValue::from_static("same-site"));
+        bare.insert(header::HOST, HeaderValue::from_static("localhost:3583"));
+        assert!(from_another_site(&bare, &h1));
         let mut cross = origin("http://localhost:3583");
         cross.insert("sec-fetch-site", HeaderValue::from_static("cross-site"));
         assert!(from_another_site(&cross, &h1));
