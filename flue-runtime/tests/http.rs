@@ -1334,6 +1334,8 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
             .send()
             .await
             .unwrap();
+        // The status first: an attach let through is a stream that never ends.
+        assert_eq!(attach.status().as_u16(), 403, "{site}");
         assert_error(attach, 403, "forbidden").await;
     }
 
