@@ -286,15 +286,16 @@ fn mount(
             Ok(())
         };
         // Declared in every model request of the response, and compiled before that: a bound
-        // first, on what the server sent.
-        let schema_bytes = json_bytes(&*listed.input_schema);
+        // first, on the schema as it will be declared.
+        let declared = input_schema(&listed.input_schema);
+        let schema_bytes = json_bytes(&declared);
         if schema_bytes > MAX_SCHEMA_BYTES {
             leave_out(format!(
                 "its input schema is {schema_bytes} bytes, more than the {MAX_SCHEMA_BYTES} a tool's may be"
             ))?;
             continue;
         }
-        let schema = match DataSchema::new(input_schema(&listed.input_schema)) {
+        let schema = match DataSchema::new(declared) {
             Ok(schema) => schema,
             Err(error) => {
                 leave_out(format!("its input schema is not valid: {error}"))?;

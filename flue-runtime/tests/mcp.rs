@@ -410,7 +410,7 @@ async fn tools_whose_names_clean_to_the_same_name_refuse_the_server_naming_both(
 #[derive(Clone)]
 struct Mixed;
 
-/// An object schema of about 70 KiB: a thousand documented properties.
+/// An object schema of about 100 KiB: a thousand documented properties.
 fn huge_schema() -> serde_json::Value {
     let properties: serde_json::Map<String, serde_json::Value> = (0..1000)
         .map(|i| {
@@ -489,6 +489,34 @@ async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_is_unus
         lines.iter().any(|line| line.contains("description is 10000 bytes")),
         "{lines:?}"
     );
+}
+
+static HUGE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn huge_user() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("mixed", HUGE_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .tools(["huge"]),
+    );
+    "Use the huge one."
+}
+
+#[tokio::test]
+async fn a_named_tool_whose_schema_is_too_large_refuses_the_server() {
+    let _ = HUGE_URL.set(serve(Mixed).await);
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [huge_user.into()]);
+    let error = runtime.init(&huge_user, "h").send("go").await.unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(error_type, "mcp_connection_failed", "{message}");
+    assert!(
+        message.contains("tool \"huge\": its input schema is ") && message.contains("more than the 65536"),
+        "{message}"
+    );
+    assert!(model.requests().is_empty(), "no model request was made");
 }
 
 /// Each test's own server (a server lives on its test's runtime).
