@@ -88,7 +88,7 @@ fn every_append_that_returned_survives_a_kill_at_any_moment() {
     let mut acknowledged = 0;
     // Kills after 1 to 400 more acknowledged appends, then after a pause of 0 to 3 ms: moments
     // spread over commits, spills, checkpoints (every 300 commits) and restarts of the WAL
-    // (every 2,000 frames: about 27 of the 300 KB batches).
+    // (every 4,000 frames of 1 KiB: about 13 of the 300 KB batches).
     for (round, (appends, pause)) in [
         (1, 0),
         (7, 1),

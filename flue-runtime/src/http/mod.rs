@@ -22,9 +22,10 @@
 //! Browsers on other sites: a message's body must be declared JSON by its media type (a body
 //! declared `text/plain` is refused, though a browser sends one cross-site without a CORS
 //! preflight), and a request that changes state (or runs hooks: the user routes) sent by a
-//! browser from another site (`Sec-Fetch-Site: cross-site`; `same-site`, or no
-//! `Sec-Fetch-Site`, with an `Origin` that is not the request's `Host`: a page on another port
-//! of `localhost` included) is refused (403) unless [`HttpOptions::allow_cross_site`] is set.
+//! browser from another site (`Sec-Fetch-Site: cross-site`; `same-site` with no `Origin` or one
+//! that is not the request's `Host`; without `Sec-Fetch-Site`, an `Origin` that is not the
+//! `Host`: a page on another port of `localhost` included) is refused (403) unless
+//! [`HttpOptions::allow_cross_site`] is set.
 //! A web page a developer happens to open cannot drive the agents served on their machine.
 //!
 //! ```no_run
@@ -114,9 +115,10 @@ pub struct HttpOptions {
     pub updates_cache_instances: usize,
     /// Whether a browser may send requests that change state (any method but `GET` and
     /// `HEAD`, and any request of the user routes, whose reads run the application's hooks)
-    /// from another site (`Sec-Fetch-Site: cross-site`; with `same-site`, or from a browser
-    /// that sends none, an `Origin` that is not the request's `Host`, such as a page on another
-    /// port of `localhost`). Off by default: a web page a
+    /// from another site (`Sec-Fetch-Site: cross-site`; `same-site` with no `Origin` or one
+    /// that is not the request's `Host`, such as a page on another port of `localhost`; from a
+    /// browser that sends no `Sec-Fetch-Site`, an `Origin` that is not the `Host`). Off by
+    /// default: a web page a
     /// developer happens to open could otherwise abort, or post messages to, the agents
     /// served on their machine (a request with no body, or one whose body is not declared
     /// JSON, needs no CORS preflight). Turn it on to serve a browser app on another site

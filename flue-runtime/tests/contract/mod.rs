@@ -2143,6 +2143,23 @@ pub async fn rejects_an_empty_batch(store: Factory) {
             "{stream}: {refused:?}"
         );
     }
+    // A child's creation alike: an empty link (from a stale attempt too) or an empty birth.
+    let child = key("assistant:task", "agent-1/task_1");
+    let some = || -> Arc<[Record]> { vec![record(None, None, user("x"))].into() };
+    for (link, birth, authorization) in [
+        (Vec::new().into(), some(), Some(&stale)),
+        (Vec::new().into(), some(), None),
+        (some(), Vec::new().into(), None),
+    ] {
+        let refused = store
+            .create_child(&key("assistant", "agent-1"), link, &child, birth, authorization)
+            .await;
+        assert!(
+            matches!(&refused, Err(StoreError::Other(message)) if message.contains("must not be empty")),
+            "{refused:?}"
+        );
+    }
+    assert!(store.last_offset(&child).await.unwrap().is_none(), "no child stream");
 }
 
 pub async fn reports_a_streams_last_offset_without_reading_it(store: Factory) {
