@@ -22,8 +22,8 @@ use crate::provider::ProviderRegistry;
 use crate::record::{Outcome, SettlementError, new_id, now};
 use crate::session::{self, InstanceSlot, ReplyParts, Settled};
 use crate::store::{
-    Admission, InstanceInfo, InstanceKey, Store, StoreError, SubmissionKind, SubmissionStatus, TraceContext,
-    UidCondition,
+    Admission, InstanceInfo, InstanceKey, Store, StoreError, StoreNotice, SubmissionKind, SubmissionStatus,
+    TraceContext, UidCondition,
 };
 
 /// Everything that can go wrong talking to the runtime.
@@ -145,6 +145,12 @@ pub struct RuntimeOptions {
     /// ends — is then given up where it waits and the submission settles over it, so one hung
     /// callback cannot hold its instance forever.
     pub settle_grace: Duration,
+    /// On a store several nodes share, how often a send (or read) waiting for a submission
+    /// that another node may settle reads the store again. A store that announces other nodes'
+    /// settlements ([`Store::notices`](crate::store::Store::notices): `PostgresStore` does)
+    /// wakes the wait as the settlement lands; this look is then what finds one whose notice
+    /// was lost.
+    pub shared_store_poll: Duration,
 }
 
 impl Default for RuntimeOptions {
@@ -159,6 +165,7 @@ impl Default for RuntimeOptions {
             cached_instances: 1024,
             text_flush: Some(Duration::from_secs(1)),
             settle_grace: Duration::from_secs(60),
+            shared_store_poll: Duration::from_millis(250),
         }
     }
 }
@@ -358,7 +365,7 @@ pub(crate) struct RuntimeInner {
     /// id: what its observations are stamped with.
     correlations: Mutex<FastMap<Arc<str>, Arc<Correlation>>>,
     /// Senders waiting for a submission to settle, by submission id.
-    waiters: Mutex<FastMap<String, Vec<oneshot::Sender<()>>>>,
+    waiters: Mutex<FastMap<String, Waiting>>,
     shutting_down: AtomicBool,
     /// Turns `true` at [`Runtime::release`]: workers claim nothing more, the scan takes over
     /// nothing.
@@ -472,23 +479,65 @@ impl RuntimeInner {
             loop {
                 let Some(runtime) = weak.upgrade() else { return };
                 let beat = tokio::time::Instant::now() + runtime.options.heartbeat.max(Duration::from_millis(1));
-                let running = runtime.running_attempts();
-                if !running.is_empty() {
-                    // An abort requested through another node (or that missed this one's
-                    // attempt as it started) reaches the attempt here.
-                    match runtime.store.aborts_requested(&running).await {
-                        Ok(aborting) if !aborting.is_empty() => runtime.stop_attempts(&aborting, session::ABORTED),
-                        Ok(_) => {}
-                        Err(error) => {
-                            tracing::warn!(%error, "reading abort requests failed");
-                            runtime.emit_recovery(Concerning::Pass, EnforceDeadline, Deferred, Some(&error));
-                        }
-                    }
-                }
+                // An abort requested through another node (whose notice did not come, or
+                // that missed this one's attempt as it started) reaches the attempt here.
+                runtime.enforce_abort_requests(&runtime.running_attempts()).await;
                 drop(runtime);
                 tokio::time::sleep_until(beat).await;
             }
         });
+        // What other nodes sharing the store did, as it announces it: their settlements wake
+        // the waits here at once, and their abort requests reach the attempts running here.
+        if let Some(mut notices) = self.store.notices() {
+            let weak = Arc::downgrade(self);
+            tokio::spawn(async move {
+                loop {
+                    let notice = match notices.recv().await {
+                        Ok(notice) => notice,
+                        Err(broadcast::error::RecvError::Lagged(_)) => StoreNotice::Resync,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    };
+                    let Some(runtime) = weak.upgrade() else { return };
+                    runtime.on_notice(notice).await;
+                }
+            });
+        }
+    }
+
+    /// Acts on another node's notice (see [`Store::notices`]).
+    async fn on_notice(&self, notice: StoreNotice) {
+        match notice {
+            StoreNotice::Settled(key) => self.wake_waiters_of(&key),
+            StoreNotice::AbortRequested(key) => {
+                let running = self
+                    .instances
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .get(&key)
+                    .map(|slot| slot.held_attempts())
+                    .unwrap_or_default();
+                self.enforce_abort_requests(&running).await;
+            }
+            StoreNotice::Resync => {
+                self.wake_waiters();
+                self.enforce_abort_requests(&self.running_attempts()).await;
+            }
+        }
+    }
+
+    /// Stops the attempts among `running` (ones this node holds) whose abort was requested.
+    async fn enforce_abort_requests(&self, running: &[String]) {
+        if running.is_empty() {
+            return;
+        }
+        match self.store.aborts_requested(running).await {
+            Ok(aborting) if !aborting.is_empty() => self.stop_attempts(&aborting, session::ABORTED),
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%error, "reading abort requests failed");
+                self.emit_recovery(Concerning::Pass, EnforceDeadline, Deferred, Some(&error));
+            }
+        }
     }
 
     /// Whether this node gives its work back ([`Runtime::release`]) rather than take more.
@@ -1013,10 +1062,13 @@ impl RuntimeInner {
             let (sender, settled) = oneshot::channel();
             {
                 let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                let waiting = waiters.entry(submission_id.to_owned()).or_default();
+                let waiting = waiters.entry(submission_id.to_owned()).or_insert_with(|| Waiting {
+                    key: key.clone(),
+                    senders: Vec::new(),
+                });
                 // The senders of earlier rounds of this wait (and of waits given up) go.
-                waiting.retain(|sender| !sender.is_closed());
-                waiting.push(sender);
+                waiting.senders.retain(|sender| !sender.is_closed());
+                waiting.senders.push(sender);
             }
             // Another instance's submission is not this one's to read: as if there were none.
             let row = self
@@ -1097,7 +1149,8 @@ impl RuntimeInner {
             if self.store.shared() || self.claims_stopped() {
                 // Only the node that settles a submission wakes its waiters, and on a shared
                 // store another node may run this one (its instance was busy there).
-                let _ = tokio::time::timeout(SHARED_SETTLEMENT_POLL, settled).await;
+                let poll = self.options.shared_store_poll.max(Duration::from_millis(1));
+                let _ = tokio::time::timeout(poll, settled).await;
             } else {
                 let _ = settled.await;
             }
@@ -1108,11 +1161,27 @@ impl RuntimeInner {
     pub(crate) fn notify_settled<'a>(&self, ids: impl IntoIterator<Item = &'a String>) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for id in ids {
-            for sender in waiters.remove(id).unwrap_or_default() {
+            for sender in waiters.remove(id).map(|waiting| waiting.senders).unwrap_or_default() {
                 let _ = sender.send(());
             }
         }
     }
+
+    /// Makes every send and read waiting on a submission of the instance `key` look at it
+    /// again (another node settled submissions of it).
+    fn wake_waiters_of(&self, key: &InstanceKey) {
+        self.waiters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .retain(|_, waiting| waiting.key != *key);
+    }
+}
+
+/// The sends and reads waiting for one submission (of the instance `key`) to settle: each
+/// looks again when its sender is used or dropped.
+struct Waiting {
+    key: InstanceKey,
+    senders: Vec<oneshot::Sender<()>>,
 }
 
 /// A wait's place in [`RuntimeInner::waiters`], taken out when the wait ends: with its
@@ -1121,7 +1190,7 @@ impl RuntimeInner {
 /// a shared store where another node settles the submission, would stay for the runtime's
 /// life.)
 struct Registered<'a> {
-    waiters: &'a Mutex<FastMap<String, Vec<oneshot::Sender<()>>>>,
+    waiters: &'a Mutex<FastMap<String, Waiting>>,
     submission_id: &'a str,
 }
 
@@ -1129,8 +1198,8 @@ impl Drop for Registered<'_> {
     fn drop(&mut self) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(waiting) = waiters.get_mut(self.submission_id) {
-            waiting.retain(|sender| !sender.is_closed());
-            if waiting.is_empty() {
+            waiting.senders.retain(|sender| !sender.is_closed());
+            if waiting.senders.is_empty() {
                 waiters.remove(self.submission_id);
             }
         }
@@ -1567,10 +1636,6 @@ impl Drop for PendingClaim {
     }
 }
 
-/// How often a wait for a submission's settlement reads a shared store again (see
-/// [`RuntimeInner::wait`]).
-const SHARED_SETTLEMENT_POLL: Duration = Duration::from_millis(250);
-
 /// A handle on one agent instance.
 #[derive(Clone)]
 pub struct AgentHandle {
@@ -1889,7 +1954,7 @@ mod tests {
             .waiters
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        waiters.values().map(Vec::len).sum::<usize>() + waiters.len()
+        waiters.values().map(|waiting| waiting.senders.len()).sum::<usize>() + waiters.len()
     }
 
     #[tokio::test]

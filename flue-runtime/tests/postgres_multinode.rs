@@ -126,6 +126,20 @@ fn node(store: impl Store, model: &ScriptedModel) -> Runtime {
 }
 
 fn node_scanning_every(store: impl Store, model: &ScriptedModel, scan_interval: Duration) -> Runtime {
+    node_with(
+        store,
+        model,
+        RuntimeOptions {
+            model_retry_delay: Duration::from_millis(1),
+            lease: Duration::from_secs(2),
+            heartbeat: Duration::from_millis(50),
+            scan_interval,
+            ..RuntimeOptions::default()
+        },
+    )
+}
+
+fn node_with(store: impl Store, model: &ScriptedModel, options: RuntimeOptions) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
     Runtime::builder()
@@ -134,15 +148,27 @@ fn node_scanning_every(store: impl Store, model: &ScriptedModel, scan_interval: 
         .agent(waiter)
         .agent(pauser)
         .agent(holder)
-        .options(RuntimeOptions {
-            model_retry_delay: Duration::from_millis(1),
-            lease: Duration::from_secs(2),
-            heartbeat: Duration::from_millis(50),
-            scan_interval,
-            ..RuntimeOptions::default()
-        })
+        .options(options)
         .build()
         .unwrap()
+}
+
+/// A node that looks at the shared store on its own only once a minute: its heartbeat (which
+/// renews its leases and looks for abort requests), its scan and its waits' polls. What it
+/// learns sooner, it learns from the other nodes' notices.
+fn node_that_looks_once_a_minute(store: impl Store, model: &ScriptedModel) -> Runtime {
+    node_with(
+        store,
+        model,
+        RuntimeOptions {
+            model_retry_delay: Duration::from_millis(1),
+            lease: Duration::from_secs(180),
+            heartbeat: Duration::from_secs(60),
+            scan_interval: Duration::from_secs(60),
+            shared_store_poll: Duration::from_secs(60),
+            ..RuntimeOptions::default()
+        },
+    )
 }
 
 fn waiting_model() -> ScriptedModel {
@@ -220,6 +246,28 @@ async fn an_abort_requested_through_another_node_reaches_the_running_attempt() {
     assert!(
         row.abort_requested && matches!(row.status, SubmissionStatus::Running | SubmissionStatus::Settled),
         "{row:?}"
+    );
+    let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
+    assert_eq!(outcome(result), "submission_aborted");
+}
+
+/// The notice path: node B's abort request reaches the attempt running on node A as B's
+/// transaction commits, not at A's next heartbeat (a minute away here). (Before notices, A
+/// learnt of it only from its heartbeat's look for abort requests, every 10 s by default.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_requested_through_another_node_reaches_the_attempt_before_its_next_heartbeat() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let model = waiting_model();
+    let a = node_that_looks_once_a_minute(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
+    let b = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &waiting_model(),
+    );
+    let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    assert!(
+        b.init(&waiter, "w").abort().await.unwrap(),
+        "node B stamped the abort intent"
     );
     let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
     assert_eq!(outcome(result), "submission_aborted");
@@ -486,4 +534,94 @@ async fn a_send_answered_by_another_node_returns_its_reply() {
     )
     .await;
     assert_eq!(outcome(read), "completed: \"first done\"");
+}
+
+/// The notice path: node B's send, waiting for a submission node A runs, returns as A's
+/// settlement commits, not at B's next look at the store (a minute away here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_waiting_on_another_node_returns_at_its_settlement_not_at_the_next_poll() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("pause", json!({})),
+        ScriptedReply::text("first done"),
+        ScriptedReply::text("second done"),
+    ]);
+    let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
+    let b = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("second done")]),
+    );
+    let mut events = a.observe();
+    let first = a.init(&pauser, "busy").dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    let sent = tokio::time::timeout(Duration::from_secs(10), b.init(&pauser, "busy").send("next"))
+        .await
+        .expect("B's send returned within 10 s")
+        .unwrap();
+    assert!(["first done", "second done"].contains(&sent.text.as_str()), "{sent:?}");
+    // And a read through B of A's own submission, settled by now, answers at once.
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.init(&pauser, "busy").read(&first.submission_id),
+    )
+    .await;
+    assert_eq!(outcome(read), "completed: \"first done\"");
+}
+
+/// A node whose listening connection was lost looks at everything again once it is back: an
+/// abort stamped meanwhile, which no notice announced, stops its attempt then (not at its next
+/// heartbeat, a minute away here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_listening_connection_was_lost_looks_again_once_it_is_back() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let model = waiting_model();
+    let a = node_that_looks_once_a_minute(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
+    let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let listening = format!("flue notices {schema}");
+    let sessions = || async {
+        client
+            .query_one(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1",
+                &[&listening],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let up = async {
+        while sessions().await != 1 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), up)
+        .await
+        .expect("node A's listening connection is up");
+    // An abort intent stamped behind the nodes' backs: no notice announces it.
+    let stamped = client
+        .execute(
+            &format!("UPDATE \"{schema}\".flue_submissions SET abort_requested = TRUE WHERE id = $1"),
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(stamped, 1);
+    // Node A's listening connection is lost, and made again.
+    client
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&listening],
+        )
+        .await
+        .unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
+    assert_eq!(outcome(result), "submission_aborted");
+    assert_eq!(sessions().await, 1, "the listening connection is back");
 }

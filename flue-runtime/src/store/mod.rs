@@ -826,4 +826,31 @@ pub trait Store: Send + Sync + 'static {
     fn shared(&self) -> bool {
         false
     }
+
+    /// Notices of what other nodes sharing this store did, for a store that announces them
+    /// (`None`, the default, for one that does not): a node then wakes the sends waiting on a
+    /// submission another node settled, and stops an attempt whose abort another node
+    /// requested, at once rather than at its next look ([`RuntimeOptions::shared_store_poll`],
+    /// [`RuntimeOptions::heartbeat`]). A notice is a hint to look again: the store stays the
+    /// truth, and a node that may have missed notices receives [`StoreNotice::Resync`].
+    ///
+    /// Called from within a tokio runtime, once per node.
+    ///
+    /// [`RuntimeOptions::shared_store_poll`]: crate::RuntimeOptions::shared_store_poll
+    /// [`RuntimeOptions::heartbeat`]: crate::RuntimeOptions::heartbeat
+    fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<StoreNotice>> {
+        None
+    }
+}
+
+/// What a node sharing a store announced it did (see [`Store::notices`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreNotice {
+    /// Submissions of this instance settled.
+    Settled(InstanceKey),
+    /// An abort was requested for this instance's unsettled submissions.
+    AbortRequested(InstanceKey),
+    /// Notices may have been missed (the listening connection was lost and is back, or this
+    /// receiver fell behind): look at everything again.
+    Resync,
 }

@@ -30,6 +30,10 @@
 //! transaction-scoped setting, not the connection's: it holds behind a pooler such as PgBouncer
 //! in transaction mode, which also refuses such a setting as a startup parameter.)
 //!
+//! Notices: a node announces the settlements and abort requests it commits over `LISTEN`/
+//! `NOTIFY`, on one more connection of its own (the `notices` module), so the other nodes'
+//! waiting sends and running attempts learn of them at once ([`Store::notices`]).
+//!
 //! Clocks: every time stored in `flue_submissions` (`lease_until_ms`, `timeout_at_ms`) and every
 //! time a row is compared with (an expiry scan's or a takeover's `now_ms`) is in the database's
 //! clock, so nodes whose clocks disagree still agree on which leases are live. The [`Store`]
@@ -43,6 +47,8 @@
 //! read back under agreeing measurements is returned exactly, and a node clock that was stepped or
 //! drifted is followed from the next scan on. 0 (no time) and `u64::MAX` (never) are kept as they
 //! are.
+
+mod notices;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -310,6 +316,8 @@ pub struct PostgresStore {
     /// The `idle_in_transaction_session_timeout` each transaction sets for itself, in
     /// milliseconds ([`LIMIT_STALL`]).
     stalled_transaction_ms: Arc<str>,
+    /// What this node announces to the others and hears from them ([`Store::notices`]).
+    notices: Arc<notices::Notices>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -597,6 +605,7 @@ impl PostgresStore {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(POOL_TIMEOUT);
         }
+        let notices = notices::Notices::new(config.clone());
         let manager = Manager::from_config(
             config,
             NoTls,
@@ -615,6 +624,7 @@ impl PostgresStore {
             pool,
             clock: Arc::new(Clock::new(Offset { ms: 0, error_ms: 0 })),
             stalled_transaction_ms: Self::STALLED_TRANSACTION_TIMEOUT.as_millis().to_string().into(),
+            notices,
         };
         if let Some(schema) = schema {
             store.create_schema(schema).await?;
@@ -1362,7 +1372,7 @@ async fn settle_tx(
     outcome: Outcome,
     error: Option<&SettlementError>,
     records: &[Record],
-) -> Result<bool, Failure> {
+) -> Result<(bool, InstanceKey), Failure> {
     let records = (!records.is_empty()).then(|| to_json(records, "records")).transpose()?;
     let outcome = outcome_text(outcome);
     let error = error.map(|error| to_json(error, "settlement error")).transpose()?;
@@ -1411,7 +1421,7 @@ async fn settle_tx(
     if let Some(appended) = appended {
         appended_offset(&key, appended)?;
     }
-    Ok(settled.try_get(0)?)
+    Ok((settled.try_get(0)?, key))
 }
 
 fn fenced_settle(host: &AttemptRef) -> Failure {
@@ -1555,6 +1565,12 @@ async fn create_child_tx(
 impl Store for PostgresStore {
     fn shared(&self) -> bool {
         true
+    }
+
+    /// The other nodes' settlements and abort requests, over `LISTEN`/`NOTIFY` on a connection
+    /// of its own (see the `notices` module).
+    fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<super::StoreNotice>> {
+        self.notices.subscribe()
     }
 
     fn admit(&self, mut admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
@@ -1750,8 +1766,10 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'_, Result<bool, StoreError>> {
         let host = host.clone();
         Box::pin(async move {
-            in_transaction!(self, |tx| settle_tx(&tx, &host, outcome, error.as_ref(), &records)
-                .await)
+            let (queued, key) = in_transaction!(self, |tx| settle_tx(&tx, &host, outcome, error.as_ref(), &records)
+                .await)?;
+            self.notices.announce(super::StoreNotice::Settled(key));
+            Ok(queued)
         })
     }
 
@@ -1767,7 +1785,13 @@ impl Store for PostgresStore {
 
     fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
         let key = key.clone();
-        Box::pin(async move { in_transaction!(self, |tx| request_abort_tx(&tx, &key).await) })
+        Box::pin(async move {
+            let affected = in_transaction!(self, |tx| request_abort_tx(&tx, &key).await)?;
+            if !affected.is_empty() {
+                self.notices.announce(super::StoreNotice::AbortRequested(key));
+            }
+            Ok(affected)
+        })
     }
 
     fn append(

@@ -1,0 +1,314 @@
+//! Notices between the nodes sharing one Postgres store ([`Store::notices`]): a node announces
+//! the settlements and abort requests it commits, and hears the other nodes' announcements,
+//! over Postgres's `LISTEN`/`NOTIFY` on one dedicated connection per store.
+//!
+//! Announcements are hints, sent after the change they announce committed: a node that misses
+//! one (its connection was down, its receiver fell behind) still finds the change at its next
+//! look (a waiting send's poll, the heartbeat's look for abort requests), and after a
+//! reconnection it is told to look at everything again ([`StoreNotice::Resync`]).
+//!
+//! They go out on the listening connection, not in the transaction that made the change:
+//! Postgres serializes the commits of every transaction that notifies (on one lock, held until
+//! the commit is flushed), which would put every settlement of every node in one line. The
+//! listening connection notifies in transactions of their own with `synchronous_commit` off, so
+//! the lock is held only for as long as the queue append takes, and a slow announcement never
+//! holds up a settlement. A node's queue of announcements is bounded: past it, announcements are
+//! dropped (the others' looks find those changes).
+//!
+//! Each payload names the schema of the store that sent it (several stores may share one
+//! database in schemas of their own); a node keeps only its own schema's notices.
+//!
+//! [`Store::notices`]: crate::store::Store::notices
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{broadcast, mpsc};
+use tokio_postgres::{AsyncMessage, NoTls};
+
+use super::super::{InstanceKey, StoreNotice};
+
+/// The channel every store's notices travel on (payloads name their schema).
+const CHANNEL: &str = "flue_notices";
+
+/// How many announcements may wait for the listening connection; past it they are dropped.
+const OUTBOX: usize = 1024;
+
+/// How many notices a slow receiver may fall behind by before it is told to resync.
+const RECEIVED: usize = 1024;
+
+/// Postgres refuses a payload of 8,000 bytes or more; a notice too long to send whole (an
+/// instance id that long) is sent as a [`StoreNotice::Resync`].
+const MAX_PAYLOAD: usize = 7_900;
+
+/// The first wait before connecting again after the listening connection failed (doubling up
+/// to [`RECONNECT_MAX`]).
+const RECONNECT_MIN: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_secs(10);
+
+/// A notice as it travels.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Payload {
+    schema: String,
+    notice: Kind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    agent: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    id: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+enum Kind {
+    Settled,
+    Abort,
+    Resync,
+}
+
+impl Payload {
+    fn of(schema: &str, notice: &StoreNotice) -> String {
+        let (kind, key) = match notice {
+            StoreNotice::Settled(key) => (Kind::Settled, Some(key)),
+            StoreNotice::AbortRequested(key) => (Kind::Abort, Some(key)),
+            StoreNotice::Resync => (Kind::Resync, None),
+        };
+        let payload = |kind, key: Option<&InstanceKey>| {
+            serde_json::to_string(&Payload {
+                schema: schema.to_owned(),
+                notice: kind,
+                agent: key.map(|key| key.agent.to_string()),
+                id: key.map(|key| key.id.to_string()),
+            })
+            .unwrap_or_default()
+        };
+        let whole = payload(kind, key);
+        if whole.len() <= MAX_PAYLOAD {
+            whole
+        } else {
+            payload(Kind::Resync, None)
+        }
+    }
+
+    /// The notice `text` carries for a store in `schema`: `None` for another schema's, or for
+    /// text that is not a notice.
+    fn read(text: &str, schema: &str) -> Option<StoreNotice> {
+        let payload: Payload = serde_json::from_str(text).ok()?;
+        if payload.schema != schema {
+            return None;
+        }
+        let key = || Some(InstanceKey::new(payload.agent.clone()?, payload.id.clone()?));
+        match payload.notice {
+            Kind::Settled => key().map(StoreNotice::Settled),
+            Kind::Abort => key().map(StoreNotice::AbortRequested),
+            Kind::Resync => Some(StoreNotice::Resync),
+        }
+    }
+}
+
+/// A store's end of the notices (its clones share it): started by its first use, stopped when
+/// the last clone of the store goes.
+pub(super) struct Notices {
+    config: tokio_postgres::Config,
+    received: broadcast::Sender<StoreNotice>,
+    listening: Mutex<Option<Listening>>,
+}
+
+/// The listening task and the queue of announcements it sends.
+struct Listening {
+    outbox: mpsc::Sender<StoreNotice>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Notices {
+    fn drop(&mut self) {
+        if let Some(listening) = self.listening.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            listening.task.abort();
+        }
+    }
+}
+
+impl Notices {
+    pub(super) fn new(config: tokio_postgres::Config) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            received: broadcast::channel(RECEIVED).0,
+            listening: Mutex::new(None),
+        })
+    }
+
+    /// The other nodes' notices from now on (see [`crate::store::Store::notices`]); `None`
+    /// outside a tokio runtime.
+    pub(super) fn subscribe(&self) -> Option<broadcast::Receiver<StoreNotice>> {
+        let receiver = self.received.subscribe();
+        self.with_listening(|_| ()).map(|()| receiver)
+    }
+
+    /// Announces `notice` to the other nodes, once what it announces committed. Never waits:
+    /// when the queue is full (the listening connection is down), it is dropped.
+    pub(super) fn announce(&self, notice: StoreNotice) {
+        let sent = self.with_listening(|listening| listening.outbox.try_send(notice).is_ok());
+        if sent == Some(false) {
+            tracing::debug!("postgres notices: the queue of announcements is full; one is dropped");
+        }
+    }
+
+    /// Runs `f` on the listening task, started first unless it runs (again, when the tokio
+    /// runtime that ran it shut down); `None` outside a tokio runtime.
+    fn with_listening<T>(&self, f: impl FnOnce(&Listening) -> T) -> Option<T> {
+        let mut listening = self.listening.lock().unwrap_or_else(|e| e.into_inner());
+        if listening.as_ref().is_none_or(|listening| listening.task.is_finished()) {
+            let runtime = tokio::runtime::Handle::try_current().ok()?;
+            let (outbox, announcements) = mpsc::channel(OUTBOX);
+            let task = runtime.spawn(listen(self.config.clone(), self.received.clone(), announcements));
+            *listening = Some(Listening { outbox, task });
+        }
+        listening.as_ref().map(f)
+    }
+}
+
+/// The listening task: connects, listens, forwards notices and sends announcements; connects
+/// again (after a growing pause) when the connection fails.
+async fn listen(
+    config: tokio_postgres::Config,
+    received: broadcast::Sender<StoreNotice>,
+    mut announcements: mpsc::Receiver<StoreNotice>,
+) {
+    let mut pause = RECONNECT_MIN;
+    loop {
+        match listen_once(&config, &received, &mut announcements).await {
+            Ok(Ended::Stopped) => return,
+            Ok(Ended::Lost) => {
+                tracing::warn!("postgres notices: the listening connection closed; connecting again");
+            }
+            Err(error) => {
+                tracing::warn!(%error, "postgres notices: the listening connection failed; connecting again");
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(RECONNECT_MAX);
+    }
+}
+
+enum Ended {
+    /// The store is gone (no more announcements can come).
+    Stopped,
+    /// The connection closed.
+    Lost,
+}
+
+async fn listen_once(
+    config: &tokio_postgres::Config,
+    received: &broadcast::Sender<StoreNotice>,
+    announcements: &mut mpsc::Receiver<StoreNotice>,
+) -> Result<Ended, tokio_postgres::Error> {
+    let (client, mut connection) = config.connect(NoTls).await?;
+    // The connection's driver, forwarding what the server sends on its own; it ends with the
+    // connection (when `client` is dropped, or the server goes).
+    let (forward, mut notifications) = mpsc::unbounded_channel::<String>();
+    let mut driver = tokio::spawn(async move {
+        loop {
+            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(AsyncMessage::Notification(notification))) => {
+                    if forward.send(notification.payload().to_owned()).is_err() {
+                        return Ok(());
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(error)) => return Err(error),
+                None => return Ok(()),
+            }
+        }
+    });
+    let _driver = AbortOnDrop(driver.abort_handle());
+    // Named after its schema among the database's sessions (`pg_stat_activity`), as
+    // `flue notices <schema>` (cut to Postgres's 63 bytes).
+    let schema: String = client
+        .query_one(
+            "SELECT current_schema()::TEXT, \
+             set_config('application_name', 'flue notices ' || COALESCE(current_schema(), ''), false)",
+            &[],
+        )
+        .await?
+        .try_get::<_, Option<String>>(0)?
+        .unwrap_or_default();
+    client
+        .batch_execute(&format!("SET synchronous_commit = off; LISTEN {CHANNEL}"))
+        .await?;
+    let notify = client.prepare(&format!("SELECT pg_notify('{CHANNEL}', $1)")).await?;
+    // Whatever was announced while no connection listened is looked at again.
+    let _ = received.send(StoreNotice::Resync);
+    loop {
+        tokio::select! {
+            payload = notifications.recv() => match payload {
+                Some(payload) => {
+                    if let Some(notice) = Payload::read(&payload, &schema) {
+                        let _ = received.send(notice);
+                    }
+                }
+                None => return Ok(Ended::Lost),
+            },
+            announcement = announcements.recv() => match announcement {
+                Some(notice) => {
+                    client.execute(&notify, &[&Payload::of(&schema, &notice)]).await?;
+                }
+                None => return Ok(Ended::Stopped),
+            },
+            ended = &mut driver => {
+                return match ended {
+                    Ok(Err(error)) => Err(error),
+                    _ => Ok(Ended::Lost),
+                };
+            }
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_notice_travels_as_its_schema_and_key_and_is_kept_only_by_its_own_schema() {
+        let key = InstanceKey::new("assistant", "a-1");
+        for notice in [
+            StoreNotice::Settled(key.clone()),
+            StoreNotice::AbortRequested(key.clone()),
+            StoreNotice::Resync,
+        ] {
+            let text = Payload::of("tenant_a", &notice);
+            assert_eq!(Payload::read(&text, "tenant_a"), Some(notice.clone()), "{text}");
+            assert_eq!(Payload::read(&text, "tenant_b"), None, "{text}");
+        }
+    }
+
+    #[test]
+    fn a_notice_too_long_for_postgres_travels_as_a_resync() {
+        let key = InstanceKey::new("assistant", "x".repeat(MAX_PAYLOAD));
+        let text = Payload::of("public", &StoreNotice::Settled(key));
+        assert!(text.len() < 8_000);
+        assert_eq!(Payload::read(&text, "public"), Some(StoreNotice::Resync));
+    }
+
+    #[test]
+    fn text_that_is_not_a_whole_notice_is_ignored() {
+        for text in [
+            "",
+            "not json",
+            r#"{"schema":"public","notice":"settled"}"#,
+            r#"{"schema":"public","notice":"settled","agent":"a"}"#,
+            r#"{"schema":"public","notice":"explode","agent":"a","id":"b"}"#,
+            r#"{"notice":"resync"}"#,
+        ] {
+            assert_eq!(Payload::read(text, "public"), None, "{text}");
+        }
+    }
+}
