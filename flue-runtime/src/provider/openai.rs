@@ -794,6 +794,16 @@ impl PartialCall {
             .parsed
             .get_or_init(|| serde_json::from_str::<serde::de::IgnoredAny>(&self.arguments).is_ok())
     }
+
+    /// Whether a fragment under an id not seen before (naming `name`, if any, and bringing
+    /// `fragment`) is the server's late id for this call: its id was made up here, the fragment
+    /// names no other tool, and it brings arguments only while this call's are not whole.
+    fn takes_late_id(&self, name: Option<&str>, fragment: &str) -> bool {
+        self.generated
+            && self.server_id.is_empty()
+            && name.is_none_or(|name| name == self.name)
+            && (fragment.trim().is_empty() || !self.is_whole())
+    }
 }
 
 /// A call's arguments as their fragments arrive: how deep their brackets are (outside
@@ -1095,7 +1105,18 @@ impl ChatDecoder {
                         last
                     }
                 }
-                None => self.new_call(),
+                // An id not seen before, after a call named before any id came (its id made up
+                // here): the server's id for that call, arriving late, unless the fragment
+                // names another tool or brings arguments once the call's are whole. Later
+                // fragments under it find the call by it.
+                None => match (id, self.calls.len().checked_sub(1)) {
+                    (Some(id), Some(last)) if self.calls[last].takes_late_id(name, fragment) => {
+                        self.calls[last].server_id = id.to_owned();
+                        note_id(&mut self.by_id, id, last);
+                        last
+                    }
+                    _ => self.new_call(),
+                },
             },
         };
         let entry = &mut self.calls[slot];
@@ -1798,6 +1819,29 @@ mod tests {
                 r#"{"q":"next"}"#
             ]
         );
+    }
+
+    /// The same without indices: the fragment that brings the server's id (and the first
+    /// arguments) continues the call named before it, and so do later ones under that id.
+    /// (Regression: it opened a second, nameless call, and the answer failed as invalid.)
+    #[test]
+    fn a_call_named_before_its_id_stays_one_call_without_indices() {
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"function":{"name":"lookup"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_late","function":{"arguments":"{\"q\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_late","function":{"arguments":"1}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_next","function":{"name":"fetch","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        let calls: Vec<_> = response
+            .tool_calls
+            .iter()
+            .map(|call| (call.name.as_str(), call.arguments.as_str()))
+            .collect();
+        assert_eq!(calls, [("lookup", "{\"q\":1}"), ("fetch", "{}")]);
+        assert_eq!(response.tool_calls[1].id, "call_next");
     }
 
     #[test]
