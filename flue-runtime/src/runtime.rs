@@ -505,7 +505,7 @@ impl RuntimeInner {
     }
 
     /// Acts on another node's notice (see [`Store::notices`]).
-    async fn on_notice(&self, notice: StoreNotice) {
+    async fn on_notice(self: &Arc<Self>, notice: StoreNotice) {
         match notice {
             StoreNotice::Settled(key) => self.wake_waiters_of(&key),
             StoreNotice::AbortRequested(key) => {
@@ -518,9 +518,18 @@ impl RuntimeInner {
                     .unwrap_or_default();
                 self.enforce_abort_requests(&running).await;
             }
+            StoreNotice::Queued(key) => {
+                // As the scan wakes a queue it finds (whose worker claims, or finds the head
+                // taken).
+                if !self.claims_stopped() && self.agents.contains_key(&*key.agent) {
+                    self.slot(&key).wake();
+                }
+            }
             StoreNotice::Resync => {
                 self.wake_waiters();
                 self.enforce_abort_requests(&self.running_attempts()).await;
+                // Work given back meanwhile, too.
+                self.scan().await;
             }
         }
     }
@@ -1517,8 +1526,9 @@ impl Runtime {
     /// them here; from then on (for good) this node claims no work, takes over none and
     /// admits none (a send is refused with [`RuntimeError::ShuttingDown`], over HTTP 503
     /// `runtime_unavailable`, so its client tries another node). Another node takes them over
-    /// at its next scan ([`RuntimeOptions::scan_interval`]), this one's next process as it
-    /// starts, instead of once their leases expire.
+    /// at once on a store that announces it ([`crate::store::Store::notices`]: `PostgresStore`
+    /// does), else at its next scan ([`RuntimeOptions::scan_interval`]); this one's next
+    /// process as it starts; in any case before their leases would expire.
     /// For a process about to exit with work still running: a server at the end of its
     /// shutdown's grace (`cli::serve` calls it), a command-line `run` whose background scan
     /// took over other instances' work. Returns how many were given back.

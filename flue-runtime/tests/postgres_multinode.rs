@@ -573,6 +573,32 @@ async fn a_send_waiting_on_another_node_returns_at_its_settlement_not_at_the_nex
     assert_eq!(outcome(read), "completed: \"first done\"");
 }
 
+/// Waits (at most 10 s) until `count` nodes of `schema` listen for notices.
+async fn listening_connections(url: &str, schema: &str, count: i64) {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let listening = format!("flue notices {schema}");
+    let up = async {
+        loop {
+            let sessions: i64 = client
+                .query_one(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1",
+                    &[&listening],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if sessions >= count {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), up)
+        .await
+        .expect("the nodes listen for notices");
+}
+
 /// A node whose listening connection was lost looks at everything again once it is back: an
 /// abort stamped meanwhile, which no notice announced, stops its attempt then (not at its next
 /// heartbeat, a minute away here).
@@ -624,4 +650,30 @@ async fn a_node_whose_listening_connection_was_lost_looks_again_once_it_is_back(
     let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
     assert_eq!(outcome(result), "submission_aborted");
     assert_eq!(sessions().await, 1, "the listening connection is back");
+}
+
+/// The notice path: what a node gives back ([`Runtime::release`], as a rolling deploy does)
+/// is taken over by another node as the requeue commits, not at that node's next scan (a
+/// minute away here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_a_node_gives_back_is_taken_over_by_another_at_once() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let a = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &waiting_model(),
+    );
+    let b = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("done on B")]),
+    );
+    b.start().await;
+    // B's listening connection is up (and its first look, as it connected, done) before A
+    // admits anything: B would otherwise race A for the dispatch.
+    listening_connections(&url, &schema, 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    assert_eq!(a.release().await, 1, "node A gave its running submission back");
+    let result = tokio::time::timeout(Duration::from_secs(10), b.init(&waiter, "w").read(&id)).await;
+    assert_eq!(outcome(result), "completed: \"done on B\"");
 }

@@ -829,15 +829,17 @@ pub trait Store: Send + Sync + 'static {
 
     /// Notices of what other nodes sharing this store did, for a store that announces them
     /// (`None`, the default, for one that does not): a node then wakes the sends waiting on a
-    /// submission another node settled, and stops an attempt whose abort another node
-    /// requested, at once rather than at its next look ([`RuntimeOptions::shared_store_poll`],
-    /// [`RuntimeOptions::heartbeat`]). A notice is a hint to look again: the store stays the
+    /// submission another node settled, stops an attempt whose abort another node requested,
+    /// and claims work another node gave back, at once rather than at its next look
+    /// ([`RuntimeOptions::shared_store_poll`], [`RuntimeOptions::heartbeat`],
+    /// [`RuntimeOptions::scan_interval`]). A notice is a hint to look again: the store stays the
     /// truth, and a node that may have missed notices receives [`StoreNotice::Resync`].
     ///
     /// Called from within a tokio runtime, once per node.
     ///
     /// [`RuntimeOptions::shared_store_poll`]: crate::RuntimeOptions::shared_store_poll
     /// [`RuntimeOptions::heartbeat`]: crate::RuntimeOptions::heartbeat
+    /// [`RuntimeOptions::scan_interval`]: crate::RuntimeOptions::scan_interval
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<StoreNotice>> {
         None
     }
@@ -850,6 +852,9 @@ pub enum StoreNotice {
     Settled(InstanceKey),
     /// An abort was requested for this instance's unsettled submissions.
     AbortRequested(InstanceKey),
+    /// A submission of this instance went back to the queue (a node gave its work back): a
+    /// node that runs the agent may claim it.
+    Queued(InstanceKey),
     /// Notices may have been missed (the listening connection was lost and is back, or this
     /// receiver fell behind): look at everything again.
     Resync,

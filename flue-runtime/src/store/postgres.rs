@@ -30,9 +30,10 @@
 //! transaction-scoped setting, not the connection's: it holds behind a pooler such as PgBouncer
 //! in transaction mode, which also refuses such a setting as a startup parameter.)
 //!
-//! Notices: a node announces the settlements and abort requests it commits over `LISTEN`/
-//! `NOTIFY`, on one more connection of its own (the `notices` module), so the other nodes'
-//! waiting sends and running attempts learn of them at once ([`Store::notices`]).
+//! Notices: a node announces the settlements, abort requests and submissions given back to the
+//! queue it commits over `LISTEN`/`NOTIFY`, on one more connection of its own (the `notices`
+//! module), so the other nodes' waiting sends, running attempts and workers learn of them at
+//! once ([`Store::notices`]).
 //!
 //! Clocks: every time stored in `flue_submissions` (`lease_until_ms`, `timeout_at_ms`) and every
 //! time a row is compared with (an expiry scan's or a takeover's `now_ms`) is in the database's
@@ -1432,19 +1433,20 @@ fn fenced_settle(host: &AttemptRef) -> Failure {
     .into()
 }
 
-async fn requeue_tx(tx: &Transaction<'_>, attempt: &AttemptRef) -> Result<bool, Failure> {
+/// The instance of the submission given back, or `None` when the attempt did not hold it.
+async fn requeue_tx(tx: &Transaction<'_>, attempt: &AttemptRef) -> Result<Option<InstanceKey>, Failure> {
     let Some(key) = lock_instance_of(tx, &attempt.submission_id).await? else {
-        return Ok(false);
+        return Ok(None);
     };
     if !owns(tx, attempt, OWNS).await? {
-        return Ok(false);
+        return Ok(None);
     }
     let statement = tx.prepare_cached(REVERT_JOINING).await?;
     tx.execute(&statement, &[&&*key.agent, &&*key.id, &attempt.submission_id])
         .await?;
     let statement = tx.prepare_cached(REQUEUE_HOST).await?;
     tx.execute(&statement, &[&attempt.submission_id]).await?;
-    Ok(true)
+    Ok(Some(key))
 }
 
 async fn revert_joins_tx(tx: &Transaction<'_>, host: &AttemptRef) -> Result<usize, Failure> {
@@ -1780,7 +1782,12 @@ impl Store for PostgresStore {
 
     fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
         let attempt = attempt.clone();
-        Box::pin(async move { in_transaction!(self, |tx| requeue_tx(&tx, &attempt).await) })
+        Box::pin(async move {
+            let requeued = in_transaction!(self, |tx| requeue_tx(&tx, &attempt).await)?;
+            Ok(requeued
+                .map(|key| self.notices.announce(super::StoreNotice::Queued(key)))
+                .is_some())
+        })
     }
 
     fn request_abort(&self, key: &InstanceKey) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {

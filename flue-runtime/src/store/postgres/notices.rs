@@ -1,5 +1,6 @@
 //! Notices between the nodes sharing one Postgres store ([`Store::notices`]): a node announces
-//! the settlements and abort requests it commits, and hears the other nodes' announcements,
+//! the settlements, abort requests and submissions given back to the queue it commits, and
+//! hears the other nodes' announcements,
 //! over Postgres's `LISTEN`/`NOTIFY` on one dedicated connection per store.
 //!
 //! Announcements are hints, sent after the change they announce committed: a node that misses
@@ -63,6 +64,7 @@ struct Payload {
 enum Kind {
     Settled,
     Abort,
+    Queued,
     Resync,
 }
 
@@ -71,6 +73,7 @@ impl Payload {
         let (kind, key) = match notice {
             StoreNotice::Settled(key) => (Kind::Settled, Some(key)),
             StoreNotice::AbortRequested(key) => (Kind::Abort, Some(key)),
+            StoreNotice::Queued(key) => (Kind::Queued, Some(key)),
             StoreNotice::Resync => (Kind::Resync, None),
         };
         let payload = |kind, key: Option<&InstanceKey>| {
@@ -101,6 +104,7 @@ impl Payload {
         match payload.notice {
             Kind::Settled => key().map(StoreNotice::Settled),
             Kind::Abort => key().map(StoreNotice::AbortRequested),
+            Kind::Queued => key().map(StoreNotice::Queued),
             Kind::Resync => Some(StoreNotice::Resync),
         }
     }
@@ -282,6 +286,7 @@ mod tests {
         for notice in [
             StoreNotice::Settled(key.clone()),
             StoreNotice::AbortRequested(key.clone()),
+            StoreNotice::Queued(key.clone()),
             StoreNotice::Resync,
         ] {
             let text = Payload::of("tenant_a", &notice);
