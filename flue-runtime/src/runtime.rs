@@ -145,11 +145,11 @@ pub struct RuntimeOptions {
     /// ends — is then given up where it waits and the submission settles over it, so one hung
     /// callback cannot hold its instance forever.
     pub settle_grace: Duration,
-    /// On a store several nodes share, how often a send (or read) waiting for a submission
-    /// that another node may settle reads the store again. A store that announces other nodes'
-    /// settlements ([`Store::notices`](crate::store::Store::notices): `PostgresStore` does)
-    /// wakes the wait as the settlement lands; this look is then what finds one whose notice
-    /// was lost.
+    /// On a store several nodes share (and on any store while this node stops), how often a
+    /// send (or read) waiting for a submission that another node may settle reads the store
+    /// again. A store that announces other nodes' settlements
+    /// ([`Store::notices`](crate::store::Store::notices): `PostgresStore` does) wakes the
+    /// wait as the settlement lands; this look is then what finds one whose notice was lost.
     pub shared_store_poll: Duration,
 }
 
@@ -487,25 +487,44 @@ impl RuntimeInner {
             }
         });
         // What other nodes sharing the store did, as it announces it: their settlements wake
-        // the waits here at once, and their abort requests reach the attempts running here.
+        // the waits here at once, their abort requests reach the attempts running here, and
+        // the work they give back is claimed.
         if let Some(mut notices) = self.store.notices() {
             let weak = Arc::downgrade(self);
+            // A resync's looks (which may take long: a scan) run on a task of their own, so
+            // the notices behind it are not held up; resyncs asked for while one runs make
+            // one more run (a `Notify` keeps one permit).
+            let resync = Arc::new(tokio::sync::Notify::new());
+            let resyncs = resync.clone();
+            let looking = weak.clone();
+            tokio::spawn(async move {
+                loop {
+                    resyncs.notified().await;
+                    let Some(runtime) = looking.upgrade() else { return };
+                    runtime.enforce_abort_requests(&runtime.running_attempts()).await;
+                    // Work given back meanwhile, too.
+                    runtime.scan().await;
+                }
+            });
             tokio::spawn(async move {
                 loop {
                     let notice = match notices.recv().await {
                         Ok(notice) => notice,
                         Err(broadcast::error::RecvError::Lagged(_)) => StoreNotice::Resync,
-                        Err(broadcast::error::RecvError::Closed) => return,
+                        Err(broadcast::error::RecvError::Closed) => break,
                     };
-                    let Some(runtime) = weak.upgrade() else { return };
-                    runtime.on_notice(notice).await;
+                    let Some(runtime) = weak.upgrade() else { break };
+                    runtime.on_notice(notice, &resync);
                 }
+                // The resync task ends too, finding the runtime gone.
+                resync.notify_one();
             });
         }
     }
 
-    /// Acts on another node's notice (see [`Store::notices`]).
-    async fn on_notice(self: &Arc<Self>, notice: StoreNotice) {
+    /// Acts on a notice of the store (see [`Store::notices`]), without waiting on the store:
+    /// what reads it runs on a task of its own.
+    fn on_notice(self: &Arc<Self>, notice: StoreNotice, resync: &tokio::sync::Notify) {
         match notice {
             StoreNotice::Settled(key) => self.wake_waiters_of(&key),
             StoreNotice::AbortRequested(key) => {
@@ -516,7 +535,10 @@ impl RuntimeInner {
                     .get(&key)
                     .map(|slot| slot.held_attempts())
                     .unwrap_or_default();
-                self.enforce_abort_requests(&running).await;
+                if !running.is_empty() {
+                    let runtime = self.clone();
+                    tokio::spawn(async move { runtime.enforce_abort_requests(&running).await });
+                }
             }
             StoreNotice::Queued(key) => {
                 // As the scan wakes a queue it finds (whose worker claims, or finds the head
@@ -527,9 +549,7 @@ impl RuntimeInner {
             }
             StoreNotice::Resync => {
                 self.wake_waiters();
-                self.enforce_abort_requests(&self.running_attempts()).await;
-                // Work given back meanwhile, too.
-                self.scan().await;
+                resync.notify_one();
             }
         }
     }
@@ -1071,13 +1091,10 @@ impl RuntimeInner {
             let (sender, settled) = oneshot::channel();
             {
                 let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                let waiting = waiters.entry(submission_id.to_owned()).or_insert_with(|| Waiting {
-                    key: key.clone(),
-                    senders: Vec::new(),
-                });
+                let waiting = waiters.entry(submission_id.to_owned()).or_default();
                 // The senders of earlier rounds of this wait (and of waits given up) go.
-                waiting.senders.retain(|sender| !sender.is_closed());
-                waiting.senders.push(sender);
+                waiting.senders.retain(|(_, sender)| !sender.is_closed());
+                waiting.senders.push((key.clone(), sender));
             }
             // Another instance's submission is not this one's to read: as if there were none.
             let row = self
@@ -1170,7 +1187,7 @@ impl RuntimeInner {
     pub(crate) fn notify_settled<'a>(&self, ids: impl IntoIterator<Item = &'a String>) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for id in ids {
-            for sender in waiters.remove(id).map(|waiting| waiting.senders).unwrap_or_default() {
+            for (_, sender) in waiters.remove(id).map(|waiting| waiting.senders).unwrap_or_default() {
                 let _ = sender.send(());
             }
         }
@@ -1182,15 +1199,20 @@ impl RuntimeInner {
         self.waiters
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .retain(|_, waiting| waiting.key != *key);
+            .retain(|_, waiting| {
+                // Dropped, a sender wakes its wait.
+                waiting.senders.retain(|(waits_in, _)| waits_in != key);
+                !waiting.senders.is_empty()
+            });
     }
 }
 
-/// The sends and reads waiting for one submission (of the instance `key`) to settle: each
-/// looks again when its sender is used or dropped.
+/// The sends and reads waiting for one submission to settle: each looks again when its
+/// sender is used or dropped. Each names the instance it waits in (a wait that names another
+/// instance than the submission's is refused after its look, but meanwhile it is here too).
+#[derive(Default)]
 struct Waiting {
-    key: InstanceKey,
-    senders: Vec<oneshot::Sender<()>>,
+    senders: Vec<(InstanceKey, oneshot::Sender<()>)>,
 }
 
 /// A wait's place in [`RuntimeInner::waiters`], taken out when the wait ends: with its
@@ -1207,7 +1229,7 @@ impl Drop for Registered<'_> {
     fn drop(&mut self) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(waiting) = waiters.get_mut(self.submission_id) {
-            waiting.senders.retain(|sender| !sender.is_closed());
+            waiting.senders.retain(|(_, sender)| !sender.is_closed());
             if waiting.senders.is_empty() {
                 waiters.remove(self.submission_id);
             }
@@ -1527,8 +1549,8 @@ impl Runtime {
     /// admits none (a send is refused with [`RuntimeError::ShuttingDown`], over HTTP 503
     /// `runtime_unavailable`, so its client tries another node). Another node takes them over
     /// at once on a store that announces it ([`crate::store::Store::notices`]: `PostgresStore`
-    /// does), else at its next scan ([`RuntimeOptions::scan_interval`]); this one's next
-    /// process as it starts; in any case before their leases would expire.
+    /// does), else at its next scan ([`RuntimeOptions::scan_interval`]), and this one's next
+    /// process as it starts, without waiting for their leases to expire.
     /// For a process about to exit with work still running: a server at the end of its
     /// shutdown's grace (`cli::serve` calls it), a command-line `run` whose background scan
     /// took over other instances' work. Returns how many were given back.

@@ -223,12 +223,19 @@ async fn an_abort_on_the_owning_node_settles_the_running_submission_aborted() {
 /// intent is stamped (`abort()` answers true) and the node running the attempt acts on it: the
 /// submission settles aborted. (Regression: only the requesting node's in-process attempts were
 /// signalled, and the running one never learnt of it.)
+/// Node A hears no notices here (see [`Unannounced`]): its heartbeat's look for abort
+/// requests is what finds the intent, as it does when a notice is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_requested_through_another_node_reaches_the_running_attempt() {
     let Some(url) = url() else { return };
     let schema = fresh_schema();
     let model = waiting_model();
-    let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
+    let a = node(
+        Unannounced {
+            inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        },
+        &model,
+    );
     let b = node(
         PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
         &waiting_model(),
@@ -271,6 +278,22 @@ async fn an_abort_requested_through_another_node_reaches_the_attempt_before_its_
     );
     let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
     assert_eq!(outcome(result), "submission_aborted");
+}
+
+/// The Postgres store without its notices: a node on it learns what other nodes did only
+/// through its own looks (its heartbeat, its scan, its waits' polls), as when notices are lost.
+struct Unannounced {
+    inner: PostgresStore,
+}
+
+impl Store for Unannounced {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
+        request_abort, append, read, put_attachment, attachment, user_value, set_user_value,
+        list_user_values, create_child, shared,
+    );
 }
 
 // ---- request_abort racing claim (one node) -----------------------------------------------------
@@ -630,6 +653,8 @@ async fn a_node_whose_listening_connection_was_lost_looks_again_once_it_is_back(
     tokio::time::timeout(Duration::from_secs(10), up)
         .await
         .expect("node A's listening connection is up");
+    // Its first look (as it connected) is over before the intent is stamped.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     // An abort intent stamped behind the nodes' backs: no notice announces it.
     let stamped = client
         .execute(

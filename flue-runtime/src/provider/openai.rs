@@ -797,12 +797,18 @@ impl PartialCall {
 
     /// Whether a fragment under an id not seen before (naming `name`, if any, and bringing
     /// `fragment`) is the server's late id for this call: its id was made up here, the fragment
-    /// names no other tool, and it brings arguments only while this call's are not whole.
+    /// names no other tool, and it brings arguments only while this call's are not whole. A
+    /// fragment that names the call's tool and brings nothing is taken for the next call of
+    /// that tool (two calls of a tool without arguments) unless this call is halfway through
+    /// its arguments.
     fn takes_late_id(&self, name: Option<&str>, fragment: &str) -> bool {
-        self.generated
-            && self.server_id.is_empty()
-            && name.is_none_or(|name| name == self.name)
-            && (fragment.trim().is_empty() || !self.is_whole())
+        let fits = match name {
+            None => fragment.trim().is_empty() || !self.is_whole(),
+            Some(name) if name != self.name => false,
+            Some(_) if fragment.trim().is_empty() => !self.arguments.trim().is_empty() && !self.is_whole(),
+            Some(_) => !self.is_whole(),
+        };
+        self.generated && self.server_id.is_empty() && fits
     }
 }
 
@@ -1842,6 +1848,23 @@ mod tests {
             .collect();
         assert_eq!(calls, [("lookup", "{\"q\":1}"), ("fetch", "{}")]);
         assert_eq!(response.tool_calls[1].id, "call_next");
+    }
+
+    /// The shape that stays ambiguous without indices: a call named without an id and
+    /// without arguments, then a fragment under a new id naming the same tool, again without
+    /// arguments. Taken for two calls of a tool that takes none (not the first call's late id).
+    #[test]
+    fn two_calls_of_a_tool_without_arguments_stay_two_without_indices() {
+        let chunks = [
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"function":{"name":"ping","arguments":""}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"id":"call_2","function":{"name":"ping","arguments":""}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ];
+        let response = decode(&chunks, false).expect("decodes").expect("completes");
+        let names: Vec<_> = response.tool_calls.iter().map(|call| call.name.as_str()).collect();
+        assert_eq!(names, ["ping", "ping"]);
+        assert_eq!(response.tool_calls[1].id, "call_2");
     }
 
     #[test]

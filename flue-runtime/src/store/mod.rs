@@ -847,6 +847,7 @@ pub trait Store: Send + Sync + 'static {
 
 /// What a node sharing a store announced it did (see [`Store::notices`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StoreNotice {
     /// Submissions of this instance settled.
     Settled(InstanceKey),

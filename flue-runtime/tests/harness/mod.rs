@@ -282,6 +282,11 @@ macro_rules! delegate_store {
             self.$inner.shared()
         }
     };
+    (@one $inner:ident notices) => {
+        fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<flue_runtime::store::StoreNotice>> {
+            self.$inner.notices()
+        }
+    };
 }
 #[allow(unused_imports)]
 pub(crate) use delegate_store;

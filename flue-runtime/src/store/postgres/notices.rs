@@ -17,7 +17,16 @@
 //! dropped (the others' looks find those changes).
 //!
 //! Each payload names the schema of the store that sent it (several stores may share one
-//! database in schemas of their own); a node keeps only its own schema's notices.
+//! database in schemas of their own); a node keeps only its own schema's notices, and not its
+//! own announcements (two runtimes of one process that share one store value hear each other
+//! only through their looks).
+//!
+//! A connection that went silent without closing (a failover without a reset, a NAT that
+//! forgot it) is found by TCP keepalives and a ping every [`PING_EVERY`], and made again.
+//!
+//! The listening connection is a session of its own: behind a pooler in transaction mode
+//! (PgBouncer's `pool_mode = transaction`) `LISTEN` does not hold, and the nodes then learn of
+//! each other's changes only through their looks.
 //!
 //! [`Store::notices`]: crate::store::Store::notices
 
@@ -47,6 +56,11 @@ const MAX_PAYLOAD: usize = 7_900;
 /// to [`RECONNECT_MAX`]).
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(10);
+
+/// How often the listening connection is asked whether it is still there, and how long any
+/// statement on it may take before it is taken for lost.
+const PING_EVERY: Duration = Duration::from_secs(30);
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A notice as it travels.
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -133,7 +147,12 @@ impl Drop for Notices {
 }
 
 impl Notices {
-    pub(super) fn new(config: tokio_postgres::Config) -> Arc<Self> {
+    pub(super) fn new(mut config: tokio_postgres::Config) -> Arc<Self> {
+        config
+            .keepalives(true)
+            .keepalives_idle(PING_EVERY)
+            .keepalives_interval(STATEMENT_TIMEOUT)
+            .keepalives_retries(3);
         Arc::new(Self {
             config,
             received: broadcast::channel(RECEIVED).0,
@@ -180,7 +199,7 @@ async fn listen(
 ) {
     let mut pause = RECONNECT_MIN;
     loop {
-        match listen_once(&config, &received, &mut announcements).await {
+        match listen_once(&config, &received, &mut announcements, &mut pause).await {
             Ok(Ended::Stopped) => return,
             Ok(Ended::Lost) => {
                 tracing::warn!("postgres notices: the listening connection closed; connecting again");
@@ -201,20 +220,39 @@ enum Ended {
     Lost,
 }
 
+/// Why the listening connection is taken for lost.
+#[derive(Debug, thiserror::Error)]
+enum Lost {
+    #[error(transparent)]
+    Db(#[from] tokio_postgres::Error),
+    #[error("a statement took more than {STATEMENT_TIMEOUT:?}")]
+    Silent,
+}
+
+/// Runs `statement` on the listening connection, given up after [`STATEMENT_TIMEOUT`].
+async fn timed<T>(statement: impl Future<Output = Result<T, tokio_postgres::Error>>) -> Result<T, Lost> {
+    Ok(tokio::time::timeout(STATEMENT_TIMEOUT, statement)
+        .await
+        .map_err(|_| Lost::Silent)??)
+}
+
 async fn listen_once(
     config: &tokio_postgres::Config,
     received: &broadcast::Sender<StoreNotice>,
     announcements: &mut mpsc::Receiver<StoreNotice>,
-) -> Result<Ended, tokio_postgres::Error> {
-    let (client, mut connection) = config.connect(NoTls).await?;
-    // The connection's driver, forwarding what the server sends on its own; it ends with the
-    // connection (when `client` is dropped, or the server goes).
-    let (forward, mut notifications) = mpsc::unbounded_channel::<String>();
+    pause: &mut Duration,
+) -> Result<Ended, Lost> {
+    let (client, mut connection) = timed(config.connect(NoTls)).await?;
+    // The connection's driver, forwarding what the server sends on its own (with the sending
+    // session's process id); it ends with the connection (when `client` is dropped, or the
+    // server goes).
+    let (forward, mut notifications) = mpsc::unbounded_channel::<(i32, String)>();
     let mut driver = tokio::spawn(async move {
         loop {
             match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
                 Some(Ok(AsyncMessage::Notification(notification))) => {
-                    if forward.send(notification.payload().to_owned()).is_err() {
+                    let sent = (notification.process_id(), notification.payload().to_owned());
+                    if forward.send(sent).is_err() {
                         return Ok(());
                     }
                 }
@@ -225,28 +263,28 @@ async fn listen_once(
         }
     });
     let _driver = AbortOnDrop(driver.abort_handle());
-    // Named after its schema among the database's sessions (`pg_stat_activity`), as
-    // `flue notices <schema>` (cut to Postgres's 63 bytes).
-    let schema: String = client
-        .query_one(
-            "SELECT current_schema()::TEXT, \
-             set_config('application_name', 'flue notices ' || COALESCE(current_schema(), ''), false)",
-            &[],
-        )
-        .await?
-        .try_get::<_, Option<String>>(0)?
-        .unwrap_or_default();
-    client
-        .batch_execute(&format!("SET synchronous_commit = off; LISTEN {CHANNEL}"))
-        .await?;
-    let notify = client.prepare(&format!("SELECT pg_notify('{CHANNEL}', $1)")).await?;
+    let identity = timed(client.query_one("SELECT current_schema()::TEXT, pg_backend_pid()", &[])).await?;
+    let schema: String = identity.try_get::<_, Option<String>>(0)?.unwrap_or_default();
+    let own: i32 = identity.try_get(1)?;
+    // Once it listens, the session is named after its schema among the database's sessions
+    // (`pg_stat_activity`), as `flue notices <schema>` (cut to Postgres's 63 bytes).
+    timed(client.batch_execute(&format!(
+        "SET synchronous_commit = off; LISTEN {CHANNEL}; \
+         SELECT set_config('application_name', 'flue notices ' || COALESCE(current_schema(), ''), false)"
+    )))
+    .await?;
+    let notify = timed(client.prepare(&format!("SELECT pg_notify('{CHANNEL}', $1)"))).await?;
+    *pause = RECONNECT_MIN;
     // Whatever was announced while no connection listened is looked at again.
     let _ = received.send(StoreNotice::Resync);
+    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
     loop {
         tokio::select! {
-            payload = notifications.recv() => match payload {
-                Some(payload) => {
-                    if let Some(notice) = Payload::read(&payload, &schema) {
+            sent = notifications.recv() => match sent {
+                Some((from, payload)) => {
+                    if from != own
+                        && let Some(notice) = Payload::read(&payload, &schema)
+                    {
                         let _ = received.send(notice);
                     }
                 }
@@ -254,13 +292,16 @@ async fn listen_once(
             },
             announcement = announcements.recv() => match announcement {
                 Some(notice) => {
-                    client.execute(&notify, &[&Payload::of(&schema, &notice)]).await?;
+                    timed(client.execute(&notify, &[&Payload::of(&schema, &notice)])).await?;
                 }
                 None => return Ok(Ended::Stopped),
             },
+            _ = ping.tick() => {
+                timed(client.batch_execute("SELECT 1")).await?;
+            }
             ended = &mut driver => {
                 return match ended {
-                    Ok(Err(error)) => Err(error),
+                    Ok(Err(error)) => Err(error.into()),
                     _ => Ok(Ended::Lost),
                 };
             }
