@@ -15,7 +15,9 @@ use flue_runtime::events::Event;
 use flue_runtime::prelude::*;
 use flue_runtime::provider::ProviderRegistry;
 use flue_runtime::record::Batch;
-use flue_runtime::store::{Claim, InstanceKey, PostgresStore, Store, StoreError, SubmissionStatus, now_ms};
+use flue_runtime::store::{
+    Claim, InstanceKey, PostgresStore, Store, StoreError, StoreNotice, SubmissionStatus, now_ms,
+};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 use flue_runtime::{Runtime, RuntimeError, RuntimeOptions};
 use serde_json::json;
@@ -701,4 +703,89 @@ async fn work_a_node_gives_back_is_taken_over_by_another_at_once() {
     assert_eq!(a.release().await, 1, "node A gave its running submission back");
     let result = tokio::time::timeout(Duration::from_secs(10), b.init(&waiter, "w").read(&id)).await;
     assert_eq!(outcome(result), "completed: \"done on B\"");
+}
+
+// ---- notices between stores ----------------------------------------------------------------------
+
+/// Receives notices (at most 10 s) until `done` says they are all there.
+async fn notices_until(
+    notices: &mut tokio::sync::broadcast::Receiver<StoreNotice>,
+    mut done: impl FnMut(&StoreNotice) -> bool,
+) {
+    let all = async {
+        loop {
+            if done(&notices.recv().await.unwrap()) {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), all)
+        .await
+        .expect("the notices arrived within 10 s");
+}
+
+/// Settlements made in a burst are all announced (many to one transaction while the listening
+/// connection is busy), to the stores of the same schema only, and not back to the store that
+/// made them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_settlements_is_announced_whole_to_the_same_schema_only() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let settling = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let hearing = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let elsewhere = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
+    let mut own = settling.notices().unwrap();
+    let mut heard = hearing.notices().unwrap();
+    let mut other = elsewhere.notices().unwrap();
+    for receiver in [&mut own, &mut heard, &mut other] {
+        notices_until(receiver, |notice| *notice == StoreNotice::Resync).await;
+    }
+    let keys: Vec<InstanceKey> = (0..100)
+        .map(|n| InstanceKey::new("assistant", format!("burst-{n}")))
+        .collect();
+    for (n, key) in keys.iter().enumerate() {
+        let id = format!("s-{n}");
+        settling.admit(harness::admission(key, &id, "hi")).await.unwrap();
+        settling
+            .claim_next(key, &claim(&format!("a-{n}"), "node", 30_000))
+            .await
+            .unwrap()
+            .unwrap();
+        let attempt = flue_runtime::store::AttemptRef {
+            submission_id: id,
+            attempt_id: format!("a-{n}"),
+        };
+        settling
+            .settle(&attempt, flue_runtime::record::Outcome::Completed, None, Vec::new())
+            .await
+            .unwrap();
+    }
+    let mut missing: std::collections::HashSet<InstanceKey> = keys.into_iter().collect();
+    notices_until(&mut heard, |notice| {
+        if let StoreNotice::Settled(key) = notice {
+            missing.remove(key);
+        }
+        missing.is_empty()
+    })
+    .await;
+    // A notice from another store of the schema, after all of them: what the settling store
+    // heard before it is all it could hear of its own.
+    let marker = InstanceKey::new("assistant", "marker");
+    hearing.admit(harness::admission(&marker, "m", "hi")).await.unwrap();
+    hearing.request_abort(&marker).await.unwrap();
+    let mut before_marker = Vec::new();
+    notices_until(&mut own, |notice| {
+        let end = *notice == StoreNotice::AbortRequested(marker.clone());
+        if !end {
+            before_marker.push(notice.clone());
+        }
+        end
+    })
+    .await;
+    assert_eq!(before_marker, [], "the settling store heard its own announcements");
+    let mut stray = Vec::new();
+    while let Ok(notice) = other.try_recv() {
+        stray.push(notice);
+    }
+    assert!(stray.is_empty(), "another schema's store heard {stray:?}");
 }

@@ -45,6 +45,9 @@ const CHANNEL: &str = "flue_notices";
 /// How many announcements may wait for the listening connection; past it they are dropped.
 const OUTBOX: usize = 1024;
 
+/// How many waiting announcements go out in one transaction at most.
+const BATCH: usize = 64;
+
 /// How many notices a slow receiver may fall behind by before it is told to resync.
 const RECEIVED: usize = 1024;
 
@@ -273,7 +276,12 @@ async fn listen_once(
          SELECT set_config('application_name', 'flue notices ' || COALESCE(current_schema(), ''), false)"
     )))
     .await?;
-    let notify = timed(client.prepare(&format!("SELECT pg_notify('{CHANNEL}', $1)"))).await?;
+    // The announcements waiting go out in one transaction (one statement): under load, one
+    // transaction id for many.
+    let notify = timed(client.prepare(&format!(
+        "SELECT pg_notify('{CHANNEL}', payload) FROM unnest($1::TEXT[]) AS payload"
+    )))
+    .await?;
     *pause = RECONNECT_MIN;
     // Whatever was announced while no connection listened is looked at again.
     let _ = received.send(StoreNotice::Resync);
@@ -292,7 +300,17 @@ async fn listen_once(
             },
             announcement = announcements.recv() => match announcement {
                 Some(notice) => {
-                    timed(client.execute(&notify, &[&Payload::of(&schema, &notice)])).await?;
+                    let mut payloads = vec![Payload::of(&schema, &notice)];
+                    while payloads.len() < BATCH
+                        && let Ok(notice) = announcements.try_recv()
+                    {
+                        let payload = Payload::of(&schema, &notice);
+                        // Postgres sends one of identical notices of a transaction anyway.
+                        if !payloads.contains(&payload) {
+                            payloads.push(payload);
+                        }
+                    }
+                    timed(client.execute(&notify, &[&payloads])).await?;
                 }
                 None => return Ok(Ended::Stopped),
             },
