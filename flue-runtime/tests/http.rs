@@ -1012,6 +1012,158 @@ async fn reads_of_a_long_stream(cached: usize) {
     assert!(largest <= 1000, "a read of {largest} batches (cache of {cached})");
 }
 
+/// A memory store that counts the batches its reads returned.
+struct CountedReads {
+    inner: MemoryStore,
+    batches: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CountedReads {
+    fn note(
+        &self,
+        read: Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>,
+    ) -> Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError> {
+        if let Ok(batches) = &read {
+            self.batches
+                .fetch_add(batches.len(), std::sync::atomic::Ordering::SeqCst);
+        }
+        read
+    }
+}
+
+impl flue_runtime::store::Store for CountedReads {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, last_offset, put_attachment, attachment, user_value,
+        set_user_value, list_user_values,
+    );
+
+    fn read(
+        &self,
+        key: &flue_runtime::store::InstanceKey,
+        after: Option<u64>,
+    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
+        let read = self.inner.read(key, after);
+        Box::pin(async move { self.note(read.await) })
+    }
+
+    fn read_page(
+        &self,
+        key: &flue_runtime::store::InstanceKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
+        let read = self.inner.read_page(key, after, limit);
+        Box::pin(async move { self.note(read.await) })
+    }
+}
+
+/// A reader that follows a long conversation alone and reconnects at the head costs what is
+/// new, not a fold of the whole stream: its new live feed starts from the updates cache's fold.
+/// (Regression: each reconnection made a feed that read and folded every batch again.)
+#[tokio::test]
+async fn an_sse_reader_reconnecting_at_the_head_does_not_fold_the_stream_again() {
+    use flue_runtime::record::{Record, RecordBody};
+    use flue_runtime::store::{InstanceKey, Store};
+    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let (store, batches) = (
+        MemoryStore::new(),
+        std::sync::Arc::<std::sync::atomic::AtomicUsize>::default(),
+    );
+    let runtime = Runtime::builder()
+        .store(CountedReads {
+            inner: store.clone(),
+            batches: std::sync::Arc::clone(&batches),
+        })
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    runtime.init(&calculator, "long").send("hi").await.unwrap();
+    let key = InstanceKey::new("calculator", "long");
+    for n in 0..2000 {
+        let record = Record {
+            id: format!("record_{n}"),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-01-01T00:00:00.000Z".into(),
+            body: RecordBody::UserMessage {
+                message_id: format!("user_{n}"),
+                body: format!("m{n}"),
+                attachments: Vec::new(),
+            },
+        };
+        store.append(&key, vec![record].into(), None).await.unwrap();
+    }
+    let head = store.last_offset(&key).await.unwrap().unwrap();
+    let offset = format!("0000000000000000_{head:016}");
+    let client = reqwest::Client::new();
+    let url = format!("http://{addr}/agents/calculator/long?view=updates&offset={offset}&live=sse");
+    let mut read = Vec::new();
+    for _ in 0..4 {
+        let before = batches.load(std::sync::atomic::Ordering::SeqCst);
+        let response = client.get(&url).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        sse_frames(response, |frames| {
+            frames
+                .iter()
+                .any(|(event, data)| event == "control" && data.contains("upToDate"))
+        })
+        .await;
+        read.push(batches.load(std::sync::atomic::Ordering::SeqCst) - before);
+    }
+    // The first connection folds the stream (for its own catch-up and the cache); none after.
+    assert!(
+        read[1..].iter().all(|&batches| batches < 100),
+        "batches read per connection: {read:?}"
+    );
+}
+
+/// Live-read durations meant as "for ever" (`Duration::MAX`) are read as very long ones: an
+/// SSE reader and a long poll wait for what comes, and get it. (Regression: the deadline
+/// `now + Duration::MAX` overflowed, and the reader's task panicked, ending its stream.)
+#[tokio::test]
+async fn live_reads_with_durations_meant_as_for_ever_wait_and_deliver() {
+    let server = Server::start_with(HttpOptions {
+        long_poll_timeout: Duration::MAX,
+        sse_wait: Duration::MAX,
+        heartbeat: Duration::MAX,
+        ..HttpOptions::default()
+    })
+    .await;
+    server.model.push(ScriptedReply::text("first"));
+    server.post("c1", json!({"kind": "user", "body": "hi"})).await;
+    server.settled("c1", 1).await;
+    let (_, headers, _) = server.get_json("/c1?view=updates&offset=-1").await;
+    let head = headers["stream-next-offset"].to_str().unwrap().to_owned();
+    let sse = server.get(&format!("/c1?view=updates&offset={head}&live=sse")).await;
+    assert_eq!(sse.status(), 200);
+    let long_poll_url = format!("/c1?view=updates&offset={head}&live=long-poll");
+    let long_poll = server.get(&long_poll_url);
+    server.model.push(ScriptedReply::text("second"));
+    let (long_poll, _) = tokio::join!(long_poll, async {
+        // The SSE reader is up to date before the next message is posted.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        server.post("c1", json!({"kind": "user", "body": "again"})).await
+    });
+    assert_eq!(long_poll.status(), 200);
+    let frames = sse_frames(sse, |frames| {
+        frames
+            .iter()
+            .any(|(event, data)| event == "data" && data.contains("second"))
+    })
+    .await;
+    assert!(frames.iter().any(|(event, _)| event == "control"), "{frames:?}");
+}
+
 /// A reader whose catch-up ends exactly at a store page's end learns it is up to date with
 /// that page's control frame, not a keep-alive later.
 #[tokio::test]

@@ -13,6 +13,7 @@ use serde_json::Value;
 
 use super::projection::{Projection, READ_PAGE};
 use super::reads::DataFrames;
+use super::updates_cache::UpdatesCache;
 use crate::record::Batch;
 use crate::runtime::RuntimeInner;
 use crate::store::InstanceKey;
@@ -83,6 +84,7 @@ impl Feed {
         after: Option<u64>,
         appends: u64,
         poll: std::time::Duration,
+        cache: (&UpdatesCache, &str),
     ) -> Result<Delivery, crate::store::StoreError> {
         let mut state = self.state.lock().await;
         let polled_recently = !runtime.store.shared() || state.last_read.elapsed() < poll;
@@ -93,12 +95,20 @@ impl Feed {
         if unchanged {
             // Another reader already read what this wake-up announced.
         } else if !state.started {
-            // Fold everything there is now (a page at a time); frames start with the batches
-            // after it.
-            state.offset = state
-                .projection
-                .fold_stream(runtime.store.as_ref(), &self.key, u64::MAX)
-                .await?;
+            // Start from the fold of everything there is now, which the updates cache
+            // (`cache`: it and the instance's incarnation) holds or makes; frames start with
+            // the batches after it.
+            let (cache, incarnation) = cache;
+            if let Some((projection, offset)) = cache
+                .fold_at_head(
+                    runtime.store.as_ref(),
+                    &self.key,
+                    Some(incarnation).filter(|i| !i.is_empty()),
+                )
+                .await?
+            {
+                (state.projection, state.offset) = (projection, offset);
+            }
             state.started = true;
         } else {
             // What was appended since, a store page at a time.

@@ -89,6 +89,11 @@ use crate::store::{InstanceKey, SubmissionKind};
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
 
 /// Access control and the timing of live reads.
+///
+/// The live reads' durations are bounded when a router is built: one past a year (such as
+/// `Duration::MAX`, meant as "for ever") counts as a year, and the intervals every live reader
+/// repeats at count as at least 100 ms (`sse_wait`, `heartbeat`) and 10 ms
+/// (`shared_store_poll`): at zero, each reader would loop without pause.
 #[derive(Clone)]
 pub struct HttpOptions {
     /// Asked before every request is handled (401/403 when it refuses); `None` serves
@@ -192,6 +197,20 @@ impl std::fmt::Debug for HttpOptions {
 }
 
 impl HttpOptions {
+    /// The longest a live read's duration counts for.
+    const LONGEST_WAIT: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+    /// These options with the live reads' durations bounded (see the type's doc): the reads
+    /// add them to the current instant, which a duration near `Duration::MAX` overflows.
+    fn bounded(mut self) -> Self {
+        let within = |duration: Duration, shortest: Duration| duration.clamp(shortest, Self::LONGEST_WAIT);
+        self.long_poll_timeout = within(self.long_poll_timeout, Duration::ZERO);
+        self.sse_wait = within(self.sse_wait, Duration::from_millis(100));
+        self.heartbeat = within(self.heartbeat, Duration::from_millis(100));
+        self.shared_store_poll = within(self.shared_store_poll, Duration::from_millis(10));
+        self
+    }
+
     /// These options, with every request asked of `authorization` first.
     pub fn authorized_by(mut self, authorization: impl Authorize) -> Self {
         self.authorization = Some(Arc::new(authorization));
@@ -272,7 +291,7 @@ pub fn router(runtime: &Runtime) -> Router {
 
 /// [`router`] with `options`.
 pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
-    let options = Arc::new(options);
+    let options = Arc::new(options.bounded());
     let bodies = body_room(&options);
     let inner = runtime.inner().clone();
     let guard_options = options.clone();

@@ -71,6 +71,7 @@ impl Stream {
 }
 
 /// A tool outcome waiting for its batch's commit.
+#[derive(Clone)]
 struct PendingOutcome {
     is_error: bool,
     content: String,
@@ -79,7 +80,7 @@ struct PendingOutcome {
 }
 
 /// The fold of one conversation's records.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Projection {
     conversation_id: String,
     incarnation: String,

@@ -479,7 +479,8 @@ impl SseStream {
             appended.as_mut().enable();
             let appends = self.slot.appends();
             let poll = self.options.shared_store_poll;
-            match self.logged(self.feed.after(&self.runtime, self.offset, appends, poll).await)? {
+            let cache = (&*self.updates, self.incarnation.as_str());
+            match self.logged(self.feed.after(&self.runtime, self.offset, appends, poll, cache).await)? {
                 Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
                     self.own = None;
                     self.offset = offset;

@@ -293,15 +293,46 @@ impl UpdatesCache {
     }
 
     /// The `view=history` snapshot of `key` at its head, with the head's offset (`None` when
-    /// it has no stream): the entry's fold brought up to the head, or, without an entry, a fold
-    /// of the whole stream that becomes the entry (its window empty: it starts at the head).
+    /// it has no stream): see [`Self::at_head`].
     pub(super) async fn history(
         &self,
         store: &dyn Store,
         key: &InstanceKey,
         incarnation: Option<&str>,
     ) -> Result<Option<(Value, String)>, StoreError> {
-        let answer = |projection: &Projection| (projection.snapshot(), projection.offset());
+        self.at_head(store, key, incarnation, |projection, _| {
+            (projection.snapshot(), projection.offset())
+        })
+        .await
+    }
+
+    /// A copy of the fold of `key` at its head, and the offset it reaches (`None` when it has
+    /// no stream): see [`Self::at_head`]. What a new live feed starts from: a reader that
+    /// reconnects to a conversation nobody else follows makes a new feed, which would read
+    /// and fold the whole stream again without it.
+    pub(super) async fn fold_at_head(
+        &self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        incarnation: Option<&str>,
+    ) -> Result<Option<(Projection, Option<u64>)>, StoreError> {
+        self.at_head(store, key, incarnation, |projection, offset| {
+            (projection.clone(), offset)
+        })
+        .await
+    }
+
+    /// `answer` of the fold of `key` at its head and the offset it reaches (`None` when it has
+    /// no stream): the entry of `incarnation`'s fold brought up to the head, or, without an
+    /// entry, a fold of the whole stream that becomes the entry (its window empty: it starts
+    /// at the head).
+    async fn at_head<T>(
+        &self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        incarnation: Option<&str>,
+        answer: impl Fn(&Projection, Option<u64>) -> T,
+    ) -> Result<Option<T>, StoreError> {
         let slot = incarnation
             .filter(|_| self.capacity > 0)
             .map(|incarnation| (incarnation, self.slot(key)));
@@ -313,7 +344,7 @@ impl UpdatesCache {
                 .as_ref()
                 .filter(|entry| entry.incarnation == *incarnation)
         {
-            return Ok(Some(answer(&entry.projection)));
+            return Ok(Some(answer(&entry.projection, entry.offset)));
         }
         let mut projection = Projection::new(&key.stream_path());
         let Some(head) = projection.fold_stream(store, key, u64::MAX).await? else {
@@ -321,7 +352,7 @@ impl UpdatesCache {
         };
         // Offsets count from 0: a fold from the start folded `head + 1` batches.
         self.count_folded(head.saturating_add(1));
-        let answered = answer(&projection);
+        let answered = answer(&projection, Some(head));
         if let Some((incarnation, slot)) = slot {
             let mut entry = Entry::new(key, incarnation);
             entry.projection = projection;
