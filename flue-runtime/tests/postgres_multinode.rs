@@ -107,6 +107,20 @@ fn pauser() -> &'static str {
     "Pause."
 }
 
+/// One model step per response: a message queued behind its response cannot join it (a
+/// response joins deliveries only while it can take another step).
+#[agent(max_steps = 1)]
+fn one_step() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("pause").description("Take a second.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            "paused"
+        },
+    ));
+    "Pause once."
+}
+
 /// How many `hold` calls saw their abort signal fire.
 static HOLDS_STOPPED: AtomicUsize = AtomicUsize::new(0);
 
@@ -150,6 +164,7 @@ fn node_with(store: impl Store, model: &ScriptedModel, options: RuntimeOptions) 
         .agent(waiter)
         .agent(pauser)
         .agent(holder)
+        .agent(one_step)
         .options(options)
         .build()
         .unwrap()
@@ -788,4 +803,46 @@ async fn a_burst_of_settlements_is_announced_whole_to_the_same_schema_only() {
         stray.push(notice);
     }
     assert!(stray.is_empty(), "another schema's store heard {stray:?}");
+}
+
+/// The notice path: a node shutting down finishes what it runs and leaves its instance's queue
+/// to the others, which take it up at once, not at their next scan (a minute away here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_a_stopping_node_leaves_is_taken_up_by_another_at_once() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let a = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::tool_call("pause", json!({}))]),
+    );
+    let b = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("second done on B")]),
+    );
+    b.start().await;
+    // B's listening connection is up (and its first look done) before A admits anything.
+    listening_connections(&url, &schema, 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut events = a.observe();
+    let first = a.init(&one_step, "q").dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    // Queued behind the running response (which cannot take it in), then A stops.
+    let second = a.init(&one_step, "q").dispatch("next").await.unwrap();
+    a.shutdown();
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.init(&one_step, "q").read(&first.submission_id),
+    )
+    .await;
+    assert_eq!(outcome(read), "completed: \"\"", "A finishes what it runs");
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.init(&one_step, "q").read(&second.submission_id),
+    )
+    .await;
+    assert_eq!(outcome(read), "completed: \"second done on B\"");
 }

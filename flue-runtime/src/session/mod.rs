@@ -447,8 +447,14 @@ impl InstanceSlot {
                     }
                     if runtime.claims_stopped() {
                         // What is left queued here waits for another node: its waiters learn
-                        // that now that nothing here runs the instance.
+                        // that now that nothing here runs the instance, and the other nodes
+                        // (on a store that announces) that they may.
                         runtime.wake_waiters();
+                        if runtime.store.has_queued(&self.key).await.unwrap_or(true) {
+                            runtime
+                                .store
+                                .announce(crate::store::StoreNotice::Queued(self.key.clone()));
+                        }
                     }
                     return None;
                 }

@@ -843,6 +843,14 @@ pub trait Store: Send + Sync + 'static {
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<StoreNotice>> {
         None
     }
+
+    /// Tells the other nodes sharing this store `notice`, on a store that announces what its
+    /// nodes do (see [`Store::notices`]; others ignore it). The store announces the changes it
+    /// commits itself; the runtime announces what it leaves to the others: the queue of an
+    /// instance it stops running ([`StoreNotice::Queued`]).
+    fn announce(&self, notice: StoreNotice) {
+        let _ = notice;
+    }
 }
 
 /// What a node sharing a store announced it did (see [`Store::notices`]).

@@ -1575,6 +1575,10 @@ impl Store for PostgresStore {
         self.notices.subscribe()
     }
 
+    fn announce(&self, notice: super::StoreNotice) {
+        self.notices.announce(notice);
+    }
+
     fn admit(&self, mut admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         Box::pin(async move {
             if let Some(claim) = &mut admission.claim {

@@ -287,6 +287,11 @@ macro_rules! delegate_store {
             self.$inner.notices()
         }
     };
+    (@one $inner:ident announce) => {
+        fn announce(&self, notice: flue_runtime::store::StoreNotice) {
+            self.$inner.announce(notice)
+        }
+    };
 }
 #[allow(unused_imports)]
 pub(crate) use delegate_store;
