@@ -526,7 +526,20 @@ impl RuntimeInner {
     /// what reads it runs on a task of its own.
     fn on_notice(self: &Arc<Self>, notice: StoreNotice, resync: &tokio::sync::Notify) {
         match notice {
-            StoreNotice::Settled(key) => self.wake_waiters_of(&key),
+            StoreNotice::Settled(key) => {
+                self.wake_waiters_of(&key);
+                // Its live readers here read the stream again (the settlement appended to it):
+                // they see the response's end as it lands, not at their next poll.
+                let slot = self
+                    .instances
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .get(&key)
+                    .cloned();
+                if let Some(slot) = slot {
+                    slot.note_append();
+                }
+            }
             StoreNotice::AbortRequested(key) => {
                 let running = self
                     .instances

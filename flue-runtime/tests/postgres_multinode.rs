@@ -846,3 +846,60 @@ async fn the_queue_a_stopping_node_leaves_is_taken_up_by_another_at_once() {
     .await;
     assert_eq!(outcome(read), "completed: \"second done on B\"");
 }
+
+/// The notice path: an SSE reader on node B, following an instance node A runs, sees the
+/// response end as A's settlement commits, not at its next poll of the store (a minute away
+/// here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_reader_on_another_node_sees_the_response_end_at_its_settlement() {
+    use futures_util::StreamExt;
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let a = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("first"), ScriptedReply::text("answer from A")]),
+    );
+    let b = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([]),
+    );
+    b.start().await;
+    a.init(&pauser, "live").send("hi").await.unwrap();
+    let app = flue_runtime::http::router_with(
+        &b,
+        flue_runtime::http::HttpOptions {
+            shared_store_poll: Duration::from_secs(60),
+            ..flue_runtime::http::HttpOptions::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    // B's listening connection is up before A's second response.
+    listening_connections(&url, &schema, 2).await;
+    let response = reqwest::get(format!(
+        "http://{addr}/agents/pauser/live?view=updates&offset=-1&live=sse"
+    ))
+    .await
+    .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut seen = String::new();
+    // Up to date first (caught up with the first response), then A answers again.
+    while !seen.contains("upToDate") {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), body.next())
+            .await
+            .unwrap();
+        seen.push_str(std::str::from_utf8(&chunk.unwrap().unwrap()).unwrap());
+    }
+    a.init(&pauser, "live").send("again").await.unwrap();
+    let answered = async {
+        while !seen.contains("answer from A") {
+            let chunk = body.next().await.unwrap().unwrap();
+            seen.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), answered)
+        .await
+        .expect("B's reader saw A's answer within 10 s");
+}

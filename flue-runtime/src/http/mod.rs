@@ -107,7 +107,9 @@ pub struct HttpOptions {
     /// The interval of SSE heartbeat comments while a stream is idle (15 s).
     pub heartbeat: Duration,
     /// How often live readers read a shared store (one other nodes append to) again, since
-    /// only this node's appends wake them (250 ms).
+    /// only this node's appends wake them, and other nodes' settlements on a store that
+    /// announces them (`PostgresStore`): what another node streams mid-response shows at this
+    /// pace (250 ms).
     pub shared_store_poll: Duration,
     /// How many instances' reads are cached, per agent (256; 0 caches none): `view=updates`
     /// JSON and long-poll reads, `view=history` and SSE readers' catch-up. An instance's entry
