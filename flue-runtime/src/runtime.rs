@@ -1599,6 +1599,8 @@ impl Runtime {
         // The sends and reads waiting here look again (and, on a store of this node's own, are
         // told the node is stopping: nothing here will settle what they wait for).
         self.inner.wake_waiters();
+        // The requeues' notices go out before the process exits (on a store that announces).
+        self.inner.store.flush_announcements().await;
         released
     }
 

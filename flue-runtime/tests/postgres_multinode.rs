@@ -716,6 +716,8 @@ async fn work_a_node_gives_back_is_taken_over_by_another_at_once() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let id = dispatch_and_wait_for_the_tool(&a, "w").await;
     assert_eq!(a.release().await, 1, "node A gave its running submission back");
+    // And its process exits: the requeue's notice went out before `release` returned.
+    drop(a);
     let result = tokio::time::timeout(Duration::from_secs(10), b.init(&waiter, "w").read(&id)).await;
     assert_eq!(outcome(result), "completed: \"done on B\"");
 }

@@ -450,7 +450,7 @@ impl InstanceSlot {
                         // that now that nothing here runs the instance, and the other nodes
                         // (on a store that announces) that they may.
                         runtime.wake_waiters();
-                        if runtime.store.has_queued(&self.key).await.unwrap_or(true) {
+                        if runtime.store.shared() && runtime.store.has_queued(&self.key).await.unwrap_or(true) {
                             runtime
                                 .store
                                 .announce(crate::store::StoreNotice::Queued(self.key.clone()));

@@ -851,6 +851,12 @@ pub trait Store: Send + Sync + 'static {
     fn announce(&self, notice: StoreNotice) {
         let _ = notice;
     }
+
+    /// Waits (a bounded while) until what this node announced went out: what a node about to
+    /// exit does last ([`crate::Runtime::release`]).
+    fn flush_announcements(&self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::ready(()))
+    }
 }
 
 /// What a node sharing a store announced it did (see [`Store::notices`]).

@@ -1579,6 +1579,10 @@ impl Store for PostgresStore {
         self.notices.announce(notice);
     }
 
+    fn flush_announcements(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.notices.flush(notices::FLUSH_WITHIN))
+    }
+
     fn admit(&self, mut admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         Box::pin(async move {
             if let Some(claim) = &mut admission.claim {

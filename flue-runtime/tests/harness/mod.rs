@@ -287,6 +287,11 @@ macro_rules! delegate_store {
             self.$inner.notices()
         }
     };
+    (@one $inner:ident flush_announcements) => {
+        fn flush_announcements(&self) -> flue_runtime::BoxFuture<'_, ()> {
+            self.$inner.flush_announcements()
+        }
+    };
     (@one $inner:ident announce) => {
         fn announce(&self, notice: flue_runtime::store::StoreNotice) {
             self.$inner.announce(notice)

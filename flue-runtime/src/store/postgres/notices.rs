@@ -45,6 +45,9 @@ const CHANNEL: &str = "flue_notices";
 /// How many announcements may wait for the listening connection; past it they are dropped.
 const OUTBOX: usize = 1024;
 
+/// How long a flush of the announcements (a node about to exit) waits at most.
+pub(super) const FLUSH_WITHIN: Duration = Duration::from_secs(2);
+
 /// How many waiting announcements go out in one transaction at most.
 const BATCH: usize = 64;
 
@@ -135,9 +138,16 @@ pub(super) struct Notices {
     listening: Mutex<Option<Listening>>,
 }
 
+/// What the listening task is asked to send.
+enum Outgoing {
+    Notice(StoreNotice),
+    /// Answered once everything queued before it was sent (or could not be).
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
 /// The listening task and the queue of announcements it sends.
 struct Listening {
-    outbox: mpsc::Sender<StoreNotice>,
+    outbox: mpsc::Sender<Outgoing>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -173,9 +183,33 @@ impl Notices {
     /// Announces `notice` to the other nodes, once what it announces committed. Never waits:
     /// when the queue is full (the listening connection is down), it is dropped.
     pub(super) fn announce(&self, notice: StoreNotice) {
-        let sent = self.with_listening(|listening| listening.outbox.try_send(notice).is_ok());
+        let sent = self.with_listening(|listening| listening.outbox.try_send(Outgoing::Notice(notice)).is_ok());
         if sent == Some(false) {
             tracing::debug!("postgres notices: the queue of announcements is full; one is dropped");
+        }
+    }
+
+    /// Waits (at most `within`) until the announcements queued so far went out: what a
+    /// process about to exit does last.
+    pub(super) async fn flush(&self, within: Duration) {
+        let (done, sent) = tokio::sync::oneshot::channel();
+        let queued = self
+            .listening
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .filter(|listening| !listening.task.is_finished())
+            .map(|listening| listening.outbox.clone());
+        let Some(outbox) = queued else { return };
+        let flushed = async {
+            if outbox.send(Outgoing::Flush(done)).await.is_ok() {
+                let _ = sent.await;
+            }
+        };
+        if tokio::time::timeout(within, flushed).await.is_err() {
+            tracing::warn!(
+                "postgres notices: announcements still queued after {within:?}; the other nodes' looks find those changes"
+            );
         }
     }
 
@@ -198,11 +232,12 @@ impl Notices {
 async fn listen(
     config: tokio_postgres::Config,
     received: broadcast::Sender<StoreNotice>,
-    mut announcements: mpsc::Receiver<StoreNotice>,
+    mut announcements: mpsc::Receiver<Outgoing>,
 ) {
     let mut pause = RECONNECT_MIN;
     loop {
-        match listen_once(&config, &received, &mut announcements, &mut pause).await {
+        let mut listened = None;
+        match listen_once(&config, &received, &mut announcements, &mut listened).await {
             Ok(Ended::Stopped) => return,
             Ok(Ended::Lost) => {
                 tracing::warn!("postgres notices: the listening connection closed; connecting again");
@@ -210,6 +245,11 @@ async fn listen(
             Err(error) => {
                 tracing::warn!(%error, "postgres notices: the listening connection failed; connecting again");
             }
+        }
+        // A connection that stayed up a while starts the pauses over; one lost soon after it
+        // listened (a server that ends idle sessions, say) makes them grow.
+        if listened.is_some_and(|at: tokio::time::Instant| at.elapsed() >= PING_EVERY) {
+            pause = RECONNECT_MIN;
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(RECONNECT_MAX);
@@ -242,8 +282,8 @@ async fn timed<T>(statement: impl Future<Output = Result<T, tokio_postgres::Erro
 async fn listen_once(
     config: &tokio_postgres::Config,
     received: &broadcast::Sender<StoreNotice>,
-    announcements: &mut mpsc::Receiver<StoreNotice>,
-    pause: &mut Duration,
+    announcements: &mut mpsc::Receiver<Outgoing>,
+    listened: &mut Option<tokio::time::Instant>,
 ) -> Result<Ended, Lost> {
     let (client, mut connection) = timed(config.connect(NoTls)).await?;
     // The connection's driver, forwarding what the server sends on its own (with the sending
@@ -266,13 +306,24 @@ async fn listen_once(
         }
     });
     let _driver = AbortOnDrop(driver.abort_handle());
-    let identity = timed(client.query_one("SELECT current_schema()::TEXT, pg_backend_pid()", &[])).await?;
+    let identity = timed(client.query_one(
+        "SELECT current_schema()::TEXT, pg_backend_pid(), current_setting('server_version_num')::INT",
+        &[],
+    ))
+    .await?;
     let schema: String = identity.try_get::<_, Option<String>>(0)?.unwrap_or_default();
     let own: i32 = identity.try_get(1)?;
+    // A server that ends idle sessions (`idle_session_timeout`, from Postgres 14) would end
+    // this one between notices, and every node would resync each time.
+    let keep = if identity.try_get::<_, i32>(2)? >= 140_000 {
+        "SET idle_session_timeout = 0;"
+    } else {
+        ""
+    };
     // Once it listens, the session is named after its schema among the database's sessions
     // (`pg_stat_activity`), as `flue notices <schema>` (cut to Postgres's 63 bytes).
     timed(client.batch_execute(&format!(
-        "SET synchronous_commit = off; LISTEN {CHANNEL}; \
+        "SET synchronous_commit = off; {keep} LISTEN {CHANNEL}; \
          SELECT set_config('application_name', 'flue notices ' || COALESCE(current_schema(), ''), false)"
     )))
     .await?;
@@ -282,7 +333,7 @@ async fn listen_once(
         "SELECT pg_notify('{CHANNEL}', payload) FROM unnest($1::TEXT[]) AS payload"
     )))
     .await?;
-    *pause = RECONNECT_MIN;
+    *listened = Some(tokio::time::Instant::now());
     // Whatever was announced while no connection listened is looked at again.
     let _ = received.send(StoreNotice::Resync);
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
@@ -298,22 +349,45 @@ async fn listen_once(
                 }
                 None => return Ok(Ended::Lost),
             },
-            announcement = announcements.recv() => match announcement {
-                Some(notice) => {
-                    let mut payloads = vec![Payload::of(&schema, &notice)];
-                    while payloads.len() < BATCH
-                        && let Ok(notice) = announcements.try_recv()
-                    {
-                        let payload = Payload::of(&schema, &notice);
-                        // Postgres sends one of identical notices of a transaction anyway.
-                        if !payloads.contains(&payload) {
-                            payloads.push(payload);
+            announcement = announcements.recv() => {
+                let (mut payloads, mut flushes) = (Vec::new(), Vec::new());
+                let mut next = announcement;
+                loop {
+                    match next {
+                        Some(Outgoing::Notice(notice)) => {
+                            let payload = Payload::of(&schema, &notice);
+                            // Postgres sends one of identical notices of a transaction anyway.
+                            if !payloads.contains(&payload) {
+                                payloads.push(payload);
+                            }
                         }
+                        Some(Outgoing::Flush(done)) => flushes.push(done),
+                        None if payloads.is_empty() && flushes.is_empty() => return Ok(Ended::Stopped),
+                        None => break,
                     }
-                    timed(client.execute(&notify, &[&payloads])).await?;
+                    if payloads.len() >= BATCH {
+                        break;
+                    }
+                    next = match announcements.try_recv() {
+                        Ok(outgoing) => Some(outgoing),
+                        Err(_) => break,
+                    };
                 }
-                None => return Ok(Ended::Stopped),
-            },
+                if !payloads.is_empty() {
+                    match timed(client.execute(&notify, &[&payloads])).await {
+                        Ok(_) => {}
+                        // The server refused them (its notify queue full, say) and the connection
+                        // is sound: they are dropped (the others' looks find those changes).
+                        Err(Lost::Db(error)) if error.as_db_error().is_some() => {
+                            tracing::warn!(%error, "postgres notices: announcements refused; dropped");
+                        }
+                        Err(lost) => return Err(lost),
+                    }
+                }
+                for done in flushes {
+                    let _ = done.send(());
+                }
+            }
             _ = ping.tick() => {
                 timed(client.batch_execute("SELECT 1")).await?;
             }
