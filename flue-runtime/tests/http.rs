@@ -872,10 +872,80 @@ async fn an_sse_catch_up_over_big_resets_sends_a_bounded_round_between_control_f
     );
 }
 
-/// A memory store that remembers the most batches one read returned.
+/// One conversation of `calculator` of one exchange and then `messages` user messages,
+/// each a batch of its own, served over HTTP on a store that tallies its reads.
+struct LongConversation {
+    addr: std::net::SocketAddr,
+    /// The last batch's offset.
+    head: u64,
+    /// The most batches one read returned (reset once the conversation is written).
+    largest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// The batches all reads returned (likewise).
+    total: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    _runtime: Runtime,
+}
+
+impl LongConversation {
+    async fn serve(options: HttpOptions, messages: usize) -> Self {
+        use flue_runtime::record::{Record, RecordBody};
+        use flue_runtime::store::{InstanceKey, Store};
+        let model = ScriptedModel::new([ScriptedReply::text("hi")]);
+        let mut providers = ProviderRegistry::new();
+        providers.register(model.clone());
+        let store = MemoryStore::new();
+        let (largest, total) = (
+            std::sync::Arc::<std::sync::atomic::AtomicUsize>::default(),
+            std::sync::Arc::<std::sync::atomic::AtomicUsize>::default(),
+        );
+        let runtime = Runtime::builder()
+            .store(LargestRead {
+                inner: store.clone(),
+                largest: std::sync::Arc::clone(&largest),
+                total: std::sync::Arc::clone(&total),
+            })
+            .providers(providers)
+            .agent(calculator)
+            .build()
+            .unwrap();
+        let app = flue_runtime::http::router_with(&runtime, options);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        runtime.init(&calculator, "long").send("hi").await.unwrap();
+        let key = InstanceKey::new("calculator", "long");
+        for n in 0..messages {
+            let record = Record {
+                id: format!("record_{n}"),
+                submission_id: None,
+                attempt_id: None,
+                timestamp: "2026-01-01T00:00:00.000Z".into(),
+                body: RecordBody::UserMessage {
+                    message_id: format!("user_{n}"),
+                    body: format!("m{n}"),
+                    attachments: Vec::new(),
+                },
+            };
+            store.append(&key, vec![record].into(), None).await.unwrap();
+        }
+        let head = store.last_offset(&key).await.unwrap().unwrap();
+        largest.store(0, std::sync::atomic::Ordering::SeqCst);
+        total.store(0, std::sync::atomic::Ordering::SeqCst);
+        Self {
+            addr,
+            head,
+            largest,
+            total,
+            _runtime: runtime,
+        }
+    }
+}
+
+/// A memory store that remembers the most batches one read returned, and how many its reads
+/// returned in all.
 struct LargestRead {
     inner: MemoryStore,
     largest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    total: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl LargestRead {
@@ -886,6 +956,7 @@ impl LargestRead {
         if let Ok(batches) = &read {
             self.largest
                 .fetch_max(batches.len(), std::sync::atomic::Ordering::SeqCst);
+            self.total.fetch_add(batches.len(), std::sync::atomic::Ordering::SeqCst);
         }
         read
     }
@@ -933,52 +1004,15 @@ async fn reads_of_a_long_stream_read_it_a_page_at_a_time() {
 }
 
 async fn reads_of_a_long_stream(cached: usize) {
-    use flue_runtime::record::{Record, RecordBody};
-    use flue_runtime::store::{InstanceKey, Store};
-    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let (store, largest) = (
-        MemoryStore::new(),
-        std::sync::Arc::<std::sync::atomic::AtomicUsize>::default(),
-    );
-    let runtime = Runtime::builder()
-        .store(LargestRead {
-            inner: store.clone(),
-            largest: std::sync::Arc::clone(&largest),
-        })
-        .providers(providers)
-        .agent(calculator)
-        .build()
-        .unwrap();
-    let app = flue_runtime::http::router_with(
-        &runtime,
+    let long = LongConversation::serve(
         HttpOptions {
             updates_cache_instances: cached,
             ..HttpOptions::default()
         },
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    runtime.init(&calculator, "long").send("hi").await.unwrap();
-    let key = InstanceKey::new("calculator", "long");
-    for n in 0..3000 {
-        let record = Record {
-            id: format!("record_{n}"),
-            submission_id: None,
-            attempt_id: None,
-            timestamp: "2026-01-01T00:00:00.000Z".into(),
-            body: RecordBody::UserMessage {
-                message_id: format!("user_{n}"),
-                body: format!("m{n}"),
-                attachments: Vec::new(),
-            },
-        };
-        store.append(&key, vec![record].into(), None).await.unwrap();
-    }
-    let head = store.last_offset(&key).await.unwrap().unwrap();
-    largest.store(0, std::sync::atomic::Ordering::SeqCst);
+        3000,
+    )
+    .await;
+    let (addr, largest, head) = (long.addr, &long.largest, long.head);
     let client = reqwest::Client::new();
     let url = format!("http://{addr}/agents/calculator/long");
     for offset in ["-1".to_owned(), format!("0000000000000000_{:016}", head - 2500)] {
@@ -1012,98 +1046,13 @@ async fn reads_of_a_long_stream(cached: usize) {
     assert!(largest <= 1000, "a read of {largest} batches (cache of {cached})");
 }
 
-/// A memory store that counts the batches its reads returned.
-struct CountedReads {
-    inner: MemoryStore,
-    batches: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl CountedReads {
-    fn note(
-        &self,
-        read: Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>,
-    ) -> Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError> {
-        if let Ok(batches) = &read {
-            self.batches
-                .fetch_add(batches.len(), std::sync::atomic::Ordering::SeqCst);
-        }
-        read
-    }
-}
-
-impl flue_runtime::store::Store for CountedReads {
-    harness::delegate_store!(
-        inner;
-        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
-        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
-        requeue, request_abort, append, create_child, last_offset, put_attachment, attachment, user_value,
-        set_user_value, list_user_values,
-    );
-
-    fn read(
-        &self,
-        key: &flue_runtime::store::InstanceKey,
-        after: Option<u64>,
-    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
-        let read = self.inner.read(key, after);
-        Box::pin(async move { self.note(read.await) })
-    }
-
-    fn read_page(
-        &self,
-        key: &flue_runtime::store::InstanceKey,
-        after: Option<u64>,
-        limit: usize,
-    ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
-        let read = self.inner.read_page(key, after, limit);
-        Box::pin(async move { self.note(read.await) })
-    }
-}
-
 /// A reader that follows a long conversation alone and reconnects at the head costs what is
 /// new, not a fold of the whole stream: its new live feed starts from the updates cache's fold.
 /// (Regression: each reconnection made a feed that read and folded every batch again.)
 #[tokio::test]
 async fn an_sse_reader_reconnecting_at_the_head_does_not_fold_the_stream_again() {
-    use flue_runtime::record::{Record, RecordBody};
-    use flue_runtime::store::{InstanceKey, Store};
-    let model = ScriptedModel::new([ScriptedReply::text("hi")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let (store, batches) = (
-        MemoryStore::new(),
-        std::sync::Arc::<std::sync::atomic::AtomicUsize>::default(),
-    );
-    let runtime = Runtime::builder()
-        .store(CountedReads {
-            inner: store.clone(),
-            batches: std::sync::Arc::clone(&batches),
-        })
-        .providers(providers)
-        .agent(calculator)
-        .build()
-        .unwrap();
-    let app = flue_runtime::http::router(&runtime);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    runtime.init(&calculator, "long").send("hi").await.unwrap();
-    let key = InstanceKey::new("calculator", "long");
-    for n in 0..2000 {
-        let record = Record {
-            id: format!("record_{n}"),
-            submission_id: None,
-            attempt_id: None,
-            timestamp: "2026-01-01T00:00:00.000Z".into(),
-            body: RecordBody::UserMessage {
-                message_id: format!("user_{n}"),
-                body: format!("m{n}"),
-                attachments: Vec::new(),
-            },
-        };
-        store.append(&key, vec![record].into(), None).await.unwrap();
-    }
-    let head = store.last_offset(&key).await.unwrap().unwrap();
+    let long = LongConversation::serve(HttpOptions::default(), 2000).await;
+    let (addr, batches, head) = (long.addr, &long.total, long.head);
     let offset = format!("0000000000000000_{head:016}");
     let client = reqwest::Client::new();
     let url = format!("http://{addr}/agents/calculator/long?view=updates&offset={offset}&live=sse");

@@ -535,45 +535,21 @@ async fn a_slow_look_for_abort_requests_does_not_let_a_live_lease_lapse() {
 /// A send through node B to an instance node A is busy with: B cannot claim it, and A, which
 /// carries on with the instance's queue, runs B's message too. B's `send` (and `read`) must
 /// still return: only the node that settles a submission wakes its own waiters, so B reads
-/// the shared store again while it waits.
+/// the shared store again while it waits. Node B hears no notices here (see [`Unannounced`]):
+/// its poll is what finds the settlement.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_send_answered_by_another_node_returns_its_reply() {
     let Some(url) = url() else { return };
     let schema = fresh_schema();
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("pause", json!({})),
-        ScriptedReply::text("first done"),
-        ScriptedReply::text("second done"),
-    ]);
-    let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
     // B's own scan would take the message over only after a minute: A runs it.
     let b = node_scanning_every(
-        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        Unannounced {
+            inner: PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        },
         &ScriptedModel::new([ScriptedReply::text("second done")]),
         Duration::from_secs(60),
     );
-    let mut events = a.observe();
-    let first = a.init(&pauser, "busy").dispatch("go").await.unwrap();
-    loop {
-        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
-            break;
-        }
-    }
-    let sent = tokio::time::timeout(Duration::from_secs(10), b.init(&pauser, "busy").send("next"))
-        .await
-        .expect("B's send returned")
-        .unwrap();
-    // The message joined A's live response at its turn boundary, or ran after it: either
-    // way, B's answer is the one A's node reads.
-    let on_a = a.init(&pauser, "busy").read(&sent.submission_id).await.unwrap();
-    assert_eq!(sent, on_a);
-    assert!(["first done", "second done"].contains(&sent.text.as_str()), "{sent:?}");
-    let read = tokio::time::timeout(
-        Duration::from_secs(10),
-        b.init(&pauser, "busy").read(&first.submission_id),
-    )
-    .await;
-    assert_eq!(outcome(read), "completed: \"first done\"");
+    send_answered_by_another_node(&url, &schema, b).await;
 }
 
 /// The notice path: node B's send, waiting for a submission node A runs, returns as A's
@@ -582,16 +558,22 @@ async fn a_send_answered_by_another_node_returns_its_reply() {
 async fn a_send_waiting_on_another_node_returns_at_its_settlement_not_at_the_next_poll() {
     let Some(url) = url() else { return };
     let schema = fresh_schema();
+    let b = node_that_looks_once_a_minute(
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        &ScriptedModel::new([ScriptedReply::text("second done")]),
+    );
+    send_answered_by_another_node(&url, &schema, b).await;
+}
+
+/// Node B's send (within 10 s) to an instance node A is busy with, and a read through B of
+/// A's own submission.
+async fn send_answered_by_another_node(url: &str, schema: &str, b: Runtime) {
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("pause", json!({})),
         ScriptedReply::text("first done"),
         ScriptedReply::text("second done"),
     ]);
-    let a = node(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
-    let b = node_that_looks_once_a_minute(
-        PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
-        &ScriptedModel::new([ScriptedReply::text("second done")]),
-    );
+    let a = node(PostgresStore::connect_with_schema(url, schema).await.unwrap(), &model);
     let mut events = a.observe();
     let first = a.init(&pauser, "busy").dispatch("go").await.unwrap();
     loop {
@@ -603,8 +585,11 @@ async fn a_send_waiting_on_another_node_returns_at_its_settlement_not_at_the_nex
         .await
         .expect("B's send returned within 10 s")
         .unwrap();
+    // The message joined A's live response at its turn boundary, or ran after it: either
+    // way, B's answer is the one A's node reads.
+    let on_a = a.init(&pauser, "busy").read(&sent.submission_id).await.unwrap();
+    assert_eq!(sent, on_a);
     assert!(["first done", "second done"].contains(&sent.text.as_str()), "{sent:?}");
-    // And a read through B of A's own submission, settled by now, answers at once.
     let read = tokio::time::timeout(
         Duration::from_secs(10),
         b.init(&pauser, "busy").read(&first.submission_id),
@@ -649,27 +634,10 @@ async fn a_node_whose_listening_connection_was_lost_looks_again_once_it_is_back(
     let model = waiting_model();
     let a = node_that_looks_once_a_minute(PostgresStore::connect_with_schema(&url, &schema).await.unwrap(), &model);
     let id = dispatch_and_wait_for_the_tool(&a, "w").await;
+    listening_connections(&url, &schema, 1).await;
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(connection);
     let listening = format!("flue notices {schema}");
-    let sessions = || async {
-        client
-            .query_one(
-                "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1",
-                &[&listening],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-    };
-    let up = async {
-        while sessions().await != 1 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), up)
-        .await
-        .expect("node A's listening connection is up");
     // Its first look (as it connected) is over before the intent is stamped.
     tokio::time::sleep(Duration::from_millis(300)).await;
     // An abort intent stamped behind the nodes' backs: no notice announces it.
@@ -691,7 +659,8 @@ async fn a_node_whose_listening_connection_was_lost_looks_again_once_it_is_back(
         .unwrap();
     let result = tokio::time::timeout(Duration::from_secs(10), a.init(&waiter, "w").read(&id)).await;
     assert_eq!(outcome(result), "submission_aborted");
-    assert_eq!(sessions().await, 1, "the listening connection is back");
+    // The listening connection is back.
+    listening_connections(&url, &schema, 1).await;
 }
 
 /// The notice path: what a node gives back ([`Runtime::release`], as a rolling deploy does)
