@@ -1106,8 +1106,8 @@ impl RuntimeInner {
                 let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 let waiting = waiters.entry(submission_id.to_owned()).or_default();
                 // The senders of earlier rounds of this wait (and of waits given up) go.
-                waiting.senders.retain(|(_, sender)| !sender.is_closed());
-                waiting.senders.push((key.clone(), sender));
+                waiting.retain(|(_, sender)| !sender.is_closed());
+                waiting.push((key.clone(), sender));
             }
             // Another instance's submission is not this one's to read: as if there were none.
             let row = self
@@ -1200,7 +1200,7 @@ impl RuntimeInner {
     pub(crate) fn notify_settled<'a>(&self, ids: impl IntoIterator<Item = &'a String>) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for id in ids {
-            for (_, sender) in waiters.remove(id).map(|waiting| waiting.senders).unwrap_or_default() {
+            for (_, sender) in waiters.remove(id).unwrap_or_default() {
                 let _ = sender.send(());
             }
         }
@@ -1214,8 +1214,8 @@ impl RuntimeInner {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .retain(|_, waiting| {
                 // Dropped, a sender wakes its wait.
-                waiting.senders.retain(|(waits_in, _)| waits_in != key);
-                !waiting.senders.is_empty()
+                waiting.retain(|(waits_in, _)| waits_in != key);
+                !waiting.is_empty()
             });
     }
 }
@@ -1223,10 +1223,7 @@ impl RuntimeInner {
 /// The sends and reads waiting for one submission to settle: each looks again when its
 /// sender is used or dropped. Each names the instance it waits in (a wait that names another
 /// instance than the submission's is refused after its look, but meanwhile it is here too).
-#[derive(Default)]
-struct Waiting {
-    senders: Vec<(InstanceKey, oneshot::Sender<()>)>,
-}
+type Waiting = Vec<(InstanceKey, oneshot::Sender<()>)>;
 
 /// A wait's place in [`RuntimeInner::waiters`], taken out when the wait ends: with its
 /// receivers dropped, its senders are closed, and the submission's entry goes once no wait is
@@ -1242,8 +1239,8 @@ impl Drop for Registered<'_> {
     fn drop(&mut self) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(waiting) = waiters.get_mut(self.submission_id) {
-            waiting.senders.retain(|(_, sender)| !sender.is_closed());
-            if waiting.senders.is_empty() {
+            waiting.retain(|(_, sender)| !sender.is_closed());
+            if waiting.is_empty() {
                 waiters.remove(self.submission_id);
             }
         }
@@ -2001,7 +1998,7 @@ mod tests {
             .waiters
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        waiters.values().map(|waiting| waiting.senders.len()).sum::<usize>() + waiters.len()
+        waiters.values().map(Vec::len).sum::<usize>() + waiters.len()
     }
 
     #[tokio::test]
