@@ -882,6 +882,52 @@ async fn retry_after_in_seconds_is_honoured_before_retrying() {
     assert_eq!(logged_waits(&logs, "anthropic-429"), ["wait_ms=1000"]);
 }
 
+/// A rate limit whose `Retry-After` asks for longer than any retry waits (30 s) is not retried
+/// after 30 s into another 429: the call fails at once, saying how long the provider asked.
+#[tokio::test]
+async fn a_retry_after_longer_than_any_retry_waits_fails_at_once_saying_so() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_error(429, "rate_limit_exceeded", "Try again in an hour").retry_after(3600));
+    server.push(FixtureReply::openai_text("never reached"));
+    let started = std::time::Instant::now();
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_LONG_WAIT"), request("hi")).await;
+    assert!(started.elapsed() < Duration::from_secs(20), "no retry waited");
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::RateLimited, Some(429))
+    );
+    assert_eq!(
+        error.retry_after,
+        Some(Duration::from_secs(3600)),
+        "the wait asked, whole"
+    );
+    assert!(
+        !error.is_retryable(),
+        "a caller's retry within 30 s would meet the same limit"
+    );
+    assert!(error.message.contains("Try again in an hour"), "{}", error.message);
+    assert!(error.message.contains("asks to wait 1h"), "{}", error.message);
+    assert!(error.message.contains("30s"), "{}", error.message);
+    assert_eq!(server.requests().len(), 1);
+    assert_eq!(server.pending(), 1, "no retry");
+}
+
+/// The same wait asked in milliseconds (`retry-after-ms`), and by a server error: not retried.
+#[tokio::test]
+async fn a_retry_after_ms_longer_than_any_retry_waits_is_not_retried_on_a_server_error_either() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_error(503, "overloaded", "Come back later").header("retry-after-ms", "90000"));
+    server.push(FixtureReply::openai_text("never reached"));
+    let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_LONG_WAIT_MS"), request("hi")).await;
+    assert_eq!(
+        (error.kind.clone(), error.status),
+        (ProviderErrorKind::Server, Some(503))
+    );
+    assert_eq!(error.retry_after, Some(Duration::from_secs(90)));
+    assert!(error.message.contains("asks to wait 1m 30s"), "{}", error.message);
+    assert_eq!(server.requests().len(), 1);
+}
+
 #[tokio::test]
 async fn server_errors_until_retries_run_out_fail_after_exactly_four_requests() {
     let server = FixtureServer::start().await;

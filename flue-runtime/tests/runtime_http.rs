@@ -228,6 +228,23 @@ async fn a_rate_limited_call_is_retried_and_the_response_completes() {
     assert_eq!(server.requests().len(), 2);
 }
 
+/// A rate limit that asks for a longer wait than the runtime's retries wait fails the
+/// submission at once: neither the provider nor the turn loop calls again into the same limit.
+#[tokio::test]
+async fn a_rate_limit_asking_for_a_longer_wait_than_retries_wait_fails_without_retrying() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::status(429, r#"{"error":{"message":"daily limit reached"}}"#).retry_after(86_400));
+    server.push(FixtureReply::openai_text("never reached"));
+    let runtime = runtime(&server);
+    let error = runtime.init(&forecaster, "f-long-wait").send("hi").await.unwrap_err();
+    let RuntimeError::Run { message, .. } = error else {
+        panic!("run error")
+    };
+    assert!(message.contains("daily limit reached"), "{message}");
+    assert!(message.contains("asks to wait 1day"), "{message}");
+    assert_eq!(server.requests().len(), 1);
+}
+
 #[tokio::test]
 async fn an_unauthorized_key_fails_the_submission_with_a_clear_error() {
     let server = FixtureServer::start().await;

@@ -4,7 +4,7 @@
 //!   shared by its clones.
 //! - [`send_with_retries`]: POSTs a JSON body and retries failures that happen before the body starts
 //!   streaming (429, 5xx, connect errors, first-byte timeouts) with exponential backoff and jitter,
-//!   honouring `Retry-After` (capped at 30 s).
+//!   honouring `Retry-After` up to 30 s (a longer wait asked fails the call at once).
 //! - [`map_error`]: turns an HTTP status and an error body (OpenAI, OpenRouter or Anthropic shape) into
 //!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted
 //!   (the key as it is, and as it reads once JSON and percent escapes are decoded) and quoted at
@@ -54,7 +54,9 @@ const EVENT_SNIPPET_CHARS: usize = 120;
 /// Rate limits (429), server errors (5xx), connection failures and first-byte timeouts are
 /// retried at most `max_retries` times. The `n`-th retry (from 0) waits `base_delay · 2ⁿ` plus up
 /// to 25 % of random jitter, unless the provider sent `Retry-After`, which is honoured instead.
-/// No wait exceeds 30 s. Failures after the response began streaming are never retried.
+/// No wait exceeds 30 s: a failure whose `Retry-After` asks for longer is not retried (a retry
+/// would meet the same limit), and its error says how long the provider asked to wait. Failures
+/// after the response began streaming are never retried.
 ///
 /// ```
 /// use std::time::Duration;
@@ -787,30 +789,29 @@ async fn error_body(mut response: reqwest::Response, timeout: Duration) -> Strin
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let text = |name: &HeaderName| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
     let millis = text(&HeaderName::from_static("retry-after-ms")).and_then(|v| v.parse::<f64>().ok());
-    if let Some(ms) = millis.filter(|ms| ms.is_finite() && *ms >= 0.0) {
-        return Some(Duration::from_secs_f64(
-            ms.min(MAX_RETRY_WAIT.as_secs_f64() * 1000.0) / 1000.0,
-        ));
+    if let Some(ms) = millis.filter(|ms| !ms.is_nan() && *ms >= 0.0) {
+        return Some(seconds(ms / 1000.0));
     }
     text(&RETRY_AFTER).and_then(parse_retry_after)
 }
 
-/// Parses a `Retry-After` value: integer (or decimal) seconds, or an HTTP date. Capped at 30 s.
+/// Parses a `Retry-After` value: integer (or decimal) seconds, or an HTTP date. Kept whole
+/// (a wait longer than a retry waits makes the call fail instead of retrying too early).
 pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
     let value = value.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds).min(MAX_RETRY_WAIT));
+    if let Ok(whole) = value.parse::<u64>() {
+        return Some(Duration::from_secs(whole));
     }
-    if let Ok(seconds) = value.parse::<f64>() {
-        return (seconds.is_finite() && seconds >= 0.0)
-            .then(|| Duration::from_secs_f64(seconds.min(MAX_RETRY_WAIT.as_secs_f64())));
+    if let Ok(decimal) = value.parse::<f64>() {
+        return (!decimal.is_nan() && decimal >= 0.0).then(|| seconds(decimal));
     }
     let when = httpdate::parse_http_date(value).ok()?;
-    Some(
-        when.duration_since(SystemTime::now())
-            .unwrap_or(Duration::ZERO)
-            .min(MAX_RETRY_WAIT),
-    )
+    Some(when.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
+}
+
+/// `value` seconds (not negative), [`Duration::MAX`] past what a duration holds.
+fn seconds(value: f64) -> Duration {
+    Duration::try_from_secs_f64(value).unwrap_or(Duration::MAX)
 }
 
 /// What an error body says, whatever the provider's shape:
@@ -1029,13 +1030,27 @@ pub(crate) fn map_error(
         K::Timeout => format!("[flue] Provider \"{provider}\" timed out waiting for the request{http}: {said}"),
         _ => format!("[flue] Provider \"{provider}\" answered with an unexpected status{http}: {said}"),
     };
-    ProviderError {
+    let retryable_kind = matches!(kind, K::RateLimited | K::Server | K::Timeout);
+    let mut error = ProviderError {
         kind,
         message,
         status,
         retry_after,
         retried: 0,
+    };
+    if let Some(asked) = retry_after.filter(|_| retryable_kind && error.waits_too_long()) {
+        // Retryable but for the wait: said, so the reader knows when to try again.
+        let asked = if asked > Duration::from_secs(365 * 24 * 3600) {
+            "over a year".to_owned()
+        } else {
+            humantime::format_duration(asked).to_string()
+        };
+        error.message.push_str(&format!(
+            " The provider asks to wait {asked} before another request, longer than a retry waits ({}): not retried.",
+            humantime::format_duration(MAX_RETRY_WAIT)
+        ));
     }
+    error
 }
 
 /// Refuses a stream event whose JSON would parse past [`crate::MAX_JSON_CONTAINERS`] or
@@ -1511,11 +1526,14 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_accepts_seconds_and_http_dates_and_caps_at_thirty_seconds() {
+    fn retry_after_accepts_seconds_and_http_dates_and_keeps_a_long_wait_whole() {
         assert_eq!(parse_retry_after("0"), Some(Duration::ZERO));
         assert_eq!(parse_retry_after(" 2 "), Some(Duration::from_secs(2)));
         assert_eq!(parse_retry_after("1.5"), Some(Duration::from_millis(1500)));
-        assert_eq!(parse_retry_after("3600"), Some(MAX_RETRY_WAIT));
+        // Longer than any retry waits: kept as asked (the call is then not retried).
+        assert_eq!(parse_retry_after("3600"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_retry_after("1e300"), Some(Duration::MAX), "no overflow");
+        assert_eq!(parse_retry_after("18446744073709551616"), Some(Duration::MAX));
         assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT"), Some(Duration::ZERO));
         let soon = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(10));
         let wait = parse_retry_after(&soon).unwrap_or_default();
@@ -1524,7 +1542,11 @@ mod tests {
             "{wait:?}"
         );
         let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(600));
-        assert_eq!(parse_retry_after(&later), Some(MAX_RETRY_WAIT));
+        let wait = parse_retry_after(&later).unwrap_or_default();
+        assert!(
+            wait > Duration::from_secs(598) && wait <= Duration::from_secs(600),
+            "{wait:?}"
+        );
         assert_eq!(parse_retry_after("soon"), None);
         assert_eq!(parse_retry_after("-1"), None);
     }

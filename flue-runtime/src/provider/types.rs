@@ -735,7 +735,8 @@ pub struct ProviderError {
     pub message: String,
     /// HTTP status, when there was one.
     pub status: Option<u16>,
-    /// What the provider asked us to wait before retrying.
+    /// What the provider asked us to wait before retrying, as asked (a wait longer than a
+    /// retry waits makes the error not retryable).
     #[serde(skip)]
     pub retry_after: Option<Duration>,
     /// How many times the provider already retried the call before giving up with this
@@ -773,7 +774,10 @@ impl ProviderError {
         self.is_retryable() && retries.saturating_add(self.retried) < budget
     }
 
-    /// Whether a retry may succeed (rate limits, server errors, timeouts, network failures).
+    /// Whether a retry may succeed: rate limits, server errors, timeouts and network failures,
+    /// unless the provider asked to wait longer than a retry waits
+    /// ([`MAX_MODEL_RETRY_WAIT`](crate::runtime::MAX_MODEL_RETRY_WAIT)): a retry after the
+    /// longest wait would meet the same limit.
     pub fn is_retryable(&self) -> bool {
         matches!(
             self.kind,
@@ -781,7 +785,13 @@ impl ProviderError {
                 | ProviderErrorKind::Server
                 | ProviderErrorKind::Timeout
                 | ProviderErrorKind::Network
-        )
+        ) && !self.waits_too_long()
+    }
+
+    /// Whether the provider asked to wait longer than a retry waits.
+    pub(crate) fn waits_too_long(&self) -> bool {
+        self.retry_after
+            .is_some_and(|asked| asked > crate::runtime::MAX_MODEL_RETRY_WAIT)
     }
 }
 
