@@ -831,14 +831,16 @@ impl Follow {
     }
 }
 
-/// Opens the instance's SSE stream after `offset`. An answer that is not the protocol (a
-/// success that is not an event stream, a refusal below 500 without the error envelope: a
-/// page from a wrong base URL, say) is a [`ClientError::Protocol`].
+/// The longest pause before a reconnection, whatever the server's `Retry-After` asks (a
+/// gateway's `Retry-After: 86400` would otherwise hold a follower a day without a word).
+const MAX_RECONNECT_WAIT: Duration = Duration::from_secs(30);
+
 /// The pause before reconnecting after `failures` failed connections in a row: a backoff
-/// doubling from 200 ms to 3.2 s, or the wait the server asked for when longer (at most 30 s).
+/// doubling from 200 ms to 3.2 s, or the wait the server asked for when longer (at most
+/// [`MAX_RECONNECT_WAIT`]).
 fn reconnect_delay(failures: u32, retry_after: Option<Duration>) -> Duration {
     let backoff = Duration::from_millis(100 * 2u64.pow(failures.min(5)));
-    retry_after.map_or(backoff, |asked| asked.max(backoff))
+    retry_after.map_or(backoff, |asked| asked.min(MAX_RECONNECT_WAIT).max(backoff))
 }
 
 /// Connects a followed stream from `offset`; a refusal's `Retry-After` goes to `retry_after`.
@@ -858,6 +860,9 @@ async fn connect(instance: &Instance, offset: &str, retry_after: &mut Option<Dur
     connected(response, status, instance.client.max_body_bytes).await
 }
 
+/// The instance's SSE stream from a response. An answer that is not the protocol (a success
+/// that is not an event stream, a refusal below 500 without the error envelope: a page from a
+/// wrong base URL, say) is a [`ClientError::Protocol`].
 async fn connected(response: reqwest::Response, status: u16, limit: usize) -> Result<Body, ClientError> {
     if response.status().is_success() {
         let content_type = response
@@ -1359,6 +1364,12 @@ mod tests {
             Duration::from_millis(3200)
         );
         assert_eq!(reconnect_delay(1, None), Duration::from_millis(200));
+        // A wait asked past 30 s (a day, or more than a duration holds) is 30 s.
+        assert_eq!(
+            reconnect_delay(1, Some(Duration::from_secs(86_400))),
+            MAX_RECONNECT_WAIT
+        );
+        assert_eq!(reconnect_delay(5, Some(Duration::MAX)), MAX_RECONNECT_WAIT);
     }
 
     /// A loopback server answering every request with `response` and sending each request's
