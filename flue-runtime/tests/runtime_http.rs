@@ -124,6 +124,96 @@ async fn a_call_id_an_earlier_step_used_gets_one_of_its_own() {
     assert_eq!(called, ["call_0", started[1].as_str()]);
 }
 
+/// Two calls of one step under one id (an Anthropic-compatible server, or a provider of the
+/// application's, that repeats it): the second gets an id of its own, everywhere. Else both
+/// outcomes would be stored under one id, the history would give both calls the first result,
+/// and the next request would carry two `tool_use` blocks of one id (which Anthropic refuses).
+#[tokio::test]
+async fn two_calls_of_one_step_under_one_id_each_get_an_id_of_their_own() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_tool_use([
+        ("toolu_1", "get_weather", r#"{"city":"Paris"}"#),
+        ("toolu_1", "get_weather", r#"{"city":"Tokyo"}"#),
+    ]));
+    server.push(FixtureReply::anthropic_text("Sunny in both."));
+    let dir = scratch::dir("duplicate-call-ids");
+    let runtime = thinking_runtime(&server, SqliteStore::open(dir.join("flue.db")).unwrap());
+    let mut events = runtime.observe();
+    let reply = runtime.init(&thinker, "t-dup").send("Paris and Tokyo?").await.unwrap();
+    assert_eq!(reply.text, "Sunny in both.");
+    let mut started = Vec::new();
+    let mut ended = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::ToolCallStarted { tool_call_id, .. } => started.push(tool_call_id),
+            Event::Tool { tool_call_id, .. } => ended.push(tool_call_id),
+            _ => {}
+        }
+    }
+    assert_eq!(started.len(), 2, "{started:?}");
+    assert_eq!(started[0], "toolu_1");
+    assert_ne!(started[1], "toolu_1");
+    assert_eq!(ended, started, "each call's tool events name it as it started");
+    // The next request: two tool_use blocks, two results, each under its own id.
+    let requests = server.requests();
+    let messages = requests[1].body["messages"].as_array().unwrap();
+    let blocks: Vec<&serde_json::Value> = messages
+        .iter()
+        .filter_map(|message| message["content"].as_array())
+        .flatten()
+        .collect();
+    let used: Vec<&str> = blocks
+        .iter()
+        .filter(|block| block["type"] == "tool_use")
+        .map(|block| block["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(used, [started[0].as_str(), started[1].as_str()]);
+    let results: Vec<(&str, String)> = blocks
+        .iter()
+        .filter(|block| block["type"] == "tool_result")
+        .map(|block| {
+            let content = &block["content"];
+            let text = content
+                .as_str()
+                .map(str::to_owned)
+                .unwrap_or_else(|| content[0]["text"].as_str().unwrap().to_owned());
+            (block["tool_use_id"].as_str().unwrap(), text)
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            (started[0].as_str(), "Sunny in Paris.".to_owned()),
+            (started[1].as_str(), "Sunny in Tokyo.".to_owned())
+        ]
+    );
+    // And the stored history says the same once read back from the store.
+    drop(runtime);
+    let runtime = thinking_runtime(&server, SqliteStore::open(dir.join("flue.db")).unwrap());
+    server.push(FixtureReply::anthropic_text("Still sunny."));
+    runtime.init(&thinker, "t-dup").send("And now?").await.unwrap();
+    let requests = server.requests();
+    // (Prompt-cache breakpoints move to the newest message: compared without them.)
+    let uncached = |message: &serde_json::Value| {
+        let mut message = message.clone();
+        for block in message["content"].as_array_mut().into_iter().flatten() {
+            block.as_object_mut().unwrap().remove("cache_control");
+        }
+        message
+    };
+    let (before, replayed) = (&requests[1].body["messages"], &requests[2].body["messages"]);
+    assert_eq!(
+        uncached(&replayed[1]),
+        uncached(&before[1]),
+        "the calls, as sent before"
+    );
+    assert_eq!(
+        uncached(&replayed[2]),
+        uncached(&before[2]),
+        "their results, as sent before"
+    );
+}
+
 #[agent]
 fn weather_desk() -> &'static str {
     use_model("fixture/gpt-test");

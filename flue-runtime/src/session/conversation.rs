@@ -160,45 +160,73 @@ struct PendingOutcome {
     updates: Vec<Map<String, Value>>,
 }
 
-/// The call ids of one streamed step: a call id an earlier step of the conversation has (a
+/// The call ids of one streamed step. A call id an earlier step of the conversation has (a
 /// server that numbers its ids per step, `call_0` in each) gets one of its own, from the call's
-/// first event on. Else its result would answer the earlier call wherever a call is found by
-/// its id (the HTTP view, a provider that refuses a repeated id once the model is switched).
+/// first event on; so does a call whose id an earlier call of the same step has (a server, or
+/// a provider of the application's, that repeats one). Else its result would answer the other
+/// call wherever a call is found by its id (the history, the HTTP view, a provider that
+/// refuses a repeated id).
+///
+/// The streamed starts and the completed response name the same calls in the same order: the
+/// `n`-th call the server named `id` goes by one id in both.
 #[derive(Default)]
 pub(crate) struct CallIds {
-    renamed: HashMap<String, String>,
+    /// Per id the server gave, the ids its calls go by, in the order they came.
+    given: HashMap<String, Vec<String>>,
+    /// How many calls of each id the streamed starts named so far.
+    started: HashMap<String, usize>,
 }
 
 impl CallIds {
-    /// The id the step's call the server named `id` goes by.
+    /// The id the step's next streamed call the server named `id` goes by.
     pub(crate) fn own(&mut self, conversation: &Conversation, id: String) -> String {
-        if let Some(fresh) = self.renamed.get(&id) {
-            return fresh.clone();
-        }
-        if !conversation.has_call(&id) {
+        let nth = self.started.entry(id.clone()).or_default();
+        let call = *nth;
+        *nth += 1;
+        self.nth(conversation, id, call)
+    }
+
+    /// The id the `call`-th call (from 0) the server named `id` goes by.
+    fn nth(&mut self, conversation: &Conversation, id: String, call: usize) -> String {
+        // The common case: a first call under an id no call has had, which keeps it (and
+        // which a later look for the same call finds again the same way).
+        if call == 0 && !self.given.contains_key(&id) && !conversation.has_call(&id) {
             return id;
         }
-        let fresh = format!("call_{}", ulid::Ulid::new());
-        self.renamed.insert(id, fresh.clone());
-        fresh
+        let taken = conversation.has_call(&id);
+        let ids = self.given.entry(id.clone()).or_default();
+        while ids.len() <= call {
+            ids.push(if ids.is_empty() && !taken {
+                id.clone()
+            } else {
+                format!("call_{}", ulid::Ulid::new())
+            });
+        }
+        ids[call].clone()
     }
 
     /// The step's complete calls, each under the id it goes by, and the reasoning details that
     /// name a renamed call (OpenRouter's encrypted reasoning carries its call's id: sent back
-    /// under the old one, the call would lose its signature).
+    /// under the old one, the call would lose its signature; a detail names a repeated id's
+    /// first call).
     pub(crate) fn rename(
         &mut self,
         conversation: &Conversation,
         calls: &mut [ModelToolCall],
         reasoning: &mut [crate::provider::ReasoningBlock],
     ) {
+        let mut seen: HashMap<String, usize> = HashMap::new();
         for call in calls {
-            call.id = self.own(conversation, std::mem::take(&mut call.id));
+            let id = std::mem::take(&mut call.id);
+            let nth = seen.entry(id.clone()).or_default();
+            let index = *nth;
+            *nth += 1;
+            call.id = self.nth(conversation, id, index);
         }
         for block in reasoning {
             if let crate::provider::ReasoningBlock::Detail { detail } = block
                 && let Some(serde_json::Value::String(id)) = detail.get_mut("id")
-                && let Some(fresh) = self.renamed.get(id.as_str())
+                && let Some(fresh) = self.given.get(id.as_str()).and_then(|ids| ids.first())
             {
                 id.clone_from(fresh);
             }
