@@ -111,10 +111,12 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
     // cooperative budget is spent, so the calls of a batch would start in an order that
     // depends on how much the task did before; here each call starts when the batch first
     // polls it, in call order.)
-    let mut run = std::pin::pin!(run);
+    let mut run = std::pin::pin!(Some(run));
     let mut aborted = std::pin::pin!(signal.aborted());
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(result) = run.as_mut().poll(cx) {
+    let output = std::future::poll_fn(|cx| {
+        if let Some(running) = run.as_mut().as_pin_mut()
+            && let Poll::Ready(result) = running.poll(cx)
+        {
             return Poll::Ready(match result {
                 Ok(output) => output,
                 Err(payload) => panicked(tool, payload.as_ref()),
@@ -125,7 +127,18 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
             .poll(cx)
             .map(|()| ToolOutput::error("Tool execution was aborted."))
     })
-    .await
+    .await;
+    // A tool stopped by the abort is dropped mid-way, here: what it held is dropped with it,
+    // and a panic of a drop (a runtime of its own dropped in async code, say) is the tool's,
+    // not the response's.
+    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| run.as_mut().set(None))) {
+        tracing::warn!(
+            tool = tool.name(),
+            panic = flue_core::render::panic_message(payload.as_ref()),
+            "a tool stopped by an abort panicked while it was dropped"
+        );
+    }
+    output
 }
 
 /// The error result of a tool that panicked.
@@ -158,6 +171,41 @@ mod tests {
                     Ok::<_, flue_core::tool::ToolError>("ran")
                 }
             })
+    }
+
+    /// Panics when dropped.
+    struct PanicsOnDrop;
+
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("dropped in the wrong place");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tool_stopped_by_an_abort_whose_drop_panics_still_ends_as_aborted() {
+        let tool = Tool::new("holds").description("Holds what panics when dropped.").run(
+            |_ctx, _: serde_json::Map<String, Value>| async move {
+                let held = PanicsOnDrop;
+                std::future::pending::<()>().await;
+                drop(held);
+                Ok::<_, flue_core::tool::ToolError>("never")
+            },
+        );
+        let signal = AbortSignal::new();
+        let ctx = ToolContext::new(&tool, "call_1".to_owned());
+        let stopping = signal.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            stopping.abort("stop");
+        });
+        let output = run_one(&tool, ctx, "{}", &signal).await;
+        assert!(output.is_error);
+        assert!(
+            matches!(&output.content, flue_core::tool::ToolContent::Text(text) if text == "Tool execution was aborted."),
+            "{:?}",
+            output.content
+        );
     }
 
     #[tokio::test]
