@@ -37,7 +37,7 @@ impl Description {
                 }) => {
                     // A block comment (`/** … */`) is one attribute of several lines.
                     let text = text.value();
-                    lines.extend(text.split('\n').map(|line| Line::Text(line.to_owned())));
+                    lines.extend(block_lines(&text).into_iter().map(Line::Text));
                 }
                 other => {
                     expanded = expanded.or(Some(other.span()));
@@ -90,6 +90,43 @@ impl Description {
 enum Line {
     Text(String),
     Expr(syn::Expr),
+}
+
+/// The lines of one literal doc attribute. A block comment's (several lines) are trimmed as
+/// rustdoc trims them: its first and last lines go when blank or only stars (`/**` and `*/` on
+/// lines of their own), and when every other non-blank line starts with a star in the same
+/// column (` * text`), the stars go with what precedes them.
+fn block_lines(text: &str) -> Vec<String> {
+    let mut lines: Vec<&str> = text.split('\n').collect();
+    if lines.len() < 2 {
+        return lines.into_iter().map(str::to_owned).collect();
+    }
+    let decoration = |line: &str| line.trim().chars().all(|c| c == '*');
+    if lines.first().is_some_and(|line| decoration(line)) {
+        lines.remove(0);
+    }
+    if lines.last().is_some_and(|line| decoration(line)) {
+        lines.pop();
+    }
+    let star_column = |line: &str| {
+        let column = line.find(|c: char| c != ' ' && c != '\t')?;
+        line[column..].starts_with('*').then_some(column)
+    };
+    let mut columns = lines
+        .iter()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| star_column(line));
+    let shared = match columns.next() {
+        Some(Some(column)) if columns.all(|other| other == Some(column)) => Some(column),
+        _ => None,
+    };
+    lines
+        .into_iter()
+        .map(|line| match shared {
+            Some(column) if !line.trim().is_empty() => line[column + 1..].to_owned(),
+            _ => line.to_owned(),
+        })
+        .collect()
 }
 
 /// Removes the leading whitespace (spaces and tabs) the non-blank literal lines share, and
@@ -160,6 +197,26 @@ mod tests {
             #[doc = "\n    Does one thing:\n      - well\n"]
         });
         assert_eq!(described.as_deref(), Some("Does one thing:\n  - well"));
+    }
+
+    #[test]
+    fn a_starred_block_comment_loses_its_stars_as_rustdoc_trims_them() {
+        // `/**\n * Search the issues.\n *   - nested\n *\n * Done.\n */`
+        let described = text(quote! {
+            #[doc = "\n * Search the issues.\n *   - nested\n *\n * Done.\n "]
+        });
+        assert_eq!(described.as_deref(), Some("Search the issues.\n  - nested\n\nDone."));
+        // Stars in other columns, or on some lines only, are text.
+        let described = text(quote! {
+            #[doc = "\n * One.\n  * Two.\n"]
+        });
+        assert_eq!(described.as_deref(), Some("* One.\n * Two."));
+        let described = text(quote! {
+            #[doc = "\n * A list:\n   not starred\n"]
+        });
+        assert_eq!(described.as_deref(), Some("* A list:\n  not starred"));
+        // A comment on one line keeps a leading star: it is the text's own.
+        assert_eq!(text(quote!(#[doc = "* starred"])).as_deref(), Some("* starred"));
     }
 
     #[test]
