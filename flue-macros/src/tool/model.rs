@@ -218,7 +218,8 @@ impl ToolModel {
             }
             rest => Arguments::Plain(
                 rest.iter_mut()
-                    .filter_map(|param| {
+                    .enumerate()
+                    .filter_map(|(position, param)| {
                         // Doc comments on parameters become field descriptions, and serde and
                         // schemars attributes the field's; rustc does not accept them on
                         // parameters, so they are taken off here. Other attributes
@@ -249,10 +250,19 @@ impl ToolModel {
                             return None;
                         }
                         if let Some(borrowed) = borrowed_in(&field.ty) {
+                            // The first parameter by reference to a type of another name may be
+                            // the context under an alias (`use … ToolContext as Ctx`): the
+                            // macro knows the context by its name only.
+                            let first = position == 0 && !has_context;
+                            let context_hint = if first && references_a_named_type(&borrowed) {
+                                "; if this is the tool's context under another name, write `&ToolContext`: the macro knows the context by that name"
+                            } else {
+                                ""
+                            };
                             errors.spanned(
                                 &borrowed,
                                 format!(
-                                    "a tool parameter cannot borrow: arguments are deserialized from the model's JSON into owned values ({})",
+                                    "a tool parameter cannot borrow: arguments are deserialized from the model's JSON into owned values ({}){context_hint}",
                                     owned_hint(&borrowed)
                                 ),
                             );
@@ -570,6 +580,14 @@ fn impl_trait_in(ty: &Type) -> Option<&syn::TypeImplTrait> {
 }
 
 /// What to take instead of a borrowed type.
+/// Whether `borrowed` is a shared reference to a named type other than `str` (`&Ctx`, not
+/// `&str`, `&[T]` or `&mut T`).
+fn references_a_named_type(borrowed: &TokenStream) -> bool {
+    matches!(syn::parse2::<Type>(borrowed.clone()), Ok(Type::Reference(reference))
+        if reference.mutability.is_none()
+            && matches!(reference.elem.as_ref(), Type::Path(path) if !path.path.is_ident("str")))
+}
+
 fn owned_hint(borrowed: &TokenStream) -> &'static str {
     match syn::parse2::<Type>(borrowed.clone()) {
         Ok(Type::Reference(reference)) => match reference.elem.as_ref() {
