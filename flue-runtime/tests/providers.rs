@@ -1379,6 +1379,57 @@ async fn a_stream_silent_longer_than_the_idle_timeout_is_a_timeout() {
     assert_eq!(server.requests().len(), 1);
 }
 
+/// A gateway that keeps the connection alive with SSE comments while no model output comes
+/// (its upstream queued or stuck) gets the idle timeout a silent server gets: the keep-alives
+/// reset the wait for bytes, not the wait for output. (It would otherwise hold the turn until
+/// the submission's timeout, an hour by default.)
+#[tokio::test]
+async fn keep_alives_without_output_for_the_idle_timeout_are_a_timeout() {
+    let server = FixtureServer::start().await;
+    let mut chunks = vec![OpenAiChunk::Text("first".into())];
+    for _ in 0..40 {
+        chunks.push(OpenAiChunk::Pause(Duration::from_millis(100)));
+        chunks.push(OpenAiChunk::Comment("OPENROUTER PROCESSING".into()));
+    }
+    chunks.extend([
+        OpenAiChunk::Text(" late".into()),
+        OpenAiChunk::Finish("stop".into()),
+        OpenAiChunk::Done,
+    ]);
+    server.push(FixtureReply::openai_chunks(chunks));
+    let provider = openai(&server, "FLUE_TEST_KEY_KEEPALIVE").with_idle_timeout(Duration::from_millis(1000));
+    let started = std::time::Instant::now();
+    let (events, error) = fail(&provider, request("hi")).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "failed before the keep-alives ran out"
+    );
+    assert_eq!(text_deltas(&events), ["first"]);
+    assert_eq!(error.kind, ProviderErrorKind::Timeout);
+    assert!(error.message.contains("only keep-alives"), "{}", error.message);
+}
+
+/// Keep-alives between outputs, each gap shorter than the idle timeout, end nothing: the wait
+/// counts from the last output.
+#[tokio::test]
+async fn keep_alives_between_outputs_within_the_idle_timeout_end_nothing() {
+    let server = FixtureServer::start().await;
+    let mut chunks = Vec::new();
+    for word in ["one", " two", " three"] {
+        for _ in 0..4 {
+            chunks.push(OpenAiChunk::Pause(Duration::from_millis(100)));
+            chunks.push(OpenAiChunk::Comment("keep-alive".into()));
+        }
+        chunks.push(OpenAiChunk::Text(word.into()));
+    }
+    chunks.extend([OpenAiChunk::Finish("stop".into()), OpenAiChunk::Done]);
+    server.push(FixtureReply::openai_chunks(chunks));
+    // 1.2 s of keep-alives in all, 0.4 s between outputs.
+    let provider = openai(&server, "FLUE_TEST_KEY_KEEPALIVE_OK").with_idle_timeout(Duration::from_millis(800));
+    let (_, response) = complete(&provider, request("hi")).await;
+    assert_eq!(response.text, "one two three");
+}
+
 #[tokio::test]
 async fn an_idle_timeout_of_duration_max_is_no_limit_not_a_panic() {
     let server = FixtureServer::start().await;

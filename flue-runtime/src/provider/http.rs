@@ -11,7 +11,8 @@
 //!   most 300 characters long; a connection error quotes the request's URL without its
 //!   userinfo, query and fragment.
 //! - [`sse_stream`]: turns a response into a [`ModelStream`] through a provider-specific [`SseDecoder`],
-//!   with an idle timeout between body chunks.
+//!   with an idle timeout between body chunks, and the same bound on the wait for model output
+//!   while only keep-alives arrive.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -1236,6 +1237,11 @@ struct Driver<D> {
     /// How many times the call was retried before its response started: an error of the
     /// stream carries them too, so the turn loop's retries and these never pass its budget.
     retried: u32,
+    /// How long the body was waited on since the decoder last gave an event: keep-alives (SSE
+    /// comments, events that carry nothing, as a gateway sends while its upstream is queued)
+    /// reset the idle timeout of the bytes, not this; past `idle` the call fails as a silent
+    /// server's would.
+    quiet: Duration,
 }
 
 /// The most bytes one streamed response may bring. Far beyond any real answer (a model's
@@ -1248,6 +1254,7 @@ impl<D: SseDecoder> Driver<D> {
     async fn next(&mut self) -> Option<Result<StreamEvent, ProviderError>> {
         loop {
             if let Some(event) = self.out.pop_front() {
+                self.quiet = Duration::ZERO;
                 return Some(Ok(event));
             }
             if let Some(error) = self.failure.take() {
@@ -1271,7 +1278,11 @@ impl<D: SseDecoder> Driver<D> {
                         Ok(Flow::Done) => self.phase = Phase::Finished,
                         Err(error) => self.fail(error),
                     },
-                    Ok(None) => match body.next().await {
+                    Ok(None) if self.quiet > self.idle => {
+                        let error = self.only_keep_alives();
+                        self.fail(error);
+                    }
+                    Ok(None) => match waited(&mut self.quiet, body.next()).await {
                         Some(Ok(chunk)) if chunk.len() > self.budget => {
                             let error = self.too_long();
                             self.fail(error);
@@ -1304,6 +1315,17 @@ impl<D: SseDecoder> Driver<D> {
     fn fail(&mut self, error: ProviderError) {
         self.failure = Some(error);
         self.phase = Phase::Finished;
+    }
+
+    fn only_keep_alives(&self) -> ProviderError {
+        ProviderError::new(
+            ProviderErrorKind::Timeout,
+            format!(
+                "[flue] Provider \"{}\" sent only keep-alives for {} while streaming the response, no model output.",
+                self.ctx.provider,
+                humantime::format_duration(self.idle)
+            ),
+        )
     }
 
     fn too_long(&self) -> ProviderError {
@@ -1436,7 +1458,16 @@ fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: Call
         parser: SseParser::default(),
         budget: MAX_RESPONSE_BYTES,
         retried: 0,
+        quiet: Duration::ZERO,
     }
+}
+
+/// `next` awaited, its wait added to `quiet` (see [`Driver::quiet`]).
+async fn waited<T>(quiet: &mut Duration, next: impl Future<Output = T>) -> T {
+    let started = tokio::time::Instant::now();
+    let next = next.await;
+    *quiet = quiet.saturating_add(started.elapsed());
+    next
 }
 
 /// The driver is boxed: `unfold` moves its state in and out of each step's future, once per

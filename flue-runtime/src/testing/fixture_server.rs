@@ -234,6 +234,8 @@ pub enum OpenAiChunk {
     Done,
     /// A pause before the next chunk (to trip idle timeouts).
     Pause(Duration),
+    /// An SSE comment line (`: text`), as a gateway sends to keep a connection alive.
+    Comment(String),
 }
 
 /// One event of a scripted Anthropic Messages stream (`event: <type>` plus its `data:`).
@@ -696,6 +698,7 @@ fn openai_frame(chunk: OpenAiChunk) -> Frame {
         OpenAiChunk::Raw(payload) => return data_frame(&payload),
         OpenAiChunk::Done => return data_frame("[DONE]"),
         OpenAiChunk::Pause(pause) => return Frame::Pause(pause),
+        OpenAiChunk::Comment(text) => return Frame::Bytes(format!(": {text}\n\n")),
     };
     data_frame(&value.to_string())
 }
