@@ -696,6 +696,16 @@ async fn start_in(
         if unsafe { libc::fchdir(dir.as_raw_fd()) } < 0 {
             return Err(std::io::Error::last_os_error());
         }
+        // A session of its own (and so a process group of its own, whose id is the shell's
+        // pid: a timeout or an abort kills every process the command started). Without a
+        // controlling terminal, a command that asks the user something (`git push` over
+        // HTTPS, `ssh`, `sudo`) fails at once instead of stopping for its timeout as a
+        // background group reading the runtime's terminal, and cannot write or type into it.
+        // SAFETY: `setsid` takes no arguments; the child is no group leader yet (its group is
+        // the runtime's).
+        if unsafe { libc::setsid() } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         // Descriptors the runtime's own process inherited without close-on-exec (from what
         // launched it) are no business of the command's: every one past stdio closes at exec.
         // Best effort: a kernel before 5.11 refuses the flag, and they stay open.
@@ -708,7 +718,8 @@ async fn start_in(
         Ok(())
     };
     // SAFETY: the closure runs in the child between fork and exec, where only
-    // async-signal-safe calls are sound: it makes two system calls (`fchdir`, `close_range`),
+    // async-signal-safe calls are sound: it makes three system calls (`fchdir`, `setsid`,
+    // `close_range`),
     // reads `errno` on failure, and neither allocates nor takes a lock.
     unsafe {
         command.pre_exec(change_into);
@@ -825,6 +836,36 @@ impl<R: tokio::io::AsyncRead + Unpin> Captured<R> {
             self.kept.drain(..self.kept.len() - MAX_OUTPUT_BYTES);
         }
         String::from_utf8_lossy(&self.kept).into_owned()
+    }
+}
+
+/// What ended a command that a signal killed (a crash, the kernel out of memory), said so the
+/// model does not take it for a hang.
+fn killed_by_signal(status: &std::process::ExitStatus) -> Option<String> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        let signal = status.signal()?;
+        let name = match signal {
+            libc::SIGHUP => "SIGHUP",
+            libc::SIGINT => "SIGINT",
+            libc::SIGQUIT => "SIGQUIT",
+            libc::SIGILL => "SIGILL",
+            libc::SIGABRT => "SIGABRT",
+            libc::SIGBUS => "SIGBUS",
+            libc::SIGFPE => "SIGFPE",
+            libc::SIGKILL => "SIGKILL",
+            libc::SIGSEGV => "SIGSEGV",
+            libc::SIGPIPE => "SIGPIPE",
+            libc::SIGTERM => "SIGTERM",
+            _ => return Some(format!("The command was killed by signal {signal}.")),
+        };
+        Some(format!("The command was killed by signal {signal} ({name})."))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = status;
+        None
     }
 }
 
@@ -1037,10 +1078,9 @@ impl Sandbox for LocalSandbox {
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .kill_on_drop(true);
-            // Its own process group: a timeout (or an abort dropping this future) kills every
-            // process the command started, not only the shell.
-            #[cfg(unix)]
-            command.process_group(0);
+            // Its own process group (on Unix, a session of its own: see `start_in`): a timeout
+            // (or an abort dropping this future) kills every process the command started, not
+            // only the shell.
             let limit = request.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
             let mut child = command.spawn().map_err(io)?;
             // Declared after the shell, so dropped (killing the group) before it: the unreaped
@@ -1085,11 +1125,20 @@ impl Sandbox for LocalSandbox {
                     })
                 }
                 Ok(Err(error)) => Err(io(error)),
-                Ok(Ok(status)) => Ok(ExecOutput {
-                    exit_code: status.code(),
-                    stdout: stdout.into_text(),
-                    stderr: stderr.into_text(),
-                }),
+                Ok(Ok(status)) => {
+                    let mut stderr = stderr.into_text();
+                    if let Some(killed) = killed_by_signal(&status) {
+                        if !stderr.is_empty() && !stderr.ends_with('\n') {
+                            stderr.push('\n');
+                        }
+                        stderr.push_str(&killed);
+                    }
+                    Ok(ExecOutput {
+                        exit_code: status.code(),
+                        stdout: stdout.into_text(),
+                        stderr,
+                    })
+                }
             }
         })
     }
@@ -1345,6 +1394,45 @@ mod tests {
             timeout: Some(Duration::from_secs(20)),
         };
         sandbox.exec(request).await
+    }
+
+    /// A command runs in a session of its own, without the runtime's terminal: what asks the
+    /// user a question fails at once instead of stopping, and cannot reach the terminal.
+    #[tokio::test]
+    async fn a_command_leads_a_session_of_its_own_without_the_runtimes_terminal() {
+        let dirs = scratch("session");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let ran = run(
+            &sandbox,
+            "/",
+            "echo $$; cut -d' ' -f6 /proc/$$/stat; cut -d' ' -f5 /proc/$$/stat",
+        )
+        .await
+        .unwrap();
+        let ids: Vec<i64> = ran.stdout.split_whitespace().map(|id| id.parse().unwrap()).collect();
+        let [pid, session, group] = ids[..] else {
+            panic!("{ran:?}")
+        };
+        assert_eq!(session, pid, "the shell leads its session");
+        assert_eq!(group, pid, "and its process group");
+        // SAFETY: `getsid(0)` reads this process's session id.
+        assert_ne!(i64::from(unsafe { libc::getsid(0) }), session);
+        let tty = run(&sandbox, "/", "cat /dev/tty; echo \"exit $?\"").await.unwrap();
+        assert!(tty.stdout.contains("exit 1"), "no terminal to read: {tty:?}");
+    }
+
+    #[tokio::test]
+    async fn a_command_a_signal_killed_says_which_signal() {
+        let dirs = scratch("signalled");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let ran = run(&sandbox, "/", "echo before; kill -SEGV $$").await.unwrap();
+        assert_eq!(ran.exit_code, None);
+        assert_eq!(ran.stdout, "before\n");
+        assert_eq!(ran.stderr, "The command was killed by signal 11 (SIGSEGV).");
     }
 
     #[tokio::test]

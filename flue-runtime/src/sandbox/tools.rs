@@ -719,7 +719,8 @@ fn bash(session: &SandboxSession, args: BashArgs) -> BoxFuture<'_, ToolOutput> {
                 match output.exit_code {
                     Some(0) => ToolOutput::text(shown),
                     Some(code) => ToolOutput::text(format!("{shown}\n\nThe command exited with code {code}.")),
-                    None => ToolOutput::error(format!("{shown}\n\nThe command did not finish.")),
+                    // Killed: by its timeout or by a signal, which the output says.
+                    None => ToolOutput::error(format!("{shown}\n\nThe command did not exit with a code.")),
                 }
             }
         }
