@@ -572,12 +572,16 @@ impl ToolHandler for McpTool {
 const MIN_CREDENTIAL_WORD_BYTES: usize = 8;
 
 /// The credentials of `connection` that a server may echo in an error (a 401 that quotes the
-/// token it refused): its token, its headers' values (which header carries a key is not
-/// known), and the long words of those values. The errors' texts reach the model, the records,
-/// the settlement and the log, so none of them may show these.
+/// token it refused) or a result: its token, the values of its headers that carry one (see
+/// [`carries_credential`]), and the long words of those values. The texts reach the model,
+/// the records, the settlement and the log, so none of them may show these.
 fn credentials(connection: &McpConnection) -> Arc<[String]> {
     let mut credentials: Vec<String> = connection.auth.iter().map(|token| token.expose().to_owned()).collect();
-    for (_, value) in &connection.headers {
+    for (_, value) in connection
+        .headers
+        .iter()
+        .filter(|(name, value)| carries_credential(name, value))
+    {
         credentials.push(value.clone());
         credentials.extend(
             value
@@ -590,6 +594,32 @@ fn credentials(connection: &McpConnection) -> Arc<[String]> {
     credentials.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
     credentials.dedup();
     credentials.into()
+}
+
+/// Whether a static header carries a credential: its name says so (`Authorization`, `Cookie`,
+/// `X-Api-Key`, `X-Auth-Token`, a secret, a session, a password, a signature), or its value
+/// holds an opaque token (a word of 16 bytes or more mixing letters and digits), whatever the
+/// header is called. Other values (`Notion-Version: 2022-06-28`, `X-Env: prod`) are not taken
+/// out of what a server sends back: redacting them would change the data the model reads (a
+/// date in every result, "products" read as "[redacted]ucts").
+fn carries_credential(name: &str, value: &str) -> bool {
+    const NAMED: [&str; 10] = [
+        "auth",
+        "cookie",
+        "key",
+        "token",
+        "secret",
+        "session",
+        "password",
+        "passwd",
+        "signature",
+        "credential",
+    ];
+    let name = name.to_ascii_lowercase();
+    let opaque = |word: &str| {
+        word.len() >= 16 && word.bytes().any(|b| b.is_ascii_digit()) && word.bytes().any(|b| b.is_ascii_alphabetic())
+    };
+    NAMED.iter().any(|named| name.contains(named)) || value.split_whitespace().any(opaque)
 }
 
 /// `text` without any of `credentials`, as they are or escaped (see [`redact_secret`]).
@@ -790,6 +820,28 @@ mod tests {
         assert_eq!(
             readable("Send message error Transport [a::B<c::D>] error: Client error: refused"),
             "Send message error Transport error: Client error: refused"
+        );
+    }
+
+    /// The headers that carry a credential are kept from what servers send back; the others
+    /// (a version, an environment's name) are data, left as they are.
+    #[test]
+    fn only_the_headers_that_carry_a_credential_are_redacted() {
+        let mut connection = McpConnection::new("docs", "https://mcp.example.com/mcp");
+        connection.headers = [
+            ("Notion-Version", "2022-06-28"),
+            ("X-Env", "prod"),
+            ("X-Api-Key", "abc12345"),
+            ("Cookie", "sid=s3cr3t-cookie-value"),
+            ("X-Tenant", "tnt_4f9c2a7b1e8d6c3f"),
+        ]
+        .map(|(name, value)| (name.to_owned(), value.to_owned()))
+        .into();
+        let credentials = credentials(&connection);
+        let text = "On 2022-06-28 the prod products of tnt_4f9c2a7b1e8d6c3f used abc12345 and sid=s3cr3t-cookie-value.";
+        assert_eq!(
+            without_credentials(text, &credentials),
+            "On 2022-06-28 the prod products of [redacted] used [redacted] and [redacted]."
         );
     }
 
