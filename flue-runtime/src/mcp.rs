@@ -232,8 +232,9 @@ fn unavailable_for(connection: &McpConnection) -> impl Fn(String) -> Unavailable
     let credentials = credentials(connection);
     move |reason: String| Unavailable {
         name: connection.name.clone(),
+        // Cut before it is cleaned (see `redacted_capped`): a server's error may be megabytes.
         reason: without_server_path(
-            &without_url_secrets(&without_credentials(&reason, &credentials)),
+            &without_url_secrets(&redacted_capped(reason, &credentials)),
             &connection.url,
         ),
         optional: connection.optional,
@@ -534,7 +535,7 @@ impl ToolHandler for McpTool {
                     return ToolOutput::error(capped(format!(
                         "The MCP server failed the call: {}",
                         without_server_path(
-                            &without_url_secrets(&without_credentials(&error.to_string(), &self.credentials)),
+                            &without_url_secrets(&redacted_capped(error.to_string(), &self.credentials)),
                             &self.url
                         )
                     )));

@@ -519,6 +519,50 @@ async fn a_named_tool_whose_schema_is_too_large_refuses_the_server() {
     assert!(model.requests().is_empty(), "no model request was made");
 }
 
+static VERBOSE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// A server whose tools listing fails with a megabyte of error text.
+#[derive(Clone)]
+struct Verbose;
+
+impl ServerHandler for Verbose {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Err(ErrorData::internal_error(
+            format!("the index broke: {}", "x".repeat(1 << 20)),
+            None,
+        ))
+    }
+}
+
+#[agent]
+fn verbose_user() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("verbose", VERBOSE_URL.get().unwrap().clone()).auth(Secret::new("t0ken")));
+    "Use it."
+}
+
+/// A required server's failure is said in a line, however long the server's error: the
+/// settlement's message (stored, served over HTTP, printed) does not carry a megabyte.
+#[tokio::test]
+async fn a_required_servers_megabyte_error_fails_the_submission_in_a_line() {
+    let _ = VERBOSE_URL.set(serve(Verbose).await);
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, [verbose_user.into()]);
+    let error = runtime.init(&verbose_user, "v").send("go").await.unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(error_type, "mcp_connection_failed");
+    assert!(message.contains("the index broke: xxx"), "{message}");
+    assert!(message.len() < 1_000, "{} bytes", message.len());
+}
+
 /// Each test's own server (a server lives on its test's runtime).
 static LISTING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 static RUDE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();

@@ -1769,7 +1769,8 @@ impl Response<'_> {
                             "mcp_connection_failed",
                             format!(
                                 "[flue] The MCP server \"{}\" could not be used: {}",
-                                failure.name, failure.reason
+                                failure.name,
+                                crate::mcp::shown_reason(&failure.reason)
                             ),
                         ));
                     }
