@@ -2701,8 +2701,6 @@ impl Response<'_> {
         let mut history_len: usize;
         let (response, started, turn_id) = loop {
             let system = crate::framework::system(instruction, self.sections());
-            // The history the call is made on, for the compaction budget's count.
-            history_len = self.conversation.messages.len();
             let (system, messages) = match self.request(system).await {
                 Ok(request) => request,
                 Err(blocked) => {
@@ -2712,6 +2710,10 @@ impl Response<'_> {
                     return Ok((response, message_id, LazyId::new("turn")));
                 }
             };
+            // The history the call is made on, for the compaction budget's count: with the
+            // rows the request's hooks folded in (the provider counts them in this call, so
+            // the next step's estimate must not count them again).
+            history_len = self.conversation.messages.len();
             if row_updates.is_none() {
                 row_updates = Some(self.assistant_row_created(&message_id).await);
             }
