@@ -231,6 +231,9 @@ pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions)
     // instance's, which a `run` does not wait for) goes back to the queue rather than wait
     // out its lease.
     runtime.release().await;
+    // What a response given back left running in a sandbox dies with the process (which
+    // `std::process::exit` ends without dropping the calls that would kill it).
+    crate::sandbox::kill_running_commands();
     match result {
         Ok(()) => 0,
         Err(error) => {
@@ -303,6 +306,7 @@ pub async fn execute_with(
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
                         eprintln!("interrupted again: exiting now");
+                        crate::sandbox::kill_running_commands();
                         std::process::exit(130);
                     }
                 });
@@ -334,6 +338,7 @@ pub async fn execute_with(
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
                         eprintln!("interrupted again: exiting now");
+                        crate::sandbox::kill_running_commands();
                         std::process::exit(130);
                     }
                 });

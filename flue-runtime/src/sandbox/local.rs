@@ -869,50 +869,89 @@ fn killed_by_signal(status: &std::process::ExitStatus) -> Option<String> {
     }
 }
 
+/// The process groups of the commands running in this process, for
+/// [`kill_running_commands`].
+static RUNNING: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
+    RUNNING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Kills every command the local sandboxes of this process are running, with what each
+/// started. A command runs in a session of its own, so the terminal's Ctrl-C does not reach
+/// it, and it dies with its call's future; `std::process::exit` drops no future. Call this
+/// before exiting while responses may still run a command (the [`cli`](crate::cli) does):
+/// else the commands outlive the process, and a resumed attempt may run one again beside
+/// its first run.
+pub fn kill_running_commands() {
+    let groups = std::mem::take(&mut *running());
+    for group in groups {
+        kill_group(group);
+    }
+}
+
 /// A command's process group, killed when dropped (whatever of it still runs), with the
 /// groups of the shell's descendants that left it (GNU `timeout`, `setsid`, job control move
 /// a process to a group of its own, which killing the command's group would miss).
 struct ProcessGroup(u32);
 
+impl ProcessGroup {
+    /// The group of the command whose shell is `pid`, known to [`kill_running_commands`]
+    /// until dropped.
+    fn running(pid: u32) -> Self {
+        running().push(pid);
+        Self(pid)
+    }
+}
+
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        #[cfg(unix)]
-        if let Ok(group) = libc::pid_t::try_from(self.0) {
-            // Found while the shell (the group's leader) still runs and they are its
-            // descendants. The command's group is stopped first, so it starts no more of them
-            // meanwhile; a process of another group that forks meanwhile is in a group killed
-            // here, or is found by the next look.
-            #[cfg(target_os = "linux")]
-            // SAFETY: killpg only sends a signal; a group already gone returns ESRCH.
-            unsafe {
-                libc::killpg(group, libc::SIGSTOP);
-            }
-            #[cfg(target_os = "linux")]
-            for _ in 0..3 {
-                // SAFETY: getpgrp has no preconditions and cannot fail.
-                let own = unsafe { libc::getpgrp() };
-                // Never this process's own group (a descendant may join it), nor init's.
-                let others: Vec<(libc::pid_t, bool)> = descendant_groups(group)
-                    .into_iter()
-                    .filter(|(other, _)| *other != group && *other != own && *other > 1)
-                    .collect();
-                for &(other, _) in &others {
-                    // SAFETY: killpg only sends a signal; a group already gone returns ESRCH.
-                    unsafe {
-                        libc::killpg(other, libc::SIGKILL);
-                    }
+        let group = self.0;
+        running().retain(|&running| running != group);
+        kill_group(group);
+    }
+}
+
+/// Kills the process group `group` and the groups of its descendants that left it.
+fn kill_group(group: u32) {
+    #[cfg(not(unix))]
+    let _ = group;
+    #[cfg(unix)]
+    if let Ok(group) = libc::pid_t::try_from(group) {
+        // Found while the shell (the group's leader) still runs and they are its
+        // descendants. The command's group is stopped first, so it starts no more of them
+        // meanwhile; a process of another group that forks meanwhile is in a group killed
+        // here, or is found by the next look.
+        #[cfg(target_os = "linux")]
+        // SAFETY: killpg only sends a signal; a group already gone returns ESRCH.
+        unsafe {
+            libc::killpg(group, libc::SIGSTOP);
+        }
+        #[cfg(target_os = "linux")]
+        for _ in 0..3 {
+            // SAFETY: getpgrp has no preconditions and cannot fail.
+            let own = unsafe { libc::getpgrp() };
+            // Never this process's own group (a descendant may join it), nor init's.
+            let others: Vec<(libc::pid_t, bool)> = descendant_groups(group)
+                .into_iter()
+                .filter(|(other, _)| *other != group && *other != own && *other > 1)
+                .collect();
+            for &(other, _) in &others {
+                // SAFETY: killpg only sends a signal; a group already gone returns ESRCH.
+                unsafe {
+                    libc::killpg(other, libc::SIGKILL);
                 }
-                // A zombie's group is killed (its members may live on: the zombie keeps the
-                // group id from reuse), but only a live process found is worth another look.
-                if !others.iter().any(|&(_, live)| live) {
-                    break;
-                }
             }
-            // SAFETY: killpg only sends a signal; a group already gone returns ESRCH, which
-            // is no error here.
-            unsafe {
-                libc::killpg(group, libc::SIGKILL);
+            // A zombie's group is killed (its members may live on: the zombie keeps the
+            // group id from reuse), but only a live process found is worth another look.
+            if !others.iter().any(|&(_, live)| live) {
+                break;
             }
+        }
+        // SAFETY: killpg only sends a signal; a group already gone returns ESRCH, which
+        // is no error here.
+        unsafe {
+            libc::killpg(group, libc::SIGKILL);
         }
     }
 }
@@ -1085,7 +1124,7 @@ impl Sandbox for LocalSandbox {
             let mut child = command.spawn().map_err(io)?;
             // Declared after the shell, so dropped (killing the group) before it: the unreaped
             // shell keeps the group id from being reused by another process meanwhile.
-            let mut group = child.id().map(ProcessGroup);
+            let mut group = child.id().map(ProcessGroup::running);
             // Outside the timed wait, so a command killed by its timeout still shows what it
             // printed until then.
             let mut stdout = Captured::new(child.stdout.take());

@@ -58,7 +58,7 @@ use std::sync::{Arc, Mutex};
 
 use flue_core::sandbox::{Sandbox, SandboxError};
 
-pub use local::{DEFAULT_COMMAND_TIMEOUT, LocalSandbox, LocalSandboxFactory};
+pub use local::{DEFAULT_COMMAND_TIMEOUT, LocalSandbox, LocalSandboxFactory, kill_running_commands};
 pub use virtual_fs::{VirtualSandbox, VirtualSandboxFactory};
 
 /// The in-memory sandbox: a filesystem per instance (kept while the process runs), no
