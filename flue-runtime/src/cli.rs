@@ -225,8 +225,14 @@ pub async fn run(runtime: &Runtime, command: Command) -> i32 {
 /// [`run`], serving with `options` (an authorization policy, the timing of live reads).
 pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions) -> i32 {
     log_to_stderr();
-    let mut stdout = std::io::stdout();
-    let result = execute_with(runtime, command, options, &mut stdout).await;
+    let stdout = std::io::stdout();
+    // On a terminal, what the model or a server wrote is shown, not obeyed: an escape
+    // sequence in a reply could rewrite the screen, make a false link or set the clipboard.
+    let result = if std::io::IsTerminal::is_terminal(&stdout) {
+        execute_with(runtime, command, options, &mut Printable(stdout)).await
+    } else {
+        execute_with(runtime, command, options, &mut { stdout }).await
+    };
     // The process exits next: work the background scan took over meanwhile (another
     // instance's, which a `run` does not wait for) goes back to the queue rather than wait
     // out its lease.
@@ -237,9 +243,48 @@ pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions)
     match result {
         Ok(()) => 0,
         Err(error) => {
-            eprintln!("error: {error}");
+            let said = error.to_string();
+            if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                eprintln!("error: {}", printable(&said));
+            } else {
+                eprintln!("error: {said}");
+            }
             error.exit_code()
         }
+    }
+}
+
+/// `text` with its control characters written out (`\x1b`, `\u{9d}`) but for line feeds and
+/// tabs: what a terminal would act on instead of showing.
+fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    let shown = |c: char| !c.is_control() || c == '\n' || c == '\t';
+    if text.chars().all(shown) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            c if shown(c) => out.push(c),
+            c if (c as u32) < 0x80 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// A writer that shows what it is given ([`printable`]): a terminal's standard output.
+struct Printable<W>(W);
+
+impl<W: Write> Write for Printable<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // Formatted output comes in whole strings; bytes that are not UTF-8 are shown lossily.
+        let text = String::from_utf8_lossy(buf);
+        self.0.write_all(printable(&text).as_bytes())?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
     }
 }
 
@@ -556,6 +601,27 @@ mod tests {
     use super::*;
     use crate::prelude::*;
     use crate::testing::{ScriptedModel, ScriptedReply};
+
+    /// A reply (or an error quoting a server) printed to a terminal shows its escape
+    /// sequences instead of running them: it cannot rewrite the screen, fake a link (OSC 8)
+    /// or set the clipboard (OSC 52). Lines and tabs stay.
+    #[test]
+    fn a_terminal_is_shown_control_characters_not_made_to_obey_them() {
+        assert!(matches!(
+            printable("plain text\n\tindented"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(
+            printable("a\x1b[2K\x1b[1Ab\u{9d}52;c;Zm9v\x07 \r\x00"),
+            "a\\x1b[2K\\x1b[1Ab\\u{9d}52;c;Zm9v\\x07 \\x0d\\x00"
+        );
+        let mut shown = Printable(Vec::new());
+        writeln!(shown, "reply: {}", "\x1b]8;;https://evil.example\x07click\x1b]8;;\x07").unwrap();
+        assert_eq!(
+            String::from_utf8(shown.0).unwrap(),
+            "reply: \\x1b]8;;https://evil.example\\x07click\\x1b]8;;\\x07\n"
+        );
+    }
 
     /// Never answers.
     #[crate::tool(crate = "crate")]
