@@ -902,6 +902,13 @@ impl ProcessGroup {
         running().push(pid);
         Self(pid)
     }
+
+    /// Forgets the group unkilled: its command ended (its id may be another's by now).
+    fn release(self) {
+        let group = self.0;
+        running().retain(|&running| running != group);
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for ProcessGroup {
@@ -1142,7 +1149,9 @@ impl Sandbox for LocalSandbox {
             if exited.is_ok() {
                 // Done: the group id may already belong to someone else, and what the shell
                 // left running in the background is the command's to leave.
-                std::mem::forget(group.take());
+                if let Some(group) = group.take() {
+                    group.release();
+                }
             }
             drop(group);
             // What is still in the pipes, read for a moment only (see `OUTPUT_GRACE`).
@@ -1472,6 +1481,20 @@ mod tests {
         assert_eq!(ran.exit_code, None);
         assert_eq!(ran.stdout, "before\n");
         assert_eq!(ran.stderr, "The command was killed by signal 11 (SIGSEGV).");
+    }
+
+    /// A command that ended is no longer among the running ones: an exit's
+    /// `kill_running_commands` kills nothing of it (its group id may be another's by then,
+    /// and what it left in the background is its own to leave).
+    #[tokio::test]
+    async fn a_command_that_ended_is_not_among_the_running_ones() {
+        let dirs = scratch("ended");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let ran = run(&sandbox, "/", "echo $$").await.unwrap();
+        let pid: u32 = ran.stdout.trim().parse().unwrap();
+        assert!(!running().contains(&pid), "{pid} is still listed");
     }
 
     #[tokio::test]
