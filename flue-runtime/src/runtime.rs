@@ -171,8 +171,13 @@ impl Default for RuntimeOptions {
 }
 
 /// The longest wait before a retry of a model call, however many retries came before it (the
-/// built-in providers cap their own waits, a `Retry-After` included, at this same bound).
+/// built-in providers cap their own backoff at this same bound).
 pub const MAX_MODEL_RETRY_WAIT: Duration = Duration::from_secs(30);
+
+/// The longest `Retry-After` a retry of a model call waits out, in full (a per-minute rate
+/// limit's, up to a minute); a failure whose `Retry-After` asks for longer is not retried (a
+/// retry sooner would meet the same limit) and says how long the provider asked to wait.
+pub const MAX_RETRY_AFTER_WAIT: Duration = Duration::from_secs(60);
 
 /// How many events [`Runtime::observe`] keeps for its slowest subscriber.
 pub const OBSERVED_BACKLOG: usize = 4096;
@@ -194,7 +199,7 @@ impl RuntimeOptions {
     /// turn loop's) has spent in all, the provider's own included, and the wait before it:
     /// [`model_retry_wait`](Self::model_retry_wait) scaled by `jitter` (in `[0, 1)`) to between
     /// 75 and 100 % of it, or what the provider asked for (`Retry-After`) when that is
-    /// longer, at most [`MAX_MODEL_RETRY_WAIT`].
+    /// longer, at most [`MAX_RETRY_AFTER_WAIT`].
     pub(crate) fn model_retry(&self, retries: u32, error: &crate::provider::ProviderError) -> (u32, Duration) {
         self.model_retry_jittered(retries, error, crate::provider::jitter_fraction())
     }
@@ -209,7 +214,7 @@ impl RuntimeOptions {
         let wait = self
             .model_retry_wait(spent)
             .mul_f64(1.0 - 0.25 * jitter.clamp(0.0, 1.0))
-            .max(error.retry_after.unwrap_or_default().min(MAX_MODEL_RETRY_WAIT));
+            .max(error.retry_after.unwrap_or_default().min(MAX_RETRY_AFTER_WAIT));
         (spent, wait)
     }
 }
@@ -1871,8 +1876,12 @@ mod tests {
             options.model_retry_jittered(0, &asked, 1.0),
             (3, Duration::from_secs(20))
         );
+        // Waited in full up to a minute (a per-minute limit's); a longer one is not retried.
+        asked.retry_after = Some(Duration::from_secs(45));
+        assert_eq!(options.model_retry_jittered(0, &asked, 0.0).1, Duration::from_secs(45));
         asked.retry_after = Some(Duration::from_secs(600));
-        assert_eq!(options.model_retry_jittered(0, &asked, 0.0).1, MAX_MODEL_RETRY_WAIT);
+        assert!(!asked.is_retryable());
+        assert_eq!(options.model_retry_jittered(0, &asked, 0.0).1, MAX_RETRY_AFTER_WAIT);
     }
 
     #[test]

@@ -4,15 +4,15 @@
 //!   shared by its clones.
 //! - [`send_with_retries`]: POSTs a JSON body and retries failures that happen before the body starts
 //!   streaming (429, 5xx, connect errors, first-byte timeouts) with exponential backoff and jitter,
-//!   honouring `Retry-After` up to 30 s (a longer wait asked fails the call at once).
+//!   honouring `Retry-After` up to a minute (a longer wait asked fails the call at once).
 //! - [`map_error`]: turns an HTTP status and an error body (OpenAI, OpenRouter or Anthropic shape) into
 //!   a [`ProviderError`]. Messages never contain the API key: every provider text is redacted
 //!   (the key as it is, and as it reads once JSON and percent escapes are decoded) and quoted at
 //!   most 300 characters long; a connection error quotes the request's URL without its
 //!   userinfo, query and fragment.
 //! - [`sse_stream`]: turns a response into a [`ModelStream`] through a provider-specific [`SseDecoder`],
-//!   with an idle timeout between body chunks, and the same bound on the wait for model output
-//!   while only keep-alives arrive.
+//!   with an idle timeout between body chunks, and a longer bound on a stretch of keep-alives
+//!   without an event.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -54,10 +54,11 @@ const EVENT_SNIPPET_CHARS: usize = 120;
 ///
 /// Rate limits (429), server errors (5xx), connection failures and first-byte timeouts are
 /// retried at most `max_retries` times. The `n`-th retry (from 0) waits `base_delay · 2ⁿ` plus up
-/// to 25 % of random jitter, unless the provider sent `Retry-After`, which is honoured instead.
-/// No wait exceeds 30 s: a failure whose `Retry-After` asks for longer is not retried (a retry
-/// would meet the same limit), and its error says how long the provider asked to wait. Failures
-/// after the response began streaming are never retried.
+/// to 25 % of random jitter (at most 30 s), unless the provider sent `Retry-After`, which is
+/// honoured instead, in full up to a minute (a per-minute rate limit's): a failure whose
+/// `Retry-After` asks for longer is not retried (a retry would meet the same limit), and its
+/// error says how long the provider asked to wait. Failures after the response began streaming
+/// are never retried.
 ///
 /// ```
 /// use std::time::Duration;
@@ -714,7 +715,8 @@ pub(crate) async fn send_with_retries(
             });
         }
         let wait = match error.retry_after {
-            Some(asked) => asked.min(MAX_RETRY_WAIT),
+            // At most a minute here: a longer wait asked made the error not retryable.
+            Some(asked) => asked.min(crate::runtime::MAX_RETRY_AFTER_WAIT),
             None => transport.retry.backoff(retry),
         };
         tracing::debug!(
@@ -1044,11 +1046,13 @@ pub(crate) fn map_error(
         let asked = if asked > Duration::from_secs(365 * 24 * 3600) {
             "over a year".to_owned()
         } else {
-            humantime::format_duration(asked).to_string()
+            // Whole seconds (an HTTP date's wait would say its nanoseconds).
+            let whole = asked.as_secs() + u64::from(asked.subsec_nanos() > 0);
+            humantime::format_duration(Duration::from_secs(whole)).to_string()
         };
         error.message.push_str(&format!(
             " The provider asks to wait {asked} before another request, longer than a retry waits ({}): not retried.",
-            humantime::format_duration(MAX_RETRY_WAIT)
+            humantime::format_duration(crate::runtime::MAX_RETRY_AFTER_WAIT)
         ));
     }
     error
@@ -1237,10 +1241,9 @@ struct Driver<D> {
     /// How many times the call was retried before its response started: an error of the
     /// stream carries them too, so the turn loop's retries and these never pass its budget.
     retried: u32,
-    /// How long the body was waited on since the decoder last gave an event: keep-alives (SSE
-    /// comments, events that carry nothing, as a gateway sends while its upstream is queued)
-    /// reset the idle timeout of the bytes, not this; past `idle` the call fails as a silent
-    /// server's would.
+    /// How long the body was waited on since its last event: SSE comments (the keep-alives a
+    /// gateway sends while its upstream is queued or stuck) reset the idle timeout of the
+    /// bytes, not this; past [`keep_alive_limit`] of `idle` the call fails.
     quiet: Duration,
 }
 
@@ -1254,7 +1257,6 @@ impl<D: SseDecoder> Driver<D> {
     async fn next(&mut self) -> Option<Result<StreamEvent, ProviderError>> {
         loop {
             if let Some(event) = self.out.pop_front() {
-                self.quiet = Duration::ZERO;
                 return Some(Ok(event));
             }
             if let Some(error) = self.failure.take() {
@@ -1273,12 +1275,15 @@ impl<D: SseDecoder> Driver<D> {
                     Err(error) => self.fail(error),
                 },
                 Phase::Reading(body) => match self.parser.next_event() {
-                    Ok(Some(event)) => match self.decoder.event(&event, &mut self.out) {
-                        Ok(Flow::Continue) => {}
-                        Ok(Flow::Done) => self.phase = Phase::Finished,
-                        Err(error) => self.fail(error),
-                    },
-                    Ok(None) if self.quiet > self.idle => {
+                    Ok(Some(event)) => {
+                        self.quiet = Duration::ZERO;
+                        match self.decoder.event(&event, &mut self.out) {
+                            Ok(Flow::Continue) => {}
+                            Ok(Flow::Done) => self.phase = Phase::Finished,
+                            Err(error) => self.fail(error),
+                        }
+                    }
+                    Ok(None) if self.quiet > keep_alive_limit(self.idle) => {
                         let error = self.only_keep_alives();
                         self.fail(error);
                     }
@@ -1321,9 +1326,9 @@ impl<D: SseDecoder> Driver<D> {
         ProviderError::new(
             ProviderErrorKind::Timeout,
             format!(
-                "[flue] Provider \"{}\" sent only keep-alives for {} while streaming the response, no model output.",
+                "[flue] Provider \"{}\" sent only keep-alives for {} while streaming the response.",
                 self.ctx.provider,
-                humantime::format_duration(self.idle)
+                humantime::format_duration(keep_alive_limit(self.idle))
             ),
         )
     }
@@ -1460,6 +1465,15 @@ fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: Call
         retried: 0,
         quiet: Duration::ZERO,
     }
+}
+
+/// How long a streamed response may send only keep-alives (SSE comments): five times the idle
+/// timeout, at most ten minutes more than it (10 minutes for the default 120 s). Longer than a
+/// silent server gets, since a gateway's upstream may be queued; bounded, since a stuck one
+/// would otherwise hold the turn until the submission's own timeout (an hour by default).
+fn keep_alive_limit(idle: Duration) -> Duration {
+    idle.saturating_mul(5)
+        .min(idle.saturating_add(Duration::from_secs(600)))
 }
 
 /// `next` awaited, its wait added to `quiet` (see [`Driver::quiet`]).

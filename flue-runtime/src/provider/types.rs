@@ -776,7 +776,7 @@ impl ProviderError {
 
     /// Whether a retry may succeed: rate limits, server errors, timeouts and network failures,
     /// unless the provider asked to wait longer than a retry waits
-    /// ([`MAX_MODEL_RETRY_WAIT`](crate::runtime::MAX_MODEL_RETRY_WAIT)): a retry after the
+    /// ([`MAX_RETRY_AFTER_WAIT`](crate::runtime::MAX_RETRY_AFTER_WAIT)): a retry after the
     /// longest wait would meet the same limit.
     pub fn is_retryable(&self) -> bool {
         matches!(
@@ -791,7 +791,7 @@ impl ProviderError {
     /// Whether the provider asked to wait longer than a retry waits.
     pub(crate) fn waits_too_long(&self) -> bool {
         self.retry_after
-            .is_some_and(|asked| asked > crate::runtime::MAX_MODEL_RETRY_WAIT)
+            .is_some_and(|asked| asked > crate::runtime::MAX_RETRY_AFTER_WAIT)
     }
 }
 
