@@ -1445,7 +1445,7 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
                 if self.ids.len() <= index {
                     self.ids.resize(index + 1, Default::default());
                 }
-                self.ids[index] = (self.call_ids.own(self.conversation, id), name);
+                self.ids[index] = (self.call_ids.own(self.conversation, index, id), name);
             }
             StreamEvent::ToolCallArguments { index, delta } => {
                 let (tool_call_id, tool_name) = self.ids.get(index).cloned().unwrap_or_default();

@@ -175,15 +175,23 @@ pub(crate) struct CallIds {
     given: HashMap<String, Vec<String>>,
     /// How many calls of each id the streamed starts named so far.
     started: HashMap<String, usize>,
+    /// The id each streamed call (by its stream index) goes by: a start announced again
+    /// keeps it.
+    by_index: HashMap<usize, String>,
 }
 
 impl CallIds {
-    /// The id the step's next streamed call the server named `id` goes by.
-    pub(crate) fn own(&mut self, conversation: &Conversation, id: String) -> String {
+    /// The id the step's streamed call `index` (which the server named `id`) goes by.
+    pub(crate) fn own(&mut self, conversation: &Conversation, index: usize, id: String) -> String {
+        if let Some(given) = self.by_index.get(&index) {
+            return given.clone();
+        }
         let nth = self.started.entry(id.clone()).or_default();
         let call = *nth;
         *nth += 1;
-        self.nth(conversation, id, call)
+        let given = self.nth(conversation, id, call);
+        self.by_index.insert(index, given.clone());
+        given
     }
 
     /// The id the `call`-th call (from 0) the server named `id` goes by.
@@ -1777,6 +1785,27 @@ mod tests {
     /// A call id an earlier step used is renamed (see [`CallIds`]), also once that step was
     /// compacted away; a fresh id is kept, and a renamed one's reasoning detail follows it.
     #[test]
+    fn repeated_ids_of_one_step_agree_between_the_streamed_starts_and_the_completed_calls() {
+        let conversation = Conversation::default();
+        let mut ids = CallIds::default();
+        let first = ids.own(&conversation, 0, "t1".into());
+        // A start announced again keeps its id; another call under the same id gets its own.
+        assert_eq!(ids.own(&conversation, 0, "t1".into()), first);
+        let second = ids.own(&conversation, 1, "t1".into());
+        assert_eq!(first, "t1");
+        assert_ne!(second, "t1");
+        let call = |id: &str| ModelToolCall {
+            id: id.into(),
+            name: "lookup".into(),
+            arguments: "{}".into(),
+        };
+        let mut calls = vec![call("t1"), call("t1"), call("t2")];
+        ids.rename(&conversation, &mut calls, &mut []);
+        let renamed: Vec<&str> = calls.iter().map(|call| call.id.as_str()).collect();
+        assert_eq!(renamed, ["t1", second.as_str(), "t2"]);
+    }
+
+    #[test]
     fn a_call_id_the_stream_used_is_renamed_even_once_compacted_away() {
         let mut conversation = Conversation::default();
         let mut records = vec![record(RecordBody::UserMessage {
@@ -1828,7 +1857,7 @@ mod tests {
                 serde_json::json!(calls[0].id),
                 "the detail follows its call"
             );
-            (calls[0].id.clone(), ids.own(conversation, "call_9".into()))
+            (calls[0].id.clone(), ids.own(conversation, 1, "call_9".into()))
         };
         let (id, fresh) = renamed(&conversation);
         assert_ne!(id, "call_0");

@@ -3099,7 +3099,7 @@ impl Response<'_> {
                     self.emit_with(|| Event::ThinkingDelta { delta });
                 }
                 Some(Ok(StreamEvent::ToolCallStarted { index, id, name })) => {
-                    let id = ids.own(self.conversation, id);
+                    let id = ids.own(self.conversation, index, id);
                     if let Some(started) = observer.started(index, &id, &name) {
                         self.tool_call_started(started).await;
                     }
