@@ -254,8 +254,9 @@ pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions)
     }
 }
 
-/// `text` with its control characters written out (`\x1b`, `\u{9d}`) but for line feeds and
-/// tabs: what a terminal would act on instead of showing.
+/// `text` with its control characters written out as JSON writes them (`\u001b`, `\u009d`:
+/// inside `--json` output's strings, still JSON) but for line feeds and tabs: what a terminal
+/// would act on instead of showing.
 fn printable(text: &str) -> std::borrow::Cow<'_, str> {
     let shown = |c: char| !c.is_control() || c == '\n' || c == '\t';
     if text.chars().all(shown) {
@@ -265,8 +266,7 @@ fn printable(text: &str) -> std::borrow::Cow<'_, str> {
     for c in text.chars() {
         match c {
             c if shown(c) => out.push(c),
-            c if (c as u32) < 0x80 => out.push_str(&format!("\\x{:02x}", c as u32)),
-            c => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push_str(&format!("\\u{:04x}", c as u32)),
         }
     }
     std::borrow::Cow::Owned(out)
@@ -613,13 +613,17 @@ mod tests {
         ));
         assert_eq!(
             printable("a\x1b[2K\x1b[1Ab\u{9d}52;c;Zm9v\x07 \r\x00"),
-            "a\\x1b[2K\\x1b[1Ab\\u{9d}52;c;Zm9v\\x07 \\x0d\\x00"
+            "a\\u001b[2K\\u001b[1Ab\\u009d52;c;Zm9v\\u0007 \\u000d\\u0000"
         );
+        // `--json` output stays JSON: serde_json leaves DEL and the C1 controls as they are.
+        let json = serde_json::json!({"text": "a\u{7f}b\u{9b}c"}).to_string();
+        let shown: serde_json::Value = serde_json::from_str(&printable(&json)).unwrap();
+        assert_eq!(shown["text"], "a\u{7f}b\u{9b}c");
         let mut shown = Printable(Vec::new());
         writeln!(shown, "reply: {}", "\x1b]8;;https://evil.example\x07click\x1b]8;;\x07").unwrap();
         assert_eq!(
             String::from_utf8(shown.0).unwrap(),
-            "reply: \\x1b]8;;https://evil.example\\x07click\\x1b]8;;\\x07\n"
+            "reply: \\u001b]8;;https://evil.example\\u0007click\\u001b]8;;\\u0007\n"
         );
     }
 
