@@ -94,16 +94,21 @@ enum Line {
 
 /// The lines of one literal doc attribute. A block comment's (several lines) are trimmed as
 /// rustdoc trims them: its first and last lines go when blank or only stars (`/**` and `*/` on
-/// lines of their own), and when every other non-blank line starts with a star in the same
-/// column (` * text`), the stars go with what precedes them.
+/// lines of their own), and when every other non-blank line (the first one aside, when it has
+/// text: `/** Summary.`) starts with a star in the same column (` * text`), the stars go with
+/// what precedes them. (A macro cannot tell a block comment from a `#[doc = "…"]` of several
+/// lines: one whose every line starts `* ` is read as starred too.)
 fn block_lines(text: &str) -> Vec<String> {
     let mut lines: Vec<&str> = text.split('\n').collect();
     if lines.len() < 2 {
         return lines.into_iter().map(str::to_owned).collect();
     }
     let decoration = |line: &str| line.trim().chars().all(|c| c == '*');
+    // The first line's text, when it has some, is the comment's own (`/** Summary.`): no star.
+    let mut skip = usize::from(!decoration(lines[0]) && !lines[0].trim_start().starts_with('*'));
     if lines.first().is_some_and(|line| decoration(line)) {
         lines.remove(0);
+        skip = 0;
     }
     if lines.last().is_some_and(|line| decoration(line)) {
         lines.pop();
@@ -114,6 +119,7 @@ fn block_lines(text: &str) -> Vec<String> {
     };
     let mut columns = lines
         .iter()
+        .skip(skip)
         .filter(|line| !line.trim().is_empty())
         .map(|line| star_column(line));
     let shared = match columns.next() {
@@ -122,8 +128,9 @@ fn block_lines(text: &str) -> Vec<String> {
     };
     lines
         .into_iter()
-        .map(|line| match shared {
-            Some(column) if !line.trim().is_empty() => line[column + 1..].to_owned(),
+        .enumerate()
+        .map(|(index, line)| match shared {
+            Some(column) if index >= skip && !line.trim().is_empty() => line[column + 1..].to_owned(),
             _ => line.to_owned(),
         })
         .collect()
@@ -217,6 +224,11 @@ mod tests {
         assert_eq!(described.as_deref(), Some("* A list:\n  not starred"));
         // A comment on one line keeps a leading star: it is the text's own.
         assert_eq!(text(quote!(#[doc = "* starred"])).as_deref(), Some("* starred"));
+        // Text on the comment's first line (`/** Summary.`) is not starred; the rest is.
+        let described = text(quote! {
+            #[doc = " Summary.\n * more\n "]
+        });
+        assert_eq!(described.as_deref(), Some("Summary.\nmore"));
     }
 
     #[test]

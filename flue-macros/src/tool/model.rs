@@ -579,7 +579,6 @@ fn impl_trait_in(ty: &Type) -> Option<&syn::TypeImplTrait> {
     }
 }
 
-/// What to take instead of a borrowed type.
 /// Whether `borrowed` is a shared reference to a named type other than `str` (`&Ctx`, not
 /// `&str`, `&[T]` or `&mut T`).
 fn references_a_named_type(borrowed: &TokenStream) -> bool {
@@ -588,6 +587,7 @@ fn references_a_named_type(borrowed: &TokenStream) -> bool {
             && matches!(reference.elem.as_ref(), Type::Path(path) if !path.path.is_ident("str")))
 }
 
+/// What to take instead of a borrowed type.
 fn owned_hint(borrowed: &TokenStream) -> &'static str {
     match syn::parse2::<Type>(borrowed.clone()) {
         Ok(Type::Reference(reference)) => match reference.elem.as_ref() {
