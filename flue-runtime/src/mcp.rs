@@ -232,9 +232,9 @@ fn unavailable_for(connection: &McpConnection) -> impl Fn(String) -> Unavailable
     let credentials = credentials(connection);
     move |reason: String| Unavailable {
         name: connection.name.clone(),
-        // Cut before it is cleaned (see `redacted_capped`): a server's error may be megabytes.
+        // Bounded before it is cleaned: a server's error may be megabytes.
         reason: without_server_path(
-            &without_url_secrets(&redacted_capped(reason, &credentials)),
+            &without_url_secrets(&without_credentials(&bounded(reason), &credentials)),
             &connection.url,
         ),
         optional: connection.optional,
@@ -535,7 +535,7 @@ impl ToolHandler for McpTool {
                     return ToolOutput::error(capped(format!(
                         "The MCP server failed the call: {}",
                         without_server_path(
-                            &without_url_secrets(&redacted_capped(error.to_string(), &self.credentials)),
+                            &without_url_secrets(&without_credentials(&bounded(error.to_string()), &self.credentials)),
                             &self.url
                         )
                     )));
@@ -598,29 +598,44 @@ fn credentials(connection: &McpConnection) -> Arc<[String]> {
 }
 
 /// Whether a static header carries a credential: its name says so (`Authorization`, `Cookie`,
-/// `X-Api-Key`, `X-Auth-Token`, a secret, a session, a password, a signature), or its value
+/// `X-Api-Key`, `X-Auth-Token`, `X-Access-…`, a secret, a session, a password or pass phrase, a
+/// signature, a private value), or its value
 /// holds an opaque token (a word of 16 bytes or more mixing letters and digits), whatever the
 /// header is called. Other values (`Notion-Version: 2022-06-28`, `X-Env: prod`) are not taken
 /// out of what a server sends back: redacting them would change the data the model reads (a
 /// date in every result, "products" read as "[redacted]ucts").
 fn carries_credential(name: &str, value: &str) -> bool {
-    const NAMED: [&str; 10] = [
+    const NAMED: [&str; 13] = [
         "auth",
         "cookie",
         "key",
         "token",
         "secret",
         "session",
-        "password",
-        "passwd",
+        "pass",
+        "pwd",
         "signature",
         "credential",
+        "bearer",
+        "access",
+        "private",
     ];
     let name = name.to_ascii_lowercase();
     let opaque = |word: &str| {
         word.len() >= 16 && word.bytes().any(|b| b.is_ascii_digit()) && word.bytes().any(|b| b.is_ascii_alphabetic())
     };
     NAMED.iter().any(|named| name.contains(named)) || value.split_whitespace().any(opaque)
+}
+
+/// An error's text bounded before it is cleaned (its credentials, its URLs' secrets, the
+/// server's path taken out: each a pass over all of it) and cut to what shows: a server's error
+/// may be megabytes. Four times what shows is kept, so what a cut leaves half (a URL, a
+/// credential) lies beyond what shows after the cleaning, which only shortens a text by a few
+/// bytes per credential at most.
+fn bounded(mut text: String) -> String {
+    let end = text.floor_char_boundary(4 * MAX_BYTES);
+    text.truncate(end);
+    text
 }
 
 /// `text` without any of `credentials`, as they are or escaped (see [`redact_secret`]).
