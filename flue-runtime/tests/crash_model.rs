@@ -1098,13 +1098,16 @@ fn check(
             // Its own answer checked (after the response's earlier texts), or a later
             // exchange's that joined its response. Unchecked only after a death: a response
             // whose final answer was durable settles as it is when taken over, without its
-            // would-stop phase (reference §3.9: `completed`).
+            // would-stop phase (reference §3.9: `completed`); or where an abort was requested:
+            // an abort that lost the race to a durable answer ends the response as it is,
+            // without its finish cycle (reference §3.10).
             Reply::Answer(text) => {
+                let unchecked = !lives.deaths.is_empty() || may_abort(exchanges, *n);
                 prop_assert!(
                     exchanges[*n..]
                         .iter()
                         .any(|exchange| text.ends_with(&checked(&exchange.answer))
-                            || (!lives.deaths.is_empty() && text.ends_with(&exchange.answer))),
+                            || (unchecked && text.ends_with(&exchange.answer))),
                     "exchange {}'s answer: {:?}",
                     n,
                     text
