@@ -620,7 +620,8 @@ mod tests {
         let shown: serde_json::Value = serde_json::from_str(&printable(&json)).unwrap();
         assert_eq!(shown["text"], "a\u{7f}b\u{9b}c");
         let mut shown = Printable(Vec::new());
-        writeln!(shown, "reply: {}", "\x1b]8;;https://evil.example\x07click\x1b]8;;\x07").unwrap();
+        let reply = "\x1b]8;;https://evil.example\x07click\x1b]8;;\x07";
+        writeln!(shown, "reply: {reply}").unwrap();
         assert_eq!(
             String::from_utf8(shown.0).unwrap(),
             "reply: \\u001b]8;;https://evil.example\\u0007click\\u001b]8;;\\u0007\n"
