@@ -90,8 +90,8 @@ mod tools;
 pub use flue_macros::{agent, hook, tool};
 pub use json_shape::{MAX_JSON_CONTAINERS, MAX_JSON_VALUES};
 pub use runtime::{
-    AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, MAX_MODEL_RETRY_WAIT, OBSERVED_BACKLOG, Runtime, RuntimeBuilder,
-    RuntimeError, RuntimeOptions, SendRequest,
+    AgentHandle, AgentReply, MAX_INSTANCE_ID_CHARS, MAX_MODEL_RETRY_WAIT, MAX_RETRY_AFTER_WAIT, OBSERVED_BACKLOG,
+    Runtime, RuntimeBuilder, RuntimeError, RuntimeOptions, SendRequest,
 };
 pub use session::{MAX_AGENT_FINISH_CYCLES, MAX_QUEUED_TOOL_STEPS};
 pub use skills::{MAX_WORKSPACE_SKILL_ENTRIES, MAX_WORKSPACE_SKILLS};

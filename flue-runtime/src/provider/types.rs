@@ -776,7 +776,7 @@ impl ProviderError {
 
     /// Whether a retry may succeed: rate limits, server errors, timeouts and network failures,
     /// unless the provider asked to wait longer than a retry waits
-    /// ([`MAX_RETRY_AFTER_WAIT`](crate::runtime::MAX_RETRY_AFTER_WAIT)): a retry after the
+    /// ([`MAX_RETRY_AFTER_WAIT`](crate::MAX_RETRY_AFTER_WAIT)): a retry after the
     /// longest wait would meet the same limit.
     pub fn is_retryable(&self) -> bool {
         matches!(
