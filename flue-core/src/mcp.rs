@@ -27,9 +27,10 @@ pub struct McpConnection {
     /// Bearer token sent with every request.
     pub auth: Option<Secret>,
     /// Static request headers. The values of those that carry a credential (a name that says
-    /// so: `…Key`, `…Token`, `Authorization`, `Cookie`, a secret, a session, a password, a
-    /// signature; or a value holding an opaque token of 16 bytes or more mixing letters and
-    /// digits) never show in what the server sends back to the model, its errors included.
+    /// so: `…Key`, `…Token`, `…Auth…`, `Cookie`, a secret, a session, a pass or password, a
+    /// bearer, an access or private value, a signature; or a value holding an opaque token of
+    /// 16 bytes or more mixing letters and digits) never show in what the server sends back to
+    /// the model, its errors included.
     pub headers: Vec<(String, String)>,
     /// Request timeout.
     pub timeout: Option<Duration>,

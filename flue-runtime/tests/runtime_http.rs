@@ -62,6 +62,23 @@ fn call_ids(messages: &[serde_json::Value]) -> Vec<&str> {
         .collect()
 }
 
+/// The call ids the observed events name as calls start (`tool_call_started`) and as their
+/// tools end (`tool`), in order.
+fn call_ids_observed(
+    events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
+) -> (Vec<String>, Vec<String>) {
+    let mut started = Vec::new();
+    let mut ended = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            Event::ToolCallStarted { tool_call_id, .. } => started.push(tool_call_id),
+            Event::Tool { tool_call_id, .. } => ended.push(tool_call_id),
+            _ => {}
+        }
+    }
+    (started, ended)
+}
+
 /// The tool results in a request's `messages` (call id, content), in order.
 fn tool_results(messages: &[serde_json::Value]) -> Vec<(&str, &str)> {
     messages
@@ -100,15 +117,7 @@ async fn a_call_id_an_earlier_step_used_gets_one_of_its_own() {
         .send("Paris, then Tokyo?")
         .await
         .unwrap();
-    let mut started = Vec::new();
-    let mut ended = Vec::new();
-    while let Ok(observation) = events.try_recv() {
-        match observation.event {
-            Event::ToolCallStarted { tool_call_id, .. } => started.push(tool_call_id),
-            Event::Tool { tool_call_id, .. } => ended.push(tool_call_id),
-            _ => {}
-        }
-    }
+    let (started, ended) = call_ids_observed(&mut events);
     assert_eq!(started.len(), 2, "{started:?}");
     assert_eq!(started[0], "call_0");
     assert_ne!(started[1], "call_0");
@@ -141,15 +150,7 @@ async fn two_calls_of_one_step_under_one_id_each_get_an_id_of_their_own() {
     let mut events = runtime.observe();
     let reply = runtime.init(&thinker, "t-dup").send("Paris and Tokyo?").await.unwrap();
     assert_eq!(reply.text, "Sunny in both.");
-    let mut started = Vec::new();
-    let mut ended = Vec::new();
-    while let Ok(observation) = events.try_recv() {
-        match observation.event {
-            Event::ToolCallStarted { tool_call_id, .. } => started.push(tool_call_id),
-            Event::Tool { tool_call_id, .. } => ended.push(tool_call_id),
-            _ => {}
-        }
-    }
+    let (started, ended) = call_ids_observed(&mut events);
     assert_eq!(started.len(), 2, "{started:?}");
     assert_eq!(started[0], "toolu_1");
     assert_ne!(started[1], "toolu_1");
