@@ -10,7 +10,7 @@ use flue_runtime::lifecycle::{
     InjectMessage, MessageOrder, MessageRole, MessageStatus, MessagesQuery, ThreadError, ToolStatus, UserValuesQuery,
 };
 use flue_runtime::prelude::*;
-use flue_runtime::provider::{ModelMessage, ProviderRegistry, StopReason};
+use flue_runtime::provider::{ModelMessage, ProviderError, ProviderErrorKind, ProviderRegistry, StopReason};
 use flue_runtime::record::RecordBody;
 use flue_runtime::store::{InstanceKey, MemoryStore, SqliteStore};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
@@ -294,6 +294,68 @@ async fn item_18_dropping_a_tool_result_drops_its_call_from_the_request() {
     runtime.init(&forgetful, "f").send("hello").await.unwrap();
     // The call-only step had no text: with its call dropped it goes too.
     assert_eq!(model.requests()[1].messages, [ModelMessage::user("hello")]);
+}
+
+static RETRIED_REQUEST_HOOKS: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
+#[hook(after_system_message)]
+async fn inject_every_time(state: &ThreadState, _system: String) -> Result<Option<String>, HookError> {
+    RETRIED_REQUEST_HOOKS.lock().unwrap().push("after_system_message");
+    state
+        .inject_message(InjectMessage::new(MessageRole::User, "injected for this step"))
+        .await
+        .map_err(|error| HookError::new(error.to_string()))?;
+    Ok(None)
+}
+
+#[hook(filter_messages)]
+async fn count_filters(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    RETRIED_REQUEST_HOOKS.lock().unwrap().push("filter_messages");
+    messages
+}
+
+#[hook(prefilter_llm_history)]
+async fn count_prefilters(_state: &ThreadState, messages: Vec<LlmMessage>) -> Vec<LlmMessage> {
+    RETRIED_REQUEST_HOOKS.lock().unwrap().push("prefilter_llm_history");
+    messages
+}
+
+#[agent(hooks = [inject_every_time, count_filters, count_prefilters])]
+fn retried() -> &'static str {
+    use_model("scripted/x");
+    "R"
+}
+
+/// A call the turn loop makes again after a transient failure is the same model request: the
+/// request's hooks ran for it once, and what they injected is stored once.
+#[tokio::test]
+async fn a_call_retried_after_a_transient_failure_runs_the_request_hooks_once() {
+    let model = ScriptedModel::new([
+        ScriptedReply::Error(ProviderError::new(ProviderErrorKind::Server, "503 overloaded")),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![retried.into()]);
+    let reply = runtime.init(&retried, "r").send("hello").await.unwrap();
+    assert_eq!(reply.text, "done");
+    assert_eq!(
+        *RETRIED_REQUEST_HOOKS.lock().unwrap(),
+        ["after_system_message", "filter_messages", "prefilter_llm_history"]
+    );
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2, "the failed call and its retry");
+    assert_eq!(
+        requests[0].messages, requests[1].messages,
+        "the retry sends the same request"
+    );
+    assert_eq!(requests[0].system, requests[1].system);
+    let injected = bodies(&runtime, "retried", "r")
+        .await
+        .into_iter()
+        .filter(
+            |body| matches!(body, RecordBody::MessageInjected { content, .. } if content == "injected for this step"),
+        )
+        .count();
+    assert_eq!(injected, 1, "the injected row is stored once");
 }
 
 // ---- prefilter_llm_history (items 19–21) ------------------------------------------------------

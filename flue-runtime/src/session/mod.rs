@@ -49,7 +49,8 @@ use crate::events::{
 use crate::lifecycle::HookSet;
 use crate::lifecycle::thread::{RuntimeThread, ThreadWriter};
 use crate::provider::{
-    ModelImage, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent, ToolSpec,
+    Messages, ModelImage, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelToolCall, StreamEvent,
+    ToolSpec,
 };
 use crate::record::{AttachmentRef, Batch, Outcome, Record, RecordBody, SettlementError, new_id, now};
 use crate::runtime::{Concerning, RuntimeInner};
@@ -2699,15 +2700,24 @@ impl Response<'_> {
         // retries share one budget.
         let mut retries = 0;
         let mut history_len: usize;
+        // The request a transient failure makes again: the same model request, so its hooks
+        // are not run again (what they injected would be stored twice). A call after overflow
+        // recovery is a new request, on the compacted history: its hooks run.
+        let mut retried: Option<(Option<String>, Messages)> = None;
         let (response, started, turn_id) = loop {
-            let system = crate::framework::system(instruction, self.sections());
-            let (system, messages) = match self.request(system).await {
-                Ok(request) => request,
-                Err(blocked) => {
-                    let response = self
-                        .blocked_step(spec, message_id.clone(), blocked, live.take())
-                        .await?;
-                    return Ok((response, message_id, LazyId::new("turn")));
+            let (system, messages) = match retried.take() {
+                Some(request) => request,
+                None => {
+                    let system = crate::framework::system(instruction, self.sections());
+                    match self.request(system).await {
+                        Ok(request) => request,
+                        Err(blocked) => {
+                            let response = self
+                                .blocked_step(spec, message_id.clone(), blocked, live.take())
+                                .await?;
+                            return Ok((response, message_id, LazyId::new("turn")));
+                        }
+                    }
                 }
             };
             // The history the call is made on, for the compaction budget's count: with the
@@ -2748,6 +2758,7 @@ impl Response<'_> {
             let streamed = self.stream_once(provider, &request, &rendered.tools, live).await;
             // Kept for a call after overflow recovery.
             tools = request.tools;
+            let sent = (request.system, request.messages);
             if let Err(error) = &streamed {
                 // A failed call still ends its turn (§7.2: `turn` with finish reason `error` or
                 // `aborted`) and its assistant message, before any recovery.
@@ -2832,6 +2843,7 @@ impl Response<'_> {
                         () = self.attempt.signal.aborted() => true,
                     };
                     if !aborted {
+                        retried = Some(sent);
                         continue;
                     }
                     Failure::aborted()
