@@ -15,7 +15,10 @@
 //! aborts and appends are serialized across every process sharing the database: two nodes
 //! cannot both claim a head, a fenced attempt cannot slip an append past a reclaim, and two
 //! writers get distinct consecutive offsets. Transactions that Postgres aborts as deadlock or
-//! serialization victims are retried.
+//! serialization victims are retried. Each transaction says its isolation, `READ COMMITTED`
+//! (each statement sees what committed before it, so what it reads under the instance's lock
+//! is current), whatever the server's default: under a `REPEATABLE READ` default, an admission
+//! whose snapshot predates the lock would not see one committed meanwhile and claim beside it.
 //!
 //! A node that stalls inside one of those transactions (a suspended process, a node cut off
 //! from the database mid-call) would keep the instance row locked, and every other node's work
@@ -512,7 +515,13 @@ macro_rules! in_transaction {
     ($store:expr, |$tx:ident| $body:expr) => {
         retrying!(async {
             let mut client = $store.client().await?;
-            let $tx = client.transaction().await?;
+            // Isolation said, not the server's default: each statement sees what committed
+            // before it (what the instance's lock serializes), whatever a DBA set.
+            let $tx = client
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+                .start()
+                .await?;
             // Polled first, so sent first (a prepared statement: its Parse goes out once per
             // connection): the body's statements run under the limit.
             let limit = $tx.prepare_cached(LIMIT_STALL).await?;
@@ -553,9 +562,10 @@ impl PostgresStore {
     /// ends it ([`Self::STALLED_TRANSACTION_TIMEOUT`] by default). Keep it well under the
     /// runtime's lease, so a node that takes a stalled one's lease over does not wait on its
     /// locks, and well over a pause a healthy node makes mid-transaction. A timeout under a
-    /// millisecond counts as one (Postgres reads 0 as no limit).
+    /// millisecond counts as one (Postgres reads 0 as no limit), and one over Postgres's
+    /// longest (`i32::MAX` ms, about 24.8 days; `Duration::MAX` for "no limit") as that.
     pub fn with_stalled_transaction_timeout(mut self, timeout: Duration) -> Self {
-        self.stalled_transaction_ms = timeout.as_millis().max(1).to_string().into();
+        self.stalled_transaction_ms = timeout.as_millis().clamp(1, i32::MAX as u128).to_string().into();
         self
     }
 
@@ -728,7 +738,7 @@ impl PostgresStore {
         // the lock statement reached the server (a batch split across TCP segments) holds the
         // instance only until the server ends the transaction, as in any other.
         let (begun, limited, locked, owned, appended, committed) = futures_util::join!(
-            client.batch_execute("BEGIN"),
+            client.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
             client.execute(&limit, &limit_params),
             client.query_opt(&lock, lock_params),
             owned,
@@ -2399,6 +2409,24 @@ mod tests {
         cut.abort();
     }
 
+    /// Postgres refuses an `idle_in_transaction_session_timeout` over `i32::MAX` ms, and every
+    /// transaction would fail with it: a longer timeout is its longest.
+    #[tokio::test]
+    async fn a_stalled_transaction_timeout_past_postgress_longest_is_its_longest() {
+        let Some(url) = test_url() else { return };
+        let store = PostgresStore::connect_with_schema(&url, &fresh_schema())
+            .await
+            .unwrap()
+            .with_stalled_transaction_timeout(Duration::MAX);
+        store.admit(admission("d-1", "assistant", "patient")).await.unwrap();
+        let key = InstanceKey::new("assistant", "patient");
+        store
+            .append(&key, vec![user_record("appended")].into(), None)
+            .await
+            .unwrap();
+        assert_eq!(store.read(&key, None).await.unwrap().len(), 2);
+    }
+
     #[tokio::test]
     async fn adopts_a_schema_stamped_schema_version_8_in_place() {
         let Some(url) = test_url() else { return };
@@ -2780,6 +2808,93 @@ mod tests {
             batches.iter().map(|batch| batch.offset).collect::<Vec<_>>(),
             (0..=40).collect::<Vec<u64>>()
         );
+    }
+
+    /// Two nodes admitting into one idle instance at once, each claiming its admission if it is
+    /// the head, on a server whose default isolation is `REPEATABLE READ` (a DBA's setting): the
+    /// second to take the instance's lock sees the first's admission and claims nothing. Under
+    /// a snapshot taken before the lock it would not, and both would run.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_default_of_repeatable_read_still_claims_one_head_at_a_time() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        let application = format!("flue_race_{}", ulid::Ulid::new().to_string().to_lowercase());
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let url = format!(
+            "{url}{separator}application_name={application}&options=-c%20default_transaction_isolation%3Drepeatable%5C%20read"
+        );
+        let (a, b) = (
+            PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+            PostgresStore::connect_with_schema(&url, &schema).await.unwrap(),
+        );
+        let key = InstanceKey::new("assistant", "raced");
+        let claiming = |id: &str, node: &str| Admission {
+            claim: Some(claim(&format!("attempt-{id}"), node)),
+            ..admission(id, "assistant", "raced")
+        };
+        let first = a.admit(claiming("d-0", "node-a")).await.unwrap();
+        assert!(first.claimed.is_some());
+        let attempt = AttemptRef {
+            submission_id: "d-0".into(),
+            attempt_id: "attempt-d-0".into(),
+        };
+        a.settle(&attempt, Outcome::Completed, None, Vec::new()).await.unwrap();
+        // The instance's row held, so each admission waits for it after its first statement.
+        let mut holder = raw(&url, &schema).await;
+        let held = holder.transaction().await.unwrap();
+        held.execute(LOCK_INSTANCE, &[&"assistant", &"raced"]).await.unwrap();
+        let waiting = |count: i64| {
+            let (url, schema, application) = (url.clone(), schema.clone(), application.clone());
+            async move {
+                let watcher = raw(&url, &schema).await;
+                // A hang guard, not a timing assertion.
+                tokio::time::timeout(Duration::from_secs(60), async {
+                    loop {
+                        let row = watcher
+                            .query_one(
+                                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                                &[&application],
+                            )
+                            .await
+                            .unwrap();
+                        if row.get::<_, i64>(0) >= count {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                })
+                .await
+                .expect("the admissions wait for the instance's lock");
+            }
+        };
+        let second = tokio::spawn({
+            let b = b.clone();
+            let admission = claiming("d-1", "node-b");
+            async move { b.admit(admission).await.unwrap() }
+        });
+        waiting(1).await;
+        let third = tokio::spawn({
+            let a = a.clone();
+            let admission = claiming("d-2", "node-a");
+            async move { a.admit(admission).await.unwrap() }
+        });
+        waiting(2).await;
+        held.commit().await.unwrap();
+        let (second, third) = (second.await.unwrap(), third.await.unwrap());
+        let claimed: Vec<&str> = [&second, &third]
+            .iter()
+            .filter_map(|admitted| admitted.claimed.as_ref().map(|row| row.id.as_str()))
+            .collect();
+        assert_eq!(claimed.len(), 1, "one head runs at a time: {claimed:?}");
+        let mut running = Vec::new();
+        for id in ["d-1", "d-2"] {
+            let row = a.submission(id).await.unwrap().unwrap();
+            if row.status == SubmissionStatus::Running {
+                running.push(id);
+            }
+        }
+        assert_eq!(running, claimed, "the other waits, queued");
+        assert!(a.has_queued(&key).await.unwrap());
     }
 
     #[tokio::test]
