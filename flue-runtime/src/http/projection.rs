@@ -140,10 +140,15 @@ impl Projection {
     ) -> Result<Option<u64>, StoreError> {
         while self.offset.is_none_or(|offset| offset < through) {
             let page = store.read_page(key, self.offset, READ_PAGE).await?;
-            for batch in page.iter().take_while(|batch| batch.offset <= through) {
+            let folding = page.iter().take_while(|batch| batch.offset <= through);
+            let mut folded = false;
+            for batch in folding {
                 self.apply(batch, None);
+                folded = true;
             }
-            if page.len() < READ_PAGE {
+            // A short page is the stream's end; a page past `through` from its first batch (a
+            // store whose offsets skip `through`) would be read again for ever.
+            if page.len() < READ_PAGE || !folded {
                 break;
             }
         }
@@ -631,7 +636,8 @@ impl Projection {
     }
 
     /// Applies a row's field updates to the message that shows it: content to its text part,
-    /// `silent` to its display, metadata merged.
+    /// `silent` to its display, metadata merged into a step's response, or replacing another
+    /// row's.
     /// Returns the id of the message that shows the row (a step's: its response's), unless
     /// the row is a tool result or not shown.
     fn update_message(&mut self, id: &str, updates: &Map<String, Value>) -> Option<String> {
@@ -674,9 +680,33 @@ impl Projection {
         if let Some(Value::Bool(silent)) = updates.get("silent") {
             message.insert("display".into(), json!(if *silent { "hidden" } else { "visible" }));
         }
-        if let Some(Value::Object(metadata)) = updates.get("metadata") {
-            // Merged as a client merges the `message-metadata` chunk that carries it.
-            self.merge_metadata(&message_id, metadata);
+        match updates.get("metadata") {
+            // A step's metadata merges with its response's (and the other steps'), as a client
+            // merges the `message-metadata` chunk that carries it.
+            Some(Value::Object(metadata)) if is_step => self.merge_metadata(&message_id, metadata),
+            // Any other row's is replaced, as the row's is (`null`: cleared). The chunk only
+            // merges, so a replacement that takes something away resets the view.
+            Some(value @ (Value::Object(_) | Value::Null)) if !is_step => {
+                let mut replaced = Map::new();
+                if let Value::Object(metadata) = value {
+                    flue_core::metadata::merge_metadata(&mut replaced, metadata.clone());
+                }
+                let current = message
+                    .get("metadata")
+                    .and_then(Value::as_object)
+                    .cloned()
+                    .unwrap_or_default();
+                let mut merged = current;
+                flue_core::metadata::merge_metadata(&mut merged, replaced.clone());
+                let takes_away = merged != replaced;
+                if replaced.is_empty() {
+                    message.remove("metadata");
+                } else {
+                    message.insert("metadata".into(), Value::Object(replaced));
+                }
+                self.rewritten |= takes_away;
+            }
+            _ => {}
         }
         Some(message_id)
     }
@@ -1408,6 +1438,52 @@ mod tests {
         );
         assert_eq!(chunks, [vec!["tool-output"]]);
         assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
+    }
+
+    /// A row that is not a model step has its metadata replaced, as the conversation's row
+    /// has: added keys are a metadata chunk; a replacement or a `null` that takes keys away
+    /// (an app redacting) resets the view, which shows only what is left.
+    #[test]
+    fn a_rows_metadata_replaced_without_some_keys_resets_the_view_without_them() {
+        let mut projection = Projection::new("agents/a/i");
+        let updated = |metadata: Value| {
+            let mut updates = serde_json::Map::new();
+            updates.insert("metadata".into(), metadata);
+            vec![RecordBody::MessageUpdated {
+                message_id: "note_1".into(),
+                updates,
+            }]
+        };
+        let injected = RecordBody::MessageInjected {
+            message_id: "note_1".into(),
+            role: flue_core::lifecycle::MessageRole::User,
+            content: "a note".into(),
+            silent: false,
+            metadata: serde_json::from_value(json!({"trace": {"id": "t-1", "host": "internal"}})).unwrap(),
+        };
+        let metadata = |projection: &Projection| projection.snapshot()["messages"][0].get("metadata").cloned();
+        assert_eq!(fold(&mut projection, vec![vec![injected]]), [vec!["message-appended"]]);
+        let chunks = fold(
+            &mut projection,
+            vec![updated(
+                json!({"trace": {"id": "t-1", "host": "internal"}, "seen": true}),
+            )],
+        );
+        assert_eq!(chunks, [vec!["message-metadata"]], "keys added: merged by the client");
+        let chunks = fold(
+            &mut projection,
+            vec![updated(json!({"trace": {"id": "t-1"}, "seen": true}))],
+        );
+        assert_eq!(chunks, [vec!["conversation-reset"]], "a nested key taken away");
+        assert_eq!(
+            metadata(&projection),
+            Some(json!({"trace": {"id": "t-1"}, "seen": true}))
+        );
+        let chunks = fold(&mut projection, vec![updated(Value::Null)]);
+        assert_eq!(chunks, [vec!["conversation-reset"]], "cleared");
+        assert_eq!(metadata(&projection), None);
+        let chunks = fold(&mut projection, vec![updated(Value::Null)]);
+        assert_eq!(chunks, [Vec::<String>::new()], "nothing to take away");
     }
 
     #[test]

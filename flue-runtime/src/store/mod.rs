@@ -731,7 +731,9 @@ pub trait Store: Send + Sync + 'static {
     /// submission, and every record that names a submission or an attempt must be that
     /// attempt's, of its submission or of a delivery `joining` or `joined` into it; without
     /// one, no record may name either (reference §5.1). A
-    /// refusal is [`StoreError::Fenced`] and leaves the stream unchanged.
+    /// refusal is [`StoreError::Fenced`] and leaves the stream unchanged. Returns the batch's
+    /// offset: a stream's offsets are consecutive from 0 (its birth batch), and readers rely
+    /// on it (a reader that asked for the batches after n expects n + 1 first).
     ///
     /// Dropping the returned future does not withdraw the batch: once it was polled (the
     /// SQLite and memory stores append before returning it), the batch may be in the stream
