@@ -981,7 +981,13 @@ impl InstanceSlot {
                 })
             }
             Err(store_error) => {
-                tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
+                if matches!(store_error, StoreError::Fenced(_)) {
+                    // Another attempt owns the submission now (a node took the lease over, or
+                    // settled it): the normal end of a superseded attempt, not a failure.
+                    tracing::warn!(instance = %self.key, submission = %submission.id, %store_error, "settlement refused: the submission is another attempt's now");
+                } else {
+                    tracing::error!(instance = %self.key, submission = %submission.id, %store_error, "settlement failed");
+                }
                 // The attempt's lease lapses unrenewed; the scan that takes the submission over
                 // finds its outcome in the stream (or runs it again) and settles it.
                 runtime.emit_recovery(

@@ -1306,6 +1306,11 @@ pub async fn claims_direct_deliveries_alongside_dispatches(store: Factory) {
     );
 }
 
+/// The reference's case, as this trait can reach it: an abort request flags every unsettled
+/// submission of the instance, the running host with its deliveries, so the host claims
+/// nothing, not even the delivery admitted after the abort. (A delivery flagged behind an
+/// unflagged host cannot happen through the trait: the stores' per-row stop is a guard; this
+/// case is the same outcome as the one below, reached from a flagged delivery.)
 pub async fn stops_the_prefix_at_an_abort_requested_delivery(store: Factory) {
     let host = running_host(&store).await;
     admit(&store, dispatch("queued-1")).await;
