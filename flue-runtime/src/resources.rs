@@ -383,6 +383,7 @@ pub(crate) fn narrate(previous: &ResourceSet, current: &ResourceSet, declared: &
 }
 
 fn catalog_line(name: &str, description: &str) -> String {
+    let description = crate::skills::one_line(description);
     if description.is_empty() {
         format!("- **{name}**")
     } else {

@@ -4,8 +4,9 @@
 //! block scalars with their chomping and indentation indicators) and a one-level `metadata`
 //! mapping of strings. Unknown fields are skipped whatever their value (a list, a flow
 //! collection, a nested mapping), as the reference ignores them; a field this format knows
-//! whose value is something else YAML allows (anchors, flow collections) is refused with its
-//! line.
+//! whose value is something else YAML allows (anchors, flow collections, a list, a nested
+//! mapping, a value on `metadata`'s own line) is refused with its line, as is a key written
+//! twice (YAML refuses that too).
 
 use std::collections::BTreeMap;
 
@@ -42,6 +43,7 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
         ..SkillMarkdown::default()
     };
     let mut index = 0;
+    let mut seen_metadata = false;
     while index < front.len() {
         let line = front[index];
         let number = index + 2; // 1-based, after the opening `---`
@@ -63,8 +65,19 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             }
             continue;
         }
+        // YAML refuses a key written twice in one mapping (the reference's parser too).
+        if document.fields.contains_key(&key) || (key == "metadata" && seen_metadata) {
+            return Err(format!("line {number}: `{key}` is written twice."));
+        }
         let rest = strip_comment(rest).trim();
-        if key == "metadata" && rest.is_empty() {
+        if key == "metadata" {
+            if !rest.is_empty() {
+                return Err(format!(
+                    "line {number}: `metadata` must be a mapping of strings, on the lines under it."
+                ));
+            }
+            seen_metadata = true;
+            let mut indentation = None;
             while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
                 let entry = front[index];
                 let number = index + 2;
@@ -72,10 +85,20 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
                 if entry.trim().is_empty() || entry.trim_start().starts_with('#') {
                     continue;
                 }
+                let indented = entry.len() - entry.trim_start().len();
+                if *indentation.get_or_insert(indented) != indented {
+                    return Err(format!(
+                        "line {number}: metadata values must be strings of one line (a nested mapping or a value continued is not read)."
+                    ));
+                }
                 let (name, value) = split_key(entry.trim_start())
                     .ok_or_else(|| format!("line {number}: expected `key: value` under metadata."))?;
                 let value = scalar(strip_comment(value).trim(), number)?;
-                document.metadata.insert(unquote_key(name, number)?, value);
+                let name = unquote_key(name, number)?;
+                if document.metadata.contains_key(&name) {
+                    return Err(format!("line {number}: metadata `{name}` is written twice."));
+                }
+                document.metadata.insert(name, value);
             }
             continue;
         }
@@ -123,10 +146,20 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             if rest.is_empty() && front.get(index).is_some_and(|next| next.trim_start().starts_with("- ")) {
                 return Err(format!("line {}: `{key}` must be a string, not a list.", index + 2));
             }
+            // `key:` over an indented `name: value` is a nested mapping to YAML, not text.
+            if rest.is_empty()
+                && front
+                    .get(index)
+                    .is_some_and(|next| next.starts_with([' ', '\t']) && split_key(next.trim_start()).is_some())
+            {
+                return Err(format!("line {}: `{key}` must be a string, not a mapping.", index + 2));
+            }
             // A plain scalar may continue on indented lines (folded with spaces).
             if !rest.starts_with(['"', '\'']) {
                 while index < front.len() && front[index].starts_with([' ', '\t']) && !front[index].trim().is_empty() {
-                    value.push(' ');
+                    if !value.is_empty() {
+                        value.push(' ');
+                    }
                     value.push_str(front[index].trim());
                     index += 1;
                 }
@@ -424,6 +457,41 @@ mod tests {
             parse("---\nname: x\nallowed-tools:\n  - Bash\n  - Read\n---\n").unwrap_err(),
             "line 4: `allowed-tools` must be a string, not a list."
         );
+    }
+
+    /// What YAML reads as something other than this format's strings, or refuses, is refused
+    /// with its line rather than read as something else: a value on `metadata`'s own line, a
+    /// mapping nested in it or under a known field, a key written twice.
+    #[test]
+    fn a_mapping_where_a_string_goes_or_a_key_written_twice_is_refused_with_its_line() {
+        assert_eq!(
+            parse("---\nname: x\nmetadata: some-text\n---\n").unwrap_err(),
+            "line 3: `metadata` must be a mapping of strings, on the lines under it."
+        );
+        assert_eq!(
+            parse("---\nmetadata:\n  author:\n    name: ada\n---\n").unwrap_err(),
+            "line 4: metadata values must be strings of one line (a nested mapping or a value continued is not read)."
+        );
+        assert_eq!(
+            parse("---\ndescription:\n  short: x\n---\n").unwrap_err(),
+            "line 3: `description` must be a string, not a mapping."
+        );
+        assert_eq!(
+            parse("---\nname: a\ndescription: d\nname: b\n---\n").unwrap_err(),
+            "line 4: `name` is written twice."
+        );
+        assert_eq!(
+            parse("---\nmetadata:\n  a: 1\nmetadata:\n  b: 2\n---\n").unwrap_err(),
+            "line 4: `metadata` is written twice."
+        );
+        assert_eq!(
+            parse("---\nmetadata:\n  a: 1\n  a: 2\n---\n").unwrap_err(),
+            "line 4: metadata `a` is written twice."
+        );
+        // A plain value continued over indented lines is still one string.
+        let parsed = parse("---\ndescription:\n  Refunds, and\n  returns.\nmetadata:\n\ttab: yes\n---\n").unwrap();
+        assert_eq!(parsed.fields["description"], "Refunds, and returns.");
+        assert_eq!(parsed.metadata["tab"], "yes");
     }
 
     #[test]
