@@ -9,7 +9,10 @@
 //!   summarized with `CompactionConfig::model` or the session's model. It needs the model's
 //!   context window (`ModelProvider::context_window`); `Compaction::Disabled` turns it off.
 //! - **Overflow recovery**: a call the provider refuses as a context overflow compacts and is
-//!   retried once — also with threshold compaction off.
+//!   retried once — also with threshold compaction off. A tool step (a call and its results)
+//!   estimated over `keep_recent_tokens` is summarized rather than kept (a tool's long result
+//!   is what overflows, and kept, the retry would overflow too), the whole history when it is
+//!   the newest step.
 //! - The summary may be as long as four fifths of the reserve, at most 16,000 tokens and at
 //!   most what the summarizing model may answer ([`ModelProvider::max_output_tokens`]); 4,000
 //!   when neither the reserve nor the session model's window is known (an endpoint's own limit

@@ -525,7 +525,9 @@ pub enum RecordBody {
     Compaction {
         /// The summary that replaces the older messages.
         summary: String,
-        /// The first message kept verbatim.
+        /// The first message kept verbatim; empty when none is (the whole history before
+        /// this record was summarized: an overflow recovery whose newest tool step was too big
+        /// to keep).
         first_kept_message_id: String,
         /// The estimated tokens of the history before.
         tokens_before: u64,

@@ -6,7 +6,7 @@ use flue_runtime::events::{Event, TurnPurpose};
 use flue_runtime::prelude::*;
 use flue_runtime::provider::{ModelMessage, ModelRequest, ProviderError, ProviderErrorKind};
 use flue_runtime::record::RecordBody;
-use flue_runtime::store::InstanceKey;
+use flue_runtime::store::{InstanceKey, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 
 mod harness;
@@ -1084,4 +1084,89 @@ async fn a_later_compaction_is_given_the_earlier_summary_apart_to_carry_over() {
             .as_deref()
             .is_some_and(|system| system.contains("carry over everything in it that still matters")),
     );
+}
+
+/// Fetches a whole site: about 10,000 tokens, more than the 8,000 an overflow recovery keeps.
+#[tool]
+async fn fetch_site() -> String {
+    format!("{} the end", "page ".repeat(8_000))
+}
+
+#[agent]
+fn site_fetcher() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Disabled,
+            ..ModelOptions::default()
+        },
+    );
+    use_tool(fetch_site);
+    "Fetch."
+}
+
+/// A tool step too big to keep is what overflows: kept verbatim, the call made again would
+/// overflow too. The recovery summarizes it with what came before it (the summary reads the
+/// start of the result), here the whole history, and the call made again reads the summary;
+/// the stream read again (another runtime on the store) gives the model the same.
+#[tokio::test]
+async fn an_overflow_after_a_tool_result_too_big_to_keep_summarizes_that_step_too() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("fetch_site", serde_json::json!({})),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("Summary: the site was fetched; it is pages of 'page'."),
+        ScriptedReply::text("The site is all pages."),
+        ScriptedReply::text("Still pages."),
+    ])
+    .with_context_window(1_000_000);
+    let store = flue_runtime::store::MemoryStore::new();
+    let runtime = harness::runtime_on(store.clone(), &model, [site_fetcher.into()]);
+    let handle = runtime.init(&site_fetcher, "s");
+    assert_eq!(
+        handle.send("fetch the site").await.unwrap().text,
+        "The site is all pages."
+    );
+    let requests = model.requests();
+    assert_eq!(
+        requests.len(),
+        4,
+        "the call, the overflowing one, the summary, the retry"
+    );
+    let ModelMessage::User {
+        content: transcript, ..
+    } = &requests[2].messages[0]
+    else {
+        panic!("a transcript")
+    };
+    assert!(transcript.contains("fetch the site"), "{transcript}");
+    assert!(transcript.contains("page page"), "the result's start: {transcript}");
+    assert_eq!(requests[3].messages.len(), 1, "{:?}", requests[3].messages);
+    let ModelMessage::User { content, .. } = &requests[3].messages[0] else {
+        panic!("the summary")
+    };
+    assert!(content.contains("Summary: the site was fetched"), "{content}");
+    let compacted = store
+        .read(&InstanceKey::new("site_fetcher", "s"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .any(|record| matches!(&record.body, RecordBody::Compaction { first_kept_message_id, .. } if first_kept_message_id.is_empty()));
+    assert!(compacted, "a compaction that keeps nothing");
+    drop(runtime);
+    let again = harness::runtime_on(store, &model, [site_fetcher.into()]);
+    assert_eq!(
+        again.init(&site_fetcher, "s").send("and now?").await.unwrap().text,
+        "Still pages."
+    );
+    let read_again = &model.requests()[4];
+    assert_eq!(read_again.messages.len(), 3, "{:?}", read_again.messages);
+    assert!(matches!(&read_again.messages[0], ModelMessage::User { content: summary, .. } if summary == content));
+    assert!(
+        matches!(&read_again.messages[1], ModelMessage::Assistant { text, .. } if text == "The site is all pages.")
+    );
+    assert_eq!(read_again.messages[2], ModelMessage::user("and now?"));
 }

@@ -825,7 +825,13 @@ impl Conversation {
                 first_kept_message_id,
                 ..
             } => {
-                if let Some(cut) = self.row_index(first_kept_message_id) {
+                // An empty id: the whole history before the compaction was summarized.
+                let cut = if first_kept_message_id.is_empty() {
+                    Some(self.rows.len())
+                } else {
+                    self.row_index(first_kept_message_id)
+                };
+                if let Some(cut) = cut {
                     self.retire_call_ids(0..cut);
                     self.messages.make_mut().drain(..cut);
                     self.rows.drain(..cut);
@@ -1103,7 +1109,11 @@ impl Conversation {
     /// summarize. The cut never separates a tool result from its call, nor falls among calls
     /// whose results are not in yet.
     /// With `force` (overflow recovery), at least the oldest message is summarized even when
-    /// the whole history is shorter than `keep_recent_tokens`.
+    /// the whole history is shorter than `keep_recent_tokens`, and a tool step (a call and its
+    /// results) estimated over `keep_recent_tokens` is summarized, not kept: a tool's long
+    /// result is what overflows, and kept, the call made again would overflow too. When that
+    /// step is the newest, the whole history is summarized, and the id is empty (a compaction
+    /// that keeps nothing).
     pub(crate) fn compaction_cut(&self, keep_recent_tokens: u64, force: bool) -> Option<(usize, String)> {
         let len = self.messages.len();
         let mut kept = 0;
@@ -1136,11 +1146,41 @@ impl Conversation {
                 cut -= 1;
             }
         }
+        if force && self.open_calls.is_empty() {
+            let mut past_a_step = false;
+            while cut < len && self.is_tool_step_over(cut, keep_recent_tokens) {
+                past_a_step = true;
+                cut += 1;
+                while is_result(cut) {
+                    cut += 1;
+                }
+            }
+            if past_a_step && cut == len {
+                return Some((cut, String::new()));
+            }
+        }
         if !self.open_calls.is_empty() {
             // The step whose results are not in yet stays.
             cut = cut.min(self.results_at.saturating_sub(1));
         }
         (cut > boundary && cut < len).then(|| (cut, self.rows[cut].id.clone()))
+    }
+
+    /// Whether the message at `at` calls tools, and with its results is estimated over
+    /// `tokens`.
+    fn is_tool_step_over(&self, at: usize, tokens: u64) -> bool {
+        let calls = matches!(&self.messages[at], ModelMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty());
+        if !calls {
+            return false;
+        }
+        let mut estimate = 0;
+        let mut index = at;
+        while index < self.messages.len() && (index == at || matches!(self.messages[index], ModelMessage::Tool { .. }))
+        {
+            estimate += crate::compaction::estimate_message(&self.messages[index]) + self.image_tokens_at(index);
+            index += 1;
+        }
+        estimate > tokens
     }
 
     /// The messages a compaction cutting at `cut` summarizes.
@@ -1882,6 +1922,51 @@ mod tests {
         );
         let (id, _) = renamed(&conversation);
         assert_ne!(id, "call_0");
+    }
+
+    /// Overflow recovery summarizes a tool step too big to keep (a call and its long result)
+    /// with what came before it; a threshold compaction keeps it, as it keeps every complete
+    /// step at its cut.
+    #[test]
+    fn an_overflow_cut_goes_past_a_tool_step_too_big_to_keep() {
+        let user = |id: &str, body: &str| {
+            record(RecordBody::UserMessage {
+                message_id: id.into(),
+                body: body.into(),
+                attachments: Vec::new(),
+            })
+        };
+        let mut records = vec![user("u-1", "fetch it")];
+        records.extend(calling_step(&[("call_0", "fetch")]));
+        records.push(record(RecordBody::ToolOutcome {
+            assistant_message_id: "step-1".into(),
+            tool_call_id: "call_0".into(),
+            tool_name: "fetch".into(),
+            is_error: false,
+            content: "page ".repeat(4_000),
+            terminate: false,
+            duration_ms: 1,
+        }));
+        records.push(record(RecordBody::ToolResultsCommitted {
+            assistant_message_id: "step-1".into(),
+        }));
+        records.push(user("u-2", "and then?"));
+        let mut conversation = Conversation::default();
+        conversation.apply(&Batch {
+            offset: 0,
+            records: records.into(),
+        });
+        // [u-1, step-1, its result, u-2], the step about 5,000 tokens.
+        assert_eq!(
+            conversation.compaction_cut(1_000, false),
+            Some((1, "step-1".to_owned()))
+        );
+        assert_eq!(conversation.compaction_cut(1_000, true), Some((3, "u-2".to_owned())));
+        assert_eq!(
+            conversation.compaction_cut(10_000, true),
+            Some((1, "step-1".to_owned())),
+            "a step that fits what is kept stays"
+        );
     }
 
     #[test]
