@@ -114,6 +114,11 @@ pub(crate) struct Projection {
     reasoned: HashSet<String>,
     /// Steps that have a text part.
     texted: HashSet<String>,
+    /// Steps whose rows are silent: a response is hidden while every step of it is.
+    silent_steps: HashSet<String>,
+    /// Messages shown other than as visible when not silent (signals, summaries), by id: what
+    /// an update that makes them not silent shows them as again.
+    classified: HashMap<String, &'static str>,
     /// Whether the batch being folded changed a message already shown (it projects to a
     /// reset).
     rewritten: bool,
@@ -312,6 +317,7 @@ impl Projection {
                     "display": display,
                     "parts": [{"type": "text", "text": body, "state": "done"}],
                 });
+                self.classified.insert(message_id.clone(), display);
                 let mut signal = Map::new();
                 if let Some(tag_name) = tag_name {
                     signal.insert("tagName".into(), json!(tag_name));
@@ -365,6 +371,9 @@ impl Projection {
                 // A step started again (a retried call) is the latest again.
                 order.retain(|step| step != message_id);
                 order.push(message_id.clone());
+                // Not silent (yet): a response every earlier step of which was is shown again.
+                self.silent_steps.remove(message_id.as_str());
+                self.show_response(&response_id);
                 let parts = self.parts_len(&response_id);
                 self.step_parts.insert(message_id.clone(), parts);
                 let mut chunk = json!({
@@ -630,6 +639,7 @@ impl Projection {
                     "signal": {"tagName": "conversation-summary", "attributes": {"reason": reason}},
                     "parts": [{"type": "text", "text": summary, "state": "done"}],
                 });
+                self.classified.insert(record.id.clone(), "diagnostic");
                 self.append_message(message, out);
             }
         }
@@ -676,10 +686,22 @@ impl Projection {
                 part["text"] = json!(content);
             }
         }
-        let message = self.message_mut(&message_id)?;
         if let Some(Value::Bool(silent)) = updates.get("silent") {
-            message.insert("display".into(), json!(if *silent { "hidden" } else { "visible" }));
+            if is_step {
+                // A step's row: the response is hidden only while all its steps are silent.
+                if *silent {
+                    self.silent_steps.insert(id.to_owned());
+                } else {
+                    self.silent_steps.remove(id);
+                }
+                self.show_response(&message_id);
+            } else {
+                let shown = self.classified.get(id).copied().unwrap_or("visible");
+                let display = if *silent { "hidden" } else { shown };
+                self.message_mut(&message_id)?.insert("display".into(), json!(display));
+            }
         }
+        let message = self.message_mut(&message_id)?;
         match updates.get("metadata") {
             // A step's metadata merges with its response's (and the other steps'), as a client
             // merges the `message-metadata` chunk that carries it.
@@ -718,6 +740,23 @@ impl Projection {
         match stream {
             Stream::Reasoning => at,
             Stream::Text => at + usize::from(self.reasoned.contains(step)),
+        }
+    }
+
+    /// Sets the response message's display from its steps' silence: hidden while every step of
+    /// it is silent. A change of a message already shown resets the view.
+    fn show_response(&mut self, response_id: &str) {
+        let hidden = self
+            .response_steps
+            .get(response_id)
+            .is_some_and(|steps| !steps.is_empty() && steps.iter().all(|step| self.silent_steps.contains(step)));
+        let display = if hidden { "hidden" } else { "visible" };
+        let Some(message) = self.message_mut(response_id) else {
+            return;
+        };
+        if message.get("display").and_then(Value::as_str) != Some(display) {
+            message.insert("display".into(), json!(display));
+            self.rewritten = true;
         }
     }
 
@@ -1438,6 +1477,53 @@ mod tests {
         );
         assert_eq!(chunks, [vec!["tool-output"]]);
         assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
+    }
+
+    /// A step's row made silent hides its response only while every step of the response is
+    /// silent: the next step (the final answer) shows it again. A signal made not silent is
+    /// shown as its kind is, not as visible.
+    #[test]
+    fn a_silent_step_hides_its_response_only_while_every_step_is_silent() {
+        let mut projection = Projection::new("agents/a/i");
+        let silent = |id: &str, silent: bool| {
+            let mut updates = serde_json::Map::new();
+            updates.insert("silent".into(), json!(silent));
+            RecordBody::MessageUpdated {
+                message_id: id.into(),
+                updates,
+            }
+        };
+        let display = |projection: &Projection, at: usize| projection.snapshot()["messages"][at]["display"].clone();
+        let chunks = fold(
+            &mut projection,
+            vec![vec![started("step_1"), completed("step_1", ""), silent("step_1", true)]],
+        );
+        assert_eq!(chunks, [vec!["conversation-reset"]]);
+        assert_eq!(display(&projection, 0), "hidden", "its only step is silent");
+        let chunks = fold(
+            &mut projection,
+            vec![vec![started("step_2")], vec![completed("step_2", "Done.")]],
+        );
+        assert_eq!(chunks[0], ["conversation-reset"], "shown again: a display changed");
+        assert_eq!(display(&projection, 0), "visible", "the answer's step is not silent");
+        fold(&mut projection, vec![vec![silent("step_2", true)]]);
+        assert_eq!(display(&projection, 0), "hidden");
+        fold(&mut projection, vec![vec![silent("step_1", false)]]);
+        assert_eq!(display(&projection, 0), "visible");
+        fold(
+            &mut projection,
+            vec![vec![RecordBody::Signal {
+                message_id: "sig_1".into(),
+                signal_type: "resources".into(),
+                body: "Tools changed.".into(),
+                attributes: Default::default(),
+                tag_name: None,
+            }]],
+        );
+        fold(&mut projection, vec![vec![silent("sig_1", true)]]);
+        assert_eq!(display(&projection, 1), "hidden");
+        fold(&mut projection, vec![vec![silent("sig_1", false)]]);
+        assert_eq!(display(&projection, 1), "diagnostic", "as its kind is shown");
     }
 
     /// A row that is not a model step has its metadata replaced, as the conversation's row
