@@ -91,10 +91,22 @@ impl Inner {
         Some(row.clone())
     }
 
-    /// Puts the deliveries claimed into `host` but never applied back in the queue.
+    /// Puts the deliveries claimed into `host` but never applied back in the queue (they are
+    /// unsettled rows of the host's instance).
     fn revert_joining(&mut self, host: &str) -> usize {
+        let Some(key) = self.submissions.get(host).map(|row| row.key.clone()) else {
+            return 0;
+        };
+        let Inner {
+            instances, submissions, ..
+        } = self;
         let mut reverted = 0;
-        for row in self.submissions.values_mut() {
+        for id in instances
+            .get(&key)
+            .map(|instance| instance.unsettled.as_slice())
+            .unwrap_or_default()
+        {
+            let Some(row) = submissions.get_mut(id) else { continue };
             if row.joined_into.as_deref() == Some(host) && row.status == SubmissionStatus::Joining {
                 row.status = SubmissionStatus::Queued;
                 row.joined_into = None;
@@ -264,8 +276,13 @@ impl Store for MemoryStore {
         lease_until_ms: u64,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let mut inner = self.lock();
+        let Inner {
+            instances, submissions, ..
+        } = &mut *inner;
         let mut renewed = 0;
-        for row in inner.submissions.values_mut() {
+        // Running rows are unsettled: the scan is bounded by the backlogs, not the history.
+        for id in instances.values().flat_map(|instance| instance.unsettled.iter()) {
+            let Some(row) = submissions.get_mut(id) else { continue };
             if row.status == SubmissionStatus::Running
                 && row.owner_id.as_deref() == Some(owner_id)
                 && row
@@ -321,8 +338,10 @@ impl Store for MemoryStore {
     fn aborts_requested(&self, attempt_ids: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
         let inner = self.lock();
         let aborting = inner
-            .submissions
+            .instances
             .values()
+            .flat_map(|instance| instance.unsettled.iter())
+            .filter_map(|id| inner.submissions.get(id))
             .filter(|row| row.status == SubmissionStatus::Running && row.abort_requested)
             .filter_map(|row| row.attempt_id.clone())
             .filter(|attempt| attempt_ids.contains(attempt))
