@@ -661,6 +661,11 @@ impl PostgresStore {
     /// Measures the database clock's offset from this node's in one round trip.
     async fn clock_offset(&self) -> Result<Offset, StoreError> {
         let client = self.client().await.map_err(Failure::into_store_error)?;
+        self.clock_offset_on(&client).await
+    }
+
+    /// [`Self::clock_offset`] on a connection the caller holds.
+    async fn clock_offset_on(&self, client: &deadpool_postgres::Client) -> Result<Offset, StoreError> {
         let statement = client
             .prepare_cached(DATABASE_NOW)
             .await
@@ -1662,13 +1667,15 @@ impl Store for PostgresStore {
             // The heartbeat follows the node's clock too if it stepped since the last scan: a
             // lease written under a stale offset would outlive (or undercut) its node by the
             // step, and a node that dies before its next scan would leave it so.
-            let measured = self.clock_offset().await?;
+            // One connection for the measure and the renewal: a heartbeat waits for a pooled
+            // connection once, not twice, when the pool is busy.
+            let client = self.client().await.map_err(Failure::into_store_error)?;
+            let measured = self.clock_offset_on(&client).await?;
             self.clock.update(measured, false);
             let lease = self.clock.to_database(lease_until_ms).to_string();
             // One statement, atomic on its own: no transaction to open and commit (one round
             // trip, and no transaction a stalled node could leave open between them).
             retrying!(async {
-                let client = self.client().await?;
                 let statement = client.prepare_cached(RENEW).await?;
                 Ok::<_, Failure>(client.execute(&statement, &[&owner_id, &lease, &attempt_ids]).await?)
             })
