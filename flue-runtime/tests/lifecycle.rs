@@ -2744,6 +2744,75 @@ async fn item_81_a_queued_tool_runs_later_in_the_same_flow_even_when_not_mounted
     );
 }
 
+static FINISHES_AFTER_QUEUED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Queues an audit when the answer's row is completed.
+#[hook(after_update_message)]
+async fn audit_the_answer(state: &ThreadState, message: &Message) {
+    if message.role == MessageRole::Assistant && message.content.as_deref() == Some("the answer") {
+        state.queue_tool(audit_trail, json!({"event": "answer"})).unwrap();
+    }
+}
+
+/// Ends the response: a terminating tool.
+#[tool(terminate)]
+async fn close_case() -> String {
+    "closed".into()
+}
+
+/// Queues the terminating `close_case` when the answer's row is completed.
+#[hook(after_update_message)]
+async fn close_after_the_answer(state: &ThreadState, message: &Message) {
+    if message.role == MessageRole::Assistant && message.content.as_deref() == Some("the answer") {
+        state.queue_tool(close_case, json!({})).unwrap();
+    }
+}
+
+#[agent(max_steps = 1, hooks = [audit_the_answer])]
+fn audited_once() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|_ctx| async move {
+        FINISHES_AFTER_QUEUED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "A"
+}
+
+#[agent(hooks = [close_after_the_answer])]
+fn closing() -> &'static str {
+    use_model("scripted/x");
+    "A"
+}
+
+/// Calls queued at the would-stop point run, and a response that can make no more model calls
+/// (its max_steps spent) still reaches its finish callbacks: the queued call does not skip
+/// them.
+#[tokio::test]
+async fn a_call_queued_at_the_would_stop_point_with_no_step_left_still_runs_the_finish_callbacks() {
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let runtime = runtime_with(&model, vec![audited_once.into()]);
+    let reply = runtime.init(&audited_once, "a").send("go").await.unwrap();
+    assert_eq!(reply.text, "the answer");
+    assert_eq!(model.requests().len(), 1, "max_steps = 1");
+    let audited = bodies(&runtime, "audited_once", "a")
+        .await
+        .into_iter()
+        .any(|body| matches!(body, RecordBody::ToolOutcome { tool_name, .. } if tool_name == "audit_trail"));
+    assert!(audited, "the queued call ran");
+    assert_eq!(FINISHES_AFTER_QUEUED.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// A queued call that terminates ends the turns as a terminating batch of the model's does:
+/// no model call follows it.
+#[tokio::test]
+async fn a_terminating_call_queued_at_the_would_stop_point_calls_the_model_no_more() {
+    let model = ScriptedModel::new([ScriptedReply::text("the answer"), ScriptedReply::text("not asked for")]);
+    let runtime = runtime_with(&model, vec![closing.into()]);
+    let reply = runtime.init(&closing, "c").send("go").await.unwrap();
+    assert_eq!(model.requests().len(), 1, "the queued call terminated the turns");
+    assert_eq!(reply.text, "the answer");
+}
+
 /// Queues a tool named like the framework's `task`.
 #[tool]
 async fn queue_reserved(ctx: &ToolContext) -> String {

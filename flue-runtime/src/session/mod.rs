@@ -2440,7 +2440,13 @@ impl Response<'_> {
         if self.lost_race_to_abort() {
             return Ok(false);
         }
-        if self.run_queued_tools(rendered, spec).await?.is_some() {
+        // Calls queued meanwhile run; the model answers their results, unless they terminate
+        // (as a terminating batch of its own calls, the turns end) or no step is left: then the
+        // would-stop point goes on, joins and finish callbacks included.
+        if let Some(terminate) = self.run_queued_tools(rendered, spec).await?
+            && !terminate
+            && self.can_step(steps, max_steps)
+        {
             return Ok(true);
         }
         // Read afresh at each use: a hook that ran meanwhile may have stopped the execution.
@@ -2473,8 +2479,12 @@ impl Response<'_> {
                 return Ok(false);
             }
             // Calls a finish callback or a hook of that commit queued run now (the model sees
-            // their results), as at the would-stop point.
-            if self.run_queued_tools(rendered, spec).await?.is_some() {
+            // their results, unless they terminate or no step is left), as at the would-stop
+            // point; the finish callbacks ran already.
+            if let Some(terminate) = self.run_queued_tools(rendered, spec).await?
+                && !terminate
+                && self.can_step(steps, max_steps)
+            {
                 return Ok(true);
             }
             // Joins again after a no-append cycle, in case a hook dispatched: a joined delivery
