@@ -3881,3 +3881,47 @@ async fn a_stream_that_stays_unreadable_past_the_budget_settles_after_a_few_take
     assert_eq!(row.attempt_count, 4, "the last attempt and three takeovers");
     assert!(model.requests().is_empty());
 }
+
+static RENDER_BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[agent]
+fn redeployed() -> &'static str {
+    assert!(
+        !RENDER_BROKEN.load(Ordering::SeqCst),
+        "the new build's render is broken"
+    );
+    use_model("scripted/x");
+    "You answer."
+}
+
+/// Reference §3.9 step 2: a resumed response whose answer is durable settles completed as it
+/// is. The node that takes it over (a new build, say) may not render the agent any more: the
+/// answer, stored and maybe streamed, still settles completed, not failed.
+#[tokio::test]
+async fn a_durable_answer_settles_completed_when_the_resumed_render_fails() {
+    let store = FaultyStore::default();
+    store.fail_once(faulty::settles);
+    let model = ScriptedModel::new([ScriptedReply::text("done")]);
+    let runtime = taking_over(&store, &model, redeployed).await;
+    let mut events = runtime.observe();
+    let handle = runtime.init(&redeployed, "r-1");
+    let receipt = handle.dispatch("hello").await.unwrap();
+    for _ in 0..1000 {
+        if store.failures.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the settlement failed");
+    RENDER_BROKEN.store(true, Ordering::SeqCst);
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
+        .await
+        .expect("the submission settles");
+    RENDER_BROKEN.store(false, Ordering::SeqCst);
+    assert_eq!(reply.unwrap().text, "done");
+    assert_eq!(model.requests().len(), 1, "the answer was not made again");
+    assert_eq!(
+        settlements_of(&mut events, &receipt.submission_id),
+        [Outcome::Completed]
+    );
+}

@@ -1904,6 +1904,23 @@ impl Response<'_> {
             && self.conversation.has_ended(&self.submission.id)
     }
 
+    /// A failure of what a response needs to run (its render, its model), met by a resumed
+    /// response whose answer is durable: it settles completed as it is (reference §3.9 step 2)
+    /// — a new build whose render fails, a provider this node lacks, must not turn stored,
+    /// maybe already streamed, work into a failure. Its `use_response_finish` callbacks cannot
+    /// run without the render: said in a warning. Any other response fails with it.
+    fn as_answered(&self, answered: bool, failure: Failure) -> Result<(), Failure> {
+        if !answered || failure.transient {
+            return Err(failure);
+        }
+        if self.conversation.has_finished(&self.submission.id) {
+            tracing::info!(instance = %self.key, submission = %self.submission.id, error = %failure.error.message, "a resumed response whose finish batch is durable could not be rendered again; it settles completed");
+        } else {
+            tracing::warn!(instance = %self.key, submission = %self.submission.id, error = %failure.error.message, "a resumed response whose answer is durable could not be rendered again; it settles completed without its use_response_finish callbacks");
+        }
+        Ok(())
+    }
+
     fn check_abort(&self) -> Result<(), Failure> {
         if self.attempt.signal.is_aborted() {
             Err(Failure::aborted())
@@ -1930,13 +1947,21 @@ impl Response<'_> {
             self.attempt.stream_data();
         }
         // The init render: model, thinking level and compaction are submission-scoped.
-        let rendered = self.render()?;
-        let model = rendered.require_model()?.clone();
-        let (provider, model_id) = self
-            .runtime
-            .providers
-            .resolve(&model.spec)
-            .map_err(|error| Failure::failed("model_resolution", error.to_string()))?;
+        let rendered = match self.render() {
+            Ok(rendered) => rendered,
+            Err(failure) => return self.as_answered(already_answered, failure),
+        };
+        let model = match rendered.require_model() {
+            Ok(model) => model.clone(),
+            Err(error) => return self.as_answered(already_answered, error.into()),
+        };
+        let (provider, model_id) = match self.runtime.providers.resolve(&model.spec) {
+            Ok(resolved) => resolved,
+            Err(error) => {
+                let failure = Failure::failed("model_resolution", error.to_string());
+                return self.as_answered(already_answered, failure);
+            }
+        };
         let thinking = model.options.thinking_level.unwrap_or(ThinkingLevel::Medium);
         self.model_spec = Some((model.spec.to_string(), thinking));
         self.budget = crate::compaction::Budget::new(model.options.compaction.clone());
@@ -1955,9 +1980,12 @@ impl Response<'_> {
 
         // At rest (the input row), the agent-level hooks run, with the required hooks of the
         // relationships the first render declares.
-        self.at_rest_hooks = HookSet::at_rest(definition, &rendered.subagents)
+        match HookSet::at_rest(definition, &rendered.subagents)
             .and_then(|hooks| hooks.register(&self.runtime.known_hooks).map(|()| hooks))
-            .map_err(|message| Failure::failed("render_failed", message))?;
+        {
+            Ok(hooks) => self.at_rest_hooks = hooks,
+            Err(message) => return self.as_answered(already_answered, Failure::failed("render_failed", message)),
+        }
         self.thread_created().await?;
 
         // Input applied (once: a re-attempt finds it in the stream), then the response start,
