@@ -1693,10 +1693,23 @@ pub struct AgentHandle {
     uid: Arc<Mutex<Option<String>>>,
 }
 
+/// Runs `run` (an instance's worker loop that a sender drives) on a task of its own and waits
+/// for it: dropped, the wait ends and the loop goes on. `None` when the loop panicked (it
+/// gave its attempt back to the queue: the caller waits for the settlement).
+async fn detached(
+    run: impl std::future::Future<Output = Option<crate::session::Settled>> + Send + 'static,
+) -> Option<crate::session::Settled> {
+    tokio::spawn(run).await.ok().flatten()
+}
+
 impl AgentHandle {
     /// Sends `message` and waits for the reply. A runtime shutting down refuses it
     /// ([`RuntimeError::ShuttingDown`]); one that stops before processing it, once admitted,
     /// says so ([`RuntimeError::NotProcessedHere`]: it runs later, elsewhere).
+    ///
+    /// Dropping the returned future (a timeout, a `select!`) stops the wait, not the message:
+    /// once admitted, it is processed as if dispatched (read its reply with
+    /// [`AgentHandle::read`]); [`AgentHandle::abort`] stops it.
     pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<AgentReply, RuntimeError> {
         self.send_request(SendRequest::new(self.key.id.to_string(), message))
             .await
@@ -1726,9 +1739,18 @@ impl AgentHandle {
                 slot.wake();
                 None
             }
-            Some(role) => role.drive(claimed, &receipt.submission_id).await,
+            // Run on a task of its own, which the caller awaits: a caller that stops waiting
+            // (a timeout, a `select!`, a dropped HTTP handler) stops observing, not the
+            // response, whose tools would be cut mid-way and whose attempt would be spent.
+            Some(role) => {
+                let submission_id = receipt.submission_id.clone();
+                detached(async move { role.drive(claimed, &submission_id).await }).await
+            }
             None if receipt.deduplicated => None,
-            None => slot.drive(&receipt.submission_id).await,
+            None => {
+                let (slot, submission_id) = (slot.clone(), receipt.submission_id.clone());
+                detached(async move { slot.drive(&submission_id).await }).await
+            }
         };
         *self.uid.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(receipt.uid.clone());
         match settled {

@@ -3220,16 +3220,36 @@ async fn the_delivery_cursor_advances_to_a_signal_a_callback_appended() {
     assert_eq!(seen.last().map(String::as_str), Some("Say more."));
 }
 
+static RELEASED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static HELD_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn holding() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("hold").description("Hold until released.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            HELD_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            while !RELEASED.load(std::sync::atomic::Ordering::SeqCst) {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            "released"
+        },
+    ));
+    "Hold."
+}
+
+/// A send is a wait: dropped (a timeout, a `select!`) while its message runs, the wait ends and
+/// the message goes on, its tool neither cut nor run again, its attempt not spent; its reply is
+/// read later.
 #[tokio::test]
-async fn a_send_dropped_while_it_drives_the_instance_hands_its_submission_to_a_worker() {
+async fn a_send_dropped_while_its_message_runs_stops_the_wait_not_the_message() {
     let model = ScriptedModel::new([
-        ScriptedReply::tool_call("wait_forever", json!({})),
-        ScriptedReply::text("recovered"),
-        ScriptedReply::text("second"),
+        ScriptedReply::tool_call("hold", json!({})),
+        ScriptedReply::text("held to the end"),
     ]);
-    let runtime = runtime_with(&model, vec![waiter.into()]);
-    let handle = runtime.init(&waiter, "dropped");
-    // The send runs the idle instance on this task and waits in the tool: it is dropped there.
+    let store = MemoryStore::new();
+    let runtime = harness::runtime_on(store.clone(), &model, [holding.into()]);
+    let handle = runtime.init(&holding, "dropped");
     let mut events = runtime.observe();
     let started = async {
         loop {
@@ -3247,35 +3267,33 @@ async fn a_send_dropped_while_it_drives_the_instance_hands_its_submission_to_a_w
     })
     .await
     .expect("the tool started within 10 s");
-    assert!(dropped.is_none(), "the tool waits until aborted: {dropped:?}");
-    // The abandoned attempt is requeued and run again by a worker; the next send follows it.
-    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("again"))
+    assert!(dropped.is_none(), "the tool holds: {dropped:?}");
+    RELEASED.store(true, std::sync::atomic::Ordering::SeqCst);
+    let submission = runtime
+        .store()
+        .read(&InstanceKey::new("holding", "dropped"), None)
         .await
-        .expect("the instance is not left without a worker")
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .find_map(|record| record.submission_id.clone())
+        .expect("the message was admitted");
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&submission))
+        .await
+        .expect("the message settles")
         .unwrap();
-    // Admitted while the first ran again, it may have joined that response: before its first
-    // turn (one model call answers both) or at its would-stop phase (its reply is then the
-    // whole response's text).
-    let requests = model.requests();
-    let joined_before_turn_one = requests.len() == 2;
-    if joined_before_turn_one {
-        assert_eq!(reply.text, "recovered");
-    } else {
-        assert!(reply.text.ends_with("second"), "{}", reply.text);
-        assert_eq!(
-            requests.len(),
-            3,
-            "the first submission ran again after its driver was dropped"
-        );
-    }
-    // Its second attempt resumes from what is durable: the input and the tool call, whose
-    // interrupted batch is repaired with an error result, as after a crash.
-    let resumed = &requests[1].messages;
-    assert_eq!(resumed.len(), 3 + usize::from(joined_before_turn_one), "{resumed:?}");
-    assert!(
-        matches!(&resumed[2], ModelMessage::Tool { is_error: true, .. }),
-        "{resumed:?}"
+    assert_eq!(reply.text, "held to the end");
+    assert_eq!(
+        HELD_RUNS.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the tool ran once"
     );
+    assert_eq!(model.requests().len(), 2, "no call was made again");
+    let row = flue_runtime::store::Store::submission(&store, &submission)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.attempt_count, 1, "its attempt was not given back");
 }
 
 fn boom(message: &str) {

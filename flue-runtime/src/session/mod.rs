@@ -340,9 +340,10 @@ impl InstanceSlot {
 
     /// The worker loop; the caller holds `busy`. `first` is a submission already claimed.
     ///
-    /// Cancellation-safe: when the task running it is dropped (a cancelled send that was
-    /// driving the instance), the attempt in progress is requeued, as if its process had died,
-    /// and a spawned worker takes the queue over.
+    /// Cancellation-safe: when the task running it is dropped (a runtime shutting down drops
+    /// its tasks; a sender runs it on a task of its own, so a cancelled send does not), the
+    /// attempt in progress is requeued, as if its process had died, and a spawned worker takes
+    /// the queue over.
     ///
     /// Returns `until`'s settlement when this loop made it and knows its reply whole.
     async fn run(self: &Arc<Self>, first: Option<Submission>, until: Option<&str>) -> Option<Settled> {
