@@ -1584,11 +1584,28 @@ impl Runtime {
             .iter()
             .filter_map(|(key, slot)| slot.running().map(|attempt| (key.clone(), slot.clone(), attempt)))
             .collect();
+        // Stopped first, then given back: given back first, another node could claim one and
+        // run its tools while this node's still ran them. Each attempt gets a moment to see
+        // its signal (its tools listen to it); one that runs on past it is given back anyway,
+        // the process exiting next.
+        for (_, slot, attempt) in &running {
+            slot.release_attempt(&attempt.attempt_id);
+        }
+        let stopped = async {
+            for (_, slot, attempt) in &running {
+                while slot
+                    .running()
+                    .is_some_and(|current| current.attempt_id == attempt.attempt_id)
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(RELEASE_WAIT, stopped).await;
         let mut released = 0;
-        for (key, slot, attempt) in running {
+        for (key, _, attempt) in running {
             match self.inner.store.requeue(&attempt).await {
                 Ok(true) => {
-                    slot.release_attempt(&attempt.attempt_id);
                     released += 1;
                 }
                 // It settled (or another node took it over) meanwhile.
@@ -1701,6 +1718,9 @@ async fn detached(
 ) -> Option<crate::session::Settled> {
     tokio::spawn(run).await.ok().flatten()
 }
+
+/// How long [`Runtime::release`] gives the attempts it stops to end before it gives them back.
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
 
 impl AgentHandle {
     /// Sends `message` and waits for the reply. A runtime shutting down refuses it

@@ -3337,6 +3337,56 @@ async fn a_send_waiting_when_its_node_gives_its_work_back_ends_not_processed_her
     );
 }
 
+static GIVEN_BACK_STORE: std::sync::OnceLock<flue_runtime::store::MemoryStore> = std::sync::OnceLock::new();
+static STATUS_WHEN_STOPPED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Waits for its attempt's stop, then notes its submission's status in the store.
+#[tool]
+async fn note_when_stopped(ctx: &ToolContext) -> String {
+    ctx.signal().aborted().await;
+    let store = GIVEN_BACK_STORE.get().expect("the test's store");
+    let rows = store
+        .read(&InstanceKey::new("stop_noter", "s-1"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .find_map(|record| record.submission_id.clone());
+    let row = store.submission(&rows.unwrap()).await.unwrap().unwrap();
+    STATUS_WHEN_STOPPED.lock().unwrap().push(format!("{:?}", row.status));
+    "stopped".into()
+}
+
+#[agent]
+fn stop_noter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(note_when_stopped);
+    "Note."
+}
+
+/// `release` stops what runs before it gives it back: a tool that listens to its signal stops
+/// while its submission is still this node's (running), not once another node may claim it.
+#[tokio::test]
+async fn release_stops_a_running_attempt_before_giving_it_back() {
+    use flue_runtime::events::Event;
+    let store = GIVEN_BACK_STORE
+        .get_or_init(flue_runtime::store::MemoryStore::new)
+        .clone();
+    let model = ScriptedModel::new([ScriptedReply::tool_call("note_when_stopped", json!({}))]);
+    let runtime = harness::runtime_on(store.clone(), &model, vec![stop_noter.into()]);
+    let mut events = runtime.observe();
+    let receipt = runtime.init(&stop_noter, "s-1").dispatch("go").await.unwrap();
+    loop {
+        if let Event::ToolStart { .. } = events.recv().await.unwrap().event {
+            break;
+        }
+    }
+    assert_eq!(runtime.release().await, 1);
+    assert_eq!(*STATUS_WHEN_STOPPED.lock().unwrap(), ["Running"]);
+    let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.status, flue_runtime::store::SubmissionStatus::Queued, "given back");
+}
+
 static JOIN_GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Runs until [`JOIN_GATE_OPEN`] is set.
