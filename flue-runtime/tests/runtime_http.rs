@@ -93,6 +93,45 @@ fn tool_results(messages: &[serde_json::Value]) -> Vec<(&str, &str)> {
         .collect()
 }
 
+/// A server that ends an answer without calls with `finish_reason: "tool_calls"` (some
+/// compatible servers do when their tool-call parser fails): the step is a final answer, and
+/// is stored as one (`stop`), so a re-attempt reads it as the live run did (answered).
+#[tokio::test]
+async fn an_answer_without_calls_that_finishes_for_tool_calls_is_a_final_answer() {
+    use flue_runtime::testing::fixture_server::OpenAiChunk;
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Sunny.".into()),
+        OpenAiChunk::Finish("tool_calls".into()),
+        OpenAiChunk::Done,
+    ]));
+    let runtime = runtime(&server);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&forecaster, "f-stop").send("Weather?").await.unwrap();
+    assert_eq!(reply.text, "Sunny.");
+    let stored = runtime
+        .store()
+        .read(&InstanceKey::new("forecaster", "f-stop"), None)
+        .await
+        .unwrap();
+    let stops: Vec<String> = stored
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter_map(|record| match &record.body {
+            RecordBody::AssistantMessageCompleted { stop_reason, .. } => Some(stop_reason.to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stops, ["stop"]);
+    let mut finishes = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Turn { response, .. } = observation.event {
+            finishes.push(response.finish_reason);
+        }
+    }
+    assert_eq!(finishes, ["stop"]);
+}
+
 /// A server that numbers its call ids per step (`call_0` in every step): the later step's call
 /// gets an id of its own, everywhere (stream, events, the next request), else its result would
 /// answer the earlier call in every view that finds a call by its id.

@@ -2905,6 +2905,12 @@ impl Response<'_> {
         // The call's own duration (the row hooks below are not the model's time).
         let duration_ms = started.elapsed().as_millis() as u64;
         let mut response = response;
+        // No call to answer: a final answer, whatever the finish reason said (a server whose
+        // tool-call parser failed says `tool_calls`); stored as one, the stream's fold reads it
+        // as this loop does.
+        if response.tool_calls.is_empty() && response.stop_reason == crate::provider::StopReason::ToolUse {
+            response.stop_reason = crate::provider::StopReason::Stop;
+        }
         let mut completion_updates = flue_core::lifecycle::MessageUpdates::new();
         if self.shapes_assistant_rows() {
             // The row hooks never see reasoning: it is not kept where they cannot redact it.
