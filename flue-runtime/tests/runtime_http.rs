@@ -692,6 +692,92 @@ async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survive
     assert_eq!(next_turn["thinking"]["type"], "enabled");
 }
 
+/// Redacts a name from the answers' rows.
+#[hook(before_update_message)]
+async fn redact_paris(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    _id: &str,
+    mut updates: flue_runtime::lifecycle::MessageUpdates,
+) -> flue_runtime::lifecycle::MessageUpdates {
+    if let Some(serde_json::Value::String(content)) = updates.get("content").cloned() {
+        updates.insert("content".into(), json!(content.replace("Paris", "[city]")));
+    }
+    updates
+}
+
+#[agent(hooks = [redact_paris])]
+fn redacted_thinker() -> &'static str {
+    use_model_with("claude/claude-sonnet-4-5", ModelOptions::thinking(ThinkingLevel::High));
+    use_tool(get_weather);
+    "You think, then report the weather."
+}
+
+/// An agent whose hooks reshape assistant rows never shows observers the raw reasoning (the
+/// hooks never see it, so could not redact it): the step's `message_end` carries none, though
+/// the signed blocks stay in the record for the next request.
+#[tokio::test]
+async fn observers_get_no_reasoning_of_an_agent_whose_hooks_reshape_its_answers() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::ThinkingStart { index: 0 },
+        AnthropicEvent::ThinkingDelta {
+            index: 0,
+            thinking: "Paris, so look it up.".into(),
+        },
+        AnthropicEvent::SignatureDelta {
+            index: 0,
+            signature: "sig-paris".into(),
+        },
+        AnthropicEvent::BlockStop { index: 0 },
+        AnthropicEvent::ToolUseStart {
+            index: 1,
+            id: "toolu_1".into(),
+            name: "get_weather".into(),
+        },
+        AnthropicEvent::InputJsonDelta {
+            index: 1,
+            partial_json: r#"{"city":"Paris"}"#.into(),
+        },
+        AnthropicEvent::BlockStop { index: 1 },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "tool_use".into(),
+            output_tokens: 12,
+        },
+        AnthropicEvent::MessageStop,
+    ]));
+    server.push(FixtureReply::anthropic_text("Sunny in Paris."));
+    let mut providers = ProviderRegistry::new();
+    providers.register(
+        AnthropicProvider::anthropic()
+            .with_id("claude")
+            .with_base_url(server.base_url())
+            .with_api_key("test-key")
+            .with_retry_policy(RetryPolicy::new(3, std::time::Duration::from_millis(1))),
+    );
+    let runtime = Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .agent(redacted_thinker)
+        .providers(providers)
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let reply = runtime
+        .init(&redacted_thinker, "r")
+        .send("Weather in Paris?")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "Sunny in [city].");
+    let mut seen = String::new();
+    while let Ok(observation) = events.try_recv() {
+        seen.push_str(&serde_json::to_string(&observation.event).unwrap());
+    }
+    assert!(seen.contains("message_end"), "{seen}");
+    assert!(!seen.contains("look it up"), "{seen}");
+    let next = &server.requests()[1].body;
+    assert_eq!(next["messages"][1]["content"][0]["thinking"], "Paris, so look it up.");
+}
+
 #[agent]
 fn routed_thinker() -> &'static str {
     use_model_with(

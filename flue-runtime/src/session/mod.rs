@@ -2992,14 +2992,21 @@ impl Response<'_> {
         self.fold_thread_writes();
         if self.runtime.observed() {
             // As stored: after the message hooks.
-            let message = self
-                .conversation
-                .observed_message(&message_id)
-                .unwrap_or_else(|| ModelMessage::Assistant {
-                    text: response.text.clone(),
-                    tool_calls: response.tool_calls.clone(),
-                    reasoning: Vec::new(),
-                });
+            let mut message =
+                self.conversation
+                    .observed_message(&message_id)
+                    .unwrap_or_else(|| ModelMessage::Assistant {
+                        text: response.text.clone(),
+                        tool_calls: response.tool_calls.clone(),
+                        reasoning: Vec::new(),
+                    });
+            // The row hooks never saw the reasoning, so could not redact it: observers get
+            // none (the blocks stay in the record, for the provider's next request).
+            if self.shapes_assistant_rows()
+                && let ModelMessage::Assistant { reasoning, .. } = &mut message
+            {
+                reasoning.clear();
+            }
             self.end_message(message);
         }
         after?;
