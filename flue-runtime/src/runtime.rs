@@ -121,7 +121,8 @@ pub struct RuntimeOptions {
     pub lease: Duration,
     /// How often this node renews its leases (well under `lease`).
     pub heartbeat: Duration,
-    /// How often this node looks for expired leases and for queued work admitted elsewhere.
+    /// How often this node looks for expired leases and for queued work admitted elsewhere
+    /// (and a send or read waiting on a store of this node's own reads the store again).
     pub scan_interval: Duration,
     /// How many instances keep their folded conversation in memory between submissions. Past
     /// it, the least recently used idle instances are dropped (a quarter of the limit at a
@@ -1196,7 +1197,11 @@ impl RuntimeInner {
                 let poll = self.options.shared_store_poll.max(Duration::from_millis(1));
                 let _ = tokio::time::timeout(poll, settled).await;
             } else {
-                let _ = settled.await;
+                // The settlement wakes the wait; it also looks again at every scan interval,
+                // for a settlement that woke nobody (a delivery settled with a host whose
+                // attempt could not read which deliveries it had joined).
+                let look = self.options.scan_interval.max(Duration::from_millis(1));
+                let _ = tokio::time::timeout(look, settled).await;
             }
         }
     }

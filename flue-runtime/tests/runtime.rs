@@ -3296,6 +3296,69 @@ async fn a_send_dropped_while_its_message_runs_stops_the_wait_not_the_message() 
     assert_eq!(row.attempt_count, 1, "its attempt was not given back");
 }
 
+/// A wait on a store of the node's own is woken by the settlement; a settlement that wakes
+/// nobody (made without the runtime, here by the test through the store) is still found, at
+/// the next scan interval.
+#[tokio::test]
+async fn a_wait_finds_a_settlement_that_woke_nobody_at_the_next_scan_interval() {
+    let model = ScriptedModel::new([]);
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .providers(providers)
+        .agent(calculator)
+        .options(flue_runtime::RuntimeOptions {
+            scan_interval: std::time::Duration::from_millis(20),
+            ..flue_runtime::RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    use flue_runtime::store::Store as _;
+    let key = InstanceKey::new("calculator", "quiet");
+    store
+        .admit(flue_runtime::store::Admission {
+            key: key.clone(),
+            submission_id: "sub_quiet".into(),
+            keyed: false,
+            kind: flue_runtime::store::SubmissionKind::Dispatch,
+            message: DeliveredMessage::user("2+3?"),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 3,
+            timeout_ms: 60_000,
+            claim: None,
+            trace: None,
+        })
+        .await
+        .unwrap();
+    let reading = tokio::spawn({
+        let handle = runtime.init(&calculator, "quiet");
+        async move { handle.read("sub_quiet").await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let claim = flue_runtime::store::Claim {
+        attempt_id: "att_quiet".into(),
+        owner_id: "elsewhere".into(),
+        lease_until_ms: flue_runtime::store::now_ms() + 60_000,
+    };
+    store.claim_next(&key, &claim).await.unwrap().expect("claimed");
+    let attempt = flue_runtime::store::AttemptRef {
+        submission_id: "sub_quiet".into(),
+        attempt_id: "att_quiet".into(),
+    };
+    store
+        .settle(&attempt, flue_runtime::record::Outcome::Aborted, None, Vec::new())
+        .await
+        .unwrap();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), reading)
+        .await
+        .expect("the wait found the settlement")
+        .unwrap();
+    assert!(read.is_err(), "aborted: {read:?}");
+}
+
 fn boom(message: &str) {
     panic!("{message}")
 }
