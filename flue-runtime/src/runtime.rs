@@ -340,7 +340,7 @@ impl RuntimeBuilder {
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
-            owner_id: new_id("owner"),
+            owner_id: live_owners_add(new_id("owner")),
             background: AtomicBool::new(false),
             user_hooks,
             user_chains: crate::lifecycle::user::UserChains::default(),
@@ -618,16 +618,38 @@ impl RuntimeInner {
     /// Takes over submissions whose lease expired (their node died) and wakes every instance
     /// with queued work; nothing once the node stops taking work ([`Self::claims_stopped`]).
     pub(crate) async fn scan(self: &Arc<Self>) {
+        self.scan_leases(false).await;
+    }
+
+    /// [`Self::scan`]; `starting`: the node's first, which on a store one process at a time
+    /// can use ([`Store::exclusive`](crate::store::Store::exclusive)) takes over every
+    /// submission left running by an owner that is not a runtime of this process (a process
+    /// that ended: a crash, a Ctrl-C) at once, not once its lease ran out.
+    async fn scan_leases(self: &Arc<Self>, starting: bool) {
         if self.claims_stopped() {
             return;
         }
-        match self.store.expired(crate::store::now_ms()).await {
+        let ended_owners = starting && self.store.exclusive();
+        // Past every lease (as a store's integer column holds it).
+        let now = if ended_owners {
+            i64::MAX as u64
+        } else {
+            crate::store::now_ms()
+        };
+        match self.store.expired(now).await {
             Ok(expired) => {
                 // Held after the listing: an attempt running here when its row was listed is
                 // still held (or has ended) now.
                 let held = self.running_attempts();
                 for row in expired {
                     let Some(stale) = row.attempt_id.clone() else { continue };
+                    if ended_owners
+                        && !crate::store::lease_expired(row.lease_until_ms, crate::store::now_ms())
+                        && row.owner_id.as_deref().is_none_or(live_owner)
+                    {
+                        // Another runtime of this process runs it.
+                        continue;
+                    }
                     if held.contains(&stale) {
                         // This node runs the attempt: its renewals failed for longer than the
                         // lease. Taking it over here would fence the live attempt and run it
@@ -642,11 +664,7 @@ impl RuntimeInner {
                         continue;
                     }
                     let claim = self.claim();
-                    match self
-                        .store
-                        .reclaim(&row.id, &stale, &claim, crate::store::now_ms())
-                        .await
-                    {
+                    match self.store.reclaim(&row.id, &stale, &claim, now).await {
                         Ok(Some(reclaimed)) => {
                             tracing::info!(submission = %reclaimed.id, instance = %reclaimed.key, "took over an expired lease");
                             self.slot(&reclaimed.key).resume(reclaimed, claim.attempt_id);
@@ -1556,7 +1574,7 @@ impl Runtime {
     /// lease expires). Admission starts the background work too.
     pub async fn start(&self) {
         self.inner.ensure_background();
-        self.inner.scan().await;
+        self.inner.scan_leases(true).await;
     }
 
     /// The shared state (for the crate's HTTP routes).
@@ -1722,6 +1740,38 @@ async fn detached(
     run: impl std::future::Future<Output = Option<crate::session::Settled>> + Send + 'static,
 ) -> Option<crate::session::Settled> {
     tokio::spawn(run).await.ok().flatten()
+}
+
+/// The owner ids of this process's runtimes that still exist: on an
+/// [exclusive](crate::store::Store::exclusive) store, a submission running under any other
+/// owner was left by a process that ended.
+static LIVE_OWNERS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Notes `owner` live in this process; returns it.
+fn live_owners_add(owner: String) -> String {
+    LIVE_OWNERS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .push(owner.clone());
+    owner
+}
+
+/// Whether `owner` is a runtime of this process that still exists.
+fn live_owner(owner: &str) -> bool {
+    LIVE_OWNERS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .iter()
+        .any(|live| live == owner)
+}
+
+impl Drop for RuntimeInner {
+    fn drop(&mut self) {
+        LIVE_OWNERS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .retain(|live| *live != self.owner_id);
+    }
 }
 
 /// How long [`Runtime::release`] gives the attempts it stops to end before it gives them back.

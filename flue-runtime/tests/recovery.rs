@@ -129,6 +129,10 @@ impl Store for PausingStore {
         list_user_values, create_child,
     );
 
+    fn exclusive(&self) -> bool {
+        self.inner.exclusive()
+    }
+
     fn settle(
         &self,
         h: &AttemptRef,
@@ -318,8 +322,14 @@ async fn child(mode: &str, dir: &Path) {
         point,
         dir: dir.to_owned(),
     };
+    // `FLUE_RECOVERY_LEASE_MS`: a lease longer than any test waits (the recovery must not wait
+    // for it).
+    let lease = std::env::var("FLUE_RECOVERY_LEASE_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map_or(Duration::from_millis(400), Duration::from_millis);
     let options = RuntimeOptions {
-        lease: Duration::from_millis(400),
+        lease,
         heartbeat: Duration::from_millis(50),
         scan_interval: Duration::from_millis(100),
         text_flush: Some(Duration::from_millis(10)),
@@ -824,6 +834,19 @@ recovery_suite!(postgres, true);
 /// A SQLite file belongs to the runtime process that opened it: a second process cannot open
 /// the store meanwhile (it would run the same instances beside the first), and says why; once
 /// the first process is gone, the file opens again.
+/// A SQLite file is one process's: a submission found running in it when a runtime starts was
+/// left by a process that ended (here SIGKILLed), and is taken over at once, not once its lease
+/// (ten minutes here) runs out.
+#[test]
+fn a_sqlite_store_reopened_after_a_crash_takes_over_at_once_not_after_the_lease() {
+    let Some(dir) = scratch(false) else { return };
+    let long_lease = [("FLUE_RECOVERY_LEASE_MS", "600000")];
+    crash("crash:tool_batch_commit", &dir, &long_lease, |_| {});
+    let report = recover(&dir, &long_lease);
+    assert_eq!(report["outcome"], "completed", "{report}");
+    assert_eq!(side_effects(&dir), 1, "the tool ran once");
+}
+
 #[test]
 fn a_second_process_cannot_open_a_sqlite_store_in_use_and_says_why() {
     let Some(dir) = scratch(false) else { return };

@@ -829,6 +829,14 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// Whether one process at a time can use this store (an embedded database the process
+    /// holds locked). A submission found running when a runtime starts, under an owner that is
+    /// not a runtime of this process, was then left by a process that ended (a crash, a
+    /// Ctrl-C): the runtime takes it over at once rather than once its lease ran out.
+    fn exclusive(&self) -> bool {
+        false
+    }
+
     /// Notices of what other nodes sharing this store did, for a store that announces them
     /// (`None`, the default, for one that does not): a node then wakes the sends waiting on a
     /// submission another node settled, stops an attempt whose abort another node requested,

@@ -1358,6 +1358,11 @@ fn instance_uid(transaction: &Connection, key: &InstanceKey) -> Result<Option<St
 }
 
 impl Store for SqliteStore {
+    /// On Unix the process holds the file locked (`unix-excl`): one process at a time.
+    fn exclusive(&self) -> bool {
+        cfg!(unix)
+    }
+
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         ready(self.transaction(|tx| {
             if let Some(existing) = read_submission(tx, &admission.submission_id)? {
