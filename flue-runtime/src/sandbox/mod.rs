@@ -48,6 +48,45 @@
 //!   reads them with the sandbox's tools, not `read_skill_resource`), and activation reads
 //!   `SKILL.md` again, so an edit made during the session shows. A skill added during a
 //!   submission is found by the next one, and narrated to the model as a new skill.
+//!
+//! A factory of the application's own implements [`SandboxFactory`] and [`Sandbox`], both
+//! here:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use flue_runtime::BoxFuture;
+//! use flue_runtime::sandbox::{DirEntry, ExecOutput, ExecRequest, Sandbox, SandboxError, SandboxFactory};
+//!
+//! /// An environment that refuses everything (a container's client would go here).
+//! struct Sealed;
+//!
+//! impl Sandbox for Sealed {
+//!     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
+//!         let missing = SandboxError::NotFound(path.to_owned());
+//!         Box::pin(async move { Err(missing) })
+//!     }
+//!     fn write_file(&self, _path: &str, _contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+//!         Box::pin(async { Err(SandboxError::Unsupported("writes")) })
+//!     }
+//!     fn remove(&self, _path: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+//!         Box::pin(async { Err(SandboxError::Unsupported("removals")) })
+//!     }
+//!     fn list_dir(&self, _path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
+//!         Box::pin(async { Ok(Vec::new()) })
+//!     }
+//!     fn exec(&self, _request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+//!         Box::pin(async { Err(SandboxError::Unsupported("commands")) })
+//!     }
+//! }
+//!
+//! struct SealedFactory;
+//!
+//! impl SandboxFactory for SealedFactory {
+//!     fn create_sandbox(&self, _instance_id: &str) -> BoxFuture<'static, Result<Arc<dyn Sandbox>, SandboxError>> {
+//!         Box::pin(async { Ok(Arc::new(Sealed) as Arc<dyn Sandbox>) })
+//!     }
+//! }
+//! ```
 
 mod local;
 pub(crate) mod tools;
@@ -56,8 +95,9 @@ mod virtual_fs;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use flue_core::sandbox::{Sandbox, SandboxError};
-
+// The environment's interface, for a factory of the application's own (a container, a
+// remote machine): `flue_runtime::sandbox::{Sandbox, SandboxFactory, …}`.
+pub use flue_core::sandbox::*;
 pub use local::{DEFAULT_COMMAND_TIMEOUT, LocalSandbox, LocalSandboxFactory, kill_running_commands};
 pub use virtual_fs::{VirtualSandbox, VirtualSandboxFactory};
 
