@@ -354,6 +354,19 @@ pub(crate) fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Resu
     Value::deserialize(deserializer).map(Some)
 }
 
+/// Parses JSON a store wrote (a batch, a submission row, a user value) without serde_json's
+/// nesting limit (128 levels): a value accepted nested deep when it was written (a tool's
+/// argument, a state value, initial data), one or two levels deeper once wrapped in its
+/// record and batch, would otherwise be unreadable for good, and with it its instance. What
+/// was written is as deep as a serializer went, so the parse's recursion is bounded by it.
+pub(crate) fn from_stored<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Result<T> {
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    deserializer.disable_recursion_limit();
+    let value = T::deserialize(&mut deserializer)?;
+    deserializer.end()?;
+    Ok(value)
+}
+
 /// Whether a lease that runs until `lease_until_ms` (0: none) expired before `now_ms`.
 pub(crate) fn lease_expired(lease_until_ms: u64, now_ms: u64) -> bool {
     lease_until_ms > 0 && lease_until_ms < now_ms

@@ -969,12 +969,12 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
         sequence: u64::try_from(sequence).map_err(|_| corrupt(format_args!("admission sequence {sequence}")))?,
         key: InstanceKey::new(row.try_get::<_, String>(2)?, row.try_get::<_, String>(3)?),
         kind: parse_kind(row.try_get(4)?)?,
-        message: serde_json::from_str::<DeliveredMessage>(&message)
+        message: super::from_stored::<DeliveredMessage>(&message)
             .map_err(|error| corrupt(format_args!("message: {error}")))?,
         // A JSON `null` is stored as the text `null`, and read back as `Some(Value::Null)`.
         initial_data: initial_data
             .as_deref()
-            .map(serde_json::from_str::<serde_json::Value>)
+            .map(super::from_stored::<serde_json::Value>)
             .transpose()
             .map_err(|error| corrupt(format_args!("initial data: {error}")))?,
         status: parse_status(row.try_get(6)?)?,
@@ -996,12 +996,12 @@ fn submission_from_row(row: &Row) -> Result<Submission, Failure> {
         outcome: outcome.as_deref().map(parse_outcome).transpose()?,
         error: error
             .as_deref()
-            .map(serde_json::from_str::<SettlementError>)
+            .map(super::from_stored::<SettlementError>)
             .transpose()
             .map_err(|error| corrupt(format_args!("settlement error: {error}")))?,
         trace: trace
             .as_deref()
-            .map(serde_json::from_str::<TraceContext>)
+            .map(super::from_stored::<TraceContext>)
             .transpose()
             .map_err(|error| corrupt(format_args!("trace context: {error}")))?,
     })
@@ -1012,7 +1012,7 @@ fn batch_from_row(row: &Row) -> Result<Batch, StoreError> {
     let records: String = row.try_get(1).map_err(|error| db_error(&error))?;
     Ok(Batch {
         offset: u64::try_from(offset).map_err(|_| corrupt(format_args!("batch offset {offset}")))?,
-        records: serde_json::from_str(&records).map_err(|error| corrupt(format_args!("batch {offset}: {error}")))?,
+        records: super::from_stored(&records).map_err(|error| corrupt(format_args!("batch {offset}: {error}")))?,
     })
 }
 
@@ -1976,7 +1976,7 @@ impl Store for PostgresStore {
                     let value: String = row.try_get(0)?;
                     Ok(Some(UserValue {
                         key: key.clone(),
-                        value: serde_json::from_str(&value).map_err(|_| corrupt(format_args!("user value {key:?}")))?,
+                        value: super::from_stored(&value).map_err(|_| corrupt(format_args!("user value {key:?}")))?,
                         updated_at: row.try_get(1)?,
                     }))
                 }
@@ -2059,7 +2059,7 @@ impl Store for PostgresStore {
                         };
                         let value: String = row.try_get(2)?;
                         entries.push(UserValue {
-                            value: serde_json::from_str(&value)
+                            value: super::from_stored(&value)
                                 .map_err(|_| corrupt(format_args!("user value {key:?}")))?,
                             key,
                             updated_at: row.try_get(3)?,
@@ -2414,6 +2414,33 @@ mod tests {
             "the cut-off batch is not in the stream"
         );
         cut.abort();
+    }
+
+    /// What the store wrote reads back however deep a value in it is nested (127 levels, the
+    /// most serde_json parses, two under its record and batch).
+    #[tokio::test]
+    async fn a_value_nested_as_deep_as_json_parses_reads_back() {
+        let Some(url) = test_url() else { return };
+        let store = PostgresStore::connect_with_schema(&url, &fresh_schema()).await.unwrap();
+        let mut value = serde_json::json!("core");
+        for _ in 0..126 {
+            value = serde_json::json!([value]);
+        }
+        let mut created = admission("d-1", "assistant", "deep");
+        created.initial_data = Some(value.clone());
+        store.admit(created).await.unwrap();
+        let key = InstanceKey::new("assistant", "deep");
+        let mut record = user_record("deep");
+        record.body = RecordBody::StateWrite {
+            name: "notes".into(),
+            value: value.clone(),
+        };
+        store.append(&key, vec![record.clone()].into(), None).await.unwrap();
+        assert_eq!(store.read(&key, None).await.unwrap().last().unwrap().records[0], record);
+        assert_eq!(
+            store.submission("d-1").await.unwrap().unwrap().initial_data,
+            Some(value)
+        );
     }
 
     /// Postgres refuses an `idle_in_transaction_session_timeout` over `i32::MAX` ms, and every

@@ -992,7 +992,7 @@ fn read_submission(transaction: &Connection, id: &str) -> Result<Option<Submissi
         .query_row(params![id], |row| row.get(0))
         .optional()
         .map_err(sql)?;
-    data.map(|data| serde_json::from_str(&data).map_err(json_error))
+    data.map(|data| crate::store::from_stored(&data).map_err(json_error))
         .transpose()
 }
 
@@ -1074,7 +1074,7 @@ fn submissions(
     let rows = statement
         .query_map(parameters, |row| row.get::<_, String>(0))
         .map_err(sql)?;
-    rows.map(|data| serde_json::from_str(&data.map_err(sql)?).map_err(json_error))
+    rows.map(|data| crate::store::from_stored(&data.map_err(sql)?).map_err(json_error))
         .collect()
 }
 
@@ -1096,7 +1096,7 @@ fn readable_submissions(
     let mut readable = Vec::new();
     for row in rows {
         let (id, data) = row.map_err(sql)?;
-        match serde_json::from_str(&data) {
+        match crate::store::from_stored(&data) {
             Ok(submission) => readable.push(submission),
             Err(error) => {
                 tracing::warn!(submission = %id, "sqlite: a submission row this build cannot read is left out of a scan: {error}")
@@ -1826,7 +1826,7 @@ impl Store for SqliteStore {
                     let (offset, records) = row.map_err(sql)?;
                     Ok(Batch {
                         offset: offset as u64,
-                        records: serde_json::from_str::<Vec<Record>>(&records)
+                        records: crate::store::from_stored::<Vec<Record>>(&records)
                             .map_err(json_error)?
                             .into(),
                     })
@@ -1937,7 +1937,8 @@ impl Store for SqliteStore {
                 .map(|(value, updated_at)| {
                     Ok(UserValue {
                         key: key.to_owned(),
-                        value: serde_json::from_str(&value).map_err(|error| StoreError::Other(error.to_string()))?,
+                        value: crate::store::from_stored(&value)
+                            .map_err(|error| StoreError::Other(error.to_string()))?,
                         updated_at,
                     })
                 })
@@ -2010,7 +2011,7 @@ impl Store for SqliteStore {
                 let (key, value, updated_at) = row.map_err(sql)?;
                 entries.push(UserValue {
                     key,
-                    value: serde_json::from_str(&value).map_err(|error| StoreError::Other(error.to_string()))?,
+                    value: crate::store::from_stored(&value).map_err(|error| StoreError::Other(error.to_string()))?,
                     updated_at,
                 });
             }
@@ -2402,6 +2403,44 @@ mod tests {
             .transaction(|connection| insert_instance(connection, "kept"))
             .unwrap();
         assert_eq!(instance_count(&store), 1);
+    }
+
+    /// A value nested 127 deep: the most serde_json parses (a tool's argument, a state value
+    /// can be that deep), two levels under its record and batch.
+    fn deeply_nested() -> serde_json::Value {
+        let mut value = serde_json::json!("core");
+        for _ in 0..126 {
+            value = serde_json::json!([value]);
+        }
+        assert!(serde_json::from_str::<serde_json::Value>(&value.to_string()).is_ok());
+        value
+    }
+
+    /// What a store wrote reads back, however deep a value in it is nested: past serde_json's
+    /// limit once in its record, the instance would be unreadable for good.
+    #[tokio::test]
+    async fn a_value_nested_as_deep_as_json_parses_reads_back_in_its_batch_and_its_submission() {
+        use crate::store::Store as _;
+        let store = SqliteStore::in_memory().unwrap();
+        let mut created = admission("deep", "sub-deep", None);
+        created.initial_data = Some(deeply_nested());
+        store.admit(created).await.unwrap();
+        let key = InstanceKey::new("a", "deep");
+        let record = crate::record::Record {
+            id: "rec-deep".into(),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-12-06T00:00:00.000Z".into(),
+            body: crate::record::RecordBody::StateWrite {
+                name: "notes".into(),
+                value: deeply_nested(),
+            },
+        };
+        store.append(&key, vec![record.clone()].into(), None).await.unwrap();
+        let batches = store.read(&key, None).await.unwrap();
+        assert_eq!(batches.last().unwrap().records[0], record);
+        let row = store.submission("sub-deep").await.unwrap().unwrap();
+        assert_eq!(row.initial_data, Some(deeply_nested()));
     }
 
     fn admission(instance: &str, submission: &str, claim: Option<Claim>) -> crate::store::Admission {
