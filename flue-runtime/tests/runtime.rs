@@ -1464,6 +1464,45 @@ async fn a_failed_turn_event_carries_its_error() {
     assert!(error.message.contains("refused"), "{}", error.message);
 }
 
+/// Creation data whose type writes what it cannot read back (a field skipped when
+/// serialized) is refused at admission: stored, it would fail every render of the instance for
+/// good, creation data never being written again.
+#[tokio::test]
+async fn initial_data_that_would_not_read_back_as_its_type_once_stored_is_refused() {
+    #[derive(serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
+    struct Login {
+        user: String,
+        #[serde(skip_serializing)]
+        token: String,
+    }
+    let agent = FnAgent::new(AgentDefinition::new("login").initial_data::<Login>(), |_| {
+        use_model("scripted/x");
+        "Hi."
+    });
+    let model = ScriptedModel::echo();
+    let runtime = runtime_with(&model, vec![AgentRef::new(agent)]);
+    let refused = runtime
+        .dispatch_request(
+            "login",
+            SendRequest::new("l", "hi").initial_data(json!({"user": "ada", "token": "t"})),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, RuntimeError::InvalidRequest(ref message) if message.contains("does not read back")),
+        "{refused}"
+    );
+    assert!(
+        runtime
+            .store()
+            .instance(&InstanceKey::new("login", "l"))
+            .await
+            .unwrap()
+            .is_none(),
+        "no instance was created"
+    );
+}
+
 #[tokio::test]
 async fn initial_data_is_validated_at_creation_only_and_recorded_as_its_type_reads_it() {
     #[derive(serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
