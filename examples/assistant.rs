@@ -114,7 +114,7 @@ fn choose_model(providers: &mut ProviderRegistry) -> (&'static str, &'static str
     } else {
         // The script first; after it, the model echoes, so any further message (a served
         // conversation) still gets an answer.
-        let scripted = ScriptedModel::echo().with_id("scripted");
+        let scripted = ScriptedModel::echo().with_id("scripted").without_recording();
         scripted.push(ScriptedReply::tool_call("lookup_order", json!({"order": "A-1001"})));
         scripted.push(ScriptedReply::text(
             "Your order A-1001 shipped yesterday and arrives Thursday.",

@@ -17,7 +17,7 @@ pub fn choose_model(providers: &mut ProviderRegistry, script: Vec<ScriptedReply>
             return (spec, format!("model: {spec} ({key} is set)"));
         }
     }
-    let scripted = ScriptedModel::echo().with_id("scripted");
+    let scripted = ScriptedModel::echo().with_id("scripted").without_recording();
     for reply in script {
         scripted.push(reply);
     }

@@ -524,7 +524,7 @@ async fn bench() {
             return;
         }
         // Profiling aid: only the scripted exchange, many times (on SQLite when asked).
-        let model = ScriptedModel::new([]);
+        let model = ScriptedModel::new([]).without_recording();
         let scripted = if target.starts_with("sqlite") {
             let db = scratch_dir().join("profile").join("flue.db");
             let mut providers = ProviderRegistry::new();
@@ -650,7 +650,7 @@ async fn bench() {
 
 /// The scripted exchange (no HTTP) on `store`: the runtime's own cost, median of `rounds`.
 async fn scripted_exchange(name: &str, store: impl flue_runtime::store::Store, rounds: usize) {
-    let model = ScriptedModel::new([]);
+    let model = ScriptedModel::new([]).without_recording();
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
     let runtime = Runtime::builder()
@@ -791,7 +791,7 @@ async fn provider_path() {
 /// profile of either part shows.
 async fn interleaved() {
     let path = ProviderPath::start().await;
-    let model = ScriptedModel::new([]);
+    let model = ScriptedModel::new([]).without_recording();
     let scripted = scripted_runtime(&model);
     let rounds = profile_rounds();
     let mut next = 0;
@@ -848,7 +848,7 @@ async fn interleaved() {
 /// idle (caches and predictors lost meanwhile), which no change to the runtime's code removes
 /// and every wait on the network pays.
 async fn idle_gap() {
-    let model = ScriptedModel::new([]);
+    let model = ScriptedModel::new([]).without_recording();
     let scripted = scripted_runtime(&model);
     let rounds = profile_rounds();
     let mut next = 0;

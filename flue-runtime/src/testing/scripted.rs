@@ -70,6 +70,8 @@ pub struct ScriptedModel {
 struct Inner {
     script: VecDeque<ScriptedReply>,
     echo: bool,
+    /// Whether requests are kept for [`ScriptedModel::requests`].
+    recording: bool,
     requests: Vec<ModelRequest>,
     calls: u64,
 }
@@ -83,6 +85,7 @@ impl ScriptedModel {
             inner: Arc::new(Mutex::new(Inner {
                 script: replies.into_iter().collect(),
                 echo: false,
+                recording: true,
                 requests: Vec::new(),
                 calls: 0,
             })),
@@ -94,6 +97,14 @@ impl ScriptedModel {
         let model = Self::new([]);
         model.lock().echo = true;
         model
+    }
+
+    /// Keeps no request (for [`ScriptedModel::requests`]): a model serving for long (an
+    /// example's offline mode, a benchmark) would otherwise hold every request it received,
+    /// each with its conversation's history.
+    pub fn without_recording(self) -> Self {
+        self.lock().recording = false;
+        self
     }
 
     /// Renames the provider id.
@@ -113,7 +124,7 @@ impl ScriptedModel {
         self.lock().script.push_back(reply);
     }
 
-    /// Every request received, in order.
+    /// Every request received, in order (none [`without_recording`](Self::without_recording)).
     pub fn requests(&self) -> Vec<ModelRequest> {
         self.lock().requests.clone()
     }
@@ -140,7 +151,9 @@ impl ModelProvider for ScriptedModel {
             ModelMessage::User { content, .. } => Some(content.clone()),
             _ => None,
         });
-        inner.requests.push(request.clone());
+        if inner.recording {
+            inner.requests.push(request.clone());
+        }
         let reply = match inner.script.pop_front() {
             Some(reply) => reply,
             None if inner.echo => ScriptedReply::Text(format!("You said: {}", last_user.unwrap_or_default())),
@@ -211,5 +224,35 @@ fn response(text: String, tool_calls: Vec<ModelToolCall>) -> ModelResponse {
         tool_calls,
         stop_reason,
         usage,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use super::*;
+
+    fn request(text: &str) -> ModelRequest {
+        ModelRequest {
+            model: "m".into(),
+            system: None,
+            messages: vec![ModelMessage::user(text)].into(),
+            tools: Vec::new(),
+            thinking_level: flue_core::model::ThinkingLevel::Off,
+            max_output_tokens: None,
+            max_retries: None,
+        }
+    }
+
+    #[test]
+    fn a_model_without_recording_keeps_no_request() {
+        let recording = ScriptedModel::echo();
+        let quiet = ScriptedModel::echo().without_recording();
+        for model in [&recording, &quiet] {
+            drop(model.stream(&request("one")));
+            drop(model.stream(&request("two")));
+        }
+        assert_eq!(recording.requests().len(), 2);
+        assert!(quiet.requests().is_empty());
     }
 }
