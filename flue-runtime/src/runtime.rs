@@ -1739,7 +1739,12 @@ pub struct AgentHandle {
 async fn detached(
     run: impl std::future::Future<Output = Option<crate::session::Settled>> + Send + 'static,
 ) -> Option<crate::session::Settled> {
-    tokio::spawn(run).await.ok().flatten()
+    // In the caller's span: the submission's own span and logs stay under the application's
+    // (an HTTP request's, say).
+    tokio::spawn(tracing::Instrument::in_current_span(run))
+        .await
+        .ok()
+        .flatten()
 }
 
 /// The owner ids of this process's runtimes that still exist: on an
@@ -1795,9 +1800,9 @@ impl AgentHandle {
         if *request.id != *self.key.id {
             request.id = self.key.id.to_string();
         }
-        // The sender waits for this submission anyway: when the instance is idle, run it on
-        // this task instead of handing it to another thread and back, claiming it in the
-        // admission's own transaction.
+        // The sender waits for this submission anyway: when the instance is idle, this send
+        // runs it (on a task of its own, see below) rather than waking a worker for it,
+        // claiming it in the admission's own transaction.
         let slot = self.runtime.slot(&self.key);
         let role = slot.acquire();
         let claim = role.as_ref().map(|_| self.runtime.claim());

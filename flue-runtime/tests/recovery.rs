@@ -831,9 +831,6 @@ recovery_suite!(sqlite, false);
 #[cfg(feature = "postgres")]
 recovery_suite!(postgres, true);
 
-/// A SQLite file belongs to the runtime process that opened it: a second process cannot open
-/// the store meanwhile (it would run the same instances beside the first), and says why; once
-/// the first process is gone, the file opens again.
 /// A SQLite file is one process's: a submission found running in it when a runtime starts was
 /// left by a process that ended (here SIGKILLed), and is taken over at once, not once its lease
 /// (ten minutes here) runs out.
@@ -847,6 +844,9 @@ fn a_sqlite_store_reopened_after_a_crash_takes_over_at_once_not_after_the_lease(
     assert_eq!(side_effects(&dir), 1, "the tool ran once");
 }
 
+/// A SQLite file belongs to the runtime process that opened it: a second process cannot open
+/// the store meanwhile (it would run the same instances beside the first), and says why; once
+/// the first process is gone, the file opens again.
 #[test]
 fn a_second_process_cannot_open_a_sqlite_store_in_use_and_says_why() {
     let Some(dir) = scratch(false) else { return };

@@ -380,9 +380,8 @@ impl InstanceSlot {
             match next {
                 // Another's submission heads the queue (another node's admission, one given
                 // back): a spawned worker runs it and the rest of the queue, this caller's
-                // submission included, which the caller then waits for. Run on the caller's
-                // task, it would be given back (its tools run again, its budget spent) when
-                // the caller cancels its send.
+                // submission included, which the caller then waits for (the sender's loop
+                // runs its own submission only, as the submission a send admitted).
                 Ok(Some((submission, attempt_id))) if until.is_some_and(|until| until != submission.id) => {
                     self.hand_over(submission, attempt_id);
                     return None;
