@@ -116,6 +116,9 @@ pub(crate) struct Projection {
     texted: HashSet<String>,
     /// Steps whose rows are silent: a response is hidden while every step of it is.
     silent_steps: HashSet<String>,
+    /// Steps that completed (and were not deleted): with the newest, the steps whose silence
+    /// counts (one a dead attempt left unfinished does not).
+    completed_steps: HashSet<String>,
     /// Messages shown other than as visible when not silent (signals, summaries), by id: what
     /// an update that makes them not silent shows them as again.
     classified: HashMap<String, &'static str>,
@@ -453,6 +456,7 @@ impl Projection {
                 let Some(response_id) = self.steps.get(message_id).cloned() else {
                     return;
                 };
+                self.completed_steps.insert(message_id.clone());
                 // Unless its first tool call closed them already.
                 if let Some((reasoning, text)) = finals.remove(message_id.as_str()) {
                     // Streamed right after its start already when that is in this batch.
@@ -609,6 +613,8 @@ impl Projection {
                     // message's): its text and reasoning go, the other steps' parts stay.
                     self.remove_step_part(&response_id, message_id, Stream::Text);
                     self.remove_step_part(&response_id, message_id, Stream::Reasoning);
+                    self.completed_steps.remove(message_id.as_str());
+                    self.show_response(&response_id);
                 } else if let Some(index) = self.index.remove(message_id.as_str()) {
                     self.messages.remove(index);
                     for at in self.index.values_mut() {
@@ -744,12 +750,17 @@ impl Projection {
     }
 
     /// Sets the response message's display from its steps' silence: hidden while every step of
-    /// it is silent. A change of a message already shown resets the view.
+    /// it that counts (completed and not deleted, or the newest, in progress) is silent. A
+    /// change of a message already shown resets the view.
     fn show_response(&mut self, response_id: &str) {
-        let hidden = self
-            .response_steps
-            .get(response_id)
-            .is_some_and(|steps| !steps.is_empty() && steps.iter().all(|step| self.silent_steps.contains(step)));
+        let hidden = self.response_steps.get(response_id).is_some_and(|steps| {
+            let newest = steps.last();
+            let mut counted = steps
+                .iter()
+                .filter(|step| self.completed_steps.contains(*step) || Some(*step) == newest)
+                .peekable();
+            counted.peek().is_some() && counted.all(|step| self.silent_steps.contains(step))
+        });
         let display = if hidden { "hidden" } else { "visible" };
         let Some(message) = self.message_mut(response_id) else {
             return;
@@ -1508,6 +1519,19 @@ mod tests {
         assert_eq!(display(&projection, 0), "visible", "the answer's step is not silent");
         fold(&mut projection, vec![vec![silent("step_2", true)]]);
         assert_eq!(display(&projection, 0), "hidden");
+        // A step a dead attempt left unfinished does not count: the one made again, silent,
+        // keeps the response hidden.
+        fold(&mut projection, vec![vec![started("step_3")]]);
+        assert_eq!(display(&projection, 0), "visible", "a step in progress");
+        fold(
+            &mut projection,
+            vec![vec![
+                started("step_4"),
+                completed("step_4", "Again."),
+                silent("step_4", true),
+            ]],
+        );
+        assert_eq!(display(&projection, 0), "hidden", "step_3 never completed");
         fold(&mut projection, vec![vec![silent("step_1", false)]]);
         assert_eq!(display(&projection, 0), "visible");
         fold(
