@@ -3648,6 +3648,17 @@ fn one_shot_noter() -> &'static str {
     "You answer once."
 }
 
+/// Waits until `store`'s one armed failure (a settlement's) happened.
+async fn settlement_failed(store: &FaultyStore) {
+    for _ in 0..1000 {
+        if store.failures.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the settlement failed");
+}
+
 /// Reference §3.9: a response that ended durably settles completed even past its budget. A
 /// takeover whose budget is spent and whose read of the stream fails cannot see that the
 /// response ended: it does not settle it failed, but gives it back for an attempt that reads
@@ -3661,14 +3672,8 @@ async fn a_spent_budgets_failed_read_does_not_settle_an_ended_response_as_failed
     let mut events = runtime.observe();
     let handle = runtime.init(&one_shot_noter, "once-1");
     let receipt = handle.dispatch("hello").await.unwrap();
+    settlement_failed(&store).await;
     // The answer is durable, its settlement failed: the next read (the takeover's) fails too.
-    for _ in 0..1000 {
-        if store.failures.load(Ordering::SeqCst) == 1 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-    }
-    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the settlement failed");
     store.failing_reads.store(1, Ordering::SeqCst);
     let reply = tokio::time::timeout(std::time::Duration::from_secs(10), async {
         while store.failing_reads.load(Ordering::SeqCst) > 0 {
@@ -3956,13 +3961,7 @@ async fn a_durable_answer_settles_completed_when_the_resumed_render_fails() {
     let mut events = runtime.observe();
     let handle = runtime.init(&redeployed, "r-1");
     let receipt = handle.dispatch("hello").await.unwrap();
-    for _ in 0..1000 {
-        if store.failures.load(Ordering::SeqCst) == 1 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-    }
-    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the settlement failed");
+    settlement_failed(&store).await;
     RENDER_BROKEN.store(true, Ordering::SeqCst);
     let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
         .await

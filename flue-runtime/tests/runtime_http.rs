@@ -570,6 +570,15 @@ fn thinker() -> &'static str {
 }
 
 fn thinking_runtime(server: &FixtureServer, store: SqliteStore) -> Runtime {
+    thinking_runtime_of(server, store, thinker)
+}
+
+/// A runtime on `store` running `agent`, its `claude` provider pointed at `server`.
+fn thinking_runtime_of(
+    server: &FixtureServer,
+    store: impl flue_runtime::store::Store,
+    agent: impl Into<flue_runtime::AgentRef>,
+) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(
         AnthropicProvider::anthropic()
@@ -580,19 +589,15 @@ fn thinking_runtime(server: &FixtureServer, store: SqliteStore) -> Runtime {
     );
     Runtime::builder()
         .store(store)
-        .agent(thinker)
+        .agent(agent)
         .providers(providers)
         .build()
         .unwrap()
 }
 
-/// Anthropic requires a step's signed thinking back in the next call of its tool loop: the
-/// runtime stores it with the step, sends it back (so thinking stays on in the loop), keeps it
-/// across a restart, and shows observers the reasoning but not the signature.
-#[tokio::test]
-async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survives_a_restart() {
-    let db = scratch::dir("signed-thinking").join("flue.db");
-    let server = FixtureServer::start().await;
+/// Scripts `server`: a step that thinks ("Paris, so look it up.", signed `sig-paris`) and
+/// calls `get_weather` for Paris, then the answer "Sunny in Paris.".
+fn push_signed_thinking_then_answer(server: &FixtureServer) {
     server.push(FixtureReply::anthropic_events([
         AnthropicEvent::MessageStart(Usage::default()),
         AnthropicEvent::ThinkingStart { index: 0 },
@@ -622,6 +627,16 @@ async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survive
         AnthropicEvent::MessageStop,
     ]));
     server.push(FixtureReply::anthropic_text("Sunny in Paris."));
+}
+
+/// Anthropic requires a step's signed thinking back in the next call of its tool loop: the
+/// runtime stores it with the step, sends it back (so thinking stays on in the loop), keeps it
+/// across a restart, and shows observers the reasoning but not the signature.
+#[tokio::test]
+async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survives_a_restart() {
+    let db = scratch::dir("signed-thinking").join("flue.db");
+    let server = FixtureServer::start().await;
+    push_signed_thinking_then_answer(&server);
     let signed = json!({"type": "thinking", "thinking": "Paris, so look it up.", "signature": "sig-paris"});
     {
         let runtime = thinking_runtime(&server, SqliteStore::open(&db).unwrap());
@@ -718,49 +733,8 @@ fn redacted_thinker() -> &'static str {
 #[tokio::test]
 async fn observers_get_no_reasoning_of_an_agent_whose_hooks_reshape_its_answers() {
     let server = FixtureServer::start().await;
-    server.push(FixtureReply::anthropic_events([
-        AnthropicEvent::MessageStart(Usage::default()),
-        AnthropicEvent::ThinkingStart { index: 0 },
-        AnthropicEvent::ThinkingDelta {
-            index: 0,
-            thinking: "Paris, so look it up.".into(),
-        },
-        AnthropicEvent::SignatureDelta {
-            index: 0,
-            signature: "sig-paris".into(),
-        },
-        AnthropicEvent::BlockStop { index: 0 },
-        AnthropicEvent::ToolUseStart {
-            index: 1,
-            id: "toolu_1".into(),
-            name: "get_weather".into(),
-        },
-        AnthropicEvent::InputJsonDelta {
-            index: 1,
-            partial_json: r#"{"city":"Paris"}"#.into(),
-        },
-        AnthropicEvent::BlockStop { index: 1 },
-        AnthropicEvent::MessageDelta {
-            stop_reason: "tool_use".into(),
-            output_tokens: 12,
-        },
-        AnthropicEvent::MessageStop,
-    ]));
-    server.push(FixtureReply::anthropic_text("Sunny in Paris."));
-    let mut providers = ProviderRegistry::new();
-    providers.register(
-        AnthropicProvider::anthropic()
-            .with_id("claude")
-            .with_base_url(server.base_url())
-            .with_api_key("test-key")
-            .with_retry_policy(RetryPolicy::new(3, std::time::Duration::from_millis(1))),
-    );
-    let runtime = Runtime::builder()
-        .store(flue_runtime::store::MemoryStore::new())
-        .agent(redacted_thinker)
-        .providers(providers)
-        .build()
-        .unwrap();
+    push_signed_thinking_then_answer(&server);
+    let runtime = thinking_runtime_of(&server, flue_runtime::store::MemoryStore::new(), redacted_thinker);
     let mut events = runtime.observe();
     let reply = runtime
         .init(&redacted_thinker, "r")
