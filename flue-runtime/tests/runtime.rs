@@ -3358,19 +3358,7 @@ async fn a_wait_finds_a_settlement_that_woke_nobody_at_the_next_scan_interval() 
     use flue_runtime::store::Store as _;
     let key = InstanceKey::new("calculator", "quiet");
     store
-        .admit(flue_runtime::store::Admission {
-            key: key.clone(),
-            submission_id: "sub_quiet".into(),
-            keyed: false,
-            kind: flue_runtime::store::SubmissionKind::Dispatch,
-            message: DeliveredMessage::user("2+3?"),
-            initial_data: None,
-            uid: UidCondition::Any,
-            max_attempts: 3,
-            timeout_ms: 60_000,
-            claim: None,
-            trace: None,
-        })
+        .admit(harness::admission(&key, "sub_quiet", "2+3?"))
         .await
         .unwrap();
     let reading = tokio::spawn({
