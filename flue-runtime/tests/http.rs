@@ -1085,6 +1085,11 @@ async fn live_reads_with_durations_meant_as_for_ever_wait_and_deliver() {
         long_poll_timeout: Duration::MAX,
         sse_wait: Duration::MAX,
         heartbeat: Duration::MAX,
+        // The server's own timeouts too (hyper adds the head timeout to the current instant).
+        request_head_timeout: Duration::MAX,
+        response_write_timeout: Duration::MAX,
+        request_body_timeout: Duration::MAX,
+        request_body_deadline: Duration::MAX,
         ..HttpOptions::default()
     })
     .await;
@@ -1111,6 +1116,55 @@ async fn live_reads_with_durations_meant_as_for_ever_wait_and_deliver() {
     })
     .await;
     assert!(frames.iter().any(|(event, _)| event == "control"), "{frames:?}");
+}
+
+/// One agent's router bounds the same durations as the whole router: a long poll meant to
+/// wait "for ever" waits, and answers. (Regression: only `router_with` bounded them, and
+/// `agent_router`'s long poll panicked adding `Duration::MAX` to the current instant.)
+#[tokio::test]
+async fn an_agent_router_reads_durations_meant_as_for_ever_as_very_long_ones() {
+    let model = ScriptedModel::new([]);
+    let runtime = harness::runtime_with(&model, vec![calculator.into()]);
+    let options = HttpOptions {
+        long_poll_timeout: Duration::MAX,
+        heartbeat: Duration::MAX,
+        ..HttpOptions::default()
+    };
+    let app = flue_runtime::http::agent_router(&runtime, "calculator", options).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    let post = |body: &'static str| {
+        client
+            .post(format!("{base}/c1"))
+            .json(&json!({"kind": "user", "body": body}))
+            .send()
+    };
+    model.push(ScriptedReply::text("first"));
+    assert_eq!(post("hi").await.unwrap().status().as_u16(), 202);
+    let head = loop {
+        let response = client
+            .get(format!("{base}/c1?view=updates&offset=-1"))
+            .send()
+            .await
+            .unwrap();
+        let head = response.headers()["stream-next-offset"].to_str().unwrap().to_owned();
+        if response.text().await.unwrap().contains("first") {
+            break head;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let long_poll = client
+        .get(format!("{base}/c1?view=updates&offset={head}&live=long-poll"))
+        .send();
+    model.push(ScriptedReply::text("second"));
+    let (long_poll, _) = tokio::join!(long_poll, async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        post("again").await.unwrap()
+    });
+    let long_poll = long_poll.expect("the long poll answers (its task did not panic)");
+    assert_eq!(long_poll.status(), 200);
 }
 
 /// A reader whose catch-up ends exactly at a store page's end learns it is up to date with
@@ -4025,7 +4079,7 @@ async fn a_body_whose_json_would_parse_past_the_value_limits_is_413_and_creates_
 }
 
 #[tokio::test]
-async fn instance_ids_admission_refuses_are_400_and_never_reach_the_store() {
+async fn instance_ids_admission_refuses_are_400_to_admit_404_to_read_and_never_reach_the_store() {
     let server = Server::start().await;
     let long = "i".repeat(flue_runtime::MAX_INSTANCE_ID_CHARS + 1);
     for (id, says) in [
@@ -4041,9 +4095,12 @@ async fn instance_ids_admission_refuses_are_400_and_never_reach_the_store() {
         )
         .await;
         assert!(error["details"].as_str().unwrap().contains(says), "{id}: {error}");
-        assert_error(server.get(&format!("/{id}")).await, 400, "invalid_request").await;
-        // The attachment route does not refuse ids (as the reference's): there is no such
-        // instance.
+        // A read of such an id is one of a stream never created (as the reference's, which
+        // refuses only a blank id on reads).
+        assert_error(server.get(&format!("/{id}")).await, 404, "stream_not_found").await;
+        assert_error(server.get(&format!("/{id}/events")).await, 404, "stream_not_found").await;
+        let head = server.client.head(server.url(&format!("/{id}"))).send().await.unwrap();
+        assert_eq!(head.status().as_u16(), 404, "{id}");
         let attachment = server.get(&format!("/{id}/attachments/att_1")).await;
         assert_error(attachment, 404, "stream_not_found").await;
     }

@@ -200,7 +200,7 @@ impl std::fmt::Debug for HttpOptions {
 
 impl HttpOptions {
     /// The longest a live read's duration counts for.
-    const LONGEST_WAIT: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+    pub(crate) const LONGEST_WAIT: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
     /// These options with the live reads' durations bounded (see the type's doc): the reads
     /// add them to the current instant, which a duration near `Duration::MAX` overflows.
@@ -269,15 +269,34 @@ pub(super) type InstanceId = Result<Path<InstancePath>, PathRejection>;
 impl Routes {
     /// The instance `id` names, refusing a blank id.
     fn key(&self, id: InstanceId) -> Result<InstanceKey, ApiError> {
-        let Path(InstancePath { id }) = id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
-        if flue_core::message::is_blank(&id) {
-            return Err(ApiError::invalid_request(
-                "Agent conversation URLs must end with a non-empty conversation id segment.",
-            ));
-        }
+        let id = path_id(id)?;
         crate::runtime::check_instance_id(&id).map_err(ApiError::invalid_request)?;
         Ok(InstanceKey::new(self.agent.clone(), id))
     }
+
+    /// The instance a read names, refusing a blank id: an id no admission accepts (too long,
+    /// a task's) names no stream, so its read is `404 stream_not_found`, as a read of any
+    /// instance never created is.
+    fn read_key(&self, id: InstanceId) -> Result<InstanceKey, ApiError> {
+        let id = path_id(id)?;
+        if crate::runtime::check_instance_id(&id).is_err() {
+            return Err(ApiError::stream_not_found(
+                &InstanceKey::new(self.agent.clone(), id).stream_path(),
+            ));
+        }
+        Ok(InstanceKey::new(self.agent.clone(), id))
+    }
+}
+
+/// The instance id of a route's path, refusing a blank one.
+fn path_id(id: InstanceId) -> Result<String, ApiError> {
+    let Path(InstancePath { id }) = id.map_err(|rejection| ApiError::invalid_request(rejection.body_text()))?;
+    if flue_core::message::is_blank(&id) {
+        return Err(ApiError::invalid_request(
+            "Agent conversation URLs must end with a non-empty conversation id segment.",
+        ));
+    }
+    Ok(id)
 }
 
 /// The catalog `GET /agents` answers: every agent, its tools with their schemas, its
@@ -335,7 +354,7 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
 /// named `agent`.
 pub fn agent_router(runtime: &Runtime, agent: &str, options: HttpOptions) -> Option<Router> {
     runtime.inner().agents.contains_key(agent).then(|| {
-        let options = Arc::new(options);
+        let options = Arc::new(options.bounded());
         let bodies = body_room(&options);
         finish(routes(runtime.inner().clone(), agent, options, bodies))
     })

@@ -232,7 +232,7 @@ pub(super) async fn get_stream(
     id: super::InstanceId,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let key = routes.key(id)?;
+    let key = routes.read_key(id)?;
     let read = read_of(query.as_deref())?;
     let incarnation = incarnation_of(&routes, &key).await?;
     match read {
@@ -665,7 +665,7 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, afte
 /// `HEAD /:id`: the head offset; errors without a body.
 pub(super) async fn head_stream(State(routes): State<Routes>, id: super::InstanceId) -> Response {
     let result = async {
-        let key = routes.key(id)?;
+        let key = routes.read_key(id)?;
         // The head alone: the stream is not read.
         match routes.runtime.store.last_offset(&key).await {
             Ok(Some(last)) => Ok(last),

@@ -35,7 +35,9 @@ pub async fn serve(
     options: &HttpOptions,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    let head_timeout = options.request_head_timeout;
+    // Bounded: hyper adds it to the current instant, which a duration near `Duration::MAX`
+    // overflows (a panic at every request's head).
+    let head_timeout = options.request_head_timeout.min(HttpOptions::LONGEST_WAIT);
     let write_timeout = options.response_write_timeout;
     // At least one; `usize::MAX` (more than a semaphore counts) caps nothing.
     let permits = Arc::new(Semaphore::new(options.max_connections.clamp(1, Semaphore::MAX_PERMITS)));

@@ -108,7 +108,7 @@ where
 
 /// `GET /:id/events`.
 pub(super) async fn get_events(State(routes): State<Routes>, id: super::InstanceId) -> Result<Response, ApiError> {
-    let key = routes.key(id)?;
+    let key = routes.read_key(id)?;
     let events = instance_events(routes.runtime.observe_thread_events(), key);
     let closed = routes.runtime.closed();
     let heartbeat = routes.options.heartbeat;
