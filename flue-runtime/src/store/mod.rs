@@ -144,8 +144,11 @@ impl TraceContext {
             if hex(version, 2) && *version != "ff" && hex(trace, 32) && hex(parent, 16) && hex(flags, 2)
                 && trace.bytes().any(|byte| byte != b'0') && parent.bytes().any(|byte| byte != b'0')
                 && (parts.len() == 4 || *version != "00"));
+        // A later version's parent may carry more fields: only the four this version knows
+        // are kept (as W3C Trace Context propagates it), so a request cannot store, and log
+        // with every line of its submission, a header of any length.
         valid.then(|| Self {
-            traceparent: traceparent.to_owned(),
+            traceparent: parts[..4].join("-"),
             tracestate: tracestate
                 .map(str::trim)
                 .filter(|state| !state.is_empty() && state.len() <= 512)
@@ -259,8 +262,16 @@ mod trace_tests {
             Some(None),
             "an oversized tracestate is dropped, the parent kept"
         );
-        // A later version may carry more fields.
-        assert!(TraceContext::parse("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-ab", None).is_some());
+        // A later version may carry more fields; only the four known ones are kept, however
+        // long the rest.
+        let later = format!(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-{}",
+            "ab".repeat(100_000)
+        );
+        assert_eq!(
+            TraceContext::parse(&later, None).map(|trace| trace.traceparent),
+            Some("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned())
+        );
         for invalid in [
             "",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
