@@ -577,6 +577,38 @@ async fn a_redacting_update_hook_keeps_the_raw_text_out_of_the_live_events() {
     assert_eq!(turns, ["the token is [redacted], keep it"]);
 }
 
+/// Marks the answer reviewed, a field the port does not know.
+#[hook(before_update_message)]
+async fn mark_reviewed(_state: &ThreadState, _id: &str, mut updates: MessageUpdates) -> MessageUpdates {
+    updates.insert("reviewed".into(), json!(true));
+    updates
+}
+
+#[agent(hooks = [redact_tokens, mark_reviewed])]
+fn redacting_then_refused() -> &'static str {
+    use_model("scripted/x");
+    "R"
+}
+
+/// A `before_update_message` hook whose set the port refuses fails alone: the step keeps
+/// what the hooks before it changed. (Regression: the whole chain's result was dropped for
+/// the model's raw text, and the redacted secret was stored and answered.)
+#[tokio::test]
+async fn a_refused_update_set_fails_its_hook_and_keeps_the_earlier_hooks_changes() {
+    let model = ScriptedModel::new([ScriptedReply::text("the token is SECRET")]);
+    let runtime = runtime_with(&model, vec![redacting_then_refused.into()]);
+    let reply = runtime
+        .init(&redacting_then_refused, "r")
+        .send("the token?")
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "the token is [redacted]");
+    let stored = bodies(&runtime, "redacting_then_refused", "r").await;
+    let shown = format!("{stored:?}");
+    assert!(!shown.contains("SECRET"), "{shown}");
+    assert!(!shown.contains("reviewed"), "the refused set is not stored: {shown}");
+}
+
 #[tokio::test]
 async fn items_22_23_24_25_36_create_and_update_hooks_shape_the_stored_rows() {
     let model = ScriptedModel::new([ScriptedReply::text("answer")]);

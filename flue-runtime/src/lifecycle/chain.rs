@@ -170,7 +170,16 @@ pub(crate) async fn before_update_message(
 ) -> Result<MessageUpdates, Prevented<MessageUpdates>> {
     for (id, handler) in set.handlers(HookKind::BeforeUpdateMessage) {
         if let ThreadHookHandler::BeforeUpdateMessage(run) = handler {
-            match call(|| run(state, message_id, updates.clone())).await {
+            // A set the port refuses (a field it does not know, a value of the wrong type)
+            // is this hook's failure: the chain stops at the last good set, which keeps what
+            // the hooks before it changed (a redaction, say).
+            let changed = call(|| run(state, message_id, updates.clone()))
+                .await
+                .and_then(|changed| match crate::lifecycle::thread::check_updates(&changed) {
+                    Ok(()) => Ok(changed),
+                    Err(refused) => Err(HookError::new(refused.to_string())),
+                });
+            match changed {
                 Ok(changed) => updates = changed,
                 Err(error) => {
                     log_failure(HookKind::BeforeUpdateMessage, id, &error);
