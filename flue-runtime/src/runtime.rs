@@ -1741,7 +1741,9 @@ async fn detached(
 ) -> Option<crate::session::Settled> {
     // In the caller's span: the submission's own span and logs stay under the application's
     // (an HTTP request's, say).
-    tokio::spawn(tracing::Instrument::in_current_span(run))
+    // Boxed first: the run's future is large (about 12 KB), and a future passed to the
+    // spawn by value is copied at each of its layers; a box moves as a pointer.
+    tokio::spawn(tracing::Instrument::in_current_span(Box::pin(run)))
         .await
         .ok()
         .flatten()
