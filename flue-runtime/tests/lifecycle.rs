@@ -1462,6 +1462,43 @@ async fn a_tool_call_started_hook_past_30_s_is_left_running_while_the_response_g
     );
 }
 
+/// Waits longer than its budget on every call.
+#[hook(tool_call_started)]
+async fn stalled_started(_state: &ThreadState, _call: &ToolCall, _progress: Option<&str>) {
+    tokio::time::sleep(std::time::Duration::from_secs(40)).await;
+}
+
+#[agent(hooks = [stalled_started])]
+fn stalled_observer() -> &'static str {
+    use_model("scripted/x");
+    use_tool(marks_context);
+    "O"
+}
+
+/// An abort is not held up by `tool_call_started` hooks: the wait for them ends with it, and
+/// the response settles aborted (the hooks go on running). (Regression: each call's hooks
+/// were waited for their whole 30 s budget, one call after another, past the abort.)
+#[tokio::test(start_paused = true)]
+async fn an_abort_ends_the_wait_for_tool_call_started_hooks() {
+    let model = ScriptedModel::new([ScriptedReply::tool_calls([
+        ("marks_context", json!({})),
+        ("marks_context", json!({})),
+    ])]);
+    let runtime = runtime_with(&model, vec![stalled_observer.into()]);
+    let handle = runtime.init(&stalled_observer, "stalled");
+    let receipt = handle.dispatch("go").await.unwrap();
+    let started = tokio::time::Instant::now();
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    assert!(handle.abort().await.unwrap());
+    let error = handle.read(&receipt.submission_id).await.unwrap_err();
+    assert!(format!("{error:?}").contains("submission_aborted"), "{error:?}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(30),
+        "the abort waited for the hooks: {:?}",
+        started.elapsed()
+    );
+}
+
 static LATE_CREATES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 static LATE_INJECTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 

@@ -438,8 +438,9 @@ impl Response<'_> {
     }
 
     /// `tool_call_started` hooks for a call that appeared in the stream, waited for at most
-    /// 30 s: hooks still running then are left running (on a task of their own, in order)
-    /// and the stream goes on (standard-agents §1.3).
+    /// 30 s, and not past an abort (or the deadline's): hooks still running then are left
+    /// running (on a task of their own, in order) and the stream goes on (standard-agents
+    /// §1.3), or ends as aborted.
     pub(super) async fn tool_call_started_hooks(&self, id: &str, name: &str, arguments: &str, progress: Option<&str>) {
         if !self.hooks.has(HookKind::ToolCallStarted) {
             return;
@@ -451,9 +452,21 @@ impl Response<'_> {
         let mut run = Box::pin(async move {
             chain::tool_call_started(&hooks, &state, &call, progress.as_deref()).await;
         });
-        if tokio::time::timeout(STARTED_HOOK_BUDGET, &mut run).await.is_err() {
-            tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on, and they go on running");
+        if self.attempt.signal.is_aborted() {
             tokio::spawn(run);
+            return;
+        }
+        tokio::select! {
+            biased;
+            () = &mut run => {}
+            () = self.attempt.signal.aborted() => {
+                tracing::debug!(target: "flue::hooks", tool_call_id = id, "[Hooks] the response was aborted while tool_call_started hooks ran; they go on running");
+                tokio::spawn(run);
+            }
+            () = tokio::time::sleep(STARTED_HOOK_BUDGET) => {
+                tracing::warn!(target: "flue::hooks", tool_call_id = id, "[Hooks] tool_call_started hooks ran past 30 s; the stream went on, and they go on running");
+                tokio::spawn(run);
+            }
         }
     }
 }

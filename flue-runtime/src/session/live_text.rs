@@ -69,7 +69,9 @@ impl LiveText {
             _ => self.pending.push((reasoning, delta.to_owned())),
         }
         if self.due.is_none() {
-            self.due = Some(Instant::now() + every);
+            // An interval past any instant (`Duration::MAX`, "never") leaves the text for the
+            // step's end.
+            self.due = Instant::now().checked_add(every);
         }
     }
 
@@ -161,6 +163,16 @@ mod tests {
                 response_metadata: None,
             },
         }
+    }
+
+    /// An interval meant as "never" (`Duration::MAX`) leaves the text for the step's end.
+    /// (Regression: the instant it made due overflowed, and the response's task panicked.)
+    #[tokio::test]
+    async fn an_interval_past_any_instant_leaves_the_text_for_the_steps_end() {
+        let mut live = LiveText::new("msg_1", None, started(), Some(Duration::MAX));
+        live.push_text("Hello");
+        assert_eq!(live.due(), None);
+        assert_eq!(live.pending, [(false, "Hello".to_owned())]);
     }
 
     #[tokio::test(start_paused = true)]
