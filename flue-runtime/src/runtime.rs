@@ -111,10 +111,11 @@ pub struct RuntimeOptions {
     /// retries before the response streams (429s, 5xx answers, connection failures) count
     /// against it, and the turn loop retries the rest (a stream cut mid-way, an error event).
     pub model_retries: u32,
-    /// Base delay of those retries: it doubles with each retry, up to
+    /// Base delay of the turn loop's retries: it doubles with each retry, up to
     /// [`MAX_MODEL_RETRY_WAIT`] ([`RuntimeOptions::model_retry_wait`]); the turn loop waits
     /// a random 75–100 % of that, as the reference does, so instances that failed together do
-    /// not retry together.
+    /// not retry together. (A built-in provider's own retries wait by its
+    /// [`RetryPolicy`](crate::provider::RetryPolicy), whose default starts at the same 2 s.)
     pub model_retry_delay: Duration,
     /// How long a claim holds an instance without renewal. When a node dies, another takes
     /// its running submissions over once their leases expire.

@@ -53,8 +53,9 @@ const EVENT_SNIPPET_CHARS: usize = 120;
 /// How a provider retries a call that failed before its response started streaming.
 ///
 /// Rate limits (429), server errors (5xx), connection failures and first-byte timeouts are
-/// retried at most `max_retries` times. The `n`-th retry (from 0) waits `base_delay · 2ⁿ` plus up
-/// to 25 % of random jitter (at most 30 s), unless the provider sent `Retry-After`, which is
+/// retried at most `max_retries` times. The `n`-th retry (from 0) waits a random 75–100 % of
+/// `base_delay · 2ⁿ` (at most 30 s; the jitter keeps callers that failed together from
+/// retrying together), as the turn loop's own retries do, unless the provider sent `Retry-After`, which is
 /// honoured instead, in full up to a minute (a per-minute rate limit's): a failure whose
 /// `Retry-After` asks for longer is not retried (a retry would meet the same limit), and its
 /// error says how long the provider asked to wait. Failures after the response began streaming
@@ -65,7 +66,7 @@ const EVENT_SNIPPET_CHARS: usize = 120;
 /// use flue_runtime::provider::openai::{OpenAiProvider, RetryPolicy};
 ///
 /// let provider = OpenAiProvider::openai().with_retry_policy(RetryPolicy::new(1, Duration::from_millis(200)));
-/// assert_eq!(RetryPolicy::default(), RetryPolicy::new(3, Duration::from_millis(500)));
+/// assert_eq!(RetryPolicy::default(), RetryPolicy::new(3, Duration::from_secs(2)));
 /// # drop(provider);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,14 +99,17 @@ impl RetryPolicy {
     pub(crate) fn backoff(&self, retry: u32) -> Duration {
         let factor = 1u32.checked_shl(retry).unwrap_or(u32::MAX);
         let nominal = self.base_delay.saturating_mul(factor).min(MAX_RETRY_WAIT);
-        (nominal + nominal.mul_f64(0.25 * jitter_fraction())).min(MAX_RETRY_WAIT)
+        nominal.mul_f64(0.75 + 0.25 * jitter_fraction())
     }
 }
 
 impl Default for RetryPolicy {
-    /// 3 retries, starting at 500 ms.
+    /// 3 retries, starting at 2 s: the reference's backoff (about 10.5 to 14 s over the three
+    /// retries), and the runtime's default
+    /// [`model_retry_delay`](crate::RuntimeOptions::model_retry_delay). (A rate limit or an
+    /// overloaded server retried within half a second is likely to refuse again.)
     fn default() -> Self {
-        Self::new(3, Duration::from_millis(500))
+        Self::new(3, Duration::from_secs(2))
     }
 }
 
@@ -1016,6 +1020,12 @@ pub(crate) fn map_error(
             "[flue] The request does not fit the context window of \"{provider}/{}\"{http}: {said}",
             ctx.model
         ),
+        // OpenRouter's 404 when none of the model's providers can serve the request (tools,
+        // images, a data policy): the model and the base URL are fine.
+        K::UnknownModel if effective == Some(404) && details.message_lower().contains("no endpoints found") => format!(
+            "[flue] Provider \"{provider}\" has no endpoint for \"{}\" that serves this request{http}: none of the model's providers supports what it asks (tools or images, say), or the account's data policy rules them out. The provider said: {said}",
+            ctx.model
+        ),
         // A 404 that names no model may be a wrong base URL (a missing `/v1`) as well.
         K::UnknownModel if effective == Some(404) && !details.message_lower().contains("model") => format!(
             "[flue] Provider \"{provider}\" found no model \"{}\" at its endpoint{http}: the model is unknown or the base URL is wrong. The provider said: {said}",
@@ -1600,14 +1610,15 @@ mod tests {
     fn backoff_doubles_from_the_base_with_bounded_jitter_and_a_cap() {
         let policy = RetryPolicy::default();
         for retry in 0..3 {
-            let nominal = Duration::from_millis(500) * 2u32.pow(retry);
+            let nominal = Duration::from_secs(2) * 2u32.pow(retry);
             let wait = policy.backoff(retry);
-            assert!(
-                wait >= nominal && wait <= nominal + nominal / 4,
-                "retry {retry}: {wait:?}"
-            );
+            assert!(wait >= nominal * 3 / 4 && wait <= nominal, "retry {retry}: {wait:?}");
         }
-        assert_eq!(policy.backoff(40), MAX_RETRY_WAIT);
+        let capped = policy.backoff(40);
+        assert!(
+            capped >= MAX_RETRY_WAIT * 3 / 4 && capped <= MAX_RETRY_WAIT,
+            "{capped:?}"
+        );
         assert_eq!(RetryPolicy::none().backoff(2), Duration::ZERO);
     }
 
@@ -1620,6 +1631,17 @@ mod tests {
         // A 401 is the key; a 403 may be the model, the region or the input too; a 404 that
         // names no model may be the base URL.
         assert!(map(Some(401), "{}").message.contains("refused the API key"));
+        let no_endpoint = map(
+            Some(404),
+            r#"{"error":{"message":"No endpoints found that support tool use.","code":404}}"#,
+        );
+        assert_eq!(no_endpoint.kind, K::UnknownModel);
+        assert!(
+            no_endpoint.message.contains("has no endpoint for"),
+            "{}",
+            no_endpoint.message
+        );
+        assert!(!no_endpoint.message.contains("base URL"), "{}", no_endpoint.message);
         let forbidden = map(Some(403), r#"{"error":{"message":"flagged for moderation"}}"#);
         assert!(
             forbidden
