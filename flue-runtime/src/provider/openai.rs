@@ -604,9 +604,7 @@ impl OpenAiProvider {
         }
         match (reasoning_effort(request.thinking_level), self.flavor) {
             (_, Flavor::OpenRouter) => (
-                Some(ReasoningOption {
-                    effort: openrouter_effort(request.thinking_level),
-                }),
+                openrouter_effort(&request.model, request.thinking_level).map(|effort| ReasoningOption { effort }),
                 None,
             ),
             (Some(effort), Flavor::OpenAi) => (None, openai_effort(&request.model, effort)),
@@ -618,14 +616,24 @@ impl OpenAiProvider {
     }
 }
 
-/// OpenRouter's `reasoning.effort` of a thinking level: it takes `none` (no reasoning, where
-/// nothing would leave a reasoning model at its default effort) and `xhigh` beside OpenAI's
-/// levels, and translates them for every upstream.
-fn openrouter_effort(level: ThinkingLevel) -> &'static str {
+/// OpenRouter's `reasoning.effort` of a thinking level for `model`: it takes `none` (no
+/// reasoning, where nothing would leave a reasoning model at its default effort) and `xhigh`
+/// beside OpenAI's levels, and translates them for every upstream. But an OpenAI model that
+/// cannot stop reasoning refuses `none` (400, "reasoning is mandatory"): `Off` sends it the
+/// least effort it takes, as the OpenAI provider does, and nothing to a model that takes no
+/// reasoning parameter.
+fn openrouter_effort(model: &str, level: ThinkingLevel) -> Option<&'static str> {
     match level {
-        ThinkingLevel::Off => "none",
-        ThinkingLevel::Xhigh | ThinkingLevel::Max => "xhigh",
-        level => reasoning_effort(level).unwrap_or("medium"),
+        ThinkingLevel::Off => match model.strip_prefix("openai/") {
+            Some(openai) => match OpenAiFamily::of(openai) {
+                OpenAiFamily::Gpt5 | OpenAiFamily::OSeries => openai_least_effort(openai),
+                OpenAiFamily::Refuses => None,
+                OpenAiFamily::AfterGpt5 | OpenAiFamily::Other => Some("none"),
+            },
+            None => Some("none"),
+        },
+        ThinkingLevel::Xhigh | ThinkingLevel::Max => Some("xhigh"),
+        level => Some(reasoning_effort(level).unwrap_or("medium")),
     }
 }
 
@@ -1455,8 +1463,19 @@ mod tests {
         let body = router.body(&request("anthropic/claude-sonnet-4.5", ThinkingLevel::Minimal));
         assert_eq!(body["reasoning"], json!({"effort": "minimal"}));
         assert!(body.get("reasoning_effort").is_none());
-        let body = router.body(&request("openai/gpt-5", ThinkingLevel::Off));
-        assert_eq!(body["reasoning"], json!({"effort": "none"}));
+        // Off is `none`, but not to an OpenAI model that cannot stop reasoning (it refuses
+        // `none`), nor to one that takes no reasoning parameter.
+        let off = |model: &str| {
+            router
+                .body(&request(model, ThinkingLevel::Off))
+                .get("reasoning")
+                .cloned()
+        };
+        assert_eq!(off("anthropic/claude-sonnet-4.5"), Some(json!({"effort": "none"})));
+        assert_eq!(off("openai/gpt-5.1"), Some(json!({"effort": "none"})));
+        assert_eq!(off("openai/gpt-5"), Some(json!({"effort": "minimal"})));
+        assert_eq!(off("openai/o3"), Some(json!({"effort": "low"})));
+        assert_eq!(off("openai/gpt-4o"), None);
         let body = router.body(&request("openai/gpt-5", ThinkingLevel::Max));
         assert_eq!(body["reasoning"], json!({"effort": "xhigh"}));
     }
