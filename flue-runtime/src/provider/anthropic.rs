@@ -668,9 +668,11 @@ fn thinking_budget(level: ThinkingLevel) -> Option<u32> {
 /// follows it goes in one Anthropic user message, so a signal or a user message after the
 /// results does not end the loop for the API.
 fn may_think(messages: &[ModelMessage]) -> bool {
+    // A step that sends no block (an empty answer) is not in the request: the API's last
+    // step is the one before it.
     let Some(last_step) = messages
         .iter()
-        .rposition(|message| matches!(message, ModelMessage::Assistant { .. }))
+        .rposition(|message| matches!(message, ModelMessage::Assistant { .. }) && role_of(message).is_some())
     else {
         return true;
     };
@@ -1368,6 +1370,29 @@ mod tests {
                 is_error: call == 1,
             });
         }
+    }
+
+    /// An empty answer after a tool loop made without thinking sends nothing: the API still
+    /// sees that loop, whose last step has no thinking, and refuses a thinking call in it.
+    #[test]
+    fn an_empty_answer_after_an_unsigned_tool_loop_does_not_turn_thinking_on() {
+        let mut history = crate::provider::Messages::from(vec![user("look it up")]);
+        tool_step(&mut history, 0, 1);
+        history.push(ModelMessage::Assistant {
+            text: String::new(),
+            tool_calls: Vec::new(),
+            reasoning: Vec::new(),
+        });
+        history.push(user("and?"));
+        assert!(!may_think(&history));
+        // A step that answered in words ends the loop.
+        let mut answered = history.to_vec();
+        answered[3] = ModelMessage::Assistant {
+            text: "Found it.".into(),
+            tool_calls: Vec::new(),
+            reasoning: Vec::new(),
+        };
+        assert!(may_think(&answered));
     }
 
     #[test]
