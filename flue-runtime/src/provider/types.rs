@@ -652,8 +652,10 @@ pub fn known_max_output_tokens(model: &str) -> Option<u64> {
     }
     let name = model.rsplit('/').next().unwrap_or(model).to_ascii_lowercase();
     // First match: the longer prefixes of a family first.
-    let table: [(&str, u64); 11] = [
+    let table: [(&str, u64); 12] = [
         ("gpt-4.1", 32_768),
+        // The first gpt-4o snapshot (the later ones take 16,384).
+        ("gpt-4o-2024-05-13", 4_096),
         ("gpt-4o", 16_384),
         ("gpt-4-turbo", 4_096),
         ("gpt-4", 8_192),
@@ -822,6 +824,8 @@ mod tests {
             ("openai/gpt-4-turbo", Some(4096)),
             ("gpt-4-0613", Some(8192)),
             ("gpt-4o-mini", Some(16_384)),
+            ("gpt-4o-2024-05-13", Some(4_096)),
+            ("openai/gpt-4o-2024-08-06", Some(16_384)),
             ("gpt-4.1-nano", Some(32_768)),
             ("o1-mini", Some(65_536)),
             ("o3", Some(100_000)),
