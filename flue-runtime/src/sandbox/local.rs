@@ -65,6 +65,27 @@ fn hide_process_environment() {
     }
 }
 
+/// The variables of this process a command gets besides `PATH`, `HOME` and `LANG`: where
+/// toolchains are installed, set when they are not in their per-user default places. Paths,
+/// no secrets.
+pub const TOOLCHAIN_VARIABLES: [&str; 8] = [
+    "RUSTUP_HOME",
+    "CARGO_HOME",
+    "GOPATH",
+    "GOROOT",
+    "JAVA_HOME",
+    "PYENV_ROOT",
+    "NVM_DIR",
+    "VOLTA_HOME",
+];
+
+/// The [`TOOLCHAIN_VARIABLES`] this process has.
+fn toolchains() -> impl Iterator<Item = (&'static str, std::ffi::OsString)> {
+    TOOLCHAIN_VARIABLES
+        .into_iter()
+        .filter_map(|name| std::env::var_os(name).map(|value| (name, value)))
+}
+
 /// How long a command may run when the call sets no limit.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -106,6 +127,30 @@ fn io(error: std::io::Error) -> SandboxError {
 }
 
 impl LocalSandbox {
+    /// `path` (normalized) as a sandbox path: the root's own host path names the root. A
+    /// command runs in the root and sees host paths (`pwd`, a traceback, `realpath`), so a
+    /// path it printed names the same file in the file tools, not one of a copy of the host's
+    /// tree made under the root.
+    fn inside<'p>(&self, path: &'p str) -> &'p str {
+        let Some(root) = self.root.to_str().filter(|root| *root != "/") else {
+            return path;
+        };
+        match path.strip_prefix(root) {
+            Some("") => "/",
+            Some(rest) if rest.starts_with('/') => rest,
+            _ => path,
+        }
+    }
+
+    /// The sandbox path a file operation acts on: `path` normalized, as [`Self::inside`] reads
+    /// it, and checked by [`Self::resolve`].
+    fn checked(&self, path: &str) -> Result<String, SandboxError> {
+        let normalized = normalize(path)?;
+        let inside = self.inside(&normalized);
+        self.resolve(inside)?;
+        Ok(inside.to_owned())
+    }
+
     /// The real path of a sandbox path, refusing one that leaves the root (also through a
     /// symbolic link in an existing ancestor, and through a dangling link anywhere on the way).
     fn resolve(&self, path: &str) -> Result<PathBuf, SandboxError> {
@@ -685,6 +730,11 @@ async fn start_in(
     const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
     let dir = blocking(move || {
         open_dir_beneath(&root, &path).map_err(|error| match error {
+            // Said as the command's directory: the model would read a bare "no such file" as
+            // a path its command named.
+            OpenError::Io(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                SandboxError::NotFound(format!("{shown} (the working directory the command was to start in)"))
+            }
             OpenError::Io(error) => io(error),
             other => other.shown(&shown),
         })
@@ -756,6 +806,7 @@ impl LocalSandbox {
     /// resolved (the part that does not exist yet appended as given).
     fn real_sandbox_path(&self, path: &str) -> Result<String, SandboxError> {
         let normalized = normalize(path)?;
+        let normalized = self.inside(&normalized);
         let real = self.root.join(normalized.trim_start_matches('/'));
         let mut existing: &Path = &real;
         let mut missing = Vec::new();
@@ -1009,7 +1060,7 @@ fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeMap<libc::pid_
 
 impl Sandbox for LocalSandbox {
     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
-        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let checked = self.checked(path);
         let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
@@ -1034,7 +1085,7 @@ impl Sandbox for LocalSandbox {
         path: &str,
         visit: &'a mut (dyn FnMut(&[u8]) -> bool + Send),
     ) -> BoxFuture<'a, Result<(), SandboxError>> {
-        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let checked = self.checked(path);
         let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
@@ -1055,7 +1106,7 @@ impl Sandbox for LocalSandbox {
     }
 
     fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
-        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let checked = self.checked(path);
         let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
@@ -1071,7 +1122,7 @@ impl Sandbox for LocalSandbox {
     }
 
     fn remove(&self, path: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
-        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let checked = self.checked(path);
         let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
@@ -1084,7 +1135,7 @@ impl Sandbox for LocalSandbox {
     }
 
     fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
-        let checked = self.resolve(path).and_then(|_| normalize(path));
+        let checked = self.checked(path);
         let root = self.root.clone();
         let shown = path.to_owned();
         Box::pin(async move {
@@ -1098,8 +1149,14 @@ impl Sandbox for LocalSandbox {
 
     fn exec(&self, request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
         let shown = request.cwd.clone().unwrap_or_else(|| "/".to_owned());
-        let checked = self.resolve(&shown).and_then(|real| Ok((real, normalize(&shown)?)));
+        let checked = self
+            .checked(&shown)
+            .and_then(|inside| Ok((self.resolve(&inside)?, inside)));
         let root = self.root.clone();
+        // The user's home: per-user toolchains (rustup's, pyenv's, nvm's) and caches live
+        // there. (The working directory as home broke them, and filled the workspace with
+        // caches the file tools' walks then spent their budget in.)
+        let home = std::env::var_os("HOME").filter(|home| Path::new(home).is_absolute());
         Box::pin(async move {
             let (cwd, normalized) = checked?;
             hide_process_environment();
@@ -1118,7 +1175,8 @@ impl Sandbox for LocalSandbox {
                     "PATH",
                     std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into()),
                 )
-                .env("HOME", &cwd)
+                .env("HOME", home.as_deref().unwrap_or(cwd.as_os_str()))
+                .envs(toolchains())
                 .env("LANG", "C.UTF-8")
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::piped())
@@ -1370,6 +1428,78 @@ mod tests {
         assert_eq!((opened.dev(), opened.ino()), (deep.dev(), deep.ino()));
     }
 
+    /// A command's home is this process's (where per-user toolchains live), not the working
+    /// directory.
+    #[tokio::test]
+    async fn a_commands_home_is_the_users_not_the_working_directory() {
+        let dirs = scratch("home");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let ran = sandbox
+            .exec(ExecRequest {
+                command: "echo \"$HOME\"".into(),
+                cwd: None,
+                timeout: None,
+            })
+            .await
+            .unwrap();
+        let expected = std::env::var("HOME")
+            .ok()
+            .filter(|home| home.starts_with('/'))
+            .unwrap_or_else(|| dirs.root.display().to_string());
+        assert_eq!(ran.stdout.trim(), expected);
+    }
+
+    /// A path a command printed (the root's host path and beneath) names the file beneath
+    /// the root in every file operation, not one of a copy of the host's tree.
+    #[tokio::test]
+    async fn the_roots_host_path_names_the_root_in_the_file_operations() {
+        let dirs = scratch("host-path");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let host = dirs.root.display().to_string();
+        sandbox
+            .write_file(&format!("{host}/src/main.py"), b"print(1)".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read(dirs.root.join("src/main.py")).unwrap(), b"print(1)");
+        assert!(
+            !dirs.root.join(host.trim_start_matches('/')).exists(),
+            "no copy of the host's tree"
+        );
+        assert_eq!(sandbox.read_file("/src/main.py").await.unwrap(), b"print(1)");
+        assert_eq!(
+            sandbox.read_file(&format!("{host}/src/../src/main.py")).await.unwrap(),
+            b"print(1)"
+        );
+        assert_eq!(
+            sandbox.real_path(&format!("{host}/src/main.py")).await.unwrap(),
+            "/src/main.py"
+        );
+        let listed = sandbox.list_dir(&host).await.unwrap();
+        assert_eq!(
+            listed.iter().map(|entry| entry.name.as_str()).collect::<Vec<_>>(),
+            ["src"]
+        );
+        // A path that only starts like the root's is the sandbox path it is.
+        let sibling = format!("{host}-sibling/x");
+        assert!(matches!(
+            sandbox.read_file(&sibling).await,
+            Err(SandboxError::NotFound(_))
+        ));
+        let ran = sandbox
+            .exec(ExecRequest {
+                command: "pwd".into(),
+                cwd: Some(format!("{host}/src")),
+                timeout: None,
+            })
+            .await
+            .unwrap();
+        assert_eq!(ran.stdout.trim(), format!("{host}/src"));
+    }
+
     #[tokio::test]
     async fn remove_and_list_act_beneath_the_root_and_follow_links_inside_it() {
         let dirs = scratch("remove-list");
@@ -1607,10 +1737,14 @@ mod tests {
                 "{cwd}"
             );
         }
-        // A missing cwd, and one that is no directory, keep their errors.
+        // A missing cwd is named as the command's working directory (the model would read
+        // a bare "no such file" as a path its command named); one that is no directory keeps
+        // its error.
         assert_eq!(
             run(&sandbox, "/nothing", "pwd").await,
-            Err(SandboxError::NotFound("No such file or directory (os error 2)".into()))
+            Err(SandboxError::NotFound(
+                "/nothing (the working directory the command was to start in)".into()
+            ))
         );
         assert_eq!(
             run(&sandbox, "/data/file.txt", "pwd").await,

@@ -4,7 +4,9 @@
 //! - [`virtual_sandbox`]: an in-memory filesystem per instance (kept for the process's
 //!   lifetime, not across restarts), no commands. [`local`]: a directory on the real
 //!   filesystem, commands through `bash -c` (`sh -c` without bash) with a cleared
-//!   environment (only `PATH`, `HOME` = the working directory, `LANG`), and on Linux this
+//!   environment (only `PATH`, `LANG`, `HOME` — this process's, where per-user toolchains
+//!   and caches live, or the working directory when it has none — and the toolchain
+//!   locations [`TOOLCHAIN_VARIABLES`] lists: paths, no secrets), and on Linux this
 //!   process made non-dumpable before the first one, so a command cannot read this process's
 //!   own launch environment from `/proc` either.
 //!   That is all it hides: a command runs as this process's user, so it can read the
@@ -12,7 +14,8 @@
 //!   one, siblings given the same keys), anything the user can read (as root, anything at
 //!   all), and it has no resource limits. Run untrusted models as a user of their own, or in
 //!   a container. The file tools' paths are sandbox paths — `/` is the root — and a path that
-//!   leaves the root is refused.
+//!   leaves the root is refused; the root's own host path (which commands see: they start in
+//!   it) names the root too, so a path a command printed names the same file.
 //! - The factory runs once per submission (when the render first attaches the sandbox); the
 //!   working directory (`SandboxOptions::cwd`, default `/`) is submission-scoped, and the
 //!   tools' relative paths start there. Presence is re-read at every turn boundary: a render
@@ -98,7 +101,9 @@ use std::sync::{Arc, Mutex};
 // The environment's interface, for a factory of the application's own (a container, a
 // remote machine): `flue_runtime::sandbox::{Sandbox, SandboxFactory, …}`.
 pub use flue_core::sandbox::*;
-pub use local::{DEFAULT_COMMAND_TIMEOUT, LocalSandbox, LocalSandboxFactory, kill_running_commands};
+pub use local::{
+    DEFAULT_COMMAND_TIMEOUT, LocalSandbox, LocalSandboxFactory, TOOLCHAIN_VARIABLES, kill_running_commands,
+};
 pub use virtual_fs::{VirtualSandbox, VirtualSandboxFactory};
 
 /// The in-memory sandbox: a filesystem per instance (kept while the process runs), no
