@@ -742,12 +742,18 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxErr
         }
         let entries = match session.sandbox.list_dir(&directory).await {
             Ok(entries) => entries,
-            // The base itself may be a file.
-            Err(SandboxError::Io(_)) if directory == base => {
-                return Ok(Walked {
-                    files: vec![base.to_owned()],
-                    cut: false,
-                });
+            // The base itself may be a file: it is one when it reads as one. Any other
+            // failure to list it (a directory too large or not readable, a remote sandbox's
+            // error) is the call's, not a walk that found nothing.
+            Err(error @ SandboxError::Io(_)) if directory == base => {
+                let mut peek = |_: &[u8]| false;
+                if session.sandbox.read_file_with(base, &mut peek).await.is_ok() {
+                    return Ok(Walked {
+                        files: vec![base.to_owned()],
+                        cut: false,
+                    });
+                }
+                return Err(error);
             }
             Err(error) if directory == base => return Err(error),
             // A directory too large to list is not searched: said, as a walk cut short is.
@@ -1061,6 +1067,65 @@ mod tests {
 
         fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
             Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+        }
+    }
+
+    /// A sandbox whose root cannot be listed (nor read, being a directory).
+    struct Locked;
+
+    impl Sandbox for Locked {
+        fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Io(format!(
+                "{path} is a directory"
+            )))))
+        }
+
+        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
+        }
+
+        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
+        }
+
+        fn list_dir(&self, _: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Io(
+                "Permission denied (os error 13)".into(),
+            ))))
+        }
+
+        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+        }
+    }
+
+    /// A search directory that cannot be listed fails the call, saying why. (Regression: any
+    /// failure to list it was taken for the base being a file, whose read failed silently:
+    /// the answer was "No matches.")
+    #[tokio::test]
+    async fn glob_and_grep_fail_saying_why_when_their_directory_cannot_be_listed() {
+        let session = SandboxSession::new(Arc::new(Locked), None).unwrap();
+        let globbed = glob(
+            &session,
+            GlobArgs {
+                pattern: "*.md".into(),
+                path: None,
+            },
+        )
+        .await;
+        let grepped = grep(
+            &session,
+            GrepArgs {
+                pattern: "x".into(),
+                path: None,
+                glob: None,
+                ignore_case: false,
+            },
+        )
+        .await;
+        for (tool, output) in [("glob", globbed), ("grep", grepped)] {
+            let (text, is_error) = text_of(output);
+            assert!(is_error && text.contains("Permission denied"), "{tool}: {text}");
         }
     }
 
