@@ -252,7 +252,9 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 ///
 /// A plain parameter's doc comment, `#[serde(..)]` and `#[schemars(..)]` attributes go to its
 /// field of the argument struct, so the schema and the parsing both honour them; other
-/// attributes stay on the parameter:
+/// attributes stay on the parameter. A `#[schemars(..)]` `rename`, `skip` or `flatten` that
+/// `#[serde(..)]` does not say too is refused (the schema would show what the parser refuses):
+/// write the `#[serde(..)]` one, which schemars reads as well.
 ///
 /// ```
 /// use flue_runtime::prelude::*;

@@ -38,6 +38,11 @@ struct Naming {
     flatten: bool,
     /// `skip` or `skip_deserializing`: the model does not send it.
     skip: bool,
+    /// What `#[serde(..)]` says of `flatten` and `skip`.
+    serde_flatten: bool,
+    serde_skip: bool,
+    /// The `#[schemars(..)]` `rename`, `skip` and `flatten` options, where written.
+    schemars_options: Vec<(&'static str, Span)>,
 }
 
 impl Naming {
@@ -47,9 +52,11 @@ impl Naming {
             let schemars = attr.path().is_ident("schemars");
             // A malformed attribute is the derive's to report; what parsed so far stands.
             let _ = attr.parse_nested_meta(|meta| {
+                let span = syn::spanned::Spanned::span(&meta.path);
                 if meta.path.is_ident("rename") && meta.input.peek(syn::Token![=]) {
                     let name: syn::LitStr = meta.value()?.parse()?;
                     *naming.rename(schemars) = Some(name.value());
+                    naming.note(schemars, "rename", span);
                 } else if meta.path.is_ident("rename") {
                     // `rename(serialize = "…", deserialize = "…")`: the model's side is the
                     // deserializing one.
@@ -60,11 +67,16 @@ impl Naming {
                         }
                         Ok(())
                     })?;
+                    naming.note(schemars, "rename", span);
                 } else {
                     if meta.path.is_ident("flatten") {
                         naming.flatten = true;
+                        naming.serde_flatten |= !schemars;
+                        naming.note(schemars, "flatten", span);
                     } else if meta.path.is_ident("skip") || meta.path.is_ident("skip_deserializing") {
                         naming.skip = true;
+                        naming.serde_skip |= !schemars;
+                        naming.note(schemars, "skip", span);
                     }
                     skip_meta_value(&meta)?;
                 }
@@ -72,6 +84,22 @@ impl Naming {
             });
         }
         naming
+    }
+
+    fn note(&mut self, schemars: bool, option: &'static str, span: Span) {
+        if schemars {
+            self.schemars_options.push((option, span));
+        }
+    }
+
+    /// The first `#[schemars(..)]` option that changes the schema's name of the argument
+    /// without `#[serde(..)]` saying the same: the schema and the parser would then disagree.
+    fn schema_only(&self) -> Option<(&'static str, Span)> {
+        self.schemars_options.iter().copied().find(|(option, _)| match *option {
+            "rename" => self.schemars_rename != self.serde_rename,
+            "flatten" => !self.serde_flatten,
+            _ => !self.serde_skip,
+        })
     }
 
     fn rename(&mut self, schemars: bool) -> &mut Option<String> {
@@ -113,6 +141,12 @@ impl Field {
     /// Whether the field is `#[serde(flatten)]`: its own fields are arguments.
     pub(crate) fn flattened(&self) -> bool {
         Naming::of(&self.attrs).flatten
+    }
+
+    /// A `#[schemars(rename | skip | flatten)]` that `#[serde(..)]` does not match: the
+    /// option and where it is written.
+    pub(crate) fn schema_only(&self) -> Option<(&'static str, Span)> {
+        Naming::of(&self.attrs).schema_only()
     }
 }
 

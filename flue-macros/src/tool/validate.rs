@@ -89,6 +89,21 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             ),
         );
     }
+    if let Arguments::Plain(fields) = &model.arguments {
+        for (option, span) in fields.iter().filter_map(super::model::Field::schema_only) {
+            let instead = if option == "rename" {
+                "#[serde(rename = \"…\")]".to_owned()
+            } else {
+                format!("#[serde({option})]")
+            };
+            errors.push(syn::Error::new(
+                span,
+                format!(
+                    "`#[schemars({option})]` alone changes the argument in the schema but not for the parser, which would then refuse what the model sends: write `{instead}` instead (schemars reads serde's attributes too)"
+                ),
+            ));
+        }
+    }
     for secret in model.options.secrets.iter().flatten() {
         if secret.value().trim().is_empty() {
             errors.spanned(secret, "a secret is a non-empty environment variable name");

@@ -34,6 +34,12 @@ async fn search_bodies(#[serde(rename(serialize = "body", deserialize = "text"))
     query
 }
 
+/// Search the issues by their label (a schemars rename that serde's matches is fine).
+#[tool(progress_argument = "l")]
+async fn search_labels(#[serde(rename = "l")] #[schemars(rename = "l")] label: String) -> String {
+    label
+}
+
 #[derive(serde::Deserialize, schemars::JsonSchema)]
 struct Repository {
     /// Repository owner
@@ -52,6 +58,7 @@ fn main() {
         search.into_tool(),
         search_titles.into_tool(),
         search_bodies.into_tool(),
+        search_labels.into_tool(),
         search_repository.into_tool(),
     ] {
         tool.definition().validate_input_schema("use_tool()").unwrap();
