@@ -15,6 +15,10 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let vis = &function.vis;
     let (docs, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) =
         function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    // `#[deprecated]` marks the agent its users name, not the hidden body its render calls.
+    let (deprecated, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) = other_attrs
+        .into_iter()
+        .partition(|attr| attr.path().is_ident("deprecated"));
     let name = &model.name.0;
     let inputs = &function.sig.inputs;
     let output = &function.sig.output;
@@ -71,7 +75,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let body = callable.then(|| {
         quote! {
             #(#other_attrs)*
-            #[allow(dead_code, unused_variables)]
+            #[allow(dead_code)]
             fn __flue_agent_body #generics (#inputs) #output #where_clause #block
         }
     });
@@ -139,6 +143,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
 
     quote! {
         #(#docs)*
+        #(#deprecated)*
         #[allow(non_camel_case_types)]
         #[derive(
             ::core::clone::Clone,
@@ -148,6 +153,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         )]
         #vis struct #ident;
 
+        #[allow(deprecated)]
         const _: () = {
             use #krate::__private::flue_core as __flue;
 

@@ -14,6 +14,10 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let ident = &function.sig.ident;
     let id = &model.id.0;
     let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    // `#[deprecated]` marks the hook its users name, not the hidden body the hook calls.
+    let (deprecated, other_attrs): (Vec<_>, Vec<_>) = other_attrs
+        .into_iter()
+        .partition(|attr| attr.path().is_ident("deprecated"));
     let variant = format_ident!("{}", kind.variant);
     let (reference, handler, definition) = if kind.user_scope {
         (quote!(UserHook), quote!(UserHookHandler), quote!(UserHookDefinition))
@@ -42,7 +46,7 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let unsafe_fn = function.sig.unsafety.is_some();
     let body = (!receiver && !named_like_hook && !unsafe_fn).then(|| {
         quote! {
-            #[allow(dead_code, unused_variables)]
+            #[allow(dead_code)]
             #body
         }
     });
@@ -97,6 +101,7 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
 
     quote! {
         #(#docs)*
+        #(#deprecated)*
         #[allow(non_upper_case_globals)]
         #vis const #ident: #krate::__private::flue_core::lifecycle::#reference = {
             use #krate::__private::flue_core as __flue;

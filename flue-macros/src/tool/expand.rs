@@ -15,6 +15,10 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let vis = &function.vis;
     let name = &model.name.0;
     let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    // `#[deprecated]` marks the tool its users name, not the hidden body the tool calls.
+    let (deprecated, other_attrs): (Vec<_>, Vec<_>) = other_attrs
+        .into_iter()
+        .partition(|attr| attr.path().is_ident("deprecated"));
     // The tool's type takes the function's type parameters only: its lifetimes are the body's
     // own (inferred at the call), never part of the tool.
     let type_generics = model.type_generics();
@@ -40,7 +44,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         && function.sig.unsafety.is_none();
     let body = callable.then(|| {
         quote! {
-            #[allow(dead_code, unused_variables)]
+            #[allow(dead_code)]
             #body
         }
     });
@@ -163,6 +167,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         (
             quote! {
                 #(#docs)*
+                #(#deprecated)*
                 #[allow(non_camel_case_types)]
                 #vis struct #ident #impl_generics #where_clause {
                     definition: #krate::__private::flue_core::tool::ToolDefinition,
@@ -183,6 +188,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
         (
             quote! {
                 #(#docs)*
+                #(#deprecated)*
                 #[allow(non_camel_case_types)]
                 #[derive(
                     ::core::clone::Clone,
@@ -203,6 +209,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     quote! {
         #item
 
+        #[allow(deprecated)]
         const _: () = {
             use #krate::__private::flue_core as __flue;
 

@@ -1,7 +1,7 @@
 use flue_runtime::prelude::*;
 
 #[agent]
-fn assistant(props: AgentProps, verbose: bool) -> &'static str {
+fn assistant(_props: AgentProps, _verbose: bool) -> &'static str {
     "Help."
 }
 
