@@ -3337,6 +3337,61 @@ async fn a_send_waiting_when_its_node_gives_its_work_back_ends_not_processed_her
     );
 }
 
+static DEAF_FINISH_STARTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[agent]
+fn deaf_finisher() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|_ctx| async {
+        DEAF_FINISH_STARTED.store(true, Ordering::SeqCst);
+        // Deaf to its signal: the attempt outlives its grace.
+        std::future::pending::<()>().await;
+        Ok::<_, flue_runtime::event_hooks::AppendError>(())
+    });
+    "Answer."
+}
+
+/// An attempt given back (its node stopping) that hangs past its grace is left to the attempt
+/// that takes it over: it reports no terminal advisory (`enforce_deadline`, `terminated`),
+/// and the submission is queued again, not settled. (Regression: it was reported as a
+/// terminated attempt, for a submission that went on elsewhere.)
+#[tokio::test]
+async fn an_attempt_given_back_that_outlives_its_grace_is_not_reported_terminated() {
+    use flue_runtime::events::{Event, RecoveryOutcome};
+    let store = flue_runtime::store::MemoryStore::new();
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .agent(deaf_finisher)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            settle_grace: std::time::Duration::from_millis(100),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let receipt = runtime.init(&deaf_finisher, "d-1").dispatch("go").await.unwrap();
+    while !DEAF_FINISH_STARTED.load(Ordering::SeqCst) {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(runtime.release().await, 1);
+    let mut recoveries = Vec::new();
+    let mut seen = 0;
+    while let Ok(observation) = events.try_recv() {
+        seen += 1;
+        if let Event::SubmissionRecovery { outcome, .. } = observation.event {
+            recoveries.push(outcome);
+        }
+    }
+    assert!(seen > 3, "the response's events were observed ({seen})");
+    assert!(!recoveries.contains(&RecoveryOutcome::Terminated), "{recoveries:?}");
+    let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.status, flue_runtime::store::SubmissionStatus::Queued, "given back");
+}
+
 static GIVEN_BACK_STORE: std::sync::OnceLock<flue_runtime::store::MemoryStore> = std::sync::OnceLock::new();
 static STATUS_WHEN_STOPPED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 

@@ -698,6 +698,14 @@ impl InstanceSlot {
                 );
                 match run.await {
                     Some(result) => result,
+                    // Given back (this node is stopping) or taken over, and hung past the
+                    // grace: another attempt runs the submission from what is durable and
+                    // settles it. Nothing ended here: no terminal advisory, no settlement.
+                    None if binding::hands_over(attempt.signal.reason()) => {
+                        given_up = true;
+                        tracing::warn!(instance = %self.key, submission = %submission.id, reason = attempt.signal.reason().unwrap_or_default(), "the response did not end within its grace after its attempt was given back; left to the attempt that takes it over");
+                        Err(Failure::aborted())
+                    }
                     None => {
                         // Given up where it hung: what it held in memory is not trusted.
                         given_up = true;
