@@ -1170,3 +1170,97 @@ async fn an_overflow_after_a_tool_result_too_big_to_keep_summarizes_that_step_to
     );
     assert_eq!(read_again.messages[2], ModelMessage::user("and now?"));
 }
+
+/// Tags the assistant rows as they are created.
+#[hook(before_create_message)]
+async fn tag_assistant_rows(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    mut message: flue_runtime::lifecycle::Message,
+) -> flue_runtime::lifecycle::Message {
+    if message.role == flue_runtime::lifecycle::MessageRole::Assistant {
+        message.metadata.insert("tagged".into(), serde_json::json!(true));
+    }
+    message
+}
+
+/// Blocks any request that reads the conversation's summary.
+#[hook(prefilter_llm_history)]
+async fn blocks_past_a_summary(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    messages: Vec<flue_runtime::lifecycle::LlmMessage>,
+) -> Result<Vec<flue_runtime::lifecycle::LlmMessage>, flue_runtime::lifecycle::HookError> {
+    let summarized = messages.iter().any(|message| {
+        message
+            .content
+            .as_str()
+            .is_some_and(|text| text.contains("Summary: a first exchange."))
+    });
+    if summarized {
+        return Err(flue_runtime::lifecycle::HookError::block(
+            "no model call past a summary",
+        ));
+    }
+    Ok(messages)
+}
+
+#[agent(hooks = [tag_assistant_rows, blocks_past_a_summary])]
+fn blocked_after_overflow() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Disabled,
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+/// A request made again after an overflow's compaction, and blocked by
+/// `prefilter_llm_history`, stores its step as a blocked one with what the row's create
+/// hooks set. (Regression: the blocked step dropped them, and left the pending row in the
+/// thread.)
+#[tokio::test]
+async fn a_request_blocked_after_an_overflows_compaction_keeps_its_rows_created_fields() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text("first answer"),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("Summary: a first exchange."),
+    ])
+    .with_context_window(1_000);
+    let runtime = runtime_with(&model, [blocked_after_overflow.into()]);
+    let handle = runtime.init(&blocked_after_overflow, "b");
+    handle.send(long("hello")).await.unwrap();
+    handle.send("and again").await.unwrap();
+    assert_eq!(
+        model.requests().len(),
+        3,
+        "the first answer, the overflowing call, the summary"
+    );
+    let stored: Vec<RecordBody> = runtime
+        .store()
+        .read(&InstanceKey::new("blocked_after_overflow", "b"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter().map(|record| record.body.clone()))
+        .collect();
+    let blocked = stored
+        .iter()
+        .find_map(|body| match body {
+            RecordBody::AssistantMessageCompleted {
+                message_id,
+                stop_reason: flue_runtime::provider::StopReason::HookBlocked,
+                ..
+            } => Some(message_id.clone()),
+            _ => None,
+        })
+        .expect("the blocked step is stored");
+    let tagged = stored.iter().any(|body| {
+        matches!(body, RecordBody::MessageUpdated { message_id, updates }
+            if *message_id == blocked && updates.get("metadata") == Some(&serde_json::json!({"tagged": true})))
+    });
+    assert!(tagged, "{stored:#?}");
+}

@@ -368,13 +368,17 @@ impl Response<'_> {
     }
 
     /// The step's answer when `prefilter_llm_history` blocked the request: the hook's error
-    /// text, stored as the step's assistant message (no model call was made).
+    /// text, stored as the step's assistant message (no model call was made). A request made
+    /// again after an overflow's compaction has its row already: what its create hooks set
+    /// (`created`) and `update_message` set since are stored with the step, as after a model
+    /// call, and the row leaves the thread for the stream's.
     pub(super) async fn blocked_step(
         &mut self,
         spec: &str,
         message_id: String,
         blocked: Blocked,
         live: Option<super::LiveText>,
+        created: Option<MessageUpdates>,
     ) -> Result<crate::provider::ModelResponse, Failure> {
         let text = blocked.0.message;
         // A call made again after an overflow's compaction has its start already (and what
@@ -393,13 +397,21 @@ impl Response<'_> {
             stop_reason: StopReason::HookBlocked,
             usage: Default::default(),
         })]);
+        if let Some(mut updates) = created {
+            updates.extend(self.writer.take_pending_updates());
+            if !updates.is_empty() {
+                records.push(self.record(RecordBody::MessageUpdated {
+                    message_id: stored_id.clone(),
+                    updates,
+                }));
+            }
+        }
         self.commit(records, false).await?;
         // Observers see the step's message as they see any other (and `agent_end` carries it).
         self.stored_message_events(Some(&stored_id));
-        // The response has its message: data written before it (by a start callback, say)
-        // goes now, as after a model step.
-        self.attempt.stream_data();
-        self.flush_data().await?;
+        // The response has its message: a late update of its row, then the data written before
+        // it (by a start callback, say), as after a model step.
+        self.after_step_stored(&stored_id).await?;
         Ok(crate::provider::ModelResponse {
             text,
             reasoning: String::new(),

@@ -2765,7 +2765,7 @@ impl Response<'_> {
                         Ok(request) => request,
                         Err(blocked) => {
                             let response = self
-                                .blocked_step(spec, message_id.clone(), blocked, live.take())
+                                .blocked_step(spec, message_id.clone(), blocked, live.take(), row_updates.take())
                                 .await?;
                             return Ok((response, message_id, LazyId::new("turn")));
                         }
@@ -3029,7 +3029,7 @@ impl Response<'_> {
 
     /// After a model step's records are stored: an update of its row made while they
     /// committed, then the data writes made before the response had a message.
-    async fn after_step_stored(&mut self, message_id: &str) -> Result<(), Failure> {
+    pub(super) async fn after_step_stored(&mut self, message_id: &str) -> Result<(), Failure> {
         // The stream holds the step's row now; an update made while it committed (by a task
         // a hook spawned) is stored after it.
         let late = self.writer.finish_pending_row();
