@@ -322,6 +322,75 @@ async fn state_data_parts_and_metadata_are_durable_and_reach_the_reply() {
     );
 }
 
+static LATE_GO: tokio::sync::Notify = tokio::sync::Notify::const_new();
+static LATE_DONE: tokio::sync::Notify = tokio::sync::Notify::const_new();
+static LATE_WRITES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// A tool that leaves a task behind holding the render's setter and data writer (it writes
+/// when `wait` tells it to, in the next response), and the tool that waits for those writes.
+#[agent]
+fn leaves_a_writer_behind() -> &'static str {
+    use_model("scripted/x");
+    let progress = use_data_writer::<Progress>("progress");
+    let (_, set_note) = use_persistent_state("note", String::new());
+    use_tool(Tool::new("schedule").description("Schedule a late note.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let (progress, set_note) = (progress.clone(), set_note.clone());
+            async move {
+                tokio::spawn(async move {
+                    LATE_GO.notified().await;
+                    let state = set_note.set("late".to_owned());
+                    let data = progress.write(&Progress { step: "late".into() });
+                    LATE_WRITES.lock().unwrap().push(format!(
+                        "state refused: {}, data refused: {}",
+                        state.is_err(),
+                        data.is_err()
+                    ));
+                    LATE_DONE.notify_one();
+                });
+                Ok::<_, ToolError>("scheduled")
+            }
+        },
+    ));
+    use_tool(Tool::new("wait").description("Wait for the late note.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| async move {
+            LATE_GO.notify_one();
+            LATE_DONE.notified().await;
+            Ok::<_, ToolError>("waited")
+        },
+    ));
+    "Note."
+}
+
+/// A setter or data writer a task kept after its response ended writes nothing into the
+/// instance's next response: the writes are refused. (Regression: the binding was the
+/// instance's, so they landed in whichever response ran, under its submission.)
+#[tokio::test]
+async fn a_setter_kept_past_its_response_writes_nothing_into_the_next_one() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("schedule", json!({})),
+        ScriptedReply::text("Scheduled."),
+        ScriptedReply::tool_call("wait", json!({})),
+        ScriptedReply::text("Waited."),
+    ]);
+    let runtime = runtime_with(&model, vec![leaves_a_writer_behind.into()]);
+    let handle = runtime.init(&leaves_a_writer_behind, "w");
+    handle.send("schedule").await.unwrap();
+    let second = handle.send("wait").await.unwrap();
+    assert_eq!(
+        *LATE_WRITES.lock().unwrap(),
+        ["state refused: true, data refused: true"]
+    );
+    assert!(second.data.get("progress").is_none(), "{:?}", second.data);
+    let records = runtime
+        .store()
+        .read(&InstanceKey::new("leaves_a_writer_behind", "w"), None)
+        .await
+        .unwrap();
+    let shown = format!("{records:?}");
+    assert!(!shown.contains("\"late\""), "{shown}");
+}
+
 /// A data part with a field left out of its JSON when empty, and one named apart when
 /// written.
 #[derive(serde::Serialize, schemars::JsonSchema)]

@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex, Weak};
 
 use flue_core::BoxFuture;
 use flue_core::Tool;
-use flue_core::binding::RuntimeBinding;
 use flue_core::lifecycle::{
     ExecutionState, InjectMessage, Message, MessagePage, MessageRole, MessageStatus, MessageUpdates, MessagesQuery,
     ThreadContext, ThreadError, ThreadIdentity, ThreadState, ThreadStateApi, ToolResult,

@@ -402,34 +402,11 @@ impl InstanceBinding {
         }
     }
 
-    fn responding(&self) -> Option<Arc<Attempt>> {
-        self.current()
-            .filter(|attempt| attempt.responding.load(Ordering::Acquire))
-    }
-}
-
-impl RuntimeBinding for InstanceBinding {
-    fn modify_state(&self, name: &str, modify: &mut StateModify<'_>) -> Result<(), StateWriteError> {
-        let attempt = self
-            .responding()
-            .ok_or_else(|| StateWriteError::NotResponding { name: name.to_owned() })?;
-        let mut buffer = attempt.buffer();
-        if let Some(next) = modify(buffer.current(name))? {
-            buffer.write(name, next);
-        }
-        Ok(())
-    }
-
-    fn write_data(&self, name: &str, data: Value) -> Result<(), DataWriteError> {
-        let attempt = self
-            .responding()
-            .ok_or_else(|| DataWriteError::NotResponding { name: name.to_owned() })?;
-        // Its `data_part` event follows once it is durable (see `Attempt::flush_data`).
-        attempt.queue_data(name.to_owned(), data);
-        Ok(())
-    }
-
-    fn dispatch(&self, message: DeliveredMessage) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>> {
+    /// Admits `message` to the instance as a dispatch, and wakes its worker.
+    pub(crate) fn dispatch(
+        &self,
+        message: DeliveredMessage,
+    ) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>> {
         let runtime = self.runtime.clone();
         let key = self.key.clone();
         Box::pin(async move {
@@ -448,5 +425,47 @@ impl RuntimeBinding for InstanceBinding {
                 }),
             }
         })
+    }
+
+    /// The attempt `attempt_id` while it responds.
+    fn responding(&self, attempt_id: &str) -> Option<Arc<Attempt>> {
+        self.current()
+            .filter(|attempt| attempt.attempt.attempt_id == attempt_id && attempt.responding.load(Ordering::Acquire))
+    }
+}
+
+/// The binding the renders of one attempt get: their state and data writes reach that
+/// attempt while it responds, and are refused after it (a setter or writer a spawned task kept
+/// writes nothing into the instance's next response, nor into a re-attempt).
+pub(crate) struct AttemptBinding {
+    pub(crate) instance: Arc<InstanceBinding>,
+    pub(crate) attempt_id: String,
+}
+
+impl RuntimeBinding for AttemptBinding {
+    fn modify_state(&self, name: &str, modify: &mut StateModify<'_>) -> Result<(), StateWriteError> {
+        let attempt = self
+            .instance
+            .responding(&self.attempt_id)
+            .ok_or_else(|| StateWriteError::NotResponding { name: name.to_owned() })?;
+        let mut buffer = attempt.buffer();
+        if let Some(next) = modify(buffer.current(name))? {
+            buffer.write(name, next);
+        }
+        Ok(())
+    }
+
+    fn write_data(&self, name: &str, data: Value) -> Result<(), DataWriteError> {
+        let attempt = self
+            .instance
+            .responding(&self.attempt_id)
+            .ok_or_else(|| DataWriteError::NotResponding { name: name.to_owned() })?;
+        // Its `data_part` event follows once it is durable (see `Attempt::flush_data`).
+        attempt.queue_data(name.to_owned(), data);
+        Ok(())
+    }
+
+    fn dispatch(&self, message: DeliveredMessage) -> BoxFuture<'static, Result<DispatchReceipt, DispatchError>> {
+        self.instance.dispatch(message)
     }
 }

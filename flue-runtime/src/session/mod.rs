@@ -60,7 +60,7 @@ use crate::tools;
 use deadline::Deadline;
 use live_text::LiveText;
 
-pub(crate) use binding::{ABORTED, Attempt, InstanceBinding, LEASE_LOST};
+pub(crate) use binding::{ABORTED, Attempt, AttemptBinding, InstanceBinding, LEASE_LOST};
 pub(crate) use conversation::{CallIds, Conversation, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from};
 
 /// How many takeovers past its budget a submission whose stream cannot be read is left to
@@ -606,6 +606,10 @@ impl InstanceSlot {
             agent: agent.get(),
             binding: &self.binding,
             attempt: &attempt,
+            render_binding: Arc::new(AttemptBinding {
+                instance: self.binding.clone(),
+                attempt_id: attempt.attempt.attempt_id.clone(),
+            }),
             conversation: &mut conversation,
             delivery: Arc::new(submission.message.clone()),
             submission: &submission,
@@ -1259,6 +1263,8 @@ struct Response<'a> {
     agent: &'a dyn Agent,
     binding: &'a Arc<InstanceBinding>,
     attempt: &'a Arc<Attempt>,
+    /// What this attempt's renders write state and data through.
+    render_binding: Arc<dyn flue_core::binding::RuntimeBinding>,
     conversation: &'a mut Conversation,
     delivery: Arc<DeliveredMessage>,
     submission: &'a Submission,
@@ -1568,11 +1574,10 @@ impl Response<'_> {
             .initial_data
             .clone()
             .unwrap_or(serde_json::Value::Null);
-        let binding: Arc<dyn flue_core::binding::RuntimeBinding> = self.binding.clone();
         let mut state = RenderState::root(&self.key.id)
             .with_agent_name(&self.key.agent)
             .with_state(&*buffer)
-            .with_binding(&binding)
+            .with_binding(&self.render_binding)
             .with_delivery(&self.delivery)
             .with_initial_data(&initial);
         // After the first render, every render is checked against the last one, even when it
