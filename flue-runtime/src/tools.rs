@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use flue_core::Tool;
 use flue_core::abort::AbortSignal;
-use flue_core::tool::{ToolContext, ToolOutput};
+use flue_core::tool::{ToolContent, ToolContext, ToolOutput};
 use futures_util::FutureExt;
 use futures_util::stream::{self, StreamExt};
 use serde_json::Value;
@@ -100,6 +100,61 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
     if signal.is_aborted() {
         return ToolOutput::error("Tool execution was aborted before it started.");
     }
+    // The values of the tool's declared secrets, kept out of what it answers (see `redacted`).
+    let secrets: Vec<flue_core::tool::Secret> = tool
+        .definition()
+        .secrets
+        .iter()
+        .filter_map(|name| ctx.secret(name).ok())
+        .collect();
+    redacted(run_call(tool, ctx, args, signal).await, &secrets)
+}
+
+/// `output` as the model, the records and the observers get it: without the values of the
+/// tool's declared `secrets` (as they are, JSON-escaped or percent-encoded, wherever they show),
+/// and, for an error, without a URL's secrets (an HTTP client's error quotes the URL it
+/// called, query keys included).
+fn redacted(mut output: ToolOutput, secrets: &[flue_core::tool::Secret]) -> ToolOutput {
+    let clean = |text: &str| {
+        let mut text = secrets.iter().fold(text.to_owned(), |text, secret| {
+            crate::provider::redact_secret(&text, secret.expose())
+        });
+        if output.is_error {
+            text = flue_core::url::without_url_secrets(&text);
+        }
+        text
+    };
+    match &mut output.content {
+        ToolContent::Text(text) => {
+            let cleaned = clean(text);
+            *text = cleaned;
+        }
+        ToolContent::Json(value) if !secrets.is_empty() || output.is_error => {
+            let cleaned = redact_strings(std::mem::take(value), &clean);
+            *value = cleaned;
+        }
+        ToolContent::Json(_) => {}
+    }
+    output
+}
+
+/// `value` with `clean` applied to each of its strings (keys included).
+fn redact_strings(value: Value, clean: &impl Fn(&str) -> String) -> Value {
+    match value {
+        Value::String(text) => Value::String(clean(&text)),
+        Value::Array(items) => Value::Array(items.into_iter().map(|item| redact_strings(item, clean)).collect()),
+        Value::Object(fields) => Value::Object(
+            fields
+                .into_iter()
+                .map(|(key, field)| (clean(&key), redact_strings(field, clean)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+/// Runs the call whose arguments passed: its output, a panic's or an abort's.
+async fn run_call(tool: &Tool, ctx: ToolContext, args: Value, signal: &AbortSignal) -> ToolOutput {
     // A closure tool runs the user's code before its future exists: a panic there is the
     // tool's too.
     let run = match std::panic::catch_unwind(AssertUnwindSafe(|| tool.call(ctx, args))) {
@@ -171,6 +226,54 @@ mod tests {
                     Ok::<_, flue_core::tool::ToolError>("ran")
                 }
             })
+    }
+
+    /// The one secret the redaction tests declare.
+    struct OneSecret;
+
+    impl flue_core::tool::SecretSource for OneSecret {
+        fn get(&self, name: &str) -> Option<String> {
+            (name == "MAPS_KEY").then(|| "AIza-secret/value 42".to_owned())
+        }
+    }
+
+    /// What a tool answers reaches the model without its declared secrets' values (as they
+    /// are, JSON-escaped or percent-encoded), and an error without a URL's secrets: an HTTP
+    /// client's error quotes the URL it called. (Regression: tool output was the one text
+    /// from outside no redaction ran on.)
+    #[tokio::test]
+    async fn a_tools_output_reaches_the_model_without_its_secrets() {
+        let echoes = |fails: bool| {
+            Tool::new("maps")
+                .description("Looks a place up.")
+                .secret("MAPS_KEY")
+                .run(move |ctx: ToolContext, _: serde_json::Map<String, Value>| async move {
+                    let key = ctx.secret("MAPS_KEY").unwrap();
+                    let encoded = key.expose().replace('/', "%2F").replace(' ', "%20");
+                    let said = format!(
+                        "GET https://maps.example/find?key={encoded}&q=x failed; raw {}, as JSON {}",
+                        key.expose(),
+                        serde_json::to_string(key.expose()).unwrap()
+                    );
+                    if fails {
+                        Err(flue_core::tool::ToolError::new(said))
+                    } else {
+                        Ok(serde_json::json!({"found": said}))
+                    }
+                })
+        };
+        for fails in [false, true] {
+            let tool = echoes(fails);
+            let ctx = ToolContext::new(&tool, "call_1").with_secrets(Arc::new(OneSecret));
+            let output = run_one(&tool, ctx, "{}", &AbortSignal::new()).await;
+            assert_eq!(output.is_error, fails);
+            let shown = match &output.content {
+                ToolContent::Text(text) => text.clone(),
+                ToolContent::Json(value) => value.to_string(),
+            };
+            assert!(!shown.contains("AIza"), "{shown}");
+            assert!(shown.contains("[redacted]"), "{shown}");
+        }
     }
 
     /// Panics when dropped.
