@@ -69,17 +69,27 @@ async fn records(store: &FaultyStore, key: &InstanceKey) -> Vec<Record> {
         .collect()
 }
 
-static CHARGES: AtomicUsize = AtomicUsize::new(0);
+/// The instances `charge` ran for, one entry per run (per instance: the tests that charge run
+/// at once, in any order).
+static CHARGES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// How many times `charge` ran for `instance`.
+fn charges(instance: &str) -> usize {
+    CHARGES.lock().unwrap().iter().filter(|id| *id == instance).count()
+}
 
 #[agent]
 fn billing() -> &'static str {
     use_model("scripted/x");
     let (_, set_charged) = use_persistent_state("charged", false);
     use_tool(Tool::new("charge").description("Charge the card.").run(
-        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+        move |ctx: ToolContext, _: serde_json::Map<String, serde_json::Value>| {
             let set_charged = set_charged.clone();
             async move {
-                CHARGES.fetch_add(1, Ordering::SeqCst);
+                CHARGES
+                    .lock()
+                    .unwrap()
+                    .push(ctx.instance_id().unwrap_or_default().to_owned());
                 set_charged.set(true)?;
                 Ok::<_, ToolError>("charged")
             }
@@ -142,7 +152,7 @@ async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_
         1
     );
     // The tool ran once; the re-attempt did not re-run it but told the model its outcome is unknown.
-    assert_eq!(CHARGES.load(Ordering::SeqCst), 1);
+    assert_eq!(charges("b-1"), 1);
     let requests = model.requests();
     let ModelMessage::Tool { content, is_error, .. } = requests[1].messages.last().unwrap() else {
         panic!("tool result")

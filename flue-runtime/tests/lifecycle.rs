@@ -3157,8 +3157,11 @@ fn billed() -> &'static str {
 
 #[tokio::test]
 async fn item_80_env_reads_declared_set_variables_only_and_never_prints_them() {
-    // SAFETY: this test binary's only writer of this variable.
-    unsafe { std::env::set_var("FLUE_TEST_BILLING_TOKEN", "s3cr3t-value") };
+    assert_eq!(
+        std::env::var("FLUE_TEST_BILLING_TOKEN").as_deref(),
+        Ok("s3cr3t-value"),
+        "set for the tests by .cargo/config.toml"
+    );
     let model = ScriptedModel::new([
         ScriptedReply::tool_call("billing", json!({})),
         ScriptedReply::text("ok"),

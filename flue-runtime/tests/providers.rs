@@ -889,9 +889,7 @@ async fn a_retry_after_longer_than_any_retry_waits_fails_at_once_saying_so() {
     let server = FixtureServer::start().await;
     server.push(FixtureReply::openai_error(429, "rate_limit_exceeded", "Try again in an hour").retry_after(3600));
     server.push(FixtureReply::openai_text("never reached"));
-    let started = std::time::Instant::now();
     let (_, error) = fail(&openai(&server, "FLUE_TEST_KEY_LONG_WAIT"), request("hi")).await;
-    assert!(started.elapsed() < Duration::from_secs(20), "no retry waited");
     assert_eq!(
         (error.kind.clone(), error.status),
         (ProviderErrorKind::RateLimited, Some(429))
@@ -1399,12 +1397,8 @@ async fn keep_alives_without_output_for_the_idle_timeout_are_a_timeout() {
     server.push(FixtureReply::openai_chunks(chunks));
     // 4 s of keep-alives; 1.5 s allowed.
     let provider = openai(&server, "FLUE_TEST_KEY_KEEPALIVE").with_idle_timeout(Duration::from_millis(300));
-    let started = std::time::Instant::now();
     let (events, error) = fail(&provider, request("hi")).await;
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "failed before the keep-alives ran out"
-    );
+    // Failed before the keep-alives ran out: the text after them never arrived.
     assert_eq!(text_deltas(&events), ["first"]);
     assert_eq!(error.kind, ProviderErrorKind::Timeout);
     assert!(error.message.contains("only keep-alives"), "{}", error.message);

@@ -2777,14 +2777,19 @@ async fn tool_errors_and_panics_become_error_results_the_model_sees() {
     );
 }
 
-static FOLLOW_UPS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// What each render of `planner` read through `use_delivery`, with its instance (the tests
+/// that use it run at once).
+static FOLLOW_UPS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
 
 #[agent]
-fn planner() -> &'static str {
+fn planner(props: AgentProps<'_>) -> &'static str {
     use_model("scripted/x");
     let dispatch = use_dispatch_message();
     let delivery = use_delivery();
-    FOLLOW_UPS.lock().unwrap().push(delivery.body().to_owned());
+    FOLLOW_UPS
+        .lock()
+        .unwrap()
+        .push((props.id().to_owned(), delivery.body().to_owned()));
     use_tool(harness::dispatching(
         Tool::new("schedule_follow_up").description("Queue a follow-up message."),
         dispatch,
@@ -2826,10 +2831,14 @@ async fn a_self_dispatch_joins_the_live_response_at_the_next_turn_boundary() {
     assert!(users[2].contains("This follow-up joined the live response."));
     // The render before the second model call read the newest message in front of the model
     // through use_delivery: the signal the joined delivery's start callback appended.
-    assert_eq!(
-        FOLLOW_UPS.lock().unwrap().last().map(String::as_str),
-        Some("This follow-up joined the live response.")
-    );
+    let read = FOLLOW_UPS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(instance, _)| instance == "plan")
+        .map(|(_, body)| body.clone())
+        .next_back();
+    assert_eq!(read.as_deref(), Some("This follow-up joined the live response."));
     // Both submissions settled completed; the joined one answered by the host's response.
     let mut settled = Vec::new();
     while let Ok(observation) = events.try_recv() {
@@ -4216,20 +4225,23 @@ async fn a_rerender_that_omits_use_model_keeps_the_responses_model() {
 
 static START_BARRIER: std::sync::LazyLock<tokio::sync::Barrier> =
     std::sync::LazyLock::new(|| tokio::sync::Barrier::new(2));
+static SECOND_APPENDED: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 /// Two start callbacks that each wait for the other (they finish only when they run at the
-/// same time), the first appending after the second.
+/// same time), the first appending only once the second has appended.
 #[agent]
 fn rendezvous() -> &'static str {
     use_model("scripted/x");
     use_agent_start(|ctx| async move {
         START_BARRIER.wait().await;
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        SECOND_APPENDED.notified().await;
         ctx.append(Signal::new("first", "a"))
     });
     use_agent_start(|ctx| async move {
         START_BARRIER.wait().await;
-        ctx.append(Signal::new("second", "b"))
+        let appended = ctx.append(Signal::new("second", "b"));
+        SECOND_APPENDED.notify_one();
+        appended
     });
     "Meet."
 }

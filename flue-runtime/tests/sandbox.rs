@@ -254,8 +254,11 @@ fn on_disk() -> &'static str {
 
 #[tokio::test]
 async fn the_local_sandbox_runs_commands_in_its_cwd_and_refuses_links_out_of_the_root() {
-    // SAFETY: this test binary's only writer of this variable.
-    unsafe { std::env::set_var("FLUE_TEST_SANDBOX_SECRET", "sk-do-not-leak") };
+    assert_eq!(
+        std::env::var("FLUE_TEST_SANDBOX_SECRET").as_deref(),
+        Ok("sk-do-not-leak"),
+        "set for the tests by .cargo/config.toml"
+    );
     let model = ScriptedModel::new([
         ScriptedReply::tool_calls([
             (

@@ -1633,9 +1633,23 @@ mod tests {
         let sandbox = LocalSandbox {
             root: dirs.root.clone(),
         };
-        // Dropping the call (an aborted turn) while the shell still runs.
-        let call = run(&sandbox, "/", "(sleep 1; touch leaked.txt) & echo started; sleep 30");
-        assert!(tokio::time::timeout(Duration::from_millis(500), call).await.is_err());
+        // Dropping the call (an aborted turn) while the shell still runs, once its background
+        // child has started (the marker is written after it).
+        let mut call = Box::pin(run(
+            &sandbox,
+            "/",
+            "(sleep 1; touch leaked.txt) & touch started.txt; sleep 30",
+        ));
+        let started = dirs.root.join("started.txt");
+        tokio::select! {
+            ran = &mut call => panic!("the command ended: {ran:?}"),
+            () = async {
+                while !started.exists() {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            } => {}
+        }
+        drop(call);
         tokio::time::sleep(Duration::from_millis(1500)).await;
         assert!(
             !dirs.root.join("leaked.txt").exists(),
