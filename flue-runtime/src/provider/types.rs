@@ -202,6 +202,21 @@ impl Messages {
         &mut history.messages
     }
 
+    /// The message at `index`, to change (copied first when another clone shares them). The
+    /// kept encodings stay when they end before it (a message just added, say), and are
+    /// dropped otherwise.
+    pub(crate) fn get_mut(&mut self, index: usize) -> &mut ModelMessage {
+        let history = Arc::make_mut(&mut self.0);
+        let encoded = history
+            .encoded
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if encoded.as_ref().is_some_and(|encoded| encoded.count > index) {
+            *encoded = None;
+        }
+        &mut history.messages[index]
+    }
+
     /// The messages as a vector of their own (copied when another clone shares them).
     pub fn into_vec(self) -> Vec<ModelMessage> {
         Arc::try_unwrap(self.0).map_or_else(|shared| shared.messages.clone(), |history| history.messages)

@@ -1240,23 +1240,28 @@ impl Conversation {
     /// Applies field updates to the row at `index` (unknown fields and ill-typed values were
     /// refused before the record was written; here they are skipped).
     fn update_row(&mut self, index: usize, updates: &Map<String, Value>) {
-        let (row, message) = (&mut self.rows[index], &mut self.messages.make_mut()[index]);
+        let row = &mut self.rows[index];
         for (field, value) in updates {
             match (field.as_str(), value) {
-                ("content", Value::String(content)) => match &mut row.rendered {
-                    Some(rendering) => {
-                        rendering.content.clone_from(content);
-                        if let ModelMessage::User { content: text, .. } = message {
-                            *text = rendering.render();
+                // Only the content is the model's: an update of the other fields leaves the
+                // history, and the encodings kept of it, as they are.
+                ("content", Value::String(content)) => {
+                    let message = self.messages.get_mut(index);
+                    match &mut row.rendered {
+                        Some(rendering) => {
+                            rendering.content.clone_from(content);
+                            if let ModelMessage::User { content: text, .. } = message {
+                                *text = rendering.render();
+                            }
                         }
+                        None => match message {
+                            ModelMessage::User { content: text, .. } | ModelMessage::Tool { content: text, .. } => {
+                                text.clone_from(content);
+                            }
+                            ModelMessage::Assistant { text, .. } => text.clone_from(content),
+                        },
                     }
-                    None => match message {
-                        ModelMessage::User { content: text, .. } | ModelMessage::Tool { content: text, .. } => {
-                            text.clone_from(content);
-                        }
-                        ModelMessage::Assistant { text, .. } => text.clone_from(content),
-                    },
-                },
+                }
                 ("silent", Value::Bool(silent)) => row.silent = *silent,
                 ("metadata", Value::Object(metadata)) => row.metadata.clone_from(metadata),
                 ("metadata", Value::Null) => row.metadata.clear(),
@@ -2394,6 +2399,59 @@ mod tests {
             "both requests read the conversation's one copy"
         );
         assert!(std::ptr::eq(first.as_ptr(), conversation.messages.as_ptr()));
+    }
+
+    /// An update of a row's fields the model does not read (its metadata, say) keeps the
+    /// encodings kept of the history; one of its content drops those that include it.
+    /// (Regression: every row update re-encoded the whole history at the next call.)
+    #[test]
+    fn a_row_update_the_model_does_not_read_keeps_the_historys_encodings() {
+        let mut conversation = answered(2);
+        let encode = |conversation: &Conversation| {
+            let mut body = crate::provider::body::BodyWriter::default();
+            conversation
+                .messages
+                .encode_into("test", &mut body, |message, out| serde_json::to_writer(out, message))
+                .unwrap();
+        };
+        encode(&conversation);
+        assert_eq!(conversation.messages.kept("test"), 4);
+        // The stream's next batches, after the two exchanges'.
+        let update = |conversation: &mut Conversation, offset: u64, updates: serde_json::Value| {
+            let serde_json::Value::Object(updates) = updates else {
+                panic!("an object")
+            };
+            conversation.apply(&Batch {
+                offset,
+                records: [record(RecordBody::MessageUpdated {
+                    message_id: "user-0".into(),
+                    updates,
+                })]
+                .into_iter()
+                .collect(),
+            });
+        };
+        update(
+            &mut conversation,
+            2,
+            serde_json::json!({"metadata": {"seen": true}, "silent": false}),
+        );
+        assert_eq!(
+            conversation.rows[0].metadata.get("seen"),
+            Some(&serde_json::json!(true))
+        );
+        assert_eq!(conversation.messages.kept("test"), 4, "the encodings are kept");
+        update(
+            &mut conversation,
+            3,
+            serde_json::json!({"content": "question 0, edited"}),
+        );
+        assert_eq!(conversation.messages[0], ModelMessage::user("question 0, edited"));
+        assert_eq!(
+            conversation.messages.kept("test"),
+            0,
+            "the edited message is encoded again"
+        );
     }
 
     #[test]
