@@ -289,6 +289,9 @@ impl<W: Write> Write for Printable<W> {
 }
 
 /// Installs a subscriber writing the runtime's `tracing` events to stderr, when none is set.
+/// The MCP client library's own events are left out: they quote an MCP server's URL and its
+/// error bodies whole, credentials included (the runtime reports the same failures with
+/// them removed).
 fn log_to_stderr() {
     if tracing::dispatcher::has_been_set() {
         return;
@@ -297,12 +300,25 @@ fn log_to_stderr() {
         .ok()
         .and_then(|level| level.parse::<tracing::Level>().ok())
         .unwrap_or(tracing::Level::WARN);
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(level)
-        .finish();
+    let subscriber = cli_subscriber(level, std::io::stderr);
     // Another thread may have set one meanwhile: it is kept.
     let _ = tracing::subscriber::set_global_default(subscriber);
+}
+
+/// The CLI's log, written to `writer`: every event at `level` or above, but none of `rmcp`.
+fn cli_subscriber<W>(level: tracing::Level, writer: W) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let quiet = tracing_subscriber::filter::Targets::new()
+        .with_default(level)
+        .with_target("rmcp", tracing::level_filters::LevelFilter::OFF);
+    tracing_subscriber::fmt()
+        .with_writer(writer)
+        .with_max_level(level)
+        .finish()
+        .with(quiet)
 }
 
 /// Runs `command`, writing its output to `out`.
@@ -599,6 +615,35 @@ mod tests {
     #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
     use super::*;
+
+    /// The CLI's log leaves the MCP client library's events out (they quote a server's URL
+    /// and error bodies whole, credentials included), and shows the runtime's.
+    #[test]
+    fn the_cli_log_leaves_the_mcp_librarys_events_out() {
+        #[derive(Clone, Default)]
+        struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Captured {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = cli_subscriber(tracing::Level::WARN, move || writer.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::error!(target: "rmcp::transport::worker", "POST https://mcp.example/?api_key=sk-123 failed");
+            tracing::error!(target: "flue_runtime::mcp", "the MCP server is unreachable");
+            tracing::info!(target: "flue_runtime::mcp", "below the level");
+        });
+        let logged = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        assert!(logged.contains("the MCP server is unreachable"), "{logged}");
+        assert!(!logged.contains("sk-123"), "{logged}");
+        assert!(!logged.contains("below the level"), "{logged}");
+    }
     use crate::prelude::*;
     use crate::testing::{ScriptedModel, ScriptedReply};
 
