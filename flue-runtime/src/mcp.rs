@@ -604,7 +604,7 @@ fn credentials(connection: &McpConnection) -> Arc<[String]> {
 /// header is called. Other values (`Notion-Version: 2022-06-28`, `X-Env: prod`) are not taken
 /// out of what a server sends back: redacting them would change the data the model reads (a
 /// date in every result, "products" read as "[redacted]ucts").
-fn carries_credential(name: &str, value: &str) -> bool {
+pub(crate) fn carries_credential(name: &str, value: &str) -> bool {
     const NAMED: [&str; 13] = [
         "auth",
         "cookie",

@@ -14,8 +14,10 @@ use flue_core::BoxFuture;
 use sha2::{Digest, Sha256};
 
 /// What a request asks for, as the authorization callback sees it. Its `Debug` shows the
-/// values of credential headers (`Authorization`, `Cookie`, `Proxy-Authorization`) as
-/// `[redacted]`, so logging a request logs no secret.
+/// values of credential headers as `[redacted]` (`Authorization`, `Cookie`,
+/// `Proxy-Authorization`, any header named like a credential — `X-Api-Key`, `X-Auth-Token`,
+/// a session's — and any value holding an opaque token), so logging a request logs no
+/// secret.
 #[derive(Clone, Copy)]
 pub struct AccessRequest<'a> {
     /// The method.
@@ -45,11 +47,9 @@ impl fmt::Debug for AccessRequest<'_> {
             .headers
             .iter()
             .map(|(name, value)| {
-                let shown: &dyn fmt::Debug = if CREDENTIAL_HEADERS.contains(name) {
-                    &"[redacted]"
-                } else {
-                    value
-                };
+                let credential = CREDENTIAL_HEADERS.contains(name)
+                    || crate::mcp::carries_credential(name.as_str(), value.to_str().unwrap_or_default());
+                let shown: &dyn fmt::Debug = if credential { &"[redacted]" } else { value };
                 (name.as_str(), shown)
             })
             .collect();
@@ -213,6 +213,9 @@ mod tests {
         headers.insert(header::COOKIE, HeaderValue::from_static("session=c00kie"));
         headers.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("Basic pr0xy"));
         headers.insert(header::USER_AGENT, HeaderValue::from_static("probe/1"));
+        // Named like a credential, or holding an opaque token, whatever its name.
+        headers.insert("x-api-key", HeaderValue::from_static("k3y"));
+        headers.insert("x-tenant", HeaderValue::from_static("tn_8f3kQ9xLm2Vz7RtY"));
         let request = AccessRequest {
             method: &Method::POST,
             path: "/agents/a/i",
@@ -222,7 +225,7 @@ mod tests {
             user_id: None,
         };
         let shown = format!("{request:?}");
-        for secret in ["tok-s3cr3t", "c00kie", "pr0xy"] {
+        for secret in ["tok-s3cr3t", "c00kie", "pr0xy", "k3y", "tn_8f3kQ9xLm2Vz7RtY"] {
             assert!(!shown.contains(secret), "{shown}");
         }
         assert!(shown.contains("[redacted]") && shown.contains("probe/1"), "{shown}");
