@@ -574,10 +574,44 @@ const MIN_CREDENTIAL_WORD_BYTES: usize = 8;
 
 /// The credentials of `connection` that a server may echo in an error (a 401 that quotes the
 /// token it refused) or a result: its token, the values of its headers that carry one (see
-/// [`carries_credential`]), and the long words of those values. The texts reach the model,
-/// the records, the settlement and the log, so none of them may show these.
+/// [`carries_credential`]), and the long words of those values; and those its URL carries (a
+/// password, a query value that carries one, an opaque token in its path, as hosted servers
+/// take `…/mcp?api_key=…` or `…/<key>/mcp`). The texts reach the model, the records, the
+/// settlement and the log, so none of them may show these.
 fn credentials(connection: &McpConnection) -> Arc<[String]> {
     let mut credentials: Vec<String> = connection.auth.iter().map(|token| token.expose().to_owned()).collect();
+    if let Ok(url) = reqwest::Url::parse(&connection.url) {
+        // A URL part as written and percent-decoded (a server may quote either).
+        let both = |text: &str| {
+            let decoded = form_urlencoded::parse(format!("v={text}").as_bytes())
+                .next()
+                .map(|(_, value)| value.into_owned())
+                .unwrap_or_default();
+            [text.to_owned(), decoded]
+        };
+        let opaque = |word: &str| carries_credential("", word);
+        if let Some(password) = url.password() {
+            credentials.extend(both(password));
+        }
+        // A user name is data (`admin` shows in results), unless it is a token itself
+        // (`https://<token>@host`).
+        if opaque(url.username()) {
+            credentials.extend(both(url.username()));
+        }
+        credentials.extend(
+            url.query_pairs()
+                .filter(|(name, value)| carries_credential(name, value))
+                .map(|(_, value)| value.into_owned()),
+        );
+        credentials.extend(
+            url.path_segments()
+                .into_iter()
+                .flatten()
+                .filter(|segment| opaque(segment))
+                .flat_map(both),
+        );
+        credentials.retain(|credential| !credential.is_empty());
+    }
     for (_, value) in connection
         .headers
         .iter()
@@ -858,6 +892,24 @@ mod tests {
         assert_eq!(
             without_credentials(text, &credentials),
             "On 2022-06-28 the prod products of [redacted] used [redacted] and [redacted]."
+        );
+    }
+
+    /// The credentials a server's URL carries (a password, a query value that carries one, an
+    /// opaque token in its path) are kept out of what the server says too, as written or
+    /// percent-decoded; the URL's other parts (its user name among them) are data.
+    #[test]
+    fn the_credentials_a_url_carries_are_redacted() {
+        let connection = McpConnection::new(
+            "hosted",
+            "https://bot:pa%24%24word-42@mcp.example.com/u/k7Rq2mXv9LpT4sWz/mcp?api_key=sk-abc123&profile=default",
+        );
+        let credentials = credentials(&connection);
+        let text =
+            "401: api_key sk-abc123 (user bot, pa$$word-42) refused at /u/k7Rq2mXv9LpT4sWz/mcp for profile default";
+        assert_eq!(
+            without_credentials(text, &credentials),
+            "401: api_key [redacted] (user bot, [redacted]) refused at /u/[redacted]/mcp for profile default"
         );
     }
 
