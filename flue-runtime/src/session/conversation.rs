@@ -2412,7 +2412,7 @@ mod tests {
             conversation
                 .messages
                 .encode_into("test", &mut body, |message, out| serde_json::to_writer(out, message))
-                .unwrap();
+                .expect("a message encodes");
         };
         encode(&conversation);
         assert_eq!(conversation.messages.kept("test"), 4);
