@@ -7,6 +7,7 @@
     ::core::default::Default,
 )]
 struct duplicate_finder;
+#[allow(deprecated)]
 const _: () = {
     use ::flue_runtime::__private::flue_core as __flue;
     fn __flue_definition_of() -> __flue::AgentDefinition {
@@ -36,7 +37,7 @@ const _: () = {
             &self,
             __flue_props: __flue::AgentProps<'_>,
         ) -> __flue::Instruction {
-            #[allow(dead_code, unused_variables)]
+            #[allow(dead_code)]
             fn __flue_agent_body() -> &'static str {
                 use_model("openrouter/anthropic/claude-sonnet-4.5");
                 use_tool(get_github_issue);

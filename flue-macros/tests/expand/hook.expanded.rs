@@ -1,7 +1,7 @@
 #[allow(non_upper_case_globals)]
 const redact_emails: ::flue_runtime::__private::flue_core::lifecycle::ThreadHook = {
     use ::flue_runtime::__private::flue_core as __flue;
-    #[allow(dead_code, unused_variables)]
+    #[allow(dead_code)]
     async fn __flue_hook_body(
         _state: &ThreadState,
         _call: &ToolCall,

@@ -7,6 +7,7 @@
     ::core::default::Default,
 )]
 struct search_github_issues;
+#[allow(deprecated)]
 const _: () = {
     use ::flue_runtime::__private::flue_core as __flue;
     #[derive(
@@ -22,7 +23,7 @@ const _: () = {
         /// Words from the issue title or text
         query: String,
     }
-    #[allow(dead_code, unused_variables)]
+    #[allow(dead_code)]
     async fn __flue_tool_body(
         ctx: &ToolContext,
         owner: String,
