@@ -501,6 +501,34 @@ pub const fn arguments<T: ToolArguments>() -> ArgumentFns<T> {
     }
 }
 
+/// The definition of the generic `#[tool]` type `T`, made by `make` the first time it is
+/// asked for and kept for the process: a generic tool is zero-sized as any other `#[tool]`,
+/// so every mount of one instantiation is one tool (its [`Tool::identity`] is this
+/// definition's address), and another instantiation another.
+#[doc(hidden)]
+pub fn generic_definition<T: 'static>(make: impl FnOnce() -> ToolDefinition) -> &'static ToolDefinition {
+    use std::any::TypeId;
+    use std::collections::HashMap;
+    use std::sync::{OnceLock, RwLock};
+    static DEFINITIONS: OnceLock<RwLock<HashMap<TypeId, &'static ToolDefinition>>> = OnceLock::new();
+    let definitions = DEFINITIONS.get_or_init(RwLock::default);
+    let id = TypeId::of::<T>();
+    if let Some(definition) = definitions
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&id)
+    {
+        return definition;
+    }
+    // Made outside the lock (a schema may take a while); the first one kept wins.
+    let made = make();
+    *definitions
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .entry(id)
+        .or_insert_with(|| Box::leak(Box::new(made)))
+}
+
 /// Converts a tool function's return value, asserting [`ToolReturn`] where `#[tool]` spans it.
 #[doc(hidden)]
 pub fn tool_return<T: ToolReturn>(value: T) -> ToolOutput {

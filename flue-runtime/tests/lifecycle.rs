@@ -2765,6 +2765,73 @@ async fn queue_audit(ctx: &ToolContext) -> Result<String, ToolError> {
     Ok("queued".into())
 }
 
+/// What a generic tool's arguments are.
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+struct Audited {
+    /// What happened
+    event: String,
+}
+
+/// A generic tool: audits with its type parameter's label.
+#[tool]
+async fn labelled_audit<L: Label>(args: Audited) -> String {
+    format!("{} {}", L::LABEL, args.event)
+}
+
+trait Label: Send + Sync + 'static {
+    const LABEL: &'static str;
+}
+
+struct Refunds;
+
+impl Label for Refunds {
+    const LABEL: &'static str = "refund:";
+}
+
+/// Queues the generic tool its render mounted, built again.
+#[tool]
+async fn queue_labelled(ctx: &ToolContext) -> Result<String, ToolError> {
+    ctx.thread()
+        .unwrap()
+        .queue_tool(labelled_audit::<Refunds>::new(), json!({"event": "granted"}))
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok("queued".into())
+}
+
+#[agent]
+fn generic_auditing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(labelled_audit::<Refunds>::new());
+    use_tool(queue_labelled);
+    "A"
+}
+
+/// A generic `#[tool]` built again is the tool its render mounted (one per instantiation,
+/// as a tool that is not generic): queuing it runs it. (Regression: each `::new()` was a tool
+/// of its own, and `queue_tool` refused it as another tool under the mounted one's name.)
+#[tokio::test]
+async fn a_generic_tool_built_again_is_the_mounted_one_and_can_be_queued() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("queue_labelled", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![generic_auditing.into()]);
+    runtime.init(&generic_auditing, "g").send("refund me").await.unwrap();
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2);
+    let results = harness::tool_results(&requests[1]);
+    assert_eq!(
+        results,
+        [("queued".to_owned(), false), ("refund: granted".to_owned(), false)]
+    );
+    let (one, again) = (
+        Tool::from_handler(labelled_audit::<Refunds>::new()),
+        Tool::from_handler(labelled_audit::<Refunds>::new()),
+    );
+    assert_eq!(one.identity(), again.identity());
+    assert!(one.is_static());
+}
+
 static AT_REST_QUEUE: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[hook(after_thread_created)]

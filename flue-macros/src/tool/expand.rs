@@ -165,21 +165,22 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let (item, definition_fn, constructor) = if generic {
         let params = function.sig.generics.type_params().map(|param| &param.ident);
         (
+            // Zero-sized, as a tool that is not generic: its definition is kept per
+            // instantiation, so every mount of one is one tool.
             quote! {
                 #(#docs)*
                 #(#deprecated)*
                 #[allow(non_camel_case_types)]
                 #vis struct #ident #impl_generics #where_clause {
-                    definition: #krate::__private::flue_core::tool::ToolDefinition,
                     _types: ::core::marker::PhantomData<fn() -> (#(#params,)*)>,
                 }
             },
-            quote!(&self.definition),
+            quote!(__flue::tool::generic_definition::<Self>(|| #definition_expr)),
             quote! {
                 impl #impl_generics #ident #ty_generics #where_clause {
                     /// The tool, ready for `use_tool`.
                     #vis fn new() -> Self {
-                        Self { definition: #definition_expr, _types: ::core::marker::PhantomData }
+                        Self { _types: ::core::marker::PhantomData }
                     }
                 }
             },
