@@ -600,12 +600,35 @@ async fn a_panicking_render_fails_the_submission_with_its_message_and_the_runtim
 
 #[tokio::test]
 async fn submissions_of_one_instance_run_one_at_a_time_in_admission_order() {
+    use flue_runtime::store::{Store as _, SubmissionStatus};
     let model = ScriptedModel::echo();
-    let runtime = runtime_with(&model, vec![calculator.into()]);
+    // The first response's model call is held while the others are admitted.
+    let gated = harness::Gated::new(model.clone(), 1);
+    let (reached, release) = (gated.reached.clone(), gated.release.clone());
+    let mut providers = ProviderRegistry::new();
+    providers.register(gated);
+    let store = MemoryStore::new();
+    let runtime = Runtime::builder()
+        .agent(calculator)
+        .providers(providers)
+        .store(store.clone())
+        .build()
+        .unwrap();
     let handle = runtime.init(&calculator, "queue");
     let first = handle.dispatch("first").await.unwrap();
+    reached.notified().await;
     let second = handle.dispatch("second").await.unwrap();
     let third = handle.dispatch("third").await.unwrap();
+    // While the first runs, the others wait their turn: none runs beside it.
+    let status = |id: String| {
+        let store = store.clone();
+        async move { store.submission(&id).await.unwrap().unwrap().status }
+    };
+    assert_eq!(status(first.submission_id.clone()).await, SubmissionStatus::Running);
+    for waiting in [&second, &third] {
+        assert_eq!(status(waiting.submission_id.clone()).await, SubmissionStatus::Queued);
+    }
+    release.add_permits(1);
     let replies = [
         handle.read(&first.submission_id).await.unwrap(),
         handle.read(&second.submission_id).await.unwrap(),

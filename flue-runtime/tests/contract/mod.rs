@@ -1588,16 +1588,21 @@ pub async fn authorizes_a_submission_owned_append_for_the_running_claimed_attemp
         .unwrap()
         .unwrap();
     let owned = record(Some("d-1"), Some("a1"), user("hi"));
-    assert!(
-        store
-            .append(
-                &key("assistant", "agent-1"),
-                vec![owned].into(),
-                Some(&attempt("d-1", "a1"))
-            )
-            .await
-            .is_ok()
-    );
+    let offset = store
+        .append(
+            &key("assistant", "agent-1"),
+            vec![owned.clone()].into(),
+            Some(&attempt("d-1", "a1")),
+        )
+        .await
+        .expect("the running claimed attempt may append its submission's records");
+    // The batch is in the stream, as written, at the offset the append returned.
+    let batches = store.read(&key("assistant", "agent-1"), None).await.unwrap();
+    let appended = batches
+        .iter()
+        .find(|batch| batch.offset == offset)
+        .expect("the appended batch");
+    assert_eq!(appended.records.to_vec(), [owned]);
 }
 
 /// §5.3: a host writes the records of a delivery it claimed into its response (its input, its
