@@ -130,16 +130,23 @@ impl LocalSandbox {
     /// `path` (normalized) as a sandbox path: the root's own host path names the root. A
     /// command runs in the root and sees host paths (`pwd`, a traceback, `realpath`), so a
     /// path it printed names the same file in the file tools, not one of a copy of the host's
-    /// tree made under the root.
+    /// tree made under the root. A path that names something under the root as a sandbox
+    /// path stays that one (a root `/app` holding an `app/` directory: `/app/models` is
+    /// `<root>/app/models`).
     fn inside<'p>(&self, path: &'p str) -> &'p str {
         let Some(root) = self.root.to_str().filter(|root| *root != "/") else {
             return path;
         };
-        match path.strip_prefix(root) {
+        let rest = match path.strip_prefix(root) {
             Some("") => "/",
             Some(rest) if rest.starts_with('/') => rest,
-            _ => path,
+            _ => return path,
+        };
+        let first = path.trim_start_matches('/').split('/').next().unwrap_or_default();
+        if std::fs::symlink_metadata(self.root.join(first)).is_ok() {
+            return path;
         }
+        rest
     }
 
     /// The sandbox path a file operation acts on: `path` normalized, as [`Self::inside`] reads
@@ -1483,7 +1490,16 @@ mod tests {
             listed.iter().map(|entry| entry.name.as_str()).collect::<Vec<_>>(),
             ["src"]
         );
-        // A path that only starts like the root's is the sandbox path it is.
+        // A path that only starts like the root's is the sandbox path it is, and so is one
+        // whose first part is under the root.
+        let first = host.trim_start_matches('/').split('/').next().unwrap().to_owned();
+        std::fs::create_dir_all(dirs.root.join(&first).join("inner")).unwrap();
+        std::fs::write(dirs.root.join(&first).join("inner/kept.txt"), b"kept").unwrap();
+        assert_eq!(
+            sandbox.read_file(&format!("/{first}/inner/kept.txt")).await.unwrap(),
+            b"kept"
+        );
+        std::fs::remove_dir_all(dirs.root.join(&first)).unwrap();
         let sibling = format!("{host}-sibling/x");
         assert!(matches!(
             sandbox.read_file(&sibling).await,
