@@ -598,9 +598,13 @@ fn credentials(connection: &McpConnection) -> Arc<[String]> {
         if opaque(url.username()) {
             credentials.extend(both(url.username()));
         }
+        // A query value named like a credential counts when it is long enough to be one
+        // (`?access=read` is data: `read` is not redacted from every result).
         credentials.extend(
             url.query_pairs()
-                .filter(|(name, value)| carries_credential(name, value))
+                .filter(|(name, value)| {
+                    carries_credential(name, value) && (value.len() >= MIN_CREDENTIAL_WORD_BYTES || opaque(value))
+                })
                 .map(|(_, value)| value.into_owned()),
         );
         credentials.extend(
@@ -902,14 +906,13 @@ mod tests {
     fn the_credentials_a_url_carries_are_redacted() {
         let connection = McpConnection::new(
             "hosted",
-            "https://bot:pa%24%24word-42@mcp.example.com/u/k7Rq2mXv9LpT4sWz/mcp?api_key=sk-abc123&profile=default",
+            "https://bot:pa%24%24word-42@mcp.example.com/u/k7Rq2mXv9LpT4sWz/mcp?api_key=sk-abc123&access=read&profile=default",
         );
         let credentials = credentials(&connection);
-        let text =
-            "401: api_key sk-abc123 (user bot, pa$$word-42) refused at /u/k7Rq2mXv9LpT4sWz/mcp for profile default";
+        let text = "401: api_key sk-abc123 (user bot, pa$$word-42) refused at /u/k7Rq2mXv9LpT4sWz/mcp for profile default, read access";
         assert_eq!(
             without_credentials(text, &credentials),
-            "401: api_key [redacted] (user bot, [redacted]) refused at /u/[redacted]/mcp for profile default"
+            "401: api_key [redacted] (user bot, [redacted]) refused at /u/[redacted]/mcp for profile default, read access"
         );
     }
 
