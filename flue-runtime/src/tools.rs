@@ -101,20 +101,26 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
         return ToolOutput::error("Tool execution was aborted before it started.");
     }
     // The values of the tool's declared secrets, kept out of what it answers (see `redacted`).
-    let secrets: Vec<flue_core::tool::Secret> = tool
+    let mut secrets: Vec<flue_core::tool::Secret> = tool
         .definition()
         .secrets
         .iter()
         .filter_map(|name| ctx.secret(name).ok())
         .collect();
-    redacted(run_call(tool, ctx, args, signal).await, &secrets)
+    redacted(run_call(tool, ctx, args, signal).await, &mut secrets)
 }
 
 /// `output` as the model, the records and the observers get it: without the values of the
 /// tool's declared `secrets` (as they are, JSON-escaped or percent-encoded, wherever they show),
 /// and, for an error, without a URL's secrets (an HTTP client's error quotes the URL it
 /// called, query keys included).
-fn redacted(mut output: ToolOutput, secrets: &[flue_core::tool::Secret]) -> ToolOutput {
+fn redacted(mut output: ToolOutput, secrets: &mut [flue_core::tool::Secret]) -> ToolOutput {
+    if secrets.is_empty() && !output.is_error {
+        return output;
+    }
+    // Longest first: a secret that begins another is replaced after it.
+    secrets.sort_by_key(|secret| std::cmp::Reverse(secret.expose().len()));
+    let secrets = &*secrets;
     let clean = |text: &str| {
         let mut text = secrets.iter().fold(text.to_owned(), |text, secret| {
             crate::provider::redact_secret(&text, secret.expose())
@@ -129,11 +135,10 @@ fn redacted(mut output: ToolOutput, secrets: &[flue_core::tool::Secret]) -> Tool
             let cleaned = clean(text);
             *text = cleaned;
         }
-        ToolContent::Json(value) if !secrets.is_empty() || output.is_error => {
+        ToolContent::Json(value) => {
             let cleaned = redact_strings(std::mem::take(value), &clean);
             *value = cleaned;
         }
-        ToolContent::Json(_) => {}
     }
     output
 }
