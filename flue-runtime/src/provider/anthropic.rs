@@ -195,7 +195,7 @@ impl AnthropicProvider {
     }
 
     /// Sets the retry policy for failures before the response starts (default: 3 retries from
-    /// 500 ms).
+    /// 2 s, see [`RetryPolicy`]).
     pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
         self.transport.retry = policy;
         self

@@ -226,7 +226,7 @@ impl OpenAiProvider {
     }
 
     /// Sets the retry policy for failures before the response starts (default: 3 retries from
-    /// 500 ms).
+    /// 2 s, see [`RetryPolicy`]).
     pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
         self.transport.retry = policy;
         self
@@ -624,7 +624,11 @@ impl OpenAiProvider {
 /// reasoning parameter.
 fn openrouter_effort(model: &str, level: ThinkingLevel) -> Option<&'static str> {
     match level {
-        ThinkingLevel::Off => match model.strip_prefix("openai/") {
+        // (Without a variant's suffix: `openai/gpt-5:online` is gpt-5.)
+        ThinkingLevel::Off => match model
+            .strip_prefix("openai/")
+            .map(|openai| openai.split(':').next().unwrap_or(openai))
+        {
             Some(openai) => match OpenAiFamily::of(openai) {
                 OpenAiFamily::Gpt5 | OpenAiFamily::OSeries => openai_least_effort(openai),
                 OpenAiFamily::Refuses => None,
@@ -1475,6 +1479,7 @@ mod tests {
         assert_eq!(off("openai/gpt-5.1"), Some(json!({"effort": "none"})));
         assert_eq!(off("openai/gpt-5"), Some(json!({"effort": "minimal"})));
         assert_eq!(off("openai/o3"), Some(json!({"effort": "low"})));
+        assert_eq!(off("openai/gpt-5:online"), Some(json!({"effort": "minimal"})));
         assert_eq!(off("openai/gpt-4o"), None);
         let body = router.body(&request("openai/gpt-5", ThinkingLevel::Max));
         assert_eq!(body["reasoning"], json!({"effort": "xhigh"}));
