@@ -9,7 +9,9 @@
 //!   locations [`TOOLCHAIN_VARIABLES`] lists: paths, no secrets), and on Linux this
 //!   process made non-dumpable before the first one, so a command cannot read this process's
 //!   own launch environment from `/proc` either.
-//!   That is all it hides: a command runs as this process's user, so it can read the
+//!   That is all it hides: a command runs as this process's user, in its home, so the
+//!   credentials the user's tools keep there (`gh`, `aws`, git's, npm's) are a command's too;
+//!   and it can read the
 //!   environment of the user's other processes (the shell or supervisor that started this
 //!   one, siblings given the same keys), anything the user can read (as root, anything at
 //!   all), and it has no resource limits. Run untrusted models as a user of their own, or in
