@@ -153,7 +153,6 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         )]
         #vis struct #ident;
 
-        #[allow(deprecated)]
         const _: () = {
             use #krate::__private::flue_core as __flue;
 
@@ -166,8 +165,13 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
                 __flue_definition
             }
 
+            // Through an alias: a `#[deprecated]` agent's impl does not warn, and the user's
+            // body, inside it, still warns of what it uses.
+            #[allow(deprecated)]
+            type __FlueAgent = #ident;
+
             #[automatically_derived]
-            impl __flue::Agent for #ident {
+            impl __flue::Agent for __FlueAgent {
                 fn definition(&self) -> &__flue::AgentDefinition {
                     static DEFINITION: ::std::sync::OnceLock<__flue::AgentDefinition> = ::std::sync::OnceLock::new();
                     DEFINITION.get_or_init(__flue_definition_of)

@@ -177,6 +177,8 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             },
             quote!(__flue::tool::generic_definition::<Self>(|| #definition_expr)),
             quote! {
+                // (A `#[deprecated]` tool's own impls do not warn; the user's uses of it do.)
+                #[allow(deprecated)]
                 impl #impl_generics #ident #ty_generics #where_clause {
                     /// The tool, ready for `use_tool`.
                     #vis fn new() -> Self {
@@ -210,7 +212,6 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     quote! {
         #item
 
-        #[allow(deprecated)]
         const _: () = {
             use #krate::__private::flue_core as __flue;
 
@@ -225,6 +226,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             #constructor
 
             #[automatically_derived]
+            #[allow(deprecated)]
             impl #impl_generics __flue::tool::ToolHandler for #ident #ty_generics #where_clause {
                 fn definition(&self) -> &__flue::tool::ToolDefinition {
                     #definition_fn

@@ -7,7 +7,6 @@
     ::core::default::Default,
 )]
 struct duplicate_finder;
-#[allow(deprecated)]
 const _: () = {
     use ::flue_runtime::__private::flue_core as __flue;
     fn __flue_definition_of() -> __flue::AgentDefinition {
@@ -27,8 +26,10 @@ const _: () = {
             );
         __flue_definition
     }
+    #[allow(deprecated)]
+    type __FlueAgent = duplicate_finder;
     #[automatically_derived]
-    impl __flue::Agent for duplicate_finder {
+    impl __flue::Agent for __FlueAgent {
         fn definition(&self) -> &__flue::AgentDefinition {
             static DEFINITION: ::std::sync::OnceLock<__flue::AgentDefinition> = ::std::sync::OnceLock::new();
             DEFINITION.get_or_init(__flue_definition_of)

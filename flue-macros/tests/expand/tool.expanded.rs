@@ -7,7 +7,6 @@
     ::core::default::Default,
 )]
 struct search_github_issues;
-#[allow(deprecated)]
 const _: () = {
     use ::flue_runtime::__private::flue_core as __flue;
     #[derive(
@@ -33,6 +32,7 @@ const _: () = {
     }
     const _: () = __flue::tool::progress_argument::<String>();
     #[automatically_derived]
+    #[allow(deprecated)]
     impl __flue::tool::ToolHandler for search_github_issues {
         fn definition(&self) -> &__flue::tool::ToolDefinition {
             static DEFINITION: __flue::tool::ToolDefinition = __flue::tool::ToolDefinition::from_checked(
