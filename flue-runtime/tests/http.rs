@@ -4287,3 +4287,83 @@ async fn a_store_failure_answers_the_generic_500_envelope_with_its_reference() {
         "the cause is not told: {error}"
     );
 }
+
+/// A memory store that, once told to, answers the next look-up of an instance and of its
+/// stream's head as if neither existed yet: a read that starts just before the instance's
+/// admission commits.
+struct BornDuringTheRead {
+    inner: MemoryStore,
+    hide_instance: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hide_head: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl flue_runtime::store::Store for BornDuringTheRead {
+    harness::delegate_store!(
+        inner;
+        admit, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, append, create_child, read, put_attachment, attachment, user_value,
+        set_user_value, list_user_values,
+    );
+
+    fn instance(
+        &self,
+        key: &flue_runtime::store::InstanceKey,
+    ) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::InstanceInfo>, flue_runtime::store::StoreError>>
+    {
+        if self.hide_instance.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Ok(None)));
+        }
+        self.inner.instance(key)
+    }
+
+    fn last_offset(
+        &self,
+        key: &flue_runtime::store::InstanceKey,
+    ) -> flue_runtime::BoxFuture<'_, Result<Option<u64>, flue_runtime::store::StoreError>> {
+        if self.hide_head.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Ok(None)));
+        }
+        self.inner.last_offset(key)
+    }
+}
+
+/// A read that found no instance answers 404, even when the instance's admission commits
+/// while it goes on. (Regression: it went on and served the new stream with an empty
+/// incarnation, which a live reader keeps for the life of its stream.)
+#[tokio::test]
+async fn a_read_that_found_no_instance_answers_not_found_though_one_is_born_meanwhile() {
+    let model = ScriptedModel::new([ScriptedReply::text("5")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let (hide_instance, hide_head) = (
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    );
+    let runtime = Runtime::builder()
+        .store(BornDuringTheRead {
+            inner: MemoryStore::new(),
+            hide_instance: hide_instance.clone(),
+            hide_head: hide_head.clone(),
+        })
+        .providers(providers)
+        .agent(calculator)
+        .build()
+        .unwrap();
+    runtime.init(&calculator, "born").send("2+3?").await.unwrap();
+    let app = flue_runtime::http::router(&runtime);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let url = format!("http://{addr}/agents/calculator/born?view=updates&offset=-1");
+    let client = reqwest::Client::new();
+    let found = client.get(&url).send().await.unwrap();
+    assert_eq!(found.status().as_u16(), 200);
+    hide_instance.store(true, std::sync::atomic::Ordering::SeqCst);
+    hide_head.store(true, std::sync::atomic::Ordering::SeqCst);
+    let racing = client.get(&url).send().await.unwrap();
+    let status = racing.status().as_u16();
+    let body = racing.text().await.unwrap();
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("stream_not_found"), "{body}");
+}

@@ -235,6 +235,12 @@ pub(super) async fn get_stream(
     let key = routes.read_key(id)?;
     let read = read_of(query.as_deref())?;
     let incarnation = incarnation_of(&routes, &key).await?;
+    // No instance when the read starts: no stream to read. (One an admission creates
+    // meanwhile is the next read's: going on, this one could serve its stream with no
+    // incarnation, which a live reader would keep for the life of its stream.)
+    if incarnation.is_none() {
+        return Err(ApiError::stream_not_found(&key.stream_path()));
+    }
     match read {
         Read::History => {
             let (snapshot, offset) = routes
