@@ -174,9 +174,18 @@ impl LocalSandbox {
                     break;
                 }
                 // A link whose target does not exist (yet) cannot be checked, and writing
-                // through it would create its target wherever it points: refused.
+                // through it would create its target wherever it points: refused. Said as a
+                // missing target when the link points inside the root (not a rule broken).
                 Err(_) if std::fs::symlink_metadata(existing).is_ok() => {
-                    return Err(SandboxError::OutsideRoot(path.to_owned()));
+                    let target = std::fs::read_link(existing)
+                        .ok()
+                        .map(|target| lexically_normal(&existing.parent().unwrap_or(&self.root).join(target)));
+                    return Err(match target {
+                        Some(target) if target.starts_with(&self.root) => SandboxError::NotFound(format!(
+                            "{path} goes through a symbolic link whose target does not exist"
+                        )),
+                        _ => SandboxError::OutsideRoot(path.to_owned()),
+                    });
                 }
                 Err(_) => match existing.parent() {
                     Some(parent) => existing = parent,
@@ -186,6 +195,21 @@ impl LocalSandbox {
         }
         Ok(real)
     }
+}
+
+/// `path` with its `.` and `..` parts resolved by name only (no link followed).
+fn lexically_normal(path: &Path) -> PathBuf {
+    let mut normal = PathBuf::new();
+    for part in path.components() {
+        match part {
+            std::path::Component::CurDir => {}
+            std::path::Component::ParentDir => {
+                normal.pop();
+            }
+            other => normal.push(other),
+        }
+    }
+    normal
 }
 
 /// What a file is opened for: reading it, or replacing its contents (creating it and its
@@ -1433,6 +1457,26 @@ mod tests {
         );
         use std::os::unix::fs::MetadataExt;
         assert_eq!((opened.dev(), opened.ino()), (deep.dev(), deep.ino()));
+    }
+
+    /// A link to a missing file inside the root is refused as such, not as a path outside
+    /// the root; one to a missing file outside it is refused as outside.
+    #[tokio::test]
+    async fn a_dangling_link_says_where_it_points() {
+        let dirs = scratch("dangling-inside");
+        std::os::unix::fs::symlink("build/out.txt", dirs.root.join("latest")).unwrap();
+        std::os::unix::fs::symlink(dirs.outside.join("gone.txt"), dirs.root.join("away")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let inside = sandbox.write_file("/latest", b"x".to_vec()).await.unwrap_err();
+        assert!(
+            matches!(&inside, SandboxError::NotFound(said) if said.contains("symbolic link whose target does not exist")),
+            "{inside:?}"
+        );
+        let away = sandbox.write_file("/away", b"x".to_vec()).await.unwrap_err();
+        assert!(matches!(away, SandboxError::OutsideRoot(_)), "{away:?}");
+        assert!(!dirs.outside.join("gone.txt").exists());
     }
 
     /// A command's home is this process's (where per-user toolchains live), not the working
