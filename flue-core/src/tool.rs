@@ -522,11 +522,9 @@ pub fn generic_definition<T: 'static>(make: impl FnOnce() -> ToolDefinition) -> 
     }
     // Made outside the lock (a schema may take a while); the first one kept wins.
     let made = make();
-    *definitions
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .entry(id)
-        .or_insert_with(|| Box::leak(Box::new(made)))
+    let mut definitions = definitions.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let kept: &'static ToolDefinition = definitions.entry(id).or_insert_with(|| Box::leak(Box::new(made)));
+    kept
 }
 
 /// Converts a tool function's return value, asserting [`ToolReturn`] where `#[tool]` spans it.
