@@ -217,7 +217,8 @@ pub(crate) struct Starting {
     stopped: Option<&'static str>,
 }
 
-/// The binding every render of one instance gets.
+/// An instance's binding: its current attempt, leases and appends. The renders of an attempt
+/// write through an `AttemptBinding` over it.
 pub(crate) struct InstanceBinding {
     pub(crate) key: InstanceKey,
     pub(crate) runtime: Weak<RuntimeInner>,
