@@ -3370,18 +3370,11 @@ async fn an_attempt_given_back_that_outlives_its_grace_is_not_reported_terminate
     use flue_runtime::events::{Event, RecoveryOutcome};
     let store = flue_runtime::store::MemoryStore::new();
     let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .agent(deaf_finisher)
-        .providers(providers)
-        .store(store.clone())
-        .options(RuntimeOptions {
-            settle_grace: std::time::Duration::from_millis(100),
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let options = RuntimeOptions {
+        settle_grace: std::time::Duration::from_millis(100),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store.clone(), &model, [deaf_finisher.into()], options);
     let mut events = runtime.observe();
     let receipt = runtime.init(&deaf_finisher, "d-1").dispatch("go").await.unwrap();
     while !DEAF_FINISH_STARTED.load(Ordering::SeqCst) {

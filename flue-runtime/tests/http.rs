@@ -4334,22 +4334,16 @@ impl flue_runtime::store::Store for BornDuringTheRead {
 #[tokio::test]
 async fn a_read_that_found_no_instance_answers_not_found_though_one_is_born_meanwhile() {
     let model = ScriptedModel::new([ScriptedReply::text("5")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
     let (hide_instance, hide_head) = (
         std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
         std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
     );
-    let runtime = Runtime::builder()
-        .store(BornDuringTheRead {
-            inner: MemoryStore::new(),
-            hide_instance: hide_instance.clone(),
-            hide_head: hide_head.clone(),
-        })
-        .providers(providers)
-        .agent(calculator)
-        .build()
-        .unwrap();
+    let store = BornDuringTheRead {
+        inner: MemoryStore::new(),
+        hide_instance: hide_instance.clone(),
+        hide_head: hide_head.clone(),
+    };
+    let runtime = harness::runtime_on(store, &model, [calculator.into()]);
     runtime.init(&calculator, "born").send("2+3?").await.unwrap();
     let app = flue_runtime::http::router(&runtime);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

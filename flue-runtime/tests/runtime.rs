@@ -2242,19 +2242,12 @@ fn answered_then_stuck() -> &'static str {
 #[tokio::test]
 async fn an_attempt_given_up_after_its_answer_was_durable_settles_as_completed() {
     let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
     let store = MemoryStore::new();
-    let runtime = Runtime::builder()
-        .agent(answered_then_stuck)
-        .providers(providers)
-        .store(store.clone())
-        .options(RuntimeOptions {
-            settle_grace: std::time::Duration::from_millis(100),
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let options = RuntimeOptions {
+        settle_grace: std::time::Duration::from_millis(100),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store.clone(), &model, [answered_then_stuck.into()], options);
     let handle = runtime.init(&answered_then_stuck, "a");
     let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.send("go"))
         .await
@@ -3443,19 +3436,12 @@ async fn a_send_dropped_while_its_message_runs_stops_the_wait_not_the_message() 
 #[tokio::test]
 async fn a_wait_finds_a_settlement_that_woke_nobody_at_the_next_scan_interval() {
     let model = ScriptedModel::new([]);
-    let mut providers = flue_runtime::provider::ProviderRegistry::new();
-    providers.register(model.clone());
     let store = MemoryStore::new();
-    let runtime = Runtime::builder()
-        .store(store.clone())
-        .providers(providers)
-        .agent(calculator)
-        .options(flue_runtime::RuntimeOptions {
-            scan_interval: std::time::Duration::from_millis(20),
-            ..flue_runtime::RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let options = RuntimeOptions {
+        scan_interval: std::time::Duration::from_millis(20),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store.clone(), &model, [calculator.into()], options);
     use flue_runtime::store::Store as _;
     let key = InstanceKey::new("calculator", "quiet");
     store

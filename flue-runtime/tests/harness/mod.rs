@@ -34,15 +34,23 @@ pub fn dispatching(
 
 /// A runtime on `store` running `agents` with `model` (retries without waiting).
 pub fn runtime_on(store: impl Store, model: &ScriptedModel, agents: impl IntoIterator<Item = AgentRef>) -> Runtime {
+    let options = RuntimeOptions {
+        model_retry_delay: std::time::Duration::from_millis(1),
+        ..RuntimeOptions::default()
+    };
+    runtime_on_with(store, model, agents, options)
+}
+
+/// [`runtime_on`] with `options`.
+pub fn runtime_on_with(
+    store: impl Store,
+    model: &ScriptedModel,
+    agents: impl IntoIterator<Item = AgentRef>,
+    options: RuntimeOptions,
+) -> Runtime {
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
-    let mut builder = Runtime::builder()
-        .store(store)
-        .providers(providers)
-        .options(RuntimeOptions {
-            model_retry_delay: std::time::Duration::from_millis(1),
-            ..RuntimeOptions::default()
-        });
+    let mut builder = Runtime::builder().store(store).providers(providers).options(options);
     for agent in agents {
         builder = builder.agent(agent);
     }
