@@ -11,6 +11,22 @@ use quote::quote;
 use syn::Attribute;
 use syn::spanned::Spanned;
 
+/// Splits a function's attributes into its doc attributes, as the public item generated in its
+/// place carries them, and the others. A `//!` comment at the top of the body documents the
+/// function as `///` does (rustdoc reads both, outer first, and so does [`Description::of`]);
+/// on the generated item it is an outer attribute, as an inner one is not permitted there.
+pub(crate) fn split_docs(attrs: &[Attribute]) -> (Vec<Attribute>, Vec<&Attribute>) {
+    let (docs, others): (Vec<&Attribute>, Vec<&Attribute>) = attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    let docs = docs
+        .into_iter()
+        .map(|attr| Attribute {
+            style: syn::AttrStyle::Outer,
+            ..attr.clone()
+        })
+        .collect();
+    (docs, others)
+}
+
 /// An item's description, from its doc comment.
 pub(crate) enum Description {
     /// No doc comment, or only blank lines.

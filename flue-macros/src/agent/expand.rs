@@ -13,8 +13,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let krate = &model.krate;
     let ident = &model.ident;
     let vis = &function.vis;
-    let (docs, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) =
-        function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    let (docs, other_attrs) = crate::docs::split_docs(&function.attrs);
     // `#[deprecated]` marks the agent its users name, not the hidden body its render calls.
     let (deprecated, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) = other_attrs
         .into_iter()

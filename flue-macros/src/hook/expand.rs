@@ -13,7 +13,7 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let vis = &function.vis;
     let ident = &function.sig.ident;
     let id = &model.id.0;
-    let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    let (docs, other_attrs) = crate::docs::split_docs(&function.attrs);
     // `#[deprecated]` marks the hook its users name, not the hidden body the hook calls.
     let (deprecated, other_attrs): (Vec<_>, Vec<_>) = other_attrs
         .into_iter()

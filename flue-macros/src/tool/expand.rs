@@ -14,7 +14,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let ident = &function.sig.ident;
     let vis = &function.vis;
     let name = &model.name.0;
-    let (docs, other_attrs): (Vec<_>, Vec<_>) = function.attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    let (docs, other_attrs) = crate::docs::split_docs(&function.attrs);
     // `#[deprecated]` marks the tool its users name, not the hidden body the tool calls.
     let (deprecated, other_attrs): (Vec<_>, Vec<_>) = other_attrs
         .into_iter()
