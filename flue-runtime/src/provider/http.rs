@@ -921,7 +921,14 @@ impl ErrorDetails {
     ///   size …";
     /// - Gemini (its OpenAI-compatible endpoint): "The input token count (…) exceeds the
     ///   maximum number of tokens allowed (…)";
-    /// - xAI: "This model's maximum prompt length is … but the request contains … tokens".
+    /// - xAI: "This model's maximum prompt length is … but the request contains … tokens";
+    /// - Ollama: "prompt too long; exceeded max context length by … tokens";
+    /// - LM Studio: "… is greater than the context length …";
+    /// - Moonshot (Kimi): "… exceeded model token limit: …";
+    /// - Together: "… is longer than the model's context length …";
+    /// - OpenRouter, for an upstream's refusal: "… maximum allowed input length …";
+    /// - DashScope (Qwen): "Range of input length should be [1, …]";
+    /// - GitHub Copilot: "prompt token count of … exceeds the limit of …".
     fn is_context_overflow(&self) -> bool {
         let message = self.message_lower();
         self.is(&[
@@ -937,6 +944,14 @@ impl ErrorDetails {
             "exceeds the available context size",
             "input token count",
             "maximum prompt length",
+            "prompt too long",
+            "max context length",
+            "greater than the context length",
+            "exceeded model token limit",
+            "longer than the model's context length",
+            "maximum allowed input length",
+            "range of input length should be",
+            "prompt token count of",
         ]
         .iter()
         .any(|needle| message.contains(needle))
@@ -1701,6 +1716,25 @@ mod tests {
         );
         let xai = r#"{"code":"Client specified an invalid argument","error":"This model's maximum prompt length is 131072 but the request contains 140000 tokens."}"#;
         assert_eq!(map(Some(400), xai).kind, K::ContextOverflow);
+        // The servers an OpenAI-compatible provider reaches, each in its own words.
+        for said in [
+            "prompt too long; exceeded max context length by 5000 tokens",
+            "The number of tokens to keep from the initial prompt is greater than the context length. Try to load the model with a larger context length",
+            "Invalid request: Your request exceeded model token limit: 131072",
+            "Input is longer than the model's context length (32768 tokens)",
+            "This endpoint's maximum allowed input length is 65536 tokens",
+            "Range of input length should be [1, 30720]",
+            "prompt token count of 130000 exceeds the limit of 128000",
+        ] {
+            let body = serde_json::json!({ "error": { "message": said } }).to_string();
+            assert_eq!(map(Some(400), &body).kind, K::ContextOverflow, "{said}");
+        }
+        // Ollama's error is a bare string.
+        let ollama = r#"{"error":"prompt too long; exceeded max context length by 5000 tokens"}"#;
+        assert_eq!(map(Some(400), ollama).kind, K::ContextOverflow);
+        // A rate limit on tokens per minute is not the context window.
+        let tpm = r#"{"error":{"message":"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 45000.","type":"tokens","code":"rate_limit_exceeded"}}"#;
+        assert_eq!(map(Some(429), tpm).kind, K::RateLimited);
         let openrouter = r#"{"error":{"message":"gpt-x is not a valid model ID","code":400}}"#;
         assert_eq!(map(Some(400), openrouter).kind, K::UnknownModel);
         // Limits that are not the context window stay bad requests.
