@@ -132,6 +132,96 @@ async fn an_answer_without_calls_that_finishes_for_tool_calls_is_a_final_answer(
     assert_eq!(finishes, ["stop"]);
 }
 
+/// The assistant messages of the history the call numbered `call` sent, as JSON text.
+fn assistant_texts(server: &FixtureServer, call: usize) -> Vec<String> {
+    server.requests()[call].body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|message| message["role"] == "assistant")
+        .map(|message| message["content"].to_string())
+        .collect()
+}
+
+/// An answer the provider stopped under its content policy is no answer: the submission fails
+/// (not retried: the same request meets the same policy), saying so, and the cut-off text is
+/// neither the reply nor in the history the next call sends.
+#[tokio::test]
+async fn an_answer_stopped_by_a_content_filter_fails_the_submission_and_leaves_no_text_behind() {
+    use flue_runtime::testing::fixture_server::OpenAiChunk;
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_chunks([
+        OpenAiChunk::Text("Here is how to".into()),
+        OpenAiChunk::Finish("content_filter".into()),
+        OpenAiChunk::Usage(Usage::default()),
+        OpenAiChunk::Done,
+    ]));
+    let runtime = runtime(&server);
+    let handle = runtime.init(&forecaster, "f-filtered");
+    let RuntimeError::Run {
+        error_type, message, ..
+    } = handle.send("Weather?").await.unwrap_err()
+    else {
+        panic!("run error")
+    };
+    assert_eq!(error_type, "operation_failed");
+    assert!(message.contains("content policy"), "{message}");
+    assert_eq!(server.requests().len(), 1, "not retried");
+    server.push(FixtureReply::openai_text("Sunny."));
+    assert_eq!(handle.send("And now?").await.unwrap().text, "Sunny.");
+    assert!(
+        !assistant_texts(&server, 1)
+            .iter()
+            .any(|text| text.contains("Here is how to")),
+        "{:?}",
+        assistant_texts(&server, 1)
+    );
+}
+
+/// Anthropic's `refusal` stop is the same: the submission fails, and nothing of the refused
+/// answer stays for the next call (Anthropic: a refused turn left in the history draws more
+/// refusals).
+#[tokio::test]
+async fn an_anthropic_refusal_fails_the_submission_and_leaves_no_text_behind() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::TextStart { index: 0 },
+        AnthropicEvent::TextDelta {
+            index: 0,
+            text: "Sure, first you".into(),
+        },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "refusal".into(),
+            output_tokens: 4,
+        },
+        AnthropicEvent::MessageStop,
+    ]));
+    let runtime = thinking_runtime_of(&server, flue_runtime::store::MemoryStore::new(), forecaster_on_claude);
+    let handle = runtime.init(&forecaster_on_claude, "c-refused");
+    let RuntimeError::Run { message, .. } = handle.send("Weather?").await.unwrap_err() else {
+        panic!("run error")
+    };
+    assert!(message.contains("content policy"), "{message}");
+    assert_eq!(server.requests().len(), 1, "not retried");
+    server.push(FixtureReply::anthropic_text("Sunny."));
+    assert_eq!(handle.send("And now?").await.unwrap().text, "Sunny.");
+    assert!(
+        !assistant_texts(&server, 1)
+            .iter()
+            .any(|text| text.contains("Sure, first you")),
+        "{:?}",
+        assistant_texts(&server, 1)
+    );
+}
+
+#[agent]
+fn forecaster_on_claude() -> &'static str {
+    use_model("claude/claude-sonnet-4-5");
+    use_tool(get_weather);
+    "You report the weather."
+}
+
 /// A server that numbers its call ids per step (`call_0` in every step): the later step's call
 /// gets an id of its own, everywhere (stream, events, the next request), else its result would
 /// answer the earlier call in every view that finds a call by its id.

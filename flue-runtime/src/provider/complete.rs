@@ -87,7 +87,7 @@ async fn stream_to_end(
         };
         match next {
             Some(Ok(StreamEvent::Completed(response))) => {
-                response.check_tool_arguments()?;
+                response.check_completed(provider.id())?;
                 return Ok(response);
             }
             Some(Ok(event)) => observe(event),

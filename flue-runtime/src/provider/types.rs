@@ -556,7 +556,9 @@ pub enum StopReason {
     ToolUse,
     /// The output-token limit cut the answer.
     Length,
-    /// The provider filtered the output.
+    /// The provider stopped the output under its content policy (a refusal, a content
+    /// filter). The runtime fails such a call ([`ProviderErrorKind::Refused`]): what the model
+    /// wrote before the stop is not an answer.
     ContentFilter,
     /// No model call was made: a `prefilter_llm_history` hook blocked the request, and its
     /// error text stands as the step's answer.
@@ -582,11 +584,25 @@ pub struct ModelResponse {
 }
 
 impl ModelResponse {
-    /// Refuses a response whose tool-call arguments, all its calls together, hold more JSON
-    /// than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
-    /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow, as an invalid response (not
-    /// retried): before the runtime records the calls or parses their arguments.
-    pub(crate) fn check_tool_arguments(&self) -> Result<(), ProviderError> {
+    /// What the runtime checks of a completed response before it records anything of it:
+    /// - an answer the provider stopped under a content policy (Anthropic's `refusal`,
+    ///   OpenAI's `content_filter`) is no answer: a [`ProviderErrorKind::Refused`] failure, as
+    ///   the reference fails such a call. Kept as a final answer, the cut-off text settled the
+    ///   submission `completed` and stayed in the history, where the provider's next calls met
+    ///   the refused turn again; as a compaction's summary, it replaced the history for good;
+    /// - tool-call arguments that, all the calls together, hold more JSON than
+    ///   [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
+    ///   [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow are an invalid response (not
+    ///   retried), refused before the runtime parses them.
+    pub(crate) fn check_completed(&self, provider: &str) -> Result<(), ProviderError> {
+        if self.stop_reason == StopReason::ContentFilter {
+            return Err(ProviderError::new(
+                ProviderErrorKind::Refused,
+                format!(
+                    "[flue] Provider \"{provider}\" stopped the answer under its content policy (a refusal or a content filter): what the model wrote is not kept."
+                ),
+            ));
+        }
         if crate::json_shape::JsonShape::fits(self.tool_calls.iter().map(|call| call.arguments.as_bytes())) {
             return Ok(());
         }
@@ -740,6 +756,9 @@ pub enum ProviderErrorKind {
     InvalidResponse,
     /// Any other 4xx.
     BadRequest,
+    /// The provider stopped the answer under its content policy (a refusal, a content
+    /// filter). Not retried: the same request meets the same policy.
+    Refused,
 }
 
 /// A failed model call.

@@ -3148,7 +3148,7 @@ impl Response<'_> {
                 }
                 Some(Err(error)) => break Err(StepError::Provider(error)),
                 Some(Ok(StreamEvent::Completed(mut response))) => {
-                    if let Err(error) = response.check_tool_arguments() {
+                    if let Err(error) = response.check_completed(provider.id()) {
                         break Err(StepError::Provider(error));
                     }
                     ids.rename(
