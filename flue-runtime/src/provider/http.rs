@@ -284,6 +284,9 @@ pub(crate) struct CallInfo {
     pub key_env: String,
     /// The provider's model id.
     pub model: String,
+    /// Whether the call sent a key (a provider whose key is optional sends none when its
+    /// variable is unset).
+    pub key_sent: bool,
     /// The key used and the forms it takes once escaped, only to redact them from provider
     /// texts. Longest first, so that no form is cut by a shorter one replaced before it. Made
     /// from `key` at the first redaction: most calls quote no provider text.
@@ -308,6 +311,7 @@ impl CallContext {
             provider: provider.to_owned(),
             key_env: key_env.to_owned(),
             model: model.to_owned(),
+            key_sent: key.is_some(),
             secrets: OnceLock::new(),
             key: key.filter(|key| key.expose().len() >= MIN_REDACTED_KEY_BYTES),
         }))
@@ -1025,6 +1029,11 @@ pub(crate) fn map_error(
         // key may not use, and OpenRouter for input its moderation refused.
         K::Unauthorized if effective == Some(403) => format!(
             "[flue] Provider \"{provider}\" refused the request{http}: the key in {} may not use this model or region, or the input was refused. The provider said: {said}",
+            ctx.key_env
+        ),
+        // A provider whose key is optional sent none: the server wants one.
+        K::Unauthorized if !ctx.key_sent => format!(
+            "[flue] Provider \"{provider}\" requires an API key{http}, and none was sent: {} is not set. The provider said: {said}",
             ctx.key_env
         ),
         K::Unauthorized => format!(
@@ -1762,6 +1771,22 @@ mod tests {
             map(None, r#"{"error":{"type":"authentication_error","message":"x"}}"#).kind,
             K::Unauthorized
         );
+    }
+
+    #[test]
+    fn a_401_without_a_key_sent_says_the_variable_is_unset_not_that_the_key_was_refused() {
+        let ctx = CallContext::new("vllm", "VLLM_API_KEY", "m", None);
+        let body = r#"{"error":{"message":"Unauthorized"}}"#;
+        let error = map_error(&ctx, Some(401), None, &ErrorDetails::from_body(body), body);
+        assert_eq!(error.kind, ProviderErrorKind::Unauthorized);
+        assert!(
+            error
+                .message
+                .contains("requires an API key (HTTP 401), and none was sent: VLLM_API_KEY is not set"),
+            "{}",
+            error.message
+        );
+        assert!(map(Some(401), body).message.contains("refused the API key"));
     }
 
     #[test]
