@@ -262,11 +262,11 @@ pub(super) async fn get_stream(
                 Offset::Beyond => Some(u64::MAX),
             };
             if live == Live::Sse {
-                // Near the head, the cached window answers the catch-up; further back (or
-                // uncached) the reader folds the stream itself.
+                // Near the head, the cached window answers the catch-up (filled now when no
+                // entry is held); further back the reader folds the stream itself.
                 let cached = routes
                     .updates
-                    .cached(routes.runtime.store.as_ref(), &key, incarnation.as_deref(), after)
+                    .filled(routes.runtime.store.as_ref(), &key, incarnation.as_deref(), after)
                     .await
                     .map_err(|error| ApiError::internal(&error))?;
                 match cached {

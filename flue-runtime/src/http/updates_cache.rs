@@ -250,6 +250,18 @@ impl UpdatesCache {
         slot
     }
 
+    /// The entry slot of `key` when one is held (marked read now): a lookup that will not fill
+    /// it takes no room from the entries held.
+    fn held_slot(&self, key: &InstanceKey) -> Option<Slot> {
+        let mut entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        entries.clock += 1;
+        let now = entries.clock;
+        entries.map.get_mut(key).map(|(read, slot)| {
+            *read = now;
+            Arc::clone(slot)
+        })
+    }
+
     /// The updates of `key` after `after`. `incarnation` is the instance's, read before
     /// (`None` when the store has no such instance: nothing is cached then).
     pub(super) async fn updates(
@@ -265,8 +277,35 @@ impl UpdatesCache {
         let slot = self.slot(key);
         match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
             Served::Answered(lookup) => Ok(lookup),
-            Served::NoEntry => self.fill(store, key, incarnation, &slot, after).await,
+            Served::NoEntry => match self.fill(store, key, incarnation, &slot, after).await? {
+                Some(lookup) => Ok(lookup),
+                None => self.fresh(store, key, after).await,
+            },
             Served::BeforeWindow => self.fresh(store, key, after).await,
+        }
+    }
+
+    /// The updates of `key` after `after` as far as the cache answers them, filling the
+    /// instance's entry when none is held and its window would hold `after`: `None` when it
+    /// does not (`after` is further back), for a reader that folds on its own then. What a
+    /// new live reader asks: an instance followed only live is read through its feed, which
+    /// keeps no entry, so its entry may be gone when another reader connects; filled again,
+    /// the readers after it read the window instead of each folding the stream.
+    pub(super) async fn filled(
+        &self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        incarnation: Option<&str>,
+        after: Option<u64>,
+    ) -> Result<Option<Lookup>, StoreError> {
+        let Some(incarnation) = incarnation.filter(|_| self.capacity > 0) else {
+            return Ok(None);
+        };
+        let slot = self.slot(key);
+        match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
+            Served::Answered(lookup) => Ok(Some(lookup)),
+            Served::NoEntry => self.fill(store, key, incarnation, &slot, after).await,
+            Served::BeforeWindow => Ok(None),
         }
     }
 
@@ -283,7 +322,9 @@ impl UpdatesCache {
         let Some(incarnation) = incarnation.filter(|_| self.capacity > 0) else {
             return Ok(None);
         };
-        let slot = self.slot(key);
+        let Some(slot) = self.held_slot(key) else {
+            return Ok(None);
+        };
         Ok(
             match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
                 Served::Answered(lookup) => Some(lookup),
@@ -467,6 +508,8 @@ impl UpdatesCache {
 
     /// A read that finds no entry of `incarnation`: the stream is folded (a store page at a
     /// time) into a new entry when the read falls within what the entry's window will hold.
+    /// `None` when it does not, or when the window kept less than the read asks (its byte
+    /// bound): the caller answers it otherwise.
     async fn fill(
         &self,
         store: &dyn Store,
@@ -474,19 +517,19 @@ impl UpdatesCache {
         incarnation: &str,
         slot: &tokio::sync::Mutex<Option<Entry>>,
         after: Option<u64>,
-    ) -> Result<Lookup, StoreError> {
+    ) -> Result<Option<Lookup>, StoreError> {
         let Some(head) = store.last_offset(key).await? else {
-            return Ok(Lookup::Missing);
+            return Ok(Some(Lookup::Missing));
         };
         if after > Some(head) {
-            return Ok(Lookup::Gone(Some(head)));
+            return Ok(Some(Lookup::Gone(Some(head))));
         }
         // The first batch the window would hold (counting only the batch bound: the byte bound
         // may keep fewer, and then the read is answered afresh). Offsets count from 0.
         let start = (head + 1).saturating_sub(self.window_batches as u64);
         let base = start.checked_sub(1);
         if after < base {
-            return self.fresh(store, key, after).await;
+            return Ok(None);
         }
         // Chunks only from the read's offset on, so a first read costs what an uncached one
         // does; reads further back fold afresh.
@@ -508,10 +551,7 @@ impl UpdatesCache {
         let page = entry.page(after);
         // The entry folded furthest stays, unless it is another incarnation's.
         Self::keep(slot, entry).await;
-        match page {
-            Some(page) => Ok(Lookup::Page(page)),
-            None => self.fresh(store, key, after).await,
-        }
+        Ok(page.map(Lookup::Page))
     }
 
     /// A read that the cache does not serve: the stream folded through `after` (a store page
@@ -864,6 +904,70 @@ mod tests {
                 .is_none()
         );
         assert_eq!(cache.folded(), folded, "no lookup folded anything");
+    }
+
+    #[tokio::test]
+    async fn a_lookup_of_an_instance_without_an_entry_takes_no_room_from_the_entries_held() {
+        let store = MemoryStore::new();
+        let (held, held_uid, held_head) = conversation(&store, "held", 2).await;
+        let (other, other_uid, other_head) = conversation(&store, "other", 2).await;
+        let cache = UpdatesCache::with_window(1, 4, usize::MAX);
+        read(&cache, &store, &held, &held_uid, Some(held_head)).await;
+        assert!(
+            cache
+                .cached(&store, &other, Some(&other_uid), Some(other_head))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        let folded = cache.folded();
+        assert!(
+            matches!(
+                cache
+                    .cached(&store, &held, Some(&held_uid), Some(held_head))
+                    .await
+                    .unwrap(),
+                Some(Lookup::Page(_))
+            ),
+            "the one entry the cache holds is still there"
+        );
+        assert_eq!(cache.folded(), folded);
+    }
+
+    #[tokio::test]
+    async fn a_filled_lookup_fills_the_entry_its_window_would_answer_and_leaves_older_reads_alone() {
+        let store = MemoryStore::new();
+        let (key, uid, head) = conversation(&store, "filled", 3).await;
+        let cache = UpdatesCache::with_window(8, 4, usize::MAX);
+        // Before the window the entry would hold: not answered, nothing folded.
+        assert!(
+            cache
+                .filled(&store, &key, Some(&uid), Some(head - 5))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(cache.folded(), 0);
+        // Within it: filled and answered, as a fold from scratch answers.
+        let Some(Lookup::Page(page)) = cache.filled(&store, &key, Some(&uid), Some(head - 2)).await.unwrap() else {
+            panic!("offset {} is in the window", head - 2);
+        };
+        assert_eq!(page.body(&uid), from_scratch(&store, &key, &uid, Some(head - 2)).await);
+        let folded = cache.folded();
+        assert!(folded > 0);
+        // The next readers read the window (from the offset it was filled at): nothing folded
+        // again.
+        for after in [head - 2, head - 1, head] {
+            let Some(Lookup::Page(page)) = cache.cached(&store, &key, Some(&uid), Some(after)).await.unwrap() else {
+                panic!("offset {after} is in the window");
+            };
+            assert_eq!(page.body(&uid), from_scratch(&store, &key, &uid, Some(after)).await);
+        }
+        assert!(matches!(
+            cache.filled(&store, &key, Some(&uid), Some(head + 1)).await.unwrap(),
+            Some(Lookup::Gone(Some(gone))) if gone == head
+        ));
+        assert_eq!(cache.folded(), folded);
     }
 
     #[tokio::test]
