@@ -459,23 +459,26 @@ impl SseStream {
     }
 
     /// The next frames to send; `None` ends the response (the store failed: the client
-    /// reconnects from its last offset).
-    async fn next(&mut self) -> Option<String> {
+    /// reconnects from its last offset). The feed's frames are its own shared bytes: a
+    /// thousand readers woken by one append send one copy of its frames, not a thousand.
+    async fn next(&mut self) -> Option<Vec<Bytes>> {
         if !self.started {
             self.started = true;
             self.last_sent = Instant::now();
-            return Some(frame("data", &json!([checkpoint(&self.incarnation)]).to_string()));
+            return Some(vec![
+                frame("data", &json!([checkpoint(&self.incarnation)]).to_string()).into(),
+            ]);
         }
         loop {
             if let Some(page) = self.page.take() {
-                return Some(self.send_page(page));
+                return Some(vec![self.send_page(page).into()]);
             }
             if self.pending.is_empty() && self.more {
                 let page = next_page(self.runtime.store.as_ref(), &self.key, self.offset).await;
                 (self.pending, self.more) = self.logged(page)?;
             }
             if !self.pending.is_empty() {
-                return Some(self.catch_up());
+                return Some(vec![self.catch_up().into()]);
             }
             // Registered before looking, so an append after the look wakes the wait (on a
             // handle of its own: the frames sent below update this reader's state).
@@ -490,11 +493,8 @@ impl SseStream {
                 Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
                     self.own = None;
                     self.offset = offset;
-                    let mut out = String::new();
-                    for frame in &frames {
-                        out.push_str(std::str::from_utf8(frame).unwrap_or_default());
-                    }
-                    out.push_str(&self.control(true));
+                    let mut out = frames;
+                    out.push(self.control(true).into());
                     return Some(out);
                 }
                 Delivery::Frames(..) => {
@@ -503,7 +503,7 @@ impl SseStream {
                     // Every read cycle ends with a control frame: a reader that connects at the
                     // head learns at once that it is up to date.
                     let Some(last_control) = self.last_control else {
-                        return Some(self.control(true));
+                        return Some(vec![self.control(true).into()]);
                     };
                     let heartbeat = self.last_sent + self.options.heartbeat;
                     let keep_alive = last_control + self.options.sse_wait;
@@ -514,11 +514,11 @@ impl SseStream {
                     if tokio::time::timeout_at(wake, appended).await.is_err() {
                         let now = Instant::now();
                         if now >= keep_alive {
-                            return Some(self.control(true));
+                            return Some(vec![self.control(true).into()]);
                         }
                         if now >= heartbeat {
                             self.last_sent = now;
-                            return Some(": heartbeat\n\n".to_owned());
+                            return Some(vec![Bytes::from_static(b": heartbeat\n\n")]);
                         }
                     }
                 }
@@ -657,8 +657,11 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, afte
     let closed = state.runtime.closed();
     let body = futures_util::stream::unfold(state, |mut state| async move {
         let frames = state.next().await?;
-        Some((Ok::<_, Infallible>(Bytes::from(frames)), state))
+        // (An empty chunk would say nothing; it is left out.)
+        let frames = frames.into_iter().filter(|frame| !frame.is_empty());
+        Some((futures_util::stream::iter(frames.map(Ok::<_, Infallible>)), state))
     })
+    .flatten()
     // A runtime shutting down ends the stream (the client reconnects from its last offset).
     .take_until(closed);
     let mut response = Response::new(Body::from_stream(body));
