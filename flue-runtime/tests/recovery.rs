@@ -117,7 +117,13 @@ async fn open_backend(dir: &Path) -> Box<dyn Store> {
                 .unwrap(),
         );
     }
-    Box::new(SqliteStore::open(dir.join("flue.db")).unwrap())
+    let store = SqliteStore::open(dir.join("flue.db")).unwrap();
+    if std::env::var_os("FLUE_RECOVERY_STRAY_CLOSE").is_some() {
+        // Code of the process that reads the database file by other means (a sandbox's file
+        // tool, a backup) and closes it: the POSIX locks of the process on it are gone.
+        drop(std::fs::read(dir.join("flue.db")).unwrap());
+    }
+    Box::new(store)
 }
 
 impl Store for PausingStore {
@@ -855,6 +861,18 @@ fn a_second_process_cannot_open_a_sqlite_store_in_use_and_says_why() {
         let message = error.to_string();
         assert!(message.contains("is in use by another process"), "{message}");
         assert!(message.contains("Postgres"), "{message}");
+    });
+    SqliteStore::open(dir.join("flue.db")).unwrap();
+}
+
+/// The same after code of the first process read the database file and closed it (which
+/// releases the process's POSIX locks on it, SQLite's own included).
+#[test]
+fn a_second_process_cannot_open_a_sqlite_store_in_use_after_the_first_closed_a_descriptor_of_it() {
+    let Some(dir) = scratch(false) else { return };
+    crash("crash:settlement", &dir, &[("FLUE_RECOVERY_STRAY_CLOSE", "1")], |dir| {
+        let error = SqliteStore::open(dir.join("flue.db")).err().unwrap();
+        assert!(error.to_string().contains("is in use by another process"), "{error}");
     });
     SqliteStore::open(dir.join("flue.db")).unwrap();
 }

@@ -104,6 +104,100 @@ pub struct SqliteStore {
     /// file's last connection, which checkpoints what is left of the WAL: dropping a store
     /// blocks for those (a few milliseconds).
     checkpointer: Option<Checkpointer>,
+    /// The file's process lock (file databases on Unix), released after the connections close.
+    #[cfg(unix)]
+    _process_lock: Option<ProcessLock>,
+}
+
+/// The database file's lock for this process, beside SQLite's own: `flock` on a descriptor
+/// the process keeps open while any store of it has the file open, shared by those stores.
+///
+/// `unix-excl` holds a POSIX lock, which the process loses when it closes *any* descriptor of
+/// the file: code of the process that opens the database file by other means and closes it (a
+/// sandbox's file tool reading `.flue/flue.db`, a backup that copies it) would let another
+/// runtime process open it beside this one, each with a WAL index of its own, and the two
+/// would overwrite each other's frames. A `flock` belongs to its open file description, which
+/// no other descriptor's close releases, so a second process's store still finds the file
+/// taken and says so.
+#[cfg(unix)]
+struct ProcessLock {
+    file: FileKey,
+}
+
+/// A file, by device and inode.
+#[cfg(unix)]
+type FileKey = (u64, u64);
+
+/// The process locks held, with how many stores hold each.
+#[cfg(unix)]
+static PROCESS_LOCKS: Mutex<Vec<(FileKey, std::fs::File, usize)>> = Mutex::new(Vec::new());
+
+#[cfg(unix)]
+impl ProcessLock {
+    /// Takes the lock of the file at `path` (created when missing), waiting up to
+    /// `BUSY_WAIT` for a process that holds it to end; the store of this process that holds it
+    /// already shares it.
+    fn take(path: &Path) -> Result<Self, StoreError> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        const BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+        let cannot =
+            |error: std::io::Error| StoreError::Other(format!("sqlite: cannot open {}: {error}", path.display()));
+        let mut locks = locked(&PROCESS_LOCKS);
+        // A store of this process holds the file already: it shares the lock. Looked up by the
+        // path, without opening the file: closing a descriptor of it would release that
+        // store's connections' POSIX locks.
+        if let Ok(metadata) = std::fs::metadata(path) {
+            let key = (metadata.dev(), metadata.ino());
+            if let Some((_, _, holders)) = locks.iter_mut().find(|(held, ..)| *held == key) {
+                *holders += 1;
+                return Ok(Self { file: key });
+            }
+        }
+        // No store of this process has the file open (its connections open it after this), so
+        // closing this descriptor on a failure below releases nothing of this process's.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(cannot)?;
+        let metadata = file.metadata().map_err(cannot)?;
+        let key = (metadata.dev(), metadata.ino());
+        let deadline = std::time::Instant::now() + BUSY_WAIT;
+        loop {
+            // SAFETY: a plain call on the descriptor `file` owns.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                break;
+            }
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::WouldBlock {
+                return Err(cannot(error));
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(StoreError::Other(format!("sqlite: {}", LOCKED)));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        locks.push((key, file, 1));
+        Ok(Self { file: key })
+    }
+}
+
+#[cfg(unix)]
+impl Drop for ProcessLock {
+    fn drop(&mut self) {
+        let mut locks = locked(&PROCESS_LOCKS);
+        if let Some(index) = locks.iter().position(|(held, ..)| *held == self.file) {
+            locks[index].2 -= 1;
+            if locks[index].2 == 0 {
+                // The last store of the file is closed (its connections first: see
+                // `SqliteStore`'s fields): closing the descriptor releases the lock.
+                locks.swap_remove(index);
+            }
+        }
+    }
 }
 
 /// The writing connection and what the store knows of the ledger in it (its [`Index`]),
@@ -724,14 +818,22 @@ impl SqliteStore {
             std::fs::create_dir_all(parent)
                 .map_err(|error| StoreError::Other(format!("cannot create {}: {error}", parent.display())))?;
         }
-        let connection = open_exclusive(path)?;
-        let mut store = Self::with_connection(connection).map_err(|error| match error {
+        let in_use = |error| match error {
             StoreError::Other(message) if message.ends_with(LOCKED) => StoreError::Other(format!(
                 "sqlite: the database {} is in use by another process: the embedded store belongs to one runtime process (several runtime processes share a Postgres store)",
                 path.display()
             )),
             other => other,
-        })?;
+        };
+        // Before any connection: see `ProcessLock::take`.
+        #[cfg(unix)]
+        let process_lock = ProcessLock::take(path).map_err(in_use)?;
+        let connection = open_exclusive(path)?;
+        let mut store = Self::with_connection(connection).map_err(in_use)?;
+        #[cfg(unix)]
+        {
+            store._process_lock = Some(process_lock);
+        }
         if !checkpoints_in_background(rusqlite::version_number()) {
             // SQLite's own automatic checkpoint, on the committing connection: no checkpoint
             // then runs beside a writer that starts the WAL over.
@@ -798,6 +900,8 @@ impl SqliteStore {
                 json: Vec::new(),
             }),
             checkpointer: None,
+            #[cfg(unix)]
+            _process_lock: None,
         })
     }
 
@@ -1461,18 +1565,16 @@ impl Store for SqliteStore {
         lease_until_ms: u64,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         ready(self.transaction(|tx| {
-            let ids: Vec<String> = {
-                let mut statement = tx
-                    .prepare_cached("SELECT id FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND owner_id = ?1")
-                    .map_err(sql)?;
-                let rows = statement.query_map(params![owner_id], |row| row.get(0)).map_err(sql)?;
-                rows.collect::<Result<_, _>>().map_err(sql)?
-            };
+            // A row this build cannot read is left out (with a warning), as the node-wide scans
+            // leave it: failing here would let every other lease of the node lapse.
+            let running = readable_submissions(
+                tx,
+                "SELECT id, data FROM flue_submissions INDEXED BY flue_submissions_unsettled WHERE status <> 'settled' AND status = 'running' AND owner_id = ?1",
+                params![owner_id],
+            )?;
             let mut renewed = 0;
-            for id in &ids {
-                if let Some(mut row) = read_submission(tx, id)?
-                    && row.attempt_id.as_ref().is_some_and(|attempt| attempt_ids.contains(attempt))
-                {
+            for mut row in running {
+                if row.attempt_id.as_ref().is_some_and(|attempt| attempt_ids.contains(attempt)) {
                     row.lease_until_ms = lease_until_ms;
                     write_submission(tx, &row)?;
                     renewed += 1;
@@ -2562,7 +2664,8 @@ mod tests {
     }
 
     /// A running row whose JSON this build cannot read is left out of the node-wide scans (the
-    /// leases to take over, the aborts to deliver): the other instances' work goes on.
+    /// leases to take over, the aborts to deliver, the leases to renew): the other instances'
+    /// work goes on.
     #[test]
     fn an_unreadable_row_is_left_out_of_the_node_wide_scans() {
         let dir = std::env::temp_dir().join(format!("flue-sqlite-unreadable-{}", new_id("t")));
@@ -2585,6 +2688,9 @@ mod tests {
         assert_eq!(expired, ["s-2"]);
         let attempts = ["at-1".to_owned(), "at-2".to_owned()];
         assert_eq!(now(store.aborts_requested(&attempts)), Ok(vec!["at-2".to_owned()]));
+        // The node's heartbeat renews the other leases.
+        assert_eq!(now(store.renew_leases("owner", &attempts, 50)), Ok(1));
+        assert!(now(store.expired(10)).unwrap().is_empty());
         // Its own reads say why.
         assert!(now(store.submission("s-1")).is_err());
         drop(store);
