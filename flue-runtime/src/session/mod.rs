@@ -839,7 +839,9 @@ impl InstanceSlot {
                             }
                             classify_later = conversation.has_ended(&submission.id) || abort_requested;
                         }
-                        Err(error) if submission.attempt_count < submission.max_attempts + UNREAD_DEFERRALS => {
+                        Err(error)
+                            if submission.attempt_count < submission.max_attempts.saturating_add(UNREAD_DEFERRALS) =>
+                        {
                             tracing::warn!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read to settle a spent budget; the lease lapses");
                             runtime.emit_recovery(
                                 Concerning::Row(&submission),
@@ -861,7 +863,7 @@ impl InstanceSlot {
                 // few deferrals at most, as for an unreadable stream).
                 let ended = !given_up
                     && conversation.has_ended(&submission.id)
-                    && submission.attempt_count < submission.max_attempts + UNREAD_DEFERRALS;
+                    && submission.attempt_count < submission.max_attempts.saturating_add(UNREAD_DEFERRALS);
                 if failure.transient && (submission.attempt_count < submission.max_attempts || classify_later || ended)
                 {
                     tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "re-attempting after a store failure");
