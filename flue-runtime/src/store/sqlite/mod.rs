@@ -756,8 +756,14 @@ fn sql(error: rusqlite::Error) -> StoreError {
     StoreError::Other(format!("sqlite: {error}"))
 }
 
+/// A value the store could not write as JSON.
 fn json_error(error: serde_json::Error) -> StoreError {
-    StoreError::Other(format!("sqlite: a stored row does not parse: {error}"))
+    StoreError::Other(format!("sqlite: a row could not be written as JSON: {error}"))
+}
+
+/// A stored row, named by `what` (a submission, a stream's batch), that does not parse.
+fn unreadable(what: impl std::fmt::Display) -> impl FnOnce(serde_json::Error) -> StoreError {
+    move |error| StoreError::Other(format!("sqlite: {what} does not parse: {error}"))
 }
 
 fn status_name(status: SubmissionStatus) -> &'static str {
@@ -1096,7 +1102,7 @@ fn read_submission(transaction: &Connection, id: &str) -> Result<Option<Submissi
         .query_row(params![id], |row| row.get(0))
         .optional()
         .map_err(sql)?;
-    data.map(|data| crate::store::from_stored(&data).map_err(json_error))
+    data.map(|data| crate::store::from_stored(&data).map_err(unreadable(format_args!("the row of submission {id}"))))
         .transpose()
 }
 
@@ -1163,12 +1169,12 @@ fn insert_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), Store
 fn unsettled(transaction: &Connection, key: &InstanceKey) -> Result<Vec<Submission>, StoreError> {
     submissions(
         transaction,
-        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence",
+        "SELECT sequence, data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence",
         params![key.agent, key.id],
     )
 }
 
-/// The submissions a query of their `data` returns, in its order.
+/// The submissions a query of their `sequence` and `data` returns, in its order.
 fn submissions(
     transaction: &Connection,
     query: &str,
@@ -1176,10 +1182,13 @@ fn submissions(
 ) -> Result<Vec<Submission>, StoreError> {
     let mut statement = transaction.prepare_cached(query).map_err(sql)?;
     let rows = statement
-        .query_map(parameters, |row| row.get::<_, String>(0))
+        .query_map(parameters, |row| Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?)))
         .map_err(sql)?;
-    rows.map(|data| crate::store::from_stored(&data.map_err(sql)?).map_err(json_error))
-        .collect()
+    rows.map(|row| {
+        let (sequence, data) = row.map_err(sql)?;
+        crate::store::from_stored(&data).map_err(unreadable(format_args!("the submission row {sequence}")))
+    })
+    .collect()
 }
 
 /// The submissions a node-wide scan's query of their `id` and `data` returns, in its order,
@@ -1219,7 +1228,7 @@ fn unsettled_in(
 ) -> Result<Vec<Submission>, StoreError> {
     submissions(
         transaction,
-        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND status = ?3 ORDER BY sequence",
+        "SELECT sequence, data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' AND status = ?3 ORDER BY sequence",
         params![key.agent, key.id, status_name(status)],
     )
 }
@@ -1230,7 +1239,7 @@ fn claim_head(transaction: &Tx<'_>, key: &InstanceKey, claim: &Claim) -> Result<
     // are not parsed at every claim.
     let Some(mut head) = submissions(
         transaction,
-        "SELECT data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence LIMIT 1",
+        "SELECT sequence, data FROM flue_submissions WHERE agent = ?1 AND instance_id = ?2 AND status <> 'settled' ORDER BY sequence LIMIT 1",
         params![key.agent, key.id],
     )?
     .pop() else {
@@ -1929,7 +1938,7 @@ impl Store for SqliteStore {
                     Ok(Batch {
                         offset: offset as u64,
                         records: crate::store::from_stored::<Vec<Record>>(&records)
-                            .map_err(json_error)?
+                            .map_err(unreadable(format_args!("the batch at offset {offset} of {key}")))?
                             .into(),
                     })
                 })
@@ -2691,8 +2700,13 @@ mod tests {
         // The node's heartbeat renews the other leases.
         assert_eq!(now(store.renew_leases("owner", &attempts, 50)), Ok(1));
         assert!(now(store.expired(10)).unwrap().is_empty());
-        // Its own reads say why.
-        assert!(now(store.submission("s-1")).is_err());
+        // Its own reads say why, naming it.
+        let error = now(store.submission("s-1")).unwrap_err().to_string();
+        assert!(error.contains("the row of submission s-1 does not parse"), "{error}");
+        let error = now(store.claim_next(&InstanceKey::new("a", "a"), &claim("at-3")))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("the submission row 1 does not parse"), "{error}");
         drop(store);
         let _ = std::fs::remove_dir_all(dir);
     }
