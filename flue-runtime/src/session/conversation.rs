@@ -1669,12 +1669,16 @@ impl ReplyParts {
 /// Collects the reply of `submission_id`'s response from the stream.
 pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
     let mut reply = ReplyParts::default();
-    // Every attempt that wrote for the submission (a response may span re-attempts; a joined
-    // delivery's input carries its host's attempt).
+    // Every attempt that wrote the submission's response (a response may span re-attempts).
+    // Not the attempt that stored its input only: a delivery's input is stored by the response
+    // that joined it, under that response's attempt, and a join undone (its host failed before
+    // it settled) leaves the input there while the delivery is answered by a response of its
+    // own later. (A delivery settled with its host is read through the host's id.)
     let attempts: HashSet<&str> = batches
         .iter()
         .flat_map(|batch| batch.records.iter())
         .filter(|record| record.submission_id.as_deref() == Some(submission_id))
+        .filter(|record| !matches!(record.body, RecordBody::UserMessage { .. } | RecordBody::Signal { .. }))
         .filter_map(|record| record.attempt_id.as_deref())
         .collect();
     for record in batches.iter().flat_map(|batch| batch.records.iter()) {
@@ -1730,6 +1734,51 @@ mod tests {
             timestamp: "2026-12-01T00:00:00.000Z".into(),
             body,
         }
+    }
+
+    /// A delivery whose join was undone (its host's attempt stored its input, then failed) and
+    /// that a response of its own answered later: its reply is that response's, none of the
+    /// host's.
+    #[test]
+    fn the_reply_of_a_delivery_whose_join_was_undone_is_its_own_responses_only() {
+        let stamped = |body: RecordBody, submission: &str, attempt: &str| Record {
+            submission_id: Some(submission.into()),
+            attempt_id: Some(attempt.into()),
+            ..record(body)
+        };
+        let completed = |message: &str, text: &str| RecordBody::AssistantMessageCompleted {
+            message_id: message.into(),
+            text: text.into(),
+            reasoning: String::new(),
+            stop_reason: StopReason::Stop,
+            usage: Default::default(),
+            reasoning_blocks: Vec::new(),
+        };
+        let records = vec![
+            stamped(completed("m-1", "the host's first turn"), "host", "a-1"),
+            stamped(
+                RecordBody::UserMessage {
+                    message_id: "u-2".into(),
+                    body: "the delivery".into(),
+                    attachments: Vec::new(),
+                },
+                "delivery",
+                "a-1",
+            ),
+            stamped(completed("m-3", "the delivery's answer"), "delivery", "d-1"),
+        ];
+        let batch = Batch {
+            offset: 0,
+            records: records.into(),
+        };
+        assert_eq!(
+            reply_of(std::slice::from_ref(&batch), "delivery").texts,
+            ["the delivery's answer"]
+        );
+        assert_eq!(
+            reply_of(std::slice::from_ref(&batch), "host").texts,
+            ["the host's first turn"]
+        );
     }
 
     /// A conversation of `exchanges` questions, each answered in one step.
