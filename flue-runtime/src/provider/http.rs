@@ -1025,15 +1025,15 @@ pub(crate) fn map_error(
         None => K::Server,
     };
     let message = match kind {
+        // A provider whose key is optional sent none: the server wants one.
+        K::Unauthorized if !ctx.key_sent => format!(
+            "[flue] Provider \"{provider}\" requires an API key{http}, and none was sent: {} is not set. The provider said: {said}",
+            ctx.key_env
+        ),
         // A 403 is not always the key's fault: providers answer it for a model or region the
         // key may not use, and OpenRouter for input its moderation refused.
         K::Unauthorized if effective == Some(403) => format!(
             "[flue] Provider \"{provider}\" refused the request{http}: the key in {} may not use this model or region, or the input was refused. The provider said: {said}",
-            ctx.key_env
-        ),
-        // A provider whose key is optional sent none: the server wants one.
-        K::Unauthorized if !ctx.key_sent => format!(
-            "[flue] Provider \"{provider}\" requires an API key{http}, and none was sent: {} is not set. The provider said: {said}",
             ctx.key_env
         ),
         K::Unauthorized => format!(
@@ -1787,6 +1787,9 @@ mod tests {
             error.message
         );
         assert!(map(Some(401), body).message.contains("refused the API key"));
+        // A 403 (a server that answers a missing header so) says the same.
+        let forbidden = map_error(&ctx, Some(403), None, &ErrorDetails::from_body(body), body);
+        assert!(forbidden.message.contains("none was sent"), "{}", forbidden.message);
     }
 
     #[test]

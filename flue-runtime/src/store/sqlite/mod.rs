@@ -15,9 +15,11 @@
 //!
 //! The file belongs to one runtime process: on Unix its connections use SQLite's `unix-excl`
 //! VFS, which locks the file exclusively for the process and lets the process's connections
-//! coordinate in memory, so a transaction makes no file-lock system calls. Another process
-//! opening the file meanwhile fails with a clear error; several runtime processes share a
-//! Postgres store. Elsewhere the connections use SQLite's default VFS and its usual locking.
+//! coordinate in memory, so a transaction makes no file-lock system calls. The process also
+//! holds a `flock` on `<database>-lock` beside it, which survives what releases SQLite's lock
+//! (see `ProcessLock`). Another process opening the file meanwhile fails with a clear error;
+//! several runtime processes share a Postgres store. Elsewhere the connections use SQLite's
+//! default VFS and its usual locking.
 //!
 //! Submission rows keep their full state as JSON beside the columns that queries filter on,
 //! so every transition is the same read-modify-write the memory store performs, inside one
@@ -109,19 +111,24 @@ pub struct SqliteStore {
     _process_lock: Option<ProcessLock>,
 }
 
-/// The database file's lock for this process, beside SQLite's own: `flock` on a descriptor
-/// the process keeps open while any store of it has the file open, shared by those stores.
+/// The database file's lock for this process, beside SQLite's own: `flock` on the file
+/// `<database>-lock` next to it, through a descriptor the process keeps open while any store
+/// of it has the database open (shared by those stores).
 ///
 /// `unix-excl` holds a POSIX lock, which the process loses when it closes *any* descriptor of
-/// the file: code of the process that opens the database file by other means and closes it (a
+/// the database file: code of the process that opens the file by other means and closes it (a
 /// sandbox's file tool reading `.flue/flue.db`, a backup that copies it) would let another
 /// runtime process open it beside this one, each with a WAL index of its own, and the two
 /// would overwrite each other's frames. A `flock` belongs to its open file description, which
 /// no other descriptor's close releases, so a second process's store still finds the file
-/// taken and says so.
+/// taken and says so. It is taken on a file of its own: on the BSDs (macOS included) `flock`
+/// and `fcntl` locks of one file conflict, and NFS emulates `flock` with `fcntl` locks, so a
+/// `flock` on the database would refuse SQLite its own lock. A filesystem without `flock`
+/// leaves the store with SQLite's lock alone (a warning says so).
 #[cfg(unix)]
 struct ProcessLock {
-    file: FileKey,
+    /// `None` where the filesystem has no `flock`.
+    file: Option<FileKey>,
 }
 
 /// A file, by device and inode.
@@ -134,66 +141,71 @@ static PROCESS_LOCKS: Mutex<Vec<(FileKey, std::fs::File, usize)>> = Mutex::new(V
 
 #[cfg(unix)]
 impl ProcessLock {
-    /// Takes the lock of the file at `path` (created when missing), waiting up to
-    /// `BUSY_WAIT` for a process that holds it to end; the store of this process that holds it
-    /// already shares it.
+    /// How long a store waits for a process that holds the file to end.
+    const BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+    /// Takes the lock of the database at `path`, waiting up to [`Self::BUSY_WAIT`] for a
+    /// process that holds it; a store of this process that holds it already shares it.
     fn take(path: &Path) -> Result<Self, StoreError> {
         use std::os::fd::AsRawFd;
         use std::os::unix::fs::MetadataExt;
-        const BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+        let mut lock_path = path.as_os_str().to_owned();
+        lock_path.push("-lock");
+        let lock_path = std::path::PathBuf::from(lock_path);
         let cannot =
-            |error: std::io::Error| StoreError::Other(format!("sqlite: cannot open {}: {error}", path.display()));
-        let mut locks = locked(&PROCESS_LOCKS);
-        // A store of this process holds the file already: it shares the lock. Looked up by the
-        // path, without opening the file: closing a descriptor of it would release that
-        // store's connections' POSIX locks.
-        if let Ok(metadata) = std::fs::metadata(path) {
-            let key = (metadata.dev(), metadata.ino());
-            if let Some((_, _, holders)) = locks.iter_mut().find(|(held, ..)| *held == key) {
-                *holders += 1;
-                return Ok(Self { file: key });
-            }
-        }
-        // No store of this process has the file open (its connections open it after this), so
-        // closing this descriptor on a failure below releases nothing of this process's.
+            |error: std::io::Error| StoreError::Other(format!("sqlite: cannot open {}: {error}", lock_path.display()));
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(path)
+            .open(&lock_path)
             .map_err(cannot)?;
         let metadata = file.metadata().map_err(cannot)?;
         let key = (metadata.dev(), metadata.ino());
-        let deadline = std::time::Instant::now() + BUSY_WAIT;
+        let deadline = std::time::Instant::now() + Self::BUSY_WAIT;
         loop {
-            // SAFETY: a plain call on the descriptor `file` owns.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-                break;
+            {
+                // Held only to look and to try, not while waiting: another store's open or
+                // drop in this process does not wait for this one.
+                let mut locks = locked(&PROCESS_LOCKS);
+                if let Some((_, _, holders)) = locks.iter_mut().find(|(held, ..)| *held == key) {
+                    *holders += 1;
+                    return Ok(Self { file: Some(key) });
+                }
+                // SAFETY: a plain call on the descriptor `file` owns.
+                if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                    locks.push((key, file, 1));
+                    return Ok(Self { file: Some(key) });
+                }
             }
             let error = std::io::Error::last_os_error();
-            if error.kind() != std::io::ErrorKind::WouldBlock {
-                return Err(cannot(error));
+            match error.raw_os_error() {
+                Some(code) if code == libc::EWOULDBLOCK => {}
+                Some(code) if code == libc::EOPNOTSUPP || code == libc::ENOLCK || code == libc::ENOSYS => {
+                    tracing::warn!(path = %lock_path.display(), %error, "sqlite: this filesystem has no flock: the store relies on SQLite's lock alone, which code of this process that closes a descriptor of the database file releases");
+                    return Ok(Self { file: None });
+                }
+                _ => return Err(cannot(error)),
             }
             if std::time::Instant::now() >= deadline {
-                return Err(StoreError::Other(format!("sqlite: {}", LOCKED)));
+                return Err(StoreError::Other(format!("sqlite: {LOCKED}")));
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        locks.push((key, file, 1));
-        Ok(Self { file: key })
     }
 }
 
 #[cfg(unix)]
 impl Drop for ProcessLock {
     fn drop(&mut self) {
+        let Some(file) = self.file else { return };
         let mut locks = locked(&PROCESS_LOCKS);
-        if let Some(index) = locks.iter().position(|(held, ..)| *held == self.file) {
+        if let Some(index) = locks.iter().position(|(held, ..)| *held == file) {
             locks[index].2 -= 1;
             if locks[index].2 == 0 {
-                // The last store of the file is closed (its connections first: see
-                // `SqliteStore`'s fields): closing the descriptor releases the lock.
+                // The last store of the database is closed: closing the descriptor releases
+                // the lock.
                 locks.swap_remove(index);
             }
         }
@@ -831,7 +843,7 @@ impl SqliteStore {
             )),
             other => other,
         };
-        // Before any connection: see `ProcessLock::take`.
+        // Before any connection: a second process waits here, not in SQLite's busy handler.
         #[cfg(unix)]
         let process_lock = ProcessLock::take(path).map_err(in_use)?;
         let connection = open_exclusive(path)?;
