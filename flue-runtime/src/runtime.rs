@@ -910,7 +910,7 @@ impl RuntimeInner {
             }
         }
         if !lost.is_empty() {
-            tracing::warn!(attempts = ?lost, "another node took over leases this node held; their attempts stop here");
+            tracing::warn!(attempts = ?lost, "the store no longer renews leases this node held (another node took them over, or the store cannot read their rows); their attempts stop here");
             self.stop_attempts(&lost, session::LEASE_LOST);
         }
     }
