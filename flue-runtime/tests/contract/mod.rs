@@ -1631,7 +1631,8 @@ pub async fn authorizes_a_host_append_for_a_delivery_it_claimed_for_a_turn_bound
 }
 
 /// §5.3: a host's append may not carry the records of a submission it has not claimed (still
-/// queued, or another instance's), nor records another attempt wrote; the stream is unchanged.
+/// queued, another instance's, or joined into another host), nor records another attempt
+/// wrote; the stream is unchanged.
 pub async fn rejects_a_host_append_for_a_foreign_submission_it_has_not_claimed(store: Factory) {
     let host = running_host(&store).await;
     admit(&store, dispatch("queued-1")).await;
@@ -1648,6 +1649,43 @@ pub async fn rejects_a_host_append_for_a_foreign_submission_it_has_not_claimed(s
         let batch = vec![record(Some("host-1"), Some("attempt-1"), user("own")), foreign];
         let refused = store.append(&stream, batch.into(), Some(&host)).await;
         assert!(matches!(refused, Err(StoreError::Fenced(_))), "{refused:?}");
+    }
+    // A delivery joined into another host (of another instance), joining or joined: its
+    // records are that host's to write, not this one's.
+    admit(&store, dispatch_on("host-3", "agent-3")).await;
+    let other = store
+        .claim_next(&key("assistant", "agent-3"), &claim("attempt-3"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(other.id, "host-3");
+    admit(&store, dispatch_on("joined-elsewhere", "agent-3")).await;
+    let other = attempt("host-3", "attempt-3");
+    let joined: Vec<String> = store
+        .claim_joinable(&other)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| row.id)
+        .collect();
+    assert_eq!(joined, ["joined-elsewhere"]);
+    for finalized in [false, true] {
+        if finalized {
+            assert!(store.finalize_join(&other, "joined-elsewhere").await.unwrap());
+        }
+        let batch = vec![
+            record(Some("host-1"), Some("attempt-1"), user("own")),
+            record(
+                Some("joined-elsewhere"),
+                Some("attempt-1"),
+                user("another host's delivery"),
+            ),
+        ];
+        let refused = store.append(&stream, batch.into(), Some(&host)).await;
+        assert!(
+            matches!(refused, Err(StoreError::Fenced(_))),
+            "finalized {finalized}: {refused:?}"
+        );
     }
     // Without an authorization, no record may belong to a submission or an attempt.
     let unauthorized = store
