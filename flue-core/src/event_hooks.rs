@@ -8,7 +8,6 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde_json::Value;
 
@@ -54,25 +53,41 @@ pub trait SeamChannel: Send + Sync {
 /// The window in which a callback's `append` is legal: open while the callback runs.
 #[derive(Clone, Debug)]
 pub struct AppendWindow {
-    open: Arc<AtomicBool>,
+    /// Held by an append from its check to its push, and by [`close`](Self::close): once
+    /// `close` returns, every append that passed the check has pushed (the runtime takes the
+    /// signals next), and every later one fails.
+    open: Arc<std::sync::Mutex<bool>>,
 }
 
 impl AppendWindow {
     /// A window that is open.
     pub fn open() -> Self {
         Self {
-            open: Arc::new(AtomicBool::new(true)),
+            open: Arc::new(std::sync::Mutex::new(true)),
         }
     }
 
-    /// Closes the window: every later `append` through a captured context fails.
+    fn lock(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Closes the window: every later `append` through a captured context fails, and one
+    /// running on another thread (a task the callback spawned) has pushed its signal when
+    /// this returns.
     pub fn close(&self) {
-        self.open.store(false, Ordering::Release);
+        *self.lock() = false;
     }
 
     /// Whether appends are still legal.
     pub fn is_open(&self) -> bool {
-        self.open.load(Ordering::Acquire)
+        *self.lock()
+    }
+
+    /// Runs `push` while the window is open (the window cannot close meanwhile); `None` when
+    /// it is closed.
+    fn while_open<R>(&self, push: impl FnOnce() -> R) -> Option<R> {
+        let open = self.lock();
+        (*open).then(push)
     }
 }
 
@@ -133,8 +148,12 @@ impl SeamHandle {
             return Err(AppendError::AfterSettled(self.seam));
         }
         signal.validate().map_err(AppendError::Invalid)?;
-        self.channel.append(signal);
-        Ok(())
+        // Checked again with the push, under the window's lock: an append racing the
+        // callback's end either lands before the runtime takes the signals or fails, never
+        // lands after and is lost.
+        self.window
+            .while_open(|| self.channel.append(signal))
+            .ok_or(AppendError::AfterSettled(self.seam))
     }
 }
 
@@ -502,3 +521,66 @@ macro_rules! opaque_debug {
     )*};
 }
 opaque_debug!(AgentStartHook, AgentFinishHook, ResponseStartHook, ResponseFinishHook);
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tests {
+    use std::sync::{Mutex, mpsc};
+
+    use super::*;
+
+    /// A channel whose push says it began and then waits to be let go.
+    struct Held {
+        pushed: Mutex<Vec<Signal>>,
+        began: Mutex<mpsc::Sender<()>>,
+        go: Mutex<mpsc::Receiver<()>>,
+    }
+
+    impl SeamChannel for Held {
+        fn append(&self, signal: Signal) {
+            self.began.lock().unwrap().send(()).unwrap();
+            self.go.lock().unwrap().recv().unwrap();
+            self.pushed.lock().unwrap().push(signal);
+        }
+    }
+
+    /// An append on another thread (a task the callback spawned) that passed the window's
+    /// check as the callback ended has pushed its signal when `close` returns: the runtime,
+    /// which takes the signals right after closing, never leaves one behind.
+    #[test]
+    fn an_append_racing_the_close_of_its_window_lands_before_the_close_returns() {
+        let (began_tx, began) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel();
+        let channel = Arc::new(Held {
+            pushed: Mutex::new(Vec::new()),
+            began: Mutex::new(began_tx),
+            go: Mutex::new(go_rx),
+        });
+        let window = AppendWindow::open();
+        let ctx = AgentFinishContext::new(
+            channel.clone(),
+            window.clone(),
+            AbortSignal::new(),
+            Logger::discard(),
+            Arc::new(ResponseSummary::default()),
+        );
+        let appender = std::thread::spawn(move || ctx.append(Signal::new("note", "late")));
+        began.recv().unwrap();
+        // The close waits for the push under way (given a moment to start first).
+        let closing = {
+            let channel = channel.clone();
+            std::thread::spawn(move || {
+                window.close();
+                channel.pushed.lock().unwrap().len()
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        go.send(()).unwrap();
+        assert_eq!(
+            closing.join().unwrap(),
+            1,
+            "the signal was pushed when the close returned"
+        );
+        assert_eq!(appender.join().unwrap(), Ok(()));
+    }
+}
