@@ -37,6 +37,15 @@
 //!
 //! Every hook is `#[track_caller]`: a misuse panics at the user's line.
 
+// The rules of hooks, a panicking render, a stored state value that no longer fits its type
+// and a panicking tool or hook are each caught (`catch_unwind`) and reported as the failure
+// of their render, call or submission: under `panic = "abort"` the first of them would end the
+// whole process, every instance with it.
+#[cfg(panic = "abort")]
+compile_error!(
+    "flue-rs needs `panic = \"unwind\"` (the default): it catches the panics of renders, tools and hooks and reports them as failures; under `panic = \"abort\"` one would end the process"
+);
+
 pub mod abort;
 pub mod agent;
 pub mod binding;
