@@ -941,6 +941,12 @@ pub async fn stamps_an_abort_intent_on_a_queued_submission_without_changing_its_
     let stamped = row(&store, "d-1").await;
     assert!(stamped.abort_requested);
     assert_eq!(stamped.status, SubmissionStatus::Queued);
+    // Asked again: the same answer, and the row as the first request left it.
+    assert_eq!(
+        store.request_abort(&key("assistant", "agent-1")).await.unwrap(),
+        ["d-1"]
+    );
+    assert_eq!(row(&store, "d-1").await, stamped);
 }
 
 pub async fn stamps_the_running_head_and_every_queued_submission_in_the_session_at_once(store: Factory) {
@@ -986,6 +992,7 @@ pub async fn leaves_settled_submissions_untouched_and_does_not_resurrect_them(st
         .unwrap()
         .unwrap();
     settle(&store, &attempt("d-1", "a1"), Outcome::Completed, None).await;
+    let settled = row(&store, "d-1").await;
     assert!(
         store
             .request_abort(&key("assistant", "agent-1"))
@@ -993,6 +1000,7 @@ pub async fn leaves_settled_submissions_untouched_and_does_not_resurrect_them(st
             .unwrap()
             .is_empty()
     );
+    assert_eq!(row(&store, "d-1").await, settled, "untouched");
     assert!(
         store
             .claim_next(&key("assistant", "agent-1"), &claim("a2"))
