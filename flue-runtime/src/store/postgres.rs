@@ -82,6 +82,31 @@ const MIGRATION_LOCK: i32 = 0x666c_7565; // "flue"
 const POOL_SIZE: usize = 16;
 /// How long to wait for a new connection, or for a free one.
 const POOL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a pooled connection whose server vanished without a reset (a failover that lost
+/// the host, a partition, a firewall that drops silently) goes unnoticed, at most: TCP
+/// keepalives probe a connection waiting for an answer, and an unacknowledged request fails
+/// after as long. Without them a query on such a connection waits out the kernel's
+/// retransmissions (about 15 minutes): the node's heartbeat stalls while its leases lapse and
+/// its peers take its instances over, and the pool's connections fill with hung calls.
+const DEAD_CONNECTION: Duration = Duration::from_secs(20);
+
+/// Bounds how long a pooled connection to a vanished server goes unnoticed
+/// ([`DEAD_CONNECTION`]), where the URL set nothing of its own (`keepalives_idle`,
+/// `tcp_user_timeout`).
+fn bound_dead_connections(config: &mut tokio_postgres::Config) {
+    // tokio-postgres's default idle time before the first probe: two hours.
+    const LIBRARY_IDLE: Duration = Duration::from_secs(2 * 60 * 60);
+    if config.get_keepalives() && config.get_keepalives_idle() == LIBRARY_IDLE {
+        config
+            .keepalives_idle(DEAD_CONNECTION / 2)
+            .keepalives_interval(DEAD_CONNECTION / 6)
+            .keepalives_retries(3);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(DEAD_CONNECTION);
+    }
+}
 /// How often a transaction Postgres aborted as a deadlock or serialization victim is rerun.
 const MAX_TRIES: u32 = 8;
 /// Round trips measuring the database clock when a store opens; the most precise one counts.
@@ -617,6 +642,7 @@ impl PostgresStore {
             config.connect_timeout(POOL_TIMEOUT);
         }
         let notices = notices::Notices::new(config.clone());
+        bound_dead_connections(&mut config);
         let manager = Manager::from_config(
             config,
             NoTls,
@@ -3279,6 +3305,22 @@ mod tests {
             assert!(!display.contains("hunter2"), "{display}");
             assert!(!debug.contains("hunter2"), "{debug}");
         }
+    }
+
+    #[test]
+    fn pooled_connections_to_a_vanished_server_fail_within_a_bound_unless_the_url_sets_its_own() {
+        let mut config: tokio_postgres::Config = "postgres://u@127.0.0.1/db".parse().unwrap();
+        bound_dead_connections(&mut config);
+        assert_eq!(config.get_keepalives_idle(), DEAD_CONNECTION / 2);
+        assert_eq!(config.get_keepalives_interval(), Some(DEAD_CONNECTION / 6));
+        assert_eq!(config.get_keepalives_retries(), Some(3));
+        assert_eq!(config.get_tcp_user_timeout(), Some(&DEAD_CONNECTION));
+        let mut own: tokio_postgres::Config = "postgres://u@127.0.0.1/db?keepalives_idle=60&tcp_user_timeout=90"
+            .parse()
+            .unwrap();
+        bound_dead_connections(&mut own);
+        assert_eq!(own.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(own.get_tcp_user_timeout(), Some(&Duration::from_secs(90)));
     }
 
     #[test]
