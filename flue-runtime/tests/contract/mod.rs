@@ -75,6 +75,7 @@ macro_rules! store_contract {
                     finalizes_a_claimed_join_once_and_fences_on_the_host_attempt,
                     a_taken_over_host_reverts_the_joins_its_dead_attempt_never_applied,
                     joined_deliveries_settle_with_a_completing_host_and_joining_stragglers_revert,
+                    joined_deliveries_settle_when_a_direct_host_finalizes_its_settlement,
                     joined_deliveries_share_a_failing_host_outcome,
                     unsettled_joins_block_later_queued_work_and_clear_with_the_host,
                     settling_reports_whether_a_submission_of_the_instance_is_still_queued,
@@ -1432,6 +1433,54 @@ pub async fn joined_deliveries_settle_with_a_completing_host_and_joining_straggl
             .unwrap()
             .id,
         "straggler-1"
+    );
+}
+
+/// §5.2 "joined deliveries settle when a direct host finalizes its settlement": a direct
+/// host (a `send`'s) with a direct and a dispatched delivery joined into it settles them with
+/// it, completed, with no error of their own.
+pub async fn joined_deliveries_settle_when_a_direct_host_finalizes_its_settlement(store: Factory) {
+    admit(
+        &store,
+        admission("direct-host", "assistant", "agent-1", SubmissionKind::Direct, "Hello"),
+    )
+    .await;
+    let claimed = store
+        .claim_next(&key("assistant", "agent-1"), &claim("attempt-1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.id, "direct-host");
+    let host = attempt("direct-host", "attempt-1");
+    admit(
+        &store,
+        admission("direct-1", "assistant", "agent-1", SubmissionKind::Direct, "And this?"),
+    )
+    .await;
+    admit(&store, dispatch("queued-1")).await;
+    let joined: Vec<String> = store
+        .claim_joinable(&host)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| row.id)
+        .collect();
+    assert_eq!(joined, ["direct-1", "queued-1"]);
+    for delivery in &joined {
+        assert!(store.finalize_join(&host, delivery).await.unwrap());
+    }
+    settle(&store, &host, Outcome::Completed, None).await;
+    for id in ["direct-host", "direct-1", "queued-1"] {
+        let settled = row(&store, id).await;
+        assert_eq!(
+            (settled.status, settled.outcome, settled.error),
+            (SubmissionStatus::Settled, Some(Outcome::Completed), None),
+            "{id}"
+        );
+    }
+    assert_eq!(
+        row(&store, "direct-1").await.joined_into.as_deref(),
+        Some("direct-host")
     );
 }
 
