@@ -419,7 +419,33 @@ async fn recovery_child_entry() {
 
 // ---- the parent ------------------------------------------------------------------------------
 
-fn spawn(mode: &str, dir: &Path, extra: &[(&str, &str)]) -> Child {
+/// A child process that is killed when dropped: a test that fails while its child is paused
+/// (a panic before the kill) leaves no process behind, holding its database.
+struct Spawned(Child);
+
+impl std::ops::Deref for Spawned {
+    type Target = Child;
+
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Spawned {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        // A child that already ended (and was waited for) cannot be killed: nothing to do.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(mode: &str, dir: &Path, extra: &[(&str, &str)]) -> Spawned {
     let mut command = Command::new(std::env::current_exe().unwrap());
     if let Ok(backend) = std::fs::read_to_string(dir.join("backend")) {
         command.env("FLUE_RECOVERY_PG", backend);
@@ -433,7 +459,7 @@ fn spawn(mode: &str, dir: &Path, extra: &[(&str, &str)]) -> Child {
     for (key, value) in extra {
         command.env(key, value);
     }
-    command.spawn().unwrap()
+    Spawned(command.spawn().unwrap())
 }
 
 /// Runs a child until it prints `READY` (or a JSON report), returning that line.
