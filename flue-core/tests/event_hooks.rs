@@ -252,3 +252,58 @@ fn the_abort_signal_fires_once_and_wakes_waiters() {
     );
     assert_eq!(clone.reason(), Some("Submission was aborted."));
 }
+
+/// A channel whose push says it began and then waits to be let go.
+struct Held {
+    pushed: Mutex<Vec<Signal>>,
+    began: Mutex<std::sync::mpsc::Sender<()>>,
+    go: Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl SeamChannel for Held {
+    fn append(&self, signal: Signal) {
+        self.began.lock().unwrap().send(()).unwrap();
+        self.go.lock().unwrap().recv().unwrap();
+        self.pushed.lock().unwrap().push(signal);
+    }
+}
+
+/// An append on another thread (a task the callback spawned) that passed the window's check as
+/// the callback ended has pushed its signal when `close` returns: the runtime, which takes the
+/// signals right after closing, never leaves one behind.
+#[test]
+fn an_append_racing_the_close_of_its_window_lands_before_the_close_returns() {
+    let (began_tx, began) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel();
+    let channel = Arc::new(Held {
+        pushed: Mutex::new(Vec::new()),
+        began: Mutex::new(began_tx),
+        go: Mutex::new(go_rx),
+    });
+    let window = AppendWindow::open();
+    let ctx = AgentFinishContext::new(
+        channel.clone(),
+        window.clone(),
+        AbortSignal::new(),
+        Logger::discard(),
+        Arc::new(ResponseSummary::default()),
+    );
+    let appender = std::thread::spawn(move || ctx.append(Signal::new("note", "late")));
+    began.recv().unwrap();
+    // The close waits for the push under way (given a moment to start first).
+    let closing = {
+        let channel = channel.clone();
+        std::thread::spawn(move || {
+            window.close();
+            channel.pushed.lock().unwrap().len()
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    go.send(()).unwrap();
+    assert_eq!(
+        closing.join().unwrap(),
+        1,
+        "the signal was pushed when the close returned"
+    );
+    assert_eq!(appender.join().unwrap(), Ok(()));
+}
