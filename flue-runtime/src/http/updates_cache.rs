@@ -271,23 +271,16 @@ impl UpdatesCache {
         incarnation: Option<&str>,
         after: Option<u64>,
     ) -> Result<Lookup, StoreError> {
-        let Some(incarnation) = incarnation.filter(|_| self.capacity > 0) else {
-            return self.fresh(store, key, after).await;
-        };
-        let slot = self.slot(key);
-        match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
-            Served::Answered(lookup) => Ok(lookup),
-            Served::NoEntry => match self.fill(store, key, incarnation, &slot, after).await? {
-                Some(lookup) => Ok(lookup),
-                None => self.fresh(store, key, after).await,
-            },
-            Served::BeforeWindow => self.fresh(store, key, after).await,
+        match self.filled(store, key, incarnation, after).await? {
+            Some(lookup) => Ok(lookup),
+            None => self.fresh(store, key, after).await,
         }
     }
 
     /// The updates of `key` after `after` as far as the cache answers them, filling the
     /// instance's entry when none is held and its window would hold `after`: `None` when it
-    /// does not (`after` is further back), for a reader that folds on its own then. What a
+    /// does not (`after` is further back, the instance has no incarnation, or the cache holds
+    /// nothing), for a reader that folds on its own then ([`Self::updates`] folds afresh). What a
     /// new live reader asks: an instance followed only live is read through its feed, which
     /// keeps no entry, so its entry may be gone when another reader connects; filled again,
     /// the readers after it read the window instead of each folding the stream.
