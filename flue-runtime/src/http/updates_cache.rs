@@ -192,6 +192,18 @@ struct Entries {
     clock: u64,
 }
 
+impl Entries {
+    /// Counts a read of `key`; its slot, marked read now, when one is held.
+    fn read(&mut self, key: &InstanceKey) -> Option<Slot> {
+        self.clock += 1;
+        let now = self.clock;
+        self.map.get_mut(key).map(|(read, slot)| {
+            *read = now;
+            Arc::clone(slot)
+        })
+    }
+}
+
 /// The per-instance cache of updates reads of one router.
 pub(super) struct UpdatesCache {
     /// The most instances held (0: no caching).
@@ -230,11 +242,8 @@ impl UpdatesCache {
     /// cache is full.
     fn slot(&self, key: &InstanceKey) -> Slot {
         let mut entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries.clock += 1;
-        let now = entries.clock;
-        if let Some((read, slot)) = entries.map.get_mut(key) {
-            *read = now;
-            return Arc::clone(slot);
+        if let Some(slot) = entries.read(key) {
+            return slot;
         }
         if entries.map.len() >= self.capacity
             && let Some(oldest) = entries
@@ -246,6 +255,7 @@ impl UpdatesCache {
             entries.map.remove(&oldest);
         }
         let slot = Arc::default();
+        let now = entries.clock;
         entries.map.insert(key.clone(), (now, Arc::clone(&slot)));
         slot
     }
@@ -253,13 +263,10 @@ impl UpdatesCache {
     /// The entry slot of `key` when one is held (marked read now): a lookup that will not fill
     /// it takes no room from the entries held.
     fn held_slot(&self, key: &InstanceKey) -> Option<Slot> {
-        let mut entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        entries.clock += 1;
-        let now = entries.clock;
-        entries.map.get_mut(key).map(|(read, slot)| {
-            *read = now;
-            Arc::clone(slot)
-        })
+        self.entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .read(key)
     }
 
     /// The updates of `key` after `after`. `incarnation` is the instance's, read before
