@@ -147,11 +147,12 @@ pub struct RuntimeOptions {
     /// ends — is then given up where it waits and the submission settles over it, so one hung
     /// callback cannot hold its instance forever.
     pub settle_grace: Duration,
-    /// On a store several nodes share (and on any store while this node stops), how often a
-    /// send (or read) waiting for a submission that another node may settle reads the store
-    /// again. A store that announces other nodes' settlements
-    /// ([`Store::notices`](crate::store::Store::notices): `PostgresStore` does) wakes the
-    /// wait as the settlement lands; this look is then what finds one whose notice was lost.
+    /// On a store several nodes share (and on any store while this node stops), how often the
+    /// node looks in the store for the submissions its sends (and reads) wait on that another
+    /// node may settle: one read for all of them, however many wait. A store that announces
+    /// other nodes' settlements ([`Store::notices`](crate::store::Store::notices):
+    /// `PostgresStore` does) wakes the wait as the settlement lands; this look is then what
+    /// finds one whose notice was lost.
     pub shared_store_poll: Duration,
 }
 
@@ -171,6 +172,10 @@ impl Default for RuntimeOptions {
         }
     }
 }
+
+/// How many waited-on submissions one look for settlements reads at most
+/// ([`RuntimeInner::watch_settlements`]); more take several.
+const SETTLEMENT_LOOK: usize = 500;
 
 /// The longest wait before a retry of a model call, however many retries came before it (the
 /// built-in providers cap their own backoff at this same bound).
@@ -343,6 +348,7 @@ impl RuntimeBuilder {
             closed: tokio::sync::watch::Sender::new(false),
             owner_id: live_owners_add(new_id("owner")),
             background: AtomicBool::new(false),
+            watching_settlements: AtomicBool::new(false),
             user_hooks,
             user_chains: crate::lifecycle::user::UserChains::default(),
             user_events,
@@ -383,6 +389,9 @@ pub(crate) struct RuntimeInner {
     pub(crate) owner_id: String,
     /// Whether the heartbeat and lease scan run.
     background: AtomicBool,
+    /// Whether the look for settlements of the submissions waited on here runs (a shared
+    /// store's: see [`RuntimeInner::watch_settlements`]).
+    watching_settlements: AtomicBool,
     /// The user-scope hooks, in registration order.
     pub(crate) user_hooks: Vec<flue_core::lifecycle::UserHook>,
     /// Their per-user queues.
@@ -424,6 +433,7 @@ impl RuntimeInner {
         if self.background.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.watch_settlements();
         // Two loops: a scan that takes long (many leases to take over, a saturated pool) must
         // not hold up the renewal of this node's own leases past their lease.
         let weak = Arc::downgrade(self);
@@ -526,6 +536,50 @@ impl RuntimeInner {
                 // The resync task ends too, finding the runtime gone.
                 resync.notify_one();
             });
+        }
+    }
+
+    /// On a shared store, starts (once) the look that finds the submissions waited on here
+    /// that settled without waking their waits (another node settled them, and no notice of it
+    /// came): one read of the store for all of them each
+    /// [`RuntimeOptions::shared_store_poll`], not one read of each row per wait.
+    pub(crate) fn watch_settlements(self: &Arc<Self>) {
+        if !self.store.shared() || self.watching_settlements.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(poll) = weak.upgrade().map(|runtime| runtime.options.shared_store_poll) else {
+                    return;
+                };
+                // At least a millisecond apart: a zero poll must not spin.
+                tokio::time::sleep(poll.max(Duration::from_millis(1))).await;
+                let Some(runtime) = weak.upgrade() else { return };
+                runtime.look_for_settlements().await;
+            }
+        });
+    }
+
+    /// Wakes the waits whose submissions settled, looking at all of them in reads of
+    /// [`SETTLEMENT_LOOK`] ids.
+    async fn look_for_settlements(&self) {
+        let waited: Vec<String> = self
+            .waiters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        for ids in waited.chunks(SETTLEMENT_LOOK) {
+            match self.store.settled_among(ids).await {
+                Ok(settled) => self.notify_settled(&settled),
+                Err(error) => {
+                    // Each wait also looks on its own, less often (see `wait`).
+                    tracing::warn!(%error, "looking for settlements of the submissions waited on here failed; the next look tries again");
+                    return;
+                }
+            }
         }
     }
 
@@ -1210,15 +1264,17 @@ impl RuntimeInner {
             // While the node stops, the wait also looks again now and then: what it waits on
             // may end without a settlement to wake it (an admission that failed while holding
             // the instance).
-            if self.store.shared() || self.claims_stopped() {
-                // Only the node that settles a submission wakes its waiters, and on a shared
-                // store another node may run this one (its instance was busy there).
+            if self.claims_stopped() {
                 let poll = self.options.shared_store_poll.max(Duration::from_millis(1));
                 let _ = tokio::time::timeout(poll, settled).await;
             } else {
-                // The settlement wakes the wait; it also looks again at every scan interval,
-                // for a settlement that woke nobody (a delivery settled with a host whose
-                // attempt could not read which deliveries it had joined).
+                // The settlement wakes the wait. On a shared store, where another node may
+                // settle it (its instance was busy there), so does that node's notice, or else
+                // the node's look for settlements ([`RuntimeInner::watch_settlements`]), one
+                // read for every wait. The wait also looks again on its own at every scan
+                // interval: for a settlement that woke nobody (a delivery settled with a host
+                // whose attempt could not read which deliveries it had joined; a look that
+                // failed).
                 let look = self.options.scan_interval.max(Duration::from_millis(1));
                 let _ = tokio::time::timeout(look, settled).await;
             }
@@ -1865,6 +1921,9 @@ impl AgentHandle {
         if check_instance_id(&self.key.id).is_err() || self.runtime.store.instance(&self.key).await?.is_none() {
             return Err(RuntimeError::InstanceNotFound(self.key.id.to_string()));
         }
+        // What finds its settlement by another node (without a dispatch here, nothing may
+        // have started it).
+        self.runtime.watch_settlements();
         self.runtime.wait(&self.key, submission_id, None).await
     }
 

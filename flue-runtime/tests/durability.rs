@@ -4032,3 +4032,131 @@ async fn a_durable_answer_settles_completed_when_the_resumed_render_fails() {
         [Outcome::Completed]
     );
 }
+
+/// A memory store that says it is shared with other nodes, counting how the sends waiting on
+/// it look: the rows they read one by one, and the ids each look for settlements names.
+#[derive(Clone, Default)]
+struct WaitLooksCounted {
+    inner: flue_runtime::store::MemoryStore,
+    row_reads: Arc<AtomicUsize>,
+    looks: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Store for WaitLooksCounted {
+    harness::delegate_store!(
+        inner;
+        admit, instance, has_queued, claim_next, renew_leases, expired, reclaim, aborts_requested,
+        instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
+        request_abort, append, read, read_page, last_offset, put_attachment, attachment, user_value,
+        set_user_value, list_user_values, create_child,
+    );
+
+    fn submission(
+        &self,
+        id: &str,
+    ) -> flue_runtime::BoxFuture<'_, Result<Option<flue_runtime::store::Submission>, flue_runtime::store::StoreError>>
+    {
+        self.row_reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.submission(id)
+    }
+
+    fn settled_among<'a>(
+        &'a self,
+        ids: &'a [String],
+    ) -> flue_runtime::BoxFuture<'a, Result<Vec<String>, flue_runtime::store::StoreError>> {
+        self.looks.lock().unwrap().push(ids.len());
+        self.inner.settled_among(ids)
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+}
+
+/// On a shared store, where another node may settle what a send here waits on (and its notice
+/// may never come), the node looks for the settlements of every wait in one read per poll,
+/// not with a read of each wait's row per poll (a thousand waiting sends would make four
+/// thousand reads a second): the waits are still answered within a poll or so of the
+/// settlement.
+#[tokio::test]
+async fn waits_on_a_shared_store_look_for_their_settlements_together_each_poll() {
+    let store = WaitLooksCounted::default();
+    let mut providers = ProviderRegistry::new();
+    providers.register(ScriptedModel::new([]));
+    let node = Runtime::builder()
+        .agent(noter)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            shared_store_poll: std::time::Duration::from_millis(20),
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    // Twenty submissions another node admitted and runs (its lease is live: nothing here
+    // takes them over), each waited on here.
+    let claim = |n: usize| Claim {
+        attempt_id: format!("attempt_elsewhere_{n}"),
+        owner_id: "node_elsewhere".into(),
+        lease_until_ms: u64::MAX,
+    };
+    let mut waits = Vec::new();
+    for n in 0..20 {
+        let key = InstanceKey::new("noter", format!("w-{n}"));
+        let mut admission = harness::admission(&key, &format!("sub_elsewhere_{n}"), "hello");
+        admission.claim = Some(claim(n));
+        store.admit(admission).await.unwrap();
+        let handle = node.init(&noter, format!("w-{n}"));
+        waits.push(tokio::spawn(
+            async move { handle.read(&format!("sub_elsewhere_{n}")).await },
+        ));
+    }
+    // Each wait reads its row once as it starts.
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while store.row_reads.load(Ordering::SeqCst) < 20 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("every wait started");
+    let (reads, looks) = (
+        store.row_reads.load(Ordering::SeqCst),
+        store.looks.lock().unwrap().len(),
+    );
+    // Ten polls' time.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(
+        store.row_reads.load(Ordering::SeqCst),
+        reads,
+        "no wait read its row again while nothing settled"
+    );
+    let during: Vec<usize> = store.looks.lock().unwrap()[looks..].to_vec();
+    assert!(during.len() >= 3, "the node looked at every poll: {during:?}");
+    assert!(
+        during.iter().all(|&ids| ids == 20),
+        "each look named every wait: {during:?}"
+    );
+    // The other node settles them, and tells no one.
+    for n in 0..20 {
+        let settled = store
+            .settle(
+                &AttemptRef {
+                    submission_id: format!("sub_elsewhere_{n}"),
+                    attempt_id: format!("attempt_elsewhere_{n}"),
+                },
+                Outcome::Completed,
+                None,
+                Vec::new(),
+            )
+            .await;
+        settled.unwrap();
+    }
+    for wait in waits {
+        let reply = tokio::time::timeout(std::time::Duration::from_secs(5), wait)
+            .await
+            .expect("the wait is answered soon after the settlement, not at its own next look")
+            .unwrap()
+            .unwrap();
+        assert!(reply.submission_id.starts_with("sub_elsewhere_"), "{reply:?}");
+    }
+}

@@ -309,7 +309,7 @@ impl Store for Unannounced {
         admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
         request_abort, append, read, put_attachment, attachment, user_value, set_user_value,
-        list_user_values, create_child, shared,
+        list_user_values, create_child, shared, settled_among,
     );
 }
 
@@ -484,7 +484,7 @@ impl Store for SlowAbortLook {
         admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
         instances_with_queued, claim_joinable, finalize_join, revert_joins, settle, requeue,
         request_abort, append, read, put_attachment, attachment, user_value, set_user_value,
-        list_user_values, create_child,
+        list_user_values, create_child, settled_among,
     );
 
     fn aborts_requested(&self, attempts: &[String]) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {

@@ -916,6 +916,23 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// Which of the submissions `ids` (distinct) have settled, in any order; ids of no
+    /// submission are left out. On a [shared](Store::shared) store a node's waits for submissions other
+    /// nodes may settle look with this, all of them in one read per
+    /// [`RuntimeOptions::shared_store_poll`](crate::RuntimeOptions::shared_store_poll), instead
+    /// of a read of each row per wait. The default reads each row.
+    fn settled_among<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<Vec<String>, StoreError>> {
+        Box::pin(async move {
+            let mut settled = Vec::new();
+            for id in ids {
+                if self.submission(id).await?.is_some_and(|row| row.outcome.is_some()) {
+                    settled.push(id.clone());
+                }
+            }
+            Ok(settled)
+        })
+    }
+
     /// Whether one process at a time can use this store (an embedded database the process
     /// holds locked). A submission found running when a runtime starts, under an owner that is
     /// not a runtime of this process, was then left by a process that ended (a crash, a

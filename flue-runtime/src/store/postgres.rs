@@ -278,6 +278,7 @@ const LIMIT_STALL: &str = "SELECT set_config('idle_in_transaction_session_timeou
 const JOINABLE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h \
      ON h.id = $1 AND NOT h.abort_requested AND s.agent = h.agent AND s.instance_id = h.instance_id \
      WHERE s.status = 'queued')";
+const SETTLED_AMONG: &str = "SELECT id FROM flue_submissions WHERE id = ANY($1) AND outcome IS NOT NULL";
 const HAS_QUEUED: &str =
     "SELECT EXISTS (SELECT 1 FROM flue_submissions WHERE agent = $1 AND instance_id = $2 AND status = 'queued')";
 const HEAD: &str = "SELECT id, status FROM flue_submissions \
@@ -1657,6 +1658,15 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let rows = self.query(SELECT_SUBMISSION, &[&id]).await?;
             rows.first().map(|row| self.submission_from_row(row)).transpose()
+        })
+    }
+
+    fn settled_among<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<Vec<String>, StoreError>> {
+        Box::pin(async move {
+            let rows = self.query(SETTLED_AMONG, &[&ids]).await?;
+            rows.iter()
+                .map(|row| row.try_get(0).map_err(|error| db_error(&error)))
+                .collect()
         })
     }
 

@@ -82,6 +82,7 @@ macro_rules! store_contract {
                     request_session_abort_stamps_joining_and_joined_deliveries,
                     reports_no_unsettled_submissions_initially,
                     get_submission_returns_null_for_unknown_ids,
+                    names_the_settled_submissions_among_those_asked_about,
                     appends_one_ordered_canonical_batch,
                     assigns_one_indivisible_offset_to_a_multi_record_batch,
                     round_trips_a_batch_larger_than_a_backend_cell_size_cap,
@@ -1590,6 +1591,49 @@ pub async fn reports_no_unsettled_submissions_initially(store: Factory) {
 
 pub async fn get_submission_returns_null_for_unknown_ids(store: Factory) {
     assert!(store.submission("missing").await.unwrap().is_none());
+}
+
+/// What a node's look for the settlements of the sends waiting on it reads (one read for
+/// many waits): settled rows only, whatever their outcome; queued, running and unknown ids
+/// are left out.
+pub async fn names_the_settled_submissions_among_those_asked_about(store: Factory) {
+    for (id, instance) in [
+        ("d-1", "agent-1"),
+        ("d-2", "agent-2"),
+        ("d-3", "agent-3"),
+        ("d-4", "agent-4"),
+    ] {
+        admit(&store, dispatch_on(id, instance)).await;
+    }
+    let none: Vec<String> = Vec::new();
+    let asked = |ids: &[&str]| ids.iter().map(|id| (*id).to_owned()).collect::<Vec<String>>();
+    let all = asked(&["d-1", "d-2", "d-3", "d-4", "missing"]);
+    assert_eq!(store.settled_among(&all).await.unwrap(), none, "nothing settled yet");
+    for (id, instance, attempt_id) in [
+        ("d-1", "agent-1", "a1"),
+        ("d-2", "agent-2", "a2"),
+        ("d-4", "agent-4", "a4"),
+    ] {
+        store
+            .claim_next(&key("assistant", instance), &claim(attempt_id))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row(&store, id).await.status, SubmissionStatus::Running);
+    }
+    settle(&store, &attempt("d-1", "a1"), Outcome::Completed, None).await;
+    let error = SettlementError::new("operation_failed", "failed");
+    settle(&store, &attempt("d-4", "a4"), Outcome::Failed, Some(error)).await;
+    let mut settled = store.settled_among(&all).await.unwrap();
+    settled.sort();
+    assert_eq!(
+        settled,
+        asked(&["d-1", "d-4"]),
+        "d-2 runs, d-3 is queued, \"missing\" is no submission"
+    );
+    assert_eq!(store.settled_among(&asked(&["d-4"])).await.unwrap(), asked(&["d-4"]));
+    assert_eq!(store.settled_among(&asked(&["d-2", "d-3"])).await.unwrap(), none);
+    assert_eq!(store.settled_among(&[]).await.unwrap(), none, "no ids, none settled");
 }
 
 // ---- conversation stream ------------------------------------------------------------------------

@@ -152,6 +152,11 @@ macro_rules! delegate_store {
             self.$inner.submission(id)
         }
     };
+    (@one $inner:ident settled_among) => {
+        fn settled_among<'a>(&'a self, ids: &'a [String]) -> flue_runtime::BoxFuture<'a, Result<Vec<String>, flue_runtime::store::StoreError>> {
+            self.$inner.settled_among(ids)
+        }
+    };
     (@one $inner:ident has_queued) => {
         fn has_queued(&self, k: &flue_runtime::store::InstanceKey) -> flue_runtime::BoxFuture<'_, Result<bool, flue_runtime::store::StoreError>> {
             self.$inner.has_queued(k)
