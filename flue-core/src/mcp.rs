@@ -64,7 +64,8 @@ impl std::fmt::Debug for McpConnection {
 }
 
 impl McpConnection {
-    /// A connection to `url` named `name`.
+    /// A connection to `url` named `name` (at most [`MAX_SERVER_NAME_CHARS`] characters: its
+    /// tools are mounted as `mcp__<name>__<tool>`).
     pub fn new(name: impl Into<String>, url: impl Into<String>) -> Self {
         Self {
             name: name.into(),
@@ -124,6 +125,15 @@ impl McpConnection {
         if name.trim().is_empty() {
             return Err(format!("[flue] {source} name must be a non-empty string."));
         }
+        let length = name.chars().count();
+        if length > MAX_SERVER_NAME_CHARS {
+            // Quoted cut: the name reaches the submission's failure and the records.
+            let cut: String = name.chars().take(MAX_SERVER_NAME_CHARS).collect();
+            return Err(format!(
+                "[flue] {source} \"{cut}…\" name is {length} characters; at most {MAX_SERVER_NAME_CHARS} leave room \
+                 for its tools' names (mounted as mcp__<server>__<tool>, at most 64 characters)."
+            ));
+        }
         if !is_absolute_url(&self.url) {
             // Quoted without its userinfo, query and fragment: the message reaches the
             // submission's failure and the records, and a token may sit there.
@@ -148,6 +158,11 @@ impl McpConnection {
         Ok(())
     }
 }
+
+/// The longest server name: its tools are mounted as `mcp__<server>__<tool>`, a name the
+/// providers take up to 64 characters of, so a longer one would leave the tool part too short
+/// to tell the tools apart.
+pub const MAX_SERVER_NAME_CHARS: usize = 40;
 
 /// `scheme://host…` with an RFC 3986 scheme and a non-empty authority.
 fn is_absolute_url(url: &str) -> bool {

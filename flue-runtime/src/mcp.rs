@@ -222,6 +222,13 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         .await
         .map_err(|_| unavailable(format!("no answer within {} s", timeout.as_secs())))?
         .map_err(|error| unavailable(readable(&error.to_string())))?;
+    // No response cache: each response lists afresh on purpose (a server's changes, or its
+    // going away, are seen at once), where rmcp's cache would answer a list that said it
+    // keeps (`ttlMs`) from memory, and a failed one with a stale copy; and its entries (one
+    // per page, up to the message limit each) would live as long as the kept connection.
+    client
+        .set_response_cache_config(rmcp::service::ClientCacheConfig::disabled())
+        .await;
     let listed = list_for(connection, &client).await?;
     mount(connection, Arc::new(client), listed)
 }
@@ -275,7 +282,11 @@ fn mount(
         // server. One it does not name (no list: every tool) is left out with a warning, and
         // the server's others mounted.
         let leave_out = |error: String| -> Result<(), Unavailable> {
-            let error = format!("tool {:?}: {}", listed.name, error.trim_start_matches("[flue] "));
+            let error = format!(
+                "tool {:?}: {}",
+                short(&listed.name),
+                error.trim_start_matches("[flue] ")
+            );
             if connection.tools.is_some() {
                 return Err(unavailable(error));
             }
@@ -286,6 +297,15 @@ fn mount(
             );
             Ok(())
         };
+        // Its name is sent with each call, and described when it says nothing of itself: MCP
+        // names are at most 128 characters.
+        let name_length = listed.name.chars().count();
+        if name_length > MAX_TOOL_NAME_CHARS {
+            leave_out(format!(
+                "its name is {name_length} characters, more than the {MAX_TOOL_NAME_CHARS} an MCP tool's may be"
+            ))?;
+            continue;
+        }
         // Declared in every model request of the response, and compiled before that: a bound
         // first, on the schema as it will be declared.
         let declared = input_schema(&listed.input_schema);
@@ -346,6 +366,9 @@ fn mount(
 /// The largest input schema (serialized) a listed tool may have: far beyond a real tool's
 /// arguments. A larger one is treated as a schema the tool cannot be called with.
 const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+
+/// The longest tool name a server may list (the MCP specification's bound).
+const MAX_TOOL_NAME_CHARS: usize = 128;
 
 /// The longest description a listed tool keeps; a longer one is cut (with a warning).
 const MAX_DESCRIPTION_BYTES: usize = 8 * 1024;

@@ -406,7 +406,8 @@ async fn tools_whose_names_clean_to_the_same_name_refuse_the_server_naming_both(
 }
 
 /// A server listing one good tool, one whose arguments are not an object, one whose schema is
-/// larger than a tool's may be and one with a description longer than a tool keeps.
+/// larger than a tool's may be, one with a description longer than a tool keeps and one with a
+/// name of 100,000 characters and no description.
 #[derive(Clone)]
 struct Mixed;
 
@@ -438,6 +439,7 @@ impl ServerHandler for Mixed {
             McpTool::new("listing", "Takes a list.", schema(json!({"type": "array"}))),
             McpTool::new("huge", "Takes everything.", schema(huge_schema())),
             McpTool::new("wordy", "é".repeat(5000), schema(json!({"type": "object"}))),
+            McpTool::new("n".repeat(100_000), "", schema(json!({"type": "object"}))),
         ]))
     }
 }
@@ -489,6 +491,21 @@ async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_is_unus
         lines.iter().any(|line| line.contains("description is 10000 bytes")),
         "{lines:?}"
     );
+    // The long name (a tool that says nothing of itself would be described by it) is left out,
+    // and quoted cut.
+    assert!(
+        lines.iter().any(
+            |line| line.contains(&format!("leaving out tool \"{}…\"", "n".repeat(100)))
+                && line.contains("its name is 100000 characters, more than the 128 an MCP tool's may be")
+        ),
+        "{lines:?}"
+    );
+    assert!(
+        lines.iter().all(|line| !line.contains(&"n".repeat(101))),
+        "no log line quotes it whole"
+    );
+    let declared = serde_json::to_string(&model.requests()[0].tools).unwrap();
+    assert!(!declared.contains(&"n".repeat(101)), "no declaration carries it");
 }
 
 static HUGE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -1265,12 +1282,15 @@ impl ServerHandler for Changing {
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
         let tools = self.tools.lock().unwrap().clone();
+        // The list says it keeps for a minute (`ttlMs`): the runtime lists afresh at each
+        // message all the same, so a change (or the server's going away) is seen at once.
         Ok(ListToolsResult::with_all_items(
             tools
                 .into_iter()
                 .map(|name| McpTool::new(name, "A tool.", schema(json!({"type": "object"}))))
                 .collect(),
-        ))
+        )
+        .with_ttl_ms(60_000))
     }
 }
 
