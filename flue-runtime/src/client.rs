@@ -130,16 +130,15 @@ const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(45);
 /// How long a request other than following a stream may take, answer included.
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The most bytes one event of a followed stream may take, by default: 64 MiB, four times the
-/// largest request body a server of this crate admits ([`crate::http::MAX_BODY_BYTES`]). A
-/// message the server admitted is one chunk, sent whole in one event about as long as its
-/// request (JSON escapes it no longer than the request had to), so every message a client
-/// may send can be read back, framing and all.
-const DEFAULT_MAX_EVENT_BYTES: usize = 4 * crate::http::MAX_BODY_BYTES;
-
 /// The most bytes the answer of a request other than following a stream may take, by
 /// default: 256 MiB (a conversation's whole history is one answer).
 const DEFAULT_MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
+
+/// The most bytes one event of a followed stream may take, by default: as many as a history's
+/// answer. The largest event is a `conversation-reset` (after a compaction or an edit), which
+/// carries the history snapshot whole, as `GET /:id` answers it; a message the server admitted
+/// is one event about as long as its request ([`crate::http::MAX_BODY_BYTES`] at most).
+const DEFAULT_MAX_EVENT_BYTES: usize = DEFAULT_MAX_BODY_BYTES;
 
 /// Connections a followed stream may fail in a row before it ends (see
 /// [`Client::with_reconnect_limit`]).
@@ -250,7 +249,8 @@ impl Client {
     }
 
     /// Refuses an event of a followed stream larger than `bytes` (its SSE lines, line ends
-    /// included; default: 64 MiB, which holds any message the server admits). The server
+    /// included; default: 256 MiB, as [`Client::with_max_body_bytes`]: a history snapshot's
+    /// bound, since a reset carries one). The server
     /// splits catch-up batches at about 1 MiB, but one chunk (a message, a tool result, a big
     /// data part, and a `conversation-reset` after a compaction or an edit, which carries the
     /// whole transcript) is sent whole in one event, however large: raise the bound when
@@ -536,25 +536,55 @@ impl Instance {
 
     /// Waits for the submission of `receipt` to settle and returns its reply.
     pub async fn reply(&self, receipt: &Receipt) -> Result<Reply, ClientError> {
-        // A replayed admission has no offset of its own: read the whole stream.
-        let from = if receipt.deduplicated { "-1" } else { &receipt.offset };
-        match self.reply_from(from, &receipt.submission_id, false).await? {
-            Some(reply) => Ok(reply),
-            // Joined a response that was running when it was admitted, and answered by it:
-            // that response is read whole (its settlement is in the stream already).
-            None => self
-                .reply_from("-1", &receipt.submission_id, true)
+        if !receipt.deduplicated
+            && let Some(reply) = self
+                .reply_from(&receipt.offset, &receipt.submission_id, ReplyFold::default(), false)
                 .await?
-                .ok_or_else(|| ClientError::Transport("the stream ended before the submission settled".into())),
+        {
+            return Ok(reply);
         }
+        // A replayed admission has no offset of its own, and a message joined into a response
+        // that was running when it was admitted is answered by that response, which began
+        // before its offset: both are read from the history snapshot (one answer, which holds
+        // the conversation as it is), then from the stream after it if they are not settled
+        // yet. Following the stream from its start instead would read every reset of the
+        // conversation's history again (each a whole transcript, in one event).
+        self.reply_from_history(&receipt.submission_id).await
     }
 
-    /// The reply of `submission_id` following the stream from `from`; `None` when it was
-    /// answered by another submission's response, which may have begun before `from`
-    /// (unless `whole`: the stream is read from its start).
-    async fn reply_from(&self, from: &str, submission_id: &str, whole: bool) -> Result<Option<Reply>, ClientError> {
+    /// The reply of `submission_id` from the history snapshot, and the stream after it.
+    async fn reply_from_history(&self, submission_id: &str) -> Result<Reply, ClientError> {
+        let snapshot = self.history().await?;
+        let mut replies = ReplyFold::of_snapshot(&snapshot);
+        for settlement in snapshot["settlements"].as_array().into_iter().flatten() {
+            let mut chunk = settlement.clone();
+            chunk["type"] = json!("submission-settled");
+            if let Some(result) = replies.apply(&chunk, submission_id) {
+                return result;
+            }
+        }
+        let Some(offset) = snapshot["offset"].as_str() else {
+            return Err(ClientError::Protocol(
+                "the history snapshot has no offset: is the client's base URL a flue server's?".into(),
+            ));
+        };
+        self.reply_from(offset, submission_id, replies, true)
+            .await?
+            .ok_or_else(|| ClientError::Transport("the stream ended before the submission settled".into()))
+    }
+
+    /// The reply of `submission_id` following the stream from `from` with `replies` (what
+    /// came before `from`); `None` when it was answered by another submission's response,
+    /// which may have begun before `from` (unless `whole`: `replies` holds everything before
+    /// `from`).
+    async fn reply_from(
+        &self,
+        from: &str,
+        submission_id: &str,
+        mut replies: ReplyFold,
+        whole: bool,
+    ) -> Result<Option<Reply>, ClientError> {
         let mut chunks = self.follow(from);
-        let mut replies = ReplyFold::default();
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk?;
             if !whole && ReplyFold::answered_by_another(&chunk, submission_id) {

@@ -2767,16 +2767,43 @@ mod client {
     }
 
     /// A message sent while a response runs joins it and is answered by it: its reply is the
-    /// whole response, what it said before the join included.
+    /// whole response, what it said before the join included. It is read from the history
+    /// snapshot and the stream after it, as a replayed message's is: not by following the
+    /// stream from its start, whose old events (here a long message; a reset of a long
+    /// conversation's history) may be larger than the client reads as one event.
     #[tokio::test]
     async fn the_reply_of_a_joined_message_is_its_hosts_whole_response() {
         let server = Server::start().await;
+        server.model.push(ScriptedReply::text("Read it."));
+        let roomy = Client::new(&server.root).unwrap();
+        let long = "a long message ".repeat(4096);
+        assert_eq!(
+            roomy
+                .instance("slow_worker", "w1")
+                .prompt(long.as_str())
+                .await
+                .unwrap()
+                .text,
+            "Read it."
+        );
         server.model.push(ScriptedReply::ToolCalls {
             text: "Looking it up.".into(),
             calls: vec![("slow_lookup".into(), "{}".into())],
         });
         server.model.push(ScriptedReply::text("Found it."));
-        let client = Client::new(&server.root).unwrap();
+        let client = Client::new(&server.root).unwrap().with_max_event_bytes(16 * 1024);
+        assert!(
+            matches!(
+                client
+                    .instance("slow_worker", "w1")
+                    .follow("-1")
+                    .collect::<Vec<_>>()
+                    .await
+                    .last(),
+                Some(Err(ClientError::Protocol(_)))
+            ),
+            "the long message's event is more than this client reads as one"
+        );
         let worker = client.instance("slow_worker", "w1");
         let host = worker.send("find it").await.unwrap();
         while server.model.requests().is_empty() {
@@ -2790,9 +2817,21 @@ mod client {
         assert_eq!(worker.reply(&host).await.unwrap().text, reply.text);
         let history = worker.history().await.unwrap();
         assert_eq!(
-            history["settlements"][0]["answeredBySubmissionId"],
+            history["settlements"][1]["answeredBySubmissionId"],
             json!(host.submission_id),
             "{history}"
+        );
+        // A replayed admission (an idempotency key sent again) has no offset of its own.
+        server.model.push(ScriptedReply::text("Once."));
+        let keyed = json!({"kind": "user", "body": "once", "idempotencyKey": "k-once"});
+        let first = worker.send_json(keyed.clone()).await.unwrap();
+        assert_eq!(worker.reply(&first).await.unwrap().text, "Once.");
+        let replay = worker.send_json(keyed).await.unwrap();
+        assert!(replay.deduplicated);
+        let replayed = worker.reply(&replay).await.unwrap();
+        assert_eq!(
+            (replayed.submission_id.as_str(), replayed.text.as_str()),
+            (first.submission_id.as_str(), "Once.")
         );
     }
 
