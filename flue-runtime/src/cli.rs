@@ -216,8 +216,9 @@ pub async fn serve_with(
 ///
 /// The runtime's warnings and errors are logged to stderr (among them the cause of every 500
 /// a server answers, under the `ref` the response carries), at the level `FLUE_LOG` names
-/// (`error`, `warn` (the default), `info`, `debug`, `trace`), unless the binary installed a
-/// `tracing` subscriber of its own.
+/// (`error`, `warn` (the default), `info`, `debug`, `trace`, `off`; another value is named
+/// on stderr and the default kept), unless the binary installed a `tracing` subscriber of its
+/// own.
 pub async fn run(runtime: &Runtime, command: Command) -> i32 {
     run_with(runtime, command, HttpOptions::default()).await
 }
@@ -296,17 +297,37 @@ fn log_to_stderr() {
     if tracing::dispatcher::has_been_set() {
         return;
     }
-    let level = std::env::var("FLUE_LOG")
-        .ok()
-        .and_then(|level| level.parse::<tracing::Level>().ok())
-        .unwrap_or(tracing::Level::WARN);
+    let (level, refused) = log_level(std::env::var("FLUE_LOG").ok().as_deref());
+    if let Some(refused) = refused {
+        eprintln!("{refused}");
+    }
     let subscriber = cli_subscriber(level, std::io::stderr);
     // Another thread may have set one meanwhile: it is kept.
     let _ = tracing::subscriber::set_global_default(subscriber);
 }
 
+/// The level `FLUE_LOG` names (`error`, `warn`, `info`, `debug`, `trace` or `off`, in any
+/// case; unset: `warn`), and what to tell the user when it names none: the log then stays at
+/// `warn`, and says so rather than quietly ignoring the setting.
+fn log_level(setting: Option<&str>) -> (tracing::level_filters::LevelFilter, Option<String>) {
+    use tracing::level_filters::LevelFilter;
+    let Some(setting) = setting.map(str::trim).filter(|setting| !setting.is_empty()) else {
+        return (LevelFilter::WARN, None);
+    };
+    match setting.parse::<LevelFilter>() {
+        Ok(level) => (level, None),
+        Err(_) => (
+            LevelFilter::WARN,
+            Some(format!(
+                "[flue] FLUE_LOG={:?} is not a level (error, warn, info, debug, trace or off): logging warnings and errors.",
+                printable(setting)
+            )),
+        ),
+    }
+}
+
 /// The CLI's log, written to `writer`: every event at `level` or above, but none of `rmcp`.
-fn cli_subscriber<W>(level: tracing::Level, writer: W) -> impl tracing::Subscriber + Send + Sync
+fn cli_subscriber<W>(level: tracing::level_filters::LevelFilter, writer: W) -> impl tracing::Subscriber + Send + Sync
 where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {
@@ -616,6 +637,34 @@ mod tests {
 
     use super::*;
 
+    #[test]
+    fn flue_log_names_a_level_or_is_refused_aloud() {
+        use tracing::level_filters::LevelFilter;
+        for (setting, level) in [
+            (None, LevelFilter::WARN),
+            (Some(""), LevelFilter::WARN),
+            (Some("info"), LevelFilter::INFO),
+            (Some(" DEBUG "), LevelFilter::DEBUG),
+            (Some("off"), LevelFilter::OFF),
+            (Some("trace"), LevelFilter::TRACE),
+        ] {
+            assert_eq!(log_level(setting), (level, None), "{setting:?}");
+        }
+        for setting in ["flue_runtime=debug", "verbose", "warn\u{1b}[2J"] {
+            let (level, refused) = log_level(Some(setting));
+            assert_eq!(level, LevelFilter::WARN, "{setting}");
+            let refused = refused.expect("a value that is no level is refused aloud");
+            assert!(
+                refused.contains("is not a level (error, warn, info, debug, trace or off)"),
+                "{refused}"
+            );
+            assert!(
+                !refused.contains('\u{1b}'),
+                "shown without its control characters: {refused}"
+            );
+        }
+    }
+
     /// The CLI's log leaves the MCP client library's events out (they quote a server's URL
     /// and error bodies whole, credentials included), and shows the runtime's.
     #[test]
@@ -633,7 +682,7 @@ mod tests {
         }
         let captured = Captured::default();
         let writer = captured.clone();
-        let subscriber = cli_subscriber(tracing::Level::WARN, move || writer.clone());
+        let subscriber = cli_subscriber(tracing::level_filters::LevelFilter::WARN, move || writer.clone());
         tracing::subscriber::with_default(subscriber, || {
             tracing::error!(target: "rmcp::transport::worker", "POST https://mcp.example/?api_key=sk-123 failed");
             tracing::error!(target: "flue_runtime::mcp", "the MCP server is unreachable");
