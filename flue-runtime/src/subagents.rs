@@ -642,6 +642,13 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         )
     };
     let Some(subagent) = found else {
+        // A call that created its child, which has not answered, cannot go on with it: its
+        // outcome is unknown, and the result names the child (where its work so far is), as
+        // an interrupted call's does (reference §3.9), rather than calling an agent it already
+        // ran undeclared.
+        if let Some(child) = &retained {
+            return ToolOutput::error(crate::session::interrupted_task(&child.key));
+        }
         return ToolOutput::text(format!(
             "Subagent \"{}\" is not declared. Available subagents: {}.",
             args.agent,

@@ -1935,6 +1935,68 @@ async fn a_finished_task_rerun_returns_its_answer_even_when_the_render_no_longer
     }
 }
 
+static OFFER_GONE_MIDWAY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The tallier's parent, which stops offering it once `OFFER_GONE_MIDWAY` is set.
+fn fickle_midway_parent(_: AgentProps<'_>) -> &'static str {
+    use_model("scripted/parent-model");
+    if !OFFER_GONE_MIDWAY.load(Ordering::SeqCst) {
+        use_subagent(tallying_delegate(3));
+    }
+    "Delegate the tally."
+}
+
+/// A render may drop a delegate whose child was interrupted before it answered: the re-run
+/// cannot go on with the child, so the call's outcome is unknown, and its result names the
+/// child conversation (reference §3.9), as an interrupted call's does; not "not declared".
+#[tokio::test]
+async fn an_unfinished_task_rerun_whose_delegate_is_no_longer_offered_names_its_child_as_outcome_unknown() {
+    for (name, backend) in backends() {
+        OFFER_GONE_MIDWAY.store(false, Ordering::SeqCst);
+        let model = tallying_script();
+        // The child's tool batch fails to commit: the child has a step and no answer, and the
+        // parent's attempt fails; from then on the parent no longer offers the delegate.
+        let commits = commits_calls_of("tally");
+        let store = crashing(backend, move |key, records| {
+            let hit = commits(key, records);
+            if hit {
+                OFFER_GONE_MIDWAY.store(true, Ordering::SeqCst);
+            }
+            hit
+        });
+        let agent = FnAgent::new(AgentDefinition::new("midway"), fickle_midway_parent).into();
+        let runtime = harness::runtime_on(store, &model, vec![agent]);
+        let reply = runtime
+            .handle("midway", "m-1")
+            .unwrap()
+            .send("Tally it.")
+            .await
+            .unwrap();
+        OFFER_GONE_MIDWAY.store(false, Ordering::SeqCst);
+        // The script's next answer, whatever it says: the parent's model was called next.
+        assert_eq!(reply.text, "Seven words.", "{name}");
+        let requests = model.requests();
+        assert_eq!(
+            requests.len(),
+            3,
+            "{name}: parent, child, parent (the child was not run again)"
+        );
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("midway", "m-1")).await;
+        assert_eq!(
+            harness::last_batch_results(&requests[2]),
+            [(
+                format!(
+                    r#"{{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown.","childConversationId":{}}}"#,
+                    json!(child.to_string())
+                ),
+                true
+            )],
+            "{name}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Compaction in a task's child session: the child's conversation compacts as the root's does
 // (threshold compaction before a call, overflow recovery), with the submission's settings,

@@ -61,7 +61,9 @@ use deadline::Deadline;
 use live_text::LiveText;
 
 pub(crate) use binding::{ABORTED, Attempt, AttemptBinding, InstanceBinding, LEASE_LOST};
-pub(crate) use conversation::{CallIds, Conversation, ReplyParts, RetainedChild, micros_of, reply_of, tool_calls_from};
+pub(crate) use conversation::{
+    CallIds, Conversation, ReplyParts, RetainedChild, interrupted_task, micros_of, reply_of, tool_calls_from,
+};
 
 /// How many takeovers past its budget a submission whose stream cannot be read is left to
 /// (the lease lapsing each time) before it settles as failed without knowing how it ended.
