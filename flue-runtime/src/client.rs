@@ -77,6 +77,20 @@ pub enum ClientError {
         /// The settlement's error: type, message, details and meta.
         error: Box<crate::record::SettlementError>,
     },
+    /// [`Instance::prompt`] sent the message and the server admitted it, but its reply could
+    /// not be read (`error`: the stream failed, or was replaced, after the admission). The
+    /// message is the server's: [`Instance::reply`] with `receipt` reads its reply again, where
+    /// sending it again would send it twice.
+    #[error(
+        "the message was admitted (submission {}), but its reply could not be read: {error}",
+        .receipt.submission_id
+    )]
+    Unanswered {
+        /// The admission's receipt.
+        receipt: Receipt,
+        /// Why the reply could not be read.
+        error: Box<ClientError>,
+    },
     /// The server could not be reached, or answered something that is not the protocol.
     #[error("{0}")]
     Transport(String),
@@ -528,10 +542,18 @@ impl Instance {
         })
     }
 
-    /// Sends `message` and waits for its reply.
+    /// Sends `message` and waits for its reply. Once the message is admitted, a failure to
+    /// read its reply is [`ClientError::Unanswered`], with the receipt to read it again by; a
+    /// submission that failed or was aborted is [`ClientError::Settled`].
     pub async fn prompt(&self, message: impl Into<DeliveredMessage>) -> Result<Reply, ClientError> {
         let receipt = self.send(message).await?;
-        self.reply(&receipt).await
+        self.reply(&receipt).await.map_err(|error| match error {
+            settled @ ClientError::Settled { .. } => settled,
+            error => ClientError::Unanswered {
+                receipt,
+                error: Box::new(error),
+            },
+        })
     }
 
     /// Waits for the submission of `receipt` to settle and returns its reply.

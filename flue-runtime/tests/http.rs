@@ -2894,6 +2894,29 @@ mod client {
         );
     }
 
+    /// A prompt whose message was admitted but whose reply could not be read fails with the
+    /// receipt: the reply is read again by it, not by sending the message twice.
+    #[tokio::test]
+    async fn a_prompt_admitted_but_not_answered_fails_with_its_receipt() {
+        let server = Server::start().await;
+        server.script_exchange("2 + 3 = 5");
+        // Every event of the stream is larger than this client reads as one.
+        let cramped = Client::new(&server.root).unwrap().with_max_event_bytes(64);
+        let (receipt, error) = match cramped.instance("calculator", "u1").prompt("2+3?").await {
+            Err(ClientError::Unanswered { receipt, error }) => (receipt, error),
+            other => panic!("expected the receipt with the error, got {other:?}"),
+        };
+        assert!(matches!(*error, ClientError::Protocol(_)), "{error:?}");
+        let roomy = Client::new(&server.root).unwrap();
+        let reply = roomy.instance("calculator", "u1").reply(&receipt).await.unwrap();
+        assert_eq!(
+            (reply.submission_id.as_str(), reply.text.as_str()),
+            (receipt.submission_id.as_str(), "2 + 3 = 5")
+        );
+        let history = roomy.instance("calculator", "u1").history().await.unwrap();
+        assert_eq!(history["settlements"].as_array().unwrap().len(), 1, "sent once");
+    }
+
     #[tokio::test]
     async fn a_failed_submission_and_a_refused_request_are_errors_with_their_types() {
         let server = Server::start().await;
