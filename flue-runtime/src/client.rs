@@ -560,7 +560,7 @@ impl Instance {
     pub async fn reply(&self, receipt: &Receipt) -> Result<Reply, ClientError> {
         if !receipt.deduplicated
             && let Some(reply) = self
-                .reply_from(&receipt.offset, &receipt.submission_id, ReplyFold::default(), false)
+                .reply_from(receipt, &receipt.offset, ReplyFold::default(), false)
                 .await?
         {
             return Ok(reply);
@@ -571,12 +571,23 @@ impl Instance {
         // the conversation as it is), then from the stream after it if they are not settled
         // yet. Following the stream from its start instead would read every reset of the
         // conversation's history again (each a whole transcript, in one event).
-        self.reply_from_history(&receipt.submission_id).await
+        self.reply_from_history(receipt).await
     }
 
-    /// The reply of `submission_id` from the history snapshot, and the stream after it.
-    async fn reply_from_history(&self, submission_id: &str) -> Result<Reply, ClientError> {
+    /// The reply of `receipt`'s submission from the history snapshot, and the stream after
+    /// it.
+    async fn reply_from_history(&self, receipt: &Receipt) -> Result<Reply, ClientError> {
+        let submission_id = receipt.submission_id.as_str();
         let snapshot = self.history().await?;
+        if let Some(current) = snapshot["incarnation"].as_str().filter(|current| !current.is_empty())
+            && !receipt.uid.is_empty()
+            && current != receipt.uid
+        {
+            return Err(ClientError::StreamReplaced {
+                previous: receipt.uid.clone(),
+                current: current.to_owned(),
+            });
+        }
         let mut replies = ReplyFold::of_snapshot(&snapshot);
         for settlement in snapshot["settlements"].as_array().into_iter().flatten() {
             let mut chunk = settlement.clone();
@@ -590,23 +601,27 @@ impl Instance {
                 "the history snapshot has no offset: is the client's base URL a flue server's?".into(),
             ));
         };
-        self.reply_from(offset, submission_id, replies, true)
+        self.reply_from(receipt, offset, replies, true)
             .await?
             .ok_or_else(|| ClientError::Transport("the stream ended before the submission settled".into()))
     }
 
-    /// The reply of `submission_id` following the stream from `from` with `replies` (what
-    /// came before `from`); `None` when it was answered by another submission's response,
-    /// which may have begun before `from` (unless `whole`: `replies` holds everything before
-    /// `from`).
+    /// The reply of `receipt`'s submission following the stream from `from` with `replies`
+    /// (what came before `from`); `None` when it was answered by another submission's
+    /// response, which may have begun before `from` (unless `whole`: `replies` holds
+    /// everything before `from`). The stream must be the incarnation the receipt names: in
+    /// another (the instance made again, the server's store replaced) the submission never
+    /// settles, and the follow ends with [`ClientError::StreamReplaced`].
     async fn reply_from(
         &self,
+        receipt: &Receipt,
         from: &str,
-        submission_id: &str,
         mut replies: ReplyFold,
         whole: bool,
     ) -> Result<Option<Reply>, ClientError> {
-        let mut chunks = self.follow(from);
+        let submission_id = receipt.submission_id.as_str();
+        let expected = Some(receipt.uid.clone()).filter(|uid| !uid.is_empty());
+        let mut chunks = self.follow_in(from, expected);
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk?;
             if !whole && ReplyFold::answered_by_another(&chunk, submission_id) {
@@ -649,6 +664,12 @@ impl Instance {
     /// A stream the server replaced meanwhile (another incarnation of the instance) ends with
     /// [`ClientError::StreamReplaced`].
     pub fn follow(&self, offset: &str) -> Chunks {
+        self.follow_in(offset, None)
+    }
+
+    /// [`Instance::follow`] of the stream's incarnation `incarnation` (`None`: the one met
+    /// first).
+    fn follow_in(&self, offset: &str, incarnation: Option<String>) -> Chunks {
         let state = Follow {
             instance: self.clone(),
             offset: offset.to_owned(),
@@ -658,7 +679,7 @@ impl Instance {
             ready: VecDeque::new(),
             failures: 0,
             connected_at: None,
-            incarnation: None,
+            incarnation,
             retry_after: None,
             ended: false,
             error: None,

@@ -2746,7 +2746,7 @@ mod access_control {
 }
 
 mod client {
-    use flue_runtime::client::{Client, ClientError};
+    use flue_runtime::client::{Client, ClientError, Receipt};
 
     use super::*;
 
@@ -2915,6 +2915,48 @@ mod client {
         );
         let history = roomy.instance("calculator", "u1").history().await.unwrap();
         assert_eq!(history["settlements"].as_array().unwrap().len(), 1, "sent once");
+    }
+
+    /// A receipt names its instance's incarnation: read against another (the instance made
+    /// again, or the server's store replaced), a reply ends with `StreamReplaced`, where it
+    /// waited for ever for a submission that stream never settles (a longer stream) or was
+    /// told its offset was past the end (a shorter one).
+    #[tokio::test]
+    async fn a_reply_read_in_another_incarnation_of_its_instance_says_the_stream_was_replaced() {
+        let (first, second) = (Server::start().await, Server::start().await);
+        first.script_exchange("one");
+        let on_first = Client::new(&first.root).unwrap().instance("calculator", "r1");
+        let short = on_first.send("hi").await.unwrap();
+        assert_eq!(on_first.reply(&short).await.unwrap().text, "one");
+        let on_second = Client::new(&second.root).unwrap().instance("calculator", "r1");
+        let mut long = None;
+        for answer in ["two", "three"] {
+            second.script_exchange(answer);
+            let receipt = on_second.send("hi").await.unwrap();
+            assert_eq!(on_second.reply(&receipt).await.unwrap().text, answer);
+            long = Some(receipt);
+        }
+        let long = long.unwrap();
+        assert_ne!(short.uid, long.uid);
+        for (name, instance, receipt) in [
+            ("the longer stream", &on_second, &short),
+            ("the shorter stream", &on_first, &long),
+        ] {
+            let replayed = Receipt {
+                deduplicated: true,
+                ..receipt.clone()
+            };
+            for receipt in [receipt, &replayed] {
+                let read = tokio::time::timeout(Duration::from_secs(10), instance.reply(receipt))
+                    .await
+                    .unwrap_or_else(|_| panic!("{name}: the reply waited for a settlement that never comes"));
+                assert!(
+                    matches!(&read, Err(ClientError::StreamReplaced { previous, .. }) if *previous == receipt.uid),
+                    "{name} (deduplicated: {}): {read:?}",
+                    receipt.deduplicated
+                );
+            }
+        }
     }
 
     #[tokio::test]
