@@ -83,6 +83,12 @@ use flue_core::usage::Usage;
 /// How deep delegation may nest (a task's child delegating, and so on).
 pub const MAX_DELEGATION_DEPTH: u32 = 4;
 
+tokio::task_local! {
+    /// The depth of the child session being run (the root's children are at 1): what a task
+    /// started from within it, through whichever delegation, counts from.
+    static TASK_DEPTH: u32;
+}
+
 const TASK_DESCRIPTION: &str = "Hand a focused piece of work to one of the agents listed under \"Available Agents\" in the system prompt. \
 The agent starts with a fresh context: it sees only your prompt, so make the prompt a complete briefing. \
 To show it images of this conversation, pass their attachment ids. \
@@ -659,7 +665,11 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
             }
         ));
     };
-    if delegation.depth >= MAX_DELEGATION_DEPTH {
+    // The depth of the session this task starts from: its delegation's, or deeper when the
+    // call comes from within a child session through another delegation (a hook of the child's
+    // creation invoking the parent's `task` tool), which would otherwise nest without bound.
+    let depth = TASK_DEPTH.try_with(|depth| *depth).unwrap_or(0).max(delegation.depth);
+    if depth >= MAX_DELEGATION_DEPTH {
         return ToolOutput::error(format!("Maximum delegation depth ({MAX_DELEGATION_DEPTH}) exceeded."));
     }
     let _running = {
@@ -718,7 +728,11 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         reopened,
         images,
     };
-    let result = child_session(&runtime, delegation, &subagent, parent, environment, &journal, task)
+    let result = TASK_DEPTH
+        .scope(
+            depth + 1,
+            child_session(&runtime, delegation, &subagent, parent, environment, &journal, task),
+        )
         .await
         .map(answer_text);
     cancelled.armed = false;

@@ -600,6 +600,67 @@ async fn max_instances_caps_running_tasks_and_after_subagent_created_runs_on_the
     );
 }
 
+static NESTED_FROM_HOOKS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Starts another task of the parent's from the creation of each child: through the root's
+/// delegation, from deeper and deeper child sessions (stopping on its own after ten, so the
+/// test ends however deep it goes).
+#[hook(after_subagent_created, id = "task_from_creation")]
+async fn task_from_creation(parent: &ThreadState, _child: &ThreadState) {
+    if NESTED_FROM_HOOKS.lock().unwrap().len() >= 10 {
+        return;
+    }
+    let result = parent
+        .invoke_tool("task", json!({"agent": "helper", "prompt": "Go deeper."}))
+        .await
+        .unwrap();
+    let text = result.error.or(result.result).unwrap_or_default();
+    NESTED_FROM_HOOKS.lock().unwrap().push(text);
+}
+
+#[agent(hooks = [task_from_creation])]
+fn hooked_delegator() -> &'static str {
+    use_model("scripted/x");
+    use_subagent(Subagent::new(
+        "helper",
+        "Helps.",
+        FnAgent::new(AgentDefinition::new("helper"), |_: AgentProps<'_>| "You help."),
+    ));
+    "Delegate."
+}
+
+/// A task started from within a child session through the parent's delegation (a hook of the
+/// child's creation invoking the parent's `task` tool) counts its depth from the session it
+/// starts in: the nesting stops at the delegation depth limit instead of going on without
+/// bound, each level one session deeper.
+#[tokio::test]
+async fn tasks_started_from_a_childs_creation_hook_are_held_to_the_delegation_depth() {
+    let depth = MAX_DELEGATION_DEPTH as usize;
+    let mut replies = vec![ScriptedReply::tool_call(
+        "task",
+        json!({"agent": "helper", "prompt": "Help."}),
+    )];
+    // Each child session answers once (the deepest first), then the root.
+    replies.extend((0..depth).map(|level| ScriptedReply::text(format!("answer {level}"))));
+    replies.push(ScriptedReply::text("done"));
+    let model = ScriptedModel::new(replies);
+    let runtime = runtime_with(&model, vec![hooked_delegator.into()]);
+    let reply = runtime.init(&hooked_delegator, "h-1").send("go").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let nested = NESTED_FROM_HOOKS.lock().unwrap().clone();
+    assert_eq!(nested.len(), depth, "one task from each child's creation: {nested:?}");
+    assert_eq!(
+        nested[0],
+        format!("Maximum delegation depth ({MAX_DELEGATION_DEPTH}) exceeded."),
+        "the deepest child's hook was refused: {nested:?}"
+    );
+    assert_eq!(
+        model.requests().len(),
+        depth + 2,
+        "{depth} child sessions and the root's two calls"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Durable child sessions: a task's child conversation is a record stream of its own, linked
 // from the parent's stream; a task re-run after a crash reattaches to it.
