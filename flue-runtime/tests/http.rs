@@ -2319,12 +2319,13 @@ mod limits {
         assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
     }
 
-    /// The bodies being read together have a bound: while a client holds the room (a large
-    /// body that keeps arriving slowly), another body waits for room up to the body timeout
-    /// and is answered 503 `server_busy`. A body that keeps arriving but not all of it within
-    /// the body deadline is answered 408, and its room freed: the next body is admitted.
+    /// The bodies being read together have a bound, taken as their bytes arrive: a client
+    /// that declares a large body and sends it slowly holds only what it sent, and does not
+    /// keep other messages out; a body whose bytes find no room left is answered 503
+    /// `server_busy` at once. A body that keeps arriving but not all of it within the body
+    /// deadline is answered 408, and its room freed: the next body is admitted.
     #[tokio::test]
-    async fn bodies_past_the_room_for_buffered_bodies_wait_and_a_trickling_one_is_cut_off() {
+    async fn bodies_past_the_room_for_buffered_bodies_are_refused_and_a_trickling_one_is_cut_off() {
         let server = Server::start_with(HttpOptions {
             request_body_timeout: Duration::from_secs(1),
             request_body_deadline: Duration::from_secs(4),
@@ -2333,30 +2334,45 @@ mod limits {
             ..HttpOptions::default()
         })
         .await;
-        let hog = tokio::net::TcpStream::connect(root(&server)).await.unwrap();
-        let (mut answer, mut sending) = hog.into_split();
-        let head = format!(
-            "POST /agents/calculator/hog HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            root(&server),
-            flue_runtime::http::MAX_BODY_BYTES
-        );
-        sending.write_all(head.as_bytes()).await.unwrap();
-        // A byte every 200 ms: it never stalls, and never ends.
-        tokio::spawn(async move {
-            while sending.write_all(b" ").await.is_ok() {
-                tokio::time::sleep(Duration::from_millis(200)).await;
+        // Declares the largest body, and sends a byte every 200 ms: it never stalls, and
+        // never ends. Meanwhile other messages are admitted.
+        let trickle = |instance: &'static str, first: usize| {
+            let root = root(&server);
+            async move {
+                let socket = tokio::net::TcpStream::connect(&root).await.unwrap();
+                let (answer, mut sending) = socket.into_split();
+                let head = format!(
+                    "POST /agents/calculator/{instance} HTTP/1.1\r\nHost: {root}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                    flue_runtime::http::MAX_BODY_BYTES
+                );
+                sending.write_all(head.as_bytes()).await.unwrap();
+                sending.write_all(&vec![b' '; first]).await.unwrap();
+                tokio::spawn(async move {
+                    while sending.write_all(b" ").await.is_ok() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                });
+                answer
             }
-        });
+        };
+        let _slow = trickle("slow", 0).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let waiting = server
-            .post("waits", json!({"kind": "user", "body": "x".repeat(200)}))
+        let admitted = server
+            .post("beside", json!({"kind": "user", "body": "x".repeat(200)}))
             .await;
-        assert_eq!(waiting.status(), 503);
-        assert_eq!(waiting.headers()["retry-after"], "1");
-        let body: serde_json::Value = waiting.json().await.unwrap();
+        assert_eq!(admitted.status(), 202, "a slow body holds only what it sent");
+        // A body that has sent all but a few hundred bytes of the room, then trickles.
+        let mut hog = trickle("hog", flue_runtime::http::MAX_BODY_BYTES - 300).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let refused = server
+            .post("refused", json!({"kind": "user", "body": "x".repeat(2000)}))
+            .await;
+        assert_eq!(refused.status(), 503);
+        assert_eq!(refused.headers()["retry-after"], "1");
+        let body: serde_json::Value = refused.json().await.unwrap();
         assert_eq!(body["error"]["type"], "server_busy", "{body}");
         let mut said = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), answer.read_to_end(&mut said))
+        tokio::time::timeout(Duration::from_secs(10), hog.read_to_end(&mut said))
             .await
             .expect("the server closes the connection")
             .unwrap();
@@ -2364,7 +2380,7 @@ mod limits {
         assert!(said.starts_with("HTTP/1.1 408"), "{said}");
         assert!(said.contains("took too long"), "{said}");
         let admitted = server
-            .post("after", json!({"kind": "user", "body": "x".repeat(200)}))
+            .post("after", json!({"kind": "user", "body": "x".repeat(2000)}))
             .await;
         assert_eq!(admitted.status(), 202);
     }

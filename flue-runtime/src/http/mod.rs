@@ -68,7 +68,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::PathRejection;
-use axum::extract::{DefaultBodyLimit, FromRequest, OriginalUri, Path, RawQuery, Request, State};
+use axum::extract::{DefaultBodyLimit, OriginalUri, Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -153,11 +153,11 @@ pub struct HttpOptions {
     pub request_body_deadline: Duration,
     /// How many bytes of message bodies the router holds at once, all requests together
     /// (256 MiB; at least one body of [`MAX_BODY_BYTES`] fits). A body takes room for its
-    /// declared length (the largest body's when it declares none) before any of it is read,
-    /// and holds it until its admission is made; one that finds no room waits for it up to
-    /// [`request_body_timeout`](Self::request_body_timeout), and is then answered 503
-    /// `server_busy`: many clients sending large bodies slowly cannot make the server hold more
-    /// than this (nor parse more than this at once). Shared by the agents of one
+    /// bytes as they arrive, and holds it until its admission is made; one whose next bytes
+    /// find no room is answered 503 `server_busy` at once (with `Retry-After`), and frees what
+    /// it held. Many clients sending large bodies cannot make the server hold more than this
+    /// (nor parse more than this at once), and clients sending slowly hold only what they
+    /// sent: they cannot keep others' messages out. Shared by the agents of one
     /// [`router_with`]; each [`agent_router`] has its own.
     pub max_buffered_request_bytes: usize,
     /// How long a connection served by [`serve`] may take to send a request's head, and how
@@ -577,43 +577,52 @@ fn not_allowed<S: Clone + Send + Sync + 'static>(allow: &'static str) -> MethodR
         .fallback(move |method: Method| async move { ApiError::method_not_allowed(method.as_str(), allow) })
 }
 
-/// A request body that fails with [`Stalled`] once `timeout` passes without any of it
-/// arriving.
-fn stalls_after(body: axum::body::Body, timeout: Duration) -> axum::body::Body {
+/// A message's body, read within the body timeout and deadline and at most
+/// [`MAX_BODY_BYTES`], with the room in `bodies` it holds: taken as its bytes arrive, never
+/// waited for. A body finding no room for its next bytes is answered 503 `server_busy` at
+/// once, and frees what it held: a client sending slowly holds only what it sent, and no body
+/// holds room while it waits for more (bodies each holding part of the room could otherwise
+/// all wait for ever).
+async fn read_body(
+    request: Request,
+    options: &HttpOptions,
+    bodies: &Arc<tokio::sync::Semaphore>,
+) -> Result<(Bytes, Option<tokio::sync::OwnedSemaphorePermit>), ApiError> {
     use futures_util::StreamExt;
-    let chunks = futures_util::stream::unfold(Some(body.into_data_stream()), move |chunks| async move {
-        let mut chunks = chunks?;
-        match tokio::time::timeout(timeout, chunks.next()).await {
-            Ok(Some(chunk)) => Some((chunk.map_err(axum::BoxError::from), Some(chunks))),
-            Ok(None) => None,
-            Err(_) => Some((Err(axum::BoxError::from(Stalled)), None)),
+    let mut chunks = request.into_body().into_data_stream();
+    let mut body = bytes::BytesMut::new();
+    let mut room: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    let read = async {
+        loop {
+            let chunk = match tokio::time::timeout(options.request_body_timeout, chunks.next()).await {
+                Err(_) => return Err(ApiError::request_timeout(options.request_body_timeout)),
+                Ok(None) => return Ok(()),
+                Ok(Some(Err(error))) => return Err(ApiError::invalid_request(error.to_string())),
+                Ok(Some(Ok(chunk))) => chunk,
+            };
+            if chunk.is_empty() {
+                continue;
+            }
+            if body.len() + chunk.len() > MAX_BODY_BYTES {
+                return Err(ApiError::request_too_large());
+            }
+            // At most MAX_BODY_BYTES: it fits a permit count.
+            let taken = u32::try_from(chunk.len()).map_err(|_| ApiError::request_too_large())?;
+            let more = bodies
+                .clone()
+                .try_acquire_many_owned(taken)
+                .map_err(|_| ApiError::server_busy())?;
+            match &mut room {
+                Some(room) => room.merge(more),
+                None => room = Some(more),
+            }
+            body.extend_from_slice(&chunk);
         }
-    });
-    axum::body::Body::from_stream(chunks)
-}
-
-/// A request body stopped arriving ([`stalls_after`]).
-#[derive(Debug)]
-struct Stalled;
-
-impl std::fmt::Display for Stalled {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the request body stopped arriving")
-    }
-}
-
-impl std::error::Error for Stalled {}
-
-/// Whether reading a body failed with `E` ([`Stalled`]).
-fn failed_with<E: std::error::Error + 'static>(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut source = Some(error);
-    while let Some(error) = source {
-        if error.is::<E>() {
-            return true;
-        }
-        source = error.source();
-    }
-    false
+    };
+    tokio::time::timeout(options.request_body_deadline, read)
+        .await
+        .map_err(|_| ApiError::body_too_slow(options.request_body_deadline))??;
+    Ok((body.freeze(), room))
 }
 
 /// `POST /:id`: admission only (the response is not awaited).
@@ -632,11 +641,6 @@ async fn post_message(
         ));
     }
     // Read here, not by an extractor, to bound how long it may take and what it holds.
-    let options = &routes.options;
-    // Room for the whole body, taken before any of it is read and held until the admission is
-    // made (its parse included): its declared length, or the largest body when it declares
-    // none. Taken at once, so bodies waiting for room hold none of it (bodies taking it a
-    // chunk at a time could each hold part of it, and all wait for ever).
     let declared = headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
@@ -644,36 +648,16 @@ async fn post_message(
     if declared.is_some_and(|declared| declared > MAX_BODY_BYTES as u64) {
         return Err(ApiError::request_too_large());
     }
-    let bytes = declared.map_or(MAX_BODY_BYTES, |declared| declared as usize);
-    let room = routes
-        .bodies
-        .clone()
-        .acquire_many_owned(u32::try_from(bytes).unwrap_or(u32::MAX));
-    let _room = match tokio::time::timeout(options.request_body_timeout, room).await {
-        Ok(Ok(room)) => room,
-        _ => return Err(ApiError::server_busy()),
-    };
-    let timeout = options.request_body_timeout;
-    let request = request.map(|body| stalls_after(body, timeout));
-    let read = tokio::time::timeout(options.request_body_deadline, Bytes::from_request(request, &()));
-    let body = read
-        .await
-        .map_err(|_| ApiError::body_too_slow(options.request_body_deadline))?
-        .map_err(|rejection| {
-            if failed_with::<Stalled>(&rejection) {
-                return ApiError::request_timeout(timeout);
-            }
-            match rejection.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => ApiError::request_too_large(),
-                _ => ApiError::invalid_request(rejection.body_text()),
-            }
-        })?;
+    let (body, room) = read_body(request, &routes.options, &routes.bodies).await?;
     let request = admission::parse(&key.id, &headers, &body)?;
     // A direct send, as `send()` is (only the caller does not wait here for the reply). On a
     // task of its own: a client that goes away drops this handler, and an admission the store
     // committed must still be reported queued and woken now (not at the next scan).
     let (runtime, agent) = (routes.runtime.clone(), routes.agent.clone());
     let (receipt, offset) = tokio::spawn(async move {
+        // The body's room is held until the admission is made, here: a client that goes away
+        // meanwhile does not free it while the message is still held.
+        let _room = room;
         let admitted = runtime.admit(&agent, request, SubmissionKind::Direct).await;
         if admitted.is_ok() {
             runtime.slot(&key).wake();
