@@ -1454,7 +1454,12 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
         .send()
         .await
         .unwrap();
-    assert_error(message, 403, "forbidden").await;
+    let error = assert_error(message, 403, "forbidden").await;
+    // No credentials are in play: the refusal says where the request came from is refused.
+    assert_eq!(
+        error["message"], "The request is not allowed from where it came.",
+        "{error}"
+    );
     let read = server
         .client
         .get(server.url("/c1"))
@@ -1526,6 +1531,10 @@ async fn a_request_that_reaches_the_server_by_another_name_is_refused_unless_all
     let evil = format!("evil.example:{}", port(&server));
     let error = assert_error(rebound(&server, evil.clone(), "/c1").await.unwrap(), 403, "forbidden").await;
     assert!(error["details"].as_str().unwrap().contains("allowed_hosts"), "{error}");
+    assert_eq!(
+        error["message"], "The request is not allowed from where it came.",
+        "{error}"
+    );
     for path in [
         "/c1?view=updates&offset=-1&live=sse",
         "/c1?view=updates&offset=-1&live=long-poll",
@@ -1929,6 +1938,22 @@ async fn bad_admissions_get_the_protocols_4xx_with_the_error_envelope() {
         "unsupported_media_type",
     )
     .await;
+    // A type that is not ASCII text is one given, not a missing one.
+    let odd = client
+        .post(&url)
+        .header(
+            "content-type",
+            reqwest::header::HeaderValue::from_bytes(b"application/j\xC3\xA9son").unwrap(),
+        )
+        .body("{\"kind\":\"user\",\"body\":\"hi\"}")
+        .send()
+        .await
+        .unwrap();
+    let error = assert_error(odd, 415, "unsupported_media_type").await;
+    assert_eq!(
+        error["details"], "Send the body as application/json, not a content type that is not ASCII text.",
+        "{error}"
+    );
     let wait = client
         .post(format!("{url}?wait=true"))
         .json(&json!({"kind": "user", "body": "hi"}))

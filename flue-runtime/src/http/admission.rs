@@ -25,7 +25,10 @@ pub(crate) fn parse(id: &str, headers: &HeaderMap, body: &[u8]) -> Result<SendRe
     // mark is no part of it.
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let content_length = headers.get(header::CONTENT_LENGTH);
-    let content_type = headers.get(header::CONTENT_TYPE).and_then(|value| value.to_str().ok());
+    // A type that is not visible ASCII is quoted as such, not taken for a missing one.
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .map(|value| value.to_str().unwrap_or("a content type that is not ASCII text"));
     // No body at all (declared empty, or nothing declares one) is no message: the message
     // rules refuse it below. A body declared otherwise must be JSON, and a blank JSON body is
     // no message either (the reference's order: the type is checked before the text).

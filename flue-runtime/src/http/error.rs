@@ -163,6 +163,17 @@ impl ApiError {
         )
     }
 
+    /// 403 `forbidden`, whatever the credentials: where the request comes from (the name the
+    /// server was reached by, a page of another site) is not served.
+    pub fn forbidden_origin(details: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "The request is not allowed from where it came.",
+            details,
+        )
+    }
+
     /// 404 `route_not_found`.
     pub fn route_not_found(path: &str) -> Self {
         Self::new(

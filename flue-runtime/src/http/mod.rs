@@ -448,7 +448,7 @@ async fn guard(
         && let Some(host) = request_host(request.headers(), request.uri())
         && !host_allowed(host, &options.allowed_hosts)
     {
-        return ApiError::forbidden(format!(
+        return ApiError::forbidden_origin(format!(
             "This server was reached by the name {host:?}, which it does not answer to without an authorization policy (a page on another site can point its own name at this address); list the name in HttpOptions::allowed_hosts, or set HttpOptions::authorization."
         ))
         .into_response();
@@ -456,7 +456,7 @@ async fn guard(
     let changes_state =
         user_id.is_some() || !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
     if changes_state && !options.allow_cross_site && from_another_site(request.headers(), request.uri()) {
-        return ApiError::forbidden(
+        return ApiError::forbidden_origin(
             "A browser page from another site, or from another port of this host (as its Sec-Fetch-Site or Origin says), may not change state here; set HttpOptions::allow_cross_site to serve a browser app from there.",
         )
         .into_response();
