@@ -93,6 +93,7 @@
 //! }
 //! ```
 
+mod glob_match;
 mod local;
 pub(crate) mod tools;
 mod virtual_fs;

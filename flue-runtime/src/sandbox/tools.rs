@@ -925,7 +925,9 @@ struct GlobArgs {
 
 fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
     Box::pin(async move {
-        let pattern = match glob::Pattern::new(&args.pattern) {
+        // Matched in linear time (see `glob_match`): the `glob` crate's own matcher can take
+        // exponential time on a crafted pattern, on a thread no abort reaches.
+        let pattern = match super::glob_match::GlobMatcher::new(&args.pattern) {
             Ok(pattern) => pattern,
             Err(error) => return ToolOutput::error(format!("Invalid glob: {error}")),
         };
@@ -933,14 +935,14 @@ fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(found) => found,
             Err(error) => return sandbox_error(error),
         };
-        let options = glob::MatchOptions {
-            require_literal_separator: true,
-            ..glob::MatchOptions::default()
-        };
         let matched: Vec<&str> = files
             .iter()
-            .map(|file| relative(&base, file))
-            .filter(|file| pattern.matches_with(file, options))
+            // A file given as `path` is matched (and named) by its name.
+            .map(|file| match file == &base {
+                true => file.rsplit('/').next().unwrap_or(file),
+                false => relative(&base, file),
+            })
+            .filter(|file| pattern.matches(file))
             .collect();
         let mut out = if matched.is_empty() {
             "No files matched.".to_owned()
@@ -1153,6 +1155,24 @@ mod tests {
         )
         .await;
         assert_eq!(text_of(grepped), (format!("No matches.\n\n{note}"), false));
+    }
+
+    /// A file given as `glob`'s path is matched by its name (its path relative to itself is
+    /// nothing a pattern matches).
+    #[tokio::test]
+    async fn glob_over_a_file_matches_it_by_its_name() {
+        let (_, session) = endless();
+        for (pattern, found) in [("*.txt", "big.txt"), ("*.md", "No files matched.")] {
+            let globbed = glob(
+                &session,
+                GlobArgs {
+                    pattern: pattern.into(),
+                    path: Some("/big.txt".into()),
+                },
+            )
+            .await;
+            assert_eq!(text_of(globbed), (found.to_owned(), false), "{pattern}");
+        }
     }
 
     fn endless() -> (Arc<Endless>, SandboxSession) {
