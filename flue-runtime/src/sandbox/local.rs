@@ -227,6 +227,8 @@ enum OpenError {
     Outside,
     /// What the path names is no regular file (nor a directory): a FIFO, a socket, a device.
     NotRegular(Access),
+    /// What the path names is one of the kernel's files (`/proc`, `/sys`).
+    OfTheKernel,
     /// Anything else.
     Io(std::io::Error),
 }
@@ -242,6 +244,9 @@ impl OpenError {
                     Access::Read => "read",
                     Access::Write => "written",
                 }
+            )),
+            Self::OfTheKernel => SandboxError::Io(format!(
+                "{shown} is a file of the kernel's (/proc or /sys); the file tools do not open them"
             )),
             Self::Io(error) if error.kind() == std::io::ErrorKind::NotFound => SandboxError::NotFound(shown.to_owned()),
             Self::Io(error) => io(error),
@@ -456,11 +461,43 @@ fn walk_beneath(
 #[cfg(unix)]
 fn regular(fd: std::os::fd::OwnedFd, access: Access) -> Result<std::fs::File, OpenError> {
     let file = std::fs::File::from(fd);
+    if of_the_kernel(&file)? {
+        return Err(OpenError::OfTheKernel);
+    }
     let kind = file.metadata()?.file_type();
     if kind.is_file() || kind.is_dir() {
         Ok(file)
     } else {
         Err(OpenError::NotRegular(access))
+    }
+}
+
+/// Whether `file` is one of the kernel's (Linux: on a procfs or sysfs filesystem). The file
+/// tools run in this process: with the root at `/`, `/proc/self/environ` would be this
+/// process's launch environment, provider keys included (a command's environment is cleared,
+/// and other processes cannot read this one's: see `hide_process_environment`, but nothing
+/// stops a process reading its own).
+#[cfg(unix)]
+fn of_the_kernel(file: &std::fs::File) -> std::io::Result<bool> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        const PROC_SUPER_MAGIC: i64 = 0x9fa0;
+        const SYSFS_MAGIC: i64 = 0x6265_6572;
+        // SAFETY: `statfs` is plain data, written whole by `fstatfs` on success; the
+        // descriptor is open for the call's length.
+        let mut status: libc::statfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut status) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        #[allow(clippy::unnecessary_cast)] // its type differs across targets
+        let kind = status.f_type as i64;
+        Ok(kind == PROC_SUPER_MAGIC || kind == SYSFS_MAGIC)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = file;
+        Ok(false)
     }
 }
 
@@ -1861,6 +1898,31 @@ mod tests {
         let name = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
         // SAFETY: `name` is a NUL-terminated path alive for the call.
         assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
+    }
+
+    /// The file tools run in this process: with the root at `/`, its own launch environment
+    /// (provider keys) is one read away, and other processes' files of the kernel too.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn the_kernels_files_are_not_opened_by_the_file_tools() {
+        let sandbox = LocalSandbox { root: "/".into() };
+        for path in ["/proc/self/environ", "/proc/self/cmdline", "/sys/kernel/hostname"] {
+            if !Path::new(path).exists() {
+                continue;
+            }
+            assert_eq!(
+                sandbox.read_file(path).await,
+                Err(SandboxError::Io(format!(
+                    "{path} is a file of the kernel's (/proc or /sys); the file tools do not open them"
+                ))),
+                "{path}"
+            );
+        }
+        // Nothing written either.
+        assert!(matches!(
+            sandbox.write_file("/proc/self/comm", b"x".to_vec()).await,
+            Err(SandboxError::Io(message)) if message.contains("a file of the kernel's")
+        ));
     }
 
     #[tokio::test]
