@@ -487,6 +487,18 @@ pub(crate) async fn compact<S: Compacting>(
             return Ok(false);
         }
     };
+    if older.is_empty() && previous.is_none() {
+        // The message hooks leave nothing of the older history (a `filter_messages` that
+        // keeps the newest rows only): a summary call would carry nothing (Anthropic refuses
+        // one; another model would summarize nothing, and that summary would stand for the
+        // history for good). Nothing is compacted, and no other threshold compaction is
+        // tried in the session.
+        let failure = session.failure(summary_failed(
+            "the message hooks leave nothing of the older history to summarize",
+        ));
+        gave_up(session, started, failure, None);
+        return Ok(false);
+    }
     let retries = session.runtime().options.model_retries;
     let request = |summarizer: &dyn ModelProvider, model: String, per_token: u64| {
         let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));

@@ -240,6 +240,84 @@ async fn the_summary_reads_the_rows_filter_messages_leaves_and_not_those_it_adds
     assert!(!content.contains("CONTEXT"), "{content}");
 }
 
+/// Keeps the newest two rows of what the model reads (the reference's `messages.slice(-20)`,
+/// smaller).
+#[hook(filter_messages)]
+async fn newest_two(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    rows: Vec<flue_runtime::lifecycle::Message>,
+) -> Vec<flue_runtime::lifecycle::Message> {
+    let from = rows.len().saturating_sub(2);
+    rows[from..].to_vec()
+}
+
+#[agent(hooks = [newest_two])]
+fn trimming() -> &'static str {
+    use_tight_model("scripted/x", 150);
+    "Be brief."
+}
+
+/// A `filter_messages` hook that keeps only the newest rows leaves nothing of the older
+/// history to summarize: no summary call is made (it would carry nothing: Anthropic refuses
+/// such a request; another model would summarize nothing, and that summary would stand for
+/// the history for good), nothing is compacted, and the exchange goes on.
+#[tokio::test]
+async fn a_compaction_with_nothing_left_to_summarize_makes_no_summary_call() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [trimming.into()]);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&trimming, "trim");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let third = handle.send(long("third")).await.unwrap();
+    assert_eq!(third.text, "three it is");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 3, "no summary call among them");
+    for request in &requests {
+        assert!(
+            request
+                .system
+                .as_deref()
+                .is_none_or(|system| !system.contains("summar")),
+            "a summary call was made: {:?}",
+            request.system
+        );
+    }
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("trimming", "trim"), None)
+        .await
+        .unwrap();
+    assert!(
+        !batches
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .any(|record| matches!(record.body, RecordBody::Compaction { .. })),
+        "no compaction was stored"
+    );
+    let mut reported = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::Compaction { is_error, error, .. } = observation.event {
+            reported.push((is_error, error.map(|error| error.message)));
+        }
+    }
+    assert_eq!(
+        reported,
+        [(
+            true,
+            Some(
+                "[flue] Compaction failed: the message hooks leave nothing of the older history to summarize"
+                    .to_owned()
+            )
+        )]
+    );
+}
+
 /// Hides what the agent said (by role, as a hook on the provider format may).
 #[hook(prefilter_llm_history)]
 async fn hides_the_agent(
