@@ -173,7 +173,9 @@ pub struct HttpOptions {
     pub response_write_timeout: Duration,
     /// How many connections [`serve`] serves at once (4096; live reads are connections too):
     /// further clients wait in the listener's backlog until one closes. At least one;
-    /// `usize::MAX` caps nothing.
+    /// `usize::MAX` caps nothing. The cap is the server's, not each client's: one client
+    /// holding many idle live reads can take all of it. Exposed beyond trusted clients, serve
+    /// behind a proxy that limits connections per client.
     pub max_connections: usize,
 }
 
