@@ -413,17 +413,40 @@ fn cut_description(server: &str, tool: &str, description: &str) -> String {
 const MAX_LISTED_TOOLS: usize = 1000;
 const MAX_LISTED_PAGES: usize = 100;
 
+/// The most bytes a server's tools may take, their names, descriptions and input schemas
+/// together, as listed (before the bounds each mounted tool is held to).
+const MAX_LISTED_BYTES: usize = 16 * 1024 * 1024;
+
 /// Every page of the server's tools. A server that repeats a cursor would be listed for ever
 /// (each page kept): it is refused, as one listing more than [`MAX_LISTED_TOOLS`] tools or
 /// [`MAX_LISTED_PAGES`] pages.
 async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp::model::Tool>, String> {
     let mut tools = Vec::new();
+    let mut listed_bytes = 0;
     let mut cursors = std::collections::HashSet::new();
     let mut cursor = None;
     for _ in 0..MAX_LISTED_PAGES {
         let params = cursor.map(|cursor| PaginatedRequestParams::default().with_cursor(Some(cursor)));
         let page = client.list_tools(params).await.map_err(|error| error.to_string())?;
-        tools.extend(page.tools);
+        for mut tool in page.tools {
+            // What is mounted is a tool's name, description and input schema: the rest goes as
+            // each page comes, and what is kept has a bound (pages of up to rmcp's message
+            // limit each, a hundred of them, would otherwise all be held at once).
+            tool.title = None;
+            tool.output_schema = None;
+            tool.annotations = None;
+            tool.icons = None;
+            tool.meta = None;
+            listed_bytes +=
+                tool.name.len() + tool.description.as_deref().map_or(0, str::len) + json_bytes(&*tool.input_schema);
+            if listed_bytes > MAX_LISTED_BYTES {
+                return Err(format!(
+                    "its tools' names, descriptions and input schemas take more than {} MiB",
+                    MAX_LISTED_BYTES >> 20
+                ));
+            }
+            tools.push(tool);
+        }
         if tools.len() > MAX_LISTED_TOOLS {
             return Err(format!("it lists more than {MAX_LISTED_TOOLS} tools"));
         }

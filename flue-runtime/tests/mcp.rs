@@ -856,6 +856,8 @@ async fn a_server_that_repeats_a_tools_list_cursor_is_refused() {
 struct Endless {
     /// How many tools its one page lists; `None`: one tool a page, pages without end.
     tools: Option<usize>,
+    /// How long each tool's description is (0: a short one).
+    describing: usize,
 }
 
 impl ServerHandler for Endless {
@@ -871,8 +873,18 @@ impl ServerHandler for Endless {
         let page: usize = request
             .and_then(|request| request.cursor)
             .map_or(0, |cursor| cursor.parse().unwrap());
+        let description = match self.describing {
+            0 => "A tool.".to_owned(),
+            bytes => "d".repeat(bytes),
+        };
         let tools = (0..self.tools.unwrap_or(1))
-            .map(|n| McpTool::new(format!("t{page}_{n}"), "A tool.", schema(json!({"type": "object"}))))
+            .map(|n| {
+                McpTool::new(
+                    format!("t{page}_{n}"),
+                    description.clone(),
+                    schema(json!({"type": "object"})),
+                )
+            })
             .collect();
         let mut result = ListToolsResult::with_all_items(tools);
         result.next_cursor = self.tools.is_none().then(|| (page + 1).to_string());
@@ -891,15 +903,20 @@ fn endless() -> &'static str {
     "Read."
 }
 
-/// A server listing tools without end (pages after pages, or one page of ever more tools) is
-/// refused past a bound, not listed until memory runs out.
+/// A server listing tools without end (pages after pages, one page of ever more tools, or
+/// pages of ever more bytes) is refused past a bound, not listed until memory runs out.
 #[tokio::test]
 async fn a_server_listing_tools_without_end_is_refused() {
-    for (tools, says) in [
-        (None, "it lists its tools in more than 100 pages"),
-        (Some(1001), "it lists more than 1000 tools"),
+    for (tools, describing, says) in [
+        (None, 0, "it lists its tools in more than 100 pages"),
+        (Some(1001), 0, "it lists more than 1000 tools"),
+        (
+            None,
+            1024 * 1024,
+            "its tools' names, descriptions and input schemas take more than 16 MiB",
+        ),
     ] {
-        *ENDLESS_URL.lock().unwrap() = Some(serve(Endless { tools }).await);
+        *ENDLESS_URL.lock().unwrap() = Some(serve(Endless { tools, describing }).await);
         let runtime = runtime_with(&ScriptedModel::new([]), [endless.into()]);
         let error = runtime.init(&endless, "e").send("read").await.unwrap_err();
         let (error_type, message) = run_error(error);
