@@ -160,9 +160,10 @@ impl McpConnection {
 }
 
 /// The longest server name: its tools are mounted as `mcp__<server>__<tool>`, a name the
-/// providers take up to 64 characters of, so a longer one would leave the tool part too short
-/// to tell the tools apart.
-pub const MAX_SERVER_NAME_CHARS: usize = 40;
+/// providers take up to 64 characters of, so a longer one would leave no room for the tool
+/// part (every tool would be mounted under one name). A name near the bound leaves little:
+/// tools whose names then collide refuse the server, naming them.
+pub const MAX_SERVER_NAME_CHARS: usize = 56;
 
 /// `scheme://host…` with an RFC 3986 scheme and a non-empty authority.
 fn is_absolute_url(url: &str) -> bool {

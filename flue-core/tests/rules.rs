@@ -357,21 +357,21 @@ fn invalid_subagent_and_mcp_definitions_are_rejected_at_the_mount_site() {
         "[flue] use_mcp_connection() \"linear\" url \"mcp.linear.app\" is not a valid absolute URL."
     );
     // A server name that would leave its tools' mounted names (64 characters at most) no room.
-    let long_name = agent(|_| use_mcp_connection(McpConnection::new("s".repeat(41), "https://mcp.example.com")));
+    let long_name = agent(|_| use_mcp_connection(McpConnection::new("s".repeat(57), "https://mcp.example.com")));
     assert_eq!(
         render_panic(&long_name),
         format!(
-            "[flue] use_mcp_connection() \"{}…\" name is 41 characters; at most 40 leave room for its tools' names (mounted as mcp__<server>__<tool>, at most 64 characters).",
-            "s".repeat(40)
+            "[flue] use_mcp_connection() \"{}…\" name is 57 characters; at most 56 leave room for its tools' names (mounted as mcp__<server>__<tool>, at most 64 characters).",
+            "s".repeat(56)
         )
     );
     let longest = agent(|_| {
         use_model("openai/gpt-4o");
-        use_mcp_connection(McpConnection::new("s".repeat(40), "https://mcp.example.com"));
+        use_mcp_connection(McpConnection::new("s".repeat(56), "https://mcp.example.com"));
         "ok"
     });
     let rendered = flue_core::render_bare(&longest);
-    assert!(rendered.is_ok(), "40 characters are allowed: {:?}", rendered.err());
+    assert!(rendered.is_ok(), "56 characters are allowed: {:?}", rendered.err());
 }
 
 #[test]

@@ -591,7 +591,13 @@ impl Instance {
         let mut replies = ReplyFold::of_snapshot(&snapshot);
         for settlement in snapshot["settlements"].as_array().into_iter().flatten() {
             let mut chunk = settlement.clone();
-            chunk["type"] = json!("submission-settled");
+            let Value::Object(fields) = &mut chunk else {
+                return Err(ClientError::Protocol(
+                    "the history snapshot's settlements are not objects: is the client's base URL a flue server's?"
+                        .into(),
+                ));
+            };
+            fields.insert("type".into(), json!("submission-settled"));
             if let Some(result) = replies.apply(&chunk, submission_id) {
                 return result;
             }
@@ -1179,6 +1185,35 @@ mod tests {
             }
         });
         base
+    }
+
+    /// A history whose settlements are not objects (another API behind the base URL, a
+    /// proxy's stub) is no protocol: a replayed receipt's reply, read from it, is an error,
+    /// not a panic.
+    #[tokio::test]
+    async fn a_reply_read_from_a_history_that_is_not_the_protocol_is_an_error() {
+        let body = r#"{"offset":"-1","messages":[],"settlements":["x"]}"#;
+        let response: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .into_boxed_str(),
+        );
+        let base = answering(response).await;
+        let receipt = Receipt {
+            submission_id: "sub_1".into(),
+            offset: "-1".into(),
+            uid: String::new(),
+            deduplicated: true,
+        };
+        let read = Client::new(base)
+            .unwrap()
+            .instance("assistant", "i")
+            .reply(&receipt)
+            .await;
+        assert!(matches!(read, Err(ClientError::Protocol(_))), "{read:?}");
     }
 
     /// An admission the client did not see admitted is an error, never a receipt: a POST a

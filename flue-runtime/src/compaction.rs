@@ -491,12 +491,19 @@ pub(crate) async fn compact<S: Compacting>(
         // The message hooks leave nothing of the older history (a `filter_messages` that
         // keeps the newest rows only): a summary call would carry nothing (Anthropic refuses
         // one; another model would summarize nothing, and that summary would stand for the
-        // history for good). Nothing is compacted, and no other threshold compaction is
-        // tried in the session.
-        let failure = session.failure(summary_failed(
-            "the message hooks leave nothing of the older history to summarize",
-        ));
-        gave_up(session, started, failure, None);
+        // history for good). Nothing is compacted, no other threshold compaction is tried in
+        // the session, and this is no failure: the `compaction` event says nothing changed.
+        let messages = session.conversation().messages.len() as u64;
+        session.publish(|| Event::Compaction {
+            messages_before: messages,
+            messages_after: messages,
+            duration_ms: started.elapsed().as_millis() as u64,
+            is_error: false,
+            error: None,
+            usage: None,
+        });
+        tracing::debug!("compaction skipped: the message hooks leave nothing of the older history to summarize");
+        session.budget().gave_up = true;
         return Ok(false);
     }
     let retries = session.runtime().options.model_retries;

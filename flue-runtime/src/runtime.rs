@@ -123,7 +123,9 @@ pub struct RuntimeOptions {
     /// How often this node renews its leases (well under `lease`).
     pub heartbeat: Duration,
     /// How often this node looks for expired leases and for queued work admitted elsewhere
-    /// (and a send or read waiting on a store of this node's own reads the store again).
+    /// (and each send or read waiting for a submission reads the store again on its own: on
+    /// a shared store, behind the node's look for all of them at
+    /// [`shared_store_poll`](Self::shared_store_poll)).
     pub scan_interval: Duration,
     /// How many instances keep their folded conversation in memory between submissions. Past
     /// it, the least recently used idle instances are dropped (a quarter of the limit at a

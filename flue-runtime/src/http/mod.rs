@@ -156,9 +156,10 @@ pub struct HttpOptions {
     /// bytes as they arrive, and holds it until its admission is made; one whose next bytes
     /// find no room is answered 503 `server_busy` at once (with `Retry-After`), and frees what
     /// it held. Many clients sending large bodies cannot make the server hold more than this
-    /// (nor parse more than this at once), and clients sending slowly hold only what they
-    /// sent: they cannot keep others' messages out. Shared by the agents of one
-    /// [`router_with`]; each [`agent_router`] has its own.
+    /// (nor parse more than this at once), and a client sending slowly holds only what it
+    /// sent, for as long as [`request_body_deadline`](Self::request_body_deadline) lets it:
+    /// clients that send this much and then trickle keep others' messages out until then.
+    /// Shared by the agents of one [`router_with`]; each [`agent_router`] has its own.
     pub max_buffered_request_bytes: usize,
     /// How long a connection served by [`serve`] may take to send a request's head, and how
     /// long it may stay idle between requests (30 s); then it is closed. Keep it well above a
