@@ -575,6 +575,61 @@ async fn a_stream_done_without_any_choice_or_finished_with_error_is_no_answer() 
     assert!(error.message.contains("finish_reason \"error\""), "{error}");
 }
 
+/// A finish reason is read by what it means, whatever server names it: a failure a server
+/// names (z.ai's `network_error`, DeepSeek's `insufficient_system_resource`) or one this build
+/// does not know is no answer (what was streamed would have settled as the reply), and is
+/// retried as a server error; a content filter under another name is one.
+#[tokio::test]
+async fn a_finish_reason_is_read_by_what_it_means_and_an_unknown_one_is_no_answer() {
+    let server = FixtureServer::start().await;
+    let provider = openai(&server, "FLUE_TEST_KEY_FINISHES").with_retry_policy(RetryPolicy::none());
+    let finishing = |reason: &str| {
+        FixtureReply::openai_chunks([
+            OpenAiChunk::Text("Partial".into()),
+            OpenAiChunk::Finish(reason.into()),
+            OpenAiChunk::Done,
+        ])
+    };
+    for (reason, stop) in [
+        ("STOP", StopReason::Stop),
+        ("end_turn", StopReason::Stop),
+        ("model_length", StopReason::Length),
+        ("model_context_window_exceeded", StopReason::Length),
+        ("sensitive", StopReason::ContentFilter),
+    ] {
+        server.push(finishing(reason));
+        let (_, response) = complete(&provider, request("q")).await;
+        assert_eq!(response.stop_reason, stop, "{reason}");
+    }
+    for reason in ["network_error", "insufficient_system_resource", "something_new"] {
+        server.push(finishing(reason));
+        let (_, error) = fail(&provider, request("q")).await;
+        assert_eq!(error.kind, ProviderErrorKind::Server, "{reason}: {error}");
+        assert!(
+            error.message.contains(&format!("finish_reason \"{reason}\"")),
+            "{error}"
+        );
+    }
+    let anthropic = anthropic(&server).with_retry_policy(RetryPolicy::none());
+    server.push(FixtureReply::anthropic_events([
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::TextStart { index: 0 },
+        AnthropicEvent::TextDelta {
+            index: 0,
+            text: "Partial".into(),
+        },
+        AnthropicEvent::BlockStop { index: 0 },
+        AnthropicEvent::MessageDelta {
+            stop_reason: "something_new".into(),
+            output_tokens: 1,
+        },
+        AnthropicEvent::MessageStop,
+    ]));
+    let (_, error) = fail(&anthropic, request("q")).await;
+    assert_eq!(error.kind, ProviderErrorKind::Server, "{error}");
+    assert!(error.message.contains("stop_reason \"something_new\""), "{error}");
+}
+
 #[tokio::test]
 async fn without_asking_for_usage_a_stream_that_ends_after_its_finish_reason_completes() {
     let server = FixtureServer::start().await;

@@ -1268,12 +1268,12 @@ impl SseDecoder for MessagesDecoder {
                     .and_then(|d| d.get("stop_reason"))
                     .and_then(Value::as_str)
                 {
-                    self.stop = Some(match reason {
-                        "tool_use" => StopReason::ToolUse,
-                        "max_tokens" | "model_context_window_exceeded" => StopReason::Length,
-                        "refusal" => StopReason::ContentFilter,
-                        _ => StopReason::Stop,
-                    });
+                    // A reason that is no answer (one this build does not know) fails the
+                    // call, rather than settle what was streamed as the reply.
+                    let Some(stop) = super::types::stop_reason_named(reason) else {
+                        return Err(super::types::failed_finish(&self.ctx.provider, "stop_reason", reason));
+                    };
+                    self.stop = Some(stop);
                 }
                 if let Some(usage) = data.get("usage") {
                     self.usage(usage);

@@ -922,8 +922,10 @@ struct ChatDecoder {
     usage_asked: bool,
     /// Whether a chunk had a choice: a stream that ends without one answered nothing.
     choice_seen: bool,
-    /// A choice finished with `finish_reason: "error"` (OpenRouter, when the upstream failed).
-    failed: bool,
+    /// A choice finished with a `finish_reason` that is no answer: `"error"` (OpenRouter, when
+    /// the upstream failed), another failure a server names, or one this build does not know
+    /// (see [`stop_reason_named`](super::types::stop_reason_named)).
+    failed: Option<String>,
     /// Whether the reasoning is kept to go back with the step.
     reasoning_echo: bool,
     /// OpenRouter's reasoning details so far, built up by their `index`.
@@ -951,7 +953,7 @@ impl ChatDecoder {
             usage_seen: false,
             usage_asked,
             choice_seen: false,
-            failed: false,
+            failed: None,
             reasoning_echo,
             details: Vec::new(),
             details_at: HashMap::new(),
@@ -1024,19 +1026,19 @@ impl ChatDecoder {
             }
         }
         if let Some(reason) = choice.finish_reason {
-            self.failed |= reason.as_str() == "error";
-            self.stop = Some(match reason.as_str() {
-                "tool_calls" | "function_call" => StopReason::ToolUse,
-                "length" => StopReason::Length,
-                "content_filter" => StopReason::ContentFilter,
-                _ => StopReason::Stop,
-            });
+            match super::types::stop_reason_named(reason.as_str()) {
+                Some(stop) => self.stop = Some(stop),
+                None => {
+                    self.failed.get_or_insert_with(|| reason.as_str().to_owned());
+                    self.stop = Some(StopReason::Stop);
+                }
+            }
         }
     }
 
-    /// Fails the stream once a choice finished with `finish_reason: "error"`: what it said is
-    /// not the answer (OpenRouter ends so when the upstream failed mid-way), and the call may be
-    /// made again.
+    /// Fails the stream once a choice finished with a `finish_reason` that is no answer
+    /// (`"error"`: OpenRouter ends so when the upstream failed mid-way): what it said is not the
+    /// answer, and the call may be made again.
     fn failed_finish(&self) -> Result<Flow, ProviderError> {
         if let Some(what) = self.too_many {
             return Err(ProviderError::new(
@@ -1047,16 +1049,10 @@ impl ChatDecoder {
                 ),
             ));
         }
-        if !self.failed {
-            return Ok(Flow::Continue);
+        match &self.failed {
+            None => Ok(Flow::Continue),
+            Some(reason) => Err(super::types::failed_finish(&self.ctx.provider, "finish_reason", reason)),
         }
-        Err(ProviderError::new(
-            ProviderErrorKind::Server,
-            format!(
-                "[flue] Provider \"{}\" ended the response with an error (finish_reason \"error\").",
-                self.ctx.provider
-            ),
-        ))
     }
 
     fn tool_call(&mut self, call: CallView<'_>, out: &mut VecDeque<StreamEvent>) {

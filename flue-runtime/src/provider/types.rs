@@ -565,6 +565,32 @@ pub enum StopReason {
     HookBlocked,
 }
 
+/// What a finish (stop) reason a provider names means; `None` for one that is no answer: a
+/// failure the provider names (`error`, z.ai's `network_error`, DeepSeek's
+/// `insufficient_system_resource`) or a reason this build does not know, which is taken for
+/// one rather than for a final answer (what was streamed would settle as the submission's
+/// reply). Names are compared without case; the names different servers use for one outcome
+/// are all read.
+pub(crate) fn stop_reason_named(reason: &str) -> Option<StopReason> {
+    Some(match reason.to_ascii_lowercase().as_str() {
+        "stop" | "end" | "end_turn" | "stop_sequence" | "eos" | "eos_token" | "pause_turn" => StopReason::Stop,
+        "tool_calls" | "function_call" | "tool_use" => StopReason::ToolUse,
+        "length" | "max_tokens" | "model_length" | "model_context_window_exceeded" => StopReason::Length,
+        "content_filter" | "refusal" | "sensitive" | "safety" => StopReason::ContentFilter,
+        _ => return None,
+    })
+}
+
+/// The failure of a call whose answer ended with `reason`, which is no answer (see
+/// [`stop_reason_named`]): a server error, so the call is made again.
+pub(crate) fn failed_finish(provider: &str, field: &str, reason: &str) -> ProviderError {
+    let shown: String = reason.chars().filter(|c| !c.is_control()).take(64).collect();
+    ProviderError::new(
+        ProviderErrorKind::Server,
+        format!("[flue] Provider \"{provider}\" ended the response with {field} \"{shown}\", which is no answer."),
+    )
+}
+
 /// The complete result of one model call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelResponse {
