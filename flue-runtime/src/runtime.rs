@@ -1266,7 +1266,9 @@ impl RuntimeInner {
             // While the node stops, the wait also looks again now and then: what it waits on
             // may end without a settlement to wake it (an admission that failed while holding
             // the instance).
-            if self.claims_stopped() {
+            // (On a shared store the node's look for settlements goes on while it stops, and
+            // a wait there is never stranded: it looks no more often.)
+            if self.claims_stopped() && !self.store.shared() {
                 let poll = self.options.shared_store_poll.max(Duration::from_millis(1));
                 let _ = tokio::time::timeout(poll, settled).await;
             } else {
