@@ -342,6 +342,15 @@ impl OpenAiProvider {
             }
         }
         request.messages.encode_into(format, &mut writer, |message, out| {
+            // A step that said nothing and called nothing (an empty answer, reasoning cut by
+            // the output limit) is left out: it tells the model nothing, and servers refuse an
+            // assistant message with neither content nor calls (Mistral answers 400).
+            if let ModelMessage::Assistant { text, tool_calls, .. } = message
+                && text.trim().is_empty()
+                && tool_calls.is_empty()
+            {
+                return Ok(());
+            }
             serde_json::to_writer(out, &chat_message(message, echo))
         })?;
         let body = writer.buf();
@@ -1407,6 +1416,28 @@ mod tests {
             .filter_map(|message| message["tool_calls"][0]["function"]["arguments"].as_str())
             .collect();
         assert_eq!(sent, ["{\"a\":1}", "{}", "{}", "{}"]);
+    }
+
+    /// A step that said nothing and called nothing is not sent: servers refuse an assistant
+    /// message with neither content nor calls.
+    #[test]
+    fn an_empty_step_is_left_out_of_the_body() {
+        let mut call = request("gpt-5", ThinkingLevel::Off);
+        call.system = Some("Be brief.".into());
+        call.messages.push(ModelMessage::Assistant {
+            text: " ".into(),
+            tool_calls: Vec::new(),
+            reasoning: Vec::new(),
+        });
+        call.messages.push(ModelMessage::user("again?"));
+        let body = OpenAiProvider::openai().body(&call);
+        let roles: Vec<&str> = body["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .map(|message| message["role"].as_str().expect("a role"))
+            .collect();
+        assert_eq!(roles, ["system", "user", "user"]);
     }
 
     #[test]
