@@ -270,6 +270,54 @@ async fn an_unreachable_server_fails_the_submission_unless_it_is_optional() {
     assert!(content.contains("its tools are not mounted."), "{content}");
 }
 
+#[agent]
+fn tolerant_noter() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("docs", "http://127.0.0.1:9/mcp").optional());
+    use_tool(
+        Tool::new("note")
+            .description("Take a note.")
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "noted" }),
+    );
+    "Take notes without the docs if need be."
+}
+
+/// A re-attempt (here after its tool batch failed to commit) that finds an optional server
+/// still unreachable stores no second notice of it: the response has one.
+#[tokio::test]
+async fn an_unreachable_optional_server_is_narrated_once_per_response_across_attempts() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("note", serde_json::json!({})),
+        ScriptedReply::text("Noted, without the docs."),
+    ]);
+    let store = harness::faulty::FaultyStore::on(Arc::new(flue_runtime::store::MemoryStore::new()));
+    store.fail_once(harness::faulty::commits_a_tool_batch);
+    let runtime = harness::runtime_on(store.clone(), &model, [tolerant_noter.into()]);
+    let reply = runtime.init(&tolerant_noter, "n").send("go").await.unwrap();
+    assert_eq!(reply.text, "Noted, without the docs.");
+    assert_eq!(
+        store.failures.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the batch failed once"
+    );
+    let batches = flue_runtime::store::Store::read(
+        &store,
+        &flue_runtime::store::InstanceKey::new("tolerant_noter", "n"),
+        None,
+    )
+    .await
+    .unwrap();
+    let notices = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter(|record| {
+            matches!(&record.body, flue_runtime::record::RecordBody::Signal { body, .. }
+                if body.contains("is unavailable for this response"))
+        })
+        .count();
+    assert_eq!(notices, 1, "{batches:#?}");
+}
+
 static HANG_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 #[agent]

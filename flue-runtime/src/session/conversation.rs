@@ -389,6 +389,11 @@ impl Conversation {
     }
 
     /// Whether the submission's input was applied (its record is in the stream).
+    /// Whether the history holds the row `id`.
+    pub(crate) fn has_row(&self, id: &str) -> bool {
+        self.rows.iter().any(|row| row.id == id)
+    }
+
     pub(crate) fn has_input(&self, submission_id: &str) -> bool {
         self.progress(submission_id).input
     }

@@ -1831,13 +1831,16 @@ impl Response<'_> {
     /// their children and recorded steps.
     async fn narrate_unreachable_mcp(&mut self) -> Result<(), Failure> {
         let unavailable = std::mem::take(&mut self.mcp_unavailable);
-        if unavailable.is_empty() {
+        // Once per response: a re-attempt that finds the servers still unreachable finds its
+        // notice in the stream (under the response's own id) and stores no second one.
+        let message_id = format!("msg_mcp_unavailable_{}", self.submission.id);
+        if unavailable.is_empty() || self.conversation.has_row(&message_id) {
             return Ok(());
         }
         let mut attributes = std::collections::BTreeMap::new();
         attributes.insert("resource".to_owned(), "mcp".to_owned());
         let signal = self.record(RecordBody::Signal {
-            message_id: new_id("msg"),
+            message_id,
             signal_type: "resources".to_owned(),
             body: crate::mcp::unavailable_body(&unavailable),
             attributes,
