@@ -2832,6 +2832,53 @@ async fn a_generic_tool_built_again_is_the_mounted_one_and_can_be_queued() {
     assert!(one.is_static());
 }
 
+/// Observers are shown the queued calls' step (its assistant message, with the calls) before
+/// the results that answer them, as a model's step: one rebuilding the conversation from
+/// events has no orphan results.
+#[agent]
+fn announced_auditing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(queue_audit);
+    "A"
+}
+
+#[tokio::test]
+async fn a_queued_calls_step_is_announced_before_its_results() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("queue_audit", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![announced_auditing.into()]);
+    let mut events = runtime.observe();
+    runtime.init(&announced_auditing, "announced").send("refund me").await.unwrap();
+    let mut announced_calls: Vec<String> = Vec::new();
+    let mut answered_before_announced: Vec<String> = Vec::new();
+    let mut audited = 0;
+    while let Ok(observation) = events.try_recv() {
+        match observation.event {
+            flue_runtime::events::Event::MessageEnd {
+                message: ModelMessage::Assistant { tool_calls, .. },
+            } => announced_calls.extend(tool_calls.into_iter().map(|call| call.id)),
+            flue_runtime::events::Event::MessageEnd {
+                message: ModelMessage::Tool { tool_call_id, name, .. },
+            } => {
+                if name == "audit_trail" {
+                    audited += 1;
+                }
+                if !announced_calls.contains(&tool_call_id) {
+                    answered_before_announced.push(tool_call_id);
+                }
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(audited, 1, "the queued call's result was shown");
+    assert!(
+        answered_before_announced.is_empty(),
+        "results shown before their call's step: {answered_before_announced:?} (announced: {announced_calls:?})"
+    );
+}
+
 static AT_REST_QUEUE: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[hook(after_thread_created)]

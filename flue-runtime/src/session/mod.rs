@@ -3306,7 +3306,9 @@ impl Response<'_> {
             };
             self.check_abort()?;
             self.queued_rounds += 1;
-            self.open_agent_run();
+            // The step is durable (with the batch that queued it, or just now): observers are
+            // shown the assistant message whose calls the results below answer.
+            self.stored_message_events(Some(&step.message_id));
             terminated = Some(
                 self.tool_batch(rendered, &step.tools, &step.calls, step.message_id, &[], None)
                     .await?,
