@@ -2850,7 +2850,11 @@ async fn a_queued_calls_step_is_announced_before_its_results() {
     ]);
     let runtime = runtime_with(&model, vec![announced_auditing.into()]);
     let mut events = runtime.observe();
-    runtime.init(&announced_auditing, "announced").send("refund me").await.unwrap();
+    runtime
+        .init(&announced_auditing, "announced")
+        .send("refund me")
+        .await
+        .unwrap();
     let mut announced_calls: Vec<String> = Vec::new();
     let mut answered_before_announced: Vec<String> = Vec::new();
     let mut audited = 0;
@@ -3289,4 +3293,100 @@ async fn item_80_env_reads_declared_set_variables_only_and_never_prints_them() {
         content,
         "token 12 chars, printed [redacted], undeclared refused true, unset refused true"
     );
+}
+
+/// A memory store whose appends of a thread value take 300 ms (a slow database), and whose
+/// append of a final answer tells [`FINAL_STEP_STORED`] and takes 50 ms more to return.
+#[derive(Clone, Default)]
+struct SlowValueWrites {
+    inner: MemoryStore,
+}
+
+impl flue_runtime::store::Store for SlowValueWrites {
+    harness::delegate_store!(
+        inner;
+        admit, instance, submission, has_queued, claim_next, renew_leases, expired, reclaim,
+        aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins, settle,
+        requeue, request_abort, read, read_page, last_offset, put_attachment, attachment, user_value,
+        set_user_value, list_user_values, create_child,
+    );
+
+    fn append(
+        &self,
+        key: &InstanceKey,
+        records: std::sync::Arc<[flue_runtime::record::Record]>,
+        authorization: Option<&flue_runtime::store::AttemptRef>,
+    ) -> flue_runtime::BoxFuture<'_, Result<u64, flue_runtime::store::StoreError>> {
+        let value = records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::ThreadValueSet { .. }));
+        let answer = records
+            .iter()
+            .any(|record| matches!(&record.body, RecordBody::AssistantMessageCompleted { text, .. } if text == "done"));
+        let append = self.inner.append(key, records, authorization);
+        Box::pin(async move {
+            if value {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+            if answer {
+                FINAL_STEP_STORED.notify_one();
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            append.await
+        })
+    }
+}
+
+static RACING_WRITE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Told when [`SlowValueWrites`] stores the final answer.
+static FINAL_STEP_STORED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Writes a thread value from a task of its own once the final answer is being stored: the
+/// write is made as the response ends.
+#[tool]
+async fn write_in_the_background(ctx: &ToolContext) -> String {
+    let state = ctx.thread().unwrap().clone();
+    let stored = FINAL_STEP_STORED.notified();
+    tokio::spawn(async move {
+        stored.await;
+        let written = state.set_value("racing", Some(json!(1))).await;
+        RACING_WRITE.lock().unwrap().push(format!("{:?}", written.is_ok()));
+    });
+    "writing".into()
+}
+
+#[agent]
+fn racing_writer() -> &'static str {
+    use_model("scripted/x");
+    use_tool(write_in_the_background);
+    "W"
+}
+
+/// A write through the thread state that is being stored as its response ends is waited
+/// for: its `kv_changed` is published and the write is in the stream before the response's
+/// end. (Before, it landed after the response, and its event was dropped while `set_value`
+/// answered `Ok`.)
+#[tokio::test]
+async fn a_thread_write_racing_the_end_of_its_response_is_stored_and_announced_before_it_ends() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("write_in_the_background", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_on(SlowValueWrites::default(), &model, vec![racing_writer.into()]);
+    let mut events = runtime.observe();
+    let reply = runtime.init(&racing_writer, "r").send("go").await.unwrap();
+    assert_eq!(reply.text, "done");
+    // The response waited for the write (or refused it: then no event is owed).
+    let written = RACING_WRITE.lock().unwrap().clone();
+    let mut changed = 0;
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::ThreadEvent { event_type, .. } = observation.event
+            && event_type == "kv_changed"
+        {
+            changed += 1;
+        }
+    }
+    assert_eq!(written, ["true"], "the write went on as the response ended");
+    assert_eq!(changed, 1, "the stored write was announced");
 }

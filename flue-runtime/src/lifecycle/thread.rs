@@ -92,8 +92,12 @@ impl ThreadWriter {
         }
     }
 
-    /// Ends the response's use of the thread state (see `closed`).
-    pub(crate) fn close(&self) {
+    /// Ends the response's use of the thread state (see `closed`), once the write going on
+    /// through it (if any) is done: that one is in the stream before the response's fold reads
+    /// it, and none starts after. A write the store holds up longer than [`CLOSE_WAIT`] is not
+    /// waited for (it may then land after the response, as a write of no attempt's fold).
+    pub(crate) async fn close(&self) {
+        let _order = tokio::time::timeout(CLOSE_WAIT, self.lock.lock()).await;
         self.closed.store(true, std::sync::atomic::Ordering::Release);
     }
 
@@ -191,6 +195,30 @@ impl ThreadWriter {
     /// waits in [`ThreadWriter::take_unfolded`] for the response's fold.
     pub(crate) async fn append(&self, records: Arc<[Record]>) -> Result<u64, StoreError> {
         let _order = self.lock.lock().await;
+        self.append_in_order(records).await
+    }
+
+    /// [`ThreadWriter::append`] for a write through the thread state: refused (as `what`) once
+    /// the response is over, checked in the appends' order, so a write is either in the
+    /// response's fold or refused; `then` (its event) is published once it is stored, before
+    /// the response can end.
+    pub(crate) async fn append_open(
+        &self,
+        records: Arc<[Record]>,
+        what: &str,
+        then: Option<Event>,
+    ) -> Result<u64, ThreadError> {
+        let _order = self.lock.lock().await;
+        self.check_open(what)?;
+        let offset = self.append_in_order(records).await.map_err(store_error)?;
+        if let Some(event) = then {
+            self.emit_thread_event(|| event);
+        }
+        Ok(offset)
+    }
+
+    /// Appends `records`, the appends' lock held.
+    async fn append_in_order(&self, records: Arc<[Record]>) -> Result<u64, StoreError> {
         let offset = self
             .store
             .append(&self.key, records.clone(), Some(&self.attempt))
@@ -274,6 +302,9 @@ fn store_error(error: StoreError) -> ThreadError {
     ThreadError::Store(error.to_string())
 }
 
+/// How long the end of a response waits for a write through its thread state to be stored.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// One view of the thread (see the module documentation).
 pub(crate) struct RuntimeThread {
     me: Weak<RuntimeThread>,
@@ -343,8 +374,10 @@ impl RuntimeThread {
     }
 
     async fn append(&self, records: Vec<Record>) -> Result<(), ThreadError> {
-        self.writer.check_open("A write to the thread")?;
-        self.writer.append(records.into()).await.map(drop).map_err(store_error)
+        self.writer
+            .append_open(records.into(), "A write to the thread", None)
+            .await
+            .map(drop)
     }
 
     fn emit_event(&self, event_type: &str, data: Value) {
@@ -690,12 +723,15 @@ impl ThreadStateApi for RuntimeThread {
                 value,
             });
             let updated_at = record.timestamp.clone();
-            self.append(vec![record]).await?;
-            self.emit_event(
-                "kv_changed",
-                json!({"key": key, "deleted": deleted, "updated_at": &*updated_at}),
-            );
-            Ok(())
+            // Its event goes with the write: a write that is stored is announced.
+            let changed = Event::ThreadEvent {
+                event_type: "kv_changed".to_owned(),
+                data: json!({"key": key, "deleted": deleted, "updated_at": &*updated_at}),
+            };
+            self.writer
+                .append_open(vec![record].into(), "A write to the thread", Some(changed))
+                .await
+                .map(drop)
         })
     }
 }

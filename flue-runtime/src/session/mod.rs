@@ -798,7 +798,7 @@ impl InstanceSlot {
         // Nothing appends for the attempt after its response: a write queued after the final
         // flush (or by a failed attempt) is dropped, and the thread state refuses writes.
         if let Some(writer) = attempt.writer.get() {
-            writer.close();
+            writer.close().await;
         }
         attempt.close_data().await;
         // Everything the attempt appended is in the fold (a batch a tool or hook wrote, a task's
