@@ -97,7 +97,11 @@ impl ThreadWriter {
     /// it, and none starts after. A write the store holds up longer than [`CLOSE_WAIT`] is not
     /// waited for (it may then land after the response, as a write of no attempt's fold).
     pub(crate) async fn close(&self) {
-        let _order = tokio::time::timeout(CLOSE_WAIT, self.lock.lock()).await;
+        // Uncontended (no write going on), as at the end of most responses: no timer.
+        let _order = match self.lock.try_lock() {
+            Ok(order) => Some(order),
+            Err(_) => tokio::time::timeout(CLOSE_WAIT, self.lock.lock()).await.ok(),
+        };
         self.closed.store(true, std::sync::atomic::Ordering::Release);
     }
 
