@@ -493,15 +493,7 @@ pub(crate) async fn compact<S: Compacting>(
         // one; another model would summarize nothing, and that summary would stand for the
         // history for good). Nothing is compacted, no other threshold compaction is tried in
         // the session, and this is no failure: the `compaction` event says nothing changed.
-        let messages = session.conversation().messages.len() as u64;
-        session.publish(|| Event::Compaction {
-            messages_before: messages,
-            messages_after: messages,
-            duration_ms: started.elapsed().as_millis() as u64,
-            is_error: false,
-            error: None,
-            usage: None,
-        });
+        nothing_compacted(&*session, started, None, None);
         tracing::debug!("compaction skipped: the message hooks leave nothing of the older history to summarize");
         session.budget().gave_up = true;
         return Ok(false);
@@ -696,16 +688,27 @@ fn compaction_failed<S: Compacting>(
     failure: S::Failure,
     usage: Option<Usage>,
 ) -> S::Failure {
+    nothing_compacted(session, started, Some(S::describe(&failure)), usage);
+    failure
+}
+
+/// The terminal `compaction` event of a compaction that changed nothing: failed with `error`,
+/// or given up without a call.
+fn nothing_compacted<S: Compacting>(
+    session: &S,
+    started: Instant,
+    error: Option<SettlementError>,
+    usage: Option<Usage>,
+) {
     let messages = session.conversation().messages.len() as u64;
     session.publish(|| Event::Compaction {
         messages_before: messages,
         messages_after: messages,
         duration_ms: started.elapsed().as_millis() as u64,
-        is_error: true,
-        error: Some(S::describe(&failure)),
+        is_error: error.is_some(),
+        error,
         usage,
     });
-    failure
 }
 
 /// Reports a compaction given up (its failed `compaction` event, and a warning), and tries no

@@ -551,6 +551,9 @@ impl RuntimeInner {
         }
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
+            // Whether the last look failed: a store that stays down is reported once, not at
+            // every poll.
+            let mut failing = false;
             loop {
                 let Some(poll) = weak.upgrade().map(|runtime| runtime.options.shared_store_poll) else {
                     return;
@@ -558,14 +561,26 @@ impl RuntimeInner {
                 // At least a millisecond apart: a zero poll must not spin.
                 tokio::time::sleep(poll.max(Duration::from_millis(1))).await;
                 let Some(runtime) = weak.upgrade() else { return };
-                runtime.look_for_settlements().await;
+                match runtime.look_for_settlements().await {
+                    Ok(()) if failing => {
+                        failing = false;
+                        tracing::info!("looking for settlements of the submissions waited on here works again");
+                    }
+                    Ok(()) => {}
+                    // Each wait also looks on its own, less often (see `wait`).
+                    Err(error) if !failing => {
+                        failing = true;
+                        tracing::warn!(%error, "looking for settlements of the submissions waited on here failed; it goes on trying at every poll");
+                    }
+                    Err(error) => tracing::debug!(%error, "looking for settlements still fails"),
+                }
             }
         });
     }
 
     /// Wakes the waits whose submissions settled, looking at all of them in reads of
     /// [`SETTLEMENT_LOOK`] ids.
-    async fn look_for_settlements(&self) {
+    async fn look_for_settlements(&self) -> Result<(), StoreError> {
         let waited: Vec<String> = self
             .waiters
             .lock()
@@ -574,15 +589,10 @@ impl RuntimeInner {
             .cloned()
             .collect();
         for ids in waited.chunks(SETTLEMENT_LOOK) {
-            match self.store.settled_among(ids).await {
-                Ok(settled) => self.notify_settled(&settled),
-                Err(error) => {
-                    // Each wait also looks on its own, less often (see `wait`).
-                    tracing::warn!(%error, "looking for settlements of the submissions waited on here failed; the next look tries again");
-                    return;
-                }
-            }
+            let settled = self.store.settled_among(ids).await?;
+            self.notify_settled(&settled);
         }
+        Ok(())
     }
 
     /// Acts on a notice of the store (see [`Store::notices`]), without waiting on the store:
