@@ -797,6 +797,73 @@ async fn signed_thinking_goes_back_to_anthropic_within_its_tool_loop_and_survive
     assert_eq!(next_turn["thinking"]["type"], "enabled");
 }
 
+/// Whether `switching_thinker` renders with Opus (Sonnet otherwise).
+static THINKS_WITH_OPUS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[agent]
+fn switching_thinker() -> &'static str {
+    let model = if THINKS_WITH_OPUS.load(std::sync::atomic::Ordering::SeqCst) {
+        "claude/claude-opus-4-1"
+    } else {
+        "claude/claude-sonnet-4-5"
+    };
+    use_model_with(model, ModelOptions::thinking(ThinkingLevel::High));
+    use_tool(get_weather);
+    "You think, then report the weather."
+}
+
+/// A thinking block's signature is bound to the model that made it: Anthropic checks the
+/// signatures of every block it is sent (earlier turns' too) and refuses another model's. A
+/// conversation whose model changes sends the other model's steps without their reasoning, and
+/// its own steps with theirs again once it is back, in a cached conversation and after a
+/// restart alike.
+#[tokio::test]
+async fn signed_thinking_goes_back_only_to_the_model_that_made_it() {
+    let db = scratch::dir("thinking-model-switch").join("flue.db");
+    let server = FixtureServer::start().await;
+    push_signed_thinking_then_answer(&server);
+    let signed = json!({"type": "thinking", "thinking": "Paris, so look it up.", "signature": "sig-paris"});
+    // The content of the step that called the tool, in the request `at`.
+    let step = |at: usize| server.requests()[at].body["messages"][1]["content"].clone();
+    let sent_blocks = |at: usize| -> Vec<String> {
+        step(at)
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|block| block["type"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    {
+        let runtime = thinking_runtime_of(&server, SqliteStore::open(&db).unwrap(), switching_thinker);
+        let thread = runtime.init(&switching_thinker, "t");
+        assert_eq!(thread.send("Weather in Paris?").await.unwrap().text, "Sunny in Paris.");
+        assert_eq!(step(1)[0], signed, "Sonnet's own tool loop carries its thinking");
+
+        THINKS_WITH_OPUS.store(true, std::sync::atomic::Ordering::SeqCst);
+        server.push(FixtureReply::anthropic_text("Still sunny."));
+        thread.send("And now?").await.unwrap();
+        assert_eq!(server.requests()[2].body["model"], "claude-opus-4-1");
+        assert_eq!(
+            sent_blocks(2),
+            ["tool_use"],
+            "Opus is not sent Sonnet's signed thinking"
+        );
+        assert_eq!(server.requests()[2].body["thinking"]["type"], "enabled");
+
+        THINKS_WITH_OPUS.store(false, std::sync::atomic::Ordering::SeqCst);
+        server.push(FixtureReply::anthropic_text("Sunny still."));
+        thread.send("And later?").await.unwrap();
+        assert_eq!(step(3)[0], signed, "back on Sonnet, its step has its thinking again");
+        runtime.shutdown();
+    }
+    // After a restart (the conversation folded afresh from the stream), on Opus again.
+    THINKS_WITH_OPUS.store(true, std::sync::atomic::Ordering::SeqCst);
+    server.push(FixtureReply::anthropic_text("Sunny at night."));
+    let runtime = thinking_runtime_of(&server, SqliteStore::open(&db).unwrap(), switching_thinker);
+    runtime.init(&switching_thinker, "t").send("Tonight?").await.unwrap();
+    assert_eq!(sent_blocks(4), ["tool_use"]);
+}
+
 /// Redacts a name from the answers' rows.
 #[hook(before_update_message)]
 async fn redact_paris(

@@ -42,7 +42,9 @@
 //!
 //! A step's signed thinking blocks (`thinking` with its `signature`, `redacted_thinking` with
 //! its `data`) are kept with the step ([`ReasoningBlock`]) and sent back unchanged before its
-//! text and tool calls while thinking is on. Inside a tool-use loop (an assistant tool call
+//! text and tool calls while thinking is on, to the model that made them only (a signature is
+//! checked against the model it is sent to: a conversation whose model changed sends the other
+//! model's steps without them). Inside a tool-use loop (an assistant tool call
 //! after the last user message) a budgeted call requires the last step's signed thinking, so
 //! budgeted thinking stays on there only when that step has some: a step made with thinking
 //! off, or one a `prefilter_llm_history` hook rewrote, turns it off until the next user

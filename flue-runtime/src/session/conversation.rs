@@ -81,6 +81,10 @@ pub(crate) struct Conversation {
     /// Whether rows were deleted: the history may hold calls without results (or the other
     /// way round), which `model_messages` then drops.
     edited: bool,
+    /// The model specifier every step's reasoning in `messages` is fitted to (see
+    /// [`Conversation::fit_reasoning_to`]); `None` until a fit, and again once a step of
+    /// another model with reasoning is folded.
+    reasoning_for: Option<Arc<str>>,
     /// Tool calls of the last completed step whose batch has not committed.
     open_calls: Vec<ModelToolCall>,
     /// The message id of the step those calls belong to.
@@ -142,6 +146,8 @@ pub(crate) enum DeliveryCursor {
 
 struct OpenStep {
     tool_calls: Vec<ModelToolCall>,
+    /// The specifier of the model that made it.
+    model: Arc<str>,
     /// Made by a model call (it has a turn), not by calls queued with `queue_tool`: only these
     /// count against `max_steps`.
     model_call: bool,
@@ -255,6 +261,11 @@ struct Row {
     /// Rows whose model text is a rendering of their content (signals, system rows): what
     /// to render it from.
     rendered: Option<Box<Rendering>>,
+    /// A model step's row: the specifier of the model that made it.
+    model: Option<Arc<str>>,
+    /// The step's reasoning while the messages are fitted to another model (see
+    /// [`Conversation::fit_reasoning_to`]).
+    reasoning_aside: Vec<ReasoningBlock>,
 }
 
 struct Rendering {
@@ -297,6 +308,8 @@ impl Row {
             name: None,
             status: Some(MessageStatus::Completed),
             rendered: None,
+            model: None,
+            reasoning_aside: Vec::new(),
         }
     }
 }
@@ -668,10 +681,11 @@ impl Conversation {
                 row.rendered = Some(Box::new(rendering));
                 self.push(message, row);
             }
-            RecordBody::AssistantMessageStarted { turn_id, .. } => {
+            RecordBody::AssistantMessageStarted { turn_id, model, .. } => {
                 self.close_dangling_calls();
                 self.open_step = Some(OpenStep {
                     tool_calls: Vec::new(),
+                    model: model.as_str().into(),
                     model_call: turn_id.is_some(),
                 });
             }
@@ -695,12 +709,20 @@ impl Conversation {
                 reasoning_blocks,
                 ..
             } => {
-                let tool_calls = self.open_step.take().map(|step| step.tool_calls).unwrap_or_default();
+                let (tool_calls, model) = self
+                    .open_step
+                    .take()
+                    .map(|step| (step.tool_calls, Some(step.model)))
+                    .unwrap_or_default();
                 self.completed_steps += 1;
                 self.open_calls.clone_from(&tool_calls);
                 self.open_calls_step.clone_from(message_id);
                 self.results_at = self.messages.len() + 1;
-                let row = Row::new(message_id.clone(), MessageRole::Assistant, record.timestamp.clone());
+                let mut row = Row::new(message_id.clone(), MessageRole::Assistant, record.timestamp.clone());
+                if !reasoning_blocks.is_empty() && self.reasoning_for != model {
+                    self.reasoning_for = None;
+                }
+                row.model = model;
                 self.push(
                     ModelMessage::Assistant {
                         text: text.clone(),
@@ -1336,6 +1358,37 @@ impl Conversation {
                 })
                 .unwrap_or_default(),
         }
+    }
+
+    /// Fits the steps' reasoning to the model `spec` about to be called: a step made by
+    /// another model is sent without its reasoning, and one made by `spec` with it (set aside
+    /// while another model was called). Signed reasoning is bound to the model that signed it:
+    /// Anthropic checks the signatures of every thinking block it is sent, earlier turns' too,
+    /// and refuses a call carrying another model's (so does Gemini its thought signatures,
+    /// through OpenRouter's reasoning details); and no model reads another's reasoning text.
+    /// Costs a comparison when the messages are fitted to `spec` already.
+    pub(crate) fn fit_reasoning_to(&mut self, spec: &str) {
+        if self.reasoning_for.as_deref() == Some(spec) {
+            return;
+        }
+        for index in 0..self.rows.len() {
+            let row = &mut self.rows[index];
+            let Some(model) = &row.model else { continue };
+            let fits = **model == *spec;
+            let sent =
+                matches!(&self.messages[index], ModelMessage::Assistant { reasoning, .. } if !reasoning.is_empty());
+            if fits && !row.reasoning_aside.is_empty() {
+                if let ModelMessage::Assistant { reasoning, .. } = self.messages.get_mut(index) {
+                    *reasoning = std::mem::take(&mut row.reasoning_aside);
+                }
+            } else if !fits
+                && sent
+                && let ModelMessage::Assistant { reasoning, .. } = self.messages.get_mut(index)
+            {
+                row.reasoning_aside = std::mem::take(reasoning);
+            }
+        }
+        self.reasoning_for = Some(spec.into());
     }
 
     /// The message of the row `id` as an event shows it: as stored, its images with their media

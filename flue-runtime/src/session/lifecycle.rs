@@ -171,6 +171,9 @@ impl Response<'_> {
     /// calls and results dropped), then `prefilter_llm_history` on the provider format.
     pub(super) async fn request(&mut self, system: Option<String>) -> Result<(Option<String>, Messages), Blocked> {
         self.fold_thread_writes();
+        if let Some((spec, _)) = &self.model_spec {
+            self.conversation.fit_reasoning_to(spec);
+        }
         if self.hooks.is_empty() {
             return Ok((system, self.conversation.model_messages()));
         }
