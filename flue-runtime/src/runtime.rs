@@ -156,6 +156,13 @@ pub struct RuntimeOptions {
     /// `PostgresStore` does) wakes the wait as the settlement lands; this look is then what
     /// finds one whose notice was lost.
     pub shared_store_poll: Duration,
+    /// How long a submission whose attempt a store failure ended (a write or read that failed
+    /// after its retries) waits before this node attempts it again: doubled for each attempt
+    /// before it, at most [`MAX_MODEL_RETRY_WAIT`], a random 75–100 % of that. Without it, a
+    /// store down for a second would spend the submission's whole attempt budget
+    /// ([`Durability::max_attempts`](flue_core::agent::Durability::max_attempts)) in milliseconds. A
+    /// node that stops does not wait (the submission stays queued for the next one).
+    pub store_retry_delay: Duration,
 }
 
 impl Default for RuntimeOptions {
@@ -171,6 +178,7 @@ impl Default for RuntimeOptions {
             text_flush: Some(Duration::from_secs(1)),
             settle_grace: Duration::from_secs(60),
             shared_store_poll: Duration::from_millis(250),
+            store_retry_delay: Duration::from_secs(1),
         }
     }
 }
@@ -211,6 +219,18 @@ impl RuntimeOptions {
     /// longer, at most [`MAX_RETRY_AFTER_WAIT`].
     pub(crate) fn model_retry(&self, retries: u32, error: &crate::provider::ProviderError) -> (u32, Duration) {
         self.model_retry_jittered(retries, error, crate::provider::jitter_fraction())
+    }
+
+    /// The wait before the attempt after `attempt` (from 1) of a submission, when a store
+    /// failure ended that one: [`store_retry_delay`](Self::store_retry_delay) doubled for
+    /// each attempt before it, at most [`MAX_MODEL_RETRY_WAIT`], scaled by `jitter` (in
+    /// `[0, 1)`) to between 75 and 100 % of it.
+    pub(crate) fn store_retry_wait(&self, attempt: u32, jitter: f64) -> Duration {
+        let factor = 2u32.saturating_pow(attempt.saturating_sub(1));
+        self.store_retry_delay
+            .saturating_mul(factor)
+            .min(MAX_MODEL_RETRY_WAIT)
+            .mul_f64(1.0 - 0.25 * jitter.clamp(0.0, 1.0))
     }
 
     fn model_retry_jittered(

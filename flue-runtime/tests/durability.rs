@@ -464,6 +464,44 @@ async fn with_start_callbacks_the_input_is_durable_before_the_seam_runs() {
     );
 }
 
+#[agent(durability(max_attempts = 3))]
+fn patient() -> &'static str {
+    use_model("scripted/x");
+    "x"
+}
+
+/// A store failure that lasts a moment (a database restarting) does not spend the attempt
+/// budget at once: each re-attempt waits longer than the one before (`store_retry_delay`),
+/// so the third attempt comes after the store is back, and the submission completes.
+#[tokio::test]
+async fn re_attempts_after_a_store_failure_wait_for_the_store_to_come_back() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("made it")]);
+    let options = RuntimeOptions {
+        store_retry_delay: std::time::Duration::from_millis(200),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store.clone(), &model, [patient.into()], options);
+    store.fail_always(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    // The store is back 100 ms after its first refusal: before the second re-attempt, which
+    // waits at least 150 + 300 ms.
+    let healer = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            while store.failures.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            store.disarm();
+        })
+    };
+    let reply = runtime.init(&patient, "p").send("hi").await.unwrap();
+    healer.await.unwrap();
+    assert_eq!(reply.text, "made it");
+    let failures = store.failures.load(Ordering::SeqCst);
+    assert!((1..=2).contains(&failures), "{failures} refused inputs");
+}
+
 #[agent(durability(max_attempts = 2))]
 fn fragile() -> &'static str {
     use_model("scripted/x");

@@ -880,6 +880,16 @@ impl InstanceSlot {
                                 RecoveryOutcome::Deferred,
                                 Some(&failure.error.message),
                             );
+                            // The store may be down for a while: the next attempt waits (a
+                            // stopping node does not), or the budget would be spent at once.
+                            drop(conversation);
+                            let wait = runtime
+                                .options
+                                .store_retry_wait(submission.attempt_count, crate::provider::jitter_fraction());
+                            tokio::select! {
+                                () = tokio::time::sleep(wait) => {}
+                                () = runtime.closed() => {}
+                            }
                             return (None, None);
                         }
                         // Another attempt owns the submission now: its settlement is refused

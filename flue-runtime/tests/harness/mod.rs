@@ -36,6 +36,7 @@ pub fn dispatching(
 pub fn runtime_on(store: impl Store, model: &ScriptedModel, agents: impl IntoIterator<Item = AgentRef>) -> Runtime {
     let options = RuntimeOptions {
         model_retry_delay: std::time::Duration::from_millis(1),
+        store_retry_delay: std::time::Duration::from_millis(1),
         ..RuntimeOptions::default()
     };
     runtime_on_with(store, model, agents, options)
