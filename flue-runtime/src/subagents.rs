@@ -1427,8 +1427,9 @@ struct ChildDeltas<'e, 'a> {
     thinking: bool,
     /// The reasoning since the open `thinking_start`.
     thought: String,
-    /// The calls' ids and tool names by index, as their starts named them.
-    ids: Vec<(String, String)>,
+    /// The calls' ids and tool names by index, as their starts named them (a provider that
+    /// numbers its calls sparsely, or absurdly, costs an entry per call, never one per number).
+    ids: std::collections::HashMap<usize, (String, String)>,
     /// The child's conversation, and the ids its calls go by (see [`CallIds`]).
     conversation: &'e Conversation,
     call_ids: &'e mut CallIds,
@@ -1440,7 +1441,7 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
             events,
             thinking: false,
             thought: String::new(),
-            ids: Vec::new(),
+            ids: std::collections::HashMap::new(),
             conversation,
             call_ids,
         }
@@ -1463,13 +1464,11 @@ impl<'e, 'a> ChildDeltas<'e, 'a> {
                 self.events.emit(|| Event::ThinkingDelta { delta });
             }
             StreamEvent::ToolCallStarted { index, id, name } => {
-                if self.ids.len() <= index {
-                    self.ids.resize(index + 1, Default::default());
-                }
-                self.ids[index] = (self.call_ids.own(self.conversation, index, id), name);
+                let id = self.call_ids.own(self.conversation, index, id);
+                self.ids.insert(index, (id, name));
             }
             StreamEvent::ToolCallArguments { index, delta } => {
-                let (tool_call_id, tool_name) = self.ids.get(index).cloned().unwrap_or_default();
+                let (tool_call_id, tool_name) = self.ids.get(&index).cloned().unwrap_or_default();
                 self.events.emit(|| Event::ToolcallDelta {
                     index,
                     tool_call_id,

@@ -2903,3 +2903,74 @@ async fn a_failed_read_of_an_image_to_hand_on_is_tried_again_not_answered_as_an_
         ("Seven words.".to_owned(), false)
     );
 }
+
+/// A scripted model whose streams number their tool calls from `usize::MAX` down (a provider
+/// of the registry passing a server's numbers through as they come).
+#[derive(Clone)]
+struct HugeIndices(ScriptedModel);
+
+impl flue_runtime::provider::ModelProvider for HugeIndices {
+    fn id(&self) -> &str {
+        self.0.id()
+    }
+
+    fn stream(&self, request: &ModelRequest) -> flue_runtime::provider::ModelStream {
+        use flue_runtime::provider::StreamEvent;
+        use futures_util::StreamExt;
+        Box::pin(self.0.stream(request).map(|event| {
+            event.map(|event| match event {
+                StreamEvent::ToolCallStarted { index, id, name } => StreamEvent::ToolCallStarted {
+                    index: usize::MAX - index,
+                    id,
+                    name,
+                },
+                StreamEvent::ToolCallArguments { index, delta } => StreamEvent::ToolCallArguments {
+                    index: usize::MAX - index,
+                    delta,
+                },
+                other => other,
+            })
+        }))
+    }
+}
+
+/// A delegate's stream that numbers a call `usize::MAX` is one call found by its number: the
+/// child's observer neither allocates a slot per number nor overflows (it panicked, failing
+/// the task), and its `toolcall_delta` names the call.
+#[tokio::test]
+async fn a_delegate_streaming_a_call_numbered_usize_max_runs_it() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("task", json!({"agent": "summarizer", "prompt": "Count: a b c."})),
+        ScriptedReply::tool_call("count_words", json!({"text": "a b c"})),
+        ScriptedReply::text("Three words."),
+        ScriptedReply::text("Done."),
+    ]);
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(HugeIndices(model.clone()));
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(case_agent)
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let reply = runtime.init(&case_agent, "huge").send("Count.").await.unwrap();
+    assert_eq!(reply.text, "Done.");
+    let requests = model.requests();
+    assert_eq!(tool_result(&requests[2]), ("3".to_owned(), false));
+    assert_eq!(tool_result(&requests[3]), ("Three words.".to_owned(), false));
+    let mut child_deltas = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::ToolcallDelta {
+            index,
+            tool_name,
+            tool_call_id,
+            ..
+        } = observation.event
+            && tool_name == "count_words"
+        {
+            child_deltas.push((index, tool_call_id.is_empty()));
+        }
+    }
+    assert_eq!(child_deltas, [(usize::MAX, false)]);
+}
