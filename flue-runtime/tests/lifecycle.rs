@@ -296,6 +296,69 @@ async fn item_18_dropping_a_tool_result_drops_its_call_from_the_request() {
     assert_eq!(model.requests()[1].messages, [ModelMessage::user("hello")]);
 }
 
+/// Puts a reminder right after every tool-calling step (between its calls and their
+/// results) and repeats every tool result at the end.
+#[hook(filter_messages)]
+async fn misplace_tool_results(_state: &ThreadState, messages: Vec<Message>) -> Vec<Message> {
+    let mut out = Vec::new();
+    let mut results = Vec::new();
+    for row in messages {
+        let calls = row.tool_calls.is_some();
+        if row.role == MessageRole::Tool {
+            results.push(row.clone());
+        }
+        out.push(row.clone());
+        if calls {
+            let mut reminder = row;
+            reminder.id = format!("reminder-{}", reminder.id);
+            reminder.role = MessageRole::User;
+            reminder.content = Some("remember the budget".into());
+            reminder.tool_calls = None;
+            out.push(reminder);
+        }
+    }
+    out.extend(results);
+    out
+}
+
+#[agent(hooks = [misplace_tool_results])]
+fn misplacing() -> &'static str {
+    use_model("scripted/x");
+    use_tool(echo_tool);
+    "M"
+}
+
+/// Pairing stays valid however the hook orders its rows (reference: the runtime keeps the
+/// pairing valid after the chain): a call's result goes right after its step, once, and a row
+/// the hook put between them comes after. OpenAI-format providers refuse anything else.
+#[tokio::test]
+async fn item_18_a_row_between_a_call_and_its_result_or_a_repeated_result_is_sent_paired() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("echo_tool", json!({"text": "x"})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![misplacing.into()]);
+    runtime.init(&misplacing, "m").send("hello").await.unwrap();
+    let sent = &model.requests()[1].messages;
+    let shape: Vec<String> = sent
+        .iter()
+        .map(|message| match message {
+            ModelMessage::User { content, .. } => format!("user {content}"),
+            ModelMessage::Assistant { tool_calls, .. } => format!("calls {}", tool_calls.len()),
+            ModelMessage::Tool { tool_call_id, .. } => format!("result of {}", tool_call_id.is_empty()),
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        ["user hello", "calls 1", "result of false", "user remember the budget"]
+    );
+    let (ModelMessage::Assistant { tool_calls, .. }, ModelMessage::Tool { tool_call_id, .. }) = (&sent[1], &sent[2])
+    else {
+        panic!("a step, then its result: {sent:?}")
+    };
+    assert_eq!(&tool_calls[0].id, tool_call_id);
+}
+
 static RETRIED_REQUEST_HOOKS: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
 
 #[hook(after_system_message)]

@@ -1633,34 +1633,67 @@ fn synthesized(row: &Message) -> ModelMessage {
     }
 }
 
-/// Drops tool results whose call is not in the history and tool calls without a result (an
-/// assistant message left with neither text nor calls goes too), so the history stays a
-/// valid call/result pairing.
+/// Makes the history a valid call/result pairing, as every provider requires: each call's
+/// result right after the step that made it (in the step's call order, before anything else),
+/// one result per call (the first), no result without its call and no call without a result
+/// (a step left with neither text nor calls goes too). A history the runtime folded is one
+/// already; one a `filter_messages` hook returned may have a row between a call and its result
+/// (a reminder inserted, rows sorted by time), a result twice, or a result before its call.
 pub(crate) fn drop_orphans(messages: &mut Vec<ModelMessage>) {
-    let calls: HashSet<String> = messages
-        .iter()
-        .filter_map(|message| match message {
-            ModelMessage::Assistant { tool_calls, .. } => Some(tool_calls.iter().map(|call| call.id.clone())),
-            _ => None,
-        })
-        .flatten()
-        .collect();
-    let results: HashSet<String> = messages
-        .iter()
-        .filter_map(|message| match message {
-            ModelMessage::Tool { tool_call_id, .. } => Some(tool_call_id.clone()),
-            _ => None,
-        })
-        .collect();
-    messages.retain_mut(|message| match message {
-        ModelMessage::Tool { tool_call_id, .. } => calls.contains(tool_call_id),
-        ModelMessage::Assistant { text, tool_calls, .. } => {
-            let had_calls = !tool_calls.is_empty();
-            tool_calls.retain(|call| results.contains(&call.id));
-            !(had_calls && tool_calls.is_empty() && text.is_empty())
+    // Each call id's step: the first that made it (a step repeated makes its calls again).
+    let mut steps: HashMap<&str, usize> = HashMap::new();
+    for (at, message) in messages.iter().enumerate() {
+        if let ModelMessage::Assistant { tool_calls, .. } = message {
+            for call in tool_calls {
+                steps.entry(call.id.as_str()).or_insert(at);
+            }
         }
+    }
+    // The first result of each call that has a step, wherever it stands.
+    let mut results: HashMap<String, usize> = HashMap::new();
+    for (at, message) in messages.iter().enumerate() {
+        if let ModelMessage::Tool { tool_call_id, .. } = message
+            && steps.contains_key(tool_call_id.as_str())
+            && !results.contains_key(tool_call_id)
+        {
+            results.insert(tool_call_id.clone(), at);
+        }
+    }
+    let already_paired = messages.iter().enumerate().all(|(at, message)| match message {
+        ModelMessage::Tool { tool_call_id, .. } => results.get(tool_call_id) == Some(&at),
+        ModelMessage::Assistant { tool_calls, .. } => tool_calls.iter().enumerate().all(|(nth, call)| {
+            steps.get(call.id.as_str()) == Some(&at) && results.get(&call.id) == Some(&(at + 1 + nth))
+        }),
         ModelMessage::User { .. } => true,
     });
+    if already_paired {
+        return;
+    }
+    drop(steps);
+    let mut slots: Vec<Option<ModelMessage>> = std::mem::take(messages).into_iter().map(Some).collect();
+    let is_result = |message: &Option<ModelMessage>| matches!(message, Some(ModelMessage::Tool { .. }));
+    for at in 0..slots.len() {
+        if is_result(&slots[at]) {
+            continue;
+        }
+        let Some(mut message) = slots[at].take() else { continue };
+        let mut paired = Vec::new();
+        if let ModelMessage::Assistant { text, tool_calls, .. } = &mut message {
+            let had_calls = !tool_calls.is_empty();
+            tool_calls.retain(|call| match results.remove(&call.id) {
+                Some(result) => {
+                    paired.push(slots[result].take());
+                    true
+                }
+                None => false,
+            });
+            if had_calls && tool_calls.is_empty() && text.is_empty() {
+                continue;
+            }
+        }
+        messages.push(message);
+        messages.extend(paired.into_iter().flatten());
+    }
 }
 
 /// Whether a signal of `signal_type` is the advisory a submission's terminal settlement
@@ -2586,5 +2619,77 @@ mod tests {
         let before = conversation.messages.as_ptr();
         conversation.messages.make_mut().reserve(0);
         assert!(std::ptr::eq(before, conversation.messages.as_ptr()));
+    }
+}
+
+#[cfg(test)]
+mod pairing {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A message of a shuffled history: a user row, a step calling some of the ids 0..6, or a
+    /// result of one of them.
+    fn message() -> impl Strategy<Value = ModelMessage> {
+        prop_oneof![
+            Just(ModelMessage::user("u")),
+            (proptest::collection::vec(0..6u8, 0..3), any::<bool>()).prop_map(|(calls, text)| {
+                ModelMessage::Assistant {
+                    text: if text { "t".into() } else { String::new() },
+                    tool_calls: calls
+                        .into_iter()
+                        .map(|id| ModelToolCall {
+                            id: format!("c{id}"),
+                            name: "n".into(),
+                            arguments: "{}".into(),
+                        })
+                        .collect(),
+                    reasoning: Vec::new(),
+                }
+            }),
+            (0..6u8).prop_map(|id| ModelMessage::Tool {
+                tool_call_id: format!("c{id}"),
+                name: "n".into(),
+                content: "r".into(),
+                is_error: false,
+            }),
+        ]
+    }
+
+    proptest! {
+        /// Whatever a hook returns, the history sent is a valid pairing: every call's result
+        /// comes right after its step (in call order), once; no result without its call; and
+        /// the other messages keep their order. A valid pairing is left as it is.
+        #[test]
+        fn any_history_leaves_as_a_valid_pairing(messages in proptest::collection::vec(message(), 0..12)) {
+            let mut paired = messages.clone();
+            drop_orphans(&mut paired);
+            let mut seen = HashSet::new();
+            let mut at = 0;
+            while at < paired.len() {
+                match &paired[at] {
+                    ModelMessage::Assistant { tool_calls, text, .. } => {
+                        prop_assert!(!tool_calls.is_empty() || !text.is_empty() || messages.contains(&paired[at]));
+                        for (nth, call) in tool_calls.iter().enumerate() {
+                            prop_assert!(seen.insert(call.id.clone()), "a call made twice: {paired:?}");
+                            prop_assert!(
+                                matches!(paired.get(at + 1 + nth), Some(ModelMessage::Tool { tool_call_id, .. }) if *tool_call_id == call.id),
+                                "call {} not answered right after its step: {paired:?}", call.id
+                            );
+                        }
+                        at += 1 + tool_calls.len();
+                    }
+                    ModelMessage::Tool { .. } => prop_assert!(false, "a result away from its step: {paired:?}"),
+                    ModelMessage::User { .. } => at += 1,
+                }
+            }
+            // Users keep their order and are all kept.
+            let users = |history: &[ModelMessage]| history.iter().filter(|m| matches!(m, ModelMessage::User { .. })).count();
+            prop_assert_eq!(users(&paired), users(&messages));
+            // Idempotent: a valid pairing stays as it is.
+            let mut again = paired.clone();
+            drop_orphans(&mut again);
+            prop_assert_eq!(again, paired);
+        }
     }
 }
