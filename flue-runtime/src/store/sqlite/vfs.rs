@@ -22,11 +22,14 @@
 //! one WAL shares it (another process cannot open the file). Frames gathered by a transaction
 //! that rolled back are therefore written before any later write to the file, by any
 //! connection, exactly as SQLite's own writes of them would have been: beyond the last commit,
-//! overwritten by the next. A write that fails (a full disk) leaves the bytes gathered, and the
-//! next access tries them again, as SQLite's own writes of them would have reached the file,
-//! except the page of the failed commit, which is dropped: like a page SQLite failed to write,
-//! it never completes that commit later. While bytes stay unwritten, a read fails only where it
-//! overlaps them (beyond every commit).
+//! overwritten by the next. A write of the writing connection that fails (a full disk) fails
+//! its transaction, and what is gathered, that transaction's frames or those of one that ended
+//! before it uncommitted, is dropped: like pages SQLite failed to write, they never complete a
+//! commit later, and the next transaction writes over them. A write of them made for another
+//! access (a read or a sync, of the checkpointer, say) that fails leaves them gathered, as they
+//! may be the frames of a transaction still being written, and the next access tries them
+//! again. While bytes stay unwritten, a read fails only where it overlaps them (beyond every
+//! commit).
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::os::unix::ffi::OsStrExt;
@@ -246,6 +249,20 @@ unsafe fn flush(file: *mut ffi::sqlite3_file, gather: &mut Gather) -> c_int {
     rc
 }
 
+/// Forgets what is gathered, after the writing connection's own write of it failed with
+/// `rc` (returned): the failure fails that connection's transaction, and what is gathered is
+/// that transaction's frames (or those of one that failed or rolled back before it), which
+/// SQLite never reads and overwrites next. Kept, they would be tried again before every
+/// later write, and on a full disk fail every later commit, those that fit in the space the
+/// WAL already has included.
+fn abandon(gather: &mut Gather, rc: c_int) -> c_int {
+    gather.bytes.clear();
+    gather.commit_page_at = None;
+    // Where the gather began was the file's end as far as anything reached it.
+    gather.end = gather.start;
+    rc
+}
+
 /// # Safety
 /// SQLite calls it as a WAL handle's `xWrite`.
 unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, amount: c_int, offset: i64) -> c_int {
@@ -262,7 +279,7 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, am
             // The WAL starts over: what follows its header are appends again.
             let rc = flush(file, gather);
             if rc != ffi::SQLITE_OK {
-                return rc;
+                return abandon(gather, rc);
             }
             gather.end = 0;
         }
@@ -273,7 +290,7 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, am
         if !append || (!gather.bytes.is_empty() && gather.bytes.len() + length > MAX_GATHERED) {
             let rc = flush(file, gather);
             if rc != ffi::SQLITE_OK {
-                return rc;
+                return abandon(gather, rc);
             }
         }
         let header = offset == 0 || (length == FRAME_HEADER && !after_sync);
@@ -295,8 +312,7 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, data: *const c_void, am
             if rc != ffi::SQLITE_OK {
                 // The commit failed: like a page SQLite failed to write itself, this one must
                 // never reach the file later (it would complete a commit SQLite rolled back).
-                gather.bytes.truncate(gather.bytes.len() - length);
-                gather.end = offset;
+                return abandon(gather, rc);
             }
             return rc;
         }
@@ -863,6 +879,20 @@ mod tests {
         );
         writer.execute("INSERT INTO t VALUES (2, 'retried')", []).unwrap();
         assert_eq!(count(&crash_copy(&path, &dir)), 2);
+        // Room for a few frames: a transaction too large for it fails, and one that fits
+        // commits after it, the disk still full (what the failed one gathered is not written
+        // again before it).
+        let wal = std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
+        let page: i64 = writer.query_row("PRAGMA page_size", [], |row| row.get(0)).unwrap();
+        let page = u64::try_from(page).unwrap();
+        limit_file_size(Some(wal + 4 * (page + 24)));
+        let large = "x".repeat(usize::try_from(16 * page).unwrap());
+        let failed = writer.execute("INSERT INTO t VALUES (3, ?1)", [large]);
+        let small = writer.execute("INSERT INTO t VALUES (4, 'small')", []);
+        limit_file_size(None);
+        assert!(failed.is_err(), "the large commit fails on the full disk");
+        assert_eq!(small.ok(), Some(1), "the small commit fits in the room left");
+        assert_eq!(count(&crash_copy(&path, &dir)), 3);
     }
 
     #[test]
