@@ -229,6 +229,8 @@ enum OpenError {
     NotRegular(Access),
     /// What the path names is one of the kernel's files (`/proc`, `/sys`).
     OfTheKernel,
+    /// What the path names is a database file of a store of this process.
+    OfTheStore,
     /// Anything else.
     Io(std::io::Error),
 }
@@ -247,6 +249,9 @@ impl OpenError {
             )),
             Self::OfTheKernel => SandboxError::Io(format!(
                 "{shown} is a file of the kernel's (/proc or /sys); the file tools do not open them"
+            )),
+            Self::OfTheStore => SandboxError::Io(format!(
+                "{shown} is a file of the runtime's own database; the file tools do not open it"
             )),
             Self::Io(error) if error.kind() == std::io::ErrorKind::NotFound => SandboxError::NotFound(shown.to_owned()),
             Self::Io(error) => io(error),
@@ -411,6 +416,9 @@ fn walk_beneath(
             End::Parent => (beneath::DIRECTORY, false),
         };
         let parent = walked.last().unwrap_or(&root_fd);
+        if last && is_a_store_file(parent, &name) {
+            return Err(OpenError::OfTheStore);
+        }
         let opened = match beneath::open_at(Some(parent), &name, flags) {
             Err(error) if !last && make_dirs && error.kind() == std::io::ErrorKind::NotFound => {
                 // A missing directory of a write: made here, then walked into.
@@ -470,6 +478,18 @@ fn regular(fd: std::os::fd::OwnedFd, access: Access) -> Result<std::fs::File, Op
     } else {
         Err(OpenError::NotRegular(access))
     }
+}
+
+/// Whether the entry `name` of `dir` (not followed, if a link) is a database file a store of
+/// this process has open: opened here and closed, it would release the store's lock on it (see
+/// [`crate::store::is_store_file`]). Looked at before the open, which is what the close
+/// would undo.
+#[cfg(unix)]
+fn is_a_store_file(dir: &std::os::fd::OwnedFd, name: &std::ffi::OsStr) -> bool {
+    beneath::status_at(dir, name).is_ok_and(|status| {
+        #[allow(clippy::unnecessary_cast, clippy::useless_conversion)] // their types differ across targets
+        crate::store::is_store_file(status.st_dev as u64, status.st_ino as u64)
+    })
 }
 
 /// Whether `file` is one of the kernel's (Linux: on a procfs or sysfs filesystem). The file
@@ -1926,6 +1946,39 @@ mod tests {
             sandbox.write_file("/proc/self/comm", b"x".to_vec()).await,
             Err(SandboxError::Io(message)) if message.contains("a file of the kernel's")
         ));
+    }
+
+    /// The file tools run in this process: a store's database opened by them and closed would
+    /// release the store's lock on it (any close of the file does), letting another process
+    /// open it beside the store. Its files are refused, by name or through a link; once the
+    /// store is closed they are files like any other.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn the_files_of_an_open_store_are_not_opened_by_the_file_tools() {
+        let dirs = scratch("store-files");
+        let store = crate::store::SqliteStore::open(dirs.root.join(".flue/flue.db")).unwrap();
+        std::os::unix::fs::symlink(".flue/flue.db", dirs.root.join("db-link")).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        for path in ["/.flue/flue.db", ".flue/flue.db-wal", "db-link"] {
+            assert_eq!(
+                sandbox.read_file(path).await,
+                Err(SandboxError::Io(format!(
+                    "{path} is a file of the runtime's own database; the file tools do not open it"
+                ))),
+                "{path}"
+            );
+        }
+        assert!(matches!(
+            sandbox.write_file(".flue/flue.db", b"x".to_vec()).await,
+            Err(SandboxError::Io(message)) if message.contains("the runtime's own database")
+        ));
+        // The lock file and the directory's other files are the tools' to read.
+        sandbox.write_file(".flue/notes.txt", b"ok".to_vec()).await.unwrap();
+        assert_eq!(sandbox.read_file(".flue/notes.txt").await.unwrap(), b"ok");
+        drop(store);
+        assert!(sandbox.read_file(".flue/flue.db").await.is_ok());
     }
 
     #[tokio::test]

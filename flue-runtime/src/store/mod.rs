@@ -21,6 +21,8 @@ pub use attachments::{ATTACHMENT_CHUNK_BYTES, AttachmentPut, StoredAttachment, s
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresStore;
+#[cfg(unix)]
+pub(crate) use sqlite::is_store_file;
 pub use sqlite::{FORMAT_VERSION, SqliteStore};
 
 use crate::record::{Batch, Outcome, Record, SettlementError};

@@ -109,6 +109,67 @@ pub struct SqliteStore {
     /// The file's process lock (file databases on Unix), released after the connections close.
     #[cfg(unix)]
     _process_lock: Option<ProcessLock>,
+    /// The database's files, known to this process as a store's (file databases on Unix).
+    #[cfg(unix)]
+    _files: Option<StoreFiles>,
+}
+
+/// The files of the databases this process's stores have open (the database and its WAL), by
+/// device and inode, with how many stores hold each.
+#[cfg(unix)]
+static STORE_FILES: Mutex<Vec<(FileKey, usize)>> = Mutex::new(Vec::new());
+
+/// Whether the file of `device` and `inode` is a database file (or its WAL) a store of this
+/// process has open. Code of this process must not open it by other means: its close would
+/// release `unix-excl`'s lock (a POSIX lock belongs to the process, and the close of any of
+/// its descriptors of the file drops it), and another process (a `sqlite3` shell, a backup
+/// tool) could then open the database beside the store. The local sandbox's file tools refuse
+/// it.
+#[cfg(unix)]
+pub(crate) fn is_store_file(device: u64, inode: u64) -> bool {
+    locked(&STORE_FILES).iter().any(|(key, _)| *key == (device, inode))
+}
+
+/// A store's entries in [`STORE_FILES`], removed when it drops.
+#[cfg(unix)]
+struct StoreFiles(Vec<FileKey>);
+
+#[cfg(unix)]
+impl StoreFiles {
+    /// The database at `path` and its WAL (those that exist).
+    fn of(path: &Path) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let mut wal = path.as_os_str().to_owned();
+        wal.push("-wal");
+        let keys: Vec<FileKey> = [path.to_path_buf(), std::path::PathBuf::from(wal)]
+            .iter()
+            .filter_map(|file| std::fs::metadata(file).ok())
+            .map(|metadata| (metadata.dev(), metadata.ino()))
+            .collect();
+        let mut files = locked(&STORE_FILES);
+        for key in &keys {
+            match files.iter_mut().find(|(held, _)| held == key) {
+                Some((_, holders)) => *holders += 1,
+                None => files.push((*key, 1)),
+            }
+        }
+        Self(keys)
+    }
+}
+
+#[cfg(unix)]
+impl Drop for StoreFiles {
+    fn drop(&mut self) {
+        let mut files = locked(&STORE_FILES);
+        for key in &self.0 {
+            if let Some(index) = files.iter().position(|(held, _)| held == key) {
+                files[index].1 -= 1;
+                if files[index].1 == 0 {
+                    files.swap_remove(index);
+                }
+            }
+        }
+    }
 }
 
 /// The database file's lock for this process, beside SQLite's own: `flock` on the file
@@ -851,6 +912,7 @@ impl SqliteStore {
         #[cfg(unix)]
         {
             store._process_lock = Some(process_lock);
+            store._files = Some(StoreFiles::of(path));
         }
         if !checkpoints_in_background(rusqlite::version_number()) {
             // SQLite's own automatic checkpoint, on the committing connection: no checkpoint
@@ -920,6 +982,8 @@ impl SqliteStore {
             checkpointer: None,
             #[cfg(unix)]
             _process_lock: None,
+            #[cfg(unix)]
+            _files: None,
         })
     }
 
@@ -2061,7 +2125,7 @@ impl Store for SqliteStore {
                     Ok(UserValue {
                         key: key.to_owned(),
                         value: crate::store::from_stored(&value)
-                            .map_err(|error| StoreError::Other(error.to_string()))?,
+                            .map_err(unreadable(format_args!("user {user_id:?}'s value {key:?}")))?,
                         updated_at,
                     })
                 })
@@ -2132,11 +2196,9 @@ impl Store for SqliteStore {
             let mut entries = Vec::new();
             for row in rows {
                 let (key, value, updated_at) = row.map_err(sql)?;
-                entries.push(UserValue {
-                    key,
-                    value: crate::store::from_stored(&value).map_err(|error| StoreError::Other(error.to_string()))?,
-                    updated_at,
-                });
+                let value = crate::store::from_stored(&value)
+                    .map_err(unreadable(format_args!("user {user_id:?}'s value {key:?}")))?;
+                entries.push(UserValue { key, value, updated_at });
             }
             Ok(UserValuePage {
                 entries,
@@ -2682,6 +2744,34 @@ mod tests {
         assert_eq!(requeued.status, SubmissionStatus::Queued);
         drop(store);
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A user value this build cannot read fails its read and its listing with an error
+    /// naming the user and the key, not a bare parse error.
+    #[test]
+    fn an_unreadable_user_value_is_named_in_its_error() {
+        let store = SqliteStore::in_memory().unwrap();
+        now(store.set_user_value("u-1", "prefs", Some(serde_json::json!({"dark": true})), 1)).unwrap();
+        store
+            .lock()
+            .connection
+            .execute(
+                "UPDATE flue_user_values SET value = '{\"dark\":' WHERE key = 'prefs'",
+                [],
+            )
+            .unwrap();
+        let read = now(store.user_value("u-1", "prefs")).unwrap_err().to_string();
+        assert!(read.contains(r#"user "u-1"'s value "prefs" does not parse"#), "{read}");
+        let query = UserValuesQuery {
+            prefix: String::new(),
+            limit: None,
+            offset: 0,
+        };
+        let listed = now(store.list_user_values("u-1", &query)).unwrap_err().to_string();
+        assert!(
+            listed.contains(r#"user "u-1"'s value "prefs" does not parse"#),
+            "{listed}"
+        );
     }
 
     /// A running row whose JSON this build cannot read is left out of the node-wide scans (the
