@@ -1345,3 +1345,76 @@ async fn a_request_blocked_after_an_overflows_compaction_keeps_its_rows_created_
     });
     assert!(tagged, "{stored:#?}");
 }
+
+static STEP_HOOK_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Injects a reminder at every step, and appends to the system message.
+#[hook(after_system_message)]
+async fn remind_every_step(
+    state: &flue_runtime::lifecycle::ThreadState,
+    system: String,
+) -> Result<Option<String>, flue_runtime::lifecycle::HookError> {
+    let run = STEP_HOOK_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    state
+        .inject_message(flue_runtime::lifecycle::InjectMessage::new(
+            flue_runtime::lifecycle::MessageRole::User,
+            "step reminder",
+        ))
+        .await
+        .map_err(|error| flue_runtime::lifecycle::HookError::new(error.to_string()))?;
+    Ok(Some(format!("{system}\n(run {run})")))
+}
+
+#[agent(hooks = [remind_every_step])]
+fn reminded() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Disabled,
+            ..ModelOptions::default()
+        },
+    );
+    "Be brief."
+}
+
+/// `after_system_message` runs once per model step: the call a step makes again after an
+/// overflow's compaction is sent the system message the hook made for the step, and what the
+/// hook injected is stored once (it ran, and injected, a second time).
+#[tokio::test]
+async fn an_overflow_recovery_does_not_run_the_step_hook_again() {
+    let model = ScriptedModel::new([
+        ScriptedReply::text("first answer"),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("Summary: a first exchange."),
+        ScriptedReply::text("second answer"),
+    ])
+    .with_context_window(1_000);
+    let runtime = runtime_with(&model, [reminded.into()]);
+    let handle = runtime.init(&reminded, "r");
+    handle.send(long("hello")).await.unwrap();
+    assert_eq!(handle.send("and again").await.unwrap().text, "second answer");
+    assert_eq!(
+        STEP_HOOK_RUNS.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "once per step"
+    );
+    let requests = model.requests();
+    assert_eq!(requests.len(), 4, "the overflowing call, the summary, the retry");
+    assert_eq!(requests[1].system, requests[3].system);
+    assert!(requests[3].system.as_deref().unwrap().ends_with("(run 2)"));
+    let reminders = runtime
+        .store()
+        .read(&InstanceKey::new("reminded", "r"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter(
+            |record| matches!(&record.body, RecordBody::MessageInjected { content, .. } if content == "step reminder"),
+        )
+        .count();
+    assert_eq!(reminders, 2, "one reminder per step");
+}

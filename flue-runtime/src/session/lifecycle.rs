@@ -181,10 +181,16 @@ impl Response<'_> {
         let state = self.thread_view().state();
         let mut system = system;
         if hooks.has(HookKind::AfterSystemMessage) {
-            let text = chain::after_system_message(&hooks, &state, system.clone().unwrap_or_default()).await;
-            system = (!text.is_empty()).then_some(text);
-            // Rows the hook injected are part of this step's snapshot.
-            self.fold_thread_writes();
+            if let Some(hooked) = &self.hooked_system {
+                // The step's call made again (after an overflow's compaction): the hook ran.
+                system.clone_from(hooked);
+            } else {
+                let text = chain::after_system_message(&hooks, &state, system.clone().unwrap_or_default()).await;
+                system = (!text.is_empty()).then_some(text);
+                self.hooked_system = Some(system.clone());
+                // Rows the hook injected are part of this step's snapshot.
+                self.fold_thread_writes();
+            }
         }
         let mut messages = if hooks.has(HookKind::FilterMessages) {
             let rows: Vec<Message> = self

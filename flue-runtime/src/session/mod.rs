@@ -638,6 +638,7 @@ impl InstanceSlot {
             at_rest_hooks: HookSet::default(),
             execution,
             model_spec: None,
+            hooked_system: None,
             framework_sections: crate::framework::Sections::default(),
             first_snapshot: None,
             declared: None,
@@ -1322,6 +1323,11 @@ struct Response<'a> {
     execution: ExecutionState,
     /// The submission's model and thinking level (what delegates inherit), once resolved.
     model_spec: Option<(String, ThinkingLevel)>,
+    /// The current step's system message as `after_system_message` made it, once the hook
+    /// ran: the hook runs once per step, and a call the step makes again on a compacted
+    /// history (after an overflow) is sent this one (what the hook injected is not injected
+    /// twice).
+    hooked_system: Option<Option<String>>,
     /// The system prompt sections the latest render's skills and delegates add.
     framework_sections: crate::framework::Sections,
     /// The conversation's first resource snapshot, committed with the step it was taken for.
@@ -2761,6 +2767,7 @@ impl Response<'_> {
     ) -> Result<(ModelResponse, String, LazyId), Failure> {
         self.open_agent_run();
         self.load_images().await?;
+        self.hooked_system = None;
         let message_id = new_id("msg");
         self.narrate_resources(rendered).await?;
         let instruction = rendered.instruction.as_deref();
