@@ -331,7 +331,9 @@ pub enum Event {
     /// `error` when the attempt's abort ended it (whatever it returned: its result is never
     /// stored). Also, with status `error`, a call announced (`tool_call_started`) by a model
     /// response that then failed: it will not run (a retried response announces its own
-    /// calls). No hook runs for such a call: it has no result.
+    /// calls); and, with status `error`, a call whose batch an attempt settled with the
+    /// outcome-unknown result (its step was stored, and the attempt that was to run it ended
+    /// first: a crash, a store failure). No hook runs for such a call: it has no result.
     ToolCallDone {
         /// Call id.
         tool_call_id: String,

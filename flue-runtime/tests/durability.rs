@@ -1887,6 +1887,97 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
     assert_eq!(metadata, 1, "the response-finish batch is durable once");
 }
 
+/// A call whose step is durable but which never ran (its attempt died after storing the step:
+/// a crash, a store failure) ends for thread-event readers when the next attempt settles its
+/// batch with the outcome-unknown result: `tool_call_done`, in error (they were left showing it
+/// running).
+#[tokio::test]
+async fn a_call_settled_outcome_unknown_by_a_takeover_is_done() {
+    use flue_runtime::events::Event;
+    use flue_runtime::store::now_ms;
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("could not look it up")]);
+    let key = InstanceKey::new("relay", "r-unknown");
+    store
+        .admit(harness::admission(&key, "sub_unknown", "question"))
+        .await
+        .unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 50,
+    };
+    store.claim_next(&key, &dead).await.unwrap().unwrap();
+    let auth = AttemptRef {
+        submission_id: "sub_unknown".into(),
+        attempt_id: "attempt_dead".into(),
+    };
+    let record = |body: RecordBody| Record {
+        id: format!("record_{}", ulid_like()),
+        submission_id: Some("sub_unknown".into()),
+        attempt_id: Some("attempt_dead".into()),
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        body,
+    };
+    // The dead attempt's durable progress: its input, then a step calling `lookup`.
+    let batches = [
+        vec![
+            record(RecordBody::UserMessage {
+                message_id: "m1".into(),
+                body: "question".into(),
+                attachments: Vec::new(),
+            }),
+            record(RecordBody::AgentStartRun),
+        ],
+        vec![
+            record(RecordBody::AssistantMessageStarted {
+                message_id: "m2".into(),
+                model: "scripted/x".into(),
+                turn_id: Some("turn_1".into()),
+                response_metadata: None,
+            }),
+            record(RecordBody::AssistantToolCall {
+                message_id: "m2".into(),
+                tool_call_id: "call_lookup".into(),
+                name: "lookup".into(),
+                arguments: "{}".into(),
+            }),
+            record(RecordBody::AssistantMessageCompleted {
+                message_id: "m2".into(),
+                text: String::new(),
+                reasoning: String::new(),
+                stop_reason: flue_runtime::provider::StopReason::ToolUse,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            }),
+        ],
+    ];
+    for batch in batches {
+        store.append(&key, batch.into(), Some(&auth)).await.unwrap();
+    }
+    let runtime = fast_scanning(&store, &model, relay);
+    let mut events = runtime.observe();
+    runtime.start().await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&relay, "r-unknown").read("sub_unknown"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(reply.text, "could not look it up");
+    let mut done = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let Event::ToolCallDone {
+            tool_call_id, status, ..
+        } = observation.event
+        {
+            done.push((tool_call_id, status));
+        }
+    }
+    assert_eq!(done, [("call_lookup".to_owned(), "error".to_owned())]);
+}
+
 #[agent]
 fn tallied() -> &'static str {
     use_model("scripted/x");

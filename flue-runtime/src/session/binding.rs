@@ -27,6 +27,10 @@ pub(crate) struct Attempt {
     pub(crate) writer: std::sync::OnceLock<Arc<crate::lifecycle::thread::ThreadWriter>>,
     pub(crate) signal: AbortSignal,
     pub(crate) responding: AtomicBool,
+    /// The calls whose `tool_call_done` this attempt published as they ended: a settlement
+    /// that gives one of them the outcome-unknown result (an abort ended it, or its batch
+    /// never committed) does not announce its end again.
+    pub(crate) ended_calls: Mutex<Vec<String>>,
 }
 
 impl InstanceBinding {

@@ -519,6 +519,7 @@ impl InstanceSlot {
             writer: std::sync::OnceLock::new(),
             signal: AbortSignal::new(),
             responding: AtomicBool::new(true),
+            ended_calls: Mutex::default(),
         });
         // An abort requested between the claim and now reached no signal: it counts as
         // requested before the attempt ran.
@@ -964,6 +965,14 @@ impl InstanceSlot {
             timestamp: now(),
             body,
         };
+        let mut unknown_outcomes = calls_settled_unknown(&interrupted);
+        {
+            let ended = attempt
+                .ended_calls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            unknown_outcomes.retain(|(id, _)| !ended.contains(id));
+        }
         let mut records: Vec<Record> = interrupted.into_iter().map(stamp).collect();
         // Why the submission ended, for the model of a later response to read: before its
         // settlement, in the same batch.
@@ -1001,6 +1010,7 @@ impl InstanceSlot {
         {
             Ok(queued) => {
                 self.binding.note_append();
+                announce_ended(&runtime, &self.key, &submission.id, &unknown_outcomes);
                 Some(QueueLeft {
                     admissions,
                     queued,
@@ -3427,18 +3437,19 @@ impl Response<'_> {
             // Nothing runs again: the batch is settled in the stream with the outcome-unknown
             // results the model is told (reference §3.9 step 7), so readers of the stream see
             // the calls end and the response's committed calls include them.
-            let records = self
-                .conversation
-                .interrupted_batch()
-                .into_iter()
-                .map(|body| self.record(body))
-                .collect();
+            let bodies = self.conversation.interrupted_batch();
+            let ended = calls_settled_unknown(&bodies);
+            let records = bodies.into_iter().map(|body| self.record(body)).collect();
             self.commit(records, false).await?;
+            announce_ended(self.runtime, self.key, &self.submission.id, &ended);
             return Ok(Some(self.conversation.batch_terminated()));
         }
-        self.tool_batch(rendered, &durable, &rerun, step, &unknown, None)
-            .await
-            .map(Some)
+        let terminated = self
+            .tool_batch(rendered, &durable, &rerun, step, &unknown, None)
+            .await?;
+        let ended: Vec<(String, String)> = unknown.into_iter().map(|call| (call.id, call.name)).collect();
+        announce_ended(self.runtime, self.key, &self.submission.id, &ended);
+        Ok(Some(terminated))
     }
 
     /// Runs a step's tool `calls` against `tools` and commits the batch, with the
@@ -3506,6 +3517,11 @@ impl Response<'_> {
                     });
                 },
                 |run: &tools::Executed| {
+                    attempt
+                        .ended_calls
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(run.call.id.clone());
                     runtime.emit_thread_event(key, Some(submission_id), || Event::ToolCallDone {
                         tool_call_id: run.call.id.clone(),
                         tool_name: run.call.name.clone(),
@@ -3950,6 +3966,35 @@ pub(crate) fn later_by(wait: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// The calls (id and tool name) that `bodies` settle with the outcome-unknown result.
+fn calls_settled_unknown(bodies: &[RecordBody]) -> Vec<(String, String)> {
+    bodies
+        .iter()
+        .filter_map(|body| match body {
+            RecordBody::ToolOutcome {
+                tool_call_id,
+                tool_name,
+                ..
+            } => Some((tool_call_id.clone(), tool_name.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Tells whoever shows `calls` running (announced by `tool_call_started`, by this attempt or
+/// one that ended before reporting them: a crash, a store failure after their step was stored)
+/// that they ended, in error: their batch was settled with the outcome-unknown result, and
+/// they will not run.
+fn announce_ended(runtime: &RuntimeInner, key: &InstanceKey, submission_id: &str, calls: &[(String, String)]) {
+    for (id, name) in calls {
+        runtime.emit_thread_event(key, Some(submission_id), || Event::ToolCallDone {
+            tool_call_id: id.clone(),
+            tool_name: name.clone(),
+            status: "error".to_owned(),
+        });
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
@@ -3967,6 +4012,7 @@ mod tests {
             writer: std::sync::OnceLock::new(),
             signal: AbortSignal::new(),
             responding: AtomicBool::new(true),
+            ended_calls: Mutex::default(),
         })
     }
 
