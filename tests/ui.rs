@@ -8,11 +8,23 @@ use std::path::Path;
 /// The compile-fail directories; every directory under tests/ui except `pass` must be here.
 const COMPILE_FAIL: [&str; 4] = ["agent", "tool", "hook", "hooks"];
 
+/// Whether this is the toolchain the compile-fail snapshots were written with. They hold
+/// rustc's own words (its notes on unmet bounds, its names for async blocks), which change
+/// between releases: compared on another rustc, they would fail for what rustc says, not for
+/// what the macros do.
+const SNAPSHOTS_TOOLCHAIN: bool = rustversion::cfg!(stable(1.95));
+
 #[test]
 fn ui() {
     let cases = trybuild::TestCases::new();
-    for directory in COMPILE_FAIL {
-        cases.compile_fail(format!("tests/ui/{directory}/*.rs"));
+    if SNAPSHOTS_TOOLCHAIN {
+        for directory in COMPILE_FAIL {
+            cases.compile_fail(format!("tests/ui/{directory}/*.rs"));
+        }
+    } else {
+        eprintln!(
+            "tests/ui: the compile-fail snapshots are rustc 1.95's; this toolchain only checks that the tests/ui/pass cases compile (run the suite with rustc 1.95 to compare them)"
+        );
     }
     cases.pass("tests/ui/pass/*.rs");
 }
