@@ -1881,8 +1881,12 @@ impl AgentHandle {
     /// says so ([`RuntimeError::NotProcessedHere`]: it runs later, elsewhere).
     ///
     /// Dropping the returned future (a timeout, a `select!`) stops the wait, not the message:
-    /// once admitted, it is processed as if dispatched (read its reply with
-    /// [`AgentHandle::read`]); [`AgentHandle::abort`] stops it.
+    /// once admitted, it is processed as if dispatched; [`AgentHandle::abort`] stops it. The
+    /// submission's id is in the reply the dropped future did not return: to wait for a reply
+    /// again, send with an idempotency key ([`SendRequest::idempotency_key`], through
+    /// [`AgentHandle::send_request`]) and send again with the same key, or
+    /// [`dispatch`](AgentHandle::dispatch) and [`read`](AgentHandle::read) the receipt's
+    /// submission.
     pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<AgentReply, RuntimeError> {
         self.send_request(SendRequest::new(self.key.id.to_string(), message))
             .await
