@@ -48,6 +48,23 @@ where
     )
 }
 
+/// What an unsized type (a `str`, a trait object) tells a generic tool.
+trait Label: Send + Sync + 'static {
+    fn label() -> &'static str;
+}
+
+impl Label for str {
+    fn label() -> &'static str {
+        "text"
+    }
+}
+
+/// Label an item, by a type parameter that need not be sized.
+#[tool(name = "label_item")]
+async fn label<L: ?Sized + Label, C: Catalog>(args: PriceQuery) -> String {
+    format!("{}: {} at {}", L::label(), args.item, C::price(&args.item))
+}
+
 /// Hand the conversation to a person.
 #[tool(terminate)]
 async fn escalate(
@@ -98,6 +115,13 @@ fn a_generic_tool_whose_type_parameters_outlive_its_lifetimes_runs_with_them() {
     let tool = price_for::<Fixed>::new().into_tool();
     let output = poll_ready(tool.call(ToolContext::new(&tool, "c-7"), json!({"item": "desk"})));
     assert_eq!(output.to_text(), "c-7: desk costs 400 cents");
+}
+
+#[test]
+fn a_generic_tool_may_take_an_unsized_type_parameter() {
+    let tool = label::<str, Fixed>::new().into_tool();
+    let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"item": "pen"})));
+    assert_eq!(output.to_text(), "text: pen at 300");
 }
 
 #[test]

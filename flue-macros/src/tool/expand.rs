@@ -172,7 +172,9 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
                 #(#deprecated)*
                 #[allow(non_camel_case_types)]
                 #vis struct #ident #impl_generics #where_clause {
-                    _types: ::core::marker::PhantomData<fn() -> (#(#params,)*)>,
+                    // Each in a `PhantomData` of its own: a tuple's elements but the last must be
+                    // sized, and a parameter may be `?Sized`.
+                    _types: ::core::marker::PhantomData<fn() -> (#(::core::marker::PhantomData<#params>,)*)>,
                 }
             },
             quote!(__flue::tool::generic_definition::<Self>(|| #definition_expr)),
