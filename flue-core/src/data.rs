@@ -209,6 +209,81 @@ pub fn tool_input_schema_of<T: JsonSchema + 'static>() -> DataSchema {
             map.remove("title");
             map.remove("$schema");
         }
+        inline_root_ref(&mut json);
         json
     })
+}
+
+/// Puts the definition a root `$ref` names at the root: schemars describes a newtype (or a
+/// transparent wrapper) as a reference to the type it wraps, and providers read the root's
+/// `type` (an object, for a tool's arguments). The root's own keywords (its description) stay;
+/// the definition stays in `$defs` (other references may name it). A chain of wrappers is
+/// followed, a few links at most.
+fn inline_root_ref(json: &mut Value) {
+    for _ in 0..8 {
+        let Value::Object(root) = json else { return };
+        if root.contains_key("type") {
+            return;
+        }
+        let Some(name) = root
+            .get("$ref")
+            .and_then(Value::as_str)
+            .and_then(|reference| reference.strip_prefix("#/$defs/"))
+            .map(|name| name.replace("~1", "/").replace("~0", "~"))
+        else {
+            return;
+        };
+        let Some(Value::Object(definition)) = root.get("$defs").and_then(|defs| defs.get(&name)).cloned() else {
+            return;
+        };
+        root.remove("$ref");
+        for (keyword, value) in definition {
+            if keyword != "$defs" {
+                root.entry(keyword).or_insert(value);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
+mod tool_input_tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// What a newtype's arguments are.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)] // read through the schema only
+    struct Inner {
+        /// The city.
+        city: String,
+    }
+
+    /// The arguments, wrapped.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Wrapped(Inner);
+
+    /// The arguments, transparent.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[serde(transparent)]
+    #[allow(dead_code)]
+    struct Transparent {
+        inner: Wrapped,
+    }
+
+    /// A newtype (or a transparent wrapper) around an object reads an object: its schema is
+    /// the object's, at the root, as providers require (`type: object`), not a `$ref` to it.
+    #[test]
+    fn a_wrapper_around_an_object_has_the_objects_schema_at_its_root() {
+        for schema in [tool_input_schema_of::<Wrapped>(), tool_input_schema_of::<Transparent>()] {
+            let json = schema.json();
+            assert!(schema.has_object_root(), "{json}");
+            assert_eq!(json["properties"]["city"]["type"], "string", "{json}");
+            assert_eq!(json.get("$ref"), None, "{json}");
+            assert!(schema.validate(&json!({"city": "Paris"})).is_ok());
+            assert!(schema.validate(&json!({"city": 3})).is_err());
+        }
+    }
 }
