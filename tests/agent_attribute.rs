@@ -220,3 +220,18 @@ fn an_item_configured_away_is_left_out_whole_and_a_configured_one_is_kept() {
     assert_eq!(configured::present_agent.definition().name, "present_agent");
     assert_eq!(configured::present_tool.definition().name, "present_tool");
 }
+
+/// An agent with an outer attribute of its own and inner attributes in its body.
+#[inline]
+#[agent]
+fn inlined() -> &'static str {
+    #![allow(unused_variables)]
+    let unused = 1;
+    use_model("scripted/x");
+    "Inlined."
+}
+
+#[test]
+fn an_agent_may_carry_outer_attributes_and_inner_ones_in_its_body() {
+    assert_eq!(inlined.definition().name, "inlined");
+}

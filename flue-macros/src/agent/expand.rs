@@ -18,10 +18,15 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     let (deprecated, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) = other_attrs
         .into_iter()
         .partition(|attr| attr.path().is_ident("deprecated"));
+    // syn keeps the body's inner attributes (`#![allow(..)]`) with the function's: they go
+    // back inside the body (before an outer one, rustc refuses them).
+    let (inner_attrs, other_attrs): (Vec<&Attribute>, Vec<&Attribute>) = other_attrs
+        .into_iter()
+        .partition(|attr| matches!(attr.style, syn::AttrStyle::Inner(_)));
     let name = &model.name.0;
     let inputs = &function.sig.inputs;
     let output = &function.sig.output;
-    let block = &function.block;
+    let statements = &function.block.stmts;
     // Lifetime parameters only (validated): the body keeps the names its signature uses.
     let generics = &function.sig.generics;
     let where_clause = &generics.where_clause;
@@ -75,7 +80,10 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         quote! {
             #(#other_attrs)*
             #[allow(dead_code)]
-            fn __flue_agent_body #generics (#inputs) #output #where_clause #block
+            fn __flue_agent_body #generics (#inputs) #output #where_clause {
+                #(#inner_attrs)*
+                #(#statements)*
+            }
         }
     });
 
