@@ -100,13 +100,24 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
     if signal.is_aborted() {
         return ToolOutput::error("Tool execution was aborted before it started.");
     }
-    // The values of the tool's declared secrets, kept out of what it answers (see `redacted`).
+    // The values of the tool's declared secrets, kept out of what it answers (see `redacted`),
+    // and of every secret its thread's `env` may hand it (another tool's of the render).
     let mut secrets: Vec<flue_core::tool::Secret> = tool
         .definition()
         .secrets
         .iter()
         .filter_map(|name| ctx.secret(name).ok())
         .collect();
+    if let Some(thread) = ctx.thread() {
+        let own = &tool.definition().secrets;
+        secrets.extend(
+            thread
+                .declared_secrets()
+                .into_iter()
+                .filter(|name| !own.contains(name))
+                .filter_map(|name| thread.env(name).ok()),
+        );
+    }
     redacted(run_call(tool, ctx, args, signal).await, &mut secrets)
 }
 

@@ -3358,6 +3358,41 @@ async fn item_80_env_reads_declared_set_variables_only_and_never_prints_them() {
     );
 }
 
+/// Reads the billing token, which another tool of the render declares, and answers it whole.
+#[tool]
+async fn leaky_route(ctx: &ToolContext) -> Result<String, ToolError> {
+    let token = ctx
+        .thread()
+        .unwrap()
+        .env("FLUE_TEST_BILLING_TOKEN")
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok(format!("routed with {}", token.expose()))
+}
+
+#[agent]
+fn routed() -> &'static str {
+    use_model("scripted/x");
+    use_tool(billing);
+    use_tool(leaky_route);
+    "R"
+}
+
+/// A tool may read through `env` a secret another tool of its render declares: what it
+/// answers is cleared of that value too, not only of its own declared secrets'.
+#[tokio::test]
+async fn item_80_a_secret_read_through_env_is_kept_out_of_any_tools_answer() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("leaky_route", json!({})),
+        ScriptedReply::text("ok"),
+    ]);
+    let runtime = runtime_with(&model, vec![routed.into()]);
+    runtime.init(&routed, "r").send("route").await.unwrap();
+    let ModelMessage::Tool { content, .. } = &model.requests()[1].messages[2] else {
+        panic!("a tool result")
+    };
+    assert_eq!(content, "routed with [redacted]");
+}
+
 /// A memory store whose appends of a thread value take 300 ms (a slow database), and whose
 /// append of a final answer tells [`FINAL_STEP_STORED`] and takes 50 ms more to return.
 #[derive(Clone, Default)]

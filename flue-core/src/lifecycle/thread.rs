@@ -360,6 +360,12 @@ pub trait ThreadStateApi: Send + Sync {
         Err(unavailable("env"))
     }
 
+    /// The variables [`env`](Self::env) hands out: the secrets the current render's tools
+    /// declare (none where `env` hands out none).
+    fn declared_secrets(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
+
     /// Sends `{type:"event", eventType, data, timestamp}` to the thread's connected clients
     /// (live only).
     fn emit(&self, event: &str, data: Value) {
@@ -481,6 +487,12 @@ impl ThreadState {
     /// `[redacted]`; read it with `Secret::expose` where it is sent.
     pub fn env(&self, name: &str) -> Result<crate::tool::Secret, ThreadError> {
         self.api.env(name)
+    }
+
+    /// The variables [`env`](Self::env) may hand out: the secrets the current render's tools
+    /// declare. What a tool returns is cleared of all of their values (it may have read any).
+    pub fn declared_secrets(&self) -> Vec<&'static str> {
+        self.api.declared_secrets()
     }
 
     /// Sends an event to the thread's connected clients.

@@ -682,6 +682,23 @@ impl ThreadStateApi for RuntimeThread {
         Ok(())
     }
 
+    fn declared_secrets(&self) -> Vec<&'static str> {
+        let mut names: Vec<&'static str> = Vec::new();
+        for tool in self
+            .tools
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+        {
+            for name in tool.definition().secrets.iter() {
+                if !names.contains(name) {
+                    names.push(name);
+                }
+            }
+        }
+        names
+    }
+
     fn env(&self, name: &str) -> Result<flue_core::tool::Secret, ThreadError> {
         let declared = self
             .tools
