@@ -1231,6 +1231,45 @@ async fn chain_failure(_state: &ThreadState, call: &ToolCall, result: ToolResult
     )))
 }
 
+/// Hands the conversation over (ends the turn when it succeeds).
+#[tool(terminate)]
+async fn hand_over() -> String {
+    "handed over".into()
+}
+
+/// Refuses every hand-over, by policy.
+#[hook(after_tool_call_success)]
+async fn refuse_hand_over(_state: &ThreadState, call: &ToolCall, _result: ToolResult) -> Option<ToolResult> {
+    (call.function.name == "hand_over").then(|| ToolResult::error("hand-over refused by policy"))
+}
+
+#[agent(hooks = [refuse_hand_over])]
+fn handing_over() -> &'static str {
+    use_model("scripted/x");
+    use_tool(hand_over);
+    "H"
+}
+
+/// A `terminate` tool's result that a tool hook turned into an error does not end the turn:
+/// the model reads the error and answers (the error was stored as the call's result, and the
+/// response counted as answered without the model seeing it).
+#[tokio::test]
+async fn a_terminate_tools_result_a_hook_made_an_error_does_not_end_the_turn() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("hand_over", json!({})),
+        ScriptedReply::text("I could not hand you over."),
+    ]);
+    let runtime = runtime_with(&model, vec![handing_over.into()]);
+    let reply = runtime.init(&handing_over, "h").send("a person, please").await.unwrap();
+    assert_eq!(reply.text, "I could not hand you over.");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 2);
+    let ModelMessage::Tool { content, is_error, .. } = &requests[1].messages[2] else {
+        panic!("a tool result")
+    };
+    assert_eq!((content.as_str(), *is_error), ("hand-over refused by policy", true));
+}
+
 #[hook(before_store_tool_result)]
 async fn chain_redact(_state: &ThreadState, _call: &ToolCall, result: ToolResult) -> ToolResult {
     TOOL_CHAIN.lock().unwrap().push(format!("store {:?}", result.status));

@@ -3575,7 +3575,9 @@ impl Response<'_> {
                         tool_name: run.call.name.clone(),
                         is_error,
                         content: content.clone(),
-                        terminate: run.output.terminate,
+                        // A result the tool hooks turned into an error does not end the turn:
+                        // the model is to read it.
+                        terminate: run.output.terminate && (run.output.is_error || !is_error),
                         duration_ms: run.duration_ms,
                     });
                     let mut batch = Vec::with_capacity(2);
