@@ -311,6 +311,12 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// assert_eq!(output, ToolOutput::error("cannot divide 1 by 0"));
 /// ```
 ///
+/// **A tool must not block its thread.** Its future runs on the response's own task, beside
+/// the timer that enforces the agent's `timeout` and the abort: a body that blocks (a
+/// synchronous `std::process::Command::output`, a blocking database client, a long
+/// computation) holds all of them, and a call that never returns holds the instance for good.
+/// Run such work with `tokio::task::spawn_blocking` (or an async client) and await it.
+///
 /// A tool may be generic over types (taking its arguments as `args: T`) and may name lifetimes.
 /// The lifetimes belong to the body, not to the tool, which outlives every call: type
 /// parameters may be bounded by them only as outlives bounds (`T: 'a`), never as in
