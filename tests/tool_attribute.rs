@@ -124,6 +124,36 @@ fn a_generic_tool_may_take_an_unsized_type_parameter() {
     assert_eq!(output.to_text(), "text: pen at 300");
 }
 
+#[derive(Deserialize, schemars::JsonSchema)]
+struct Line {
+    /// How many
+    quantity: i32,
+}
+
+/// Total the lines.
+#[tool]
+async fn total(
+    /// The order's lines
+    lines: Vec<Line>,
+) -> String {
+    lines.iter().map(|line| line.quantity).sum::<i32>().to_string()
+}
+
+#[test]
+fn arguments_the_schema_passes_but_the_type_refuses_are_named_where_they_fail() {
+    let tool = total.into_tool();
+    let output = poll_ready(tool.call(
+        ToolContext::new(&tool, "c"),
+        json!({"lines": [{"quantity": 1}, {"quantity": 3_000_000_000u64}]}),
+    ));
+    assert!(output.is_error);
+    let text = output.to_text();
+    assert!(
+        text.starts_with("Tool argument validation failed: [/lines/1/quantity] invalid value: integer `3000000000`"),
+        "{text}"
+    );
+}
+
 #[test]
 fn terminate_marks_the_definition_and_plain_parameters_become_required_fields() {
     let tool = escalate.into_tool();

@@ -633,10 +633,29 @@ impl AsReturned {
     }
 }
 
-/// Deserializes tool arguments, or the error result the model sees when they do not fit.
+/// Deserializes tool arguments, or the error result the model sees when they do not fit,
+/// naming where as the schema check does (a JSON pointer, `root` for the arguments
+/// themselves): arguments the schema let through may still not fit the Rust type (a number out
+/// of a `u8`'s range, a date that does not parse), and the model must know which to fix.
 pub fn parse_arguments<A: DeserializeOwned>(args: Value) -> Result<A, ToolOutput> {
-    serde_json::from_value(args)
-        .map_err(|error| ToolOutput::error(format!("Tool argument validation failed: [root] {error}")))
+    serde_path_to_error::deserialize(args).map_err(|error| {
+        use std::fmt::Write as _;
+        let mut path = String::new();
+        for segment in error.path().iter() {
+            let _ = match segment {
+                serde_path_to_error::Segment::Seq { index } => write!(path, "/{index}"),
+                serde_path_to_error::Segment::Map { key } => {
+                    write!(path, "/{}", key.replace('~', "~0").replace('/', "~1"))
+                }
+                serde_path_to_error::Segment::Enum { variant } => write!(path, "/{variant}"),
+                serde_path_to_error::Segment::Unknown => write!(path, "/?"),
+            };
+        }
+        if path.is_empty() {
+            path.push_str("root");
+        }
+        ToolOutput::error(format!("Tool argument validation failed: [{path}] {}", error.inner()))
+    })
 }
 
 /// What a tool produced.
