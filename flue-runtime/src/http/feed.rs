@@ -6,6 +6,7 @@
 //! projects for itself until it reaches the window.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use axum::body::Bytes;
@@ -25,6 +26,11 @@ const WINDOW: usize = 1024;
 /// whole transcript, and a window of those would hold a thousand transcripts. A reader the
 /// window no longer covers projects for itself.
 const WINDOW_BYTES: usize = 8 * 1024 * 1024;
+/// How many bytes of frames the feeds of one router keep together (beyond each one's newest
+/// frame): each feed's window fits [`WINDOW_BYTES`], but a server following a thousand busy
+/// instances would hold a thousand windows. Past it, a feed that takes a frame drops its
+/// oldest ones (its readers that fall behind project for themselves).
+const FEEDS_BYTES: usize = 256 * 1024 * 1024;
 
 /// The SSE data frames of one batch's `chunks` (none when the batch projects to nothing),
 /// split as a reader catching up gets them ([`DataFrames`]): a batch of several large chunks
@@ -60,6 +66,15 @@ struct State {
 pub(super) struct Feed {
     key: InstanceKey,
     state: tokio::sync::Mutex<State>,
+    /// The bytes of frames its router's feeds keep, this one's included.
+    all_bytes: Arc<AtomicUsize>,
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        self.all_bytes
+            .fetch_sub(self.state.get_mut().frame_bytes, Ordering::Relaxed);
+    }
 }
 
 /// Frames for a reader.
@@ -114,7 +129,7 @@ impl Feed {
             // What was appended since, a store page at a time.
             loop {
                 let batches = runtime.store.read_page(&self.key, state.offset, READ_PAGE).await?;
-                state.push(&batches);
+                state.push(&batches, &self.all_bytes);
                 if batches.len() < READ_PAGE {
                     break;
                 }
@@ -144,25 +159,46 @@ impl Feed {
 }
 
 impl State {
-    fn push(&mut self, batches: &[Batch]) {
+    /// Projects `batches` into frames, kept within the window and, with the router's other
+    /// feeds (`all_bytes`), within [`FEEDS_BYTES`].
+    fn push(&mut self, batches: &[Batch], all_bytes: &AtomicUsize) {
         for batch in batches {
             let mut chunks = Vec::new();
             self.projection.apply(batch, Some(&mut chunks));
             self.offset = Some(batch.offset);
             let frame = data_frame(chunks).map(Bytes::from).unwrap_or_default();
             self.frame_bytes += frame.len();
+            all_bytes.fetch_add(frame.len(), Ordering::Relaxed);
             self.frames.push_back((batch.offset, frame));
-            keep_within(&mut self.frames, &mut self.frame_bytes, WINDOW, WINDOW_BYTES);
+            let window = Window {
+                count: WINDOW,
+                bytes: WINDOW_BYTES,
+                all_bytes: FEEDS_BYTES,
+            };
+            keep_within(&mut self.frames, &mut self.frame_bytes, all_bytes, window);
         }
     }
 }
 
-/// Drops the oldest frames until at most `count` frames of at most `bytes` bytes are left
-/// (the newest frame stays whatever its size).
-fn keep_within(frames: &mut VecDeque<(u64, Bytes)>, frame_bytes: &mut usize, count: usize, bytes: usize) {
-    while frames.len() > count || (*frame_bytes > bytes && frames.len() > 1) {
+/// What a feed keeps at most: `count` frames of `bytes` bytes, and its router's feeds
+/// `all_bytes` together.
+#[derive(Clone, Copy)]
+struct Window {
+    count: usize,
+    bytes: usize,
+    all_bytes: usize,
+}
+
+/// Drops the oldest frames until at most `window.count` frames of at most `window.bytes`
+/// bytes are left and the router's feeds (`all_bytes`) keep at most `window.all_bytes` (the
+/// newest frame stays whatever its size).
+fn keep_within(frames: &mut VecDeque<(u64, Bytes)>, frame_bytes: &mut usize, all_bytes: &AtomicUsize, window: Window) {
+    while frames.len() > window.count
+        || (frames.len() > 1 && (*frame_bytes > window.bytes || all_bytes.load(Ordering::Relaxed) > window.all_bytes))
+    {
         let Some((_, dropped)) = frames.pop_front() else { break };
         *frame_bytes -= dropped.len();
+        all_bytes.fetch_sub(dropped.len(), Ordering::Relaxed);
     }
 }
 
@@ -170,6 +206,8 @@ fn keep_within(frames: &mut VecDeque<(u64, Bytes)>, frame_bytes: &mut usize, cou
 #[derive(Default)]
 pub(super) struct Feeds {
     feeds: Mutex<HashMap<InstanceKey, Weak<Feed>>>,
+    /// The bytes of frames the feeds keep together.
+    bytes: Arc<AtomicUsize>,
 }
 
 impl Feeds {
@@ -190,6 +228,7 @@ impl Feeds {
                 frames: VecDeque::new(),
                 frame_bytes: 0,
             }),
+            all_bytes: self.bytes.clone(),
         });
         // Forget the feeds no reader holds any more, as the map grows.
         if feeds.len() >= 64 && feeds.len().is_power_of_two() {
@@ -238,16 +277,38 @@ mod tests {
     #[test]
     fn the_window_keeps_the_newest_frames_within_its_count_and_bytes() {
         let offsets = |frames: &VecDeque<(u64, Bytes)>| frames.iter().map(|(offset, _)| *offset).collect::<Vec<_>>();
-        let (mut frames, mut bytes) = window(&[10, 10, 10, 10]);
-        keep_within(&mut frames, &mut bytes, 3, 100);
-        assert_eq!((offsets(&frames), bytes), (vec![1, 2, 3], 30));
+        let within = |count, bytes| Window {
+            count,
+            bytes,
+            all_bytes: usize::MAX,
+        };
+        let keep = |sizes: &[usize], window: Window| {
+            let (mut frames, mut bytes) = self::window(sizes);
+            let all = AtomicUsize::new(bytes);
+            keep_within(&mut frames, &mut bytes, &all, window);
+            assert_eq!(all.load(Ordering::Relaxed), bytes, "the router's count follows");
+            (offsets(&frames), bytes)
+        };
+        assert_eq!(keep(&[10, 10, 10, 10], within(3, 100)), (vec![1, 2, 3], 30));
         // Two whole transcripts do not fit: the older goes.
-        let (mut frames, mut bytes) = window(&[5, 60, 60]);
-        keep_within(&mut frames, &mut bytes, 10, 100);
-        assert_eq!((offsets(&frames), bytes), (vec![2], 60));
+        assert_eq!(keep(&[5, 60, 60], within(10, 100)), (vec![2], 60));
         // The newest frame stays however large.
-        let (mut frames, mut bytes) = window(&[5, 500]);
-        keep_within(&mut frames, &mut bytes, 10, 100);
-        assert_eq!((offsets(&frames), bytes), (vec![1], 500));
+        assert_eq!(keep(&[5, 500], within(10, 100)), (vec![1], 500));
+    }
+
+    /// The feeds of a router keep their frames within a budget together: past it, a feed that
+    /// takes a frame drops its oldest, whatever room its own window has.
+    #[test]
+    fn the_feeds_of_a_router_keep_their_frames_within_one_budget() {
+        let (mut frames, mut bytes) = window(&[10, 10, 10, 10]);
+        // Other feeds keep 75 bytes: with this one's 40, 115 against a budget of 90.
+        let all = AtomicUsize::new(75 + bytes);
+        let window = Window {
+            count: 100,
+            bytes: 1000,
+            all_bytes: 90,
+        };
+        keep_within(&mut frames, &mut bytes, &all, window);
+        assert_eq!((frames.len(), bytes, all.load(Ordering::Relaxed)), (1, 10, 85));
     }
 }
