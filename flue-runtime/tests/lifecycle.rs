@@ -2136,6 +2136,102 @@ async fn a_user_row_names_its_images_to_its_create_hooks_and_its_readers() {
     );
 }
 
+/// Keeps the images of the newest user row only (older images cost tokens every call).
+#[hook(filter_messages)]
+async fn newest_images_only(_state: &ThreadState, mut messages: Vec<Message>) -> Vec<Message> {
+    let newest = messages.iter().rposition(|row| row.role == MessageRole::User);
+    for (at, row) in messages.iter_mut().enumerate() {
+        if Some(at) != newest {
+            row.attachments.clear();
+        }
+    }
+    messages
+}
+
+#[agent(hooks = [newest_images_only])]
+fn thrifty_viewer() -> &'static str {
+    use_model("scripted/x");
+    "V"
+}
+
+/// A `filter_messages` hook that leaves a row's attachments out sends the row without those
+/// images (nor their ids in its text): the rows it returns are what the model reads.
+#[tokio::test]
+async fn attachments_a_message_filter_leaves_out_are_not_sent() {
+    use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
+    let model = ScriptedModel::new([ScriptedReply::text("a dot"), ScriptedReply::text("another")]);
+    let runtime = runtime_with(&model, vec![thrifty_viewer.into()]);
+    let handle = runtime.init(&thrifty_viewer, "v");
+    let picture = |body: &str| {
+        DeliveredMessage::User(UserMessage {
+            body: body.into(),
+            attachments: vec![Attachment::Image {
+                data: "iVBORw0KGgoA".into(),
+                mime_type: "image/png".into(),
+                filename: None,
+            }],
+        })
+    };
+    handle.send(picture("first")).await.unwrap();
+    handle.send(picture("second")).await.unwrap();
+    let sent = &model.requests()[1].messages;
+    let users: Vec<(usize, bool)> = sent
+        .iter()
+        .filter_map(|message| match message {
+            ModelMessage::User { content, images } => Some((images.len(), content.contains("<attachments>"))),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(users, [(0, false), (1, true)]);
+}
+
+/// Strips every image from user rows (a policy against uploads).
+#[hook(before_create_message)]
+async fn strip_uploads(_state: &ThreadState, mut message: Message) -> Message {
+    message.attachments.clear();
+    message
+}
+
+#[agent(hooks = [strip_uploads])]
+fn upload_refuser() -> &'static str {
+    use_model("scripted/x");
+    "U"
+}
+
+/// An image a `before_create_message` hook left out of the input row is not stored, served or
+/// sent: the row the hook returns is what is stored.
+#[tokio::test]
+async fn an_image_a_create_hook_leaves_out_is_not_stored() {
+    use flue_runtime::message::{Attachment, DeliveredMessage, UserMessage};
+    let model = ScriptedModel::new([ScriptedReply::text("no picture")]);
+    let runtime = runtime_with(&model, vec![upload_refuser.into()]);
+    let handle = runtime.init(&upload_refuser, "u");
+    let reply = handle
+        .send(DeliveredMessage::User(UserMessage {
+            body: "look".into(),
+            attachments: vec![Attachment::Image {
+                data: "iVBORw0KGgoA".into(),
+                mime_type: "image/png".into(),
+                filename: None,
+            }],
+        }))
+        .await
+        .unwrap();
+    let ModelMessage::User { images, content } = &model.requests()[0].messages[0] else {
+        panic!("the user message")
+    };
+    assert_eq!((images.len(), content.as_str()), (0, "look"));
+    let stored = bodies(&runtime, "upload_refuser", "u").await;
+    assert!(
+        stored
+            .iter()
+            .any(|body| matches!(body, RecordBody::UserMessage { attachments, .. } if attachments.is_empty()))
+    );
+    let key = InstanceKey::new("upload_refuser", "u");
+    let id = format!("att_{}_0", reply.submission_id);
+    assert_eq!(runtime.store().attachment(&key, &id).await.unwrap(), None);
+}
+
 /// Tags assistant rows as they are created.
 #[hook(before_create_message)]
 async fn tag_assistant_rows(_state: &ThreadState, mut message: Message) -> Message {

@@ -1466,7 +1466,7 @@ impl Conversation {
             return self.messages.clone();
         }
         let mut messages = self.messages.to_vec();
-        self.attach_images(&mut messages, Some);
+        self.attach_images(&mut messages, |at| Some((at, None)));
         let at = self.results_at.min(messages.len());
         let mut rest = messages.split_off(at);
         self.close_open_calls(&mut messages);
@@ -1480,15 +1480,27 @@ impl Conversation {
     /// Gives each user message that attaches images those images (once loaded) and, after its
     /// text, the list of their ids: the model passes an id to the `task` tool to hand that
     /// image to a delegate.
-    fn attach_images(&self, messages: &mut [ModelMessage], position: impl Fn(usize) -> Option<usize>) {
+    ///
+    /// `position` tells where the message of a row (by its index in the history) is in
+    /// `messages`, if there, and which of its attachments it keeps (all when `None`).
+    fn attach_images<'k>(
+        &self,
+        messages: &mut [ModelMessage],
+        position: impl Fn(usize) -> Option<(usize, Option<&'k HashSet<&'k str>>)>,
+    ) {
         for (index, refs) in &self.image_refs {
-            let Some(at) = position(*index) else { continue };
+            let Some((at, kept)) = position(*index) else { continue };
             if let Some(ModelMessage::User { images, content }) = messages.get_mut(at) {
+                let refs: Vec<AttachmentRef> = refs
+                    .iter()
+                    .filter(|attachment| kept.is_none_or(|kept| kept.contains(attachment.id.as_str())))
+                    .cloned()
+                    .collect();
                 images.extend(
                     refs.iter()
                         .filter_map(|attachment| self.images.get(&attachment.id).cloned()),
                 );
-                append_attachment_list(content, refs);
+                append_attachment_list(content, &refs);
             }
         }
     }
@@ -1586,7 +1598,22 @@ impl Conversation {
                 None => messages.push(synthesized(row)),
             }
         }
-        self.attach_images(&mut messages, |at| positions.get(&at).copied());
+        // The attachments each returned row keeps (a hook may leave some out: an older
+        // message's images, to save tokens; it cannot add any).
+        let kept: HashMap<usize, HashSet<&str>> = rows
+            .iter()
+            .filter_map(|row| {
+                let at = *index.get(row.id.as_str())?;
+                Some((
+                    at,
+                    row.attachments
+                        .iter()
+                        .map(|attachment| attachment.id.as_str())
+                        .collect(),
+                ))
+            })
+            .collect();
+        self.attach_images(&mut messages, |at| Some((*positions.get(&at)?, kept.get(&at))));
         // The interrupted calls' results right after their step (and the results it has), as
         // the unfiltered history has them: a row the hook kept after the step must not come
         // between a call and its result, which providers refuse.

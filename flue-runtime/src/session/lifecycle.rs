@@ -133,7 +133,13 @@ impl Response<'_> {
         };
         let content = created.content.clone().unwrap_or_default();
         match &mut input.body {
-            RecordBody::UserMessage { body, .. } | RecordBody::Signal { body, .. } => *body = content,
+            RecordBody::UserMessage { body, attachments, .. } => {
+                *body = content;
+                // The images the hook left out are not stored (nor sent, nor served); it
+                // cannot add any.
+                attachments.retain(|attachment| created.attachments.iter().any(|kept| kept.id == attachment.id));
+            }
+            RecordBody::Signal { body, .. } => *body = content,
             _ => {}
         }
         let mut updates = MessageUpdates::new();

@@ -2280,7 +2280,18 @@ impl Response<'_> {
             let (mut records, created) = match self.input_row(input).await {
                 lifecycle::InputRow::Store(records, created) => {
                     // The images are stored once the row is: a message a hook refused leaves
-                    // none behind (they would be served).
+                    // none behind (they would be served), nor does an image a hook left out of
+                    // the row.
+                    let kept: Vec<&str> = match records.first().map(|record| &record.body) {
+                        Some(RecordBody::UserMessage { attachments, .. }) => {
+                            attachments.iter().map(|attachment| attachment.id.as_str()).collect()
+                        }
+                        _ => Vec::new(),
+                    };
+                    let attachments = attachments
+                        .into_iter()
+                        .filter(|(put, _)| kept.contains(&put.id.as_str()))
+                        .collect();
                     self.store_attachments(attachments).await?;
                     (records, created)
                 }
