@@ -2804,7 +2804,8 @@ impl Response<'_> {
         let mut history_len: usize;
         // The request a transient failure makes again: the same model request, so its hooks
         // are not run again (what they injected would be stored twice). A call after overflow
-        // recovery is a new request, on the compacted history: its hooks run.
+        // recovery is a new request, on the compacted history: its history hooks run, under
+        // the system message `after_system_message` made for the step (once per step).
         let mut retried: Option<(Option<String>, Messages)> = None;
         let (response, started, turn_id) = loop {
             let (system, messages) = match retried.take() {
