@@ -8,7 +8,10 @@
 //!   server does not list, or one named twice, refuses the server (a typo must not quietly
 //!   leave the model without the tool).
 //! - **Schemas.** A tool's input schema without `type` is an object's, and one without
-//!   `properties` has none (as the reference reads them). A tool whose schema is not a valid
+//!   `properties` has none (as the reference reads them). Its root is declared without the
+//!   keywords providers refuse there (`anyOf`, `oneOf`, `allOf`, `not`, `enum`: every request
+//!   would fail), the properties of their branches becoming the root's; the server checks the
+//!   rest when called. A tool whose schema is not a valid
 //!   JSON Schema, whose root is not an object, or which is larger than 64 KiB (declared in every
 //!   model request), refuses the server when the connection names it, and is otherwise left
 //!   out with a warning (the server's other tools are mounted). A description is cut to 8 KiB.
@@ -529,18 +532,52 @@ fn short(text: &str) -> String {
     }
 }
 
-/// A tool's input schema as the reference reads it: without `type`, an object's; an object's
-/// without `properties`, with none.
+/// A tool's input schema as the reference reads it (without `type`, an object's; an object's
+/// without `properties`, with none), and as providers take it: without the keywords they
+/// refuse at a tool schema's root (`anyOf`, `oneOf`, `allOf`, `not`, `enum`; Anthropic and
+/// OpenAI answer 400 to every request declaring one). The properties of a combinator's object
+/// branches become the root's (those of every `allOf` branch required as there); the rest of
+/// what they say the server checks when called.
 fn input_schema(listed: &serde_json::Map<String, Value>) -> Value {
     let mut schema = listed.clone();
+    let combined: Vec<(&str, Value)> = ROOT_KEYWORDS_REFUSED
+        .iter()
+        .filter_map(|keyword| Some((*keyword, schema.remove(*keyword)?)))
+        .collect();
     let kind = schema.entry("type").or_insert_with(|| Value::from("object"));
     if kind == "object" {
         schema
             .entry("properties")
             .or_insert_with(|| Value::Object(serde_json::Map::new()));
+        for (keyword, branches) in &combined {
+            for branch in branches.as_array().into_iter().flatten() {
+                if let Some(properties) = branch.get("properties").and_then(Value::as_object)
+                    && let Some(Value::Object(root)) = schema.get_mut("properties")
+                {
+                    for (name, property) in properties {
+                        root.entry(name.clone()).or_insert_with(|| property.clone());
+                    }
+                }
+                if *keyword == "allOf"
+                    && let Some(required) = branch.get("required").and_then(Value::as_array)
+                {
+                    let root = schema.entry("required").or_insert_with(|| Value::Array(Vec::new()));
+                    if let Value::Array(root) = root {
+                        for name in required {
+                            if !root.contains(name) {
+                                root.push(name.clone());
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
     Value::Object(schema)
 }
+
+/// What providers refuse at the root of a tool's input schema.
+const ROOT_KEYWORDS_REFUSED: [&str; 5] = ["anyOf", "oneOf", "allOf", "not", "enum"];
 
 struct McpTool {
     definition: ToolDefinition,
@@ -876,6 +913,45 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Servers put `anyOf`/`oneOf`/`allOf` at a tool schema's root (one of two arguments
+    /// required, say), which Anthropic and OpenAI refuse in every request that declares it: it
+    /// is declared without them, their branches' properties at the root, `allOf`'s required.
+    #[test]
+    fn a_schemas_root_combinators_are_declared_as_the_properties_of_their_branches() {
+        let listed = |schema: Value| input_schema(schema.as_object().unwrap());
+        let either = listed(serde_json::json!({
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "anyOf": [{"required": ["query"]}, {"properties": {"id": {"type": "string"}}, "required": ["id"]}],
+        }));
+        assert_eq!(
+            either,
+            serde_json::json!({
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "id": {"type": "string"}},
+            })
+        );
+        let bare = listed(serde_json::json!({
+            "allOf": [
+                {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "integer"}}},
+            ],
+            "not": {"required": ["c"]},
+        }));
+        assert_eq!(
+            bare,
+            serde_json::json!({
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a"],
+            })
+        );
+        // What providers take is left as it is.
+        let plain = serde_json::json!({"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]});
+        assert_eq!(listed(plain.clone()), plain);
+        assert!(DataSchema::new(either).unwrap().has_object_root());
+    }
 
     #[test]
     fn a_reason_shown_to_the_model_and_observers_is_one_line_of_300_characters_at_most() {
