@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::tool::Secret;
-use crate::url::url_without_secrets;
+use crate::url::url_without_path;
 
 /// How the runtime talks to an MCP server.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -52,7 +52,7 @@ impl std::fmt::Debug for McpConnection {
             .collect();
         f.debug_struct("McpConnection")
             .field("name", &self.name)
-            .field("url", &url_without_secrets(&self.url))
+            .field("url", &url_without_path(&self.url))
             .field("transport", &self.transport)
             .field("auth", &self.auth)
             .field("headers", &headers)
@@ -135,11 +135,11 @@ impl McpConnection {
             ));
         }
         if !is_absolute_url(&self.url) {
-            // Quoted without its userinfo, query and fragment: the message reaches the
-            // submission's failure and the records, and a token may sit there.
+            // Quoted by its scheme and host only: the message reaches the submission's failure
+            // and the records, and a token may sit in the userinfo, the query or the path.
             return Err(format!(
                 "[flue] {source} \"{name}\" url {:?} is not a valid absolute URL.",
-                url_without_secrets(&self.url)
+                url_without_path(&self.url)
             ));
         }
         if self.timeout.is_some_and(|timeout| timeout.is_zero()) {
@@ -188,7 +188,10 @@ mod tests {
             .header("X-Api-Key", "hunter2");
         let debug = format!("{connection:?}");
         assert!(!debug.contains("hunter2"), "{debug}");
-        assert!(debug.contains("https://mcp.example/mcp"), "{debug}");
+        assert!(
+            debug.contains("https://mcp.example/…"),
+            "the path may hold a key too: {debug}"
+        );
         assert!(debug.contains("X-Api-Key"), "the header names stay: {debug}");
     }
 }

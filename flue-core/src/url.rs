@@ -25,6 +25,21 @@ pub fn url_without_secrets(url: &str) -> String {
     format!("{prefix}{}", &rest[host..])
 }
 
+/// `url` as [`url_without_secrets`] quotes it, its path cut to `/…`: a server's path may hold
+/// a key of its own (`https://host/s/<key>/mcp`), which only the scheme and host never do.
+pub fn url_without_path(url: &str) -> String {
+    let quoted = url_without_secrets(url);
+    let scheme = match quoted.find("://") {
+        Some(at) => at + 3,
+        None if quoted.starts_with("//") => 2,
+        None => 0,
+    };
+    match quoted[scheme..].find('/') {
+        Some(path) if scheme + path + 1 < quoted.len() => format!("{}/…", &quoted[..scheme + path]),
+        _ => quoted,
+    }
+}
+
 /// `text` with every URL in it quoted as [`url_without_secrets`] does (an error quoting a
 /// server's URL reaches the model and the records). A URL starts at its scheme's `://` and runs
 /// to a space or a quote; the punctuation that closes the sentence around it (`(…?key=k).`)
@@ -69,6 +84,19 @@ pub fn without_url_secrets(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_url_without_its_path_keeps_its_scheme_and_host_only() {
+        assert_eq!(
+            url_without_path("https://u:p@mcp.example.com/s/sk-live-1/mcp?k=v"),
+            "https://mcp.example.com/…"
+        );
+        assert_eq!(url_without_path("https://mcp.example.com/"), "https://mcp.example.com/");
+        assert_eq!(url_without_path("https://mcp.example.com"), "https://mcp.example.com");
+        assert_eq!(url_without_path("/sk-live-1/mcp"), "/…");
+        assert_eq!(url_without_path("https://host/s/sk live\n/mcp"), "https://host/…");
+    }
+
     use super::*;
 
     #[test]

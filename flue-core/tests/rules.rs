@@ -378,11 +378,13 @@ fn invalid_subagent_and_mcp_definitions_are_rejected_at_the_mount_site() {
 fn an_invalid_mcp_url_is_quoted_without_its_userinfo_query_and_fragment() {
     // The message reaches the submission's failure and the records: a token in the URL stays out.
     for (url, quoted) in [
-        ("mcp.linear.app/mcp?token=s3cret#frag", "mcp.linear.app/mcp"),
+        ("mcp.linear.app/mcp?token=s3cret#frag", "mcp.linear.app/…"),
         (
             "https://user:s3cret@mcp.linear.app /mcp?key=s3cret",
-            "https://mcp.linear.app /mcp",
+            "https://mcp.linear.app /…",
         ),
+        // A key in the path (read from a file with its line end) is not quoted either.
+        ("https://mcp.linear.app/s/s3cret\n/mcp", "https://mcp.linear.app/…"),
         ("//s3cret@mcp.linear.app#s3cret", "//mcp.linear.app"),
         ("bad?token=s3cret://mcp.linear.app", "bad"),
     ] {
