@@ -669,8 +669,15 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     // call comes from within a child session through another delegation (a hook of the child's
     // creation invoking the parent's `task` tool), which would otherwise nest without bound.
     let depth = TASK_DEPTH.try_with(|depth| *depth).unwrap_or(0).max(delegation.depth);
+    // A child an earlier run created that cannot go on (a gate below refuses the call now) is
+    // not run again: the call's outcome is unknown, and its result names the child, as when
+    // its delegate is no longer offered (above).
+    let refused = |error: String| match &retained {
+        Some(child) => ToolOutput::error(not_reopened(&child.key, &error)),
+        None => ToolOutput::error(error),
+    };
     if depth >= MAX_DELEGATION_DEPTH {
-        return ToolOutput::error(format!("Maximum delegation depth ({MAX_DELEGATION_DEPTH}) exceeded."));
+        return refused(format!("Maximum delegation depth ({MAX_DELEGATION_DEPTH}) exceeded."));
     }
     let _running = {
         let mut running = delegation
@@ -681,7 +688,7 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         if let Some(limit) = subagent.max_instances_limit()
             && *count >= limit
         {
-            return ToolOutput::error(format!(
+            return refused(format!(
                 "Subagent instance limit reached: at most {limit} \"{}\" task(s) may run at once.",
                 subagent.name()
             ));
@@ -695,7 +702,7 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
     let environment = match &args.cwd {
         Some(cwd) => match environment.scoped(cwd) {
             Ok(scoped) => scoped,
-            Err(error) => return ToolOutput::error(error),
+            Err(error) => return refused(error),
         },
         None => environment,
     };
@@ -749,6 +756,15 @@ async fn run_task(delegation: &Delegation, args: TaskArgs, tool_call_id: &str) -
         Ok(text) => ToolOutput::text(text),
         Err(error) => ToolOutput::error(error),
     }
+}
+
+/// The result of a call whose child (`child`, created by an earlier run, not answered) cannot
+/// be reopened now, for the reason `error` (logged): the call's outcome is unknown, and the
+/// result names the child, where its work so far is (reference §3.9), rather than telling the
+/// model the delegate never started (it would call it again, repeating what the child did).
+fn not_reopened(child: &InstanceKey, error: &str) -> String {
+    tracing::warn!(child = %child, %error, "a task's child cannot be reopened: the call's outcome is unknown");
+    crate::session::interrupted_task(child)
 }
 
 /// One task to run: its id, arguments and call, and the child an earlier run created (its key
@@ -925,6 +941,14 @@ async fn child_session(
 ) -> Result<String, String> {
     let args = task.args;
     let mut reopened = task.reopened.take();
+    // A child an earlier run created whose delegate does not start now (its render fails, its
+    // model does not resolve, a tool clashes) is not run: the call's outcome is unknown, and
+    // its result names the child.
+    let retained = reopened.as_ref().map(|(child, _)| child.clone());
+    let not_started = |error: String| match &retained {
+        Some(child) => not_reopened(child, &error),
+        None => error,
+    };
     // A reattached child's images are loaded before its render, which sees them as its first
     // run's did.
     if let Some((child, conversation)) = &mut reopened {
@@ -956,13 +980,18 @@ async fn child_session(
         flue_core::render_into(agent, &state, &mut rendered)
     })) {
         Ok(Ok(())) => {}
-        Ok(Err(error)) => return Err(format!("The \"{}\" agent could not render: {error}", subagent.name())),
+        Ok(Err(error)) => {
+            return Err(not_started(format!(
+                "The \"{}\" agent could not render: {error}",
+                subagent.name()
+            )));
+        }
         Err(payload) => {
-            return Err(format!(
+            return Err(not_started(format!(
                 "The \"{}\" agent could not render: {}",
                 subagent.name(),
                 flue_core::render::panic_message(payload.as_ref())
-            ));
+            )));
         }
     }
     let model = subagent.model_override().unwrap_or(&delegation.model).to_owned();
@@ -970,29 +999,29 @@ async fn child_session(
     let (provider, model_id) = runtime
         .providers
         .resolve(&model)
-        .map_err(|error| format!("The \"{}\" agent's model: {error}", subagent.name()))?;
+        .map_err(|error| not_started(format!("The \"{}\" agent's model: {error}", subagent.name())))?;
 
     // Refused before the child exists (no child is left behind).
-    refuse_required_hooks(subagent, &rendered)?;
+    refuse_required_hooks(subagent, &rendered).map_err(&not_started)?;
     if let Some(taken) = rendered
         .tools
         .iter()
         .find(|own| environment.tools.iter().any(|tool| tool.name() == own.name()))
     {
-        return Err(format!(
+        return Err(not_started(format!(
             "The \"{}\" agent's tool \"{}\" clashes with a sandbox tool.",
             subagent.name(),
             taken.name()
-        ));
+        )));
     }
     // The workspace skills of the delegate's own working directory (a task's `cwd` moves it),
     // found when its session starts, after its declared ones.
     let workspace = match &environment.session {
         Some(session) => {
             let workspace = Arc::new(crate::skills::Workspace::discover(session).await);
-            workspace
-                .mount(&mut rendered)
-                .map_err(|message| format!("The \"{}\" agent could not start: {message}", subagent.name()))?;
+            workspace.mount(&mut rendered).map_err(|message| {
+                not_started(format!("The \"{}\" agent could not start: {message}", subagent.name()))
+            })?;
             Some(workspace)
         }
         None => None,

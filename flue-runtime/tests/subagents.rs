@@ -2058,6 +2058,65 @@ async fn an_unfinished_task_rerun_whose_delegate_is_no_longer_offered_names_its_
     }
 }
 
+static MODEL_GONE_MIDWAY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The tallier's parent, whose tallier names a model no provider serves once
+/// `MODEL_GONE_MIDWAY` is set (a deploy that dropped a provider).
+fn model_gone_parent(_: AgentProps<'_>) -> &'static str {
+    use_model("scripted/parent-model");
+    if MODEL_GONE_MIDWAY.load(Ordering::SeqCst) {
+        use_subagent(tallying_delegate(4).model("retired/model"));
+    } else {
+        use_subagent(tallying_delegate(4));
+    }
+    "Delegate the tally."
+}
+
+/// A delegate still offered whose child was interrupted before it answered, but which does
+/// not start now (its model no longer resolves): the re-run does not tell the model the agent
+/// could not start (it would delegate again, repeating the child's work), but that the call's
+/// outcome is unknown, naming the child, as when the delegate is no longer offered.
+#[tokio::test]
+async fn an_unfinished_task_rerun_whose_delegate_no_longer_starts_names_its_child_as_outcome_unknown() {
+    for (name, backend) in backends() {
+        MODEL_GONE_MIDWAY.store(false, Ordering::SeqCst);
+        let model = tallying_script();
+        let commits = commits_calls_of("tally");
+        let store = crashing(backend, move |key, records| {
+            let hit = commits(key, records);
+            if hit {
+                MODEL_GONE_MIDWAY.store(true, Ordering::SeqCst);
+            }
+            hit
+        });
+        let agent = FnAgent::new(AgentDefinition::new("model_gone"), model_gone_parent).into();
+        let runtime = harness::runtime_on(store, &model, vec![agent]);
+        let reply = runtime
+            .handle("model_gone", "g-1")
+            .unwrap()
+            .send("Tally it.")
+            .await
+            .unwrap();
+        MODEL_GONE_MIDWAY.store(false, Ordering::SeqCst);
+        assert_eq!(reply.text, "Seven words.", "{name}");
+        let requests = model.requests();
+        assert_eq!(requests.len(), 3, "{name}: parent, child, parent");
+        let store = runtime.store().clone();
+        let (_, child) = the_child(&store, &InstanceKey::new("model_gone", "g-1")).await;
+        assert_eq!(
+            harness::last_batch_results(&requests[2]),
+            [(
+                format!(
+                    r#"{{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown.","childConversationId":{}}}"#,
+                    json!(child.to_string())
+                ),
+                true
+            )],
+            "{name}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Compaction in a task's child session: the child's conversation compacts as the root's does
 // (threshold compaction before a call, overflow recovery), with the submission's settings,
