@@ -1124,6 +1124,9 @@ async fn child_session(
     let mut usage = Usage::default();
     let result = async {
         loop {
+            // An attempt one of whose appends failed (another task's child's, say) is lost: its
+            // children make no more model calls or tool calls, whose results nothing records.
+            journal.check_live()?;
             // A batch an earlier run left uncommitted: its calls without a recorded outcome run
             // again when durable (nested tasks included), the others get the outcome-unknown
             // result.
@@ -1260,7 +1263,11 @@ async fn child_session(
                     let delay;
                     (retries, delay) = runtime.options.model_retry(retries, failed);
                     tokio::select! {
-                        () = tokio::time::sleep(delay) => continue,
+                        () = tokio::time::sleep(delay) => {
+                            // Nor does a retry when the attempt was lost meanwhile.
+                            journal.check_live()?;
+                            continue;
+                        }
                         () = delegation.signal.aborted() => {
                             return Err(crate::provider::CallError::Aborted.to_string());
                         }
