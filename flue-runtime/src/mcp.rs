@@ -33,9 +33,11 @@
 //!   pays for its handshake again): one whose definition is the same as the one declared,
 //!   whose transport is still open and which lists its tools again, which each response
 //!   mounts as listed then (reference §3.7: a submission's init connects, so a server's
-//!   changes show from the next message on). A server that went away is connected afresh, and
-//!   so found unavailable as at a first connect; one whose new list cannot be mounted is
-//!   unavailable for that response, its connection kept for the next to list again. A connection
+//!   changes show from the next message on). A server whose transport failed is connected
+//!   afresh, and so found unavailable as at a first connect; one that answers its listing with
+//!   an error, with a list that cannot be mounted, or not in time, is unavailable for that
+//!   response (a new session would be asked the same, after a handshake's wait), its connection
+//!   kept for the next to list again. A connection
 //!   that failed is not kept, so the next response tries again, and one the render no longer
 //!   declares is closed. A response connects the servers it does not have together, and an
 //!   abort stops the connecting.
@@ -94,8 +96,14 @@ impl McpSession {
         if self._client.is_closed() || self._client.is_transport_closed() {
             return Relisted::Unreachable;
         }
-        let Ok(listed) = list_for(connection, &self._client).await else {
-            return Relisted::Unreachable;
+        let listed = match list_for(connection, &self._client).await {
+            Ok(listed) => listed,
+            // The transport failed: a new session may reach the server.
+            Err(Listing::Unreachable(_)) => return Relisted::Unreachable,
+            // The server answered what cannot be mounted (an error, more than is kept), or did
+            // not answer in time: a new session would be asked the same, after its own
+            // handshake's wait. Unavailable for this response; the next one lists again.
+            Err(Listing::Refused(refused)) => return Relisted::Refused(refused),
         };
         match mount(connection, Arc::clone(&self._client), listed) {
             Ok(session) => Relisted::Session(session),
@@ -232,7 +240,7 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
     client
         .set_response_cache_config(rmcp::service::ClientCacheConfig::disabled())
         .await;
-    let listed = list_for(connection, &client).await?;
+    let listed = list_for(connection, &client).await.map_err(Listing::into_unavailable)?;
     mount(connection, Arc::new(client), listed)
 }
 
@@ -251,17 +259,39 @@ fn unavailable_for(connection: &McpConnection) -> impl Fn(String) -> Unavailable
     }
 }
 
+/// Why a server's tools could not be listed.
+enum Listing {
+    /// Its transport failed (closed, a request that could not be sent).
+    Unreachable(Unavailable),
+    /// It answered with an error or with what is not kept (too many tools, a repeated
+    /// cursor), or not within the timeout.
+    Refused(Unavailable),
+}
+
+impl Listing {
+    fn into_unavailable(self) -> Unavailable {
+        match self {
+            Self::Unreachable(unavailable) | Self::Refused(unavailable) => unavailable,
+        }
+    }
+}
+
 /// Every tool `client`'s server lists now, within the connection's timeout.
 async fn list_for(
     connection: &McpConnection,
     client: &RunningService<RoleClient, ()>,
-) -> Result<Vec<rmcp::model::Tool>, Unavailable> {
+) -> Result<Vec<rmcp::model::Tool>, Listing> {
     let unavailable = unavailable_for(connection);
     let timeout = connection.timeout.unwrap_or(DEFAULT_TIMEOUT);
-    tokio::time::timeout(timeout, list_tools(client))
-        .await
-        .map_err(|_| unavailable(format!("listing its tools took longer than {} s", timeout.as_secs())))?
-        .map_err(&unavailable)
+    match tokio::time::timeout(timeout, list_tools(client)).await {
+        Err(_) => Err(Listing::Refused(unavailable(format!(
+            "listing its tools took longer than {} s",
+            timeout.as_secs()
+        )))),
+        Ok(Ok(tools)) => Ok(tools),
+        Ok(Err((reason, true))) => Err(Listing::Unreachable(unavailable(reason))),
+        Ok(Err((reason, false))) => Err(Listing::Refused(unavailable(reason))),
+    }
 }
 
 /// The session of `client` with the `listed` tools mounted as the connection says (see the
@@ -423,14 +453,19 @@ const MAX_LISTED_BYTES: usize = 16 * 1024 * 1024;
 /// Every page of the server's tools. A server that repeats a cursor would be listed for ever
 /// (each page kept): it is refused, as one listing more than [`MAX_LISTED_TOOLS`] tools or
 /// [`MAX_LISTED_PAGES`] pages.
-async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp::model::Tool>, String> {
+/// Every tool the server lists, page after page; on failure, why, and whether the transport
+/// failed (rather than the server answering what is not kept).
+async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp::model::Tool>, (String, bool)> {
     let mut tools = Vec::new();
     let mut listed_bytes = 0;
     let mut cursors = std::collections::HashSet::new();
     let mut cursor = None;
     for _ in 0..MAX_LISTED_PAGES {
         let params = cursor.map(|cursor| PaginatedRequestParams::default().with_cursor(Some(cursor)));
-        let page = client.list_tools(params).await.map_err(|error| error.to_string())?;
+        let page = client.list_tools(params).await.map_err(|error| {
+            let transport = !matches!(error, rmcp::ServiceError::McpError(_));
+            (error.to_string(), transport)
+        })?;
         for mut tool in page.tools {
             // What is mounted is a tool's name, description and input schema: the rest goes as
             // each page comes, and what is kept has a bound (pages of up to rmcp's message
@@ -443,28 +478,37 @@ async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp:
             listed_bytes +=
                 tool.name.len() + tool.description.as_deref().map_or(0, str::len) + json_bytes(&*tool.input_schema);
             if listed_bytes > MAX_LISTED_BYTES {
-                return Err(format!(
-                    "its tools' names, descriptions and input schemas take more than {} MiB",
-                    MAX_LISTED_BYTES >> 20
+                return Err((
+                    format!(
+                        "its tools' names, descriptions and input schemas take more than {} MiB",
+                        MAX_LISTED_BYTES >> 20
+                    ),
+                    false,
                 ));
             }
             tools.push(tool);
         }
         if tools.len() > MAX_LISTED_TOOLS {
-            return Err(format!("it lists more than {MAX_LISTED_TOOLS} tools"));
+            return Err((format!("it lists more than {MAX_LISTED_TOOLS} tools"), false));
         }
         match page.next_cursor {
             None => return Ok(tools),
             Some(next) if !cursors.insert(next.clone()) => {
-                return Err(format!(
-                    "it repeated the tools/list cursor {:?} while its tools were listed",
-                    short(&next)
+                return Err((
+                    format!(
+                        "it repeated the tools/list cursor {:?} while its tools were listed",
+                        short(&next)
+                    ),
+                    false,
                 ));
             }
             Some(next) => cursor = Some(next),
         }
     }
-    Err(format!("it lists its tools in more than {MAX_LISTED_PAGES} pages"))
+    Err((
+        format!("it lists its tools in more than {MAX_LISTED_PAGES} pages"),
+        false,
+    ))
 }
 
 /// The tools a connection's `tools` list names, in its order. A name the server does not

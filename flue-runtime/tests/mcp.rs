@@ -1402,6 +1402,93 @@ async fn a_kept_connection_mounts_the_tools_the_server_lists_at_each_message() {
     );
 }
 
+/// A server with one tool whose `tools/list` the test makes answer an error.
+#[derive(Clone, Default)]
+struct RefusingList {
+    sessions: Arc<std::sync::atomic::AtomicUsize>,
+    refusing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ServerHandler for RefusingList {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn initialize(
+        &self,
+        request: rmcp::model::InitializeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::InitializeResult, ErrorData> {
+        self.sessions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if context.peer.peer_info().is_none() {
+            context.peer.set_peer_info(request);
+        }
+        Ok(self.get_info())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        if self.refusing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(ErrorData::internal_error("the tool index is rebuilding", None));
+        }
+        Ok(ListToolsResult::with_all_items(vec![McpTool::new(
+            "a",
+            "A tool.",
+            schema(json!({"type": "object"})),
+        )]))
+    }
+}
+
+static REFUSING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn refused_listing() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("refusing", REFUSING_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .optional(),
+    );
+    "Use a."
+}
+
+/// A kept connection whose server answers its listing with an error is unavailable for that
+/// response, and kept: a new session would be asked the same after its handshake, so none is
+/// opened, and the next response lists on the kept one again.
+#[tokio::test]
+async fn a_kept_connection_whose_listing_fails_is_not_connected_again() {
+    let handler = RefusingList::default();
+    let _ = REFUSING_URL.set(serve(handler.clone()).await);
+    let model = ScriptedModel::new([
+        ScriptedReply::text("one"),
+        ScriptedReply::text("two"),
+        ScriptedReply::text("three"),
+    ]);
+    let runtime = runtime_with(&model, [refused_listing.into()]);
+    let handle = runtime.init(&refused_listing, "r");
+    handle.send("one").await.unwrap();
+    handler.refusing.store(true, std::sync::atomic::Ordering::SeqCst);
+    handle.send("two").await.unwrap();
+    handler.refusing.store(false, std::sync::atomic::Ordering::SeqCst);
+    handle.send("three").await.unwrap();
+    let mounted = |at: usize| {
+        model.requests()[at]
+            .tools
+            .iter()
+            .filter(|tool| tool.name.starts_with("mcp__"))
+            .count()
+    };
+    assert_eq!((mounted(0), mounted(1), mounted(2)), (1, 0, 1));
+    assert_eq!(
+        handler.sessions.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one session throughout"
+    );
+}
+
 static NAMING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 #[agent]
