@@ -1136,7 +1136,11 @@ fn appended_offset(key: &InstanceKey, appended: Option<Row>) -> Result<u64, Fail
 
 /// Admits `admission`; its claim's lease and `now_ms` (which starts a claimed submission's
 /// budget) are in database time.
-async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> Result<Admitted, Failure> {
+async fn admit_tx(
+    tx: &Transaction<'_>,
+    admission: &Admission,
+    (now_ms, asked): (u64, std::time::Instant),
+) -> Result<Admitted, Failure> {
     let key = &admission.key;
     let (agent, id) = (&*key.agent, &*key.id);
     let (select, lock) = (
@@ -1281,7 +1285,7 @@ async fn admit_tx(tx: &Transaction<'_>, admission: &Admission, now_ms: u64) -> R
     };
     let submission = submission_from_row(&row)?;
     let claimed = match (&admission.claim, head) {
-        (Some(claim), Some(Some(head))) => claim_head(tx, &head, claim, Some(&submission.id), now_ms).await?,
+        (Some(claim), Some(Some(head))) => claim_head(tx, &head, claim, Some(&submission.id), (now_ms, asked)).await?,
         _ => None,
     };
     Ok(Admitted {
@@ -1301,7 +1305,7 @@ async fn claim_next_tx(
     key: &InstanceKey,
     claim: &Claim,
     only: Option<&str>,
-    now_ms: u64,
+    now_ms: (u64, std::time::Instant),
 ) -> Result<Option<Submission>, Failure> {
     if lock_instance(tx, key).await?.is_none() {
         return Ok(None);
@@ -1313,6 +1317,19 @@ async fn claim_next_tx(
     claim_head(tx, &head, claim, only, now_ms).await
 }
 
+/// A claim's lease and `now_ms` (reckoned when the claim was `asked` for), moved on by the time
+/// spent since (waiting for a pooled connection, for the instance's lock, retrying), as the
+/// claim's statement's parameters: a claim that waited would otherwise hold a lease that much
+/// shorter (one that waited past it, none), and compare leases with a `now` that much late.
+fn moved_on(claim: &Claim, now_ms: u64, asked: std::time::Instant) -> (String, String) {
+    let waited = u64::try_from(asked.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let lease_until_ms = match claim.lease_until_ms {
+        0 | u64::MAX => claim.lease_until_ms,
+        lease => lease.saturating_add(waited),
+    };
+    (lease_until_ms.to_string(), now_ms.saturating_add(waited).to_string())
+}
+
 /// Claims the instance's head (a [`HEAD`] row, the instance locked) when it is queued (and is
 /// `only`, when given); a first claim starts the budget at `now_ms`. The claim's lease and
 /// `now_ms` are in database time.
@@ -1321,7 +1338,7 @@ async fn claim_head(
     head: &Row,
     claim: &Claim,
     only: Option<&str>,
-    now_ms: u64,
+    (now_ms, asked): (u64, std::time::Instant),
 ) -> Result<Option<Submission>, Failure> {
     let id: String = head.try_get(0)?;
     let status: String = head.try_get(1)?;
@@ -1329,7 +1346,7 @@ async fn claim_head(
         return Ok(None);
     }
     let statement = tx.prepare_cached(CLAIM).await?;
-    let (lease, now) = (claim.lease_until_ms.to_string(), now_ms.to_string());
+    let (lease, now) = moved_on(claim, now_ms, asked);
     match tx
         .query_opt(&statement, &[&id, &claim.attempt_id, &claim.owner_id, &lease, &now])
         .await?
@@ -1345,13 +1362,13 @@ async fn reclaim_tx(
     submission_id: &str,
     stale_attempt_id: &str,
     claim: &Claim,
-    now_ms: u64,
+    (now_ms, asked): (u64, std::time::Instant),
 ) -> Result<Option<Submission>, Failure> {
     if lock_instance_of(tx, submission_id).await?.is_none() {
         return Ok(None);
     }
     let statement = tx.prepare_cached(RECLAIM).await?;
-    let (lease, now) = (claim.lease_until_ms.to_string(), now_ms.to_string());
+    let (lease, now) = moved_on(claim, now_ms, asked);
     match tx
         .query_opt(
             &statement,
@@ -1630,7 +1647,7 @@ impl Store for PostgresStore {
             if let Some(claim) = &mut admission.claim {
                 claim.lease_until_ms = self.clock.to_database(claim.lease_until_ms);
             }
-            let now = self.clock.database_now();
+            let now = (self.clock.database_now(), std::time::Instant::now());
             let mut admitted = in_transaction!(self, |tx| admit_tx(&tx, &admission, now).await)?;
             admitted.submission = self.clock.submission_to_node(admitted.submission);
             admitted.claimed = admitted.claimed.map(|row| self.clock.submission_to_node(row));
@@ -1685,7 +1702,7 @@ impl Store for PostgresStore {
         let key = key.clone();
         let claim = self.clock.claim_to_database(claim);
         Box::pin(async move {
-            let now = self.clock.database_now();
+            let now = (self.clock.database_now(), std::time::Instant::now());
             let claimed = in_transaction!(self, |tx| claim_next_tx(&tx, &key, &claim, None, now).await)?;
             Ok(claimed.map(|row| self.clock.submission_to_node(row)))
         })
@@ -1753,7 +1770,7 @@ impl Store for PostgresStore {
         let stale_attempt_id = stale_attempt_id.to_owned();
         let claim = self.clock.claim_to_database(claim);
         Box::pin(async move {
-            let now = self.clock.to_database(now_ms);
+            let now = (self.clock.to_database(now_ms), std::time::Instant::now());
             let reclaimed = in_transaction!(self, |tx| reclaim_tx(
                 &tx,
                 &submission_id,
@@ -2755,6 +2772,48 @@ mod tests {
         let a = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
         let b = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
         Some((a, b))
+    }
+
+    /// A claim's lease runs from when the claim is made, not from when it was asked for: one
+    /// that waited for the instance's lock (another node's transaction holding it) still holds
+    /// its whole lease once made (it held that much less, or none past a long wait).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_that_waited_for_the_instance_holds_its_whole_lease() {
+        let Some((a, b)) = two_nodes().await else { return };
+        let key = InstanceKey::new("assistant", "waited");
+        a.admit(admission("w-1", "assistant", "waited")).await.unwrap();
+        // Node b holds the instance's lock for 1.5 s.
+        let (locked, holding) = tokio::sync::oneshot::channel();
+        let holder = tokio::spawn({
+            let (b, key) = (b.clone(), key.clone());
+            async move {
+                let Ok(mut client) = b.client().await else {
+                    panic!("no connection")
+                };
+                let tx = client.transaction().await.unwrap();
+                let Ok(Some(_)) = lock_instance(&tx, &key).await else {
+                    panic!("the instance is not locked")
+                };
+                locked.send(()).unwrap();
+                tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+                tx.rollback().await.unwrap();
+            }
+        });
+        holding.await.unwrap();
+        let asked = claim("attempt-a", "node-a");
+        let claimed = a.claim_next(&key, &asked).await.unwrap().unwrap();
+        holder.await.unwrap();
+        let lease = a.submission("w-1").await.unwrap().unwrap().lease_until_ms;
+        assert_eq!(claimed.lease_until_ms, lease);
+        assert!(
+            lease >= asked.lease_until_ms + 1_400,
+            "the lease runs {} ms past the one asked for, not the 1.5 s the claim waited",
+            i128::from(lease) - i128::from(asked.lease_until_ms)
+        );
+        assert!(
+            near(lease, super::super::now_ms() + 30_000),
+            "a whole lease from the claim"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
