@@ -963,7 +963,7 @@ mod tests {
     /// is declared without them, their branches' properties at the root, `allOf`'s required.
     #[test]
     fn a_schemas_root_combinators_are_declared_as_the_properties_of_their_branches() {
-        let listed = |schema: Value| input_schema(schema.as_object().unwrap());
+        let listed = |schema: Value| input_schema(schema.as_object().expect("an object"));
         let either = listed(serde_json::json!({
             "type": "object",
             "properties": {"query": {"type": "string"}},
@@ -994,7 +994,7 @@ mod tests {
         // What providers take is left as it is.
         let plain = serde_json::json!({"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]});
         assert_eq!(listed(plain.clone()), plain);
-        assert!(DataSchema::new(either).unwrap().has_object_root());
+        assert!(DataSchema::new(either).expect("compiles").has_object_root());
     }
 
     #[test]

@@ -160,8 +160,9 @@ pub struct RuntimeOptions {
     /// after its retries) waits before this node attempts it again: doubled for each attempt
     /// before it, at most [`MAX_MODEL_RETRY_WAIT`], a random 75–100 % of that. Without it, a
     /// store down for a second would spend the submission's whole attempt budget
-    /// ([`Durability::max_attempts`](flue_core::agent::Durability::max_attempts)) in milliseconds. A
-    /// node that stops does not wait (the submission stays queued for the next one).
+    /// ([`Durability::max_attempts`](flue_core::agent::Durability::max_attempts)) in milliseconds. The
+    /// attempt waits before it gives the submission back, its lease held: no other node takes
+    /// it meanwhile. A node that stops does not wait (the submission is queued for the next).
     pub store_retry_delay: Duration,
 }
 

@@ -1166,6 +1166,9 @@ async fn child_session(
             // Transient failures retried so far, sharing one budget with the provider's own.
             let mut retries = 0;
             let (response, turn_id) = loop {
+                // A reopened child's steps may be another model's (a deploy changed the
+                // delegate's): their signed reasoning goes to the model that made it only.
+                conversation.fit_reasoning_to(&model);
                 let request = ModelRequest {
                     model: model_id.clone(),
                     system: system.clone(),

@@ -73,8 +73,10 @@ pub struct Message {
     /// Free-form metadata.
     #[serde(default, skip_serializing_if = "Map::is_empty")]
     pub metadata: Map<String, Value>,
-    /// The images a user row carries, by reference (their bytes are stored apart). Read-only:
-    /// a hook that changes them changes nothing.
+    /// The images a user row carries, by reference (their bytes are stored apart). A hook may
+    /// leave some out, never add one: a `before_create_message` hook's row stores only those
+    /// it keeps (the others are not stored, served or sent), and a `filter_messages` hook's
+    /// rows send the model only those they keep (a row rebuilt without them sends none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attachments: Vec<MessageAttachment>,
 }

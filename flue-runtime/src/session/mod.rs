@@ -874,6 +874,17 @@ impl InstanceSlot {
                     self.binding.set_current(None);
                     // Forget the cached fold: the next attempt re-reads what is durable.
                     *conversation = Conversation::default();
+                    // The store may be down for a while: the next attempt waits, or the budget
+                    // would be spent at once. It waits here, before the requeue, its lease held
+                    // (the heartbeat renews it): requeued, the submission is any node's to claim
+                    // at once (a shared store tells them). A stopping node does not wait.
+                    let wait = runtime
+                        .options
+                        .store_retry_wait(submission.attempt_count, crate::provider::jitter_fraction());
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = runtime.closed() => {}
+                    }
                     match runtime.store.requeue(&attempt_ref).await {
                         Ok(true) => {
                             runtime.emit_recovery(
@@ -882,16 +893,6 @@ impl InstanceSlot {
                                 RecoveryOutcome::Deferred,
                                 Some(&failure.error.message),
                             );
-                            // The store may be down for a while: the next attempt waits (a
-                            // stopping node does not), or the budget would be spent at once.
-                            drop(conversation);
-                            let wait = runtime
-                                .options
-                                .store_retry_wait(submission.attempt_count, crate::provider::jitter_fraction());
-                            tokio::select! {
-                                () = tokio::time::sleep(wait) => {}
-                                () = runtime.closed() => {}
-                            }
                             return (None, None);
                         }
                         // Another attempt owns the submission now: its settlement is refused
@@ -1010,7 +1011,7 @@ impl InstanceSlot {
         {
             Ok(queued) => {
                 self.binding.note_append();
-                announce_ended(&runtime, &self.key, &submission.id, &unknown_outcomes);
+                announce_ended(runtime, &self.key, &submission.id, &unknown_outcomes);
                 Some(QueueLeft {
                     admissions,
                     queued,
