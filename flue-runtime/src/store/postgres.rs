@@ -1318,11 +1318,16 @@ async fn claim_next_tx(
 }
 
 /// A claim's lease and `now_ms` (reckoned when the claim was `asked` for), moved on by the time
-/// spent since (waiting for a pooled connection, for the instance's lock, retrying), as the
-/// claim's statement's parameters: a claim that waited would otherwise hold a lease that much
-/// shorter (one that waited past it, none), and compare leases with a `now` that much late.
+/// spent since (waiting for a pooled connection, for the instance's lock, retrying) when that
+/// is a sixth of the lease or more, as the claim's statement's parameters: a claim that waited
+/// would otherwise hold a lease that much shorter (one that waited past it, none), and compare
+/// leases with a `now` that much late. A shorter wait leaves them as asked (the heartbeat,
+/// every third of a lease by default, renews it in time), so a claim made at once writes the
+/// times its caller gave, as the other stores do.
 fn moved_on(claim: &Claim, now_ms: u64, asked: std::time::Instant) -> (String, String) {
     let waited = u64::try_from(asked.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let lease = claim.lease_until_ms.saturating_sub(now_ms);
+    let waited = if waited.saturating_mul(6) < lease { 0 } else { waited };
     let lease_until_ms = match claim.lease_until_ms {
         0 | u64::MAX => claim.lease_until_ms,
         lease => lease.saturating_add(waited),
@@ -1362,13 +1367,13 @@ async fn reclaim_tx(
     submission_id: &str,
     stale_attempt_id: &str,
     claim: &Claim,
-    (now_ms, asked): (u64, std::time::Instant),
+    now_ms: u64,
 ) -> Result<Option<Submission>, Failure> {
     if lock_instance_of(tx, submission_id).await?.is_none() {
         return Ok(None);
     }
     let statement = tx.prepare_cached(RECLAIM).await?;
-    let (lease, now) = moved_on(claim, now_ms, asked);
+    let (lease, now) = (claim.lease_until_ms.to_string(), now_ms.to_string());
     match tx
         .query_opt(
             &statement,
@@ -1770,7 +1775,7 @@ impl Store for PostgresStore {
         let stale_attempt_id = stale_attempt_id.to_owned();
         let claim = self.clock.claim_to_database(claim);
         Box::pin(async move {
-            let now = (self.clock.to_database(now_ms), std::time::Instant::now());
+            let now = self.clock.to_database(now_ms);
             let reclaimed = in_transaction!(self, |tx| reclaim_tx(
                 &tx,
                 &submission_id,
@@ -2800,7 +2805,11 @@ mod tests {
             }
         });
         holding.await.unwrap();
-        let asked = claim("attempt-a", "node-a");
+        // A lease of 6 s: the 1.5 s wait is more than a sixth of it.
+        let asked = Claim {
+            lease_until_ms: super::super::now_ms() + 6_000,
+            ..claim("attempt-a", "node-a")
+        };
         let claimed = a.claim_next(&key, &asked).await.unwrap().unwrap();
         holder.await.unwrap();
         let lease = a.submission("w-1").await.unwrap().unwrap().lease_until_ms;
@@ -2811,7 +2820,7 @@ mod tests {
             i128::from(lease) - i128::from(asked.lease_until_ms)
         );
         assert!(
-            near(lease, super::super::now_ms() + 30_000),
+            near(lease, super::super::now_ms() + 6_000),
             "a whole lease from the claim"
         );
     }
