@@ -85,6 +85,13 @@ pub(crate) struct Conversation {
     /// [`Conversation::fit_reasoning_to`]); `None` until a fit, and again once a step of
     /// another model with reasoning is folded.
     reasoning_for: Option<Arc<str>>,
+    /// The specifiers of the models that made the steps, each once (a step's row names its
+    /// model by its place here: a row stays small, and a conversation holds one or two).
+    models: Vec<Arc<str>>,
+    /// The reasoning of the steps (by row id) whose model is not the one the messages are
+    /// fitted to, set aside (see [`Conversation::fit_reasoning_to`]); empty unless a
+    /// conversation's model changed.
+    reasoning_aside: FastMap<String, Vec<ReasoningBlock>>,
     /// Tool calls of the last completed step whose batch has not committed.
     open_calls: Vec<ModelToolCall>,
     /// The message id of the step those calls belong to.
@@ -146,8 +153,8 @@ pub(crate) enum DeliveryCursor {
 
 struct OpenStep {
     tool_calls: Vec<ModelToolCall>,
-    /// The specifier of the model that made it.
-    model: Arc<str>,
+    /// The model that made it (its place in [`Conversation::models`]).
+    model: Option<u16>,
     /// Made by a model call (it has a turn), not by calls queued with `queue_tool`: only these
     /// count against `max_steps`.
     model_call: bool,
@@ -261,11 +268,8 @@ struct Row {
     /// Rows whose model text is a rendering of their content (signals, system rows): what
     /// to render it from.
     rendered: Option<Box<Rendering>>,
-    /// A model step's row: the specifier of the model that made it.
-    model: Option<Arc<str>>,
-    /// The step's reasoning while the messages are fitted to another model (see
-    /// [`Conversation::fit_reasoning_to`]).
-    reasoning_aside: Vec<ReasoningBlock>,
+    /// A model step's row: the model that made it (its place in [`Conversation::models`]).
+    model: Option<u16>,
 }
 
 struct Rendering {
@@ -309,7 +313,6 @@ impl Row {
             status: Some(MessageStatus::Completed),
             rendered: None,
             model: None,
-            reasoning_aside: Vec::new(),
         }
     }
 }
@@ -685,7 +688,7 @@ impl Conversation {
                 self.close_dangling_calls();
                 self.open_step = Some(OpenStep {
                     tool_calls: Vec::new(),
-                    model: model.as_str().into(),
+                    model: self.model_index(model),
                     model_call: turn_id.is_some(),
                 });
             }
@@ -712,14 +715,18 @@ impl Conversation {
                 let (tool_calls, model) = self
                     .open_step
                     .take()
-                    .map(|step| (step.tool_calls, Some(step.model)))
+                    .map(|step| (step.tool_calls, step.model))
                     .unwrap_or_default();
                 self.completed_steps += 1;
                 self.open_calls.clone_from(&tool_calls);
                 self.open_calls_step.clone_from(message_id);
                 self.results_at = self.messages.len() + 1;
                 let mut row = Row::new(message_id.clone(), MessageRole::Assistant, record.timestamp.clone());
-                if !reasoning_blocks.is_empty() && self.reasoning_for != model {
+                let fitted = self
+                    .reasoning_for
+                    .as_ref()
+                    .is_some_and(|spec| model.and_then(|model| self.models.get(usize::from(model))) == Some(spec));
+                if !reasoning_blocks.is_empty() && !fitted {
                     self.reasoning_for = None;
                 }
                 row.model = model;
@@ -1372,23 +1379,36 @@ impl Conversation {
             return;
         }
         for index in 0..self.rows.len() {
-            let row = &mut self.rows[index];
-            let Some(model) = &row.model else { continue };
+            let row = &self.rows[index];
+            let Some(model) = row.model.and_then(|model| self.models.get(usize::from(model))) else {
+                continue;
+            };
             let fits = **model == *spec;
             let sent =
                 matches!(&self.messages[index], ModelMessage::Assistant { reasoning, .. } if !reasoning.is_empty());
-            if fits && !row.reasoning_aside.is_empty() {
-                if let ModelMessage::Assistant { reasoning, .. } = self.messages.get_mut(index) {
-                    *reasoning = std::mem::take(&mut row.reasoning_aside);
+            if fits {
+                if let Some(aside) = self.reasoning_aside.remove(&row.id)
+                    && let ModelMessage::Assistant { reasoning, .. } = self.messages.get_mut(index)
+                {
+                    *reasoning = aside;
                 }
-            } else if !fits
-                && sent
-                && let ModelMessage::Assistant { reasoning, .. } = self.messages.get_mut(index)
-            {
-                row.reasoning_aside = std::mem::take(reasoning);
+            } else if sent && let ModelMessage::Assistant { reasoning, .. } = self.messages.get_mut(index) {
+                let aside = std::mem::take(reasoning);
+                self.reasoning_aside.insert(self.rows[index].id.clone(), aside);
             }
         }
         self.reasoning_for = Some(spec.into());
+    }
+
+    /// The place of the model `spec` in [`Self::models`], added if new (`None` past the
+    /// most a row can name: such a step's reasoning is always sent).
+    fn model_index(&mut self, spec: &str) -> Option<u16> {
+        if let Some(at) = self.models.iter().position(|model| **model == *spec) {
+            return u16::try_from(at).ok();
+        }
+        let at = u16::try_from(self.models.len()).ok()?;
+        self.models.push(spec.into());
+        Some(at)
     }
 
     /// The message of the row `id` as an event shows it: as stored, its images with their media
