@@ -209,8 +209,7 @@ impl RuntimeOptions {
     /// doubled for each retry before it, at most [`MAX_MODEL_RETRY_WAIT`] (never an overflow,
     /// however many retries are allowed).
     pub fn model_retry_wait(&self, retry: u32) -> Duration {
-        let factor = 2u32.saturating_pow(retry.saturating_sub(1));
-        self.model_retry_delay.saturating_mul(factor).min(MAX_MODEL_RETRY_WAIT)
+        doubled(self.model_retry_delay, retry)
     }
 
     /// The retries a retry of a model call that failed with `error` (after `retries` of the
@@ -227,11 +226,7 @@ impl RuntimeOptions {
     /// each attempt before it, at most [`MAX_MODEL_RETRY_WAIT`], scaled by `jitter` (in
     /// `[0, 1)`) to between 75 and 100 % of it.
     pub(crate) fn store_retry_wait(&self, attempt: u32, jitter: f64) -> Duration {
-        let factor = 2u32.saturating_pow(attempt.saturating_sub(1));
-        self.store_retry_delay
-            .saturating_mul(factor)
-            .min(MAX_MODEL_RETRY_WAIT)
-            .mul_f64(1.0 - 0.25 * jitter.clamp(0.0, 1.0))
+        doubled(self.store_retry_delay, attempt).mul_f64(1.0 - 0.25 * jitter.clamp(0.0, 1.0))
     }
 
     fn model_retry_jittered(
@@ -247,6 +242,14 @@ impl RuntimeOptions {
             .max(error.retry_after.unwrap_or_default().min(MAX_RETRY_AFTER_WAIT));
         (spent, wait)
     }
+}
+
+/// `delay` doubled for each of the `n - 1` before the `n`-th (from 1), at most
+/// [`MAX_MODEL_RETRY_WAIT`] (never an overflow, however large `n`).
+fn doubled(delay: Duration, n: u32) -> Duration {
+    delay
+        .saturating_mul(2u32.saturating_pow(n.saturating_sub(1)))
+        .min(MAX_MODEL_RETRY_WAIT)
 }
 
 /// Builds a [`Runtime`].

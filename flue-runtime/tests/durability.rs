@@ -1799,6 +1799,52 @@ async fn a_resumed_response_finishes_with_the_start_metadata_its_first_step_reco
     assert_eq!(started_with_metadata, 1, "only the response's first step carries it");
 }
 
+/// The stream an attempt that died mid-response left of the submission `submission` of `key`
+/// (admitted with the message "question"): the attempt's claim, its lease lapsing in 50 ms,
+/// and its `batches` appended as its records, the first of them holding the input ("m1").
+async fn dead_attempt_left(store: &FaultyStore, key: &InstanceKey, submission: &str, batches: Vec<Vec<RecordBody>>) {
+    use flue_runtime::store::now_ms;
+    store
+        .admit(harness::admission(key, submission, "question"))
+        .await
+        .unwrap();
+    let dead = Claim {
+        attempt_id: "attempt_dead".into(),
+        owner_id: "owner_dead".into(),
+        lease_until_ms: now_ms() + 50,
+    };
+    store.claim_next(key, &dead).await.unwrap().unwrap();
+    let auth = AttemptRef {
+        submission_id: submission.into(),
+        attempt_id: "attempt_dead".into(),
+    };
+    for batch in batches {
+        let records: Vec<Record> = batch
+            .into_iter()
+            .map(|body| Record {
+                id: format!("record_{}", ulid_like()),
+                submission_id: Some(submission.into()),
+                attempt_id: Some("attempt_dead".into()),
+                timestamp: "2026-11-30T00:00:00.000Z".into(),
+                body,
+            })
+            .collect();
+        store.append(key, records.into(), Some(&auth)).await.unwrap();
+    }
+}
+
+/// The dead attempt's input batch of [`dead_attempt_left`]: the message, and its run's start.
+fn dead_attempt_input() -> Vec<RecordBody> {
+    vec![
+        RecordBody::UserMessage {
+            message_id: "m1".into(),
+            body: "question".into(),
+            attachments: Vec::new(),
+        },
+        RecordBody::AgentStartRun,
+    ]
+}
+
 #[agent]
 fn stamped_relay() -> &'static str {
     use_model("scripted/x");
@@ -1812,64 +1858,33 @@ fn stamped_relay() -> &'static str {
 /// a second time.
 #[tokio::test]
 async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice() {
-    use flue_runtime::store::now_ms;
     let store = FaultyStore::default();
     let model = ScriptedModel::new([]);
     let key = InstanceKey::new("stamped_relay", "s-1");
-    store
-        .admit(harness::admission(&key, "sub_stamped", "question"))
-        .await
-        .unwrap();
-    let first = Claim {
-        attempt_id: "attempt_one".into(),
-        owner_id: "owner_one".into(),
-        lease_until_ms: now_ms() + 50,
-    };
-    store.claim_next(&key, &first).await.unwrap().unwrap();
-    let auth = AttemptRef {
-        submission_id: "sub_stamped".into(),
-        attempt_id: "attempt_one".into(),
-    };
-    let record = |body: RecordBody| Record {
-        id: format!("record_{}", ulid_like()),
-        submission_id: Some("sub_stamped".into()),
-        attempt_id: Some("attempt_one".into()),
-        timestamp: "2026-11-30T00:00:00.000Z".into(),
-        body,
-    };
     // The dead attempt's durable progress: input + seam, the final answer, the finish batch.
-    let batches = [
+    let batches = vec![
+        dead_attempt_input(),
         vec![
-            record(RecordBody::UserMessage {
-                message_id: "m1".into(),
-                body: "question".into(),
-                attachments: Vec::new(),
-            }),
-            record(RecordBody::AgentStartRun),
-        ],
-        vec![
-            record(RecordBody::AssistantMessageStarted {
+            RecordBody::AssistantMessageStarted {
                 message_id: "m2".into(),
                 model: "scripted/x".into(),
                 turn_id: None,
                 response_metadata: None,
-            }),
-            record(RecordBody::AssistantMessageCompleted {
+            },
+            RecordBody::AssistantMessageCompleted {
                 message_id: "m2".into(),
                 text: "the answer".into(),
                 reasoning: String::new(),
                 stop_reason: flue_runtime::provider::StopReason::Stop,
                 usage: Default::default(),
                 reasoning_blocks: Vec::new(),
-            }),
+            },
         ],
-        vec![record(RecordBody::MessageMetadata {
+        vec![RecordBody::MessageMetadata {
             metadata: serde_json::from_value(json!({"stamped": true})).unwrap(),
-        })],
+        }],
     ];
-    for batch in batches {
-        store.append(&key, batch.into(), Some(&auth)).await.unwrap();
-    }
+    dead_attempt_left(&store, &key, "sub_stamped", batches).await;
     let runtime = taking_over(&store, &model, stamped_relay).await;
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
@@ -1894,67 +1909,36 @@ async fn a_resumed_answered_response_does_not_append_its_finish_metadata_twice()
 #[tokio::test]
 async fn a_call_settled_outcome_unknown_by_a_takeover_is_done() {
     use flue_runtime::events::Event;
-    use flue_runtime::store::now_ms;
     let store = FaultyStore::default();
     let model = ScriptedModel::new([ScriptedReply::text("could not look it up")]);
     let key = InstanceKey::new("relay", "r-unknown");
-    store
-        .admit(harness::admission(&key, "sub_unknown", "question"))
-        .await
-        .unwrap();
-    let dead = Claim {
-        attempt_id: "attempt_dead".into(),
-        owner_id: "owner_dead".into(),
-        lease_until_ms: now_ms() + 50,
-    };
-    store.claim_next(&key, &dead).await.unwrap().unwrap();
-    let auth = AttemptRef {
-        submission_id: "sub_unknown".into(),
-        attempt_id: "attempt_dead".into(),
-    };
-    let record = |body: RecordBody| Record {
-        id: format!("record_{}", ulid_like()),
-        submission_id: Some("sub_unknown".into()),
-        attempt_id: Some("attempt_dead".into()),
-        timestamp: "2026-11-30T00:00:00.000Z".into(),
-        body,
-    };
     // The dead attempt's durable progress: its input, then a step calling `lookup`.
-    let batches = [
+    let batches = vec![
+        dead_attempt_input(),
         vec![
-            record(RecordBody::UserMessage {
-                message_id: "m1".into(),
-                body: "question".into(),
-                attachments: Vec::new(),
-            }),
-            record(RecordBody::AgentStartRun),
-        ],
-        vec![
-            record(RecordBody::AssistantMessageStarted {
+            RecordBody::AssistantMessageStarted {
                 message_id: "m2".into(),
                 model: "scripted/x".into(),
                 turn_id: Some("turn_1".into()),
                 response_metadata: None,
-            }),
-            record(RecordBody::AssistantToolCall {
+            },
+            RecordBody::AssistantToolCall {
                 message_id: "m2".into(),
                 tool_call_id: "call_lookup".into(),
                 name: "lookup".into(),
                 arguments: "{}".into(),
-            }),
-            record(RecordBody::AssistantMessageCompleted {
+            },
+            RecordBody::AssistantMessageCompleted {
                 message_id: "m2".into(),
                 text: String::new(),
                 reasoning: String::new(),
                 stop_reason: flue_runtime::provider::StopReason::ToolUse,
                 usage: Default::default(),
                 reasoning_blocks: Vec::new(),
-            }),
+            },
         ],
     ];
-    for batch in batches {
-        store.append(&key, batch.into(), Some(&auth)).await.unwrap();
-    }
+    dead_attempt_left(&store, &key, "sub_unknown", batches).await;
     let runtime = fast_scanning(&store, &model, relay);
     let mut events = runtime.observe();
     runtime.start().await;

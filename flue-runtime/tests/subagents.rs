@@ -2007,33 +2007,33 @@ fn fickle_midway_parent(_: AgentProps<'_>) -> &'static str {
     "Delegate the tally."
 }
 
-/// A render may drop a delegate whose child was interrupted before it answered: the re-run
-/// cannot go on with the child, so the call's outcome is unknown, and its result names the
-/// child conversation (reference §3.9), as an interrupted call's does; not "not declared".
-#[tokio::test]
-async fn an_unfinished_task_rerun_whose_delegate_is_no_longer_offered_names_its_child_as_outcome_unknown() {
+/// Runs `parent` (the agent `agent`) until its task's child has a step and no answer: the
+/// child's tool batch fails to commit, the parent's attempt fails, and `midway` is set, which
+/// changes the parent's render for its re-run. The re-run must not run the child again: its
+/// call ends outcome-unknown, its result naming the child conversation (reference §3.9).
+async fn an_unfinished_childs_rerun_names_it(
+    agent: &'static str,
+    parent: fn(AgentProps<'_>) -> &'static str,
+    midway: &'static std::sync::atomic::AtomicBool,
+) {
     for (name, backend) in backends() {
-        OFFER_GONE_MIDWAY.store(false, Ordering::SeqCst);
+        midway.store(false, Ordering::SeqCst);
         let model = tallying_script();
-        // The child's tool batch fails to commit: the child has a step and no answer, and the
-        // parent's attempt fails; from then on the parent no longer offers the delegate.
         let commits = commits_calls_of("tally");
         let store = crashing(backend, move |key, records| {
             let hit = commits(key, records);
             if hit {
-                OFFER_GONE_MIDWAY.store(true, Ordering::SeqCst);
+                midway.store(true, Ordering::SeqCst);
             }
             hit
         });
-        let agent = FnAgent::new(AgentDefinition::new("midway"), fickle_midway_parent).into();
-        let runtime = harness::runtime_on(store, &model, vec![agent]);
-        let reply = runtime
-            .handle("midway", "m-1")
-            .unwrap()
-            .send("Tally it.")
-            .await
-            .unwrap();
-        OFFER_GONE_MIDWAY.store(false, Ordering::SeqCst);
+        let runtime = harness::runtime_on(
+            store,
+            &model,
+            vec![FnAgent::new(AgentDefinition::new(agent), parent).into()],
+        );
+        let reply = runtime.handle(agent, "m-1").unwrap().send("Tally it.").await.unwrap();
+        midway.store(false, Ordering::SeqCst);
         // The script's next answer, whatever it says: the parent's model was called next.
         assert_eq!(reply.text, "Seven words.", "{name}");
         let requests = model.requests();
@@ -2043,7 +2043,7 @@ async fn an_unfinished_task_rerun_whose_delegate_is_no_longer_offered_names_its_
             "{name}: parent, child, parent (the child was not run again)"
         );
         let store = runtime.store().clone();
-        let (_, child) = the_child(&store, &InstanceKey::new("midway", "m-1")).await;
+        let (_, child) = the_child(&store, &InstanceKey::new(agent, "m-1")).await;
         assert_eq!(
             harness::last_batch_results(&requests[2]),
             [(
@@ -2056,6 +2056,14 @@ async fn an_unfinished_task_rerun_whose_delegate_is_no_longer_offered_names_its_
             "{name}"
         );
     }
+}
+
+/// A render may drop a delegate whose child was interrupted before it answered: the re-run
+/// cannot go on with the child, so the call's outcome is unknown, and its result names the
+/// child conversation (reference §3.9), as an interrupted call's does; not "not declared".
+#[tokio::test]
+async fn an_unfinished_task_rerun_whose_delegate_is_no_longer_offered_names_its_child_as_outcome_unknown() {
+    an_unfinished_childs_rerun_names_it("midway", fickle_midway_parent, &OFFER_GONE_MIDWAY).await;
 }
 
 static MODEL_GONE_MIDWAY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -2078,43 +2086,7 @@ fn model_gone_parent(_: AgentProps<'_>) -> &'static str {
 /// outcome is unknown, naming the child, as when the delegate is no longer offered.
 #[tokio::test]
 async fn an_unfinished_task_rerun_whose_delegate_no_longer_starts_names_its_child_as_outcome_unknown() {
-    for (name, backend) in backends() {
-        MODEL_GONE_MIDWAY.store(false, Ordering::SeqCst);
-        let model = tallying_script();
-        let commits = commits_calls_of("tally");
-        let store = crashing(backend, move |key, records| {
-            let hit = commits(key, records);
-            if hit {
-                MODEL_GONE_MIDWAY.store(true, Ordering::SeqCst);
-            }
-            hit
-        });
-        let agent = FnAgent::new(AgentDefinition::new("model_gone"), model_gone_parent).into();
-        let runtime = harness::runtime_on(store, &model, vec![agent]);
-        let reply = runtime
-            .handle("model_gone", "g-1")
-            .unwrap()
-            .send("Tally it.")
-            .await
-            .unwrap();
-        MODEL_GONE_MIDWAY.store(false, Ordering::SeqCst);
-        assert_eq!(reply.text, "Seven words.", "{name}");
-        let requests = model.requests();
-        assert_eq!(requests.len(), 3, "{name}: parent, child, parent");
-        let store = runtime.store().clone();
-        let (_, child) = the_child(&store, &InstanceKey::new("model_gone", "g-1")).await;
-        assert_eq!(
-            harness::last_batch_results(&requests[2]),
-            [(
-                format!(
-                    r#"{{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown.","childConversationId":{}}}"#,
-                    json!(child.to_string())
-                ),
-                true
-            )],
-            "{name}"
-        );
-    }
+    an_unfinished_childs_rerun_names_it("model_gone", model_gone_parent, &MODEL_GONE_MIDWAY).await;
 }
 
 // ---------------------------------------------------------------------------------------------
