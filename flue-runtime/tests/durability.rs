@@ -502,6 +502,90 @@ async fn re_attempts_after_a_store_failure_wait_for_the_store_to_come_back() {
     assert!((1..=2).contains(&failures), "{failures} refused inputs");
 }
 
+/// The wait before a re-attempt after a store failure keeps the submission's lease: the
+/// heartbeat renews it, so another node's scan does not take the submission over while it
+/// waits (it would run it at once, spending the wait's point). The wait outlasts two leases
+/// here; the second attempt starts only once it ends.
+#[tokio::test]
+async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_nodes() {
+    let store = FaultyStore::default();
+    let (lease, wait) = (
+        std::time::Duration::from_millis(200),
+        std::time::Duration::from_millis(800),
+    );
+    let waiting_model = ScriptedModel::new([ScriptedReply::text("after the wait")]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(waiting_model.clone());
+    let waiting = Runtime::builder()
+        .agent(patient)
+        .providers(providers)
+        .store(store.clone())
+        .options(RuntimeOptions {
+            lease,
+            heartbeat: std::time::Duration::from_millis(20),
+            scan_interval: std::time::Duration::from_millis(20),
+            store_retry_delay: wait,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    waiting.start().await;
+    let other_model = ScriptedModel::new([ScriptedReply::text("taken over")]);
+    let other = taking_over(&store, &other_model, patient).await;
+    store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    let receipt = waiting.init(&patient, "w").dispatch("hi").await.unwrap();
+    let failed_at = loop {
+        if store.failures.load(Ordering::SeqCst) == 1 {
+            break std::time::Instant::now();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    };
+    let failed_attempt = store
+        .submission(&receipt.submission_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .attempt_id;
+    // Two leases and more into the wait (a lapsed lease is taken over within a scan or two),
+    // the failed attempt still owns the submission.
+    while failed_at.elapsed() < wait / 2 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+        assert_eq!(
+            row.attempt_id,
+            failed_attempt,
+            "taken over {:?} after the failure, during the wait",
+            failed_at.elapsed()
+        );
+    }
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        waiting.init(&patient, "w").read(&receipt.submission_id),
+    )
+    .await
+    .expect("the submission settles")
+    .unwrap();
+    // The jitter takes at most a quarter off the wait.
+    assert!(
+        failed_at.elapsed() >= wait.mul_f64(0.75),
+        "the second attempt ran {:?} after the failure, before the wait ended",
+        failed_at.elapsed()
+    );
+    assert!(
+        ["after the wait", "taken over"].contains(&reply.text.as_str()),
+        "{}",
+        reply.text
+    );
+    let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert_eq!(row.attempt_count, 2, "the failed attempt and the one after its wait");
+    assert_eq!(
+        waiting_model.requests().len() + other_model.requests().len(),
+        1,
+        "one model call"
+    );
+    drop(other);
+}
+
 #[agent(durability(max_attempts = 2))]
 fn fragile() -> &'static str {
     use_model("scripted/x");

@@ -876,8 +876,10 @@ impl InstanceSlot {
                     *conversation = Conversation::default();
                     // The store may be down for a while: the next attempt waits, or the budget
                     // would be spent at once. It waits here, before the requeue, its lease held
-                    // (the heartbeat renews it): requeued, the submission is any node's to claim
-                    // at once (a shared store tells them). A stopping node does not wait.
+                    // (the heartbeat renews it, and no scan takes it over): requeued, the
+                    // submission is any node's to claim at once (a shared store tells them). A
+                    // stopping node does not wait. (`run_loop` lets go of the hold.)
+                    self.binding.hold(attempt_ref.attempt_id.clone());
                     let wait = runtime
                         .options
                         .store_retry_wait(submission.attempt_count, crate::provider::jitter_fraction());
