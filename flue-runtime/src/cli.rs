@@ -242,17 +242,25 @@ pub async fn run_with(runtime: &Runtime, command: Command, options: HttpOptions)
     // `std::process::exit` ends without dropping the calls that would kill it).
     crate::sandbox::kill_running_commands();
     match result {
-        Ok(()) => 0,
+        Ok(()) | Err(CliError::OutputClosed) => 0,
         Err(error) => {
             let said = error.to_string();
-            if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-                eprintln!("error: {}", printable(&said));
+            let said = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                printable(&said).into_owned()
             } else {
-                eprintln!("error: {said}");
-            }
+                said
+            };
+            say(&format!("error: {said}"));
             error.exit_code()
         }
     }
+}
+
+/// Writes `line` to the standard error, if it can be written: a closed one (`2>&-`, a reader
+/// that went away) is no reason to panic, as `eprintln!` would.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// `text` with its control characters written out as JSON writes them (`\u001b`, `\u009d`:
@@ -299,7 +307,7 @@ fn log_to_stderr() {
     }
     let (level, refused) = log_level(std::env::var("FLUE_LOG").ok().as_deref());
     if let Some(refused) = refused {
-        eprintln!("{refused}");
+        say(&refused);
     }
     let subscriber = cli_subscriber(level, std::io::stderr);
     // Another thread may have set one meanwhile: it is kept.
@@ -387,7 +395,7 @@ pub async fn execute_with(
                 // A second Ctrl-C stops waiting for open responses.
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
-                        eprintln!("interrupted again: exiting now");
+                        say("interrupted again: exiting now");
                         crate::sandbox::kill_running_commands();
                         std::process::exit(130);
                     }
@@ -419,7 +427,7 @@ pub async fn execute_with(
                 // A second Ctrl-C stops waiting for the abort.
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
-                        eprintln!("interrupted again: exiting now");
+                        say("interrupted again: exiting now");
                         crate::sandbox::kill_running_commands();
                         std::process::exit(130);
                     }
@@ -604,6 +612,10 @@ pub enum CliError {
         "terminated before the reply: the message, if it was sent, was aborted (or, on a shared store, left queued)"
     )]
     Terminated,
+    /// The standard output was closed by its reader (`my-agents run … | head -1`): what the
+    /// command did stands, and it ends quietly, with exit code 0.
+    #[error("the standard output was closed")]
+    OutputClosed,
 }
 
 impl CliError {
@@ -618,6 +630,7 @@ impl CliError {
         match self {
             Self::UnknownAgent { .. }
             | Self::Runtime(R::UnknownAgent(_) | R::InvalidRequest(_) | R::InvalidMessage(_)) => 2,
+            Self::OutputClosed => 0,
             Self::Interrupted => 130,
             Self::Terminated => 143,
             _ => 1,
@@ -627,6 +640,9 @@ impl CliError {
 
 impl From<std::io::Error> for CliError {
     fn from(error: std::io::Error) -> Self {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            return Self::OutputClosed;
+        }
         Self::Io(error.to_string())
     }
 }

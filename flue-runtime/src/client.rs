@@ -91,7 +91,8 @@ pub enum ClientError {
         /// Why the reply could not be read.
         error: Box<ClientError>,
     },
-    /// The server could not be reached, or answered something that is not the protocol.
+    /// The server could not be reached, or answered something that is not the protocol. (A
+    /// request whose answer was lost may have reached the server: see [`Instance::send`].)
     #[error("{0}")]
     Transport(String),
     /// The request cannot be made as asked: a base URL that is not an `http(s)` URL a path can
@@ -509,19 +510,55 @@ impl Instance {
         Ok(url)
     }
 
-    /// Admits `message` (`POST /:id`).
+    /// Admits `message` (`POST /:id`) under a fresh idempotency key: when the answer is lost
+    /// (the connection failed, the request timed out, a gateway answered 5xx, the server
+    /// answered 408 or 429) the admission is posted again with the same key, at most
+    /// [`ADMISSION_POSTS`] times in all, so the message is admitted once whether or not the
+    /// lost answer's request reached the server (a replay answers with the first admission's
+    /// receipt, [`Receipt::deduplicated`]). An error after the last post may still hide an
+    /// admission: [`Self::send_with_key`] with a key of the caller's own can ask again.
     pub async fn send(&self, message: impl Into<DeliveredMessage>) -> Result<Receipt, ClientError> {
-        let body = serde_json::to_value(message.into()).map_err(|error| ClientError::Transport(error.to_string()))?;
+        self.send_with_key(message, &crate::record::new_id("send")).await
+    }
+
+    /// [`Self::send`] under `idempotency_key` (at most 256 characters): sending the same
+    /// message with the same key again, in this process or after a restart, admits it once.
+    pub async fn send_with_key(
+        &self,
+        message: impl Into<DeliveredMessage>,
+        idempotency_key: &str,
+    ) -> Result<Receipt, ClientError> {
+        let mut body =
+            serde_json::to_value(message.into()).map_err(|error| ClientError::Transport(error.to_string()))?;
+        if let Value::Object(fields) = &mut body {
+            fields.insert("idempotencyKey".into(), json!(idempotency_key));
+        }
         self.send_json(body).await
     }
 
     /// Admits a raw admission body (a message with `uid`, `initialData` or `idempotencyKey`
-    /// beside it).
+    /// beside it). A body with an `idempotencyKey` is posted again when its answer is lost,
+    /// as [`Self::send`] does; one without is posted once (posted again, it could be admitted
+    /// twice).
     pub async fn send_json(&self, body: Value) -> Result<Receipt, ClientError> {
+        let keyed = body.get("idempotencyKey").is_some();
+        let mut posts = 1;
+        loop {
+            match self.post_admission(&body).await {
+                Err(error) if keyed && posts < ADMISSION_POSTS && answer_lost(&error) => {
+                    tokio::time::sleep(reconnect_delay(posts, None)).await;
+                    posts += 1;
+                }
+                answered => return answered,
+            }
+        }
+    }
+
+    async fn post_admission(&self, body: &Value) -> Result<Receipt, ClientError> {
         let response = self
             .client
             .call(reqwest::Method::POST, self.url(&[])?)
-            .json(&body)
+            .json(body)
             .send()
             .await?;
         let status = response.status().as_u16();
@@ -910,6 +947,22 @@ impl Follow {
     }
 }
 
+/// How many times [`Instance::send`] posts one admission in all: the first post, and the
+/// posts again after answers that were lost.
+pub const ADMISSION_POSTS: u32 = 3;
+
+/// Whether `error` leaves an admission's outcome unknown, or refused it for now: the
+/// connection failed or timed out, a gateway or the server failed (5xx), or the server asked
+/// to come back (408, 429). A refusal of the request itself (another 4xx) or an answer that
+/// is not the protocol is the same when asked again.
+fn answer_lost(error: &ClientError) -> bool {
+    match error {
+        ClientError::Transport(_) => true,
+        ClientError::Api { status, .. } => *status >= 500 || matches!(status, 408 | 429),
+        _ => false,
+    }
+}
+
 /// The longest pause before a reconnection, whatever the server's `Retry-After` asks (a
 /// gateway's `Retry-After: 86400` would otherwise hold a follower a day without a word).
 const MAX_RECONNECT_WAIT: Duration = Duration::from_secs(30);
@@ -1118,6 +1171,7 @@ mod tests {
     #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
     use super::*;
+    use std::sync::{Arc, Mutex};
 
     /// A server URL carrying a password in its userinfo and a key in its query; nothing
     /// listens on port 1 of loopback.
@@ -1185,6 +1239,131 @@ mod tests {
             }
         });
         base
+    }
+
+    /// A test server answering each connection in turn with `responses`, after reading its
+    /// request whole (headers, then the `content-length` body): the requests' bodies.
+    async fn recording_in_turn(responses: Vec<String>) -> (String, Arc<Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let bodies = Arc::new(Mutex::new(Vec::new()));
+        let recorded = bodies.clone();
+        tokio::spawn(async move {
+            let mut turn = 0;
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                let body = loop {
+                    let Ok(read @ 1..) = socket.read(&mut buffer).await else {
+                        break None;
+                    };
+                    request.extend_from_slice(&buffer[..read]);
+                    let text = String::from_utf8_lossy(&request).into_owned();
+                    let Some(end) = text.find("\r\n\r\n") else { continue };
+                    let length: usize = text[..end]
+                        .lines()
+                        .find_map(|line| {
+                            line.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap())
+                        })
+                        .unwrap_or(0);
+                    if request.len() >= end + 4 + length {
+                        break Some(text[end + 4..end + 4 + length].to_owned());
+                    }
+                };
+                recorded.lock().unwrap().push(body.unwrap_or_default());
+                let response = responses[turn.min(responses.len() - 1)].clone();
+                turn += 1;
+                let _ = socket.write_all(response.as_bytes()).await;
+            }
+        });
+        (base, bodies)
+    }
+
+    fn answer(status: &str, body: &str) -> String {
+        format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    const RECEIPT: &str = r#"{"submissionId":"sub_1","offset":"0000000000000000_0000000000000002","uid":"inst_1"}"#;
+
+    /// A send whose answer was lost (a gateway's 502, a 503 the server gave while it
+    /// started) is posted again under the same idempotency key, so the server admits the
+    /// message once however many of the posts reached it.
+    #[tokio::test]
+    async fn a_send_whose_answer_was_lost_is_posted_again_under_the_same_key() {
+        let (base, bodies) = recording_in_turn(vec![
+            answer("502 Bad Gateway", "<h1>502</h1>"),
+            answer(
+                "503 Service Unavailable",
+                r#"{"error":{"type":"unavailable","message":"Starting.","details":""}}"#,
+            ),
+            answer("202 Accepted", RECEIPT),
+        ])
+        .await;
+        let instance = Client::new(base).unwrap().instance("assistant", "i");
+        let receipt = instance.send("hello").await.unwrap();
+        assert_eq!(receipt.submission_id, "sub_1");
+        let bodies: Vec<Value> = bodies
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|body| serde_json::from_str(body).unwrap())
+            .collect();
+        assert_eq!(bodies.len(), ADMISSION_POSTS as usize, "{bodies:?}");
+        let key = bodies[0]["idempotencyKey"].as_str().unwrap().to_owned();
+        assert!(key.starts_with("send_"), "{key}");
+        for body in &bodies {
+            assert_eq!(body["idempotencyKey"], json!(key));
+            assert_eq!(body["body"], json!("hello"));
+        }
+        // Each send has its own key; a caller's own key is sent as given.
+        let (base, bodies) = recording_in_turn(vec![answer("202 Accepted", RECEIPT)]).await;
+        let instance = Client::new(base).unwrap().instance("assistant", "i");
+        instance.send("again").await.unwrap();
+        instance.send_with_key("mine", "order-42").await.unwrap();
+        let bodies = bodies.lock().unwrap().clone();
+        let keys: Vec<Value> = bodies
+            .iter()
+            .map(|body| serde_json::from_str::<Value>(body).unwrap()["idempotencyKey"].clone())
+            .collect();
+        assert_ne!(keys[0], json!(key));
+        assert_eq!(keys[1], json!("order-42"));
+    }
+
+    /// Posting again stops at [`ADMISSION_POSTS`]; a refusal of the request itself is not
+    /// posted again, nor is a raw body without a key (it could be admitted twice).
+    #[tokio::test]
+    async fn only_a_keyed_admission_whose_answer_was_lost_is_posted_again_and_only_so_often() {
+        let unavailable = answer(
+            "503 Service Unavailable",
+            r#"{"error":{"type":"unavailable","message":"Down.","details":""}}"#,
+        );
+        let (base, bodies) = recording_in_turn(vec![unavailable.clone()]).await;
+        let instance = Client::new(base).unwrap().instance("assistant", "i");
+        let error = instance.send("hello").await.unwrap_err();
+        assert!(matches!(error, ClientError::Api { status: 503, .. }), "{error:?}");
+        assert_eq!(bodies.lock().unwrap().len(), ADMISSION_POSTS as usize);
+
+        let (base, bodies) = recording_in_turn(vec![unavailable, answer("202 Accepted", RECEIPT)]).await;
+        let instance = Client::new(base).unwrap().instance("assistant", "i");
+        let error = instance.send_json(json!({"body": "unkeyed"})).await.unwrap_err();
+        assert!(matches!(error, ClientError::Api { status: 503, .. }), "{error:?}");
+        assert_eq!(bodies.lock().unwrap().len(), 1, "an unkeyed admission is posted once");
+
+        let invalid = answer(
+            "400 Bad Request",
+            r#"{"error":{"type":"invalid_request","message":"No.","details":""}}"#,
+        );
+        let (base, bodies) = recording_in_turn(vec![invalid, answer("202 Accepted", RECEIPT)]).await;
+        let instance = Client::new(base).unwrap().instance("assistant", "i");
+        let error = instance.send("hello").await.unwrap_err();
+        assert!(matches!(error, ClientError::Api { status: 400, .. }), "{error:?}");
+        assert_eq!(bodies.lock().unwrap().len(), 1, "a refusal is not posted again");
     }
 
     /// A history whose settlements are not objects (another API behind the base URL, a
@@ -1333,6 +1512,40 @@ mod tests {
             matches!(&items[1], Err(ClientError::StreamReplaced { previous, current }) if previous == "inst_a" && current == "inst_b"),
             "{items:?}"
         );
+    }
+
+    /// A connection that drops after delivering chunks the server had not confirmed yet (no
+    /// control frame followed them) is resumed from the last confirmed offset, which sends
+    /// them again: the client skips the ones it delivered, and every chunk arrives once.
+    #[tokio::test]
+    async fn chunks_delivered_before_a_drop_are_not_delivered_again_on_resuming() {
+        let base = answering_in_turn(vec![
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"n\":0,\"position\":{\"batch\":1,\"index\":0}},{\"type\":\"text\",\"n\":1,\"position\":{\"batch\":1,\"index\":1}}]\n\n",
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"n\":0,\"position\":{\"batch\":1,\"index\":0}},{\"type\":\"text\",\"n\":1,\"position\":{\"batch\":1,\"index\":1}},{\"type\":\"text\",\"n\":2,\"position\":{\"batch\":1,\"index\":2}}]\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"n\":3,\"position\":{\"batch\":2,\"index\":0}}]\n\n\
+             event: control\ndata:{\"streamNextOffset\":\"0000000000000000_0000000000000003\"}\n\n",
+            // Then the stream ends for good: a refusal that is not retried.
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+        ])
+        .await;
+        let client = Client::new(base).unwrap();
+        let items = tokio::time::timeout(
+            Duration::from_secs(10),
+            client.instance("assistant", "i").follow("-1").collect::<Vec<_>>(),
+        )
+        .await
+        .expect("the stream ends");
+        let delivered: Vec<u64> = items
+            .iter()
+            .filter_map(|item| item.as_ref().ok())
+            .map(|chunk| chunk["n"].as_u64().unwrap())
+            .collect();
+        assert_eq!(delivered, [0, 1, 2, 3], "{items:?}");
+        assert!(matches!(items.last(), Some(Err(ClientError::Protocol(_)))), "{items:?}");
     }
 
     /// A stream replaced by a shorter one (the server's store started over, the instance was

@@ -94,6 +94,37 @@ async fn run_of_a_failed_submission_exits_with_1() {
     assert_eq!(error.exit_code(), 1, "{error}");
 }
 
+/// Standard output whose reader went away (`… | head -1`).
+struct ClosedPipe;
+
+impl Write for ClosedPipe {
+    fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+        Err(std::io::ErrorKind::BrokenPipe.into())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Err(std::io::ErrorKind::BrokenPipe.into())
+    }
+}
+
+/// A run whose output's reader went away (`run … | head -c 10`) did what it was asked: it
+/// ends quietly with 0, not with an error a script takes for a failed run.
+#[tokio::test]
+async fn a_run_whose_output_was_closed_ends_quietly_with_0() {
+    let model = ScriptedModel::new([ScriptedReply::text("Hello!")]);
+    let runtime = runtime(&model);
+    let error = execute(&runtime, command(&["run", "greeter", "hi"]), &mut ClosedPipe)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, CliError::OutputClosed), "{error:?}");
+    assert_eq!(error.exit_code(), 0);
+    assert_eq!(model.requests().len(), 1, "the run was made");
+    let error = execute(&runtime, command(&["catalog"]), &mut ClosedPipe)
+        .await
+        .unwrap_err();
+    assert_eq!(error.exit_code(), 0);
+}
+
 #[tokio::test]
 async fn catalog_prints_the_agents_as_json() {
     let runtime = runtime(&ScriptedModel::new([]));
