@@ -586,6 +586,120 @@ async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_n
     drop(other);
 }
 
+/// A runtime whose re-attempts after a store failure wait 5 s, and whose store refuses the
+/// first input: its submission waits.
+async fn waiting_after_a_store_failure(model: &ScriptedModel) -> (FaultyStore, Runtime, String, std::time::Instant) {
+    let store = FaultyStore::default();
+    let options = RuntimeOptions {
+        store_retry_delay: std::time::Duration::from_secs(5),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store.clone(), model, [patient.into()], options);
+    store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    let receipt = runtime.init(&patient, "w").dispatch("hi").await.unwrap();
+    while store.failures.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    // Into the wait.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    (store, runtime, receipt.submission_id, std::time::Instant::now())
+}
+
+/// An abort requested while the submission waits to be re-attempted after a store failure
+/// ends the wait: the submission settles aborted at once, not seconds later.
+#[tokio::test]
+async fn an_abort_during_the_wait_after_a_store_failure_settles_at_once() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let (store, runtime, submission_id, waiting) = waiting_after_a_store_failure(&model).await;
+    let handle = runtime.init(&patient, "w");
+    assert!(handle.abort().await.unwrap());
+    let settled = tokio::time::timeout(std::time::Duration::from_secs(2), handle.read(&submission_id))
+        .await
+        .expect("settled before the wait's end");
+    assert!(
+        matches!(&settled, Err(RuntimeError::Run { error_type, .. }) if error_type == "submission_aborted"),
+        "{settled:?}"
+    );
+    assert!(waiting.elapsed() < std::time::Duration::from_secs(2));
+    assert!(model.requests().is_empty(), "no model call");
+    let row = store.submission(&submission_id).await.unwrap().unwrap();
+    assert_eq!(row.outcome, Some(Outcome::Aborted));
+}
+
+/// A node giving its work back (`release`) gives back a submission waiting to be re-attempted
+/// after a store failure too, at once: another node takes it without waiting for its lease.
+#[tokio::test]
+async fn a_node_giving_its_work_back_gives_back_a_submission_waiting_after_a_store_failure() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let (store, runtime, submission_id, waiting) = waiting_after_a_store_failure(&model).await;
+    assert_eq!(runtime.release().await, 1);
+    assert!(waiting.elapsed() < std::time::Duration::from_secs(2));
+    let row = store.submission(&submission_id).await.unwrap().unwrap();
+    assert_eq!(row.status, flue_runtime::store::SubmissionStatus::Queued);
+    let next_model = ScriptedModel::new([ScriptedReply::text("taken over")]);
+    let next = taking_over(&store, &next_model, patient).await;
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        next.init(&patient, "w").read(&submission_id),
+    )
+    .await
+    .expect("taken over at once")
+    .unwrap();
+    assert_eq!(reply.text, "taken over");
+}
+
+#[agent(durability(max_attempts = 3, timeout = "500ms"))]
+fn hurried() -> &'static str {
+    use_model("scripted/x");
+    "x"
+}
+
+/// A deadline that passes while the submission waits to be re-attempted after a store
+/// failure settles it as timed out then, not at the wait's end.
+#[tokio::test]
+async fn a_deadline_passing_during_the_wait_after_a_store_failure_settles_it_then() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let options = RuntimeOptions {
+        store_retry_delay: std::time::Duration::from_secs(5),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store.clone(), &model, [hurried.into()], options);
+    store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    let started = std::time::Instant::now();
+    let handle = runtime.init(&hurried, "h");
+    let settled = tokio::time::timeout(std::time::Duration::from_secs(3), handle.send("hi"))
+        .await
+        .expect("settled before the wait's end");
+    assert!(
+        matches!(&settled, Err(RuntimeError::Run { error_type, .. }) if error_type == "submission_timeout"),
+        "{settled:?}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(3));
+    assert!(model.requests().is_empty());
+}
+
+/// A node shutting down does not wait out the wait either: the submission goes back to the
+/// queue as it stops.
+#[tokio::test]
+async fn a_node_shutting_down_ends_the_wait_after_a_store_failure() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let (store, runtime, submission_id, waiting) = waiting_after_a_store_failure(&model).await;
+    runtime.shutdown();
+    loop {
+        let row = store.submission(&submission_id).await.unwrap().unwrap();
+        if row.status == flue_runtime::store::SubmissionStatus::Queued {
+            break;
+        }
+        assert!(
+            waiting.elapsed() < std::time::Duration::from_secs(2),
+            "still {:?} after the shutdown",
+            row.status
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 #[agent(durability(max_attempts = 2))]
 fn fragile() -> &'static str {
     use_model("scripted/x");

@@ -871,21 +871,30 @@ impl InstanceSlot {
                 if failure.transient && (submission.attempt_count < submission.max_attempts || classify_later || ended)
                 {
                     tracing::warn!(instance = %self.key, submission = %submission.id, error = %failure.error.message, "re-attempting after a store failure");
-                    self.binding.set_current(None);
                     // Forget the cached fold: the next attempt re-reads what is durable.
                     *conversation = Conversation::default();
                     // The store may be down for a while: the next attempt waits, or the budget
-                    // would be spent at once. It waits here, before the requeue, its lease held
-                    // (the heartbeat renews it, and no scan takes it over): requeued, the
-                    // submission is any node's to claim at once (a shared store tells them). A
-                    // stopping node does not wait. (`run_loop` lets go of the hold.)
-                    self.binding.hold(attempt_ref.attempt_id.clone());
+                    // would be spent at once. It waits here, before the requeue, the attempt
+                    // still current: the heartbeat renews its lease, so no scan takes it over
+                    // (requeued, the submission is any node's to claim at once: a shared store
+                    // tells them). The wait ends early when the node stops, and when the
+                    // attempt's signal fires (an abort, the node giving its work back, a lost
+                    // lease) or its deadline passes: the next claim settles an abort or a spent
+                    // deadline before it runs anything.
                     let wait = runtime
                         .options
                         .store_retry_wait(submission.attempt_count, crate::provider::jitter_fraction());
                     tokio::select! {
                         () = tokio::time::sleep(wait) => {}
                         () = runtime.closed() => {}
+                        () = attempt.signal.aborted() => {}
+                        () = tokio::time::sleep_until(deadline.into()) => {}
+                    }
+                    self.binding.set_current(None);
+                    if binding::hands_over(attempt.signal.reason()) {
+                        // Given back by `release`, which requeues it, or taken over by another
+                        // node.
+                        return (None, None);
                     }
                     match runtime.store.requeue(&attempt_ref).await {
                         Ok(true) => {
