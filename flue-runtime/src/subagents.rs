@@ -950,9 +950,12 @@ async fn child_session(
         None => error,
     };
     // A reattached child's images are loaded before its render, which sees them as its first
-    // run's did.
+    // run's did. One missing or damaged in the store leaves the child where it was: the
+    // call's outcome is unknown, as when its delegate does not start.
     if let Some((child, conversation)) = &mut reopened {
-        load_images(runtime, journal, child, conversation).await?;
+        load_images(runtime, journal, child, conversation)
+            .await
+            .map_err(|error| not_reopened(child, &error))?;
     }
     // The delegate's render sees the prompt as its delivered message, with the images.
     let attachments = match &reopened {

@@ -1418,3 +1418,93 @@ async fn an_overflow_recovery_does_not_run_the_step_hook_again() {
         .count();
     assert_eq!(reminders, 2, "one reminder per step");
 }
+
+static AUDIT_HOOK_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Notes an audit row the third time it runs: while the overflow's summary is made (the
+/// first step's call, the overflowing call, then the summary's).
+#[hook(filter_messages)]
+async fn audits_the_summary(
+    state: &flue_runtime::lifecycle::ThreadState,
+    rows: Vec<flue_runtime::lifecycle::Message>,
+) -> Vec<flue_runtime::lifecycle::Message> {
+    if AUDIT_HOOK_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 2 {
+        state
+            .inject_message(flue_runtime::lifecycle::InjectMessage::new(
+                flue_runtime::lifecycle::MessageRole::User,
+                "audit: the history was summarized",
+            ))
+            .await
+            .unwrap();
+    }
+    rows
+}
+
+#[agent(hooks = [audits_the_summary])]
+fn audited_site_fetcher() -> &'static str {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Disabled,
+            ..ModelOptions::default()
+        },
+    );
+    use_tool(fetch_site);
+    "Fetch."
+}
+
+/// An overflow that summarizes the whole history keeps a row a hook wrote while the summary
+/// was made: the summary never read it, so it stays after the summary (it was dropped with
+/// the history, unread).
+#[tokio::test]
+async fn a_row_written_while_the_whole_history_is_summarized_is_kept_after_the_summary() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("fetch_site", serde_json::json!({})),
+        ScriptedReply::Error(ProviderError::new(
+            ProviderErrorKind::ContextOverflow,
+            "prompt is too long",
+        )),
+        ScriptedReply::text("Summary: the site was fetched."),
+        ScriptedReply::text("The site is all pages."),
+        ScriptedReply::text("Still pages."),
+    ])
+    .with_context_window(1_000_000);
+    let store = flue_runtime::store::MemoryStore::new();
+    let runtime = harness::runtime_on(store.clone(), &model, [audited_site_fetcher.into()]);
+    let handle = runtime.init(&audited_site_fetcher, "s");
+    assert_eq!(
+        handle.send("fetch the site").await.unwrap().text,
+        "The site is all pages."
+    );
+    let requests = model.requests();
+    assert_eq!(
+        requests.len(),
+        4,
+        "the call, the overflowing one, the summary, the retry"
+    );
+    let ModelMessage::User {
+        content: transcript, ..
+    } = &requests[2].messages[0]
+    else {
+        panic!("a transcript")
+    };
+    assert!(
+        !transcript.contains("audit:"),
+        "written after the summary read the rows: {transcript}"
+    );
+    let audit = ModelMessage::user("audit: the history was summarized");
+    assert!(
+        requests[3].messages.contains(&audit),
+        "the retry reads the audit row: {:?}",
+        requests[3].messages
+    );
+    // The stream read again (another runtime on the store) keeps it too.
+    drop(runtime);
+    let again = harness::runtime_on(store, &model, [audited_site_fetcher.into()]);
+    again.init(&audited_site_fetcher, "s").send("and now?").await.unwrap();
+    assert!(
+        model.requests()[4].messages.contains(&audit),
+        "{:?}",
+        model.requests()[4].messages
+    );
+}

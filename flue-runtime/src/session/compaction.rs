@@ -38,7 +38,19 @@ impl Compacting for Response<'_> {
         self.set_turn(turn);
     }
 
-    async fn record_compaction(&mut self, compaction: RecordBody) -> Result<(), Failure> {
+    async fn record_compaction(&mut self, mut compaction: RecordBody) -> Result<(), Failure> {
+        // Rows the message hooks wrote while the summary was made come after the history it
+        // read: a compaction of the whole history (no first kept row) keeps them, from the
+        // first of them on (folded now, they would be drained with the history).
+        self.fold_thread_writes();
+        if let RecordBody::Compaction {
+            first_kept_message_id, ..
+        } = &mut compaction
+            && first_kept_message_id.is_empty()
+            && let Some(written) = self.conversation.row_id_at(self.compaction_cut)
+        {
+            *first_kept_message_id = written.to_owned();
+        }
         let mut records = vec![self.record(compaction)];
         // A new baseline for the system prompt's catalogs: what is declared now.
         if let Some((_, snapshot)) = &self.declared {
@@ -52,6 +64,7 @@ impl Compacting for Response<'_> {
     }
 
     async fn summarized(&mut self, from: usize, cut: usize) -> Result<Vec<ModelMessage>, String> {
+        self.compaction_cut = cut;
         self.older_history(from, cut).await
     }
 

@@ -1266,6 +1266,11 @@ impl Conversation {
         self.images.retain(|id, _| referenced.contains(id.as_str()));
     }
 
+    /// The id of the row at `index`, if there is one.
+    pub(crate) fn row_id_at(&self, index: usize) -> Option<&str> {
+        self.rows.get(index).map(|row| row.id.as_str())
+    }
+
     /// The index of the row `id` (searched from the newest: updates concern recent rows).
     fn row_index(&self, id: &str) -> Option<usize> {
         self.rows.iter().rposition(|row| row.id == id)

@@ -640,6 +640,7 @@ impl InstanceSlot {
             execution,
             model_spec: None,
             hooked_system: None,
+            compaction_cut: 0,
             framework_sections: crate::framework::Sections::default(),
             first_snapshot: None,
             declared: None,
@@ -1350,6 +1351,8 @@ struct Response<'a> {
     /// history (after an overflow) is sent this one (what the hook injected is not injected
     /// twice).
     hooked_system: Option<Option<String>>,
+    /// Where the compaction being made cuts the history: the rows its summary reads end here.
+    compaction_cut: usize,
     /// The system prompt sections the latest render's skills and delegates add.
     framework_sections: crate::framework::Sections,
     /// The conversation's first resource snapshot, committed with the step it was taken for.
