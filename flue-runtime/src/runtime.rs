@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use crate::fast_map::FastMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -131,6 +131,12 @@ pub struct RuntimeOptions {
     /// it, the least recently used idle instances are dropped (a quarter of the limit at a
     /// time); an evicted instance re-reads its stream from the store at its next submission.
     pub cached_instances: usize,
+    /// Roughly how many bytes the cached conversations may hold together (their texts,
+    /// values and images, as folded). Past it, the least recently used idle instances are
+    /// dropped too, when an instance is added to the cache, until they hold three quarters of
+    /// it: a client creating instances with large initial data or messages does not make the
+    /// node hold them all.
+    pub cached_bytes: usize,
     /// How long a model step's streamed text and reasoning may wait before they are appended
     /// to the record stream while the step still streams ([`RecordBody::AssistantTextDelta`],
     /// [`RecordBody::AssistantReasoningDelta`]), which is what lets HTTP clients follow a long
@@ -176,6 +182,7 @@ impl Default for RuntimeOptions {
             heartbeat: Duration::from_secs(10),
             scan_interval: Duration::from_secs(15),
             cached_instances: 1024,
+            cached_bytes: 512 << 20,
             text_flush: Some(Duration::from_secs(1)),
             settle_grace: Duration::from_secs(60),
             shared_store_poll: Duration::from_millis(250),
@@ -364,6 +371,7 @@ impl RuntimeBuilder {
             options: self.options,
             instances: Mutex::default(),
             slot_uses: AtomicU64::new(0),
+            cached_weight: AtomicUsize::new(0),
             events,
             thread_events,
             event_index: Mutex::new(0),
@@ -392,6 +400,8 @@ pub(crate) struct RuntimeInner {
     pub(crate) instances: Mutex<FastMap<InstanceKey, Arc<InstanceSlot>>>,
     /// A clock of slot uses: which cached instance was used least recently.
     slot_uses: AtomicU64,
+    /// The cached conversations' weights together (see `RuntimeOptions::cached_bytes`).
+    pub(crate) cached_weight: AtomicUsize,
     events: broadcast::Sender<Observation>,
     /// The thread events alone (`tool_call_started`, `tool_call_done`, `ThreadState::emit`)
     /// for their HTTP readers: a reader of them does not make every other event observed
@@ -1045,12 +1055,7 @@ impl RuntimeInner {
             None => {
                 let slot = Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self)));
                 instances.insert(key.clone(), slot.clone());
-                let limit = self.options.cached_instances;
-                let evicted = if instances.len() > limit {
-                    evict_idle(&mut instances, limit - limit / 4)
-                } else {
-                    Vec::new()
-                };
+                let evicted = self.evict_past_limits(&mut instances);
                 (slot, evicted)
             }
         };
@@ -1058,6 +1063,30 @@ impl RuntimeInner {
         drop(evicted);
         slot.touch(used);
         slot
+    }
+
+    /// The idle instances to drop (outside the map's lock) when the cache is past
+    /// [`RuntimeOptions::cached_instances`] or [`RuntimeOptions::cached_bytes`]: the least
+    /// recently used, until it holds three quarters of both.
+    fn evict_past_limits(&self, instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>) -> Vec<Arc<InstanceSlot>> {
+        let (limit, bytes) = (self.options.cached_instances, self.options.cached_bytes);
+        if instances.len() <= limit && self.cached_weight.load(Ordering::Relaxed) <= bytes {
+            return Vec::new();
+        }
+        evict_idle(instances, limit - limit / 4, (&self.cached_weight, bytes - bytes / 4))
+    }
+
+    /// After an instance's conversation grew: drops idle instances when the cache is past its
+    /// bytes.
+    pub(crate) fn trim_cache(&self) {
+        if self.cached_weight.load(Ordering::Relaxed) <= self.options.cached_bytes {
+            return;
+        }
+        let evicted = {
+            let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.evict_past_limits(&mut instances)
+        };
+        drop(evicted);
     }
 
     /// Admits a message (the one admission path of every transport).
@@ -1762,19 +1791,31 @@ impl Runtime {
 /// Removes the least recently used idle slots down to `target`; returns them, for the caller
 /// to drop once it released the map (freeing a quarter of the cache's conversations takes a
 /// while, and every admission waits on that lock).
+/// Removes as many more as it takes for the cached conversations to weigh `weight`'s target
+/// at most (their weight, the total, leaves it).
 #[must_use = "the evicted slots are dropped by the caller, outside the lock"]
-fn evict_idle(instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>, target: usize) -> Vec<Arc<InstanceSlot>> {
+fn evict_idle(
+    instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>,
+    target: usize,
+    (total, target_weight): (&AtomicUsize, usize),
+) -> Vec<Arc<InstanceSlot>> {
     let mut idle: Vec<(u64, InstanceKey)> = instances
         .iter()
         .filter(|(_, slot)| Arc::strong_count(slot) == 1 && slot.is_idle())
         .map(|(key, slot)| (slot.last_used(), key.clone()))
         .collect();
     idle.sort_unstable_by_key(|(used, _)| *used);
-    let excess = instances.len().saturating_sub(target);
-    idle.into_iter()
-        .take(excess)
-        .filter_map(|(_, key)| instances.remove(&key))
-        .collect()
+    let mut evicted = Vec::new();
+    for (_, key) in idle {
+        if instances.len() <= target && total.load(Ordering::Relaxed) <= target_weight {
+            break;
+        }
+        if let Some(slot) = instances.remove(&key) {
+            total.fetch_sub(slot.forget_weight(), Ordering::Relaxed);
+            evicted.push(slot);
+        }
+    }
+    evicted
 }
 
 /// What a `submission_recovery` is about.

@@ -3616,6 +3616,54 @@ async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carr
     );
 }
 
+/// The cache is bounded by what its conversations hold too, not only by their count: many
+/// instances created with large initial data or messages (a client's, over HTTP) leave the
+/// least recently used idle ones to the store.
+#[tokio::test]
+async fn idle_instances_past_the_caches_bytes_are_dropped_however_few() {
+    let model = ScriptedModel::new((0..11).map(|i| ScriptedReply::text(format!("answer {i}"))));
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(calculator)
+        .options(RuntimeOptions {
+            cached_bytes: 1 << 20,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let large = "x".repeat(300 << 10);
+    for i in 0..5 {
+        let mut request = SendRequest::new(format!("data-{i}"), "hi");
+        request.initial_data = Some(json!({ "notes": large }));
+        runtime
+            .init(&calculator, format!("data-{i}"))
+            .send_request(request)
+            .await
+            .unwrap();
+    }
+    for i in 0..5 {
+        runtime
+            .init(&calculator, format!("text-{i}"))
+            .send(large.as_str())
+            .await
+            .unwrap();
+    }
+    // 300 KiB each: a megabyte holds three (the cache goes down to three quarters of it).
+    assert!(
+        runtime.cached_instance_count() <= 3,
+        "{} instances cached",
+        runtime.cached_instance_count()
+    );
+    // An evicted instance carries on from the store, its initial data as it was.
+    let reply = runtime.init(&calculator, "data-0").send("again").await.unwrap();
+    assert_eq!(reply.text, "answer 10");
+    let first = &model.requests()[10].messages;
+    assert_eq!(first.len(), 3, "the instance's history, read again: {first:?}");
+}
+
 /// A user message with one image (`bytes`, base64-encoded as clients send it).
 fn with_image(body: &str, bytes: &[u8]) -> DeliveredMessage {
     use base64::Engine as _;

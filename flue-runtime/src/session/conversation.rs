@@ -24,6 +24,102 @@ pub(crate) const INTERRUPTED_TOOL: &str =
 /// The outcome-unknown result of a `task` call that created the child conversation `child`:
 /// [`INTERRUPTED_TOOL`] naming it (`childConversationId`), where the delegate's finished work
 /// may be.
+/// What a node of a parsed JSON value, or a kept item, costs beyond its text (an entry of a
+/// map, a slot of a vector), roughly.
+const NODE_WEIGHT: usize = 48;
+
+/// What a folded record costs beyond its text (its row, its ids), roughly.
+const RECORD_WEIGHT: usize = 160;
+
+/// Roughly the bytes `value` holds once parsed.
+pub(crate) fn value_weight(value: &Value) -> usize {
+    NODE_WEIGHT
+        + match value {
+            Value::String(text) => text.len(),
+            Value::Array(items) => items.iter().map(value_weight).sum(),
+            Value::Object(fields) => fields
+                .iter()
+                .map(|(key, value)| NODE_WEIGHT + key.len() + value_weight(value))
+                .sum(),
+            Value::Null | Value::Bool(_) | Value::Number(_) => 0,
+        }
+}
+
+fn reasoning_weight(blocks: &[ReasoningBlock]) -> usize {
+    blocks
+        .iter()
+        .map(|block| {
+            NODE_WEIGHT
+                + match block {
+                    ReasoningBlock::Thinking {
+                        thinking, signature, ..
+                    } => thinking.len() + signature.len(),
+                    ReasoningBlock::Redacted { data, .. } => data.len(),
+                    ReasoningBlock::Text { text } => text.len(),
+                    ReasoningBlock::Detail { detail } => {
+                        detail.iter().map(|(key, value)| key.len() + value_weight(value)).sum()
+                    }
+                }
+        })
+        .sum()
+}
+
+fn message_weight(message: &ModelMessage) -> usize {
+    RECORD_WEIGHT
+        + match message {
+            ModelMessage::User { content, images } => content.len() + images.len() * NODE_WEIGHT,
+            ModelMessage::Assistant {
+                text,
+                tool_calls,
+                reasoning,
+            } => {
+                text.len()
+                    + tool_calls
+                        .iter()
+                        .map(|call| NODE_WEIGHT + call.id.len() + call.name.len() + call.arguments.len())
+                        .sum::<usize>()
+                    + reasoning_weight(reasoning)
+            }
+            ModelMessage::Tool { content, .. } => content.len(),
+        }
+}
+
+/// Roughly the bytes folding `body` adds (see [`Conversation::weight`]): the records that
+/// make a row or keep a value. (A step's streamed deltas are not kept: the completion's text
+/// is.)
+fn record_weight(body: &RecordBody) -> usize {
+    let text = match body {
+        RecordBody::ConversationCreated { initial_data, .. } => initial_data.as_ref().map_or(0, value_weight),
+        RecordBody::UserMessage { body, attachments, .. } => body.len() + attachments.len() * NODE_WEIGHT,
+        RecordBody::Signal { body, attributes, .. } => {
+            body.len()
+                + attributes
+                    .iter()
+                    .map(|(name, value)| NODE_WEIGHT + name.len() + value.len())
+                    .sum::<usize>()
+        }
+        RecordBody::AssistantToolCall { arguments, .. } => arguments.len(),
+        RecordBody::AssistantMessageCompleted {
+            text,
+            reasoning,
+            reasoning_blocks,
+            ..
+        } => text.len() + reasoning.len() + reasoning_weight(reasoning_blocks),
+        RecordBody::ToolOutcome { content, .. } => content.len(),
+        RecordBody::MessageInjected { content, metadata, .. } => {
+            content.len()
+                + metadata
+                    .iter()
+                    .map(|(key, value)| key.len() + value_weight(value))
+                    .sum::<usize>()
+        }
+        RecordBody::Compaction { summary, .. } => summary.len(),
+        RecordBody::ResourceSnapshot { baseline, .. } => baseline.as_ref().map_or(0, String::len),
+        _ => return 0,
+    };
+    RECORD_WEIGHT + text
+}
+
 pub(crate) fn interrupted_task(child: &crate::store::InstanceKey) -> String {
     let child = Value::String(child.to_string());
     // The object's fields, then the child's id in place of its closing brace.
@@ -134,6 +230,8 @@ pub(crate) struct Conversation {
     retired_call_ids: HashSet<String>,
     /// Images loaded from the attachment store (or kept when stored), by attachment id.
     images: FastMap<String, ModelImage>,
+    /// Roughly the bytes the fold holds (see [`Conversation::weight`]).
+    weight: usize,
     /// The attachments of the stream's first user message (a task child's prompt), once it
     /// is folded.
     first_message_images: Option<Vec<AttachmentRef>>,
@@ -537,6 +635,7 @@ impl Conversation {
     }
 
     fn apply_record(&mut self, record: &Record) {
+        self.weight += record_weight(&record.body);
         let submission = record.submission_id.as_ref();
         match &record.body {
             // Written with its submission's settlement: it is no input, and ends nothing.
@@ -891,6 +990,7 @@ impl Conversation {
                     row.rendered = Some(rendering);
                     self.rows.insert(0, row);
                     self.rebaseline = true;
+                    self.recount_weight();
                 }
             }
             // The model reads a step's text from its completion, never from what it streamed.
@@ -1470,7 +1570,25 @@ impl Conversation {
 
     /// Keeps an image for the message that attaches it (stored, or loaded from the store).
     pub(crate) fn keep_image(&mut self, id: String, image: ModelImage) {
+        self.weight += NODE_WEIGHT + image.data.len();
         self.images.insert(id, image);
+    }
+
+    /// Roughly the bytes the fold holds in memory: what its records' texts and values
+    /// added, each record counting for its bookkeeping too, and its images. Counted as records
+    /// are folded; a compaction counts what is left afresh. (Records that replace a value or
+    /// a row's fields, or delete a row, are not counted, nor subtracted.) The runtime's
+    /// cache of conversations is bounded by it (`RuntimeOptions::cached_bytes`).
+    pub(crate) fn weight(&self) -> usize {
+        self.weight
+    }
+
+    /// [`Self::weight`] counted from what the fold holds now.
+    fn recount_weight(&mut self) {
+        let messages: usize = self.messages.iter().map(message_weight).sum();
+        let images: usize = self.images.values().map(|image| NODE_WEIGHT + image.data.len()).sum();
+        self.weight =
+            RECORD_WEIGHT * self.rows.len() + messages + images + self.initial_data.as_ref().map_or(0, value_weight);
     }
 
     /// Attachments the history names whose images are not loaded.

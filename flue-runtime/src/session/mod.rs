@@ -87,6 +87,8 @@ pub(crate) struct InstanceSlot {
     last_used: AtomicU64,
     binding: Arc<InstanceBinding>,
     conversation: tokio::sync::Mutex<Conversation>,
+    /// The conversation's weight when last noted, counted in the runtime's total.
+    weight: std::sync::atomic::AtomicUsize,
     /// The instance's live MCP connections, which its responses reuse.
     mcp: crate::mcp::McpConnections,
 }
@@ -191,6 +193,7 @@ impl InstanceSlot {
             last_used: AtomicU64::new(0),
             binding,
             conversation: tokio::sync::Mutex::new(Conversation::default()),
+            weight: std::sync::atomic::AtomicUsize::new(0),
             mcp: crate::mcp::McpConnections::default(),
         }
     }
@@ -248,7 +251,25 @@ impl InstanceSlot {
             && birth.offset == 0
         {
             conversation.apply(birth);
+            self.note_weight(conversation.weight());
         }
+    }
+
+    /// Counts the conversation's `weight` in the runtime's total of cached conversations.
+    fn note_weight(&self, weight: usize) {
+        let Some(runtime) = self.runtime.upgrade() else { return };
+        let before = self.weight.swap(weight, Ordering::Relaxed);
+        runtime.cached_weight.fetch_add(weight, Ordering::Relaxed);
+        runtime.cached_weight.fetch_sub(before, Ordering::Relaxed);
+        if weight > before {
+            runtime.trim_cache();
+        }
+    }
+
+    /// Its weight, no longer counted here (the runtime drops the slot): what to subtract from
+    /// the runtime's total.
+    pub(crate) fn forget_weight(&self) -> usize {
+        self.weight.swap(0, Ordering::Relaxed)
     }
 
     /// Makes sure a worker runs for this instance.
@@ -410,6 +431,9 @@ impl InstanceSlot {
                         .process(&runtime, submission, attempt_id.clone(), until)
                         .instrument(span)
                         .await;
+                    if let Ok(conversation) = self.conversation.try_lock() {
+                        self.note_weight(conversation.weight());
+                    }
                     // `until` joined the response just settled: its sender reads the host's
                     // reply from the store, and the rest of the queue is a worker's.
                     let (done, settled) = if done {
