@@ -2727,6 +2727,9 @@ mod access_control {
             (Method::POST, "/alice:1", Some(message.clone())),
             (Method::POST, "/alice:1/abort", None),
             (Method::GET, "/alice:1/attachments/att_x", None),
+            // The thread's live events (an allowed request would stream without end: the
+            // refusal comes first).
+            (Method::GET, "/alice:1/events", None),
         ] {
             let response = as_user(&server, Some("token-bob"), method.clone(), tail, body).await;
             if method == Method::HEAD {
@@ -4207,6 +4210,33 @@ async fn a_body_past_the_limit_is_413_request_too_large() {
     assert!(server.model.requests().is_empty());
 }
 
+/// A body streamed without a declared length is refused once what was read passes the
+/// limit, not read to its end.
+#[tokio::test]
+async fn a_streamed_body_past_the_limit_is_413_request_too_large() {
+    let server = Server::start().await;
+    let chunk = bytes::Bytes::from(vec![b'a'; 1 << 20]);
+    let head = bytes::Bytes::from_static(b"{\"kind\":\"user\",\"body\":\"");
+    // 17 MiB of body text after the head, in 1 MiB chunks.
+    let stream = futures_util::stream::iter(
+        std::iter::once(head)
+            .chain(std::iter::repeat_n(chunk, 17))
+            .map(Ok::<_, std::io::Error>),
+    );
+    let response = server
+        .client
+        .post(server.url("/streamed"))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .unwrap();
+    let error = assert_error(response, 413, "request_too_large").await;
+    assert!(error["details"].as_str().unwrap().contains("16777216"), "{error}");
+    assert!(server.model.requests().is_empty());
+    assert_eq!(server.get_json("/streamed").await.0, 404, "no instance was created");
+}
+
 #[tokio::test]
 async fn a_body_whose_json_would_parse_past_the_value_limits_is_413_and_creates_nothing() {
     let server = Server::start().await;
@@ -4255,13 +4285,18 @@ async fn instance_ids_admission_refuses_are_400_to_admit_404_to_read_and_never_r
     server.admit(&longest, "hi").await;
     server.model.push(ScriptedReply::text("hi"));
     server.admit("a%20b%E2%9C%93", "hi").await;
+    // The store was asked about none of the refused ids (the runtime's own look answers
+    // without it): it holds no instance of them.
+    let store = server.runtime.store().clone();
+    for id in ["a\0b", "a\nb", long.as_str(), "acme/task_1"] {
+        let key = flue_runtime::store::InstanceKey::new("calculator", id);
+        assert!(store.instance(&key).await.unwrap().is_none(), "{id:?}");
+        assert!(store.read(&key, None).await.unwrap_or_default().is_empty(), "{id:?}");
+    }
+    let created = flue_runtime::store::InstanceKey::new("calculator", "a b\u{2713}");
     assert!(
-        server
-            .runtime
-            .get_agent_instance(&calculator, "a\0b")
-            .await
-            .unwrap()
-            .is_none()
+        store.instance(&created).await.unwrap().is_some(),
+        "the store answers for an id it holds"
     );
 }
 
