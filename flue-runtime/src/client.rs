@@ -160,7 +160,7 @@ const DEFAULT_MAX_EVENT_BYTES: usize = DEFAULT_MAX_BODY_BYTES;
 const DEFAULT_RECONNECT_LIMIT: u32 = 10;
 
 /// How long a connection must stay up to count as made, whatever it brought: two of the
-/// server's heartbeat intervals.
+/// server's heartbeat intervals (see [`Follow::stable`]).
 const STABLE_CONNECTION: Duration = Duration::from_secs(30);
 
 /// A connection to a server of the protocol.
@@ -235,8 +235,9 @@ impl Client {
     /// last connection's error once `attempts` connections in a row failed (default: 10,
     /// about 20 s of growing pauses while the server is unreachable, more when each attempt
     /// waits for a connection timeout). A connection that brings something new (a chunk, a
-    /// later offset), or stays up for 30 s, starts the count again; one that is accepted and
-    /// dropped at once counts as failed.
+    /// later offset), or stays up for 30 s (two thirds of the idle timeout, when that is
+    /// shorter), heartbeats flowing, starts the count again, however it ends; one that is
+    /// accepted and dropped, or never heard from, counts as failed.
     pub fn with_reconnect_limit(mut self, attempts: u32) -> Self {
         self.reconnect_limit = attempts;
         self
@@ -722,6 +723,7 @@ impl Instance {
             ready: VecDeque::new(),
             failures: 0,
             connected_at: None,
+            heard_at: None,
             incarnation,
             retry_after: None,
             ended: false,
@@ -747,11 +749,13 @@ struct Follow {
     parser: SseParser,
     ready: VecDeque<Value>,
     /// Consecutive failed connections (the backoff grows with them). A connection that
-    /// brings something new (a chunk, a later offset) or stays up for [`STABLE_CONNECTION`]
+    /// brings something new (a chunk, a later offset) or stays up for [`Follow::stable`]
     /// starts the count again; one that only says hello and drops does not.
     failures: u32,
     /// When the current connection was made.
     connected_at: Option<tokio::time::Instant>,
+    /// When bytes (a heartbeat, at least) last came on the current connection.
+    heard_at: Option<tokio::time::Instant>,
     /// The stream's incarnation, from the first connection's checkpoint.
     incarnation: Option<String>,
     /// The wait the last refusal asked for (`Retry-After`), when longer than the backoff.
@@ -787,6 +791,7 @@ impl Follow {
                     Ok(body) => {
                         self.body = Some(body);
                         self.connected_at = Some(tokio::time::Instant::now());
+                        self.heard_at = None;
                     }
                     // A request timeout or a rate limit passes: asked again after the backoff.
                     Err(error @ ClientError::Api { status: 408 | 429, .. }) => self.failed(error),
@@ -818,13 +823,22 @@ impl Follow {
             // The server sends at least a heartbeat every 15 s: a longer silence is a
             // connection that died without a reset (a dropped network, a NAT that forgot it).
             let Ok(next) = tokio::time::timeout(self.instance.client.idle_timeout, body.next()).await else {
-                // Up for long, but silent: no sign it was ever a working connection.
-                self.connected_at = None;
+                // Silent now: a working connection that died (a laptop asleep, a network
+                // changed) when it carried the server's heartbeats for a while, else no sign
+                // it ever worked.
+                let worked = self
+                    .connected_at
+                    .zip(self.heard_at)
+                    .is_some_and(|(connected, heard)| heard.duration_since(connected) >= self.stable());
+                if !worked {
+                    self.connected_at = None;
+                }
                 self.reconnect(ClientError::Transport("the stream went silent".into()));
                 continue;
             };
             match next {
                 Some(Ok(bytes)) => {
+                    self.heard_at = Some(tokio::time::Instant::now());
                     self.parser.push(&bytes);
                     // The same offset would bring the same event again: end the stream
                     // rather than reconnect to it forever.
@@ -851,15 +865,18 @@ impl Follow {
         self.body = None;
         // A connection that stayed up a while was not a failure to connect: the count starts
         // again (a proxy that cuts long connections now and then ends nothing).
-        if self
-            .connected_at
-            .take()
-            .is_some_and(|at| at.elapsed() >= STABLE_CONNECTION)
-        {
+        let stable = self.stable();
+        if self.connected_at.take().is_some_and(|at| at.elapsed() >= stable) {
             self.failures = 0;
         }
         self.parser = SseParser::new(self.instance.client.max_event_bytes);
         self.failed(error);
+    }
+
+    /// How long a connection must stay up to count as made, whatever it brought:
+    /// [`STABLE_CONNECTION`], or two thirds of the idle timeout when that is shorter.
+    fn stable(&self) -> Duration {
+        STABLE_CONNECTION.min(self.instance.client.idle_timeout.saturating_mul(2) / 3)
     }
 
     /// The replacement a 416's `meta` tells of: the stream's incarnation there, when it is not
@@ -1511,6 +1528,49 @@ mod tests {
         assert!(
             matches!(&items[1], Err(ClientError::StreamReplaced { previous, current }) if previous == "inst_a" && current == "inst_b"),
             "{items:?}"
+        );
+    }
+
+    /// A connection that carried the server's heartbeats for a while and then went silent
+    /// (a laptop asleep, a network that changed) was a working one: such drops, however many,
+    /// do not end a follow of a quiet instance as connections that never worked do.
+    #[tokio::test]
+    async fn a_working_connection_that_goes_silent_is_not_counted_a_failed_one() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = connections.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut socket, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut request = [0u8; 4096];
+                let _ = socket.read(&mut request).await;
+                let _ = socket
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n\
+                          event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n",
+                    )
+                    .await;
+                // Heartbeats for 250 ms, then silence, the connection kept open.
+                for _ in 0..5 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _ = socket.write_all(b": heartbeat\n\n").await;
+                }
+                held.push(socket);
+            }
+        });
+        let client = Client::new(base)
+            .unwrap()
+            .with_idle_timeout(Duration::from_millis(300))
+            .with_reconnect_limit(2);
+        let mut chunks = client.instance("assistant", "i").follow("-1");
+        let ended = tokio::time::timeout(Duration::from_secs(3), chunks.next()).await;
+        assert!(ended.is_err(), "the follow ended: {ended:?}");
+        assert!(
+            connections.load(std::sync::atomic::Ordering::SeqCst) >= 3,
+            "it reconnected past its limit of failed connections"
         );
     }
 
