@@ -344,12 +344,7 @@ pub(crate) trait Compacting {
         from: usize,
         cut: usize,
     ) -> impl Future<Output = Result<Vec<ModelMessage>, String>> + Send {
-        std::future::ready(Ok(self
-            .conversation()
-            .before(cut)
-            .get(from..)
-            .unwrap_or_default()
-            .to_vec()))
+        std::future::ready(Ok(self.conversation().older_messages(from, cut)))
     }
 
     /// The session's failure for a compaction that `failed`.

@@ -1508,3 +1508,49 @@ async fn a_row_written_while_the_whole_history_is_summarized_is_kept_after_the_s
         model.requests()[4].messages
     );
 }
+
+/// A summary is told which older messages carried images, and their ids, as the model read
+/// them: the images leave the history with the messages, and the summary can say they were
+/// sent (the common path, without message hooks, as with them).
+#[tokio::test]
+async fn the_summary_reads_which_older_messages_carried_images() {
+    use base64::Engine as _;
+    // The image's estimate brings the compaction sooner: whichever call makes the summary,
+    // the script answers.
+    let model = ScriptedModel::new([
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text("The user sent a chart and long messages."),
+        ScriptedReply::text("two"),
+        ScriptedReply::text("The user sent a chart and long messages."),
+        ScriptedReply::text("three it is"),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [tight.into()]);
+    let handle = runtime.init(&tight, "images");
+    let with_chart = flue_runtime::message::DeliveredMessage::User(flue_runtime::message::UserMessage {
+        body: long("first"),
+        attachments: vec![flue_runtime::message::Attachment::Image {
+            data: base64::engine::general_purpose::STANDARD.encode(b"\x89PNG\r\n\x1a\n chart"),
+            mime_type: "image/png".into(),
+            filename: Some("chart.png".into()),
+        }],
+    });
+    handle.send(with_chart).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    handle.send(long("third")).await.unwrap();
+    let requests = model.requests();
+    let summary = requests
+        .iter()
+        .find(|request| {
+            matches!(request.messages.first(), Some(ModelMessage::User { content, .. }) if content.starts_with("User: first"))
+        })
+        .expect("a summary of the history with the image");
+    let ModelMessage::User { content, images } = &summary.messages[0] else {
+        panic!("a transcript")
+    };
+    assert!(images.is_empty(), "the summary call is sent no image");
+    assert!(content.starts_with("User: first"), "{content}");
+    assert!(content.contains("[1 image(s)]"), "{content}");
+    assert!(content.contains("mimeType=\"image/png\""), "{content}");
+}

@@ -1322,6 +1322,15 @@ impl Conversation {
         &self.messages[..cut.min(self.messages.len())]
     }
 
+    /// The messages `from..cut` as a summary reads them: a user message's images attached,
+    /// with the list of their ids after its text, as the model read it (the transcript a
+    /// summary is made from names them, so the summary can tell they were sent).
+    pub(crate) fn older_messages(&self, from: usize, cut: usize) -> Vec<ModelMessage> {
+        let mut messages = self.before(cut).get(from..).unwrap_or_default().to_vec();
+        self.attach_images(&mut messages, |at| (from..cut).contains(&at).then(|| (at - from, None)));
+        messages
+    }
+
     /// The summary of the latest compaction, while it opens the history (a later compaction's
     /// cut always takes it).
     pub(crate) fn previous_summary(&self) -> Option<&str> {

@@ -228,7 +228,7 @@ impl Response<'_> {
     /// was taken before them). `Err` when `prefilter_llm_history` blocked them.
     pub(super) async fn older_history(&mut self, from: usize, cut: usize) -> Result<Vec<ModelMessage>, String> {
         if self.hooks.is_empty() {
-            return Ok(self.conversation.before(cut).get(from..).unwrap_or_default().to_vec());
+            return Ok(self.conversation.older_messages(from, cut));
         }
         let hooks = self.hooks.clone();
         let state = self.thread_view().state();
@@ -248,7 +248,7 @@ impl Response<'_> {
                 .collect();
             self.conversation.model_messages_of(&kept)
         } else {
-            self.conversation.before(cut).get(from..).unwrap_or_default().to_vec()
+            self.conversation.older_messages(from, cut)
         };
         if !hooks.has(HookKind::PrefilterLlmHistory) {
             return Ok(messages);
