@@ -1554,3 +1554,34 @@ async fn the_summary_reads_which_older_messages_carried_images() {
     assert!(content.contains("[1 image(s)]"), "{content}");
     assert!(content.contains("mimeType=\"image/png\""), "{content}");
 }
+
+/// Orders the rows by their time (a hook merging rows from elsewhere would).
+#[hook(filter_messages)]
+async fn by_time(
+    _state: &flue_runtime::lifecycle::ThreadState,
+    mut rows: Vec<flue_runtime::lifecycle::Message>,
+) -> Vec<flue_runtime::lifecycle::Message> {
+    rows.sort_by_key(|row| row.created_at);
+    rows
+}
+
+#[agent(hooks = [by_time])]
+fn time_ordered() -> &'static str {
+    use_tight_model("scripted/x", 150);
+    "Be brief."
+}
+
+/// The summary row takes the time the history it summarizes began: a hook ordering rows by
+/// time keeps it first, where it stands, not after the newest message (which the model would
+/// then answer in place of the user's).
+#[tokio::test]
+async fn the_summary_row_stands_first_in_time_as_in_place() {
+    let (requests, _) = three_exchanges(time_ordered, "").await;
+    let answered = &requests[3];
+    assert!(
+        matches!(answered.messages.first(), Some(ModelMessage::User { content, .. }) if content.starts_with("<conversation-summary")),
+        "{:?}",
+        answered.messages
+    );
+    assert_eq!(answered.messages.last(), Some(&ModelMessage::user(long("third"))));
+}

@@ -965,6 +965,12 @@ impl Conversation {
                     self.row_index(first_kept_message_id)
                 };
                 if let Some(cut) = cut {
+                    // The summary stands where the history it summarizes began, in time as in
+                    // place: a hook ordering rows by time keeps it first.
+                    let began = self
+                        .rows
+                        .first()
+                        .map_or_else(|| record.timestamp.clone(), |row| row.created.clone());
                     self.retire_call_ids(0..cut);
                     self.messages.make_mut().drain(..cut);
                     self.rows.drain(..cut);
@@ -980,7 +986,7 @@ impl Conversation {
                         attributes: BTreeMap::new(),
                         tag_name: Some("conversation-summary".to_owned()),
                     });
-                    let mut row = Row::new(record.id.clone(), MessageRole::User, record.timestamp.clone());
+                    let mut row = Row::new(record.id.clone(), MessageRole::User, began);
                     row.silent = true;
                     row.metadata
                         .insert("signal_type".to_owned(), Value::String("compaction".to_owned()));

@@ -274,6 +274,10 @@ const LAST_BATCH: &str = "SELECT MAX(batch_offset) FROM flue_batches WHERE agent
 /// Limits how long the current transaction may wait on the client, in milliseconds (`SET
 /// LOCAL`, as a prepared statement).
 const LIMIT_STALL: &str = "SELECT set_config('idle_in_transaction_session_timeout', $1, true)";
+
+/// The slowest link the stall limit allows for a large statement's transfer, in bytes per
+/// second (see [`PostgresStore::stall_limit_for`]): a 16 MiB admission gets 16 s more.
+const SLOW_LINK_BYTES_PER_S: usize = 1 << 20;
 /// Whether the host submission's instance has queued work (one round trip, no locks).
 const JOINABLE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM flue_submissions s JOIN flue_submissions h \
      ON h.id = $1 AND NOT h.abort_requested AND s.agent = h.agent AND s.instance_id = h.instance_id \
@@ -539,6 +543,10 @@ fn corrupt(what: impl fmt::Display) -> StoreError {
 /// this node (the module's doc): that statement goes out with the body's first one.
 macro_rules! in_transaction {
     ($store:expr, |$tx:ident| $body:expr) => {
+        in_transaction!($store, 0, |$tx| $body)
+    };
+    // `$sent`: how many bytes the body's statements send (the limit allows for their transfer).
+    ($store:expr, $sent:expr, |$tx:ident| $body:expr) => {
         retrying!(async {
             let mut client = $store.client().await?;
             // Isolation said, not the server's default: each statement sees what committed
@@ -551,7 +559,8 @@ macro_rules! in_transaction {
             // Polled first, so sent first (a prepared statement: its Parse goes out once per
             // connection): the body's statements run under the limit.
             let limit = $tx.prepare_cached(LIMIT_STALL).await?;
-            let ms: &str = &$store.stalled_transaction_ms;
+            let ms = $store.stall_limit_for($sent);
+            let ms: &str = &ms;
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
             let (limited, value) = futures_util::join!($tx.execute(&limit, &params), async { $body });
             limited?;
@@ -560,6 +569,43 @@ macro_rules! in_transaction {
             Ok(value)
         })
     };
+}
+
+/// The stall limit `base` (milliseconds) for statements sending `sent` bytes (see
+/// [`PostgresStore::stall_limit_for`]).
+fn stall_limit_ms(base: &Arc<str>, sent: usize) -> Arc<str> {
+    if sent < SLOW_LINK_BYTES_PER_S / 10 {
+        return base.clone();
+    }
+    let ms: u64 = base.parse().unwrap_or(i32::MAX as u64);
+    let transfer = (sent as u64).saturating_mul(1000) / SLOW_LINK_BYTES_PER_S as u64;
+    ms.saturating_add(transfer).min(i32::MAX as u64).to_string().into()
+}
+
+/// Roughly how many bytes an admission's statements send: its message (images included)
+/// and its initial data.
+fn admission_bytes(admission: &Admission) -> usize {
+    let message = match &admission.message {
+        flue_core::message::DeliveredMessage::User(message) => {
+            message.body.len()
+                + message
+                    .attachments
+                    .iter()
+                    .map(|attachment| match attachment {
+                        flue_core::message::Attachment::Image { data, .. } => data.len(),
+                    })
+                    .sum::<usize>()
+        }
+        flue_core::message::DeliveredMessage::Signal(signal) => {
+            signal.body.len()
+                + signal
+                    .attributes
+                    .iter()
+                    .map(|(name, value)| name.len() + value.len())
+                    .sum::<usize>()
+        }
+    };
+    message + admission.initial_data.as_ref().map_or(0, crate::session::value_weight)
 }
 
 /// Awaits `$attempt` (a future of `Result<T, Failure>`, made afresh each time) until it does
@@ -593,6 +639,14 @@ impl PostgresStore {
     pub fn with_stalled_transaction_timeout(mut self, timeout: Duration) -> Self {
         self.stalled_transaction_ms = timeout.as_millis().clamp(1, i32::MAX as u128).to_string().into();
         self
+    }
+
+    /// The stall limit of a transaction whose statements send `sent` bytes: a large one (an
+    /// admission with images, a batch of large tool outputs) gets the time it takes to cross
+    /// a slow link on top ([`SLOW_LINK_BYTES_PER_S`]), since the server counts a statement
+    /// still arriving as the client's wait.
+    fn stall_limit_for(&self, sent: usize) -> Arc<str> {
+        stall_limit_ms(&self.stalled_transaction_ms, sent)
     }
 
     /// Connects to the database at `url` (`postgres://user:password@host:port/database`, or a
@@ -764,7 +818,8 @@ impl PostgresStore {
             &[&(dyn tokio_postgres::types::ToSql + Sync)],
             &[&(dyn tokio_postgres::types::ToSql + Sync)],
         ) = (&[&agent, &id], &[&agent, &id, &json, &submission, &attempt]);
-        let ms: &str = &self.stalled_transaction_ms;
+        let ms = self.stall_limit_for(json.len());
+        let ms: &str = &ms;
         let limit_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
         // The stall limit goes out right after `BEGIN`, before the lock: a node cut off once
         // the lock statement reached the server (a batch split across TCP segments) holds the
@@ -1653,7 +1708,8 @@ impl Store for PostgresStore {
                 claim.lease_until_ms = self.clock.to_database(claim.lease_until_ms);
             }
             let now = (self.clock.database_now(), std::time::Instant::now());
-            let mut admitted = in_transaction!(self, |tx| admit_tx(&tx, &admission, now).await)?;
+            let sent = admission_bytes(&admission);
+            let mut admitted = in_transaction!(self, sent, |tx| admit_tx(&tx, &admission, now).await)?;
             admitted.submission = self.clock.submission_to_node(admitted.submission);
             admitted.claimed = admitted.claimed.map(|row| self.clock.submission_to_node(row));
             Ok(admitted)
@@ -1976,7 +2032,12 @@ impl Store for PostgresStore {
         let key = key.clone();
         Box::pin(async move {
             attachment.verify()?;
-            in_transaction!(self, |tx| put_attachment_tx(&tx, &key, &attachment).await)
+            in_transaction!(self, attachment.bytes.len(), |tx| put_attachment_tx(
+                &tx,
+                &key,
+                &attachment
+            )
+            .await)
         })
     }
 
@@ -2499,6 +2560,34 @@ mod tests {
             store.submission("d-1").await.unwrap().unwrap().initial_data,
             Some(value)
         );
+    }
+
+    /// A transaction sending a large statement is given the time it takes to cross a slow link
+    /// on top of the stall limit: the server counts a statement still arriving as a stall, and
+    /// a 16 MiB admission would be cut off every time under a limit of a few seconds.
+    #[test]
+    fn a_large_statement_gets_its_transfer_time_on_top_of_the_stall_limit() {
+        let base: Arc<str> = "1000".into();
+        assert!(
+            Arc::ptr_eq(&stall_limit_ms(&base, 4096), &base),
+            "a small one: the limit as set"
+        );
+        assert_eq!(&*stall_limit_ms(&base, 16 << 20), "17000");
+        assert_eq!(&*stall_limit_ms(&"2147483000".into(), 16 << 20), "2147483647");
+        let admission = crate::store::Admission {
+            key: InstanceKey::new("a", "i"),
+            submission_id: "sub_1".into(),
+            keyed: false,
+            kind: crate::store::SubmissionKind::Dispatch,
+            message: flue_core::message::DeliveredMessage::user("x".repeat(3 << 20)),
+            initial_data: Some(serde_json::json!({"notes": "y".repeat(1 << 20)})),
+            uid: crate::store::UidCondition::Any,
+            max_attempts: 1,
+            timeout_ms: 1000,
+            claim: None,
+            trace: None,
+        };
+        assert!(admission_bytes(&admission) >= 4 << 20);
     }
 
     /// Postgres refuses an `idle_in_transaction_session_timeout` over `i32::MAX` ms, and every
