@@ -61,9 +61,10 @@ use deadline::Deadline;
 use live_text::LiveText;
 
 pub(crate) use binding::{ABORTED, Attempt, AttemptBinding, InstanceBinding, LEASE_LOST};
+#[cfg(feature = "postgres")]
+pub(crate) use conversation::value_weight;
 pub(crate) use conversation::{
     CallIds, Conversation, ReplyParts, RetainedChild, interrupted_task, micros_of, reply_of, tool_calls_from,
-    value_weight,
 };
 
 /// How many takeovers past its budget a submission whose stream cannot be read is left to
