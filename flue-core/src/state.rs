@@ -67,6 +67,11 @@ impl StateSnapshot {
     pub fn is_empty(&self) -> bool {
         self.values.is_empty()
     }
+
+    /// The names and their values, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Value)> {
+        self.values.iter().map(|(name, value)| (name.as_str(), value))
+    }
 }
 
 impl FromIterator<(String, Value)> for StateSnapshot {

@@ -383,13 +383,15 @@ pub async fn execute_with(
             let stop = StopSignals::install();
             // Work a previous process left unfinished resumes now.
             runtime.start().await;
-            writeln!(
+            // Said if it can be: a server whose output's reader went away serves all the same
+            // (a closed stdout ends `run` and `catalog` quietly, whose work is done by then).
+            let _ = writeln!(
                 out,
                 "serving {} on http://{local} (agents: {})",
                 plural(runtime.agent_names().len(), "agent"),
                 runtime.agent_names().join(", ")
-            )?;
-            out.flush()?;
+            )
+            .and_then(|()| out.flush());
             let interrupted = async move {
                 stop.requested().await;
                 // A second Ctrl-C stops waiting for open responses.
@@ -404,7 +406,7 @@ pub async fn execute_with(
             serve_with(runtime, listener, options, interrupted, SHUTDOWN_GRACE)
                 .await
                 .map_err(|error| CliError::Io(error.to_string()))?;
-            writeln!(out, "stopped")?;
+            let _ = writeln!(out, "stopped");
             Ok(())
         }
         Command::Run {

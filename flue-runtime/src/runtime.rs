@@ -1805,10 +1805,18 @@ fn evict_idle(
         .map(|(key, slot)| (slot.last_used(), key.clone()))
         .collect();
     idle.sort_unstable_by_key(|(used, _)| *used);
+    // Past the count only for its bytes, a light instance (one a thousandth of the target
+    // or less) stays: dropping it frees next to nothing, and its next message reads its stream
+    // again (while busy instances hold the bytes, every light idle one would go).
+    let light = target_weight / 1024;
     let mut evicted = Vec::new();
     for (_, key) in idle {
-        if instances.len() <= target && total.load(Ordering::Relaxed) <= target_weight {
+        let over_count = instances.len() > target;
+        if !over_count && total.load(Ordering::Relaxed) <= target_weight {
             break;
+        }
+        if !over_count && instances.get(&key).is_some_and(|slot| slot.weight() <= light) {
+            continue;
         }
         if let Some(slot) = instances.remove(&key) {
             total.fetch_sub(slot.forget_weight(), Ordering::Relaxed);
@@ -2059,6 +2067,43 @@ fn lease_until(lease: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Past the cache's bytes only, the least recently used heavy idle instances go; light
+    /// ones stay (dropping them frees next to nothing), even when busy ones hold the bytes and
+    /// the target cannot be reached. Past the count, any idle one goes, least recently used
+    /// first.
+    #[test]
+    fn eviction_for_bytes_drops_heavy_idle_instances_and_leaves_light_ones() {
+        let slot = |id: &str, used: u64, weight: usize| {
+            let slot = InstanceSlot::new(InstanceKey::new("a", id), std::sync::Weak::new()).weighing(weight);
+            slot.touch(used);
+            (InstanceKey::new("a", id), Arc::new(slot))
+        };
+        let mut instances: FastMap<InstanceKey, Arc<InstanceSlot>> = [
+            slot("light-old", 1, 10),
+            slot("heavy-old", 2, 600),
+            slot("light-new", 3, 10),
+            slot("heavy-new", 4, 600),
+        ]
+        .into_iter()
+        .collect();
+        // A busy instance holding more than the target (its use keeps a second reference).
+        let (busy_key, busy) = slot("busy", 5, 50_000);
+        instances.insert(busy_key, busy.clone());
+        let total = AtomicUsize::new(10 + 600 + 10 + 600 + 50_000);
+        // Light: a thousandth of the 20 KiB target or less.
+        let evicted = evict_idle(&mut instances, 100, (&total, 20 << 10));
+        let mut gone: Vec<String> = evicted.iter().map(|slot| slot.key().id.to_string()).collect();
+        gone.sort();
+        assert_eq!(gone, ["heavy-new", "heavy-old"]);
+        assert_eq!(total.load(Ordering::Relaxed), 10 + 10 + 50_000);
+        // Past the count, the least recently used go first, whatever they weigh.
+        let evicted = evict_idle(&mut instances, 2, (&total, usize::MAX));
+        let gone: Vec<String> = evicted.iter().map(|slot| slot.key().id.to_string()).collect();
+        assert_eq!(gone, ["light-old"]);
+        assert_eq!(total.load(Ordering::Relaxed), 10 + 50_000);
+        drop(busy);
+    }
 
     /// Reference Appendix A: the lease, the node's heartbeat, scan and settle grace, the model
     /// retries and their base delay, and the delta flush delay.

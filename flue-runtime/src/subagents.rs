@@ -955,7 +955,11 @@ async fn child_session(
     if let Some((child, conversation)) = &mut reopened {
         load_images(runtime, journal, child, conversation)
             .await
-            .map_err(|error| not_reopened(child, &error))?;
+            .map_err(|error| match journal.check_live().is_err() {
+                // The store failed: the attempt is made again, and nothing is settled.
+                true => error,
+                false => not_reopened(child, &error),
+            })?;
     }
     // The delegate's render sees the prompt as its delivered message, with the images.
     let attachments = match &reopened {

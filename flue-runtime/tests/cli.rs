@@ -125,6 +125,22 @@ async fn a_run_whose_output_was_closed_ends_quietly_with_0() {
     assert_eq!(error.exit_code(), 0);
 }
 
+/// A server whose output's reader went away (a dead log pipe) serves all the same: ended
+/// quietly with 0, a supervisor restarting it on failure would not.
+#[tokio::test]
+async fn serve_whose_output_was_closed_serves_all_the_same() {
+    let runtime = runtime(&ScriptedModel::new([]));
+    let server = {
+        let runtime = runtime.clone();
+        tokio::spawn(
+            async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut ClosedPipe).await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!server.is_finished(), "serve ended: {:?}", server.await);
+    server.abort();
+}
+
 #[tokio::test]
 async fn catalog_prints_the_agents_as_json() {
     let runtime = runtime(&ScriptedModel::new([]));

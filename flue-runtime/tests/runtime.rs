@@ -3657,7 +3657,7 @@ async fn idle_instances_past_the_caches_bytes_are_dropped_however_few() {
         "{} instances cached",
         runtime.cached_instance_count()
     );
-    // An evicted instance carries on from the store, its initial data as it was.
+    // An evicted instance carries on from the store: its history is read again.
     let reply = runtime.init(&calculator, "data-0").send("again").await.unwrap();
     assert_eq!(reply.text, "answer 10");
     let first = &model.requests()[10].messages;

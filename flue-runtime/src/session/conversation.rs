@@ -21,9 +21,6 @@ use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 pub(crate) const INTERRUPTED_TOOL: &str =
     r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#;
 
-/// The outcome-unknown result of a `task` call that created the child conversation `child`:
-/// [`INTERRUPTED_TOOL`] naming it (`childConversationId`), where the delegate's finished work
-/// may be.
 /// What a node of a parsed JSON value, or a kept item, costs beyond its text (an entry of a
 /// map, a slot of a vector), roughly.
 const NODE_WEIGHT: usize = 48;
@@ -32,7 +29,7 @@ const NODE_WEIGHT: usize = 48;
 const RECORD_WEIGHT: usize = 160;
 
 /// Roughly the bytes `value` holds once parsed.
-pub(crate) fn value_weight(value: &Value) -> usize {
+fn value_weight(value: &Value) -> usize {
     NODE_WEIGHT
         + match value {
             Value::String(text) => text.len(),
@@ -84,6 +81,13 @@ fn message_weight(message: &ModelMessage) -> usize {
         }
 }
 
+/// Roughly the bytes `records` hold (and take as JSON: a record's ids and time are about
+/// [`RECORD_WEIGHT`]).
+#[cfg(feature = "postgres")]
+pub(crate) fn records_weight(records: &[Record]) -> usize {
+    records.iter().map(|record| record_weight(&record.body)).sum()
+}
+
 /// Roughly the bytes folding `body` adds (see [`Conversation::weight`]): the records that
 /// make a row or keep a value. (A step's streamed deltas are not kept: the completion's text
 /// is.)
@@ -115,11 +119,18 @@ fn record_weight(body: &RecordBody) -> usize {
         }
         RecordBody::Compaction { summary, .. } => summary.len(),
         RecordBody::ResourceSnapshot { baseline, .. } => baseline.as_ref().map_or(0, String::len),
+        // Counted whole, a replacement too (the count runs over until a compaction recounts).
+        RecordBody::StateWrite { name: key, value } | RecordBody::ThreadValueSet { key, value } => {
+            key.len() + value_weight(value)
+        }
         _ => return 0,
     };
     RECORD_WEIGHT + text
 }
 
+/// The outcome-unknown result of a `task` call that created the child conversation `child`:
+/// [`INTERRUPTED_TOOL`] naming it (`childConversationId`), where the delegate's finished work
+/// may be.
 pub(crate) fn interrupted_task(child: &crate::store::InstanceKey) -> String {
     let child = Value::String(child.to_string());
     // The object's fields, then the child's id in place of its closing brace.
@@ -1602,8 +1613,18 @@ impl Conversation {
     fn recount_weight(&mut self) {
         let messages: usize = self.messages.iter().map(message_weight).sum();
         let images: usize = self.images.values().map(|image| NODE_WEIGHT + image.data.len()).sum();
-        self.weight =
-            RECORD_WEIGHT * self.rows.len() + messages + images + self.initial_data.as_ref().map_or(0, value_weight);
+        let values: usize = self
+            .values
+            .iter()
+            .map(|(key, value)| (key.as_str(), value))
+            .chain(self.state.iter())
+            .map(|(key, value)| RECORD_WEIGHT + key.len() + value_weight(value))
+            .sum();
+        self.weight = RECORD_WEIGHT * self.rows.len()
+            + messages
+            + images
+            + values
+            + self.initial_data.as_ref().map_or(0, value_weight);
     }
 
     /// Attachments the history names whose images are not loaded.

@@ -62,7 +62,7 @@ use live_text::LiveText;
 
 pub(crate) use binding::{ABORTED, Attempt, AttemptBinding, InstanceBinding, LEASE_LOST};
 #[cfg(feature = "postgres")]
-pub(crate) use conversation::value_weight;
+pub(crate) use conversation::records_weight;
 pub(crate) use conversation::{
     CallIds, Conversation, ReplyParts, RetainedChild, interrupted_task, micros_of, reply_of, tool_calls_from,
 };
@@ -266,6 +266,24 @@ impl InstanceSlot {
         if weight > before {
             runtime.trim_cache();
         }
+    }
+
+    /// The conversation's weight when last noted.
+    pub(crate) fn weight(&self) -> usize {
+        self.weight.load(Ordering::Relaxed)
+    }
+
+    /// The instance.
+    #[cfg(test)]
+    pub(crate) fn key(&self) -> &InstanceKey {
+        &self.key
+    }
+
+    /// Notes `weight` as the conversation's, without a runtime (the cache's own tests).
+    #[cfg(test)]
+    pub(crate) fn weighing(self, weight: usize) -> Self {
+        self.weight.store(weight, Ordering::Relaxed);
+        self
     }
 
     /// Its weight, no longer counted here (the runtime drops the slot): what to subtract from
@@ -911,11 +929,15 @@ impl InstanceSlot {
                     let wait = runtime
                         .options
                         .store_retry_wait(submission.attempt_count, crate::provider::jitter_fraction());
+                    // A deadline already past when the wait begins does not shorten it (an
+                    // attempt that cannot read the stream would be made again at once, every
+                    // attempt spent in a moment): the next claim that reads settles it.
+                    let deadline_ahead = Instant::now() < deadline;
                     tokio::select! {
                         () = tokio::time::sleep(wait) => {}
                         () = runtime.closed() => {}
                         () = attempt.signal.aborted() => {}
-                        () = tokio::time::sleep_until(deadline.into()) => {}
+                        () = tokio::time::sleep_until(deadline.into()), if deadline_ahead => {}
                     }
                     self.binding.set_current(None);
                     if binding::hands_over(attempt.signal.reason()) {

@@ -605,7 +605,26 @@ fn admission_bytes(admission: &Admission) -> usize {
                     .sum::<usize>()
         }
     };
-    message + admission.initial_data.as_ref().map_or(0, crate::session::value_weight)
+    // Twice when the admission creates the instance: in its birth record and its row.
+    message + 2 * admission.initial_data.as_ref().map_or(0, json_length)
+}
+
+/// How long `value` is as JSON text (written to nowhere, counted).
+fn json_length(value: &serde_json::Value) -> usize {
+    struct Counted(usize);
+    impl std::io::Write for Counted {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counted = Counted(0);
+    // Writing to a counter does not fail.
+    let _ = serde_json::to_writer(&mut counted, value);
+    counted.0
 }
 
 /// Awaits `$attempt` (a future of `Result<T, Failure>`, made afresh each time) until it does
@@ -1907,8 +1926,15 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'_, Result<bool, StoreError>> {
         let host = host.clone();
         Box::pin(async move {
-            let (queued, key) = in_transaction!(self, |tx| settle_tx(&tx, &host, outcome, error.as_ref(), &records)
-                .await)?;
+            let sent = crate::session::records_weight(&records);
+            let (queued, key) = in_transaction!(self, sent, |tx| settle_tx(
+                &tx,
+                &host,
+                outcome,
+                error.as_ref(),
+                &records
+            )
+            .await)?;
             self.notices.announce(super::StoreNotice::Settled(key));
             Ok(queued)
         })
@@ -1955,7 +1981,7 @@ impl Store for PostgresStore {
             }
             // A host's append for a delivery it joined (rare: once per join): the joins are
             // checked in the transaction, after the append took its locks.
-            in_transaction!(self, |tx| {
+            in_transaction!(self, crate::session::records_weight(&records), |tx| {
                 let offset = append_tx(&tx, &key, &records, authorization.as_ref()).await?;
                 check_joined(&tx, &joined, authorization.as_ref()).await?;
                 Ok::<_, Failure>(offset)
@@ -1974,7 +2000,8 @@ impl Store for PostgresStore {
         let (parent, child) = (parent.clone(), child.clone());
         let authorization = authorization.cloned();
         Box::pin(async move {
-            in_transaction!(self, |tx| create_child_tx(
+            let sent = crate::session::records_weight(&link) + crate::session::records_weight(&birth);
+            in_transaction!(self, sent, |tx| create_child_tx(
                 &tx,
                 &parent,
                 &link,
@@ -2587,7 +2614,8 @@ mod tests {
             claim: None,
             trace: None,
         };
-        assert!(admission_bytes(&admission) >= 4 << 20);
+        let initial = r#"{"notes":""#.len() + (1 << 20) + 2;
+        assert_eq!(admission_bytes(&admission), (3 << 20) + 2 * initial);
     }
 
     /// Postgres refuses an `idle_in_transaction_session_timeout` over `i32::MAX` ms, and every
