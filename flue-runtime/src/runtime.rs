@@ -133,9 +133,10 @@ pub struct RuntimeOptions {
     pub cached_instances: usize,
     /// Roughly how many bytes the cached conversations may hold together (their texts,
     /// values and images, as folded). Past it, the least recently used idle instances are
-    /// dropped too, when an instance is added to the cache, until they hold three quarters of
-    /// it: a client creating instances with large initial data or messages does not make the
-    /// node hold them all.
+    /// dropped too, when an instance is added to the cache or a conversation grows, until
+    /// they hold three quarters of it (an instance of a thousandth of that or less stays,
+    /// unless the count is past too): a client creating instances with large initial data or
+    /// messages does not make the node hold them all.
     pub cached_bytes: usize,
     /// How long a model step's streamed text and reasoning may wait before they are appended
     /// to the record stream while the step still streams ([`RecordBody::AssistantTextDelta`],
@@ -1785,14 +1786,12 @@ impl Runtime {
     }
 }
 
-/// Drops the least recently used idle instances until `target` remain (or no idle one is
-/// left). Idle: no worker runs it and nothing else holds it (every user takes it from this
-/// map, under the same lock, so none can appear meanwhile).
-/// Removes the least recently used idle slots down to `target`; returns them, for the caller
-/// to drop once it released the map (freeing a quarter of the cache's conversations takes a
-/// while, and every admission waits on that lock).
-/// Removes as many more as it takes for the cached conversations to weigh `weight`'s target
-/// at most (their weight, the total, leaves it).
+/// Removes the least recently used idle slots until `target` remain and the cached
+/// conversations weigh the target of `weight` at most (`weight`'s total, which an evicted
+/// slot's weight leaves), or no idle one is left; returns them, for the caller to drop once it
+/// released the map (freeing a quarter of the cache's conversations takes a while, and every
+/// admission waits on that lock). Idle: no worker runs it and nothing else holds it (every
+/// user takes it from this map, under the same lock, so none can appear meanwhile).
 #[must_use = "the evicted slots are dropped by the caller, outside the lock"]
 fn evict_idle(
     instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>,

@@ -1173,8 +1173,8 @@ async fn fetch_site() -> String {
     format!("{} the end", "page ".repeat(8_000))
 }
 
-#[agent]
-fn site_fetcher() -> &'static str {
+/// The scripted model without threshold compaction, and `fetch_site`.
+fn use_site_fetching() -> &'static str {
     use_model_with(
         "scripted/x",
         ModelOptions {
@@ -1184,6 +1184,11 @@ fn site_fetcher() -> &'static str {
     );
     use_tool(fetch_site);
     "Fetch."
+}
+
+#[agent]
+fn site_fetcher() -> &'static str {
+    use_site_fetching()
 }
 
 /// A tool step too big to keep is what overflows: kept verbatim, the call made again would
@@ -1442,15 +1447,7 @@ async fn audits_the_summary(
 
 #[agent(hooks = [audits_the_summary])]
 fn audited_site_fetcher() -> &'static str {
-    use_model_with(
-        "scripted/x",
-        ModelOptions {
-            compaction: Compaction::Disabled,
-            ..ModelOptions::default()
-        },
-    );
-    use_tool(fetch_site);
-    "Fetch."
+    use_site_fetching()
 }
 
 /// An overflow that summarizes the whole history keeps a row a hook wrote while the summary

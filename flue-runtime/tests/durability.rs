@@ -586,16 +586,22 @@ async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_n
     drop(other);
 }
 
-/// A runtime whose re-attempts after a store failure wait 5 s, and whose store refuses the
-/// first input: its submission waits.
-async fn waiting_after_a_store_failure(model: &ScriptedModel) -> (FaultyStore, Runtime, String, std::time::Instant) {
+/// A runtime of `agent` whose re-attempts after a store failure wait 5 s, and whose store
+/// refuses the first input.
+fn failing_the_first_input(model: &ScriptedModel, agent: impl Into<AgentRef>) -> (FaultyStore, Runtime) {
     let store = FaultyStore::default();
     let options = RuntimeOptions {
         store_retry_delay: std::time::Duration::from_secs(5),
         ..RuntimeOptions::default()
     };
-    let runtime = harness::runtime_on_with(store.clone(), model, [patient.into()], options);
+    let runtime = harness::runtime_on_with(store.clone(), model, [agent.into()], options);
     store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    (store, runtime)
+}
+
+/// [`failing_the_first_input`], its submission (of `patient`) waiting after the failure.
+async fn waiting_after_a_store_failure(model: &ScriptedModel) -> (FaultyStore, Runtime, String, std::time::Instant) {
+    let (store, runtime) = failing_the_first_input(model, patient);
     let receipt = runtime.init(&patient, "w").dispatch("hi").await.unwrap();
     while store.failures.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
@@ -658,14 +664,8 @@ fn hurried() -> &'static str {
 /// failure settles it as timed out then, not at the wait's end.
 #[tokio::test]
 async fn a_deadline_passing_during_the_wait_after_a_store_failure_settles_it_then() {
-    let store = FaultyStore::default();
     let model = ScriptedModel::new([ScriptedReply::text("never")]);
-    let options = RuntimeOptions {
-        store_retry_delay: std::time::Duration::from_secs(5),
-        ..RuntimeOptions::default()
-    };
-    let runtime = harness::runtime_on_with(store.clone(), &model, [hurried.into()], options);
-    store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    let (_store, runtime) = failing_the_first_input(&model, hurried);
     let started = std::time::Instant::now();
     let handle = runtime.init(&hurried, "h");
     let settled = tokio::time::timeout(std::time::Duration::from_secs(3), handle.send("hi"))

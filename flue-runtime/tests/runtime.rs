@@ -3575,8 +3575,9 @@ async fn several_failing_start_callbacks_fail_the_submission_with_each_of_their_
     );
 }
 
-#[tokio::test]
-async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carries_on_from_the_store() {
+/// A runtime of `calculator` on a memory store, whose model answers "answer 0" to "answer 10"
+/// in turn, with `options`.
+fn answering_eleven_times(options: RuntimeOptions) -> (ScriptedModel, Runtime) {
     let model = ScriptedModel::new((0..11).map(|i| ScriptedReply::text(format!("answer {i}"))));
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
@@ -3584,12 +3585,18 @@ async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carr
         .store(MemoryStore::new())
         .providers(providers)
         .agent(calculator)
-        .options(RuntimeOptions {
-            cached_instances: 4,
-            ..RuntimeOptions::default()
-        })
+        .options(options)
         .build()
         .unwrap();
+    (model, runtime)
+}
+
+#[tokio::test]
+async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carries_on_from_the_store() {
+    let (model, runtime) = answering_eleven_times(RuntimeOptions {
+        cached_instances: 4,
+        ..RuntimeOptions::default()
+    });
     for i in 0..10 {
         runtime.init(&calculator, format!("c-{i}")).send("hi").await.unwrap();
     }
@@ -3621,19 +3628,10 @@ async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carr
 /// least recently used idle ones to the store.
 #[tokio::test]
 async fn idle_instances_past_the_caches_bytes_are_dropped_however_few() {
-    let model = ScriptedModel::new((0..11).map(|i| ScriptedReply::text(format!("answer {i}"))));
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .agent(calculator)
-        .options(RuntimeOptions {
-            cached_bytes: 1 << 20,
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let (model, runtime) = answering_eleven_times(RuntimeOptions {
+        cached_bytes: 1 << 20,
+        ..RuntimeOptions::default()
+    });
     let large = "x".repeat(300 << 10);
     for i in 0..5 {
         let mut request = SendRequest::new(format!("data-{i}"), "hi");

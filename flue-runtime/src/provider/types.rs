@@ -62,8 +62,28 @@ impl ModelRequest {
 /// About the JSON around one message or call, and around the request's own fields.
 const PER_ITEM: usize = 48;
 
+/// About the size of `blocks`' JSON, at least their text.
+pub(crate) fn reasoning_size_hint(blocks: &[ReasoningBlock]) -> usize {
+    blocks
+        .iter()
+        .map(|block| {
+            (match block {
+                ReasoningBlock::Thinking {
+                    thinking, signature, ..
+                } => thinking.len() + signature.len(),
+                ReasoningBlock::Redacted { data, .. } => data.len(),
+                ReasoningBlock::Text { text } => text.len(),
+                ReasoningBlock::Detail { detail } => detail
+                    .values()
+                    .map(|value| value.as_str().map_or(PER_ITEM, str::len))
+                    .sum(),
+            }) + PER_ITEM
+        })
+        .sum()
+}
+
 /// About the size of `message`'s JSON, at least its text.
-fn message_size_hint(message: &ModelMessage) -> usize {
+pub(crate) fn message_size_hint(message: &ModelMessage) -> usize {
     (match message {
         ModelMessage::User { content, .. } => content.len(),
         ModelMessage::Assistant {
@@ -72,22 +92,7 @@ fn message_size_hint(message: &ModelMessage) -> usize {
             reasoning,
         } => {
             text.len()
-                + reasoning
-                    .iter()
-                    .map(|block| {
-                        (match block {
-                            ReasoningBlock::Thinking {
-                                thinking, signature, ..
-                            } => thinking.len() + signature.len(),
-                            ReasoningBlock::Redacted { data, .. } => data.len(),
-                            ReasoningBlock::Text { text } => text.len(),
-                            ReasoningBlock::Detail { detail } => detail
-                                .values()
-                                .map(|value| value.as_str().map_or(PER_ITEM, str::len))
-                                .sum(),
-                        }) + PER_ITEM
-                    })
-                    .sum::<usize>()
+                + reasoning_size_hint(reasoning)
                 + tool_calls
                     .iter()
                     .map(|call| call.id.len() + call.name.len() + call.arguments.len() + PER_ITEM)

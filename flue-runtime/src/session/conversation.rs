@@ -14,6 +14,7 @@ use flue_core::usage::Usage;
 use serde_json::{Map, Value};
 
 use crate::provider::{Messages, ModelImage, ModelMessage, ModelToolCall, ReasoningBlock};
+use crate::provider::{message_size_hint, reasoning_size_hint};
 use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 
 /// The result of a tool call whose outcome never committed: the reference's unknown-outcome
@@ -39,45 +40,6 @@ fn value_weight(value: &Value) -> usize {
                 .map(|(key, value)| NODE_WEIGHT + key.len() + value_weight(value))
                 .sum(),
             Value::Null | Value::Bool(_) | Value::Number(_) => 0,
-        }
-}
-
-fn reasoning_weight(blocks: &[ReasoningBlock]) -> usize {
-    blocks
-        .iter()
-        .map(|block| {
-            NODE_WEIGHT
-                + match block {
-                    ReasoningBlock::Thinking {
-                        thinking, signature, ..
-                    } => thinking.len() + signature.len(),
-                    ReasoningBlock::Redacted { data, .. } => data.len(),
-                    ReasoningBlock::Text { text } => text.len(),
-                    ReasoningBlock::Detail { detail } => {
-                        detail.iter().map(|(key, value)| key.len() + value_weight(value)).sum()
-                    }
-                }
-        })
-        .sum()
-}
-
-fn message_weight(message: &ModelMessage) -> usize {
-    RECORD_WEIGHT
-        + match message {
-            ModelMessage::User { content, images } => content.len() + images.len() * NODE_WEIGHT,
-            ModelMessage::Assistant {
-                text,
-                tool_calls,
-                reasoning,
-            } => {
-                text.len()
-                    + tool_calls
-                        .iter()
-                        .map(|call| NODE_WEIGHT + call.id.len() + call.name.len() + call.arguments.len())
-                        .sum::<usize>()
-                    + reasoning_weight(reasoning)
-            }
-            ModelMessage::Tool { content, .. } => content.len(),
         }
 }
 
@@ -108,7 +70,7 @@ fn record_weight(body: &RecordBody) -> usize {
             reasoning,
             reasoning_blocks,
             ..
-        } => text.len() + reasoning.len() + reasoning_weight(reasoning_blocks),
+        } => text.len() + reasoning.len() + reasoning_size_hint(reasoning_blocks),
         RecordBody::ToolOutcome { content, .. } => content.len(),
         RecordBody::MessageInjected { content, metadata, .. } => {
             content.len()
@@ -1611,7 +1573,11 @@ impl Conversation {
 
     /// [`Self::weight`] counted from what the fold holds now.
     fn recount_weight(&mut self) {
-        let messages: usize = self.messages.iter().map(message_weight).sum();
+        let messages: usize = self
+            .messages
+            .iter()
+            .map(|message| RECORD_WEIGHT + message_size_hint(message))
+            .sum();
         let images: usize = self.images.values().map(|image| NODE_WEIGHT + image.data.len()).sum();
         let values: usize = self
             .values
