@@ -342,7 +342,7 @@ fn mount(
         // Declared in every model request of the response, and compiled before that: a bound
         // first, on the schema as it will be declared.
         let declared = input_schema(&listed.input_schema);
-        let schema_bytes = json_bytes(&declared);
+        let schema_bytes = crate::json_shape::json_bytes(&declared);
         if schema_bytes > MAX_SCHEMA_BYTES {
             leave_out(format!(
                 "its input schema is {schema_bytes} bytes, more than the {MAX_SCHEMA_BYTES} a tool's may be"
@@ -406,24 +406,6 @@ const MAX_TOOL_NAME_CHARS: usize = 128;
 /// The longest description a listed tool keeps; a longer one is cut (with a warning).
 const MAX_DESCRIPTION_BYTES: usize = 8 * 1024;
 
-/// The bytes of `value` as JSON, counted without keeping them.
-fn json_bytes(value: &impl serde::Serialize) -> usize {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // A `Map` of `Value`s always serializes.
-    let _ = serde_json::to_writer(&mut count, value);
-    count.0
-}
-
 /// A listed tool's description, cut to [`MAX_DESCRIPTION_BYTES`] (on a character boundary).
 fn cut_description(server: &str, tool: &str, description: &str) -> String {
     if description.len() <= MAX_DESCRIPTION_BYTES {
@@ -475,8 +457,9 @@ async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp:
             tool.annotations = None;
             tool.icons = None;
             tool.meta = None;
-            listed_bytes +=
-                tool.name.len() + tool.description.as_deref().map_or(0, str::len) + json_bytes(&*tool.input_schema);
+            listed_bytes += tool.name.len()
+                + tool.description.as_deref().map_or(0, str::len)
+                + crate::json_shape::json_bytes(&*tool.input_schema);
             if listed_bytes > MAX_LISTED_BYTES {
                 return Err((
                     format!(

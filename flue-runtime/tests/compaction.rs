@@ -1191,13 +1191,10 @@ fn site_fetcher() -> &'static str {
     use_site_fetching()
 }
 
-/// A tool step too big to keep is what overflows: kept verbatim, the call made again would
-/// overflow too. The recovery summarizes it with what came before it (the summary reads the
-/// start of the result), here the whole history, and the call made again reads the summary;
-/// the stream read again (another runtime on the store) gives the model the same.
-#[tokio::test]
-async fn an_overflow_after_a_tool_result_too_big_to_keep_summarizes_that_step_too() {
-    let model = ScriptedModel::new([
+/// A model that calls `fetch_site`, overflows on its result, summarizes, answers, and answers
+/// once more.
+fn overflowing_at_the_site() -> ScriptedModel {
+    ScriptedModel::new([
         ScriptedReply::tool_call("fetch_site", serde_json::json!({})),
         ScriptedReply::Error(ProviderError::new(
             ProviderErrorKind::ContextOverflow,
@@ -1207,7 +1204,16 @@ async fn an_overflow_after_a_tool_result_too_big_to_keep_summarizes_that_step_to
         ScriptedReply::text("The site is all pages."),
         ScriptedReply::text("Still pages."),
     ])
-    .with_context_window(1_000_000);
+    .with_context_window(1_000_000)
+}
+
+/// A tool step too big to keep is what overflows: kept verbatim, the call made again would
+/// overflow too. The recovery summarizes it with what came before it (the summary reads the
+/// start of the result), here the whole history, and the call made again reads the summary;
+/// the stream read again (another runtime on the store) gives the model the same.
+#[tokio::test]
+async fn an_overflow_after_a_tool_result_too_big_to_keep_summarizes_that_step_too() {
+    let model = overflowing_at_the_site();
     let store = flue_runtime::store::MemoryStore::new();
     let runtime = harness::runtime_on(store.clone(), &model, [site_fetcher.into()]);
     let handle = runtime.init(&site_fetcher, "s");
@@ -1455,17 +1461,7 @@ fn audited_site_fetcher() -> &'static str {
 /// the history, unread).
 #[tokio::test]
 async fn a_row_written_while_the_whole_history_is_summarized_is_kept_after_the_summary() {
-    let model = ScriptedModel::new([
-        ScriptedReply::tool_call("fetch_site", serde_json::json!({})),
-        ScriptedReply::Error(ProviderError::new(
-            ProviderErrorKind::ContextOverflow,
-            "prompt is too long",
-        )),
-        ScriptedReply::text("Summary: the site was fetched."),
-        ScriptedReply::text("The site is all pages."),
-        ScriptedReply::text("Still pages."),
-    ])
-    .with_context_window(1_000_000);
+    let model = overflowing_at_the_site();
     let store = flue_runtime::store::MemoryStore::new();
     let runtime = harness::runtime_on(store.clone(), &model, [audited_site_fetcher.into()]);
     let handle = runtime.init(&audited_site_fetcher, "s");

@@ -48,14 +48,19 @@ fn fast_scanning(store: &FaultyStore, model: &ScriptedModel, agent: impl Into<Ag
         .agent(agent)
         .providers(providers)
         .store(store.clone())
-        .options(RuntimeOptions {
-            lease: std::time::Duration::from_millis(200),
-            heartbeat: std::time::Duration::from_millis(20),
-            scan_interval: std::time::Duration::from_millis(20),
-            ..RuntimeOptions::default()
-        })
+        .options(fast_scanning_options())
         .build()
         .unwrap()
+}
+
+/// The options of [`fast_scanning`]: a 200 ms lease, a beat and a scan every 20 ms.
+fn fast_scanning_options() -> RuntimeOptions {
+    RuntimeOptions {
+        lease: std::time::Duration::from_millis(200),
+        heartbeat: std::time::Duration::from_millis(20),
+        scan_interval: std::time::Duration::from_millis(20),
+        ..RuntimeOptions::default()
+    }
 }
 
 async fn records(store: &FaultyStore, key: &InstanceKey) -> Vec<Record> {
@@ -509,26 +514,14 @@ async fn re_attempts_after_a_store_failure_wait_for_the_store_to_come_back() {
 #[tokio::test]
 async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_nodes() {
     let store = FaultyStore::default();
-    let (lease, wait) = (
-        std::time::Duration::from_millis(200),
-        std::time::Duration::from_millis(800),
-    );
+    // Four leases of 200 ms.
+    let wait = std::time::Duration::from_millis(800);
     let waiting_model = ScriptedModel::new([ScriptedReply::text("after the wait")]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(waiting_model.clone());
-    let waiting = Runtime::builder()
-        .agent(patient)
-        .providers(providers)
-        .store(store.clone())
-        .options(RuntimeOptions {
-            lease,
-            heartbeat: std::time::Duration::from_millis(20),
-            scan_interval: std::time::Duration::from_millis(20),
-            store_retry_delay: wait,
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let options = RuntimeOptions {
+        store_retry_delay: wait,
+        ..fast_scanning_options()
+    };
+    let waiting = harness::runtime_on_with(store.clone(), &waiting_model, [patient.into()], options);
     waiting.start().await;
     let other_model = ScriptedModel::new([ScriptedReply::text("taken over")]);
     let other = taking_over(&store, &other_model, patient).await;

@@ -606,25 +606,7 @@ fn admission_bytes(admission: &Admission) -> usize {
         }
     };
     // Twice when the admission creates the instance: in its birth record and its row.
-    message + 2 * admission.initial_data.as_ref().map_or(0, json_length)
-}
-
-/// How long `value` is as JSON text (written to nowhere, counted).
-fn json_length(value: &serde_json::Value) -> usize {
-    struct Counted(usize);
-    impl std::io::Write for Counted {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut counted = Counted(0);
-    // Writing to a counter does not fail.
-    let _ = serde_json::to_writer(&mut counted, value);
-    counted.0
+    message + 2 * admission.initial_data.as_ref().map_or(0, crate::json_shape::json_bytes)
 }
 
 /// Awaits `$attempt` (a future of `Result<T, Failure>`, made afresh each time) until it does
