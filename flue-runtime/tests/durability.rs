@@ -231,6 +231,40 @@ async fn a_finish_batch_the_store_keeps_refusing_leaves_the_answered_response_co
     assert_eq!(model.requests().len(), 1, "completed work is never redone");
 }
 
+/// Whether `records` hold a final answer's completion (a step without tool calls).
+fn completes_an_answer(records: &[Record]) -> bool {
+    records
+        .iter()
+        .any(|record| matches!(&record.body, RecordBody::AssistantMessageCompleted { .. }))
+        && !records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::AssistantToolCall { .. }))
+}
+
+/// A final answer whose commit went through but whose acknowledgement was lost (a remote
+/// store's connection dropping after its `COMMIT`) settles completed, on the last attempt
+/// too: the settlement reads what its fold missed before it tells how the response ended. (It
+/// settled as a spent budget, an answered response reported failed.)
+#[tokio::test]
+async fn a_final_answer_whose_commit_acknowledgement_was_lost_settles_completed_on_the_last_attempt() {
+    let store = FaultyStore::default();
+    store.acks_lost.store(true, Ordering::SeqCst);
+    store.fail_once(completes_an_answer);
+    let model = ScriptedModel::new([ScriptedReply::text("the answer")]);
+    let runtime = runtime(&store, &model, one_shot_answer);
+    let reply = runtime.init(&one_shot_answer, "lost-ack").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "the answer");
+    assert_eq!(reply.metadata.get("finished"), Some(&json!(true)));
+    assert_eq!(model.requests().len(), 1, "completed work is never redone");
+    let answers = records(&store, &InstanceKey::new("one_shot_answer", "lost-ack"))
+        .await
+        .iter()
+        .filter(|record| matches!(record.body, RecordBody::AssistantMessageCompleted { .. }))
+        .count();
+    assert_eq!(answers, 1, "the answer is stored once");
+}
+
 #[agent(durability(max_attempts = 1))]
 fn one_shot_billing() -> &'static str {
     use_model("scripted/x");

@@ -55,6 +55,9 @@ pub(crate) struct ThreadWriter {
     /// task it spawned) asks of the thread state after it is refused, not written after the
     /// response's events or its settlement.
     closed: std::sync::atomic::AtomicBool,
+    /// A write of the attempt failed: its commit may still have gone through (its answer
+    /// lost), so the stream may hold a batch the response's fold does not.
+    failed_write: std::sync::atomic::AtomicBool,
 }
 
 impl ThreadWriter {
@@ -89,7 +92,21 @@ impl ThreadWriter {
             pending_row: Mutex::new(None),
             pending_updates: Mutex::default(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            failed_write: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Whether a write of the attempt failed (see `failed_write`).
+    pub(crate) fn had_failed_write(&self) -> bool {
+        self.failed_write.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Notes a write's failure, passing it on.
+    fn noting_failure<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        if result.is_err() {
+            self.failed_write.store(true, std::sync::atomic::Ordering::Release);
+        }
+        result
     }
 
     /// Ends the response's use of the thread state (see `closed`), once the write going on
@@ -223,10 +240,7 @@ impl ThreadWriter {
 
     /// Appends `records`, the appends' lock held.
     async fn append_in_order(&self, records: Arc<[Record]>) -> Result<u64, StoreError> {
-        let offset = self
-            .store
-            .append(&self.key, records.clone(), Some(&self.attempt))
-            .await?;
+        let offset = self.noting_failure(self.store.append(&self.key, records.clone(), Some(&self.attempt)).await)?;
         self.binding.note_append();
         self.unfolded
             .lock()
@@ -246,10 +260,11 @@ impl ThreadWriter {
         birth: Arc<[Record]>,
     ) -> Result<u64, StoreError> {
         let _order = self.lock.lock().await;
-        let offset = self
-            .store
-            .create_child(&self.key, link.clone(), child, birth, Some(&self.attempt))
-            .await?;
+        let offset = self.noting_failure(
+            self.store
+                .create_child(&self.key, link.clone(), child, birth, Some(&self.attempt))
+                .await,
+        )?;
         self.binding.note_append();
         self.unfolded
             .lock()

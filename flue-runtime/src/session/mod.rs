@@ -869,8 +869,35 @@ impl InstanceSlot {
         let mut interrupted_calls = Vec::new();
         let (outcome, error) = match result {
             Ok(()) => (Outcome::Completed, None),
-            Err(failure) => {
+            Err(mut failure) => {
                 attempt.buffer().discard_pending();
+                // A write whose commit went through but whose answer was lost (a remote
+                // store's connection dropping after its `COMMIT`) is in the stream and not in
+                // the fold, which then tells an answered response from a failed one wrongly.
+                // After a failed write the settlement reads what follows the fold first (the
+                // fold holds all the attempt appended and knew of by now, so nothing is applied
+                // twice). A response found ended so is settled as it is (completed) by another
+                // attempt, as one whose end the fold saw: the abort or the deadline that
+                // raced it lost.
+                if !given_up
+                    && !unread
+                    && attempt.writer.get().is_some_and(|writer| writer.had_failed_write())
+                    && !conversation.has_ended(&submission.id)
+                {
+                    match runtime.store.read(&self.key, conversation.last_offset).await {
+                        Ok(batches) => {
+                            for batch in &batches {
+                                conversation.apply(batch);
+                            }
+                            if conversation.has_ended(&submission.id) {
+                                failure.transient = true;
+                            }
+                        }
+                        Err(error) => {
+                            tracing::debug!(instance = %self.key, submission = %submission.id, %error, "the stream could not be read after a failed write; settling from the fold");
+                        }
+                    }
+                }
                 // An attempt that could not read the stream cannot tell a spent budget from a
                 // response that ended (an attempt died before settling it) or an abort, which
                 // §3.9 settles first whatever the budget: it reads again, and gives a submission

@@ -38,6 +38,9 @@ pub struct FaultyStore {
     pub stall_scans: Arc<Mutex<Option<std::time::Duration>>>,
     /// How many of the next reads of an attachment fail.
     pub failing_attachment_reads: Arc<AtomicUsize>,
+    /// While set, an append that fails on purpose is committed first: its acknowledgement is
+    /// what is lost (a remote store's connection dropping after its `COMMIT`).
+    pub acks_lost: Arc<AtomicBool>,
 }
 
 impl Default for FaultyStore {
@@ -61,6 +64,7 @@ impl FaultyStore {
             failing_reads: Arc::default(),
             stall_scans: Arc::default(),
             failing_attachment_reads: Arc::default(),
+            acks_lost: Arc::default(),
         }
     }
 
@@ -230,6 +234,13 @@ impl Store for FaultyStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         if self.injects_failure(key, &records) {
+            if self.acks_lost.load(Ordering::SeqCst) {
+                let (key, authorization) = (key.clone(), authorization.cloned());
+                return Box::pin(async move {
+                    self.inner.append(&key, records, authorization.as_ref()).await?;
+                    Err(injected("append acknowledgement"))
+                });
+            }
             return Box::pin(std::future::ready(Err(injected("append"))));
         }
         self.inner.append(key, records, authorization)
