@@ -727,6 +727,121 @@ async fn a_node_shutting_down_ends_the_wait_after_a_store_failure() {
     }
 }
 
+/// A lease lost during the wait after a store failure (its renewals failed past the lease,
+/// and another node took the submission over) ends the wait: the instance is this node's to
+/// run again at once, not at the wait's end, so what comes next for it runs here.
+#[tokio::test]
+async fn a_lease_lost_during_the_wait_after_a_store_failure_ends_the_wait() {
+    let store = FaultyStore::default();
+    let waiting_model = ScriptedModel::new([ScriptedReply::text("next, here")]);
+    let options = RuntimeOptions {
+        store_retry_delay: std::time::Duration::from_secs(5),
+        ..fast_scanning_options()
+    };
+    let waiting = harness::runtime_on_with(store.clone(), &waiting_model, [patient.into()], options);
+    waiting.start().await;
+    store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    let receipt = waiting.init(&patient, "w").dispatch("hi").await.unwrap();
+    while store.failures.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let failed_attempt = store
+        .submission(&receipt.submission_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .attempt_id;
+    // The lease lapses, and another node takes the submission over.
+    store.failing_renewals.store(true, Ordering::SeqCst);
+    let other_model = ScriptedModel::new([ScriptedReply::text("taken over")]);
+    let other = taking_over(&store, &other_model, patient).await;
+    let taken_over = std::time::Instant::now();
+    while store
+        .submission(&receipt.submission_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .attempt_id
+        == failed_attempt
+    {
+        assert!(
+            taken_over.elapsed() < std::time::Duration::from_secs(3),
+            "not taken over"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    store.failing_renewals.store(false, Ordering::SeqCst);
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(3),
+        other.init(&patient, "w").read(&receipt.submission_id),
+    )
+    .await
+    .expect("the other node settles it")
+    .unwrap();
+    assert_eq!(reply.text, "taken over");
+    other.shutdown();
+    drop(other);
+    // The waiting node learns at its next renewal that the lease is gone, and its wait ends.
+    let next = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        waiting.init(&patient, "w").send("again"),
+    )
+    .await
+    .expect("run here before the wait's end")
+    .unwrap();
+    assert_eq!(next.text, "next, here");
+}
+
+#[agent(durability(max_attempts = 6, timeout = "600ms"))]
+fn hurried_unreadable() -> &'static str {
+    use_model("scripted/x");
+    "x"
+}
+
+/// A deadline already spent when the wait after a store failure begins does not shorten the
+/// wait: an attempt that cannot read the stream past its deadline (so cannot settle it as
+/// timed out) is made again a wait later, not at once, which would spend every attempt in a
+/// moment while the store is down. Once the stream reads, the submission settles timed out.
+#[tokio::test]
+async fn the_wait_after_a_store_failure_keeps_its_length_past_a_spent_deadline() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let options = RuntimeOptions {
+        store_retry_delay: std::time::Duration::from_millis(400),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store.clone(), &model, [hurried_unreadable.into()], options);
+    store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
+    let receipt = runtime.init(&hurried_unreadable, "h").dispatch("hi").await.unwrap();
+    while store.failures.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let failed_at = std::time::Instant::now();
+    // From now on the stream cannot be read: the second attempt (300-400 ms on) waits until
+    // the deadline (600 ms from the admission), and the third, past it, waits 1.2-1.6 s.
+    store.failing_reads.store(usize::MAX, Ordering::SeqCst);
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
+    assert!(
+        row.attempt_count <= 3,
+        "{} attempts {:?} after the first failure",
+        row.attempt_count,
+        failed_at.elapsed()
+    );
+    store.failing_reads.store(0, Ordering::SeqCst);
+    let settled = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        runtime.init(&hurried_unreadable, "h").read(&receipt.submission_id),
+    )
+    .await
+    .expect("settled once the stream reads");
+    assert!(
+        matches!(&settled, Err(RuntimeError::Run { error_type, .. }) if error_type == "submission_timeout"),
+        "{settled:?}"
+    );
+    assert!(model.requests().is_empty());
+}
+
 #[agent(durability(max_attempts = 2))]
 fn fragile() -> &'static str {
     use_model("scripted/x");

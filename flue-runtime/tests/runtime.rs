@@ -3625,26 +3625,45 @@ async fn idle_instances_past_the_cache_limit_are_dropped_and_an_evicted_one_carr
 
 /// The cache is bounded by what its conversations hold too, not only by their count: many
 /// instances created with large initial data or messages (a client's, over HTTP) leave the
-/// least recently used idle ones to the store.
+/// least recently used idle ones to the store, and an evicted one carries on from it with its
+/// history and its initial data.
 #[tokio::test]
 async fn idle_instances_past_the_caches_bytes_are_dropped_however_few() {
-    let (model, runtime) = answering_eleven_times(RuntimeOptions {
-        cached_bytes: 1 << 20,
-        ..RuntimeOptions::default()
+    let notebook = FnAgent::new(AgentDefinition::new("notebook"), |_| {
+        use_model("scripted/x");
+        let notes = use_initial_data::<serde_json::Value>()
+            .and_then(|data| data["notes"].as_str().map(str::len))
+            .unwrap_or(0);
+        format!("Notes: {notes} bytes.")
     });
+    let model = ScriptedModel::new((0..11).map(|i| ScriptedReply::text(format!("answer {i}"))));
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(notebook)
+        .options(RuntimeOptions {
+            cached_bytes: 1 << 20,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
     let large = "x".repeat(300 << 10);
     for i in 0..5 {
         let mut request = SendRequest::new(format!("data-{i}"), "hi");
         request.initial_data = Some(json!({ "notes": large }));
         runtime
-            .init(&calculator, format!("data-{i}"))
+            .handle("notebook", format!("data-{i}"))
+            .unwrap()
             .send_request(request)
             .await
             .unwrap();
     }
     for i in 0..5 {
         runtime
-            .init(&calculator, format!("text-{i}"))
+            .handle("notebook", format!("text-{i}"))
+            .unwrap()
             .send(large.as_str())
             .await
             .unwrap();
@@ -3655,11 +3674,27 @@ async fn idle_instances_past_the_caches_bytes_are_dropped_however_few() {
         "{} instances cached",
         runtime.cached_instance_count()
     );
-    // An evicted instance carries on from the store: its history is read again.
-    let reply = runtime.init(&calculator, "data-0").send("again").await.unwrap();
+    // An evicted instance carries on from the store: its history and its initial data are
+    // read again.
+    let reply = runtime
+        .handle("notebook", "data-0")
+        .unwrap()
+        .send("again")
+        .await
+        .unwrap();
     assert_eq!(reply.text, "answer 10");
-    let first = &model.requests()[10].messages;
-    assert_eq!(first.len(), 3, "the instance's history, read again: {first:?}");
+    let again = &model.requests()[10];
+    assert_eq!(
+        again.messages.len(),
+        3,
+        "the instance's history, read again: {:?}",
+        again.messages
+    );
+    assert!(
+        instructions_of(again.system.as_deref()) == Some(&format!("Notes: {} bytes.", large.len())),
+        "{:?}",
+        again.system
+    );
 }
 
 /// A user message with one image (`bytes`, base64-encoded as clients send it).

@@ -2836,6 +2836,7 @@ async fn after_subagent_created_runs_once_for_a_child_a_re_attempt_reattaches_to
 /// What each render of the `viewer` delegate was delivered (how many images), per test.
 static VIEWER_DELIVERIES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 static LOOKER_DELIVERIES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+static PEERER_DELIVERIES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
 /// A parent delegating to `viewer`, whose renders note into `deliveries` how many images
 /// they were delivered.
@@ -2902,6 +2903,49 @@ async fn a_reattached_task_childs_render_is_delivered_its_images_again() {
         *VIEWER_DELIVERIES.lock().unwrap(),
         [1, 1],
         "first run, then the reattach"
+    );
+}
+
+/// A reattached child whose image is no longer in the store (lost, or damaged past reading)
+/// is not run again without it: the call's outcome is unknown, and its result names the
+/// child, as when its delegate does not start (the model would otherwise delegate again,
+/// repeating the child's work).
+#[tokio::test]
+async fn a_reattached_task_child_whose_image_is_missing_names_itself_as_outcome_unknown() {
+    let model = ScriptedModel::new([ScriptedReply::text("Noted.")]);
+    let store = crashing(Box::new(MemoryStore::new()), commits_calls_of("tally"));
+    let failures = store.failures.clone();
+    // The child's attachments are missing once its step's commit failed (the reattach reads
+    // them).
+    *store.missing_attachments.lock().unwrap() = Some(Box::new(move |key: &InstanceKey| {
+        key.agent.ends_with(":task") && failures.load(Ordering::SeqCst) > 0
+    }));
+    let agent = FnAgent::new(AgentDefinition::new("peering"), viewing_parent(&PEERER_DELIVERIES)).into();
+    let runtime = harness::runtime_on(store.clone(), &model, vec![agent]);
+    let handle = runtime.handle("peering", "p-1").unwrap();
+    photo_then_viewing_task(&handle, &model).await;
+    let reply = handle.send("Tally it.").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the crash happened");
+    // The script's next answer, whatever it says: the parent's model was called next.
+    assert_eq!(reply.text, "Seven words.");
+    assert_eq!(*PEERER_DELIVERIES.lock().unwrap(), [1], "the child ran once");
+    let requests = model.requests();
+    assert_eq!(
+        requests.len(),
+        4,
+        "photo, parent, child, parent (the child was not run again)"
+    );
+    let store: Arc<dyn Store> = Arc::new(store);
+    let (_, child) = the_child(&store, &InstanceKey::new("peering", "p-1")).await;
+    assert_eq!(
+        harness::last_batch_results(&requests[3]),
+        [(
+            format!(
+                r#"{{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown.","childConversationId":{}}}"#,
+                json!(child.to_string())
+            ),
+            true
+        )]
     );
 }
 

@@ -41,7 +41,13 @@ pub struct FaultyStore {
     /// While set, an append that fails on purpose is committed first: its acknowledgement is
     /// what is lost (a remote store's connection dropping after its `COMMIT`).
     pub acks_lost: Arc<AtomicBool>,
+    /// Attachment reads from the streams this matches find nothing (an attachment lost, or
+    /// never stored).
+    pub missing_attachments: Arc<Mutex<Option<KeyPredicate>>>,
 }
+
+/// Which streams a fault concerns.
+pub type KeyPredicate = Box<dyn Fn(&InstanceKey) -> bool + Send + Sync>;
 
 impl Default for FaultyStore {
     fn default() -> Self {
@@ -65,6 +71,7 @@ impl FaultyStore {
             stall_scans: Arc::default(),
             failing_attachment_reads: Arc::default(),
             acks_lost: Arc::default(),
+            missing_attachments: Arc::default(),
         }
     }
 
@@ -174,6 +181,15 @@ impl Store for FaultyStore {
         if failing.is_ok() {
             self.failures.fetch_add(1, Ordering::SeqCst);
             return Box::pin(std::future::ready(Err(injected("attachment read"))));
+        }
+        if self
+            .missing_attachments
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|missing| missing(key))
+        {
+            return Box::pin(std::future::ready(Ok(None)));
         }
         self.inner.attachment(key, id)
     }
