@@ -776,6 +776,37 @@ async fn a_burst_of_settlements_is_announced_whole_to_the_same_schema_only() {
     assert!(stray.is_empty(), "another schema's store heard {stray:?}");
 }
 
+/// Announcements a node drops (more than its queue holds, made faster than it sends them) are
+/// made up for: the other nodes are told to look at everything again, rather than left to
+/// their own looks (seconds away) to find the changes.
+#[tokio::test(flavor = "current_thread")]
+async fn announcements_a_node_drops_are_made_up_for_by_a_resync() {
+    let Some(url) = url() else { return };
+    let schema = fresh_schema();
+    let announcing = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let hearing = PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+    let mut own = announcing.notices().unwrap();
+    let mut heard = hearing.notices().unwrap();
+    for receiver in [&mut own, &mut heard] {
+        notices_until(receiver, |notice| *notice == StoreNotice::Resync).await;
+    }
+    // On this one thread the listening task cannot send while the burst is made: its queue
+    // fills, and the rest of the burst is dropped.
+    let burst = 3_000;
+    for n in 0..burst {
+        announcing.announce(StoreNotice::Queued(InstanceKey::new("assistant", format!("q-{n}"))));
+    }
+    let mut queued = 0;
+    notices_until(&mut heard, |notice| {
+        if matches!(notice, StoreNotice::Queued(_)) {
+            queued += 1;
+        }
+        *notice == StoreNotice::Resync
+    })
+    .await;
+    assert!(queued < burst, "{queued} of {burst} announced: none was dropped");
+}
+
 /// The notice path: a node shutting down finishes what it runs and leaves its instance's queue
 /// to the others, which take it up at once, not at their next scan (a minute away here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,10 @@
 //! listening connection notifies in transactions of their own with `synchronous_commit` off, so
 //! the lock is held only for as long as the queue append takes, and a slow announcement never
 //! holds up a settlement. A node's queue of announcements is bounded: past it, announcements are
-//! dropped (the others' looks find those changes).
+//! dropped. An announcement dropped (the queue full, the server refusing it, the connection lost
+//! while it was sent) is made up for by a [`StoreNotice::Resync`] with the next ones that go
+//! out (at once after a reconnection): the others look at everything again, rather than wait
+//! for their own looks to find the changes.
 //!
 //! Each payload names the schema of the store that sent it (several stores may share one
 //! database in schemas of their own); a node keeps only its own schema's notices, and not its
@@ -30,6 +33,7 @@
 //!
 //! [`Store::notices`]: crate::store::Store::notices
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -136,13 +140,16 @@ pub(super) struct Notices {
     config: tokio_postgres::Config,
     received: broadcast::Sender<StoreNotice>,
     listening: Mutex<Option<Listening>>,
+    /// An announcement was dropped since the last that went out: a resync is owed.
+    dropped: Arc<AtomicBool>,
 }
 
 /// What the listening task is asked to send.
 enum Outgoing {
     Notice(StoreNotice),
-    /// Answered once everything queued before it was sent (or could not be).
-    Flush(tokio::sync::oneshot::Sender<()>),
+    /// Answered once everything queued before it was sent (`true`) or could not be (`false`;
+    /// not answered at all when the connection was lost meanwhile).
+    Flush(tokio::sync::oneshot::Sender<bool>),
 }
 
 /// The listening task and the queue of announcements it sends.
@@ -170,6 +177,7 @@ impl Notices {
             config,
             received: broadcast::channel(RECEIVED).0,
             listening: Mutex::new(None),
+            dropped: Arc::default(),
         })
     }
 
@@ -184,8 +192,10 @@ impl Notices {
     /// when the queue is full (the listening connection is down), it is dropped.
     pub(super) fn announce(&self, notice: StoreNotice) {
         let sent = self.with_listening(|listening| listening.outbox.try_send(Outgoing::Notice(notice)).is_ok());
-        if sent == Some(false) {
-            tracing::debug!("postgres notices: the queue of announcements is full; one is dropped");
+        if sent == Some(false) && !self.dropped.swap(true, Ordering::AcqRel) {
+            tracing::warn!(
+                "postgres notices: the queue of announcements is full; dropping them until it drains (the other nodes are then told to look at everything again)"
+            );
         }
     }
 
@@ -201,15 +211,15 @@ impl Notices {
             .filter(|listening| !listening.task.is_finished())
             .map(|listening| listening.outbox.clone());
         let Some(outbox) = queued else { return };
-        let flushed = async {
-            if outbox.send(Outgoing::Flush(done)).await.is_ok() {
-                let _ = sent.await;
-            }
-        };
-        if tokio::time::timeout(within, flushed).await.is_err() {
-            tracing::warn!(
+        let flushed = async { outbox.send(Outgoing::Flush(done)).await.is_ok() && sent.await == Ok(true) };
+        match tokio::time::timeout(within, flushed).await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                "postgres notices: the last announcements could not be sent; the other nodes' looks find those changes"
+            ),
+            Err(_) => tracing::warn!(
                 "postgres notices: announcements still queued after {within:?}; the other nodes' looks find those changes"
-            );
+            ),
         }
     }
 
@@ -220,7 +230,12 @@ impl Notices {
         if listening.as_ref().is_none_or(|listening| listening.task.is_finished()) {
             let runtime = tokio::runtime::Handle::try_current().ok()?;
             let (outbox, announcements) = mpsc::channel(OUTBOX);
-            let task = runtime.spawn(listen(self.config.clone(), self.received.clone(), announcements));
+            let task = runtime.spawn(listen(
+                self.config.clone(),
+                self.received.clone(),
+                announcements,
+                self.dropped.clone(),
+            ));
             *listening = Some(Listening { outbox, task });
         }
         listening.as_ref().map(f)
@@ -233,11 +248,12 @@ async fn listen(
     config: tokio_postgres::Config,
     received: broadcast::Sender<StoreNotice>,
     mut announcements: mpsc::Receiver<Outgoing>,
+    dropped: Arc<AtomicBool>,
 ) {
     let mut pause = RECONNECT_MIN;
     loop {
         let mut listened = None;
-        match listen_once(&config, &received, &mut announcements, &mut listened).await {
+        match listen_once(&config, &received, &mut announcements, &dropped, &mut listened).await {
             Ok(Ended::Stopped) => return,
             Ok(Ended::Lost) => {
                 tracing::warn!("postgres notices: the listening connection closed; connecting again");
@@ -283,6 +299,7 @@ async fn listen_once(
     config: &tokio_postgres::Config,
     received: &broadcast::Sender<StoreNotice>,
     announcements: &mut mpsc::Receiver<Outgoing>,
+    dropped: &AtomicBool,
     listened: &mut Option<tokio::time::Instant>,
 ) -> Result<Ended, Lost> {
     let (client, mut connection) = timed(config.connect(NoTls)).await?;
@@ -336,6 +353,11 @@ async fn listen_once(
     *listened = Some(tokio::time::Instant::now());
     // Whatever was announced while no connection listened is looked at again.
     let _ = received.send(StoreNotice::Resync);
+    // And what this node could not announce meanwhile, by the others.
+    let resync = Payload::of(&schema, &StoreNotice::Resync);
+    if dropped.swap(false, Ordering::AcqRel) {
+        send_or_owe(&client, &notify, std::slice::from_ref(&resync), dropped).await?;
+    }
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
     loop {
         tokio::select! {
@@ -373,19 +395,13 @@ async fn listen_once(
                         Err(_) => break,
                     };
                 }
-                if !payloads.is_empty() {
-                    match timed(client.execute(&notify, &[&payloads])).await {
-                        Ok(_) => {}
-                        // The server refused them (its notify queue full, say) and the connection
-                        // is sound: they are dropped (the others' looks find those changes).
-                        Err(Lost::Db(error)) if error.as_db_error().is_some() => {
-                            tracing::warn!(%error, "postgres notices: announcements refused; dropped");
-                        }
-                        Err(lost) => return Err(lost),
-                    }
+                // A resync owed for announcements dropped before these goes out with them.
+                if dropped.swap(false, Ordering::AcqRel) && !payloads.contains(&resync) {
+                    payloads.push(resync.clone());
                 }
+                let sent = payloads.is_empty() || send_or_owe(&client, &notify, &payloads, dropped).await?;
                 for done in flushes {
-                    let _ = done.send(());
+                    let _ = done.send(sent);
                 }
             }
             _ = ping.tick() => {
@@ -397,6 +413,29 @@ async fn listen_once(
                     _ => Ok(Ended::Lost),
                 };
             }
+        }
+    }
+}
+
+/// Sends `payloads`: `false` when the server refused them (its notify queue full, say) and the
+/// connection is sound; they are dropped, and a resync is owed. A connection lost meanwhile
+/// owes one too, sent once connected again.
+async fn send_or_owe(
+    client: &tokio_postgres::Client,
+    notify: &tokio_postgres::Statement,
+    payloads: &[String],
+    dropped: &AtomicBool,
+) -> Result<bool, Lost> {
+    match timed(client.execute(notify, &[&payloads])).await {
+        Ok(_) => Ok(true),
+        Err(Lost::Db(error)) if error.as_db_error().is_some() => {
+            tracing::warn!(%error, "postgres notices: announcements refused; dropped (a resync is owed)");
+            dropped.store(true, Ordering::Release);
+            Ok(false)
+        }
+        Err(lost) => {
+            dropped.store(true, Ordering::Release);
+            Err(lost)
         }
     }
 }
