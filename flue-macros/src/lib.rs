@@ -180,6 +180,11 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but not be generic over types
 /// or constants.
 ///
+/// The calls of one model step run concurrently, but the tool-result hooks of a call
+/// (`tool_call_done`, `after_tool_call_*`, `before_store_tool_result` and the tool row's
+/// `before_create_message`) run one call at a time, as the calls end: a hook may read a thread
+/// value and write it back without racing itself on another call of the step.
+///
 /// **What it expands to**: the function moves into a hidden body; the name becomes a `const`
 /// holding a reference to a `static` definition (id plus a typed handler that calls the body).
 /// Thread hooks and user-scope hooks are different types, so a user-scope hook passed to

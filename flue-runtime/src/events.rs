@@ -413,8 +413,7 @@ pub enum Event {
         tool_call_id: String,
         /// Whether it failed.
         is_error: bool,
-        /// The result as stored (after the tool-result hooks); absent when the observer
-        /// subscribed while the batch ran.
+        /// The result as stored (after the tool-result hooks).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         result: Option<String>,
         /// How long it ran.

@@ -105,7 +105,9 @@ impl From<StoreError> for RuntimeError {
 /// Tuning of the turn loop.
 #[derive(Clone, Debug)]
 pub struct RuntimeOptions {
-    /// How many tool calls of one response run at once.
+    /// How many tool calls of one model step (its tool batch) run at once. A task's child
+    /// runs its own batches under the same bound, so calls delegated from one step add to
+    /// the parent's (eight `task` calls each running eight tools are 64 calls at once).
     pub tool_concurrency: usize,
     /// Retries of one model call after transient failures, in all: a built-in provider's own
     /// retries before the response streams (429s, 5xx answers, connection failures) count

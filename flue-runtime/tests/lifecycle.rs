@@ -1231,6 +1231,57 @@ async fn chain_failure(_state: &ThreadState, call: &ToolCall, result: ToolResult
     )))
 }
 
+/// Says its word back after a moment.
+#[tool]
+async fn slow_echo(word: String) -> String {
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    word
+}
+
+/// Counts the successful calls in a thread value: reads it, takes a moment, writes it back.
+#[hook(after_tool_call_success)]
+async fn count_successes(state: &ThreadState, _call: &ToolCall, _result: ToolResult) -> Option<ToolResult> {
+    let count = state
+        .get_value("successes")
+        .await
+        .unwrap()
+        .and_then(|value| value.as_u64())
+        .unwrap_or(0);
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    state.set_value("successes", Some(json!(count + 1))).await.unwrap();
+    COUNTED.lock().unwrap().push(count + 1);
+    None
+}
+
+/// What `count_successes` wrote, in order.
+static COUNTED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+#[agent(hooks = [count_successes])]
+fn success_counter() -> &'static str {
+    use_model("scripted/x");
+    use_tool(slow_echo);
+    "C"
+}
+
+/// The calls of one step run concurrently, their tool-result hooks one call at a time (as the
+/// reference runs a step's calls in order): a hook that reads a thread value and writes it
+/// back loses no other call's update.
+#[tokio::test]
+async fn the_tool_result_hooks_of_parallel_calls_run_one_call_at_a_time() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([
+            ("slow_echo", json!({"word": "one"})),
+            ("slow_echo", json!({"word": "two"})),
+            ("slow_echo", json!({"word": "three"})),
+        ]),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![success_counter.into()]);
+    let handle = runtime.init(&success_counter, "c");
+    assert_eq!(handle.send("go").await.unwrap().text, "done");
+    assert_eq!(*COUNTED.lock().unwrap(), [1, 2, 3]);
+}
+
 /// Hands the conversation over (ends the turn when it succeeds).
 #[tool(terminate)]
 async fn hand_over() -> String {

@@ -3590,6 +3590,10 @@ impl Response<'_> {
             let (attempt, conversation) = (self.attempt, &*self.conversation);
             let (hooks, writer, thread) = (&self.hooks, &self.writer, &thread);
             let assistant_message_id = assistant_message_id.as_str();
+            // The calls run concurrently; their tool-result hook chains one call at a time, as
+            // the calls end (the reference runs a step's calls in order): a hook that reads a
+            // thread value and writes it back does not race the same hook of another call.
+            let one_chain_at_a_time = &tokio::sync::Mutex::new(());
             tools::run_batch(
                 tools,
                 calls,
@@ -3662,7 +3666,9 @@ impl Response<'_> {
                     let row_id = hooked.then(|| new_id("record"));
                     let (content, is_error, updates) = match &row_id {
                         Some(row_id) => {
+                            let chain = one_chain_at_a_time.lock().await;
                             let stored = lifecycle::tool_outcome(hooks, thread, &run, row_id).await;
+                            drop(chain);
                             if runtime.observed() {
                                 let message = tool_message(run.call, stored.content.clone(), stored.is_error);
                                 emit_tool_message(runtime, key, submission_id, message);
