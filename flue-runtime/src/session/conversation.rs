@@ -1932,16 +1932,25 @@ impl ReplyParts {
 /// Collects the reply of `submission_id`'s response from the stream.
 pub(crate) fn reply_of(batches: &[Batch], submission_id: &str) -> ReplyParts {
     let mut reply = ReplyParts::default();
-    // Every attempt that wrote the submission's response (a response may span re-attempts).
-    // Not the attempt that stored its input only: a delivery's input is stored by the response
-    // that joined it, under that response's attempt, and a join undone (its host failed before
-    // it settled) leaves the input there while the delivery is answered by a response of its
-    // own later. (A delivery settled with its host is read through the host's id.)
+    // Every attempt that wrote the submission's response (a response may span re-attempts):
+    // one that wrote a part of its reply under its id. Not an attempt that wrote only its input
+    // and its start seam's marker: a delivery's are written by the response that joined it,
+    // under that response's attempt, and a join undone (its host failed before it settled)
+    // leaves them there while the delivery is answered by a response of its own later. (A
+    // delivery settled with its host is read through the host's id.)
     let attempts: HashSet<&str> = batches
         .iter()
         .flat_map(|batch| batch.records.iter())
         .filter(|record| record.submission_id.as_deref() == Some(submission_id))
-        .filter(|record| !matches!(record.body, RecordBody::UserMessage { .. } | RecordBody::Signal { .. }))
+        .filter(|record| {
+            matches!(
+                record.body,
+                RecordBody::AssistantMessageStarted { .. }
+                    | RecordBody::AssistantMessageCompleted { .. }
+                    | RecordBody::MessageDataWrite { .. }
+                    | RecordBody::MessageMetadata { .. }
+            )
+        })
         .filter_map(|record| record.attempt_id.as_deref())
         .collect();
     for record in batches.iter().flat_map(|batch| batch.records.iter()) {
@@ -2028,6 +2037,9 @@ mod tests {
                 "delivery",
                 "a-1",
             ),
+            // The start seam's marker, which the host writes under the delivery's id too.
+            stamped(RecordBody::AgentStartRun, "delivery", "a-1"),
+            stamped(completed("m-2", "the host's second turn"), "host", "a-1"),
             stamped(completed("m-3", "the delivery's answer"), "delivery", "d-1"),
         ];
         let batch = Batch {
@@ -2040,7 +2052,7 @@ mod tests {
         );
         assert_eq!(
             reply_of(std::slice::from_ref(&batch), "host").texts,
-            ["the host's first turn"]
+            ["the host's first turn", "the host's second turn"]
         );
     }
 
