@@ -3674,3 +3674,95 @@ async fn a_thread_write_racing_the_end_of_its_response_is_stored_and_announced_b
     assert_eq!(written, ["true"], "the write went on as the response ended");
     assert_eq!(changed, 1, "the stored write was announced");
 }
+
+// ---- the create hooks of the signals a response appends ------------------------------------
+
+/// Refuses rows that say "forbidden"; redacts an e-mail address from the others.
+#[hook(before_create_message)]
+async fn guard_rows(_state: &ThreadState, mut message: Message) -> Result<Message, HookError> {
+    if message
+        .content
+        .as_deref()
+        .is_some_and(|text| text.contains("forbidden"))
+    {
+        return Err(HookError::new("forbidden words are not stored"));
+    }
+    message.content = message
+        .content
+        .map(|text| text.replace("jane@example.com", "[redacted]"));
+    Ok(message)
+}
+
+/// The signal rows `note_signal_rows` saw created, by their content.
+static SIGNAL_ROWS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[hook(after_create_message)]
+async fn note_signal_rows(_state: &ThreadState, message: &Message) {
+    if message.metadata.contains_key("signal_type") {
+        SIGNAL_ROWS
+            .lock()
+            .unwrap()
+            .push(message.content.clone().unwrap_or_default());
+    }
+}
+
+#[agent(hooks = [guard_rows, note_signal_rows])]
+fn briefed() -> &'static str {
+    use_model("scripted/x");
+    use_agent_start(|ctx| async move {
+        ctx.append(Signal::new("context", "The customer is jane@example.com."))?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "B"
+}
+
+/// A signal a `use_agent_start` callback appends is a row like a delivered one: it goes
+/// through `before_create_message` (what the hook returns is stored, and what the model reads)
+/// and then `after_create_message`.
+#[tokio::test]
+async fn a_signal_a_start_callback_appends_goes_through_the_create_hooks() {
+    let model = ScriptedModel::new([ScriptedReply::text("Hello.")]);
+    let runtime = runtime_with(&model, vec![briefed.into()]);
+    runtime.init(&briefed, "b").send("hi").await.unwrap();
+    let request = format!("{:?}", model.requests()[0].messages);
+    assert!(!request.contains("jane@example.com"), "{request}");
+    assert!(request.contains("The customer is [redacted]."), "{request}");
+    assert_eq!(*SIGNAL_ROWS.lock().unwrap(), ["The customer is [redacted]."]);
+}
+
+/// How many times `self_checking`'s finish callback appended its check.
+static CHECKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent(hooks = [guard_rows, note_signal_rows])]
+fn self_checking() -> &'static str {
+    use_model("scripted/x");
+    use_agent_finish(|ctx| async move {
+        if CHECKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            ctx.append(Signal::new("check", "A forbidden check."))?;
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "S"
+}
+
+/// A signal a `use_agent_finish` callback appends that `before_create_message` refuses is not
+/// stored, and nothing answers it: the response ends with the answer it has.
+#[tokio::test]
+async fn a_finish_append_a_create_hook_refuses_is_not_stored_and_continues_nothing() {
+    let model = ScriptedModel::new([ScriptedReply::text("Done."), ScriptedReply::text("Checked.")]);
+    let runtime = runtime_with(&model, vec![self_checking.into()]);
+    let reply = runtime.init(&self_checking, "s").send("go").await.unwrap();
+    assert_eq!(reply.text, "Done.");
+    assert_eq!(model.requests().len(), 1, "no continuation");
+    let batches = runtime
+        .store()
+        .read(&InstanceKey::new("self_checking", "s"), None)
+        .await
+        .unwrap();
+    let stored_signals = batches
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter(|record| matches!(record.body, RecordBody::Signal { .. } | RecordBody::AgentFinishCycle))
+        .count();
+    assert_eq!(stored_signals, 0, "neither the signal nor a finish cycle is stored");
+}

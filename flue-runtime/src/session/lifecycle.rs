@@ -58,7 +58,8 @@ fn creates_rows(hooks: &HookSet) -> bool {
     hooks.has(HookKind::BeforeCreateMessage) || hooks.has(HookKind::AfterCreateMessage)
 }
 
-/// A stored input row, for its `after_create_message`.
+/// A row the response stores of its own (an input, an appended signal), for its
+/// `after_create_message`.
 pub(super) struct CreatedRow(Option<Message>);
 
 /// What an input row's create hooks decided.
@@ -97,11 +98,70 @@ impl Response<'_> {
 
     /// The input row's create hooks (at rest: the agent-level hooks). The content a hook
     /// returns is what is stored; a `before_create_message` error prevents the row.
-    pub(super) async fn input_row(&mut self, mut input: Record) -> InputRow {
+    pub(super) async fn input_row(&mut self, input: Record) -> InputRow {
         let hooks = self.at_rest_hooks.clone();
         if !creates_rows(&hooks) {
             return InputRow::Store(input_batch(input), CreatedRow(None));
         }
+        let state = self.at_rest_view().state();
+        self.created_row(&hooks, &state, input).await
+    }
+
+    /// The create hooks of signals the response stores of its own: what `use_agent_start` and
+    /// `use_agent_finish` callbacks appended, the framework's narration (with the render's
+    /// hooks), as an input signal's. The content a hook returns is what is stored; a
+    /// `before_create_message` error leaves that signal out (not stored, so nothing answers
+    /// it; what it came with happens all the same). Returns the records to store (each kept
+    /// signal's, then the fields its hooks set beyond its content; any other record as it is),
+    /// which of the signals were kept (in order), and the rows for `after_create_message`.
+    pub(super) async fn created_signals(&mut self, records: Vec<Record>) -> (Vec<Record>, Vec<bool>, Vec<CreatedRow>) {
+        let hooks = self.hooks.clone();
+        let signals = records
+            .iter()
+            .filter(|record| matches!(record.body, RecordBody::Signal { .. }))
+            .count();
+        if !creates_rows(&hooks) || signals == 0 {
+            return (records, vec![true; signals], Vec::new());
+        }
+        let state = self.thread_view().state();
+        let (mut stored, mut kept, mut created) = (Vec::with_capacity(records.len()), Vec::new(), Vec::new());
+        for record in records {
+            if !matches!(record.body, RecordBody::Signal { .. }) {
+                stored.push(record);
+                continue;
+            }
+            match self.created_row(&hooks, &state, record).await {
+                InputRow::Store(records, row) => {
+                    stored.extend(records);
+                    kept.push(true);
+                    created.push(row);
+                }
+                InputRow::Prevented(failure) => {
+                    tracing::warn!(instance = %self.key, submission = %self.submission.id, error = %failure.error.message, "a before_create_message hook refused a signal the response appended; it is not stored");
+                    kept.push(false);
+                }
+            }
+        }
+        (stored, kept, created)
+    }
+
+    /// `after_create_message` for stored signals ([`Self::created_signals`]), with the
+    /// render's hooks.
+    pub(super) async fn signals_created(&mut self, created: Vec<CreatedRow>) {
+        let hooks = self.hooks.clone();
+        if created.is_empty() || !hooks.has(HookKind::AfterCreateMessage) {
+            return;
+        }
+        let state = self.thread_view().state();
+        for row in created {
+            let Some(row) = row.0 else { continue };
+            let stored = self.conversation.find_row(&row.id).unwrap_or(row);
+            chain::after_create_message(&hooks, &state, &stored).await;
+        }
+    }
+
+    /// `input`'s create hooks from `hooks` (a user message or a signal).
+    async fn created_row(&mut self, hooks: &HookSet, state: &ThreadState, mut input: Record) -> InputRow {
         let original = match &input.body {
             RecordBody::UserMessage {
                 message_id,
@@ -124,8 +184,7 @@ impl Response<'_> {
             }
             _ => return InputRow::Store(input_batch(input), CreatedRow(None)),
         };
-        let state = self.at_rest_view().state();
-        let created = match chain::before_create_message(&hooks, &state, original.clone()).await {
+        let created = match chain::before_create_message(hooks, state, original.clone()).await {
             Ok(created) => created,
             Err(prevented) => {
                 return InputRow::Prevented(Failure::failed("message_hook_error", prevented.error.message));

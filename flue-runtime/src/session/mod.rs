@@ -1523,11 +1523,24 @@ impl Response<'_> {
         self.end_message(message);
     }
 
-    /// Commits `records` ([`Response::commit`]), then announces the signals among them as a
-    /// stored delivery is announced (`message_start`, `message_end`, and `agent_end`'s
-    /// messages): an append of `use_agent_start` or `use_agent_finish`, a narration. Observers
-    /// see what the model is answering.
+    /// Commits `records` ([`Response::commit`]), the signals among them through their create
+    /// hooks first ([`Response::created_signals`]), then announces the signals as a stored
+    /// delivery is announced (`message_start`, `message_end`, and `agent_end`'s messages): an
+    /// append of `use_agent_start` or `use_agent_finish`, a narration. Observers see what the
+    /// model is answering.
     async fn commit_signals(&mut self, records: Vec<Record>, with_state: bool) -> Result<(), Failure> {
+        let (records, _, created) = self.created_signals(records).await;
+        self.commit_created_signals(records, created, with_state).await
+    }
+
+    /// [`Response::commit_signals`] of records whose signals' create hooks ran (`created`:
+    /// their rows, for `after_create_message` once stored).
+    async fn commit_created_signals(
+        &mut self,
+        records: Vec<Record>,
+        created: Vec<lifecycle::CreatedRow>,
+        with_state: bool,
+    ) -> Result<(), Failure> {
         let signals: Vec<String> = records
             .iter()
             .filter_map(|record| match &record.body {
@@ -1539,6 +1552,7 @@ impl Response<'_> {
         for message_id in &signals {
             self.stored_message_events(Some(message_id));
         }
+        self.signals_created(created).await;
         Ok(())
     }
 
@@ -2587,10 +2601,11 @@ impl Response<'_> {
             }
         }
         drop(appends);
-        let mut records: Vec<Record> = signals.iter().map(|signal| self.signal_record(signal)).collect();
-        let appended = signals;
+        let records: Vec<Record> = signals.iter().map(|signal| self.signal_record(signal)).collect();
+        let (mut records, kept, created) = self.created_signals(records).await;
+        let appended = kept_signals(signals, &kept);
         records.push(self.seam_marker(submission_id));
-        self.commit_signals(records, true).await?;
+        self.commit_created_signals(records, created, true).await?;
         self.advance_delivery(&appended);
         Ok(())
     }
@@ -2646,6 +2661,20 @@ impl Response<'_> {
             tracing::warn!(instance = %self.key, submission = %self.submission.id, signals = appended.len(), "use_agent_finish appended a continuation signal after the execution was stopped; the signal is not stored and the response completes");
             appended.clear();
         }
+        // Each append through its create hooks: one a `before_create_message` hook refuses is
+        // not stored, and a cycle whose appends were all refused continues nothing.
+        let (mut records, created) = if appended.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            let records = appended.iter().map(|signal| self.signal_record(signal)).collect();
+            let (records, kept, created) = self.created_signals(records).await;
+            appended = kept_signals(appended, &kept);
+            (records, created)
+        };
+        // The signal fired while the hooks ran: the response ends as it is, as above.
+        if self.lost_race_to_abort() {
+            return Ok(false);
+        }
         if appended.is_empty() {
             self.commit(Vec::new(), true).await?;
             // The signal fired while the commit awaited the store: nothing continues the
@@ -2684,9 +2713,8 @@ impl Response<'_> {
                 ),
             ));
         }
-        let mut records: Vec<Record> = appended.iter().map(|signal| self.signal_record(signal)).collect();
         records.push(self.record(RecordBody::AgentFinishCycle));
-        self.commit_signals(records, true).await?;
+        self.commit_created_signals(records, created, true).await?;
         self.advance_delivery(&appended);
         Ok(true)
     }
@@ -3859,6 +3887,15 @@ fn attachments_of(
 }
 
 /// The tool-result message answering `call`.
+/// The signals of `signals` whose create hooks kept them (`kept`, in order).
+fn kept_signals(signals: Vec<Signal>, kept: &[bool]) -> Vec<Signal> {
+    signals
+        .into_iter()
+        .zip(kept)
+        .filter_map(|(signal, kept)| kept.then_some(signal))
+        .collect()
+}
+
 fn tool_message(call: &ModelToolCall, content: String, is_error: bool) -> ModelMessage {
     ModelMessage::Tool {
         tool_call_id: call.id.clone(),
