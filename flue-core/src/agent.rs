@@ -119,7 +119,9 @@ impl AgentDefinition {
         self
     }
 
-    /// Sets the parent-hook requirements.
+    /// Sets the parent-hook requirements: hooks every parent that delegates to this agent runs
+    /// around its own. A hook the parent selects itself, or that another of its delegates (or
+    /// this one under a second name) requires too, runs once, at its first place.
     pub fn parent_hooks(mut self, requirements: impl Into<Cow<'static, [ParentHookRequirement]>>) -> Self {
         self.parent_hooks = requirements.into();
         self

@@ -106,7 +106,9 @@ impl HookSet {
     }
 
     /// The set of a render: `selected` (its `use_hooks`) when non-empty, else the agent's
-    /// hooks, between the required hooks of its enabled subagent relationships. Refused when
+    /// hooks, between the required hooks of its enabled subagent relationships. A hook met
+    /// twice (the agent's own that a delegate requires too, one two delegates require) runs
+    /// once, at its first place: every hook is selected once, as everywhere else. Refused when
     /// two different hooks in it share an id: the builder sees only the hooks its agents
     /// declare, not the ones a render selects or a delegate it declares requires.
     pub(crate) fn resolve(
@@ -162,9 +164,15 @@ impl HookSet {
                     .collect::<Vec<_>>()
             })
         };
-        let mut hooks: Vec<ThreadHook> = required(HookStage::BeforeParent).collect();
-        hooks.extend_from_slice(base);
-        hooks.extend(required(HookStage::AfterParent));
+        let mut hooks: Vec<ThreadHook> = Vec::with_capacity(base.len() + 2);
+        for hook in required(HookStage::BeforeParent)
+            .chain(base.iter().copied())
+            .chain(required(HookStage::AfterParent))
+        {
+            if !hooks.contains(&hook) {
+                hooks.push(hook);
+            }
+        }
         Self { hooks }
     }
 
@@ -344,5 +352,31 @@ mod tests {
         let selected = [ThreadHook::new(&SELECTED)];
         let set = HookSet::resolve_with(&parent(), &selected, &subagents, |_| None);
         assert_eq!(ids(&set), ["selected", "child_after", "grandchild", "child_before"]);
+    }
+
+    #[test]
+    fn a_hook_met_twice_in_the_set_runs_once_at_its_first_place() {
+        // Required before the parent by one delegate, after it by another, and the agent's own:
+        // `base` stays before the parent's set; `child_after`, required by both, once.
+        let first = child(
+            "first",
+            vec![
+                requirement(&BASE, HookStage::BeforeParent),
+                requirement(&CHILD_AFTER, HookStage::AfterParent),
+            ],
+        );
+        let second = child("second", vec![requirement(&CHILD_AFTER, HookStage::AfterParent)]);
+        let subagents = [
+            Subagent::new("one", "first", first),
+            Subagent::new("two", "second", second),
+            // The same delegate under a second name (reference Δ6).
+            Subagent::new(
+                "again",
+                "second again",
+                child("second", vec![requirement(&CHILD_AFTER, HookStage::AfterParent)]),
+            ),
+        ];
+        let set = HookSet::resolve_with(&parent(), &[], &subagents, |_| None);
+        assert_eq!(ids(&set), ["base", "child_after"]);
     }
 }
