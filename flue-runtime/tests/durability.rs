@@ -2850,6 +2850,59 @@ async fn an_interrupted_durable_call_runs_again_replaying_its_settled_steps() {
     );
 }
 
+/// The tool rows `note_tool_rows` saw created, by their content.
+static TOOL_ROWS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+#[hook(after_create_message)]
+async fn note_tool_rows(_state: &ThreadState, message: &Message) {
+    if message.role == flue_runtime::lifecycle::MessageRole::Tool {
+        TOOL_ROWS
+            .lock()
+            .unwrap()
+            .push(message.content.clone().unwrap_or_default());
+    }
+}
+
+#[agent(hooks = [note_tool_rows])]
+fn audited() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("quick")
+            .description("Answer at once.")
+            .durable()
+            .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { Ok::<_, ToolError>("quick done") }),
+    );
+    use_tool(Tool::new("slow").description("Answer in a moment.").durable().run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+            Ok::<_, ToolError>("slow done")
+        },
+    ));
+    "You answer."
+}
+
+/// A batch committed by a later attempt creates the rows of the outcomes an earlier attempt
+/// recorded as well as its own: `after_create_message` runs for every one of them (it ran for
+/// the re-run's only).
+#[tokio::test]
+async fn after_create_message_runs_for_every_row_a_re_attempts_batch_commit_creates() {
+    let store = FaultyStore::default();
+    // The quick call's outcome is recorded as it ends; the batch's commit (with the slow
+    // call's) fails, and the re-attempt runs the slow call again.
+    store.fail_once(is_batch_commit);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("quick", json!({})), ("slow", json!({}))]),
+        ScriptedReply::text("Both done."),
+    ]);
+    let runtime = runtime(&store, &model, audited);
+    let reply = runtime.init(&audited, "a-1").send("go").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1);
+    assert_eq!(reply.text, "Both done.");
+    let mut rows = TOOL_ROWS.lock().unwrap().clone();
+    rows.sort();
+    assert_eq!(rows, ["quick done", "slow done"]);
+}
+
 static HALF_DONE: Runs = Runs::new();
 
 #[agent]

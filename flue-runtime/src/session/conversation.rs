@@ -1154,6 +1154,16 @@ impl Conversation {
             .collect()
     }
 
+    /// The rows the uncommitted batch's recorded outcomes become once it commits (their
+    /// records' ids), in the order they were recorded.
+    pub(crate) fn recorded_outcome_rows(&self) -> Vec<String> {
+        self.outcomes
+            .iter()
+            .filter(|outcome| self.open_calls.iter().any(|call| call.id == outcome.tool_call_id))
+            .map(|outcome| outcome.record_id.to_string())
+            .collect()
+    }
+
     /// The child conversations the uncommitted batch's `task` calls created, by call id.
     pub(crate) fn retained_children(&self) -> FastMap<String, RetainedChild> {
         self.children.clone()

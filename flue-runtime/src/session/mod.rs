@@ -3535,8 +3535,11 @@ impl Response<'_> {
         let Some((step, _)) = self.conversation.open_calls() else {
             return Ok(None);
         };
-        // The calls whose outcomes were recorded as they finished keep them (first write wins).
+        // The calls whose outcomes were recorded as they finished keep them (first write wins);
+        // their rows are created by this attempt's commit, and their `after_create_message`
+        // runs after it (their pre-write hooks ran as they were recorded).
         let (step, calls) = (step.to_owned(), self.conversation.unresolved_calls());
+        let mut created_rows = self.conversation.recorded_outcome_rows();
         // The init render has no `task` tool (it waits for the model): an interrupted task
         // call re-runs — reattaching to its child — with the tools a turn's render mounts.
         let prepared;
@@ -3569,14 +3572,22 @@ impl Response<'_> {
             // the calls end and the response's committed calls include them.
             let bodies = self.conversation.interrupted_batch();
             let ended = calls_settled_unknown(&bodies);
-            let records = bodies.into_iter().map(|body| self.record(body)).collect();
+            let records: Vec<Record> = bodies.into_iter().map(|body| self.record(body)).collect();
+            created_rows.extend(
+                records
+                    .iter()
+                    .filter(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+                    .map(|record| record.id.clone()),
+            );
             self.commit(records, false).await?;
+            self.tool_rows_created(&created_rows).await;
             announce_ended(self.runtime, self.key, &self.submission.id, &ended);
             return Ok(Some(self.conversation.batch_terminated()));
         }
         let terminated = self
             .tool_batch(rendered, &durable, &rerun, step, &unknown, None)
             .await?;
+        self.tool_rows_created(&created_rows).await;
         let ended: Vec<(String, String)> = unknown.into_iter().map(|call| (call.id, call.name)).collect();
         announce_ended(self.runtime, self.key, &self.submission.id, &ended);
         Ok(Some(terminated))
@@ -3789,6 +3800,7 @@ impl Response<'_> {
         }
         for call in unknown {
             let outcome = self.record(self.conversation.interrupted_outcome(&assistant_message_id, call));
+            rows.push(outcome.id.clone());
             if let (Some(results), RecordBody::ToolOutcome { content, .. }) = (&mut results, &outcome.body) {
                 results.push(tool_message(call, content.clone(), true));
             }
