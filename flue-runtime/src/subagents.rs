@@ -57,7 +57,10 @@ use std::time::Instant;
 use base64::Engine as _;
 use flue_core::abort::AbortSignal;
 use flue_core::data::SchemaSource;
-use flue_core::lifecycle::{ThreadIdentity, ThreadState, ThreadStateApi};
+use flue_core::lifecycle::{
+    ExecutionState, InjectMessage, Message, MessagePage, MessageUpdates, MessagesQuery, ThreadContext, ThreadError,
+    ThreadIdentity, ThreadState, ThreadStateApi, ToolResult,
+};
 use flue_core::message::{Attachment, DeliveredMessage, UserMessage};
 use flue_core::model::{Compaction, ThinkingLevel};
 use flue_core::render::{RenderState, Rendered};
@@ -778,6 +781,69 @@ struct Task<'a> {
     images: Vec<TaskImage>,
 }
 
+/// A parent's thread state whose tool calls count at a child session's `depth`, wherever they
+/// are made: a `task` call from a hook of the child's creation is held to the delegation
+/// depth even from a task the hook spawned.
+struct AtDepth {
+    inner: Arc<dyn ThreadStateApi>,
+    depth: u32,
+}
+
+impl ThreadStateApi for AtDepth {
+    fn identity(&self) -> &ThreadIdentity {
+        self.inner.identity()
+    }
+    fn execution(&self) -> Option<ExecutionState> {
+        self.inner.execution()
+    }
+    fn context(&self) -> ThreadContext {
+        self.inner.context()
+    }
+    fn get_messages(&self, query: MessagesQuery) -> BoxFuture<'_, Result<MessagePage, ThreadError>> {
+        self.inner.get_messages(query)
+    }
+    fn get_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Message>, ThreadError>> {
+        self.inner.get_message(id)
+    }
+    fn inject_message(&self, input: InjectMessage) -> BoxFuture<'_, Result<Message, ThreadError>> {
+        self.inner.inject_message(input)
+    }
+    fn update_message<'a>(
+        &'a self,
+        id: &'a str,
+        updates: MessageUpdates,
+    ) -> BoxFuture<'a, Result<Message, ThreadError>> {
+        self.inner.update_message(id, updates)
+    }
+    fn delete_message<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, ThreadError>> {
+        self.inner.delete_message(id)
+    }
+    fn queue_message(&self, content: String) -> BoxFuture<'_, Result<(), ThreadError>> {
+        self.inner.queue_message(content)
+    }
+    fn invoke_tool<'a>(&'a self, name: &'a str, args: Value) -> BoxFuture<'a, Result<ToolResult, ThreadError>> {
+        Box::pin(TASK_DEPTH.scope(self.depth, self.inner.invoke_tool(name, args)))
+    }
+    fn queue_tool(&self, tool: flue_core::Tool, args: Value) -> Result<(), ThreadError> {
+        self.inner.queue_tool(tool, args)
+    }
+    fn env(&self, name: &str) -> Result<flue_core::tool::Secret, ThreadError> {
+        self.inner.env(name)
+    }
+    fn declared_secrets(&self) -> Vec<&'static str> {
+        self.inner.declared_secrets()
+    }
+    fn emit(&self, event: &str, data: Value) {
+        self.inner.emit(event, data);
+    }
+    fn get_value<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Value>, ThreadError>> {
+        self.inner.get_value(key)
+    }
+    fn set_value<'a>(&'a self, key: &'a str, value: Option<Value>) -> BoxFuture<'a, Result<(), ThreadError>> {
+        self.inner.set_value(key, value)
+    }
+}
+
 /// The `ThreadState` of a child session (its identity: hooks see the task, not its stream).
 struct ChildThread(ThreadIdentity);
 
@@ -1061,7 +1127,14 @@ async fn child_session(
             created_at: conversation.identity(&child).created_at,
             arguments,
         })));
-        chain::after_subagent_created(hooks, parent, &child_state).await;
+        // The parent as the hook sees it: its tool calls count at this session's depth
+        // wherever the hook makes them (from a task it spawned too, which the depth's
+        // task-local does not reach).
+        let parent = ThreadState::new(Arc::new(AtDepth {
+            inner: parent.api().clone(),
+            depth: TASK_DEPTH.try_with(|depth| *depth).unwrap_or(0),
+        }));
+        chain::after_subagent_created(hooks, &parent, &child_state).await;
         let marker = journal.child_record(RecordBody::ThreadCreatedHooksRan);
         journal
             .append_child(runtime, &child, vec![marker], &mut conversation)

@@ -621,11 +621,44 @@ async fn task_from_creation(parent: &ThreadState, _child: &ThreadState) {
 #[agent(hooks = [task_from_creation])]
 fn hooked_delegator() -> &'static str {
     use_model("scripted/x");
-    use_subagent(Subagent::new(
+    use_subagent(helper_delegate());
+    "Delegate."
+}
+
+fn helper_delegate() -> Subagent {
+    Subagent::new(
         "helper",
         "Helps.",
         FnAgent::new(AgentDefinition::new("helper"), |_: AgentProps<'_>| "You help."),
-    ));
+    )
+}
+
+static NESTED_FROM_SPAWNED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// [`task_from_creation`] from a task the hook spawns (which does not inherit what the hook's
+/// own task carries).
+#[hook(after_subagent_created, id = "task_from_a_spawned_task")]
+async fn task_from_a_spawned_task(parent: &ThreadState, _child: &ThreadState) {
+    if NESTED_FROM_SPAWNED.lock().unwrap().len() >= 10 {
+        return;
+    }
+    let parent = parent.clone();
+    let result = tokio::spawn(async move {
+        parent
+            .invoke_tool("task", json!({"agent": "helper", "prompt": "Go deeper."}))
+            .await
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = result.error.or(result.result).unwrap_or_default();
+    NESTED_FROM_SPAWNED.lock().unwrap().push(text);
+}
+
+#[agent(hooks = [task_from_a_spawned_task])]
+fn spawning_delegator() -> &'static str {
+    use_model("scripted/x");
+    use_subagent(helper_delegate());
     "Delegate."
 }
 
@@ -635,6 +668,17 @@ fn hooked_delegator() -> &'static str {
 /// bound, each level one session deeper.
 #[tokio::test]
 async fn tasks_started_from_a_childs_creation_hook_are_held_to_the_delegation_depth() {
+    nested_from_hooks_stop_at_the_depth_limit(hooked_delegator.into(), &NESTED_FROM_HOOKS).await;
+}
+
+/// The same from a task the hook spawned: the depth travels with the thread state the hook
+/// was given, not with the task that runs it.
+#[tokio::test]
+async fn tasks_a_creation_hook_starts_from_a_task_it_spawned_are_held_to_the_delegation_depth() {
+    nested_from_hooks_stop_at_the_depth_limit(spawning_delegator.into(), &NESTED_FROM_SPAWNED).await;
+}
+
+async fn nested_from_hooks_stop_at_the_depth_limit(agent: AgentRef, log: &Mutex<Vec<String>>) {
     let depth = MAX_DELEGATION_DEPTH as usize;
     let mut replies = vec![ScriptedReply::tool_call(
         "task",
@@ -644,10 +688,18 @@ async fn tasks_started_from_a_childs_creation_hook_are_held_to_the_delegation_de
     replies.extend((0..depth).map(|level| ScriptedReply::text(format!("answer {level}"))));
     replies.push(ScriptedReply::text("done"));
     let model = ScriptedModel::new(replies);
-    let runtime = runtime_with(&model, vec![hooked_delegator.into()]);
-    let reply = runtime.init(&hooked_delegator, "h-1").send("go").await.unwrap();
+    let name = agent.get().definition().name.to_string();
+    let runtime = runtime_with(&model, vec![agent]);
+    // Nesting past the limit would outrun the script: the send would not end.
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.handle(&name, "h-1").unwrap().send("go"),
+    )
+    .await
+    .expect("the nesting ends")
+    .unwrap();
     assert_eq!(reply.text, "done");
-    let nested = NESTED_FROM_HOOKS.lock().unwrap().clone();
+    let nested = log.lock().unwrap().clone();
     assert_eq!(nested.len(), depth, "one task from each child's creation: {nested:?}");
     assert_eq!(
         nested[0],
