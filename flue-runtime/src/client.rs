@@ -6,7 +6,9 @@
 //! batch and its index in that batch), so every chunk arrives once, in order. An event the
 //! client cannot read (larger than [`Client::with_max_event_bytes`], not UTF-8, or not JSON)
 //! would be read again on every reconnection: it ends the stream with
-//! [`ClientError::Protocol`] instead.
+//! [`ClientError::Protocol`] instead. A stream followed in one session can be followed on in a
+//! later one, from where its last delivered chunk left it ([`Chunks::resume_point`],
+//! [`Instance::follow_from`]), each chunk still once.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), flue_runtime::client::ClientError> {
@@ -22,6 +24,8 @@
 
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use flue_core::message::DeliveredMessage;
@@ -496,8 +500,67 @@ impl std::fmt::Debug for Instance {
     }
 }
 
-/// Chunks of an instance's stream, in order, each once.
-pub type Chunks = Pin<Box<dyn Stream<Item = Result<Value, ClientError>> + Send>>;
+/// Chunks of an instance's stream, in order, each once: a [`Stream`] that knows where it
+/// stands ([`Chunks::resume_point`]).
+pub struct Chunks {
+    stream: Pin<Box<dyn Stream<Item = Result<Value, ClientError>> + Send>>,
+    resume: Arc<Mutex<ResumePoint>>,
+}
+
+impl Chunks {
+    /// Where the stream stands after the chunks delivered so far: what
+    /// [`Instance::follow_from`] goes on from, in this process or a later one (keep it with
+    /// what the last chunk did, and every chunk is still handled once).
+    pub fn resume_point(&self) -> ResumePoint {
+        self.resume
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+}
+
+impl Stream for Chunks {
+    type Item = Result<Value, ClientError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.stream.as_mut().poll_next(cx)
+    }
+}
+
+impl std::fmt::Debug for Chunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chunks")
+            .field("resume_point", &self.resume_point())
+            .finish()
+    }
+}
+
+/// Where a followed stream stands: the offset to read it again from, the last chunk
+/// delivered (those up to it are skipped), and the stream's incarnation once known (a stream
+/// replaced since ends with [`ClientError::StreamReplaced`] rather than be taken for the one
+/// followed). Serializable, to be kept between sessions.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ResumePoint {
+    /// An offset the server confirmed, at or before the last chunk delivered.
+    pub offset: String,
+    /// The position (batch, index) of the last chunk delivered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last: Option<(u64, u64)>,
+    /// The stream's incarnation, once a checkpoint named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incarnation: Option<String>,
+}
+
+impl ResumePoint {
+    /// The start of a stream after `offset` (`-1`: from its beginning), nothing delivered yet.
+    pub fn at(offset: impl Into<String>) -> Self {
+        Self {
+            offset: offset.into(),
+            last: None,
+            incarnation: None,
+        }
+    }
+}
 
 impl Instance {
     /// The instance's URL, with `path` (segments) added below it.
@@ -664,8 +727,10 @@ impl Instance {
         whole: bool,
     ) -> Result<Option<Reply>, ClientError> {
         let submission_id = receipt.submission_id.as_str();
-        let expected = Some(receipt.uid.clone()).filter(|uid| !uid.is_empty());
-        let mut chunks = self.follow_in(from, expected);
+        let mut chunks = self.follow_from(&ResumePoint {
+            incarnation: Some(receipt.uid.clone()).filter(|uid| !uid.is_empty()),
+            ..ResumePoint::at(from)
+        });
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk?;
             if !whole && ReplyFold::answered_by_another(&chunk, submission_id) {
@@ -708,31 +773,37 @@ impl Instance {
     /// A stream the server replaced meanwhile (another incarnation of the instance) ends with
     /// [`ClientError::StreamReplaced`].
     pub fn follow(&self, offset: &str) -> Chunks {
-        self.follow_in(offset, None)
+        self.follow_from(&ResumePoint::at(offset))
     }
 
-    /// [`Instance::follow`] of the stream's incarnation `incarnation` (`None`: the one met
-    /// first).
-    fn follow_in(&self, offset: &str, incarnation: Option<String>) -> Chunks {
+    /// [`Instance::follow`] from where a stream followed before stood ([`Chunks::resume_point`]):
+    /// the chunks delivered then are skipped, and a stream replaced since (another incarnation
+    /// of the instance) ends with [`ClientError::StreamReplaced`].
+    pub fn follow_from(&self, point: &ResumePoint) -> Chunks {
+        let resume = Arc::new(Mutex::new(point.clone()));
         let state = Follow {
             instance: self.clone(),
-            offset: offset.to_owned(),
-            last: None,
+            offset: point.offset.clone(),
+            last: point.last,
+            resume: resume.clone(),
             body: None,
             parser: SseParser::new(self.client.max_event_bytes),
             ready: VecDeque::new(),
             failures: 0,
             connected_at: None,
             heard_at: None,
-            incarnation,
+            incarnation: point.incarnation.clone(),
             retry_after: None,
             ended: false,
             error: None,
         };
-        Box::pin(futures_util::stream::unfold(state, |mut state| async move {
-            let item = state.next().await?;
-            Some((item, state))
-        }))
+        Chunks {
+            stream: Box::pin(futures_util::stream::unfold(state, |mut state| async move {
+                let item = state.next().await?;
+                Some((item, state))
+            })),
+            resume,
+        }
     }
 }
 
@@ -743,11 +814,15 @@ struct Follow {
     instance: Instance,
     /// Where a reconnection reads from: the last offset a control frame confirmed.
     offset: String,
-    /// The position of the last chunk delivered.
+    /// The position of the last chunk taken in (delivered, or ready to be).
     last: Option<(u64, u64)>,
+    /// Where the stream stands after the chunks delivered (shared with [`Chunks`]).
+    resume: Arc<Mutex<ResumePoint>>,
     body: Option<Body>,
     parser: SseParser,
-    ready: VecDeque<Value>,
+    /// Chunks ready to be delivered, each with its position and the confirmed offset when it
+    /// came (at or before its batch: where a later session reads it from again).
+    ready: VecDeque<(Value, (u64, u64), String)>,
     /// Consecutive failed connections (the backoff grows with them). A connection that
     /// brings something new (a chunk, a later offset) or stays up for [`Follow::stable`]
     /// starts the count again; one that only says hello and drops does not.
@@ -770,7 +845,11 @@ struct Follow {
 impl Follow {
     async fn next(&mut self) -> Option<Result<Value, ClientError>> {
         loop {
-            if let Some(chunk) = self.ready.pop_front() {
+            if let Some((chunk, position, offset)) = self.ready.pop_front() {
+                let mut resume = self.resume.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                resume.offset = offset;
+                resume.last = Some(position);
+                resume.incarnation.clone_from(&self.incarnation);
                 return Some(Ok(chunk));
             }
             if self.ended {
@@ -946,7 +1025,8 @@ impl Follow {
                             continue;
                         }
                         self.last = Some((batch, index));
-                        self.ready.push_back(chunk.clone());
+                        self.ready
+                            .push_back((chunk.clone(), (batch, index), self.offset.clone()));
                         progressed = true;
                     }
                 }
@@ -1242,20 +1322,32 @@ mod tests {
     /// A loopback server answering its connections with `responses` in turn (the last one
     /// from then on); its base URL.
     async fn answering_in_turn(responses: Vec<&'static str>) -> String {
+        serving_in_turn(responses).await.0
+    }
+
+    /// [`answering_in_turn`], with the request lines (`GET /… HTTP/1.1`) it was sent.
+    async fn serving_in_turn(responses: Vec<&'static str>) -> (String, Arc<Mutex<Vec<String>>>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let recorded = lines.clone();
         tokio::spawn(async move {
             let mut turn = 0;
             while let Ok((mut socket, _)) = listener.accept().await {
                 let mut request = [0u8; 4096];
-                let _ = socket.read(&mut request).await;
+                let read = socket.read(&mut request).await.unwrap_or(0);
+                let text = String::from_utf8_lossy(&request[..read]);
+                recorded
+                    .lock()
+                    .unwrap()
+                    .push(text.lines().next().unwrap_or_default().to_owned());
                 let response = responses[turn.min(responses.len() - 1)];
                 turn += 1;
                 let _ = socket.write_all(response.as_bytes()).await;
             }
         });
-        base
+        (base, lines)
     }
 
     /// A test server answering each connection in turn with `responses`, after reading its
@@ -1606,6 +1698,82 @@ mod tests {
             .collect();
         assert_eq!(delivered, [0, 1, 2, 3], "{items:?}");
         assert!(matches!(items.last(), Some(Err(ClientError::Protocol(_)))), "{items:?}");
+    }
+
+    /// A follow resumed in a later session from the point the last one delivered its chunks
+    /// to reads from an offset the server confirmed, delivers none of those chunks again, and
+    /// ends as replaced when the instance was made again meanwhile.
+    #[tokio::test]
+    async fn a_follow_resumed_from_its_resume_point_delivers_each_chunk_once_and_knows_its_stream() {
+        const OFFSET: &str = "0000000000000000_0000000000000002";
+        let (base, requests) = serving_in_turn(vec![
+            // The first session: batch 1, its confirmation, then batch 2's first chunk.
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"n\":0,\"position\":{\"batch\":1,\"index\":0}},{\"type\":\"text\",\"n\":1,\"position\":{\"batch\":1,\"index\":1}}]\n\n\
+             event: control\ndata:{\"streamNextOffset\":\"0000000000000000_0000000000000002\"}\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"n\":2,\"position\":{\"batch\":2,\"index\":0}}]\n\n",
+            // The second: from the confirmed offset, batch 2 whole.
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n\
+             event: data\ndata:[{\"type\":\"text\",\"n\":2,\"position\":{\"batch\":2,\"index\":0}},{\"type\":\"text\",\"n\":3,\"position\":{\"batch\":2,\"index\":1}}]\n\n",
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+            // The third: the instance was made again.
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_b\"}]\n\n",
+        ])
+        .await;
+        let client = Client::new(base).unwrap();
+        let instance = client.instance("assistant", "i");
+        let mut first = instance.follow("-1");
+        assert_eq!(first.resume_point(), ResumePoint::at("-1"), "nothing delivered yet");
+        for n in 0..3 {
+            let chunk = tokio::time::timeout(Duration::from_secs(5), first.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!(chunk["n"], n);
+        }
+        let point = first.resume_point();
+        drop(first);
+        assert_eq!(
+            point,
+            ResumePoint {
+                offset: OFFSET.into(),
+                last: Some((2, 0)),
+                incarnation: Some("inst_a".into()),
+            }
+        );
+        // Kept between sessions as JSON.
+        let point: ResumePoint = serde_json::from_str(&serde_json::to_string(&point).unwrap()).unwrap();
+        let items = tokio::time::timeout(
+            Duration::from_secs(10),
+            instance.follow_from(&point).collect::<Vec<_>>(),
+        )
+        .await
+        .expect("the stream ends");
+        let delivered: Vec<u64> = items
+            .iter()
+            .filter_map(|item| item.as_ref().ok())
+            .map(|chunk| chunk["n"].as_u64().unwrap())
+            .collect();
+        assert_eq!(delivered, [3], "{items:?}");
+        assert!(
+            requests.lock().unwrap()[1].contains(&format!("offset={OFFSET}")),
+            "{:?}",
+            requests.lock().unwrap()
+        );
+        let replaced = tokio::time::timeout(
+            Duration::from_secs(10),
+            instance.follow_from(&point).collect::<Vec<_>>(),
+        )
+        .await
+        .expect("the stream ends");
+        assert!(
+            matches!(&replaced[..], [Err(ClientError::StreamReplaced { previous, current })] if previous == "inst_a" && current == "inst_b"),
+            "{replaced:?}"
+        );
     }
 
     /// A stream replaced by a shorter one (the server's store started over, the instance was
