@@ -80,6 +80,9 @@ const LEGACY_SCHEMA_VERSION: &str = "8";
 const MIGRATION_LOCK: i32 = 0x666c_7565; // "flue"
 /// Connections per store (per process).
 const POOL_SIZE: usize = 16;
+/// Connections of the heartbeat's own pool (per store), beside [`POOL_SIZE`]: lease renewals
+/// never wait behind the node's other work for a connection.
+const HEARTBEAT_POOL_SIZE: usize = 1;
 /// How long to wait for a new connection, or for a free one.
 const POOL_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -340,11 +343,16 @@ const REQUEST_ABORT: &str = "UPDATE flue_submissions SET abort_requested = TRUE 
 
 /// A [`Store`] in a Postgres database, safe for several runtime processes sharing it.
 ///
-/// Cheap to clone (clones share one connection pool of up to 16 connections). Connections use
-/// no TLS: reach the database over loopback or a trusted network.
+/// Cheap to clone (clones share one connection pool of up to 16 connections, and one more
+/// connection the heartbeat's lease renewals have to themselves). Connections use no TLS:
+/// reach the database over loopback or a trusted network.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    /// The lease renewals' own connection: a pool its other work holds (slow statements, a
+    /// burst of admissions) makes a renewal wait for none, so a busy node's leases do not
+    /// lapse and its instances are not taken over while it runs them.
+    heartbeat: Pool,
     /// The database clock's offset from this node's.
     clock: Arc<Clock>,
     /// The `idle_in_transaction_session_timeout` each transaction sets for itself, in
@@ -699,22 +707,25 @@ impl PostgresStore {
         }
         let notices = notices::Notices::new(config.clone());
         bound_dead_connections(&mut config);
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(POOL_SIZE)
-            .runtime(Runtime::Tokio1)
-            .create_timeout(Some(POOL_TIMEOUT))
-            .wait_timeout(Some(POOL_TIMEOUT))
-            .build()
-            .map_err(|error| StoreError::Other(format!("postgres: cannot build the connection pool: {error}")))?;
+        let pool_of = |size: usize| {
+            let manager = Manager::from_config(
+                config.clone(),
+                NoTls,
+                ManagerConfig {
+                    recycling_method: RecyclingMethod::Fast,
+                },
+            );
+            Pool::builder(manager)
+                .max_size(size)
+                .runtime(Runtime::Tokio1)
+                .create_timeout(Some(POOL_TIMEOUT))
+                .wait_timeout(Some(POOL_TIMEOUT))
+                .build()
+                .map_err(|error| StoreError::Other(format!("postgres: cannot build the connection pool: {error}")))
+        };
         let store = Self {
-            pool,
+            pool: pool_of(POOL_SIZE)?,
+            heartbeat: pool_of(HEARTBEAT_POOL_SIZE)?,
             clock: Arc::new(Clock::new(Offset { ms: 0, error_ms: 0 })),
             stalled_transaction_ms: Self::STALLED_TRANSACTION_TIMEOUT.as_millis().to_string().into(),
             notices,
@@ -1782,9 +1793,11 @@ impl Store for PostgresStore {
             // The heartbeat follows the node's clock too if it stepped since the last scan: a
             // lease written under a stale offset would outlive (or undercut) its node by the
             // step, and a node that dies before its next scan would leave it so.
-            // One connection for the measure and the renewal: a heartbeat waits for a pooled
-            // connection once, not twice, when the pool is busy.
-            let client = self.client().await.map_err(Failure::into_store_error)?;
+            // One connection for the measure and the renewal: the heartbeat's own, which the
+            // node's other work never holds.
+            let client = self.heartbeat.get().await.map_err(|error| {
+                StoreError::Other(format!("postgres: no database connection: {}", error_chain(&error)))
+            })?;
             let measured = self.clock_offset_on(&client).await?;
             self.clock.update(measured, false);
             let lease = self.clock.to_database(lease_until_ms).to_string();
@@ -3357,6 +3370,33 @@ mod tests {
                 "node a reads its lease in its own clock"
             );
         }
+    }
+
+    /// A node whose pool its other work holds whole (slow statements, a burst of admissions)
+    /// still renews its leases at once, on the heartbeat's own connection: they do not lapse
+    /// while it waits, and its instances are not taken over while it runs them.
+    #[tokio::test]
+    async fn leases_are_renewed_while_the_pool_is_held_whole() {
+        let Some((store, _)) = two_nodes().await else { return };
+        let stream = InstanceKey::new("assistant", "busy");
+        store.admit(admission("d-1", "assistant", "busy")).await.unwrap();
+        store
+            .claim_next(&stream, &claim("attempt-1", "node"))
+            .await
+            .unwrap()
+            .unwrap();
+        let mut held = Vec::new();
+        for _ in 0..POOL_SIZE {
+            held.push(store.client().await.map_err(Failure::into_store_error).unwrap());
+        }
+        let renewed = tokio::time::timeout(
+            Duration::from_secs(5),
+            store.renew_leases("node", &["attempt-1".to_owned()], super::super::now_ms() + 60_000),
+        )
+        .await
+        .expect("renewed without waiting for the pool");
+        assert_eq!(renewed.unwrap(), 1);
+        drop(held);
     }
 
     #[tokio::test]
