@@ -101,6 +101,25 @@ impl JsonShape {
     }
 }
 
+/// What a node of a parsed JSON value, or a kept item, costs beyond its text (an entry of a
+/// map, a slot of a vector), roughly.
+pub(crate) const NODE_WEIGHT: usize = 48;
+
+/// Roughly the bytes `value` holds once parsed.
+pub(crate) fn parsed_weight(value: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    NODE_WEIGHT
+        + match value {
+            Value::String(text) => text.len(),
+            Value::Array(items) => items.iter().map(parsed_weight).sum(),
+            Value::Object(fields) => fields
+                .iter()
+                .map(|(key, value)| NODE_WEIGHT + key.len() + parsed_weight(value))
+                .sum(),
+            Value::Null | Value::Bool(_) | Value::Number(_) => 0,
+        }
+}
+
 /// The bytes of `value` as JSON, counted without keeping them.
 pub(crate) fn json_bytes(value: &impl serde::Serialize) -> usize {
     struct Count(usize);

@@ -2410,6 +2410,60 @@ mod limits {
         assert_eq!(admitted.status(), 202);
     }
 
+    /// Initial data takes room for what it holds parsed, not only for its text: dense JSON
+    /// (many small arrays) parses to many times its bytes, and a message carrying it finds no
+    /// room where its text alone would have found some; once the room is free, it is admitted.
+    #[tokio::test]
+    async fn initial_data_takes_room_for_what_it_holds_parsed() {
+        let server = Server::start_with(HttpOptions {
+            request_body_timeout: Duration::from_secs(1),
+            request_body_deadline: Duration::from_secs(3),
+            // Clamped up to room for one body of the largest size.
+            max_buffered_request_bytes: 0,
+            ..HttpOptions::default()
+        })
+        .await;
+        // A body holding all but 3 MiB of the room, trickling on until its deadline.
+        let root = root(&server);
+        let socket = tokio::net::TcpStream::connect(&root).await.unwrap();
+        let (mut hog, mut sending) = socket.into_split();
+        let head = format!(
+            "POST /agents/calculator/hog HTTP/1.1\r\nHost: {root}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            flue_runtime::http::MAX_BODY_BYTES
+        );
+        sending.write_all(head.as_bytes()).await.unwrap();
+        sending
+            .write_all(&vec![b' '; flue_runtime::http::MAX_BODY_BYTES - (3 << 20)])
+            .await
+            .unwrap();
+        tokio::spawn(async move {
+            while sending.write_all(b" ").await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // 80,000 empty arrays: 240 KB of text, about 4 MB parsed.
+        let dense = json!({"kind": "user", "body": "hi", "initialData": {"rows": vec![json!([]); 80_000]}});
+        let refused = server.post("dense", dense.clone()).await;
+        assert_eq!(refused.status(), 503);
+        let body: serde_json::Value = refused.json().await.unwrap();
+        assert_eq!(body["error"]["type"], "server_busy", "{body}");
+        // As long a text without initial data finds room.
+        let admitted = server
+            .post("plain", json!({"kind": "user", "body": "x".repeat(240_000)}))
+            .await;
+        assert_eq!(admitted.status(), 202);
+        // The hog is cut off at its deadline, and its room freed.
+        let mut said = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), hog.read_to_end(&mut said))
+            .await
+            .expect("the server closes the connection")
+            .unwrap();
+        assert!(String::from_utf8_lossy(&said).starts_with("HTTP/1.1 408"));
+        let later = server.post("dense", dense).await;
+        assert_ne!(later.status(), 503, "{:?}", later.text().await);
+    }
+
     /// A body declaring a length past the body limit is refused at once, before any of it is
     /// read (or room taken for it).
     #[tokio::test]

@@ -153,9 +153,11 @@ pub struct HttpOptions {
     pub request_body_deadline: Duration,
     /// How many bytes of message bodies the router holds at once, all requests together
     /// (256 MiB; at least one body of [`MAX_BODY_BYTES`] fits). A body takes room for its
-    /// bytes as they arrive, and holds it until its admission is made; one whose next bytes
-    /// find no room is answered 503 `server_busy` at once (with `Retry-After`), and frees what
-    /// it held. Many clients sending large bodies cannot make the server hold more than this
+    /// bytes as they arrive, and holds it until its admission is made; once parsed, its
+    /// initial data takes room for what its nodes weigh too (dense JSON parses to many times
+    /// its text), up to the whole room. One whose next bytes, or whose initial data, find no
+    /// room is answered 503 `server_busy` at once (with `Retry-After`), and frees what it
+    /// held. Many clients sending large bodies cannot make the server hold more than this
     /// (nor parse more than this at once), and a client sending slowly holds only what it
     /// sent, for as long as [`request_body_deadline`](Self::request_body_deadline) lets it:
     /// clients that send this much and then trickle keep others' messages out until then.
@@ -366,10 +368,43 @@ pub fn agent_router(runtime: &Runtime, agent: &str, options: HttpOptions) -> Opt
 /// The room [`HttpOptions::max_buffered_request_bytes`] gives message bodies: at least one
 /// body of [`MAX_BODY_BYTES`], at most what a semaphore counts.
 fn body_room(options: &HttpOptions) -> Arc<tokio::sync::Semaphore> {
-    let bytes = options
+    Arc::new(tokio::sync::Semaphore::new(body_room_bytes(options)))
+}
+
+/// The bytes of [`body_room`].
+fn body_room_bytes(options: &HttpOptions) -> usize {
+    options
         .max_buffered_request_bytes
-        .clamp(MAX_BODY_BYTES, tokio::sync::Semaphore::MAX_PERMITS);
-    Arc::new(tokio::sync::Semaphore::new(bytes))
+        .clamp(MAX_BODY_BYTES, tokio::sync::Semaphore::MAX_PERMITS)
+}
+
+/// Takes room in `bodies` for what `request`'s initial data holds parsed (its nodes weigh more
+/// than its text: dense JSON many times more), beside the body's own `room`, until the
+/// admission is made: never more than the whole room, so a body that fits alone is admitted
+/// once the others are. 503 `server_busy` at once when it finds none.
+fn hold_parsed(
+    bodies: &Arc<tokio::sync::Semaphore>,
+    options: &HttpOptions,
+    mut room: Option<tokio::sync::OwnedSemaphorePermit>,
+    request: &crate::SendRequest,
+) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, ApiError> {
+    let Some(data) = &request.initial_data else {
+        return Ok(room);
+    };
+    let held = room.as_ref().map_or(0, tokio::sync::OwnedSemaphorePermit::num_permits);
+    let parsed = crate::json_shape::parsed_weight(data).min(body_room_bytes(options).saturating_sub(held));
+    let Ok(parsed @ 1..) = u32::try_from(parsed) else {
+        return Ok(room);
+    };
+    let more = bodies
+        .clone()
+        .try_acquire_many_owned(parsed)
+        .map_err(|_| ApiError::server_busy())?;
+    match &mut room {
+        Some(room) => room.merge(more),
+        None => room = Some(more),
+    }
+    Ok(room)
 }
 
 fn routes(
@@ -653,6 +688,10 @@ async fn post_message(
     }
     let (body, room) = read_body(request, &routes.options, &routes.bodies).await?;
     let request = admission::parse(&key.id, &headers, &body)?;
+    // What the admission needs is parsed: the body's room now covers its texts, and its
+    // initial data's nodes take room of their own.
+    drop(body);
+    let room = hold_parsed(&routes.bodies, &routes.options, room, &request)?;
     // A direct send, as `send()` is (only the caller does not wait here for the reply). On a
     // task of its own: a client that goes away drops this handler, and an admission the store
     // committed must still be reported queued and woken now (not at the next scan).

@@ -22,26 +22,10 @@ use crate::record::{AttachmentRef, Batch, Record, RecordBody};
 pub(crate) const INTERRUPTED_TOOL: &str =
     r#"{"type":"interrupted","message":"Tool execution was interrupted before completion. The outcome is unknown."}"#;
 
-/// What a node of a parsed JSON value, or a kept item, costs beyond its text (an entry of a
-/// map, a slot of a vector), roughly.
-const NODE_WEIGHT: usize = 48;
+use crate::json_shape::{NODE_WEIGHT, parsed_weight as value_weight};
 
 /// What a folded record costs beyond its text (its row, its ids), roughly.
 const RECORD_WEIGHT: usize = 160;
-
-/// Roughly the bytes `value` holds once parsed.
-fn value_weight(value: &Value) -> usize {
-    NODE_WEIGHT
-        + match value {
-            Value::String(text) => text.len(),
-            Value::Array(items) => items.iter().map(value_weight).sum(),
-            Value::Object(fields) => fields
-                .iter()
-                .map(|(key, value)| NODE_WEIGHT + key.len() + value_weight(value))
-                .sum(),
-            Value::Null | Value::Bool(_) | Value::Number(_) => 0,
-        }
-}
 
 /// Roughly the bytes `records` hold (and take as JSON: a record's ids and time are about
 /// [`RECORD_WEIGHT`]).
