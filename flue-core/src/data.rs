@@ -198,20 +198,118 @@ pub fn serialized_schema_of<T: JsonSchema + 'static>() -> DataSchema {
 }
 
 /// The JSON Schema of a tool's argument type `T`, in the shape providers expect: draft
-/// 2020-12, no top-level `title` (nor `$schema`), compiled and cached.
+/// 2020-12, no top-level `title` (nor `$schema`), no combinator at the root
+/// ([`declarable_tool_schema`]: an argument type that flattens an enum, or is one), compiled
+/// and cached. What the combinators said beyond their properties, serde checks as it reads the
+/// arguments (a mismatch is the call's error result, and the tool does not run).
 ///
 /// Whether the root is an object is checked where tools are defined
 /// ([`crate::tool::ToolDefinition::validate_input_schema`]).
 pub fn tool_input_schema_of<T: JsonSchema + 'static>() -> DataSchema {
     cached::<T>(Purpose::ToolInput, || {
         let mut json = schemars::schema_for!(T).to_value();
+        inline_root_ref(&mut json);
         if let Value::Object(map) = &mut json {
+            // After the inlining: a wrapped type's definition may have a title of its own.
             map.remove("title");
             map.remove("$schema");
+            declarable_tool_schema(map);
         }
-        inline_root_ref(&mut json);
         json
     })
+}
+
+/// What providers refuse at the root of a tool's input schema: Anthropic and OpenAI answer 400
+/// to every request declaring one.
+pub const ROOT_KEYWORDS_REFUSED: [&str; 5] = ["anyOf", "oneOf", "allOf", "not", "enum"];
+
+/// Brings a tool's input schema to the shape providers take, in place: an object (the reference
+/// reads a schema without `type` as one) with `properties`, and without
+/// [`ROOT_KEYWORDS_REFUSED`] at its root. The properties of the combinators' branches become the
+/// root's (a property the root does not describe, and the branches describe differently, is any
+/// of their descriptions); required are the properties every `allOf` branch requires, and those
+/// all the branches of an `anyOf` or `oneOf` require. What else the combinators said is checked
+/// when the arguments are read (a local tool's by serde, an MCP tool's by its server).
+pub fn declarable_tool_schema(schema: &mut serde_json::Map<String, Value>) {
+    let combined: Vec<(&str, Value)> = ROOT_KEYWORDS_REFUSED
+        .iter()
+        .filter_map(|keyword| Some((*keyword, schema.remove(*keyword)?)))
+        .collect();
+    let kind = schema.entry("type").or_insert_with(|| Value::from("object"));
+    if kind != "object" {
+        return;
+    }
+    let Value::Object(root) = schema
+        .entry("properties")
+        .or_insert_with(|| Value::Object(serde_json::Map::new()))
+    else {
+        return;
+    };
+    let own: Vec<String> = root.keys().cloned().collect();
+    // Each property the branches describe (and the root does not), with its descriptions.
+    let mut described: Vec<(String, Vec<Value>)> = Vec::new();
+    let mut required: Vec<Value> = Vec::new();
+    for (keyword, branches) in &combined {
+        let branches: Vec<&Value> = branches.as_array().into_iter().flatten().collect();
+        for branch in &branches {
+            for (name, property) in branch
+                .get("properties")
+                .and_then(Value::as_object)
+                .into_iter()
+                .flatten()
+            {
+                if own.contains(name) {
+                    continue;
+                }
+                match described.iter_mut().find(|(known, _)| known == name) {
+                    Some((_, schemas)) if !schemas.contains(property) => schemas.push(property.clone()),
+                    Some(_) => {}
+                    None => described.push((name.clone(), vec![property.clone()])),
+                }
+            }
+        }
+        let required_by = |branch: &Value| -> Vec<Value> {
+            branch
+                .get("required")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default()
+        };
+        let names: Vec<Value> = match *keyword {
+            "allOf" => branches.iter().flat_map(|branch| required_by(branch)).collect(),
+            "anyOf" | "oneOf" => match branches.split_first() {
+                Some((first, rest)) => required_by(first)
+                    .into_iter()
+                    .filter(|name| rest.iter().all(|branch| required_by(branch).contains(name)))
+                    .collect(),
+                None => Vec::new(),
+            },
+            _ => Vec::new(),
+        };
+        for name in names {
+            if !required.contains(&name) {
+                required.push(name);
+            }
+        }
+    }
+    for (name, mut schemas) in described {
+        let property = if schemas.len() == 1 {
+            schemas.remove(0)
+        } else {
+            serde_json::json!({ "anyOf": schemas })
+        };
+        root.insert(name, property);
+    }
+    if !required.is_empty() {
+        let root = schema.entry("required").or_insert_with(|| Value::Array(Vec::new()));
+        if let Value::Array(root) = root {
+            for name in required {
+                if !root.contains(&name) {
+                    root.push(name);
+                }
+            }
+        }
+    }
 }
 
 /// Puts the definition a root `$ref` names at the root: schemars describes a newtype (or a
@@ -271,6 +369,95 @@ mod tool_input_tests {
     #[allow(dead_code)]
     struct Transparent {
         inner: Wrapped,
+    }
+
+    /// The arguments of a tool whose arguments flatten an enum (a choice of a few shapes).
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Search {
+        /// How many results.
+        limit: u32,
+        #[serde(flatten)]
+        by: By,
+    }
+
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[serde(tag = "kind", rename_all = "snake_case")]
+    #[allow(dead_code)]
+    enum By {
+        Name { name: String },
+        Id { id: u64 },
+    }
+
+    /// Arguments that are an enum themselves.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[serde(tag = "action", rename_all = "snake_case")]
+    #[allow(dead_code)]
+    enum Action {
+        Open { path: String },
+        Close { path: String, force: bool },
+    }
+
+    /// # Issue reference
+    ///
+    /// A titled definition.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Titled {
+        number: u32,
+    }
+
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct WrapsTitled(Titled);
+
+    /// An argument type that flattens an enum, or is one, has its variants' fields as the
+    /// root's properties (a field the variants describe differently, any of them), requires
+    /// what every variant requires, and has no combinator at its root, which providers refuse.
+    #[test]
+    fn a_tools_arguments_with_a_choice_of_shapes_have_no_combinator_at_the_root() {
+        let search = tool_input_schema_of::<Search>();
+        let json = search.json();
+        for keyword in ROOT_KEYWORDS_REFUSED {
+            assert_eq!(json.get(keyword), None, "{json}");
+        }
+        assert!(search.has_object_root(), "{json}");
+        assert_eq!(json["properties"]["limit"]["type"], "integer", "{json}");
+        assert_eq!(json["properties"]["name"]["type"], "string", "{json}");
+        assert_eq!(json["properties"]["id"]["type"], "integer", "{json}");
+        // The tag: each variant's own value, any of them.
+        let kinds = json["properties"]["kind"]["anyOf"].as_array().expect("any of the tags");
+        assert_eq!(kinds.len(), 2, "{json}");
+        let required = json["required"].as_array().unwrap();
+        assert!(
+            required.contains(&json!("limit")) && required.contains(&json!("kind")),
+            "{json}"
+        );
+        assert!(!required.contains(&json!("name")), "{json}");
+        assert!(search.validate(&json!({"limit": 3, "kind": "id", "id": 7})).is_ok());
+        assert!(
+            search
+                .validate(&json!({"limit": 3, "kind": "name", "name": "x"}))
+                .is_ok()
+        );
+        let action = tool_input_schema_of::<Action>();
+        let json = action.json();
+        assert!(action.has_object_root(), "{json}");
+        assert_eq!(json.get("oneOf"), None, "{json}");
+        let required = json["required"].as_array().unwrap();
+        assert!(
+            required.contains(&json!("action")) && required.contains(&json!("path")),
+            "{json}"
+        );
+        assert!(!required.contains(&json!("force")), "{json}");
+    }
+
+    /// No top-level title, even where a wrapped type's definition has one.
+    #[test]
+    fn a_wrapped_types_title_does_not_come_back_at_the_root() {
+        let json = tool_input_schema_of::<WrapsTitled>().json().clone();
+        assert_eq!(json.get("title"), None, "{json}");
+        assert_eq!(json["properties"]["number"]["type"], "integer", "{json}");
     }
 
     /// A newtype (or a transparent wrapper) around an object reads an object: its schema is

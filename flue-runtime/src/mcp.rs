@@ -560,51 +560,14 @@ fn short(text: &str) -> String {
 }
 
 /// A tool's input schema as the reference reads it (without `type`, an object's; an object's
-/// without `properties`, with none), and as providers take it: without the keywords they
-/// refuse at a tool schema's root (`anyOf`, `oneOf`, `allOf`, `not`, `enum`; Anthropic and
-/// OpenAI answer 400 to every request declaring one). The properties of a combinator's object
-/// branches become the root's (those of every `allOf` branch required as there); the rest of
-/// what they say the server checks when called.
+/// without `properties`, with none), and as providers take it
+/// ([`flue_core::data::declarable_tool_schema`]: no combinator at its root; what the
+/// combinators said the server checks when called).
 fn input_schema(listed: &serde_json::Map<String, Value>) -> Value {
     let mut schema = listed.clone();
-    let combined: Vec<(&str, Value)> = ROOT_KEYWORDS_REFUSED
-        .iter()
-        .filter_map(|keyword| Some((*keyword, schema.remove(*keyword)?)))
-        .collect();
-    let kind = schema.entry("type").or_insert_with(|| Value::from("object"));
-    if kind == "object" {
-        schema
-            .entry("properties")
-            .or_insert_with(|| Value::Object(serde_json::Map::new()));
-        for (keyword, branches) in &combined {
-            for branch in branches.as_array().into_iter().flatten() {
-                if let Some(properties) = branch.get("properties").and_then(Value::as_object)
-                    && let Some(Value::Object(root)) = schema.get_mut("properties")
-                {
-                    for (name, property) in properties {
-                        root.entry(name.clone()).or_insert_with(|| property.clone());
-                    }
-                }
-                if *keyword == "allOf"
-                    && let Some(required) = branch.get("required").and_then(Value::as_array)
-                {
-                    let root = schema.entry("required").or_insert_with(|| Value::Array(Vec::new()));
-                    if let Value::Array(root) = root {
-                        for name in required {
-                            if !root.contains(name) {
-                                root.push(name.clone());
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
+    flue_core::data::declarable_tool_schema(&mut schema);
     Value::Object(schema)
 }
-
-/// What providers refuse at the root of a tool's input schema.
-const ROOT_KEYWORDS_REFUSED: [&str; 5] = ["anyOf", "oneOf", "allOf", "not", "enum"];
 
 struct McpTool {
     definition: ToolDefinition,
