@@ -20,7 +20,8 @@ pub trait Agent: Send + Sync + 'static {
     fn definition(&self) -> &AgentDefinition;
 
     /// Runs the agent function body once. Called by [`crate::render()`] inside a render frame;
-    /// calling it directly panics at its first hook (no frame).
+    /// calling it directly panics: outside a render at its first hook (no frame), inside another
+    /// agent's body as a re-entrant render (the bodies `#[agent]` and [`FnAgent`] make check).
     fn render_body(&self, props: AgentProps<'_>) -> Instruction;
 }
 
@@ -534,7 +535,9 @@ where
         &self.definition
     }
 
+    #[track_caller]
     fn render_body(&self, props: AgentProps<'_>) -> Instruction {
+        let _body = crate::render::BodyGuard::enter();
         (self.body)(props).into()
     }
 }

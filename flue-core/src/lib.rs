@@ -74,7 +74,9 @@ use std::pin::Pin;
 
 pub use agent::{Agent, AgentDefinition, AgentProps, AgentRef, FnAgent, Instruction};
 pub use error::{RenderError, ToolNameConflict, ToolNameConflictError};
-pub use render::{RenderKind, RenderState, Rendered, is_rendering, render, render_bare, render_into, try_render};
+pub use render::{
+    RenderKind, RenderState, Rendered, is_rendering, render, render_bare, render_into, try_render, try_render_into,
+};
 pub use tool::{Tool, ToolContext, ToolError, ToolOutput};
 
 /// A boxed, `Send` future: what the runtime-facing traits return.

@@ -109,6 +109,36 @@ fn a_render_inside_a_render_is_rejected_as_re_entrant() {
     );
 }
 
+/// Calling another agent's body directly inside a render (its hooks would join this render
+/// unnoticed, or claim a second model) is the same re-entrant render, reported where it is
+/// called; the render after it works.
+#[test]
+fn an_agent_body_calling_another_agents_body_is_rejected_as_re_entrant() {
+    let shared = Arc::new(agent(|_| {
+        use_instruction("Be brief.");
+        "shared"
+    }));
+    let outer = {
+        let shared = shared.clone();
+        agent(move |props| {
+            use_model("openai/gpt-4o");
+            let _ = shared.render_body(props);
+            "outer"
+        })
+    };
+    match flue_core::try_render(&outer, &RenderState::bare()) {
+        Err(RenderError::Panicked { message, location }) => {
+            assert_eq!(
+                message,
+                "[flue] Re-entrant agent render. An agent function must not invoke another agent function directly; compose shared behavior with custom hooks instead."
+            );
+            assert!(location.is_some_and(|location| location.contains("frame.rs")));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(flue_core::render_bare(shared.as_ref()).is_ok(), "the next render works");
+}
+
 #[test]
 fn a_panicking_agent_body_leaves_no_frame_behind_and_the_next_render_works() {
     let broken = agent(|_| -> &'static str {

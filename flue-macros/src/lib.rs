@@ -113,7 +113,10 @@ use proc_macro::TokenStream;
 ///
 /// **Its name is a value**: like any unit struct, it is a pattern wherever it is in scope, so a
 /// `let` or a parameter of the same name there does not compile (`mismatched types`). Name
-/// bindings apart from agents, tools and hooks (see `#[tool]` for an example).
+/// bindings apart from agents, tools and hooks (see `#[tool]` for an example). Being a struct,
+/// it is a type name too: a module or type of the same name in the same scope clashes with it
+/// (`mod triage; pub use triage::triage;` is E0255); re-export the agent from a module named
+/// apart (`mod agents; pub use agents::triage;`).
 #[proc_macro_attribute]
 pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
     agent::expand(args.into(), item.into()).into()
@@ -357,7 +360,9 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// rustc reads the parameter `query` as the pattern `query` (the tool) and reports
 /// `mismatched types`; name one of the two apart (`async fn lookup(search: String)`, or
 /// `#[tool(name = "query")] async fn query_tool(…)`). A parameter named like its own tool, agent
-/// or hook (`async fn echo(echo: String)`) is reported by the attribute itself.
+/// or hook (`async fn echo(echo: String)`) is reported by the attribute itself. As with
+/// `#[agent]`, the struct is a type name too: a module or type of the same name in its scope
+/// clashes with it (E0255).
 #[proc_macro_attribute]
 pub fn tool(args: TokenStream, item: TokenStream) -> TokenStream {
     tool::expand(args.into(), item.into()).into()

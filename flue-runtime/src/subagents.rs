@@ -1049,23 +1049,18 @@ async fn child_session(
     let agent = subagent.agent().get();
     let mut rendered = Rendered::default();
     let state = RenderState::subagent(&delivery);
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        flue_core::render_into(agent, &state, &mut rendered)
-    })) {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => {
-            return Err(not_started(format!(
-                "The \"{}\" agent could not render: {error}",
-                subagent.name()
-            )));
+    if let Err(error) = flue_core::try_render_into(agent, &state, &mut rendered) {
+        if let flue_core::RenderError::Panicked {
+            location: Some(location),
+            ..
+        } = &error
+        {
+            tracing::warn!(delegate = subagent.name(), %location, "a delegate's render broke a rule of hooks: {error}");
         }
-        Err(payload) => {
-            return Err(not_started(format!(
-                "The \"{}\" agent could not render: {}",
-                subagent.name(),
-                flue_core::render::panic_message(payload.as_ref())
-            )));
-        }
+        return Err(not_started(format!(
+            "The \"{}\" agent could not render: {error}",
+            subagent.name()
+        )));
     }
     let model = subagent.model_override().unwrap_or(&delegation.model).to_owned();
     let thinking = subagent.thinking_level_override().unwrap_or(delegation.thinking);

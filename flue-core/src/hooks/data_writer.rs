@@ -16,7 +16,7 @@ use crate::render::{DataWriterDeclaration, Frame, is_rendering};
 /// writer. Every write is checked against `T`'s JSON Schema, appended durably and streamed.
 ///
 /// Data-writer names are the response's identity: declare them unconditionally, identically
-/// on every render (a different set fails the next render). Panics on a blank or duplicate
+/// on every render (a different set fails the next render). Panics on an empty or duplicate
 /// name in one render and in subagent renders.
 #[track_caller]
 pub fn use_data_writer<T>(name: impl Into<Cow<'static, str>>) -> DataWriter<T>

@@ -35,7 +35,7 @@ thread_local! {
 /// alike, see [`crate::state::same_state`]) is a no-op. Writes made by
 /// tools become durable atomically with the tool batch that made them.
 ///
-/// Panics on a blank or duplicate name in one render, in subagent renders, and when the stored
+/// Panics on an empty or duplicate name in one render, in subagent renders, and when the stored
 /// value does not deserialize as `T`.
 ///
 /// ```

@@ -13,6 +13,36 @@ use super::{RenderState, Rendered};
 
 thread_local! {
     static CURRENT: Cell<*const ()> = const { Cell::new(ptr::null()) };
+    /// Whether an agent's body runs on this thread.
+    static BODY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks an agent's body as running on this thread until it drops (on unwind too). What the
+/// bodies `#[agent]` and [`crate::FnAgent`] make open with: one body calling another agent's
+/// `render_body` directly (its hooks would join this render unnoticed) is a re-entrant render.
+#[doc(hidden)]
+#[must_use]
+pub struct BodyGuard {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl BodyGuard {
+    /// Enters an agent's body, or panics with the re-entrant render's message when one runs.
+    #[track_caller]
+    pub fn enter() -> Self {
+        if BODY.with(|body| body.replace(true)) {
+            crate::hooks::violation(REENTRANT_MESSAGE.to_owned());
+        }
+        Self {
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for BodyGuard {
+    fn drop(&mut self) {
+        BODY.with(|body| body.set(false));
+    }
 }
 
 /// One render in progress: what the runtime supplied, and what the hooks recorded so far.

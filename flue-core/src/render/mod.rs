@@ -18,6 +18,8 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+#[doc(hidden)]
+pub use frame::BodyGuard;
 pub use frame::is_rendering;
 pub(crate) use frame::{Frame, with_frame};
 pub use rendered::{DataWriterDeclaration, ModelDeclaration, Rendered, SandboxDeclaration};
@@ -82,11 +84,22 @@ pub fn render_bare<A: Agent + ?Sized>(agent: &A) -> Result<Rendered, RenderError
 /// panic) is caught and returned as [`RenderError::Panicked`] carrying its message and, for
 /// rules-of-hooks violations, the user's `file:line:column` that broke the rule.
 ///
-/// This is how the runtime renders: a panicking render fails its submission, never a worker.
-/// The frame is cleared before this returns, so the next render on this thread works.
+/// A panicking render fails its submission, never a worker: the runtime renders this way
+/// ([`try_render_into`]), and logs the location with the failure. The frame is cleared before
+/// this returns, so the next render on this thread works.
 pub fn try_render<A: Agent + ?Sized>(agent: &A, state: &RenderState<'_>) -> Result<Rendered, RenderError> {
+    let mut rendered = Rendered::with_capacity_hint(state.capacity_hint());
+    try_render_into(agent, state, &mut rendered).map(|()| rendered)
+}
+
+/// [`try_render`] into an existing [`Rendered`], as [`render_into`] does.
+pub fn try_render_into<A: Agent + ?Sized>(
+    agent: &A,
+    state: &RenderState<'_>,
+    into: &mut Rendered,
+) -> Result<(), RenderError> {
     crate::hooks::take_violation_location();
-    match catch_unwind(AssertUnwindSafe(|| render(agent, state))) {
+    match catch_unwind(AssertUnwindSafe(|| render_into(agent, state, into))) {
         Ok(result) => result,
         Err(payload) => Err(RenderError::Panicked {
             message: panic_message(payload.as_ref()),

@@ -185,6 +185,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
                 }
 
                 fn render_body(&self, __flue_props: __flue::AgentProps<'_>) -> __flue::Instruction {
+                    let __flue_body = __flue::render::BodyGuard::enter();
                     #body
                     #convert
                 }

@@ -38,6 +38,7 @@ const _: () = {
             &self,
             __flue_props: __flue::AgentProps<'_>,
         ) -> __flue::Instruction {
+            let __flue_body = __flue::render::BodyGuard::enter();
             #[allow(dead_code)]
             fn __flue_agent_body() -> &'static str {
                 use_model("openrouter/anthropic/claude-sonnet-4.5");

@@ -1720,12 +1720,10 @@ impl Response<'_> {
             state = state.with_previous_data_writers(previous);
         }
         let mut rendered = self.spare.take().unwrap_or_default();
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            flue_core::render_into(self.agent, &state, &mut rendered)
-        }));
+        let result = flue_core::try_render_into(self.agent, &state, &mut rendered);
         drop(buffer);
         match result {
-            Ok(Ok(())) => {
+            Ok(()) => {
                 self.data_writer_names = Some(rendered.data_writer_names());
                 self.hooks = HookSet::resolve(self.agent.definition(), &rendered.hooks, &rendered.subagents)
                     .and_then(|hooks| hooks.register(&self.runtime.known_hooks).map(|()| hooks))
@@ -1743,11 +1741,18 @@ impl Response<'_> {
                 }
                 Ok(rendered)
             }
-            Ok(Err(error)) => Err(error.into()),
-            Err(payload) => Err(Failure::failed(
-                "render_failed",
-                flue_core::render::panic_message(payload.as_ref()),
-            )),
+            Err(error) => {
+                // A rules-of-hooks violation's place in the agent's code, for its developer:
+                // the failure carries the reference's message alone.
+                if let RenderError::Panicked {
+                    message,
+                    location: Some(location),
+                } = &error
+                {
+                    tracing::warn!(instance = %self.key, submission = %self.submission.id, %location, "the agent's render broke a rule of hooks: {message}");
+                }
+                Err(error.into())
+            }
         }
     }
 
