@@ -132,6 +132,39 @@ fn refuses_a_ledger_missing_one_of_its_tables_without_changing_it() {
     assert_eq!(tables, 0, "nothing was made");
 }
 
+/// Streams whose ledger was lost (an operator dropped the ledger's tables to clear a queue)
+/// are refused as well, and left as they are: a ledger made afresh beside them would drop
+/// them, or collide with them at the first new instance.
+#[tokio::test]
+async fn refuses_batches_without_their_ledger_without_changing_them() {
+    use flue_runtime::store::InstanceKey;
+    let path = scratch_db();
+    let store = SqliteStore::open(&path).unwrap();
+    store
+        .admit(admission(&InstanceKey::new("assistant", "a"), "d-1", "hi"))
+        .await
+        .unwrap();
+    drop(store);
+    raw(&path)
+        .execute_batch("DROP TABLE flue_submissions; DROP TABLE flue_instances")
+        .unwrap();
+    let error = SqliteStore::open(&path).err().expect("refused");
+    assert!(
+        error.to_string().contains("flue_batches but no flue_instances"),
+        "{error}"
+    );
+    let connection = raw(&path);
+    let (tables, batches): (i64, i64) = connection
+        .query_row(
+            "SELECT (SELECT COUNT(*) FROM sqlite_master WHERE name IN ('flue_instances', 'flue_submissions')), \
+                    (SELECT COUNT(*) FROM flue_batches)",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((tables, batches), (0, 1), "nothing was made, nothing dropped");
+}
+
 #[test]
 fn rejects_a_store_stamped_schema_version_7_without_adopting_it() {
     let path = scratch_db();

@@ -719,6 +719,21 @@ fn create_missing_tables(transaction: &rusqlite::Transaction<'_>) -> Result<(), 
             .map_err(sql)
     };
     let (instances, submissions) = (exists("flue_instances")?, exists("flue_submissions")?);
+    let batches = exists("flue_batches")?;
+    // Streams without the ledger their batches belong to (every batch is an instance's): the
+    // ledger was lost, and a ledger made afresh beside them would drop them (an earlier
+    // layout's, renumbered by instance) or collide with them (the first new stream's).
+    if !instances && batches {
+        let any: bool = transaction
+            .query_row("SELECT EXISTS (SELECT 1 FROM flue_batches)", [], |row| row.get(0))
+            .map_err(sql)?;
+        if any {
+            return Err(StoreError::Other(
+                "sqlite: the database has batches in flue_batches but no flue_instances: it is not a flue store this build can open; nothing was changed"
+                    .into(),
+            ));
+        }
+    }
     match (instances, submissions) {
         (false, false) => {
             transaction.execute_batch(&ledger_tables("")).map_err(sql)?;
@@ -738,7 +753,6 @@ fn create_missing_tables(transaction: &rusqlite::Transaction<'_>) -> Result<(), 
             )));
         }
     }
-    let batches = exists("flue_batches")?;
     match (instances, batches) {
         (false, false) => transaction.execute_batch(BATCHES_TABLE).map_err(sql)?,
         // A ledger without its streams: every instance has a birth batch, so they were lost
@@ -1993,7 +2007,10 @@ impl Store for SqliteStore {
             Ok(_) => {}
             Err(error) => return ready(Err(error)),
         }
-        let batches = db
+        // The rows' text is taken under the lock, and parsed after it: a long stream read again
+        // (an evicted conversation, a reattached child) holds up no write of the process while
+        // its records are parsed.
+        let rows: Result<Vec<(i64, String)>, StoreError> = db
             .connection
             .prepare_cached(
                 "SELECT b.position - (i.stream << 32), b.records
@@ -2004,13 +2021,18 @@ impl Store for SqliteStore {
             )
             .map_err(sql)
             .and_then(|mut statement| {
-                let rows = statement
+                statement
                     .query_map(params![key.agent, key.id, first, limit], |row| {
                         Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?))
                     })
-                    .map_err(sql)?;
-                rows.map(|row| {
-                    let (offset, records) = row.map_err(sql)?;
+                    .map_err(sql)?
+                    .map(|row| row.map_err(sql))
+                    .collect()
+            });
+        drop(db);
+        ready(rows.and_then(|rows| {
+            rows.into_iter()
+                .map(|(offset, records)| {
                     Ok(Batch {
                         offset: offset as u64,
                         records: crate::store::from_stored::<Vec<Record>>(&records)
@@ -2019,8 +2041,7 @@ impl Store for SqliteStore {
                     })
                 })
                 .collect()
-            });
-        ready(batches)
+        }))
     }
 
     fn put_attachment(&self, key: &InstanceKey, attachment: AttachmentPut) -> BoxFuture<'_, Result<(), StoreError>> {
