@@ -235,3 +235,34 @@ fn inlined() -> &'static str {
 fn an_agent_may_carry_outer_attributes_and_inner_ones_in_its_body() {
     assert_eq!(inlined.definition().name, "inlined");
 }
+
+#[agent]
+fn shared_rules() -> &'static str {
+    use_instruction("Be brief.");
+    "Shared."
+}
+
+#[agent]
+fn borrows_a_body(props: AgentProps) -> &'static str {
+    use_model("openai/gpt-4o");
+    let _ = shared_rules.render_body(props); // the re-entrant call
+    "Borrowed."
+}
+
+/// An agent body calling another agent's body is a re-entrant render, reported at the call.
+#[test]
+fn an_agent_body_calling_another_agents_body_is_reported_at_the_call() {
+    match flue_runtime::try_render(&borrows_a_body, &flue_runtime::RenderState::bare()) {
+        Err(flue_runtime::RenderError::Panicked { message, location }) => {
+            assert!(message.starts_with("[flue] Re-entrant agent render."), "{message}");
+            let line = include_str!("agent_attribute.rs")
+                .lines()
+                .position(|line| line.ends_with("// the re-entrant call"))
+                .unwrap()
+                + 1;
+            let location = location.expect("a location");
+            assert!(location.contains(&format!("agent_attribute.rs:{line}:")), "{location}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}

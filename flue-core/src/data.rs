@@ -226,73 +226,33 @@ pub const ROOT_KEYWORDS_REFUSED: [&str; 5] = ["anyOf", "oneOf", "allOf", "not", 
 /// Brings a tool's input schema to the shape providers take, in place: an object (the reference
 /// reads a schema without `type` as one) with `properties`, and without
 /// [`ROOT_KEYWORDS_REFUSED`] at its root. The properties of the combinators' branches become the
-/// root's (a property the root does not describe, and the branches describe differently, is any
-/// of their descriptions); required are the properties every `allOf` branch requires, and those
-/// all the branches of an `anyOf` or `oneOf` require. What else the combinators said is checked
-/// when the arguments are read (a local tool's by serde, an MCP tool's by its server).
+/// root's, read through the branches' references to `$defs` and their own combinators (an enum
+/// whose variants wrap structs, a struct flattening two enums); a property the root does not
+/// describe, and the branches describe differently, is any of their descriptions. Required are
+/// the properties every `allOf` branch requires, and those all the branches of an `anyOf` or
+/// `oneOf` require. What else the combinators said is checked when the arguments are read (a
+/// local tool's by serde, an MCP tool's by its server).
 pub fn declarable_tool_schema(schema: &mut serde_json::Map<String, Value>) {
-    let combined: Vec<(&str, Value)> = ROOT_KEYWORDS_REFUSED
+    let combined: serde_json::Map<String, Value> = ROOT_KEYWORDS_REFUSED
         .iter()
-        .filter_map(|keyword| Some((*keyword, schema.remove(*keyword)?)))
+        .filter_map(|keyword| Some(((*keyword).to_owned(), schema.remove(*keyword)?)))
         .collect();
     let kind = schema.entry("type").or_insert_with(|| Value::from("object"));
     if kind != "object" {
         return;
     }
+    let defs = schema.get("$defs").cloned().unwrap_or(Value::Null);
+    let shape = Shape::of(&Value::Object(combined), &defs, 0);
     let Value::Object(root) = schema
         .entry("properties")
         .or_insert_with(|| Value::Object(serde_json::Map::new()))
     else {
         return;
     };
-    let own: Vec<String> = root.keys().cloned().collect();
-    // Each property the branches describe (and the root does not), with its descriptions.
-    let mut described: Vec<(String, Vec<Value>)> = Vec::new();
-    let mut required: Vec<Value> = Vec::new();
-    for (keyword, branches) in &combined {
-        let branches: Vec<&Value> = branches.as_array().into_iter().flatten().collect();
-        for branch in &branches {
-            for (name, property) in branch
-                .get("properties")
-                .and_then(Value::as_object)
-                .into_iter()
-                .flatten()
-            {
-                if own.contains(name) {
-                    continue;
-                }
-                match described.iter_mut().find(|(known, _)| known == name) {
-                    Some((_, schemas)) if !schemas.contains(property) => schemas.push(property.clone()),
-                    Some(_) => {}
-                    None => described.push((name.clone(), vec![property.clone()])),
-                }
-            }
+    for (name, mut schemas) in shape.properties {
+        if root.contains_key(&name) {
+            continue;
         }
-        let required_by = |branch: &Value| -> Vec<Value> {
-            branch
-                .get("required")
-                .and_then(Value::as_array)
-                .cloned()
-                .unwrap_or_default()
-        };
-        let names: Vec<Value> = match *keyword {
-            "allOf" => branches.iter().flat_map(|branch| required_by(branch)).collect(),
-            "anyOf" | "oneOf" => match branches.split_first() {
-                Some((first, rest)) => required_by(first)
-                    .into_iter()
-                    .filter(|name| rest.iter().all(|branch| required_by(branch).contains(name)))
-                    .collect(),
-                None => Vec::new(),
-            },
-            _ => Vec::new(),
-        };
-        for name in names {
-            if !required.contains(&name) {
-                required.push(name);
-            }
-        }
-    }
-    for (name, mut schemas) in described {
         let property = if schemas.len() == 1 {
             schemas.remove(0)
         } else {
@@ -300,14 +260,117 @@ pub fn declarable_tool_schema(schema: &mut serde_json::Map<String, Value>) {
         };
         root.insert(name, property);
     }
-    if !required.is_empty() {
+    if !shape.required.is_empty() {
         let root = schema.entry("required").or_insert_with(|| Value::Array(Vec::new()));
         if let Value::Array(root) = root {
-            for name in required {
+            for name in shape.required {
                 if !root.contains(&name) {
                     root.push(name);
                 }
             }
+        }
+    }
+}
+
+/// What a schema (a combinator's branch) says of an object's properties: each property with
+/// its descriptions (distinct), and the properties it requires.
+#[derive(Default)]
+struct Shape {
+    properties: Vec<(String, Vec<Value>)>,
+    required: Vec<Value>,
+}
+
+impl Shape {
+    /// The shape of `schema`: its own properties, those of the `$defs` entry it references
+    /// (`defs`), and those of its combinators' branches (`allOf`'s all required, `anyOf`'s and
+    /// `oneOf`'s required by every branch); `depth` bounds a chain of references.
+    fn of(schema: &Value, defs: &Value, depth: usize) -> Self {
+        let mut shape = Self::default();
+        let Value::Object(schema) = schema else { return shape };
+        if depth > 8 {
+            return shape;
+        }
+        for (name, property) in schema
+            .get("properties")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+        {
+            shape.describe(name, property);
+        }
+        shape.require(
+            schema
+                .get("required")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .cloned(),
+        );
+        if let Some(name) = schema
+            .get("$ref")
+            .and_then(Value::as_str)
+            .and_then(|reference| reference.strip_prefix("#/$defs/"))
+            .map(|name| name.replace("~1", "/").replace("~0", "~"))
+            && let Some(definition) = defs.get(&name)
+        {
+            shape.merge(Self::of(definition, defs, depth + 1), true);
+        }
+        for keyword in ["allOf", "anyOf", "oneOf"] {
+            let branches: Vec<Self> = schema
+                .get(keyword)
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .map(|branch| Self::of(branch, defs, depth + 1))
+                .collect();
+            if keyword == "allOf" {
+                for branch in branches {
+                    shape.merge(branch, true);
+                }
+                continue;
+            }
+            let required: Vec<Value> = match branches.split_first() {
+                Some((first, rest)) => first
+                    .required
+                    .iter()
+                    .filter(|name| rest.iter().all(|branch| branch.required.contains(name)))
+                    .cloned()
+                    .collect(),
+                None => Vec::new(),
+            };
+            for branch in branches {
+                shape.merge(branch, false);
+            }
+            shape.require(required);
+        }
+        shape
+    }
+
+    fn describe(&mut self, name: &str, property: &Value) {
+        match self.properties.iter_mut().find(|(known, _)| known == name) {
+            Some((_, schemas)) if !schemas.contains(property) => schemas.push(property.clone()),
+            Some(_) => {}
+            None => self.properties.push((name.to_owned(), vec![property.clone()])),
+        }
+    }
+
+    fn require(&mut self, names: impl IntoIterator<Item = Value>) {
+        for name in names {
+            if !self.required.contains(&name) {
+                self.required.push(name);
+            }
+        }
+    }
+
+    /// Takes in `other`'s properties, and its required ones too when `required`.
+    fn merge(&mut self, other: Self, required: bool) {
+        for (name, schemas) in other.properties {
+            for property in &schemas {
+                self.describe(&name, property);
+            }
+        }
+        if required {
+            self.require(other.required);
         }
     }
 }
@@ -398,6 +461,46 @@ mod tool_input_tests {
         Close { path: String, force: bool },
     }
 
+    /// Arguments whose variants wrap structs of their own.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[serde(tag = "action", rename_all = "snake_case")]
+    #[allow(dead_code)]
+    enum Wrapping {
+        Open(OpenArgs),
+        Close(CloseArgs),
+    }
+
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct OpenArgs {
+        path: String,
+    }
+
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct CloseArgs {
+        path: String,
+        force: bool,
+    }
+
+    /// Arguments flattening two enums.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct TwoChoices {
+        #[serde(flatten)]
+        by: By,
+        #[serde(flatten)]
+        order: Order,
+    }
+
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[serde(tag = "order", rename_all = "snake_case")]
+    #[allow(dead_code)]
+    enum Order {
+        Newest,
+        Ranked { min_score: f64 },
+    }
+
     /// # Issue reference
     ///
     /// A titled definition.
@@ -450,6 +553,40 @@ mod tool_input_tests {
             "{json}"
         );
         assert!(!required.contains(&json!("force")), "{json}");
+    }
+
+    /// Variants that wrap structs, and two flattened enums: their fields, read through the
+    /// references and nested branches, are the root's properties.
+    #[test]
+    fn fields_behind_references_and_nested_choices_are_declared_too() {
+        let wrapping = tool_input_schema_of::<Wrapping>();
+        let json = wrapping.json();
+        assert!(wrapping.has_object_root(), "{json}");
+        assert_eq!(json["properties"]["path"]["type"], "string", "{json}");
+        assert_eq!(json["properties"]["force"]["type"], "boolean", "{json}");
+        let required = json["required"].as_array().unwrap();
+        assert!(
+            required.contains(&json!("action")) && required.contains(&json!("path")),
+            "{json}"
+        );
+        assert!(!required.contains(&json!("force")), "{json}");
+        let two = tool_input_schema_of::<TwoChoices>();
+        let json = two.json();
+        for keyword in ROOT_KEYWORDS_REFUSED {
+            assert_eq!(json.get(keyword), None, "{json}");
+        }
+        for field in ["kind", "name", "id", "order", "min_score"] {
+            assert!(json["properties"].get(field).is_some(), "{field}: {json}");
+        }
+        let required = json["required"].as_array().unwrap();
+        assert!(
+            required.contains(&json!("kind")) && required.contains(&json!("order")),
+            "{json}"
+        );
+        assert!(
+            two.validate(&json!({"kind": "id", "id": 1, "order": "ranked", "min_score": 0.5}))
+                .is_ok()
+        );
     }
 
     /// No top-level title, even where a wrapped type's definition has one.

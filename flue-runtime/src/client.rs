@@ -1015,7 +1015,16 @@ impl Follow {
                                     });
                                 }
                                 Some(_) => {}
-                                None => self.incarnation = Some(current.to_owned()),
+                                None => {
+                                    self.incarnation = Some(current.to_owned());
+                                    // Known from now on, before any chunk is delivered: a point
+                                    // kept now finds a replaced stream replaced.
+                                    self.resume
+                                        .lock()
+                                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                                        .incarnation
+                                        .get_or_insert_with(|| current.to_owned());
+                                }
                             }
                         }
                         let position = (chunk["position"]["batch"].as_u64(), chunk["position"]["index"].as_u64());
@@ -1726,7 +1735,7 @@ mod tests {
         let client = Client::new(base).unwrap();
         let instance = client.instance("assistant", "i");
         let mut first = instance.follow("-1");
-        assert_eq!(first.resume_point(), ResumePoint::at("-1"), "nothing delivered yet");
+        assert_eq!(first.resume_point(), ResumePoint::at("-1"), "nothing read yet");
         for n in 0..3 {
             let chunk = tokio::time::timeout(Duration::from_secs(5), first.next())
                 .await

@@ -184,6 +184,8 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
                     DEFINITION.get_or_init(__flue_definition_of)
                 }
 
+                // A body called from another's is reported where it was called.
+                #[track_caller]
                 fn render_body(&self, __flue_props: __flue::AgentProps<'_>) -> __flue::Instruction {
                     let __flue_body = __flue::render::BodyGuard::enter();
                     #body

@@ -34,6 +34,7 @@ const _: () = {
             static DEFINITION: ::std::sync::OnceLock<__flue::AgentDefinition> = ::std::sync::OnceLock::new();
             DEFINITION.get_or_init(__flue_definition_of)
         }
+        #[track_caller]
         fn render_body(
             &self,
             __flue_props: __flue::AgentProps<'_>,

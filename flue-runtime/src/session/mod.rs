@@ -874,23 +874,25 @@ impl InstanceSlot {
                 // A write whose commit went through but whose answer was lost (a remote
                 // store's connection dropping after its `COMMIT`) is in the stream and not in
                 // the fold, which then tells an answered response from a failed one wrongly.
-                // After a failed write the settlement reads what follows the fold first (the
-                // fold holds all the attempt appended and knew of by now, so nothing is applied
-                // twice). A response found ended so is settled as it is (completed) by another
-                // attempt, as one whose end the fold saw: the abort or the deadline that
-                // raced it lost.
+                // After a failed write the settlement asks the stream itself (folded afresh: a
+                // later write the fold holds may follow the lost one). A response found ended
+                // so is settled as it is (completed) by another attempt, as one whose end the
+                // fold saw: the abort or the deadline that raced it lost.
+                let mut ended_unseen = false;
                 if !given_up
                     && !unread
                     && attempt.writer.get().is_some_and(|writer| writer.had_failed_write())
                     && !conversation.has_ended(&submission.id)
                 {
-                    match runtime.store.read(&self.key, conversation.last_offset).await {
+                    match runtime.store.read(&self.key, None).await {
                         Ok(batches) => {
+                            let mut durable = Conversation::default();
                             for batch in &batches {
-                                conversation.apply(batch);
+                                durable.apply(batch);
                             }
-                            if conversation.has_ended(&submission.id) {
+                            if durable.has_ended(&submission.id) {
                                 failure.transient = true;
+                                ended_unseen = true;
                             }
                         }
                         Err(error) => {
@@ -938,7 +940,7 @@ impl InstanceSlot {
                 // attempt, whatever the budget: a failure after its end spends none of it (a
                 // few deferrals at most, as for an unreadable stream).
                 let ended = !given_up
-                    && conversation.has_ended(&submission.id)
+                    && (ended_unseen || conversation.has_ended(&submission.id))
                     && submission.attempt_count < submission.max_attempts.saturating_add(UNREAD_DEFERRALS);
                 if failure.transient && (submission.attempt_count < submission.max_attempts || classify_later || ended)
                 {
