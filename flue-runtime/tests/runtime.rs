@@ -3578,13 +3578,18 @@ async fn several_failing_start_callbacks_fail_the_submission_with_each_of_their_
 /// A runtime of `calculator` on a memory store, whose model answers "answer 0" to "answer 10"
 /// in turn, with `options`.
 fn answering_eleven_times(options: RuntimeOptions) -> (ScriptedModel, Runtime) {
+    answering_eleven_times_as(calculator, options)
+}
+
+/// [`answering_eleven_times`] of `agent`.
+fn answering_eleven_times_as(agent: impl Into<AgentRef>, options: RuntimeOptions) -> (ScriptedModel, Runtime) {
     let model = ScriptedModel::new((0..11).map(|i| ScriptedReply::text(format!("answer {i}"))));
     let mut providers = ProviderRegistry::new();
     providers.register(model.clone());
     let runtime = Runtime::builder()
         .store(MemoryStore::new())
         .providers(providers)
-        .agent(calculator)
+        .agent(agent)
         .options(options)
         .build()
         .unwrap();
@@ -3636,19 +3641,13 @@ async fn idle_instances_past_the_caches_bytes_are_dropped_however_few() {
             .unwrap_or(0);
         format!("Notes: {notes} bytes.")
     });
-    let model = ScriptedModel::new((0..11).map(|i| ScriptedReply::text(format!("answer {i}"))));
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .agent(notebook)
-        .options(RuntimeOptions {
+    let (model, runtime) = answering_eleven_times_as(
+        notebook,
+        RuntimeOptions {
             cached_bytes: 1 << 20,
             ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+        },
+    );
     let large = "x".repeat(300 << 10);
     for i in 0..5 {
         let mut request = SendRequest::new(format!("data-{i}"), "hi");

@@ -115,14 +115,15 @@ impl Response<'_> {
     /// signal's, then the fields its hooks set beyond its content; any other record as it is),
     /// which of the signals were kept (in order), and the rows for `after_create_message`.
     pub(super) async fn created_signals(&mut self, records: Vec<Record>) -> (Vec<Record>, Vec<bool>, Vec<CreatedRow>) {
-        let hooks = self.hooks.clone();
         let signals = records
             .iter()
             .filter(|record| matches!(record.body, RecordBody::Signal { .. }))
             .count();
-        if !creates_rows(&hooks) || signals == 0 {
+        // Every start seam and narration comes here: without create hooks, nothing is copied.
+        if signals == 0 || !creates_rows(&self.hooks) {
             return (records, vec![true; signals], Vec::new());
         }
+        let hooks = self.hooks.clone();
         let state = self.thread_view().state();
         let (mut stored, mut kept, mut created) = (Vec::with_capacity(records.len()), Vec::new(), Vec::new());
         for record in records {
