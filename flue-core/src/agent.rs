@@ -436,6 +436,27 @@ impl NoInstruction {
     }
 }
 
+/// What an agent body may return: anything `Into<Instruction>`. The bound of
+/// [`FnAgent`]'s body, which says what is wrong with a closure that returns something else, an
+/// `async` one's future included.
+#[diagnostic::on_unimplemented(
+    message = "an agent body returns its instruction (`&'static str`, `String`, `Option<String>`, `()` or anything `Into<Instruction>`), not `{Self}`",
+    label = "this closure returns `{Self}`",
+    note = "an agent body renders synchronously: an `async` closure is not one (a tool, or a hook's callback, is where to wait)",
+    note = "everything else (model, tools, state) is composed with hooks in the body"
+)]
+pub trait IntoInstruction {
+    /// The instruction.
+    fn into_instruction(self) -> Instruction;
+}
+
+#[diagnostic::do_not_recommend]
+impl<T: Into<Instruction>> IntoInstruction for T {
+    fn into_instruction(self) -> Instruction {
+        self.into()
+    }
+}
+
 /// Implemented by nothing: the bound that reports an agent function's wrong return type.
 #[doc(hidden)]
 #[diagnostic::on_unimplemented(
@@ -518,7 +539,7 @@ pub struct FnAgent<F> {
 impl<F, I> FnAgent<F>
 where
     F: Fn(AgentProps<'_>) -> I + Send + Sync + 'static,
-    I: Into<Instruction>,
+    I: IntoInstruction,
 {
     /// An agent with `definition` whose function is `body`.
     pub fn new(definition: AgentDefinition, body: F) -> Self {
@@ -529,7 +550,7 @@ where
 impl<F, I> Agent for FnAgent<F>
 where
     F: Fn(AgentProps<'_>) -> I + Send + Sync + 'static,
-    I: Into<Instruction>,
+    I: IntoInstruction,
 {
     fn definition(&self) -> &AgentDefinition {
         &self.definition
@@ -538,7 +559,7 @@ where
     #[track_caller]
     fn render_body(&self, props: AgentProps<'_>) -> Instruction {
         let _body = crate::render::BodyGuard::enter();
-        (self.body)(props).into()
+        (self.body)(props).into_instruction()
     }
 }
 
