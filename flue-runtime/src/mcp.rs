@@ -117,6 +117,12 @@ impl McpSession {
 pub(crate) struct McpConnections(std::sync::Mutex<Vec<(McpConnection, McpSession)>>);
 
 impl McpConnections {
+    /// Closes every kept session (an instance's cache let go of it, as when its slot drops).
+    pub(crate) fn close_all(&self) {
+        let kept = std::mem::take(&mut *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        drop(kept);
+    }
+
     /// A session for each of `connections`, in their order: the kept one of an equal
     /// definition that is still live, else a new connection (all checked or connected
     /// together). New sessions are kept, each in place of the one of its name; kept sessions

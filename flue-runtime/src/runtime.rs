@@ -1802,7 +1802,7 @@ fn evict_idle(
 ) -> Vec<Arc<InstanceSlot>> {
     let mut idle: Vec<(u64, InstanceKey)> = instances
         .iter()
-        .filter(|(_, slot)| Arc::strong_count(slot) == 1 && slot.is_idle())
+        .filter(|(_, slot)| slot.is_idle() && (Arc::strong_count(slot) == 1 || slot.weight() > 0))
         .map(|(key, slot)| (slot.last_used(), key.clone()))
         .collect();
     idle.sort_unstable_by_key(|(used, _)| *used);
@@ -1817,6 +1817,12 @@ fn evict_idle(
             break;
         }
         if !over_count && instances.get(&key).is_some_and(|slot| slot.weight() <= light) {
+            continue;
+        }
+        // A slot held elsewhere (a live reader waits on its appends, which a slot made
+        // again would not announce to it) stays, and lets go of what it caches instead.
+        if let Some(slot) = instances.get(&key).filter(|slot| Arc::strong_count(slot) > 1) {
+            total.fetch_sub(slot.shed(), Ordering::Relaxed);
             continue;
         }
         if let Some(slot) = instances.remove(&key) {
@@ -2088,8 +2094,9 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        // A busy instance holding more than the target (its use keeps a second reference).
+        // A busy instance holding more than the target (its worker keeps a second reference).
         let (busy_key, busy) = slot("busy", 5, 50_000);
+        let busy = Arc::new(Arc::into_inner(busy).expect("unshared").worked());
         instances.insert(busy_key, busy.clone());
         let total = AtomicUsize::new(10 + 600 + 10 + 600 + 50_000);
         // Light: a thousandth of the 20 KiB target or less.
@@ -2104,6 +2111,45 @@ mod tests {
         assert_eq!(gone, ["light-old"]);
         assert_eq!(total.load(Ordering::Relaxed), 10 + 50_000);
         drop(busy);
+    }
+
+    /// An idle instance a live reader holds (waiting on its appends) stays in the cache, so a
+    /// later append still wakes that reader, but lets go of its conversation and its weight as
+    /// an evicted one would: readers cannot pin conversations past the cache's bounds.
+    #[test]
+    fn eviction_keeps_a_held_idle_instance_and_lets_go_of_what_it_caches() {
+        let birth = crate::record::Batch {
+            offset: 0,
+            records: Arc::new([crate::store::birth_record("inst_1", None)]),
+        };
+        let key = InstanceKey::new("a", "followed");
+        let followed = InstanceSlot::new(key.clone(), std::sync::Weak::new())
+            .caching(&birth)
+            .weighing(600);
+        let followed = Arc::new(followed);
+        assert!(followed.caches_conversation());
+        let reader = followed.clone();
+        let mut instances: FastMap<InstanceKey, Arc<InstanceSlot>> = [(key.clone(), followed)].into_iter().collect();
+        let total = AtomicUsize::new(600);
+        let evicted = evict_idle(&mut instances, 100, (&total, 100));
+        assert!(evicted.is_empty());
+        assert!(
+            Arc::ptr_eq(&instances[&key], &reader),
+            "the reader's slot is still the instance's"
+        );
+        assert_eq!(total.load(Ordering::Relaxed), 0);
+        assert_eq!(reader.weight(), 0);
+        assert!(
+            !reader.caches_conversation(),
+            "the conversation is read again when next needed"
+        );
+        // Let go of once: with nothing left to let go of, it is passed over.
+        assert!(evict_idle(&mut instances, 0, (&total, 100)).is_empty());
+        assert_eq!(instances.len(), 1);
+        drop(reader);
+        // No longer held: it goes as any idle instance does.
+        let evicted = evict_idle(&mut instances, 0, (&total, 100));
+        assert_eq!(evicted.len(), 1);
     }
 
     /// Reference Appendix A: the lease, the node's heartbeat, scan and settle grace, the model

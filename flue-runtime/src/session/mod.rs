@@ -292,6 +292,42 @@ impl InstanceSlot {
         self.weight.swap(0, Ordering::Relaxed)
     }
 
+    /// Lets go of what the slot caches, as dropping it would (its conversation, read from the
+    /// stream again by the next submission, and its MCP sessions), when no submission uses
+    /// them: for a slot the cache must keep (a live reader waits on its appends). Returns the
+    /// weight no longer counted here, to subtract from the runtime's total.
+    pub(crate) fn shed(&self) -> usize {
+        let Ok(mut conversation) = self.conversation.try_lock() else {
+            return 0;
+        };
+        *conversation = Conversation::default();
+        drop(conversation);
+        self.mcp.close_all();
+        self.forget_weight()
+    }
+
+    /// Marks the slot as run by a worker (the cache's own tests).
+    #[cfg(test)]
+    pub(crate) fn worked(self) -> Self {
+        self.busy.store(true, Ordering::SeqCst);
+        self
+    }
+
+    /// Whether the slot caches a conversation read from the stream (the cache's own tests).
+    #[cfg(test)]
+    pub(crate) fn caches_conversation(&self) -> bool {
+        self.conversation
+            .try_lock()
+            .map_or(true, |conversation| conversation.last_offset.is_some())
+    }
+
+    /// Takes `batch` into the cached conversation (the cache's own tests).
+    #[cfg(test)]
+    pub(crate) fn caching(self, batch: &Batch) -> Self {
+        self.conversation.try_lock().expect("unshared").apply(batch);
+        self
+    }
+
     /// Makes sure a worker runs for this instance.
     pub(crate) fn wake(self: &Arc<Self>) {
         self.wakes.fetch_add(1, Ordering::SeqCst);
