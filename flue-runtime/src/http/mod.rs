@@ -120,6 +120,11 @@ pub struct HttpOptions {
     /// instance is evicted first; a read before an entry's window folds the stream from the
     /// start, as an uncached read does.
     pub updates_cache_instances: usize,
+    /// About how many bytes those entries hold together, per agent, their folds and chunks
+    /// (128 MiB): past it the least recently read go, all but the one a read just folded. A
+    /// fold holds about what its conversation's records hold, so a few long conversations
+    /// cannot make the cache hold them all.
+    pub updates_cache_bytes: usize,
     /// Whether a browser may send requests that change state (any method but `GET` and
     /// `HEAD`, and any request of the user routes, whose reads run the application's hooks)
     /// from another site (`Sec-Fetch-Site: cross-site`; `same-site` with no `Origin` or one
@@ -191,6 +196,7 @@ impl std::fmt::Debug for HttpOptions {
             .field("heartbeat", &self.heartbeat)
             .field("shared_store_poll", &self.shared_store_poll)
             .field("updates_cache_instances", &self.updates_cache_instances)
+            .field("updates_cache_bytes", &self.updates_cache_bytes)
             .field("allow_cross_site", &self.allow_cross_site)
             .field("allowed_hosts", &self.allowed_hosts)
             .field("request_body_timeout", &self.request_body_timeout)
@@ -234,6 +240,7 @@ impl Default for HttpOptions {
             heartbeat: Duration::from_secs(15),
             shared_store_poll: Duration::from_millis(250),
             updates_cache_instances: 256,
+            updates_cache_bytes: 128 << 20,
             allow_cross_site: false,
             allowed_hosts: Vec::new(),
             request_body_timeout: Duration::from_secs(60),
@@ -417,7 +424,10 @@ fn routes(
         bodies,
         runtime,
         agent: agent.into(),
-        updates: Arc::new(updates_cache::UpdatesCache::new(options.updates_cache_instances)),
+        updates: Arc::new(updates_cache::UpdatesCache::new(
+            options.updates_cache_instances,
+            options.updates_cache_bytes,
+        )),
         options,
         feeds: Arc::default(),
     };

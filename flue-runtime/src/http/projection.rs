@@ -126,6 +126,25 @@ pub(crate) struct Projection {
     /// reset).
     rewritten: bool,
     offset: Option<u64>,
+    /// Roughly the bytes the fold holds (see [`Projection::weight`]).
+    weight: usize,
+}
+
+/// Roughly the bytes folding `body` adds to a projection: what the runtime's conversation
+/// keeps of it, and the streamed text and data parts the view shows besides.
+fn projected_weight(body: &RecordBody) -> usize {
+    use crate::json_shape::{NODE_WEIGHT, parsed_weight};
+    use crate::session::conversation::{RECORD_WEIGHT, record_weight};
+    let shown = match body {
+        RecordBody::AssistantTextDelta { delta, .. } | RecordBody::AssistantReasoningDelta { delta, .. } => delta.len(),
+        RecordBody::MessageDataWrite { name, data } => NODE_WEIGHT + name.len() + parsed_weight(data),
+        RecordBody::MessageMetadata { metadata } => metadata
+            .iter()
+            .map(|(key, value)| NODE_WEIGHT + key.len() + parsed_weight(value))
+            .sum(),
+        _ => 0,
+    };
+    record_weight(body).max(RECORD_WEIGHT) + shown
 }
 
 impl Projection {
@@ -161,6 +180,12 @@ impl Projection {
             }
         }
         Ok(self.offset)
+    }
+
+    /// Roughly the bytes the fold holds: every record folded counts what it added (an edit or a
+    /// deletion too: the count only grows, as the fold's history of a conversation does).
+    pub(crate) fn weight(&self) -> usize {
+        self.weight
     }
 
     /// The offset of the last batch folded, in wire format (`-1` before the first).
@@ -235,6 +260,7 @@ impl Projection {
         }
         self.rewritten = false;
         for record in batch.records.iter() {
+            self.weight += projected_weight(&record.body);
             self.record(record, (&mut finals, &starts), &hosts, &mut out);
         }
         self.offset = Some(batch.offset);

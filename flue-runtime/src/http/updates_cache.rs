@@ -13,10 +13,11 @@
 //! `view=history` reads bring the same fold up to the head and snapshot it, and SSE readers
 //! catch up from the window while it holds their offset.
 //!
-//! The entries are few (least recently read evicted first) and tied to the incarnation they
-//! folded: a read that finds another incarnation folds from the start again. No lock is held
-//! while the store is read, so readers of one instance do not wait for each other's reads,
-//! and a long-poll read waits for new batches outside the cache.
+//! The entries are few and bounded in bytes (least recently read evicted first; a fold is
+//! weighed as it grows, see [`Projection::weight`]) and tied to the incarnation they folded:
+//! a read that finds another incarnation folds from the start again. No lock is held while
+//! the store is read, so readers of one instance do not wait for each other's reads, and a
+//! long-poll read waits for new batches outside the cache.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -130,6 +131,11 @@ struct Entry {
 }
 
 impl Entry {
+    /// Roughly the bytes the entry holds: its fold and its window's chunks.
+    fn weight(&self) -> usize {
+        self.projection.weight() + self.bytes
+    }
+
     fn new(key: &InstanceKey, incarnation: &str) -> Self {
         Self {
             incarnation: incarnation.to_owned(),
@@ -183,13 +189,23 @@ enum Served {
 /// An instance's entry, `None` until a read fills it.
 type Slot = Arc<tokio::sync::Mutex<Option<Entry>>>;
 
+/// An entry the cache holds.
+struct Held {
+    /// When last read.
+    read: u64,
+    slot: Slot,
+    /// Its weight when last folded ([`Entry::weight`]).
+    weight: usize,
+}
+
 /// The least recently read entries, by instance.
 #[derive(Default)]
 struct Entries {
-    /// Instance → (when last read, its entry).
-    map: HashMap<InstanceKey, (u64, Slot)>,
+    map: HashMap<InstanceKey, Held>,
     /// The read count, which orders the entries.
     clock: u64,
+    /// The entries' weights.
+    weight: usize,
 }
 
 impl Entries {
@@ -197,10 +213,28 @@ impl Entries {
     fn read(&mut self, key: &InstanceKey) -> Option<Slot> {
         self.clock += 1;
         let now = self.clock;
-        self.map.get_mut(key).map(|(read, slot)| {
-            *read = now;
-            Arc::clone(slot)
+        self.map.get_mut(key).map(|held| {
+            held.read = now;
+            Arc::clone(&held.slot)
         })
+    }
+
+    /// Stops holding the least recently read entry other than `keep`'s; `false` when there is
+    /// none.
+    fn evict_oldest(&mut self, keep: Option<&InstanceKey>) -> bool {
+        let Some(oldest) = self
+            .map
+            .iter()
+            .filter(|(key, _)| Some(*key) != keep)
+            .min_by_key(|(_, held)| held.read)
+            .map(|(key, _)| key.clone())
+        else {
+            return false;
+        };
+        if let Some(held) = self.map.remove(&oldest) {
+            self.weight -= held.weight;
+        }
+        true
     }
 }
 
@@ -208,6 +242,9 @@ impl Entries {
 pub(super) struct UpdatesCache {
     /// The most instances held (0: no caching).
     capacity: usize,
+    /// The most bytes the entries hold, their folds and windows together (roughly): past it
+    /// the least recently read go, all but the one just folded.
+    capacity_bytes: usize,
     window_batches: usize,
     window_bytes: usize,
     entries: Mutex<Entries>,
@@ -216,15 +253,17 @@ pub(super) struct UpdatesCache {
 }
 
 impl UpdatesCache {
-    /// A cache of at most `capacity` instances (0 caches nothing).
-    pub(super) fn new(capacity: usize) -> Self {
-        Self::with_window(capacity, WINDOW_BATCHES, WINDOW_BYTES)
+    /// A cache of at most `capacity` instances (0 caches nothing) holding at most about
+    /// `capacity_bytes`.
+    pub(super) fn new(capacity: usize, capacity_bytes: usize) -> Self {
+        Self::with_window(capacity, capacity_bytes, WINDOW_BATCHES, WINDOW_BYTES)
     }
 
     /// A cache whose entries keep the chunks of at most `batches` batches and `bytes` bytes.
-    fn with_window(capacity: usize, batches: usize, bytes: usize) -> Self {
+    fn with_window(capacity: usize, capacity_bytes: usize, batches: usize, bytes: usize) -> Self {
         Self {
             capacity,
+            capacity_bytes,
             window_batches: batches,
             window_bytes: bytes,
             entries: Mutex::default(),
@@ -245,19 +284,35 @@ impl UpdatesCache {
         if let Some(slot) = entries.read(key) {
             return slot;
         }
-        if entries.map.len() >= self.capacity
-            && let Some(oldest) = entries
-                .map
-                .iter()
-                .min_by_key(|(_, (read, _))| *read)
-                .map(|(key, _)| key.clone())
-        {
-            entries.map.remove(&oldest);
+        if entries.map.len() >= self.capacity {
+            entries.evict_oldest(None);
         }
         let slot = Arc::default();
         let now = entries.clock;
-        entries.map.insert(key.clone(), (now, Arc::clone(&slot)));
+        entries.map.insert(
+            key.clone(),
+            Held {
+                read: now,
+                slot: Arc::clone(&slot),
+                weight: 0,
+            },
+        );
         slot
+    }
+
+    /// Notes `weight` as the weight of `key`'s entry in `slot` (just folded), when the cache
+    /// still holds that slot, and lets the least recently read others go while the entries
+    /// weigh more than the cache's bytes. The entry just folded stays, however heavy: its
+    /// reader is served from it, and the next read of another instance weighs it again.
+    fn weigh(&self, key: &InstanceKey, slot: &tokio::sync::Mutex<Option<Entry>>, weight: usize) {
+        let mut entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Entries { map, weight: total, .. } = &mut *entries;
+        let Some(held) = map.get_mut(key).filter(|held| std::ptr::eq(&*held.slot, slot)) else {
+            return;
+        };
+        *total = *total - held.weight + weight;
+        held.weight = weight;
+        while entries.weight > self.capacity_bytes && entries.evict_oldest(Some(key)) {}
     }
 
     /// The entry slot of `key` when one is held (marked read now): a lookup that will not fill
@@ -399,7 +454,7 @@ impl UpdatesCache {
             entry.projection = projection;
             entry.offset = Some(head);
             entry.base = Some(head);
-            Self::keep(&slot, entry).await;
+            self.keep(key, &slot, entry).await;
         }
         Ok(Some(answered))
     }
@@ -457,22 +512,28 @@ impl UpdatesCache {
             };
             let before = entry.offset;
             self.extend(entry, page.iter().filter(|batch| Some(batch.offset) > before));
+            let (weight, offset) = (entry.weight(), entry.offset);
+            drop(guard);
+            self.weigh(key, slot, weight);
             if page.len() < READ_PAGE {
                 return Ok(true);
             }
-            folded = entry.offset;
+            folded = offset;
         }
     }
 
-    /// Holds `entry` in `slot`, unless the entry held is of the same incarnation and folded
-    /// further.
-    async fn keep(slot: &tokio::sync::Mutex<Option<Entry>>, entry: Entry) {
+    /// Holds `entry` in `slot` (`key`'s), unless the entry held is of the same incarnation
+    /// and folded further.
+    async fn keep(&self, key: &InstanceKey, slot: &tokio::sync::Mutex<Option<Entry>>, entry: Entry) {
         let mut guard = slot.lock().await;
         let further = guard
             .as_ref()
             .is_some_and(|held| held.incarnation == entry.incarnation && held.offset > entry.offset);
         if !further {
+            let weight = entry.weight();
             *guard = Some(entry);
+            drop(guard);
+            self.weigh(key, slot, weight);
         }
     }
 
@@ -550,7 +611,7 @@ impl UpdatesCache {
         }
         let page = entry.page(after);
         // The entry folded furthest stays, unless it is another incarnation's.
-        Self::keep(slot, entry).await;
+        self.keep(key, slot, entry).await;
         Ok(page.map(Lookup::Page))
     }
 
@@ -779,11 +840,58 @@ mod tests {
         (key, uid, head)
     }
 
+    /// Past the cache's bytes, the least recently read entries go, but never the one a read
+    /// just folded, however heavy: a few long conversations cannot make it hold them all, and
+    /// a reader of one is still served from its entry.
+    #[tokio::test]
+    async fn entries_past_the_caches_bytes_go_least_recently_read_first_but_the_one_just_folded_stays() {
+        let store = MemoryStore::new();
+        let (first, first_uid, first_head) = conversation(&store, "first", 3).await;
+        let (second, second_uid, second_head) = conversation(&store, "second", 3).await;
+        let (first_length, second_length) = (first_head + 1, second_head + 1);
+
+        // Room for both: the first is still held after the second is read.
+        let roomy = UpdatesCache::new(8, usize::MAX);
+        read(&roomy, &store, &first, &first_uid, None).await;
+        read(&roomy, &store, &second, &second_uid, None).await;
+        read(&roomy, &store, &first, &first_uid, Some(2)).await;
+        assert_eq!(roomy.folded(), first_length + second_length);
+        let weight = roomy.entries.lock().unwrap().weight;
+        assert!(weight > 0, "folds are weighed");
+
+        // Room for about one: reading the second lets the first go, which is folded again.
+        let one = weight * 3 / 4;
+        let tight = UpdatesCache::new(8, one);
+        read(&tight, &store, &first, &first_uid, None).await;
+        read(&tight, &store, &second, &second_uid, None).await;
+        assert_eq!(tight.entries.lock().unwrap().map.len(), 1);
+        assert!(tight.entries.lock().unwrap().weight <= one);
+        let page = read(&tight, &store, &first, &first_uid, Some(2)).await;
+        assert_eq!(tight.folded(), 2 * first_length + second_length);
+        assert_eq!(
+            page.body(&first_uid),
+            from_scratch(&store, &first, &first_uid, Some(2)).await
+        );
+
+        // Room for none: the entry just folded stays all the same, and serves the next read.
+        let none = UpdatesCache::new(8, 1);
+        read(&none, &store, &first, &first_uid, None).await;
+        let again = read(&none, &store, &first, &first_uid, Some(2)).await;
+        assert_eq!(none.folded(), first_length, "served from the entry");
+        assert_eq!(
+            again.body(&first_uid),
+            from_scratch(&store, &first, &first_uid, Some(2)).await
+        );
+        read(&none, &store, &second, &second_uid, None).await;
+        let held: Vec<InstanceKey> = none.entries.lock().unwrap().map.keys().cloned().collect();
+        assert_eq!(held, [second]);
+    }
+
     #[tokio::test]
     async fn an_updates_read_projects_only_the_batches_after_its_offset() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "counted", 3).await;
-        let cache = UpdatesCache::new(8);
+        let cache = UpdatesCache::new(8, usize::MAX);
         let first = read(&cache, &store, &key, &uid, None).await;
         assert_eq!(first.next, Some(head));
         assert_eq!(cache.folded(), head + 1, "the first read folds the whole stream once");
@@ -820,7 +928,7 @@ mod tests {
     async fn a_history_read_folds_only_the_batches_appended_since_the_last_read() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "history", 1).await;
-        let cache = UpdatesCache::new(8);
+        let cache = UpdatesCache::new(8, usize::MAX);
         let first = cache.history(&store, &key, Some(&uid)).await.unwrap().unwrap();
         assert_eq!(first, history_from_scratch(&store, &key).await);
         assert_eq!(cache.folded(), head + 1, "the first read folds the whole stream once");
@@ -850,7 +958,10 @@ mod tests {
         assert_eq!(cache.folded(), head + 1 + appended);
         // Uncached (no incarnation, or a cache of nothing): a fresh fold, the same answer.
         assert_eq!(
-            UpdatesCache::new(0).history(&store, &key, Some(&uid)).await.unwrap(),
+            UpdatesCache::new(0, usize::MAX)
+                .history(&store, &key, Some(&uid))
+                .await
+                .unwrap(),
             Some(history_from_scratch(&store, &key).await)
         );
         assert_eq!(
@@ -865,7 +976,7 @@ mod tests {
     async fn a_cached_lookup_answers_only_from_a_held_window_and_never_folds_the_stream() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "window", 3).await;
-        let cache = UpdatesCache::with_window(8, 4, usize::MAX);
+        let cache = UpdatesCache::with_window(8, usize::MAX, 4, usize::MAX);
         // Nothing held: no answer, and nothing folded.
         assert!(
             cache
@@ -911,7 +1022,7 @@ mod tests {
         let store = MemoryStore::new();
         let (held, held_uid, held_head) = conversation(&store, "held", 2).await;
         let (other, other_uid, other_head) = conversation(&store, "other", 2).await;
-        let cache = UpdatesCache::with_window(1, 4, usize::MAX);
+        let cache = UpdatesCache::with_window(1, usize::MAX, 4, usize::MAX);
         read(&cache, &store, &held, &held_uid, Some(held_head)).await;
         assert!(
             cache
@@ -938,7 +1049,7 @@ mod tests {
     async fn a_filled_lookup_fills_the_entry_its_window_would_answer_and_leaves_older_reads_alone() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "filled", 3).await;
-        let cache = UpdatesCache::with_window(8, 4, usize::MAX);
+        let cache = UpdatesCache::with_window(8, usize::MAX, 4, usize::MAX);
         // Before the window the entry would hold: not answered, nothing folded.
         assert!(
             cache
@@ -977,9 +1088,9 @@ mod tests {
         // Whole windows, one batch short of a response's size, and windows bound in bytes
         // (which a reset's snapshot chunk alone can overflow).
         let caches = [
-            UpdatesCache::new(8),
-            UpdatesCache::with_window(8, 7, usize::MAX),
-            UpdatesCache::with_window(8, WINDOW_BATCHES, 1500),
+            UpdatesCache::new(8, usize::MAX),
+            UpdatesCache::with_window(8, usize::MAX, 7, usize::MAX),
+            UpdatesCache::with_window(8, usize::MAX, WINDOW_BATCHES, 1500),
         ];
         let mut head = 0;
         // 20 exchanges pass one response's 100 batches.
@@ -1056,7 +1167,7 @@ mod tests {
         }
         let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
         // Served from a window, and folded afresh (no caching).
-        for cache in [UpdatesCache::new(8), UpdatesCache::new(0)] {
+        for cache in [UpdatesCache::new(8, usize::MAX), UpdatesCache::new(0, usize::MAX)] {
             let (mut after, mut pages) = (None, 0);
             loop {
                 let page = read(&cache, &store, &key, &uid, after).await;
@@ -1094,7 +1205,7 @@ mod tests {
     async fn a_batch_larger_than_the_window_is_kept_as_its_newest_within_a_bound() {
         let store = MemoryStore::new();
         let (key, uid, mut head) = conversation(&store, "large", 3).await;
-        let cache = UpdatesCache::with_window(8, 8, 4096);
+        let cache = UpdatesCache::with_window(8, usize::MAX, 8, 4096);
         read(&cache, &store, &key, &uid, None).await;
         // The second large batch comes while the first is still in the window: the newest
         // batch's own size counts, not the window's.
@@ -1143,7 +1254,7 @@ mod tests {
             async move { store.read(key, None).await.unwrap().len() as u64 }
         };
         let (first_length, second_length) = (length(&first).await, length(&second).await);
-        let cache = UpdatesCache::new(1);
+        let cache = UpdatesCache::new(1, usize::MAX);
         read(&cache, &store, &first, &first_uid, None).await;
         read(&cache, &store, &second, &second_uid, None).await;
         assert_eq!(cache.folded(), first_length + second_length);
@@ -1173,7 +1284,7 @@ mod tests {
         );
 
         // A cache of no instance folds every read from the start.
-        let uncached = UpdatesCache::new(0);
+        let uncached = UpdatesCache::new(0, usize::MAX);
         read(&uncached, &store, &second, &second_uid, Some(1)).await;
         read(&uncached, &store, &second, &second_uid, Some(1)).await;
         assert_eq!(uncached.folded(), 2 * second_length);
@@ -1190,7 +1301,7 @@ mod tests {
     async fn concurrent_reads_while_batches_are_appended_answer_what_a_fold_through_their_next_offset_answers() {
         let store = MemoryStore::new();
         let (key, uid) = create(&store, "busy").await;
-        let cache = Arc::new(UpdatesCache::with_window(4, 16, usize::MAX));
+        let cache = Arc::new(UpdatesCache::with_window(4, usize::MAX, 16, usize::MAX));
         // The offsets the readers start after exist before they read (a read past the head
         // is answered `Gone`, which is not what this test is about).
         for batch in exchange(0) {

@@ -25,7 +25,7 @@ pub(crate) const INTERRUPTED_TOOL: &str =
 use crate::json_shape::{NODE_WEIGHT, parsed_weight as value_weight};
 
 /// What a folded record costs beyond its text (its row, its ids), roughly.
-const RECORD_WEIGHT: usize = 160;
+pub(crate) const RECORD_WEIGHT: usize = 160;
 
 /// Roughly the bytes `records` hold (and take as JSON: a record's ids and time are about
 /// [`RECORD_WEIGHT`]).
@@ -37,7 +37,7 @@ pub(crate) fn records_weight(records: &[Record]) -> usize {
 /// Roughly the bytes folding `body` adds (see [`Conversation::weight`]): the records that
 /// make a row or keep a value. (A step's streamed deltas are not kept: the completion's text
 /// is.)
-fn record_weight(body: &RecordBody) -> usize {
+pub(crate) fn record_weight(body: &RecordBody) -> usize {
     let text = match body {
         RecordBody::ConversationCreated { initial_data, .. } => initial_data.as_ref().map_or(0, value_weight),
         RecordBody::UserMessage { body, attachments, .. } => body.len() + attachments.len() * NODE_WEIGHT,

@@ -13,7 +13,7 @@
 
 mod binding;
 mod compaction;
-mod conversation;
+pub(crate) mod conversation;
 mod deadline;
 mod lifecycle;
 mod live_text;
