@@ -117,10 +117,12 @@ impl McpSession {
 pub(crate) struct McpConnections(std::sync::Mutex<Vec<(McpConnection, McpSession)>>);
 
 impl McpConnections {
-    /// Closes every kept session (an instance's cache let go of it, as when its slot drops).
-    pub(crate) fn close_all(&self) {
-        let kept = std::mem::take(&mut *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
-        drop(kept);
+    /// Every kept session, taken away (an instance's cache lets go of them, as when its slot
+    /// drops): dropping what this returns closes them.
+    pub(crate) fn take(&self) -> Self {
+        Self(std::sync::Mutex::new(std::mem::take(
+            &mut *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )))
     }
 
     /// A session for each of `connections`, in their order: the kept one of an equal

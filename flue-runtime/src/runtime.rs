@@ -1054,7 +1054,7 @@ impl RuntimeInner {
         let used = self.slot_uses.fetch_add(1, Ordering::Relaxed);
         let mut instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let (slot, evicted) = match instances.get(key) {
-            Some(slot) => (slot.clone(), Vec::new()),
+            Some(slot) => (slot.clone(), Evicted::default()),
             None => {
                 let slot = Arc::new(InstanceSlot::new(key.clone(), Arc::downgrade(self)));
                 instances.insert(key.clone(), slot.clone());
@@ -1071,10 +1071,10 @@ impl RuntimeInner {
     /// The idle instances to drop (outside the map's lock) when the cache is past
     /// [`RuntimeOptions::cached_instances`] or [`RuntimeOptions::cached_bytes`]: the least
     /// recently used, until it holds three quarters of both.
-    fn evict_past_limits(&self, instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>) -> Vec<Arc<InstanceSlot>> {
+    fn evict_past_limits(&self, instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>) -> Evicted {
         let (limit, bytes) = (self.options.cached_instances, self.options.cached_bytes);
         if instances.len() <= limit && self.cached_weight.load(Ordering::Relaxed) <= bytes {
-            return Vec::new();
+            return Evicted::default();
         }
         evict_idle(instances, limit - limit / 4, (&self.cached_weight, bytes - bytes / 4))
     }
@@ -1795,11 +1795,19 @@ impl Runtime {
 /// admission waits on that lock). Idle: no worker runs it and nothing else holds it (every
 /// user takes it from this map, under the same lock, so none can appear meanwhile).
 #[must_use = "the evicted slots are dropped by the caller, outside the lock"]
+/// What eviction let go of: the slots it dropped from the cache, and what the slots it kept
+/// (held elsewhere) cached. Dropped once the cache's lock is released.
+#[derive(Default)]
+struct Evicted {
+    slots: Vec<Arc<InstanceSlot>>,
+    shed: Vec<crate::session::Shed>,
+}
+
 fn evict_idle(
     instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>,
     target: usize,
     (total, target_weight): (&AtomicUsize, usize),
-) -> Vec<Arc<InstanceSlot>> {
+) -> Evicted {
     let mut idle: Vec<(u64, InstanceKey)> = instances
         .iter()
         .filter(|(_, slot)| slot.is_idle() && (Arc::strong_count(slot) == 1 || slot.weight() > 0))
@@ -1810,7 +1818,7 @@ fn evict_idle(
     // or less) stays: dropping it frees next to nothing, and its next message reads its stream
     // again (while busy instances hold the bytes, every light idle one would go).
     let light = target_weight / 1024;
-    let mut evicted = Vec::new();
+    let mut evicted = Evicted::default();
     for (_, key) in idle {
         let over_count = instances.len() > target;
         if !over_count && total.load(Ordering::Relaxed) <= target_weight {
@@ -1822,12 +1830,15 @@ fn evict_idle(
         // A slot held elsewhere (a live reader waits on its appends, which a slot made
         // again would not announce to it) stays, and lets go of what it caches instead.
         if let Some(slot) = instances.get(&key).filter(|slot| Arc::strong_count(slot) > 1) {
-            total.fetch_sub(slot.shed(), Ordering::Relaxed);
+            if let Some((weight, shed)) = slot.shed() {
+                total.fetch_sub(weight, Ordering::Relaxed);
+                evicted.shed.push(shed);
+            }
             continue;
         }
         if let Some(slot) = instances.remove(&key) {
             total.fetch_sub(slot.forget_weight(), Ordering::Relaxed);
-            evicted.push(slot);
+            evicted.slots.push(slot);
         }
     }
     evicted
@@ -2100,13 +2111,13 @@ mod tests {
         instances.insert(busy_key, busy.clone());
         let total = AtomicUsize::new(10 + 600 + 10 + 600 + 50_000);
         // Light: a thousandth of the 20 KiB target or less.
-        let evicted = evict_idle(&mut instances, 100, (&total, 20 << 10));
+        let evicted = evict_idle(&mut instances, 100, (&total, 20 << 10)).slots;
         let mut gone: Vec<String> = evicted.iter().map(|slot| slot.key().id.to_string()).collect();
         gone.sort();
         assert_eq!(gone, ["heavy-new", "heavy-old"]);
         assert_eq!(total.load(Ordering::Relaxed), 10 + 10 + 50_000);
         // Past the count, the least recently used go first, whatever they weigh.
-        let evicted = evict_idle(&mut instances, 2, (&total, usize::MAX));
+        let evicted = evict_idle(&mut instances, 2, (&total, usize::MAX)).slots;
         let gone: Vec<String> = evicted.iter().map(|slot| slot.key().id.to_string()).collect();
         assert_eq!(gone, ["light-old"]);
         assert_eq!(total.load(Ordering::Relaxed), 10 + 50_000);
@@ -2132,7 +2143,8 @@ mod tests {
         let mut instances: FastMap<InstanceKey, Arc<InstanceSlot>> = [(key.clone(), followed)].into_iter().collect();
         let total = AtomicUsize::new(600);
         let evicted = evict_idle(&mut instances, 100, (&total, 100));
-        assert!(evicted.is_empty());
+        assert!(evicted.slots.is_empty());
+        assert_eq!(evicted.shed.len(), 1);
         assert!(
             Arc::ptr_eq(&instances[&key], &reader),
             "the reader's slot is still the instance's"
@@ -2144,12 +2156,13 @@ mod tests {
             "the conversation is read again when next needed"
         );
         // Let go of once: with nothing left to let go of, it is passed over.
-        assert!(evict_idle(&mut instances, 0, (&total, 100)).is_empty());
+        let passed_over = evict_idle(&mut instances, 0, (&total, 100));
+        assert!(passed_over.slots.is_empty() && passed_over.shed.is_empty());
         assert_eq!(instances.len(), 1);
         drop(reader);
         // No longer held: it goes as any idle instance does.
         let evicted = evict_idle(&mut instances, 0, (&total, 100));
-        assert_eq!(evicted.len(), 1);
+        assert_eq!(evicted.slots.len(), 1);
     }
 
     /// Reference Appendix A: the lease, the node's heartbeat, scan and settle grace, the model

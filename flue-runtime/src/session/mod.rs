@@ -175,6 +175,13 @@ impl Drop for Abandoned {
     }
 }
 
+/// What a slot the cache keeps let go of ([`InstanceSlot::shed`]): dropped outside the cache's
+/// lock, as an evicted slot is.
+pub(crate) struct Shed {
+    _conversation: Conversation,
+    _mcp: crate::mcp::McpConnections,
+}
+
 impl InstanceSlot {
     pub(crate) fn new(key: InstanceKey, runtime: Weak<RuntimeInner>) -> Self {
         let binding = Arc::new(InstanceBinding {
@@ -295,15 +302,16 @@ impl InstanceSlot {
     /// Lets go of what the slot caches, as dropping it would (its conversation, read from the
     /// stream again by the next submission, and its MCP sessions), when no submission uses
     /// them: for a slot the cache must keep (a live reader waits on its appends). Returns the
-    /// weight no longer counted here, to subtract from the runtime's total.
-    pub(crate) fn shed(&self) -> usize {
-        let Ok(mut conversation) = self.conversation.try_lock() else {
-            return 0;
+    /// weight no longer counted here, to subtract from the runtime's total, and what was let
+    /// go of, to drop once the cache's lock is released.
+    pub(crate) fn shed(&self) -> Option<(usize, Shed)> {
+        let mut conversation = self.conversation.try_lock().ok()?;
+        let shed = Shed {
+            _conversation: std::mem::take(&mut *conversation),
+            _mcp: self.mcp.take(),
         };
-        *conversation = Conversation::default();
         drop(conversation);
-        self.mcp.close_all();
-        self.forget_weight()
+        Some((self.forget_weight(), shed))
     }
 
     /// Marks the slot as run by a worker (the cache's own tests).
