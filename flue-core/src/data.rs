@@ -213,7 +213,10 @@ pub fn tool_input_schema_of<T: JsonSchema + 'static>() -> DataSchema {
             // After the inlining: a wrapped type's definition may have a title of its own.
             map.remove("title");
             map.remove("$schema");
-            declarable_tool_schema(map);
+            // A Rust type's schema takes a few hundred steps; one past the budget (none
+            // compiles in practice) is declared with its root's properties alone, and serde
+            // still checks what its variants say.
+            let _ = declarable_tool_schema(map);
         }
         json
     })
@@ -223,40 +226,64 @@ pub fn tool_input_schema_of<T: JsonSchema + 'static>() -> DataSchema {
 /// to every request declaring one.
 pub const ROOT_KEYWORDS_REFUSED: [&str; 5] = ["anyOf", "oneOf", "allOf", "not", "enum"];
 
+/// How much of a schema [`declarable_tool_schema`] reads at most: the schemas (branches,
+/// referenced definitions) it visits and the property descriptions it takes in, together. The
+/// work of following every branch and reference grows with the product of their counts at each
+/// level, so a small schema (a few kilobytes of choices among references to more choices)
+/// could otherwise take hours; a schema generated from a Rust type needs a few hundred.
+pub const DECLARABLE_SCHEMA_BUDGET: usize = 20_000;
+
+/// How many distinct descriptions of one property [`declarable_tool_schema`] collects from the
+/// branches; a property described in more ways is declared as any value (what the branches
+/// said is checked when the arguments are read).
+const MAX_DESCRIPTIONS: usize = 16;
+
+/// A schema [`declarable_tool_schema`] would read past [`DECLARABLE_SCHEMA_BUDGET`] for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("its choices and references would take more than {DECLARABLE_SCHEMA_BUDGET} steps to read")]
+pub struct TooIntricate;
+
 /// Brings a tool's input schema to the shape providers take, in place: an object (the reference
 /// reads a schema without `type` as one) with `properties`, and without
 /// [`ROOT_KEYWORDS_REFUSED`] at its root. The properties of the combinators' branches become the
 /// root's, read through the branches' references to `$defs` and their own combinators (an enum
 /// whose variants wrap structs, a struct flattening two enums); a property the root does not
-/// describe, and the branches describe differently, is any of their descriptions. Required are
-/// the properties every `allOf` branch requires, and those all the branches of an `anyOf` or
-/// `oneOf` require. What else the combinators said is checked when the arguments are read (a
-/// local tool's by serde, an MCP tool's by its server).
-pub fn declarable_tool_schema(schema: &mut serde_json::Map<String, Value>) {
+/// describe, and the branches describe differently, is any of their descriptions (any value
+/// past a few). Required are the properties every `allOf` branch requires, and those all the
+/// branches of an `anyOf` or `oneOf` require. What else the combinators said is checked when
+/// the arguments are read (a local tool's by serde, an MCP tool's by its server).
+///
+/// A schema that would take more than [`DECLARABLE_SCHEMA_BUDGET`] steps to read is
+/// [`TooIntricate`]: its root's combinators are removed all the same, and what their branches
+/// said of its properties is left out.
+pub fn declarable_tool_schema(schema: &mut serde_json::Map<String, Value>) -> Result<(), TooIntricate> {
     let combined: serde_json::Map<String, Value> = ROOT_KEYWORDS_REFUSED
         .iter()
         .filter_map(|keyword| Some(((*keyword).to_owned(), schema.remove(*keyword)?)))
         .collect();
     let kind = schema.entry("type").or_insert_with(|| Value::from("object"));
     if kind != "object" {
-        return;
+        return Ok(());
     }
-    let defs = schema.get("$defs").cloned().unwrap_or(Value::Null);
-    let shape = Shape::of(&Value::Object(combined), &defs, 0);
+    let mut budget = DECLARABLE_SCHEMA_BUDGET;
+    let shape = {
+        let defs = schema.get("$defs").unwrap_or(&Value::Null);
+        Shape::of(&Value::Object(combined), defs, 0, &mut budget).ok_or(TooIntricate)?
+    };
     let Value::Object(root) = schema
         .entry("properties")
         .or_insert_with(|| Value::Object(serde_json::Map::new()))
     else {
-        return;
+        return Ok(());
     };
-    for (name, mut schemas) in shape.properties {
+    for (name, described) in shape.properties {
         if root.contains_key(&name) {
             continue;
         }
-        let property = if schemas.len() == 1 {
-            schemas.remove(0)
-        } else {
-            serde_json::json!({ "anyOf": schemas })
+        let property = match described {
+            Described::Any => Value::Object(serde_json::Map::new()),
+            Described::As(mut schemas) if schemas.len() == 1 => schemas.remove(0),
+            Described::As(schemas) => serde_json::json!({ "anyOf": schemas }),
         };
         root.insert(name, property);
     }
@@ -264,38 +291,56 @@ pub fn declarable_tool_schema(schema: &mut serde_json::Map<String, Value>) {
         let root = schema.entry("required").or_insert_with(|| Value::Array(Vec::new()));
         if let Value::Array(root) = root {
             for name in shape.required {
+                let name = Value::String(name);
                 if !root.contains(&name) {
                     root.push(name);
                 }
             }
         }
     }
+    Ok(())
+}
+
+/// How the branches describe a property.
+enum Described {
+    /// In these ways (distinct).
+    As(Vec<Value>),
+    /// In more ways than [`MAX_DESCRIPTIONS`]: any value.
+    Any,
 }
 
 /// What a schema (a combinator's branch) says of an object's properties: each property with
-/// its descriptions (distinct), and the properties it requires.
+/// its descriptions, and the properties it requires (each in the order first met).
 #[derive(Default)]
 struct Shape {
-    properties: Vec<(String, Vec<Value>)>,
-    required: Vec<Value>,
+    properties: Vec<(String, Described)>,
+    /// Where each property is in `properties`.
+    positions: std::collections::HashMap<String, usize>,
+    required: Vec<String>,
+    required_names: std::collections::HashSet<String>,
 }
 
 impl Shape {
     /// The shape of `schema`: its own properties, those of the `$defs` entry it references
     /// (`defs`), and those of its combinators' branches (`allOf`'s all required, `anyOf`'s and
-    /// `oneOf`'s required by every branch); `depth` bounds a chain of references.
-    fn of(schema: &Value, defs: &Value, depth: usize) -> Self {
+    /// `oneOf`'s required by every branch); `depth` bounds a chain of references. `None` once
+    /// `budget` (each schema visited, each property description taken in) runs out.
+    fn of(schema: &Value, defs: &Value, depth: usize, budget: &mut usize) -> Option<Self> {
         let mut shape = Self::default();
-        let Value::Object(schema) = schema else { return shape };
+        let Value::Object(schema) = schema else {
+            return Some(shape);
+        };
         if depth > 8 {
-            return shape;
+            return Some(shape);
         }
+        spend(budget, 1)?;
         for (name, property) in schema
             .get("properties")
             .and_then(Value::as_object)
             .into_iter()
             .flatten()
         {
+            spend(budget, 1)?;
             shape.describe(name, property);
         }
         shape.require(
@@ -304,7 +349,8 @@ impl Shape {
                 .and_then(Value::as_array)
                 .into_iter()
                 .flatten()
-                .cloned(),
+                .filter_map(Value::as_str)
+                .map(str::to_owned),
         );
         if let Some(name) = schema
             .get("$ref")
@@ -313,66 +359,103 @@ impl Shape {
             .map(|name| name.replace("~1", "/").replace("~0", "~"))
             && let Some(definition) = defs.get(&name)
         {
-            shape.merge(Self::of(definition, defs, depth + 1), true);
+            let referenced = Self::of(definition, defs, depth + 1, budget)?;
+            shape.merge(referenced, true, budget)?;
         }
         for keyword in ["allOf", "anyOf", "oneOf"] {
-            let branches: Vec<Self> = schema
-                .get(keyword)
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .map(|branch| Self::of(branch, defs, depth + 1))
-                .collect();
+            let mut branches = Vec::new();
+            for branch in schema.get(keyword).and_then(Value::as_array).into_iter().flatten() {
+                branches.push(Self::of(branch, defs, depth + 1, budget)?);
+            }
             if keyword == "allOf" {
                 for branch in branches {
-                    shape.merge(branch, true);
+                    shape.merge(branch, true, budget)?;
                 }
                 continue;
             }
-            let required: Vec<Value> = match branches.split_first() {
+            let required: Vec<String> = match branches.split_first() {
                 Some((first, rest)) => first
                     .required
                     .iter()
-                    .filter(|name| rest.iter().all(|branch| branch.required.contains(name)))
+                    .filter(|name| rest.iter().all(|branch| branch.required_names.contains(*name)))
                     .cloned()
                     .collect(),
                 None => Vec::new(),
             };
             for branch in branches {
-                shape.merge(branch, false);
+                shape.merge(branch, false, budget)?;
             }
             shape.require(required);
         }
-        shape
+        Some(shape)
     }
 
     fn describe(&mut self, name: &str, property: &Value) {
-        match self.properties.iter_mut().find(|(known, _)| known == name) {
-            Some((_, schemas)) if !schemas.contains(property) => schemas.push(property.clone()),
-            Some(_) => {}
-            None => self.properties.push((name.to_owned(), vec![property.clone()])),
+        let Some(&position) = self.positions.get(name) else {
+            self.positions.insert(name.to_owned(), self.properties.len());
+            self.properties
+                .push((name.to_owned(), Described::As(vec![property.clone()])));
+            return;
+        };
+        let described = &mut self.properties[position].1;
+        if let Described::As(schemas) = described
+            && !schemas.contains(property)
+        {
+            if schemas.len() == MAX_DESCRIPTIONS {
+                *described = Described::Any;
+            } else {
+                schemas.push(property.clone());
+            }
         }
     }
 
-    fn require(&mut self, names: impl IntoIterator<Item = Value>) {
+    fn describe_any(&mut self, name: &str) {
+        match self.positions.get(name) {
+            Some(&position) => self.properties[position].1 = Described::Any,
+            None => {
+                self.positions.insert(name.to_owned(), self.properties.len());
+                self.properties.push((name.to_owned(), Described::Any));
+            }
+        }
+    }
+
+    fn require(&mut self, names: impl IntoIterator<Item = String>) {
         for name in names {
-            if !self.required.contains(&name) {
+            if self.required_names.insert(name.clone()) {
                 self.required.push(name);
             }
         }
     }
 
-    /// Takes in `other`'s properties, and its required ones too when `required`.
-    fn merge(&mut self, other: Self, required: bool) {
-        for (name, schemas) in other.properties {
-            for property in &schemas {
-                self.describe(&name, property);
+    /// Takes in `other`'s properties, and its required ones too when `required`; `None` once
+    /// `budget` runs out (each description taken in spends one).
+    fn merge(&mut self, other: Self, required: bool, budget: &mut usize) -> Option<()> {
+        for (name, described) in other.properties {
+            match described {
+                Described::As(schemas) => {
+                    spend(budget, schemas.len())?;
+                    for property in &schemas {
+                        self.describe(&name, property);
+                    }
+                }
+                Described::Any => {
+                    spend(budget, 1)?;
+                    self.describe_any(&name);
+                }
             }
         }
         if required {
+            spend(budget, other.required.len())?;
             self.require(other.required);
         }
+        Some(())
     }
+}
+
+/// Takes `steps` from `budget`; `None` when it has fewer.
+fn spend(budget: &mut usize, steps: usize) -> Option<()> {
+    *budget = budget.checked_sub(steps)?;
+    Some(())
 }
 
 /// Puts the definition a root `$ref` names at the root: schemars describes a newtype (or a

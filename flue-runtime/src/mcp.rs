@@ -348,8 +348,22 @@ fn mount(
             continue;
         }
         // Declared in every model request of the response, and compiled before that: a bound
-        // first, on the schema as it will be declared.
-        let declared = input_schema(&listed.input_schema);
+        // first, on the schema as listed (before its choices are read) and as it will be
+        // declared.
+        let listed_bytes = crate::json_shape::json_bytes(&*listed.input_schema);
+        if listed_bytes > MAX_SCHEMA_BYTES {
+            leave_out(format!(
+                "its input schema is {listed_bytes} bytes, more than the {MAX_SCHEMA_BYTES} a tool's may be"
+            ))?;
+            continue;
+        }
+        let declared = match input_schema(&listed.input_schema) {
+            Ok(declared) => declared,
+            Err(error) => {
+                leave_out(format!("its input schema cannot be declared: {error}"))?;
+                continue;
+            }
+        };
         let schema_bytes = crate::json_shape::json_bytes(&declared);
         if schema_bytes > MAX_SCHEMA_BYTES {
             leave_out(format!(
@@ -571,10 +585,10 @@ fn short(text: &str) -> String {
 /// without `properties`, with none), and as providers take it
 /// ([`flue_core::data::declarable_tool_schema`]: no combinator at its root; what the
 /// combinators said the server checks when called).
-fn input_schema(listed: &serde_json::Map<String, Value>) -> Value {
+fn input_schema(listed: &serde_json::Map<String, Value>) -> Result<Value, flue_core::data::TooIntricate> {
     let mut schema = listed.clone();
-    flue_core::data::declarable_tool_schema(&mut schema);
-    Value::Object(schema)
+    flue_core::data::declarable_tool_schema(&mut schema)?;
+    Ok(Value::Object(schema))
 }
 
 struct McpTool {
@@ -912,12 +926,46 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 mod tests {
     use super::*;
 
+    /// A small schema whose choices each refer to definitions that are choices among the same
+    /// definitions again (a few kilobytes, well under the size bound) would take longer to
+    /// read branch by branch than the universe has left: it is refused at once, and the tool
+    /// left out, instead of holding a worker thread for ever.
+    #[test]
+    fn a_schema_whose_choices_multiply_is_refused_quickly() {
+        let branches = |level: usize| -> Vec<Value> {
+            (0..40)
+                .map(|n| serde_json::json!({"$ref": format!("#/$defs/l{level}"), "properties": {format!("p{n}"): {"type": "string"}}}))
+                .collect()
+        };
+        let mut defs = serde_json::Map::new();
+        for level in 0..8 {
+            defs.insert(format!("l{level}"), serde_json::json!({"anyOf": branches(level + 1)}));
+        }
+        let schema = serde_json::json!({"type": "object", "anyOf": branches(0), "$defs": defs});
+        assert!(crate::json_shape::json_bytes(&schema) < MAX_SCHEMA_BYTES);
+        // The walk without a budget would not return (40^9 branches to follow).
+        let refused = input_schema(schema.as_object().expect("an object"));
+        assert_eq!(refused, Err(flue_core::data::TooIntricate));
+
+        // Many branches describing one argument differently: any value, not a choice of them all.
+        let many: Vec<Value> = (0..40)
+            .map(|n| serde_json::json!({"properties": {"mode": {"const": format!("m{n}")}}}))
+            .collect();
+        let declared = input_schema(
+            serde_json::json!({"type": "object", "oneOf": many})
+                .as_object()
+                .expect("an object"),
+        )
+        .expect("declarable");
+        assert_eq!(declared["properties"]["mode"], serde_json::json!({}));
+    }
+
     /// Servers put `anyOf`/`oneOf`/`allOf` at a tool schema's root (one of two arguments
     /// required, say), which Anthropic and OpenAI refuse in every request that declares it: it
     /// is declared without them, their branches' properties at the root, `allOf`'s required.
     #[test]
     fn a_schemas_root_combinators_are_declared_as_the_properties_of_their_branches() {
-        let listed = |schema: Value| input_schema(schema.as_object().expect("an object"));
+        let listed = |schema: Value| input_schema(schema.as_object().expect("an object")).expect("declarable");
         let either = listed(serde_json::json!({
             "type": "object",
             "properties": {"query": {"type": "string"}},
