@@ -1,4 +1,4 @@
-//! Progress logging from tools and event-hook callbacks into the conversation stream.
+//! Progress logging from tools and event-hook callbacks to the runtime's observers.
 
 use std::fmt;
 use std::sync::Arc;
@@ -23,7 +23,10 @@ pub trait LogSink: Send + Sync {
     fn log(&self, level: LogLevel, message: &str);
 }
 
-/// Emits progress lines into the conversation stream. The model never sees them.
+/// Emits progress lines to the runtime's observers: each is a `log` event of
+/// `Runtime::observe()`, live only (nothing is stored in the conversation, and HTTP clients
+/// reading its stream do not see them). The model never sees them. A tool's lines are cleaned
+/// of its secrets, as its output is.
 ///
 /// A logger with no sink (tests, bare renders) discards its lines.
 #[derive(Clone, Default)]

@@ -654,7 +654,7 @@ pub fn parse_arguments<A: DeserializeOwned>(args: Value) -> Result<A, ToolOutput
         if path.is_empty() {
             path.push_str("root");
         }
-        ToolOutput::error(format!("Tool argument validation failed: [{path}] {}", error.inner()))
+        ToolOutput::invalid_arguments(format_args!("[{path}] {}", error.inner()))
     })
 }
 
@@ -704,6 +704,17 @@ impl ToolOutput {
             is_error: true,
             terminate: false,
         }
+    }
+
+    /// The error result of a call whose arguments are not what the tool takes (`issues`: what
+    /// is wrong, and where): the reference's `tool_input_validation`, whose message asks the
+    /// model to call the tool again. The tool does not run.
+    pub fn invalid_arguments(issues: impl std::fmt::Display) -> Self {
+        let issues = issues.to_string();
+        Self::error(format!(
+            "Tool argument validation failed: {}. Call the tool again with corrected arguments.",
+            issues.trim_end().trim_end_matches('.')
+        ))
     }
 
     /// Marks the result terminating.

@@ -133,8 +133,8 @@ impl ToolHandler for ActivateSkill {
     }
 
     fn call(&self, _ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
-        let output = match serde_json::from_value::<ActivateArgs>(args) {
-            Err(error) => ToolOutput::error(format!("Tool argument validation failed: [root] {error}")),
+        let output = match flue_core::tool::parse_arguments::<ActivateArgs>(args) {
+            Err(invalid) => invalid,
             Ok(args) => match self.skills.iter().find(|skill| skill.name() == args.name) {
                 None => ToolOutput::text(format!(
                     "Skill \"{}\" is not available. Available skills: {}.",
@@ -197,8 +197,8 @@ impl ToolHandler for ReadSkillResource {
     }
 
     fn call(&self, _ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
-        let output = match serde_json::from_value::<ReadArgs>(args) {
-            Err(error) => ToolOutput::error(format!("Tool argument validation failed: [root] {error}")),
+        let output = match flue_core::tool::parse_arguments::<ReadArgs>(args) {
+            Err(invalid) => invalid,
             Ok(args) => read(&self.skills, self.workspace.as_deref(), &args),
         };
         Box::pin(std::future::ready(output))

@@ -558,9 +558,9 @@ impl ToolHandler for TaskTool {
     fn call(&self, ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
         let delegation = self.delegation.clone();
         Box::pin(async move {
-            let args: TaskArgs = match serde_json::from_value(args) {
+            let args: TaskArgs = match flue_core::tool::parse_arguments(args) {
                 Ok(args) => args,
-                Err(error) => return ToolOutput::error(format!("Tool argument validation failed: [root] {error}")),
+                Err(invalid) => return invalid,
             };
             run_task(&delegation, args, ctx.tool_call_id()).await
         })

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::Instant;
@@ -84,7 +85,7 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
     let args: Value = match serde_json::from_str(if arguments.trim().is_empty() { "{}" } else { arguments }) {
         Ok(args) => args,
         Err(error) => {
-            return ToolOutput::error(format!("Tool argument validation failed: [root] invalid JSON: {error}"));
+            return ToolOutput::invalid_arguments(format_args!("[root] invalid JSON: {error}"));
         }
     };
     if let Err(issues) = tool.input_schema().validate(&args) {
@@ -95,7 +96,7 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
                 None => issue.clone(),
             })
             .collect();
-        return ToolOutput::error(format!("Tool argument validation failed: {}", issues.join("; ")));
+        return ToolOutput::invalid_arguments(issues.join("; "));
     }
     if signal.is_aborted() {
         return ToolOutput::error("Tool execution was aborted before it started.");
@@ -118,29 +119,53 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
                 .filter_map(|name| thread.env(name).ok()),
         );
     }
-    redacted(run_call(tool, ctx, args, signal).await, &mut secrets)
+    // Longest first: a secret that begins another is replaced after it.
+    secrets.sort_by_key(|secret| std::cmp::Reverse(secret.expose().len()));
+    let secrets: Arc<[flue_core::tool::Secret]> = secrets.into();
+    // Its log lines are cleaned as its output is: a library's error it logs may quote a key.
+    let log = ctx.log().clone();
+    let ctx = ctx.with_logger(flue_core::log::Logger::new(Arc::new(CleanLog {
+        log,
+        secrets: secrets.clone(),
+    })));
+    redacted(run_call(tool, ctx, args, signal).await, &secrets)
+}
+
+/// A tool call's log lines, without the values of its secrets nor a URL's secrets.
+struct CleanLog {
+    log: flue_core::log::Logger,
+    secrets: Arc<[flue_core::tool::Secret]>,
+}
+
+impl flue_core::log::LogSink for CleanLog {
+    fn log(&self, level: flue_core::log::LogLevel, message: &str) {
+        self.log.log(level, clean_text(message, &self.secrets, true));
+    }
+}
+
+/// `text` without the values of `secrets` (longest first; as they are, JSON-escaped or
+/// percent-encoded), and, when `urls`, without a URL's secrets.
+fn clean_text(text: &str, secrets: &[flue_core::tool::Secret], urls: bool) -> String {
+    let text = secrets.iter().fold(text.to_owned(), |text, secret| {
+        crate::provider::redact_secret(&text, secret.expose())
+    });
+    if urls {
+        flue_core::url::without_url_secrets(&text)
+    } else {
+        text
+    }
 }
 
 /// `output` as the model, the records and the observers get it: without the values of the
 /// tool's declared `secrets` (as they are, JSON-escaped or percent-encoded, wherever they show),
 /// and, for an error, without a URL's secrets (an HTTP client's error quotes the URL it
 /// called, query keys included).
-fn redacted(mut output: ToolOutput, secrets: &mut [flue_core::tool::Secret]) -> ToolOutput {
+fn redacted(mut output: ToolOutput, secrets: &[flue_core::tool::Secret]) -> ToolOutput {
     if secrets.is_empty() && !output.is_error {
         return output;
     }
-    // Longest first: a secret that begins another is replaced after it.
-    secrets.sort_by_key(|secret| std::cmp::Reverse(secret.expose().len()));
-    let secrets = &*secrets;
-    let clean = |text: &str| {
-        let mut text = secrets.iter().fold(text.to_owned(), |text, secret| {
-            crate::provider::redact_secret(&text, secret.expose())
-        });
-        if output.is_error {
-            text = flue_core::url::without_url_secrets(&text);
-        }
-        text
-    };
+    let is_error = output.is_error;
+    let clean = |text: &str| clean_text(text, secrets, is_error);
     match &mut output.content {
         ToolContent::Text(text) => {
             let cleaned = clean(text);
@@ -290,6 +315,46 @@ mod tests {
             assert!(!shown.contains("AIza"), "{shown}");
             assert!(shown.contains("[redacted]"), "{shown}");
         }
+    }
+
+    /// Where a test's log lines go.
+    #[derive(Default)]
+    struct Lines(Mutex<Vec<String>>);
+
+    impl flue_core::log::LogSink for Lines {
+        fn log(&self, _level: flue_core::log::LogLevel, message: &str) {
+            self.0.lock().unwrap().push(message.to_owned());
+        }
+    }
+
+    /// A tool's log lines reach the observers cleaned as its output is: a library's error it
+    /// logs may quote its key, or the URL it called.
+    #[tokio::test]
+    async fn a_tools_log_lines_reach_the_observers_without_its_secrets() {
+        let tool = Tool::new("maps")
+            .description("Looks a place up.")
+            .secret("MAPS_KEY")
+            .run(|ctx: ToolContext, _: serde_json::Map<String, Value>| async move {
+                let key = ctx.secret("MAPS_KEY").unwrap();
+                ctx.log().error(format!("the maps API refused {}", key.expose()));
+                ctx.log()
+                    .warn("GET https://maps.example/find?token=abc123&q=x timed out");
+                "found"
+            });
+        let lines = Arc::new(Lines::default());
+        let ctx = ToolContext::new(&tool, "call_1")
+            .with_secrets(Arc::new(OneSecret))
+            .with_logger(flue_core::log::Logger::new(lines.clone()));
+        run_one(&tool, ctx, "{}", &AbortSignal::new()).await;
+        let lines = lines.0.lock().unwrap().clone();
+        assert_eq!(lines.len(), 2);
+        assert!(
+            lines
+                .iter()
+                .all(|line| !line.contains("AIza") && !line.contains("abc123")),
+            "{lines:?}"
+        );
+        assert!(lines[0].contains("[redacted]"), "{lines:?}");
     }
 
     /// Panics when dropped.

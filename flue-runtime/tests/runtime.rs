@@ -95,6 +95,66 @@ async fn invalid_tool_arguments_go_back_to_the_model_and_the_tool_does_not_run()
     };
     assert!(*is_error);
     assert!(content.starts_with("Tool argument validation failed:"), "{content}");
+    assert!(
+        content.ends_with("Call the tool again with corrected arguments."),
+        "{content}"
+    );
+}
+
+/// The arguments of a tool whose schema says more than its type: serde would take `n: 50`.
+#[derive(serde::Deserialize, schemars::JsonSchema)]
+struct Bounded {
+    /// At most ten.
+    #[schemars(range(max = 10))]
+    n: u32,
+}
+
+static BOUNDED_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn bounded_tool() -> &'static str {
+    use_model("scripted/x");
+    use_tool(
+        Tool::new("bounded")
+            .description("Takes a number up to ten.")
+            .run(|_ctx, args: Bounded| async move {
+                BOUNDED_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                args.n.to_string()
+            }),
+    );
+    "Count."
+}
+
+/// The runtime checks a call's arguments against the tool's schema before it runs: what the
+/// schema refuses never reaches the tool, even when its type would take it (a range, a length,
+/// a pattern; a tool taking JSON as it comes; an MCP tool), and the model is asked to call
+/// again.
+#[tokio::test]
+async fn arguments_the_schema_refuses_and_the_type_would_take_never_reach_the_tool() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("bounded", json!({"n": 50})),
+        ScriptedReply::tool_call("bounded", json!({"n": 5})),
+        ScriptedReply::text("Done."),
+    ]);
+    let runtime = runtime_with(&model, vec![bounded_tool.into()]);
+    runtime.init(&bounded_tool, "b").send("count").await.unwrap();
+    assert_eq!(
+        harness::tool_results(&model.requests()[1])
+            .first()
+            .map(|(content, error)| (
+                content.starts_with("Tool argument validation failed: [/n] 50 is greater than the maximum of 10"),
+                *error
+            )),
+        Some((true, true)),
+        "{:?}",
+        harness::tool_results(&model.requests()[1])
+    );
+    // Only the call within range ran.
+    assert_eq!(BOUNDED_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        harness::tool_results(&model.requests()[2]).last().unwrap(),
+        &("5".to_owned(), false)
+    );
 }
 
 /// Divide two numbers.
@@ -2731,6 +2791,51 @@ async fn a_finished_tool_call_frees_its_place_under_the_concurrency_limit() {
             ("met".to_owned(), false)
         ]
     );
+}
+
+static IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK_IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn counted_in_flight() -> &'static str {
+    use_model("scripted/x");
+    use_tool(Tool::new("slow").description("Takes a while.").run(
+        |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
+            use std::sync::atomic::Ordering::SeqCst;
+            let now = IN_FLIGHT.fetch_add(1, SeqCst) + 1;
+            PEAK_IN_FLIGHT.fetch_max(now, SeqCst);
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            IN_FLIGHT.fetch_sub(1, SeqCst);
+            "slept"
+        },
+    ));
+    "Sleep."
+}
+
+/// Five calls of one step at a limit of two: two run at once (they do run concurrently), never
+/// more.
+#[tokio::test]
+async fn a_steps_calls_run_concurrently_up_to_the_limit_and_never_past_it() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls((0..5).map(|_| ("slow", json!({})))),
+        ScriptedReply::text("rested"),
+    ]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(counted_in_flight)
+        .options(RuntimeOptions {
+            tool_concurrency: 2,
+            ..RuntimeOptions::default()
+        })
+        .build()
+        .unwrap();
+    let reply = runtime.init(&counted_in_flight, "c").send("go").await.unwrap();
+    assert_eq!(reply.text, "rested");
+    assert_eq!(harness::tool_results(&model.requests()[1]).len(), 5);
+    assert_eq!(PEAK_IN_FLIGHT.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
 
 #[agent]

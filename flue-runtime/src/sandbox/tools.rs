@@ -469,11 +469,9 @@ impl<A: DeserializeOwned + Send + 'static> ToolHandler for SandboxTool<A> {
     }
 
     fn call(&self, _ctx: ToolContext, args: Value) -> BoxFuture<'_, ToolOutput> {
-        match serde_json::from_value::<A>(args) {
+        match flue_core::tool::parse_arguments::<A>(args) {
             Ok(args) => (self.run)(&self.session, args),
-            Err(error) => Box::pin(std::future::ready(ToolOutput::error(format!(
-                "Tool argument validation failed: [root] {error}"
-            )))),
+            Err(invalid) => Box::pin(std::future::ready(invalid)),
         }
     }
 }
