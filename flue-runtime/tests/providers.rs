@@ -1756,15 +1756,17 @@ async fn anthropic_defaults_max_tokens_above_the_thinking_budget() {
 // ---- fixture server ----
 
 #[tokio::test]
-async fn the_fixture_server_answers_500_saying_the_script_ran_out() {
+async fn the_fixture_server_answers_400_saying_the_script_ran_out_and_is_not_retried() {
     let server = FixtureServer::start().await;
-    let provider = openai(&server, "FLUE_TEST_KEY_EXHAUSTED").with_retry_policy(RetryPolicy::none());
+    // Retries on: an exhausted script is not retried.
+    let provider = openai(&server, "FLUE_TEST_KEY_EXHAUSTED");
     let (_, error) = fail(&provider, request("hi")).await;
     assert_eq!(
         (error.kind.clone(), error.status),
-        (ProviderErrorKind::Server, Some(500))
+        (ProviderErrorKind::BadRequest, Some(400))
     );
     assert!(error.message.contains("fixture script ran out"), "{}", error.message);
+    assert_eq!(server.requests().len(), 1, "no retry");
 }
 
 // ---- registry ----

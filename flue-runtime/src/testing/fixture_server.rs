@@ -10,8 +10,9 @@
 //! Both answer from one FIFO queue of scripted [`FixtureReply`] values pushed by the test. The
 //! server does not check which API a reply imitates, nor any API key: it only records every
 //! request ([`RecordedRequest`]: method, path, headers, JSON body) for assertions. When the queue
-//! is empty it answers `500` with a body saying the fixture script ran out, so a test that
-//! makes more calls than it scripted fails loudly. Other paths answer `404`.
+//! is empty it answers `400` with a body saying the fixture script ran out, so a test that
+//! makes more calls than it scripted fails loudly and at once (a `400` is not retried, where
+//! a `5xx` would be, for seconds, recording the retries). Other paths answer `404`.
 //!
 //! ```
 //! use flue_runtime::provider::openai::OpenAiProvider;
@@ -836,10 +837,7 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
             "[flue fixture] The fixture script ran out: no scripted reply is left for {method} {path}. Push one \
              FixtureReply per expected request (retries included)."
         );
-        return plain(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            error_json("fixture_script_exhausted", message),
-        );
+        return plain(StatusCode::BAD_REQUEST, error_json("fixture_script_exhausted", message));
     };
     if !reply.delay.is_zero() {
         tokio::time::sleep(reply.delay).await;
