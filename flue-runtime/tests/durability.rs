@@ -175,6 +175,83 @@ async fn a_failure_between_a_tool_outcome_and_its_batch_commit_leaves_the_tools_
     assert_eq!(inputs, 1);
 }
 
+/// Adds a row to the thread (an append of its own, in the middle of the tool).
+#[tool]
+async fn jot(ctx: &ToolContext) -> Result<String, ToolError> {
+    let thread = ctx.thread().expect("a thread");
+    thread
+        .inject_message(flue_runtime::lifecycle::InjectMessage::new(
+            flue_runtime::lifecycle::MessageRole::User,
+            "remember the milk",
+        ))
+        .await
+        .map_err(|error| ToolError::new(error.to_string()))?;
+    Ok("jotted".into())
+}
+
+/// Ends a little after it starts.
+#[tool]
+async fn quick_one() -> String {
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    "quick".into()
+}
+
+#[agent]
+fn scribe() -> &'static str {
+    use_model("scripted/x");
+    use_tool(jot);
+    use_tool(quick_one);
+    "You take notes."
+}
+
+/// A tool stopped by an abort while the store had its write (committed, its answer not yet
+/// back: a remote store's) leaves that write in the stream, and batches after it (the
+/// outcome of a call that ended before the abort) in the node's fold. The node reads the
+/// conversation again, so the row is not missing from what its next model call reads.
+#[tokio::test]
+async fn a_write_a_tool_gave_up_on_mid_commit_is_seen_by_the_next_submission() {
+    let store = FaultyStore::default();
+    store.hangs_after_commit.store(true, Ordering::SeqCst);
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::MessageInjected { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_calls([("jot", json!({})), ("quick_one", json!({}))]),
+        ScriptedReply::text("noted"),
+    ]);
+    let runtime = runtime(&store, &model, scribe);
+    let handle = runtime.init(&scribe, "s");
+    let sending = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.send("jot it down").await }
+    });
+    let key = InstanceKey::new("scribe", "s");
+    // The row is committed (its append hangs after), and the quick call has ended.
+    for _ in 0..500 {
+        if records(&store, &key)
+            .await
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::MessageInjected { .. }))
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(handle.abort().await.unwrap());
+    let aborted = sending.await.unwrap().unwrap_err();
+    assert!(
+        matches!(&aborted, RuntimeError::Run { outcome, .. } if *outcome == "was aborted"),
+        "{aborted:?}"
+    );
+    store.disarm();
+    handle.send("what did you note?").await.unwrap();
+    let read = format!("{:?}", model.requests()[1].messages);
+    assert!(read.contains("remember the milk"), "{read}");
+}
+
 #[agent(durability(max_attempts = 1))]
 fn one_shot_answer() -> &'static str {
     use_model("scripted/x");

@@ -58,6 +58,28 @@ pub(crate) struct ThreadWriter {
     /// A write of the attempt failed: its commit may still have gone through (its answer
     /// lost), so the stream may hold a batch the response's fold does not.
     failed_write: std::sync::atomic::AtomicBool,
+    /// Whether an append was given up while the store had it (its caller, a tool an abort
+    /// stopped, dropped it): the store may have committed it, and then no fold saw it (see
+    /// [`ThreadWriter::lost_track`]).
+    abandoned_append: std::sync::atomic::AtomicBool,
+}
+
+/// Notes, when dropped before [`Appending::done`], that an append was given up while the
+/// store had it.
+struct Appending<'a>(&'a std::sync::atomic::AtomicBool, bool);
+
+impl Appending<'_> {
+    fn done(mut self) {
+        self.1 = true;
+    }
+}
+
+impl Drop for Appending<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
 }
 
 impl ThreadWriter {
@@ -93,7 +115,15 @@ impl ThreadWriter {
             pending_updates: Mutex::default(),
             closed: std::sync::atomic::AtomicBool::new(false),
             failed_write: std::sync::atomic::AtomicBool::new(false),
+            abandoned_append: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Whether the stream may hold a batch of the attempt no fold saw: an append given up while
+    /// the store had it (a store whose commit is not done within the call, Postgres's, may
+    /// commit it all the same). A fold of the instance is then read again from the start.
+    pub(crate) fn lost_track(&self) -> bool {
+        self.abandoned_append.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether a write of the attempt failed (see `failed_write`).
@@ -240,7 +270,10 @@ impl ThreadWriter {
 
     /// Appends `records`, the appends' lock held.
     async fn append_in_order(&self, records: Arc<[Record]>) -> Result<u64, StoreError> {
-        let offset = self.noting_failure(self.store.append(&self.key, records.clone(), Some(&self.attempt)).await)?;
+        let appending = Appending(&self.abandoned_append, false);
+        let appended = self.store.append(&self.key, records.clone(), Some(&self.attempt)).await;
+        appending.done();
+        let offset = self.noting_failure(appended)?;
         self.binding.note_append();
         self.unfolded
             .lock()
@@ -260,11 +293,13 @@ impl ThreadWriter {
         birth: Arc<[Record]>,
     ) -> Result<u64, StoreError> {
         let _order = self.lock.lock().await;
-        let offset = self.noting_failure(
-            self.store
-                .create_child(&self.key, link.clone(), child, birth, Some(&self.attempt))
-                .await,
-        )?;
+        let appending = Appending(&self.abandoned_append, false);
+        let appended = self
+            .store
+            .create_child(&self.key, link.clone(), child, birth, Some(&self.attempt))
+            .await;
+        appending.done();
+        let offset = self.noting_failure(appended)?;
         self.binding.note_append();
         self.unfolded
             .lock()

@@ -897,6 +897,9 @@ impl InstanceSlot {
         response.fold_thread_writes();
         let joined_ids = std::mem::take(&mut response.joined);
         let reply = std::mem::take(&mut response.reply);
+        // An append given up while the store had it (a tool an abort stopped mid-write) may be
+        // in the stream and in no fold (see `ThreadWriter::lost_track`).
+        let lost_track = attempt.writer.get().is_some_and(|writer| writer.lost_track());
         if binding::hands_over(attempt.signal.reason()) {
             // Given back to the queue (the node is stopping), or taken over by another node:
             // another attempt runs the submission from what is durable, and settles it.
@@ -1059,7 +1062,11 @@ impl InstanceSlot {
                         // The fold may lag the stream (a response given up mid-append, a commit
                         // whose answer was lost, a read that failed at the start): it is brought
                         // up to date before it names calls uncommitted, and nothing is written
-                        // for them when it cannot be.
+                        // for them when it cannot be. An append given up while the store had it
+                        // may sit before batches the fold took: the fold starts over.
+                        if lost_track {
+                            *conversation = Conversation::default();
+                        }
                         match runtime.store.read(&self.key, conversation.last_offset).await {
                             Ok(batches) => {
                                 for batch in &batches {
@@ -1185,7 +1192,9 @@ impl InstanceSlot {
             }
         }
         self.binding.set_current(None);
-        if given_up {
+        // Read again by the instance's next submission: what was given up on, or a fold that
+        // may lack a batch of the stream.
+        if given_up || lost_track {
             *conversation = Conversation::default();
         }
         drop(conversation);

@@ -41,6 +41,10 @@ pub struct FaultyStore {
     /// While set, an append that fails on purpose is committed first: its acknowledgement is
     /// what is lost (a remote store's connection dropping after its `COMMIT`).
     pub acks_lost: Arc<AtomicBool>,
+    /// While set, an append that fails on purpose is committed and then never answers (a
+    /// remote store whose reply its caller stopped waiting for): a caller that gives it up
+    /// leaves it in the stream.
+    pub hangs_after_commit: Arc<AtomicBool>,
     /// Attachment reads from the streams this matches find nothing (an attachment lost, or
     /// never stored).
     pub missing_attachments: Arc<Mutex<Option<KeyPredicate>>>,
@@ -71,6 +75,7 @@ impl FaultyStore {
             stall_scans: Arc::default(),
             failing_attachment_reads: Arc::default(),
             acks_lost: Arc::default(),
+            hangs_after_commit: Arc::default(),
             missing_attachments: Arc::default(),
         }
     }
@@ -250,6 +255,13 @@ impl Store for FaultyStore {
         authorization: Option<&AttemptRef>,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         if self.injects_failure(key, &records) {
+            if self.hangs_after_commit.load(Ordering::SeqCst) {
+                let (key, authorization) = (key.clone(), authorization.cloned());
+                return Box::pin(async move {
+                    self.inner.append(&key, records, authorization.as_ref()).await?;
+                    std::future::pending().await
+                });
+            }
             if self.acks_lost.load(Ordering::SeqCst) {
                 let (key, authorization) = (key.clone(), authorization.cloned());
                 return Box::pin(async move {
