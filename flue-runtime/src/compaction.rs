@@ -203,6 +203,30 @@ const LEFT_OUT: &str = "[The conversation's start is left out: it does not fit t
 /// What an earlier summary cut to fit the summarizing model ends with.
 const EARLIER_LEFT_OUT: &str = " [The rest of the earlier summary is left out: it does not fit.]";
 
+/// How one summary call is planned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Planning {
+    /// To fit the summarizing model's window ([`plan`]; `None`: not known, the input whole),
+    /// estimated at this many characters a token.
+    Window(Option<u64>, u64),
+    /// The window not known and a call refused as too long: the input cut to a part of its
+    /// characters (`1 / n`), the answer to a part of its tokens.
+    Part(usize),
+}
+
+/// The plans of a summary call and of the calls that follow one the summarizing model refuses
+/// as too long. With the model's `window` known, it is planned at 4 characters a token, then
+/// 2, then 1 (a text whose tokens are shorter, CJK or base64). Not known, the input is sent
+/// whole first; refused, half of it (the newest), then a quarter, each with an answer as
+/// much shorter: a message larger than the window would otherwise fail every summary of it,
+/// and so every later call of the conversation.
+fn summary_plans(window: Option<u64>) -> [Planning; 3] {
+    match window {
+        Some(_) => [4, 2, 1].map(|per_token| Planning::Window(window, per_token)),
+        None => [Planning::Window(None, 4), Planning::Part(2), Planning::Part(4)],
+    }
+}
+
 /// How a summary call fits the summarizing model's `window` (in tokens; `None` when it is not
 /// known: nothing changes): the answer it may give, from `answer` (at most half the window),
 /// and the characters its input keeps when it must be cut (`None`: it is sent whole). An input
@@ -494,10 +518,22 @@ pub(crate) async fn compact<S: Compacting>(
         return Ok(false);
     }
     let retries = session.runtime().options.model_retries;
-    let request = |summarizer: &dyn ModelProvider, model: String, per_token: u64| {
+    let whole = previous.as_deref().map_or(0, |previous| earlier(previous).len()) + older.len();
+    let request = |summarizer: &dyn ModelProvider, model: String, planning: Planning| {
         let answer = summary_tokens(&config, window, summarizer.max_output_tokens(&model));
-        let whole = previous.as_deref().map_or(0, |previous| earlier(previous).len()) + older.len();
-        let planned = plan(summarizer.context_window(&model), answer, whole, per_token)?;
+        let planned = match planning {
+            Planning::Window(summarizers, per_token) => plan(summarizers, answer, whole, per_token)?,
+            Planning::Part(part) if whole / part < MIN_CUT_ROOM => {
+                return Err(format!(
+                    "the summarizing model refused the transcript as too long, and a {} of it is too short to summarize",
+                    if part == 2 { "half" } else { "part" }
+                ));
+            }
+            Planning::Part(part) => (
+                (answer / u32::try_from(part).unwrap_or(u32::MAX)).max(1),
+                Some(whole / part),
+            ),
+        };
         let (answer, room) = planned;
         let request = ModelRequest {
             max_output_tokens: Some(answer),
@@ -526,13 +562,11 @@ pub(crate) async fn compact<S: Compacting>(
     let summary = match resolved {
         Ok((summarizer, model)) => {
             let summarizer = summarizer.as_deref().unwrap_or(provider);
-            // Planned at 4 characters a token; a call the model refuses as too long, again at
-            // 2, then 1 (a known window only: without one the input is not cut).
-            let known = summarizer.context_window(&model).is_some();
+            let plans = summary_plans(summarizer.context_window(&model));
             let mut summary = Err(String::new());
             let mut made = None;
-            for per_token in [4, 2, 1] {
-                let request = match request(summarizer, model.clone(), per_token) {
+            for (attempt, planning) in plans.iter().enumerate() {
+                let request = match request(summarizer, model.clone(), *planning) {
                     // The same call as the one refused: it would be refused again.
                     Ok((_, planned)) if made == Some(planned) => continue,
                     Ok((request, planned)) => {
@@ -545,8 +579,8 @@ pub(crate) async fn compact<S: Compacting>(
                     }
                 };
                 match summarize(&*session, summarizer, request, step).await {
-                    Err(error) if error.is_context_overflow() && known && per_token > 1 => {
-                        tracing::debug!(%error, per_token, "the summary call was too long for the summarizing model; planning it again");
+                    Err(error) if error.is_context_overflow() && attempt + 1 < plans.len() => {
+                        tracing::debug!(%error, attempt, "the summary call was too long for the summarizing model; planning it again");
                         summary = Err(error.to_string());
                     }
                     outcome => {

@@ -457,6 +457,59 @@ async fn a_summary_call_refused_as_too_long_is_made_again_with_less_of_the_trans
     assert!(summarized.contains("The user said two."), "{summarized}");
 }
 
+/// A summarizing model whose window nobody knows (a model of a compatible server) that
+/// refuses the whole transcript as too long is asked again with its newest half: a message
+/// larger than its window would otherwise fail every summary, and so every later call of the
+/// conversation.
+#[tokio::test]
+async fn a_summarizer_of_unknown_window_refusing_the_transcript_gets_its_newest_half() {
+    let longer = |word: &str| long(word).repeat(4);
+    let model = ScriptedModel::new([
+        ScriptedReply::text(longer("one")),
+        ScriptedReply::text(longer("two")),
+        ScriptedReply::text("three it is"),
+    ])
+    .with_context_window(1_800);
+    // No window: the first call carries the transcript whole.
+    let small = refusing_then("The user said two.");
+    let mut providers = flue_runtime::provider::ProviderRegistry::new();
+    providers.register(model.clone());
+    providers.register(small.clone());
+    let runtime = flue_runtime::Runtime::builder()
+        .store(flue_runtime::store::MemoryStore::new())
+        .providers(providers)
+        .agent(small_summarizer)
+        .build()
+        .unwrap();
+    let handle = runtime.init(&small_summarizer, "s");
+    handle.send(longer("first")).await.unwrap();
+    handle.send(longer("second")).await.unwrap();
+    assert_eq!(handle.send(longer("third")).await.unwrap().text, "three it is");
+    let requests = small.requests();
+    assert_eq!(requests.len(), 2, "refused, then made again");
+    let content = |request: &flue_runtime::provider::ModelRequest| match &request.messages[0] {
+        ModelMessage::User { content, .. } => content.clone(),
+        other => panic!("a transcript: {other:?}"),
+    };
+    let (whole, half) = (content(&requests[0]), content(&requests[1]));
+    assert!(whole.contains("first"), "sent whole first: {whole}");
+    assert!(
+        half.starts_with("[The conversation's start is left out: it does not fit the summarizing model's window.]"),
+        "{half}"
+    );
+    assert!(
+        half.len() <= whole.len() / 2,
+        "{} then {} characters",
+        whole.len(),
+        half.len()
+    );
+    assert!(half.trim_end().ends_with("two"), "the newest part: {half}");
+    assert!(!half.contains("first"), "{half}");
+    assert!(requests[1].max_output_tokens < requests[0].max_output_tokens);
+    let summarized = format!("{:?}", model.requests().last().unwrap().messages);
+    assert!(summarized.contains("The user said two."), "{summarized}");
+}
+
 /// A summary call refused as too long whose input a more careful estimate would not change
 /// (it fits the window by any of them) is not made again, the same call, to be refused again:
 /// the compaction gives up, and the session goes on.
