@@ -204,7 +204,9 @@ impl std::fmt::Debug for Client {
 impl Client {
     /// A client of the server at `base_url` (its root: agents are under `/agents/<name>`
     /// below its path). A query of the base URL goes with every request; a fragment is
-    /// dropped. [`ClientError::InvalidRequest`] when it is not an `http` or `https` URL.
+    /// dropped. [`ClientError::InvalidRequest`] when it is not an `http` or `https` URL, or
+    /// carries credentials (`user:password@`: the server takes a bearer token,
+    /// [`Client::with_bearer_token`]).
     pub fn new(base_url: impl Into<String>) -> Result<Self, ClientError> {
         let base_url = base_url.into();
         let invalid = |why: &dyn std::fmt::Display| {
@@ -214,6 +216,13 @@ impl Client {
             reqwest::Url::parse(&base_url).map_err(|error| invalid(&format_args!("is not a URL ({error})")))?;
         if !matches!(base.scheme(), "http" | "https") {
             return Err(invalid(&"is not an http or https URL"));
+        }
+        // reqwest would send them as Basic credentials, beside (and before) a bearer token,
+        // which the server would then not read.
+        if !base.username().is_empty() || base.password().is_some() {
+            return Err(invalid(
+                &"carries credentials: give the server's token with `with_bearer_token` instead",
+            ));
         }
         base.set_fragment(None);
         // Redirects are not followed: a POST redirected becomes a GET without its body (so a
@@ -1279,9 +1288,8 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    /// A server URL carrying a password in its userinfo and a key in its query; nothing
-    /// listens on port 1 of loopback.
-    const SECRET_URL: &str = "http://user:hunter2@127.0.0.1:1/?key=hunter2";
+    /// A server URL carrying a key in its query; nothing listens on port 1 of loopback.
+    const SECRET_URL: &str = "http://127.0.0.1:1/?key=hunter2";
 
     #[tokio::test]
     async fn a_stream_from_an_unreachable_server_ends_after_its_reconnect_limit() {
@@ -1295,7 +1303,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn transport_errors_quote_the_server_without_its_userinfo_or_query() {
+    async fn transport_errors_quote_the_server_without_its_query() {
         let client = Client::new(SECRET_URL).unwrap().with_bearer_token("token-hunter2");
         let errors = [
             client.catalog().await.unwrap_err(),
@@ -2052,6 +2060,9 @@ mod tests {
             "not a url",
             "ftp://user:hunter2@host/",
             "mailto:me@example.com",
+            // Credentials in the URL: reqwest would send them as Basic, ahead of the token.
+            "http://user:hunter2@127.0.0.1:1/",
+            "https://:hunter2@agents.example.com",
         ] {
             let error = Client::new(base).unwrap_err();
             assert!(matches!(error, ClientError::InvalidRequest(_)), "{base}: {error:?}");
