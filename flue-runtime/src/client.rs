@@ -617,9 +617,11 @@ impl Instance {
         let keyed = body.get("idempotencyKey").is_some();
         let mut posts = 1;
         loop {
-            match self.post_admission(&body).await {
+            let mut retry_after = None;
+            match self.post_admission(&body, &mut retry_after).await {
+                // After the pause a refusal's `Retry-After` asks for, when longer.
                 Err(error) if keyed && posts < ADMISSION_POSTS && answer_lost(&error) => {
-                    tokio::time::sleep(reconnect_delay(posts, None)).await;
+                    tokio::time::sleep(reconnect_delay(posts, retry_after)).await;
                     posts += 1;
                 }
                 answered => return answered,
@@ -627,7 +629,8 @@ impl Instance {
         }
     }
 
-    async fn post_admission(&self, body: &Value) -> Result<Receipt, ClientError> {
+    /// Posts an admission; a refusal's `Retry-After` goes to `retry_after`.
+    async fn post_admission(&self, body: &Value, retry_after: &mut Option<Duration>) -> Result<Receipt, ClientError> {
         let response = self
             .client
             .call(reqwest::Method::POST, self.url(&[])?)
@@ -635,6 +638,11 @@ impl Instance {
             .send()
             .await?;
         let status = response.status().as_u16();
+        *retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(crate::provider::parse_retry_after);
         let receipt = json_of(response, self.client.max_body_bytes).await?;
         let text = |field: &str| receipt[field].as_str().unwrap_or_default().to_owned();
         // An admission answers 202 with the submission and its offset: anything else admitted
@@ -654,9 +662,22 @@ impl Instance {
 
     /// Sends `message` and waits for its reply. Once the message is admitted, a failure to
     /// read its reply is [`ClientError::Unanswered`], with the receipt to read it again by; a
-    /// submission that failed or was aborted is [`ClientError::Settled`].
+    /// submission that failed or was aborted is [`ClientError::Settled`]. As for
+    /// [`Self::send`], an error after an answer was lost may still hide an admission:
+    /// [`Self::prompt_with_key`] with a key of the caller's own can ask again without sending
+    /// the message twice.
     pub async fn prompt(&self, message: impl Into<DeliveredMessage>) -> Result<Reply, ClientError> {
-        let receipt = self.send(message).await?;
+        self.prompt_with_key(message, &crate::record::new_id("send")).await
+    }
+
+    /// [`Self::prompt`] under `idempotency_key` (see [`Self::send_with_key`]): prompting again
+    /// with the same message and key after an error waits for the reply of the one admission.
+    pub async fn prompt_with_key(
+        &self,
+        message: impl Into<DeliveredMessage>,
+        idempotency_key: &str,
+    ) -> Result<Reply, ClientError> {
+        let receipt = self.send_with_key(message, idempotency_key).await?;
         self.reply(&receipt).await.map_err(|error| match error {
             settled @ ClientError::Settled { .. } => settled,
             error => ClientError::Unanswered {
@@ -708,7 +729,7 @@ impl Instance {
                 ));
             };
             fields.insert("type".into(), json!("submission-settled"));
-            if let Some(result) = replies.apply(&chunk, submission_id) {
+            if let Some(result) = replies.apply(&chunk, submission_id, self.client.max_body_bytes) {
                 return result;
             }
         }
@@ -745,7 +766,7 @@ impl Instance {
             if !whole && ReplyFold::answered_by_another(&chunk, submission_id) {
                 return Ok(None);
             }
-            if let Some(result) = replies.apply(&chunk, submission_id) {
+            if let Some(result) = replies.apply(&chunk, submission_id, self.client.max_body_bytes) {
                 return result.map(Some);
             }
         }
@@ -1158,6 +1179,9 @@ struct ReplyFold {
     responses: std::collections::HashMap<String, String>,
     /// Response message id → the reply so far, and the step text being streamed.
     replies: std::collections::HashMap<String, (Vec<String>, String, Reply)>,
+    /// Roughly the bytes the chunks taken in since the last snapshot added (texts, data,
+    /// metadata, ids): what a reply may hold is bounded as a history's answer is.
+    held: usize,
 }
 
 impl ReplyFold {
@@ -1207,9 +1231,21 @@ impl ReplyFold {
         fold
     }
 
-    /// Takes in `chunk`; the result once `submission_id` settled.
-    fn apply(&mut self, chunk: &Value, submission_id: &str) -> Option<Result<Reply, ClientError>> {
+    /// Takes in `chunk`; the result once `submission_id` settled, or an error once what the
+    /// replies hold passes `limit` bytes (a server streaming for ever without settling).
+    fn apply(&mut self, chunk: &Value, submission_id: &str, limit: usize) -> Option<Result<Reply, ClientError>> {
         let message_id = chunk["messageId"].as_str().unwrap_or_default().to_owned();
+        self.held = self.held.saturating_add(match chunk["type"].as_str()? {
+            "message-started" => message_id.len() + chunk["metadata"].to_string().len(),
+            "message-delta" => chunk["delta"].as_str().map_or(0, str::len),
+            "data-part" | "message-metadata" => chunk.to_string().len(),
+            _ => 0,
+        });
+        if self.held > limit {
+            return Some(Err(ClientError::Protocol(format!(
+                "the replies on the stream passed {limit} bytes before the submission settled"
+            ))));
+        }
         match chunk["type"].as_str()? {
             // The snapshot holds every response so far: what a reply already said is kept.
             "conversation-reset" => *self = Self::of_snapshot(&chunk["snapshot"]),
@@ -1744,13 +1780,26 @@ mod tests {
         let instance = client.instance("assistant", "i");
         let mut first = instance.follow("-1");
         assert_eq!(first.resume_point(), ResumePoint::at("-1"), "nothing read yet");
-        for n in 0..3 {
+        // Where each chunk stands is the offset confirmed before it (all of a batch's chunks
+        // were taken in at once, with the confirmation that follows them): a point kept after
+        // the first chunk of batch 1 goes on from before batch 1, not after it.
+        let stands = [("-1", (1, 0)), ("-1", (1, 1)), (OFFSET, (2, 0))];
+        for (n, (offset, last)) in stands.into_iter().enumerate() {
             let chunk = tokio::time::timeout(Duration::from_secs(5), first.next())
                 .await
                 .unwrap()
                 .unwrap()
                 .unwrap();
             assert_eq!(chunk["n"], n);
+            assert_eq!(
+                first.resume_point(),
+                ResumePoint {
+                    offset: offset.into(),
+                    last: Some(last),
+                    incarnation: Some("inst_a".into()),
+                },
+                "after chunk {n}"
+            );
         }
         let point = first.resume_point();
         drop(first);
@@ -2051,6 +2100,40 @@ mod tests {
         let dotted = client.instance("assistant", "a..b").history().await;
         assert!(dotted.is_ok(), "{dotted:?}");
         assert_eq!(lines.recv().await.unwrap(), "GET /agents/assistant/a..b HTTP/1.1");
+    }
+
+    /// A server streaming text for ever without settling the submission (broken, hostile, or
+    /// a proxy looping) ends a reply once what it holds passes the client's bound, instead of
+    /// growing it until memory runs out.
+    #[test]
+    fn a_reply_that_never_settles_ends_once_it_holds_more_than_the_bound() {
+        let mut fold = ReplyFold::default();
+        let started = json!({"type": "message-started", "messageId": "m1", "submissionId": "s1"});
+        assert!(fold.apply(&started, "s1", 1_000).is_none());
+        let delta = json!({"type": "message-delta", "kind": "text", "messageId": "m1", "delta": "x".repeat(100)});
+        let mut ended = None;
+        for _ in 0..20 {
+            if let Some(result) = fold.apply(&delta, "s1", 1_000) {
+                ended = Some(result);
+                break;
+            }
+        }
+        assert!(
+            matches!(ended, Some(Err(ClientError::Protocol(ref message))) if message.contains("1000 bytes")),
+            "{ended:?}"
+        );
+        // Within the bound, the reply is what the chunks said.
+        let mut fold = ReplyFold::default();
+        for chunk in [
+            started,
+            json!({"type": "message-delta", "kind": "text", "messageId": "m1", "delta": "hello"}),
+            json!({"type": "message-completed", "messageId": "m1"}),
+        ] {
+            assert!(fold.apply(&chunk, "s1", 1_000).is_none());
+        }
+        let settled = json!({"type": "submission-settled", "submissionId": "s1", "outcome": "completed"});
+        let reply = fold.apply(&settled, "s1", 1_000).unwrap().unwrap();
+        assert_eq!(reply.text, "hello");
     }
 
     #[test]
