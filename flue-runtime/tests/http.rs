@@ -4023,15 +4023,17 @@ async fn a_reply_keeps_what_its_response_said_before_a_compaction_reset() {
 #[tokio::test]
 async fn a_follower_catching_up_on_big_batches_gets_past_them() {
     let server = Server::start().await;
-    // Two messages whose chunks together pass what one SSE event may hold on the client
-    // (16 MiB), each well under it.
+    // Two messages whose chunks together pass what one SSE event may hold on this client
+    // (16 MiB), each well under it: one frame of both would end the follow.
     let big = "x".repeat(9 * 1024 * 1024);
     for _ in 0..2 {
         server.model.push(ScriptedReply::text("ok"));
         server.admit("k1", &big).await;
     }
     server.settled("k1", 2).await;
-    let client = flue_runtime::client::Client::new(&server.root).unwrap();
+    let client = flue_runtime::client::Client::new(&server.root)
+        .unwrap()
+        .with_max_event_bytes(16 * 1024 * 1024);
     let mut chunks = client.instance("calculator", "k1").follow("-1");
     let mut settled = 0;
     while settled < 2 {
