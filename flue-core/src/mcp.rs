@@ -32,7 +32,9 @@ pub struct McpConnection {
     /// 16 bytes or more mixing letters and digits) never show in what the server sends back to
     /// the model, its errors included.
     pub headers: Vec<(String, String)>,
-    /// Request timeout.
+    /// How long connecting, listing the tools and each call may take (60 s when `None`, the
+    /// MCP SDK's default). A call past it is the tool's error result; the server may still
+    /// be running it.
     pub timeout: Option<Duration>,
     /// Only these of the server's tools (its own names); all when `None`.
     pub tools: Option<Vec<String>>,
@@ -97,7 +99,7 @@ impl McpConnection {
         self
     }
 
-    /// Sets the request timeout.
+    /// Sets how long connecting, listing and each call may take (default: 60 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self

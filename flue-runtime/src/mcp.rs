@@ -68,8 +68,9 @@ use crate::sandbox::tools::MAX_BYTES;
 
 pub use flue_core::mcp::*;
 
-/// How long connecting, listing and each call may take when the connection sets no timeout.
-const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long connecting, listing and each call may take when the connection sets no timeout:
+/// the MCP SDK's default, which the reference keeps (a search or a crawl may take most of it).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One connected server: its client and the tools it offers.
 #[derive(Clone)]
@@ -390,14 +391,7 @@ fn mount(
                  connection's tools"
             )));
         }
-        let description = listed
-            .description
-            .as_deref()
-            .filter(|description| !description.trim().is_empty())
-            .map_or_else(
-                || format!("{} (MCP server {})", listed.name, connection.name),
-                |description| cut_description(&connection.name, &listed.name, description),
-            );
+        let description = describe(&connection.name, &listed);
         let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
         // The rules a local tool's definition is held to: a schema whose root is not an object
         // would fail every model request of the response, not only calls to this server.
@@ -424,6 +418,42 @@ const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 
 /// The longest tool name a server may list (the MCP specification's bound).
 const MAX_TOOL_NAME_CHARS: usize = 128;
+
+/// What the model is told of a listed tool: its description (cut to
+/// [`MAX_DESCRIPTION_BYTES`]), then which server's tool it is under its own name, and its
+/// title: a description that refers to the server's other tools by their names (`call
+/// search.issues first`) stays followable under the names they are mounted as. A tool that
+/// says nothing of itself is described by its title, or its name and server.
+fn describe(server: &str, listed: &rmcp::model::Tool) -> String {
+    let said = |text: Option<&str>| text.map(str::trim).filter(|text| !text.is_empty()).map(str::to_owned);
+    let title = said(listed.title.as_deref()).map(|title| cut_text(&title, MAX_TITLE_BYTES));
+    match said(listed.description.as_deref()) {
+        Some(description) => {
+            let mut described = cut_description(server, &listed.name, &description);
+            described.push_str(&format!("\n\n(MCP tool {:?} of server {server:?}", &*listed.name));
+            if let Some(title) = title {
+                described.push_str(&format!("; title: {title}"));
+            }
+            described.push_str(".)");
+            described
+        }
+        None => match title {
+            Some(title) => format!("{title} (MCP tool {:?} of server {server:?})", &*listed.name),
+            None => format!("{} (MCP server {server})", listed.name),
+        },
+    }
+}
+
+/// The longest title a listed tool's description quotes.
+const MAX_TITLE_BYTES: usize = 256;
+
+/// `text` cut to `bytes` (on a character boundary), with an ellipsis when cut.
+fn cut_text(text: &str, bytes: usize) -> String {
+    if text.len() <= bytes {
+        return text.to_owned();
+    }
+    format!("{}…", &text[..text.floor_char_boundary(bytes)])
+}
 
 /// The longest description a listed tool keeps; a longer one is cut (with a warning).
 const MAX_DESCRIPTION_BYTES: usize = 8 * 1024;
@@ -471,15 +501,15 @@ async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp:
             (error.to_string(), transport)
         })?;
         for mut tool in page.tools {
-            // What is mounted is a tool's name, description and input schema: the rest goes as
+            // What is mounted is a tool's name, title, description and input schema: the rest goes as
             // each page comes, and what is kept has a bound (pages of up to rmcp's message
             // limit each, a hundred of them, would otherwise all be held at once).
-            tool.title = None;
             tool.output_schema = None;
             tool.annotations = None;
             tool.icons = None;
             tool.meta = None;
             listed_bytes += tool.name.len()
+                + tool.title.as_deref().map_or(0, str::len)
                 + tool.description.as_deref().map_or(0, str::len)
                 + crate::json_shape::json_bytes(&*tool.input_schema);
             if listed_bytes > MAX_LISTED_BYTES {
@@ -925,6 +955,29 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A listed tool's description names it and its server as the server does (its
+    /// description may refer to the server's other tools by those names) and quotes its
+    /// title; a tool that says nothing of itself is described by its title.
+    #[test]
+    fn a_tools_description_names_it_as_its_server_does_and_quotes_its_title() {
+        let schema = Arc::new(serde_json::Map::new());
+        let mut tool = rmcp::model::Tool::new("search.issues", "Find issues; call auth.login first.", schema);
+        tool.title = Some("Issue search".into());
+        assert_eq!(
+            describe("gh", &tool),
+            "Find issues; call auth.login first.\n\n(MCP tool \"search.issues\" of server \"gh\"; title: Issue search.)"
+        );
+        tool.description = Some("  ".into());
+        assert_eq!(
+            describe("gh", &tool),
+            "Issue search (MCP tool \"search.issues\" of server \"gh\")"
+        );
+        tool.title = Some("t".repeat(1_000));
+        assert!(describe("gh", &tool).starts_with(&format!("{}…", "t".repeat(MAX_TITLE_BYTES))));
+        tool.title = None;
+        assert_eq!(describe("gh", &tool), "search.issues (MCP server gh)");
+    }
 
     /// A small schema whose choices each refer to definitions that are choices among the same
     /// definitions again (a few kilobytes, well under the size bound) would take longer to

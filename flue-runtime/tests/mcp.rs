@@ -179,8 +179,14 @@ async fn a_servers_tools_are_mounted_called_and_filtered() {
     assert_eq!(
         tools,
         [
-            ("mcp__docs__search", "Search the docs."),
-            ("mcp__docs__fail", "Always fails.")
+            (
+                "mcp__docs__search",
+                "Search the docs.\n\n(MCP tool \"search\" of server \"docs\".)"
+            ),
+            (
+                "mcp__docs__fail",
+                "Always fails.\n\n(MCP tool \"fail\" of server \"docs\".)"
+            )
         ],
         "the filter leaves admin.purge out"
     );
@@ -341,7 +347,7 @@ async fn a_call_to_a_server_that_never_answers_ends_as_an_error_result() {
     ]);
     let runtime = runtime_with(&model, [patient.into()]);
     let reply = tokio::time::timeout(
-        std::time::Duration::from_secs(45),
+        std::time::Duration::from_secs(90),
         runtime.init(&patient, "h").send("go"),
     )
     .await
@@ -351,7 +357,7 @@ async fn a_call_to_a_server_that_never_answers_ends_as_an_error_result() {
     let results = tool_results(&model.requests()[1]);
     assert_eq!(
         results,
-        [("The MCP server did not answer within 30 s.".to_owned(), true)]
+        [("The MCP server did not answer within 60 s.".to_owned(), true)]
     );
 }
 
@@ -534,7 +540,10 @@ async fn a_tool_the_connection_does_not_name_is_left_out_when_its_schema_is_unus
         .find(|tool| tool.name == "mcp__mixed__wordy")
         .map(|tool| tool.description.to_string())
         .unwrap();
-    assert_eq!(wordy, format!("{}…", "é".repeat(4096)));
+    assert_eq!(
+        wordy,
+        format!("{}…\n\n(MCP tool \"wordy\" of server \"mixed\".)", "é".repeat(4096))
+    );
     assert!(
         lines.iter().any(|line| line.contains("description is 10000 bytes")),
         "{lines:?}"
