@@ -1,9 +1,9 @@
 //! The in-memory environment: a filesystem per instance (per agent and id: two agents'
 //! instances of one id do not share files), kept for the process's lifetime (so a later
 //! submission of the instance finds its files), without command execution, holding at most
-//! [`MAX_VIRTUAL_BYTES`] of files and [`MAX_VIRTUAL_FILES`] files per instance. Not
-//! durable: a restart starts every instance's workspace empty (use `sandbox::local` for files
-//! that last).
+//! [`MAX_VIRTUAL_BYTES`] of files and [`MAX_VIRTUAL_FILES`] files per instance, and
+//! [`MAX_ALL_VIRTUAL_BYTES`] across the process's instances. Not durable: a restart starts
+//! every instance's workspace empty (use `sandbox::local` for files that last).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -53,6 +53,24 @@ pub(crate) const MAX_VIRTUAL_BYTES: usize = 256 * 1024 * 1024;
 /// See [`MAX_VIRTUAL_BYTES`].
 pub(crate) const MAX_VIRTUAL_FILES: usize = 100_000;
 
+/// The most bytes of files the in-memory filesystems of all instances hold together: the
+/// workspaces last as long as the process, and every instance id a client ever used would
+/// otherwise hold its own [`MAX_VIRTUAL_BYTES`].
+pub(crate) const MAX_ALL_VIRTUAL_BYTES: usize = 1024 * 1024 * 1024;
+
+/// The bytes of files all instances' in-memory filesystems hold.
+static ALL_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts `more` bytes into `all` when that keeps it within `limit`; `false` (nothing counted)
+/// when it would not.
+fn reserve(all: &std::sync::atomic::AtomicUsize, more: usize, limit: usize) -> bool {
+    use std::sync::atomic::Ordering;
+    all.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+        held.checked_add(more).filter(|total| *total <= limit)
+    })
+    .is_ok()
+}
+
 /// One instance's in-memory filesystem: files by normalized absolute path (directories are
 /// implied by the files under them, plus those made explicit by writes).
 #[derive(Default)]
@@ -65,6 +83,12 @@ pub struct VirtualSandbox {
 struct Files {
     by_path: BTreeMap<String, Vec<u8>>,
     bytes: usize,
+}
+
+impl Drop for Files {
+    fn drop(&mut self) {
+        ALL_BYTES.fetch_sub(self.bytes, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl std::ops::Deref for Files {
@@ -91,6 +115,14 @@ impl Files {
                 "the in-memory sandbox holds at most {MAX_VIRTUAL_FILES} files"
             )));
         }
+        if bytes > self.bytes && !reserve(&ALL_BYTES, bytes - self.bytes, MAX_ALL_VIRTUAL_BYTES) {
+            return Err(SandboxError::Io(format!(
+                "the in-memory sandboxes of this process hold at most {MAX_ALL_VIRTUAL_BYTES} bytes of files together"
+            )));
+        }
+        if bytes < self.bytes {
+            ALL_BYTES.fetch_sub(self.bytes - bytes, std::sync::atomic::Ordering::AcqRel);
+        }
         self.bytes = bytes;
         self.by_path.insert(path, contents);
         Ok(())
@@ -99,6 +131,7 @@ impl Files {
     fn remove(&mut self, path: &str) -> Option<Vec<u8>> {
         let removed = self.by_path.remove(path)?;
         self.bytes -= removed.capacity();
+        ALL_BYTES.fetch_sub(removed.capacity(), std::sync::atomic::Ordering::AcqRel);
         Some(removed)
     }
 }
@@ -222,6 +255,18 @@ impl Sandbox for VirtualSandbox {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
+    /// What all instances' files hold together is bounded: a reservation past the bound
+    /// counts nothing and is refused.
+    #[test]
+    fn the_bytes_of_all_instances_files_are_bounded_together() {
+        let all = std::sync::atomic::AtomicUsize::new(0);
+        assert!(super::reserve(&all, 600, 1_000));
+        assert!(!super::reserve(&all, 500, 1_000));
+        assert_eq!(all.load(std::sync::atomic::Ordering::Relaxed), 600);
+        assert!(super::reserve(&all, 400, 1_000));
+        assert!(!super::reserve(&all, usize::MAX, 1_000));
+    }
+
     use super::*;
 
     fn write(sandbox: &VirtualSandbox, path: &str, bytes: usize) -> Result<(), SandboxError> {
