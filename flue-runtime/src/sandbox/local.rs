@@ -113,8 +113,10 @@ impl SandboxFactory for LocalSandboxFactory {
     }
 }
 
-/// A directory on the real filesystem.
-#[derive(Debug)]
+/// A directory on the real filesystem. Every operation checks its path (following links,
+/// which may mean a slow or stalled filesystem) on tokio's blocking pool, not on the runtime's
+/// workers.
+#[derive(Clone, Debug)]
 pub struct LocalSandbox {
     root: PathBuf,
 }
@@ -1151,14 +1153,14 @@ fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeMap<libc::pid_
 
 impl Sandbox for LocalSandbox {
     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
-        let checked = self.checked(path);
-        let root = self.root.clone();
+        let this = self.clone();
         let shown = path.to_owned();
         Box::pin(async move {
-            let normalized = checked?;
             blocking(move || {
                 use std::io::Read;
-                let mut file = open_beneath(&root, &normalized, Access::Read).map_err(|error| error.shown(&shown))?;
+                let normalized = this.checked(&shown)?;
+                let mut file =
+                    open_beneath(&this.root, &normalized, Access::Read).map_err(|error| error.shown(&shown))?;
                 let mut bytes = Vec::new();
                 file.read_to_end(&mut bytes).map_err(io)?;
                 Ok(bytes)
@@ -1168,7 +1170,9 @@ impl Sandbox for LocalSandbox {
     }
 
     fn real_path(&self, path: &str) -> BoxFuture<'_, Result<String, SandboxError>> {
-        Box::pin(std::future::ready(self.real_sandbox_path(path)))
+        let this = self.clone();
+        let path = path.to_owned();
+        Box::pin(async move { blocking(move || this.real_sandbox_path(&path)).await })
     }
 
     fn read_file_with<'a>(
@@ -1176,15 +1180,15 @@ impl Sandbox for LocalSandbox {
         path: &str,
         visit: &'a mut (dyn FnMut(&[u8]) -> bool + Send),
     ) -> BoxFuture<'a, Result<(), SandboxError>> {
-        let checked = self.checked(path);
-        let root = self.root.clone();
+        let this = self.clone();
         let shown = path.to_owned();
         Box::pin(async move {
             use tokio::io::AsyncReadExt;
-            let normalized = checked?;
-            let file =
-                blocking(move || open_beneath(&root, &normalized, Access::Read).map_err(|error| error.shown(&shown)))
-                    .await?;
+            let file = blocking(move || {
+                let normalized = this.checked(&shown)?;
+                open_beneath(&this.root, &normalized, Access::Read).map_err(|error| error.shown(&shown))
+            })
+            .await?;
             let mut file = tokio::fs::File::from_std(file);
             let mut buffer = vec![0u8; 64 * 1024];
             loop {
@@ -1197,14 +1201,14 @@ impl Sandbox for LocalSandbox {
     }
 
     fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
-        let checked = self.checked(path);
-        let root = self.root.clone();
+        let this = self.clone();
         let shown = path.to_owned();
         Box::pin(async move {
-            let normalized = checked?;
             blocking(move || {
                 use std::io::Write;
-                let mut file = open_beneath(&root, &normalized, Access::Write).map_err(|error| error.shown(&shown))?;
+                let normalized = this.checked(&shown)?;
+                let mut file =
+                    open_beneath(&this.root, &normalized, Access::Write).map_err(|error| error.shown(&shown))?;
                 file.set_len(0).map_err(io)?;
                 file.write_all(&contents).map_err(io)
             })
@@ -1213,26 +1217,29 @@ impl Sandbox for LocalSandbox {
     }
 
     fn remove(&self, path: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
-        let checked = self.checked(path);
-        let root = self.root.clone();
+        let this = self.clone();
         let shown = path.to_owned();
         Box::pin(async move {
-            let normalized = checked?;
-            if normalized == "/" {
-                return Err(SandboxError::Io("the sandbox root cannot be removed".into()));
-            }
-            blocking(move || remove_beneath(&root, &normalized).map_err(|error| error.shown(&shown))).await
+            blocking(move || {
+                let normalized = this.checked(&shown)?;
+                if normalized == "/" {
+                    return Err(SandboxError::Io("the sandbox root cannot be removed".into()));
+                }
+                remove_beneath(&this.root, &normalized).map_err(|error| error.shown(&shown))
+            })
+            .await
         })
     }
 
     fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
-        let checked = self.checked(path);
-        let root = self.root.clone();
+        let this = self.clone();
         let shown = path.to_owned();
         Box::pin(async move {
-            let normalized = checked?;
-            let mut entries =
-                blocking(move || list_beneath(&root, &normalized).map_err(|error| error.shown(&shown))).await?;
+            let mut entries = blocking(move || {
+                let normalized = this.checked(&shown)?;
+                list_beneath(&this.root, &normalized).map_err(|error| error.shown(&shown))
+            })
+            .await?;
             entries.sort_by(|a, b| a.name.cmp(&b.name));
             Ok(entries)
         })
@@ -1240,16 +1247,19 @@ impl Sandbox for LocalSandbox {
 
     fn exec(&self, request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
         let shown = request.cwd.clone().unwrap_or_else(|| "/".to_owned());
-        let checked = self
-            .checked(&shown)
-            .and_then(|inside| Ok((self.resolve(&inside)?, inside)));
+        let this = self.clone();
+        let checking = shown.clone();
+        let checked = blocking(move || {
+            let inside = this.checked(&checking)?;
+            Ok((this.resolve(&inside)?, inside))
+        });
         let root = self.root.clone();
         // The user's home: per-user toolchains (rustup's, pyenv's, nvm's) and caches live
         // there. (The working directory as home broke them, and filled the workspace with
         // caches the file tools' walks then spent their budget in.)
         let home = std::env::var_os("HOME").filter(|home| Path::new(home).is_absolute());
         Box::pin(async move {
-            let (cwd, normalized) = checked?;
+            let (cwd, normalized) = checked.await?;
             hide_process_environment();
             let mut command = tokio::process::Command::new(shell());
             // Where it starts: the directory opened beneath the root, not the path `cwd`
