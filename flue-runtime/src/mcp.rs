@@ -317,6 +317,8 @@ fn mount(
         None => listed,
     };
     let mut tools = Vec::new();
+    // The bytes the mounted tools take in each model request.
+    let mut declared_bytes = 0;
     // Mounted name → the server's name of the tool mounted under it.
     let mut mounted = std::collections::HashMap::new();
     for listed in listed {
@@ -392,6 +394,7 @@ fn mount(
             )));
         }
         let description = describe(&connection.name, &listed);
+        declared_bytes += name.len() + description.len() + schema_bytes;
         let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
         // The rules a local tool's definition is held to: a schema whose root is not an object
         // would fail every model request of the response, not only calls to this server.
@@ -409,8 +412,29 @@ fn mount(
             credentials: credentials.clone(),
         }));
     }
+    // Every tool mounted is declared in every model request of the response: past what a
+    // request may declare (OpenAI takes 128 tools), every call of the agent would fail, not
+    // only this server's. The server is unavailable instead (an optional one degrades).
+    if tools.len() > MAX_MOUNTED_TOOLS {
+        return Err(unavailable(format!(
+            "it would mount {} tools, more than the {MAX_MOUNTED_TOOLS} a model request may declare; name the ones to use in the connection's tools",
+            tools.len()
+        )));
+    }
+    if declared_bytes > MAX_MOUNTED_BYTES {
+        return Err(unavailable(format!(
+            "its tools would take {declared_bytes} bytes of every model request, more than the {MAX_MOUNTED_BYTES} one server's may; name the ones to use in the connection's tools"
+        )));
+    }
     Ok(McpSession { _client: client, tools })
 }
+
+/// The most tools one server mounts: what a model request may declare (OpenAI's bound).
+const MAX_MOUNTED_TOOLS: usize = 128;
+
+/// The most bytes one server's mounted tools take in each model request (their names,
+/// descriptions and input schemas).
+const MAX_MOUNTED_BYTES: usize = 1024 * 1024;
 
 /// The largest input schema (serialized) a listed tool may have: far beyond a real tool's
 /// arguments. A larger one is treated as a schema the tool cannot be called with.

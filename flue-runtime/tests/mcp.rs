@@ -961,7 +961,9 @@ fn endless() -> &'static str {
 }
 
 /// A server listing tools without end (pages after pages, one page of ever more tools, or
-/// pages of ever more bytes) is refused past a bound, not listed until memory runs out.
+/// pages of ever more bytes) is refused past a bound, not listed until memory runs out; one
+/// that would mount more than every model request could declare is refused too, instead of
+/// failing every call of the agent.
 #[tokio::test]
 async fn a_server_listing_tools_without_end_is_refused() {
     for (tools, describing, says) in [
@@ -971,6 +973,17 @@ async fn a_server_listing_tools_without_end_is_refused() {
             None,
             1024 * 1024,
             "its tools' names, descriptions and input schemas take more than 16 MiB",
+        ),
+        // Listed within bounds, but more than every model request could declare.
+        (
+            Some(129),
+            0,
+            "it would mount 129 tools, more than the 128 a model request may declare; name the ones to use in the connection's tools",
+        ),
+        (
+            Some(128),
+            10_000,
+            "more than the 1048576 one server's may; name the ones to use in the connection's tools",
         ),
     ] {
         *ENDLESS_URL.lock().unwrap() = Some(serve(Endless { tools, describing }).await);
