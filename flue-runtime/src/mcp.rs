@@ -14,7 +14,13 @@
 //!   rest when called. A tool whose schema is not a valid
 //!   JSON Schema, whose root is not an object, or which is larger than 64 KiB (declared in every
 //!   model request), refuses the server when the connection names it, and is otherwise left
-//!   out with a warning (the server's other tools are mounted). A description is cut to 8 KiB.
+//!   out with a warning (the server's other tools are mounted). A description is cut to 8 KiB,
+//!   and says which server's tool it is under its own name (and its title). A schema whose
+//!   choices would take too long to read is one the tool cannot be called with. A server that
+//!   would mount more than 128 tools, or 1 MiB of declarations, more than a model request can
+//!   carry, is unavailable.
+//! - **Timeout.** Connecting, listing and each call take at most the connection's timeout
+//!   (60 s by default).
 //! - **Names.** Two tools of one server whose mounted names are the same (`a.b` and `a_b`, or
 //!   names alike in their first 64 characters) make the server unusable, with a reason naming
 //!   both; the connection's `tools` then picks one. Neither is dropped nor renamed (`…_2`):
