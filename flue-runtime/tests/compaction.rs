@@ -1555,6 +1555,52 @@ async fn a_row_written_while_the_whole_history_is_summarized_is_kept_after_the_s
     );
 }
 
+static RESTATING_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// While the third exchange's summary is made (its third run), replaces the rows the
+/// compaction keeps (the second answer and the third message: the first kept row is one of
+/// them) with a restatement.
+#[hook(filter_messages)]
+async fn restates_the_newest(
+    state: &flue_runtime::lifecycle::ThreadState,
+    rows: Vec<flue_runtime::lifecycle::Message>,
+) -> Vec<flue_runtime::lifecycle::Message> {
+    if RESTATING_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 2 {
+        for row in &rows {
+            let content = row.content.as_deref().unwrap_or_default();
+            if content.starts_with("two two") || content.starts_with("third third") {
+                assert!(state.delete_message(&row.id).await.unwrap());
+            }
+        }
+        state
+            .inject_message(flue_runtime::lifecycle::InjectMessage::new(
+                flue_runtime::lifecycle::MessageRole::User,
+                "restated: the third message",
+            ))
+            .await
+            .unwrap();
+    }
+    rows
+}
+
+#[agent(hooks = [restates_the_newest])]
+fn restating() -> &'static str {
+    use_tight_model("scripted/x", 150);
+    "Be brief."
+}
+
+/// A first kept row a hook deletes while the summary is made gives way to the next row the
+/// summary did not read: the compaction still takes effect (a record naming a row that is gone
+/// compacted nothing, though its summary was paid for and stored).
+#[tokio::test]
+async fn a_first_kept_row_deleted_while_the_summary_is_made_gives_way_to_the_next_unread_row() {
+    let (requests, _) = three_exchanges(restating, "").await;
+    let read = format!("{:?}", requests[3].messages);
+    assert!(read.contains("The user said things."), "the summary: {read}");
+    assert!(!read.contains("first"), "the summarized rows are gone: {read}");
+    assert!(read.contains("restated: the third message"), "{read}");
+}
+
 /// A summary is told which older messages carried images, and their ids, as the model read
 /// them: the images leave the history with the messages, and the summary can say they were
 /// sent (the common path, without message hooks, as with them).

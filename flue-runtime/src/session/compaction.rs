@@ -41,15 +41,19 @@ impl Compacting for Response<'_> {
     async fn record_compaction(&mut self, mut compaction: RecordBody) -> Result<(), Failure> {
         // Rows the message hooks wrote while the summary was made come after the history it
         // read: a compaction of the whole history (no first kept row) keeps them, from the
-        // first of them on (folded now, they would be drained with the history).
+        // first of them on (folded now, they would be drained with the history). A first kept
+        // row a hook deleted meanwhile gives way to the next row the summary did not read (a
+        // record naming a row that is gone would compact nothing).
         self.fold_thread_writes();
         if let RecordBody::Compaction {
             first_kept_message_id, ..
         } = &mut compaction
-            && first_kept_message_id.is_empty()
-            && let Some(written) = self.conversation.row_id_at(self.compaction_cut)
+            && (first_kept_message_id.is_empty() || !self.conversation.has_row(first_kept_message_id))
         {
-            *first_kept_message_id = written.to_owned();
+            self.conversation
+                .first_row_not_in(&self.compaction_summarized)
+                .unwrap_or_default()
+                .clone_into(first_kept_message_id);
         }
         let mut records = vec![self.record(compaction)];
         // A new baseline for the system prompt's catalogs: what is declared now.
@@ -64,7 +68,7 @@ impl Compacting for Response<'_> {
     }
 
     async fn summarized(&mut self, from: usize, cut: usize) -> Result<Vec<ModelMessage>, String> {
-        self.compaction_cut = cut;
+        self.compaction_summarized = self.conversation.row_ids_before(cut);
         self.older_history(from, cut).await
     }
 

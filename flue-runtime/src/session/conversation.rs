@@ -459,12 +459,12 @@ impl Conversation {
         !self.any_input
     }
 
-    /// Whether the submission's input was applied (its record is in the stream).
     /// Whether the history holds the row `id`.
     pub(crate) fn has_row(&self, id: &str) -> bool {
         self.rows.iter().any(|row| row.id == id)
     }
 
+    /// Whether the submission's input was applied (its record is in the stream).
     pub(crate) fn has_input(&self, submission_id: &str) -> bool {
         self.progress(submission_id).input
     }
@@ -1348,9 +1348,17 @@ impl Conversation {
         self.images.retain(|id, _| referenced.contains(id.as_str()));
     }
 
-    /// The id of the row at `index`, if there is one.
-    pub(crate) fn row_id_at(&self, index: usize) -> Option<&str> {
-        self.rows.get(index).map(|row| row.id.as_str())
+    /// The ids of the rows before `index`.
+    pub(crate) fn row_ids_before(&self, index: usize) -> HashSet<String> {
+        self.rows.iter().take(index).map(|row| row.id.clone()).collect()
+    }
+
+    /// The first row whose id is not among `ids`.
+    pub(crate) fn first_row_not_in(&self, ids: &HashSet<String>) -> Option<&str> {
+        self.rows
+            .iter()
+            .map(|row| row.id.as_str())
+            .find(|id| !ids.contains(*id))
     }
 
     /// The index of the row `id` (searched from the newest: updates concern recent rows).

@@ -728,7 +728,7 @@ impl InstanceSlot {
             execution,
             model_spec: None,
             hooked_system: None,
-            compaction_cut: 0,
+            compaction_summarized: std::collections::HashSet::new(),
             framework_sections: crate::framework::Sections::default(),
             first_snapshot: None,
             declared: None,
@@ -1481,8 +1481,9 @@ struct Response<'a> {
     /// history (after an overflow) is sent this one (what the hook injected is not injected
     /// twice).
     hooked_system: Option<Option<String>>,
-    /// Where the compaction being made cuts the history: the rows its summary reads end here.
-    compaction_cut: usize,
+    /// The rows the compaction being made summarizes (those before its cut), by id: the rows
+    /// its summary does not read are the ones it keeps, whatever hooks wrote meanwhile.
+    compaction_summarized: std::collections::HashSet<String>,
     /// The system prompt sections the latest render's skills and delegates add.
     framework_sections: crate::framework::Sections,
     /// The conversation's first resource snapshot, committed with the step it was taken for.
