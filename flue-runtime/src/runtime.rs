@@ -89,6 +89,19 @@ pub enum RuntimeError {
         /// The admitted submission.
         submission_id: String,
     },
+    /// The submission was admitted (or was there to read), but its reply could not be read:
+    /// the store failed every time the wait looked, for about a minute. It may have run, or
+    /// run still: [`AgentHandle::read`] it again by its id (do not send it again, unless under
+    /// the same idempotency key).
+    #[error(
+        "[flue] Submission \"{submission_id}\" was admitted, but its reply could not be read: {reason}. Read it again by its id."
+    )]
+    ReplyUnread {
+        /// The admitted submission.
+        submission_id: String,
+        /// The store's last failure.
+        reason: String,
+    },
 }
 
 impl From<StoreError> for RuntimeError {
@@ -122,7 +135,8 @@ pub struct RuntimeOptions {
     /// How long a claim holds an instance without renewal. When a node dies, another takes
     /// its running submissions over once their leases expire.
     pub lease: Duration,
-    /// How often this node renews its leases (well under `lease`).
+    /// How often this node renews its leases (well under `lease`; one not shorter than it is
+    /// refused when the runtime is built).
     pub heartbeat: Duration,
     /// How often this node looks for expired leases and for queued work admitted elsewhere
     /// (and each send or read waiting for a submission reads the store again on its own: on
@@ -312,6 +326,12 @@ impl RuntimeBuilder {
     /// cannot be opened (another process holds `.flue/flue.db`, or its format is another
     /// build's).
     pub fn build(self) -> Result<Runtime, RuntimeError> {
+        let (lease, heartbeat) = (self.options.lease, self.options.heartbeat);
+        if heartbeat.is_zero() || heartbeat >= lease {
+            return Err(RuntimeError::Build(format!(
+                "[flue] RuntimeOptions::heartbeat ({heartbeat:?}) must be longer than zero and shorter than lease ({lease:?}): a lease would lapse between renewals, and another node take over a response still running here."
+            )));
+        }
         let store = match self.store {
             Some(store) => store,
             None => Arc::new(crate::store::SqliteStore::open_default().map_err(|error| {
@@ -1034,7 +1054,10 @@ impl RuntimeInner {
     /// not exist) no worker is woken, and no slot is made for an id a client made up.
     pub(crate) async fn abort_instance(self: &Arc<Self>, key: &InstanceKey) -> Result<Vec<String>, StoreError> {
         let affected = self.store.request_abort(key).await?;
-        if !affected.is_empty() {
+        // An agent this node does not run is the abort's to stamp only: a worker woken here
+        // would claim its queued head and could not run it (the attempt spent, the abort
+        // held up until its lease lapsed). The node that runs it sees the stamp.
+        if !affected.is_empty() && self.agents.contains_key(&*key.agent) {
             let slot = self.slot(key);
             slot.abort_submissions(&affected);
             slot.wake();
@@ -1246,6 +1269,9 @@ impl RuntimeInner {
             waiters: &self.waiters,
             submission_id,
         };
+        // Looks that failed in a row: a store failing for a while (a failover) is waited out;
+        // one failing for good ends the wait with the id to read again by.
+        let mut failed_looks = 0;
         loop {
             // Register before looking, so a settlement between the look and the wait is seen.
             let (sender, settled) = oneshot::channel();
@@ -1257,10 +1283,14 @@ impl RuntimeInner {
                 waiting.push((key.clone(), sender));
             }
             // Another instance's submission is not this one's to read: as if there were none.
-            let row = self
-                .store
-                .submission(submission_id)
-                .await?
+            let row = match self.store.submission(submission_id).await {
+                Ok(row) => row,
+                Err(error) => {
+                    look_failed(submission_id, &mut failed_looks, error).await?;
+                    continue;
+                }
+            };
+            let row = row
                 .filter(|row| row.key == *key)
                 .ok_or_else(|| RuntimeError::InvalidRequest(format!("no submission \"{submission_id}\"")))?;
             if let Some(outcome) = row.outcome {
@@ -1274,7 +1304,13 @@ impl RuntimeInner {
                         // attempt of it, also those before the one that joined the delivery),
                         // which began before the delivery was admitted: read from the start.
                         let after = if row.joined_into.is_some() { None } else { after };
-                        let batches = self.store.read(key, after).await?;
+                        let batches = match self.store.read(key, after).await {
+                            Ok(batches) => batches,
+                            Err(error) => {
+                                look_failed(submission_id, &mut failed_looks, error).await?;
+                                continue;
+                            }
+                        };
                         session::reply_of(&batches, row.joined_into.as_deref().unwrap_or(submission_id))
                     }
                     Outcome::Failed | Outcome::Aborted => ReplyParts::default(),
@@ -1316,11 +1352,13 @@ impl RuntimeInner {
             if stranded && !self.store.shared() {
                 // The row was read before the node was looked at: a submission that settled
                 // here in between (its worker then idle) is answered, not called stranded.
-                let settled_since = self
-                    .store
-                    .submission(submission_id)
-                    .await?
-                    .is_some_and(|row| row.outcome.is_some());
+                let settled_since = match self.store.submission(submission_id).await {
+                    Ok(row) => row.is_some_and(|row| row.outcome.is_some()),
+                    Err(error) => {
+                        look_failed(submission_id, &mut failed_looks, error).await?;
+                        continue;
+                    }
+                };
                 if settled_since {
                     continue;
                 }
@@ -1472,11 +1510,12 @@ pub(crate) fn check_instance_id(id: &str) -> Result<(), String> {
 /// `sub_ik_` + the first 32 hex digits of SHA-256 over the key's identity: replays of one
 /// idempotency key converge on one submission, and different identities never meet.
 ///
-/// The identity is the agent, the instance id and the key joined by newlines, which tells
-/// them apart while none holds a newline (the ids stored since the first release). With a
-/// newline, `x` with key `y\nz` would meet `x\ny` with key `z`: such identities are hashed
-/// with each part's length before it, under another prefix, so no two inputs share a hash
-/// input.
+/// The identity is the agent, the instance id and the key joined by newlines, as the
+/// reference derives it. A key holding a newline is hashed with each part's length before it,
+/// under another prefix (the ids this runtime has stored for such keys since its first
+/// release): the reference's input would tell the parts apart too (admission refuses a
+/// newline in an agent name or an instance id), so these ids alone differ from the
+/// reference's, and are kept so that a replay of a stored key still finds its submission.
 fn keyed_submission_id(agent: &str, id: &str, key: &str) -> String {
     let identity = if [agent, id, key].iter().any(|part| part.contains('\n')) {
         format!(
@@ -1949,7 +1988,9 @@ const RELEASE_WAIT: Duration = Duration::from_secs(2);
 impl AgentHandle {
     /// Sends `message` and waits for the reply. A runtime shutting down refuses it
     /// ([`RuntimeError::ShuttingDown`]); one that stops before processing it, once admitted,
-    /// says so ([`RuntimeError::NotProcessedHere`]: it runs later, elsewhere).
+    /// says so ([`RuntimeError::NotProcessedHere`]: it runs later, elsewhere); a store that
+    /// fails while the reply is awaited, for about a minute, is
+    /// [`RuntimeError::ReplyUnread`], with the id to [`read`](AgentHandle::read) it by.
     ///
     /// Dropping the returned future (a timeout, a `select!`) stops the wait, not the message:
     /// once admitted, it is processed as if dispatched; [`AgentHandle::abort`] stops it. The
@@ -2024,15 +2065,17 @@ impl AgentHandle {
     /// admitted (another instance's included) is [`RuntimeError::InvalidRequest`]; an
     /// instance never contacted is [`RuntimeError::InstanceNotFound`]; a submission this node,
     /// stopping, will not process (on a store of its own) is
-    /// [`RuntimeError::NotProcessedHere`].
+    /// [`RuntimeError::NotProcessedHere`]; a store that keeps failing for about a minute is
+    /// [`RuntimeError::ReplyUnread`]. Reading starts the node's background work, as a send
+    /// does: a submission a crashed process left queued or running is taken over here.
     pub async fn read(&self, submission_id: &str) -> Result<AgentReply, RuntimeError> {
         // An id admission refuses names no instance (nor could every store look it up).
         if check_instance_id(&self.key.id).is_err() || self.runtime.store.instance(&self.key).await?.is_none() {
             return Err(RuntimeError::InstanceNotFound(self.key.id.to_string()));
         }
-        // What finds its settlement by another node (without a dispatch here, nothing may
-        // have started it).
-        self.runtime.watch_settlements();
+        // What finds its settlement by another node, and what takes over the work a crashed
+        // process left (without an admission here, nothing may have started them).
+        self.runtime.ensure_background();
         self.runtime.wait(&self.key, submission_id, None).await
     }
 
@@ -2074,6 +2117,26 @@ impl Drop for Correlated {
                 .remove(&self.submission_id);
         }
     }
+}
+
+/// How many looks in a row a wait for a settlement lets fail before it gives up: with
+/// [`look_failed`]'s pauses, about a minute of a failing store.
+const WAIT_FAILED_LOOKS: u32 = 8;
+
+/// Notes a wait's look that failed on the store: pauses before the next (200 ms, doubling up
+/// to 16 s), or gives the wait up, past [`WAIT_FAILED_LOOKS`] in a row, with
+/// [`RuntimeError::ReplyUnread`].
+async fn look_failed(submission_id: &str, failed_looks: &mut u32, error: StoreError) -> Result<(), RuntimeError> {
+    *failed_looks += 1;
+    if *failed_looks > WAIT_FAILED_LOOKS {
+        return Err(RuntimeError::ReplyUnread {
+            submission_id: submission_id.to_owned(),
+            reason: error.to_string(),
+        });
+    }
+    tracing::warn!(submission = submission_id, %error, "reading a submission's settlement failed; looking again");
+    tokio::time::sleep(Duration::from_millis(100 << (*failed_looks).min(8))).await;
+    Ok(())
 }
 
 /// When a lease taken now for `lease` ends, in ms since the epoch (a lease too long to add

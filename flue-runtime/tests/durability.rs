@@ -252,6 +252,28 @@ async fn a_write_a_tool_gave_up_on_mid_commit_is_seen_by_the_next_submission() {
     assert!(read.contains("remember the milk"), "{read}");
 }
 
+/// A wait whose looks at the store keep failing (a store down for good) gives up after a
+/// while with the submission's id, so that its caller reads it again rather than sending the
+/// message twice: the message was admitted, and may have run.
+#[tokio::test(start_paused = true)]
+async fn a_reply_the_store_cannot_give_back_names_the_admitted_submission() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([ScriptedReply::text("done")]);
+    let runtime = runtime(&store, &model, one_shot_answer);
+    let handle = runtime.init(&one_shot_answer, "unread");
+    let receipt = handle.dispatch("hi").await.unwrap();
+    assert_eq!(handle.read(&receipt.submission_id).await.unwrap().text, "done");
+    store.failing_reads.store(usize::MAX, Ordering::SeqCst);
+    let error = handle.read(&receipt.submission_id).await.unwrap_err();
+    assert!(
+        matches!(&error, RuntimeError::ReplyUnread { submission_id, .. } if *submission_id == receipt.submission_id),
+        "{error:?}"
+    );
+    // The store back, the same read answers.
+    store.failing_reads.store(0, Ordering::SeqCst);
+    assert_eq!(handle.read(&receipt.submission_id).await.unwrap().text, "done");
+}
+
 #[agent(durability(max_attempts = 1))]
 fn one_shot_answer() -> &'static str {
     use_model("scripted/x");

@@ -837,8 +837,67 @@ async fn abort_settles_the_running_submission_as_aborted() {
             assert_eq!(error_type, "submission_aborted");
             assert_eq!(message, "Submission was aborted.");
         }
-        Ok(_) => {} // the response finished before the abort landed: completed wins
+        // The memory store answers at once: the abort is stamped before the worker runs.
+        Ok(reply) => panic!("the abort was lost: {reply:?}"),
         Err(other) => panic!("unexpected {other}"),
+    }
+}
+
+/// An abort of an instance of an agent this node does not run (nodes sharing a store may run
+/// different agents) stamps its submissions and leaves them to the node that runs it: a
+/// worker here would claim the queued head it cannot run, spending an attempt and holding the
+/// abort up until the lease lapsed.
+#[tokio::test]
+async fn an_abort_of_an_agent_this_node_does_not_run_claims_nothing() {
+    use flue_runtime::store::{Admission, SubmissionKind, SubmissionStatus};
+    let model = ScriptedModel::new([]);
+    let runtime = runtime_with(&model, vec![calculator.into()]);
+    let key = InstanceKey::new("elsewhere", "e");
+    runtime
+        .store()
+        .admit(Admission {
+            key: key.clone(),
+            submission_id: "sub_elsewhere".into(),
+            keyed: false,
+            kind: SubmissionKind::Dispatch,
+            message: flue_runtime::message::DeliveredMessage::user("run me elsewhere"),
+            initial_data: None,
+            uid: UidCondition::Any,
+            max_attempts: 10,
+            timeout_ms: 3_600_000,
+            claim: None,
+            trace: None,
+        })
+        .await
+        .unwrap();
+    let elsewhere = FnAgent::new(AgentDefinition::new("elsewhere"), |_props| "Not run here.");
+    assert!(runtime.init(&elsewhere, "e").abort().await.unwrap());
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let row = runtime.store().submission("sub_elsewhere").await.unwrap().unwrap();
+    assert_eq!(row.status, SubmissionStatus::Queued, "not claimed here");
+    assert!(row.abort_requested);
+    assert_eq!(row.attempt_count, 0);
+}
+
+/// A heartbeat not shorter than the lease would let leases lapse between renewals, and
+/// another node take over a response still running: refused when the runtime is built.
+#[test]
+fn a_heartbeat_not_shorter_than_the_lease_is_refused() {
+    for (lease, heartbeat) in [(5, 10), (10, 10), (10, 0)] {
+        let built = Runtime::builder()
+            .store(MemoryStore::new())
+            .agent(calculator)
+            .options(RuntimeOptions {
+                lease: std::time::Duration::from_secs(lease),
+                heartbeat: std::time::Duration::from_secs(heartbeat),
+                ..RuntimeOptions::default()
+            })
+            .build();
+        assert!(
+            matches!(&built, Err(RuntimeError::Build(message)) if message.contains("RuntimeOptions::heartbeat")),
+            "{lease} s / {heartbeat} s: {:?}",
+            built.err()
+        );
     }
 }
 
@@ -2615,7 +2674,11 @@ async fn a_tool_the_abort_ended_has_no_result_message_for_observers() {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     assert!(handle.abort().await.unwrap());
-    let _ = handle.read(&receipt.submission_id).await.unwrap_err();
+    let aborted = handle.read(&receipt.submission_id).await.unwrap_err();
+    assert!(
+        matches!(&aborted, RuntimeError::Run { error_type, .. } if error_type == "submission_aborted"),
+        "{aborted:?}"
+    );
     let mut tool_messages = Vec::new();
     let mut done = Vec::new();
     while let Ok(observation) = events.try_recv() {
@@ -3535,9 +3598,34 @@ async fn a_send_dropped_while_its_message_runs_stops_the_wait_not_the_message() 
     assert_eq!(row.attempt_count, 1, "its attempt was not given back");
 }
 
+/// A process that admitted nothing (a fresh one, after a crash) and reads a submission the
+/// crashed one left queued takes it over and answers, as a send would have started the node's
+/// background work.
+#[tokio::test]
+async fn a_read_in_a_fresh_process_takes_over_what_a_crashed_one_left_queued() {
+    use flue_runtime::store::Store as _;
+    let model = ScriptedModel::new([ScriptedReply::text("5")]);
+    let store = MemoryStore::new();
+    let key = InstanceKey::new("calculator", "left");
+    store.admit(harness::admission(&key, "sub_left", "2+3?")).await.unwrap();
+    let options = RuntimeOptions {
+        scan_interval: std::time::Duration::from_millis(20),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(store, &model, [calculator.into()], options);
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runtime.init(&calculator, "left").read("sub_left"),
+    )
+    .await
+    .expect("the read's node took the submission over")
+    .unwrap();
+    assert_eq!(reply.text, "5");
+}
+
 /// A wait on a store of the node's own is woken by the settlement; a settlement that wakes
-/// nobody (made without the runtime, here by the test through the store) is still found, at
-/// the next scan interval.
+/// nobody (made without the runtime, here by the test through the store, for an agent this
+/// node does not run, which its scan leaves alone) is still found, at the next scan interval.
 #[tokio::test]
 async fn a_wait_finds_a_settlement_that_woke_nobody_at_the_next_scan_interval() {
     let model = ScriptedModel::new([]);
@@ -3548,13 +3636,14 @@ async fn a_wait_finds_a_settlement_that_woke_nobody_at_the_next_scan_interval() 
     };
     let runtime = harness::runtime_on_with(store.clone(), &model, [calculator.into()], options);
     use flue_runtime::store::Store as _;
-    let key = InstanceKey::new("calculator", "quiet");
+    let elsewhere = FnAgent::new(AgentDefinition::new("elsewhere"), |_props| "Not run here.");
+    let key = InstanceKey::new("elsewhere", "quiet");
     store
         .admit(harness::admission(&key, "sub_quiet", "2+3?"))
         .await
         .unwrap();
     let reading = tokio::spawn({
-        let handle = runtime.init(&calculator, "quiet");
+        let handle = runtime.init(&elsewhere, "quiet");
         async move { handle.read("sub_quiet").await }
     });
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -3576,7 +3665,10 @@ async fn a_wait_finds_a_settlement_that_woke_nobody_at_the_next_scan_interval() 
         .await
         .expect("the wait found the settlement")
         .unwrap();
-    assert!(read.is_err(), "aborted: {read:?}");
+    assert!(
+        matches!(&read, Err(RuntimeError::Run { outcome, .. }) if *outcome == "was aborted"),
+        "aborted: {read:?}"
+    );
 }
 
 fn boom(message: &str) {
