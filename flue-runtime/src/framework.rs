@@ -28,7 +28,13 @@ pub(crate) fn mount(
     sections: &mut Sections,
 ) {
     let delegates = offered(rendered);
-    let key = sections_key(rendered, &delegates, delegation.is_some());
+    // A session at the delegation depth limit lists none: each `task` call would be refused
+    // (and is, saying why).
+    let listed = match delegation {
+        Some((delegation, _)) if delegation.at_depth_limit() => Vec::new(),
+        _ => delegates.clone(),
+    };
+    let key = sections_key(rendered, &listed, delegation.is_some());
     let fresh = sections.key != Some(key);
     let mut text = Vec::new();
     if !rendered.skills.is_empty() {
@@ -40,7 +46,7 @@ pub(crate) fn mount(
     }
     if let Some((delegation, tool)) = delegation {
         if fresh {
-            text.push(roster(&delegates));
+            text.push(roster(&listed));
         }
         delegation.update(delegates, parent, environment);
         rendered.tools.push(tool.clone());

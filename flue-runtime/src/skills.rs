@@ -23,14 +23,15 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::Value;
 
-const ACTIVATE_DESCRIPTION: &str = "Load the full instructions of one skill from \"Available Skills\" in the system prompt, before doing work that matches its description. Its supporting files stay unread until you read them with read_skill_resource.";
+const ACTIVATE_DESCRIPTION: &str = "Load the full instructions of one skill listed under \"Available Skills\" in the system prompt or announced since, before doing work that matches its description. Its supporting files stay unread until you read them (with read_skill_resource, when it is offered).";
 
 const READ_DESCRIPTION: &str = "Read a supporting file of a skill (the paths are listed when the skill is activated).";
 
 /// The "Available Skills" section of the system prompt.
 pub(crate) fn catalog(skills: &[Skill]) -> String {
     let mut section = String::from(
-        "## Available Skills\n\nWhen a task matches a skill's description, load its instructions with the `activate_skill` tool first:\n",
+        "## Available Skills\n\nWhen a task matches a skill's description, load its instructions with the `activate_skill` tool first \
+         (the list can change over the conversation: additions and removals are announced):\n",
     );
     for skill in skills {
         section.push_str(&format!("\n- **{}** — {}", skill.name(), one_line(skill.description())));
@@ -377,7 +378,9 @@ impl Workspace {
         // Read no further than the cap: a checkout the agent works in may hold any file.
         let (mut bytes, mut too_large) = (Vec::new(), false);
         let mut visit = |piece: &[u8]| {
-            too_large = bytes.len() + piece.len() > MAX_SKILL_MD_BYTES;
+            // Once past, for good: a sandbox that reads on after `false` cannot make a later,
+            // shorter piece accept a file missing its middle.
+            too_large = too_large || bytes.len() + piece.len() > MAX_SKILL_MD_BYTES;
             if !too_large {
                 bytes.extend_from_slice(piece);
             }

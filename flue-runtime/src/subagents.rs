@@ -92,7 +92,7 @@ tokio::task_local! {
     static TASK_DEPTH: u32;
 }
 
-const TASK_DESCRIPTION: &str = "Hand a focused piece of work to one of the agents listed under \"Available Agents\" in the system prompt. \
+const TASK_DESCRIPTION: &str = "Hand a focused piece of work to one of the agents listed under \"Available Agents\" in the system prompt or announced since. \
 The agent starts with a fresh context: it sees only your prompt, so make the prompt a complete briefing. \
 To show it images of this conversation, pass their attachment ids. \
 Only its final answer comes back. Several tasks in one turn run in parallel.";
@@ -147,10 +147,15 @@ pub(crate) fn roster(offered: &[Subagent]) -> String {
         return NO_AGENTS.to_owned();
     }
     let mut section = String::from(
-        "## Available Agents\n\nDelegate focused work to one of these agents with the `task` tool, naming the agent:\n",
+        "## Available Agents\n\nDelegate focused work to one of these agents with the `task` tool, naming the agent \
+         (the list can change over the conversation: additions and removals are announced):\n",
     );
     for subagent in offered {
-        section.push_str(&format!("\n- **{}** — {}", subagent.name(), subagent.description()));
+        section.push_str(&format!(
+            "\n- **{}** — {}",
+            crate::skills::one_line(subagent.name()),
+            crate::skills::one_line(subagent.description())
+        ));
     }
     section
 }
@@ -420,6 +425,12 @@ impl Delegation {
     fn detach(&self) {
         *self.live() = Live::default();
         *self.journal.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+
+    /// Whether the tasks of this session would nest past [`MAX_DELEGATION_DEPTH`] (each is
+    /// refused).
+    pub(crate) fn at_depth_limit(&self) -> bool {
+        self.depth >= MAX_DELEGATION_DEPTH
     }
 
     /// What the latest render offers, the parent's state, and the environment children share.

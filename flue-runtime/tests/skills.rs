@@ -476,6 +476,8 @@ fn no_workspace_skills() -> &'static str {
 
 #[tokio::test]
 async fn without_a_skills_directory_in_the_cwd_nothing_is_discovered() {
+    // Captured from before the run: its lines are the run's.
+    let logs = harness::logs::capture();
     let model = ScriptedModel::new([ScriptedReply::text("ok")]);
     let runtime = runtime_with(&model, [no_workspace_skills.into()]);
     runtime.init(&no_workspace_skills, "n").send("go").await.unwrap();
@@ -487,7 +489,7 @@ async fn without_a_skills_directory_in_the_cwd_nothing_is_discovered() {
         tool_names(request),
         ["read", "write", "edit", "bash", "grep", "glob", "task"]
     );
-    let lines = harness::logs::capture().all();
+    let lines = logs.all();
     assert!(
         !lines.iter().any(|line| line.contains("/project")),
         "a missing skills directory is no warning: {lines:?}"
