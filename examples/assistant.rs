@@ -95,7 +95,8 @@ fn assistant() -> String {
 
 /// The model to use, and a line saying which and why.
 fn choose_model(providers: &mut ProviderRegistry) -> (&'static str, &'static str) {
-    let has = |name: &str| std::env::var(name).is_ok_and(|value| !value.is_empty());
+    // As the providers read a key: one of spaces only is none.
+    let has = |name: &str| std::env::var(name).is_ok_and(|value| !value.trim().is_empty());
     if has("OPENAI_API_KEY") {
         (
             "openai/gpt-4o-mini",

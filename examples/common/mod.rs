@@ -7,7 +7,8 @@ use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 /// The model specifier and a line saying which model runs and why. Offline, `script` is what
 /// the scripted model answers, in order (then it echoes).
 pub fn choose_model(providers: &mut ProviderRegistry, script: Vec<ScriptedReply>) -> (&'static str, String) {
-    let has = |name: &str| std::env::var(name).is_ok_and(|value| !value.is_empty());
+    // As the providers read a key: one of spaces only is none.
+    let has = |name: &str| std::env::var(name).is_ok_and(|value| !value.trim().is_empty());
     for (key, spec) in [
         ("OPENAI_API_KEY", "openai/gpt-4o-mini"),
         ("ANTHROPIC_API_KEY", "anthropic/claude-sonnet-4-5"),

@@ -97,7 +97,7 @@ use proc_macro::TokenStream;
 /// | `durability(max_attempts = N, timeout = "90s")` | attempt budget and wall-clock limit |
 /// | `max_steps = N` | cap on model steps per response |
 /// | `hooks = [a, b]` | agent-level lifecycle hooks |
-/// | `expose_as_tool` | may be used as a delegate and declare `parent_hooks` (also `= true` / `false`) |
+/// | `expose_as_tool` | marks the agent as meant for delegation (the catalog's `exposeAsTool`); required to declare `parent_hooks`. Any agent can be a delegate (also `= true` / `false`) |
 /// | `parent_hooks = [(hook, before_parent, "reason")]` | hooks required on a parent (the stage may be left out: `(hook, "reason")` is `after_parent`) |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///

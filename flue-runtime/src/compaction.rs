@@ -33,7 +33,12 @@
 //! - The transcript is of the history as the message hooks let the model read it: the older
 //!   rows `filter_messages` leaves (run on the history as for a request; rows it adds are
 //!   context, not history, and left out), after `prefilter_llm_history` in the provider format
-//!   (the summary instructions as its system message). What a hook withholds from the model
+//!   (the summary instructions as its system message: a hook can tell a summary's call by
+//!   them, [`SUMMARY_INSTRUCTIONS`]). What `prefilter_llm_history` adds there is summarized with the history (its
+//!   output cannot say which messages are the history's), so a hook adding per-request
+//!   context leaves a summary's call alone. The summarizing model's window unknown, a call it
+//!   refuses as too long is made again with the transcript's newest half, then a quarter.
+//!   What a hook withholds from the model
 //!   does not reach it through a summary; a hook that blocks leaves the session uncompacted,
 //!   as a failed summary does. An earlier summary is carried over as it was made (one made
 //!   before a hook existed is not filtered again).
@@ -66,8 +71,10 @@ use crate::record::{RecordBody, SettlementError};
 use crate::runtime::RuntimeInner;
 use crate::session::{Conversation, turn_request};
 
-/// The summarization instructions.
-pub(crate) const SUMMARY_INSTRUCTIONS: &str = "You compress a conversation between a user, an AI agent and its tools so the agent can continue it without the original messages. \
+/// The system message of a compaction's summary call: what a `prefilter_llm_history` hook is
+/// given as the system message when the history it filters is to be summarized (one that adds
+/// per-request context leaves such a call alone: what it adds would be summarized for good).
+pub const SUMMARY_INSTRUCTIONS: &str = "You compress a conversation between a user, an AI agent and its tools so the agent can continue it without the original messages. \
 Write a concise summary that keeps: the user's goals and constraints, decisions made, facts learned (names, numbers, identifiers, file paths), \
 the results of tool calls that still matter, and what remains to do. Leave out pleasantries and anything superseded. \
 Write it as notes, in the language of the conversation. \

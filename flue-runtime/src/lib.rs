@@ -87,6 +87,7 @@ mod subagents;
 pub mod testing;
 mod tools;
 
+pub use compaction::SUMMARY_INSTRUCTIONS;
 pub use flue_macros::{agent, hook, tool};
 pub use json_shape::{MAX_JSON_CONTAINERS, MAX_JSON_VALUES};
 pub use runtime::{

@@ -15,9 +15,11 @@
 //!    runtime) around its two calls, which shows what that scheduler and machine charge for
 //!    any work between the calls beyond its own length.
 //! 2. Exchanges per second at concurrency 16 over 16 instances.
-//! 3. Exchange 200 of one long conversation next to exchange 1.
-//! 4. Resident memory with 10,000 idle instances, all of their conversations cached and with
-//!    the default cache (each in a fresh process).
+//! 3. Exchanges 191-200 of one long conversation next to its first ten, next to plain reqwest
+//!    replaying exchange 1's and exchange 200's requests.
+//! 4. The resident memory 10,000 idle instances add on the memory store (which holds their
+//!    records too), all of their conversations cached and with the default cache (each in a
+//!    fresh process).
 //!
 //! Under a profiler, `FLUE_BENCH_PROFILE=http|http-sqlite|sqlite|scripted` runs just 20,000
 //! exchanges of one kind (HTTP on the memory store, HTTP on SQLite, scripted on SQLite, scripted
