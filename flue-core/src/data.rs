@@ -326,6 +326,9 @@ impl Shape {
     /// `oneOf`'s required by every branch); `depth` bounds a chain of references. `None` once
     /// `budget` (each schema visited, each property description taken in) runs out.
     fn of(schema: &Value, defs: &Value, depth: usize, budget: &mut usize) -> Option<Self> {
+        // Every schema visited spends, what it says nothing of (`true`, past the depth) too:
+        // a choice of thousands of such branches, referred to again and again, is work.
+        spend(budget, 1)?;
         let mut shape = Self::default();
         let Value::Object(schema) = schema else {
             return Some(shape);
@@ -333,7 +336,6 @@ impl Shape {
         if depth > 8 {
             return Some(shape);
         }
-        spend(budget, 1)?;
         for (name, property) in schema
             .get("properties")
             .and_then(Value::as_object)
@@ -343,10 +345,10 @@ impl Shape {
             spend(budget, 1)?;
             shape.describe(name, property);
         }
+        let required = schema.get("required").and_then(Value::as_array);
+        spend(budget, required.map_or(0, Vec::len))?;
         shape.require(
-            schema
-                .get("required")
-                .and_then(Value::as_array)
+            required
                 .into_iter()
                 .flatten()
                 .filter_map(Value::as_str)

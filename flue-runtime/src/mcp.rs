@@ -17,8 +17,9 @@
 //!   out with a warning (the server's other tools are mounted). A description is cut to 8 KiB,
 //!   and says which server's tool it is under its own name (and its title). A schema whose
 //!   choices would take too long to read is one the tool cannot be called with. A server that
-//!   would mount more than 128 tools, or 1 MiB of declarations, more than a model request can
-//!   carry, is unavailable.
+//!   would mount more than 128 tools (what OpenAI takes in a whole request), or 1 MiB of
+//!   declarations, is unavailable (the agent's other tools count against a request's bound
+//!   too: a connection's `tools` keeps what a server mounts to what it needs).
 //! - **Timeout.** Connecting, listing and each call take at most the connection's timeout
 //!   (60 s by default).
 //! - **Names.** Two tools of one server whose mounted names are the same (`a.b` and `a_b`, or
@@ -400,7 +401,7 @@ fn mount(
             )));
         }
         let description = describe(&connection.name, &listed);
-        declared_bytes += name.len() + description.len() + schema_bytes;
+        let declared = name.len() + description.len() + schema_bytes;
         let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
         // The rules a local tool's definition is held to: a schema whose root is not an object
         // would fail every model request of the response, not only calls to this server.
@@ -409,6 +410,7 @@ fn mount(
             mounted.remove(definition.name.as_ref());
             continue;
         }
+        declared_bytes += declared;
         tools.push(Tool::from_handler(McpTool {
             definition,
             remote_name: listed.name.to_string(),
@@ -1027,6 +1029,19 @@ mod tests {
         let schema = serde_json::json!({"type": "object", "anyOf": branches(0), "$defs": defs});
         assert!(crate::json_shape::json_bytes(&schema) < MAX_SCHEMA_BYTES);
         // The walk without a budget would not return (40^9 branches to follow).
+        let refused = input_schema(schema.as_object().expect("an object"));
+        assert_eq!(refused, Err(flue_core::data::TooIntricate));
+
+        // Branches that say nothing (`true`) count as well: a choice of thousands of them,
+        // referred to again and again, is work too.
+        let nothing: Vec<Value> = (0..5_000).map(|_| Value::Bool(true)).collect();
+        let again: Vec<Value> = (0..100).map(|_| serde_json::json!({"$ref": "#/$defs/a"})).collect();
+        let schema = serde_json::json!({
+            "type": "object",
+            "anyOf": (0..100).map(|_| serde_json::json!({"$ref": "#/$defs/b"})).collect::<Vec<_>>(),
+            "$defs": {"a": {"anyOf": nothing}, "b": {"anyOf": again}},
+        });
+        assert!(crate::json_shape::json_bytes(&schema) < MAX_SCHEMA_BYTES);
         let refused = input_schema(schema.as_object().expect("an object"));
         assert_eq!(refused, Err(flue_core::data::TooIntricate));
 
