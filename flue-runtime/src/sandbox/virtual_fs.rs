@@ -2,8 +2,10 @@
 //! instances of one id do not share files), kept for the process's lifetime (so a later
 //! submission of the instance finds its files), without command execution, holding at most
 //! [`MAX_VIRTUAL_BYTES`] of files and [`MAX_VIRTUAL_FILES`] files per instance, and
-//! [`MAX_ALL_VIRTUAL_BYTES`] across the process's instances. Not durable: a restart starts
-//! every instance's workspace empty (use `sandbox::local` for files that last).
+//! [`MAX_ALL_VIRTUAL_BYTES`] across the process's instances: past that, the workspaces no
+//! response uses go, least recently used first, before a write is refused. Not durable: a
+//! restart starts every instance's workspace empty (use `sandbox::local` for files that
+//! last), and so may a long idle spell of an instance on a busy process.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -42,6 +44,10 @@ impl SandboxFactory for VirtualSandboxFactory {
             .entry((agent.to_owned(), instance_id.to_owned()))
             .or_default()
             .clone();
+        sandbox.used.store(
+            USES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Box::pin(async move { Ok(sandbox as Arc<dyn Sandbox>) })
     }
 }
@@ -61,6 +67,47 @@ pub(crate) const MAX_ALL_VIRTUAL_BYTES: usize = 1024 * 1024 * 1024;
 /// The bytes of files all instances' in-memory filesystems hold.
 static ALL_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// The count of workspaces handed out, which orders their last uses.
+static USES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Takes out of `workspaces` the least recently used ones no response holds (only the map
+/// does), until those taken hold `needed` bytes or none is left: what to drop once the map's
+/// lock is released (dropping one gives its bytes back).
+fn idle_workspaces_to_drop(
+    workspaces: &mut HashMap<InstanceOf, Arc<VirtualSandbox>>,
+    needed: usize,
+) -> Vec<Arc<VirtualSandbox>> {
+    let mut idle: Vec<(u64, InstanceOf)> = workspaces
+        .iter()
+        .filter(|(_, sandbox)| Arc::strong_count(sandbox) == 1)
+        .map(|(key, sandbox)| (sandbox.used.load(std::sync::atomic::Ordering::Relaxed), key.clone()))
+        .collect();
+    idle.sort_unstable();
+    let (mut freed, mut dropped) = (0, Vec::new());
+    for (_, key) in idle {
+        if freed >= needed {
+            break;
+        }
+        if let Some(sandbox) = workspaces.remove(&key) {
+            // Idle: nobody holds its lock.
+            freed += sandbox.files.try_lock().map_or(0, |files| files.bytes);
+            dropped.push(sandbox);
+        }
+    }
+    dropped
+}
+
+/// Makes room for `more` bytes among all instances' files, dropping idle workspaces (see
+/// [`idle_workspaces_to_drop`]).
+fn make_room(more: usize) {
+    let needed = (ALL_BYTES.load(std::sync::atomic::Ordering::Acquire) + more).saturating_sub(MAX_ALL_VIRTUAL_BYTES);
+    let dropped = idle_workspaces_to_drop(
+        &mut WORKSPACES.lock().unwrap_or_else(|poisoned| poisoned.into_inner()),
+        needed,
+    );
+    drop(dropped);
+}
+
 /// Counts `more` bytes into `all` when that keeps it within `limit`; `false` (nothing counted)
 /// when it would not.
 fn reserve(all: &std::sync::atomic::AtomicUsize, more: usize, limit: usize) -> bool {
@@ -76,6 +123,8 @@ fn reserve(all: &std::sync::atomic::AtomicUsize, more: usize, limit: usize) -> b
 #[derive(Default)]
 pub struct VirtualSandbox {
     files: Mutex<Files>,
+    /// When it was last handed out ([`USES`]): idle workspaces go least recently used first.
+    used: std::sync::atomic::AtomicU64,
 }
 
 /// The files, and their bytes in all.
@@ -115,7 +164,16 @@ impl Files {
                 "the in-memory sandbox holds at most {MAX_VIRTUAL_FILES} files"
             )));
         }
-        if bytes > self.bytes && !reserve(&ALL_BYTES, bytes - self.bytes, MAX_ALL_VIRTUAL_BYTES) {
+        let more = bytes.saturating_sub(self.bytes);
+        // Past the bound, the workspaces no response uses go first (least recently used),
+        // and the write is tried again.
+        if more > 0
+            && !reserve(&ALL_BYTES, more, MAX_ALL_VIRTUAL_BYTES)
+            && !{
+                make_room(more);
+                reserve(&ALL_BYTES, more, MAX_ALL_VIRTUAL_BYTES)
+            }
+        {
             return Err(SandboxError::Io(format!(
                 "the in-memory sandboxes of this process hold at most {MAX_ALL_VIRTUAL_BYTES} bytes of files together"
             )));
@@ -255,6 +313,41 @@ impl Sandbox for VirtualSandbox {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
+    /// Past the bound of all instances' files, the workspaces no response holds go, least
+    /// recently used first, until what they held makes room; one a response holds stays.
+    #[test]
+    fn idle_workspaces_go_least_recently_used_first_to_make_room() {
+        use std::collections::HashMap;
+        use std::sync::Arc;
+        let workspace = |used: u64, bytes: usize| {
+            let sandbox = super::VirtualSandbox::default();
+            sandbox.used.store(used, std::sync::atomic::Ordering::Relaxed);
+            sandbox
+                .files
+                .lock()
+                .unwrap()
+                .insert("/f".into(), vec![0; bytes])
+                .unwrap();
+            Arc::new(sandbox)
+        };
+        let key = |id: &str| (String::new(), id.to_owned());
+        let held = workspace(0, 100);
+        let mut workspaces: HashMap<_, _> = [
+            (key("held"), held.clone()),
+            (key("old"), workspace(1, 100)),
+            (key("newer"), workspace(2, 100)),
+            (key("newest"), workspace(3, 100)),
+        ]
+        .into_iter()
+        .collect();
+        let dropped = super::idle_workspaces_to_drop(&mut workspaces, 150);
+        assert_eq!(dropped.len(), 2);
+        let mut left: Vec<String> = workspaces.keys().map(|(_, id)| id.clone()).collect();
+        left.sort();
+        assert_eq!(left, ["held", "newest"]);
+        drop(held);
+    }
+
     /// What all instances' files hold together is bounded: a reservation past the bound
     /// counts nothing and is refused.
     #[test]
