@@ -204,9 +204,11 @@ impl std::fmt::Debug for Client {
 impl Client {
     /// A client of the server at `base_url` (its root: agents are under `/agents/<name>`
     /// below its path). A query of the base URL goes with every request; a fragment is
-    /// dropped. [`ClientError::InvalidRequest`] when it is not an `http` or `https` URL, or
-    /// carries credentials (`user:password@`: the server takes a bearer token,
-    /// [`Client::with_bearer_token`]).
+    /// dropped. Credentials in it (`user:password@`) go as Basic authorization (to a proxy
+    /// in front of the server, say), unless a bearer token is set
+    /// ([`Client::with_bearer_token`], which replaces them: two `Authorization` headers
+    /// would reach the server, which reads the first). [`ClientError::InvalidRequest`] when
+    /// it is not an `http` or `https` URL.
     pub fn new(base_url: impl Into<String>) -> Result<Self, ClientError> {
         let base_url = base_url.into();
         let invalid = |why: &dyn std::fmt::Display| {
@@ -216,13 +218,6 @@ impl Client {
             reqwest::Url::parse(&base_url).map_err(|error| invalid(&format_args!("is not a URL ({error})")))?;
         if !matches!(base.scheme(), "http" | "https") {
             return Err(invalid(&"is not an http or https URL"));
-        }
-        // reqwest would send them as Basic credentials, beside (and before) a bearer token,
-        // which the server would then not read.
-        if !base.username().is_empty() || base.password().is_some() {
-            return Err(invalid(
-                &"carries credentials: give the server's token with `with_bearer_token` instead",
-            ));
         }
         base.set_fragment(None);
         // Redirects are not followed: a POST redirected becomes a GET without its body (so a
@@ -264,9 +259,14 @@ impl Client {
         self
     }
 
-    /// Sends `token` as a bearer token with every request.
+    /// Sends `token` as a bearer token with every request, in place of the base URL's
+    /// credentials (reqwest would send those as Basic authorization, ahead of the token, which
+    /// the server would then not read).
     pub fn with_bearer_token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
+        // Neither can fail on an http(s) URL, the only kind `new` takes.
+        let _ = self.base.set_username("");
+        let _ = self.base.set_password(None);
         self
     }
 
@@ -2136,6 +2136,18 @@ mod tests {
         assert_eq!(reply.text, "hello");
     }
 
+    /// Credentials in the base URL go as Basic authorization (a proxy in front of the
+    /// server), unless a bearer token is set: it replaces them, as two `Authorization` headers
+    /// would leave the server reading the first.
+    #[test]
+    fn a_bearer_token_replaces_the_base_urls_credentials() {
+        let basic = Client::new("http://gw:hunter2@127.0.0.1:1/").unwrap();
+        assert_eq!((basic.base.username(), basic.base.password()), ("gw", Some("hunter2")));
+        let bearer = basic.with_bearer_token("tok");
+        assert_eq!((bearer.base.username(), bearer.base.password()), ("", None));
+        assert_eq!(bearer.base.as_str(), "http://127.0.0.1:1/");
+    }
+
     #[test]
     fn a_base_url_that_is_not_an_http_url_is_refused_without_its_secrets() {
         for base in [
@@ -2143,9 +2155,6 @@ mod tests {
             "not a url",
             "ftp://user:hunter2@host/",
             "mailto:me@example.com",
-            // Credentials in the URL: reqwest would send them as Basic, ahead of the token.
-            "http://user:hunter2@127.0.0.1:1/",
-            "https://:hunter2@agents.example.com",
         ] {
             let error = Client::new(base).unwrap_err();
             assert!(matches!(error, ClientError::InvalidRequest(_)), "{base}: {error:?}");

@@ -30,10 +30,8 @@ pub(crate) fn mount(
     let delegates = offered(rendered);
     // A session at the delegation depth limit lists none: each `task` call would be refused
     // (and is, saying why).
-    let listed = match delegation {
-        Some((delegation, _)) if delegation.at_depth_limit() => Vec::new(),
-        _ => delegates.clone(),
-    };
+    let at_limit = delegation.is_some_and(|(delegation, _)| delegation.at_depth_limit());
+    let listed = if at_limit { Vec::new() } else { delegates.clone() };
     let key = sections_key(rendered, &listed, delegation.is_some());
     let fresh = sections.key != Some(key);
     let mut text = Vec::new();
@@ -46,7 +44,11 @@ pub(crate) fn mount(
     }
     if let Some((delegation, tool)) = delegation {
         if fresh {
-            text.push(roster(&listed));
+            text.push(if at_limit {
+                crate::subagents::roster_at_depth_limit()
+            } else {
+                roster(&listed)
+            });
         }
         delegation.update(delegates, parent, environment);
         rendered.tools.push(tool.clone());

@@ -1366,6 +1366,8 @@ impl RuntimeInner {
                     submission_id: submission_id.to_owned(),
                 });
             }
+            // The look went through: only failures in a row end the wait.
+            failed_looks = 0;
             // A dropped sender (the runtime going away) also ends the wait; the loop re-reads.
             // While the node stops, the wait also looks again now and then: what it waits on
             // may end without a settlement to wake it (an admission that failed while holding
@@ -2123,8 +2125,8 @@ impl Drop for Correlated {
 /// [`look_failed`]'s pauses, about a minute of a failing store.
 const WAIT_FAILED_LOOKS: u32 = 8;
 
-/// Notes a wait's look that failed on the store: pauses before the next (200 ms, doubling up
-/// to 16 s), or gives the wait up, past [`WAIT_FAILED_LOOKS`] in a row, with
+/// Notes a wait's look that failed on the store: pauses before the next (200 ms, doubling: 51 s
+/// over the eight), or gives the wait up, past [`WAIT_FAILED_LOOKS`] in a row, with
 /// [`RuntimeError::ReplyUnread`].
 async fn look_failed(submission_id: &str, failed_looks: &mut u32, error: StoreError) -> Result<(), RuntimeError> {
     *failed_looks += 1;

@@ -100,6 +100,10 @@ Only its final answer comes back. Several tasks in one turn run in parallel.";
 /// The roster section while no delegate is offered (the `task` tool is there all the same).
 const NO_AGENTS: &str = "## Available Agents\n\nNone: no agent is available for delegation now, so do not call the `task` tool unless one is announced later.";
 
+/// The roster section of a session at the delegation depth limit.
+const AT_DEPTH_LIMIT: &str =
+    "## Available Agents\n\nNone: this session is as deep as delegation goes, so do not call the `task` tool.";
+
 /// The `task` tool's arguments.
 #[derive(Deserialize, JsonSchema)]
 struct TaskArgs {
@@ -139,6 +143,11 @@ pub(crate) fn offered(rendered: &Rendered) -> Vec<Subagent> {
         .filter(|subagent| !subagent.is_hidden() && subagent.is_enabled(|name| std::env::var(name).ok()))
         .cloned()
         .collect()
+}
+
+/// The "Available Agents" section of a session at the delegation depth limit.
+pub(crate) fn roster_at_depth_limit() -> String {
+    AT_DEPTH_LIMIT.to_owned()
 }
 
 /// The "Available Agents" section of the system prompt.
