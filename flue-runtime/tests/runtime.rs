@@ -849,25 +849,13 @@ async fn abort_settles_the_running_submission_as_aborted() {
 /// abort up until the lease lapsed.
 #[tokio::test]
 async fn an_abort_of_an_agent_this_node_does_not_run_claims_nothing() {
-    use flue_runtime::store::{Admission, SubmissionKind, SubmissionStatus};
+    use flue_runtime::store::SubmissionStatus;
     let model = ScriptedModel::new([]);
     let runtime = runtime_with(&model, vec![calculator.into()]);
     let key = InstanceKey::new("elsewhere", "e");
     runtime
         .store()
-        .admit(Admission {
-            key: key.clone(),
-            submission_id: "sub_elsewhere".into(),
-            keyed: false,
-            kind: SubmissionKind::Dispatch,
-            message: flue_runtime::message::DeliveredMessage::user("run me elsewhere"),
-            initial_data: None,
-            uid: UidCondition::Any,
-            max_attempts: 10,
-            timeout_ms: 3_600_000,
-            claim: None,
-            trace: None,
-        })
+        .admit(harness::admission(&key, "sub_elsewhere", "run me elsewhere"))
         .await
         .unwrap();
     let elsewhere = FnAgent::new(AgentDefinition::new("elsewhere"), |_props| "Not run here.");
