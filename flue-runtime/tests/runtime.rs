@@ -2814,18 +2814,11 @@ async fn a_finished_tool_call_frees_its_place_under_the_concurrency_limit() {
         ScriptedReply::tool_calls([("first", json!({})), ("quick", json!({})), ("last", json!({}))]),
         ScriptedReply::text("all done"),
     ]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .agent(first_and_last_meet)
-        .options(RuntimeOptions {
-            tool_concurrency: 2,
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let limit = RuntimeOptions {
+        tool_concurrency: 2,
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(MemoryStore::new(), &model, [first_and_last_meet.into()], limit);
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         runtime.init(&first_and_last_meet, "f").send("go"),
@@ -2871,18 +2864,11 @@ async fn a_steps_calls_run_concurrently_up_to_the_limit_and_never_past_it() {
         ScriptedReply::tool_calls((0..5).map(|_| ("slow", json!({})))),
         ScriptedReply::text("rested"),
     ]);
-    let mut providers = ProviderRegistry::new();
-    providers.register(model.clone());
-    let runtime = Runtime::builder()
-        .store(MemoryStore::new())
-        .providers(providers)
-        .agent(counted_in_flight)
-        .options(RuntimeOptions {
-            tool_concurrency: 2,
-            ..RuntimeOptions::default()
-        })
-        .build()
-        .unwrap();
+    let limit = RuntimeOptions {
+        tool_concurrency: 2,
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(MemoryStore::new(), &model, [counted_in_flight.into()], limit);
     let reply = runtime.init(&counted_in_flight, "c").send("go").await.unwrap();
     assert_eq!(reply.text, "rested");
     assert_eq!(harness::tool_results(&model.requests()[1]).len(), 5);
