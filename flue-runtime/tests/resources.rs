@@ -233,3 +233,82 @@ async fn a_rebuilt_tools_changed_description_is_narrated_before_the_next_call() 
         );
     }
 }
+
+#[agent]
+fn phased_compacting() -> String {
+    use_model_with(
+        "scripted/x",
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(150),
+                model: None,
+            }),
+            ..ModelOptions::default()
+        },
+    );
+    let (unlocked, set_unlocked) = use_persistent_state("unlocked", false);
+    use_tool(Tool::new("unlock").description("Unlocks the refunds skill.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let set_unlocked = set_unlocked.clone();
+            async move {
+                set_unlocked
+                    .set(true)
+                    .map_err(|error| ToolError::new(error.to_string()))?;
+                Ok::<_, ToolError>("unlocked")
+            }
+        },
+    ));
+    if unlocked {
+        use_skill(Skill::new("refunds", "Processes refunds.", "Check the order, then refund.").unwrap());
+    }
+    "You help customers.".to_owned()
+}
+
+/// About 100 estimated tokens.
+fn long(word: &str) -> String {
+    format!("{word} ").repeat(80)
+}
+
+#[tokio::test]
+async fn after_a_compaction_the_catalog_takes_the_resources_then_declared_as_its_new_baseline() {
+    // A 600-token window with a 100-token reserve: a few long messages force a compaction.
+    let model = ScriptedModel::new(
+        std::iter::once(ScriptedReply::tool_call("unlock", json!({})))
+            .chain((0..8).map(|_| ScriptedReply::text(long("answer")))),
+    )
+    .with_context_window(600);
+    let runtime = runtime_with(&model, [phased_compacting.into()]);
+    let handle = runtime.init(&phased_compacting, "c");
+    let compacted = || async {
+        runtime
+            .store()
+            .read(&InstanceKey::new("phased_compacting", "c"), None)
+            .await
+            .unwrap()
+            .iter()
+            .flat_map(|batch| batch.records.iter())
+            .any(|record| matches!(record.body, RecordBody::Compaction { .. }))
+    };
+    handle.send(long("unlock")).await.unwrap();
+    let mut sent = 1;
+    while !compacted().await {
+        assert!(sent < 4, "no compaction after {sent} long messages");
+        handle.send(long("more")).await.unwrap();
+        sent += 1;
+    }
+    let requests = model.requests();
+    // Before the compaction the skill came as a signal; the frozen catalog (empty) stayed out
+    // of the prompt.
+    assert!(!requests[1].system.as_deref().unwrap().contains("Available Skills"));
+    assert!(requests[1].messages.iter().any(|message| matches!(
+        message,
+        ModelMessage::User { content, .. } if content.contains("New skill available")
+    )));
+    // The answering call after the compaction: the catalog lists the skill declared by then.
+    let answered = requests.last().unwrap();
+    assert!(answered.messages[0] != requests[1].messages[0], "the summary leads");
+    let system = answered.system.as_deref().unwrap();
+    assert!(system.contains("Available Skills"), "{system}");
+    assert!(system.contains("refunds"), "{system}");
+}
