@@ -4765,3 +4765,76 @@ async fn waits_on_a_shared_store_look_for_their_settlements_together_each_poll()
         assert!(reply.submission_id.starts_with("sub_elsewhere_"), "{reply:?}");
     }
 }
+
+/// A value `depth` arrays deep (only code builds one past serde_json's 128 levels).
+fn nested(depth: usize) -> serde_json::Value {
+    (0..depth).fold(json!("core"), |inner, _| json!([inner]))
+}
+
+#[agent]
+fn deep_writer() -> &'static str {
+    use_model("scripted/x");
+    let (_, set_history) = use_persistent_state("history", serde_json::Value::Null);
+    use_tool(Tool::new("remember").description("Remember.").run(
+        move |_ctx, input: serde_json::Map<String, serde_json::Value>| {
+            let set_history = set_history.clone();
+            async move {
+                let depth = input.get("depth").and_then(serde_json::Value::as_u64).unwrap_or(1);
+                set_history.set(nested(usize::try_from(depth).unwrap()))?;
+                Ok::<_, ToolError>("remembered")
+            }
+        },
+    ));
+    "You remember."
+}
+
+/// A state value nested deeper than a store reads back is refused when its batch is written,
+/// not stored to make the stream unreadable: the attempt is abandoned for that store failure
+/// (reported with its reason), the next attempt reports the call's outcome as unknown, and the
+/// instance goes on (a value under the bound is kept).
+#[tokio::test]
+async fn a_state_value_nested_deeper_than_a_store_reads_back_is_refused_and_its_instance_goes_on() {
+    let dir = std::env::temp_dir().join(format!("flue-deep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("remember", json!({ "depth": 600 })),
+        ScriptedReply::tool_call("remember", json!({ "depth": 400 })),
+        ScriptedReply::text("Remembered."),
+    ]);
+    let runtime = harness::runtime_on(
+        flue_runtime::store::SqliteStore::open(dir.join("flue.db")).unwrap(),
+        &model,
+        [deep_writer.into()],
+    );
+    let mut events = runtime.observe();
+    let reply = runtime.init(&deep_writer, "d").send("Remember.").await.unwrap();
+    assert_eq!(reply.text, "Remembered.");
+    let requests = model.requests();
+    let (unknown, is_error) = &harness::tool_results(&requests[1])[0];
+    assert!(*is_error && unknown.contains("outcome is unknown"), "{unknown}");
+    let mut reasons = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if let flue_runtime::events::Event::SubmissionRecovery { error, .. } = observation.event {
+            reasons.extend(error.map(|error| error.message));
+        }
+    }
+    assert!(
+        reasons.iter().any(|reason| reason.contains("deeper than 512 levels")),
+        "{reasons:?}"
+    );
+    let written: Vec<serde_json::Value> = runtime
+        .store()
+        .read(&InstanceKey::new("deep_writer", "d"), None)
+        .await
+        .unwrap()
+        .iter()
+        .flat_map(|batch| batch.records.iter())
+        .filter_map(|record| match &record.body {
+            RecordBody::StateWrite { value, .. } => Some(value.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(written, [nested(400)]);
+    drop(runtime);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -203,11 +203,16 @@ struct Row {
     key: InstanceKey,
     kind: SubmissionKind,
     message: DeliveredMessage,
+    initial_data: Option<serde_json::Value>,
     status: String,
     attempt_id: Option<String>,
     owner_id: Option<String>,
     lease_until_ms: u64,
     attempt_count: u32,
+    max_attempts: u32,
+    timeout_ms: u64,
+    /// Whether the attempt deadline is stamped (its time is the clock's).
+    deadline_stamped: bool,
     abort_requested: bool,
     joined_into: Option<String>,
     outcome: Option<Outcome>,
@@ -221,11 +226,15 @@ impl From<Submission> for Row {
             key: row.key,
             kind: row.kind,
             message: row.message,
+            initial_data: row.initial_data,
             status: format!("{:?}", row.status),
             attempt_id: row.attempt_id,
             owner_id: row.owner_id,
             lease_until_ms: row.lease_until_ms,
             attempt_count: row.attempt_count,
+            max_attempts: row.max_attempts,
+            timeout_ms: row.timeout_ms,
+            deadline_stamped: row.timeout_at_ms > 0,
             abort_requested: row.abort_requested,
             joined_into: row.joined_into,
             outcome: row.outcome,
@@ -243,11 +252,11 @@ fn answer<T>(result: Result<T, StoreError>, into: impl FnOnce(T) -> Answer) -> A
     result.map_or_else(refused, into)
 }
 
-/// A stream as compared: each batch's offset and its records' kinds and ids.
-type Stream = Vec<(u64, Vec<(String, Option<String>)>)>;
+/// A stream as compared: each batch's offset and its records as JSON.
+type Stream = Vec<(u64, Vec<serde_json::Value>)>;
 
-/// The stream as every store must hold it (a birth record's id is the incarnation's,
-/// generated: only its kind is compared).
+/// The stream as every store must hold it, whole (a birth record's id, incarnation and time
+/// are generated: they are left out).
 fn stream(batches: &[Batch]) -> Stream {
     batches
         .iter()
@@ -256,12 +265,14 @@ fn stream(batches: &[Batch]) -> Stream {
                 .records
                 .iter()
                 .map(|record| {
-                    let kind = serde_json::to_value(&record.body).unwrap()["type"]
-                        .as_str()
-                        .unwrap()
-                        .to_owned();
-                    let id = (kind != "conversation_created").then(|| record.id.clone());
-                    (kind, id)
+                    let mut record = serde_json::to_value(record).unwrap();
+                    if record["type"] == "conversation_created" {
+                        let fields = record.as_object_mut().unwrap();
+                        for generated in ["id", "uid", "timestamp"] {
+                            fields.remove(generated);
+                        }
+                    }
+                    record
                 })
                 .collect();
             (batch.offset, records)

@@ -164,6 +164,10 @@ impl Inner {
         if records.is_empty() {
             return Err(empty_batch());
         }
+        // Refused as the stores that write text refuse it (see `depth`).
+        if super::nests_too_deep(&*records) {
+            return Err(super::too_deep_error("records"));
+        }
         let instance = self
             .instances
             .get_mut(key)
@@ -195,6 +199,10 @@ impl Store for MemoryStore {
                     });
                 }
                 return Err(StoreError::SubmissionConflict(admission.submission_id.clone()));
+            }
+            // As deep as its birth record nests them in a batch.
+            if super::nests_too_deep(&[(&admission.message, &admission.initial_data)]) {
+                return Err(super::too_deep_error("submission's message and initial data"));
             }
             let existing_uid = inner.instances.get(&admission.key).map(|instance| instance.uid.clone());
             super::check_uid(&admission, existing_uid.as_deref())?;
@@ -592,6 +600,9 @@ impl Store for MemoryStore {
         if inner.instances.contains_key(child) {
             return ready(Err(StoreError::Other(format!("the stream {child} exists"))));
         }
+        if super::nests_too_deep(&*birth) {
+            return ready(Err(super::too_deep_error("records")));
+        }
         // The link first: it fails (changing nothing) when the parent has no stream.
         let offset = match inner.append(parent, link) {
             Ok(offset) => offset,
@@ -707,6 +718,9 @@ impl Store for MemoryStore {
         value: Option<serde_json::Value>,
         updated_at: i64,
     ) -> BoxFuture<'_, Result<(), StoreError>> {
+        if value.as_ref().is_some_and(super::nests_too_deep) {
+            return ready(Err(super::too_deep_error("user value")));
+        }
         let mut inner = self.lock();
         let values = inner.user_values.entry(user_id.to_owned()).or_default();
         match value {

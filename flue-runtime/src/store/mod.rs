@@ -3,6 +3,7 @@
 //! Postgres stores implement the same trait.
 
 mod attachments;
+mod depth;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -18,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use attachments::{ATTACHMENT_CHUNK_BYTES, AttachmentPut, StoredAttachment, sha256_hex};
+pub(crate) use depth::{from_stored, nests_too_deep, storable, too_deep_error};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresStore;
@@ -220,31 +222,6 @@ mod fence_tests {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // tests assert by unwrapping
-mod stored_json_tests {
-    use super::{MAX_STORED_DEPTH, from_stored, nesting};
-
-    fn nested(depth: usize) -> String {
-        format!("{}\"core\"{}", "[".repeat(depth), "]".repeat(depth))
-    }
-
-    /// Past serde_json's 128 levels, up to the store's own limit, a stored value reads back;
-    /// deeper, it is refused with an error (its parse would exhaust the stack).
-    #[test]
-    fn stored_json_reads_back_up_to_its_depth_limit_and_is_refused_past_it() {
-        let deep: serde_json::Value = from_stored(&nested(MAX_STORED_DEPTH)).unwrap();
-        assert_eq!(deep.to_string(), nested(MAX_STORED_DEPTH));
-        let refused = from_stored::<serde_json::Value>(&nested(MAX_STORED_DEPTH + 1)).unwrap_err();
-        assert!(refused.to_string().contains("nested deeper than 512"), "{refused}");
-        assert_eq!(
-            nesting(r#"{"a":"[[[{{{\"]]]","b":[1,[2]]}"#),
-            3,
-            "brackets in strings do not count"
-        );
-    }
-}
-
-#[cfg(test)]
 mod trace_tests {
     use super::TraceContext;
 
@@ -390,57 +367,6 @@ impl Submission {
 /// as `None`).
 pub(crate) fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
     Value::deserialize(deserializer).map(Some)
-}
-
-/// The deepest nesting a store reads back ([`from_stored`]).
-pub(crate) const MAX_STORED_DEPTH: usize = 512;
-
-/// Parses JSON a store wrote (a batch, a submission row, a user value) without serde_json's
-/// nesting limit (128 levels): a value accepted nested deep when it was written (a tool's
-/// argument, a state value, initial data), one or two levels deeper once wrapped in its
-/// record and batch, would otherwise be unreadable for good, and with it its instance. A
-/// parse recurses once per level, with more stack than the serializer that wrote it: text
-/// nested deeper than [`MAX_STORED_DEPTH`] (a value built that deep in code) is refused with
-/// an error, not parsed until the stack overflows and the process aborts.
-pub(crate) fn from_stored<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Result<T> {
-    if nesting(text) > MAX_STORED_DEPTH {
-        return Err(serde::de::Error::custom(format_args!(
-            "the stored JSON is nested deeper than {MAX_STORED_DEPTH} levels"
-        )));
-    }
-    let mut deserializer = serde_json::Deserializer::from_str(text);
-    deserializer.disable_recursion_limit();
-    let value = T::deserialize(&mut deserializer)?;
-    deserializer.end()?;
-    Ok(value)
-}
-
-/// How deep the arrays and objects of the JSON `text` nest (brackets inside strings do not
-/// count).
-fn nesting(text: &str) -> usize {
-    let (mut depth, mut deepest) = (0usize, 0usize);
-    let (mut in_string, mut escaped) = (false, false);
-    for byte in text.bytes() {
-        if in_string {
-            match byte {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match byte {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                deepest = deepest.max(depth);
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    deepest
 }
 
 /// Whether a lease that runs until `lease_until_ms` (0: none) expired before `now_ms`.

@@ -1042,7 +1042,10 @@ fn parse_outcome(text: &str) -> Result<Outcome, StoreError> {
 }
 
 fn to_json<T: serde::Serialize + ?Sized>(value: &T, what: &str) -> Result<String, StoreError> {
-    serde_json::to_string(value).map_err(|error| StoreError::Other(format!("cannot serialize the {what}: {error}")))
+    let text = serde_json::to_string(value)
+        .map_err(|error| StoreError::Other(format!("cannot serialize the {what}: {error}")))?;
+    super::storable(text.as_bytes(), what)?;
+    Ok(text)
 }
 
 /// Decodes the columns of [`submission_columns!`].
@@ -2134,7 +2137,10 @@ impl Store for PostgresStore {
         updated_at: i64,
     ) -> BoxFuture<'_, Result<(), StoreError>> {
         let (user_id, key) = (user_id.to_owned(), key.to_owned());
-        let value = value.map(|value| value.to_string());
+        let value = match value.map(|value| to_json(&value, "user value")).transpose() {
+            Ok(value) => value,
+            Err(error) => return Box::pin(std::future::ready(Err(error))),
+        };
         Box::pin(async move {
             in_transaction!(self, |tx| {
                 async {

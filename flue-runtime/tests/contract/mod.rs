@@ -86,6 +86,7 @@ macro_rules! store_contract {
                     appends_one_ordered_canonical_batch,
                     assigns_one_indivisible_offset_to_a_multi_record_batch,
                     round_trips_a_batch_larger_than_a_backend_cell_size_cap,
+                    refuses_a_write_nested_deeper_than_it_reads_back_and_keeps_one_that_is_not,
                     authorizes_a_submission_owned_append_for_the_running_claimed_attempt,
                     authorizes_a_host_append_for_a_delivery_it_claimed_for_a_turn_boundary_join,
                     rejects_a_host_append_for_a_foreign_submission_it_has_not_claimed,
@@ -1679,6 +1680,70 @@ pub async fn round_trips_a_batch_larger_than_a_backend_cell_size_cap(store: Fact
         panic!("user message")
     };
     assert_eq!(body.len(), 2_500_000);
+}
+
+/// A value `depth` arrays deep (built in code: no parse of outside input goes past 128).
+fn nested(depth: usize) -> serde_json::Value {
+    (0..depth).fold(serde_json::json!("core"), |inner, _| serde_json::json!([inner]))
+}
+
+/// Not in the reference's checklists: a value nested deeper than a store reads back (512
+/// levels in all) is refused when it is written, changing nothing, instead of making its
+/// stream, its queue or its user's values unreadable; one well past serde_json's own limit of
+/// 128 levels is stored and read back.
+pub async fn refuses_a_write_nested_deeper_than_it_reads_back_and_keeps_one_that_is_not(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    let state = |value| {
+        record(
+            None,
+            None,
+            RecordBody::StateWrite {
+                name: "history".into(),
+                value,
+            },
+        )
+    };
+    let refused = store
+        .append(&stream, vec![state(nested(600))].into(), None)
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("deeper than 512 levels"), "{refused}");
+    let kept = vec![state(nested(400))];
+    let offset = store.append(&stream, kept.clone().into(), None).await.unwrap();
+    assert_eq!(offset, 1, "the refused batch took no offset");
+    let batches = store.read(&stream, Some(0)).await.unwrap();
+    assert_eq!(batches.len(), 1);
+    assert_eq!(*batches[0].records, *kept);
+
+    let deep_birth = Admission {
+        initial_data: Some(nested(600)),
+        ..dispatch_on("d-deep", "agent-deep")
+    };
+    assert!(store.admit(deep_birth).await.is_err());
+    assert_eq!(store.instance(&key("assistant", "agent-deep")).await.unwrap(), None);
+    assert_eq!(store.submission("d-deep").await.unwrap(), None);
+    let born = Admission {
+        initial_data: Some(nested(400)),
+        ..dispatch_on("d-born", "agent-born")
+    };
+    admit(&store, born).await;
+    assert_eq!(row(&store, "d-born").await.initial_data, Some(nested(400)));
+
+    let user = user_id("deep");
+    assert!(
+        store
+            .set_user_value(&user, "history", Some(nested(600)), 1_000)
+            .await
+            .is_err()
+    );
+    assert_eq!(store.user_value(&user, "history").await.unwrap(), None);
+    store
+        .set_user_value(&user, "history", Some(nested(400)), 2_000)
+        .await
+        .unwrap();
+    let stored = store.user_value(&user, "history").await.unwrap().unwrap();
+    assert_eq!(stored.value, nested(400));
 }
 
 pub async fn authorizes_a_submission_owned_append_for_the_running_claimed_attempt(store: Factory) {

@@ -370,19 +370,24 @@ struct Tx<'c> {
 const JSON_KEPT_BYTES: usize = 256 * 1024;
 
 impl Tx<'_> {
-    /// `value` as JSON, in the transaction's buffer, handed to `with`. (A `with` that asks
-    /// for JSON itself gets a buffer of its own.)
+    /// `value` (the `what` being written) as JSON, in the transaction's buffer, handed to
+    /// `with`; refused if it nests deeper than a read takes back. (A `with` that asks for JSON
+    /// itself gets a buffer of its own.)
     fn with_json<T>(
         &self,
         value: &(impl serde::Serialize + ?Sized),
+        what: &str,
         with: impl FnOnce(JsonText<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let Ok(mut buffer) = self.json.try_borrow_mut() else {
-            return with(JsonText(serde_json::to_string(value).map_err(json_error)?.as_bytes()));
+            let text = serde_json::to_string(value).map_err(json_error)?;
+            super::storable(text.as_bytes(), what)?;
+            return with(JsonText(text.as_bytes()));
         };
         buffer.clear();
         let result = serde_json::to_writer(&mut **buffer, value)
             .map_err(json_error)
+            .and_then(|()| super::storable(&buffer, what))
             .and_then(|()| with(JsonText(&buffer)));
         if buffer.capacity() > JSON_KEPT_BYTES {
             **buffer = Vec::new();
@@ -843,6 +848,13 @@ fn sql(error: rusqlite::Error) -> StoreError {
     StoreError::Other(format!("sqlite: {error}"))
 }
 
+/// A user value as the text it is stored as, refused if it nests deeper than a read takes back.
+fn user_value_text(value: &Value) -> Result<String, StoreError> {
+    let text = value.to_string();
+    super::storable(text.as_bytes(), "user value")?;
+    Ok(text)
+}
+
 /// A value the store could not write as JSON.
 fn json_error(error: serde_json::Error) -> StoreError {
     StoreError::Other(format!("sqlite: a row could not be written as JSON: {error}"))
@@ -1199,7 +1211,7 @@ fn read_submission(transaction: &Connection, id: &str) -> Result<Option<Submissi
 /// Writes a transition of a submission row: an update of the row its sequence (the rowid)
 /// names (an admission inserts with [`insert_submission`]).
 fn write_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreError> {
-    let (updated, size) = transaction.with_json(row, |data| {
+    let (updated, size) = transaction.with_json(row, "submission's message and initial data", |data| {
         let updated = transaction
             .prepare_cached(
                 "UPDATE flue_submissions SET status = ?2, owner_id = ?3, lease_until_ms = ?4, data = ?5, attempt_id = ?7
@@ -1230,7 +1242,7 @@ fn write_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreE
 
 /// Inserts an admitted submission's row.
 fn insert_submission(transaction: &Tx<'_>, row: &Submission) -> Result<(), StoreError> {
-    let size = transaction.with_json(row, |data| {
+    let size = transaction.with_json(row, "submission's message and initial data", |data| {
         transaction
             .prepare_cached(
                 "INSERT INTO flue_submissions (sequence, id, agent, instance_id, status, owner_id, lease_until_ms, data, attempt_id)
@@ -1434,7 +1446,7 @@ fn append_batch(
             "the stream of {key} is full ({STREAM_CAPACITY} batches)"
         )));
     }
-    transaction.with_json(records, |data| {
+    transaction.with_json(records, "records", |data| {
         transaction
             .prepare_cached("INSERT INTO flue_batches (position, records) VALUES (?1, ?2)")
             .map_err(sql)?
@@ -2169,7 +2181,7 @@ impl Store for SqliteStore {
                          ON CONFLICT (user_id, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
                     )
                     .map_err(sql)?
-                    .execute(params![user_id, key, value.to_string(), updated_at])
+                    .execute(params![user_id, key, user_value_text(&value)?, updated_at])
                     .map_err(sql)?,
                 None => tx
                     .prepare_cached("DELETE FROM flue_user_values WHERE user_id = ?1 AND key = ?2")
@@ -2868,8 +2880,8 @@ mod tests {
         let store = SqliteStore::in_memory().unwrap();
         let texts = store
             .transaction(|tx| {
-                tx.with_json(&["outer"], |outer| {
-                    tx.with_json(&["inner"], |inner| Ok((outer.0.to_vec(), inner.0.to_vec())))
+                tx.with_json(&["outer"], "outer", |outer| {
+                    tx.with_json(&["inner"], "inner", |inner| Ok((outer.0.to_vec(), inner.0.to_vec())))
                 })
             })
             .unwrap();
