@@ -214,11 +214,19 @@ impl InitialDataSpec {
         T: serde::de::DeserializeOwned + serde::Serialize + schemars::JsonSchema + 'static,
     {
         /// The data as `T` reads it: keys it does not know dropped, its defaults filled in. It
-        /// must read back as `T` (a type may write what it cannot read: a field skipped when
-        /// serialized, without a default): stored, such data would fail every render of the
-        /// instance for good, since creation data is never written again.
-        fn parse<T: serde::de::DeserializeOwned + serde::Serialize>(value: &Value) -> Result<Value, String> {
+        /// must also meet `T`'s schema, whose constraints serde does not know (a range, a
+        /// length, a pattern): the catalog publishes that schema, and creation data is never
+        /// written again. And it must read back as `T` (a type may write what it cannot read:
+        /// a field skipped when serialized, without a default): stored, such data would fail
+        /// every render of the instance for good.
+        fn parse<T>(value: &Value) -> Result<Value, String>
+        where
+            T: serde::de::DeserializeOwned + serde::Serialize + schemars::JsonSchema + 'static,
+        {
             let parsed = T::deserialize(value).map_err(|error| error.to_string())?;
+            crate::data::schema_of::<T>()
+                .validate(value)
+                .map_err(|issues| issues.join("; "))?;
             let normalized = serde_json::to_value(parsed).map_err(|error| error.to_string())?;
             T::deserialize(&normalized).map_err(|error| {
                 format!("it does not read back as the agent's initial_data type once stored ({error})")

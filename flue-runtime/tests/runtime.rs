@@ -1769,6 +1769,54 @@ async fn initial_data_is_validated_at_creation_only_and_recorded_as_its_type_rea
         .unwrap();
 }
 
+/// The type's schema constraints, which serde does not know and the catalog publishes, are
+/// checked too (the reference answers `invalid_request` for data its schema refuses).
+#[tokio::test]
+async fn initial_data_outside_its_types_schema_constraints_is_refused() {
+    #[derive(serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
+    struct Plan {
+        #[schemars(range(min = 1, max = 50))]
+        seats: u32,
+        #[schemars(length(max = 8), regex(pattern = "^[a-z-]+$"))]
+        team: String,
+    }
+    let agent = FnAgent::new(AgentDefinition::new("seated").initial_data::<Plan>(), |_| {
+        use_model("scripted/x");
+        "Seat them."
+    });
+    let model = ScriptedModel::echo();
+    let runtime = runtime_with(&model, vec![AgentRef::new(agent)]);
+    for (data, issue) in [
+        (json!({"seats": 0, "team": "core"}), "/seats"),
+        (json!({"seats": 5, "team": "much-too-long"}), "/team"),
+        (json!({"seats": 5, "team": "Not A Slug"}), "/team"),
+    ] {
+        let refused = runtime
+            .dispatch_request("seated", SendRequest::new("s", "hi").initial_data(data.clone()))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&refused, RuntimeError::InvalidRequest(message) if message.contains(issue)),
+            "{data}: {refused}"
+        );
+    }
+    assert!(
+        runtime
+            .store()
+            .instance(&InstanceKey::new("seated", "s"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    runtime
+        .dispatch_request(
+            "seated",
+            SendRequest::new("s", "hi").initial_data(json!({"seats": 5, "team": "core"})),
+        )
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_send_that_would_create_an_instance_without_the_initial_data_its_type_requires_is_refused() {
     #[derive(serde::Deserialize, serde::Serialize, schemars::JsonSchema)]
