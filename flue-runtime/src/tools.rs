@@ -1,5 +1,11 @@
 //! Running a response's tool calls: arguments validated against the schema before the tool
 //! runs, errors and panics turned into error results, concurrency bounded, abort honoured.
+//!
+//! A tool's panic is its error result, cleaned of its secrets as its output is. So that the
+//! panic is not also printed raw (to stderr, by the process's panic hook: an HTTP library's
+//! error quotes the URL it called, key and all), the first call chains a hook in front of the
+//! process's (see [`quiet`]): it stays quiet for a panic raised while a thread runs a tool's
+//! code, which is logged cleaned instead, and hands every other panic on.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -128,7 +134,7 @@ pub(crate) async fn run_one(tool: &Tool, ctx: ToolContext, arguments: &str, sign
         log,
         secrets: secrets.clone(),
     })));
-    redacted(run_call(tool, ctx, args, signal).await, &secrets)
+    redacted(run_call(tool, ctx, args, signal, &secrets).await, &secrets)
 }
 
 /// A tool call's log lines, without the values of its secrets nor a URL's secrets.
@@ -195,12 +201,19 @@ fn redact_strings(value: Value, clean: &impl Fn(&str) -> String) -> Value {
 }
 
 /// Runs the call whose arguments passed: its output, a panic's or an abort's.
-async fn run_call(tool: &Tool, ctx: ToolContext, args: Value, signal: &AbortSignal) -> ToolOutput {
+async fn run_call(
+    tool: &Tool,
+    ctx: ToolContext,
+    args: Value,
+    signal: &AbortSignal,
+    secrets: &[flue_core::tool::Secret],
+) -> ToolOutput {
+    quiet::install();
     // A closure tool runs the user's code before its future exists: a panic there is the
     // tool's too.
-    let run = match std::panic::catch_unwind(AssertUnwindSafe(|| tool.call(ctx, args))) {
+    let run = match std::panic::catch_unwind(AssertUnwindSafe(|| quiet::running_tool(|| tool.call(ctx, args)))) {
         Ok(future) => AssertUnwindSafe(future).catch_unwind(),
-        Err(payload) => return panicked(tool, payload.as_ref()),
+        Err(payload) => return panicked(tool, payload.as_ref(), secrets),
     };
     // The tool first: one that finishes at its first poll never registers with the signal.
     // (Not `tokio::select!`: it answers `Pending` without polling anything when the task's
@@ -211,11 +224,11 @@ async fn run_call(tool: &Tool, ctx: ToolContext, args: Value, signal: &AbortSign
     let mut aborted = std::pin::pin!(signal.aborted());
     let output = std::future::poll_fn(|cx| {
         if let Some(running) = run.as_mut().as_pin_mut()
-            && let Poll::Ready(result) = running.poll(cx)
+            && let Poll::Ready(result) = quiet::running_tool(|| running.poll(cx))
         {
             return Poll::Ready(match result {
                 Ok(output) => output,
-                Err(payload) => panicked(tool, payload.as_ref()),
+                Err(payload) => panicked(tool, payload.as_ref(), secrets),
             });
         }
         aborted
@@ -227,23 +240,77 @@ async fn run_call(tool: &Tool, ctx: ToolContext, args: Value, signal: &AbortSign
     // A tool stopped by the abort is dropped mid-way, here: what it held is dropped with it,
     // and a panic of a drop (a runtime of its own dropped in async code, say) is the tool's,
     // not the response's.
-    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| run.as_mut().set(None))) {
+    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| quiet::running_tool(|| run.as_mut().set(None))))
+    {
         tracing::warn!(
             tool = tool.name(),
-            panic = flue_core::render::panic_message(payload.as_ref()),
+            at = quiet::raised_at().unwrap_or_default(),
+            panic = clean_text(&flue_core::render::panic_message(payload.as_ref()), secrets, true),
             "a tool stopped by an abort panicked while it was dropped"
         );
     }
     output
 }
 
-/// The error result of a tool that panicked.
-fn panicked(tool: &Tool, payload: &(dyn std::any::Any + Send)) -> ToolOutput {
-    ToolOutput::error(format!(
-        "Tool \"{}\" panicked: {}",
-        tool.name(),
-        flue_core::render::panic_message(payload)
-    ))
+/// The error result of a tool that panicked, logged (cleaned as the result will be).
+fn panicked(tool: &Tool, payload: &(dyn std::any::Any + Send), secrets: &[flue_core::tool::Secret]) -> ToolOutput {
+    let message = flue_core::render::panic_message(payload);
+    tracing::warn!(
+        tool = tool.name(),
+        at = quiet::raised_at().unwrap_or_default(),
+        panic = clean_text(&message, secrets, true),
+        "a tool panicked: its error result tells the model"
+    );
+    ToolOutput::error(format!("Tool \"{}\" panicked: {message}", tool.name()))
+}
+
+/// The panic hook that keeps tools' panics from being printed raw (see the module's doc).
+mod quiet {
+    use std::cell::{Cell, RefCell};
+
+    thread_local! {
+        /// Whether this thread is running a tool's code.
+        static RUNNING_TOOL: Cell<bool> = const { Cell::new(false) };
+        /// Where this thread's latest quiet panic was raised (`file:line:column`).
+        static RAISED_AT: RefCell<Option<String>> = const { RefCell::new(None) };
+    }
+
+    /// Chains the hook in front of the process's (once per process; a hook set later
+    /// replaces it, as hooks do).
+    pub(super) fn install() {
+        static INSTALLED: std::sync::Once = std::sync::Once::new();
+        INSTALLED.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                if RUNNING_TOOL.with(Cell::get) {
+                    let at = info
+                        .location()
+                        .map(|at| format!("{}:{}:{}", at.file(), at.line(), at.column()));
+                    RAISED_AT.with(|raised| raised.replace(at));
+                } else {
+                    previous(info);
+                }
+            }));
+        });
+    }
+
+    /// Runs `code` as a tool's: a panic it raises is not printed.
+    pub(super) fn running_tool<R>(code: impl FnOnce() -> R) -> R {
+        /// Puts the flag back, however `code` ends.
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                RUNNING_TOOL.with(|running| running.set(self.0));
+            }
+        }
+        let _restore = Restore(RUNNING_TOOL.with(|running| running.replace(true)));
+        code()
+    }
+
+    /// Where this thread's latest quiet panic was raised, once.
+    pub(super) fn raised_at() -> Option<String> {
+        RAISED_AT.with(RefCell::take)
+    }
 }
 
 #[cfg(test)]
