@@ -234,8 +234,9 @@ pub enum Event {
     /// A message ended.
     MessageEnd {
         /// The message: the input and a model step as stored (after the message hooks), a
-        /// tool's result as the tool returned it (before the tool-result hooks; its stored
-        /// form is in `turn_messages`). A failed model call ends with an empty assistant
+        /// tool's result as stored (after the tool-result hooks, once its call's hook chain
+        /// ran; never the tool's own output when a hook changed it). A failed model call ends
+        /// with an empty assistant
         /// message. Images carry their media type, and [`IMAGE_DATA_OMITTED`] for their bytes;
         /// signed reasoning carries [`REASONING_DATA_OMITTED`] for its signature or data.
         message: ModelMessage,
@@ -399,7 +400,10 @@ pub enum Event {
         agent: String,
         /// Whether it failed.
         is_error: bool,
-        /// What returned to the parent: the delegate's final answer, or why the task failed.
+        /// What returned to the parent: the delegate's final answer, or why the task failed,
+        /// before the parent's tool-result hooks (a delegate runs none of its own, and its
+        /// answer events show it as it is too): the `task` call's stored form, which a
+        /// `before_store_tool_result` hook may have redacted, is in the `tool` event after.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         result: Option<String>,
         /// How long it ran.
@@ -459,8 +463,7 @@ pub enum Event {
         /// the input (and joined deliveries) and each completed model step as their
         /// `message_end` gave them, then each step's tool results as stored (after the
         /// tool-result hooks, in call order, an interrupted call's outcome-unknown result
-        /// included), which can differ from their `message_end` (the tool's own output, in
-        /// completion order).
+        /// included): their `message_end`s came in completion order.
         messages: Vec<ModelMessage>,
     },
     /// The processing of one submission, or a task child's prompt, ended (after `agent_end`,

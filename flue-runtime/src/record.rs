@@ -537,8 +537,8 @@ pub enum RecordBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         usage: Option<Usage>,
     },
-    /// The `after_thread_created` hooks ran (the thread's first execution; written with its
-    /// first input, so a re-attempt does not run them again).
+    /// The `after_thread_created` hooks ran (the thread's first execution; written in a batch
+    /// of its own before its first input is stored, so a re-attempt does not run them again).
     ThreadCreatedHooksRan,
     /// A submission settled.
     SubmissionSettled {

@@ -887,6 +887,11 @@ struct LongConversation {
 
 impl LongConversation {
     async fn serve(options: HttpOptions, messages: usize) -> Self {
+        Self::serve_padded(options, messages, 0).await
+    }
+
+    /// [`Self::serve`] with `padding` more bytes in each message.
+    async fn serve_padded(options: HttpOptions, messages: usize, padding: usize) -> Self {
         use flue_runtime::record::{Record, RecordBody};
         use flue_runtime::store::{InstanceKey, Store};
         let model = ScriptedModel::new([ScriptedReply::text("hi")]);
@@ -921,7 +926,7 @@ impl LongConversation {
                 timestamp: "2026-01-01T00:00:00.000Z".into(),
                 body: RecordBody::UserMessage {
                     message_id: format!("user_{n}"),
-                    body: format!("m{n}"),
+                    body: format!("m{n}{}", " ".repeat(padding)),
                     attachments: Vec::new(),
                 },
             };
@@ -1044,6 +1049,49 @@ async fn reads_of_a_long_stream(cached: usize) {
     }
     let largest = largest.load(std::sync::atomic::Ordering::SeqCst);
     assert!(largest <= 1000, "a read of {largest} batches (cache of {cached})");
+}
+
+/// SSE readers catching up on their own hold their folds and pages in a room the router
+/// bounds: a reader that finds none is answered 503 `server_busy` with `Retry-After`, and is
+/// served once the reader holding the room is gone. (Before, each idle connection behind the
+/// updates cache's window held its own copy of the conversation, counted by no budget.)
+#[tokio::test]
+async fn sse_readers_catching_up_on_their_own_share_a_bounded_room() {
+    let long = LongConversation::serve_padded(
+        HttpOptions {
+            updates_cache_instances: 0,
+            max_reader_fold_bytes: 64 * 1024,
+            ..HttpOptions::default()
+        },
+        400,
+        64 * 1024,
+    )
+    .await;
+    let url = format!(
+        "http://{}/agents/calculator/long?view=updates&offset=-1&live=sse",
+        long.addr
+    );
+    let client = reqwest::Client::new();
+    // Far more than the sockets buffer: a reader that stops taking bytes stays catching up.
+    let mut holding = client.get(&url).send().await.unwrap();
+    assert_eq!(holding.status(), 200);
+    holding.chunk().await.unwrap().unwrap();
+    let refused = client.get(&url).send().await.unwrap();
+    assert_eq!(refused.status(), 503);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "server_busy", "{body}");
+    drop(holding);
+    // The room is the closed connection's no longer.
+    for _ in 0..500 {
+        let response = client.get(&url).send().await.unwrap();
+        if response.status() == 200 {
+            return;
+        }
+        assert_eq!(response.status(), 503);
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the room was never let go");
 }
 
 /// A reader that follows a long conversation alone and reconnects at the head costs what is

@@ -3663,16 +3663,19 @@ async fn a_thread_write_racing_the_end_of_its_response_is_stored_and_announced_b
     assert_eq!(reply.text, "done");
     // The response waited for the write (or refused it: then no event is owed).
     let written = RACING_WRITE.lock().unwrap().clone();
-    let mut changed = 0;
+    let mut seen = Vec::new();
     while let Ok(observation) = events.try_recv() {
-        if let flue_runtime::events::Event::ThreadEvent { event_type, .. } = observation.event
-            && event_type == "kv_changed"
-        {
-            changed += 1;
+        match observation.event {
+            flue_runtime::events::Event::ThreadEvent { event_type, .. } if event_type == "kv_changed" => {
+                seen.push(format!("kv_changed {}", observation.operation_id.is_some()));
+            }
+            flue_runtime::events::Event::Idle => seen.push("idle".to_owned()),
+            _ => {}
         }
     }
     assert_eq!(written, ["true"], "the write went on as the response ended");
-    assert_eq!(changed, 1, "the stored write was announced");
+    // Announced once, within its operation: before `idle`, carrying the operation's id.
+    assert_eq!(seen, ["kv_changed true", "idle"]);
 }
 
 // ---- the create hooks of the signals a response appends ------------------------------------

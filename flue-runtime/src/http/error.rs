@@ -250,6 +250,18 @@ impl ApiError {
         )
     }
 
+    /// 503 `server_busy` (with `Retry-After: 1`): an SSE reader catching up on its own found no
+    /// room among the folds such readers hold at once
+    /// ([`HttpOptions::max_reader_fold_bytes`](super::HttpOptions::max_reader_fold_bytes)).
+    pub fn readers_busy() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_busy",
+            "The server holds as much of the conversations its readers catch up on as it may.",
+            "Retry shortly.",
+        )
+    }
+
     /// 503 `runtime_unavailable` (with `Retry-After: 1`).
     pub fn runtime_unavailable(state: &str) -> Self {
         Self::new(

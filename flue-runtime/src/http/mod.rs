@@ -168,6 +168,15 @@ pub struct HttpOptions {
     /// clients that send this much and then trickle keep others' messages out until then.
     /// Shared by the agents of one [`router_with`]; each [`agent_router`] has its own.
     pub max_buffered_request_bytes: usize,
+    /// About how many bytes SSE readers that catch up on their own hold at once, all readers
+    /// together (512 MiB, at most 4 GiB). A reader whose offset is before the updates cache's
+    /// window folds the conversation up to its offset itself, and holds that fold and a page
+    /// of batches until the instance's live feed serves it, at the pace its client takes
+    /// bytes. One that finds no room is answered 503 `server_busy` (with `Retry-After`); one
+    /// whose fold outgrows the room left ends its response (its client resumes from its last
+    /// offset). A fold larger than the whole room takes all of it, once the others are done.
+    /// Shared by the agents of one [`router_with`]; each [`agent_router`] has its own.
+    pub max_reader_fold_bytes: usize,
     /// How long a connection served by [`serve`] may take to send a request's head, and how
     /// long it may stay idle between requests (30 s); then it is closed. Keep it well above a
     /// client's round trip: a zero closes every connection before its head arrives.
@@ -202,6 +211,7 @@ impl std::fmt::Debug for HttpOptions {
             .field("request_body_timeout", &self.request_body_timeout)
             .field("request_body_deadline", &self.request_body_deadline)
             .field("max_buffered_request_bytes", &self.max_buffered_request_bytes)
+            .field("max_reader_fold_bytes", &self.max_reader_fold_bytes)
             .field("request_head_timeout", &self.request_head_timeout)
             .field("response_write_timeout", &self.response_write_timeout)
             .field("max_connections", &self.max_connections)
@@ -246,6 +256,7 @@ impl Default for HttpOptions {
             request_body_timeout: Duration::from_secs(60),
             request_body_deadline: Duration::from_secs(300),
             max_buffered_request_bytes: 256 * 1024 * 1024,
+            max_reader_fold_bytes: 512 * 1024 * 1024,
             request_head_timeout: Duration::from_secs(30),
             response_write_timeout: Duration::from_secs(60),
             max_connections: 4096,
@@ -259,13 +270,36 @@ struct Routes {
     runtime: Arc<RuntimeInner>,
     agent: Arc<str>,
     options: Arc<HttpOptions>,
-    /// The live feeds of this agent's instances followed over SSE.
+    /// The live feeds of the instances followed over SSE (the router's: one byte budget for
+    /// every agent's).
     feeds: Arc<feed::Feeds>,
     /// What this agent's instances' `view=updates` reads projected.
     updates: Arc<updates_cache::UpdatesCache>,
     /// Room for the bytes of message bodies being read and parsed, in bytes
     /// ([`HttpOptions::max_buffered_request_bytes`]).
     bodies: Arc<tokio::sync::Semaphore>,
+    /// Room for catching-up SSE readers' own folds, in bytes
+    /// ([`HttpOptions::max_reader_fold_bytes`]).
+    folds: reads::FoldRoom,
+}
+
+/// What the agents of one router share: room for message bodies, the live feeds (one byte
+/// budget for all), room for readers' folds.
+#[derive(Clone)]
+struct Shared {
+    bodies: Arc<tokio::sync::Semaphore>,
+    feeds: Arc<feed::Feeds>,
+    folds: reads::FoldRoom,
+}
+
+impl Shared {
+    fn new(options: &HttpOptions) -> Self {
+        Self {
+            bodies: body_room(options),
+            feeds: Arc::default(),
+            folds: reads::FoldRoom::new(options.max_reader_fold_bytes),
+        }
+    }
 }
 
 /// An instance route's `{id}`, taken by name: the router may be nested under a path with
@@ -325,7 +359,7 @@ pub fn router(runtime: &Runtime) -> Router {
 /// [`router`] with `options`.
 pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
     let options = Arc::new(options.bounded());
-    let bodies = body_room(&options);
+    let shared = Shared::new(&options);
     let inner = runtime.inner().clone();
     let guard_options = options.clone();
     let mut app = Router::new().route(
@@ -355,7 +389,7 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
         app = app
             .nest(
                 &format!("/agents/{name}"),
-                routes(runtime.inner().clone(), name, options.clone(), bodies.clone()),
+                routes(runtime.inner().clone(), name, options.clone(), shared.clone()),
             )
             .route(&format!("/agents/{name}/"), any(blank_id));
     }
@@ -367,8 +401,8 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
 pub fn agent_router(runtime: &Runtime, agent: &str, options: HttpOptions) -> Option<Router> {
     runtime.inner().agents.contains_key(agent).then(|| {
         let options = Arc::new(options.bounded());
-        let bodies = body_room(&options);
-        finish(routes(runtime.inner().clone(), agent, options, bodies))
+        let shared = Shared::new(&options);
+        finish(routes(runtime.inner().clone(), agent, options, shared))
     })
 }
 
@@ -414,14 +448,11 @@ fn hold_parsed(
     Ok(room)
 }
 
-fn routes(
-    runtime: Arc<RuntimeInner>,
-    agent: &str,
-    options: Arc<HttpOptions>,
-    bodies: Arc<tokio::sync::Semaphore>,
-) -> Router {
+fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>, shared: Shared) -> Router {
+    let Shared { bodies, feeds, folds } = shared;
     let state = Routes {
         bodies,
+        folds,
         runtime,
         agent: agent.into(),
         updates: Arc::new(updates_cache::UpdatesCache::new(
@@ -429,7 +460,7 @@ fn routes(
             options.updates_cache_bytes,
         )),
         options,
-        feeds: Arc::default(),
+        feeds,
     };
     Router::new()
         .route(

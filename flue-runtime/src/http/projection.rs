@@ -147,6 +147,12 @@ fn projected_weight(body: &RecordBody) -> usize {
     record_weight(body).max(RECORD_WEIGHT) + shown
 }
 
+/// Roughly the bytes folding `batch` adds to a projection (what a reader holding it unfolded
+/// is counted for).
+pub(crate) fn batch_weight(batch: &crate::record::Batch) -> usize {
+    batch.records.iter().map(|record| projected_weight(&record.body)).sum()
+}
+
 impl Projection {
     /// An empty fold of the conversation `conversation_id`.
     pub(crate) fn new(conversation_id: &str) -> Self {

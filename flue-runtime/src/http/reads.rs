@@ -11,11 +11,12 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::json;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::error::ApiError;
 use super::feed::{Delivery, Feed};
-use super::projection::{Projection, READ_PAGE, checkpoint};
+use super::projection::{Projection, READ_PAGE, batch_weight, checkpoint};
 use super::updates_cache::{Lookup, Page, UpdatesCache, page_is_full};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
@@ -181,6 +182,51 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
     }
 }
 
+/// Room for the folds and pages SSE readers catching up on their own hold, in bytes
+/// ([`HttpOptions::max_reader_fold_bytes`]).
+#[derive(Clone)]
+pub(super) struct FoldRoom {
+    room: Arc<Semaphore>,
+    whole: u32,
+}
+
+impl FoldRoom {
+    pub(super) fn new(bytes: usize) -> Self {
+        let whole = u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
+        Self {
+            room: Arc::new(Semaphore::new(whole as usize)),
+            whole,
+        }
+    }
+
+    /// Makes `held` hold room for `bytes` (never more than the whole room, so a reader that
+    /// fits alone is served once the others are done): false when there is not that much left.
+    fn hold(&self, held: &mut Option<OwnedSemaphorePermit>, bytes: usize) -> bool {
+        let wanted = u32::try_from(bytes).unwrap_or(u32::MAX).min(self.whole);
+        let have = held
+            .as_ref()
+            .map_or(0, |held| u32::try_from(held.num_permits()).unwrap_or(u32::MAX));
+        if wanted <= have {
+            return true;
+        }
+        match self.room.clone().try_acquire_many_owned(wanted - have) {
+            Ok(more) => {
+                match held {
+                    Some(held) => held.merge(more),
+                    None => *held = Some(more),
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// The bytes a reader holding `own` and `pending` is counted for.
+fn reader_bytes(own: Option<&Projection>, pending: &[Batch]) -> usize {
+    own.map_or(0, Projection::weight) + pending.iter().map(batch_weight).sum::<usize>()
+}
+
 /// A catching-up reader's next page after `after`, and whether the stream holds more (one
 /// batch more is read to tell: a reader whose last page ends at the head learns it is up to
 /// date with that page, not after a read that finds nothing).
@@ -306,6 +352,10 @@ pub(super) async fn get_stream(
                     projection.fold_stream(store, &key, after).await.map_err(internal)?;
                 }
                 let (pending, more) = next_page(store, &key, after).await.map_err(internal)?;
+                let mut room = None;
+                if !routes.folds.hold(&mut room, reader_bytes(Some(&projection), &pending)) {
+                    return Err(ApiError::readers_busy());
+                }
                 return Ok(sse(
                     routes,
                     key,
@@ -314,6 +364,7 @@ pub(super) async fn get_stream(
                         projection: Box::new(projection),
                         pending,
                         more,
+                        room,
                     },
                     after,
                 ));
@@ -430,6 +481,10 @@ struct SseStream {
     updates: Arc<UpdatesCache>,
     /// This reader's own fold, while it catches up (dropped once the feed serves it).
     own: Option<Projection>,
+    /// The router's room for readers' own folds, and what this reader holds of it (for its
+    /// fold and its pending page).
+    folds: FoldRoom,
+    room: Option<OwnedSemaphorePermit>,
     incarnation: String,
     /// Batches read but not yet sent (catching up with its own fold): one page of the store.
     pending: Vec<Batch>,
@@ -458,6 +513,22 @@ impl SseStream {
             .ok()
     }
 
+    /// Holds room for this reader's own fold and pending page, or lets it go once it has
+    /// neither; false (its response ends: the client reconnects from its last offset) when the
+    /// router has not that much left.
+    fn hold_room(&mut self) -> bool {
+        if self.own.is_none() && self.pending.is_empty() {
+            self.room = None;
+            return true;
+        }
+        let bytes = reader_bytes(self.own.as_ref(), &self.pending);
+        if self.folds.hold(&mut self.room, bytes) {
+            return true;
+        }
+        tracing::warn!(instance = %self.key, bytes, "an SSE stream ended: catching-up readers hold all the room max_reader_fold_bytes gives");
+        false
+    }
+
     /// The next frames to send; `None` ends the response (the store failed: the client
     /// reconnects from its last offset). The feed's frames are its own shared bytes: a
     /// thousand readers woken by one append send one copy of its frames, not a thousand.
@@ -476,6 +547,9 @@ impl SseStream {
             if self.pending.is_empty() && self.more {
                 let page = next_page(self.runtime.store.as_ref(), &self.key, self.offset).await;
                 (self.pending, self.more) = self.logged(page)?;
+                if !self.hold_room() {
+                    return None;
+                }
             }
             if !self.pending.is_empty() {
                 return Some(vec![self.catch_up().into()]);
@@ -492,6 +566,7 @@ impl SseStream {
             match self.logged(self.feed.after(&self.runtime, self.offset, appends, poll, cache).await)? {
                 Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
                     self.own = None;
+                    self.room = None;
                     self.offset = offset;
                     let mut out = frames;
                     out.push(self.control(true).into());
@@ -500,6 +575,7 @@ impl SseStream {
                 Delivery::Frames(..) => {
                     // Served by the feed from here on.
                     self.own = None;
+                    self.room = None;
                     // Every read cycle ends with a control frame: a reader that connects at the
                     // head learns at once that it is up to date.
                     let Some(last_control) = self.last_control else {
@@ -550,6 +626,9 @@ impl SseStream {
                         self.own = Some(own);
                     }
                     (self.pending, self.more) = self.logged(next_page(store, &self.key, self.offset).await)?;
+                    if !self.hold_room() {
+                        return None;
+                    }
                 }
             }
         }
@@ -624,18 +703,21 @@ enum Catch {
         projection: Box<Projection>,
         pending: Vec<Batch>,
         more: bool,
+        /// The room they hold.
+        room: Option<OwnedSemaphorePermit>,
     },
 }
 
 /// `live=sse`: checkpoint, then data and control frames for ever.
 fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, after: Option<u64>) -> Response {
-    let (own, pending, more, page) = match catch {
-        Catch::Page(page) => (None, Vec::new(), false, Some(page)),
+    let (own, pending, more, page, room) = match catch {
+        Catch::Page(page) => (None, Vec::new(), false, Some(page), None),
         Catch::Fold {
             projection,
             pending,
             more,
-        } => (Some(*projection), pending, more, None),
+            room,
+        } => (Some(*projection), pending, more, None, room),
     };
     let state = SseStream {
         updates: routes.updates.clone(),
@@ -646,6 +728,8 @@ fn sse(routes: Routes, key: InstanceKey, incarnation: String, catch: Catch, afte
         options: routes.options,
         key,
         own,
+        folds: routes.folds,
+        room,
         incarnation,
         pending,
         more,

@@ -865,6 +865,14 @@ impl InstanceSlot {
             }
             other => other,
         };
+        // Nothing appends for the attempt after its response: a write queued after the final
+        // flush (or by a failed attempt) is dropped, and the thread state refuses writes. A
+        // write being stored as the response ends is waited for first, so its event is the
+        // operation's, before the response's end is.
+        if let Some(writer) = attempt.writer.get() {
+            writer.close().await;
+        }
+        attempt.close_data().await;
         // A turn a failure broke off ends with the response.
         response.set_turn(None);
         if operates {
@@ -886,12 +894,6 @@ impl InstanceSlot {
         }
         drop(correlated);
         attempt.responding.store(false, Ordering::Release);
-        // Nothing appends for the attempt after its response: a write queued after the final
-        // flush (or by a failed attempt) is dropped, and the thread state refuses writes.
-        if let Some(writer) = attempt.writer.get() {
-            writer.close().await;
-        }
-        attempt.close_data().await;
         // Everything the attempt appended is in the fold (a batch a tool or hook wrote, a task's
         // child): the settlement reads it.
         response.fold_thread_writes();
