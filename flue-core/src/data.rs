@@ -354,11 +354,7 @@ impl Shape {
                 .filter_map(Value::as_str)
                 .map(str::to_owned),
         );
-        if let Some(name) = schema
-            .get("$ref")
-            .and_then(Value::as_str)
-            .and_then(|reference| reference.strip_prefix("#/$defs/"))
-            .map(|name| name.replace("~1", "/").replace("~0", "~"))
+        if let Some(name) = schema.get("$ref").and_then(Value::as_str).and_then(definition_name)
             && let Some(definition) = defs.get(&name)
         {
             let referenced = Self::of(definition, defs, depth + 1, budget)?;
@@ -465,18 +461,48 @@ fn spend(budget: &mut usize, steps: usize) -> Option<()> {
 /// `type` (an object, for a tool's arguments). The root's own keywords (its description) stay;
 /// the definition stays in `$defs` (other references may name it). A chain of wrappers is
 /// followed, a few links at most.
+/// The `$defs` entry a local reference (`#/$defs/<name>`) names: schemars writes it as a URI
+/// fragment (percent-encoded past URL-safe characters: a renamed or non-ASCII type's name) of
+/// a JSON pointer (`~1` for `/`, `~0` for `~`).
+pub(crate) fn definition_name(reference: &str) -> Option<String> {
+    let name = fragment_decoded(reference.strip_prefix("#/$defs/")?)?;
+    Some(name.replace("~1", "/").replace("~0", "~"))
+}
+
+/// A URI fragment's text, its `%XX` escapes decoded (`None` when they are not UTF-8).
+pub(crate) fn fragment_decoded(fragment: &str) -> Option<String> {
+    if !fragment.contains('%') {
+        return Some(fragment.to_owned());
+    }
+    let bytes = fragment.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        let escaped = (bytes[at] == b'%')
+            .then(|| fragment.get(at + 1..at + 3))
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(byte) => {
+                decoded.push(byte);
+                at += 3;
+            }
+            None => {
+                decoded.push(bytes[at]);
+                at += 1;
+            }
+        }
+    }
+    String::from_utf8(decoded).ok()
+}
+
 fn inline_root_ref(json: &mut Value) {
     for _ in 0..8 {
         let Value::Object(root) = json else { return };
         if root.contains_key("type") {
             return;
         }
-        let Some(name) = root
-            .get("$ref")
-            .and_then(Value::as_str)
-            .and_then(|reference| reference.strip_prefix("#/$defs/"))
-            .map(|name| name.replace("~1", "/").replace("~0", "~"))
-        else {
+        let Some(name) = root.get("$ref").and_then(Value::as_str).and_then(definition_name) else {
             return;
         };
         let Some(Value::Object(definition)) = root.get("$defs").and_then(|defs| defs.get(&name)).cloned() else {
@@ -510,6 +536,46 @@ mod tool_input_tests {
     #[derive(schemars::JsonSchema, serde::Deserialize)]
     #[allow(dead_code)]
     struct Wrapped(Inner);
+
+    /// Arguments whose schema name schemars percent-encodes in references.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[serde(rename = "Öffnen args")]
+    #[allow(dead_code)]
+    struct Renamed {
+        /// The door.
+        door: String,
+    }
+
+    /// The renamed arguments, wrapped.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct WrappedRenamed(Renamed);
+
+    /// A choice whose variants are the renamed arguments.
+    #[derive(schemars::JsonSchema, serde::Deserialize)]
+    #[serde(untagged)]
+    #[allow(dead_code)]
+    enum Choice {
+        Renamed(Renamed),
+        Other { other: u32 },
+    }
+
+    /// A reference to a definition whose name needs escaping in a URI is followed: the
+    /// wrapper's root is the definition's object, and a variant's fields are declared.
+    #[test]
+    fn a_percent_encoded_reference_is_followed() {
+        assert_eq!(
+            definition_name("#/$defs/%C3%96ffnen%20args"),
+            Some("Öffnen args".to_owned())
+        );
+        assert_eq!(definition_name("#/$defs/a~1b~0c"), Some("a/b~c".to_owned()));
+        let wrapped = tool_input_schema_of::<WrappedRenamed>();
+        assert!(wrapped.has_object_root(), "{}", wrapped.json());
+        assert!(wrapped.json()["properties"]["door"].is_object(), "{}", wrapped.json());
+        let choice = tool_input_schema_of::<Choice>();
+        assert!(choice.json()["properties"]["door"].is_object(), "{}", choice.json());
+        assert!(choice.json()["properties"]["other"].is_object(), "{}", choice.json());
+    }
 
     /// The arguments, transparent.
     #[derive(schemars::JsonSchema, serde::Deserialize)]

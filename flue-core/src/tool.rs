@@ -152,7 +152,8 @@ fn referenced<'a>(root: &'a Value, mut node: &'a Value) -> &'a Value {
             .get("$ref")
             .and_then(Value::as_str)
             .and_then(|reference| reference.strip_prefix('#'))
-            .and_then(|pointer| root.pointer(pointer))
+            .and_then(crate::data::fragment_decoded)
+            .and_then(|pointer| root.pointer(&pointer))
         else {
             break;
         };

@@ -2,10 +2,11 @@
 //! instructions). The front matter is read as the Agent Skills format uses YAML: a mapping of
 //! scalar fields (plain, single- or double-quoted (also over several lines), or `|` / `>`
 //! block scalars with their chomping and indentation indicators) and a one-level `metadata`
-//! mapping of strings. Unknown fields are skipped whatever their value (a list, a flow
+//! mapping of strings (on the lines under it, or a flow mapping on its own line:
+//! `metadata: {}`). Unknown fields are skipped whatever their value (a list, a flow
 //! collection, a nested mapping), as the reference ignores them; a field this format knows
 //! whose value is something else YAML allows (anchors, flow collections, a list, a nested
-//! mapping, a value on `metadata`'s own line) is refused with its line, as is a key written
+//! mapping, a scalar on `metadata`'s own line) is refused with its line, as is a key written
 //! twice (YAML refuses that too).
 
 use std::collections::BTreeMap;
@@ -71,12 +72,18 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
         }
         let rest = strip_comment(rest).trim();
         if key == "metadata" {
-            if !rest.is_empty() {
-                return Err(format!(
-                    "line {number}: `metadata` must be a mapping of strings, on the lines under it."
-                ));
-            }
             seen_metadata = true;
+            if !rest.is_empty() {
+                // `metadata: {}` or `{author: ada, version: "1.0"}`: a mapping of strings on
+                // one line.
+                for (name, value) in flow_mapping(rest, number)? {
+                    if document.metadata.contains_key(&name) {
+                        return Err(format!("line {number}: metadata `{name}` is written twice."));
+                    }
+                    document.metadata.insert(name, value);
+                }
+                continue;
+            }
             let mut indentation = None;
             while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
                 let entry = front[index];
@@ -104,8 +111,18 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
         }
         let value = if is_block_header(rest) {
             let mut block = Vec::new();
+            // The block's indentation is its first line's: a literal block keeps what its
+            // lines are indented beyond it.
+            let mut indentation = None;
             while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
-                block.push(front[index].trim());
+                let line = front[index].trim_end();
+                let indented = line.len() - line.trim_start().len();
+                let kept = if line.is_empty() {
+                    line
+                } else {
+                    &line[(*indentation.get_or_insert(indented)).min(indented)..]
+                };
+                block.push(if rest.starts_with('|') { kept } else { kept.trim_start() });
                 index += 1;
             }
             let joined = if rest.starts_with('|') {
@@ -154,14 +171,27 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             {
                 return Err(format!("line {}: `{key}` must be a string, not a mapping.", index + 2));
             }
-            // A plain scalar may continue on indented lines (folded with spaces).
+            // A plain scalar may continue on indented lines (folded with spaces; a blank line
+            // between them is a line break, as YAML folds it).
             if !rest.starts_with(['"', '\'']) {
-                while index < front.len() && front[index].starts_with([' ', '\t']) && !front[index].trim().is_empty() {
-                    if !value.is_empty() {
+                loop {
+                    let blanks = front[index.min(front.len())..]
+                        .iter()
+                        .take_while(|line| line.trim().is_empty())
+                        .count();
+                    let Some(next) = front.get(index + blanks) else {
+                        break;
+                    };
+                    if !next.starts_with([' ', '\t']) || next.trim_start().starts_with('#') && blanks > 0 {
+                        break;
+                    }
+                    if blanks > 0 {
+                        value.push_str(&"\n".repeat(blanks));
+                    } else if !value.is_empty() {
                         value.push(' ');
                     }
-                    value.push_str(front[index].trim());
-                    index += 1;
+                    value.push_str(next.trim());
+                    index += blanks + 1;
                 }
             }
             value
@@ -308,6 +338,57 @@ fn fold(lines: &[&str]) -> String {
     out
 }
 
+/// A flow mapping of strings written on one line (`{}`, `{a: b, "c": 'd'}`), in order.
+fn flow_mapping(text: &str, number: usize) -> Result<Vec<(String, String)>, String> {
+    let refused = || format!("line {number}: `metadata` must be a mapping of strings.");
+    let inner = text
+        .strip_prefix('{')
+        .and_then(|text| text.strip_suffix('}'))
+        .ok_or_else(refused)?;
+    // Split at the commas outside quotes.
+    let mut entries = Vec::new();
+    let (mut start, mut quote, mut chars) = (0, None, inner.char_indices().peekable());
+    while let Some((at, c)) = chars.next() {
+        match (quote, c) {
+            (None, '"' | '\'') => quote = Some(c),
+            (Some('"'), '\\') => {
+                chars.next();
+            }
+            (Some('\''), '\'') if chars.peek().is_some_and(|(_, next)| *next == '\'') => {
+                chars.next();
+            }
+            (Some(open), c) if c == open => quote = None,
+            (None, ',') => {
+                entries.push(&inner[start..at]);
+                start = at + 1;
+            }
+            (None, '{' | '[') => return Err(refused()),
+            _ => {}
+        }
+    }
+    if quote.is_some() {
+        return Err(refused());
+    }
+    entries.push(&inner[start..]);
+    let mut mapping = Vec::new();
+    for entry in entries {
+        let entry = entry.trim();
+        if entry.is_empty() {
+            continue;
+        }
+        // A quoted key may hold `: ` itself.
+        let (key, value) = if entry.starts_with(['"', '\'']) {
+            let close = closing_quote(entry).ok_or_else(refused)?;
+            let value = entry[close + 1..].trim_start().strip_prefix(':').ok_or_else(refused)?;
+            (&entry[..=close], value)
+        } else {
+            entry.split_once(':').ok_or_else(refused)?
+        };
+        mapping.push((unquote_key(key.trim(), number)?, scalar(value.trim(), number)?));
+    }
+    Ok(mapping)
+}
+
 fn scalar(value: &str, number: usize) -> Result<String, String> {
     if let Some(inner) = value.strip_prefix('\'') {
         let inner = inner
@@ -349,7 +430,31 @@ fn scalar(value: &str, number: usize) -> Result<String, String> {
                 Some('L') => out.push('\u{2028}'),
                 Some('P') => out.push('\u{2029}'),
                 Some('x') => out.push(hex(&mut chars, 2)?),
-                Some('u') => out.push(hex(&mut chars, 4)?),
+                Some('u') => {
+                    let code: String = chars.by_ref().take(4).collect();
+                    let unit = (code.len() == 4)
+                        .then(|| u32::from_str_radix(&code, 16).ok())
+                        .flatten()
+                        .ok_or_else(|| format!("line {number}: invalid escape in a double-quoted string."))?;
+                    // A UTF-16 surrogate pair written as two escapes (as JSON writes them) is
+                    // one character.
+                    let character = if (0xD800..0xDC00).contains(&unit) {
+                        let mut low = chars.clone();
+                        let pair: Option<u32> = (low.next() == Some('\\') && low.next() == Some('u'))
+                            .then(|| u32::from_str_radix(&low.by_ref().take(4).collect::<String>(), 16).ok())
+                            .flatten()
+                            .filter(|low| (0xDC00..0xE000).contains(low));
+                        pair.and_then(|second| {
+                            chars = low;
+                            char::from_u32(0x10000 + ((unit - 0xD800) << 10) + (second - 0xDC00))
+                        })
+                    } else {
+                        char::from_u32(unit)
+                    };
+                    out.push(
+                        character.ok_or_else(|| format!("line {number}: invalid escape in a double-quoted string."))?,
+                    );
+                }
                 Some('U') => out.push(hex(&mut chars, 8)?),
                 Some('"') => out.push('"'),
                 Some('\\') => out.push('\\'),
@@ -451,6 +556,36 @@ mod tests {
         assert_eq!(parsed.fields.len(), 5, "{:?}", parsed.fields);
     }
 
+    /// Forms published skills use that YAML reads as this format's strings: a flow mapping of
+    /// metadata (empty too), a plain value over paragraphs, a literal block's own
+    /// indentation, a character escaped as a UTF-16 surrogate pair.
+    #[test]
+    fn flow_metadata_paragraphs_indented_blocks_and_surrogate_escapes_are_read_as_yaml_reads_them() {
+        let parsed = parse("---\nname: x\nmetadata: {}\n---\n").unwrap();
+        assert!(parsed.metadata.is_empty());
+        let parsed = parse("---\nmetadata: {author: ada, \"a: b\": 'it''s, fine', version: \"1.0\"}\n---\n").unwrap();
+        assert_eq!(
+            parsed.metadata.into_iter().collect::<Vec<_>>(),
+            [
+                ("a: b".to_owned(), "it's, fine".to_owned()),
+                ("author".to_owned(), "ada".to_owned()),
+                ("version".to_owned(), "1.0".to_owned()),
+            ]
+        );
+        let parsed =
+            parse("---\ndescription: First paragraph\n  continues.\n\n  Second paragraph.\nname: x\n---\n").unwrap();
+        assert_eq!(
+            parsed.fields["description"],
+            "First paragraph continues.\nSecond paragraph."
+        );
+        assert_eq!(parsed.fields["name"], "x");
+        let parsed = parse("---\ndescription: |\n  Steps:\n    - a\n\n  Done.\n---\n").unwrap();
+        assert_eq!(parsed.fields["description"], "Steps:\n  - a\n\nDone.");
+        let parsed = parse("---\ndescription: \"Launch \\uD83D\\uDE80 now\"\n---\n").unwrap();
+        assert_eq!(parsed.fields["description"], "Launch \u{1F680} now");
+        assert!(parse("---\ndescription: \"half \\uD83D alone\"\n---\n").is_err());
+    }
+
     #[test]
     fn a_known_field_written_as_a_list_is_refused_with_its_line() {
         assert_eq!(
@@ -466,7 +601,11 @@ mod tests {
     fn a_mapping_where_a_string_goes_or_a_key_written_twice_is_refused_with_its_line() {
         assert_eq!(
             parse("---\nname: x\nmetadata: some-text\n---\n").unwrap_err(),
-            "line 3: `metadata` must be a mapping of strings, on the lines under it."
+            "line 3: `metadata` must be a mapping of strings."
+        );
+        assert_eq!(
+            parse("---\nname: x\nmetadata: {a: {b: c}}\n---\n").unwrap_err(),
+            "line 3: `metadata` must be a mapping of strings."
         );
         assert_eq!(
             parse("---\nmetadata:\n  author:\n    name: ada\n---\n").unwrap_err(),
