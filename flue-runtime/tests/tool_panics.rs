@@ -13,15 +13,18 @@ use serde_json::json;
 /// What the process's panic hook was handed.
 static PRINTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
+/// A request that fails as an HTTP client's does.
+fn request() -> Result<(), String> {
+    Err("error sending request for url (https://maps.example/find?key=AIza-s3cret&q=x)".into())
+}
+
 #[agent]
 fn mapper() -> &'static str {
     use_model("scripted/x");
     use_tool(Tool::new("maps").description("Looks a place up.").run(
         |_ctx, _: serde_json::Map<String, serde_json::Value>| async move {
             // An unwrapped HTTP error quotes the URL it called, key and all.
-            let failed: Result<(), String> =
-                Err("error sending request for url (https://maps.example/find?key=AIza-s3cret&q=x)".into());
-            failed.unwrap();
+            request().unwrap();
             "found"
         },
     ));
