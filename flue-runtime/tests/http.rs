@@ -287,8 +287,17 @@ fn assert_security_headers(headers: &HeaderMap) {
 }
 
 /// Asserts `response` is the error envelope of `error_type` with `status`; returns its error.
+/// What a reader of a live stream accepts.
+const SSE: &str = "text/event-stream";
+
 async fn assert_error(response: reqwest::Response, status: u16, error_type: &str) -> Value {
     let (actual, headers) = (response.status().as_u16(), response.headers().clone());
+    // Checked before the body is read: a request that should have been refused and was
+    // served a live stream would otherwise wait on a body that never ends.
+    assert!(
+        actual == status || actual >= 400,
+        "expected {status} {error_type}, got {actual} (not read further: it may stream for ever)"
+    );
     let body: Value = response.json().await.unwrap();
     assert_eq!(
         (actual, body["error"]["type"].as_str()),
@@ -1533,7 +1542,32 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
         200
     );
     // The user routes run the application's hooks even for a read, also one a page on another
-    // port sends without an Origin (an `<img>`'s).
+    // port sends without an Origin (an `<img>`'s), and one a browser that trusts no plain-HTTP
+    // address sends with neither header: only a stream's reader (`Accept: text/event-stream`)
+    // is served then.
+    for accept in ["image/avif,image/webp,*/*", "*/*"] {
+        let attach = server
+            .client
+            .get(format!("{}/users/u1/events?client_id=img&client_kind=web", server.root))
+            .header("accept", accept)
+            .send()
+            .await
+            .unwrap();
+        assert_error(attach, 403, "forbidden").await;
+    }
+    assert!(
+        !CLIENTS.lock().unwrap().iter().any(|line| line.contains(" img ")),
+        "no hook ran"
+    );
+    let reader = server
+        .client
+        .get(format!("{}/users/u1/events?client_id=reader", server.root))
+        .header("accept", "text/event-stream; q=1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reader.status().as_u16(), 200);
+    drop(reader);
     for site in ["cross-site", "same-site"] {
         let attach = server
             .client
@@ -3742,7 +3776,7 @@ async fn wait_settled(server: &Server, base: &str, id: &str, count: usize) -> Va
 async fn a_user_stream_says_ready_carries_that_users_events_and_runs_the_attach_and_detach_hooks() {
     let server = Server::start().await;
     let url = format!("{}/users/u-7/events?client_id=tab-1&client_kind=web", server.root);
-    let response = server.client.get(&url).send().await.unwrap();
+    let response = server.client.get(&url).header("accept", SSE).send().await.unwrap();
     assert_eq!(response.status().as_u16(), 200);
     assert_eq!(header(response.headers(), "content-type"), "text/event-stream");
     assert_security_headers(response.headers());
@@ -3799,7 +3833,11 @@ async fn a_user_token_reaches_its_own_user_stream_and_instances_and_nothing_else
         .allow("instance-token", Access::instances("calculator", ["c1"]));
     let server = Server::start_with(HttpOptions::default().authorized_by(tokens)).await;
     let get = |path: String, token: &'static str| {
-        let request = server.client.get(format!("{}{path}", server.root)).bearer_auth(token);
+        let request = server
+            .client
+            .get(format!("{}{path}", server.root))
+            .bearer_auth(token)
+            .header("accept", SSE);
         async move { request.send().await.unwrap() }
     };
     let own = get("/users/u-7/events".into(), "u7-token").await;
@@ -3815,6 +3853,7 @@ async fn a_user_token_reaches_its_own_user_stream_and_instances_and_nothing_else
     let unauthenticated = server
         .client
         .get(format!("{}/users/u-7/events", server.root))
+        .header("accept", SSE)
         .send()
         .await
         .unwrap();
@@ -3840,7 +3879,11 @@ async fn a_user_id_with_a_colon_reaches_its_events_but_no_instance_namespace() {
         .allow("admin-token", Access::User("u:admin".into()));
     let server = Server::start_with(HttpOptions::default().authorized_by(tokens)).await;
     let get = |path: &str, token: &'static str| {
-        let request = server.client.get(format!("{}{path}", server.root)).bearer_auth(token);
+        let request = server
+            .client
+            .get(format!("{}{path}", server.root))
+            .bearer_auth(token)
+            .header("accept", SSE);
         async move { request.send().await.unwrap() }
     };
     for path in ["/agents/calculator/u:notes", "/agents/calculator/u:admin:notes"] {
@@ -4257,6 +4300,7 @@ async fn an_authorization_callback_sees_the_path_the_client_requested() {
     server
         .client
         .get(format!("{}/users/u1/events", server.root))
+        .header("accept", SSE)
         .send()
         .await
         .unwrap();
@@ -4295,6 +4339,7 @@ async fn a_head_request_on_a_user_stream_attaches_no_client() {
     let response = server
         .client
         .get(format!("{}/users/u%00x/events", server.root))
+        .header("accept", SSE)
         .send()
         .await
         .unwrap();

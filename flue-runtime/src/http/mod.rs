@@ -14,6 +14,7 @@
 //! | `GET /:id/attachments/:attachmentId` | An attachment's bytes. |
 //! | `GET /:id/events` | Live thread events over SSE (`tool_call_started`, `tool_call_done`). |
 //! | `GET /agents` | The catalog ([`router`] only). |
+//! | `GET /users/:userId/events` | A user's live events over SSE, read with `Accept: text/event-stream`; runs the `user_client_attached`/`_detached` hooks ([`router`] only). |
 //!
 //! Every failure answers the error envelope `{"error":{"type","message","details",…}}` with
 //! its type's status ([`ApiError`]); every response carries `X-Content-Type-Options: nosniff`
@@ -25,7 +26,9 @@
 //! browser from another site (`Sec-Fetch-Site: cross-site`; `same-site` with no `Origin` or one
 //! that is not the request's `Host`; without `Sec-Fetch-Site`, an `Origin` that is not the
 //! `Host`: a page on another port of `localhost` included) is refused (403) unless
-//! [`HttpOptions::allow_cross_site`] is set.
+//! [`HttpOptions::allow_cross_site`] is set. A user's event stream asked for without
+//! `Accept: text/event-stream` and with neither header (an `<img>` on a page that a browser
+//! sends to a plain-HTTP address it does not trust sends neither) is refused too.
 //! A web page a developer happens to open cannot drive the agents served on their machine.
 //!
 //! ```no_run
@@ -396,8 +399,8 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
     finish(app)
 }
 
-/// One agent's routes at the router's root (`/:id`, …); `None` when `runtime` has no agent
-/// named `agent`.
+/// One agent's routes at the router's root (`/:id`, …; not the catalog nor the users'
+/// event streams, which [`router`] mounts); `None` when `runtime` has no agent named `agent`.
 pub fn agent_router(runtime: &Runtime, agent: &str, options: HttpOptions) -> Option<Router> {
     runtime.inner().agents.contains_key(agent).then(|| {
         let options = Arc::new(options.bounded());
@@ -540,6 +543,23 @@ async fn guard(
         )
         .into_response();
     }
+    // A browser that reaches a plain-HTTP address it does not deem trustworthy sends neither
+    // `Sec-Fetch-Site` nor, with a no-CORS `GET` (an `<img>`'s), an `Origin`: such a page
+    // from anywhere would run a user's attach and detach hooks. A user's stream is asked for
+    // as one (`Accept: text/event-stream`, what `EventSource` sends), which no such element
+    // sends.
+    if user_id.is_some()
+        && request.method() == axum::http::Method::GET
+        && !options.allow_cross_site
+        && request.headers().get("sec-fetch-site").is_none()
+        && request.headers().get(axum::http::header::ORIGIN).is_none()
+        && !asks_for_event_stream(request.headers())
+    {
+        return ApiError::forbidden_origin(
+            "A user's event stream is read with Accept: text/event-stream (a request that says neither where it comes from nor that it reads a stream may be a page's element from another site).",
+        )
+        .into_response();
+    }
     if let Some(authorization) = &options.authorization {
         // The path the client requested: inside a nested router (every agent's routes are
         // nested under `/agents/<name>`) the request's own URI has lost that prefix, and a
@@ -563,6 +583,21 @@ async fn guard(
         }
     }
     next.run(request).await
+}
+
+/// Whether the request's `Accept` lists `text/event-stream` by name (not only through `*/*`).
+fn asks_for_event_stream(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get_all(axum::http::header::ACCEPT)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|media| {
+            media
+                .split(';')
+                .next()
+                .is_some_and(|media| media.trim().eq_ignore_ascii_case("text/event-stream"))
+        })
 }
 
 /// Whether a browser sent the request from another site: as its `Sec-Fetch-Site` says, or,
