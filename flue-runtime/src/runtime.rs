@@ -429,7 +429,8 @@ pub(crate) struct RuntimeInner {
     /// The thread events alone (`tool_call_started`, `tool_call_done`, `ThreadState::emit`)
     /// for their HTTP readers: a reader of them does not make every other event observed
     /// (built, and copied for it only to be dropped).
-    thread_events: broadcast::Sender<Observation>,
+    /// (Shared: each reader's task gets a pointer, not a copy of what an application emitted.)
+    thread_events: broadcast::Sender<Arc<Observation>>,
     /// The next observation's index, held while the observation is sent so that observers
     /// receive indices in the order they were given, whichever thread emits.
     event_index: Mutex<u64>,
@@ -833,7 +834,7 @@ impl RuntimeInner {
     }
 
     /// Live thread events of every instance (what [`Self::emit_thread_event`] publishes).
-    pub(crate) fn observe_thread_events(&self) -> broadcast::Receiver<Observation> {
+    pub(crate) fn observe_thread_events(&self) -> broadcast::Receiver<Arc<Observation>> {
         self.thread_events.subscribe()
     }
 
@@ -970,11 +971,11 @@ impl RuntimeInner {
         *next_index += 1;
         match (observed, threaded) {
             (true, true) => {
-                let _ = self.thread_events.send(observation.clone());
+                let _ = self.thread_events.send(Arc::new(observation.clone()));
                 let _ = self.events.send(observation);
             }
             (false, _) => {
-                let _ = self.thread_events.send(observation);
+                let _ = self.thread_events.send(Arc::new(observation));
             }
             (true, false) => {
                 let _ = self.events.send(observation);

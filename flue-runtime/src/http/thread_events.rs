@@ -70,7 +70,7 @@ fn thread_event(observation: &Observation) -> Option<Value> {
 
 /// The thread events of the instance `key` among `events`, taken off the broadcast as they
 /// come (see [`forwarded`]): a reader falls behind its instance's events only.
-fn instance_events(events: broadcast::Receiver<Observation>, key: InstanceKey) -> Forwarded {
+fn instance_events(events: broadcast::Receiver<Arc<Observation>>, key: InstanceKey) -> Forwarded {
     forwarded(events, BACKLOG, move |observation| {
         if observation.agent.as_deref() != Some(&*key.agent) || observation.instance_id.as_deref() != Some(&*key.id) {
             return None;
@@ -168,8 +168,8 @@ pub(super) async fn get_events(State(routes): State<Routes>, id: super::Instance
 mod tests {
     use super::*;
 
-    fn observed(index: u64, agent: &str, id: &str, tool_call_id: &str) -> Observation {
-        Observation {
+    fn observed(index: u64, agent: &str, id: &str, tool_call_id: &str) -> Arc<Observation> {
+        Arc::new(Observation {
             agent: Some(agent.to_owned()),
             instance_id: Some(id.to_owned()),
             submission_id: None,
@@ -183,7 +183,7 @@ mod tests {
                 tool_name: "add".to_owned(),
                 status: "success".to_owned(),
             },
-        }
+        })
     }
 
     /// A reader that stalls (its socket full) while other instances' events overrun the
