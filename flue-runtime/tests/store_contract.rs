@@ -40,10 +40,15 @@ fn scratch_db() -> std::path::PathBuf {
     scratch::dir("format").join("flue.db")
 }
 
-/// A connection of this test's own to the store's file, beside the store's: through SQLite's
-/// `unix-excl`, the VFS under the store's, whose connections share the file within one process.
+/// A connection of this test's own to the store's file, beside the store's: through the
+/// store's VFS (`flue-excl`) once a store has registered it in this process, as every
+/// connection of the process must go (another VFS shares the file's lock but not the WAL
+/// frames the store holds back), else through `unix-excl`, the VFS under it.
 fn raw(path: &std::path::Path) -> rusqlite::Connection {
-    rusqlite::Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), c"unix-excl").unwrap()
+    // SAFETY: `sqlite3_vfs_find` takes a NUL-terminated name and only looks it up.
+    let registered = unsafe { !rusqlite::ffi::sqlite3_vfs_find(c"flue-excl".as_ptr()).is_null() };
+    let vfs = if registered { c"flue-excl" } else { c"unix-excl" };
+    rusqlite::Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), vfs).unwrap()
 }
 
 fn meta(path: &std::path::Path) -> Vec<(String, String)> {

@@ -19,7 +19,10 @@
 //! holds a `flock` on `<database>-lock` beside it, which survives what releases SQLite's lock
 //! (see `ProcessLock`). Another process opening the file meanwhile fails with a clear error;
 //! several runtime processes share a Postgres store. Elsewhere the connections use SQLite's
-//! default VFS and its usual locking.
+//! default VFS and its usual locking. Code in the same process that opens the file itself must
+//! open it through the store's VFS, `flue-excl` (registered once a store is open): a
+//! connection through another VFS shares the process's lock but not the WAL frames the store
+//! holds back (see `vfs`), which could be written over its commits.
 //!
 //! Submission rows keep their full state as JSON beside the columns that queries filter on,
 //! so every transition is the same read-modify-write the memory store performs, inside one
@@ -2822,8 +2825,10 @@ mod tests {
         now(store.admit(admission("a", "s-1", Some(lapsing("at-1"))))).unwrap();
         now(store.admit(admission("b", "s-2", Some(lapsing("at-2"))))).unwrap();
         now(store.request_abort(&InstanceKey::new("a", "b"))).unwrap();
-        // Another connection damages the first row (a newer build's, say).
-        let other = rusqlite::Connection::open(&path).unwrap();
+        // Another connection damages the first row (a newer build's, say; in this process,
+        // through the store's VFS).
+        let other =
+            rusqlite::Connection::open_with_flags_and_vfs(&path, rusqlite::OpenFlags::default(), vfs::NAME).unwrap();
         other
             .execute("UPDATE flue_submissions SET data = '{\"id\": 7}' WHERE id = 's-1'", [])
             .unwrap();

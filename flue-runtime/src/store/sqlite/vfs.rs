@@ -803,13 +803,22 @@ mod tests {
     /// Runs `child` (an ignored test of this module) alone in a process of its own, where it may
     /// change process-wide limits.
     fn in_child_process(child: &str) {
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
             .args([child, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
             .env("FLUE_VFS_CHILD", "1")
-            .status()
+            .output()
             .unwrap();
-        assert!(status.success(), "{child} failed in its own process");
+        let said = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{child} failed in its own process: {said}");
+        // A filter that matches nothing passes too: the child says it ran to its end.
+        assert!(
+            said.contains(CHILD_RAN),
+            "{child} did not run in its own process: {said}"
+        );
     }
+
+    /// What a child test prints once it ran to its end.
+    const CHILD_RAN: &str = "flue-vfs-child-ran";
 
     #[test]
     fn a_full_disk_fails_the_commit_for_good_and_committed_data_stays_readable() {
@@ -893,6 +902,7 @@ mod tests {
         assert!(failed.is_err(), "the large commit fails on the full disk");
         assert_eq!(small.ok(), Some(1), "the small commit fits in the room left");
         assert_eq!(count(&crash_copy(&path, &dir)), 3);
+        println!("{CHILD_RAN}");
     }
 
     #[test]
