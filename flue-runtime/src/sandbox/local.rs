@@ -421,6 +421,20 @@ fn walk_beneath(
         if last && is_a_store_file(parent, &name) {
             return Err(OpenError::OfTheStore);
         }
+        // A device, FIFO or socket is refused before it is opened: opening some devices acts
+        // (a watchdog starts, a serial line resets its board). (An open of a directory only
+        // fails on one without reaching its driver.)
+        if last
+            && flags & libc::O_DIRECTORY == 0
+            && beneath::status_at(parent, &name).is_ok_and(|status| {
+                matches!(
+                    status.st_mode & libc::S_IFMT,
+                    libc::S_IFCHR | libc::S_IFBLK | libc::S_IFIFO | libc::S_IFSOCK
+                )
+            })
+        {
+            return Err(OpenError::Io(std::io::Error::from_raw_os_error(libc::ENXIO)));
+        }
         let opened = match beneath::open_at(Some(parent), &name, flags) {
             Err(error) if !last && make_dirs && error.kind() == std::io::ErrorKind::NotFound => {
                 // A missing directory of a write: made here, then walked into.
@@ -541,7 +555,9 @@ impl Access {
     /// write (on a regular file the flag changes nothing). A write does not truncate at the
     /// open either, for the same reason.
     fn flags(self) -> libc::c_int {
-        let common = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+        // `O_NOCTTY`: a terminal opened (refused after, raced in after the look) does not
+        // become the runtime's controlling terminal.
+        let common = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY;
         match self {
             Self::Read => libc::O_RDONLY | common,
             Self::Write => libc::O_WRONLY | libc::O_CREAT | common,
@@ -2025,5 +2041,55 @@ mod tests {
             panic!("a directory was read")
         };
         assert!(message.starts_with("Is a directory"), "{message}");
+    }
+
+    /// A FIFO is refused without being opened: a writer a command left waiting on it is not
+    /// let through (an open would complete its open, and the close after give it EPIPE).
+    #[tokio::test]
+    async fn a_fifo_is_refused_without_being_opened() {
+        let dirs = scratch("fifo-unopened");
+        let pipe = dirs.root.join("pipe");
+        fifo(&pipe);
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let (opened, writer_opened) = std::sync::mpsc::channel();
+        let writer = std::thread::spawn({
+            let pipe = pipe.clone();
+            move || {
+                let file = std::fs::OpenOptions::new().write(true).open(&pipe);
+                opened.send(file.is_ok()).unwrap();
+            }
+        });
+        assert!(sandbox.read_file("pipe").await.is_err());
+        assert!(
+            writer_opened.recv_timeout(Duration::from_millis(300)).is_err(),
+            "the read opened the FIFO: its waiting writer went through"
+        );
+        // Our own reader lets the writer go.
+        let reader = std::fs::File::open(&pipe).unwrap();
+        assert_eq!(writer_opened.recv().unwrap(), true);
+        drop(reader);
+        writer.join().unwrap();
+    }
+
+    /// A path past the kernel's length, or deeper than 256 components, is refused before it
+    /// is looked up (checking a deep path costs with its depth, and a write makes the
+    /// directories it names).
+    #[tokio::test]
+    async fn a_path_too_long_or_too_deep_is_refused() {
+        let dirs = scratch("deep");
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        let expected = SandboxError::Io("a path may be at most 4096 bytes and 256 components long".into());
+        let deep = format!("{}f", "a/".repeat(300));
+        assert_eq!(sandbox.write_file(&deep, b"x".to_vec()).await, Err(expected.clone()));
+        assert!(!dirs.root.join("a").exists(), "no directory was made");
+        let long = "n".repeat(5000);
+        assert_eq!(sandbox.read_file(&long).await, Err(expected));
+        let fits = format!("{}f", "a/".repeat(200));
+        sandbox.write_file(&fits, b"x".to_vec()).await.unwrap();
+        assert_eq!(sandbox.read_file(&fits).await.unwrap(), b"x");
     }
 }

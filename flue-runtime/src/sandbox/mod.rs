@@ -120,11 +120,26 @@ pub fn local(root: impl Into<std::path::PathBuf>) -> LocalSandboxFactory {
     LocalSandboxFactory::new(root)
 }
 
+/// The longest sandbox path, in bytes (the kernel's `PATH_MAX`).
+pub(crate) const MAX_PATH_BYTES: usize = 4096;
+
+/// The most components a sandbox path has: checking a path costs more the deeper it is (a
+/// resolution looks each prefix up), and a write makes the directories it names.
+pub(crate) const MAX_PATH_COMPONENTS: usize = 256;
+
 /// A sandbox path made absolute and normal (`.` and `..` resolved); `..` past the root is
-/// refused.
+/// refused, and so is a path past [`MAX_PATH_BYTES`] or [`MAX_PATH_COMPONENTS`].
 pub(crate) fn normalize(path: &str) -> Result<String, SandboxError> {
     if path.contains('\0') {
         return Err(SandboxError::Io("a path cannot contain a NUL byte".into()));
+    }
+    let too_long = || {
+        SandboxError::Io(format!(
+            "a path may be at most {MAX_PATH_BYTES} bytes and {MAX_PATH_COMPONENTS} components long"
+        ))
+    };
+    if path.len() > MAX_PATH_BYTES {
+        return Err(too_long());
     }
     let mut parts: Vec<&str> = Vec::new();
     for part in path.split('/') {
@@ -137,6 +152,9 @@ pub(crate) fn normalize(path: &str) -> Result<String, SandboxError> {
             }
             part => parts.push(part),
         }
+    }
+    if parts.len() > MAX_PATH_COMPONENTS {
+        return Err(too_long());
     }
     Ok(format!("/{}", parts.join("/")))
 }
