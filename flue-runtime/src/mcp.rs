@@ -47,7 +47,13 @@
 //!   kept for the next to list again. A connection
 //!   that failed is not kept, so the next response tries again, and one the render no longer
 //!   declares is closed. A response connects the servers it does not have together, and an
-//!   abort stops the connecting.
+//!   abort stops the connecting. A connection no response used for
+//!   [`RuntimeOptions::mcp_session_idle`](crate::RuntimeOptions::mcp_session_idle) (5 min) is
+//!   closed (by the node's scan, or by the next response, which connects afresh): an idle
+//!   instance holds no socket, no session on the server and no stream the client re-opens.
+//! - **Size.** One message of a server (a result, a listing page, a notification) is read up
+//!   to [`MAX_MESSAGE_BYTES`]; a larger one fails its call (its parse would take many times its
+//!   size). A stream the client keeps re-opening backs off, up to 30 s between tries.
 //! - **Failures.** A server that cannot be used fails the submission (`mcp_connection_failed`),
 //!   unless it is `optional`: then its tools are not mounted for this response, observers get a
 //!   `warn` log event naming it, and the model is told so with a `resources` signal (attribute
@@ -57,7 +63,7 @@
 //!   quoted without its userinfo, query and fragment, where a token may sit too.
 
 use std::sync::{Arc, Once};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use flue_core::data::{DataSchema, SchemaSource};
 use flue_core::tool::{ToolContext, ToolDefinition, ToolHandler, ToolOutput};
@@ -78,6 +84,10 @@ pub use flue_core::mcp::*;
 /// How long connecting, listing and each call may take when the connection sets no timeout:
 /// the MCP SDK's default, which the reference keeps (a search or a crawl may take most of it).
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The largest message read from a server (a JSON body or an SSE event): the runtime keeps
+/// 50 KB of a result, and a message of JSON numbers parses to many times its size.
+pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// One connected server: its client and the tools it offers.
 #[derive(Clone)]
@@ -120,11 +130,27 @@ impl McpSession {
     }
 }
 
-/// An instance's live connections, for its later responses (see the module documentation).
+/// An instance's live connections, for its later responses (see the module documentation),
+/// each with when a response last used it.
 #[derive(Default)]
-pub(crate) struct McpConnections(std::sync::Mutex<Vec<(McpConnection, McpSession)>>);
+pub(crate) struct McpConnections(std::sync::Mutex<Vec<(McpConnection, McpSession, Instant)>>);
 
 impl McpConnections {
+    /// The kept sessions no response used for `idle`, taken away: dropping what this returns
+    /// closes them (outside whatever lock the caller holds).
+    pub(crate) fn expired(&self, idle: Duration) -> Vec<McpSession> {
+        let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut expired = Vec::new();
+        kept.retain(|(_, session, used)| {
+            let keep = used.elapsed() <= idle;
+            if !keep {
+                expired.push(session.clone());
+            }
+            keep
+        });
+        expired
+    }
+
     /// Every kept session, taken away (an instance's cache lets go of them, as when its slot
     /// drops): dropping what this returns closes them.
     pub(crate) fn take(&self) -> Self {
@@ -137,19 +163,26 @@ impl McpConnections {
     /// definition that is still live, else a new connection (all checked or connected
     /// together). New sessions are kept, each in place of the one of its name; kept sessions
     /// of servers `connections` does not name are closed.
-    pub(crate) async fn resolve(&self, connections: &[McpConnection]) -> Vec<Result<McpSession, Unavailable>> {
-        let kept: Vec<Option<McpSession>> = {
+    pub(crate) async fn resolve(
+        &self,
+        connections: &[McpConnection],
+        idle: Duration,
+    ) -> Vec<Result<McpSession, Unavailable>> {
+        let (kept, expired): (Vec<Option<McpSession>>, Vec<McpSession>) = {
+            let expired = self.expired(idle);
             let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            kept.retain(|(definition, _)| connections.iter().any(|connection| connection.name == definition.name));
-            connections
+            kept.retain(|(definition, ..)| connections.iter().any(|connection| connection.name == definition.name));
+            let found = connections
                 .iter()
                 .map(|connection| {
                     kept.iter()
-                        .find(|(definition, _)| definition == connection)
-                        .map(|(_, session)| session.clone())
+                        .find(|(definition, ..)| definition == connection)
+                        .map(|(_, session, _)| session.clone())
                 })
-                .collect()
+                .collect();
+            (found, expired)
         };
+        drop(expired);
         // Each server's result for this response, and the session to keep for the next.
         let resolved =
             futures_util::future::join_all(connections.iter().zip(kept).map(|(connection, kept)| async move {
@@ -171,9 +204,9 @@ impl McpConnections {
         let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for (connection, (_, keep)) in connections.iter().zip(&resolved) {
             // A server that could not be reached is not kept: the next response connects again.
-            kept.retain(|(definition, _)| definition.name != connection.name);
+            kept.retain(|(definition, ..)| definition.name != connection.name);
             if let Some(session) = keep {
-                kept.push((connection.clone(), session.clone()));
+                kept.push((connection.clone(), session.clone(), Instant::now()));
             }
         }
         resolved.into_iter().map(|(resolved, _)| resolved).collect()
@@ -235,6 +268,14 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
     }
     install_tls_provider();
     let mut config = StreamableHttpClientTransportConfig::with_uri(connection.url.clone());
+    config.max_json_response_size = MAX_MESSAGE_BYTES;
+    config.max_sse_event_size = MAX_MESSAGE_BYTES;
+    // A stream the client re-opens on its own (the session's, at idle) backs off, and gives up
+    // after a few failures in a row.
+    let mut retry = rmcp::transport::common::client_side_sse::ExponentialBackoff::default();
+    retry.max_times = Some(8);
+    retry.max_delay = Some(Duration::from_secs(30));
+    config.retry_config = Arc::new(retry);
     config.auth_header = connection.auth.as_ref().map(|token| token.expose().to_owned());
     for (name, value) in &connection.headers {
         let name = axum::http::HeaderName::try_from(name.as_str())

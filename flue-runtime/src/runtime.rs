@@ -143,6 +143,10 @@ pub struct RuntimeOptions {
     /// a shared store, behind the node's look for all of them at
     /// [`shared_store_poll`](Self::shared_store_poll)).
     pub scan_interval: Duration,
+    /// How long an instance keeps an MCP session no response used (5 min): then it is closed
+    /// (by the scan, or by the next response, which connects afresh), so idle instances hold
+    /// no connection, no session on the server and no stream the client keeps re-opening.
+    pub mcp_session_idle: Duration,
     /// How many instances keep their folded conversation in memory between submissions. Past
     /// it, the least recently used idle instances are dropped (a quarter of the limit at a
     /// time); an evicted instance re-reads its stream from the store at its next submission.
@@ -198,6 +202,7 @@ impl Default for RuntimeOptions {
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(10),
             scan_interval: Duration::from_secs(15),
+            mcp_session_idle: Duration::from_secs(300),
             cached_instances: 1024,
             cached_bytes: 512 << 20,
             text_flush: Some(Duration::from_secs(1)),
@@ -744,6 +749,21 @@ impl RuntimeInner {
     /// with queued work; nothing once the node stops taking work ([`Self::claims_stopped`]).
     pub(crate) async fn scan(self: &Arc<Self>) {
         self.scan_leases(false).await;
+        self.close_idle_mcp_sessions();
+    }
+
+    /// Closes the MCP sessions cached instances kept and no response used for
+    /// [`RuntimeOptions::mcp_session_idle`] (dropped once the cache's lock is released).
+    fn close_idle_mcp_sessions(&self) {
+        let idle = self.options.mcp_session_idle;
+        let expired: Vec<_> = {
+            let instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            instances
+                .values()
+                .flat_map(|slot| slot.expired_mcp_sessions(idle))
+                .collect()
+        };
+        drop(expired);
     }
 
     /// [`Self::scan`]; `starting`: the node's first, which on a store one process at a time

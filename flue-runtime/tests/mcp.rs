@@ -1562,3 +1562,60 @@ async fn a_kept_connection_whose_new_list_cannot_be_mounted_is_kept_for_the_next
         "the connection was kept throughout"
     );
 }
+
+static IDLING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn idler() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("counting", IDLING_URL.get().unwrap().clone()));
+    "Ping."
+}
+
+/// A session no response used for `mcp_session_idle` is closed by the node's scan (the
+/// server's session ends: nothing stays open for an idle instance), and the instance's next
+/// response connects afresh.
+#[tokio::test]
+async fn an_idle_instances_mcp_session_is_closed_and_its_next_response_connects_afresh() {
+    let sessions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = Pinging {
+        sessions: sessions.clone(),
+        together: None,
+    };
+    let manager = Arc::new(LocalSessionManager::default());
+    let service: StreamableHttpService<Pinging, LocalSessionManager> = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        manager.clone(),
+        StreamableHttpServerConfig::default(),
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let _ = IDLING_URL.set(format!("http://{address}/mcp"));
+    let model = ScriptedModel::new([ScriptedReply::text("one"), ScriptedReply::text("two")]);
+    let options = flue_runtime::RuntimeOptions {
+        mcp_session_idle: std::time::Duration::from_millis(50),
+        scan_interval: std::time::Duration::from_millis(20),
+        ..flue_runtime::RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(flue_runtime::store::MemoryStore::new(), &model, [idler.into()], options);
+    let handle = runtime.init(&idler, "i");
+    handle.send("one").await.unwrap();
+    assert_eq!(sessions.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(manager.sessions.read().await.len(), 1, "the instance keeps its session");
+    // The scan closes it: the client ends the session on the server.
+    for _ in 0..500 {
+        if manager.sessions.read().await.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(manager.sessions.read().await.is_empty(), "the idle session was closed");
+    handle.send("two").await.unwrap();
+    assert_eq!(
+        sessions.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the next response connected afresh"
+    );
+}
