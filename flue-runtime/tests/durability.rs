@@ -252,6 +252,34 @@ async fn a_write_a_tool_gave_up_on_mid_commit_is_seen_by_the_next_submission() {
     assert!(read.contains("remember the milk"), "{read}");
 }
 
+/// A tool's thread write whose commit went through while its answer was lost (a remote
+/// store's connection dropping after its `COMMIT`) fails the write and not the response; the
+/// node's fold lacks the row, so the next submission reads the conversation again, and its
+/// model call sees the row, as a restarted node's would.
+#[tokio::test]
+async fn a_thread_write_whose_answer_was_lost_is_seen_by_the_next_submission() {
+    let store = FaultyStore::default();
+    store.acks_lost.store(true, Ordering::SeqCst);
+    store.fail_once(|records| {
+        records
+            .iter()
+            .any(|record| matches!(record.body, RecordBody::MessageInjected { .. }))
+    });
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("jot", json!({})),
+        ScriptedReply::text("could not note it"),
+        ScriptedReply::text("you noted the milk"),
+    ]);
+    let runtime = runtime(&store, &model, scribe);
+    let handle = runtime.init(&scribe, "lost");
+    handle.send("jot it down").await.unwrap();
+    let (result, is_error) = harness::tool_results(&model.requests()[1]).remove(0);
+    assert!(is_error, "the write failed as far as the tool knows: {result}");
+    handle.send("what did you note?").await.unwrap();
+    let read = format!("{:?}", model.requests()[2].messages);
+    assert!(read.contains("remember the milk"), "{read}");
+}
+
 /// A wait whose looks at the store keep failing (a store down for good) gives up after a
 /// while with the submission's id, so that its caller reads it again rather than sending the
 /// message twice: the message was admitted, and may have run.

@@ -30,6 +30,10 @@ use crate::store::{AttemptRef, InstanceKey, Store, StoreError};
 /// The longest key `set_value` accepts.
 const MAX_KEY_LEN: usize = 512;
 
+/// The instance's stream as its thread state's reads folded it, and the offset it reached
+/// (see [`ThreadWriter`]'s `folded`).
+pub(crate) type ThreadFold = Arc<tokio::sync::Mutex<Option<(Conversation, Option<u64>)>>>;
+
 /// The one writer of an attempt: every batch the attempt appends (the response's and the
 /// thread operations') goes through it, in order, and waits here until the response folds it.
 pub(crate) struct ThreadWriter {
@@ -42,8 +46,10 @@ pub(crate) struct ThreadWriter {
     lock: tokio::sync::Mutex<()>,
     unfolded: Mutex<Vec<Batch>>,
     /// The stream as the thread state's reads last folded it, and the offset it reached:
-    /// each read folds only what was appended since (made at the first read).
-    folded: tokio::sync::Mutex<Option<(Conversation, Option<u64>)>>,
+    /// each read folds only what was appended since (made at the first read). The instance's
+    /// (its slot keeps it between responses), so a response reads what is new, not the
+    /// stream from its birth.
+    folded: ThreadFold,
     /// The model step's assistant row while its step runs (`pending`, then `failed` for its
     /// failure's update hooks): a row of the thread for reads, though only a completed step
     /// is stored.
@@ -100,6 +106,7 @@ impl ThreadWriter {
         binding: &Arc<InstanceBinding>,
         attempt: &AttemptRef,
         record_ids: (Arc<str>, Arc<str>),
+        folded: ThreadFold,
     ) -> Self {
         Self {
             runtime: Arc::downgrade(runtime),
@@ -110,7 +117,7 @@ impl ThreadWriter {
             record_ids,
             lock: tokio::sync::Mutex::new(()),
             unfolded: Mutex::new(Vec::new()),
-            folded: tokio::sync::Mutex::new(None),
+            folded,
             pending_row: Mutex::new(None),
             pending_updates: Mutex::default(),
             closed: std::sync::atomic::AtomicBool::new(false),
@@ -338,8 +345,9 @@ impl ThreadWriter {
     }
 
     /// `read` of the durable conversation, folded from the whole stream. The fold is kept
-    /// between reads and brought up to date with what was appended since, so a hook reading
-    /// the thread at every turn does not re-read and re-fold the conversation each time.
+    /// between reads (and responses) and brought up to date with what was appended since, so
+    /// a hook reading the thread at every turn does not re-read and re-fold the conversation
+    /// each time.
     async fn with_fold<T>(&self, read: impl FnOnce(&Conversation) -> T) -> Result<T, ThreadError> {
         let mut folded = self.folded.lock().await;
         let (conversation, reached) = folded.get_or_insert_with(|| (Conversation::default(), None));

@@ -93,6 +93,8 @@ pub(crate) struct InstanceSlot {
     weight: std::sync::atomic::AtomicUsize,
     /// The instance's live MCP connections, which its responses reuse.
     mcp: crate::mcp::McpConnections,
+    /// The stream as its thread state's reads folded it (see `ThreadWriter`).
+    thread_fold: crate::lifecycle::thread::ThreadFold,
 }
 
 /// The worker role of an instance, taken before admitting (see [`InstanceSlot::acquire`]).
@@ -180,6 +182,7 @@ impl Drop for Abandoned {
 pub(crate) struct Shed {
     _conversation: Conversation,
     _mcp: crate::mcp::McpConnections,
+    _thread_fold: Option<(Conversation, Option<u64>)>,
 }
 
 impl InstanceSlot {
@@ -204,6 +207,7 @@ impl InstanceSlot {
             conversation: tokio::sync::Mutex::new(Conversation::default()),
             weight: std::sync::atomic::AtomicUsize::new(0),
             mcp: crate::mcp::McpConnections::default(),
+            thread_fold: crate::lifecycle::thread::ThreadFold::default(),
         }
     }
 
@@ -213,6 +217,12 @@ impl InstanceSlot {
         self.conversation
             .try_lock()
             .is_ok_and(|conversation| conversation.last_offset.is_some())
+    }
+
+    /// The MCP sessions this instance kept that no response used for `idle`, taken away (to
+    /// drop, closing them, outside the cache's lock).
+    pub(crate) fn expired_mcp_sessions(&self, idle: std::time::Duration) -> Vec<crate::mcp::McpSession> {
+        self.mcp.expired(idle)
     }
 
     pub(crate) fn touch(&self, used: u64) {
@@ -309,6 +319,7 @@ impl InstanceSlot {
         let shed = Shed {
             _conversation: std::mem::take(&mut *conversation),
             _mcp: self.mcp.take(),
+            _thread_fold: self.thread_fold.try_lock().ok().and_then(|mut fold| fold.take()),
         };
         drop(conversation);
         Some((self.forget_weight(), shed))
@@ -682,6 +693,7 @@ impl InstanceSlot {
             &self.binding,
             &attempt_ref,
             record_ids.clone(),
+            self.thread_fold.clone(),
         ));
         let _ = attempt.writer.set(writer.clone());
         // A re-attempt's execution counts on from the response's durable steps, as its step
@@ -1195,8 +1207,11 @@ impl InstanceSlot {
         }
         self.binding.set_current(None);
         // Read again by the instance's next submission: what was given up on, or a fold that
-        // may lack a batch of the stream.
-        if given_up || lost_track {
+        // may lack a batch of the stream (one given up on while the store had it, or one whose
+        // commit went through while its answer was lost: a failed write the response went on
+        // after).
+        let failed_write = attempt.writer.get().is_some_and(|writer| writer.had_failed_write());
+        if given_up || lost_track || failed_write {
             *conversation = Conversation::default();
         }
         drop(conversation);
@@ -1961,7 +1976,9 @@ impl Response<'_> {
             self.mcp = Some(Vec::new());
         }
         if self.mcp.is_none() {
-            let connecting = self.mcp_connections.resolve(&rendered.mcp_connections);
+            let connecting = self
+                .mcp_connections
+                .resolve(&rendered.mcp_connections, self.runtime.options.mcp_session_idle);
             let connected = tokio::select! {
                 connected = connecting => connected,
                 () = self.attempt.signal.aborted() => return Err(Failure::aborted()),
