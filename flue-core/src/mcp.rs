@@ -28,9 +28,11 @@ pub struct McpConnection {
     pub auth: Option<Secret>,
     /// Static request headers. The values of those that carry a credential (a name that says
     /// so: `…Key`, `…Token`, `…Auth…`, `Cookie`, a secret, a session, a pass or password, a
-    /// bearer, an access or private value, a signature; or a value holding an opaque token of
-    /// 16 bytes or more mixing letters and digits) never show in what the server sends back to
-    /// the model, its errors included.
+    /// bearer, an access or private value, a signature, with a value of 8 bytes or more, as
+    /// `Authorization` and `Cookie` whatever their length; or a value holding an opaque token
+    /// of 16 bytes or more mixing letters and digits) never show in what the server sends back
+    /// to the model, its errors included. (`X-Bypass-Cache: true` is data: `true` is not cut
+    /// out of results.)
     pub headers: Vec<(String, String)>,
     /// How long connecting, listing the tools and each call may take (60 s when `None`, the
     /// MCP SDK's default). A call past it is the tool's error result; the server may still

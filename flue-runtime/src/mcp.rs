@@ -814,11 +814,18 @@ fn credentials(connection: &McpConnection) -> Arc<[String]> {
         );
         credentials.retain(|credential| !credential.is_empty());
     }
-    for (_, value) in connection
-        .headers
-        .iter()
-        .filter(|(name, value)| carries_credential(name, value))
-    {
+    // A header named like a credential counts when its value is long enough to be one, as a
+    // query value does (`X-Bypass-Cache: true`, `X-Access-Mode: read` are data: `true` is not
+    // cut out of every result), except the headers that only ever carry credentials.
+    let always = |name: &str| {
+        ["authorization", "proxy-authorization", "cookie"]
+            .iter()
+            .any(|credential| name.eq_ignore_ascii_case(credential))
+    };
+    for (_, value) in connection.headers.iter().filter(|(name, value)| {
+        carries_credential(name, value)
+            && (always(name) || value.len() >= MIN_CREDENTIAL_WORD_BYTES || carries_credential("", value))
+    }) {
         credentials.push(value.clone());
         credentials.extend(
             value
@@ -1195,14 +1202,17 @@ mod tests {
             ("X-Api-Key", "abc12345"),
             ("Cookie", "sid=s3cr3t-cookie-value"),
             ("X-Tenant", "tnt_4f9c2a7b1e8d6c3f"),
+            // Named like credentials, valued like data: kept (`true` is not cut out of results).
+            ("X-Bypass-Cache", "true"),
+            ("X-Access-Mode", "read"),
         ]
         .map(|(name, value)| (name.to_owned(), value.to_owned()))
         .into();
         let credentials = credentials(&connection);
-        let text = "On 2022-06-28 the prod products of tnt_4f9c2a7b1e8d6c3f used abc12345 and sid=s3cr3t-cookie-value.";
+        let text = "On 2022-06-28 the prod products of tnt_4f9c2a7b1e8d6c3f used abc12345 and sid=s3cr3t-cookie-value; already read: true.";
         assert_eq!(
             without_credentials(text, &credentials),
-            "On 2022-06-28 the prod products of [redacted] used [redacted] and [redacted]."
+            "On 2022-06-28 the prod products of [redacted] used [redacted] and [redacted]; already read: true."
         );
     }
 
