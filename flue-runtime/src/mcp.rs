@@ -42,9 +42,10 @@
 //!   mounts as listed then (reference §3.7: a submission's init connects, so a server's
 //!   changes show from the next message on). A server whose transport failed is connected
 //!   afresh, and so found unavailable as at a first connect; one that answers its listing with
-//!   an error, with a list that cannot be mounted, or not in time, is unavailable for that
-//!   response (a new session would be asked the same, after a handshake's wait), its connection
-//!   kept for the next to list again. A connection
+//!   an error or with a list that cannot be mounted is unavailable for that response (a new
+//!   session would be asked the same, after a handshake's wait), its connection kept for the
+//!   next to list again; one that does not answer in time is unavailable for that response
+//!   and not kept (the hang may be its session's). A connection
 //!   that failed is not kept, so the next response tries again, and one the render no longer
 //!   declares is closed. A response connects the servers it does not have together, and an
 //!   abort stops the connecting. A connection no response used for
@@ -105,6 +106,9 @@ enum Relisted {
     /// The server answered with tools that cannot be mounted: it is unavailable for this
     /// response, and its connection is kept (the next response lists again).
     Refused(Unavailable),
+    /// The session did not answer in time: unavailable for this response, and not kept (the
+    /// hang may be this session's: the next response connects afresh).
+    TimedOut(Unavailable),
 }
 
 impl McpSession {
@@ -118,10 +122,11 @@ impl McpSession {
             Ok(listed) => listed,
             // The transport failed: a new session may reach the server.
             Err(Listing::Unreachable(_)) => return Relisted::Unreachable,
-            // The server answered what cannot be mounted (an error, more than is kept), or did
-            // not answer in time: a new session would be asked the same, after its own
-            // handshake's wait. Unavailable for this response; the next one lists again.
+            // The server answered what cannot be mounted (an error, more than is kept): a new
+            // session would be asked the same, after its own handshake's wait. Unavailable for
+            // this response; the next one lists again.
             Err(Listing::Refused(refused)) => return Relisted::Refused(refused),
+            Err(Listing::TimedOut(late)) => return Relisted::TimedOut(late),
         };
         match mount(connection, Arc::clone(&self._client), listed) {
             Ok(session) => Relisted::Session(session),
@@ -189,6 +194,7 @@ impl McpConnections {
                 let relisted = match kept {
                     Some(session) => match session.relisted(connection).await {
                         Relisted::Refused(refused) => return (Err(refused), Some(session)),
+                        Relisted::TimedOut(late) => return (Err(late), None),
                         relisted => relisted,
                     },
                     None => Relisted::Unreachable,
@@ -321,14 +327,16 @@ enum Listing {
     /// Its transport failed (closed, a request that could not be sent).
     Unreachable(Unavailable),
     /// It answered with an error or with what is not kept (too many tools, a repeated
-    /// cursor), or not within the timeout.
+    /// cursor).
     Refused(Unavailable),
+    /// It did not answer within the timeout.
+    TimedOut(Unavailable),
 }
 
 impl Listing {
     fn into_unavailable(self) -> Unavailable {
         match self {
-            Self::Unreachable(unavailable) | Self::Refused(unavailable) => unavailable,
+            Self::Unreachable(unavailable) | Self::Refused(unavailable) | Self::TimedOut(unavailable) => unavailable,
         }
     }
 }
@@ -341,7 +349,7 @@ async fn list_for(
     let unavailable = unavailable_for(connection);
     let timeout = connection.timeout.unwrap_or(DEFAULT_TIMEOUT);
     match tokio::time::timeout(timeout, list_tools(client)).await {
-        Err(_) => Err(Listing::Refused(unavailable(format!(
+        Err(_) => Err(Listing::TimedOut(unavailable(format!(
             "listing its tools took longer than {} s",
             timeout.as_secs()
         )))),

@@ -1619,3 +1619,90 @@ async fn an_idle_instances_mcp_session_is_closed_and_its_next_response_connects_
         "the next response connected afresh"
     );
 }
+
+/// A server whose second listing never answers (a session stuck behind a handler), counting
+/// the sessions opened with it.
+#[derive(Clone, Default)]
+struct StuckOnce {
+    sessions: Arc<std::sync::atomic::AtomicUsize>,
+    listings: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ServerHandler for StuckOnce {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn initialize(
+        &self,
+        request: rmcp::model::InitializeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::InitializeResult, ErrorData> {
+        self.sessions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if context.peer.peer_info().is_none() {
+            context.peer.set_peer_info(request);
+        }
+        Ok(self.get_info())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        if self.listings.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            std::future::pending::<()>().await;
+        }
+        Ok(ListToolsResult::with_all_items(vec![McpTool::new(
+            "ping",
+            "Ping.",
+            schema(json!({"type": "object"})),
+        )]))
+    }
+}
+
+static STUCK_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn stuck() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("stuck", STUCK_URL.get().unwrap().clone())
+            .auth(Secret::new("t0ken"))
+            .timeout(std::time::Duration::from_millis(300))
+            .optional(),
+    );
+    "Ping if you can."
+}
+
+/// A kept session whose listing does not answer in time is unavailable for that response and
+/// not kept: the next response connects afresh (before, the stuck session was kept, and
+/// every later response waited its timeout on it).
+#[tokio::test]
+async fn a_kept_session_whose_listing_times_out_is_not_kept() {
+    let handler = StuckOnce::default();
+    let sessions = handler.sessions.clone();
+    let _ = STUCK_URL.set(serve(handler).await);
+    let model = ScriptedModel::new([
+        ScriptedReply::text("one"),
+        ScriptedReply::text("two"),
+        ScriptedReply::text("three"),
+    ]);
+    let runtime = runtime_with(&model, [stuck.into()]);
+    let handle = runtime.init(&stuck, "s");
+    handle.send("one").await.unwrap();
+    handle.send("two").await.unwrap();
+    let second = &model.requests()[1];
+    assert!(
+        second.tools.iter().all(|tool| tool.name != "mcp__stuck__ping"),
+        "unavailable while stuck"
+    );
+    handle.send("three").await.unwrap();
+    assert_eq!(
+        sessions.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "connected afresh"
+    );
+    let third = &model.requests()[2];
+    assert!(third.tools.iter().any(|tool| tool.name == "mcp__stuck__ping"));
+}
