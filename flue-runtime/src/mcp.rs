@@ -390,10 +390,13 @@ fn mount(
             if connection.tools.is_some() {
                 return Err(unavailable(error));
             }
+            // Bounded: a schema's validation error quotes the schema, and a listing is read
+            // again at every response.
             tracing::warn!(
                 server = %connection.name,
-                "[flue] MCP server \"{}\": leaving out {error}",
-                connection.name
+                "[flue] MCP server \"{}\": leaving out {}",
+                connection.name,
+                shown_reason(&error)
             );
             Ok(())
         };
