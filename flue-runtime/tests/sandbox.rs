@@ -528,7 +528,7 @@ async fn a_timed_out_commands_group_behind_a_zombie_is_killed_too() {
         ScriptedReply::tool_call(
             "bash",
             json!({
-                "command": "(setsid sh -c '(sleep 2; touch behind_zombie.txt) & exit 0' & exec sleep 60)",
+                "command": "(setsid sh -c 'touch zombie_member_started.txt; (sleep 2; touch behind_zombie.txt) & exit 0' & exec sleep 60)",
                 "timeout_seconds": 1
             }),
         ),
@@ -536,6 +536,13 @@ async fn a_timed_out_commands_group_behind_a_zombie_is_killed_too() {
     ]);
     let runtime = runtime_with(&model, [timed.into()]);
     runtime.init(&timed, "zombie").send("go").await.unwrap();
+    // The command ran, its group's member started, and the timeout killed it.
+    let results = last_batch_results(&model.requests()[1]);
+    assert!(results[0].1 && results[0].0.contains("killed after 1 s"), "{results:?}");
+    assert!(
+        TIMEOUT_ROOT.join("zombie_member_started.txt").exists(),
+        "the group's member never started (no setsid?): the test proves nothing"
+    );
     tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
     assert!(
         !TIMEOUT_ROOT.join("behind_zombie.txt").exists(),

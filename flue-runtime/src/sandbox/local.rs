@@ -1039,7 +1039,9 @@ fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
 /// it, and it dies with its call's future; `std::process::exit` drops no future. Call this
 /// before exiting while responses may still run a command (the [`cli`](crate::cli) does):
 /// else the commands outlive the process, and a resumed attempt may run one again beside
-/// its first run.
+/// its first run. What a command that has ended left running in the background
+/// (`npm run dev &`) is the command's to leave: it is not tracked, and outlives this call and
+/// the process.
 pub fn kill_running_commands() {
     let groups = std::mem::take(&mut *running());
     for group in groups {
@@ -1803,6 +1805,10 @@ mod tests {
         );
     }
 
+    /// The command's directory is checked, then swapped for a link out of the root before the
+    /// command starts in it: `start_in` opens it beneath the root (the walk refuses the link),
+    /// so the command does not run outside. (Through `exec` the swap would come before its
+    /// check, which refuses it by the path alone: this tests the start itself.)
     #[tokio::test]
     async fn a_cwd_swapped_for_a_link_after_the_check_does_not_run_the_command_outside_the_root() {
         let dirs = scratch("swapped-cwd");
@@ -1810,21 +1816,14 @@ mod tests {
         let sandbox = LocalSandbox {
             root: dirs.root.clone(),
         };
-        // `exec` checks its cwd when called; the command starts when the future runs. The
-        // directory is swapped for a link out of the root in between.
-        let pending = sandbox.exec(ExecRequest {
-            command: "touch planted.txt; pwd".into(),
-            cwd: Some("/sub".into()),
-            timeout: Some(Duration::from_secs(20)),
-        });
+        sandbox.resolve("/sub").unwrap();
         std::fs::remove_dir(dirs.root.join("sub")).unwrap();
         std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
-        let ran = pending.await;
-        assert!(
-            !dirs.outside.join("planted.txt").exists(),
-            "the command ran outside the root: {ran:?}"
-        );
-        assert_eq!(ran, Err(SandboxError::OutsideRoot("/sub".into())));
+        let mut command = tokio::process::Command::new("sh");
+        command.args(["-c", "touch planted.txt"]);
+        let started = start_in(&mut command, dirs.root.clone(), "/sub".into(), "/sub".into()).await;
+        assert_eq!(started, Err(SandboxError::OutsideRoot("/sub".into())));
+        assert!(!dirs.outside.join("planted.txt").exists());
     }
 
     #[tokio::test]
