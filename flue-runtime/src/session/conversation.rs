@@ -69,6 +69,12 @@ pub(crate) fn record_weight(body: &RecordBody) -> usize {
         RecordBody::StateWrite { name: key, value } | RecordBody::ThreadValueSet { key, value } => {
             key.len() + value_weight(value)
         }
+        // A row's new content or metadata, as a replacement value is (a row rewritten with a
+        // growing log would otherwise keep its first size in the count).
+        RecordBody::MessageUpdated { updates, .. } => updates
+            .iter()
+            .map(|(key, value)| key.len() + value_weight(value))
+            .sum::<usize>(),
         _ => return 0,
     };
     RECORD_WEIGHT + text
@@ -2008,6 +2014,42 @@ mod tests {
             timestamp: "2026-12-01T00:00:00.000Z".into(),
             body,
         }
+    }
+
+    /// A row rewritten with longer content is counted with its new content: the cache's byte
+    /// bound holds for an instance whose hook keeps a growing log in one row.
+    #[test]
+    fn a_row_update_counts_its_new_content_in_the_weight() {
+        let mut conversation = Conversation::default();
+        let batch = |offset, body| Batch {
+            offset,
+            records: vec![record(body)].into(),
+        };
+        conversation.apply(&batch(
+            0,
+            RecordBody::MessageInjected {
+                message_id: "row-1".into(),
+                role: flue_core::lifecycle::MessageRole::User,
+                content: "log:".into(),
+                silent: false,
+                metadata: serde_json::Map::new(),
+            },
+        ));
+        let before = conversation.weight();
+        let mut updates = serde_json::Map::new();
+        updates.insert("content".into(), serde_json::Value::String("x".repeat(100_000)));
+        conversation.apply(&batch(
+            1,
+            RecordBody::MessageUpdated {
+                message_id: "row-1".into(),
+                updates,
+            },
+        ));
+        assert!(
+            conversation.weight() >= before + 100_000,
+            "{before} → {}",
+            conversation.weight()
+        );
     }
 
     /// A delivery whose join was undone (its host's attempt stored its input, then failed) and
