@@ -898,7 +898,10 @@ impl Conversation {
                         }
                     }
                     self.forget_unreferenced_images();
-                    self.edited = true;
+                    // Only a deletion that left a call or a result unpaired makes requests drop
+                    // orphans (a copy of the history each): most (a user's row, an injected
+                    // note) leave the history shared.
+                    self.edited = self.has_orphans();
                 }
             }
             RecordBody::ThreadValueSet { key, value } => {
@@ -960,6 +963,10 @@ impl Conversation {
                     self.rows.insert(0, row);
                     self.rebaseline = true;
                     self.recount_weight();
+                    // The orphans an earlier deletion left may be summarized away.
+                    if self.edited {
+                        self.edited = self.has_orphans();
+                    }
                 }
             }
             // The model reads a step's text from its completion, never from what it streamed.
@@ -1613,6 +1620,12 @@ impl Conversation {
 
     /// The history to send: the folded messages (with their images, once loaded) plus
     /// outcome-unknown results for calls of an interrupted batch.
+    /// Whether the history before the running step's results holds a call without its
+    /// result or a result without its call (see [`drop_orphans`]).
+    fn has_orphans(&self) -> bool {
+        !already_paired(&self.messages[..self.results_at.min(self.messages.len())])
+    }
+
     pub(crate) fn model_messages(&self) -> Messages {
         if self.image_refs.is_empty() && self.open_calls.is_empty() && !self.edited {
             // Nothing to attach, close or drop: the request shares the history as it is.
@@ -1813,6 +1826,36 @@ fn synthesized(row: &Message) -> ModelMessage {
     }
 }
 
+/// Whether every call of `messages` has its result right after its step, in its order, and
+/// every result its call: what [`drop_orphans`] leaves as it is.
+fn already_paired(messages: &[ModelMessage]) -> bool {
+    // Each call id's step: the first that made it (a step repeated makes its calls again).
+    let mut steps: HashMap<&str, usize> = HashMap::new();
+    for (at, message) in messages.iter().enumerate() {
+        if let ModelMessage::Assistant { tool_calls, .. } = message {
+            for call in tool_calls {
+                steps.entry(call.id.as_str()).or_insert(at);
+            }
+        }
+    }
+    // The first result of each call that has a step, wherever it stands.
+    let mut results: HashMap<&str, usize> = HashMap::new();
+    for (at, message) in messages.iter().enumerate() {
+        if let ModelMessage::Tool { tool_call_id, .. } = message
+            && steps.contains_key(tool_call_id.as_str())
+        {
+            results.entry(tool_call_id.as_str()).or_insert(at);
+        }
+    }
+    messages.iter().enumerate().all(|(at, message)| match message {
+        ModelMessage::Tool { tool_call_id, .. } => results.get(tool_call_id.as_str()) == Some(&at),
+        ModelMessage::Assistant { tool_calls, .. } => tool_calls.iter().enumerate().all(|(nth, call)| {
+            steps.get(call.id.as_str()) == Some(&at) && results.get(call.id.as_str()) == Some(&(at + 1 + nth))
+        }),
+        ModelMessage::User { .. } => true,
+    })
+}
+
 /// Makes the history a valid call/result pairing, as every provider requires: each call's
 /// result right after the step that made it (in the step's call order, before anything else),
 /// one result per call (the first), no result without its call and no call without a result
@@ -1820,6 +1863,9 @@ fn synthesized(row: &Message) -> ModelMessage {
 /// already; one a `filter_messages` hook returned may have a row between a call and its result
 /// (a reminder inserted, rows sorted by time), a result twice, or a result before its call.
 pub(crate) fn drop_orphans(messages: &mut Vec<ModelMessage>) {
+    if already_paired(messages) {
+        return;
+    }
     // Each call id's step: the first that made it (a step repeated makes its calls again).
     let mut steps: HashMap<&str, usize> = HashMap::new();
     for (at, message) in messages.iter().enumerate() {
@@ -1838,16 +1884,6 @@ pub(crate) fn drop_orphans(messages: &mut Vec<ModelMessage>) {
         {
             results.insert(tool_call_id.clone(), at);
         }
-    }
-    let already_paired = messages.iter().enumerate().all(|(at, message)| match message {
-        ModelMessage::Tool { tool_call_id, .. } => results.get(tool_call_id) == Some(&at),
-        ModelMessage::Assistant { tool_calls, .. } => tool_calls.iter().enumerate().all(|(nth, call)| {
-            steps.get(call.id.as_str()) == Some(&at) && results.get(&call.id) == Some(&(at + 1 + nth))
-        }),
-        ModelMessage::User { .. } => true,
-    });
-    if already_paired {
-        return;
     }
     drop(steps);
     let mut slots: Vec<Option<ModelMessage>> = std::mem::take(messages).into_iter().map(Some).collect();
@@ -2767,6 +2803,45 @@ mod tests {
             "both requests read the conversation's one copy"
         );
         assert!(std::ptr::eq(first.as_ptr(), conversation.messages.as_ptr()));
+    }
+
+    /// A deletion that leaves every call with its result (a user's row) keeps the request
+    /// sharing the history; one that leaves a result without its call makes requests drop
+    /// it, in a copy. (Before, any deletion made every later request copy the history.)
+    #[test]
+    fn only_a_deletion_that_leaves_an_orphan_makes_requests_copy_the_history() {
+        let mut conversation = Conversation::default();
+        tool_exchange(&mut conversation, 0);
+        tool_exchange(&mut conversation, 1);
+        let delete = |conversation: &mut Conversation, offset: u64, id: &str| {
+            conversation.apply(&Batch {
+                offset,
+                records: [record(RecordBody::MessageDeleted { message_id: id.into() })].into(),
+            });
+        };
+        let user = conversation.rows[0].id.clone();
+        delete(&mut conversation, 2, &user);
+        let shared = conversation.model_messages();
+        assert!(
+            std::ptr::eq(shared.as_ptr(), conversation.messages.as_ptr()),
+            "still shared"
+        );
+        // The next exchange's step (its call) goes: its result is an orphan.
+        let at = conversation
+            .messages
+            .iter()
+            .position(|message| matches!(message, ModelMessage::Assistant { tool_calls, .. } if tool_calls.iter().any(|call| call.id == "call-1")))
+            .unwrap();
+        let step = conversation.rows[at].id.clone();
+        delete(&mut conversation, 3, &step);
+        let copied = conversation.model_messages();
+        assert!(!std::ptr::eq(copied.as_ptr(), conversation.messages.as_ptr()));
+        assert!(
+            copied
+                .iter()
+                .all(|message| !matches!(message, ModelMessage::Tool { tool_call_id, .. } if tool_call_id == "call-1")),
+            "the orphaned result is dropped"
+        );
     }
 
     /// An update of a row's fields the model does not read (its metadata, say) keeps the
