@@ -456,11 +456,6 @@ fn spend(budget: &mut usize, steps: usize) -> Option<()> {
     Some(())
 }
 
-/// Puts the definition a root `$ref` names at the root: schemars describes a newtype (or a
-/// transparent wrapper) as a reference to the type it wraps, and providers read the root's
-/// `type` (an object, for a tool's arguments). The root's own keywords (its description) stay;
-/// the definition stays in `$defs` (other references may name it). A chain of wrappers is
-/// followed, a few links at most.
 /// The `$defs` entry a local reference (`#/$defs/<name>`) names: schemars writes it as a URI
 /// fragment (percent-encoded past URL-safe characters: a renamed or non-ASCII type's name) of
 /// a JSON pointer (`~1` for `/`, `~0` for `~`).
@@ -496,6 +491,11 @@ pub(crate) fn fragment_decoded(fragment: &str) -> Option<String> {
     String::from_utf8(decoded).ok()
 }
 
+/// Puts the definition a root `$ref` names at the root: schemars describes a newtype (or a
+/// transparent wrapper) as a reference to the type it wraps, and providers read the root's
+/// `type` (an object, for a tool's arguments). The root's own keywords (its description) stay;
+/// the definition stays in `$defs` (other references may name it). A chain of wrappers is
+/// followed, a few links at most.
 fn inline_root_ref(json: &mut Value) {
     for _ in 0..8 {
         let Value::Object(root) = json else { return };

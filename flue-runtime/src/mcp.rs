@@ -141,6 +141,16 @@ impl McpSession {
 pub(crate) struct McpConnections(std::sync::Mutex<Vec<(McpConnection, McpSession, Instant)>>);
 
 impl McpConnections {
+    /// Notes the kept sessions as used now (a response that used them ended: their idle time
+    /// counts from its end, not its start).
+    pub(crate) fn touch(&self) {
+        let now = Instant::now();
+        let mut kept = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (.., used) in kept.iter_mut() {
+            *used = now;
+        }
+    }
+
     /// The kept sessions no response used for `idle`, taken away: dropping what this returns
     /// closes them (outside whatever lock the caller holds).
     pub(crate) fn expired(&self, idle: Duration) -> Vec<McpSession> {

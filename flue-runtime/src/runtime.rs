@@ -758,8 +758,10 @@ impl RuntimeInner {
         let idle = self.options.mcp_session_idle;
         let expired: Vec<_> = {
             let instances = self.instances.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            // Not a running instance's: its response uses them (and notes them used as it ends).
             instances
                 .values()
+                .filter(|slot| slot.is_idle())
                 .flat_map(|slot| slot.expired_mcp_sessions(idle))
                 .collect()
         };

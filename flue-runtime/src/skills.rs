@@ -399,9 +399,12 @@ impl Workspace {
         }
         let text =
             String::from_utf8(bytes).map_err(|_| LoadError::Invalid(format!("{path} is not valid UTF-8 text")))?;
-        Skill::from_skill_md(Some(name), &text, [])
-            .map(Some)
-            .map_err(|error| LoadError::Invalid(error.to_string()))
+        // The file is the model's (or a cloned repository's) to write: a parser panic on it
+        // is one more invalid skill, skipped with its warning, not a panic of the attempt.
+        match std::panic::catch_unwind(|| Skill::from_skill_md(Some(name), &text, [])) {
+            Ok(parsed) => parsed.map(Some).map_err(|error| LoadError::Invalid(error.to_string())),
+            Err(_) => Err(LoadError::Invalid(format!("{path} could not be read as a SKILL.md"))),
+        }
     }
 
     /// `activate_skill` for the workspace skill `name`: its `SKILL.md` as it is now, and where

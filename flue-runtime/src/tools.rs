@@ -282,7 +282,9 @@ mod quiet {
         INSTALLED.call_once(|| {
             let previous = std::panic::take_hook();
             std::panic::set_hook(Box::new(move |info| {
-                if RUNNING_TOOL.with(Cell::get) {
+                // Quiet only where the panic is caught (as the tool's result): a build that
+                // aborts on panic prints it as always.
+                if !cfg!(panic = "abort") && RUNNING_TOOL.with(Cell::get) {
                     let at = info
                         .location()
                         .map(|at| format!("{}:{}:{}", at.file(), at.line(), at.column()));

@@ -3843,6 +3843,16 @@ async fn a_user_token_reaches_its_own_user_stream_and_instances_and_nothing_else
     let own = get("/users/u-7/events".into(), "u7-token").await;
     assert_eq!(own.status().as_u16(), 200);
     drop(own);
+    // A client with a bearer token is no page's element: it need not ask for a stream.
+    let bare = server
+        .client
+        .get(format!("{}/users/u-7/events", server.root))
+        .bearer_auth("u7-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bare.status().as_u16(), 200);
+    drop(bare);
     assert_error(get("/users/u-8/events".into(), "u7-token").await, 403, "forbidden").await;
     assert_error(
         get("/users/u-7/events".into(), "instance-token").await,

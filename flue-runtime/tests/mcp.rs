@@ -1595,7 +1595,7 @@ async fn an_idle_instances_mcp_session_is_closed_and_its_next_response_connects_
     let _ = IDLING_URL.set(format!("http://{address}/mcp"));
     let model = ScriptedModel::new([ScriptedReply::text("one"), ScriptedReply::text("two")]);
     let options = flue_runtime::RuntimeOptions {
-        mcp_session_idle: std::time::Duration::from_millis(50),
+        mcp_session_idle: std::time::Duration::from_millis(1000),
         scan_interval: std::time::Duration::from_millis(20),
         ..flue_runtime::RuntimeOptions::default()
     };
@@ -1605,7 +1605,7 @@ async fn an_idle_instances_mcp_session_is_closed_and_its_next_response_connects_
     assert_eq!(sessions.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(manager.sessions.read().await.len(), 1, "the instance keeps its session");
     // The scan closes it: the client ends the session on the server.
-    for _ in 0..500 {
+    for _ in 0..1000 {
         if manager.sessions.read().await.is_empty() {
             break;
         }

@@ -116,7 +116,9 @@ pub(crate) fn parse(text: &str) -> Result<SkillMarkdown, String> {
             let mut indentation = None;
             while index < front.len() && (front[index].starts_with([' ', '\t']) || front[index].trim().is_empty()) {
                 let line = front[index].trim_end();
-                let indented = line.len() - line.trim_start().len();
+                // YAML indents with spaces (and tabs here): counted in those bytes only, so
+                // the cut below never lands inside another whitespace character.
+                let indented = line.len() - line.trim_start_matches([' ', '\t']).len();
                 let kept = if line.is_empty() {
                     line
                 } else {
@@ -581,6 +583,11 @@ mod tests {
         assert_eq!(parsed.fields["name"], "x");
         let parsed = parse("---\ndescription: |\n  Steps:\n    - a\n\n  Done.\n---\n").unwrap();
         assert_eq!(parsed.fields["description"], "Steps:\n  - a\n\nDone.");
+        // Other whitespace in a block's indentation is text, and never cut through.
+        for odd in ['\u{a0}', '\u{3000}'] {
+            let parsed = parse(&format!("---\ndescription: |\n    Steps:\n   {odd}- a\n---\n")).unwrap();
+            assert_eq!(parsed.fields["description"], format!("Steps:\n{odd}- a"));
+        }
         let parsed = parse("---\ndescription: \"Launch \\uD83D\\uDE80 now\"\n---\n").unwrap();
         assert_eq!(parsed.fields["description"], "Launch \u{1F680} now");
         assert!(parse("---\ndescription: \"half \\uD83D alone\"\n---\n").is_err());

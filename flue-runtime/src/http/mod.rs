@@ -27,8 +27,9 @@
 //! that is not the request's `Host`; without `Sec-Fetch-Site`, an `Origin` that is not the
 //! `Host`: a page on another port of `localhost` included) is refused (403) unless
 //! [`HttpOptions::allow_cross_site`] is set. A user's event stream asked for without
-//! `Accept: text/event-stream` and with neither header (an `<img>` on a page that a browser
-//! sends to a plain-HTTP address it does not trust sends neither) is refused too.
+//! `Accept: text/event-stream` and with neither header nor an `Authorization` (an `<img>` on
+//! a page that a browser sends to a plain-HTTP address it does not trust sends none of them)
+//! is refused too.
 //! A web page a developer happens to open cannot drive the agents served on their machine.
 //!
 //! ```no_run
@@ -553,6 +554,8 @@ async fn guard(
         && !options.allow_cross_site
         && request.headers().get("sec-fetch-site").is_none()
         && request.headers().get(axum::http::header::ORIGIN).is_none()
+        // A page's element sends no `Authorization` (a client with a bearer token is no page).
+        && request.headers().get(axum::http::header::AUTHORIZATION).is_none()
         && !asks_for_event_stream(request.headers())
     {
         return ApiError::forbidden_origin(

@@ -3,8 +3,11 @@
 //! as `{"event","data"}`, with heartbeat comments. Connecting runs the `user_client_attached`
 //! hooks and disconnecting the `user_client_detached` hooks, with `{id, kind}` from the
 //! `client_id` (a fresh id when absent) and `client_kind` query parameters. Live only, at most
-//! once: a reader that falls behind its user's events by more than [`BACKLOG`] skips what it
-//! missed (other users' events never make it skip: see [`super::thread_events::forwarded`]).
+//! once: a reader that falls behind its user's events by more than [`BACKLOG`] events, or by
+//! more than [`BACKLOG_BYTES`](super::thread_events::BACKLOG_BYTES) of their frames, skips what
+//! it missed (other users' events never make it skip: see [`super::thread_events::forwarded`]).
+//! Asked for without `Accept: text/event-stream`, and with neither `Sec-Fetch-Site`, `Origin`
+//! nor `Authorization`, it is refused (see the module `http`): a page's element sends that.
 
 use std::collections::HashMap;
 use std::convert::Infallible;

@@ -507,7 +507,14 @@ impl InstanceSlot {
                         .instrument(span)
                         .await;
                     if let Ok(conversation) = self.conversation.try_lock() {
-                        self.note_weight(conversation.weight());
+                        // With the thread state's own fold, which the slot keeps too.
+                        let thread_fold = self
+                            .thread_fold
+                            .try_lock()
+                            .ok()
+                            .and_then(|fold| fold.as_ref().map(|(fold, _)| fold.weight()))
+                            .unwrap_or(0);
+                        self.note_weight(conversation.weight() + thread_fold);
                     }
                     // `until` joined the response just settled: its sender reads the host's
                     // reply from the store, and the rest of the queue is a worker's.
@@ -877,14 +884,18 @@ impl InstanceSlot {
             }
             other => other,
         };
-        // Nothing appends for the attempt after its response: a write queued after the final
-        // flush (or by a failed attempt) is dropped, and the thread state refuses writes. A
-        // write being stored as the response ends is waited for first, so its event is the
-        // operation's, before the response's end is.
+        // Nothing appends for the attempt after its response: a state or data write from here
+        // on is refused (not buffered for a flush that will not come), a write queued after
+        // the final flush (or by a failed attempt) is dropped, and the thread state refuses
+        // writes. A write being stored as the response ends is waited for first, so its event
+        // is the operation's, before the response's end is.
+        attempt.responding.store(false, Ordering::Release);
         if let Some(writer) = attempt.writer.get() {
             writer.close().await;
         }
         attempt.close_data().await;
+        // The MCP sessions the response used are idle from its end.
+        self.mcp.touch();
         // A turn a failure broke off ends with the response.
         response.set_turn(None);
         if operates {
@@ -905,7 +916,6 @@ impl InstanceSlot {
             runtime.emit(&self.key, Some(&submission.id), Event::Idle);
         }
         drop(correlated);
-        attempt.responding.store(false, Ordering::Release);
         // Everything the attempt appended is in the fold (a batch a tool or hook wrote, a task's
         // child): the settlement reads it.
         response.fold_thread_writes();
