@@ -2067,7 +2067,7 @@ mod tests {
         );
         // Our own reader lets the writer go.
         let reader = std::fs::File::open(&pipe).unwrap();
-        assert_eq!(writer_opened.recv().unwrap(), true);
+        assert!(writer_opened.recv().unwrap());
         drop(reader);
         writer.join().unwrap();
     }

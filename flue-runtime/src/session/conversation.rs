@@ -2831,7 +2831,7 @@ mod tests {
             .messages
             .iter()
             .position(|message| matches!(message, ModelMessage::Assistant { tool_calls, .. } if tool_calls.iter().any(|call| call.id == "call-1")))
-            .unwrap();
+            .expect("exchange 1's step");
         let step = conversation.rows[at].id.clone();
         delete(&mut conversation, 3, &step);
         let copied = conversation.model_messages();
