@@ -10,32 +10,7 @@ use flue_runtime::store::{InstanceKey, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 
 mod harness;
-use harness::runtime_with;
-
-fn long(word: &str) -> String {
-    // About 100 estimated tokens.
-    format!("{word} ").repeat(80)
-}
-
-/// `spec` with threshold compaction at a 100-token reserve, keeping `keep_recent` tokens.
-fn use_tight_model(spec: &'static str, keep_recent: u32) {
-    use_tight_model_summarized_by(spec, keep_recent, None);
-}
-
-/// [`use_tight_model`] whose summaries the model `summarizer` makes (`None`: `spec`'s).
-fn use_tight_model_summarized_by(spec: &'static str, keep_recent: u32, summarizer: Option<&str>) {
-    use_model_with(
-        spec,
-        ModelOptions {
-            compaction: Compaction::Threshold(CompactionConfig {
-                reserve_tokens: Some(100),
-                keep_recent_tokens: Some(keep_recent),
-                model: summarizer.map(str::to_owned),
-            }),
-            ..ModelOptions::default()
-        },
-    );
-}
+use harness::{long, runtime_with, use_tight_model, use_tight_model_summarized_by};
 
 #[agent]
 fn tight() -> &'static str {

@@ -2774,17 +2774,7 @@ async fn a_data_write_whose_append_failed_is_never_observed() {
 
 #[agent]
 fn compacting() -> &'static str {
-    use_model_with(
-        "scripted/x",
-        ModelOptions {
-            compaction: Compaction::Threshold(CompactionConfig {
-                reserve_tokens: Some(100),
-                keep_recent_tokens: Some(150),
-                model: None,
-            }),
-            ..ModelOptions::default()
-        },
-    );
+    harness::use_tight_model("scripted/x", 150);
     "Be brief."
 }
 

@@ -1620,17 +1620,16 @@ async fn an_idle_instances_mcp_session_is_closed_and_its_next_response_connects_
     );
 }
 
-/// A server whose second listing never answers (a session stuck behind a handler), counting
-/// the sessions opened with it.
+/// [`Pinging`] whose second listing never answers (a session stuck behind a handler).
 #[derive(Clone, Default)]
 struct StuckOnce {
-    sessions: Arc<std::sync::atomic::AtomicUsize>,
+    pinging: Pinging,
     listings: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl ServerHandler for StuckOnce {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        self.pinging.get_info()
     }
 
     async fn initialize(
@@ -1638,26 +1637,18 @@ impl ServerHandler for StuckOnce {
         request: rmcp::model::InitializeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<rmcp::model::InitializeResult, ErrorData> {
-        self.sessions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if context.peer.peer_info().is_none() {
-            context.peer.set_peer_info(request);
-        }
-        Ok(self.get_info())
+        self.pinging.initialize(request, context).await
     }
 
     async fn list_tools(
         &self,
-        _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
         if self.listings.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
             std::future::pending::<()>().await;
         }
-        Ok(ListToolsResult::with_all_items(vec![McpTool::new(
-            "ping",
-            "Ping.",
-            schema(json!({"type": "object"})),
-        )]))
+        self.pinging.list_tools(request, context).await
     }
 }
 
@@ -1681,7 +1672,7 @@ fn stuck() -> &'static str {
 #[tokio::test]
 async fn a_kept_session_whose_listing_times_out_is_not_kept() {
     let handler = StuckOnce::default();
-    let sessions = handler.sessions.clone();
+    let sessions = handler.pinging.sessions.clone();
     let _ = STUCK_URL.set(serve(handler).await);
     let model = ScriptedModel::new([
         ScriptedReply::text("one"),

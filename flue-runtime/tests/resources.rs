@@ -22,12 +22,11 @@ async fn issue_refund(
     format!("refunded {order}")
 }
 
-#[agent]
-fn phased() -> String {
-    use_model("scripted/x");
-    let (unlocked, set_unlocked) = use_persistent_state("unlocked", false);
-    use_tool(Tool::new("unlock").description("Unlocks the refund tools.").run(
-        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+/// The `unlock` tool: sets the agent's `unlocked` state.
+fn unlock(description: &'static str, set_unlocked: StateSetter<bool>) -> Tool {
+    Tool::new("unlock")
+        .description(description)
+        .run(move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
             let set_unlocked = set_unlocked.clone();
             async move {
                 set_unlocked
@@ -35,8 +34,14 @@ fn phased() -> String {
                     .map_err(|error| ToolError::new(error.to_string()))?;
                 Ok::<_, ToolError>("unlocked")
             }
-        },
-    ));
+        })
+}
+
+#[agent]
+fn phased() -> String {
+    use_model("scripted/x");
+    let (unlocked, set_unlocked) = use_persistent_state("unlocked", false);
+    use_tool(unlock("Unlocks the refund tools.", set_unlocked));
     if unlocked {
         use_tool(issue_refund);
         use_skill(Skill::new("refunds", "Processes refunds.", "Check the order, then refund.").unwrap());
@@ -236,38 +241,13 @@ async fn a_rebuilt_tools_changed_description_is_narrated_before_the_next_call() 
 
 #[agent]
 fn phased_compacting() -> String {
-    use_model_with(
-        "scripted/x",
-        ModelOptions {
-            compaction: Compaction::Threshold(CompactionConfig {
-                reserve_tokens: Some(100),
-                keep_recent_tokens: Some(150),
-                model: None,
-            }),
-            ..ModelOptions::default()
-        },
-    );
+    harness::use_tight_model("scripted/x", 150);
     let (unlocked, set_unlocked) = use_persistent_state("unlocked", false);
-    use_tool(Tool::new("unlock").description("Unlocks the refunds skill.").run(
-        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
-            let set_unlocked = set_unlocked.clone();
-            async move {
-                set_unlocked
-                    .set(true)
-                    .map_err(|error| ToolError::new(error.to_string()))?;
-                Ok::<_, ToolError>("unlocked")
-            }
-        },
-    ));
+    use_tool(unlock("Unlocks the refunds skill.", set_unlocked));
     if unlocked {
         use_skill(Skill::new("refunds", "Processes refunds.", "Check the order, then refund.").unwrap());
     }
     "You help customers.".to_owned()
-}
-
-/// About 100 estimated tokens.
-fn long(word: &str) -> String {
-    format!("{word} ").repeat(80)
 }
 
 #[tokio::test]
@@ -275,7 +255,7 @@ async fn after_a_compaction_the_catalog_takes_the_resources_then_declared_as_its
     // A 600-token window with a 100-token reserve: a few long messages force a compaction.
     let model = ScriptedModel::new(
         std::iter::once(ScriptedReply::tool_call("unlock", json!({})))
-            .chain((0..8).map(|_| ScriptedReply::text(long("answer")))),
+            .chain((0..8).map(|_| ScriptedReply::text(harness::long("answer")))),
     )
     .with_context_window(600);
     let runtime = runtime_with(&model, [phased_compacting.into()]);
@@ -290,11 +270,11 @@ async fn after_a_compaction_the_catalog_takes_the_resources_then_declared_as_its
             .flat_map(|batch| batch.records.iter())
             .any(|record| matches!(record.body, RecordBody::Compaction { .. }))
     };
-    handle.send(long("unlock")).await.unwrap();
+    handle.send(harness::long("unlock")).await.unwrap();
     let mut sent = 1;
     while !compacted().await {
         assert!(sent < 4, "no compaction after {sent} long messages");
-        handle.send(long("more")).await.unwrap();
+        handle.send(harness::long("more")).await.unwrap();
         sent += 1;
     }
     let requests = model.requests();

@@ -160,6 +160,15 @@ impl Level<'_> {
     }
 }
 
+/// A scalar opens nothing.
+macro_rules! scalars {
+    ($($method:ident($scalar:ty)),* $(,)?) => {$(
+        fn $method(self, _: $scalar) -> Result<(), Stop> {
+            Ok(())
+        }
+    )*};
+}
+
 impl<'a> ser::Serializer for &'a mut Probe {
     type Ok = ();
     type Error = Stop;
@@ -171,51 +180,23 @@ impl<'a> ser::Serializer for &'a mut Probe {
     type SerializeStruct = Level<'a>;
     type SerializeStructVariant = Level<'a>;
 
-    fn serialize_bool(self, _: bool) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_i8(self, _: i8) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_i16(self, _: i16) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_i32(self, _: i32) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_i64(self, _: i64) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_i128(self, _: i128) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_u8(self, _: u8) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_u16(self, _: u16) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_u32(self, _: u32) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_u64(self, _: u64) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_u128(self, _: u128) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_f32(self, _: f32) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_f64(self, _: f64) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_char(self, _: char) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn serialize_str(self, _: &str) -> Result<(), Stop> {
-        Ok(())
-    }
+    scalars!(
+        serialize_bool(bool),
+        serialize_i8(i8),
+        serialize_i16(i16),
+        serialize_i32(i32),
+        serialize_i64(i64),
+        serialize_i128(i128),
+        serialize_u8(u8),
+        serialize_u16(u16),
+        serialize_u32(u32),
+        serialize_u64(u64),
+        serialize_u128(u128),
+        serialize_f32(f32),
+        serialize_f64(f64),
+        serialize_char(char),
+        serialize_str(&str),
+    );
     fn serialize_bytes(self, _: &[u8]) -> Result<(), Stop> {
         // serde_json writes bytes as an array of numbers.
         self.open(1)?.close()
@@ -278,49 +259,30 @@ impl<'a> ser::Serializer for &'a mut Probe {
     }
 }
 
-impl SerializeSeq for Level<'_> {
-    type Ok = ();
-    type Error = Stop;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Stop> {
-        self.element(value)
-    }
-    fn end(self) -> Result<(), Stop> {
-        self.close()
-    }
+/// The compound serializers: each element, field or entry value is walked; `end` closes.
+macro_rules! walked {
+    ($($compound:ident :: $method:ident ($($name:ty)?)),* $(,)?) => {$(
+        impl $compound for Level<'_> {
+            type Ok = ();
+            type Error = Stop;
+            fn $method<T: Serialize + ?Sized>(&mut self, $(_: $name,)? value: &T) -> Result<(), Stop> {
+                self.element(value)
+            }
+            fn end(self) -> Result<(), Stop> {
+                self.close()
+            }
+        }
+    )*};
 }
 
-impl SerializeTuple for Level<'_> {
-    type Ok = ();
-    type Error = Stop;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Stop> {
-        self.element(value)
-    }
-    fn end(self) -> Result<(), Stop> {
-        self.close()
-    }
-}
-
-impl SerializeTupleStruct for Level<'_> {
-    type Ok = ();
-    type Error = Stop;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Stop> {
-        self.element(value)
-    }
-    fn end(self) -> Result<(), Stop> {
-        self.close()
-    }
-}
-
-impl SerializeTupleVariant for Level<'_> {
-    type Ok = ();
-    type Error = Stop;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Stop> {
-        self.element(value)
-    }
-    fn end(self) -> Result<(), Stop> {
-        self.close()
-    }
-}
+walked!(
+    SerializeSeq::serialize_element(),
+    SerializeTuple::serialize_element(),
+    SerializeTupleStruct::serialize_field(),
+    SerializeTupleVariant::serialize_field(),
+    SerializeStruct::serialize_field(&'static str),
+    SerializeStructVariant::serialize_field(&'static str),
+);
 
 impl SerializeMap for Level<'_> {
     type Ok = ();
@@ -330,28 +292,6 @@ impl SerializeMap for Level<'_> {
         Ok(())
     }
     fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Stop> {
-        self.element(value)
-    }
-    fn end(self) -> Result<(), Stop> {
-        self.close()
-    }
-}
-
-impl SerializeStruct for Level<'_> {
-    type Ok = ();
-    type Error = Stop;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Result<(), Stop> {
-        self.element(value)
-    }
-    fn end(self) -> Result<(), Stop> {
-        self.close()
-    }
-}
-
-impl SerializeStructVariant for Level<'_> {
-    type Ok = ();
-    type Error = Stop;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Result<(), Stop> {
         self.element(value)
     }
     fn end(self) -> Result<(), Stop> {

@@ -11,6 +11,31 @@ use flue_runtime::store::{MemoryStore, Store};
 use flue_runtime::testing::ScriptedModel;
 use flue_runtime::{Runtime, RuntimeOptions};
 
+/// About 100 estimated tokens of `word`.
+pub fn long(word: &str) -> String {
+    format!("{word} ").repeat(80)
+}
+
+/// `spec` with threshold compaction at a 100-token reserve, keeping `keep_recent` tokens.
+pub fn use_tight_model(spec: &'static str, keep_recent: u32) {
+    use_tight_model_summarized_by(spec, keep_recent, None);
+}
+
+/// [`use_tight_model`] whose summaries the model `summarizer` makes (`None`: `spec`'s).
+pub fn use_tight_model_summarized_by(spec: &'static str, keep_recent: u32, summarizer: Option<&str>) {
+    use_model_with(
+        spec,
+        ModelOptions {
+            compaction: Compaction::Threshold(CompactionConfig {
+                reserve_tokens: Some(100),
+                keep_recent_tokens: Some(keep_recent),
+                model: summarizer.map(str::to_owned),
+            }),
+            ..ModelOptions::default()
+        },
+    );
+}
+
 /// `tool` (a [`Tool::new`] builder) made to dispatch `message` to its own instance through
 /// `dispatch` when it is called, answering with the receipt's submission id: a tool that
 /// queues a delivery in the middle of a response, as the join tests need.
