@@ -31,8 +31,8 @@ use crate::store::{AttemptRef, InstanceKey, Store, StoreError};
 const MAX_KEY_LEN: usize = 512;
 
 /// The instance's stream as its thread state's reads folded it, and the offset it reached
-/// (see [`ThreadWriter`]'s `folded`).
-pub(crate) type ThreadFold = Arc<tokio::sync::Mutex<Option<(Conversation, Option<u64>)>>>;
+/// (see [`ThreadWriter`]'s `folded`). Boxed: every cached instance has the slot, few fold.
+pub(crate) type ThreadFold = Arc<tokio::sync::Mutex<Option<Box<(Conversation, Option<u64>)>>>>;
 
 /// The one writer of an attempt: every batch the attempt appends (the response's and the
 /// thread operations') goes through it, in order, and waits here until the response folds it.
@@ -350,7 +350,7 @@ impl ThreadWriter {
     /// each time.
     async fn with_fold<T>(&self, read: impl FnOnce(&Conversation) -> T) -> Result<T, ThreadError> {
         let mut folded = self.folded.lock().await;
-        let (conversation, reached) = folded.get_or_insert_with(|| (Conversation::default(), None));
+        let (conversation, reached) = &mut **folded.get_or_insert_with(|| Box::new((Conversation::default(), None)));
         let batches = self.store.read(&self.key, *reached).await.map_err(store_error)?;
         for batch in &batches {
             conversation.apply(batch);

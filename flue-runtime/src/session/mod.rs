@@ -182,7 +182,7 @@ impl Drop for Abandoned {
 pub(crate) struct Shed {
     _conversation: Conversation,
     _mcp: crate::mcp::McpConnections,
-    _thread_fold: Option<(Conversation, Option<u64>)>,
+    _thread_fold: Option<Box<(Conversation, Option<u64>)>>,
 }
 
 impl InstanceSlot {
@@ -512,7 +512,7 @@ impl InstanceSlot {
                             .thread_fold
                             .try_lock()
                             .ok()
-                            .and_then(|fold| fold.as_ref().map(|(fold, _)| fold.weight()))
+                            .and_then(|fold| fold.as_ref().map(|folded| folded.0.weight()))
                             .unwrap_or(0);
                         self.note_weight(conversation.weight() + thread_fold);
                     }
