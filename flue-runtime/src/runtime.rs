@@ -1231,6 +1231,10 @@ impl RuntimeInner {
                 attempt_id: claim.attempt_id.clone(),
             }),
         });
+        // Held through the admission (so the slot stays cached): a worker that claims the
+        // submission the moment it commits announces it if this call has not yet.
+        let slot = self.slot(&key);
+        let admitting = slot.binding().admitting(&submission_id);
         let admitted = self
             .store
             .admit(Admission {
@@ -1259,14 +1263,15 @@ impl RuntimeInner {
         if !admitted.deduplicated {
             // A new instance's birth record is on its stream (a store need not say whether
             // this admission created it: an over-count only costs live readers one look).
-            let slot = self.slot(&key);
             slot.note_append();
             if let Some(birth) = &admitted.birth {
                 slot.note_birth(birth);
             }
         }
         // At least once: a replay of an idempotency key emits it again (reference §7.2).
-        self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
+        admitting.announce(admitted.deduplicated, || {
+            self.emit(&key, Some(&admitted.submission.id), Event::SubmissionQueued { kind });
+        });
         self.ensure_background();
         let receipt = DispatchReceipt {
             submission_id: admitted.submission.id.clone(),

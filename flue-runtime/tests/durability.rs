@@ -1693,6 +1693,113 @@ async fn a_send_dropped_after_its_admission_committed_a_claim_leaves_the_submiss
     assert_eq!(reply.text, "Relayed.");
 }
 
+/// Reference §7: a submission is `submission_queued` before it is `submission_running`. The
+/// worker that claims a delivery can run it the moment its admission commits, on another
+/// thread than the dispatch still waiting for the store's answer: the worker then announces
+/// it first, and the dispatch, answered, does not announce it again.
+#[tokio::test]
+async fn a_delivery_run_before_its_dispatch_heard_back_is_announced_queued_first_and_once() {
+    assert_eq!(
+        delivery_events_with_its_admission_answer_held(false).await,
+        ["queued", "running", "settled"]
+    );
+}
+
+/// A dispatch dropped after its admission committed (its caller gone) announced nothing: the
+/// worker that runs the delivery announces it.
+#[tokio::test]
+async fn a_delivery_whose_dispatch_was_dropped_after_the_commit_is_still_announced_queued() {
+    assert_eq!(
+        delivery_events_with_its_admission_answer_held(true).await,
+        ["queued", "running", "settled"]
+    );
+}
+
+/// The delivery's `submission_*` events, in order, when its dispatch's admission commits
+/// while a response runs and the store's answer is held until the delivery has run (or the
+/// dispatch is dropped first).
+async fn delivery_events_with_its_admission_answer_held(drop_dispatch: bool) -> Vec<&'static str> {
+    let store = FaultyStore::default();
+    let scripted = ScriptedModel::new([
+        ScriptedReply::text("first answer"),
+        ScriptedReply::text("the follow-up is answered"),
+    ]);
+    let gated = Gated::new(scripted.clone(), 1);
+    let (reached, release) = (gated.reached.clone(), gated.release.clone());
+    let mut providers = ProviderRegistry::new();
+    providers.register(gated);
+    let runtime = Runtime::builder()
+        .agent(relay)
+        .providers(providers)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let mut events = runtime.observe();
+    let handle = runtime.init(&relay, "announced");
+    let sender = handle.clone();
+    let host = tokio::spawn(async move { sender.send("question").await });
+    reached.notified().await;
+    // The delivery's admission commits, and its answer is held back.
+    store.holding_admits.store(true, Ordering::SeqCst);
+    let dispatcher = handle.clone();
+    let dispatch = tokio::spawn(async move { dispatcher.dispatch("follow-up").await });
+    while store.admitted.load(Ordering::SeqCst) < 2 {
+        tokio::task::yield_now().await;
+    }
+    if drop_dispatch {
+        dispatch.abort();
+    }
+    release.add_permits(1);
+    let host = tokio::time::timeout(std::time::Duration::from_secs(10), host)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(host.text, "first answer");
+    let name = |event: &flue_runtime::events::Event| match event {
+        flue_runtime::events::Event::SubmissionQueued { .. } => Some("queued"),
+        flue_runtime::events::Event::SubmissionRunning { .. } => Some("running"),
+        flue_runtime::events::Event::SubmissionSettled { .. } => Some("settled"),
+        _ => None,
+    };
+    let mut seen: Vec<(String, &'static str)> = Vec::new();
+    // The settlement left the delivery's row queued: a worker runs it while its dispatch
+    // waits (or after it was dropped).
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let delivery = loop {
+        let observation = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .expect("the delivery runs while its dispatch waits for the store")
+            .unwrap();
+        if let (Some(event), Some(id)) = (name(&observation.event), observation.submission_id) {
+            seen.push((id.to_string(), event));
+            if event == "settled" && *id != *host.submission_id {
+                break id.to_string();
+            }
+        }
+    };
+    if !drop_dispatch {
+        assert!(
+            !dispatch.is_finished(),
+            "the dispatch still waits for its admission's answer"
+        );
+        store.admits_released.add_permits(1);
+        let receipt = dispatch.await.unwrap().unwrap();
+        assert_eq!(receipt.submission_id, delivery);
+        while let Ok(observation) = events.try_recv() {
+            if let (Some(event), Some(id)) = (name(&observation.event), observation.submission_id) {
+                seen.push((id.to_string(), event));
+            }
+        }
+    }
+    let reply = handle.read(&delivery).await.unwrap();
+    assert_eq!(reply.text, "the follow-up is answered");
+    seen.into_iter()
+        .filter(|(id, _)| *id == delivery)
+        .map(|(_, event)| event)
+        .collect()
+}
+
 // ---- joins, resumes and the finish phase (reference §3, §8) ------------------------------
 
 /// Fails the `n`-th batch (1-based) that carries an `assistant_message_started`.

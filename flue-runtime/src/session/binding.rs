@@ -243,6 +243,69 @@ pub(crate) struct InstanceBinding {
     /// with that error without their row's hooks running again (reference item 30: a
     /// prevented queued message leaves the queue).
     pub(crate) prevented: Mutex<std::collections::VecDeque<(String, crate::record::SettlementError)>>,
+    /// Admissions to the instance this node made whose `submission_queued` is not yet
+    /// announced (see [`InstanceBinding::admitting`]).
+    pub(crate) unannounced: Mutex<Vec<Unannounced>>,
+}
+
+/// An admission whose `submission_queued` is still owed (see [`InstanceBinding::admitting`]).
+pub(crate) struct Unannounced {
+    submission_id: String,
+    /// The admission this entry belongs to (`None` once its caller is gone).
+    token: Option<u64>,
+    /// Whether a worker that claimed the submission announced it.
+    announced: bool,
+}
+
+/// How many admissions given up mid-way an instance keeps owing an announcement for (oldest
+/// forgotten first): one whose caller was dropped may still have committed.
+const ORPHANED_ADMISSIONS: usize = 64;
+
+/// An admission in progress (see [`InstanceBinding::admitting`]).
+pub(crate) struct Admitting {
+    binding: Arc<InstanceBinding>,
+    token: u64,
+    finished: bool,
+}
+
+impl Admitting {
+    /// Announces the admission through `announce` (`submission_queued`), unless a worker
+    /// that claimed it did already; a replay (`deduplicated`) is announced again either way.
+    /// Under the instance's lock, so a worker that claims the submission now waits for it.
+    pub(crate) fn announce(mut self, deduplicated: bool, announce: impl FnOnce()) {
+        self.finished = true;
+        let mut owed = self.binding.unannounced();
+        let at = owed.iter().position(|entry| entry.token == Some(self.token));
+        let announced = at.is_some_and(|at| owed.remove(at).announced);
+        if deduplicated || !announced {
+            announce();
+        }
+    }
+}
+
+impl Drop for Admitting {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        // Given up (a failed admission, or its caller dropped mid-way): if it committed, the
+        // worker that claims it owes its announcement. A few are kept.
+        let mut owed = self.binding.unannounced();
+        let Some(at) = owed.iter().position(|entry| entry.token == Some(self.token)) else {
+            return;
+        };
+        if owed[at].announced {
+            owed.remove(at);
+            return;
+        }
+        owed[at].token = None;
+        let orphans = owed.iter().filter(|entry| entry.token.is_none()).count();
+        if orphans > ORPHANED_ADMISSIONS
+            && let Some(oldest) = owed.iter().position(|entry| entry.token.is_none())
+        {
+            owed.remove(oldest);
+        }
+    }
 }
 
 /// How many aborted submission ids an instance remembers for an attempt about to start.
@@ -252,6 +315,51 @@ const PENDING_ABORTS: usize = 64;
 const PREVENTED: usize = 64;
 
 impl InstanceBinding {
+    fn unannounced(&self) -> std::sync::MutexGuard<'_, Vec<Unannounced>> {
+        self.unannounced.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Notes an admission of `submission_id` this node is about to make. Its caller announces
+    /// it once the store answers ([`Admitting::announce`]); a worker that claims the
+    /// submission first (another thread, the moment the admission commits) announces it
+    /// itself before any other event of it ([`Self::announce_claimed`]), so observers never
+    /// see a submission run before it was queued, nor miss its queueing when the admission's
+    /// caller was dropped after the commit.
+    pub(crate) fn admitting(self: &Arc<Self>, submission_id: &str) -> Admitting {
+        static TOKENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let token = TOKENS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.unannounced().push(Unannounced {
+            submission_id: submission_id.to_owned(),
+            token: Some(token),
+            announced: false,
+        });
+        Admitting {
+            binding: self.clone(),
+            token,
+            finished: false,
+        }
+    }
+
+    /// Called by a worker that claimed `submission_id` (to run it or to join it), before it
+    /// emits any event of it: announces it through `announce` if an admission of it here has
+    /// not been announced yet (its caller still waits for the store, or was dropped).
+    pub(crate) fn announce_claimed(&self, submission_id: &str, announce: impl FnOnce()) {
+        let mut owed = self.unannounced();
+        let mut owes = false;
+        owed.retain_mut(|entry| {
+            if entry.submission_id != submission_id || entry.announced {
+                return true;
+            }
+            owes = true;
+            // The admission's caller removes its own entry; an orphan's is done with.
+            entry.announced = true;
+            entry.token.is_some()
+        });
+        if owes {
+            announce();
+        }
+    }
+
     /// Remembers that a hook prevented the row of the queued delivery `submission_id`.
     pub(crate) fn note_prevented(&self, submission_id: &str, error: crate::record::SettlementError) {
         let mut prevented = self.prevented.lock().unwrap_or_else(|poisoned| poisoned.into_inner());

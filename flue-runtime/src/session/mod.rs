@@ -196,6 +196,7 @@ impl InstanceSlot {
             pending_aborts: Mutex::default(),
             starting: Mutex::default(),
             prevented: Mutex::default(),
+            unannounced: Mutex::default(),
         });
         Self {
             key,
@@ -240,6 +241,10 @@ impl InstanceSlot {
     }
 
     /// Whether no worker runs this instance.
+    pub(crate) fn binding(&self) -> &Arc<InstanceBinding> {
+        &self.binding
+    }
+
     pub(crate) fn is_idle(&self) -> bool {
         !self.busy.load(Ordering::SeqCst)
     }
@@ -600,6 +605,15 @@ impl InstanceSlot {
         attempt_id: String,
         until: Option<&str>,
     ) -> (Option<Settled>, Option<QueueLeft>) {
+        // Before any other event of it: its admission's caller (on another thread, or
+        // dropped) may not have announced it yet.
+        self.binding.announce_claimed(&submission.id, || {
+            runtime.emit(
+                &self.key,
+                Some(&submission.id),
+                Event::SubmissionQueued { kind: submission.kind },
+            );
+        });
         let Some(agent) = runtime.agents.get(&*self.key.agent).cloned() else {
             return (None, None);
         };
@@ -2962,6 +2976,13 @@ impl Response<'_> {
         self.joins_checked = None;
         let mut joined_any = false;
         for delivery in claimed {
+            self.binding.announce_claimed(&delivery.id, || {
+                self.runtime.emit(
+                    self.key,
+                    Some(&delivery.id),
+                    Event::SubmissionQueued { kind: delivery.kind },
+                );
+            });
             let message = Arc::new(delivery.message.clone());
             let previous = std::mem::replace(&mut self.delivery, message.clone());
             // A joined delivery re-renders first: its start seam's hooks see the writes

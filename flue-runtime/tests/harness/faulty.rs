@@ -45,6 +45,12 @@ pub struct FaultyStore {
     /// remote store whose reply its caller stopped waiting for): a caller that gives it up
     /// leaves it in the stream.
     pub hangs_after_commit: Arc<AtomicBool>,
+    /// While set, an admission answers only once it commits and a permit is added to
+    /// `admits_released` (a remote store's reply still on its way).
+    pub holding_admits: Arc<AtomicBool>,
+    pub admits_released: Arc<tokio::sync::Semaphore>,
+    /// How many admissions committed.
+    pub admitted: Arc<AtomicUsize>,
     /// Attachment reads from the streams this matches find nothing (an attachment lost, or
     /// never stored).
     pub missing_attachments: Arc<Mutex<Option<KeyPredicate>>>,
@@ -76,6 +82,9 @@ impl FaultyStore {
             failing_attachment_reads: Arc::default(),
             acks_lost: Arc::default(),
             hangs_after_commit: Arc::default(),
+            holding_admits: Arc::default(),
+            admits_released: Arc::new(tokio::sync::Semaphore::new(0)),
+            admitted: Arc::default(),
             missing_attachments: Arc::default(),
         }
     }
@@ -149,6 +158,7 @@ impl Store for FaultyStore {
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         Box::pin(async move {
             let admitted = self.inner.admit(admission).await?;
+            self.admitted.fetch_add(1, Ordering::SeqCst);
             let hang = {
                 let mut hang = self.hang_after_admit.lock().unwrap();
                 let armed = hang.as_deref() == Some("armed");
@@ -159,6 +169,9 @@ impl Store for FaultyStore {
             };
             if hang {
                 std::future::pending::<()>().await;
+            }
+            if self.holding_admits.load(Ordering::SeqCst) {
+                self.admits_released.acquire().await.unwrap().forget();
             }
             Ok(admitted)
         })
