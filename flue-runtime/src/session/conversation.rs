@@ -887,7 +887,8 @@ impl Conversation {
                 if let Some(index) = self.row_index(message_id) {
                     self.retire_call_ids(index..index + 1);
                     self.messages.make_mut().remove(index);
-                    self.rows.remove(index);
+                    let row = self.rows.remove(index);
+                    self.reasoning_aside.remove(&row.id);
                     if index < self.results_at {
                         self.results_at -= 1;
                     }
@@ -939,7 +940,11 @@ impl Conversation {
                         .map_or_else(|| record.timestamp.clone(), |row| row.created.clone());
                     self.retire_call_ids(0..cut);
                     self.messages.make_mut().drain(..cut);
-                    self.rows.drain(..cut);
+                    for row in self.rows.drain(..cut) {
+                        if !self.reasoning_aside.is_empty() {
+                            self.reasoning_aside.remove(&row.id);
+                        }
+                    }
                     self.image_refs.retain(|(at, _)| *at >= cut);
                     for (at, _) in &mut self.image_refs {
                         *at = *at - cut + 1;
@@ -1601,8 +1606,15 @@ impl Conversation {
             .chain(self.state.iter())
             .map(|(key, value)| RECORD_WEIGHT + key.len() + value_weight(value))
             .sum();
+        // Reasoning set aside for another model than the one the messages are fitted to.
+        let aside: usize = self
+            .reasoning_aside
+            .iter()
+            .map(|(id, blocks)| NODE_WEIGHT + id.len() + reasoning_size_hint(blocks))
+            .sum();
         self.weight = RECORD_WEIGHT * self.rows.len()
             + messages
+            + aside
             + images
             + values
             + self.initial_data.as_ref().map_or(0, value_weight);
@@ -2167,6 +2179,80 @@ mod tests {
             });
         }
         conversation
+    }
+
+    /// Reasoning set aside while another model is called goes with its row (deleted or
+    /// compacted away), and what is kept aside counts in the weight a compaction recounts.
+    #[test]
+    fn reasoning_set_aside_goes_with_its_row_and_counts_in_the_weight() {
+        let mut conversation = Conversation::default();
+        let thought = "t".repeat(10_000);
+        for exchange in 0..3u64 {
+            let records = [
+                RecordBody::UserMessage {
+                    message_id: format!("user-{exchange}"),
+                    body: format!("question {exchange}"),
+                    attachments: Vec::new(),
+                },
+                RecordBody::AssistantMessageStarted {
+                    message_id: format!("assistant-{exchange}"),
+                    model: "scripted/x".into(),
+                    turn_id: None,
+                    response_metadata: None,
+                },
+                RecordBody::AssistantMessageCompleted {
+                    message_id: format!("assistant-{exchange}"),
+                    text: format!("answer {exchange}"),
+                    reasoning: String::new(),
+                    stop_reason: StopReason::Stop,
+                    usage: Default::default(),
+                    reasoning_blocks: vec![ReasoningBlock::Text { text: thought.clone() }],
+                },
+            ];
+            conversation.apply(&Batch {
+                offset: exchange,
+                records: records.into_iter().map(record).collect(),
+            });
+        }
+        conversation.fit_reasoning_to("other/y");
+        assert_eq!(conversation.reasoning_aside.len(), 3);
+        conversation.apply(&Batch {
+            offset: 3,
+            records: vec![record(RecordBody::MessageDeleted {
+                message_id: "assistant-0".into(),
+            })]
+            .into(),
+        });
+        assert_eq!(conversation.reasoning_aside.len(), 2, "deleted with its row");
+        conversation.apply(&Batch {
+            offset: 4,
+            records: vec![record(RecordBody::Compaction {
+                summary: "Questions were answered.".into(),
+                first_kept_message_id: "user-2".into(),
+                tokens_before: 100,
+                reason: "threshold".into(),
+                usage: None,
+            })]
+            .into(),
+        });
+        assert_eq!(
+            conversation.reasoning_aside.keys().collect::<Vec<_>>(),
+            ["assistant-2"],
+            "compacted away with its row"
+        );
+        assert!(
+            conversation.weight() >= thought.len(),
+            "the recount counts the reasoning kept aside: {}",
+            conversation.weight()
+        );
+        conversation.fit_reasoning_to("scripted/x");
+        assert!(conversation.reasoning_aside.is_empty());
+        assert!(
+            conversation
+                .model_messages()
+                .iter()
+                .any(|message| matches!(message, ModelMessage::Assistant { reasoning, .. } if reasoning.len() == 1))
+        );
     }
 
     /// A settled submission leaves nothing of its progress behind: an instance used for a

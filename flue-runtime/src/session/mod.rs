@@ -240,11 +240,12 @@ impl InstanceSlot {
         self.binding.held_attempts()
     }
 
-    /// Whether no worker runs this instance.
+    /// What the instance's responses and its admissions on this node share.
     pub(crate) fn binding(&self) -> &Arc<InstanceBinding> {
         &self.binding
     }
 
+    /// Whether no worker runs this instance.
     pub(crate) fn is_idle(&self) -> bool {
         !self.busy.load(Ordering::SeqCst)
     }
