@@ -1529,6 +1529,26 @@ async fn a_call_asking_for_reasoning_may_stay_silent_longer_than_the_idle_timeou
     };
     let (_, error) = fail(&provider, plain).await;
     assert_eq!(error.kind, ProviderErrorKind::Timeout);
+    // Nor when the effort sent is `none` (OpenRouter's `Off`): no reasoning is asked for.
+    server.push(silent_reasoning());
+    let openrouter = OpenAiProvider::openrouter()
+        .with_base_url(server.base_url())
+        .with_api_key(KEY)
+        .with_retry_policy(RetryPolicy::none())
+        .with_idle_timeout(Duration::from_millis(300))
+        .with_reasoning_idle_timeout(Duration::from_secs(5));
+    let off = ModelRequest {
+        model: "meta-llama/llama-3.3-70b-instruct".into(),
+        thinking_level: ThinkingLevel::Off,
+        ..request("hi")
+    };
+    let (_, error) = fail(&openrouter, off).await;
+    assert_eq!(error.kind, ProviderErrorKind::Timeout);
+    let requests = server.requests();
+    assert_eq!(
+        requests.last().unwrap().body["reasoning"],
+        serde_json::json!({"effort": "none"})
+    );
 }
 
 // ---- keys ----

@@ -975,20 +975,15 @@ impl MessagesDecoder {
         }
     }
 
+    /// The counts of `message_start` and then `message_delta`, which are cumulative: a count
+    /// only grows. (Servers that write 0 into one of the two, some SGLang releases into the
+    /// delta's `input_tokens`, others into the start's, lose nothing.)
     fn usage(&mut self, usage: &Value) {
-        let number = |key: &str| usage.get(key).and_then(Value::as_u64);
-        if let Some(n) = number("input_tokens") {
-            self.input_tokens = n;
-        }
-        if let Some(n) = number("cache_read_input_tokens") {
-            self.cache_read_tokens = n;
-        }
-        if let Some(n) = number("cache_creation_input_tokens") {
-            self.cache_write_tokens = n;
-        }
-        if let Some(n) = number("output_tokens") {
-            self.output_tokens = n;
-        }
+        let number = |key: &str| usage.get(key).and_then(Value::as_u64).unwrap_or(0);
+        self.input_tokens = self.input_tokens.max(number("input_tokens"));
+        self.cache_read_tokens = self.cache_read_tokens.max(number("cache_read_input_tokens"));
+        self.cache_write_tokens = self.cache_write_tokens.max(number("cache_creation_input_tokens"));
+        self.output_tokens = self.output_tokens.max(number("output_tokens"));
     }
 
     fn invalid(&self, what: &str) -> ProviderError {
@@ -1269,6 +1264,7 @@ impl SseDecoder for MessagesDecoder {
                     .get("delta")
                     .and_then(|d| d.get("stop_reason"))
                     .and_then(Value::as_str)
+                    .filter(|reason| !reason.trim().is_empty())
                 {
                     // A reason that is no answer (one this build does not know) fails the
                     // call, rather than settle what was streamed as the reply.
@@ -1858,6 +1854,43 @@ mod tests {
             })
             .collect();
         assert_eq!(deltas, ["a \"b\"\n", "a \"b\"\n"]);
+    }
+
+    /// `message_delta`'s usage is cumulative: a server writing 0 there for the input (one
+    /// SGLang release did) leaves the start's count; an empty `stop_reason` is none (the
+    /// answer ends at the real one).
+    #[test]
+    fn a_zero_count_in_the_delta_keeps_the_starts_and_an_empty_stop_reason_is_none() {
+        let mut decoder = MessagesDecoder::new(CallContext::new("anthropic", "KEY", "m", None));
+        let mut out = VecDeque::new();
+        let start = json!({"type": "message_start", "message": {"id": "msg_1", "usage": {"input_tokens": 1200, "output_tokens": 1}}});
+        feed(&mut decoder, &mut out, "message_start", start).unwrap();
+        let block = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
+        feed(&mut decoder, &mut out, "content_block_start", block).unwrap();
+        let text = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}});
+        feed(&mut decoder, &mut out, "content_block_delta", text).unwrap();
+        feed(
+            &mut decoder,
+            &mut out,
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        )
+        .unwrap();
+        let empty = json!({"type": "message_delta", "delta": {"stop_reason": ""}, "usage": {"input_tokens": 0, "output_tokens": 5}});
+        feed(&mut decoder, &mut out, "message_delta", empty).expect("an empty reason is none");
+        let delta = json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"input_tokens": 0, "output_tokens": 7}});
+        feed(&mut decoder, &mut out, "message_delta", delta).unwrap();
+        feed(&mut decoder, &mut out, "message_stop", json!({"type": "message_stop"})).unwrap();
+        let response = out
+            .iter()
+            .find_map(|event| match event {
+                StreamEvent::Completed(response) => Some(response),
+                _ => None,
+            })
+            .expect("completes");
+        assert_eq!(response.text, "Hi");
+        assert_eq!(response.stop_reason, StopReason::Stop);
+        assert_eq!((response.usage.input_tokens, response.usage.output_tokens), (1200, 7));
     }
 
     /// An answer opening tool calls and thinking blocks without end fails as an invalid

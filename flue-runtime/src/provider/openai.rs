@@ -764,8 +764,9 @@ impl ModelProvider for OpenAiProvider {
         };
         let decoder = ChatDecoder::new(ctx.clone(), self.stream_usage, self.echoes_reasoning());
         let idle = match self.reasoning_fields(request) {
-            // No reasoning asked for: the model has no silence to think in.
-            (None, None) => transport.idle_timeout,
+            // No reasoning asked for (nothing sent, or an effort of `none`): the model has no
+            // silence to think in.
+            (None | Some(ReasoningOption { effort: "none" }), None) | (None, Some("none")) => transport.idle_timeout,
             _ => transport.idle_timeout.max(self.reasoning_idle_timeout),
         };
         sse_stream(connect, decoder, idle, ctx)
@@ -1034,7 +1035,9 @@ impl ChatDecoder {
                 self.reasoning_detail(detail);
             }
         }
-        if let Some(reason) = choice.finish_reason {
+        // An empty reason is none: servers that write `""` on every chunk (Ollama, some
+        // SGLang releases) have not finished yet.
+        if let Some(reason) = choice.finish_reason.filter(|reason| !reason.as_str().trim().is_empty()) {
             match super::types::stop_reason_named(reason.as_str()) {
                 Some(stop) => self.stop = Some(stop),
                 None => {
@@ -1724,6 +1727,32 @@ mod tests {
         let whole = r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"lookup","arguments":"{\"q\":1}"}}]}}]}"#;
         let response = decode(&[whole, "[DONE]"], false).expect("decodes").expect("completes");
         assert_eq!(response.tool_calls[0].arguments, r#"{"q":1}"#);
+    }
+
+    /// A server that writes `"finish_reason": ""` on its chunks (Ollama, some SGLang
+    /// releases) has not finished with them: its answer completes at its real reason, or at
+    /// `[DONE]` when the last is empty too.
+    #[test]
+    fn an_empty_finish_reason_is_no_reason() {
+        let part = |text: &str, reason: &str| {
+            format!(r#"{{"choices":[{{"index":0,"delta":{{"content":"{text}"}},"finish_reason":"{reason}"}}]}}"#)
+        };
+        let (first, second) = (part("Hel", ""), part("lo", " "));
+        let stopped = part("", "stop");
+        let response = decode(&[&first, &second, &stopped, "[DONE]"], false)
+            .expect("decodes")
+            .expect("completes");
+        assert_eq!(
+            (response.text.as_str(), response.stop_reason),
+            ("Hello", StopReason::Stop)
+        );
+        let response = decode(&[&first, &second, "[DONE]"], false)
+            .expect("decodes")
+            .expect("completes");
+        assert_eq!(
+            (response.text.as_str(), response.stop_reason),
+            ("Hello", StopReason::Stop)
+        );
     }
 
     /// An answer streaming tool calls or reasoning details without end fails as an invalid

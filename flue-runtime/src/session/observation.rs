@@ -45,6 +45,9 @@ pub(crate) struct ToolCallObserver {
     /// In the order the stream showed them, each under its index: a provider that numbers
     /// its calls sparsely (or absurdly) costs a call each, never a slot per number.
     calls: Vec<Call>,
+    /// Where each stream index's call is in `calls`: a fragment of arguments finds its call
+    /// at once, however many calls the response opened.
+    positions: HashMap<usize, usize>,
 }
 
 impl ToolCallObserver {
@@ -59,21 +62,23 @@ impl ToolCallObserver {
                 })
                 .collect(),
             calls: Vec::new(),
+            positions: HashMap::new(),
         }
     }
 
     fn call(&self, index: usize) -> Option<&Call> {
-        self.calls.iter().find(|call| call.index == index)
+        self.positions.get(&index).map(|&at| &self.calls[at])
     }
 
     fn call_mut(&mut self, index: usize) -> Option<&mut Call> {
-        self.calls.iter_mut().find(|call| call.index == index)
+        self.positions.get(&index).map(|&at| &mut self.calls[at])
     }
 
     /// A call appeared at stream `index`.
     pub(crate) fn started(&mut self, index: usize, id: &str, name: &str) -> Option<Started> {
         let progress_argument = self.progress_arguments.get(name).cloned();
         if self.call(index).is_none() {
+            self.positions.insert(index, self.calls.len());
             self.calls.push(Call {
                 index,
                 id: String::new(),
@@ -150,8 +155,16 @@ impl ToolCallObserver {
     /// never showed included), with progress from its complete arguments.
     pub(crate) fn finish(&mut self, response: &ModelResponse) -> Vec<Started> {
         let mut started = Vec::new();
+        // The streamed calls by id (the first of an id), looked up once each.
+        let by_id: HashMap<String, usize> = self
+            .calls
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(at, call)| (call.id.clone(), at))
+            .collect();
         for tool_call in &response.tool_calls {
-            let streamed = self.calls.iter_mut().find(|call| call.id == tool_call.id);
+            let streamed = by_id.get(&tool_call.id).map(|&at| &mut self.calls[at]);
             if streamed.as_ref().is_some_and(|call| call.fired) {
                 continue;
             }
