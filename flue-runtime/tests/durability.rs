@@ -2771,6 +2771,60 @@ fn observed_data_parts(
     parts
 }
 
+static CRUNCHED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+#[agent]
+fn thread_writer() -> &'static str {
+    use_model("scripted/x");
+    let progress = use_data_writer::<u32>("progress");
+    use_tool(Tool::new("crunch").description("Crunch on a thread of its own.").run(
+        move |_ctx, _: serde_json::Map<String, serde_json::Value>| {
+            let progress = progress.clone();
+            async move {
+                // Written from a plain thread, which has no tokio runtime.
+                std::thread::spawn(move || progress.write(&7)).join().unwrap().unwrap();
+                // Ends only once the write was observed live.
+                CRUNCHED.notified().await;
+                "crunched"
+            }
+        },
+    ));
+    "Crunch."
+}
+
+/// Reference item 28 (each write "durably appended and streamed immediately"): a data write
+/// made on a thread without a tokio runtime (a tool's own `std::thread`) streams while the
+/// tool still runs, not once its result commits.
+#[tokio::test]
+async fn a_data_write_from_a_plain_thread_streams_while_the_tool_runs() {
+    let store = FaultyStore::default();
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("crunch", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime(&store, &model, thread_writer);
+    let mut events = runtime.observe();
+    let handle = runtime.init(&thread_writer, "t-1");
+    let sent = tokio::spawn(async move { handle.send("go").await });
+    let streamed = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            if let flue_runtime::events::Event::DataPart { data, .. } = events.recv().await.unwrap().event {
+                break data;
+            }
+        }
+    })
+    .await
+    .expect("the write streamed while the tool ran");
+    assert_eq!(streamed, json!(7));
+    CRUNCHED.notify_one();
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), sent)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply.data.get("progress"), Some(&json!(7)));
+}
+
 #[agent]
 fn early_writer() -> &'static str {
     use_model("scripted/x");

@@ -31,6 +31,9 @@ pub(crate) struct Attempt {
     /// that gives one of them the outcome-unknown result (an abort ended it, or its batch
     /// never committed) does not announce its end again.
     pub(crate) ended_calls: Mutex<Vec<String>>,
+    /// The runtime the attempt runs on, where a data write made on any thread (a tool's own
+    /// `std::thread`, a rayon pool) is flushed at once.
+    pub(crate) tasks: Option<tokio::runtime::Handle>,
 }
 
 impl InstanceBinding {
@@ -51,22 +54,44 @@ impl Attempt {
     }
 
     /// Queues a data write; once the response has a durable step it is appended at once
-    /// (its own batch, in write order).
+    /// (its own batch, in write order), from whatever thread it was made on. One flusher at a
+    /// time drains the queue: a burst of writes against a slow store waits as writes, not as
+    /// a parked task each.
     fn queue_data(self: &Arc<Self>, name: String, data: Value) {
-        let live = {
+        let spawn = {
             let mut queue = self.data();
             if queue.closed {
                 return;
             }
             queue.pending.push_back((name, data));
-            queue.live
+            let spawn = queue.live && !queue.flushing;
+            queue.flushing |= spawn;
+            spawn
         };
-        if live && let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let attempt = self.clone();
-            handle.spawn(async move {
-                let _ = attempt.flush_data().await;
-            });
+        if !spawn {
+            return;
         }
+        let handle = self
+            .tasks
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok());
+        let Some(handle) = handle else {
+            // No runtime to flush on: the response's next commit flushes it.
+            self.data().flushing = false;
+            return;
+        };
+        let attempt = self.clone();
+        handle.spawn(async move {
+            loop {
+                let _ = attempt.flush_data().await;
+                let mut queue = attempt.data();
+                // A write queued while the flush ended found a flusher and spawned none.
+                if queue.pending.is_empty() || queue.closed || !queue.live || queue.failed.is_some() {
+                    queue.flushing = false;
+                    return;
+                }
+            }
+        });
     }
 
     /// From now on data writes stream as they are made (the response's first step is
@@ -193,6 +218,8 @@ pub(crate) struct DataQueue {
     closed: bool,
     /// Why a data write's append failed.
     failed: Option<String>,
+    /// Whether a spawned flusher drains the queue (see `Attempt::queue_data`).
+    flushing: bool,
 }
 
 /// The reason an aborted attempt's signal carries.
@@ -241,7 +268,10 @@ pub(crate) struct InstanceBinding {
     /// Queued deliveries a `before_create_message` hook prevented while a response joined
     /// them, with why (newest last, a few kept): processed on their own afterwards, they fail
     /// with that error without their row's hooks running again (reference item 30: a
-    /// prevented queued message leaves the queue).
+    /// prevented queued message leaves the queue). Held by this node's slot only: processed
+    /// on another node, after a restart, once the idle slot was dropped or past [`PREVENTED`]
+    /// of them, the delivery's hooks run again (at least once, as `tests/CONFORMANCE.md` item
+    /// 30 says).
     pub(crate) prevented: Mutex<std::collections::VecDeque<(String, crate::record::SettlementError)>>,
     /// Admissions to the instance this node made whose `submission_queued` is not yet
     /// announced (see [`InstanceBinding::admitting`]).

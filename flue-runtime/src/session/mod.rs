@@ -641,6 +641,7 @@ impl InstanceSlot {
             signal: AbortSignal::new(),
             responding: AtomicBool::new(true),
             ended_calls: Mutex::default(),
+            tasks: tokio::runtime::Handle::try_current().ok(),
         });
         // An abort requested between the claim and now reached no signal: it counts as
         // requested before the attempt ran.
@@ -4284,6 +4285,7 @@ mod tests {
             signal: AbortSignal::new(),
             responding: AtomicBool::new(true),
             ended_calls: Mutex::default(),
+            tasks: tokio::runtime::Handle::try_current().ok(),
         })
     }
 

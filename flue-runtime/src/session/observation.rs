@@ -28,8 +28,6 @@ pub(crate) struct Started {
 }
 
 struct Call {
-    /// Its stream index (a provider's own numbering: not necessarily dense).
-    index: usize,
     id: String,
     name: String,
     arguments: String,
@@ -42,11 +40,12 @@ struct Call {
 pub(crate) struct ToolCallObserver {
     /// Tool name → its progress argument.
     progress_arguments: HashMap<String, String>,
-    /// In the order the stream showed them, each under its index: a provider that numbers
-    /// its calls sparsely (or absurdly) costs a call each, never a slot per number.
+    /// In the order the stream showed them: a provider that numbers its calls sparsely (or
+    /// absurdly) costs a call each, never a slot per number.
     calls: Vec<Call>,
-    /// Where each stream index's call is in `calls`: a fragment of arguments finds its call
-    /// at once, however many calls the response opened.
+    /// Where each stream index's call (a provider's own numbering: not necessarily dense) is
+    /// in `calls`: a fragment of arguments finds its call at once, however many calls the
+    /// response opened.
     positions: HashMap<usize, usize>,
 }
 
@@ -80,7 +79,6 @@ impl ToolCallObserver {
         if self.call(index).is_none() {
             self.positions.insert(index, self.calls.len());
             self.calls.push(Call {
-                index,
                 id: String::new(),
                 name: String::new(),
                 arguments: String::new(),
