@@ -13,6 +13,7 @@
 //! are stored in the embedded SQLite store (`.flue/flue.db`), so a second run continues the
 //! first one's conversation.
 
+use std::io::Write;
 use std::sync::OnceLock;
 
 use flue_runtime::prelude::*;
@@ -130,7 +131,15 @@ fn choose_model(providers: &mut ProviderRegistry) -> (&'static str, &'static str
 }
 
 #[tokio::main]
-async fn main() -> Result<(), RuntimeError> {
+async fn main() {
+    if let Err(error) = converse().await {
+        // A closed stderr is no reason to panic either.
+        let _ = writeln!(std::io::stderr(), "error: {error}");
+        std::process::exit(1);
+    }
+}
+
+async fn converse() -> Result<(), RuntimeError> {
     let command = flue_runtime::cli::Cli::from_env().command;
     let mut providers = ProviderRegistry::with_defaults();
     let (model, notice) = choose_model(&mut providers);
@@ -143,18 +152,30 @@ async fn main() -> Result<(), RuntimeError> {
         eprintln!("{notice}\nstore: embedded SQLite at .flue/flue.db");
         std::process::exit(flue_runtime::cli::run(&runtime, command).await);
     }
-    println!("{notice}\nstore: embedded SQLite at .flue/flue.db");
+    // The runtime's warnings (a store it could not lock, a provider retried) on stderr.
+    flue_runtime::cli::log_to_stderr();
+    show(&format!("{notice}\nstore: embedded SQLite at .flue/flue.db"));
     // Resume anything a previous run left unfinished.
     runtime.start().await;
     let customer = runtime.init(&assistant, "customer-42");
 
     for message in ["Where is my order A-1001?", "Thanks!"] {
-        println!("\nuser:      {message}");
+        show(&format!("\nuser:      {message}"));
         let reply = customer.send(message).await?;
-        println!("assistant: {}", reply.text);
-        println!("data:      {}", serde_json::Value::Object(reply.data));
-        println!("metadata:  {}", serde_json::Value::Object(reply.metadata));
+        // The model's text as a terminal shows it (no escape sequence acts).
+        show(&format!("assistant: {}", flue_runtime::cli::printable(&reply.text)));
+        let (data, metadata) = (
+            serde_json::Value::Object(reply.data).to_string(),
+            serde_json::Value::Object(reply.metadata).to_string(),
+        );
+        show(&format!("data:      {}", flue_runtime::cli::printable(&data)));
+        show(&format!("metadata:  {}", flue_runtime::cli::printable(&metadata)));
     }
-    println!("\nServe it over HTTP with: cargo run --example assistant -- serve");
+    show("\nServe it over HTTP with: cargo run --example assistant -- serve");
     Ok(())
+}
+
+/// Writes `line` to stdout, which may be closed (`| head`): the conversation goes on.
+fn show(line: &str) {
+    let _ = writeln!(std::io::stdout(), "{line}");
 }

@@ -77,20 +77,18 @@ async fn main() -> Result<(), RuntimeError> {
         .init(&case_agent, "case-7")
         .send("Case 7: the printer on floor 3 jams on every duplex job since the update.")
         .await?;
-    while let Ok(observation) = events.try_recv() {
-        match observation.event {
-            flue_runtime::events::Event::TaskStart { agent, .. } => println!("task started: {agent}"),
-            flue_runtime::events::Event::Task {
-                agent,
-                is_error,
-                duration_ms,
-                ..
-            } => {
-                println!("task ended:   {agent} (error: {is_error}, {duration_ms} ms)");
-            }
-            _ => {}
+    common::observed(&mut events, |observation| match observation.event {
+        flue_runtime::events::Event::TaskStart { agent, .. } => println!("task started: {agent}"),
+        flue_runtime::events::Event::Task {
+            agent,
+            is_error,
+            duration_ms,
+            ..
+        } => {
+            println!("task ended:   {agent} (error: {is_error}, {duration_ms} ms)");
         }
-    }
+        _ => {}
+    });
     println!("reply: {}", reply.text);
     Ok(())
 }

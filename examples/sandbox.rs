@@ -34,12 +34,36 @@ fn workbench() -> &'static str {
     "You work in a small project directory with the file and shell tools."
 }
 
+/// A directory made for this run, that no one else can have made or entered first: a name
+/// no one can guess, created (not adopted), readable by this user only. (A shared `/tmp`
+/// lets another user make a guessable directory in advance, with a link in it the command's
+/// redirect would follow.)
+fn fresh_directory() -> std::io::Result<std::path::PathBuf> {
+    use std::hash::{BuildHasher, Hasher};
+    let mut builder = std::fs::DirBuilder::new();
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    loop {
+        let mut random = std::collections::hash_map::RandomState::new().build_hasher();
+        random.write_u32(std::process::id());
+        let path = std::env::temp_dir().join(format!("flue-sandbox-example-{:016x}", random.finish()));
+        match builder.create(&path) {
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            created => return created.map(|()| path),
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<(), RuntimeError> {
-    let root = std::env::args().nth(1).map_or_else(
-        || std::env::temp_dir().join(format!("flue-sandbox-example-{}", std::process::id())),
-        std::path::PathBuf::from,
-    );
+    let root = match std::env::args_os().nth(1) {
+        Some(argument) if argument.to_string_lossy().starts_with('-') => {
+            eprintln!("usage: cargo run --example sandbox [-- DIRECTORY]");
+            std::process::exit(2);
+        }
+        Some(argument) => std::path::PathBuf::from(argument),
+        None => fresh_directory().map_err(|error| RuntimeError::Build(format!("a temporary directory: {error}")))?,
+    };
     let _ = ROOT.set(root.clone());
     let mut providers = ProviderRegistry::with_defaults();
     let (model, notice) = common::choose_model(

@@ -54,11 +54,14 @@ async fn main() -> Result<(), RuntimeError> {
         .init(&support, "customer-3")
         .send("I opened the software in order B-22 and want a refund.")
         .await?;
-    while let Ok(observation) = events.try_recv() {
-        if let flue_runtime::events::Event::ToolStart { tool_name, .. } = observation.event {
-            println!("tool: {tool_name}");
+    common::observed(&mut events, |observation| {
+        if let flue_runtime::events::Event::Tool {
+            tool_name, is_error, ..
+        } = observation.event
+        {
+            println!("tool: {tool_name} (error: {is_error})");
         }
-    }
+    });
     println!("reply: {}", reply.text);
     Ok(())
 }

@@ -28,3 +28,19 @@ pub fn choose_model(providers: &mut ProviderRegistry, script: Vec<ScriptedReply>
         "model: scripted (offline: no OPENAI_API_KEY, ANTHROPIC_API_KEY or OPENROUTER_API_KEY is set)".to_owned(),
     )
 }
+
+/// Hands `visit` every event observed so far, past a gap where the observer fell behind.
+#[allow(dead_code)] // not every example reads events
+pub fn observed(
+    events: &mut tokio::sync::broadcast::Receiver<flue_runtime::events::Observation>,
+    mut visit: impl FnMut(flue_runtime::events::Observation),
+) {
+    use tokio::sync::broadcast::error::TryRecvError;
+    loop {
+        match events.try_recv() {
+            Ok(observation) => visit(observation),
+            Err(TryRecvError::Lagged(missed)) => println!("({missed} events missed)"),
+            Err(TryRecvError::Empty | TryRecvError::Closed) => return,
+        }
+    }
+}

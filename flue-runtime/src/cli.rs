@@ -265,8 +265,10 @@ fn say(line: &str) {
 
 /// `text` with its control characters written out as JSON writes them (`\u001b`, `\u009d`:
 /// inside `--json` output's strings, still JSON) but for line feeds and tabs: what a terminal
-/// would act on instead of showing.
-fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+/// would act on instead of showing. For a binary that prints a model's text itself: an escape
+/// sequence in a reply could otherwise rewrite the screen, make a false link or set the
+/// clipboard.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
     let shown = |c: char| !c.is_control() || c == '\n' || c == '\t';
     if text.chars().all(shown) {
         return std::borrow::Cow::Borrowed(text);
@@ -297,11 +299,12 @@ impl<W: Write> Write for Printable<W> {
     }
 }
 
-/// Installs a subscriber writing the runtime's `tracing` events to stderr, when none is set.
-/// The MCP client library's own events are left out: they quote an MCP server's URL and its
-/// error bodies whole, credentials included (the runtime reports the same failures with
-/// them removed).
-fn log_to_stderr() {
+/// Installs a subscriber writing the runtime's `tracing` events to stderr, when none is set,
+/// as [`run`] does: for a binary that drives its runtime itself. `FLUE_LOG` sets the level
+/// (`error`, `warn`, `info`, `debug`, `trace` or `off`; unset: `warn`). The MCP client
+/// library's own events are left out: they quote an MCP server's URL and its error bodies
+/// whole, credentials included (the runtime reports the same failures with them removed).
+pub fn log_to_stderr() {
     if tracing::dispatcher::has_been_set() {
         return;
     }
