@@ -383,7 +383,17 @@ impl FixtureReply {
 
     /// An HTTP `status` with `body` (sent as `application/json` when it parses as JSON, else as
     /// `text/plain`).
+    ///
+    /// # Panics
+    ///
+    /// On a status HTTP has no room for (outside 100–999), at the test's line: answered, it
+    /// would be a server error the provider retries with the next scripted reply.
+    #[track_caller]
     pub fn status(status: u16, body: impl Into<String>) -> Self {
+        assert!(
+            StatusCode::from_u16(status).is_ok(),
+            "[flue fixture] Invalid scripted status {status}."
+        );
         let text = body.into();
         let content_type = if serde_json::from_str::<Value>(&text).is_ok() {
             "application/json"
@@ -399,6 +409,7 @@ impl FixtureReply {
     }
 
     /// An OpenAI-shaped error: `status` with `{"error": {"message", "type", "param": null, "code"}}`.
+    #[track_caller]
     pub fn openai_error(status: u16, code: &str, message: &str) -> Self {
         let kind = match status {
             401 | 403 => "invalid_request_error",
@@ -422,6 +433,7 @@ impl FixtureReply {
     }
 
     /// An Anthropic-shaped error: `status` with `{"type": "error", "error": {"type", "message"}}`.
+    #[track_caller]
     pub fn anthropic_error(status: u16, kind: &str, message: &str) -> Self {
         let body = json!({"type": "error", "error": {"type": kind, "message": message}});
         Self::status(status, body.to_string())
@@ -590,8 +602,19 @@ impl FixtureReply {
 
     /// Adds a response header. The first scripted value of a name replaces the fixture's own
     /// (`content-type`, `cache-control`); more values of that name are added.
+    ///
+    /// # Panics
+    ///
+    /// On a name or value HTTP does not allow (a space in the name, a line break in the
+    /// value), at the test's line.
+    #[track_caller]
     pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.push((name.into(), value.into()));
+        let (name, value) = (name.into(), value.into());
+        assert!(
+            HeaderName::try_from(name.as_str()).is_ok() && HeaderValue::try_from(value.as_str()).is_ok(),
+            "[flue fixture] Invalid scripted header {name:?}: {value:?}."
+        );
+        self.headers.push((name, value));
         self
     }
 
@@ -928,5 +951,19 @@ mod tests {
         assert_eq!(split_words(""), Vec::<String>::new());
         assert_eq!(split_chars("abcdé", 2), ["ab", "cd", "é"]);
         assert_eq!(split_chars("abc", 0), ["a", "b", "c"]);
+    }
+
+    /// A reply HTTP cannot carry fails where the test scripts it, not as a retried server
+    /// error that hands the next scripted reply to the wrong call.
+    #[test]
+    #[should_panic(expected = "[flue fixture] Invalid scripted status 0.")]
+    fn a_status_http_has_no_room_for_fails_where_it_is_scripted() {
+        let _ = FixtureReply::status(0, "{}");
+    }
+
+    #[test]
+    #[should_panic(expected = "[flue fixture] Invalid scripted header \"x-trace\"")]
+    fn a_header_value_with_a_line_break_fails_where_it_is_scripted() {
+        let _ = FixtureReply::openai_text("hi").header("x-trace", "a\nb");
     }
 }
