@@ -1066,6 +1066,23 @@ async fn unauthorized_names_the_key_variable_and_never_shows_the_key() {
     assert!(error.message.contains("FLUE_TEST_ANTHROPIC_KEY"), "{}", error.message);
 }
 
+/// A request body the fixture cannot read whole is answered `413` and takes no scripted
+/// reply: the next call still gets the reply scripted for it.
+#[tokio::test]
+async fn a_body_the_fixture_cannot_read_whole_takes_no_reply() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("kept"));
+    let response = reqwest::Client::new()
+        .post(format!("{}/chat/completions", server.base_url()))
+        .body(vec![b' '; 64 * 1024 * 1024 + 1])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    assert_eq!(server.pending(), 1);
+    assert_eq!(server.requests().len(), 1);
+}
+
 /// A scripted header replaces the fixture's own of that name: a reply scripted as HTML is
 /// served as HTML alone (two content types would leave a test of a provider's content-type
 /// check reading the fixture's default); several scripted values of one name all go.

@@ -183,7 +183,7 @@ pub struct RecordedRequest {
     /// The headers, names lowercased (repeated headers joined with `, `).
     pub headers: BTreeMap<String, String>,
     /// The body parsed as JSON; a body that is not JSON is kept as a JSON string, an empty one
-    /// is `null`.
+    /// (or one not read whole: over 64 MiB or cut off, answered `413`) is `null`.
     pub body: Value,
 }
 
@@ -821,7 +821,9 @@ fn error_json(kind: &str, message: String) -> String {
 /// Records the request, then answers with the next scripted reply.
 async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let bytes = axum::body::to_bytes(body, 64 * 1024 * 1024).await.unwrap_or_default();
+    let read = axum::body::to_bytes(body, 64 * 1024 * 1024).await;
+    let unread = read.as_ref().err().map(ToString::to_string);
+    let bytes = read.unwrap_or_default();
     let body = if bytes.is_empty() {
         Value::Null
     } else {
@@ -840,21 +842,39 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
     }
     let method = parts.method.as_str().to_owned();
     let path = parts.uri.path().to_owned();
-    lock(&shared.requests).push(RecordedRequest {
-        method: method.clone(),
-        path: path.clone(),
-        headers,
-        body,
-    });
-
-    if method != "POST" || (path != OPENAI_PATH && path != ANTHROPIC_PATH) {
+    let routed = method == "POST" && (path == OPENAI_PATH || path == ANTHROPIC_PATH);
+    // Recorded and answered under the replies' lock: the n-th request `requests()` lists is
+    // the one the n-th scripted reply answered, however many arrive at once. A body that
+    // could not be read whole takes no reply.
+    let next = {
+        let mut replies = lock(&shared.replies);
+        lock(&shared.requests).push(RecordedRequest {
+            method: method.clone(),
+            path: path.clone(),
+            headers,
+            body,
+        });
+        if routed && unread.is_none() {
+            replies.pop_front()
+        } else {
+            None
+        }
+    };
+    if let Some(error) = unread {
+        let message =
+            format!("[flue fixture] The request body could not be read whole (over 64 MiB, or cut off): {error}.");
+        return plain(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            error_json("fixture_unread_body", message),
+        );
+    }
+    if !routed {
         let message = format!(
             "[flue fixture] No route for {method} {path}: the fixture server answers POST {OPENAI_PATH} and POST \
              {ANTHROPIC_PATH} (give providers the base URL http://127.0.0.1:PORT/v1)."
         );
         return plain(StatusCode::NOT_FOUND, error_json("not_found_error", message));
     }
-    let next = lock(&shared.replies).pop_front();
     let Some(reply) = next else {
         let message = format!(
             "[flue fixture] The fixture script ran out: no scripted reply is left for {method} {path}. Push one \

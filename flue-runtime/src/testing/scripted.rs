@@ -60,6 +60,14 @@ impl ScriptedReply {
 /// When the script runs out it answers with a provider error naming the problem, so a test
 /// that makes more calls than it scripted fails loudly. [`ScriptedModel::echo`] answers
 /// `You said: <last user message>` once its script is spent instead.
+///
+/// Its clones share one script and one record: every call takes the next reply, whichever
+/// session makes it. Calls made at the same time (parallel `task` children, several instances
+/// served at once) take the replies in the order they reach the model, which a test does not
+/// choose; script such a test with one model per session (each with its own id), or make its
+/// calls one after another. [`without_recording`](Self::without_recording) stops the
+/// recording for every clone; [`with_id`](Self::with_id) and
+/// [`with_context_window`](Self::with_context_window) set the clone they return.
 #[derive(Clone)]
 pub struct ScriptedModel {
     id: String,
