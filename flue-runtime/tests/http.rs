@@ -1103,6 +1103,42 @@ async fn sse_readers_catching_up_on_their_own_share_a_bounded_room() {
     panic!("the room was never let go");
 }
 
+/// A reader that finds the room full is refused before it folds the stream (a client retrying
+/// its 503 would otherwise fold a long conversation at each retry, and many at once would
+/// each hold a fold no room counts).
+#[tokio::test]
+async fn an_sse_reader_refused_for_want_of_room_reads_no_stream_to_fold() {
+    let long = LongConversation::serve_padded(
+        HttpOptions {
+            updates_cache_instances: 0,
+            max_reader_fold_bytes: 64 * 1024,
+            ..HttpOptions::default()
+        },
+        400,
+        64 * 1024,
+    )
+    .await;
+    let url = |offset: &str| {
+        format!(
+            "http://{}/agents/calculator/long?view=updates&offset={offset}&live=sse",
+            long.addr
+        )
+    };
+    let client = reqwest::Client::new();
+    // Stalled on its first page, which it holds: it reads no more.
+    let mut holding = client.get(url("-1")).send().await.unwrap();
+    assert_eq!(holding.status(), 200);
+    holding.chunk().await.unwrap().unwrap();
+    let read_before = long.total.load(std::sync::atomic::Ordering::SeqCst);
+    let refused = client.get(url("0_300")).send().await.unwrap();
+    assert_eq!(refused.status(), 503);
+    assert_eq!(
+        long.total.load(std::sync::atomic::Ordering::SeqCst),
+        read_before,
+        "no batch read for a reader refused"
+    );
+}
+
 /// A reader that follows a long conversation alone and reconnects at the head costs what is
 /// new, not a fold of the whole stream: its new live feed starts from the updates cache's fold.
 /// (Regression: each reconnection made a feed that read and folded every batch again.)

@@ -171,6 +171,22 @@ impl Projection {
         key: &InstanceKey,
         through: u64,
     ) -> Result<Option<u64>, StoreError> {
+        self.fold_stream_within(store, key, through, |_| true)
+            .await
+            .map(|(offset, _)| offset)
+    }
+
+    /// [`Self::fold_stream`], asking `room` after each page whether the fold may hold its
+    /// weight: when not, the fold stops there (a reader refused for want of room has folded a
+    /// page at most, however long the stream). The offset of the last batch folded, and
+    /// whether the fold got through.
+    pub(crate) async fn fold_stream_within(
+        &mut self,
+        store: &dyn Store,
+        key: &InstanceKey,
+        through: u64,
+        mut room: impl FnMut(usize) -> bool + Send,
+    ) -> Result<(Option<u64>, bool), StoreError> {
         while self.offset.is_none_or(|offset| offset < through) {
             let page = store.read_page(key, self.offset, READ_PAGE).await?;
             let folding = page.iter().take_while(|batch| batch.offset <= through);
@@ -179,13 +195,16 @@ impl Projection {
                 self.apply(batch, None);
                 folded = true;
             }
+            if !room(self.weight) {
+                return Ok((self.offset, false));
+            }
             // A short page is the stream's end; a page past `through` from its first batch (a
             // store whose offsets skip `through`) would be read again for ever.
             if page.len() < READ_PAGE || !folded {
                 break;
             }
         }
-        Ok(self.offset)
+        Ok((self.offset, true))
     }
 
     /// Roughly the bytes the fold holds: every record folded counts what it added (an edit or a

@@ -347,12 +347,24 @@ pub(super) async fn get_stream(
                         incarnation.as_deref(),
                     ));
                 }
+                // Room first, as the fold grows: a reader refused for want of it (retrying
+                // while the room is full) costs no fold of the stream, nor memory beyond it.
+                let mut room = None;
+                if !routes.folds.hold(&mut room, 1) {
+                    return Err(ApiError::readers_busy());
+                }
                 let mut projection = Projection::new(&key.stream_path());
                 if let Some(after) = after {
-                    projection.fold_stream(store, &key, after).await.map_err(internal)?;
+                    let folds = &routes.folds;
+                    let (_, fits) = projection
+                        .fold_stream_within(store, &key, after, |bytes| folds.hold(&mut room, bytes))
+                        .await
+                        .map_err(internal)?;
+                    if !fits {
+                        return Err(ApiError::readers_busy());
+                    }
                 }
                 let (pending, more) = next_page(store, &key, after).await.map_err(internal)?;
-                let mut room = None;
                 if !routes.folds.hold(&mut room, reader_bytes(Some(&projection), &pending)) {
                     return Err(ApiError::readers_busy());
                 }
@@ -618,10 +630,18 @@ impl SseStream {
                     }
                     let store = self.runtime.store.as_ref();
                     if self.own.is_none() {
-                        // Far behind the feed: fold the stream up to this reader's offset again.
+                        // Far behind the feed: fold the stream up to this reader's offset again,
+                        // within the room.
                         let mut own = Projection::new(&self.key.stream_path());
                         if let Some(offset) = self.offset {
-                            self.logged(own.fold_stream(store, &self.key, offset).await)?;
+                            let (folds, room) = (&self.folds, &mut self.room);
+                            let folded = own
+                                .fold_stream_within(store, &self.key, offset, |bytes| folds.hold(room, bytes))
+                                .await;
+                            if !self.logged(folded)?.1 {
+                                tracing::warn!(instance = %self.key, "an SSE stream ended: catching-up readers hold all the room max_reader_fold_bytes gives");
+                                return None;
+                            }
                         }
                         self.own = Some(own);
                     }
