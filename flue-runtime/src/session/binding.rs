@@ -301,7 +301,9 @@ pub(crate) struct Admitting {
 impl Admitting {
     /// Announces the admission through `announce` (`submission_queued`), unless a worker
     /// that claimed it did already; a replay (`deduplicated`) is announced again either way.
-    /// Under the instance's lock, so a worker that claims the submission now waits for it.
+    /// Under the instance's lock, so a worker that claims the submission now waits for it
+    /// (`announce` only publishes to the runtime's broadcast channels: nothing under the lock
+    /// calls back into an admission).
     pub(crate) fn announce(mut self, deduplicated: bool, announce: impl FnOnce()) {
         self.finished = true;
         let mut owed = self.binding.unannounced();
