@@ -732,11 +732,15 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxErr
     let mut files = Vec::new();
     let mut pending = vec![base.to_owned()];
     let mut visited = 0usize;
-    let mut cut = false;
+    let mut unlisted = Unlisted::default();
     while let Some(directory) = pending.pop() {
         visited += 1;
         if visited + files.len() > MAX_WALK {
-            return Ok(Walked { files, cut: true });
+            return Ok(Walked {
+                files,
+                cut: true,
+                unlisted,
+            });
         }
         let entries = match session.sandbox.list_dir(&directory).await {
             Ok(entries) => entries,
@@ -749,17 +753,19 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxErr
                     return Ok(Walked {
                         files: vec![base.to_owned()],
                         cut: false,
+                        unlisted,
                     });
                 }
                 return Err(error);
             }
             Err(error) if directory == base => return Err(error),
-            // A directory too large to list is not searched: said, as a walk cut short is.
-            Err(SandboxError::Io(message)) if message.contains(super::local::TOO_MANY_ENTRIES) => {
-                cut = true;
+            // A directory that cannot be listed (too large, too deep, not readable) is not
+            // searched, which the answer says: silence would read as "nothing there".
+            Err(error) => {
+                unlisted.count += 1;
+                unlisted.first.get_or_insert_with(|| (directory, error.to_string()));
                 continue;
             }
-            Err(_) => continue,
         };
         let mut directories = Vec::new();
         for entry in entries {
@@ -776,25 +782,58 @@ async fn walk(session: &SandboxSession, base: &str) -> Result<Walked, SandboxErr
             } else {
                 files.push(path);
                 if files.len() >= MAX_WALK {
-                    return Ok(Walked { files, cut: true });
+                    return Ok(Walked {
+                        files,
+                        cut: true,
+                        unlisted,
+                    });
                 }
             }
         }
         pending.extend(directories.into_iter().rev());
     }
-    Ok(Walked { files, cut })
+    Ok(Walked {
+        files,
+        cut: false,
+        unlisted,
+    })
 }
 
-/// The files a walk found, and whether it stopped at [`MAX_WALK`] before the end.
+/// The files a walk found, whether it stopped at [`MAX_WALK`] before the end, and the
+/// directories it could not list.
 struct Walked {
     files: Vec<String>,
     cut: bool,
+    unlisted: Unlisted,
 }
 
-/// What `grep` and `glob` add to their answer when the walk under them stopped early: a
-/// silent cut would read as "nothing else is there".
-fn walk_cut_note() -> String {
-    format!("[Stopped after visiting {MAX_WALK} files and directories; narrow the path.]")
+/// The directories a walk could not list: how many, and the first with why.
+#[derive(Default)]
+struct Unlisted {
+    count: usize,
+    first: Option<(String, String)>,
+}
+
+/// What `grep` and `glob` add to their answer when the walk under them stopped early or left
+/// directories out: a silent cut would read as "nothing else is there".
+fn walk_notes(cut: bool, unlisted: &Unlisted) -> String {
+    let mut notes = String::new();
+    if cut {
+        notes.push_str(&format!(
+            "\n\n[Stopped after visiting {MAX_WALK} files and directories; narrow the path.]"
+        ));
+    }
+    if let Some((directory, why)) = &unlisted.first {
+        let others = match unlisted.count - 1 {
+            0 => String::new(),
+            1 => " and 1 other".to_owned(),
+            more => format!(" and {more} others"),
+        };
+        notes.push_str(&format!(
+            "\n\n[Not searched: {directory}{others}, which could not be listed ({why}).]"
+        ));
+    }
+    notes
 }
 
 /// The search root `path` names (the working directory by default) and the files under it.
@@ -841,7 +880,7 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(filter) => filter,
             Err(error) => return ToolOutput::error(format!("Invalid glob: {error}")),
         };
-        let (base, Walked { files, cut }) = match files_under(session, args.path.as_deref()).await {
+        let (base, Walked { files, cut, unlisted }) = match files_under(session, args.path.as_deref()).await {
             Ok(found) => found,
             Err(error) => return sandbox_error(error),
         };
@@ -904,8 +943,8 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
                 "\n\n[Stopped after reading {} MB; narrow the path or the glob.]",
                 MAX_GREP_BYTES / (1024 * 1024)
             ));
-        } else if cut {
-            out.push_str(&format!("\n\n{}", walk_cut_note()));
+        } else {
+            out.push_str(&walk_notes(cut, &unlisted));
         }
         ToolOutput::text(out)
     })
@@ -929,7 +968,7 @@ fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
             Ok(pattern) => pattern,
             Err(error) => return ToolOutput::error(format!("Invalid glob: {error}")),
         };
-        let (base, Walked { files, cut }) = match files_under(session, args.path.as_deref()).await {
+        let (base, Walked { files, cut, unlisted }) = match files_under(session, args.path.as_deref()).await {
             Ok(found) => found,
             Err(error) => return sandbox_error(error),
         };
@@ -953,9 +992,7 @@ fn glob(session: &SandboxSession, args: GlobArgs) -> BoxFuture<'_, ToolOutput> {
                 matched.len()
             ));
         }
-        if cut {
-            out.push_str(&format!("\n\n{}", walk_cut_note()));
-        }
+        out.push_str(&walk_notes(cut, &unlisted));
         ToolOutput::text(out)
     })
 }
@@ -1067,6 +1104,75 @@ mod tests {
 
         fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
             Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+        }
+    }
+
+    /// A sandbox whose root lists a file and two directories it cannot list.
+    struct Partly;
+
+    impl Sandbox for Partly {
+        fn read_file(&self, _: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
+            Box::pin(std::future::ready(Ok(b"x marks it".to_vec())))
+        }
+
+        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
+        }
+
+        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
+        }
+
+        fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
+            let entry = |name: &str, is_dir| DirEntry {
+                name: name.to_owned(),
+                is_dir,
+                size: 0,
+            };
+            Box::pin(std::future::ready(match path {
+                "/" => Ok(vec![entry("deep", true), entry("locked", true), entry("top.md", false)]),
+                _ => Err(SandboxError::Io(format!("{path} cannot be listed"))),
+            }))
+        }
+
+        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+        }
+    }
+
+    /// A directory under the search that cannot be listed (too deep, unreadable) is not
+    /// searched, and the answer says so: silence would read as nothing being there.
+    #[tokio::test]
+    async fn glob_and_grep_name_the_directories_they_could_not_list() {
+        let session = SandboxSession::new(Arc::new(Partly), None).unwrap();
+        let globbed = glob(
+            &session,
+            GlobArgs {
+                pattern: "**/*.md".into(),
+                path: None,
+            },
+        )
+        .await;
+        let grepped = grep(
+            &session,
+            GrepArgs {
+                pattern: "x".into(),
+                path: None,
+                glob: None,
+                ignore_case: false,
+            },
+        )
+        .await;
+        for (tool, output, found) in [("glob", globbed, "top.md"), ("grep", grepped, "/top.md:1: x marks it")] {
+            let (text, is_error) = text_of(output);
+            assert!(!is_error, "{tool}: {text}");
+            assert!(text.starts_with(found), "{tool}: {text}");
+            assert!(
+                text.ends_with(
+                    "\n\n[Not searched: /deep and 1 other, which could not be listed (/deep cannot be listed).]"
+                ),
+                "{tool}: {text}"
+            );
         }
     }
 
