@@ -115,6 +115,18 @@ pub enum ClientError {
     Protocol(String),
 }
 
+/// How deep the protocol's JSON may nest for the client: what a store holds (values nested up
+/// to its depth, a tool's arguments, state, data) wrapped in the few levels of a frame or a
+/// history snapshot. (serde_json's own limit, 128 levels, would make a conversation holding
+/// a value nested 123 levels or more unreadable for good by this client, which browsers and
+/// the reference's client read.)
+const READ_DEPTH: usize = crate::store::depth::MAX_STORED_DEPTH + 32;
+
+/// Parses the protocol's JSON nested up to [`READ_DEPTH`].
+fn read_json(bytes: &[u8]) -> serde_json::Result<Value> {
+    crate::store::depth::from_nested(bytes, READ_DEPTH)
+}
+
 /// How an [`ClientError::Api`] error names its reference, if it has one.
 fn reference_note(reference: Option<&str>) -> String {
     reference
@@ -366,7 +378,7 @@ async fn json_of(response: reqwest::Response, limit: usize) -> Result<Value, Cli
         .and_then(|value| value.to_str().ok())
         .map(str::to_owned);
     let bytes = body_within(response, limit).await?;
-    let body: Value = match serde_json::from_slice(&bytes) {
+    let body: Value = match read_json(&bytes) {
         Ok(body) => body,
         // A refusal below 500 that is not JSON (a proxy's HTML page) is not the protocol.
         Err(_) if (400..500).contains(&status) => {
@@ -1024,7 +1036,7 @@ impl Follow {
                 Ok(None) => return Ok(progressed),
                 Err(error) => return Err(unreadable(&self.offset, &error)),
             };
-            let payload: Value = match serde_json::from_str(event.data) {
+            let payload: Value = match read_json(event.data.as_bytes()) {
                 Ok(payload) => payload,
                 Err(error) => {
                     let why = format!("an event's data is not JSON ({error})");

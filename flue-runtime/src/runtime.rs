@@ -2103,6 +2103,14 @@ impl AgentHandle {
         if check_instance_id(&self.key.id).is_err() || self.runtime.store.instance(&self.key).await?.is_none() {
             return Err(RuntimeError::InstanceNotFound(self.key.id.to_string()));
         }
+        // Nor does one no admission makes (Postgres refuses a NUL in it as a failure, which
+        // would be looked up again for a minute).
+        if submission_id.is_empty() || submission_id.len() > 512 || submission_id.chars().any(char::is_control) {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "no submission {:?}: a submission id is at most 512 bytes, without control characters",
+                submission_id.chars().take(64).collect::<String>()
+            )));
+        }
         // What finds its settlement by another node, and what takes over the work a crashed
         // process left (without an admission here, nothing may have started them).
         self.runtime.ensure_background();

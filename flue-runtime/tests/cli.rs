@@ -243,6 +243,41 @@ async fn serve_listens_and_serves_the_protocol() {
     server.abort();
 }
 
+/// A model's tool call whose arguments nest 126 levels is stored and projected a few levels
+/// deeper still: the client reads such a conversation (its reply, its stream, its history),
+/// as browsers do, rather than stop at serde_json's own 128 levels for good.
+#[tokio::test]
+async fn the_client_reads_a_conversation_holding_arguments_nested_126_levels() {
+    let deep = format!("{}1{}", r#"{"a":"#.repeat(126), "}".repeat(126));
+    let runtime = runtime(&ScriptedModel::new([
+        ScriptedReply::ToolCalls {
+            text: String::new(),
+            calls: vec![("nowhere".to_owned(), deep)],
+        },
+        ScriptedReply::text("Deep, but read."),
+    ]));
+    let out = Shared::default();
+    let server = {
+        let (runtime, mut out) = (runtime.clone(), out.clone());
+        tokio::spawn(async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut out).await })
+    };
+    let base = announced(&out).await;
+    let instance = flue_runtime::client::Client::new(&base)
+        .unwrap()
+        .instance("greeter", "deep");
+    let reply = instance.prompt("go deep").await.unwrap();
+    assert_eq!(reply.text, "Deep, but read.");
+    let history = instance.history().await.unwrap();
+    let mut input = &history["messages"][1]["parts"][0]["input"];
+    let mut depth = 0;
+    while let Some(inner) = input.get("a") {
+        input = inner;
+        depth += 1;
+    }
+    assert_eq!((depth, input), (126, &json!(1)), "{}", history["messages"][1]);
+    server.abort();
+}
+
 #[tokio::test]
 async fn serve_with_an_authorization_policy_refuses_requests_without_a_token() {
     use flue_runtime::http::{Access, BearerTokens, HttpOptions};

@@ -4747,7 +4747,15 @@ async fn a_handle_cannot_read_another_instances_submission() {
     let reply = mine.send("hi").await.unwrap();
     theirs.send("hi").await.unwrap();
     assert_eq!(mine.read(&reply.submission_id).await.unwrap().text, "mine");
-    for id in [reply.submission_id.as_str(), "sub_never"] {
+    // Nor is an id no admission makes asked of the store (a NUL fails a Postgres lookup).
+    let long = "s".repeat(600);
+    for id in [
+        reply.submission_id.as_str(),
+        "sub_never",
+        "",
+        "sub_\u{0}x",
+        long.as_str(),
+    ] {
         let error = theirs.read(id).await.unwrap_err();
         assert!(
             matches!(&error, RuntimeError::InvalidRequest(message) if message.contains("no submission")),

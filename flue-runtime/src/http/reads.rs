@@ -192,7 +192,10 @@ pub(super) struct FoldRoom {
 
 impl FoldRoom {
     pub(super) fn new(bytes: usize) -> Self {
-        let whole = u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
+        // At most what a semaphore holds (less than 512 MiB on a 32-bit target).
+        let whole = u32::try_from(bytes.min(Semaphore::MAX_PERMITS))
+            .unwrap_or(u32::MAX)
+            .max(1);
         Self {
             room: Arc::new(Semaphore::new(whole as usize)),
             whole,

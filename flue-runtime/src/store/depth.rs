@@ -29,12 +29,19 @@ pub(crate) const MAX_STORED_DEPTH: usize = 512;
 /// nested deeper than [`MAX_STORED_DEPTH`] (which [`storable`] keeps out) is refused with an
 /// error, not parsed until the stack overflows and the process aborts.
 pub(crate) fn from_stored<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Result<T> {
-    if too_deep(text.as_bytes()) {
+    from_nested(text.as_bytes(), MAX_STORED_DEPTH)
+}
+
+/// Parses JSON nested at most `limit` levels (refused with an error past it, before any
+/// recursion), without serde_json's own limit of 128: what [`from_stored`] does, for text
+/// that wraps stored values in a few levels more (the protocol's frames, read by the client).
+pub(crate) fn from_nested<T: serde::de::DeserializeOwned>(text: &[u8], limit: usize) -> serde_json::Result<T> {
+    if deeper_than(text, limit) {
         return Err(serde::de::Error::custom(format_args!(
-            "the stored JSON is nested deeper than {MAX_STORED_DEPTH} levels"
+            "the JSON is nested deeper than {limit} levels"
         )));
     }
-    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let mut deserializer = serde_json::Deserializer::from_slice(text);
     deserializer.disable_recursion_limit();
     let value = T::deserialize(&mut deserializer)?;
     deserializer.end()?;
@@ -63,8 +70,12 @@ pub(crate) fn too_deep_error(what: &str) -> StoreError {
 /// with no more brackets than that (nearly all of it) is answered by a count the compiler
 /// vectorizes, without following strings.
 fn too_deep(text: &[u8]) -> bool {
-    text.iter().filter(|&&byte| byte == b'[' || byte == b'{').count() > MAX_STORED_DEPTH
-        && nesting(text) > MAX_STORED_DEPTH
+    deeper_than(text, MAX_STORED_DEPTH)
+}
+
+/// Whether `text` nests deeper than `limit` (see [`too_deep`]).
+fn deeper_than(text: &[u8], limit: usize) -> bool {
+    text.iter().filter(|&&byte| byte == b'[' || byte == b'{').count() > limit && nesting(text) > limit
 }
 
 /// How deep the arrays and objects of the JSON `text` nest (brackets inside strings do not

@@ -3,7 +3,7 @@
 //! Postgres stores implement the same trait.
 
 mod attachments;
-mod depth;
+pub(crate) mod depth;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
