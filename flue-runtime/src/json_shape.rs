@@ -138,6 +138,39 @@ pub(crate) fn json_bytes(value: &impl serde::Serialize) -> usize {
     count.0
 }
 
+/// `text` with each escape of a lone surrogate replaced by `\ufffd`; `None` when it has none.
+pub(crate) fn without_lone_surrogates(text: &str) -> Option<String> {
+    let escaped = |at: usize| -> Option<u16> {
+        let hex = text.get(at..at + 6)?.strip_prefix("\\u")?;
+        u16::from_str_radix(hex, 16).ok()
+    };
+    let (mut out, mut copied, mut at, mut replaced) = (String::new(), 0, 0, false);
+    let bytes = text.as_bytes();
+    while at < bytes.len() {
+        if bytes[at] != b'\\' {
+            at += 1;
+            continue;
+        }
+        match escaped(at) {
+            // A pair: one character.
+            Some(0xD800..=0xDBFF) if matches!(escaped(at + 6), Some(0xDC00..=0xDFFF)) => at += 12,
+            Some(0xD800..=0xDFFF) => {
+                out.push_str(&text[copied..at]);
+                out.push_str("\\ufffd");
+                at += 6;
+                copied = at;
+                replaced = true;
+            }
+            // Any other escape: its backslash and the character it escapes.
+            _ => at += 2,
+        }
+    }
+    replaced.then(|| {
+        out.push_str(&text[copied..]);
+        out
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -110,45 +110,12 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     }
     serde_json::from_slice::<Value>(body).or_else(|error| {
         let text = String::from_utf8_lossy(body);
-        let repaired = match without_lone_surrogates(&text) {
+        let repaired = match crate::json_shape::without_lone_surrogates(&text) {
             Some(repaired) => repaired,
             None if matches!(text, std::borrow::Cow::Owned(_)) => text.into_owned(),
             None => return Err(ApiError::invalid_json(error.to_string())),
         };
         serde_json::from_str(&repaired).map_err(|_| ApiError::invalid_json(error.to_string()))
-    })
-}
-
-/// `text` with each escape of a lone surrogate replaced by `\ufffd`; `None` when it has none.
-fn without_lone_surrogates(text: &str) -> Option<String> {
-    let escaped = |at: usize| -> Option<u16> {
-        let hex = text.get(at..at + 6)?.strip_prefix("\\u")?;
-        u16::from_str_radix(hex, 16).ok()
-    };
-    let (mut out, mut copied, mut at, mut replaced) = (String::new(), 0, 0, false);
-    let bytes = text.as_bytes();
-    while at < bytes.len() {
-        if bytes[at] != b'\\' {
-            at += 1;
-            continue;
-        }
-        match escaped(at) {
-            // A pair: one character.
-            Some(0xD800..=0xDBFF) if matches!(escaped(at + 6), Some(0xDC00..=0xDFFF)) => at += 12,
-            Some(0xD800..=0xDFFF) => {
-                out.push_str(&text[copied..at]);
-                out.push_str("\\ufffd");
-                at += 6;
-                copied = at;
-                replaced = true;
-            }
-            // Any other escape: its backslash and the character it escapes.
-            _ => at += 2,
-        }
-    }
-    replaced.then(|| {
-        out.push_str(&text[copied..]);
-        out
     })
 }
 

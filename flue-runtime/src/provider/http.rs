@@ -1130,19 +1130,28 @@ pub(crate) fn error_event(ctx: &CallContext, data: &str) -> ProviderError {
 /// Parses one event's JSON payload; a malformed payload is an `InvalidResponse`, and so is
 /// one holding more JSON than [`MAX_JSON_CONTAINERS`](crate::MAX_JSON_CONTAINERS) and
 /// [`MAX_JSON_VALUES`](crate::MAX_JSON_VALUES) allow (an event may be 16 MiB long, and parsed
-/// small objects take far more memory than their text), refused before it is parsed.
+/// small objects take far more memory than their text), refused before it is parsed. A `\u`
+/// escape of a lone UTF-16 surrogate, which JavaScript writes for half an emoji (a relay that
+/// cut a delta inside one), reads as U+FFFD, as the HTTP side reads it: the answer loses a
+/// character, not the call.
 pub(crate) fn parse_event_json(ctx: &CallContext, data: &str) -> Result<Value, ProviderError> {
     check_event_shape(ctx, data)?;
-    serde_json::from_str(data).map_err(|error| {
-        ProviderError::new(
-            ProviderErrorKind::InvalidResponse,
-            format!(
-                "[flue] Provider \"{}\" sent a malformed stream event ({error}): {}",
-                ctx.provider,
-                ctx.quote(data, EVENT_SNIPPET_CHARS)
-            ),
-        )
-    })
+    serde_json::from_str(data)
+        .or_else(|error| {
+            crate::json_shape::without_lone_surrogates(data)
+                .and_then(|repaired| serde_json::from_str(&repaired).ok())
+                .ok_or(error)
+        })
+        .map_err(|error| {
+            ProviderError::new(
+                ProviderErrorKind::InvalidResponse,
+                format!(
+                    "[flue] Provider \"{}\" sent a malformed stream event ({error}): {}",
+                    ctx.provider,
+                    ctx.quote(data, EVENT_SNIPPET_CHARS)
+                ),
+            )
+        })
 }
 
 /// The error of a stream that ended before the response completed.
@@ -1444,10 +1453,6 @@ impl<D: SseDecoder> Driver<D> {
     fn stream_error(&self, error: &SseError) -> ProviderError {
         let provider = &self.ctx.provider;
         match error {
-            SseError::Utf8 => ProviderError::new(
-                ProviderErrorKind::InvalidResponse,
-                format!("[flue] Provider \"{provider}\" sent an event stream that is not UTF-8."),
-            ),
             SseError::TooLarge { .. } => ProviderError::new(
                 ProviderErrorKind::InvalidResponse,
                 format!("[flue] Provider \"{provider}\" sent a malformed event stream: {error}."),

@@ -1755,6 +1755,19 @@ mod tests {
         );
     }
 
+    /// A relay that cut a delta inside an emoji (JavaScript writes each half as a lone `\u`
+    /// escape) costs the answer that character, not the call.
+    #[test]
+    fn a_lone_surrogate_escape_reads_as_a_replacement_character() {
+        let part = |text: &str| format!(r#"{{"choices":[{{"index":0,"delta":{{"content":"{text}"}}}}]}}"#);
+        let (first, second) = (part(r"ok \ud83d"), part(r"\ude00 done"));
+        let stopped = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+        let response = decode(&[&first, &second, stopped, "[DONE]"], false)
+            .expect("decodes")
+            .expect("completes");
+        assert_eq!(response.text, "ok \u{fffd}\u{fffd} done");
+    }
+
     /// An answer streaming tool calls or reasoning details without end fails as an invalid
     /// response once past [`MAX_STREAMED_PARTS`] of them, spread over many events or in one;
     /// continuations of the ones it has do not count.

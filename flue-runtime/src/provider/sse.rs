@@ -28,8 +28,6 @@ pub(crate) struct Event<'a> {
 /// Why an event stream cannot be read.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum SseError {
-    /// A line is not UTF-8.
-    Utf8,
     /// An event grew past the parser's bound (`limit` bytes).
     TooLarge {
         /// The bound it grew past.
@@ -40,7 +38,6 @@ pub(crate) enum SseError {
 impl fmt::Display for SseError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Utf8 => f.write_str("a line is not UTF-8"),
             Self::TooLarge { limit } => write!(f, "an event is larger than {limit} bytes"),
         }
     }
@@ -161,10 +158,12 @@ impl SseParser {
             if self.event_bytes > self.max_event_bytes {
                 return Err(self.too_large());
             }
-            let line = std::str::from_utf8(&self.buffer[line_start..line_start + end]).map_err(|_| SseError::Utf8)?;
+            // Decoded as the SSE standard decodes a stream: a byte sequence that is not UTF-8
+            // reads as U+FFFD (a server that split a character loses it, not the call).
+            let line = String::from_utf8_lossy(&self.buffer[line_start..line_start + end]);
             let (field, value) = match line.split_once(':') {
                 Some((field, value)) => (field, value.strip_prefix(' ').unwrap_or(value)),
-                None => (line, ""),
+                None => (&*line, ""),
             };
             match field {
                 // A comment.
@@ -289,9 +288,14 @@ mod tests {
         assert_eq!(parser.scanned, 0);
     }
 
+    /// Decoded as the standard decodes a stream: a byte sequence that is not UTF-8 reads as
+    /// U+FFFD, and the event is kept.
     #[test]
-    fn a_line_that_is_not_utf8_is_an_error() {
-        assert_eq!(events_in_chunks(b"data: \xFF\n\n", 64), Err(SseError::Utf8));
+    fn a_line_that_is_not_utf8_reads_with_replacement_characters() {
+        assert_eq!(
+            events_in_chunks(b"data: a\xFFb\xF0\x9F\n\n", 3),
+            Ok(owned(&[("message", "a\u{fffd}b\u{fffd}")]))
+        );
     }
 
     #[test]
