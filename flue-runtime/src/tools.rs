@@ -151,9 +151,17 @@ impl flue_core::log::LogSink for CleanLog {
 
 /// `text` without the values of `secrets` (longest first; as they are, JSON-escaped or
 /// percent-encoded), and, when `urls`, without a URL's secrets.
-fn clean_text(text: &str, secrets: &[flue_core::tool::Secret], urls: bool) -> String {
+pub(crate) fn clean_text(text: &str, secrets: &[flue_core::tool::Secret], urls: bool) -> String {
     let text = secrets.iter().fold(text.to_owned(), |text, secret| {
-        crate::provider::redact_secret(&text, secret.expose())
+        // Also as code that trimmed it would use it: a value mounted from a file (a
+        // Kubernetes secret) often ends with a line break no URL or header can hold.
+        let (whole, trimmed) = (secret.expose(), secret.expose().trim());
+        let text = crate::provider::redact_secret(&text, whole);
+        if trimmed.len() < whole.len() {
+            crate::provider::redact_secret(&text, trimmed)
+        } else {
+            text
+        }
     });
     if urls {
         flue_core::url::without_url_secrets(&text)
@@ -264,8 +272,9 @@ fn panicked(tool: &Tool, payload: &(dyn std::any::Any + Send), secrets: &[flue_c
     ToolOutput::error(format!("Tool \"{}\" panicked: {message}", tool.name()))
 }
 
-/// The panic hook that keeps tools' panics from being printed raw (see the module's doc).
-mod quiet {
+/// The panic hook that keeps tools' (and hooks') panics from being printed raw (see the
+/// module's doc).
+pub(crate) mod quiet {
     use std::cell::{Cell, RefCell};
 
     thread_local! {
@@ -277,7 +286,7 @@ mod quiet {
 
     /// Chains the hook in front of the process's (once per process; a hook set later
     /// replaces it, as hooks do).
-    pub(super) fn install() {
+    pub(crate) fn install() {
         static INSTALLED: std::sync::Once = std::sync::Once::new();
         INSTALLED.call_once(|| {
             let previous = std::panic::take_hook();
@@ -296,8 +305,8 @@ mod quiet {
         });
     }
 
-    /// Runs `code` as a tool's: a panic it raises is not printed.
-    pub(super) fn running_tool<R>(code: impl FnOnce() -> R) -> R {
+    /// Runs `code` as a tool's (or a hook's): a panic it raises is not printed.
+    pub(crate) fn running_tool<R>(code: impl FnOnce() -> R) -> R {
         /// Puts the flag back, however `code` ends.
         struct Restore(bool);
         impl Drop for Restore {
@@ -310,7 +319,7 @@ mod quiet {
     }
 
     /// Where this thread's latest quiet panic was raised, once.
-    pub(super) fn raised_at() -> Option<String> {
+    pub(crate) fn raised_at() -> Option<String> {
         RAISED_AT.with(RefCell::take)
     }
 }
@@ -351,6 +360,17 @@ mod tests {
     /// are, JSON-escaped or percent-encoded), and an error without a URL's secrets: an HTTP
     /// client's error quotes the URL it called. (Regression: tool output was the one text
     /// from outside no redaction ran on.)
+    /// A secret whose value ends with a line break (mounted from a file) is also kept out
+    /// as code that trimmed it used it.
+    #[test]
+    fn a_secret_is_cleaned_as_it_is_and_trimmed() {
+        let secrets = [flue_core::tool::Secret::new("tok-123456\n")];
+        assert_eq!(
+            clean_text("GET /bot/tok-123456/send and tok-123456\n", &secrets, false),
+            "GET /bot/[redacted]/send and [redacted]"
+        );
+    }
+
     #[tokio::test]
     async fn a_tools_output_reaches_the_model_without_its_secrets() {
         let echoes = |fails: bool| {

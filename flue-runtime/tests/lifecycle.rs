@@ -3582,6 +3582,54 @@ async fn item_80_a_secret_read_through_env_is_kept_out_of_any_tools_answer() {
     assert_eq!(content, "routed with [redacted]");
 }
 
+/// Screens the history through an API keyed by the billing token (another tool's declared
+/// secret), in its URL, and fails as an HTTP library's error would: quoting the URL. It
+/// blocks the request with that text, or (for a message saying `panic`) unwraps it.
+#[hook(prefilter_llm_history)]
+async fn keyed_screen(state: &ThreadState, messages: Vec<LlmMessage>) -> Result<Vec<LlmMessage>, HookError> {
+    let token = state
+        .env("FLUE_TEST_BILLING_TOKEN")
+        .map_err(|error| HookError::new(error.to_string()))?;
+    let failure = format!(
+        "error sending request for url (https://user:{0}@screen.example/v1/check?key={0}): timed out; bearer {0}",
+        token.expose()
+    );
+    if messages.iter().any(|message| message.content == json!("panic")) {
+        panic!("{failure}");
+    }
+    Err(HookError::block(failure))
+}
+
+#[agent(hooks = [keyed_screen])]
+fn screened() -> &'static str {
+    use_model("scripted/x");
+    use_tool(billing);
+    "S"
+}
+
+/// Item 80 and the secrets rule: a hook reads the render's declared secrets through `env`
+/// too; its error (the blocking message stored as the reply, which clients and later turns
+/// read) and its panic (logged) are cleaned of them and of the URL's secrets, as a tool's are.
+#[tokio::test]
+async fn item_80_a_hooks_error_or_panic_is_kept_clear_of_the_secrets_env_hands_it() {
+    let logs = harness::logs::capture();
+    let model = ScriptedModel::new([ScriptedReply::text("screened")]);
+    let runtime = runtime_with(&model, vec![screened.into()]);
+    let refusal = runtime.init(&screened, "s-1").send("screen me").await.unwrap();
+    assert!(!refusal.text.contains("s3cr3t-value"), "{}", refusal.text);
+    assert!(refusal.text.contains("bearer [redacted]"), "{}", refusal.text);
+    assert!(refusal.text.contains("screen.example/v1/check"), "{}", refusal.text);
+    let stored = format!("{:?}", bodies(&runtime, "screened", "s-1").await);
+    assert!(!stored.contains("s3cr3t-value"), "{stored}");
+    // A panic is an error the chain logs and goes past.
+    let passed = runtime.init(&screened, "s-2").send("panic").await.unwrap();
+    assert_eq!(passed.text, "screened");
+    let logged = logs.lines("Error running prefilter_llm_history hook: panicked");
+    assert_eq!(logged.len(), 1, "{logged:?}");
+    assert!(!logged[0].contains("s3cr3t-value"), "{logged:?}");
+    assert!(logged[0].contains("bearer [redacted]"), "{logged:?}");
+}
+
 /// A memory store whose appends of a thread value take 300 ms (a slow database), and whose
 /// append of a final answer tells [`FINAL_STEP_STORED`] and takes 50 ms more to return.
 #[derive(Clone, Default)]

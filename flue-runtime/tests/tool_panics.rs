@@ -1,5 +1,6 @@
-//! A tool's panic is its error result, cleaned of secrets, and is not printed raw by the
-//! process's panic hook. Its own test binary: it sets the process's hook before any tool runs.
+//! A tool's panic is its error result, cleaned of secrets, and neither it nor a hook's panic
+//! is printed raw by the process's panic hook. Its own test binary: it sets the process's hook
+//! before any tool runs.
 #![allow(clippy::unwrap_used)] // tests assert by unwrapping
 
 mod harness;
@@ -31,6 +32,19 @@ fn mapper() -> &'static str {
     "You find places."
 }
 
+/// Checks the history with a service, unwrapping its error.
+#[hook(prefilter_llm_history)]
+async fn checked(_state: &ThreadState, messages: Vec<LlmMessage>) -> Vec<LlmMessage> {
+    request().unwrap();
+    messages
+}
+
+#[agent(hooks = [checked])]
+fn hooked() -> &'static str {
+    use_model("scripted/x");
+    "You answer."
+}
+
 #[tokio::test]
 async fn a_tools_panic_reaches_the_model_cleaned_and_the_panic_hook_not_at_all() {
     std::panic::set_hook(Box::new(|info| PRINTED.lock().unwrap().push(info.to_string())));
@@ -47,6 +61,13 @@ async fn a_tools_panic_reaches_the_model_cleaned_and_the_panic_hook_not_at_all()
         "{result}"
     );
     assert!(!result.contains("AIza-s3cret"), "{result}");
+    let printed = PRINTED.lock().unwrap().clone();
+    assert!(printed.is_empty(), "{printed:?}");
+    // Nor a hook's panic: the chain logs it (cleaned) and goes past it.
+    let model = ScriptedModel::new([ScriptedReply::text("Answered.")]);
+    let runtime = harness::runtime_with(&model, [hooked.into()]);
+    let reply = runtime.init(&hooked, "h").send("Hello.").await.unwrap();
+    assert_eq!(reply.text, "Answered.");
     let printed = PRINTED.lock().unwrap().clone();
     assert!(printed.is_empty(), "{printed:?}");
     // A panic raised anywhere else still reaches the process's hook.

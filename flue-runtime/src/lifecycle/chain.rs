@@ -29,18 +29,49 @@ pub(crate) struct Prevented<T> {
 #[derive(Debug)]
 pub(crate) struct Blocked(pub(crate) HookError);
 
-/// Runs one hook call; a panic becomes its error.
+/// Runs one hook call; a panic becomes its error. The hook's code runs as a tool's does
+/// (`tools::quiet`): a panic is not printed raw by the process's panic hook, since its message
+/// may quote what the hook called (a URL with its key).
 pub(crate) async fn call<'a, T>(call: impl FnOnce() -> HookFuture<'a, T>) -> Result<T, HookError> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
-        Ok(future) => match std::panic::AssertUnwindSafe(future).catch_unwind().await {
-            Ok(result) => result,
-            Err(payload) => Err(panicked(payload.as_ref())),
-        },
+    use crate::tools::quiet;
+    quiet::install();
+    let future = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| quiet::running_tool(call))) {
+        Ok(future) => future,
+        Err(payload) => return Err(panicked(payload.as_ref())),
+    };
+    let mut future = std::pin::pin!(std::panic::AssertUnwindSafe(future).catch_unwind());
+    match std::future::poll_fn(|cx| quiet::running_tool(|| future.as_mut().poll(cx))).await {
+        Ok(result) => result,
         Err(payload) => Err(panicked(payload.as_ref())),
     }
 }
 
+/// [`call`] of a hook that runs with `state`: its error is cleaned of what its thread's `env`
+/// hands out (the render's declared secrets, as they are and trimmed) and of URL secrets, as
+/// a tool's error is, before anything logs, stores or serves it (a `before_create_message`
+/// refusal settles its submission with the message, which clients read).
+pub(crate) async fn call_in<'a, T>(
+    state: &ThreadState,
+    call_hook: impl FnOnce() -> HookFuture<'a, T>,
+) -> Result<T, HookError> {
+    call(call_hook).await.map_err(|mut error| {
+        let mut secrets: Vec<flue_core::tool::Secret> = state
+            .declared_secrets()
+            .into_iter()
+            .filter_map(|name| state.env(name).ok())
+            .collect();
+        // Longest first: a secret that begins another is replaced after it.
+        secrets.sort_by_key(|secret| std::cmp::Reverse(secret.expose().len()));
+        error.message = crate::tools::clean_text(&error.message, &secrets, true);
+        error
+    })
+}
+
 fn panicked(payload: &(dyn std::any::Any + Send)) -> HookError {
+    // Where it was raised is for the server's log, not for the clients the error may reach.
+    if let Some(at) = crate::tools::quiet::raised_at() {
+        tracing::debug!(target: "flue::hooks", at, "a hook panicked");
+    }
     HookError::new(format!("panicked: {}", flue_core::render::panic_message(payload)))
 }
 
@@ -64,7 +95,7 @@ macro_rules! each {
 pub(crate) async fn after_thread_created(set: &HookSet, state: &ThreadState) {
     each!(set, HookKind::AfterThreadCreated, |id, handler| {
         if let ThreadHookHandler::AfterThreadCreated(run) = handler
-            && let Err(error) = call(|| run(state)).await
+            && let Err(error) = call_in(state, || run(state)).await
         {
             log_failure(HookKind::AfterThreadCreated, id, &error);
         }
@@ -75,7 +106,7 @@ pub(crate) async fn after_thread_created(set: &HookSet, state: &ThreadState) {
 pub(crate) async fn after_subagent_created(set: &HookSet, parent: &ThreadState, child: &ThreadState) {
     each!(set, HookKind::AfterSubagentCreated, |id, handler| {
         if let ThreadHookHandler::AfterSubagentCreated(run) = handler
-            && let Err(error) = call(|| run(parent, child)).await
+            && let Err(error) = call_in(parent, || run(parent, child)).await
         {
             log_failure(HookKind::AfterSubagentCreated, id, &error);
         }
@@ -86,7 +117,7 @@ pub(crate) async fn after_subagent_created(set: &HookSet, parent: &ThreadState, 
 pub(crate) async fn after_system_message(set: &HookSet, state: &ThreadState, mut text: String) -> String {
     each!(set, HookKind::AfterSystemMessage, |id, handler| {
         if let ThreadHookHandler::AfterSystemMessage(run) = handler {
-            match call(|| run(state, text.clone())).await {
+            match call_in(state, || run(state, text.clone())).await {
                 Ok(Some(replacement)) => text = replacement,
                 Ok(None) => {}
                 Err(error) => log_failure(HookKind::AfterSystemMessage, id, &error),
@@ -100,7 +131,7 @@ pub(crate) async fn after_system_message(set: &HookSet, state: &ThreadState, mut
 pub(crate) async fn filter_messages(set: &HookSet, state: &ThreadState, mut rows: Vec<Message>) -> Vec<Message> {
     each!(set, HookKind::FilterMessages, |id, handler| {
         if let ThreadHookHandler::FilterMessages(run) = handler {
-            match call(|| run(state, rows.clone())).await {
+            match call_in(state, || run(state, rows.clone())).await {
                 Ok(filtered) => rows = filtered,
                 Err(error) => log_failure(HookKind::FilterMessages, id, &error),
             }
@@ -117,7 +148,7 @@ pub(crate) async fn prefilter_llm_history(
 ) -> Result<Vec<LlmMessage>, Blocked> {
     for (id, handler) in set.handlers(HookKind::PrefilterLlmHistory) {
         if let ThreadHookHandler::PrefilterLlmHistory(run) = handler {
-            match call(|| run(state, messages.clone())).await {
+            match call_in(state, || run(state, messages.clone())).await {
                 Ok(filtered) => messages = filtered,
                 Err(error) if error.block => return Err(Blocked(error)),
                 Err(error) => log_failure(HookKind::PrefilterLlmHistory, id, &error),
@@ -135,7 +166,7 @@ pub(crate) async fn before_create_message(
 ) -> Result<Message, Prevented<Message>> {
     for (id, handler) in set.handlers(HookKind::BeforeCreateMessage) {
         if let ThreadHookHandler::BeforeCreateMessage(run) = handler {
-            match call(|| run(state, row.clone())).await {
+            match call_in(state, || run(state, row.clone())).await {
                 Ok(mut changed) => {
                     changed.id = std::mem::take(&mut row.id);
                     row = changed;
@@ -154,7 +185,7 @@ pub(crate) async fn before_create_message(
 pub(crate) async fn after_create_message(set: &HookSet, state: &ThreadState, row: &Message) {
     each!(set, HookKind::AfterCreateMessage, |id, handler| {
         if let ThreadHookHandler::AfterCreateMessage(run) = handler
-            && let Err(error) = call(|| run(state, row)).await
+            && let Err(error) = call_in(state, || run(state, row)).await
         {
             log_failure(HookKind::AfterCreateMessage, id, &error);
         }
@@ -173,7 +204,7 @@ pub(crate) async fn before_update_message(
             // A set the port refuses (a field it does not know, a value of the wrong type)
             // is this hook's failure: the chain stops at the last good set, which keeps what
             // the hooks before it changed (a redaction, say).
-            let changed = call(|| run(state, message_id, updates.clone()))
+            let changed = call_in(state, || run(state, message_id, updates.clone()))
                 .await
                 .and_then(|changed| match crate::lifecycle::thread::check_updates(&changed) {
                     Ok(()) => Ok(changed),
@@ -198,7 +229,7 @@ pub(crate) async fn before_update_message(
 pub(crate) async fn after_update_message(set: &HookSet, state: &ThreadState, row: &Message) {
     each!(set, HookKind::AfterUpdateMessage, |id, handler| {
         if let ThreadHookHandler::AfterUpdateMessage(run) = handler
-            && let Err(error) = call(|| run(state, row)).await
+            && let Err(error) = call_in(state, || run(state, row)).await
         {
             log_failure(HookKind::AfterUpdateMessage, id, &error);
         }
@@ -214,7 +245,7 @@ pub(crate) async fn tool_call_started(
 ) {
     each!(set, HookKind::ToolCallStarted, |id, handler| {
         if let ThreadHookHandler::ToolCallStarted(run) = handler
-            && let Err(error) = call(|| run(state, tool_call, progress)).await
+            && let Err(error) = call_in(state, || run(state, tool_call, progress)).await
         {
             log_failure(HookKind::ToolCallStarted, id, &error);
         }
@@ -225,7 +256,7 @@ pub(crate) async fn tool_call_started(
 pub(crate) async fn tool_call_done(set: &HookSet, state: &ThreadState, tool_call: &ToolCall, result: &ToolResult) {
     each!(set, HookKind::ToolCallDone, |id, handler| {
         if let ThreadHookHandler::ToolCallDone(run) = handler
-            && let Err(error) = call(|| run(state, tool_call, result)).await
+            && let Err(error) = call_in(state, || run(state, tool_call, result)).await
         {
             log_failure(HookKind::ToolCallDone, id, &error);
         }
@@ -249,7 +280,7 @@ pub(crate) async fn after_tool_call(
             ThreadHookHandler::AfterToolCallSuccess(run) | ThreadHookHandler::AfterToolCallFailure(run) => run,
             _ => continue,
         };
-        match call(|| run(state, tool_call, result.clone())).await {
+        match call_in(state, || run(state, tool_call, result.clone())).await {
             Ok(Some(replacement)) => result = replacement,
             Ok(None) => {}
             Err(error) => log_failure(kind, id, &error),
@@ -267,7 +298,7 @@ pub(crate) async fn before_store_tool_result(
 ) -> ToolResult {
     each!(set, HookKind::BeforeStoreToolResult, |id, handler| {
         if let ThreadHookHandler::BeforeStoreToolResult(run) = handler {
-            match call(|| run(state, tool_call, result.clone())).await {
+            match call_in(state, || run(state, tool_call, result.clone())).await {
                 Ok(stored) => result = stored,
                 Err(error) => log_failure(HookKind::BeforeStoreToolResult, id, &error),
             }
