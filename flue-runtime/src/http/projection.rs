@@ -896,22 +896,23 @@ impl Projection {
         }
     }
 
+    /// Whether `step`'s part of `stream` is the last part of `response_id`: the one part a
+    /// client extends with a delta (the protocol's reducer extends the message's last part
+    /// when it streams that kind, and otherwise opens a new part).
+    fn is_last_part(&mut self, response_id: &str, step: &str, stream: Stream) -> bool {
+        let at = self.part_index(step, stream);
+        self.parts_len(response_id) == at + 1
+    }
+
     /// A delta `step` streamed: into its streaming part (made by the first).
     fn stream_delta(&mut self, step: &str, stream: Stream, delta: &str, out: &mut Vec<Value>) {
         let Some(response_id) = self.steps.get(step).cloned() else {
             return;
         };
-        if stream == Stream::Reasoning
-            && self.texted.contains(step)
-            && self
-                .step_part(&response_id, step, Stream::Reasoning)
-                .is_none_or(|part| part["state"] != "streaming")
-        {
-            // Reasoning after the step's text: the snapshot keeps it in the step's reasoning
-            // part, before the text, where a client appending the delta would not show it
-            // (it would open a reasoning part after the text): the batch projects to a reset.
-            // Once reset, the client's reasoning part is the streaming one, and the deltas
-            // that follow it (until text streams again) extend it as they are.
+        // A part that is no longer the message's last (reasoning the snapshot keeps before the
+        // step's text, or a part a data write was appended after): a client would open a new
+        // part with the delta at the end, so the batch projects to a reset.
+        if self.step_part(&response_id, step, stream).is_some() && !self.is_last_part(&response_id, step, stream) {
             self.rewritten = true;
         }
         let key = (step.to_owned(), stream);
@@ -942,9 +943,15 @@ impl Projection {
         }
         if stream == Stream::Text
             && let Some(reasoning) = self.step_part(&response_id, step, Stream::Reasoning)
+            && reasoning["state"] == "streaming"
         {
-            // The model moved on to its answer.
+            // The model moved on to its answer. A client closes the reasoning part with the
+            // text's delta only while it is the message's last part (before the text's part
+            // exists): behind the text, only a reset closes it.
             reasoning["state"] = json!("done");
+            if !first {
+                self.rewritten = true;
+            }
         }
         out.push(stream.delta(&response_id, delta));
     }
@@ -982,6 +989,9 @@ impl Projection {
             Some(_) if stream == Stream::Reasoning && self.streamed.contains_key(&(step.to_owned(), Stream::Text)) => {
                 self.rewritten = true;
             }
+            // The rest extends the part only while it is the message's last (see
+            // `stream_delta`).
+            Some(_) if !self.is_last_part(response_id, step, stream) => self.rewritten = true,
             Some(rest) => out.push(stream.delta(response_id, rest)),
             // Not what streamed, continued (a retried call streamed after a failed one).
             None => self.rewritten = true,

@@ -932,11 +932,22 @@ impl Client {
         self.messages.iter_mut().find(|message| message["id"] == *id)
     }
 
-    fn close_streaming(message: &mut Value, kind: Option<&str>) {
+    /// `message-completed`: every text and reasoning part is done.
+    fn close_streaming(message: &mut Value) {
         for part in message["parts"].as_array_mut().into_iter().flatten() {
-            if part["state"] == "streaming" && kind.is_none_or(|kind| part["type"] == kind) {
+            if part["state"] == "streaming" {
                 part["state"] = json!("done");
             }
+        }
+    }
+
+    /// A block boundary closes the part before it, when that is streaming text or reasoning.
+    fn close_if_streaming(part: Option<&mut Value>) {
+        if let Some(part) = part
+            && (part["type"] == "text" || part["type"] == "reasoning")
+            && part["state"] == "streaming"
+        {
+            part["state"] = json!("done");
         }
     }
 
@@ -946,7 +957,10 @@ impl Client {
                 self.messages = chunk["snapshot"]["messages"].as_array().cloned().unwrap_or_default();
                 self.settlements = chunk["snapshot"]["settlements"].as_array().cloned().unwrap_or_default();
             }
-            "message-appended" => self.messages.push(chunk["message"].clone()),
+            "message-appended" => match self.message(&chunk["message"]["id"]) {
+                Some(message) => *message = chunk["message"].clone(),
+                None => self.messages.push(chunk["message"].clone()),
+            },
             "message-started" if self.message(&chunk["messageId"]).is_none() => {
                 let mut message = json!({
                     "id": chunk["messageId"],
@@ -964,27 +978,28 @@ impl Client {
             "message-delta" => {
                 let kind = chunk["kind"].as_str().unwrap_or_default().to_owned();
                 let delta = chunk["delta"].as_str().unwrap_or_default();
-                let Some(message) = self.message(&chunk["messageId"]) else {
+                let Some(parts) = self
+                    .message(&chunk["messageId"])
+                    .and_then(|message| message["parts"].as_array_mut())
+                else {
                     return;
                 };
-                if kind == "text" {
-                    Self::close_streaming(message, Some("reasoning"));
-                }
-                let Some(parts) = message["parts"].as_array_mut() else {
-                    return;
-                };
-                match parts
-                    .iter_mut()
-                    .rev()
-                    .find(|part| part["type"] == kind.as_str() && part["state"] == "streaming")
-                {
-                    Some(part) => part["text"] = json!(format!("{}{delta}", part["text"].as_str().unwrap_or_default())),
-                    None => parts.push(json!({"type": kind, "text": delta, "state": "streaming"})),
+                // As the protocol's reducer does: the delta extends the message's last part
+                // when it streams that kind; otherwise it closes that part (a streaming text
+                // or reasoning one) and opens a new one.
+                match parts.last_mut() {
+                    Some(last) if last["type"] == kind.as_str() && last["state"] == "streaming" => {
+                        last["text"] = json!(format!("{}{delta}", last["text"].as_str().unwrap_or_default()));
+                    }
+                    last => {
+                        Self::close_if_streaming(last);
+                        parts.push(json!({"type": kind, "text": delta, "state": "streaming"}));
+                    }
                 }
             }
             "message-completed" => {
                 if let Some(message) = self.message(&chunk["messageId"]) {
-                    Self::close_streaming(message, None);
+                    Self::close_streaming(message);
                 }
             }
             "tool-input" => {
@@ -997,7 +1012,12 @@ impl Client {
                 });
                 if let Some(message) = self.message(&chunk["messageId"])
                     && let Some(parts) = message["parts"].as_array_mut()
+                    && !parts
+                        .iter()
+                        .any(|existing| existing["toolCallId"] == chunk["toolCallId"])
                 {
+                    // A tool call closes the part before it.
+                    Self::close_if_streaming(parts.last_mut());
                     parts.push(part);
                 }
             }
@@ -1038,12 +1058,16 @@ impl Client {
                         fields.remove(key);
                     }
                 }
-                for message in &mut self.messages {
-                    if message["submissionId"] == chunk["submissionId"] {
-                        Self::close_streaming(message, None);
-                    }
+                // Upserted by submission; it closes no part (a message still streaming is
+                // completed by its own chunk).
+                match self
+                    .settlements
+                    .iter_mut()
+                    .find(|existing| existing["submissionId"] == chunk["submissionId"])
+                {
+                    Some(existing) => *existing = settlement,
+                    None => self.settlements.push(settlement),
                 }
-                self.settlements.push(settlement);
             }
             _ => {}
         }
@@ -1259,7 +1283,9 @@ fn projection_reasoning_streamed_after_the_text_reaches_a_client_where_the_snaps
         vec![text(" there"), reasoning(".")],
         vec![completed("s1", "Hmm, well.", "Hello there")],
     ]));
-    // Reasoning that goes on after the text over several batches: one reset, then deltas.
+    // Reasoning that goes on after the text over several batches: the snapshot keeps it
+    // before the text, where no delta reaches (a client extends the message's last part),
+    // so each of its batches resets, and so does the text's next, which closes it.
     let stream = one_submission(vec![
         vec![started("s1"), text("Hel")],
         vec![reasoning("Hmm")],
@@ -1280,8 +1306,8 @@ fn projection_reasoning_streamed_after_the_text_reaches_a_client_where_the_snaps
         .collect();
     assert_eq!(
         resets,
-        [false, true, false, false, false, false],
-        "only the first reasoning after the text resets"
+        [false, true, true, true, true, false],
+        "each reasoning batch after the text resets, and so does the text's next (which closes the reasoning behind it)"
     );
     // Reasoning first, then text, then more reasoning.
     assert_chunks(&one_submission(vec![
