@@ -416,6 +416,11 @@ pub enum RecordBody {
         is_error: bool,
         /// The result text the model reads.
         content: String,
+        /// The result as the JSON value the tool answered, for clients (the protocol's
+        /// `output`): none for a text result, an error, or a result a tool-result hook
+        /// rewrote. (Older records have none: clients read `content`.)
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        output: Option<Value>,
         /// Whether it asked to end the turn.
         #[serde(default)]
         terminate: bool,

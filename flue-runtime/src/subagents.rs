@@ -1542,6 +1542,7 @@ impl ChildEvents<'_> {
 /// The outcome record of a child's executed call of the step `assistant_message_id`.
 fn outcome_of(assistant_message_id: &str, run: &crate::tools::Executed) -> RecordBody {
     RecordBody::ToolOutcome {
+        output: run.structured_output(),
         assistant_message_id: assistant_message_id.to_owned(),
         tool_call_id: run.call.id.clone(),
         tool_name: run.call.name.clone(),
@@ -1788,6 +1789,7 @@ impl ChildSession<'_> {
         }
         for call in unknown {
             records.push(self.journal.child_record(RecordBody::ToolOutcome {
+                output: None,
                 assistant_message_id: assistant_message_id.clone(),
                 tool_call_id: call.id.clone(),
                 tool_name: call.name.clone(),

@@ -33,6 +33,17 @@ pub(crate) struct Executed<'c> {
     pub(crate) interrupted: bool,
 }
 
+impl Executed<'_> {
+    /// The JSON value the call answered, for clients (the protocol's structured `output`):
+    /// none for a text result or an error. (What the model reads is the value as text.)
+    pub(crate) fn structured_output(&self) -> Option<Value> {
+        match &self.output.content {
+            ToolContent::Json(value) if !self.output.is_error => Some(value.clone()),
+            _ => None,
+        }
+    }
+}
+
 /// Runs `calls` against `tools`, at most `concurrency` at a time. `started` is told about each
 /// call as it starts, `done` as it ends; then `settle` takes the call over while the others run
 /// on (it makes the outcome durable, say), told whether the call is the batch's last to end.

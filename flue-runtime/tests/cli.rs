@@ -278,6 +278,69 @@ async fn the_client_reads_a_conversation_holding_arguments_nested_126_levels() {
     server.abort();
 }
 
+/// Reports the weather as a value.
+#[tool]
+async fn forecast() -> Value {
+    json!({"temperature": 21, "sky": "clear"})
+}
+
+#[agent]
+fn forecaster() -> &'static str {
+    use_model("scripted/g");
+    use_tool(forecast);
+    "Forecast."
+}
+
+/// A tool that answers a JSON value: the model reads it as text, and clients get the value as
+/// the call's `output` (in the history and in the stream's `tool-output`), as the reference
+/// serves it.
+#[tokio::test]
+async fn a_tools_json_answer_reaches_clients_as_its_value_and_the_model_as_text() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("forecast", json!({})),
+        ScriptedReply::text("Clear, 21 degrees."),
+    ]);
+    let mut providers = ProviderRegistry::new();
+    providers.register(model.clone());
+    let runtime = Runtime::builder()
+        .store(MemoryStore::new())
+        .providers(providers)
+        .agent(forecaster)
+        .build()
+        .unwrap();
+    let out = Shared::default();
+    let server = {
+        let (runtime, mut out) = (runtime.clone(), out.clone());
+        tokio::spawn(async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut out).await })
+    };
+    let base = announced(&out).await;
+    let instance = flue_runtime::client::Client::new(&base)
+        .unwrap()
+        .instance("forecaster", "f");
+    assert_eq!(instance.prompt("weather?").await.unwrap().text, "Clear, 21 degrees.");
+    let value = json!({"temperature": 21, "sky": "clear"});
+    let history = instance.history().await.unwrap();
+    assert_eq!(history["messages"][1]["parts"][0]["output"], value, "{history}");
+    let updates: Value = reqwest::get(format!("{base}/agents/forecaster/f?view=updates&offset=-1"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let output = updates
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|chunk| chunk["type"] == "tool-output")
+        .unwrap();
+    assert_eq!(output["output"], value);
+    let flue_runtime::provider::ModelMessage::Tool { content, .. } = &model.requests()[1].messages[2] else {
+        panic!("the tool's result")
+    };
+    assert_eq!(*content, serde_json::to_string_pretty(&value).unwrap());
+    server.abort();
+}
+
 #[tokio::test]
 async fn serve_with_an_authorization_policy_refuses_requests_without_a_token() {
     use flue_runtime::http::{Access, BearerTokens, HttpOptions};

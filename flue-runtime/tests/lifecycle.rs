@@ -1394,6 +1394,40 @@ async fn observers_see_the_tool_result_as_stored_after_before_store_tool_result(
     assert_eq!(tool_messages, ["contact: [email redacted]"]);
 }
 
+/// Answers a contact as a value.
+#[tool]
+async fn contact_card() -> serde_json::Value {
+    json!({"contact": "jane@example.com"})
+}
+
+#[agent(hooks = [redact_emails])]
+fn redacting_values() -> &'static str {
+    use_model("scripted/x");
+    use_tool(contact_card);
+    "R"
+}
+
+/// A tool that answered a value keeps it for clients only while the stored text is what it
+/// answered: a result hook's redaction leaves the redacted text alone, and no value beside it.
+#[tokio::test]
+async fn a_value_a_result_hook_redacted_is_not_kept_beside_the_redacted_text() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("contact_card", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![redacting_values.into()]);
+    runtime.init(&redacting_values, "v").send("go").await.unwrap();
+    let outcome = bodies(&runtime, "redacting_values", "v")
+        .await
+        .into_iter()
+        .find_map(|body| match body {
+            RecordBody::ToolOutcome { content, output, .. } => Some((content, output)),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(outcome, ("{\n  \"contact\": \"[email redacted]\"\n}".to_owned(), None));
+}
+
 #[hook(before_create_message)]
 async fn review_tool_rows(_state: &ThreadState, mut message: Message) -> Message {
     if message.role == MessageRole::Tool {

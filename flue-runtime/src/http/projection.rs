@@ -14,7 +14,9 @@
 //!   projects to a reset (a client may have shown it). A settlement closes a streaming part
 //!   as it is (an aborted answer keeps what it showed), with a `message-completed` first.
 //! - Tool outputs appear only when their batch commits (`tool_results_committed`), never from
-//!   an outcome alone.
+//!   an outcome alone. A call's `output` is the JSON value its tool answered, as the reference
+//!   serves it, or else the text the model read (a text result, an older record, a result a
+//!   hook rewrote or an edit of its row replaced).
 //! - A compaction appends a system message (`purpose: advisory`, `display: diagnostic`, a
 //!   `conversation-summary` signal with its reason) holding the summary: clients keep the
 //!   whole transcript, and the summary marks where the model's context now starts. Nothing
@@ -75,8 +77,19 @@ impl Stream {
 struct PendingOutcome {
     is_error: bool,
     content: String,
+    /// The value the tool answered, served as `output` in place of `content`.
+    output: Option<Value>,
     duration_ms: u64,
     timestamp: String,
+}
+
+impl PendingOutcome {
+    /// What clients get as the call's `output`: the value the tool answered, else the text.
+    fn served(&self) -> Value {
+        self.output
+            .clone()
+            .unwrap_or_else(|| Value::String(self.content.clone()))
+    }
 }
 
 /// The fold of one conversation's records.
@@ -142,6 +155,10 @@ fn projected_weight(body: &RecordBody) -> usize {
             .iter()
             .map(|(key, value)| NODE_WEIGHT + key.len() + parsed_weight(value))
             .sum(),
+        // The value a tool answered, held beside its text.
+        RecordBody::ToolOutcome {
+            output: Some(output), ..
+        } => parsed_weight(output),
         _ => 0,
     };
     record_weight(body).max(RECORD_WEIGHT) + shown
@@ -522,6 +539,7 @@ impl Projection {
                 tool_call_id,
                 is_error,
                 content,
+                output,
                 duration_ms,
                 ..
             } => {
@@ -541,6 +559,7 @@ impl Projection {
                         PendingOutcome {
                             is_error: *is_error,
                             content: content.clone(),
+                            output: output.clone().filter(|_| !*is_error),
                             duration_ms: *duration_ms,
                             timestamp: timestamp.to_owned(),
                         },
@@ -565,7 +584,7 @@ impl Projection {
                         json!({
                             "type": "tool-output",
                             "toolCallId": call,
-                            "output": outcome.content,
+                            "output": outcome.served(),
                             "durationMs": outcome.duration_ms,
                             "timestamp": outcome.timestamp,
                         })
@@ -715,7 +734,9 @@ impl Projection {
             if let Some(Value::String(content)) = updates.get("content")
                 && let Some(pending) = self.outcomes.get_mut(&call)
             {
+                // The edited text stands for the value too (a redaction must reach both).
                 pending.content.clone_from(content);
+                pending.output = None;
             } else if let Some(Value::String(content)) = updates.get("content")
                 && let Some(part) = self.tool_part_mut(&call, step.as_deref())
             {
@@ -1140,7 +1161,7 @@ impl Projection {
             part["errorText"] = json!(outcome.content);
         } else {
             part["state"] = json!("output-available");
-            part["output"] = json!(outcome.content);
+            part["output"] = outcome.served();
         }
         part["durationMs"] = json!(outcome.duration_ms);
     }
@@ -1353,6 +1374,7 @@ mod tests {
         let outcome = record(
             "sub_1",
             RecordBody::ToolOutcome {
+                output: None,
                 assistant_message_id: "step_1".into(),
                 tool_call_id: "call_1".into(),
                 tool_name: "lookup".into(),
@@ -1363,6 +1385,81 @@ mod tests {
             },
         );
         (projection, outcome)
+    }
+
+    /// A tool that answered a value: clients get the value as the call's output, until an
+    /// edit of its row (a redaction, before or after the commit) replaces it with the text.
+    #[test]
+    fn a_tools_value_is_its_output_until_an_edit_of_its_row_replaces_it() {
+        let committed = || {
+            record(
+                "sub_1",
+                RecordBody::ToolResultsCommitted {
+                    assistant_message_id: "step_1".into(),
+                },
+            )
+        };
+        let with_value = |mut outcome: Record| {
+            if let RecordBody::ToolOutcome { output, .. } = &mut outcome.body {
+                *output = Some(json!({"card": "4242 4242 4242 4242"}));
+            }
+            outcome
+        };
+        let redaction = |row: &str| {
+            let mut updates = serde_json::Map::new();
+            updates.insert("content".into(), json!("card [redacted]"));
+            record(
+                "sub_1",
+                RecordBody::MessageUpdated {
+                    message_id: row.to_owned(),
+                    updates,
+                },
+            )
+        };
+        // Committed as it is: the value, in the chunk and in the history.
+        let (mut projection, outcome) = a_step_calling_lookup();
+        let mut chunks = Vec::new();
+        projection.apply(
+            &Batch {
+                offset: 1,
+                records: Arc::from(vec![with_value(outcome), committed()]),
+            },
+            Some(&mut chunks),
+        );
+        let value = json!({"card": "4242 4242 4242 4242"});
+        assert_eq!(chunks.last().unwrap()["output"], value);
+        assert_eq!(parts(&projection)[0]["output"], value);
+        // Redacted before its batch commits: the text, never the value.
+        let (mut projection, outcome) = a_step_calling_lookup();
+        let row = outcome.id.clone();
+        let mut chunks = Vec::new();
+        projection.apply(
+            &Batch {
+                offset: 1,
+                records: Arc::from(vec![with_value(outcome), redaction(&row), committed()]),
+            },
+            Some(&mut chunks),
+        );
+        assert_eq!(chunks.last().unwrap()["output"], "card [redacted]");
+        assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
+        // Redacted after: the history shows the text.
+        let (mut projection, outcome) = a_step_calling_lookup();
+        let row = outcome.id.clone();
+        projection.apply(
+            &Batch {
+                offset: 1,
+                records: Arc::from(vec![with_value(outcome), committed()]),
+            },
+            None,
+        );
+        projection.apply(
+            &Batch {
+                offset: 2,
+                records: Arc::from(vec![redaction(&row)]),
+            },
+            None,
+        );
+        assert_eq!(parts(&projection)[0]["output"], "card [redacted]");
     }
 
     #[test]
@@ -1451,6 +1548,7 @@ mod tests {
                 },
                 completed(id, ""),
                 RecordBody::ToolOutcome {
+                    output: None,
                     assistant_message_id: id.into(),
                     tool_call_id: "call_0".into(),
                     tool_name: "lookup".into(),

@@ -726,6 +726,7 @@ mod tests {
             ],
             vec![
                 at(RecordBody::ToolOutcome {
+                    output: None,
                     assistant_message_id: step.clone(),
                     tool_call_id: call,
                     tool_name: "echo".into(),

@@ -1032,6 +1032,7 @@ impl Conversation {
     /// never committed (a `task` call's names the child conversation it created).
     pub(crate) fn interrupted_outcome(&self, assistant_message_id: &str, call: &ModelToolCall) -> RecordBody {
         RecordBody::ToolOutcome {
+            output: None,
             assistant_message_id: assistant_message_id.to_owned(),
             tool_call_id: call.id.clone(),
             tool_name: call.name.clone(),
@@ -2350,6 +2351,7 @@ mod tests {
         })];
         records.extend(calling_step(&[("call_0", "lookup")]));
         records.push(record(RecordBody::ToolOutcome {
+            output: None,
             assistant_message_id: "step-1".into(),
             tool_call_id: "call_0".into(),
             tool_name: "lookup".into(),
@@ -2434,6 +2436,7 @@ mod tests {
         let mut records = vec![user("u-1", "fetch it")];
         records.extend(calling_step(&[("call_0", "fetch")]));
         records.push(record(RecordBody::ToolOutcome {
+            output: None,
             assistant_message_id: "step-1".into(),
             tool_call_id: "call_0".into(),
             tool_name: "fetch".into(),
@@ -2715,6 +2718,7 @@ mod tests {
     fn a_batch_ends_the_turn_by_its_calls_first_outcomes_only() {
         let outcome = |id: &str, terminate: bool| {
             record(RecordBody::ToolOutcome {
+                output: None,
                 assistant_message_id: "step-1".into(),
                 tool_call_id: id.into(),
                 tool_name: "finish".into(),
@@ -2824,6 +2828,7 @@ mod tests {
                 reasoning_blocks: Vec::new(),
             },
             RecordBody::ToolOutcome {
+                output: None,
                 assistant_message_id: step.clone(),
                 tool_call_id: format!("call-{exchange}"),
                 tool_name: "add".into(),

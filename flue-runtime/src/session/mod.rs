@@ -3829,12 +3829,18 @@ impl Response<'_> {
                         }
                         None => (run.output.to_text(), run.output.is_error, Default::default()),
                     };
+                    // The value the tool answered, while the row shows what it answered (a
+                    // tool-result hook that rewrote it, or made it an error, leaves the text).
+                    let output = run
+                        .structured_output()
+                        .filter(|_| !is_error && (row_id.is_none() || content == run.output.to_text()));
                     let mut outcome = writer.record(RecordBody::ToolOutcome {
                         assistant_message_id: assistant_message_id.to_owned(),
                         tool_call_id: run.call.id.clone(),
                         tool_name: run.call.name.clone(),
                         is_error,
                         content: content.clone(),
+                        output,
                         // A result the tool hooks turned into an error does not end the turn:
                         // the model is to read it.
                         terminate: run.output.terminate && (run.output.is_error || !is_error),

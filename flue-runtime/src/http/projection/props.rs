@@ -383,13 +383,17 @@ impl Generator<'_, '_> {
                 .iter()
                 .enumerate()
                 .map(|(n, call)| {
+                    let is_error = self.choices.chance(30);
+                    // A tool that answered a value: clients get the value.
+                    let output = (!is_error && self.choices.chance(50)).then(|| json!({"out": n}));
                     (
                         sub.to_owned(),
                         RecordBody::ToolOutcome {
+                            output,
                             assistant_message_id: id.to_owned(),
                             tool_call_id: call.clone(),
                             tool_name: "lookup".into(),
-                            is_error: self.choices.chance(30),
+                            is_error,
                             content: format!("out-{n}"),
                             terminate: false,
                             duration_ms: n as u64,
@@ -576,7 +580,7 @@ struct Model {
     tools: HashMap<String, Value>,
     /// (response id, name) → data.
     data: HashMap<(String, String), Value>,
-    outcomes: HashMap<String, (bool, String, u64)>,
+    outcomes: HashMap<String, (bool, Value, u64)>,
     early: HashMap<String, Vec<(String, Value)>>,
 }
 
@@ -710,13 +714,19 @@ impl Model {
                 tool_call_id,
                 is_error,
                 content,
+                output,
                 duration_ms,
                 ..
             } => {
-                // First write wins, as the conversation reads a call's outcomes.
+                // First write wins, as the conversation reads a call's outcomes. A value the
+                // tool answered is what clients get; else (and for an error) the text.
+                let shown = match output {
+                    Some(value) if !*is_error => value.clone(),
+                    _ => json!(content),
+                };
                 self.outcomes
                     .entry(tool_call_id.clone())
-                    .or_insert_with(|| (*is_error, content.clone(), *duration_ms));
+                    .or_insert_with(|| (*is_error, shown, *duration_ms));
             }
             RecordBody::ToolResultsCommitted { assistant_message_id } => {
                 let calls = self
@@ -732,10 +742,10 @@ impl Model {
                     };
                     if is_error {
                         part["state"] = json!("output-error");
-                        part["errorText"] = json!(content);
+                        part["errorText"] = content;
                     } else {
                         part["state"] = json!("output-available");
-                        part["output"] = json!(content);
+                        part["output"] = content;
                     }
                     part["durationMs"] = json!(duration);
                 }
