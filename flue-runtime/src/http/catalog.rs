@@ -1,12 +1,17 @@
-//! `GET /agents`: what the server runs — each agent, its tools with their schemas (from a bare
-//! render: the tools its body mounts when nothing is stored yet), its lifecycle hooks and the
-//! hooks it requires on a parent.
+//! `GET /agents`: what the server runs — each agent, its tools with their schemas (from a
+//! first render: the tools its body mounts when nothing is stored yet, for an instance named
+//! [`CATALOG_INSTANCE`] sent an empty message), its lifecycle hooks and the hooks it requires
+//! on a parent. An agent whose render fails has `"tools": null` and a `renderError` saying why
+//! (a panic of the application's own is only named: the server's log carries its text).
 
 use flue_core::agent::{Agent, HookStage};
 use flue_core::render::RenderState;
 use serde_json::{Value, json};
 
 use crate::runtime::RuntimeInner;
+
+/// The instance id behind `props.id()` in the catalog's render.
+pub(crate) const CATALOG_INSTANCE: &str = "catalog";
 
 /// The catalog of every agent of `runtime`, by name.
 pub(crate) fn catalog(runtime: &RuntimeInner) -> Value {
@@ -50,8 +55,17 @@ fn entry(agent: &dyn Agent) -> Value {
             }))
             .collect::<Vec<_>>(),
     });
-    // The tools depend on the render; a bare one shows those mounted when nothing is stored.
-    match flue_core::render::try_render(agent, &RenderState::bare()) {
+    // The tools depend on the render; a first render's shows those mounted when nothing is
+    // stored: an instance behind `props.id()` (named for the catalog) and an empty message
+    // behind `use_delivery()`, as a first render has. Its panic is not printed raw (the
+    // application's text), as a tool's is not.
+    let delivery = std::sync::Arc::new(flue_core::message::DeliveredMessage::user(""));
+    let state = RenderState::root(CATALOG_INSTANCE)
+        .with_agent_name(&definition.name)
+        .with_delivery(&delivery);
+    crate::tools::quiet::install();
+    let rendered = crate::tools::quiet::running_tool(|| flue_core::render::try_render(agent, &state));
+    match rendered {
         Ok(rendered) => {
             entry["tools"] = rendered
                 .tools
@@ -73,7 +87,7 @@ fn entry(agent: &dyn Agent) -> Value {
             let text = error.to_string();
             let served = match &error {
                 flue_core::RenderError::Panicked { message, .. } if !message.starts_with("[flue]") => {
-                    tracing::error!(agent = %definition.name, error = %text, "the agent's bare render panicked");
+                    tracing::error!(agent = %definition.name, error = %text, "the agent's catalog render panicked");
                     "The agent's render failed because of an internal error; the server's log carries it.".to_owned()
                 }
                 _ => text,
@@ -111,5 +125,24 @@ mod tests {
             served.as_str().is_some_and(|text| text.starts_with("[flue]")),
             "{served}"
         );
+    }
+
+    /// A body that reads its instance (`props.id()`) or what it was sent (`use_delivery()`),
+    /// as the docs show, renders for the catalog as a first render does: its tools listed.
+    #[test]
+    fn an_agent_reading_its_instance_and_delivery_lists_its_tools() {
+        let mail = FnAgent::new(AgentDefinition::new("mail"), |props: AgentProps<'_>| {
+            flue_core::hooks::use_model("a/b");
+            let sent = flue_core::hooks::use_delivery();
+            flue_core::hooks::use_tool(
+                flue_core::Tool::new("search")
+                    .description("Search the mailbox.")
+                    .run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async { "none" }),
+            );
+            format!("You read {}'s mailbox; they said: {}", props.id(), sent.body())
+        });
+        let served = entry(&mail);
+        assert_eq!(served.get("renderError"), None, "{served}");
+        assert_eq!(served["tools"][0]["name"], "search", "{served}");
     }
 }
