@@ -26,8 +26,10 @@
 //!
 //! ## The rules of hooks
 //!
-//! - Hooks run only while an agent function renders; anywhere else they panic with
-//!   `[flue] <hook>() was called outside an agent function. …`.
+//! - Hooks run only while an agent function renders, on the thread that renders it; anywhere
+//!   else they panic with `[flue] <hook>() was called outside an agent function. …` (on a
+//!   helper thread the body spawned, that thread panics, and the render fails with what the
+//!   body makes of it: `std::thread::scope`'s own "a scoped thread panicked").
 //! - Renders never nest; an agent function that calls another agent's render panics.
 //! - `use_model` and `use_sandbox` at most once per render; names are unique per render
 //!   (tools, skills, subagents, state, data parts, MCP servers).

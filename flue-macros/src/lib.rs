@@ -179,8 +179,9 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | `user_client_detached` | `&UserState, &ClientInfo` | `()` |
 /// | `user_value_changed` | `&UserState, &str` | `()` |
 ///
-/// Any hook may be `async` and may return `Result<T, E>` with `E: Into<HookError>`; it may
-/// name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but not be generic over types
+/// Any hook may be `async` and may return `Result<T, E>` with `E: Into<HookError>` (any
+/// `std::error::Error`, or a `HookError`: a message of your own is `HookError::new(text)`,
+/// not a bare `String`, which is no `Error`); it may name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but not be generic over types
 /// or constants.
 ///
 /// The calls of one model step run concurrently, but the tool-result hooks of a call

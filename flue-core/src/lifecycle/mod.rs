@@ -35,7 +35,7 @@ pub type HookFuture<'a, T> = BoxFuture<'a, Result<T, HookError>>;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not what this lifecycle hook returns",
     label = "this hook kind returns `{T}` (or `Result<{T}, E>`)",
-    note = "see the kind's signature in the `#[hook]` documentation"
+    note = "see the kind's signature in the `#[hook]` documentation; the error `E` of a `Result` is a `std::error::Error` or a `HookError` (`HookError::new(text)` makes one of a message)"
 )]
 pub trait HookReturn<T> {
     /// Converts into the hook's outcome.
