@@ -291,6 +291,13 @@ pub(crate) struct Unannounced {
 /// forgotten first): one whose caller was dropped may still have committed.
 const ORPHANED_ADMISSIONS: usize = 64;
 
+/// Frees the list's memory once nothing is owed: every cached instance keeps one, mostly empty.
+fn release_if_empty(owed: &mut Vec<Unannounced>) {
+    if owed.is_empty() && owed.capacity() > 0 {
+        *owed = Vec::new();
+    }
+}
+
 /// An admission in progress (see [`InstanceBinding::admitting`]).
 pub(crate) struct Admitting {
     binding: Arc<InstanceBinding>,
@@ -312,6 +319,7 @@ impl Admitting {
         if deduplicated || !announced {
             announce();
         }
+        release_if_empty(&mut owed);
     }
 }
 
@@ -328,6 +336,7 @@ impl Drop for Admitting {
         };
         if owed[at].announced {
             owed.remove(at);
+            release_if_empty(&mut owed);
             return;
         }
         owed[at].token = None;
@@ -390,6 +399,7 @@ impl InstanceBinding {
         if owes {
             announce();
         }
+        release_if_empty(&mut owed);
     }
 
     /// Remembers that a hook prevented the row of the queued delivery `submission_id`.
