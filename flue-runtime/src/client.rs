@@ -4,9 +4,9 @@
 //! Following survives dropped connections: the client reconnects from the last offset the
 //! server confirmed and skips chunks it already delivered (each chunk has a position: its
 //! batch and its index in that batch), so every chunk arrives once, in order. An event the
-//! client cannot read (larger than [`Client::with_max_event_bytes`], not UTF-8, or not JSON)
-//! would be read again on every reconnection: it ends the stream with
-//! [`ClientError::Protocol`] instead. A stream followed in one session can be followed on in a
+//! client cannot read (larger than [`Client::with_max_event_bytes`], or not JSON) would be
+//! read again on every reconnection: it ends the stream with [`ClientError::Protocol`]
+//! instead. (Bytes that are not UTF-8 read as U+FFFD, as an event stream is decoded.) A stream followed in one session can be followed on in a
 //! later one, from where its last delivered chunk left it ([`Chunks::resume_point`],
 //! [`Instance::follow_from`]), each chunk still once.
 //!
@@ -108,8 +108,8 @@ pub enum ClientError {
     /// The server answered something that is not the protocol: a redirect (the client does
     /// not follow them), an admission without a receipt, a refusal below 500 without the
     /// error envelope, a followed stream's success that is not an event stream, or an event
-    /// the client cannot read (larger than [`Client::with_max_event_bytes`], not UTF-8, or
-    /// whose data is not JSON). Asking again would meet the same, so this error also ends a
+    /// the client cannot read (larger than [`Client::with_max_event_bytes`], or whose data is
+    /// not JSON). Asking again would meet the same, so this error also ends a
     /// followed stream rather than a reconnection.
     #[error("{0}")]
     Protocol(String),
@@ -810,7 +810,7 @@ impl Instance {
     /// [`Client::with_reconnect_limit`] connections in a row failed. Other errors the server answers (404, 416, …)
     /// end the stream, and so does an answer that is not the protocol (not an event stream,
     /// or a refusal without the error envelope) or an event the client cannot read (larger
-    /// than [`Client::with_max_event_bytes`], not UTF-8, or not JSON): [`ClientError::Protocol`]
+    /// than [`Client::with_max_event_bytes`], or not JSON): [`ClientError::Protocol`]
     /// comes once, after every chunk received before that event, as the stream's last item.
     /// A stream the server replaced meanwhile (another incarnation of the instance) ends with
     /// [`ClientError::StreamReplaced`].

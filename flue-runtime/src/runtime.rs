@@ -1880,6 +1880,9 @@ fn evict_idle(
     let mut idle: Vec<(u64, InstanceKey)> = instances
         .iter()
         .filter(|(_, slot)| slot.is_idle() && (Arc::strong_count(slot) == 1 || slot.weight() > 0))
+        // An admission given up mid-way still owes its `submission_queued` to the worker that
+        // claims it, through this slot (a few at most).
+        .filter(|(_, slot)| !slot.binding().owes_announcements())
         .map(|(key, slot)| (slot.last_used(), key.clone()))
         .collect();
     idle.sort_unstable_by_key(|(used, _)| *used);

@@ -38,7 +38,11 @@ impl Executed<'_> {
     /// none for a text result or an error. (What the model reads is the value as text.)
     pub(crate) fn structured_output(&self) -> Option<Value> {
         match &self.output.content {
-            ToolContent::Json(value) if !self.output.is_error => Some(value.clone()),
+            // Kept only where a store keeps it, in its record and batch (with room to spare):
+            // a value deeper still is served as its text, which stores whatever its nesting.
+            ToolContent::Json(value) if !self.output.is_error && !crate::store::depth::nests_deeper_than(value, 8) => {
+                Some(value.clone())
+            }
             _ => None,
         }
     }

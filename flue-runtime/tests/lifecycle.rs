@@ -1428,6 +1428,52 @@ async fn a_value_a_result_hook_redacted_is_not_kept_beside_the_redacted_text() {
     assert_eq!(outcome, ("{\n  \"contact\": \"[email redacted]\"\n}".to_owned(), None));
 }
 
+static DEEP_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Answers a value nested 520 levels deep (built in code: no parse allows it).
+#[tool]
+async fn deep_value() -> serde_json::Value {
+    DEEP_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    (0..520).fold(json!(1), |inner, _| json!([inner]))
+}
+
+#[agent]
+fn deep_answers() -> &'static str {
+    use_model("scripted/x");
+    use_tool(deep_value);
+    "D"
+}
+
+/// A value too deep for a store to keep in its record is kept as the text the model reads
+/// only: the outcome stores (a record too deep would fail its append, and the call would end
+/// outcome-unknown).
+#[tokio::test]
+async fn a_value_too_deep_to_store_beside_its_text_is_kept_as_text() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("deep_value", json!({})),
+        ScriptedReply::text("done"),
+    ]);
+    let runtime = runtime_with(&model, vec![deep_answers.into()]);
+    let reply = runtime.init(&deep_answers, "d").send("go").await.unwrap();
+    assert_eq!(reply.text, "done");
+    assert_eq!(DEEP_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // Its outcome stored as it ran (not a failed append's outcome-unknown result).
+    let outcomes: Vec<(bool, bool, bool)> = bodies(&runtime, "deep_answers", "d")
+        .await
+        .into_iter()
+        .filter_map(|body| match body {
+            RecordBody::ToolOutcome {
+                is_error,
+                content,
+                output,
+                ..
+            } => Some((is_error, content.starts_with("[\n  [\n    ["), output.is_some())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(outcomes, [(false, true, false)]);
+}
+
 #[hook(before_create_message)]
 async fn review_tool_rows(_state: &ThreadState, mut message: Message) -> Message {
     if message.role == MessageRole::Tool {
@@ -2979,9 +3025,10 @@ async fn items_73_74_75_76_user_hooks_run_for_every_user_without_recursion_and_t
     ));
 }
 
-/// A user hook written by hand, which panics before it returns its future.
+/// A user hook written by hand, which panics before it returns its future (quoting a URL
+/// with its token, as a webhook client's error does).
 fn panics_at_once<'a>(_: &'a UserState, _: &'a str) -> flue_runtime::lifecycle::HookFuture<'a, ()> {
-    panic!("before its future")
+    panic!("before its future: https://hooks.example/x?token=s3cret-hook")
 }
 
 static PANICS_AT_ONCE: flue_runtime::lifecycle::UserHookDefinition = flue_runtime::lifecycle::UserHookDefinition {
@@ -3021,13 +3068,18 @@ async fn a_user_hook_panicking_before_its_future_is_an_error_and_the_users_event
     }
     // The next hook of the event, and the user's next event, still ran.
     assert_eq!(seen, ["first", "second"]);
-    assert_eq!(
-        logs.lines("before its future"),
-        [
-            "[Hooks] ✗ Error running user_value_changed hook: panicked: before its future",
-            "[Hooks] ✗ Error running user_value_changed hook: panicked: before its future",
-        ]
-    );
+    // Logged without the URL's secrets.
+    let logged = logs.lines("before its future");
+    assert_eq!(logged.len(), 2, "{logged:?}");
+    for line in &logged {
+        assert!(
+            line.starts_with(
+                "[Hooks] ✗ Error running user_value_changed hook: panicked: before its future: https://hooks.example/x"
+            ),
+            "{line}"
+        );
+        assert!(!line.contains("s3cret-hook"), "{line}");
+    }
 }
 
 // ---- queue_tool (item 81) ---------------------------------------------------------------------

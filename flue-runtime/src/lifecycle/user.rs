@@ -228,7 +228,10 @@ async fn run_hooks(runtime: &Arc<RuntimeInner>, user_id: &str, event: &UserHookE
             }
             _ => continue,
         };
-        if let Err(error) = result {
+        if let Err(mut error) = result {
+            // Cleaned of a URL's secrets as a thread hook's is (a webhook's error quotes the
+            // URL it called); a user hook reads no declared secrets.
+            error.message = flue_core::url::without_url_secrets(&error.message);
             log_failure(kind, hook.id(), &error);
         }
     }

@@ -381,6 +381,12 @@ impl InstanceBinding {
         }
     }
 
+    /// Whether admissions given up mid-way still owe their announcement here: the slot then
+    /// stays cached (evicted, its worker would find nothing owed).
+    pub(crate) fn owes_announcements(&self) -> bool {
+        !self.unannounced().is_empty()
+    }
+
     /// Called by a worker that claimed `submission_id` (to run it or to join it), before it
     /// emits any event of it: announces it through `announce` if an admission of it here has
     /// not been announced yet (its caller still waits for the store, or was dropped).

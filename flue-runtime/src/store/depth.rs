@@ -110,7 +110,13 @@ fn nesting(text: &[u8]) -> usize {
 /// [`MAX_STORED_DEPTH`]: a walk that writes nothing and stops at the first level too deep.
 /// A value serde cannot write at all is not too deep (its store reports that error itself).
 pub(crate) fn nests_too_deep(value: &(impl Serialize + ?Sized)) -> bool {
-    matches!(value.serialize(&mut Probe { depth: 0 }), Err(Stop::TooDeep))
+    nests_deeper_than(value, 0)
+}
+
+/// Whether `value` would be written nested deeper than [`MAX_STORED_DEPTH`] once wrapped in
+/// `envelope` levels more (a record's, a batch's).
+pub(crate) fn nests_deeper_than(value: &(impl Serialize + ?Sized), envelope: usize) -> bool {
+    matches!(value.serialize(&mut Probe { depth: envelope }), Err(Stop::TooDeep))
 }
 
 /// Walks a value as serde_json would write it, counting its open arrays and objects.
