@@ -1259,7 +1259,16 @@ impl RuntimeInner {
         if let Some(mut pending) = pending {
             pending.attempt = None;
         }
-        let admitted = admitted?;
+        let admitted = match admitted {
+            Ok(admitted) => admitted,
+            // Refused: nothing was queued, nothing is owed. (A failure whose outcome is
+            // unknown, `Other`, may have committed: its announcement stays owed.)
+            Err(error @ StoreError::Other(_)) => return Err(error.into()),
+            Err(error) => {
+                admitting.refused();
+                return Err(error.into());
+            }
+        };
         if !admitted.deduplicated {
             // A new instance's birth record is on its stream (a store need not say whether
             // this admission created it: an over-count only costs live readers one look).

@@ -323,6 +323,16 @@ impl Admitting {
     }
 }
 
+impl Admitting {
+    /// The store refused the admission (nothing was queued): nothing is owed.
+    pub(crate) fn refused(mut self) {
+        self.finished = true;
+        let mut owed = self.binding.unannounced();
+        owed.retain(|entry| entry.token != Some(self.token));
+        release_if_empty(&mut owed);
+    }
+}
+
 impl Drop for Admitting {
     fn drop(&mut self) {
         if self.finished {

@@ -4278,6 +4278,30 @@ fn announce_ended(runtime: &RuntimeInner, key: &InstanceKey, submission_id: &str
 mod tests {
     use super::*;
 
+    /// What an admission owes a worker: nothing once refused or announced; an announcement
+    /// once dropped mid-way (it may have committed), until a worker claims it. A slot owing
+    /// one is kept cached (see `evict_idle`).
+    #[test]
+    fn an_admission_owes_its_announcement_only_when_given_up_mid_way() {
+        let slot = InstanceSlot::new(InstanceKey::new("a", "i"), Weak::new());
+        let binding = slot.binding();
+        binding.admitting("sub_refused").refused();
+        assert!(!binding.owes_announcements());
+        let announced = std::cell::Cell::new(0);
+        binding
+            .admitting("sub_answered")
+            .announce(false, || announced.set(announced.get() + 1));
+        assert_eq!(announced.get(), 1);
+        assert!(!binding.owes_announcements());
+        drop(binding.admitting("sub_dropped"));
+        assert!(binding.owes_announcements());
+        binding.announce_claimed("sub_dropped", || announced.set(announced.get() + 1));
+        assert_eq!(announced.get(), 2);
+        assert!(!binding.owes_announcements());
+        binding.announce_claimed("sub_dropped", || announced.set(announced.get() + 1));
+        assert_eq!(announced.get(), 2, "announced once");
+    }
+
     fn attempt(id: &str) -> Arc<Attempt> {
         Arc::new(Attempt {
             attempt: AttemptRef {
