@@ -227,15 +227,20 @@ async fn announced(out: &Shared) -> String {
     panic!("serve did not announce its address")
 }
 
-#[tokio::test]
-async fn serve_listens_and_serves_the_protocol() {
-    let runtime = runtime(&ScriptedModel::new([ScriptedReply::text("Hello over HTTP!")]));
+/// `serve` of `runtime` on a free loopback port: its base URL, and the task serving.
+async fn serving(runtime: &Runtime) -> (String, tokio::task::JoinHandle<Result<(), CliError>>) {
     let out = Shared::default();
     let server = {
         let (runtime, mut out) = (runtime.clone(), out.clone());
         tokio::spawn(async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut out).await })
     };
-    let base = announced(&out).await;
+    (announced(&out).await, server)
+}
+
+#[tokio::test]
+async fn serve_listens_and_serves_the_protocol() {
+    let runtime = runtime(&ScriptedModel::new([ScriptedReply::text("Hello over HTTP!")]));
+    let (base, server) = serving(&runtime).await;
     let client = flue_runtime::client::Client::new(&base).unwrap();
     let reply = client.instance("greeter", "web").prompt("hi").await.unwrap();
     assert_eq!(reply.text, "Hello over HTTP!");
@@ -256,12 +261,7 @@ async fn the_client_reads_a_conversation_holding_arguments_nested_126_levels() {
         },
         ScriptedReply::text("Deep, but read."),
     ]));
-    let out = Shared::default();
-    let server = {
-        let (runtime, mut out) = (runtime.clone(), out.clone());
-        tokio::spawn(async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut out).await })
-    };
-    let base = announced(&out).await;
+    let (base, server) = serving(&runtime).await;
     let instance = flue_runtime::client::Client::new(&base)
         .unwrap()
         .instance("greeter", "deep");
@@ -308,12 +308,7 @@ async fn a_tools_json_answer_reaches_clients_as_its_value_and_the_model_as_text(
         .agent(forecaster)
         .build()
         .unwrap();
-    let out = Shared::default();
-    let server = {
-        let (runtime, mut out) = (runtime.clone(), out.clone());
-        tokio::spawn(async move { execute(&runtime, command(&["serve", "--addr", "127.0.0.1:0"]), &mut out).await })
-    };
-    let base = announced(&out).await;
+    let (base, server) = serving(&runtime).await;
     let instance = flue_runtime::client::Client::new(&base)
         .unwrap()
         .instance("forecaster", "f");

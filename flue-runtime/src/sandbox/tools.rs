@@ -1006,6 +1006,24 @@ mod tests {
 
     use super::*;
 
+    /// The methods of a test sandbox that only reads: it refuses writes, removals and
+    /// commands.
+    macro_rules! refuses_changes {
+        () => {
+            fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+                Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
+            }
+
+            fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+                Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
+            }
+
+            fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+                Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+            }
+        };
+    }
+
     /// A sandbox with one endless file, `/big.txt` (`line 1`, `line 2`, …): read whole, it
     /// never ends; read a piece at a time, it counts the bytes given.
     #[derive(Default)]
@@ -1045,13 +1063,7 @@ mod tests {
             })
         }
 
-        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
-        }
-
-        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
-        }
+        refuses_changes!();
 
         fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
             let error = if path == "/" {
@@ -1065,10 +1077,6 @@ mod tests {
             };
             Box::pin(std::future::ready(error))
         }
-
-        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
-        }
     }
 
     /// A sandbox whose root holds 25,000 empty directories.
@@ -1079,13 +1087,7 @@ mod tests {
             Box::pin(std::future::ready(Err(SandboxError::Io("no files".into()))))
         }
 
-        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
-        }
-
-        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
-        }
+        refuses_changes!();
 
         fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
             let entries = if path == "/" {
@@ -1101,10 +1103,6 @@ mod tests {
             };
             Box::pin(std::future::ready(Ok(entries)))
         }
-
-        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
-        }
     }
 
     /// A sandbox whose root lists a file and two directories it cannot list.
@@ -1115,13 +1113,7 @@ mod tests {
             Box::pin(std::future::ready(Ok(b"x marks it".to_vec())))
         }
 
-        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
-        }
-
-        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
-        }
+        refuses_changes!();
 
         fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
             let entry = |name: &str, is_dir| DirEntry {
@@ -1133,10 +1125,6 @@ mod tests {
                 "/" => Ok(vec![entry("deep", true), entry("locked", true), entry("top.md", false)]),
                 _ => Err(SandboxError::Io(format!("{path} cannot be listed"))),
             }))
-        }
-
-        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
         }
     }
 
@@ -1186,22 +1174,12 @@ mod tests {
             )))))
         }
 
-        fn write_file(&self, _: &str, _: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("writes"))))
-        }
-
-        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
-        }
+        refuses_changes!();
 
         fn list_dir(&self, _: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
             Box::pin(std::future::ready(Err(SandboxError::Io(
                 "Permission denied (os error 13)".into(),
             ))))
-        }
-
-        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
-            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
         }
     }
 

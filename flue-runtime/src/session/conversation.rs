@@ -2151,6 +2151,11 @@ mod tests {
 
     /// A conversation of `exchanges` questions, each answered in one step.
     fn answered(exchanges: usize) -> Conversation {
+        answered_reasoning(exchanges, &[])
+    }
+
+    /// [`answered`], each answer with `reasoning`.
+    fn answered_reasoning(exchanges: usize, reasoning: &[ReasoningBlock]) -> Conversation {
         let mut conversation = Conversation::default();
         for (offset, exchange) in (0..exchanges).enumerate() {
             let records = [
@@ -2171,7 +2176,7 @@ mod tests {
                     reasoning: String::new(),
                     stop_reason: StopReason::Stop,
                     usage: Default::default(),
-                    reasoning_blocks: Vec::new(),
+                    reasoning_blocks: reasoning.to_vec(),
                 },
             ];
             conversation.apply(&Batch {
@@ -2186,35 +2191,8 @@ mod tests {
     /// compacted away), and what is kept aside counts in the weight a compaction recounts.
     #[test]
     fn reasoning_set_aside_goes_with_its_row_and_counts_in_the_weight() {
-        let mut conversation = Conversation::default();
         let thought = "t".repeat(10_000);
-        for exchange in 0..3u64 {
-            let records = [
-                RecordBody::UserMessage {
-                    message_id: format!("user-{exchange}"),
-                    body: format!("question {exchange}"),
-                    attachments: Vec::new(),
-                },
-                RecordBody::AssistantMessageStarted {
-                    message_id: format!("assistant-{exchange}"),
-                    model: "scripted/x".into(),
-                    turn_id: None,
-                    response_metadata: None,
-                },
-                RecordBody::AssistantMessageCompleted {
-                    message_id: format!("assistant-{exchange}"),
-                    text: format!("answer {exchange}"),
-                    reasoning: String::new(),
-                    stop_reason: StopReason::Stop,
-                    usage: Default::default(),
-                    reasoning_blocks: vec![ReasoningBlock::Text { text: thought.clone() }],
-                },
-            ];
-            conversation.apply(&Batch {
-                offset: exchange,
-                records: records.into_iter().map(record).collect(),
-            });
-        }
+        let mut conversation = answered_reasoning(3, &[ReasoningBlock::Text { text: thought.clone() }]);
         conversation.fit_reasoning_to("other/y");
         assert_eq!(conversation.reasoning_aside.len(), 3);
         conversation.apply(&Batch {
