@@ -2150,6 +2150,22 @@ mod tests {
     }
 
     /// A conversation of `exchanges` questions, each answered in one step.
+    /// The batch at `offset` of a threshold compaction summarizing the history before the row
+    /// `first_kept` as `summary`.
+    fn compacted(offset: u64, summary: &str, first_kept: &str) -> Batch {
+        Batch {
+            offset,
+            records: vec![record(RecordBody::Compaction {
+                summary: summary.into(),
+                first_kept_message_id: first_kept.into(),
+                tokens_before: 100,
+                reason: "threshold".into(),
+                usage: None,
+            })]
+            .into(),
+        }
+    }
+
     fn answered(exchanges: usize) -> Conversation {
         answered_reasoning(exchanges, &[])
     }
@@ -2203,17 +2219,7 @@ mod tests {
             .into(),
         });
         assert_eq!(conversation.reasoning_aside.len(), 2, "deleted with its row");
-        conversation.apply(&Batch {
-            offset: 4,
-            records: vec![record(RecordBody::Compaction {
-                summary: "Questions were answered.".into(),
-                first_kept_message_id: "user-2".into(),
-                tokens_before: 100,
-                reason: "threshold".into(),
-                usage: None,
-            })]
-            .into(),
-        });
+        conversation.apply(&compacted(4, "Questions were answered.", "user-2"));
         assert_eq!(
             conversation.reasoning_aside.keys().collect::<Vec<_>>(),
             ["assistant-2"],
@@ -2377,17 +2383,7 @@ mod tests {
         let (id, fresh) = renamed(&conversation);
         assert_ne!(id, "call_0");
         assert_eq!(fresh, "call_9");
-        conversation.apply(&Batch {
-            offset: 1,
-            records: vec![record(RecordBody::Compaction {
-                summary: "A lookup was made.".into(),
-                first_kept_message_id: "u-2".into(),
-                tokens_before: 1_000,
-                reason: "threshold".into(),
-                usage: None,
-            })]
-            .into(),
-        });
+        conversation.apply(&compacted(1, "A lookup was made.", "u-2"));
         assert!(
             !conversation.model_messages().iter().any(|message| matches!(
                 message,
@@ -2580,17 +2576,7 @@ mod tests {
     fn the_model_step_count_survives_a_compaction() {
         let mut conversation = answered(3);
         assert_eq!(conversation.model_steps(), 3);
-        conversation.apply(&Batch {
-            offset: 3,
-            records: vec![record(RecordBody::Compaction {
-                summary: "Two questions were answered.".into(),
-                first_kept_message_id: "user-2".into(),
-                tokens_before: 100,
-                reason: "threshold".into(),
-                usage: None,
-            })]
-            .into(),
-        });
+        conversation.apply(&compacted(3, "Two questions were answered.", "user-2"));
         assert_eq!(
             conversation.model_messages().len(),
             3,
