@@ -96,12 +96,9 @@ impl fmt::Display for ToolNameConflictError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.conflict {
             ToolNameConflict::Duplicate => write!(f, "Duplicate tool name \"{}\".", self.name),
-            ToolNameConflict::Reserved => write!(
-                f,
-                "Tool name \"{}\" is reserved by the framework. Reserved names: {}.",
-                self.name,
-                crate::tool::RESERVED_TOOL_NAMES.join(", ")
-            ),
+            // The reference's exact text: the reserved names are
+            // [`RESERVED_TOOL_NAMES`](crate::tool::RESERVED_TOOL_NAMES), documented there.
+            ToolNameConflict::Reserved => write!(f, "Tool name \"{}\" is reserved by the framework.", self.name),
         }
     }
 }

@@ -135,16 +135,23 @@ impl ModelOptions {
         let Value::Object(map) = value else {
             return Err(ModelOptionsError::NotAnObject);
         };
+        // The reference's order: every key first, then the thinking level, then compaction.
+        // (Keys are visited in `serde_json::Map` order, alphabetical in this build, where the
+        // reference visits them in insertion order: of two unknown keys, the first in that
+        // order is named.)
+        if let Some(unknown) = map
+            .keys()
+            .find(|key| !matches!(key.as_str(), "thinkingLevel" | "compaction"))
+        {
+            return Err(ModelOptionsError::UnknownField(unknown.clone()));
+        }
         let mut options = ModelOptions::default();
-        for (key, field) in map {
-            match key.as_str() {
-                "thinkingLevel" => {
-                    let text = field.as_str().ok_or(ModelOptionsError::ThinkingLevel)?;
-                    options.thinking_level = Some(text.parse()?);
-                }
-                "compaction" => options.compaction = parse_compaction(field)?,
-                other => return Err(ModelOptionsError::UnknownField(other.to_owned())),
-            }
+        if let Some(field) = map.get("thinkingLevel") {
+            let text = field.as_str().ok_or(ModelOptionsError::ThinkingLevel)?;
+            options.thinking_level = Some(text.parse()?);
+        }
+        if let Some(field) = map.get("compaction") {
+            options.compaction = parse_compaction(field)?;
         }
         options.validate()?;
         Ok(options)
@@ -163,30 +170,56 @@ impl ModelOptions {
     }
 }
 
+/// Parses a compaction setting in the reference's order: the shape, every key, the two token
+/// counts, then the model.
 fn parse_compaction(value: &Value) -> Result<Compaction, ModelOptionsError> {
     let map = match value {
         Value::Bool(false) => return Ok(Compaction::Disabled),
         Value::Object(map) => map,
         _ => return Err(ModelOptionsError::Compaction),
     };
-    let mut config = CompactionConfig::default();
-    for (key, field) in map {
-        let tokens = || field.as_u64().and_then(|n| u32::try_from(n).ok());
-        match key.as_str() {
-            "reserveTokens" => {
-                config.reserve_tokens = Some(tokens().ok_or(ModelOptionsError::CompactionTokens("reserveTokens"))?);
-            }
-            "keepRecentTokens" => {
-                config.keep_recent_tokens =
-                    Some(tokens().ok_or(ModelOptionsError::CompactionTokens("keepRecentTokens"))?);
-            }
-            "model" => {
-                config.model = Some(field.as_str().ok_or(ModelOptionsError::CompactionModel)?.to_owned());
-            }
-            other => return Err(ModelOptionsError::CompactionUnknownField(other.to_owned())),
-        }
+    if let Some(unknown) = map
+        .keys()
+        .find(|key| !matches!(key.as_str(), "reserveTokens" | "keepRecentTokens" | "model"))
+    {
+        return Err(ModelOptionsError::CompactionUnknownField(unknown.clone()));
     }
-    Ok(Compaction::Threshold(config))
+    let tokens = |name: &'static str| {
+        map.get(name)
+            .map(|field| token_count(field).ok_or(ModelOptionsError::CompactionTokens(name)))
+            .transpose()
+    };
+    let reserve_tokens = tokens("reserveTokens")?;
+    let keep_recent_tokens = tokens("keepRecentTokens")?;
+    let model = map
+        .get("model")
+        .map(|field| {
+            field
+                .as_str()
+                .map(str::to_owned)
+                .ok_or(ModelOptionsError::CompactionModel)
+        })
+        .transpose()?;
+    Ok(Compaction::Threshold(CompactionConfig {
+        reserve_tokens,
+        keep_recent_tokens,
+        model,
+    }))
+}
+
+/// A token count: any non-negative integer, as the reference takes it (a whole number written
+/// with a fraction, `16000.0`, included). One past `u32::MAX` tokens is past every context
+/// window, so larger counts are held as `u32::MAX`, which means the same.
+fn token_count(value: &Value) -> Option<u32> {
+    if let Some(count) = value.as_u64() {
+        return Some(u32::try_from(count).unwrap_or(u32::MAX));
+    }
+    let count = value.as_f64()?;
+    // `-0.0` is an integer and not negative, as in the reference.
+    (count.is_finite() && count.fract() == 0.0 && count >= 0.0).then(|| {
+        // Saturating: a whole number past `u32::MAX` becomes `u32::MAX`.
+        count as u32
+    })
 }
 
 /// Model options that break a rule (the reference's `use_model()` messages).

@@ -100,10 +100,8 @@ impl ToolDefinition {
     pub fn validate(&self, source: &str) -> Result<(), String> {
         check_tool_name_format(&self.name, source)?;
         if self.description.trim().is_empty() {
-            return Err(format!(
-                "[flue] {source} \"{}\" description must be a non-empty string.",
-                self.name
-            ));
+            // The reference's exact text, like the schema's below.
+            return Err(format!("[flue] {source} description must be a non-empty string."));
         }
         self.validate_input_schema(source)
     }

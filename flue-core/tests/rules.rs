@@ -213,6 +213,66 @@ fn model_options_from_configuration_reject_unknown_fields_with_the_reference_mes
     );
 }
 
+#[test]
+fn model_options_from_configuration_check_in_the_reference_order() {
+    use serde_json::json;
+    let message = |value| ModelOptions::from_json(&value).unwrap_err().to_string();
+    // Every key before any value: an unknown key sorted after a bad compaction is still named.
+    assert_eq!(
+        message(json!({"compaction": 5, "temperature": 1})),
+        "[flue] use_model() options received unknown field \"temperature\"."
+    );
+    // The thinking level before compaction.
+    assert_eq!(
+        message(json!({"compaction": 5, "thinkingLevel": "huge"})),
+        "[flue] use_model() options thinkingLevel must be one of: off, minimal, low, medium, high, xhigh, max."
+    );
+    // Inside compaction: every key, then reserveTokens, keepRecentTokens and model.
+    assert_eq!(
+        message(json!({"compaction": {"keepRecentTokens": -1, "zeal": 1}})),
+        "[flue] use_model() options compaction received unknown field \"zeal\"."
+    );
+    assert_eq!(
+        message(json!({"compaction": {"keepRecentTokens": -1, "reserveTokens": "x"}})),
+        "[flue] use_model() options compaction.reserveTokens must be a non-negative integer."
+    );
+    assert_eq!(
+        message(json!({"compaction": {"model": 5, "keepRecentTokens": 1.5}})),
+        "[flue] use_model() options compaction.keepRecentTokens must be a non-negative integer."
+    );
+}
+
+#[test]
+fn model_options_take_every_non_negative_integer_token_count_as_the_reference_does() {
+    use serde_json::json;
+    let threshold = |compaction| match ModelOptions::from_json(&json!({ "compaction": compaction })) {
+        Ok(ModelOptions {
+            compaction: Compaction::Threshold(config),
+            ..
+        }) => config,
+        other => panic!("expected a threshold compaction, got {other:?}"),
+    };
+    // A whole number written with a fraction is an integer.
+    let config = threshold(json!({"reserveTokens": 16000.0, "keepRecentTokens": -0.0}));
+    assert_eq!(
+        (config.reserve_tokens, config.keep_recent_tokens),
+        (Some(16_000), Some(0))
+    );
+    // Past u32: held as u32::MAX, past every context window all the same.
+    let config = threshold(json!({"reserveTokens": 5_000_000_000u64, "keepRecentTokens": 1e12}));
+    assert_eq!(
+        (config.reserve_tokens, config.keep_recent_tokens),
+        (Some(u32::MAX), Some(u32::MAX))
+    );
+    for bad in [json!(0.5), json!(-1.0), json!(-3), json!(null), json!("8000")] {
+        assert_eq!(
+            ModelOptions::from_json(&json!({"compaction": {"reserveTokens": bad}})).unwrap_err(),
+            ModelOptionsError::CompactionTokens("reserveTokens"),
+            "{bad}"
+        );
+    }
+}
+
 // ---- use_sandbox --------------------------------------------------------------------------
 
 #[test]
@@ -690,7 +750,7 @@ fn inline_tools_reject_invalid_names_and_non_object_arguments() {
         common::panic_message_of(|| Tool::new("x").run(|_ctx, _: serde_json::Map<String, serde_json::Value>| async {}));
     assert_eq!(
         undescribed,
-        "[flue] Tool::new() \"x\" description must be a non-empty string."
+        "[flue] Tool::new() description must be a non-empty string."
     );
     let scalar = common::panic_message_of(|| {
         Tool::new("x")
@@ -777,7 +837,7 @@ fn use_tool_checks_a_handlers_argument_schema_as_the_reference_use_tool_does() {
         (
             "count",
             " ",
-            "[flue] use_tool() \"count\" description must be a non-empty string.",
+            "[flue] use_tool() description must be a non-empty string.",
         ),
     ] {
         let bad = agent(move |_| {
@@ -804,9 +864,7 @@ fn a_tool_with_a_reserved_name_fails_the_render_with_a_tool_name_conflict() {
                 assert_eq!(conflict.conflict(), flue_core::ToolNameConflict::Reserved, "{name}");
                 assert_eq!(
                     conflict.to_string(),
-                    format!(
-                        "Tool name \"{name}\" is reserved by the framework. Reserved names: task, activate_skill, read_skill_resource, finish, give_up."
-                    )
+                    format!("Tool name \"{name}\" is reserved by the framework.")
                 );
             }
             other => panic!("{name}: {:?}", other.map(|_| ())),
