@@ -418,8 +418,13 @@ pub enum RecordBody {
         content: String,
         /// The result as the JSON value the tool answered, for clients (the protocol's
         /// `output`): none for a text result, an error, or a result a tool-result hook
-        /// rewrote. (Older records have none: clients read `content`.)
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        /// rewrote. (Older records have none: clients read `content`.) A tool that answered
+        /// `null` has `Some(Null)`, as every store keeps it.
+        #[serde(
+            default,
+            deserialize_with = "crate::store::present",
+            skip_serializing_if = "Option::is_none"
+        )]
         output: Option<Value>,
         /// Whether it asked to end the turn.
         #[serde(default)]

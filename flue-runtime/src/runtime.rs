@@ -1122,7 +1122,23 @@ impl RuntimeInner {
         if instances.len() <= limit && self.cached_weight.load(Ordering::Relaxed) <= bytes {
             return Evicted::default();
         }
-        evict_idle(instances, limit - limit / 4, (&self.cached_weight, bytes - bytes / 4))
+        evict_idle(
+            instances,
+            limit - limit / 4,
+            (&self.cached_weight, bytes - bytes / 4),
+            self.orphan_horizon(),
+        )
+    }
+
+    /// How long an admission given up mid-way keeps owing its `submission_queued` here (see
+    /// [`InstanceBinding::owes_announcements`](crate::session::binding::InstanceBinding::owes_announcements)):
+    /// had it committed, a worker claimed it by then (a claim of its own lapses after the lease,
+    /// and the scan takes it over at its next pass; a queued one is claimed at the next scan
+    /// at the latest), so its announcement was made, or was another node's to make.
+    fn orphan_horizon(&self) -> Duration {
+        self.options
+            .lease
+            .saturating_add(self.options.scan_interval.saturating_mul(2))
     }
 
     /// After an instance's conversation grew: drops idle instances when the cache is past its
@@ -1256,15 +1272,29 @@ impl RuntimeInner {
                 trace: request.trace,
             })
             .await;
-        if let Some(mut pending) = pending {
-            pending.attempt = None;
-        }
         let admitted = match admitted {
-            Ok(admitted) => admitted,
-            // Refused: nothing was queued, nothing is owed. (A failure whose outcome is
-            // unknown, `Other`, may have committed: its announcement stays owed.)
-            Err(error @ StoreError::Other(_)) => return Err(error.into()),
+            Ok(admitted) => {
+                if let Some(mut pending) = pending {
+                    pending.attempt = None;
+                }
+                admitted
+            }
+            // A failure whose outcome is unknown (`Other`: the store may have committed before
+            // its answer was lost): its announcement stays owed, a claim it made goes back to
+            // the queue (`pending`, dropped here: a compare-and-set on its attempt, which finds
+            // nothing when nothing committed) and the instance is woken, so what committed runs
+            // now rather than after its lease and the next scan.
+            Err(error @ StoreError::Other(_)) => {
+                drop(pending);
+                self.ensure_background();
+                slot.wake();
+                return Err(error.into());
+            }
+            // Refused: nothing was queued, nothing is owed.
             Err(error) => {
+                if let Some(mut pending) = pending {
+                    pending.attempt = None;
+                }
                 admitting.refused();
                 return Err(error.into());
             }
@@ -1885,13 +1915,15 @@ fn evict_idle(
     instances: &mut FastMap<InstanceKey, Arc<InstanceSlot>>,
     target: usize,
     (total, target_weight): (&AtomicUsize, usize),
+    orphan_horizon: Duration,
 ) -> Evicted {
     let mut idle: Vec<(u64, InstanceKey)> = instances
         .iter()
         .filter(|(_, slot)| slot.is_idle() && (Arc::strong_count(slot) == 1 || slot.weight() > 0))
         // An admission given up mid-way still owes its `submission_queued` to the worker that
-        // claims it, through this slot (a few at most).
-        .filter(|(_, slot)| !slot.binding().owes_announcements())
+        // claims it, through this slot (a few at most), until it is claimed by then if it
+        // committed at all.
+        .filter(|(_, slot)| !slot.binding().owes_announcements(orphan_horizon))
         .map(|(key, slot)| (slot.last_used(), key.clone()))
         .collect();
     idle.sort_unstable_by_key(|(used, _)| *used);
@@ -2224,13 +2256,13 @@ mod tests {
         instances.insert(busy_key, busy.clone());
         let total = AtomicUsize::new(10 + 600 + 10 + 600 + 50_000);
         // Light: a thousandth of the 20 KiB target or less.
-        let evicted = evict_idle(&mut instances, 100, (&total, 20 << 10)).slots;
+        let evicted = evict_idle(&mut instances, 100, (&total, 20 << 10), Duration::MAX).slots;
         let mut gone: Vec<String> = evicted.iter().map(|slot| slot.key().id.to_string()).collect();
         gone.sort();
         assert_eq!(gone, ["heavy-new", "heavy-old"]);
         assert_eq!(total.load(Ordering::Relaxed), 10 + 10 + 50_000);
         // Past the count, the least recently used go first, whatever they weigh.
-        let evicted = evict_idle(&mut instances, 2, (&total, usize::MAX)).slots;
+        let evicted = evict_idle(&mut instances, 2, (&total, usize::MAX), Duration::MAX).slots;
         let gone: Vec<String> = evicted.iter().map(|slot| slot.key().id.to_string()).collect();
         assert_eq!(gone, ["light-old"]);
         assert_eq!(total.load(Ordering::Relaxed), 10 + 50_000);
@@ -2255,7 +2287,7 @@ mod tests {
         let reader = followed.clone();
         let mut instances: FastMap<InstanceKey, Arc<InstanceSlot>> = [(key.clone(), followed)].into_iter().collect();
         let total = AtomicUsize::new(600);
-        let evicted = evict_idle(&mut instances, 100, (&total, 100));
+        let evicted = evict_idle(&mut instances, 100, (&total, 100), Duration::MAX);
         assert!(evicted.slots.is_empty());
         assert_eq!(evicted.shed.len(), 1);
         assert!(
@@ -2269,12 +2301,12 @@ mod tests {
             "the conversation is read again when next needed"
         );
         // Let go of once: with nothing left to let go of, it is passed over.
-        let passed_over = evict_idle(&mut instances, 0, (&total, 100));
+        let passed_over = evict_idle(&mut instances, 0, (&total, 100), Duration::MAX);
         assert!(passed_over.slots.is_empty() && passed_over.shed.is_empty());
         assert_eq!(instances.len(), 1);
         drop(reader);
         // No longer held: it goes as any idle instance does.
-        let evicted = evict_idle(&mut instances, 0, (&total, 100));
+        let evicted = evict_idle(&mut instances, 0, (&total, 100), Duration::MAX);
         assert_eq!(evicted.slots.len(), 1);
     }
 

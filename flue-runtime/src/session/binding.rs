@@ -285,6 +285,9 @@ pub(crate) struct Unannounced {
     token: Option<u64>,
     /// Whether a worker that claimed the submission announced it.
     announced: bool,
+    /// When its caller gave it up (an orphan): past [`InstanceBinding::owes_announcements`]'
+    /// horizon it is forgotten.
+    orphaned_at: Option<std::time::Instant>,
 }
 
 /// How many admissions given up mid-way an instance keeps owing an announcement for (oldest
@@ -350,6 +353,7 @@ impl Drop for Admitting {
             return;
         }
         owed[at].token = None;
+        owed[at].orphaned_at = Some(std::time::Instant::now());
         let orphans = owed.iter().filter(|entry| entry.token.is_none()).count();
         if orphans > ORPHANED_ADMISSIONS
             && let Some(oldest) = owed.iter().position(|entry| entry.token.is_none())
@@ -383,6 +387,7 @@ impl InstanceBinding {
             submission_id: submission_id.to_owned(),
             token: Some(token),
             announced: false,
+            orphaned_at: None,
         });
         Admitting {
             binding: self.clone(),
@@ -391,10 +396,17 @@ impl InstanceBinding {
         }
     }
 
-    /// Whether admissions given up mid-way still owe their announcement here: the slot then
-    /// stays cached (evicted, its worker would find nothing owed).
-    pub(crate) fn owes_announcements(&self) -> bool {
-        !self.unannounced().is_empty()
+    /// Whether admissions here still owe their announcement (in progress, or given up
+    /// mid-way less than `horizon` ago): the slot then stays cached (evicted, its worker would
+    /// find nothing owed). Orphans older than that are forgotten: most never committed (an
+    /// admission that failed, or whose caller left before the store answered), and one that
+    /// did was claimed by then, here (which announced it) or by another node. Without the
+    /// horizon every failed admission would pin its instance in the cache for good.
+    pub(crate) fn owes_announcements(&self, horizon: std::time::Duration) -> bool {
+        let mut owed = self.unannounced();
+        owed.retain(|entry| entry.orphaned_at.is_none_or(|orphaned| orphaned.elapsed() < horizon));
+        release_if_empty(&mut owed);
+        !owed.is_empty()
     }
 
     /// Called by a worker that claimed `submission_id` (to run it or to join it), before it

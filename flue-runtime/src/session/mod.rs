@@ -4285,21 +4285,50 @@ mod tests {
     fn an_admission_owes_its_announcement_only_when_given_up_mid_way() {
         let slot = InstanceSlot::new(InstanceKey::new("a", "i"), Weak::new());
         let binding = slot.binding();
+        let owes = || binding.owes_announcements(Duration::MAX);
         binding.admitting("sub_refused").refused();
-        assert!(!binding.owes_announcements());
+        assert!(!owes());
         let announced = std::cell::Cell::new(0);
         binding
             .admitting("sub_answered")
             .announce(false, || announced.set(announced.get() + 1));
         assert_eq!(announced.get(), 1);
-        assert!(!binding.owes_announcements());
+        assert!(!owes());
         drop(binding.admitting("sub_dropped"));
-        assert!(binding.owes_announcements());
+        assert!(owes());
         binding.announce_claimed("sub_dropped", || announced.set(announced.get() + 1));
         assert_eq!(announced.get(), 2);
-        assert!(!binding.owes_announcements());
+        assert!(!owes());
         binding.announce_claimed("sub_dropped", || announced.set(announced.get() + 1));
         assert_eq!(announced.get(), 2, "announced once");
+    }
+
+    /// An admission given up mid-way that no worker here claims (it never committed, or
+    /// another node ran it) is forgotten past the horizon, so it stops pinning its slot in the
+    /// cache; one still in progress is owed whatever its age.
+    #[test]
+    fn an_orphaned_admission_is_forgotten_past_the_horizon_and_one_in_progress_is_not() {
+        let slot = InstanceSlot::new(InstanceKey::new("a", "i"), Weak::new());
+        let binding = slot.binding();
+        drop(binding.admitting("sub_never_committed"));
+        assert!(
+            binding.owes_announcements(Duration::from_secs(3600)),
+            "within the horizon"
+        );
+        assert!(!binding.owes_announcements(Duration::ZERO), "past it");
+        assert!(
+            !binding.owes_announcements(Duration::MAX),
+            "forgotten for good, not only passed over"
+        );
+        let in_progress = binding.admitting("sub_waiting");
+        assert!(binding.owes_announcements(Duration::ZERO));
+        let announced = std::cell::Cell::new(0);
+        // A worker that claims the forgotten one has nothing of it to announce.
+        binding.announce_claimed("sub_never_committed", || announced.set(announced.get() + 1));
+        assert_eq!(announced.get(), 0);
+        in_progress.announce(false, || announced.set(announced.get() + 1));
+        assert_eq!(announced.get(), 1);
+        assert!(!binding.owes_announcements(Duration::MAX));
     }
 
     fn attempt(id: &str) -> Arc<Attempt> {

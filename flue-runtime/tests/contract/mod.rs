@@ -84,6 +84,7 @@ macro_rules! store_contract {
                     get_submission_returns_null_for_unknown_ids,
                     names_the_settled_submissions_among_those_asked_about,
                     appends_one_ordered_canonical_batch,
+                    round_trips_a_tool_outcomes_structured_output_null_included,
                     assigns_one_indivisible_offset_to_a_multi_record_batch,
                     round_trips_a_batch_larger_than_a_backend_cell_size_cap,
                     refuses_a_write_nested_deeper_than_it_reads_back_and_keeps_one_that_is_not,
@@ -1650,6 +1651,51 @@ pub async fn appends_one_ordered_canonical_batch(store: Factory) {
     assert_eq!(batches[0].offset, 1);
     // The records as appended, in their order.
     assert_eq!(*batches[0].records, *records);
+}
+
+/// Not in the reference's checklists: a tool outcome's structured `output` reads back as
+/// appended on every store: none, a JSON `null` (a tool that answered `null`, served as
+/// `null`, not as the text the model read) or a value.
+pub async fn round_trips_a_tool_outcomes_structured_output_null_included(store: Factory) {
+    admit(&store, dispatch("d-1")).await;
+    let stream = key("assistant", "agent-1");
+    let outcome = |call: &str, output: Option<serde_json::Value>| {
+        record(
+            None,
+            None,
+            RecordBody::ToolOutcome {
+                assistant_message_id: "msg-1".into(),
+                tool_call_id: call.into(),
+                tool_name: "lookup".into(),
+                is_error: false,
+                content: "null".into(),
+                output,
+                terminate: false,
+                duration_ms: 3,
+            },
+        )
+    };
+    let records = vec![
+        outcome("call-none", None),
+        outcome("call-null", Some(serde_json::Value::Null)),
+        outcome("call-value", Some(serde_json::json!({"found": [1, 2.5, null]}))),
+    ];
+    let offset = store.append(&stream, records.clone().into(), None).await.unwrap();
+    let batch = store.read(&stream, Some(offset - 1)).await.unwrap().remove(0);
+    assert_eq!(*batch.records, *records);
+    let outputs: Vec<_> = batch
+        .records
+        .iter()
+        .map(|record| match &record.body {
+            RecordBody::ToolOutcome { output, .. } => output.clone(),
+            other => panic!("a tool outcome, not {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        outputs[1],
+        Some(serde_json::Value::Null),
+        "a null answer stays an answer"
+    );
 }
 
 pub async fn assigns_one_indivisible_offset_to_a_multi_record_batch(store: Factory) {
