@@ -387,6 +387,33 @@ impl From<()> for Instruction {
     }
 }
 
+/// An agent function's parameter declared as `Self`: only [`AgentProps`] itself. `#[agent]`
+/// asserts it at the parameter's type (through [`agent_parameter`]), so another type is
+/// reported there, saying what an agent takes.
+#[diagnostic::on_unimplemented(
+    message = "an agent function's parameter is its `AgentProps`, not `{Self}`",
+    label = "declare it as `AgentProps` (or leave the parameter out)",
+    note = "the instance's values come from hooks: `use_persistent_state`, `use_delivery`, `props.id()`"
+)]
+#[doc(hidden)]
+pub trait AgentParameter<'a> {
+    /// The props themselves.
+    fn declared(props: AgentProps<'a>) -> Self;
+}
+
+impl<'a> AgentParameter<'a> for AgentProps<'a> {
+    fn declared(props: AgentProps<'a>) -> Self {
+        props
+    }
+}
+
+/// The argument an agent function's parameter of type `D` gets: the props, asserting
+/// [`AgentParameter`] where `#[agent]` spans the call.
+#[doc(hidden)]
+pub fn agent_parameter<'a, D: AgentParameter<'a>>(props: AgentProps<'a>) -> D {
+    D::declared(props)
+}
+
 // What `#[agent]` converts an agent function's return value with: anything
 // `Into<Instruction>` (a type of the user's own with a `From` impl, `impl Into<Instruction>`
 // included). A bound on that alone would report a wrong return type as rustc's own

@@ -448,6 +448,24 @@ pub trait ToolArguments: DeserializeOwned + JsonSchema + Send + 'static {}
 
 impl<T: DeserializeOwned + JsonSchema + Send + 'static> ToolArguments for T {}
 
+/// The bound on each plain parameter of a `#[tool]` function (one that is not an `args`
+/// struct), asserted at the parameter's type: a type without the derives reads as a fix-it
+/// there, beside what the derives of the argument struct `#[tool]` makes report (serde's and
+/// schemars' own words, which do not say how to describe a type of another crate).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a tool argument",
+    label = "needs `#[derive(Deserialize, JsonSchema)]`",
+    note = "a tool's arguments are parsed with serde and described to the model with schemars: derive both",
+    note = "for a type of another crate, turn on its `serde` feature and schemars' feature for it (`chrono04`, `uuid1`, …), or describe it with `#[schemars(with = \"String\")]` on the parameter"
+)]
+pub trait ToolArgument: DeserializeOwned + JsonSchema + Send + 'static {}
+
+impl<T: DeserializeOwned + JsonSchema + Send + 'static> ToolArgument for T {}
+
+/// Asserts [`ToolArgument`] where `#[tool]` spans it: at a plain parameter's type.
+#[doc(hidden)]
+pub const fn tool_argument<T: ToolArgument>() {}
+
 /// The bound on a tool function's return value, asserted by `#[tool]` at the return type.
 #[diagnostic::on_unimplemented(
     message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",

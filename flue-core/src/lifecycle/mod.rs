@@ -42,6 +42,35 @@ pub trait HookReturn<T> {
     fn into_hook_result(self) -> Result<T, HookError>;
 }
 
+/// A hook function's parameter declared as `Self` where its kind passes `Provided`: only the
+/// very type. `#[hook]` asserts it at each parameter's type (through [`hook_parameter`]), so a
+/// wrong type is reported there with the type the kind passes, rather than as a mismatch the
+/// other way round inside the expansion.
+#[diagnostic::on_unimplemented(
+    message = "this hook parameter is declared `{Self}`, but its kind passes `{Provided}` here",
+    label = "declare it as `{Provided}`",
+    note = "see the kind's signature in the `#[hook]` documentation"
+)]
+#[doc(hidden)]
+pub trait HookParameter<Provided> {
+    /// The argument itself.
+    fn declared(provided: Provided) -> Self;
+}
+
+impl<T> HookParameter<T> for T {
+    fn declared(provided: T) -> T {
+        provided
+    }
+}
+
+/// The argument a hook function's parameter of type `D` gets from its kind's `P`: `P` itself,
+/// asserting [`HookParameter`] where `#[hook]` spans the call. A function, so `D` is inferred
+/// from the parameter (its lifetimes included) rather than named.
+#[doc(hidden)]
+pub fn hook_parameter<D: HookParameter<P>, P>(provided: P) -> D {
+    D::declared(provided)
+}
+
 /// Converts a hook function's return value for a kind whose result is `T`, asserting
 /// [`HookReturn`] where `#[hook]` spans it. A function, not a path naming the return type, so
 /// the type may be `impl Trait`.

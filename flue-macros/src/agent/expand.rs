@@ -41,7 +41,8 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         && function.sig.asyncness.is_none()
         && function.sig.unsafety.is_none();
 
-    // The argument the body gets, spanned at its parameter's type so a mismatch points there.
+    // The argument the body gets, through `agent_parameter` spanned at its parameter's type, so
+    // a type other than `AgentProps` is reported there.
     let argument = match (inputs.len(), inputs.first()) {
         // Type or const parameters were reported: the body cannot be called.
         _ if !crate::lifetimes_only(generics) => None,
@@ -49,7 +50,9 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
         // out (below).
         _ if !callable => None,
         (0, _) => Some(None),
-        (1, Some(FnArg::Typed(param))) => Some(Some(quote_spanned!(crate::located_at(&param.ty)=> __flue_props))),
+        (1, Some(FnArg::Typed(param))) => Some(Some(
+            quote_spanned!(crate::located_at(&param.ty)=> __flue::agent::agent_parameter(__flue_props)),
+        )),
         // A shape error was reported; keep the item compiling without piling on errors.
         _ => None,
     };

@@ -54,13 +54,18 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let args: Vec<_> = (0..kind.params.len())
         .map(|index| format_ident!("__flue_arg{index}"))
         .collect();
-    // Each argument carries its parameter's span, so a type mismatch points at the parameter.
+    // Each argument goes through `hook_parameter` spanned at its parameter's type, so a type
+    // the kind does not pass is reported there, with the type it passes. (A parameter of an
+    // `impl Trait` type is generic: it takes the argument as it is.)
     let call_args: Vec<TokenStream> = function
         .sig
         .inputs
         .iter()
         .zip(&args)
         .map(|(input, arg)| match input {
+            FnArg::Typed(param) if !mentions_impl(&param.ty) => {
+                quote_spanned!(crate::located_at(&param.ty)=> __flue::lifecycle::hook_parameter(#arg))
+            }
             FnArg::Typed(param) => {
                 let arg = syn::Ident::new(&arg.to_string(), crate::located_at(&param.ty));
                 quote!(#arg)
@@ -145,4 +150,18 @@ fn qualify(ty: &syn::Type) -> TokenStream {
     qualified
         .parse()
         .unwrap_or_else(|_| quote::quote_spanned!(Span::call_site()=> ()))
+}
+
+/// Whether `ty` holds an `impl Trait` anywhere (a generic parameter type, inferred from the
+/// argument rather than from the declaration).
+fn mentions_impl(ty: &syn::Type) -> bool {
+    quote!(#ty).into_iter().any(|token| contains_impl(&token))
+}
+
+fn contains_impl(token: &proc_macro2::TokenTree) -> bool {
+    match token {
+        proc_macro2::TokenTree::Ident(ident) => ident == "impl",
+        proc_macro2::TokenTree::Group(group) => group.stream().into_iter().any(|token| contains_impl(&token)),
+        _ => false,
+    }
 }

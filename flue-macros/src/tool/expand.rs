@@ -128,6 +128,22 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             .unwrap_or_default(),
         _ => quote!(),
     };
+    // Each plain parameter must parse and describe itself, asserted at its type (unless its
+    // attributes parse or describe it otherwise, or it names the tool's type parameters or a
+    // lifetime, which an item here cannot).
+    let argument_checks: TokenStream = match &model.arguments {
+        // A rejected parameter (a borrowed or `impl Trait` type) was reported as such.
+        _ if model.rejected_parameter => quote!(),
+        Arguments::Plain(fields) => fields
+            .iter()
+            .filter(|field| checked(field, &type_generics))
+            .map(|field| {
+                let ty = &field.ty;
+                quote_spanned!(crate::located_at(ty)=> const _: () = __flue::tool::tool_argument::<#ty>();)
+            })
+            .collect(),
+        Arguments::Struct(_) => quote!(),
+    };
     // A description a macro writes (`#[doc = include_str!(..)]`) is known only once the
     // compiler expands it: it must not be blank either.
     let (description, description_check) = match (&model.description, model.description.expression()) {
@@ -223,6 +239,8 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
 
             #progress_check
 
+            #argument_checks
+
             #description_check
 
             #constructor
@@ -251,4 +269,55 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             }
         };
     }
+}
+
+/// Whether a plain parameter's type is asserted to be an argument type: unless its attributes
+/// parse or describe it otherwise, or it names the tool's type parameters or a lifetime.
+fn checked(field: &super::model::Field, generics: &syn::Generics) -> bool {
+    !field.attrs.iter().any(described_otherwise) && !mentions_generics(&field.ty, generics)
+}
+
+/// Whether a parameter's `#[serde(..)]` or `#[schemars(..)]` attribute parses, describes or
+/// skips it by other means (`with`, `deserialize_with`, `schema_with`, `skip`,
+/// `skip_deserializing`): its type then need not be an argument type itself.
+fn described_otherwise(attr: &syn::Attribute) -> bool {
+    const OTHERWISE: [&str; 5] = ["with", "deserialize_with", "schema_with", "skip", "skip_deserializing"];
+    if !(attr.path().is_ident("serde") || attr.path().is_ident("schemars")) {
+        return false;
+    }
+    let syn::Meta::List(list) = &attr.meta else {
+        return false;
+    };
+    fn names_one(tokens: proc_macro2::TokenStream) -> bool {
+        tokens.into_iter().any(|token| match token {
+            proc_macro2::TokenTree::Ident(ident) => OTHERWISE.iter().any(|name| ident == name),
+            proc_macro2::TokenTree::Group(group) => names_one(group.stream()),
+            _ => false,
+        })
+    }
+    names_one(list.tokens.clone())
+}
+
+/// Whether `ty` names a lifetime other than `'static` or one of `generics`' type parameters.
+fn mentions_generics(ty: &Type, generics: &syn::Generics) -> bool {
+    let params: Vec<String> = generics.type_params().map(|param| param.ident.to_string()).collect();
+    fn walk(tokens: proc_macro2::TokenStream, params: &[String]) -> bool {
+        let mut tokens = tokens.into_iter().peekable();
+        while let Some(token) = tokens.next() {
+            match token {
+                proc_macro2::TokenTree::Punct(punct) if punct.as_char() == '\'' => {
+                    if let Some(proc_macro2::TokenTree::Ident(name)) = tokens.next()
+                        && name != "static"
+                    {
+                        return true;
+                    }
+                }
+                proc_macro2::TokenTree::Ident(ident) if params.iter().any(|param| ident == param) => return true,
+                proc_macro2::TokenTree::Group(group) if walk(group.stream(), params) => return true,
+                _ => {}
+            }
+        }
+        false
+    }
+    walk(quote!(#ty), &params)
 }
