@@ -470,7 +470,8 @@ pub const fn tool_argument<T: ToolArgument>() {}
 #[diagnostic::on_unimplemented(
     message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",
     label = "not a tool result",
-    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one whose error is a `ToolError`, text, or any error that displays"
+    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one whose error is a `ToolError`, text, or any error that displays",
+    note = "to answer with a struct of your own, serialize it: `Ok(serde_json::to_value(value)?)` (its error converts into a `ToolError`)"
 )]
 pub trait ToolReturn: IntoToolOutput {}
 
@@ -757,7 +758,8 @@ impl ToolOutput {
 #[diagnostic::on_unimplemented(
     message = "a tool returns text, JSON, `()` or a `ToolOutput` (optionally in a `Result`), not `{Self}`",
     label = "not a tool result",
-    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one; its error may be a `ToolError` or any `std::error::Error` (a `#[tool]` function's also text, or any error that displays)"
+    note = "return `String`, `serde_json::Value`, `ToolOutput`, or a `Result` of one; its error may be a `ToolError` or any `std::error::Error` (a `#[tool]` function's also text, or any error that displays)",
+    note = "to answer with a struct of your own, serialize it: `Ok(serde_json::to_value(value)?)` (its error converts into a `ToolError`)"
 )]
 pub trait IntoToolOutput {
     /// Converts into a result.

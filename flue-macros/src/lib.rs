@@ -294,7 +294,7 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | --- | --- |
 /// | `name = "…"` | the model-facing name (`^[A-Za-z0-9_-]{1,64}$`, not reserved); default: the function's name |
 /// | `progress_argument = "field"` | string argument reported by `tool_call_started` as it streams, by its JSON name (a renamed parameter's `rename`; a plain parameter's type must be `String`; an `args` struct's field is checked by `use_tool`) |
-/// | `secrets = ["NAME", …]` | environment variables the tool may read through `ctx.secret(..)` |
+/// | `secrets = ["NAME", …]` | environment variables the tool may read through `ctx.secret(..)` (a `ctx.secret("LITERAL")` in the body that names no declared secret does not compile) |
 /// | `terminate` | a batch made only of terminating tools ends the turn (also `terminate = true` / `false`) |
 /// | `durable` | an interrupted call runs again on recovery, replaying its settled `ctx.step(..)` values (also `= true` / `false`) |
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |

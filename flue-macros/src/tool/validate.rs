@@ -109,4 +109,94 @@ pub(crate) fn check(model: &ToolModel, errors: &Errors) {
             errors.spanned(secret, "a secret is a non-empty environment variable name");
         }
     }
+    check_secrets_read(model, errors);
+}
+
+/// A `ctx.secret("NAME")` in the body, on the tool's context and with a literal name, must name
+/// a declared secret: an undeclared one is refused at run time, when the model first calls the
+/// tool. Only what the tokens show is checked: a name computed at run time, a call inside a
+/// macro, or a body that binds the context's name again is left to the run-time check.
+fn check_secrets_read(model: &ToolModel, errors: &Errors) {
+    use syn::visit::Visit;
+    if !model.has_context {
+        return;
+    }
+    let Some(syn::FnArg::Typed(context)) = model.function.sig.inputs.first() else {
+        return;
+    };
+    let syn::Pat::Ident(context) = &*context.pat else {
+        return;
+    };
+    let declared: Vec<String> = model.options.secrets.iter().flatten().map(syn::LitStr::value).collect();
+    let mut reads = SecretReads {
+        context: &context.ident,
+        rebound: false,
+        undeclared: Vec::new(),
+        declared: &declared,
+    };
+    reads.visit_block(&model.function.block);
+    if reads.rebound {
+        return;
+    }
+    let list = if declared.is_empty() {
+        "it declares none".to_owned()
+    } else {
+        format!(
+            "declared: {}",
+            declared
+                .iter()
+                .map(|name| format!("`{name}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    for name in reads.undeclared {
+        errors.spanned(
+            &name,
+            format!(
+                "`{}.secret({:?})` reads a secret this tool does not declare ({list}): add it to `#[tool(secrets = [..])]`, or correct the name",
+                context.ident,
+                name.value()
+            ),
+        );
+    }
+}
+
+/// The literal names of the secrets a tool body reads through its context.
+struct SecretReads<'a> {
+    context: &'a syn::Ident,
+    /// The body binds the context's name again (a `let`, a closure's or a match arm's
+    /// pattern): a call on that name may not be the context's.
+    rebound: bool,
+    undeclared: Vec<syn::LitStr>,
+    declared: &'a [String],
+}
+
+impl<'ast> syn::visit::Visit<'ast> for SecretReads<'_> {
+    fn visit_pat_ident(&mut self, pat: &'ast syn::PatIdent) {
+        if pat.ident == *self.context {
+            self.rebound = true;
+        }
+        syn::visit::visit_pat_ident(self, pat);
+    }
+
+    fn visit_expr_method_call(&mut self, call: &'ast syn::ExprMethodCall) {
+        let on_context = matches!(&*call.receiver, syn::Expr::Path(path) if path.qself.is_none() && path.path.is_ident(self.context));
+        if on_context
+            && call.method == "secret"
+            && let [
+                syn::Expr::Lit(syn::ExprLit {
+                    lit: syn::Lit::Str(name),
+                    ..
+                }),
+            ] = call.args.iter().collect::<Vec<_>>()[..]
+            && !self.declared.contains(&name.value())
+        {
+            self.undeclared.push(name.clone());
+        }
+        syn::visit::visit_expr_method_call(self, call);
+    }
+
+    /// An item in the body (a nested function) has its own names.
+    fn visit_item(&mut self, _item: &'ast syn::Item) {}
 }

@@ -1,0 +1,11 @@
+use flue_runtime::prelude::*;
+
+/// Close an issue.
+#[tool(secrets = ["GITHUB_TOKEN"])]
+async fn close_issue(ctx: &ToolContext, number: u64) -> Result<String, ToolError> {
+    let token = ctx.secret("GITHUB_TOKN")?;
+    let _ = token;
+    Ok(format!("closed #{number}"))
+}
+
+fn main() {}
