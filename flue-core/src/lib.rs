@@ -84,6 +84,14 @@ pub use tool::{Tool, ToolContext, ToolError, ToolOutput};
 /// A boxed, `Send` future: what the runtime-facing traits return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// An async tool or hook body's future, asserted `Send` where `#[tool]` and `#[hook]` span the
+/// call: at the function's `async`, so a value held across an `.await` that is not `Send` is
+/// reported at the user's function rather than inside the expansion.
+#[doc(hidden)]
+pub fn send_body<F: Future + Send>(body: F) -> F {
+    body
+}
+
 /// A description that a macro writes at least partly (`#[doc = include_str!(..)]` on a
 /// `#[tool]` or an `#[agent]`), as the attributes expand it: without the blank lines around it
 /// and the whitespace at its end. Its first line keeps its indentation, as a `///` description's

@@ -74,6 +74,12 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         })
         .collect();
     let await_ = function.sig.asyncness.map(|_| quote!(.await));
+    // An async body's future must be `Send`: asserted at the function's `async` (see `#[tool]`).
+    let call = quote!(__flue_hook_body(#(#call_args),*));
+    let call = match &function.sig.asyncness {
+        Some(asyncness) => quote_spanned!(crate::located_at(asyncness)=> __flue::send_body(__flue_hook_body(#(#call_args),*))),
+        None => call,
+    };
     let expected: syn::Type = syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));
     let expected = qualify(&expected);
     // A wrong arity, type parameters or a receiver were reported: the body is not called.
@@ -91,12 +97,12 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
             let convert =
                 quote_spanned!(crate::located_at(ty)=> __flue::lifecycle::hook_return::<#expected, _>(__flue_returned));
             quote!({
-                let __flue_returned = __flue_hook_body(#(#call_args),*) #await_;
+                let __flue_returned = #call #await_;
                 #convert
             })
         }
         ReturnType::Default if well_formed && !kind.is_transform() => {
-            quote!(__flue::lifecycle::hook_return::<(), ()>(__flue_hook_body(#(#call_args),*) #await_))
+            quote!(__flue::lifecycle::hook_return::<(), ()>(#call #await_))
         }
         // The signature error is already reported; keep the item compiling without piling on.
         _ => quote!(::core::result::Result::Err(__flue::lifecycle::HookError::new(

@@ -81,6 +81,14 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     let turbofish = ty_generics.as_turbofish();
     // A sync tool is reported as an error; do not pile an await error on top of it.
     let await_ = function.sig.asyncness.map(|_| quote!(.await));
+    // The body's future must be `Send` (the runtime runs tools on its worker threads): asserted
+    // at the function's `async`, so a value held across an `.await` that is not `Send` is
+    // reported there, with rustc's notes in the body, rather than at the attribute.
+    let call = quote!(__flue_tool_body #turbofish (#context #(#call_args),*));
+    let call = match &function.sig.asyncness {
+        Some(asyncness) => quote_spanned!(crate::located_at(asyncness)=> __flue::send_body(__flue_tool_body #turbofish (#context #(#call_args),*))),
+        None => call,
+    };
     // A rejected parameter, or a bound the tool's type cannot take (both reported), leaves the
     // body uncallable from it: the tool still expands, so the rest of the crate type-checks,
     // but never runs.
@@ -99,7 +107,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
                 use __flue::tool::{
                     ConvertibleReturn as _, DisplayErrorReturn as _, OtherReturn as _, TextErrorReturn as _,
                 };
-                let __flue_returned = __flue_tool_body #turbofish (#context #(#call_args),*) #await_;
+                let __flue_returned = #call #await_;
                 let __flue_returned = (&&&__flue::tool::Returned(&__flue_returned))
                     .__flue_tool_return()
                     .adapt(__flue_returned);
@@ -107,7 +115,7 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
             })
         }
         ReturnType::Default => {
-            quote!({ __flue_tool_body #turbofish (#context #(#call_args),*) #await_; __flue::ToolOutput::text("") })
+            quote!({ #call #await_; __flue::ToolOutput::text("") })
         }
     };
     // Every use of the argument type is bounded by ToolArguments and spanned at the type, so a
