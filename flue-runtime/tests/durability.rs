@@ -189,18 +189,21 @@ async fn jot(ctx: &ToolContext) -> Result<String, ToolError> {
     Ok("jotted".into())
 }
 
-/// Ends a little after it starts.
+/// Lets `held_one` end.
+static HELD_ONE_GO: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Ends once the test lets it (`HELD_ONE_GO`).
 #[tool]
-async fn quick_one() -> String {
-    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
-    "quick".into()
+async fn held_one() -> String {
+    HELD_ONE_GO.notified().await;
+    "let go".into()
 }
 
 #[agent]
 fn scribe() -> &'static str {
     use_model("scripted/x");
     use_tool(jot);
-    use_tool(quick_one);
+    use_tool(held_one);
     "You take notes."
 }
 
@@ -210,6 +213,7 @@ fn scribe() -> &'static str {
 /// conversation again, so the row is not missing from what its next model call reads.
 #[tokio::test]
 async fn a_write_a_tool_gave_up_on_mid_commit_is_seen_by_the_next_submission() {
+    use flue_runtime::events::Event;
     let store = FaultyStore::default();
     store.hangs_after_commit.store(true, Ordering::SeqCst);
     store.fail_once(|records| {
@@ -218,33 +222,61 @@ async fn a_write_a_tool_gave_up_on_mid_commit_is_seen_by_the_next_submission() {
             .any(|record| matches!(record.body, RecordBody::MessageInjected { .. }))
     });
     let model = ScriptedModel::new([
-        ScriptedReply::tool_calls([("jot", json!({})), ("quick_one", json!({}))]),
+        ScriptedReply::tool_calls([("jot", json!({})), ("held_one", json!({}))]),
         ScriptedReply::text("noted"),
     ]);
     let runtime = runtime(&store, &model, scribe);
+    let mut events = runtime.observe();
     let handle = runtime.init(&scribe, "s");
     let sending = tokio::spawn({
         let handle = handle.clone();
         async move { handle.send("jot it down").await }
     });
     let key = InstanceKey::new("scribe", "s");
-    // The row is committed (its append hangs after), and the quick call has ended.
-    for _ in 0..500 {
-        if records(&store, &key)
+    // The row is committed (its append hangs after)...
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while !records(&store, &key)
             .await
             .iter()
             .any(|record| matches!(record.body, RecordBody::MessageInjected { .. }))
         {
-            break;
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    })
+    .await
+    .expect("the row is committed");
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the row's append hangs");
+    // ...then the other call ends (its outcome's append waits behind the hung one), before
+    // the abort.
+    HELD_ONE_GO.notify_one();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            if let Event::ToolCallDone { tool_name, status, .. } = events.recv().await.unwrap().event
+                && tool_name == "held_one"
+            {
+                break status;
+            }
+        }
+    })
+    .await
+    .expect("the other call ends");
+    assert_eq!(status, "success", "the other call ended before the abort");
     assert!(handle.abort().await.unwrap());
     let aborted = sending.await.unwrap().unwrap_err();
     assert!(
         matches!(&aborted, RuntimeError::Run { outcome, .. } if *outcome == "was aborted"),
         "{aborted:?}"
+    );
+    // The stream holds a batch after the write the tool gave up on: the other call's outcome.
+    let stream = records(&store, &key).await;
+    let position = |wanted: fn(&RecordBody) -> bool| stream.iter().position(|record| wanted(&record.body));
+    let injected = position(|body| matches!(body, RecordBody::MessageInjected { .. })).unwrap();
+    let outcome = position(
+        |body| matches!(body, RecordBody::ToolOutcome { tool_name, is_error: false, .. } if tool_name == "held_one"),
+    );
+    assert!(
+        outcome.is_some_and(|outcome| outcome > injected),
+        "the other call's outcome follows the row: {stream:#?}"
     );
     store.disarm();
     handle.send("what did you note?").await.unwrap();
@@ -670,10 +702,13 @@ async fn re_attempts_after_a_store_failure_wait_for_the_store_to_come_back() {
 
 /// The wait before a re-attempt after a store failure keeps the submission's lease: the
 /// heartbeat renews it, so another node's scan does not take the submission over while it
-/// waits (it would run it at once, spending the wait's point). The wait outlasts two leases
-/// here; the second attempt starts only once it ends.
+/// waits (it would run it at once, spending the wait's point). The wait outlasts four leases
+/// here; the waiting attempt still owns the submission when it ends, and gives it back to the
+/// queue itself (a `deferred` recovery of it), which an attempt whose lease was taken over
+/// cannot (it finds the submission another attempt's, and leaves it).
 #[tokio::test]
 async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_nodes() {
+    use flue_runtime::events::{Event, RecoveryOperation, RecoveryOutcome};
     let store = FaultyStore::default();
     // Four leases of 200 ms.
     let wait = std::time::Duration::from_millis(800);
@@ -683,35 +718,12 @@ async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_n
         ..fast_scanning_options()
     };
     let waiting = harness::runtime_on_with(store.clone(), &waiting_model, [patient.into()], options);
+    let mut events = waiting.observe();
     waiting.start().await;
     let other_model = ScriptedModel::new([ScriptedReply::text("taken over")]);
     let other = taking_over(&store, &other_model, patient).await;
     store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
     let receipt = waiting.init(&patient, "w").dispatch("hi").await.unwrap();
-    let failed_at = loop {
-        if store.failures.load(Ordering::SeqCst) == 1 {
-            break std::time::Instant::now();
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    };
-    let failed_attempt = store
-        .submission(&receipt.submission_id)
-        .await
-        .unwrap()
-        .unwrap()
-        .attempt_id;
-    // Two leases and more into the wait (a lapsed lease is taken over within a scan or two),
-    // the failed attempt still owns the submission.
-    while failed_at.elapsed() < wait / 2 {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
-        assert_eq!(
-            row.attempt_id,
-            failed_attempt,
-            "taken over {:?} after the failure, during the wait",
-            failed_at.elapsed()
-        );
-    }
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         waiting.init(&patient, "w").read(&receipt.submission_id),
@@ -719,17 +731,55 @@ async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_n
     .await
     .expect("the submission settles")
     .unwrap();
-    // The jitter takes at most a quarter off the wait.
-    assert!(
-        failed_at.elapsed() >= wait.mul_f64(0.75),
-        "the second attempt ran {:?} after the failure, before the wait ended",
-        failed_at.elapsed()
+    assert_eq!(
+        store.failures.load(Ordering::SeqCst),
+        1,
+        "the first input's append failed"
     );
+    // Either node may run the attempt after the wait: the waiting one requeued the submission.
     assert!(
         ["after the wait", "taken over"].contains(&reply.text.as_str()),
         "{}",
         reply.text
     );
+    // The waiting attempt still owned the submission at the end of its wait.
+    let is_deferral = |observation: &flue_runtime::events::Observation| {
+        observation.submission_id.as_deref() == Some(receipt.submission_id.as_str())
+            && matches!(
+                &observation.event,
+                Event::SubmissionRecovery {
+                    operation: RecoveryOperation::ProcessSubmission,
+                    outcome: RecoveryOutcome::Deferred,
+                    ..
+                }
+            )
+    };
+    let deferral = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let observation = events.recv().await.unwrap();
+            if is_deferral(&observation) {
+                break observation.event;
+            }
+        }
+    })
+    .await
+    .expect("the waiting attempt gave the submission back to the queue itself");
+    let Event::SubmissionRecovery {
+        attempt_count, error, ..
+    } = deferral
+    else {
+        unreachable!()
+    };
+    assert_eq!(attempt_count, Some(1), "the failed attempt's");
+    let error = error.expect("the store failure it waited after");
+    assert!(error.message.contains("injected append failure"), "{error:?}");
+    let mut more = Vec::new();
+    while let Ok(observation) = events.try_recv() {
+        if is_deferral(&observation) {
+            more.push(observation);
+        }
+    }
+    assert!(more.is_empty(), "one wait, one deferral: {more:?}");
     let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
     assert_eq!(row.attempt_count, 2, "the failed attempt and the one after its wait");
     assert_eq!(
@@ -740,12 +790,20 @@ async fn a_re_attempt_waiting_after_a_store_failure_keeps_its_lease_from_other_n
     drop(other);
 }
 
-/// A runtime of `agent` whose re-attempts after a store failure wait 5 s, and whose store
-/// refuses the first input.
+/// A wait after a store failure that no test outlasts: an hour, which the runtime caps at
+/// 30 s (22.5 s at the least, with its jitter). A test that sees the submission settle, or
+/// handed back, within its 10 s liveness bound saw the wait end early.
+const WAIT_NO_TEST_OUTLASTS: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// How long a test waits for what must happen (a liveness bound: it fails if it never does).
+const LIVENESS: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A runtime of `agent` whose re-attempts after a store failure wait longer than any test
+/// (`WAIT_NO_TEST_OUTLASTS`), and whose store refuses the first input.
 fn failing_the_first_input(model: &ScriptedModel, agent: impl Into<AgentRef>) -> (FaultyStore, Runtime) {
     let store = FaultyStore::default();
     let options = RuntimeOptions {
-        store_retry_delay: std::time::Duration::from_secs(5),
+        store_retry_delay: WAIT_NO_TEST_OUTLASTS,
         ..RuntimeOptions::default()
     };
     let runtime = harness::runtime_on_with(store.clone(), model, [agent.into()], options);
@@ -754,33 +812,36 @@ fn failing_the_first_input(model: &ScriptedModel, agent: impl Into<AgentRef>) ->
 }
 
 /// [`failing_the_first_input`], its submission (of `patient`) waiting after the failure.
-async fn waiting_after_a_store_failure(model: &ScriptedModel) -> (FaultyStore, Runtime, String, std::time::Instant) {
+async fn waiting_after_a_store_failure(model: &ScriptedModel) -> (FaultyStore, Runtime, String) {
     let (store, runtime) = failing_the_first_input(model, patient);
     let receipt = runtime.init(&patient, "w").dispatch("hi").await.unwrap();
-    while store.failures.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    tokio::time::timeout(LIVENESS, async {
+        while store.failures.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the first input's append failed");
     // Into the wait.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    (store, runtime, receipt.submission_id, std::time::Instant::now())
+    (store, runtime, receipt.submission_id)
 }
 
 /// An abort requested while the submission waits to be re-attempted after a store failure
-/// ends the wait: the submission settles aborted at once, not seconds later.
+/// ends the wait: the submission settles aborted at once, not at the wait's end.
 #[tokio::test]
 async fn an_abort_during_the_wait_after_a_store_failure_settles_at_once() {
     let model = ScriptedModel::new([ScriptedReply::text("never")]);
-    let (store, runtime, submission_id, waiting) = waiting_after_a_store_failure(&model).await;
+    let (store, runtime, submission_id) = waiting_after_a_store_failure(&model).await;
     let handle = runtime.init(&patient, "w");
     assert!(handle.abort().await.unwrap());
-    let settled = tokio::time::timeout(std::time::Duration::from_secs(2), handle.read(&submission_id))
+    let settled = tokio::time::timeout(LIVENESS, handle.read(&submission_id))
         .await
         .expect("settled before the wait's end");
     assert!(
         matches!(&settled, Err(RuntimeError::Run { error_type, .. }) if error_type == "submission_aborted"),
         "{settled:?}"
     );
-    assert!(waiting.elapsed() < std::time::Duration::from_secs(2));
     assert!(model.requests().is_empty(), "no model call");
     let row = store.submission(&submission_id).await.unwrap().unwrap();
     assert_eq!(row.outcome, Some(Outcome::Aborted));
@@ -791,20 +852,20 @@ async fn an_abort_during_the_wait_after_a_store_failure_settles_at_once() {
 #[tokio::test]
 async fn a_node_giving_its_work_back_gives_back_a_submission_waiting_after_a_store_failure() {
     let model = ScriptedModel::new([ScriptedReply::text("never")]);
-    let (store, runtime, submission_id, waiting) = waiting_after_a_store_failure(&model).await;
-    assert_eq!(runtime.release().await, 1);
-    assert!(waiting.elapsed() < std::time::Duration::from_secs(2));
+    let (store, runtime, submission_id) = waiting_after_a_store_failure(&model).await;
+    let released = tokio::time::timeout(LIVENESS, runtime.release())
+        .await
+        .expect("given back before the wait's end");
+    assert_eq!(released, 1);
     let row = store.submission(&submission_id).await.unwrap().unwrap();
     assert_eq!(row.status, flue_runtime::store::SubmissionStatus::Queued);
     let next_model = ScriptedModel::new([ScriptedReply::text("taken over")]);
     let next = taking_over(&store, &next_model, patient).await;
-    let reply = tokio::time::timeout(
-        std::time::Duration::from_secs(2),
-        next.init(&patient, "w").read(&submission_id),
-    )
-    .await
-    .expect("taken over at once")
-    .unwrap();
+    // Within the liveness bound: well before the given-back attempt's 30 s lease would lapse.
+    let reply = tokio::time::timeout(LIVENESS, next.init(&patient, "w").read(&submission_id))
+        .await
+        .expect("taken over at once")
+        .unwrap();
     assert_eq!(reply.text, "taken over");
 }
 
@@ -819,17 +880,20 @@ fn hurried() -> &'static str {
 #[tokio::test]
 async fn a_deadline_passing_during_the_wait_after_a_store_failure_settles_it_then() {
     let model = ScriptedModel::new([ScriptedReply::text("never")]);
-    let (_store, runtime) = failing_the_first_input(&model, hurried);
-    let started = std::time::Instant::now();
+    let (store, runtime) = failing_the_first_input(&model, hurried);
     let handle = runtime.init(&hurried, "h");
-    let settled = tokio::time::timeout(std::time::Duration::from_secs(3), handle.send("hi"))
+    let settled = tokio::time::timeout(LIVENESS, handle.send("hi"))
         .await
         .expect("settled before the wait's end");
     assert!(
         matches!(&settled, Err(RuntimeError::Run { error_type, .. }) if error_type == "submission_timeout"),
         "{settled:?}"
     );
-    assert!(started.elapsed() < std::time::Duration::from_secs(3));
+    assert_eq!(
+        store.failures.load(Ordering::SeqCst),
+        1,
+        "the first input's append failed"
+    );
     assert!(model.requests().is_empty());
 }
 
@@ -838,20 +902,17 @@ async fn a_deadline_passing_during_the_wait_after_a_store_failure_settles_it_the
 #[tokio::test]
 async fn a_node_shutting_down_ends_the_wait_after_a_store_failure() {
     let model = ScriptedModel::new([ScriptedReply::text("never")]);
-    let (store, runtime, submission_id, waiting) = waiting_after_a_store_failure(&model).await;
+    let (store, runtime, submission_id) = waiting_after_a_store_failure(&model).await;
     runtime.shutdown();
-    loop {
-        let row = store.submission(&submission_id).await.unwrap().unwrap();
-        if row.status == flue_runtime::store::SubmissionStatus::Queued {
-            break;
+    tokio::time::timeout(LIVENESS, async {
+        while store.submission(&submission_id).await.unwrap().unwrap().status
+            != flue_runtime::store::SubmissionStatus::Queued
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        assert!(
-            waiting.elapsed() < std::time::Duration::from_secs(2),
-            "still {:?} after the shutdown",
-            row.status
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    })
+    .await
+    .expect("back in the queue before the wait's end");
 }
 
 /// A lease lost during the wait after a store failure (its renewals failed past the lease,
@@ -862,16 +923,20 @@ async fn a_lease_lost_during_the_wait_after_a_store_failure_ends_the_wait() {
     let store = FaultyStore::default();
     let waiting_model = ScriptedModel::new([ScriptedReply::text("next, here")]);
     let options = RuntimeOptions {
-        store_retry_delay: std::time::Duration::from_secs(5),
+        store_retry_delay: WAIT_NO_TEST_OUTLASTS,
         ..fast_scanning_options()
     };
     let waiting = harness::runtime_on_with(store.clone(), &waiting_model, [patient.into()], options);
     waiting.start().await;
     store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
     let receipt = waiting.init(&patient, "w").dispatch("hi").await.unwrap();
-    while store.failures.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    tokio::time::timeout(LIVENESS, async {
+        while store.failures.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the first input's append failed");
     let failed_attempt = store
         .submission(&receipt.submission_id)
         .await
@@ -882,44 +947,40 @@ async fn a_lease_lost_during_the_wait_after_a_store_failure_ends_the_wait() {
     store.failing_renewals.store(true, Ordering::SeqCst);
     let other_model = ScriptedModel::new([ScriptedReply::text("taken over")]);
     let other = taking_over(&store, &other_model, patient).await;
-    let taken_over = std::time::Instant::now();
-    while store
-        .submission(&receipt.submission_id)
-        .await
-        .unwrap()
-        .unwrap()
-        .attempt_id
-        == failed_attempt
-    {
-        assert!(
-            taken_over.elapsed() < std::time::Duration::from_secs(3),
-            "not taken over"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    store.failing_renewals.store(false, Ordering::SeqCst);
-    let reply = tokio::time::timeout(
-        std::time::Duration::from_secs(3),
-        other.init(&patient, "w").read(&receipt.submission_id),
-    )
+    tokio::time::timeout(LIVENESS, async {
+        while store
+            .submission(&receipt.submission_id)
+            .await
+            .unwrap()
+            .unwrap()
+            .attempt_id
+            == failed_attempt
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
     .await
-    .expect("the other node settles it")
-    .unwrap();
+    .expect("taken over");
+    store.failing_renewals.store(false, Ordering::SeqCst);
+    assert!(store.failures.load(Ordering::SeqCst) > 1, "renewals failed");
+    let reply = tokio::time::timeout(LIVENESS, other.init(&patient, "w").read(&receipt.submission_id))
+        .await
+        .expect("the other node settles it")
+        .unwrap();
     assert_eq!(reply.text, "taken over");
     other.shutdown();
     drop(other);
     // The waiting node learns at its next renewal that the lease is gone, and its wait ends.
-    let next = tokio::time::timeout(
-        std::time::Duration::from_secs(2),
-        waiting.init(&patient, "w").send("again"),
-    )
-    .await
-    .expect("run here before the wait's end")
-    .unwrap();
+    let next = tokio::time::timeout(LIVENESS, waiting.init(&patient, "w").send("again"))
+        .await
+        .expect("run here before the wait's end")
+        .unwrap();
     assert_eq!(next.text, "next, here");
 }
 
-#[agent(durability(max_attempts = 6, timeout = "600ms"))]
+/// A budget no test spends while its waits keep their length: one that re-attempted at once
+/// would spend hundreds of attempts in a moment.
+#[agent(durability(max_attempts = 1000, timeout = "600ms"))]
 fn hurried_unreadable() -> &'static str {
     use_model("scripted/x");
     "x"
@@ -940,24 +1001,29 @@ async fn the_wait_after_a_store_failure_keeps_its_length_past_a_spent_deadline()
     let runtime = harness::runtime_on_with(store.clone(), &model, [hurried_unreadable.into()], options);
     store.fail_once(|records| records.iter().any(|r| matches!(r.body, RecordBody::UserMessage { .. })));
     let receipt = runtime.init(&hurried_unreadable, "h").dispatch("hi").await.unwrap();
-    while store.failures.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
-    let failed_at = std::time::Instant::now();
+    tokio::time::timeout(LIVENESS, async {
+        while store.failures.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the first input's append failed");
     // From now on the stream cannot be read: the second attempt (300-400 ms on) waits until
-    // the deadline (600 ms from the admission), and the third, past it, waits 1.2-1.6 s.
+    // the deadline (600 ms from the admission), the third, past it, 1.2-1.6 s, and the fourth
+    // 2.4-3.2 s: a fifth attempt comes 4.2 s after the admission at the earliest, so the look
+    // below finds at most four even 3 s late (a loaded machine), where attempts made at once
+    // past the deadline would be hundreds.
     store.failing_reads.store(usize::MAX, Ordering::SeqCst);
     tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
     let row = store.submission(&receipt.submission_id).await.unwrap().unwrap();
     assert!(
-        row.attempt_count <= 3,
-        "{} attempts {:?} after the first failure",
-        row.attempt_count,
-        failed_at.elapsed()
+        row.attempt_count <= 4,
+        "{} attempts soon after the first failure",
+        row.attempt_count
     );
     store.failing_reads.store(0, Ordering::SeqCst);
     let settled = tokio::time::timeout(
-        std::time::Duration::from_secs(5),
+        LIVENESS,
         runtime.init(&hurried_unreadable, "h").read(&receipt.submission_id),
     )
     .await
@@ -1208,9 +1274,26 @@ async fn an_assistant_message_whose_completion_was_not_stored_still_ends() {
     assert_eq!(seen, ["start", "end", "start", "end"]);
 }
 
+/// How many times `lookup` ran.
+static LOOKUPS: AtomicUsize = AtomicUsize::new(0);
+
+/// Looks it up (counted in `LOOKUPS`).
+#[tool]
+async fn lookup() -> String {
+    LOOKUPS.fetch_add(1, Ordering::SeqCst);
+    "found".into()
+}
+
+#[agent]
+fn looking_up_relay() -> &'static str {
+    use_model("scripted/x");
+    use_tool(lookup);
+    "Relay, looking things up."
+}
+
 /// The calls a step announced (`tool_call_started`) end (`tool_call_done`, an error) when the
 /// step could not be stored: they will not run, and thread-event readers are not left showing
-/// them running.
+/// them running. (Had the step been stored, its call would have run and ended a success.)
 #[tokio::test]
 async fn the_calls_of_a_step_that_was_not_stored_are_done() {
     use flue_runtime::events::Event;
@@ -1224,9 +1307,10 @@ async fn the_calls_of_a_step_that_was_not_stored_are_done() {
         ScriptedReply::tool_call("lookup", json!({})),
         ScriptedReply::text("answered"),
     ]);
-    let runtime = runtime(&store, &model, relay);
+    let runtime = runtime(&store, &model, looking_up_relay);
     let mut events = runtime.observe();
-    let reply = runtime.init(&relay, "r-calls").send("hello").await.unwrap();
+    let reply = runtime.init(&looking_up_relay, "r-calls").send("hello").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the step's commit failed");
     assert_eq!(reply.text, "answered");
     let mut seen = Vec::new();
     while let Ok(observation) = events.try_recv() {
@@ -1237,6 +1321,16 @@ async fn the_calls_of_a_step_that_was_not_stored_are_done() {
         }
     }
     assert_eq!(seen, ["started lookup", "done lookup error"]);
+    assert_eq!(LOOKUPS.load(Ordering::SeqCst), 0, "the call never ran");
+    let outcomes: Vec<_> = records(&store, &InstanceKey::new("looking_up_relay", "r-calls"))
+        .await
+        .into_iter()
+        .filter(|record| matches!(record.body, RecordBody::ToolOutcome { .. }))
+        .collect();
+    assert!(
+        outcomes.is_empty(),
+        "no outcome for a call of no stored step: {outcomes:?}"
+    );
 }
 
 #[tokio::test]
@@ -2825,13 +2919,27 @@ async fn a_data_write_from_a_plain_thread_streams_while_the_tool_runs() {
     assert_eq!(reply.data.get("progress"), Some(&json!(7)));
 }
 
+/// The messages `early_writer`'s start callback wrote its progress for, one entry per write
+/// (the tests that send them run at once).
+static EARLY_WRITES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
 #[agent]
 fn early_writer() -> &'static str {
     use_model("scripted/x");
     let progress = use_data_writer::<u32>("progress");
-    use_agent_start(move |_ctx| {
+    use_agent_start(move |ctx| {
         let progress = progress.clone();
-        async move { progress.write(&1) }
+        let message = match ctx.delivery() {
+            DeliveredMessage::User(message) => message.body.clone(),
+            DeliveredMessage::Signal(_) => String::new(),
+        };
+        async move {
+            let written = progress.write(&1);
+            if written.is_ok() {
+                EARLY_WRITES.lock().unwrap().push(message);
+            }
+            written
+        }
     });
     "Write early."
 }
@@ -2850,7 +2958,18 @@ async fn a_data_write_a_failed_attempt_dropped_is_never_observed() {
     ))]);
     let runtime = runtime(&store, &model, early_writer);
     let mut events = runtime.observe();
-    runtime.init(&early_writer, "e-1").send("go").await.unwrap_err();
+    runtime
+        .init(&early_writer, "e-1")
+        .send("go, to be refused")
+        .await
+        .unwrap_err();
+    let written = EARLY_WRITES
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|message| *message == "go, to be refused")
+        .count();
+    assert_eq!(written, 1, "the attempt wrote before it failed");
     let durable = records(&store, &InstanceKey::new("early_writer", "e-1"))
         .await
         .iter()
@@ -3978,13 +4097,16 @@ async fn a_settlement_that_fails_is_not_reported_settled() {
 
 static SLOW_RUNS: AtomicUsize = AtomicUsize::new(0);
 
+/// A permit per run of `slow_worker`'s tool that may end.
+static SLOW_GO: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
+
 #[agent]
 fn slow_worker() -> &'static str {
     use_model("scripted/x");
     use_tool(Tool::new("crunch").description("Crunch numbers.").run(
         |_ctx, _: serde_json::Map<String, serde_json::Value>| async {
             SLOW_RUNS.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+            SLOW_GO.acquire().await.unwrap().forget();
             "crunched"
         },
     ));
@@ -4004,17 +4126,45 @@ async fn a_node_whose_renewals_failed_for_longer_than_the_lease_does_not_take_ov
     let runtime = taking_over(&store, &model, slow_worker).await;
     let handle = runtime.init(&slow_worker, "sw-1");
     let receipt = handle.dispatch("crunch").await.unwrap();
-    for _ in 0..500 {
-        if SLOW_RUNS.load(Ordering::SeqCst) == 1 {
-            break;
+    tokio::time::timeout(LIVENESS, async {
+        while SLOW_RUNS.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    assert_eq!(SLOW_RUNS.load(Ordering::SeqCst), 1, "the tool started");
-    // Three lease periods without a renewal, the tool still running.
+    })
+    .await
+    .expect("the tool started");
+    // No renewal, the tool still running, until the lease has lapsed in the store and two of
+    // the node's scans have looked since (the second began after the first ended): a lapse
+    // the node saw, and must not act on.
     store.failing_renewals.store(true, Ordering::SeqCst);
-    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    tokio::time::timeout(LIVENESS, async {
+        while store
+            .inner
+            .submission(&receipt.submission_id)
+            .await
+            .unwrap()
+            .unwrap()
+            .lease_until_ms
+            >= flue_runtime::store::now_ms()
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the lease lapsed");
+    let scans = store.scans.load(Ordering::SeqCst);
+    tokio::time::timeout(LIVENESS, async {
+        while store.scans.load(Ordering::SeqCst) < scans + 2 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the node scanned");
     store.failing_renewals.store(false, Ordering::SeqCst);
+    assert!(store.failures.load(Ordering::SeqCst) > 0, "renewals failed");
+    assert_eq!(SLOW_RUNS.load(Ordering::SeqCst), 1, "the tool ran once, and runs on");
+    // Enough permits for a second run, had there been one: it shows in the counts below.
+    SLOW_GO.add_permits(2);
     let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
         .await
         .expect("the submission settles")
@@ -4036,13 +4186,22 @@ async fn an_attempt_whose_start_stalled_past_its_lease_is_not_taken_over_by_its_
     let model = ScriptedModel::new([ScriptedReply::text("relayed"), ScriptedReply::text("relayed again")]);
     let runtime = taking_over(&store, &model, relay).await;
     let handle = runtime.init(&relay, "r-stall");
-    // Three lease periods.
-    *store.stall_next_read.lock().unwrap() = Some(std::time::Duration::from_millis(600));
+    // Three lease periods, for the first read of the stream: the attempt's start (no other
+    // reads it before the submission settles).
+    *store.stall_next_read.lock().unwrap() = Some((
+        InstanceKey::new("relay", "r-stall"),
+        std::time::Duration::from_millis(600),
+    ));
     let receipt = handle.dispatch("hello").await.unwrap();
     let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&receipt.submission_id))
         .await
         .expect("the submission settles")
         .unwrap();
+    assert_eq!(
+        store.stalled_reads.load(Ordering::SeqCst),
+        1,
+        "the start's read stalled"
+    );
     assert_eq!(reply.text, "relayed");
     assert_eq!(model.requests().len(), 1, "the model was called once");
     let row = store.inner.submission(&receipt.submission_id).await.unwrap().unwrap();
@@ -4724,17 +4883,23 @@ async fn an_attempt_getting_ready_when_its_node_releases_its_work_is_given_back_
     let store = FaultyStore::default();
     let model = ScriptedModel::new([ScriptedReply::text("answered")]);
     let runtime = runtime(&store, &model, noter);
-    *store.stall_next_read.lock().unwrap() = Some(std::time::Duration::from_secs(1));
+    *store.stall_next_read.lock().unwrap() =
+        Some((InstanceKey::new("noter", "r-1"), std::time::Duration::from_secs(1)));
     let receipt = runtime.init(&noter, "r-1").dispatch("hello").await.unwrap();
     let status = || async { store.submission(&receipt.submission_id).await.unwrap().unwrap().status };
     // The attempt is claimed and reading the stream (its read stalls for a second).
     tokio::time::timeout(std::time::Duration::from_secs(10), async {
-        while status().await != flue_runtime::store::SubmissionStatus::Running {
+        while store.stalled_reads.load(Ordering::SeqCst) == 0 {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
     })
     .await
-    .expect("the attempt is claimed");
+    .expect("the start's read stalls");
+    assert_eq!(
+        status().await,
+        flue_runtime::store::SubmissionStatus::Running,
+        "claimed"
+    );
     assert_eq!(runtime.release().await, 0, "nothing was running yet");
     tokio::time::timeout(std::time::Duration::from_secs(10), async {
         while status().await != flue_runtime::store::SubmissionStatus::Queued {
@@ -4907,15 +5072,20 @@ async fn waits_on_a_shared_store_look_for_their_settlements_together_each_poll()
         store.row_reads.load(Ordering::SeqCst),
         store.looks.lock().unwrap().len(),
     );
-    // Ten polls' time.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // Three polls.
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while store.looks.lock().unwrap().len() < looks + 3 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the node looks at each poll");
     assert_eq!(
         store.row_reads.load(Ordering::SeqCst),
         reads,
         "no wait read its row again while nothing settled"
     );
     let during: Vec<usize> = store.looks.lock().unwrap()[looks..].to_vec();
-    assert!(during.len() >= 3, "the node looked at every poll: {during:?}");
     assert!(
         during.iter().all(|&ids| ids == 20),
         "each look named every wait: {during:?}"
@@ -5016,4 +5186,38 @@ async fn a_state_value_nested_deeper_than_a_store_reads_back_is_refused_and_its_
     assert_eq!(written, [nested(400)]);
     drop(runtime);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fault store's own rule, which the tests above rely on: a fault armed once fails one
+/// write, also after a fault armed always was disarmed (it does not inherit "always").
+#[tokio::test]
+async fn a_fault_armed_once_after_a_disarmed_permanent_one_fails_one_write() {
+    let store = FaultyStore::default();
+    let key = InstanceKey::new("relay", "faults");
+    store
+        .admit(harness::admission(&key, "sub_faults", "hello"))
+        .await
+        .unwrap();
+    let write = || {
+        let record = Record {
+            id: format!("record_{}", ulid_like()),
+            submission_id: None,
+            attempt_id: None,
+            timestamp: "2026-11-30T00:00:00.000Z".into(),
+            body: RecordBody::StateWrite {
+                name: "n".into(),
+                value: json!(1),
+            },
+        };
+        store.append(&key, vec![record].into(), None)
+    };
+    store.fail_always(|_| true);
+    assert!(write().await.is_err());
+    assert!(write().await.is_err(), "armed always");
+    store.disarm();
+    assert!(write().await.is_ok(), "disarmed");
+    store.fail_once(|_| true);
+    assert!(write().await.is_err());
+    assert!(write().await.is_ok(), "armed once");
+    assert_eq!(store.failures.load(Ordering::SeqCst), 3);
 }

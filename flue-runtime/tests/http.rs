@@ -155,6 +155,17 @@ fn curator() -> &'static str {
 
 static CLIENTS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
+/// Waits until `client_attached` logged a line starting with `line` (`"<user> + <client> "`).
+async fn attach_hook_ran(line: &str) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !CLIENTS.lock().unwrap().iter().any(|logged| logged.starts_with(line)) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the attach hook ran: {line}"));
+}
+
 #[hook(user_client_attached)]
 async fn client_attached(user: &UserState, client: &ClientInfo) {
     CLIENTS
@@ -1163,6 +1174,7 @@ async fn an_sse_reader_reconnecting_at_the_head_does_not_fold_the_stream_again()
         read.push(batches.load(std::sync::atomic::Ordering::SeqCst) - before);
     }
     // The first connection folds the stream (for its own catch-up and the cache); none after.
+    assert!(read[0] >= 2000, "the first connection folded the stream: {read:?}");
     assert!(
         read[1..].iter().all(|&batches| batches < 100),
         "batches read per connection: {read:?}"
@@ -1591,10 +1603,6 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
             .unwrap();
         assert_error(attach, 403, "forbidden").await;
     }
-    assert!(
-        !CLIENTS.lock().unwrap().iter().any(|line| line.contains(" img ")),
-        "no hook ran"
-    );
     let reader = server
         .client
         .get(format!("{}/users/u1/events?client_id=reader", server.root))
@@ -1603,6 +1611,13 @@ async fn a_browser_on_another_site_cannot_change_state_unless_allowed() {
         .await
         .unwrap();
     assert_eq!(reader.status().as_u16(), 200);
+    // The user's hooks run in order: once the reader's attach hook ran, one the refused
+    // requests had started would have run too.
+    attach_hook_ran("u1 + reader ").await;
+    assert!(
+        !CLIENTS.lock().unwrap().iter().any(|line| line.contains(" img ")),
+        "no hook ran"
+    );
     drop(reader);
     for site in ["cross-site", "same-site"] {
         let attach = server
@@ -4368,12 +4383,23 @@ async fn a_head_request_on_a_user_stream_attaches_no_client() {
     assert_eq!(response.status().as_u16(), 200);
     assert_eq!(header(response.headers(), "content-type"), "text/event-stream");
     assert_security_headers(response.headers());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The user's hooks run in order: once a reader's attach hook ran after the HEAD, one the
+    // HEAD had started would have run too.
+    let reader = server
+        .client
+        .get(format!("{}/users/u-head/events?client_id=probe-2", server.root))
+        .header("accept", SSE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reader.status().as_u16(), 200);
+    attach_hook_ran("u-head + probe-2 ").await;
     let clients = CLIENTS.lock().unwrap().clone();
     assert!(
-        !clients.iter().any(|line| line.starts_with("u-head ")),
+        !clients.iter().any(|line| line.starts_with("u-head + probe-1 ")),
         "a HEAD is not a client: {clients:?}"
     );
+    drop(reader);
     let response = server
         .client
         .head(format!("{}/users/%20/events", server.root))

@@ -2922,36 +2922,43 @@ async fn past_the_queue_bound_a_clients_detach_is_dropped_exactly_when_its_attac
         runtime.user_client("leaving", client(n), false);
     }
     HOLD_ARRIVALS.add_permits(clients);
-    for _ in 0..1000 {
-        if LEFT.lock().unwrap().len() >= USER_HOOK_QUEUE {
-            break;
+    // The queue drains (room for more again)...
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while LEFT.lock().unwrap().len() < USER_HOOK_QUEUE {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    })
+    .await
+    .expect("the heard clients left");
+    // ...and the unheard clients are forgotten once they left: a client of that id connecting
+    // again is heard, arriving and leaving. Its events queue after all of the above, and the
+    // hooks run in order: once its detach ran, every event queued before it had run.
+    runtime.user_client("leaving", client(clients - 1), true);
+    runtime.user_client("leaving", client(clients - 1), false);
+    let again = client(clients - 1).id;
+    let heard_leaving_again = || {
+        let left = LEFT.lock().unwrap();
+        left.len() > USER_HOOK_QUEUE && left.last() == Some(&again)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while !heard_leaving_again() {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the client connecting again was heard leaving");
     let heard: Vec<String> = (0..USER_HOOK_QUEUE).map(|n| client(n).id).collect();
+    let heard_then_again: Vec<String> = heard.iter().cloned().chain([again.clone()]).collect();
     assert_eq!(
         *ARRIVED.lock().unwrap(),
-        heard,
-        "the first {USER_HOOK_QUEUE} attaches ran"
+        heard_then_again,
+        "the first {USER_HOOK_QUEUE} attaches ran, then the one again"
     );
     assert_eq!(
         *LEFT.lock().unwrap(),
-        heard,
+        heard_then_again,
         "each client the hooks saw arrive leaves, though the queue was full; the {extra} unheard ones do not"
     );
-    // The unheard clients are forgotten once they left: a client of that id connecting again
-    // is heard, arriving and leaving.
-    runtime.user_client("leaving", client(clients - 1), true);
-    runtime.user_client("leaving", client(clients - 1), false);
-    for _ in 0..1000 {
-        if LEFT.lock().unwrap().len() > USER_HOOK_QUEUE {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    assert_eq!(ARRIVED.lock().unwrap().last(), Some(&client(clients - 1).id));
-    assert_eq!(LEFT.lock().unwrap().last(), Some(&client(clients - 1).id));
 }
 
 #[tokio::test]

@@ -983,15 +983,21 @@ async fn message_events_carry_their_messages_and_agent_end_the_submissions() {
     let mut starts = Vec::new();
     let mut ends = Vec::new();
     let mut agent_end = None;
+    let mut tool_results = Vec::new();
     while let Ok(observation) = events.try_recv() {
         match observation.event {
             Event::MessageStart { message } => starts.push(message),
             Event::MessageEnd { message } => ends.push(message),
             Event::AgentEnd { messages } => agent_end = Some(messages),
-            Event::Tool { result, .. } => assert_eq!(result.as_deref(), Some("3")),
+            Event::Tool { result, .. } => tool_results.push(result),
             _ => {}
         }
     }
+    assert_eq!(
+        tool_results,
+        [Some("3".to_owned())],
+        "one terminal `tool` event, its stored result"
+    );
     let user = ModelMessage::User {
         content: "1+2".into(),
         images: vec![flue_runtime::provider::ModelImage {

@@ -1906,8 +1906,8 @@ fn fragile_parent(_: AgentProps<'_>) -> &'static str {
 
 /// One "Tally it." exchange of the parent `agent` (instance `id`) on `backend`, whose batch
 /// answering the task call fails once, after the child answered; the failure sets `changed`,
-/// which changes what the parent or its delegate render from then on. Asserts that the re-run
-/// returned the child's recorded answer; the runtime and its events are returned.
+/// which changes what the parent or its delegate render from then on. Asserts that the batch
+/// failed, and that the re-run returned the child's recorded answer; the events are returned.
 async fn rerun_after_the_child_answered(
     name: &str,
     backend: Box<dyn Store>,
@@ -1925,6 +1925,7 @@ async fn rerun_after_the_child_answered(
         }
         hit
     });
+    let probe = store.clone();
     let agent_name = agent.get().definition().name.to_string();
     let runtime = harness::runtime_on(store, &model, vec![agent]);
     let mut events = runtime.observe();
@@ -1935,6 +1936,11 @@ async fn rerun_after_the_child_answered(
         .await
         .unwrap();
     changed.store(false, Ordering::SeqCst);
+    assert_eq!(
+        probe.failures.load(Ordering::SeqCst),
+        1,
+        "{name}: the task batch's commit failed"
+    );
     assert_eq!(reply.text, "The tally is seven.", "{name}");
     let requests = model.requests();
     assert_eq!(requests.len(), 4, "{name}: the child's model was not called again");

@@ -14,28 +14,36 @@ type Predicate = Box<dyn Fn(&InstanceKey, &[Record]) -> bool + Send>;
 /// Wraps a store (the memory store by default). Appends and settlements whose records match
 /// the armed predicate fail, once or always; listing expired leases fails while
 /// `failing_scans` is set; renewing leases fails while `failing_renewals` is set; the next
-/// `failing_requeues` requeues fail; the next read takes `stall_next_read` long; and, once `hang_after_admit` holds `"armed"`, the next admission
-/// commits and then never answers (a caller dropped between a remote store's commit and its
-/// reply), leaving its submission's id there.
+/// `failing_requeues` requeues fail; the next read of the stream `stall_next_read` names takes
+/// its time; and, once `hang_after_admit` holds `"armed"`, the next admission commits and then
+/// never answers (a caller dropped between a remote store's commit and its reply), leaving its
+/// submission's id there. Every call failed on purpose counts in `failures`, and every stalled
+/// read in `stalled_reads`, so a test can show its fault fired.
 #[derive(Clone)]
 pub struct FaultyStore {
     pub inner: Arc<dyn Store>,
     fault: Arc<Mutex<Option<Predicate>>>,
     always: Arc<AtomicBool>,
-    /// How many writes failed on purpose.
+    /// How many calls failed on purpose (writes, reads, requeues, scans, renewals).
     pub failures: Arc<AtomicUsize>,
     pub hang_after_admit: Arc<Mutex<Option<String>>>,
+    /// While set, listings of expired leases fail (each one counted in `failures`).
     pub failing_scans: Arc<AtomicBool>,
-    /// While set, lease renewals fail (a database failover, a stalled node): leases lapse.
+    /// While set, lease renewals fail, each one counted in `failures` (a database failover, a
+    /// stalled node): leases lapse.
     pub failing_renewals: Arc<AtomicBool>,
     /// How many of the next requeues fail.
     pub failing_requeues: Arc<AtomicUsize>,
-    /// How long the next read of a stream takes (a stalled database), once.
-    pub stall_next_read: Arc<Mutex<Option<std::time::Duration>>>,
+    /// How long the next read of the named stream takes (a stalled database), once.
+    pub stall_next_read: Arc<Mutex<Option<(InstanceKey, std::time::Duration)>>>,
+    /// How many reads `stall_next_read` stalled.
+    pub stalled_reads: Arc<AtomicUsize>,
     /// How many of the next reads of a stream fail.
     pub failing_reads: Arc<AtomicUsize>,
     /// How long each listing of expired leases takes while set (a slow scan).
     pub stall_scans: Arc<Mutex<Option<std::time::Duration>>>,
+    /// How many listings of expired leases were asked for (failed ones too).
+    pub scans: Arc<AtomicUsize>,
     /// How many of the next reads of an attachment fail.
     pub failing_attachment_reads: Arc<AtomicUsize>,
     /// While set, an append that fails on purpose is committed first: its acknowledgement is
@@ -77,8 +85,10 @@ impl FaultyStore {
             failing_renewals: Arc::default(),
             failing_requeues: Arc::default(),
             stall_next_read: Arc::default(),
+            stalled_reads: Arc::default(),
             failing_reads: Arc::default(),
             stall_scans: Arc::default(),
+            scans: Arc::default(),
             failing_attachment_reads: Arc::default(),
             acks_lost: Arc::default(),
             hangs_after_commit: Arc::default(),
@@ -96,18 +106,27 @@ impl FaultyStore {
 
     /// Every write whose records match fails.
     pub fn fail_always(&self, predicate: impl Fn(&[Record]) -> bool + Send + 'static) {
-        self.always.store(true, Ordering::SeqCst);
-        self.fail_once(predicate);
+        self.arm(Box::new(move |_, records| predicate(records)), true);
     }
 
     /// The next write to a stream whose key and records match fails.
     pub fn fail_once_in(&self, predicate: impl Fn(&InstanceKey, &[Record]) -> bool + Send + 'static) {
-        *self.fault.lock().unwrap() = Some(Box::new(predicate));
+        self.arm(Box::new(predicate), false);
+    }
+
+    /// Arms `predicate`, failing every matching write (`always`) or the next one only (a fault
+    /// armed once after one armed always, or disarmed, still fails once).
+    fn arm(&self, predicate: Predicate, always: bool) {
+        let mut fault = self.fault.lock().unwrap();
+        self.always.store(always, Ordering::SeqCst);
+        *fault = Some(predicate);
     }
 
     /// No write fails from now on.
     pub fn disarm(&self) {
-        *self.fault.lock().unwrap() = None;
+        let mut fault = self.fault.lock().unwrap();
+        self.always.store(false, Ordering::SeqCst);
+        *fault = None;
     }
 
     /// Whether a write of `records` to `key` fails now (counted; a one-time fault is spent).
@@ -213,7 +232,9 @@ impl Store for FaultyStore {
     }
 
     fn expired(&self, now_ms: u64) -> BoxFuture<'_, Result<Vec<Submission>, StoreError>> {
+        self.scans.fetch_add(1, Ordering::SeqCst);
         if self.failing_scans.load(Ordering::SeqCst) {
+            self.failures.fetch_add(1, Ordering::SeqCst);
             return Box::pin(std::future::ready(Err(injected("scan"))));
         }
         let stall = *self.stall_scans.lock().unwrap();
@@ -237,13 +258,22 @@ impl Store for FaultyStore {
         lease_until_ms: u64,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         if self.failing_renewals.load(Ordering::SeqCst) {
+            self.failures.fetch_add(1, Ordering::SeqCst);
             return Box::pin(std::future::ready(Err(injected("renewal"))));
         }
         self.inner.renew_leases(owner_id, attempt_ids, lease_until_ms)
     }
 
     fn read(&self, key: &InstanceKey, after: Option<u64>) -> BoxFuture<'_, Result<Vec<Batch>, StoreError>> {
-        let stall = self.stall_next_read.lock().unwrap().take();
+        let stall = {
+            let mut stall = self.stall_next_read.lock().unwrap();
+            stall
+                .take_if(|(stalled, _)| stalled == key)
+                .map(|(_, duration)| duration)
+        };
+        if stall.is_some() {
+            self.stalled_reads.fetch_add(1, Ordering::SeqCst);
+        }
         let fails = self
             .failing_reads
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
