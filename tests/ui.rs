@@ -22,6 +22,12 @@ fn ui() {
             cases.compile_fail(format!("tests/ui/{directory}/*.rs"));
         }
     } else {
+        // In CI the compile-fail checks must run: a toolchain update would otherwise turn them
+        // off without a failing test.
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "tests/ui: the compile-fail snapshots are rustc 1.95's and CI runs another toolchain: run CI on rustc 1.95, or refresh the snapshots for this one (tests/ui/README.md) and move SNAPSHOTS_TOOLCHAIN to it"
+        );
         eprintln!(
             "tests/ui: the compile-fail snapshots are rustc 1.95's; this toolchain only checks that the tests/ui/pass cases compile (run the suite with rustc 1.95 to compare them)"
         );
