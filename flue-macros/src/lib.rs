@@ -42,6 +42,36 @@ fn parameter_named_like_item(sig: &syn::Signature) -> Option<(&syn::Ident, &syn:
     })
 }
 
+/// The value of `meta`'s option as a `T`. Without `= value`, or with a value of another kind,
+/// the error says what the option takes and how to write it (`#[attribute] option `key` takes
+/// {what}: write `{example}``), spanned at the key or at the value; a value of the wrong kind
+/// is consumed, so the options after it are still read.
+fn option_value<T: syn::parse::Parse>(
+    meta: &syn::meta::ParseNestedMeta<'_>,
+    attribute: &str,
+    errors: &errors::Errors,
+    what: &str,
+    example: &str,
+) -> syn::Result<Option<T>> {
+    let key = meta.path.get_ident().map(ToString::to_string).unwrap_or_default();
+    let message = format!("#[{attribute}] option `{key}` takes {what}: write `{example}`");
+    if !meta.input.peek(syn::Token![=]) {
+        errors.spanned(&meta.path, message);
+        return Ok(None);
+    }
+    let input = meta.value()?;
+    let fork = input.fork();
+    if let Ok(value) = fork.parse::<T>() {
+        use syn::parse::discouraged::Speculative;
+        input.advance_to(&fork);
+        return Ok(Some(value));
+    }
+    // Not a `T`: as an expression (what an option value is), reported whole.
+    let written: syn::Expr = input.parse()?;
+    errors.spanned(&written, message);
+    Ok(None)
+}
+
 /// A flag option: `flag`, or `flag = true` / `flag = false` (what it says).
 fn flag(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<bool> {
     if meta.input.peek(syn::Token![=]) {

@@ -69,10 +69,39 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
         let key = meta.path.clone();
         let name = key.get_ident().map(ToString::to_string).unwrap_or_default();
         match name.as_str() {
-            "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
-            "description" => set(&mut options.description, meta.value()?.parse()?, &key, errors),
-            "initial_data" => set(&mut options.initial_data, meta.value()?.parse()?, &key, errors),
-            "max_steps" => set(&mut options.max_steps, meta.value()?.parse()?, &key, errors),
+            "name" => {
+                if let Some(value) = crate::option_value(&meta, "agent", errors, "a string", "name = \"support\"")? {
+                    set(&mut options.name, value, &key, errors);
+                }
+            }
+            "description" => {
+                if let Some(value) = crate::option_value(
+                    &meta,
+                    "agent",
+                    errors,
+                    "a string",
+                    "description = \"Answers support questions.\"",
+                )? {
+                    set(&mut options.description, value, &key, errors);
+                }
+            }
+            "initial_data" => {
+                if let Some(value) = crate::option_value(
+                    &meta,
+                    "agent",
+                    errors,
+                    "a type, not a string",
+                    "initial_data = Customer",
+                )? {
+                    set(&mut options.initial_data, value, &key, errors);
+                }
+            }
+            "max_steps" => {
+                if let Some(value) = crate::option_value(&meta, "agent", errors, "a positive integer", "max_steps = 6")?
+                {
+                    set(&mut options.max_steps, value, &key, errors);
+                }
+            }
             "expose_as_tool" => set(&mut options.expose_as_tool, crate::flag(&meta)?, &key, errors),
             "crate" => {
                 let path: LitStr = meta.value()?.parse()?;
@@ -82,14 +111,33 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                 }
             }
             "hooks" => {
-                let list: syn::ExprArray = meta.value()?.parse()?;
-                set(&mut options.hooks, list.elems.into_iter().collect(), &key, errors);
+                if let Some(list) = crate::option_value::<syn::ExprArray>(
+                    &meta,
+                    "agent",
+                    errors,
+                    "a list of hooks",
+                    "hooks = [redact_secrets]",
+                )? {
+                    set(&mut options.hooks, list.elems.into_iter().collect(), &key, errors);
+                }
             }
             "durability" => meta.parse_nested_meta(|inner| {
                 let inner_key = inner.path.clone();
                 match inner_key.get_ident().map(ToString::to_string).as_deref() {
-                    Some("max_attempts") => set(&mut options.max_attempts, inner.value()?.parse()?, &inner_key, errors),
-                    Some("timeout") => set(&mut options.timeout, inner.value()?.parse()?, &inner_key, errors),
+                    Some("max_attempts") => {
+                        if let Some(value) =
+                            crate::option_value(&inner, "agent", errors, "a positive integer", "durability(max_attempts = 3)")?
+                        {
+                            set(&mut options.max_attempts, value, &inner_key, errors);
+                        }
+                    }
+                    Some("timeout") => {
+                        if let Some(value) =
+                            crate::option_value(&inner, "agent", errors, "a duration string", "durability(timeout = \"90s\")")?
+                        {
+                            set(&mut options.timeout, value, &inner_key, errors);
+                        }
+                    }
                     _ => {
                         if inner.input.peek(Token![=]) {
                             let _: Expr = inner.value()?.parse()?;
@@ -103,7 +151,16 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                 Ok(())
             })?,
             "parent_hooks" => {
-                let list: syn::ExprArray = meta.value()?.parse()?;
+                let Some(list) = crate::option_value::<syn::ExprArray>(
+                    &meta,
+                    "agent",
+                    errors,
+                    "a list of `(hook, \"reason\")` or `(hook, stage, \"reason\")`",
+                    "parent_hooks = [(redact_secrets, \"children must not leak tokens\")]",
+                )?
+                else {
+                    return Ok(());
+                };
                 let mut requirements = Vec::new();
                 for element in list.elems {
                     match parent_hook(element) {

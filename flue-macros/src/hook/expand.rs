@@ -77,7 +77,9 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     // An async body's future must be `Send`: asserted at the function's `async` (see `#[tool]`).
     let call = quote!(__flue_hook_body(#(#call_args),*));
     let call = match &function.sig.asyncness {
-        Some(asyncness) => quote_spanned!(crate::located_at(asyncness)=> __flue::send_body(__flue_hook_body(#(#call_args),*))),
+        Some(asyncness) => {
+            quote_spanned!(crate::located_at(asyncness)=> __flue::send_body(__flue_hook_body(#(#call_args),*)))
+        }
         None => call,
     };
     let expected: syn::Type = syn::parse_str(kind.returns).unwrap_or_else(|_| syn::parse_quote!(()));

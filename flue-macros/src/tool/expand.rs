@@ -86,7 +86,9 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     // reported there, with rustc's notes in the body, rather than at the attribute.
     let call = quote!(__flue_tool_body #turbofish (#context #(#call_args),*));
     let call = match &function.sig.asyncness {
-        Some(asyncness) => quote_spanned!(crate::located_at(asyncness)=> __flue::send_body(__flue_tool_body #turbofish (#context #(#call_args),*))),
+        Some(asyncness) => {
+            quote_spanned!(crate::located_at(asyncness)=> __flue::send_body(__flue_tool_body #turbofish (#context #(#call_args),*)))
+        }
         None => call,
     };
     // A rejected parameter, or a bound the tool's type cannot take (both reported), leaves the

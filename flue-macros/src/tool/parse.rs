@@ -34,12 +34,35 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
         let key = meta.path.clone();
         let name = key.get_ident().map(ToString::to_string).unwrap_or_default();
         match name.as_str() {
-            "name" => set(&mut options.name, meta.value()?.parse()?, &key, errors),
-            "progress_argument" => set(&mut options.progress_argument, meta.value()?.parse()?, &key, errors),
+            "name" => {
+                if let Some(value) = crate::option_value(&meta, "tool", errors, "a string", "name = \"lookup\"")? {
+                    set(&mut options.name, value, &key, errors);
+                }
+            }
+            "progress_argument" => {
+                if let Some(value) = crate::option_value(
+                    &meta,
+                    "tool",
+                    errors,
+                    "an argument's name as a string",
+                    "progress_argument = \"query\"",
+                )? {
+                    set(&mut options.progress_argument, value, &key, errors);
+                }
+            }
             "terminate" => set(&mut options.terminate, crate::flag(&meta)?, &key, errors),
             "durable" => set(&mut options.durable, crate::flag(&meta)?, &key, errors),
             "secrets" => {
-                let list: syn::ExprArray = meta.value()?.parse()?;
+                let Some(list) = crate::option_value::<syn::ExprArray>(
+                    &meta,
+                    "tool",
+                    errors,
+                    "a list of environment variable names",
+                    "secrets = [\"GITHUB_TOKEN\"]",
+                )?
+                else {
+                    return Ok(());
+                };
                 let mut secrets = Vec::new();
                 for element in list.elems {
                     match element {
