@@ -19,10 +19,12 @@ const redact_emails: ::flue_runtime::__private::flue_core::lifecycle::ThreadHook
             {
                 ::std::boxed::Box::pin(async move {
                     {
-                        let __flue_returned = __flue_hook_body(
-                                __flue_arg0,
-                                __flue_arg1,
-                                __flue_arg2,
+                        let __flue_returned = __flue::send_body(
+                                __flue_hook_body(
+                                    __flue::lifecycle::hook_parameter(__flue_arg0),
+                                    __flue::lifecycle::hook_parameter(__flue_arg1),
+                                    __flue::lifecycle::hook_parameter(__flue_arg2),
+                                ),
                             )
                             .await;
                         __flue::lifecycle::hook_return::<

@@ -31,6 +31,8 @@ const _: () = {
         Ok(format!("{owner}: {query}"))
     }
     const _: () = __flue::tool::progress_argument::<String>();
+    const _: () = __flue::tool::tool_argument::<String>();
+    const _: () = __flue::tool::tool_argument::<String>();
     #[automatically_derived]
     #[allow(deprecated)]
     impl __flue::tool::ToolHandler for search_github_issues {
@@ -68,10 +70,12 @@ const _: () = {
                         ConvertibleReturn as _, DisplayErrorReturn as _,
                         OtherReturn as _, TextErrorReturn as _,
                     };
-                    let __flue_returned = __flue_tool_body(
-                            &__flue_ctx,
-                            __flue_args.owner,
-                            __flue_args.query,
+                    let __flue_returned = __flue::send_body(
+                            __flue_tool_body(
+                                &__flue_ctx,
+                                __flue_args.owner,
+                                __flue_args.query,
+                            ),
                         )
                         .await;
                     let __flue_returned = (&&&__flue::tool::Returned(&__flue_returned))
