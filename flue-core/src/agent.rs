@@ -88,10 +88,7 @@ impl AgentDefinition {
 
     /// Declares the creation-data type: creation data is checked against it and recorded as it
     /// reads the data (serialized back).
-    pub fn initial_data<T>(mut self) -> Self
-    where
-        T: serde::de::DeserializeOwned + serde::Serialize + schemars::JsonSchema + 'static,
-    {
+    pub fn initial_data<T: InitialData>(mut self) -> Self {
         self.initial_data = Some(InitialDataSpec::of::<T>());
         self
     }
@@ -386,6 +383,18 @@ impl From<()> for Instruction {
         Self(None)
     }
 }
+
+/// What an agent's creation data can be (`#[agent(initial_data = T)]`,
+/// [`AgentDefinition::initial_data`]): implemented for every type serde reads and writes and
+/// schemars describes; its message says which derives a type lacks.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be an agent's initial data",
+    label = "needs `#[derive(Serialize, Deserialize, JsonSchema)]`",
+    note = "creation data is checked against the type's JSON Schema and recorded as the type reads it (serialized back)"
+)]
+pub trait InitialData: serde::de::DeserializeOwned + serde::Serialize + schemars::JsonSchema + 'static {}
+
+impl<T: serde::de::DeserializeOwned + serde::Serialize + schemars::JsonSchema + 'static> InitialData for T {}
 
 /// An agent function's parameter declared as `Self`: only [`AgentProps`] itself. `#[agent]`
 /// asserts it at the parameter's type (through [`agent_parameter`]), so another type is

@@ -79,15 +79,43 @@ pub fn hook_return<T, R: HookReturn<T>>(value: R) -> Result<T, HookError> {
     value.into_hook_result()
 }
 
+/// The error of a lifecycle hook's `Result`: a [`HookError`] or any `std::error::Error`. Text
+/// is not one (coherence rules it out beside every error type): `HookError::new(text)` makes
+/// one of it.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a lifecycle hook's error",
+    label = "return `Err(HookError::new(text))`, or any `std::error::Error`",
+    note = "a `Result` a lifecycle hook returns fails with a `HookError` or a `std::error::Error` (which converts into one)"
+)]
+pub trait IntoHookError {
+    /// Converts into the hook's error.
+    fn into_hook_error(self) -> HookError;
+}
+
+impl IntoHookError for HookError {
+    fn into_hook_error(self) -> HookError {
+        self
+    }
+}
+
+// Not recommended: a type that is no error is reported as not being an `IntoHookError` (the
+// message above), rather than as not being a `std::error::Error`.
+#[diagnostic::do_not_recommend]
+impl<E: std::error::Error + Send + Sync + 'static> IntoHookError for E {
+    fn into_hook_error(self) -> HookError {
+        HookError::from(self)
+    }
+}
+
 impl<T> HookReturn<T> for T {
     fn into_hook_result(self) -> Result<T, HookError> {
         Ok(self)
     }
 }
 
-impl<T, E: Into<HookError>> HookReturn<T> for Result<T, E> {
+impl<T, E: IntoHookError> HookReturn<T> for Result<T, E> {
     fn into_hook_result(self) -> Result<T, HookError> {
-        self.map_err(Into::into)
+        self.map_err(IntoHookError::into_hook_error)
     }
 }
 
@@ -106,17 +134,81 @@ impl HookReturn<Option<ToolResult>> for ToolResult {
 }
 
 /// `after_system_message` may return the new message directly, in a `Result`.
-impl<E: Into<HookError>> HookReturn<Option<String>> for Result<String, E> {
+impl<E: IntoHookError> HookReturn<Option<String>> for Result<String, E> {
     fn into_hook_result(self) -> Result<Option<String>, HookError> {
-        self.map(Some).map_err(Into::into)
+        self.map(Some).map_err(IntoHookError::into_hook_error)
     }
 }
 
 /// `after_tool_call_*` may return the replacement result directly, in a `Result`.
-impl<E: Into<HookError>> HookReturn<Option<ToolResult>> for Result<ToolResult, E> {
+impl<E: IntoHookError> HookReturn<Option<ToolResult>> for Result<ToolResult, E> {
     fn into_hook_result(self) -> Result<Option<ToolResult>, HookError> {
-        self.map(Some).map_err(Into::into)
+        self.map(Some).map_err(IntoHookError::into_hook_error)
     }
+}
+
+/// What `#[agent(hooks = [..])]` and `parent_hooks` select as a lifecycle hook: a
+/// [`ThreadHook`]. Anything else is refused at compile time, a user-scope hook with where it
+/// belongs instead. ([`use_hooks`](crate::hooks::use_hooks) takes `ThreadHook`s as such, so an
+/// empty selection needs no annotation.)
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a thread lifecycle hook",
+    label = "not a `#[hook(kind)]` of a thread kind",
+    note = "agents select hooks defined with `#[hook(kind)]` for one of the 14 thread kinds",
+    note = "a user-scope hook (`user_client_attached`, `user_client_detached`, `user_value_changed`) is registered with the runtime instead: `RuntimeBuilder::user_hook(..)`"
+)]
+pub trait SelectableHook {
+    /// The hook itself.
+    fn into_thread_hook(self) -> ThreadHook;
+}
+
+impl SelectableHook for ThreadHook {
+    fn into_thread_hook(self) -> ThreadHook {
+        self
+    }
+}
+
+/// A value selected as an agent's hook that is not one (see [`SelectableHook`]): rustc reports
+/// the bound of this impl that fails, [`UserScope`] for anything but a user-scope hook, and
+/// [`RegisteredWithTheRuntime`] for a user-scope hook, each with its message. Neither holds for
+/// a type this impl could run for, so its body is never reached.
+impl<H: UserScope + RegisteredWithTheRuntime> SelectableHook for H {
+    fn into_thread_hook(self) -> ThreadHook {
+        unreachable!("no type is both a user-scope hook and registered with an agent")
+    }
+}
+
+/// A user-scope hook (see [`SelectableHook`]); anything else that an agent selects as a hook is
+/// reported as not being a thread hook.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a thread lifecycle hook",
+    label = "not a `#[hook(kind)]` of a thread kind",
+    note = "agents select hooks defined with `#[hook(kind)]` for one of the 14 thread kinds"
+)]
+#[doc(hidden)]
+pub trait UserScope {}
+
+impl UserScope for UserHook {}
+
+/// Never implemented (sealed): a user-scope hook selected by an agent is reported with where it
+/// belongs.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is a user-scope hook: register it with `RuntimeBuilder::user_hook(..)`; agents select thread hooks only",
+    label = "a user-scope hook runs for a user's clients and values, not in an agent's conversation"
+)]
+#[doc(hidden)]
+pub trait RegisteredWithTheRuntime: sealed::Never {}
+
+mod sealed {
+    /// Implemented by nothing.
+    pub trait Never {}
+}
+
+/// A selected hook as the [`ThreadHook`] it is, asserting [`SelectableHook`] where `#[agent]`
+/// spans it (at each listed hook).
+#[doc(hidden)]
+pub fn thread_hook<H: SelectableHook>(hook: H) -> ThreadHook {
+    hook.into_thread_hook()
 }
 
 /// The typed entry point of a thread hook, one variant per kind.

@@ -131,7 +131,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
     if let Some(hooks) = &model.options.hooks {
         let hooks = hooks
             .iter()
-            .map(|hook| quote_spanned!(crate::located_at(hook)=> { let __flue_hook: __flue::lifecycle::ThreadHook = #hook; __flue_hook }));
+            .map(|hook| quote_spanned!(crate::located_at(hook)=> __flue::lifecycle::thread_hook(#hook)));
         statics.push(quote!(__flue_definition = __flue_definition.hooks(::std::vec![#(#hooks),*]);));
     }
     if model.options.exposed_as_tool() {
@@ -146,6 +146,7 @@ pub(crate) fn agent(model: &AgentModel) -> TokenStream {
             } else {
                 quote!(__flue::agent::HookStage::AfterParent)
             };
+            let hook = quote_spanned!(crate::located_at(hook)=> __flue::lifecycle::thread_hook(#hook));
             quote_spanned!(hook.span()=> __flue::agent::ParentHookRequirement { hook: #hook, stage: #stage, reason: #reason })
         });
         statics.push(quote!(__flue_definition = __flue_definition.parent_hooks(::std::vec![#(#requirements),*]);));

@@ -125,16 +125,24 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                 let inner_key = inner.path.clone();
                 match inner_key.get_ident().map(ToString::to_string).as_deref() {
                     Some("max_attempts") => {
-                        if let Some(value) =
-                            crate::option_value(&inner, "agent", errors, "a positive integer", "durability(max_attempts = 3)")?
-                        {
+                        if let Some(value) = crate::option_value(
+                            &inner,
+                            "agent",
+                            errors,
+                            "a positive integer",
+                            "durability(max_attempts = 3)",
+                        )? {
                             set(&mut options.max_attempts, value, &inner_key, errors);
                         }
                     }
                     Some("timeout") => {
-                        if let Some(value) =
-                            crate::option_value(&inner, "agent", errors, "a duration string", "durability(timeout = \"90s\")")?
-                        {
+                        if let Some(value) = crate::option_value(
+                            &inner,
+                            "agent",
+                            errors,
+                            "a duration string",
+                            "durability(timeout = \"90s\")",
+                        )? {
                             set(&mut options.timeout, value, &inner_key, errors);
                         }
                     }

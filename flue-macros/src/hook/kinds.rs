@@ -20,7 +20,13 @@ impl Kind {
     /// `(state: &ThreadState, …) -> T`, for messages.
     pub(crate) fn signature(&self) -> String {
         let returns = if self.is_transform() {
-            format!(" and returns `{}` (or a `Result` of it)", self.returns)
+            // `after_system_message` and `after_tool_call_*` also take the value itself.
+            let direct = match self.returns {
+                "Option<String>" => " or `String`",
+                "Option<ToolResult>" => " or `ToolResult`",
+                _ => "",
+            };
+            format!(" and returns `{}`{direct} (or a `Result` of it)", self.returns)
         } else {
             String::new()
         };

@@ -22,6 +22,16 @@ enum Arg {
 
 impl Parse for Arg {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        if input.peek(LitStr) {
+            let kind: LitStr = input.parse()?;
+            return Err(syn::Error::new(
+                kind.span(),
+                format!(
+                    "the hook kind comes first, bare, not as a string: write `#[hook({})]`",
+                    kind.value()
+                ),
+            ));
+        }
         let key: Ident = input.call(syn::ext::IdentExt::parse_any)?;
         if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
@@ -29,6 +39,8 @@ impl Parse for Arg {
                 let message = match key.to_string().as_str() {
                     "id" => "#[hook] option `id` takes a string: write `id = \"my_hook\"`".to_owned(),
                     "crate" => "#[hook] option `crate` takes a string: write `crate = \"flue_runtime\"`".to_owned(),
+                    "kind" => "the hook kind comes first, bare: write `#[hook(filter_messages)]` (the kind's name, not `kind = …`)"
+                        .to_owned(),
                     _ => format!("unknown #[hook] option `{key}`; expected one of: `id`, `crate`"),
                 };
                 syn::Error::new(
@@ -88,6 +100,10 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                     Err(_) => errors.spanned(&value, "`crate` must name a path, like \"flue_runtime\""),
                 },
                 "id" | "crate" => errors.spanned(&key, format!("duplicate #[hook] option `{key}`")),
+                "kind" => errors.spanned(
+                    &key,
+                    format!("the hook kind comes first, bare: write `#[hook({})]`", value.value()),
+                ),
                 _ => errors.spanned(
                     &key,
                     format!("unknown #[hook] option `{key}`; expected one of: `id`, `crate`"),

@@ -18,12 +18,7 @@ const _: () = {
             .description("Finds duplicate GitHub issues.");
         __flue_definition = __flue_definition.max_steps(6);
         __flue_definition = __flue_definition
-            .hooks(
-                ::std::vec![
-                    { let __flue_hook : __flue::lifecycle::ThreadHook = redact_emails;
-                    __flue_hook }
-                ],
-            );
+            .hooks(::std::vec![__flue::lifecycle::thread_hook(redact_emails)]);
         __flue_definition
     }
     #[allow(deprecated)]
