@@ -216,10 +216,8 @@ fn token_count(value: &Value) -> Option<u32> {
     }
     let count = value.as_f64()?;
     // `-0.0` is an integer and not negative, as in the reference.
-    (count.is_finite() && count.fract() == 0.0 && count >= 0.0).then(|| {
-        // Saturating: a whole number past `u32::MAX` becomes `u32::MAX`.
-        count as u32
-    })
+    // `as` saturates: a whole number past `u32::MAX` becomes `u32::MAX`.
+    (count.is_finite() && count.fract() == 0.0 && count >= 0.0).then_some(count as u32)
 }
 
 /// Model options that break a rule (the reference's `use_model()` messages).
