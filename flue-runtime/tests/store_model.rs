@@ -1,6 +1,8 @@
 //! The stores told apart by random use: sequences of ledger and stream operations (admissions,
-//! claims, joins, settlements, requeues, aborts, lease renewals and takeovers, appends under a
-//! fence, user values set, read and listed by prefix) are made on the memory store and on
+//! dispatched or direct, unconditional or conditional on the incarnation, claims, joins,
+//! settlements, requeues, aborts, lease renewals and takeovers, appends under a fence, task
+//! children created under a fence, paged reads, user values set, read and listed by prefix) are
+//! made on the memory store and on
 //! SQLite (and on Postgres when `FLUE_TEST_POSTGRES_URL` names one, as the README's test
 //! command does), and every answer, and everything a reader sees afterwards, must be the same
 //! on each. The contract suite checks chosen cases; this finds the orders of operations nobody
@@ -15,10 +17,10 @@ use std::sync::Arc;
 
 use flue_runtime::lifecycle::{UserValue, UserValuePage, UserValuesQuery};
 use flue_runtime::message::DeliveredMessage;
-use flue_runtime::record::{Batch, Outcome, Record, RecordBody, SettlementError};
+use flue_runtime::record::{Batch, ConversationKind, Outcome, Record, RecordBody, SettlementError};
 use flue_runtime::store::{
     Admission, AttemptRef, Claim, InstanceKey, MemoryStore, SqliteStore, Store, StoreError, Submission, SubmissionKind,
-    UidCondition,
+    SubmissionStatus, UidCondition,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -34,6 +36,10 @@ const LEASE_UNTIL_MS: u64 = 4_000_000_000_000;
 /// The `now` of the lease scans and takeovers: past every claim's lease, not past a renewed
 /// one's.
 const SCAN_AT_MS: u64 = LEASE_UNTIL_MS + 1_000;
+/// Task children each instance may have (their streams follow the instances' in [`stream_key`]).
+const CHILDREN: usize = 2;
+/// The streams: the instances', then their children's.
+const STREAMS: usize = INSTANCES.len() * (1 + CHILDREN);
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -43,6 +49,14 @@ enum Op {
         text: u8,
         keyed: bool,
         claim: bool,
+        /// A direct send (else a dispatch).
+        direct: bool,
+        /// The conditional-send rule: see [`Driven::uid_condition`].
+        uid: u8,
+        /// Creation data (which an admission that creates the instance keeps).
+        data: bool,
+        /// Another attempt budget and timeout.
+        budget: bool,
     },
     ClaimNext {
         instance: usize,
@@ -60,10 +74,26 @@ enum Op {
         instance: usize,
     },
     Append {
-        instance: usize,
-        /// The attempt of this submission authorizes the append (none: an unfenced append).
-        by: Option<u8>,
+        /// An instance's stream or a child's (see [`stream_key`]).
+        stream: usize,
+        by: By,
         records: u8,
+    },
+    /// Creates the task child `child` of the instance with its link in the instance's stream.
+    CreateChild {
+        parent: usize,
+        child: usize,
+        by: By,
+    },
+    /// Reads a page of a stream.
+    ReadPage {
+        stream: usize,
+        after: Option<u64>,
+        limit: usize,
+    },
+    /// Asks which of these submissions settled.
+    SettledAmong {
+        submissions: Vec<u8>,
     },
     ClaimJoinable {
         host: u8,
@@ -111,6 +141,26 @@ enum Op {
     },
 }
 
+/// Who authorizes a write.
+#[derive(Clone, Debug)]
+enum By {
+    /// Nobody: an unfenced write.
+    Nobody,
+    /// The latest attempt of this submission (see [`Driven::attempt`]).
+    Submission(u8),
+    /// The attempt running on the stream's instance (its root's, for a child's), if any; else
+    /// an attempt never made.
+    Running,
+}
+
+fn by() -> impl Strategy<Value = By> {
+    prop_oneof![
+        1 => Just(By::Nobody),
+        1 => (0..SUBMISSIONS).prop_map(By::Submission),
+        1 => Just(By::Running),
+    ]
+}
+
 /// User-value keys that tell orderings and prefix matches apart: `_` and `%` (wildcards to
 /// `LIKE`), case, non-ASCII, a backslash.
 const USER_KEYS: [&str; 9] = ["a", "ab", "a_b", "aXb", "a%", "A", "é", "a\\b", "b"];
@@ -121,22 +171,41 @@ fn op() -> impl Strategy<Value = Op> {
     let instance = 0..INSTANCES.len();
     let submission = 0..SUBMISSIONS;
     prop_oneof![
-        4 => (instance.clone(), submission.clone(), 0..2u8, any::<bool>(), any::<bool>()).prop_map(
-            |(instance, submission, text, keyed, claim)| Op::Admit {
-                instance,
-                submission,
-                text,
-                keyed,
-                claim
-            }
-        ),
+        4 => (
+            instance.clone(),
+            submission.clone(),
+            0..2u8,
+            any::<bool>(),
+            any::<bool>(),
+            prop::bool::weighted(0.3),
+            prop::sample::select(vec![0u8, 0, 1, 2, 3, 4]),
+            prop::bool::weighted(0.2),
+            prop::bool::weighted(0.2),
+        )
+            .prop_map(
+                |(instance, submission, text, keyed, claim, direct, uid, data, budget)| Op::Admit {
+                    instance,
+                    submission,
+                    text,
+                    keyed,
+                    claim,
+                    direct,
+                    uid,
+                    data,
+                    budget,
+                }
+            ),
         3 => instance.clone().prop_map(|instance| Op::ClaimNext { instance }),
         3 => (submission.clone(), 0..3u8, prop::bool::weighted(0.2))
             .prop_map(|(submission, outcome, stale)| Op::Settle { submission, outcome, stale }),
         2 => submission.clone().prop_map(|submission| Op::Requeue { submission }),
         1 => instance.clone().prop_map(|instance| Op::RequestAbort { instance }),
-        2 => (instance.clone(), prop::option::of(submission.clone()), 1..4u8)
-            .prop_map(|(instance, by, records)| Op::Append { instance, by, records }),
+        2 => (0..STREAMS, by(), 1..4u8).prop_map(|(stream, by, records)| Op::Append { stream, by, records }),
+        2 => (instance.clone(), 0..CHILDREN, by()).prop_map(|(parent, child, by)| Op::CreateChild { parent, child, by }),
+        // Children's streams as often as instances'; pages that start in the (short) streams.
+        2 => (prop_oneof![instance.clone(), INSTANCES.len()..STREAMS], prop::option::weighted(0.6, 0..3u64), 1..4usize)
+            .prop_map(|(stream, after, limit)| Op::ReadPage { stream, after, limit }),
+        1 => prop::collection::vec(submission.clone(), 0..4).prop_map(|submissions| Op::SettledAmong { submissions }),
         2 => submission.clone().prop_map(|host| Op::ClaimJoinable { host }),
         2 => (submission.clone(), submission.clone()).prop_map(|(host, joined)| Op::FinalizeJoin { host, joined }),
         2 => submission.clone().prop_map(|host| Op::RevertJoins { host }),
@@ -165,6 +234,25 @@ fn key(instance: usize) -> InstanceKey {
     InstanceKey::new(agent, id)
 }
 
+/// A stream: an instance's (`0..INSTANCES.len()`), then each instance's task children's.
+fn stream_key(stream: usize) -> InstanceKey {
+    if stream < INSTANCES.len() {
+        return key(stream);
+    }
+    let (parent, child) = (
+        (stream - INSTANCES.len()) / CHILDREN,
+        (stream - INSTANCES.len()) % CHILDREN,
+    );
+    child_key(parent, child)
+}
+
+/// The task child `child` of the instance `parent` (its agent's `:task` key, its id under the
+/// instance's).
+fn child_key(parent: usize, child: usize) -> InstanceKey {
+    let (agent, id) = INSTANCES[parent];
+    InstanceKey::new(format!("{agent}:task"), format!("{id}/task_{child}"))
+}
+
 fn submission_id(submission: u8) -> String {
     format!("sub_{submission}")
 }
@@ -180,6 +268,7 @@ enum Answer {
         offset: Option<u64>,
         claimed: Option<Row>,
         born: bool,
+        incarnation: Incarnation,
     },
     Claimed(Option<Row>),
     Joinable(Vec<Row>),
@@ -193,7 +282,20 @@ enum Answer {
     Count(usize),
     Offset(u64),
     Aborted(Vec<String>),
+    Batches(Stream),
     Refused(String),
+}
+
+/// The incarnation an admission answered, against those the store gave the instance before
+/// (they are generated: each store's own).
+#[derive(Debug, PartialEq)]
+enum Incarnation {
+    /// The instance had none (this admission created it).
+    New,
+    /// The one it had.
+    Kept,
+    /// Another than it had: an instance's incarnation never changes.
+    Changed,
 }
 
 /// A submission row as every store must keep it.
@@ -286,6 +388,8 @@ struct Driven {
     /// The latest attempt each submission was claimed under (by a claim, an admission's claim
     /// or a join's host).
     attempts: HashMap<String, String>,
+    /// The incarnation each instance was admitted under.
+    uids: HashMap<usize, String>,
 }
 
 impl Driven {
@@ -297,6 +401,58 @@ impl Driven {
                 .get(submission)
                 .cloned()
                 .unwrap_or_else(|| "att_never".to_owned()),
+        }
+    }
+
+    /// The conditional-send rule `uid` names for `instance`: unconditional (0), create only
+    /// (1), continue this store's incarnation of the instance (2), or of the next instance (3:
+    /// the first two share an id), or an incarnation no store made (4). An instance never
+    /// admitted has no incarnation to name: `inst_unmade`.
+    fn uid_condition(&self, instance: usize, uid: u8) -> UidCondition {
+        let of = |instance: usize| {
+            self.uids
+                .get(&instance)
+                .cloned()
+                .unwrap_or_else(|| "inst_unmade".to_owned())
+        };
+        match uid {
+            0 => UidCondition::Any,
+            1 => UidCondition::CreateOnly,
+            2 => UidCondition::Existing(of(instance)),
+            3 => UidCondition::Existing(of((instance + 1) % INSTANCES.len())),
+            _ => UidCondition::Existing("inst_x".to_owned()),
+        }
+    }
+
+    /// The attempt `by` names for a write to `stream` (none: unfenced).
+    async fn authorization(&self, stream: usize, by: &By) -> Option<AttemptRef> {
+        match *by {
+            By::Nobody => None,
+            By::Submission(submission) => Some(self.attempt(&submission_id(submission))),
+            By::Running => {
+                let root = key(if stream < INSTANCES.len() {
+                    stream
+                } else {
+                    (stream - INSTANCES.len()) / CHILDREN
+                });
+                for submission in 0..SUBMISSIONS {
+                    let row = self.store.submission(&submission_id(submission)).await.unwrap();
+                    if let Some(row) = row
+                        && row.key == root
+                        && row.status == SubmissionStatus::Running
+                        && let Some(attempt_id) = row.attempt_id
+                    {
+                        return Some(AttemptRef {
+                            submission_id: row.id,
+                            attempt_id,
+                        });
+                    }
+                }
+                Some(AttemptRef {
+                    submission_id: submission_id(0),
+                    attempt_id: "att_never".to_owned(),
+                })
+            }
         }
     }
 
@@ -320,17 +476,25 @@ impl Driven {
                 text,
                 keyed,
                 claim: claims,
+                direct,
+                uid,
+                data,
+                budget,
             } => {
                 let admission = Admission {
                     key: key(instance),
                     submission_id: submission_id(submission),
                     keyed,
-                    kind: SubmissionKind::Dispatch,
+                    kind: if direct {
+                        SubmissionKind::Direct
+                    } else {
+                        SubmissionKind::Dispatch
+                    },
                     message: DeliveredMessage::user(format!("message {text}")),
-                    initial_data: None,
-                    uid: UidCondition::Any,
-                    max_attempts: 3,
-                    timeout_ms: 3_600_000,
+                    initial_data: data.then(|| serde_json::json!({"plan": "pro"})),
+                    uid: self.uid_condition(instance, uid),
+                    max_attempts: if budget { 5 } else { 3 },
+                    timeout_ms: if budget { 60_000 } else { 3_600_000 },
                     claim: claims.then(claim),
                     trace: None,
                 };
@@ -339,14 +503,27 @@ impl Driven {
                         if let Some(claimed) = &admitted.claimed {
                             self.note_claim(claimed);
                         }
+                        let incarnation = match self.uids.get(&instance) {
+                            None => Incarnation::New,
+                            Some(uid) if *uid == admitted.uid => Incarnation::Kept,
+                            Some(_) => Incarnation::Changed,
+                        };
+                        self.uids.entry(instance).or_insert(admitted.uid);
                         Answer::Admitted {
                             submission: admitted.submission.into(),
                             deduplicated: admitted.deduplicated,
                             offset: admitted.offset,
                             claimed: admitted.claimed.map(Row::from),
                             born: admitted.birth.is_some(),
+                            incarnation,
                         }
                     }
+                    // The incarnation it names is the one the store gave the instance.
+                    Err(StoreError::InstanceExists { id, uid }) => Answer::Refused(format!(
+                        "{} (its incarnation: {})",
+                        StoreError::InstanceExists { id, uid: uid.clone() },
+                        self.uids.get(&instance) == Some(&uid)
+                    )),
                     Err(error) => refused(error),
                 }
             }
@@ -409,8 +586,9 @@ impl Driven {
                 ids.sort();
                 Answer::Aborted(ids)
             }),
-            &Op::Append { instance, by, records } => {
-                let authorization = by.map(|submission| self.attempt(&submission_id(submission)));
+            Op::Append { stream, by, records } => {
+                let (stream, records) = (*stream, *records);
+                let authorization = self.authorization(stream, by).await;
                 let records: Arc<[Record]> = (0..records)
                     .map(|index| Record {
                         id: format!("record_{step}_{index}"),
@@ -424,9 +602,71 @@ impl Driven {
                     })
                     .collect();
                 answer(
-                    self.store.append(&key(instance), records, authorization.as_ref()).await,
+                    self.store
+                        .append(&stream_key(stream), records, authorization.as_ref())
+                        .await,
                     Answer::Offset,
                 )
+            }
+            Op::CreateChild { parent, child, by } => {
+                let (parent, child) = (*parent, *child);
+                let authorization = self.authorization(parent, by).await;
+                let (parent, child_key) = (key(parent), child_key(parent, child));
+                let link = Record {
+                    id: format!("record_link_{step}"),
+                    submission_id: authorization.as_ref().map(|by| by.submission_id.as_str().into()),
+                    attempt_id: authorization.as_ref().map(|by| by.attempt_id.as_str().into()),
+                    timestamp: "2026-12-04T00:00:00.000Z".into(),
+                    body: RecordBody::ChildSessionRetained {
+                        task_id: format!("task_{child}"),
+                        kind: ConversationKind::Task,
+                        child: child_key.clone(),
+                        parent_tool_call_id: format!("call_{step}"),
+                    },
+                };
+                let birth = Record {
+                    id: format!("record_birth_{step}"),
+                    submission_id: None,
+                    attempt_id: None,
+                    timestamp: "2026-12-04T00:00:00.000Z".into(),
+                    body: RecordBody::ConversationCreated {
+                        uid: format!("inst_child_{step}"),
+                        initial_data: None,
+                        kind: Some(ConversationKind::Task),
+                        parent: Some(parent.clone()),
+                        task_id: Some(format!("task_{child}")),
+                        agent: Some("helper".into()),
+                    },
+                };
+                answer(
+                    self.store
+                        .create_child(
+                            &parent,
+                            vec![link].into(),
+                            &child_key,
+                            vec![birth].into(),
+                            authorization.as_ref(),
+                        )
+                        .await,
+                    Answer::Offset,
+                )
+            }
+            &Op::ReadPage { stream, after, limit } => {
+                answer(self.store.read_page(&stream_key(stream), after, limit).await, |page| {
+                    Answer::Batches(self::stream(&page))
+                })
+            }
+            Op::SettledAmong { submissions } => {
+                let mut ids: Vec<String> = submissions
+                    .iter()
+                    .map(|submission| submission_id(*submission))
+                    .collect();
+                ids.sort();
+                ids.dedup();
+                answer(self.store.settled_among(&ids).await, |mut settled| {
+                    settled.sort();
+                    Answer::Ids(settled)
+                })
             }
             &Op::ClaimJoinable { host } => {
                 let host = self.attempt(&submission_id(host));
@@ -525,20 +765,35 @@ impl Driven {
         }
     }
 
-    /// Everything a reader can see once the case ends: each submission's row, each
-    /// instance's queue flag and stream, each user's values.
+    /// Everything a reader can see once the case ends: each submission's row, whether each
+    /// stream exists, its queue flag, the stream whole and paged through two batches at a time,
+    /// each user's values, the submissions settled.
     async fn observed(&self) -> Vec<String> {
         let mut seen = Vec::new();
         for submission in 0..SUBMISSIONS {
             let row = self.store.submission(&submission_id(submission)).await.unwrap();
             seen.push(format!("{submission}: {:?}", row.map(Row::from)));
         }
-        for instance in 0..INSTANCES.len() {
-            let key = key(instance);
+        for stream_at in 0..STREAMS {
+            let key = stream_key(stream_at);
+            let exists = self.store.instance(&key).await.unwrap().is_some();
             let queued = self.store.has_queued(&key).await.unwrap();
             let batches = self.store.read(&key, None).await.unwrap();
             let last = self.store.last_offset(&key).await.unwrap();
-            seen.push(format!("{key}: queued {queued}, last {last:?}, {:?}", stream(&batches)));
+            let mut pages = Vec::new();
+            let mut after = None;
+            loop {
+                let page = self.store.read_page(&key, after, 2).await.unwrap();
+                pages.push(stream(&page));
+                match page.last() {
+                    Some(batch) if page.len() == 2 => after = Some(batch.offset),
+                    _ => break,
+                }
+            }
+            seen.push(format!(
+                "{key}: exists {exists}, queued {queued}, last {last:?}, {:?}, in pages {pages:?}",
+                stream(&batches)
+            ));
         }
         for user in 0..2 {
             let all = self
@@ -548,6 +803,10 @@ impl Driven {
                 .unwrap();
             seen.push(format!("user-{user}: {all:?}"));
         }
+        let ids: Vec<String> = (0..SUBMISSIONS).map(submission_id).collect();
+        let mut settled = self.store.settled_among(&ids).await.unwrap();
+        settled.sort();
+        seen.push(format!("settled: {settled:?}"));
         let mut with_queued = self.store.instances_with_queued().await.unwrap();
         with_queued.sort();
         seen.push(format!("instances with queued work: {with_queued:?}"));
@@ -583,6 +842,7 @@ async fn agree(ops: &[Op]) -> Result<(), TestCaseError> {
                 Driven {
                     store,
                     attempts: HashMap::new(),
+                    uids: HashMap::new(),
                 },
             )
         })
@@ -593,6 +853,19 @@ async fn agree(ops: &[Op]) -> Result<(), TestCaseError> {
             answers.push((*name, store.apply(step, op).await));
         }
         let (reference, expected) = &answers[0];
+        prop_assert!(
+            !matches!(
+                expected,
+                Answer::Admitted {
+                    incarnation: Incarnation::Changed,
+                    ..
+                }
+            ),
+            "step {} ({:?}): {} answered another incarnation than the instance had",
+            step,
+            op,
+            reference
+        );
         for (name, answer) in &answers[1..] {
             prop_assert_eq!(
                 answer,

@@ -667,8 +667,14 @@ impl Projection {
                 self.append_message(message, out);
             }
             RecordBody::MessageUpdated { message_id, updates } => {
+                // A client merges the chunk into the message's metadata, making it when there is
+                // none: a replacement left with nothing (`{}`, or only `null` members) on a row
+                // that had none sends none, as the snapshot then has none either.
                 if let Some(shown) = self.update_message(message_id, updates)
                     && let Some(Value::Object(metadata)) = updates.get("metadata")
+                    && self
+                        .message_mut(&shown)
+                        .is_some_and(|message| message.contains_key("metadata"))
                 {
                     out.push(json!({"type": "message-metadata", "messageId": shown, "metadata": metadata}));
                 }
@@ -1753,6 +1759,13 @@ mod tests {
         assert_eq!(metadata(&projection), None);
         let chunks = fold(&mut projection, vec![updated(Value::Null)]);
         assert_eq!(chunks, [Vec::<String>::new()], "nothing to take away");
+        // Replaced with nothing on a row that holds none: no chunk, which a client would merge
+        // into a `metadata: {}` the snapshot does not have.
+        for nothing in [json!({}), json!({"seen": null})] {
+            let chunks = fold(&mut projection, vec![updated(nothing.clone())]);
+            assert_eq!(chunks, [Vec::<String>::new()], "{nothing}");
+            assert_eq!(metadata(&projection), None, "{nothing}");
+        }
     }
 
     #[test]

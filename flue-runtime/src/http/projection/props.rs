@@ -20,23 +20,45 @@
 //! - a `compaction` appends a diagnostic system message (its record's id, the summary as its
 //!   text, signal `conversation-summary` with the reason) and changes nothing else: the
 //!   transcript before it stays, a part streaming stays streaming, and the response's later
-//!   steps still fold into its message (before the summary).
+//!   steps still fold into its message (before the summary);
+//! - `message_updated {silent}` hides a non-assistant message (`display: hidden`; shown again
+//!   as its kind shows it: a signal as classified, else `visible`), and a response while every
+//!   step of it that counts (completed and not deleted, or the newest) is silent;
+//! - `message_updated {metadata}` on a step deep-merges into its response's metadata (`null`
+//!   changes nothing); on another row it replaces the row's (without its `null` members;
+//!   `null`, or nothing left, removes it). A first step's start metadata and a non-empty
+//!   `message_metadata` (the response's finish) deep-merge into the response's. A response
+//!   shows `metadata` once something merged into it (an object of `null`s too: `{}`);
+//! - a `signal` appends a system message classified by its type (reference §4.6: purpose,
+//!   display, a settlement for the terminal advisories), with `signal` holding its tag name and
+//!   attributes when it has either; a `message_injected` appends a message of its role
+//!   (`display: hidden` when silent, its metadata when it has any); a `child_session_retained`
+//!   shows nothing.
 //!
 //! The generator writes compactions where the runtime does (`Response::compact`): a threshold
 //! one before a step's first call, and an overflow one after a failed call, maybe after the
-//! step's start and deltas were appended, before the call is made again.
+//! step's start and deltas were appended, before the call is made again. It writes the other
+//! rows where the runtime does too: signals as a submission's input, in its start seam's batch
+//! (with `agent_start_run`), in a narration batch before a step (with `resource_snapshot`), in
+//! a finish cycle's batch between steps (with `agent_finish_cycle`) and as a terminal advisory
+//! in an aborted or failed settlement's batch; injected rows in a batch of their own between
+//! steps; the response's finish metadata after its last step; a task child's link while the
+//! step's calls run.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+
+use flue_core::lifecycle::MessageRole;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use super::Projection;
 use crate::provider::StopReason;
 use crate::record::test_records::{record, started};
-use crate::record::{Batch, Outcome, Record, RecordBody};
+use crate::record::{Batch, ConversationKind, Outcome, Record, RecordBody};
+use crate::store::InstanceKey;
 
 // ---------------------------------------------------------------------------------------------
 // Generation
@@ -102,14 +124,19 @@ struct Generator<'a, 'b> {
     completed: Vec<(String, bool)>,
     /// Steps that started and never completed, and are not streaming now.
     abandoned: Vec<String>,
-    /// User message ids.
-    users: Vec<String>,
+    /// The ids of the rows that are not model steps: user messages, signals, injected rows.
+    plain: Vec<String>,
     /// The rows of the conversation the model reads, oldest first, that a compaction can keep:
-    /// user messages, completed steps, and the last compaction's summary (`None`: its id is its
-    /// record's, made when the stream is folded).
+    /// user messages, signals, injected rows, completed steps, and the last compaction's summary
+    /// (`None`: its id is its record's, made when the stream is folded).
     rows: Vec<Option<String>>,
     /// Whether the current submission has a completed step.
     stepped: bool,
+    /// The current submission's first step, and the metadata its starts carry (its
+    /// `use_response_start` callbacks').
+    first_step: (String, Option<Map<String, Value>>),
+    /// How many signals and injected rows were made (their ids).
+    made: u32,
 }
 
 impl Generator<'_, '_> {
@@ -141,11 +168,144 @@ impl Generator<'_, '_> {
         )
     }
 
-    /// Maybe a batch editing or deleting history rows.
-    fn history_edit(&mut self, sub: &str) {
-        if !self.choices.chance(30) {
+    /// A metadata object: 0 to 2 members, numbers or objects; with `nulls`, members that are
+    /// `null` (at the top or nested), which a merge skips.
+    fn metadata(&mut self, nulls: bool) -> Map<String, Value> {
+        let mut metadata = Map::new();
+        for _ in 0..self.choices.below(3) {
+            let key = ["a", "b"][self.choices.below(2) as usize];
+            let n = self.choices.below(3);
+            let value = match self.choices.below(if nulls { 4 } else { 2 }) {
+                0 => json!(n),
+                1 => json!({["x", "y"][self.choices.below(2) as usize]: n}),
+                2 => Value::Null,
+                _ => json!({"x": null, "y": n}),
+            };
+            metadata.insert(key.to_owned(), value);
+        }
+        metadata
+    }
+
+    /// The start of `step`: the submission's first step carries the response's start metadata.
+    fn start(&self, step: &str) -> RecordBody {
+        let mut body = started(step);
+        if let RecordBody::AssistantMessageStarted { response_metadata, .. } = &mut body
+            && self.first_step.0 == step
+        {
+            response_metadata.clone_from(&self.first_step.1);
+        }
+        body
+    }
+
+    /// A signal row of type `signal_type`, maybe with attributes and a tag name.
+    fn signal(&mut self, sub: &str, signal_type: &str) -> (String, RecordBody) {
+        self.made += 1;
+        let id = format!("sig_{}", self.made);
+        let mut attributes = BTreeMap::new();
+        if self.choices.chance(50) {
+            attributes.insert("k".to_owned(), format!("v{}", self.choices.below(3)));
+        }
+        let tag_name = self.choices.chance(50).then(|| "note".to_owned());
+        self.plain.push(id.clone());
+        self.rows.push(Some(id.clone()));
+        (
+            sub.to_owned(),
+            RecordBody::Signal {
+                message_id: id,
+                signal_type: signal_type.to_owned(),
+                body: format!("signal-{}", self.choices.piece()),
+                attributes,
+                tag_name,
+            },
+        )
+    }
+
+    /// 1 or 2 signals a callback appends (of an application's types, or of types the runtime
+    /// classifies as hidden), then `marker`.
+    fn appends(&mut self, sub: &str, marker: RecordBody) -> Vec<(String, RecordBody)> {
+        let mut batch = Vec::new();
+        for _ in 0..1 + self.choices.below(2) {
+            let signal_type =
+                ["ticket_opened", "stream_interrupted", "reminder", "stream_continued"][self.choices.below(4) as usize];
+            batch.push(self.signal(sub, signal_type));
+        }
+        batch.push((sub.to_owned(), marker));
+        batch
+    }
+
+    /// Maybe a narration before a step's model call: a `resources`, `instructions` or
+    /// `environment` signal with the resources' snapshot.
+    fn narration(&mut self, sub: &str) {
+        if !self.choices.chance(10) {
             return;
         }
+        let signal_type = ["resources", "instructions", "environment"][self.choices.below(3) as usize];
+        let signal = self.signal(sub, signal_type);
+        self.push(vec![
+            signal,
+            (
+                sub.to_owned(),
+                RecordBody::ResourceSnapshot {
+                    snapshot: Default::default(),
+                    baseline: None,
+                },
+            ),
+        ]);
+    }
+
+    /// Maybe rows written after a step: a row injected through the thread (a batch of its
+    /// own, with the update of its name when a hook gave it one), and, when a step follows
+    /// (`more`), a finish cycle's appended signals with its marker.
+    fn interjection(&mut self, sub: &str, more: bool) {
+        if self.choices.chance(15) {
+            self.made += 1;
+            let id = format!("note_{}", self.made);
+            let role = [MessageRole::User, MessageRole::System, MessageRole::Assistant][self.choices.below(3) as usize];
+            let silent = self.choices.chance(30);
+            let metadata = self.metadata(false);
+            let mut batch = vec![(
+                sub.to_owned(),
+                RecordBody::MessageInjected {
+                    message_id: id.clone(),
+                    role,
+                    content: format!("note-{}", self.choices.piece()),
+                    silent,
+                    metadata,
+                },
+            )];
+            if self.choices.chance(30) {
+                let mut updates = Map::new();
+                updates.insert("name".into(), json!("helper"));
+                batch.push((
+                    sub.to_owned(),
+                    RecordBody::MessageUpdated {
+                        message_id: id.clone(),
+                        updates,
+                    },
+                ));
+            }
+            self.plain.push(id.clone());
+            self.rows.push(Some(id));
+            self.push(batch);
+        }
+        if more && self.choices.chance(10) {
+            let batch = self.appends(sub, RecordBody::AgentFinishCycle);
+            self.push(batch);
+        }
+    }
+
+    /// Maybe a batch or two editing or deleting history rows.
+    fn history_edits(&mut self, sub: &str) {
+        for _ in 0..2 {
+            if !self.choices.chance(30) {
+                return;
+            }
+            self.history_edit(sub);
+        }
+    }
+
+    /// A batch editing or deleting a history row (or joined to the last batch).
+    fn history_edit(&mut self, sub: &str) {
         let partless = self.features.partless_history_edits;
         let mut targets: Vec<String> = self
             .completed
@@ -156,26 +316,48 @@ impl Generator<'_, '_> {
         if partless {
             targets.extend(self.abandoned.iter().cloned());
         }
-        targets.extend(self.users.iter().cloned());
+        targets.extend(self.plain.iter().cloned());
         if targets.is_empty() {
             return;
         }
         let target = targets[self.choices.below(targets.len() as u32) as usize].clone();
-        let body = if self.choices.chance(50) {
-            let mut updates = serde_json::Map::new();
-            updates.insert("content".into(), json!(format!("edited-{}", self.choices.piece())));
-            RecordBody::MessageUpdated {
-                message_id: target.clone(),
-                updates,
-            }
-        } else {
+        // The content, the metadata, the display, or some of them (and fields not shown), or a
+        // deletion.
+        let edit = self.choices.below(5);
+        let body = if edit == 1 {
             if !self.features.partless_history_edits {
                 // Delete a row only once.
                 self.completed.retain(|(step, _)| *step != target);
             }
-            self.users.retain(|user| *user != target);
+            self.plain.retain(|row| *row != target);
             self.rows.retain(|row| row.as_ref() != Some(&target));
             RecordBody::MessageDeleted { message_id: target }
+        } else {
+            let mut updates = serde_json::Map::new();
+            if edit == 0 || (edit == 4 && self.choices.chance(50)) {
+                updates.insert("content".into(), json!(format!("edited-{}", self.choices.piece())));
+            }
+            if edit == 2 || (edit == 4 && self.choices.chance(50)) {
+                let metadata = if self.choices.chance(20) {
+                    Value::Null
+                } else {
+                    Value::Object(self.metadata(true))
+                };
+                // Replaced on a plain row (its members that are not `null`; `{}` or only
+                // `null`s on a row that had none sends no chunk), merged into a step's response.
+                updates.insert("metadata".into(), metadata);
+            }
+            if edit == 3 || (edit == 4 && self.choices.chance(50)) {
+                updates.insert("silent".into(), json!(self.choices.chance(60)));
+            }
+            if edit == 4 && self.choices.chance(30) {
+                updates.insert("status".into(), json!("completed"));
+                updates.insert("name".into(), json!("renamed"));
+            }
+            RecordBody::MessageUpdated {
+                message_id: target.clone(),
+                updates,
+            }
         };
         self.push_or_join(vec![(sub.to_owned(), body)]);
     }
@@ -239,7 +421,7 @@ impl Generator<'_, '_> {
             for _ in 0..self.choices.below(4) {
                 let mut batch = Vec::new();
                 if !opened || restarted {
-                    batch.push((sub.to_owned(), started(&id)));
+                    batch.push((sub.to_owned(), self.start(&id)));
                     opened = true;
                     restarted = false;
                 }
@@ -330,7 +512,7 @@ impl Generator<'_, '_> {
         let has_text = !text.is_empty();
         let mut batch = Vec::new();
         if !opened {
-            batch.push((sub.to_owned(), started(id)));
+            batch.push((sub.to_owned(), self.start(id)));
         }
         let calls: Vec<String> = (0..self.choices.below(3)).map(|n| format!("call_{id}_{n}")).collect();
         for (n, call) in calls.iter().enumerate() {
@@ -364,6 +546,12 @@ impl Generator<'_, '_> {
         if !opened && self.choices.chance(15) {
             let mut updates = serde_json::Map::new();
             updates.insert("content".into(), json!(format!("hooked-{}", self.choices.piece())));
+            if self.choices.chance(30) {
+                updates.insert("silent".into(), json!(true));
+            }
+            if self.choices.chance(30) {
+                updates.insert("metadata".into(), Value::Object(self.metadata(false)));
+            }
             batch.push((
                 sub.to_owned(),
                 RecordBody::MessageUpdated {
@@ -378,6 +566,21 @@ impl Generator<'_, '_> {
         }
         self.push(batch);
         self.stepped = true;
+        if let Some(call) = calls.first()
+            && self.choices.chance(15)
+        {
+            // A `task` call's child, linked while the call runs (its birth record is in its own
+            // stream).
+            self.push(vec![(
+                sub.to_owned(),
+                RecordBody::ChildSessionRetained {
+                    task_id: format!("task_{call}"),
+                    kind: ConversationKind::Task,
+                    child: InstanceKey::new("a", format!("i/task_{call}")),
+                    parent_tool_call_id: call.clone(),
+                },
+            )]);
+        }
         if !calls.is_empty() {
             let outcomes: Vec<(String, RecordBody)> = calls
                 .iter()
@@ -440,23 +643,35 @@ impl Generator<'_, '_> {
 
     fn submission(&mut self, k: u32, settle: bool) {
         let sub = format!("sub_{k}");
-        let user = format!("user_{k}");
-        let mut first = vec![(
-            sub.clone(),
-            RecordBody::UserMessage {
-                message_id: user.clone(),
-                body: format!("question {k}"),
-                attachments: Vec::new(),
-            },
-        )];
-        self.users.push(user.clone());
-        self.rows.push(Some(user));
+        // The input: a user message, or a signal delivered.
+        let input = if self.choices.chance(85) {
+            let user = format!("user_{k}");
+            self.plain.push(user.clone());
+            self.rows.push(Some(user.clone()));
+            (
+                sub.clone(),
+                RecordBody::UserMessage {
+                    message_id: user,
+                    body: format!("question {k}"),
+                    attachments: Vec::new(),
+                },
+            )
+        } else {
+            self.signal(&sub, "ticket_opened")
+        };
+        let mut first = vec![input];
         self.stepped = false;
+        let start_metadata = self.choices.chance(20).then(|| self.metadata(false));
+        self.first_step = (format!("s{k}_1"), start_metadata);
         if self.features.data_anywhere && self.choices.chance(30) {
             let write = self.data_write(&sub);
             first.push(write);
         }
         self.push(first);
+        if self.choices.chance(15) {
+            let seam = self.appends(&sub, RecordBody::AgentStartRun);
+            self.push(seam);
+        }
         let steps = 1 + self.choices.below(3);
         let mut next = 0;
         let mut id_of = move || {
@@ -465,9 +680,11 @@ impl Generator<'_, '_> {
         };
         let mut dangling = None;
         for n in 0..steps {
+            self.narration(&sub);
             dangling = self.step(&sub, &mut id_of, n + 1 == steps);
             if dangling.is_none() {
-                self.history_edit(&sub);
+                self.history_edits(&sub);
+                self.interjection(&sub, n + 1 < steps);
             }
             if self.features.data_anywhere && self.choices.chance(15) {
                 let write = self.data_write(&sub);
@@ -477,12 +694,26 @@ impl Generator<'_, '_> {
                 self.push(vec![write]);
             }
         }
+        if dangling.is_none() && self.choices.chance(40) {
+            // The response's finish: its `use_response_finish` callbacks' metadata (empty when
+            // they contributed none: it only marks the batch durable).
+            let metadata = self.metadata(false);
+            self.push(vec![(sub.clone(), RecordBody::MessageMetadata { metadata })]);
+        }
         if settle || self.choices.chance(70) {
             let outcome = [Outcome::Completed, Outcome::Aborted, Outcome::Failed][self.choices.below(3) as usize];
-            self.push_or_join(vec![(
-                sub.clone(),
-                RecordBody::SubmissionSettled { outcome, error: None },
-            )]);
+            // Why it ended, before the settlement in its batch (`terminal_advisory`).
+            let mut batch = Vec::new();
+            if outcome != Outcome::Completed && self.choices.chance(50) {
+                let signal_type = if outcome == Outcome::Aborted {
+                    "submission_aborted"
+                } else {
+                    "submission_interrupted"
+                };
+                batch.push(self.signal(&sub, signal_type));
+            }
+            batch.push((sub.clone(), RecordBody::SubmissionSettled { outcome, error: None }));
+            self.push_or_join(batch);
             // A step left streaming is closed: it can be edited from now on.
             if let Some(step) = dangling {
                 self.abandoned.push(step);
@@ -501,9 +732,11 @@ fn generate(bytes: &[u8], features: Features) -> Stream {
         batches: Vec::new(),
         completed: Vec::new(),
         abandoned: Vec::new(),
-        users: Vec::new(),
+        plain: Vec::new(),
         rows: Vec::new(),
         stepped: false,
+        first_step: (String::new(), None),
+        made: 0,
     };
     for k in 1..=submissions {
         generator.submission(k, k < submissions);
@@ -562,6 +795,10 @@ struct Step {
     reasoning: Part,
     text: Part,
     calls: Vec<String>,
+    /// Whether its row is silent.
+    silent: bool,
+    /// Whether it completed and its row was not deleted.
+    completed: bool,
 }
 
 enum Message {
@@ -570,7 +807,28 @@ enum Message {
         id: String,
         submission: String,
         items: Vec<Item>,
+        /// Its metadata, once something merged into it.
+        metadata: Option<Map<String, Value>>,
     },
+}
+
+/// Deep-merges `patch` into `base` (the reference's rules): later members win, `null` ones are
+/// skipped, objects on both sides merge (an object placed whole loses its `null` members).
+fn deep_merge(base: &mut Map<String, Value>, patch: &Map<String, Value>) {
+    for (key, value) in patch {
+        match (base.get_mut(key), value) {
+            (_, Value::Null) => {}
+            (Some(Value::Object(existing)), Value::Object(incoming)) => deep_merge(existing, incoming),
+            (_, Value::Object(incoming)) => {
+                let mut placed = Map::new();
+                deep_merge(&mut placed, incoming);
+                base.insert(key.clone(), Value::Object(placed));
+            }
+            (_, value) => {
+                base.insert(key.clone(), value.clone());
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -582,6 +840,8 @@ struct Model {
     data: HashMap<(String, String), Value>,
     outcomes: HashMap<String, (bool, Value, u64)>,
     early: HashMap<String, Vec<(String, Value)>>,
+    /// Plain message id → its display when it is not silent.
+    shown: HashMap<String, &'static str>,
 }
 
 impl Model {
@@ -591,7 +851,30 @@ impl Model {
                 id,
                 submission: of,
                 items,
+                ..
             } if of == submission => Some((&*id, items)),
+            _ => None,
+        })
+    }
+
+    /// Merges `metadata` into `submission`'s response's, when it has a response.
+    fn merge_response_metadata(&mut self, submission: &str, metadata: &Map<String, Value>) {
+        for message in &mut self.messages {
+            if let Message::Response {
+                submission: of,
+                metadata: current,
+                ..
+            } = message
+                && of == submission
+            {
+                deep_merge(current.get_or_insert_with(Map::new), metadata);
+            }
+        }
+    }
+
+    fn plain(&mut self, id: &str) -> Option<&mut Value> {
+        self.messages.iter_mut().find_map(|message| match message {
+            Message::Plain(message) if message["id"] == id => Some(message),
             _ => None,
         })
     }
@@ -630,7 +913,16 @@ impl Model {
                         id: message_id.clone(),
                         submission: submission.to_owned(),
                         items: Vec::new(),
+                        metadata: None,
                     });
+                }
+                if let RecordBody::AssistantMessageStarted {
+                    response_metadata: Some(metadata),
+                    ..
+                } = &record.body
+                    && !metadata.is_empty()
+                {
+                    self.merge_response_metadata(submission, metadata);
                 }
                 // What the response's steps stream and did not complete goes.
                 for step in self.steps.values_mut().filter(|step| step.submission == submission) {
@@ -678,6 +970,7 @@ impl Model {
                 ..
             } => {
                 if let Some(step) = self.steps.get_mut(message_id) {
+                    step.completed = true;
                     for (part, value) in [(&mut step.reasoning, reasoning), (&mut step.text, text)] {
                         part.live = None;
                         part.shown = (!value.is_empty()).then(|| (value.clone(), "done"));
@@ -763,21 +1056,113 @@ impl Model {
                 }
             }
             RecordBody::MessageUpdated { message_id, updates } => {
-                let Some(Value::String(content)) = updates.get("content") else {
-                    return;
-                };
+                let content = updates.get("content").and_then(Value::as_str);
+                let silent = updates.get("silent").and_then(Value::as_bool);
+                let metadata = updates.get("metadata");
                 if let Some(step) = self.steps.get_mut(message_id) {
-                    if let Some((text, _)) = &mut step.text.shown {
-                        text.clone_from(content);
+                    if let (Some(content), Some((text, _))) = (content, &mut step.text.shown) {
+                        *text = content.to_owned();
                     }
-                } else if let Some(Message::Plain(message)) = self
-                    .messages
-                    .iter_mut()
-                    .find(|message| matches!(message, Message::Plain(m) if m["id"] == message_id.as_str()))
-                    && message["parts"][0]["type"] == "text"
-                {
-                    message["parts"][0]["text"] = json!(content);
+                    if let Some(silent) = silent {
+                        step.silent = silent;
+                    }
+                    // Merged into the response's (with the other steps').
+                    if let Some(Value::Object(metadata)) = metadata {
+                        let submission = step.submission.clone();
+                        self.merge_response_metadata(&submission, metadata);
+                    }
+                } else if let Some(message) = self.plain(message_id) {
+                    if let Some(content) = content
+                        && message["parts"][0]["type"] == "text"
+                    {
+                        message["parts"][0]["text"] = json!(content);
+                    }
+                    if let Some(metadata @ (Value::Object(_) | Value::Null)) = metadata {
+                        // Replaced, as the row's is.
+                        let mut replaced = Map::new();
+                        if let Value::Object(metadata) = metadata {
+                            deep_merge(&mut replaced, metadata);
+                        }
+                        let fields = message.as_object_mut().expect("a message is an object");
+                        if replaced.is_empty() {
+                            fields.remove("metadata");
+                        } else {
+                            fields.insert("metadata".into(), Value::Object(replaced));
+                        }
+                    }
+                    if let Some(silent) = silent {
+                        let shown = self.shown.get(message_id.as_str()).copied().unwrap_or("visible");
+                        if let Some(message) = self.plain(message_id) {
+                            message["display"] = json!(if silent { "hidden" } else { shown });
+                        }
+                    }
                 }
+            }
+            RecordBody::MessageMetadata { metadata } if !metadata.is_empty() => {
+                self.merge_response_metadata(submission, metadata);
+            }
+            RecordBody::Signal {
+                message_id,
+                signal_type,
+                body,
+                attributes,
+                tag_name,
+            } => {
+                // The reference's classification (§4.6).
+                let (purpose, display, settlement) = match signal_type.as_str() {
+                    "stream_interrupted" | "stream_continued" => ("advisory", "hidden", None),
+                    "submission_aborted" => ("advisory", "diagnostic", Some("aborted")),
+                    "submission_interrupted" => ("advisory", "diagnostic", Some("failed")),
+                    "resources" | "instructions" | "environment" => ("advisory", "diagnostic", None),
+                    _ => ("dispatch", "diagnostic", None),
+                };
+                let mut message = json!({
+                    "id": message_id,
+                    "role": "system",
+                    "purpose": purpose,
+                    "display": display,
+                    "parts": [{"type": "text", "text": body, "state": "done"}],
+                    "submissionId": submission,
+                });
+                if tag_name.is_some() || !attributes.is_empty() {
+                    let mut signal = json!({});
+                    if let Some(tag_name) = tag_name {
+                        signal["tagName"] = json!(tag_name);
+                    }
+                    if !attributes.is_empty() {
+                        signal["attributes"] = json!(attributes);
+                    }
+                    message["signal"] = signal;
+                }
+                if let Some(outcome) = settlement {
+                    message["settlement"] = json!({"outcome": outcome});
+                }
+                self.shown.insert(message_id.clone(), display);
+                self.messages.push(Message::Plain(message));
+            }
+            RecordBody::MessageInjected {
+                message_id,
+                role,
+                content,
+                silent,
+                metadata,
+            } => {
+                let (role, purpose) = match role {
+                    MessageRole::Assistant => ("assistant", "assistant"),
+                    MessageRole::System => ("system", "advisory"),
+                    _ => ("user", "user"),
+                };
+                let mut message = json!({
+                    "id": message_id,
+                    "role": role,
+                    "purpose": purpose,
+                    "display": if *silent { "hidden" } else { "visible" },
+                    "parts": [{"type": "text", "text": content, "state": "done"}],
+                });
+                if !metadata.is_empty() {
+                    message["metadata"] = json!(metadata);
+                }
+                self.messages.push(Message::Plain(message));
             }
             RecordBody::Compaction { summary, reason, .. } => {
                 // A diagnostic system message of its own, where it happened; nothing shown
@@ -795,6 +1180,7 @@ impl Model {
                 if let Some(step) = self.steps.get_mut(message_id) {
                     step.reasoning.shown = None;
                     step.text.shown = None;
+                    step.completed = false;
                 } else {
                     self.messages
                         .retain(|message| !matches!(message, Message::Plain(m) if m["id"] == message_id.as_str()));
@@ -810,7 +1196,12 @@ impl Model {
             .iter()
             .map(|message| match message {
                 Message::Plain(message) => message.clone(),
-                Message::Response { id, submission, items } => {
+                Message::Response {
+                    id,
+                    submission,
+                    items,
+                    metadata,
+                } => {
                     let mut parts = Vec::new();
                     for item in items {
                         match item {
@@ -829,15 +1220,34 @@ impl Model {
                             })),
                         }
                     }
-                    json!({
+                    // Hidden while every step that counts (completed and not deleted, or the
+                    // newest) is silent.
+                    let steps: Vec<&String> = items
+                        .iter()
+                        .filter_map(|item| match item {
+                            Item::Step(step) => Some(step),
+                            _ => None,
+                        })
+                        .collect();
+                    let counted: Vec<&Step> = steps
+                        .iter()
+                        .filter(|step| self.steps[**step].completed || steps.last() == Some(*step))
+                        .map(|step| &self.steps[*step])
+                        .collect();
+                    let hidden = !counted.is_empty() && counted.iter().all(|step| step.silent);
+                    let mut message = json!({
                         "id": id,
                         "role": "assistant",
                         "purpose": "assistant",
-                        "display": "visible",
+                        "display": if hidden { "hidden" } else { "visible" },
                         "turnId": id,
                         "submissionId": submission,
                         "parts": parts,
-                    })
+                    });
+                    if let Some(metadata) = metadata {
+                        message["metadata"] = Value::Object(metadata.clone());
+                    }
+                    message
                 }
             })
             .collect();
@@ -961,6 +1371,20 @@ impl Client {
         }
     }
 
+    /// `message-metadata` (and a `message-started` carrying metadata): deep-merged into the
+    /// message's metadata (made when it has none), as the crate's client merges it into a
+    /// reply's (`client.rs`).
+    fn merge_metadata(&mut self, chunk: &Value) {
+        let Some(metadata) = chunk["metadata"].as_object() else {
+            return;
+        };
+        if let Some(Value::Object(message)) = self.message(&chunk["messageId"])
+            && let Value::Object(target) = message.entry("metadata").or_insert_with(|| json!({}))
+        {
+            deep_merge(target, metadata);
+        }
+    }
+
     fn apply(&mut self, chunk: &Value) {
         match chunk["type"].as_str().unwrap_or_default() {
             "conversation-reset" => {
@@ -971,20 +1395,24 @@ impl Client {
                 Some(message) => *message = chunk["message"].clone(),
                 None => self.messages.push(chunk["message"].clone()),
             },
-            "message-started" if self.message(&chunk["messageId"]).is_none() => {
-                let mut message = json!({
-                    "id": chunk["messageId"],
-                    "role": "assistant",
-                    "purpose": "assistant",
-                    "display": "visible",
-                    "turnId": chunk["turnId"],
-                    "parts": [],
-                });
-                if chunk.get("submissionId").is_some() {
-                    message["submissionId"] = chunk["submissionId"].clone();
+            "message-started" => {
+                if self.message(&chunk["messageId"]).is_none() {
+                    let mut message = json!({
+                        "id": chunk["messageId"],
+                        "role": "assistant",
+                        "purpose": "assistant",
+                        "display": "visible",
+                        "turnId": chunk["turnId"],
+                        "parts": [],
+                    });
+                    if chunk.get("submissionId").is_some() {
+                        message["submissionId"] = chunk["submissionId"].clone();
+                    }
+                    self.messages.push(message);
                 }
-                self.messages.push(message);
+                self.merge_metadata(chunk);
             }
+            "message-metadata" => self.merge_metadata(chunk),
             "message-delta" => {
                 let kind = chunk["kind"].as_str().unwrap_or_default().to_owned();
                 let delta = chunk["delta"].as_str().unwrap_or_default();
@@ -1162,6 +1590,127 @@ fn generated_streams_hold_compactions_before_steps_and_after_streamed_text() {
         completed_unstarted,
         "no overflow after streamed text followed by the step's completion"
     );
+}
+
+/// The properties see the rows that are not a response's steps and the edits of their display
+/// and metadata: signals of every classification (a delivered one, appended ones, a narration,
+/// terminal advisories), injected rows (silent, with metadata), the response's start and
+/// finish metadata (and an empty finish record), metadata updates that merge (a step's) or
+/// replace (another row's, `null` too, members `null`), silent updates of steps and other rows,
+/// a task child's link; and a client gets `message-metadata` chunks for steps and other rows,
+/// not only resets.
+#[test]
+fn generated_streams_hold_signals_injected_rows_metadata_and_silent_updates() {
+    use proptest::strategy::ValueTree;
+
+    let mut runner = TestRunner::deterministic();
+    let strategy = prop::collection::vec(any::<u8>(), 0..300);
+    let mut seen: HashMap<&'static str, usize> = HashMap::new();
+    for _ in 0..500 {
+        let bytes = strategy.new_tree(&mut runner).unwrap().current();
+        let stream = generate(&bytes, REALISTIC);
+        let steps: Vec<&str> = stream
+            .iter()
+            .flatten()
+            .filter_map(|(_, body)| match body {
+                RecordBody::AssistantMessageStarted { message_id, .. } => Some(message_id.as_str()),
+                _ => None,
+            })
+            .collect();
+        let mut note = |kind: &'static str| *seen.entry(kind).or_default() += 1;
+        for (at, batch) in stream.iter().enumerate() {
+            for (_, body) in batch {
+                match body {
+                    RecordBody::Signal { signal_type, .. } => note(match signal_type.as_str() {
+                        "stream_interrupted" | "stream_continued" => "a hidden signal",
+                        "submission_aborted" | "submission_interrupted" => "a terminal advisory",
+                        "resources" | "instructions" | "environment" => "a narration signal",
+                        _ if at == 0 => "a delivered signal",
+                        _ => "an application's signal",
+                    }),
+                    RecordBody::MessageInjected { silent, metadata, .. } => {
+                        note("an injected row");
+                        if *silent {
+                            note("a silent injected row");
+                        }
+                        if !metadata.is_empty() {
+                            note("an injected row with metadata");
+                        }
+                    }
+                    RecordBody::AssistantMessageStarted {
+                        response_metadata: Some(metadata),
+                        ..
+                    } if !metadata.is_empty() => note("start metadata"),
+                    RecordBody::MessageMetadata { metadata } if metadata.is_empty() => note("an empty finish record"),
+                    RecordBody::MessageMetadata { .. } => note("finish metadata"),
+                    RecordBody::ChildSessionRetained { .. } => note("a child's link"),
+                    RecordBody::MessageUpdated { message_id, updates } => {
+                        let step = steps.contains(&message_id.as_str());
+                        match (updates.get("metadata"), step) {
+                            (Some(Value::Object(_)), true) => note("a step's metadata merged"),
+                            (Some(Value::Object(metadata)), false) => {
+                                note("a row's metadata replaced");
+                                let null = |value: &Value| {
+                                    value.is_null() || value.as_object().is_some_and(|o| o.values().any(Value::is_null))
+                                };
+                                if metadata.values().any(null) {
+                                    note("a row's metadata with a null member");
+                                }
+                            }
+                            (Some(Value::Null), false) => note("a row's metadata cleared"),
+                            _ => {}
+                        }
+                        match (updates.get("silent"), step) {
+                            (Some(Value::Bool(true)), true) => note("a step silenced"),
+                            (Some(Value::Bool(false)), true) => note("a step shown"),
+                            (Some(Value::Bool(true)), false) => note("a row silenced"),
+                            (Some(Value::Bool(false)), false) => note("a row shown"),
+                            _ => {}
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut projection = Projection::new("agents/a/i");
+        for batch in batches_of(&stream) {
+            let mut chunks = Vec::new();
+            projection.apply(&batch, Some(&mut chunks));
+            for chunk in chunks.iter().filter(|chunk| chunk["type"] == "message-metadata") {
+                note(if steps.iter().any(|step| chunk["messageId"] == *step) {
+                    "a response's metadata chunk"
+                } else {
+                    "a row's metadata chunk"
+                });
+            }
+        }
+    }
+    for kind in [
+        "a hidden signal",
+        "a terminal advisory",
+        "a narration signal",
+        "a delivered signal",
+        "an application's signal",
+        "an injected row",
+        "a silent injected row",
+        "an injected row with metadata",
+        "start metadata",
+        "an empty finish record",
+        "finish metadata",
+        "a child's link",
+        "a step's metadata merged",
+        "a row's metadata replaced",
+        "a row's metadata with a null member",
+        "a row's metadata cleared",
+        "a step silenced",
+        "a step shown",
+        "a row silenced",
+        "a row shown",
+        "a response's metadata chunk",
+        "a row's metadata chunk",
+    ] {
+        assert!(seen.contains_key(kind), "no {kind} in 500 generated streams: {seen:?}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
