@@ -1132,9 +1132,12 @@ impl RuntimeInner {
 
     /// How long an admission given up mid-way keeps owing its `submission_queued` here (see
     /// [`InstanceBinding::owes_announcements`](crate::session::binding::InstanceBinding::owes_announcements)):
-    /// had it committed, a worker claimed it by then (a claim of its own lapses after the lease,
-    /// and the scan takes it over at its next pass; a queued one is claimed at the next scan
-    /// at the latest), so its announcement was made, or was another node's to make.
+    /// had it committed, a worker has usually claimed it by then (a claim of its own lapses
+    /// after the lease, and the scan takes it over at its next pass; a queued one is claimed at
+    /// the next scan once its instance is free), so its announcement was made, or was another
+    /// node's to make. One queued behind a response running on another node for longer than
+    /// that, and claimed here afterwards, runs without its `submission_queued` on this node:
+    /// the price of not pinning every failed admission's instance in the cache.
     fn orphan_horizon(&self) -> Duration {
         self.options
             .lease
@@ -2267,6 +2270,37 @@ mod tests {
         assert_eq!(gone, ["light-old"]);
         assert_eq!(total.load(Ordering::Relaxed), 10 + 50_000);
         drop(busy);
+    }
+
+    /// An idle instance owing the announcement of an admission given up mid-way stays cached
+    /// within the horizon and goes past it; one whose admission is still in progress stays.
+    #[test]
+    fn eviction_passes_over_owed_announcements_only_within_the_horizon() {
+        let slot = |id: &str, used: u64| {
+            let slot = InstanceSlot::new(InstanceKey::new("a", id), std::sync::Weak::new());
+            slot.touch(used);
+            (InstanceKey::new("a", id), Arc::new(slot))
+        };
+        let (orphaned_key, orphaned) = slot("orphaned", 1);
+        drop(orphaned.binding().admitting("sub_failed"));
+        let (waiting_key, waiting) = slot("waiting", 2);
+        let admission = waiting.binding().admitting("sub_waiting");
+        let mut instances: FastMap<InstanceKey, Arc<InstanceSlot>> =
+            [(orphaned_key.clone(), orphaned), (waiting_key.clone(), waiting)]
+                .into_iter()
+                .collect();
+        let total = AtomicUsize::new(0);
+        let within = evict_idle(&mut instances, 0, (&total, usize::MAX), Duration::from_secs(3600)).slots;
+        assert!(within.is_empty(), "both still owe an announcement");
+        let past = evict_idle(&mut instances, 0, (&total, usize::MAX), Duration::ZERO).slots;
+        let gone: Vec<String> = past.iter().map(|slot| slot.key().id.to_string()).collect();
+        assert_eq!(
+            gone,
+            ["orphaned"],
+            "the orphan is forgotten; the admission in progress is not"
+        );
+        assert!(instances.contains_key(&waiting_key));
+        drop(admission);
     }
 
     /// An idle instance a live reader holds (waiting on its appends) stays in the cache, so a

@@ -1787,6 +1787,33 @@ async fn a_send_dropped_after_its_admission_committed_a_claim_leaves_the_submiss
     assert_eq!(reply.text, "Relayed.");
 }
 
+/// A send whose claiming admission committed but whose answer was lost (the store says
+/// `Other`: outcome unknown) fails to its caller, and gives the claim back and wakes the
+/// instance: the submission runs now, not once its lease (30 s) lapsed and a scan took it.
+#[tokio::test]
+async fn a_send_whose_admission_answer_was_lost_runs_its_committed_submission_at_once() {
+    let store = FaultyStore::default();
+    *store.lose_admit_answer.lock().unwrap() = Some("armed".into());
+    let model = ScriptedModel::new([ScriptedReply::text("Relayed.")]);
+    let runtime = runtime(&store, &model, relay);
+    let handle = runtime.init(&relay, "r-lost");
+    let error = handle.send("hello").await.expect_err("the store's answer was lost");
+    assert!(
+        error.to_string().contains("injected admission answer failure"),
+        "{error}"
+    );
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the fault fired");
+    let submission_id = store.lose_admit_answer.lock().unwrap().clone().unwrap();
+    assert_ne!(submission_id, "armed");
+    // Well inside the lease: only the given-back claim and the wake-up can run it this soon.
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), handle.read(&submission_id))
+        .await
+        .expect("the committed submission ran at once, not after its lease lapsed")
+        .unwrap();
+    assert_eq!(reply.text, "Relayed.");
+    assert_eq!(model.requests().len(), 1, "it ran once");
+}
+
 /// Reference §7: a submission is `submission_queued` before it is `submission_running`. The
 /// worker that claims a delivery can run it the moment its admission commits, on another
 /// thread than the dispatch still waiting for the store's answer: the worker then announces

@@ -79,29 +79,26 @@ pub fn hook_return<T, R: HookReturn<T>>(value: R) -> Result<T, HookError> {
     value.into_hook_result()
 }
 
-/// The error of a lifecycle hook's `Result`: a [`HookError`] or any `std::error::Error`. Text
-/// is not one (coherence rules it out beside every error type): `HookError::new(text)` makes
-/// one of it.
+/// The error of a lifecycle hook's `Result`: a [`HookError`], any `std::error::Error`, or any
+/// other type a [`HookError`] converts from. Text is not one (coherence rules out a conversion
+/// from it beside the one from every error type): `HookError::new(text)` makes one of it.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a lifecycle hook's error",
     label = "return `Err(HookError::new(text))`, or any `std::error::Error`",
-    note = "a `Result` a lifecycle hook returns fails with a `HookError` or a `std::error::Error` (which converts into one)"
+    note = "a `Result` a lifecycle hook returns fails with a `HookError` or a type it converts from (every `std::error::Error` does)"
 )]
 pub trait IntoHookError {
     /// Converts into the hook's error.
     fn into_hook_error(self) -> HookError;
 }
 
-impl IntoHookError for HookError {
-    fn into_hook_error(self) -> HookError {
-        self
-    }
-}
-
-// Not recommended: a type that is no error is reported as not being an `IntoHookError` (the
-// message above), rather than as not being a `std::error::Error`.
+// Not recommended: a type that converts into no `HookError` is reported as not being an
+// `IntoHookError` (the message above), rather than as rustc's `From` bound.
 #[diagnostic::do_not_recommend]
-impl<E: std::error::Error + Send + Sync + 'static> IntoHookError for E {
+impl<E> IntoHookError for E
+where
+    HookError: From<E>,
+{
     fn into_hook_error(self) -> HookError {
         HookError::from(self)
     }

@@ -13,6 +13,9 @@ pub(crate) struct Options {
     pub(crate) name: Option<LitStr>,
     pub(crate) progress_argument: Option<LitStr>,
     pub(crate) secrets: Option<Vec<LitStr>>,
+    /// The `secrets` option was written wrong (reported): the body's reads are not checked
+    /// against a list that is not what the author meant.
+    pub(crate) secrets_malformed: bool,
     /// A flag as written (`terminate = false` included, so a repeated flag is reported).
     pub(crate) terminate: Option<bool>,
     pub(crate) durable: Option<bool>,
@@ -61,6 +64,7 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                     "secrets = [\"GITHUB_TOKEN\"]",
                 )?
                 else {
+                    options.secrets_malformed = true;
                     return Ok(());
                 };
                 let mut secrets = Vec::new();
@@ -70,7 +74,10 @@ pub(crate) fn options(args: TokenStream, errors: &Errors) -> Options {
                             lit: syn::Lit::Str(secret),
                             ..
                         }) => secrets.push(secret),
-                        other => errors.spanned(other, "secrets are environment variable names as string literals"),
+                        other => {
+                            options.secrets_malformed = true;
+                            errors.spanned(other, "secrets are environment variable names as string literals");
+                        }
                     }
                 }
                 set(&mut options.secrets, secrets, &key, errors);

@@ -27,6 +27,10 @@ pub struct FaultyStore {
     /// How many calls failed on purpose (writes, reads, requeues, scans, renewals).
     pub failures: Arc<AtomicUsize>,
     pub hang_after_admit: Arc<Mutex<Option<String>>>,
+    /// Once it holds `"armed"`, the next admission commits and then answers with an error of
+    /// unknown outcome (`StoreError::Other`: a remote store's answer lost), leaving its
+    /// submission's id there (counted in `failures`).
+    pub lose_admit_answer: Arc<Mutex<Option<String>>>,
     /// While set, listings of expired leases fail (each one counted in `failures`).
     pub failing_scans: Arc<AtomicBool>,
     /// While set, lease renewals fail, each one counted in `failures` (a database failover, a
@@ -81,6 +85,7 @@ impl FaultyStore {
             always: Arc::default(),
             failures: Arc::default(),
             hang_after_admit: Arc::default(),
+            lose_admit_answer: Arc::default(),
             failing_scans: Arc::default(),
             failing_renewals: Arc::default(),
             failing_requeues: Arc::default(),
@@ -188,6 +193,14 @@ impl Store for FaultyStore {
             };
             if hang {
                 std::future::pending::<()>().await;
+            }
+            {
+                let mut lose = self.lose_admit_answer.lock().unwrap();
+                if lose.as_deref() == Some("armed") {
+                    *lose = Some(admitted.submission.id.clone());
+                    self.failures.fetch_add(1, Ordering::SeqCst);
+                    return Err(injected("admission answer"));
+                }
             }
             if self.holding_admits.load(Ordering::SeqCst) {
                 self.admits_released.acquire().await.unwrap().forget();
