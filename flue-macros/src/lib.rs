@@ -72,6 +72,46 @@ fn option_value<T: syn::parse::Parse>(
     Ok(None)
 }
 
+/// The first `impl Trait` that `ty` names (`impl Into<String>`, `Vec<impl Display>`): the
+/// argument struct of a `#[tool]` cannot hold one, and the model's JSON needs one concrete type
+/// to become; a `#[hook]` parameter of one is generic, and takes its argument as it is.
+pub(crate) fn impl_trait_in(ty: &syn::Type) -> Option<&syn::TypeImplTrait> {
+    match ty {
+        syn::Type::ImplTrait(opaque) => Some(opaque),
+        syn::Type::Reference(inner) => impl_trait_in(&inner.elem),
+        syn::Type::Ptr(inner) => impl_trait_in(&inner.elem),
+        syn::Type::Paren(inner) => impl_trait_in(&inner.elem),
+        syn::Type::Group(inner) => impl_trait_in(&inner.elem),
+        syn::Type::Slice(inner) => impl_trait_in(&inner.elem),
+        syn::Type::Array(inner) => impl_trait_in(&inner.elem),
+        syn::Type::Tuple(tuple) => tuple.elems.iter().find_map(impl_trait_in),
+        syn::Type::Path(path) => {
+            let qself = path.qself.as_ref().and_then(|qself| impl_trait_in(&qself.ty));
+            qself.or_else(|| {
+                path.path.segments.iter().find_map(|segment| match &segment.arguments {
+                    syn::PathArguments::AngleBracketed(arguments) => {
+                        arguments.args.iter().find_map(|argument| match argument {
+                            syn::GenericArgument::Type(ty) => impl_trait_in(ty),
+                            syn::GenericArgument::AssocType(assoc) => impl_trait_in(&assoc.ty),
+                            _ => None,
+                        })
+                    }
+                    syn::PathArguments::Parenthesized(arguments) => arguments
+                        .inputs
+                        .iter()
+                        .find_map(impl_trait_in)
+                        .or_else(|| match &arguments.output {
+                            syn::ReturnType::Type(_, ty) => impl_trait_in(ty),
+                            syn::ReturnType::Default => None,
+                        }),
+                    syn::PathArguments::None => None,
+                })
+            })
+        }
+        _ => None,
+    }
+}
+
 /// A flag option: `flag`, or `flag = true` / `flag = false` (what it says).
 fn flag(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<bool> {
     if meta.input.peek(syn::Token![=]) {

@@ -63,7 +63,7 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         .iter()
         .zip(&args)
         .map(|(input, arg)| match input {
-            FnArg::Typed(param) if !mentions_impl(&param.ty) => {
+            FnArg::Typed(param) if crate::impl_trait_in(&param.ty).is_none() => {
                 quote_spanned!(crate::located_at(&param.ty)=> __flue::lifecycle::hook_parameter(#arg))
             }
             FnArg::Typed(param) => {
@@ -158,18 +158,4 @@ fn qualify(ty: &syn::Type) -> TokenStream {
     qualified
         .parse()
         .unwrap_or_else(|_| quote::quote_spanned!(Span::call_site()=> ()))
-}
-
-/// Whether `ty` holds an `impl Trait` anywhere (a generic parameter type, inferred from the
-/// argument rather than from the declaration).
-fn mentions_impl(ty: &syn::Type) -> bool {
-    quote!(#ty).into_iter().any(|token| contains_impl(&token))
-}
-
-fn contains_impl(token: &proc_macro2::TokenTree) -> bool {
-    match token {
-        proc_macro2::TokenTree::Ident(ident) => ident == "impl",
-        proc_macro2::TokenTree::Group(group) => group.stream().into_iter().any(|token| contains_impl(&token)),
-        _ => false,
-    }
 }

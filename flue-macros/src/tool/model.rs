@@ -223,7 +223,7 @@ impl ToolModel {
         let arguments = match &mut params[..] {
             [single] if is_args_pattern(&single.pat) => {
                 refuse_field_attributes(single, Refused::Args, errors);
-                if let Some(opaque) = impl_trait_in(&single.ty) {
+                if let Some(opaque) = crate::impl_trait_in(&single.ty) {
                     errors.spanned(
                         opaque,
                         "a tool's arguments cannot be `impl Trait`: they are deserialized from the model's JSON, which needs one concrete type; take a struct that derives `Deserialize` and `JsonSchema`",
@@ -275,7 +275,7 @@ impl ToolModel {
                                 return None;
                             }
                         };
-                        if let Some(opaque) = impl_trait_in(&field.ty) {
+                        if let Some(opaque) = crate::impl_trait_in(&field.ty) {
                             errors.spanned(
                                 opaque,
                                 "a tool parameter cannot be `impl Trait`: arguments are deserialized from the model's JSON, which needs one concrete type; take a concrete owned type (`String`, not `impl Into<String>`)",
@@ -572,45 +572,6 @@ fn name_elided_lifetimes(ty: &mut Type) {
 fn names_lifetime(arguments: &syn::PathArguments) -> bool {
     matches!(arguments, syn::PathArguments::AngleBracketed(arguments)
         if arguments.args.iter().any(|argument| matches!(argument, syn::GenericArgument::Lifetime(_))))
-}
-
-/// The first `impl Trait` that `ty` names (`impl Into<String>`, `Vec<impl Display>`): the
-/// argument struct cannot hold one, and the model's JSON needs one concrete type to become.
-fn impl_trait_in(ty: &Type) -> Option<&syn::TypeImplTrait> {
-    match ty {
-        Type::ImplTrait(opaque) => Some(opaque),
-        Type::Reference(inner) => impl_trait_in(&inner.elem),
-        Type::Ptr(inner) => impl_trait_in(&inner.elem),
-        Type::Paren(inner) => impl_trait_in(&inner.elem),
-        Type::Group(inner) => impl_trait_in(&inner.elem),
-        Type::Slice(inner) => impl_trait_in(&inner.elem),
-        Type::Array(inner) => impl_trait_in(&inner.elem),
-        Type::Tuple(tuple) => tuple.elems.iter().find_map(impl_trait_in),
-        Type::Path(path) => {
-            let qself = path.qself.as_ref().and_then(|qself| impl_trait_in(&qself.ty));
-            qself.or_else(|| {
-                path.path.segments.iter().find_map(|segment| match &segment.arguments {
-                    syn::PathArguments::AngleBracketed(arguments) => {
-                        arguments.args.iter().find_map(|argument| match argument {
-                            syn::GenericArgument::Type(ty) => impl_trait_in(ty),
-                            syn::GenericArgument::AssocType(assoc) => impl_trait_in(&assoc.ty),
-                            _ => None,
-                        })
-                    }
-                    syn::PathArguments::Parenthesized(arguments) => arguments
-                        .inputs
-                        .iter()
-                        .find_map(impl_trait_in)
-                        .or_else(|| match &arguments.output {
-                            syn::ReturnType::Type(_, ty) => impl_trait_in(ty),
-                            syn::ReturnType::Default => None,
-                        }),
-                    syn::PathArguments::None => None,
-                })
-            })
-        }
-        _ => None,
-    }
 }
 
 /// Whether `borrowed` is a shared reference to a named type other than `str` (`&Ctx`, not
