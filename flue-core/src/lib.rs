@@ -32,7 +32,10 @@
 //!   body makes of it: `std::thread::scope`'s own "a scoped thread panicked").
 //! - Renders never nest; an agent function that calls another agent's render panics.
 //! - `use_model` and `use_sandbox` at most once per render; names are unique per render
-//!   (tools, skills, subagents, state, data parts, MCP servers).
+//!   (tools, skills, subagents, state, data parts, MCP servers). Where `#[agent]` can tell,
+//!   it refuses these at compile time: a repeated call among the body's top-level statements
+//!   (`use_model`, `use_sandbox`, `use_tool` of one tool, `use_hooks` of one hook, state or
+//!   data parts of one literal name), which every render would run.
 //! - Writers (state setters, data writers, the dispatcher) panic during a render.
 //! - Data-writer names are identical on every render of a response.
 //! - Instance-scoped and client-facing hooks panic in a subagent render.

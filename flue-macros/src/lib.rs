@@ -175,6 +175,13 @@ use proc_macro::TokenStream;
 /// `Into<Instruction>` (`&'static str`, `String`, `()`), and is generic over nothing but
 /// lifetimes (`fn assistant<'a>(props: AgentProps<'a>)`).
 ///
+/// **The rules of hooks at compile time**: a hook call among the body's top-level statements
+/// runs on every render, so one that repeats an earlier one where the rules allow one per
+/// render (`use_model`, `use_sandbox`, `use_tool` of the same tool, `use_hooks` of the same
+/// hook, `use_persistent_state` or `use_data_writer` of the same literal name) does not
+/// compile. Calls under a condition, a loop or a closure, and calls in custom hooks, are
+/// checked when the agent renders.
+///
 /// **What it expands to**: the function body moves into a hidden inner function; the name
 /// becomes a zero-sized `struct` (so it is a value, passable to `Subagent::new` or a runtime)
 /// with an `impl Agent` whose `definition()` holds the statics and whose `render_body` calls

@@ -639,10 +639,16 @@ async fn appended_signals_are_announced_to_observers_and_in_agent_end() {
     assert_eq!(runs[1][1], "checked");
 }
 
+/// A custom hook that picks a model too: what only the render can catch (two `use_model`
+/// calls in the body itself do not compile).
+fn use_scripted_defaults() {
+    use_model("scripted/y");
+}
+
 #[agent]
 fn crashing() -> &'static str {
     use_model("scripted/x");
-    use_model("scripted/y");
+    use_scripted_defaults();
     "never"
 }
 

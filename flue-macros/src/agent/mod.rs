@@ -1,6 +1,7 @@
 //! `#[agent]`: parse → model → validate → expand.
 
 mod expand;
+mod hook_calls;
 mod model;
 mod parse;
 mod validate;
@@ -12,6 +13,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         let options = parse::options(args, errors);
         let model = model::AgentModel::build(function, options, errors);
         validate::check(&model, errors);
+        hook_calls::check(&model.function.block, errors);
         expand::agent(&model)
     })
 }

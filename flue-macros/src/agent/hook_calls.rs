@@ -1,0 +1,183 @@
+//! The hook calls an agent body makes on every render: its top-level statements. Whatever the
+//! rules of hooks allow once per render, called twice there, fails every render that reaches
+//! the second call; the macro reports it at compile time instead, at that call, with the
+//! runtime's own words. Calls under a condition, a loop or a closure, and calls inside custom
+//! hooks, are the runtime's to check: which of them run is only known when the agent renders.
+
+use quote::ToTokens;
+use syn::{Expr, ExprCall, Stmt};
+
+use crate::errors::Errors;
+
+pub(crate) fn check(block: &syn::Block, errors: &Errors) {
+    let mut seen = Seen::default();
+    for statement in &block.stmts {
+        let expr = match statement {
+            Stmt::Expr(expr, _) => expr,
+            Stmt::Local(local) => match &local.init {
+                Some(init) => &init.expr,
+                None => continue,
+            },
+            _ => continue,
+        };
+        if let Some((hook, call)) = hook_call(expr) {
+            seen.call(hook, call, errors);
+        }
+    }
+}
+
+/// What the top-level statements so far selected, mounted or named.
+#[derive(Default)]
+struct Seen {
+    model: bool,
+    sandbox: bool,
+    states: Vec<String>,
+    data_parts: Vec<String>,
+    tools: Vec<String>,
+    hooks: Vec<String>,
+}
+
+impl Seen {
+    fn call(&mut self, hook: &str, call: &ExprCall, errors: &Errors) {
+        let first = call.args.first();
+        match hook {
+            "use_model" | "use_model_with" => {
+                let repeated = std::mem::replace(&mut self.model, true);
+                report(repeated, errors, call, || {
+                    runtime_says(
+                        "use_model() was called twice in one render. An agent has one model; call use_model() exactly once (compute the specifier before the call if it depends on state).",
+                    )
+                });
+            }
+            "use_sandbox" | "use_sandbox_with" => {
+                let repeated = std::mem::replace(&mut self.sandbox, true);
+                report(repeated, errors, call, || {
+                    runtime_says(
+                        "use_sandbox() was called twice in one render. An agent has one environment — attach it once, in the agent body or a single custom hook.",
+                    )
+                });
+            }
+            "use_persistent_state" | "use_persistent_state_opt" => {
+                let Some(name) = first.and_then(string_literal) else {
+                    return;
+                };
+                report(once(&mut self.states, &name.value()), errors, name, || {
+                    runtime_says(&format!(
+                        "Duplicate use_persistent_state name \"{}\" in one render. State names identify a value across renders and must be unique.",
+                        name.value()
+                    ))
+                });
+            }
+            "use_data_writer" | "use_data_writer_with_schema" => {
+                let Some(name) = first.and_then(string_literal) else {
+                    return;
+                };
+                report(once(&mut self.data_parts, &name.value()), errors, name, || {
+                    runtime_says(&format!(
+                        "Duplicate use_data_writer name \"{}\" in one render. Data part names identify a part within the response and must be unique.",
+                        name.value()
+                    ))
+                });
+            }
+            "use_tool" => {
+                let Some(Expr::Path(tool)) = first else {
+                    return;
+                };
+                report(once(&mut self.tools, &tokens(tool)), errors, tool, || {
+                    format!(
+                        "`{}` is mounted earlier too, and both run on every render: every render would fail with ToolNameConflictError (`Duplicate tool name`); mount it once",
+                        tokens(tool)
+                    )
+                });
+            }
+            "use_hooks" => {
+                let Some(Expr::Array(listed)) = first else {
+                    return;
+                };
+                for hook in &listed.elems {
+                    let Expr::Path(hook) = hook else {
+                        continue;
+                    };
+                    report(once(&mut self.hooks, &tokens(hook)), errors, hook, || {
+                        format!(
+                            "`{}` is selected earlier too, and both run on every render: every render would fail with \"[flue] use_hooks() selected the lifecycle hook … twice in one render\"; select each hook once (hooks of one kind run in listed order)",
+                            tokens(hook)
+                        )
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Reports `message` at `tokens` when the call `repeated` an earlier one.
+fn report<T: ToTokens>(repeated: bool, errors: &Errors, tokens: T, message: impl FnOnce() -> String) {
+    if repeated {
+        errors.spanned(tokens, message());
+    }
+}
+
+/// The hook a statement calls, by its function's name: a bare name or a path into a flue
+/// crate (`flue_runtime::prelude::use_model`). A function of the user's own that happens to be
+/// named like a hook is only taken for one when it is called bare.
+fn hook_call(expr: &Expr) -> Option<(&'static str, &ExprCall)> {
+    const HOOKS: [&str; 10] = [
+        "use_model",
+        "use_model_with",
+        "use_sandbox",
+        "use_sandbox_with",
+        "use_persistent_state",
+        "use_persistent_state_opt",
+        "use_data_writer",
+        "use_data_writer_with_schema",
+        "use_tool",
+        "use_hooks",
+    ];
+    let Expr::Call(call) = expr else {
+        return None;
+    };
+    let Expr::Path(function) = &*call.func else {
+        return None;
+    };
+    if function.qself.is_some() {
+        return None;
+    }
+    let segments = &function.path.segments;
+    let last = segments.last()?.ident.to_string();
+    let hook = HOOKS.into_iter().find(|hook| *hook == last)?;
+    let bare = segments.len() == 1 && function.path.leading_colon.is_none();
+    let in_flue = segments
+        .first()
+        .is_some_and(|first| first.ident.to_string().starts_with("flue"));
+    (bare || in_flue).then_some((hook, call))
+}
+
+fn string_literal(expr: &Expr) -> Option<&syn::LitStr> {
+    match expr {
+        Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Str(literal),
+            ..
+        }) => Some(literal),
+        _ => None,
+    }
+}
+
+/// Notes `name`; whether it was noted before.
+fn once(names: &mut Vec<String>, name: &str) -> bool {
+    if names.iter().any(|seen| seen == name) {
+        return true;
+    }
+    names.push(name.to_owned());
+    false
+}
+
+fn tokens(path: &syn::ExprPath) -> String {
+    path.to_token_stream().to_string().replace(' ', "")
+}
+
+fn runtime_says(message: &str) -> String {
+    format!(
+        "this call repeats an earlier one, and both run on every render: every render would fail with \"[flue] {message}\""
+    )
+}

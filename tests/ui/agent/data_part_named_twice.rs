@@ -1,0 +1,11 @@
+use flue_runtime::prelude::*;
+
+#[agent]
+fn reporter() -> &'static str {
+    use_model("openai/gpt-4o");
+    let _progress = use_data_writer::<u32>("progress");
+    let _status = use_data_writer::<String>("progress");
+    "Report."
+}
+
+fn main() {}
