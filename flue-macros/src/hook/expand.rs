@@ -56,14 +56,15 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         .collect();
     // Each argument goes through `hook_parameter` spanned at its parameter's type, so a type
     // the kind does not pass is reported there, with the type it passes. (A parameter of an
-    // `impl Trait` type is generic: it takes the argument as it is.)
+    // `impl Trait` type is generic, and one of a `&dyn Trait` type coerces the reference: each
+    // takes the argument as it is.)
     let call_args: Vec<TokenStream> = function
         .sig
         .inputs
         .iter()
         .zip(&args)
         .map(|(input, arg)| match input {
-            FnArg::Typed(param) if crate::impl_trait_in(&param.ty).is_none() => {
+            FnArg::Typed(param) if crate::impl_trait_in(&param.ty).is_none() && !trait_object_reference(&param.ty) => {
                 quote_spanned!(crate::located_at(&param.ty)=> __flue::lifecycle::hook_parameter(#arg))
             }
             FnArg::Typed(param) => {
@@ -158,4 +159,24 @@ fn qualify(ty: &syn::Type) -> TokenStream {
     qualified
         .parse()
         .unwrap_or_else(|_| quote::quote_spanned!(Span::call_site()=> ()))
+}
+
+/// Whether `ty` is a reference to a trait object (`&dyn Debug`, `&'a (dyn Any + Send)`): the
+/// kind's reference coerces to it at the call, which `HookParameter`'s exact match would
+/// refuse.
+fn trait_object_reference(ty: &syn::Type) -> bool {
+    fn trait_object(ty: &syn::Type) -> bool {
+        match ty {
+            syn::Type::TraitObject(_) => true,
+            syn::Type::Paren(inner) => trait_object(&inner.elem),
+            syn::Type::Group(inner) => trait_object(&inner.elem),
+            _ => false,
+        }
+    }
+    match ty {
+        syn::Type::Reference(reference) => trait_object(&reference.elem),
+        syn::Type::Paren(inner) => trait_object_reference(&inner.elem),
+        syn::Type::Group(inner) => trait_object_reference(&inner.elem),
+        _ => false,
+    }
 }
