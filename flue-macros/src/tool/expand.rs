@@ -1,7 +1,7 @@
 //! Code generation for `#[tool]`.
 
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote, quote_spanned};
+use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{ReturnType, Type};
 
@@ -140,18 +140,27 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
     };
     // Each plain parameter must parse and describe itself, asserted at its type (unless its
     // attributes parse or describe it otherwise, or it names the tool's type parameters or a
-    // lifetime, which an item here cannot).
+    // lifetime, which an item here cannot). Once per type: parameters of one type share it.
     let argument_checks: TokenStream = match &model.arguments {
         // A rejected parameter (a borrowed or `impl Trait` type) was reported as such.
         _ if model.rejected_parameter => quote!(),
-        Arguments::Plain(fields) => fields
-            .iter()
-            .filter(|field| checked(field, &type_generics))
-            .map(|field| {
-                let ty = &field.ty;
-                quote_spanned!(crate::located_at(ty)=> const _: () = __flue::tool::tool_argument::<#ty>();)
-            })
-            .collect(),
+        Arguments::Plain(fields) => {
+            let mut asserted = Vec::new();
+            fields
+                .iter()
+                .filter(|field| checked(field, &type_generics))
+                .filter(|field| {
+                    let ty = field.ty.to_token_stream().to_string();
+                    let first = !asserted.contains(&ty);
+                    asserted.push(ty);
+                    first
+                })
+                .map(|field| {
+                    let ty = &field.ty;
+                    quote_spanned!(crate::located_at(ty)=> const _: () = __flue::tool::tool_argument::<#ty>();)
+                })
+                .collect()
+        }
         Arguments::Struct(_) => quote!(),
     };
     // A description a macro writes (`#[doc = include_str!(..)]`) is known only once the

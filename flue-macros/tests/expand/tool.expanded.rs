@@ -32,7 +32,6 @@ const _: () = {
     }
     const _: () = __flue::tool::progress_argument::<String>();
     const _: () = __flue::tool::tool_argument::<String>();
-    const _: () = __flue::tool::tool_argument::<String>();
     #[automatically_derived]
     #[allow(deprecated)]
     impl __flue::tool::ToolHandler for search_github_issues {
