@@ -10,6 +10,7 @@ mod docs;
 mod errors;
 mod hook;
 mod krate;
+mod render_hooks;
 mod tool;
 
 /// A span that points at `tokens` (errors are reported there) and resolves names as the
@@ -180,7 +181,9 @@ use proc_macro::TokenStream;
 /// render (`use_model`, `use_sandbox`, `use_tool` of the same tool, `use_hooks` of the same
 /// hook, `use_persistent_state` or `use_data_writer` of the same literal name) does not
 /// compile. Calls under a condition, a loop or a closure, and calls in custom hooks, are
-/// checked when the agent renders.
+/// checked when the agent renders. A hook called where no render runs does not compile either:
+/// in an `async` block or closure, or in a callback of `use_agent_start`, `use_agent_finish`,
+/// `use_response_start` or `use_response_finish` (nor in a `#[tool]` or `#[hook]` body).
 ///
 /// **What it expands to**: the function body moves into a hidden inner function; the name
 /// becomes a zero-sized `struct` (so it is a value, passable to `Subagent::new` or a runtime)

@@ -20,7 +20,9 @@ pub(crate) fn check(block: &syn::Block, errors: &Errors) {
             },
             _ => continue,
         };
-        if let Some((hook, call)) = hook_call(expr) {
+        if let Expr::Call(call) = expr
+            && let Some(hook) = crate::render_hooks::hook_called(call)
+        {
             seen.call(hook, call, errors);
         }
     }
@@ -116,41 +118,6 @@ fn report<T: ToTokens>(repeated: bool, errors: &Errors, tokens: T, message: impl
     if repeated {
         errors.spanned(tokens, message());
     }
-}
-
-/// The hook a statement calls, by its function's name: a bare name or a path into a flue
-/// crate (`flue_runtime::prelude::use_model`). A function of the user's own that happens to be
-/// named like a hook is only taken for one when it is called bare.
-fn hook_call(expr: &Expr) -> Option<(&'static str, &ExprCall)> {
-    const HOOKS: [&str; 10] = [
-        "use_model",
-        "use_model_with",
-        "use_sandbox",
-        "use_sandbox_with",
-        "use_persistent_state",
-        "use_persistent_state_opt",
-        "use_data_writer",
-        "use_data_writer_with_schema",
-        "use_tool",
-        "use_hooks",
-    ];
-    let Expr::Call(call) = expr else {
-        return None;
-    };
-    let Expr::Path(function) = &*call.func else {
-        return None;
-    };
-    if function.qself.is_some() {
-        return None;
-    }
-    let segments = &function.path.segments;
-    let last = segments.last()?.ident.to_string();
-    let hook = HOOKS.into_iter().find(|hook| *hook == last)?;
-    let bare = segments.len() == 1 && function.path.leading_colon.is_none();
-    let in_flue = segments
-        .first()
-        .is_some_and(|first| first.ident.to_string().starts_with("flue"));
-    (bare || in_flue).then_some((hook, call))
 }
 
 fn string_literal(expr: &Expr) -> Option<&syn::LitStr> {

@@ -13,7 +13,6 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         let options = parse::options(args, errors);
         let model = model::AgentModel::build(function, options, errors);
         validate::check(&model, errors);
-        hook_calls::check(&model.function.block, errors);
         expand::agent(&model)
     })
 }

@@ -7,6 +7,8 @@ use super::model::AgentModel;
 use crate::errors::Errors;
 
 pub(crate) fn check(model: &AgentModel, errors: &Errors) {
+    super::hook_calls::check(&model.function.block, errors);
+    crate::render_hooks::check_outside_render(&model.function.block, crate::render_hooks::Body::Agent, errors);
     let sig = &model.function.sig;
     if let Some(unsafety) = &sig.unsafety {
         errors.spanned(

@@ -6,6 +6,7 @@ use super::model::HookModel;
 use crate::errors::Errors;
 
 pub(crate) fn check(model: &HookModel, errors: &Errors) {
+    crate::render_hooks::check_outside_render(&model.function.block, crate::render_hooks::Body::LifecycleHook, errors);
     let (id, span) = &model.id;
     if !is_identity(id) {
         errors.push(syn::Error::new(

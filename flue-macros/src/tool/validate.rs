@@ -7,6 +7,7 @@ use crate::errors::Errors;
 const RESERVED: [&str; 5] = ["task", "activate_skill", "read_skill_resource", "finish", "give_up"];
 
 pub(crate) fn check(model: &ToolModel, errors: &Errors) {
+    crate::render_hooks::check_outside_render(&model.function.block, crate::render_hooks::Body::Tool, errors);
     let sig = &model.function.sig;
     if sig.asyncness.is_none() {
         errors.spanned(
