@@ -29,13 +29,16 @@
 //! - Hooks run only while an agent function renders, on the thread that renders it; anywhere
 //!   else they panic with `[flue] <hook>() was called outside an agent function. …` (on a
 //!   helper thread the body spawned, that thread panics, and the render fails with what the
-//!   body makes of it: `std::thread::scope`'s own "a scoped thread panicked").
+//!   body makes of it: `std::thread::scope`'s own "a scoped thread panicked"). The attributes
+//!   refuse at compile time the calls that can never run in a render: in a `#[tool]` or
+//!   `#[hook]` body, and in an agent's `async` blocks and seam callbacks.
 //! - Renders never nest; an agent function that calls another agent's render panics.
 //! - `use_model` and `use_sandbox` at most once per render; names are unique per render
 //!   (tools, skills, subagents, state, data parts, MCP servers). Where `#[agent]` can tell,
 //!   it refuses these at compile time: a repeated call among the body's top-level statements
 //!   (`use_model`, `use_sandbox`, `use_tool` of one tool, `use_hooks` of one hook, state or
-//!   data parts of one literal name), which every render would run.
+//!   data parts of one literal name), which every render would run (statements under `cfg`
+//!   or after a `return` aside).
 //! - Writers (state setters, data writers, the dispatcher) panic during a render.
 //! - Data-writer names are identical on every render of a response.
 //! - Instance-scoped and client-facing hooks panic in a subagent render.

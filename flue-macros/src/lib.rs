@@ -181,9 +181,13 @@ use proc_macro::TokenStream;
 /// render (`use_model`, `use_sandbox`, `use_tool` of the same tool, `use_hooks` of the same
 /// hook, `use_persistent_state` or `use_data_writer` of the same literal name) does not
 /// compile. Calls under a condition, a loop or a closure, and calls in custom hooks, are
-/// checked when the agent renders. A hook called where no render runs does not compile either:
-/// in an `async` block or closure, or in a callback of `use_agent_start`, `use_agent_finish`,
-/// `use_response_start` or `use_response_finish` (nor in a `#[tool]` or `#[hook]` body).
+/// checked when the agent renders, and so are statements under `cfg` and those after a
+/// `return`. A hook called where no render runs does not compile either: in an `async` block
+/// or closure (even one the body blocks on), or in the body of a closure given to
+/// `use_agent_start`, `use_agent_finish`, `use_response_start` or `use_response_finish` (nor
+/// in a `#[tool]` or `#[hook]` body). A hook given a literal its rules refuse (a blank
+/// instruction, state or data part name, a model specifier that is not `provider-id/model-id`)
+/// does not compile wherever the call is.
 ///
 /// **What it expands to**: the function body moves into a hidden inner function; the name
 /// becomes a zero-sized `struct` (so it is a value, passable to `Subagent::new` or a runtime)
@@ -262,7 +266,10 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// Any hook may be `async` and may return `Result<T, E>` with `E: Into<HookError>` (any
 /// `std::error::Error`, or a `HookError`: a message of your own is `HookError::new(text)`,
 /// not a bare `String`, which is no `Error`); it may name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but not be generic over types
-/// or constants.
+/// or constants. A parameter has the kind's type, or is `impl Trait` of it, or `&dyn Trait`
+/// where the kind passes a reference. A render hook (`use_model`, …) called in the body does
+/// not compile: a lifecycle hook runs after the render that selected it, where every hook
+/// call panics.
 ///
 /// The calls of one model step run concurrently, but the tool-result hooks of a call
 /// (`tool_call_done`, `after_tool_call_*`, `before_store_tool_result` and the tool row's
@@ -444,6 +451,10 @@ pub fn hook(args: TokenStream, item: TokenStream) -> TokenStream {
 /// or hook (`async fn echo(echo: String)`) is reported by the attribute itself. As with
 /// `#[agent]`, the struct is a type name too: a module or type of the same name in its scope
 /// clashes with it (E0255).
+///
+/// A render hook (`use_model`, …) called in the body does not compile: a tool runs after the
+/// render that mounted it, where every hook call panics (a plain closure is not searched: it
+/// may be an agent function some render calls).
 #[proc_macro_attribute]
 pub fn tool(args: TokenStream, item: TokenStream) -> TokenStream {
     tool::expand(args.into(), item.into()).into()

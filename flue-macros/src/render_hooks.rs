@@ -11,6 +11,10 @@
 //!
 //! A plain closure in a tool or hook body is not searched: it may be an agent function itself
 //! (`FnAgent`) that some render calls. Nested items are not searched either.
+//!
+//! In the render itself, a hook given a literal its rules refuse (a blank instruction, state
+//! or data part name, a model specifier that is not `provider-id/model-id`) fails wherever the
+//! call is reached, and is reported too.
 
 use syn::visit::Visit;
 use syn::{Expr, ExprCall};
@@ -50,10 +54,18 @@ const SEAM_CALLBACKS: [&str; 4] = [
     "use_response_finish",
 ];
 
+/// The crates a path to one of flue's hooks starts with (`flue_runtime::prelude::use_model`).
+const FLUE_CRATES: [&str; 4] = ["flue", "flue_runtime", "flue_core", "__flue"];
+
 /// The flue hook `call` calls (its function's name), if it calls one: a bare name or a path
-/// into a flue crate (`flue_runtime::prelude::use_model`). A function of the user's own named
-/// like a hook is only taken for one when it is called bare.
+/// into a flue crate. A function of the user's own named like a hook is only taken for one
+/// when it is called bare (`self::use_skill(..)` calls it unmistakably).
 pub(crate) fn hook_called(call: &ExprCall) -> Option<&'static str> {
+    hook_and_panic_name(call).map(|(hook, _)| hook)
+}
+
+/// [`hook_called`], with the name the hook's own panics give it.
+fn hook_and_panic_name(call: &ExprCall) -> Option<(&'static str, &'static str)> {
     let Expr::Path(function) = &*call.func else {
         return None;
     };
@@ -62,11 +74,12 @@ pub(crate) fn hook_called(call: &ExprCall) -> Option<&'static str> {
     }
     let segments = &function.path.segments;
     let last = segments.last()?.ident.to_string();
-    let (hook, _) = HOOKS.into_iter().find(|(hook, _)| *hook == last)?;
+    let hook = HOOKS.into_iter().find(|(hook, _)| *hook == last)?;
     let bare = segments.len() == 1 && function.path.leading_colon.is_none();
-    let in_flue = segments
-        .first()
-        .is_some_and(|first| first.ident.to_string().starts_with("flue"));
+    let in_flue = segments.len() > 1
+        && segments
+            .first()
+            .is_some_and(|first| FLUE_CRATES.iter().any(|name| first.ident == name));
     (bare || in_flue).then_some(hook)
 }
 
@@ -112,7 +125,7 @@ struct Calls<'a> {
 }
 
 impl Calls<'_> {
-    fn outside(&mut self, why: &'static str, visit: impl FnOnce(&mut Self)) {
+    fn run_outside(&mut self, why: &'static str, visit: impl FnOnce(&mut Self)) {
         let render = self.outside.replace(why);
         visit(self);
         self.outside = render;
@@ -121,18 +134,30 @@ impl Calls<'_> {
 
 impl<'ast> Visit<'ast> for Calls<'_> {
     fn visit_expr_call(&mut self, call: &'ast ExprCall) {
-        let hook = hook_called(call);
-        if let (Some(hook), Some(why)) = (hook, self.outside) {
-            let panics_as = HOOKS
-                .iter()
-                .find(|(name, _)| *name == hook)
-                .map_or(hook, |(_, panics_as)| panics_as);
+        let called = hook_and_panic_name(call);
+        let hook = called.map(|(hook, _)| hook);
+        if let (Some((hook, panics_as)), Some(why)) = (called, self.outside) {
+            let bare = matches!(&*call.func, Expr::Path(function) if function.path.segments.len() == 1);
+            let own = if bare {
+                format!("; if `{hook}` is a function of your own, call it by its path (`self::{hook}(..)`)")
+            } else {
+                String::new()
+            };
             self.errors.spanned(
                 &call.func,
                 format!(
-                    "`{hook}` is a hook, and hooks run only while an agent function renders: {why}, so this call would always panic with \"[flue] {panics_as}() was called outside an agent function\"; {}",
+                    "`{hook}` is a hook, and hooks run only while an agent function renders: {why}, so this call would always panic with \"[flue] {panics_as}() was called outside an agent function\"; {}{own}",
                     self.advice
                 ),
+            );
+        }
+        if let Some(hook) = hook
+            && self.outside.is_none()
+            && let Some((literal, message)) = refused_literal(hook, call)
+        {
+            self.errors.spanned(
+                literal,
+                format!("every render that reaches this call would fail with \"{message}\""),
             );
         }
         if let Some(hook) = hook
@@ -140,13 +165,15 @@ impl<'ast> Visit<'ast> for Calls<'_> {
         {
             self.visit_expr(&call.func);
             for argument in &call.args {
-                self.outside("a seam's callback runs after the render", |calls| {
-                    match argument {
-                        // The callback itself is the part that runs later.
-                        Expr::Closure(callback) => calls.visit_expr(&callback.body),
-                        other => calls.visit_expr(other),
-                    }
-                });
+                match argument {
+                    // The callback's body is what runs later, at the seam.
+                    Expr::Closure(callback) => self.run_outside("a seam's callback runs after the render", |calls| {
+                        calls.visit_expr(&callback.body);
+                    }),
+                    // Anything else is evaluated here, in the render (a function that makes
+                    // the callback).
+                    other => self.visit_expr(other),
+                }
             }
             return;
         }
@@ -154,7 +181,7 @@ impl<'ast> Visit<'ast> for Calls<'_> {
     }
 
     fn visit_expr_async(&mut self, block: &'ast syn::ExprAsync) {
-        self.outside(
+        self.run_outside(
             "an async block runs when it is polled, after the synchronous render",
             |calls| {
                 syn::visit::visit_expr_async(calls, block);
@@ -164,7 +191,7 @@ impl<'ast> Visit<'ast> for Calls<'_> {
 
     fn visit_expr_closure(&mut self, closure: &'ast syn::ExprClosure) {
         if closure.asyncness.is_some() {
-            self.outside(
+            self.run_outside(
                 "an async closure's body runs when it is polled, after the synchronous render",
                 |calls| {
                     calls.visit_expr(&closure.body);
@@ -178,4 +205,83 @@ impl<'ast> Visit<'ast> for Calls<'_> {
     }
 
     fn visit_item(&mut self, _item: &'ast syn::Item) {}
+}
+
+/// The first argument of `call` to `hook`, when it is a string literal the hook refuses, with
+/// the render's message for it.
+fn refused_literal<'a>(hook: &str, call: &'a ExprCall) -> Option<(&'a syn::LitStr, String)> {
+    let Some(Expr::Lit(syn::ExprLit {
+        lit: syn::Lit::Str(literal),
+        ..
+    })) = call.args.first()
+    else {
+        return None;
+    };
+    let text = literal.value();
+    let message = match hook {
+        "use_model" | "use_model_with" if text.trim().is_empty() => {
+            "[flue] use_model() requires a model specifier string, like 'anthropic/claude-sonnet-4-6'.".to_owned()
+        }
+        "use_model" | "use_model_with"
+            if text
+                .split_once('/')
+                .is_none_or(|(provider, model)| provider.trim().is_empty() || model.trim().is_empty()) =>
+        {
+            format!("[flue] The agent model \"{text}\" could not be resolved: use \"provider-id/model-id\".")
+        }
+        "use_persistent_state" | "use_persistent_state_opt" if text.is_empty() => {
+            "[flue] use_persistent_state(name, default) takes the state name as its first argument — a non-empty string."
+                .to_owned()
+        }
+        "use_data_writer" | "use_data_writer_with_schema" if text.is_empty() => {
+            "[flue] use_data_writer(name) takes the data part name as its first argument — a non-empty string."
+                .to_owned()
+        }
+        "use_instruction" if text.trim().is_empty() => "[flue] use_instruction() requires a non-empty string.".to_owned(),
+        _ => return None,
+    };
+    Some((literal, message))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HOOKS;
+
+    /// The hooks flue-core exports (`pub fn use_…` in its `hooks` module) and the names their
+    /// panics give them (`hook("use_…", …)`), read from its source.
+    fn flue_core_hooks() -> (Vec<String>, Vec<String>) {
+        let directory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../flue-core/src/hooks");
+        let (mut exported, mut panic_names) = (Vec::new(), Vec::new());
+        for entry in std::fs::read_dir(directory).expect("flue-core's hooks") {
+            let text = std::fs::read_to_string(entry.expect("an entry").path()).expect("a hook's source");
+            for line in text.lines() {
+                if let Some(rest) = line.strip_prefix("pub fn use_") {
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    exported.push(format!("use_{name}"));
+                }
+                if let Some((_, rest)) = line.split_once("hook(\"") {
+                    panic_names.extend(rest.split_once('"').map(|(name, _)| name.to_owned()));
+                }
+            }
+        }
+        exported.sort();
+        (exported, panic_names)
+    }
+
+    #[test]
+    fn the_macros_know_every_hook_flue_core_exports_by_the_name_its_panics_give_it() {
+        let (exported, panic_names) = flue_core_hooks();
+        let mut known: Vec<String> = HOOKS.iter().map(|(hook, _)| (*hook).to_owned()).collect();
+        known.sort();
+        assert_eq!(known, exported, "render_hooks::HOOKS must list every hook of flue-core");
+        for (hook, panics_as) in HOOKS {
+            assert!(
+                panic_names.iter().any(|name| name == panics_as),
+                "{hook}: flue-core has no hook(\"{panics_as}\", …)"
+            );
+        }
+    }
 }

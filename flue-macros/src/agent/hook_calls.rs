@@ -3,6 +3,8 @@
 //! the second call; the macro reports it at compile time instead, at that call, with the
 //! runtime's own words. Calls under a condition, a loop or a closure, and calls inside custom
 //! hooks, are the runtime's to check: which of them run is only known when the agent renders.
+//! So are statements under `cfg` (which may not be compiled) and those after one that leaves
+//! the function (`return`, `panic!`).
 
 use quote::ToTokens;
 use syn::{Expr, ExprCall, Stmt};
@@ -12,19 +14,61 @@ use crate::errors::Errors;
 pub(crate) fn check(block: &syn::Block, errors: &Errors) {
     let mut seen = Seen::default();
     for statement in &block.stmts {
-        let expr = match statement {
-            Stmt::Expr(expr, _) => expr,
-            Stmt::Local(local) => match &local.init {
-                Some(init) => &init.expr,
-                None => continue,
-            },
+        // A statement under `cfg` may not be compiled at all (the attribute sees it before
+        // `cfg` applies): two calls under opposite `cfg`s are one call.
+        let (expr, bound) = match statement {
+            Stmt::Local(local) if !configured(&local.attrs) => {
+                (local.init.as_ref().map(|init| &*init.expr), Some(&local.pat))
+            }
+            Stmt::Expr(expr, _) => (Some(expr), None),
+            // What follows a statement that leaves the function never runs with it.
+            Stmt::Macro(mac) if diverges(&mac.mac) => return,
             _ => continue,
         };
-        if let Expr::Call(call) = expr
-            && let Some(hook) = crate::render_hooks::hook_called(call)
-        {
-            seen.call(hook, call, errors);
+        match expr {
+            Some(Expr::Return(_)) => return,
+            Some(Expr::Call(call)) if !configured(&call.attrs) => {
+                if let Some(hook) = crate::render_hooks::hook_called(call) {
+                    seen.call(hook, call, errors);
+                }
+            }
+            _ => {}
         }
+        // A name bound again is another value: a tool or hook of that name is another one.
+        if let Some(pattern) = bound {
+            let mut names = Bindings::default();
+            syn::visit::Visit::visit_pat(&mut names, pattern);
+            seen.tools.retain(|tool| !names.0.contains(tool));
+            seen.hooks.retain(|hook| !names.0.contains(hook));
+        }
+    }
+}
+
+/// Whether `attrs` make their item conditional on the build (`cfg`, `cfg_attr`).
+fn configured(attrs: &[syn::Attribute]) -> bool {
+    attrs
+        .iter()
+        .any(|attr| attr.path().is_ident("cfg") || attr.path().is_ident("cfg_attr"))
+}
+
+/// Whether a statement macro never returns (`panic!`, `unreachable!`, `todo!`,
+/// `unimplemented!`).
+fn diverges(mac: &syn::Macro) -> bool {
+    mac.path.segments.last().is_some_and(|last| {
+        ["panic", "unreachable", "todo", "unimplemented"]
+            .iter()
+            .any(|name| last.ident == name)
+    })
+}
+
+/// The names a pattern binds.
+#[derive(Default)]
+struct Bindings(Vec<String>);
+
+impl<'ast> syn::visit::Visit<'ast> for Bindings {
+    fn visit_pat_ident(&mut self, pat: &'ast syn::PatIdent) {
+        self.0.push(pat.ident.to_string());
+        syn::visit::visit_pat_ident(self, pat);
     }
 }
 
@@ -45,7 +89,7 @@ impl Seen {
         match hook {
             "use_model" | "use_model_with" => {
                 let repeated = std::mem::replace(&mut self.model, true);
-                report(repeated, errors, call, || {
+                report(repeated, errors, &call.func, || {
                     runtime_says(
                         "use_model() was called twice in one render. An agent has one model; call use_model() exactly once (compute the specifier before the call if it depends on state).",
                     )
@@ -53,7 +97,7 @@ impl Seen {
             }
             "use_sandbox" | "use_sandbox_with" => {
                 let repeated = std::mem::replace(&mut self.sandbox, true);
-                report(repeated, errors, call, || {
+                report(repeated, errors, &call.func, || {
                     runtime_says(
                         "use_sandbox() was called twice in one render. An agent has one environment — attach it once, in the agent body or a single custom hook.",
                     )

@@ -56,15 +56,25 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
         .collect();
     // Each argument goes through `hook_parameter` spanned at its parameter's type, so a type
     // the kind does not pass is reported there, with the type it passes. (A parameter of an
-    // `impl Trait` type is generic, and one of a `&dyn Trait` type coerces the reference: each
-    // takes the argument as it is.)
+    // `impl Trait` type is generic, and one of a `&dyn Trait` type where the kind passes a
+    // reference coerces it: each takes the argument as it is.)
+    let passes_reference = |index: usize| {
+        kind.params
+            .get(index)
+            .and_then(|param| param.split_once(": "))
+            .is_some_and(|(_, ty)| ty.starts_with('&'))
+    };
     let call_args: Vec<TokenStream> = function
         .sig
         .inputs
         .iter()
         .zip(&args)
-        .map(|(input, arg)| match input {
-            FnArg::Typed(param) if crate::impl_trait_in(&param.ty).is_none() && !trait_object_reference(&param.ty) => {
+        .enumerate()
+        .map(|(index, (input, arg))| match input {
+            FnArg::Typed(param)
+                if crate::impl_trait_in(&param.ty).is_none()
+                    && !(trait_object_reference(&param.ty) && passes_reference(index)) =>
+            {
                 quote_spanned!(crate::located_at(&param.ty)=> __flue::lifecycle::hook_parameter(#arg))
             }
             FnArg::Typed(param) => {

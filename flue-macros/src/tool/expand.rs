@@ -152,7 +152,9 @@ pub(crate) fn tool(model: &ToolModel) -> TokenStream {
                 .filter(|field| {
                     let ty = field.ty.to_token_stream().to_string();
                     let first = !asserted.contains(&ty);
-                    asserted.push(ty);
+                    if first {
+                        asserted.push(ty);
+                    }
                     first
                 })
                 .map(|field| {
