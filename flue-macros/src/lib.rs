@@ -181,8 +181,8 @@ use proc_macro::TokenStream;
 /// render (`use_model`, `use_sandbox`, `use_tool` of the same tool, `use_hooks` of the same
 /// hook, `use_persistent_state` or `use_data_writer` of the same literal name) does not
 /// compile. Calls under a condition, a loop or a closure, and calls in custom hooks, are
-/// checked when the agent renders, and so are statements under `cfg` and those after a
-/// `return`. A hook called where no render runs does not compile either: in an `async` block
+/// checked when the agent renders, and so are statements after a `return`; calls and `let`s
+/// under `cfg` are not checked here at all (they may not be compiled). A hook called where no render runs does not compile either: in an `async` block
 /// or closure (even one the body blocks on), or in the body of a closure given to
 /// `use_agent_start`, `use_agent_finish`, `use_response_start` or `use_response_finish` (nor
 /// in a `#[tool]` or `#[hook]` body). A hook given a literal its rules refuse (a blank

@@ -133,7 +133,18 @@ impl Calls<'_> {
 }
 
 impl<'ast> Visit<'ast> for Calls<'_> {
+    fn visit_local(&mut self, local: &'ast syn::Local) {
+        if !configured(&local.attrs) {
+            syn::visit::visit_local(self, local);
+        }
+    }
+
     fn visit_expr_call(&mut self, call: &'ast ExprCall) {
+        // Under `cfg`, the call may not be compiled at all (the attribute sees it before `cfg`
+        // applies).
+        if configured(&call.attrs) {
+            return;
+        }
         let called = hook_and_panic_name(call);
         let hook = called.map(|(hook, _)| hook);
         if let (Some((hook, panics_as)), Some(why)) = (called, self.outside) {
@@ -155,10 +166,7 @@ impl<'ast> Visit<'ast> for Calls<'_> {
             && self.outside.is_none()
             && let Some((literal, message)) = refused_literal(hook, call)
         {
-            self.errors.spanned(
-                literal,
-                format!("every render that reaches this call would fail with \"{message}\""),
-            );
+            self.errors.spanned(literal, message);
         }
         if let Some(hook) = hook
             && SEAM_CALLBACKS.contains(&hook)
@@ -208,7 +216,7 @@ impl<'ast> Visit<'ast> for Calls<'_> {
 }
 
 /// The first argument of `call` to `hook`, when it is a string literal the hook refuses, with
-/// the render's message for it.
+/// what it would fail with.
 fn refused_literal<'a>(hook: &str, call: &'a ExprCall) -> Option<(&'a syn::LitStr, String)> {
     let Some(Expr::Lit(syn::ExprLit {
         lit: syn::Lit::Str(literal),
@@ -218,29 +226,37 @@ fn refused_literal<'a>(hook: &str, call: &'a ExprCall) -> Option<(&'a syn::LitSt
         return None;
     };
     let text = literal.value();
+    let fails = |message: &str| format!("every render that reaches this call would fail with \"{message}\"");
     let message = match hook {
         "use_model" | "use_model_with" if text.trim().is_empty() => {
-            "[flue] use_model() requires a model specifier string, like 'anthropic/claude-sonnet-4-6'.".to_owned()
+            fails("[flue] use_model() requires a model specifier string, like 'anthropic/claude-sonnet-4-6'.")
         }
         "use_model" | "use_model_with"
             if text
                 .split_once('/')
                 .is_none_or(|(provider, model)| provider.trim().is_empty() || model.trim().is_empty()) =>
         {
-            format!("[flue] The agent model \"{text}\" could not be resolved: use \"provider-id/model-id\".")
+            format!(
+                "a submission whose render picks this model would fail with \"[flue] The agent model \"{text}\" could not be resolved: use \"provider-id/model-id\".\""
+            )
         }
-        "use_persistent_state" | "use_persistent_state_opt" if text.is_empty() => {
-            "[flue] use_persistent_state(name, default) takes the state name as its first argument — a non-empty string."
-                .to_owned()
-        }
+        "use_persistent_state" | "use_persistent_state_opt" if text.is_empty() => fails(
+            "[flue] use_persistent_state(name, default) takes the state name as its first argument — a non-empty string.",
+        ),
         "use_data_writer" | "use_data_writer_with_schema" if text.is_empty() => {
-            "[flue] use_data_writer(name) takes the data part name as its first argument — a non-empty string."
-                .to_owned()
+            fails("[flue] use_data_writer(name) takes the data part name as its first argument — a non-empty string.")
         }
-        "use_instruction" if text.trim().is_empty() => "[flue] use_instruction() requires a non-empty string.".to_owned(),
+        "use_instruction" if text.trim().is_empty() => fails("[flue] use_instruction() requires a non-empty string."),
         _ => return None,
     };
     Some((literal, message))
+}
+
+/// Whether `attrs` make their item conditional on the build (`cfg`, `cfg_attr`).
+pub(crate) fn configured(attrs: &[syn::Attribute]) -> bool {
+    attrs
+        .iter()
+        .any(|attr| attr.path().is_ident("cfg") || attr.path().is_ident("cfg_attr"))
 }
 
 #[cfg(test)]

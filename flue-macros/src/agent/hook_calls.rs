@@ -10,6 +10,7 @@ use quote::ToTokens;
 use syn::{Expr, ExprCall, Stmt};
 
 use crate::errors::Errors;
+use crate::render_hooks::configured;
 
 pub(crate) fn check(block: &syn::Block, errors: &Errors) {
     let mut seen = Seen::default();
@@ -17,8 +18,10 @@ pub(crate) fn check(block: &syn::Block, errors: &Errors) {
         // A statement under `cfg` may not be compiled at all (the attribute sees it before
         // `cfg` applies): two calls under opposite `cfg`s are one call.
         let (expr, bound) = match statement {
-            Stmt::Local(local) if !configured(&local.attrs) => {
-                (local.init.as_ref().map(|init| &*init.expr), Some(&local.pat))
+            // Its names count as bound again either way: a repeat after it may be another value.
+            Stmt::Local(local) => {
+                let init = local.init.as_ref().filter(|_| !configured(&local.attrs));
+                (init.map(|init| &*init.expr), Some(&local.pat))
             }
             Stmt::Expr(expr, _) => (Some(expr), None),
             // What follows a statement that leaves the function never runs with it.
@@ -42,13 +45,6 @@ pub(crate) fn check(block: &syn::Block, errors: &Errors) {
             seen.hooks.retain(|hook| !names.0.contains(hook));
         }
     }
-}
-
-/// Whether `attrs` make their item conditional on the build (`cfg`, `cfg_attr`).
-fn configured(attrs: &[syn::Attribute]) -> bool {
-    attrs
-        .iter()
-        .any(|attr| attr.path().is_ident("cfg") || attr.path().is_ident("cfg_attr"))
 }
 
 /// Whether a statement macro never returns (`panic!`, `unreachable!`, `todo!`,

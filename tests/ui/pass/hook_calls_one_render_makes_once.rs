@@ -30,6 +30,9 @@ fn calculator() -> &'static str {
             let _ = count;
         }
     });
+    // Never compiled: not checked.
+    #[cfg(any())]
+    use_instruction(" ");
     return "Calculate.";
     use_model("anthropic/claude-sonnet-4-5");
     "Never."
