@@ -10,11 +10,13 @@
 //!   `use_response_start` or `use_response_finish` runs at its seam, after the render.
 //!
 //! A plain closure in a tool or hook body is not searched: it may be an agent function itself
-//! (`FnAgent`) that some render calls. Nested items are not searched either.
+//! (`FnAgent`) that some render calls. Nested items, and calls and `let`s under `cfg` (which
+//! may not be compiled), are not searched either.
 //!
 //! In the render itself, a hook given a literal its rules refuse (a blank instruction, state
-//! or data part name, a model specifier that is not `provider-id/model-id`) fails wherever the
-//! call is reached, and is reported too.
+//! or data part name) fails every render that reaches the call, and a model specifier that is
+//! not `provider-id/model-id` fails the submission whose render picks it: both are reported
+//! too.
 
 use syn::visit::Visit;
 use syn::{Expr, ExprCall};
