@@ -564,9 +564,11 @@ pub fn tool_return<T: ToolReturn>(value: T) -> ToolOutput {
 // 3. `OtherReturn`, on `Returned<_>` (anything else, left for `tool_return` to reject at the
 //    return type).
 // Each level's receiver is one reference shallower, so a level is tried only when none above
-// applies; `Returned` is no reference, so no impl matches at two levels.
+// applies; `Returned` is no reference, so no impl matches at two levels. `#[hook]` reads a
+// lifecycle hook's value the same way, through the traits of `crate::lifecycle` and into a
+// `HookError` (see `Failure`).
 
-/// A tool function's return value, borrowed while `#[tool]` picks how to read it.
+/// A function's return value, borrowed while `#[tool]` or `#[hook]` picks how to read it.
 #[doc(hidden)]
 pub struct Returned<'a, T: ?Sized>(pub &'a T);
 
@@ -574,8 +576,8 @@ pub struct Returned<'a, T: ?Sized>(pub &'a T);
 #[doc(hidden)]
 pub trait TextErrorReturn {
     /// How `#[tool]` reads the value before [`tool_return`].
-    fn __flue_tool_return(&self) -> TextError {
-        TextError
+    fn __flue_tool_return(&self) -> TextError<ToolError> {
+        TextError::new()
     }
 }
 
@@ -598,8 +600,8 @@ impl<T: IntoToolOutput> ConvertibleReturn for &&Returned<'_, T> {}
 #[doc(hidden)]
 pub trait DisplayErrorReturn {
     /// How `#[tool]` reads the value before [`tool_return`].
-    fn __flue_tool_return(&self) -> DisplayError {
-        DisplayError
+    fn __flue_tool_return(&self) -> DisplayError<ToolError> {
+        DisplayError::new()
     }
 }
 
@@ -616,27 +618,63 @@ pub trait OtherReturn {
 
 impl<T: ?Sized> OtherReturn for Returned<'_, T> {}
 
-/// Reads a `Result` with a text error as one with a [`ToolError`]: the text is the error
-/// result the model sees.
+/// The error a `Result` is read into when its own error is text or only displays: a tool's
+/// [`ToolError`] or a lifecycle hook's [`HookError`](crate::lifecycle::HookError).
 #[doc(hidden)]
-pub struct TextError;
+pub trait Failure {
+    /// The failure whose message is `text`.
+    fn from_text(text: String) -> Self;
+}
 
-impl TextError {
-    /// The text error as a [`ToolError`].
-    pub fn adapt<T, E: Into<String>>(self, value: Result<T, E>) -> Result<T, ToolError> {
-        value.map_err(ToolError::new)
+impl Failure for ToolError {
+    fn from_text(text: String) -> Self {
+        Self::new(text)
     }
 }
 
-/// Reads a `Result` whose error displays as one with a [`ToolError`]: the error's text (its
-/// `Display`) is the error result the model sees.
+/// Reads a `Result` with a text error as one with the failure `F`, whose message is the text
+/// (for a tool, the error result the model sees).
 #[doc(hidden)]
-pub struct DisplayError;
+pub struct TextError<F>(std::marker::PhantomData<fn() -> F>);
 
-impl DisplayError {
-    /// The error as a [`ToolError`].
-    pub fn adapt<T, E: fmt::Display>(self, value: Result<T, E>) -> Result<T, ToolError> {
-        value.map_err(|error| ToolError::new(error.to_string()))
+impl<F: Failure> TextError<F> {
+    /// The reading.
+    pub fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+
+    /// The text error as an `F`.
+    pub fn adapt<T, E: Into<String>>(self, value: Result<T, E>) -> Result<T, F> {
+        value.map_err(|text| F::from_text(text.into()))
+    }
+}
+
+impl<F: Failure> Default for TextError<F> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Reads a `Result` whose error displays as one with the failure `F`, whose message is the
+/// error's text (its `Display`).
+#[doc(hidden)]
+pub struct DisplayError<F>(std::marker::PhantomData<fn() -> F>);
+
+impl<F: Failure> DisplayError<F> {
+    /// The reading.
+    pub fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+
+    /// The error as an `F`.
+    pub fn adapt<T, E: fmt::Display>(self, value: Result<T, E>) -> Result<T, F> {
+        value.map_err(|error| F::from_text(error.to_string()))
+    }
+}
+
+impl<F: Failure> Default for DisplayError<F> {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -263,10 +263,12 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | `user_client_detached` | `&UserState, &ClientInfo` | `()` |
 /// | `user_value_changed` | `&UserState, &str` | `()` |
 ///
-/// Any hook may be `async` and may return `Result<T, E>` with `E: Into<HookError>` (any
-/// `std::error::Error`, or a `HookError`: a message of your own is `HookError::new(text)`,
-/// not a bare `String`, which is no `Error`); it may name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but not be generic over types
-/// or constants. A parameter has the kind's type, or is `impl Trait` of it, or `&dyn Trait`
+/// Any hook may be `async` and may return `Result<T, E>`. `E` is a `HookError` (read as it
+/// is: `HookError::block` keeps its flag), any `std::error::Error` or other type a `HookError`
+/// converts from, text (`String`, `&'static str`), or any error that displays (`anyhow::Error`,
+/// `Box<dyn Error + Send + Sync>`): the error's text becomes the `HookError`'s message, as a
+/// tool's does. A hook may name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but
+/// not be generic over types or constants. A parameter has the kind's type, or is `impl Trait` of it, or `&dyn Trait`
 /// where the kind passes a reference. A render hook (`use_model`, …) called in the body does
 /// not compile: a lifecycle hook runs after the render that selected it, where every hook
 /// call panics.

@@ -968,6 +968,57 @@ async fn items_28_29_a_prevented_sent_message_is_not_stored_starts_no_turn_and_f
 }
 
 #[hook(before_create_message)]
+async fn refuse_with_text(_state: &ThreadState, message: Message) -> Result<Message, String> {
+    if message
+        .content
+        .as_deref()
+        .is_some_and(|text| text.contains("forbidden"))
+    {
+        return Err(format!("{:?} rows with forbidden words are not stored", message.role));
+    }
+    Ok(message)
+}
+
+/// An error that displays but is no `std::error::Error`, as `anyhow::Error` is.
+struct Quota(u32);
+
+impl std::fmt::Display for Quota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "over the quota of {} rows", self.0)
+    }
+}
+
+#[hook(before_create_message)]
+fn refuse_with_display(_state: &ThreadState, message: Message) -> Result<Message, Quota> {
+    if message.content.as_deref().is_some_and(|text| text.contains("quota")) {
+        return Err(Quota(3));
+    }
+    Ok(message)
+}
+
+#[agent(hooks = [refuse_with_text, refuse_with_display])]
+fn text_guarded_rows() -> &'static str {
+    use_model("scripted/x");
+    "G"
+}
+
+#[tokio::test]
+async fn a_hook_failing_with_text_or_an_error_that_displays_fails_as_with_a_hook_error_of_that_text() {
+    let model = ScriptedModel::new([ScriptedReply::text("never")]);
+    let runtime = runtime_with(&model, vec![text_guarded_rows.into()]);
+    for (input, message) in [
+        ("a forbidden word", "User rows with forbidden words are not stored"),
+        ("past the quota", "over the quota of 3 rows"),
+    ] {
+        let error = runtime.init(&text_guarded_rows, "g").send(input).await.unwrap_err();
+        assert_eq!(run_error(error), ("message_hook_error".to_owned(), message.to_owned()));
+    }
+    assert!(model.requests().is_empty(), "no turn");
+    let stored = bodies(&runtime, "text_guarded_rows", "g").await;
+    assert!(!stored.iter().any(|body| matches!(body, RecordBody::UserMessage { .. })));
+}
+
+#[hook(before_create_message)]
 async fn rejects_tool_rows(_state: &ThreadState, mut message: Message) -> Result<Message, HookError> {
     if message.role == MessageRole::Tool {
         message.content = Some("never stored".into());

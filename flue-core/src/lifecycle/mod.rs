@@ -31,11 +31,12 @@ pub type HookFuture<'a, T> = BoxFuture<'a, Result<T, HookError>>;
 
 /// What a lifecycle hook function may return for a kind whose result is `T`: `T` itself or
 /// `Result<T, E>` with `E` convertible into a [`HookError`]. `#[hook]` asserts it at the
-/// function's return type.
+/// function's return type, after reading a `Result` whose error is text or only displays as
+/// one with a [`HookError`] of that text.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not what this lifecycle hook returns",
     label = "this hook kind returns `{T}` (or `Result<{T}, E>`)",
-    note = "see the kind's signature in the `#[hook]` documentation; the error `E` of a `Result` is a `std::error::Error` or a `HookError` (`HookError::new(text)` makes one of a message)"
+    note = "see the kind's signature in the `#[hook]` documentation; the error `E` of a `Result` is a `HookError`, any `std::error::Error`, text, or any error that displays"
 )]
 pub trait HookReturn<T> {
     /// Converts into the hook's outcome.
@@ -71,6 +72,71 @@ pub fn hook_parameter<D: HookParameter<P>, P>(provided: P) -> D {
     D::declared(provided)
 }
 
+// Like a tool (see `crate::tool::Returned`), a `#[hook]` function may fail with text
+// (`Result<T, String>`, `Result<T, &'static str>`) or with any error that displays
+// (`anyhow::Error`, `Box<dyn Error + Send + Sync>`), which no `IntoHookError` impl can take beside
+// the one for every type a `HookError` converts from. So `#[hook]` reads its value by method
+// resolution first: `(&&&Returned(&value)).__flue_hook_return().adapt(value)` finds, in order,
+// 1. `TextErrorHookReturn` (a text error, made a `HookError`) or `ConvertibleHookReturn` (a
+//    `Result` whose error is an `IntoHookError`, read as it is: a `HookError::block` keeps its
+//    flag), both on `&&Returned<_>`;
+// 2. `DisplayErrorHookReturn` (any other `Result` whose error displays: its text becomes the
+//    `HookError`'s message), on `&Returned<_>`;
+// 3. `OtherHookReturn`, on `Returned<_>` (anything else, left for `hook_return` to accept or
+//    reject at the return type).
+
+impl crate::tool::Failure for HookError {
+    fn from_text(text: String) -> Self {
+        Self::new(text)
+    }
+}
+
+/// A `Result` whose error is text; read as one with a [`HookError`] of that text.
+#[doc(hidden)]
+pub trait TextErrorHookReturn {
+    /// How `#[hook]` reads the value before [`hook_return`].
+    fn __flue_hook_return(&self) -> crate::tool::TextError<HookError> {
+        crate::tool::TextError::new()
+    }
+}
+
+impl<T> TextErrorHookReturn for &&crate::tool::Returned<'_, Result<T, String>> {}
+impl<T> TextErrorHookReturn for &&crate::tool::Returned<'_, Result<T, &'static str>> {}
+
+/// A `Result` whose error [`hook_return`] converts as it is.
+#[doc(hidden)]
+pub trait ConvertibleHookReturn {
+    /// How `#[hook]` reads the value before [`hook_return`].
+    fn __flue_hook_return(&self) -> crate::tool::AsReturned {
+        crate::tool::AsReturned
+    }
+}
+
+impl<T, E: IntoHookError> ConvertibleHookReturn for &&crate::tool::Returned<'_, Result<T, E>> {}
+
+/// A `Result` whose error displays but converts into no [`HookError`] (`anyhow::Error`, a boxed
+/// `dyn Error`); read as one with a [`HookError`] of the error's text.
+#[doc(hidden)]
+pub trait DisplayErrorHookReturn {
+    /// How `#[hook]` reads the value before [`hook_return`].
+    fn __flue_hook_return(&self) -> crate::tool::DisplayError<HookError> {
+        crate::tool::DisplayError::new()
+    }
+}
+
+impl<T, E: fmt::Display> DisplayErrorHookReturn for &crate::tool::Returned<'_, Result<T, E>> {}
+
+/// Any other return value, left as it is.
+#[doc(hidden)]
+pub trait OtherHookReturn {
+    /// How `#[hook]` reads the value before [`hook_return`].
+    fn __flue_hook_return(&self) -> crate::tool::AsReturned {
+        crate::tool::AsReturned
+    }
+}
+
+impl<T: ?Sized> OtherHookReturn for crate::tool::Returned<'_, T> {}
+
 /// Converts a hook function's return value for a kind whose result is `T`, asserting
 /// [`HookReturn`] where `#[hook]` spans it. A function, not a path naming the return type, so
 /// the type may be `impl Trait`.
@@ -81,11 +147,13 @@ pub fn hook_return<T, R: HookReturn<T>>(value: R) -> Result<T, HookError> {
 
 /// The error of a lifecycle hook's `Result`: a [`HookError`], any `std::error::Error`, or any
 /// other type a [`HookError`] converts from. Text is not one (coherence rules out a conversion
-/// from it beside the one from every error type): `HookError::new(text)` makes one of it.
+/// from it beside the one from every error type), nor is an error that only displays
+/// (`anyhow::Error`, a boxed `dyn Error`): `#[hook]` reads those itself, before this trait, as
+/// a [`HookError`] of their text; elsewhere `HookError::new(text)` makes one of them.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a lifecycle hook's error",
-    label = "return `Err(HookError::new(text))`, or any `std::error::Error`",
-    note = "a `Result` a lifecycle hook returns fails with a `HookError` or a type it converts from (every `std::error::Error` does)"
+    label = "fail with a `HookError`, any `std::error::Error`, text, or an error that displays",
+    note = "a `Result` a lifecycle hook returns fails with a `HookError` or a type it converts from (every `std::error::Error` does); a `#[hook]` function may also fail with text or with any error that displays, whose text becomes the `HookError`'s message"
 )]
 pub trait IntoHookError {
     /// Converts into the hook's error.

@@ -105,12 +105,21 @@ pub(crate) fn hook(model: &HookModel) -> TokenStream {
     let result = match &function.sig.output {
         // The return type may be `impl Trait`, which cannot be named in a path: the helper
         // infers it from the body's value, and its call is spanned at the return type, so a
-        // type the kind does not return is reported there.
+        // type the kind does not return is reported there. Before it, a `Result` whose error is
+        // text, or displays without converting into a `HookError`, gets a `HookError` of that
+        // text instead, which no trait impl can do (see `flue_core::lifecycle::hook_return`).
         ReturnType::Type(_, ty) if well_formed => {
             let convert =
                 quote_spanned!(crate::located_at(ty)=> __flue::lifecycle::hook_return::<#expected, _>(__flue_returned));
             quote!({
+                use __flue::lifecycle::{
+                    ConvertibleHookReturn as _, DisplayErrorHookReturn as _, OtherHookReturn as _,
+                    TextErrorHookReturn as _,
+                };
                 let __flue_returned = #call #await_;
+                let __flue_returned = (&&&__flue::tool::Returned(&__flue_returned))
+                    .__flue_hook_return()
+                    .adapt(__flue_returned);
                 #convert
             })
         }

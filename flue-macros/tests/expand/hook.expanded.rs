@@ -19,6 +19,10 @@ const redact_emails: ::flue_runtime::__private::flue_core::lifecycle::ThreadHook
             {
                 ::std::boxed::Box::pin(async move {
                     {
+                        use __flue::lifecycle::{
+                            ConvertibleHookReturn as _, DisplayErrorHookReturn as _,
+                            OtherHookReturn as _, TextErrorHookReturn as _,
+                        };
                         let __flue_returned = __flue::send_body(
                                 __flue_hook_body(
                                     __flue::lifecycle::hook_parameter(__flue_arg0),
@@ -27,6 +31,11 @@ const redact_emails: ::flue_runtime::__private::flue_core::lifecycle::ThreadHook
                                 ),
                             )
                             .await;
+                        let __flue_returned = (&&&__flue::tool::Returned(
+                            &__flue_returned,
+                        ))
+                            .__flue_hook_return()
+                            .adapt(__flue_returned);
                         __flue::lifecycle::hook_return::<
                             __flue::lifecycle::ToolResult,
                             _,
