@@ -141,6 +141,9 @@ async fn main() {
 
 async fn converse() -> Result<(), RuntimeError> {
     let command = flue_runtime::cli::Cli::from_env().command;
+    // The runtime's warnings (a store it could not lock, a provider retried) on stderr, from
+    // the start: opening the store may warn. `cli::run` keeps this subscriber.
+    flue_runtime::cli::log_to_stderr();
     let mut providers = ProviderRegistry::with_defaults();
     let (model, notice) = choose_model(&mut providers);
     let _ = MODEL.set(model);
@@ -152,8 +155,6 @@ async fn converse() -> Result<(), RuntimeError> {
         eprintln!("{notice}\nstore: embedded SQLite at .flue/flue.db");
         std::process::exit(flue_runtime::cli::run(&runtime, command).await);
     }
-    // The runtime's warnings (a store it could not lock, a provider retried) on stderr.
-    flue_runtime::cli::log_to_stderr();
     show(&format!("{notice}\nstore: embedded SQLite at .flue/flue.db"));
     // Resume anything a previous run left unfinished.
     runtime.start().await;

@@ -218,7 +218,9 @@ pub async fn serve_with(
 /// a server answers, under the `ref` the response carries), at the level `FLUE_LOG` names
 /// (`error`, `warn` (the default), `info`, `debug`, `trace`, `off`; another value is named
 /// on stderr and the default kept), unless the binary installed a `tracing` subscriber of its
-/// own.
+/// own. What the runtime logged while it was built (opening the store may warn) reached
+/// stderr only if the binary called [`log_to_stderr`] (or installed its own subscriber)
+/// before building it.
 pub async fn run(runtime: &Runtime, command: Command) -> i32 {
     run_with(runtime, command, HttpOptions::default()).await
 }
@@ -304,6 +306,7 @@ impl<W: Write> Write for Printable<W> {
 /// (`error`, `warn`, `info`, `debug`, `trace` or `off`; unset: `warn`). The MCP client
 /// library's own events are left out: they quote an MCP server's URL and its error bodies
 /// whole, credentials included (the runtime reports the same failures with them removed).
+/// Call it before building the runtime: opening the store may warn.
 pub fn log_to_stderr() {
     if tracing::dispatcher::has_been_set() {
         return;

@@ -1808,8 +1808,10 @@ impl Runtime {
 
     /// Starts this node's background work — lease renewal, and the scan that takes over
     /// expired submissions and picks up queued work — and runs one scan now. Call it when a
-    /// process starts on a durable store: work left by a crashed process resumes (once its
-    /// lease expires). Admission starts the background work too.
+    /// process starts on a durable store: work left by a crashed process resumes, at once on
+    /// a store one process holds ([`Store::exclusive`]: SQLite on Unix), elsewhere once its
+    /// lease expired. Admission starts the background work too, but its first scan comes a
+    /// scan interval later and takes over expired leases only.
     pub async fn start(&self) {
         self.inner.ensure_background();
         self.inner.scan_leases(true).await;
