@@ -10,8 +10,10 @@
 //!   `use_response_start` or `use_response_finish` runs at its seam, after the render.
 //!
 //! A plain closure in a tool or hook body is not searched: it may be an agent function itself
-//! (`FnAgent`) that some render calls. Nested items, and calls and `let`s under `cfg` (which
-//! may not be compiled), are not searched either.
+//! (`FnAgent`) that some render calls. Nested items, and calls, `let`s and macros under `cfg`
+//! (which may not be compiled), are not searched either. Of macros, only the arguments of the
+//! standard library's that take expressions (`format!`, `vec!`, `assert!`, …) are searched:
+//! another macro's tokens need not be Rust expressions at all.
 //!
 //! In the render itself, a hook given a literal its rules refuse (a blank instruction, state
 //! or data part name) fails every render that reaches the call, and a model specifier that is
@@ -215,6 +217,77 @@ impl<'ast> Visit<'ast> for Calls<'_> {
     }
 
     fn visit_item(&mut self, _item: &'ast syn::Item) {}
+
+    fn visit_stmt_macro(&mut self, mac: &'ast syn::StmtMacro) {
+        if !configured(&mac.attrs) {
+            syn::visit::visit_stmt_macro(self, mac);
+        }
+    }
+
+    fn visit_expr_macro(&mut self, mac: &'ast syn::ExprMacro) {
+        if !configured(&mac.attrs) {
+            syn::visit::visit_expr_macro(self, mac);
+        }
+    }
+
+    fn visit_macro(&mut self, mac: &'ast syn::Macro) {
+        for argument in macro_arguments(mac).unwrap_or_default() {
+            self.visit_expr(&argument);
+        }
+    }
+}
+
+/// The standard library's macros whose arguments are expressions (a format string first, for
+/// some), which run where the macro is called.
+const EXPRESSION_MACROS: [&str; 20] = [
+    "assert",
+    "assert_eq",
+    "assert_ne",
+    "dbg",
+    "debug_assert",
+    "debug_assert_eq",
+    "debug_assert_ne",
+    "eprint",
+    "eprintln",
+    "format",
+    "format_args",
+    "panic",
+    "print",
+    "println",
+    "todo",
+    "unimplemented",
+    "unreachable",
+    "vec",
+    "write",
+    "writeln",
+];
+
+/// The arguments of `mac`, when it is one of [`EXPRESSION_MACROS`] (called bare, or by a path
+/// into `std`, `core` or `alloc`) and they parse as expressions (`vec![value; count]` too).
+fn macro_arguments(mac: &syn::Macro) -> Option<Vec<Expr>> {
+    use syn::parse::Parser;
+    let segments = &mac.path.segments;
+    let last = segments.last()?;
+    let standard = (segments.len() == 1 && mac.path.leading_colon.is_none())
+        || segments
+            .first()
+            .is_some_and(|first| ["std", "core", "alloc"].iter().any(|name| first.ident == name));
+    if !standard || !EXPRESSION_MACROS.iter().any(|name| last.ident == name) {
+        return None;
+    }
+    let listed = syn::punctuated::Punctuated::<Expr, syn::Token![,]>::parse_terminated;
+    if let Ok(arguments) = listed.parse2(mac.tokens.clone()) {
+        return Some(arguments.into_iter().collect());
+    }
+    let repeated = |input: syn::parse::ParseStream<'_>| {
+        let value: Expr = input.parse()?;
+        input.parse::<syn::Token![;]>()?;
+        let count: Expr = input.parse()?;
+        Ok(vec![value, count])
+    };
+    (last.ident == "vec")
+        .then(|| repeated.parse2(mac.tokens.clone()).ok())
+        .flatten()
 }
 
 /// The first argument of `call` to `hook`, when it is a string literal the hook refuses, with
