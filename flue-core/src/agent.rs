@@ -328,59 +328,89 @@ impl<'a> AgentProps<'a> {
     }
 }
 
-/// What an agent function returns: its instruction text, or nothing.
+/// What an agent function returns: its instruction text, or nothing, or the error that fails
+/// its render.
 ///
-/// Converts from `&'static str`, `String`, `Cow<'static, str>`, `Option<String>` and `()`.
+/// Converts from `&'static str`, `String`, `Cow<'static, str>`, `Option<String>` and `()`, and
+/// from a `Result` of any of these whose error displays (`Result<String, anyhow::Error>`, a
+/// `Result` with a `std::error::Error`): an `Err` fails the render with the error's text
+/// ([`RenderError::Failed`](crate::RenderError::Failed)), as a panic in the body would, so an
+/// agent function can use `?`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Instruction(Option<Cow<'static, str>>);
+pub struct Instruction(Option<Cow<'static, str>>, Option<String>);
 
 impl Instruction {
     /// No instruction.
-    pub const NONE: Instruction = Instruction(None);
+    pub const NONE: Instruction = Instruction(None, None);
+
+    /// The instruction of an agent function that failed with `message`: its render fails with
+    /// [`RenderError::Failed`](crate::RenderError::Failed).
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self(None, Some(message.into()))
+    }
 
     /// The text, if any.
     pub fn as_str(&self) -> Option<&str> {
         self.0.as_deref()
     }
 
-    pub(crate) fn into_inner(self) -> Option<Cow<'static, str>> {
-        self.0
+    /// The error the agent function failed with, if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.1.as_deref()
+    }
+
+    /// The text, or the failure.
+    pub(crate) fn into_result(self) -> Result<Option<Cow<'static, str>>, String> {
+        match self.1 {
+            Some(failure) => Err(failure),
+            None => Ok(self.0),
+        }
+    }
+}
+
+/// An agent function that can fail: an `Err` fails its render with the error's text.
+impl<T: Into<Instruction>, E: fmt::Display> From<Result<T, E>> for Instruction {
+    fn from(returned: Result<T, E>) -> Self {
+        match returned {
+            Ok(instruction) => instruction.into(),
+            Err(error) => Self::failed(error.to_string()),
+        }
     }
 }
 
 impl From<&'static str> for Instruction {
     fn from(text: &'static str) -> Self {
-        Self(Some(Cow::Borrowed(text)))
+        Self(Some(Cow::Borrowed(text)), None)
     }
 }
 
 impl From<String> for Instruction {
     fn from(text: String) -> Self {
-        Self(Some(Cow::Owned(text)))
+        Self(Some(Cow::Owned(text)), None)
     }
 }
 
 impl From<Cow<'static, str>> for Instruction {
     fn from(text: Cow<'static, str>) -> Self {
-        Self(Some(text))
+        Self(Some(text), None)
     }
 }
 
 impl From<Option<String>> for Instruction {
     fn from(text: Option<String>) -> Self {
-        Self(text.map(Cow::Owned))
+        Self(text.map(Cow::Owned), None)
     }
 }
 
 impl From<Option<&'static str>> for Instruction {
     fn from(text: Option<&'static str>) -> Self {
-        Self(text.map(Cow::Borrowed))
+        Self(text.map(Cow::Borrowed), None)
     }
 }
 
 impl From<()> for Instruction {
     fn from((): ()) -> Self {
-        Self(None)
+        Self(None, None)
     }
 }
 
@@ -484,7 +514,7 @@ impl NoInstruction {
 /// [`FnAgent`]'s body, which says what is wrong with a closure that returns something else, an
 /// `async` one's future included.
 #[diagnostic::on_unimplemented(
-    message = "an agent body returns its instruction (`&'static str`, `String`, `Option<String>`, `()` or anything `Into<Instruction>`), not `{Self}`",
+    message = "an agent body returns its instruction (`&'static str`, `String`, `Option<String>`, `()`, a `Result` of one whose error displays, or anything `Into<Instruction>`), not `{Self}`",
     label = "this closure returns `{Self}`",
     note = "an agent body renders synchronously: an `async` closure is not one (a tool, or a hook's callback, is where to wait)",
     note = "everything else (model, tools, state) is composed with hooks in the body"
@@ -504,7 +534,7 @@ impl<T: Into<Instruction>> IntoInstruction for T {
 /// Implemented by nothing: the bound that reports an agent function's wrong return type.
 #[doc(hidden)]
 #[diagnostic::on_unimplemented(
-    message = "an agent function returns its instruction (`&'static str`, `String`, `Option<String>`, `()` or anything `Into<Instruction>`), not `{Self}`",
+    message = "an agent function returns its instruction (`&'static str`, `String`, `Option<String>`, `()`, a `Result` of one whose error displays, or anything `Into<Instruction>`), not `{Self}`",
     label = "not an instruction",
     note = "everything else (model, tools, state) is composed with hooks in the body"
 )]

@@ -20,6 +20,13 @@ pub enum RenderError {
         /// Names the previous render declared that this one does not, in that render's order.
         removed: Vec<String>,
     },
+    /// The agent function returned an error (an `Err` it returned, or `?` in its body); the
+    /// message is the error's text.
+    #[error("{message}")]
+    Failed {
+        /// The error's text (its `Display`).
+        message: String,
+    },
     /// The agent body panicked (a rules-of-hooks violation or any other panic).
     #[error("{message}")]
     Panicked {

@@ -165,6 +165,36 @@ fn a_panicking_agent_body_leaves_no_frame_behind_and_the_next_render_works() {
 }
 
 #[test]
+fn an_agent_body_that_returns_an_error_fails_its_render_with_the_text_and_the_next_render_works() {
+    let parsed = agent(|_| -> Result<String, std::num::ParseIntError> {
+        use_model("openai/gpt-4o");
+        let limit: u32 = "ten".parse()?;
+        Ok(format!("Answer in {limit} words."))
+    });
+    let failed = RenderError::Failed {
+        message: "invalid digit found in string".to_owned(),
+    };
+    assert_eq!(
+        flue_core::try_render(&parsed, &RenderState::bare()).unwrap_err(),
+        failed
+    );
+    assert_eq!(
+        flue_core::render_bare(&parsed).unwrap_err(),
+        failed,
+        "the untried render fails the same way: an error is no panic"
+    );
+    assert!(!is_rendering());
+    let answered = agent(|_| -> Result<Option<String>, String> {
+        use_model("openai/gpt-4o");
+        Ok(Some("Answer briefly.".to_owned()))
+    });
+    assert_eq!(
+        flue_core::render_bare(&answered).unwrap().instruction.as_deref(),
+        Some("Answer briefly.")
+    );
+}
+
+#[test]
 fn is_rendering_is_true_only_during_a_render() {
     assert!(!is_rendering());
     let agent = agent(|_| {

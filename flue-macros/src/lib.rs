@@ -173,8 +173,10 @@ use proc_macro::TokenStream;
 /// | `crate = "path"` | where `flue_runtime` is, when the dependency is renamed |
 ///
 /// The function takes no parameters or one `AgentProps`, is not `async`, returns anything
-/// `Into<Instruction>` (`&'static str`, `String`, `()`), and is generic over nothing but
-/// lifetimes (`fn assistant<'a>(props: AgentProps<'a>)`).
+/// `Into<Instruction>` (`&'static str`, `String`, `()`, or a `Result` of one whose error
+/// displays: an `Err`, `?` included, fails the render with the error's text, as a panic
+/// would), and is generic over nothing but lifetimes (`fn assistant<'a>(props:
+/// AgentProps<'a>)`).
 ///
 /// **The rules of hooks at compile time**: a hook call among the body's top-level statements
 /// runs on every render, so one that repeats an earlier one where the rules allow one per

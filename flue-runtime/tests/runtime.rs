@@ -664,6 +664,28 @@ async fn a_panicking_render_fails_the_submission_with_its_message_and_the_runtim
     assert_eq!(reply.text, "ok");
 }
 
+/// An agent function that can fail: `?` on a stored value that does not parse.
+#[agent]
+fn parses_its_limit() -> Result<String, std::num::ParseIntError> {
+    use_model("scripted/x");
+    let words: u32 = use_persistent_state("limit", "ten".to_owned()).0.parse()?;
+    Ok(format!("Answer in {words} words."))
+}
+
+#[tokio::test]
+async fn an_agent_function_that_returns_an_error_fails_the_submission_with_its_text_and_calls_no_model() {
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, vec![parses_its_limit.into(), calculator.into()]);
+    let error = runtime.init(&parses_its_limit, "x").send("hi").await.unwrap_err();
+    assert_eq!(
+        run_error(error),
+        ("render_failed".to_owned(), "invalid digit found in string".to_owned())
+    );
+    assert!(model.requests().is_empty(), "no model call");
+    let reply = runtime.init(&calculator, "after").send("hi").await.unwrap();
+    assert_eq!(reply.text, "ok");
+}
+
 #[tokio::test]
 async fn submissions_of_one_instance_run_one_at_a_time_in_admission_order() {
     use flue_runtime::store::{Store as _, SubmissionStatus};

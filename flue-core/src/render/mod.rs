@@ -31,10 +31,11 @@ use crate::error::{RenderError, ToolNameConflictError};
 /// Renders `agent` once against `state`.
 ///
 /// Rules-of-hooks violations inside the agent body panic with the reference's `[flue] …`
-/// message (use [`try_render`] to receive them as [`RenderError::Panicked`]). After the body
-/// returns, the render-level rules are checked in the reference's order: reserved and
-/// duplicate tool names ([`RenderError::ToolNameConflict`]), then data-writer identity against
-/// [`RenderState::previous_data_writers`] ([`RenderError::IdentityChanged`]).
+/// message (use [`try_render`] to receive them as [`RenderError::Panicked`]). An error the body
+/// returned (`Result<String, E>`, `?`) fails the render as [`RenderError::Failed`]. After the
+/// body returns an instruction, the render-level rules are checked in the reference's order:
+/// reserved and duplicate tool names ([`RenderError::ToolNameConflict`]), then data-writer
+/// identity against [`RenderState::previous_data_writers`] ([`RenderError::IdentityChanged`]).
 #[track_caller]
 pub fn render<A: Agent + ?Sized>(agent: &A, state: &RenderState<'_>) -> Result<Rendered, RenderError> {
     let mut rendered = Rendered::with_capacity_hint(state.capacity_hint());
@@ -62,7 +63,12 @@ pub fn render_into<A: Agent + ?Sized>(
         agent.render_body(props)
     };
     let rendered = frame.rec.into_inner();
-    rendered.compose_instruction(returned.into_inner());
+    // An agent function that returned an error fails its render as a panic would, before the
+    // render-level rules, which are about a declaration it did not complete.
+    let returned = returned
+        .into_result()
+        .map_err(|message| RenderError::Failed { message })?;
+    rendered.compose_instruction(returned);
     check_unique_tool_names(rendered)?;
     if let Some(previous) = state.previous_data_writers() {
         check_data_writer_identity(previous, &rendered.data_writers)?;

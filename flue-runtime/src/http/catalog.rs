@@ -82,15 +82,20 @@ fn entry(agent: &dyn Agent) -> Value {
         }
         Err(error) => {
             entry["tools"] = Value::Null;
-            // A panic's text is the application's own (a rules-of-hooks refusal is the
-            // framework's `[flue] …`): served as settlements serve it, the log keeps it.
+            // A panic's text, or the error the agent function returned, is the application's
+            // own (a rules-of-hooks refusal is the framework's `[flue] …`): served as
+            // settlements serve it, the log keeps it.
             let text = error.to_string();
-            let served = match &error {
-                flue_core::RenderError::Panicked { message, .. } if !message.starts_with("[flue]") => {
-                    tracing::error!(agent = %definition.name, error = %text, "the agent's catalog render panicked");
-                    "The agent's render failed because of an internal error; the server's log carries it.".to_owned()
-                }
-                _ => text,
+            let own = match &error {
+                flue_core::RenderError::Failed { .. } => true,
+                flue_core::RenderError::Panicked { message, .. } => !message.starts_with("[flue]"),
+                _ => false,
+            };
+            let served = if own {
+                tracing::error!(agent = %definition.name, error = %text, "the agent's catalog render failed");
+                "The agent's render failed because of an internal error; the server's log carries it.".to_owned()
+            } else {
+                text
             };
             entry["renderError"] = json!(served);
         }
@@ -110,6 +115,18 @@ mod tests {
             panic!("cannot reach postgres://app:hunter2@db")
         });
         let served = entry(&leaky)["renderError"].clone();
+        assert_eq!(
+            served,
+            "The agent's render failed because of an internal error; the server's log carries it."
+        );
+        // So is an error the agent function returned.
+        let failing = FnAgent::new(
+            AgentDefinition::new("failing"),
+            |_: AgentProps<'_>| -> Result<&'static str, String> {
+                Err("cannot reach postgres://app:hunter2@db".into())
+            },
+        );
+        let served = entry(&failing)["renderError"].clone();
         assert_eq!(
             served,
             "The agent's render failed because of an internal error; the server's log carries it."

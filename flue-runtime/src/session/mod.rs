@@ -1342,7 +1342,7 @@ impl From<RenderError> for Failure {
             RenderError::ToolNameConflict(_) => "tool_name_conflict",
             RenderError::MissingModel => "model_required",
             RenderError::IdentityChanged { .. } => "render_identity_changed",
-            RenderError::Panicked { .. } => "render_failed",
+            RenderError::Failed { .. } | RenderError::Panicked { .. } => "render_failed",
             _ => "render_failed",
         };
         Self::failed(error_type, error.to_string())
