@@ -36,7 +36,7 @@ pub type HookFuture<'a, T> = BoxFuture<'a, Result<T, HookError>>;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not what this lifecycle hook returns",
     label = "this hook kind returns `{T}` (or `Result<{T}, E>`)",
-    note = "see the kind's signature in the `#[hook]` documentation; the error `E` of a `Result` is a `HookError`, any `std::error::Error`, text, or any error that displays"
+    note = "see the kind's signature in the `#[hook]` documentation; the error `E` of a `Result` is a `HookError`, any `std::error::Error`, text, or any error that displays (such an error is read as a `HookError` before this check, so this message names it so)"
 )]
 pub trait HookReturn<T> {
     /// Converts into the hook's outcome.

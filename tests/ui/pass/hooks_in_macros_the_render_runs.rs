@@ -1,5 +1,6 @@
 //! Hook calls in the arguments of a macro an agent body calls run in its render, and are not
-//! refused; a macro whose tokens are not expressions is not searched, nor is one under `cfg`.
+//! refused. A macro that is not one of the standard library's expression macros is not
+//! searched (its tokens need not be calls at all), nor is one under `cfg`.
 use flue_runtime::prelude::*;
 
 macro_rules! quoted {
@@ -11,7 +12,7 @@ macro_rules! quoted {
 /// Look a word up.
 #[tool]
 async fn lookup(word: String) -> String {
-    // Tokens only: nothing is called.
+    // A macro of the user's own: its tokens are only quoted here, nothing is called.
     let _ = quoted!(use_model("openai/gpt-4o"));
     #[cfg(any())]
     println!("{}", use_persistent_state("never", 0u32).0);
