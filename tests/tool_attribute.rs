@@ -301,13 +301,18 @@ fn a_string_error_is_an_error_result_with_its_text() {
     assert_eq!(output, ToolOutput::text("refunded o-1"));
 }
 
-/// An error that displays but is no `std::error::Error`, as `anyhow::Error` is.
+/// An error that displays but is no `std::error::Error`, as `anyhow::Error` is, and, as it
+/// does, shows its cause only in its alternate form (`{:#}`).
 #[derive(Debug)]
 struct OpaqueError(&'static str);
 
 impl std::fmt::Display for OpaqueError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "opaque: {}", self.0)
+        write!(f, "opaque: {}", self.0)?;
+        if f.alternate() {
+            f.write_str(": the ledger is offline")?;
+        }
+        Ok(())
     }
 }
 
@@ -338,7 +343,11 @@ async fn count_lines(order: String) -> Result<String, std::io::Error> {
 fn an_error_that_only_displays_is_an_error_result_with_its_text() {
     let tool = void_order.into_tool();
     let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "x-1"})));
-    assert_eq!(output, ToolOutput::error("opaque: no such order"));
+    assert_eq!(
+        output,
+        ToolOutput::error("opaque: no such order: the ledger is offline"),
+        "its alternate form, with the cause, as anyhow::Error shows its causes"
+    );
     let output = poll_ready(tool.call(ToolContext::new(&tool, "c"), json!({"order": "o-1"})));
     assert_eq!(output, ToolOutput::text("voided o-1"));
     // A boxed error (what `?` makes of any error), and a JSON success beside it.

@@ -333,9 +333,11 @@ impl<'a> AgentProps<'a> {
 ///
 /// Converts from `&'static str`, `String`, `Cow<'static, str>`, `Option<String>` and `()`, and
 /// from a `Result` of any of these whose error displays (`Result<String, anyhow::Error>`, a
-/// `Result` with a `std::error::Error`): an `Err` fails the render with the error's text
-/// ([`RenderError::Failed`](crate::RenderError::Failed)), as a panic in the body would, so an
-/// agent function can use `?`.
+/// `Result` with a `std::error::Error`): an `Err` fails the render with the error's text (its
+/// alternate `Display`, which for `anyhow::Error` includes its causes) as
+/// [`RenderError::Failed`](crate::RenderError::Failed), so an agent function can use `?`. The
+/// runtime fails the submission with it as it does a panicking render; [`render`](crate::render())
+/// returns it where a panic would unwind.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Instruction(Option<Cow<'static, str>>, Option<String>);
 
@@ -373,7 +375,8 @@ impl<T: Into<Instruction>, E: fmt::Display> From<Result<T, E>> for Instruction {
     fn from(returned: Result<T, E>) -> Self {
         match returned {
             Ok(instruction) => instruction.into(),
-            Err(error) => Self::failed(error.to_string()),
+            // The alternate form, as a tool's error: `anyhow::Error`'s shows its causes.
+            Err(error) => Self::failed(format!("{error:#}")),
         }
     }
 }

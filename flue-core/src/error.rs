@@ -24,7 +24,8 @@ pub enum RenderError {
     /// message is the error's text.
     #[error("{message}")]
     Failed {
-        /// The error's text (its `Display`).
+        /// The error's text (its alternate `Display`, `{:#}`: an `anyhow::Error`'s causes
+        /// included).
         message: String,
     },
     /// The agent body panicked (a rules-of-hooks violation or any other panic).

@@ -656,7 +656,7 @@ impl<F: Failure> Default for TextError<F> {
 }
 
 /// Reads a `Result` whose error displays as one with the failure `F`, whose message is the
-/// error's text (its `Display`).
+/// error's text (its alternate `Display`, `{:#}`: an `anyhow::Error`'s causes included).
 #[doc(hidden)]
 pub struct DisplayError<F>(std::marker::PhantomData<fn() -> F>);
 
@@ -668,7 +668,10 @@ impl<F: Failure> DisplayError<F> {
 
     /// The error as an `F`.
     pub fn adapt<T, E: fmt::Display>(self, value: Result<T, E>) -> Result<T, F> {
-        value.map_err(|error| F::from_text(error.to_string()))
+        // The alternate form: `anyhow::Error`'s shows its causes after its context
+        // (`reading the config: No such file or directory`), where the plain one shows only
+        // the outermost context.
+        value.map_err(|error| F::from_text(format!("{error:#}")))
     }
 }
 

@@ -184,6 +184,27 @@ fn an_agent_body_that_returns_an_error_fails_its_render_with_the_text_and_the_ne
         "the untried render fails the same way: an error is no panic"
     );
     assert!(!is_rendering());
+    // An error that shows its cause in its alternate form only, as `anyhow::Error` does.
+    struct Contextual;
+    impl std::fmt::Display for Contextual {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("reading the limit")?;
+            if f.alternate() {
+                f.write_str(": no such file")?;
+            }
+            Ok(())
+        }
+    }
+    let contextual = agent(|_| -> Result<&'static str, Contextual> {
+        use_model("openai/gpt-4o");
+        Err(Contextual)
+    });
+    assert_eq!(
+        flue_core::render_bare(&contextual).unwrap_err(),
+        RenderError::Failed {
+            message: "reading the limit: no such file".to_owned()
+        }
+    );
     let answered = agent(|_| -> Result<Option<String>, String> {
         use_model("openai/gpt-4o");
         Ok(Some("Answer briefly.".to_owned()))

@@ -95,7 +95,8 @@ impl SettlementError {
     /// Whether HTTP clients are served the reference's generic `internal_error` in its place
     /// ([`SettlementError::for_clients`]), as the reference serves every error that is not one
     /// of its typed errors (§6.4): a start, finish or response callback's failure, a render's
-    /// (a panic, an identity change, a missing `use_model`), a model that does not resolve,
+    /// (a panic or an error the agent function returned, an identity change, a missing
+    /// `use_model`), a model that does not resolve,
     /// the finish ceiling or a finish append no step can answer, a sandbox factory's failure,
     /// a required MCP server that cannot be used, a skill name conflict, a failed compaction,
     /// a lifecycle hook's panic. Their texts are the application's own (or the framework's

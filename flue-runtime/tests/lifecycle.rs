@@ -984,7 +984,12 @@ struct Quota(u32);
 
 impl std::fmt::Display for Quota {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "over the quota of {} rows", self.0)
+        write!(f, "over the quota of {} rows", self.0)?;
+        // Its cause in the alternate form only, as `anyhow::Error` shows its causes.
+        if f.alternate() {
+            f.write_str(": the plan allows no more")?;
+        }
+        Ok(())
     }
 }
 
@@ -1008,7 +1013,7 @@ async fn a_hook_failing_with_text_or_an_error_that_displays_fails_as_with_a_hook
     let runtime = runtime_with(&model, vec![text_guarded_rows.into()]);
     for (input, message) in [
         ("a forbidden word", "User rows with forbidden words are not stored"),
-        ("past the quota", "over the quota of 3 rows"),
+        ("past the quota", "over the quota of 3 rows: the plan allows no more"),
     ] {
         let error = runtime.init(&text_guarded_rows, "g").send(input).await.unwrap_err();
         assert_eq!(run_error(error), ("message_hook_error".to_owned(), message.to_owned()));

@@ -2,7 +2,8 @@
 //! first render: the tools its body mounts when nothing is stored yet, for an instance named
 //! [`CATALOG_INSTANCE`] sent an empty message), its lifecycle hooks and the hooks it requires
 //! on a parent. An agent whose render fails has `"tools": null` and a `renderError` saying why
-//! (a panic of the application's own is only named: the server's log carries its text).
+//! (a panic of the application's own, or an error its agent function returned, is only named:
+//! the server's log carries its text).
 
 use flue_core::agent::{Agent, HookStage};
 use flue_core::render::RenderState;
