@@ -31,8 +31,9 @@
 //!   helper thread the body spawned, that thread panics, and the render fails with what the
 //!   body makes of it: `std::thread::scope`'s own "a scoped thread panicked"). The attributes
 //!   refuse at compile time the calls that can never run in a render: in a `#[tool]` or
-//!   `#[hook]` body, and in an agent's `async` blocks and seam callbacks (also in the
-//!   arguments of the standard library's expression macros there, `format!`, `vec!`, …).
+//!   `#[hook]` body, and in an agent's `async` blocks, seam callbacks and closures given to
+//!   `thread::spawn` or a `spawn` method (also in the arguments of the standard library's
+//!   expression macros there, `format!`, `vec!`, …).
 //! - Renders never nest; an agent function that calls another agent's render panics.
 //! - `use_model` and `use_sandbox` at most once per render; names are unique per render
 //!   (tools, skills, subagents, state, data parts, MCP servers). Where `#[agent]` can tell,

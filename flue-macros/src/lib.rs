@@ -174,8 +174,8 @@ use proc_macro::TokenStream;
 ///
 /// The function takes no parameters or one `AgentProps`, is not `async`, returns anything
 /// `Into<Instruction>` (`&'static str`, `String`, `()`, or a `Result` of one whose error
-/// displays: an `Err`, `?` included, fails the render with the error's text, as a panic
-/// would), and is generic over nothing but lifetimes (`fn assistant<'a>(props:
+/// displays: an `Err`, `?` included, fails the render with the error's text, and the
+/// submission with it, as a panic does), and is generic over nothing but lifetimes (`fn assistant<'a>(props:
 /// AgentProps<'a>)`).
 ///
 /// **The rules of hooks at compile time**: a hook call among the body's top-level statements
@@ -184,12 +184,15 @@ use proc_macro::TokenStream;
 /// hook, `use_persistent_state` or `use_data_writer` of the same literal name) does not
 /// compile. Calls under a condition, a loop or a closure, and calls in custom hooks, are
 /// checked when the agent renders, and so are statements after a `return`; calls and `let`s
-/// under `cfg` are not checked here at all (they may not be compiled). A hook called where no render runs does not compile either: in an `async` block
-/// or closure (even one the body blocks on), or in the body of a closure given to
-/// `use_agent_start`, `use_agent_finish`, `use_response_start` or `use_response_finish` (nor
-/// in a `#[tool]` or `#[hook]` body). A hook given a literal its rules refuse (a blank
-/// instruction, state or data part name, a model specifier that is not `provider-id/model-id`)
-/// does not compile wherever the call is.
+/// under `cfg` are not checked here at all (they may not be compiled). A hook called where no
+/// render runs does not compile either: in an `async` block or closure (even one the body
+/// blocks on), in the body of a closure given to `use_agent_start`, `use_agent_finish`,
+/// `use_response_start` or `use_response_finish`, or in one given to `thread::spawn` or to a
+/// `spawn` method (a `thread::scope`'s), which runs on another thread (nor in a `#[tool]` or
+/// `#[hook]` body). These checks see into the arguments of the standard library's expression
+/// macros (`format!`, `vec!`, …), not into other macros. A hook given a literal its rules
+/// refuse (a blank instruction, state or data part name, a model specifier that is not
+/// `provider-id/model-id`) does not compile wherever the call is.
 ///
 /// **What it expands to**: the function body moves into a hidden inner function; the name
 /// becomes a zero-sized `struct` (so it is a value, passable to `Subagent::new` or a runtime)
@@ -268,10 +271,11 @@ pub fn agent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// Any hook may be `async` and may return `Result<T, E>`. `E` is a `HookError` (read as it
 /// is: `HookError::block` keeps its flag), any `std::error::Error` or other type a `HookError`
 /// converts from, text (`String`, `&'static str`), or any error that displays (`anyhow::Error`,
-/// `Box<dyn Error + Send + Sync>`): the error's text becomes the `HookError`'s message, as a
+/// `Box<dyn Error + Send + Sync>`): the error's text (for one that only displays, its
+/// alternate form, with an `anyhow::Error`'s causes) becomes the `HookError`'s message, as a
 /// tool's does. A hook may name its lifetimes (`fn greet<'s>(state: &'s ThreadState)`), but
-/// not be generic over types or constants. A parameter has the kind's type, or is `impl Trait` of it, or `&dyn Trait`
-/// where the kind passes a reference. A render hook (`use_model`, …) called in the body does
+/// not be generic over types or constants. A parameter has the kind's type, or is `impl
+/// Trait` of it, or `&dyn Trait` where the kind passes a reference. A render hook (`use_model`, …) called in the body does
 /// not compile: a lifecycle hook runs after the render that selected it, where every hook
 /// call panics.
 ///

@@ -7,7 +7,9 @@
 //!   agent responds, after the render that mounted or selected it.
 //! - In an `#[agent]` body, an `async` block or closure runs when something polls it, after
 //!   the synchronous render; a callback given to `use_agent_start`, `use_agent_finish`,
-//!   `use_response_start` or `use_response_finish` runs at its seam, after the render.
+//!   `use_response_start` or `use_response_finish` runs at its seam, after the render; a
+//!   closure given to `thread::spawn` or to a `spawn` method (a `thread::scope`'s, a
+//!   `thread::Builder`'s) runs on another thread, whose hooks see no render.
 //!
 //! A plain closure in a tool or hook body is not searched: it may be an agent function itself
 //! (`FnAgent`) that some render calls. Nested items, and calls, `let`s and macros under `cfg`
@@ -108,7 +110,9 @@ pub(crate) fn check_outside_render(block: &syn::Block, body: Body, errors: &Erro
             Body::LifecycleHook => Some("a lifecycle hook runs after the render that selected it"),
         },
         advice: match body {
-            Body::Agent => "call it in the agent function's body (or in a custom hook the body calls)",
+            Body::Agent => {
+                "call it in the agent function's body itself, which the render runs on its own thread (or in a custom hook the body calls)"
+            }
             Body::Tool => {
                 "call it in the agent function that mounts the tool; a tool gets what it needs from its arguments and its `ToolContext`"
             }
@@ -134,6 +138,37 @@ impl Calls<'_> {
         visit(self);
         self.outside = render;
     }
+
+    /// The arguments of a call that spawns a thread: a closure among them runs there.
+    fn visit_spawned<'e>(&mut self, arguments: impl Iterator<Item = &'e Expr>) {
+        for argument in arguments {
+            match argument {
+                Expr::Closure(closure) if closure.asyncness.is_none() => {
+                    self.run_outside(
+                        "a closure given to `spawn` runs on a thread of its own, where no render is",
+                        |calls| {
+                            calls.visit_expr(&closure.body);
+                        },
+                    );
+                }
+                other => self.visit_expr(other),
+            }
+        }
+    }
+}
+
+/// Whether `function` is `std::thread::spawn` (called as `thread::spawn` or by its full path).
+fn spawns_thread(function: &Expr) -> bool {
+    let Expr::Path(path) = function else {
+        return false;
+    };
+    let names: Vec<String> = path
+        .path
+        .segments
+        .iter()
+        .map(|segment| segment.ident.to_string())
+        .collect();
+    names == ["thread", "spawn"] || names == ["std", "thread", "spawn"]
 }
 
 impl<'ast> Visit<'ast> for Calls<'_> {
@@ -189,7 +224,23 @@ impl<'ast> Visit<'ast> for Calls<'_> {
             }
             return;
         }
+        if spawns_thread(&call.func) {
+            self.visit_expr(&call.func);
+            self.visit_spawned(call.args.iter());
+            return;
+        }
         syn::visit::visit_expr_call(self, call);
+    }
+
+    fn visit_expr_method_call(&mut self, call: &'ast syn::ExprMethodCall) {
+        // A thread's `spawn` (`thread::Builder`'s, a `thread::scope`'s, a pool's): its closure
+        // runs on another thread, where no render is.
+        if call.method == "spawn" && !configured(&call.attrs) {
+            self.visit_expr(&call.receiver);
+            self.visit_spawned(call.args.iter());
+            return;
+        }
+        syn::visit::visit_expr_method_call(self, call);
     }
 
     fn visit_expr_async(&mut self, block: &'ast syn::ExprAsync) {
