@@ -875,7 +875,9 @@ impl fmt::Display for ToolError {
 
 impl<E: std::error::Error + Send + Sync + 'static> From<E> for ToolError {
     fn from(error: E) -> Self {
-        Self::new(error.to_string())
+        // The alternate form, as for an error that only displays: a `thiserror` variant that
+        // is a transparent `anyhow::Error` shows its causes.
+        Self::new(format!("{error:#}"))
     }
 }
 
@@ -1236,6 +1238,32 @@ mod tests {
     use super::*;
     use crate::testing::poll_ready;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// An error whose cause shows in its alternate form only, as a `thiserror` variant that is
+    /// a transparent `anyhow::Error` does.
+    #[derive(Debug)]
+    struct Chained;
+
+    impl std::fmt::Display for Chained {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("saving the order")?;
+            if f.alternate() {
+                f.write_str(": disk full")?;
+            }
+            Ok(())
+        }
+    }
+
+    impl std::error::Error for Chained {}
+
+    #[test]
+    fn a_tool_or_hook_error_from_a_std_error_keeps_the_causes_its_alternate_form_shows() {
+        assert_eq!(ToolError::from(Chained).message(), "saving the order: disk full");
+        assert_eq!(
+            crate::lifecycle::HookError::from(Chained).message,
+            "saving the order: disk full"
+        );
+    }
 
     /// A journal in memory: what is recorded, and what a "previous run" left.
     #[derive(Default)]

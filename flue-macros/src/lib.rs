@@ -187,9 +187,11 @@ use proc_macro::TokenStream;
 /// under `cfg` are not checked here at all (they may not be compiled). A hook called where no
 /// render runs does not compile either: in an `async` block or closure (even one the body
 /// blocks on), in the body of a closure given to `use_agent_start`, `use_agent_finish`,
-/// `use_response_start` or `use_response_finish`, or in one given to `thread::spawn` or to a
-/// `spawn` method (a `thread::scope`'s), which runs on another thread (nor in a `#[tool]` or
-/// `#[hook]` body). These checks see into the arguments of the standard library's expression
+/// `use_response_start` or `use_response_finish`, or in one given to `thread::spawn` (or a
+/// bare `spawn`) or to a `spawn` or `spawn_scoped` method (a `thread::scope`'s, a
+/// `thread::Builder`'s), which runs on another thread (nor in a `#[tool]` or `#[hook]` body,
+/// where a plain closure, spawned or not, is not searched: it may be an agent function some
+/// render calls). These checks see into the arguments of the standard library's expression
 /// macros (`format!`, `vec!`, …), not into other macros. A hook given a literal its rules
 /// refuse (a blank instruction, state or data part name, a model specifier that is not
 /// `provider-id/model-id`) does not compile wherever the call is.

@@ -8,8 +8,9 @@
 //! - In an `#[agent]` body, an `async` block or closure runs when something polls it, after
 //!   the synchronous render; a callback given to `use_agent_start`, `use_agent_finish`,
 //!   `use_response_start` or `use_response_finish` runs at its seam, after the render; a
-//!   closure given to `thread::spawn` or to a `spawn` method (a `thread::scope`'s, a
-//!   `thread::Builder`'s) runs on another thread, whose hooks see no render.
+//!   closure given to `thread::spawn` (or a bare `spawn`), or to a `spawn` or `spawn_scoped`
+//!   method (a `thread::scope`'s, a `thread::Builder`'s), runs on another thread, whose hooks
+//!   see no render.
 //!
 //! A plain closure in a tool or hook body is not searched: it may be an agent function itself
 //! (`FnAgent`) that some render calls. Nested items, and calls, `let`s and macros under `cfg`
@@ -157,7 +158,9 @@ impl Calls<'_> {
     }
 }
 
-/// Whether `function` is `std::thread::spawn` (called as `thread::spawn` or by its full path).
+/// Whether `function` spawns a thread: `std::thread::spawn` (called bare once imported, as
+/// `thread::spawn`, or by its full path), a `thread::Builder`'s `spawn` or `spawn_scoped` called
+/// by its path, or a bare `spawn` (a thread pool's, imported).
 fn spawns_thread(function: &Expr) -> bool {
     let Expr::Path(path) = function else {
         return false;
@@ -168,7 +171,14 @@ fn spawns_thread(function: &Expr) -> bool {
         .iter()
         .map(|segment| segment.ident.to_string())
         .collect();
-    names == ["thread", "spawn"] || names == ["std", "thread", "spawn"]
+    match names.as_slice() {
+        [only] => only == "spawn",
+        [.., parent, last] => {
+            (parent == "thread" && last == "spawn")
+                || (parent == "Builder" && (last == "spawn" || last == "spawn_scoped"))
+        }
+        [] => false,
+    }
 }
 
 impl<'ast> Visit<'ast> for Calls<'_> {
@@ -224,7 +234,9 @@ impl<'ast> Visit<'ast> for Calls<'_> {
             }
             return;
         }
-        if spawns_thread(&call.func) {
+        // In the render only: in a tool or hook body, a plain closure is not searched (see the
+        // module's docs), one given to `spawn` included.
+        if self.outside.is_none() && spawns_thread(&call.func) {
             self.visit_expr(&call.func);
             self.visit_spawned(call.args.iter());
             return;
@@ -233,9 +245,13 @@ impl<'ast> Visit<'ast> for Calls<'_> {
     }
 
     fn visit_expr_method_call(&mut self, call: &'ast syn::ExprMethodCall) {
-        // A thread's `spawn` (`thread::Builder`'s, a `thread::scope`'s, a pool's): its closure
-        // runs on another thread, where no render is.
-        if call.method == "spawn" && !configured(&call.attrs) {
+        // A thread's `spawn` (`thread::Builder`'s, `spawn_scoped` too, a `thread::scope`'s, a
+        // pool's): its closure runs on another thread, where no render is. In the render only,
+        // as above.
+        if self.outside.is_none()
+            && (call.method == "spawn" || call.method == "spawn_scoped")
+            && !configured(&call.attrs)
+        {
             self.visit_expr(&call.receiver);
             self.visit_spawned(call.args.iter());
             return;

@@ -231,7 +231,9 @@ impl fmt::Display for HookError {
 
 impl<E: std::error::Error + Send + Sync + 'static> From<E> for HookError {
     fn from(error: E) -> Self {
-        Self::new(error.to_string())
+        // The alternate form, as for an error that only displays: a `thiserror` variant that
+        // is a transparent `anyhow::Error` shows its causes.
+        Self::new(format!("{error:#}"))
     }
 }
 
