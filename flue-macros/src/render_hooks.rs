@@ -61,6 +61,9 @@ const SEAM_CALLBACKS: [&str; 4] = [
     "use_response_finish",
 ];
 
+/// Why a closure given to a thread's `spawn` runs outside the render.
+const SPAWNED: &str = "a closure given to `spawn` runs on a thread of its own, where no render is";
+
 /// The crates a path to one of flue's hooks starts with (`flue_runtime::prelude::use_model`).
 const FLUE_CRATES: [&str; 4] = ["flue", "flue_runtime", "flue_core", "__flue"];
 
@@ -140,18 +143,14 @@ impl Calls<'_> {
         self.outside = render;
     }
 
-    /// The arguments of a call that spawns a thread: a closure among them runs there.
-    fn visit_spawned<'e>(&mut self, arguments: impl Iterator<Item = &'e Expr>) {
+    /// The arguments of a call that runs a closure among them later or elsewhere (a seam's
+    /// callback, a spawned thread's body), for `why`: the closure's body runs outside the
+    /// render, anything else is evaluated here, in the render (a function that makes the
+    /// closure, say).
+    fn visit_callbacks<'e>(&mut self, arguments: impl Iterator<Item = &'e Expr>, why: &'static str) {
         for argument in arguments {
             match argument {
-                Expr::Closure(closure) if closure.asyncness.is_none() => {
-                    self.run_outside(
-                        "a closure given to `spawn` runs on a thread of its own, where no render is",
-                        |calls| {
-                            calls.visit_expr(&closure.body);
-                        },
-                    );
-                }
+                Expr::Closure(closure) => self.run_outside(why, |calls| calls.visit_expr(&closure.body)),
                 other => self.visit_expr(other),
             }
         }
@@ -221,24 +220,14 @@ impl<'ast> Visit<'ast> for Calls<'_> {
             && SEAM_CALLBACKS.contains(&hook)
         {
             self.visit_expr(&call.func);
-            for argument in &call.args {
-                match argument {
-                    // The callback's body is what runs later, at the seam.
-                    Expr::Closure(callback) => self.run_outside("a seam's callback runs after the render", |calls| {
-                        calls.visit_expr(&callback.body);
-                    }),
-                    // Anything else is evaluated here, in the render (a function that makes
-                    // the callback).
-                    other => self.visit_expr(other),
-                }
-            }
+            self.visit_callbacks(call.args.iter(), "a seam's callback runs after the render");
             return;
         }
         // In the render only: in a tool or hook body, a plain closure is not searched (see the
         // module's docs), one given to `spawn` included.
         if self.outside.is_none() && spawns_thread(&call.func) {
             self.visit_expr(&call.func);
-            self.visit_spawned(call.args.iter());
+            self.visit_callbacks(call.args.iter(), SPAWNED);
             return;
         }
         syn::visit::visit_expr_call(self, call);
@@ -253,7 +242,7 @@ impl<'ast> Visit<'ast> for Calls<'_> {
             && !configured(&call.attrs)
         {
             self.visit_expr(&call.receiver);
-            self.visit_spawned(call.args.iter());
+            self.visit_callbacks(call.args.iter(), SPAWNED);
             return;
         }
         syn::visit::visit_expr_method_call(self, call);
