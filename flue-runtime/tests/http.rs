@@ -1012,7 +1012,11 @@ impl flue_runtime::store::Store for LargestRead {
         limit: usize,
     ) -> flue_runtime::BoxFuture<'_, Result<Vec<flue_runtime::record::Batch>, flue_runtime::store::StoreError>> {
         let read = self.inner.read_page(key, after, limit);
-        Box::pin(async move { self.note(read.await) })
+        Box::pin(async move {
+            // As a store on a database would, so readers' reads interleave.
+            tokio::task::yield_now().await;
+            self.note(read.await)
+        })
     }
 }
 
@@ -1069,6 +1073,88 @@ async fn reads_of_a_long_stream(cached: usize) {
     }
     let largest = largest.load(std::sync::atomic::Ordering::SeqCst);
     assert!(largest <= 1000, "a read of {largest} batches (cache of {cached})");
+}
+
+/// Readers who connect at once to a conversation no cache entry holds (after a restart, or
+/// once its entry was evicted) fold it once, not once each: one read fills the entry while the
+/// others wait for it and read what it made. (Before, each folded a copy of its own, which no
+/// budget counted.)
+#[tokio::test]
+async fn readers_who_come_at_once_to_an_uncached_conversation_fold_it_once() {
+    let long = LongConversation::serve(HttpOptions::default(), 2000).await;
+    let head = format!("0000000000000000_{:016}", long.head);
+    let client = reqwest::Client::new();
+    let reads = (0..8).map(|n| {
+        let query = if n % 2 == 0 {
+            format!("view=updates&offset={head}")
+        } else {
+            "view=history".to_owned()
+        };
+        let url = format!("http://{}/agents/calculator/long?{query}", long.addr);
+        let client = client.clone();
+        async move {
+            let response = client.get(url).send().await.unwrap();
+            assert_eq!(response.status(), 200);
+            response.bytes().await.unwrap();
+        }
+    });
+    futures_util::future::join_all(reads).await;
+    let read = long.total.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (2000..4000).contains(&read),
+        "8 readers read {read} batches of a stream of 2000"
+    );
+}
+
+/// A JSON or history read that has to fold the stream takes room for its fold from the room
+/// catching-up SSE readers share: with none left it is answered 503 `server_busy` (and reads
+/// no batch), and it is served once the room is let go. (Before, such reads held folds that no
+/// budget counted, however many came at once.)
+#[tokio::test]
+async fn a_read_that_folds_the_stream_shares_the_readers_room() {
+    let long = LongConversation::serve_padded(
+        HttpOptions {
+            updates_cache_instances: 0,
+            max_reader_fold_bytes: 64 * 1024,
+            ..HttpOptions::default()
+        },
+        400,
+        64 * 1024,
+    )
+    .await;
+    let url = |query: &str| format!("http://{}/agents/calculator/long?{query}", long.addr);
+    let client = reqwest::Client::new();
+    // A catching-up SSE reader that stops taking bytes holds the room.
+    let mut holding = client.get(url("view=updates&offset=-1&live=sse")).send().await.unwrap();
+    assert_eq!(holding.status(), 200);
+    holding.chunk().await.unwrap().unwrap();
+    let read_before = long.total.load(std::sync::atomic::Ordering::SeqCst);
+    for query in ["view=updates&offset=0_300", "view=updates&offset=-1", "view=history"] {
+        let refused = client.get(url(query)).send().await.unwrap();
+        assert_eq!(refused.status(), 503, "{query}");
+        assert_eq!(refused.headers()["retry-after"], "1");
+        let body: Value = refused.json().await.unwrap();
+        assert_eq!(body["error"]["type"], "server_busy", "{query}: {body}");
+    }
+    assert_eq!(
+        long.total.load(std::sync::atomic::Ordering::SeqCst),
+        read_before,
+        "no batch read for a read refused"
+    );
+    drop(holding);
+    for query in ["view=updates&offset=0_300", "view=history"] {
+        let mut tries = 0;
+        loop {
+            let response = client.get(url(query)).send().await.unwrap();
+            if response.status() == 200 {
+                break;
+            }
+            assert_eq!(response.status(), 503, "{query}");
+            tries += 1;
+            assert!(tries < 500, "{query}: the room was never let go");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
 
 /// SSE readers catching up on their own hold their folds and pages in a room the router

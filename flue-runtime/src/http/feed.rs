@@ -100,7 +100,7 @@ impl Feed {
         appends: u64,
         poll: std::time::Duration,
         cache: (&UpdatesCache, &str),
-    ) -> Result<Delivery, crate::store::StoreError> {
+    ) -> Result<Delivery, super::updates_cache::ReadFailure> {
         let mut state = self.state.lock().await;
         let polled_recently = !runtime.store.shared() || state.last_read.elapsed() < poll;
         let unchanged = state.started && appends == state.seen_appends && polled_recently;

@@ -456,13 +456,14 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>, sh
     let Shared { bodies, feeds, folds } = shared;
     let state = Routes {
         bodies,
-        folds,
-        runtime,
-        agent: agent.into(),
         updates: Arc::new(updates_cache::UpdatesCache::new(
             options.updates_cache_instances,
             options.updates_cache_bytes,
+            folds.clone(),
         )),
+        folds,
+        runtime,
+        agent: agent.into(),
         options,
         feeds,
     };

@@ -180,23 +180,11 @@ impl Projection {
     }
 
     /// Folds the stream `key`'s batches after those folded already, through the batch at
-    /// `through` (`u64::MAX`: all there is), reading [`READ_PAGE`] batches at a time: a fold
-    /// of a long stream never holds it whole. The offset of the last batch folded.
-    pub(crate) async fn fold_stream(
-        &mut self,
-        store: &dyn Store,
-        key: &InstanceKey,
-        through: u64,
-    ) -> Result<Option<u64>, StoreError> {
-        self.fold_stream_within(store, key, through, |_| true)
-            .await
-            .map(|(offset, _)| offset)
-    }
-
-    /// [`Self::fold_stream`], asking `room` after each page whether the fold may hold its
-    /// weight: when not, the fold stops there (a reader refused for want of room has folded a
-    /// page at most, however long the stream). The offset of the last batch folded, and
-    /// whether the fold got through.
+    /// `through` (`u64::MAX`: all there is), reading [`READ_PAGE`] batches at a time (a fold
+    /// of a long stream never holds it whole) and asking `room` after each page whether the
+    /// fold may hold its weight: when not, the fold stops there (a reader refused for want of
+    /// room has folded a page at most, however long the stream). The offset of the last batch
+    /// folded, and whether the fold got through.
     pub(crate) async fn fold_stream_within(
         &mut self,
         store: &dyn Store,

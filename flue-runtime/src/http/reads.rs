@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::error::ApiError;
 use super::feed::{Delivery, Feed};
 use super::projection::{Projection, READ_PAGE, batch_weight, checkpoint};
-use super::updates_cache::{Lookup, Page, UpdatesCache, page_is_full};
+use super::updates_cache::{Lookup, Page, ReadFailure, UpdatesCache, page_is_full};
 use super::{HttpOptions, Routes};
 use crate::record::{Batch, format_offset};
 use crate::runtime::RuntimeInner;
@@ -204,7 +204,7 @@ impl FoldRoom {
 
     /// Makes `held` hold room for `bytes` (never more than the whole room, so a reader that
     /// fits alone is served once the others are done): false when there is not that much left.
-    fn hold(&self, held: &mut Option<OwnedSemaphorePermit>, bytes: usize) -> bool {
+    pub(super) fn hold(&self, held: &mut Option<OwnedSemaphorePermit>, bytes: usize) -> bool {
         let wanted = u32::try_from(bytes).unwrap_or(u32::MAX).min(self.whole);
         let have = held
             .as_ref()
@@ -295,8 +295,7 @@ pub(super) async fn get_stream(
             let (snapshot, offset) = routes
                 .updates
                 .history(routes.runtime.store.as_ref(), &key, incarnation.as_deref())
-                .await
-                .map_err(|error| ApiError::internal(&error))?
+                .await?
                 .ok_or_else(|| ApiError::stream_not_found(&key.stream_path()))?;
             Ok(no_store(axum::Json(snapshot).into_response(), &offset, true))
         }
@@ -316,8 +315,7 @@ pub(super) async fn get_stream(
                 let cached = routes
                     .updates
                     .filled(routes.runtime.store.as_ref(), &key, incarnation.as_deref(), after)
-                    .await
-                    .map_err(|error| ApiError::internal(&error))?;
+                    .await?;
                 match cached {
                     Some(Lookup::Page(page)) => {
                         return Ok(sse(
@@ -421,8 +419,7 @@ async fn updates(
         let lookup = routes
             .updates
             .updates(runtime.store.as_ref(), key, incarnation, after)
-            .await
-            .map_err(|error| ApiError::internal(&error))?;
+            .await?;
         let page = match lookup {
             Lookup::Page(page) => page,
             Lookup::Missing => return Err(ApiError::stream_not_found(&key.stream_path())),
@@ -520,12 +517,19 @@ struct SseStream {
 impl SseStream {
     /// `result`'s value, or `None` (which ends the response) with its error logged: the
     /// client reconnects from its last offset, and the server's log says why it had to.
-    fn logged<T, E: std::fmt::Display>(&self, result: Result<T, E>) -> Option<T> {
+    fn logged<T, E: Into<ReadFailure>>(&self, result: Result<T, E>) -> Option<T> {
         result
-            .inspect_err(|error| {
-                tracing::warn!(instance = %self.key, %error, "an SSE stream ended: reading the store failed");
+            .map_err(|error| match error.into() {
+                ReadFailure::Store(error) => {
+                    tracing::warn!(instance = %self.key, %error, "an SSE stream ended: reading the store failed");
+                }
+                ReadFailure::Busy => self.warn_busy(),
             })
             .ok()
+    }
+
+    fn warn_busy(&self) {
+        tracing::warn!(instance = %self.key, "an SSE stream ended: catching-up readers hold all the room max_reader_fold_bytes gives");
     }
 
     /// Holds room for this reader's own fold and pending page, or lets it go once it has
@@ -540,7 +544,7 @@ impl SseStream {
         if self.folds.hold(&mut self.room, bytes) {
             return true;
         }
-        tracing::warn!(instance = %self.key, bytes, "an SSE stream ended: catching-up readers hold all the room max_reader_fold_bytes gives");
+        self.warn_busy();
         false
     }
 
@@ -642,7 +646,7 @@ impl SseStream {
                                 .fold_stream_within(store, &self.key, offset, |bytes| folds.hold(room, bytes))
                                 .await;
                             if !self.logged(folded)?.1 {
-                                tracing::warn!(instance = %self.key, "an SSE stream ended: catching-up readers hold all the room max_reader_fold_bytes gives");
+                                self.warn_busy();
                                 return None;
                             }
                         }

@@ -15,9 +15,18 @@
 //!
 //! The entries are few and bounded in bytes (least recently read evicted first; a fold is
 //! weighed as it grows, see [`Projection::weight`]) and tied to the incarnation they folded:
-//! a read that finds another incarnation folds from the start again. No lock is held while
-//! the store is read, so readers of one instance do not wait for each other's reads, and a
-//! long-poll read waits for new batches outside the cache.
+//! a read that finds another incarnation folds from the start again. No lock on an entry is
+//! held while the store is read, so readers of one instance do not wait for each other's
+//! reads, and a long-poll read waits for new batches outside the cache. Only a read that
+//! fills an instance's entry waits for another filling it: the readers who connect at once to
+//! a conversation no entry holds (after a restart, or once its entry was evicted) fold it
+//! once, not once each.
+//!
+//! A fold a read makes from the start of the stream (filling an entry, or answering a read
+//! before the window) takes room for its weight as it grows, from the router's room for
+//! readers' folds ([`HttpOptions::max_reader_fold_bytes`](super::HttpOptions::max_reader_fold_bytes)),
+//! and lets it go once kept or answered: a read that finds no room fails
+//! ([`ReadFailure::Busy`], answered 503) rather than hold one more copy of a conversation.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,10 +34,38 @@ use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
 use serde_json::Value;
+use tokio::sync::OwnedSemaphorePermit;
 
+use super::error::ApiError;
 use super::projection::{Projection, READ_PAGE, checkpoint};
+use super::reads::FoldRoom;
 use crate::record::Batch;
 use crate::store::{InstanceKey, Store, StoreError};
+
+/// Why a read of the cache failed.
+#[derive(Debug)]
+pub(super) enum ReadFailure {
+    /// Reading the store failed.
+    Store(StoreError),
+    /// The read had to fold the stream and found no room for the fold among those readers
+    /// hold at once.
+    Busy,
+}
+
+impl From<StoreError> for ReadFailure {
+    fn from(error: StoreError) -> Self {
+        Self::Store(error)
+    }
+}
+
+impl From<ReadFailure> for ApiError {
+    fn from(failure: ReadFailure) -> Self {
+        match failure {
+            ReadFailure::Store(error) => ApiError::internal(&error),
+            ReadFailure::Busy => ApiError::readers_busy(),
+        }
+    }
+}
 
 /// The most batches one updates response covers.
 pub(super) const BATCHES_PER_READ: usize = 100;
@@ -187,7 +224,15 @@ enum Served {
 }
 
 /// An instance's entry, `None` until a read fills it.
-type Slot = Arc<tokio::sync::Mutex<Option<Entry>>>;
+#[derive(Default)]
+struct SlotState {
+    entry: tokio::sync::Mutex<Option<Entry>>,
+    /// Held by the read that fills the entry: the others that find none wait for it, and read
+    /// what it made instead of each folding the stream.
+    filling: tokio::sync::Mutex<()>,
+}
+
+type Slot = Arc<SlotState>;
 
 /// An entry the cache holds.
 struct Held {
@@ -248,25 +293,29 @@ pub(super) struct UpdatesCache {
     window_batches: usize,
     window_bytes: usize,
     entries: Mutex<Entries>,
+    /// The router's room for readers' folds: a fold from the start of the stream takes its
+    /// weight from it while it is made.
+    room: FoldRoom,
     /// How many batches reads folded, cached or not (what the tests count).
     folded: AtomicU64,
 }
 
 impl UpdatesCache {
     /// A cache of at most `capacity` instances (0 caches nothing) holding at most about
-    /// `capacity_bytes`.
-    pub(super) fn new(capacity: usize, capacity_bytes: usize) -> Self {
-        Self::with_window(capacity, capacity_bytes, WINDOW_BATCHES, WINDOW_BYTES)
+    /// `capacity_bytes`, whose reads' folds take room from `room`.
+    pub(super) fn new(capacity: usize, capacity_bytes: usize, room: FoldRoom) -> Self {
+        Self::with_window(capacity, capacity_bytes, room, WINDOW_BATCHES, WINDOW_BYTES)
     }
 
     /// A cache whose entries keep the chunks of at most `batches` batches and `bytes` bytes.
-    fn with_window(capacity: usize, capacity_bytes: usize, batches: usize, bytes: usize) -> Self {
+    fn with_window(capacity: usize, capacity_bytes: usize, room: FoldRoom, batches: usize, bytes: usize) -> Self {
         Self {
             capacity,
             capacity_bytes,
             window_batches: batches,
             window_bytes: bytes,
             entries: Mutex::default(),
+            room,
             folded: AtomicU64::new(0),
         }
     }
@@ -304,7 +353,7 @@ impl UpdatesCache {
     /// still holds that slot, and lets the least recently read others go while the entries
     /// weigh more than the cache's bytes. The entry just folded stays, however heavy: its
     /// reader is served from it, and the next read of another instance weighs it again.
-    fn weigh(&self, key: &InstanceKey, slot: &tokio::sync::Mutex<Option<Entry>>, weight: usize) {
+    fn weigh(&self, key: &InstanceKey, slot: &SlotState, weight: usize) {
         let mut entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let Entries { map, weight: total, .. } = &mut *entries;
         let Some(held) = map.get_mut(key).filter(|held| std::ptr::eq(&*held.slot, slot)) else {
@@ -332,7 +381,7 @@ impl UpdatesCache {
         key: &InstanceKey,
         incarnation: Option<&str>,
         after: Option<u64>,
-    ) -> Result<Lookup, StoreError> {
+    ) -> Result<Lookup, ReadFailure> {
         match self.filled(store, key, incarnation, after).await? {
             Some(lookup) => Ok(lookup),
             None => self.fresh(store, key, after).await,
@@ -352,15 +401,23 @@ impl UpdatesCache {
         key: &InstanceKey,
         incarnation: Option<&str>,
         after: Option<u64>,
-    ) -> Result<Option<Lookup>, StoreError> {
+    ) -> Result<Option<Lookup>, ReadFailure> {
         let Some(incarnation) = incarnation.filter(|_| self.capacity > 0) else {
             return Ok(None);
         };
         let slot = self.slot(key);
-        match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
-            Served::Answered(lookup) => Ok(Some(lookup)),
-            Served::NoEntry => self.fill(store, key, incarnation, &slot, after).await,
-            Served::BeforeWindow => Ok(None),
+        let mut filling = None;
+        loop {
+            match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
+                Served::Answered(lookup) => return Ok(Some(lookup)),
+                Served::BeforeWindow => return Ok(None),
+                Served::NoEntry if filling.is_some() => {
+                    return self.fill(store, key, incarnation, &slot, after).await;
+                }
+                // The entry is filled by one read at a time: once this one holds the filling,
+                // the entry another read filled meanwhile answers it.
+                Served::NoEntry => filling = Some(slot.filling.lock().await),
+            }
         }
     }
 
@@ -373,7 +430,7 @@ impl UpdatesCache {
         key: &InstanceKey,
         incarnation: Option<&str>,
         after: Option<u64>,
-    ) -> Result<Option<Lookup>, StoreError> {
+    ) -> Result<Option<Lookup>, ReadFailure> {
         let Some(incarnation) = incarnation.filter(|_| self.capacity > 0) else {
             return Ok(None);
         };
@@ -395,7 +452,7 @@ impl UpdatesCache {
         store: &dyn Store,
         key: &InstanceKey,
         incarnation: Option<&str>,
-    ) -> Result<Option<(Value, String)>, StoreError> {
+    ) -> Result<Option<(Value, String)>, ReadFailure> {
         self.at_head(store, key, incarnation, |projection, _| {
             (projection.snapshot(), projection.offset())
         })
@@ -411,7 +468,7 @@ impl UpdatesCache {
         store: &dyn Store,
         key: &InstanceKey,
         incarnation: Option<&str>,
-    ) -> Result<Option<(Projection, Option<u64>)>, StoreError> {
+    ) -> Result<Option<(Projection, Option<u64>)>, ReadFailure> {
         self.at_head(store, key, incarnation, |projection, offset| {
             (projection.clone(), offset)
         })
@@ -428,33 +485,51 @@ impl UpdatesCache {
         key: &InstanceKey,
         incarnation: Option<&str>,
         answer: impl Fn(&Projection, Option<u64>) -> T,
-    ) -> Result<Option<T>, StoreError> {
+    ) -> Result<Option<T>, ReadFailure> {
         let slot = incarnation
             .filter(|_| self.capacity > 0)
             .map(|incarnation| (incarnation, self.slot(key)));
-        if let Some((incarnation, slot)) = &slot
-            && self.bring_up_to_date(store, key, incarnation, slot).await?
-            && let Some(entry) = slot
-                .lock()
-                .await
-                .as_ref()
-                .filter(|entry| entry.incarnation == *incarnation)
-        {
-            return Ok(Some(answer(&entry.projection, entry.offset)));
+        // Held until the fold is kept (see [`Self::filled`]).
+        let mut filling = None;
+        if let Some((incarnation, slot)) = &slot {
+            loop {
+                if self.bring_up_to_date(store, key, incarnation, slot).await?
+                    && let Some(entry) = slot
+                        .entry
+                        .lock()
+                        .await
+                        .as_ref()
+                        .filter(|entry| entry.incarnation == *incarnation)
+                {
+                    return Ok(Some(answer(&entry.projection, entry.offset)));
+                }
+                if filling.is_some() {
+                    break;
+                }
+                filling = Some(slot.filling.lock().await);
+            }
         }
         let mut projection = Projection::new(&key.stream_path());
-        let Some(head) = projection.fold_stream(store, key, u64::MAX).await? else {
+        // Held until the fold is kept: then the cache's bytes bound it.
+        let mut room = self.fold_room()?;
+        let (head, fits) = projection
+            .fold_stream_within(store, key, u64::MAX, |bytes| self.room.hold(&mut room, bytes))
+            .await?;
+        if !fits {
+            return Err(ReadFailure::Busy);
+        }
+        let Some(head) = head else {
             return Ok(None);
         };
         // Offsets count from 0: a fold from the start folded `head + 1` batches.
         self.count_folded(head.saturating_add(1));
         let answered = answer(&projection, Some(head));
-        if let Some((incarnation, slot)) = slot {
+        if let Some((incarnation, slot)) = &slot {
             let mut entry = Entry::new(key, incarnation);
             entry.projection = projection;
             entry.offset = Some(head);
             entry.base = Some(head);
-            self.keep(key, &slot, entry).await;
+            self.keep(key, slot, entry).await;
         }
         Ok(Some(answered))
     }
@@ -466,13 +541,13 @@ impl UpdatesCache {
         store: &dyn Store,
         key: &InstanceKey,
         incarnation: &str,
-        slot: &tokio::sync::Mutex<Option<Entry>>,
+        slot: &SlotState,
         after: Option<u64>,
     ) -> Result<Served, StoreError> {
         if !self.bring_up_to_date(store, key, incarnation, slot).await? {
             return Ok(Served::NoEntry);
         }
-        let guard = slot.lock().await;
+        let guard = slot.entry.lock().await;
         // Another read may have filled it again meanwhile, with another incarnation.
         if let Some(entry) = guard.as_ref().filter(|entry| entry.incarnation == incarnation) {
             if after > entry.offset {
@@ -493,7 +568,7 @@ impl UpdatesCache {
         store: &dyn Store,
         key: &InstanceKey,
         incarnation: &str,
-        slot: &tokio::sync::Mutex<Option<Entry>>,
+        slot: &SlotState,
     ) -> Result<bool, StoreError> {
         let held = |guard: &Option<Entry>| {
             guard
@@ -501,12 +576,12 @@ impl UpdatesCache {
                 .filter(|entry| entry.incarnation == incarnation)
                 .map(|entry| entry.offset)
         };
-        let Some(mut folded) = held(&*slot.lock().await) else {
+        let Some(mut folded) = held(&*slot.entry.lock().await) else {
             return Ok(false);
         };
         loop {
             let page = store.read_page(key, folded, READ_PAGE).await?;
-            let mut guard = slot.lock().await;
+            let mut guard = slot.entry.lock().await;
             let Some(entry) = guard.as_mut().filter(|entry| entry.incarnation == incarnation) else {
                 return Ok(false);
             };
@@ -524,8 +599,8 @@ impl UpdatesCache {
 
     /// Holds `entry` in `slot` (`key`'s), unless the entry held is of the same incarnation
     /// and folded further.
-    async fn keep(&self, key: &InstanceKey, slot: &tokio::sync::Mutex<Option<Entry>>, entry: Entry) {
-        let mut guard = slot.lock().await;
+    async fn keep(&self, key: &InstanceKey, slot: &SlotState, entry: Entry) {
+        let mut guard = slot.entry.lock().await;
         let further = guard
             .as_ref()
             .is_some_and(|held| held.incarnation == entry.incarnation && held.offset > entry.offset);
@@ -568,17 +643,17 @@ impl UpdatesCache {
     }
 
     /// A read that finds no entry of `incarnation`: the stream is folded (a store page at a
-    /// time) into a new entry when the read falls within what the entry's window will hold.
-    /// `None` when it does not, or when the window kept less than the read asks (its byte
-    /// bound): the caller answers it otherwise.
+    /// time, taking room for the fold as it grows) into a new entry when the read falls within
+    /// what the entry's window will hold. `None` when it does not, or when the window kept less
+    /// than the read asks (its byte bound): the caller answers it otherwise.
     async fn fill(
         &self,
         store: &dyn Store,
         key: &InstanceKey,
         incarnation: &str,
-        slot: &tokio::sync::Mutex<Option<Entry>>,
+        slot: &SlotState,
         after: Option<u64>,
-    ) -> Result<Option<Lookup>, StoreError> {
+    ) -> Result<Option<Lookup>, ReadFailure> {
         let Some(head) = store.last_offset(key).await? else {
             return Ok(Some(Lookup::Missing));
         };
@@ -596,8 +671,16 @@ impl UpdatesCache {
         // does; reads further back fold afresh.
         let base = base.max(after);
         let mut entry = Entry::new(key, incarnation);
+        // Held until the entry is kept: then the cache's bytes bound it.
+        let mut room = self.fold_room()?;
         if let Some(base) = base {
-            entry.projection.fold_stream(store, key, base).await?;
+            let (_, fits) = entry
+                .projection
+                .fold_stream_within(store, key, base, |bytes| self.room.hold(&mut room, bytes))
+                .await?;
+            if !fits {
+                return Err(ReadFailure::Busy);
+            }
             self.count_folded(base + 1);
         }
         entry.offset = base;
@@ -605,6 +688,9 @@ impl UpdatesCache {
         loop {
             let page = store.read_page(key, entry.offset, READ_PAGE).await?;
             self.extend(&mut entry, page.iter());
+            if !self.room.hold(&mut room, entry.weight()) {
+                return Err(ReadFailure::Busy);
+            }
             if page.len() < READ_PAGE {
                 break;
             }
@@ -616,9 +702,9 @@ impl UpdatesCache {
     }
 
     /// A read that the cache does not serve: the stream folded through `after` (a store page
-    /// at a time) and the batches after it projected until the page is full
-    /// ([`page_is_full`]).
-    async fn fresh(&self, store: &dyn Store, key: &InstanceKey, after: Option<u64>) -> Result<Lookup, StoreError> {
+    /// at a time, taking room for the fold as it grows) and the batches after it projected
+    /// until the page is full ([`page_is_full`]).
+    async fn fresh(&self, store: &dyn Store, key: &InstanceKey, after: Option<u64>) -> Result<Lookup, ReadFailure> {
         let Some(head) = store.last_offset(key).await? else {
             return Ok(Lookup::Missing);
         };
@@ -626,8 +712,15 @@ impl UpdatesCache {
             return Ok(Lookup::Gone(Some(head)));
         }
         let mut projection = Projection::new(&key.stream_path());
+        // Held until the page is answered.
+        let mut room = self.fold_room()?;
         if let Some(after) = after {
-            projection.fold_stream(store, key, after).await?;
+            let (_, fits) = projection
+                .fold_stream_within(store, key, after, |bytes| self.room.hold(&mut room, bytes))
+                .await?;
+            if !fits {
+                return Err(ReadFailure::Busy);
+            }
             self.count_folded(after + 1);
         }
         // One store page holds a full page of the read (by count), and more.
@@ -654,7 +747,21 @@ impl UpdatesCache {
             page.next = Some(batch.offset);
             projected += 1;
         }
+        if !self.room.hold(&mut room, projection.weight() + bytes) {
+            return Err(ReadFailure::Busy);
+        }
         Ok(Lookup::Page(page))
+    }
+
+    /// Room for a fold from the start of the stream, taken before any of it is read: a read
+    /// refused for want of room (a client retrying its 503) reads nothing.
+    fn fold_room(&self) -> Result<Option<OwnedSemaphorePermit>, ReadFailure> {
+        let mut room = None;
+        if self.room.hold(&mut room, 1) {
+            Ok(room)
+        } else {
+            Err(ReadFailure::Busy)
+        }
     }
 
     fn count_folded(&self, batches: u64) {
@@ -673,6 +780,16 @@ mod tests {
     use crate::record::test_records::record;
     use crate::record::{Outcome, Record, RecordBody};
     use crate::store::{Admission, MemoryStore, SubmissionKind, UidCondition};
+
+    /// A cache whose reads' folds find room always.
+    fn new_cache(capacity: usize, capacity_bytes: usize) -> UpdatesCache {
+        UpdatesCache::new(capacity, capacity_bytes, FoldRoom::new(usize::MAX))
+    }
+
+    /// [`new_cache`] with entries that keep at most `batches` batches' and `bytes` bytes' chunks.
+    fn windowed_cache(capacity: usize, capacity_bytes: usize, batches: usize, bytes: usize) -> UpdatesCache {
+        UpdatesCache::with_window(capacity, capacity_bytes, FoldRoom::new(usize::MAX), batches, bytes)
+    }
 
     /// Creates the instance `id` (its birth batch); its incarnation.
     async fn create(store: &MemoryStore, id: &str) -> (InstanceKey, String) {
@@ -852,7 +969,7 @@ mod tests {
         let (first_length, second_length) = (first_head + 1, second_head + 1);
 
         // Room for both: the first is still held after the second is read.
-        let roomy = UpdatesCache::new(8, usize::MAX);
+        let roomy = new_cache(8, usize::MAX);
         read(&roomy, &store, &first, &first_uid, None).await;
         read(&roomy, &store, &second, &second_uid, None).await;
         read(&roomy, &store, &first, &first_uid, Some(2)).await;
@@ -862,7 +979,7 @@ mod tests {
 
         // Room for about one: reading the second lets the first go, which is folded again.
         let one = weight * 3 / 4;
-        let tight = UpdatesCache::new(8, one);
+        let tight = new_cache(8, one);
         read(&tight, &store, &first, &first_uid, None).await;
         read(&tight, &store, &second, &second_uid, None).await;
         assert_eq!(tight.entries.lock().unwrap().map.len(), 1);
@@ -875,7 +992,7 @@ mod tests {
         );
 
         // Room for none: the entry just folded stays all the same, and serves the next read.
-        let none = UpdatesCache::new(8, 1);
+        let none = new_cache(8, 1);
         read(&none, &store, &first, &first_uid, None).await;
         let again = read(&none, &store, &first, &first_uid, Some(2)).await;
         assert_eq!(none.folded(), first_length, "served from the entry");
@@ -892,7 +1009,7 @@ mod tests {
     async fn an_updates_read_projects_only_the_batches_after_its_offset() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "counted", 3).await;
-        let cache = UpdatesCache::new(8, usize::MAX);
+        let cache = new_cache(8, usize::MAX);
         let first = read(&cache, &store, &key, &uid, None).await;
         assert_eq!(first.next, Some(head));
         assert_eq!(cache.folded(), head + 1, "the first read folds the whole stream once");
@@ -929,7 +1046,7 @@ mod tests {
     async fn a_history_read_folds_only_the_batches_appended_since_the_last_read() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "history", 1).await;
-        let cache = UpdatesCache::new(8, usize::MAX);
+        let cache = new_cache(8, usize::MAX);
         let first = cache.history(&store, &key, Some(&uid)).await.unwrap().unwrap();
         assert_eq!(first, history_from_scratch(&store, &key).await);
         assert_eq!(cache.folded(), head + 1, "the first read folds the whole stream once");
@@ -959,7 +1076,7 @@ mod tests {
         assert_eq!(cache.folded(), head + 1 + appended);
         // Uncached (no incarnation, or a cache of nothing): a fresh fold, the same answer.
         assert_eq!(
-            UpdatesCache::new(0, usize::MAX)
+            new_cache(0, usize::MAX)
                 .history(&store, &key, Some(&uid))
                 .await
                 .unwrap(),
@@ -977,7 +1094,7 @@ mod tests {
     async fn a_cached_lookup_answers_only_from_a_held_window_and_never_folds_the_stream() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "window", 3).await;
-        let cache = UpdatesCache::with_window(8, usize::MAX, 4, usize::MAX);
+        let cache = windowed_cache(8, usize::MAX, 4, usize::MAX);
         // Nothing held: no answer, and nothing folded.
         assert!(
             cache
@@ -1023,7 +1140,7 @@ mod tests {
         let store = MemoryStore::new();
         let (held, held_uid, held_head) = conversation(&store, "held", 2).await;
         let (other, other_uid, other_head) = conversation(&store, "other", 2).await;
-        let cache = UpdatesCache::with_window(1, usize::MAX, 4, usize::MAX);
+        let cache = windowed_cache(1, usize::MAX, 4, usize::MAX);
         read(&cache, &store, &held, &held_uid, Some(held_head)).await;
         assert!(
             cache
@@ -1050,7 +1167,7 @@ mod tests {
     async fn a_filled_lookup_fills_the_entry_its_window_would_answer_and_leaves_older_reads_alone() {
         let store = MemoryStore::new();
         let (key, uid, head) = conversation(&store, "filled", 3).await;
-        let cache = UpdatesCache::with_window(8, usize::MAX, 4, usize::MAX);
+        let cache = windowed_cache(8, usize::MAX, 4, usize::MAX);
         // Before the window the entry would hold: not answered, nothing folded.
         assert!(
             cache
@@ -1089,9 +1206,9 @@ mod tests {
         // Whole windows, one batch short of a response's size, and windows bound in bytes
         // (which a reset's snapshot chunk alone can overflow).
         let caches = [
-            UpdatesCache::new(8, usize::MAX),
-            UpdatesCache::with_window(8, usize::MAX, 7, usize::MAX),
-            UpdatesCache::with_window(8, usize::MAX, WINDOW_BATCHES, 1500),
+            new_cache(8, usize::MAX),
+            windowed_cache(8, usize::MAX, 7, usize::MAX),
+            windowed_cache(8, usize::MAX, WINDOW_BATCHES, 1500),
         ];
         let mut head = 0;
         // 20 exchanges pass one response's 100 batches.
@@ -1168,7 +1285,7 @@ mod tests {
         }
         let head = store.read(&key, None).await.unwrap().last().unwrap().offset;
         // Served from a window, and folded afresh (no caching).
-        for cache in [UpdatesCache::new(8, usize::MAX), UpdatesCache::new(0, usize::MAX)] {
+        for cache in [new_cache(8, usize::MAX), new_cache(0, usize::MAX)] {
             let (mut after, mut pages) = (None, 0);
             loop {
                 let page = read(&cache, &store, &key, &uid, after).await;
@@ -1206,7 +1323,7 @@ mod tests {
     async fn a_batch_larger_than_the_window_is_kept_as_its_newest_within_a_bound() {
         let store = MemoryStore::new();
         let (key, uid, mut head) = conversation(&store, "large", 3).await;
-        let cache = UpdatesCache::with_window(8, usize::MAX, 8, 4096);
+        let cache = windowed_cache(8, usize::MAX, 8, 4096);
         read(&cache, &store, &key, &uid, None).await;
         // The second large batch comes while the first is still in the window: the newest
         // batch's own size counts, not the window's.
@@ -1255,7 +1372,7 @@ mod tests {
             async move { store.read(key, None).await.unwrap().len() as u64 }
         };
         let (first_length, second_length) = (length(&first).await, length(&second).await);
-        let cache = UpdatesCache::new(1, usize::MAX);
+        let cache = new_cache(1, usize::MAX);
         read(&cache, &store, &first, &first_uid, None).await;
         read(&cache, &store, &second, &second_uid, None).await;
         assert_eq!(cache.folded(), first_length + second_length);
@@ -1285,7 +1402,7 @@ mod tests {
         );
 
         // A cache of no instance folds every read from the start.
-        let uncached = UpdatesCache::new(0, usize::MAX);
+        let uncached = new_cache(0, usize::MAX);
         read(&uncached, &store, &second, &second_uid, Some(1)).await;
         read(&uncached, &store, &second, &second_uid, Some(1)).await;
         assert_eq!(uncached.folded(), 2 * second_length);
@@ -1302,7 +1419,7 @@ mod tests {
     async fn concurrent_reads_while_batches_are_appended_answer_what_a_fold_through_their_next_offset_answers() {
         let store = MemoryStore::new();
         let (key, uid) = create(&store, "busy").await;
-        let cache = Arc::new(UpdatesCache::with_window(4, usize::MAX, 16, usize::MAX));
+        let cache = Arc::new(windowed_cache(4, usize::MAX, 16, usize::MAX));
         // The offsets the readers start after exist before they read (a read past the head
         // is answered `Gone`, which is not what this test is about).
         for batch in exchange(0) {
@@ -1357,5 +1474,57 @@ mod tests {
             }
         }
         assert_eq!(checked, 4 * 200);
+    }
+
+    /// A read that folds the stream takes room for its fold from the router's room for
+    /// readers' folds: with none left it fails `Busy` before it reads a batch (filling an
+    /// entry, folding afresh before the window, or folding to the head for a history), and it
+    /// is served once the room is let go. A read the entry's window answers takes none, and
+    /// what a read held is let go once it is answered.
+    #[tokio::test]
+    async fn reads_that_fold_the_stream_take_room_for_it_and_without_room_fold_nothing() {
+        let store = MemoryStore::new();
+        let (key, uid, head) = conversation(&store, "roomy", 4).await;
+        let room = FoldRoom::new(1024 * 1024);
+        let cache = UpdatesCache::with_window(8, usize::MAX, room.clone(), 4, usize::MAX);
+        let uncached = UpdatesCache::new(0, usize::MAX, room.clone());
+        // Another reader holds all of it.
+        let mut other = None;
+        assert!(room.hold(&mut other, usize::MAX));
+        fn busy<T: std::fmt::Debug>(result: Result<T, ReadFailure>, what: &str) {
+            assert!(matches!(result, Err(ReadFailure::Busy)), "{what}: {result:?}");
+        }
+        busy(
+            cache.updates(&store, &key, Some(&uid), Some(head - 1)).await,
+            "filling the entry",
+        );
+        busy(cache.history(&store, &key, Some(&uid)).await, "a history");
+        busy(
+            uncached.updates(&store, &key, Some(&uid), Some(1)).await,
+            "folding afresh",
+        );
+        busy(uncached.updates(&store, &key, Some(&uid), None).await, "from the start");
+        assert_eq!((cache.folded(), uncached.folded()), (0, 0), "no batch folded");
+        drop(other);
+        let page = read(&cache, &store, &key, &uid, Some(head - 1)).await;
+        assert_eq!(page.body(&uid), from_scratch(&store, &key, &uid, Some(head - 1)).await);
+        assert_eq!(
+            read(&uncached, &store, &key, &uid, Some(1)).await.body(&uid),
+            from_scratch(&store, &key, &uid, Some(1)).await
+        );
+        // Nothing is held once the reads are answered: all of the room is there again.
+        let mut all = None;
+        assert!(room.hold(&mut all, usize::MAX), "the reads let their room go");
+        // The entry's window answers without room; a read before it folds, and finds none.
+        let folded = cache.folded();
+        let again = read(&cache, &store, &key, &uid, Some(head - 1)).await;
+        assert_eq!(again, page);
+        assert_eq!(cache.folded(), folded);
+        // (The entry's window starts at the offset of the read that filled it.)
+        busy(
+            cache.updates(&store, &key, Some(&uid), Some(head - 2)).await,
+            "before the window",
+        );
+        assert_eq!(cache.folded(), folded);
     }
 }
